@@ -1,0 +1,1 @@
+"""Rules, rule mappers and the autograd pieces behind :class:`tdhook.attribution.LRP`."""

@@ -1,0 +1,254 @@
+"""Every rule against zennit's counterpart (float64) or its closed form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from zennit import rules as zrules
+
+from tdhook.attribution.lrp_helpers.rules import (
+    AlphaBetaRule,
+    EpsilonRule,
+    FlatRule,
+    GammaRule,
+    IgnoreRule,
+    ParamModifier,
+    PassRule,
+    StopRule,
+    UniformEpsilonRule,
+    UniformRule,
+    WSquareRule,
+    ZBoxRule,
+    raise_for_unconserved_rel_factory,
+    stabilize,
+)
+from tests.conftest import relative_error, tdhook_relevance, zennit_relevance
+
+TOL = 1e-6
+
+
+def make_layer(kind: str) -> tuple[nn.Module, torch.Tensor]:
+    layers = {
+        "linear": (nn.Linear(6, 5), (4, 6)),
+        "conv1d": (nn.Conv1d(3, 4, 3, padding=1), (2, 3, 9)),
+        "conv2d": (nn.Conv2d(3, 4, 3, stride=2, padding=1), (2, 3, 7, 7)),
+        "conv3d": (nn.Conv3d(2, 3, 3, padding=1), (2, 2, 4, 4, 4)),
+        "convtranspose2d": (nn.ConvTranspose2d(3, 2, 3, stride=2), (2, 3, 4, 4)),
+    }
+    layer, shape = layers[kind]
+    layer = layer.double()
+    with torch.no_grad():
+        layer.bias.normal_()
+    return layer, torch.randn(shape, dtype=torch.float64)
+
+
+def output_relevance(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.randn_like(layer(x))
+
+
+LAYERS = ["linear", "conv1d", "conv2d", "conv3d", "convtranspose2d"]
+
+RULE_PAIRS = {
+    "epsilon": (lambda: EpsilonRule(1e-6), lambda: zrules.Epsilon(1e-6)),
+    "epsilon-large": (lambda: EpsilonRule(0.5), lambda: zrules.Epsilon(0.5)),
+    "zplus": (lambda: AlphaBetaRule(1.0, 0.0), lambda: zrules.ZPlus()),
+    "alpha2beta1": (lambda: AlphaBetaRule(2.0, 1.0), lambda: zrules.AlphaBeta(2.0, 1.0)),
+    "alpha1beta0": (lambda: AlphaBetaRule(1.0, 0.0), lambda: zrules.AlphaBeta(1.0, 0.0)),
+    "gamma": (lambda: GammaRule(0.25), lambda: zrules.Gamma(0.25)),
+    "gamma-nobias": (lambda: GammaRule(1.0, zero_params=["bias"]), lambda: zrules.Gamma(1.0, zero_params=["bias"])),
+    "flat": (lambda: FlatRule(), lambda: zrules.Flat()),
+    "wsquare": (lambda: WSquareRule(), lambda: zrules.WSquare()),
+    "zbox": (lambda: ZBoxRule(-2.5, 2.5), lambda: zrules.ZBox(-2.5, 2.5)),
+}
+
+
+class TestAgainstZennit:
+    @pytest.mark.parametrize("kind", LAYERS)
+    @pytest.mark.parametrize("rule_name", sorted(RULE_PAIRS))
+    def test_rule_matches_zennit(self, rule_name: str, kind: str):
+        ours, theirs = RULE_PAIRS[rule_name]
+        layer, x = make_layer(kind)
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(theirs(), layer, x, r_out)
+        actual = tdhook_relevance(ours(), layer, x, r_out)
+        assert actual.shape == x.shape
+        assert relative_error(actual, expected) <= TOL
+
+    def test_zbox_with_tensor_bounds(self):
+        layer, x = make_layer("conv2d")
+        low = -torch.rand(1, 3, 1, 1, dtype=torch.float64) - 2
+        high = torch.rand(1, 3, 1, 1, dtype=torch.float64) + 2
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(zrules.ZBox(low, high), layer, x, r_out)
+        actual = tdhook_relevance(ZBoxRule(low, high), layer, x, r_out)
+        assert relative_error(actual, expected) <= TOL
+
+    @pytest.mark.parametrize("activation", [nn.Tanh(), nn.ELU(), nn.Sigmoid(), nn.SiLU(), nn.ReLU(), nn.GELU()])
+    def test_pass_matches_zennit(self, activation: nn.Module):
+        x = torch.randn(3, 7, dtype=torch.float64)
+        # Relevance at a tensor is the tensor times its gradient, so it vanishes where the output does.
+        with torch.no_grad():
+            r_out = activation(x) * torch.randn_like(x)
+        expected = zennit_relevance(zrules.Pass(), activation, x, r_out)
+        actual = tdhook_relevance(PassRule(), activation, x, r_out)
+        assert relative_error(actual, expected) <= TOL
+
+    @pytest.mark.parametrize("pool", [nn.AvgPool2d(2), nn.AdaptiveAvgPool2d(3)])
+    def test_norm_on_avg_pool_matches_zennit(self, pool: nn.Module):
+        x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+        r_out = output_relevance(pool, x)
+        expected = zennit_relevance(zrules.Norm(1e-6), pool, x, r_out)
+        actual = tdhook_relevance(EpsilonRule(1e-6), pool, x, r_out)
+        assert relative_error(actual, expected) <= TOL
+
+    def test_flat_gives_relevance_to_zero_inputs(self):
+        layer, x = make_layer("linear")
+        x[:, :2] = 0.0
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(zrules.Flat(), layer, x, r_out)
+        actual = tdhook_relevance(FlatRule(), layer, x, r_out)
+        assert expected[:, :2].abs().sum() > 0
+        assert relative_error(actual, expected) <= TOL
+
+
+class TestClosedForms:
+    def test_stabilize_keeps_sign_and_treats_zero_as_positive(self):
+        out = stabilize(torch.tensor([-2.0, 0.0, 3.0], dtype=torch.float64), 0.25)
+        assert out.tolist() == [-2.25, 0.25, 3.25]
+
+    def test_epsilon_zero_is_gradient_times_input(self):
+        layer, x = make_layer("conv2d")
+        r_out = output_relevance(layer, x)
+        with torch.no_grad():
+            z = layer(x)
+        xg = x.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(layer(xg), xg, r_out / z)
+        actual = tdhook_relevance(EpsilonRule(0.0), layer, x, r_out)
+        assert relative_error(actual, x * grad) <= 1e-12
+
+    def test_uniform_rule_splits_relevance_evenly(self):
+        class Mul(nn.Module):
+            def forward(self, a, b):
+                return a * b
+
+        a = torch.tensor([[0.0, 2.0, -1.0]], dtype=torch.float64, requires_grad=True)
+        b = torch.tensor([[3.0, 0.5, 4.0]], dtype=torch.float64, requires_grad=True)
+        mul, r_out = Mul(), torch.tensor([[1.0, -2.0, 3.0]], dtype=torch.float64)
+        with UniformRule().register(mul) as handle:
+            z = mul(a, b)
+            ga, gb = torch.autograd.grad(z, (a, b), r_out / z.detach().where(z != 0, 1.0))
+            records = handle.pop_records()
+        extra = {id(t): rest for t, rest in records}
+        ra = a.detach() * ga + extra[id(a)]
+        rb = b.detach() * gb + extra[id(b)]
+        # z is zero in the first unit, so r_out / z is zeroed there: the split concerns the others.
+        expected = torch.tensor([[0.0, -1.0, 1.5]], dtype=torch.float64)
+        torch.testing.assert_close(ra, expected)
+        torch.testing.assert_close(rb, expected)
+
+    def test_uniform_epsilon_halves_the_product_rule(self):
+        class Mul(nn.Module):
+            def forward(self, a, b):
+                return a * b
+
+        a = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+        b = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+        mul = Mul()
+        with UniformEpsilonRule(0.0).register(mul):
+            z = mul(a, b)
+            ga, gb = torch.autograd.grad(z, (a, b), torch.ones_like(z))
+        torch.testing.assert_close(a.detach() * ga, z.detach() / 2)
+        torch.testing.assert_close(b.detach() * gb, z.detach() / 2)
+
+    def test_stop_rule_blocks_relevance(self):
+        layer, x = make_layer("linear")
+        r = tdhook_relevance
+        with pytest.raises(ValueError, match="does not depend"):
+            r(StopRule(), layer, x, output_relevance(layer, x))
+
+    def test_ignore_rule_is_the_plain_gradient(self):
+        layer, x = make_layer("linear")
+        r_out = output_relevance(layer, x)
+        torch.testing.assert_close(
+            tdhook_relevance(IgnoreRule(), layer, x, r_out), tdhook_relevance(EpsilonRule(0.0), layer, x, r_out)
+        )
+
+    def test_pass_on_inplace_activation_keeps_input_intact(self):
+        act = nn.ELU(inplace=True)
+        x = torch.randn(4, 6, dtype=torch.float64)
+        r_out = output_relevance(nn.ELU(), x)
+        expected = zennit_relevance(zrules.Pass(), nn.ELU(), x, r_out)
+        lin = nn.Identity()
+        model = nn.Sequential(lin, act)
+        from tensordict import TensorDict
+
+        from tdhook.attribution import LRP
+
+        lrp = LRP(
+            model,
+            rule_mapper=lambda n, m: PassRule() if m is act else None,
+            in_keys=["x"],
+            out_keys=["y"],
+            target=lambda y: r_out,
+        )
+        td = lrp(TensorDict(x=x.clone() * 1, batch_size=[4]))
+        assert relative_error(td["relevance", "x"], expected) <= TOL
+
+
+class TestRegistration:
+    def test_alpha_beta_refuses_unbalanced_parameters(self):
+        with pytest.raises(ValueError, match="alpha - beta == 1"):
+            AlphaBetaRule(alpha=1.0, beta=1.0)
+
+    def test_weight_rule_on_module_without_weight_names_it(self):
+        with pytest.raises(ValueError, match="ReLU has none"):
+            AlphaBetaRule(1.0, 0.0).register(nn.ReLU())
+
+    def test_double_registration_is_refused(self):
+        layer = nn.Linear(2, 2)
+        rule = EpsilonRule()
+        with rule.register(layer):
+            with pytest.raises(ValueError, match="already registered"):
+                rule.register(layer)
+        assert not layer._forward_hooks
+
+    def test_handle_removes_hooks_and_never_writes_parameters(self):
+        layer, x = make_layer("conv2d")
+        before = {k: v.clone() for k, v in layer.state_dict().items()}
+        params = dict(layer.named_parameters())
+        with GammaRule().register(layer):
+            layer(x.requires_grad_(True)).sum().backward()
+        assert not layer._forward_hooks and not layer._forward_pre_hooks
+        assert all(params[k] is p for k, p in layer.named_parameters())
+        assert all(torch.equal(before[k], v) for k, v in layer.state_dict().items())
+
+    def test_param_modifier_context_restores_the_same_objects(self):
+        layer = nn.Linear(3, 2)
+        weight = layer.weight
+        with ParamModifier(lambda n, p: p * 0, lambda n, p: n == "weight")(layer):
+            assert torch.count_nonzero(layer.weight) == 0
+            assert layer.bias is not None
+        assert layer.weight is weight
+
+    def test_param_modifier_restores_after_an_error(self):
+        layer = nn.Linear(3, 2)
+        weight = layer.weight
+        with pytest.raises(RuntimeError, match="boom"):
+            with ParamModifier(lambda n, p: p * 0)(layer):
+                raise RuntimeError("boom")
+        assert layer.weight is weight
+
+
+class TestUnconservedCheck:
+    def test_accepts_conserved_and_rejects_lost_relevance(self):
+        check = raise_for_unconserved_rel_factory(atol=1e-6, rtol=1e-6)
+        check("a", nn.Linear(1, 1), torch.tensor([0.25, 0.75]), torch.tensor([1.0]))
+        with pytest.raises(ValueError, match="'a'"):
+            check("a", nn.Linear(1, 1), torch.tensor([0.25, 0.5]), torch.tensor([1.0]))
+
+    def test_rejects_nan(self):
+        check = raise_for_unconserved_rel_factory()
+        with pytest.raises(ValueError, match="NaN or inf"):
+            check("layer", nn.Tanh(), torch.tensor([float("nan")]), torch.tensor([1.0]))

@@ -1,0 +1,258 @@
+"""The LRP wrapper: the public contract of DESIGN §3 and the identities of §5."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule, TensorDictSequential
+from torch import nn
+from zennit import composites as zcomposites
+
+from tdhook.attribution import LRP
+from tdhook.attribution.lrp_helpers.rules import (
+    BaseRuleMapper,
+    EpsilonPlus,
+    EpsilonRule,
+    raise_for_unconserved_rel_factory,
+)
+from tests.conftest import relative_error, zennit_model_relevance
+
+
+def mlp(bias: bool = True) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(5, 16, bias=bias), nn.ReLU(), nn.Linear(16, 8, bias=bias), nn.ReLU(), nn.Linear(8, 3, bias=bias)
+    ).double()
+
+
+def small_cnn(bias: bool = True) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1, bias=bias),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(6, 8, 3, padding=1, bias=bias),
+        nn.ReLU(inplace=True),
+        nn.AvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(8 * 2 * 2, 10, bias=bias),
+        nn.ReLU(),
+        nn.Linear(10, 4, bias=bias),
+    ).double()
+
+
+def lrp0_mapper() -> BaseRuleMapper:
+    lrp0 = EpsilonRule(0.0)
+    return BaseRuleMapper(
+        stabilizer=0.0, rule_mapper=lambda n, m: lrp0 if isinstance(m, (nn.Linear, nn.Conv2d)) else None
+    )
+
+
+def explain(net: nn.Module, x: torch.Tensor, **kwargs) -> TensorDict:
+    lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), **kwargs)
+    return lrp(TensorDict(x=x, batch_size=x.shape[:1]))
+
+
+def state_snapshot(model: nn.Module) -> dict:
+    return {
+        "tensors": {k: v.clone() for k, v in model.state_dict().items()},
+        "objects": {k: v for k, v in model.named_parameters()},
+        "hooks": [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for m in model.modules()],
+        "patched": [("forward" in vars(m)) for m in model.modules()],
+    }
+
+
+def assert_unchanged(model: nn.Module, snapshot: dict) -> None:
+    now = state_snapshot(model)
+    assert now["tensors"].keys() == snapshot["tensors"].keys()
+    for key, value in snapshot["tensors"].items():
+        assert torch.equal(now["tensors"][key], value), key
+    assert all(now["objects"][k] is v for k, v in snapshot["objects"].items())
+    assert now["hooks"] == snapshot["hooks"]
+    assert not any(now["patched"])
+
+
+class TestAgainstZennit:
+    @pytest.mark.parametrize("make", [mlp, small_cnn])
+    def test_epsilon_plus_matches_zennit(self, make):
+        net = make().eval()
+        x = torch.randn(4, 5, dtype=torch.float64) if make is mlp else torch.randn(4, 3, 8, 8, dtype=torch.float64)
+        expected = zennit_model_relevance(zcomposites.EpsilonPlus(), net, x)
+        actual = explain(net, x, rule_mapper=EpsilonPlus())["relevance", "x"]
+        assert relative_error(actual, expected) <= 1e-6
+
+
+class TestIdentities:
+    @pytest.mark.parametrize("make", [mlp, small_cnn])
+    def test_lrp0_is_gradient_times_input(self, make):
+        net = make()
+        x = torch.randn(4, 5, dtype=torch.float64) if make is mlp else torch.randn(4, 3, 8, 8, dtype=torch.float64)
+        xg = x.clone().requires_grad_(True)
+        out = net(xg)
+        (grad,) = torch.autograd.grad(out.max(-1).values.sum(), xg)
+        actual = explain(net, x, rule_mapper=lrp0_mapper())["relevance", "x"]
+        assert relative_error(actual, x * grad) <= 1e-12
+
+    @pytest.mark.parametrize("make", [mlp, small_cnn])
+    def test_conservation_without_bias(self, make):
+        net = make(bias=False)
+        x = torch.randn(4, 5, dtype=torch.float64) if make is mlp else torch.randn(4, 3, 8, 8, dtype=torch.float64)
+        td = explain(net, x, rule_mapper=EpsilonPlus(epsilon=1e-12, stabilizer=1e-12))
+        totals = td["relevance", "x"].flatten(1).sum(1)
+        torch.testing.assert_close(totals, td["y"].max(-1).values, rtol=1e-9, atol=1e-12)
+
+    def test_conservation_through_sequential_glue_with_two_keys(self):
+        encoder_a = nn.Linear(3, 6, bias=False).double()
+        encoder_b = nn.Linear(2, 6, bias=False).double()
+        head = nn.Sequential(nn.ReLU(), nn.Linear(12, 4, bias=False)).double()
+        pipeline = TensorDictSequential(
+            TensorDictModule(lambda a: (a - 0.0) * 2.0, in_keys=["a"], out_keys=["a_scaled"]),
+            TensorDictModule(encoder_a, in_keys=["a_scaled"], out_keys=["ha"]),
+            TensorDictModule(encoder_b, in_keys=["b"], out_keys=["hb"]),
+            TensorDictModule(lambda ha, hb: torch.cat([ha, hb], -1), in_keys=["ha", "hb"], out_keys=["h"]),
+            TensorDictModule(head, in_keys=["h"], out_keys=["q"]),
+        )
+        td = TensorDict(
+            a=torch.randn(6, 3, dtype=torch.float64), b=torch.randn(6, 2, dtype=torch.float64), batch_size=[6]
+        )
+        out = LRP(pipeline, rule_mapper=EpsilonPlus(epsilon=1e-12))(td)
+        total = out["relevance", "a"].sum(-1) + out["relevance", "b"].sum(-1)
+        torch.testing.assert_close(total, out["q"].max(-1).values, rtol=1e-9, atol=1e-12)
+        assert out["relevance", "b"].abs().sum() > 0 and out["relevance", "a"].abs().sum() > 0
+
+    def test_batch_time_equals_flat_batch(self):
+        net = mlp()
+        x = torch.randn(3, 4, 5, dtype=torch.float64)
+        lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), rule_mapper=EpsilonPlus())
+        nested = lrp(TensorDict(x=x, batch_size=[3, 4]))
+        flat = lrp(TensorDict(x=x.reshape(12, 5), batch_size=[12]))
+        torch.testing.assert_close(nested["relevance", "x"].reshape(12, 5), flat["relevance", "x"])
+        torch.testing.assert_close(nested["y"].reshape(12, 3), flat["y"])
+
+
+class TestContract:
+    def test_outputs_unchanged_and_nothing_else_left(self):
+        net = mlp()
+        x = torch.randn(4, 5, dtype=torch.float64)
+        td = TensorDict(x=x, batch_size=[4])
+        lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), rule_mapper=EpsilonPlus())
+        with lrp:
+            out = lrp(td)
+        assert out is td
+        assert torch.equal(out["y"], net(x))
+        assert set(out.keys(include_nested=True, leaves_only=True)) == {"x", "y", ("relevance", "x")}
+        assert out["x"] is x
+        assert not any(v.requires_grad for v in out.values(include_nested=True, leaves_only=True))
+        assert lrp.out_keys == ["y", ("relevance", "x")] and lrp.in_keys == ["x"]
+
+    def test_plain_module_with_keys_and_keyword_call(self):
+        net = mlp()
+        lrp = LRP(net, rule_mapper=EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+        x = torch.randn(2, 5, dtype=torch.float64)
+        y, relevance = lrp(x=x)
+        assert torch.equal(y, net(x)) and relevance.shape == x.shape
+
+    def test_works_inside_a_sequential_and_under_no_grad(self):
+        net = mlp()
+        lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), rule_mapper=EpsilonPlus())
+        after = TensorDictModule(lambda y: y.argmax(-1), in_keys=["y"], out_keys=["action"])
+        pipeline = TensorDictSequential(lrp, after)
+        with torch.no_grad():
+            td = pipeline(TensorDict(x=torch.randn(3, 5, dtype=torch.float64), batch_size=[3]))
+        assert td["relevance", "x"].abs().sum() > 0
+        assert torch.equal(td["action"], td["y"].argmax(-1))
+
+    @pytest.mark.parametrize(
+        "target,index",
+        [(1, torch.tensor([1, 1, 1])), (torch.tensor([0, 2, 1]), torch.tensor([0, 2, 1]))],
+    )
+    def test_int_and_tensor_targets_pick_the_unit(self, target, index):
+        net = mlp(bias=False)
+        td = explain(net, torch.randn(3, 5, dtype=torch.float64), rule_mapper=EpsilonPlus(epsilon=1e-12), target=target)
+        expected = td["y"].gather(-1, index.unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(td["relevance", "x"].sum(-1), expected, rtol=1e-9, atol=1e-12)
+
+    def test_callable_target_sets_initial_relevance(self):
+        net = mlp(bias=False)
+        td = explain(
+            net, torch.randn(3, 5, dtype=torch.float64), rule_mapper=EpsilonPlus(epsilon=1e-12), target=lambda y: y
+        )
+        torch.testing.assert_close(td["relevance", "x"].sum(-1), td["y"].sum(-1), rtol=1e-9, atol=1e-12)
+
+    def test_target_all_equals_stacked_single_targets(self):
+        net = mlp()
+        x = torch.randn(3, 5, dtype=torch.float64)
+        every = explain(net, x, rule_mapper=EpsilonPlus(), target="all")["relevance", "x"]
+        singles = torch.stack(
+            [explain(net, x, rule_mapper=EpsilonPlus(), target=k)["relevance", "x"] for k in range(3)], 1
+        )
+        assert every.shape == (3, 3, 5)
+        torch.testing.assert_close(every, singles)
+
+    def test_relevance_check_passes_on_conserving_net_and_names_a_lossy_layer(self):
+        x = torch.randn(3, 5, dtype=torch.float64)
+        check = raise_for_unconserved_rel_factory(atol=1e-8, rtol=1e-8)
+        explain(mlp(bias=False), x, rule_mapper=EpsilonPlus(epsilon=1e-12), relevance_check=check)
+        biased = mlp()
+        with torch.no_grad():
+            for layer in (biased[0], biased[4]):
+                layer.bias.zero_()
+            biased[2].bias.fill_(3.0)
+        with pytest.raises(ValueError, match=r"module 'module\.2'"):
+            explain(biased, x, rule_mapper=EpsilonPlus(epsilon=1e-12), relevance_check=check)
+
+
+class TestRestoration:
+    @pytest.mark.parametrize("make", [mlp, small_cnn])
+    def test_model_restored_after_context(self, make):
+        net = make()
+        snapshot = state_snapshot(net)
+        x = torch.randn(2, 5, dtype=torch.float64) if make is mlp else torch.randn(2, 3, 8, 8, dtype=torch.float64)
+        lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), rule_mapper=EpsilonPlus())
+        with lrp:
+            lrp(TensorDict(x=x, batch_size=[2]))
+            assert any(len(m._forward_hooks) for m in net.modules())
+        assert_unchanged(net, snapshot)
+
+    def test_model_restored_after_exception_inside_context(self):
+        net = small_cnn()
+        snapshot = state_snapshot(net)
+        lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), rule_mapper=EpsilonPlus())
+        with pytest.raises(RuntimeError, match="caller"):
+            with lrp:
+                lrp(TensorDict(x=torch.randn(2, 3, 8, 8, dtype=torch.float64), batch_size=[2]))
+                raise RuntimeError("caller failed")
+        assert_unchanged(net, snapshot)
+
+    def test_entering_twice_is_refused(self):
+        lrp = LRP(mlp(), in_keys=["x"], out_keys=["y"])
+        with lrp:
+            with pytest.raises(RuntimeError, match="already active"):
+                lrp.__enter__()
+
+
+class TestBadInput:
+    def run_and_expect(self, td: TensorDict, error, match: str, **kwargs):
+        net = mlp()
+        snapshot = state_snapshot(net)
+        before = {k: v for k, v in td.items(include_nested=True, leaves_only=True)}
+        lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), rule_mapper=EpsilonPlus(), **kwargs)
+        with pytest.raises(error, match=match):
+            lrp(td)
+        assert_unchanged(net, snapshot)
+        after = {k: v for k, v in td.items(include_nested=True, leaves_only=True)}
+        assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+
+    def test_missing_key(self):
+        self.run_and_expect(TensorDict(obs=torch.randn(2, 5), batch_size=[2]), KeyError, "input key 'x' is missing")
+
+    def test_non_floating_input(self):
+        td = TensorDict(x=torch.ones(2, 5, dtype=torch.long), batch_size=[2])
+        self.run_and_expect(td, TypeError, "'x' must be a floating-point tensor to receive relevance, got torch.int64")
+
+    def test_target_out_of_range(self):
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        self.run_and_expect(td, IndexError, "target 7 is out of range for output 'y' with 3 units", target=7)
+
+    def test_target_indices_out_of_range(self):
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        self.run_and_expect(td, IndexError, r"\[0, 3\) for output 'y'", target=torch.tensor([0, 3]))

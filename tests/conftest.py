@@ -1,0 +1,58 @@
+"""Shared oracles: zennit as the reference for every rule it has."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from tdhook.attribution import LRP
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / ||expected||``."""
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-300)).item()
+
+
+def zennit_relevance(hook, layer: torch.nn.Module, x: torch.Tensor, relevance_out: torch.Tensor) -> torch.Tensor:
+    """Input relevance of ``layer`` under zennit's ``hook`` for output relevance ``relevance_out``."""
+    x = x.detach().clone().requires_grad_(True)
+    handles = hook.register(layer)
+    try:
+        out = layer(x)
+        (relevance,) = torch.autograd.grad(out, x, relevance_out)
+    finally:
+        handles.remove()
+    return relevance
+
+
+def tdhook_relevance(rule, layer: torch.nn.Module, x: torch.Tensor, relevance_out: torch.Tensor) -> torch.Tensor:
+    """Input relevance of ``layer`` under tdhook's ``rule``, through the LRP wrapper."""
+    lrp = LRP(
+        layer,
+        rule_mapper=lambda name, module: rule if module is layer else None,
+        in_keys=["x"],
+        out_keys=["y"],
+        target=lambda y: relevance_out,
+    )
+    td = lrp(TensorDict(x=x.detach().clone(), batch_size=[x.shape[0]]))
+    return td["relevance", "x"]
+
+
+def zennit_model_relevance(composite, model: torch.nn.Module, x: torch.Tensor, canonizers=None) -> torch.Tensor:
+    """zennit's relevance for the argmax logit, starting from the logit's value."""
+    from zennit.attribution import Gradient
+
+    with torch.no_grad():
+        out = model(x)
+    start = torch.zeros_like(out).scatter_(1, out.argmax(1, keepdim=True), 1.0) * out
+    if canonizers is not None:
+        composite.canonizers = canonizers
+    with Gradient(model=model, composite=composite) as attributor:
+        _, relevance = attributor(x.detach().clone(), start)
+    return relevance
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
