@@ -256,3 +256,42 @@ class TestBadInput:
     def test_target_indices_out_of_range(self):
         td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
         self.run_and_expect(td, IndexError, r"\[0, 3\) for output 'y'", target=torch.tensor([0, 3]))
+
+
+class CountLayerCalls(torch.overrides.TorchFunctionMode):
+    """Counts calls of the dense and convolution kernels."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.nn.functional.linear, torch.nn.functional.conv2d, torch.conv2d):
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+class TestCost:
+    def count(self, net: nn.Module, x: torch.Tensor, rule_mapper) -> int:
+        lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), rule_mapper=rule_mapper)
+        with lrp:
+            with CountLayerCalls() as counter:
+                lrp(TensorDict(x=x, batch_size=[2]))
+        return counter.calls
+
+    def test_epsilon_runs_no_second_forward(self):
+        net = small_cnn()
+        x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+        epsilon_only = BaseRuleMapper(
+            rule_mapper=lambda n, m: EpsilonRule() if isinstance(m, (nn.Linear, nn.Conv2d)) else None
+        )
+        with CountLayerCalls() as plain:
+            net(x)
+        assert plain.calls == 4
+        assert self.count(net, x, epsilon_only) == plain.calls
+
+    def test_zplus_adds_one_forward_per_convolution_after_relu(self):
+        net = small_cnn()
+        x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+        # The first convolution sees signed inputs (two extra passes), the second only ReLU outputs (one).
+        assert self.count(net, x, EpsilonPlus()) == 4 + 2 + 1

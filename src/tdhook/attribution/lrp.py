@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -54,9 +54,11 @@ class LRP(TensorDictModuleBase):
         module: a ``TensorDictModuleBase`` (``TensorDictModule``,
             ``TensorDictSequential``, torchrl actors and value operators), or a
             plain ``nn.Module`` together with ``in_keys`` and ``out_keys``.
-        rule_mapper: ``(name, module) -> Rule | None``; a
-            :class:`~tdhook.attribution.lrp_helpers.rules.BaseRuleMapper` by
-            default (LRP-0 on Linear and convolution layers).
+        rule_mapper: ``(name, module) -> Rule | None``, or a dict keyed by
+            module type or name pattern (completed with the defaults of
+            :class:`~tdhook.attribution.lrp_helpers.rules.BaseRuleMapper`);
+            by default LRP-0 on Linear and convolution layers. Names are
+            those of ``module.named_modules()``.
         in_keys: for a plain module, its input keys; for a TensorDict module,
             the input keys to explain (all of its in_keys by default).
         out_keys: the output keys of a plain module.
@@ -95,7 +97,7 @@ class LRP(TensorDictModuleBase):
     def __init__(
         self,
         module: TensorDictModuleBase | nn.Module,
-        rule_mapper: RuleMapper | None = None,
+        rule_mapper: RuleMapper | Mapping | None = None,
         *,
         in_keys: Sequence[NestedKey] | None = None,
         out_keys: Sequence[NestedKey] | None = None,
@@ -117,7 +119,9 @@ class LRP(TensorDictModuleBase):
         elif out_keys is not None:
             raise TypeError("out_keys is only for a plain nn.Module: a TensorDict module declares its own")
         self.module = module
-        self.rule_mapper = rule_mapper if rule_mapper is not None else BaseRuleMapper()
+        if rule_mapper is None or isinstance(rule_mapper, Mapping):
+            rule_mapper = BaseRuleMapper(rule_mapper=rule_mapper)
+        self.rule_mapper = rule_mapper
         self.explained_keys = unravel_key_list(list(in_keys if in_keys is not None else module.in_keys))
         self.target_key = unravel_key(target_key) if target_key is not None else None
         self.target = target

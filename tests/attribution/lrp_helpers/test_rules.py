@@ -252,3 +252,37 @@ class TestUnconservedCheck:
         check = raise_for_unconserved_rel_factory()
         with pytest.raises(ValueError, match="NaN or inf"):
             check("layer", nn.Tanh(), torch.tensor([float("nan")]), torch.tensor([1.0]))
+
+
+class TestMappers:
+    def test_dict_mapper_matches_names_before_types_in_order(self):
+        from tdhook.attribution.lrp_helpers.rules import BaseRuleMapper, rule_mapper_from_dict
+
+        stop, eps = StopRule(), EpsilonRule(0.5)
+        mapper = rule_mapper_from_dict({"features.*": stop, nn.Linear: eps})
+        assert mapper("features.3", nn.Linear(1, 1)) is stop
+        assert mapper("classifier.0", nn.Linear(1, 1)) is eps
+        assert mapper("classifier.1", nn.ReLU()) is None
+        base = BaseRuleMapper(rule_mapper={nn.Linear: eps})
+        assert base("fc", nn.Linear(1, 1)) is eps and isinstance(base("act", nn.Tanh()), PassRule)
+
+    def test_dict_mapper_rejects_non_rules(self):
+        from tdhook.attribution.lrp_helpers.rules import rule_mapper_from_dict
+
+        with pytest.raises(TypeError, match="'head' must map to a Rule"):
+            rule_mapper_from_dict({"head": "epsilon"})
+
+    def test_lrp_accepts_a_dict_and_it_changes_the_result(self):
+        from tensordict import TensorDict
+        from tensordict.nn import TensorDictModule
+
+        from tdhook.attribution import LRP
+
+        net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).double()
+        td = TensorDict(x=torch.randn(3, 4, dtype=torch.float64), batch_size=[3])
+        module = TensorDictModule(net, in_keys=["x"], out_keys=["y"])
+        flat = LRP(module, rule_mapper={"module.0": FlatRule()})(td.clone())["relevance", "x"]
+        plain = LRP(module)(td.clone())["relevance", "x"]
+        assert relative_error(flat, plain) > 1e-3
+        # Flat spreads each unit's relevance evenly over the 4 inputs: all four columns are equal.
+        torch.testing.assert_close(flat, flat[:, :1].expand_as(flat))

@@ -14,9 +14,10 @@ when it is registered.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ __all__ = [
     "WSquareRule",
     "ZBoxRule",
     "RuleMapper",
+    "rule_mapper_from_dict",
     "BaseRuleMapper",
     "EpsilonPlus",
     "EpsilonPlusFlat",
@@ -786,6 +788,34 @@ _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTra
 _LINEAR_LAYERS = (*_CONVOLUTIONS, nn.Linear)
 
 
+def rule_mapper_from_dict(mapping: Mapping[type | tuple[type, ...] | str, Rule]) -> RuleMapper:
+    """A rule mapper from a dict keyed by module type(s) or by name pattern.
+
+    String keys match module names with shell-style wildcards (``"features.*"``);
+    type keys match with ``isinstance``. The first matching entry, in the
+    dict's order, wins.
+
+    Examples:
+        >>> mapper = rule_mapper_from_dict({"head": StopRule(), nn.Linear: EpsilonRule(0.25)})
+        >>> mapper("head", nn.Linear(2, 2)), mapper("body.0", nn.Linear(2, 2)), mapper("act", nn.Tanh())
+        (StopRule(), EpsilonRule(epsilon=0.25), None)
+    """
+    entries = list(mapping.items())
+    for key, rule in entries:
+        if not isinstance(rule, Rule):
+            raise TypeError(f"rule mapping entry {key!r} must map to a Rule, got {type(rule).__name__}")
+
+    def mapper(name: str, module: nn.Module) -> Rule | None:
+        for key, rule in entries:
+            if isinstance(key, str) and fnmatchcase(name, key):
+                return rule
+            if not isinstance(key, str) and isinstance(module, key):
+                return rule
+        return None
+
+    return mapper
+
+
 class BaseRuleMapper:
     """Map ``(name, module)`` to a rule: the user's mapper first, then defaults.
 
@@ -797,7 +827,8 @@ class BaseRuleMapper:
 
     Args:
         stabilizer: stabilizer of the default rules.
-        rule_mapper: ``(name, module) -> Rule | None`` consulted first.
+        rule_mapper: ``(name, module) -> Rule | None`` consulted first, or a dict
+            for :func:`rule_mapper_from_dict`.
 
     Examples:
         >>> mapper = BaseRuleMapper(rule_mapper=lambda name, m: StopRule() if name == "head" else None)
@@ -805,9 +836,9 @@ class BaseRuleMapper:
         (StopRule(), PassRule(stabilizer=1e-12), None)
     """
 
-    def __init__(self, stabilizer: float = 1e-6, rule_mapper: RuleMapper | None = None) -> None:
+    def __init__(self, stabilizer: float = 1e-6, rule_mapper: RuleMapper | Mapping | None = None) -> None:
         self.stabilizer = stabilizer
-        self.rule_mapper = rule_mapper
+        self.rule_mapper = rule_mapper_from_dict(rule_mapper) if isinstance(rule_mapper, Mapping) else rule_mapper
         self._pass = PassRule()
         self._norm = EpsilonRule(epsilon=stabilizer)
         self._ignore = IgnoreRule()
@@ -864,7 +895,9 @@ class EpsilonPlus(BaseRuleMapper):
         (AlphaBetaRule(stabilizer=1e-06, zero_params=(), alpha=1.0, beta=0.0), EpsilonRule(epsilon=0.001))
     """
 
-    def __init__(self, epsilon: float = 1e-6, stabilizer: float = 1e-6, rule_mapper: RuleMapper | None = None):
+    def __init__(
+        self, epsilon: float = 1e-6, stabilizer: float = 1e-6, rule_mapper: RuleMapper | Mapping | None = None
+    ):
         super().__init__(stabilizer, rule_mapper)
         self.epsilon = epsilon
         self._conv = AlphaBetaRule(alpha=1.0, beta=0.0, stabilizer=stabilizer)
@@ -887,7 +920,9 @@ class EpsilonPlusFlat(EpsilonPlus):
         {'0': 'FlatRule', '1': 'PassRule', '2': 'EpsilonRule'}
     """
 
-    def __init__(self, epsilon: float = 1e-6, stabilizer: float = 1e-6, rule_mapper: RuleMapper | None = None):
+    def __init__(
+        self, epsilon: float = 1e-6, stabilizer: float = 1e-6, rule_mapper: RuleMapper | Mapping | None = None
+    ):
         super().__init__(epsilon, stabilizer, rule_mapper)
         self._first = FlatRule(stabilizer=stabilizer)
 
@@ -903,7 +938,9 @@ class EpsilonAlpha2Beta1(BaseRuleMapper):
         2.0
     """
 
-    def __init__(self, epsilon: float = 1e-6, stabilizer: float = 1e-6, rule_mapper: RuleMapper | None = None):
+    def __init__(
+        self, epsilon: float = 1e-6, stabilizer: float = 1e-6, rule_mapper: RuleMapper | Mapping | None = None
+    ):
         super().__init__(stabilizer, rule_mapper)
         self.epsilon = epsilon
         self._conv = AlphaBetaRule(alpha=2.0, beta=1.0, stabilizer=stabilizer)
@@ -921,7 +958,9 @@ class EpsilonAlpha2Beta1Flat(EpsilonAlpha2Beta1):
         ['FlatRule', 'PassRule', 'AlphaBetaRule']
     """
 
-    def __init__(self, epsilon: float = 1e-6, stabilizer: float = 1e-6, rule_mapper: RuleMapper | None = None):
+    def __init__(
+        self, epsilon: float = 1e-6, stabilizer: float = 1e-6, rule_mapper: RuleMapper | Mapping | None = None
+    ):
         super().__init__(epsilon, stabilizer, rule_mapper)
         self._first = FlatRule(stabilizer=stabilizer)
 
@@ -951,7 +990,7 @@ class EpsilonGammaBox(BaseRuleMapper):
         epsilon: float = 1e-6,
         gamma: float = 0.25,
         stabilizer: float = 1e-6,
-        rule_mapper: RuleMapper | None = None,
+        rule_mapper: RuleMapper | Mapping | None = None,
     ):
         super().__init__(stabilizer, rule_mapper)
         self.epsilon = epsilon

@@ -1,0 +1,24 @@
+"""Each benchmark script runs once on tiny sizes, so it cannot rot (no timing is asserted)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+
+
+def test_vision_benchmark_runs_on_tiny_inputs():
+    command = [sys.executable, str(BENCHMARKS / "bench_vision.py"), "--models", "resnet18", "--batch", "1"]
+    result = subprocess.run(
+        [*command, "--size", "32", "--repeats", "1"], capture_output=True, text=True, timeout=600, check=True
+    )
+    rows = [line for line in result.stdout.splitlines() if line.startswith("resnet18")]
+    assert [row.split("  ")[1].strip() for row in rows] == [
+        "gradient x input",
+        "tdhook epsilon only",
+        "tdhook EpsilonPlusFlat",
+        "zennit EpsilonPlusFlat",
+        "captum LRP",
+    ]
