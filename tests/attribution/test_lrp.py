@@ -12,7 +12,11 @@ from zennit import composites as zcomposites
 from tdhook.attribution import LRP
 from tdhook.attribution.lrp_helpers.rules import (
     BaseRuleMapper,
+    EpsilonAlpha2Beta1,
+    EpsilonAlpha2Beta1Flat,
+    EpsilonGammaBox,
     EpsilonPlus,
+    EpsilonPlusFlat,
     EpsilonRule,
     raise_for_unconserved_rel_factory,
 )
@@ -78,6 +82,23 @@ class TestAgainstZennit:
         x = torch.randn(4, 5, dtype=torch.float64) if make is mlp else torch.randn(4, 3, 8, 8, dtype=torch.float64)
         expected = zennit_model_relevance(zcomposites.EpsilonPlus(), net, x)
         actual = explain(net, x, rule_mapper=EpsilonPlus())["relevance", "x"]
+        assert relative_error(actual, expected) <= 1e-6
+
+    @pytest.mark.parametrize(
+        "ours,theirs",
+        [
+            (lambda: EpsilonPlusFlat(), lambda: zcomposites.EpsilonPlusFlat()),
+            (lambda: EpsilonAlpha2Beta1(), lambda: zcomposites.EpsilonAlpha2Beta1()),
+            (lambda: EpsilonAlpha2Beta1Flat(), lambda: zcomposites.EpsilonAlpha2Beta1Flat()),
+            (lambda: EpsilonGammaBox(-3.0, 3.0), lambda: zcomposites.EpsilonGammaBox(low=-3.0, high=3.0)),
+        ],
+        ids=["EpsilonPlusFlat", "EpsilonAlpha2Beta1", "EpsilonAlpha2Beta1Flat", "EpsilonGammaBox"],
+    )
+    def test_presets_match_zennit_on_a_cnn(self, ours, theirs):
+        net = small_cnn().eval()
+        x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+        expected = zennit_model_relevance(theirs(), net, x)
+        actual = explain(net, x, rule_mapper=ours())["relevance", "x"]
         assert relative_error(actual, expected) <= 1e-6
 
 

@@ -286,3 +286,12 @@ class TestMappers:
         assert relative_error(flat, plain) > 1e-3
         # Flat spreads each unit's relevance evenly over the 4 inputs: all four columns are equal.
         torch.testing.assert_close(flat, flat[:, :1].expand_as(flat))
+
+    def test_first_layer_rule_stays_on_the_first_layer_when_the_user_maps_it(self):
+        from tdhook.attribution.lrp_helpers.rules import EpsilonPlusFlat
+
+        model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2), nn.Linear(2, 1))
+        stop = StopRule()
+        rules = EpsilonPlusFlat(rule_mapper={"0": stop}).rules(model)
+        assert rules["0"] is stop
+        assert [type(rules[k]).__name__ for k in ("2", "3")] == ["EpsilonRule", "EpsilonRule"]

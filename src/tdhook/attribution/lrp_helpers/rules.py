@@ -871,13 +871,12 @@ class BaseRuleMapper:
     def rules(self, model: nn.Module) -> dict[str, Rule]:
         """The rule of every module of ``model`` that has one, by module name."""
         rules: dict[str, Rule] = {}
-        first_done = False
+        first = next((m for _, m in model.named_modules() if isinstance(m, _LINEAR_LAYERS)), None)
         for name, module in model.named_modules():
             rule = None
             if self.rule_mapper is not None:
                 rule = self.rule_mapper(name, module)
-            if rule is None and not first_done and isinstance(module, _LINEAR_LAYERS):
-                first_done = True
+            if rule is None and module is first:
                 rule = self.first_layer_rule(name, module)
             if rule is None:
                 rule = self.layer_rule(name, module) or self.default_rule(name, module)
