@@ -11,7 +11,14 @@ from tensordict.nn import TensorDictModule, TensorDictModuleBase, TensorDictSequ
 from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 from torch import nn
 
-from tdhook.attribution.lrp_helpers.rules import BaseRuleMapper, RemovableRuleHandle, Rule, RuleMapper
+from tdhook.attribution.lrp_helpers.rules import (
+    BaseRuleMapper,
+    MergeBatchNormRule,
+    RemovableRuleHandle,
+    Rule,
+    RuleMapper,
+    layer_call_of,
+)
 from tdhook.attribution.lrp_helpers.targets import Target, initial_gradient
 
 __all__ = ["LRP"]
@@ -57,8 +64,10 @@ class LRP(TensorDictModuleBase):
         rule_mapper: ``(name, module) -> Rule | None``, or a dict keyed by
             module type or name pattern (completed with the defaults of
             :class:`~tdhook.attribution.lrp_helpers.rules.BaseRuleMapper`);
-            by default LRP-0 on Linear and convolution layers. Names are
-            those of ``module.named_modules()``.
+            by default LRP-0 on Linear and convolution layers, with each
+            eval-mode BatchNorm merged into the layer before it. Names are
+            those of ``module.named_modules()`` for the object passed as
+            ``module`` (a plain ``nn.Module``'s own names).
         in_keys: for a plain module, its input keys; for a TensorDict module,
             the input keys to explain (all of its in_keys by default).
         out_keys: the output keys of a plain module.
@@ -71,6 +80,11 @@ class LRP(TensorDictModuleBase):
             ``output -> relevance``, or ``"all"`` (every output unit, stacked
             in a dimension right after the batch dimensions).
         relevance_key: the prefix of the relevance keys.
+        layers: inner modules whose output relevance is written too: a list
+            of module names (written at ``(relevance_key, name)``) or a dict
+            ``name -> key`` (written at ``(relevance_key, *key)``). A Linear or
+            convolution layer merged with its BatchNorm reports the merged
+            output's relevance.
         relevance_check: optional ``(name, module, relevance_in, relevance_out)``
             callable run on every module with a rule, for example
             :func:`~tdhook.attribution.lrp_helpers.rules.raise_for_unconserved_rel_factory`.
@@ -104,6 +118,7 @@ class LRP(TensorDictModuleBase):
         target_key: NestedKey | None = None,
         target: Target = None,
         relevance_key: str = "relevance",
+        layers: Sequence[str] | Mapping[str, NestedKey] | None = None,
         relevance_check: RelevanceCheck | None = None,
     ) -> None:
         super().__init__()
@@ -116,8 +131,12 @@ class LRP(TensorDictModuleBase):
                     "give both or pass a TensorDictModule"
                 )
             module = TensorDictModule(module, in_keys=in_keys, out_keys=out_keys)
+            # Module names (for rule mappers and inner-layer keys) are relative to what the caller passed.
+            self._name_prefix = "module."
         elif out_keys is not None:
             raise TypeError("out_keys is only for a plain nn.Module: a TensorDict module declares its own")
+        else:
+            self._name_prefix = ""
         self.module = module
         if rule_mapper is None or isinstance(rule_mapper, Mapping):
             rule_mapper = BaseRuleMapper(rule_mapper=rule_mapper)
@@ -128,19 +147,50 @@ class LRP(TensorDictModuleBase):
         self.relevance_key = relevance_key
         self.relevance_check = relevance_check
         self.relevance_keys = [(relevance_key, *_as_tuple(k)) for k in self.explained_keys]
+        self.layer_keys = self._layer_keys(layers)
         self.in_keys = unravel_key_list(list(dict.fromkeys([*module.in_keys, *self.explained_keys])))
-        self.out_keys = [*unravel_key_list(module.out_keys), *self.relevance_keys]
+        self.out_keys = [
+            *unravel_key_list(module.out_keys),
+            *self.relevance_keys,
+            *self.layer_keys.values(),
+        ]
         self._handles: list[RemovableRuleHandle] | None = None
-        self._check_hooks: list = []
+        self._hooks: list = []
+        self._layer_cells: dict[str, list[OutputRelevance]] = {}
+
+    def named_explained_modules(self) -> dict[str, nn.Module]:
+        """The wrapped model's modules by the names rule mappers and ``layers`` use."""
+        prefix = self._name_prefix
+        root = self.module.module if prefix else self.module
+        return dict(root.named_modules())
+
+    def _layer_keys(self, layers: Sequence[str] | Mapping[str, NestedKey] | None) -> dict[str, tuple[str, ...]]:
+        if layers is None:
+            return {}
+        if isinstance(layers, str):
+            raise TypeError(f"LRP: layers must be a list or dict of module names, got the string {layers!r}")
+        named = layers if isinstance(layers, Mapping) else {name: name for name in layers}
+        modules = self.named_explained_modules()
+        keys = {}
+        for name, key in named.items():
+            if name not in modules:
+                known = [n for n in modules if n]
+                raise KeyError(f"LRP: layers names {name!r}, which is not a module of the model (modules: {known})")
+            keys[name] = (self.relevance_key, *_as_tuple(key))
+        clash = set(keys.values()) & set(self.relevance_keys)
+        if clash:
+            raise ValueError(f"LRP: layer relevance keys {sorted(clash)} clash with the input relevance keys")
+        return keys
 
     # ------------------------------------------------------------------ context
 
     def _rules(self) -> dict[str, Rule]:
         mapper = self.rule_mapper
+        modules = self.named_explained_modules()
         if hasattr(mapper, "rules"):
-            return mapper.rules(self.module)
+            return mapper.rules(modules[""])
         rules = {}
-        for name, sub in self.module.named_modules():
+        for name, sub in modules.items():
             rule = mapper(name, sub)
             if rule is not None:
                 rules[name] = rule
@@ -149,7 +199,7 @@ class LRP(TensorDictModuleBase):
     def __enter__(self) -> LRP:
         if self._handles is not None:
             raise RuntimeError("this LRP wrapper's context is already active; leave it before entering again")
-        modules = dict(self.module.named_modules())
+        modules = self.named_explained_modules()
         handles: list[RemovableRuleHandle] = []
         try:
             for name, rule in self._rules().items():
@@ -160,7 +210,9 @@ class LRP(TensorDictModuleBase):
                         f"cannot register {rule!r} on module {name!r} ({type(modules[name]).__name__}): {err}"
                     ) from err
             if self.relevance_check is not None:
-                self._add_check_hooks(handles)
+                self._add_check_hooks(handles, modules)
+            for name in self.layer_keys:
+                self._hooks.append(modules[name].register_forward_hook(self._layer_hook(name)))
         except BaseException:
             self._remove(handles)
             raise
@@ -172,38 +224,60 @@ class LRP(TensorDictModuleBase):
         self._remove(handles)
 
     def _remove(self, handles: list[RemovableRuleHandle]) -> None:
-        for hook in self._check_hooks:
+        for hook in self._hooks:
             hook.remove()
-        self._check_hooks = []
+        self._hooks = []
         for handle in reversed(handles):
             handle.remove()
 
-    def _add_check_hooks(self, handles: list[RemovableRuleHandle]) -> None:
-        names = {id(m): n for n, m in self.module.named_modules()}
+    def _layer_hook(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            if not isinstance(output, torch.Tensor):
+                raise TypeError(
+                    f"LRP: layers asks for the relevance of module {name!r} ({type(module).__name__}), "
+                    f"whose output is a {type(output).__name__}, not a tensor"
+                )
+            self._layer_cells.setdefault(name, []).append(OutputRelevance.watch(output))
+
+        return hook
+
+    def _add_check_hooks(self, handles: list[RemovableRuleHandle], modules: dict[str, nn.Module]) -> None:
+        names = {id(m): n for n, m in modules.items()}
         check = self.relevance_check
 
         def records_for(x: torch.Tensor) -> torch.Tensor | int:
-            registrations = [h.rule._registrations.get(h.module, _NO_RECORDS) for h in handles]
-            return sum(r for reg in registrations for t, r in reg.records if t is x)
+            return sum(r for h in handles for t, r in h.records if t is x)
 
         for handle in handles:
             module = handle.module
-            if getattr(module, "inplace", False) or handle.rule.__class__.register is not Rule.register:
+            if getattr(module, "inplace", False) or isinstance(handle.rule, MergeBatchNormRule):
+                continue  # a merged BatchNorm is checked as part of the layer before it
+            if not handle.rule.is_registered(module):
                 continue
             name = names[id(module)]
+
+            def pre_hook(mod, args):
+                if torch.is_grad_enabled() and len(args) == 1 and isinstance(args[0], torch.Tensor):
+                    if args[0].requires_grad:
+                        # A view of its own, so that the gradient seen is this module's share only,
+                        # even when the input also feeds other modules (a residual branch).
+                        alias = args[0].view_as(args[0])
+                        alias._tdhook_alias_of = args[0]
+                        return (alias,)
+                return None
 
             def forward_hook(mod, args, output, name=name):
                 if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
                     return
-                if len(args) != 1 or not isinstance(args[0], torch.Tensor) or not args[0].requires_grad:
+                if len(args) != 1 or not hasattr(args[0], "_tdhook_alias_of"):
                     return
-                x, seen = args[0], {}
-                output.register_hook(lambda g: seen.__setitem__("out", output.detach() * g))
-                x.register_hook(
-                    lambda g: check(name, mod, x.detach() * g + records_for(x), seen.get("out", torch.zeros(())))
-                )
+                x, out = args[0], OutputRelevance.watch(output)
+                x.register_hook(lambda g: check(name, mod, x.detach() * g + records_for(x), out.total()))
 
-            self._check_hooks.append(module.register_forward_hook(forward_hook))
+            self._hooks.append(module.register_forward_pre_hook(pre_hook))
+            self._hooks.append(module.register_forward_hook(forward_hook))
 
     # ------------------------------------------------------------------ call
 
@@ -245,6 +319,7 @@ class LRP(TensorDictModuleBase):
         self._validate_inputs(tensordict)
         work = tensordict.copy()
         leaves, fed = [], []
+        self._layer_cells = {}
         try:
             with torch.enable_grad():
                 for key in self.explained_keys:
@@ -264,6 +339,7 @@ class LRP(TensorDictModuleBase):
                 grad_outputs = initial_gradient(output, self.target, target_key, tensordict.batch_dims)
                 relevances = self._backward(output, grad_outputs, leaves, fed)
         finally:
+            self._layer_cells = {}
             for handle in self._handles or []:
                 handle.pop_records()
         self._write(tensordict, result, relevances, fed)
@@ -281,7 +357,7 @@ class LRP(TensorDictModuleBase):
             self._relevance(output, grad_outputs[k], leaves, fed, retain=k < n_units - 1) for k in range(n_units)
         ]
         batch_dims = output.dim() - 1
-        return [torch.stack([unit[i] for unit in per_unit], dim=batch_dims) for i in range(len(leaves))]
+        return [torch.stack([unit[i] for unit in per_unit], dim=batch_dims) for i in range(len(per_unit[0]))]
 
     def _relevance(
         self,
@@ -298,10 +374,25 @@ class LRP(TensorDictModuleBase):
         ]
         for handle in self._handles or []:
             for x, rest in handle.pop_records():
+                x = getattr(x, "_tdhook_alias_of", x)
                 for i, model_input in enumerate(fed):
                     if x is model_input:
                         relevances[i] = relevances[i] + rest
-        return relevances
+        return relevances + [self._layer_relevance(name, leaves[0]) for name in self.layer_keys]
+
+    def _layer_relevance(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        cells = self._layer_cells.get(name, [])
+        if not cells:
+            raise RuntimeError(f"LRP: module {name!r} named in layers did not run in the forward pass")
+        values = [cell.pop(like) for cell in cells]
+        shapes = {tuple(v.shape) for v in values}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"LRP: module {name!r} named in layers ran {len(values)} times with different output shapes "
+                f"{sorted(shapes)}; its relevance cannot be summed into one key"
+            )
+        # A module called several times gets the relevance of all its outputs, summed.
+        return sum(values[1:], values[0])
 
     def _write(
         self, tensordict: TensorDictBase, result: TensorDictBase, relevances: list, fed: list[torch.Tensor]
@@ -315,14 +406,50 @@ class LRP(TensorDictModuleBase):
             if key in tensordict.keys(include_nested=True) and tensordict.get(key) is value:
                 continue
             updates[key] = value.detach() if isinstance(value, torch.Tensor) else value
-        for key, rel in zip(self.relevance_keys, relevances, strict=True):
+        for key, rel in zip([*self.relevance_keys, *self.layer_keys.values()], relevances, strict=True):
             updates[key] = rel
         for key, value in updates.items():
             tensordict.set(key, value)
 
 
-class _NoRecords:
-    records: list = []
+class OutputRelevance:
+    """The relevance ``z * grad(z)`` of one module output, as the backward pass reaches it.
 
+    When the module is a layer merged with the BatchNorm after it, the merged
+    output's relevance takes precedence over the layer's own output.
+    """
 
-_NO_RECORDS = _NoRecords()
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+        self.merged = False
+        self.shape: torch.Size | None = None
+
+    @classmethod
+    def watch(cls, output: torch.Tensor) -> OutputRelevance:
+        cell = cls()
+        cell.shape = output.shape
+        cell._hook(output, merged=False)
+        call = layer_call_of(output)
+        if call is not None:
+            call.observers.append(lambda merged_output: cell._hook(merged_output, merged=True))
+        return cell
+
+    def _hook(self, tensor: torch.Tensor, merged: bool) -> None:
+        if not tensor.requires_grad:
+            return
+        value = tensor.detach().clone()  # later in-place operations must not change it
+
+        def record(grad: torch.Tensor) -> None:
+            if merged or not self.merged:
+                self.value, self.merged = value * grad, merged
+
+        tensor.register_hook(record)
+
+    def total(self) -> torch.Tensor:
+        return self.value if self.value is not None else torch.zeros(())
+
+    def pop(self, like: torch.Tensor) -> torch.Tensor:
+        """The relevance of the last backward pass (zeros if it never reached the output); then reset."""
+        value = self.value if self.value is not None else torch.zeros(self.shape, dtype=like.dtype, device=like.device)
+        self.value, self.merged = None, False
+        return value

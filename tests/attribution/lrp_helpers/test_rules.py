@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
 from torch import nn
 from zennit import rules as zrules
 
+from tdhook.attribution import LRP
 from tdhook.attribution.lrp_helpers.rules import (
     AlphaBetaRule,
     EpsilonRule,
@@ -290,8 +293,42 @@ class TestMappers:
     def test_first_layer_rule_stays_on_the_first_layer_when_the_user_maps_it(self):
         from tdhook.attribution.lrp_helpers.rules import EpsilonPlusFlat
 
-        model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2), nn.Linear(2, 1))
-        stop = StopRule()
-        rules = EpsilonPlusFlat(rule_mapper={"0": stop}).rules(model)
-        assert rules["0"] is stop
-        assert [type(rules[k]).__name__ for k in ("2", "3")] == ["EpsilonRule", "EpsilonRule"]
+        model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 4), nn.Linear(4, 1)).double()
+        epsilon = EpsilonRule()
+        rules = EpsilonPlusFlat(rule_mapper={"0": epsilon}).rules(model)
+        assert rules["0"] is epsilon
+        # Layers 2 and 3 are not reached first by the input: they keep ε, never Flat.
+        td = TensorDict(x=torch.randn(5, 3, dtype=torch.float64), batch_size=[5])
+        keys = {"in_keys": ["x"], "out_keys": ["y"]}
+        ours = LRP(model, EpsilonPlusFlat(rule_mapper={"0": epsilon}), **keys)(td.clone())["relevance", "x"]
+        all_epsilon = LRP(model, {nn.Linear: EpsilonRule()}, **keys)(td.clone())["relevance", "x"]
+        torch.testing.assert_close(ours, all_epsilon, rtol=1e-12, atol=1e-12)
+
+    def test_first_layer_is_the_one_the_input_reaches(self):
+        from tdhook.attribution.lrp_helpers.rules import EpsilonPlusFlat
+
+        class TwoEncoders(nn.Module):
+            """Declares the head first; each input has its own encoder."""
+
+            def __init__(self):
+                super().__init__()
+                self.head = nn.Linear(6, 2)
+                self.encode_a, self.encode_b = nn.Linear(3, 3), nn.Linear(2, 3)
+
+            def forward(self, a, b):
+                return self.head(torch.cat([self.encode_a(a), self.encode_b(b)], -1).relu())
+
+        model = TwoEncoders().double()
+        td = TensorDict(a=torch.randn(4, 3).double(), b=torch.randn(4, 2).double(), batch_size=[4])
+        module = TensorDictModule(model, in_keys=["a", "b"], out_keys=["y"])
+        ours = LRP(module, rule_mapper=EpsilonPlusFlat(epsilon=0.1))(td.clone())
+        # Names are those of the object passed: here the TensorDictModule, which holds the model as "module".
+        flat, eps = FlatRule(), EpsilonRule(0.1)
+        by_name = {"module.encode_a": flat, "module.encode_b": flat, "module.head": eps}
+        expected = LRP(module, rule_mapper=by_name)(td.clone())
+        for key in ("a", "b"):
+            torch.testing.assert_close(ours["relevance", key], expected["relevance", key], rtol=1e-12, atol=1e-12)
+        # Flat gives every input of an encoder the same relevance within a sample.
+        for key in ("a", "b"):
+            rel = ours["relevance", key]
+            torch.testing.assert_close(rel, rel[:, :1].expand_as(rel))

@@ -13,6 +13,7 @@ when it is registered.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -33,6 +34,8 @@ __all__ = [
     "RemovableRuleHandle",
     "Registration",
     "Rule",
+    "LayerCall",
+    "MergedLayer",
     "EpsilonRule",
     "UniformEpsilonRule",
     "PassRule",
@@ -44,6 +47,8 @@ __all__ = [
     "FlatRule",
     "WSquareRule",
     "ZBoxRule",
+    "FirstLayerRule",
+    "MergeBatchNormRule",
     "RuleMapper",
     "rule_mapper_from_dict",
     "BaseRuleMapper",
@@ -136,12 +141,20 @@ class ParamModifier:
 
         return cls(modify_fn, select_fn)
 
+    def modify(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The selected entries of ``params``, modified (for example a layer merged with its BatchNorm).
+
+        Examples:
+            >>> ParamModifier(lambda n, p: 2 * p).modify({"weight": torch.ones(1)})
+            {'weight': tensor([2.])}
+        """
+        with torch.no_grad():
+            return {n: self.modify_fn(n, p.detach()) for n, p in params.items() if self.select_fn(n, p)}
+
     def state_dicts(self, module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The selected parameters of ``module`` (not of its children), as they are and as modified."""
         original = {n: p for n, p in module.named_parameters(recurse=False) if self.select_fn(n, p)}
-        with torch.no_grad():
-            modified = {n: self.modify_fn(n, p.detach()) for n, p in original.items()}
-        return original, modified
+        return original, self.modify(original)
 
     @contextmanager
     def __call__(self, module: nn.Module) -> Iterator[nn.Module]:
@@ -164,6 +177,13 @@ def _zeroing(names: Sequence[str]) -> ParamModifier:
     return ParamModifier(lambda n, p: torch.zeros_like(p), lambda n, p: n in names)
 
 
+_TRANSPOSED = {
+    nn.ConvTranspose1d: F.conv_transpose1d,
+    nn.ConvTranspose2d: F.conv_transpose2d,
+    nn.ConvTranspose3d: F.conv_transpose3d,
+}
+
+
 def _forward_with(module: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, busy: list) -> torch.Tensor:
     """Run ``module`` on ``x`` with ``params`` in place of its own parameters."""
     weight = params.get("weight", getattr(module, "weight", None))
@@ -172,6 +192,9 @@ def _forward_with(module: nn.Module, params: dict[str, torch.Tensor], x: torch.T
         return F.linear(x, weight, bias)
     if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
         return module._conv_forward(x, weight, bias)
+    if type(module) in _TRANSPOSED:
+        m = module
+        return _TRANSPOSED[type(m)](x, weight, bias, m.stride, m.padding, m.output_padding, m.groups, m.dilation)
     busy.append(True)  # the rule's own hook must not run on this inner call
     try:
         return functional_call(module, params, (x,))
@@ -191,6 +214,51 @@ class Registration:
     snapshots: list = field(default_factory=list)
     records: list = field(default_factory=list)
     busy: list = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class LayerCall:
+    """One call of a Linear or convolution layer, attached to the tensor its rule returned.
+
+    A BatchNorm that reads this tensor merges itself into the layer (see
+    :class:`MergeBatchNormRule`). ``observers`` are called with the merged
+    layer's output when that happens, so that checks and inner-layer relevance
+    see the output of the merged layer.
+    """
+
+    module: nn.Module
+    rule: Rule
+    registration: Registration
+    x: torch.Tensor
+    raw: torch.Tensor
+    version: int
+    observers: list = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class MergedLayer:
+    """A Linear or convolution layer with the following BatchNorm folded in.
+
+    ``params`` holds ``weight`` and ``bias`` of the merged layer, ``channel_scale``
+    the BatchNorm's ``γ / sqrt(var + eps)`` per channel, and ``cache`` whatever a
+    rule derives from them (computed once per context).
+    """
+
+    params: dict[str, torch.Tensor]
+    channel_scale: torch.Tensor
+    cache: dict = field(default_factory=dict)
+
+
+_LAYER_CALL = "_tdhook_layer_call"
+_LAYER_MARK = "tdhook_layer"
+
+
+def layer_call_of(tensor: Any) -> LayerCall | None:
+    """The :class:`LayerCall` that produced ``tensor``, if it is still unmodified."""
+    call = getattr(tensor, _LAYER_CALL, None)
+    if call is None or call.version != tensor._version:
+        return None
+    return call
 
 
 class RemovableRuleHandle:
@@ -214,13 +282,21 @@ class RemovableRuleHandle:
         """The module, or ``None`` once it has been garbage collected."""
         return self._module_ref()
 
+    @property
+    def records(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Relevance not carried by the gradient so far, as ``(module input, relevance)`` pairs."""
+        module = self.module
+        registration = self.rule._registrations.get(module) if module is not None else None
+        return list(registration.records) if registration is not None else []
+
     def pop_records(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Relevance not carried by the gradient, as ``(module input, relevance)`` pairs, since the last pop."""
         module = self.module
         registration = self.rule._registrations.get(module) if module is not None else None
         if registration is None:
             return []
-        records, registration.records = registration.records, []
+        records = list(registration.records)
+        registration.records.clear()
         return records
 
     def remove(self) -> None:
@@ -246,6 +322,8 @@ class Rule:
 
     #: whether :meth:`rewrite` reads the module's input (in-place modules then keep a copy of it).
     uses_input: bool = True
+    #: whether :meth:`rewrite_merged` is implemented (a following BatchNorm can be merged).
+    merges_batch_norm: bool = False
 
     def __init__(self) -> None:
         self._registrations: weakref.WeakKeyDictionary[nn.Module, Registration] = weakref.WeakKeyDictionary()
@@ -268,16 +346,36 @@ class Rule:
         """
         raise NotImplementedError
 
+    def rewrite_merged(self, call: LayerCall, output: torch.Tensor, merged: MergedLayer) -> torch.Tensor | None:
+        """Like :meth:`rewrite`, for ``call.module`` merged with the BatchNorm whose output is ``output``.
+
+        The returned tensor replaces the BatchNorm's output. Implemented by the
+        rules with ``merges_batch_norm = True``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot be merged with a BatchNorm")
+
+    def resolve(self, module: nn.Module, registration: Registration, inputs: tuple) -> tuple[Rule, Registration]:
+        """The rule that handles this call (a rule that delegates returns another)."""
+        return self, registration
+
     def register(self, module: nn.Module) -> RemovableRuleHandle:
         """Attach the rule to ``module``; the returned handle removes it."""
         if module in self._registrations:
             raise ValueError(f"{self!r} is already registered on this {type(module).__name__}")
-        registration = Registration(self.prepare(module))
+        registration = self._new_registration(module)
         if self.uses_input and getattr(module, "inplace", False):
             registration.hooks.append(module.register_forward_pre_hook(self._snapshot_hook(registration)))
         registration.hooks.append(module.register_forward_hook(self._forward_hook(registration)))
         self._registrations[module] = registration
         return RemovableRuleHandle(self, module)
+
+    def _new_registration(self, module: nn.Module) -> Registration:
+        return Registration(self.prepare(module))
+
+    def is_registered(self, module: nn.Module) -> bool:
+        """Whether the rule has hooks on ``module``."""
+        registration = self._registrations.get(module)
+        return registration is not None and bool(registration.hooks)
 
     def unregister(self, module: nn.Module) -> None:
         """Detach the rule from ``module`` (no-op when it is not attached)."""
@@ -301,9 +399,42 @@ class Rule:
                 return None
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return None
-            return self.rewrite(module, registration, inputs, output)
+            rule, reg = self.resolve(module, registration, inputs)
+            result = rule.rewrite(module, reg, inputs, output)
+            if isinstance(module, _LINEAR_LAYERS) and len(inputs) == 1 and isinstance(inputs[0], torch.Tensor):
+                _mark(result if result is not None else output, LayerCall(module, rule, reg, inputs[0], output, 0))
+            return result
 
         return hook
+
+
+def _mark(tensor: torch.Tensor, call: LayerCall) -> None:
+    """Attach ``call`` to the layer's output and mark its autograd node as a layer boundary."""
+    call.version = tensor._version
+    setattr(tensor, _LAYER_CALL, call)
+    if tensor.grad_fn is not None:
+        tensor.grad_fn.metadata[_LAYER_MARK] = True
+
+
+def _reaches_model_input(x: torch.Tensor) -> bool:
+    """Whether ``x`` depends on a non-parameter leaf without passing through a Linear or convolution layer."""
+    if x.grad_fn is None:
+        return x.requires_grad and not isinstance(x, nn.Parameter)
+    stack, seen = [x.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node.metadata.get(_LAYER_MARK, False):
+            continue
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            if not isinstance(variable, nn.Parameter):
+                return True
+            continue
+        stack.extend(fn for fn, _ in node.next_functions)
+    return False
 
 
 def _single_input(rule: Rule, module: nn.Module, inputs: tuple) -> torch.Tensor:
@@ -321,7 +452,9 @@ class IgnoreRule(Rule):
     """The plain gradient: ``R_i = x_i * (∂z/∂x)^T (R / z)`` for linear ``z`` (LRP-0).
 
     For MaxPool, Dropout, Flatten, Identity and other modules whose gradient
-    already routes relevance. Registers nothing.
+    already routes relevance, it registers nothing. On Linear and convolution
+    layers it registers a hook that changes nothing but lets a following
+    BatchNorm merge into the layer (the merged pair is then differentiated as it is).
 
     Examples:
         >>> pool = nn.MaxPool1d(2)
@@ -330,8 +463,19 @@ class IgnoreRule(Rule):
         0
     """
 
+    uses_input = False
+    merges_batch_norm = True
+
     def register(self, module: nn.Module) -> RemovableRuleHandle:
+        if isinstance(module, _LINEAR_LAYERS):
+            return super().register(module)
         return RemovableRuleHandle(self, module)
+
+    def rewrite(self, module, registration, inputs, output):
+        return None
+
+    def rewrite_merged(self, call, output, merged):
+        return None
 
 
 class StopRule(Rule):
@@ -372,6 +516,7 @@ class EpsilonRule(Rule):
     """
 
     uses_input = False
+    merges_batch_norm = True
 
     def __init__(self, epsilon: float = 1e-6) -> None:
         super().__init__()
@@ -385,8 +530,14 @@ class EpsilonRule(Rule):
 
     def rewrite(self, module, registration, inputs, output):
         scale = self._scale(output, 1)
-        output.register_hook(lambda grad: grad * scale)
-        return None
+        return redirect(output, [output], lambda grad: [grad * scale])
+
+    def rewrite_merged(self, call, output, merged):
+        # The merged layer's weights are the layer's times the channel scale: the
+        # gradient at the layer's own output is the merged one times that scale.
+        channel = merged.channel_scale.view(-1, *[1] * (output.dim() - 2))
+        scale = self._scale(output, 1) * channel
+        return redirect(output, [call.raw], lambda grad: [grad * scale])
 
 
 class UniformEpsilonRule(EpsilonRule):
@@ -409,8 +560,7 @@ class UniformEpsilonRule(EpsilonRule):
     def rewrite(self, module, registration, inputs, output):
         n_inputs = sum(isinstance(i, torch.Tensor) and i.requires_grad for i in inputs)
         scale = self._scale(output, max(n_inputs, 1))
-        output.register_hook(lambda grad: grad * scale)
-        return None
+        return redirect(output, [output], lambda grad: [grad * scale])
 
 
 class PassRule(Rule):
@@ -494,7 +644,14 @@ class UniformRule(Rule):
 
 
 class _ModifiedForwardRule(Rule):
-    """Rules that route relevance through forward passes with modified parameters."""
+    """Rules that route relevance through forward passes with modified parameters.
+
+    The modified passes run in the backward pass, only when relevance reaches
+    the layer: a layer whose relevance is taken over by a merged BatchNorm, or
+    that lies off the explained path, costs nothing but a copy of its output.
+    """
+
+    merges_batch_norm = True
 
     def __init__(self, stabilizer: float = 1e-6, zero_params: Sequence[str] = ()) -> None:
         super().__init__()
@@ -504,32 +661,73 @@ class _ModifiedForwardRule(Rule):
     def modifiers(self) -> dict[str, ParamModifier]:
         raise NotImplementedError
 
+    def modified_params(self, params: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """The modified parameter sets of the rule, by name, built from ``params``."""
+        zero = _zeroing(self.zero_params)
+        return {key: ParamModifier.from_modifiers([zero, m]).modify(params) for key, m in self.modifiers().items()}
+
     def prepare(self, module: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
         if not isinstance(getattr(module, "weight", None), torch.Tensor):
             raise ValueError(f"{type(self).__name__} needs a module with a weight; {type(module).__name__} has none")
-        zero = _zeroing(self.zero_params)
-        params = {}
-        for key, modifier in self.modifiers().items():
-            _, modified = ParamModifier.from_modifiers([zero, modifier]).state_dicts(module)
-            params[key] = modified
-        return params
+        return self.modified_params(dict(module.named_parameters(recurse=False)))
 
-    def _forward(self, module, registration, key, x):
-        return _forward_with(module, registration.state[key], x, registration.busy)
+    def input_gradient(
+        self,
+        module: nn.Module,
+        registration: Registration,
+        params: dict[str, dict[str, torch.Tensor]],
+        x: torch.Tensor,
+        z: torch.Tensor,
+        grad: torch.Tensor,
+    ) -> torch.Tensor:
+        """The gradient the rule sends to the layer input ``x``, given the output ``z`` and its gradient."""
+        raise NotImplementedError
 
-    def _signed_forward(self, module, registration, x, pairs: Sequence[tuple[str, str]]) -> list[torch.Tensor]:
+    def rewrite(self, module, registration, inputs, output):
+        x = _single_input(self, module, inputs)
+        if not x.requires_grad:
+            return None
+        return self._redirect_lazily(module, registration, registration.state, x, output)
+
+    def rewrite_merged(self, call, output, merged):
+        params = merged.cache.get(self)
+        if params is None:
+            params = merged.cache[self] = self.modified_params(merged.params)
+        return self._redirect_lazily(call.module, call.registration, params, call.x, output)
+
+    def _redirect_lazily(self, module, registration, params, x, output):
+        z = output.detach().clone()  # later in-place operations (ReLU(inplace=True)) must not change it
+        version = x._version
+
+        def backward(grad: torch.Tensor) -> list[torch.Tensor]:
+            if x._version != version:
+                raise RuntimeError(
+                    f"{type(self).__name__} on {type(module).__name__}: the layer's input was modified in place "
+                    "after the layer ran; make that operation out of place"
+                )
+            with torch.enable_grad():
+                return [self.input_gradient(module, registration, params, x, z, grad)]
+
+        return redirect(output, [x], backward)
+
+    @staticmethod
+    def _forward(module, registration, params, x):
+        return _forward_with(module, params, x, registration.busy)
+
+    def _signed_forward(self, module, registration, params, x, pairs: Sequence[tuple[str, str]]) -> list[torch.Tensor]:
         """For each ``(key⁺, key⁻)``: the forward of ``x⁺`` with params ``key⁺`` plus ``x⁻`` with ``key⁻``.
 
         The ``x⁻`` pass is skipped when ``x`` has no negative entry (after a ReLU): it would add exact zeros.
         """
-        x_pos, x_neg = x.clamp(min=0), x.clamp(max=0)
         has_neg = bool((x < 0).any())
+        x_pos = x.clamp(min=0) if has_neg else x
+        x_neg = x.clamp(max=0)
         outputs = []
         for pos_key, neg_key in pairs:
-            z = self._forward(module, registration, pos_key, x_pos)
+            out = self._forward(module, registration, params[pos_key], x_pos)
             if has_neg:
-                z = z + self._forward(module, registration, neg_key, x_neg)
-            outputs.append(z)
+                out = out + self._forward(module, registration, params[neg_key], x_neg)
+            outputs.append(out)
         return outputs
 
 
@@ -573,16 +771,13 @@ class AlphaBetaRule(_ModifiedForwardRule):
             mods["pos_nobias"] = ParamModifier.from_modifiers([positive, _ZERO_BIAS])
         return mods
 
-    def rewrite(self, module, registration, inputs, output):
-        x = _single_input(self, module, inputs)
-        if not x.requires_grad:
-            return None
+    def input_gradient(self, module, registration, params, x, z, grad):
+        leaf = x.detach().requires_grad_(True)
         pairs = [("pos", "neg_nobias"), ("neg", "pos_nobias")] if self.beta else [("pos", "neg_nobias")]
-        modified = self._signed_forward(module, registration, x, pairs)
-        z = output.detach()
+        modified = self._signed_forward(module, registration, params, leaf, pairs)
         factors = (self.alpha, -self.beta)
-        scales = [f * z / stabilize(m.detach(), self.stabilizer) for f, m in zip(factors, modified, strict=False)]
-        return redirect(output, modified, lambda grad: [grad * s for s in scales])
+        grads = [f * grad * z / stabilize(m.detach(), self.stabilizer) for f, m in zip(factors, modified, strict=False)]
+        return torch.autograd.grad(modified, leaf, grads)[0]
 
 
 class GammaRule(_ModifiedForwardRule):
@@ -615,15 +810,13 @@ class GammaRule(_ModifiedForwardRule):
             "down_nobias": ParamModifier.from_modifiers([down, _ZERO_BIAS]),
         }
 
-    def rewrite(self, module, registration, inputs, output):
-        x = _single_input(self, module, inputs)
-        if not x.requires_grad:
-            return None
-        z_up, z_down = self._signed_forward(module, registration, x, [("up", "down_nobias"), ("down", "up_nobias")])
-        z = output.detach()
-        scale_up = torch.where(z > 0, z, 0) / stabilize(z_up.detach(), self.stabilizer)
-        scale_down = torch.where(z < 0, z, 0) / stabilize(z_down.detach(), self.stabilizer)
-        return redirect(output, [z_up, z_down], lambda grad: [grad * scale_up, grad * scale_down])
+    def input_gradient(self, module, registration, params, x, z, grad):
+        leaf = x.detach().requires_grad_(True)
+        pairs = [("up", "down_nobias"), ("down", "up_nobias")]
+        z_up, z_down = self._signed_forward(module, registration, params, leaf, pairs)
+        grad_up = grad * torch.where(z > 0, z, 0) / stabilize(z_up.detach(), self.stabilizer)
+        grad_down = grad * torch.where(z < 0, z, 0) / stabilize(z_down.detach(), self.stabilizer)
+        return torch.autograd.grad((z_up, z_down), leaf, (grad_up, grad_down))[0]
 
 
 class _DirectInputRule(_ModifiedForwardRule):
@@ -632,23 +825,24 @@ class _DirectInputRule(_ModifiedForwardRule):
     def stand_ins(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [torch.ones_like(x)]
 
-    def modified_output(self, module, registration, stand_ins) -> torch.Tensor:
-        return self._forward(module, registration, "mod", stand_ins[0])
+    def modified_output(self, module, registration, params, stand_ins) -> torch.Tensor:
+        return self._forward(module, registration, params["mod"], stand_ins[0])
 
     def relevance(self, stand_ins, grads) -> torch.Tensor:
         return grads[0]
 
-    def rewrite(self, module, registration, inputs, output):
-        x = _single_input(self, module, inputs)
-        if not x.requires_grad:
-            return None
-        values = [s.detach() for s in self.stand_ins(x)]
-        proxies = relevance_proxy(
-            x, values, lambda grads: self.relevance(values, grads), lambda rest: registration.records.append((x, rest))
-        )
-        z_mod = self.modified_output(module, registration, proxies)
-        scale = output.detach() / stabilize(z_mod.detach(), self.stabilizer)
-        return redirect(output, [z_mod], lambda grad: [grad * scale])
+    def input_gradient(self, module, registration, params, x, z, grad):
+        leaves = [s.detach().requires_grad_(True) for s in self.stand_ins(x.detach())]
+        z_mod = self.modified_output(module, registration, params, leaves)
+        start = grad * z / stabilize(z_mod.detach(), self.stabilizer)
+        grads = torch.autograd.grad(z_mod, leaves, start, allow_unused=True)
+        with torch.no_grad():
+            relevance = self.relevance([s.detach() for s in leaves], grads)
+            value = x.detach()
+            grad_x = torch.where(value != 0, relevance / torch.where(value != 0, value, 1), 0)
+        # The gradient carries R = x * grad_x; what it cannot carry (where x = 0) is recorded.
+        registration.records.append((x, relevance - value * grad_x))
+        return grad_x
 
 
 class FlatRule(_DirectInputRule):
@@ -718,16 +912,160 @@ class ZBoxRule(_DirectInputRule):
         high = torch.as_tensor(self.high, dtype=x.dtype, device=x.device).expand_as(x)
         return [x, low, high]
 
-    def modified_output(self, module, registration, stand_ins):
+    def modified_output(self, module, registration, params, stand_ins):
         x, low, high = stand_ins
         return (
-            self._forward(module, registration, "orig", x)
-            - self._forward(module, registration, "pos", low)
-            - self._forward(module, registration, "neg", high)
+            self._forward(module, registration, params["orig"], x)
+            - self._forward(module, registration, params["pos"], low)
+            - self._forward(module, registration, params["neg"], high)
         )
 
     def relevance(self, stand_ins, grads):
         return sum(s * g for s, g in zip(stand_ins, grads, strict=True) if g is not None)
+
+
+_UNPREPARED = object()
+
+
+class FirstLayerRule(Rule):
+    """``first`` on calls whose input comes from the model's input, ``other`` on the rest.
+
+    A call counts as a first-layer call when its input depends on a tensor
+    that is not a parameter without passing through another Linear or
+    convolution layer, so the first layer is the one the input reaches,
+    wherever it is declared, and every encoder of a multi-input model gets it.
+
+    Examples:
+        >>> class Late(nn.Module):  # declares the output layer before the input layer
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.head, self.stem = nn.Linear(4, 1), nn.Linear(3, 4)
+        ...     def forward(self, x):
+        ...         return self.head(self.stem(x).relu())
+        >>> model, rule = Late(), FirstLayerRule(first=EpsilonRule(), other=StopRule())
+        >>> x = torch.randn(2, 3, requires_grad=True)
+        >>> with rule.register(model.stem), rule.register(model.head):
+        ...     model(x).requires_grad  # the head, declared first, is not the first layer: StopRule
+        False
+    """
+
+    uses_input = False
+
+    def __init__(self, first: Rule, other: Rule | None = None) -> None:
+        super().__init__()
+        self.first = first
+        self.other = other if other is not None else IgnoreRule()
+
+    def _new_registration(self, module: nn.Module) -> Registration:
+        outer = Registration(None)
+        # Both inner registrations share the outer one's records, read by the handle. Their
+        # state is prepared at the first call that needs it: most layers never use ``first``.
+        outer.state = [Registration(_UNPREPARED, records=outer.records, busy=outer.busy) for _ in self._pair]
+        return outer
+
+    @property
+    def _pair(self) -> tuple[Rule, Rule]:
+        return self.first, self.other
+
+    def resolve(self, module, registration, inputs):
+        index = 0 if inputs and isinstance(inputs[0], torch.Tensor) and _reaches_model_input(inputs[0]) else 1
+        rule, inner = self._pair[index], registration.state[index]
+        if inner.state is _UNPREPARED:
+            inner.state = rule.prepare(module)
+        return rule, inner
+
+
+class MergeBatchNormRule(PassRule):
+    """A BatchNorm in eval mode merged into the Linear or convolution layer that feeds it.
+
+    When the BatchNorm's input is the unmodified output of a layer with a rule
+    that supports merging, that rule is applied to the merged layer
+    ``W' = W s``, ``b' = (b - μ) s + β`` with ``s = γ / sqrt(var + eps)`` (what
+    zennit's BatchNorm canonizers compute), without writing any parameter.
+    Otherwise (training mode, no running statistics, another producer) it is
+    :class:`PassRule`.
+
+    Examples:
+        >>> conv, bn, rule = nn.Conv1d(1, 2, 3), nn.BatchNorm1d(2).eval(), AlphaBetaRule(1.0, 0.0)
+        >>> bn.running_mean.fill_(0.5), bn.running_var.fill_(4.0)  # doctest: +ELLIPSIS
+        (...)
+        >>> by_hand = nn.Conv1d(1, 2, 3)  # the merged layer, built by hand
+        >>> with torch.no_grad():
+        ...     s = bn.weight / (bn.running_var + bn.eps).sqrt()
+        ...     _ = by_hand.weight.copy_(conv.weight * s.view(-1, 1, 1))
+        ...     _ = by_hand.bias.copy_((conv.bias - bn.running_mean) * s + bn.bias)
+        >>> def relevance(*layers):
+        ...     x = torch.randn(1, 1, 5, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        ...     out = nn.Sequential(*layers)(x)
+        ...     return x * torch.autograd.grad(out, x, out.detach())[0]
+        >>> with rule.register(conv), MergeBatchNormRule().register(bn):
+        ...     merged = relevance(conv, bn)
+        >>> with rule.register(by_hand):
+        ...     expected = relevance(by_hand)
+        >>> torch.allclose(merged, expected)
+        True
+    """
+
+    def __init__(self, stabilizer: float = 1e-12) -> None:
+        super().__init__(stabilizer)
+        self._warned: set[type] = set()
+
+    def prepare(self, module: nn.Module) -> dict:
+        return {}
+
+    def rewrite(self, module, registration, inputs, output):
+        call = layer_call_of(inputs[0]) if len(inputs) == 1 else None
+        if call is None or not _can_merge(call, module):
+            return super().rewrite(module, registration, inputs, output)
+        if not call.rule.merges_batch_norm:
+            if type(call.rule) not in self._warned:
+                self._warned.add(type(call.rule))
+                warnings.warn(
+                    f"{type(call.rule).__name__} on {type(call.module).__name__} cannot be merged with the "
+                    f"{type(module).__name__} that follows it; the {type(module).__name__} passes relevance through",
+                    stacklevel=2,
+                )
+            return super().rewrite(module, registration, inputs, output)
+        merged = registration.state.get(call.module)
+        if merged is None:
+            merged = registration.state[call.module] = _merge_batch_norm(call.module, module)
+        result = call.rule.rewrite_merged(call, output, merged)
+        if result is not None and result.grad_fn is not None:
+            result.grad_fn.metadata[_LAYER_MARK] = True  # the merged layer's output is a layer boundary
+        for observe in call.observers:
+            observe(result if result is not None else output)
+        return result
+
+
+def _can_merge(call: LayerCall, norm: nn.Module) -> bool:
+    if norm.training or norm.running_mean is None or norm.running_var is None:
+        return False
+    raw = call.raw
+    if isinstance(call.module, nn.Linear) and raw.dim() != 2:
+        return False  # BatchNorm1d on (N, L, C) normalises L, not the layer's features
+    return raw.dim() >= 2 and raw.shape[1] == norm.num_features
+
+
+def _merge_batch_norm(layer: nn.Module, norm: nn.Module) -> MergedLayer:
+    with torch.no_grad():
+        scale = (norm.running_var + norm.eps).rsqrt()
+        shift = torch.zeros_like(scale)
+        if norm.weight is not None:
+            scale = scale * norm.weight
+        if norm.bias is not None:
+            shift = norm.bias.detach()
+        weight = layer.weight.detach()
+        bias = layer.bias.detach() if layer.bias is not None else torch.zeros_like(norm.running_mean)
+        if isinstance(layer, tuple(_TRANSPOSED)):
+            # (in, out / groups, *kernel): output channel g * out / groups + j sits at [group g's inputs, j].
+            groups = layer.groups
+            grouped = weight.reshape(groups, weight.shape[0] // groups, *weight.shape[1:])
+            per_group = scale.reshape(groups, 1, -1, *[1] * (weight.dim() - 2))
+            weight = (grouped * per_group).reshape(weight.shape)
+        else:
+            weight = weight * scale.view(-1, *[1] * (weight.dim() - 1))
+        bias = (bias - norm.running_mean) * scale + shift
+    return MergedLayer({"weight": weight, "bias": bias}, scale)
 
 
 # ----------------------------------------------------------------------------- mappers and presets
@@ -820,10 +1158,13 @@ class BaseRuleMapper:
     """Map ``(name, module)`` to a rule: the user's mapper first, then defaults.
 
     Defaults: activations → :class:`PassRule`; average pooling → :class:`EpsilonRule`
-    with ``stabilizer`` (zennit's ``Norm``); BatchNorm → :class:`PassRule`;
-    MaxPool, Dropout, Flatten, Unflatten, Identity → :class:`IgnoreRule`. Other
-    modules get no rule (plain gradient). Subclasses add Linear/Conv rules in
-    :meth:`layer_rule` and a special first layer in :meth:`first_layer_rule`.
+    with ``stabilizer`` (zennit's ``Norm``); BatchNorm → :class:`MergeBatchNormRule`
+    (merged into the layer before it, else passed through); Linear and
+    convolution layers, MaxPool, Dropout, Flatten, Unflatten, Identity →
+    :class:`IgnoreRule`. Other modules get no rule (plain gradient).
+    Subclasses add Linear/Conv rules in :meth:`layer_rule` and a special first
+    layer in :meth:`first_layer_rule`, applied by :class:`FirstLayerRule` to
+    the layers the model's input reaches first.
 
     Args:
         stabilizer: stabilizer of the default rules.
@@ -833,7 +1174,7 @@ class BaseRuleMapper:
     Examples:
         >>> mapper = BaseRuleMapper(rule_mapper=lambda name, m: StopRule() if name == "head" else None)
         >>> mapper("head", nn.Linear(2, 2)), mapper("act", nn.Tanh()), mapper("fc", nn.Linear(2, 2))
-        (StopRule(), PassRule(stabilizer=1e-12), None)
+        (StopRule(), PassRule(stabilizer=1e-12), IgnoreRule())
     """
 
     def __init__(self, stabilizer: float = 1e-6, rule_mapper: RuleMapper | Mapping | None = None) -> None:
@@ -842,6 +1183,8 @@ class BaseRuleMapper:
         self._pass = PassRule()
         self._norm = EpsilonRule(epsilon=stabilizer)
         self._ignore = IgnoreRule()
+        self._merge_batch_norm = MergeBatchNormRule()
+        self._first_layer_rules: dict[tuple[int, int], FirstLayerRule] = {}
 
     def __call__(self, name: str, module: nn.Module) -> Rule | None:
         if self.rule_mapper is not None:
@@ -852,11 +1195,13 @@ class BaseRuleMapper:
 
     def default_rule(self, name: str, module: nn.Module) -> Rule | None:
         """The rule for activations, pooling, norms, dropout and shape modules."""
-        if isinstance(module, _ACTIVATIONS) or isinstance(module, _BATCH_NORMS):
+        if isinstance(module, _ACTIVATIONS):
             return self._pass
+        if isinstance(module, _BATCH_NORMS):
+            return self._merge_batch_norm
         if isinstance(module, _AVG_POOLS):
             return self._norm
-        if isinstance(module, _GRADIENT_ROUTED):
+        if isinstance(module, (*_GRADIENT_ROUTED, *_LINEAR_LAYERS)):
             return self._ignore
         return None
 
@@ -869,20 +1214,31 @@ class BaseRuleMapper:
         return None
 
     def rules(self, model: nn.Module) -> dict[str, Rule]:
-        """The rule of every module of ``model`` that has one, by module name."""
+        """The rule of every module of ``model`` that has one, by module name.
+
+        Linear and convolution layers whose :meth:`first_layer_rule` differs
+        from their rule get a :class:`FirstLayerRule` choosing between the two
+        at each call. A module the user's mapper names keeps the user's rule.
+        """
         rules: dict[str, Rule] = {}
-        first = next((m for _, m in model.named_modules() if isinstance(m, _LINEAR_LAYERS)), None)
         for name, module in model.named_modules():
             rule = None
             if self.rule_mapper is not None:
                 rule = self.rule_mapper(name, module)
-            if rule is None and module is first:
-                rule = self.first_layer_rule(name, module)
             if rule is None:
                 rule = self.layer_rule(name, module) or self.default_rule(name, module)
+                first = self.first_layer_rule(name, module) if isinstance(module, _LINEAR_LAYERS) else None
+                if first is not None and first is not rule:
+                    rule = self._first_layer_switch(first, rule)
             if rule is not None:
                 rules[name] = rule
         return rules
+
+    def _first_layer_switch(self, first: Rule, other: Rule | None) -> FirstLayerRule:
+        key = (id(first), id(other))
+        if key not in self._first_layer_rules:
+            self._first_layer_rules[key] = FirstLayerRule(first, other)
+        return self._first_layer_rules[key]
 
 
 class EpsilonPlus(BaseRuleMapper):
@@ -915,8 +1271,9 @@ class EpsilonPlusFlat(EpsilonPlus):
 
     Examples:
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
-        >>> {name: type(rule).__name__ for name, rule in EpsilonPlusFlat().rules(model).items()}
-        {'0': 'FlatRule', '1': 'PassRule', '2': 'EpsilonRule'}
+        >>> rules = EpsilonPlusFlat().rules(model)
+        >>> rules["0"].first, rules["0"].other, rules["1"]
+        (FlatRule(stabilizer=1e-06, zero_params=()), EpsilonRule(epsilon=1e-06), PassRule(stabilizer=1e-12))
     """
 
     def __init__(
@@ -954,7 +1311,7 @@ class EpsilonAlpha2Beta1Flat(EpsilonAlpha2Beta1):
     Examples:
         >>> model = nn.Sequential(nn.Conv1d(1, 2, 3), nn.ReLU(), nn.Conv1d(2, 1, 3))
         >>> [type(r).__name__ for r in EpsilonAlpha2Beta1Flat().rules(model).values()]
-        ['FlatRule', 'PassRule', 'AlphaBetaRule']
+        ['FirstLayerRule', 'PassRule', 'FirstLayerRule']
     """
 
     def __init__(
@@ -979,7 +1336,7 @@ class EpsilonGammaBox(BaseRuleMapper):
     Examples:
         >>> model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.Flatten(), nn.LazyLinear(2))
         >>> [type(r).__name__ for r in EpsilonGammaBox(-3.0, 3.0).rules(model).values()]
-        ['ZBoxRule', 'PassRule', 'GammaRule', 'IgnoreRule', 'EpsilonRule']
+        ['FirstLayerRule', 'PassRule', 'FirstLayerRule', 'IgnoreRule', 'EpsilonRule']
     """
 
     def __init__(

@@ -1,0 +1,201 @@
+"""Whole torchvision models against zennit: presets, automatic BatchNorm merging, restoration.
+
+zennit needs its canonizers to merge BatchNorm into the convolutions and to
+give the residual additions a rule; tdhook gets the same relevance with no
+canonizer, and leaves the model exactly as it found it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision
+from tensordict import TensorDict
+from torch import nn
+from zennit import composites as zcomposites
+from zennit.layer import Sum
+from zennit.rules import Norm
+from zennit.torchvision import ResNetCanonizer, VGGCanonizer
+
+from tdhook.attribution import LRP
+from tdhook.attribution.lrp_helpers.rules import (
+    BaseRuleMapper,
+    EpsilonAlpha2Beta1,
+    EpsilonGammaBox,
+    EpsilonPlusFlat,
+    raise_for_unconserved_rel_factory,
+)
+from tests.conftest import relative_error, zennit_model_relevance
+
+MODELS = {
+    "vgg11": (torchvision.models.vgg11, VGGCanonizer),
+    "vgg11_bn": (torchvision.models.vgg11_bn, VGGCanonizer),
+    "resnet18": (torchvision.models.resnet18, ResNetCanonizer),
+    "resnet50": (torchvision.models.resnet50, ResNetCanonizer),
+}
+
+PRESETS = {
+    "EpsilonPlusFlat": (lambda: EpsilonPlusFlat(), lambda: zcomposites.EpsilonPlusFlat()),
+    "EpsilonGammaBox": (
+        lambda: EpsilonGammaBox(-3.0, 3.0),
+        lambda: zcomposites.EpsilonGammaBox(low=-3.0, high=3.0),
+    ),
+    "EpsilonAlpha2Beta1": (lambda: EpsilonAlpha2Beta1(), lambda: zcomposites.EpsilonAlpha2Beta1()),
+}
+
+
+def unstabilised_sum(composite):
+    """``composite`` with the residual additions of zennit's ResNet canonizer under an unstabilised Norm."""
+    composite.layer_map = [(Sum, Norm(stabilizer=1e-30)), *composite.layer_map]
+    return composite
+
+
+def randomise_batch_norms(model: nn.Module, generator: torch.Generator, eps: float = 0.0) -> None:
+    """Give every BatchNorm statistics and affine parameters far from the identity.
+
+    ``eps`` defaults to zero because zennit's canonizer leaves each merged
+    BatchNorm computing ``x / sqrt(1 + eps)`` rather than the identity, which
+    shifts its forward pass by about ``eps / 2`` per BatchNorm; tdhook keeps the
+    model's exact function. With ``eps = 0`` both compute the same function.
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.eps = eps
+                n = module.num_features
+                module.running_mean.copy_(torch.randn(n, generator=generator) * 0.2)
+                module.running_var.copy_(torch.rand(n, generator=generator) * 1.5 + 0.5)
+                module.weight.copy_(torch.rand(n, generator=generator) + 0.5)
+                module.bias.copy_(torch.randn(n, generator=generator) * 0.1)
+
+
+def build(name: str, eps: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    model = MODELS[name][0](weights=None, num_classes=10).double().eval()
+    randomise_batch_norms(model, torch.Generator().manual_seed(1), eps)
+    return model
+
+
+def snapshot(model: nn.Module) -> tuple[dict[str, torch.Tensor], str, list]:
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    hooks = [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for m in model.modules()]
+    return state, repr(model), hooks
+
+
+def assert_unchanged(model: nn.Module, before: tuple[dict[str, torch.Tensor], str, list]) -> None:
+    state, structure, hooks = before
+    after = model.state_dict()
+    assert list(after) == list(state)
+    for key, value in state.items():
+        assert torch.equal(after[key], value), key
+        assert after[key].dtype == value.dtype, key
+    assert repr(model) == structure
+    assert [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for m in model.modules()] == (
+        hooks
+    )
+
+
+def image(batch: int = 2, size: int = 32) -> torch.Tensor:
+    return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+
+def tdhook_model_relevance(model: nn.Module, rule_mapper, x: torch.Tensor, **kwargs) -> TensorDict:
+    lrp = LRP(model, rule_mapper=rule_mapper, in_keys=["image"], out_keys=["logits"], **kwargs)
+    return lrp(TensorDict(image=x.clone(), batch_size=[x.shape[0]]))
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_preset_matches_zennit_with_canonizers(model_name: str, preset: str):
+    model = build(model_name)
+    ours, theirs = PRESETS[preset]
+    x = image()
+    before = snapshot(model)
+
+    relevance = tdhook_model_relevance(model, ours(), x)["relevance", "image"]
+    assert_unchanged(model, before)
+
+    expected = zennit_model_relevance(theirs(), model, x, canonizers=[MODELS[model_name][1]()])
+    if model_name.startswith("resnet"):
+        # zennit's canonizer turns each residual addition into a module with the Norm rule, whose
+        # stabilizer (1e-6) absorbs a little relevance; tdhook splits the sum exactly. With that
+        # stabilizer out of the way the two agree to rounding error.
+        assert relative_error(relevance, expected) <= 1e-4
+        expected = zennit_model_relevance(unstabilised_sum(theirs()), model, x, canonizers=[ResNetCanonizer()])
+    assert relative_error(relevance, expected) <= 1e-5
+    # Without merging, the result is measurably different: the test can tell.
+    if model_name != "vgg11":
+        unmerged = zennit_model_relevance(theirs(), model, x, canonizers=[])
+        assert relative_error(unmerged, expected) > 1e-3
+
+
+def test_batch_norm_in_training_mode_is_not_merged():
+    model = build("resnet18", eps=1e-5).train()
+    x = image()
+    before = snapshot(model)
+    relevance = tdhook_model_relevance(model, EpsilonPlusFlat(), x)["relevance", "image"]
+    assert torch.isfinite(relevance).all()
+    # Training mode updates running statistics in the forward pass, as the model itself would.
+    state, _, _ = before
+    assert not torch.equal(model.state_dict()["bn1.running_mean"], state["bn1.running_mean"])
+
+
+def zero_biases(model: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                # A merged bias (b - μ) s + β is zero when μ and β are.
+                module.running_mean.zero_()
+                module.bias.zero_()
+            elif getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+    return model
+
+
+class ResidualCNN(nn.Module):
+    """BatchNorm, residual blocks, pooling and in-place ReLU, as in a small ResNet."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True))
+        self.pool = nn.MaxPool2d(2)
+        self.block = torchvision.models.resnet.BasicBlock(8, 8)
+        downsample = nn.Sequential(nn.Conv2d(8, 16, 1, stride=2), nn.BatchNorm2d(16))
+        self.down = torchvision.models.resnet.BasicBlock(8, 16, stride=2, downsample=downsample)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5))
+
+    def forward(self, x):
+        return self.head(self.down(self.block(self.pool(self.stem(x)))))
+
+
+@pytest.mark.parametrize(
+    "rule_mapper",
+    [
+        BaseRuleMapper(stabilizer=1e-12),
+        EpsilonPlusFlat(epsilon=0.0, stabilizer=1e-12),
+        EpsilonGammaBox(-3.0, 3.0, epsilon=0.0, stabilizer=1e-12),
+    ],
+    ids=["lrp0", "EpsilonPlusFlat", "EpsilonGammaBox"],
+)
+def test_conservation_with_zero_biases(rule_mapper):
+    torch.manual_seed(0)
+    model = ResidualCNN().double().eval()
+    randomise_batch_norms(model, torch.Generator().manual_seed(3))
+    zero_biases(model)
+    x = image(batch=3, size=16)
+    check = raise_for_unconserved_rel_factory(atol=1e-9, rtol=1e-6)
+    td = tdhook_model_relevance(model, rule_mapper, x, relevance_check=check)
+    relevance, logits = td["relevance", "image"], td["logits"]
+    explained = logits.gather(1, logits.argmax(1, keepdim=True)).squeeze(1)
+    torch.testing.assert_close(relevance.flatten(1).sum(1), explained, rtol=1e-6, atol=1e-9)
+
+
+def test_lrp0_with_merged_batch_norm_is_gradient_times_input():
+    model = build("resnet18")
+    x = image()
+    # LRP-0 everywhere: no stabilizer on the average pooling either.
+    relevance = tdhook_model_relevance(model, BaseRuleMapper(stabilizer=0.0), x)["relevance", "image"]
+    leaf = x.clone().requires_grad_(True)
+    logits = model(leaf)
+    (grad,) = torch.autograd.grad(logits.max(1).values.sum(), leaf)
+    torch.testing.assert_close(relevance, (x * grad), rtol=1e-9, atol=1e-12)
