@@ -268,7 +268,9 @@ class TestBadInput:
 
     def test_non_floating_input(self):
         td = TensorDict(x=torch.ones(2, 5, dtype=torch.long), batch_size=[2])
-        self.run_and_expect(td, TypeError, "'x' must be a floating-point tensor to receive relevance, got torch.int64")
+        self.run_and_expect(td, TypeError, "'x' holds integer tokens .torch.int64., which receive relevance")
+        td = TensorDict(x=torch.ones(2, 5, dtype=torch.bool), batch_size=[2])
+        self.run_and_expect(td, TypeError, "'x' must be a floating-point tensor .or integer tokens")
 
     def test_target_out_of_range(self):
         td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])

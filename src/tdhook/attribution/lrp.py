@@ -157,6 +157,7 @@ class LRP(TensorDictModuleBase):
         self._handles: list[RemovableRuleHandle] | None = None
         self._hooks: list = []
         self._layer_cells: dict[str, list[OutputRelevance]] = {}
+        self._tokens: dict[int, tuple] = {}
 
     def named_explained_modules(self) -> dict[str, nn.Module]:
         """The wrapped model's modules by the names rule mappers and ``layers`` use."""
@@ -213,6 +214,9 @@ class LRP(TensorDictModuleBase):
                 self._add_check_hooks(handles, modules)
             for name in self.layer_keys:
                 self._hooks.append(modules[name].register_forward_hook(self._layer_hook(name)))
+            for name, sub in modules.items():
+                if isinstance(sub, nn.Embedding):
+                    self._hooks.append(sub.register_forward_hook(self._embedding_hook(name), prepend=True))
         except BaseException:
             self._remove(handles)
             raise
@@ -296,11 +300,11 @@ class LRP(TensorDictModuleBase):
                     f"LRP: input key {key!r} is missing from the TensorDict "
                     f"(keys: {sorted(map(str, tensordict.keys(include_nested=True, leaves_only=True)))})"
                 )
-            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            if not isinstance(value, torch.Tensor) or value.dtype == torch.bool or value.is_complex():
                 dtype = getattr(value, "dtype", type(value).__name__)
                 raise TypeError(
-                    f"LRP: input key {key!r} must be a floating-point tensor to receive relevance, got {dtype}; "
-                    "pass in_keys=[...] to explain only the floating-point inputs"
+                    f"LRP: input key {key!r} must be a floating-point tensor (or integer tokens read by an "
+                    f"nn.Embedding) to receive relevance, got {dtype}; pass in_keys=[...] to explain only those inputs"
                 )
 
     def _target_key(self, result: TensorDictBase) -> NestedKey:
@@ -318,17 +322,32 @@ class LRP(TensorDictModuleBase):
     def _explain(self, tensordict: TensorDictBase) -> TensorDictBase:
         self._validate_inputs(tensordict)
         work = tensordict.copy()
-        leaves, fed = [], []
+        leaves: list[torch.Tensor | None] = []
+        fed: list[torch.Tensor | None] = []
         self._layer_cells = {}
+        self._tokens = {}
         try:
             with torch.enable_grad():
-                for key in self.explained_keys:
-                    leaf = work.get(key).detach().requires_grad_(True)
+                for i, key in enumerate(self.explained_keys):
+                    value = work.get(key)
+                    if not value.is_floating_point():
+                        # Integer tokens: the relevance of their embeddings stands for them (see _embedding_hook).
+                        self._tokens[i] = (value.clone(), leaves, fed)
+                        work.set(key, self._tokens[i][0])
+                        leaves.append(None)
+                        fed.append(None)
+                        continue
+                    leaf = value.detach().requires_grad_(True)
                     # The model sees a copy: in-place operations on it are legal and never reach the caller's data.
                     fed.append(leaf.clone())
                     work.set(key, fed[-1])
                     leaves.append(leaf)
-                result = self.module(work)
+                try:
+                    result = self.module(work)
+                except Exception as err:
+                    self._raise_for_unembedded_tokens(leaves, err)
+                    raise
+                self._raise_for_unembedded_tokens(leaves)
                 result = work if result is None else result
                 target_key = self._target_key(result)
                 output = result.get(target_key)
@@ -340,6 +359,7 @@ class LRP(TensorDictModuleBase):
                 relevances = self._backward(output, grad_outputs, leaves, fed)
         finally:
             self._layer_cells = {}
+            self._tokens = {}
             for handle in self._handles or []:
                 handle.pop_records()
         self._write(tensordict, result, relevances, fed)
@@ -372,13 +392,50 @@ class LRP(TensorDictModuleBase):
             leaf.detach() * g if g is not None else torch.zeros_like(leaf)
             for leaf, g in zip(leaves, grads, strict=True)
         ]
+        # Token relevance: the relevance of each token's embedding vector, summed over its features.
+        token_indices = [i for i, key in enumerate(self.explained_keys) if self._is_token_leaf(leaves[i])]
         for handle in self._handles or []:
             for x, rest in handle.pop_records():
                 x = getattr(x, "_tdhook_alias_of", x)
                 for i, model_input in enumerate(fed):
                     if x is model_input:
                         relevances[i] = relevances[i] + rest
+        for i in token_indices:
+            relevances[i] = relevances[i].sum(-1)
         return relevances + [self._layer_relevance(name, leaves[0]) for name in self.layer_keys]
+
+    def _raise_for_unembedded_tokens(self, leaves: list, cause: Exception | None = None) -> None:
+        for i in self._tokens:
+            if leaves[i] is None:
+                key, dtype = self.explained_keys[i], self._tokens[i][0].dtype
+                raise TypeError(
+                    f"LRP: input key {key!r} holds integer tokens ({dtype}), which receive relevance only through "
+                    "an nn.Embedding that reads them directly, and no nn.Embedding did; pass in_keys=[...] to "
+                    "explain only the floating-point inputs"
+                ) from cause
+
+    @staticmethod
+    def _is_token_leaf(leaf: torch.Tensor) -> bool:
+        return getattr(leaf, "_tdhook_embedding_of", None) is not None
+
+    def _embedding_hook(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+            if not self._tokens or not torch.is_grad_enabled() or not args:
+                return None
+            for i, (tokens, leaves, fed) in self._tokens.items():
+                if args[0] is tokens:
+                    if leaves[i] is not None:
+                        raise ValueError(
+                            f"LRP: input key {self.explained_keys[i]!r} is embedded twice (again by {name!r}); "
+                            "its token relevance would be ambiguous"
+                        )
+                    leaf = output.detach().requires_grad_(True)
+                    leaf._tdhook_embedding_of = name
+                    leaves[i], fed[i] = leaf, leaf.clone()
+                    return fed[i]
+            return None
+
+        return hook
 
     def _layer_relevance(self, name: str, like: torch.Tensor) -> torch.Tensor:
         cells = self._layer_cells.get(name, [])
@@ -401,7 +458,7 @@ class LRP(TensorDictModuleBase):
         updates: dict[Any, Any] = {}
         for key in result.keys(include_nested=True, leaves_only=True):
             value = result.get(key)
-            if key in explained and any(value is f for f in fed):
+            if key in explained and (any(value is f for f in fed) or not value.is_floating_point()):
                 continue
             if key in tensordict.keys(include_nested=True) and tensordict.get(key) is value:
                 continue

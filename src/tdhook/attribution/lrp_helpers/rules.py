@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
+from torchrl.modules.models.utils import SquashDims
 
 from tdhook.attribution.lrp_helpers.redirect import redirect, relevance_proxy
 
@@ -370,7 +371,8 @@ class Rule:
         return RemovableRuleHandle(self, module)
 
     def _new_registration(self, module: nn.Module) -> Registration:
-        return Registration(self.prepare(module))
+        # A lazy module (LazyConv2d, LazyLinear) is prepared at its first call, once its shapes are known.
+        return Registration(_UNPREPARED if _has_uninitialized_parameters(module) else self.prepare(module))
 
     def is_registered(self, module: nn.Module) -> bool:
         """Whether the rule has hooks on ``module``."""
@@ -399,6 +401,8 @@ class Rule:
                 return None
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return None
+            if registration.state is _UNPREPARED:
+                registration.state = self.prepare(module)
             rule, reg = self.resolve(module, registration, inputs)
             result = rule.rewrite(module, reg, inputs, output)
             if isinstance(module, _LINEAR_LAYERS) and len(inputs) == 1 and isinstance(inputs[0], torch.Tensor):
@@ -406,6 +410,10 @@ class Rule:
             return result
 
         return hook
+
+
+def _has_uninitialized_parameters(module: nn.Module) -> bool:
+    return any(nn.parameter.is_lazy(p) for p in module.parameters(recurse=False))
 
 
 def _mark(tensor: torch.Tensor, call: LayerCall) -> None:
@@ -1121,6 +1129,8 @@ _GRADIENT_ROUTED = (
     nn.Flatten,
     nn.Unflatten,
     nn.Identity,
+    nn.Embedding,  # an input layer: LRP gives its tokens the relevance of their embeddings
+    SquashDims,
 )
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _LINEAR_LAYERS = (*_CONVOLUTIONS, nn.Linear)
@@ -1154,6 +1164,13 @@ def rule_mapper_from_dict(mapping: Mapping[type | tuple[type, ...] | str, Rule])
     return mapper
 
 
+def _is_glue(module: nn.Module) -> bool:
+    """TensorDict wrappers of plain functions: their operations are differentiated as they are."""
+    from tensordict.nn import TensorDictModuleBase
+
+    return isinstance(module, TensorDictModuleBase)
+
+
 class BaseRuleMapper:
     """Map ``(name, module)`` to a rule: the user's mapper first, then defaults.
 
@@ -1170,6 +1187,8 @@ class BaseRuleMapper:
         stabilizer: stabilizer of the default rules.
         rule_mapper: ``(name, module) -> Rule | None`` consulted first, or a dict
             for :func:`rule_mapper_from_dict`.
+        strict: raise on a leaf module that gets no rule, rather than warn
+            (once per module name) that it is differentiated as it is.
 
     Examples:
         >>> mapper = BaseRuleMapper(rule_mapper=lambda name, m: StopRule() if name == "head" else None)
@@ -1177,8 +1196,12 @@ class BaseRuleMapper:
         (StopRule(), PassRule(stabilizer=1e-12), IgnoreRule())
     """
 
-    def __init__(self, stabilizer: float = 1e-6, rule_mapper: RuleMapper | Mapping | None = None) -> None:
+    def __init__(
+        self, stabilizer: float = 1e-6, rule_mapper: RuleMapper | Mapping | None = None, strict: bool = False
+    ) -> None:
         self.stabilizer = stabilizer
+        self.strict = strict
+        self._warned: set[tuple[str, type]] = set()
         self.rule_mapper = rule_mapper_from_dict(rule_mapper) if isinstance(rule_mapper, Mapping) else rule_mapper
         self._pass = PassRule()
         self._norm = EpsilonRule(epsilon=stabilizer)
@@ -1232,7 +1255,20 @@ class BaseRuleMapper:
                     rule = self._first_layer_switch(first, rule)
             if rule is not None:
                 rules[name] = rule
+            elif next(module.children(), None) is None and not _is_glue(module):
+                self._unmapped(name, module)
         return rules
+
+    def _unmapped(self, name: str, module: nn.Module) -> None:
+        message = (
+            f"no LRP rule for module {name!r} ({type(module).__name__}): its plain gradient is used; "
+            "map it in rule_mapper (for example to PassRule, UniformRule or IgnoreRule)"
+        )
+        if self.strict:
+            raise ValueError(message)
+        if (name, type(module)) not in self._warned:
+            self._warned.add((name, type(module)))
+            warnings.warn(message, stacklevel=3)
 
     def _first_layer_switch(self, first: Rule, other: Rule | None) -> FirstLayerRule:
         key = (id(first), id(other))
@@ -1251,9 +1287,13 @@ class EpsilonPlus(BaseRuleMapper):
     """
 
     def __init__(
-        self, epsilon: float = 1e-6, stabilizer: float = 1e-6, rule_mapper: RuleMapper | Mapping | None = None
+        self,
+        epsilon: float = 1e-6,
+        stabilizer: float = 1e-6,
+        rule_mapper: RuleMapper | Mapping | None = None,
+        strict: bool = False,
     ):
-        super().__init__(stabilizer, rule_mapper)
+        super().__init__(stabilizer, rule_mapper, strict)
         self.epsilon = epsilon
         self._conv = AlphaBetaRule(alpha=1.0, beta=0.0, stabilizer=stabilizer)
         self._dense = EpsilonRule(epsilon=epsilon)
@@ -1277,9 +1317,13 @@ class EpsilonPlusFlat(EpsilonPlus):
     """
 
     def __init__(
-        self, epsilon: float = 1e-6, stabilizer: float = 1e-6, rule_mapper: RuleMapper | Mapping | None = None
+        self,
+        epsilon: float = 1e-6,
+        stabilizer: float = 1e-6,
+        rule_mapper: RuleMapper | Mapping | None = None,
+        strict: bool = False,
     ):
-        super().__init__(epsilon, stabilizer, rule_mapper)
+        super().__init__(epsilon, stabilizer, rule_mapper, strict)
         self._first = FlatRule(stabilizer=stabilizer)
 
     def first_layer_rule(self, name, module):
@@ -1295,9 +1339,13 @@ class EpsilonAlpha2Beta1(BaseRuleMapper):
     """
 
     def __init__(
-        self, epsilon: float = 1e-6, stabilizer: float = 1e-6, rule_mapper: RuleMapper | Mapping | None = None
+        self,
+        epsilon: float = 1e-6,
+        stabilizer: float = 1e-6,
+        rule_mapper: RuleMapper | Mapping | None = None,
+        strict: bool = False,
     ):
-        super().__init__(stabilizer, rule_mapper)
+        super().__init__(stabilizer, rule_mapper, strict)
         self.epsilon = epsilon
         self._conv = AlphaBetaRule(alpha=2.0, beta=1.0, stabilizer=stabilizer)
         self._dense = EpsilonRule(epsilon=epsilon)
@@ -1315,9 +1363,13 @@ class EpsilonAlpha2Beta1Flat(EpsilonAlpha2Beta1):
     """
 
     def __init__(
-        self, epsilon: float = 1e-6, stabilizer: float = 1e-6, rule_mapper: RuleMapper | Mapping | None = None
+        self,
+        epsilon: float = 1e-6,
+        stabilizer: float = 1e-6,
+        rule_mapper: RuleMapper | Mapping | None = None,
+        strict: bool = False,
     ):
-        super().__init__(epsilon, stabilizer, rule_mapper)
+        super().__init__(epsilon, stabilizer, rule_mapper, strict)
         self._first = FlatRule(stabilizer=stabilizer)
 
     first_layer_rule = EpsilonPlusFlat.first_layer_rule
@@ -1347,8 +1399,9 @@ class EpsilonGammaBox(BaseRuleMapper):
         gamma: float = 0.25,
         stabilizer: float = 1e-6,
         rule_mapper: RuleMapper | Mapping | None = None,
+        strict: bool = False,
     ):
-        super().__init__(stabilizer, rule_mapper)
+        super().__init__(stabilizer, rule_mapper, strict)
         self.epsilon = epsilon
         self._conv = GammaRule(gamma=gamma, stabilizer=stabilizer)
         self._dense = EpsilonRule(epsilon=epsilon)
