@@ -37,7 +37,9 @@ def make_layer(kind: str) -> tuple[nn.Module, torch.Tensor]:
         "conv1d": (nn.Conv1d(3, 4, 3, padding=1), (2, 3, 9)),
         "conv2d": (nn.Conv2d(3, 4, 3, stride=2, padding=1), (2, 3, 7, 7)),
         "conv3d": (nn.Conv3d(2, 3, 3, padding=1), (2, 2, 4, 4, 4)),
+        "convtranspose1d": (nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1), (2, 3, 6)),
         "convtranspose2d": (nn.ConvTranspose2d(3, 2, 3, stride=2), (2, 3, 4, 4)),
+        "convtranspose3d": (nn.ConvTranspose3d(2, 3, 3, stride=2, padding=1), (2, 2, 3, 3, 3)),
     }
     layer, shape = layers[kind]
     layer = layer.double()
@@ -51,7 +53,7 @@ def output_relevance(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return torch.randn_like(layer(x))
 
 
-LAYERS = ["linear", "conv1d", "conv2d", "conv3d", "convtranspose2d"]
+LAYERS = ["linear", "conv1d", "conv2d", "conv3d", "convtranspose1d", "convtranspose2d", "convtranspose3d"]
 
 RULE_PAIRS = {
     "epsilon": (lambda: EpsilonRule(1e-6), lambda: zrules.Epsilon(1e-6)),

@@ -72,7 +72,8 @@ def stabilize(tensor: torch.Tensor, epsilon: float = 1e-6) -> torch.Tensor:
         >>> stabilize(torch.tensor([-1.0, 0.0, 2.0]), epsilon=0.5)
         tensor([-1.5000,  0.5000,  2.5000])
     """
-    return tensor + torch.where(tensor >= 0, epsilon, -epsilon).to(tensor.dtype)
+    shift = torch.full_like(tensor, epsilon)  # in the tensor's dtype: no float32 rounding of epsilon
+    return tensor + torch.where(tensor >= 0, shift, -shift)
 
 
 # ----------------------------------------------------------------------------- parameters
