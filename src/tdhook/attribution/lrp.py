@@ -7,7 +7,13 @@ from typing import Any
 
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import TensorDictModule, TensorDictModuleBase, TensorDictSequential, dispatch
+from tensordict.nn import (
+    ProbabilisticTensorDictModule,
+    TensorDictModule,
+    TensorDictModuleBase,
+    TensorDictSequential,
+    dispatch,
+)
 from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 from torch import nn
 
@@ -38,8 +44,15 @@ def _leaf_modules(module: TensorDictModuleBase) -> list[TensorDictModuleBase]:
 
 
 def _default_target_candidates(module: TensorDictModuleBase) -> list[NestedKey]:
-    """Out keys in pipeline order that no module of the pipeline reads."""
-    leaves = _leaf_modules(module)
+    """Out keys in pipeline order that no module of the pipeline reads.
+
+    Probabilistic modules (the sampling step of a torchrl ``ProbabilisticActor``)
+    are left out: their inputs, the distribution's parameters (``loc``,
+    ``logits``), are what gets explained, not a random sample.
+    """
+    leaves = [leaf for leaf in _leaf_modules(module) if not isinstance(leaf, ProbabilisticTensorDictModule)]
+    if not leaves:
+        return []
     read = {unravel_key(k) for leaf in leaves for k in leaf.in_keys}
     written = [unravel_key(k) for leaf in leaves for k in leaf.out_keys]
     ordered = list(dict.fromkeys(written))
@@ -71,9 +84,13 @@ class LRP(TensorDictModuleBase):
         in_keys: for a plain module, its input keys; for a TensorDict module,
             the input keys to explain (all of its in_keys by default).
         out_keys: the output keys of a plain module.
-        target_key: the output to explain. Defaults to the first out key that
-            no module of the pipeline reads (for ``QValueActor``,
-            ``"chosen_action_value"``).
+        target_key: the output to explain. Defaults to the first
+            floating-point out key that no module of the pipeline reads,
+            leaving out sampling steps: ``"chosen_action_value"`` for a
+            ``QValueActor``, ``"loc"`` for a ``ProbabilisticActor`` with a
+            ``TanhNormal`` (or other location-scale) distribution,
+            ``"logits"`` for one with a ``Categorical`` or
+            ``OneHotCategorical``, ``"state_value"`` for a ``ValueOperator``.
         target: the initial relevance: ``None`` (the output at the argmax of
             its last dimension, or the output itself for a one-element last
             dimension), an int, a LongTensor of per-sample indices, a callable

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tensordict.nn.utils import biased_softplus
 from torch import nn
 from torch.func import functional_call
 from torchrl.modules.models.utils import SquashDims
@@ -1105,6 +1106,7 @@ _ACTIVATIONS = (
     nn.Tanh,
     nn.Tanhshrink,
     nn.Threshold,
+    biased_softplus,  # the scale mapping of tensordict's NormalParamExtractor
 )
 _AVG_POOLS = (
     nn.AvgPool1d,

@@ -1,0 +1,145 @@
+"""LRP around real torchrl heads, in real gymnasium rollouts and collectors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import NormalParamExtractor, TensorDictModule
+from torch import nn
+from torchrl.envs import GymEnv
+from torchrl.envs.utils import ExplorationType, set_exploration_type
+from torchrl.modules import MLP, OneHotCategorical, ProbabilisticActor, QValueActor, TanhNormal, ValueOperator
+
+from tdhook.attribution import LRP
+from tdhook.attribution.lrp_helpers.rules import EpsilonPlus
+
+F64 = torch.float64
+
+
+def mlp(out_features: int, in_features: int = 4) -> nn.Module:
+    return MLP(in_features=in_features, out_features=out_features, num_cells=[16, 16]).to(F64)
+
+
+def observations(batch: int = 6, features: int = 4) -> TensorDict:
+    return TensorDict(observation=torch.randn(batch, features, dtype=F64), batch_size=[batch])
+
+
+def network_relevance(net: nn.Module, obs: torch.Tensor, target) -> torch.Tensor:
+    """LRP on the bare network: the reference every head must reproduce."""
+    lrp = LRP(net, EpsilonPlus(), in_keys=["observation"], out_keys=["out"], target=target)
+    return lrp(TensorDict(observation=obs.clone(), batch_size=obs.shape[:1]))["relevance", "observation"]
+
+
+def zero_biases(net: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for module in net.modules():
+            if isinstance(module, nn.Linear):
+                module.bias.zero_()
+    return net
+
+
+class TestHeads:
+    def test_q_value_actor_explains_the_chosen_action_value(self):
+        net = mlp(2)
+        actor = QValueActor(net, in_keys=["observation"], action_space="one-hot")
+        td = observations()
+        out = LRP(actor, EpsilonPlus())(td.clone())
+        chosen = out["action_value"].argmax(-1)
+        assert torch.equal(out["action"].argmax(-1), chosen)
+        expected = network_relevance(net, td["observation"], chosen)
+        torch.testing.assert_close(out["relevance", "observation"], expected, rtol=1e-6, atol=1e-12)
+
+    @pytest.mark.parametrize("distribution", ["TanhNormal", "OneHotCategorical"])
+    def test_probabilistic_actor_explains_the_distribution_parameters(self, distribution: str):
+        if distribution == "TanhNormal":
+            net = nn.Sequential(mlp(2), NormalParamExtractor())
+            keys, dist_class, key = ["loc", "scale"], TanhNormal, "loc"
+        else:
+            net = mlp(3)
+            keys, dist_class, key = ["logits"], OneHotCategorical, "logits"
+        actor = ProbabilisticActor(
+            TensorDictModule(net, in_keys=["observation"], out_keys=keys),
+            in_keys=keys,
+            distribution_class=dist_class,
+            return_log_prob=True,
+        )
+        td = observations()
+        out = LRP(actor, EpsilonPlus())(td.clone())
+        assert "action" in out.keys()
+        params = net(td["observation"])
+        reference = params[0] if isinstance(params, tuple) else params
+        torch.testing.assert_close(out[key], reference)
+        bare = LRP(TensorDictModule(net, in_keys=["observation"], out_keys=keys), EpsilonPlus(), target_key=key)(
+            td.clone()
+        )
+        torch.testing.assert_close(out["relevance", "observation"], bare["relevance", "observation"], rtol=1e-6, atol=0)
+
+    def test_value_operator_explains_the_state_value_and_conserves_it(self):
+        net = zero_biases(mlp(1))
+        critic = ValueOperator(net, in_keys=["observation"])
+        td = observations()
+        out = LRP(critic, EpsilonPlus(epsilon=0.0, stabilizer=1e-12))(td.clone())
+        assert out["relevance", "observation"].shape == (6, 4)
+        torch.testing.assert_close(out["relevance", "observation"].sum(-1), out["state_value"].squeeze(-1))
+
+    def test_target_all_gives_every_action_value(self):
+        net = mlp(2)
+        actor = QValueActor(net, in_keys=["observation"], action_space="one-hot")
+        td = observations()
+        all_units = LRP(actor, EpsilonPlus(), target_key="action_value", target="all")(td.clone())
+        stacked = torch.stack([network_relevance(net, td["observation"], k) for k in range(2)], dim=1)
+        torch.testing.assert_close(all_units["relevance", "observation"], stacked, rtol=1e-6, atol=1e-12)
+
+
+class TestRollouts:
+    def test_cartpole_rollout_takes_the_same_actions_and_records_relevance(self):
+        env = GymEnv("CartPole-v1")
+        net = MLP(in_features=4, out_features=2, num_cells=[16])
+        actor = QValueActor(net, in_keys=["observation"], spec=env.action_spec)
+        env.set_seed(0)
+        plain = env.rollout(25, actor, break_when_any_done=False)
+        env.set_seed(0)
+        explained = env.rollout(25, LRP(actor, EpsilonPlus()), break_when_any_done=False)
+        assert torch.equal(explained["action"], plain["action"])
+        assert torch.equal(explained["next", "observation"], plain["next", "observation"])
+        relevance = explained["relevance", "observation"]
+        assert relevance.shape == plain["observation"].shape == (25, 4)
+        assert torch.isfinite(relevance).all() and relevance.abs().sum() > 0
+
+    def test_pendulum_rollout_with_a_sampling_actor_is_unchanged(self):
+        torch.manual_seed(0)
+        net = nn.Sequential(MLP(in_features=3, out_features=2, num_cells=[16]), NormalParamExtractor())
+        env = GymEnv("Pendulum-v1")
+        actor = ProbabilisticActor(
+            TensorDictModule(net, in_keys=["observation"], out_keys=["loc", "scale"]),
+            in_keys=["loc", "scale"],
+            distribution_class=TanhNormal,
+            distribution_kwargs={"low": env.action_spec.space.low, "high": env.action_spec.space.high},
+        )
+        runs = {}
+        for name, policy in (("plain", actor), ("explained", LRP(actor, EpsilonPlus()))):
+            env.set_seed(0)
+            torch.manual_seed(1)
+            with set_exploration_type(ExplorationType.RANDOM):
+                runs[name] = env.rollout(20, policy, break_when_any_done=False)
+        assert torch.equal(runs["explained"]["action"], runs["plain"]["action"])
+        assert runs["explained"]["relevance", "observation"].shape == (20, 3)
+
+    def test_collector_runs_the_wrapped_policy_under_no_grad(self):
+        from torchrl.collectors import Collector
+
+        net = MLP(in_features=4, out_features=2, num_cells=[16])
+        actor = QValueActor(net, in_keys=["observation"], spec=GymEnv("CartPole-v1").action_spec)
+        collector = Collector(
+            lambda: GymEnv("CartPole-v1"), LRP(actor, EpsilonPlus()), frames_per_batch=16, total_frames=32
+        )
+        try:
+            batches = list(collector)
+        finally:
+            collector.shutdown()
+        assert len(batches) == 2
+        for batch in batches:
+            relevance = batch["relevance", "observation"]
+            assert relevance.shape[-1] == 4 and relevance.numel() == 16 * 4
+            assert torch.isfinite(relevance).all() and relevance.abs().sum() > 0
