@@ -9,7 +9,16 @@ from tensordict.nn import NormalParamExtractor, TensorDictModule
 from torch import nn
 from torchrl.envs import GymEnv
 from torchrl.envs.utils import ExplorationType, set_exploration_type
-from torchrl.modules import MLP, OneHotCategorical, ProbabilisticActor, QValueActor, TanhNormal, ValueOperator
+from torchrl.modules import (
+    MLP,
+    ActorCriticWrapper,
+    ActorValueOperator,
+    OneHotCategorical,
+    ProbabilisticActor,
+    QValueActor,
+    TanhNormal,
+    ValueOperator,
+)
 
 from tdhook.attribution import LRP
 from tdhook.attribution.lrp_helpers.rules import EpsilonPlus
@@ -92,6 +101,43 @@ class TestHeads:
         torch.testing.assert_close(all_units["relevance", "observation"], stacked, rtol=1e-6, atol=1e-12)
 
 
+def categorical_actor(in_key: str, in_features: int) -> ProbabilisticActor:
+    head = TensorDictModule(mlp(3, in_features), in_keys=[in_key], out_keys=["logits"])
+    return ProbabilisticActor(head, in_keys=["logits"], distribution_class=OneHotCategorical)
+
+
+class TestActorCritic:
+    def actor_value_operator(self) -> ActorValueOperator:
+        common = TensorDictModule(nn.Sequential(mlp(8), nn.Tanh()), in_keys=["observation"], out_keys=["hidden"])
+        return ActorValueOperator(common, categorical_actor("hidden", 8), ValueOperator(mlp(1, 8), in_keys=["hidden"]))
+
+    def test_actor_value_operator_gives_actor_and_critic_relevance_in_one_call(self):
+        operator = self.actor_value_operator()
+        td = observations()
+        lrp = LRP(operator, EpsilonPlus())
+        assert lrp.relevance_keys == [("relevance", "actor", "observation"), ("relevance", "critic", "observation")]
+        out = lrp(td.clone())
+        actor = LRP(operator.get_policy_operator(), EpsilonPlus())(td.clone())
+        critic = LRP(operator.get_value_operator(), EpsilonPlus())(td.clone())
+        torch.testing.assert_close(out["relevance", "actor", "observation"], actor["relevance", "observation"])
+        torch.testing.assert_close(out["relevance", "critic", "observation"], critic["relevance", "observation"])
+        assert not torch.allclose(out["relevance", "actor", "observation"], out["relevance", "critic", "observation"])
+
+    def test_actor_critic_wrapper_with_named_targets_and_conservation(self):
+        actor = categorical_actor("observation", 4)
+        critic = ValueOperator(mlp(1), in_keys=["observation"])
+        for module in (actor, critic):
+            zero_biases(module)
+        wrapper = ActorCriticWrapper(actor, critic)
+        td = observations()
+        out = LRP(wrapper, EpsilonPlus(epsilon=0.0, stabilizer=1e-12))(td.clone())
+        logits, value = out["logits"], out["state_value"]
+        torch.testing.assert_close(out["relevance", "actor", "observation"].sum(-1), logits.max(-1).values)
+        torch.testing.assert_close(out["relevance", "critic", "observation"].sum(-1), value.squeeze(-1))
+        named = LRP(wrapper, EpsilonPlus(), target_key={"value": "state_value"})(td.clone())
+        assert list(named["relevance"].keys()) == ["value"]
+
+
 class TestRollouts:
     def test_cartpole_rollout_takes_the_same_actions_and_records_relevance(self):
         env = GymEnv("CartPole-v1")
@@ -106,6 +152,26 @@ class TestRollouts:
         relevance = explained["relevance", "observation"]
         assert relevance.shape == plain["observation"].shape == (25, 4)
         assert torch.isfinite(relevance).all() and relevance.abs().sum() > 0
+
+    def test_batched_env_rollout_gives_batch_by_time_relevance(self):
+        from torchrl.envs import SerialEnv
+
+        env = SerialEnv(2, lambda: GymEnv("CartPole-v1"))
+        net = MLP(in_features=4, out_features=2, num_cells=[16])
+        actor = QValueActor(net, in_keys=["observation"], spec=GymEnv("CartPole-v1").action_spec)
+        try:
+            env.set_seed(0)
+            plain = env.rollout(10, actor, break_when_any_done=False)
+            env.set_seed(0)
+            explained = env.rollout(10, LRP(actor, EpsilonPlus()), break_when_any_done=False)
+        finally:
+            env.close()
+        assert torch.equal(explained["action"], plain["action"])
+        relevance = explained["relevance", "observation"]
+        assert relevance.shape == (2, 10, 4)
+        # Each step's relevance is that of the policy on that step's observation alone.
+        step = LRP(actor, EpsilonPlus())(plain[1, 3].select("observation").unsqueeze(0))
+        torch.testing.assert_close(relevance[1, 3], step["relevance", "observation"][0])
 
     def test_pendulum_rollout_with_a_sampling_actor_is_unchanged(self):
         torch.manual_seed(0)

@@ -16,6 +16,7 @@ from tensordict.nn import (
 )
 from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 from torch import nn
+from torchrl.modules import ActorCriticWrapper, ActorValueOperator
 
 from tdhook.attribution.lrp_helpers.rules import (
     BaseRuleMapper,
@@ -41,6 +42,19 @@ def _leaf_modules(module: TensorDictModuleBase) -> list[TensorDictModuleBase]:
     if isinstance(module, TensorDictSequential):
         return [leaf for sub in module.module for leaf in _leaf_modules(sub)]
     return [module]
+
+
+def _named_targets(
+    module: TensorDictModuleBase, target_key: NestedKey | Mapping[str, NestedKey] | None
+) -> dict[str | None, tuple[NestedKey | None, TensorDictModuleBase]]:
+    """``name -> (target key or None for the default, module whose outputs give the default)``."""
+    if isinstance(target_key, Mapping):
+        if not target_key:
+            raise ValueError("LRP: target_key is an empty dict; name at least one output to explain")
+        return {name: (unravel_key(key), module) for name, key in target_key.items()}
+    if target_key is None and isinstance(module, (ActorValueOperator, ActorCriticWrapper)):
+        return {"actor": (None, module.get_policy_operator()), "critic": (None, module.get_value_operator())}
+    return {None: (unravel_key(target_key) if target_key is not None else None, module)}
 
 
 def _default_target_candidates(module: TensorDictModuleBase) -> list[NestedKey]:
@@ -91,6 +105,10 @@ class LRP(TensorDictModuleBase):
             ``TanhNormal`` (or other location-scale) distribution,
             ``"logits"`` for one with a ``Categorical`` or
             ``OneHotCategorical``, ``"state_value"`` for a ``ValueOperator``.
+            A dict ``name -> key`` explains several outputs from one forward
+            pass, writing relevance at ``(relevance_key, name, *input_key)``.
+            An ``ActorValueOperator`` or ``ActorCriticWrapper`` gets
+            ``{"actor": <its actor's default>, "critic": <its critic's>}``.
         target: the initial relevance: ``None`` (the output at the argmax of
             its last dimension, or the output itself for a one-element last
             dimension), an int, a LongTensor of per-sample indices, a callable
@@ -132,7 +150,7 @@ class LRP(TensorDictModuleBase):
         *,
         in_keys: Sequence[NestedKey] | None = None,
         out_keys: Sequence[NestedKey] | None = None,
-        target_key: NestedKey | None = None,
+        target_key: NestedKey | Mapping[str, NestedKey] | None = None,
         target: Target = None,
         relevance_key: str = "relevance",
         layers: Sequence[str] | Mapping[str, NestedKey] | None = None,
@@ -159,18 +177,25 @@ class LRP(TensorDictModuleBase):
             rule_mapper = BaseRuleMapper(rule_mapper=rule_mapper)
         self.rule_mapper = rule_mapper
         self.explained_keys = unravel_key_list(list(in_keys if in_keys is not None else module.in_keys))
-        self.target_key = unravel_key(target_key) if target_key is not None else None
+        self.targets = _named_targets(module, target_key)
+        named = None not in self.targets
+        self.target_key = {n: k for n, (k, _) in self.targets.items()} if named else self.targets[None][0]
         self.target = target
         self.relevance_key = relevance_key
         self.relevance_check = relevance_check
-        self.relevance_keys = [(relevance_key, *_as_tuple(k)) for k in self.explained_keys]
         self.layer_keys = self._layer_keys(layers)
+        # Output keys per target, in order: the explained inputs' relevance, then the inner layers'.
+        self._keys_per_target = {
+            name: [
+                (relevance_key, *prefix, *_as_tuple(k))
+                for k in [*self.explained_keys, *self.layer_keys.values()]
+                for prefix in [(name,) if name is not None else ()]
+            ]
+            for name in self.targets
+        }
+        self.relevance_keys = [key for keys in self._keys_per_target.values() for key in keys]
         self.in_keys = unravel_key_list(list(dict.fromkeys([*module.in_keys, *self.explained_keys])))
-        self.out_keys = [
-            *unravel_key_list(module.out_keys),
-            *self.relevance_keys,
-            *self.layer_keys.values(),
-        ]
+        self.out_keys = [*unravel_key_list(module.out_keys), *self.relevance_keys]
         self._handles: list[RemovableRuleHandle] | None = None
         self._hooks: list = []
         self._layer_cells: dict[str, list[OutputRelevance]] = {}
@@ -194,8 +219,8 @@ class LRP(TensorDictModuleBase):
             if name not in modules:
                 known = [n for n in modules if n]
                 raise KeyError(f"LRP: layers names {name!r}, which is not a module of the model (modules: {known})")
-            keys[name] = (self.relevance_key, *_as_tuple(key))
-        clash = set(keys.values()) & set(self.relevance_keys)
+            keys[name] = _as_tuple(key)
+        clash = set(keys.values()) & {_as_tuple(k) for k in self.explained_keys}
         if clash:
             raise ValueError(f"LRP: layer relevance keys {sorted(clash)} clash with the input relevance keys")
         return keys
@@ -324,12 +349,13 @@ class LRP(TensorDictModuleBase):
                     f"nn.Embedding) to receive relevance, got {dtype}; pass in_keys=[...] to explain only those inputs"
                 )
 
-    def _target_key(self, result: TensorDictBase) -> NestedKey:
-        if self.target_key is not None:
-            if self.target_key not in result.keys(include_nested=True):
-                raise KeyError(f"LRP: target key {self.target_key!r} was not written by the wrapped module")
-            return self.target_key
-        candidates = _default_target_candidates(self.module)
+    def _target_key(self, result: TensorDictBase, name: str | None) -> NestedKey:
+        target_key, operator = self.targets[name]
+        if target_key is not None:
+            if target_key not in result.keys(include_nested=True):
+                raise KeyError(f"LRP: target key {target_key!r} was not written by the wrapped module")
+            return target_key
+        candidates = _default_target_candidates(operator)
         for key in candidates:
             value = result.get(key, None)
             if isinstance(value, torch.Tensor) and value.is_floating_point():
@@ -366,14 +392,18 @@ class LRP(TensorDictModuleBase):
                     raise
                 self._raise_for_unembedded_tokens(leaves)
                 result = work if result is None else result
-                target_key = self._target_key(result)
-                output = result.get(target_key)
-                if not output.requires_grad:
-                    raise ValueError(
-                        f"LRP: target {target_key!r} does not depend on the explained inputs {self.explained_keys}"
-                    )
-                grad_outputs = initial_gradient(output, self.target, target_key, tensordict.batch_dims)
-                relevances = self._backward(output, grad_outputs, leaves, fed)
+                relevances = []
+                names = list(self.targets)
+                for position, name in enumerate(names):
+                    target_key = self._target_key(result, name)
+                    output = result.get(target_key)
+                    if not output.requires_grad:
+                        raise ValueError(
+                            f"LRP: target {target_key!r} does not depend on the explained inputs {self.explained_keys}"
+                        )
+                    grad_outputs = initial_gradient(output, self.target, target_key, tensordict.batch_dims)
+                    retain = position < len(names) - 1  # the next target reuses this forward pass
+                    relevances += self._backward(output, grad_outputs, leaves, fed, retain)
         finally:
             self._layer_cells = {}
             self._tokens = {}
@@ -383,15 +413,21 @@ class LRP(TensorDictModuleBase):
         return tensordict
 
     def _backward(
-        self, output: torch.Tensor, grad_outputs: torch.Tensor, leaves: list[torch.Tensor], fed: list[torch.Tensor]
+        self,
+        output: torch.Tensor,
+        grad_outputs: torch.Tensor,
+        leaves: list[torch.Tensor],
+        fed: list[torch.Tensor],
+        retain: bool = False,
     ) -> list[torch.Tensor]:
         batched = grad_outputs.dim() > output.dim()
         if not batched:
-            return self._relevance(output, grad_outputs, leaves, fed, retain=False)
+            return self._relevance(output, grad_outputs, leaves, fed, retain=retain)
         # target="all": one backward per output unit over a single forward pass.
         n_units = grad_outputs.shape[0]
         per_unit = [
-            self._relevance(output, grad_outputs[k], leaves, fed, retain=k < n_units - 1) for k in range(n_units)
+            self._relevance(output, grad_outputs[k], leaves, fed, retain=retain or k < n_units - 1)
+            for k in range(n_units)
         ]
         batch_dims = output.dim() - 1
         return [torch.stack([unit[i] for unit in per_unit], dim=batch_dims) for i in range(len(per_unit[0]))]
@@ -480,7 +516,7 @@ class LRP(TensorDictModuleBase):
             if key in tensordict.keys(include_nested=True) and tensordict.get(key) is value:
                 continue
             updates[key] = value.detach() if isinstance(value, torch.Tensor) else value
-        for key, rel in zip([*self.relevance_keys, *self.layer_keys.values()], relevances, strict=True):
+        for key, rel in zip(self.relevance_keys, relevances, strict=True):
             updates[key] = rel
         for key, value in updates.items():
             tensordict.set(key, value)
