@@ -1,0 +1,80 @@
+"""Offline attribution over replay buffers and memory-mapped TensorDicts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import MemoryMappedTensor, TensorDict
+from torch import nn
+from torchrl.data import LazyMemmapStorage, ReplayBuffer
+from torchrl.modules import MLP, QValueActor
+
+from tdhook.attribution import LRP, explain_offline
+from tdhook.attribution.lrp_helpers.rules import EpsilonPlus
+
+
+def q_actor() -> QValueActor:
+    net = MLP(in_features=4, out_features=2, num_cells=[16]).double()
+    return QValueActor(net, in_keys=["observation"], action_space="one-hot")
+
+
+def data(rows: int = 37) -> TensorDict:
+    return TensorDict(observation=torch.randn(rows, 4, dtype=torch.float64), batch_size=[rows])
+
+
+def test_memmapped_source_in_batches_equals_one_big_call(tmp_path):
+    source = data().memmap_(tmp_path / "data")
+    lrp = LRP(q_actor(), EpsilonPlus())
+    out = explain_offline(lrp, source, tmp_path / "relevance", batch_size=8, progress=False)
+    whole = lrp(source.to_tensordict())["relevance", "observation"]
+    torch.testing.assert_close(out["relevance", "observation"].clone(), whole, rtol=1e-12, atol=1e-14)
+    reopened = TensorDict.load_memmap(tmp_path / "relevance")
+    assert isinstance(reopened["relevance", "observation"], MemoryMappedTensor) and reopened.batch_size == (37,)
+    torch.testing.assert_close(reopened["relevance", "observation"].clone(), whole, rtol=1e-12, atol=1e-14)
+
+
+def test_replay_buffer_with_memmap_storage(tmp_path):
+    buffer = ReplayBuffer(storage=LazyMemmapStorage(100, scratch_dir=tmp_path / "buffer"))
+    rows = data(23)
+    buffer.extend(rows)
+    lrp = LRP(q_actor(), EpsilonPlus())
+    out = explain_offline(lrp, buffer, tmp_path / "relevance", batch_size=5, progress=True)
+    assert out.batch_size == (23,)
+    expected = lrp(rows.clone())["relevance", "observation"]
+    torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
+
+
+def test_slices_fill_the_same_output_like_separate_ranks(tmp_path):
+    source = data(20)
+    lrp = LRP(q_actor(), EpsilonPlus())
+    explain_offline(lrp, source, tmp_path / "out", start=0, stop=0, progress=False)  # creates the files
+    explain_offline(lrp, source, tmp_path / "out", start=10, stop=20, progress=False)
+    out = explain_offline(lrp, source, tmp_path / "out", start=0, stop=10, progress=False)
+    expected = lrp(source.clone())["relevance", "observation"]
+    torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.filterwarnings("ignore:no LRP rule for module")
+def test_memory_does_not_grow_with_the_source(tmp_path):
+    source = data(4096).memmap_(tmp_path / "data")
+    lrp = LRP(q_actor(), EpsilonPlus())
+    sizes = []
+
+    class Recorder(nn.Module):
+        def forward(self, x):
+            sizes.append(x.shape[0])
+            return x
+
+    lrp.module.module[0].module.insert(0, Recorder())
+    explain_offline(lrp, source, tmp_path / "relevance", batch_size=256, progress=False)
+    # The model never sees more than one batch at a time.
+    assert max(sizes) == 256 and sum(sizes) == 4096
+
+
+def test_bad_rows_and_mismatched_output_are_named(tmp_path):
+    lrp = LRP(q_actor(), EpsilonPlus())
+    with pytest.raises(ValueError, match="rows 5:50 are not within the source's 10 rows"):
+        explain_offline(lrp, data(10), tmp_path / "a", start=5, stop=50, progress=False)
+    explain_offline(lrp, data(10), tmp_path / "b", progress=False)
+    with pytest.raises(ValueError, match="has 10 rows, the source 12"):
+        explain_offline(lrp, data(12), tmp_path / "b", progress=False)
