@@ -1,0 +1,53 @@
+"""Per-key shares of relevance: how much each observation key explains, per step."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+__all__ = ["relevance_shares"]
+
+
+def relevance_shares(tensordict: TensorDictBase, relevance_key: str = "relevance", signed: bool = False) -> TensorDict:
+    """Each relevance key's share of the total, per batch element (per step of a rollout).
+
+    A key's relevance is summed over its own (non-batch) dimensions; by default
+    the absolute relevance is used, so the shares are non-negative and sum to one
+    (zero where all relevance is zero). With ``signed=True`` the signed sums are
+    divided by the signed total, as conservation accounts for relevance.
+
+    Args:
+        tensordict: a TensorDict written by :class:`~tdhook.attribution.LRP`.
+        relevance_key: the prefix of the relevance keys.
+        signed: use signed rather than absolute relevance.
+
+    Returns:
+        A TensorDict with the same keys as ``tensordict[relevance_key]``, each of
+        the batch shape.
+
+    Examples:
+        >>> td = TensorDict(
+        ...     relevance=TensorDict(pixels=torch.ones(2, 3, 4, 4), state=torch.full((2, 2), 8.0), batch_size=[2]),
+        ...     batch_size=[2],
+        ... )
+        >>> shares = relevance_shares(td)
+        >>> shares["pixels"], shares["state"]
+        (tensor([0.7500, 0.7500]), tensor([0.2500, 0.2500]))
+    """
+    if relevance_key not in tensordict.keys():
+        raise KeyError(f"relevance_shares: the TensorDict has no {relevance_key!r} entry; run it through LRP first")
+    relevance = tensordict.get(relevance_key)
+    batch_dims = tensordict.batch_dims
+    totals = {}
+    for key, value in relevance.items(include_nested=True, leaves_only=True):
+        value = value if signed else value.abs()
+        totals[key] = value.reshape(*value.shape[:batch_dims], -1).sum(-1)
+    if not totals:
+        raise KeyError(f"relevance_shares: {relevance_key!r} holds no relevance keys")
+    total = torch.stack(list(totals.values())).sum(0)
+    safe = torch.where(total != 0, total, torch.ones_like(total))
+    shares = {key: torch.where(total != 0, part / safe, torch.zeros_like(part)) for key, part in totals.items()}
+    out = TensorDict(batch_size=tensordict.batch_size, device=tensordict.device)
+    for key, share in shares.items():
+        out.set(key, share)
+    return out

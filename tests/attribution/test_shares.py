@@ -1,0 +1,57 @@
+"""Multi-key observations: relevance per key and per-key shares."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule, TensorDictSequential
+from torchrl.modules import MLP, ConvNet
+
+from tdhook.attribution import LRP, relevance_shares
+from tdhook.attribution.lrp_helpers.rules import EpsilonPlus
+
+
+def two_encoder_policy() -> TensorDictSequential:
+    """Pixels and a state vector, each with its own encoder, concatenated into a Q-value head."""
+    pixels = TensorDictModule(ConvNet(num_cells=[4], kernel_sizes=3, strides=2), ["pixels"], ["pixel_features"])
+    state = TensorDictModule(MLP(in_features=3, out_features=8, num_cells=[8]), ["state"], ["state_features"])
+    join = TensorDictModule(lambda a, b: torch.cat([a, b], -1), ["pixel_features", "state_features"], ["features"])
+    head = TensorDictModule(MLP(out_features=2, num_cells=[16]), ["features"], ["action_value"])
+    return TensorDictSequential(pixels, state, join, head)
+
+
+def batch(steps: int = 5) -> TensorDict:
+    return TensorDict(pixels=torch.randn(steps, 3, 9, 9), state=torch.randn(steps, 3), batch_size=[steps])
+
+
+def test_each_key_gets_its_relevance_and_the_shares_split_the_total():
+    policy = two_encoder_policy()
+    policy(batch())  # initialise the lazy layers
+    td = LRP(policy, EpsilonPlus(epsilon=0.0))(batch())
+    assert td["relevance", "pixels"].shape == (5, 3, 9, 9)
+    assert td["relevance", "state"].shape == (5, 3)
+    shares = relevance_shares(td)
+    torch.testing.assert_close(shares["pixels"] + shares["state"], torch.ones(5))
+    pixel_total = td["relevance", "pixels"].abs().flatten(1).sum(1)
+    state_total = td["relevance", "state"].abs().sum(1)
+    torch.testing.assert_close(shares["state"], state_total / (pixel_total + state_total))
+    signed = relevance_shares(td, signed=True)
+    signed_state = td["relevance", "state"].sum(1)
+    torch.testing.assert_close(
+        signed["state"], signed_state / (signed_state + td["relevance", "pixels"].flatten(1).sum(1))
+    )
+
+
+def test_shares_of_a_rollout_keep_batch_and_time():
+    td = TensorDict(relevance=TensorDict(a=torch.randn(2, 4, 3), batch_size=[2, 4]), batch_size=[2, 4])
+    td["relevance", "b"] = torch.zeros(2, 4)
+    shares = relevance_shares(td)
+    assert shares.batch_size == (2, 4)
+    torch.testing.assert_close(shares["a"], torch.ones(2, 4))
+    torch.testing.assert_close(shares["b"], torch.zeros(2, 4))
+
+
+def test_missing_relevance_is_named():
+    with pytest.raises(KeyError, match="no 'relevance' entry"):
+        relevance_shares(TensorDict(x=torch.ones(2), batch_size=[2]))
