@@ -22,3 +22,11 @@ def test_vision_benchmark_runs_on_tiny_inputs():
         "zennit EpsilonPlusFlat",
         "captum LRP",
     ]
+
+
+def test_target_benchmark_runs_on_tiny_inputs():
+    command = [sys.executable, str(BENCHMARKS / "bench_targets.py"), "--units", "2", "3", "--batch", "4"]
+    result = subprocess.run([*command, "--repeats", "1"], capture_output=True, text=True, timeout=600, check=True)
+    rows = [line.split() for line in result.stdout.splitlines()[2:]]
+    assert [row[0] for row in rows] == ["2", "3"]
+    assert all(float(value) > 0 for row in rows for value in row[1:])

@@ -1,0 +1,61 @@
+"""Time target="all" against one LRP call per output unit.
+
+Explaining every action's value (or every logit) with ``target="all"`` runs
+the policy forward once and one backward pass per unit; the alternative is one
+full call per unit. Both run in this one process, pinned to one thread, on the
+same policy and batch: a warm-up call, then ``--repeats`` timed calls; the
+median is reported with the ratio of the per-unit calls to ``target="all"``.
+
+    python benchmarks/bench_targets.py --units 2 6 18 --batch 256 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from tensordict import TensorDict
+from torchrl.modules import MLP
+
+from tdhook.attribution import LRP
+from tdhook.attribution.lrp_helpers.rules import EpsilonPlus
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--units", type=int, nargs="+", default=[2, 6, 18])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--features", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    print(f"batch {args.batch} x {args.features} features, MLP 256-256, 1 thread, median of {args.repeats}")
+    print(f"{'units':>5} {'target=all s':>13} {'per-unit s':>11} {'per-unit / all':>15}")
+    for units in args.units:
+        net = MLP(in_features=args.features, out_features=units, num_cells=[256, 256])
+        td = TensorDict(observation=torch.randn(args.batch, args.features), batch_size=[args.batch])
+        every = LRP(net, EpsilonPlus(), in_keys=["observation"], out_keys=["action_value"], target="all")
+        single = [
+            LRP(net, EpsilonPlus(), in_keys=["observation"], out_keys=["action_value"], target=k) for k in range(units)
+        ]
+        all_seconds = median_seconds(lambda: every(td.clone()), args.repeats)
+        unit_seconds = median_seconds(lambda: [lrp(td.clone()) for lrp in single], args.repeats)
+        print(f"{units:5d} {all_seconds:13.4f} {unit_seconds:11.4f} {unit_seconds / all_seconds:15.2f}")
+
+
+if __name__ == "__main__":
+    main()
