@@ -23,6 +23,7 @@ from tdhook.attribution.lrp_helpers.rules import (
     EpsilonAlpha2Beta1,
     EpsilonGammaBox,
     EpsilonPlusFlat,
+    PassRule,
     raise_for_unconserved_rel_factory,
 )
 from tests.conftest import relative_error, zennit_model_relevance
@@ -134,10 +135,14 @@ def test_batch_norm_in_training_mode_is_not_merged():
     x = image()
     before = snapshot(model)
     relevance = tdhook_model_relevance(model, EpsilonPlusFlat(), x)["relevance", "image"]
-    assert torch.isfinite(relevance).all()
     # Training mode updates running statistics in the forward pass, as the model itself would.
     state, _, _ = before
     assert not torch.equal(model.state_dict()["bn1.running_mean"], state["bn1.running_mean"])
+    # Not merged: every BatchNorm passes relevance through, as an explicit PassRule does.
+    passed = tdhook_model_relevance(model, EpsilonPlusFlat(rule_mapper={nn.BatchNorm2d: PassRule()}), x)
+    assert relative_error(relevance, passed["relevance", "image"]) <= 1e-12
+    merged = tdhook_model_relevance(model.eval(), EpsilonPlusFlat(), x)["relevance", "image"]
+    assert relative_error(relevance, merged) > 1e-3
 
 
 def zero_biases(model: nn.Module) -> nn.Module:

@@ -446,7 +446,7 @@ class LRP(TensorDictModuleBase):
             for leaf, g in zip(leaves, grads, strict=True)
         ]
         # Token relevance: the relevance of each token's embedding vector, summed over its features.
-        token_indices = [i for i, key in enumerate(self.explained_keys) if self._is_token_leaf(leaves[i])]
+        token_indices = [i for i, leaf in enumerate(leaves) if self._is_token_leaf(leaf)]
         for handle in self._handles or []:
             for x, rest in handle.pop_records():
                 x = getattr(x, "_tdhook_alias_of", x)

@@ -285,22 +285,22 @@ class RemovableRuleHandle:
         """The module, or ``None`` once it has been garbage collected."""
         return self._module_ref()
 
+    def _records(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        module = self.module
+        registration = self.rule._registrations.get(module) if module is not None else None
+        return registration.records if registration is not None else []
+
     @property
     def records(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Relevance not carried by the gradient so far, as ``(module input, relevance)`` pairs."""
-        module = self.module
-        registration = self.rule._registrations.get(module) if module is not None else None
-        return list(registration.records) if registration is not None else []
+        return list(self._records())
 
     def pop_records(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Relevance not carried by the gradient, as ``(module input, relevance)`` pairs, since the last pop."""
-        module = self.module
-        registration = self.rule._registrations.get(module) if module is not None else None
-        if registration is None:
-            return []
-        records = list(registration.records)
-        registration.records.clear()
-        return records
+        records = self._records()
+        popped = list(records)
+        records.clear()
+        return popped
 
     def remove(self) -> None:
         """Remove the rule's hooks from the module."""
@@ -731,7 +731,7 @@ class _ModifiedForwardRule(Rule):
         """
         has_neg = bool((x < 0).any())
         x_pos = x.clamp(min=0) if has_neg else x
-        x_neg = x.clamp(max=0)
+        x_neg = x.clamp(max=0) if has_neg else None
         outputs = []
         for pos_key, neg_key in pairs:
             out = self._forward(module, registration, params[pos_key], x_pos)
