@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 from torch import nn
 from torchrl.modules import ActorCriticWrapper, ActorValueOperator
 
+from tdhook.attribution.lrp_helpers.additions import StabilizedAdditions
 from tdhook.attribution.lrp_helpers.rules import (
     BaseRuleMapper,
     MergeBatchNormRule,
@@ -386,7 +388,8 @@ class LRP(TensorDictModuleBase):
                     work.set(key, fed[-1])
                     leaves.append(leaf)
                 try:
-                    result = self.module(work)
+                    with self._addition_mode():
+                        result = self.module(work)
                 except Exception as err:
                     self._raise_for_unembedded_tokens(leaves, err)
                     raise
@@ -411,6 +414,10 @@ class LRP(TensorDictModuleBase):
                 handle.pop_records()
         self._write(tensordict, result, relevances, fed)
         return tensordict
+
+    def _addition_mode(self) -> contextlib.AbstractContextManager:
+        epsilon = getattr(self.rule_mapper, "addition_stabilizer", None)
+        return contextlib.nullcontext() if epsilon is None else StabilizedAdditions(epsilon)
 
     def _backward(
         self,

@@ -1192,6 +1192,10 @@ class BaseRuleMapper:
             for :func:`rule_mapper_from_dict`.
         strict: raise on a leaf module that gets no rule, rather than warn
             (once per module name) that it is differentiated as it is.
+        stabilize_additions: treat every addition of two activations (residual
+            sums) as zennit's ``Sum`` under ``Norm(stabilizer)``, as its ResNet
+            canonizer does, instead of splitting it exactly
+            (see :class:`~tdhook.attribution.lrp_helpers.additions.StabilizedAdditions`).
 
     Examples:
         >>> mapper = BaseRuleMapper(rule_mapper=lambda name, m: StopRule() if name == "head" else None)
@@ -1200,10 +1204,15 @@ class BaseRuleMapper:
     """
 
     def __init__(
-        self, stabilizer: float = 1e-6, rule_mapper: RuleMapper | Mapping | None = None, strict: bool = False
+        self,
+        stabilizer: float = 1e-6,
+        rule_mapper: RuleMapper | Mapping | None = None,
+        strict: bool = False,
+        stabilize_additions: bool = False,
     ) -> None:
         self.stabilizer = stabilizer
         self.strict = strict
+        self.stabilize_additions = stabilize_additions
         self._warned: set[tuple[str, type]] = set()
         self.rule_mapper = rule_mapper_from_dict(rule_mapper) if isinstance(rule_mapper, Mapping) else rule_mapper
         self._pass = PassRule()
@@ -1211,6 +1220,11 @@ class BaseRuleMapper:
         self._ignore = IgnoreRule()
         self._merge_batch_norm = MergeBatchNormRule()
         self._first_layer_rules: dict[tuple[int, int], FirstLayerRule] = {}
+
+    @property
+    def addition_stabilizer(self) -> float | None:
+        """The ε of the rule on additions of two activations, or ``None`` for the exact split."""
+        return self.stabilizer if self.stabilize_additions else None
 
     def __call__(self, name: str, module: nn.Module) -> Rule | None:
         if self.rule_mapper is not None:
@@ -1295,8 +1309,9 @@ class EpsilonPlus(BaseRuleMapper):
         stabilizer: float = 1e-6,
         rule_mapper: RuleMapper | Mapping | None = None,
         strict: bool = False,
+        stabilize_additions: bool = False,
     ):
-        super().__init__(stabilizer, rule_mapper, strict)
+        super().__init__(stabilizer, rule_mapper, strict, stabilize_additions)
         self.epsilon = epsilon
         self._conv = AlphaBetaRule(alpha=1.0, beta=0.0, stabilizer=stabilizer)
         self._dense = EpsilonRule(epsilon=epsilon)
@@ -1325,8 +1340,9 @@ class EpsilonPlusFlat(EpsilonPlus):
         stabilizer: float = 1e-6,
         rule_mapper: RuleMapper | Mapping | None = None,
         strict: bool = False,
+        stabilize_additions: bool = False,
     ):
-        super().__init__(epsilon, stabilizer, rule_mapper, strict)
+        super().__init__(epsilon, stabilizer, rule_mapper, strict, stabilize_additions)
         self._first = FlatRule(stabilizer=stabilizer)
 
     def first_layer_rule(self, name, module):
@@ -1347,8 +1363,9 @@ class EpsilonAlpha2Beta1(BaseRuleMapper):
         stabilizer: float = 1e-6,
         rule_mapper: RuleMapper | Mapping | None = None,
         strict: bool = False,
+        stabilize_additions: bool = False,
     ):
-        super().__init__(stabilizer, rule_mapper, strict)
+        super().__init__(stabilizer, rule_mapper, strict, stabilize_additions)
         self.epsilon = epsilon
         self._conv = AlphaBetaRule(alpha=2.0, beta=1.0, stabilizer=stabilizer)
         self._dense = EpsilonRule(epsilon=epsilon)
@@ -1371,8 +1388,9 @@ class EpsilonAlpha2Beta1Flat(EpsilonAlpha2Beta1):
         stabilizer: float = 1e-6,
         rule_mapper: RuleMapper | Mapping | None = None,
         strict: bool = False,
+        stabilize_additions: bool = False,
     ):
-        super().__init__(epsilon, stabilizer, rule_mapper, strict)
+        super().__init__(epsilon, stabilizer, rule_mapper, strict, stabilize_additions)
         self._first = FlatRule(stabilizer=stabilizer)
 
     first_layer_rule = EpsilonPlusFlat.first_layer_rule
@@ -1403,8 +1421,9 @@ class EpsilonGammaBox(BaseRuleMapper):
         stabilizer: float = 1e-6,
         rule_mapper: RuleMapper | Mapping | None = None,
         strict: bool = False,
+        stabilize_additions: bool = False,
     ):
-        super().__init__(stabilizer, rule_mapper, strict)
+        super().__init__(stabilizer, rule_mapper, strict, stabilize_additions)
         self.epsilon = epsilon
         self._conv = GammaRule(gamma=gamma, stabilizer=stabilizer)
         self._dense = EpsilonRule(epsilon=epsilon)

@@ -1,0 +1,87 @@
+"""An opt-in ε-rule on the additions of two computed tensors (residual sums).
+
+tdhook splits a sum ``a + b`` exactly: the plain gradient gives ``a`` and ``b``
+the shares ``a · g`` and ``b · g`` of the sum's relevance ``(a + b) · g``. zennit
+instead turns each residual addition into a module under its ``Norm`` rule,
+``R_a = a · R / stabilize(a + b)``, whose stabilizer absorbs a little relevance.
+:class:`StabilizedAdditions` reproduces that choice without touching the model
+code: while it is active, every addition of two tensors of the same shape that
+both carry autograd history (activations, not parameters or constants) has its
+incoming gradient rescaled by ``(a + b) / stabilize(a + b)``.
+
+Enable it with ``stabilize_additions=True`` on a rule mapper; the LRP wrapper
+then runs the model's forward pass inside this mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["StabilizedAdditions"]
+
+_ADDITIONS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.add_, torch.Tensor.__add__, torch.Tensor.__iadd__})
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity on ``x`` (rebased in place, so every reference sees it) whose backward multiplies by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.mark_dirty(x)
+        ctx.scale = scale
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def _is_activation(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.grad_fn is not None and value.is_floating_point()
+
+
+class StabilizedAdditions(TorchFunctionMode):
+    """Treat each addition of two activations as zennit's ``Sum`` module under ``Norm(epsilon)``.
+
+    Only additions with two operands of the same shape that both have autograd
+    history are changed (``a + b``, ``a += b``, ``torch.add(a, b)``, ``a.add_(b)``
+    without ``alpha``); bias additions, constants and broadcasts keep the exact split.
+
+    Args:
+        epsilon: the stabilizer of the sum (zennit's default is ``1e-6``).
+
+    Examples:
+        >>> import torch
+        >>> x = torch.tensor([1.0, -2.0], requires_grad=True)
+        >>> with StabilizedAdditions(epsilon=0.5):
+        ...     y = (2 * x) + (-x)
+        >>> torch.equal(y, x.detach())
+        True
+        >>> torch.autograd.grad(y.sum(), x)[0]  # (a + b) / stabilize(a + b) instead of 1
+        tensor([0.6667, 0.8000])
+    """
+
+    def __init__(self, epsilon: float = 1e-6) -> None:
+        super().__init__()
+        self.epsilon = epsilon
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if (
+            func in _ADDITIONS
+            and not kwargs
+            and len(args) == 2
+            and _is_activation(args[0])
+            and _is_activation(args[1])
+            and args[0].shape == args[1].shape
+        ):
+            from .rules import stabilize
+
+            with torch.no_grad():
+                scale = result / stabilize(result, self.epsilon)
+            result = _ScaleGradient.apply(result, scale)
+        return result
