@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from tensordict import TensorDict
-from tensordict.nn import NormalParamExtractor, TensorDictModule
+from tensordict.nn import NormalParamExtractor, TensorDictModule, TensorDictModuleBase
 from torch import nn
 from torchrl.envs import GymEnv
 from torchrl.envs.utils import ExplorationType, set_exploration_type
@@ -101,8 +103,49 @@ class TestHeads:
         torch.testing.assert_close(all_units["relevance", "observation"], stacked, rtol=1e-6, atol=1e-12)
 
 
-def categorical_actor(in_key: str, in_features: int) -> ProbabilisticActor:
-    head = TensorDictModule(mlp(3, in_features), in_keys=[in_key], out_keys=["logits"])
+CONSERVING = EpsilonPlus(epsilon=0.0, stabilizer=1e-12)
+
+
+def head(kind: str) -> tuple[TensorDictModuleBase, dict]:
+    """A torchrl head with zero biases, and the explained output each relevance key must sum to."""
+    if kind == "QValueActor":
+        module = QValueActor(zero_biases(mlp(2)), in_keys=["observation"], action_space="one-hot")
+        return module, {("relevance", "observation"): lambda td: td["action_value"].max(-1).values}
+    if kind == "TanhNormal":
+        net = nn.Sequential(zero_biases(mlp(4)), NormalParamExtractor())
+        module = ProbabilisticActor(
+            TensorDictModule(net, in_keys=["observation"], out_keys=["loc", "scale"]),
+            in_keys=["loc", "scale"],
+            distribution_class=TanhNormal,
+        )
+        return module, {("relevance", "observation"): lambda td: td["loc"].max(-1).values}
+    if kind == "OneHotCategorical":
+        module = zero_biases(categorical_actor("observation", 4))
+        return module, {("relevance", "observation"): lambda td: td["logits"].max(-1).values}
+    if kind == "ValueOperator":
+        module = ValueOperator(zero_biases(mlp(1)), in_keys=["observation"])
+        return module, {("relevance", "observation"): lambda td: td["state_value"].squeeze(-1)}
+    common = TensorDictModule(zero_biases(mlp(8)), in_keys=["observation"], out_keys=["hidden"])
+    actor = zero_biases(categorical_actor("hidden", 8))
+    module = ActorValueOperator(common, actor, ValueOperator(zero_biases(mlp(1, 8)), in_keys=["hidden"]))
+    return module, {
+        ("relevance", "actor", "observation"): lambda td: td["logits"].max(-1).values,
+        ("relevance", "critic", "observation"): lambda td: td["state_value"].squeeze(-1),
+    }
+
+
+@pytest.mark.parametrize("kind", ["QValueActor", "TanhNormal", "OneHotCategorical", "ValueOperator", "ActorValue"])
+def test_every_head_conserves_relevance_with_zero_biases(kind: str):
+    module, explained = head(kind)
+    out = LRP(module, CONSERVING)(observations())
+    for key, target in explained.items():
+        relevance = out[key]
+        assert relevance.shape == (6, 4)
+        torch.testing.assert_close(relevance.sum(-1), target(out), rtol=1e-9, atol=1e-12)
+
+
+def categorical_actor(in_key: str, in_features: int, actions: int = 3) -> ProbabilisticActor:
+    head = TensorDictModule(mlp(actions, in_features), in_keys=[in_key], out_keys=["logits"])
     return ProbabilisticActor(head, in_keys=["logits"], distribution_class=OneHotCategorical)
 
 
@@ -173,6 +216,26 @@ class TestRollouts:
         step = LRP(actor, EpsilonPlus())(plain[1, 3].select("observation").unsqueeze(0))
         torch.testing.assert_close(relevance[1, 3], step["relevance", "observation"][0])
 
+    def test_parallel_env_rollout_takes_the_same_actions(self):
+        from torchrl.envs import ParallelEnv
+
+        net = MLP(in_features=4, out_features=2, num_cells=[16])
+        actor = QValueActor(net, in_keys=["observation"], spec=GymEnv("CartPole-v1").action_spec)
+        env = ParallelEnv(2, functools.partial(GymEnv, "CartPole-v1"))
+        try:
+            env.set_seed(0)
+            plain = env.rollout(8, actor, break_when_any_done=False)
+            env.set_seed(0)
+            explained = env.rollout(8, LRP(actor, EpsilonPlus()), break_when_any_done=False)
+        finally:
+            env.close()
+        assert torch.equal(explained["action"], plain["action"])
+        assert torch.equal(explained["next", "observation"], plain["next", "observation"])
+        relevance = explained["relevance", "observation"]
+        assert relevance.shape == (2, 8, 4)
+        flat = LRP(actor, EpsilonPlus())(plain.select("observation").reshape(-1))
+        torch.testing.assert_close(relevance, flat["relevance", "observation"].reshape(2, 8, 4))
+
     def test_pendulum_rollout_with_a_sampling_actor_is_unchanged(self):
         torch.manual_seed(0)
         net = nn.Sequential(MLP(in_features=3, out_features=2, num_cells=[16]), NormalParamExtractor())
@@ -206,6 +269,24 @@ class TestRollouts:
             collector.shutdown()
         assert len(batches) == 2
         for batch in batches:
+            assert not batch["relevance", "observation"].requires_grad
             relevance = batch["relevance", "observation"]
             assert relevance.shape[-1] == 4 and relevance.numel() == 16 * 4
             assert torch.isfinite(relevance).all() and relevance.abs().sum() > 0
+
+    def test_collector_with_a_sampling_policy_takes_the_same_actions(self):
+        from torchrl.collectors import Collector
+
+        actor = categorical_actor("observation", 4, actions=2).float()
+        runs = {}
+        for name, policy in (("plain", actor), ("explained", LRP(actor, EpsilonPlus()))):
+            torch.manual_seed(3)
+            collector = Collector(lambda: GymEnv("CartPole-v1"), policy, frames_per_batch=20, total_frames=40)
+            collector.set_seed(0)
+            try:
+                runs[name] = torch.cat(list(collector))
+            finally:
+                collector.shutdown()
+        assert torch.equal(runs["explained"]["action"], runs["plain"]["action"])
+        assert torch.equal(runs["explained"]["next", "observation"], runs["plain"]["next", "observation"])
+        assert runs["explained"]["relevance", "observation"].shape == (40, 4)
