@@ -19,7 +19,6 @@ from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 from torch import nn
 from torchrl.modules import ActorCriticWrapper, ActorValueOperator
 
-from tdhook.attribution.lrp_helpers.additions import StabilizedAdditions
 from tdhook.attribution.lrp_helpers.rules import (
     BaseRuleMapper,
     MergeBatchNormRule,
@@ -388,7 +387,9 @@ class LRP(TensorDictModuleBase):
                     work.set(key, fed[-1])
                     leaves.append(leaf)
                 try:
-                    with self._addition_mode():
+                    with contextlib.ExitStack() as modes:
+                        for mode in getattr(self.rule_mapper, "function_modes", list)():
+                            modes.enter_context(mode)
                         result = self.module(work)
                 except Exception as err:
                     self._raise_for_unembedded_tokens(leaves, err)
@@ -414,10 +415,6 @@ class LRP(TensorDictModuleBase):
                 handle.pop_records()
         self._write(tensordict, result, relevances, fed)
         return tensordict
-
-    def _addition_mode(self) -> contextlib.AbstractContextManager:
-        epsilon = getattr(self.rule_mapper, "addition_stabilizer", None)
-        return contextlib.nullcontext() if epsilon is None else StabilizedAdditions(epsilon)
 
     def _backward(
         self,

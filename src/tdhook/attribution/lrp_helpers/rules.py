@@ -60,6 +60,12 @@ __all__ = [
     "EpsilonAlpha2Beta1Flat",
     "EpsilonGammaBox",
     "raise_for_unconserved_rel_factory",
+    "SoftmaxEpsilonRule",
+    "LayerNormRule",
+    "PseudoIdentityRule",
+    "AHQKVRule",
+    "AttnLRP",
+    "CPLRP",
 ]
 
 
@@ -606,8 +612,12 @@ class PassRule(Rule):
                 f"PassRule needs an element-wise module; {type(module).__name__} maps {tuple(x.shape)} "
                 f"to {tuple(output.shape)}"
             )
-        if not x.requires_grad:
-            return None
+        return self.apply(output, x) if x.requires_grad else None
+
+    def apply(self, output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``output = f(x)`` for an element-wise ``f``, with the rule's gradient."""
+        if not x.requires_grad or x.shape != output.shape:
+            return output
         scale = output.detach() / stabilize(x.detach(), self.stabilizer)
         return redirect(output, [x], lambda grad: [grad * scale])
 
@@ -1221,10 +1231,13 @@ class BaseRuleMapper:
         self._merge_batch_norm = MergeBatchNormRule()
         self._first_layer_rules: dict[tuple[int, int], FirstLayerRule] = {}
 
-    @property
-    def addition_stabilizer(self) -> float | None:
-        """The ε of the rule on additions of two activations, or ``None`` for the exact split."""
-        return self.stabilizer if self.stabilize_additions else None
+    def function_modes(self) -> list:
+        r"""``TorchFunctionMode``\ s the wrapper runs the forward pass in: rules for calls that are not modules."""
+        if not self.stabilize_additions:
+            return []
+        from tdhook.attribution.lrp_helpers.additions import StabilizedAdditions
+
+        return [StabilizedAdditions(self.stabilizer)]
 
     def __call__(self, name: str, module: nn.Module) -> Rule | None:
         if self.rule_mapper is not None:
@@ -1470,3 +1483,14 @@ def raise_for_unconserved_rel_factory(
             )
 
     return check
+
+
+# The transformer rules and presets live in their own module; they are part of this public one.
+from tdhook.attribution.lrp_helpers.transformer_rules import (  # noqa: E402
+    CPLRP,
+    AHQKVRule,
+    AttnLRP,
+    LayerNormRule,
+    PseudoIdentityRule,
+    SoftmaxEpsilonRule,
+)
