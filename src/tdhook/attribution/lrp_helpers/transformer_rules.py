@@ -326,6 +326,8 @@ class AttnLRP(BaseRuleMapper):
             return self._softmax
         if isinstance(module, _ACTIVATIONS) or _is_hf_activation(module):
             return self._identity
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            return self._ignore  # cos/sin tables from positions: no relevance flows through them
         return super().default_rule(name, module)
 
     def function_modes(self) -> list:
