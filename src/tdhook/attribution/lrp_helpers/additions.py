@@ -20,9 +20,12 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from tdhook.attribution.lrp_helpers.rules import stabilize
+
 __all__ = ["StabilizedAdditions"]
 
-_ADDITIONS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.add_, torch.Tensor.__add__, torch.Tensor.__iadd__})
+# ``a + b`` and ``a += b`` reach a mode as ``Tensor.add`` and ``Tensor.add_``.
+_ADDITIONS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.add_})
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -79,8 +82,6 @@ class StabilizedAdditions(TorchFunctionMode):
             and _is_activation(args[1])
             and args[0].shape == args[1].shape
         ):
-            from .rules import stabilize
-
             with torch.no_grad():
                 scale = result / stabilize(result, self.epsilon)
             result = _ScaleGradient.apply(result, scale)
