@@ -12,26 +12,14 @@ median is reported with the ratio of the per-unit calls to ``target="all"``.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 from tensordict import TensorDict
+from timing import median_seconds
 from torchrl.modules import MLP
 
 from tdhook.attribution import LRP
 from tdhook.attribution.lrp_helpers.rules import EpsilonPlus
-
-
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:

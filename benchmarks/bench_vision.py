@@ -10,14 +10,13 @@ reported, with its ratio to a plain gradient × input pass.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torchvision
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
+from timing import median_seconds
 from torch import nn
 
 from tdhook.attribution import LRP
@@ -64,16 +63,6 @@ def captum_runner(model: nn.Module) -> Callable:
     return run
 
 
-def median_seconds(fn: Callable, x: torch.Tensor, repeats: int) -> float:
-    fn(x)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(x)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["vgg11", "resnet18"])
@@ -108,7 +97,7 @@ def main() -> None:
             methods["captum LRP"] = captum_runner(model)
         base = None
         for label, fn in methods.items():
-            seconds = median_seconds(fn, x, args.repeats)
+            seconds = median_seconds(lambda: fn(x), args.repeats)
             base = base or seconds
             print(f"{name:<10} {label:<32} {seconds:8.3f} {seconds / base:13.2f}")
 

@@ -30,3 +30,17 @@ def test_target_benchmark_runs_on_tiny_inputs():
     rows = [line.split() for line in result.stdout.splitlines()[2:]]
     assert [row[0] for row in rows] == ["2", "3"]
     assert all(float(value) > 0 for row in rows for value in row[1:])
+
+
+def test_transformer_benchmark_runs_on_tiny_inputs():
+    command = [sys.executable, str(BENCHMARKS / "bench_transformer.py"), "--batch", "1", "--tokens", "4"]
+    result = subprocess.run(
+        [*command, "--hidden", "16", "--layers", "1", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    rows = [line.rsplit(None, 2) for line in result.stdout.splitlines()[2:]]
+    assert [row[0] for row in rows] == ["gradient x input", "tdhook AttnLRP", "tdhook CP-LRP"]
+    assert all(float(value) > 0 for row in rows for value in row[1:])

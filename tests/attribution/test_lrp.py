@@ -209,6 +209,17 @@ class TestContract:
         assert every.shape == (3, 3, 5)
         torch.testing.assert_close(every, singles)
 
+    def test_token_relevance_key_sums_the_feature_dimension(self):
+        net = mlp()
+        x = torch.randn(2, 4, 5, dtype=torch.float64)  # [B, T, H]: one relevance per "token" t
+        lrp = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"], target="all", token_relevance_key="tokens")
+        td = lrp(TensorDict(x=x, batch_size=[2, 4]))
+        assert td["tokens", "x"].shape == (2, 4, 3)  # [B, T, K] for K output units
+        torch.testing.assert_close(td["tokens", "x"], td["relevance", "x"].sum(-1), rtol=0, atol=0)
+        assert ("tokens", "x") in lrp.out_keys
+        with pytest.raises(ValueError, match="token_relevance_key and relevance_key are both 'relevance'"):
+            LRP(net, in_keys=["x"], out_keys=["y"], token_relevance_key="relevance")
+
     def test_relevance_check_passes_on_conserving_net_and_names_a_lossy_layer(self):
         x = torch.randn(3, 5, dtype=torch.float64)
         check = raise_for_unconserved_rel_factory(atol=1e-8, rtol=1e-8)

@@ -167,3 +167,37 @@ def test_cp_lrp_on_an_encoder_is_gradient_times_input_with_attention_weights_det
     out = model(leaf)
     (grad,) = torch.autograd.grad(out, leaf, torch.zeros_like(out).scatter_(-1, out.argmax(-1, keepdim=True), 1.0))
     assert relative_error(x * grad, expected) > 1e-3
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))``, the feed-forward block of Llama-style models."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = (
+            nn.Linear(6, 12, dtype=F64),
+            nn.Linear(6, 12, dtype=F64),
+            nn.Linear(12, 6, dtype=F64),
+        )
+        self.act = nn.SiLU()
+
+    def forward(self, x):
+        return self.down(self.act(self.gate(x)) * self.up(x))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_gated_mlp_shares_relevance_uniformly_or_holds_the_gate(variant: str):
+    """AttnLRP: half of the product's relevance to the gate and half to the up path;
+    CP-LRP (as LXT): the gate is held constant, the up path gets it all."""
+    model = GatedMLP()
+    x = torch.randn(4, 6, dtype=F64)
+    td = explain(model, VARIANTS[variant](), x)
+
+    def reference(h):
+        gate = identity_rule(nn.functional.silu, model.gate(h))
+        gate, up = (gate.detach(), model.up(h)) if variant == "cp" else (half(gate), half(model.up(h)))
+        return model.down(gate * up)
+
+    out, expected = reference_relevance(reference, x)
+    torch.testing.assert_close(td["y"], out)
+    assert relative_error(td["relevance", "x"], expected) <= 1e-8  # SiLU's ratio uses x + 1e-10

@@ -124,6 +124,13 @@ class LRP(TensorDictModuleBase):
         relevance_check: optional ``(name, module, relevance_in, relevance_out)``
             callable run on every module with a rule, for example
             :func:`~tdhook.attribution.lrp_helpers.rules.raise_for_unconserved_rel_factory`.
+        token_relevance_key: if given, every relevance is also written summed
+            over its last (feature) dimension at ``(token_relevance_key, ...)``,
+            in place of ``relevance_key``: for embeddings ``[B, T, H]`` given
+            as input, or an embedding layer named in ``layers``, the relevance
+            of each token ``[B, T]``. Integer token ids read by an
+            ``nn.Embedding`` get their per-token relevance at
+            ``(relevance_key, key)`` already.
 
     Examples:
         >>> import torch
@@ -156,6 +163,7 @@ class LRP(TensorDictModuleBase):
         relevance_key: str = "relevance",
         layers: Sequence[str] | Mapping[str, NestedKey] | None = None,
         relevance_check: RelevanceCheck | None = None,
+        token_relevance_key: str | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, TensorDictModuleBase):
@@ -195,8 +203,18 @@ class LRP(TensorDictModuleBase):
             for name in self.targets
         }
         self.relevance_keys = [key for keys in self._keys_per_target.values() for key in keys]
+        # The input key each relevance key belongs to (None for an inner layer's).
+        self._relevance_sources = [
+            key for _ in self.targets for key in [*self.explained_keys, *[None] * len(self.layer_keys)]
+        ]
+        if token_relevance_key is not None and token_relevance_key == relevance_key:
+            raise ValueError(f"LRP: token_relevance_key and relevance_key are both {relevance_key!r}; pick two")
+        self.token_relevance_key = token_relevance_key
+        self.token_relevance_keys = (
+            [(token_relevance_key, *key[1:]) for key in self.relevance_keys] if token_relevance_key else []
+        )
         self.in_keys = unravel_key_list(list(dict.fromkeys([*module.in_keys, *self.explained_keys])))
-        self.out_keys = [*unravel_key_list(module.out_keys), *self.relevance_keys]
+        self.out_keys = [*unravel_key_list(module.out_keys), *self.relevance_keys, *self.token_relevance_keys]
         self._handles: list[RemovableRuleHandle] | None = None
         self._hooks: list = []
         self._layer_cells: dict[str, list[OutputRelevance]] = {}
@@ -458,7 +476,7 @@ class LRP(TensorDictModuleBase):
                     if x is model_input:
                         relevances[i] = relevances[i] + rest
         for i in token_indices:
-            relevances[i] = relevances[i].sum(-1)
+            relevances[i] = relevances[i].sum(-1).reshape(self._tokens[i][0].shape)
         return relevances + [self._layer_relevance(name, leaves[0]) for name in self.layer_keys]
 
     def _raise_for_unembedded_tokens(self, leaves: list, cause: Exception | None = None) -> None:
@@ -480,7 +498,8 @@ class LRP(TensorDictModuleBase):
             if not self._tokens or not torch.is_grad_enabled() or not args:
                 return None
             for i, (tokens, leaves, fed) in self._tokens.items():
-                if args[0] is tokens:
+                # The tokens themselves, or a reshaped view of them (GPT-2 flattens its input_ids).
+                if args[0] is tokens or (args[0]._base is tokens and args[0].numel() == tokens.numel()):
                     if leaves[i] is not None:
                         raise ValueError(
                             f"LRP: input key {self.explained_keys[i]!r} is embedded twice (again by {name!r}); "
@@ -522,6 +541,11 @@ class LRP(TensorDictModuleBase):
             updates[key] = value.detach() if isinstance(value, torch.Tensor) else value
         for key, rel in zip(self.relevance_keys, relevances, strict=True):
             updates[key] = rel
+        if self.token_relevance_keys:
+            for key, source, rel in zip(self.token_relevance_keys, self._relevance_sources, relevances, strict=True):
+                # Token ids already have one relevance per token; embeddings and layer outputs sum their features.
+                per_token = source is not None and not tensordict.get(source).is_floating_point()
+                updates[key] = rel if per_token else rel.sum(-1)
         for key, value in updates.items():
             tensordict.set(key, value)
 

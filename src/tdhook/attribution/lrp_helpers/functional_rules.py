@@ -66,6 +66,10 @@ def _is_activation(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.grad_fn is not None and value.is_floating_point()
 
 
+def _is_gate(value: torch.Tensor) -> bool:
+    return getattr(value, "_tdhook_activation_output", False)
+
+
 def _argument(args: tuple, kwargs: dict, position: int, name: str, default: Any = None) -> Any:
     return args[position] if len(args) > position else kwargs.get(name, default)
 
@@ -75,6 +79,8 @@ class FunctionalRules(TorchFunctionMode):
 
     * products of two activations (``a * b``, ``a @ b``, ``torch.bmm``,
       ``torch.baddbmm``): the uniform rule, half of the relevance to each factor;
+      with ``hold_gates``, a factor that is an activation function's output
+      (a gate) is held constant instead and the other factor gets it all;
     * ``softmax``: ``softmax`` (a :class:`SoftmaxEpsilonRule`, or an
       :class:`AHQKVRule` for CP-LRP, which holds the attention weights constant);
     * ``F.scaled_dot_product_attention``: the same rules as the unfused
@@ -86,6 +92,8 @@ class FunctionalRules(TorchFunctionMode):
     Args:
         softmax: the rule for softmax and attention weights.
         activation: the rule for element-wise activations.
+        hold_gates: hold gates constant in products (CP-LRP) rather than
+            sharing relevance uniformly (AttnLRP).
 
     Examples:
         >>> q = torch.randn(1, 2, 3, 4, requires_grad=True)
@@ -99,14 +107,18 @@ class FunctionalRules(TorchFunctionMode):
         True
     """
 
-    def __init__(self, softmax: SoftmaxEpsilonRule, activation: PseudoIdentityRule) -> None:
+    def __init__(self, softmax: SoftmaxEpsilonRule, activation: PseudoIdentityRule, hold_gates: bool = False) -> None:
         super().__init__()
         self.softmax = softmax
         self.activation = activation
+        self.hold_gates = hold_gates
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _PRODUCTS and len(args) == 2 and _is_activation(args[0]) and _is_activation(args[1]):
+            gates = [_is_gate(a) for a in args] if self.hold_gates else [False, False]
+            if gates[0] != gates[1]:
+                return func(*(a.detach() if gate else a for a, gate in zip(args, gates, strict=True)), **kwargs)
             return func(*uniform_product(args[0], args[1]), **kwargs)
         if func is torch.baddbmm and len(args) >= 3 and _is_activation(args[1]) and _is_activation(args[2]):
             return func(args[0], *uniform_product(args[1], args[2]), *args[3:], **kwargs)

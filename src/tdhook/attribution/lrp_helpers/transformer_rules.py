@@ -183,6 +183,13 @@ class PseudoIdentityRule(PassRule):
     def __init__(self, stabilizer: float = 1e-10) -> None:
         super().__init__(stabilizer)
 
+    def apply(self, output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        result = super().apply(output, x)
+        # Marked as an activation's output: CP-LRP holds such a tensor constant where it gates another one.
+        if result.requires_grad:
+            result._tdhook_activation_output = True
+        return result
+
 
 def _is_rms_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm")
@@ -333,15 +340,19 @@ class AttnLRP(BaseRuleMapper):
     def function_modes(self) -> list:
         from tdhook.attribution.lrp_helpers.functional_rules import FunctionalRules
 
-        return [*super().function_modes(), FunctionalRules(self._softmax, self._identity)]
+        hold_gates = isinstance(self._softmax, AHQKVRule)
+        return [*super().function_modes(), FunctionalRules(self._softmax, self._identity, hold_gates)]
 
 
 class CPLRP(AttnLRP):
-    """CP-LRP (Ali et al., 2022): :class:`AttnLRP` with attention weights held constant (:class:`AHQKVRule`).
+    """CP-LRP (Ali et al., 2022): :class:`AttnLRP` with attention weights and gates held constant.
 
-    Relevance reaches the tokens through the value path only. With ``epsilon``
-    → 0 and ReLU activations this equals gradient × input of the model with its
-    attention weights and normalising scales detached.
+    Relevance reaches the tokens through the value path only (:class:`AHQKVRule`).
+    Gates are held constant too, as LXT's CP-LRP does: where an activation's
+    output multiplies another activation (the ``act(gate(x)) * up(x)`` of a
+    gated MLP), all relevance goes to the other factor. With ``epsilon`` → 0
+    and ReLU activations this equals gradient × input of the model with its
+    attention weights, gates and normalising scales detached.
 
     Examples:
         >>> type(CPLRP().function_modes()[0].softmax).__name__

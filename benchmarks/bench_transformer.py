@@ -1,0 +1,96 @@
+"""Time AttnLRP and CP-LRP on a tiny random Llama against gradient × input.
+
+The model is a Hugging Face ``LlamaForCausalLM`` from a small random config
+with eager attention, called on embeddings; the explained output is the
+next-token logit at its argmax. Every method runs in this one process, pinned
+to one thread, on the same model and inputs: a warm-up call, then
+``--repeats`` timed calls; the median is reported with its ratio to a plain
+gradient × input pass. tdhook runs inside one ``with lrp:`` context, as in a
+loop over many inputs.
+
+    python benchmarks/bench_transformer.py --batch 8 --tokens 64 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+import transformers
+from tensordict import TensorDict
+from timing import median_seconds
+from torch import nn
+
+from tdhook.attribution import LRP
+from tdhook.attribution.lrp_helpers.rules import CPLRP, AttnLRP
+
+
+class LastLogits(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, embeds: torch.Tensor) -> torch.Tensor:
+        return self.model(inputs_embeds=embeds).logits[:, -1]
+
+
+def tiny_llama(hidden: int, layers: int) -> nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=1000,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    config._attn_implementation = "eager"
+    return LastLogits(transformers.LlamaForCausalLM(config).eval())
+
+
+def gradient_times_input(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    x = x.detach().requires_grad_(True)
+    (grad,) = torch.autograd.grad(model(x).max(-1).values.sum(), x)
+    return x * grad
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = tiny_llama(args.hidden, args.layers)
+    x = torch.randn(args.batch, args.tokens, args.hidden)
+    wrappers = {
+        label: LRP(model, mapper, in_keys=["embeds"], out_keys=["logits"])
+        for label, mapper in [("tdhook AttnLRP", AttnLRP()), ("tdhook CP-LRP", CPLRP())]
+    }
+    methods: dict[str, Callable] = {"gradient x input": lambda x: gradient_times_input(model, x)}
+    for label, lrp in wrappers.items():
+        methods[label] = lambda x, lrp=lrp: lrp(TensorDict(embeds=x, batch_size=x.shape[:1]))["relevance", "embeds"]
+
+    print(
+        f"Llama {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.tokens} tokens, "
+        f"1 thread, median of {args.repeats}"
+    )
+    print(f"{'method':<24} {'seconds':>8} {'x grad*input':>13}")
+    base = None
+    for label, fn in methods.items():
+        lrp = wrappers.get(label)
+        if lrp is not None:
+            with lrp:
+                seconds = median_seconds(lambda: fn(x), args.repeats)
+        else:
+            seconds = median_seconds(lambda: fn(x), args.repeats)
+        base = base or seconds
+        print(f"{label:<24} {seconds:8.4f} {seconds / base:13.2f}")
+
+
+if __name__ == "__main__":
+    main()

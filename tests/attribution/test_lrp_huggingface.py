@@ -1,0 +1,212 @@
+"""AttnLRP and CP-LRP on Hugging Face GPT-2 and Llama, against LXT.
+
+The models are tiny random configs with eager attention, in float64. tdhook
+runs on the ``transformers`` release of the test extra; LXT, the oracle, runs
+in a process of its own on the release it supports (``lxt_oracle.py``), on the
+same weights and inputs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from tensordict import TensorDict
+from torch import nn
+from transformers.models.gpt2 import modeling_gpt2
+from transformers.models.llama import modeling_llama
+
+from tdhook.attribution import LRP
+from tdhook.attribution.lrp_helpers.rules import CPLRP, AttnLRP
+from tests.attribution.test_lrp_transformers import assert_restored, snapshot
+
+HERE = Path(__file__).resolve().parent
+ORACLE_REQUIREMENTS = HERE / "lxt_oracle_requirements.txt"
+ORACLE_DIR = HERE.parents[1] / ".oracle" / "lxt"
+F64 = torch.float64
+VARIANTS = {"attnlrp": AttnLRP, "cp": CPLRP}
+
+CONFIGS = {
+    "gpt2": dict(
+        vocab_size=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    ),
+    "llama": dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def build(kind: str, seed: int = 0) -> nn.Module:
+    config_class, model_class = {
+        "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    }[kind]
+    config = config_class(**CONFIGS[kind])
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_class(config).to(F64).eval()
+    with torch.no_grad():  # weights larger than the 0.02 init, so that every rule matters
+        for param in model.parameters():
+            param.mul_(10.0 if param.dim() > 1 else 1.0)
+    return model
+
+
+class LastLogits(nn.Module):
+    """The language model's next-token logits, from embeddings."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, embeds: torch.Tensor) -> torch.Tensor:
+        return self.model(inputs_embeds=embeds).logits[:, -1]
+
+
+@pytest.fixture(scope="session")
+def lxt_pythonpath() -> str:
+    """A directory holding LXT and the ``transformers`` release it supports (installed once, then reused)."""
+    stamp = ORACLE_DIR / "requirements.txt"
+    wanted = ORACLE_REQUIREMENTS.read_text()
+    if not stamp.exists() or stamp.read_text() != wanted:
+        command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade"]
+        command += ["--target", str(ORACLE_DIR), "-r", str(ORACLE_REQUIREMENTS)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.fail(f"cannot install the LXT oracle ({' '.join(command)}):\n{done.stderr}")
+        stamp.write_text(wanted)
+    return str(ORACLE_DIR)
+
+
+def lxt_relevance(tmp_path: Path, pythonpath: str, case: dict) -> dict:
+    case_path, result_path = tmp_path / "case.pt", tmp_path / "result.pt"
+    torch.save(case, case_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([pythonpath, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, str(HERE / "lxt_oracle.py"), str(case_path), str(result_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    return torch.load(result_path)
+
+
+def cosine_per_sample(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cosine_similarity(a.flatten(1), b.flatten(1), dim=1)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_agrees_with_lxt(kind: str, variant: str, tmp_path: Path, lxt_pythonpath: str):
+    model = build(kind)
+    embeds = model.get_input_embeddings()(torch.randint(0, 64, (4, 7))).detach()
+    lrp = LRP(LastLogits(model), VARIANTS[variant](), in_keys=["embeds"], out_keys=["logits"])
+    td = lrp(TensorDict(embeds=embeds.clone(), batch_size=[4]))
+    target = td["logits"].argmax(-1)
+
+    state = {k: v for k, v in model.state_dict().items()}
+    oracle = lxt_relevance(
+        tmp_path,
+        lxt_pythonpath,
+        {
+            "kind": kind,
+            "variant": variant,
+            "config": CONFIGS[kind],
+            "state_dict": state,
+            "embeds": embeds,
+            "target": target,
+        },
+    )
+    assert oracle["version"].startswith("4."), oracle["version"]
+    torch.testing.assert_close(oracle["logits"], td["logits"])  # the same model on both sides
+    cosine = cosine_per_sample(td["relevance", "embeds"], oracle["relevance"])
+    assert (cosine >= 0.999).all(), cosine
+    # The plain gradient × input is measurably different: the comparison can fail.
+    leaf = embeds.clone().requires_grad_(True)
+    logits = LastLogits(model)(leaf)
+    (grad,) = torch.autograd.grad(logits.gather(1, target[:, None]).sum(), leaf)
+    assert (cosine_per_sample(leaf.detach() * grad, oracle["relevance"]) < 0.99).any()
+
+
+class NextTokenLogits(nn.Module):
+    """The language model's next-token logits, from token ids."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids).logits[:, -1]
+
+
+def module_functions(kind: str) -> dict:
+    """What a process-wide patch (LXT's way) would replace: the modeling module's functions and classes."""
+    modeling = {"gpt2": modeling_gpt2, "llama": modeling_llama}[kind]
+    return {name: value for name, value in vars(modeling).items() if callable(value)}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_current_release_forward_unchanged_and_model_restored(kind: str, variant: str):
+    model = build(kind)
+    embeds = model.get_input_embeddings()(torch.randint(0, 64, (3, 6))).detach()
+    plain = LastLogits(model)(embeds)
+    before, functions = snapshot(model), module_functions(kind)
+    lrp = LRP(LastLogits(model), VARIANTS[variant](), in_keys=["embeds"], out_keys=["logits"])
+    with lrp:
+        td = lrp(TensorDict(embeds=embeds.clone(), batch_size=[3]))
+        assert module_functions(kind) == functions  # nothing is patched process-wide, even inside the context
+    assert torch.equal(td["logits"], plain)  # bit for bit
+    assert torch.isfinite(td["relevance", "embeds"]).all() and td["relevance", "embeds"].abs().sum() > 0
+    assert_restored(model, before)
+    assert torch.equal(LastLogits(model)(embeds), plain)
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_token_relevance_from_embeddings_and_from_token_ids(kind: str):
+    model = build(kind)
+    ids = torch.randint(0, 64, (3, 6))
+    embeds = model.get_input_embeddings()(ids).detach()
+
+    from_embeds = LRP(
+        LastLogits(model), AttnLRP(), in_keys=["embeds"], out_keys=["logits"], token_relevance_key="token_relevance"
+    )(TensorDict(embeds=embeds, batch_size=[3]))
+    per_token = from_embeds["token_relevance", "embeds"]
+    assert per_token.shape == (3, 6)
+    torch.testing.assert_close(per_token, from_embeds["relevance", "embeds"].sum(-1), rtol=0, atol=0)
+
+    # Token ids: relevance per token directly, and at the embedding layer's output through `layers`.
+    embedding = "model.transformer.wte" if kind == "gpt2" else "model.model.embed_tokens"
+    from_ids = LRP(
+        NextTokenLogits(model),
+        AttnLRP(),
+        in_keys=["input_ids"],
+        out_keys=["logits"],
+        layers={embedding: "embedding"},
+        token_relevance_key="token_relevance",
+    )(TensorDict(input_ids=ids, batch_size=[3]))
+    torch.testing.assert_close(from_ids["relevance", "input_ids"], per_token)
+    torch.testing.assert_close(from_ids["token_relevance", "input_ids"], per_token)
+    torch.testing.assert_close(from_ids["relevance", "embedding"], from_embeds["relevance", "embeds"])
+    torch.testing.assert_close(from_ids["token_relevance", "embedding"], per_token)
