@@ -3,10 +3,10 @@
 The model is a Hugging Face ``LlamaForCausalLM`` from a small random config
 with eager attention, called on embeddings; the explained output is the
 next-token logit at its argmax. Every method runs in this one process, pinned
-to one thread, on the same model and inputs: a warm-up call, then
-``--repeats`` timed calls; the median is reported with its ratio to a plain
-gradient × input pass. tdhook runs inside one ``with lrp:`` context, as in a
-loop over many inputs.
+to one thread, on the same model and inputs: a warm-up round, then
+``--repeats`` timed rounds; the median is reported with its ratio to a plain
+gradient × input pass. Each tdhook wrapper runs inside one ``with lrp:``
+context, as in a loop over many inputs; the methods take turns in every round.
 
     python benchmarks/bench_transformer.py --batch 8 --tokens 64 --repeats 5
 """
@@ -14,12 +14,14 @@ loop over many inputs.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 from collections.abc import Callable
 
 import torch
 import transformers
 from tensordict import TensorDict
-from timing import median_seconds
+from timing import interleaved_medians
 from torch import nn
 
 from tdhook.attribution import LRP
@@ -67,29 +69,22 @@ def main() -> None:
     torch.manual_seed(0)
     model = tiny_llama(args.hidden, args.layers)
     x = torch.randn(args.batch, args.tokens, args.hidden)
-    wrappers = {
-        label: LRP(model, mapper, in_keys=["embeds"], out_keys=["logits"])
-        for label, mapper in [("tdhook AttnLRP", AttnLRP()), ("tdhook CP-LRP", CPLRP())]
-    }
-    methods: dict[str, Callable] = {"gradient x input": lambda x: gradient_times_input(model, x)}
-    for label, lrp in wrappers.items():
-        methods[label] = lambda x, lrp=lrp: lrp(TensorDict(embeds=x, batch_size=x.shape[:1]))["relevance", "embeds"]
+    methods: dict[str, Callable] = {"gradient x input": lambda: gradient_times_input(model, x)}
+    with contextlib.ExitStack() as contexts:
+        for label, mapper in [("tdhook AttnLRP", AttnLRP()), ("tdhook CP-LRP", CPLRP())]:
+            # A copy of the model each: the wrappers' contexts stay open side by side.
+            lrp = contexts.enter_context(LRP(copy.deepcopy(model), mapper, in_keys=["embeds"], out_keys=["logits"]))
+            methods[label] = lambda lrp=lrp: lrp(TensorDict(embeds=x, batch_size=x.shape[:1]))["relevance", "embeds"]
+        seconds = interleaved_medians(methods, args.repeats)
 
     print(
         f"Llama {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.tokens} tokens, "
-        f"1 thread, median of {args.repeats}"
+        f"1 thread, median of {args.repeats} interleaved rounds"
     )
     print(f"{'method':<24} {'seconds':>8} {'x grad*input':>13}")
-    base = None
-    for label, fn in methods.items():
-        lrp = wrappers.get(label)
-        if lrp is not None:
-            with lrp:
-                seconds = median_seconds(lambda: fn(x), args.repeats)
-        else:
-            seconds = median_seconds(lambda: fn(x), args.repeats)
-        base = base or seconds
-        print(f"{label:<24} {seconds:8.4f} {seconds / base:13.2f}")
+    base = seconds["gradient x input"]
+    for label, value in seconds.items():
+        print(f"{label:<24} {value:8.4f} {value / base:13.2f}")
 
 
 if __name__ == "__main__":

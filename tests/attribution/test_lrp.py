@@ -172,6 +172,24 @@ class TestContract:
         y, relevance = lrp(x=x)
         assert torch.equal(y, net(x)) and relevance.shape == x.shape
 
+    def test_plain_module_with_several_outputs(self):
+        class TwoHeads(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.body = mlp()
+
+            def forward(self, x):
+                y = self.body(x)
+                return y, y.sum(-1, keepdim=True)
+
+        net = TwoHeads()
+        x = torch.randn(2, 5, dtype=torch.float64)
+        td = LRP(net, in_keys=["x"], out_keys=["y", "total"], target_key="total")(TensorDict(x=x, batch_size=[2]))
+        torch.testing.assert_close(td["total"], net(x)[1])
+        torch.testing.assert_close(td["relevance", "x"], explain(net.body, x, target=lambda y: y)["relevance", "x"])
+        with pytest.raises(RuntimeError, match=r"returned 2 outputs for the 1 out_keys \['y'\]"):
+            LRP(net, in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[2]))
+
     def test_works_inside_a_sequential_and_under_no_grad(self):
         net = mlp()
         lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), rule_mapper=EpsilonPlus())

@@ -201,3 +201,15 @@ def test_gated_mlp_shares_relevance_uniformly_or_holds_the_gate(variant: str):
     out, expected = reference_relevance(reference, x)
     torch.testing.assert_close(td["y"], out)
     assert relative_error(td["relevance", "x"], expected) <= 1e-8  # SiLU's ratio uses x + 1e-10
+
+
+def test_function_rules_resume_after_a_module_with_a_rule_raises():
+    """Modules with a rule of their own run without the function modes; an exception there must not leak that."""
+    model = nn.Sequential(nn.Linear(8, 8, dtype=F64), nn.Linear(4, 2, dtype=F64))  # the second layer cannot run
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        lrp(TensorDict(x=torch.randn(3, 8, dtype=F64), batch_size=[3]))
+    assert torch._C._is_torch_function_enabled() and not torch._C._is_torch_function_mode_enabled()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    # And the next call, with a model that runs, gets the attention rules again.
+    test_multihead_attention("attnlrp", need_weights=True)

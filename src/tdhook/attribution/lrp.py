@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import (
     ProbabilisticTensorDictModule,
     TensorDictModule,
@@ -273,6 +273,8 @@ class LRP(TensorDictModuleBase):
                     ) from err
             if self.relevance_check is not None:
                 self._add_check_hooks(handles, modules)
+            if getattr(self.rule_mapper, "function_modes", list)():
+                self._suspend_function_modes_in(handles)
             for name in self.layer_keys:
                 self._hooks.append(modules[name].register_forward_hook(self._layer_hook(name)))
             for name, sub in modules.items():
@@ -294,6 +296,33 @@ class LRP(TensorDictModuleBase):
         self._hooks = []
         for handle in reversed(handles):
             handle.remove()
+
+    def _suspend_function_modes_in(self, handles: list[RemovableRuleHandle]) -> None:
+        """Run modules that have a rule of their own without the mapper's function modes.
+
+        A module rule decides the module's gradient as a whole, so the function
+        rules (AttnLRP's products and softmax, stabilised additions) have
+        nothing to change inside it, and skipping their Python dispatch there
+        saves time. The modes resume when the module returns or raises.
+        """
+        guards: list = []
+
+        def suspend(module: nn.Module, args: tuple) -> None:
+            guard = torch._C.DisableTorchFunction() if torch._C._is_torch_function_mode_enabled() else None
+            if guard is not None:
+                guard.__enter__()
+            guards.append(guard)
+
+        def resume(module: nn.Module, args: tuple, output: Any) -> None:
+            guard = guards.pop() if guards else None
+            if guard is not None:
+                guard.__exit__(None, None, None)
+
+        for handle in handles:
+            module = handle.module
+            if module is not None and handle.rule.is_registered(module):
+                self._hooks.append(module.register_forward_pre_hook(suspend))
+                self._hooks.append(module.register_forward_hook(resume, always_call=True))
 
     def _layer_hook(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
@@ -408,7 +437,7 @@ class LRP(TensorDictModuleBase):
                     with contextlib.ExitStack() as modes:
                         for mode in getattr(self.rule_mapper, "function_modes", list)():
                             modes.enter_context(mode)
-                        result = self.module(work)
+                        result = self._call_model(work)
                 except Exception as err:
                     self._raise_for_unembedded_tokens(leaves, err)
                     raise
@@ -478,6 +507,24 @@ class LRP(TensorDictModuleBase):
         for i in token_indices:
             relevances[i] = relevances[i].sum(-1).reshape(self._tokens[i][0].shape)
         return relevances + [self._layer_relevance(name, leaves[0]) for name in self.layer_keys]
+
+    def _call_model(self, work: TensorDictBase) -> TensorDictBase | None:
+        if not self._name_prefix:
+            return self.module(work)
+        # A plain nn.Module wrapped here: call it directly, without the generic conversion of every
+        # output that TensorDictModule applies (a fixed cost per call, large next to a small policy).
+        wrapper = self.module
+        outputs = wrapper.module(*(work.get(key) for key in wrapper.in_keys))
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        if len(outputs) != len(wrapper.out_keys):
+            raise RuntimeError(
+                f"LRP: the module returned {len(outputs)} outputs for the {len(wrapper.out_keys)} out_keys "
+                f"{wrapper.out_keys}"
+            )
+        for key, value in zip(wrapper.out_keys, outputs, strict=True):
+            if key != "_":  # TensorDictModule's placeholder for an output to drop
+                work.set(key, value if isinstance(value, torch.Tensor) else TensorDict.from_any(value))
+        return work
 
     def _raise_for_unembedded_tokens(self, leaves: list, cause: Exception | None = None) -> None:
         for i in self._tokens:

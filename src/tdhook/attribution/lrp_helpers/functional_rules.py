@@ -45,6 +45,14 @@ _ACTIVATIONS = frozenset(
 )
 
 
+_HANDLED = frozenset(
+    _PRODUCTS
+    | _SOFTMAX
+    | _ACTIVATIONS
+    | {torch.baddbmm, F.scaled_dot_product_attention, F.layer_norm, F.rms_norm, F.multi_head_attention_forward}
+)
+
+
 def _body_of(func: Callable) -> Callable:
     """``func`` without its own ``__torch_function__`` dispatch, so that the mode sees the calls inside it.
 
@@ -63,11 +71,12 @@ _COMPOSITES = {F.multi_head_attention_forward: _body_of(F.multi_head_attention_f
 
 
 def _is_activation(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.grad_fn is not None and value.is_floating_point()
+    # requires_grad and not a leaf: the same as having a grad_fn, and cheaper to ask.
+    return isinstance(value, torch.Tensor) and value.requires_grad and not value.is_leaf
 
 
 def _is_gate(value: torch.Tensor) -> bool:
-    return getattr(value, "_tdhook_activation_output", False)
+    return getattr(value, "_tdhook_activation_of", None) is not None
 
 
 def _argument(args: tuple, kwargs: dict, position: int, name: str, default: Any = None) -> Any:
@@ -115,11 +124,14 @@ class FunctionalRules(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func not in _HANDLED:
+            return func(*args, **kwargs)
         if func in _PRODUCTS and len(args) == 2 and _is_activation(args[0]) and _is_activation(args[1]):
             gates = [_is_gate(a) for a in args] if self.hold_gates else [False, False]
             if gates[0] != gates[1]:
                 return func(*(a.detach() if gate else a for a, gate in zip(args, gates, strict=True)), **kwargs)
-            return func(*uniform_product(args[0], args[1]), **kwargs)
+            # Halving the product's gradient halves both factors' gradients: the uniform rule, in one step.
+            return scale_gradient(func(*args, **kwargs), 0.5)
         if func is torch.baddbmm and len(args) >= 3 and _is_activation(args[1]) and _is_activation(args[2]):
             return func(args[0], *uniform_product(args[1], args[2]), *args[3:], **kwargs)
         if func in _SOFTMAX and args and _is_activation(args[0]):

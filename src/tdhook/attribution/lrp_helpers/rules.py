@@ -79,8 +79,9 @@ def stabilize(tensor: torch.Tensor, epsilon: float = 1e-6) -> torch.Tensor:
         >>> stabilize(torch.tensor([-1.0, 0.0, 2.0]), epsilon=0.5)
         tensor([-1.5000,  0.5000,  2.5000])
     """
-    shift = torch.full_like(tensor, epsilon)  # in the tensor's dtype: no float32 rounding of epsilon
-    return tensor + torch.where(tensor >= 0, shift, -shift)
+    # ±epsilon as (2·[t >= 0] − 1)·epsilon, in the tensor's dtype (no float32 rounding of epsilon): both
+    # steps are exact, and this is several times faster than torch.where on CPU.
+    return (tensor >= 0).to(tensor.dtype).mul_(2 * epsilon).sub_(epsilon).add_(tensor)
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -404,6 +405,14 @@ class Rule:
 
     def _forward_hook(self, registration: Registration) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+            if torch._C._is_torch_function_mode_enabled():
+                # A rule's own computation needs no function rules (FunctionalRules, StabilizedAdditions),
+                # and skipping their Python dispatch for it saves time.
+                with torch._C.DisableTorchFunction():
+                    return apply_rule(module, args, output)
+            return apply_rule(module, args, output)
+
+        def apply_rule(module: nn.Module, args: tuple, output: Any) -> Any:
             inputs = registration.snapshots.pop() if registration.snapshots else args
             if registration.busy or not torch.is_grad_enabled():
                 return None

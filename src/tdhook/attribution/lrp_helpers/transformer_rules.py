@@ -184,10 +184,12 @@ class PseudoIdentityRule(PassRule):
         super().__init__(stabilizer)
 
     def apply(self, output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if getattr(output, "_tdhook_activation_of", None) is x:
+            return output  # the functional activation inside this module already has the rule
         result = super().apply(output, x)
-        # Marked as an activation's output: CP-LRP holds such a tensor constant where it gates another one.
         if result.requires_grad:
-            result._tdhook_activation_output = True
+            # Marked as an activation's output: CP-LRP holds such a tensor constant where it gates another one.
+            result._tdhook_activation_of = x
         return result
 
 
