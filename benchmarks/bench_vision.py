@@ -1,8 +1,13 @@
 """Time LRP on torchvision models against gradient × input, zennit and captum.
 
-Every method runs in this one process, pinned to one thread, on the same model,
-batch and inputs: a warm-up call, then ``--repeats`` timed calls; the median is
-reported, with its ratio to a plain gradient × input pass.
+Every method runs in this one process, pinned to one thread, on the same model
+weights, batch and inputs. After a warm-up round, ``--repeats`` rounds run
+every method once in turn; the median of each is reported with its ratio to a
+plain gradient × input pass, and the peak memory one call adds (measured in a
+forked child, see ``timing.peak_memory_mb``). Each tdhook wrapper has its own
+copy of the model and stays inside one open context, as in a loop over many
+batches; zennit and captum register and remove their hooks per call, as their
+APIs do.
 
     python benchmarks/bench_vision.py --models vgg11 resnet18 --batch 8 --size 224 --repeats 5
 """
@@ -10,17 +15,22 @@ reported, with its ratio to a plain gradient × input pass.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
+import warnings
 from collections.abc import Callable
 
 import torch
 import torchvision
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
-from timing import median_seconds
+from timing import interleaved_medians, peak_memory_mb
 from torch import nn
 
 from tdhook.attribution import LRP
-from tdhook.attribution.lrp_helpers.rules import BaseRuleMapper, EpsilonPlusFlat, EpsilonRule
+from tdhook.attribution.lrp_helpers.rules import BaseRuleMapper, EpsilonGammaBox, EpsilonPlusFlat, EpsilonRule
+
+LOW, HIGH = -3.0, 3.0  # input bounds of the z^B rule (EpsilonGammaBox)
 
 
 def gradient_times_input(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -30,37 +40,48 @@ def gradient_times_input(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x * grad
 
 
-def tdhook_runner(model: nn.Module, rule_mapper) -> tuple[Callable, Callable]:
-    lrp = LRP(TensorDictModule(model, in_keys=["x"], out_keys=["y"]), rule_mapper=rule_mapper)
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        return lrp(TensorDict(x=x, batch_size=x.shape[:1]))["relevance", "x"]
-
-    return run, lrp
+def tdhook_runner(lrp: LRP, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: lrp(TensorDict(x=x, batch_size=x.shape[:1]))["relevance", "x"]
 
 
-def zennit_runner(model: nn.Module, composite) -> Callable:
+def zennit_runner(model: nn.Module, composite, x: torch.Tensor) -> Callable[[], torch.Tensor]:
     from zennit.attribution import Gradient
 
-    def run(x: torch.Tensor) -> torch.Tensor:
+    def run() -> torch.Tensor:
         with Gradient(model=model, composite=composite) as attributor:
-            out, relevance = attributor(
-                x, lambda out: torch.zeros_like(out).scatter_(1, out.argmax(1, keepdim=True), 1)
-            )
+            _, relevance = attributor(x, lambda out: torch.zeros_like(out).scatter_(1, out.argmax(1, keepdim=True), 1))
         return relevance
 
     return run
 
 
-def captum_runner(model: nn.Module) -> Callable:
+def captum_runner(model: nn.Module, x: torch.Tensor) -> Callable[[], torch.Tensor]:
     from captum.attr import LRP as CaptumLRP
 
-    def run(x: torch.Tensor) -> torch.Tensor:
+    def run() -> torch.Tensor:
         with torch.no_grad():
             target = model(x).argmax(-1)
         return CaptumLRP(model).attribute(x, target=target)
 
     return run
+
+
+def zennit_composites(name: str) -> dict:
+    from zennit import composites, rules, types
+    from zennit.torchvision import ResNetCanonizer, VGGCanonizer
+
+    def canonizers():
+        return [ResNetCanonizer()] if name.startswith("resnet") else [VGGCanonizer()]
+
+    epsilon_only = composites.LayerMapComposite(
+        layer_map=[(types.Activation, rules.Pass()), (types.AvgPool, rules.Norm()), (types.Linear, rules.Epsilon())],
+        canonizers=canonizers(),
+    )
+    return {
+        "zennit epsilon only": epsilon_only,
+        "zennit EpsilonPlusFlat": composites.EpsilonPlusFlat(canonizers=canonizers()),
+        "zennit EpsilonGammaBox": composites.EpsilonGammaBox(low=LOW, high=HIGH, canonizers=canonizers()),
+    }
 
 
 def main() -> None:
@@ -70,36 +91,42 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", module="captum")  # it notes that it made the input require grad
     torch.manual_seed(0)
-    from zennit.composites import EpsilonPlusFlat as ZennitEpsilonPlusFlat
-    from zennit.torchvision import ResNetCanonizer, VGGCanonizer
 
-    print(f"batch {args.batch} x 3x{args.size}x{args.size}, 1 thread, median of {args.repeats}")
-    print(f"{'model':<10} {'method':<32} {'seconds':>8} {'x grad*input':>13}")
+    print(
+        f"batch {args.batch} x 3x{args.size}x{args.size}, 1 thread, median of {args.repeats} interleaved rounds; "
+        "memory: peak MiB one call adds"
+    )
+    print(f"{'model':<10} {'method':<26} {'seconds':>8} {'x grad*input':>13} {'peak MiB':>9}")
     for name in args.models:
         model = getattr(torchvision.models, name)(weights=None).eval()
-        x = torch.randn(args.batch, 3, args.size, args.size)
+        x = torch.randn(args.batch, 3, args.size, args.size).clamp(LOW, HIGH)
         epsilon_only = BaseRuleMapper(
             rule_mapper=lambda n, m: EpsilonRule() if isinstance(m, (nn.Linear, nn.Conv2d)) else None
         )
-        tdhook_eps, _ = tdhook_runner(model, epsilon_only)
-        tdhook_epf, _ = tdhook_runner(model, EpsilonPlusFlat())
-        methods: dict[str, Callable] = {
-            "gradient x input": lambda x: gradient_times_input(model, x),
-            "tdhook epsilon only": tdhook_eps,
-            "tdhook EpsilonPlusFlat": tdhook_epf,
+        mappers = {
+            "tdhook epsilon only": epsilon_only,
+            "tdhook EpsilonPlusFlat": EpsilonPlusFlat(),
+            "tdhook EpsilonGammaBox": EpsilonGammaBox(LOW, HIGH),
         }
-        if args.peers:
-            canonizers = [ResNetCanonizer()] if name.startswith("resnet") else [VGGCanonizer()]
-            methods["zennit EpsilonPlusFlat"] = zennit_runner(model, ZennitEpsilonPlusFlat(canonizers=canonizers))
-            methods["captum LRP"] = captum_runner(model)
-        base = None
-        for label, fn in methods.items():
-            seconds = median_seconds(lambda: fn(x), args.repeats)
-            base = base or seconds
-            print(f"{name:<10} {label:<32} {seconds:8.3f} {seconds / base:13.2f}")
+        methods: dict[str, Callable] = {"gradient x input": lambda: gradient_times_input(model, x)}
+        with contextlib.ExitStack() as contexts:
+            for label, mapper in mappers.items():
+                module = TensorDictModule(copy.deepcopy(model), in_keys=["x"], out_keys=["y"])
+                methods[label] = tdhook_runner(contexts.enter_context(LRP(module, rule_mapper=mapper)), x)
+            if args.peers:
+                for label, composite in zennit_composites(name).items():
+                    methods[label] = zennit_runner(model, composite, x)
+                methods["captum LRP"] = captum_runner(model, x)
+            seconds = interleaved_medians(methods, args.repeats)
+            memory = {label: peak_memory_mb(fn) if args.memory else float("nan") for label, fn in methods.items()}
+        base = seconds["gradient x input"]
+        for label, value in seconds.items():
+            print(f"{name:<10} {label:<26} {value:8.3f} {value / base:13.2f} {memory[label]:9.0f}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""What every benchmark script shares: the median of timed calls after a warm-up."""
+"""What every benchmark script shares: medians of timed calls after a warm-up, and peak memory."""
 
 from __future__ import annotations
 
+import os
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -32,3 +34,29 @@ def interleaved_medians(methods: dict[str, Callable[[], object]], repeats: int) 
             if round_:
                 times[label].append(time.perf_counter() - start)
     return {label: statistics.median(values) for label, values in times.items()}
+
+
+def peak_memory_mb(fn: Callable[[], object]) -> float:
+    """Peak resident memory that one call of ``fn`` adds, in MiB, measured in a forked child process.
+
+    The child starts with the parent's memory (model, inputs); the figure is its
+    peak resident set size minus its size before the call. Linux only.
+    """
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: measure, report, and leave without running the parent's cleanup
+        try:
+            with open("/proc/self/statm") as statm:
+                before_kib = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+            fn()
+            peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            os.write(write_end, str((peak_kib - before_kib) / 1024).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        reported = pipe.read()
+    os.waitpid(pid, 0)
+    if not reported:
+        raise RuntimeError("the child process measuring peak memory failed")
+    return float(reported)

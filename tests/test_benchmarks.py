@@ -14,14 +14,27 @@ def test_vision_benchmark_runs_on_tiny_inputs():
     result = subprocess.run(
         [*command, "--size", "32", "--repeats", "1"], capture_output=True, text=True, timeout=600, check=True
     )
-    rows = [line for line in result.stdout.splitlines() if line.startswith("resnet18")]
-    assert [row.split("  ")[1].strip() for row in rows] == [
+    rows = [line.split("  ") for line in result.stdout.splitlines() if line.startswith("resnet18")]
+    assert [row[1].strip() for row in rows] == [
         "gradient x input",
         "tdhook epsilon only",
         "tdhook EpsilonPlusFlat",
+        "tdhook EpsilonGammaBox",
+        "zennit epsilon only",
         "zennit EpsilonPlusFlat",
+        "zennit EpsilonGammaBox",
         "captum LRP",
     ]
+    # seconds, ratio and peak memory are numbers
+    assert all(float(value) >= 0 for row in rows for value in " ".join(row[2:]).split())
+
+
+def test_policy_benchmark_runs_on_tiny_inputs():
+    command = [sys.executable, str(BENCHMARKS / "bench_policy.py"), "--batches", "1", "3", "--repeats", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
+    rows = [line.split() for line in result.stdout.splitlines()[2:]]
+    assert [row[0] for row in rows] == ["1"] * 4 + ["3"] * 4
+    assert all(float(row[-1]) > 0 for row in rows)
 
 
 def test_target_benchmark_runs_on_tiny_inputs():

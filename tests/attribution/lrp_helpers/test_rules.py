@@ -81,6 +81,35 @@ class TestAgainstZennit:
         assert actual.shape == x.shape
         assert relative_error(actual, expected) <= TOL
 
+    @pytest.mark.parametrize("kind", LAYERS)
+    @pytest.mark.parametrize("rule_name", ["gamma", "gamma-nobias", "zplus", "alpha2beta1"])
+    def test_rule_matches_zennit_on_nonnegative_inputs(self, rule_name: str, kind: str):
+        """Inputs after a ReLU: the rules skip the x⁻ pass, and γ computes its transposed products directly."""
+        ours, theirs = RULE_PAIRS[rule_name]
+        layer, x = make_layer(kind)
+        x = x.clamp(min=0)
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(theirs(), layer, x, r_out)
+        assert relative_error(tdhook_relevance(ours(), layer, x, r_out), expected) <= TOL
+
+    @pytest.mark.parametrize(
+        "layer,shape",
+        [
+            (nn.Linear(5, 3), (2, 4, 5)),  # a sequence: the bias broadcasts over the last dimension
+            (nn.Conv2d(3, 4, 3, padding="same"), (2, 3, 5, 5)),
+            (nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), (2, 3, 5, 5)),
+        ],
+        ids=["linear-sequence", "conv-same", "conv-reflect"],
+    )
+    def test_gamma_on_nonnegative_inputs_of_other_layouts(self, layer: nn.Module, shape: tuple):
+        layer = layer.double()
+        with torch.no_grad():
+            layer.bias.normal_()
+        x = torch.randn(shape, dtype=torch.float64).clamp(min=0)
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(zrules.Gamma(0.25), layer, x, r_out)
+        assert relative_error(tdhook_relevance(GammaRule(0.25), layer, x, r_out), expected) <= TOL
+
     def test_zbox_with_tensor_bounds(self):
         layer, x = make_layer("conv2d")
         low = -torch.rand(1, 3, 1, 1, dtype=torch.float64) - 2

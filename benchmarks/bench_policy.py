@@ -1,0 +1,105 @@
+"""Time LRP on an MLP policy, at rollout batch sizes, against gradient × input, zennit and captum.
+
+A torchrl ``MLP`` policy (observation → action values) is explained at batch 1
+(one environment step: the wrapper's per-call overhead dominates) and at a
+large batch (a replay-buffer batch: the arithmetic dominates). The baseline is
+a plain gradient × input call that reads the observation from a TensorDict
+and writes its relevance back, as the wrapper does. Every method runs in this
+one process, pinned to one thread; after a warm-up round, ``--repeats`` rounds
+run every method once in turn, and medians are reported with their ratio to
+the baseline.
+
+    python benchmarks/bench_policy.py --batches 1 4096 --repeats 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from collections.abc import Callable
+
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from timing import interleaved_medians
+from torch import nn
+from torchrl.modules import MLP
+
+from tdhook.attribution import LRP
+from tdhook.attribution.lrp_helpers.rules import EpsilonPlus
+
+
+def gradient_times_input(net: nn.Module, td: TensorDict) -> TensorDict:
+    x = td["observation"].detach().requires_grad_(True)
+    out = net(x)
+    (grad,) = torch.autograd.grad(out.max(-1).values.sum(), x)
+    td.set("action_value", out.detach())
+    td.set(("relevance", "observation"), x.detach() * grad)
+    return td
+
+
+def zennit_runner(net: nn.Module, td: TensorDict) -> Callable[[], torch.Tensor]:
+    from zennit.attribution import Gradient
+    from zennit.composites import EpsilonPlus as ZennitEpsilonPlus
+
+    composite = ZennitEpsilonPlus()
+
+    def run() -> torch.Tensor:
+        with Gradient(model=net, composite=composite) as attributor:
+            _, relevance = attributor(
+                td["observation"], lambda out: torch.zeros_like(out).scatter_(1, out.argmax(1, keepdim=True), 1)
+            )
+        return relevance
+
+    return run
+
+
+def captum_runner(net: nn.Module, td: TensorDict) -> Callable[[], torch.Tensor]:
+    from captum.attr import LRP as CaptumLRP
+
+    def run() -> torch.Tensor:
+        x = td["observation"]
+        with torch.no_grad():
+            target = net(x).argmax(-1)
+        return CaptumLRP(net).attribute(x, target=target)
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4096])
+    parser.add_argument("--features", type=int, default=16)
+    parser.add_argument("--actions", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", module="captum")  # it notes that it made the input require grad
+    torch.manual_seed(0)
+    net = MLP(in_features=args.features, out_features=args.actions, num_cells=[64, 64], activation_class=nn.ReLU)
+    policy = TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"])
+
+    print(
+        f"MLP {args.features}-64-64-{args.actions} (ReLU), EpsilonPlus, 1 thread, "
+        f"median of {args.repeats} interleaved rounds"
+    )
+    print(f"{'batch':>6} {'method':<34} {'milliseconds':>12} {'x baseline':>11}")
+    for batch in args.batches:
+        td = TensorDict(observation=torch.randn(batch, args.features), batch_size=[batch])
+        with LRP(policy, rule_mapper=EpsilonPlus()) as lrp:
+            methods: dict[str, Callable] = {
+                "gradient x input, TensorDict in/out": lambda: gradient_times_input(net, td.clone(False)),
+                "tdhook EpsilonPlus": lambda: lrp(td.clone(False)),
+            }
+            if args.peers:
+                methods["zennit EpsilonPlus"] = zennit_runner(net, td)
+                methods["captum LRP"] = captum_runner(net, td)
+            seconds = interleaved_medians(methods, args.repeats)
+        base = seconds["gradient x input, TensorDict in/out"]
+        for label, value in seconds.items():
+            print(f"{batch:6d} {label:<34} {1000 * value:12.3f} {value / base:11.2f}")
+
+
+if __name__ == "__main__":
+    main()
