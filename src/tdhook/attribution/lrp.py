@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -32,6 +34,9 @@ from tdhook.attribution.lrp_helpers.targets import Target, initial_gradient
 __all__ = ["LRP"]
 
 RelevanceCheck = Callable[[str, nn.Module, torch.Tensor, torch.Tensor], None]
+
+# Every module inside an open LRP context, with the wrapper that owns it: two wrappers' rules on one module would mix.
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, LRP] = weakref.WeakKeyDictionary()
 
 
 def _as_tuple(key: NestedKey) -> tuple[str, ...]:
@@ -219,6 +224,7 @@ class LRP(TensorDictModuleBase):
         self._hooks: list = []
         self._layer_cells: dict[str, list[OutputRelevance]] = {}
         self._tokens: dict[int, tuple] = {}
+        self._stochastic: list[tuple[str, nn.Module]] = []
 
     def named_explained_modules(self) -> dict[str, nn.Module]:
         """The wrapped model's modules by the names rule mappers and ``layers`` use."""
@@ -262,6 +268,7 @@ class LRP(TensorDictModuleBase):
         if self._handles is not None:
             raise RuntimeError("this LRP wrapper's context is already active; leave it before entering again")
         modules = self.named_explained_modules()
+        self._claim(modules)
         handles: list[RemovableRuleHandle] = []
         try:
             for name, rule in self._rules().items():
@@ -282,13 +289,39 @@ class LRP(TensorDictModuleBase):
                     self._hooks.append(sub.register_forward_hook(self._embedding_hook(name), prepend=True))
         except BaseException:
             self._remove(handles)
+            self._release()
             raise
         self._handles = handles
+        self._stochastic = [(n, m) for n, m in modules.items() if isinstance(m, nn.Dropout) and m.p > 0]
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         handles, self._handles = self._handles or [], None
-        self._remove(handles)
+        try:
+            self._remove(handles)
+        finally:
+            self._release()
+
+    def __getstate__(self) -> dict:
+        if self._handles is not None:
+            raise RuntimeError("LRP: leave the wrapper's context before copying or pickling it")
+        return super().__getstate__()
+
+    def _claim(self, modules: dict[str, nn.Module]) -> None:
+        for name, module in modules.items():
+            owner = _OWNERS.get(module)
+            if owner is not None and owner is not self:
+                path = name or "the model itself"
+                raise RuntimeError(
+                    f"LRP: module {path!r} ({type(module).__name__}) is already inside another LRP wrapper's "
+                    "context; leave that context first (the rules of two wrappers on one model would mix)"
+                )
+        for module in modules.values():
+            _OWNERS[module] = self
+
+    def _release(self) -> None:
+        for module in [m for m, owner in _OWNERS.items() if owner is self]:
+            del _OWNERS[module]
 
     def _remove(self, handles: list[RemovableRuleHandle]) -> None:
         for hook in self._hooks:
@@ -410,8 +443,20 @@ class LRP(TensorDictModuleBase):
                 return key
         raise KeyError(f"LRP: none of the module's outputs {candidates} is a floating-point tensor; pass target_key")
 
+    def _warn_for_stochastic_modules(self) -> None:
+        for name, module in self._stochastic:
+            if module.training:
+                warnings.warn(
+                    f"LRP: module {name!r} ({type(module).__name__}, p={module.p}) is in training mode, so the "
+                    "relevance is random from call to call; call .eval() on the model for a deterministic explanation",
+                    stacklevel=4,
+                )
+                self._stochastic = []  # once per context
+                return
+
     def _explain(self, tensordict: TensorDictBase) -> TensorDictBase:
         self._validate_inputs(tensordict)
+        self._warn_for_stochastic_modules()
         work = tensordict.copy()
         leaves: list[torch.Tensor | None] = []
         fed: list[torch.Tensor | None] = []
@@ -440,6 +485,8 @@ class LRP(TensorDictModuleBase):
                         result = self._call_model(work)
                 except Exception as err:
                     self._raise_for_unembedded_tokens(leaves, err)
+                    shapes = ", ".join(f"{k!r}: {_describe(tensordict.get(k))}" for k in self.explained_keys)
+                    err.add_note(f"LRP: raised while running the wrapped module on the inputs {shapes}")
                     raise
                 self._raise_for_unembedded_tokens(leaves)
                 result = work if result is None else result
@@ -448,6 +495,11 @@ class LRP(TensorDictModuleBase):
                 for position, name in enumerate(names):
                     target_key = self._target_key(result, name)
                     output = result.get(target_key)
+                    if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+                        raise TypeError(
+                            f"LRP: target {target_key!r} is {_describe(output)}; relevance explains a floating-point "
+                            "output (logits, action values, a value estimate): pass target_key=<such a key>"
+                        )
                     if not output.requires_grad:
                         raise ValueError(
                             f"LRP: target {target_key!r} does not depend on the explained inputs {self.explained_keys}"
@@ -593,8 +645,48 @@ class LRP(TensorDictModuleBase):
                 # Token ids already have one relevance per token; embeddings and layer outputs sum their features.
                 per_token = source is not None and not tensordict.get(source).is_floating_point()
                 updates[key] = rel if per_token else rel.sum(-1)
+        _set_all_or_nothing(tensordict, updates)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {list(value.shape)}"
+    return type(value).__name__
+
+
+def _set_all_or_nothing(tensordict: TensorDictBase, updates: dict) -> None:
+    """Write every update, or, if one fails, none: the caller's TensorDict never holds partial results."""
+    previous = {key: _get_or_none(tensordict, key) for key in updates}
+    written = []
+    try:
         for key, value in updates.items():
             tensordict.set(key, value)
+            written.append(key)
+    except BaseException:
+        for key in reversed(written):
+            if previous[key] is None:
+                tensordict.del_(key)
+            else:
+                tensordict.set(key, previous[key])
+        _drop_empty_branches(tensordict, written)
+        raise
+
+
+def _get_or_none(tensordict: TensorDictBase, key: Any) -> Any:
+    try:
+        return tensordict.get(key, None)
+    except (KeyError, ValueError):  # a leaf where the key needs a branch: setting it will fail, before any write
+        return None
+
+
+def _drop_empty_branches(tensordict: TensorDictBase, keys: list) -> None:
+    """Delete the nested TensorDicts that writing ``keys`` created and that are empty again."""
+    for key in keys:
+        key = _as_tuple(key)
+        for depth in range(len(key) - 1, 0, -1):
+            branch = tensordict.get(key[:depth], None)
+            if isinstance(branch, TensorDictBase) and branch.is_empty():
+                tensordict.del_(key[:depth])
 
 
 class OutputRelevance:

@@ -368,6 +368,18 @@ class Rule:
     def __init__(self) -> None:
         self._registrations: weakref.WeakKeyDictionary[nn.Module, Registration] = weakref.WeakKeyDictionary()
 
+    def __getstate__(self) -> dict:
+        if len(self._registrations):
+            raise RuntimeError(
+                f"{type(self).__name__} is registered on {len(self._registrations)} module(s); copy or pickle it "
+                "outside the LRP context"
+            )
+        return {k: v for k, v in self.__dict__.items() if k != "_registrations"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._registrations = weakref.WeakKeyDictionary()
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({args})"

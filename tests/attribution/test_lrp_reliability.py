@@ -1,0 +1,422 @@
+"""Reliability: bad input gets a clear error, and no failure leaves the model or the caller's TensorDict changed.
+
+The fault-injection tests raise at every stage of an explanation (entering the
+context, the model's forward pass, a rule's rewrite, a rule's backward pass, the
+relevance check, writing the results, the caller's own code inside ``with``),
+with ordinary exceptions and with ``KeyboardInterrupt``, and check afterwards
+that parameters, buffers, forward methods and hooks are exactly as before, that
+the caller's TensorDict holds no partial result, that no global state leaked,
+and that the wrapper still gives the right answer.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+
+from tdhook.attribution import LRP
+from tdhook.attribution.lrp_helpers.redirect import redirect
+from tdhook.attribution.lrp_helpers.rules import (
+    EpsilonAlpha2Beta1,
+    EpsilonGammaBox,
+    EpsilonPlus,
+    EpsilonPlusFlat,
+    EpsilonRule,
+    Rule,
+    raise_for_unconserved_rel_factory,
+)
+
+F64 = torch.float64
+
+
+class Fault(nn.Module):
+    """Identity, or raises ``error`` when armed: in the forward pass or when the backward pass reaches it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stage: str | None = None
+        self.error: BaseException = RuntimeError("injected fault")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stage == "forward":
+            raise self.error
+        if self.stage == "backward" and x.requires_grad:
+            x = x.clone()
+            x.register_hook(self._raise)
+        return x
+
+    def _raise(self, grad: torch.Tensor) -> None:
+        raise self.error
+
+
+class FaultyRule(EpsilonRule):
+    """ε, or raises in its rewrite (forward pass) or in the gradient it hands back (backward pass)."""
+
+    def __init__(self) -> None:
+        super().__init__(1e-6)
+        self.stage: str | None = None
+
+    def rewrite(self, module, registration, inputs, output):
+        if self.stage == "rule-rewrite":
+            raise RuntimeError("injected fault in a rule's rewrite")
+        if self.stage == "rule-backward":
+            return redirect(output, [inputs[0]], self._fail)
+        return super().rewrite(module, registration, inputs, output)
+
+    @staticmethod
+    def _fail(grad: torch.Tensor) -> list[torch.Tensor]:
+        raise RuntimeError("injected fault in a rule's backward pass")
+
+
+def model_with_faults() -> tuple[nn.Module, Fault]:
+    torch.manual_seed(0)
+    fault = Fault()
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(inplace=True),
+        fault,
+        nn.Conv2d(4, 4, 3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3),
+    ).to(F64)
+    with torch.no_grad():
+        model[1].running_mean.normal_()
+        model[1].running_var.uniform_(0.5, 2.0)
+    return model.eval(), fault
+
+
+def hook_counts(module: nn.Module) -> list[tuple[str, int]]:
+    return sorted((k, len(v)) for k, v in vars(module).items() if "hooks" in k and isinstance(v, dict))
+
+
+def model_snapshot(model: nn.Module) -> dict:
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "objects": dict(model.named_parameters()) | dict(model.named_buffers()),
+        "hooks": [
+            sorted((k, len(v)) for k, v in vars(m).items() if "hooks" in k and isinstance(v, dict))
+            for m in model.modules()
+        ],
+        "forwards": [vars(m).get("forward") for m in model.modules()] + [type(m).forward for m in model.modules()],
+        "training": [m.training for m in model.modules()],
+        "global": (
+            torch.is_grad_enabled(),
+            torch._C._is_torch_function_enabled(),
+            torch._C._is_torch_function_mode_enabled(),
+            len(torch.nn.modules.module._global_forward_hooks),
+            len(torch.nn.modules.module._global_forward_pre_hooks),
+        ),
+    }
+
+
+def assert_model_unchanged(model: nn.Module, before: dict) -> None:
+    after = model_snapshot(model)
+    assert after["state"].keys() == before["state"].keys()
+    for key, value in before["state"].items():
+        assert torch.equal(after["state"][key], value), key
+    assert all(after["objects"][k] is v for k, v in before["objects"].items())
+    for key in ("hooks", "forwards", "training", "global"):
+        assert after[key] == before[key], key
+
+
+def td_snapshot(td: TensorDict) -> dict:
+    return {k: (v, v.clone()) for k, v in td.items(include_nested=True, leaves_only=True)}
+
+
+def assert_td_unchanged(td: TensorDict, before: dict) -> None:
+    now = dict(td.items(include_nested=True, leaves_only=True))
+    assert now.keys() == before.keys()
+    for key, (obj, value) in before.items():
+        assert now[key] is obj and torch.equal(now[key], value), key
+
+
+# A failing write is tested on its own below (the error is tensordict's, and cannot be an interrupt).
+STAGES = ["forward", "backward", "rule-rewrite", "rule-backward", "relevance-check", "caller", "enter"]
+
+
+@pytest.mark.parametrize("error", [RuntimeError("injected fault"), KeyboardInterrupt()], ids=["error", "interrupt"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_fault_at_any_stage_changes_nothing(stage: str, error: BaseException):
+    model, fault = model_with_faults()
+    rule = FaultyRule()
+    mapper = EpsilonPlusFlat(rule_mapper=lambda name, module: rule if name == "7" else None)
+    x = torch.randn(2, 3, 6, 6, dtype=F64)
+    expected = LRP(copy.deepcopy(model), mapper, in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[2]))
+
+    def check(name, module, relevance_in, relevance_out):
+        if stage == "relevance-check":
+            raise error
+
+    lrp = LRP(model, mapper, in_keys=["x"], out_keys=["y"], relevance_check=check)
+    td = TensorDict(x=x.clone(), other=torch.zeros(2), batch_size=[2])
+    before_model, before_td = model_snapshot(model), td_snapshot(td)
+
+    fault.stage, fault.error = stage, error
+    rule.stage = stage
+    if stage == "rule-rewrite" or stage == "rule-backward":
+        error = RuntimeError("injected fault in a rule")
+    raises = pytest.raises(type(error))
+    if stage == "enter":
+        mapper_error = error
+
+        def failing_mapper(name, module):
+            if name == "4":  # after the rules of the first layers are registered
+                raise mapper_error
+            return EpsilonPlusFlat()(name, module)
+
+        lrp = LRP(model, failing_mapper, in_keys=["x"], out_keys=["y"])
+    with raises:
+        with lrp:
+            lrp(td)
+            if stage == "caller":
+                raise error
+    assert_model_unchanged(model, before_model)
+    if stage == "caller":  # the call itself had finished: its results are whole, and nothing else changed
+        torch.testing.assert_close(td.pop(("relevance", "x")), expected["relevance", "x"], rtol=0, atol=0)
+        torch.testing.assert_close(td.pop("y"), expected["y"], rtol=0, atol=0)
+        del td["relevance"]
+    assert_td_unchanged(td, before_td)
+
+    # The wrapper (and the model) still give the right answer.
+    fault.stage, rule.stage = None, None
+    again = LRP(model, mapper, in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[2]))
+    torch.testing.assert_close(again["relevance", "x"], expected["relevance", "x"], rtol=0, atol=0)
+
+
+def test_a_failed_write_leaves_no_partial_result():
+    model, _ = model_with_faults()
+    td = TensorDict(x=torch.randn(2, 3, 6, 6, dtype=F64), relevance=torch.zeros(2), batch_size=[2])
+    before = td_snapshot(td)
+    with pytest.raises(Exception):  # noqa: B017 (tensordict's own error for a leaf where a branch is needed)
+        LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(td)
+    assert "y" not in td.keys()  # written first, then taken back
+    assert_td_unchanged(td, before)
+
+
+class TestClearErrors:
+    def policy(self) -> TensorDictModule:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3)).to(F64)
+        return TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"])
+
+    def test_wrong_shaped_input_names_the_key_and_its_shape(self):
+        lrp = LRP(self.policy(), EpsilonPlus())
+        with pytest.raises(RuntimeError) as info:
+            lrp(TensorDict(observation=torch.randn(2, 4, dtype=F64), batch_size=[2]))
+        assert "'observation': torch.float64 [2, 4]" in "\n".join(info.value.__notes__)
+
+    @pytest.mark.parametrize("dtype", [torch.long, torch.bool])
+    def test_integer_or_boolean_target_output(self, dtype: torch.dtype):
+        policy = self.policy()
+        act = TensorDictModule(lambda q: (q.argmax(-1) > 0).to(dtype), in_keys=["action_value"], out_keys=["action"])
+        from tensordict.nn import TensorDictSequential
+
+        lrp = LRP(TensorDictSequential(policy, act), EpsilonPlus(), target_key="action")
+        with pytest.raises(TypeError, match=rf"target 'action' is {dtype} \[2\]; relevance explains a floating"):
+            lrp(TensorDict(observation=torch.randn(2, 5, dtype=F64), batch_size=[2]))
+
+    def test_two_wrappers_on_one_model_at_once(self):
+        policy = self.policy()
+        first, second = LRP(policy, EpsilonPlus()), LRP(policy, EpsilonPlusFlat())
+        td = TensorDict(observation=torch.randn(2, 5, dtype=F64), batch_size=[2])
+        with first:
+            with pytest.raises(
+                RuntimeError, match=r"module 'the model itself' \(TensorDictModule\) is already inside another LRP"
+            ):
+                second(td.clone())
+            # An overlapping wrapper (on a part of the same model) is refused too.
+            part = LRP(policy.module[2], in_keys=["h"], out_keys=["q"])
+            with pytest.raises(RuntimeError, match=r"module 'the model itself' \(Linear\) is already inside another"):
+                part.__enter__()
+            first(td.clone())  # the first wrapper is untouched by the refusals
+        second(td.clone())  # and the second works once the first has left
+
+    def test_dropout_in_training_mode_warns_once_with_its_name(self):
+        net = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.5), nn.ReLU(), nn.Linear(8, 3)).to(F64)
+        lrp = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+        td = TensorDict(x=torch.randn(2, 5, dtype=F64), batch_size=[2])
+        with pytest.warns(UserWarning, match=r"module '1' \(Dropout, p=0.5\) is in training mode"):
+            with lrp:
+                lrp(td.clone())
+                lrp(td.clone())
+        net.eval()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning in eval mode
+            with lrp:
+                lrp(td.clone())
+
+    def test_copy_and_pickle_outside_the_context_only(self):
+        lrp = LRP(self.policy(), EpsilonGammaBox(-3.0, 3.0))
+        td = TensorDict(observation=torch.randn(2, 5, dtype=F64), batch_size=[2])
+        expected = lrp(td.clone())["relevance", "observation"]
+        for clone in (copy.deepcopy(lrp), pickle.loads(pickle.dumps(lrp))):
+            torch.testing.assert_close(clone(td.clone())["relevance", "observation"], expected)
+        with lrp:
+            with pytest.raises(RuntimeError, match="leave the wrapper's context before copying or pickling it"):
+                copy.deepcopy(lrp)
+
+
+MAPPERS = {
+    "EpsilonPlus": EpsilonPlus,
+    "EpsilonPlusFlat": EpsilonPlusFlat,
+    "EpsilonAlpha2Beta1": EpsilonAlpha2Beta1,
+    "EpsilonGammaBox": lambda: EpsilonGammaBox(-3.0, 3.0),
+}
+
+
+def numerically_hard_model(case: str) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(16, 6), nn.Tanh(), nn.Linear(6, 3))
+    x = torch.randn(3, 2, 4, 4)
+    with torch.no_grad():
+        if case == "zero input":
+            x.zero_()
+        elif case == "dead relus":
+            model[0].bias.fill_(-1e3)  # every ReLU is off: no relevance reaches the input, and none is NaN
+        elif case == "saturated tanh":
+            model[3].weight.mul_(1e4)
+        elif case == "huge logits":
+            model[5].weight.mul_(1e30)
+        elif case == "zero weights":
+            model[3].weight.zero_()
+    return model.eval(), x
+
+
+@pytest.mark.parametrize("case", ["zero input", "dead relus", "saturated tanh", "huge logits", "zero weights"])
+@pytest.mark.parametrize("mapper", sorted(MAPPERS))
+def test_relevance_is_finite_where_the_numbers_are_hard(case: str, mapper: str):
+    model, x = numerically_hard_model(case)
+    td = LRP(model, MAPPERS[mapper](), in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[3]))
+    assert torch.isfinite(td["relevance", "x"]).all()
+
+
+def test_the_opt_in_check_names_the_layer_where_relevance_stops_being_finite():
+    model, x = numerically_hard_model("zero input")
+    check = raise_for_unconserved_rel_factory(atol=1e30)
+    with torch.no_grad():
+        model[5].weight.fill_(float("inf"))  # the explained logits are infinite
+    with pytest.raises(ValueError, match=r"relevance of module '5' \(Linear\) has NaN or inf values"):
+        LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"], relevance_check=check)(
+            TensorDict(x=x + 1, batch_size=[3])
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_low_precision_dtypes_agree_with_float64(dtype: torch.dtype):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    x = torch.randn(8, 6)
+    reference = LRP(copy.deepcopy(net).double(), EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"])(
+        TensorDict(x=x.double(), batch_size=[8])
+    )["relevance", "x"]
+    low = LRP(copy.deepcopy(net).to(dtype), EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"])(
+        TensorDict(x=x.to(dtype), batch_size=[8])
+    )["relevance", "x"]
+    assert low.dtype == dtype and torch.isfinite(low).all()
+    cosine = nn.functional.cosine_similarity(low.double().flatten(1), reference.flatten(1), dim=1)
+    assert (cosine > 0.99).all(), cosine
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_agrees_with_cpu():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3)).eval()
+    x = torch.randn(2, 3, 6, 6)
+    cpu = LRP(copy.deepcopy(net), EpsilonGammaBox(-3.0, 3.0), in_keys=["x"], out_keys=["y"])(
+        TensorDict(x=x, batch_size=[2])
+    )["relevance", "x"]
+    gpu = LRP(copy.deepcopy(net).cuda(), EpsilonGammaBox(-3.0, 3.0), in_keys=["x"], out_keys=["y"])(
+        TensorDict(x=x.cuda(), batch_size=[2], device="cuda")
+    )["relevance", "x"]
+    assert gpu.device.type == "cuda"
+    torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-4, atol=1e-5)
+
+
+class CheckpointedBody(nn.Module):
+    def __init__(self, net: nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.net, self.reentrant = net, reentrant
+
+    def forward(self, x):
+        hidden = torch.utils.checkpoint.checkpoint(self.net[:4], x, use_reentrant=self.reentrant)
+        return self.net[4](hidden)
+
+
+def small_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).to(F64)
+
+
+def test_activation_checkpointing_works_or_raises_clearly():
+    net = small_mlp()
+    td = TensorDict(x=torch.randn(4, 5, dtype=F64), batch_size=[4])
+    expected = LRP(net, EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"])(td.clone())["relevance", "x"]
+    checkpointed = LRP(CheckpointedBody(net, reentrant=False), EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"])
+    torch.testing.assert_close(checkpointed(td.clone())["relevance", "x"], expected, rtol=0, atol=0)
+    # The re-entrant variant cannot serve torch.autograd.grad at all; torch says so, and the model is left as it was.
+    reentrant_model = CheckpointedBody(net, reentrant=True)
+    before = model_snapshot(reentrant_model)
+    with pytest.raises(RuntimeError, match="use_reentrant=True, torch.utils.checkpoint is incompatible with .grad"):
+        LRP(reentrant_model, EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"])(td.clone())
+    assert_model_unchanged(reentrant_model, before)
+
+
+def test_a_compiled_model_gives_the_same_relevance():
+    net = small_mlp()
+    td = TensorDict(x=torch.randn(4, 5, dtype=F64), batch_size=[4])
+    expected = LRP(net, EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"])(td.clone())["relevance", "x"]
+    compiled = torch.compile(net, backend="eager")
+    actual = LRP(compiled, EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"])(td.clone())["relevance", "x"]
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+def test_a_module_called_twice_gets_its_rule_on_each_call():
+    """Weight sharing: every rule runs per call, and the relevance of both calls adds up at the input."""
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4).to(F64)
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared, self.head = shared, nn.Linear(4, 2).to(F64)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.shared(torch.relu(self.shared(x)))))
+
+    class Unrolled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second, self.head = copy.deepcopy(shared), copy.deepcopy(shared), Twice().head
+
+        def forward(self, x):
+            return self.head(torch.relu(self.second(torch.relu(self.first(x)))))
+
+    twice = Twice()
+    unrolled = Unrolled()
+    unrolled.head = twice.head
+    x = torch.randn(3, 4, dtype=F64)
+    for mapper in (EpsilonPlus(), EpsilonPlusFlat(), EpsilonAlpha2Beta1(), EpsilonGammaBox(-3.0, 3.0)):
+        ours = LRP(twice, mapper, in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[3]))
+        reference = LRP(unrolled, mapper, in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[3]))
+        torch.testing.assert_close(ours["relevance", "x"], reference["relevance", "x"])
+
+
+def test_custom_rule_subclass_of_rule_is_refused_when_incomplete():
+    class Incomplete(Rule):
+        pass
+
+    net = small_mlp()
+    lrp = LRP(net, lambda name, module: Incomplete() if name == "0" else None, in_keys=["x"], out_keys=["y"])
+    before = model_snapshot(net)
+    with pytest.raises(NotImplementedError):
+        lrp(TensorDict(x=torch.randn(2, 5, dtype=F64), batch_size=[2]))
+    assert_model_unchanged(net, before)
