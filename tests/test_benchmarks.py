@@ -57,3 +57,11 @@ def test_transformer_benchmark_runs_on_tiny_inputs():
     rows = [line.rsplit(None, 2) for line in result.stdout.splitlines()[2:]]
     assert [row[0] for row in rows] == ["gradient x input", "tdhook AttnLRP", "tdhook CP-LRP"]
     assert all(float(value) > 0 for row in rows for value in row[1:])
+
+
+def test_profile_script_runs_on_tiny_inputs():
+    command = [sys.executable, str(BENCHMARKS / "profile_vision.py"), "--model", "resnet18", "--batch", "1"]
+    result = subprocess.run([*command, "--size", "32"], capture_output=True, text=True, timeout=600, check=True)
+    rows = {line.split()[0]: line.split()[-3:] for line in result.stdout.splitlines()[2:]}
+    assert list(rows) == ["convolution", "matrix", "element-wise", "total"]
+    assert all(float(value) >= 0 for value in rows["total"][:2])
