@@ -657,6 +657,8 @@ def _describe(value: Any) -> str:
 def _set_all_or_nothing(tensordict: TensorDictBase, updates: dict) -> None:
     """Write every update, or, if one fails, none: the caller's TensorDict never holds partial results."""
     previous = {key: _get_or_none(tensordict, key) for key in updates}
+    branches = {key[:depth] for key in map(_as_tuple, updates) for depth in range(1, len(key))}
+    new_branches = sorted((b for b in branches if _get_or_none(tensordict, b) is None), key=len, reverse=True)
     written = []
     try:
         for key, value in updates.items():
@@ -668,7 +670,10 @@ def _set_all_or_nothing(tensordict: TensorDictBase, updates: dict) -> None:
                 tensordict.del_(key)
             else:
                 tensordict.set(key, previous[key])
-        _drop_empty_branches(tensordict, written)
+        for branch in new_branches:  # deepest first; only the ones this call created
+            value = _get_or_none(tensordict, branch)
+            if isinstance(value, TensorDictBase) and value.is_empty():
+                tensordict.del_(branch)
         raise
 
 
@@ -677,16 +682,6 @@ def _get_or_none(tensordict: TensorDictBase, key: Any) -> Any:
         return tensordict.get(key, None)
     except (KeyError, ValueError):  # a leaf where the key needs a branch: setting it will fail, before any write
         return None
-
-
-def _drop_empty_branches(tensordict: TensorDictBase, keys: list) -> None:
-    """Delete the nested TensorDicts that writing ``keys`` created and that are empty again."""
-    for key in keys:
-        key = _as_tuple(key)
-        for depth in range(len(key) - 1, 0, -1):
-            branch = tensordict.get(key[:depth], None)
-            if isinstance(branch, TensorDictBase) and branch.is_empty():
-                tensordict.del_(key[:depth])
 
 
 class OutputRelevance:

@@ -79,14 +79,18 @@ def stabilize(tensor: torch.Tensor, epsilon: float = 1e-6) -> torch.Tensor:
         >>> stabilize(torch.tensor([-1.0, 0.0, 2.0]), epsilon=0.5)
         tensor([-1.5000,  0.5000,  2.5000])
     """
-    # ±epsilon as (2·[t >= 0] − 1)·epsilon, in the tensor's dtype (no float32 rounding of epsilon): both
-    # steps are exact, and this is several times faster than torch.where on CPU.
-    return (tensor >= 0).to(tensor.dtype).mul_(2 * epsilon).sub_(epsilon).add_(tensor)
+    return _signed_shift(tensor, epsilon).add_(tensor)
 
 
 def _stabilize_(tensor: torch.Tensor, epsilon: float) -> torch.Tensor:
     """:func:`stabilize`, in place: the same values, without a second full-size tensor."""
-    return tensor.add_((tensor >= 0).to(tensor.dtype).mul_(2 * epsilon).sub_(epsilon))
+    return tensor.add_(_signed_shift(tensor, epsilon))
+
+
+def _signed_shift(tensor: torch.Tensor, epsilon: float) -> torch.Tensor:
+    # ±epsilon as (2·[t >= 0] − 1)·epsilon, in the tensor's dtype (no float32 rounding of epsilon): both
+    # steps are exact, and this is several times faster than torch.where on CPU.
+    return (tensor >= 0).to(tensor.dtype).mul_(2 * epsilon).sub_(epsilon)
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -452,14 +456,6 @@ class Rule:
 
     def _forward_hook(self, registration: Registration) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-            if torch._C._is_torch_function_mode_enabled():
-                # A rule's own computation needs no function rules (FunctionalRules, StabilizedAdditions),
-                # and skipping their Python dispatch for it saves time.
-                with torch._C.DisableTorchFunction():
-                    return apply_rule(module, args, output)
-            return apply_rule(module, args, output)
-
-        def apply_rule(module: nn.Module, args: tuple, output: Any) -> Any:
             inputs = registration.snapshots.pop() if registration.snapshots else args
             if registration.busy or not torch.is_grad_enabled():
                 return None
@@ -915,10 +911,8 @@ class GammaRule(_ModifiedForwardRule):
         return modified
 
     def input_gradient(self, module, registration, params, x, z, grad):
-        if not bool((x < 0).any()):
-            fast = self._nonnegative_input_gradient(module, registration, params, x.detach(), z, grad)
-            if fast is not None:
-                return fast
+        if _has_direct_input_gradient(module) and not bool((x < 0).any()):
+            return self._nonnegative_input_gradient(module, registration, params, x.detach(), z, grad)
         leaf = x.detach().requires_grad_(True)
         pairs = [("up", "down_nobias"), ("down", "up_nobias")]
         z_up, z_down = self._signed_forward(module, registration, params, leaf, pairs)
@@ -935,8 +929,6 @@ class GammaRule(_ModifiedForwardRule):
         ``W^γ⁺ᵀ a + W^γ⁻ᵀ c`` is ``Wᵀ (a + (1 + γ) c) + γ W⁺ᵀ (a − c)``: one forward pass with ``W⁺`` and
         two transposed products, which need no forward pass.
         """
-        if not _has_direct_input_gradient(module):
-            return None
         plain, positive = params["plain"], params["positive_nobias"]
         gamma, weight, bias = self.gamma, plain["weight"], plain.get("bias")
         bias_up, bias_down = params["up"].get("bias"), params["down"].get("bias")
