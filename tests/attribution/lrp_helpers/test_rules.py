@@ -147,6 +147,105 @@ class TestAgainstZennit:
         assert relative_error(actual, expected) <= TOL
 
 
+class TestFastPaths:
+    """The paths that skip autograd or a product, each checked against zennit and shown to be taken."""
+
+    @pytest.mark.parametrize("kind", LAYERS)
+    @pytest.mark.parametrize("rule_name", ["gamma", "gamma-nobias"])
+    def test_gamma_without_relevance_on_negative_outputs_matches_zennit(self, rule_name, kind, monkeypatch):
+        # After a ReLU no relevance reaches a negative output: one transposed product suffices.
+        taken = spy(monkeypatch, GammaRule, "_positive_outputs_gradient")
+        ours, theirs = RULE_PAIRS[rule_name]
+        layer, x = make_layer(kind)
+        x = x.clamp(min=0)
+        with torch.no_grad():
+            r_out = output_relevance(layer, x) * (layer(x) > 0)
+        expected = zennit_relevance(theirs(), layer, x, r_out)
+        assert relative_error(tdhook_relevance(ours(), layer, x, r_out), expected) <= TOL
+        assert taken
+
+    def test_gamma_with_relevance_on_negative_outputs_takes_both_products(self, monkeypatch):
+        taken = spy(monkeypatch, GammaRule, "_positive_outputs_gradient")
+        layer, x = make_layer("conv2d")
+        x = x.clamp(min=0)
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(zrules.Gamma(0.25), layer, x, r_out)
+        assert relative_error(tdhook_relevance(GammaRule(0.25), layer, x, r_out), expected) <= TOL
+        assert not taken
+
+    def test_zbox_with_bounds_per_sample_matches_zennit(self, monkeypatch):
+        # Bounds that differ between samples cannot be computed for one sample: the autograd path runs.
+        taken = spy(monkeypatch, ZBoxRule, "_relevance_by_autograd")
+        layer, x = make_layer("conv2d")
+        low = -torch.rand(2, 3, 1, 1, dtype=torch.float64) - 2
+        high = torch.rand(2, 3, 1, 1, dtype=torch.float64) + 2
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(zrules.ZBox(low, high), layer, x, r_out)
+        assert relative_error(tdhook_relevance(ZBoxRule(low, high), layer, x, r_out), expected) <= TOL
+        assert taken
+
+    @pytest.mark.parametrize("kind", LAYERS)
+    @pytest.mark.parametrize("rule_name", ["flat", "wsquare", "zbox"])
+    def test_input_layer_rules_skip_autograd_and_match_zennit(self, rule_name, kind, monkeypatch):
+        taken = spy(monkeypatch, type(RULE_PAIRS[rule_name][0]()), "_relevance_by_autograd")
+        ours, theirs = RULE_PAIRS[rule_name]
+        layer, x = make_layer(kind)
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(theirs(), layer, x, r_out)
+        assert relative_error(tdhook_relevance(ours(), layer, x, r_out), expected) <= TOL
+        assert not taken
+
+    @pytest.mark.parametrize("rule_name", ["flat", "wsquare", "zbox", "zplus", "gamma"])
+    @pytest.mark.parametrize("kind", ["linear", "conv2d"])
+    def test_an_unbatched_input_gives_the_batched_result(self, rule_name, kind):
+        layer, x = make_layer(kind)
+        x = x.clamp(min=0)  # the z⁺ and γ paths without a forward pass for x⁻
+        sample = x[1] if kind == "conv2d" else x[1, :]
+        r_out = output_relevance(layer, x)
+        batched = tdhook_relevance(RULE_PAIRS[rule_name][0](), layer, x, r_out)
+        rule = RULE_PAIRS[rule_name][0]()
+        lrp = LRP(
+            layer,
+            rule_mapper=lambda n, m: rule if m is layer else None,
+            in_keys=["x"],
+            out_keys=["y"],
+            target=lambda y: r_out[1],
+        )
+        single = lrp(TensorDict(x=sample.clone()))["relevance", "x"]
+        assert relative_error(single, batched[1]) <= 1e-12
+
+    @pytest.mark.parametrize(
+        "rule_name", ["epsilon", "zplus", "gamma", "gamma-positive-outputs", "flat", "wsquare", "zbox"]
+    )
+    def test_repeated_backward_over_one_forward_gives_the_same_gradient(self, rule_name):
+        # A backward that frees the graph may write into what the rule saved; one that keeps it must not.
+        rule = RULE_PAIRS[rule_name.removesuffix("-positive-outputs")][0]()
+        layer, x = make_layer("conv2d")
+        x = x.clamp(min=0).requires_grad_(True)
+        with rule.register(layer):
+            out = layer(x)
+            grad = torch.randn_like(out)
+            if rule_name.endswith("-positive-outputs"):
+                grad = grad * (out > 0)
+            first = torch.autograd.grad(out, x, grad, retain_graph=True)[0]
+            second = torch.autograd.grad(out, x, grad, retain_graph=True)[0]
+            last = torch.autograd.grad(out, x, grad)[0]
+        assert torch.equal(first, second)
+        assert torch.equal(first, last)
+
+
+def spy(monkeypatch, cls: type, name: str) -> list:
+    """Record the calls of ``cls.name`` (it still runs)."""
+    calls, method = [], getattr(cls, name)
+
+    def recorded(*args, **kwargs):
+        calls.append(args)
+        return method(*args, **kwargs)
+
+    monkeypatch.setattr(cls, name, recorded)
+    return calls
+
+
 class TestClosedForms:
     def test_stabilize_keeps_sign_and_treats_zero_as_positive(self):
         out = stabilize(torch.tensor([-2.0, 0.0, 3.0], dtype=torch.float64), 0.25)

@@ -21,7 +21,24 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["redirect", "relevance_proxy"]
+__all__ = ["redirect", "relevance_proxy", "backward_keeps_graph"]
+
+
+def backward_keeps_graph() -> bool:
+    """Whether the running backward pass keeps the graph for another one (``retain_graph`` or ``create_graph``).
+
+    When it does not, the tensors a rule saved for its backward are not needed
+    again and the rule may write into them instead of allocating new ones.
+    Outside a backward pass, and on a torch without this query, the answer is
+    ``True`` (the safe side).
+
+    Examples:
+        >>> backward_keeps_graph()
+        True
+    """
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if query is None else bool(query())
+
 
 BackwardFn = Callable[[torch.Tensor], Sequence[torch.Tensor | None]]
 

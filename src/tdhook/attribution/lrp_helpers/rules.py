@@ -28,7 +28,7 @@ from torch import nn
 from torch.func import functional_call
 from torchrl.modules.models.utils import SquashDims
 
-from tdhook.attribution.lrp_helpers.redirect import redirect, relevance_proxy
+from tdhook.attribution.lrp_helpers.redirect import backward_keeps_graph, redirect, relevance_proxy
 
 __all__ = [
     "stabilize",
@@ -84,7 +84,29 @@ def stabilize(tensor: torch.Tensor, epsilon: float = 1e-6) -> torch.Tensor:
 
 def _stabilize_(tensor: torch.Tensor, epsilon: float) -> torch.Tensor:
     """:func:`stabilize`, in place: the same values, without a second full-size tensor."""
-    return tensor.add_(_signed_shift(tensor, epsilon))
+    return _in_pieces_(tensor, lambda piece: piece.add_(_signed_shift(piece, epsilon)))
+
+
+# Elements per piece of :func:`_in_pieces_`: 4 MiB in float32. Much larger temporaries would be fresh
+# memory from the operating system on every call (page faults cost as much as the arithmetic).
+_PIECE = 1 << 20
+
+
+def _in_pieces_(tensor: torch.Tensor, update_: Callable[[torch.Tensor], object]) -> torch.Tensor:
+    """Apply the element-wise in-place ``update_`` to ``tensor`` piece by piece, so its temporaries stay small."""
+    if tensor.numel() <= _PIECE or not tensor.is_contiguous():
+        update_(tensor)
+    else:
+        for piece in tensor.view(-1).split(_PIECE):
+            update_(piece)
+    return tensor
+
+
+def _times_saved(grad: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
+    """``grad * saved``, written into ``saved`` when the backward pass frees the graph (``saved`` is not read again)."""
+    if grad.dtype == saved.dtype and grad.shape == saved.shape and not backward_keeps_graph():
+        return saved.mul_(grad)
+    return grad * saved
 
 
 def _signed_shift(tensor: torch.Tensor, epsilon: float) -> torch.Tensor:
@@ -240,15 +262,34 @@ def _has_direct_input_gradient(module: nn.Module) -> bool:
 
 
 def _direct_input_gradient(
-    module: nn.Module, weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor
+    module: nn.Module, weight: torch.Tensor, grad: torch.Tensor, input_shape: Sequence[int]
 ) -> torch.Tensor:
     """``Wᵀ grad``: the input gradient of ``module``'s linear map with ``weight``, with no forward pass."""
     kind, m = type(module), module
     if kind is nn.Linear:
         return grad @ weight
     if kind in _CONV_INPUT_GRADIENTS:
-        return _CONV_INPUT_GRADIENTS[kind](x.shape, weight, grad, m.stride, m.padding, m.dilation, m.groups)
+        if len(input_shape) == len(m.kernel_size) + 1:  # one unbatched sample
+            return _direct_input_gradient(module, weight, grad.unsqueeze(0), (1, *input_shape)).squeeze(0)
+        return _CONV_INPUT_GRADIENTS[kind](input_shape, weight, grad, m.stride, m.padding, m.dilation, m.groups)
     return _TRANSPOSED_INPUT_GRADIENTS[kind](grad, weight, None, m.stride, m.padding, m.dilation, m.groups)
+
+
+def _direct_input_gradients(
+    module: nn.Module, weights: Sequence[torch.Tensor], grad: torch.Tensor, x: torch.Tensor
+) -> list[torch.Tensor]:
+    """``[Wᵀ grad for W in weights]`` as one product, the weights stacked along their input dimension.
+
+    Reading ``grad`` once is what costs: three stacked products take about the time of one.
+    """
+    if getattr(module, "groups", 1) != 1:
+        return [_direct_input_gradient(module, w, grad, x.shape) for w in weights]
+    stacked_weight = torch.cat(list(weights), dim=0 if type(module) in _TRANSPOSED_INPUT_GRADIENTS else 1)
+    channel_dim = x.dim() - 1 if type(module) is nn.Linear else x.dim() - len(module.kernel_size) - 1
+    shape = list(x.shape)
+    shape[channel_dim] *= len(weights)
+    stacked = _direct_input_gradient(module, stacked_weight, grad, shape)
+    return list(stacked.split(x.shape[channel_dim], dim=channel_dim))
 
 
 # ----------------------------------------------------------------------------- rule base
@@ -596,20 +637,19 @@ class EpsilonRule(Rule):
             scale = (z != 0).to(z.dtype)
         else:
             # z / stabilize(z, ε) is |z| / (|z| + ε) exactly (a sign flip is exact), in three passes.
-            scale = z.abs()
-            scale.div_(scale + self.epsilon)
+            scale = _in_pieces_(z.abs(), lambda piece: piece.div_(piece + self.epsilon))
         return scale if n_inputs == 1 else scale.div_(n_inputs)
 
     def rewrite(self, module, registration, inputs, output):
         scale = self._scale(output, 1)
-        return redirect(output, [output], lambda grad: [grad * scale])
+        return redirect(output, [output], lambda grad: [_times_saved(grad, scale)])
 
     def rewrite_merged(self, call, output, merged):
         # The merged layer's weights are the layer's times the channel scale: the
         # gradient at the layer's own output is the merged one times that scale.
         channel = merged.channel_scale.view(-1, *[1] * (output.dim() - 2))
         scale = self._scale(output, 1).mul_(channel)
-        return redirect(output, [call.raw], lambda grad: [grad * scale])
+        return redirect(output, [call.raw], lambda grad: [_times_saved(grad, scale)])
 
 
 class UniformEpsilonRule(EpsilonRule):
@@ -632,7 +672,7 @@ class UniformEpsilonRule(EpsilonRule):
     def rewrite(self, module, registration, inputs, output):
         n_inputs = sum(isinstance(i, torch.Tensor) and i.requires_grad for i in inputs)
         scale = self._scale(output, max(n_inputs, 1))
-        return redirect(output, [output], lambda grad: [grad * scale])
+        return redirect(output, [output], lambda grad: [_times_saved(grad, scale)])
 
 
 class PassRule(Rule):
@@ -807,9 +847,9 @@ class _ModifiedForwardRule(Rule):
         return outputs
 
 
-def _bias_view(module: nn.Module, bias: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """``bias`` shaped to broadcast over the output ``z``: its last dimension (Linear) or dimension 1 (convolution)."""
-    return bias if type(module) is nn.Linear else bias.view(-1, *([1] * (z.dim() - 2)))
+def _bias_view(module: nn.Module, bias: torch.Tensor) -> torch.Tensor:
+    """``bias`` shaped to broadcast over the output ``z``: its last dimension (Linear) or the channel dimension."""
+    return bias if type(module) is nn.Linear else bias.view(-1, *([1] * len(module.kernel_size)))
 
 
 def _clamp(min: float | None = None, max: float | None = None) -> ParamModifier:
@@ -870,8 +910,8 @@ class AlphaBetaRule(_ModifiedForwardRule):
         """
         with torch.no_grad():
             denominator = self._forward(module, registration, positive, x).add_(self.stabilizer)
-            share = (grad * z).div_(denominator)  # α = 1
-            return _direct_input_gradient(module, positive["weight"], share, x)
+            share = _times_saved(grad, z).div_(denominator)  # α = 1
+            return _direct_input_gradient(module, positive["weight"], share, x.shape)
 
 
 class GammaRule(_ModifiedForwardRule):
@@ -934,25 +974,56 @@ class GammaRule(_ModifiedForwardRule):
         bias_up, bias_down = params["up"].get("bias"), params["down"].get("bias")
         # In place wherever possible: these are full-size tensors, and their number sets the peak memory.
         with torch.no_grad():
+            c = z.clamp(max=0).mul_(grad)
+            if not c.any():  # no relevance reaches a negative output (a ReLU follows): c = 0
+                del c
+                return self._positive_outputs_gradient(module, registration, params, x, z, grad)
             gamma_w_plus_x = self._forward(module, registration, positive, x).mul_(gamma)
-            z_weight = z if bias is None else z - _bias_view(module, bias, z)
+            z_weight = z if bias is None else z - _bias_view(module, bias)
             z_up = torch.add(z_weight, gamma_w_plus_x)
             z_down = torch.mul(z_weight, 1 + gamma).sub_(gamma_w_plus_x)
             del gamma_w_plus_x, z_weight
             if bias_up is not None:
-                z_up.add_(_bias_view(module, bias_up, z))
-                z_down.add_(_bias_view(module, bias_down, z))
+                z_up.add_(_bias_view(module, bias_up))
+                z_down.add_(_bias_view(module, bias_down))
             a = z.clamp(min=0).mul_(grad).div_(_stabilize_(z_up, self.stabilizer))
             del z_up
-            c = z.clamp(max=0).mul_(grad).div_(_stabilize_(z_down, self.stabilizer))
+            c.div_(_stabilize_(z_down, self.stabilizer))
             del z_down
-            through_weight = _direct_input_gradient(module, weight, torch.add(a, c, alpha=1 + gamma), x)
-            through_positive = _direct_input_gradient(module, positive["weight"], a.sub_(c), x)
+            through_weight = _direct_input_gradient(module, weight, torch.add(a, c, alpha=1 + gamma), x.shape)
+            through_positive = _direct_input_gradient(module, positive["weight"], a.sub_(c), x.shape)
             return through_weight.add_(through_positive, alpha=gamma)
+
+    def _positive_outputs_gradient(self, module, registration, params, x, z, grad):
+        """The gradient for ``x ≥ 0`` when ``grad`` is zero wherever ``z < 0``: ``W^γ⁺ᵀ a`` alone.
+
+        ``z^↑ = z − b + γ W⁺x + b^γ⁺``: one forward pass with ``W⁺`` and one transposed product.
+        """
+        plain, up = params["plain"], params["up"]
+        z_up = self._forward(module, registration, params["positive_nobias"], x).mul_(self.gamma).add_(z)
+        if plain.get("bias") is not None:
+            z_up.sub_(_bias_view(module, plain["bias"]))
+        if up.get("bias") is not None:
+            z_up.add_(_bias_view(module, up["bias"]))
+        # Where z < 0 the gradient is zero, so grad · z is a = grad · [z > 0] z.
+        a = _times_saved(grad, z).div_(_stabilize_(z_up, self.stabilizer))
+        del z_up
+        return _direct_input_gradient(module, up["weight"], a, x.shape)
+
+
+def _one_sample_shape(module: nn.Module, x: torch.Tensor) -> tuple[int, ...] | None:
+    """The shape of one sample of the layer input ``x`` (batch size 1); ``None`` when ``x`` has no batch dimension."""
+    feature_dims = 1 if type(module) is nn.Linear else len(module.kernel_size) + 1
+    return (1, *x.shape[1:]) if x.dim() > feature_dims else None
 
 
 class _DirectInputRule(_ModifiedForwardRule):
-    """Input-layer rules whose relevance is not proportional to the input."""
+    """Input-layer rules whose relevance is not proportional to the input.
+
+    By default the modified forward pass runs on ones in place of the input
+    (the parameters ``"mod"`` carry the rule), and the relevance is the
+    gradient those ones receive.
+    """
 
     def stand_ins(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [torch.ones_like(x)]
@@ -963,14 +1034,29 @@ class _DirectInputRule(_ModifiedForwardRule):
     def relevance(self, stand_ins, grads) -> torch.Tensor:
         return grads[0]
 
-    def input_gradient(self, module, registration, params, x, z, grad):
-        leaves = [s.detach().requires_grad_(True) for s in self.stand_ins(x.detach())]
+    def direct_relevance(self, module, registration, params, x, z, grad) -> torch.Tensor:
+        """The relevance of the layer input ``x``: ``W_modᵀ (grad · z / stabilize(W_mod 1))`` by default."""
+        if not _has_direct_input_gradient(module):
+            return self._relevance_by_autograd(module, registration, params, x, z, grad)
+        with torch.no_grad():
+            # The modified output of ones is the same for every sample: computed for one.
+            ones = x.new_ones(_one_sample_shape(module, x) or x.shape)
+            denominator = stabilize(self._forward(module, registration, params["mod"], ones), self.stabilizer)
+            share = _times_saved(grad, z).div_(denominator)
+            return _direct_input_gradient(module, params["mod"]["weight"], share, x.shape)
+
+    def _relevance_by_autograd(self, module, registration, params, x, z, grad) -> torch.Tensor:
+        """The relevance from :meth:`stand_ins`, :meth:`modified_output` and :meth:`relevance`."""
+        leaves = [s.detach().requires_grad_(True) for s in self.stand_ins(x)]
         z_mod = self.modified_output(module, registration, params, leaves)
         start = grad * z / stabilize(z_mod.detach(), self.stabilizer)
         grads = torch.autograd.grad(z_mod, leaves, start, allow_unused=True)
+        return self.relevance([s.detach() for s in leaves], grads)
+
+    def input_gradient(self, module, registration, params, x, z, grad):
+        value = x.detach()
+        relevance = self.direct_relevance(module, registration, params, value, z, grad)
         with torch.no_grad():
-            relevance = self.relevance([s.detach() for s in leaves], grads)
-            value = x.detach()
             grad_x = torch.where(value != 0, relevance / torch.where(value != 0, value, 1), 0)
         # The gradient carries R = x * grad_x; what it cannot carry (where x = 0) is recorded.
         registration.records.append((x, relevance - value * grad_x))
@@ -1039,10 +1125,41 @@ class ZBoxRule(_DirectInputRule):
     def modifiers(self):
         return {"orig": ParamModifier(), "pos": _clamp(min=0.0), "neg": _clamp(max=0.0)}
 
+    def modified_params(self, params):
+        modified = super().modified_params(params)
+        modified["plain"] = dict(params)  # the layer's own (or BatchNorm-merged) weight and bias
+        return modified
+
     def stand_ins(self, x):
         low = torch.as_tensor(self.low, dtype=x.dtype, device=x.device).expand_as(x)
         high = torch.as_tensor(self.high, dtype=x.dtype, device=x.device).expand_as(x)
         return [x, low, high]
+
+    def direct_relevance(self, module, registration, params, x, z, grad):
+        """The relevance without autograd when the bounds are the same for every sample.
+
+        ``z^B = z − b + b_orig − (W⁺l + b⁺) − (W⁻h + b⁻)``, whose last terms are computed for one sample,
+        and ``R = x · Wᵀs − l · W⁺ᵀs − h · W⁻ᵀs`` with ``s = grad · z / stabilize(z^B)``.
+        """
+        shape = _one_sample_shape(module, x)
+        bounds = [torch.as_tensor(b, dtype=x.dtype, device=x.device) for b in (self.low, self.high)]
+        if (
+            shape is None
+            or not _has_direct_input_gradient(module)
+            or any(torch.broadcast_shapes(b.shape, shape) != shape for b in bounds)
+        ):
+            return self._relevance_by_autograd(module, registration, params, x, z, grad)
+        low, high = (b.expand(shape).contiguous() for b in bounds)
+        orig, pos, neg = params["orig"], params["pos"], params["neg"]
+        with torch.no_grad():
+            offset = self._forward(module, registration, pos, low) + self._forward(module, registration, neg, high)
+            for bias, sign in ((params["plain"].get("bias"), 1), (orig.get("bias"), -1)):
+                if bias is not None:
+                    offset.add_(_bias_view(module, bias), alpha=sign)
+            denominator = _stabilize_(z - offset, self.stabilizer)
+            share = _times_saved(grad, z).div_(denominator)
+            through = _direct_input_gradients(module, [p["weight"] for p in (orig, pos, neg)], share, x)
+            return through[0].mul_(x).sub_(low * through[1]).sub_(high * through[2])
 
     def modified_output(self, module, registration, params, stand_ins):
         x, low, high = stand_ins
