@@ -102,6 +102,14 @@ def _in_pieces_(tensor: torch.Tensor, update_: Callable[[torch.Tensor], object])
     return tensor
 
 
+def _nonzero_where_negative(grad: torch.Tensor, z: torch.Tensor) -> bool:
+    """Whether ``grad`` is non-zero (or NaN) anywhere ``z < 0``; piece by piece, stopping at the first such piece."""
+    if grad.shape != z.shape or not (grad.is_contiguous() and z.is_contiguous()) or z.numel() <= _PIECE:
+        return bool(z.clamp(max=0).mul_(grad).any())
+    pieces = zip(grad.view(-1).split(_PIECE), z.view(-1).split(_PIECE), strict=True)
+    return any(bool(z_piece.clamp(max=0).mul_(grad_piece).any()) for grad_piece, z_piece in pieces)
+
+
 def _times_saved(grad: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
     """``grad * saved``, written into ``saved`` when the backward pass frees the graph (``saved`` is not read again)."""
     if grad.dtype == saved.dtype and grad.shape == saved.shape and not backward_keeps_graph():
@@ -974,10 +982,9 @@ class GammaRule(_ModifiedForwardRule):
         bias_up, bias_down = params["up"].get("bias"), params["down"].get("bias")
         # In place wherever possible: these are full-size tensors, and their number sets the peak memory.
         with torch.no_grad():
-            c = z.clamp(max=0).mul_(grad)
-            if not c.any():  # no relevance reaches a negative output (a ReLU follows): c = 0
-                del c
+            if not _nonzero_where_negative(grad, z):  # no relevance reaches a negative output (a ReLU follows)
                 return self._positive_outputs_gradient(module, registration, params, x, z, grad)
+            c = z.clamp(max=0).mul_(grad)
             gamma_w_plus_x = self._forward(module, registration, positive, x).mul_(gamma)
             z_weight = z if bias is None else z - _bias_view(module, bias)
             z_up = torch.add(z_weight, gamma_w_plus_x)
@@ -1000,11 +1007,12 @@ class GammaRule(_ModifiedForwardRule):
         ``z^↑ = z − b + γ W⁺x + b^γ⁺``: one forward pass with ``W⁺`` and one transposed product.
         """
         plain, up = params["plain"], params["up"]
-        z_up = self._forward(module, registration, params["positive_nobias"], x).mul_(self.gamma).add_(z)
-        if plain.get("bias") is not None:
-            z_up.sub_(_bias_view(module, plain["bias"]))
-        if up.get("bias") is not None:
-            z_up.add_(_bias_view(module, up["bias"]))
+        w_plus_x = self._forward(module, registration, params["positive_nobias"], x)
+        z_up = torch.add(z, w_plus_x, alpha=self.gamma, out=w_plus_x)
+        bias, bias_up = plain.get("bias"), up.get("bias")
+        if bias is not None or bias_up is not None:
+            shift = (0 if bias_up is None else bias_up) - (0 if bias is None else bias)
+            z_up.add_(_bias_view(module, shift))
         # Where z < 0 the gradient is zero, so grad · z is a = grad · [z > 0] z.
         a = _times_saved(grad, z).div_(_stabilize_(z_up, self.stabilizer))
         del z_up
