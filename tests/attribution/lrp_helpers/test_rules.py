@@ -233,6 +233,47 @@ class TestFastPaths:
         assert torch.equal(first, second)
         assert torch.equal(first, last)
 
+    def test_a_second_backward_over_a_freed_graph_raises_torchs_error(self):
+        # The first backward may have written into what the rule saved: a second one must not read it.
+        layer, x = make_layer("linear")
+        x = x.abs().requires_grad_(True)
+        with FlatRule().register(layer):
+            out = layer(x)
+            torch.autograd.grad(out, x, torch.ones_like(out))
+            with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+                torch.autograd.grad(out, x, torch.ones_like(out))
+
+    @pytest.mark.parametrize("rule_name", ["epsilon", "zplus", "flat", "zbox"])
+    def test_vectorized_jacobian_equals_the_unit_by_unit_one(self, rule_name):
+        # Batched gradients (is_grads_batched) must not be written into the rule's saved tensors.
+        net = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)).double()
+        x = torch.randn(2, 4, dtype=torch.float64)
+        rule, second = RULE_PAIRS[rule_name][0](), EpsilonRule()
+        with rule.register(net[0]), second.register(net[2]):
+            vectorized = torch.autograd.functional.jacobian(net, x, vectorize=True)
+            unit_by_unit = torch.autograd.functional.jacobian(net, x)
+        assert torch.allclose(vectorized, unit_by_unit, rtol=1e-12, atol=1e-14)
+
+    @pytest.mark.parametrize("rule_name", ["flat", "wsquare", "zbox", "zplus", "gamma"])
+    def test_transposed_convolution_with_output_padding_past_the_stride_matches_zennit(self, rule_name):
+        # Its transposed product runs past the input's end; the direct paths keep the input's positions.
+        layer = nn.ConvTranspose1d(2, 3, 3, stride=1, dilation=2, output_padding=1).double()
+        x = torch.randn(2, 2, 6, dtype=torch.float64).abs()
+        ours, theirs = RULE_PAIRS[rule_name]
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(theirs(), layer, x, r_out)
+        assert relative_error(tdhook_relevance(ours(), layer, x, r_out), expected) <= TOL
+
+    def test_zbox_on_a_linear_subclass_matches_zennit(self):
+        class SubclassedLinear(nn.Linear):
+            pass
+
+        layer = SubclassedLinear(6, 5).double()
+        x = torch.randn(4, 6, dtype=torch.float64)
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(zrules.ZBox(-2.5, 2.5), layer, x, r_out)
+        assert relative_error(tdhook_relevance(ZBoxRule(-2.5, 2.5), layer, x, r_out), expected) <= TOL
+
 
 def spy(monkeypatch, cls: type, name: str) -> list:
     """Record the calls of ``cls.name`` (it still runs)."""

@@ -43,6 +43,9 @@ def backward_keeps_graph() -> bool:
 BackwardFn = Callable[[torch.Tensor], Sequence[torch.Tensor | None]]
 
 
+_FREED_GRAPH_GUARD = torch.empty(0)
+
+
 class _Redirect(torch.autograd.Function):
     @staticmethod
     def forward(ctx, backward_fn: BackwardFn, output: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
@@ -52,10 +55,14 @@ class _Redirect(torch.autograd.Function):
         ctx.mark_dirty(output)
         ctx.backward_fn = backward_fn
         ctx.n_inputs = len(inputs)
+        # A saved tensor makes a second backward pass over a freed graph raise torch's own error: rules may
+        # have written into what they kept for the first one (see backward_keeps_graph).
+        ctx.save_for_backward(_FREED_GRAPH_GUARD)
         return output
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        ctx.saved_tensors  # noqa: B018 (raises once the graph is freed)
         grads = tuple(ctx.backward_fn(grad))
         if len(grads) != ctx.n_inputs:
             raise RuntimeError(f"a rule's backward returned {len(grads)} gradients for {ctx.n_inputs} inputs")

@@ -112,9 +112,16 @@ def _nonzero_where_negative(grad: torch.Tensor, z: torch.Tensor) -> bool:
 
 def _times_saved(grad: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
     """``grad * saved``, written into ``saved`` when the backward pass frees the graph (``saved`` is not read again)."""
-    if grad.dtype == saved.dtype and grad.shape == saved.shape and not backward_keeps_graph():
+    if grad.dtype == saved.dtype and grad.shape == saved.shape and not _is_batched(grad) and not backward_keeps_graph():
         return saved.mul_(grad)
     return grad * saved
+
+
+def _is_batched(grad: torch.Tensor) -> bool:
+    """Whether ``grad`` is a batch of gradients (``is_grads_batched``, vectorized Jacobians): no in-place write then."""
+    functorch = getattr(torch._C, "_functorch", None)
+    checks = [getattr(functorch, name, None) for name in ("is_legacy_batchedtensor", "is_batchedtensor")]
+    return any(check is not None and check(grad) for check in checks)
 
 
 def _signed_shift(tensor: torch.Tensor, epsilon: float) -> torch.Tensor:
@@ -280,7 +287,10 @@ def _direct_input_gradient(
         if len(input_shape) == len(m.kernel_size) + 1:  # one unbatched sample
             return _direct_input_gradient(module, weight, grad.unsqueeze(0), (1, *input_shape)).squeeze(0)
         return _CONV_INPUT_GRADIENTS[kind](input_shape, weight, grad, m.stride, m.padding, m.dilation, m.groups)
-    return _TRANSPOSED_INPUT_GRADIENTS[kind](grad, weight, None, m.stride, m.padding, m.dilation, m.groups)
+    result = _TRANSPOSED_INPUT_GRADIENTS[kind](grad, weight, None, m.stride, m.padding, m.dilation, m.groups)
+    # With output_padding ≥ stride the product runs past the input's end; its first positions are the gradient.
+    spatial = input_shape[-len(m.kernel_size) :]
+    return result[(..., *(slice(0, n) for n in spatial))]
 
 
 def _direct_input_gradients(
@@ -1149,13 +1159,11 @@ class ZBoxRule(_DirectInputRule):
         ``z^B = z − b + b_orig − (W⁺l + b⁺) − (W⁻h + b⁻)``, whose last terms are computed for one sample,
         and ``R = x · Wᵀs − l · W⁺ᵀs − h · W⁻ᵀs`` with ``s = grad · z / stabilize(z^B)``.
         """
+        if not _has_direct_input_gradient(module):
+            return self._relevance_by_autograd(module, registration, params, x, z, grad)
         shape = _one_sample_shape(module, x)
         bounds = [torch.as_tensor(b, dtype=x.dtype, device=x.device) for b in (self.low, self.high)]
-        if (
-            shape is None
-            or not _has_direct_input_gradient(module)
-            or any(torch.broadcast_shapes(b.shape, shape) != shape for b in bounds)
-        ):
+        if shape is None or any(torch.broadcast_shapes(b.shape, shape) != shape for b in bounds):
             return self._relevance_by_autograd(module, registration, params, x, z, grad)
         low, high = (b.expand(shape).contiguous() for b in bounds)
         orig, pos, neg = params["orig"], params["pos"], params["neg"]
