@@ -665,7 +665,7 @@ class EpsilonRule(Rule):
     def rewrite_merged(self, call, output, merged):
         # The merged layer's weights are the layer's times the channel scale: the
         # gradient at the layer's own output is the merged one times that scale.
-        channel = merged.channel_scale.view(-1, *[1] * (output.dim() - 2))
+        channel = _bias_view(call.module, merged.channel_scale)
         scale = self._scale(output, 1).mul_(channel)
         return redirect(output, [call.raw], lambda grad: [_times_saved(grad, scale)])
 
@@ -798,7 +798,9 @@ class _ModifiedForwardRule(Rule):
     def modified_params(self, params: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
         """The modified parameter sets of the rule, by name, built from ``params``."""
         zero = _zeroing(self.zero_params)
-        return {key: ParamModifier.from_modifiers([zero, m]).modify(params) for key, m in self.modifiers().items()}
+        modified = {key: ParamModifier.from_modifiers([zero, m]).modify(params) for key, m in self.modifiers().items()}
+        modified["plain"] = dict(params)  # the layer's own (or BatchNorm-merged) weight and bias
+        return modified
 
     def prepare(self, module: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
         if not isinstance(getattr(module, "weight", None), torch.Tensor):
@@ -965,7 +967,9 @@ class GammaRule(_ModifiedForwardRule):
 
     def modified_params(self, params):
         modified = super().modified_params(params)
-        modified["plain"] = dict(params)  # the layer's own (or BatchNorm-merged) weight and bias
+        bias, bias_up = params.get("bias"), modified["up"].get("bias")
+        if bias is not None or bias_up is not None:  # b^γ⁺ − b, for the positive-outputs path
+            modified["up_shift"] = {"bias": (0 if bias_up is None else bias_up) - (0 if bias is None else bias)}
         return modified
 
     def input_gradient(self, module, registration, params, x, z, grad):
@@ -1016,17 +1020,14 @@ class GammaRule(_ModifiedForwardRule):
 
         ``z^↑ = z − b + γ W⁺x + b^γ⁺``: one forward pass with ``W⁺`` and one transposed product.
         """
-        plain, up = params["plain"], params["up"]
         w_plus_x = self._forward(module, registration, params["positive_nobias"], x)
         z_up = torch.add(z, w_plus_x, alpha=self.gamma, out=w_plus_x)
-        bias, bias_up = plain.get("bias"), up.get("bias")
-        if bias is not None or bias_up is not None:
-            shift = (0 if bias_up is None else bias_up) - (0 if bias is None else bias)
-            z_up.add_(_bias_view(module, shift))
+        if "up_shift" in params:
+            z_up.add_(_bias_view(module, params["up_shift"]["bias"]))
         # Where z < 0 the gradient is zero, so grad · z is a = grad · [z > 0] z.
         a = _times_saved(grad, z).div_(_stabilize_(z_up, self.stabilizer))
         del z_up
-        return _direct_input_gradient(module, up["weight"], a, x.shape)
+        return _direct_input_gradient(module, params["up"]["weight"], a, x.shape)
 
 
 def _one_sample_shape(module: nn.Module, x: torch.Tensor) -> tuple[int, ...] | None:
@@ -1142,11 +1143,6 @@ class ZBoxRule(_DirectInputRule):
 
     def modifiers(self):
         return {"orig": ParamModifier(), "pos": _clamp(min=0.0), "neg": _clamp(max=0.0)}
-
-    def modified_params(self, params):
-        modified = super().modified_params(params)
-        modified["plain"] = dict(params)  # the layer's own (or BatchNorm-merged) weight and bias
-        return modified
 
     def stand_ins(self, x):
         low = torch.as_tensor(self.low, dtype=x.dtype, device=x.device).expand_as(x)
