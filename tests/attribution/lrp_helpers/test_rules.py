@@ -243,12 +243,14 @@ class TestFastPaths:
             with pytest.raises(RuntimeError, match="backward through the graph a second time"):
                 torch.autograd.grad(out, x, torch.ones_like(out))
 
-    @pytest.mark.parametrize("rule_name", ["epsilon", "zplus", "flat", "zbox"])
+    @pytest.mark.parametrize("rule_name", ["epsilon", "zplus", "flat", "zbox", "gamma-after-relu"])
     def test_vectorized_jacobian_equals_the_unit_by_unit_one(self, rule_name):
         # Batched gradients (is_grads_batched) must not be written into the rule's saved tensors.
         net = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)).double()
         x = torch.randn(2, 4, dtype=torch.float64)
-        rule, second = RULE_PAIRS[rule_name][0](), EpsilonRule()
+        rule, second = RULE_PAIRS[rule_name.removesuffix("-after-relu")][0](), EpsilonRule()
+        if rule_name.endswith("-after-relu"):  # the γ paths for inputs x ≥ 0
+            rule, second = second, rule
         with rule.register(net[0]), second.register(net[2]):
             vectorized = torch.autograd.functional.jacobian(net, x, vectorize=True)
             unit_by_unit = torch.autograd.functional.jacobian(net, x)

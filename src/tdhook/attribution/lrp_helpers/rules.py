@@ -87,34 +87,73 @@ def _stabilize_(tensor: torch.Tensor, epsilon: float) -> torch.Tensor:
     return _in_pieces_(tensor, lambda piece: piece.add_(_signed_shift(piece, epsilon)))
 
 
-# Elements per piece of :func:`_in_pieces_`: 4 MiB in float32. Much larger temporaries would be fresh
+# Elements per piece of :func:`_pieces`: 4 MiB in float32. Much larger temporaries would be fresh
 # memory from the operating system on every call (page faults cost as much as the arithmetic).
 _PIECE = 1 << 20
 
 
+def _pieces(*tensors: torch.Tensor, sample: torch.Tensor | None = None) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Aligned pieces of same-shape ``tensors``, each with a scratch piece, for element-wise work in cache.
+
+    ``sample`` (one sample, batch size 1) is repeated along the batch dimension. Tensors that are not all
+    contiguous and of one shape come as one piece.
+
+    Examples:
+        >>> a, b = torch.arange(6.0).view(2, 3), torch.ones(2, 3)
+        >>> for a_piece, b_piece, scratch in _pieces(a, b):
+        ...     _ = a_piece.add_(torch.mul(b_piece, 2, out=scratch))
+        >>> a
+        tensor([[2., 3., 4.],
+                [5., 6., 7.]])
+    """
+    first = tensors[0]
+    aligned = first.numel() > 0 and all(t.shape == first.shape and t.is_contiguous() for t in tensors)
+    if sample is not None:
+        aligned = (
+            aligned and first.dim() > 0 and sample.is_contiguous() and sample.numel() * len(first) == first.numel()
+        )
+    if not aligned:
+        whole = tensors if sample is None else (*tensors, sample.expand_as(first))
+        yield (*whole, torch.empty_like(first))
+        return
+    rows = [t.view(1 if sample is None else len(t), -1) for t in tensors]
+    scratch = first.new_empty(min(_PIECE, rows[0].shape[1]))
+    repeated = [] if sample is None else [sample.view(-1).split(_PIECE)]
+    for row in zip(*rows, strict=True):
+        for piece in zip(*(r.split(_PIECE) for r in row), *repeated, strict=True):
+            yield (*piece, scratch[: piece[0].numel()])
+
+
 def _in_pieces_(tensor: torch.Tensor, update_: Callable[[torch.Tensor], object]) -> torch.Tensor:
     """Apply the element-wise in-place ``update_`` to ``tensor`` piece by piece, so its temporaries stay small."""
-    if tensor.numel() <= _PIECE or not tensor.is_contiguous():
-        update_(tensor)
-    else:
-        for piece in tensor.view(-1).split(_PIECE):
-            update_(piece)
+    for piece, _ in _pieces(tensor):
+        update_(piece)
     return tensor
+
+
+def _has_negative(x: torch.Tensor) -> bool:
+    """Whether ``x`` has a negative entry: one read-only pass (no boolean tensor)."""
+    return x.numel() > 0 and bool(x.amin() < 0)
 
 
 def _nonzero_where_negative(grad: torch.Tensor, z: torch.Tensor) -> bool:
     """Whether ``grad`` is non-zero (or NaN) anywhere ``z < 0``; piece by piece, stopping at the first such piece."""
-    if grad.shape != z.shape or not (grad.is_contiguous() and z.is_contiguous()) or z.numel() <= _PIECE:
+    if grad.shape != z.shape:
         return bool(z.clamp(max=0).mul_(grad).any())
-    pieces = zip(grad.view(-1).split(_PIECE), z.view(-1).split(_PIECE), strict=True)
-    return any(bool(z_piece.clamp(max=0).mul_(grad_piece).any()) for grad_piece, z_piece in pieces)
+    return any(bool(torch.clamp(z_, max=0, out=s).mul_(g).any()) for g, z_, s in _pieces(grad, z))
+
+
+def _may_overwrite(grad: torch.Tensor, saved: torch.Tensor) -> bool:
+    """Whether the backward pass computing with ``grad`` may write into ``saved``: it frees the graph, so
+    ``saved`` is not read again (and ``grad`` is a plain gradient of the same shape and dtype)."""
+    return (
+        grad.dtype == saved.dtype and grad.shape == saved.shape and not _is_batched(grad) and not backward_keeps_graph()
+    )
 
 
 def _times_saved(grad: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
-    """``grad * saved``, written into ``saved`` when the backward pass frees the graph (``saved`` is not read again)."""
-    if grad.dtype == saved.dtype and grad.shape == saved.shape and not _is_batched(grad) and not backward_keeps_graph():
-        return saved.mul_(grad)
-    return grad * saved
+    """``grad * saved``, written into ``saved`` when :func:`_may_overwrite` allows it."""
+    return saved.mul_(grad) if _may_overwrite(grad, saved) else grad * saved
 
 
 def _is_batched(grad: torch.Tensor) -> bool:
@@ -855,7 +894,7 @@ class _ModifiedForwardRule(Rule):
 
         The ``x⁻`` pass is skipped when ``x`` has no negative entry (after a ReLU): it would add exact zeros.
         """
-        has_neg = bool((x < 0).any())
+        has_neg = _has_negative(x)
         x_pos = x.clamp(min=0) if has_neg else x
         x_neg = x.clamp(max=0) if has_neg else None
         outputs = []
@@ -913,7 +952,7 @@ class AlphaBetaRule(_ModifiedForwardRule):
         return mods
 
     def input_gradient(self, module, registration, params, x, z, grad):
-        if not self.beta and _has_direct_input_gradient(module) and not bool((x < 0).any()):
+        if not self.beta and _has_direct_input_gradient(module) and not _has_negative(x):
             return self._z_plus_of_nonnegative_input(module, registration, params["pos"], x.detach(), z, grad)
         leaf = x.detach().requires_grad_(True)
         pairs = [("pos", "neg_nobias"), ("neg", "pos_nobias")] if self.beta else [("pos", "neg_nobias")]
@@ -929,8 +968,12 @@ class AlphaBetaRule(_ModifiedForwardRule):
         with no autograd graph behind the modified forward pass.
         """
         with torch.no_grad():
-            denominator = self._forward(module, registration, positive, x).add_(self.stabilizer)
-            share = _times_saved(grad, z).div_(denominator)  # α = 1
+            share = self._forward(module, registration, positive, x)
+            if grad.dtype != z.dtype or _is_batched(grad):
+                share = grad * z / share.add_(self.stabilizer)
+            else:
+                for d, z_, g, scratch in _pieces(share, z, grad):
+                    torch.div(torch.mul(g, z_, out=scratch), d.add_(self.stabilizer), out=d)  # α = 1
             return _direct_input_gradient(module, positive["weight"], share, x.shape)
 
 
@@ -962,19 +1005,29 @@ class GammaRule(_ModifiedForwardRule):
             "down": down,
             "up_nobias": ParamModifier.from_modifiers([up, _ZERO_BIAS]),
             "down_nobias": ParamModifier.from_modifiers([down, _ZERO_BIAS]),
-            "positive_nobias": ParamModifier.from_modifiers([_clamp(min=0), _ZERO_BIAS]),
         }
 
     def modified_params(self, params):
         modified = super().modified_params(params)
-        bias, bias_up = params.get("bias"), modified["up"].get("bias")
-        if bias is not None or bias_up is not None:  # b^γ⁺ − b, for the positive-outputs path
-            modified["up_shift"] = {"bias": (0 if bias_up is None else bias_up) - (0 if bias is None else bias)}
+        if set(self.zero_params) <= {"bias"}:
+            # z^↑ = z + D with D = γ W⁺x + (b^γ⁺ − b): the shift's parameters, for inputs x ≥ 0.
+            weight, bias, bias_up = params["weight"], params.get("bias"), modified["up"].get("bias")
+            shift = {"weight": weight.detach().clamp(min=0).mul_(self.gamma)}
+            if bias is not None or bias_up is not None:
+                shift["bias"] = (0 if bias_up is None else bias_up) - (0 if bias is None else bias.detach())
+            modified["shift"] = shift
+            # D ≥ 0 when its bias is (the default: b^γ⁺ − b = γ b⁺): then z > 0 gives z^↑ > 0 and z < 0 gives z^↓ < 0.
+            modified["shift_is_nonnegative"] = "bias" not in shift or bool((shift["bias"] >= 0).all())
         return modified
 
     def input_gradient(self, module, registration, params, x, z, grad):
-        if _has_direct_input_gradient(module) and not bool((x < 0).any()):
-            return self._nonnegative_input_gradient(module, registration, params, x.detach(), z, grad)
+        plain_grad = grad.dtype == z.dtype and not _is_batched(grad)  # the element-wise work writes into tensors
+        if "shift" in params and plain_grad and _has_direct_input_gradient(module) and not _has_negative(x):
+            with torch.no_grad():
+                if not _nonzero_where_negative(grad, z):  # no relevance reaches a negative output (a ReLU follows)
+                    return self._positive_outputs_gradient(module, registration, params, x.detach(), z, grad)
+                if params["shift_is_nonnegative"]:
+                    return self._nonnegative_input_gradient(module, registration, params, x.detach(), z, grad)
         leaf = x.detach().requires_grad_(True)
         pairs = [("up", "down_nobias"), ("down", "up_nobias")]
         z_up, z_down = self._signed_forward(module, registration, params, leaf, pairs)
@@ -982,52 +1035,61 @@ class GammaRule(_ModifiedForwardRule):
         grad_down = grad * torch.where(z < 0, z, 0) / stabilize(z_down.detach(), self.stabilizer)
         return torch.autograd.grad((z_up, z_down), leaf, (grad_up, grad_down))[0]
 
-    def _nonnegative_input_gradient(self, module, registration, params, x, z, grad):
-        """The same gradient for ``x ≥ 0`` (after a ReLU), with one modified forward pass instead of two.
-
-        With ``W^γ± = W + γW^±``, ``W⁻ = W − W⁺`` and ``zW = z − b`` (the layer's own output without bias):
-        ``z^↑ = zW + γ W⁺x + b^γ⁺``, ``z^↓ = zW + γ (zW − W⁺x) + b^γ⁻``; for the signed shares
-        ``a = g [z>0] z / stabilize(z^↑)`` and ``c = g [z<0] z / stabilize(z^↓)`` the input gradient
-        ``W^γ⁺ᵀ a + W^γ⁻ᵀ c`` is ``Wᵀ (a + (1 + γ) c) + γ W⁺ᵀ (a − c)``: one forward pass with ``W⁺`` and
-        two transposed products, which need no forward pass.
-        """
-        plain, positive = params["plain"], params["positive_nobias"]
-        gamma, weight, bias = self.gamma, plain["weight"], plain.get("bias")
-        bias_up, bias_down = params["up"].get("bias"), params["down"].get("bias")
-        # In place wherever possible: these are full-size tensors, and their number sets the peak memory.
-        with torch.no_grad():
-            if not _nonzero_where_negative(grad, z):  # no relevance reaches a negative output (a ReLU follows)
-                return self._positive_outputs_gradient(module, registration, params, x, z, grad)
-            c = z.clamp(max=0).mul_(grad)
-            gamma_w_plus_x = self._forward(module, registration, positive, x).mul_(gamma)
-            z_weight = z if bias is None else z - _bias_view(module, bias)
-            z_up = torch.add(z_weight, gamma_w_plus_x)
-            z_down = torch.mul(z_weight, 1 + gamma).sub_(gamma_w_plus_x)
-            del gamma_w_plus_x, z_weight
-            if bias_up is not None:
-                z_up.add_(_bias_view(module, bias_up))
-                z_down.add_(_bias_view(module, bias_down))
-            a = z.clamp(min=0).mul_(grad).div_(_stabilize_(z_up, self.stabilizer))
-            del z_up
-            c.div_(_stabilize_(z_down, self.stabilizer))
-            del z_down
-            through_weight = _direct_input_gradient(module, weight, torch.add(a, c, alpha=1 + gamma), x.shape)
-            through_positive = _direct_input_gradient(module, positive["weight"], a.sub_(c), x.shape)
-            return through_weight.add_(through_positive, alpha=gamma)
-
     def _positive_outputs_gradient(self, module, registration, params, x, z, grad):
         """The gradient for ``x ≥ 0`` when ``grad`` is zero wherever ``z < 0``: ``W^γ⁺ᵀ a`` alone.
 
-        ``z^↑ = z − b + γ W⁺x + b^γ⁺``: one forward pass with ``W⁺`` and one transposed product.
+        ``z^↑ = z + D`` (see :meth:`modified_params`): one forward pass for ``D`` and one transposed product,
+        with ``a = grad · z / stabilize(z^↑)``. Where ``z ≤ 0``, ``a`` is zero with any non-zero denominator.
         """
-        w_plus_x = self._forward(module, registration, params["positive_nobias"], x)
-        z_up = torch.add(z, w_plus_x, alpha=self.gamma, out=w_plus_x)
-        if "up_shift" in params:
-            z_up.add_(_bias_view(module, params["up_shift"]["bias"]))
-        # Where z < 0 the gradient is zero, so grad · z is a = grad · [z > 0] z.
-        a = _times_saved(grad, z).div_(_stabilize_(z_up, self.stabilizer))
-        del z_up
-        return _direct_input_gradient(module, params["up"]["weight"], a, x.shape)
+        shift = self._forward(module, registration, params["shift"], x)
+        nonnegative, epsilon = params["shift_is_nonnegative"], self.stabilizer
+        for d, z_, g, scratch in _pieces(shift, z, grad):
+            if nonnegative:  # stabilize(z + D) = z + D + ε where z > 0; elsewhere D + ε > 0 does
+                d.add_(torch.clamp(z_, min=0, out=scratch)).add_(epsilon)
+            else:
+                d.add_(z_).add_(_signed_shift(d, epsilon))
+            torch.div(torch.mul(g, z_, out=scratch), d, out=d)
+        return _direct_input_gradient(module, params["up"]["weight"], shift, x.shape)
+
+    def _nonnegative_input_gradient(self, module, registration, params, x, z, grad):
+        """The gradient for ``x ≥ 0`` (after a ReLU) and ``D ≥ 0``: one forward pass for ``D``, two products.
+
+        ``z^↑ = z + D`` and ``z^↓ = (1 + γ) z − D`` (see :meth:`modified_params`), so that
+        ``|stabilize(z^↑)| = z + D + ε`` where ``z > 0``, ``|stabilize(z^↓)| = −(1 + γ) z + D + ε`` where
+        ``z < 0``: both are ``m = max(z, −(1 + γ) z) + D + ε``. With ``r = grad / m`` the shares are
+        ``a = z⁺ r`` and ``c = −z⁻ r``, and the input gradient is ``W^γ⁺ᵀ a + W^γ⁻ᵀ c``.
+        """
+        shift = self._forward(module, registration, params["shift"], x)
+        negative_share = shift  # −c is written over D
+        positive_share = z if _may_overwrite(grad, z) else torch.empty_like(z)
+        scale = -(1 + self.gamma)
+        for d, z_, g, a, scratch in _pieces(shift, z, grad, positive_share):
+            d.add_(torch.maximum(z_, torch.mul(z_, scale, out=scratch), out=scratch)).add_(self.stabilizer)
+            torch.div(g, d, out=d)
+            torch.clamp(z_, max=0, out=scratch)
+            torch.clamp(z_, min=0, out=a).mul_(d)
+            d.mul_(scratch)
+        through_up = _direct_input_gradient(module, params["up"]["weight"], positive_share, x.shape)
+        through_down = _direct_input_gradient(module, params["down"]["weight"], negative_share, x.shape)
+        return through_up.sub_(through_down)
+
+
+def _shares(grad: torch.Tensor, z: torch.Tensor, sample: torch.Tensor, epsilon: float | None = None) -> torch.Tensor:
+    """``grad · z / d`` for ``d = sample`` or, given ``epsilon``, ``d = stabilize(z − sample, epsilon)``.
+
+    ``sample`` is one sample's tensor (repeated along the batch dimension) or has ``z``'s shape. The work runs
+    in cache-sized pieces, and the result is written into ``z`` when :func:`_may_overwrite` allows it.
+    """
+    if grad.dtype != z.dtype or _is_batched(grad):
+        return grad * z / (sample if epsilon is None else stabilize(z - sample, epsilon))
+    share = z if _may_overwrite(grad, z) else torch.empty_like(z)
+    pieces = _pieces(z, grad, share, sample) if sample.shape == z.shape else _pieces(z, grad, share, sample=sample)
+    for z_, g, s, d, scratch in pieces:
+        if epsilon is not None:
+            d = torch.sub(z_, d, out=scratch)
+            d.add_(_signed_shift(d, epsilon))
+        torch.div(torch.mul(g, z_, out=s), d, out=s)
+    return share
 
 
 def _one_sample_shape(module: nn.Module, x: torch.Tensor) -> tuple[int, ...] | None:
@@ -1058,11 +1120,22 @@ class _DirectInputRule(_ModifiedForwardRule):
         if not _has_direct_input_gradient(module):
             return self._relevance_by_autograd(module, registration, params, x, z, grad)
         with torch.no_grad():
-            # The modified output of ones is the same for every sample: computed for one.
-            ones = x.new_ones(_one_sample_shape(module, x) or x.shape)
-            denominator = stabilize(self._forward(module, registration, params["mod"], ones), self.stabilizer)
-            share = _times_saved(grad, z).div_(denominator)
+            # The modified output of ones is the same for every sample: computed for one, once per context.
+            def denominator() -> torch.Tensor:
+                ones = x.new_ones(_one_sample_shape(module, x) or x.shape)
+                return stabilize(self._forward(module, registration, params["mod"], ones), self.stabilizer)
+
+            share = _shares(grad, z, self._for_one_sample(module, params, "denominator", x, denominator))
             return _direct_input_gradient(module, params["mod"]["weight"], share, x.shape)
+
+    @staticmethod
+    def _for_one_sample(module, params, name: str, x: torch.Tensor, compute: Callable[[], torch.Tensor]):
+        """``compute()``, a tensor for one sample shaped like those of ``x``, kept while the context lasts."""
+        key = (_one_sample_shape(module, x) or x.shape, x.dtype, x.device)
+        kept = params.setdefault("one_sample", {})
+        if name not in kept or kept[name][0] != key:  # the latest shape only: memory stays bounded
+            kept[name] = (key, compute())
+        return kept[name][1]
 
     def _relevance_by_autograd(self, module, registration, params, x, z, grad) -> torch.Tensor:
         """The relevance from :meth:`stand_ins`, :meth:`modified_output` and :meth:`relevance`."""
@@ -1163,13 +1236,17 @@ class ZBoxRule(_DirectInputRule):
             return self._relevance_by_autograd(module, registration, params, x, z, grad)
         low, high = (b.expand(shape).contiguous() for b in bounds)
         orig, pos, neg = params["orig"], params["pos"], params["neg"]
-        with torch.no_grad():
+
+        def offset() -> torch.Tensor:
             offset = self._forward(module, registration, pos, low) + self._forward(module, registration, neg, high)
             for bias, sign in ((params["plain"].get("bias"), 1), (orig.get("bias"), -1)):
                 if bias is not None:
                     offset.add_(_bias_view(module, bias), alpha=sign)
-            denominator = _stabilize_(z - offset, self.stabilizer)
-            share = _times_saved(grad, z).div_(denominator)
+            return offset
+
+        with torch.no_grad():
+            offset = self._for_one_sample(module, params, "offset", x, offset)
+            share = _shares(grad, z, offset, self.stabilizer)
             through = _direct_input_gradients(module, [p["weight"] for p in (orig, pos, neg)], share, x)
             return through[0].mul_(x).sub_(low * through[1]).sub_(high * through[2])
 
