@@ -297,11 +297,7 @@ def _forward_with(module: nn.Module, params: dict[str, torch.Tensor], x: torch.T
         busy.pop()
 
 
-_CONV_INPUT_GRADIENTS = {
-    nn.Conv1d: torch.nn.grad.conv1d_input,
-    nn.Conv2d: torch.nn.grad.conv2d_input,
-    nn.Conv3d: torch.nn.grad.conv3d_input,
-}
+_PLAIN_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _TRANSPOSED_INPUT_GRADIENTS = {nn.ConvTranspose1d: F.conv1d, nn.ConvTranspose2d: F.conv2d, nn.ConvTranspose3d: F.conv3d}
 
 
@@ -310,25 +306,35 @@ def _has_direct_input_gradient(module: nn.Module) -> bool:
     kind = type(module)
     if kind is nn.Linear:
         return True
-    if kind not in _CONV_INPUT_GRADIENTS and kind not in _TRANSPOSED_INPUT_GRADIENTS:
+    if kind not in _PLAIN_CONVOLUTIONS and kind not in _TRANSPOSED_INPUT_GRADIENTS:
         return False
     return module.padding_mode == "zeros" and not isinstance(module.padding, str)
 
 
 def _direct_input_gradient(
-    module: nn.Module, weight: torch.Tensor, grad: torch.Tensor, input_shape: Sequence[int]
+    module: nn.Module, weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor | Sequence[int]
 ) -> torch.Tensor:
-    """``Wᵀ grad``: the input gradient of ``module``'s linear map with ``weight``, with no forward pass."""
+    """``Wᵀ grad``: the input gradient of ``module``'s linear map with ``weight`` for the input ``x`` (or its
+    shape), with no forward pass."""
     kind, m = type(module), module
+    shape = x.shape if isinstance(x, torch.Tensor) else tuple(x)
     if kind is nn.Linear:
         return grad @ weight
-    if kind in _CONV_INPUT_GRADIENTS:
-        if len(input_shape) == len(m.kernel_size) + 1:  # one unbatched sample
-            return _direct_input_gradient(module, weight, grad.unsqueeze(0), (1, *input_shape)).squeeze(0)
-        return _CONV_INPUT_GRADIENTS[kind](input_shape, weight, grad, m.stride, m.padding, m.dilation, m.groups)
+    if kind in _PLAIN_CONVOLUTIONS:
+        dims = len(m.kernel_size)
+        if len(shape) == dims + 1:  # one unbatched sample
+            return _direct_input_gradient(module, weight, grad.unsqueeze(0), (1, *shape)).squeeze(0)
+        # Only the input's shape is read. torch.nn.grad.conv*_input pass an expanded tensor, which the
+        # convolution first copies into a full-size one; a contiguous one is used as it is.
+        if not (isinstance(x, torch.Tensor) and x.is_contiguous()):
+            x = grad.new_empty(shape)
+        mask = (True, False, False)  # the input gradient only
+        return torch.ops.aten.convolution_backward(
+            grad, x, weight, None, m.stride, m.padding, m.dilation, False, [0] * dims, m.groups, mask
+        )[0]
     result = _TRANSPOSED_INPUT_GRADIENTS[kind](grad, weight, None, m.stride, m.padding, m.dilation, m.groups)
     # With output_padding ≥ stride the product runs past the input's end; its first positions are the gradient.
-    spatial = input_shape[-len(m.kernel_size) :]
+    spatial = shape[-len(m.kernel_size) :]
     return result[(..., *(slice(0, n) for n in spatial))]
 
 
@@ -340,7 +346,7 @@ def _direct_input_gradients(
     Reading ``grad`` once is what costs: three stacked products take about the time of one.
     """
     if getattr(module, "groups", 1) != 1:
-        return [_direct_input_gradient(module, w, grad, x.shape) for w in weights]
+        return [_direct_input_gradient(module, w, grad, x) for w in weights]
     stacked_weight = torch.cat(list(weights), dim=0 if type(module) in _TRANSPOSED_INPUT_GRADIENTS else 1)
     channel_dim = x.dim() - 1 if type(module) is nn.Linear else x.dim() - len(module.kernel_size) - 1
     shape = list(x.shape)
@@ -974,7 +980,7 @@ class AlphaBetaRule(_ModifiedForwardRule):
             else:
                 for d, z_, g, scratch in _pieces(share, z, grad):
                     torch.div(torch.mul(g, z_, out=scratch), d.add_(self.stabilizer), out=d)  # α = 1
-            return _direct_input_gradient(module, positive["weight"], share, x.shape)
+            return _direct_input_gradient(module, positive["weight"], share, x)
 
 
 class GammaRule(_ModifiedForwardRule):
@@ -1049,7 +1055,7 @@ class GammaRule(_ModifiedForwardRule):
             else:
                 d.add_(z_).add_(_signed_shift(d, epsilon))
             torch.div(torch.mul(g, z_, out=scratch), d, out=d)
-        return _direct_input_gradient(module, params["up"]["weight"], shift, x.shape)
+        return _direct_input_gradient(module, params["up"]["weight"], shift, x)
 
     def _nonnegative_input_gradient(self, module, registration, params, x, z, grad):
         """The gradient for ``x ≥ 0`` (after a ReLU) and ``D ≥ 0``: one forward pass for ``D``, two products.
@@ -1069,8 +1075,8 @@ class GammaRule(_ModifiedForwardRule):
             torch.clamp(z_, max=0, out=scratch)
             torch.clamp(z_, min=0, out=a).mul_(d)
             d.mul_(scratch)
-        through_up = _direct_input_gradient(module, params["up"]["weight"], positive_share, x.shape)
-        through_down = _direct_input_gradient(module, params["down"]["weight"], negative_share, x.shape)
+        through_up = _direct_input_gradient(module, params["up"]["weight"], positive_share, x)
+        through_down = _direct_input_gradient(module, params["down"]["weight"], negative_share, x)
         return through_up.sub_(through_down)
 
 
@@ -1126,7 +1132,7 @@ class _DirectInputRule(_ModifiedForwardRule):
                 return stabilize(self._forward(module, registration, params["mod"], ones), self.stabilizer)
 
             share = _shares(grad, z, self._for_one_sample(module, params, "denominator", x, denominator))
-            return _direct_input_gradient(module, params["mod"]["weight"], share, x.shape)
+            return _direct_input_gradient(module, params["mod"]["weight"], share, x)
 
     @staticmethod
     def _for_one_sample(module, params, name: str, x: torch.Tensor, compute: Callable[[], torch.Tensor]):
