@@ -16,6 +16,7 @@ from tdhook.attribution.lrp_helpers.rules import (
     FlatRule,
     GammaRule,
     IgnoreRule,
+    MergeBatchNormRule,
     ParamModifier,
     PassRule,
     StopRule,
@@ -266,6 +267,31 @@ class TestFastPaths:
         expected = zennit_relevance(theirs(), layer, x, r_out)
         assert relative_error(tdhook_relevance(ours(), layer, x, r_out), expected) <= TOL
 
+    @pytest.mark.parametrize("in_place", [None, "mul_"])
+    def test_a_layer_merged_last_call_but_not_this_one_gets_its_own_output(self, in_place):
+        # Merged with its BatchNorm in the last call, the layer skips copying its output; a call that is not
+        # merged copies it in the backward pass or, when an in-place operation changed it, recomputes it.
+        layer, x = make_layer("conv2d")
+        x = x.abs()
+        grad_out = torch.randn_like(layer(x))
+
+        def relevance() -> torch.Tensor:
+            leaf = x.clone().requires_grad_(True)
+            out = layer(leaf)
+            if in_place:
+                out = getattr(out, in_place)(2.0)
+            return leaf.detach() * torch.autograd.grad(out, leaf, grad_out)[0]
+
+        norm = nn.BatchNorm2d(4).double().eval()
+        fresh = GammaRule(0.25)
+        with fresh.register(layer):
+            expected = relevance()
+        rule = GammaRule(0.25)
+        with rule.register(layer), MergeBatchNormRule().register(norm):
+            norm(layer(x.clone().requires_grad_(True)))  # merged: the next call does not copy the output
+            actual = relevance()
+        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-14)
+
     def test_zbox_on_a_linear_subclass_matches_zennit(self):
         class SubclassedLinear(nn.Linear):
             pass
@@ -291,8 +317,9 @@ def spy(monkeypatch, cls: type, name: str) -> list:
 
 class TestClosedForms:
     def test_stabilize_keeps_sign_and_treats_zero_as_positive(self):
-        out = stabilize(torch.tensor([-2.0, 0.0, 3.0], dtype=torch.float64), 0.25)
-        assert out.tolist() == [-2.25, 0.25, 3.25]
+        out = stabilize(torch.tensor([-2.0, -0.0, 0.0, 3.0, float("nan")], dtype=torch.float64), 0.25)
+        assert out[:4].tolist() == [-2.25, 0.25, 0.25, 3.25]  # -0.0 counts as zero, as in zennit
+        assert out[4].isnan()
 
     def test_epsilon_zero_is_gradient_times_input(self):
         layer, x = make_layer("conv2d")
