@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import resource
 import statistics
@@ -40,12 +42,17 @@ def peak_memory_mb(fn: Callable[[], object]) -> float:
     """Peak resident memory that one call of ``fn`` adds, in MiB, measured in a forked child process.
 
     The child starts with the parent's memory (model, inputs); the figure is its
-    peak resident set size minus its size before the call. Linux only.
+    peak resident set size minus its size before the call. Free memory the
+    parent's allocator kept resident is first handed back (glibc's
+    ``malloc_trim``), or the call would reuse it unseen and the figure would
+    depend on what ran before. Linux only.
     """
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: measure, report, and leave without running the parent's cleanup
         try:
+            with contextlib.suppress(OSError, AttributeError):
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
             with open("/proc/self/statm") as statm:
                 before_kib = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
             fn()
