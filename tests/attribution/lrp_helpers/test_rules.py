@@ -165,14 +165,36 @@ class TestFastPaths:
         assert relative_error(tdhook_relevance(ours(), layer, x, r_out), expected) <= TOL
         assert taken
 
-    def test_gamma_with_relevance_on_negative_outputs_takes_both_products(self, monkeypatch):
-        taken = spy(monkeypatch, GammaRule, "_positive_outputs_gradient")
+    @pytest.mark.parametrize("rule_name", ["gamma", "gamma-nobias"])
+    def test_gamma_with_relevance_on_negative_outputs_takes_both_products(self, rule_name, monkeypatch):
+        one_product = spy(monkeypatch, GammaRule, "_positive_outputs_gradient")
+        two_products = spy(monkeypatch, GammaRule, "_nonnegative_input_gradient")
+        ours, theirs = RULE_PAIRS[rule_name]
         layer, x = make_layer("conv2d")
         x = x.clamp(min=0)
         r_out = output_relevance(layer, x)
-        expected = zennit_relevance(zrules.Gamma(0.25), layer, x, r_out)
-        assert relative_error(tdhook_relevance(GammaRule(0.25), layer, x, r_out), expected) <= TOL
-        assert not taken
+        expected = zennit_relevance(theirs(), layer, x, r_out)
+        assert relative_error(tdhook_relevance(ours(), layer, x, r_out), expected) <= TOL
+        assert not one_product
+        # A zeroed bias can make D = γW⁺x − b negative: the signs of z^↑ and z^↓ are then unknown (autograd path).
+        assert bool(two_products) == (rule_name == "gamma")
+
+    @pytest.mark.parametrize("rule_name", ["zplus", "gamma", "flat", "zbox"])
+    def test_an_expanded_output_gradient_gives_the_contiguous_result(self, rule_name):
+        # out.sum() sends back an expanded gradient: the element-wise work then runs on whole tensors.
+        layer, x = make_layer("conv2d")
+        x = x.clamp(min=0)
+
+        def relevance(expanded: bool) -> torch.Tensor:
+            rule, leaf = RULE_PAIRS[rule_name][0](), x.clone().requires_grad_(True)
+            with rule.register(layer) as handle:
+                out = layer(leaf)
+                grad_out = torch.ones(()).double().expand_as(out) if expanded else torch.ones_like(out)
+                assert grad_out.is_contiguous() != expanded
+                grad = torch.autograd.grad(out, leaf, grad_out)[0]
+                return leaf.detach() * grad + sum(rest for _, rest in handle.pop_records())
+
+        torch.testing.assert_close(relevance(expanded=True), relevance(expanded=False), rtol=1e-12, atol=1e-14)
 
     def test_zbox_with_bounds_per_sample_matches_zennit(self, monkeypatch):
         # Bounds that differ between samples cannot be computed for one sample: the autograd path runs.
