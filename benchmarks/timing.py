@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -41,11 +40,12 @@ def interleaved_medians(methods: dict[str, Callable[[], object]], repeats: int) 
 def peak_memory_mb(fn: Callable[[], object]) -> float:
     """Peak resident memory that one call of ``fn`` adds, in MiB, measured in a forked child process.
 
-    The child starts with the parent's memory (model, inputs); the figure is its
-    peak resident set size minus its size before the call. Free memory the
-    parent's allocator kept resident is first handed back (glibc's
-    ``malloc_trim``), or the call would reuse it unseen and the figure would
-    depend on what ran before. Linux only.
+    The child starts with the parent's memory (model, inputs). It first hands
+    back the free memory the parent's allocator kept resident (glibc's
+    ``malloc_trim``; the call would reuse it unseen, and the figure would depend
+    on what ran before) and resets its peak to its current size (a fork
+    inherits the parent's); the figure is the peak after the call minus the
+    size before it. Linux only.
     """
     read_end, write_end = os.pipe()
     pid = os.fork()
@@ -53,11 +53,11 @@ def peak_memory_mb(fn: Callable[[], object]) -> float:
         try:
             with contextlib.suppress(OSError, AttributeError):
                 ctypes.CDLL("libc.so.6").malloc_trim(0)
-            with open("/proc/self/statm") as statm:
-                before_kib = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+            with open("/proc/self/clear_refs", "w") as clear_refs:
+                clear_refs.write("5")  # the peak resident size starts again from the current one
+            before_kib = _status_kib("VmRSS")
             fn()
-            peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            os.write(write_end, str((peak_kib - before_kib) / 1024).encode())
+            os.write(write_end, str((_status_kib("VmHWM") - before_kib) / 1024).encode())
         finally:
             os._exit(0)
     os.close(write_end)
@@ -67,3 +67,12 @@ def peak_memory_mb(fn: Callable[[], object]) -> float:
     if not reported:
         raise RuntimeError("the child process measuring peak memory failed")
     return float(reported)
+
+
+def _status_kib(field: str) -> int:
+    """A memory figure of this process from ``/proc/self/status``, in KiB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
