@@ -82,11 +82,6 @@ def stabilize(tensor: torch.Tensor, epsilon: float = 1e-6) -> torch.Tensor:
     return _signed_shift(tensor, epsilon).add_(tensor)
 
 
-def _stabilize_(tensor: torch.Tensor, epsilon: float) -> torch.Tensor:
-    """:func:`stabilize`, in place: the same values, without a second full-size tensor."""
-    return _in_pieces_(tensor, lambda piece: piece.add_(_signed_shift(piece, epsilon)))
-
-
 # Elements per piece of :func:`_pieces`: 4 MiB in float32. Much larger temporaries would be fresh
 # memory from the operating system on every call (page faults cost as much as the arithmetic).
 _PIECE = 1 << 20
@@ -138,8 +133,6 @@ def _has_negative(x: torch.Tensor) -> bool:
 
 def _nonzero_where_negative(grad: torch.Tensor, z: torch.Tensor) -> bool:
     """Whether ``grad`` is non-zero (or NaN) anywhere ``z < 0``; piece by piece, stopping at the first such piece."""
-    if grad.shape != z.shape:
-        return bool(z.clamp(max=0).mul_(grad).any())
     return z.numel() > 0 and any(_nonzero(torch.clamp(z_, max=0, out=s).mul_(g)) for g, z_, s in _pieces(grad, z))
 
 
@@ -150,12 +143,16 @@ def _nonzero(tensor: torch.Tensor) -> bool:
     return not bool((low == 0) & (high == 0))
 
 
+def _is_plain_gradient(grad: torch.Tensor, z: torch.Tensor) -> bool:
+    """Whether ``grad`` is one gradient of ``z`` (same shape and dtype, not a batch of gradients as in vectorized
+    Jacobians): the element-wise work of the direct paths, which writes with ``out=``, needs that."""
+    return grad.dtype == z.dtype and grad.shape == z.shape and not _is_batched(grad)
+
+
 def _may_overwrite(grad: torch.Tensor, saved: torch.Tensor) -> bool:
-    """Whether the backward pass computing with ``grad`` may write into ``saved``: it frees the graph, so
-    ``saved`` is not read again (and ``grad`` is a plain gradient of the same shape and dtype)."""
-    return (
-        grad.dtype == saved.dtype and grad.shape == saved.shape and not _is_batched(grad) and not backward_keeps_graph()
-    )
+    """Whether the backward pass computing with ``grad`` may write into ``saved``: ``grad`` is a plain gradient
+    and the pass frees the graph, so ``saved`` is not read again."""
+    return _is_plain_gradient(grad, saved) and not backward_keeps_graph()
 
 
 def _times_saved(grad: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
@@ -999,7 +996,7 @@ class AlphaBetaRule(_ModifiedForwardRule):
         """
         with torch.no_grad():
             share = self._forward(module, registration, positive, x)
-            if grad.dtype != z.dtype or _is_batched(grad):
+            if not _is_plain_gradient(grad, z):
                 share = grad * z / share.add_(self.stabilizer)
             else:
                 for d, z_, g, scratch in _pieces(share, z, grad):
@@ -1051,8 +1048,12 @@ class GammaRule(_ModifiedForwardRule):
         return modified
 
     def input_gradient(self, module, registration, params, x, z, grad):
-        plain_grad = grad.dtype == z.dtype and not _is_batched(grad)  # the element-wise work writes into tensors
-        if "shift" in params and plain_grad and _has_direct_input_gradient(module) and not _has_negative(x):
+        if (
+            "shift" in params
+            and _is_plain_gradient(grad, z)
+            and _has_direct_input_gradient(module)
+            and not _has_negative(x)
+        ):
             with torch.no_grad():
                 if not _nonzero_where_negative(grad, z):  # no relevance reaches a negative output (a ReLU follows)
                     return self._positive_outputs_gradient(module, registration, params, x.detach(), z, grad)
@@ -1110,7 +1111,7 @@ def _shares(grad: torch.Tensor, z: torch.Tensor, sample: torch.Tensor, epsilon: 
     ``sample`` is one sample's tensor (repeated along the batch dimension) or has ``z``'s shape. The work runs
     in cache-sized pieces, and the result is written into ``z`` when :func:`_may_overwrite` allows it.
     """
-    if grad.dtype != z.dtype or _is_batched(grad):
+    if not _is_plain_gradient(grad, z):
         return grad * z / (sample if epsilon is None else stabilize(z - sample, epsilon))
     share = z if _may_overwrite(grad, z) else torch.empty_like(z)
     pieces = _pieces(z, grad, share, sample) if sample.shape == z.shape else _pieces(z, grad, share, sample=sample)
