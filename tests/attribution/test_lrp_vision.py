@@ -126,6 +126,20 @@ def test_preset_matches_zennit_with_canonizers(model_name: str, preset: str):
         assert relative_error(unmerged, expected) > 1e-3
 
 
+@pytest.mark.parametrize("model_name", ["resnet18", "vgg11_bn"])
+def test_later_calls_in_one_context_match_zennit(model_name: str):
+    # From the second call on, layers merged with a BatchNorm skip copying their outputs and the input layer
+    # reuses its one-sample offset: other inputs, another batch size and another image size must not notice.
+    model = build(model_name)
+    ours, theirs = PRESETS["EpsilonGammaBox"]
+    inputs = [image(), image(batch=3).mul(0.5), image(size=40)]
+    expected = [zennit_model_relevance(theirs(), model, x, canonizers=[MODELS[model_name][1]()]) for x in inputs]
+    with LRP(model, rule_mapper=ours(stabilize_additions=True), in_keys=["image"], out_keys=["logits"]) as lrp:
+        for x, want in zip(inputs * 2, expected * 2, strict=True):
+            relevance = lrp(TensorDict(image=x.clone(), batch_size=[x.shape[0]]))["relevance", "image"]
+            assert relative_error(relevance, want) <= 1e-10
+
+
 @pytest.mark.parametrize("preset", ["EpsilonPlusFlat", "EpsilonAlpha2Beta1"])
 def test_residual_sums_split_exactly_by_default(preset: str):
     """By default a residual sum passes its relevance on exactly: zennit's Sum under an unstabilised Norm."""
