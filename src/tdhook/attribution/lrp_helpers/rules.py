@@ -28,6 +28,11 @@ from torch import nn
 from torch.func import functional_call
 from torchrl.modules.models.utils import SquashDims
 
+from tdhook.attribution.lrp_helpers.input_gradients import (
+    direct_input_gradient,
+    direct_input_gradients,
+    has_direct_input_gradient,
+)
 from tdhook.attribution.lrp_helpers.redirect import backward_keeps_graph, redirect, relevance_proxy
 
 __all__ = [
@@ -300,64 +305,6 @@ def _forward_with(module: nn.Module, params: dict[str, torch.Tensor], x: torch.T
         return functional_call(module, params, (x,))
     finally:
         busy.pop()
-
-
-_PLAIN_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-_TRANSPOSED_INPUT_GRADIENTS = {nn.ConvTranspose1d: F.conv1d, nn.ConvTranspose2d: F.conv2d, nn.ConvTranspose3d: F.conv3d}
-
-
-def _has_direct_input_gradient(module: nn.Module) -> bool:
-    """Whether :func:`_direct_input_gradient` handles ``module``: Linear and zero-padded convolutions."""
-    kind = type(module)
-    if kind is nn.Linear:
-        return True
-    if kind not in _PLAIN_CONVOLUTIONS and kind not in _TRANSPOSED_INPUT_GRADIENTS:
-        return False
-    return module.padding_mode == "zeros" and not isinstance(module.padding, str)
-
-
-def _direct_input_gradient(
-    module: nn.Module, weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor | Sequence[int]
-) -> torch.Tensor:
-    """``Wᵀ grad``: the input gradient of ``module``'s linear map with ``weight`` for the input ``x`` (or its
-    shape), with no forward pass."""
-    kind, m = type(module), module
-    shape = x.shape if isinstance(x, torch.Tensor) else tuple(x)
-    if kind is nn.Linear:
-        return grad @ weight
-    if kind in _PLAIN_CONVOLUTIONS:
-        dims = len(m.kernel_size)
-        if len(shape) == dims + 1:  # one unbatched sample
-            return _direct_input_gradient(module, weight, grad.unsqueeze(0), (1, *shape)).squeeze(0)
-        # Only the input's shape is read. torch.nn.grad.conv*_input pass an expanded tensor, which the
-        # convolution first copies into a full-size one; a contiguous one is used as it is.
-        if not (isinstance(x, torch.Tensor) and x.is_contiguous()):
-            x = grad.new_empty(shape)
-        mask = (True, False, False)  # the input gradient only
-        return torch.ops.aten.convolution_backward(
-            grad, x, weight, None, m.stride, m.padding, m.dilation, False, [0] * dims, m.groups, mask
-        )[0]
-    result = _TRANSPOSED_INPUT_GRADIENTS[kind](grad, weight, None, m.stride, m.padding, m.dilation, m.groups)
-    # With output_padding ≥ stride the product runs past the input's end; its first positions are the gradient.
-    spatial = shape[-len(m.kernel_size) :]
-    return result[(..., *(slice(0, n) for n in spatial))]
-
-
-def _direct_input_gradients(
-    module: nn.Module, weights: Sequence[torch.Tensor], grad: torch.Tensor, x: torch.Tensor
-) -> list[torch.Tensor]:
-    """``[Wᵀ grad for W in weights]`` as one product, the weights stacked along their input dimension.
-
-    Stacked, the products read ``grad`` once: cheaper than separate calls, though wider ones cost more.
-    """
-    if getattr(module, "groups", 1) != 1:
-        return [_direct_input_gradient(module, w, grad, x) for w in weights]
-    stacked_weight = torch.cat(list(weights), dim=0 if type(module) in _TRANSPOSED_INPUT_GRADIENTS else 1)
-    channel_dim = x.dim() - 1 if type(module) is nn.Linear else x.dim() - len(module.kernel_size) - 1
-    shape = list(x.shape)
-    shape[channel_dim] *= len(weights)
-    stacked = _direct_input_gradient(module, stacked_weight, grad, shape)
-    return list(stacked.split(x.shape[channel_dim], dim=channel_dim))
 
 
 # ----------------------------------------------------------------------------- rule base
@@ -979,7 +926,7 @@ class AlphaBetaRule(_ModifiedForwardRule):
         return mods
 
     def input_gradient(self, module, registration, params, x, z, grad):
-        if not self.beta and _has_direct_input_gradient(module) and not _has_negative(x):
+        if not self.beta and has_direct_input_gradient(module) and not _has_negative(x):
             return self._z_plus_of_nonnegative_input(module, registration, params["pos"], x.detach(), z, grad)
         leaf = x.detach().requires_grad_(True)
         pairs = [("pos", "neg_nobias"), ("neg", "pos_nobias")] if self.beta else [("pos", "neg_nobias")]
@@ -1001,7 +948,7 @@ class AlphaBetaRule(_ModifiedForwardRule):
             else:
                 for d, z_, g, scratch in _pieces(share, z, grad):
                     torch.div(torch.mul(g, z_, out=scratch), d.add_(self.stabilizer), out=d)  # α = 1
-            return _direct_input_gradient(module, positive["weight"], share, x)
+            return direct_input_gradient(module, positive["weight"], share, x)
 
 
 class GammaRule(_ModifiedForwardRule):
@@ -1051,7 +998,7 @@ class GammaRule(_ModifiedForwardRule):
         if (
             "shift" in params
             and _is_plain_gradient(grad, z)
-            and _has_direct_input_gradient(module)
+            and has_direct_input_gradient(module)
             and not _has_negative(x)
         ):
             with torch.no_grad():
@@ -1080,7 +1027,7 @@ class GammaRule(_ModifiedForwardRule):
             else:
                 d.add_(z_).add_(_signed_shift(d, epsilon))
             torch.div(torch.mul(g, z_, out=scratch), d, out=d)
-        return _direct_input_gradient(module, params["up"]["weight"], shift, x)
+        return direct_input_gradient(module, params["up"]["weight"], shift, x)
 
     def _nonnegative_input_gradient(self, module, registration, params, x, z, grad):
         """The gradient for ``x ≥ 0`` (after a ReLU) and ``D ≥ 0``: one forward pass for ``D``, two products.
@@ -1100,8 +1047,8 @@ class GammaRule(_ModifiedForwardRule):
             torch.clamp(z_, max=0, out=scratch)
             torch.clamp(z_, min=0, out=a).mul_(d)
             d.mul_(scratch)
-        through_up = _direct_input_gradient(module, params["up"]["weight"], positive_share, x)
-        through_down = _direct_input_gradient(module, params["down"]["weight"], negative_share, x)
+        through_up = direct_input_gradient(module, params["up"]["weight"], positive_share, x)
+        through_down = direct_input_gradient(module, params["down"]["weight"], negative_share, x)
         return through_up.sub_(through_down)
 
 
@@ -1148,7 +1095,7 @@ class _DirectInputRule(_ModifiedForwardRule):
 
     def direct_relevance(self, module, registration, params, x, z, grad) -> torch.Tensor:
         """The relevance of the layer input ``x``: ``W_modᵀ (grad · z / stabilize(W_mod 1))`` by default."""
-        if not _has_direct_input_gradient(module):
+        if not has_direct_input_gradient(module):
             return self._relevance_by_autograd(module, registration, params, x, z, grad)
         with torch.no_grad():
             # The modified output of ones is the same for every sample: computed for one, once per context.
@@ -1157,7 +1104,7 @@ class _DirectInputRule(_ModifiedForwardRule):
                 return stabilize(self._forward(module, registration, params["mod"], ones), self.stabilizer)
 
             share = _shares(grad, z, self._for_one_sample(module, params, "denominator", x, denominator))
-            return _direct_input_gradient(module, params["mod"]["weight"], share, x)
+            return direct_input_gradient(module, params["mod"]["weight"], share, x)
 
     @staticmethod
     def _for_one_sample(module, params, name: str, x: torch.Tensor, compute: Callable[[], torch.Tensor]):
@@ -1260,7 +1207,7 @@ class ZBoxRule(_DirectInputRule):
         and ``R = x · Wᵀs − l · W⁺ᵀs − h · W⁻ᵀs = (x − h) · Wᵀs + (h − l) · W⁺ᵀs`` (``W⁻ = W − W⁺``) with
         ``s = grad · z / stabilize(z^B)``: two transposed products, stacked into one call.
         """
-        if not _has_direct_input_gradient(module):
+        if not has_direct_input_gradient(module):
             return self._relevance_by_autograd(module, registration, params, x, z, grad)
         shape = _one_sample_shape(module, x)
         bounds = [torch.as_tensor(b, dtype=x.dtype, device=x.device) for b in (self.low, self.high)]
@@ -1279,9 +1226,7 @@ class ZBoxRule(_DirectInputRule):
         with torch.no_grad():
             offset = self._for_one_sample(module, params, "offset", x, offset)
             share = _shares(grad, z, offset, self.stabilizer)
-            through_weight, through_positive = _direct_input_gradients(
-                module, [orig["weight"], pos["weight"]], share, x
-            )
+            through_weight, through_positive = direct_input_gradients(module, [orig["weight"], pos["weight"]], share, x)
             return through_weight.mul_(x - high).add_(through_positive.mul_(high - low))
 
     def modified_output(self, module, registration, params, stand_ins):

@@ -1,0 +1,136 @@
+"""Input gradients without a forward pass, against autograd's, in float64."""
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from tdhook.attribution.lrp_helpers import input_gradients
+from tdhook.attribution.lrp_helpers.input_gradients import (
+    direct_input_gradient,
+    direct_input_gradients,
+    has_direct_input_gradient,
+    phase_stacked_input_gradient,
+)
+
+
+def autograd_input_gradient(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random output gradient of ``module`` at ``x`` and the input gradient autograd computes for it."""
+    leaf = x.detach().requires_grad_(True)
+    out = module(leaf)
+    grad = torch.randn_like(out)
+    return grad, torch.autograd.grad(out, leaf, grad)[0]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+
+
+# kernel, stride, padding, input size: odd and even sizes, sizes the stride does not divide, padding beyond
+# the kernel's half, strides larger than the kernel (positions that receive nothing), unequal height and width.
+PHASE_CASES = [
+    ((7, 7), (2, 2), (3, 3), (30, 30)),
+    ((7, 7), (2, 2), (3, 3), (31, 29)),
+    ((3, 3), (2, 2), (1, 1), (15, 16)),
+    ((3, 3), (2, 2), (0, 0), (6, 7)),
+    ((4, 4), (4, 4), (0, 0), (16, 18)),
+    ((11, 11), (4, 4), (2, 2), (35, 37)),
+    ((1, 1), (2, 2), (0, 0), (9, 8)),
+    ((2, 2), (3, 3), (1, 1), (10, 11)),
+    ((5, 3), (2, 1), (2, 0), (13, 9)),
+    ((3, 5), (1, 3), (0, 4), (8, 14)),
+    ((5, 5), (3, 2), (4, 1), (12, 11)),
+]
+
+
+@pytest.mark.parametrize(("kernel", "stride", "padding", "size"), PHASE_CASES)
+@pytest.mark.parametrize("in_channels", [1, 3])
+def test_phase_stacked_input_gradient_matches_autograd(kernel, stride, padding, size, in_channels):
+    torch.manual_seed(0)
+    conv = nn.Conv2d(in_channels, 5, kernel, stride=stride, padding=padding, bias=False).double()
+    x = torch.randn(2, in_channels, *size, dtype=torch.float64)
+    grad, expected = autograd_input_gradient(conv, x)
+    actual = phase_stacked_input_gradient(conv.weight.detach(), grad, x.shape, stride, padding)
+    assert_close(actual, expected)
+    assert actual.is_contiguous()
+
+
+def test_first_layers_take_the_phase_stacked_path(monkeypatch):
+    taken = []
+    original = input_gradients.phase_stacked_input_gradient
+
+    def spy(*args):
+        taken.append(True)
+        return original(*args)
+
+    monkeypatch.setattr(input_gradients, "phase_stacked_input_gradient", spy)
+    torch.manual_seed(0)
+    stem = nn.Conv2d(3, 16, 7, stride=2, padding=3).double()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    grad, expected = autograd_input_gradient(stem, x)
+    assert_close(direct_input_gradient(stem, stem.weight.detach(), grad, x), expected)
+    assert taken == [True]
+
+    # Stride 1, many input channels, dilation or groups: torch's own transposed convolution.
+    for conv in [
+        nn.Conv2d(3, 16, 3, stride=1, padding=1),
+        nn.Conv2d(16, 16, 3, stride=2, padding=1),
+        nn.Conv2d(3, 16, 3, stride=2, dilation=2),
+        nn.Conv2d(4, 16, 3, stride=2, groups=2),
+    ]:
+        conv = conv.double()
+        x = torch.randn(2, conv.in_channels, 16, 16, dtype=torch.float64)
+        grad, expected = autograd_input_gradient(conv, x)
+        assert_close(direct_input_gradient(conv, conv.weight.detach(), grad, x), expected)
+    assert taken == [True]
+
+
+def test_phase_stacked_path_keeps_the_dtype_under_autocast():
+    stem = nn.Conv2d(3, 8, 7, stride=2, padding=3)
+    grad = torch.randn(1, 8, 16, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        result = direct_input_gradient(stem, stem.weight.detach(), grad, (1, 3, 32, 32))
+    assert result.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        nn.Linear(6, 4),
+        nn.Conv1d(3, 4, 3, stride=2, padding=1),
+        nn.Conv2d(4, 6, 3, padding=1, groups=2),
+        nn.Conv3d(2, 3, 2, stride=(1, 2, 1)),
+        nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1, output_padding=1),
+        nn.ConvTranspose1d(2, 3, 3, stride=2, output_padding=2, dilation=3),
+    ],
+    ids=lambda m: type(m).__name__,
+)
+@pytest.mark.parametrize("batched", [True, False])
+def test_direct_input_gradient_matches_autograd(module, batched):
+    torch.manual_seed(0)
+    module = module.double()
+    features = (6,) if isinstance(module, nn.Linear) else (module.in_channels, *[9] * len(module.kernel_size))
+    x = torch.randn(*((2,) if batched else ()), *features, dtype=torch.float64)
+    grad, expected = autograd_input_gradient(module, x)
+    assert has_direct_input_gradient(module)
+    assert_close(direct_input_gradient(module, module.weight.detach(), grad, x), expected)
+    assert_close(direct_input_gradient(module, module.weight.detach(), grad, x.shape), expected)
+
+
+@pytest.mark.parametrize("module", [nn.Linear(5, 3), nn.Conv2d(3, 4, 7, stride=2, padding=3)], ids=["linear", "stem"])
+def test_stacked_products_equal_separate_ones(module):
+    torch.manual_seed(0)
+    module = module.double()
+    x = torch.randn(2, 5, dtype=torch.float64) if isinstance(module, nn.Linear) else torch.randn(2, 3, 20, 20).double()
+    grad, _ = autograd_input_gradient(module, x)
+    weights = [module.weight.detach(), module.weight.detach().clamp(min=0), torch.randn_like(module.weight)]
+    for stacked, weight in itertools.zip_longest(direct_input_gradients(module, weights, grad, x), weights):
+        assert_close(stacked, direct_input_gradient(module, weight, grad, x))
+
+
+def test_only_zero_padded_convolutions_and_linear_layers_are_handled():
+    assert not has_direct_input_gradient(nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"))
+    assert not has_direct_input_gradient(nn.Conv2d(3, 4, 3, padding="same"))
+    assert not has_direct_input_gradient(nn.Bilinear(2, 2, 2))
