@@ -20,6 +20,7 @@ from zennit.rules import Norm
 from zennit.torchvision import ResNetCanonizer, VGGCanonizer
 
 from tdhook.attribution import LRP
+from tdhook.attribution.lrp_helpers import input_gradients
 from tdhook.attribution.lrp_helpers.rules import (
     BaseRuleMapper,
     EpsilonAlpha2Beta1,
@@ -29,6 +30,14 @@ from tdhook.attribution.lrp_helpers.rules import (
     raise_for_unconserved_rel_factory,
 )
 from tests.conftest import relative_error, zennit_model_relevance
+
+
+@pytest.fixture(autouse=True)
+def few_channel_products_at_test_sizes(monkeypatch):
+    """The first layers' products take their few-channel paths (stride phases, shifted sums) at these small
+    image sizes too, so that the comparisons with zennit cover them."""
+    monkeypatch.setattr(input_gradients, "_MIN_FEW_CHANNEL_GRADIENT", 1)
+
 
 MODELS = {
     "vgg11": (torchvision.models.vgg11, VGGCanonizer),

@@ -12,6 +12,7 @@ from tdhook.attribution.lrp_helpers.input_gradients import (
     direct_input_gradients,
     has_direct_input_gradient,
     phase_stacked_input_gradient,
+    shifted_input_gradient,
 )
 
 
@@ -57,42 +58,86 @@ def test_phase_stacked_input_gradient_matches_autograd(kernel, stride, padding, 
     assert actual.is_contiguous()
 
 
-def test_first_layers_take_the_phase_stacked_path(monkeypatch):
-    taken = []
-    original = input_gradients.phase_stacked_input_gradient
+# kernel, padding, input size: padding from none to beyond the kernel's half, unequal height and width.
+SHIFTED_CASES = [
+    ((3, 3), (1, 1), (12, 12)),
+    ((3, 3), (0, 0), (9, 11)),
+    ((5, 3), (2, 1), (10, 7)),
+    ((1, 1), (0, 0), (6, 5)),
+    ((2, 4), (1, 3), (8, 9)),
+    ((3, 3), (3, 2), (5, 6)),
+]
 
-    def spy(*args):
-        taken.append(True)
-        return original(*args)
 
-    monkeypatch.setattr(input_gradients, "phase_stacked_input_gradient", spy)
+@pytest.mark.parametrize(("kernel", "padding", "size"), SHIFTED_CASES)
+@pytest.mark.parametrize("in_channels", [1, 3])
+@pytest.mark.parametrize("piece", [1 << 20, 7], ids=["whole batch", "one sample at a time"])
+def test_shifted_input_gradient_matches_autograd(kernel, padding, size, in_channels, piece, monkeypatch):
+    monkeypatch.setattr(input_gradients, "_SHIFTED_PIECE", piece)
     torch.manual_seed(0)
-    stem = nn.Conv2d(3, 16, 7, stride=2, padding=3).double()
-    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
-    grad, expected = autograd_input_gradient(stem, x)
-    assert_close(direct_input_gradient(stem, stem.weight.detach(), grad, x), expected)
-    assert taken == [True]
+    conv = nn.Conv2d(in_channels, 5, kernel, padding=padding, bias=False).double()
+    x = torch.randn(3, in_channels, *size, dtype=torch.float64)
+    grad, expected = autograd_input_gradient(conv, x)
+    assert_close(shifted_input_gradient(conv.weight.detach(), grad, x.shape, padding), expected)
 
-    # Stride 1, many input channels, dilation or groups: torch's own transposed convolution.
+
+def test_first_layers_take_the_few_channel_paths(monkeypatch):
+    monkeypatch.setattr(input_gradients, "_MIN_FEW_CHANNEL_GRADIENT", 1)
+    taken = []
+    for name in ("phase_stacked_input_gradient", "shifted_input_gradient"):
+        original = getattr(input_gradients, name)
+
+        def spy(*args, name=name, original=original):
+            taken.append(name)
+            return original(*args)
+
+        monkeypatch.setattr(input_gradients, name, spy)
+    torch.manual_seed(0)
+    for conv, path in [
+        (nn.Conv2d(3, 16, 7, stride=2, padding=3), "phase_stacked_input_gradient"),
+        (nn.Conv2d(3, 16, 3, padding=1), "shifted_input_gradient"),
+    ]:
+        conv = conv.double()
+        x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+        grad, expected = autograd_input_gradient(conv, x)
+        assert_close(direct_input_gradient(conv, conv.weight.detach(), grad, x), expected)
+        assert taken.pop() == path
+
+    # Many input channels, dilation or groups: torch's own transposed convolution.
     for conv in [
-        nn.Conv2d(3, 16, 3, stride=1, padding=1),
+        nn.Conv2d(16, 16, 3, stride=1, padding=1),
         nn.Conv2d(16, 16, 3, stride=2, padding=1),
         nn.Conv2d(3, 16, 3, stride=2, dilation=2),
-        nn.Conv2d(4, 16, 3, stride=2, groups=2),
+        nn.Conv2d(4, 16, 3, groups=2),
     ]:
         conv = conv.double()
         x = torch.randn(2, conv.in_channels, 16, 16, dtype=torch.float64)
         grad, expected = autograd_input_gradient(conv, x)
         assert_close(direct_input_gradient(conv, conv.weight.detach(), grad, x), expected)
-    assert taken == [True]
+    assert taken == []
+
+    # Small products: their fixed costs would outweigh the gain.
+    monkeypatch.setattr(input_gradients, "_MIN_FEW_CHANNEL_GRADIENT", 1 << 17)
+    small = nn.Conv2d(3, 16, 3, padding=1).double()
+    x = torch.randn(1, 3, 64, 64, dtype=torch.float64)
+    grad, expected = autograd_input_gradient(small, x)
+    assert_close(direct_input_gradient(small, small.weight.detach(), grad, x), expected)
+    assert taken == []
+    x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
+    grad, expected = autograd_input_gradient(small, x)
+    assert_close(direct_input_gradient(small, small.weight.detach(), grad, x), expected)
+    assert taken == ["shifted_input_gradient"]
 
 
-def test_phase_stacked_path_keeps_the_dtype_under_autocast():
-    stem = nn.Conv2d(3, 8, 7, stride=2, padding=3)
-    grad = torch.randn(1, 8, 16, 16)
+@pytest.mark.parametrize("stride", [1, 2])
+def test_few_channel_paths_ignore_autocast(stride, monkeypatch):
+    monkeypatch.setattr(input_gradients, "_MIN_FEW_CHANNEL_GRADIENT", 1)
+    stem = nn.Conv2d(3, 8, 3, stride=stride, padding=1)
+    grad = torch.randn(1, 8, 32 // stride, 32 // stride)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         result = direct_input_gradient(stem, stem.weight.detach(), grad, (1, 3, 32, 32))
     assert result.dtype == torch.float32
+    assert torch.equal(result, direct_input_gradient(stem, stem.weight.detach(), grad, (1, 3, 32, 32)))
 
 
 @pytest.mark.parametrize(
