@@ -14,6 +14,7 @@ from tdhook.attribution.lrp_helpers.input_gradients import (
     phase_stacked_input_gradient,
     shifted_input_gradient,
 )
+from tdhook.attribution.lrp_helpers.redirect import redirect
 
 
 def autograd_input_gradient(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,6 +128,21 @@ def test_first_layers_take_the_few_channel_paths(monkeypatch):
     grad, expected = autograd_input_gradient(small, x)
     assert_close(direct_input_gradient(small, small.weight.detach(), grad, x), expected)
     assert taken == ["shifted_input_gradient"]
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_batched_gradients_take_torchs_product(stride, monkeypatch):
+    # With is_grads_batched (vectorized Jacobians) a rule's backward runs under vmap, where the few-channel
+    # paths would fail: their views and in-place sums have no batching rule.
+    monkeypatch.setattr(input_gradients, "_MIN_FEW_CHANNEL_GRADIENT", 1)
+    torch.manual_seed(0)
+    stem = nn.Conv2d(3, 8, 3, stride=stride, padding=1).double()
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64, requires_grad=True)
+    out = redirect(stem(x), [x], lambda grad: [direct_input_gradient(stem, stem.weight.detach(), grad, x.shape)])
+    grads = torch.randn(4, *out.shape, dtype=torch.float64)
+    batched = torch.autograd.grad(out, x, grads, is_grads_batched=True, retain_graph=True)[0]
+    one_by_one = torch.stack([torch.autograd.grad(out, x, grad, retain_graph=True)[0] for grad in grads])
+    assert_close(batched, one_by_one)
 
 
 @pytest.mark.parametrize("stride", [1, 2])

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tdhook.attribution.lrp_helpers.redirect import is_batched_gradient
+
 __all__ = [
     "has_direct_input_gradient",
     "direct_input_gradient",
@@ -122,12 +124,15 @@ def direct_input_gradients(
 
 
 def _has_few_input_channels(conv: nn.Module, weight: torch.Tensor, grad: torch.Tensor) -> bool:
-    """Whether ``conv`` is a CPU 2-D convolution with few input channels (one group, no dilation)."""
+    """Whether ``conv`` is a CPU 2-D convolution with few input channels (one group, no dilation), and ``grad``
+    a large enough plain gradient (a batch of gradients, under ``vmap``, takes torch's product: the few-channel
+    paths use views and in-place sums that have no batching rule)."""
     return (
         type(conv) is nn.Conv2d
         and grad.device.type == "cpu"
         and grad.dim() == 4
         and grad.numel() >= _MIN_FEW_CHANNEL_GRADIENT
+        and not is_batched_gradient(grad)
         and conv.groups == 1
         and tuple(conv.dilation) == (1, 1)
         and weight.shape[1] <= _MAX_FEW_CHANNELS

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["redirect", "relevance_proxy", "backward_keeps_graph"]
+__all__ = ["redirect", "relevance_proxy", "backward_keeps_graph", "is_batched_gradient"]
 
 
 def backward_keeps_graph() -> bool:
@@ -38,6 +38,23 @@ def backward_keeps_graph() -> bool:
     """
     query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     return True if query is None else bool(query())
+
+
+def is_batched_gradient(grad: torch.Tensor) -> bool:
+    """Whether ``grad`` is a batch of gradients (``is_grads_batched``, vectorized Jacobians, ``torch.func.vmap``).
+
+    A rule's backward then runs once for the whole batch, and may neither write
+    into ``grad`` nor call operations that have no batching rule.
+
+    Examples:
+        >>> seen = []
+        >>> _ = torch.func.vmap(lambda grad: seen.append(is_batched_gradient(grad)) or grad)(torch.ones(2, 3))
+        >>> is_batched_gradient(torch.ones(3)), seen
+        (False, [True])
+    """
+    functorch = getattr(torch._C, "_functorch", None)
+    checks = [getattr(functorch, name, None) for name in ("is_legacy_batchedtensor", "is_batchedtensor")]
+    return any(check is not None and check(grad) for check in checks)
 
 
 BackwardFn = Callable[[torch.Tensor], Sequence[torch.Tensor | None]]

@@ -33,7 +33,7 @@ from tdhook.attribution.lrp_helpers.input_gradients import (
     direct_input_gradients,
     has_direct_input_gradient,
 )
-from tdhook.attribution.lrp_helpers.redirect import backward_keeps_graph, redirect, relevance_proxy
+from tdhook.attribution.lrp_helpers.redirect import backward_keeps_graph, is_batched_gradient, redirect, relevance_proxy
 
 __all__ = [
     "stabilize",
@@ -151,7 +151,7 @@ def _nonzero(tensor: torch.Tensor) -> bool:
 def _is_plain_gradient(grad: torch.Tensor, z: torch.Tensor) -> bool:
     """Whether ``grad`` is one gradient of ``z`` (same shape and dtype, not a batch of gradients as in vectorized
     Jacobians): the element-wise work of the direct paths, which writes with ``out=``, needs that."""
-    return grad.dtype == z.dtype and grad.shape == z.shape and not _is_batched(grad)
+    return grad.dtype == z.dtype and grad.shape == z.shape and not is_batched_gradient(grad)
 
 
 def _may_overwrite(grad: torch.Tensor, saved: torch.Tensor) -> bool:
@@ -163,13 +163,6 @@ def _may_overwrite(grad: torch.Tensor, saved: torch.Tensor) -> bool:
 def _times_saved(grad: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
     """``grad * saved``, written into ``saved`` when :func:`_may_overwrite` allows it."""
     return saved.mul_(grad) if _may_overwrite(grad, saved) else grad * saved
-
-
-def _is_batched(grad: torch.Tensor) -> bool:
-    """Whether ``grad`` is a batch of gradients (``is_grads_batched``, vectorized Jacobians): no in-place write then."""
-    functorch = getattr(torch._C, "_functorch", None)
-    checks = [getattr(functorch, name, None) for name in ("is_legacy_batchedtensor", "is_batchedtensor")]
-    return any(check is not None and check(grad) for check in checks)
 
 
 def _signed_shift(tensor: torch.Tensor, epsilon: float) -> torch.Tensor:
