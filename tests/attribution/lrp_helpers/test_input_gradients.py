@@ -145,6 +145,56 @@ def test_batched_gradients_take_torchs_product(stride, monkeypatch):
     assert_close(batched, one_by_one)
 
 
+@pytest.mark.parametrize(("kernel", "padding"), [(1, 0), (3, 2)], ids=["1x1", "a tap covering the input"])
+def test_shifted_sums_under_autograd(kernel, padding, monkeypatch):
+    # With a weight that requires grad, the product is recorded by autograd; a tap covering the whole input
+    # must not be assigned back into the result (an in-place error on a leaf view).
+    monkeypatch.setattr(input_gradients, "_MIN_FEW_CHANNEL_GRADIENT", 1)
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 8, kernel, padding=padding).double()
+    x = torch.randn(2, 3, 10, 10, dtype=torch.float64)
+    grad, expected = autograd_input_gradient(conv, x)
+    result = shifted_input_gradient(conv.weight, grad, x.shape, conv.padding)
+    assert_close(result.detach(), expected)
+    # The same product as a transposed convolution (stride 1: it has the input's size), differentiated too.
+    reference = torch.nn.functional.conv_transpose2d(grad, conv.weight, padding=padding)
+    weights = torch.randn_like(expected)
+    (weight_grad,) = torch.autograd.grad((result * weights).sum(), conv.weight)
+    (expected_weight_grad,) = torch.autograd.grad((reference * weights).sum(), conv.weight)
+    assert_close(weight_grad, expected_weight_grad)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize(
+    ("grad_dtype", "weight_dtype"),
+    [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)],
+)
+def test_half_precisions_and_mixed_dtypes_take_torchs_product(stride, grad_dtype, weight_dtype, monkeypatch):
+    # Mixed dtypes are what autocast leaves; half precisions would lose accuracy in the shifted sums.
+    monkeypatch.setattr(input_gradients, "_MIN_FEW_CHANNEL_GRADIENT", 1)
+    torch.manual_seed(0)
+    stem = nn.Conv2d(3, 8, 3, stride=stride, padding=1)
+    weight = stem.weight.detach().to(weight_dtype)
+    grad = torch.randn(2, 8, 16 // stride, 16 // stride).to(grad_dtype)
+    x = torch.empty(2, 3, 16, 16, dtype=grad_dtype)
+    expected = torch.ops.aten.convolution_backward(
+        grad,
+        x,
+        weight.to(grad_dtype),
+        None,
+        stem.stride,
+        stem.padding,
+        stem.dilation,
+        False,
+        [0, 0],
+        1,
+        [True, False, False],
+    )[0]
+    result = direct_input_gradient(stem, weight, grad, x)
+    assert result.dtype == grad_dtype
+    assert torch.equal(result, expected)
+
+
 @pytest.mark.parametrize("stride", [1, 2])
 def test_few_channel_paths_ignore_autocast(stride, monkeypatch):
     monkeypatch.setattr(input_gradients, "_MIN_FEW_CHANNEL_GRADIENT", 1)

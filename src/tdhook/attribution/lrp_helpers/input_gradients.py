@@ -125,11 +125,17 @@ def direct_input_gradients(
 
 def _has_few_input_channels(conv: nn.Module, weight: torch.Tensor, grad: torch.Tensor) -> bool:
     """Whether ``conv`` is a CPU 2-D convolution with few input channels (one group, no dilation), and ``grad``
-    a large enough plain gradient (a batch of gradients, under ``vmap``, takes torch's product: the few-channel
-    paths use views and in-place sums that have no batching rule)."""
+    a large enough plain float32 or float64 gradient with the weight's dtype.
+
+    A batch of gradients (under ``vmap``) takes torch's product: the few-channel paths use views and in-place
+    sums that have no batching rule. So do half precisions (the shifted sums would round once per tap) and mixed
+    dtypes (as autocast leaves them; torch's product accepts them).
+    """
     return (
         type(conv) is nn.Conv2d
         and grad.device.type == "cpu"
+        and grad.dtype in (torch.float32, torch.float64)
+        and weight.dtype == grad.dtype
         and grad.dim() == 4
         and grad.numel() >= _MIN_FEW_CHANNEL_GRADIENT
         and not is_batched_gradient(grad)
@@ -248,7 +254,8 @@ def shifted_input_gradient(
             for t_w, (left, right) in enumerate(spans[1]):
                 if top < bottom and left < right:
                     shift_h, shift_w = t_h - padding[0], t_w - padding[1]
-                    target[:, :, top + shift_h : bottom + shift_h, left + shift_w : right + shift_w] += taps[
-                        :, :, t_h, t_w, top:bottom, left:right
-                    ]
+                    # add_, not +=: a slice covering the whole tensor would be assigned back (an error under autograd)
+                    target[:, :, top + shift_h : bottom + shift_h, left + shift_w : right + shift_w].add_(
+                        taps[:, :, t_h, t_w, top:bottom, left:right]
+                    )
     return result
