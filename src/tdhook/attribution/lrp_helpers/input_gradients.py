@@ -136,7 +136,6 @@ def _has_few_input_channels(conv: nn.Module, weight: torch.Tensor, grad: torch.T
         and grad.device.type == "cpu"
         and grad.dtype in (torch.float32, torch.float64)
         and weight.dtype == grad.dtype
-        and grad.dim() == 4
         and grad.numel() >= _MIN_FEW_CHANNEL_GRADIENT
         and not is_batched_gradient(grad)
         and conv.groups == 1
