@@ -39,10 +39,11 @@ def test_main_job_table_and_relevance_follow_the_rollout():
     assert relevance.shape == rollout["observation"].shape == (40, 4)
     logits = rollout["logits"]
     assert torch.equal(rollout["action"].argmax(-1), logits.argmax(-1))  # greedy actions
-    # The same as explaining the logits network alone on the rollout's observations.
+    # The same as explaining the logits network alone on the rollout's observations. One batch-40 call and 40
+    # batch-1 calls take different matrix kernels, whose float32 sums may differ in the last bits.
     net = TensorDictModule(policy.module[0].module, in_keys=["observation"], out_keys=["logits"])
     alone = example.LRP(net)(TensorDict(observation=rollout["observation"], batch_size=[40]))
-    torch.testing.assert_close(relevance, alone["relevance", "observation"], rtol=0, atol=0)
+    torch.testing.assert_close(relevance, alone["relevance", "observation"])
     table = example.feature_table(rollout)
     assert len(table.splitlines()) == 2 + 4
 

@@ -4,8 +4,11 @@ import itertools
 
 import pytest
 import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
 from torch import nn
 
+from tdhook.attribution import LRP
 from tdhook.attribution.lrp_helpers import input_gradients
 from tdhook.attribution.lrp_helpers.input_gradients import (
     direct_input_gradient,
@@ -15,6 +18,7 @@ from tdhook.attribution.lrp_helpers.input_gradients import (
     shifted_input_gradient,
 )
 from tdhook.attribution.lrp_helpers.redirect import redirect
+from tdhook.attribution.lrp_helpers.rules import EpsilonAlpha2Beta1, EpsilonGammaBox, EpsilonPlus, EpsilonPlusFlat
 
 
 def autograd_input_gradient(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,3 +249,35 @@ def test_only_zero_padded_convolutions_and_linear_layers_are_handled():
     assert not has_direct_input_gradient(nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"))
     assert not has_direct_input_gradient(nn.Conv2d(3, 4, 3, padding="same"))
     assert not has_direct_input_gradient(nn.Bilinear(2, 2, 2))
+
+
+@pytest.mark.parametrize("onednn", [True, False], ids=["oneDNN", "no oneDNN"])
+@pytest.mark.parametrize(
+    "preset",
+    [EpsilonPlus(), EpsilonPlusFlat(), EpsilonGammaBox(-3.0, 3.0), EpsilonAlpha2Beta1()],
+    ids=lambda preset: type(preset).__name__,
+)
+@pytest.mark.parametrize(
+    "layers",
+    [
+        lambda: [nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2, padding=1)],
+        lambda: [nn.ConvTranspose2d(3, 8, 3), nn.ReLU(), nn.ConvTranspose2d(8, 8, 3, stride=2)],
+        lambda: [nn.Conv2d(4, 8, 3, groups=2), nn.ReLU(), nn.Conv2d(8, 8, 3, groups=8)],
+    ],
+    ids=["conv", "transposed", "grouped"],
+)
+def test_presets_under_bfloat16_autocast_follow_float32(layers, preset, onednn):
+    # Autocast leaves bfloat16 gradients beside float32 weights. torch's CPU convolution kernels without oneDNN
+    # (CPUs without AVX512-BF16, or oneDNN switched off) refuse mixed dtypes; the products must not mix them.
+    torch.manual_seed(0)
+    stem = layers()
+    net = nn.Sequential(*stem, nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(32, 4))
+    x = torch.rand(2, stem[0].in_channels, 12, 12)
+    lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), rule_mapper=preset)
+    with torch.backends.mkldnn.flags(enabled=onednn):
+        expected = lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            result = lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
+    assert result.shape == x.shape and torch.isfinite(result).all()
+    # bfloat16 keeps 8 bits of mantissa: the maps agree in direction, not in the last digits.
+    assert torch.cosine_similarity(result.flatten().double(), expected.flatten().double(), dim=0) > 0.99

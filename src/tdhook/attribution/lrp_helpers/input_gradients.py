@@ -75,6 +75,10 @@ def direct_input_gradient(
     """
     kind, m = type(module), module
     shape = x.shape if isinstance(x, torch.Tensor) else tuple(x)
+    if weight.dtype != grad.dtype:
+        # Autocast leaves a half-precision gradient beside a float32 weight. The product runs in the gradient's
+        # dtype, as the autocast forward pass did; torch's CPU kernels without oneDNN refuse mixed dtypes.
+        weight = weight.to(grad.dtype)
     if kind is nn.Linear:
         return grad @ weight
     if kind in _PLAIN_CONVOLUTIONS:
@@ -86,8 +90,8 @@ def direct_input_gradient(
                 return phase_stacked_input_gradient(weight, grad, shape, m.stride, m.padding)
             return shifted_input_gradient(weight, grad, shape, m.padding)
         # Only the input's shape is read. torch.nn.grad.conv*_input pass an expanded tensor, which the
-        # convolution first copies into a full-size one; a contiguous one is used as it is.
-        if not (isinstance(x, torch.Tensor) and x.is_contiguous()):
+        # convolution first copies into a full-size one; a contiguous one of the gradient's dtype is used as it is.
+        if not (isinstance(x, torch.Tensor) and x.is_contiguous() and x.dtype == grad.dtype):
             x = grad.new_empty(shape)
         mask = (True, False, False)  # the input gradient only
         return torch.ops.aten.convolution_backward(
@@ -125,17 +129,15 @@ def direct_input_gradients(
 
 def _has_few_input_channels(conv: nn.Module, weight: torch.Tensor, grad: torch.Tensor) -> bool:
     """Whether ``conv`` is a CPU 2-D convolution with few input channels (one group, no dilation), and ``grad``
-    a large enough plain float32 or float64 gradient with the weight's dtype.
+    a large enough plain float32 or float64 gradient.
 
     A batch of gradients (under ``vmap``) takes torch's product: the few-channel paths use views and in-place
-    sums that have no batching rule. So do half precisions (the shifted sums would round once per tap) and mixed
-    dtypes (as autocast leaves them; torch's product accepts them).
+    sums that have no batching rule. So do half precisions (the shifted sums would round once per tap).
     """
     return (
         type(conv) is nn.Conv2d
         and grad.device.type == "cpu"
         and grad.dtype in (torch.float32, torch.float64)
-        and weight.dtype == grad.dtype
         and grad.numel() >= _MIN_FEW_CHANNEL_GRADIENT
         and not is_batched_gradient(grad)
         and conv.groups == 1
