@@ -2,6 +2,7 @@
 
 project = "tdhook"
 author = "tdhook developers"
+copyright = "2026, tdhook developers"
 extensions = ["sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.viewcode", "myst_parser"]
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 exclude_patterns = ["_build"]

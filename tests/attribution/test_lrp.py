@@ -1,4 +1,4 @@
-"""The LRP wrapper: the public contract of DESIGN §3 and the identities of §5."""
+"""The LRP wrapper: the public contract (keys, targets, context) and the identities of LRP (docs/design.md)."""
 
 from __future__ import annotations
 

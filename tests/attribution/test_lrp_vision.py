@@ -20,7 +20,6 @@ from zennit.rules import Norm
 from zennit.torchvision import ResNetCanonizer, VGGCanonizer
 
 from tdhook.attribution import LRP
-from tdhook.attribution.lrp_helpers import input_gradients
 from tdhook.attribution.lrp_helpers.rules import (
     BaseRuleMapper,
     EpsilonAlpha2Beta1,
@@ -29,6 +28,7 @@ from tdhook.attribution.lrp_helpers.rules import (
     PassRule,
     raise_for_unconserved_rel_factory,
 )
+from tdhook.attribution.rules import _input_gradients as input_gradients
 from tests.conftest import relative_error, zennit_model_relevance
 
 

@@ -8,17 +8,16 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from tdhook.attribution import LRP
-from tdhook.attribution.lrp_helpers import input_gradients
-from tdhook.attribution.lrp_helpers.input_gradients import (
+from tdhook.attribution import LRP, EpsilonAlpha2Beta1, EpsilonGammaBox, EpsilonPlus, EpsilonPlusFlat
+from tdhook.attribution.rules import _input_gradients as input_gradients
+from tdhook.attribution.rules import redirect
+from tdhook.attribution.rules._input_gradients import (
     direct_input_gradient,
     direct_input_gradients,
     has_direct_input_gradient,
     phase_stacked_input_gradient,
     shifted_input_gradient,
 )
-from tdhook.attribution.lrp_helpers.redirect import redirect
-from tdhook.attribution.lrp_helpers.rules import EpsilonAlpha2Beta1, EpsilonGammaBox, EpsilonPlus, EpsilonPlusFlat
 
 
 def autograd_input_gradient(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,107 @@
+"""What an LRP context holds on the model besides its rules: its claim on the modules, and function-mode pauses.
+
+A module is inside at most one LRP wrapper's context at a time (the rules of
+two wrappers on one model would mix): :func:`claim` takes the modules for a
+wrapper, :func:`release` gives them back. :func:`suspend_function_modes_in`
+pauses the rule mapper's torch function modes inside modules that have a rule
+of their own.
+
+Examples:
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    >>> first, second = object(), object()
+    >>> claim(first, dict(net.named_modules()))
+    >>> claim(second, dict(net.named_modules()))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    RuntimeError: LRP: module 'the model itself' (Sequential) is already inside another LRP wrapper's ...
+    >>> release(first)
+    >>> claim(second, dict(net.named_modules()))
+    >>> release(second)
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from tdhook.attribution.rules.base import RemovableRuleHandle
+
+__all__ = ["claim", "release", "suspend_function_modes_in"]
+
+# Every module inside an open LRP context, with the wrapper that owns it: two wrappers' rules on one module would mix.
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionary()
+
+
+def claim(owner: object, modules: Mapping[str, nn.Module]) -> None:
+    """Mark ``modules`` as inside the context of ``owner``.
+
+    Args:
+        owner: the LRP wrapper entering its context.
+        modules: the wrapped model's modules by name.
+
+    Raises:
+        RuntimeError: one of ``modules`` is inside another owner's context;
+            then none is claimed.
+    """
+    for name, module in modules.items():
+        current = _OWNERS.get(module)
+        if current is not None and current is not owner:
+            path = name or "the model itself"
+            raise RuntimeError(
+                f"LRP: module {path!r} ({type(module).__name__}) is already inside another LRP wrapper's "
+                "context; leave that context first (the rules of two wrappers on one model would mix)"
+            )
+    for module in modules.values():
+        _OWNERS[module] = owner
+
+
+def release(owner: object) -> None:
+    """Give back every module that ``owner`` claimed.
+
+    Args:
+        owner: the LRP wrapper leaving its context.
+    """
+    for module in [m for m, current in _OWNERS.items() if current is owner]:
+        del _OWNERS[module]
+
+
+def suspend_function_modes_in(handles: Sequence[RemovableRuleHandle]) -> list[RemovableHandle]:
+    """Run modules that have a rule of their own without the mapper's function modes.
+
+    A module rule decides the module's gradient as a whole, so the function
+    rules (AttnLRP's products and softmax, stabilised additions) have
+    nothing to change inside it, and skipping their Python dispatch there
+    saves time. The modes resume when the module returns or raises.
+
+    Args:
+        handles: the handles of the registered rules.
+
+    Returns:
+        The handles of the forward hooks that pause and resume the modes, for removal.
+    """
+    guards: list = []
+
+    def suspend(module: nn.Module, args: tuple) -> None:
+        guard = torch._C.DisableTorchFunction() if torch._C._is_torch_function_mode_enabled() else None
+        if guard is not None:
+            guard.__enter__()
+        guards.append(guard)
+
+    def resume(module: nn.Module, args: tuple, output: Any) -> None:
+        guard = guards.pop() if guards else None
+        if guard is not None:
+            guard.__exit__(None, None, None)
+
+    hooks: list[RemovableHandle] = []
+    for handle in handles:
+        module = handle.module
+        if module is not None and handle.rule.is_registered(module):
+            hooks.append(module.register_forward_pre_hook(suspend))
+            hooks.append(module.register_forward_hook(resume, always_call=True))
+    return hooks

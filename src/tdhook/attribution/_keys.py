@@ -1,0 +1,115 @@
+"""Where LRP writes relevance: one key per explained input and inner layer, for every target.
+
+The relevance of input key ``k`` goes to ``(relevance_key, *k)``, that of an
+inner layer to ``(relevance_key, *layer_key)``; with several named targets,
+the target's name comes right after ``relevance_key``.
+
+Examples:
+    >>> import torch
+    >>> modules = dict(torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.ReLU()).named_modules())
+    >>> layers = layer_keys(["0"], modules, ["observation"])
+    >>> layers
+    {'0': ('0',)}
+    >>> relevance_keys("relevance", [None], ["observation", *layers.values()])
+    [('relevance', 'observation'), ('relevance', '0')]
+    >>> relevance_keys("relevance", ["actor", "critic"], [("next", "obs")])
+    [('relevance', 'actor', 'next', 'obs'), ('relevance', 'critic', 'next', 'obs')]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from tensordict.utils import NestedKey, unravel_key
+from torch import nn
+
+__all__ = ["as_tuple", "layer_keys", "relevance_keys"]
+
+
+def as_tuple(key: NestedKey) -> tuple[str, ...]:
+    """``key`` as a tuple of strings.
+
+    Args:
+        key: a string or a (possibly nested) tuple of strings.
+
+    Returns:
+        The flat tuple, one element for a string key.
+
+    Examples:
+        >>> as_tuple("a"), as_tuple(("a", ("b", "c")))
+        (('a',), ('a', 'b', 'c'))
+    """
+    key = unravel_key(key)
+    return key if isinstance(key, tuple) else (key,)
+
+
+def layer_keys(
+    layers: Sequence[str] | Mapping[str, NestedKey] | None,
+    modules: Mapping[str, nn.Module],
+    explained_keys: Sequence[NestedKey],
+) -> dict[str, tuple[str, ...]]:
+    """The key, below the relevance prefix, of each inner layer whose relevance is written.
+
+    Args:
+        layers: see :class:`~tdhook.attribution.LRP`: module names, a dict
+            ``name -> key``, or ``None`` for none.
+        modules: the wrapped model's modules by name.
+        explained_keys: the explained input keys, whose relevance keys the
+            layers' must not take.
+
+    Returns:
+        ``module name -> key`` as a tuple, in the order of ``layers``.
+
+    Raises:
+        TypeError: ``layers`` is a string.
+        KeyError: a name in ``layers`` is not one of ``modules``.
+        ValueError: a layer's key is also an explained input's.
+
+    Examples:
+        >>> import torch
+        >>> modules = dict(torch.nn.Sequential(torch.nn.Linear(4, 2)).named_modules())
+        >>> layer_keys({"0": ("hidden", "first")}, modules, ["x"])
+        {'0': ('hidden', 'first')}
+        >>> layer_keys({"0": "x"}, modules, ["x"])
+        Traceback (most recent call last):
+        ...
+        ValueError: LRP: layer relevance keys [('x',)] clash with the input relevance keys
+    """
+    if layers is None:
+        return {}
+    if isinstance(layers, str):
+        raise TypeError(f"LRP: layers must be a list or dict of module names, got the string {layers!r}")
+    named = layers if isinstance(layers, Mapping) else {name: name for name in layers}
+    keys = {}
+    for name, key in named.items():
+        if name not in modules:
+            known = [n for n in modules if n]
+            raise KeyError(f"LRP: layers names {name!r}, which is not a module of the model (modules: {known})")
+        keys[name] = as_tuple(key)
+    clash = set(keys.values()) & {as_tuple(k) for k in explained_keys}
+    if clash:
+        raise ValueError(f"LRP: layer relevance keys {sorted(clash)} clash with the input relevance keys")
+    return keys
+
+
+def relevance_keys(
+    relevance_key: str, target_names: Iterable[str | None], keys: Sequence[NestedKey]
+) -> list[tuple[str, ...]]:
+    """The relevance key of each of ``keys``, target by target.
+
+    Args:
+        relevance_key: the prefix of the relevance keys.
+        target_names: the names of the explained targets; ``None`` for a
+            single unnamed one.
+        keys: the explained input keys, then the inner layers' keys.
+
+    Returns:
+        ``(relevance_key, name, *key)`` (without ``name`` for ``None``) for
+        every name, then every key.
+    """
+    return [
+        (relevance_key, *prefix, *as_tuple(k))
+        for name in target_names
+        for prefix in [(name,) if name is not None else ()]
+        for k in keys
+    ]

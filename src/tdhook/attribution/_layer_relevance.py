@@ -1,0 +1,221 @@
+"""Relevance at inner modules: the outputs of the layers named in ``layers``, and relevance checks.
+
+:class:`OutputRelevance` records the relevance ``z * grad(z)`` of one module
+output as the backward pass reaches it; :class:`LayerRelevance` gathers it for
+the modules named in :class:`~tdhook.attribution.LRP`'s ``layers``, and
+:func:`add_check_hooks` hands every module with a rule its relevance in and
+out to a ``relevance_check``.
+
+Examples:
+    >>> import torch
+    >>> layer = torch.nn.Linear(3, 2)
+    >>> layers = LayerRelevance()
+    >>> handle = layer.register_forward_hook(layers.hook("layer"))
+    >>> x = torch.ones(1, 3, requires_grad=True)
+    >>> out = layer(x)
+    >>> out.backward(torch.ones_like(out))
+    >>> torch.equal(layers.pop("layer", x), out.detach())
+    True
+    >>> handle.remove()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from tdhook.attribution.rules.base import RemovableRuleHandle, layer_call_of
+from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
+
+__all__ = ["LayerRelevance", "OutputRelevance", "RelevanceCheck", "add_check_hooks"]
+
+RelevanceCheck = Callable[[str, nn.Module, torch.Tensor, torch.Tensor], None]
+
+
+class OutputRelevance:
+    """The relevance ``z * grad(z)`` of one module output, as the backward pass reaches it.
+
+    When the module is a layer merged with the BatchNorm after it, the merged
+    output's relevance takes precedence over the layer's own output.
+    """
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+        self.merged = False
+        self.shape: torch.Size | None = None
+
+    @classmethod
+    def watch(cls, output: torch.Tensor) -> OutputRelevance:
+        """Start recording the relevance of ``output`` (and of its BatchNorm-merged form, if any).
+
+        Args:
+            output: a module's output.
+
+        Returns:
+            The cell that the backward pass fills.
+        """
+        cell = cls()
+        cell.shape = output.shape
+        cell._hook(output, merged=False)
+        call = layer_call_of(output)
+        if call is not None:
+            call.observers.append(lambda merged_output: cell._hook(merged_output, merged=True))
+        return cell
+
+    def _hook(self, tensor: torch.Tensor, merged: bool) -> None:
+        if not tensor.requires_grad:
+            return
+        value = tensor.detach().clone()  # later in-place operations must not change it
+
+        def record(grad: torch.Tensor) -> None:
+            if merged or not self.merged:
+                self.value, self.merged = value * grad, merged
+
+        tensor.register_hook(record)
+
+    def total(self) -> torch.Tensor:
+        """The relevance recorded so far, or a zero scalar if none."""
+        return self.value if self.value is not None else torch.zeros(())
+
+    def pop(self, like: torch.Tensor) -> torch.Tensor:
+        """The relevance of the last backward pass (zeros if it never reached the output); then reset.
+
+        Args:
+            like: a tensor whose dtype and device the zeros take.
+
+        Returns:
+            The relevance, shaped like the watched output.
+        """
+        value = self.value if self.value is not None else torch.zeros(self.shape, dtype=like.dtype, device=like.device)
+        self.value, self.merged = None, False
+        return value
+
+
+class LayerRelevance:
+    """The output relevance of named inner modules, gathered during one call of the wrapper.
+
+    A module called several times gets the relevance of all its outputs,
+    summed.
+    """
+
+    def __init__(self) -> None:
+        self._cells: dict[str, list[OutputRelevance]] = {}
+
+    def hook(self, name: str) -> Callable[[nn.Module, tuple, Any], None]:
+        """A forward hook that watches the output of module ``name``.
+
+        Args:
+            name: the module's name, as ``layers`` gives it.
+
+        Returns:
+            The hook, for ``module.register_forward_hook``; it raises a
+            ``TypeError`` if the output is not a tensor.
+        """
+
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            if not isinstance(output, torch.Tensor):
+                raise TypeError(
+                    f"LRP: layers asks for the relevance of module {name!r} ({type(module).__name__}), "
+                    f"whose output is a {type(output).__name__}, not a tensor"
+                )
+            self._cells.setdefault(name, []).append(OutputRelevance.watch(output))
+
+        return hook
+
+    def clear(self) -> None:
+        """Forget every watched output, before and after a call."""
+        self._cells = {}
+
+    def pop(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The relevance of module ``name``'s outputs in the last backward pass; then reset.
+
+        Args:
+            name: the module's name.
+            like: a tensor whose dtype and device the zeros of an unreached output take.
+
+        Returns:
+            The relevance, summed over the module's calls.
+
+        Raises:
+            RuntimeError: the module did not run.
+            ValueError: its calls had outputs of different shapes.
+        """
+        cells = self._cells.get(name, [])
+        if not cells:
+            raise RuntimeError(f"LRP: module {name!r} named in layers did not run in the forward pass")
+        values = [cell.pop(like) for cell in cells]
+        shapes = {tuple(v.shape) for v in values}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"LRP: module {name!r} named in layers ran {len(values)} times with different output shapes "
+                f"{sorted(shapes)}; its relevance cannot be summed into one key"
+            )
+        return sum(values[1:], values[0])
+
+
+def add_check_hooks(
+    handles: Sequence[RemovableRuleHandle], modules: dict[str, nn.Module], check: RelevanceCheck
+) -> list[RemovableHandle]:
+    """Hooks that run ``check(name, module, relevance_in, relevance_out)`` on every module with a rule.
+
+    Each module gets a view of its own input, so that the relevance in is its
+    share only, even when the input also feeds other modules (a residual
+    branch). In-place modules and merged BatchNorms (checked as part of the
+    layer before them) are left out.
+
+    Args:
+        handles: the handles of the registered rules; their records add to
+            the relevance in.
+        modules: the wrapped model's modules by name.
+        check: the relevance check.
+
+    Returns:
+        The handles of the hooks registered, for removal.
+    """
+    names = {id(m): n for n, m in modules.items()}
+
+    def records_for(x: torch.Tensor) -> torch.Tensor | int:
+        return sum(r for h in handles for t, r in h.records if t is x)
+
+    def pre_hook(module: nn.Module, args: tuple) -> tuple | None:
+        if torch.is_grad_enabled() and len(args) == 1 and isinstance(args[0], torch.Tensor):
+            if args[0].requires_grad:
+                # A view of its own, so that the gradient seen is this module's share only,
+                # even when the input also feeds other modules (a residual branch).
+                alias = args[0].view_as(args[0])
+                alias._tdhook_alias_of = args[0]
+                return (alias,)
+        return None
+
+    def forward_hook_for(name: str) -> Callable[[nn.Module, tuple, Any], None]:
+        def forward_hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
+                return
+            if len(args) != 1 or not hasattr(args[0], "_tdhook_alias_of"):
+                return
+            x, out = args[0], OutputRelevance.watch(output)
+            x.register_hook(lambda g: check(name, module, x.detach() * g + records_for(x), out.total()))
+
+        return forward_hook
+
+    hooks: list[RemovableHandle] = []
+    try:
+        for handle in handles:
+            module = handle.module
+            if getattr(module, "inplace", False) or isinstance(handle.rule, MergeBatchNormRule):
+                continue  # a merged BatchNorm is checked as part of the layer before it
+            if not handle.rule.is_registered(module):
+                continue
+            hooks.append(module.register_forward_pre_hook(pre_hook))
+            hooks.append(module.register_forward_hook(forward_hook_for(names[id(module)])))
+    except BaseException:  # leave the model as it was
+        for hook in hooks:
+            hook.remove()
+        raise
+    return hooks

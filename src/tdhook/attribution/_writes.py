@@ -1,0 +1,100 @@
+"""Writing LRP's results into the caller's TensorDict: all of them, or none.
+
+Examples:
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> td = TensorDict(x=torch.zeros(2), batch_size=[2])
+    >>> set_all_or_nothing(td, {("relevance", "x"): torch.ones(2), "y": torch.ones(3)})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    RuntimeError: batch dimension mismatch, ...
+    >>> sorted(td.keys())
+    ['x']
+    >>> set_all_or_nothing(td, {("relevance", "x"): torch.ones(2)})
+    >>> td["relevance", "x"]
+    tensor([1., 1.])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.utils import NestedKey
+
+from tdhook.attribution._keys import as_tuple
+
+__all__ = ["model_updates", "set_all_or_nothing"]
+
+
+def model_updates(
+    tensordict: TensorDictBase,
+    result: TensorDictBase,
+    explained_keys: Sequence[NestedKey],
+    fed: Sequence[torch.Tensor | None],
+) -> dict[NestedKey, Any]:
+    """The model's outputs to write into the caller's TensorDict, detached.
+
+    Args:
+        tensordict: the caller's TensorDict.
+        result: what the model wrote its outputs to: a copy of ``tensordict``.
+        explained_keys: the explained input keys.
+        fed: the tensors given to the model for the explained inputs (``None``
+            for integer tokens).
+
+    Returns:
+        ``key -> value`` for every leaf of ``result`` that is not already in
+        ``tensordict`` (the same object) and is not an explained input's copy
+        made for the model (or its integer tokens).
+    """
+    explained = set(explained_keys)
+    updates: dict[Any, Any] = {}
+    for key in result.keys(include_nested=True, leaves_only=True):
+        value = result.get(key)
+        if key in explained and (any(value is f for f in fed) or not value.is_floating_point()):
+            continue
+        if key in tensordict.keys(include_nested=True) and tensordict.get(key) is value:
+            continue
+        updates[key] = value.detach() if isinstance(value, torch.Tensor) else value
+    return updates
+
+
+def set_all_or_nothing(tensordict: TensorDictBase, updates: dict) -> None:
+    """Write every update, or, if one fails, none: the caller's TensorDict never holds partial results.
+
+    Args:
+        tensordict: the TensorDict to write to.
+        updates: ``key -> value``, written in order.
+
+    Raises:
+        BaseException: whatever a write raised, after the writes before it
+            were undone and the sub-TensorDicts they created removed.
+    """
+    previous = {key: _get_or_none(tensordict, key) for key in updates}
+    branches = {key[:depth] for key in map(as_tuple, updates) for depth in range(1, len(key))}
+    new_branches = sorted((b for b in branches if _get_or_none(tensordict, b) is None), key=len, reverse=True)
+    written = []
+    try:
+        for key, value in updates.items():
+            tensordict.set(key, value)
+            written.append(key)
+    except BaseException:
+        for key in reversed(written):
+            if previous[key] is None:
+                tensordict.del_(key)
+            else:
+                tensordict.set(key, previous[key])
+        for branch in new_branches:  # deepest first; only the ones this call created
+            value = _get_or_none(tensordict, branch)
+            if isinstance(value, TensorDictBase) and value.is_empty():
+                tensordict.del_(branch)
+        raise
+
+
+def _get_or_none(tensordict: TensorDictBase, key: Any) -> Any:
+    try:
+        return tensordict.get(key, None)
+    except (KeyError, ValueError):  # a leaf where the key needs a branch: setting it will fail, before any write
+        return None

@@ -1,0 +1,209 @@
+"""Rule mappers: the protocol the LRP wrapper asks of them, the dict form, and ``BaseRuleMapper``'s defaults.
+
+A rule mapper chooses the rule of each module: ``(name, module) -> Rule | None``.
+:class:`BaseRuleMapper` consults the user's mapper first, then a preset's layer
+rules, then the defaults for activations, pooling, norms and shape modules.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from fnmatch import fnmatchcase
+from typing import Protocol, TypedDict
+
+from tensordict.nn import TensorDictModuleBase
+from torch import nn
+
+from tdhook.attribution.rules._layers import ACTIVATIONS, AVG_POOLS, BATCH_NORMS, GRADIENT_ROUTED, LINEAR_LAYERS
+from tdhook.attribution.rules.additions import StabilizedAdditions
+from tdhook.attribution.rules.base import Rule
+from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule
+from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
+from tdhook.attribution.rules.input_layer import FirstLayerRule
+
+__all__ = ["RuleMapper", "rule_mapper_from_dict", "PresetOptions", "BaseRuleMapper"]
+
+
+class RuleMapper(Protocol):
+    """What the LRP wrapper asks of a rule mapper: the rule for one module, or ``None`` for the plain gradient.
+
+    Any callable ``(name, module) -> Rule | None`` is one, a plain function included. A mapper that also has
+    ``rules(model)`` (as :class:`BaseRuleMapper`) is asked for all rules at once, and one with
+    ``function_modes()`` gives the ``TorchFunctionMode``\\ s the forward pass runs in.
+
+    Examples:
+        >>> from tdhook.attribution.rules import StopRule
+        >>> def stop_the_head(name: str, module: nn.Module) -> Rule | None:
+        ...     return StopRule() if name == "head" else None
+        >>> stop_the_head("head", nn.Linear(2, 2))
+        StopRule()
+    """
+
+    def __call__(self, name: str, module: nn.Module) -> Rule | None: ...
+
+
+def rule_mapper_from_dict(mapping: Mapping[type | tuple[type, ...] | str, Rule]) -> RuleMapper:
+    """A rule mapper from a dict keyed by module type(s) or by name pattern.
+
+    String keys match module names with shell-style wildcards (``"features.*"``);
+    type keys match with ``isinstance``. The first matching entry, in the
+    dict's order, wins.
+
+    Examples:
+        >>> from tdhook.attribution.rules import EpsilonRule, StopRule
+        >>> mapper = rule_mapper_from_dict({"head": StopRule(), nn.Linear: EpsilonRule(0.25)})
+        >>> mapper("head", nn.Linear(2, 2)), mapper("body.0", nn.Linear(2, 2)), mapper("act", nn.Tanh())
+        (StopRule(), EpsilonRule(epsilon=0.25), None)
+    """
+    entries = list(mapping.items())
+    for key, rule in entries:
+        if not isinstance(rule, Rule):
+            raise TypeError(f"rule mapping entry {key!r} must map to a Rule, got {type(rule).__name__}")
+
+    def mapper(name: str, module: nn.Module) -> Rule | None:
+        for key, rule in entries:
+            if isinstance(key, str) and fnmatchcase(name, key):
+                return rule
+            if not isinstance(key, str) and isinstance(module, key):
+                return rule
+        return None
+
+    return mapper
+
+
+def _is_glue(module: nn.Module) -> bool:
+    """TensorDict wrappers of plain functions: their operations are differentiated as they are."""
+    return isinstance(module, TensorDictModuleBase)
+
+
+class PresetOptions(TypedDict, total=False):
+    """The keyword options every preset shares with :class:`BaseRuleMapper` (its arguments after ``stabilizer``
+    are described there)."""
+
+    stabilizer: float
+    rule_mapper: RuleMapper | Mapping | None
+    strict: bool
+    stabilize_additions: bool
+
+
+class BaseRuleMapper:
+    """Map ``(name, module)`` to a rule: the user's mapper first, then defaults.
+
+    Defaults: activations → :class:`PassRule`; average pooling → :class:`EpsilonRule`
+    with ``stabilizer`` (zennit's ``Norm``); BatchNorm → :class:`MergeBatchNormRule`
+    (merged into the layer before it, else passed through); Linear and
+    convolution layers, MaxPool, Dropout, Flatten, Unflatten, Identity →
+    :class:`IgnoreRule`. Other modules get no rule (plain gradient).
+    Subclasses add Linear/Conv rules in :meth:`layer_rule` and a special first
+    layer in :meth:`first_layer_rule`, applied by :class:`FirstLayerRule` to
+    the layers the model's input reaches first.
+
+    Args:
+        stabilizer: stabilizer of the default rules.
+        rule_mapper: ``(name, module) -> Rule | None`` consulted first, or a dict
+            for :func:`rule_mapper_from_dict`.
+        strict: raise on a leaf module that gets no rule, rather than warn
+            (once per module name) that it is differentiated as it is.
+        stabilize_additions: treat every addition of two activations (residual
+            sums) as zennit's ``Sum`` under ``Norm(stabilizer)``, as its ResNet
+            canonizer does, instead of splitting it exactly
+            (see :class:`~tdhook.attribution.rules.additions.StabilizedAdditions`).
+
+    Examples:
+        >>> from tdhook.attribution.rules import StopRule
+        >>> mapper = BaseRuleMapper(rule_mapper=lambda name, m: StopRule() if name == "head" else None)
+        >>> mapper("head", nn.Linear(2, 2)), mapper("act", nn.Tanh()), mapper("fc", nn.Linear(2, 2))
+        (StopRule(), PassRule(stabilizer=1e-12), IgnoreRule())
+    """
+
+    def __init__(
+        self,
+        stabilizer: float = 1e-6,
+        rule_mapper: RuleMapper | Mapping | None = None,
+        strict: bool = False,
+        stabilize_additions: bool = False,
+    ) -> None:
+        self.stabilizer = stabilizer
+        self.strict = strict
+        self.stabilize_additions = stabilize_additions
+        self._warned: set[tuple[str, type]] = set()
+        self.rule_mapper = rule_mapper_from_dict(rule_mapper) if isinstance(rule_mapper, Mapping) else rule_mapper
+        self._pass = PassRule()
+        self._norm = EpsilonRule(epsilon=stabilizer)
+        self._ignore = IgnoreRule()
+        self._merge_batch_norm = MergeBatchNormRule()
+        self._first_layer_rules: dict[tuple[int, int], FirstLayerRule] = {}
+
+    def function_modes(self) -> list:
+        r"""``TorchFunctionMode``\ s the wrapper runs the forward pass in: rules for calls that are not modules."""
+        if not self.stabilize_additions:
+            return []
+        return [StabilizedAdditions(self.stabilizer)]
+
+    def __call__(self, name: str, module: nn.Module) -> Rule | None:
+        if self.rule_mapper is not None:
+            rule = self.rule_mapper(name, module)
+            if rule is not None:
+                return rule
+        return self.layer_rule(name, module) or self.default_rule(name, module)
+
+    def default_rule(self, name: str, module: nn.Module) -> Rule | None:
+        """The rule for activations, pooling, norms, dropout and shape modules."""
+        if isinstance(module, ACTIVATIONS):
+            return self._pass
+        if isinstance(module, BATCH_NORMS):
+            return self._merge_batch_norm
+        if isinstance(module, AVG_POOLS):
+            return self._norm
+        if isinstance(module, (*GRADIENT_ROUTED, *LINEAR_LAYERS)):
+            return self._ignore
+        return None
+
+    def layer_rule(self, name: str, module: nn.Module) -> Rule | None:
+        """The rule for Linear and convolution layers (none here: LRP-0)."""
+        return None
+
+    def first_layer_rule(self, name: str, module: nn.Module) -> Rule | None:
+        """The rule for the first Linear or convolution layer, when it differs from the others."""
+        return None
+
+    def rules(self, model: nn.Module) -> dict[str, Rule]:
+        """The rule of every module of ``model`` that has one, by module name.
+
+        Linear and convolution layers whose :meth:`first_layer_rule` differs
+        from their rule get a :class:`FirstLayerRule` choosing between the two
+        at each call. A module the user's mapper names keeps the user's rule.
+        """
+        rules: dict[str, Rule] = {}
+        for name, module in model.named_modules():
+            rule = None
+            if self.rule_mapper is not None:
+                rule = self.rule_mapper(name, module)
+            if rule is None:
+                rule = self.layer_rule(name, module) or self.default_rule(name, module)
+                first = self.first_layer_rule(name, module) if isinstance(module, LINEAR_LAYERS) else None
+                if first is not None and first is not rule:
+                    rule = self._first_layer_switch(first, rule)
+            if rule is not None:
+                rules[name] = rule
+            elif next(module.children(), None) is None and not _is_glue(module):
+                self._unmapped(name, module)
+        return rules
+
+    def _unmapped(self, name: str, module: nn.Module) -> None:
+        message = (
+            f"no LRP rule for module {name!r} ({type(module).__name__}): its plain gradient is used; "
+            "map it in rule_mapper (for example to PassRule, UniformRule or IgnoreRule)"
+        )
+        if self.strict:
+            raise ValueError(message)
+        if (name, type(module)) not in self._warned:
+            self._warned.add((name, type(module)))
+            warnings.warn(message, stacklevel=3)
+
+    def _first_layer_switch(self, first: Rule, other: Rule | None) -> FirstLayerRule:
+        key = (id(first), id(other))
+        if key not in self._first_layer_rules:
+            self._first_layer_rules[key] = FirstLayerRule(first, other)
+        return self._first_layer_rules[key]

@@ -1,0 +1,105 @@
+"""The transformer presets: AttnLRP and CP-LRP, over a whole model, functional calls included."""
+
+from __future__ import annotations
+
+from typing import Unpack
+
+from torch import nn
+
+from tdhook.attribution.mappers.base import BaseRuleMapper, PresetOptions
+from tdhook.attribution.rules._layers import ACTIVATIONS
+from tdhook.attribution.rules.basic import EpsilonRule
+from tdhook.attribution.rules.functional import FunctionalRules
+from tdhook.attribution.rules.transformer import (
+    AHQKVRule,
+    LayerNormRule,
+    PseudoIdentityRule,
+    SoftmaxEpsilonRule,
+    is_layer_norm,
+    is_rms_norm,
+)
+
+__all__ = ["AttnLRP", "CPLRP"]
+
+
+def _is_hf_activation(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("transformers.activations")
+
+
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers")
+
+
+class AttnLRP(BaseRuleMapper):
+    """AttnLRP for transformers (Achtibat et al., 2024), as LXT computes it.
+
+    Linear layers (and Hugging Face's ``Conv1D``): LRP-0, or LRP-ε with
+    ``epsilon``; LayerNorm/RMSNorm: :class:`LayerNormRule`; activations:
+    :class:`PseudoIdentityRule`; softmax: :class:`SoftmaxEpsilonRule`; the
+    products in attention (``q · kᵀ``, ``attention · v``, fused
+    ``scaled_dot_product_attention`` included) and gates: the uniform rule.
+    Works on ``nn.MultiheadAttention``, ``nn.TransformerEncoder`` and Hugging
+    Face models with no change to their code.
+
+    Args:
+        epsilon: ε of the Linear layers (``None``: LRP-0, as LXT).
+        softmax_epsilon: ε of :class:`SoftmaxEpsilonRule`.
+        **options: ``stabilizer`` (of the other rules), ``rule_mapper``, ``strict`` and
+            ``stabilize_additions``, as for :class:`~tdhook.attribution.mappers.base.BaseRuleMapper`.
+
+    Examples:
+        >>> layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        >>> rules = AttnLRP().rules(layer)
+        >>> type(rules["norm1"]).__name__, type(rules["linear1"]).__name__
+        ('LayerNormRule', 'IgnoreRule')
+    """
+
+    def __init__(
+        self, epsilon: float | None = None, softmax_epsilon: float = 0.0, **options: Unpack[PresetOptions]
+    ) -> None:
+        super().__init__(**options)
+        self.epsilon = epsilon
+        self._dense = None if epsilon is None else EpsilonRule(epsilon)
+        self._softmax: SoftmaxEpsilonRule = SoftmaxEpsilonRule(softmax_epsilon)
+        self._identity = PseudoIdentityRule()
+        self._norm_rule = LayerNormRule()
+
+    def layer_rule(self, name, module):
+        if isinstance(module, nn.Linear) or _is_hf_conv1d(module):
+            return self._dense or self._ignore
+        return None
+
+    def default_rule(self, name, module):
+        if is_layer_norm(module) or is_rms_norm(module):
+            return self._norm_rule
+        if isinstance(module, nn.Softmax):
+            return self._softmax
+        if isinstance(module, ACTIVATIONS) or _is_hf_activation(module):
+            return self._identity
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            return self._ignore  # cos/sin tables from positions: no relevance flows through them
+        return super().default_rule(name, module)
+
+    def function_modes(self) -> list:
+        hold_gates = isinstance(self._softmax, AHQKVRule)
+        return [*super().function_modes(), FunctionalRules(self._softmax, self._identity, hold_gates)]
+
+
+class CPLRP(AttnLRP):
+    """CP-LRP (Ali et al., 2022): :class:`AttnLRP` with attention weights and gates held constant.
+
+    Relevance reaches the tokens through the value path only (:class:`AHQKVRule`).
+    Gates are held constant too, as LXT's CP-LRP does: where an activation's
+    output multiplies another activation (the ``act(gate(x)) * up(x)`` of a
+    gated MLP), all relevance goes to the other factor. With ``epsilon`` → 0
+    and ReLU activations this equals gradient × input of the model with its
+    attention weights, gates and normalising scales detached.
+
+    Examples:
+        >>> type(CPLRP().function_modes()[0].softmax).__name__
+        'AHQKVRule'
+    """
+
+    def __init__(self, epsilon: float | None = None, **options: Unpack[PresetOptions]) -> None:
+        super().__init__(epsilon, 0.0, **options)
+        self._softmax = AHQKVRule()

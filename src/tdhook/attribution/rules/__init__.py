@@ -1,0 +1,80 @@
+"""LRP rules: each changes the gradient through one module, so that ``relevance = input × modified gradient``.
+
+One family of rules per module: :mod:`~tdhook.attribution.rules.base` (what a rule is),
+:mod:`~tdhook.attribution.rules.basic` (ε, pass, ignore, stop, uniform),
+:mod:`~tdhook.attribution.rules.modified` (αβ, z⁺, γ),
+:mod:`~tdhook.attribution.rules.input_layer` (Flat, w², z^B and the first-layer switch),
+:mod:`~tdhook.attribution.rules.batch_norm`, :mod:`~tdhook.attribution.rules.transformer`,
+:mod:`~tdhook.attribution.rules.functional` (rules on function calls),
+:mod:`~tdhook.attribution.rules.additions` (stabilised residual sums) and
+:mod:`~tdhook.attribution.rules.checks`. :func:`redirect`, :func:`relevance_proxy` and
+:func:`scale_gradient` are what a rule of one's own is written with (see the docs' page on custom rules).
+"""
+
+from tdhook.attribution.rules._autograd import redirect, relevance_proxy, scale_gradient
+from tdhook.attribution.rules._numerics import stabilize
+from tdhook.attribution.rules.additions import StabilizedAdditions
+from tdhook.attribution.rules.base import (
+    LayerCall,
+    MergedLayer,
+    ParamModifier,
+    Registration,
+    RemovableRuleHandle,
+    Rule,
+    layer_call_of,
+)
+from tdhook.attribution.rules.basic import (
+    EpsilonRule,
+    IgnoreRule,
+    PassRule,
+    StopRule,
+    UniformEpsilonRule,
+    UniformRule,
+)
+from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
+from tdhook.attribution.rules.checks import raise_for_unconserved_rel_factory
+from tdhook.attribution.rules.functional import FunctionalRules
+from tdhook.attribution.rules.input_layer import FirstLayerRule, FlatRule, WSquareRule, ZBoxRule
+from tdhook.attribution.rules.modified import AlphaBetaRule, GammaRule
+from tdhook.attribution.rules.transformer import (
+    AHQKVRule,
+    LayerNormRule,
+    PseudoIdentityRule,
+    SoftmaxEpsilonRule,
+    uniform_product,
+)
+
+__all__ = [
+    "stabilize",
+    "redirect",
+    "relevance_proxy",
+    "scale_gradient",
+    "ParamModifier",
+    "RemovableRuleHandle",
+    "Registration",
+    "Rule",
+    "LayerCall",
+    "MergedLayer",
+    "layer_call_of",
+    "EpsilonRule",
+    "UniformEpsilonRule",
+    "PassRule",
+    "IgnoreRule",
+    "StopRule",
+    "UniformRule",
+    "AlphaBetaRule",
+    "GammaRule",
+    "FlatRule",
+    "WSquareRule",
+    "ZBoxRule",
+    "FirstLayerRule",
+    "MergeBatchNormRule",
+    "SoftmaxEpsilonRule",
+    "LayerNormRule",
+    "PseudoIdentityRule",
+    "AHQKVRule",
+    "uniform_product",
+    "FunctionalRules",
+    "StabilizedAdditions",
+    "raise_for_unconserved_rel_factory",
+]

@@ -1,0 +1,273 @@
+"""The autograd functions that rewrite a gradient, each written once.
+
+Every LRP rule in tdhook is a change of gradient: the relevance of a tensor ``a``
+is ``a * grad(a)``. A rule replaces a module's output by a tensor with the same
+value (bit for bit, no copy) whose backward is chosen by the rule:
+
+* :func:`redirect` hands the output gradient to other tensors (for example the
+  output of a forward pass with modified weights) through a function of the
+  rule's choice.
+* :func:`relevance_proxy` stands for an input whose relevance is not
+  proportional to its value (the input-layer rules and the uniform rule). Its
+  backward receives gradients for stand-in tensors, turns them into relevance
+  and hands the caller both the gradient for the input and the part of the
+  relevance a gradient cannot carry (where the input is zero).
+* :func:`scale_gradient` multiplies the gradient through a tensor by a factor
+  (the uniform rule on products, the stabilised residual sums).
+
+The questions a rule's backward asks about the pass it runs in
+(:func:`backward_keeps_graph`, :func:`is_batched_gradient`,
+:func:`is_plain_gradient`) live here too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from tdhook.attribution.rules._numerics import safe_divide
+
+__all__ = [
+    "redirect",
+    "relevance_proxy",
+    "scale_gradient",
+    "backward_keeps_graph",
+    "is_batched_gradient",
+    "is_plain_gradient",
+    "may_overwrite",
+    "times_saved",
+    "is_activation",
+]
+
+
+def backward_keeps_graph() -> bool:
+    """Whether the running backward pass keeps the graph for another one (``retain_graph`` or ``create_graph``).
+
+    When it does not, the tensors a rule saved for its backward are not needed
+    again and the rule may write into them instead of allocating new ones.
+    Outside a backward pass, and on a torch without this query, the answer is
+    ``True`` (the safe side).
+
+    Examples:
+        >>> backward_keeps_graph()
+        True
+    """
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if query is None else bool(query())
+
+
+def is_batched_gradient(grad: torch.Tensor) -> bool:
+    """Whether ``grad`` is a batch of gradients (``is_grads_batched``, vectorized Jacobians, ``torch.func.vmap``).
+
+    A rule's backward then runs once for the whole batch, and may neither write
+    into ``grad`` nor call operations that have no batching rule.
+
+    Examples:
+        >>> seen = []
+        >>> _ = torch.func.vmap(lambda grad: seen.append(is_batched_gradient(grad)) or grad)(torch.ones(2, 3))
+        >>> is_batched_gradient(torch.ones(3)), seen
+        (False, [True])
+    """
+    functorch = getattr(torch._C, "_functorch", None)
+    checks = [getattr(functorch, name, None) for name in ("is_legacy_batchedtensor", "is_batchedtensor")]
+    return any(check is not None and check(grad) for check in checks)
+
+
+BackwardFn = Callable[[torch.Tensor], Sequence[torch.Tensor | None]]
+
+
+_FREED_GRAPH_GUARD = torch.empty(0)
+
+
+class _Redirect(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, backward_fn: BackwardFn, output: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        # ``output`` is a detached alias of the module's output: marking it dirty
+        # returns the very same storage with this node as its history, so later
+        # in-place operations (ReLU(inplace=True), ``out += identity``) stay legal.
+        ctx.mark_dirty(output)
+        ctx.backward_fn = backward_fn
+        ctx.n_inputs = len(inputs)
+        # A saved tensor makes a second backward pass over a freed graph raise torch's own error: rules may
+        # have written into what they kept for the first one (see backward_keeps_graph).
+        ctx.save_for_backward(_FREED_GRAPH_GUARD)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.saved_tensors  # noqa: B018 (raises once the graph is freed)
+        grads = tuple(ctx.backward_fn(grad))
+        if len(grads) != ctx.n_inputs:
+            raise RuntimeError(f"a rule's backward returned {len(grads)} gradients for {ctx.n_inputs} inputs")
+        return (None, None, *grads)
+
+
+def redirect(output: torch.Tensor, inputs: Sequence[torch.Tensor], backward_fn: BackwardFn) -> torch.Tensor:
+    """Return ``output``'s value with a backward that sends gradient to ``inputs``.
+
+    The module's own graph behind ``output`` receives no gradient. The value is
+    the same storage as ``output``: nothing is copied.
+
+    Args:
+        output: the module's output.
+        inputs: tensors that receive gradient (they must require grad to be reached).
+        backward_fn: maps the gradient of the output to one gradient (or ``None``)
+            per tensor in ``inputs``.
+
+    Returns:
+        A tensor equal to ``output`` whose gradient flows as ``backward_fn`` says.
+
+    Examples:
+        >>> import torch
+        >>> x = torch.tensor([1.0, 2.0], requires_grad=True)
+        >>> y = redirect(x.exp(), [x], lambda g: [3 * g])
+        >>> torch.equal(y, torch.tensor([1.0, 2.0]).exp())
+        True
+        >>> torch.autograd.grad(y.sum(), x)[0]
+        tensor([3., 3.])
+    """
+    return _Redirect.apply(backward_fn, output.detach(), *inputs)
+
+
+RelevanceFn = Callable[[Sequence[torch.Tensor]], torch.Tensor]
+RecordFn = Callable[[torch.Tensor], None]
+
+
+class _RelevanceProxy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, relevance_fn: RelevanceFn, record_fn: RecordFn, x: torch.Tensor, *stand_ins: torch.Tensor):
+        ctx.relevance_fn = relevance_fn
+        ctx.record_fn = record_fn
+        ctx.save_for_backward(x)
+        outputs = tuple(s.detach().clone() if s is x else s.detach() for s in stand_ins)
+        return outputs if len(outputs) > 1 else outputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        relevance = ctx.relevance_fn(grads)
+        grad_x = safe_divide(relevance, x)
+        ctx.record_fn(relevance - x * grad_x)
+        return (None, None, grad_x, *(None for _ in grads))
+
+
+def relevance_proxy(
+    x: torch.Tensor,
+    stand_ins: Sequence[torch.Tensor],
+    relevance_fn: RelevanceFn,
+    record_fn: RecordFn,
+) -> tuple[torch.Tensor, ...]:
+    """Stand-in tensors for ``x`` whose gradients become ``x``'s relevance.
+
+    The returned tensors have the values of ``stand_ins`` and are connected to
+    ``x``. In the backward pass, ``relevance_fn`` turns their gradients into the
+    relevance ``R`` of ``x``; ``x`` receives the gradient ``R / x`` (zero where
+    ``x`` is zero), and ``record_fn`` receives ``R - x * (R / x)``, the relevance
+    that the gradient cannot carry. The LRP wrapper adds it back when ``x`` is
+    one of its input keys.
+
+    Args:
+        x: the module input the relevance belongs to.
+        stand_ins: tensors to compute the modified forward pass with.
+        relevance_fn: maps the stand-ins' gradients to the relevance of ``x``.
+        record_fn: receives the part of the relevance not carried by the gradient.
+
+    Returns:
+        One tensor per stand-in.
+
+    Examples:
+        >>> import torch
+        >>> x = torch.tensor([0.0, 2.0], requires_grad=True)
+        >>> left = []
+        >>> (ones,) = relevance_proxy(x, [torch.ones(2)], lambda g: g[0], left.append)
+        >>> grad = torch.autograd.grad((ones * torch.tensor([5.0, 4.0])).sum(), x)[0]
+        >>> grad, left[0]
+        (tensor([0., 2.]), tensor([5., 0.]))
+    """
+    outputs = _RelevanceProxy.apply(relevance_fn, record_fn, x, *stand_ins)
+    return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+def is_plain_gradient(grad: torch.Tensor, z: torch.Tensor) -> bool:
+    """Whether ``grad`` is one gradient of ``z`` (same shape and dtype, not a batch of gradients as in vectorized
+    Jacobians): the element-wise work of the direct paths, which writes with ``out=``, needs that.
+
+    Examples:
+        >>> is_plain_gradient(torch.ones(2), torch.zeros(2)), is_plain_gradient(torch.ones(1), torch.zeros(2))
+        (True, False)
+    """
+    return grad.dtype == z.dtype and grad.shape == z.shape and not is_batched_gradient(grad)
+
+
+def may_overwrite(grad: torch.Tensor, saved: torch.Tensor) -> bool:
+    """Whether the backward pass computing with ``grad`` may write into ``saved``: ``grad`` is a plain gradient
+    and the pass frees the graph, so ``saved`` is not read again.
+
+    Examples:
+        >>> may_overwrite(torch.ones(2), torch.zeros(2))  # outside a backward pass: no
+        False
+    """
+    return is_plain_gradient(grad, saved) and not backward_keeps_graph()
+
+
+def times_saved(grad: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
+    """``grad * saved``, written into ``saved`` when :func:`may_overwrite` allows it.
+
+    Examples:
+        >>> times_saved(torch.tensor([2.0]), torch.tensor([3.0]))
+        tensor([6.])
+    """
+    return saved.mul_(grad) if may_overwrite(grad, saved) else grad * saved
+
+
+def is_activation(value: Any) -> bool:
+    """Whether ``value`` is a tensor computed with autograd history (an activation), as opposed to a parameter,
+    a buffer or a constant. The functional rules change only calls on activations.
+
+    Examples:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> is_activation(x), is_activation(2 * x), is_activation(torch.ones(2))
+        (False, True, False)
+    """
+    # requires_grad and not a leaf: the same as having a grad_fn, and cheaper to ask.
+    return isinstance(value, torch.Tensor) and value.requires_grad and not value.is_leaf
+
+
+class _ScaledGradient(torch.autograd.Function):
+    """Identity on ``x`` whose backward multiplies the gradient by ``factor`` (a number or a tensor).
+
+    ``in_place`` rebases ``x`` itself (every reference to it sees the new history, as an in-place sum needs);
+    otherwise the result is a view of ``x``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float | torch.Tensor, in_place: bool) -> torch.Tensor:
+        ctx.factor = factor
+        if in_place:
+            ctx.mark_dirty(x)
+            return x
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None, None
+
+
+def scale_gradient(x: torch.Tensor, factor: float | torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """``x`` with its gradient multiplied by ``factor``; a view of ``x``, or ``x`` itself rebased with ``in_place``.
+
+    Examples:
+        >>> x = torch.tensor([2.0], requires_grad=True)
+        >>> torch.autograd.grad(scale_gradient(x, 0.5) * 3, x)[0]
+        tensor([1.5000])
+        >>> y = 3 * x
+        >>> scale_gradient(y, torch.tensor([0.25]), in_place=True) is y
+        True
+        >>> torch.autograd.grad(y, x)[0]
+        tensor([0.7500])
+    """
+    if not in_place and isinstance(factor, (int, float)) and factor == 1:
+        return x
+    return _ScaledGradient.apply(x, factor, in_place)

@@ -1,0 +1,117 @@
+"""The numerics every rule shares: the stabilizer, the safe division, and element-wise work in cache-sized pieces."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+__all__ = [
+    "stabilize",
+    "signed_shift",
+    "safe_divide",
+    "PIECE",
+    "pieces",
+    "in_pieces_",
+    "has_negative",
+    "nonzero",
+    "nonzero_where_negative",
+]
+
+
+def stabilize(tensor: torch.Tensor, epsilon: float = 1e-6) -> torch.Tensor:
+    """Shift ``tensor`` away from zero by ``epsilon``, keeping its sign (zero counts as positive).
+
+    ``stabilize(z) = z + epsilon * sign(z)`` with ``sign(0) = 1``, so that dividing
+    by the result is safe.
+
+    Examples:
+        >>> stabilize(torch.tensor([-1.0, 0.0, 2.0]), epsilon=0.5)
+        tensor([-1.5000,  0.5000,  2.5000])
+    """
+    return signed_shift(tensor, epsilon).add_(tensor)
+
+
+def signed_shift(tensor: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """``epsilon · sign(tensor)`` with ``sign(0) = 1``: the shift of :func:`stabilize`.
+
+    Examples:
+        >>> signed_shift(torch.tensor([-3.0, 0.0, 2.0]), epsilon=0.5)
+        tensor([-0.5000,  0.5000,  0.5000])
+    """
+    # ±epsilon as sign(sign(t) + 0.5)·epsilon: +1 for t ≥ 0 (−0.0 included), −1 for t < 0, NaN for NaN; in the
+    # tensor's dtype (no float32 rounding of epsilon). Twice as fast as a comparison and a conversion, and several
+    # times faster than torch.where on CPU.
+    return torch.sign(tensor).add_(0.5).sign_().mul_(epsilon)
+
+
+def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """``numerator / denominator`` where the denominator is non-zero, and ``0`` where it is zero.
+
+    Examples:
+        >>> safe_divide(torch.tensor([1.0, 2.0]), torch.tensor([0.0, 4.0]))
+        tensor([0.0000, 0.5000])
+    """
+    nonzero = denominator != 0
+    return torch.where(nonzero, numerator / torch.where(nonzero, denominator, 1), 0)
+
+
+# Elements per piece of :func:`pieces`: 4 MiB in float32. Much larger temporaries would be fresh
+# memory from the operating system on every call (page faults cost as much as the arithmetic).
+PIECE = 1 << 20
+
+
+def pieces(*tensors: torch.Tensor, sample: torch.Tensor | None = None) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Aligned pieces of same-shape ``tensors``, each with a scratch piece, for element-wise work in cache.
+
+    ``sample`` (one sample, batch size 1) is repeated along the batch dimension. Tensors that are not all
+    contiguous and of one shape come as one piece.
+
+    Examples:
+        >>> a, b = torch.arange(6.0).view(2, 3), torch.ones(2, 3)
+        >>> for a_piece, b_piece, scratch in pieces(a, b):
+        ...     _ = a_piece.add_(torch.mul(b_piece, 2, out=scratch))
+        >>> a
+        tensor([[2., 3., 4.],
+                [5., 6., 7.]])
+    """
+    first = tensors[0]
+    aligned = first.numel() > 0 and all(t.shape == first.shape and t.is_contiguous() for t in tensors)
+    if sample is not None:
+        aligned = (
+            aligned and first.dim() > 0 and sample.is_contiguous() and sample.numel() * len(first) == first.numel()
+        )
+    if not aligned:
+        whole = tensors if sample is None else (*tensors, sample.expand_as(first))
+        yield (*whole, torch.empty_like(first))
+        return
+    rows = [t.view(1 if sample is None else len(t), -1) for t in tensors]
+    scratch = first.new_empty(min(PIECE, rows[0].shape[1]))
+    repeated = [] if sample is None else [sample.view(-1).split(PIECE)]
+    for row in zip(*rows, strict=True):
+        for piece in zip(*(r.split(PIECE) for r in row), *repeated, strict=True):
+            yield (*piece, scratch[: piece[0].numel()])
+
+
+def in_pieces_(tensor: torch.Tensor, update_: Callable[[torch.Tensor], object]) -> torch.Tensor:
+    """Apply the element-wise in-place ``update_`` to ``tensor`` piece by piece, so its temporaries stay small."""
+    for piece, _ in pieces(tensor):
+        update_(piece)
+    return tensor
+
+
+def has_negative(x: torch.Tensor) -> bool:
+    """Whether ``x`` has a negative entry: one read-only pass (no boolean tensor)."""
+    return x.numel() > 0 and bool(x.amin() < 0)
+
+
+def nonzero_where_negative(grad: torch.Tensor, z: torch.Tensor) -> bool:
+    """Whether ``grad`` is non-zero (or NaN) anywhere ``z < 0``; piece by piece, stopping at the first such piece."""
+    return z.numel() > 0 and any(nonzero(torch.clamp(z_, max=0, out=s).mul_(g)) for g, z_, s in pieces(grad, z))
+
+
+def nonzero(tensor: torch.Tensor) -> bool:
+    """Whether a non-empty ``tensor`` has an entry that is not zero (NaN counts): one reduction, five times faster
+    than ``any()``, which converts to booleans first."""
+    low, high = torch.aminmax(tensor)
+    return not bool((low == 0) & (high == 0))

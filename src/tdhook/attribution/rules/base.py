@@ -1,0 +1,407 @@
+"""What every rule is made of: the ``Rule`` base class, its registration on a module, the handle that undoes it,
+and ``ParamModifier`` for the rules that compute with modified parameters.
+
+Every rule changes the gradient that flows backward through one module, so that
+the relevance of any tensor ``a`` is ``a * grad(a)`` (see the design page of the
+docs). With ``z`` the module's output and ``R = z * grad(z)`` its relevance, each
+rule's docstring gives the relevance ``R_i`` it assigns to the module's input ``x``.
+
+A rule is registered on a module with :meth:`Rule.register`, which returns a
+:class:`RemovableRuleHandle`. Registration adds forward hooks only and never
+writes a parameter: the modified parameters a rule needs are computed once,
+when it is registered, and passed to its own forward passes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from tdhook.attribution.rules._layers import LINEAR_LAYERS
+
+__all__ = [
+    "ParamModifier",
+    "Registration",
+    "LayerCall",
+    "MergedLayer",
+    "layer_call_of",
+    "RemovableRuleHandle",
+    "Rule",
+]
+
+
+def _identity_modifier(name: str, param: torch.Tensor) -> torch.Tensor:
+    return param
+
+
+class ParamModifier:
+    """A modification of a module's own parameters.
+
+    Rules call :meth:`modify` and :meth:`state_dicts`, which return modified
+    copies and leave the module untouched. Calling the modifier,
+    ``with modifier(module):``, is the one operation that writes: it puts the
+    modified tensors in the module's parameter slots for the ``with`` block and
+    the original parameter objects back after it, error or not. It is there for
+    running a modified module by hand; no rule uses it.
+
+    Args:
+        modify_fn: ``(name, param) -> tensor``, the modified value of a selected parameter.
+            Defaults to the identity.
+        select_fn: ``(name, param) -> bool``, which parameters to modify. Defaults to
+            :meth:`select_all`.
+
+    Examples:
+        >>> lin = nn.Linear(2, 1)
+        >>> positive = ParamModifier(lambda name, p: p.clamp(min=0))
+        >>> original, modified = positive.state_dicts(lin)
+        >>> sorted(modified), bool((modified["weight"] >= 0).all())
+        (['bias', 'weight'], True)
+        >>> with positive(lin):
+        ...     bool((lin.weight >= 0).all())
+        True
+        >>> lin.weight is original["weight"]
+        True
+    """
+
+    def __init__(
+        self,
+        modify_fn: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+        select_fn: Callable[[str, torch.Tensor], bool] | None = None,
+    ) -> None:
+        self.modify_fn = modify_fn or _identity_modifier
+        self.select_fn = select_fn or self.select_all
+
+    @staticmethod
+    def select_all(name: str, param: torch.Tensor) -> bool:
+        """Select every parameter."""
+        return True
+
+    @classmethod
+    def from_modifiers(cls, modifiers: Sequence[ParamModifier]) -> ParamModifier:
+        """Chain modifiers: each applies, in order, to the parameters it selects.
+
+        Examples:
+            >>> zero_bias = ParamModifier(lambda n, p: torch.zeros_like(p), lambda n, p: n == "bias")
+            >>> ones = ParamModifier(lambda n, p: torch.ones_like(p))
+            >>> flat = ParamModifier.from_modifiers([ones, zero_bias])
+            >>> _, modified = flat.state_dicts(nn.Linear(2, 1))
+            >>> modified["weight"].tolist(), modified["bias"].tolist()
+            ([[1.0, 1.0]], [0.0])
+        """
+        modifiers = list(modifiers)
+
+        def select_fn(name: str, param: torch.Tensor) -> bool:
+            return any(m.select_fn(name, param) for m in modifiers)
+
+        def modify_fn(name: str, param: torch.Tensor) -> torch.Tensor:
+            for m in modifiers:
+                if m.select_fn(name, param):
+                    param = m.modify_fn(name, param)
+            return param
+
+        return cls(modify_fn, select_fn)
+
+    def modify(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The selected entries of ``params``, modified (for example a layer merged with its BatchNorm).
+
+        Examples:
+            >>> ParamModifier(lambda n, p: 2 * p).modify({"weight": torch.ones(1)})
+            {'weight': tensor([2.])}
+        """
+        with torch.no_grad():
+            return {n: self.modify_fn(n, p.detach()) for n, p in params.items() if self.select_fn(n, p)}
+
+    def state_dicts(self, module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The selected parameters of ``module`` (not of its children), as they are and as modified."""
+        original = {n: p for n, p in module.named_parameters(recurse=False) if self.select_fn(n, p)}
+        return original, self.modify(original)
+
+    @contextmanager
+    def __call__(self, module: nn.Module) -> Iterator[nn.Module]:
+        """Swap in the modified parameters for the ``with`` block; restore the originals after it."""
+        original, modified = self.state_dicts(module)
+        try:
+            for name, value in modified.items():
+                module._parameters[name] = value
+            yield module
+        finally:
+            for name, value in original.items():
+                module._parameters[name] = value
+
+
+_ZERO_BIAS = ParamModifier(lambda n, p: torch.zeros_like(p), lambda n, p: n == "bias")
+
+
+def _zeroing(names: Sequence[str]) -> ParamModifier:
+    names = tuple(names)
+    return ParamModifier(lambda n, p: torch.zeros_like(p), lambda n, p: n in names)
+
+
+_UNPREPARED = object()
+
+
+@dataclass
+class Registration:
+    """What a rule keeps for one module it is registered on."""
+
+    state: Any
+    hooks: list = field(default_factory=list)
+    snapshots: list = field(default_factory=list)
+    records: list = field(default_factory=list)
+    busy: list = field(default_factory=list)
+    merged_by_norm: bool = False  # a BatchNorm took over the module's last call (see MergeBatchNormRule)
+
+
+@dataclass(eq=False)
+class LayerCall:
+    """One call of a Linear or convolution layer, attached to the tensor its rule returned.
+
+    A BatchNorm that reads this tensor merges itself into the layer (see
+    :class:`MergeBatchNormRule`). ``observers`` are called with the merged
+    layer's output when that happens, so that checks and inner-layer relevance
+    see the output of the merged layer.
+    """
+
+    module: nn.Module
+    rule: Rule
+    registration: Registration
+    x: torch.Tensor
+    raw: torch.Tensor
+    version: int
+    observers: list = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class MergedLayer:
+    """A Linear or convolution layer with the following BatchNorm folded in.
+
+    ``params`` holds ``weight`` and ``bias`` of the merged layer, ``channel_scale``
+    the BatchNorm's ``γ / sqrt(var + eps)`` per channel, and ``cache`` whatever a
+    rule derives from them (computed once per context).
+    """
+
+    params: dict[str, torch.Tensor]
+    channel_scale: torch.Tensor
+    cache: dict = field(default_factory=dict)
+
+
+_LAYER_CALL = "_tdhook_layer_call"
+_LAYER_MARK = "tdhook_layer"
+
+
+def layer_call_of(tensor: Any) -> LayerCall | None:
+    """The :class:`LayerCall` that produced ``tensor``, if it is still unmodified."""
+    call = getattr(tensor, _LAYER_CALL, None)
+    if call is None or call.version != tensor._version:
+        return None
+    return call
+
+
+class RemovableRuleHandle:
+    """Undo one :meth:`Rule.register`. Holds the module by weak reference.
+
+    Examples:
+        >>> from tdhook.attribution.rules import EpsilonRule
+        >>> lin = nn.Linear(2, 2)
+        >>> with EpsilonRule().register(lin):
+        ...     len(lin._forward_hooks)
+        1
+        >>> len(lin._forward_hooks)
+        0
+    """
+
+    def __init__(self, rule: Rule, module: nn.Module) -> None:
+        self.rule = rule
+        self._module_ref = weakref.ref(module)
+
+    @property
+    def module(self) -> nn.Module | None:
+        """The module, or ``None`` once it has been garbage collected."""
+        return self._module_ref()
+
+    def _records(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        module = self.module
+        registration = self.rule._registrations.get(module) if module is not None else None
+        return registration.records if registration is not None else []
+
+    @property
+    def records(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Relevance not carried by the gradient so far, as ``(module input, relevance)`` pairs."""
+        return list(self._records())
+
+    def pop_records(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Relevance not carried by the gradient, as ``(module input, relevance)`` pairs, since the last pop."""
+        records = self._records()
+        popped = list(records)
+        records.clear()
+        return popped
+
+    def remove(self) -> None:
+        """Remove the rule's hooks from the module."""
+        module = self.module
+        if module is not None:
+            self.rule.unregister(module)
+
+    def __enter__(self) -> RemovableRuleHandle:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.remove()
+
+
+class Rule:
+    """Base class of the LRP rules.
+
+    A rule rewrites a module's output into a tensor of the same value whose
+    gradient is the rule's. Subclasses implement :meth:`rewrite` and, when they
+    need modified parameters, :meth:`prepare` (called once per registration).
+    """
+
+    #: whether :meth:`rewrite` reads the module's input (in-place modules then keep a copy of it).
+    uses_input: bool = True
+    #: whether :meth:`rewrite_merged` is implemented (a following BatchNorm can be merged).
+    merges_batch_norm: bool = False
+
+    def __init__(self) -> None:
+        self._registrations: weakref.WeakKeyDictionary[nn.Module, Registration] = weakref.WeakKeyDictionary()
+
+    def __getstate__(self) -> dict:
+        if len(self._registrations):
+            raise RuntimeError(
+                f"{type(self).__name__} is registered on {len(self._registrations)} module(s); copy or pickle it "
+                "outside the LRP context"
+            )
+        return {k: v for k, v in self.__dict__.items() if k != "_registrations"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._registrations = weakref.WeakKeyDictionary()
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({args})"
+
+    def prepare(self, module: nn.Module) -> Any:
+        """Per-module state computed once at registration (for example modified parameters)."""
+        return None
+
+    def rewrite(
+        self, module: nn.Module, registration: Registration, inputs: tuple, output: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Return the module's output with the rule's gradient, or ``None`` to keep it.
+
+        ``registration.state`` holds what :meth:`prepare` returned, and relevance the
+        gradient cannot carry goes to ``registration.records``.
+        """
+        raise NotImplementedError
+
+    def rewrite_merged(self, call: LayerCall, output: torch.Tensor, merged: MergedLayer) -> torch.Tensor | None:
+        """Like :meth:`rewrite`, for ``call.module`` merged with the BatchNorm whose output is ``output``.
+
+        The returned tensor replaces the BatchNorm's output. Implemented by the
+        rules with ``merges_batch_norm = True``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot be merged with a BatchNorm")
+
+    def resolve(self, module: nn.Module, registration: Registration, inputs: tuple) -> tuple[Rule, Registration]:
+        """The rule that handles this call (a rule that delegates returns another)."""
+        return self, registration
+
+    def register(self, module: nn.Module) -> RemovableRuleHandle:
+        """Attach the rule to ``module``; the returned handle removes it."""
+        if module in self._registrations:
+            raise ValueError(f"{self!r} is already registered on this {type(module).__name__}")
+        registration = self._new_registration(module)
+        if self.uses_input and getattr(module, "inplace", False):
+            registration.hooks.append(module.register_forward_pre_hook(self._snapshot_hook(registration)))
+        registration.hooks.append(module.register_forward_hook(self._forward_hook(registration)))
+        self._registrations[module] = registration
+        return RemovableRuleHandle(self, module)
+
+    def _new_registration(self, module: nn.Module) -> Registration:
+        # A lazy module (LazyConv2d, LazyLinear) is prepared at its first call, once its shapes are known.
+        return Registration(_UNPREPARED if _has_uninitialized_parameters(module) else self.prepare(module))
+
+    def is_registered(self, module: nn.Module) -> bool:
+        """Whether the rule has hooks on ``module``."""
+        registration = self._registrations.get(module)
+        return registration is not None and bool(registration.hooks)
+
+    def unregister(self, module: nn.Module) -> None:
+        """Detach the rule from ``module`` (no-op when it is not attached)."""
+        registration = self._registrations.pop(module, None)
+        if registration is not None:
+            for hook in registration.hooks:
+                hook.remove()
+
+    @staticmethod
+    def _snapshot_hook(registration: Registration) -> Callable:
+        def hook(module: nn.Module, args: tuple) -> None:
+            if torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+                registration.snapshots.append((args[0].clone(), *args[1:]))
+
+        return hook
+
+    def _forward_hook(self, registration: Registration) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+            inputs = registration.snapshots.pop() if registration.snapshots else args
+            if registration.busy or not torch.is_grad_enabled():
+                return None
+            if not isinstance(output, torch.Tensor) or not output.requires_grad:
+                return None
+            if registration.state is _UNPREPARED:
+                registration.state = self.prepare(module)
+            rule, reg = self.resolve(module, registration, inputs)
+            result = rule.rewrite(module, reg, inputs, output)
+            if isinstance(module, LINEAR_LAYERS) and len(inputs) == 1 and isinstance(inputs[0], torch.Tensor):
+                _mark(result if result is not None else output, LayerCall(module, rule, reg, inputs[0], output, 0))
+            return result
+
+        return hook
+
+
+def _has_uninitialized_parameters(module: nn.Module) -> bool:
+    return any(nn.parameter.is_lazy(p) for p in module.parameters(recurse=False))
+
+
+def _mark(tensor: torch.Tensor, call: LayerCall) -> None:
+    """Attach ``call`` to the layer's output and mark its autograd node as a layer boundary."""
+    call.version = tensor._version
+    setattr(tensor, _LAYER_CALL, call)
+    if tensor.grad_fn is not None:
+        tensor.grad_fn.metadata[_LAYER_MARK] = True
+
+
+def _reaches_model_input(x: torch.Tensor) -> bool:
+    """Whether ``x`` depends on a non-parameter leaf without passing through a Linear or convolution layer."""
+    if x.grad_fn is None:
+        return x.requires_grad and not isinstance(x, nn.Parameter)
+    stack, seen = [x.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node.metadata.get(_LAYER_MARK, False):
+            continue
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            if not isinstance(variable, nn.Parameter):
+                return True
+            continue
+        stack.extend(fn for fn, _ in node.next_functions)
+    return False
+
+
+def _single_input(rule: Rule, module: nn.Module, inputs: tuple) -> torch.Tensor:
+    if len(inputs) != 1 or not isinstance(inputs[0], torch.Tensor):
+        raise ValueError(
+            f"{type(rule).__name__} expects one tensor input on {type(module).__name__}, got {len(inputs)} arguments"
+        )
+    return inputs[0]

@@ -1,0 +1,219 @@
+"""The rules that need no modified parameters: ε (and LRP-0), pass, ignore, stop and the uniform split.
+
+With ``z`` the module's output and ``R = z * grad(z)`` its relevance, each
+rule's docstring gives the relevance ``R_i`` it assigns to the module's input.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tdhook.attribution.rules._autograd import redirect, relevance_proxy, times_saved
+from tdhook.attribution.rules._layers import LINEAR_LAYERS, bias_view
+from tdhook.attribution.rules._numerics import in_pieces_, stabilize
+from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, _single_input
+
+__all__ = ["IgnoreRule", "StopRule", "EpsilonRule", "UniformEpsilonRule", "PassRule", "UniformRule"]
+
+
+class IgnoreRule(Rule):
+    """The plain gradient: ``R_i = x_i * (∂z/∂x)^T (R / z)`` for linear ``z`` (LRP-0).
+
+    For MaxPool, Dropout, Flatten, Identity and other modules whose gradient
+    already routes relevance, it registers nothing. On Linear and convolution
+    layers it registers a hook that changes nothing but lets a following
+    BatchNorm merge into the layer (the merged pair is then differentiated as it is).
+
+    Examples:
+        >>> pool = nn.MaxPool1d(2)
+        >>> with IgnoreRule().register(pool):
+        ...     len(pool._forward_hooks)
+        0
+    """
+
+    uses_input = False
+    merges_batch_norm = True
+
+    def register(self, module: nn.Module) -> RemovableRuleHandle:
+        if isinstance(module, LINEAR_LAYERS):
+            return super().register(module)
+        return RemovableRuleHandle(self, module)
+
+    def rewrite(self, module, registration, inputs, output):
+        return None
+
+    def rewrite_merged(self, call, output, merged):
+        return None
+
+
+class StopRule(Rule):
+    """No relevance flows back through the module: ``R_i = 0``.
+
+    Examples:
+        >>> x = torch.ones(1, 2, requires_grad=True)
+        >>> lin = nn.Linear(2, 2)
+        >>> with StopRule().register(lin):
+        ...     lin(x).requires_grad
+        False
+    """
+
+    uses_input = False
+
+    def rewrite(self, module, registration, inputs, output):
+        return output.detach()
+
+
+class EpsilonRule(Rule):
+    """LRP-ε: ``R_i = x_i * Σ_j (∂z_j/∂x_i) R_j / stabilize(z_j, ε)``.
+
+    The output gradient is rescaled by ``z / stabilize(z, ε)`` and the module's
+    ordinary backward does the rest: no second forward pass. ``ε = 0`` is
+    LRP-0, which equals gradient × input. With ``ε`` as a pure stabilizer this
+    is zennit's ``Norm`` (used for average pooling).
+
+    Args:
+        epsilon: the stabilizer added to ``z`` with its sign.
+
+    Examples:
+        >>> lin = nn.Linear(3, 2)
+        >>> x = torch.randn(4, 3, requires_grad=True)
+        >>> with EpsilonRule(epsilon=0.0).register(lin):
+        ...     relevance = x * torch.autograd.grad(lin(x)[:, 0].sum(), x)[0]
+        >>> torch.allclose(relevance, x * lin.weight[0])
+        True
+    """
+
+    uses_input = False
+    merges_batch_norm = True
+
+    def __init__(self, epsilon: float = 1e-6) -> None:
+        super().__init__()
+        self.epsilon = epsilon
+
+    def _scale(self, output: torch.Tensor, n_inputs: int) -> torch.Tensor:
+        z = output.detach()
+        if self.epsilon == 0:
+            scale = (z != 0).to(z.dtype)
+        else:
+            # z / stabilize(z, ε) is |z| / (|z| + ε) exactly (a sign flip is exact), in three passes.
+            scale = in_pieces_(z.abs(), lambda piece: piece.div_(piece + self.epsilon))
+        return scale if n_inputs == 1 else scale.div_(n_inputs)
+
+    def rewrite(self, module, registration, inputs, output):
+        scale = self._scale(output, 1)
+        return redirect(output, [output], lambda grad: [times_saved(grad, scale)])
+
+    def rewrite_merged(self, call, output, merged):
+        # The merged layer's weights are the layer's times the channel scale: the
+        # gradient at the layer's own output is the merged one times that scale.
+        channel = bias_view(call.module, merged.channel_scale)
+        scale = self._scale(output, 1).mul_(channel)
+        return redirect(output, [call.raw], lambda grad: [times_saved(grad, scale)])
+
+
+class UniformEpsilonRule(EpsilonRule):
+    """LRP-ε shared evenly among the ``n`` tensor inputs of a multi-input module.
+
+    ``R_i^(k) = x_i^(k) * Σ_j (∂z_j/∂x_i^(k)) R_j / (n * stabilize(z_j, ε))``. For an
+    element-wise product ``z = a * b`` each factor gets ``R / 2``.
+
+    Examples:
+        >>> class Mul(nn.Module):
+        ...     def forward(self, a, b):
+        ...         return a * b
+        >>> mul, a, b = Mul(), torch.tensor([2.0], requires_grad=True), torch.tensor([3.0], requires_grad=True)
+        >>> with UniformEpsilonRule(epsilon=0.0).register(mul):
+        ...     ga, gb = torch.autograd.grad(mul(a, b), (a, b))
+        >>> (a * ga).item(), (b * gb).item()
+        (3.0, 3.0)
+    """
+
+    def rewrite(self, module, registration, inputs, output):
+        n_inputs = sum(isinstance(i, torch.Tensor) and i.requires_grad for i in inputs)
+        scale = self._scale(output, max(n_inputs, 1))
+        return redirect(output, [output], lambda grad: [times_saved(grad, scale)])
+
+
+class PassRule(Rule):
+    """Relevance passes unchanged through an element-wise module: ``R_i = R_i(out)``.
+
+    For activations and un-merged normalisation. The input gradient is
+    ``grad(z) * z / stabilize(x)``. On ``nn.ReLU`` this equals the plain
+    gradient, so nothing is registered there.
+
+    Examples:
+        >>> x = torch.tensor([-1.0, 0.5, 2.0], requires_grad=True)
+        >>> act = nn.Tanh()
+        >>> with PassRule().register(act):
+        ...     z = act(x)
+        ...     relevance = x * torch.autograd.grad(z, x, torch.ones(3))[0]
+        >>> torch.allclose(relevance, z)
+        True
+    """
+
+    def __init__(self, stabilizer: float = 1e-12) -> None:
+        super().__init__()
+        self.stabilizer = stabilizer
+
+    def register(self, module: nn.Module) -> RemovableRuleHandle:
+        if type(module) is nn.ReLU:
+            return RemovableRuleHandle(self, module)
+        return super().register(module)
+
+    def rewrite(self, module, registration, inputs, output):
+        x = _single_input(self, module, inputs)
+        if x.shape != output.shape:
+            raise ValueError(
+                f"PassRule needs an element-wise module; {type(module).__name__} maps {tuple(x.shape)} "
+                f"to {tuple(output.shape)}"
+            )
+        return self.apply(output, x) if x.requires_grad else None
+
+    def apply(self, output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``output = f(x)`` for an element-wise ``f``, with the rule's gradient."""
+        if not x.requires_grad or x.shape != output.shape:
+            return output
+        scale = output.detach() / stabilize(x.detach(), self.stabilizer)
+        return redirect(output, [x], lambda grad: [grad * scale])
+
+
+class UniformRule(Rule):
+    """Relevance split evenly among the ``n`` inputs of a module: ``R^(k) = R / n``.
+
+    Every input must have the output's shape. The relevance is set directly (it
+    is not proportional to the input), so zero-valued inputs keep theirs.
+
+    Examples:
+        >>> class Add(nn.Module):
+        ...     def forward(self, a, b):
+        ...         return a + b
+        >>> add, a, b = Add(), torch.tensor([1.0], requires_grad=True), torch.tensor([3.0], requires_grad=True)
+        >>> with UniformRule().register(add):
+        ...     ga, gb = torch.autograd.grad(add(a, b), (a, b))
+        >>> (a * ga).item(), (b * gb).item()
+        (2.0, 2.0)
+    """
+
+    def rewrite(self, module, registration, inputs, output):
+        tensors = [i for i in inputs if isinstance(i, torch.Tensor) and i.requires_grad]
+        for t in tensors:
+            if t.shape != output.shape:
+                raise ValueError(
+                    f"UniformRule needs inputs shaped like the output {tuple(output.shape)} on "
+                    f"{type(module).__name__}, got {tuple(t.shape)}"
+                )
+        if not tensors:
+            return None
+        share = output.detach() / len(tensors)
+        stand_ins = []
+        for t in tensors:
+            (ones,) = relevance_proxy(
+                t,
+                [torch.ones_like(share)],
+                lambda grads: grads[0],
+                lambda rest, t=t: registration.records.append((t, rest)),
+            )
+            stand_ins.append(ones)
+        # d(share * ones)/d(ones) = share, so each proxy receives R / n as its gradient.
+        return redirect(output, stand_ins, lambda grad: [grad * share] * len(stand_ins))

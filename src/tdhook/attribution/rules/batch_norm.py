@@ -1,0 +1,108 @@
+"""BatchNorm in eval mode, merged into the Linear or convolution layer before it for that layer's rule."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from tdhook.attribution.rules._layers import TRANSPOSED_FORWARDS
+from tdhook.attribution.rules.base import _LAYER_MARK, LayerCall, MergedLayer, layer_call_of
+from tdhook.attribution.rules.basic import PassRule
+
+__all__ = ["MergeBatchNormRule"]
+
+
+class MergeBatchNormRule(PassRule):
+    """A BatchNorm in eval mode merged into the Linear or convolution layer that feeds it.
+
+    When the BatchNorm's input is the unmodified output of a layer with a rule
+    that supports merging, that rule is applied to the merged layer
+    ``W' = W s``, ``b' = (b - μ) s + β`` with ``s = γ / sqrt(var + eps)`` (what
+    zennit's BatchNorm canonizers compute), without writing any parameter.
+    Otherwise (training mode, no running statistics, another producer) it is
+    :class:`PassRule`.
+
+    Examples:
+        >>> from tdhook.attribution.rules import AlphaBetaRule
+        >>> conv, bn, rule = nn.Conv1d(1, 2, 3), nn.BatchNorm1d(2).eval(), AlphaBetaRule(1.0, 0.0)
+        >>> bn.running_mean.fill_(0.5), bn.running_var.fill_(4.0)  # doctest: +ELLIPSIS
+        (...)
+        >>> by_hand = nn.Conv1d(1, 2, 3)  # the merged layer, built by hand
+        >>> with torch.no_grad():
+        ...     s = bn.weight / (bn.running_var + bn.eps).sqrt()
+        ...     _ = by_hand.weight.copy_(conv.weight * s.view(-1, 1, 1))
+        ...     _ = by_hand.bias.copy_((conv.bias - bn.running_mean) * s + bn.bias)
+        >>> def relevance(*layers):
+        ...     x = torch.randn(1, 1, 5, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        ...     out = nn.Sequential(*layers)(x)
+        ...     return x * torch.autograd.grad(out, x, out.detach())[0]
+        >>> with rule.register(conv), MergeBatchNormRule().register(bn):
+        ...     merged = relevance(conv, bn)
+        >>> with rule.register(by_hand):
+        ...     expected = relevance(by_hand)
+        >>> torch.allclose(merged, expected)
+        True
+    """
+
+    def __init__(self, stabilizer: float = 1e-12) -> None:
+        super().__init__(stabilizer)
+        self._warned: set[type] = set()
+
+    def prepare(self, module: nn.Module) -> dict:
+        return {}
+
+    def rewrite(self, module, registration, inputs, output):
+        call = layer_call_of(inputs[0]) if len(inputs) == 1 else None
+        if call is None or not _can_merge(call, module):
+            return super().rewrite(module, registration, inputs, output)
+        if not call.rule.merges_batch_norm:
+            if type(call.rule) not in self._warned:
+                self._warned.add(type(call.rule))
+                warnings.warn(
+                    f"{type(call.rule).__name__} on {type(call.module).__name__} cannot be merged with the "
+                    f"{type(module).__name__} that follows it; the {type(module).__name__} passes relevance through",
+                    stacklevel=2,
+                )
+            return super().rewrite(module, registration, inputs, output)
+        merged = registration.state.get(call.module)
+        if merged is None:
+            merged = registration.state[call.module] = _merge_batch_norm(call.module, module)
+        result = call.rule.rewrite_merged(call, output, merged)
+        if result is not None and result.grad_fn is not None:
+            result.grad_fn.metadata[_LAYER_MARK] = True  # the merged layer's output is a layer boundary
+        for observe in call.observers:
+            observe(result if result is not None else output)
+        return result
+
+
+def _can_merge(call: LayerCall, norm: nn.Module) -> bool:
+    if norm.training or norm.running_mean is None or norm.running_var is None:
+        return False
+    raw = call.raw
+    if isinstance(call.module, nn.Linear) and raw.dim() != 2:
+        return False  # BatchNorm1d on (N, L, C) normalises L, not the layer's features
+    return raw.dim() >= 2 and raw.shape[1] == norm.num_features
+
+
+def _merge_batch_norm(layer: nn.Module, norm: nn.Module) -> MergedLayer:
+    with torch.no_grad():
+        scale = (norm.running_var + norm.eps).rsqrt()
+        shift = torch.zeros_like(scale)
+        if norm.weight is not None:
+            scale = scale * norm.weight
+        if norm.bias is not None:
+            shift = norm.bias.detach()
+        weight = layer.weight.detach()
+        bias = layer.bias.detach() if layer.bias is not None else torch.zeros_like(norm.running_mean)
+        if isinstance(layer, tuple(TRANSPOSED_FORWARDS)):
+            # (in, out / groups, *kernel): output channel g * out / groups + j sits at [group g's inputs, j].
+            groups = layer.groups
+            grouped = weight.reshape(groups, weight.shape[0] // groups, *weight.shape[1:])
+            per_group = scale.reshape(groups, 1, -1, *[1] * (weight.dim() - 2))
+            weight = (grouped * per_group).reshape(weight.shape)
+        else:
+            weight = weight * scale.view(-1, *[1] * (weight.dim() - 1))
+        bias = (bias - norm.running_mean) * scale + shift
+    return MergedLayer({"weight": weight, "bias": bias}, scale)

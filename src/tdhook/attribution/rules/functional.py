@@ -1,0 +1,187 @@
+"""Rules for functions that are not modules: products, softmax, attention, functional activations and norms.
+
+Transformers compute attention with ``torch.matmul``, ``torch.bmm``,
+``F.softmax`` or a fused ``F.scaled_dot_product_attention``, inside a module's
+``forward``. :class:`FunctionalRules` is a ``TorchFunctionMode``: while the LRP
+wrapper runs the model's forward pass inside it, it gives those calls the
+transformer rules (see :mod:`~tdhook.attribution.rules.transformer`).
+Nothing in the model, its classes or the process is patched, and the mode
+ends with the forward pass.
+
+Only calls on *activations* are changed: tensors with autograd history, as
+opposed to parameters, buffers and constants.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from tdhook.attribution.rules._autograd import is_activation, scale_gradient
+from tdhook.attribution.rules.transformer import (
+    AHQKVRule,
+    LayerNormRule,
+    PseudoIdentityRule,
+    SoftmaxEpsilonRule,
+    uniform_product,
+)
+
+__all__ = ["FunctionalRules"]
+
+_PRODUCTS = frozenset(
+    {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
+    | {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
+)
+_SOFTMAX = frozenset({F.softmax, torch.softmax, torch.Tensor.softmax})
+_ACTIVATION_FUNCTIONS = frozenset(
+    {F.gelu, F.silu, F.mish, F.elu, F.selu, F.celu, F.softplus, F.sigmoid, F.tanh, F.hardswish, F.leaky_relu}
+    | {torch.tanh, torch.sigmoid, torch.Tensor.tanh, torch.Tensor.sigmoid}
+)
+
+
+_HANDLED = frozenset(
+    _PRODUCTS
+    | _SOFTMAX
+    | _ACTIVATION_FUNCTIONS
+    | {torch.baddbmm, F.scaled_dot_product_attention, F.layer_norm, F.rms_norm, F.multi_head_attention_forward}
+)
+
+
+def _body_of(func: Callable) -> Callable:
+    """``func`` without its own ``__torch_function__`` dispatch, so that the mode sees the calls inside it.
+
+    A Python function of ``torch.nn.functional`` hands itself whole to the active
+    mode; a copy whose ``has_torch_function`` is false runs its body instead,
+    and every torch call in the body still goes through the mode.
+    """
+    namespace = {**func.__globals__, "has_torch_function": lambda *_: False}
+    body = types.FunctionType(func.__code__, namespace, func.__name__, func.__defaults__, func.__closure__)
+    body.__kwdefaults__ = func.__kwdefaults__
+    return body
+
+
+# Python functions made of other torch calls: the mode runs their bodies, whose calls it then sees.
+_COMPOSITES = {F.multi_head_attention_forward: _body_of(F.multi_head_attention_forward)}
+
+
+def _is_gate(value: torch.Tensor) -> bool:
+    return getattr(value, "_tdhook_activation_of", None) is not None
+
+
+def _argument(args: tuple, kwargs: dict, position: int, name: str, default: Any = None) -> Any:
+    return args[position] if len(args) > position else kwargs.get(name, default)
+
+
+class FunctionalRules(TorchFunctionMode):
+    """Apply AttnLRP's (or CP-LRP's) rules to functional calls during a forward pass.
+
+    * products of two activations (``a * b``, ``a @ b``, ``torch.bmm``,
+      ``torch.baddbmm``): the uniform rule, half of the relevance to each factor;
+      with ``hold_gates``, a factor that is an activation function's output
+      (a gate) is held constant instead and the other factor gets it all;
+    * ``softmax``: ``softmax`` (a :class:`SoftmaxEpsilonRule`, or an
+      :class:`AHQKVRule` for CP-LRP, which holds the attention weights constant);
+    * ``F.scaled_dot_product_attention``: the same rules as the unfused
+      ``softmax(q · kᵀ) · v``; with a non-zero softmax ε it is computed unfused;
+    * functional activations (``F.gelu``, ``F.silu``, ``torch.tanh``, …):
+      ``activation`` (a :class:`PseudoIdentityRule`);
+    * ``F.layer_norm`` and ``F.rms_norm``: :class:`LayerNormRule`.
+
+    Args:
+        softmax: the rule for softmax and attention weights.
+        activation: the rule for element-wise activations.
+        hold_gates: hold gates constant in products (CP-LRP) rather than
+            sharing relevance uniformly (AttnLRP).
+
+    Examples:
+        >>> q = torch.randn(1, 2, 3, 4, requires_grad=True)
+        >>> k, v = (torch.randn(1, 2, 3, 4, requires_grad=True) for _ in range(2))
+        >>> with FunctionalRules(SoftmaxEpsilonRule(), PseudoIdentityRule()):
+        ...     out = F.scaled_dot_product_attention(q * 1, k * 1, v * 1)
+        >>> torch.equal(out, F.scaled_dot_product_attention(q, k, v))
+        True
+        >>> grad_v = torch.autograd.grad(out.sum(), v)[0]  # half of the plain gradient
+        >>> torch.allclose(grad_v, torch.autograd.grad(F.scaled_dot_product_attention(q, k, v).sum(), v)[0] / 2)
+        True
+    """
+
+    def __init__(self, softmax: SoftmaxEpsilonRule, activation: PseudoIdentityRule, hold_gates: bool = False) -> None:
+        super().__init__()
+        self.softmax = softmax
+        self.activation = activation
+        self.hold_gates = hold_gates
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _HANDLED:
+            return func(*args, **kwargs)
+        if func in _PRODUCTS and len(args) == 2 and is_activation(args[0]) and is_activation(args[1]):
+            gates = [_is_gate(a) for a in args] if self.hold_gates else [False, False]
+            if gates[0] != gates[1]:
+                return func(*(a.detach() if gate else a for a, gate in zip(args, gates, strict=True)), **kwargs)
+            # Halving the product's gradient halves both factors' gradients: the uniform rule, in one step.
+            return scale_gradient(func(*args, **kwargs), 0.5)
+        if func is torch.baddbmm and len(args) >= 3 and is_activation(args[1]) and is_activation(args[2]):
+            return func(args[0], *uniform_product(args[1], args[2]), *args[3:], **kwargs)
+        if func in _SOFTMAX and args and is_activation(args[0]):
+            dim = _argument(args, kwargs, 1, "dim")
+            return self.softmax.apply(func(*args, **kwargs), args[0], dim)
+        if func is F.scaled_dot_product_attention:
+            return self._attention(*args, **kwargs)
+        if func in _ACTIVATION_FUNCTIONS and args and is_activation(args[0]):
+            return self.activation.apply(func(*args, **kwargs), args[0])
+        if func is F.layer_norm and is_activation(args[0]):
+            shape = _argument(args, kwargs, 1, "normalized_shape")
+            weight = _argument(args, kwargs, 2, "weight")
+            eps = _argument(args, kwargs, 4, "eps", 1e-5)
+            return LayerNormRule.layer_norm(func(*args, **kwargs), args[0], len(shape), weight, eps)
+        if func is F.rms_norm and is_activation(args[0]):
+            shape = _argument(args, kwargs, 1, "normalized_shape")
+            weight = _argument(args, kwargs, 2, "weight")
+            eps = _argument(args, kwargs, 3, "eps")
+            return LayerNormRule.rms_norm(func(*args, **kwargs), args[0], len(shape), weight, eps)
+        if func in _COMPOSITES:
+            with self:
+                return _COMPOSITES[func](*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+        attention = F.scaled_dot_product_attention
+        if isinstance(self.softmax, AHQKVRule):
+            query, key = query.detach(), key.detach()
+            return attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
+        if self.softmax.epsilon != 0:
+            return self._unfused_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, **kwargs)
+        # The uniform rule on q · kᵀ and on attention · v, applied to the fused call's inputs.
+        scores_product = is_activation(query) and is_activation(key)
+        weights_active = is_activation(query) or is_activation(key)
+        value_product = weights_active and is_activation(value)
+        qk = (0.5 if scores_product else 1.0) * (0.5 if value_product else 1.0)
+        query, key = scale_gradient(query, qk), scale_gradient(key, qk)
+        value = scale_gradient(value, 0.5 if value_product else 1.0)
+        return attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
+
+    def _unfused_attention(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa=False):
+        if dropout_p:
+            raise ValueError("LRP: attention dropout must be off (call the model in eval mode)")
+        if enable_gqa and key.shape[-3] != query.shape[-3]:
+            repeats = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
+        with self:
+            scores = query @ key.transpose(-2, -1) * (1 / math.sqrt(query.shape[-1]) if scale is None else scale)
+            length, source = query.shape[-2], key.shape[-2]
+            if is_causal:
+                keep = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
+                scores = scores.masked_fill(~keep, float("-inf"))
+            if attn_mask is not None:
+                if attn_mask.dtype == torch.bool:
+                    scores = scores.masked_fill(~attn_mask, float("-inf"))
+                else:
+                    scores = scores + attn_mask
+            return torch.softmax(scores, dim=-1) @ value

@@ -1,0 +1,272 @@
+"""The rules for the layer the input reaches first: Flat, w², z^B, and ``FirstLayerRule`` that picks them.
+
+Their relevance is not proportional to the input, so it is set directly: the
+gradient carries ``x * grad`` and the rest (where ``x = 0``) is recorded on the
+rule's registration for the wrapper to add back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from tdhook.attribution.rules._autograd import is_plain_gradient, may_overwrite
+from tdhook.attribution.rules._input_gradients import (
+    direct_input_gradient,
+    direct_input_gradients,
+    has_direct_input_gradient,
+)
+from tdhook.attribution.rules._layers import bias_view
+from tdhook.attribution.rules._numerics import pieces, safe_divide, signed_shift, stabilize
+from tdhook.attribution.rules.base import (
+    _UNPREPARED,
+    _ZERO_BIAS,
+    ParamModifier,
+    Registration,
+    Rule,
+    _reaches_model_input,
+)
+from tdhook.attribution.rules.basic import IgnoreRule
+from tdhook.attribution.rules.modified import _clamp, _ModifiedForwardRule
+
+__all__ = ["FlatRule", "WSquareRule", "ZBoxRule", "FirstLayerRule"]
+
+
+def _shares(grad: torch.Tensor, z: torch.Tensor, sample: torch.Tensor, epsilon: float | None = None) -> torch.Tensor:
+    """``grad · z / d`` for ``d = sample`` or, given ``epsilon``, ``d = stabilize(z − sample, epsilon)``.
+
+    ``sample`` is one sample's tensor (repeated along the batch dimension) or has ``z``'s shape. The work runs
+    in cache-sized pieces, and the result is written into ``z`` when :func:`may_overwrite` allows it.
+    """
+    if not is_plain_gradient(grad, z):
+        return grad * z / (sample if epsilon is None else stabilize(z - sample, epsilon))
+    share = z if may_overwrite(grad, z) else torch.empty_like(z)
+    aligned = pieces(z, grad, share, sample) if sample.shape == z.shape else pieces(z, grad, share, sample=sample)
+    for z_, g, s, d, scratch in aligned:
+        if epsilon is not None:
+            d = torch.sub(z_, d, out=scratch)
+            d.add_(signed_shift(d, epsilon))
+        torch.div(torch.mul(g, z_, out=s), d, out=s)
+    return share
+
+
+def _one_sample_shape(module: nn.Module, x: torch.Tensor) -> tuple[int, ...] | None:
+    """The shape of one sample of the layer input ``x`` (batch size 1); ``None`` when ``x`` has no batch dimension."""
+    feature_dims = 1 if type(module) is nn.Linear else len(module.kernel_size) + 1
+    return (1, *x.shape[1:]) if x.dim() > feature_dims else None
+
+
+class _DirectInputRule(_ModifiedForwardRule):
+    """Input-layer rules whose relevance is not proportional to the input.
+
+    By default the modified forward pass runs on ones in place of the input
+    (the parameters ``"mod"`` carry the rule), and the relevance is the
+    gradient those ones receive.
+    """
+
+    def stand_ins(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.ones_like(x)]
+
+    def modified_output(self, module, registration, params, stand_ins) -> torch.Tensor:
+        return self._forward(module, registration, params["mod"], stand_ins[0])
+
+    def relevance(self, stand_ins, grads) -> torch.Tensor:
+        return grads[0]
+
+    def direct_relevance(self, module, registration, params, x, z, grad) -> torch.Tensor:
+        """The relevance of the layer input ``x``: ``W_modᵀ (grad · z / stabilize(W_mod 1))`` by default."""
+        if not has_direct_input_gradient(module):
+            return self._relevance_by_autograd(module, registration, params, x, z, grad)
+        with torch.no_grad():
+            # The modified output of ones is the same for every sample: computed for one, once per context.
+            def denominator() -> torch.Tensor:
+                ones = x.new_ones(_one_sample_shape(module, x) or x.shape)
+                return stabilize(self._forward(module, registration, params["mod"], ones), self.stabilizer)
+
+            share = _shares(grad, z, self._for_one_sample(module, params, "denominator", x, denominator))
+            return direct_input_gradient(module, params["mod"]["weight"], share, x)
+
+    @staticmethod
+    def _for_one_sample(module, params, name: str, x: torch.Tensor, compute: Callable[[], torch.Tensor]):
+        """``compute()``, a tensor for one sample shaped like those of ``x``, kept while the context lasts."""
+        key = (_one_sample_shape(module, x) or x.shape, x.dtype, x.device)
+        kept = params.setdefault("one_sample", {})
+        if name not in kept or kept[name][0] != key:  # the latest shape only: memory stays bounded
+            kept[name] = (key, compute())
+        return kept[name][1]
+
+    def _relevance_by_autograd(self, module, registration, params, x, z, grad) -> torch.Tensor:
+        """The relevance from :meth:`stand_ins`, :meth:`modified_output` and :meth:`relevance`."""
+        leaves = [s.detach().requires_grad_(True) for s in self.stand_ins(x)]
+        z_mod = self.modified_output(module, registration, params, leaves)
+        start = grad * z / stabilize(z_mod.detach(), self.stabilizer)
+        grads = torch.autograd.grad(z_mod, leaves, start, allow_unused=True)
+        return self.relevance([s.detach() for s in leaves], grads)
+
+    def input_gradient(self, module, registration, params, x, z, grad):
+        value = x.detach()
+        relevance = self.direct_relevance(module, registration, params, value, z, grad)
+        with torch.no_grad():
+            grad_x = safe_divide(relevance, value)
+        # The gradient carries R = x * grad_x; what it cannot carry (where x = 0) is recorded.
+        registration.records.append((x, relevance - value * grad_x))
+        return grad_x
+
+
+class FlatRule(_DirectInputRule):
+    """LRP-flat: ``R_i = Σ_j R_j / stabilize(n_j)`` over output ``j``'s receptive field of size ``n_j``.
+
+    Weights set to one, biases to zero and the input to ones; the relevance is
+    set directly, so zero-valued inputs get their share.
+
+    Examples:
+        >>> lin = nn.Linear(2, 1)
+        >>> x = torch.tensor([[0.0, 5.0]], requires_grad=True)
+        >>> with FlatRule().register(lin) as handle:
+        ...     y = lin(x)
+        ...     grad = torch.autograd.grad(y, x, torch.ones_like(y))[0]
+        ...     relevance = x * grad + handle.pop_records()[0][1]
+        >>> torch.allclose(relevance, y.detach() / 2)
+        True
+    """
+
+    def modifiers(self):
+        return {"mod": ParamModifier.from_modifiers([ParamModifier(lambda n, p: torch.ones_like(p)), _ZERO_BIAS])}
+
+
+class WSquareRule(_DirectInputRule):
+    """LRP-w²: ``R_i = Σ_j w_ij² R_j / stabilize(Σ_i' w_i'j² + b_j²)`` (zennit squares the bias too).
+
+    Examples:
+        >>> WSquareRule(stabilizer=1e-3).stabilizer
+        0.001
+    """
+
+    def modifiers(self):
+        return {"mod": ParamModifier(lambda n, p: p**2)}
+
+
+class ZBoxRule(_DirectInputRule):
+    """LRP-z^B for inputs bounded in ``[low, high]``.
+
+    ``z^B_j = Σ_i x_i w_ij - l_i w⁺_ij - h_i w⁻_ij`` (biases cancel) and
+    ``R_i = Σ_j (x_i w_ij - l_i w⁺_ij - h_i w⁻_ij) R_j / stabilize(z^B_j)``.
+
+    Args:
+        low: lowest input value, a float or a tensor broadcastable to one sample.
+        high: highest input value, likewise.
+
+    Examples:
+        >>> ZBoxRule(low=-1.0, high=1.0).low
+        -1.0
+    """
+
+    def __init__(
+        self,
+        low: float | torch.Tensor,
+        high: float | torch.Tensor,
+        stabilizer: float = 1e-6,
+        zero_params: Sequence[str] = (),
+    ) -> None:
+        super().__init__(stabilizer, zero_params)
+        self.low = low
+        self.high = high
+
+    def modifiers(self):
+        return {"orig": ParamModifier(), "pos": _clamp(min=0.0), "neg": _clamp(max=0.0)}
+
+    def stand_ins(self, x):
+        low = torch.as_tensor(self.low, dtype=x.dtype, device=x.device).expand_as(x)
+        high = torch.as_tensor(self.high, dtype=x.dtype, device=x.device).expand_as(x)
+        return [x, low, high]
+
+    def direct_relevance(self, module, registration, params, x, z, grad):
+        """The relevance without autograd when the bounds are the same for every sample.
+
+        ``z^B = z − b + b_orig − (W⁺l + b⁺) − (W⁻h + b⁻)``, whose last terms are computed for one sample,
+        and ``R = x · Wᵀs − l · W⁺ᵀs − h · W⁻ᵀs = (x − h) · Wᵀs + (h − l) · W⁺ᵀs`` (``W⁻ = W − W⁺``) with
+        ``s = grad · z / stabilize(z^B)``: two transposed products, stacked into one call.
+        """
+        if not has_direct_input_gradient(module):
+            return self._relevance_by_autograd(module, registration, params, x, z, grad)
+        shape = _one_sample_shape(module, x)
+        bounds = [torch.as_tensor(b, dtype=x.dtype, device=x.device) for b in (self.low, self.high)]
+        if shape is None or any(torch.broadcast_shapes(b.shape, shape) != shape for b in bounds):
+            return self._relevance_by_autograd(module, registration, params, x, z, grad)
+        low, high = (b.expand(shape).contiguous() for b in bounds)
+        orig, pos, neg = params["orig"], params["pos"], params["neg"]
+
+        def offset() -> torch.Tensor:
+            offset = self._forward(module, registration, pos, low) + self._forward(module, registration, neg, high)
+            for bias, sign in ((params["plain"].get("bias"), 1), (orig.get("bias"), -1)):
+                if bias is not None:
+                    offset.add_(bias_view(module, bias), alpha=sign)
+            return offset
+
+        with torch.no_grad():
+            offset = self._for_one_sample(module, params, "offset", x, offset)
+            share = _shares(grad, z, offset, self.stabilizer)
+            through_weight, through_positive = direct_input_gradients(module, [orig["weight"], pos["weight"]], share, x)
+            return through_weight.mul_(x - high).add_(through_positive.mul_(high - low))
+
+    def modified_output(self, module, registration, params, stand_ins):
+        x, low, high = stand_ins
+        return (
+            self._forward(module, registration, params["orig"], x)
+            - self._forward(module, registration, params["pos"], low)
+            - self._forward(module, registration, params["neg"], high)
+        )
+
+    def relevance(self, stand_ins, grads):
+        return sum(s * g for s, g in zip(stand_ins, grads, strict=True) if g is not None)
+
+
+class FirstLayerRule(Rule):
+    """``first`` on calls whose input comes from the model's input, ``other`` on the rest.
+
+    A call counts as a first-layer call when its input depends on a tensor
+    that is not a parameter without passing through another Linear or
+    convolution layer, so the first layer is the one the input reaches,
+    wherever it is declared, and every encoder of a multi-input model gets it.
+
+    Examples:
+        >>> class Late(nn.Module):  # declares the output layer before the input layer
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.head, self.stem = nn.Linear(4, 1), nn.Linear(3, 4)
+        ...     def forward(self, x):
+        ...         return self.head(self.stem(x).relu())
+        >>> from tdhook.attribution.rules import EpsilonRule, StopRule
+        >>> model, rule = Late(), FirstLayerRule(first=EpsilonRule(), other=StopRule())
+        >>> x = torch.randn(2, 3, requires_grad=True)
+        >>> with rule.register(model.stem), rule.register(model.head):
+        ...     model(x).requires_grad  # the head, declared first, is not the first layer: StopRule
+        False
+    """
+
+    uses_input = False
+
+    def __init__(self, first: Rule, other: Rule | None = None) -> None:
+        super().__init__()
+        self.first = first
+        self.other = other if other is not None else IgnoreRule()
+
+    def _new_registration(self, module: nn.Module) -> Registration:
+        outer = Registration(None)
+        # Both inner registrations share the outer one's records, read by the handle. Their
+        # state is prepared at the first call that needs it: most layers never use ``first``.
+        outer.state = [Registration(_UNPREPARED, records=outer.records, busy=outer.busy) for _ in self._pair]
+        return outer
+
+    @property
+    def _pair(self) -> tuple[Rule, Rule]:
+        return self.first, self.other
+
+    def resolve(self, module, registration, inputs):
+        index = 0 if inputs and isinstance(inputs[0], torch.Tensor) and _reaches_model_input(inputs[0]) else 1
+        rule, inner = self._pair[index], registration.state[index]
+        if inner.state is _UNPREPARED:
+            inner.state = rule.prepare(module)
+        return rule, inner

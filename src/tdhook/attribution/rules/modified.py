@@ -1,0 +1,294 @@
+"""The rules that run the layer forward with modified parameters: αβ (z⁺ among them) and γ.
+
+The modified passes run in the backward pass, only when relevance reaches the
+layer, with parameters built once per context (see :class:`~tdhook.attribution.rules.base.ParamModifier`).
+Inputs after a ReLU (``x ≥ 0``) take direct paths that apply the transposed
+modified weight without an autograd graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from tdhook.attribution.rules._autograd import is_plain_gradient, may_overwrite, redirect
+from tdhook.attribution.rules._input_gradients import direct_input_gradient, has_direct_input_gradient
+from tdhook.attribution.rules._layers import forward_with
+from tdhook.attribution.rules._numerics import has_negative, nonzero_where_negative, pieces, signed_shift, stabilize
+from tdhook.attribution.rules.base import _ZERO_BIAS, ParamModifier, Registration, Rule, _single_input, _zeroing
+
+__all__ = ["AlphaBetaRule", "GammaRule"]
+
+
+class _ModifiedForwardRule(Rule):
+    """Rules that route relevance through forward passes with modified parameters.
+
+    The modified passes run in the backward pass, only when relevance reaches
+    the layer: a layer whose relevance is taken over by a merged BatchNorm, or
+    that lies off the explained path, costs nothing but a copy of its output.
+    """
+
+    merges_batch_norm = True
+
+    def __init__(self, stabilizer: float = 1e-6, zero_params: Sequence[str] = ()) -> None:
+        super().__init__()
+        self.stabilizer = stabilizer
+        self.zero_params = tuple(zero_params)
+
+    def modifiers(self) -> dict[str, ParamModifier]:
+        raise NotImplementedError
+
+    def modified_params(self, params: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """The modified parameter sets of the rule, by name, built from ``params``."""
+        zero = _zeroing(self.zero_params)
+        modified = {key: ParamModifier.from_modifiers([zero, m]).modify(params) for key, m in self.modifiers().items()}
+        modified["plain"] = dict(params)  # the layer's own (or BatchNorm-merged) weight and bias
+        return modified
+
+    def prepare(self, module: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+        if not isinstance(getattr(module, "weight", None), torch.Tensor):
+            raise ValueError(f"{type(self).__name__} needs a module with a weight; {type(module).__name__} has none")
+        return self.modified_params(dict(module.named_parameters(recurse=False)))
+
+    def input_gradient(
+        self,
+        module: nn.Module,
+        registration: Registration,
+        params: dict[str, dict[str, torch.Tensor]],
+        x: torch.Tensor,
+        z: torch.Tensor,
+        grad: torch.Tensor,
+    ) -> torch.Tensor:
+        """The gradient the rule sends to the layer input ``x``, given the output ``z`` and its gradient."""
+        raise NotImplementedError
+
+    def rewrite(self, module, registration, inputs, output):
+        x = _single_input(self, module, inputs)
+        if not x.requires_grad:
+            return None
+        # When a BatchNorm took over the last call, it most likely takes over this one: this redirect is then
+        # never used, and the output is not copied (if it is used after all, z is copied or recomputed then).
+        copy_output = not registration.merged_by_norm
+        return self._redirect_lazily(module, registration, registration.state, x, output, copy_output)
+
+    def rewrite_merged(self, call, output, merged):
+        call.registration.merged_by_norm = True
+        params = merged.cache.get(self)
+        if params is None:
+            params = merged.cache[self] = self.modified_params(merged.params)
+        return self._redirect_lazily(call.module, call.registration, params, call.x, output)
+
+    def _redirect_lazily(self, module, registration, params, x, output, copy_output=True):
+        version = x._version
+        if copy_output:
+            z = output.detach().clone()  # later in-place operations (ReLU(inplace=True)) must not change it
+        else:
+            z, z_version = output.detach(), output._version
+
+        def backward(grad: torch.Tensor) -> list[torch.Tensor]:
+            if x._version != version:
+                raise RuntimeError(
+                    f"{type(self).__name__} on {type(module).__name__}: the layer's input was modified in place "
+                    "after the layer ran; make that operation out of place"
+                )
+            z_now = z
+            if not copy_output:  # a copy the rule may write into; the output itself, if it is unchanged
+                with torch.no_grad():
+                    z_now = (
+                        z.clone()
+                        if z._version == z_version
+                        else self._forward(module, registration, params["plain"], x)
+                    )
+            with torch.enable_grad():
+                return [self.input_gradient(module, registration, params, x, z_now, grad)]
+
+        return redirect(output, [x], backward)
+
+    @staticmethod
+    def _forward(module, registration, params, x):
+        return forward_with(module, params, x, registration.busy)
+
+    def _signed_forward(self, module, registration, params, x, pairs: Sequence[tuple[str, str]]) -> list[torch.Tensor]:
+        """For each ``(key⁺, key⁻)``: the forward of ``x⁺`` with params ``key⁺`` plus ``x⁻`` with ``key⁻``.
+
+        The ``x⁻`` pass is skipped when ``x`` has no negative entry (after a ReLU): it would add exact zeros.
+        """
+        has_neg = has_negative(x)
+        x_pos = x.clamp(min=0) if has_neg else x
+        x_neg = x.clamp(max=0) if has_neg else None
+        outputs = []
+        for pos_key, neg_key in pairs:
+            out = self._forward(module, registration, params[pos_key], x_pos)
+            if has_neg:
+                out = out + self._forward(module, registration, params[neg_key], x_neg)
+            outputs.append(out)
+        return outputs
+
+
+def _clamp(min: float | None = None, max: float | None = None) -> ParamModifier:
+    return ParamModifier(lambda n, p: p.clamp(min=min, max=max))
+
+
+class AlphaBetaRule(_ModifiedForwardRule):
+    """LRP-αβ: positive and negative contributions weighted by ``α`` and ``β`` (``α - β = 1``).
+
+    With ``x⁺ = max(x, 0)``, ``x⁻ = min(x, 0)``, ``w⁺``, ``w⁻`` likewise:
+    ``z⁺ = w⁺x⁺ + b⁺ + w⁻x⁻`` and ``z⁻ = w⁻x⁺ + b⁻ + w⁺x⁻``;
+    ``R_i = α (x⁺_i w⁺_ij + x⁻_i w⁻_ij) R_j / stabilize(z⁺_j) - β (x⁺_i w⁻_ij + x⁻_i w⁺_ij) R_j / stabilize(z⁻_j)``.
+    ``α = 1, β = 0`` is z⁺ (zennit's ``ZPlus``, captum's ``Alpha1_Beta0_Rule``).
+
+    Examples:
+        >>> AlphaBetaRule(alpha=1.0, beta=0.0)
+        AlphaBetaRule(stabilizer=1e-06, zero_params=(), alpha=1.0, beta=0.0)
+        >>> AlphaBetaRule(alpha=2.0, beta=2.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: AlphaBetaRule needs alpha - beta == 1 and both non-negative, got alpha=2.0, beta=2.0
+    """
+
+    def __init__(
+        self, alpha: float = 2.0, beta: float = 1.0, stabilizer: float = 1e-6, zero_params: Sequence[str] = ()
+    ) -> None:
+        if alpha < 0 or beta < 0 or alpha - beta != 1:
+            raise ValueError(
+                f"AlphaBetaRule needs alpha - beta == 1 and both non-negative, got alpha={alpha}, beta={beta}"
+            )
+        super().__init__(stabilizer, zero_params)
+        self.alpha = alpha
+        self.beta = beta
+
+    def modifiers(self):
+        positive, negative = _clamp(min=0.0), _clamp(max=0.0)
+        mods = {"pos": positive, "neg_nobias": ParamModifier.from_modifiers([negative, _ZERO_BIAS])}
+        if self.beta:
+            mods["neg"] = negative
+            mods["pos_nobias"] = ParamModifier.from_modifiers([positive, _ZERO_BIAS])
+        return mods
+
+    def input_gradient(self, module, registration, params, x, z, grad):
+        if not self.beta and has_direct_input_gradient(module) and not has_negative(x):
+            return self._z_plus_of_nonnegative_input(module, registration, params["pos"], x.detach(), z, grad)
+        leaf = x.detach().requires_grad_(True)
+        pairs = [("pos", "neg_nobias"), ("neg", "pos_nobias")] if self.beta else [("pos", "neg_nobias")]
+        modified = self._signed_forward(module, registration, params, leaf, pairs)
+        factors = (self.alpha, -self.beta)
+        grads = [f * grad * z / stabilize(m.detach(), self.stabilizer) for f, m in zip(factors, modified, strict=False)]
+        return torch.autograd.grad(modified, leaf, grads)[0]
+
+    def _z_plus_of_nonnegative_input(self, module, registration, positive, x, z, grad):
+        """z⁺ (α = 1, β = 0) for ``x ≥ 0``: the same gradient with fewer passes over the output.
+
+        ``z⁺ = w⁺x + b⁺ ≥ 0``, so ``stabilize(z⁺)`` is ``z⁺ + ε`` exactly, and ``W⁺ᵀ`` is applied directly,
+        with no autograd graph behind the modified forward pass.
+        """
+        with torch.no_grad():
+            share = self._forward(module, registration, positive, x)
+            if not is_plain_gradient(grad, z):
+                share = grad * z / share.add_(self.stabilizer)
+            else:
+                for d, z_, g, scratch in pieces(share, z, grad):
+                    torch.div(torch.mul(g, z_, out=scratch), d.add_(self.stabilizer), out=d)  # α = 1
+            return direct_input_gradient(module, positive["weight"], share, x)
+
+
+class GammaRule(_ModifiedForwardRule):
+    """LRP-γ, generalised to signed inputs and outputs (zennit's ``Gamma``).
+
+    With ``w^γ⁺ = w + γ w⁺`` and ``w^γ⁻ = w + γ w⁻`` (biases alike):
+    ``z^↑ = w^γ⁺ x⁺ + b^γ⁺ + w^γ⁻ x⁻`` serves outputs ``z > 0`` and
+    ``z^↓ = w^γ⁻ x⁺ + b^γ⁻ + w^γ⁺ x⁻`` serves ``z < 0``;
+    ``R_i = Σ_j [z_j>0] (x⁺_i w^γ⁺_ij + x⁻_i w^γ⁻_ij) R_j / stabilize(z^↑_j)
+    + [z_j<0] (x⁺_i w^γ⁻_ij + x⁻_i w^γ⁺_ij) R_j / stabilize(z^↓_j)``.
+    ``zero_params=("bias",)`` gives captum's ``GammaRule(set_bias_to_zero=True)``.
+
+    Examples:
+        >>> GammaRule(gamma=0.5).gamma
+        0.5
+    """
+
+    def __init__(self, gamma: float = 0.25, stabilizer: float = 1e-6, zero_params: Sequence[str] = ()) -> None:
+        super().__init__(stabilizer, zero_params)
+        self.gamma = gamma
+
+    def modifiers(self):
+        gamma = self.gamma
+        up = ParamModifier(lambda n, p: p + gamma * p.clamp(min=0))
+        down = ParamModifier(lambda n, p: p + gamma * p.clamp(max=0))
+        return {
+            "up": up,
+            "down": down,
+            "up_nobias": ParamModifier.from_modifiers([up, _ZERO_BIAS]),
+            "down_nobias": ParamModifier.from_modifiers([down, _ZERO_BIAS]),
+        }
+
+    def modified_params(self, params):
+        modified = super().modified_params(params)
+        if set(self.zero_params) <= {"bias"}:
+            # z^↑ = z + D with D = γ W⁺x + (b^γ⁺ − b): the shift's parameters, for inputs x ≥ 0.
+            weight, bias, bias_up = params["weight"], params.get("bias"), modified["up"].get("bias")
+            shift = {"weight": weight.detach().clamp(min=0).mul_(self.gamma)}
+            if bias is not None or bias_up is not None:
+                shift["bias"] = (0 if bias_up is None else bias_up) - (0 if bias is None else bias.detach())
+            modified["shift"] = shift
+            # D ≥ 0 when its bias is (the default: b^γ⁺ − b = γ b⁺): then z > 0 gives z^↑ > 0 and z < 0 gives z^↓ < 0.
+            modified["shift_is_nonnegative"] = "bias" not in shift or bool((shift["bias"] >= 0).all())
+        return modified
+
+    def input_gradient(self, module, registration, params, x, z, grad):
+        if (
+            "shift" in params
+            and is_plain_gradient(grad, z)
+            and has_direct_input_gradient(module)
+            and not has_negative(x)
+        ):
+            with torch.no_grad():
+                if not nonzero_where_negative(grad, z):  # no relevance reaches a negative output (a ReLU follows)
+                    return self._positive_outputs_gradient(module, registration, params, x.detach(), z, grad)
+                if params["shift_is_nonnegative"]:
+                    return self._nonnegative_input_gradient(module, registration, params, x.detach(), z, grad)
+        leaf = x.detach().requires_grad_(True)
+        pairs = [("up", "down_nobias"), ("down", "up_nobias")]
+        z_up, z_down = self._signed_forward(module, registration, params, leaf, pairs)
+        grad_up = grad * torch.where(z > 0, z, 0) / stabilize(z_up.detach(), self.stabilizer)
+        grad_down = grad * torch.where(z < 0, z, 0) / stabilize(z_down.detach(), self.stabilizer)
+        return torch.autograd.grad((z_up, z_down), leaf, (grad_up, grad_down))[0]
+
+    def _positive_outputs_gradient(self, module, registration, params, x, z, grad):
+        """The gradient for ``x ≥ 0`` when ``grad`` is zero wherever ``z < 0``: ``W^γ⁺ᵀ a`` alone.
+
+        ``z^↑ = z + D`` (see :meth:`modified_params`): one forward pass for ``D`` and one transposed product,
+        with ``a = grad · z / stabilize(z^↑)``. Where ``z ≤ 0``, ``a`` is zero with any non-zero denominator.
+        """
+        shift = self._forward(module, registration, params["shift"], x)
+        nonnegative, epsilon = params["shift_is_nonnegative"], self.stabilizer
+        for d, z_, g, scratch in pieces(shift, z, grad):
+            if nonnegative:  # stabilize(z + D) = z + D + ε where z > 0; elsewhere D + ε > 0 does
+                d.add_(torch.clamp(z_, min=0, out=scratch)).add_(epsilon)
+            else:
+                d.add_(z_).add_(signed_shift(d, epsilon))
+            torch.div(torch.mul(g, z_, out=scratch), d, out=d)
+        return direct_input_gradient(module, params["up"]["weight"], shift, x)
+
+    def _nonnegative_input_gradient(self, module, registration, params, x, z, grad):
+        """The gradient for ``x ≥ 0`` (after a ReLU) and ``D ≥ 0``: one forward pass for ``D``, two products.
+
+        ``z^↑ = z + D`` and ``z^↓ = (1 + γ) z − D`` (see :meth:`modified_params`), so that
+        ``|stabilize(z^↑)| = z + D + ε`` where ``z > 0``, ``|stabilize(z^↓)| = −(1 + γ) z + D + ε`` where
+        ``z < 0``: both are ``m = max(z, −(1 + γ) z) + D + ε``. With ``r = grad / m`` the shares are
+        ``a = z⁺ r`` and ``c = −z⁻ r``, and the input gradient is ``W^γ⁺ᵀ a + W^γ⁻ᵀ c``.
+        """
+        shift = self._forward(module, registration, params["shift"], x)
+        negative_share = shift  # −c is written over D
+        positive_share = z if may_overwrite(grad, z) else torch.empty_like(z)
+        scale = -(1 + self.gamma)
+        for d, z_, g, a, scratch in pieces(shift, z, grad, positive_share):
+            d.add_(torch.maximum(z_, torch.mul(z_, scale, out=scratch), out=scratch)).add_(self.stabilizer)
+            torch.div(g, d, out=d)
+            torch.clamp(z_, max=0, out=scratch)
+            torch.clamp(z_, min=0, out=a).mul_(d)
+            d.mul_(scratch)
+        through_up = direct_input_gradient(module, params["up"]["weight"], positive_share, x)
+        through_down = direct_input_gradient(module, params["down"]["weight"], negative_share, x)
+        return through_up.sub_(through_down)

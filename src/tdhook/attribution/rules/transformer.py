@@ -1,0 +1,245 @@
+"""AttnLRP and CP-LRP: the rules for transformers, and the presets that map a whole model.
+
+Every rule keeps tdhook's convention: the relevance of a tensor ``a`` is
+``a * grad(a)``, and a rule only changes the gradient. With ``R = z * g`` the
+relevance arriving at an output ``z`` (``g`` its gradient):
+
+* :class:`SoftmaxEpsilonRule`: ``R_x = x ⊙ (R − s · ΣR)`` for ``s = softmax(x)``
+  (AttnLRP's softmax rule). Its gradient is ``R_x / x``, which with ``ε = 0`` is
+  exactly the plain gradient of the softmax.
+* :class:`LayerNormRule`: LayerNorm and RMSNorm with the normalising scale
+  ``1 / σ`` held constant, so the layer is linear in its input.
+* :class:`PseudoIdentityRule`: an element-wise non-linearity passes its
+  relevance on unchanged, ``R_x = R`` (AttnLRP's identity rule).
+* The product of two activations (``q · kᵀ``, ``attention · v``, a gate times
+  an up-projection) gives each factor half of the product's relevance
+  (AttnLRP's uniform rule, :func:`uniform_product`).
+* :class:`AHQKVRule`: attention weights carry no relevance; it flows through
+  the value path only (CP-LRP).
+
+Products, softmax and attention are functions, not modules: the presets
+:class:`~tdhook.attribution.mappers.transformer.AttnLRP` and
+:class:`~tdhook.attribution.mappers.transformer.CPLRP` apply them while the
+wrapper runs the model's forward pass, through
+:class:`~tdhook.attribution.rules.functional.FunctionalRules`,
+without changing the model's code or classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from tdhook.attribution.rules._autograd import redirect, scale_gradient
+from tdhook.attribution.rules._numerics import stabilize
+from tdhook.attribution.rules.base import Rule, _single_input
+from tdhook.attribution.rules.basic import PassRule
+
+__all__ = [
+    "SoftmaxEpsilonRule",
+    "LayerNormRule",
+    "PseudoIdentityRule",
+    "AHQKVRule",
+    "uniform_product",
+    "is_layer_norm",
+    "is_rms_norm",
+]
+
+
+def uniform_product(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The factors of a product, each with half of the product's relevance (AttnLRP's uniform rule).
+
+    For ``z = a * b`` (or ``a @ b``) the plain gradient gives each factor the
+    whole ``R = z · g``; halving both gradients gives ``R_a = R_b = R / 2``.
+
+    Examples:
+        >>> a = torch.tensor([2.0], requires_grad=True)
+        >>> b = torch.tensor([3.0], requires_grad=True)
+        >>> ha, hb = uniform_product(a, b)
+        >>> ga, gb = torch.autograd.grad(ha * hb, (a, b))
+        >>> (a * ga).item(), (b * gb).item()
+        (3.0, 3.0)
+    """
+    return scale_gradient(a, 0.5), scale_gradient(b, 0.5)
+
+
+class SoftmaxEpsilonRule(Rule):
+    """AttnLRP's softmax rule: ``R_x = x ⊙ (R − s · ΣR)`` with ``s = softmax(x)`` and ``R = s ⊙ g``.
+
+    The gradient handed to ``x`` is ``R_x / stabilize(x, ε)``; with ``ε = 0`` it
+    is ``R − s · ΣR``, the plain gradient of the softmax, so nothing is changed.
+    Masked logits (``-inf`` or the dtype's lowest value) receive no relevance.
+    Registered on ``nn.Softmax`` modules; :class:`AttnLRP` also applies it to
+    ``torch.softmax`` and ``F.softmax`` calls.
+
+    Args:
+        epsilon: stabilizer of the division by ``x``.
+
+    Examples:
+        >>> x = torch.tensor([[1.0, -2.0, 0.5]], requires_grad=True)
+        >>> softmax = nn.Softmax(dim=-1)
+        >>> with SoftmaxEpsilonRule(epsilon=0.1).register(softmax):
+        ...     s = softmax(x)
+        ...     relevance_out = torch.tensor([[0.3, -0.1, 0.6]])
+        ...     relevance = x * torch.autograd.grad(s, x, relevance_out / s)[0]
+        >>> closed = x * (relevance_out - s * relevance_out.sum(-1, keepdim=True))
+        >>> torch.allclose(relevance, closed * x / (x + 0.1 * x.sign()))
+        True
+    """
+
+    def __init__(self, epsilon: float = 0.0) -> None:
+        super().__init__()
+        self.epsilon = epsilon
+
+    def apply(self, output: torch.Tensor, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """``output = softmax(x, dim)`` with the rule's gradient."""
+        if self.epsilon == 0 or not x.requires_grad:
+            return output
+        s = output.detach()
+        logits = x.detach()
+        masked = logits <= torch.finfo(logits.dtype).min
+
+        def backward(grad: torch.Tensor) -> list[torch.Tensor]:
+            relevance = s * grad
+            relevance_in = logits * (relevance - s * relevance.sum(dim, keepdim=True))
+            grad_in = relevance_in / stabilize(logits, self.epsilon)
+            return [torch.where(masked, 0, grad_in).to(grad.dtype)]
+
+        return redirect(output, [x], backward)
+
+    def rewrite(self, module, registration, inputs, output):
+        return self.apply(output, _single_input(self, module, inputs), module.dim)
+
+
+class AHQKVRule(SoftmaxEpsilonRule):
+    """CP-LRP: attention weights are constants, so relevance flows through the value path only.
+
+    ``softmax`` outputs get no gradient; for a fused attention
+    (``F.scaled_dot_product_attention``) the query and key get none. The
+    product ``attention · v`` then hands all its relevance to ``v``.
+
+    Examples:
+        >>> x = torch.tensor([[1.0, -2.0]], requires_grad=True)
+        >>> softmax = nn.Softmax(dim=-1)
+        >>> with AHQKVRule().register(softmax):
+        ...     softmax(x).requires_grad
+        False
+    """
+
+    def __init__(self) -> None:
+        super().__init__(epsilon=0.0)
+
+    def apply(self, output, x, dim):
+        return output.detach()
+
+
+class PseudoIdentityRule(PassRule):
+    """AttnLRP's identity rule for element-wise non-linearities: ``R_x = R``.
+
+    The input gradient is ``g · f(x) / stabilize(x)``; with a tiny stabilizer
+    ``x · grad = f(x) · g = R``. :class:`AttnLRP` also applies it to functional
+    activations (``F.gelu``, ``F.silu``, ``torch.tanh``, …).
+
+    Examples:
+        >>> x = torch.tensor([-1.0, 0.5, 2.0], requires_grad=True)
+        >>> act = nn.GELU()
+        >>> with PseudoIdentityRule().register(act):
+        ...     z = act(x)
+        ...     relevance = x * torch.autograd.grad(z, x, torch.ones(3))[0]
+        >>> torch.allclose(relevance, z)
+        True
+    """
+
+    def __init__(self, stabilizer: float = 1e-10) -> None:
+        super().__init__(stabilizer)
+
+    def apply(self, output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if getattr(output, "_tdhook_activation_of", None) is x:
+            return output  # the functional activation inside this module already has the rule
+        result = super().apply(output, x)
+        if result.requires_grad:
+            # Marked as an activation's output: CP-LRP holds such a tensor constant where it gates another one.
+            result._tdhook_activation_of = x
+        return result
+
+
+def is_rms_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm")
+
+
+def is_layer_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.LayerNorm) or (
+        type(module).__name__.endswith("LayerNorm") and hasattr(module, "weight") and not is_rms_norm(module)
+    )
+
+
+class LayerNormRule(Rule):
+    """LayerNorm and RMSNorm with the normalising scale held constant (AttnLRP, CP-LRP).
+
+    LayerNorm ``y = (x − μ) · w / σ + b`` becomes linear in ``x`` with ``σ`` fixed,
+    and relevance follows its gradient: ``grad_x = h − mean(h)`` with
+    ``h = g · w / σ``. RMSNorm ``y = x · w · r`` with ``r = 1 / rms(x)`` fixed gives
+    ``grad_x = g · w · r``, so each feature keeps its own relevance.
+    Recognised modules: ``nn.LayerNorm``, ``nn.RMSNorm`` and classes named
+    ``*LayerNorm`` / ``*RMSNorm`` (such as Hugging Face's ``LlamaRMSNorm``).
+
+    Examples:
+        >>> norm = nn.LayerNorm(3)
+        >>> x = torch.tensor([[1.0, 2.0, 4.0]], requires_grad=True)
+        >>> with LayerNormRule().register(norm):
+        ...     grad = torch.autograd.grad(norm(x)[0, 0], x)[0]
+        >>> sigma = (x.var(-1, unbiased=False) + norm.eps).sqrt()
+        >>> torch.allclose(grad, (torch.tensor([1.0, 0.0, 0.0]) - 1 / 3) / sigma)
+        True
+    """
+
+    @staticmethod
+    def layer_norm(
+        output: torch.Tensor, x: torch.Tensor, dims: int, weight: torch.Tensor | None, eps: float
+    ) -> torch.Tensor:
+        """``output = layer_norm(x)`` over the last ``dims`` dimensions, with the rule's gradient."""
+        if not x.requires_grad:
+            return output
+        reduce = tuple(range(-dims, 0))
+        xd = x.detach()
+        inv_sigma = torch.rsqrt(xd.var(reduce, unbiased=False, keepdim=True) + eps)
+        scale = inv_sigma if weight is None else inv_sigma * weight.detach()
+
+        def backward(grad: torch.Tensor) -> list[torch.Tensor]:
+            h = grad * scale
+            return [h - h.mean(reduce, keepdim=True)]
+
+        return redirect(output, [x], backward)
+
+    @staticmethod
+    def rms_norm(
+        output: torch.Tensor, x: torch.Tensor, dims: int, weight: torch.Tensor | None, eps: float | None
+    ) -> torch.Tensor:
+        """``output = rms_norm(x)`` over the last ``dims`` dimensions, with the rule's gradient."""
+        if not x.requires_grad:
+            return output
+        xd = x.detach()
+        eps = torch.finfo(xd.dtype).eps if eps is None else eps
+        reduce = tuple(range(-dims, 0))
+        scale = torch.rsqrt(xd.pow(2).mean(reduce, keepdim=True) + eps)
+        if weight is not None:
+            scale = scale * weight.detach()
+        scale = scale.to(output.dtype)
+        return redirect(output, [x], lambda grad: [(grad * scale).to(x.dtype)])
+
+    def rewrite(self, module, registration, inputs, output):
+        x = _single_input(self, module, inputs)
+        weight = getattr(module, "weight", None)
+        shape = getattr(module, "normalized_shape", None)
+        dims = len(shape) if isinstance(shape, Sequence) else 1
+        eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+        if is_rms_norm(module):
+            return self.rms_norm(output, x, dims, weight, eps)
+        if is_layer_norm(module):
+            return self.layer_norm(output, x, dims, weight, 1e-5 if eps is None else eps)
+        raise TypeError(
+            f"LayerNormRule applies to LayerNorm and RMSNorm modules, not {type(module).__name__} "
+            "(map it to another rule)"
+        )

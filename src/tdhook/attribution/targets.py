@@ -1,0 +1,220 @@
+"""What LRP explains: the output it starts from (the target key) and the initial relevance put on it.
+
+:func:`named_targets` reads the ``target_key`` given to
+:class:`~tdhook.attribution.LRP`, :func:`resolve_target_key` finds the key in
+the model's outputs (choosing a default where none was given), and
+:func:`initial_gradient` turns ``target`` into the gradient that starts the
+relevance backward pass.
+
+Examples:
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> from tensordict.nn import TensorDictModule
+    >>> policy = TensorDictModule(torch.nn.Linear(3, 2), in_keys=["observation"], out_keys=["action_value"])
+    >>> key, operator = named_targets(policy, None)[None]
+    >>> key is None, operator is policy
+    (True, True)
+    >>> result = policy(TensorDict(observation=torch.ones(4, 3), batch_size=[4]))
+    >>> resolve_target_key(result, key, operator)
+    'action_value'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Literal, Union
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase, TensorDictSequential
+from tensordict.utils import NestedKey, unravel_key
+from torchrl.modules import ActorCriticWrapper, ActorValueOperator
+
+from tdhook.attribution.rules._numerics import safe_divide
+
+__all__ = ["Target", "initial_gradient", "named_targets", "resolve_target_key"]
+
+Target = Union[None, int, torch.Tensor, Callable[[torch.Tensor], torch.Tensor], Literal["all"]]
+
+
+def _one_hot(output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(output).scatter_(-1, index.unsqueeze(-1), 1.0)
+
+
+def initial_gradient(output: torch.Tensor, target: Target, key: NestedKey, batch_dims: int) -> torch.Tensor:
+    """The gradient ``g`` such that ``output * g`` is the initial relevance.
+
+    Args:
+        output: the explained output, of shape ``batch + [n]`` (or ``batch`` alone).
+        target: see :class:`~tdhook.attribution.LRP`.
+        key: the output's key, for error messages.
+        batch_dims: the number of batch dimensions.
+
+    Returns:
+        A tensor shaped like ``output``; for ``target="all"`` a stack of ``n`` of them.
+
+    Examples:
+        >>> out = torch.tensor([[1.0, 3.0], [4.0, 2.0]])
+        >>> initial_gradient(out, None, "q", 1)
+        tensor([[0., 1.],
+                [1., 0.]])
+        >>> initial_gradient(out, torch.tensor([0, 0]), "q", 1)
+        tensor([[1., 0.],
+                [1., 0.]])
+        >>> initial_gradient(out, 2, "q", 1)
+        Traceback (most recent call last):
+        ...
+        IndexError: LRP: target 2 is out of range for output 'q' with 2 units in its last dimension
+    """
+    out = output.detach()
+    has_units = out.dim() > batch_dims
+    n_units = out.shape[-1] if has_units else 1
+    if callable(target):
+        relevance = target(out)
+        if not isinstance(relevance, torch.Tensor) or relevance.shape != out.shape:
+            raise ValueError(
+                f"LRP: a callable target must return a tensor shaped like output {key!r} {tuple(out.shape)}, "
+                f"got {getattr(relevance, 'shape', type(relevance).__name__)}"
+            )
+        return safe_divide(relevance, out).to(out.dtype)
+    if isinstance(target, str):
+        if target != "all":
+            raise ValueError(f"LRP: target must be None, an int, a LongTensor, a callable or 'all', got {target!r}")
+        if not has_units:
+            return torch.ones_like(out).unsqueeze(0)
+        eye = torch.eye(n_units, dtype=out.dtype, device=out.device)
+        return eye.view(n_units, *([1] * (out.dim() - 1)), n_units).expand(n_units, *out.shape).clone()
+    if target is None:
+        if not has_units or n_units == 1:
+            return torch.ones_like(out)
+        return _one_hot(out, out.argmax(-1))
+    if not has_units:
+        raise ValueError(f"LRP: output {key!r} has no unit dimension to index with target {target!r}")
+    if isinstance(target, int) and not isinstance(target, bool):
+        if not -n_units <= target < n_units:
+            raise IndexError(
+                f"LRP: target {target} is out of range for output {key!r} with {n_units} units in its last dimension"
+            )
+        index = torch.full(out.shape[:-1], target % n_units, dtype=torch.long, device=out.device)
+        return _one_hot(out, index)
+    if isinstance(target, torch.Tensor) and not target.is_floating_point() and target.dtype != torch.bool:
+        index = target.to(out.device)
+        if index.shape == (*out.shape[:-1], 1):
+            index = index.squeeze(-1)
+        if index.shape != out.shape[:-1]:
+            index = index.expand(out.shape[:-1]) if index.dim() == 0 else index
+        if index.shape != out.shape[:-1]:
+            raise ValueError(
+                f"LRP: target indices of shape {tuple(target.shape)} do not match output {key!r} "
+                f"of shape {tuple(out.shape)}; expected {tuple(out.shape[:-1])}"
+            )
+        if ((index < 0) | (index >= n_units)).any():
+            raise IndexError(
+                f"LRP: target indices must lie in [0, {n_units}) for output {key!r}, "
+                f"got values from {int(index.min())} to {int(index.max())}"
+            )
+        return _one_hot(out, index.long())
+    raise TypeError(f"LRP: target must be None, an int, a LongTensor, a callable or 'all', got {type(target).__name__}")
+
+
+def named_targets(
+    module: TensorDictModuleBase, target_key: NestedKey | Mapping[str, NestedKey] | None
+) -> dict[str | None, tuple[NestedKey | None, TensorDictModuleBase]]:
+    """The outputs to explain, by name, as given by ``target_key``.
+
+    Args:
+        module: the wrapped model.
+        target_key: see :class:`~tdhook.attribution.LRP`: a key, a dict
+            ``name -> key``, or ``None`` for the default.
+
+    Returns:
+        ``name -> (key, operator)``: the target key, or ``None`` for the default
+        key of ``operator``, the module whose outputs give that default. A
+        single target is named ``None``; an ``ActorValueOperator`` or
+        ``ActorCriticWrapper`` without ``target_key`` gets ``"actor"`` and
+        ``"critic"``.
+
+    Raises:
+        ValueError: ``target_key`` is an empty dict.
+
+    Examples:
+        >>> from tensordict.nn import TensorDictModule
+        >>> policy = TensorDictModule(torch.nn.Linear(3, 2), in_keys=["x"], out_keys=["y"])
+        >>> named_targets(policy, ("next", "y"))[None][0]
+        ('next', 'y')
+        >>> {name: key for name, (key, _) in named_targets(policy, {"a": "y", "b": ("z", "w")}).items()}
+        {'a': 'y', 'b': ('z', 'w')}
+    """
+    if isinstance(target_key, Mapping):
+        if not target_key:
+            raise ValueError("LRP: target_key is an empty dict; name at least one output to explain")
+        return {name: (unravel_key(key), module) for name, key in target_key.items()}
+    if target_key is None and isinstance(module, (ActorValueOperator, ActorCriticWrapper)):
+        return {"actor": (None, module.get_policy_operator()), "critic": (None, module.get_value_operator())}
+    return {None: (unravel_key(target_key) if target_key is not None else None, module)}
+
+
+def resolve_target_key(
+    result: TensorDictBase, target_key: NestedKey | None, operator: TensorDictModuleBase
+) -> NestedKey:
+    """The key of the output to explain in the model's ``result``.
+
+    Args:
+        result: the TensorDict the model wrote its outputs to.
+        target_key: the key asked for, or ``None`` for the default: the first
+            floating-point out key of ``operator`` that none of its modules
+            reads (see :class:`~tdhook.attribution.LRP`).
+        operator: the module whose out keys give the default.
+
+    Returns:
+        ``target_key`` if given, else the default key.
+
+    Raises:
+        KeyError: ``target_key`` is not in ``result``, or no candidate for the
+            default is a floating-point tensor there.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule, TensorDictSequential
+        >>> net = TensorDictSequential(
+        ...     TensorDictModule(torch.nn.Linear(3, 4), in_keys=["x"], out_keys=["hidden"]),
+        ...     TensorDictModule(torch.nn.Linear(4, 2), in_keys=["hidden"], out_keys=["logits"]),
+        ... )
+        >>> result = net(TensorDict(x=torch.ones(3), batch_size=[]))
+        >>> resolve_target_key(result, None, net)
+        'logits'
+        >>> resolve_target_key(result, "hidden", net)
+        'hidden'
+    """
+    if target_key is not None:
+        if target_key not in result.keys(include_nested=True):
+            raise KeyError(f"LRP: target key {target_key!r} was not written by the wrapped module")
+        return target_key
+    candidates = _default_target_candidates(operator)
+    for key in candidates:
+        value = result.get(key, None)
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return key
+    raise KeyError(f"LRP: none of the module's outputs {candidates} is a floating-point tensor; pass target_key")
+
+
+def _leaf_modules(module: TensorDictModuleBase) -> list[TensorDictModuleBase]:
+    if isinstance(module, TensorDictSequential):
+        return [leaf for sub in module.module for leaf in _leaf_modules(sub)]
+    return [module]
+
+
+def _default_target_candidates(module: TensorDictModuleBase) -> list[NestedKey]:
+    """Out keys in pipeline order that no module of the pipeline reads.
+
+    Probabilistic modules (the sampling step of a torchrl ``ProbabilisticActor``)
+    are left out: their inputs, the distribution's parameters (``loc``,
+    ``logits``), are what gets explained, not a random sample.
+    """
+    leaves = [leaf for leaf in _leaf_modules(module) if not isinstance(leaf, ProbabilisticTensorDictModule)]
+    if not leaves:
+        return []
+    read = {unravel_key(k) for leaf in leaves for k in leaf.in_keys}
+    written = [unravel_key(k) for leaf in leaves for k in leaf.out_keys]
+    ordered = list(dict.fromkeys(written))
+    return [k for k in ordered if k not in read] or ordered[::-1]
