@@ -20,13 +20,8 @@ from tdhook.attribution.lrp_helpers.rules import (
     EpsilonRule,
     raise_for_unconserved_rel_factory,
 )
+from tests.attribution._helpers import ExpectsARefusal, assert_unchanged, explain, mlp, state_snapshot
 from tests.conftest import relative_error, zennit_model_relevance
-
-
-def mlp(bias: bool = True) -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(5, 16, bias=bias), nn.ReLU(), nn.Linear(16, 8, bias=bias), nn.ReLU(), nn.Linear(8, 3, bias=bias)
-    ).double()
 
 
 def small_cnn(bias: bool = True) -> nn.Module:
@@ -49,30 +44,6 @@ def lrp0_mapper() -> BaseRuleMapper:
     return BaseRuleMapper(
         stabilizer=0.0, rule_mapper=lambda n, m: lrp0 if isinstance(m, (nn.Linear, nn.Conv2d)) else None
     )
-
-
-def explain(net: nn.Module, x: torch.Tensor, **kwargs) -> TensorDict:
-    lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), **kwargs)
-    return lrp(TensorDict(x=x, batch_size=x.shape[:1]))
-
-
-def state_snapshot(model: nn.Module) -> dict:
-    return {
-        "tensors": {k: v.clone() for k, v in model.state_dict().items()},
-        "objects": {k: v for k, v in model.named_parameters()},
-        "hooks": [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for m in model.modules()],
-        "patched": [("forward" in vars(m)) for m in model.modules()],
-    }
-
-
-def assert_unchanged(model: nn.Module, snapshot: dict) -> None:
-    now = state_snapshot(model)
-    assert now["tensors"].keys() == snapshot["tensors"].keys()
-    for key, value in snapshot["tensors"].items():
-        assert torch.equal(now["tensors"][key], value), key
-    assert all(now["objects"][k] is v for k, v in snapshot["objects"].items())
-    assert now["hooks"] == snapshot["hooks"]
-    assert not any(now["patched"])
 
 
 class TestAgainstZennit:
@@ -200,33 +171,6 @@ class TestContract:
         assert td["relevance", "x"].abs().sum() > 0
         assert torch.equal(td["action"], td["y"].argmax(-1))
 
-    @pytest.mark.parametrize(
-        "target,index",
-        [(1, torch.tensor([1, 1, 1])), (torch.tensor([0, 2, 1]), torch.tensor([0, 2, 1]))],
-    )
-    def test_int_and_tensor_targets_pick_the_unit(self, target, index):
-        net = mlp(bias=False)
-        td = explain(net, torch.randn(3, 5, dtype=torch.float64), rule_mapper=EpsilonPlus(epsilon=1e-12), target=target)
-        expected = td["y"].gather(-1, index.unsqueeze(-1)).squeeze(-1)
-        torch.testing.assert_close(td["relevance", "x"].sum(-1), expected, rtol=1e-9, atol=1e-12)
-
-    def test_callable_target_sets_initial_relevance(self):
-        net = mlp(bias=False)
-        td = explain(
-            net, torch.randn(3, 5, dtype=torch.float64), rule_mapper=EpsilonPlus(epsilon=1e-12), target=lambda y: y
-        )
-        torch.testing.assert_close(td["relevance", "x"].sum(-1), td["y"].sum(-1), rtol=1e-9, atol=1e-12)
-
-    def test_target_all_equals_stacked_single_targets(self):
-        net = mlp()
-        x = torch.randn(3, 5, dtype=torch.float64)
-        every = explain(net, x, rule_mapper=EpsilonPlus(), target="all")["relevance", "x"]
-        singles = torch.stack(
-            [explain(net, x, rule_mapper=EpsilonPlus(), target=k)["relevance", "x"] for k in range(3)], 1
-        )
-        assert every.shape == (3, 3, 5)
-        torch.testing.assert_close(every, singles)
-
     def test_token_relevance_key_sums_the_feature_dimension(self):
         net = mlp()
         x = torch.randn(2, 4, 5, dtype=torch.float64)  # [B, T, H]: one relevance per "token" t
@@ -280,18 +224,7 @@ class TestRestoration:
                 lrp.__enter__()
 
 
-class TestBadInput:
-    def run_and_expect(self, td: TensorDict, error, match: str, **kwargs):
-        net = mlp()
-        snapshot = state_snapshot(net)
-        before = {k: v for k, v in td.items(include_nested=True, leaves_only=True)}
-        lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), rule_mapper=EpsilonPlus(), **kwargs)
-        with pytest.raises(error, match=match):
-            lrp(td)
-        assert_unchanged(net, snapshot)
-        after = {k: v for k, v in td.items(include_nested=True, leaves_only=True)}
-        assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
-
+class TestBadInput(ExpectsARefusal):
     def test_missing_key(self):
         self.run_and_expect(TensorDict(obs=torch.randn(2, 5), batch_size=[2]), KeyError, "input key 'x' is missing")
 
@@ -300,14 +233,6 @@ class TestBadInput:
         self.run_and_expect(td, TypeError, "'x' holds integer tokens .torch.int64., which receive relevance")
         td = TensorDict(x=torch.ones(2, 5, dtype=torch.bool), batch_size=[2])
         self.run_and_expect(td, TypeError, "'x' must be a floating-point tensor .or integer tokens")
-
-    def test_target_out_of_range(self):
-        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
-        self.run_and_expect(td, IndexError, "target 7 is out of range for output 'y' with 3 units", target=7)
-
-    def test_target_indices_out_of_range(self):
-        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
-        self.run_and_expect(td, IndexError, r"\[0, 3\) for output 'y'", target=torch.tensor([0, 3]))
 
 
 class CountLayerCalls:

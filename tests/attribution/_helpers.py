@@ -1,0 +1,57 @@
+"""What the tests of the LRP wrapper and of its targets share: a small MLP, a call, and the model's state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+
+from tdhook.attribution import LRP
+from tdhook.attribution.mappers.presets import EpsilonPlus
+
+
+def mlp(bias: bool = True) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(5, 16, bias=bias), nn.ReLU(), nn.Linear(16, 8, bias=bias), nn.ReLU(), nn.Linear(8, 3, bias=bias)
+    ).double()
+
+
+def explain(net: nn.Module, x: torch.Tensor, **kwargs) -> TensorDict:
+    lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), **kwargs)
+    return lrp(TensorDict(x=x, batch_size=x.shape[:1]))
+
+
+def state_snapshot(model: nn.Module) -> dict:
+    return {
+        "tensors": {k: v.clone() for k, v in model.state_dict().items()},
+        "objects": {k: v for k, v in model.named_parameters()},
+        "hooks": [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for m in model.modules()],
+        "patched": [("forward" in vars(m)) for m in model.modules()],
+    }
+
+
+def assert_unchanged(model: nn.Module, snapshot: dict) -> None:
+    now = state_snapshot(model)
+    assert now["tensors"].keys() == snapshot["tensors"].keys()
+    for key, value in snapshot["tensors"].items():
+        assert torch.equal(now["tensors"][key], value), key
+    assert all(now["objects"][k] is v for k, v in snapshot["objects"].items())
+    assert now["hooks"] == snapshot["hooks"]
+    assert not any(now["patched"])
+
+
+class ExpectsARefusal:
+    """A call that raises leaves the model and the caller's TensorDict as they were."""
+
+    def run_and_expect(self, td: TensorDict, error, match: str, **kwargs):
+        net = mlp()
+        snapshot = state_snapshot(net)
+        before = {k: v for k, v in td.items(include_nested=True, leaves_only=True)}
+        lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), rule_mapper=EpsilonPlus(), **kwargs)
+        with pytest.raises(error, match=match):
+            lrp(td)
+        assert_unchanged(net, snapshot)
+        after = {k: v for k, v in td.items(include_nested=True, leaves_only=True)}
+        assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)

@@ -1,0 +1,88 @@
+"""Rule mappers: the dict form, BaseRuleMapper's order (the user's mapper first) and its options."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+
+from tdhook.attribution import LRP
+from tdhook.attribution.mappers.base import BaseRuleMapper, rule_mapper_from_dict
+from tdhook.attribution.mappers.presets import EpsilonPlusFlat
+from tdhook.attribution.rules._numerics import stabilize
+from tdhook.attribution.rules.basic import EpsilonRule, PassRule, StopRule
+from tdhook.attribution.rules.input_layer import FlatRule
+from tests.conftest import relative_error
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3, dtype=torch.float64)
+        self.b = nn.Linear(4, 3, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.a(x)
+        out += self.b(x)
+        return out
+
+
+class TestMappers:
+    def test_dict_mapper_matches_names_before_types_in_order(self):
+        stop, eps = StopRule(), EpsilonRule(0.5)
+        mapper = rule_mapper_from_dict({"features.*": stop, nn.Linear: eps})
+        assert mapper("features.3", nn.Linear(1, 1)) is stop
+        assert mapper("classifier.0", nn.Linear(1, 1)) is eps
+        assert mapper("classifier.1", nn.ReLU()) is None
+        base = BaseRuleMapper(rule_mapper={nn.Linear: eps})
+        assert base("fc", nn.Linear(1, 1)) is eps and isinstance(base("act", nn.Tanh()), PassRule)
+
+    def test_dict_mapper_rejects_non_rules(self):
+        with pytest.raises(TypeError, match="'head' must map to a Rule"):
+            rule_mapper_from_dict({"head": "epsilon"})
+
+    def test_lrp_accepts_a_dict_and_it_changes_the_result(self):
+        from tensordict import TensorDict
+
+        from tdhook.attribution import LRP
+
+        net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).double()
+        td = TensorDict(x=torch.randn(3, 4, dtype=torch.float64), batch_size=[3])
+        module = TensorDictModule(net, in_keys=["x"], out_keys=["y"])
+        flat = LRP(module, rule_mapper={"module.0": FlatRule()})(td.clone())["relevance", "x"]
+        plain = LRP(module)(td.clone())["relevance", "x"]
+        assert relative_error(flat, plain) > 1e-3
+        # Flat spreads each unit's relevance evenly over the 4 inputs: all four columns are equal.
+        torch.testing.assert_close(flat, flat[:, :1].expand_as(flat))
+
+    def test_first_layer_rule_stays_on_the_first_layer_when_the_user_maps_it(self):
+        model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 4), nn.Linear(4, 1)).double()
+        epsilon = EpsilonRule()
+        rules = EpsilonPlusFlat(rule_mapper={"0": epsilon}).rules(model)
+        assert rules["0"] is epsilon
+        # Layers 2 and 3 are not reached first by the input: they keep ε, never Flat.
+        td = TensorDict(x=torch.randn(5, 3, dtype=torch.float64), batch_size=[5])
+        keys = {"in_keys": ["x"], "out_keys": ["y"]}
+        ours = LRP(model, EpsilonPlusFlat(rule_mapper={"0": epsilon}), **keys)(td.clone())["relevance", "x"]
+        all_epsilon = LRP(model, {nn.Linear: EpsilonRule()}, **keys)(td.clone())["relevance", "x"]
+        torch.testing.assert_close(ours, all_epsilon, rtol=1e-12, atol=1e-12)
+
+
+def test_lrp_applies_the_rule_only_when_the_mapper_asks():
+    model = Residual()
+    for linear in (model.a, model.b):
+        nn.init.zeros_(linear.bias)
+    x = torch.randn(6, 4, dtype=torch.float64)
+
+    def total_relevance(stabilize_additions: bool) -> torch.Tensor:
+        mapper = BaseRuleMapper(stabilizer=0.5, stabilize_additions=stabilize_additions)
+        lrp = LRP(model, rule_mapper=mapper, in_keys=["x"], out_keys=["y"])
+        td = lrp(TensorDict(x=x.clone(), batch_size=[6]))
+        return td["relevance", "x"].sum(-1), td["y"].gather(1, td["y"].argmax(1, keepdim=True)).squeeze(1)
+
+    exact, logit = total_relevance(False)
+    torch.testing.assert_close(exact, logit)  # zero biases: conservation through the exact split
+    absorbed, logit = total_relevance(True)
+    torch.testing.assert_close(absorbed, logit * logit / stabilize(logit, 0.5))

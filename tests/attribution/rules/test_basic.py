@@ -1,0 +1,160 @@
+"""The basic rules (ε, pass, ignore, stop, uniform) against zennit's counterparts (float64) or their closed forms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from zennit import rules as zrules
+
+from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule, StopRule, UniformEpsilonRule, UniformRule
+from tests.attribution.rules._helpers import LAYERS, TOL, make_layer, output_relevance
+from tests.attribution.rules._helpers import RULE_PAIRS as ALL_RULE_PAIRS
+from tests.conftest import relative_error, tdhook_relevance, zennit_relevance
+
+RULE_PAIRS = {name: ALL_RULE_PAIRS[name] for name in ("epsilon", "epsilon-large")}
+
+
+class TestAgainstZennit:
+    @pytest.mark.parametrize("kind", LAYERS)
+    @pytest.mark.parametrize("rule_name", sorted(RULE_PAIRS))
+    def test_rule_matches_zennit(self, rule_name: str, kind: str):
+        ours, theirs = RULE_PAIRS[rule_name]
+        layer, x = make_layer(kind)
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(theirs(), layer, x, r_out)
+        actual = tdhook_relevance(ours(), layer, x, r_out)
+        assert actual.shape == x.shape
+        assert relative_error(actual, expected) <= TOL
+
+    @pytest.mark.parametrize("activation", [nn.Tanh(), nn.ELU(), nn.Sigmoid(), nn.SiLU(), nn.ReLU(), nn.GELU()])
+    def test_pass_matches_zennit(self, activation: nn.Module):
+        x = torch.randn(3, 7, dtype=torch.float64)
+        # Relevance at a tensor is the tensor times its gradient, so it vanishes where the output does.
+        with torch.no_grad():
+            r_out = activation(x) * torch.randn_like(x)
+        expected = zennit_relevance(zrules.Pass(), activation, x, r_out)
+        actual = tdhook_relevance(PassRule(), activation, x, r_out)
+        assert relative_error(actual, expected) <= TOL
+
+    @pytest.mark.parametrize("pool", [nn.AvgPool2d(2), nn.AdaptiveAvgPool2d(3)])
+    def test_norm_on_avg_pool_matches_zennit(self, pool: nn.Module):
+        x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+        r_out = output_relevance(pool, x)
+        expected = zennit_relevance(zrules.Norm(1e-6), pool, x, r_out)
+        actual = tdhook_relevance(EpsilonRule(1e-6), pool, x, r_out)
+        assert relative_error(actual, expected) <= TOL
+
+
+class TestFastPaths:
+    """The paths that skip autograd or a product, each checked against zennit and shown to be taken."""
+
+    @pytest.mark.parametrize("rule_name", ["epsilon"])
+    def test_repeated_backward_over_one_forward_gives_the_same_gradient(self, rule_name):
+        # A backward that frees the graph may write into what the rule saved; one that keeps it must not.
+        rule = RULE_PAIRS[rule_name.removesuffix("-positive-outputs")][0]()
+        layer, x = make_layer("conv2d")
+        x = x.clamp(min=0).requires_grad_(True)
+        with rule.register(layer):
+            out = layer(x)
+            grad = torch.randn_like(out)
+            if rule_name.endswith("-positive-outputs"):
+                grad = grad * (out > 0)
+            first = torch.autograd.grad(out, x, grad, retain_graph=True)[0]
+            second = torch.autograd.grad(out, x, grad, retain_graph=True)[0]
+            last = torch.autograd.grad(out, x, grad)[0]
+        assert torch.equal(first, second)
+        assert torch.equal(first, last)
+
+    @pytest.mark.parametrize("rule_name", ["epsilon"])
+    def test_vectorized_jacobian_equals_the_unit_by_unit_one(self, rule_name):
+        # Batched gradients (is_grads_batched) must not be written into the rule's saved tensors.
+        net = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)).double()
+        x = torch.randn(2, 4, dtype=torch.float64)
+        rule, second = RULE_PAIRS[rule_name.removesuffix("-after-relu")][0](), EpsilonRule()
+        if rule_name.endswith("-after-relu"):  # the γ paths for inputs x ≥ 0
+            rule, second = second, rule
+        with rule.register(net[0]), second.register(net[2]):
+            vectorized = torch.autograd.functional.jacobian(net, x, vectorize=True)
+            unit_by_unit = torch.autograd.functional.jacobian(net, x)
+        assert torch.allclose(vectorized, unit_by_unit, rtol=1e-12, atol=1e-14)
+
+
+class TestClosedForms:
+    def test_epsilon_zero_is_gradient_times_input(self):
+        layer, x = make_layer("conv2d")
+        r_out = output_relevance(layer, x)
+        with torch.no_grad():
+            z = layer(x)
+        xg = x.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(layer(xg), xg, r_out / z)
+        actual = tdhook_relevance(EpsilonRule(0.0), layer, x, r_out)
+        assert relative_error(actual, x * grad) <= 1e-12
+
+    def test_uniform_rule_splits_relevance_evenly(self):
+        class Mul(nn.Module):
+            def forward(self, a, b):
+                return a * b
+
+        a = torch.tensor([[0.0, 2.0, -1.0]], dtype=torch.float64, requires_grad=True)
+        b = torch.tensor([[3.0, 0.5, 4.0]], dtype=torch.float64, requires_grad=True)
+        mul, r_out = Mul(), torch.tensor([[1.0, -2.0, 3.0]], dtype=torch.float64)
+        with UniformRule().register(mul) as handle:
+            z = mul(a, b)
+            ga, gb = torch.autograd.grad(z, (a, b), r_out / z.detach().where(z != 0, 1.0))
+            records = handle.pop_records()
+        extra = {id(t): rest for t, rest in records}
+        ra = a.detach() * ga + extra[id(a)]
+        rb = b.detach() * gb + extra[id(b)]
+        # z is zero in the first unit, so r_out / z is zeroed there: the split concerns the others.
+        expected = torch.tensor([[0.0, -1.0, 1.5]], dtype=torch.float64)
+        torch.testing.assert_close(ra, expected)
+        torch.testing.assert_close(rb, expected)
+
+    def test_uniform_epsilon_halves_the_product_rule(self):
+        class Mul(nn.Module):
+            def forward(self, a, b):
+                return a * b
+
+        a = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+        b = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+        mul = Mul()
+        with UniformEpsilonRule(0.0).register(mul):
+            z = mul(a, b)
+            ga, gb = torch.autograd.grad(z, (a, b), torch.ones_like(z))
+        torch.testing.assert_close(a.detach() * ga, z.detach() / 2)
+        torch.testing.assert_close(b.detach() * gb, z.detach() / 2)
+
+    def test_stop_rule_blocks_relevance(self):
+        layer, x = make_layer("linear")
+        r = tdhook_relevance
+        with pytest.raises(ValueError, match="does not depend"):
+            r(StopRule(), layer, x, output_relevance(layer, x))
+
+    def test_ignore_rule_is_the_plain_gradient(self):
+        layer, x = make_layer("linear")
+        r_out = output_relevance(layer, x)
+        torch.testing.assert_close(
+            tdhook_relevance(IgnoreRule(), layer, x, r_out), tdhook_relevance(EpsilonRule(0.0), layer, x, r_out)
+        )
+
+    def test_pass_on_inplace_activation_keeps_input_intact(self):
+        act = nn.ELU(inplace=True)
+        x = torch.randn(4, 6, dtype=torch.float64)
+        r_out = output_relevance(nn.ELU(), x)
+        expected = zennit_relevance(zrules.Pass(), nn.ELU(), x, r_out)
+        lin = nn.Identity()
+        model = nn.Sequential(lin, act)
+        from tensordict import TensorDict
+
+        from tdhook.attribution import LRP
+
+        lrp = LRP(
+            model,
+            rule_mapper=lambda n, m: PassRule() if m is act else None,
+            in_keys=["x"],
+            out_keys=["y"],
+            target=lambda y: r_out,
+        )
+        td = lrp(TensorDict(x=x.clone() * 1, batch_size=[4]))
+        assert relative_error(td["relevance", "x"], expected) <= TOL

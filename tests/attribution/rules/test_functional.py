@@ -1,0 +1,91 @@
+"""FunctionalRules: the transformer rules on function calls (norms, products, fused attention), in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tdhook.attribution.rules.functional import FunctionalRules
+from tdhook.attribution.rules.transformer import AHQKVRule, LayerNormRule, PseudoIdentityRule, SoftmaxEpsilonRule
+from tests.attribution.rules._helpers import F64, randn
+from tests.conftest import relative_error, tdhook_relevance
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_functional_norms_get_the_same_rule_as_the_modules(norm: str):
+    module = nn.LayerNorm(6, dtype=F64) if norm == "layer" else nn.RMSNorm(6, eps=1e-6, dtype=F64)
+    x, relevance_out = randn(5, 6), randn(5, 6)
+    by_module = tdhook_relevance(LayerNormRule(), module, x, relevance_out)
+    xr = x.clone().requires_grad_(True)
+    with FunctionalRules(SoftmaxEpsilonRule(), PseudoIdentityRule()):
+        y = module(xr * 1)  # nn.LayerNorm and nn.RMSNorm call F.layer_norm and F.rms_norm
+    (grad,) = torch.autograd.grad(y, xr, relevance_out / y.detach())
+    assert relative_error(x * grad, by_module) <= 1e-12
+
+
+def test_functional_rules_leave_parameters_and_constants_alone():
+    weight = nn.Parameter(randn(4, 4))
+    x = randn(2, 4).requires_grad_(True)
+    with FunctionalRules(SoftmaxEpsilonRule(), PseudoIdentityRule()):
+        y = (x * 1) @ weight * 3.0
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(grad, (weight * 3.0).sum(1).expand(2, 4))
+
+
+@pytest.mark.parametrize("softmax", [SoftmaxEpsilonRule(0.0), SoftmaxEpsilonRule(0.05), AHQKVRule()])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_attention_equals_the_unfused_rules(softmax, causal: bool):
+    q, k, v = randn(2, 2, 5, 4), randn(2, 2, 5, 4), randn(2, 2, 5, 4)
+    relevance_out = randn(2, 2, 5, 4)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    with FunctionalRules(softmax, PseudoIdentityRule()):
+        fused = F.scaled_dot_product_attention(*(t * 1 for t in leaves), is_causal=causal)
+    grads = torch.autograd.grad(fused, leaves, relevance_out / fused.detach(), allow_unused=True)
+    ours = [t * g if g is not None else torch.zeros_like(t) for t, g in zip((q, k, v), grads, strict=True)]
+
+    # Reference: the attention written out, with the rules spelled out independently.
+    def half(t):
+        return 0.5 * t + 0.5 * t.detach()
+
+    ref_leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    rq, rk, rv = ref_leaves
+    if not isinstance(softmax, AHQKVRule):
+        rq, rk = half(rq), half(rk)
+    scores = rq @ rk.transpose(-1, -2) / 2.0
+    if causal:
+        scores = scores.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf"))
+    weights = torch.softmax(scores, -1)
+    if isinstance(softmax, AHQKVRule):
+        out = weights.detach() @ rv
+    else:
+        if softmax.epsilon:
+            weights = _softmax_epsilon_reference(scores, weights, softmax.epsilon)
+        out = half(weights) @ half(rv)
+    torch.testing.assert_close(out, fused)
+    grads = torch.autograd.grad(out, ref_leaves, relevance_out / out.detach(), allow_unused=True)
+    theirs = [t * g if g is not None else torch.zeros_like(t) for t, g in zip((q, k, v), grads, strict=True)]
+    for mine, expected in zip(ours, theirs, strict=True):
+        assert (mine - expected).norm() <= 1e-10 * max(expected.norm(), 1.0)
+
+
+def _softmax_epsilon_reference(scores: torch.Tensor, weights: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """``weights`` with the closed-form softmax-ε gradient, written with a custom autograd function."""
+
+    class Rule(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return weights.detach().clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            s, logits = weights.detach(), scores.detach()
+            relevance = s * grad
+            finite = torch.isfinite(logits)
+            safe = torch.where(finite, logits, 0.0)
+            relevance_in = safe * (relevance - s * relevance.sum(-1, keepdim=True))
+            sign = torch.where(safe >= 0, 1.0, -1.0).to(safe.dtype)
+            return torch.where(finite, relevance_in / (safe + epsilon * sign), 0.0)
+
+    return Rule.apply(scores)

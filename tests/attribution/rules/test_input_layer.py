@@ -1,0 +1,192 @@
+"""The input-layer rules (Flat, w², z^B) against zennit's counterparts in float64, and FirstLayerRule's choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+from zennit import rules as zrules
+
+from tdhook.attribution import LRP
+from tdhook.attribution.mappers.presets import EpsilonPlusFlat
+from tdhook.attribution.rules.basic import EpsilonRule
+from tdhook.attribution.rules.input_layer import FlatRule, ZBoxRule
+from tests.attribution.rules._helpers import LAYERS, TOL, make_layer, output_relevance, spy
+from tests.attribution.rules._helpers import RULE_PAIRS as ALL_RULE_PAIRS
+from tests.conftest import relative_error, tdhook_relevance, zennit_relevance
+
+RULE_PAIRS = {name: ALL_RULE_PAIRS[name] for name in ("flat", "wsquare", "zbox")}
+
+
+class TestAgainstZennit:
+    @pytest.mark.parametrize("kind", LAYERS)
+    @pytest.mark.parametrize("rule_name", sorted(RULE_PAIRS))
+    def test_rule_matches_zennit(self, rule_name: str, kind: str):
+        ours, theirs = RULE_PAIRS[rule_name]
+        layer, x = make_layer(kind)
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(theirs(), layer, x, r_out)
+        actual = tdhook_relevance(ours(), layer, x, r_out)
+        assert actual.shape == x.shape
+        assert relative_error(actual, expected) <= TOL
+
+    def test_zbox_with_tensor_bounds(self):
+        layer, x = make_layer("conv2d")
+        low = -torch.rand(1, 3, 1, 1, dtype=torch.float64) - 2
+        high = torch.rand(1, 3, 1, 1, dtype=torch.float64) + 2
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(zrules.ZBox(low, high), layer, x, r_out)
+        actual = tdhook_relevance(ZBoxRule(low, high), layer, x, r_out)
+        assert relative_error(actual, expected) <= TOL
+
+    def test_flat_gives_relevance_to_zero_inputs(self):
+        layer, x = make_layer("linear")
+        x[:, :2] = 0.0
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(zrules.Flat(), layer, x, r_out)
+        actual = tdhook_relevance(FlatRule(), layer, x, r_out)
+        assert expected[:, :2].abs().sum() > 0
+        assert relative_error(actual, expected) <= TOL
+
+
+class TestFastPaths:
+    """The paths that skip autograd or a product, each checked against zennit and shown to be taken."""
+
+    @pytest.mark.parametrize("rule_name", ["flat", "zbox"])
+    def test_an_expanded_output_gradient_gives_the_contiguous_result(self, rule_name):
+        # out.sum() sends back an expanded gradient: the element-wise work then runs on whole tensors.
+        layer, x = make_layer("conv2d")
+        x = x.clamp(min=0)
+
+        def relevance(expanded: bool) -> torch.Tensor:
+            rule, leaf = RULE_PAIRS[rule_name][0](), x.clone().requires_grad_(True)
+            with rule.register(layer) as handle:
+                out = layer(leaf)
+                grad_out = torch.ones(()).double().expand_as(out) if expanded else torch.ones_like(out)
+                assert grad_out.is_contiguous() != expanded
+                grad = torch.autograd.grad(out, leaf, grad_out)[0]
+                return leaf.detach() * grad + sum(rest for _, rest in handle.pop_records())
+
+        torch.testing.assert_close(relevance(expanded=True), relevance(expanded=False), rtol=1e-12, atol=1e-14)
+
+    def test_zbox_with_bounds_per_sample_matches_zennit(self, monkeypatch):
+        # Bounds that differ between samples cannot be computed for one sample: the autograd path runs.
+        taken = spy(monkeypatch, ZBoxRule, "_relevance_by_autograd")
+        layer, x = make_layer("conv2d")
+        low = -torch.rand(2, 3, 1, 1, dtype=torch.float64) - 2
+        high = torch.rand(2, 3, 1, 1, dtype=torch.float64) + 2
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(zrules.ZBox(low, high), layer, x, r_out)
+        assert relative_error(tdhook_relevance(ZBoxRule(low, high), layer, x, r_out), expected) <= TOL
+        assert taken
+
+    @pytest.mark.parametrize("kind", LAYERS)
+    @pytest.mark.parametrize("rule_name", ["flat", "wsquare", "zbox"])
+    def test_input_layer_rules_skip_autograd_and_match_zennit(self, rule_name, kind, monkeypatch):
+        taken = spy(monkeypatch, type(RULE_PAIRS[rule_name][0]()), "_relevance_by_autograd")
+        ours, theirs = RULE_PAIRS[rule_name]
+        layer, x = make_layer(kind)
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(theirs(), layer, x, r_out)
+        assert relative_error(tdhook_relevance(ours(), layer, x, r_out), expected) <= TOL
+        assert not taken
+
+    @pytest.mark.parametrize("rule_name", ["flat", "wsquare", "zbox"])
+    @pytest.mark.parametrize("kind", ["linear", "conv2d"])
+    def test_an_unbatched_input_gives_the_batched_result(self, rule_name, kind):
+        layer, x = make_layer(kind)
+        x = x.clamp(min=0)  # the z⁺ and γ paths without a forward pass for x⁻
+        sample = x[1] if kind == "conv2d" else x[1, :]
+        r_out = output_relevance(layer, x)
+        batched = tdhook_relevance(RULE_PAIRS[rule_name][0](), layer, x, r_out)
+        rule = RULE_PAIRS[rule_name][0]()
+        lrp = LRP(
+            layer,
+            rule_mapper=lambda n, m: rule if m is layer else None,
+            in_keys=["x"],
+            out_keys=["y"],
+            target=lambda y: r_out[1],
+        )
+        single = lrp(TensorDict(x=sample.clone()))["relevance", "x"]
+        assert relative_error(single, batched[1]) <= 1e-12
+
+    @pytest.mark.parametrize("rule_name", ["flat", "wsquare", "zbox"])
+    def test_repeated_backward_over_one_forward_gives_the_same_gradient(self, rule_name):
+        # A backward that frees the graph may write into what the rule saved; one that keeps it must not.
+        rule = RULE_PAIRS[rule_name.removesuffix("-positive-outputs")][0]()
+        layer, x = make_layer("conv2d")
+        x = x.clamp(min=0).requires_grad_(True)
+        with rule.register(layer):
+            out = layer(x)
+            grad = torch.randn_like(out)
+            if rule_name.endswith("-positive-outputs"):
+                grad = grad * (out > 0)
+            first = torch.autograd.grad(out, x, grad, retain_graph=True)[0]
+            second = torch.autograd.grad(out, x, grad, retain_graph=True)[0]
+            last = torch.autograd.grad(out, x, grad)[0]
+        assert torch.equal(first, second)
+        assert torch.equal(first, last)
+
+    @pytest.mark.parametrize("rule_name", ["flat", "zbox"])
+    def test_vectorized_jacobian_equals_the_unit_by_unit_one(self, rule_name):
+        # Batched gradients (is_grads_batched) must not be written into the rule's saved tensors.
+        net = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)).double()
+        x = torch.randn(2, 4, dtype=torch.float64)
+        rule, second = RULE_PAIRS[rule_name.removesuffix("-after-relu")][0](), EpsilonRule()
+        if rule_name.endswith("-after-relu"):  # the γ paths for inputs x ≥ 0
+            rule, second = second, rule
+        with rule.register(net[0]), second.register(net[2]):
+            vectorized = torch.autograd.functional.jacobian(net, x, vectorize=True)
+            unit_by_unit = torch.autograd.functional.jacobian(net, x)
+        assert torch.allclose(vectorized, unit_by_unit, rtol=1e-12, atol=1e-14)
+
+    @pytest.mark.parametrize("rule_name", ["flat", "wsquare", "zbox"])
+    def test_transposed_convolution_with_output_padding_past_the_stride_matches_zennit(self, rule_name):
+        # Its transposed product runs past the input's end; the direct paths keep the input's positions.
+        layer = nn.ConvTranspose1d(2, 3, 3, stride=1, dilation=2, output_padding=1).double()
+        x = torch.randn(2, 2, 6, dtype=torch.float64).abs()
+        ours, theirs = RULE_PAIRS[rule_name]
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(theirs(), layer, x, r_out)
+        assert relative_error(tdhook_relevance(ours(), layer, x, r_out), expected) <= TOL
+
+    def test_zbox_on_a_linear_subclass_matches_zennit(self):
+        class SubclassedLinear(nn.Linear):
+            pass
+
+        layer = SubclassedLinear(6, 5).double()
+        x = torch.randn(4, 6, dtype=torch.float64)
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(zrules.ZBox(-2.5, 2.5), layer, x, r_out)
+        assert relative_error(tdhook_relevance(ZBoxRule(-2.5, 2.5), layer, x, r_out), expected) <= TOL
+
+
+class TestFirstLayerRule:
+    def test_first_layer_is_the_one_the_input_reaches(self):
+        class TwoEncoders(nn.Module):
+            """Declares the head first; each input has its own encoder."""
+
+            def __init__(self):
+                super().__init__()
+                self.head = nn.Linear(6, 2)
+                self.encode_a, self.encode_b = nn.Linear(3, 3), nn.Linear(2, 3)
+
+            def forward(self, a, b):
+                return self.head(torch.cat([self.encode_a(a), self.encode_b(b)], -1).relu())
+
+        model = TwoEncoders().double()
+        td = TensorDict(a=torch.randn(4, 3).double(), b=torch.randn(4, 2).double(), batch_size=[4])
+        module = TensorDictModule(model, in_keys=["a", "b"], out_keys=["y"])
+        ours = LRP(module, rule_mapper=EpsilonPlusFlat(epsilon=0.1))(td.clone())
+        # Names are those of the object passed: here the TensorDictModule, which holds the model as "module".
+        flat, eps = FlatRule(), EpsilonRule(0.1)
+        by_name = {"module.encode_a": flat, "module.encode_b": flat, "module.head": eps}
+        expected = LRP(module, rule_mapper=by_name)(td.clone())
+        for key in ("a", "b"):
+            torch.testing.assert_close(ours["relevance", key], expected["relevance", key], rtol=1e-12, atol=1e-12)
+        # Flat gives every input of an encoder the same relevance within a sample.
+        for key in ("a", "b"):
+            rel = ours["relevance", key]
+            torch.testing.assert_close(rel, rel[:, :1].expand_as(rel))

@@ -1,0 +1,178 @@
+"""The rules with a modified forward pass (αβ, z⁺, γ) against zennit's counterparts, in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+from zennit import rules as zrules
+
+from tdhook.attribution import LRP
+from tdhook.attribution.rules.basic import EpsilonRule
+from tdhook.attribution.rules.modified import AlphaBetaRule, GammaRule
+from tests.attribution.rules._helpers import LAYERS, TOL, make_layer, output_relevance, spy
+from tests.attribution.rules._helpers import RULE_PAIRS as ALL_RULE_PAIRS
+from tests.conftest import relative_error, tdhook_relevance, zennit_relevance
+
+RULE_PAIRS = {name: ALL_RULE_PAIRS[name] for name in ("zplus", "alpha2beta1", "alpha1beta0", "gamma", "gamma-nobias")}
+
+
+class TestAgainstZennit:
+    @pytest.mark.parametrize("kind", LAYERS)
+    @pytest.mark.parametrize("rule_name", sorted(RULE_PAIRS))
+    def test_rule_matches_zennit(self, rule_name: str, kind: str):
+        ours, theirs = RULE_PAIRS[rule_name]
+        layer, x = make_layer(kind)
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(theirs(), layer, x, r_out)
+        actual = tdhook_relevance(ours(), layer, x, r_out)
+        assert actual.shape == x.shape
+        assert relative_error(actual, expected) <= TOL
+
+    @pytest.mark.parametrize("kind", LAYERS)
+    @pytest.mark.parametrize("rule_name", ["gamma", "gamma-nobias", "zplus", "alpha2beta1"])
+    def test_rule_matches_zennit_on_nonnegative_inputs(self, rule_name: str, kind: str):
+        """Inputs after a ReLU: the rules skip the x⁻ pass, and γ computes its transposed products directly."""
+        ours, theirs = RULE_PAIRS[rule_name]
+        layer, x = make_layer(kind)
+        x = x.clamp(min=0)
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(theirs(), layer, x, r_out)
+        assert relative_error(tdhook_relevance(ours(), layer, x, r_out), expected) <= TOL
+
+    @pytest.mark.parametrize(
+        "layer,shape",
+        [
+            (nn.Linear(5, 3), (2, 4, 5)),  # a sequence: the bias broadcasts over the last dimension
+            (nn.Conv2d(3, 4, 3, padding="same"), (2, 3, 5, 5)),
+            (nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), (2, 3, 5, 5)),
+        ],
+        ids=["linear-sequence", "conv-same", "conv-reflect"],
+    )
+    def test_gamma_on_nonnegative_inputs_of_other_layouts(self, layer: nn.Module, shape: tuple):
+        layer = layer.double()
+        with torch.no_grad():
+            layer.bias.normal_()
+        x = torch.randn(shape, dtype=torch.float64).clamp(min=0)
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(zrules.Gamma(0.25), layer, x, r_out)
+        assert relative_error(tdhook_relevance(GammaRule(0.25), layer, x, r_out), expected) <= TOL
+
+
+class TestFastPaths:
+    """The paths that skip autograd or a product, each checked against zennit and shown to be taken."""
+
+    @pytest.mark.parametrize("kind", LAYERS)
+    @pytest.mark.parametrize("rule_name", ["gamma", "gamma-nobias"])
+    def test_gamma_without_relevance_on_negative_outputs_matches_zennit(self, rule_name, kind, monkeypatch):
+        # After a ReLU no relevance reaches a negative output: one transposed product suffices.
+        taken = spy(monkeypatch, GammaRule, "_positive_outputs_gradient")
+        ours, theirs = RULE_PAIRS[rule_name]
+        layer, x = make_layer(kind)
+        x = x.clamp(min=0)
+        with torch.no_grad():
+            r_out = output_relevance(layer, x) * (layer(x) > 0)
+        expected = zennit_relevance(theirs(), layer, x, r_out)
+        assert relative_error(tdhook_relevance(ours(), layer, x, r_out), expected) <= TOL
+        assert taken
+
+    @pytest.mark.parametrize("rule_name", ["gamma", "gamma-nobias"])
+    def test_gamma_with_relevance_on_negative_outputs_takes_both_products(self, rule_name, monkeypatch):
+        one_product = spy(monkeypatch, GammaRule, "_positive_outputs_gradient")
+        two_products = spy(monkeypatch, GammaRule, "_nonnegative_input_gradient")
+        ours, theirs = RULE_PAIRS[rule_name]
+        layer, x = make_layer("conv2d")
+        x = x.clamp(min=0)
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(theirs(), layer, x, r_out)
+        assert relative_error(tdhook_relevance(ours(), layer, x, r_out), expected) <= TOL
+        assert not one_product
+        # A zeroed bias can make D = γW⁺x − b negative: the signs of z^↑ and z^↓ are then unknown (autograd path).
+        assert bool(two_products) == (rule_name == "gamma")
+
+    @pytest.mark.parametrize("rule_name", ["zplus", "gamma"])
+    def test_an_expanded_output_gradient_gives_the_contiguous_result(self, rule_name):
+        # out.sum() sends back an expanded gradient: the element-wise work then runs on whole tensors.
+        layer, x = make_layer("conv2d")
+        x = x.clamp(min=0)
+
+        def relevance(expanded: bool) -> torch.Tensor:
+            rule, leaf = RULE_PAIRS[rule_name][0](), x.clone().requires_grad_(True)
+            with rule.register(layer) as handle:
+                out = layer(leaf)
+                grad_out = torch.ones(()).double().expand_as(out) if expanded else torch.ones_like(out)
+                assert grad_out.is_contiguous() != expanded
+                grad = torch.autograd.grad(out, leaf, grad_out)[0]
+                return leaf.detach() * grad + sum(rest for _, rest in handle.pop_records())
+
+        torch.testing.assert_close(relevance(expanded=True), relevance(expanded=False), rtol=1e-12, atol=1e-14)
+
+    @pytest.mark.parametrize("rule_name", ["zplus", "gamma"])
+    @pytest.mark.parametrize("kind", ["linear", "conv2d"])
+    def test_an_unbatched_input_gives_the_batched_result(self, rule_name, kind):
+        layer, x = make_layer(kind)
+        x = x.clamp(min=0)  # the z⁺ and γ paths without a forward pass for x⁻
+        sample = x[1] if kind == "conv2d" else x[1, :]
+        r_out = output_relevance(layer, x)
+        batched = tdhook_relevance(RULE_PAIRS[rule_name][0](), layer, x, r_out)
+        rule = RULE_PAIRS[rule_name][0]()
+        lrp = LRP(
+            layer,
+            rule_mapper=lambda n, m: rule if m is layer else None,
+            in_keys=["x"],
+            out_keys=["y"],
+            target=lambda y: r_out[1],
+        )
+        single = lrp(TensorDict(x=sample.clone()))["relevance", "x"]
+        assert relative_error(single, batched[1]) <= 1e-12
+
+    @pytest.mark.parametrize("rule_name", ["zplus", "gamma", "gamma-positive-outputs"])
+    def test_repeated_backward_over_one_forward_gives_the_same_gradient(self, rule_name):
+        # A backward that frees the graph may write into what the rule saved; one that keeps it must not.
+        rule = RULE_PAIRS[rule_name.removesuffix("-positive-outputs")][0]()
+        layer, x = make_layer("conv2d")
+        x = x.clamp(min=0).requires_grad_(True)
+        with rule.register(layer):
+            out = layer(x)
+            grad = torch.randn_like(out)
+            if rule_name.endswith("-positive-outputs"):
+                grad = grad * (out > 0)
+            first = torch.autograd.grad(out, x, grad, retain_graph=True)[0]
+            second = torch.autograd.grad(out, x, grad, retain_graph=True)[0]
+            last = torch.autograd.grad(out, x, grad)[0]
+        assert torch.equal(first, second)
+        assert torch.equal(first, last)
+
+    @pytest.mark.parametrize("rule_name", ["zplus", "gamma-after-relu"])
+    def test_vectorized_jacobian_equals_the_unit_by_unit_one(self, rule_name):
+        # Batched gradients (is_grads_batched) must not be written into the rule's saved tensors.
+        net = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)).double()
+        x = torch.randn(2, 4, dtype=torch.float64)
+        rule, second = RULE_PAIRS[rule_name.removesuffix("-after-relu")][0](), EpsilonRule()
+        if rule_name.endswith("-after-relu"):  # the γ paths for inputs x ≥ 0
+            rule, second = second, rule
+        with rule.register(net[0]), second.register(net[2]):
+            vectorized = torch.autograd.functional.jacobian(net, x, vectorize=True)
+            unit_by_unit = torch.autograd.functional.jacobian(net, x)
+        assert torch.allclose(vectorized, unit_by_unit, rtol=1e-12, atol=1e-14)
+
+    @pytest.mark.parametrize("rule_name", ["zplus", "gamma"])
+    def test_transposed_convolution_with_output_padding_past_the_stride_matches_zennit(self, rule_name):
+        # Its transposed product runs past the input's end; the direct paths keep the input's positions.
+        layer = nn.ConvTranspose1d(2, 3, 3, stride=1, dilation=2, output_padding=1).double()
+        x = torch.randn(2, 2, 6, dtype=torch.float64).abs()
+        ours, theirs = RULE_PAIRS[rule_name]
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(theirs(), layer, x, r_out)
+        assert relative_error(tdhook_relevance(ours(), layer, x, r_out), expected) <= TOL
+
+
+class TestRegistration:
+    def test_alpha_beta_refuses_unbalanced_parameters(self):
+        with pytest.raises(ValueError, match="alpha - beta == 1"):
+            AlphaBetaRule(alpha=1.0, beta=1.0)
+
+    def test_weight_rule_on_module_without_weight_names_it(self):
+        with pytest.raises(ValueError, match="ReLU has none"):
+            AlphaBetaRule(1.0, 0.0).register(nn.ReLU())
