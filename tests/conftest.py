@@ -56,3 +56,13 @@ def zennit_model_relevance(composite, model: torch.nn.Module, x: torch.Tensor, c
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The model gallery (``@pytest.mark.gallery``) runs only where ``-m`` names it: ``pytest -m gallery``."""
+    if "gallery" in (config.getoption("markexpr") or ""):
+        return
+    gallery = [item for item in items if item.get_closest_marker("gallery") is not None]
+    if gallery:
+        config.hook.pytest_deselected(items=gallery)
+        items[:] = [item for item in items if item.get_closest_marker("gallery") is None]

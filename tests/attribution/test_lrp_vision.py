@@ -9,6 +9,8 @@ tdhook for the same, otherwise it splits the sums exactly.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torchvision
@@ -25,7 +27,7 @@ from tdhook.attribution.lrp_helpers.rules import (
     EpsilonAlpha2Beta1,
     EpsilonGammaBox,
     EpsilonPlusFlat,
-    PassRule,
+    EpsilonRule,
     raise_for_unconserved_rel_factory,
 )
 from tdhook.attribution.rules import _input_gradients as input_gradients
@@ -163,17 +165,55 @@ def test_residual_sums_split_exactly_by_default(preset: str):
     assert relative_error(relevance, stock) > 1e-6
 
 
+class BatchAffine(nn.Module):
+    """``x · s + t`` per channel with ``s``, ``t`` fixed: a training-mode BatchNorm of one batch."""
+
+    def __init__(self, scale: torch.Tensor, shift: torch.Tensor) -> None:
+        super().__init__()
+        self.scale, self.shift = scale.view(1, -1, 1, 1), shift.view(1, -1, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale + self.shift
+
+
+def with_batch_statistics_fixed(model: nn.Module, x: torch.Tensor) -> nn.Module:
+    """A copy of ``model`` whose training-mode BatchNorms are affine maps with this batch's statistics."""
+    fixed, hooks = copy.deepcopy(model), []
+    for name, norm in list(fixed.named_modules()):
+        if isinstance(norm, nn.BatchNorm2d):
+
+            def replace(module, args, name=name):
+                var, mean = torch.var_mean(args[0].detach(), dim=(0, 2, 3), unbiased=False)
+                scale = module.weight.detach() * torch.rsqrt(var + module.eps)
+                parent, _, child = name.rpartition(".")
+                setattr(
+                    fixed.get_submodule(parent) if parent else fixed,
+                    child,
+                    BatchAffine(scale, module.bias - mean * scale),
+                )
+
+            hooks.append(norm.register_forward_pre_hook(replace))
+    with torch.no_grad():
+        fixed(x)
+    for hook in hooks:
+        hook.remove()
+    return fixed
+
+
 def test_batch_norm_in_training_mode_is_not_merged():
     model = build("resnet18", eps=1e-5).train()
     x = image()
+    # Before the call: the running statistics change in it, the batch statistics do not.
+    fixed = with_batch_statistics_fixed(model, x).eval()
     before = snapshot(model)
     relevance = tdhook_model_relevance(model, EpsilonPlusFlat(), x)["relevance", "image"]
     # Training mode updates running statistics in the forward pass, as the model itself would.
     state, _, _ = before
     assert not torch.equal(model.state_dict()["bn1.running_mean"], state["bn1.running_mean"])
-    # Not merged: every BatchNorm passes relevance through, as an explicit PassRule does.
-    passed = tdhook_model_relevance(model, EpsilonPlusFlat(rule_mapper={nn.BatchNorm2d: PassRule()}), x)
-    assert relative_error(relevance, passed["relevance", "image"]) <= 1e-12
+    # Not merged: each BatchNorm is the affine map of its batch statistics under the ε-rule, as an explicit
+    # affine module with those statistics is.
+    explicit = tdhook_model_relevance(fixed, EpsilonPlusFlat(rule_mapper={BatchAffine: EpsilonRule(1e-6)}), x)
+    assert relative_error(relevance, explicit["relevance", "image"]) <= 1e-10
     merged = tdhook_model_relevance(model.eval(), EpsilonPlusFlat(), x)["relevance", "image"]
     assert relative_error(relevance, merged) > 1e-3
 

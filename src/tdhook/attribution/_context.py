@@ -101,7 +101,7 @@ def suspend_function_modes_in(handles: Sequence[RemovableRuleHandle]) -> list[Re
     hooks: list[RemovableHandle] = []
     for handle in handles:
         module = handle.module
-        if module is not None and handle.rule.is_registered(module):
+        if module is not None and handle.rule.is_registered(module) and not handle.rule.acts_in_forward:
             hooks.append(module.register_forward_pre_hook(suspend))
             hooks.append(module.register_forward_hook(resume, always_call=True))
     return hooks

@@ -17,6 +17,7 @@ from tdhook.attribution._inputs import describe, feed_inputs, validate_inputs
 from tdhook.attribution._keys import layer_keys, relevance_keys
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
+from tdhook.attribution._rule_use import RuleUse
 from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
 from tdhook.attribution._writes import model_updates, set_all_or_nothing
 from tdhook.attribution.mappers.base import BaseRuleMapper, RuleMapper
@@ -154,6 +155,7 @@ class LRP(TensorDictModuleBase):
         self._layers = LayerRelevance()
         self._tokens = TokenInputs(self.explained_keys)
         self._stochastic: list[tuple[str, nn.Module]] = []
+        self._rule_use = RuleUse()
 
     def named_explained_modules(self) -> dict[str, nn.Module]:
         """The wrapped model's modules by the names rule mappers and ``layers`` use."""
@@ -191,7 +193,8 @@ class LRP(TensorDictModuleBase):
                     ) from err
             if self.relevance_check is not None:
                 self._hooks += add_check_hooks(handles, modules, self.relevance_check)
-            if getattr(self.rule_mapper, "function_modes", list)():
+            modes = getattr(self.rule_mapper, "function_modes", list)()
+            if any(getattr(mode, "pause_in_ruled_modules", True) for mode in modes):
                 self._hooks += suspend_function_modes_in(handles)
             for name in self.layer_keys:
                 self._hooks.append(modules[name].register_forward_hook(self._layers.hook(name)))
@@ -203,6 +206,7 @@ class LRP(TensorDictModuleBase):
             release(self)
             raise
         self._handles = handles
+        self._rule_use.reset()
         self._stochastic = [(n, m) for n, m in modules.items() if isinstance(m, nn.Dropout) and m.p > 0]
         return self
 
@@ -257,6 +261,7 @@ class LRP(TensorDictModuleBase):
                 leaves, fed = feed_inputs(work, self.explained_keys, self._tokens)
                 try:
                     with contextlib.ExitStack() as modes:
+                        modes.enter_context(self._rule_use.watch(self.named_explained_modules, self._handles or []))
                         for mode in getattr(self.rule_mapper, "function_modes", list)():
                             modes.enter_context(mode)
                         result = call_plain(self.module, work) if self._name_prefix else self.module(work)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from zennit import rules as zrules
 
+from tdhook.attribution.mappers.presets import EpsilonAlpha2Beta1, EpsilonGammaBox, EpsilonPlus, EpsilonPlusFlat
 from tdhook.attribution.rules.basic import EpsilonRule
 from tdhook.attribution.rules.input_layer import FlatRule, WSquareRule, ZBoxRule
 from tdhook.attribution.rules.modified import AlphaBetaRule, GammaRule
@@ -53,6 +54,14 @@ RULE_PAIRS = {
     "flat": (lambda: FlatRule(), lambda: zrules.Flat()),
     "wsquare": (lambda: WSquareRule(), lambda: zrules.WSquare()),
     "zbox": (lambda: ZBoxRule(-2.5, 2.5), lambda: zrules.ZBox(-2.5, 2.5)),
+}
+
+# The CNN presets, each a factory of keyword options (ZBox bounds: inputs inside [-3, 3]).
+CNN_PRESETS = {
+    "EpsilonPlus": lambda **options: EpsilonPlus(**options),
+    "EpsilonPlusFlat": lambda **options: EpsilonPlusFlat(**options),
+    "EpsilonGammaBox": lambda **options: EpsilonGammaBox(-3.0, 3.0, **options),
+    "EpsilonAlpha2Beta1": lambda **options: EpsilonAlpha2Beta1(**options),
 }
 
 

@@ -1,5 +1,6 @@
-"""The transformer rules (softmax-ε, AH-QKV, LayerNorm, pseudo-identity, uniform product) against their closed forms,
-in float64."""
+"""The transformer rules (softmax-ε, AH-QKV, pseudo-identity, uniform product) against their closed forms, in float64.
+
+LayerNormRule (AttnLRP's name for NormRule) is tested with the norms, in test_normalization.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from tdhook.attribution import LRP
 from tdhook.attribution.mappers.transformer import AttnLRP
 from tdhook.attribution.rules.transformer import (
     AHQKVRule,
-    LayerNormRule,
     PseudoIdentityRule,
     SoftmaxEpsilonRule,
     uniform_product,
@@ -56,33 +56,6 @@ def test_ahqkv_rule_holds_attention_weights_constant():
     # Attention weights alone carry no relevance: explaining them is an error that names the key.
     with pytest.raises(ValueError, match="target 'y' does not depend on the explained inputs"):
         tdhook_relevance(AHQKVRule(), nn.Softmax(dim=-1), randn(3, 4), randn(3, 4))
-
-
-@pytest.mark.parametrize("norm", ["layer", "rms"])
-def test_layer_norm_rule_is_the_gradient_with_the_scale_detached(norm: str):
-    if norm == "layer":
-        module = nn.LayerNorm(6, dtype=F64)
-    else:
-        module = nn.RMSNorm(6, eps=1e-5, dtype=F64)
-    with torch.no_grad():
-        module.weight.copy_(randn(6))
-        if norm == "layer":
-            module.bias.copy_(randn(6))
-    x, relevance_out = randn(5, 6), randn(5, 6)
-    relevance = tdhook_relevance(LayerNormRule(), module, x, relevance_out)
-
-    xr = x.clone().requires_grad_(True)
-    if norm == "layer":
-        centred = xr - xr.mean(-1, keepdim=True)
-        sigma = (centred.pow(2).mean(-1, keepdim=True) + module.eps).sqrt().detach()
-        y = centred / sigma * module.weight + module.bias
-    else:
-        y = xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + module.eps).detach() * module.weight
-    torch.testing.assert_close(y, module(x))
-    (grad,) = torch.autograd.grad(y, xr, relevance_out / y.detach())
-    assert relative_error(relevance, x * grad) <= 1e-12
-    if norm == "rms":  # each feature keeps its own relevance
-        assert relative_error(relevance, relevance_out) <= 1e-12
 
 
 @pytest.mark.parametrize("activation", [nn.GELU(), nn.SiLU(), nn.Tanh(), nn.Softplus()])

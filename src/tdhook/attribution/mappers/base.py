@@ -15,14 +15,27 @@ from typing import Protocol, TypedDict
 from tensordict.nn import TensorDictModuleBase
 from torch import nn
 
-from tdhook.attribution.rules._layers import ACTIVATIONS, AVG_POOLS, BATCH_NORMS, GRADIENT_ROUTED, LINEAR_LAYERS
+from tdhook.attribution.rules._layers import (
+    ACTIVATIONS,
+    AVG_POOLS,
+    BATCH_NORMS,
+    GATES,
+    GRADIENT_ROUTED,
+    GRADIENT_ROUTED_NAMES,
+    LINEAR_LAYERS,
+)
 from tdhook.attribution.rules.additions import StabilizedAdditions
 from tdhook.attribution.rules.base import Rule
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule
 from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
+from tdhook.attribution.rules.gates import GateRule, HeldGates
 from tdhook.attribution.rules.input_layer import FirstLayerRule
+from tdhook.attribution.rules.normalization import NormRule, is_norm
 
 __all__ = ["RuleMapper", "rule_mapper_from_dict", "PresetOptions", "BaseRuleMapper"]
+
+# Sigmoid-like modules of other libraries, by class name (timm's ``Sigmoid`` and ``HardSigmoid``).
+_GATE_NAMES = frozenset({"Sigmoid", "HardSigmoid", "Hardsigmoid", "GateSigmoid"})
 
 
 class RuleMapper(Protocol):
@@ -73,8 +86,9 @@ def rule_mapper_from_dict(mapping: Mapping[type | tuple[type, ...] | str, Rule])
 
 
 def _is_glue(module: nn.Module) -> bool:
-    """TensorDict wrappers of plain functions: their operations are differentiated as they are."""
-    return isinstance(module, TensorDictModuleBase)
+    """TensorDict wrappers of plain functions (their operations are differentiated as they are), and empty
+    containers (no computation of their own)."""
+    return isinstance(module, (TensorDictModuleBase, nn.Sequential, nn.ModuleList, nn.ModuleDict))
 
 
 class PresetOptions(TypedDict, total=False):
@@ -90,9 +104,13 @@ class PresetOptions(TypedDict, total=False):
 class BaseRuleMapper:
     """Map ``(name, module)`` to a rule: the user's mapper first, then defaults.
 
-    Defaults: activations → :class:`PassRule`; average pooling → :class:`EpsilonRule`
-    with ``stabilizer`` (zennit's ``Norm``); BatchNorm → :class:`MergeBatchNormRule`
-    (merged into the layer before it, else passed through); Linear and
+    Defaults: sigmoid-like modules → :class:`~tdhook.attribution.rules.gates.GateRule`
+    (held constant where they gate a signal); other activations → :class:`PassRule`;
+    average pooling → :class:`EpsilonRule` with ``stabilizer`` (zennit's ``Norm``);
+    BatchNorm → :class:`MergeBatchNormRule`
+    (merged into the layer before it, else the ε-rule of its affine map); other
+    norms (LayerNorm, GroupNorm, RMSNorm, channels-first and fused norms) →
+    :class:`NormRule` (the normalising scale held constant); Linear and
     convolution layers, MaxPool, Dropout, Flatten, Unflatten, Identity →
     :class:`IgnoreRule`. Other modules get no rule (plain gradient).
     Subclasses add Linear/Conv rules in :meth:`layer_rule` and a special first
@@ -130,16 +148,26 @@ class BaseRuleMapper:
         self._warned: set[tuple[str, type]] = set()
         self.rule_mapper = rule_mapper_from_dict(rule_mapper) if isinstance(rule_mapper, Mapping) else rule_mapper
         self._pass = PassRule()
+        self._gate = GateRule()
         self._norm = EpsilonRule(epsilon=stabilizer)
         self._ignore = IgnoreRule()
-        self._merge_batch_norm = MergeBatchNormRule()
+        self._merge_batch_norm = MergeBatchNormRule(epsilon=stabilizer)
+        self._norm_rule: NormRule = NormRule(epsilon=stabilizer)
         self._first_layer_rules: dict[tuple[int, int], FirstLayerRule] = {}
 
     def function_modes(self) -> list:
-        r"""``TorchFunctionMode``\ s the wrapper runs the forward pass in: rules for calls that are not modules."""
-        if not self.stabilize_additions:
-            return []
-        return [StabilizedAdditions(self.stabilizer)]
+        r"""``TorchFunctionMode``\ s the wrapper runs the forward pass in: rules for calls that are not modules.
+
+        Where a sigmoid-like module has a :class:`~tdhook.attribution.rules.gates.GateRule`, gates are held
+        constant in products (:class:`~tdhook.attribution.rules.gates.HeldGates`); residual sums are stabilised
+        with ``stabilize_additions``. Models with neither run without a mode (``torch.compile`` traces them).
+        """
+        gates = [HeldGates()] if self._gate.is_registered_anywhere() else []
+        return [*self.addition_modes(), *gates]
+
+    def addition_modes(self) -> list:
+        """The mode for residual sums, when ``stabilize_additions`` asks for it."""
+        return [StabilizedAdditions(self.stabilizer)] if self.stabilize_additions else []
 
     def __call__(self, name: str, module: nn.Module) -> Rule | None:
         if self.rule_mapper is not None:
@@ -150,14 +178,20 @@ class BaseRuleMapper:
 
     def default_rule(self, name: str, module: nn.Module) -> Rule | None:
         """The rule for activations, pooling, norms, dropout and shape modules."""
+        if isinstance(module, GATES) or type(module).__name__ in _GATE_NAMES:
+            return self._gate
         if isinstance(module, ACTIVATIONS):
             return self._pass
         if isinstance(module, BATCH_NORMS):
             return self._merge_batch_norm
+        if is_norm(module):
+            return self._norm_rule
         if isinstance(module, AVG_POOLS):
             return self._norm
-        if isinstance(module, (*GRADIENT_ROUTED, *LINEAR_LAYERS)):
+        if isinstance(module, (*GRADIENT_ROUTED, *LINEAR_LAYERS)) or type(module).__name__ in GRADIENT_ROUTED_NAMES:
             return self._ignore
+        if type(module).__module__.startswith("timm.layers.activations"):
+            return self._pass  # timm's own activation classes (GELU, Swish, HardSwish, ...)
         return None
 
     def layer_rule(self, name: str, module: nn.Module) -> Rule | None:
@@ -177,6 +211,8 @@ class BaseRuleMapper:
         """
         rules: dict[str, Rule] = {}
         for name, module in model.named_modules():
+            if "parametrizations" in name.split("."):
+                continue  # a weight's parametrization (weight_norm, spectral_norm) computes a weight, not activations
             rule = None
             if self.rule_mapper is not None:
                 rule = self.rule_mapper(name, module)

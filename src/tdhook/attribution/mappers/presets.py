@@ -25,7 +25,7 @@ from torch import nn
 from tdhook.attribution.mappers.base import BaseRuleMapper, PresetOptions
 from tdhook.attribution.rules._layers import CONVOLUTIONS, LINEAR_LAYERS
 from tdhook.attribution.rules.base import Rule
-from tdhook.attribution.rules.basic import EpsilonRule
+from tdhook.attribution.rules.basic import EpsilonRule, RefuseRule
 from tdhook.attribution.rules.input_layer import FlatRule, ZBoxRule
 from tdhook.attribution.rules.modified import AlphaBetaRule, GammaRule
 
@@ -67,6 +67,16 @@ class Preset(BaseRuleMapper):
         self.epsilon = epsilon
         self._layer_table = [(types, make(self)) for types, make in self.layer_rules]
         self._first_layer_table = [(types, make(self)) for types, make in self.first_layer_rules]
+        self._refuse_attention = RefuseRule(
+            f"{type(self).__name__} has no rule for attention, whose weights would keep their plain gradient and "
+            "create or lose relevance; explain attention models with CPLRP (conserving) or AttnLRP, or map this "
+            "module to a rule in rule_mapper"
+        )
+
+    def default_rule(self, name: str, module: nn.Module) -> Rule | None:
+        if isinstance(module, nn.MultiheadAttention):
+            return self._refuse_attention
+        return super().default_rule(name, module)
 
     @staticmethod
     def _lookup(table: list[tuple[tuple[type, ...], Rule]], module: nn.Module) -> Rule | None:

@@ -7,16 +7,16 @@ from typing import Unpack
 from torch import nn
 
 from tdhook.attribution.mappers.base import BaseRuleMapper, PresetOptions
-from tdhook.attribution.rules._layers import ACTIVATIONS
+from tdhook.attribution.rules._layers import ACTIVATIONS, BATCH_NORMS, GATES
 from tdhook.attribution.rules.basic import EpsilonRule
 from tdhook.attribution.rules.functional import FunctionalRules
+from tdhook.attribution.rules.gates import GateRule
+from tdhook.attribution.rules.normalization import is_norm
 from tdhook.attribution.rules.transformer import (
     AHQKVRule,
     LayerNormRule,
     PseudoIdentityRule,
     SoftmaxEpsilonRule,
-    is_layer_norm,
-    is_rms_norm,
 )
 
 __all__ = ["AttnLRP", "CPLRP"]
@@ -62,7 +62,8 @@ class AttnLRP(BaseRuleMapper):
         self._dense = None if epsilon is None else EpsilonRule(epsilon)
         self._softmax: SoftmaxEpsilonRule = SoftmaxEpsilonRule(softmax_epsilon)
         self._identity = PseudoIdentityRule()
-        self._norm_rule = LayerNormRule()
+        self._gate_identity = GateRule(stabilizer=self._identity.stabilizer)
+        self._norm_rule = LayerNormRule(epsilon=self.stabilizer)
 
     def layer_rule(self, name, module):
         if isinstance(module, nn.Linear) or _is_hf_conv1d(module):
@@ -70,10 +71,12 @@ class AttnLRP(BaseRuleMapper):
         return None
 
     def default_rule(self, name, module):
-        if is_layer_norm(module) or is_rms_norm(module):
+        if is_norm(module) and not isinstance(module, BATCH_NORMS):
             return self._norm_rule
         if isinstance(module, nn.Softmax):
             return self._softmax
+        if isinstance(module, GATES):
+            return self._gate_identity  # a sigmoid-like gate: the identity rule, its output marked as a gate
         if isinstance(module, ACTIVATIONS) or _is_hf_activation(module):
             return self._identity
         if type(module).__name__.endswith("RotaryEmbedding"):
@@ -82,7 +85,7 @@ class AttnLRP(BaseRuleMapper):
 
     def function_modes(self) -> list:
         hold_gates = isinstance(self._softmax, AHQKVRule)
-        return [*super().function_modes(), FunctionalRules(self._softmax, self._identity, hold_gates)]
+        return [*self.addition_modes(), FunctionalRules(self._softmax, self._identity, hold_gates)]
 
 
 class CPLRP(AttnLRP):

@@ -27,6 +27,7 @@ from tdhook.attribution.rules.basic import (
     EpsilonRule,
     IgnoreRule,
     PassRule,
+    RefuseRule,
     StopRule,
     UniformEpsilonRule,
     UniformRule,
@@ -34,8 +35,10 @@ from tdhook.attribution.rules.basic import (
 from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
 from tdhook.attribution.rules.checks import raise_for_unconserved_rel_factory
 from tdhook.attribution.rules.functional import FunctionalRules
+from tdhook.attribution.rules.gates import GateRule, HeldGates
 from tdhook.attribution.rules.input_layer import FirstLayerRule, FlatRule, WSquareRule, ZBoxRule
 from tdhook.attribution.rules.modified import AlphaBetaRule, GammaRule
+from tdhook.attribution.rules.normalization import NormRule
 from tdhook.attribution.rules.transformer import (
     AHQKVRule,
     LayerNormRule,
@@ -62,6 +65,7 @@ __all__ = [
     "IgnoreRule",
     "StopRule",
     "UniformRule",
+    "RefuseRule",
     "AlphaBetaRule",
     "GammaRule",
     "FlatRule",
@@ -69,6 +73,9 @@ __all__ = [
     "ZBoxRule",
     "FirstLayerRule",
     "MergeBatchNormRule",
+    "NormRule",
+    "GateRule",
+    "HeldGates",
     "SoftmaxEpsilonRule",
     "LayerNormRule",
     "PseudoIdentityRule",

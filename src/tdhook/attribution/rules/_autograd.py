@@ -39,6 +39,7 @@ __all__ = [
     "may_overwrite",
     "times_saved",
     "is_activation",
+    "call_argument",
 ]
 
 
@@ -271,3 +272,13 @@ def scale_gradient(x: torch.Tensor, factor: float | torch.Tensor, in_place: bool
     if not in_place and isinstance(factor, (int, float)) and factor == 1:
         return x
     return _ScaledGradient.apply(x, factor, in_place)
+
+
+def call_argument(args: tuple, kwargs: dict, position: int, name: str, default: Any = None) -> Any:
+    """The argument at ``position``, or named ``name``, of a call a function mode intercepts.
+
+    Examples:
+        >>> call_argument((1,), {"dim": 2}, 1, "dim"), call_argument((1, 3), {}, 1, "dim")
+        (2, 3)
+    """
+    return args[position] if len(args) > position else kwargs.get(name, default)

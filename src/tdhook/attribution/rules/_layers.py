@@ -7,6 +7,9 @@ import torch.nn.functional as F
 from tensordict.nn.utils import biased_softplus
 from torch import nn
 from torch.func import functional_call
+from torch.nn.utils.spectral_norm import SpectralNorm as _SpectralNormHook
+from torch.nn.utils.weight_norm import WeightNorm as _WeightNormHook
+from torch.overrides import TorchFunctionMode
 from torchrl.modules.models.utils import SquashDims
 
 __all__ = [
@@ -14,6 +17,8 @@ __all__ = [
     "AVG_POOLS",
     "BATCH_NORMS",
     "GRADIENT_ROUTED",
+    "GRADIENT_ROUTED_NAMES",
+    "GATES",
     "PLAIN_CONVOLUTIONS",
     "TRANSPOSED_FORWARDS",
     "TRANSPOSED_INPUT_GRADIENTS",
@@ -21,6 +26,7 @@ __all__ = [
     "LINEAR_LAYERS",
     "forward_with",
     "bias_view",
+    "effective_parameters",
 ]
 
 ACTIVATIONS = (
@@ -57,7 +63,8 @@ AVG_POOLS = (
     nn.AdaptiveAvgPool2d,
     nn.AdaptiveAvgPool3d,
 )
-BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+GATES = (nn.Sigmoid, nn.Hardsigmoid)  # activations whose output gates a signal in squeeze-excite blocks
+BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)  # BatchNorm1d/2d/3d, SyncBatchNorm, the lazy ones, subclasses
 GRADIENT_ROUTED = (
     nn.MaxPool1d,
     nn.MaxPool2d,
@@ -75,6 +82,32 @@ GRADIENT_ROUTED = (
     nn.Identity,
     nn.Embedding,  # an input layer: LRP gives its tokens the relevance of their embeddings
     SquashDims,
+    # Padding, shuffles and resampling copy or average values: their gradient is LRP-0.
+    nn.ZeroPad1d,
+    nn.ZeroPad2d,
+    nn.ZeroPad3d,
+    nn.ConstantPad1d,
+    nn.ConstantPad2d,
+    nn.ConstantPad3d,
+    nn.ReflectionPad1d,
+    nn.ReflectionPad2d,
+    nn.ReflectionPad3d,
+    nn.ReplicationPad1d,
+    nn.ReplicationPad2d,
+    nn.ReplicationPad3d,
+    nn.CircularPad1d,
+    nn.CircularPad2d,
+    nn.CircularPad3d,
+    nn.ChannelShuffle,
+    nn.PixelShuffle,
+    nn.PixelUnshuffle,
+    nn.Upsample,
+)
+# Parameter-free modules of torchvision and timm (not dependencies of tdhook), by class name: stochastic depth
+# (the identity in eval mode), reshapes and permutations, and per-channel scales by a parameter (linear).
+GRADIENT_ROUTED_NAMES = frozenset(
+    {"StochasticDepth", "DropPath", "DropBlock2d", "Permute", "WindowPartition", "WindowDepartition", "SwapAxes"}
+    | {"LayerScale", "LayerScale2d", "Scale", "Identity", "ChannelShuffle", "Downsample", "RelPosBias", "RelPosBiasTf"}
 )
 
 PLAIN_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -94,7 +127,7 @@ def forward_with(module: nn.Module, params: dict[str, torch.Tensor], x: torch.Te
     """Run ``module`` on ``x`` with ``params`` in place of its own parameters."""
     weight = params.get("weight", getattr(module, "weight", None))
     bias = params.get("bias", getattr(module, "bias", None))
-    if type(module) is nn.Linear:
+    if isinstance(module, nn.Linear):
         return F.linear(x, weight, bias)
     if isinstance(module, PLAIN_CONVOLUTIONS):
         return module._conv_forward(x, weight, bias)
@@ -112,4 +145,82 @@ def forward_with(module: nn.Module, params: dict[str, torch.Tensor], x: torch.Te
 
 def bias_view(module: nn.Module, bias: torch.Tensor) -> torch.Tensor:
     """``bias`` shaped to broadcast over the output ``z``: its last dimension (Linear) or the channel dimension."""
-    return bias if type(module) is nn.Linear else bias.view(-1, *([1] * len(module.kernel_size)))
+    return bias if isinstance(module, nn.Linear) else bias.view(-1, *([1] * len(module.kernel_size)))
+
+
+_LAYER_FUNCTIONS = frozenset({F.linear, F.conv1d, F.conv2d, F.conv3d})
+_LAYER_FUNCTIONS |= frozenset(TRANSPOSED_FORWARDS.values())
+
+
+class _RecordLayerCall(TorchFunctionMode):
+    """Record the weight and bias of the first linear or convolution function a forward pass calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.params: dict[str, torch.Tensor] | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _LAYER_FUNCTIONS and self.params is None:
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            self.params = {"weight": weight} if bias is None else {"weight": weight, "bias": bias}
+        return func(*args, **kwargs)
+
+
+# The hooks of the older torch.nn.utils.weight_norm and spectral_norm, which compute the weight before each call.
+_WEIGHT_HOOKS = (_WeightNormHook, _SpectralNormHook)
+
+
+def _has_plain_forward(module: nn.Module) -> bool:
+    base = next(cls for cls in (nn.Linear, *PLAIN_CONVOLUTIONS, *TRANSPOSED_FORWARDS) if isinstance(module, cls))
+    return type(module).forward is base.forward and not nn.utils.parametrize.is_parametrized(module)
+
+
+def _probe_input(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """The smallest batched input ``module`` accepts."""
+    if isinstance(module, nn.Linear):
+        return weight.new_zeros(1, module.in_features)
+    extent = [(k - 1) * d + 1 for k, d in zip(module.kernel_size, module.dilation, strict=True)]
+    return weight.new_zeros(1, module.in_channels, *extent)
+
+
+def effective_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The weight and bias a Linear or convolution layer really computes with, detached.
+
+    Its own parameters for a plain layer. A layer whose forward rewrites its weight
+    (timm's weight-standardised ``StdConv2d`` and ``ScaledStdConv2d``), whose weight
+    is parametrized (``weight_norm``, ``spectral_norm``, ``orthogonal``) or computed
+    by a hook (the older ``torch.nn.utils.weight_norm`` and ``spectral_norm``) is run
+    once on a probe input, in eval mode and without its hooks, and the weight and
+    bias it hands to ``F.conv2d`` (or ``F.linear``, …) are taken. Nothing in the
+    module changes.
+
+    Examples:
+        >>> from torch.nn.utils.parametrizations import weight_norm
+        >>> layer = weight_norm(nn.Linear(3, 2))
+        >>> params = effective_parameters(layer)
+        >>> torch.equal(params["weight"], layer.weight.detach()), sorted(params)
+        (True, ['bias', 'weight'])
+    """
+    own = dict(module.named_parameters(recurse=False))
+    if _has_plain_forward(module) and isinstance(own.get("weight"), nn.Parameter):
+        return {name: param.detach() for name, param in own.items()}
+    recorder = _RecordLayerCall()
+    modes = {sub: sub.training for sub in module.modules()}
+    try:
+        module.eval()  # no state may change: spectral_norm's power iteration runs in training mode only
+        with torch.no_grad():
+            probe = _probe_input(module, module.weight)
+            # Seen by the recorder even inside a rule's function mode, which runs with torch functions off.
+            with torch._C._EnableTorchFunction(), recorder:
+                for hook in list(module._forward_pre_hooks.values()):
+                    if isinstance(hook, _WEIGHT_HOOKS):
+                        hook(module, (probe,))
+                module.forward(probe)
+    finally:
+        for sub, training in modes.items():
+            sub.training = training
+    if recorder.params is None:
+        raise ValueError(f"{type(module).__name__}: its forward called no linear or convolution function")
+    return {name: tensor.detach() for name, tensor in recorder.params.items()}

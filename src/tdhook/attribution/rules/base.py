@@ -267,6 +267,9 @@ class Rule:
     uses_input: bool = True
     #: whether :meth:`rewrite_merged` is implemented (a following BatchNorm can be merged).
     merges_batch_norm: bool = False
+    #: whether the rule acts inside the module's forward (through a function mode of its own), so that the
+    #: wrapper must not pause function modes there.
+    acts_in_forward: bool = False
 
     def __init__(self) -> None:
         self._registrations: weakref.WeakKeyDictionary[nn.Module, Registration] = weakref.WeakKeyDictionary()
@@ -332,6 +335,10 @@ class Rule:
         """Whether the rule has hooks on ``module``."""
         registration = self._registrations.get(module)
         return registration is not None and bool(registration.hooks)
+
+    def is_registered_anywhere(self) -> bool:
+        """Whether the rule has hooks on some module."""
+        return any(registration.hooks for registration in self._registrations.values())
 
     def unregister(self, module: nn.Module) -> None:
         """Detach the rule from ``module`` (no-op when it is not attached)."""

@@ -14,7 +14,7 @@ from tdhook.attribution.rules._layers import LINEAR_LAYERS, bias_view
 from tdhook.attribution.rules._numerics import in_pieces_, stabilize
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, _single_input
 
-__all__ = ["IgnoreRule", "StopRule", "EpsilonRule", "UniformEpsilonRule", "PassRule", "UniformRule"]
+__all__ = ["IgnoreRule", "StopRule", "EpsilonRule", "UniformEpsilonRule", "PassRule", "UniformRule", "RefuseRule"]
 
 
 class IgnoreRule(Rule):
@@ -217,3 +217,26 @@ class UniformRule(Rule):
             stand_ins.append(ones)
         # d(share * ones)/d(ones) = share, so each proxy receives R / n as its gradient.
         return redirect(output, stand_ins, lambda grad: [grad * share] * len(stand_ins))
+
+
+class RefuseRule(Rule):
+    """A module the mapper has no rule for: registering it raises, with ``reason``, so nothing is silently wrong.
+
+    The LRP wrapper names the module's path in the error.
+
+    Examples:
+        >>> RefuseRule("no rule for attention").register(nn.MultiheadAttention(4, 2))
+        Traceback (most recent call last):
+        ...
+        ValueError: no rule for attention
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__()
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def register(self, module: nn.Module) -> RemovableRuleHandle:
+        raise ValueError(self.reason)

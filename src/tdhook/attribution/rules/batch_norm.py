@@ -7,14 +7,14 @@ import warnings
 import torch
 from torch import nn
 
-from tdhook.attribution.rules._layers import TRANSPOSED_FORWARDS
+from tdhook.attribution.rules._layers import TRANSPOSED_FORWARDS, effective_parameters
 from tdhook.attribution.rules.base import _LAYER_MARK, LayerCall, MergedLayer, layer_call_of
-from tdhook.attribution.rules.basic import PassRule
+from tdhook.attribution.rules.normalization import NormRule
 
 __all__ = ["MergeBatchNormRule"]
 
 
-class MergeBatchNormRule(PassRule):
+class MergeBatchNormRule(NormRule):
     """A BatchNorm in eval mode merged into the Linear or convolution layer that feeds it.
 
     When the BatchNorm's input is the unmodified output of a layer with a rule
@@ -22,7 +22,11 @@ class MergeBatchNormRule(PassRule):
     ``W' = W s``, ``b' = (b - μ) s + β`` with ``s = γ / sqrt(var + eps)`` (what
     zennit's BatchNorm canonizers compute), without writing any parameter.
     Otherwise (training mode, no running statistics, another producer) it is
-    :class:`PassRule`.
+    :class:`~tdhook.attribution.rules.normalization.NormRule`: the ε-rule of the
+    affine map in eval mode, the batch statistics held constant in training mode.
+    The merge happens at the ``F.batch_norm`` call inside the module's forward,
+    so a BatchNorm fused with an activation (timm's ``BatchNormAct2d``) keeps
+    its activation and that activation's rule.
 
     Examples:
         >>> from tdhook.attribution.rules import AlphaBetaRule
@@ -46,35 +50,36 @@ class MergeBatchNormRule(PassRule):
         True
     """
 
-    def __init__(self, stabilizer: float = 1e-12) -> None:
-        super().__init__(stabilizer)
+    def __init__(self, epsilon: float = 1e-6) -> None:
+        super().__init__(epsilon)
         self._warned: set[type] = set()
 
     def prepare(self, module: nn.Module) -> dict:
         return {}
 
-    def rewrite(self, module, registration, inputs, output):
-        call = layer_call_of(inputs[0]) if len(inputs) == 1 else None
+    def batch_norm(self, module: nn.Module, output: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        call = layer_call_of(args[0])
         if call is None or not _can_merge(call, module):
-            return super().rewrite(module, registration, inputs, output)
+            return super().batch_norm(module, output, args, kwargs)
         if not call.rule.merges_batch_norm:
             if type(call.rule) not in self._warned:
                 self._warned.add(type(call.rule))
                 warnings.warn(
                     f"{type(call.rule).__name__} on {type(call.module).__name__} cannot be merged with the "
-                    f"{type(module).__name__} that follows it; the {type(module).__name__} passes relevance through",
+                    f"{type(module).__name__} that follows it; the {type(module).__name__} gets the ε-rule",
                     stacklevel=2,
                 )
-            return super().rewrite(module, registration, inputs, output)
-        merged = registration.state.get(call.module)
+            return super().batch_norm(module, output, args, kwargs)
+        state = self._registrations[module].state
+        merged = state.get(call.module)
         if merged is None:
-            merged = registration.state[call.module] = _merge_batch_norm(call.module, module)
+            merged = state[call.module] = _merge_batch_norm(call.module, module)
         result = call.rule.rewrite_merged(call, output, merged)
         if result is not None and result.grad_fn is not None:
             result.grad_fn.metadata[_LAYER_MARK] = True  # the merged layer's output is a layer boundary
         for observe in call.observers:
             observe(result if result is not None else output)
-        return result
+        return output if result is None else result
 
 
 def _can_merge(call: LayerCall, norm: nn.Module) -> bool:
@@ -94,8 +99,9 @@ def _merge_batch_norm(layer: nn.Module, norm: nn.Module) -> MergedLayer:
             scale = scale * norm.weight
         if norm.bias is not None:
             shift = norm.bias.detach()
-        weight = layer.weight.detach()
-        bias = layer.bias.detach() if layer.bias is not None else torch.zeros_like(norm.running_mean)
+        params = effective_parameters(layer)
+        weight = params["weight"]
+        bias = params["bias"] if "bias" in params else torch.zeros_like(norm.running_mean)
         if isinstance(layer, tuple(TRANSPOSED_FORWARDS)):
             # (in, out / groups, *kernel): output channel g * out / groups + j sits at [group g's inputs, j].
             groups = layer.groups

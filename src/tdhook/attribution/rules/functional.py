@@ -17,13 +17,13 @@ from __future__ import annotations
 import math
 import types
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from tdhook.attribution.rules._autograd import is_activation, scale_gradient
+from tdhook.attribution.rules._autograd import call_argument, is_activation, scale_gradient
+from tdhook.attribution.rules.gates import GATE_FUNCTIONS, held_gate_product, mark_gate
 from tdhook.attribution.rules.transformer import (
     AHQKVRule,
     LayerNormRule,
@@ -70,14 +70,6 @@ def _body_of(func: Callable) -> Callable:
 _COMPOSITES = {F.multi_head_attention_forward: _body_of(F.multi_head_attention_forward)}
 
 
-def _is_gate(value: torch.Tensor) -> bool:
-    return getattr(value, "_tdhook_activation_of", None) is not None
-
-
-def _argument(args: tuple, kwargs: dict, position: int, name: str, default: Any = None) -> Any:
-    return args[position] if len(args) > position else kwargs.get(name, default)
-
-
 class FunctionalRules(TorchFunctionMode):
     """Apply AttnLRP's (or CP-LRP's) rules to functional calls during a forward pass.
 
@@ -122,29 +114,30 @@ class FunctionalRules(TorchFunctionMode):
         if func not in _HANDLED:
             return func(*args, **kwargs)
         if func in _PRODUCTS and len(args) == 2 and is_activation(args[0]) and is_activation(args[1]):
-            gates = [_is_gate(a) for a in args] if self.hold_gates else [False, False]
-            if gates[0] != gates[1]:
-                return func(*(a.detach() if gate else a for a, gate in zip(args, gates, strict=True)), **kwargs)
+            held = held_gate_product(func, args, kwargs) if self.hold_gates else None
+            if held is not None:
+                return held
             # Halving the product's gradient halves both factors' gradients: the uniform rule, in one step.
             return scale_gradient(func(*args, **kwargs), 0.5)
         if func is torch.baddbmm and len(args) >= 3 and is_activation(args[1]) and is_activation(args[2]):
             return func(args[0], *uniform_product(args[1], args[2]), *args[3:], **kwargs)
         if func in _SOFTMAX and args and is_activation(args[0]):
-            dim = _argument(args, kwargs, 1, "dim")
+            dim = call_argument(args, kwargs, 1, "dim")
             return self.softmax.apply(func(*args, **kwargs), args[0], dim)
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)
         if func in _ACTIVATION_FUNCTIONS and args and is_activation(args[0]):
-            return self.activation.apply(func(*args, **kwargs), args[0])
+            result = self.activation.apply(func(*args, **kwargs), args[0])
+            return mark_gate(result, args[0], sigmoid=True) if func in GATE_FUNCTIONS else result
         if func is F.layer_norm and is_activation(args[0]):
-            shape = _argument(args, kwargs, 1, "normalized_shape")
-            weight = _argument(args, kwargs, 2, "weight")
-            eps = _argument(args, kwargs, 4, "eps", 1e-5)
+            shape = call_argument(args, kwargs, 1, "normalized_shape")
+            weight = call_argument(args, kwargs, 2, "weight")
+            eps = call_argument(args, kwargs, 4, "eps", 1e-5)
             return LayerNormRule.layer_norm(func(*args, **kwargs), args[0], len(shape), weight, eps)
         if func is F.rms_norm and is_activation(args[0]):
-            shape = _argument(args, kwargs, 1, "normalized_shape")
-            weight = _argument(args, kwargs, 2, "weight")
-            eps = _argument(args, kwargs, 3, "eps")
+            shape = call_argument(args, kwargs, 1, "normalized_shape")
+            weight = call_argument(args, kwargs, 2, "weight")
+            eps = call_argument(args, kwargs, 3, "eps")
             return LayerNormRule.rms_norm(func(*args, **kwargs), args[0], len(shape), weight, eps)
         if func in _COMPOSITES:
             with self:

@@ -15,7 +15,7 @@ from torch import nn
 
 from tdhook.attribution.rules._autograd import is_plain_gradient, may_overwrite, redirect
 from tdhook.attribution.rules._input_gradients import direct_input_gradient, has_direct_input_gradient
-from tdhook.attribution.rules._layers import forward_with
+from tdhook.attribution.rules._layers import effective_parameters, forward_with
 from tdhook.attribution.rules._numerics import has_negative, nonzero_where_negative, pieces, signed_shift, stabilize
 from tdhook.attribution.rules.base import _ZERO_BIAS, ParamModifier, Registration, Rule, _single_input, _zeroing
 
@@ -50,7 +50,7 @@ class _ModifiedForwardRule(Rule):
     def prepare(self, module: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
         if not isinstance(getattr(module, "weight", None), torch.Tensor):
             raise ValueError(f"{type(self).__name__} needs a module with a weight; {type(module).__name__} has none")
-        return self.modified_params(dict(module.named_parameters(recurse=False)))
+        return self.modified_params(effective_parameters(module))
 
     def input_gradient(
         self,

@@ -27,15 +27,14 @@ without changing the model's code or classes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-from torch import nn
 
 from tdhook.attribution.rules._autograd import redirect, scale_gradient
 from tdhook.attribution.rules._numerics import stabilize
 from tdhook.attribution.rules.base import Rule, _single_input
 from tdhook.attribution.rules.basic import PassRule
+from tdhook.attribution.rules.gates import GATE_MARK, mark_gate
+from tdhook.attribution.rules.normalization import LayerNormRule
 
 __all__ = [
     "SoftmaxEpsilonRule",
@@ -43,8 +42,6 @@ __all__ = [
     "PseudoIdentityRule",
     "AHQKVRule",
     "uniform_product",
-    "is_layer_norm",
-    "is_rms_norm",
 ]
 
 
@@ -78,6 +75,7 @@ class SoftmaxEpsilonRule(Rule):
         epsilon: stabilizer of the division by ``x``.
 
     Examples:
+        >>> from torch import nn
         >>> x = torch.tensor([[1.0, -2.0, 0.5]], requires_grad=True)
         >>> softmax = nn.Softmax(dim=-1)
         >>> with SoftmaxEpsilonRule(epsilon=0.1).register(softmax):
@@ -121,6 +119,7 @@ class AHQKVRule(SoftmaxEpsilonRule):
     product ``attention · v`` then hands all its relevance to ``v``.
 
     Examples:
+        >>> from torch import nn
         >>> x = torch.tensor([[1.0, -2.0]], requires_grad=True)
         >>> softmax = nn.Softmax(dim=-1)
         >>> with AHQKVRule().register(softmax):
@@ -143,6 +142,7 @@ class PseudoIdentityRule(PassRule):
     activations (``F.gelu``, ``F.silu``, ``torch.tanh``, …).
 
     Examples:
+        >>> from torch import nn
         >>> x = torch.tensor([-1.0, 0.5, 2.0], requires_grad=True)
         >>> act = nn.GELU()
         >>> with PseudoIdentityRule().register(act):
@@ -156,90 +156,10 @@ class PseudoIdentityRule(PassRule):
         super().__init__(stabilizer)
 
     def apply(self, output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if getattr(output, "_tdhook_activation_of", None) is x:
+        if getattr(output, GATE_MARK, None) is x:
             return output  # the functional activation inside this module already has the rule
         result = super().apply(output, x)
         if result.requires_grad:
             # Marked as an activation's output: CP-LRP holds such a tensor constant where it gates another one.
-            result._tdhook_activation_of = x
+            mark_gate(result, x)
         return result
-
-
-def is_rms_norm(module: nn.Module) -> bool:
-    return isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm")
-
-
-def is_layer_norm(module: nn.Module) -> bool:
-    return isinstance(module, nn.LayerNorm) or (
-        type(module).__name__.endswith("LayerNorm") and hasattr(module, "weight") and not is_rms_norm(module)
-    )
-
-
-class LayerNormRule(Rule):
-    """LayerNorm and RMSNorm with the normalising scale held constant (AttnLRP, CP-LRP).
-
-    LayerNorm ``y = (x − μ) · w / σ + b`` becomes linear in ``x`` with ``σ`` fixed,
-    and relevance follows its gradient: ``grad_x = h − mean(h)`` with
-    ``h = g · w / σ``. RMSNorm ``y = x · w · r`` with ``r = 1 / rms(x)`` fixed gives
-    ``grad_x = g · w · r``, so each feature keeps its own relevance.
-    Recognised modules: ``nn.LayerNorm``, ``nn.RMSNorm`` and classes named
-    ``*LayerNorm`` / ``*RMSNorm`` (such as Hugging Face's ``LlamaRMSNorm``).
-
-    Examples:
-        >>> norm = nn.LayerNorm(3)
-        >>> x = torch.tensor([[1.0, 2.0, 4.0]], requires_grad=True)
-        >>> with LayerNormRule().register(norm):
-        ...     grad = torch.autograd.grad(norm(x)[0, 0], x)[0]
-        >>> sigma = (x.var(-1, unbiased=False) + norm.eps).sqrt()
-        >>> torch.allclose(grad, (torch.tensor([1.0, 0.0, 0.0]) - 1 / 3) / sigma)
-        True
-    """
-
-    @staticmethod
-    def layer_norm(
-        output: torch.Tensor, x: torch.Tensor, dims: int, weight: torch.Tensor | None, eps: float
-    ) -> torch.Tensor:
-        """``output = layer_norm(x)`` over the last ``dims`` dimensions, with the rule's gradient."""
-        if not x.requires_grad:
-            return output
-        reduce = tuple(range(-dims, 0))
-        xd = x.detach()
-        inv_sigma = torch.rsqrt(xd.var(reduce, unbiased=False, keepdim=True) + eps)
-        scale = inv_sigma if weight is None else inv_sigma * weight.detach()
-
-        def backward(grad: torch.Tensor) -> list[torch.Tensor]:
-            h = grad * scale
-            return [h - h.mean(reduce, keepdim=True)]
-
-        return redirect(output, [x], backward)
-
-    @staticmethod
-    def rms_norm(
-        output: torch.Tensor, x: torch.Tensor, dims: int, weight: torch.Tensor | None, eps: float | None
-    ) -> torch.Tensor:
-        """``output = rms_norm(x)`` over the last ``dims`` dimensions, with the rule's gradient."""
-        if not x.requires_grad:
-            return output
-        xd = x.detach()
-        eps = torch.finfo(xd.dtype).eps if eps is None else eps
-        reduce = tuple(range(-dims, 0))
-        scale = torch.rsqrt(xd.pow(2).mean(reduce, keepdim=True) + eps)
-        if weight is not None:
-            scale = scale * weight.detach()
-        scale = scale.to(output.dtype)
-        return redirect(output, [x], lambda grad: [(grad * scale).to(x.dtype)])
-
-    def rewrite(self, module, registration, inputs, output):
-        x = _single_input(self, module, inputs)
-        weight = getattr(module, "weight", None)
-        shape = getattr(module, "normalized_shape", None)
-        dims = len(shape) if isinstance(shape, Sequence) else 1
-        eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
-        if is_rms_norm(module):
-            return self.rms_norm(output, x, dims, weight, eps)
-        if is_layer_norm(module):
-            return self.layer_norm(output, x, dims, weight, 1e-5 if eps is None else eps)
-        raise TypeError(
-            f"LayerNormRule applies to LayerNorm and RMSNorm modules, not {type(module).__name__} "
-            "(map it to another rule)"
-        )

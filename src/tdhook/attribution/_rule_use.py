@@ -1,0 +1,91 @@
+"""Rules that never take effect: a module with a rule that does not run, while its parent does.
+
+``nn.MultiheadAttention`` computes its output projection with ``out_proj.weight``
+directly, never calling ``out_proj``; swin's attention does the same with its
+``qkv`` and ``proj``. A rule registered on such a module has no effect, and the
+parent's computation keeps its plain gradient. The first call in an LRP context
+watches which modules run and warns, naming each such module.
+
+Examples:
+    >>> import warnings
+    >>> import torch
+    >>> from tdhook.attribution import EpsilonRule
+    >>> attention = torch.nn.MultiheadAttention(4, 2, batch_first=True)
+    >>> modules = dict(attention.named_modules())
+    >>> handles = [EpsilonRule().register(modules["out_proj"])]
+    >>> use = RuleUse()
+    >>> x = torch.randn(1, 3, 4)
+    >>> with warnings.catch_warnings(record=True) as caught, use.watch(lambda: modules, handles):
+    ...     warnings.simplefilter("always")
+    ...     _ = attention(x, x, x)
+    >>> "'out_proj'" in str(caught[0].message)
+    True
+    >>> handles[0].remove()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+from tdhook.attribution.rules.base import RemovableRuleHandle
+from tdhook.attribution.rules.basic import IgnoreRule
+
+__all__ = ["RuleUse"]
+
+
+class RuleUse:
+    """Watches the first forward pass after :meth:`reset` and warns about rules that did not take effect."""
+
+    def __init__(self) -> None:
+        self._pending = True
+
+    def reset(self) -> None:
+        """Watch the next forward pass (called when a context opens)."""
+        self._pending = True
+
+    @contextlib.contextmanager
+    def watch(
+        self, named_modules: Callable[[], Mapping[str, nn.Module]], handles: Sequence[RemovableRuleHandle]
+    ) -> Iterator[None]:
+        """Run the block; if it is the first forward pass since :meth:`reset`, warn about rules without effect.
+
+        Args:
+            named_modules: gives the model's modules by name (asked only when watching).
+            handles: the handles of the registered rules.
+        """
+        if not self._pending or not handles:
+            yield
+            return
+        modules = named_modules()
+        self._pending = False
+        ran: set[int] = set()
+        hook = register_module_forward_pre_hook(lambda module, args: ran.add(id(module)))
+        try:
+            yield
+        finally:
+            hook.remove()
+        names = {id(module): name for name, module in modules.items()}
+        for handle in handles:
+            module = handle.module
+            if module is None or id(module) in ran or isinstance(handle.rule, IgnoreRule):
+                continue
+            if not handle.rule.is_registered(module):
+                continue
+            name = names.get(id(module), "")
+            parent_name = name.rpartition(".")[0]
+            parent = modules.get(parent_name)
+            if parent is None or parent is module or id(parent) not in ran:
+                continue
+            warnings.warn(
+                f"LRP: {handle.rule!r} on module {name!r} ({type(module).__name__}) has no effect: the module did "
+                f"not run, although its parent {parent_name or 'the model'!r} ({type(parent).__name__}) did. The "
+                "parent computes with the module's parameters directly (as nn.MultiheadAttention does with "
+                "out_proj), so that computation keeps its plain gradient; map the parent to a rule, or use a "
+                "preset that handles it (AttnLRP, CPLRP)",
+                stacklevel=5,
+            )

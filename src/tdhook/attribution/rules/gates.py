@@ -1,0 +1,127 @@
+"""Gates: a signal times a sigmoid-like gate keeps all of the product's relevance, and the gate gets none.
+
+Squeeze-excite blocks (``x * sigmoid(fc(pool(x)))`` in MobileNetV3, EfficientNet,
+RegNetY) and recurrent cells multiply a signal by a gate in ``[0, 1]``. Under
+the plain gradient both factors receive the product's whole relevance, so
+relevance is created, here by factors of 46 to 3,430 on real models. LRP for
+LSTMs (Arras et al., 2017) holds the gate constant instead, "signal-take-all":
+for ``z = x · gate``, ``R_x = R_z`` and ``R_gate = 0``. The same mechanism holds
+CP-LRP's gates constant in :class:`~tdhook.attribution.rules.functional.FunctionalRules`.
+
+A gate is the output of a sigmoid-like module under :class:`GateRule` or of a
+sigmoid function seen by :class:`HeldGates`; it is marked, and a product of a
+marked gate with an activation detaches the gate. A sigmoid whose output is not
+multiplied by an activation (a last layer, an activation in an MLP) passes
+relevance on as any activation does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from tdhook.attribution.rules._autograd import is_activation
+from tdhook.attribution.rules.basic import PassRule
+
+__all__ = ["GateRule", "HeldGates", "mark_gate", "is_gate", "held_gate_product", "GATE_FUNCTIONS"]
+
+# The attribute that marks a gate, holding the tensor it was computed from (shared with PseudoIdentityRule).
+GATE_MARK = "_tdhook_activation_of"
+# The attribute that marks a sigmoid-like gate, a value in [0, 1]: held first where both factors are marked.
+SIGMOID_MARK = "_tdhook_sigmoid_gate"
+GATE_FUNCTIONS = frozenset({torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, F.hardsigmoid})
+_ELEMENTWISE_PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
+
+
+def mark_gate(tensor: torch.Tensor, source: torch.Tensor, sigmoid: bool = False) -> torch.Tensor:
+    """Mark ``tensor`` as a gate computed from ``source`` (``sigmoid``: by a sigmoid-like function), and return it.
+
+    Examples:
+        >>> x = torch.ones(2, requires_grad=True) * 1
+        >>> is_gate(mark_gate(torch.sigmoid(x), x)), is_gate(x)
+        (True, False)
+    """
+    setattr(tensor, GATE_MARK, source)
+    if sigmoid:
+        setattr(tensor, SIGMOID_MARK, True)
+    return tensor
+
+
+def is_gate(value: Any) -> bool:
+    """Whether ``value`` is a tensor marked as a gate (see :func:`mark_gate`)."""
+    return getattr(value, GATE_MARK, None) is not None
+
+
+def held_gate_product(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """``func(*args, **kwargs)`` with the gate held constant, when exactly one of the two factors is a gate and
+    both are activations; ``None`` otherwise.
+
+    Examples:
+        >>> x = torch.tensor([2.0], requires_grad=True)
+        >>> signal, gate = x * 3, mark_gate(torch.sigmoid(x * 1), x)
+        >>> z = held_gate_product(torch.mul, (signal, gate), {})
+        >>> (x * torch.autograd.grad(z, x)[0]).item() == z.item()  # all of z's relevance reaches x, through the signal
+        True
+    """
+    if len(args) != 2 or not (is_activation(args[0]) and is_activation(args[1])):
+        return None
+    # A sigmoid-like gate first (squeeze-excite: sigmoid(s) times an activation's output), then any gate.
+    gates = [getattr(a, SIGMOID_MARK, False) for a in args]
+    if gates[0] == gates[1]:
+        gates = [is_gate(a) for a in args]
+    if gates[0] == gates[1]:
+        return None
+    return func(*(a.detach() if gate else a for a, gate in zip(args, gates, strict=True)), **kwargs)
+
+
+class GateRule(PassRule):
+    """A sigmoid-like module: relevance passes through it as through any activation (:class:`PassRule`), and its
+    output is marked as a gate, held constant where it multiplies an activation (see :class:`HeldGates`).
+
+    Examples:
+        >>> from torch import nn
+        >>> x = torch.tensor([[1.0, -2.0]], requires_grad=True)
+        >>> sigmoid = nn.Sigmoid()
+        >>> with GateRule().register(sigmoid), HeldGates():
+        ...     z = (x * 1) * sigmoid(x * 1)  # an activation times a gate
+        ...     relevance = x * torch.autograd.grad(z.sum(), x)[0]
+        >>> torch.allclose(relevance, z)  # signal-take-all: the product's relevance, all of it, on the signal
+        True
+    """
+
+    def rewrite(self, module, registration, inputs, output):
+        result = super().rewrite(module, registration, inputs, output)
+        return mark_gate(output if result is None else result, inputs[0], sigmoid=True)
+
+
+class HeldGates(TorchFunctionMode):
+    """Hold gates constant in element-wise products during a forward pass; mark sigmoid outputs as gates.
+
+    The rule mappers for CNNs run the forward pass in this mode. It is cheap enough to stay on inside modules
+    that have a rule of their own (``pause_in_ruled_modules`` is false).
+
+    Examples:
+        >>> x = torch.tensor([1.0, -2.0], requires_grad=True)
+        >>> with HeldGates():
+        ...     signal = 2 * x
+        ...     z = signal * torch.sigmoid(x * 1)
+        >>> torch.allclose(x * torch.autograd.grad(z.sum(), x)[0], z)
+        True
+    """
+
+    pause_in_ruled_modules = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _ELEMENTWISE_PRODUCTS:
+            held = held_gate_product(func, args, kwargs)
+            if held is not None:
+                return held
+            return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if func in GATE_FUNCTIONS and args and is_activation(args[0]) and isinstance(result, torch.Tensor):
+            mark_gate(result, args[0], sigmoid=True)
+        return result

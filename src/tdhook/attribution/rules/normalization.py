@@ -1,0 +1,310 @@
+"""Normalisation layers with the normalising scale held constant, whatever their forward computes.
+
+A norm ``y = (x − μ) · w / σ + b`` is linear in ``x`` once ``σ`` is a constant,
+and relevance then follows its gradient (AttnLRP's rule for LayerNorm): the
+centring by ``μ`` stays, ``σ`` gets no relevance, and with ``b = 0`` the relevance
+is conserved. :class:`NormRule` applies this inside the module's own
+forward pass, to what the forward really runs rather than to what the class is
+called:
+
+* the fused norms ``F.layer_norm``, ``F.rms_norm``, ``F.group_norm``,
+  ``F.instance_norm``, ``F.batch_norm`` and ``F.normalize``, over the
+  dimensions and groups their arguments name (a channels-first LayerNorm that
+  permutes around ``F.layer_norm`` included);
+* norms written by hand (Hugging Face's RMSNorm, Gemma's ``x · (1 + w)``, T5's
+  norm): the normalising scale, from ``rsqrt``, ``sqrt``, ``var``, ``std`` or a
+  vector norm, is held constant, so the rest of the forward is differentiated
+  as it is.
+
+A BatchNorm in eval mode is an affine map per channel, ``y = s x + t``; it is
+treated as a layer whose shift is a bias: the ε-rule (see
+:class:`~tdhook.attribution.rules.basic.EpsilonRule`). Activations inside the
+module (timm's ``BatchNormAct2d``, ``GroupNormAct``) keep their own rules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from tdhook.attribution.rules._autograd import call_argument, redirect, times_saved
+from tdhook.attribution.rules._layers import LINEAR_LAYERS
+from tdhook.attribution.rules._numerics import in_pieces_
+from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
+
+__all__ = ["NormRule", "LayerNormRule", "is_norm"]
+
+# Where a norm written by hand computes its normalising scale: the results are held constant.
+_SCALES = frozenset(
+    {torch.rsqrt, torch.Tensor.rsqrt, torch.sqrt, torch.Tensor.sqrt, torch.var, torch.Tensor.var}
+    | {torch.std, torch.Tensor.std, torch.norm, torch.Tensor.norm, torch.linalg.vector_norm, torch.linalg.norm}
+)
+_SCALE_AND_MEAN = frozenset({torch.var_mean, torch.std_mean})
+_NORM_NAMES = ("Norm", "Norm1d", "Norm2d", "Norm3d", "NormAct", "NormAct1d", "NormAct2d", "NormAct3d")
+
+
+def is_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a normalisation layer: torch's norms, and classes named ``*Norm``, ``*Norm2d``,
+    ``*NormAct2d`` and the like (timm's, torchvision's and Hugging Face's).
+
+    Examples:
+        >>> class ConvNormAct(nn.Sequential):  # a block named like a norm
+        ...     pass
+        >>> is_norm(nn.GroupNorm(2, 4)), is_norm(nn.Linear(2, 2)), is_norm(ConvNormAct(nn.Conv2d(1, 1, 1)))
+        (True, False, False)
+    """
+    torch_norms = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
+    if isinstance(module, torch_norms):
+        return True
+    # By name, only a module without layers of its own: timm's ConvNormAct is a block, BatchNormAct2d a norm.
+    return type(module).__name__.endswith(_NORM_NAMES) and not any(
+        isinstance(sub, LINEAR_LAYERS) for sub in module.modules()
+    )
+
+
+def _channel_view(tensor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A per-channel tensor shaped to broadcast over ``x`` of shape ``(N, C, *)``."""
+    return tensor.view(1, -1, *[1] * (x.dim() - 2))
+
+
+class _ConstantScale(TorchFunctionMode):
+    """The mode a norm's forward runs in: norms get the rule, normalising scales are held constant."""
+
+    def __init__(self, rule: NormRule, module: nn.Module) -> None:
+        super().__init__()
+        self.rule = rule
+        self.module = module
+        self.applied = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunction():  # the mapper's function rules have nothing to change in here
+            handler = self.rule.functions.get(func)
+            x = args[0] if args else None
+            if handler is not None:
+                self.applied = True
+                if isinstance(x, torch.Tensor) and x.requires_grad:
+                    return handler(self.rule, self.module, func(*args, **kwargs), args, kwargs)
+            result = func(*args, **kwargs)
+            if func in _SCALES:
+                self.applied = True
+                return result.detach()
+            if func in _SCALE_AND_MEAN:
+                self.applied = True
+                return result[0].detach(), result[1]
+            return result
+
+
+class NormRule(Rule):
+    """Normalisation with the normalising scale held constant (AttnLRP's LayerNorm rule, for every norm).
+
+    LayerNorm ``y = (x − μ) · w / σ + b`` becomes linear in ``x`` with ``σ`` fixed:
+    ``grad_x = h − mean(h)`` with ``h = g · w / σ``, the mean over the normalised
+    elements. RMSNorm ``y = x · w · r`` with ``r = 1 / rms(x)`` fixed gives
+    ``grad_x = g · w · r``; GroupNorm and InstanceNorm centre per group. An
+    eval-mode BatchNorm gets the ε-rule of the affine map ``y = s x + t``,
+    ``R_x = s x · R / stabilize(y, ε)``; in training mode its batch statistics
+    are held constant. The rule acts inside the module's forward (see the module
+    docstring), so it holds for channels-first LayerNorms, norms fused with an
+    activation, and norms written by hand.
+
+    Args:
+        epsilon: ε of the affine (BatchNorm) case.
+
+    Examples:
+        >>> norm = nn.LayerNorm(3)
+        >>> x = torch.tensor([[1.0, 2.0, 4.0]], requires_grad=True)
+        >>> with NormRule().register(norm):
+        ...     grad = torch.autograd.grad(norm(x)[0, 0], x)[0]
+        >>> sigma = (x.var(-1, unbiased=False) + norm.eps).sqrt()
+        >>> torch.allclose(grad, (torch.tensor([1.0, 0.0, 0.0]) - 1 / 3) / sigma)
+        True
+    """
+
+    uses_input = False
+    acts_in_forward = True
+
+    def __init__(self, epsilon: float = 1e-6) -> None:
+        super().__init__()
+        self.epsilon = epsilon
+
+    def register(self, module: nn.Module) -> RemovableRuleHandle:
+        if module in self._registrations:
+            raise ValueError(f"{self!r} is already registered on this {type(module).__name__}")
+        registration = self._new_registration(module)
+        modes: list[_ConstantScale | None] = []
+
+        def enter(mod: nn.Module, args: tuple) -> None:
+            mode = _ConstantScale(self, mod) if torch.is_grad_enabled() else None
+            if mode is not None:
+                mode.__enter__()
+            modes.append(mode)
+
+        def leave(mod: nn.Module, args: tuple, output: Any) -> None:
+            mode = modes.pop() if modes else None
+            if mode is None:
+                return
+            mode.__exit__(None, None, None)
+            if not mode.applied and isinstance(output, torch.Tensor) and output.requires_grad:
+                raise ValueError(
+                    f"{type(self).__name__} on {type(mod).__name__}: its forward ran no normalisation the rule "
+                    "knows (F.layer_norm, F.rms_norm, F.group_norm, F.instance_norm, F.batch_norm, F.normalize, "
+                    "or a scale from rsqrt, sqrt, var, std or a norm); map the module to another rule"
+                )
+
+        registration.hooks.append(module.register_forward_pre_hook(enter))
+        registration.hooks.append(module.register_forward_hook(leave, always_call=True))
+        self._registrations[module] = registration
+        return RemovableRuleHandle(self, module)
+
+    # ------------------------------------------------------------------ the norms, each with the rule's gradient
+
+    @staticmethod
+    def layer_norm(
+        output: torch.Tensor, x: torch.Tensor, dims: int, weight: torch.Tensor | None, eps: float
+    ) -> torch.Tensor:
+        """``output = layer_norm(x)`` over the last ``dims`` dimensions, with the rule's gradient."""
+        if not x.requires_grad:
+            return output
+        reduce = tuple(range(-dims, 0))
+        xd = x.detach()
+        inv_sigma = torch.rsqrt(xd.var(reduce, unbiased=False, keepdim=True) + eps)
+        scale = inv_sigma if weight is None else inv_sigma * weight.detach()
+
+        def backward(grad: torch.Tensor) -> list[torch.Tensor]:
+            h = grad * scale
+            return [h - h.mean(reduce, keepdim=True)]
+
+        return redirect(output, [x], backward)
+
+    @staticmethod
+    def rms_norm(
+        output: torch.Tensor, x: torch.Tensor, dims: int, weight: torch.Tensor | None, eps: float | None
+    ) -> torch.Tensor:
+        """``output = rms_norm(x)`` over the last ``dims`` dimensions, with the rule's gradient."""
+        if not x.requires_grad:
+            return output
+        xd = x.detach()
+        eps = torch.finfo(xd.dtype).eps if eps is None else eps
+        reduce = tuple(range(-dims, 0))
+        scale = torch.rsqrt(xd.pow(2).mean(reduce, keepdim=True) + eps)
+        if weight is not None:
+            scale = scale * weight.detach()
+        scale = scale.to(output.dtype)
+        return redirect(output, [x], lambda grad: [(grad * scale).to(x.dtype)])
+
+    @staticmethod
+    def group_norm(
+        output: torch.Tensor, x: torch.Tensor, groups: int, weight: torch.Tensor | None, eps: float
+    ) -> torch.Tensor:
+        """``output = group_norm(x, groups)`` for ``x`` of shape ``(N, C, *)``, with the rule's gradient."""
+        if not x.requires_grad:
+            return output
+        grouped = x.detach().reshape(x.shape[0], groups, -1)
+        inv_sigma = torch.rsqrt(grouped.var(-1, unbiased=False, keepdim=True) + eps)
+
+        def backward(grad: torch.Tensor) -> list[torch.Tensor]:
+            h = grad if weight is None else grad * _channel_view(weight.detach(), grad)
+            h = h.reshape(grouped.shape) * inv_sigma
+            return [(h - h.mean(-1, keepdim=True)).reshape(x.shape)]
+
+        return redirect(output, [x], backward)
+
+    def affine(self, output: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """``output = scale · x + shift`` per channel, with the ε-rule's gradient.
+
+        ``scale=None``: the output's own backward gives ``scale`` (an eval-mode BatchNorm).
+        """
+        if not x.requires_grad:
+            return output
+        z = output.detach()
+        factor = in_pieces_(z.abs(), lambda piece: piece.div_(piece + self.epsilon))  # z / stabilize(z, ε)
+        if scale is None:
+            return redirect(output, [output], lambda grad: [times_saved(grad, factor)])
+        factor.mul_(_channel_view(scale, z))
+        return redirect(output, [x], lambda grad: [times_saved(grad, factor)])
+
+    def batch_norm(self, module: nn.Module, output: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        """``output = F.batch_norm(*args, **kwargs)`` with the rule's gradient."""
+        x = args[0]
+        weight = call_argument(args, kwargs, 3, "weight")
+        training = call_argument(args, kwargs, 5, "training", False)
+        eps = call_argument(args, kwargs, 7, "eps", 1e-5)
+        if not training:
+            return self.affine(output, x, None)
+        dims = [0, *range(2, x.dim())]
+        scale = torch.rsqrt(x.detach().var(dims, unbiased=False) + eps)  # the batch statistics, held constant
+        return self.affine(output, x, scale if weight is None else scale * weight.detach())
+
+    def instance_norm(self, module: nn.Module, output: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        """``output = F.instance_norm(*args, **kwargs)`` with the rule's gradient: a group norm of one channel
+        per group, or, with running statistics, an affine map."""
+        x = args[0]
+        if not call_argument(args, kwargs, 5, "use_input_stats", True):
+            return self.affine(output, x, None)
+        weight, eps = call_argument(args, kwargs, 3, "weight"), call_argument(args, kwargs, 7, "eps", 1e-5)
+        return self.group_norm(output, x, x.shape[1], weight, eps)
+
+    @staticmethod
+    def _layer_norm_call(rule, module, output, args, kwargs):
+        shape = call_argument(args, kwargs, 1, "normalized_shape")
+        dims = 1 if isinstance(shape, int) else len(shape)
+        return rule.layer_norm(
+            output, args[0], dims, call_argument(args, kwargs, 2, "weight"), call_argument(args, kwargs, 4, "eps", 1e-5)
+        )
+
+    @staticmethod
+    def _rms_norm_call(rule, module, output, args, kwargs):
+        shape = call_argument(args, kwargs, 1, "normalized_shape")
+        dims = 1 if isinstance(shape, int) else len(shape)
+        return rule.rms_norm(
+            output, args[0], dims, call_argument(args, kwargs, 2, "weight"), call_argument(args, kwargs, 3, "eps")
+        )
+
+    @staticmethod
+    def _group_norm_call(rule, module, output, args, kwargs):
+        groups = call_argument(args, kwargs, 1, "num_groups")
+        return rule.group_norm(
+            output,
+            args[0],
+            groups,
+            call_argument(args, kwargs, 2, "weight"),
+            call_argument(args, kwargs, 4, "eps", 1e-5),
+        )
+
+    @staticmethod
+    def _normalize_call(rule, module, output, args, kwargs):
+        x = args[0]
+        p, dim, eps = (
+            call_argument(args, kwargs, 1, "p", 2.0),
+            call_argument(args, kwargs, 2, "dim", 1),
+            call_argument(args, kwargs, 3, "eps", 1e-12),
+        )
+        denominator = x.detach().norm(p, dim, keepdim=True).clamp_min(eps)
+        return redirect(output, [x], lambda grad: [grad / denominator])
+
+    functions = {
+        F.layer_norm: _layer_norm_call,
+        F.rms_norm: _rms_norm_call,
+        F.group_norm: _group_norm_call,
+        F.batch_norm: lambda rule, module, output, args, kwargs: rule.batch_norm(module, output, args, kwargs),
+        F.instance_norm: lambda rule, module, output, args, kwargs: rule.instance_norm(module, output, args, kwargs),
+        F.normalize: _normalize_call,
+    }
+
+
+class LayerNormRule(NormRule):
+    """:class:`NormRule` under the name AttnLRP and LXT give it (for LayerNorm and RMSNorm).
+
+    Examples:
+        >>> norm = nn.RMSNorm(3)
+        >>> x = torch.tensor([[1.0, 2.0, 4.0]], requires_grad=True)
+        >>> with LayerNormRule().register(norm):
+        ...     grad = torch.autograd.grad(norm(x)[0, 0], x)[0]
+        >>> torch.allclose(grad, torch.tensor([1.0, 0.0, 0.0]) * torch.rsqrt(x.pow(2).mean() + torch.finfo().eps))
+        True
+    """

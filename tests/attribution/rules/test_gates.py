@@ -1,0 +1,243 @@
+"""Gates: in a product of an activation and a sigmoid-like gate, the gate is held constant (signal-take-all).
+
+The oracle is the same network with the gate detached by hand, ``x * gate.detach()``: all of the product's
+relevance reaches the signal, none the gate's branch. A sigmoid whose output gates nothing is an activation
+(:class:`PassRule`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import timm.layers
+import torch
+import torch.nn.functional as F
+import torchvision
+from timm.models._efficientnet_blocks import SqueezeExcite as EfficientNetSqueezeExcite
+from torch import nn
+
+from tdhook.attribution.mappers.base import BaseRuleMapper
+from tdhook.attribution.rules.basic import IgnoreRule, PassRule
+from tdhook.attribution.rules.gates import GateRule, HeldGates, is_gate
+from tests.attribution.rules._helpers import CNN_PRESETS, F64, randn
+from tests.attribution.test_lrp_layers import lrp_relevance
+from tests.conftest import relative_error, tdhook_relevance
+
+MAPPERS = {**CNN_PRESETS, "BaseRuleMapper": lambda **options: BaseRuleMapper(**options)}
+
+# ----------------------------------------------------------------------------- squeeze-excite blocks and their oracle
+
+SQUEEZE_EXCITES = {
+    "torchvision-sigmoid": lambda: torchvision.ops.SqueezeExcitation(8, 4),
+    "torchvision-hardsigmoid": lambda: torchvision.ops.SqueezeExcitation(8, 4, scale_activation=nn.Hardsigmoid),
+    "timm-sigmoid": lambda: timm.layers.SqueezeExcite(8, rd_channels=4),
+    "timm-hardsigmoid": lambda: timm.layers.SqueezeExcite(8, rd_channels=4, gate_layer="hard_sigmoid"),
+    "timm-efficientnet": lambda: EfficientNetSqueezeExcite(8, rd_channels=4),
+}
+
+
+def gate_of(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The gate a squeeze-excite block multiplies ``x`` by, computed with the block's own layers."""
+    if isinstance(block, torchvision.ops.SqueezeExcitation):
+        return block._scale(x)
+    if isinstance(block, EfficientNetSqueezeExcite):
+        return block.gate(block.conv_expand(block.act1(block.conv_reduce(x.mean((2, 3), keepdim=True)))))
+    return block.gate(block.fc2(block.act(block.bn(block.fc1(x.mean((2, 3), keepdim=True))))))
+
+
+def gate_module(block: nn.Module) -> nn.Module:
+    return block.scale_activation if isinstance(block, torchvision.ops.SqueezeExcitation) else block.gate
+
+
+class HeldByHand(nn.Module):
+    """The oracle: ``block``'s product with its gate detached by hand."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * gate_of(self.block, x).detach()
+
+
+class SENet(nn.Module):
+    """A convolution, a squeeze-excite block, and a small head."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+        self.se = block
+        self.head = nn.Sequential(nn.Conv2d(8, 6, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.se(self.stem(x)))
+
+
+def se_nets(kind: str, bias: bool = True) -> tuple[SENet, SENet, torch.Tensor]:
+    """The network with ``kind``'s block, the same network with its gate held by hand, and an input."""
+    model = SENet(SQUEEZE_EXCITES[kind]()).double().eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.Conv2d, nn.Linear)):
+                module.weight.mul_(2.0)  # gates away from 1/2
+                module.bias.normal_() if bias else module.bias.zero_()
+    oracle = SENet(HeldByHand(model.se)).double().eval()
+    oracle.stem, oracle.head = model.stem, model.head
+    x = torch.randn(2, 3, 6, 6, dtype=F64).clamp(-2.9, 2.9)
+    torch.testing.assert_close(oracle(x), model(x))
+    return model, oracle, x
+
+
+class TestSqueezeExcite:
+    @pytest.mark.parametrize("mapper", sorted(MAPPERS))
+    @pytest.mark.parametrize("kind", sorted(SQUEEZE_EXCITES))
+    def test_equals_the_gate_detached_by_hand(self, kind: str, mapper: str):
+        model, oracle, x = se_nets(kind)
+        relevance_out = torch.randn(2, 3, dtype=F64)
+        actual = lrp_relevance(model, x, relevance_out, MAPPERS[mapper]())
+        expected = lrp_relevance(oracle, x, relevance_out, MAPPERS[mapper]())
+        assert relative_error(actual, expected) <= 1e-12
+        # The gate as a plain activation: both factors of the product get its relevance, another answer.
+        passed = {type(gate_module(model.se)): PassRule()}
+        assert (
+            relative_error(lrp_relevance(model, x, relevance_out, MAPPERS[mapper](rule_mapper=passed)), expected) > 1e-3
+        )
+
+    @pytest.mark.parametrize("mapper", sorted(MAPPERS))
+    @pytest.mark.parametrize("kind", sorted(SQUEEZE_EXCITES))
+    def test_zero_biases_conserve_relevance(self, kind: str, mapper: str):
+        model, _, x = se_nets(kind, bias=False)
+        with torch.no_grad():
+            relevance_out = torch.rand_like(model(x)) + 0.5
+        options = {"epsilon": 0.0} if mapper != "BaseRuleMapper" else {}
+        relevance = lrp_relevance(model, x, relevance_out, MAPPERS[mapper](stabilizer=1e-12, **options))
+        assert relative_error(relevance.flatten(1).sum(1), relevance_out.sum(1)) <= 1e-9
+        passed = {type(gate_module(model.se)): PassRule()}
+        created = lrp_relevance(
+            model, x, relevance_out, MAPPERS[mapper](stabilizer=1e-12, rule_mapper=passed, **options)
+        )
+        assert relative_error(created.flatten(1).sum(1), relevance_out.sum(1)) > 1e-3
+
+    @pytest.mark.parametrize("kind", sorted(SQUEEZE_EXCITES))
+    def test_mappers_give_the_gate_the_gate_rule(self, kind: str):
+        assert type(BaseRuleMapper()("se.gate", gate_module(SQUEEZE_EXCITES[kind]()))) is GateRule
+
+
+# ----------------------------------------------------------------------------- a sigmoid that gates nothing
+
+
+class ScaledSigmoid(nn.Module):
+    """A sigmoid times a parameter: no activation is gated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.Sigmoid()
+        self.scale = nn.Parameter(torch.linspace(-2.0, 2.0, 6, dtype=F64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(x) * self.scale
+
+
+SIGMOID_ACTIVATIONS = {
+    "nn.Sigmoid": nn.Sigmoid,
+    "nn.Hardsigmoid": nn.Hardsigmoid,
+    "timm-Sigmoid": timm.layers.activations.Sigmoid,
+    "times-parameter": ScaledSigmoid,
+}
+
+
+class TestSigmoidActivation:
+    """Linear → sigmoid → Linear: the sigmoid passes its relevance on, exactly as PassRule does."""
+
+    @pytest.mark.parametrize("mapper", sorted(MAPPERS))
+    @pytest.mark.parametrize("kind", sorted(SIGMOID_ACTIVATIONS))
+    def test_gets_pass_rule_relevance(self, kind: str, mapper: str):
+        act = SIGMOID_ACTIVATIONS[kind]()
+        model = nn.Sequential(nn.Linear(5, 6), act, nn.Linear(6, 3)).double().eval()
+        x, relevance_out = randn(4, 5) * 2, randn(4, 3)
+        gate_type = nn.Sigmoid if kind == "times-parameter" else type(act)
+        actual = lrp_relevance(model, x, relevance_out, MAPPERS[mapper]())
+        expected = lrp_relevance(model, x, relevance_out, MAPPERS[mapper](rule_mapper={gate_type: PassRule()}))
+        assert relative_error(actual, expected) <= 1e-12
+        plain = lrp_relevance(model, x, relevance_out, MAPPERS[mapper](rule_mapper={gate_type: IgnoreRule()}))
+        assert relative_error(plain, expected) > 1e-3
+
+    @pytest.mark.parametrize("cls", [nn.Sigmoid, nn.Hardsigmoid])
+    def test_gate_rule_on_its_own_is_pass_rule(self, cls: type):
+        x, relevance_out = randn(3, 7) * 2, randn(3, 7)
+        expected = tdhook_relevance(PassRule(), cls(), x, relevance_out)
+        assert relative_error(tdhook_relevance(GateRule(), cls(), x, relevance_out), expected) <= 1e-12
+
+    def test_gate_rule_marks_its_output(self):
+        sigmoid, x = nn.Sigmoid(), randn(2, 3).requires_grad_(True)
+        with GateRule().register(sigmoid):
+            assert is_gate(sigmoid(x * 1))
+        assert not is_gate(sigmoid(x * 1))
+
+
+# ----------------------------------------------------------------------------- HeldGates on functions
+
+GATE_FUNCTIONS = {
+    "torch.sigmoid": torch.sigmoid,
+    "Tensor.sigmoid": torch.Tensor.sigmoid,
+    "F.sigmoid": F.sigmoid,
+    "F.hardsigmoid": F.hardsigmoid,
+}
+PRODUCTS = {
+    "signal * gate": lambda signal, gate: signal * gate,
+    "gate * signal": lambda signal, gate: gate * signal,
+    "torch.mul": lambda signal, gate: torch.mul(signal, gate),
+    "Tensor.mul": lambda signal, gate: gate.mul(signal),
+}
+
+
+def gated(x: torch.Tensor, weight: torch.Tensor, gate_function, product, hold: bool) -> torch.Tensor:
+    """``product(tanh(x), gate(x @ weight))``, the gate detached by hand with ``hold``."""
+    signal = torch.tanh(x)
+    gate = gate_function(x @ weight)
+    return product(signal, gate.detach() if hold else gate)
+
+
+class TestHeldGates:
+    @pytest.mark.parametrize("product", sorted(PRODUCTS))
+    @pytest.mark.parametrize("gate", sorted(GATE_FUNCTIONS))
+    def test_function_gates_are_held(self, gate: str, product: str):
+        x, weight, grad_out = randn(4, 5).requires_grad_(True), randn(5, 5), randn(4, 5)
+        with HeldGates():
+            z = gated(x, weight, GATE_FUNCTIONS[gate], PRODUCTS[product], hold=False)
+        (actual,) = torch.autograd.grad(z, x, grad_out)
+        (expected,) = torch.autograd.grad(gated(x, weight, GATE_FUNCTIONS[gate], PRODUCTS[product], True), x, grad_out)
+        assert relative_error(actual, expected) <= 1e-12
+        (plain,) = torch.autograd.grad(gated(x, weight, GATE_FUNCTIONS[gate], PRODUCTS[product], False), x, grad_out)
+        assert relative_error(plain, expected) > 1e-3
+
+    def test_signal_takes_all_of_the_product_relevance(self):
+        x = randn(3, 4).requires_grad_(True)
+        with HeldGates():
+            signal = 2 * x
+            z = signal * torch.sigmoid(x @ randn(4, 4))
+        (grad,) = torch.autograd.grad(z, x, torch.ones_like(z))
+        assert relative_error(x.detach() * grad, z.detach()) <= 1e-12
+
+    @pytest.mark.parametrize(
+        "case",
+        ["gate * gate", "gate * constant", "signal * signal", "sigmoid of a leaf"],
+    )
+    def test_other_products_are_plain(self, case: str):
+        x, grad_out = randn(3, 4).requires_grad_(True), randn(3, 4)
+        constant = randn(3, 4)
+
+        def forward():
+            h = x * 1.5
+            if case == "gate * gate":
+                return torch.sigmoid(h) * torch.sigmoid(h * 2)
+            if case == "gate * constant":
+                return torch.sigmoid(h) * constant
+            if case == "signal * signal":
+                return torch.tanh(h) * h
+            return torch.sigmoid(x) * h  # x is an input, not an activation: its sigmoid is no gate
+
+        with HeldGates():
+            z = forward()
+        (actual,) = torch.autograd.grad(z, x, grad_out)
+        (expected,) = torch.autograd.grad(forward(), x, grad_out)
+        assert relative_error(actual, expected) <= 1e-12

@@ -1,0 +1,284 @@
+"""effective_parameters: the weight and bias a Linear or convolution layer really computes with (float64).
+
+A layer whose forward rewrites its weight (timm's weight-standardised convolutions) or whose weight is parametrized
+(weight_norm, spectral_norm, orthogonal) must be explained as the same network written with plain layers holding the
+effective weights; finding them must leave the layer's state as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import timm.layers
+import torch
+from torch import nn
+from torch.nn.utils import parametrizations
+
+from tdhook.attribution.mappers.base import BaseRuleMapper
+from tdhook.attribution.rules._layers import effective_parameters
+from tests.attribution.rules._helpers import CNN_PRESETS, F64, LAYERS, make_layer
+from tests.attribution.test_lrp_layers import lrp_relevance, randomise_batch_norm
+from tests.conftest import relative_error
+
+# ----------------------------------------------------------------------------- the layers and their weights by hand
+
+
+def std_conv(in_channels: int, out_channels: int, kernel: int, **options) -> nn.Module:
+    return timm.layers.StdConv2d(in_channels, out_channels, kernel, bias=True, eps=1e-5, **options)
+
+
+def scaled_std_conv(in_channels: int, out_channels: int, kernel: int, **options) -> nn.Module:
+    layer = timm.layers.ScaledStdConv2d(in_channels, out_channels, kernel, bias=True, gamma=1.7, eps=1e-5, **options)
+    with torch.no_grad():
+        layer.gain.copy_(torch.randn_like(layer.gain))
+    return layer
+
+
+def weight_norm(layer: nn.Module) -> nn.Module:
+    layer = parametrizations.weight_norm(layer)
+    with torch.no_grad():  # the magnitudes away from the direction's norms they start at
+        layer.parametrizations.weight.original0.mul_(torch.rand_like(layer.parametrizations.weight.original0) + 0.5)
+    return layer
+
+
+PARAMETRIZATIONS = {
+    "weight_norm": weight_norm,
+    "spectral_norm": parametrizations.spectral_norm,
+    "orthogonal": parametrizations.orthogonal,
+}
+
+
+def parametrized(parametrization):
+    def make(in_channels: int, out_channels: int, kernel: int, **options) -> nn.Module:
+        return parametrization(nn.Conv2d(in_channels, out_channels, kernel, **options).double())
+
+    return make
+
+
+KINDS = {
+    "StdConv2d": std_conv,
+    "ScaledStdConv2d": scaled_std_conv,
+    **{name: parametrized(parametrization) for name, parametrization in PARAMETRIZATIONS.items()},
+}
+PARAMETRIZED = sorted(PARAMETRIZATIONS)
+
+
+def standardised(weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(w − mean) / sqrt(var + eps)`` over each output channel's weights."""
+    flat = weight.flatten(1)
+    mean, var = flat.mean(1, keepdim=True), flat.var(1, unbiased=False, keepdim=True)
+    return ((flat - mean) / (var + eps).sqrt()).view_as(weight)
+
+
+def weight_by_hand(layer: nn.Module) -> torch.Tensor:
+    """The weight ``layer`` computes with, from its stored tensors."""
+    with torch.no_grad():
+        if isinstance(layer, timm.layers.ScaledStdConv2d):
+            return standardised(layer.weight, layer.eps) * layer.gain * layer.scale
+        if isinstance(layer, timm.layers.StdConv2d):
+            return standardised(layer.weight, layer.eps)
+        if not hasattr(layer, "parametrizations"):
+            return layer.weight.clone()  # a plain layer
+        parametrization = layer.parametrizations.weight
+        if hasattr(parametrization, "original0"):  # weight_norm: g · v / ‖v‖ per output channel
+            g, v = parametrization.original0, parametrization.original1
+            return g * v / v.flatten(1).norm(dim=1).view(-1, *[1] * (v.dim() - 1))
+        original = parametrization.original
+        if hasattr(parametrization[0], "_u"):  # spectral_norm, in eval mode: σ = u · W v, no power iteration
+            u, v = parametrization[0]._u, parametrization[0]._v
+            return original / torch.vdot(u, original.flatten(1) @ v)
+        return layer.weight.clone()  # orthogonal: the parametrization's own matrix (checked to be orthogonal)
+
+
+def stored_weight(layer: nn.Module) -> torch.Tensor:
+    """The weight as stored: the parameter the forward rewrites, or the parametrization's (direction) original."""
+    if not hasattr(layer, "parametrizations"):
+        return layer.weight.detach()
+    parametrization = layer.parametrizations.weight
+    return getattr(parametrization, "original1", getattr(parametrization, "original", None)).detach()
+
+
+def plain_copy(layer: nn.Module) -> nn.Module:
+    """A plain ``nn.Conv2d`` or ``nn.Linear`` holding ``layer``'s effective weight, computed by hand."""
+    if isinstance(layer, nn.Linear):
+        plain = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+    else:
+        plain = nn.Conv2d(
+            layer.in_channels,
+            layer.out_channels,
+            layer.kernel_size,
+            stride=layer.stride,
+            padding=layer.padding,
+            dilation=layer.dilation,
+            groups=layer.groups,
+            bias=layer.bias is not None,
+        )
+    plain = plain.double()
+    with torch.no_grad():
+        plain.weight.copy_(weight_by_hand(layer))
+        if layer.bias is not None:
+            plain.bias.copy_(layer.bias)
+    return plain
+
+
+def build(kind: str, batch_norm: bool = False) -> nn.Sequential:
+    """Two convolutions of ``kind`` (a BatchNorm after each with ``batch_norm``), ReLUs and a head."""
+    make = KINDS[kind]
+
+    def block(in_channels: int, out_channels: int, **options) -> list[nn.Module]:
+        layers = [make(in_channels, out_channels, 3, **options)]
+        if batch_norm:
+            layers.append(randomise_batch_norm(nn.BatchNorm2d(out_channels)))
+        return [*layers, nn.ReLU()]
+
+    layers = [*block(3, 4, padding=1), *block(4, 5, padding=1, stride=2)]
+    head = [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(5, 3)]
+    if kind in PARAMETRIZED:
+        head[-1] = PARAMETRIZATIONS[kind](nn.Linear(5, 3).double())
+    model = nn.Sequential(*layers, *head).double()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.Conv2d, nn.Linear)):
+                module.bias.normal_()
+    return model.eval()
+
+
+def with_plain_layers(model: nn.Sequential) -> nn.Sequential:
+    return nn.Sequential(*[plain_copy(m) if isinstance(m, (nn.Conv2d, nn.Linear)) else m for m in model])
+
+
+def snapshot(module: nn.Module) -> dict:
+    """Every parameter and buffer (values, bits and version counters) and every training flag."""
+    tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    return {
+        "values": {name: t.detach().clone() for name, t in tensors.items()},
+        "versions": {name: t._version for name, t in tensors.items()},
+        "training": [m.training for m in module.modules()],
+        "requires_grad": {name: t.requires_grad for name, t in tensors.items()},
+    }
+
+
+def assert_bit_identical(module: nn.Module, before: dict) -> None:
+    after = snapshot(module)
+    assert after["values"].keys() == before["values"].keys()
+    for name, value in before["values"].items():
+        now = after["values"][name]
+        assert now.dtype == value.dtype and torch.equal(now.view(torch.int64), value.view(torch.int64)), name
+    assert after["versions"] == before["versions"]
+    assert after["training"] == before["training"]
+    assert after["requires_grad"] == before["requires_grad"]
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+class TestPlainLayers:
+    @pytest.mark.parametrize("bias", [True, False])
+    @pytest.mark.parametrize("kind", LAYERS)
+    def test_own_parameters(self, kind: str, bias: bool):
+        layer, _ = make_layer(kind)
+        if not bias:
+            layer.bias = None
+        params = effective_parameters(layer)
+        expected = dict(layer.named_parameters(recurse=False))
+        assert params.keys() == expected.keys()
+        for name, value in expected.items():
+            assert torch.equal(params[name], value) and not params[name].requires_grad
+
+
+class TestRewrittenWeights:
+    @pytest.mark.parametrize("kind", sorted(KINDS))
+    def test_weight_and_bias_are_the_ones_computed_with(self, kind: str):
+        layer = KINDS[kind](3, 4, 3, padding=1).double().eval()
+        params = effective_parameters(layer)
+        assert sorted(params) == ["bias", "weight"]
+        assert relative_error(params["weight"], weight_by_hand(layer)) <= 1e-12
+        assert torch.equal(params["bias"], layer.bias.detach())
+        assert not params["weight"].requires_grad
+        # The rewritten weight is not the stored one: the test tells them apart.
+        assert relative_error(params["weight"], stored_weight(layer)) > 1e-3
+
+    def test_orthogonal_weight_is_orthogonal(self):
+        layer = parametrizations.orthogonal(nn.Linear(4, 6).double())
+        weight = effective_parameters(layer)["weight"]
+        torch.testing.assert_close(weight.T @ weight, torch.eye(4, dtype=F64))
+
+    @pytest.mark.parametrize("kind", PARAMETRIZED)
+    def test_parametrized_linear(self, kind: str):
+        layer = PARAMETRIZATIONS[kind](nn.Linear(5, 3).double()).eval()
+        assert relative_error(effective_parameters(layer)["weight"], weight_by_hand(layer)) <= 1e-12
+
+    def test_layer_calling_no_linear_function_raises(self):
+        class Skipping(nn.Linear):
+            def forward(self, x):
+                return x
+
+        with pytest.raises(ValueError, match="Skipping: its forward called no linear or convolution function"):
+            effective_parameters(Skipping(3, 3))
+
+
+class TestRelevance:
+    """Under every CNN preset, the network explains as the one written with plain layers."""
+
+    @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
+    @pytest.mark.parametrize("batch_norm", [False, True], ids=["alone", "batch-norm"])
+    @pytest.mark.parametrize("kind", sorted(KINDS))
+    def test_equals_plain_layers_holding_the_effective_weights(self, kind: str, batch_norm: bool, preset: str):
+        model = build(kind, batch_norm)
+        plain = with_plain_layers(model)
+        x = torch.randn(2, 3, 7, 7, dtype=F64).clamp(-2.9, 2.9)
+        torch.testing.assert_close(plain(x), model(x), rtol=1e-12, atol=1e-12)
+        relevance_out = torch.randn(2, 3, dtype=F64)
+        actual = lrp_relevance(model, x, relevance_out, CNN_PRESETS[preset]())
+        expected = lrp_relevance(plain, x, relevance_out, CNN_PRESETS[preset]())
+        assert relative_error(actual, expected) <= 1e-12
+
+    @pytest.mark.parametrize("kind", PARAMETRIZED)
+    def test_parametrizations_get_no_rule(self, kind: str):
+        # A weight's parametrization computes a weight, not activations: a strict mapper does not ask for its rule.
+        rules = BaseRuleMapper(strict=True).rules(build(kind))
+        assert not any("parametrizations" in name for name in rules)
+
+
+class TestStateUntouched:
+    @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+    @pytest.mark.parametrize("kind", [*sorted(KINDS), "plain"])
+    def test_state_is_bit_identical(self, kind: str, training: bool):
+        if kind == "plain":
+            layer, _ = make_layer("conv2d")
+        else:
+            layer = KINDS[kind](3, 4, 3, padding=1).double()
+        layer.train(training)
+        if kind == "spectral_norm":
+            layer(torch.randn(1, 3, 5, 5, dtype=F64))  # u and v after some power iterations
+            # In training mode the power iteration would move u and v again: the test can tell.
+            moved = copy.deepcopy(layer).train()
+            moved(torch.randn(1, 3, 5, 5, dtype=F64))
+            assert not torch.equal(moved.parametrizations.weight[0]._u, layer.parametrizations.weight[0]._u)
+        before = snapshot(layer)
+        effective_parameters(layer)
+        assert_bit_identical(layer, before)
+
+
+class TestHookBasedParametrizations:
+    """torch.nn.utils.weight_norm and spectral_norm (hook-based, before parametrizations): the hook's weight."""
+
+    @pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
+    @pytest.mark.parametrize("legacy", ["weight_norm", "spectral_norm"])
+    def test_equals_plain_layers_holding_the_effective_weights(self, legacy: str):
+        layer = getattr(nn.utils, legacy)(nn.Conv2d(3, 4, 3, padding=1).double())
+        model = nn.Sequential(layer, nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)).double()
+        model = model.eval()
+        x = torch.randn(2, 3, 5, 5, dtype=F64)
+        with torch.no_grad():
+            model(x)
+            plain = nn.Conv2d(3, 4, 3, padding=1).double()
+            plain.weight.copy_(layer.weight)
+            plain.bias.copy_(layer.bias)
+        reference = copy.deepcopy(model)
+        reference[0] = plain
+        relevance_out = torch.randn(2, 3, dtype=F64)
+        actual = lrp_relevance(model, x, relevance_out, CNN_PRESETS["EpsilonAlpha2Beta1"]())
+        expected = lrp_relevance(reference, x, relevance_out, CNN_PRESETS["EpsilonAlpha2Beta1"]())
+        assert relative_error(actual, expected) <= 1e-12

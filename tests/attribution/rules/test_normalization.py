@@ -1,0 +1,611 @@
+"""NormRule: normalisation layers with the normalising scale held constant, against closed forms (float64).
+
+The rule acts on what a norm's forward really runs (``F.layer_norm``, ``F.rms_norm``, ``F.group_norm``,
+``F.instance_norm``, ``F.batch_norm``, ``F.normalize``, or a scale from ``rsqrt``/``sqrt``/``var``/``std``/a vector
+norm in a norm written by hand). Relevance is the input times the rule's gradient, and the gradient that reaches a
+norm's output is ``R / y`` for an output relevance ``R``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import timm.layers
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+from tdhook.attribution.mappers.base import BaseRuleMapper
+from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule
+from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
+from tdhook.attribution.rules.normalization import LayerNormRule, NormRule, is_norm
+from tests.attribution.rules._helpers import CNN_PRESETS, F64, randn
+from tests.attribution.test_lrp_layers import (
+    gradient_times_input,
+    lrp_relevance,
+    merged_by_hand,
+    randomise_batch_norm,
+)
+from tests.conftest import relative_error, tdhook_relevance
+
+# ----------------------------------------------------------------------------- norms written by hand
+
+
+class LlamaRMSNorm(nn.Module):
+    """Hugging Face's Llama (and T5) RMSNorm: ``w · x · rsqrt(mean(x²) + ε)``."""
+
+    def __init__(self, n: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n, dtype=F64))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``x · rsqrt(mean(x²) + ε) · (1 + w)``."""
+
+    def __init__(self, n: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(n, dtype=F64))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._norm(x) * (1.0 + self.weight)
+
+
+class VectorNormRMSNorm(nn.Module):
+    """An RMSNorm through the vector norm: ``w · x · sqrt(n) / ‖x‖``."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n, dtype=F64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * math.sqrt(x.shape[-1]) / torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+
+
+class VarMeanLayerNorm(nn.Module):
+    """A LayerNorm written with ``torch.var_mean``: ``(x − μ) · (var + ε)^(−1/2) · w + b``."""
+
+    def __init__(self, n: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(n, dtype=F64))
+        self.bias = nn.Parameter(torch.zeros(n, dtype=F64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var, mean = torch.var_mean(x, -1, keepdim=True, unbiased=False)
+        return (x - mean) * (var + self.eps).pow(-0.5) * self.weight + self.bias
+
+
+class StdLayerNorm(VarMeanLayerNorm):
+    """A LayerNorm written with ``Tensor.std``: ``(x − μ) / (std + ε) · w + b``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        centred = x - x.mean(-1, keepdim=True)
+        return centred / (x.std(-1, keepdim=True, unbiased=False) + self.eps) * self.weight + self.bias
+
+
+class L2Norm(nn.Module):
+    """``F.normalize`` as a module (named like a norm, so the mappers give it :class:`NormRule`)."""
+
+    def __init__(self, p: float = 2.0, dim: int = -1) -> None:
+        super().__init__()
+        self.p, self.dim = p, dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(x, p=self.p, dim=self.dim)
+
+
+class NotANorm(nn.Module):
+    """A module whose forward runs no normalisation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) * 2
+
+
+def randomise(module: nn.Module, bias: bool = True) -> nn.Module:
+    """Weights of both signs far from one; biases random, or zero with ``bias=False``."""
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if name.endswith("bias"):
+                param.copy_(torch.randn_like(param) if bias else torch.zeros_like(param))
+            else:
+                param.copy_(torch.randn_like(param) * 1.5)
+    return module
+
+
+def norm_relevance(module: nn.Module, x: torch.Tensor, relevance_out: torch.Tensor, rule=None) -> torch.Tensor:
+    return tdhook_relevance(NormRule() if rule is None else rule, module, x, relevance_out)
+
+
+def output_gradient(module: nn.Module, x: torch.Tensor, relevance_out: torch.Tensor) -> torch.Tensor:
+    """The gradient that reaches the norm's output: ``R / y``."""
+    with torch.no_grad():
+        return relevance_out / module(x)
+
+
+def centred(h: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    return h - h.mean(dims, keepdim=True)
+
+
+# ----------------------------------------------------------------------------- closed forms
+
+
+class TestLayerNormClosedForm:
+    """``grad_x = h − mean(h)``, ``h = g · w / σ`` over the normalised dimensions."""
+
+    @pytest.mark.parametrize("affine", [True, False])
+    @pytest.mark.parametrize("shape", [(6,), (3, 4)], ids=["one-dim", "two-dims"])
+    def test_nn_layer_norm(self, shape: tuple[int, ...], affine: bool):
+        module = randomise(nn.LayerNorm(shape, elementwise_affine=affine, dtype=F64))
+        x, relevance_out = randn(5, 2, *shape), randn(5, 2, *shape)
+        dims = tuple(range(-len(shape), 0))
+        sigma = (x.var(dims, unbiased=False, keepdim=True) + module.eps).sqrt()
+        weight = module.weight if affine else 1.0
+        h = output_gradient(module, x, relevance_out) * weight / sigma
+        expected = x * centred(h, dims)
+        assert relative_error(norm_relevance(module, x, relevance_out), expected) <= 1e-12
+        # The plain gradient keeps σ's dependence on x: another answer.
+        assert relative_error(norm_relevance(module, x, relevance_out, IgnoreRule()), expected) > 1e-3
+
+    @pytest.mark.parametrize("module", [VarMeanLayerNorm(6), StdLayerNorm(6)], ids=["var_mean", "std"])
+    def test_hand_written_layer_norm(self, module: nn.Module):
+        randomise(module)
+        x, relevance_out = randn(4, 6), randn(4, 6)
+        if isinstance(module, StdLayerNorm):
+            scale = 1 / (x.std(-1, keepdim=True, unbiased=False) + module.eps)
+        else:
+            scale = torch.rsqrt(x.var(-1, keepdim=True, unbiased=False) + module.eps)
+        h = output_gradient(module, x, relevance_out) * module.weight.detach() * scale
+        expected = x * centred(h, (-1,))
+        assert relative_error(norm_relevance(module, x, relevance_out), expected) <= 1e-12
+
+    @pytest.mark.parametrize("source", ["torchvision", "timm"])
+    def test_channels_first_layer_norm_is_layer_norm_on_the_permuted_input(self, source: str):
+        cls = torchvision.models.convnext.LayerNorm2d if source == "torchvision" else timm.layers.LayerNorm2d
+        module = randomise(cls(4, eps=1e-6).double())
+        reference = nn.LayerNorm(4, eps=1e-6, dtype=F64)
+        reference.load_state_dict(module.state_dict())
+        x, relevance_out = randn(2, 4, 3, 5), randn(2, 4, 3, 5)
+
+        def channels_last(t: torch.Tensor) -> torch.Tensor:
+            return t.permute(0, 2, 3, 1)
+
+        expected = norm_relevance(reference, channels_last(x), channels_last(relevance_out)).permute(0, 3, 1, 2)
+        assert relative_error(norm_relevance(module, x, relevance_out), expected) <= 1e-12
+        # Normalising over the wrong dimension (the last, W) would give another answer.
+        wrong = nn.LayerNorm(5, eps=1e-6, dtype=F64)
+        assert relative_error(norm_relevance(wrong, x, relevance_out), expected) > 1e-3
+
+
+class TestLayerNormRule:
+    """AttnLRP's name for the rule (moved here from the transformer rules' tests)."""
+
+    def test_layer_norm_rule_is_norm_rule(self):
+        assert issubclass(LayerNormRule, NormRule)
+
+    @pytest.mark.parametrize("norm", ["layer", "rms"])
+    def test_layer_norm_rule_is_the_gradient_with_the_scale_detached(self, norm: str):
+        if norm == "layer":
+            module = nn.LayerNorm(6, dtype=F64)
+        else:
+            module = nn.RMSNorm(6, eps=1e-5, dtype=F64)
+        with torch.no_grad():
+            module.weight.copy_(randn(6))
+            if norm == "layer":
+                module.bias.copy_(randn(6))
+        x, relevance_out = randn(5, 6), randn(5, 6)
+        relevance = tdhook_relevance(LayerNormRule(), module, x, relevance_out)
+
+        xr = x.clone().requires_grad_(True)
+        if norm == "layer":
+            centred = xr - xr.mean(-1, keepdim=True)
+            sigma = (centred.pow(2).mean(-1, keepdim=True) + module.eps).sqrt().detach()
+            y = centred / sigma * module.weight + module.bias
+        else:
+            y = xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + module.eps).detach() * module.weight
+        torch.testing.assert_close(y, module(x))
+        (grad,) = torch.autograd.grad(y, xr, relevance_out / y.detach())
+        assert relative_error(relevance, x * grad) <= 1e-12
+        if norm == "rms":  # each feature keeps its own relevance
+            assert relative_error(relevance, relevance_out) <= 1e-12
+
+
+RMS_NORMS = {
+    "nn.RMSNorm": lambda: nn.RMSNorm(6, eps=1e-5, dtype=F64),
+    "nn.RMSNorm-eps-none": lambda: nn.RMSNorm(6, dtype=F64),
+    "nn.RMSNorm-two-dims": lambda: nn.RMSNorm((2, 3), eps=1e-5, dtype=F64),
+    "llama": lambda: LlamaRMSNorm(6, eps=1e-5),
+    "gemma": lambda: GemmaRMSNorm(6, eps=1e-5),
+    "vector-norm": lambda: VectorNormRMSNorm(6),
+}
+
+
+def rms_scale(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The held constant ``w · r`` of an RMSNorm, written out per kind."""
+    if isinstance(module, VectorNormRMSNorm):
+        return module.weight.detach() * math.sqrt(6) / x.norm(dim=-1, keepdim=True)
+    if isinstance(module, nn.RMSNorm):
+        dims = tuple(range(-len(module.normalized_shape), 0))
+        eps = torch.finfo(F64).eps if module.eps is None else module.eps
+        return module.weight.detach() * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
+    eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+    weight = 1 + module.weight.detach() if isinstance(module, GemmaRMSNorm) else module.weight.detach()
+    return weight * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class TestRMSNormClosedForm:
+    """``grad_x = g · w / rms(x)``: each feature keeps its own relevance."""
+
+    @pytest.mark.parametrize("kind", sorted(RMS_NORMS))
+    def test_rms_norm(self, kind: str):
+        module = randomise(RMS_NORMS[kind]())
+        x = randn(4, 2, 3) if kind.endswith("two-dims") else randn(4, 6)
+        relevance_out = randn(*x.shape)
+        expected = x * output_gradient(module, x, relevance_out) * rms_scale(module, x)
+        relevance = norm_relevance(module, x, relevance_out)
+        assert relative_error(relevance, expected) <= 1e-12
+        assert relative_error(relevance, relevance_out) <= 1e-12
+        assert relative_error(norm_relevance(module, x, relevance_out, IgnoreRule()), expected) > 1e-3
+
+
+class TestGroupNormClosedForm:
+    """Centring and ``σ`` per group of channels (InstanceNorm: one channel per group)."""
+
+    @staticmethod
+    def expected(x, grad, groups, weight, eps):
+        n, c = x.shape[:2]
+        h = grad if weight is None else grad * weight.view(1, c, *[1] * (x.dim() - 2))
+        grouped_x, grouped_h = x.reshape(n, groups, -1), h.reshape(n, groups, -1)
+        sigma = (grouped_x.var(-1, unbiased=False, keepdim=True) + eps).sqrt()
+        return x * centred(grouped_h / sigma, (-1,)).reshape(x.shape)
+
+    @pytest.mark.parametrize("groups", [1, 2, 3, 6])
+    def test_group_norm(self, groups: int):
+        module = randomise(nn.GroupNorm(groups, 6, dtype=F64))
+        x, relevance_out = randn(2, 6, 3, 4), randn(2, 6, 3, 4)
+        grad = output_gradient(module, x, relevance_out)
+        expected = self.expected(x, grad, groups, module.weight.detach(), module.eps)
+        assert relative_error(norm_relevance(module, x, relevance_out), expected) <= 1e-12
+        assert relative_error(norm_relevance(module, x, relevance_out, IgnoreRule()), expected) > 1e-3
+
+    @pytest.mark.parametrize("affine", [True, False])
+    @pytest.mark.parametrize("dims", [1, 2])
+    def test_instance_norm(self, dims: int, affine: bool):
+        cls = nn.InstanceNorm1d if dims == 1 else nn.InstanceNorm2d
+        module = randomise(cls(6, affine=affine, dtype=F64))
+        shape = (3, 6, 7) if dims == 1 else (3, 6, 3, 4)
+        x, relevance_out = randn(*shape), randn(*shape)
+        grad = output_gradient(module, x, relevance_out)
+        expected = self.expected(x, grad, 6, module.weight.detach() if affine else None, module.eps)
+        assert relative_error(norm_relevance(module, x, relevance_out), expected) <= 1e-12
+        assert relative_error(norm_relevance(module, x, relevance_out, IgnoreRule()), expected) > 1e-3
+
+
+class TestNormalizeClosedForm:
+    """``F.normalize``: ``grad_x = g / ‖x‖_p``, so every element keeps its relevance."""
+
+    @pytest.mark.parametrize("dim", [1, -1])
+    @pytest.mark.parametrize("p", [1.0, 2.0])
+    def test_normalize(self, p: float, dim: int):
+        module = L2Norm(p, dim)
+        x, relevance_out = randn(3, 5, 4), randn(3, 5, 4)
+        expected = x * output_gradient(module, x, relevance_out) / x.norm(p, dim, keepdim=True)
+        relevance = norm_relevance(module, x, relevance_out)
+        assert relative_error(relevance, expected) <= 1e-12
+        assert relative_error(relevance, relevance_out) <= 1e-12
+        # Gradient × input of a scale-invariant map sums to zero over the normalised dimension.
+        assert relative_error(norm_relevance(module, x, relevance_out, IgnoreRule()), expected) > 1e-3
+
+
+def batch_affine(module: nn.Module, x: torch.Tensor, batch_statistics: bool) -> torch.Tensor:
+    """The per-channel scale ``s = w / sqrt(var + eps)`` of a BatchNorm or InstanceNorm, shaped like ``x``."""
+    if batch_statistics:
+        var = x.var([0, *range(2, x.dim())], unbiased=False)
+    else:
+        var = module.running_var
+    scale = torch.rsqrt(var + module.eps)
+    if module.weight is not None:
+        scale = scale * module.weight.detach()
+    return scale.view(1, -1, *[1] * (x.dim() - 2))
+
+
+class TestAffineClosedForm:
+    """BatchNorm (and InstanceNorm with running statistics): the ε-rule of ``y = s x + t``,
+    ``R_x = s x · R / (y + ε sign(y))``."""
+
+    @staticmethod
+    def check(module: nn.Module, x: torch.Tensor, batch_statistics: bool, epsilon: float = 0.1) -> None:
+        relevance_out = randn(*x.shape)
+        with torch.no_grad():
+            y = module(x)
+        sign = torch.where(y >= 0, 1.0, -1.0).to(F64)
+        expected = batch_affine(module, x, batch_statistics) * x * relevance_out / (y + epsilon * sign)
+        relevance = norm_relevance(module, x, relevance_out, NormRule(epsilon))
+        assert relative_error(relevance, expected) <= 1e-12
+        assert relative_error(norm_relevance(module, x, relevance_out, NormRule(0.0)), expected) > 1e-3
+
+    @pytest.mark.parametrize("cls", [nn.BatchNorm1d, nn.BatchNorm2d])
+    def test_eval_batch_norm(self, cls: type):
+        module = randomise_batch_norm(cls(4)).double().eval()
+        module.eps = 1e-5
+        self.check(module, randn(3, 4, 5) if cls is nn.BatchNorm1d else randn(3, 4, 2, 3), batch_statistics=False)
+
+    @pytest.mark.parametrize("running_statistics", [True, False])
+    def test_batch_norm_with_batch_statistics(self, running_statistics: bool):
+        module = randomise(nn.BatchNorm2d(4, track_running_stats=running_statistics, dtype=F64))
+        if running_statistics:
+            module.train()  # training mode: the batch statistics, held constant
+        else:
+            module.eval()  # no running statistics: the batch statistics in eval mode too
+        self.check(module, randn(3, 4, 2, 3), batch_statistics=True)
+
+    def test_instance_norm_with_running_statistics(self):
+        module = randomise(nn.InstanceNorm2d(4, affine=True, track_running_stats=True, dtype=F64)).eval()
+        with torch.no_grad():
+            module.running_mean.copy_(randn(4))
+            module.running_var.copy_(torch.rand(4, dtype=F64) + 0.5)
+        self.check(module, randn(3, 4, 2, 3), batch_statistics=False)
+
+
+class TestUnknownNorm:
+    def test_module_without_a_normalisation_raises(self):
+        with pytest.raises(ValueError, match="NormRule on NotANorm: its forward ran no normalisation"):
+            norm_relevance(NotANorm(), randn(2, 3), randn(2, 3))
+
+    def test_module_without_gradient_does_not_raise(self):
+        module = NotANorm()
+        with NormRule().register(module), torch.no_grad():
+            module(randn(2, 3))
+
+
+# ----------------------------------------------------------------------------- which modules get the rule
+
+
+class ConvNormAct(nn.Sequential):
+    """A block named like a norm that holds a convolution."""
+
+
+class TestIsNorm:
+    @pytest.mark.parametrize(
+        "make",
+        [
+            lambda: nn.LayerNorm(4),
+            lambda: nn.GroupNorm(2, 4),
+            lambda: nn.RMSNorm(4),
+            lambda: nn.InstanceNorm2d(4),
+            lambda: nn.BatchNorm2d(4),
+            lambda: torchvision.models.convnext.LayerNorm2d(4),
+            lambda: timm.layers.LayerNorm2d(4),
+            lambda: timm.layers.BatchNormAct2d(4),
+            lambda: timm.layers.GroupNormAct(4, num_groups=2),
+            lambda: LlamaRMSNorm(4),
+            lambda: L2Norm(),
+        ],
+    )
+    def test_norms(self, make):
+        assert is_norm(make())
+
+    @pytest.mark.parametrize(
+        "make", [lambda: nn.Linear(2, 2), lambda: ConvNormAct(nn.Conv2d(1, 1, 1)), lambda: nn.ReLU()]
+    )
+    def test_not_norms(self, make):
+        assert not is_norm(make())
+
+    @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
+    def test_presets_map_norms_to_the_rule(self, preset: str):
+        mapper = CNN_PRESETS[preset]()
+        assert type(mapper("n", nn.GroupNorm(2, 4))) is NormRule
+        assert type(mapper("n", timm.layers.LayerNorm2d(4))) is NormRule
+        assert type(mapper("n", nn.BatchNorm2d(4))) is MergeBatchNormRule
+        assert type(mapper("n", timm.layers.BatchNormAct2d(4))) is MergeBatchNormRule
+
+
+# ----------------------------------------------------------------------------- conservation in networks
+
+
+def zero_biases(model: nn.Module) -> nn.Module:
+    """Every bias zero, and the running means too: a BatchNorm's shift ``β − μ s`` is zero."""
+    with torch.no_grad():
+        for module in model.modules():
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+            if getattr(module, "running_mean", None) is not None:
+                module.running_mean.zero_()
+    return model
+
+
+def batch_norm_act(channels: int) -> nn.Module:
+    norm = timm.layers.BatchNormAct2d(channels, act_layer=nn.LeakyReLU, act_kwargs={"negative_slope": 0.2})
+    return randomise_batch_norm(norm)
+
+
+CNN_NORMS = {
+    "LayerNorm-CHW": lambda c: nn.LayerNorm([c, 8, 8]),
+    "GroupNorm": lambda c: nn.GroupNorm(3, c),
+    "InstanceNorm2d": lambda c: nn.InstanceNorm2d(c, affine=True),
+    "LayerNorm2d-torchvision": lambda c: torchvision.models.convnext.LayerNorm2d(c),
+    "LayerNorm2d-timm": lambda c: timm.layers.LayerNorm2d(c),
+    "GroupNormAct-timm": lambda c: timm.layers.GroupNormAct(c, num_groups=2, act_layer=nn.LeakyReLU),
+    "BatchNormAct2d-timm": batch_norm_act,
+}
+MLP_NORMS = {
+    "LayerNorm": lambda n: nn.LayerNorm(n),
+    "RMSNorm": lambda n: nn.RMSNorm(n, eps=1e-5),
+    "LlamaRMSNorm": lambda n: LlamaRMSNorm(n),
+    "GemmaRMSNorm": lambda n: GemmaRMSNorm(n),
+    "VarMeanLayerNorm": lambda n: VarMeanLayerNorm(n),
+    "L2Norm": lambda n: L2Norm(),
+}
+# The norms whose plain gradient does not conserve relevance (an eval-mode BatchNorm without shift is linear).
+NOT_LINEAR = sorted(set(CNN_NORMS) - {"BatchNormAct2d-timm"}) + sorted(MLP_NORMS)
+
+
+def norm_net(kind: str) -> tuple[nn.Module, torch.Tensor]:
+    """A small network with two norms of ``kind``, its biases zero, and an input inside the ZBox bounds."""
+    if kind in CNN_NORMS:
+        make = CNN_NORMS[kind]
+        layers = [nn.Conv2d(3, 6, 3, padding=1), make(6), nn.ReLU(), nn.Conv2d(6, 6, 3, padding=1), make(6)]
+        layers += [nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 4)]
+        x = torch.randn(3, 3, 8, 8, dtype=F64).clamp(-2.9, 2.9)
+    else:
+        make = MLP_NORMS[kind]
+        layers = [nn.Linear(5, 6), make(6), nn.ReLU(), nn.Linear(6, 6), make(6), nn.ReLU(), nn.Linear(6, 4)]
+        x = torch.randn(3, 5, dtype=F64).clamp(-2.9, 2.9)
+    model = nn.Sequential(*layers).double().eval()
+    for module in model:
+        if is_norm(module) and not isinstance(module, nn.modules.batchnorm._BatchNorm):
+            randomise(module)
+    return zero_biases(model), x
+
+
+def conservation_error(model: nn.Module, x: torch.Tensor, rule_mapper) -> float:
+    with torch.no_grad():
+        relevance_out = torch.rand_like(model(x)) + 0.5
+    relevance = lrp_relevance(model, x, relevance_out, rule_mapper)
+    return relative_error(relevance.flatten(1).sum(1), relevance_out.sum(1))
+
+
+class TestConservation:
+    """With every bias zero, the rule conserves relevance through each norm, under every CNN preset."""
+
+    @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
+    @pytest.mark.parametrize("kind", sorted(CNN_NORMS) + sorted(MLP_NORMS))
+    def test_zero_biases_conserve_relevance(self, kind: str, preset: str):
+        model, x = norm_net(kind)
+        assert conservation_error(model, x, CNN_PRESETS[preset](epsilon=0.0, stabilizer=1e-12)) <= 1e-9
+
+    @pytest.mark.parametrize("kind", NOT_LINEAR)
+    def test_the_plain_gradient_through_the_norm_is_not_conserved(self, kind: str):
+        # What the conservation test tells apart: the norm differentiated as it is.
+        model, x = norm_net(kind)
+        norm_type = type(model[1])
+        mapper = CNN_PRESETS["EpsilonPlus"](epsilon=0.0, stabilizer=1e-12, rule_mapper={norm_type: IgnoreRule()})
+        assert conservation_error(model, x, mapper) > 1e-3
+
+
+# ----------------------------------------------------------------------------- BatchNorm that is not merged
+
+
+class AfterConcatenation(nn.Module):
+    """Two convolutions concatenated, then a BatchNorm: nothing to merge it into."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left, self.right = nn.Conv2d(3, 2, 3, padding=1), nn.Conv2d(3, 2, 3, padding=1)
+        self.norm = randomise_batch_norm(nn.BatchNorm2d(4))
+        self.head = nn.Sequential(nn.ReLU(), nn.Conv2d(4, 3, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(torch.cat([self.left(x), self.right(x)], dim=1)))
+
+
+def unmerged_net(where: str) -> tuple[nn.Module, torch.Tensor]:
+    if where == "after-relu":
+        norm = randomise_batch_norm(nn.BatchNorm2d(4))
+        layers = [nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), norm, nn.Conv2d(4, 3, 3)]
+        model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    else:
+        model = AfterConcatenation()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Conv2d):
+                module.bias.normal_()
+    return model.double().eval(), torch.randn(2, 3, 6, 6, dtype=F64).clamp(-2.9, 2.9)
+
+
+class TestUnmergedBatchNorm:
+    """An eval-mode BatchNorm with no layer right before it: the ε-rule of its affine map."""
+
+    @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
+    @pytest.mark.parametrize("where", ["after-relu", "after-cat"])
+    def test_equals_the_epsilon_rule_mapped_on_it(self, where: str, preset: str):
+        model, x = unmerged_net(where)
+        relevance_out = torch.randn(2, 3, dtype=F64)
+        actual = lrp_relevance(model, x, relevance_out, CNN_PRESETS[preset]())
+        explicit = {nn.BatchNorm2d: EpsilonRule(1e-6)}
+        expected = lrp_relevance(model, x, relevance_out, CNN_PRESETS[preset](rule_mapper=explicit))
+        assert relative_error(actual, expected) <= 1e-12
+        passed = lrp_relevance(model, x, relevance_out, CNN_PRESETS[preset](rule_mapper={nn.BatchNorm2d: PassRule()}))
+        assert relative_error(passed, expected) > 1e-3  # the shift t matters: passing relevance on differs
+
+    @pytest.mark.parametrize("where", ["after-relu", "after-cat"])
+    def test_lrp0_is_gradient_times_input(self, where: str):
+        model, x = unmerged_net(where)
+        relevance_out = torch.randn(2, 3, dtype=F64)
+        actual = lrp_relevance(model, x, relevance_out, BaseRuleMapper(stabilizer=0.0))
+        expected = gradient_times_input(model, x, lambda out: relevance_out / out)
+        assert relative_error(actual, expected) <= 1e-10
+        stabilised = lrp_relevance(model, x, relevance_out, BaseRuleMapper(stabilizer=0.5))
+        assert relative_error(stabilised, expected) > 1e-3
+
+
+# ----------------------------------------------------------------------------- timm's BatchNormAct2d
+
+
+def fused_net() -> nn.Sequential:
+    layers = [nn.Conv2d(3, 6, 3, padding=1), batch_norm_act(6), nn.Conv2d(6, 4, 3), batch_norm_act(4)]
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.Conv2d, nn.Linear)):
+                module.bias.normal_()
+    return model.double().eval()
+
+
+def unfused(model: nn.Sequential, merge: bool = False) -> nn.Sequential:
+    """``model`` with every ``BatchNormAct2d`` split into an ``nn.BatchNorm2d`` and an ``nn.LeakyReLU``; with
+    ``merge``, the BatchNorm folded by hand into the convolution before it."""
+    layers = []
+    for module in copy.deepcopy(model):
+        if isinstance(module, timm.layers.BatchNormAct2d):
+            norm = nn.BatchNorm2d(module.num_features, eps=module.eps, dtype=F64).eval()
+            norm.load_state_dict(module.state_dict())
+            if merge:
+                layers[-1] = merged_by_hand(layers[-1], norm)
+            else:
+                layers.append(norm)
+            layers.append(nn.LeakyReLU(module.act.negative_slope))
+        else:
+            layers.append(module)
+    return nn.Sequential(*layers)
+
+
+class TestBatchNormAct:
+    """timm's BatchNorm fused with an activation: merged into the convolution before it, its activation kept."""
+
+    @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "BaseRuleMapper"])
+    def test_equals_the_unfused_layers(self, preset: str):
+        model = fused_net()
+        plain = unfused(model)
+        x = torch.randn(2, 3, 6, 6, dtype=F64).clamp(-2.9, 2.9)
+        relevance_out = torch.randn(2, 3, dtype=F64)
+        make = BaseRuleMapper if preset == "BaseRuleMapper" else CNN_PRESETS[preset]
+        actual = lrp_relevance(model, x, relevance_out, make())
+        expected = lrp_relevance(plain, x, relevance_out, make())
+        assert relative_error(actual, expected) <= 1e-12
+        # Both merged with the convolution before them: the network with the merged layers written by hand.
+        by_hand = lrp_relevance(unfused(model, merge=True), x, relevance_out, make())
+        assert relative_error(actual, by_hand) <= 1e-10
+        # Not merged, the BatchNorms would give another answer.
+        not_merged = lrp_relevance(plain, x, relevance_out, make(rule_mapper={nn.BatchNorm2d: NormRule(0.1)}))
+        assert relative_error(not_merged, expected) > 1e-3
+
+    def test_lrp0_is_gradient_times_input(self):
+        model = fused_net()
+        x = torch.randn(2, 3, 6, 6, dtype=F64)
+        relevance_out = torch.randn(2, 3, dtype=F64)
+        actual = lrp_relevance(model, x, relevance_out, BaseRuleMapper(stabilizer=0.0))
+        expected = gradient_times_input(model, x, lambda out: relevance_out / out)
+        assert relative_error(actual, expected) <= 1e-10

@@ -1,0 +1,771 @@
+"""A gallery of torchvision and timm classification models under every preset, in float64 with random weights.
+
+Each model is built untrained (``weights=None`` / ``pretrained=False``) at the smallest input size it accepts,
+batch 2, in float64, with its zero-initialised heads and norm scales randomised and its BatchNorm statistics
+calibrated on a few random batches (random weights make activations vanish with depth). For each model:
+
+1. it runs under every CNN preset and CP-LRP, and its parameters and buffers are bit-identical afterwards, with
+   no hook, patched ``forward`` or changed class left;
+2. LRP-0 is gradient × input (relative L2 error ≤ 1e-6) where the model is piecewise linear and positively
+   homogeneous, judged by the modules it holds (linear layers, BatchNorm, ReLU, LeakyReLU, pooling);
+3. with its bias-like parameters zeroed (biases, BatchNorm running means, position embeddings, class tokens,
+   relative position bias tables), relevance sums to the explained logit within 10 % per sample under the presets
+   a user would pick (``CONSERVING``): every CNN preset on nets whose convolutions see rectified inputs (α2β1 left
+   out on narrow ones), EpsilonGammaBox on depthwise nets whose blocks end unrectified (z⁺ loses relevance there by
+   design, as zennit's does), CP-LRP on attention models;
+4. EpsilonPlus merely tried on an attention model either conserves within 10 % or raises an error naming the
+   module.
+
+``pytest tests/attribution/test_lrp_gallery.py`` runs one model of each family at its smallest size (the
+transformers with few, narrow blocks); ``pytest -m gallery tests/attribution/test_lrp_gallery.py`` every
+torchvision classification model and more of timm's. The table of docs/model_gallery.md is written by
+``python -m tests.attribution.test_lrp_gallery --all --write docs/model_gallery.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+
+from tdhook.attribution import (
+    CPLRP,
+    LRP,
+    AttnLRP,
+    BaseRuleMapper,
+    EpsilonAlpha2Beta1,
+    EpsilonGammaBox,
+    EpsilonPlus,
+    EpsilonPlusFlat,
+)
+
+torchvision = pytest.importorskip("torchvision")
+timm = pytest.importorskip("timm")
+
+F64 = torch.float64
+BATCH = 2
+LRP0_TOLERANCE = 1e-6
+CONSERVATION_TOLERANCE = 0.1
+
+CNN_PRESETS = ("EpsilonPlus", "EpsilonPlusFlat", "EpsilonGammaBox", "EpsilonAlpha2Beta1")
+PRESETS: dict[str, Callable[[], BaseRuleMapper]] = {
+    "EpsilonPlus": EpsilonPlus,
+    "EpsilonPlusFlat": EpsilonPlusFlat,
+    "EpsilonGammaBox": lambda: EpsilonGammaBox(-10.0, 10.0),
+    "EpsilonAlpha2Beta1": EpsilonAlpha2Beta1,
+    "CPLRP": CPLRP,
+    "AttnLRP": AttnLRP,
+}
+
+# The presets a user would pick, by kind of model: relevance must be conserved under them.
+# * rectified: the convolutions see rectified inputs (after the first), every CNN preset conserves;
+# * narrow: the same, but some convolutions see so few live inputs (groups of 4-16 channels in ResNeXts and RegNets,
+#   SqueezeNet's 16-channel squeeze, at these small sizes) that an output may have no negative contribution: α2β1
+#   then passes on α = 2 times its relevance, by design (zennit's EpsilonAlpha2Beta1 gives the same on SqueezeNet);
+# * depthwise: depthwise convolutions on unrectified inputs (linear bottlenecks, ConvNeXt's blocks): z⁺ loses the
+#   relevance of outputs with no positive contribution, by design; EpsilonGammaBox conserves;
+# * attention: CP-LRP conserves (AttnLRP's softmax rule absorbs relevance by design).
+RECTIFIED, NARROW, DEPTHWISE, ATTENTION = "rectified", "narrow", "depthwise", "attention"
+CONSERVING = {
+    RECTIFIED: CNN_PRESETS,
+    NARROW: ("EpsilonPlus", "EpsilonPlusFlat", "EpsilonGammaBox"),
+    DEPTHWISE: ("EpsilonGammaBox",),
+    ATTENTION: ("CPLRP",),
+}
+
+
+# --- The models ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model of the gallery: how to build it, its input size and its kind (which presets must conserve)."""
+
+    name: str
+    build: Callable[[], nn.Module] = field(repr=False, compare=False)
+    size: int
+    kind: str
+
+    def __str__(self) -> str:
+        """The test id: the name without spaces or parentheses."""
+        return re.sub(r"[ ()]+", "-", self.name).strip("-")
+
+
+def tv(name: str, **kwargs) -> Callable[[], nn.Module]:
+    return partial(getattr(torchvision.models, name), weights=None, **kwargs)
+
+
+def tm(name: str, **kwargs) -> Callable[[], nn.Module]:
+    return partial(timm.create_model, name, pretrained=False, **kwargs)
+
+
+def tiny_swin(v2: bool = False) -> nn.Module:
+    """Two stages of two blocks (the second one shifted), 4×4-token windows on a 32-pixel image."""
+    from torchvision.models import swin_transformer as swin
+
+    version = {"block": swin.SwinTransformerBlockV2, "downsample_layer": swin.PatchMergingV2} if v2 else {}
+    return swin.SwinTransformer(
+        patch_size=[4, 4],
+        embed_dim=16,
+        depths=[2, 2],
+        num_heads=[2, 2],
+        window_size=[4, 4],
+        stochastic_depth_prob=0.0,
+        num_classes=10,
+        **version,
+    )
+
+
+def tiny_maxvit() -> nn.Module:
+    return torchvision.models.MaxVit(
+        input_size=(32, 32),
+        stem_channels=8,
+        partition_size=2,
+        block_channels=[8, 16],
+        block_layers=[1, 1],
+        head_dim=4,
+        stochastic_depth_prob=0.0,
+        num_classes=10,
+    )
+
+
+def tiny_vit() -> nn.Module:
+    return torchvision.models.VisionTransformer(
+        image_size=32, patch_size=16, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64, num_classes=10
+    )
+
+
+# The smallest input each accepts (16 pixels unless named here; ViTs get two patches a side).
+TORCHVISION_SIZES = {
+    "alexnet": 64,
+    "convnext": 32,
+    "densenet": 32,
+    "inception_v3": 75,
+    "maxvit_t": 224,
+    "squeezenet": 32,
+    "vgg": 32,
+}
+TIMM_SIZES = {"densenet": 32, "convnext": 32}
+
+
+def smallest_size(name: str, sizes: dict[str, int]) -> int:
+    return next((size for prefix, size in sizes.items() if name.startswith(prefix)), 16)
+
+
+def torchvision_kind(name: str) -> str:
+    if name.startswith(("vit_", "swin", "maxvit")):
+        return ATTENTION
+    if name.startswith(("convnext", "efficientnet", "mnasnet", "mobilenet", "shufflenet")):
+        return DEPTHWISE
+    if name.startswith(("regnet", "resnext", "squeezenet")):
+        return NARROW
+    return RECTIFIED
+
+
+def torchvision_case(name: str) -> Case:
+    """A torchvision classification model at the smallest input size it accepts (two patches a side for ViTs)."""
+    if name.startswith("vit_"):
+        size = 2 * int(name.rsplit("_", 1)[1])
+        return Case(f"torchvision/{name}", tv(name, image_size=size), size, ATTENTION)
+    size = smallest_size(name, TORCHVISION_SIZES)
+    extra = {"init_weights": True} if name in ("googlenet", "inception_v3") else {}
+    if name.startswith("maxvit"):
+        extra = {"input_size": (size, size)}
+    return Case(f"torchvision/{name}", tv(name, **extra), size, torchvision_kind(name))
+
+
+def timm_case(name: str, kind: str, depth: int | None = None) -> Case:
+    """A timm model at the smallest input size it accepts (two patches a side for ViTs, ``depth`` blocks)."""
+    label, kwargs = f"timm/{name}", {}
+    if kind == ATTENTION:
+        size = 2 * int(re.search(r"patch(\d+)", name).group(1))
+        kwargs["img_size"] = size
+    else:
+        size = smallest_size(name, TIMM_SIZES)
+    if depth is not None:
+        label, kwargs["depth"] = f"{label} ({depth} blocks)", depth
+    return Case(label, tm(name, **kwargs), size, kind)
+
+
+# One model of each family, at its smallest size: the default run. Transformers with few, narrow blocks.
+FAMILIES = [
+    *(
+        torchvision_case(name)
+        for name in (
+            "alexnet",
+            "convnext_tiny",
+            "densenet121",
+            "efficientnet_b0",
+            "googlenet",
+            "inception_v3",
+            "mnasnet0_5",
+            "mobilenet_v2",
+            "mobilenet_v3_small",
+            "regnet_x_400mf",
+            "regnet_y_400mf",
+            "resnet18",
+            "shufflenet_v2_x0_5",
+            "squeezenet1_1",
+            "vgg11_bn",
+        )
+    ),
+    Case("torchvision/MaxVit (2 blocks)", tiny_maxvit, 32, ATTENTION),
+    Case("torchvision/SwinTransformer (4 blocks)", tiny_swin, 32, ATTENTION),
+    Case("torchvision/SwinTransformer v2 (4 blocks)", partial(tiny_swin, v2=True), 32, ATTENTION),
+    Case("torchvision/VisionTransformer (2 blocks)", tiny_vit, 32, ATTENTION),
+    *(
+        timm_case(name, kind)
+        for name, kind in (
+            ("resnet10t", RECTIFIED),
+            ("densenet121", RECTIFIED),
+            ("cspresnet50", RECTIFIED),
+            ("regnetx_002", NARROW),
+            ("efficientnet_b0", DEPTHWISE),
+            ("mobilenetv3_small_050", DEPTHWISE),
+            ("nf_resnet26", RECTIFIED),
+            ("resnetv2_50x1_bit", RECTIFIED),
+            ("convnext_atto", DEPTHWISE),
+        )
+    ),
+    timm_case("vit_tiny_patch16_224", ATTENTION, depth=2),
+]
+
+
+TIMM_MODELS = {
+    RECTIFIED: [
+        "resnet10t",
+        "resnet18",
+        "resnet26d",
+        "resnet50",
+        "resnet50d",
+        "ecaresnet26t",
+        "densenet121",
+        "densenetblur121d",
+        "cspresnet50",
+        "cspresnet50d",
+        "nf_resnet26",
+        "nf_resnet50",
+        "nf_regnet_b0",
+        "nfnet_l0",
+        "resnetv2_50x1_bit",
+        "resnetv2_50",
+    ],
+    NARROW: ["seresnext26d_32x4d", "cspresnext50", "regnetx_002", "regnetx_004", "regnety_002", "regnety_004"],
+    DEPTHWISE: [
+        "convnext_atto",
+        "convnext_femto",
+        "convnext_nano",
+        "convnext_tiny",
+        "convnextv2_atto",
+        "efficientnet_b0",
+        "efficientnet_lite0",
+        "tf_efficientnet_b0",
+        "efficientnetv2_rw_t",
+        "mixnet_s",
+        "mnasnet_100",
+        "mobilenetv2_100",
+        "mobilenetv3_small_050",
+        "mobilenetv3_large_100",
+        "tf_mobilenetv3_small_minimal_100",
+        "lcnet_050",
+    ],
+    ATTENTION: [
+        "vit_tiny_patch16_224",
+        "vit_small_patch16_224",
+        "vit_base_patch16_224",
+        "vit_base_patch32_224",
+        "deit_tiny_distilled_patch16_224",
+        "vit_small_patch14_reg4_dinov2",
+    ],
+}
+
+
+# Models that do not fit a 24 GiB machine in float64 at batch 2: regnet_y_128gf takes 5.7 GiB, 9.7 GiB at its peak
+# under LRP-0, 16.4 GiB under CP-LRP, and more than 19 GiB under EpsilonPlus (every convolution's merged and
+# modified weights are held at once). vit_h_14, as large, peaks at 5.7 GiB: its Linear layers need no copies.
+TOO_BIG = frozenset({"regnet_y_128gf"})
+
+
+def gallery_cases() -> list[Case]:
+    names = [n for n in torchvision.models.list_models(module=torchvision.models) if n not in TOO_BIG]
+    return [torchvision_case(n) for n in names] + [timm_case(n, k) for k, ns in TIMM_MODELS.items() for n in ns]
+
+
+GALLERY = gallery_cases()
+
+
+# --- Building and preparing a model ------------------------------------------------------------------------------
+
+
+def build(case: Case) -> nn.Module:
+    """The model in float64 (built in float32, which initialises twice as fast), zero-initialised weights
+    randomised, BatchNorm calibrated."""
+    torch.manual_seed(0)
+    model = case.build().to(F64)
+    randomise_zero_initialised(model)
+    return calibrate(model, case.size)
+
+
+LAYER_SCALES = re.compile(r"(^|\.)(layer_scale|gamma)$")
+
+
+def randomise_zero_initialised(model: nn.Module) -> None:
+    """Weights initialised to zero (torchvision's ViT head, timm's last BatchNorm of each residual block, ConvNeXt
+    V2's GlobalResponseNorm) give zero gradients, and layer scales initialised near zero (ConvNeXt's 1e-6, DINOv2's
+    1e-5) all but remove their blocks: random weights, unit scales."""
+    with torch.no_grad():
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if not isinstance(weight, nn.Parameter) or weight.count_nonzero() > 0:
+                continue
+            if weight.dim() >= 2:
+                nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+            else:
+                weight.fill_(1.0)
+        for name, parameter in model.named_parameters():
+            if LAYER_SCALES.search(name) and parameter.abs().max() <= 1e-4:
+                parameter.fill_(1.0)
+
+
+def calibrate(model: nn.Module, size: int, batches: int = 2) -> nn.Module:
+    """BatchNorm running statistics of a few random batches, so that activations keep their scale with depth.
+
+    Only the BatchNorms are in training mode meanwhile: no auxiliary heads, dropout or stochastic depth."""
+    model.eval()
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if norms:
+        for norm in norms:
+            norm.reset_running_stats()
+            norm.momentum = None
+            norm.train()
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for _ in range(batches):
+                model(torch.randn(4, 3, size, size, generator=generator, dtype=F64))
+    return model.eval()
+
+
+BIAS_LIKE = re.compile(r"(^|\.)(bias|pos_embed\w*|pos_embedding|cls_token|class_token|dist_token|reg_token)$")
+
+
+def zero_biases(model: nn.Module) -> nn.Module:
+    """Biases, BatchNorm running means, position embeddings, class tokens and relative position bias tables."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if BIAS_LIKE.search(name) or "relative_position_bias" in name:
+                parameter.zero_()
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.running_mean is not None:
+                module.running_mean.zero_()
+    return model
+
+
+# Leaf modules under which LRP-0 is gradient × input: linear maps, BatchNorm (fixed statistics in eval mode),
+# max pooling, and the positively homogeneous activations (f(x) = f'(x) x: ReLU, LeakyReLU). ReLU6 and Hardtanh are
+# piecewise linear but not homogeneous: a saturated unit passes its relevance on, where its gradient is zero.
+HOMOGENEOUS = (
+    nn.modules.conv._ConvNd,
+    nn.Linear,
+    nn.modules.batchnorm._BatchNorm,
+    nn.ReLU,
+    nn.LeakyReLU,
+    nn.modules.pooling._MaxPoolNd,
+    nn.modules.pooling._AvgPoolNd,
+    nn.modules.pooling._AdaptiveAvgPoolNd,
+    nn.modules.pooling._AdaptiveMaxPoolNd,
+    nn.modules.dropout._DropoutNd,
+    nn.Flatten,
+    nn.Unflatten,
+    nn.Identity,
+    nn.Sequential,  # an empty one
+    nn.modules.padding._ConstantPadNd,
+)
+HOMOGENEOUS_NAMES = frozenset({"StochasticDepth", "DropPath", "BlurPool2d"})
+NORMS = re.compile(r"(Layer|Group|RMS|Instance|Response)Norm")
+
+
+def piecewise_linear(model: nn.Module) -> bool:
+    """Whether LRP-0 must be gradient × input: every leaf module is linear or a positively homogeneous
+    piecewise-linear map, and the model has no attention and no norm but BatchNorm (timm's BatchNormAct2d and
+    GroupNormAct have children, so norms are looked for in every module)."""
+    for module in model.modules():
+        kind = type(module).__name__
+        if isinstance(module, nn.MultiheadAttention) or "Attention" in kind or NORMS.search(kind):
+            return False
+        if next(module.children(), None) is None and not (isinstance(module, HOMOGENEOUS) or kind in HOMOGENEOUS_NAMES):
+            return False
+    return True
+
+
+# --- What is left behind -----------------------------------------------------------------------------------------
+
+
+EXACT_COPY_LIMIT = 1 << 30  # bytes of parameters and buffers up to which they are copied and compared bit for bit
+
+
+def as_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits, as integers of its element size (NaNs compare equal to themselves)."""
+    integer = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[tensor.element_size()]
+    return tensor.detach().contiguous().view(integer)
+
+
+def record(tensor: torch.Tensor, copy: bool) -> tuple:
+    """Where a tensor lives and its bits: a copy, or (for models over ``EXACT_COPY_LIMIT``) two sums of its bit
+    patterns, one weighted by position, so that any change not contrived to cancel out shows."""
+    where = (tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.data_ptr())
+    if copy:
+        return where, as_bits(tensor).clone()
+    bits = as_bits(tensor).flatten().to(torch.int64)
+    weights = torch.arange(bits.numel(), dtype=torch.int64)
+    return where, (bits.sum().item(), (bits * weights).sum().item())
+
+
+def same(a: tuple, b: tuple) -> bool:
+    if a[0] != b[0]:
+        return False
+    if a[1] is None or b[1] is None:
+        return True
+    return torch.equal(a[1], b[1]) if isinstance(a[1], torch.Tensor) else a[1] == b[1]
+
+
+HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def fingerprint(model: nn.Module, bits: bool = True) -> dict:
+    """Every parameter and buffer (bit for bit, or only where it lives with ``bits=False``), the parameter objects,
+    hooks, classes and instance-level ``forward``s."""
+    state = model.state_dict(keep_vars=True)
+    copy = sum(t.numel() * t.element_size() for t in state.values()) <= EXACT_COPY_LIMIT
+    return {
+        "tensors": {
+            k: record(v, copy) if bits else ((v.dtype, tuple(v.shape), v.stride(), v.data_ptr()), None)
+            for k, v in state.items()
+        },
+        "parameters": {k: id(v) for k, v in model.named_parameters()},
+        "hooks": {name: tuple(len(getattr(m, h)) for h in HOOKS) for name, m in model.named_modules()},
+        "patched": sorted(name for name, m in model.named_modules() if "forward" in vars(m)),
+        "classes": {name: type(m) for name, m in model.named_modules()},
+        "global": (len(nn.modules.module._global_forward_hooks), len(nn.modules.module._global_backward_hooks)),
+    }
+
+
+def changes(before: dict, after: dict) -> str | None:
+    """What differs between two fingerprints, or ``None``."""
+    if before["tensors"].keys() != after["tensors"].keys():
+        return "parameters or buffers added or removed"
+    differing = [k for k, v in before["tensors"].items() if not same(v, after["tensors"][k])]
+    if differing:
+        return f"tensors changed: {differing[:3]}"
+    for part in ("parameters", "hooks", "classes"):
+        differing = sorted(
+            k for k in before[part].keys() | after[part].keys() if before[part].get(k) != after[part].get(k)
+        )
+        if differing:
+            return f"{part} changed: {differing[:3]}"
+    if after["patched"]:
+        return f"forward patched on {after['patched'][:3]}"
+    if before["global"] != after["global"]:
+        return "global module hooks left"
+    return None
+
+
+# --- Relevance ---------------------------------------------------------------------------------------------------
+
+
+def explain(model: nn.Module, x: torch.Tensor, mapper) -> tuple[torch.Tensor, torch.Tensor]:
+    lrp = LRP(TensorDictModule(model, in_keys=["x"], out_keys=["y"]), rule_mapper=mapper)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        td = lrp(TensorDict(x=x.clone(), batch_size=[x.shape[0]]))
+    return td["relevance", "x"], td["y"]
+
+
+def gradient_times_input(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    leaf = x.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(model(leaf).max(-1).values.sum(), leaf)
+    return x * grad
+
+
+def describe(error: BaseException) -> str:
+    message = " ".join(str(error).split())
+    return f"{type(error).__name__}: {message[:300]}"
+
+
+@dataclass
+class Report:
+    """What one model gave: LRP-0's error, and per preset the conservation ratios (or the error raised)."""
+
+    case: Case
+    piecewise_linear: bool
+    lrp0_error: float | str
+    ratios: dict[str, tuple[float, ...] | str]
+    left_changed: dict[str, str]
+    module_names: frozenset[str]
+    seconds: float
+
+    def names_a_module(self, error: str) -> bool:
+        return any(re.search(rf"\b{re.escape(name)}\b", error) for name in self.module_names if name)
+
+
+def presets_for(case: Case) -> tuple[str, ...]:
+    """Every preset; AttnLRP on attention models only (on CNNs it is CP-LRP with ungated products)."""
+    return tuple(p for p in PRESETS if p != "AttnLRP" or case.kind == ATTENTION)
+
+
+def measure(case: Case) -> Report:
+    start = time.perf_counter()
+    model = build(case)
+    x = torch.randn(BATCH, 3, case.size, case.size, generator=torch.Generator().manual_seed(2), dtype=F64)
+    left_changed: dict[str, str] = {}
+    # Where every tensor lives, hooks and classes are compared after each call; the bits after each phase.
+    phase_start = state = fingerprint(model)
+
+    def run(label: str, mapper) -> tuple[torch.Tensor, torch.Tensor] | str:
+        nonlocal state
+        try:
+            result = explain(model, x, mapper)
+        except Exception as error:  # noqa: BLE001 - recorded, and judged by the tests
+            result = describe(error)
+        before, state = state, fingerprint(model, bits=False)
+        changed = changes(before, state)
+        if changed:
+            left_changed[label] = changed
+        return result
+
+    def end_phase(label: str) -> None:
+        changed = changes(phase_start, fingerprint(model))
+        if changed:
+            left_changed[label] = changed
+
+    result = run("LRP-0", BaseRuleMapper(stabilizer=1e-12))
+    end_phase("LRP-0")
+    if isinstance(result, str):
+        lrp0_error: float | str = result
+    else:
+        expected = gradient_times_input(model, x)
+        lrp0_error = ((result[0] - expected).norm() / expected.norm()).item()
+
+    zero_biases(model)
+    phase_start = state = fingerprint(model)
+    ratios: dict[str, tuple[float, ...] | str] = {}
+    for preset in presets_for(case):
+        result = run(preset, PRESETS[preset]())
+        if isinstance(result, str):
+            ratios[preset] = result
+        else:
+            relevance, logits = result
+            ratios[preset] = tuple((relevance.flatten(1).sum(1) / logits.max(-1).values).tolist())
+    end_phase(" then ".join(ratios))
+    return Report(
+        case,
+        piecewise_linear(model),
+        lrp0_error,
+        ratios,
+        left_changed,
+        frozenset(name for name, _ in model.named_modules()),
+        time.perf_counter() - start,
+    )
+
+
+_REPORTS: dict[str, Report] = {}
+
+
+def report(case: Case) -> Report:
+    """The model's report, measured once per session (every test of a model reads the same one)."""
+    if case.name not in _REPORTS:
+        _REPORTS[case.name] = measure(case)
+    return _REPORTS[case.name]
+
+
+def conserves(ratios: tuple[float, ...] | str) -> bool:
+    return not isinstance(ratios, str) and all(abs(r - 1.0) <= CONSERVATION_TOLERANCE for r in ratios)
+
+
+# --- The checks: each gives ``{column: what failed}``, read by the tests and by the table -------------------------
+
+
+def run_failures(r: Report) -> dict[str, str]:
+    """(1) Every CNN preset and CP-LRP runs, to finite relevance, and leaves the model as it was. On attention
+    models a CNN preset may instead raise an error naming the module (check 4)."""
+    failed = {label: f"left the model changed: {what}" for label, what in r.left_changed.items()}
+    for preset in (*CNN_PRESETS, "CPLRP"):
+        outcome = r.ratios[preset]
+        if isinstance(outcome, str):
+            if not (r.case.kind == ATTENTION and preset in CNN_PRESETS and r.names_a_module(outcome)):
+                failed[preset] = f"raised {outcome}"
+        elif not all(math.isfinite(v) for v in outcome):
+            failed[preset] = f"relevance not finite: ratios {outcome}"
+    return failed
+
+
+def lrp0_failures(r: Report) -> dict[str, str]:
+    """(2) LRP-0 runs, and is gradient × input where the model is piecewise linear (positively homogeneous)."""
+    if isinstance(r.lrp0_error, str):
+        return {"LRP-0": f"raised {r.lrp0_error}"}
+    if r.piecewise_linear and not r.lrp0_error <= LRP0_TOLERANCE:
+        return {"LRP-0": f"relative error {r.lrp0_error:.2e} > {LRP0_TOLERANCE:g}"}
+    return {}
+
+
+def conservation_failures(r: Report) -> dict[str, str]:
+    """(3) With zero biases, relevance sums to the logit within 10 % under the presets a user would pick."""
+    return {p: f"not conserved: {r.ratios[p]}" for p in CONSERVING[r.case.kind] if not conserves(r.ratios[p])}
+
+
+def tried_failures(r: Report) -> dict[str, str]:
+    """(4) EpsilonPlus on an attention model conserves within 10 % or raises an error naming the module."""
+    outcome = r.ratios["EpsilonPlus"]
+    if r.case.kind != ATTENTION or conserves(outcome) or (isinstance(outcome, str) and r.names_a_module(outcome)):
+        return {}
+    return {"EpsilonPlus": f"neither conserves nor raises: ratios {outcome}"}
+
+
+CHECKS = {
+    "runs, leaves the model unchanged": run_failures,
+    "LRP-0 is gradient × input": lrp0_failures,
+    "conserves under the presets a user would pick": conservation_failures,
+    "EpsilonPlus merely tried on attention: conserves or names the module": tried_failures,
+}
+
+
+# --- The tests ---------------------------------------------------------------------------------------------------
+
+
+class GalleryChecks:
+    def test_presets_run_and_leave_the_model_unchanged(self, case: Case):
+        assert run_failures(report(case)) == {}
+
+    def test_lrp0_is_gradient_times_input_on_piecewise_linear_models(self, case: Case):
+        assert lrp0_failures(report(case)) == {}
+
+    def test_relevance_is_conserved_under_the_presets_a_user_would_pick(self, case: Case):
+        assert conservation_failures(report(case)) == {}
+
+
+class PresetMerelyTried:
+    def test_epsilon_plus_conserves_or_names_the_module(self, case: Case):
+        assert tried_failures(report(case)) == {}
+
+
+@pytest.mark.parametrize("case", FAMILIES, ids=str)
+class TestFamilies(GalleryChecks):
+    """One model of each family, at its smallest size."""
+
+
+@pytest.mark.parametrize("case", [c for c in FAMILIES if c.kind == ATTENTION], ids=str)
+class TestFamiliesPresetMerelyTried(PresetMerelyTried):
+    """EpsilonPlus on the attention families."""
+
+
+@pytest.mark.gallery
+@pytest.mark.parametrize("case", GALLERY, ids=str)
+class TestGallery(GalleryChecks):
+    """Every torchvision classification model and more of timm's: ``pytest -m gallery``."""
+
+
+@pytest.mark.gallery
+@pytest.mark.parametrize("case", [c for c in GALLERY if c.kind == ATTENTION], ids=str)
+class TestGalleryPresetMerelyTried(PresetMerelyTried):
+    """EpsilonPlus on every attention model of the gallery."""
+
+
+# --- The table of docs/model_gallery.md ----------------------------------------------------------------------------
+
+TABLE_START, TABLE_END = "<!-- gallery-table:start -->", "<!-- gallery-table:end -->"
+
+
+def cell(ratios: tuple[float, ...] | str, asserted: bool, failed: bool) -> str:
+    if isinstance(ratios, str):
+        text = f"raises {ratios.split(':', 1)[0]}"
+    else:
+        low, high = f"{min(ratios):.3g}", f"{max(ratios):.3g}"
+        text = low if low == high else f"{low}–{high}"
+    return (f"**{text}**" if asserted else text) + (" ✗" if failed else "")
+
+
+def table(reports: list[Report]) -> str:
+    header = ["model", "input", "kind", "LRP-0 rel. error", *PRESETS]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    errors: list[str] = []
+    failures: list[str] = []
+    for r in reports:
+        failed = {}
+        for check, judge in CHECKS.items():
+            for column, what in judge(r).items():
+                failed[column] = what
+                failures.append(f"* {r.case.name}, {column} ({check}): {what}")
+        if isinstance(r.lrp0_error, str):
+            lrp0 = f"raises {r.lrp0_error.split(':', 1)[0]}"
+            errors.append(f"* {r.case.name}, LRP-0: `{r.lrp0_error}`")
+        else:
+            lrp0 = f"{r.lrp0_error:.1e}" + (" (p.l.)" if r.piecewise_linear else "")
+        cells = [r.case.name, f"{r.case.size}²", r.case.kind, lrp0 + (" ✗" if "LRP-0" in failed else "")]
+        for preset in PRESETS:
+            if preset not in r.ratios:
+                cells.append("—")
+                continue
+            ratios = r.ratios[preset]
+            cells.append(cell(ratios, preset in CONSERVING[r.case.kind], preset in failed))
+            if isinstance(ratios, str):
+                errors.append(f"* {r.case.name}, {preset}: `{ratios}`")
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    parts = ["\n".join(lines)]
+    parts.append("Failed checks (✗ in the table):\n\n" + ("\n".join(failures) or "none"))
+    if errors:
+        parts.append("Errors raised:\n\n" + "\n".join(errors))
+    return "\n\n".join(parts)
+
+
+def write_table(path: str, text: str) -> None:
+    """Replace the table between the markers of ``path``."""
+    with open(path, encoding="utf-8") as f:
+        page = f.read()
+    head, rest = page.split(TABLE_START, 1)
+    _, tail = rest.split(TABLE_END, 1)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"{head}{TABLE_START}\n{text}\n{TABLE_END}{tail}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--all", action="store_true", help="the whole gallery (as `pytest -m gallery`)")
+    parser.add_argument("--only", nargs="*", default=None, help="models whose name contains one of these")
+    parser.add_argument("--write", metavar="PATH", help="replace the table between the markers of this file")
+    args = parser.parse_args(argv)
+    cases = FAMILIES
+    if args.all:
+        cases = GALLERY + [c for c in FAMILIES if c.name not in {g.name for g in GALLERY}]
+    if args.only:
+        cases = [c for c in cases if any(s in c.name for s in args.only)]
+    torch.set_num_threads(1)
+    reports = []
+    for case in cases:
+        cpu = time.process_time()
+        reports.append(measure(case))
+        r = reports[-1]
+        print(
+            f"{case.name}: {r.seconds:.1f} s (cpu {time.process_time() - cpu:.1f} s)",
+            f"lrp0={r.lrp0_error} {r.ratios} {r.left_changed}",
+            file=sys.stderr,
+            flush=True,
+        )
+        if args.write:  # after each model: a long run that stops leaves the models done so far
+            write_table(args.write, table(sorted(reports, key=lambda r: r.case.name.lower())))
+    if not args.write:
+        print(table(sorted(reports, key=lambda r: r.case.name.lower())))
+
+
+if __name__ == "__main__":
+    main()

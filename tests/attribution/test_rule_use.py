@@ -1,0 +1,51 @@
+"""Rules that never take effect are named: a module with a rule that does not run while its parent does."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from tdhook.attribution import LRP, BaseRuleMapper, EpsilonPlus, EpsilonRule
+
+
+class Attending(nn.Module):
+    """An encoder layer: its attention computes with ``out_proj.weight`` directly, never calling ``out_proj``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(x).mean(1))
+
+
+def unused_rule_warnings(mapper, model: nn.Module, calls: int = 1) -> list[str]:
+    lrp = LRP(model.double().eval(), mapper, in_keys=["x"], out_keys=["y"])
+    with warnings.catch_warnings(record=True) as caught, lrp:
+        warnings.simplefilter("always")
+        for _ in range(calls):
+            lrp(TensorDict(x=torch.randn(2, 5, 8, dtype=torch.float64), batch_size=[2]))
+    return [str(w.message) for w in caught if "has no effect" in str(w.message)]
+
+
+class TestRulesThatNeverRun:
+    @pytest.mark.parametrize("epsilon", [0.1, 1e-6])
+    def test_a_rule_on_a_submodule_the_parent_never_calls_is_named(self, epsilon):
+        messages = unused_rule_warnings(BaseRuleMapper(rule_mapper={nn.Linear: EpsilonRule(epsilon)}), Attending())
+        assert len(messages) == 1
+        assert "'layer.self_attn.out_proj'" in messages[0] and "'layer.self_attn' (MultiheadAttention)" in messages[0]
+
+    def test_only_the_first_call_in_a_context_is_watched(self):
+        mapper = BaseRuleMapper(rule_mapper={nn.Linear: EpsilonRule(0.1)})
+        assert len(unused_rule_warnings(mapper, Attending(), calls=3)) == 1
+
+    def test_rules_that_run_or_change_nothing_are_not_named(self):
+        # LRP-0 on every Linear (IgnoreRule) changes nothing, so an out_proj that never runs loses nothing.
+        assert unused_rule_warnings(BaseRuleMapper(), Attending()) == []
+        mlp = nn.Sequential(nn.Flatten(), nn.Linear(40, 8), nn.ReLU(), nn.Linear(8, 2))
+        assert unused_rule_warnings(EpsilonPlus(), mlp) == []
