@@ -16,12 +16,14 @@ def test_there_are_notebooks():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_executes(path: Path):
+def test_notebook_executes_shows_its_figures_inline_and_leaves_the_tree_clean(path: Path):
+    before = sorted(path.parent.iterdir())
     notebook = nbformat.read(path, as_version=4)
     NotebookClient(
         notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
     ).execute()
-    errors = [
-        o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"
-    ]
-    assert not errors
+    outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.output_type == "error"]
+    # Figures appear in the notebook (an interactive backend), not as files written next to it.
+    assert any("image/png" in o.get("data", {}) for o in outputs)
+    assert sorted(path.parent.iterdir()) == before

@@ -698,8 +698,8 @@ def cell(ratios: tuple[float, ...] | str, asserted: bool, failed: bool) -> str:
 def table(reports: list[Report]) -> str:
     header = ["model", "input", "kind", "LRP-0 rel. error", *PRESETS]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    errors: list[str] = []
     failures: list[str] = []
+    errors: dict[tuple[str, str], list[str]] = {}  # (model, message with the preset's name left out) -> presets
     for r in reports:
         failed = {}
         for check, judge in CHECKS.items():
@@ -708,7 +708,7 @@ def table(reports: list[Report]) -> str:
                 failures.append(f"* {r.case.name}, {column} ({check}): {what}")
         if isinstance(r.lrp0_error, str):
             lrp0 = f"raises {r.lrp0_error.split(':', 1)[0]}"
-            errors.append(f"* {r.case.name}, LRP-0: `{r.lrp0_error}`")
+            errors.setdefault((r.case.name, r.lrp0_error[:200]), []).append("LRP-0")
         else:
             lrp0 = f"{r.lrp0_error:.1e}" + (" (p.l.)" if r.piecewise_linear else "")
         cells = [r.case.name, f"{r.case.size}²", r.case.kind, lrp0 + (" ✗" if "LRP-0" in failed else "")]
@@ -719,12 +719,14 @@ def table(reports: list[Report]) -> str:
             ratios = r.ratios[preset]
             cells.append(cell(ratios, preset in CONSERVING[r.case.kind], preset in failed))
             if isinstance(ratios, str):
-                errors.append(f"* {r.case.name}, {preset}: `{ratios}`")
+                message = ratios.replace(preset, "<preset>")[:200]  # the same error under several presets, once
+                errors.setdefault((r.case.name, message), []).append(preset)
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     parts = ["\n".join(lines)]
     parts.append("Failed checks (✗ in the table):\n\n" + ("\n".join(failures) or "none"))
     if errors:
-        parts.append("Errors raised:\n\n" + "\n".join(errors))
+        listed = [f"* {model}, {', '.join(presets)}: `{message}`" for (model, message), presets in errors.items()]
+        parts.append("Errors raised:\n\n" + "\n".join(listed))
     return "\n\n".join(parts)
 
 

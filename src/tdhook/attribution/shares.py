@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from tdhook.attribution.rules._numerics import safe_divide
+
 __all__ = ["relevance_shares"]
 
 
@@ -45,8 +47,7 @@ def relevance_shares(tensordict: TensorDictBase, relevance_key: str = "relevance
     if not totals:
         raise KeyError(f"relevance_shares: {relevance_key!r} holds no relevance keys")
     total = torch.stack(list(totals.values())).sum(0)
-    safe = torch.where(total != 0, total, torch.ones_like(total))
-    shares = {key: torch.where(total != 0, part / safe, torch.zeros_like(part)) for key, part in totals.items()}
+    shares = {key: safe_divide(part, total) for key, part in totals.items()}
     out = TensorDict(batch_size=tensordict.batch_size, device=tensordict.device)
     for key, share in shares.items():
         out.set(key, share)

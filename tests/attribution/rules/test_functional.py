@@ -89,3 +89,25 @@ def _softmax_epsilon_reference(scores: torch.Tensor, weights: torch.Tensor, epsi
             return torch.where(finite, relevance_in / (safe + epsilon * sign), 0.0)
 
     return Rule.apply(scores)
+
+
+@pytest.mark.parametrize("softmax", [SoftmaxEpsilonRule(), AHQKVRule()], ids=["AttnLRP", "CP-LRP"])
+def test_a_product_changed_in_place_afterwards_keeps_the_rule(softmax):
+    # Falcon scales its attention scores in place (``scores /= sqrt(d)``): the product the rule returns must allow
+    # it, and the in-place division must reach the gradient as it does without the mode.
+    q, k = randn(2, 3, 4), randn(2, 3, 4)
+
+    def scores(mode):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k)]
+        with mode:
+            s = (leaves[0] * 1) @ (leaves[1] * 1).transpose(-1, -2)
+            s /= 2.0
+        return s, leaves
+
+    with_rules, leaves = scores(FunctionalRules(softmax, PseudoIdentityRule(), hold_gates=False))
+    plain, plain_leaves = scores(torch.enable_grad())
+    torch.testing.assert_close(with_rules, plain)
+    grads = torch.autograd.grad(with_rules.sum(), leaves)
+    plain_grads = torch.autograd.grad(plain.sum(), plain_leaves)
+    for grad, plain_grad in zip(grads, plain_grads, strict=True):  # the uniform rule: half of each gradient
+        torch.testing.assert_close(grad, plain_grad / 2)

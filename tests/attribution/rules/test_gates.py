@@ -32,6 +32,8 @@ SQUEEZE_EXCITES = {
     "timm-sigmoid": lambda: timm.layers.SqueezeExcite(8, rd_channels=4),
     "timm-hardsigmoid": lambda: timm.layers.SqueezeExcite(8, rd_channels=4, gate_layer="hard_sigmoid"),
     "timm-efficientnet": lambda: EfficientNetSqueezeExcite(8, rd_channels=4),
+    # ECA reshapes its gate (view, expand_as) before the product: the gate stays a gate through that.
+    "timm-eca": lambda: timm.layers.EcaModule(8, kernel_size=3),
 }
 
 
@@ -39,6 +41,9 @@ def gate_of(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The gate a squeeze-excite block multiplies ``x`` by, computed with the block's own layers."""
     if isinstance(block, torchvision.ops.SqueezeExcitation):
         return block._scale(x)
+    if isinstance(block, timm.layers.EcaModule):
+        y = block.conv(x.mean((2, 3)).view(x.shape[0], 1, -1))
+        return block.gate(y).view(x.shape[0], -1, 1, 1)
     if isinstance(block, EfficientNetSqueezeExcite):
         return block.gate(block.conv_expand(block.act1(block.conv_reduce(x.mean((2, 3), keepdim=True)))))
     return block.gate(block.fc2(block.act(block.bn(block.fc1(x.mean((2, 3), keepdim=True))))))

@@ -282,3 +282,21 @@ class TestHookBasedParametrizations:
         actual = lrp_relevance(model, x, relevance_out, CNN_PRESETS["EpsilonAlpha2Beta1"]())
         expected = lrp_relevance(reference, x, relevance_out, CNN_PRESETS["EpsilonAlpha2Beta1"]())
         assert relative_error(actual, expected) <= 1e-12
+
+
+class TestForwardsThatPad:
+    """timm's ``Conv2dSame`` pads in its own forward; the modified forward passes must pad as it does."""
+
+    @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
+    @pytest.mark.parametrize("kernel", [3, 5])
+    def test_same_padding_equals_the_plain_convolution_padded_alike(self, preset: str, kernel: int):
+        torch.manual_seed(0)
+        same = timm.layers.Conv2dSame(3, 4, kernel)  # stride 1: (kernel - 1) / 2 on every side
+        plain = nn.Conv2d(3, 4, kernel, padding=(kernel - 1) // 2)
+        plain.load_state_dict(same.state_dict())
+        models = [nn.Sequential(c, nn.ReLU(), nn.Conv2d(4, 4, 3), nn.Flatten()).double() for c in (same, plain)]
+        models[1][2].load_state_dict(models[0][2].state_dict())
+        x = torch.rand(2, 3, 6, 6, dtype=F64) * 2 - 1
+        relevance_out = torch.randn(2, 4 * (6 - 2) ** 2, dtype=F64)
+        actual, expected = (lrp_relevance(m, x, relevance_out, CNN_PRESETS[preset]()) for m in models)
+        assert relative_error(actual, expected) <= 1e-12

@@ -127,6 +127,11 @@ def forward_with(module: nn.Module, params: dict[str, torch.Tensor], x: torch.Te
     """Run ``module`` on ``x`` with ``params`` in place of its own parameters."""
     weight = params.get("weight", getattr(module, "weight", None))
     bias = params.get("bias", getattr(module, "bias", None))
+    if isinstance(module, LINEAR_LAYERS) and not _has_plain_forward(module):
+        # The layer's own forward (timm's Conv2dSame pads, StdConv2d standardises), with its linear function
+        # given these parameters: the rest of what the forward does is kept.
+        with torch._C._EnableTorchFunction(), _SubstituteLayerCall(weight, bias):
+            return module.forward(x)
     if isinstance(module, nn.Linear):
         return F.linear(x, weight, bias)
     if isinstance(module, PLAIN_CONVOLUTIONS):
@@ -170,6 +175,26 @@ class _RecordLayerCall(TorchFunctionMode):
 
 # The hooks of the older torch.nn.utils.weight_norm and spectral_norm, which compute the weight before each call.
 _WEIGHT_HOOKS = (_WeightNormHook, _SpectralNormHook)
+
+
+class _SubstituteLayerCall(TorchFunctionMode):
+    """Give the first linear or convolution function a forward pass calls the weight and bias given here."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight, self.bias, self.done = weight, bias, False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _LAYER_FUNCTIONS and not self.done:
+            self.done = True
+            args = list(args)
+            for position, name, value in ((1, "weight", self.weight), (2, "bias", self.bias)):
+                if len(args) > position:
+                    args[position] = value
+                else:
+                    kwargs[name] = value
+        return func(*args, **kwargs)
 
 
 def _has_plain_forward(module: nn.Module) -> bool:

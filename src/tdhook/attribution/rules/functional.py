@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._autograd import call_argument, is_activation, scale_gradient
-from tdhook.attribution.rules.gates import GATE_FUNCTIONS, held_gate_product, mark_gate
+from tdhook.attribution.rules.gates import GATE_FUNCTIONS, held_gate_product, keep_gate_mark, mark_gate
 from tdhook.attribution.rules.transformer import (
     AHQKVRule,
     LayerNormRule,
@@ -112,13 +112,14 @@ class FunctionalRules(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func not in _HANDLED:
-            return func(*args, **kwargs)
+            return keep_gate_mark(func, args, func(*args, **kwargs)) if self.hold_gates else func(*args, **kwargs)
         if func in _PRODUCTS and len(args) == 2 and is_activation(args[0]) and is_activation(args[1]):
             held = held_gate_product(func, args, kwargs) if self.hold_gates else None
             if held is not None:
                 return held
             # Halving the product's gradient halves both factors' gradients: the uniform rule, in one step.
-            return scale_gradient(func(*args, **kwargs), 0.5)
+            # The product is a fresh tensor: rebased in place, so that later in-place operations on it stay legal.
+            return scale_gradient(func(*args, **kwargs), 0.5, in_place=True)
         if func is torch.baddbmm and len(args) >= 3 and is_activation(args[1]) and is_activation(args[2]):
             return func(args[0], *uniform_product(args[1], args[2]), *args[3:], **kwargs)
         if func in _SOFTMAX and args and is_activation(args[0]):

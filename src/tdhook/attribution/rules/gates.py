@@ -26,13 +26,20 @@ from torch.overrides import TorchFunctionMode
 from tdhook.attribution.rules._autograd import is_activation
 from tdhook.attribution.rules.basic import PassRule
 
-__all__ = ["GateRule", "HeldGates", "mark_gate", "is_gate", "held_gate_product", "GATE_FUNCTIONS"]
+__all__ = ["GateRule", "HeldGates", "mark_gate", "is_gate", "keep_gate_mark", "held_gate_product", "GATE_FUNCTIONS"]
 
 # The attribute that marks a gate, holding the tensor it was computed from (shared with PseudoIdentityRule).
 GATE_MARK = "_tdhook_activation_of"
 # The attribute that marks a sigmoid-like gate, a value in [0, 1]: held first where both factors are marked.
 SIGMOID_MARK = "_tdhook_sigmoid_gate"
 GATE_FUNCTIONS = frozenset({torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, F.hardsigmoid})
+# Operations that rearrange or copy values: a gate stays a gate through them.
+_SAME_VALUES = frozenset(
+    {torch.Tensor.view, torch.Tensor.view_as, torch.Tensor.reshape, torch.reshape, torch.Tensor.expand}
+    | {torch.Tensor.expand_as, torch.Tensor.unsqueeze, torch.unsqueeze, torch.Tensor.squeeze, torch.squeeze}
+    | {torch.Tensor.permute, torch.permute, torch.Tensor.transpose, torch.transpose, torch.Tensor.flatten}
+    | {torch.flatten, torch.Tensor.contiguous, torch.Tensor.clone, torch.Tensor.to, torch.Tensor.__getitem__}
+)
 _ELEMENTWISE_PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
 
 
@@ -53,6 +60,21 @@ def mark_gate(tensor: torch.Tensor, source: torch.Tensor, sigmoid: bool = False)
 def is_gate(value: Any) -> bool:
     """Whether ``value`` is a tensor marked as a gate (see :func:`mark_gate`)."""
     return getattr(value, GATE_MARK, None) is not None
+
+
+def keep_gate_mark(func: Any, args: tuple, result: Any) -> Any:
+    """``result`` marked as its input was, where ``func`` only rearranges or copies values (a view, a reshape,
+    an ``expand_as``: ECA and squeeze-excite reshape their gate before the product).
+
+    Examples:
+        >>> x = torch.ones(2, requires_grad=True) * 1
+        >>> gate = mark_gate(torch.sigmoid(x), x, sigmoid=True)
+        >>> is_gate(keep_gate_mark(torch.Tensor.view, (gate, 2, 1), gate.view(2, 1)))
+        True
+    """
+    if func in _SAME_VALUES and args and is_gate(args[0]) and isinstance(result, torch.Tensor):
+        mark_gate(result, getattr(args[0], GATE_MARK), sigmoid=getattr(args[0], SIGMOID_MARK, False))
+    return result
 
 
 def held_gate_product(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -123,5 +145,5 @@ class HeldGates(TorchFunctionMode):
             return func(*args, **kwargs)
         result = func(*args, **kwargs)
         if func in GATE_FUNCTIONS and args and is_activation(args[0]) and isinstance(result, torch.Tensor):
-            mark_gate(result, args[0], sigmoid=True)
-        return result
+            return mark_gate(result, args[0], sigmoid=True)
+        return keep_gate_mark(func, args, result)
