@@ -69,3 +69,13 @@ def test_only_additions_of_two_activations_are_changed():
     for out, expected in zip(outputs, exact, strict=True):
         (grad,) = torch.autograd.grad(out.sum(), x)
         torch.testing.assert_close(grad, expected)
+
+
+def test_an_expanded_parameter_added_to_an_activation_keeps_the_exact_split():
+    # A position embedding sliced or expanded to the activation's shape is a parameter, not a residual branch.
+    position = torch.nn.Parameter(torch.randn(1, 4, dtype=torch.float64))
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    with StabilizedAdditions(epsilon=0.5):
+        y = (x * 1) + position.expand(3, 4)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(grad, torch.ones_like(x))

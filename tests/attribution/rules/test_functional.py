@@ -111,3 +111,19 @@ def test_a_product_changed_in_place_afterwards_keeps_the_rule(softmax):
     plain_grads = torch.autograd.grad(plain.sum(), plain_leaves)
     for grad, plain_grad in zip(grads, plain_grads, strict=True):  # the uniform rule: half of each gradient
         torch.testing.assert_close(grad, plain_grad / 2)
+
+
+@pytest.mark.parametrize("hold_gates", [False, True])
+@pytest.mark.parametrize("scale", ["reshape", "one_plus", "expand"])
+def test_a_parameter_reshaped_or_shifted_is_not_an_activation(hold_gates: bool, scale: str):
+    # A layer scale (x * gamma.reshape(1, -1)) or a Gemma-style weight (x * (1 + w)) has autograd history but is
+    # a parameter: the product is linear in x and keeps all of its relevance (it was halved as a product of two
+    # activations).
+    gamma = nn.Parameter(randn(4).abs() + 0.5)
+    x = randn(3, 4).requires_grad_(True)
+    with FunctionalRules(SoftmaxEpsilonRule(), PseudoIdentityRule(), hold_gates=hold_gates):
+        h = x * 1
+        factor = {"reshape": gamma.reshape(1, -1), "one_plus": 1 + gamma, "expand": gamma.view(1, 4).expand(3, 4)}
+        y = h * factor[scale]
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(x * grad, y.detach())

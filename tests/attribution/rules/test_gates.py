@@ -246,3 +246,13 @@ class TestHeldGates:
         (actual,) = torch.autograd.grad(z, x, grad_out)
         (expected,) = torch.autograd.grad(forward(), x, grad_out)
         assert relative_error(actual, expected) <= 1e-12
+
+
+def test_a_gate_times_a_reshaped_parameter_passes_relevance_to_the_gate():
+    # sigmoid(x) * scale.view(...) is a gate times a parameter, not a gated signal: the gate is the signal here.
+    scale = nn.Parameter(torch.tensor([2.0, 3.0], dtype=torch.float64))
+    x = torch.tensor([[0.5, -1.0]], dtype=torch.float64, requires_grad=True)
+    with HeldGates():
+        y = torch.sigmoid(x * 1) * scale.view(1, 2)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    assert grad.abs().min() > 0

@@ -39,6 +39,7 @@ __all__ = [
     "may_overwrite",
     "times_saved",
     "is_activation",
+    "mark_parameter_derived",
     "call_argument",
 ]
 
@@ -223,9 +224,14 @@ def times_saved(grad: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
     return saved.mul_(grad) if may_overwrite(grad, saved) else grad * saved
 
 
+# The attribute that marks a tensor computed from parameters alone (``gamma.reshape(...)``, ``1 + weight``).
+PARAMETER_DERIVED = "_tdhook_parameter_derived"
+
+
 def is_activation(value: Any) -> bool:
     """Whether ``value`` is a tensor computed with autograd history (an activation), as opposed to a parameter,
-    a buffer or a constant. The functional rules change only calls on activations.
+    a buffer, a constant or a tensor marked as computed from parameters alone (see
+    :func:`mark_parameter_derived`). The functional rules change only calls on activations.
 
     Examples:
         >>> x = torch.ones(2, requires_grad=True)
@@ -233,7 +239,41 @@ def is_activation(value: Any) -> bool:
         (False, True, False)
     """
     # requires_grad and not a leaf: the same as having a grad_fn, and cheaper to ask.
-    return isinstance(value, torch.Tensor) and value.requires_grad and not value.is_leaf
+    return (
+        isinstance(value, torch.Tensor)
+        and value.requires_grad
+        and not value.is_leaf
+        and not getattr(value, PARAMETER_DERIVED, False)
+    )
+
+
+def mark_parameter_derived(args: tuple, result: Any) -> Any:
+    """``result``, marked as computed from parameters alone where every tensor in ``args`` that requires grad is
+    an ``nn.Parameter`` or already so marked.
+
+    A layer scale reshaped for broadcasting (``x * gamma.reshape(1, -1, 1, 1)``) or a norm weight written as
+    ``1 + weight`` has autograd history, but it is a parameter, not an activation: a product with it is a
+    linear map of ``x``, not a product of two activations. The function modes mark such results as they see them.
+
+    Examples:
+        >>> gamma = torch.nn.Parameter(torch.ones(3))
+        >>> x = torch.ones(2, 3, requires_grad=True) * 1
+        >>> is_activation(mark_parameter_derived((gamma, (1, 3)), gamma.reshape(1, 3)))
+        False
+        >>> is_activation(mark_parameter_derived((x, gamma), x * gamma))
+        True
+    """
+    if not (isinstance(result, torch.Tensor) and result.requires_grad):
+        return result
+    derived = False
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and arg.requires_grad:
+            if not (isinstance(arg, torch.nn.Parameter) or getattr(arg, PARAMETER_DERIVED, False)):
+                return result
+            derived = True
+    if derived:
+        setattr(result, PARAMETER_DERIVED, True)
+    return result
 
 
 class _ScaledGradient(torch.autograd.Function):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from tdhook.attribution.rules._autograd import is_activation, scale_gradient
+from tdhook.attribution.rules._autograd import is_activation, mark_parameter_derived, scale_gradient
 from tdhook.attribution.rules._numerics import stabilize
 
 __all__ = ["StabilizedAdditions"]
@@ -54,7 +54,7 @@ class StabilizedAdditions(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        result = func(*args, **kwargs)
+        result = mark_parameter_derived(args, func(*args, **kwargs))
         if (
             func in _ADDITIONS
             and not kwargs

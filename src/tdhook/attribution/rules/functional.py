@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from tdhook.attribution.rules._autograd import call_argument, is_activation, scale_gradient
+from tdhook.attribution.rules._autograd import call_argument, is_activation, mark_parameter_derived, scale_gradient
 from tdhook.attribution.rules.gates import GATE_FUNCTIONS, held_gate_product, keep_gate_mark, mark_gate
 from tdhook.attribution.rules.transformer import (
     AHQKVRule,
@@ -112,7 +112,8 @@ class FunctionalRules(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func not in _HANDLED:
-            return keep_gate_mark(func, args, func(*args, **kwargs)) if self.hold_gates else func(*args, **kwargs)
+            result = mark_parameter_derived(args, func(*args, **kwargs))
+            return keep_gate_mark(func, args, result) if self.hold_gates else result
         if func in _PRODUCTS and len(args) == 2 and is_activation(args[0]) and is_activation(args[1]):
             held = held_gate_product(func, args, kwargs) if self.hold_gates else None
             if held is not None:
@@ -143,7 +144,7 @@ class FunctionalRules(TorchFunctionMode):
         if func in _COMPOSITES:
             with self:
                 return _COMPOSITES[func](*args, **kwargs)
-        return func(*args, **kwargs)
+        return mark_parameter_derived(args, func(*args, **kwargs))
 
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
         attention = F.scaled_dot_product_attention

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from tdhook.attribution.rules._autograd import is_activation
+from tdhook.attribution.rules._autograd import is_activation, mark_parameter_derived
 from tdhook.attribution.rules.basic import PassRule
 
 __all__ = ["GateRule", "HeldGates", "mark_gate", "is_gate", "keep_gate_mark", "held_gate_product", "GATE_FUNCTIONS"]
@@ -142,8 +142,8 @@ class HeldGates(TorchFunctionMode):
             held = held_gate_product(func, args, kwargs)
             if held is not None:
                 return held
-            return func(*args, **kwargs)
-        result = func(*args, **kwargs)
+            return mark_parameter_derived(args, func(*args, **kwargs))
+        result = mark_parameter_derived(args, func(*args, **kwargs))
         if func in GATE_FUNCTIONS and args and is_activation(args[0]) and isinstance(result, torch.Tensor):
             return mark_gate(result, args[0], sigmoid=True)
         return keep_gate_mark(func, args, result)
