@@ -54,7 +54,6 @@ def test_slices_fill_the_same_output_like_separate_ranks(tmp_path):
     torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.filterwarnings("ignore:no LRP rule for module")
 def test_memory_does_not_grow_with_the_source(tmp_path):
     source = data(4096).memmap_(tmp_path / "data")
     lrp = LRP(q_actor(), EpsilonPlus())

@@ -16,10 +16,12 @@ from tdhook.attribution._context import claim, release, suspend_function_modes_i
 from tdhook.attribution._inputs import describe, feed_inputs, validate_inputs
 from tdhook.attribution._keys import layer_keys, relevance_keys
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
+from tdhook.attribution._nonlinear_calls import NonlinearCalls, report_plain_gradient
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._rule_use import RuleUse
 from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
 from tdhook.attribution._writes import model_updates, set_all_or_nothing
+from tdhook.attribution.coverage import Coverage, PlainGradientCall, reached_share
 from tdhook.attribution.mappers.base import BaseRuleMapper, RuleMapper
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key
@@ -156,6 +158,10 @@ class LRP(TensorDictModuleBase):
         self._tokens = TokenInputs(self.explained_keys)
         self._stochastic: list[tuple[str, nn.Module]] = []
         self._rule_use = RuleUse()
+        # The first call watches which nonlinear functions keep their plain gradient (see coverage()).
+        self._watch_calls = True
+        self._plain_gradient: tuple[PlainGradientCall, ...] = ()
+        self._last_call: tuple | None = None
 
     def named_explained_modules(self) -> dict[str, nn.Module]:
         """The wrapped model's modules by the names rule mappers and ``layers`` use."""
@@ -262,8 +268,10 @@ class LRP(TensorDictModuleBase):
                 try:
                     with contextlib.ExitStack() as modes:
                         modes.enter_context(self._rule_use.watch(self.named_explained_modules, self._handles or []))
-                        for mode in getattr(self.rule_mapper, "function_modes", list)():
+                        rule_modes = getattr(self.rule_mapper, "function_modes", list)()
+                        for mode in rule_modes:
                             modes.enter_context(mode)
+                        calls = self._watch(modes, rule_modes)
                         result = call_plain(self.module, work) if self._name_prefix else self.module(work)
                 except Exception as err:
                     self._tokens.raise_for_unembedded(leaves, err)
@@ -274,6 +282,7 @@ class LRP(TensorDictModuleBase):
                 result = work if result is None else result
                 relevances = []
                 names = list(self.targets)
+                seeds = []
                 for position, name in enumerate(names):
                     target_key = resolve_target_key(result, *self.targets[name])
                     output = result.get(target_key)
@@ -287,15 +296,65 @@ class LRP(TensorDictModuleBase):
                             f"LRP: target {target_key!r} does not depend on the explained inputs {self.explained_keys}"
                         )
                     grad_outputs = initial_gradient(output, self.target, target_key, tensordict.batch_dims)
+                    if calls is not None and position == len(names) - 1:
+                        self._report(calls, [result.get(resolve_target_key(result, *self.targets[n])) for n in names])
                     retain = position < len(names) - 1  # the next target reuses this forward pass
                     relevances += self._backward(output, grad_outputs, leaves, fed, retain)
+                    seeds.append((name, output.detach(), grad_outputs))
         finally:
             self._layers.clear()
             self._tokens.clear()
             for handle in self._handles or []:
                 handle.pop_records()
         self._write(tensordict, result, relevances, fed)
+        self._last_call = (tensordict.batch_dims, seeds, relevances)
         return tensordict
+
+    # ------------------------------------------------------------------ coverage
+
+    def _watch(self, modes: contextlib.ExitStack, rule_modes: list) -> NonlinearCalls | None:
+        if not self._watch_calls:
+            return None
+        ruled = {id(h.module) for h in self._handles or [] if h.module is not None and h.rule.is_registered(h.module)}
+        return modes.enter_context(NonlinearCalls(rule_modes).watch(self.named_explained_modules(), ruled))
+
+    def _report(self, calls: NonlinearCalls, targets: list[torch.Tensor]) -> None:
+        self._watch_calls = False
+        strict = bool(getattr(self.rule_mapper, "strict", False))
+        try:
+            found = calls.found(targets)
+            self._plain_gradient = report_plain_gradient(found, self.named_explained_modules(), strict)
+        except ValueError:
+            self._watch_calls = True  # a strict error: the next call checks again
+            raise
+
+    def coverage(self) -> Coverage:
+        """What this wrapper's calls left to the plain gradient, and how much relevance reached the inputs.
+
+        The first call of a wrapper watches its forward pass for functions that are not piecewise linear
+        and that no rule covers (a custom module computing ``torch.sin``, a product of two activations under
+        a CNN preset); the last call gives the share of the target's relevance that reached the explained
+        inputs, per sample. See :class:`~tdhook.attribution.coverage.Coverage`.
+
+        Examples:
+            >>> from tensordict import TensorDict
+            >>> from tdhook.attribution import EpsilonPlus
+            >>> net = nn.Sequential(nn.Linear(3, 4, bias=False), nn.ReLU(), nn.Linear(4, 2, bias=False))
+            >>> lrp = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+            >>> _ = lrp(TensorDict(x=torch.rand(5, 3), batch_size=[5]))
+            >>> report = lrp.coverage()
+            >>> report.plain_gradient, report.reached.dtype, bool((report.reached - 1).abs().max() < 1e-4)
+            ((), torch.float64, True)
+        """
+        if self._last_call is None:
+            return Coverage(self._plain_gradient, None)
+        batch_dims, seeds, relevances = self._last_call
+        per_target = len(self.explained_keys) + len(self.layer_keys)
+        shares = {}
+        for position, (name, output, grad_output) in enumerate(seeds):
+            inputs = relevances[position * per_target : position * per_target + len(self.explained_keys)]
+            shares[name] = reached_share(batch_dims, output, grad_output, inputs)
+        return Coverage(self._plain_gradient, shares if None not in shares else shares[None])
 
     def _backward(
         self,

@@ -7,12 +7,10 @@ rules, then the defaults for activations, pooling, norms and shape modules.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
 from typing import Protocol, TypedDict
 
-from tensordict.nn import TensorDictModuleBase
 from torch import nn
 
 from tdhook.attribution.rules._layers import (
@@ -85,12 +83,6 @@ def rule_mapper_from_dict(mapping: Mapping[type | tuple[type, ...] | str, Rule])
     return mapper
 
 
-def _is_glue(module: nn.Module) -> bool:
-    """TensorDict wrappers of plain functions (their operations are differentiated as they are), and empty
-    containers (no computation of their own)."""
-    return isinstance(module, (TensorDictModuleBase, nn.Sequential, nn.ModuleList, nn.ModuleDict))
-
-
 class PresetOptions(TypedDict, total=False):
     """The keyword options every preset shares with :class:`BaseRuleMapper` (its arguments after ``stabilizer``
     are described there)."""
@@ -121,8 +113,11 @@ class BaseRuleMapper:
         stabilizer: stabilizer of the default rules.
         rule_mapper: ``(name, module) -> Rule | None`` consulted first, or a dict
             for :func:`rule_mapper_from_dict`.
-        strict: raise on a leaf module that gets no rule, rather than warn
-            (once per module name) that it is differentiated as it is.
+        strict: raise, naming the module, where a module's own forward computes a function that is not
+            piecewise linear and that no rule covers, rather than warn that its plain gradient is used. The
+            wrapper decides it from what the first forward pass really calls (see
+            :meth:`~tdhook.attribution.LRP.coverage`), not from class names: containers and modules that only
+            reshape, pad or scale need no rule.
         stabilize_additions: treat every addition of two activations (residual
             sums) as zennit's ``Sum`` under ``Norm(stabilizer)``, as its ResNet
             canonizer does, instead of splitting it exactly
@@ -145,7 +140,6 @@ class BaseRuleMapper:
         self.stabilizer = stabilizer
         self.strict = strict
         self.stabilize_additions = stabilize_additions
-        self._warned: set[tuple[str, type]] = set()
         self.rule_mapper = rule_mapper_from_dict(rule_mapper) if isinstance(rule_mapper, Mapping) else rule_mapper
         self._pass = PassRule()
         self._gate = GateRule()
@@ -223,20 +217,7 @@ class BaseRuleMapper:
                     rule = self._first_layer_switch(first, rule)
             if rule is not None:
                 rules[name] = rule
-            elif next(module.children(), None) is None and not _is_glue(module):
-                self._unmapped(name, module)
         return rules
-
-    def _unmapped(self, name: str, module: nn.Module) -> None:
-        message = (
-            f"no LRP rule for module {name!r} ({type(module).__name__}): its plain gradient is used; "
-            "map it in rule_mapper (for example to PassRule, UniformRule or IgnoreRule)"
-        )
-        if self.strict:
-            raise ValueError(message)
-        if (name, type(module)) not in self._warned:
-            self._warned.add((name, type(module)))
-            warnings.warn(message, stacklevel=3)
 
     def _first_layer_switch(self, first: Rule, other: Rule | None) -> FirstLayerRule:
         key = (id(first), id(other))

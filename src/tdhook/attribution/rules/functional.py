@@ -146,6 +146,10 @@ class FunctionalRules(TorchFunctionMode):
                 return _COMPOSITES[func](*args, **kwargs)
         return mark_parameter_derived(args, func(*args, **kwargs))
 
+    def covers(self, func: Callable, args: tuple) -> bool:
+        """Whether this mode gives ``func`` a rule (products, softmax, attention, activations, norms)."""
+        return func in _HANDLED
+
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
         attention = F.scaled_dot_product_attention
         if isinstance(self.softmax, AHQKVRule):

@@ -136,6 +136,10 @@ class HeldGates(TorchFunctionMode):
 
     pause_in_ruled_modules = False
 
+    def covers(self, func: Any, args: tuple) -> bool:
+        """Whether this mode gives ``func`` a rule: a sigmoid-like gate, or a product with a gate."""
+        return func in GATE_FUNCTIONS or (func in _ELEMENTWISE_PRODUCTS and any(is_gate(a) for a in args))
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _ELEMENTWISE_PRODUCTS:

@@ -1,0 +1,282 @@
+"""What a forward pass computes outside every rule: calls that are not piecewise linear and keep their plain gradient.
+
+Relevance is input × modified gradient. Where the forward pass is piecewise
+linear (linear maps, sums, ReLU, max pooling, reshapes), the plain gradient
+is already the right one; elsewhere a rule must say how relevance passes.
+:class:`NonlinearCalls` watches one forward pass through a ``TorchFunctionMode``
+and records, by module, every call on activations that is neither piecewise
+linear nor covered by a rule: not by a module's rule (it is not watched
+inside modules that have one), nor by one of the rule mapper's function modes
+(a mode covers a call when its ``covers(func, args)`` says so). What it
+records is decided by what the forward really runs, not by class names.
+
+Examples:
+    >>> import torch
+    >>> from torch import nn
+    >>> class Sine(nn.Module):
+    ...     def forward(self, x):
+    ...         return torch.sin(x)
+    >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), Sine())
+    >>> calls = NonlinearCalls()
+    >>> with calls.watch(dict(net.named_modules()), ruled=set()):
+    ...     _ = net(torch.randn(3, 2, requires_grad=True))
+    >>> calls.found()
+    {'2': {'sin': 1}}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode, resolve_name
+
+from tdhook.attribution.coverage import PlainGradientCall
+from tdhook.attribution.rules._autograd import is_activation, mark_parameter_derived
+
+__all__ = ["NonlinearCalls", "function_kind", "report_plain_gradient"]
+
+# Calls that are linear or piecewise linear in each activation argument: their plain gradient is exact LRP-0.
+_PIECEWISE_LINEAR = frozenset(
+    "add sub rsub neg negative positive sum mean nansum cumsum diff trace cat concat concatenate stack hstack "
+    "vstack dstack split split_with_sizes chunk unbind tensor_split view view_as reshape reshape_as flatten "
+    "unflatten squeeze unsqueeze permute transpose swapaxes swapdims movedim moveaxis t T mT H mH expand "
+    "expand_as broadcast_to repeat repeat_interleave tile roll flip fliplr flipud rot90 narrow select "
+    "index_select gather take take_along_dim masked_select masked_fill masked_scatter index_put index_add "
+    "index_copy index_fill scatter scatter_add scatter_reduce where getitem setitem contiguous clone to type "
+    "type_as float double half bfloat16 cpu cuda copy fill zero pad constant_pad_nd relu relu6 leaky_relu "
+    "hardtanh threshold prelu rrelu clamp clip clamp_min clamp_max abs max min amax amin maximum minimum fmax "
+    "fmin sort topk max_pool1d max_pool2d max_pool3d max_pool1d_with_indices max_pool2d_with_indices "
+    "max_pool3d_with_indices adaptive_max_pool1d adaptive_max_pool2d adaptive_max_pool3d "
+    "adaptive_max_pool1d_with_indices adaptive_max_pool2d_with_indices adaptive_max_pool3d_with_indices "
+    "avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d dropout "
+    "dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout interpolate upsample upsample_nearest "
+    "upsample_bilinear grid_sample pixel_shuffle pixel_unshuffle channel_shuffle native_channel_shuffle unfold "
+    "fold diagonal diag diag_embed tril triu as_strided nan_to_num round floor ceil trunc sign heaviside "
+    "embedding one_hot detach batch_norm broadcast_tensors atleast_1d atleast_2d atleast_3d".split()
+)
+# Products and maps that are linear in each factor: piecewise linear as long as at most one factor is an activation.
+_PRODUCTS = frozenset(
+    "mul rmul matmul rmatmul mm bmm einsum bilinear tensordot kron outer dot vdot inner mv addcmul baddbmm addbmm "
+    "addmm addmv linear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d conv_tbc".split()
+)
+# Where a product's factors are: an added term (addmm's input) is not a factor.
+_FACTORS = {"addmm": slice(1, 3), "addmv": slice(1, 3), "baddbmm": slice(1, 3), "addbmm": slice(1, 3)}
+_FACTORS |= {"addcmul": slice(1, 3)}
+_DIVISIONS = frozenset({"div", "divide", "true_divide", "truediv", "floor_divide", "floordiv"})
+# The in-place and reflected forms of Python's operators (``__iadd__``, ``__rmul__``): the same function.
+_OPERATORS = frozenset({"add", "sub", "mul", "matmul", "truediv", "floordiv", "div", "pow", "mod"})
+
+
+def function_kind(func: Any) -> tuple[str, str]:
+    """The name of a torch function and its kind: ``"linear"``, ``"product"``, ``"division"``,
+    ``"reflected division"`` or ``"nonlinear"``.
+
+    Examples:
+        >>> function_kind(torch.Tensor.__iadd__), function_kind(torch.sin), function_kind(torch.Tensor.__rtruediv__)
+        (('add', 'linear'), ('sin', 'nonlinear'), ('truediv', 'reflected division'))
+    """
+    kind = _KINDS.get(func)
+    if kind is None:
+        kind = _KINDS[func] = _classify(func)
+    return kind
+
+
+_KINDS: dict[Any, tuple[str, str]] = {}
+
+
+def _classify(func: Any) -> tuple[str, str]:
+    try:
+        full = resolve_name(func) or getattr(func, "__name__", repr(func))
+    except Exception:  # noqa: BLE001 (a callable torch cannot name: judged by its own name)
+        full = getattr(func, "__name__", repr(func))
+    parts = full.split(".")
+    name = parts[-2] if parts[-1] == "__get__" and len(parts) > 1 else parts[-1]
+    reflected = False
+    if name.startswith("__") and name.endswith("__"):
+        name = name.strip("_")
+        if name[:1] in "ri" and name[1:] in _OPERATORS:
+            reflected, name = name[0] == "r", name[1:]
+    name = name.rstrip("_") if name.endswith("_") and not name.startswith("_") else name.strip("_")
+    if name in _DIVISIONS:
+        return name, "reflected division" if reflected else "division"
+    if name in _PRODUCTS:
+        return name, "product"
+    if name in _PIECEWISE_LINEAR:
+        return name, "linear"
+    return name, "nonlinear"
+
+
+def _activations(args: Sequence[Any]) -> int:
+    count = 0
+    for arg in args:
+        if isinstance(arg, (list, tuple)):
+            count += sum(1 for a in arg if is_activation(a))
+        elif is_activation(arg):
+            count += 1
+    return count
+
+
+def _is_nonlinear_call(func: Any, args: tuple) -> str | None:
+    """The function's name when this call on activations is not piecewise linear, else ``None``."""
+    name, kind = function_kind(func)
+    if kind == "linear" or not _activations(args):
+        return None
+    if kind == "product":
+        return name if _activations(args[_FACTORS.get(name, slice(None))]) > 1 else None
+    if kind == "division":
+        return name if len(args) > 1 and is_activation(args[1]) else None
+    if kind == "reflected division":
+        return name if is_activation(args[0]) else None
+    return name
+
+
+def _grad_fn(result: Any) -> Any:
+    tensors = result if isinstance(result, (tuple, list)) else (result,)
+    return next((t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+
+
+def _graph_nodes(outputs: Sequence[torch.Tensor]) -> set:
+    """Every autograd node the ``outputs`` depend on."""
+    seen: set = set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    return seen
+
+
+def _is_activation_result(result: Any) -> bool:
+    if isinstance(result, (tuple, list)):
+        return any(isinstance(r, torch.Tensor) and r.requires_grad for r in result)
+    return isinstance(result, torch.Tensor) and result.requires_grad
+
+
+class NonlinearCalls(TorchFunctionMode):
+    """Records, per module, the calls of one forward pass that are not piecewise linear and that no rule covers.
+
+    Args:
+        modes: the rule mapper's function modes; a call one of them covers (``mode.covers(func, args)``) has a rule.
+
+    """
+
+    def __init__(self, modes: Sequence[Any] = ()) -> None:
+        super().__init__()
+        self._covering = [mode for mode in modes if hasattr(mode, "covers")]
+        self._calls: list[tuple[str, str, Any]] = []
+        self._stack: list[str] = []
+        self._ruled_depth = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = mark_parameter_derived(args, func(*args, **(kwargs or {})))
+        self._record(func, args, result)
+        return result
+
+    @torch.compiler.disable
+    def _record(self, func: Any, args: tuple, result: Any) -> None:
+        # Run eagerly under torch.compile: the watch only reads the call.
+        if self._ruled_depth or not _is_activation_result(result):
+            return
+        name = _is_nonlinear_call(func, args)
+        if name is not None and not any(mode.covers(func, args) for mode in self._covering):
+            self._calls.append((self._stack[-1] if self._stack else "", name, _grad_fn(result)))
+
+    def found(self, targets: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, int]]:
+        """Module name → function name → number of calls (the model itself is ``""``).
+
+        Args:
+            targets: count only the calls whose results these tensors depend on (the explained outputs: a
+                distribution built from the logits after them is not explained); ``None``: every call.
+        """
+        reached = None if targets is None else _graph_nodes(targets)
+        found: dict[str, dict[str, int]] = {}
+        for module, name, node in self._calls:
+            if reached is None or node in reached:
+                per_module = found.setdefault(module, {})
+                per_module[name] = per_module.get(name, 0) + 1
+        return found
+
+    @contextlib.contextmanager
+    def watch(self, modules: Mapping[str, nn.Module], ruled: set[int]) -> Iterator[NonlinearCalls]:
+        """Run the block in this mode, knowing which module runs each call.
+
+        Args:
+            modules: the model's modules by name.
+            ruled: ``id`` of every module that has a rule of its own (calls inside it are not watched).
+        """
+        hooks = []
+
+        def enter(name: str, has_rule: bool):
+            def hook(module: nn.Module, args: tuple) -> None:
+                self._stack.append(name)
+                self._ruled_depth += has_rule
+
+            return hook
+
+        def leave(has_rule: bool):
+            def hook(module: nn.Module, args: tuple, output: Any) -> None:
+                if self._stack:
+                    self._stack.pop()
+                self._ruled_depth -= has_rule
+
+            return hook
+
+        try:
+            for name, module in modules.items():
+                has_rule = id(module) in ruled
+                hooks.append(module.register_forward_pre_hook(enter(name, has_rule)))
+                hooks.append(module.register_forward_hook(leave(has_rule), always_call=True))
+            with self:
+                yield self
+        finally:
+            for hook in hooks:
+                hook.remove()
+            self._stack.clear()
+            self._ruled_depth = 0
+
+
+def report_plain_gradient(
+    found: Mapping[str, Mapping[str, int]], modules: Mapping[str, nn.Module], strict: bool
+) -> tuple[PlainGradientCall, ...]:
+    """The calls :class:`NonlinearCalls` found, as a report; a warning per module, or an error with ``strict``.
+
+    Args:
+        found: what :meth:`NonlinearCalls.found` returns.
+        modules: the model's modules by name.
+        strict: raise instead of warning.
+
+    Raises:
+        ValueError: ``strict`` and a module computes a nonlinear function that no rule covers.
+
+    Examples:
+        >>> report_plain_gradient({"act": {"sin": 2}}, {"act": nn.Identity()}, strict=True)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: LRP: module 'act' (Identity) computes sin in its own forward, which is not piecewise linear, ...
+    """
+    calls = tuple(
+        PlainGradientCall(name, type(modules[name]).__name__ if name in modules else "?", function, count)
+        for name, functions in found.items()
+        for function, count in functions.items()
+    )
+    for name, functions in found.items():
+        module = modules.get(name)
+        where = f"module {name!r}" if name else "the model itself"
+        kind = f" ({type(module).__name__})" if module is not None else ""
+        message = (
+            f"LRP: {where}{kind} computes {', '.join(functions)} in its own forward, which is not piecewise "
+            "linear, and no rule covers it: its plain gradient is used. Map the module in rule_mapper (for example "
+            "PassRule for an element-wise activation, UniformRule or IgnoreRule), or use a preset whose function "
+            "rules cover it (AttnLRP, CPLRP); lrp.coverage() lists every such call"
+        )
+        if strict:
+            raise ValueError(message)
+        warnings.warn(message, stacklevel=2)
+    return calls

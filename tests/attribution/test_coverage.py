@@ -1,0 +1,192 @@
+"""The coverage report and strict mode: nonlinear calls without a rule are found from what the forward runs."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torchvision
+from tensordict import TensorDict
+from torch import nn
+
+from tdhook.attribution import CPLRP, LRP, AttnLRP, BaseRuleMapper, EpsilonGammaBox, EpsilonPlus, PassRule
+from tdhook.attribution._nonlinear_calls import function_kind
+
+F64 = torch.float64
+
+
+class SineBlock(nn.Module):
+    """A container whose own forward computes ``torch.sin`` between two children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(torch.sin(self.inner(x)))
+
+
+class Bilinear(nn.Module):
+    """The product of two activations: not piecewise linear, and no CNN rule covers it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left, self.right, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.left(x) * self.right(x))
+
+
+class LinearOnly(nn.Module):
+    """Scales, pads, permutes, drops paths and reshapes: nothing to explain beyond the plain gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.gamma = nn.Parameter(torch.rand(6) + 0.5)
+        self.empty = nn.Sequential()
+        self.pad = nn.ConstantPad1d((1, 1), 0.0)
+        self.depth = torchvision.ops.StochasticDepth(0.2, "row")
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.empty(self.fc(x)) * self.gamma.reshape(1, -1) / 2.0
+        h = self.depth(torch.relu(h)).unsqueeze(1).permute(0, 2, 1).flatten(1)
+        return self.head(self.pad(h))
+
+
+def call(model: nn.Module, mapper, batch: int = 3) -> tuple[LRP, TensorDict, list[str]]:
+    lrp = LRP(model.double().eval(), mapper, in_keys=["x"], out_keys=["y"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        td = lrp(TensorDict(x=torch.randn(batch, 4, dtype=F64), batch_size=[batch]))
+    return lrp, td, [str(w.message) for w in caught if "no rule covers it" in str(w.message)]
+
+
+class TestStrictMode:
+    def test_a_container_computing_sin_is_refused_by_name(self):
+        model = nn.Sequential(SineBlock())
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        lrp = LRP(model.double(), EpsilonPlus(strict=True), in_keys=["x"], out_keys=["y"])
+        td = TensorDict(x=torch.randn(3, 4, dtype=F64), batch_size=[3])
+        with pytest.raises(ValueError, match=r"module '0' \(SineBlock\) computes sin"):
+            lrp(td)
+        assert set(td.keys()) == {"x"}  # nothing written
+        assert all(torch.equal(v, before[k].double()) for k, v in model.state_dict().items())
+        assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+    def test_modules_that_only_scale_pad_or_reshape_need_no_rule(self):
+        _, td, messages = call(LinearOnly(), EpsilonPlus(strict=True))
+        assert messages == []
+        assert torch.isfinite(td["relevance", "x"]).all()
+
+    def test_mapping_the_module_satisfies_strict_mode(self):
+        class Sine(nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return torch.sin(x)
+
+        model = nn.Sequential(nn.Linear(4, 4), Sine(), nn.Linear(4, 2))
+        with pytest.raises(ValueError, match=r"module '1' \(Sine\) computes sin"):
+            call(model, EpsilonPlus(strict=True))
+        _, td, messages = call(model, EpsilonPlus(strict=True, rule_mapper={Sine: PassRule()}))
+        assert messages == [] and torch.isfinite(td["relevance", "x"]).all()
+
+    def test_a_product_of_two_activations_is_named_under_a_cnn_preset_and_covered_by_attnlrp(self):
+        _, _, messages = call(Bilinear(), EpsilonPlus())
+        assert len(messages) == 1 and "the model itself (Bilinear) computes mul" in messages[0]
+        for preset in (AttnLRP, CPLRP):
+            _, _, messages = call(Bilinear(), preset())
+            assert messages == []
+
+    def test_calls_after_the_target_are_not_reported(self):
+        class Probabilities(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc = nn.Linear(4, 3)
+
+            def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                logits = self.fc(x)
+                return logits, torch.softmax(logits, -1)  # computed from the target, not before it
+
+        explained = LRP(
+            Probabilities().double(),
+            EpsilonPlus(strict=True),
+            in_keys=["x"],
+            out_keys=["logits", "p"],
+            target_key="logits",
+        )
+        td = explained(TensorDict(x=torch.randn(2, 4, dtype=F64), batch_size=[2]))
+        assert td["relevance", "x"].shape == (2, 4)
+        with pytest.raises(ValueError, match="computes softmax"):
+            LRP(
+                Probabilities().double(),
+                EpsilonPlus(strict=True),
+                in_keys=["x"],
+                out_keys=["logits", "p"],
+                target_key="p",
+            )(TensorDict(x=torch.randn(2, 4, dtype=F64), batch_size=[2]))
+
+    def test_transformer_presets_cover_an_encoder(self):
+        encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), 2)
+        model = nn.Sequential(encoder, nn.Flatten(), nn.Linear(40, 2)).double().eval()
+        for preset in (AttnLRP, CPLRP):
+            lrp = LRP(model, preset(strict=True), in_keys=["x"], out_keys=["y"])
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # out_proj's rule has no effect: named elsewhere
+                lrp(TensorDict(x=torch.randn(2, 5, 8, dtype=F64), batch_size=[2]))
+            assert lrp.coverage().plain_gradient == ()
+
+
+class TestCoverage:
+    def test_lists_the_plain_gradient_calls_by_module(self):
+        lrp, _, _ = call(nn.Sequential(SineBlock(), nn.ReLU(), Bilinear()), EpsilonPlus())
+        found = {(c.module, c.module_type, c.function, c.calls) for c in lrp.coverage().plain_gradient}
+        assert found == {("0", "SineBlock", "sin", 1), ("2", "Bilinear", "mul", 1)}
+        assert "'0' (SineBlock): sin x1" in str(lrp.coverage())
+
+    def test_reached_is_one_where_relevance_is_conserved_and_below_where_biases_absorb(self):
+        net = nn.Sequential(nn.Linear(4, 8, bias=False), nn.ReLU(), nn.Linear(8, 3, bias=False))
+        lrp, td, _ = call(net, BaseRuleMapper(), batch=5)  # LRP-0 conserves without biases
+        torch.testing.assert_close(lrp.coverage().reached, torch.ones(5, dtype=F64))
+        assert "mean 1" in str(lrp.coverage())
+        # With biases, the share is what the relevance really sums to: the report tells the two apart.
+        with_bias = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        lrp, td, _ = call(with_bias, EpsilonGammaBox(low=-5.0, high=5.0), batch=5)
+        logit = td["y"].double().max(-1).values
+        torch.testing.assert_close(lrp.coverage().reached, td["relevance", "x"].sum(-1) / logit)
+
+    def test_per_unit_and_named_targets(self):
+        net = nn.Sequential(nn.Linear(4, 3, bias=False)).double()
+        all_units = LRP(net, BaseRuleMapper(), in_keys=["x"], out_keys=["y"], target="all")
+        all_units(TensorDict(x=torch.randn(2, 4, dtype=F64), batch_size=[2]))
+        torch.testing.assert_close(all_units.coverage().reached, torch.ones(2, 3, dtype=F64))
+        before = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+        assert before.coverage().reached is None
+
+    def test_every_call_of_a_wrapper_is_watched_once(self):
+        lrp = LRP(nn.Sequential(SineBlock()).double(), EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+        td = TensorDict(x=torch.randn(2, 4, dtype=F64), batch_size=[2])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                lrp(td.clone())
+        assert sum("no rule covers it" in str(w.message) for w in caught) == 1
+        assert len(lrp.coverage().plain_gradient) == 1
+
+
+@pytest.mark.parametrize(
+    ("func", "expected"),
+    [
+        (torch.Tensor.__iadd__, ("add", "linear")),
+        (torch.Tensor.__rmul__, ("mul", "product")),
+        (torch.Tensor.__rtruediv__, ("truediv", "reflected division")),
+        (torch.nn.functional.relu, ("relu", "linear")),
+        (torch.nn.functional.gelu, ("gelu", "nonlinear")),
+        (torch.exp, ("exp", "nonlinear")),
+        (torch.Tensor.T.__get__, ("T", "linear")),
+        (torch.Tensor.add_, ("add", "linear")),
+    ],
+)
+def test_function_kinds(func, expected):
+    assert function_kind(func) == expected
