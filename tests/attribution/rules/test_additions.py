@@ -69,3 +69,9 @@ def test_only_additions_of_two_activations_are_changed():
     for out, expected in zip(outputs, exact, strict=True):
         (grad,) = torch.autograd.grad(out.sum(), x)
         torch.testing.assert_close(grad, expected)
+
+
+def test_a_negative_epsilon_is_refused_at_construction():
+    with pytest.raises(ValueError, match="StabilizedAdditions: epsilon must be a finite number >= 0, got -1"):
+        StabilizedAdditions(epsilon=-1)
+    assert StabilizedAdditions(epsilon=0.0).epsilon == 0.0

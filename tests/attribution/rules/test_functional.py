@@ -111,3 +111,10 @@ def test_a_product_changed_in_place_afterwards_keeps_the_rule(softmax):
     plain_grads = torch.autograd.grad(plain.sum(), plain_leaves)
     for grad, plain_grad in zip(grads, plain_grads, strict=True):  # the uniform rule: half of each gradient
         torch.testing.assert_close(grad, plain_grad / 2)
+
+
+def test_rules_of_the_wrong_kind_are_refused():
+    with pytest.raises(TypeError, match="FunctionalRules: softmax must be a SoftmaxEpsilonRule, got float"):
+        FunctionalRules(0.1, PseudoIdentityRule())
+    with pytest.raises(TypeError, match="FunctionalRules: activation must be a PseudoIdentityRule, got NoneType"):
+        FunctionalRules(AHQKVRule(), None)

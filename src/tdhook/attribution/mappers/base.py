@@ -15,6 +15,7 @@ from typing import Protocol, TypedDict
 from tensordict.nn import TensorDictModuleBase
 from torch import nn
 
+from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._layers import (
     ACTIVATIONS,
     AVG_POOLS,
@@ -142,6 +143,7 @@ class BaseRuleMapper:
         strict: bool = False,
         stabilize_additions: bool = False,
     ) -> None:
+        nonnegative(type(self).__name__, "stabilizer", stabilizer)
         self.stabilizer = stabilizer
         self.strict = strict
         self.stabilize_additions = stabilize_additions

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._autograd import call_argument, redirect, times_saved
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._numerics import in_pieces_
@@ -129,6 +130,7 @@ class NormRule(Rule):
     acts_in_forward = True
 
     def __init__(self, epsilon: float = 1e-6) -> None:
+        nonnegative(type(self).__name__, "epsilon", epsilon)
         super().__init__()
         self.epsilon = epsilon
 
