@@ -272,6 +272,5 @@ class FirstLayerRule(Rule):
     def resolve(self, module, registration, inputs):
         index = 0 if inputs and isinstance(inputs[0], torch.Tensor) and _reaches_model_input(inputs[0]) else 1
         rule, inner = self._pair[index], registration.state[index]
-        if inner.state is _UNPREPARED:
-            inner.state = rule.prepare(module)
+        rule.prepared_state(module, inner)
         return rule, inner
