@@ -100,3 +100,30 @@ def test_rules_follow_parameters_changed_inside_the_context(preset: str, how: st
     fresh = explain(LRP(model, PRESETS[preset](), in_keys=["x"], out_keys=["y"]), x)
     assert not torch.allclose(before, fresh)  # the change matters
     torch.testing.assert_close(after, fresh, rtol=1e-12, atol=1e-12)
+
+
+def small_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).to(F64)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("preset", ["EpsilonPlus", "EpsilonPlusFlat", "EpsilonGammaBox", "EpsilonAlpha2Beta1"])
+@pytest.mark.parametrize("net", ["cnn", "mlp"])
+def test_a_non_finite_sample_leaves_the_other_samples_relevance_alone(net: str, preset: str, bad: float):
+    model = small_cnn() if net == "cnn" else small_mlp()
+    torch.manual_seed(1)
+    x = torch.randn((6, 3, 6, 6) if net == "cnn" else (6, 5), dtype=F64)
+    x[1] = x[1].abs()  # a sample without negative entries beside others with some
+    lrp = LRP(model, PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+    for bad_sample, whole in ((0, False), (3, False), (5, True)):
+        faulty = x.clone()
+        if whole:
+            faulty[bad_sample] = bad  # the whole sample
+        else:
+            faulty[bad_sample].view(-1)[2] = bad  # one entry
+        finite = [i for i in range(len(x)) if i != bad_sample]
+        expected = explain(lrp, x[finite])
+        with lrp:
+            actual = explain(lrp, faulty)
+        torch.testing.assert_close(actual[finite], expected, rtol=1e-9, atol=1e-12)
