@@ -14,6 +14,8 @@ from torch import nn
 
 from tdhook.attribution import LRP
 from tdhook.attribution.lrp_helpers.rules import (
+    CPLRP,
+    AttnLRP,
     EpsilonAlpha2Beta1,
     EpsilonAlpha2Beta1Flat,
     EpsilonGammaBox,
@@ -127,3 +129,148 @@ def test_a_non_finite_sample_leaves_the_other_samples_relevance_alone(net: str, 
         with lrp:
             actual = explain(lrp, faulty)
         torch.testing.assert_close(actual[finite], expected, rtol=1e-9, atol=1e-12)
+
+
+class Interrupting(nn.LayerNorm):
+    """A LayerNorm that raises ``error`` in its forward pass when armed."""
+
+    error: BaseException | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.error is not None:
+            raise self.error
+        return super().forward(x)
+
+
+class GatedNet(nn.Module):
+    """A norm, a sigmoid gate (HeldGates under the CNN presets) and ruled Linear layers around them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.norm, self.body, self.gate, self.head = (
+            nn.Linear(5, 8),
+            Interrupting(8),
+            nn.Linear(8, 8),
+            nn.Sigmoid(),
+            nn.Linear(8, 3),
+        )
+        self.to(F64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(torch.relu(self.inp(x)))
+        return self.head(torch.relu(self.body(h)) * self.gate(self.body(h)))
+
+
+def global_state() -> tuple:
+    return (
+        torch.is_grad_enabled(),
+        torch._C._is_torch_function_enabled(),
+        torch._C._is_torch_function_mode_enabled(),
+        len(torch.overrides._get_current_function_mode_stack()),
+        len(torch.nn.modules.module._global_forward_hooks),
+        len(torch.nn.modules.module._global_forward_pre_hooks),
+        len(torch.nn.modules.module._global_backward_hooks),
+    )
+
+
+def module_state(model: nn.Module) -> list:
+    return [
+        (
+            sorted((k, list(v)) for k, v in vars(m).items() if "hooks" in k and isinstance(v, dict)),
+            vars(m).get("forward"),
+            {k: (v, v._version, v.data_ptr()) for k, v in [*m._parameters.items(), *m._buffers.items()]},
+        )
+        for m in model.modules()
+    ]
+
+
+MAPPERS_WITH_MODES = {
+    "EpsilonPlus": EpsilonPlus,  # HeldGates for the sigmoid gate
+    "EpsilonGammaBox": lambda: EpsilonGammaBox(-3.0, 3.0),
+    "AttnLRP": AttnLRP,  # FunctionalRules, paused inside ruled modules
+    "CPLRP": CPLRP,
+    "AttnLRP stabilised": lambda: AttnLRP(stabilize_additions=True),
+}
+
+
+def arm(model: GatedNet, where: str, error: BaseException) -> list:
+    """Make the model raise ``error`` at ``where``; returns hook handles to remove afterwards."""
+    if where == "norm forward":
+        model.norm.error = error
+        return []
+
+    def hook(*args):
+        raise error
+
+    if where == "forward hook":
+        return [model.body.register_forward_hook(hook)]
+    if where == "forward pre-hook":
+        return [model.head.register_forward_pre_hook(hook)]
+    if where == "gate forward hook":
+        return [model.gate.register_forward_hook(hook)]
+    raise AssertionError(where)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, GeneratorExit, SystemExit, RuntimeError])
+@pytest.mark.parametrize("where", ["norm forward", "forward hook", "forward pre-hook", "gate forward hook"])
+@pytest.mark.parametrize("mapper", sorted(MAPPERS_WITH_MODES))
+def test_an_interrupt_inside_the_model_leaves_everything_as_before(mapper: str, where: str, error: type):
+    model = GatedNet()
+    x = torch.randn(4, 5, dtype=F64)
+    lrp = LRP(model, MAPPERS_WITH_MODES[mapper](), in_keys=["x"], out_keys=["y"])
+    expected = explain(lrp, x)
+    before_global, before_model = global_state(), module_state(model)
+    handles = arm(model, where, error())
+    with lrp:
+        with pytest.raises(error):
+            explain(lrp, x)
+        assert global_state() == before_global  # inside the context too: nothing of the call is left
+    with pytest.raises(error):
+        explain(lrp, x)  # the context entered for the call alone
+    for handle in handles:
+        handle.remove()
+    model.norm.error = None
+    assert global_state() == before_global
+    assert module_state(model) == before_model
+    torch.testing.assert_close(explain(lrp, x), expected, rtol=0, atol=0)
+    with lrp:
+        torch.testing.assert_close(explain(lrp, x), expected, rtol=0, atol=0)
+
+
+class ProbedConv(nn.Conv2d):
+    """A convolution with a forward of its own: entering a context runs it once on a probe input (to read the
+    weight it computes with), and it raises ``error`` there when armed."""
+
+    error: BaseException | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.error is not None:
+            raise self.error
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, GeneratorExit, RuntimeError])
+@pytest.mark.parametrize("mapper", ["EpsilonPlus", "AttnLRP"])
+def test_an_interrupt_while_entering_the_context_leaves_everything_as_before(mapper: str, error: type):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        ProbedConv(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(16, 4), nn.Sigmoid(), nn.LayerNorm(4), nn.Linear(4, 2)
+    ).to(F64)
+    conv_rule = EpsilonPlus()("0", model[0])  # z+ on the convolution: its modified weights are built when entering
+    lrp = LRP(
+        model,
+        MAPPERS_WITH_MODES[mapper](rule_mapper=lambda name, module: conv_rule if name == "0" else None),
+        in_keys=["x"],
+        out_keys=["y"],
+    )
+    x = torch.randn(3, 3, 4, 4, dtype=F64)
+    expected = explain(lrp, x)
+    before_global, before_model = global_state(), module_state(model)
+    model[0].error = error()
+    with pytest.raises(error):
+        lrp.__enter__()
+    assert global_state() == before_global
+    assert module_state(model) == before_model
+    model[0].error = None
+    torch.testing.assert_close(explain(lrp, x), expected, rtol=0, atol=0)

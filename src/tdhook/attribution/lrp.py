@@ -21,6 +21,7 @@ from tdhook.attribution._rule_use import RuleUse
 from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
 from tdhook.attribution._writes import model_updates, set_all_or_nothing
 from tdhook.attribution.mappers.base import BaseRuleMapper, RuleMapper
+from tdhook.attribution.rules._scopes import closing_scopes
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key
 
@@ -264,6 +265,8 @@ class LRP(TensorDictModuleBase):
                         modes.enter_context(self._rule_use.watch(self.named_explained_modules, self._handles or []))
                         for mode in getattr(self.rule_mapper, "function_modes", list)():
                             modes.enter_context(mode)
+                        # Innermost: what ruled modules entered and an interrupt kept them from leaving ends first.
+                        modes.enter_context(closing_scopes())
                         result = call_plain(self.module, work) if self._name_prefix else self.module(work)
                 except Exception as err:
                     self._tokens.raise_for_unembedded(leaves, err)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
+from tdhook.attribution.rules._scopes import pop, push
 
 __all__ = [
     "ParamModifier",
@@ -418,13 +419,13 @@ class Rule:
     def _snapshot_hook(registration: Registration) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
             if torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-                registration.snapshots.append((args[0].clone(), *args[1:]))
+                push(registration.snapshots, (args[0].clone(), *args[1:]))
 
         return hook
 
     def _forward_hook(self, registration: Registration) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-            inputs = registration.snapshots.pop() if registration.snapshots else args
+            inputs = pop(registration.snapshots) if registration.snapshots else args
             if registration.busy or not torch.is_grad_enabled():
                 return None
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
