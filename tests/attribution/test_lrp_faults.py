@@ -7,9 +7,14 @@ or that nothing of the context is left behind.
 
 from __future__ import annotations
 
+import copy
+import io
+import pickle
+
 import pytest
 import torch
 from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
 from torch import nn
 
 from tdhook.attribution import LRP
@@ -274,3 +279,46 @@ def test_an_interrupt_while_entering_the_context_leaves_everything_as_before(map
     assert module_state(model) == before_model
     model[0].error = None
     torch.testing.assert_close(explain(lrp, x), expected, rtol=0, atol=0)
+
+
+def copies_of(model: nn.Module, how: str) -> nn.Module:
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(model))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+@pytest.mark.parametrize("mapper", ["EpsilonPlusFlat", "EpsilonGammaBox", "AttnLRP"])
+def test_a_copy_made_inside_the_context_has_no_rules(mapper: str, how: str):
+    model = GatedNet()
+    reference = copy.deepcopy(model)  # outside any context
+    mappers = {**PRESETS, **MAPPERS_WITH_MODES}
+    wrapped = TensorDictModule(model, in_keys=["x"], out_keys=["y"])
+    lrp = LRP(wrapped, mappers[mapper](), relevance_check=lambda *args: None, layers=["module.body"])
+    x = torch.randn(4, 5, dtype=F64)
+    before = module_state(model)
+    expected = explain(lrp, x)
+    with lrp:
+        copied = copies_of(model, how)
+        # No hook of the context and no method of its own in the copy: its output and gradient are the plain ones.
+        for module in copied.modules():
+            hooks = [k for k, v in vars(module).items() if "hooks" in k and isinstance(v, dict) and v]
+            assert not hooks and "__getstate__" not in vars(module) and "forward" not in vars(module), module
+        for net in (copied, copy.deepcopy(copied)):
+            x_copy, x_reference = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+            y_copy, y_reference = net(x_copy), reference(x_reference)
+            torch.testing.assert_close(y_copy, y_reference, rtol=0, atol=0)
+            grad_copy = torch.autograd.grad(y_copy.sum(), x_copy)[0]
+            grad_reference = torch.autograd.grad(y_reference.sum(), x_reference)[0]
+            torch.testing.assert_close(grad_copy, grad_reference, rtol=0, atol=0)
+        # The original keeps its rules: the same relevance as before the copy.
+        torch.testing.assert_close(explain(lrp, x), expected, rtol=0, atol=0)
+        # The copy is explained in a context of its own while the original's is open.
+        copy_lrp = LRP(TensorDictModule(copied, in_keys=["x"], out_keys=["y"]), mappers[mapper]())
+        torch.testing.assert_close(explain(copy_lrp, x), expected, rtol=0, atol=0)
+    assert module_state(model) == before

@@ -13,6 +13,7 @@ from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
 from tdhook.attribution._context import claim, release, suspend_function_modes_in
+from tdhook.attribution._copies import hide_from_copies
 from tdhook.attribution._inputs import describe, feed_inputs, validate_inputs
 from tdhook.attribution._keys import layer_keys, relevance_keys
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
@@ -202,6 +203,9 @@ class LRP(TensorDictModuleBase):
             for name, sub in modules.items():
                 if isinstance(sub, nn.Embedding):
                     self._hooks.append(sub.register_forward_hook(self._tokens.embedding_hook(name), prepend=True))
+            # Copies of the model made inside the context (deepcopy, pickle) leave every hook of the context out.
+            hook_ids = {hook.id for hook in self._hooks} | {h.id for handle in handles for h in handle.hook_handles()}
+            self._hooks.append(hide_from_copies(modules.values(), hook_ids))
         except BaseException:
             self._remove(handles)
             release(self)

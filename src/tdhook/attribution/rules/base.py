@@ -258,6 +258,12 @@ class RemovableRuleHandle:
         """The module, or ``None`` once it has been garbage collected."""
         return self._module_ref()
 
+    def hook_handles(self) -> list:
+        """The torch hook handles the rule holds on the module (empty once removed)."""
+        module = self.module
+        registration = self.rule._registrations.get(module) if module is not None else None
+        return list(registration.hooks) if registration is not None else []
+
     def _records(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         module = self.module
         registration = self.rule._registrations.get(module) if module is not None else None
