@@ -322,3 +322,4 @@ def test_a_copy_made_inside_the_context_has_no_rules(mapper: str, how: str):
         copy_lrp = LRP(TensorDictModule(copied, in_keys=["x"], out_keys=["y"]), mappers[mapper]())
         torch.testing.assert_close(explain(copy_lrp, x), expected, rtol=0, atol=0)
     assert module_state(model) == before
+    assert not any("__getstate__" in vars(module) for module in model.modules())

@@ -110,6 +110,10 @@ class TestArguments:
         with pytest.raises(ValueError, match=match):
             make()
 
+    def test_a_rule_mapper_that_is_neither_callable_nor_a_dict_is_refused(self):
+        with pytest.raises(TypeError, match="EpsilonPlus: rule_mapper must be a callable .* got list"):
+            EpsilonPlus(rule_mapper=[EpsilonRule()])
+
     def test_the_zennit_settings_are_accepted(self):
         """zennit's composites' defaults and the settings of its tutorials."""
         box = EpsilonGammaBox(low=-3.0, high=3.0, epsilon=1e-6, gamma=0.25)

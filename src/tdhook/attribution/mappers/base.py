@@ -144,6 +144,11 @@ class BaseRuleMapper:
         stabilize_additions: bool = False,
     ) -> None:
         nonnegative(type(self).__name__, "stabilizer", stabilizer)
+        if rule_mapper is not None and not callable(rule_mapper) and not isinstance(rule_mapper, Mapping):
+            raise TypeError(
+                f"{type(self).__name__}: rule_mapper must be a callable (name, module) -> Rule | None, a dict or "
+                f"None, got {type(rule_mapper).__name__}"
+            )
         self.stabilizer = stabilizer
         self.strict = strict
         self.stabilize_additions = stabilize_additions
