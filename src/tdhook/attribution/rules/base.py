@@ -8,8 +8,9 @@ rule's docstring gives the relevance ``R_i`` it assigns to the module's input ``
 
 A rule is registered on a module with :meth:`Rule.register`, which returns a
 :class:`RemovableRuleHandle`. Registration adds forward hooks only and never
-writes a parameter: the modified parameters a rule needs are computed once,
-when it is registered, and passed to its own forward passes.
+writes a parameter: the modified parameters a rule needs are computed when it
+is registered, again only when the module's parameters change (see
+:func:`parameter_fingerprint`), and passed to its own forward passes.
 """
 
 from __future__ import annotations
@@ -215,7 +216,7 @@ class MergedLayer:
 
     ``params`` holds ``weight`` and ``bias`` of the merged layer, ``channel_scale``
     the BatchNorm's ``γ / sqrt(var + eps)`` per channel, and ``cache`` whatever a
-    rule derives from them (computed once per context).
+    rule derives from them (computed once per context, and again when the parameters change).
     """
 
     params: dict[str, torch.Tensor]
@@ -299,7 +300,7 @@ class Rule:
 
     A rule rewrites a module's output into a tensor of the same value whose
     gradient is the rule's. Subclasses implement :meth:`rewrite` and, when they
-    need modified parameters, :meth:`prepare` (called once per registration).
+    need modified parameters, :meth:`prepare` (called at registration, and again when the parameters change).
     """
 
     #: whether :meth:`rewrite` reads the module's input (in-place modules then keep a copy of it).

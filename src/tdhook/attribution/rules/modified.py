@@ -1,7 +1,8 @@
 """The rules that run the layer forward with modified parameters: αβ (z⁺ among them) and γ.
 
 The modified passes run in the backward pass, only when relevance reaches the
-layer, with parameters built once per context (see :class:`~tdhook.attribution.rules.base.ParamModifier`).
+layer, with parameters built once per context and rebuilt when the layer's own change (see
+:class:`~tdhook.attribution.rules.base.ParamModifier` and :meth:`~tdhook.attribution.rules.base.Rule.prepared_state`).
 Inputs after a ReLU (``x ≥ 0``) take direct paths that apply the transposed
 modified weight without an autograd graph.
 """
