@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules.base import RemovableRuleHandle
 
 __all__ = ["claim", "release", "suspend_function_modes_in"]
@@ -77,7 +78,9 @@ def suspend_function_modes_in(handles: Sequence[RemovableRuleHandle]) -> list[Re
     A module rule decides the module's gradient as a whole, so the function
     rules (AttnLRP's products and softmax, stabilised additions) have
     nothing to change inside it, and skipping their Python dispatch there
-    saves time. The modes resume when the module returns or raises.
+    saves time. The modes resume when the module returns or raises; if it is
+    interrupted (``KeyboardInterrupt``, which skips torch's ``always_call``
+    hooks), when the wrapper's :func:`~tdhook.attribution.rules._scopes.closing_scopes` ends.
 
     Args:
         handles: the handles of the registered rules.
@@ -89,14 +92,10 @@ def suspend_function_modes_in(handles: Sequence[RemovableRuleHandle]) -> list[Re
 
     def suspend(module: nn.Module, args: tuple) -> None:
         guard = torch._C.DisableTorchFunction() if torch._C._is_torch_function_mode_enabled() else None
-        if guard is not None:
-            guard.__enter__()
-        guards.append(guard)
+        push(guards, guard, enter=True)  # left by resume, or by closing_scopes if the forward never returns
 
     def resume(module: nn.Module, args: tuple, output: Any) -> None:
-        guard = guards.pop() if guards else None
-        if guard is not None:
-            guard.__exit__(None, None, None)
+        pop(guards)
 
     hooks: list[RemovableHandle] = []
     for handle in handles:

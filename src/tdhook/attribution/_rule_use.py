@@ -62,13 +62,13 @@ class RuleUse:
             yield
             return
         modules = named_modules()
-        self._pending = False
         ran: set[int] = set()
         hook = register_module_forward_pre_hook(lambda module, args: ran.add(id(module)))
         try:
             yield
         finally:
             hook.remove()
+        self._pending = False  # a pass that failed or was interrupted is watched again at the next call
         names = {id(module): name for name, module in modules.items()}
         for handle in handles:
             module = handle.module

@@ -13,6 +13,7 @@ from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
 from tdhook.attribution._context import claim, release, suspend_function_modes_in
+from tdhook.attribution._copies import hide_from_copies
 from tdhook.attribution._inputs import describe, feed_inputs, validate_inputs
 from tdhook.attribution._keys import layer_keys, relevance_keys
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
@@ -23,6 +24,7 @@ from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
 from tdhook.attribution._writes import model_updates, set_all_or_nothing
 from tdhook.attribution.coverage import Coverage, PlainGradientCall, reached_share
 from tdhook.attribution.mappers.base import BaseRuleMapper, RuleMapper
+from tdhook.attribution.rules._scopes import closing_scopes
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key
 
@@ -207,6 +209,9 @@ class LRP(TensorDictModuleBase):
             for name, sub in modules.items():
                 if isinstance(sub, nn.Embedding):
                     self._hooks.append(sub.register_forward_hook(self._tokens.embedding_hook(name), prepend=True))
+            # Copies of the model made inside the context (deepcopy, pickle) leave every hook of the context out.
+            hook_ids = {hook.id for hook in self._hooks} | {h.id for handle in handles for h in handle.hook_handles()}
+            self._hooks.append(hide_from_copies(modules.values(), hook_ids))
         except BaseException:
             self._remove(handles)
             release(self)
@@ -272,6 +277,8 @@ class LRP(TensorDictModuleBase):
                         for mode in rule_modes:
                             modes.enter_context(mode)
                         calls = self._watch(modes, rule_modes)
+                        # Innermost: what ruled modules entered and an interrupt kept them from leaving ends first.
+                        modes.enter_context(closing_scopes())
                         result = call_plain(self.module, work) if self._name_prefix else self.module(work)
                 except Exception as err:
                     self._tokens.raise_for_unembedded(leaves, err)

@@ -11,6 +11,7 @@ from tdhook.attribution import (
     CPLRP,
     LRP,
     AlphaBetaRule,
+    AttnLRP,
     EpsilonAlpha2Beta1,
     EpsilonGammaBox,
     EpsilonPlus,
@@ -88,3 +89,38 @@ class TestAttentionIsRefused:
         for mapper in (CPLRP(), EpsilonPlus(rule_mapper={nn.MultiheadAttention: EpsilonRule()})):
             lrp = LRP(Encoder().double().eval(), mapper, in_keys=["x"], out_keys=["y"])
             assert torch.isfinite(lrp(td.clone())["relevance", "x"]).all()
+
+
+class TestArguments:
+    @pytest.mark.parametrize(
+        ("make", "match"),
+        [
+            (lambda: EpsilonGammaBox(low=3, high=-3), "EpsilonGammaBox: low must be below high everywhere"),
+            (lambda: EpsilonGammaBox(-3.0, 3.0, gamma=-0.25), "EpsilonGammaBox: gamma must be a finite number >= 0"),
+            (lambda: EpsilonGammaBox(-3.0, 3.0, epsilon=-1.0), "EpsilonGammaBox: epsilon must be a finite number"),
+            (lambda: EpsilonPlus(epsilon=-1e-6), "EpsilonPlus: epsilon must be a finite number >= 0"),
+            (lambda: EpsilonPlusFlat(stabilizer=-1e-6), "EpsilonPlusFlat: stabilizer must be a finite number >= 0"),
+            (lambda: EpsilonAlpha2Beta1(epsilon=float("nan")), "EpsilonAlpha2Beta1: epsilon must be a finite"),
+            (lambda: AttnLRP(epsilon=-1e-6), "AttnLRP: epsilon must be a finite number >= 0"),
+            (lambda: AttnLRP(softmax_epsilon=-0.1), "AttnLRP: softmax_epsilon must be a finite number >= 0"),
+            (lambda: CPLRP(stabilizer=-1.0), "CPLRP: stabilizer must be a finite number >= 0"),
+        ],
+    )
+    def test_wrong_numbers_are_refused_at_construction(self, make, match: str):
+        with pytest.raises(ValueError, match=match):
+            make()
+
+    def test_a_rule_mapper_that_is_neither_callable_nor_a_dict_is_refused(self):
+        with pytest.raises(TypeError, match="EpsilonPlus: rule_mapper must be a callable .* got list"):
+            EpsilonPlus(rule_mapper=[EpsilonRule()])
+
+    def test_the_zennit_settings_are_accepted(self):
+        """zennit's composites' defaults and the settings of its tutorials."""
+        box = EpsilonGammaBox(low=-3.0, high=3.0, epsilon=1e-6, gamma=0.25)
+        assert (box.low, box.high, box.gamma) == (-3.0, 3.0, 0.25)
+        mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
+        low, high = ((0 - mean) / std).view(3, 1, 1), ((1 - mean) / std).view(3, 1, 1)
+        assert EpsilonGammaBox(low=low, high=high).low is low
+        for preset in (EpsilonPlus, EpsilonPlusFlat, EpsilonAlpha2Beta1):
+            assert preset(epsilon=0.0, stabilizer=0.0).epsilon == 0.0  # LRP-0
+        assert AttnLRP(epsilon=None).epsilon is None and CPLRP(epsilon=0.0).epsilon == 0.0

@@ -79,3 +79,9 @@ def test_an_expanded_parameter_added_to_an_activation_keeps_the_exact_split():
         y = (x * 1) + position.expand(3, 4)
     (grad,) = torch.autograd.grad(y.sum(), x)
     torch.testing.assert_close(grad, torch.ones_like(x))
+
+
+def test_a_negative_epsilon_is_refused_at_construction():
+    with pytest.raises(ValueError, match="StabilizedAdditions: epsilon must be a finite number >= 0, got -1"):
+        StabilizedAdditions(epsilon=-1)
+    assert StabilizedAdditions(epsilon=0.0).epsilon == 0.0

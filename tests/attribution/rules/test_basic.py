@@ -158,3 +158,26 @@ class TestClosedForms:
         )
         td = lrp(TensorDict(x=x.clone() * 1, batch_size=[4]))
         assert relative_error(td["relevance", "x"], expected) <= TOL
+
+
+class TestArguments:
+    @pytest.mark.parametrize(
+        ("make", "match"),
+        [
+            (lambda: EpsilonRule(epsilon=-1), "EpsilonRule: epsilon must be a finite number >= 0, got -1"),
+            (lambda: EpsilonRule(epsilon=float("nan")), "EpsilonRule: epsilon must be a finite number"),
+            (lambda: EpsilonRule(epsilon=float("inf")), "EpsilonRule: epsilon must be a finite number"),
+            (lambda: EpsilonRule(epsilon="0.1"), "EpsilonRule: epsilon must be a finite number"),
+            (lambda: UniformEpsilonRule(epsilon=-1e-6), "UniformEpsilonRule: epsilon must be"),
+            (lambda: PassRule(stabilizer=-1e-12), "PassRule: stabilizer must be a finite number >= 0"),
+        ],
+    )
+    def test_wrong_numbers_are_refused_at_construction(self, make, match: str):
+        with pytest.raises(ValueError, match=match):
+            make()
+
+    @pytest.mark.parametrize("epsilon", [0, 0.0, 1e-9, 0.25, torch.tensor(0.5)])
+    def test_legitimate_numbers_are_accepted(self, epsilon):
+        assert EpsilonRule(epsilon=epsilon).epsilon is epsilon  # epsilon = 0 is LRP-0
+        assert UniformEpsilonRule(epsilon=epsilon).epsilon is epsilon
+        assert PassRule(stabilizer=epsilon).stabilizer is epsilon

@@ -20,3 +20,10 @@ class TestUnconservedCheck:
         check = raise_for_unconserved_rel_factory()
         with pytest.raises(ValueError, match="NaN or inf"):
             check("layer", nn.Tanh(), torch.tensor([float("nan")]), torch.tensor([1.0]))
+
+
+@pytest.mark.parametrize("tolerance", ["atol", "rtol"])
+def test_negative_tolerances_are_refused(tolerance: str):
+    with pytest.raises(ValueError, match=f"raise_for_unconserved_rel_factory: {tolerance} must be a finite number"):
+        raise_for_unconserved_rel_factory(**{tolerance: -1e-6})
+    raise_for_unconserved_rel_factory(**{tolerance: 0.0})

@@ -127,3 +127,10 @@ def test_a_parameter_reshaped_or_shifted_is_not_an_activation(hold_gates: bool, 
         y = h * factor[scale]
     (grad,) = torch.autograd.grad(y.sum(), x)
     torch.testing.assert_close(x * grad, y.detach())
+
+
+def test_rules_of_the_wrong_kind_are_refused():
+    with pytest.raises(TypeError, match="FunctionalRules: softmax must be a SoftmaxEpsilonRule, got float"):
+        FunctionalRules(0.1, PseudoIdentityRule())
+    with pytest.raises(TypeError, match="FunctionalRules: activation must be a PseudoIdentityRule, got NoneType"):
+        FunctionalRules(AHQKVRule(), None)

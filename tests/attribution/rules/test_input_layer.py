@@ -12,7 +12,7 @@ from zennit import rules as zrules
 from tdhook.attribution import LRP
 from tdhook.attribution.mappers.presets import EpsilonPlusFlat
 from tdhook.attribution.rules.basic import EpsilonRule
-from tdhook.attribution.rules.input_layer import FlatRule, ZBoxRule
+from tdhook.attribution.rules.input_layer import FirstLayerRule, FlatRule, ZBoxRule
 from tests.attribution.rules._helpers import LAYERS, TOL, make_layer, output_relevance, spy
 from tests.attribution.rules._helpers import RULE_PAIRS as ALL_RULE_PAIRS
 from tests.conftest import relative_error, tdhook_relevance, zennit_relevance
@@ -190,3 +190,40 @@ class TestFirstLayerRule:
         for key in ("a", "b"):
             rel = ours["relevance", key]
             torch.testing.assert_close(rel, rel[:, :1].expand_as(rel))
+
+
+class TestArguments:
+    @pytest.mark.parametrize(
+        ("low", "high", "match"),
+        [
+            (1, 0, "ZBoxRule: low must be below high everywhere, got low=1, high=0"),
+            (0.0, 0.0, "low must be below high everywhere"),
+            (torch.tensor([0.0, 2.0]), torch.tensor([1.0, 1.0]), "low must be below high everywhere"),
+            (torch.zeros(3, 1, 1), 1.0 - torch.ones(1, 2, 2) * 2, "low must be below high everywhere"),
+            (torch.zeros(3, 1, 1), torch.ones(4, 1, 1), r"low and high must broadcast .*\(3, 1, 1\) and \(4, 1, 1\)"),
+            (float("-inf"), 1.0, "ZBoxRule: low must be a finite number"),
+            (torch.tensor([0.0, float("nan")]), 1.0, "low and high must be finite"),
+        ],
+    )
+    def test_wrong_bounds_are_refused_at_construction(self, low, high, match: str):
+        with pytest.raises(ValueError, match=match):
+            ZBoxRule(low=low, high=high)
+
+    @pytest.mark.parametrize(
+        ("low", "high"),
+        [
+            (-3.0, 3.0),  # zennit's EpsilonGammaBox bounds
+            (0, 1),
+            (torch.tensor([-2.1, -2.0, -1.8]).view(3, 1, 1), torch.tensor([2.2, 2.4, 2.6]).view(3, 1, 1)),
+            (torch.zeros(3, 1, 1), 1.0),
+        ],
+    )
+    def test_legitimate_bounds_are_accepted(self, low, high):
+        rule = ZBoxRule(low=low, high=high)
+        assert rule.low is low and rule.high is high
+
+    def test_negative_stabilizer_and_non_rules_are_refused(self):
+        with pytest.raises(ValueError, match="FlatRule: stabilizer must be a finite number >= 0"):
+            FlatRule(stabilizer=-1e-6)
+        with pytest.raises(TypeError, match="FirstLayerRule: other must be a Rule, got float"):
+            FirstLayerRule(FlatRule(), 0.5)

@@ -176,3 +176,31 @@ class TestRegistration:
     def test_weight_rule_on_module_without_weight_names_it(self):
         with pytest.raises(ValueError, match="ReLU has none"):
             AlphaBetaRule(1.0, 0.0).register(nn.ReLU())
+
+
+class TestArguments:
+    @pytest.mark.parametrize(
+        ("make", "match"),
+        [
+            (lambda: GammaRule(gamma=-0.5), "GammaRule: gamma must be a finite number >= 0, got -0.5"),
+            (lambda: GammaRule(gamma=float("nan")), "GammaRule: gamma must be a finite number"),
+            (lambda: GammaRule(stabilizer=-1e-6), "GammaRule: stabilizer must be a finite number >= 0"),
+            (lambda: AlphaBetaRule(3.0, 1.0), r"alpha - beta == 1 .*alpha=3.0, beta=1.0"),
+            (lambda: AlphaBetaRule(0.0, -1.0), r"alpha - beta == 1 and both non-negative"),
+            (lambda: AlphaBetaRule(float("inf"), float("inf")), "AlphaBetaRule: alpha must be a finite number"),
+            (lambda: AlphaBetaRule(1.0, 0.0, stabilizer=-1.0), "AlphaBetaRule: stabilizer must be"),
+            (lambda: AlphaBetaRule(1.0, 0.0, zero_params="bias"), "AlphaBetaRule: zero_params must be a sequence"),
+        ],
+    )
+    def test_wrong_numbers_are_refused_at_construction(self, make, match: str):
+        with pytest.raises(ValueError, match=match):
+            make()
+
+    @pytest.mark.parametrize(("alpha", "beta"), [(1.0, 0.0), (2.0, 1.0), (1, 0), (1.7, 0.7), (3.1, 2.1)])
+    def test_legitimate_alpha_beta_are_accepted(self, alpha, beta):
+        rule = AlphaBetaRule(alpha, beta)  # 1.7 - 0.7 is 0.9999999999999999 in floating point
+        assert (rule.alpha, rule.beta) == (alpha, beta)
+
+    @pytest.mark.parametrize("gamma", [0.0, 0.25, 100.0])
+    def test_legitimate_gamma_is_accepted(self, gamma: float):
+        assert GammaRule(gamma=gamma, stabilizer=0.0, zero_params=("bias",)).gamma == gamma

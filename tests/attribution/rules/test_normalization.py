@@ -609,3 +609,10 @@ class TestBatchNormAct:
         actual = lrp_relevance(model, x, relevance_out, BaseRuleMapper(stabilizer=0.0))
         expected = gradient_times_input(model, x, lambda out: relevance_out / out)
         assert relative_error(actual, expected) <= 1e-10
+
+
+@pytest.mark.parametrize("rule", [NormRule, MergeBatchNormRule, LayerNormRule])
+def test_a_negative_epsilon_is_refused_at_construction(rule):
+    with pytest.raises(ValueError, match=f"{rule.__name__}: epsilon must be a finite number >= 0, got -1e-05"):
+        rule(epsilon=-1e-5)
+    assert rule(epsilon=0.0).epsilon == 0.0

@@ -78,3 +78,16 @@ def test_uniform_product_rule_halves_the_relevance_of_each_factor():
     assert relative_error(a.detach() * ga, expected_a) <= 1e-12
     assert relative_error(b.detach() * gb, expected_b) <= 1e-12
     torch.testing.assert_close((a.detach() * ga).sum() + (b.detach() * gb).sum(), relevance_out.sum())
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: SoftmaxEpsilonRule(epsilon=-0.1), "SoftmaxEpsilonRule: epsilon must be a finite number >= 0"),
+        (lambda: PseudoIdentityRule(stabilizer=-1e-10), "PseudoIdentityRule: stabilizer must be a finite number >= 0"),
+    ],
+)
+def test_wrong_numbers_are_refused_at_construction(make, match: str):
+    with pytest.raises(ValueError, match=match):
+        make()
+    assert SoftmaxEpsilonRule(epsilon=0.0).epsilon == 0.0 and PseudoIdentityRule(0.0).stabilizer == 0.0

@@ -13,6 +13,7 @@ from typing import Protocol, TypedDict
 
 from torch import nn
 
+from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._layers import (
     ACTIVATIONS,
     AVG_POOLS,
@@ -137,6 +138,12 @@ class BaseRuleMapper:
         strict: bool = False,
         stabilize_additions: bool = False,
     ) -> None:
+        nonnegative(type(self).__name__, "stabilizer", stabilizer)
+        if rule_mapper is not None and not callable(rule_mapper) and not isinstance(rule_mapper, Mapping):
+            raise TypeError(
+                f"{type(self).__name__}: rule_mapper must be a callable (name, module) -> Rule | None, a dict or "
+                f"None, got {type(rule_mapper).__name__}"
+            )
         self.stabilizer = stabilizer
         self.strict = strict
         self.stabilize_additions = stabilize_additions

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tdhook.attribution.mappers.base import BaseRuleMapper, PresetOptions
+from tdhook.attribution.rules._arguments import bounds, nonnegative
 from tdhook.attribution.rules._layers import CONVOLUTIONS, LINEAR_LAYERS
 from tdhook.attribution.rules.base import Rule
 from tdhook.attribution.rules.basic import EpsilonRule, RefuseRule
@@ -63,6 +64,7 @@ class Preset(BaseRuleMapper):
     first_layer_rules: ClassVar[RuleTable] = ()
 
     def __init__(self, epsilon: float = 1e-6, **options: Unpack[PresetOptions]) -> None:
+        nonnegative(type(self).__name__, "epsilon", epsilon)
         super().__init__(**options)
         self.epsilon = epsilon
         self._layer_table = [(types, make(self)) for types, make in self.layer_rules]
@@ -180,5 +182,7 @@ class EpsilonGammaBox(Preset):
         gamma: float = 0.25,
         **options: Unpack[PresetOptions],
     ) -> None:
+        bounds(type(self).__name__, low, high)
+        nonnegative(type(self).__name__, "gamma", gamma)
         self.low, self.high, self.gamma = low, high, gamma
         super().__init__(epsilon, **options)

@@ -7,6 +7,7 @@ from typing import Unpack
 from torch import nn
 
 from tdhook.attribution.mappers.base import BaseRuleMapper, PresetOptions
+from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._layers import ACTIVATIONS, BATCH_NORMS, GATES
 from tdhook.attribution.rules.basic import EpsilonRule
 from tdhook.attribution.rules.functional import FunctionalRules
@@ -57,6 +58,9 @@ class AttnLRP(BaseRuleMapper):
     def __init__(
         self, epsilon: float | None = None, softmax_epsilon: float = 0.0, **options: Unpack[PresetOptions]
     ) -> None:
+        if epsilon is not None:
+            nonnegative(type(self).__name__, "epsilon", epsilon)
+        nonnegative(type(self).__name__, "softmax_epsilon", softmax_epsilon)
         super().__init__(**options)
         self.epsilon = epsilon
         self._dense = None if epsilon is None else EpsilonRule(epsilon)

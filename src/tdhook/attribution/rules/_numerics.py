@@ -101,8 +101,18 @@ def in_pieces_(tensor: torch.Tensor, update_: Callable[[torch.Tensor], object]) 
 
 
 def has_negative(x: torch.Tensor) -> bool:
-    """Whether ``x`` has a negative entry: one read-only pass (no boolean tensor)."""
-    return x.numel() > 0 and bool(x.amin() < 0)
+    """Whether ``x`` may have a negative entry: one read-only pass (no boolean tensor).
+
+    A NaN counts as one. The rules choose their fast paths for ``x ≥ 0`` from this
+    batch-wide test, so a NaN in one sample must send the whole batch down the
+    general path, which is exact for every sample, rather than let the other
+    samples' negative entries be taken for non-negative ones.
+
+    Examples:
+        >>> has_negative(torch.tensor([0.0, 2.0])), has_negative(torch.tensor([1.0, float("nan")]))
+        (False, True)
+    """
+    return x.numel() > 0 and not bool(x.amin() >= 0)
 
 
 def nonzero_where_negative(grad: torch.Tensor, z: torch.Tensor) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
+from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._autograd import is_activation, mark_parameter_derived, scale_gradient
 from tdhook.attribution.rules._numerics import stabilize
 
@@ -49,6 +50,7 @@ class StabilizedAdditions(TorchFunctionMode):
     """
 
     def __init__(self, epsilon: float = 1e-6) -> None:
+        nonnegative(type(self).__name__, "epsilon", epsilon)
         super().__init__()
         self.epsilon = epsilon
 

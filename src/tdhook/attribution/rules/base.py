@@ -8,8 +8,9 @@ rule's docstring gives the relevance ``R_i`` it assigns to the module's input ``
 
 A rule is registered on a module with :meth:`Rule.register`, which returns a
 :class:`RemovableRuleHandle`. Registration adds forward hooks only and never
-writes a parameter: the modified parameters a rule needs are computed once,
-when it is registered, and passed to its own forward passes.
+writes a parameter: the modified parameters a rule needs are computed when it
+is registered, again only when the module's parameters change (see
+:func:`parameter_fingerprint`), and passed to its own forward passes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
+from tdhook.attribution.rules._scopes import pop, push
 
 __all__ = [
     "ParamModifier",
@@ -31,6 +33,7 @@ __all__ = [
     "LayerCall",
     "MergedLayer",
     "layer_call_of",
+    "parameter_fingerprint",
     "RemovableRuleHandle",
     "Rule",
 ]
@@ -146,6 +149,35 @@ def _zeroing(names: Sequence[str]) -> ParamModifier:
 _UNPREPARED = object()
 
 
+def parameter_fingerprint(module: nn.Module) -> tuple[int, ...]:
+    """What tells whether ``module``'s parameters and buffers (its children's included) still hold the values seen.
+
+    For each tensor: its identity, its version counter (raised by every in-place
+    write: ``optimizer.step()``, ``weight.mul_(2)``) and its storage (new after
+    ``weight.data = ...``). A parameter replaced by another changes the identity.
+    Cheap enough to check at every call of a ruled layer.
+
+    Examples:
+        >>> lin = nn.Linear(2, 2)
+        >>> before = parameter_fingerprint(lin)
+        >>> before == parameter_fingerprint(lin)
+        True
+        >>> with torch.no_grad():
+        ...     _ = lin.weight.mul_(2)
+        >>> before == parameter_fingerprint(lin)
+        False
+    """
+    if module._modules:
+        tensors = [*module.parameters(), *module.buffers()]
+    else:
+        tensors = [*module._parameters.values(), *module._buffers.values()]
+    fingerprint: list[int] = []
+    for tensor in tensors:
+        if tensor is not None and not nn.parameter.is_lazy(tensor):
+            fingerprint += (id(tensor), tensor._version, tensor.data_ptr())
+    return tuple(fingerprint)
+
+
 @dataclass
 class Registration:
     """What a rule keeps for one module it is registered on."""
@@ -156,6 +188,7 @@ class Registration:
     records: list = field(default_factory=list)
     busy: list = field(default_factory=list)
     merged_by_norm: bool = False  # a BatchNorm took over the module's last call (see MergeBatchNormRule)
+    fingerprint: tuple = ()  # the parameters ``state`` was prepared from (see parameter_fingerprint)
 
 
 @dataclass(eq=False)
@@ -183,12 +216,13 @@ class MergedLayer:
 
     ``params`` holds ``weight`` and ``bias`` of the merged layer, ``channel_scale``
     the BatchNorm's ``γ / sqrt(var + eps)`` per channel, and ``cache`` whatever a
-    rule derives from them (computed once per context).
+    rule derives from them (computed once per context, and again when the parameters change).
     """
 
     params: dict[str, torch.Tensor]
     channel_scale: torch.Tensor
     cache: dict = field(default_factory=dict)
+    fingerprint: tuple = ()  # the layer's and the BatchNorm's parameters it was built from
 
 
 _LAYER_CALL = "_tdhook_layer_call"
@@ -225,6 +259,12 @@ class RemovableRuleHandle:
         """The module, or ``None`` once it has been garbage collected."""
         return self._module_ref()
 
+    def hook_handles(self) -> list:
+        """The torch hook handles the rule holds on the module (empty once removed)."""
+        module = self.module
+        registration = self.rule._registrations.get(module) if module is not None else None
+        return list(registration.hooks) if registration is not None else []
+
     def _records(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         module = self.module
         registration = self.rule._registrations.get(module) if module is not None else None
@@ -260,7 +300,7 @@ class Rule:
 
     A rule rewrites a module's output into a tensor of the same value whose
     gradient is the rule's. Subclasses implement :meth:`rewrite` and, when they
-    need modified parameters, :meth:`prepare` (called once per registration).
+    need modified parameters, :meth:`prepare` (called at registration, and again when the parameters change).
     """
 
     #: whether :meth:`rewrite` reads the module's input (in-place modules then keep a copy of it).
@@ -291,8 +331,40 @@ class Rule:
         return f"{type(self).__name__}({args})"
 
     def prepare(self, module: nn.Module) -> Any:
-        """Per-module state computed once at registration (for example modified parameters)."""
+        """Per-module state computed from the module's parameters (for example modified parameters).
+
+        It is computed at registration and again whenever the parameters change
+        (see :meth:`prepared_state`).
+        """
         return None
+
+    def prepared_state(self, module: nn.Module, registration: Registration) -> Any:
+        """``registration.state``, prepared anew when ``module``'s parameters changed since it was prepared.
+
+        An ``optimizer.step()`` or an in-place write between two calls inside one
+        context, or a parameter replaced by another, is seen through
+        :func:`parameter_fingerprint`: the modified parameters always follow the
+        live ones, and are not rebuilt while nothing changes.
+
+        Examples:
+            >>> from tdhook.attribution.rules import AlphaBetaRule
+            >>> lin, rule = nn.Linear(2, 1), AlphaBetaRule(1.0, 0.0)
+            >>> with rule.register(lin):
+            ...     registration = rule._registrations[lin]
+            ...     with torch.no_grad():
+            ...         _ = lin.weight.fill_(-1.0)
+            ...     rule.prepared_state(lin, registration)["pos"]["weight"]
+            tensor([[0., 0.]])
+        """
+        if type(self).prepare is Rule.prepare:  # nothing is derived from the parameters
+            if registration.state is _UNPREPARED:
+                registration.state = None
+            return registration.state
+        fingerprint = parameter_fingerprint(module)
+        if registration.state is _UNPREPARED or registration.fingerprint != fingerprint:
+            registration.state = self.prepare(module)
+            registration.fingerprint = fingerprint
+        return registration.state
 
     def rewrite(
         self, module: nn.Module, registration: Registration, inputs: tuple, output: torch.Tensor
@@ -329,7 +401,10 @@ class Rule:
 
     def _new_registration(self, module: nn.Module) -> Registration:
         # A lazy module (LazyConv2d, LazyLinear) is prepared at its first call, once its shapes are known.
-        return Registration(_UNPREPARED if _has_uninitialized_parameters(module) else self.prepare(module))
+        registration = Registration(_UNPREPARED)
+        if not _has_uninitialized_parameters(module):
+            self.prepared_state(module, registration)
+        return registration
 
     def is_registered(self, module: nn.Module) -> bool:
         """Whether the rule has hooks on ``module``."""
@@ -351,19 +426,18 @@ class Rule:
     def _snapshot_hook(registration: Registration) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
             if torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-                registration.snapshots.append((args[0].clone(), *args[1:]))
+                push(registration.snapshots, (args[0].clone(), *args[1:]))
 
         return hook
 
     def _forward_hook(self, registration: Registration) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-            inputs = registration.snapshots.pop() if registration.snapshots else args
+            inputs = pop(registration.snapshots) if registration.snapshots else args
             if registration.busy or not torch.is_grad_enabled():
                 return None
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return None
-            if registration.state is _UNPREPARED:
-                registration.state = self.prepare(module)
+            self.prepared_state(module, registration)
             rule, reg = self.resolve(module, registration, inputs)
             result = rule.rewrite(module, reg, inputs, output)
             if isinstance(module, LINEAR_LAYERS) and len(inputs) == 1 and isinstance(inputs[0], torch.Tensor):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._autograd import redirect, relevance_proxy, times_saved
 from tdhook.attribution.rules._layers import LINEAR_LAYERS, bias_view
 from tdhook.attribution.rules._numerics import in_pieces_, stabilize
@@ -88,6 +89,7 @@ class EpsilonRule(Rule):
     merges_batch_norm = True
 
     def __init__(self, epsilon: float = 1e-6) -> None:
+        nonnegative(type(self).__name__, "epsilon", epsilon)
         super().__init__()
         self.epsilon = epsilon
 
@@ -153,6 +155,7 @@ class PassRule(Rule):
     """
 
     def __init__(self, stabilizer: float = 1e-12) -> None:
+        nonnegative(type(self).__name__, "stabilizer", stabilizer)
         super().__init__()
         self.stabilizer = stabilizer
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from tdhook.attribution.rules._layers import TRANSPOSED_FORWARDS, effective_parameters
-from tdhook.attribution.rules.base import _LAYER_MARK, LayerCall, MergedLayer, layer_call_of
+from tdhook.attribution.rules.base import _LAYER_MARK, LayerCall, MergedLayer, layer_call_of, parameter_fingerprint
 from tdhook.attribution.rules.normalization import NormRule
 
 __all__ = ["MergeBatchNormRule"]
@@ -72,8 +72,11 @@ class MergeBatchNormRule(NormRule):
             return super().batch_norm(module, output, args, kwargs)
         state = self._registrations[module].state
         merged = state.get(call.module)
-        if merged is None:
+        # Rebuilt when the layer's or the BatchNorm's parameters or statistics changed (an optimizer step).
+        fingerprint = parameter_fingerprint(call.module) + parameter_fingerprint(module)
+        if merged is None or merged.fingerprint != fingerprint:
             merged = state[call.module] = _merge_batch_norm(call.module, module)
+            merged.fingerprint = fingerprint
         result = call.rule.rewrite_merged(call, output, merged)
         if result is not None and result.grad_fn is not None:
             result.grad_fn.metadata[_LAYER_MARK] = True  # the merged layer's output is a layer boundary

@@ -7,6 +7,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from tdhook.attribution.rules._arguments import nonnegative
+
 __all__ = ["raise_for_unconserved_rel_factory"]
 
 
@@ -28,6 +30,9 @@ def raise_for_unconserved_rel_factory(
         ...
         ValueError: relevance is not conserved at module 'fc' (Linear): input sum 0.5, output sum 1
     """
+
+    for name, value in (("atol", atol), ("rtol", rtol)):
+        nonnegative("raise_for_unconserved_rel_factory", name, value)
 
     def check(name: str, module: nn.Module, relevance_in: torch.Tensor, relevance_out: torch.Tensor) -> None:
         kind = type(module).__name__

@@ -104,6 +104,10 @@ class FunctionalRules(TorchFunctionMode):
     """
 
     def __init__(self, softmax: SoftmaxEpsilonRule, activation: PseudoIdentityRule, hold_gates: bool = False) -> None:
+        expected = (("softmax", softmax, SoftmaxEpsilonRule), ("activation", activation, PseudoIdentityRule))
+        for name, value, kind in expected:
+            if not isinstance(value, kind):
+                raise TypeError(f"FunctionalRules: {name} must be a {kind.__name__}, got {type(value).__name__}")
         super().__init__()
         self.softmax = softmax
         self.activation = activation

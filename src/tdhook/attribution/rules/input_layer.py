@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from tdhook.attribution.rules._arguments import bounds
 from tdhook.attribution.rules._autograd import is_plain_gradient, may_overwrite
 from tdhook.attribution.rules._input_gradients import (
     direct_input_gradient,
@@ -170,6 +171,7 @@ class ZBoxRule(_DirectInputRule):
         stabilizer: float = 1e-6,
         zero_params: Sequence[str] = (),
     ) -> None:
+        bounds(type(self).__name__, low, high)
         super().__init__(stabilizer, zero_params)
         self.low = low
         self.high = high
@@ -249,6 +251,9 @@ class FirstLayerRule(Rule):
     uses_input = False
 
     def __init__(self, first: Rule, other: Rule | None = None) -> None:
+        for name, rule in (("first", first), ("other", other if other is not None else Rule())):
+            if not isinstance(rule, Rule):
+                raise TypeError(f"FirstLayerRule: {name} must be a Rule, got {type(rule).__name__}")
         super().__init__()
         self.first = first
         self.other = other if other is not None else IgnoreRule()
@@ -267,6 +272,5 @@ class FirstLayerRule(Rule):
     def resolve(self, module, registration, inputs):
         index = 0 if inputs and isinstance(inputs[0], torch.Tensor) and _reaches_model_input(inputs[0]) else 1
         rule, inner = self._pair[index], registration.state[index]
-        if inner.state is _UNPREPARED:
-            inner.state = rule.prepare(module)
+        rule.prepared_state(module, inner)
         return rule, inner

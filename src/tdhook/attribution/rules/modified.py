@@ -1,18 +1,21 @@
 """The rules that run the layer forward with modified parameters: αβ (z⁺ among them) and γ.
 
 The modified passes run in the backward pass, only when relevance reaches the
-layer, with parameters built once per context (see :class:`~tdhook.attribution.rules.base.ParamModifier`).
+layer, with parameters built once per context and rebuilt when the layer's own change (see
+:class:`~tdhook.attribution.rules.base.ParamModifier` and :meth:`~tdhook.attribution.rules.base.Rule.prepared_state`).
 Inputs after a ReLU (``x ≥ 0``) take direct paths that apply the transposed
 modified weight without an autograd graph.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
+from tdhook.attribution.rules._arguments import finite_number, nonnegative
 from tdhook.attribution.rules._autograd import is_plain_gradient, may_overwrite, redirect
 from tdhook.attribution.rules._input_gradients import direct_input_gradient, has_direct_input_gradient
 from tdhook.attribution.rules._layers import effective_parameters, forward_with
@@ -33,6 +36,11 @@ class _ModifiedForwardRule(Rule):
     merges_batch_norm = True
 
     def __init__(self, stabilizer: float = 1e-6, zero_params: Sequence[str] = ()) -> None:
+        nonnegative(type(self).__name__, "stabilizer", stabilizer)
+        if isinstance(zero_params, str) or not all(isinstance(name, str) for name in zero_params):
+            raise ValueError(
+                f"{type(self).__name__}: zero_params must be a sequence of parameter names, got {zero_params!r}"
+            )
         super().__init__()
         self.stabilizer = stabilizer
         self.zero_params = tuple(zero_params)
@@ -151,7 +159,8 @@ class AlphaBetaRule(_ModifiedForwardRule):
     def __init__(
         self, alpha: float = 2.0, beta: float = 1.0, stabilizer: float = 1e-6, zero_params: Sequence[str] = ()
     ) -> None:
-        if alpha < 0 or beta < 0 or alpha - beta != 1:
+        a, b = finite_number(type(self).__name__, "alpha", alpha), finite_number(type(self).__name__, "beta", beta)
+        if a < 0 or b < 0 or not math.isclose(a - b, 1.0, rel_tol=0.0, abs_tol=1e-9):
             raise ValueError(
                 f"AlphaBetaRule needs alpha - beta == 1 and both non-negative, got alpha={alpha}, beta={beta}"
             )
@@ -209,6 +218,7 @@ class GammaRule(_ModifiedForwardRule):
     """
 
     def __init__(self, gamma: float = 0.25, stabilizer: float = 1e-6, zero_params: Sequence[str] = ()) -> None:
+        nonnegative(type(self).__name__, "gamma", gamma)
         super().__init__(stabilizer, zero_params)
         self.gamma = gamma
 

@@ -31,9 +31,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._autograd import call_argument, redirect, times_saved
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._numerics import in_pieces_
+from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 
 __all__ = ["NormRule", "LayerNormRule", "is_norm"]
@@ -129,6 +131,7 @@ class NormRule(Rule):
     acts_in_forward = True
 
     def __init__(self, epsilon: float = 1e-6) -> None:
+        nonnegative(type(self).__name__, "epsilon", epsilon)
         super().__init__()
         self.epsilon = epsilon
 
@@ -139,16 +142,12 @@ class NormRule(Rule):
         modes: list[_ConstantScale | None] = []
 
         def enter(mod: nn.Module, args: tuple) -> None:
-            mode = _ConstantScale(self, mod) if torch.is_grad_enabled() else None
-            if mode is not None:
-                mode.__enter__()
-            modes.append(mode)
+            push(modes, _ConstantScale(self, mod) if torch.is_grad_enabled() else None, enter=True)
 
         def leave(mod: nn.Module, args: tuple, output: Any) -> None:
-            mode = modes.pop() if modes else None
+            mode = pop(modes)  # left; or by closing_scopes, if an interrupt skips this hook
             if mode is None:
                 return
-            mode.__exit__(None, None, None)
             if not mode.applied and isinstance(output, torch.Tensor) and output.requires_grad:
                 raise ValueError(
                     f"{type(self).__name__} on {type(mod).__name__}: its forward ran no normalisation the rule "

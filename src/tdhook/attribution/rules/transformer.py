@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._autograd import redirect, scale_gradient
 from tdhook.attribution.rules._numerics import stabilize
 from tdhook.attribution.rules.base import Rule, _single_input
@@ -88,6 +89,7 @@ class SoftmaxEpsilonRule(Rule):
     """
 
     def __init__(self, epsilon: float = 0.0) -> None:
+        nonnegative(type(self).__name__, "epsilon", epsilon)
         super().__init__()
         self.epsilon = epsilon
 

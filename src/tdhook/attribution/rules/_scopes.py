@@ -1,0 +1,91 @@
+"""What a module's forward pre-hook starts and its forward hook ends, ended on every exit path of a call.
+
+Some rules enter a context in a module's pre-hook and leave it in the module's
+forward hook: a ``TorchFunctionMode`` of their own, a ``DisableTorchFunction``
+guard that pauses the mapper's function modes, a copy of an in-place module's
+input. torch runs a forward hook registered with ``always_call=True`` when the
+forward raises an ``Exception``, but not when it raises ``KeyboardInterrupt``,
+``SystemExit`` or ``GeneratorExit``: the mode or the guard would then stay on
+for the rest of the process.
+
+:func:`push` and :func:`pop` keep such items on a list of the caller's (one per
+hook pair) and, beside it, on one stack per thread. :func:`closing_scopes`
+wraps a call of the model: whatever the call pushed and did not pop is popped
+when it ends, however it ends, context managers left in reverse order.
+
+Examples:
+    >>> import torch
+    >>> pending = []
+    >>> with closing_scopes():
+    ...     push(pending, torch._C.DisableTorchFunction(), enter=True)
+    ...     torch._C._is_torch_function_enabled()
+    False
+    >>> torch._C._is_torch_function_enabled(), pending
+    (True, [])
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["push", "pop", "closing_scopes"]
+
+_LOCAL = threading.local()
+
+
+def _stack() -> list[tuple[list, Any, bool]]:
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    return stack
+
+
+def push(pending: list, item: Any, enter: bool = False) -> None:
+    """Append ``item`` to ``pending``; with ``enter``, ``item`` is a context manager, entered now.
+
+    Args:
+        pending: the list of one pre-hook and forward-hook pair.
+        item: what the forward hook will :func:`pop` (``None`` included).
+        enter: whether ``item`` is a context manager to enter now and leave when popped.
+    """
+    if enter and item is not None:
+        item.__enter__()
+    pending.append(item)
+    _stack().append((pending, item, enter))
+
+
+def pop(pending: list) -> Any:
+    """Remove and return the latest item of ``pending`` (``None`` when it is empty), leaving it if it was entered."""
+    if not pending:
+        return None
+    item = pending.pop()
+    stack = _stack()
+    entered = False
+    for index in range(len(stack) - 1, -1, -1):  # the top, unless a call in between ended abnormally
+        if stack[index][0] is pending and stack[index][1] is item:
+            entered = stack.pop(index)[2]
+            break
+    if entered and item is not None:
+        item.__exit__(None, None, None)
+    return item
+
+
+@contextmanager
+def closing_scopes() -> Iterator[None]:
+    """Run the block; then pop, newest first, what it pushed and did not pop (see the module's docstring)."""
+    stack = _stack()
+    mark = len(stack)
+    try:
+        yield
+    finally:
+        while len(stack) > mark:
+            pending, item, entered = stack.pop()
+            for index in range(len(pending) - 1, -1, -1):
+                if pending[index] is item:
+                    del pending[index]
+                    break
+            if entered and item is not None:
+                item.__exit__(None, None, None)

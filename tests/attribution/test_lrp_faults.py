@@ -1,0 +1,325 @@
+"""Faults inside an open context: parameters changed between calls, non-finite samples, interrupts, copies.
+
+Each test states what a user does inside ``with lrp:`` and checks that the
+result is the one a fresh context (or a batch without the faulty sample) gives,
+or that nothing of the context is left behind.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+
+from tdhook.attribution import LRP
+from tdhook.attribution.lrp_helpers.rules import (
+    CPLRP,
+    AttnLRP,
+    EpsilonAlpha2Beta1,
+    EpsilonAlpha2Beta1Flat,
+    EpsilonGammaBox,
+    EpsilonPlus,
+    EpsilonPlusFlat,
+    FirstLayerRule,
+    WSquareRule,
+)
+
+F64 = torch.float64
+
+PRESETS = {
+    "EpsilonPlus": EpsilonPlus,
+    "EpsilonPlusFlat": EpsilonPlusFlat,
+    "EpsilonGammaBox": lambda: EpsilonGammaBox(-3.0, 3.0),
+    "EpsilonAlpha2Beta1": EpsilonAlpha2Beta1,
+    "EpsilonAlpha2Beta1Flat": EpsilonAlpha2Beta1Flat,
+    "WSquare first": lambda: EpsilonPlus(
+        rule_mapper=lambda name, module: FirstLayerRule(WSquareRule()) if name in ("0", "6") else None
+    ),
+}
+
+
+def small_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 6),
+        nn.ReLU(),
+        nn.Linear(6, 3),
+    ).to(F64)
+    with torch.no_grad():
+        model[1].running_mean.normal_()
+        model[1].running_var.uniform_(0.5, 2.0)
+    return model.eval()
+
+
+def explain(lrp: LRP, x: torch.Tensor) -> torch.Tensor:
+    return lrp(TensorDict(x=x, batch_size=[len(x)]))["relevance", "x"]
+
+
+def change_parameters(model: nn.Module, how: str) -> None:
+    if how in ("sgd", "adam"):
+        optimizer = (
+            torch.optim.SGD(model.parameters(), lr=0.5)
+            if how == "sgd"
+            else torch.optim.Adam(model.parameters(), lr=0.5, foreach=True)
+        )
+        generator = torch.Generator().manual_seed(1)
+        for param in model.parameters():  # as a training step would leave them
+            param.grad = torch.randn(param.shape, dtype=param.dtype, generator=generator)
+        optimizer.step()
+    elif how == "in place":
+        with torch.no_grad():
+            for module in model:
+                if isinstance(module, (nn.Conv2d, nn.Linear)):
+                    module.weight.mul_(-2.0)
+            model[1].running_var.mul_(3.0)
+    elif how == "replaced":
+        for module in model:
+            if isinstance(module, (nn.Conv2d, nn.Linear, nn.BatchNorm2d)):
+                module.weight = nn.Parameter(module.weight.detach() * -1.5 + 0.1)
+    elif how == "data":
+        for module in model:
+            if isinstance(module, (nn.Conv2d, nn.Linear)):
+                module.weight.data = module.weight.detach().flip(0).clone()
+
+
+@pytest.mark.parametrize("how", ["sgd", "adam", "in place", "replaced", "data"])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_rules_follow_parameters_changed_inside_the_context(preset: str, how: str):
+    model = small_cnn()
+    x = torch.randn(5, 3, 6, 6, dtype=F64)
+    lrp = LRP(model, PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        before = explain(lrp, x)
+        change_parameters(model, how)
+        after = explain(lrp, x)
+    fresh = explain(LRP(model, PRESETS[preset](), in_keys=["x"], out_keys=["y"]), x)
+    assert not torch.allclose(before, fresh)  # the change matters
+    torch.testing.assert_close(after, fresh, rtol=1e-12, atol=1e-12)
+
+
+def small_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).to(F64)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("preset", ["EpsilonPlus", "EpsilonPlusFlat", "EpsilonGammaBox", "EpsilonAlpha2Beta1"])
+@pytest.mark.parametrize("net", ["cnn", "mlp"])
+def test_a_non_finite_sample_leaves_the_other_samples_relevance_alone(net: str, preset: str, bad: float):
+    model = small_cnn() if net == "cnn" else small_mlp()
+    torch.manual_seed(1)
+    x = torch.randn((6, 3, 6, 6) if net == "cnn" else (6, 5), dtype=F64)
+    x[1] = x[1].abs()  # a sample without negative entries beside others with some
+    lrp = LRP(model, PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+    for bad_sample, whole in ((0, False), (3, False), (5, True)):
+        faulty = x.clone()
+        if whole:
+            faulty[bad_sample] = bad  # the whole sample
+        else:
+            faulty[bad_sample].view(-1)[2] = bad  # one entry
+        finite = [i for i in range(len(x)) if i != bad_sample]
+        expected = explain(lrp, x[finite])
+        with lrp:
+            actual = explain(lrp, faulty)
+        torch.testing.assert_close(actual[finite], expected, rtol=1e-9, atol=1e-12)
+
+
+class Interrupting(nn.LayerNorm):
+    """A LayerNorm that raises ``error`` in its forward pass when armed."""
+
+    error: BaseException | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.error is not None:
+            raise self.error
+        return super().forward(x)
+
+
+class GatedNet(nn.Module):
+    """A norm, a sigmoid gate (HeldGates under the CNN presets) and ruled Linear layers around them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.norm, self.body, self.gate, self.head = (
+            nn.Linear(5, 8),
+            Interrupting(8),
+            nn.Linear(8, 8),
+            nn.Sigmoid(),
+            nn.Linear(8, 3),
+        )
+        self.to(F64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(torch.relu(self.inp(x)))
+        return self.head(torch.relu(self.body(h)) * self.gate(self.body(h)))
+
+
+def global_state() -> tuple:
+    return (
+        torch.is_grad_enabled(),
+        torch._C._is_torch_function_enabled(),
+        torch._C._is_torch_function_mode_enabled(),
+        len(torch.overrides._get_current_function_mode_stack()),
+        len(torch.nn.modules.module._global_forward_hooks),
+        len(torch.nn.modules.module._global_forward_pre_hooks),
+        len(torch.nn.modules.module._global_backward_hooks),
+    )
+
+
+def module_state(model: nn.Module) -> list:
+    return [
+        (
+            sorted((k, list(v)) for k, v in vars(m).items() if "hooks" in k and isinstance(v, dict)),
+            vars(m).get("forward"),
+            {k: (v, v._version, v.data_ptr()) for k, v in [*m._parameters.items(), *m._buffers.items()]},
+        )
+        for m in model.modules()
+    ]
+
+
+MAPPERS_WITH_MODES = {
+    "EpsilonPlus": EpsilonPlus,  # HeldGates for the sigmoid gate
+    "EpsilonGammaBox": lambda: EpsilonGammaBox(-3.0, 3.0),
+    "AttnLRP": AttnLRP,  # FunctionalRules, paused inside ruled modules
+    "CPLRP": CPLRP,
+    "AttnLRP stabilised": lambda: AttnLRP(stabilize_additions=True),
+}
+
+
+def arm(model: GatedNet, where: str, error: BaseException) -> list:
+    """Make the model raise ``error`` at ``where``; returns hook handles to remove afterwards."""
+    if where == "norm forward":
+        model.norm.error = error
+        return []
+
+    def hook(*args):
+        raise error
+
+    if where == "forward hook":
+        return [model.body.register_forward_hook(hook)]
+    if where == "forward pre-hook":
+        return [model.head.register_forward_pre_hook(hook)]
+    if where == "gate forward hook":
+        return [model.gate.register_forward_hook(hook)]
+    raise AssertionError(where)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, GeneratorExit, SystemExit, RuntimeError])
+@pytest.mark.parametrize("where", ["norm forward", "forward hook", "forward pre-hook", "gate forward hook"])
+@pytest.mark.parametrize("mapper", sorted(MAPPERS_WITH_MODES))
+def test_an_interrupt_inside_the_model_leaves_everything_as_before(mapper: str, where: str, error: type):
+    model = GatedNet()
+    x = torch.randn(4, 5, dtype=F64)
+    lrp = LRP(model, MAPPERS_WITH_MODES[mapper](), in_keys=["x"], out_keys=["y"])
+    expected = explain(lrp, x)
+    before_global, before_model = global_state(), module_state(model)
+    handles = arm(model, where, error())
+    with lrp:
+        with pytest.raises(error):
+            explain(lrp, x)
+        assert global_state() == before_global  # inside the context too: nothing of the call is left
+    with pytest.raises(error):
+        explain(lrp, x)  # the context entered for the call alone
+    for handle in handles:
+        handle.remove()
+    model.norm.error = None
+    assert global_state() == before_global
+    assert module_state(model) == before_model
+    torch.testing.assert_close(explain(lrp, x), expected, rtol=0, atol=0)
+    with lrp:
+        torch.testing.assert_close(explain(lrp, x), expected, rtol=0, atol=0)
+
+
+class ProbedConv(nn.Conv2d):
+    """A convolution with a forward of its own: entering a context runs it once on a probe input (to read the
+    weight it computes with), and it raises ``error`` there when armed."""
+
+    error: BaseException | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.error is not None:
+            raise self.error
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, GeneratorExit, RuntimeError])
+@pytest.mark.parametrize("mapper", ["EpsilonPlus", "AttnLRP"])
+def test_an_interrupt_while_entering_the_context_leaves_everything_as_before(mapper: str, error: type):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        ProbedConv(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(16, 4), nn.Sigmoid(), nn.LayerNorm(4), nn.Linear(4, 2)
+    ).to(F64)
+    conv_rule = EpsilonPlus()("0", model[0])  # z+ on the convolution: its modified weights are built when entering
+    lrp = LRP(
+        model,
+        MAPPERS_WITH_MODES[mapper](rule_mapper=lambda name, module: conv_rule if name == "0" else None),
+        in_keys=["x"],
+        out_keys=["y"],
+    )
+    x = torch.randn(3, 3, 4, 4, dtype=F64)
+    expected = explain(lrp, x)
+    before_global, before_model = global_state(), module_state(model)
+    model[0].error = error()
+    with pytest.raises(error):
+        lrp.__enter__()
+    assert global_state() == before_global
+    assert module_state(model) == before_model
+    model[0].error = None
+    torch.testing.assert_close(explain(lrp, x), expected, rtol=0, atol=0)
+
+
+def copies_of(model: nn.Module, how: str) -> nn.Module:
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(model))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+@pytest.mark.parametrize("mapper", ["EpsilonPlusFlat", "EpsilonGammaBox", "AttnLRP"])
+def test_a_copy_made_inside_the_context_has_no_rules(mapper: str, how: str):
+    model = GatedNet()
+    reference = copy.deepcopy(model)  # outside any context
+    mappers = {**PRESETS, **MAPPERS_WITH_MODES}
+    wrapped = TensorDictModule(model, in_keys=["x"], out_keys=["y"])
+    lrp = LRP(wrapped, mappers[mapper](), relevance_check=lambda *args: None, layers=["module.body"])
+    x = torch.randn(4, 5, dtype=F64)
+    before = module_state(model)
+    expected = explain(lrp, x)
+    with lrp:
+        copied = copies_of(model, how)
+        # No hook of the context and no method of its own in the copy: its output and gradient are the plain ones.
+        for module in copied.modules():
+            hooks = [k for k, v in vars(module).items() if "hooks" in k and isinstance(v, dict) and v]
+            assert not hooks and "__getstate__" not in vars(module) and "forward" not in vars(module), module
+        for net in (copied, copy.deepcopy(copied)):
+            x_copy, x_reference = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+            y_copy, y_reference = net(x_copy), reference(x_reference)
+            torch.testing.assert_close(y_copy, y_reference, rtol=0, atol=0)
+            grad_copy = torch.autograd.grad(y_copy.sum(), x_copy)[0]
+            grad_reference = torch.autograd.grad(y_reference.sum(), x_reference)[0]
+            torch.testing.assert_close(grad_copy, grad_reference, rtol=0, atol=0)
+        # The original keeps its rules: the same relevance as before the copy.
+        torch.testing.assert_close(explain(lrp, x), expected, rtol=0, atol=0)
+        # The copy is explained in a context of its own while the original's is open.
+        copy_lrp = LRP(TensorDictModule(copied, in_keys=["x"], out_keys=["y"]), mappers[mapper]())
+        torch.testing.assert_close(explain(copy_lrp, x), expected, rtol=0, atol=0)
+    assert module_state(model) == before
+    assert not any("__getstate__" in vars(module) for module in model.modules())
