@@ -22,6 +22,7 @@ from tdhook.attribution.rules._layers import (
     GATES,
     GRADIENT_ROUTED,
     GRADIENT_ROUTED_NAMES,
+    GRADIENT_ROUTED_SUFFIXES,
     LINEAR_LAYERS,
 )
 from tdhook.attribution.rules.additions import StabilizedAdditions
@@ -188,7 +189,10 @@ class BaseRuleMapper:
             return self._norm_rule
         if isinstance(module, AVG_POOLS):
             return self._norm
-        if isinstance(module, (*GRADIENT_ROUTED, *LINEAR_LAYERS)) or type(module).__name__ in GRADIENT_ROUTED_NAMES:
+        name_of_class = type(module).__name__
+        if isinstance(module, (*GRADIENT_ROUTED, *LINEAR_LAYERS)) or name_of_class in GRADIENT_ROUTED_NAMES:
+            return self._ignore
+        if name_of_class.endswith(GRADIENT_ROUTED_SUFFIXES):
             return self._ignore
         if type(module).__module__.startswith("timm.layers.activations"):
             return self._pass  # timm's own activation classes (GELU, Swish, HardSwish, ...)
