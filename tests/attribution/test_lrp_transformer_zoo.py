@@ -19,6 +19,7 @@ The table of docs/transformers.md is printed by ``python -m tests.attribution.te
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass, field
 
@@ -51,6 +52,7 @@ COMMON = dict(
     head_dim=8,
 )
 VISION = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+MOE = dict(num_experts=4, num_experts_per_tok=2, experts_implementation="eager")
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,14 @@ ZOO = {
     "falcon": Architecture("FalconConfig", "FalconForCausalLM", dict(head_dim=None, multi_query=True)),
     # transformers' eager and sdpa ALiBi paths of Falcon compute different functions: eager only.
     "falcon_alibi": Architecture("FalconConfig", "FalconForCausalLM", dict(head_dim=None, alibi=True), sdpa=False),
+    "mixtral": Architecture("MixtralConfig", "MixtralForCausalLM", dict(MOE, num_local_experts=4)),
+    "qwen2_moe": Architecture(
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(MOE, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    ),
+    "olmoe": Architecture("OlmoeConfig", "OlmoeForCausalLM", MOE),
+    "qwen3_moe": Architecture("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(MOE, moe_intermediate_size=32)),
     "gemma": Architecture("GemmaConfig", "GemmaForCausalLM"),
     "gemma2": Architecture("Gemma2Config", "Gemma2ForCausalLM", sdpa=False),
     "gemma3": Architecture("Gemma3TextConfig", "Gemma3ForCausalLM"),
@@ -211,15 +221,17 @@ def test_bfloat16_agrees_with_float32(name: str):
     implementation = architecture.implementations()[-1]
     values = {k: v for k, v in architecture.values.items() if k != "experts_implementation"}
     default_experts = Architecture(architecture.config, architecture.model, values, architecture.vision)
-    results = {}
+    results, target = {}, None
     for dtype in (torch.float32, torch.bfloat16):
         model = default_experts.build(implementation, dtype, scale=BFLOAT16_SCALE)
         explained, x = Explained(model, architecture.vision), model_input(architecture, dtype)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            td = LRP(explained, AttnLRP(), in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[BATCH]))
+            lrp = LRP(explained, AttnLRP(), in_keys=["x"], out_keys=["y"], target=target)
+            td = lrp(TensorDict(x=x, batch_size=[BATCH]))
         assert [str(w.message) for w in caught] == [], dtype
         results[dtype] = td["relevance", "x"]
+        target = td["y"].argmax(-1)  # bfloat16 explains the logit float32 explained, even where its argmax differs
     assert results[torch.bfloat16].dtype == torch.bfloat16
     assert torch.isfinite(results[torch.bfloat16]).all()
     cosine = cosine_per_sample(results[torch.bfloat16], results[torch.float32])
@@ -244,3 +256,37 @@ def zoo_table() -> str:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     print(zoo_table())
+
+
+class DetachedRouter(nn.Module):
+    """A router whose outputs are detached by hand: the reference for routing weights held constant."""
+
+    def __init__(self, router: nn.Module) -> None:
+        super().__init__()
+        self.router = router
+
+    def forward(self, hidden: torch.Tensor) -> tuple:
+        return tuple(out.detach() for out in self.router(hidden))
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe"])
+def test_routing_weights_are_held_constant(name: str, preset: str):
+    """A mixture of experts: all relevance flows through the experts (the routing weights held constant), and
+    it is conserved through the mixture."""
+    model = ZOO[name].build("eager")
+    zero_additive(model)
+    block = model.model.layers[0].mlp
+    reference = copy.deepcopy(block)
+    reference.gate = DetachedRouter(reference.gate)
+    x = model_input(ZOO[name])
+    relevance = {}
+    for kind, moe in (("rules", block), ("reference", reference)):
+        td = LRP(moe, PRESETS[preset](), in_keys=["x"], out_keys=["y"])(TensorDict(x=x.clone(), batch_size=[BATCH]))
+        relevance[kind] = td["relevance", "x"]
+    assert torch.equal(td["y"], block(x))  # the routing is unchanged
+    assert relative_error(relevance["rules"], relevance["reference"]) <= 1e-12
+    out = block(x)
+    explained = out.gather(-1, out.argmax(-1, keepdim=True)).sum((1, 2))
+    total = relevance["rules"].sum((1, 2))
+    assert ((total - explained).abs() / explained.abs()).max() <= CONSERVATION_TOLERANCE

@@ -29,7 +29,7 @@ from tdhook.attribution.rules.additions import StabilizedAdditions
 from tdhook.attribution.rules.base import Rule
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule
 from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
-from tdhook.attribution.rules.gates import GateRule, HeldGates
+from tdhook.attribution.rules.gates import GateRule, HeldGates, RouterRule, is_router
 from tdhook.attribution.rules.input_layer import FirstLayerRule
 from tdhook.attribution.rules.normalization import NormRule, is_norm
 
@@ -105,7 +105,8 @@ class PresetOptions(TypedDict, total=False):
 class BaseRuleMapper:
     """Map ``(name, module)`` to a rule: the user's mapper first, then defaults.
 
-    Defaults: sigmoid-like modules → :class:`~tdhook.attribution.rules.gates.GateRule`
+    Defaults: routers of a mixture of experts → :class:`~tdhook.attribution.rules.gates.RouterRule` (routing
+    weights held constant); sigmoid-like modules → :class:`~tdhook.attribution.rules.gates.GateRule`
     (held constant where they gate a signal); other activations → :class:`PassRule`;
     average pooling → :class:`EpsilonRule` with ``stabilizer`` (zennit's ``Norm``);
     BatchNorm → :class:`MergeBatchNormRule`
@@ -150,6 +151,7 @@ class BaseRuleMapper:
         self.rule_mapper = rule_mapper_from_dict(rule_mapper) if isinstance(rule_mapper, Mapping) else rule_mapper
         self._pass = PassRule()
         self._gate = GateRule()
+        self._router = RouterRule()
         self._norm = EpsilonRule(epsilon=stabilizer)
         self._ignore = IgnoreRule()
         self._merge_batch_norm = MergeBatchNormRule(epsilon=stabilizer)
@@ -178,7 +180,9 @@ class BaseRuleMapper:
         return self.layer_rule(name, module) or self.default_rule(name, module)
 
     def default_rule(self, name: str, module: nn.Module) -> Rule | None:
-        """The rule for activations, pooling, norms, dropout and shape modules."""
+        """The rule for activations, pooling, norms, dropout, shape modules and routers."""
+        if is_router(module):
+            return self._router
         if isinstance(module, GATES) or type(module).__name__ in _GATE_NAMES:
             return self._gate
         if isinstance(module, ACTIVATIONS):

@@ -35,7 +35,7 @@ from tdhook.attribution.rules.basic import (
 from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
 from tdhook.attribution.rules.checks import raise_for_unconserved_rel_factory
 from tdhook.attribution.rules.functional import FunctionalRules
-from tdhook.attribution.rules.gates import GateRule, HeldGates
+from tdhook.attribution.rules.gates import GateRule, HeldGates, RouterRule
 from tdhook.attribution.rules.input_layer import FirstLayerRule, FlatRule, WSquareRule, ZBoxRule
 from tdhook.attribution.rules.modified import AlphaBetaRule, GammaRule
 from tdhook.attribution.rules.normalization import NormRule
@@ -76,6 +76,7 @@ __all__ = [
     "NormRule",
     "GateRule",
     "HeldGates",
+    "RouterRule",
     "SoftmaxEpsilonRule",
     "LayerNormRule",
     "PseudoIdentityRule",
