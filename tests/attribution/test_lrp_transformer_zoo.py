@@ -290,3 +290,16 @@ def test_routing_weights_are_held_constant(name: str, preset: str):
     explained = out.gather(-1, out.argmax(-1, keepdim=True)).sum((1, 2))
     total = relevance["rules"].sum((1, 2))
     assert ((total - explained).abs() / explained.abs()).max() <= CONSERVATION_TOLERANCE
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("implementation", ["flash_attention_2", "flex_attention", "kernels-community/flash-attn"])
+def test_attention_the_rules_cannot_follow_is_an_error_saying_how_to_switch(implementation: str, preset: str):
+    model = ZOO["llama"].build("eager")
+    model.config._attn_implementation = implementation
+    x = model_input(ZOO["llama"])
+    lrp = LRP(Explained(model, vision=False), PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+    with pytest.raises(ValueError, match=f"'model' \\(LlamaForCausalLM\\).*'{implementation}'.*attn_implementation"):
+        lrp(TensorDict(x=x, batch_size=[BATCH]))
+    model.config._attn_implementation = "sdpa"  # switched as the message says: explained
+    assert torch.isfinite(lrp(TensorDict(x=x, batch_size=[BATCH]))["relevance", "x"]).all()

@@ -21,6 +21,25 @@ from tdhook.attribution.rules.transformer import (
 
 __all__ = ["AttnLRP", "CPLRP"]
 
+# The attention implementations of Hugging Face models whose operations the function rules see and rewrite.
+_FOLLOWED_ATTENTION = frozenset({None, "eager", "sdpa"})
+
+
+def _check_attention_implementation(model: nn.Module) -> None:
+    """Raise where a Hugging Face model's config names an attention implementation the rules cannot follow
+    (a flash, flex or hub kernel: one fused call whose inside no rule reaches)."""
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        implementation = getattr(config, "_attn_implementation", None)
+        if implementation in _FOLLOWED_ATTENTION or not isinstance(implementation, str):
+            continue
+        raise ValueError(
+            f"LRP: module {name or 'the model'!r} ({type(module).__name__}) computes attention with "
+            f"{implementation!r}, which the transformer rules cannot follow; they need the eager or sdpa "
+            'implementation: load the model with attn_implementation="eager" (or "sdpa"), or call '
+            'model.set_attn_implementation("eager") before explaining it'
+        )
+
 
 def _is_hf_activation(module: nn.Module) -> bool:
     return type(module).__module__.startswith("transformers.activations")
@@ -82,6 +101,12 @@ class AttnLRP(BaseRuleMapper):
         if type(module).__name__.endswith("RotaryEmbedding"):
             return self._ignore  # cos/sin tables from positions: no relevance flows through them
         return super().default_rule(name, module)
+
+    def rules(self, model: nn.Module) -> dict:
+        """The rule of every module of ``model`` (see :meth:`BaseRuleMapper.rules`), after checking that a
+        Hugging Face model computes its attention in a way the function rules follow (eager or sdpa)."""
+        _check_attention_implementation(model)
+        return super().rules(model)
 
     def function_modes(self) -> list:
         hold_gates = isinstance(self._softmax, AHQKVRule)
