@@ -32,6 +32,7 @@ from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
 from tdhook.attribution.rules.gates import GateRule, HeldGates, RouterRule, is_router
 from tdhook.attribution.rules.input_layer import FirstLayerRule
 from tdhook.attribution.rules.normalization import NormRule, is_norm
+from tdhook.attribution.rules.quantized import QuantizedLinearRule, holds_packed_weights, is_quantized_linear
 
 __all__ = ["RuleMapper", "rule_mapper_from_dict", "PresetOptions", "BaseRuleMapper"]
 
@@ -106,7 +107,9 @@ class BaseRuleMapper:
     """Map ``(name, module)`` to a rule: the user's mapper first, then defaults.
 
     Defaults: routers of a mixture of experts → :class:`~tdhook.attribution.rules.gates.RouterRule` (routing
-    weights held constant); sigmoid-like modules → :class:`~tdhook.attribution.rules.gates.GateRule`
+    weights held constant); dynamically quantized Linear layers →
+    :class:`~tdhook.attribution.rules.quantized.QuantizedLinearRule` (the ε-rule with ``stabilizer`` on the
+    dequantized weight); sigmoid-like modules → :class:`~tdhook.attribution.rules.gates.GateRule`
     (held constant where they gate a signal); other activations → :class:`PassRule`;
     average pooling → :class:`EpsilonRule` with ``stabilizer`` (zennit's ``Norm``);
     BatchNorm → :class:`MergeBatchNormRule`
@@ -152,6 +155,7 @@ class BaseRuleMapper:
         self._pass = PassRule()
         self._gate = GateRule()
         self._router = RouterRule()
+        self._quantized_linear = QuantizedLinearRule(epsilon=stabilizer)
         self._norm = EpsilonRule(epsilon=stabilizer)
         self._ignore = IgnoreRule()
         self._merge_batch_norm = MergeBatchNormRule(epsilon=stabilizer)
@@ -183,6 +187,10 @@ class BaseRuleMapper:
         """The rule for activations, pooling, norms, dropout, shape modules and routers."""
         if is_router(module):
             return self._router
+        if is_quantized_linear(module):
+            return self._quantized_linear
+        if holds_packed_weights(module):
+            return self._ignore  # a quantized layer's weight store: it never runs
         if isinstance(module, GATES) or type(module).__name__ in _GATE_NAMES:
             return self._gate
         if isinstance(module, ACTIVATIONS):

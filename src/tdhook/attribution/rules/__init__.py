@@ -39,6 +39,7 @@ from tdhook.attribution.rules.gates import GateRule, HeldGates, RouterRule
 from tdhook.attribution.rules.input_layer import FirstLayerRule, FlatRule, WSquareRule, ZBoxRule
 from tdhook.attribution.rules.modified import AlphaBetaRule, GammaRule
 from tdhook.attribution.rules.normalization import NormRule
+from tdhook.attribution.rules.quantized import QuantizedLinearRule
 from tdhook.attribution.rules.transformer import (
     AHQKVRule,
     LayerNormRule,
@@ -77,6 +78,7 @@ __all__ = [
     "GateRule",
     "HeldGates",
     "RouterRule",
+    "QuantizedLinearRule",
     "SoftmaxEpsilonRule",
     "LayerNormRule",
     "PseudoIdentityRule",
