@@ -303,3 +303,27 @@ def test_attention_the_rules_cannot_follow_is_an_error_saying_how_to_switch(impl
         lrp(TensorDict(x=x, batch_size=[BATCH]))
     model.config._attn_implementation = "sdpa"  # switched as the message says: explained
     assert torch.isfinite(lrp(TensorDict(x=x, batch_size=[BATCH]))["relevance", "x"]).all()
+
+
+@pytest.mark.parametrize(
+    "name, norm_class",
+    [
+        ("gemma", "GemmaRMSNorm"),  # x · rsqrt(mean(x²) + ε) · (1 + w)
+        ("gemma2", "Gemma2RMSNorm"),
+        ("gemma3", "Gemma3RMSNorm"),
+        ("t5_encoder", "T5LayerNorm"),  # named a LayerNorm, computes an RMS norm (no centring)
+        ("llama", "LlamaRMSNorm"),
+    ],
+)
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_rms_norms_pass_relevance_on_element_by_element(name: str, norm_class: str, preset: str):
+    """An RMS norm with its normalising scale held constant is a per-element scaling: each element's relevance
+    passes on unchanged, whatever the scale (``w`` or Gemma's ``1 + w``). A mean-centring rule would spread it."""
+    modules = ZOO[name].build("eager").modules()
+    norm = next(m for m in modules if type(m).__name__ == norm_class and m.weight.numel() == HIDDEN)
+    assert norm.weight.abs().mean() > 0.1  # randomised scales, away from Gemma's initial zero
+    x = model_input(ZOO[name])
+    relevance_out = torch.randn(x.shape, dtype=F64)
+    lrp = LRP(norm, PRESETS[preset](), in_keys=["x"], out_keys=["y"], target=lambda y: relevance_out)
+    relevance = lrp(TensorDict(x=x, batch_size=[BATCH]))["relevance", "x"]
+    assert relative_error(relevance, relevance_out) <= 1e-6  # the norm computes in float32
