@@ -126,6 +126,21 @@ ZOO = {
         dict(image_size=IMAGE, patch_size=4, use_relative_position_bias=True),
         vision=True,
     ),
+    "swin": Architecture(
+        "SwinConfig",
+        "SwinForImageClassification",
+        dict(
+            {key: None for key in VISION},
+            image_size=IMAGE,
+            patch_size=2,
+            embed_dim=16,
+            depths=[1, 1],
+            num_heads=[2, 2],
+            window_size=4,
+            drop_path_rate=0.1,
+        ),
+        vision=True,
+    ),
 }
 
 

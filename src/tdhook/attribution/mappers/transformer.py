@@ -7,7 +7,7 @@ from typing import Unpack
 from torch import nn
 
 from tdhook.attribution.mappers.base import BaseRuleMapper, PresetOptions
-from tdhook.attribution.rules._layers import ACTIVATIONS, BATCH_NORMS, GATES
+from tdhook.attribution.rules._layers import ACTIVATIONS, AVG_POOLS, BATCH_NORMS, GATES
 from tdhook.attribution.rules.basic import EpsilonRule
 from tdhook.attribution.rules.functional import FunctionalRules
 from tdhook.attribution.rules.gates import GateRule
@@ -52,8 +52,8 @@ def _is_hf_conv1d(module: nn.Module) -> bool:
 class AttnLRP(BaseRuleMapper):
     """AttnLRP for transformers (Achtibat et al., 2024), as LXT computes it.
 
-    Linear layers (and Hugging Face's ``Conv1D``): LRP-0, or LRP-ε with
-    ``epsilon``; LayerNorm/RMSNorm: :class:`LayerNormRule`; activations:
+    Linear layers (and Hugging Face's ``Conv1D``) and average pooling: LRP-0,
+    or LRP-ε with ``epsilon``; LayerNorm/RMSNorm: :class:`LayerNormRule`; activations:
     :class:`PseudoIdentityRule`; softmax: :class:`SoftmaxEpsilonRule`; the
     products in attention (``q · kᵀ``, ``attention · v``, fused
     ``scaled_dot_product_attention`` included) and gates: the uniform rule.
@@ -85,7 +85,8 @@ class AttnLRP(BaseRuleMapper):
         self._norm_rule = LayerNormRule(epsilon=self.stabilizer)
 
     def layer_rule(self, name, module):
-        if isinstance(module, nn.Linear) or _is_hf_conv1d(module):
+        # Average pooling of tokens (Swin's pooler) is a linear map like the others: LRP-0 unless ε is asked for.
+        if isinstance(module, (nn.Linear, *AVG_POOLS)) or _is_hf_conv1d(module):
             return self._dense or self._ignore
         return None
 
