@@ -17,7 +17,7 @@ from torch import nn
 
 from tdhook.attribution.mappers.base import BaseRuleMapper
 from tdhook.attribution.rules.basic import IgnoreRule, PassRule
-from tdhook.attribution.rules.gates import GateRule, HeldGates, is_gate
+from tdhook.attribution.rules.gates import GateRule, HeldGates, RouterRule, is_gate, is_router
 from tests.attribution.rules._helpers import CNN_PRESETS, F64, randn
 from tests.attribution.test_lrp_layers import lrp_relevance
 from tests.conftest import relative_error, tdhook_relevance
@@ -256,3 +256,55 @@ def test_a_gate_times_a_reshaped_parameter_passes_relevance_to_the_gate():
         y = torch.sigmoid(x * 1) * scale.view(1, 2)
     (grad,) = torch.autograd.grad(y.sum(), x)
     assert grad.abs().min() > 0
+
+
+class TopKRouter(nn.Module):
+    """A router as mixtures of experts write it: softmax of router logits, the top two renormalised in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 6, dtype=F64))
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(hidden, self.weight)
+        weights, index = torch.topk(logits.softmax(-1), 2, dim=-1)
+        weights /= weights.sum(-1, keepdim=True)
+        return logits, weights, index
+
+
+class InlineMixture(nn.Module):
+    """A mixture whose forward routes by itself: its output is the signal, not routing weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.expert = nn.Linear(6, 4, dtype=F64), nn.Linear(6, 6, dtype=F64)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights = torch.topk(self.gate(hidden).softmax(-1), 1, dim=-1).values
+        return self.expert(hidden) * weights
+
+
+class TestRouterRule:
+    def test_routers_are_recognised_by_their_top_k_selection(self):
+        assert is_router(TopKRouter())
+        assert not is_router(InlineMixture())  # holds layers: the mixture itself, not its router
+        assert not is_router(nn.Softmax(-1))
+        assert isinstance(BaseRuleMapper()("router", TopKRouter()), RouterRule)
+
+    def test_outputs_held_constant_and_routing_unchanged(self):
+        router, x = TopKRouter(), randn(5, 6).requires_grad_(True)
+        plain = router(x)
+        with RouterRule().register(router):
+            held = router(x)
+        assert all(torch.equal(a, b) for a, b in zip(plain, held, strict=True))
+        assert not any(t.requires_grad for t in held)
+        assert all(t.requires_grad for t in router(x)[:2])  # the rule is removed with its handle
+
+    def test_an_output_that_is_not_tensors_is_an_error_naming_the_module(self):
+        class DictRouter(TopKRouter):
+            def forward(self, hidden):
+                return dict(zip(("logits", "weights", "index"), super().forward(hidden), strict=True))
+
+        router = DictRouter()
+        with RouterRule().register(router), pytest.raises(TypeError, match="RouterRule on DictRouter"):
+            router(randn(2, 6))

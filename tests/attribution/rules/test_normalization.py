@@ -96,6 +96,17 @@ class StdLayerNorm(VarMeanLayerNorm):
         return centred / (x.std(-1, keepdim=True, unbiased=False) + self.eps) * self.weight + self.bias
 
 
+class RootMeanSquareScaling(nn.Module):
+    """T5's norm under a name no mapper knows: found by its forward's ``rsqrt``."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(size) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
 class L2Norm(nn.Module):
     """``F.normalize`` as a module (named like a norm, so the mappers give it :class:`NormRule`)."""
 
@@ -392,10 +403,18 @@ class TestIsNorm:
             lambda: timm.layers.GroupNormAct(4, num_groups=2),
             lambda: LlamaRMSNorm(4),
             lambda: L2Norm(),
+            lambda: RootMeanSquareScaling(4),
         ],
     )
     def test_norms(self, make):
         assert is_norm(make())
+
+    def test_a_norm_found_by_its_forward_gets_the_rms_behaviour(self):
+        norm, x = RootMeanSquareScaling(6).double(), torch.randn(3, 6, dtype=torch.float64)
+        relevance_out = torch.randn(3, 6, dtype=torch.float64)
+        # Held scale: each element's relevance passes on unchanged (the plain gradient would spread it).
+        relevance = tdhook_relevance(BaseRuleMapper()("norm", norm), norm, x, relevance_out)
+        assert relative_error(relevance, relevance_out) <= 1e-12
 
     @pytest.mark.parametrize(
         "make", [lambda: nn.Linear(2, 2), lambda: ConvNormAct(nn.Conv2d(1, 1, 1)), lambda: nn.ReLU()]

@@ -21,15 +21,17 @@ from tdhook.attribution.rules._layers import (
     GATES,
     GRADIENT_ROUTED,
     GRADIENT_ROUTED_NAMES,
+    GRADIENT_ROUTED_SUFFIXES,
     LINEAR_LAYERS,
 )
 from tdhook.attribution.rules.additions import StabilizedAdditions
 from tdhook.attribution.rules.base import Rule
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule
 from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
-from tdhook.attribution.rules.gates import GateRule, HeldGates
+from tdhook.attribution.rules.gates import GateRule, HeldGates, RouterRule, is_router
 from tdhook.attribution.rules.input_layer import FirstLayerRule
 from tdhook.attribution.rules.normalization import NormRule, is_norm
+from tdhook.attribution.rules.quantized import QuantizedLinearRule, holds_packed_weights, is_quantized_linear
 
 __all__ = ["RuleMapper", "rule_mapper_from_dict", "PresetOptions", "BaseRuleMapper"]
 
@@ -97,7 +99,10 @@ class PresetOptions(TypedDict, total=False):
 class BaseRuleMapper:
     """Map ``(name, module)`` to a rule: the user's mapper first, then defaults.
 
-    Defaults: sigmoid-like modules → :class:`~tdhook.attribution.rules.gates.GateRule`
+    Defaults: routers of a mixture of experts → :class:`~tdhook.attribution.rules.gates.RouterRule` (routing
+    weights held constant); dynamically quantized Linear layers →
+    :class:`~tdhook.attribution.rules.quantized.QuantizedLinearRule` (the ε-rule with ``stabilizer`` on the
+    dequantized weight); sigmoid-like modules → :class:`~tdhook.attribution.rules.gates.GateRule`
     (held constant where they gate a signal); other activations → :class:`PassRule`;
     average pooling → :class:`EpsilonRule` with ``stabilizer`` (zennit's ``Norm``);
     BatchNorm → :class:`MergeBatchNormRule`
@@ -150,6 +155,8 @@ class BaseRuleMapper:
         self.rule_mapper = rule_mapper_from_dict(rule_mapper) if isinstance(rule_mapper, Mapping) else rule_mapper
         self._pass = PassRule()
         self._gate = GateRule()
+        self._router = RouterRule()
+        self._quantized_linear = QuantizedLinearRule(epsilon=stabilizer)
         self._norm = EpsilonRule(epsilon=stabilizer)
         self._ignore = IgnoreRule()
         self._merge_batch_norm = MergeBatchNormRule(epsilon=stabilizer)
@@ -178,7 +185,13 @@ class BaseRuleMapper:
         return self.layer_rule(name, module) or self.default_rule(name, module)
 
     def default_rule(self, name: str, module: nn.Module) -> Rule | None:
-        """The rule for activations, pooling, norms, dropout and shape modules."""
+        """The rule for activations, pooling, norms, dropout, shape modules and routers."""
+        if is_router(module):
+            return self._router
+        if is_quantized_linear(module):
+            return self._quantized_linear
+        if holds_packed_weights(module):
+            return self._ignore  # a quantized layer's weight store: it never runs
         if isinstance(module, GATES) or type(module).__name__ in _GATE_NAMES:
             return self._gate
         if isinstance(module, ACTIVATIONS):
@@ -189,7 +202,10 @@ class BaseRuleMapper:
             return self._norm_rule
         if isinstance(module, AVG_POOLS):
             return self._norm
-        if isinstance(module, (*GRADIENT_ROUTED, *LINEAR_LAYERS)) or type(module).__name__ in GRADIENT_ROUTED_NAMES:
+        name_of_class = type(module).__name__
+        if isinstance(module, (*GRADIENT_ROUTED, *LINEAR_LAYERS)) or name_of_class in GRADIENT_ROUTED_NAMES:
+            return self._ignore
+        if name_of_class.endswith(GRADIENT_ROUTED_SUFFIXES):
             return self._ignore
         if type(module).__module__.startswith("timm.layers.activations"):
             return self._pass  # timm's own activation classes (GELU, Swish, HardSwish, ...)

@@ -8,7 +8,7 @@ from torch import nn
 
 from tdhook.attribution.mappers.base import BaseRuleMapper, PresetOptions
 from tdhook.attribution.rules._arguments import nonnegative
-from tdhook.attribution.rules._layers import ACTIVATIONS, BATCH_NORMS, GATES
+from tdhook.attribution.rules._layers import ACTIVATIONS, AVG_POOLS, BATCH_NORMS, GATES
 from tdhook.attribution.rules.basic import EpsilonRule
 from tdhook.attribution.rules.functional import FunctionalRules
 from tdhook.attribution.rules.gates import GateRule
@@ -22,6 +22,25 @@ from tdhook.attribution.rules.transformer import (
 
 __all__ = ["AttnLRP", "CPLRP"]
 
+# The attention implementations of Hugging Face models whose operations the function rules see and rewrite.
+_FOLLOWED_ATTENTION = frozenset({None, "eager", "sdpa"})
+
+
+def _check_attention_implementation(model: nn.Module) -> None:
+    """Raise where a Hugging Face model's config names an attention implementation the rules cannot follow
+    (a flash, flex or hub kernel: one fused call whose inside no rule reaches)."""
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        implementation = getattr(config, "_attn_implementation", None)
+        if implementation in _FOLLOWED_ATTENTION or not isinstance(implementation, str):
+            continue
+        raise ValueError(
+            f"LRP: module {name or 'the model'!r} ({type(module).__name__}) computes attention with "
+            f"{implementation!r}, which the transformer rules cannot follow; they need the eager or sdpa "
+            'implementation: load the model with attn_implementation="eager" (or "sdpa"), or call '
+            'model.set_attn_implementation("eager") before explaining it'
+        )
+
 
 def _is_hf_activation(module: nn.Module) -> bool:
     return type(module).__module__.startswith("transformers.activations")
@@ -34,8 +53,8 @@ def _is_hf_conv1d(module: nn.Module) -> bool:
 class AttnLRP(BaseRuleMapper):
     """AttnLRP for transformers (Achtibat et al., 2024), as LXT computes it.
 
-    Linear layers (and Hugging Face's ``Conv1D``): LRP-0, or LRP-ε with
-    ``epsilon``; LayerNorm/RMSNorm: :class:`LayerNormRule`; activations:
+    Linear layers (and Hugging Face's ``Conv1D``) and average pooling: LRP-0,
+    or LRP-ε with ``epsilon``; LayerNorm/RMSNorm: :class:`LayerNormRule`; activations:
     :class:`PseudoIdentityRule`; softmax: :class:`SoftmaxEpsilonRule`; the
     products in attention (``q · kᵀ``, ``attention · v``, fused
     ``scaled_dot_product_attention`` included) and gates: the uniform rule.
@@ -70,7 +89,8 @@ class AttnLRP(BaseRuleMapper):
         self._norm_rule = LayerNormRule(epsilon=self.stabilizer)
 
     def layer_rule(self, name, module):
-        if isinstance(module, nn.Linear) or _is_hf_conv1d(module):
+        # Average pooling of tokens (Swin's pooler) is a linear map like the others: LRP-0 unless ε is asked for.
+        if isinstance(module, (nn.Linear, *AVG_POOLS)) or _is_hf_conv1d(module):
             return self._dense or self._ignore
         return None
 
@@ -86,6 +106,12 @@ class AttnLRP(BaseRuleMapper):
         if type(module).__name__.endswith("RotaryEmbedding"):
             return self._ignore  # cos/sin tables from positions: no relevance flows through them
         return super().default_rule(name, module)
+
+    def rules(self, model: nn.Module) -> dict:
+        """The rule of every module of ``model`` (see :meth:`BaseRuleMapper.rules`), after checking that a
+        Hugging Face model computes its attention in a way the function rules follow (eager or sdpa)."""
+        _check_attention_implementation(model)
+        return super().rules(model)
 
     def function_modes(self) -> list:
         hold_gates = isinstance(self._softmax, AHQKVRule)

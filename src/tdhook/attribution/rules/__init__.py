@@ -35,10 +35,11 @@ from tdhook.attribution.rules.basic import (
 from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
 from tdhook.attribution.rules.checks import raise_for_unconserved_rel_factory
 from tdhook.attribution.rules.functional import FunctionalRules
-from tdhook.attribution.rules.gates import GateRule, HeldGates
+from tdhook.attribution.rules.gates import GateRule, HeldGates, RouterRule
 from tdhook.attribution.rules.input_layer import FirstLayerRule, FlatRule, WSquareRule, ZBoxRule
 from tdhook.attribution.rules.modified import AlphaBetaRule, GammaRule
 from tdhook.attribution.rules.normalization import NormRule
+from tdhook.attribution.rules.quantized import QuantizedLinearRule
 from tdhook.attribution.rules.transformer import (
     AHQKVRule,
     LayerNormRule,
@@ -76,6 +77,8 @@ __all__ = [
     "NormRule",
     "GateRule",
     "HeldGates",
+    "RouterRule",
+    "QuantizedLinearRule",
     "SoftmaxEpsilonRule",
     "LayerNormRule",
     "PseudoIdentityRule",

@@ -18,6 +18,7 @@ __all__ = [
     "BATCH_NORMS",
     "GRADIENT_ROUTED",
     "GRADIENT_ROUTED_NAMES",
+    "GRADIENT_ROUTED_SUFFIXES",
     "GATES",
     "PLAIN_CONVOLUTIONS",
     "TRANSPOSED_FORWARDS",
@@ -109,6 +110,9 @@ GRADIENT_ROUTED_NAMES = frozenset(
     {"StochasticDepth", "DropPath", "DropBlock2d", "Permute", "WindowPartition", "WindowDepartition", "SwapAxes"}
     | {"LayerScale", "LayerScale2d", "Scale", "Identity", "ChannelShuffle", "Downsample", "RelPosBias", "RelPosBiasTf"}
 )
+# The same by the end of the class name, for the models that prefix their own (BeitRelativePositionBias,
+# SwinDropPath): a bias table read from parameters alone, and stochastic depth.
+GRADIENT_ROUTED_SUFFIXES = ("RelativePositionBias", "DropPath")
 
 PLAIN_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 TRANSPOSED_FORWARDS = {

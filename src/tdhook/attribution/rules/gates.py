@@ -13,6 +13,11 @@ sigmoid function seen by :class:`HeldGates`; it is marked, and a product of a
 marked gate with an activation detaches the gate. A sigmoid whose output is not
 multiplied by an activation (a last layer, an activation in an MLP) passes
 relevance on as any activation does.
+
+The router of a mixture of experts is a gate too: its routing weights (a softmax
+or sigmoid of router logits, at the top-k experts) multiply the experts'
+outputs. :class:`RouterRule` holds them constant, so the relevance of the
+mixture flows through the experts alone, and is conserved through it.
 """
 
 from __future__ import annotations
@@ -21,12 +26,25 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._autograd import is_activation, mark_parameter_derived
+from tdhook.attribution.rules._layers import LINEAR_LAYERS
+from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.rules.basic import PassRule
 
-__all__ = ["GateRule", "HeldGates", "mark_gate", "is_gate", "keep_gate_mark", "held_gate_product", "GATE_FUNCTIONS"]
+__all__ = [
+    "GateRule",
+    "HeldGates",
+    "RouterRule",
+    "is_router",
+    "mark_gate",
+    "is_gate",
+    "keep_gate_mark",
+    "held_gate_product",
+    "GATE_FUNCTIONS",
+]
 
 # The attribute that marks a gate, holding the tensor it was computed from (shared with PseudoIdentityRule).
 GATE_MARK = "_tdhook_activation_of"
@@ -151,3 +169,75 @@ class HeldGates(TorchFunctionMode):
         if func in GATE_FUNCTIONS and args and is_activation(args[0]) and isinstance(result, torch.Tensor):
             return mark_gate(result, args[0], sigmoid=True)
         return keep_gate_mark(func, args, result)
+
+
+def is_router(module: nn.Module) -> bool:
+    """Whether ``module`` routes tokens to experts: its forward selects the top k of its scores
+    (``torch.topk``), and it holds no layer of its own (the mixture around it holds the experts).
+
+    Examples:
+        >>> class Router(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.weight = nn.Parameter(torch.randn(4, 8))
+        ...     def forward(self, x):
+        ...         return torch.topk(torch.softmax(F.linear(x, self.weight), -1), 2, dim=-1)
+        >>> is_router(Router()), is_router(nn.Linear(8, 4))
+        (True, False)
+    """
+    code = getattr(type(module).forward, "__code__", None)
+    if code is None or "topk" not in code.co_names:
+        return False
+    return not any(isinstance(sub, LINEAR_LAYERS) for sub in module.modules())
+
+
+class RouterRule(Rule):
+    """The router of a mixture of experts: its outputs (router logits, routing weights) are held constant.
+
+    The routing is unchanged: the same experts are chosen with the same weights.
+    The weights multiply the experts' outputs, and held constant they act as the
+    gates of :class:`GateRule` do (signal-take-all): the mixture's relevance
+    flows through the experts only, none through the router, and relevance is
+    conserved through the weighted sum of the experts.
+
+    Examples:
+        >>> class Router(nn.Module):
+        ...     def forward(self, x):
+        ...         weights, index = torch.topk(torch.softmax(x, -1), 1, dim=-1)
+        ...         return weights, index
+        >>> x = torch.randn(3, 4, requires_grad=True)
+        >>> router = Router()
+        >>> with RouterRule().register(router):
+        ...     weights, index = router(x)
+        >>> weights.requires_grad, torch.equal(weights, torch.softmax(x, -1).max(-1, keepdim=True).values)
+        (False, True)
+    """
+
+    uses_input = False
+
+    def register(self, module: nn.Module) -> RemovableRuleHandle:
+        if module in self._registrations:
+            raise ValueError(f"{self!r} is already registered on this {type(module).__name__}")
+        registration = self._new_registration(module)
+
+        def hold(mod: nn.Module, args: tuple, output: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return None
+            return _held(output, mod)
+
+        registration.hooks.append(module.register_forward_hook(hold))
+        self._registrations[module] = registration
+        return RemovableRuleHandle(self, module)
+
+
+def _held(output: Any, module: nn.Module) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output.detach()
+    if isinstance(output, (tuple, list)):
+        return type(output)(_held(item, module) for item in output)
+    if output is None or isinstance(output, (int, float, bool)):
+        return output
+    raise TypeError(
+        f"RouterRule on {type(module).__name__}: expected a router returning tensors (routing weights, expert "
+        f"indices) or a tuple of them, got {type(output).__name__}; map the module to another rule"
+    )

@@ -46,26 +46,41 @@ _SCALES = frozenset(
     | {torch.std, torch.Tensor.std, torch.norm, torch.Tensor.norm, torch.linalg.vector_norm, torch.linalg.norm}
 )
 _SCALE_AND_MEAN = frozenset({torch.var_mean, torch.std_mean})
+# Names in a forward's code that make it a norm: fused norms, and rsqrt, the scale of a norm written by hand.
+_NORM_CALLS = frozenset({"layer_norm", "rms_norm", "group_norm", "rsqrt"})
 _NORM_NAMES = ("Norm", "Norm1d", "Norm2d", "Norm3d", "NormAct", "NormAct1d", "NormAct2d", "NormAct3d")
 
 
 def is_norm(module: nn.Module) -> bool:
-    """Whether ``module`` is a normalisation layer: torch's norms, and classes named ``*Norm``, ``*Norm2d``,
-    ``*NormAct2d`` and the like (timm's, torchvision's and Hugging Face's).
+    """Whether ``module`` is a normalisation layer: torch's norms, classes named ``*Norm``, ``*Norm2d``,
+    ``*NormAct2d`` and the like (timm's, torchvision's and Hugging Face's), and modules whose forward calls a
+    fused norm or computes a normalising scale with ``rsqrt``, whatever their name.
 
     Examples:
         >>> class ConvNormAct(nn.Sequential):  # a block named like a norm
         ...     pass
         >>> is_norm(nn.GroupNorm(2, 4)), is_norm(nn.Linear(2, 2)), is_norm(ConvNormAct(nn.Conv2d(1, 1, 1)))
         (True, False, False)
+        >>> class RootMeanSquare(nn.Module):  # named like no norm, computes one
+        ...     def forward(self, x):
+        ...         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        >>> is_norm(RootMeanSquare())
+        True
     """
     torch_norms = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
     if isinstance(module, torch_norms):
         return True
-    # By name, only a module without layers of its own: timm's ConvNormAct is a block, BatchNormAct2d a norm.
-    return type(module).__name__.endswith(_NORM_NAMES) and not any(
-        isinstance(sub, LINEAR_LAYERS) for sub in module.modules()
-    )
+    # By name or by what the forward calls, only a module without layers of its own: timm's ConvNormAct is a
+    # block, BatchNormAct2d a norm.
+    if any(isinstance(sub, LINEAR_LAYERS) for sub in module.modules()):
+        return False
+    return type(module).__name__.endswith(_NORM_NAMES) or _forward_normalises(module)
+
+
+def _forward_normalises(module: nn.Module) -> bool:
+    """Whether the module's own forward calls a fused norm or ``rsqrt`` (the scale of a norm written by hand)."""
+    code = getattr(type(module).forward, "__code__", None)
+    return code is not None and not _NORM_CALLS.isdisjoint(code.co_names)
 
 
 def _channel_view(tensor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,71 @@
+"""Dynamically quantized Linear layers: the ε-rule on the dequantized weight, never a silent zero or NaN."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from tdhook.attribution import CPLRP, LRP, AttnLRP, EpsilonPlus
+from tdhook.attribution.rules.basic import EpsilonRule
+from tdhook.attribution.rules.quantized import QuantizedLinearRule
+from tests.conftest import relative_error, tdhook_relevance
+
+
+def quantized_mlp() -> tuple[nn.Module, nn.Module]:
+    """A float MLP and its dynamically quantized twin."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    return mlp, torch.ao.quantization.quantize_dynamic(mlp, {nn.Linear}, dtype=torch.qint8)
+
+
+def dequantized(quantized: nn.Module) -> nn.Module:
+    """The float MLP with the quantized layers' dequantized weights: the reference the rule must match."""
+    layers = []
+    for module in quantized:
+        if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
+            weight = module.weight().dequantize()
+            layer = nn.Linear(weight.shape[1], weight.shape[0])
+            with torch.no_grad():
+                layer.weight.copy_(weight)
+                layer.bias.copy_(module.bias())
+            module = layer
+        layers.append(module)
+    return nn.Sequential(*layers).eval()
+
+
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP, EpsilonPlus])
+def test_quantized_mlp_gets_the_epsilon_rule_on_its_dequantized_weights(preset):
+    _, quantized = quantized_mlp()
+    x = torch.randn(5, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "no LRP rule" warning, no backprop through a kernel without autograd
+        td = LRP(quantized, preset(), in_keys=["x"], out_keys=["y"])(TensorDict(x=x.clone(), batch_size=[5]))
+    relevance = td["relevance", "x"]
+    assert torch.isfinite(relevance).all() and relevance.abs().sum() > 0
+    assert torch.equal(td["y"], quantized(x))  # the quantized computation, unchanged
+
+    reference = dequantized(quantized)
+    stabilizer = preset().stabilizer
+    mapper = {nn.Linear: EpsilonRule(stabilizer)}
+    expected = LRP(reference, preset(rule_mapper=mapper), in_keys=["x"], out_keys=["y"], target=td["y"].argmax(-1))
+    # The dequantized float layer computes what the quantized one does up to the activations' int8 rounding.
+    assert relative_error(relevance, expected(TensorDict(x=x, batch_size=[5]))["relevance", "x"]) <= 0.05
+
+
+def test_the_rule_on_one_layer_matches_the_epsilon_rule():
+    _, quantized = quantized_mlp()
+    layer, x = quantized[2], torch.randn(5, 16)
+    relevance_out = torch.randn(5, 4)
+    float_layer = dequantized(nn.Sequential(layer))[0]
+    actual = tdhook_relevance(QuantizedLinearRule(epsilon=0.1), layer, x, relevance_out)
+    expected = tdhook_relevance(EpsilonRule(epsilon=0.1), float_layer, x, relevance_out)
+    assert relative_error(actual, expected) <= 0.05
+
+
+def test_registering_on_another_module_is_an_error_naming_it():
+    with pytest.raises(TypeError, match="expects a dynamically quantized Linear.*got Linear"):
+        QuantizedLinearRule().register(nn.Linear(2, 2))

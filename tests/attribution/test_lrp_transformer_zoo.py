@@ -1,0 +1,347 @@
+"""A zoo of Hugging Face transformers under AttnLRP and CP-LRP, built from tiny random configs.
+
+Every architecture is built untrained (hidden size 32, two layers, batch 2 × 7 tokens or 2 × 3 × 16 × 16 pixels),
+in float64, with its matrices scaled up so that attention is far from uniform and every rule matters, and its
+one-dimensional scales randomised (Gemma's norms start at zero). Language models are fed ``inputs_embeds``;
+vision models ``pixel_values``. For each architecture, preset and attention implementation (``"eager"`` and
+``"sdpa"``, where the architecture has both):
+
+1. the wrapper changes neither the output (bit for bit) nor the ``state_dict``, and raises no warning;
+2. every relevance is finite;
+3. under CP-LRP, with biases and learned additive embeddings (positions, token types, class tokens, relative
+   position bias tables) zeroed, relevance sums to the explained logit within 1e-6 of the logit;
+4. eager and sdpa attention give the same relevance (up to the float32 arithmetic some norms run in).
+
+One bfloat16 case per architecture is finite and agrees with float32 to bfloat16 precision.
+
+The table of docs/transformers.md is printed by ``python -m tests.attribution.test_lrp_transformer_zoo``.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import transformers
+from tensordict import TensorDict
+from torch import nn
+
+from tdhook.attribution import CPLRP, LRP, AttnLRP
+from tests.conftest import relative_error
+
+F64 = torch.float64
+BATCH, TOKENS, HIDDEN, IMAGE = 2, 7, 32, 16
+CONSERVATION_TOLERANCE = 1e-6
+IMPLEMENTATION_TOLERANCE = 1e-6  # several norms compute in float32 whatever the model's dtype
+BFLOAT16_SCALE = 3.0  # milder weights: with 10, bfloat16 rounding alone changes the forward pass
+PRESETS = {"attnlrp": AttnLRP, "cplrp": CPLRP}
+# Parameter names of learned additive embeddings and bias tables, zeroed (with every bias) for conservation.
+ADDITIVE = ("bias", "position", "wpe", "token_type", "cls_token", "distillation_token", "mask_token")
+
+COMMON = dict(
+    vocab_size=64,
+    hidden_size=HIDDEN,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=64,
+    head_dim=8,
+)
+VISION = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+MOE = dict(num_experts=4, num_experts_per_tok=2, experts_implementation="eager")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How to build one architecture of the zoo: its config and model classes and the config's values."""
+
+    config: str
+    model: str
+    values: dict = field(default_factory=dict)
+    vision: bool = False
+    sdpa: bool = True  # whether transformers offers sdpa attention for it
+
+    def build(self, implementation: str, dtype: torch.dtype = F64, scale: float = 10.0) -> nn.Module:
+        values = {**(VISION if self.vision else COMMON), **self.values}
+        values = {key: value for key, value in values.items() if value is not None}  # None: not for this config
+        config = getattr(transformers, self.config)(**values)
+        config._attn_implementation = implementation
+        config.num_labels = 3
+        torch.manual_seed(0)
+        model = getattr(transformers, self.model)(config).eval()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if param.dim() > 1 and "embed" not in name:
+                    param.mul_(scale)  # attention far from uniform: every rule matters
+                elif param.dim() == 1 and name.endswith("weight"):
+                    param.add_(0.3 * torch.randn_like(param))  # norm scales (Gemma's start at zero)
+        return model.to(dtype)
+
+    def implementations(self) -> tuple[str, ...]:
+        return ("eager", "sdpa") if self.sdpa else ("eager",)
+
+
+ZOO = {
+    "gpt2": Architecture("GPT2Config", "GPT2LMHeadModel", dict(n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64)),
+    "llama": Architecture("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": Architecture("MistralConfig", "MistralForCausalLM"),
+    "qwen2": Architecture("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": Architecture("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": Architecture("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
+    "phi": Architecture("PhiConfig", "PhiForCausalLM", dict(partial_rotary_factor=0.5)),
+    "gpt_neox": Architecture("GPTNeoXConfig", "GPTNeoXForCausalLM"),
+    "opt": Architecture("OPTConfig", "OPTForCausalLM", dict(ffn_dim=64, word_embed_proj_dim=HIDDEN)),
+    "falcon": Architecture("FalconConfig", "FalconForCausalLM", dict(head_dim=None, multi_query=True)),
+    # transformers' eager and sdpa ALiBi paths of Falcon compute different functions: eager only.
+    "falcon_alibi": Architecture("FalconConfig", "FalconForCausalLM", dict(head_dim=None, alibi=True), sdpa=False),
+    "mixtral": Architecture("MixtralConfig", "MixtralForCausalLM", dict(MOE, num_local_experts=4)),
+    "qwen2_moe": Architecture(
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(MOE, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    ),
+    "olmoe": Architecture("OlmoeConfig", "OlmoeForCausalLM", MOE),
+    "qwen3_moe": Architecture("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(MOE, moe_intermediate_size=32)),
+    "gemma": Architecture("GemmaConfig", "GemmaForCausalLM"),
+    "gemma2": Architecture("Gemma2Config", "Gemma2ForCausalLM", sdpa=False),
+    "gemma3": Architecture("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "bert": Architecture("BertConfig", "BertForSequenceClassification"),
+    "roberta": Architecture("RobertaConfig", "RobertaForSequenceClassification", dict(pad_token_id=1)),
+    "distilbert": Architecture(
+        "DistilBertConfig", "DistilBertForSequenceClassification", dict(dim=HIDDEN, n_layers=2, n_heads=4)
+    ),
+    "electra": Architecture("ElectraConfig", "ElectraForSequenceClassification", dict(embedding_size=HIDDEN)),
+    "t5_encoder": Architecture(
+        "T5Config", "T5EncoderModel", dict(d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+    ),
+    "vit": Architecture("ViTConfig", "ViTForImageClassification", dict(image_size=IMAGE, patch_size=4), vision=True),
+    "deit": Architecture("DeiTConfig", "DeiTForImageClassification", dict(image_size=IMAGE, patch_size=4), vision=True),
+    "beit": Architecture(
+        "BeitConfig",
+        "BeitForImageClassification",
+        dict(image_size=IMAGE, patch_size=4, use_relative_position_bias=True),
+        vision=True,
+    ),
+    "swin": Architecture(
+        "SwinConfig",
+        "SwinForImageClassification",
+        dict(
+            {key: None for key in VISION},
+            image_size=IMAGE,
+            patch_size=2,
+            embed_dim=16,
+            depths=[1, 1],
+            num_heads=[2, 2],
+            window_size=4,
+            drop_path_rate=0.1,
+        ),
+        vision=True,
+    ),
+}
+
+
+class Explained(nn.Module):
+    """The explained output: a language model's next-token logits, a classifier's logits, an encoder's last
+    hidden state at the last position."""
+
+    def __init__(self, model: nn.Module, vision: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.input_name = "pixel_values" if vision else "inputs_embeds"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.model(**{self.input_name: x})
+        if getattr(out, "logits", None) is None:
+            return out.last_hidden_state[:, -1]
+        return out.logits[:, -1] if out.logits.dim() == 3 else out.logits
+
+
+def model_input(architecture: Architecture, dtype: torch.dtype = F64) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    shape = (BATCH, 3, IMAGE, IMAGE) if architecture.vision else (BATCH, TOKENS, HIDDEN)
+    return torch.randn(shape, generator=generator, dtype=F64).to(dtype)
+
+
+def zero_additive(model: nn.Module) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if any(part in name for part in ADDITIVE):
+                param.zero_()
+
+
+@dataclass
+class Outcome:
+    """What one explained call gave."""
+
+    relevance: torch.Tensor
+    output: torch.Tensor
+    plain: torch.Tensor
+    state_unchanged: bool
+    warnings: list[str]
+
+    def conservation_error(self) -> float:
+        """The largest ``|Σ relevance − logit| / |logit|`` over the batch."""
+        logit = self.plain.gather(1, self.plain.argmax(1, keepdim=True)).squeeze(1)
+        total = self.relevance.flatten(1).sum(1)
+        return ((total - logit).abs() / logit.abs()).max().item()
+
+
+def explain(name: str, preset: str, implementation: str, zeroed: bool | None = None) -> Outcome:
+    """One call of the wrapper on the architecture ``name``; with ``zeroed`` (by default under CP-LRP), its
+    biases and additive embeddings zeroed."""
+    architecture = ZOO[name]
+    model = architecture.build(implementation)
+    if preset == "cplrp" if zeroed is None else zeroed:
+        zero_additive(model)
+    explained, x = Explained(model, architecture.vision), model_input(architecture)
+    plain = explained(x)
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lrp = LRP(explained, PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+        td = lrp(TensorDict(x=x.clone(), batch_size=[BATCH]))
+    after = model.state_dict()
+    unchanged = state.keys() == after.keys() and all(torch.equal(state[k], after[k]) for k in state)
+    return Outcome(td["relevance", "x"], td["y"], plain, unchanged, [str(w.message) for w in caught])
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo(name: str, preset: str):
+    outcomes = {impl: explain(name, preset, impl) for impl in ZOO[name].implementations()}
+    for implementation, outcome in outcomes.items():
+        where = f"{name} {preset} {implementation}"
+        assert outcome.warnings == [], where
+        assert torch.equal(outcome.output, outcome.plain), where
+        assert outcome.state_unchanged, where
+        assert torch.isfinite(outcome.relevance).all(), where
+        assert outcome.relevance.abs().sum() > 0, where
+        if preset == "cplrp":
+            assert outcome.conservation_error() <= CONSERVATION_TOLERANCE, (where, outcome.conservation_error())
+    if len(outcomes) == 2:
+        error = relative_error(outcomes["sdpa"].relevance, outcomes["eager"].relevance)
+        assert error <= IMPLEMENTATION_TOLERANCE, (name, preset, error)
+
+
+def cosine_per_sample(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cosine_similarity(a.flatten(1).double(), b.flatten(1).double(), dim=1)
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_bfloat16_agrees_with_float32(name: str):
+    """bfloat16 relevance is finite and close to float32's (MoE experts on their default kernels)."""
+    architecture = ZOO[name]
+    implementation = architecture.implementations()[-1]
+    values = {k: v for k, v in architecture.values.items() if k != "experts_implementation"}
+    default_experts = Architecture(architecture.config, architecture.model, values, architecture.vision)
+    results, target = {}, None
+    for dtype in (torch.float32, torch.bfloat16):
+        model = default_experts.build(implementation, dtype, scale=BFLOAT16_SCALE)
+        explained, x = Explained(model, architecture.vision), model_input(architecture, dtype)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            lrp = LRP(explained, AttnLRP(), in_keys=["x"], out_keys=["y"], target=target)
+            td = lrp(TensorDict(x=x, batch_size=[BATCH]))
+        assert [str(w.message) for w in caught] == [], dtype
+        results[dtype] = td["relevance", "x"]
+        target = td["y"].argmax(-1)  # bfloat16 explains the logit float32 explained, even where its argmax differs
+    assert results[torch.bfloat16].dtype == torch.bfloat16
+    assert torch.isfinite(results[torch.bfloat16]).all()
+    cosine = cosine_per_sample(results[torch.bfloat16], results[torch.float32])
+    assert (cosine >= 0.95).all(), cosine
+
+
+def zoo_table() -> str:
+    """The markdown table of docs/transformers.md: the largest ``|Σ relevance − logit| / |logit|`` over the batch
+    per architecture and attention implementation, biases and additive embeddings zeroed, under CP-LRP and, for
+    comparison, AttnLRP (which does not conserve by design)."""
+    lines = [
+        "| architecture | attention | CP-LRP | AttnLRP |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, architecture in ZOO.items():
+        for implementation in architecture.implementations():
+            cp = explain(name, "cplrp", implementation).conservation_error()
+            attn = explain(name, "attnlrp", implementation, zeroed=True).conservation_error()
+            lines.append(f"| {name} | {implementation} | {cp:.1e} | {attn:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    print(zoo_table())
+
+
+class DetachedRouter(nn.Module):
+    """A router whose outputs are detached by hand: the reference for routing weights held constant."""
+
+    def __init__(self, router: nn.Module) -> None:
+        super().__init__()
+        self.router = router
+
+    def forward(self, hidden: torch.Tensor) -> tuple:
+        return tuple(out.detach() for out in self.router(hidden))
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe"])
+def test_routing_weights_are_held_constant(name: str, preset: str):
+    """A mixture of experts: all relevance flows through the experts (the routing weights held constant), and
+    it is conserved through the mixture."""
+    model = ZOO[name].build("eager")
+    zero_additive(model)
+    block = model.model.layers[0].mlp
+    reference = copy.deepcopy(block)
+    reference.gate = DetachedRouter(reference.gate)
+    x = model_input(ZOO[name])
+    relevance = {}
+    for kind, moe in (("rules", block), ("reference", reference)):
+        td = LRP(moe, PRESETS[preset](), in_keys=["x"], out_keys=["y"])(TensorDict(x=x.clone(), batch_size=[BATCH]))
+        relevance[kind] = td["relevance", "x"]
+    assert torch.equal(td["y"], block(x))  # the routing is unchanged
+    assert relative_error(relevance["rules"], relevance["reference"]) <= 1e-12
+    out = block(x)
+    explained = out.gather(-1, out.argmax(-1, keepdim=True)).sum((1, 2))
+    total = relevance["rules"].sum((1, 2))
+    assert ((total - explained).abs() / explained.abs()).max() <= CONSERVATION_TOLERANCE
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("implementation", ["flash_attention_2", "flex_attention", "kernels-community/flash-attn"])
+def test_attention_the_rules_cannot_follow_is_an_error_saying_how_to_switch(implementation: str, preset: str):
+    model = ZOO["llama"].build("eager")
+    model.config._attn_implementation = implementation
+    x = model_input(ZOO["llama"])
+    lrp = LRP(Explained(model, vision=False), PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+    with pytest.raises(ValueError, match=f"'model' \\(LlamaForCausalLM\\).*'{implementation}'.*attn_implementation"):
+        lrp(TensorDict(x=x, batch_size=[BATCH]))
+    model.config._attn_implementation = "sdpa"  # switched as the message says: explained
+    assert torch.isfinite(lrp(TensorDict(x=x, batch_size=[BATCH]))["relevance", "x"]).all()
+
+
+@pytest.mark.parametrize(
+    "name, norm_class",
+    [
+        ("gemma", "GemmaRMSNorm"),  # x · rsqrt(mean(x²) + ε) · (1 + w)
+        ("gemma2", "Gemma2RMSNorm"),
+        ("gemma3", "Gemma3RMSNorm"),
+        ("t5_encoder", "T5LayerNorm"),  # named a LayerNorm, computes an RMS norm (no centring)
+        ("llama", "LlamaRMSNorm"),
+    ],
+)
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_rms_norms_pass_relevance_on_element_by_element(name: str, norm_class: str, preset: str):
+    """An RMS norm with its normalising scale held constant is a per-element scaling: each element's relevance
+    passes on unchanged, whatever the scale (``w`` or Gemma's ``1 + w``). A mean-centring rule would spread it."""
+    modules = ZOO[name].build("eager").modules()
+    norm = next(m for m in modules if type(m).__name__ == norm_class and m.weight.numel() == HIDDEN)
+    assert norm.weight.abs().mean() > 0.1  # randomised scales, away from Gemma's initial zero
+    x = model_input(ZOO[name])
+    relevance_out = torch.randn(x.shape, dtype=F64)
+    lrp = LRP(norm, PRESETS[preset](), in_keys=["x"], out_keys=["y"], target=lambda y: relevance_out)
+    relevance = lrp(TensorDict(x=x, batch_size=[BATCH]))["relevance", "x"]
+    assert relative_error(relevance, relevance_out) <= 1e-6  # the norm computes in float32
