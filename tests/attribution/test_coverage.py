@@ -186,6 +186,7 @@ class TestCoverage:
         (torch.exp, ("exp", "nonlinear")),
         (torch.Tensor.T.__get__, ("T", "linear")),
         (torch.Tensor.add_, ("add", "linear")),
+        (torch._grouped_mm, ("grouped_mm", "product")),  # mixture-of-experts kernels: linear in the activation
     ],
 )
 def test_function_kinds(func, expected):

@@ -62,7 +62,8 @@ _PIECEWISE_LINEAR = frozenset(
 # Products and maps that are linear in each factor: piecewise linear as long as at most one factor is an activation.
 _PRODUCTS = frozenset(
     "mul rmul matmul rmatmul mm bmm einsum bilinear tensordot kron outer dot vdot inner mv addcmul baddbmm addbmm "
-    "addmm addmv linear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d conv_tbc".split()
+    "addmm addmv linear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d conv_tbc grouped_mm "
+    "scaled_mm scaled_grouped_mm".split()
 )
 # Where a product's factors are: an added term (addmm's input) is not a factor.
 _FACTORS = {"addmm": slice(1, 3), "addmv": slice(1, 3), "baddbmm": slice(1, 3), "addbmm": slice(1, 3)}
@@ -179,9 +180,7 @@ class NonlinearCalls(TorchFunctionMode):
         self._record(func, args, result)
         return result
 
-    @torch.compiler.disable
     def _record(self, func: Any, args: tuple, result: Any) -> None:
-        # Run eagerly under torch.compile: the watch only reads the call.
         if self._ruled_depth or not _is_activation_result(result):
             return
         name = _is_nonlinear_call(func, args)

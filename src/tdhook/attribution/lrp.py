@@ -322,8 +322,12 @@ class LRP(TensorDictModuleBase):
     def _watch(self, modes: contextlib.ExitStack, rule_modes: list) -> NonlinearCalls | None:
         if not self._watch_calls:
             return None
+        modules = self.named_explained_modules()
+        if any(hasattr(module, "_orig_mod") for module in modules.values()):
+            self._watch_calls = False  # torch.compile traces what runs under a mode: a compiled model is not watched
+            return None
         ruled = {id(h.module) for h in self._handles or [] if h.module is not None and h.rule.is_registered(h.module)}
-        return modes.enter_context(NonlinearCalls(rule_modes).watch(self.named_explained_modules(), ruled))
+        return modes.enter_context(NonlinearCalls(rule_modes).watch(modules, ruled))
 
     def _report(self, calls: NonlinearCalls, targets: list[torch.Tensor]) -> None:
         self._watch_calls = False
@@ -341,7 +345,8 @@ class LRP(TensorDictModuleBase):
         The first call of a wrapper watches its forward pass for functions that are not piecewise linear
         and that no rule covers (a custom module computing ``torch.sin``, a product of two activations under
         a CNN preset); the last call gives the share of the target's relevance that reached the explained
-        inputs, per sample. See :class:`~tdhook.attribution.coverage.Coverage`.
+        inputs, per sample. A model compiled with ``torch.compile`` is not watched (its report lists no calls).
+        See :class:`~tdhook.attribution.coverage.Coverage`.
 
         Examples:
             >>> from tensordict import TensorDict
