@@ -12,17 +12,18 @@ from tensordict.nn import TensorDictModuleBase, dispatch
 from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
+from tdhook.attribution._backward_passes import backward_passes, check_split_dim
 from tdhook.attribution._context import claim, release, suspend_function_modes_in
 from tdhook.attribution._copies import hide_from_copies
+from tdhook.attribution._coverage_recorder import CoverageRecorder
 from tdhook.attribution._inputs import describe, feed_inputs, validate_inputs
 from tdhook.attribution._keys import layer_keys, relevance_keys
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
-from tdhook.attribution._nonlinear_calls import NonlinearCalls, report_plain_gradient
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._rule_use import RuleUse
 from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
 from tdhook.attribution._writes import model_updates, set_all_or_nothing
-from tdhook.attribution.coverage import Coverage, PlainGradientCall, reached_share
+from tdhook.attribution.coverage import Coverage
 from tdhook.attribution.mappers.base import BaseRuleMapper, RuleMapper
 from tdhook.attribution.rules._scopes import closing_scopes
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
@@ -88,6 +89,13 @@ class LRP(TensorDictModuleBase):
             of each token ``[B, T]``. Integer token ids read by an
             ``nn.Embedding`` get their per-token relevance at
             ``(relevance_key, key)`` already.
+        split_dim: a dimension of the target output whose positions are
+            explained one by one (time in a ``[B, T]`` batch, the sequence of
+            a language model's logits): each relevance gains a dimension of
+            that size right before ``split_dim``, so that for a ``[B, T]``
+            batch and ``split_dim=1``, ``relevance[b, t_target, t]`` is the
+            relevance of the target at step ``t_target`` on the input at step
+            ``t``. With ``target="all"`` the units follow the new dimension.
 
     Examples:
         >>> import torch
@@ -121,6 +129,7 @@ class LRP(TensorDictModuleBase):
         layers: Sequence[str] | Mapping[str, NestedKey] | None = None,
         relevance_check: RelevanceCheck | None = None,
         token_relevance_key: str | None = None,
+        split_dim: int | None = None,
     ) -> None:
         super().__init__()
         module, plain = as_tensordict_module(module, in_keys, out_keys)
@@ -161,9 +170,9 @@ class LRP(TensorDictModuleBase):
         self._stochastic: list[tuple[str, nn.Module]] = []
         self._rule_use = RuleUse()
         # The first call watches which nonlinear functions keep their plain gradient (see coverage()).
-        self._watch_calls = True
-        self._plain_gradient: tuple[PlainGradientCall, ...] = ()
-        self._last_call: tuple | None = None
+        self._coverage = CoverageRecorder()
+        self.split_dim = split_dim
+        self._split_dim: int | None = None
 
     def named_explained_modules(self) -> dict[str, nn.Module]:
         """The wrapped model's modules by the names rule mappers and ``layers`` use."""
@@ -276,7 +285,9 @@ class LRP(TensorDictModuleBase):
                         rule_modes = getattr(self.rule_mapper, "function_modes", list)()
                         for mode in rule_modes:
                             modes.enter_context(mode)
-                        calls = self._watch(modes, rule_modes)
+                        calls = self._coverage.watch(
+                            modes, rule_modes, self.named_explained_modules(), self._handles or []
+                        )
                         # Innermost: what ruled modules entered and an interrupt kept them from leaving ends first.
                         modes.enter_context(closing_scopes())
                         result = call_plain(self.module, work) if self._name_prefix else self.module(work)
@@ -303,10 +314,17 @@ class LRP(TensorDictModuleBase):
                             f"LRP: target {target_key!r} does not depend on the explained inputs {self.explained_keys}"
                         )
                     grad_outputs = initial_gradient(output, self.target, target_key, tensordict.batch_dims)
+                    self._split_dim = check_split_dim(self.split_dim, output, target_key, tensordict.batch_dims)
                     if calls is not None and position == len(names) - 1:
-                        self._report(calls, [result.get(resolve_target_key(result, *self.targets[n])) for n in names])
+                        targets = [result.get(resolve_target_key(result, *self.targets[n])) for n in names]
+                        strict = bool(getattr(self.rule_mapper, "strict", False))
+                        self._coverage.report(calls, targets, self.named_explained_modules(), strict)
                     retain = position < len(names) - 1  # the next target reuses this forward pass
-                    relevances += self._backward(output, grad_outputs, leaves, fed, retain)
+
+                    def relevance_of(seed: torch.Tensor, keep: bool) -> list[torch.Tensor]:
+                        return self._relevance(output, seed, leaves, fed, retain=keep)
+
+                    relevances += backward_passes(relevance_of, output, grad_outputs, self._split_dim, retain)
                     seeds.append((name, output.detach(), grad_outputs))
         finally:
             self._layers.clear()
@@ -314,30 +332,8 @@ class LRP(TensorDictModuleBase):
             for handle in self._handles or []:
                 handle.pop_records()
         self._write(tensordict, result, relevances, fed)
-        self._last_call = (tensordict.batch_dims, seeds, relevances)
+        self._coverage.keep(tensordict.batch_dims, seeds, relevances)
         return tensordict
-
-    # ------------------------------------------------------------------ coverage
-
-    def _watch(self, modes: contextlib.ExitStack, rule_modes: list) -> NonlinearCalls | None:
-        if not self._watch_calls:
-            return None
-        modules = self.named_explained_modules()
-        if any(hasattr(module, "_orig_mod") for module in modules.values()):
-            self._watch_calls = False  # torch.compile traces what runs under a mode: a compiled model is not watched
-            return None
-        ruled = {id(h.module) for h in self._handles or [] if h.module is not None and h.rule.is_registered(h.module)}
-        return modes.enter_context(NonlinearCalls(rule_modes).watch(modules, ruled))
-
-    def _report(self, calls: NonlinearCalls, targets: list[torch.Tensor]) -> None:
-        self._watch_calls = False
-        strict = bool(getattr(self.rule_mapper, "strict", False))
-        try:
-            found = calls.found(targets)
-            self._plain_gradient = report_plain_gradient(found, self.named_explained_modules(), strict)
-        except ValueError:
-            self._watch_calls = True  # a strict error: the next call checks again
-            raise
 
     def coverage(self) -> Coverage:
         """What this wrapper's calls left to the plain gradient, and how much relevance reached the inputs.
@@ -358,35 +354,7 @@ class LRP(TensorDictModuleBase):
             >>> report.plain_gradient, report.reached.dtype, bool((report.reached - 1).abs().max() < 1e-4)
             ((), torch.float64, True)
         """
-        if self._last_call is None:
-            return Coverage(self._plain_gradient, None)
-        batch_dims, seeds, relevances = self._last_call
-        per_target = len(self.explained_keys) + len(self.layer_keys)
-        shares = {}
-        for position, (name, output, grad_output) in enumerate(seeds):
-            inputs = relevances[position * per_target : position * per_target + len(self.explained_keys)]
-            shares[name] = reached_share(batch_dims, output, grad_output, inputs)
-        return Coverage(self._plain_gradient, shares if None not in shares else shares[None])
-
-    def _backward(
-        self,
-        output: torch.Tensor,
-        grad_outputs: torch.Tensor,
-        leaves: list[torch.Tensor],
-        fed: list[torch.Tensor],
-        retain: bool = False,
-    ) -> list[torch.Tensor]:
-        batched = grad_outputs.dim() > output.dim()
-        if not batched:
-            return self._relevance(output, grad_outputs, leaves, fed, retain=retain)
-        # target="all": one backward per output unit over a single forward pass.
-        n_units = grad_outputs.shape[0]
-        per_unit = [
-            self._relevance(output, grad_outputs[k], leaves, fed, retain=retain or k < n_units - 1)
-            for k in range(n_units)
-        ]
-        batch_dims = output.dim() - 1
-        return [torch.stack([unit[i] for unit in per_unit], dim=batch_dims) for i in range(len(per_unit[0]))]
+        return self._coverage.coverage(len(self.explained_keys), len(self.layer_keys), self._split_dim)
 
     def _relevance(
         self,

@@ -1,0 +1,108 @@
+"""The backward passes of one target: one seed, one per output unit (``target="all"``), one per position
+along ``split_dim``, or both, over a single forward pass.
+
+Examples:
+    >>> x = torch.tensor([[1.0, 2.0, 3.0]], requires_grad=True)
+    >>> y = x.cumsum(-1)  # [1, 3]: position t depends on x[..., :t + 1]
+    >>> seed = torch.ones(1, 3)
+    >>> (relevance,) = backward_passes(lambda s, retain: [x * torch.autograd.grad(y, x, s, retain_graph=retain)[0]],
+    ...                               y, seed, split_dim=1, retain=False)
+    >>> relevance  # [batch, target position, input position]
+    tensor([[[1., 0., 0.],
+             [1., 2., 0.],
+             [1., 2., 3.]]], grad_fn=<StackBackward0>)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from tensordict.utils import NestedKey
+
+__all__ = ["backward_passes", "check_split_dim"]
+
+RelevanceOf = Callable[[torch.Tensor, bool], list[torch.Tensor]]
+
+
+def check_split_dim(split_dim: int | None, output: torch.Tensor, key: NestedKey, batch_dims: int) -> int | None:
+    """``split_dim`` as a non-negative dimension of ``output`` before its units' dimension, or ``None``.
+
+    Raises:
+        TypeError: ``split_dim`` is not an int.
+        ValueError: it is not such a dimension of the target output.
+
+    Examples:
+        >>> check_split_dim(-2, torch.zeros(4, 7, 3), "logits", 1)
+        1
+        >>> check_split_dim(2, torch.zeros(4, 7, 3), "logits", 1)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: LRP: split_dim=2 must be a dimension of target 'logits' (shape [4, 7, 3]) before its units' ...
+    """
+    if split_dim is None:
+        return None
+    if not isinstance(split_dim, int) or isinstance(split_dim, bool):
+        raise TypeError(f"LRP: split_dim must be an int or None, got {type(split_dim).__name__}")
+    positions = output.dim() - (1 if output.dim() > batch_dims else 0)
+    dim = split_dim + output.dim() if split_dim < 0 else split_dim
+    if not 0 <= dim < positions:
+        raise ValueError(
+            f"LRP: split_dim={split_dim} must be a dimension of target {key!r} (shape {list(output.shape)}) before "
+            f"its units' dimension, from 0 to {positions - 1} (or {-output.dim()} to {positions - 1 - output.dim()})"
+        )
+    return dim
+
+
+def _at_position(seed: torch.Tensor, dim: int, position: int) -> torch.Tensor:
+    masked = torch.zeros_like(seed)
+    masked.select(dim, position).copy_(seed.select(dim, position))
+    return masked
+
+
+def backward_passes(
+    relevance_of: RelevanceOf,
+    output: torch.Tensor,
+    grad_outputs: torch.Tensor,
+    split_dim: int | None,
+    retain: bool,
+) -> list[torch.Tensor]:
+    """Every relevance of one target, one backward pass per seed.
+
+    Args:
+        relevance_of: runs one backward pass from a seed (``retain``: keep the graph) and returns the relevances.
+        output: the target output.
+        grad_outputs: its initial gradient; with a leading dimension of units for ``target="all"``.
+        split_dim: a dimension of ``output`` (checked by :func:`check_split_dim`) whose positions are explained
+            one by one, or ``None``.
+        retain: keep the graph after the last pass (another target follows).
+
+    Returns:
+        The relevances, each with the units (``target="all"``) in a dimension right after the batch dimensions
+        of ``output``; with ``split_dim``, a new dimension of the positions right before ``split_dim``, and the
+        units right after it.
+    """
+    per_unit = grad_outputs.dim() > output.dim()
+    seeds = grad_outputs if per_unit else grad_outputs.unsqueeze(0)
+    positions: list[int | None] = [None] if split_dim is None else list(range(output.shape[split_dim]))
+    total, done = len(positions) * seeds.shape[0], 0
+    passes = []
+    for position in positions:
+        per_seed = []
+        for seed in seeds:
+            done += 1
+            per_seed.append(
+                relevance_of(
+                    seed if position is None else _at_position(seed, split_dim, position), retain or done < total
+                )
+            )
+        passes.append(per_seed)
+    unit_dim = output.dim() - 1 if split_dim is None else split_dim
+
+    def combined(i: int) -> torch.Tensor:
+        per_position = [
+            torch.stack([s[i] for s in per_seed], unit_dim) if per_unit else per_seed[0][i] for per_seed in passes
+        ]
+        return per_position[0] if split_dim is None else torch.stack(per_position, split_dim)
+
+    return [combined(i) for i in range(len(passes[0][0]))]

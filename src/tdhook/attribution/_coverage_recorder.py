@@ -1,0 +1,78 @@
+"""What an LRP wrapper keeps for :meth:`~tdhook.attribution.LRP.coverage`: the first call's watch, and the last
+call's seeds and relevances.
+
+Examples:
+    >>> recorder = CoverageRecorder()
+    >>> recorder.coverage(n_inputs=1, n_layers=0, split_dim=None)
+    Coverage(plain_gradient=(), reached=None)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from tdhook.attribution._nonlinear_calls import NonlinearCalls, report_plain_gradient
+from tdhook.attribution.coverage import Coverage, PlainGradientCall, reached_share
+from tdhook.attribution.rules.base import RemovableRuleHandle
+
+__all__ = ["CoverageRecorder"]
+
+
+class CoverageRecorder:
+    """Watches a wrapper's first forward pass for nonlinear calls without a rule, and keeps its last call."""
+
+    def __init__(self) -> None:
+        self._pending = True
+        self._plain_gradient: tuple[PlainGradientCall, ...] = ()
+        self._last_call: tuple[int, list, list[torch.Tensor]] | None = None
+
+    def watch(
+        self,
+        modes: contextlib.ExitStack,
+        rule_modes: Sequence,
+        modules: Mapping[str, nn.Module],
+        handles: Sequence[RemovableRuleHandle],
+    ) -> NonlinearCalls | None:
+        """Enter the watch on ``modes`` if no call was watched yet; the watch, or ``None``."""
+        if not self._pending:
+            return None
+        if any(hasattr(module, "_orig_mod") for module in modules.values()):
+            self._pending = False  # torch.compile traces what runs under a mode: a compiled model is not watched
+            return None
+        ruled = {id(h.module) for h in handles if h.module is not None and h.rule.is_registered(h.module)}
+        return modes.enter_context(NonlinearCalls(rule_modes).watch(modules, ruled))
+
+    def report(
+        self, calls: NonlinearCalls, targets: list[torch.Tensor], modules: Mapping[str, nn.Module], strict: bool
+    ) -> None:
+        """Warn about (or, ``strict``, refuse) the watched calls the targets depend on."""
+        self._pending = False
+        try:
+            self._plain_gradient = report_plain_gradient(calls.found(targets), modules, strict)
+        except ValueError:
+            self._pending = True  # a strict error: the next call checks again
+            raise
+
+    def keep(self, batch_dims: int, seeds: list, relevances: list[torch.Tensor]) -> None:
+        """Keep a call's ``(target name, output, initial gradient)`` seeds and relevances."""
+        self._last_call = (batch_dims, seeds, relevances)
+
+    def coverage(self, n_inputs: int, n_layers: int, split_dim: int | None) -> Coverage:
+        """The report, for relevances laid out per target as ``n_inputs`` inputs, then ``n_layers`` layers."""
+        if self._last_call is None:
+            return Coverage(self._plain_gradient, None)
+        batch_dims, seeds, relevances = self._last_call
+        shares = {}
+        for position, (name, output, grad_output) in enumerate(seeds):
+            start = position * (n_inputs + n_layers)
+            inputs = relevances[start : start + n_inputs]
+            if split_dim is not None:  # the positions' relevances add up to the whole target's
+                dim = split_dim
+                per_unit = grad_output.dim() > output.dim()
+                inputs = [r.sum(dim).movedim(dim, batch_dims) if per_unit else r.sum(dim) for r in inputs]
+            shares[name] = reached_share(batch_dims, output, grad_output, inputs)
+        return Coverage(self._plain_gradient, shares if None not in shares else shares[None])

@@ -1,0 +1,116 @@
+"""Per-position targets (``split_dim``): one backward pass per position of the target, in one call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+
+from tdhook.attribution import CPLRP, LRP, EpsilonPlus
+from tests.attribution.test_lrp_transformer_zoo import ZOO, zero_additive
+
+F64 = torch.float64
+
+
+class CausalPolicy(nn.Module):
+    """Action values at each step from the observations up to it: a per-step layer, then a causal running sum."""
+
+    def __init__(self, features: int = 3, actions: int = 2) -> None:
+        super().__init__()
+        self.encode, self.head = nn.Linear(features, 8), nn.Linear(8, actions)
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:  # [B, T, F] -> [B, T, A]
+        return self.head(torch.relu(self.encode(observation)).cumsum(1))
+
+
+def per_step_policy() -> TensorDictModule:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2)).double()
+    return TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"])
+
+
+class TestTimeBatches:
+    def test_a_per_step_policy_puts_each_steps_relevance_on_its_own_step(self):
+        policy = per_step_policy()
+        td = TensorDict(observation=torch.randn(4, 5, 3, dtype=F64), batch_size=[4, 5])
+        whole = LRP(policy, EpsilonPlus())(td.clone())["relevance", "observation"]
+        split = LRP(policy, EpsilonPlus(), split_dim=1)(td.clone())["relevance", "observation"]
+        assert split.shape == (4, 5, 5, 3)
+        steps = torch.arange(5)
+        torch.testing.assert_close(split[:, steps, steps], whole)
+        off_diagonal = ~torch.eye(5, dtype=torch.bool)
+        assert split[:, off_diagonal].abs().max() == 0
+
+    @pytest.mark.parametrize("target", [None, 1, "all"])
+    def test_a_causal_policy_has_no_relevance_on_later_steps_and_its_positions_add_up(self, target):
+        torch.manual_seed(0)
+        policy = TensorDictModule(CausalPolicy().double(), in_keys=["observation"], out_keys=["action_value"])
+        td = TensorDict(observation=torch.randn(2, 6, 3, dtype=F64), batch_size=[2])
+        whole = LRP(policy, EpsilonPlus(), target=target)(td.clone())["relevance", "observation"]
+        split = LRP(policy, EpsilonPlus(), target=target, split_dim=1)(td.clone())["relevance", "observation"]
+        units = (2,) if target == "all" else ()
+        assert split.shape == (2, 6, *units, 6, 3)
+        later = torch.ones(6, 6, dtype=torch.bool).triu(1)  # [t_target, t]: t after t_target
+        per_pair = split if target != "all" else split.movedim(2, -1)  # [B, T_target, T, F(, units)]
+        assert per_pair[:, later].abs().max() == 0
+        assert per_pair[:, ~later].abs().max() > 0
+        # Every rule is linear in the relevance it receives: the positions' relevances add up to the whole's.
+        # (target="all" alone puts the units after the batch dimension: [B, T, units, F].)
+        torch.testing.assert_close(split.sum(1), whole if target != "all" else whole.movedim(2, 1))
+
+    def test_coverage_reads_the_positions_together(self):
+        torch.manual_seed(0)
+        net = CausalPolicy().double()
+        for layer in (net.encode, net.head):
+            nn.init.zeros_(layer.bias)
+        lrp = LRP(net, EpsilonPlus(stabilizer=1e-12), in_keys=["observation"], out_keys=["q"], split_dim=1)
+        lrp(TensorDict(observation=torch.rand(2, 6, 3, dtype=F64), batch_size=[2]))
+        # Per sample, the positions' relevances together: all of the targets' relevance, without biases.
+        torch.testing.assert_close(lrp.coverage().reached, torch.ones(2, dtype=F64), rtol=0, atol=1e-4)
+
+    @pytest.mark.parametrize("split_dim", [2, -1, 5])
+    def test_a_dimension_that_is_not_a_position_is_refused_by_name(self, split_dim):
+        td = TensorDict(observation=torch.randn(4, 5, 3, dtype=F64), batch_size=[4, 5])
+        with pytest.raises(ValueError, match=rf"split_dim={split_dim} must be a dimension of target 'action_value'"):
+            LRP(per_step_policy(), EpsilonPlus(), split_dim=split_dim)(td)
+        assert set(td.keys()) == {"observation"}
+        with pytest.raises(TypeError, match="split_dim must be an int"):
+            LRP(per_step_policy(), EpsilonPlus(), split_dim="time")(td)
+
+
+class NextTokenLogits(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        return self.model(inputs_embeds=embeddings).logits  # [B, T, V]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_every_next_token_prediction_of_a_language_model_in_one_call(name: str):
+    model = ZOO[name].build("eager")
+    zero_additive(model)
+    explained = NextTokenLogits(model)
+    x = torch.randn(2, 5, 32, dtype=F64)
+    lrp = LRP(explained, CPLRP(), in_keys=["x"], out_keys=["logits"], split_dim=1)
+    td = lrp(TensorDict(x=x, batch_size=[2]))
+    relevance = td["relevance", "x"]  # [B, t_target, t, H]
+    assert relevance.shape == (2, 5, 5, 32)
+    later = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    assert relevance[:, later].abs().max() == 0  # causal: nothing after the predicting position
+    # CP-LRP conserves each position's prediction, with biases and additive embeddings zeroed.
+    logits = td["logits"]
+    chosen = logits.gather(-1, logits.argmax(-1, keepdim=True)).squeeze(-1)  # [B, T]
+    torch.testing.assert_close(relevance.sum((-2, -1)), chosen, rtol=1e-6, atol=1e-9)
+
+    # Position 2 alone, by a callable target that keeps only it: the same relevance.
+    def position_two(out: torch.Tensor) -> torch.Tensor:
+        kept = torch.zeros_like(out)
+        kept[:, 2] = out[:, 2] * nn.functional.one_hot(out[:, 2].argmax(-1), out.shape[-1])
+        return kept
+
+    alone = LRP(explained, CPLRP(), in_keys=["x"], out_keys=["logits"], target=position_two)
+    torch.testing.assert_close(relevance[:, 2], alone(TensorDict(x=x, batch_size=[2]))["relevance", "x"])
