@@ -22,7 +22,6 @@ Examples:
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,13 +29,14 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules.base import RemovableRuleHandle
 
 __all__ = ["claim", "release", "suspend_function_modes_in"]
 
 # Every module inside an open LRP context, with the wrapper that owns it: two wrappers' rules on one module would mix.
-_OWNERS: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionary()
+_OWNERS: IdentityWeakKeyDict[nn.Module, object] = IdentityWeakKeyDict()
 
 
 def claim(owner: object, modules: Mapping[str, nn.Module]) -> None:

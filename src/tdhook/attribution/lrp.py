@@ -12,6 +12,7 @@ from tensordict.nn import TensorDictModuleBase, dispatch
 from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
+from tdhook.attribution._agents import agent_by_agent
 from tdhook.attribution._backward_passes import backward_passes, check_split_dim
 from tdhook.attribution._context import claim, release, suspend_function_modes_in
 from tdhook.attribution._copies import hide_from_copies
@@ -218,6 +219,7 @@ class LRP(TensorDictModuleBase):
             for name, sub in modules.items():
                 if isinstance(sub, nn.Embedding):
                     self._hooks.append(sub.register_forward_hook(self._tokens.embedding_hook(name), prepend=True))
+            self._hooks += agent_by_agent(modules)  # multi-agent networks that vmap their agents: one by one
             # Copies of the model made inside the context (deepcopy, pickle) leave every hook of the context out.
             hook_ids = {hook.id for hook in self._hooks} | {h.id for handle in handles for h in handle.hook_handles()}
             self._hooks.append(hide_from_copies(modules.values(), hook_ids))
@@ -293,6 +295,9 @@ class LRP(TensorDictModuleBase):
                         result = call_plain(self.module, work) if self._name_prefix else self.module(work)
                 except Exception as err:
                     self._tokens.raise_for_unembedded(leaves, err)
+                    path = [n for n, m in self.named_explained_modules().items() if m is getattr(err, "module", None)]
+                    if path:
+                        err.add_note(f"LRP: the module is {path[0] or 'the model itself'!r}")
                     shapes = ", ".join(f"{k!r}: {describe(tensordict.get(k))}" for k in self.explained_keys)
                     err.add_note(f"LRP: raised while running the wrapped module on the inputs {shapes}")
                     raise

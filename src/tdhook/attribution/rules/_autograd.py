@@ -41,6 +41,7 @@ __all__ = [
     "is_activation",
     "mark_parameter_derived",
     "call_argument",
+    "raise_for_vmap",
 ]
 
 
@@ -322,3 +323,24 @@ def call_argument(args: tuple, kwargs: dict, position: int, name: str, default: 
         (2, 3)
     """
     return args[position] if len(args) > position else kwargs.get(name, default)
+
+
+def raise_for_vmap(module: torch.nn.Module, output: Any) -> None:
+    """Raise if ``output`` comes from a call under ``torch.vmap``: tensors there report no gradient, so the rule
+    of ``module`` would not see the call and the relevance would silently be the plain gradient.
+
+    Examples:
+        >>> torch.vmap(lambda x: raise_for_vmap(torch.nn.Identity(), x) or x)(torch.ones(2, 3))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        RuntimeError: LRP: module Identity runs under torch.vmap, ...
+    """
+    functorch = getattr(torch._C, "_functorch", None)
+    if functorch is not None and isinstance(output, torch.Tensor) and functorch.is_batchedtensor(output):
+        error = RuntimeError(
+            f"LRP: module {type(module).__name__} runs under torch.vmap, where its rule cannot see the call's "
+            "gradient (the relevance would be the plain gradient); call it outside torch.vmap (LRP does so itself "
+            "for torchrl's multi-agent networks)"
+        )
+        error.module = module  # type: ignore[attr-defined]
+        raise error

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tdhook.attribution.rules._autograd import raise_for_vmap
+from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._scopes import pop, push
 
@@ -312,7 +314,7 @@ class Rule:
     acts_in_forward: bool = False
 
     def __init__(self) -> None:
-        self._registrations: weakref.WeakKeyDictionary[nn.Module, Registration] = weakref.WeakKeyDictionary()
+        self._registrations: IdentityWeakKeyDict[nn.Module, Registration] = IdentityWeakKeyDict()
 
     def __getstate__(self) -> dict:
         if len(self._registrations):
@@ -324,7 +326,7 @@ class Rule:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._registrations = weakref.WeakKeyDictionary()
+        self._registrations = IdentityWeakKeyDict()
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
@@ -400,9 +402,11 @@ class Rule:
         return RemovableRuleHandle(self, module)
 
     def _new_registration(self, module: nn.Module) -> Registration:
-        # A lazy module (LazyConv2d, LazyLinear) is prepared at its first call, once its shapes are known.
+        # A lazy module (LazyConv2d, LazyLinear) is prepared at its first call, once its shapes are known; so is a
+        # template whose parameters are placeholders on the meta device, swapped in at call time (torchrl's
+        # multi-agent networks).
         registration = Registration(_UNPREPARED)
-        if not _has_uninitialized_parameters(module):
+        if not _has_uninitialized_parameters(module) and not _has_meta_weight(module):
             self.prepared_state(module, registration)
         return registration
 
@@ -435,6 +439,7 @@ class Rule:
             inputs = pop(registration.snapshots) if registration.snapshots else args
             if registration.busy or not torch.is_grad_enabled():
                 return None
+            raise_for_vmap(module, output)
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return None
             self.prepared_state(module, registration)
@@ -449,6 +454,11 @@ class Rule:
 
 def _has_uninitialized_parameters(module: nn.Module) -> bool:
     return any(nn.parameter.is_lazy(p) for p in module.parameters(recurse=False))
+
+
+def _has_meta_weight(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.is_meta
 
 
 def _mark(tensor: torch.Tensor, call: LayerCall) -> None:

@@ -1,0 +1,132 @@
+"""Multi-agent networks: rules apply to every agent, with its own parameters, shared or not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+from torchrl.modules import MultiAgentConvNet, MultiAgentMLP
+
+from tdhook.attribution import LRP, BaseRuleMapper, EpsilonGammaBox, EpsilonPlus
+
+F64 = torch.float64
+AGENTS, BATCH = 3, 4
+
+
+def agents_td(shape: tuple[int, ...]) -> TensorDict:
+    observation = torch.randn(BATCH, AGENTS, *shape, dtype=F64)
+    return TensorDict({"agents": TensorDict(observation=observation, batch_size=[BATCH, AGENTS])}, batch_size=[BATCH])
+
+
+def wrapped(net: nn.Module) -> TensorDictModule:
+    return TensorDictModule(net, in_keys=[("agents", "observation")], out_keys=[("agents", "action_value")])
+
+
+def multi_agent_mlp(centralized: bool, share_params: bool, activation: type[nn.Module]) -> MultiAgentMLP:
+    torch.manual_seed(0)
+    net = MultiAgentMLP(
+        3,
+        2,
+        n_agents=AGENTS,
+        centralized=centralized,
+        share_params=share_params,
+        depth=2,
+        num_cells=8,
+        activation_class=activation,
+    )
+    return net.to(F64)
+
+
+def agent_mlp(net: MultiAgentMLP, agent: int) -> nn.Sequential:
+    """The network of one agent as a plain ``nn.Sequential`` holding that agent's weights."""
+    params = net.params if net.share_params else net.params[agent]
+    layers = []
+    for name, module in net._empty_net.named_children():
+        if isinstance(module, nn.Linear):
+            layer = nn.Linear(module.in_features, module.out_features, dtype=F64)
+            with torch.no_grad():
+                layer.weight.copy_(params[name]["weight"])
+                layer.bias.copy_(params[name]["bias"])
+            layers.append(layer)
+        else:
+            layers.append(type(module)())
+    return nn.Sequential(*layers)
+
+
+MAPPERS = {
+    "LRP-0": BaseRuleMapper,
+    "EpsilonPlus": EpsilonPlus,
+    "EpsilonGammaBox": lambda: EpsilonGammaBox(low=-3.0, high=3.0),
+}
+
+
+@pytest.mark.parametrize("mapper", MAPPERS.values(), ids=MAPPERS.keys())
+@pytest.mark.parametrize("activation", [nn.ReLU, nn.Tanh], ids=lambda a: a.__name__)
+@pytest.mark.parametrize("share_params", [False, True], ids=["own-params", "shared"])
+def test_each_agent_gets_the_relevance_of_its_own_unrolled_network(share_params, activation, mapper):
+    net = multi_agent_mlp(False, share_params, activation)
+    td = agents_td((3,))
+    relevance = LRP(wrapped(net), mapper())(td.clone())["relevance", "agents", "observation"]
+    for agent in range(AGENTS):
+        x = td["agents", "observation"][:, agent]
+        single = LRP(agent_mlp(net, agent), mapper(), in_keys=["x"], out_keys=["y"])
+        expected = single(TensorDict(x=x, batch_size=[BATCH]))["relevance", "x"]
+        torch.testing.assert_close(relevance[:, agent], expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("share_params", [False, True], ids=["own-params", "shared"])
+@pytest.mark.parametrize("centralized", [False, True], ids=["local", "centralized"])
+def test_lrp0_is_gradient_times_input_for_every_layout(centralized, share_params):
+    net = multi_agent_mlp(centralized, share_params, nn.ReLU)
+    td = agents_td((3,))
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    relevance = LRP(wrapped(net), BaseRuleMapper())(td.clone())["relevance", "agents", "observation"]
+    x = td["agents", "observation"].clone().requires_grad_(True)
+    y = net(x)
+    seed = nn.functional.one_hot(y.argmax(-1), 2).to(F64)
+    (grad,) = torch.autograd.grad(y, x, seed)
+    torch.testing.assert_close(relevance, x.detach() * grad, rtol=1e-10, atol=1e-12)
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+    assert "vmap_func_module" not in vars(net) and not net._forward_hooks and not net._forward_pre_hooks
+
+
+@pytest.mark.parametrize("share_params", [False, True], ids=["own-params", "shared"])
+def test_convolutional_agents(share_params):
+    torch.manual_seed(0)
+    net = MultiAgentConvNet(
+        n_agents=AGENTS,
+        centralized=False,
+        share_params=share_params,
+        num_cells=[4, 4],
+        kernel_sizes=3,
+        activation_class=nn.ReLU,
+    ).to(F64)
+    td = agents_td((2, 8, 8))
+    net(td["agents", "observation"])  # lazy layers take their shapes
+    relevance = LRP(wrapped(net), BaseRuleMapper())(td.clone())["relevance", "agents", "observation"]
+    x = td["agents", "observation"].clone().requires_grad_(True)
+    y = net(x)
+    seed = nn.functional.one_hot(y.argmax(-1), y.shape[-1]).to(F64)
+    (grad,) = torch.autograd.grad(y, x, seed)
+    torch.testing.assert_close(relevance, x.detach() * grad, rtol=1e-10, atol=1e-12)
+    eps = LRP(wrapped(net), EpsilonPlus())(td.clone())["relevance", "agents", "observation"]
+    assert not torch.allclose(eps, relevance)  # the rules ran (z+ on the convolutions) under every layout
+
+
+def test_a_module_run_under_vmap_by_the_model_itself_is_refused_by_name():
+    class Vmapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.vmap(self.inner, in_dims=1, out_dims=1)(x)
+
+    model = Vmapped().to(F64)
+    td = TensorDict(x=torch.randn(2, 5, 3, dtype=F64), batch_size=[2])
+    with pytest.raises(RuntimeError, match="runs under torch.vmap") as caught:
+        LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(td)
+    assert any("'inner." in note for note in caught.value.__notes__)
+    assert set(td.keys()) == {"x"}
