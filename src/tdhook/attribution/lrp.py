@@ -21,6 +21,7 @@ from tdhook.attribution._inputs import describe, feed_inputs, validate_inputs
 from tdhook.attribution._keys import layer_keys, relevance_keys
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
+from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._rule_use import RuleUse
 from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
 from tdhook.attribution._writes import model_updates, set_all_or_nothing
@@ -67,11 +68,15 @@ class LRP(TensorDictModuleBase):
             ``OneHotCategorical``, ``"state_value"`` for a ``ValueOperator``.
             A dict ``name -> key`` explains several outputs from one forward
             pass, writing relevance at ``(relevance_key, name, *input_key)``.
-            An ``ActorValueOperator`` or ``ActorCriticWrapper`` gets
+            An ``ActorValueOperator``, ``ActorCriticOperator``,
+            ``ActorCriticWrapper``, or a ``TensorDictSequential`` of an actor
+            then a ``ValueOperator`` reading its action, gets
             ``{"actor": <its actor's default>, "critic": <its critic's>}``.
         target: the initial relevance: ``None`` (the output at the argmax of
             its last dimension, or the output itself for a one-element last
-            dimension), an int, a LongTensor of per-sample indices, a callable
+            dimension; for the logits of a masked distribution, the action the
+            TensorDict holds, else the best allowed one), an int, a LongTensor
+            of per-sample indices, a callable
             ``output -> relevance``, or ``"all"`` (every output unit, stacked
             in a dimension right after the batch dimensions).
         relevance_key: the prefix of the relevance keys.
@@ -318,7 +323,10 @@ class LRP(TensorDictModuleBase):
                         raise ValueError(
                             f"LRP: target {target_key!r} does not depend on the explained inputs {self.explained_keys}"
                         )
-                    grad_outputs = initial_gradient(output, self.target, target_key, tensordict.batch_dims)
+                    target = self.target
+                    if target is None:  # a masked policy explains an allowed action
+                        target = allowed_action(self.targets[name][1], target_key, result, tensordict)
+                    grad_outputs = initial_gradient(output, target, target_key, tensordict.batch_dims)
                     self._split_dim = check_split_dim(self.split_dim, output, target_key, tensordict.batch_dims)
                     if calls is not None and position == len(names) - 1:
                         targets = [result.get(resolve_target_key(result, *self.targets[n])) for n in names]

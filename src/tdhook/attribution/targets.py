@@ -28,8 +28,8 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase, TensorDictSequential
 from tensordict.utils import NestedKey, unravel_key
-from torchrl.modules import ActorCriticWrapper, ActorValueOperator
 
+from tdhook.attribution._policy_targets import actor_and_critic
 from tdhook.attribution.rules._numerics import safe_divide
 
 __all__ = ["Target", "initial_gradient", "named_targets", "resolve_target_key"]
@@ -149,8 +149,9 @@ def named_targets(
         if not target_key:
             raise ValueError("LRP: target_key is an empty dict; name at least one output to explain")
         return {name: (unravel_key(key), module) for name, key in target_key.items()}
-    if target_key is None and isinstance(module, (ActorValueOperator, ActorCriticWrapper)):
-        return {"actor": (None, module.get_policy_operator()), "critic": (None, module.get_value_operator())}
+    heads = actor_and_critic(module) if target_key is None else None
+    if heads is not None:
+        return {name: (None, operator) for name, operator in heads.items()}
     return {None: (unravel_key(target_key) if target_key is not None else None, module)}
 
 

@@ -1,0 +1,104 @@
+"""Default targets of torchrl pipelines: actor and critic together, and the allowed action of a masked policy.
+
+* An ``ActorValueOperator``, an ``ActorCriticOperator``, an
+  ``ActorCriticWrapper``, and a ``TensorDictSequential`` of an actor followed
+  by a ``ValueOperator`` (a critic of the actor's action, as in DDPG or SAC)
+  explain both heads: ``{"actor": ..., "critic": ...}``.
+* A policy whose distribution masks actions (``MaskedCategorical``,
+  ``MaskedOneHotCategorical``) explains an allowed action: the action the
+  TensorDict already holds (the action taken), else the highest allowed logit.
+  The plain argmax could be a forbidden action.
+
+Examples:
+    >>> from torch import nn
+    >>> from tensordict import TensorDict
+    >>> from tensordict.nn import TensorDictModule
+    >>> from torchrl.modules import MaskedCategorical, ProbabilisticActor
+    >>> actor = ProbabilisticActor(
+    ...     TensorDictModule(nn.Linear(4, 3), in_keys=["observation"], out_keys=["logits"]),
+    ...     in_keys={"logits": "logits", "mask": "action_mask"}, distribution_class=MaskedCategorical,
+    ... )
+    >>> result = TensorDict(logits=torch.tensor([[0.0, 5.0, 1.0]]), action_mask=torch.tensor([[True, False, True]]),
+    ...                     batch_size=[1])
+    >>> allowed_action(actor, "logits", result, TensorDict(batch_size=[1]))  # 1 is forbidden
+    tensor([2])
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase, TensorDictSequential
+from tensordict.utils import NestedKey, unravel_key
+from torchrl.modules import Actor, ActorCriticOperator, ActorCriticWrapper, ActorValueOperator, ValueOperator
+from torchrl.modules.distributions import MaskedCategorical, MaskedOneHotCategorical
+
+__all__ = ["actor_and_critic", "allowed_action"]
+
+_MASKED = (MaskedCategorical, MaskedOneHotCategorical)
+
+
+def actor_and_critic(module: TensorDictModuleBase) -> dict[str, TensorDictModuleBase] | None:
+    """The actor and critic operators of an actor-critic pipeline, or ``None`` for any other module."""
+    if isinstance(module, ActorCriticOperator):  # its critic runs the policy head too: the value head's output
+        return {"actor": module.get_policy_operator(), "critic": module.get_value_head()}
+    if isinstance(module, (ActorValueOperator, ActorCriticWrapper)):
+        return {"actor": module.get_policy_operator(), "critic": module.get_value_operator()}
+    if (
+        isinstance(module, TensorDictSequential)
+        and len(module.module) > 1
+        and isinstance(module.module[-1], ValueOperator)
+    ):
+        steps = list(module.module)
+        actor_steps = steps[:-1]
+        critic_reads = {unravel_key(k) for k in steps[-1].in_keys}
+        actions = {
+            unravel_key(k) for step in actor_steps for sub in step.modules() if _chooses(sub) for k in sub.out_keys
+        }
+        if critic_reads & actions:  # the critic values the action the steps before it chose
+            actor = actor_steps[0] if len(actor_steps) == 1 else TensorDictSequential(*actor_steps)
+            return {"actor": actor, "critic": steps[-1]}
+    return None
+
+
+def _chooses(module: object) -> bool:
+    """Whether ``module`` writes an action: a sampling step, or one of torchrl's deterministic actors."""
+    return isinstance(module, (ProbabilisticTensorDictModule, Actor))
+
+
+def _masked_sampler(operator: TensorDictModuleBase, target_key: NestedKey) -> ProbabilisticTensorDictModule | None:
+    for sub in operator.modules():
+        if isinstance(sub, ProbabilisticTensorDictModule) and issubclass(sub.distribution_class, _MASKED):
+            dist_keys = list(getattr(sub, "dist_keys", sub.in_keys))
+            keys = [unravel_key(k) for k in sub.in_keys]
+            if "logits" in dist_keys and keys[dist_keys.index("logits")] == unravel_key(target_key):
+                return sub
+    return None
+
+
+def allowed_action(
+    operator: TensorDictModuleBase, target_key: NestedKey, result: TensorDictBase, tensordict: TensorDictBase
+) -> torch.Tensor | None:
+    """The per-sample action to explain where ``target_key`` holds the logits of a masked distribution, else
+    ``None`` (the default target applies).
+
+    Args:
+        operator: the module whose output is explained.
+        target_key: the explained key.
+        result: the model's outputs (holding the logits and the mask).
+        tensordict: the caller's TensorDict; an action it holds is the one explained.
+    """
+    sampler = _masked_sampler(operator, target_key)
+    if sampler is None:
+        return None
+    dist_keys = list(getattr(sampler, "dist_keys", sampler.in_keys))
+    action_key = unravel_key(sampler.out_keys[0])
+    taken = tensordict.get(action_key, None)
+    one_hot = issubclass(sampler.distribution_class, MaskedOneHotCategorical)
+    if isinstance(taken, torch.Tensor):
+        return taken.long().argmax(-1) if one_hot else taken.long().reshape(taken.shape[: tensordict.batch_dims])
+    logits = result.get(target_key).detach()
+    if "mask" not in dist_keys:
+        return logits.argmax(-1)
+    mask = result.get(unravel_key(sampler.in_keys[dist_keys.index("mask")])).to(torch.bool)
+    return logits.masked_fill(~mask, float("-inf")).argmax(-1)
