@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from tensordict import TensorDict
-from tensordict.nn import TensorDictModule, TensorDictSequential
+from tensordict.nn import CompositeDistribution, TensorDictModule, TensorDictSequential
 from torch import nn
+from torch.distributions import Categorical, Normal
 from torchrl.modules import (
     ActorCriticOperator,
     MaskedCategorical,
@@ -101,3 +102,30 @@ def test_actor_critic_operator_explains_both_heads():
     for name, key in {"actor": "loc", "critic": "state_action_value"}.items():
         alone = LRP(operator, EpsilonPlus(), target_key=key)(td.clone())
         torch.testing.assert_close(out["relevance", name, "observation"], alone["relevance", "observation"])
+
+
+def test_a_composite_distribution_actor_needs_no_manual_keys():
+    class Heads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 5)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            h = self.layer(x)
+            return h[..., :3], h[..., 3:4], nn.functional.softplus(h[..., 4:5]) + 0.1
+
+    keys = [("params", "cat", "logits"), ("params", "normal", "loc"), ("params", "normal", "scale")]
+    net = TensorDictModule(Heads().double(), in_keys=["observation"], out_keys=keys)
+    actor = ProbabilisticActor(
+        net,
+        in_keys=["params"],  # filled by the network itself
+        distribution_class=CompositeDistribution,
+        distribution_kwargs={"distribution_map": {"cat": Categorical, "normal": Normal}},
+        return_log_prob=True,
+    )
+    td = TensorDict(observation=torch.randn(5, 4, dtype=F64), batch_size=[5])
+    lrp = LRP(actor, EpsilonPlus())
+    assert lrp.explained_keys == ["observation"]
+    out = lrp(td.clone())
+    expected = LRP(net, EpsilonPlus(), target_key=keys[0])(td.clone())
+    torch.testing.assert_close(out["relevance", "observation"], expected["relevance", "observation"])

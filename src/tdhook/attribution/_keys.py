@@ -20,10 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from tensordict.utils import NestedKey, unravel_key
+from tensordict.nn import TensorDictModuleBase
+from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 from torch import nn
 
-__all__ = ["as_tuple", "layer_keys", "relevance_keys"]
+__all__ = ["as_tuple", "layer_keys", "read_not_written", "relevance_keys"]
 
 
 def as_tuple(key: NestedKey) -> tuple[str, ...]:
@@ -112,4 +113,27 @@ def relevance_keys(
         for name in target_names
         for prefix in [(name,) if name is not None else ()]
         for k in keys
+    ]
+
+
+def read_not_written(module: TensorDictModuleBase) -> list[NestedKey]:
+    """The input keys of ``module`` that it does not write itself: the inputs explained by default.
+
+    A key whose entries the module writes (a ``ProbabilisticActor`` with ``return_composite`` reads ``"params"``,
+    which its network fills with ``("params", "cat", "logits")``, ...) is computed, not given.
+
+    Examples:
+        >>> from tensordict.nn import TensorDictModule, TensorDictSequential
+        >>> net = TensorDictSequential(
+        ...     TensorDictModule(nn.Linear(3, 2), in_keys=["obs"], out_keys=[("params", "loc")]),
+        ...     TensorDictModule(nn.Identity(), in_keys=["params"], out_keys=["action"]),
+        ... )
+        >>> read_not_written(net)
+        ['obs']
+    """
+    written = [as_tuple(key) for key in module.out_keys]
+    return [
+        key
+        for key in unravel_key_list(list(module.in_keys))
+        if not any(out[: len(as_tuple(key))] == as_tuple(key) for out in written)
     ]

@@ -18,7 +18,7 @@ from tdhook.attribution._context import claim, release, suspend_function_modes_i
 from tdhook.attribution._copies import hide_from_copies
 from tdhook.attribution._coverage_recorder import CoverageRecorder
 from tdhook.attribution._inputs import describe, feed_inputs, validate_inputs
-from tdhook.attribution._keys import layer_keys, relevance_keys
+from tdhook.attribution._keys import layer_keys, read_not_written, relevance_keys
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action
@@ -145,7 +145,7 @@ class LRP(TensorDictModuleBase):
         if rule_mapper is None or isinstance(rule_mapper, Mapping):
             rule_mapper = BaseRuleMapper(rule_mapper=rule_mapper)
         self.rule_mapper = rule_mapper
-        self.explained_keys = unravel_key_list(list(in_keys if in_keys is not None else module.in_keys))
+        self.explained_keys = unravel_key_list(list(in_keys)) if in_keys is not None else read_not_written(module)
         self.targets = named_targets(module, target_key)
         named = None not in self.targets
         self.target_key = {n: k for n, (k, _) in self.targets.items()} if named else self.targets[None][0]
