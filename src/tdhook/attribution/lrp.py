@@ -58,7 +58,10 @@ class LRP(TensorDictModuleBase):
         out_keys: the output keys of a plain module.
         target_key: the output to explain. Defaults to the first
             floating-point out key that no module of the pipeline reads,
-            leaving out sampling steps: ``"chosen_action_value"`` for a
+            leaving out sampling steps and, while there are others, the states
+            written under ``"next"`` for the next step (a recurrent actor
+            explains its action values, not its next hidden state):
+            ``"chosen_action_value"`` for a
             ``QValueActor``, ``"loc"`` for a ``ProbabilisticActor`` with a
             ``TanhNormal`` (or other location-scale) distribution,
             ``"logits"`` for one with a ``Categorical`` or
