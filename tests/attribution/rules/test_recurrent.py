@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tensordict import TensorDict
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 from torchrl.modules.tensordict_module.rnn import GRU as TorchrlGRU
 from torchrl.modules.tensordict_module.rnn import LSTM as TorchrlLSTM
 
+from tdhook.attribution import LRP
+from tdhook.attribution.mappers.presets import EpsilonPlus
+from tdhook.attribution.mappers.transformer import CPLRP, AttnLRP
 from tdhook.attribution.rules.recurrent import RecurrentRule, is_recurrent
 from tests.attribution.rules._helpers import F64
 
@@ -392,6 +396,41 @@ class TestRefusals:
     def test_negative_epsilon(self):
         with pytest.raises(ValueError, match="epsilon"):
             RecurrentRule(-1.0)
+
+
+class LastStepHead(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.rnn = make(kind, 2, batch_first=True)
+        self.fc = nn.Linear(4, 2, bias=False).double()
+
+    def forward(self, x):
+        return self.fc(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "preset",
+    {
+        "EpsilonPlus": lambda: EpsilonPlus(epsilon=0.0, stabilizer=1e-3),
+        "EpsilonPlus-stabilized-sums": lambda: EpsilonPlus(epsilon=0.0, stabilizer=1e-3, stabilize_additions=True),
+        "AttnLRP": lambda: AttnLRP(stabilizer=1e-3),
+        "CPLRP": lambda: CPLRP(stabilizer=1e-3),
+    }.items(),
+    ids=lambda item: item[0],
+)
+def test_every_preset_applies_the_rule_alone_inside_the_module(kind, preset):
+    # The presets' function modes (stabilised sums, AttnLRP's products) must not touch the rule's re-computation.
+    torch.manual_seed(8)
+    net = LastStepHead(kind)
+    x = torch.randn(3, 6, 3, dtype=F64)
+    leaf = x.clone().requires_grad_(True)
+    with RecurrentRule(1e-3).register(net.rnn):
+        out = net(leaf)
+    seed = torch.zeros_like(out).scatter_(-1, out.argmax(-1, keepdim=True), 1.0)
+    expected = leaf * torch.autograd.grad(out, leaf, seed)[0]
+    td = LRP(net, preset[1](), in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[3]))
+    assert rel_err(td["relevance", "x"], expected) < TOL
 
 
 def measure() -> None:
