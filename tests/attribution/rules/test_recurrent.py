@@ -338,19 +338,24 @@ class TestPackedAndMasked:
         module = make(kind, 2, batch_first=True)
         lengths = torch.tensor([5, 2, 4])
         x = torch.randn(3, 5, 3, dtype=F64, requires_grad=True)
+        # Given initial states are in the caller's batch order, not the packed (longest first) one.
+        hx = [torch.randn(2, 3, 4, dtype=F64, requires_grad=True) for _ in range(1 + (kind == "LSTM"))]
         packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
         with RecurrentRule(0.01).register(module):
-            out, state = module(packed)
+            out, state = module(packed, tuple(hx) if kind == "LSTM" else hx[0])
         h_n = state[0] if kind == "LSTM" else state
-        grad = torch.autograd.grad(h_n[-1].sum(), x)[0]
+        grad, *grad_hx = torch.autograd.grad(h_n[-1].sum(), [x, *hx])
         for b, length in enumerate(lengths.tolist()):
             alone = x[b : b + 1, :length].detach().clone().requires_grad_(True)
+            hx_alone = [h[:, b : b + 1].detach().clone().requires_grad_(True) for h in hx]
             with RecurrentRule(0.01).register(module):
-                _, s = module(alone)
+                _, s = module(alone, tuple(hx_alone) if kind == "LSTM" else hx_alone[0])
             h_alone = s[0] if kind == "LSTM" else s
             assert torch.allclose(h_alone[-1, 0], h_n[-1, b], atol=1e-12)
-            want = alone * torch.autograd.grad(h_alone[-1].sum(), alone)[0]
-            assert rel_err(x[b, :length] * grad[b, :length], want[0]) < TOL
+            want, *want_hx = torch.autograd.grad(h_alone[-1].sum(), [alone, *hx_alone])
+            assert rel_err(x[b, :length] * grad[b, :length], (alone * want)[0]) < TOL
+            for h, g, h1, w in zip(hx, grad_hx, hx_alone, want_hx, strict=True):
+                assert rel_err(h[:, b] * g[:, b], (h1 * w)[:, 0]) < TOL
             assert not grad[b, length:].any()
 
     @pytest.mark.parametrize("cls", [TorchrlLSTM, TorchrlGRU])
