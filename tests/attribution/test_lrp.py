@@ -290,3 +290,40 @@ class TestCost:
         x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
         # The first convolution sees signed inputs (two extra passes), the second only ReLU outputs (one).
         assert self.count(net, x, EpsilonPlus()) == 4 + 2 + 1
+
+
+class TestInputsNotExplained:
+    """Keys taken from the module's in_keys that steer the model (booleans, integers no embedding reads) or that a
+    torchrl recurrent module does without are inputs, not explained; keys the caller names always are."""
+
+    @staticmethod
+    def masked_policy() -> TensorDictModule:
+        net = nn.Linear(5, 3).double()
+        return TensorDictModule(
+            lambda x, mask, steps: net(x).masked_fill(~mask, 0) + 0 * steps, ["x", "mask", "steps"], ["y"]
+        )
+
+    def test_boolean_and_integer_keys_get_no_relevance_by_default(self):
+        td = TensorDict(
+            x=torch.randn(4, 5, dtype=torch.float64),
+            mask=torch.rand(4, 3) > 0.3,
+            steps=torch.arange(4).unsqueeze(-1),
+            batch_size=[4],
+        )
+        policy = self.masked_policy()
+        out = LRP(policy)(td.clone())
+        assert set(out["relevance"].keys()) == {"x"}
+        assert torch.equal(out["relevance", "x"], LRP(policy, in_keys=["x"])(td.clone())["relevance", "x"])
+        with pytest.raises(TypeError, match="'mask' must be a floating-point tensor"):
+            LRP(policy, in_keys=["x", "mask"])(td.clone())
+
+    def test_missing_recurrent_state_is_skipped_but_a_missing_input_is_named(self):
+        from torchrl.modules import LSTMModule
+
+        rnn = LSTMModule(input_size=5, hidden_size=4, in_key="x", out_key="y").double()
+        td = TensorDict(
+            x=torch.randn(3, 5, dtype=torch.float64), is_init=torch.ones(3, 1, dtype=torch.bool), batch_size=[3]
+        )
+        assert set(LRP(rnn)(td.clone())["relevance"].keys()) == {"x"}
+        with pytest.raises(KeyError, match="input key 'x' is missing"):
+            LRP(rnn)(td.exclude("x"))

@@ -627,17 +627,21 @@ class TestEmbedding:
         assert torch.equal(td["tokens"], tokens)
         assert torch.equal(td["logits"], net(tokens))
 
-    def test_integer_key_not_read_by_an_embedding_is_named(self):
+    def test_integer_key_not_read_by_an_embedding_is_named_when_asked_for(self):
         net = MaskedTokenNet().double()
         tokens, mask = torch.randint(0, 11, (3, 5)), torch.randint(0, 2, (3, 5))
         before = state(net)
         module = TensorDictModule(net, in_keys=["tokens", "mask"], out_keys=["logits"])
         td = TensorDict(tokens=tokens, mask=mask, batch_size=[3])
         with pytest.raises(TypeError, match="'mask' holds integer tokens"):
-            LRP(module)(td.clone())
+            LRP(module, in_keys=["tokens", "mask"])(td.clone())
         assert_same_state(net, before)
-        # Explaining the tokens alone works, and the masked-out tokens get no relevance.
+        # Taken from the module's in_keys, the mask is an input, not explained: the tokens alone are.
+        by_default = LRP(module)(td.clone())
+        assert ("relevance", "mask") not in by_default.keys(include_nested=True)
+        # Explaining the tokens alone gives the same, and the masked-out tokens get no relevance.
         out = LRP(module, in_keys=["tokens"])(td.clone())
+        assert torch.equal(by_default["relevance", "tokens"], out["relevance", "tokens"])
         assert out["relevance", "tokens"].shape == (3, 5)
         assert torch.all(out["relevance", "tokens"][mask == 0] == 0)
         assert out["relevance", "tokens"][mask == 1].abs().sum() > 0

@@ -7,19 +7,23 @@ import functools
 import pytest
 import torch
 from tensordict import TensorDict
-from tensordict.nn import NormalParamExtractor, TensorDictModule, TensorDictModuleBase
+from tensordict.nn import NormalParamExtractor, TensorDictModule, TensorDictModuleBase, TensorDictSequential
 from torch import nn
-from torchrl.envs import GymEnv
+from torchrl.envs import Compose, GymEnv, InitTracker, TransformedEnv
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 from torchrl.modules import (
     MLP,
     ActorCriticWrapper,
     ActorValueOperator,
+    GRUModule,
+    LSTMModule,
     OneHotCategorical,
     ProbabilisticActor,
     QValueActor,
+    QValueModule,
     TanhNormal,
     ValueOperator,
+    set_recurrent_mode,
 )
 
 from tdhook.attribution import LRP
@@ -290,3 +294,141 @@ class TestRollouts:
         assert torch.equal(runs["explained"]["action"], runs["plain"]["action"])
         assert torch.equal(runs["explained"]["next", "observation"], runs["plain"]["next", "observation"])
         assert runs["explained"]["relevance", "observation"].shape == (40, 4)
+
+
+# ----------------------------------------------------------------------------- recurrent policies
+
+
+def recurrent_policy(
+    kind: str, layers: int = 2, python_based: bool = False, actions: int = 3
+) -> tuple[TensorDictSequential, nn.Module]:
+    """A torchrl LSTMModule or GRUModule followed by a Q-value head, in float64, with its biases zeroed."""
+    torch.manual_seed(0)
+    cls = LSTMModule if kind == "LSTM" else GRUModule
+    rnn = cls(
+        input_size=4, hidden_size=6, num_layers=layers, in_key="observation", out_key="embed", python_based=python_based
+    ).to(F64)
+    head = TensorDictModule(mlp(actions, in_features=6), in_keys=["embed"], out_keys=["action_value"])
+    with torch.no_grad():
+        for name, p in rnn.named_parameters():
+            if "bias" in name:
+                p.zero_()
+    zero_biases(head)
+    return TensorDictSequential(rnn, head), rnn
+
+
+def recurrent_inputs(kind: str, layers: int = 2, batch: tuple = (3, 5), states: bool = True) -> TensorDict:
+    td = TensorDict(
+        observation=torch.randn(*batch, 4, dtype=F64),
+        is_init=torch.zeros(*batch, 1, dtype=torch.bool),
+        batch_size=batch,
+    )
+    td["is_init"][..., 0, :] = True
+    if states:
+        for key in ("recurrent_state_h", "recurrent_state_c") if kind == "LSTM" else ("recurrent_state",):
+            td[key] = torch.randn(*batch, layers, 6, dtype=F64)
+    return td
+
+
+def state_keys(kind: str) -> tuple[str, ...]:
+    return ("recurrent_state_h", "recurrent_state_c") if kind == "LSTM" else ("recurrent_state",)
+
+
+def chosen(td: TensorDict) -> torch.Tensor:
+    return td["action_value"].max(-1).values
+
+
+def total_relevance(td: TensorDict, keys: tuple) -> torch.Tensor:
+    return sum(td["relevance", key].sum() for key in keys)
+
+
+PRESET = functools.partial(EpsilonPlus, epsilon=1e-9, stabilizer=1e-9)
+
+
+class TestRecurrentPolicies:
+    @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+    @pytest.mark.parametrize("python_based", [False, True])
+    def test_recurrent_mode_equals_the_bare_network_and_conserves(self, kind, python_based):
+        policy, rnn = recurrent_policy(kind, python_based=python_based)
+        td = recurrent_inputs(kind, states=False)
+        lrp = LRP(policy, PRESET())
+        with set_recurrent_mode(True):
+            plain = policy(td.clone())
+            out = lrp(td.clone())
+        assert torch.equal(out["action_value"], plain["action_value"])
+        assert ("relevance", "is_init") not in out.keys(include_nested=True)
+        # The default target is the action value, not the next hidden state.
+        assert lrp.module is policy and set(out["relevance"].keys()) == {"observation"}
+        torch.testing.assert_close(out["relevance", "observation"].sum(), chosen(out).sum(), rtol=1e-6, atol=0)
+
+        class Bare(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.rnn, self.head = rnn.lstm if kind == "LSTM" else rnn.gru, policy[1].module
+
+            def forward(self, x):
+                return self.head(self.rnn(x)[0])
+
+        bare = LRP(Bare(), PRESET(), in_keys=["observation"], out_keys=["action_value"])
+        expected = bare(TensorDict(observation=td["observation"], batch_size=td.batch_size))
+        torch.testing.assert_close(out["relevance", "observation"], expected["relevance", "observation"])
+
+    @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+    def test_recurrent_states_get_relevance_under_their_own_keys(self, kind):
+        policy, _ = recurrent_policy(kind)
+        td = recurrent_inputs(kind)
+        with set_recurrent_mode(True):
+            out = LRP(policy, PRESET())(td.clone())
+        keys = ("observation", *state_keys(kind))
+        for key in state_keys(kind):
+            relevance = out["relevance", key]
+            assert relevance.shape == td[key].shape
+            assert relevance[:, 0].abs().sum() > 0 and not relevance[:, 1:].any()  # read at the first step only
+        torch.testing.assert_close(total_relevance(out, keys), chosen(out).sum(), rtol=1e-6, atol=0)
+
+    @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+    @pytest.mark.parametrize("python_based", [False, True])
+    def test_trajectories_packed_in_a_row_conserve_per_trajectory(self, kind, python_based):
+        policy, _ = recurrent_policy(kind, python_based=python_based)
+        td = recurrent_inputs(kind, batch=(2, 6), states=False)
+        td["is_init"][0, 3] = True  # a second trajectory starts at step 3 of row 0
+        lrp = LRP(policy, PRESET(), target=lambda q: torch.where(q == q.max(-1, keepdim=True).values, q, 0))
+        with set_recurrent_mode(True):
+            plain = policy(td.clone())
+            out = lrp(td.clone())
+        assert torch.equal(out["action_value"], plain["action_value"])
+        assert lrp.coverage().plain_gradient == ()  # packing and unpacking the trajectories only moves values
+        relevance = out["relevance", "observation"]
+        torch.testing.assert_close(relevance.sum(), chosen(out).sum(), rtol=1e-6, atol=0)
+        # Nothing crosses the reset: the first trajectory's steps get no relevance from the second's targets.
+        split = LRP(policy, PRESET(), target=lambda q: torch.where(q == q.max(-1, keepdim=True).values, q, 0) * mask)
+        mask = torch.zeros(2, 6, 1, dtype=F64)
+        mask[0, 3:] = 1
+        with set_recurrent_mode(True):
+            later = split(td.clone())["relevance", "observation"]
+        assert not later[0, :3].any()
+
+    @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+    def test_step_mode_explains_the_observation_and_the_states(self, kind):
+        policy, _ = recurrent_policy(kind)
+        td = recurrent_inputs(kind, batch=(4,))
+        td["is_init"][:] = False
+        td["is_init"][0] = True  # this sample starts a trajectory: its given states are replaced by zeros
+        plain = policy(td.clone())
+        out = LRP(policy, PRESET())(td.clone())
+        assert torch.equal(out["action_value"], plain["action_value"])
+        for key in state_keys(kind):
+            assert out["relevance", key].shape == td[key].shape
+            assert not out["relevance", key][0].any() and out["relevance", key][1:].abs().sum() > 0
+        keys = ("observation", *state_keys(kind))
+        torch.testing.assert_close(total_relevance(out, keys), chosen(out).sum(), rtol=1e-6, atol=0)
+
+    def test_rollout_with_a_recurrent_policy_writes_relevance_every_step(self):
+        policy, rnn = recurrent_policy("LSTM", actions=2)
+        policy = policy.float()  # CartPole's observations are float32
+        env = TransformedEnv(GymEnv("CartPole-v1"), Compose(InitTracker(), rnn.make_tensordict_primer()))
+        lrp = LRP(policy, PRESET())
+        with torch.no_grad():
+            rollout = env.rollout(4, policy=TensorDictSequential(lrp, QValueModule(spec=env.action_spec)))
+        assert rollout["relevance", "observation"].shape == rollout["observation"].shape
+        assert ("relevance", "is_init") not in rollout.keys(include_nested=True)

@@ -47,3 +47,24 @@ class TestBadTarget(ExpectsARefusal):
     def test_target_indices_out_of_range(self):
         td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
         self.run_and_expect(td, IndexError, r"\[0, 3\) for output 'y'", target=torch.tensor([0, 3]))
+
+
+class TestDefaultTargetKey:
+    def test_states_for_the_next_step_come_after_the_action_output(self):
+        from tensordict.nn import TensorDictModule, TensorDictSequential
+
+        from tdhook.attribution.targets import resolve_target_key
+
+        # A recurrent core writes its next state under "next" before the head writes the action values.
+        core = TensorDictModule(
+            lambda x: (x * 2, x + 1), in_keys=["observation"], out_keys=["embed", ("next", "recurrent_state")]
+        )
+        head = TensorDictModule(lambda e: e.sum(-1, keepdim=True), in_keys=["embed"], out_keys=["action_value"])
+        policy = TensorDictSequential(core, head)
+        result = policy(TensorDict(observation=torch.ones(2, 3), batch_size=[2]))
+        assert resolve_target_key(result, None, policy) == "action_value"
+        # With nothing else unread, the next state is still a candidate.
+        assert resolve_target_key(core(TensorDict(observation=torch.ones(2, 3), batch_size=[2])), None, core) == "embed"
+        alone = TensorDictModule(lambda x: x + 1, in_keys=["observation"], out_keys=[("next", "recurrent_state")])
+        result = alone(TensorDict(observation=torch.ones(2, 3), batch_size=[2]))
+        assert resolve_target_key(result, None, alone) == ("next", "recurrent_state")

@@ -66,7 +66,7 @@ def backward_passes(
     grad_outputs: torch.Tensor,
     split_dim: int | None,
     retain: bool,
-) -> list[torch.Tensor]:
+) -> list[torch.Tensor | None]:
     """Every relevance of one target, one backward pass per seed.
 
     Args:
@@ -78,9 +78,9 @@ def backward_passes(
         retain: keep the graph after the last pass (another target follows).
 
     Returns:
-        The relevances, each with the units (``target="all"``) in a dimension right after the batch dimensions
-        of ``output``; with ``split_dim``, a new dimension of the positions right before ``split_dim``, and the
-        units right after it.
+        The relevances (``None`` for an input the call does not explain), each with the units
+        (``target="all"``) in a dimension right after the batch dimensions of ``output``; with ``split_dim``, a
+        new dimension of the positions right before ``split_dim``, and the units right after it.
     """
     per_unit = grad_outputs.dim() > output.dim()
     seeds = grad_outputs if per_unit else grad_outputs.unsqueeze(0)
@@ -99,7 +99,9 @@ def backward_passes(
         passes.append(per_seed)
     unit_dim = output.dim() - 1 if split_dim is None else split_dim
 
-    def combined(i: int) -> torch.Tensor:
+    def combined(i: int) -> torch.Tensor | None:
+        if passes[0][0][i] is None:  # an input this call does not explain
+            return None
         per_position = [
             torch.stack([s[i] for s in per_seed], unit_dim) if per_unit else per_seed[0][i] for per_seed in passes
         ]

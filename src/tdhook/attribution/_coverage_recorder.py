@@ -69,7 +69,7 @@ class CoverageRecorder:
         shares = {}
         for position, (name, output, grad_output) in enumerate(seeds):
             start = position * (n_inputs + n_layers)
-            inputs = relevances[start : start + n_inputs]
+            inputs = [r for r in relevances[start : start + n_inputs] if r is not None]  # None: not explained
             if split_dim is not None:  # the positions' relevances add up to the whole target's
                 dim = split_dim
                 per_unit = grad_output.dim() > output.dim()

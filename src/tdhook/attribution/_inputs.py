@@ -24,11 +24,70 @@ from typing import Any
 
 import torch
 from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
+from torchrl.modules import GRUModule, LSTMModule
 
 from tdhook.attribution._tokens import TokenInputs
 
-__all__ = ["describe", "feed_inputs", "validate_inputs"]
+__all__ = [
+    "describe",
+    "explained_in_call",
+    "feed_inputs",
+    "leaf_relevances",
+    "optional_inputs",
+    "validate_inputs",
+]
+
+
+def optional_inputs(module: TensorDictModuleBase) -> set[NestedKey]:
+    """The input keys ``module`` reads but does without: the recurrent states of torchrl's ``LSTMModule`` and
+    ``GRUModule`` (zeros when the TensorDict has none).
+
+    Examples:
+        >>> from torchrl.modules import LSTMModule
+        >>> sorted(optional_inputs(LSTMModule(input_size=3, hidden_size=4, in_key="obs", out_key="h")))
+        ['recurrent_state_c', 'recurrent_state_h']
+    """
+    keys: set[NestedKey] = set()
+    for sub in module.modules():
+        if isinstance(sub, (LSTMModule, GRUModule)):
+            keys.update(k for k in sub.in_keys[1:] if k != "is_init")
+    return keys
+
+
+def explained_in_call(
+    tensordict: TensorDictBase, keys: Sequence[NestedKey], defaulted: bool, optional: set[NestedKey]
+) -> list[bool]:
+    """Per key, whether this call explains it.
+
+    Keys the caller named in ``in_keys`` always are. Keys taken from the
+    module's ``in_keys`` (``defaulted``) are not when they hold booleans (masks,
+    ``is_init``: inputs that steer the model, not evidence), or when they are
+    ``optional`` and absent. Integer keys are decided after the forward pass:
+    tokens an ``nn.Embedding`` reads are explained, other integers are not.
+    Where that would leave nothing to explain, every key is, so that
+    :func:`validate_inputs` names the key that cannot be.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict(obs=torch.ones(2, 3), is_init=torch.ones(2, 1, dtype=torch.bool), batch_size=[2])
+        >>> explained_in_call(td, ["obs", "is_init", "state"], True, {"state"})
+        [True, False, False]
+        >>> explained_in_call(td, ["obs", "is_init"], False, set())
+        [True, True]
+    """
+    if not defaulted:
+        return [True] * len(keys)
+    flags = []
+    for key in keys:
+        value = tensordict.get(key, None)
+        if value is None:
+            flags.append(key not in optional)
+        else:
+            flags.append(not (isinstance(value, torch.Tensor) and value.dtype == torch.bool))
+    return flags if any(flags) else [True] * len(keys)
 
 
 def validate_inputs(tensordict: TensorDictBase, keys: Sequence[NestedKey]) -> None:
@@ -58,7 +117,7 @@ def validate_inputs(tensordict: TensorDictBase, keys: Sequence[NestedKey]) -> No
 
 
 def feed_inputs(
-    work: TensorDictBase, keys: Sequence[NestedKey], tokens: TokenInputs
+    work: TensorDictBase, keys: Sequence[NestedKey], tokens: TokenInputs, explained: Sequence[bool] | None = None
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
     """Replace each explained input in ``work`` by what the model is to see, with gradients enabled.
 
@@ -70,14 +129,20 @@ def feed_inputs(
         work: the copy of the caller's TensorDict that the model runs on.
         keys: the explained input keys.
         tokens: the wrapper's token inputs, cleared for this call.
+        explained: per key, whether this call explains it (see :func:`explained_in_call`); the others are
+            left as they are. Defaults to all.
 
     Returns:
         The leaves the relevance is taken for and the tensors fed to the
-        model, one per key (``None`` for tokens until embedded).
+        model, one per key (``None`` for tokens until embedded, and for the keys not explained).
     """
     leaves: list[torch.Tensor | None] = []
     fed: list[torch.Tensor | None] = []
     for i, key in enumerate(keys):
+        if explained is not None and not explained[i]:
+            leaves.append(None)
+            fed.append(None)
+            continue
         value = work.get(key)
         if not value.is_floating_point():
             work.set(key, tokens.feed(i, value, leaves, fed))
@@ -87,6 +152,28 @@ def feed_inputs(
         work.set(key, fed[-1])
         leaves.append(leaf)
     return leaves, fed
+
+
+def leaf_relevances(
+    output: torch.Tensor, grad_output: torch.Tensor, leaves: Sequence[torch.Tensor | None], retain: bool
+) -> list[torch.Tensor | None]:
+    """Each leaf times its gradient from ``output`` seeded with ``grad_output`` (zeros where none reaches it);
+    ``None`` for a leaf that is ``None`` (an input the call does not explain, see :func:`explained_in_call`).
+
+    Examples:
+        >>> x = torch.tensor([2.0], requires_grad=True)
+        >>> leaf_relevances(3 * x, torch.ones(1), [x, None], retain=False)
+        [tensor([6.]), None]
+    """
+    taken = [leaf for leaf in leaves if leaf is not None]
+    grads = iter(torch.autograd.grad(output, taken, grad_output, retain_graph=retain, allow_unused=True))
+    relevances: list[torch.Tensor | None] = []
+    for leaf in leaves:
+        grad = None if leaf is None else next(grads)
+        if leaf is not None:
+            grad = torch.zeros_like(leaf) if grad is None else grad
+        relevances.append(None if leaf is None else leaf.detach() * grad)
+    return relevances
 
 
 def describe(value: Any) -> str:

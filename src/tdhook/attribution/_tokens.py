@@ -125,16 +125,23 @@ class TokenInputs:
 
         return hook
 
-    def raise_for_unembedded(self, leaves: list[torch.Tensor | None], cause: Exception | None = None) -> None:
+    def raise_for_unembedded(
+        self, leaves: list[torch.Tensor | None], cause: Exception | None = None, optional: bool = False
+    ) -> None:
         """Raise if the tokens of an input were read by no ``nn.Embedding``.
 
         Args:
             leaves: the tensors the relevance is taken for.
             cause: the exception the model raised, if any, chained to this one.
+            optional: the inputs were taken from the module's ``in_keys``, not named by the caller: after a
+                forward pass that succeeded, integers no embedding read (an action mask, a step count) are
+                simply not explained (their leaf stays ``None``).
 
         Raises:
             TypeError: an input's leaf is still ``None``.
         """
+        if optional and cause is None:
+            return
         for i in self._ids:
             if leaves[i] is None:
                 key, dtype = self.keys[i], self._ids[i].dtype

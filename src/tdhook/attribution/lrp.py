@@ -17,7 +17,14 @@ from tdhook.attribution._backward_passes import backward_passes, check_split_dim
 from tdhook.attribution._context import claim, release, suspend_function_modes_in
 from tdhook.attribution._copies import hide_from_copies
 from tdhook.attribution._coverage_recorder import CoverageRecorder
-from tdhook.attribution._inputs import describe, feed_inputs, validate_inputs
+from tdhook.attribution._inputs import (
+    describe,
+    explained_in_call,
+    feed_inputs,
+    leaf_relevances,
+    optional_inputs,
+    validate_inputs,
+)
 from tdhook.attribution._keys import layer_keys, read_not_written, relevance_keys
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
@@ -57,11 +64,17 @@ class LRP(TensorDictModuleBase):
             those of ``module.named_modules()`` for the object passed as
             ``module`` (a plain ``nn.Module``'s own names).
         in_keys: for a plain module, its input keys; for a TensorDict module,
-            the input keys to explain (all of its in_keys by default).
+            the input keys to explain. By default its in_keys, leaving out in
+            each call those that hold booleans (``is_init``, an action mask),
+            integers no ``nn.Embedding`` reads, and the recurrent states of a
+            torchrl ``LSTMModule``/``GRUModule`` the TensorDict does not hold.
         out_keys: the output keys of a plain module.
         target_key: the output to explain. Defaults to the first
             floating-point out key that no module of the pipeline reads,
-            leaving out sampling steps: ``"chosen_action_value"`` for a
+            leaving out sampling steps and, while there are others, the states
+            written under ``"next"`` for the next step (a recurrent actor
+            explains its action values, not its next hidden state):
+            ``"chosen_action_value"`` for a
             ``QValueActor``, ``"loc"`` for a ``ProbabilisticActor`` with a
             ``TanhNormal`` (or other location-scale) distribution,
             ``"logits"`` for one with a ``Categorical`` or
@@ -146,6 +159,10 @@ class LRP(TensorDictModuleBase):
             rule_mapper = BaseRuleMapper(rule_mapper=rule_mapper)
         self.rule_mapper = rule_mapper
         self.explained_keys = unravel_key_list(list(in_keys)) if in_keys is not None else read_not_written(module)
+        # Keys taken from the module's in_keys: those holding booleans or integers no embedding reads, and the
+        # recurrent states a torchrl LSTMModule/GRUModule does without, are not explained (see explained_in_call).
+        self._defaulted_inputs = in_keys is None
+        self._optional_inputs = optional_inputs(module)
         self.targets = named_targets(module, target_key)
         named = None not in self.targets
         self.target_key = {n: k for n, (k, _) in self.targets.items()} if named else self.targets[None][0]
@@ -277,7 +294,8 @@ class LRP(TensorDictModuleBase):
                 return
 
     def _explain(self, tensordict: TensorDictBase) -> TensorDictBase:
-        validate_inputs(tensordict, self.explained_keys)
+        explained = explained_in_call(tensordict, self.explained_keys, self._defaulted_inputs, self._optional_inputs)
+        validate_inputs(tensordict, [key for key, e in zip(self.explained_keys, explained, strict=True) if e])
         self._warn_for_stochastic_modules()
         work = tensordict.copy()
         self._layers.clear()
@@ -285,7 +303,7 @@ class LRP(TensorDictModuleBase):
         try:
             with torch.enable_grad():
                 # Integer tokens are fed to TokenInputs: the relevance of their embeddings stands for them.
-                leaves, fed = feed_inputs(work, self.explained_keys, self._tokens)
+                leaves, fed = feed_inputs(work, self.explained_keys, self._tokens, explained)
                 try:
                     with contextlib.ExitStack() as modes:
                         modes.enter_context(self._rule_use.watch(self.named_explained_modules, self._handles or []))
@@ -306,7 +324,7 @@ class LRP(TensorDictModuleBase):
                     shapes = ", ".join(f"{k!r}: {describe(tensordict.get(k))}" for k in self.explained_keys)
                     err.add_note(f"LRP: raised while running the wrapped module on the inputs {shapes}")
                     raise
-                self._tokens.raise_for_unembedded(leaves)
+                self._tokens.raise_for_unembedded(leaves, optional=self._defaulted_inputs)
                 result = work if result is None else result
                 relevances = []
                 names = list(self.targets)
@@ -377,11 +395,7 @@ class LRP(TensorDictModuleBase):
         fed: list[torch.Tensor],
         retain: bool,
     ) -> list[torch.Tensor]:
-        grads = torch.autograd.grad(output, leaves, grad_output, retain_graph=retain, allow_unused=True)
-        relevances = [
-            leaf.detach() * g if g is not None else torch.zeros_like(leaf)
-            for leaf, g in zip(leaves, grads, strict=True)
-        ]
+        relevances = leaf_relevances(output, grad_output, leaves, retain)
         # Token relevance: the relevance of each token's embedding vector, summed over its features.
         token_indices = [i for i, leaf in enumerate(leaves) if is_embedding_leaf(leaf)]
         for handle in self._handles or []:
@@ -392,16 +406,20 @@ class LRP(TensorDictModuleBase):
                         relevances[i] = relevances[i] + rest
         for i in token_indices:
             relevances[i] = self._tokens.per_token(i, relevances[i])
-        return relevances + [self._layers.pop(name, leaves[0]) for name in self.layer_keys]
+        like = next(leaf for leaf in leaves if leaf is not None)
+        return relevances + [self._layers.pop(name, like) for name in self.layer_keys]
 
     def _write(
         self, tensordict: TensorDictBase, result: TensorDictBase, relevances: list, fed: list[torch.Tensor]
     ) -> None:
         updates = model_updates(tensordict, result, self.explained_keys, fed)
         for key, rel in zip(self.relevance_keys, relevances, strict=True):
-            updates[key] = rel
+            if rel is not None:
+                updates[key] = rel
         if self.token_relevance_keys:
             for key, source, rel in zip(self.token_relevance_keys, self._relevance_sources, relevances, strict=True):
+                if rel is None:
+                    continue
                 # Token ids already have one relevance per token; embeddings and layer outputs sum their features.
                 per_token = source is not None and not tensordict.get(source).is_floating_point()
                 updates[key] = rel if per_token else rel.sum(-1)

@@ -210,7 +210,9 @@ def _default_target_candidates(module: TensorDictModuleBase) -> list[NestedKey]:
 
     Probabilistic modules (the sampling step of a torchrl ``ProbabilisticActor``)
     are left out: their inputs, the distribution's parameters (``loc``,
-    ``logits``), are what gets explained, not a random sample.
+    ``logits``), are what gets explained, not a random sample. Keys under
+    ``"next"`` (the recurrent state a torchrl ``LSTMModule`` carries to the next
+    step) come after the others: a recurrent actor explains its action output.
     """
     leaves = [leaf for leaf in _leaf_modules(module) if not isinstance(leaf, ProbabilisticTensorDictModule)]
     if not leaves:
@@ -218,4 +220,6 @@ def _default_target_candidates(module: TensorDictModuleBase) -> list[NestedKey]:
     read = {unravel_key(k) for leaf in leaves for k in leaf.in_keys}
     written = [unravel_key(k) for leaf in leaves for k in leaf.out_keys]
     ordered = list(dict.fromkeys(written))
-    return [k for k in ordered if k not in read] or ordered[::-1]
+    unread = [k for k in ordered if k not in read]
+    next_states = [k for k in unread if isinstance(k, tuple) and k[0] == "next"]
+    return [k for k in unread if k not in next_states] + next_states or ordered[::-1]

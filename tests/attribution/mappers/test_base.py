@@ -10,10 +10,18 @@ from torch import nn
 
 from tdhook.attribution import LRP
 from tdhook.attribution.mappers.base import BaseRuleMapper, rule_mapper_from_dict
-from tdhook.attribution.mappers.presets import EpsilonPlusFlat
+from tdhook.attribution.mappers.presets import (
+    EpsilonAlpha2Beta1,
+    EpsilonAlpha2Beta1Flat,
+    EpsilonGammaBox,
+    EpsilonPlus,
+    EpsilonPlusFlat,
+)
+from tdhook.attribution.mappers.transformer import CPLRP, AttnLRP
 from tdhook.attribution.rules._numerics import stabilize
 from tdhook.attribution.rules.basic import EpsilonRule, PassRule, StopRule
 from tdhook.attribution.rules.input_layer import FlatRule
+from tdhook.attribution.rules.recurrent import RecurrentRule
 from tests.conftest import relative_error
 
 
@@ -86,3 +94,35 @@ def test_lrp_applies_the_rule_only_when_the_mapper_asks():
     torch.testing.assert_close(exact, logit)  # zero biases: conservation through the exact split
     absorbed, logit = total_relevance(True)
     torch.testing.assert_close(absorbed, logit * logit / stabilize(logit, 0.5))
+
+
+ALL_MAPPERS = {
+    "BaseRuleMapper": BaseRuleMapper,
+    "EpsilonPlus": EpsilonPlus,
+    "EpsilonPlusFlat": EpsilonPlusFlat,
+    "EpsilonAlpha2Beta1": EpsilonAlpha2Beta1,
+    "EpsilonAlpha2Beta1Flat": EpsilonAlpha2Beta1Flat,
+    "EpsilonGammaBox": lambda **options: EpsilonGammaBox(-3.0, 3.0, **options),
+    "AttnLRP": AttnLRP,
+    "CPLRP": CPLRP,
+}
+RECURRENT = {
+    "LSTM": lambda: nn.LSTM(3, 4),
+    "GRU": lambda: nn.GRU(3, 4),
+    "LSTMCell": lambda: nn.LSTMCell(3, 4),
+    "GRUCell": lambda: nn.GRUCell(3, 4),
+}
+
+
+@pytest.mark.parametrize("module", RECURRENT)
+@pytest.mark.parametrize("preset", ALL_MAPPERS)
+def test_every_preset_maps_lstm_and_gru_to_the_recurrent_rule_with_its_stabilizer(module, preset):
+    mapper = ALL_MAPPERS[preset](stabilizer=1e-4)
+    rule = mapper.rules(nn.Sequential(RECURRENT[module]()))["0"]
+    assert isinstance(rule, RecurrentRule)
+    assert rule.epsilon == 1e-4
+
+
+def test_the_users_mapper_overrides_the_recurrent_default():
+    rule = BaseRuleMapper(rule_mapper={nn.LSTM: StopRule()})("lstm", nn.LSTM(3, 4))
+    assert isinstance(rule, StopRule)

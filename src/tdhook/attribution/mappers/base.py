@@ -32,6 +32,7 @@ from tdhook.attribution.rules.gates import GateRule, HeldGates, RouterRule, is_r
 from tdhook.attribution.rules.input_layer import FirstLayerRule
 from tdhook.attribution.rules.normalization import NormRule, is_norm
 from tdhook.attribution.rules.quantized import QuantizedLinearRule, holds_packed_weights, is_quantized_linear
+from tdhook.attribution.rules.recurrent import RecurrentRule, is_recurrent
 
 __all__ = ["RuleMapper", "rule_mapper_from_dict", "PresetOptions", "BaseRuleMapper"]
 
@@ -102,7 +103,9 @@ class BaseRuleMapper:
     Defaults: routers of a mixture of experts → :class:`~tdhook.attribution.rules.gates.RouterRule` (routing
     weights held constant); dynamically quantized Linear layers →
     :class:`~tdhook.attribution.rules.quantized.QuantizedLinearRule` (the ε-rule with ``stabilizer`` on the
-    dequantized weight); sigmoid-like modules → :class:`~tdhook.attribution.rules.gates.GateRule`
+    dequantized weight); LSTM and GRU layers and cells →
+    :class:`~tdhook.attribution.rules.recurrent.RecurrentRule` (signal-take-all, with ``stabilizer`` as ε);
+    sigmoid-like modules → :class:`~tdhook.attribution.rules.gates.GateRule`
     (held constant where they gate a signal); other activations → :class:`PassRule`;
     average pooling → :class:`EpsilonRule` with ``stabilizer`` (zennit's ``Norm``);
     BatchNorm → :class:`MergeBatchNormRule`
@@ -157,6 +160,7 @@ class BaseRuleMapper:
         self._gate = GateRule()
         self._router = RouterRule()
         self._quantized_linear = QuantizedLinearRule(epsilon=stabilizer)
+        self._recurrent = RecurrentRule(epsilon=stabilizer)
         self._norm = EpsilonRule(epsilon=stabilizer)
         self._ignore = IgnoreRule()
         self._merge_batch_norm = MergeBatchNormRule(epsilon=stabilizer)
@@ -185,9 +189,11 @@ class BaseRuleMapper:
         return self.layer_rule(name, module) or self.default_rule(name, module)
 
     def default_rule(self, name: str, module: nn.Module) -> Rule | None:
-        """The rule for activations, pooling, norms, dropout, shape modules and routers."""
+        """The rule for activations, pooling, norms, dropout, shape modules, routers and recurrent layers."""
         if is_router(module):
             return self._router
+        if is_recurrent(module):
+            return self._recurrent
         if is_quantized_linear(module):
             return self._quantized_linear
         if holds_packed_weights(module):

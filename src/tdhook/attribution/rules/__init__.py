@@ -4,7 +4,8 @@ One family of rules per module: :mod:`~tdhook.attribution.rules.base` (what a ru
 :mod:`~tdhook.attribution.rules.basic` (ε, pass, ignore, stop, uniform),
 :mod:`~tdhook.attribution.rules.modified` (αβ, z⁺, γ),
 :mod:`~tdhook.attribution.rules.input_layer` (Flat, w², z^B and the first-layer switch),
-:mod:`~tdhook.attribution.rules.batch_norm`, :mod:`~tdhook.attribution.rules.transformer`,
+:mod:`~tdhook.attribution.rules.batch_norm`, :mod:`~tdhook.attribution.rules.recurrent` (LSTM, GRU),
+:mod:`~tdhook.attribution.rules.transformer`,
 :mod:`~tdhook.attribution.rules.functional` (rules on function calls),
 :mod:`~tdhook.attribution.rules.additions` (stabilised residual sums) and
 :mod:`~tdhook.attribution.rules.checks`. :func:`redirect`, :func:`relevance_proxy` and
@@ -40,6 +41,7 @@ from tdhook.attribution.rules.input_layer import FirstLayerRule, FlatRule, WSqua
 from tdhook.attribution.rules.modified import AlphaBetaRule, GammaRule
 from tdhook.attribution.rules.normalization import NormRule
 from tdhook.attribution.rules.quantized import QuantizedLinearRule
+from tdhook.attribution.rules.recurrent import RecurrentRule
 from tdhook.attribution.rules.transformer import (
     AHQKVRule,
     LayerNormRule,
@@ -79,6 +81,7 @@ __all__ = [
     "HeldGates",
     "RouterRule",
     "QuantizedLinearRule",
+    "RecurrentRule",
     "SoftmaxEpsilonRule",
     "LayerNormRule",
     "PseudoIdentityRule",
