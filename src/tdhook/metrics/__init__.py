@@ -1,0 +1,16 @@
+"""Evaluation metrics for attributions, batched over TensorDicts.
+
+Every metric reads the inputs at ``in_keys`` and an attribution method's output at ``(relevance_key, *key)``
+(``"attribution"`` by default; ``"relevance"`` for :class:`~tdhook.attribution.LRP`), and leaves the caller's
+TensorDict, model and global random state as they were. See ``docs/metrics.md``.
+"""
+
+from tdhook.metrics.aopc import aopc
+from tdhook.metrics.pixel_flipping import pixel_flipping
+from tdhook.metrics.region_perturbation import region_perturbation
+
+__all__ = [
+    "aopc",
+    "pixel_flipping",
+    "region_perturbation",
+]
