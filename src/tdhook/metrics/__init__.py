@@ -5,12 +5,16 @@ Every metric reads the inputs at ``in_keys`` and an attribution method's output 
 TensorDict, model and global random state as they were. See ``docs/metrics.md``.
 """
 
+from tdhook.metrics.action_fidelity import action_fidelity
 from tdhook.metrics.aopc import aopc
+from tdhook.metrics.faithfulness_correlation import faithfulness_correlation
 from tdhook.metrics.pixel_flipping import pixel_flipping
 from tdhook.metrics.region_perturbation import region_perturbation
 
 __all__ = [
+    "action_fidelity",
     "aopc",
+    "faithfulness_correlation",
     "pixel_flipping",
     "region_perturbation",
 ]
