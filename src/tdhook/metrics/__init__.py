@@ -8,13 +8,17 @@ TensorDict, model and global random state as they were. See ``docs/metrics.md``.
 from tdhook.metrics.action_fidelity import action_fidelity
 from tdhook.metrics.aopc import aopc
 from tdhook.metrics.faithfulness_correlation import faithfulness_correlation
+from tdhook.metrics.infidelity import infidelity
 from tdhook.metrics.pixel_flipping import pixel_flipping
 from tdhook.metrics.region_perturbation import region_perturbation
+from tdhook.metrics.sensitivity_max import sensitivity_max
 
 __all__ = [
     "action_fidelity",
     "aopc",
     "faithfulness_correlation",
+    "infidelity",
     "pixel_flipping",
     "region_perturbation",
+    "sensitivity_max",
 ]
