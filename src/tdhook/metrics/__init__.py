@@ -10,6 +10,7 @@ from tdhook.metrics.aopc import aopc
 from tdhook.metrics.faithfulness_correlation import faithfulness_correlation
 from tdhook.metrics.infidelity import infidelity
 from tdhook.metrics.pixel_flipping import pixel_flipping
+from tdhook.metrics.randomisation_check import randomisation_check
 from tdhook.metrics.region_perturbation import region_perturbation
 from tdhook.metrics.sensitivity_max import sensitivity_max
 
@@ -19,6 +20,7 @@ __all__ = [
     "faithfulness_correlation",
     "infidelity",
     "pixel_flipping",
+    "randomisation_check",
     "region_perturbation",
     "sensitivity_max",
 ]
