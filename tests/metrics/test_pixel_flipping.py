@@ -155,3 +155,39 @@ def test_errors_name_the_key_and_what_was_expected():
         pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], target=7)
     with pytest.raises(ValueError, match="target must be None, an int, a LongTensor or a callable"):
         pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], target="all")
+
+
+def test_nested_keys_a_baseline_dict_a_callable_target_and_no_batch_dimension():
+    net = TwoKeys().double()
+    policy = TensorDictModule(net, in_keys=[("obs", "u"), ("obs", "v")], out_keys=["q"])
+    u, v = torch.randn(5, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    au, av = torch.randn(5, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    td = TensorDict(obs={"u": u, "v": v}, scores={"obs": {"u": au, "v": av}}, batch_size=[])
+    baseline = {("obs", "u"): 1.0, ("obs", "v"): torch.full((3,), -1.0, dtype=torch.float64)}
+
+    def softmax_target(out):
+        return torch.softmax(out, -1) * torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=out.dtype)
+
+    curve = pixel_flipping(policy, td, relevance_key="scores", baseline=baseline, target=softmax_target, progress=True)
+    assert curve.shape == (9,)
+    w, order = torch.cat([u, v]), torch.cat([au, av]).argsort(descending=True, stable=True)
+    fill = torch.tensor([1.0] * 5 + [-1.0] * 3, dtype=torch.float64)
+    expected = [torch.softmax(net(u, v), -1)[1]]
+    for k in range(1, 9):
+        perturbed = w.clone()
+        perturbed[order[:k]] = fill[order[:k]]
+        expected.append(torch.softmax(net(perturbed[:5], perturbed[5:]), -1)[1])
+    torch.testing.assert_close(curve, torch.stack(expected), rtol=0, atol=1e-12)
+
+
+def test_one_step_per_forward_keeps_the_batch_shape_the_model_needs():
+    def per_row(x):  # needs the [B, T, F] layout: a mean over T
+        assert x.dim() == 3
+        return x.mean(1).sum(-1, keepdim=True).expand(-1, 3).unsqueeze(1).expand(-1, x.shape[1], -1)
+
+    module = TensorDictModule(per_row, in_keys=["x"], out_keys=["y"])
+    x = torch.randn(2, 4, 3, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=torch.randn(2, 4, 3, dtype=torch.float64)), batch_size=[2, 4])
+    curve = pixel_flipping(module, td, target=0, steps_per_forward=1)
+    assert curve.shape == (2, 4, 4)
+    torch.testing.assert_close(curve[..., -1], torch.zeros(2, 4, dtype=torch.float64))
