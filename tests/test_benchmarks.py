@@ -65,3 +65,18 @@ def test_profile_script_runs_on_tiny_inputs():
     rows = {line.split()[0]: line.split()[-3:] for line in result.stdout.splitlines()[2:]}
     assert list(rows) == ["convolution", "matrix", "element-wise", "total"]
     assert all(float(value) >= 0 for value in rows["total"][:2])
+
+
+def test_metrics_benchmark_runs_on_tiny_inputs():
+    command = [sys.executable, str(BENCHMARKS / "bench_metrics.py"), "--model", "linear", "cnn", "--batch", "2"]
+    result = subprocess.run(
+        [*command, "--size", "4", "--features-per-step", "4", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    rows = [line.split() for line in result.stdout.splitlines()[2:]]
+    assert [row[0] for row in rows] == ["linear", "cnn"]
+    assert all(float(value) >= 0 for row in rows for value in row[1:])
+    assert all(float(row[-1]) < 1e-6 for row in rows)  # the same curve as Quantus

@@ -1,0 +1,92 @@
+"""Time tdhook's pixel_flipping against Quantus' PixelFlipping on the same model, inputs and attributions.
+
+Both compute the same curve (Quantus' scores equal ``curve[..., 1:]``; the script checks it). They run in this
+one process, pinned to one thread: after a warm-up round, ``--repeats`` rounds run both in turn; the medians are
+reported with Quantus' time over tdhook's. Inputs are ``channels x size x size`` (768 features by default, 16 per
+step: 48 perturbation steps). Both run the model on the same 8 x 49 samples, so the model's cost bounds the
+ratio: ``linear`` (one 768-10 layer) shows the metrics' own work, ``mlp`` (768-256-10) and ``cnn`` (two 16-channel
+3x3 convolutions and a linear layer) add more and more of the same forward work to both.
+
+    python benchmarks/bench_metrics.py --model linear mlp cnn --batch 8 --size 16 --features-per-step 16 --repeats 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+from timing import interleaved_medians
+from torch import nn
+
+from tdhook.metrics import pixel_flipping
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--channels", type=int, default=3)
+    parser.add_argument("--size", type=int, default=16)
+    parser.add_argument("--features-per-step", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--model", nargs="+", choices=["linear", "mlp", "cnn"], default=["linear", "mlp", "cnn"])
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    warnings.filterwarnings("ignore")
+    import quantus
+
+    c, s, b = args.channels, args.size, args.batch
+    n_features = c * s * s
+    print(
+        f"batch {b} x {c}x{s}x{s} ({n_features} features, {args.features_per_step} per step), 1 thread, "
+        f"median of {args.repeats} interleaved rounds"
+    )
+    print(f"{'model':<6} {'tdhook s':>9} {'quantus s':>10} {'quantus / tdhook':>17} {'max |diff|':>11}")
+    for name in args.model:
+        torch.manual_seed(0)
+        net = _model(name, c, s)
+        x, a = torch.randn(b, c, s, s), torch.randn(b, c, s, s)
+        y = net(x).argmax(-1).numpy()
+        td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[b])
+        metric = quantus.PixelFlipping(
+            features_in_step=args.features_per_step,
+            perturb_baseline=0.0,
+            normalise=False,
+            abs=False,
+            disable_warnings=True,
+            display_progressbar=False,
+        )
+
+        def ours(net=net, td=td) -> torch.Tensor:
+            return pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], features_per_step=args.features_per_step)
+
+        def theirs(net=net, x=x, a=a, y=y, metric=metric) -> np.ndarray:
+            scores = metric(model=net, x_batch=x.numpy(), y_batch=y, a_batch=a.numpy(), softmax=False, device="cpu")
+            return np.array(scores)
+
+        gap = np.abs(ours()[:, 1:].numpy() - theirs()).max()
+        times = interleaved_medians({"tdhook": ours, "quantus": theirs}, args.repeats)
+        ratio = times["quantus"] / times["tdhook"]
+        print(f"{name:<6} {times['tdhook']:9.4f} {times['quantus']:10.4f} {ratio:17.1f} {gap:11.1e}")
+
+
+def _model(name: str, channels: int, size: int) -> nn.Module:
+    if name == "linear":
+        return nn.Sequential(nn.Flatten(), nn.Linear(channels * size * size, 10)).eval()
+    if name == "mlp":
+        return nn.Sequential(nn.Flatten(), nn.Linear(channels * size * size, 256), nn.ReLU(), nn.Linear(256, 10)).eval()
+    return nn.Sequential(
+        nn.Conv2d(channels, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(16 * size * size, 10),
+    ).eval()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Perturbation curves: the target score as more and more features go to the baseline, a stack of steps per pass.
+
+Examples:
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> from tdhook.metrics._features import Features
+    >>> from tdhook.metrics._scoring import Scorer
+    >>> net = torch.nn.Linear(3, 1, bias=False)
+    >>> with torch.no_grad():
+    ...     _ = net.weight.fill_(1.0)
+    >>> td = TensorDict(x=torch.tensor([[1.0, 2.0, 3.0]]), attribution=TensorDict(x=torch.ones(1, 3)), batch_size=[1])
+    >>> scorer = Scorer(net, td, in_keys=["x"], out_keys=["y"])
+    >>> features = Features.read(td, ["x"], "attribution")
+    >>> perturbation_curve(scorer, features, torch.tensor([[2, 0, 1]]), torch.tensor([1, 3]), 0.0)
+    tensor([[6., 4., 0.]])
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tdhook.metrics._features import Baseline, Features
+from tdhook.metrics._scoring import Scorer, chunks, progress_bar
+
+__all__ = ["perturbation_curve"]
+
+
+def perturbation_curve(
+    scorer: Scorer,
+    features: Features,
+    positions: torch.Tensor,
+    thresholds: torch.Tensor,
+    baseline: Baseline,
+    progress: bool | None = None,
+    description: str = "perturbation curve",
+) -> torch.Tensor:
+    """The scores ``batch + [1 + len(thresholds)]``: unperturbed, then with features at positions below each threshold.
+
+    Args:
+        scorer: the model's target score.
+        features: the explained keys and their attributions.
+        positions: ``batch + [n_features]``: the step order of every feature (its rank).
+        thresholds: step ``k`` (from 1) sets the features with ``positions < thresholds[k - 1]`` to the baseline.
+        baseline: the value the perturbed features take.
+        progress: show a progress bar (``None``: for runs of at least 20 forward passes).
+        description: the progress bar's label.
+    """
+    features.baselines(baseline)  # checked before any forward pass
+    n_steps = len(thresholds)
+    size = scorer.chunk_size(features.inputs)
+    update = progress_bar(-(-n_steps // size), description, progress)
+    columns = [scorer.reference.unsqueeze(0)]
+    batch_dims = positions.dim() - 1
+    for start, stop in chunks(n_steps, size):
+        limit = thresholds[start:stop].to(positions.device).view(-1, *[1] * (batch_dims + 1))
+        mask = positions.unsqueeze(0) < limit
+        columns.append(scorer.scores(features.perturb(mask, baseline)))
+        update(1)
+    update(0)
+    return torch.cat(columns, dim=0).movedim(0, -1)

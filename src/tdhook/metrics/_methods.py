@@ -1,0 +1,100 @@
+"""Calling an attribution method for a metric: its keys, its output, and its target held fixed.
+
+A method is a ``TensorDictModuleBase`` that writes its attribution of each input key ``k`` at
+``(relevance_key, *k)`` (:class:`~tdhook.attribution.LRP` and the gradient and perturbation methods).
+
+Examples:
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> from tdhook.attribution import LRP
+    >>> lrp = LRP(torch.nn.Linear(3, 2), in_keys=["x"], out_keys=["y"])
+    >>> method_keys(lrp, None), method_prefix(lrp, None)
+    (['x'], 'relevance')
+    >>> result = explain(lrp, TensorDict(x=torch.ones(4, 3), batch_size=[4]))
+    >>> result["relevance", "x"].shape, original_target(lrp, result, 1).shape
+    (torch.Size([4, 3]), torch.Size([4]))
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
+from tensordict.utils import NestedKey
+
+from tdhook.attribution.targets import resolve_target_key
+from tdhook.metrics._features import explained_keys
+
+__all__ = ["check_method", "explain", "method_keys", "method_prefix", "original_target", "repeat_target", "target_set"]
+
+
+def check_method(method: object, name: str) -> TensorDictModuleBase:
+    if not isinstance(method, TensorDictModuleBase):
+        raise TypeError(
+            f"{name}: method must be an attribution wrapper (a TensorDictModuleBase such as LRP), "
+            f"got {type(method).__name__}"
+        )
+    return method
+
+
+def method_keys(method: TensorDictModuleBase, in_keys: Sequence[NestedKey] | None) -> list[NestedKey]:
+    """The explained keys: ``in_keys``, else the method's explained keys, else its in_keys."""
+    return explained_keys(in_keys, getattr(method, "explained_keys", None) or method.in_keys)
+
+
+def method_prefix(method: TensorDictModuleBase, relevance_key: NestedKey | None) -> NestedKey:
+    """The prefix of the attribution keys: ``relevance_key``, else the method's own, else ``"attribution"``."""
+    if relevance_key is not None:
+        return relevance_key
+    return getattr(method, "relevance_key", "attribution")
+
+
+def explain(method: TensorDictModuleBase, td: TensorDictBase) -> TensorDictBase:
+    """The method's result on a shallow copy of ``td``'s inputs (``td`` itself is not written to)."""
+    work = td.select(*method.in_keys, strict=False)
+    result = method(work)
+    return work if result is None else result
+
+
+def original_target(method: TensorDictModuleBase, result: TensorDictBase, batch_dims: int) -> object:
+    """The method's target, with ``None`` replaced by the argmax of the explained output in ``result``.
+
+    Raises:
+        TypeError: the method explains several outputs at once (a dict ``target_key``).
+    """
+    target = getattr(method, "target", None)
+    if target is not None:
+        return target
+    target_key = getattr(method, "target_key", None)
+    if isinstance(target_key, Mapping):
+        raise TypeError("metrics: the method explains several outputs (a dict target_key); give it one")
+    operator = getattr(method, "module", None)
+    key = resolve_target_key(result, target_key, operator if isinstance(operator, TensorDictModuleBase) else method)
+    output = result.get(key)
+    if output.dim() > batch_dims and output.shape[-1] > 1:
+        return output.argmax(-1)
+    return None
+
+
+def repeat_target(target: object, batch_size: torch.Size, n: int) -> object:
+    """A per-sample target for each sample repeated ``n`` times and flattened (other targets as they are)."""
+    if isinstance(target, torch.Tensor) and target.shape == batch_size and len(batch_size):
+        return target.unsqueeze(-1).expand(*batch_size, n).reshape(-1)
+    return target
+
+
+@contextlib.contextmanager
+def target_set(method: TensorDictModuleBase, target: object) -> Iterator[TensorDictModuleBase]:
+    """``method`` with ``target`` in place of its own for the block, restored afterwards."""
+    if not hasattr(method, "target"):
+        yield method
+        return
+    previous = method.target
+    method.target = target
+    try:
+        yield method
+    finally:
+        method.target = previous

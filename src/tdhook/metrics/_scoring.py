@@ -1,0 +1,249 @@
+"""The score a perturbation metric tracks: the model's target output, on many perturbed inputs at once.
+
+:class:`Scorer` runs the model once on the unperturbed TensorDict, fixes the target there (``None`` becomes the
+argmax of that output, as the explained class stays the same while the input is perturbed), and then scores stacks
+of perturbed inputs: ``S`` perturbed versions of the batch run as one flat batch of ``S * N`` samples, in as few
+forward passes of moderate size (large enough to spare per-call overhead, small enough to stay in cache).
+
+Examples:
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> net = torch.nn.Linear(3, 2, bias=False)
+    >>> with torch.no_grad():
+    ...     _ = net.weight.copy_(torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]]))
+    >>> td = TensorDict(x=torch.tensor([[1.0, 2.0, 3.0]]), batch_size=[1])
+    >>> scorer = Scorer(net, td, in_keys=["x"], out_keys=["y"])
+    >>> scorer.reference
+    tensor([5.])
+    >>> scorer.scores({"x": torch.tensor([[[1.0, 0.0, 3.0]], [[9.0, 0.0, 0.0]]])})
+    tensor([[3.],
+            [0.]])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
+from tensordict.utils import NestedKey
+from torch import nn
+
+from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
+from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key
+from tdhook.metrics._features import explained_keys
+
+__all__ = ["Scorer", "chunks", "progress_bar"]
+
+# Elements of the explained inputs that one forward pass may hold (stacked perturbation steps times the batch):
+# on CPU a small CNN ran fastest with stacks of about this size, and larger ones fell out of cache.
+_ELEMENTS_PER_FORWARD = 1 << 16
+
+
+def _metrics_error(err: Exception) -> Exception:
+    return type(err)(str(err).replace("LRP:", "metrics:", 1))
+
+
+class Scorer:
+    """The target score of a model on a TensorDict and on perturbed versions of it.
+
+    Args:
+        module: a ``TensorDictModuleBase``, or a plain ``nn.Module`` with ``in_keys`` and ``out_keys``.
+        td: the unperturbed TensorDict (left unchanged).
+        in_keys: the explained input keys (a plain module's inputs; by default all of a TensorDict module's).
+        out_keys: a plain module's output keys.
+        target_key: the output scored; the default is the one :class:`~tdhook.attribution.LRP` explains.
+        target: ``None`` (the argmax of the unperturbed output's last dimension, or the output itself for a value
+            head), an int, a LongTensor of per-sample indices, or a callable ``output -> relevance`` whose sum
+            over the last dimension is the score.
+        steps_per_forward: how many perturbed versions of the batch share one forward pass; ``None`` picks as
+            many as fit about 65 thousand input elements (larger stacks ran slower on CPU). With 1 the model sees
+            the TensorDict's own batch shape; with more, one flat batch of ``steps * N`` samples.
+
+    Attributes:
+        keys: the explained input keys.
+        reference: the score on the unperturbed input, shaped like the batch.
+        reference_output: the target output on the unperturbed input.
+    """
+
+    def __init__(
+        self,
+        module: TensorDictModuleBase | nn.Module,
+        td: TensorDictBase,
+        *,
+        in_keys: Sequence[NestedKey] | None = None,
+        out_keys: Sequence[NestedKey] | None = None,
+        target_key: NestedKey | None = None,
+        target: Target = None,
+        steps_per_forward: int | None = None,
+    ) -> None:
+        try:
+            self.module, self._plain = as_tensordict_module(module, in_keys, out_keys)
+        except TypeError as err:
+            raise TypeError(str(err).replace("LRP", "metrics", 1)) from err
+        if isinstance(target_key, Mapping):
+            raise TypeError("metrics: target_key must name one output, not a dict of several")
+        if isinstance(target, str):
+            raise ValueError(f"metrics: target must be None, an int, a LongTensor or a callable, got {target!r}")
+        if steps_per_forward is not None and steps_per_forward < 1:
+            raise ValueError(f"metrics: steps_per_forward must be a positive int or None, got {steps_per_forward}")
+        self.keys = explained_keys(in_keys, self.module.in_keys)
+        self.steps_per_forward = steps_per_forward
+        self._batch = td.batch_size
+        self._base = td.select(*self.module.in_keys, strict=False)
+        self._key, operator = named_targets(self.module, target_key)[None]
+        result = self._run(self._base.clone(recurse=False))
+        self._key = resolve_target_key(result, self._key, operator)
+        output = self.reference_output = self._output(result)
+        self._callable = target if callable(target) else None
+        self._index = None
+        if self._callable is None and output.dim() > len(self._batch) and (target is not None or output.shape[-1] > 1):
+            try:
+                self._index = initial_gradient(output, target, self._key, len(self._batch)).argmax(-1)
+            except (IndexError, ValueError, TypeError) as err:
+                raise _metrics_error(err) from err
+        self.reference = self._score(output)
+
+    @property
+    def target_key(self) -> NestedKey:
+        """The scored output's key."""
+        return self._key
+
+    @property
+    def target_index(self) -> torch.Tensor | None:
+        """The unit of the output scored for each sample (``None`` for a callable target or a value head)."""
+        return self._index
+
+    def _run(self, work: TensorDictBase) -> TensorDictBase:
+        with torch.no_grad():
+            result = call_plain(self.module, work) if self._plain else self.module(work)
+        return work if result is None else result
+
+    def _output(self, result: TensorDictBase) -> torch.Tensor:
+        output = result.get(self._key)
+        if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+            raise TypeError(
+                f"metrics: target key {self._key!r} holds {getattr(output, 'dtype', type(output).__name__)}; "
+                "a metric scores a floating-point output: pass target_key=<such a key>"
+            )
+        return output
+
+    def _score(self, output: torch.Tensor) -> torch.Tensor:
+        """The score of ``output`` (``lead + batch + [n]`` or ``lead + batch``), shaped ``lead + batch``."""
+        lead = output.dim() - len(self._batch) - (1 if output.dim() > len(self._batch) else 0)
+        if self._callable is not None:
+            relevance = self._callable(output)
+            if not isinstance(relevance, torch.Tensor) or relevance.shape != output.shape:
+                raise ValueError(
+                    f"metrics: a callable target must return a tensor shaped like output {self._key!r} "
+                    f"{list(output.shape)}, got {getattr(relevance, 'shape', type(relevance).__name__)}"
+                )
+            return relevance.sum(-1) if output.dim() > len(self._batch) + lead else relevance
+        if self._index is not None:
+            index = self._index.expand(*output.shape[:lead], *self._index.shape).unsqueeze(-1)
+            return output.gather(-1, index).squeeze(-1)
+        if output.dim() > len(self._batch) + lead:
+            return output.squeeze(-1)
+        return output
+
+    def scores(self, perturbed: Mapping[NestedKey, torch.Tensor]) -> torch.Tensor:
+        """The scores of ``S`` perturbed versions of the batch, shaped ``[S] + batch``, in one forward pass.
+
+        Args:
+            perturbed: ``key -> [S] + batch + shape`` for each explained key (other inputs are repeated).
+        """
+        return self._score(self.outputs(perturbed))
+
+    def outputs(self, perturbed: Mapping[NestedKey, torch.Tensor]) -> torch.Tensor:
+        """The target outputs of ``S`` perturbed versions of the batch, ``[S] + batch + ...``, in one forward pass.
+
+        Args:
+            perturbed: ``key -> [S] + batch + shape`` for each explained key (other inputs are repeated).
+        """
+        n_steps = next(iter(perturbed.values())).shape[0]
+        if self._plain and self._key in self.module.out_keys:
+            return self._plain_outputs(perturbed, n_steps)
+        if n_steps == 1:
+            work = self._base.clone(recurse=False)
+            for key, value in perturbed.items():
+                work.set(key, value[0])
+            return self._output(self._run(work)).unsqueeze(0)
+        work = self._base.expand(n_steps, *self._batch).clone(recurse=False)
+        for key, value in perturbed.items():
+            work.set(key, value)
+        output = self._output(self._run(work.reshape(-1)))
+        return output.reshape(n_steps, *self._batch, *output.shape[1:])
+
+    def _plain_outputs(self, perturbed: Mapping[NestedKey, torch.Tensor], n_steps: int) -> torch.Tensor:
+        """:meth:`outputs` for a plain module: its positional inputs built directly, without a TensorDict."""
+        batch_dims = len(self._batch)
+        args = []
+        for key in self.module.in_keys:
+            value = perturbed.get(key)
+            if value is None:
+                value = self._base.get(key)
+                value = value.expand(n_steps, *value.shape)
+            args.append(value[0] if n_steps == 1 else value.reshape(-1, *value.shape[batch_dims + 1 :]))
+        with torch.no_grad():
+            outputs = self.module.module(*args)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        if len(outputs) != len(self.module.out_keys):
+            raise RuntimeError(
+                f"metrics: the module returned {len(outputs)} outputs for the {len(self.module.out_keys)} out_keys "
+                f"{self.module.out_keys}"
+            )
+        output = outputs[self.module.out_keys.index(self._key)]
+        if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+            raise TypeError(
+                f"metrics: target key {self._key!r} holds {getattr(output, 'dtype', type(output).__name__)}; "
+                "a metric scores a floating-point output: pass target_key=<such a key>"
+            )
+        if n_steps == 1:
+            return output.unsqueeze(0)
+        return output.reshape(n_steps, *self._batch, *output.shape[1:])
+
+    def chunk_size(self, inputs: Sequence[torch.Tensor]) -> int:
+        """How many perturbed versions of the batch one forward pass takes."""
+        if self.steps_per_forward is not None:
+            return self.steps_per_forward
+        per_step = max(1, sum(x.numel() for x in inputs))
+        return max(1, _ELEMENTS_PER_FORWARD // per_step)
+
+
+def chunks(total: int, size: int) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` pairs covering ``range(total)`` in pieces of ``size``.
+
+    Examples:
+        >>> list(chunks(5, 2))
+        [(0, 2), (2, 4), (4, 5)]
+    """
+    for start in range(0, total, size):
+        yield start, min(start + size, total)
+
+
+def progress_bar(total: int, description: str, show: bool | None) -> Callable[[int], None]:
+    """An ``update(n)`` function of a tqdm bar over ``total`` forward passes, shown for long runs.
+
+    ``show=None`` shows the bar when there are at least 20 passes; ``update(0)`` at the end closes it.
+
+    Examples:
+        >>> update = progress_bar(3, "demo", show=False)
+        >>> update(3)
+    """
+    if show is None:
+        show = total >= 20
+    if not show:
+        return lambda n: None
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=description, leave=False)
+    done = [0]
+
+    def update(n: int) -> None:
+        bar.update(n)
+        done[0] += n
+        if n == 0 or done[0] >= total:
+            bar.close()
+
+    return update

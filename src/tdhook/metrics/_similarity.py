@@ -1,0 +1,43 @@
+"""Pearson and Spearman correlation along the last dimension, batched.
+
+Examples:
+    >>> import torch
+    >>> a = torch.tensor([[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 2.0, 0.0]], dtype=torch.float64)
+    >>> b = torch.tensor([[2.0, 4.0, 6.0, 8.0], [3.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
+    >>> pearson(a, b)
+    tensor([1.0000, 0.2075], dtype=torch.float64)
+    >>> spearman(a, b)
+    tensor([1.0000, 0.3333], dtype=torch.float64)
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["average_ranks", "pearson", "spearman"]
+
+
+def pearson(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The Pearson correlation of ``a`` and ``b`` along the last dimension (NaN where one is constant)."""
+    a = a - a.mean(-1, keepdim=True)
+    b = b - b.mean(-1, keepdim=True)
+    return (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))
+
+
+def average_ranks(values: torch.Tensor) -> torch.Tensor:
+    """Ranks from 1 along the last dimension, tied entries sharing the mean of their ranks.
+
+    Examples:
+        >>> average_ranks(torch.tensor([3.0, 1.0, 3.0, 2.0]))
+        tensor([3.5000, 1.0000, 3.5000, 2.0000])
+    """
+    ordered = values.sort(dim=-1).values.contiguous()
+    query = values.contiguous()
+    below = torch.searchsorted(ordered, query, side="left")
+    up_to = torch.searchsorted(ordered, query, side="right")
+    return (below + up_to + 1).to(values.dtype if values.is_floating_point() else torch.float64) / 2
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The Spearman rank correlation of ``a`` and ``b`` along the last dimension (ties get average ranks)."""
+    return pearson(average_ranks(a), average_ranks(b))

@@ -1,0 +1,125 @@
+"""The model parameter randomisation test (Adebayo et al., 2018), cascading from the top layer down.
+
+A method whose explanation depends on what the model learnt should drift away from its original explanation as
+the layers are re-initialised one after the other; a method that ignores the weights keeps a similarity of 1.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
+from tensordict.utils import NestedKey
+from torch import nn
+
+from tdhook.metrics._features import Features
+from tdhook.metrics._methods import check_method, explain, method_keys, method_prefix, original_target, target_set
+from tdhook.metrics._scoring import progress_bar
+from tdhook.metrics._similarity import pearson, spearman
+
+__all__ = ["randomisation_check"]
+
+
+def _named_layers(method: TensorDictModuleBase) -> list[tuple[str, nn.Module]]:
+    """The modules of the method's model that can be re-initialised, by the names the method gives them."""
+    if hasattr(method, "named_explained_modules"):
+        named = method.named_explained_modules().items()
+    else:
+        named = getattr(method, "module", method).named_modules()
+    return [(name, module) for name, module in named if callable(getattr(module, "reset_parameters", None))]
+
+
+def _cuda_devices(model: nn.Module) -> list[int]:
+    return sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.device.type == "cuda"})
+
+
+def randomisation_check(
+    method: TensorDictModuleBase,
+    td: TensorDictBase,
+    *,
+    seed: int = 42,
+    similarity: Literal["spearman", "pearson"] = "spearman",
+    abs: bool = True,
+    in_keys: Sequence[NestedKey] | None = None,
+    relevance_key: NestedKey | None = None,
+    progress: bool | None = None,
+) -> dict[str, torch.Tensor]:
+    """The similarity of the original explanation to those of ever more randomised copies of the model.
+
+    The method is deep-copied with its model. Every module of the copy that has ``reset_parameters`` is
+    re-initialised in turn, from the last (top) layer to the first, each after ``torch.manual_seed(seed + 1)``,
+    keeping the layers already reset (the cascade); after each, the copy explains ``td`` for the original targets
+    (``target=None`` is held at the original argmax) and the attributions of all explained keys together are
+    compared with the original ones, per sample. The caller's method, model and global random state are left as
+    they were.
+
+    The original explanation is read from ``td`` at ``(relevance_key, *key)`` where every key is there, and
+    computed by the method otherwise.
+
+    Args:
+        method: the attribution wrapper (:class:`~tdhook.attribution.LRP` or another method).
+        td: the inputs (left unchanged).
+        seed: each layer is reset after ``torch.manual_seed(seed + 1)``.
+        similarity: ``"spearman"`` (rank correlation, ties sharing their mean rank) or ``"pearson"``.
+        abs: compare absolute attributions.
+        in_keys: the explained keys (by default the method's).
+        relevance_key: the prefix of the method's attribution keys (by default its ``relevance_key``).
+        progress: show a tqdm bar (``None``: for models of at least 20 such layers).
+
+    Returns:
+        ``layer name -> batch`` similarities, in the order the layers were reset; names as in the model given to
+        the method (``named_modules()`` of a plain ``nn.Module``).
+
+    Raises:
+        TypeError: ``method`` is not a TensorDict module.
+        ValueError: an unknown ``similarity``, or a model without parameters to reset.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tdhook.attribution import LRP
+        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> lrp = LRP(net, in_keys=["x"], out_keys=["y"])
+        >>> scores = randomisation_check(lrp, TensorDict(x=torch.randn(5, 3), batch_size=[5]))
+        >>> list(scores), scores["2"].shape
+        (['2', '0'], torch.Size([5]))
+    """
+    check_method(method, "randomisation_check")
+    if similarity not in ("spearman", "pearson"):
+        raise ValueError(f"randomisation_check: similarity must be 'spearman' or 'pearson', got {similarity!r}")
+    compare = spearman if similarity == "spearman" else pearson
+    keys = method_keys(method, in_keys)
+    prefix = method_prefix(method, relevance_key)
+    batch_dims = td.batch_dims
+    copied = copy.deepcopy(method)
+    layers = _named_layers(copied)[::-1]
+    if not layers:
+        raise ValueError("randomisation_check: the method's model has no module with reset_parameters to randomise")
+    result = explain(copied, td)
+    target = original_target(copied, result, batch_dims)
+    try:
+        stored = Features.read(td, keys, prefix).attributions
+    except KeyError:
+        stored = Features.read(result, keys, prefix).attributions
+
+    def flat(attributions: Sequence[torch.Tensor]) -> torch.Tensor:
+        values = torch.cat([a.flatten(batch_dims) for a in attributions], dim=-1)
+        return values.abs() if abs else values
+
+    original = flat(stored)
+    scores: dict[str, torch.Tensor] = {}
+    update = progress_bar(len(layers), "randomisation check", progress)
+    with torch.random.fork_rng(devices=_cuda_devices(copied)), target_set(copied, target):
+        for name, layer in layers:
+            torch.manual_seed(seed + 1)
+            with torch.no_grad():
+                layer.reset_parameters()
+            changed = Features.read(explain(copied, td), keys, prefix).attributions
+            scores[name] = compare(original, flat(changed))
+            update(1)
+    update(0)
+    return scores

@@ -1,0 +1,108 @@
+"""Max-sensitivity (Yeh et al., 2019): the largest relative change of an explanation under small input noise."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
+from tensordict.utils import NestedKey
+
+from tdhook.metrics._features import Features
+from tdhook.metrics._methods import (
+    check_method,
+    explain,
+    method_keys,
+    method_prefix,
+    original_target,
+    repeat_target,
+    target_set,
+)
+from tdhook.metrics._random import generator
+from tdhook.metrics.infidelity import check_perturbed, repeated
+
+__all__ = ["sensitivity_max"]
+
+
+def _flat(attributions: Sequence[torch.Tensor], batch_dims: int) -> torch.Tensor:
+    return torch.cat([a.flatten(batch_dims) for a in attributions], dim=-1)
+
+
+def sensitivity_max(
+    method: TensorDictModuleBase,
+    td: TensorDictBase,
+    *,
+    perturb_fn: Callable[[TensorDictBase, float], TensorDictBase] | None = None,
+    perturb_radius: float = 0.02,
+    n_perturb_samples: int = 10,
+    seed: int | None = None,
+    in_keys: Sequence[NestedKey] | None = None,
+    relevance_key: NestedKey | None = None,
+) -> torch.Tensor:
+    """The largest ``‖e(x̃) − e(x)‖ / ‖e(x)‖`` over perturbed inputs ``x̃``, per sample.
+
+    ``e`` is the method's attribution, the norm the Frobenius norm over all explained keys together (a zero
+    ``‖e(x)‖`` counts as 1). The method explains each perturbed input for the target it explained at ``x``
+    (``target=None`` is held at the original argmax). All perturbed inputs run in one call of the method, as one
+    flat batch of ``N * n_perturb_samples`` samples.
+
+    Args:
+        method: the attribution wrapper (:class:`~tdhook.attribution.LRP` or another method); it is called, and
+            its ``target`` is restored afterwards.
+        td: the inputs (left unchanged).
+        perturb_fn: ``perturb_fn(repeated, perturb_radius)`` returns the perturbed explained keys, given them with
+            each sample repeated ``n_perturb_samples`` times (batch ``batch + [n_perturb_samples]``, a copy). By
+            default uniform noise in ``[-perturb_radius, perturb_radius]`` is added to every element.
+        perturb_radius: the radius of the perturbation (the L∞ ball for the default).
+        n_perturb_samples: how many perturbed inputs per sample.
+        seed: the seed of the default noise (``None``: fresh entropy); the global random state is not used.
+        in_keys: the explained keys (by default the method's).
+        relevance_key: the prefix of the method's attribution keys (by default its ``relevance_key``).
+
+    Returns:
+        ``batch``.
+
+    Raises:
+        TypeError: ``method`` is not a TensorDict module.
+        KeyError, ValueError: the perturbed TensorDict lacks a key or changes its shape.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tdhook.attribution import LRP
+        >>> lrp = LRP(torch.nn.Linear(3, 2), in_keys=["x"], out_keys=["y"])
+        >>> td = TensorDict(x=torch.randn(4, 3), batch_size=[4])
+        >>> sensitivity_max(lrp, td, seed=0).shape
+        torch.Size([4])
+    """
+    check_method(method, "sensitivity_max")
+    if isinstance(n_perturb_samples, bool) or not isinstance(n_perturb_samples, int) or n_perturb_samples < 1:
+        raise ValueError(f"sensitivity_max: n_perturb_samples must be a positive int, got {n_perturb_samples!r}")
+    keys = method_keys(method, in_keys)
+    prefix = method_prefix(method, relevance_key)
+    batch, n = td.batch_size, n_perturb_samples
+    rng = generator(seed) if perturb_fn is None else None
+    with torch.no_grad():
+        result = explain(method, td)
+        reference = _flat(Features.read(result, keys, prefix).attributions, len(batch))
+        expanded = repeated(td, keys, n)
+        if perturb_fn is None:
+            perturbed = expanded.apply(
+                lambda x: x + (torch.rand(x.shape, generator=rng, dtype=x.dtype) * 2 - 1).to(x.device) * perturb_radius
+            )
+        else:
+            perturbed = perturb_fn(expanded, perturb_radius)
+        perturbed = check_perturbed("sensitivity_max", "perturbed input", perturbed, keys, expanded)
+    work = td.select(*method.in_keys, strict=False)
+    work = work.unsqueeze(len(batch)).expand(*batch, n).clone(recurse=False)
+    for key in keys:
+        work.set(key, perturbed.get(key))
+    target = repeat_target(original_target(method, result, len(batch)), batch, n)
+    with target_set(method, target), torch.no_grad():
+        explained = explain(method, work.reshape(-1))
+    attributions = Features.read(explained, keys, prefix).attributions
+    changed = _flat(attributions, 1).reshape(*batch, n, -1)
+    norm = reference.norm(dim=-1, keepdim=True)
+    norm = torch.where(norm == 0, torch.ones_like(norm), norm)
+    return ((changed - reference.unsqueeze(-2)).norm(dim=-1) / norm).amax(-1)

@@ -1,0 +1,66 @@
+"""action_fidelity against its definition, state by state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torchrl.modules import QValueActor
+
+from tdhook.attribution import LRP
+from tdhook.metrics import action_fidelity
+from tests.metrics._models import TwoKeys
+
+
+def changed_share(net, u, v, masks, baseline=0.0):
+    """Share of states whose argmax changes when the masked features (over u and v together) go to the baseline."""
+    w = torch.cat([u, v], -1)
+    perturbed = torch.where(masks, torch.as_tensor(baseline, dtype=w.dtype), w)
+    before = net(u, v).argmax(-1)
+    after = net(perturbed[..., :5], perturbed[..., 5:]).argmax(-1)
+    return (before != after).double().mean()
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_equals_the_definition_with_features_ranked_across_keys(k):
+    net = TwoKeys().double()
+    policy = TensorDictModule(net, in_keys=["u", "v"], out_keys=["q"])
+    u, v = torch.randn(4, 6, 5, dtype=torch.float64), torch.randn(4, 6, 3, dtype=torch.float64)
+    au, av = torch.randn(4, 6, 5, dtype=torch.float64), torch.randn(4, 6, 3, dtype=torch.float64)
+    td = TensorDict(u=u, v=v, attribution=TensorDict(u=au, v=av), batch_size=[4, 6])
+    result = action_fidelity(policy, td, k=k, n_random=5, seed=1, baseline=0.5)
+    assert result.batch_size == torch.Size([])
+    attribution = torch.cat([au, av], -1)
+    top = attribution.argsort(dim=-1, descending=True, stable=True)[..., :k]
+    relevant = torch.zeros(4, 6, 8, dtype=torch.bool).scatter_(-1, top, True)
+    torch.testing.assert_close(result["relevant"], changed_share(net, u, v, relevant, 0.5), rtol=0, atol=1e-12)
+    assert 0.0 <= result["random"].item() <= 1.0
+    again = action_fidelity(policy, td, k=k, n_random=5, seed=1, baseline=0.5, steps_per_forward=2)
+    torch.testing.assert_close(again["random"], result["random"], rtol=0, atol=1e-12)
+
+
+def test_random_draws_remove_k_distinct_features_per_state():
+    # A model whose action flips exactly when feature 0 is removed: the random share is the draws' rate of picking it.
+    net = torch.nn.Linear(4, 2, bias=False).double()
+    with torch.no_grad():
+        net.weight.copy_(torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.1, 0.1, 0.1]]))
+    x = torch.ones(2000, 4, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=torch.rand(2000, 4, dtype=torch.float64)), batch_size=[2000])
+    result = action_fidelity(net, td, k=2, n_random=3, seed=0, in_keys=["x"], out_keys=["q"])
+    assert abs(result["random"].item() - 0.5) < 0.03  # two of four features: feature 0 is among them half the time
+
+
+def test_works_on_a_torchrl_q_value_actor_with_lrp_relevance():
+    net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).double()
+    actor = QValueActor(net, in_keys=["observation"], spec=None, action_space="one_hot")
+    td = TensorDict(observation=torch.randn(10, 6, dtype=torch.float64), batch_size=[10])
+    td = LRP(actor, in_keys=["observation"], target_key="action_value")(td)
+    before = td.clone()
+    result = action_fidelity(actor, td, k=2, relevance_key="relevance", target_key="action_value", seed=0)
+    assert set(result.keys()) == {"relevant", "random"}
+    assert (td == before).all()
+    with pytest.raises(ValueError, match="output 'chosen_action_value' of shape \\[10, 1\\] has no action dimension"):
+        action_fidelity(actor, td, k=2, relevance_key="relevance")
+    with pytest.raises(ValueError, match=r"k must be an int in \[1, 6\]"):
+        action_fidelity(actor, td, k=7, relevance_key="relevance", target_key="action_value")

@@ -1,0 +1,90 @@
+"""faithfulness_correlation against Quantus' FaithfulnessCorrelation (same subsets) and against its definition."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+
+from tdhook.metrics import faithfulness_correlation
+from tests.metrics._models import TwoKeys, conv_net, for_quantus, images
+
+quantus = pytest.importorskip("quantus")
+
+
+def quantus_subsets(seed, n_features, batch, n_runs, subset_size):
+    """The subsets Quantus draws after ``np.random.seed(seed)``: per run, one per sample."""
+    np.random.seed(seed)
+    runs = [
+        np.stack([np.random.choice(n_features, subset_size, replace=False) for _ in range(batch)])
+        for _ in range(n_runs)
+    ]
+    return torch.from_numpy(np.stack(runs, axis=1))
+
+
+@pytest.mark.parametrize(("batch", "n_runs", "subset_size"), [(1, 5, 10), (4, 12, 20), (3, 30, 35)])
+def test_equals_quantus_given_its_subsets(batch, n_runs, subset_size):
+    net = conv_net()
+    x, a = images(batch), torch.randn(batch, 3, 6, 6, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[batch])
+    subsets = quantus_subsets(7, 108, batch, n_runs, subset_size)
+    ours = faithfulness_correlation(net, td, subsets=subsets, in_keys=["x"], out_keys=["y"], baseline=0.25)
+    np.random.seed(7)
+    metric = quantus.FaithfulnessCorrelation(
+        nr_runs=n_runs,
+        subset_size=subset_size,
+        perturb_baseline=0.25,
+        normalise=False,
+        abs=False,
+        return_aggregate=False,
+        disable_warnings=True,
+        display_progressbar=False,
+    )
+    y = net(x).argmax(-1).numpy()
+    expected = metric(model=for_quantus(net), x_batch=x.numpy(), y_batch=y, a_batch=a.numpy(), softmax=False)
+    torch.testing.assert_close(ours, torch.tensor(np.array(expected)), rtol=0, atol=1e-6)
+
+
+def test_random_subsets_follow_the_seed_and_equal_the_definition_over_several_keys():
+    net = TwoKeys().double()
+    policy = TensorDictModule(net, in_keys=["u", "v"], out_keys=["q"])
+    u, v = torch.randn(2, 3, 5, dtype=torch.float64), torch.randn(2, 3, 3, dtype=torch.float64)
+    au, av = torch.randn(2, 3, 5, dtype=torch.float64), torch.randn(2, 3, 3, dtype=torch.float64)
+    td = TensorDict(u=u, v=v, attribution=TensorDict(u=au, v=av), batch_size=[2, 3])
+    rng = torch.get_rng_state()
+    first = faithfulness_correlation(policy, td, n_runs=15, subset_size=3, seed=3, steps_per_forward=4)
+    again = faithfulness_correlation(policy, td, n_runs=15, subset_size=3, seed=3)
+    assert torch.equal(torch.get_rng_state(), rng)
+    torch.testing.assert_close(first, again, rtol=0, atol=1e-12)
+    assert first.shape == (2, 3)
+    other = faithfulness_correlation(policy, td, n_runs=15, subset_size=3, seed=4)
+    assert not torch.allclose(first, other)
+
+    # The definition, on explicit subsets, sample by sample.
+    subsets = torch.stack([torch.randperm(8)[:3] for _ in range(2 * 3 * 6)]).view(2, 3, 6, 3)
+    ours = faithfulness_correlation(policy, td, subsets=subsets)
+    target = net(u, v).argmax(-1)
+    attribution = torch.cat([au, av], -1)
+    for i in range(2):
+        for j in range(3):
+            drops, sums = [], []
+            for subset in subsets[i, j]:
+                w = torch.cat([u[i, j], v[i, j]]).clone()
+                w[subset] = 0.0
+                drops.append(net(u[i, j], v[i, j])[target[i, j]] - net(w[:5], w[5:])[target[i, j]])
+                sums.append(attribution[i, j, subset].sum())
+            expected = torch.corrcoef(torch.stack([torch.stack(sums), torch.stack(drops)]))[0, 1]
+            torch.testing.assert_close(ours[i, j], expected, rtol=0, atol=1e-10)
+
+
+def test_errors_name_what_was_expected():
+    net = conv_net()
+    td = TensorDict(x=images(2), attribution=TensorDict(x=torch.zeros(2, 3, 6, 6)), batch_size=[2])
+    with pytest.raises(ValueError, match=r"subset_size must be an int in \[1, 108\]"):
+        faithfulness_correlation(net, td, subset_size=224, in_keys=["x"], out_keys=["y"])
+    with pytest.raises(ValueError, match=r"subsets must be integer feature indices of shape batch \+ \[n_runs"):
+        faithfulness_correlation(net, td, subsets=torch.zeros(3, 4, 5, dtype=torch.long), in_keys=["x"], out_keys=["y"])
+    with pytest.raises(ValueError, match=r"subsets must index the 108 features"):
+        faithfulness_correlation(net, td, subsets=torch.full((2, 4, 5), 108), in_keys=["x"], out_keys=["y"])

@@ -1,0 +1,48 @@
+"""Features: attributions read per key, concatenated in order, and the masks that perturb them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from tdhook.metrics._features import Features, explained_keys, sort_positions
+
+
+def test_keys_concatenate_in_order_and_masks_split_back():
+    td = TensorDict(
+        a=torch.zeros(2, 3),
+        nested=TensorDict(b=torch.ones(2, 2, 2), batch_size=[2]),
+        scores=TensorDict(a=torch.arange(6.0).view(2, 3), nested=TensorDict(b=torch.ones(2, 1, 2), batch_size=[2])),
+        batch_size=[2],
+    )
+    features = Features.read(td, [("nested", "b"), "a"], "scores")
+    assert features.sizes == [2, 3] and features.values.shape == (2, 5)
+    torch.testing.assert_close(features.values[:, 2:], td["scores", "a"])
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[:, 0] = True  # the first column of b: both rows of it (a size-1 dimension broadcasts)
+    perturbed = features.perturb(mask.unsqueeze(0), {"a": 0.0, ("nested", "b"): torch.tensor(-1.0)})
+    assert perturbed[("nested", "b")][0, 0].tolist() == [[-1.0, 1.0], [-1.0, 1.0]]
+    assert torch.equal(perturbed["a"][0], td["a"])
+
+
+def test_sort_positions_is_stable_descending_and_ascending():
+    values = torch.tensor([[1.0, 3.0, 3.0, 0.0]])
+    assert sort_positions(values).tolist() == [[2, 0, 1, 3]]
+    assert sort_positions(values, descending=False).tolist() == [[1, 2, 3, 0]]
+
+
+def test_errors_name_the_key_and_what_was_expected():
+    td = TensorDict(x=torch.zeros(2, 3), attribution=TensorDict(x=torch.zeros(2, 3, dtype=torch.long)), batch_size=[2])
+    with pytest.raises(TypeError, match=r"attribution \('attribution', 'x'\) must be a floating-point tensor"):
+        Features.read(td, ["x"], "attribution")
+    with pytest.raises(KeyError, match="input key .*y.* is missing from the TensorDict"):
+        Features.read(td, ["y"], "attribution")
+    td["attribution", "x"] = torch.zeros(2, 2)
+    with pytest.raises(ValueError, match=r"\[2, 2\] does not .* expected the batch \[2\] followed by each dimension"):
+        Features.read(td, ["x"], "attribution")
+    td["attribution", "x"] = torch.zeros(2, 3)
+    with pytest.raises(KeyError, match="baseline dict has no entry for input 'x'"):
+        Features.read(td, ["x"], "attribution").baselines({"z": 0.0})
+    with pytest.raises(ValueError, match="in_keys is empty"):
+        explained_keys([], ["x"])

@@ -1,0 +1,68 @@
+"""infidelity against captum's, given the same perturbations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from captum.metrics import infidelity as captum_infidelity
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+
+from tdhook.metrics import infidelity
+from tests.metrics._models import TwoKeys, conv_net, images
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize(("batch", "n"), [(1, 3), (6, 7)])
+def test_equals_captum_over_two_keys(normalize, batch, n):
+    net = TwoKeys().double()
+    u, v = torch.randn(batch, 5, dtype=torch.float64), torch.randn(batch, 3, dtype=torch.float64)
+    au, av = torch.randn(batch, 5, dtype=torch.float64), torch.randn(batch, 3, dtype=torch.float64)
+    noise_u, noise_v = torch.randn(batch * n, 5, dtype=torch.float64), torch.randn(batch * n, 3, dtype=torch.float64)
+    target = net(u, v).argmax(-1)
+
+    def captum_perturb(inputs):
+        return (noise_u, noise_v), (inputs[0] - noise_u, inputs[1] - noise_v)
+
+    def perturb(repeated):
+        assert repeated.batch_size == torch.Size([batch, n])
+        noise = TensorDict(u=noise_u.view(batch, n, 5), v=noise_v.view(batch, n, 3), batch_size=[batch, n])
+        return noise, repeated - noise
+
+    expected = captum_infidelity(
+        net, captum_perturb, (u, v), (au, av), target=target, n_perturb_samples=n, normalize=normalize
+    )
+    td = TensorDict(u=u, v=v, attribution=TensorDict(u=au, v=av), batch_size=[batch])
+    policy = TensorDictModule(net, in_keys=["u", "v"], out_keys=["q"])
+    ours = infidelity(policy, td, perturb_fn=perturb, n_perturb_samples=n, normalize=normalize)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
+
+
+def test_equals_captum_on_images_with_a_pixel_map_and_an_index_target():
+    net = conv_net()
+    x, pixel_map, n = images(3), torch.randn(3, 1, 6, 6, dtype=torch.float64), 4
+    masks = (torch.rand(3 * n, 3, 6, 6) < 0.3).double()
+    target = torch.tensor([0, 4, 2])
+
+    def captum_perturb(inputs):
+        return masks, inputs * (1 - masks)
+
+    def perturb(repeated):
+        m = masks.view(3, n, 3, 6, 6)
+        return TensorDict(x=m, batch_size=[3, n]), TensorDict(x=repeated["x"] * (1 - m), batch_size=[3, n])
+
+    expected = captum_infidelity(
+        net, captum_perturb, x, pixel_map.expand(3, 3, 6, 6), target=target, n_perturb_samples=n
+    )
+    td = TensorDict(x=x, attribution=TensorDict(x=pixel_map), batch_size=[3])
+    ours = infidelity(net, td, perturb_fn=perturb, n_perturb_samples=n, target=target, in_keys=["x"], out_keys=["y"])
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
+
+
+def test_a_bad_perturb_fn_is_named():
+    net = conv_net()
+    td = TensorDict(x=images(2), attribution=TensorDict(x=torch.zeros(2, 3, 6, 6)), batch_size=[2])
+    with pytest.raises(TypeError, match="must return a tuple \\(perturbation, perturbed\\)"):
+        infidelity(net, td, perturb_fn=lambda r: r, in_keys=["x"], out_keys=["y"])
+    with pytest.raises(ValueError, match=r"perturbation at 'x' must be shaped like the repeated input \[2, 10, 3, 6,"):
+        infidelity(net, td, perturb_fn=lambda r: (r[:, :1], r), in_keys=["x"], out_keys=["y"])

@@ -1,0 +1,91 @@
+"""randomisation_check against Quantus' MPRT, and what it leaves untouched."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModuleBase
+
+from tdhook.attribution import LRP
+from tdhook.metrics import randomisation_check
+from tests.metrics._models import conv_net, for_quantus, gradient_times_input, images
+
+quantus = pytest.importorskip("quantus")
+
+
+def quantus_mprt(net, x, abs_, similarity):
+    y = net(x).argmax(-1).numpy()
+    metric = quantus.MPRT(
+        seed=42,
+        abs=abs_,
+        normalise=False,
+        similarity_func=similarity,
+        return_last_correlation=False,
+        return_average_correlation=False,
+        disable_warnings=True,
+        display_progressbar=False,
+    )
+    a = gradient_times_input(net, x.numpy(), y)
+    model, explain = for_quantus(net), gradient_times_input
+    scores = metric(model=model, x_batch=x.numpy(), y_batch=y, a_batch=a, explain_func=explain, softmax=False)
+    return {name: torch.tensor(np.array(values)) for name, values in scores.items() if name != "original"}
+
+
+@pytest.mark.parametrize("abs_", [False, True])
+@pytest.mark.parametrize("similarity", ["spearman", "pearson"])
+def test_equals_quantus_mprt_layer_by_layer(abs_, similarity):
+    torch.manual_seed(3)
+    net = conv_net()
+    x = images(4)
+    lrp = LRP(net, in_keys=["x"], out_keys=["y"], relevance_key="attribution")  # gradient x input here
+    quantus_similarity = getattr(quantus.similarity_func, f"correlation_{similarity}")
+    expected = quantus_mprt(net, x, abs_, quantus_similarity)
+    ours = randomisation_check(lrp, TensorDict(x=x, batch_size=[4]), abs=abs_, similarity=similarity)
+    assert list(ours) == list(expected) == ["3", "0"]
+    for name in ours:
+        torch.testing.assert_close(ours[name], expected[name], rtol=0, atol=1e-6)
+
+
+def test_leaves_the_model_the_method_and_the_global_rng_untouched():
+    net = conv_net()
+    params = {name: p.clone() for name, p in net.state_dict().items()}
+    lrp = LRP(net, in_keys=["x"], out_keys=["y"])
+    td = TensorDict(x=images(3), batch_size=[3])
+    before = td.clone()
+    rng = torch.get_rng_state()
+    scores = randomisation_check(lrp, td, seed=5)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(net.state_dict()[name], p) for name, p in params.items())
+    assert (td == before).all() and set(td.keys()) == {"x"}
+    assert lrp.target is None
+    again = randomisation_check(lrp, td, seed=5)
+    assert all(torch.equal(scores[name], again[name]) for name in scores)
+
+
+class InputAsAttribution(TensorDictModuleBase):
+    """A 'method' that ignores the model's weights: the attribution is the input itself."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.in_keys, self.out_keys = ["x"], ["y", ("attribution", "x")]
+        self.target, self.target_key = None, "y"
+
+    def forward(self, td):
+        td["y"] = self.module(td["x"])
+        td["attribution", "x"] = td["x"]
+        return td
+
+
+def test_a_method_that_ignores_the_weights_scores_one_and_stored_attributions_are_used():
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).double()
+    td = TensorDict(x=torch.randn(5, 4, dtype=torch.float64), batch_size=[5])
+    scores = randomisation_check(InputAsAttribution(net), td)
+    assert list(scores) == ["2", "0"]
+    for value in scores.values():
+        torch.testing.assert_close(value, torch.ones(5, dtype=torch.float64))
+    td["attribution", "x"] = -td["x"]  # a stored explanation is compared as it is
+    negative = randomisation_check(InputAsAttribution(net), td, abs=False, similarity="pearson")
+    torch.testing.assert_close(negative["0"], -torch.ones(5, dtype=torch.float64))

@@ -1,0 +1,100 @@
+"""region_perturbation against Quantus' RegionPerturbation and against its definition."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+
+from tdhook.metrics import region_perturbation
+from tdhook.metrics.region_perturbation import patch_grid
+from tests.metrics._models import conv_net, for_quantus, images
+
+quantus = pytest.importorskip("quantus")
+
+
+def quantus_region_perturbation(net, x, a, y, patch_size, order, n_regions):
+    metric = quantus.RegionPerturbation(
+        patch_size=patch_size,
+        order=order,
+        regions_evaluation=n_regions,
+        perturb_baseline=0.0,
+        normalise=False,
+        abs=False,
+        disable_warnings=True,
+        display_progressbar=False,
+    )
+    scores = metric(
+        model=for_quantus(net), x_batch=x.numpy(), y_batch=y.numpy(), a_batch=a.numpy(), softmax=False, device="cpu"
+    )
+    return torch.tensor(np.array(scores))
+
+
+@pytest.mark.parametrize("order", ["morf", "lerf"])
+@pytest.mark.parametrize(("size", "patch_size", "n_regions"), [(6, 2, 9), (6, 4, None), (7, 3, 5), (6, 1, 20)])
+def test_equals_quantus_as_drops(order, size, patch_size, n_regions):
+    net = conv_net(size=size)
+    x, a = images(3, size=size), torch.randn(3, 3, size, size, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[3])
+    curve = region_perturbation(
+        net, td, patch_size=patch_size, order=order, n_regions=n_regions, in_keys=["x"], out_keys=["y"]
+    )
+    n_patches = (-(-size // patch_size)) ** 2
+    assert curve.shape == (3, (n_regions or n_patches) + 1)
+    expected = quantus_region_perturbation(net, x, a, net(x).argmax(-1), patch_size, order, n_regions or n_patches)
+    torch.testing.assert_close(curve[..., :1] - curve[..., 1:], expected, rtol=0, atol=1e-6)
+
+
+def test_a_pixel_map_ranks_patches_by_its_sum_across_channels():
+    net = conv_net(size=4)
+    x = images(1, size=4)
+    pixel_map = torch.zeros(1, 1, 4, 4, dtype=torch.float64)
+    pixel_map[0, 0, 2, 3] = 1.0  # the bottom-right patch is the most relevant
+    pixel_map[0, 0, 0, 0] = -1.0  # the top-left one the least
+    td = TensorDict(x=x, attribution=TensorDict(x=pixel_map), batch_size=[1])
+    target = net(x).argmax(-1)
+    morf = region_perturbation(net, td, patch_size=2, n_regions=1, in_keys=["x"], out_keys=["y"])
+    lerf = region_perturbation(net, td, patch_size=2, n_regions=1, order="lerf", in_keys=["x"], out_keys=["y"])
+    bottom_right, top_left = x.clone(), x.clone()
+    bottom_right[..., 2:, 2:] = 0.0
+    top_left[..., :2, :2] = 0.0
+    torch.testing.assert_close(morf[:, 1], net(bottom_right)[0, target], rtol=0, atol=1e-12)
+    torch.testing.assert_close(lerf[:, 1], net(top_left)[0, target], rtol=0, atol=1e-12)
+
+
+def test_patches_of_several_keys_rank_together():
+    def model(p, q):
+        return torch.stack([p.sum((1, 2, 3)) + 2 * q.sum((1, 2, 3)), p.sum((1, 2, 3))], -1)
+
+    module = TensorDictModule(model, in_keys=["p", "q"], out_keys=["y"])
+    p, q = torch.ones(1, 1, 2, 2, dtype=torch.float64), torch.ones(1, 2, 2, 4, dtype=torch.float64)
+    ap = torch.tensor([[[[3.0, 0.0], [0.0, 0.0]]]], dtype=torch.float64)
+    aq = torch.zeros(1, 2, 2, 4, dtype=torch.float64)
+    aq[0, 0, 0, 3] = 2.0  # the right patch of q: 2, the left one: 0, p's only patch: 3
+    td = TensorDict(p=p, q=q, attribution=TensorDict(p=ap, q=aq), batch_size=[1])
+    curve = region_perturbation(module, td, patch_size=2, target=0)
+    # p's patch (score -4), then q's right patch (-2 * 8), then q's left one (-2 * 8)
+    torch.testing.assert_close(curve, torch.tensor([[36.0, 32.0, 16.0, 0.0]], dtype=torch.float64))
+
+
+def test_patch_grid_splits_the_shortfall_as_the_border_patches():
+    assert patch_grid(5, 5, 2).tolist()[0] == [0, 0, 1, 1, 2]  # shortfall 1: none before, 1 after
+    assert patch_grid(5, 5, 2)[:, 0].tolist() == [0, 0, 3, 3, 6]
+    assert patch_grid(7, 7, 3).tolist()[0] == [0, 0, 1, 1, 1, 2, 2]  # shortfall 2: one padded row on each side
+    assert patch_grid(4, 4, 4).unique().tolist() == [0]
+
+
+def test_errors_name_the_key_and_what_was_expected():
+    net = conv_net()
+    td = TensorDict(x=images(1), attribution=TensorDict(x=torch.zeros(1, 3, 6, 6)), batch_size=[1])
+    with pytest.raises(ValueError, match=r"n_regions must be an int in \[1, 9\], got 10"):
+        region_perturbation(net, td, patch_size=2, n_regions=10, in_keys=["x"], out_keys=["y"])
+    with pytest.raises(ValueError, match="order must be 'morf' or 'lerf'"):
+        region_perturbation(net, td, patch_size=2, order="random", in_keys=["x"], out_keys=["y"])
+    with pytest.raises(ValueError, match="patch_size must be a positive int"):
+        region_perturbation(net, td, patch_size=0, in_keys=["x"], out_keys=["y"])
+    flat = TensorDict(v=torch.ones(1, 4), attribution=TensorDict(v=torch.ones(1, 4)), batch_size=[1])
+    with pytest.raises(ValueError, match=r"input 'v' of shape \[1, 4\] needs two dimensions after the batch"):
+        region_perturbation(torch.nn.Linear(4, 2), flat, patch_size=2, in_keys=["v"], out_keys=["y"])

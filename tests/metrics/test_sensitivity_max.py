@@ -1,0 +1,70 @@
+"""sensitivity_max against captum's, given the same perturbations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from captum.attr import InputXGradient
+from captum.metrics import sensitivity_max as captum_sensitivity_max
+from tensordict import TensorDict
+
+from tdhook.attribution import LRP
+from tdhook.metrics import sensitivity_max
+from tests.metrics._models import TwoKeys, conv_net, images
+
+
+@pytest.mark.parametrize(("batch", "n"), [(1, 4), (5, 6)])
+def test_equals_captum_over_two_keys_with_lrp_as_gradient_times_input(batch, n):
+    net = TwoKeys().double()
+    u, v = torch.randn(batch, 5, dtype=torch.float64), torch.randn(batch, 3, dtype=torch.float64)
+    noise_u = torch.rand(batch * n, 5, dtype=torch.float64) * 0.2 - 0.1
+    noise_v = torch.rand(batch * n, 3, dtype=torch.float64) * 0.2 - 0.1
+
+    def captum_perturb(inputs, radius):
+        return inputs[0] + noise_u, inputs[1] + noise_v
+
+    def perturb(repeated, radius):
+        assert radius == 0.1 and repeated.batch_size == torch.Size([batch, n])
+        noise = TensorDict(u=noise_u.view(batch, n, 5), v=noise_v.view(batch, n, 3), batch_size=[batch, n])
+        return repeated + noise
+
+    target = net(u, v).argmax(-1)
+    expected = captum_sensitivity_max(
+        InputXGradient(net).attribute,
+        (u, v),
+        perturb_func=captum_perturb,
+        perturb_radius=0.1,
+        n_perturb_samples=n,
+        target=target,
+    )
+    lrp = LRP(net, in_keys=["u", "v"], out_keys=["q"])  # LRP-0 on Linear and ReLU: gradient x input
+    td = TensorDict(u=u, v=v, batch_size=[batch])
+    ours = sensitivity_max(lrp, td, perturb_fn=perturb, perturb_radius=0.1, n_perturb_samples=n)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
+    assert lrp.target is None and set(td.keys()) == {"u", "v"}
+
+
+def test_the_default_noise_stays_in_the_ball_follows_the_seed_and_leaves_the_global_rng():
+    net = conv_net()
+    lrp = LRP(net, in_keys=["x"], out_keys=["y"], relevance_key="attribution")
+    td = TensorDict(x=images(3), batch_size=[3])
+    rng = torch.get_rng_state()
+    first = sensitivity_max(lrp, td, seed=0, perturb_radius=1e-3)
+    assert torch.equal(torch.get_rng_state(), rng)
+    torch.testing.assert_close(first, sensitivity_max(lrp, td, seed=0, perturb_radius=1e-3), rtol=0, atol=1e-12)
+    assert first.shape == (3,) and (first >= 0).all()
+    seen = []
+
+    def spy(repeated, radius):
+        perturbed = repeated.apply(lambda x: x + radius)
+        seen.append(perturbed["x"] - repeated["x"])
+        return perturbed
+
+    sensitivity_max(lrp, td, perturb_fn=spy, perturb_radius=0.5, n_perturb_samples=2)
+    assert torch.allclose(seen[0], torch.full_like(seen[0], 0.5))
+    assert sensitivity_max(lrp, td, perturb_radius=0.0, n_perturb_samples=2, seed=1).abs().max() < 1e-12
+
+
+def test_a_plain_model_is_refused():
+    with pytest.raises(TypeError, match="method must be an attribution wrapper"):
+        sensitivity_max(torch.nn.Linear(3, 2), TensorDict(x=torch.ones(2, 3), batch_size=[2]))

@@ -1,0 +1,25 @@
+"""pearson and spearman against scipy, ties included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tdhook.metrics._similarity import average_ranks, pearson, spearman
+
+stats = pytest.importorskip("scipy.stats")
+
+
+def test_equal_scipy_row_by_row_with_ties():
+    a = torch.randint(0, 4, (6, 15)).double()  # many ties
+    b = torch.randn(6, 15, dtype=torch.float64)
+    for i in range(6):
+        assert abs(spearman(a, b)[i].item() - stats.spearmanr(a[i], b[i])[0]) < 1e-12
+        assert abs(pearson(a, b)[i].item() - stats.pearsonr(a[i], b[i])[0]) < 1e-12
+    torch.testing.assert_close(average_ranks(a[0]), torch.from_numpy(stats.rankdata(a[0])).double())
+
+
+def test_batched_over_leading_dimensions():
+    a, b = torch.randn(2, 3, 9, dtype=torch.float64), torch.randn(2, 3, 9, dtype=torch.float64)
+    assert spearman(a, b).shape == (2, 3)
+    torch.testing.assert_close(spearman(a, b)[1, 2], spearman(a[1, 2], b[1, 2]))
