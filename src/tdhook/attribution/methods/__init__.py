@@ -1,0 +1,22 @@
+"""Attribution methods other than LRP, each a TensorDict module with LRP's constructor conventions.
+
+Every method writes its attribution of input key ``k`` at ``(relevance_key, *k)``
+(``relevance_key="attribution"`` by default), with the input's shape, next to
+the model's outputs.
+
+Examples:
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> from tensordict.nn import TensorDictModule
+    >>> from tdhook.attribution import Saliency
+    >>> policy = TensorDictModule(torch.nn.Linear(3, 2), in_keys=["observation"], out_keys=["action_value"])
+    >>> td = Saliency(policy)(TensorDict(observation=torch.randn(4, 3), batch_size=[4]))
+    >>> td["attribution", "observation"].shape
+    torch.Size([4, 3])
+"""
+
+from tdhook.attribution.methods.guided_backprop import GuidedBackprop
+from tdhook.attribution.methods.input_x_gradient import InputXGradient
+from tdhook.attribution.methods.saliency import Saliency
+
+__all__ = ["GuidedBackprop", "InputXGradient", "Saliency"]

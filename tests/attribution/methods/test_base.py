@@ -1,0 +1,181 @@
+"""What every method shares: keys, batch shapes, pipelines, no_grad, targets, options by key, and refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule, TensorDictSequential
+from torch import nn
+
+from tdhook.attribution import GuidedBackprop, InputXGradient, Saliency
+from tests.attribution._helpers import assert_unchanged, state_snapshot
+from tests.attribution.methods._models import random_mlp, two_key_policy
+
+# name -> constructor keywords; every method of the package is listed (METHODS is extended as they land).
+METHODS = {
+    "Saliency": (Saliency, {}),
+    "InputXGradient": (InputXGradient, {}),
+    "GuidedBackprop": (GuidedBackprop, {}),
+}
+
+
+def make(name: str, module, **kwargs):
+    cls, defaults = METHODS[name]
+    return cls(module, **{**defaults, **kwargs})
+
+
+def policy_td(batch=(4,)) -> TensorDict:
+    return TensorDict(
+        obs=torch.randn(*batch, 4, dtype=torch.float64),
+        goal=torch.randn(*batch, 2, dtype=torch.float64),
+        batch_size=batch,
+    )
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+class TestKeysAndShapes:
+    @pytest.mark.parametrize("batch", [(), (3,), (2, 3)])
+    def test_any_batch_shape_matches_the_flattened_batch(self, name, batch):
+        net = random_mlp(1)
+        x = torch.randn(*batch, 5, dtype=torch.float64)
+        method = make(name, net, in_keys=["x"], out_keys=["y"])
+        td = method(TensorDict(x=x, batch_size=batch))
+        assert td["attribution", "x"].shape == x.shape
+        assert torch.equal(td["y"], net(x).detach())
+        flat = method(TensorDict(x=x.reshape(-1, 5), batch_size=[max(1, x.numel() // 5)]))
+        torch.testing.assert_close(
+            td["attribution", "x"].reshape(-1, 5), flat["attribution", "x"], rtol=1e-10, atol=1e-12
+        )
+
+    def test_two_keys_and_a_key_left_fixed(self, name):
+        policy = two_key_policy()
+        td = policy_td()
+        both = make(name, policy)(td.clone())
+        assert both["attribution", "obs"].shape == (4, 4) and both["attribution", "goal"].shape == (4, 2)
+        only_obs = make(name, policy, in_keys=["obs"])(td.clone())
+        assert ("attribution", "goal") not in only_obs.keys(include_nested=True)
+        assert only_obs["attribution", "obs"].shape == (4, 4)
+        assert torch.equal(only_obs["action_value"], policy(td.clone())["action_value"])
+
+    def test_nested_keys_and_relevance_key(self, name):
+        net = random_mlp(2)
+        td = TensorDict({("agents", "obs"): torch.randn(3, 5, dtype=torch.float64)}, batch_size=[3])
+        out = make(name, net, in_keys=[("agents", "obs")], out_keys=["y"], relevance_key="expl")(td)
+        assert out["expl", "agents", "obs"].shape == (3, 5)
+
+    def test_under_no_grad_nothing_requires_grad(self, name):
+        policy = two_key_policy()
+        with torch.no_grad():
+            td = make(name, policy)(policy_td())
+        assert not any(v.requires_grad for v in td.values(include_nested=True, leaves_only=True))
+        assert td["attribution", "obs"].abs().sum() > 0
+
+    def test_parameters_get_no_grad(self, name):
+        net = random_mlp(3)
+        make(name, net, in_keys=["x"], out_keys=["y"])(
+            TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        )
+        assert all(p.grad is None for p in net.parameters())
+
+    def test_wrapping_a_sequential_and_as_its_step(self, name):
+        torch.manual_seed(0)
+        first = TensorDictModule(nn.Linear(5, 6).double(), in_keys=["x"], out_keys=["hidden"])
+        second = TensorDictModule(
+            nn.Sequential(nn.Tanh(), nn.Linear(6, 3)).double(), in_keys=["hidden"], out_keys=["logits"]
+        )
+        pipeline = TensorDictSequential(first, second)
+        x = torch.randn(4, 5, dtype=torch.float64)
+        wrapped = make(name, pipeline)(TensorDict(x=x, batch_size=[4]))
+        assert wrapped["attribution", "x"].shape == (4, 5)
+        assert torch.equal(wrapped["logits"], pipeline(TensorDict(x=x, batch_size=[4]))["logits"])
+        # As a step: explain the second module's input inside a bigger pipeline.
+        outer = TensorDictSequential(first, make(name, second))
+        td = outer(TensorDict(x=x, batch_size=[4]))
+        assert td["attribution", "hidden"].shape == (4, 6)
+        direct = make(name, second)(TensorDict(hidden=td["hidden"], batch_size=[4]))
+        assert torch.equal(td["attribution", "hidden"], direct["attribution", "hidden"])
+        assert set(make(name, second).out_keys) == {"logits", ("attribution", "hidden")}
+
+    def test_keyword_call(self, name):
+        net = random_mlp(4)
+        method = make(name, TensorDictModule(net, in_keys=["x"], out_keys=["y"]))
+        y, attribution = method(x=torch.randn(3, 5, dtype=torch.float64))
+        assert y.shape == (3, 3) and attribution.shape == (3, 5)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+class TestTargets:
+    def test_int_and_tensor_targets_agree(self, name):
+        net = random_mlp(5)
+        td = TensorDict(x=torch.randn(4, 5, dtype=torch.float64), batch_size=[4])
+        by_int = make(name, net, in_keys=["x"], out_keys=["y"], target=2)(td.clone())
+        by_tensor = make(name, net, in_keys=["x"], out_keys=["y"], target=torch.full((4,), 2))(td.clone())
+        assert torch.equal(by_int["attribution", "x"], by_tensor["attribution", "x"])
+
+    def test_all_stacks_every_unit_after_the_batch_dims(self, name):
+        net = random_mlp(6)
+        td = TensorDict(x=torch.randn(2, 3, 5, dtype=torch.float64), batch_size=[2, 3])
+        every = make(name, net, in_keys=["x"], out_keys=["y"], target="all")(td.clone())["attribution", "x"]
+        assert every.shape == (2, 3, 3, 5)
+        for unit in range(3):
+            one = make(name, net, in_keys=["x"], out_keys=["y"], target=unit)(td.clone())["attribution", "x"]
+            torch.testing.assert_close(every[:, :, unit], one, rtol=1e-10, atol=1e-12)
+
+    def test_callable_target_weights_the_output(self, name):
+        net = random_mlp(7)
+        td = TensorDict(x=torch.randn(4, 5, dtype=torch.float64), batch_size=[4])
+        weights = torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64)
+        by_callable = make(name, net, in_keys=["x"], out_keys=["y"], target=lambda y: y * weights)(td.clone())
+        by_int = make(name, net, in_keys=["x"], out_keys=["y"], target=1)(td.clone())
+        torch.testing.assert_close(by_callable["attribution", "x"], by_int["attribution", "x"], rtol=1e-10, atol=1e-12)
+
+    def test_default_target_is_the_argmax_on_the_unperturbed_input(self, name):
+        net = random_mlp(8)
+        x = torch.randn(6, 5, dtype=torch.float64)
+        default = make(name, net, in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[6]))
+        chosen = make(name, net, in_keys=["x"], out_keys=["y"], target=net(x).argmax(-1))(
+            TensorDict(x=x, batch_size=[6])
+        )
+        assert torch.equal(default["attribution", "x"], chosen["attribution", "x"])
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+class TestRefusals:
+    def run_and_expect(self, name, td, error, match, **kwargs):
+        net = random_mlp(9)
+        snapshot = state_snapshot(net)
+        before = dict(td.items(include_nested=True, leaves_only=True))
+        method = make(name, net, out_keys=["y"], **{"in_keys": ["x"], **kwargs})
+        with pytest.raises(error, match=match):
+            method(td)
+        assert_unchanged(net, snapshot)
+        after = dict(td.items(include_nested=True, leaves_only=True))
+        assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+
+    def test_missing_key(self, name):
+        self.run_and_expect(
+            name, TensorDict(z=torch.randn(2, 5), batch_size=[2]), KeyError, f"{name}: input key 'x' is missing"
+        )
+
+    def test_integer_input(self, name):
+        self.run_and_expect(
+            name, TensorDict(x=torch.ones(2, 5, dtype=torch.long), batch_size=[2]), TypeError, f"{name}: input key 'x'"
+        )
+
+    def test_target_out_of_range(self, name):
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        self.run_and_expect(name, td, IndexError, f"{name}: target 7 is out of range for output 'y'", target=7)
+
+    def test_a_model_that_raises(self, name):
+        td = TensorDict(x=torch.randn(2, 4, dtype=torch.float64), batch_size=[2])
+        self.run_and_expect(name, td, RuntimeError, "shapes cannot be multiplied")
+
+    def test_output_key_taken_by_a_leaf(self, name):
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), attribution=torch.zeros(2), batch_size=[2])
+        self.run_and_expect(name, td, Exception, None)
+
+    def test_plain_module_needs_keys(self, name):
+        cls, _ = METHODS[name]
+        with pytest.raises(TypeError, match=f"{name} needs in_keys and out_keys"):
+            cls(nn.Linear(2, 2), in_keys=["x"])
