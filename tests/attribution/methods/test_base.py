@@ -8,7 +8,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
 
-from tdhook.attribution import GuidedBackprop, InputXGradient, Saliency
+from tdhook.attribution import GuidedBackprop, InputXGradient, IntegratedGradients, Saliency
 from tests.attribution._helpers import assert_unchanged, state_snapshot
 from tests.attribution.methods._models import random_mlp, two_key_policy
 
@@ -17,6 +17,7 @@ METHODS = {
     "Saliency": (Saliency, {}),
     "InputXGradient": (InputXGradient, {}),
     "GuidedBackprop": (GuidedBackprop, {}),
+    "IntegratedGradients": (IntegratedGradients, {"n_steps": 6}),
 }
 
 

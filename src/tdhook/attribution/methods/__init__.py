@@ -8,15 +8,16 @@ Examples:
     >>> import torch
     >>> from tensordict import TensorDict
     >>> from tensordict.nn import TensorDictModule
-    >>> from tdhook.attribution import Saliency
+    >>> from tdhook.attribution import IntegratedGradients
     >>> policy = TensorDictModule(torch.nn.Linear(3, 2), in_keys=["observation"], out_keys=["action_value"])
-    >>> td = Saliency(policy)(TensorDict(observation=torch.randn(4, 3), batch_size=[4]))
+    >>> td = IntegratedGradients(policy, n_steps=8)(TensorDict(observation=torch.randn(4, 3), batch_size=[4]))
     >>> td["attribution", "observation"].shape
     torch.Size([4, 3])
 """
 
 from tdhook.attribution.methods.guided_backprop import GuidedBackprop
 from tdhook.attribution.methods.input_x_gradient import InputXGradient
+from tdhook.attribution.methods.integrated_gradients import IntegratedGradients
 from tdhook.attribution.methods.saliency import Saliency
 
-__all__ = ["GuidedBackprop", "InputXGradient", "Saliency"]
+__all__ = ["GuidedBackprop", "InputXGradient", "IntegratedGradients", "Saliency"]
