@@ -20,7 +20,7 @@ from typing import Any, Union
 import torch
 from tensordict.utils import NestedKey, unravel_key
 
-__all__ = ["Baselines", "baseline_tensors", "per_key", "seeded_generator"]
+__all__ = ["Baselines", "baseline_tensors", "checked_batch_size", "per_key", "seeded_generator", "steps_per_pass"]
 
 Baselines = Union[float, torch.Tensor, Mapping[NestedKey, Union[float, torch.Tensor]]]
 
@@ -116,3 +116,40 @@ def seeded_generator(seed: int | None) -> torch.Generator:
     else:
         generator.manual_seed(int(seed))
     return generator
+
+
+def steps_per_pass(n_steps: int, rows_per_step: int, internal_batch_size: int | None) -> int:
+    """How many perturbed copies (points of a path, noisy samples) one forward pass evaluates.
+
+    Args:
+        n_steps: the number of copies.
+        rows_per_step: the rows one copy adds to a forward pass (the batch's number of samples).
+        internal_batch_size: the most rows per forward pass, or ``None`` for all the copies at once.
+
+    Returns:
+        At least 1, at most ``n_steps``.
+
+    Examples:
+        >>> steps_per_pass(50, 8, None), steps_per_pass(50, 8, 100), steps_per_pass(50, 8, 3)
+        (50, 12, 1)
+    """
+    if internal_batch_size is None:
+        return n_steps
+    return max(1, min(n_steps, internal_batch_size // max(1, rows_per_step)))
+
+
+def checked_batch_size(internal_batch_size: int | None, owner: str) -> int | None:
+    """``internal_batch_size`` if it is ``None`` or a positive int.
+
+    Raises:
+        ValueError: it is neither.
+
+    Examples:
+        >>> checked_batch_size(None, "SmoothGrad"), checked_batch_size(16, "SmoothGrad")
+        (None, 16)
+    """
+    if internal_batch_size is not None and (
+        isinstance(internal_batch_size, bool) or not isinstance(internal_batch_size, int) or internal_batch_size < 1
+    ):
+        raise ValueError(f"{owner}: internal_batch_size must be a positive int or None, got {internal_batch_size!r}")
+    return internal_batch_size

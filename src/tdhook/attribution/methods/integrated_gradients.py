@@ -10,31 +10,11 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from tdhook.attribution.methods._base import AttributionMethod, Call
-from tdhook.attribution.methods._options import Baselines, baseline_tensors
+from tdhook.attribution.methods._options import Baselines, baseline_tensors, checked_batch_size, steps_per_pass
 from tdhook.attribution.methods._quadrature import quadrature
 from tdhook.attribution.targets import Target
 
-__all__ = ["IntegratedGradients", "path_steps"]
-
-
-def path_steps(n_steps: int, rows_per_step: int, internal_batch_size: int | None) -> int:
-    """How many points of the path one forward pass evaluates.
-
-    Args:
-        n_steps: the number of points.
-        rows_per_step: the rows one point adds to a forward pass (the batch's number of samples).
-        internal_batch_size: the most rows per forward pass, or ``None`` for all the points at once.
-
-    Returns:
-        At least 1, at most ``n_steps``.
-
-    Examples:
-        >>> path_steps(50, 8, None), path_steps(50, 8, 100), path_steps(50, 8, 3)
-        (50, 12, 1)
-    """
-    if internal_batch_size is None:
-        return n_steps
-    return max(1, min(n_steps, internal_batch_size // max(1, rows_per_step)))
+__all__ = ["IntegratedGradients"]
 
 
 class IntegratedGradients(AttributionMethod):
@@ -101,16 +81,10 @@ class IntegratedGradients(AttributionMethod):
             self._alphas, self._weights = quadrature(method, n_steps)
         except ValueError as err:
             raise ValueError(f"IntegratedGradients: {err}") from None
-        if internal_batch_size is not None and (
-            isinstance(internal_batch_size, bool) or not isinstance(internal_batch_size, int) or internal_batch_size < 1
-        ):
-            raise ValueError(
-                f"IntegratedGradients: internal_batch_size must be a positive int or None, got {internal_batch_size!r}"
-            )
         self.baselines = baselines
         self.n_steps = n_steps
         self.method = method
-        self.internal_batch_size = internal_batch_size
+        self.internal_batch_size = checked_batch_size(internal_batch_size, "IntegratedGradients")
 
     def _attribute(self, call: Call) -> list[torch.Tensor]:
         baselines = baseline_tensors(
@@ -118,7 +92,7 @@ class IntegratedGradients(AttributionMethod):
         )
         differences = [x - b for x, b in zip(call.inputs, baselines, strict=True)]
         totals = [x.new_zeros(call.seeds.shape[0], *x.shape) for x in call.inputs]
-        chunk = path_steps(self.n_steps, call.batch_shape.numel(), self.internal_batch_size)
+        chunk = steps_per_pass(self.n_steps, call.batch_shape.numel(), self.internal_batch_size)
         for start in range(0, self.n_steps, chunk):
             alphas = self._alphas[start : start + chunk]
             weights = self._weights[start : start + chunk]
