@@ -8,7 +8,14 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
 
-from tdhook.attribution import GuidedBackprop, InputXGradient, IntegratedGradients, Saliency, SmoothGrad
+from tdhook.attribution import (
+    FeatureAblation,
+    GuidedBackprop,
+    InputXGradient,
+    IntegratedGradients,
+    Saliency,
+    SmoothGrad,
+)
 from tests.attribution._helpers import assert_unchanged, state_snapshot
 from tests.attribution.methods._models import random_mlp, two_key_policy
 
@@ -19,6 +26,7 @@ METHODS = {
     "GuidedBackprop": (GuidedBackprop, {}),
     "IntegratedGradients": (IntegratedGradients, {"n_steps": 6}),
     "SmoothGrad": (SmoothGrad, {"n_samples": 4, "stdev": 0.3, "seed": 0}),
+    "FeatureAblation": (FeatureAblation, {}),
 }
 
 

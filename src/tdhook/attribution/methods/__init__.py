@@ -15,10 +15,11 @@ Examples:
     torch.Size([4, 3])
 """
 
+from tdhook.attribution.methods.feature_ablation import FeatureAblation
 from tdhook.attribution.methods.guided_backprop import GuidedBackprop
 from tdhook.attribution.methods.input_x_gradient import InputXGradient
 from tdhook.attribution.methods.integrated_gradients import IntegratedGradients
 from tdhook.attribution.methods.saliency import Saliency
 from tdhook.attribution.methods.smooth_grad import SmoothGrad
 
-__all__ = ["GuidedBackprop", "InputXGradient", "IntegratedGradients", "Saliency", "SmoothGrad"]
+__all__ = ["FeatureAblation", "GuidedBackprop", "InputXGradient", "IntegratedGradients", "Saliency", "SmoothGrad"]
