@@ -13,7 +13,9 @@ from tdhook.attribution import (
     GuidedBackprop,
     InputXGradient,
     IntegratedGradients,
+    Occlusion,
     Saliency,
+    ShapleyValueSampling,
     SmoothGrad,
 )
 from tests.attribution._helpers import assert_unchanged, state_snapshot
@@ -27,6 +29,8 @@ METHODS = {
     "IntegratedGradients": (IntegratedGradients, {"n_steps": 6}),
     "SmoothGrad": (SmoothGrad, {"n_samples": 4, "stdev": 0.3, "seed": 0}),
     "FeatureAblation": (FeatureAblation, {}),
+    "Occlusion": (Occlusion, {"sliding_window_shapes": (2,), "strides": 1}),
+    "ShapleyValueSampling": (ShapleyValueSampling, {"n_samples": 3, "seed": 0}),
 }
 
 
@@ -109,7 +113,9 @@ class TestKeysAndShapes:
 
     def test_keyword_call(self, name):
         net = random_mlp(4)
-        method = make(name, TensorDictModule(net, in_keys=["x"], out_keys=["y"]))
+        # Keyword tensors come without a batch size: the whole tensor is one sample.
+        extra = {"sliding_window_shapes": (1, 2)} if name == "Occlusion" else {}
+        method = make(name, TensorDictModule(net, in_keys=["x"], out_keys=["y"]), **extra)
         y, attribution = method(x=torch.randn(3, 5, dtype=torch.float64))
         assert y.shape == (3, 3) and attribution.shape == (3, 5)
 
@@ -186,6 +192,5 @@ class TestRefusals:
         self.run_and_expect(name, td, Exception, None)
 
     def test_plain_module_needs_keys(self, name):
-        cls, _ = METHODS[name]
         with pytest.raises(TypeError, match=f"{name} needs in_keys and out_keys"):
-            cls(nn.Linear(2, 2), in_keys=["x"])
+            make(name, nn.Linear(2, 2), in_keys=["x"])

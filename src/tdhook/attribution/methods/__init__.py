@@ -19,7 +19,18 @@ from tdhook.attribution.methods.feature_ablation import FeatureAblation
 from tdhook.attribution.methods.guided_backprop import GuidedBackprop
 from tdhook.attribution.methods.input_x_gradient import InputXGradient
 from tdhook.attribution.methods.integrated_gradients import IntegratedGradients
+from tdhook.attribution.methods.occlusion import Occlusion
 from tdhook.attribution.methods.saliency import Saliency
+from tdhook.attribution.methods.shapley import ShapleyValueSampling
 from tdhook.attribution.methods.smooth_grad import SmoothGrad
 
-__all__ = ["FeatureAblation", "GuidedBackprop", "InputXGradient", "IntegratedGradients", "Saliency", "SmoothGrad"]
+__all__ = [
+    "FeatureAblation",
+    "GuidedBackprop",
+    "InputXGradient",
+    "IntegratedGradients",
+    "Occlusion",
+    "Saliency",
+    "ShapleyValueSampling",
+    "SmoothGrad",
+]
