@@ -10,6 +10,7 @@ from torch import nn
 
 from tdhook.attribution import (
     FeatureAblation,
+    GradientShap,
     GuidedBackprop,
     InputXGradient,
     IntegratedGradients,
@@ -29,13 +30,28 @@ METHODS = {
     "IntegratedGradients": (IntegratedGradients, {"n_steps": 6}),
     "SmoothGrad": (SmoothGrad, {"n_samples": 4, "stdev": 0.3, "seed": 0}),
     "FeatureAblation": (FeatureAblation, {}),
+    "GradientShap": (GradientShap, {"n_samples": 3, "seed": 0}),
     "Occlusion": (Occlusion, {"sliding_window_shapes": (2,), "strides": 1}),
     "ShapleyValueSampling": (ShapleyValueSampling, {"n_samples": 3, "seed": 0}),
 }
 
 
+# GradientShap's reference samples, per key of the models below (two references each).
+_DRAWS = torch.Generator().manual_seed(0)
+REFERENCES = {
+    "x": torch.randn(2, 5, dtype=torch.float64, generator=_DRAWS),
+    "obs": torch.randn(2, 4, dtype=torch.float64, generator=_DRAWS),
+    "goal": torch.randn(2, 2, dtype=torch.float64, generator=_DRAWS),
+    ("agents", "obs"): torch.randn(2, 5, dtype=torch.float64, generator=_DRAWS),
+    "hidden": torch.randn(2, 6, dtype=torch.float64, generator=_DRAWS),
+}
+
+
 def make(name: str, module, **kwargs):
     cls, defaults = METHODS[name]
+    if name == "GradientShap" and "baselines" not in kwargs:
+        keys = kwargs.get("in_keys") or getattr(module, "in_keys", [])
+        kwargs["baselines"] = {key: REFERENCES[key] for key in keys}
     return cls(module, **{**defaults, **kwargs})
 
 
@@ -115,6 +131,8 @@ class TestKeysAndShapes:
         net = random_mlp(4)
         # Keyword tensors come without a batch size: the whole tensor is one sample.
         extra = {"sliding_window_shapes": (1, 2)} if name == "Occlusion" else {}
+        if name == "GradientShap":
+            extra = {"baselines": torch.zeros(1, 3, 5, dtype=torch.float64)}
         method = make(name, TensorDictModule(net, in_keys=["x"], out_keys=["y"]), **extra)
         y, attribution = method(x=torch.randn(3, 5, dtype=torch.float64))
         assert y.shape == (3, 3) and attribution.shape == (3, 5)

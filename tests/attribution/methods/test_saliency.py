@@ -11,6 +11,8 @@ from tdhook.attribution import Saliency
 from tests.attribution.methods._models import flat, random_mlp, small_cnn, two_key_policy
 from tests.conftest import relative_error
 
+pytestmark = pytest.mark.filterwarnings("ignore:Input Tensor .* did not already require gradients:UserWarning")
+
 
 class TestAgainstCaptum:
     @pytest.mark.parametrize("abs_", [True, False])

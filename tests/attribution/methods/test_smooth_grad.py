@@ -11,6 +11,8 @@ from tdhook.attribution import Saliency, SmoothGrad
 from tests.attribution.methods._models import random_mlp, small_cnn, two_key_policy
 from tests.conftest import relative_error
 
+pytestmark = pytest.mark.filterwarnings("ignore:Input Tensor .* did not already require gradients:UserWarning")
+
 
 def reference(forward, inputs, stdevs, n_samples, seed, target, nt_type, abs_):
     """Draw the noise as SmoothGrad documents, then aggregate captum's saliency at every noisy copy."""

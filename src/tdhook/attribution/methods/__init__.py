@@ -17,6 +17,7 @@ Examples:
 
 from tdhook.attribution.methods.feature_ablation import FeatureAblation
 from tdhook.attribution.methods.grad_cam import GradCAM
+from tdhook.attribution.methods.gradient_shap import GradientShap
 from tdhook.attribution.methods.guided_backprop import GuidedBackprop
 from tdhook.attribution.methods.input_x_gradient import InputXGradient
 from tdhook.attribution.methods.integrated_gradients import IntegratedGradients
@@ -28,6 +29,7 @@ from tdhook.attribution.methods.smooth_grad import SmoothGrad
 __all__ = [
     "FeatureAblation",
     "GradCAM",
+    "GradientShap",
     "GuidedBackprop",
     "InputXGradient",
     "IntegratedGradients",
