@@ -65,3 +65,11 @@ def test_profile_script_runs_on_tiny_inputs():
     rows = {line.split()[0]: line.split()[-3:] for line in result.stdout.splitlines()[2:]}
     assert list(rows) == ["convolution", "matrix", "element-wise", "total"]
     assert all(float(value) >= 0 for value in rows["total"][:2])
+
+
+def test_methods_benchmark_runs_on_tiny_inputs():
+    command = [sys.executable, str(BENCHMARKS / "bench_methods.py"), "--batch", "2", "--size", "8", "--steps", "4"]
+    result = subprocess.run([*command, "--repeats", "1"], capture_output=True, text=True, timeout=600, check=True)
+    rows = [line.rsplit(None, 2) for line in result.stdout.splitlines()[2:]]
+    assert [row[0] for row in rows] == ["captum IntegratedGradients", "tdhook IntegratedGradients"]
+    assert all(float(value) > 0 for row in rows for value in row[1:])
