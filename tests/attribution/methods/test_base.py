@@ -212,3 +212,63 @@ class TestRefusals:
     def test_plain_module_needs_keys(self, name):
         with pytest.raises(TypeError, match=f"{name} needs in_keys and out_keys"):
             make(name, nn.Linear(2, 2), in_keys=["x"])
+
+
+class TestTorchRL:
+    def test_q_value_actor_default_target_and_action_values(self):
+        from torchrl.modules import MLP, QValueActor
+
+        net = MLP(in_features=4, out_features=3, num_cells=[16]).double()
+        actor = QValueActor(net, in_keys=["observation"], action_space="one-hot")
+        obs = torch.randn(6, 4, dtype=torch.float64)
+        chosen = net(obs).argmax(-1)
+        td = Saliency(actor, abs=False)(TensorDict(observation=obs, batch_size=[6]))
+        direct = Saliency(net, in_keys=["observation"], out_keys=["q"], target=chosen, abs=False)
+        expected = direct(TensorDict(observation=obs, batch_size=[6]))["attribution", "observation"]
+        torch.testing.assert_close(td["attribution", "observation"], expected, rtol=1e-12, atol=0)
+        assert torch.equal(td["action"].argmax(-1), chosen)
+        # Path methods name the action values, so that the action explained is the one chosen at the input.
+        ig = IntegratedGradients(actor, target_key="action_value", n_steps=8)
+        by_actor = ig(TensorDict(observation=obs, batch_size=[6]))["attribution", "observation"]
+        by_net = IntegratedGradients(net, in_keys=["observation"], out_keys=["q"], target=chosen, n_steps=8)
+        expected = by_net(TensorDict(observation=obs, batch_size=[6]))["attribution", "observation"]
+        torch.testing.assert_close(by_actor, expected, rtol=1e-12, atol=0)
+
+    @pytest.mark.parametrize("name", ["IntegratedGradients", "Occlusion"])
+    def test_rollout_takes_the_same_actions(self, name):
+        from torchrl.envs import GymEnv
+        from torchrl.modules import MLP, QValueActor
+
+        env = GymEnv("CartPole-v1")
+        actor = QValueActor(
+            MLP(in_features=4, out_features=2, num_cells=[16]), in_keys=["observation"], spec=env.action_spec
+        )
+        env.set_seed(0)
+        plain = env.rollout(20, actor, break_when_any_done=False)
+        env.set_seed(0)
+        method = make(name, actor, target_key="action_value")
+        explained = env.rollout(20, method, break_when_any_done=False)
+        assert torch.equal(explained["action"], plain["action"])
+        attribution = explained["attribution", "observation"]
+        assert attribution.shape == (20, 4) and torch.isfinite(attribution).all() and attribution.abs().sum() > 0
+
+    def test_collector_under_no_grad(self):
+        from torchrl.collectors import Collector
+        from torchrl.envs import GymEnv
+        from torchrl.modules import MLP, QValueActor
+
+        actor = QValueActor(
+            MLP(in_features=4, out_features=2, num_cells=[16]),
+            in_keys=["observation"],
+            spec=GymEnv("CartPole-v1").action_spec,
+        )
+        policy = SmoothGrad(actor, target_key="action_value", n_samples=3, stdev=0.1, seed=0)
+        collector = Collector(lambda: GymEnv("CartPole-v1"), policy, frames_per_batch=16, total_frames=32)
+        try:
+            batches = list(collector)
+        finally:
+            collector.shutdown()
+        assert len(batches) == 2
+        for batch in batches:
+            attribution = batch["attribution", "observation"]
+            assert not attribution.requires_grad and attribution.numel() == 16 * 4 and attribution.abs().sum() > 0
