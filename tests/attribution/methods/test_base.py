@@ -209,6 +209,10 @@ class TestRefusals:
         td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), attribution=torch.zeros(2), batch_size=[2])
         self.run_and_expect(name, td, Exception, None)
 
+    def test_one_target_key_only(self, name):
+        with pytest.raises(ValueError, match=f"{name}: explains one output; pass target_key=<key>"):
+            make(name, two_key_policy(), target_key={"a": "action_value", "b": "action_value"})
+
     def test_plain_module_needs_keys(self, name):
         with pytest.raises(TypeError, match=f"{name} needs in_keys and out_keys"):
             make(name, nn.Linear(2, 2), in_keys=["x"])
