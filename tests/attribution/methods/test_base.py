@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -212,6 +214,17 @@ class TestRefusals:
     def test_one_target_key_only(self, name):
         with pytest.raises(ValueError, match=f"{name}: explains one output; pass target_key=<key>"):
             make(name, two_key_policy(), target_key={"a": "action_value", "b": "action_value"})
+
+    def test_dropout_in_training_mode_warns_once(self, name):
+        net = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.5), nn.Linear(8, 3)).double()
+        method = make(name, net, in_keys=["x"], out_keys=["y"])
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        with pytest.warns(UserWarning, match=f"{name}: module '1' \\(Dropout, p=0.5\\) is in training mode"):
+            method(td.clone())
+        net.eval()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            method(td.clone())
 
     def test_plain_module_needs_keys(self, name):
         with pytest.raises(TypeError, match=f"{name} needs in_keys and out_keys"):

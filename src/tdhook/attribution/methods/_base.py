@@ -22,6 +22,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -141,6 +142,7 @@ class AttributionMethod(TensorDictModuleBase):
         self.relevance_keys = relevance_keys(relevance_key, [None], self.explained_keys)
         self.in_keys = unravel_key_list(list(dict.fromkeys([*module.in_keys, *self.explained_keys])))
         self.out_keys = [*unravel_key_list(module.out_keys), *self.relevance_keys]
+        self._warned = False
 
     # ------------------------------------------------------------------ call
 
@@ -155,6 +157,7 @@ class AttributionMethod(TensorDictModuleBase):
             value = tensordict.get(key)
             if not value.is_floating_point():
                 raise TypeError(f"{name}: input key {key!r} must be a floating-point tensor, got {describe(value)}")
+        self._warn_for_random_modules()
         with self._model_context():
             call = self._first_pass(tensordict)
             attributions = self._attribute(call)
@@ -165,6 +168,25 @@ class AttributionMethod(TensorDictModuleBase):
         updates.update(extra)
         set_all_or_nothing(tensordict, updates)
         return tensordict
+
+    def named_explained_modules(self) -> dict[str, nn.Module]:
+        """The wrapped model's modules by name, relative to the object passed as ``module`` (as LRP names them)."""
+        root = self.module.module if self._plain else self.module
+        return dict(root.named_modules())
+
+    def _warn_for_random_modules(self) -> None:
+        """Warn, once per wrapper, if a dropout module in training mode makes every forward pass draw anew."""
+        if self._warned:
+            return
+        for name, sub in self.named_explained_modules().items():
+            if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0 and sub.training:
+                self._warned = True
+                warnings.warn(
+                    f"{type(self).__name__}: module {name!r} ({type(sub).__name__}, p={sub.p}) is in training mode, "
+                    "so each forward pass drops other units and the attribution is random; call .eval() on the model",
+                    stacklevel=4,
+                )
+                return
 
     def _per_unit(self, call: Call, attribution: torch.Tensor) -> torch.Tensor:
         attribution = attribution.detach()

@@ -82,7 +82,7 @@ class GradCAM(AttributionMethod):
         if not isinstance(layer, str):
             raise TypeError(f"GradCAM: layer must be a module name (a string), got {type(layer).__name__}")
         try:
-            keys = layer_keys([layer], self._named_modules(), self.explained_keys)
+            keys = layer_keys([layer], self.named_explained_modules(), self.explained_keys)
         except (KeyError, ValueError) as err:
             raise type(err)(str(err.args[0]).replace("LRP: layers names", "GradCAM: layer is", 1)) from None
         self.layer = layer
@@ -95,10 +95,6 @@ class GradCAM(AttributionMethod):
         self._activations: list[torch.Tensor] = []
         self._cam: torch.Tensor | None = None
 
-    def _named_modules(self) -> dict[str, nn.Module]:
-        root = self.module.module if self._plain else self.module
-        return dict(root.named_modules())
-
     @contextlib.contextmanager
     def _model_context(self) -> Iterator[None]:
         self._activations = []
@@ -107,7 +103,7 @@ class GradCAM(AttributionMethod):
             self._activations.append(output)
 
         try:
-            with hooks_removed([self._named_modules()[self.layer].register_forward_hook(record)]):
+            with hooks_removed([self.named_explained_modules()[self.layer].register_forward_hook(record)]):
                 yield
         finally:
             self._activations = []
