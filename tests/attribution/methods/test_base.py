@@ -289,3 +289,33 @@ class TestTorchRL:
         for batch in batches:
             attribution = batch["attribution", "observation"]
             assert not attribution.requires_grad and attribution.numel() == 16 * 4 and attribution.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", ["FeatureAblation", "Occlusion", "ShapleyValueSampling"])
+class TestPerturbationsPerEval:
+    def options(self, name):
+        if name == "Occlusion":
+            return {"sliding_window_shapes": (2,), "strides": 1}  # 4 windows on 5 features
+        return {"feature_masks": torch.tensor([0, 0, 1, 2, 3])}  # 4 groups
+
+    @pytest.mark.parametrize("per_eval", [3, 100])
+    def test_same_result_fewer_forward_passes(self, name, per_eval):
+        net = random_mlp(10)
+        calls = []
+        handle = net.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        try:
+            one = make(name, net, in_keys=["x"], out_keys=["y"], **self.options(name))(td.clone())
+            one_calls, calls[:] = list(calls), []
+            many = make(
+                name, net, in_keys=["x"], out_keys=["y"], perturbations_per_eval=per_eval, **self.options(name)
+            )(td.clone())
+        finally:
+            handle.remove()
+        torch.testing.assert_close(many["attribution", "x"], one["attribution", "x"], rtol=1e-12, atol=1e-14)
+        assert len(calls) < len(one_calls) and max(calls) <= 2 * per_eval
+        assert sum(calls) == sum(one_calls)  # the same rows, in fewer passes
+
+    def test_refused_at_construction(self, name):
+        with pytest.raises(ValueError, match=f"{name}: perturbations_per_eval must be a positive int"):
+            make(name, random_mlp(0), in_keys=["x"], out_keys=["y"], perturbations_per_eval=0, **self.options(name))

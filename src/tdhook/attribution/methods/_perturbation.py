@@ -17,8 +17,8 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Union
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TypeVar, Union
 
 import torch
 from tensordict.nn import TensorDictModuleBase
@@ -32,6 +32,7 @@ from tdhook.attribution.targets import Target
 
 __all__ = ["FeatureMasks", "PerturbationMethod", "feature_groups", "spread"]
 
+T = TypeVar("T")
 FeatureMasks = Union[None, torch.Tensor, Mapping[NestedKey, Union[torch.Tensor, None]]]
 
 
@@ -114,6 +115,8 @@ class PerturbationMethod(AttributionMethod):
         baselines: the value a perturbed feature takes: a number, a tensor with
             one sample's shape (or the input's), or a dict keyed by in_key.
         progress: whether to show a progress bar over the forward passes.
+        perturbations_per_eval: how many perturbed copies of the batch one
+            forward pass evaluates (1: one forward pass per step).
     """
 
     def __init__(
@@ -127,6 +130,7 @@ class PerturbationMethod(AttributionMethod):
         relevance_key: str = "attribution",
         baselines: Baselines = 0.0,
         progress: bool = False,
+        perturbations_per_eval: int = 1,
     ) -> None:
         super().__init__(
             module,
@@ -136,15 +140,19 @@ class PerturbationMethod(AttributionMethod):
             target=target,
             relevance_key=relevance_key,
         )
+        name = type(self).__name__
+        if (
+            isinstance(perturbations_per_eval, bool)
+            or not isinstance(perturbations_per_eval, int)
+            or perturbations_per_eval < 1
+        ):
+            raise ValueError(f"{name}: perturbations_per_eval must be a positive int, got {perturbations_per_eval!r}")
         self.baselines = baselines
         self.progress = progress
+        self.perturbations_per_eval = perturbations_per_eval
 
     def _baselines(self, call: Call) -> list[torch.Tensor]:
         return baseline_tensors(self.baselines, self.explained_keys, call.inputs, call.batch_dims, type(self).__name__)
-
-    def _steps(self, steps: Iterable, total: int) -> Iterator:
-        """``steps``, behind a progress bar when ``progress`` is on."""
-        return iter(tqdm(steps, total=total, desc=type(self).__name__, disable=not self.progress, leave=False))
 
     def _unperturbed(self, call: Call) -> torch.Tensor:
         """The explained quantity at the caller's inputs: ``[units, *batch]``."""
@@ -154,6 +162,29 @@ class PerturbationMethod(AttributionMethod):
         """The explained quantity at one perturbed copy of the batch (one forward pass): ``[units, *batch]``."""
         objective, _ = self._evaluate(call, [x.unsqueeze(0) for x in inputs])
         return objective.squeeze(1)
+
+    def _values(
+        self, call: Call, steps: Sequence[T], perturb: Callable[[T], Sequence[torch.Tensor]]
+    ) -> Iterator[tuple[T, torch.Tensor]]:
+        """The explained quantity at each step's perturbed inputs, ``perturbations_per_eval`` steps per forward pass.
+
+        Args:
+            call: the call.
+            steps: what to perturb, one entry per step.
+            perturb: a step's inputs, one tensor per explained key, shaped like the key's input.
+
+        Yields:
+            ``(step, [units, *batch])``, in the order of ``steps``, behind a progress bar over the forward passes
+            when ``progress`` is on.
+        """
+        size = self.perturbations_per_eval
+        chunks = [steps[start : start + size] for start in range(0, len(steps), size)]
+        for chunk in tqdm(chunks, desc=type(self).__name__, disable=not self.progress, leave=False):
+            states = [perturb(step) for step in chunk]
+            stacked = [torch.stack([state[i] for state in states]) for i in range(len(self.explained_keys))]
+            values, _ = self._evaluate(call, stacked)
+            for position, step in enumerate(chunk):
+                yield step, values[:, position]
 
 
 def spread(value: torch.Tensor, where: torch.Tensor, batch_dims: int) -> torch.Tensor:

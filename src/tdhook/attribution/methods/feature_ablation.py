@@ -35,7 +35,8 @@ class FeatureAblation(PerturbationMethod):
         feature_masks: integer group ids broadcasting to each input's shape, one
             tensor or a dict keyed by in_key; ``None``: one group per key.
         baselines: a number, a tensor with one sample's shape, or a dict keyed by in_key.
-        progress: whether to show a progress bar over the groups.
+        progress: whether to show a progress bar over the forward passes.
+        perturbations_per_eval: how many groups one forward pass ablates (each in its own copy of the batch).
 
     Examples:
         >>> import torch
@@ -61,6 +62,7 @@ class FeatureAblation(PerturbationMethod):
         feature_masks: FeatureMasks = None,
         baselines: Baselines = 0.0,
         progress: bool = False,
+        perturbations_per_eval: int = 1,
     ) -> None:
         super().__init__(
             module,
@@ -71,6 +73,7 @@ class FeatureAblation(PerturbationMethod):
             relevance_key=relevance_key,
             baselines=baselines,
             progress=progress,
+            perturbations_per_eval=perturbations_per_eval,
         )
         self.feature_masks = feature_masks
 
@@ -81,10 +84,12 @@ class FeatureAblation(PerturbationMethod):
         )
         unperturbed = self._unperturbed(call)
         totals = [x.new_zeros(call.seeds.shape[0], *x.shape) for x in call.inputs]
-        for group in self._steps(ids, len(ids)):
-            where = [mask == group for mask in masks]
-            ablated = [torch.where(w, b, x) for w, b, x in zip(where, baselines, call.inputs, strict=True)]
-            drop = unperturbed - self._at(call, ablated)
-            for total, w in zip(totals, where, strict=True):
-                total += spread(drop, w, call.batch_dims)
+
+        def ablated(group: int) -> list[torch.Tensor]:
+            return [torch.where(m == group, b, x) for m, b, x in zip(masks, baselines, call.inputs, strict=True)]
+
+        for group, value in self._values(call, ids, ablated):
+            drop = unperturbed - value
+            for total, mask in zip(totals, masks, strict=True):
+                total += spread(drop, mask == group, call.batch_dims)
         return totals

@@ -71,7 +71,8 @@ class Occlusion(PerturbationMethod):
         strides: an int for every dimension, a tuple, or a dict keyed by in_key; at most the window's size
             where the window is smaller than the sample.
         baselines: a number, a tensor with one sample's shape, or a dict keyed by in_key.
-        progress: whether to show a progress bar over the windows.
+        progress: whether to show a progress bar over the forward passes.
+        perturbations_per_eval: how many windows one forward pass occludes (each in its own copy of the batch).
 
     Examples:
         >>> import torch
@@ -98,6 +99,7 @@ class Occlusion(PerturbationMethod):
         strides: Union[int, Shape, Mapping[NestedKey, Union[int, Shape]]] = 1,
         baselines: Baselines = 0.0,
         progress: bool = False,
+        perturbations_per_eval: int = 1,
     ) -> None:
         super().__init__(
             module,
@@ -108,6 +110,7 @@ class Occlusion(PerturbationMethod):
             relevance_key=relevance_key,
             baselines=baselines,
             progress=progress,
+            perturbations_per_eval=perturbations_per_eval,
         )
         self.sliding_window_shapes = per_key(
             sliding_window_shapes, self.explained_keys, "sliding_window_shapes", "Occlusion"
@@ -149,12 +152,15 @@ class Occlusion(PerturbationMethod):
         windows = [(i, window) for i, grid in enumerate(grids) for window in grid]
         totals = [x.new_zeros(call.seeds.shape[0], *x.shape) for x in call.inputs]
         counts = [x.new_zeros(x.shape[call.batch_dims :]) for x in call.inputs]
-        for i, window in self._steps(windows, len(windows)):
-            x = call.inputs[i]
-            occluded = x.clone()
-            occluded[(Ellipsis, *window)] = baselines[i][(Ellipsis, *window)]
-            inputs = [occluded if j == i else other for j, other in enumerate(call.inputs)]
-            drop = unperturbed - self._at(call, inputs)
+
+        def occluded(step: tuple[int, tuple[slice, ...]]) -> list[torch.Tensor]:
+            i, window = step
+            x = call.inputs[i].clone()
+            x[(Ellipsis, *window)] = baselines[i][(Ellipsis, *window)]
+            return [x if j == i else other for j, other in enumerate(call.inputs)]
+
+        for (i, window), value in self._values(call, windows, occluded):
+            drop = unperturbed - value
             totals[i][(*lead, *window)] += drop.view(*drop.shape, *[1] * len(window))
             counts[i][window] += 1
         return [total / count for total, count in zip(totals, counts, strict=True)]

@@ -66,7 +66,8 @@ class ShapleyValueSampling(PerturbationMethod):
         feature_masks: integer group ids broadcasting to each input's shape, one tensor or a dict keyed by in_key.
         baselines: a number, a tensor with one sample's shape, or a dict keyed by in_key.
         seed: the seed of the orders (see :func:`permutations`).
-        progress: whether to show a progress bar over the orders.
+        progress: whether to show a progress bar over the forward passes.
+        perturbations_per_eval: how many steps one forward pass evaluates (each in its own copy of the batch).
 
     Examples:
         >>> import torch
@@ -94,6 +95,7 @@ class ShapleyValueSampling(PerturbationMethod):
         baselines: Baselines = 0.0,
         seed: int | None = None,
         progress: bool = False,
+        perturbations_per_eval: int = 1,
     ) -> None:
         super().__init__(
             module,
@@ -104,6 +106,7 @@ class ShapleyValueSampling(PerturbationMethod):
             relevance_key=relevance_key,
             baselines=baselines,
             progress=progress,
+            perturbations_per_eval=perturbations_per_eval,
         )
         if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
             raise ValueError(f"ShapleyValueSampling: n_samples must be a positive int, got {n_samples!r}")
@@ -120,16 +123,22 @@ class ShapleyValueSampling(PerturbationMethod):
         unperturbed = self._unperturbed(call)
         empty = self._at(call, baselines)
         gains = unperturbed.new_zeros(len(ids), *unperturbed.shape)
-        for order in self._steps(orders, len(orders)):
-            current, before = list(baselines), empty
-            for step, group in enumerate(order):
-                if step == len(order) - 1:
-                    after = unperturbed
-                else:
-                    current = [
-                        torch.where(m == ids[group], x, c) for m, x, c in zip(masks, call.inputs, current, strict=True)
-                    ]
-                    after = self._at(call, current)
+        group_ids = torch.tensor(ids, dtype=torch.long, device=masks[0].device)
+
+        def added(step: tuple[int, int]) -> list[torch.Tensor]:
+            order, position = step
+            present = group_ids[orders[order][: position + 1]]
+            return [
+                torch.where(torch.isin(m, present), x, b) for m, x, b in zip(masks, call.inputs, baselines, strict=True)
+            ]
+
+        # Every order's steps but its last, which adds the last group: the unperturbed input.
+        steps = [(order, position) for order in range(len(orders)) for position in range(len(ids) - 1)]
+        values = dict(self._values(call, steps, added))
+        for order, groups in enumerate(orders):
+            before = empty
+            for position, group in enumerate(groups):
+                after = unperturbed if position == len(groups) - 1 else values[order, position]
                 gains[group] += after - before
                 before = after
         gains /= len(orders)
