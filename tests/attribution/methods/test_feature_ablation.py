@@ -67,6 +67,14 @@ class TestAgainstCaptum:
         expected = captum.attr.FeatureAblation(net).attribute(fx.clone(), target=net(fx).argmax(-1))
         assert relative_error(td["attribution", "x"].reshape(fx.shape), expected) <= 1e-8
 
+    def test_masks_that_differ_per_sample(self):
+        net = random_mlp(4)
+        x = torch.randn(3, 5, dtype=torch.float64)
+        mask = torch.tensor([[0, 0, 1, 1, 2], [0, 1, 1, 2, 2], [2, 2, 2, 0, 1]])
+        td = FeatureAblation(net, in_keys=["x"], out_keys=["y"], feature_masks=mask)(TensorDict(x=x, batch_size=[3]))
+        expected = captum.attr.FeatureAblation(net).attribute(x.clone(), target=net(x).argmax(-1), feature_mask=mask)
+        assert relative_error(td["attribution", "x"], expected) <= 1e-8
+
 
 class TestDefinition:
     def test_no_mask_is_one_group_per_key(self):

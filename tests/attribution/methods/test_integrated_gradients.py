@@ -136,6 +136,16 @@ class TestAgainstCaptum:
         # captum rounds its quadrature weights to float32.
         assert relative_error(td["attribution", "image"], expected) <= 1e-6
 
+    def test_float32_keeps_its_dtype(self):
+        net = small_cnn().float()
+        x = torch.randn(4, 3, 8, 8)
+        td = IntegratedGradients(net, in_keys=["image"], out_keys=["logits"], target=1, n_steps=16)(
+            TensorDict(image=x, batch_size=[4])
+        )
+        expected = captum.attr.IntegratedGradients(net).attribute(x.clone(), target=1, n_steps=16)
+        assert td["attribution", "image"].dtype == torch.float32
+        assert relative_error(td["attribution", "image"], expected) <= 1e-6
+
     def test_two_key_policy(self):
         policy = two_key_policy()
         obs, goal = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
