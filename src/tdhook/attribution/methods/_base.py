@@ -74,11 +74,19 @@ class Call:
 
 
 def _rename(err: Exception, owner: str) -> Exception:
-    """``err`` with the wrapper's name in place of LRP's in its message (the helpers are LRP's)."""
-    if err.args and isinstance(err.args[0], str) and err.args[0].startswith("LRP"):
-        renamed = type(err)(owner + err.args[0][3:], *err.args[1:])
-        return renamed.with_traceback(err.__traceback__)
-    return err
+    """``err`` with the method's name in place of LRP's at the head of its message (the helpers are LRP's).
+
+    Examples:
+        >>> str(_rename(ValueError("LRP: target 'q' is wrong"), "Saliency"))
+        "Saliency: target 'q' is wrong"
+        >>> str(_rename(ValueError("target 'q' is wrong"), "Saliency"))
+        "Saliency: target 'q' is wrong"
+    """
+    if not err.args or not isinstance(err.args[0], str):
+        return err
+    message = err.args[0]
+    message = owner + message[3:] if message.startswith("LRP") else f"{owner}: {message}"
+    return type(err)(message, *err.args[1:]).with_traceback(err.__traceback__)
 
 
 class AttributionMethod(TensorDictModuleBase):
