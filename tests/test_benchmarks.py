@@ -80,3 +80,11 @@ def test_metrics_benchmark_runs_on_tiny_inputs():
     assert [row[0] for row in rows] == ["linear", "cnn"]
     assert all(float(value) >= 0 for row in rows for value in row[1:])
     assert all(float(row[-1]) < 1e-6 for row in rows)  # the same curve as Quantus
+
+
+def test_methods_benchmark_runs_on_tiny_inputs():
+    command = [sys.executable, str(BENCHMARKS / "bench_methods.py"), "--batch", "2", "--size", "8", "--steps", "4"]
+    result = subprocess.run([*command, "--repeats", "1"], capture_output=True, text=True, timeout=600, check=True)
+    rows = [line.rsplit(None, 2) for line in result.stdout.splitlines()[2:]]
+    assert [row[0] for row in rows] == ["captum IntegratedGradients", "tdhook IntegratedGradients"]
+    assert all(float(value) > 0 for row in rows for value in row[1:])

@@ -1,7 +1,8 @@
 """Attribution methods as TensorDict modules: the LRP wrapper, its rules and presets, and offline runs.
 
-Every name of :mod:`tdhook.attribution.rules` and :mod:`tdhook.attribution.mappers`
-is importable from here.
+Every name of :mod:`tdhook.attribution.rules`, :mod:`tdhook.attribution.mappers`
+and :mod:`tdhook.attribution.methods` (Saliency, IntegratedGradients, ...) is
+importable from here.
 
 Examples:
     >>> import torch
@@ -17,9 +18,11 @@ Examples:
 from tdhook.attribution.lrp import LRP
 from tdhook.attribution.mappers import *  # noqa: F403
 from tdhook.attribution.mappers import __all__ as _mapper_names
+from tdhook.attribution.methods import *  # noqa: F403
+from tdhook.attribution.methods import __all__ as _method_names
 from tdhook.attribution.offline import explain_offline
 from tdhook.attribution.rules import *  # noqa: F403
 from tdhook.attribution.rules import __all__ as _rule_names
 from tdhook.attribution.shares import relevance_shares
 
-__all__ = ["LRP", "explain_offline", "relevance_shares", *_rule_names, *_mapper_names]
+__all__ = ["LRP", "explain_offline", "relevance_shares", *_method_names, *_rule_names, *_mapper_names]

@@ -1,0 +1,343 @@
+"""What every attribution method other than LRP shares: keys, the target resolved once, evaluations, writes.
+
+:class:`AttributionMethod` is the ``TensorDictModuleBase`` that the methods of
+this package subclass. It runs the wrapped model once on the caller's inputs
+(the outputs it writes, and the target it resolves there), evaluates the
+model on perturbed copies of the explained inputs, a whole batch of
+perturbations in one forward pass, and writes the outputs and the
+attributions all at once.
+
+Examples:
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> class Doubled(AttributionMethod):
+    ...     def _attribute(self, call):
+    ...         return [2 * x.unsqueeze(0) for x in call.inputs]
+    >>> method = Doubled(torch.nn.Linear(3, 2), in_keys=["x"], out_keys=["y"])
+    >>> td = method(TensorDict(x=torch.ones(4, 3), batch_size=[4]))
+    >>> td["attribution", "x"][0]
+    tensor([2., 2., 2.])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase, dispatch
+from tensordict.utils import NestedKey, unravel_key_list
+from torch import nn
+
+from tdhook.attribution._inputs import describe, feed_inputs, validate_inputs
+from tdhook.attribution._keys import relevance_keys
+from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
+from tdhook.attribution._tokens import TokenInputs
+from tdhook.attribution._writes import model_updates, set_all_or_nothing
+from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key
+
+__all__ = ["AttributionMethod", "Call", "hooks_removed"]
+
+
+@dataclass
+class Call:
+    """One call of a method: the caller's inputs and what the unperturbed forward pass resolved.
+
+    ``seeds`` has one row per explained output unit (one row unless
+    ``target="all"``); the explained quantity of a forward pass is its target
+    output times a row, summed over the output's non-batch dimensions.
+    """
+
+    tensordict: TensorDictBase
+    inputs: list[torch.Tensor]
+    base: TensorDictBase
+    result: TensorDictBase
+    target_key: NestedKey
+    output: torch.Tensor
+    seeds: torch.Tensor
+    all_units: bool
+    fed: list[torch.Tensor]
+    leaves: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def batch_shape(self) -> torch.Size:
+        """The caller's batch shape."""
+        return self.tensordict.batch_size
+
+    @property
+    def batch_dims(self) -> int:
+        """The number of batch dimensions."""
+        return self.tensordict.batch_dims
+
+
+def _rename(err: Exception, owner: str) -> Exception:
+    """``err`` with the method's name in place of LRP's at the head of its message (the helpers are LRP's).
+
+    Examples:
+        >>> str(_rename(ValueError("LRP: target 'q' is wrong"), "Saliency"))
+        "Saliency: target 'q' is wrong"
+        >>> str(_rename(ValueError("target 'q' is wrong"), "Saliency"))
+        "Saliency: target 'q' is wrong"
+    """
+    if not err.args or not isinstance(err.args[0], str):
+        return err
+    message = err.args[0]
+    message = owner + message[3:] if message.startswith("LRP") else f"{owner}: {message}"
+    return type(err)(message, *err.args[1:]).with_traceback(err.__traceback__)
+
+
+class AttributionMethod(TensorDictModuleBase):
+    """The base of the attribution methods: LRP's constructor conventions and one call's machinery.
+
+    Subclasses implement :meth:`_attribute`, which returns, for every
+    explained key, a tensor of shape ``[units, *input.shape]``. The base
+    writes it at ``(relevance_key, *key)``, with the unit dimension dropped,
+    or moved right after the batch dimensions for ``target="all"``.
+
+    Args:
+        module: a ``TensorDictModuleBase``, or a plain ``nn.Module`` with
+            ``in_keys`` and ``out_keys``.
+        in_keys: for a plain module, its input keys; for a TensorDict
+            module, the floating-point inputs to explain (all of its in_keys
+            by default). Keys not explained stay fixed.
+        out_keys: the output keys of a plain module.
+        target_key: the output to explain (the pipeline's final output by
+            default, as for :class:`~tdhook.attribution.LRP`).
+        target: ``None`` (argmax of the last dimension), an int, a
+            LongTensor of per-sample indices, a callable ``output -> weights``
+            or ``"all"``, resolved once, on the unperturbed input: every
+            perturbed output is contracted with the weights found there.
+        relevance_key: the prefix of the attribution keys.
+    """
+
+    #: whether the unperturbed forward pass records gradients (methods that differentiate at the input).
+    _gradient_at_input = False
+
+    def __init__(
+        self,
+        module: TensorDictModuleBase | nn.Module,
+        *,
+        in_keys: Sequence[NestedKey] | None = None,
+        out_keys: Sequence[NestedKey] | None = None,
+        target_key: NestedKey | None = None,
+        target: Target = None,
+        relevance_key: str = "attribution",
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        try:
+            module, plain = as_tensordict_module(module, in_keys, out_keys)
+        except TypeError as err:
+            raise TypeError(str(err).replace("LRP", name, 1)) from None
+        self._plain = plain
+        self.module = module
+        self.explained_keys = unravel_key_list(list(in_keys if in_keys is not None else module.in_keys))
+        if not self.explained_keys:
+            raise ValueError(f"{name}: no input key to explain; pass in_keys=[...]")
+        targets = named_targets(module, target_key)
+        if set(targets) != {None}:
+            raise ValueError(
+                f"{name}: explains one output; pass target_key=<key> (the module has several defaults: "
+                f"{sorted(str(k) for k in targets)})"
+            )
+        self._target = targets[None]
+        self.target_key = self._target[0]
+        self.target = target
+        self.relevance_key = relevance_key
+        self.relevance_keys = relevance_keys(relevance_key, [None], self.explained_keys)
+        self.in_keys = unravel_key_list(list(dict.fromkeys([*module.in_keys, *self.explained_keys])))
+        self.out_keys = [*unravel_key_list(module.out_keys), *self.relevance_keys]
+        self._warned = False
+
+    # ------------------------------------------------------------------ call
+
+    @dispatch(auto_batch_size=False)
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        name = type(self).__name__
+        try:
+            validate_inputs(tensordict, self.explained_keys)
+        except (KeyError, TypeError) as err:
+            raise _rename(err, name) from None
+        for key in self.explained_keys:
+            value = tensordict.get(key)
+            if not value.is_floating_point():
+                raise TypeError(f"{name}: input key {key!r} must be a floating-point tensor, got {describe(value)}")
+        self._warn_for_random_modules()
+        with self._model_context():
+            call = self._first_pass(tensordict)
+            attributions = self._attribute(call)
+            extra = self._extra_updates(call)
+        updates = model_updates(tensordict, call.result, self.explained_keys, call.fed)
+        for key, attribution in zip(self.relevance_keys, attributions, strict=True):
+            updates[key] = self._per_unit(call, attribution)
+        updates.update(extra)
+        set_all_or_nothing(tensordict, updates)
+        return tensordict
+
+    def named_explained_modules(self) -> dict[str, nn.Module]:
+        """The wrapped model's modules by name, relative to the object passed as ``module`` (as LRP names them)."""
+        root = self.module.module if self._plain else self.module
+        return dict(root.named_modules())
+
+    def _warn_for_random_modules(self) -> None:
+        """Warn, once per wrapper, if a dropout module in training mode makes every forward pass draw anew."""
+        if self._warned:
+            return
+        for name, sub in self.named_explained_modules().items():
+            if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0 and sub.training:
+                self._warned = True
+                warnings.warn(
+                    f"{type(self).__name__}: module {name!r} ({type(sub).__name__}, p={sub.p}) is in training mode, "
+                    "so each forward pass drops other units and the attribution is random; call .eval() on the model",
+                    stacklevel=4,
+                )
+                return
+
+    def _per_unit(self, call: Call, attribution: torch.Tensor) -> torch.Tensor:
+        attribution = attribution.detach()
+        if call.all_units:
+            return attribution.movedim(0, call.batch_dims)
+        return attribution.squeeze(0)
+
+    def _model_context(self) -> contextlib.AbstractContextManager:
+        """What the model runs under for the whole call (hooks of a method); nothing by default."""
+        return contextlib.nullcontext()
+
+    def _extra_updates(self, call: Call) -> dict:
+        """Entries written besides the outputs and the attributions (none by default)."""
+        return {}
+
+    def _attribute(self, call: Call) -> list[torch.Tensor]:
+        """Per explained key, the attribution of each unit: ``[units, *input.shape]``."""
+        raise NotImplementedError
+
+    def _run(self, work: TensorDictBase) -> TensorDictBase:
+        name = type(self).__name__
+        try:
+            result = call_plain(self.module, work) if self._plain else self.module(work)
+        except Exception as err:
+            shapes = ", ".join(f"{k!r}: {describe(work.get(k))}" for k in self.explained_keys)
+            err.add_note(f"{name}: raised while running the wrapped module on the inputs {shapes}")
+            raise
+        return work if result is None else result
+
+    def _first_pass(self, tensordict: TensorDictBase) -> Call:
+        """Run the model on the caller's inputs: the outputs to write and the target, resolved once."""
+        name = type(self).__name__
+        work = tensordict.copy()
+        grad = self._gradient_at_input
+        with torch.enable_grad() if grad else torch.no_grad():
+            leaves, fed = feed_inputs(work, self.explained_keys, TokenInputs(self.explained_keys))
+            result = self._run(work)
+        try:
+            target_key = resolve_target_key(result, *self._target)
+        except KeyError as err:
+            raise _rename(err, name) from None
+        output = result.get(target_key)
+        if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+            raise TypeError(
+                f"{name}: target {target_key!r} is {describe(output)}; pass target_key=<a floating-point output>"
+            )
+        if grad and not output.requires_grad:
+            raise ValueError(f"{name}: target {target_key!r} does not depend on the explained inputs")
+        try:
+            seeds = initial_gradient(output, self.target, target_key, tensordict.batch_dims)
+        except (IndexError, ValueError, TypeError) as err:
+            raise _rename(err, name) from None
+        all_units = seeds.dim() > output.dim()
+        base = tensordict.select(*self.module.in_keys, strict=False).exclude(*self.explained_keys)
+        return Call(
+            tensordict=tensordict,
+            inputs=[tensordict.get(k) for k in self.explained_keys],
+            base=base,
+            result=result,
+            target_key=target_key,
+            output=output,
+            seeds=seeds if all_units else seeds.unsqueeze(0),
+            all_units=all_units,
+            fed=fed,
+            leaves=leaves if grad else [],
+        )
+
+    # ------------------------------------------------------------------ evaluations
+
+    def _contract(self, call: Call, output: torch.Tensor, copies: int | None) -> torch.Tensor:
+        """The explained quantity: ``[units, *batch]``, or ``[units, copies, *batch]`` for stacked copies."""
+        seeds = call.seeds
+        if copies is None:
+            product = output.unsqueeze(0) * seeds
+            start = 1 + call.batch_dims
+        else:
+            product = output.reshape(copies, *seeds.shape[1:]).unsqueeze(0) * seeds.unsqueeze(1)
+            start = 2 + call.batch_dims
+        dims = tuple(range(start, product.dim()))
+        return product.sum(dims) if dims else product
+
+    def _evaluate(
+        self, call: Call, perturbed: Sequence[torch.Tensor], grad: bool = False
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The explained quantity at ``copies`` perturbed inputs, in one forward pass.
+
+        Args:
+            call: the call.
+            perturbed: per explained key, ``[copies, *input.shape]``.
+            grad: whether to record gradients (the returned leaves are the perturbed inputs).
+
+        Returns:
+            ``[units, copies, *batch]``, and the leaves (empty without ``grad``).
+        """
+        copies = perturbed[0].shape[0]
+        batch = call.batch_shape
+        shape = (copies * batch[0], *batch[1:]) if call.batch_dims else (copies,)
+        work = call.base.unsqueeze(0).expand(copies, *batch).reshape(shape)
+        leaves = []
+        with torch.enable_grad() if grad else torch.no_grad():
+            for key, x in zip(self.explained_keys, perturbed, strict=True):
+                if grad:
+                    x = x.detach().requires_grad_(True)
+                    leaves.append(x)
+                work.set(key, x.reshape(*shape, *x.shape[1 + call.batch_dims :]).clone())
+            output = self._run(work).get(call.target_key)
+            objective = self._contract(call, output, copies)
+        if grad and not objective.requires_grad:
+            raise ValueError(f"{type(self).__name__}: target {call.target_key!r} does not depend on the inputs")
+        return objective, leaves
+
+    @staticmethod
+    def _gradients(objective: torch.Tensor, leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Per leaf, the gradient of each unit's explained quantity: ``[units, *leaf.shape]``."""
+        units = objective.shape[0]
+        per_unit = []
+        with torch.enable_grad():
+            for u in range(units):
+                grads = torch.autograd.grad(objective[u].sum(), leaves, retain_graph=u < units - 1, allow_unused=True)
+                per_unit.append([torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads, strict=True)])
+        return [torch.stack([unit[i] for unit in per_unit]) for i in range(len(leaves))]
+
+    def _input_gradients(self, call: Call) -> list[torch.Tensor]:
+        """The gradients at the unperturbed input (needs ``_gradient_at_input``): ``[units, *input.shape]``."""
+        with torch.enable_grad():
+            objective = self._contract(call, call.output, None)
+            return self._gradients(objective, call.leaves)
+
+
+@contextlib.contextmanager
+def hooks_removed(handles: list) -> Iterator[list]:
+    """Yield ``handles`` to fill, and remove every one of them on the way out, by error or not.
+
+    Examples:
+        >>> layer = torch.nn.ReLU()
+        >>> with hooks_removed([]) as handles:
+        ...     handles.append(layer.register_forward_hook(lambda m, i, o: o))
+        >>> len(layer._forward_hooks)
+        0
+    """
+    try:
+        yield handles
+    finally:
+        for handle in reversed(handles):
+            handle.remove()
+        handles.clear()

@@ -1,0 +1,199 @@
+"""What the perturbation methods share: feature groups across keys, a baseline per key, and one forward per step.
+
+A feature mask gives each element of an input an integer group id; it
+broadcasts to the input's shape (``[1, H, W]`` for an image ``[B, C, H, W]``
+makes every pixel a group across its channels). Ids span keys: id 2 in
+``obs`` and id 2 in ``goal`` are one group, which moves as one. A key without
+a mask is one group of its own.
+
+Examples:
+    >>> import torch
+    >>> obs, goal = torch.zeros(2, 3), torch.zeros(2, 2)
+    >>> given = {"obs": torch.tensor([0, 1, 1]), "goal": None}
+    >>> masks, ids = feature_groups(given, ["obs", "goal"], [obs, goal], 1, "FeatureAblation")
+    >>> ids, masks[1][0].tolist()
+    ([0, 1, 2], [2, 2])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TypeVar, Union
+
+import torch
+from tensordict.nn import TensorDictModuleBase
+from tensordict.utils import NestedKey
+from torch import nn
+from tqdm.auto import tqdm
+
+from tdhook.attribution.methods._base import AttributionMethod, Call
+from tdhook.attribution.methods._options import Baselines, baseline_tensors, per_key
+from tdhook.attribution.targets import Target
+
+__all__ = ["FeatureMasks", "PerturbationMethod", "feature_groups", "spread"]
+
+T = TypeVar("T")
+FeatureMasks = Union[None, torch.Tensor, Mapping[NestedKey, Union[torch.Tensor, None]]]
+
+
+def feature_groups(
+    feature_masks: FeatureMasks,
+    keys: Sequence[NestedKey],
+    inputs: Sequence[torch.Tensor],
+    batch_dims: int,
+    owner: str,
+) -> tuple[list[torch.Tensor], list[int]]:
+    """Each input's group ids at the input's shape, and the ids of all groups.
+
+    Args:
+        feature_masks: ``None`` (one group per key), an integer tensor for
+            every key, or a dict keyed by input key (``None`` entries: that
+            key is one group).
+        keys: the explained input keys.
+        inputs: the inputs, one per key.
+        batch_dims: the number of batch dimensions.
+        owner: the method's name, for error messages.
+
+    Returns:
+        Per key, a LongTensor of the input's shape (possibly an expanded view),
+        and the sorted group ids. A key without a mask gets an id above every
+        given one.
+
+    Raises:
+        TypeError: a mask is not an integer tensor.
+        ValueError: a mask does not broadcast to its input's shape.
+    """
+    given = per_key(feature_masks, keys, "feature_masks", owner)
+    masks: list[torch.Tensor | None] = []
+    for key, x, mask in zip(keys, inputs, given, strict=True):
+        if mask is None:
+            masks.append(None)
+            continue
+        if (
+            not isinstance(mask, torch.Tensor)
+            or mask.is_floating_point()
+            or mask.is_complex()
+            or mask.dtype == torch.bool
+        ):
+            raise TypeError(
+                f"{owner}: the feature mask of input key {key!r} must be an integer tensor of group ids, "
+                f"got {getattr(mask, 'dtype', type(mask).__name__)}"
+            )
+        try:
+            shape = torch.broadcast_shapes(mask.shape, x.shape)
+        except RuntimeError:
+            shape = None
+        if shape != x.shape:
+            raise ValueError(
+                f"{owner}: the feature mask of input key {key!r} has shape {list(mask.shape)}, which does not "
+                f"broadcast to the input's {list(x.shape)}; expected a shape that broadcasts to one sample's "
+                f"{list(x.shape[batch_dims:])}"
+            )
+        masks.append(mask.to(device=x.device, dtype=torch.long).expand(x.shape))
+    ids = sorted({int(i) for mask in masks if mask is not None for i in mask.unique().tolist()})
+    fresh = (ids[-1] + 1) if ids else 0
+    full = []
+    for x, mask in zip(inputs, masks, strict=True):
+        if mask is None:
+            mask = torch.full((), fresh, dtype=torch.long, device=x.device).expand(x.shape)
+            ids.append(fresh)
+            fresh += 1
+        full.append(mask)
+    return full, ids
+
+
+class PerturbationMethod(AttributionMethod):
+    """A method that evaluates the model at perturbed inputs, without gradients: baselines and a progress bar.
+
+    Args:
+        module: a ``TensorDictModuleBase``, or a plain ``nn.Module`` with ``in_keys`` and ``out_keys``.
+        in_keys: see :class:`~tdhook.attribution.methods._base.AttributionMethod`.
+        out_keys: the output keys of a plain module.
+        target_key: the output to explain.
+        target: ``None``, an int, a LongTensor, a callable or ``"all"`` (as for LRP), resolved on the input.
+        relevance_key: the prefix of the attribution keys.
+        baselines: the value a perturbed feature takes: a number, a tensor with
+            one sample's shape (or the input's), or a dict keyed by in_key.
+        progress: whether to show a progress bar over the forward passes.
+        perturbations_per_eval: how many perturbed copies of the batch one
+            forward pass evaluates (1: one forward pass per step).
+    """
+
+    def __init__(
+        self,
+        module: TensorDictModuleBase | nn.Module,
+        *,
+        in_keys: Sequence[NestedKey] | None = None,
+        out_keys: Sequence[NestedKey] | None = None,
+        target_key: NestedKey | None = None,
+        target: Target = None,
+        relevance_key: str = "attribution",
+        baselines: Baselines = 0.0,
+        progress: bool = False,
+        perturbations_per_eval: int = 1,
+    ) -> None:
+        super().__init__(
+            module,
+            in_keys=in_keys,
+            out_keys=out_keys,
+            target_key=target_key,
+            target=target,
+            relevance_key=relevance_key,
+        )
+        name = type(self).__name__
+        if (
+            isinstance(perturbations_per_eval, bool)
+            or not isinstance(perturbations_per_eval, int)
+            or perturbations_per_eval < 1
+        ):
+            raise ValueError(f"{name}: perturbations_per_eval must be a positive int, got {perturbations_per_eval!r}")
+        self.baselines = baselines
+        self.progress = progress
+        self.perturbations_per_eval = perturbations_per_eval
+
+    def _baselines(self, call: Call) -> list[torch.Tensor]:
+        return baseline_tensors(self.baselines, self.explained_keys, call.inputs, call.batch_dims, type(self).__name__)
+
+    def _unperturbed(self, call: Call) -> torch.Tensor:
+        """The explained quantity at the caller's inputs: ``[units, *batch]``."""
+        return self._contract(call, call.output.detach(), None)
+
+    def _at(self, call: Call, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The explained quantity at one perturbed copy of the batch (one forward pass): ``[units, *batch]``."""
+        objective, _ = self._evaluate(call, [x.unsqueeze(0) for x in inputs])
+        return objective.squeeze(1)
+
+    def _values(
+        self, call: Call, steps: Sequence[T], perturb: Callable[[T], Sequence[torch.Tensor]]
+    ) -> Iterator[tuple[T, torch.Tensor]]:
+        """The explained quantity at each step's perturbed inputs, ``perturbations_per_eval`` steps per forward pass.
+
+        Args:
+            call: the call.
+            steps: what to perturb, one entry per step.
+            perturb: a step's inputs, one tensor per explained key, shaped like the key's input.
+
+        Yields:
+            ``(step, [units, *batch])``, in the order of ``steps``, behind a progress bar over the forward passes
+            when ``progress`` is on.
+        """
+        size = self.perturbations_per_eval
+        chunks = [steps[start : start + size] for start in range(0, len(steps), size)]
+        for chunk in tqdm(chunks, desc=type(self).__name__, disable=not self.progress, leave=False):
+            states = [perturb(step) for step in chunk]
+            stacked = [torch.stack([state[i] for state in states]) for i in range(len(self.explained_keys))]
+            values, _ = self._evaluate(call, stacked)
+            for position, step in enumerate(chunk):
+                yield step, values[:, position]
+
+
+def spread(value: torch.Tensor, where: torch.Tensor, batch_dims: int) -> torch.Tensor:
+    """``value`` (``[units, *batch]``) put on the elements ``where`` is true (``[*batch, ...]``).
+
+    Examples:
+        >>> spread(torch.tensor([[1.0, 2.0]]), torch.tensor([[True, False], [True, True]]), 1)
+        tensor([[[1., 0.],
+                 [2., 2.]]])
+    """
+    shape = (*value.shape, *[1] * (where.dim() - batch_dims))
+    return value.reshape(shape) * where.unsqueeze(0)

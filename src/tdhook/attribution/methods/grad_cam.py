@@ -1,0 +1,153 @@
+"""Grad-CAM: an inner layer's activation weighted, channel by channel, by the mean gradient of the explained output."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from tensordict.nn import TensorDictModuleBase
+from tensordict.utils import NestedKey
+from torch import nn
+
+from tdhook.attribution._keys import layer_keys
+from tdhook.attribution.methods._base import AttributionMethod, Call, hooks_removed
+from tdhook.attribution.targets import Target
+
+__all__ = ["GradCAM"]
+
+_MODES = {1: "linear", 2: "bilinear", 3: "trilinear"}
+
+
+class GradCAM(AttributionMethod):
+    """Grad-CAM of one inner layer, written at ``(relevance_key, layer)`` with the layer's spatial shape.
+
+    With ``A`` the layer's output ``[*batch, C, *spatial]`` and ``g`` the
+    gradient of the explained output with respect to it, the map is
+    ``Σ_c mean_spatial(g_c) · A_c`` (``[*batch, *spatial]``), clamped at 0
+    when ``relu``. With ``upsample=True`` the map is also resized
+    (bilinearly for two spatial dimensions, linearly or trilinearly for one or
+    three, ``align_corners=False``) to the spatial shape of every explained
+    input ``[*batch, C_in, *spatial_in]`` and written, repeated over its
+    channels, at ``(relevance_key, *in_key)``.
+
+    Args:
+        module: a ``TensorDictModuleBase``, or a plain ``nn.Module`` with ``in_keys`` and ``out_keys``.
+        layer: the inner module's name, as :class:`~tdhook.attribution.LRP`'s ``layers`` names modules
+            (those of ``module.named_modules()`` for the object passed).
+        in_keys: see :class:`~tdhook.attribution.methods._base.AttributionMethod`.
+        out_keys: the output keys of a plain module.
+        target_key: the output to explain.
+        target: ``None``, an int, a LongTensor, a callable or ``"all"`` (as for LRP).
+        relevance_key: the prefix of the attribution keys.
+        relu: whether to keep only the positive part of the map.
+        upsample: whether to write the map resized to each explained input too.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tdhook.attribution import GradCAM
+        >>> from torch import nn
+        >>> net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+        >>> cam = GradCAM(net, layer="1", in_keys=["image"], out_keys=["logits"], upsample=True)
+        >>> td = cam(TensorDict(image=torch.randn(5, 3, 6, 6), batch_size=[5]))
+        >>> td["attribution", "1"].shape, td["attribution", "image"].shape
+        (torch.Size([5, 6, 6]), torch.Size([5, 3, 6, 6]))
+    """
+
+    _gradient_at_input = True
+
+    def __init__(
+        self,
+        module: TensorDictModuleBase | nn.Module,
+        *,
+        layer: str,
+        in_keys: Sequence[NestedKey] | None = None,
+        out_keys: Sequence[NestedKey] | None = None,
+        target_key: NestedKey | None = None,
+        target: Target = None,
+        relevance_key: str = "attribution",
+        relu: bool = True,
+        upsample: bool = False,
+    ) -> None:
+        super().__init__(
+            module,
+            in_keys=in_keys,
+            out_keys=out_keys,
+            target_key=target_key,
+            target=target,
+            relevance_key=relevance_key,
+        )
+        if not isinstance(layer, str):
+            raise TypeError(f"GradCAM: layer must be a module name (a string), got {type(layer).__name__}")
+        try:
+            keys = layer_keys([layer], self.named_explained_modules(), self.explained_keys)
+        except (KeyError, ValueError) as err:
+            raise type(err)(str(err.args[0]).replace("LRP: layers names", "GradCAM: layer is", 1)) from None
+        self.layer = layer
+        self.layer_key = (relevance_key, *keys[layer])
+        self.relu = relu
+        self.upsample = upsample
+        if not upsample:
+            self.relevance_keys = []
+        self.out_keys = [*self.module.out_keys, self.layer_key, *self.relevance_keys]
+        self._activations: list[torch.Tensor] = []
+        self._cam: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def _model_context(self) -> Iterator[None]:
+        self._activations = []
+
+        def record(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            self._activations.append(output)
+
+        try:
+            with hooks_removed([self.named_explained_modules()[self.layer].register_forward_hook(record)]):
+                yield
+        finally:
+            self._activations = []
+
+    def _attribute(self, call: Call) -> list[torch.Tensor]:
+        if len(self._activations) != 1 or not isinstance(self._activations[0], torch.Tensor):
+            raise ValueError(
+                f"GradCAM: layer {self.layer!r} must return one tensor in one call per forward pass; "
+                f"it was called {len(self._activations)} times"
+            )
+        activation = self._activations[0]
+        batch = tuple(call.batch_shape)
+        if activation.dim() <= call.batch_dims or tuple(activation.shape[: call.batch_dims]) != batch:
+            raise ValueError(
+                f"GradCAM: the output of layer {self.layer!r} has shape {list(activation.shape)}; expected the "
+                f"batch shape {list(batch)} followed by channels and spatial dimensions"
+            )
+        with torch.enable_grad():
+            (gradient,) = self._gradients(self._contract(call, call.output, None), [activation])
+        spatial = tuple(range(call.batch_dims + 2, gradient.dim()))
+        weights = gradient.mean(spatial, keepdim=True) if spatial else gradient
+        cam = (weights * activation.detach().unsqueeze(0)).sum(call.batch_dims + 1)
+        self._cam = cam.clamp(min=0) if self.relu else cam
+        return (
+            [self._resized(call, key, x) for key, x in zip(self.explained_keys, call.inputs, strict=True)]
+            if self.upsample
+            else []
+        )
+
+    def _resized(self, call: Call, key: NestedKey, x: torch.Tensor) -> torch.Tensor:
+        cam = self._cam  # [units, *batch, *spatial]
+        spatial = cam.shape[1 + call.batch_dims :]
+        target = x.shape[call.batch_dims + 1 :]
+        if len(target) != len(spatial) or len(spatial) not in _MODES:
+            raise ValueError(
+                f"GradCAM: cannot resize the map of layer {self.layer!r} (spatial shape {list(spatial)}) to input key "
+                f"{key!r} of shape {list(x.shape)}; upsample needs inputs [*batch, channels, *spatial] with "
+                f"{len(spatial)} spatial dimensions (1 to 3)"
+            )
+        flat = cam.reshape(-1, 1, *spatial)
+        resized = F.interpolate(flat, size=tuple(target), mode=_MODES[len(spatial)], align_corners=False)
+        resized = resized.reshape(*cam.shape[: 1 + call.batch_dims], 1, *target)
+        return resized.expand(*cam.shape[: 1 + call.batch_dims], x.shape[call.batch_dims], *target)
+
+    def _extra_updates(self, call: Call) -> dict:
+        cam, self._cam = self._cam, None
+        return {self.layer_key: self._per_unit(call, cam)}

@@ -1,0 +1,149 @@
+"""SmoothGrad: saliency averaged over copies of the input with Gaussian noise (or its square's mean, or variance)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from numbers import Real
+from typing import Union
+
+import torch
+from tensordict.nn import TensorDictModuleBase
+from tensordict.utils import NestedKey
+from torch import nn
+
+from tdhook.attribution.methods._base import AttributionMethod, Call
+from tdhook.attribution.methods._options import checked_batch_size, per_key, seeded_generator, steps_per_pass
+from tdhook.attribution.targets import Target
+
+__all__ = ["SmoothGrad", "noisy_copies"]
+
+NT_TYPES = ("smoothgrad", "smoothgrad_sq", "vargrad")
+
+
+def noisy_copies(
+    inputs: Sequence[torch.Tensor], stdevs: Sequence[float], n_samples: int, seed: int | None
+) -> list[torch.Tensor]:
+    """``n_samples`` copies of each input with ``N(0, stdev²)`` noise added, drawn from a generator of their own.
+
+    The noise is drawn on the CPU from a ``torch.Generator`` seeded with
+    ``seed``, key after key, as ``torch.randn(n_samples, *x.shape, dtype=x.dtype)``,
+    then scaled by the key's ``stdev`` and moved to the input's device; the
+    global random state is not touched.
+
+    Args:
+        inputs: the inputs, one per explained key.
+        stdevs: the noise's standard deviation per key.
+        n_samples: the number of copies.
+        seed: the generator's seed (``None`` for a nondeterministic one).
+
+    Returns:
+        Per key, ``[n_samples, *x.shape]``.
+
+    Examples:
+        >>> x = torch.zeros(2, 3)
+        >>> a, = noisy_copies([x], [0.5], 4, seed=0)
+        >>> a.shape, torch.equal(a, noisy_copies([x], [0.5], 4, seed=0)[0])
+        (torch.Size([4, 2, 3]), True)
+    """
+    generator = seeded_generator(seed)
+    copies = []
+    for x, stdev in zip(inputs, stdevs, strict=True):
+        noise = torch.randn((n_samples, *x.shape), generator=generator, dtype=x.dtype).to(x.device)
+        copies.append(x.unsqueeze(0) + stdev * noise)
+    return copies
+
+
+class SmoothGrad(AttributionMethod):
+    """Saliency at noisy copies of the input, aggregated, written at ``(relevance_key, *in_key)``.
+
+    With ``s`` the saliency (absolute gradient, or the gradient for
+    ``abs=False``) at ``x + ε``, ``ε ~ N(0, stdev²)``: ``nt_type="smoothgrad"``
+    writes the mean of ``s``, ``"smoothgrad_sq"`` the mean of ``s²``, and
+    ``"vargrad"`` the variance ``mean(s²) − mean(s)²``. All explained keys get
+    their noise in the same copies; keys not explained stay fixed. The copies
+    run in one forward and one backward pass (or in pieces of
+    ``internal_batch_size`` rows). With ``stdev=0`` SmoothGrad is
+    :class:`~tdhook.attribution.Saliency`.
+
+    Args:
+        module: a ``TensorDictModuleBase``, or a plain ``nn.Module`` with ``in_keys`` and ``out_keys``.
+        in_keys: see :class:`~tdhook.attribution.methods._base.AttributionMethod`.
+        out_keys: the output keys of a plain module.
+        target_key: the output to explain.
+        target: ``None``, an int, a LongTensor, a callable or ``"all"`` (as for LRP), resolved on the input.
+        relevance_key: the prefix of the attribution keys.
+        n_samples: the number of noisy copies.
+        stdev: the noise's standard deviation, one number or a dict keyed by in_key.
+        seed: the seed of the noise (drawn as :func:`noisy_copies` says); ``None`` for fresh noise every call.
+        nt_type: ``"smoothgrad"``, ``"smoothgrad_sq"`` or ``"vargrad"``.
+        abs: whether the saliency is the gradient's absolute value.
+        internal_batch_size: the most rows (copies × samples) per forward pass; ``None`` for all at once.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tdhook.attribution import SmoothGrad
+        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        >>> smooth = SmoothGrad(net, in_keys=["x"], out_keys=["y"], n_samples=16, stdev=0.1, seed=0)
+        >>> td = TensorDict(x=torch.randn(4, 3), batch_size=[4])
+        >>> torch.equal(smooth(td.clone())["attribution", "x"], smooth(td.clone())["attribution", "x"])
+        True
+    """
+
+    def __init__(
+        self,
+        module: TensorDictModuleBase | nn.Module,
+        *,
+        in_keys: Sequence[NestedKey] | None = None,
+        out_keys: Sequence[NestedKey] | None = None,
+        target_key: NestedKey | None = None,
+        target: Target = None,
+        relevance_key: str = "attribution",
+        n_samples: int = 5,
+        stdev: Union[float, Mapping[NestedKey, float]] = 1.0,
+        seed: int | None = None,
+        nt_type: str = "smoothgrad",
+        abs: bool = True,
+        internal_batch_size: int | None = None,
+    ) -> None:
+        super().__init__(
+            module,
+            in_keys=in_keys,
+            out_keys=out_keys,
+            target_key=target_key,
+            target=target,
+            relevance_key=relevance_key,
+        )
+        if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
+            raise ValueError(f"SmoothGrad: n_samples must be a positive int, got {n_samples!r}")
+        if nt_type not in NT_TYPES:
+            raise ValueError(f"SmoothGrad: nt_type must be one of {NT_TYPES}, got {nt_type!r}")
+        self.stdevs = per_key(stdev, self.explained_keys, "stdev", "SmoothGrad")
+        for key, value in zip(self.explained_keys, self.stdevs, strict=True):
+            if isinstance(value, bool) or not isinstance(value, Real) or not value >= 0:
+                raise ValueError(f"SmoothGrad: the stdev of input key {key!r} must be a number >= 0, got {value!r}")
+        self.n_samples = n_samples
+        self.seed = seed
+        self.nt_type = nt_type
+        self.abs = abs
+        self.internal_batch_size = checked_batch_size(internal_batch_size, "SmoothGrad")
+
+    def _attribute(self, call: Call) -> list[torch.Tensor]:
+        copies = noisy_copies(call.inputs, self.stdevs, self.n_samples, self.seed)
+        units = call.seeds.shape[0]
+        sums = [x.new_zeros(units, *x.shape) for x in call.inputs]
+        squares = [x.new_zeros(units, *x.shape) for x in call.inputs]
+        chunk = steps_per_pass(self.n_samples, call.batch_shape.numel(), self.internal_batch_size)
+        for start in range(0, self.n_samples, chunk):
+            objective, leaves = self._evaluate(call, [c[start : start + chunk] for c in copies], grad=True)
+            for total, square, grad in zip(sums, squares, self._gradients(objective, leaves), strict=True):
+                saliency = grad.abs() if self.abs else grad
+                total += saliency.sum(1)
+                square += (saliency * saliency).sum(1)
+        means = [total / self.n_samples for total in sums]
+        mean_squares = [square / self.n_samples for square in squares]
+        if self.nt_type == "smoothgrad":
+            return means
+        if self.nt_type == "smoothgrad_sq":
+            return mean_squares
+        return [sq - m * m for sq, m in zip(mean_squares, means, strict=True)]

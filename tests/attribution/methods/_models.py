@@ -1,0 +1,52 @@
+"""What the method tests share: a small CNN, a two-key policy, random MLPs, and captum calls on them."""
+
+from __future__ import annotations
+
+import torch
+from tensordict.nn import TensorDictModule
+from torch import nn
+
+
+def small_cnn(seed: int = 0) -> nn.Module:
+    """A float64 CNN on ``[B, 3, 8, 8]`` images with 5 logits."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(4, 6, 3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(6 * 2 * 2, 5),
+    ).double()
+
+
+class TwoKeyNet(nn.Module):
+    """A policy reading an observation ``[..., 4]`` and a goal ``[..., 2]``, with 3 action values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 3))
+
+    def forward(self, obs: torch.Tensor, goal: torch.Tensor) -> torch.Tensor:
+        return self.body(torch.cat([obs, goal * 2.0], dim=-1))
+
+
+def two_key_policy(seed: int = 0) -> TensorDictModule:
+    torch.manual_seed(seed)
+    return TensorDictModule(TwoKeyNet().double(), in_keys=["obs", "goal"], out_keys=["action_value"])
+
+
+def random_mlp(seed: int, features: int = 5, units: int = 3) -> nn.Module:
+    """A float64 MLP with smooth and piecewise-linear activations, any leading dimensions."""
+    generator = torch.Generator().manual_seed(seed)
+    width = int(torch.randint(4, 12, (1,), generator=generator))
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(features, width), nn.Softplus(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, units)
+    ).double()
+
+
+def flat(x: torch.Tensor, batch_dims: int) -> torch.Tensor:
+    """``x`` with its batch dimensions flattened into one, for captum."""
+    return x.reshape(-1, *x.shape[batch_dims:])

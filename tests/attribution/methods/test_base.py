@@ -1,0 +1,321 @@
+"""What every method shares: keys, batch shapes, pipelines, no_grad, targets, options by key, and refusals."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule, TensorDictSequential
+from torch import nn
+
+from tdhook.attribution import (
+    FeatureAblation,
+    GradientShap,
+    GuidedBackprop,
+    InputXGradient,
+    IntegratedGradients,
+    Occlusion,
+    Saliency,
+    ShapleyValueSampling,
+    SmoothGrad,
+)
+from tests.attribution._helpers import assert_unchanged, state_snapshot
+from tests.attribution.methods._models import random_mlp, two_key_policy
+
+# name -> constructor keywords; every method of the package is listed (METHODS is extended as they land).
+METHODS = {
+    "Saliency": (Saliency, {}),
+    "InputXGradient": (InputXGradient, {}),
+    "GuidedBackprop": (GuidedBackprop, {}),
+    "IntegratedGradients": (IntegratedGradients, {"n_steps": 6}),
+    "SmoothGrad": (SmoothGrad, {"n_samples": 4, "stdev": 0.3, "seed": 0}),
+    "FeatureAblation": (FeatureAblation, {}),
+    "GradientShap": (GradientShap, {"n_samples": 3, "seed": 0}),
+    "Occlusion": (Occlusion, {"sliding_window_shapes": (2,), "strides": 1}),
+    "ShapleyValueSampling": (ShapleyValueSampling, {"n_samples": 3, "seed": 0}),
+}
+
+
+# GradientShap's reference samples, per key of the models below (two references each).
+_DRAWS = torch.Generator().manual_seed(0)
+REFERENCES = {
+    "x": torch.randn(2, 5, dtype=torch.float64, generator=_DRAWS),
+    "obs": torch.randn(2, 4, dtype=torch.float64, generator=_DRAWS),
+    "goal": torch.randn(2, 2, dtype=torch.float64, generator=_DRAWS),
+    ("agents", "obs"): torch.randn(2, 5, dtype=torch.float64, generator=_DRAWS),
+    "hidden": torch.randn(2, 6, dtype=torch.float64, generator=_DRAWS),
+}
+
+
+def make(name: str, module, **kwargs):
+    cls, defaults = METHODS[name]
+    if name == "GradientShap" and "baselines" not in kwargs:
+        keys = kwargs.get("in_keys") or getattr(module, "in_keys", [])
+        kwargs["baselines"] = {key: REFERENCES[key] for key in keys}
+    return cls(module, **{**defaults, **kwargs})
+
+
+def policy_td(batch=(4,)) -> TensorDict:
+    return TensorDict(
+        obs=torch.randn(*batch, 4, dtype=torch.float64),
+        goal=torch.randn(*batch, 2, dtype=torch.float64),
+        batch_size=batch,
+    )
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+class TestKeysAndShapes:
+    @pytest.mark.parametrize("batch", [(), (3,), (2, 3)])
+    def test_any_batch_shape_matches_the_flattened_batch(self, name, batch):
+        net = random_mlp(1)
+        x = torch.randn(*batch, 5, dtype=torch.float64)
+        method = make(name, net, in_keys=["x"], out_keys=["y"])
+        td = method(TensorDict(x=x, batch_size=batch))
+        assert td["attribution", "x"].shape == x.shape
+        assert torch.equal(td["y"], net(x).detach())
+        flat = method(TensorDict(x=x.reshape(-1, 5), batch_size=[max(1, x.numel() // 5)]))
+        torch.testing.assert_close(
+            td["attribution", "x"].reshape(-1, 5), flat["attribution", "x"], rtol=1e-10, atol=1e-12
+        )
+
+    def test_two_keys_and_a_key_left_fixed(self, name):
+        policy = two_key_policy()
+        td = policy_td()
+        both = make(name, policy)(td.clone())
+        assert both["attribution", "obs"].shape == (4, 4) and both["attribution", "goal"].shape == (4, 2)
+        only_obs = make(name, policy, in_keys=["obs"])(td.clone())
+        assert ("attribution", "goal") not in only_obs.keys(include_nested=True)
+        assert only_obs["attribution", "obs"].shape == (4, 4)
+        assert torch.equal(only_obs["action_value"], policy(td.clone())["action_value"])
+
+    def test_nested_keys_and_relevance_key(self, name):
+        net = random_mlp(2)
+        td = TensorDict({("agents", "obs"): torch.randn(3, 5, dtype=torch.float64)}, batch_size=[3])
+        out = make(name, net, in_keys=[("agents", "obs")], out_keys=["y"], relevance_key="expl")(td)
+        assert out["expl", "agents", "obs"].shape == (3, 5)
+
+    def test_under_no_grad_nothing_requires_grad(self, name):
+        policy = two_key_policy()
+        with torch.no_grad():
+            td = make(name, policy)(policy_td())
+        assert not any(v.requires_grad for v in td.values(include_nested=True, leaves_only=True))
+        assert td["attribution", "obs"].abs().sum() > 0
+
+    def test_parameters_get_no_grad(self, name):
+        net = random_mlp(3)
+        make(name, net, in_keys=["x"], out_keys=["y"])(
+            TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        )
+        assert all(p.grad is None for p in net.parameters())
+
+    def test_wrapping_a_sequential_and_as_its_step(self, name):
+        torch.manual_seed(0)
+        first = TensorDictModule(nn.Linear(5, 6).double(), in_keys=["x"], out_keys=["hidden"])
+        second = TensorDictModule(
+            nn.Sequential(nn.Tanh(), nn.Linear(6, 3)).double(), in_keys=["hidden"], out_keys=["logits"]
+        )
+        pipeline = TensorDictSequential(first, second)
+        x = torch.randn(4, 5, dtype=torch.float64)
+        wrapped = make(name, pipeline)(TensorDict(x=x, batch_size=[4]))
+        assert wrapped["attribution", "x"].shape == (4, 5)
+        assert torch.equal(wrapped["logits"], pipeline(TensorDict(x=x, batch_size=[4]))["logits"])
+        # As a step: explain the second module's input inside a bigger pipeline.
+        outer = TensorDictSequential(first, make(name, second))
+        td = outer(TensorDict(x=x, batch_size=[4]))
+        assert td["attribution", "hidden"].shape == (4, 6)
+        direct = make(name, second)(TensorDict(hidden=td["hidden"], batch_size=[4]))
+        assert torch.equal(td["attribution", "hidden"], direct["attribution", "hidden"])
+        assert set(make(name, second).out_keys) == {"logits", ("attribution", "hidden")}
+
+    def test_keyword_call(self, name):
+        net = random_mlp(4)
+        # Keyword tensors come without a batch size: the whole tensor is one sample.
+        extra = {"sliding_window_shapes": (1, 2)} if name == "Occlusion" else {}
+        if name == "GradientShap":
+            extra = {"baselines": torch.zeros(1, 3, 5, dtype=torch.float64)}
+        method = make(name, TensorDictModule(net, in_keys=["x"], out_keys=["y"]), **extra)
+        y, attribution = method(x=torch.randn(3, 5, dtype=torch.float64))
+        assert y.shape == (3, 3) and attribution.shape == (3, 5)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+class TestTargets:
+    def test_int_and_tensor_targets_agree(self, name):
+        net = random_mlp(5)
+        td = TensorDict(x=torch.randn(4, 5, dtype=torch.float64), batch_size=[4])
+        by_int = make(name, net, in_keys=["x"], out_keys=["y"], target=2)(td.clone())
+        by_tensor = make(name, net, in_keys=["x"], out_keys=["y"], target=torch.full((4,), 2))(td.clone())
+        assert torch.equal(by_int["attribution", "x"], by_tensor["attribution", "x"])
+
+    def test_all_stacks_every_unit_after_the_batch_dims(self, name):
+        net = random_mlp(6)
+        td = TensorDict(x=torch.randn(2, 3, 5, dtype=torch.float64), batch_size=[2, 3])
+        every = make(name, net, in_keys=["x"], out_keys=["y"], target="all")(td.clone())["attribution", "x"]
+        assert every.shape == (2, 3, 3, 5)
+        for unit in range(3):
+            one = make(name, net, in_keys=["x"], out_keys=["y"], target=unit)(td.clone())["attribution", "x"]
+            torch.testing.assert_close(every[:, :, unit], one, rtol=1e-10, atol=1e-12)
+
+    def test_callable_target_weights_the_output(self, name):
+        net = random_mlp(7)
+        td = TensorDict(x=torch.randn(4, 5, dtype=torch.float64), batch_size=[4])
+        weights = torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64)
+        by_callable = make(name, net, in_keys=["x"], out_keys=["y"], target=lambda y: y * weights)(td.clone())
+        by_int = make(name, net, in_keys=["x"], out_keys=["y"], target=1)(td.clone())
+        torch.testing.assert_close(by_callable["attribution", "x"], by_int["attribution", "x"], rtol=1e-10, atol=1e-12)
+
+    def test_default_target_is_the_argmax_on_the_unperturbed_input(self, name):
+        net = random_mlp(8)
+        x = torch.randn(6, 5, dtype=torch.float64)
+        default = make(name, net, in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[6]))
+        chosen = make(name, net, in_keys=["x"], out_keys=["y"], target=net(x).argmax(-1))(
+            TensorDict(x=x, batch_size=[6])
+        )
+        assert torch.equal(default["attribution", "x"], chosen["attribution", "x"])
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+class TestRefusals:
+    def run_and_expect(self, name, td, error, match, **kwargs):
+        net = random_mlp(9)
+        snapshot = state_snapshot(net)
+        before = dict(td.items(include_nested=True, leaves_only=True))
+        method = make(name, net, out_keys=["y"], **{"in_keys": ["x"], **kwargs})
+        with pytest.raises(error, match=match):
+            method(td)
+        assert_unchanged(net, snapshot)
+        after = dict(td.items(include_nested=True, leaves_only=True))
+        assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+
+    def test_missing_key(self, name):
+        self.run_and_expect(
+            name, TensorDict(z=torch.randn(2, 5), batch_size=[2]), KeyError, f"{name}: input key 'x' is missing"
+        )
+
+    def test_integer_input(self, name):
+        self.run_and_expect(
+            name, TensorDict(x=torch.ones(2, 5, dtype=torch.long), batch_size=[2]), TypeError, f"{name}: input key 'x'"
+        )
+
+    def test_target_out_of_range(self, name):
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        self.run_and_expect(name, td, IndexError, f"{name}: target 7 is out of range for output 'y'", target=7)
+
+    def test_a_model_that_raises(self, name):
+        td = TensorDict(x=torch.randn(2, 4, dtype=torch.float64), batch_size=[2])
+        self.run_and_expect(name, td, RuntimeError, "shapes cannot be multiplied")
+
+    def test_output_key_taken_by_a_leaf(self, name):
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), attribution=torch.zeros(2), batch_size=[2])
+        self.run_and_expect(name, td, Exception, None)
+
+    def test_one_target_key_only(self, name):
+        with pytest.raises(ValueError, match=f"{name}: explains one output; pass target_key=<key>"):
+            make(name, two_key_policy(), target_key={"a": "action_value", "b": "action_value"})
+
+    def test_dropout_in_training_mode_warns_once(self, name):
+        net = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.5), nn.Linear(8, 3)).double()
+        method = make(name, net, in_keys=["x"], out_keys=["y"])
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        with pytest.warns(UserWarning, match=f"{name}: module '1' \\(Dropout, p=0.5\\) is in training mode"):
+            method(td.clone())
+        net.eval()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            method(td.clone())
+
+    def test_plain_module_needs_keys(self, name):
+        with pytest.raises(TypeError, match=f"{name} needs in_keys and out_keys"):
+            make(name, nn.Linear(2, 2), in_keys=["x"])
+
+
+class TestTorchRL:
+    def test_q_value_actor_default_target_and_action_values(self):
+        from torchrl.modules import MLP, QValueActor
+
+        net = MLP(in_features=4, out_features=3, num_cells=[16]).double()
+        actor = QValueActor(net, in_keys=["observation"], action_space="one-hot")
+        obs = torch.randn(6, 4, dtype=torch.float64)
+        chosen = net(obs).argmax(-1)
+        td = Saliency(actor, abs=False)(TensorDict(observation=obs, batch_size=[6]))
+        direct = Saliency(net, in_keys=["observation"], out_keys=["q"], target=chosen, abs=False)
+        expected = direct(TensorDict(observation=obs, batch_size=[6]))["attribution", "observation"]
+        torch.testing.assert_close(td["attribution", "observation"], expected, rtol=1e-12, atol=0)
+        assert torch.equal(td["action"].argmax(-1), chosen)
+        # Path methods name the action values, so that the action explained is the one chosen at the input.
+        ig = IntegratedGradients(actor, target_key="action_value", n_steps=8)
+        by_actor = ig(TensorDict(observation=obs, batch_size=[6]))["attribution", "observation"]
+        by_net = IntegratedGradients(net, in_keys=["observation"], out_keys=["q"], target=chosen, n_steps=8)
+        expected = by_net(TensorDict(observation=obs, batch_size=[6]))["attribution", "observation"]
+        torch.testing.assert_close(by_actor, expected, rtol=1e-12, atol=0)
+
+    @pytest.mark.parametrize("name", ["IntegratedGradients", "Occlusion"])
+    def test_rollout_takes_the_same_actions(self, name):
+        from torchrl.envs import GymEnv
+        from torchrl.modules import MLP, QValueActor
+
+        env = GymEnv("CartPole-v1")
+        actor = QValueActor(
+            MLP(in_features=4, out_features=2, num_cells=[16]), in_keys=["observation"], spec=env.action_spec
+        )
+        env.set_seed(0)
+        plain = env.rollout(20, actor, break_when_any_done=False)
+        env.set_seed(0)
+        method = make(name, actor, target_key="action_value")
+        explained = env.rollout(20, method, break_when_any_done=False)
+        assert torch.equal(explained["action"], plain["action"])
+        attribution = explained["attribution", "observation"]
+        assert attribution.shape == (20, 4) and torch.isfinite(attribution).all() and attribution.abs().sum() > 0
+
+    def test_collector_under_no_grad(self):
+        from torchrl.collectors import Collector
+        from torchrl.envs import GymEnv
+        from torchrl.modules import MLP, QValueActor
+
+        actor = QValueActor(
+            MLP(in_features=4, out_features=2, num_cells=[16]),
+            in_keys=["observation"],
+            spec=GymEnv("CartPole-v1").action_spec,
+        )
+        policy = SmoothGrad(actor, target_key="action_value", n_samples=3, stdev=0.1, seed=0)
+        collector = Collector(lambda: GymEnv("CartPole-v1"), policy, frames_per_batch=16, total_frames=32)
+        try:
+            batches = list(collector)
+        finally:
+            collector.shutdown()
+        assert len(batches) == 2
+        for batch in batches:
+            attribution = batch["attribution", "observation"]
+            assert not attribution.requires_grad and attribution.numel() == 16 * 4 and attribution.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", ["FeatureAblation", "Occlusion", "ShapleyValueSampling"])
+class TestPerturbationsPerEval:
+    def options(self, name):
+        if name == "Occlusion":
+            return {"sliding_window_shapes": (2,), "strides": 1}  # 4 windows on 5 features
+        return {"feature_masks": torch.tensor([0, 0, 1, 2, 3])}  # 4 groups
+
+    @pytest.mark.parametrize("per_eval", [3, 100])
+    def test_same_result_fewer_forward_passes(self, name, per_eval):
+        net = random_mlp(10)
+        calls = []
+        handle = net.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        try:
+            one = make(name, net, in_keys=["x"], out_keys=["y"], **self.options(name))(td.clone())
+            one_calls, calls[:] = list(calls), []
+            many = make(
+                name, net, in_keys=["x"], out_keys=["y"], perturbations_per_eval=per_eval, **self.options(name)
+            )(td.clone())
+        finally:
+            handle.remove()
+        torch.testing.assert_close(many["attribution", "x"], one["attribution", "x"], rtol=1e-12, atol=1e-14)
+        assert len(calls) < len(one_calls) and max(calls) <= 2 * per_eval
+        assert sum(calls) == sum(one_calls)  # the same rows, in fewer passes
+
+    def test_refused_at_construction(self, name):
+        with pytest.raises(ValueError, match=f"{name}: perturbations_per_eval must be a positive int"):
+            make(name, random_mlp(0), in_keys=["x"], out_keys=["y"], perturbations_per_eval=0, **self.options(name))

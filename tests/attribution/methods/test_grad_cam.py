@@ -1,0 +1,119 @@
+"""Grad-CAM against captum's LayerGradCam in float64, resizing against captum's interpolate, keys and refusals."""
+
+from __future__ import annotations
+
+import captum.attr
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule, TensorDictSequential
+from torch import nn
+
+from tdhook.attribution import GradCAM
+from tests.attribution._helpers import assert_unchanged, state_snapshot
+from tests.attribution.methods._models import random_mlp, small_cnn, two_key_policy
+from tests.conftest import relative_error
+
+
+class TestAgainstCaptum:
+    @pytest.mark.parametrize("layer", ["1", "3", "4"])
+    @pytest.mark.parametrize("relu", [True, False])
+    def test_small_cnn(self, layer, relu):
+        net = small_cnn()
+        x = torch.randn(5, 3, 8, 8, dtype=torch.float64)
+        td = GradCAM(net, layer=layer, in_keys=["image"], out_keys=["logits"], relu=relu)(
+            TensorDict(image=x, batch_size=[5])
+        )
+        expected = captum.attr.LayerGradCam(net, net[int(layer)]).attribute(
+            x.clone(), target=net(x).argmax(-1), relu_attributions=relu
+        )
+        assert td["attribution", layer].shape == expected.squeeze(1).shape
+        assert relative_error(td["attribution", layer], expected.squeeze(1)) <= 1e-8
+        assert ("attribution", "image") not in td.keys(include_nested=True)
+
+    def test_upsample_is_bilinear_over_every_channel(self):
+        net = small_cnn()
+        x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+        td = GradCAM(net, layer="4", in_keys=["image"], out_keys=["logits"], target=2, upsample=True)(
+            TensorDict(image=x, batch_size=[4])
+        )
+        cam = captum.attr.LayerGradCam(net, net[4]).attribute(x.clone(), target=2, relu_attributions=True)
+        expected = captum.attr.LayerAttribution.interpolate(cam, (8, 8), interpolate_mode="bilinear").expand(4, 3, 8, 8)
+        assert relative_error(td["attribution", "image"], expected) <= 1e-8
+
+    def test_two_key_policy_dense_layer(self):
+        policy = two_key_policy()
+        obs, goal = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+        td = GradCAM(policy, layer="module.body.1", target=1)(TensorDict(obs=obs, goal=goal, batch_size=[5]))
+        expected = captum.attr.LayerGradCam(policy.module, policy.module.body[1]).attribute(
+            (obs.clone(), goal.clone()), target=1, relu_attributions=True
+        )
+        assert relative_error(td["attribution", "module.body.1"], expected.squeeze(1)) <= 1e-8
+
+    def test_batch_grid_and_all_targets(self):
+        net = random_mlp(0)
+        x = torch.randn(2, 3, 5, dtype=torch.float64)
+        td = GradCAM(net, layer="1", in_keys=["x"], out_keys=["y"], target="all", relu=False)(
+            TensorDict(x=x, batch_size=[2, 3])
+        )
+        assert td["attribution", "1"].shape == (2, 3, 3)
+        for unit in range(3):
+            expected = captum.attr.LayerGradCam(net, net[1]).attribute(
+                x.reshape(6, 5).clone(), target=unit, relu_attributions=False
+            )
+            assert relative_error(td["attribution", "1"][..., unit].reshape(6), expected.squeeze(1)) <= 1e-8
+
+
+class TestConventions:
+    def test_no_grad_pipeline_and_model_unchanged(self):
+        torch.manual_seed(0)
+        conv = TensorDictModule(
+            nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).double(), in_keys=["image"], out_keys=["features"]
+        )
+        head = TensorDictModule(
+            nn.Sequential(nn.Flatten(), nn.Linear(4 * 4 * 4, 3)).double(), in_keys=["features"], out_keys=["logits"]
+        )
+        pipeline = TensorDictSequential(conv, head)
+        snapshot = state_snapshot(pipeline)
+        with torch.no_grad():
+            td = GradCAM(pipeline, layer="module.0.module.1")(
+                TensorDict(image=torch.randn(2, 3, 6, 6, dtype=torch.float64), batch_size=[2])
+            )
+        assert_unchanged(pipeline, snapshot)
+        assert td["attribution", "module.0.module.1"].shape == (2, 4, 4)
+        assert not any(v.requires_grad for v in td.values(include_nested=True, leaves_only=True))
+        outer = TensorDictSequential(conv, GradCAM(head, layer="module.1"))
+        assert outer(TensorDict(image=torch.randn(2, 3, 6, 6, dtype=torch.float64), batch_size=[2]))[
+            "attribution", "module.1"
+        ].shape == (2,)
+
+
+class TestRefusals:
+    def test_unknown_layer_names_it(self):
+        with pytest.raises(KeyError, match="GradCAM: layer is 'conv9', which is not a module of the model"):
+            GradCAM(small_cnn(), layer="conv9", in_keys=["image"], out_keys=["logits"])
+
+    def test_layer_called_twice(self):
+        class Twice(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.act = nn.Tanh()
+                self.out = nn.Linear(3, 2)
+
+            def forward(self, x):
+                return self.out(self.act(self.act(x)))
+
+        net = Twice().double()
+        snapshot = state_snapshot(net)
+        td = TensorDict(x=torch.randn(2, 3, dtype=torch.float64), batch_size=[2])
+        with pytest.raises(ValueError, match="GradCAM: layer 'act' must return one tensor in one call"):
+            GradCAM(net, layer="act", in_keys=["x"], out_keys=["y"])(td)
+        assert_unchanged(net, snapshot)
+        assert list(td.keys()) == ["x"]
+
+    def test_upsample_to_an_input_without_matching_spatial_dims(self):
+        net = random_mlp(0)
+        with pytest.raises(ValueError, match="GradCAM: cannot resize the map of layer '1'"):
+            GradCAM(net, layer="1", in_keys=["x"], out_keys=["y"], upsample=True)(
+                TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+            )

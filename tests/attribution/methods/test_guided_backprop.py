@@ -1,0 +1,72 @@
+"""Guided backpropagation against captum's GuidedBackprop in float64; the model comes out without hooks."""
+
+from __future__ import annotations
+
+import captum.attr
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from tdhook.attribution import GuidedBackprop, Saliency
+from tests.attribution._helpers import assert_unchanged, state_snapshot
+from tests.attribution.methods._models import flat, random_mlp, small_cnn, two_key_policy
+from tests.conftest import relative_error
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*(require gradients|backward hooks on ReLU).*:UserWarning")
+
+
+class TestAgainstCaptum:
+    @pytest.mark.parametrize("target", [None, 1])
+    def test_small_cnn(self, target):
+        net = small_cnn()
+        x = torch.randn(6, 3, 8, 8, dtype=torch.float64)
+        snapshot = state_snapshot(net)
+        td = GuidedBackprop(net, in_keys=["image"], out_keys=["logits"], target=target)(
+            TensorDict(image=x, batch_size=[6])
+        )
+        assert_unchanged(net, snapshot)
+        expected = captum.attr.GuidedBackprop(net).attribute(
+            x.clone(), target=net(x).argmax(-1) if target is None else target
+        )
+        assert relative_error(td["attribution", "image"], expected) <= 1e-8
+        plain = Saliency(net, in_keys=["image"], out_keys=["logits"], target=target, abs=False)(
+            TensorDict(image=x, batch_size=[6])
+        )
+        assert relative_error(td["attribution", "image"], plain["attribution", "image"]) > 1e-3
+
+    def test_in_place_relu(self):
+        torch.manual_seed(1)
+        net = nn.Sequential(
+            nn.Linear(5, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 3)
+        ).double()
+        x = torch.randn(7, 5, dtype=torch.float64)
+        td = GuidedBackprop(net, in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[7]))
+        expected = captum.attr.GuidedBackprop(net).attribute(x.clone(), target=net(x).argmax(-1))
+        assert relative_error(td["attribution", "x"], expected) <= 1e-8
+
+    def test_two_key_policy(self):
+        policy = two_key_policy()
+        obs, goal = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+        td = GuidedBackprop(policy, target=2)(TensorDict(obs=obs, goal=goal, batch_size=[5]))
+        expected = captum.attr.GuidedBackprop(policy.module).attribute((obs.clone(), goal.clone()), target=2)
+        assert relative_error(td["attribution", "obs"], expected[0]) <= 1e-8
+        assert relative_error(td["attribution", "goal"], expected[1]) <= 1e-8
+
+    @pytest.mark.parametrize("seed", range(4))
+    def test_random_mlps(self, seed):
+        net = random_mlp(seed)
+        x = torch.randn(2, 3, 5, dtype=torch.float64)
+        td = GuidedBackprop(net, in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[2, 3]))
+        fx = flat(x, 2)
+        expected = captum.attr.GuidedBackprop(net).attribute(fx.clone(), target=net(fx).argmax(-1))
+        assert relative_error(td["attribution", "x"].reshape(fx.shape), expected) <= 1e-8
+
+    def test_hooks_removed_after_a_failure(self):
+        net = small_cnn()
+        snapshot = state_snapshot(net)
+        with pytest.raises(RuntimeError):
+            GuidedBackprop(net, in_keys=["image"], out_keys=["logits"])(
+                TensorDict(image=torch.randn(2, 3, 12, 12, dtype=torch.float64), batch_size=[2])
+            )
+        assert_unchanged(net, snapshot)

@@ -1,0 +1,101 @@
+"""Occlusion: the definition written out in float64, and captum's Occlusion (which divides in float32)."""
+
+from __future__ import annotations
+
+import itertools
+
+import captum.attr
+import pytest
+import torch
+from tensordict import TensorDict
+
+from tdhook.attribution import Occlusion
+from tests.attribution.methods._models import flat, random_mlp, small_cnn, two_key_policy
+from tests.conftest import relative_error
+
+
+def reference(forward, inputs, index, window, strides, baseline, target):
+    """Mean drop of the target over the windows covering each element of ``inputs[index]`` (batch first)."""
+    x = inputs[index]
+    sample = x.shape[1:]
+    starts = [range(0, max(d - w, 0) + s, s) if d > w else [0] for d, w, s in zip(sample, window, strides, strict=True)]
+    total, count = torch.zeros_like(x), torch.zeros(sample, dtype=x.dtype)
+    with torch.no_grad():
+        full = forward(*inputs).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        for corner in itertools.product(*starts):
+            region = tuple(slice(a, a + w) for a, w in zip(corner, window, strict=True))
+            occluded = x.clone()
+            occluded[(slice(None), *region)] = baseline
+            args = [occluded if i == index else other for i, other in enumerate(inputs)]
+            drop = full - forward(*args).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+            total[(slice(None), *region)] += drop.view(-1, *[1] * len(sample))
+            count[region] += 1
+    return total / count
+
+
+class TestAgainstTheDefinition:
+    @pytest.mark.parametrize("window, strides", [((3, 2, 2), (3, 2, 2)), ((1, 3, 3), (1, 2, 2)), ((3, 4, 4), 2)])
+    def test_small_cnn(self, window, strides):
+        net = small_cnn()
+        x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+        td = Occlusion(
+            net, in_keys=["image"], out_keys=["logits"], sliding_window_shapes=window, strides=strides, baselines=0.5
+        )(TensorDict(image=x, batch_size=[4]))
+        stride = strides if isinstance(strides, tuple) else (strides,) * 3
+        expected = reference(net, [x], 0, window, stride, 0.5, net(x).argmax(-1))
+        assert relative_error(td["attribution", "image"], expected) <= 1e-10
+        captum_result = captum.attr.Occlusion(net).attribute(
+            x.clone(), sliding_window_shapes=window, strides=strides, baselines=0.5, target=net(x).argmax(-1)
+        )
+        assert relative_error(td["attribution", "image"], captum_result) <= 1e-6  # captum divides in float32
+
+    def test_two_key_policy_each_key_on_its_own(self):
+        policy = two_key_policy()
+        obs, goal = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+        td = Occlusion(
+            policy, target=1, sliding_window_shapes={"obs": (2,), "goal": (1,)}, strides={"obs": 1, "goal": 1}
+        )(TensorDict(obs=obs, goal=goal, batch_size=[5]))
+        target = torch.full((5,), 1)
+        assert (
+            relative_error(td["attribution", "obs"], reference(policy.module, [obs, goal], 0, (2,), (1,), 0.0, target))
+            <= 1e-10
+        )
+        assert (
+            relative_error(td["attribution", "goal"], reference(policy.module, [obs, goal], 1, (1,), (1,), 0.0, target))
+            <= 1e-10
+        )
+        expected = captum.attr.Occlusion(policy.module).attribute(
+            (obs.clone(), goal.clone()), sliding_window_shapes=((2,), (1,)), target=1
+        )
+        assert relative_error(td["attribution", "obs"], expected[0]) <= 1e-6
+        assert relative_error(td["attribution", "goal"], expected[1]) <= 1e-6
+
+    @pytest.mark.parametrize("seed", range(3))
+    def test_random_mlps_on_a_batch_grid(self, seed):
+        net = random_mlp(seed)
+        x = torch.randn(2, 3, 5, dtype=torch.float64)
+        td = Occlusion(net, in_keys=["x"], out_keys=["y"], sliding_window_shapes=(3,), strides=2)(
+            TensorDict(x=x, batch_size=[2, 3])
+        )
+        fx = flat(x, 2)
+        expected = reference(net, [fx], 0, (3,), (2,), 0.0, net(fx).argmax(-1))
+        assert relative_error(td["attribution", "x"].reshape(fx.shape), expected) <= 1e-10
+
+
+class TestRefusals:
+    @pytest.mark.parametrize(
+        "kwargs, match",
+        [
+            ({"sliding_window_shapes": (2, 2)}, r"the sliding window shape of input key 'x' must be 1 positive ints"),
+            ({"sliding_window_shapes": (6,)}, r"the window \[6\] of input key 'x' exceeds a sample \[5\]"),
+            (
+                {"sliding_window_shapes": (2,), "strides": 3},
+                r"the strides \[3\] of input key 'x' exceed the window \[2\]",
+            ),
+        ],
+    )
+    def test_windows_and_strides(self, kwargs, match):
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        with pytest.raises(ValueError, match=f"Occlusion: {match}"):
+            Occlusion(random_mlp(0), in_keys=["x"], out_keys=["y"], **kwargs)(td)
+        assert list(td.keys()) == ["x"]

@@ -1,0 +1,113 @@
+"""SmoothGrad: captum's Saliency at the same noisy points, aggregated as documented; Saliency at stdev 0."""
+
+from __future__ import annotations
+
+import captum.attr
+import pytest
+import torch
+from tensordict import TensorDict
+
+from tdhook.attribution import Saliency, SmoothGrad
+from tests.attribution.methods._models import random_mlp, small_cnn, two_key_policy
+from tests.conftest import relative_error
+
+pytestmark = pytest.mark.filterwarnings("ignore:Input Tensor .* did not already require gradients:UserWarning")
+
+
+def reference(forward, inputs, stdevs, n_samples, seed, target, nt_type, abs_):
+    """Draw the noise as SmoothGrad documents, then aggregate captum's saliency at every noisy copy."""
+    generator = torch.Generator().manual_seed(seed)
+    noisy = [
+        x.unsqueeze(0) + s * torch.randn((n_samples, *x.shape), generator=generator, dtype=x.dtype)
+        for x, s in zip(inputs, stdevs, strict=True)
+    ]
+    per_sample = []
+    for k in range(n_samples):
+        points = tuple(n[k].clone() for n in noisy)
+        saliency = captum.attr.Saliency(forward).attribute(points, target=target, abs=abs_)
+        per_sample.append(saliency)
+    stacked = [torch.stack([s[i] for s in per_sample]) for i in range(len(inputs))]
+    if nt_type == "smoothgrad":
+        return [s.mean(0) for s in stacked]
+    if nt_type == "smoothgrad_sq":
+        return [(s * s).mean(0) for s in stacked]
+    return [(s * s).mean(0) - s.mean(0) ** 2 for s in stacked]
+
+
+class TestAgainstCaptumSaliency:
+    @pytest.mark.parametrize("nt_type", ["smoothgrad", "smoothgrad_sq", "vargrad"])
+    @pytest.mark.parametrize("abs_", [True, False])
+    def test_small_cnn(self, nt_type, abs_):
+        net = small_cnn()
+        x = torch.randn(3, 3, 8, 8, dtype=torch.float64)
+        target = net(x).argmax(-1)
+        td = SmoothGrad(
+            net, in_keys=["image"], out_keys=["logits"], n_samples=6, stdev=0.2, seed=3, nt_type=nt_type, abs=abs_
+        )(TensorDict(image=x, batch_size=[3]))
+        (expected,) = reference(net, [x], [0.2], 6, 3, target, nt_type, abs_)
+        assert relative_error(td["attribution", "image"], expected) <= 1e-8
+
+    def test_two_key_policy_with_stdev_by_key(self):
+        policy = two_key_policy()
+        obs, goal = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+        td = SmoothGrad(
+            policy, n_samples=7, stdev={"obs": 0.1, "goal": 0.5}, seed=11, target=2, internal_batch_size=10
+        )(TensorDict(obs=obs, goal=goal, batch_size=[5]))
+        expected = reference(policy.module, [obs, goal], [0.1, 0.5], 7, 11, 2, "smoothgrad", True)
+        assert relative_error(td["attribution", "obs"], expected[0]) <= 1e-8
+        assert relative_error(td["attribution", "goal"], expected[1]) <= 1e-8
+
+    @pytest.mark.parametrize("seed", range(3))
+    def test_random_mlps(self, seed):
+        net = random_mlp(seed)
+        x = torch.randn(6, 5, dtype=torch.float64)
+        td = SmoothGrad(net, in_keys=["x"], out_keys=["y"], n_samples=5, stdev=0.4, seed=seed, nt_type="vargrad")(
+            TensorDict(x=x, batch_size=[6])
+        )
+        (expected,) = reference(net, [x], [0.4], 5, seed, net(x).argmax(-1), "vargrad", True)
+        assert relative_error(td["attribution", "x"], expected) <= 1e-8
+
+
+class TestNoise:
+    def test_stdev_zero_is_saliency(self):
+        net = small_cnn()
+        td = TensorDict(image=torch.randn(3, 3, 8, 8, dtype=torch.float64), batch_size=[3])
+        smooth = SmoothGrad(net, in_keys=["image"], out_keys=["logits"], n_samples=4, stdev=0.0)(td.clone())
+        plain = Saliency(net, in_keys=["image"], out_keys=["logits"])(td.clone())
+        assert relative_error(smooth["attribution", "image"], plain["attribution", "image"]) <= 1e-12
+
+    def test_fixed_seed_is_deterministic_and_leaves_the_global_rng_alone(self):
+        net = random_mlp(0)
+        td = TensorDict(x=torch.randn(4, 5, dtype=torch.float64), batch_size=[4])
+        state = torch.get_rng_state()
+        first = SmoothGrad(net, in_keys=["x"], out_keys=["y"], stdev=0.5, seed=7)(td.clone())["attribution", "x"]
+        second = SmoothGrad(net, in_keys=["x"], out_keys=["y"], stdev=0.5, seed=7)(td.clone())["attribution", "x"]
+        assert torch.equal(torch.get_rng_state(), state)
+        assert torch.equal(first, second)
+        other = SmoothGrad(net, in_keys=["x"], out_keys=["y"], stdev=0.5, seed=8)(td.clone())["attribution", "x"]
+        assert not torch.equal(first, other)
+
+    def test_unseeded_calls_differ_without_touching_the_global_rng(self):
+        net = random_mlp(0)
+        td = TensorDict(x=torch.randn(4, 5, dtype=torch.float64), batch_size=[4])
+        smooth = SmoothGrad(net, in_keys=["x"], out_keys=["y"], stdev=0.5)
+        state = torch.get_rng_state()
+        first, second = smooth(td.clone())["attribution", "x"], smooth(td.clone())["attribution", "x"]
+        assert torch.equal(torch.get_rng_state(), state)
+        assert not torch.equal(first, second)
+
+
+class TestRefusals:
+    @pytest.mark.parametrize(
+        "kwargs, match",
+        [
+            ({"n_samples": 0}, "n_samples must be a positive int"),
+            ({"nt_type": "mean"}, "nt_type must be one of"),
+            ({"stdev": -1.0}, "the stdev of input key 'x' must be a number >= 0"),
+            ({"stdev": {"z": 1.0}}, r"stdev must have one entry per explained input key \['x'\]"),
+            ({"internal_batch_size": 0}, "internal_batch_size must be a positive int"),
+        ],
+    )
+    def test_at_construction(self, kwargs, match):
+        with pytest.raises((ValueError, KeyError), match=f"SmoothGrad: {match}"):
+            SmoothGrad(random_mlp(0), in_keys=["x"], out_keys=["y"], **kwargs)
