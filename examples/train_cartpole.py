@@ -78,7 +78,25 @@ def train(
         if history[-1] >= target_return:
             break
     bar.close()
+    if history and history[-1] >= target_return:
+        print(f"reached the target return {target_return:g} after {len(history)} updates")
+    elif max_updates is not None and len(history) == max_updates:
+        print(f"stopped after the maximum of {max_updates} updates, reached mean return {history[-1]:.0f}")
+    else:
+        print(stop_message(history, max_seconds, target_return))
     return history
+
+
+def stop_message(history: list[float], max_seconds: float, target_return: float) -> str:
+    """What training says when it stops at its time cap before reaching the target return.
+
+    Example:
+        >>> stop_message([20.0, 35.5, 180.25], max_seconds=90, target_return=475)
+        'stopped at the time cap (90 s) after 3 updates, reached mean return 180 (target 475)'
+    """
+    reached = f"reached mean return {history[-1]:.0f}" if history else "no update finished"
+    cap = f"stopped at the time cap ({max_seconds:g} s) after {len(history)} updates"
+    return f"{cap}, {reached} (target {target_return:g})"
 
 
 def main(output: Path = CHECKPOINT, max_seconds: float = 90.0, seed: int = 0) -> Path:
@@ -86,8 +104,7 @@ def main(output: Path = CHECKPOINT, max_seconds: float = 90.0, seed: int = 0) ->
     env = GymEnv("CartPole-v1")
     env.set_seed(seed)
     policy = make_policy(env)
-    history = train(policy, env, max_seconds=max_seconds)
-    print(f"{len(history)} updates, last mean return {history[-1]:.0f}")
+    train(policy, env, max_seconds=max_seconds)
     output.parent.mkdir(parents=True, exist_ok=True)
     torch.save(policy.state_dict(), output)
     print(f"saved {output}")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import doctest
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
@@ -19,13 +23,51 @@ def load(name: str):
     return module
 
 
-def test_main_job_explains_the_shipped_policy_and_writes_a_png(tmp_path: Path, capsys):
-    output = load("explain_cartpole").main(output=tmp_path / "relevance.png")
+def test_main_job_explains_the_shipped_policy_and_writes_a_png_with_nothing_on_stderr(tmp_path: Path):
+    # The README's command, in a process of its own: what a user's console shows, warnings at import included.
+    output = tmp_path / "relevance.png"
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "explain_cartpole.py"), "--output", str(output)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    printed = capsys.readouterr().out
-    assert "pole angle" in printed and "nan" not in printed
+    assert "pole angle" in done.stdout and "nan" not in done.stdout
     # The shipped policy is trained: its greedy episode balances the pole for the full 500 steps.
-    assert "episode of 500 steps" in printed
+    assert "episode of 500 steps" in done.stdout
+    assert done.stderr == ""
+
+
+def test_main_job_figure_says_what_its_colours_steps_and_actions_are():
+    example = load("explain_cartpole")
+    env = example.GymEnv("CartPole-v1")
+    env.set_seed(0)
+    policy = example.train_cartpole.make_policy(env)
+    policy.load_state_dict(torch.load(example.train_cartpole.CHECKPOINT))
+    rollout = example.explain_episode(example.LRP(policy), env, steps=60)
+    for window, title in ((None, "steps 0–59 of 60"), (25, "steps 0–24 of 60"), (100, "steps 0–59 of 60")):
+        fig = example.plot_episode(rollout, window)
+        heat, strip = fig.axes[:2]
+        assert heat.get_title().endswith(title)
+        colours = [t.get_text() for t in heat.get_legend().get_texts()]
+        assert any(t.startswith("positive relevance") for t in colours)
+        assert any(t.startswith("negative relevance") for t in colours)
+        assert [t.get_text() for t in strip.get_legend().get_texts()] == ["push cart left", "push cart right"]
+        # The heatmap holds the relevance (features as rows), the strip the actions taken, both over the steps shown.
+        shown = 60 if window is None or window > 60 else window
+        relevance = rollout["relevance", "observation"][:shown]
+        np.testing.assert_array_equal(heat.get_images()[0].get_array(), relevance.T.numpy())
+        np.testing.assert_array_equal(strip.get_images()[0].get_array()[0], rollout["action"][:shown].argmax(-1))
+        assert [t.get_text() for t in heat.get_yticklabels()] == example.FEATURES
+        example.plt.close(fig)
+
+
+def test_main_job_example_docstrings_run():
+    for name in ("explain_cartpole", "train_cartpole"):
+        failed, attempted = doctest.testmod(load(name), optionflags=doctest.NORMALIZE_WHITESPACE)
+        assert attempted > 0 and failed == 0, name
 
 
 def test_main_job_table_and_relevance_follow_the_rollout():
@@ -56,6 +98,26 @@ def test_training_improves_the_policy():
     history = trainer.train(trainer.make_policy(env), env, max_updates=25)
     assert len(history) == 25
     assert sum(history[-5:]) / 5 > 2 * sum(history[:5]) / 5
+
+
+def test_training_says_when_it_stops_at_its_time_cap(capsys):
+    trainer = load("train_cartpole")
+    env = trainer.GymEnv("CartPole-v1")
+    env.set_seed(0)
+    history = trainer.train(trainer.make_policy(env), env, max_seconds=0.5)
+    printed = capsys.readouterr().out
+    assert history and f"stopped at the time cap (0.5 s) after {len(history)} updates" in printed
+    assert f"reached mean return {history[-1]:.0f} (target 475)" in printed
+
+
+def test_training_says_when_it_reaches_the_target(capsys):
+    trainer = load("train_cartpole")
+    env = trainer.GymEnv("CartPole-v1")
+    env.set_seed(0)
+    history = trainer.train(trainer.make_policy(env), env, target_return=1.0)
+    assert len(history) == 1
+    printed = capsys.readouterr().out
+    assert "reached the target return 1 after 1 updates" in printed and "time cap" not in printed
 
 
 def test_vision_heatmap_writes_a_png(tmp_path: Path, capsys):

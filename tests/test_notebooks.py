@@ -27,3 +27,12 @@ def test_notebook_executes_shows_its_figures_inline_and_leaves_the_tree_clean(pa
     # Figures appear in the notebook (an interactive backend), not as files written next to it.
     assert any("image/png" in o.get("data", {}) for o in outputs)
     assert sorted(path.parent.iterdir()) == before
+    # Nothing on stderr: no warning (warnings module or logging, as torch's Dynamo logs) reaches the reader.
+    stderr = [o.text for o in outputs if o.output_type == "stream" and o.name == "stderr"]
+    assert not stderr, stderr
+
+
+def test_a_notebook_warning_would_be_caught():
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import warnings; warnings.warn('seen')")])
+    NotebookClient(notebook, timeout=60, kernel_name="python3").execute()
+    assert any(o.get("name") == "stderr" and "seen" in o.text for o in notebook.cells[0].outputs)

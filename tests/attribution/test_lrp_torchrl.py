@@ -265,7 +265,11 @@ class TestRollouts:
         net = MLP(in_features=4, out_features=2, num_cells=[16])
         actor = QValueActor(net, in_keys=["observation"], spec=GymEnv("CartPole-v1").action_spec)
         collector = Collector(
-            lambda: GymEnv("CartPole-v1"), LRP(actor, EpsilonPlus()), frames_per_batch=16, total_frames=32
+            lambda: GymEnv("CartPole-v1"),
+            LRP(actor, EpsilonPlus()),
+            frames_per_batch=16,
+            total_frames=32,
+            auto_register_policy_transforms=False,  # a policy with no recurrent state: the env stays as it is
         )
         try:
             batches = list(collector)
@@ -285,7 +289,13 @@ class TestRollouts:
         runs = {}
         for name, policy in (("plain", actor), ("explained", LRP(actor, EpsilonPlus()))):
             torch.manual_seed(3)
-            collector = Collector(lambda: GymEnv("CartPole-v1"), policy, frames_per_batch=20, total_frames=40)
+            collector = Collector(
+                lambda: GymEnv("CartPole-v1"),
+                policy,
+                frames_per_batch=20,
+                total_frames=40,
+                auto_register_policy_transforms=False,
+            )
             collector.set_seed(0)
             try:
                 runs[name] = torch.cat(list(collector))
