@@ -373,8 +373,12 @@ def test_a_compiled_model_gives_the_same_relevance():
     td = TensorDict(x=torch.randn(4, 5, dtype=F64), batch_size=[4])
     expected = LRP(net, EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"])(td.clone())["relevance", "x"]
     compiled = torch.compile(net, backend="eager")
-    actual = LRP(compiled, EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"])(td.clone())["relevance", "x"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual = LRP(compiled, EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"])(td.clone())["relevance", "x"]
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    # No warning from torch.compile about the wrapper's hooks or the rules' queries.
+    assert [str(w.message) for w in caught] == []
 
 
 def test_a_module_called_twice_gets_its_rule_on_each_call():

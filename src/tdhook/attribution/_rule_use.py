@@ -30,7 +30,6 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from torch import nn
-from torch.nn.modules.module import register_module_forward_pre_hook
 
 from tdhook.attribution.rules.base import RemovableRuleHandle
 from tdhook.attribution.rules.basic import IgnoreRule
@@ -63,11 +62,13 @@ class RuleUse:
             return
         modules = named_modules()
         ran: set[int] = set()
-        hook = register_module_forward_pre_hook(lambda module, args: ran.add(id(module)))
+        # A hook on each module of the model, not a global one: torch.compile warns about global module hooks.
+        hooks = [module.register_forward_pre_hook(lambda m, args: ran.add(id(m))) for module in modules.values()]
         try:
             yield
         finally:
-            hook.remove()
+            for hook in hooks:
+                hook.remove()
         self._pending = False  # a pass that failed or was interrupted is watched again at the next call
         names = {id(module): name for name, module in modules.items()}
         for handle in handles:

@@ -57,6 +57,8 @@ def backward_keeps_graph() -> bool:
         >>> backward_keeps_graph()
         True
     """
+    if torch.compiler.is_compiling():
+        return True  # the safe side: a compiled graph is not asked
     query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     return True if query is None else bool(query())
 
@@ -73,6 +75,8 @@ def is_batched_gradient(grad: torch.Tensor) -> bool:
         >>> is_batched_gradient(torch.ones(3)), seen
         (False, [True])
     """
+    if torch.compiler.is_compiling():
+        return False  # a compiled backward is not a batch of gradients
     functorch = getattr(torch._C, "_functorch", None)
     checks = [getattr(functorch, name, None) for name in ("is_legacy_batchedtensor", "is_batchedtensor")]
     return any(check is not None and check(grad) for check in checks)
@@ -335,6 +339,8 @@ def raise_for_vmap(module: torch.nn.Module, output: Any) -> None:
         ...
         RuntimeError: LRP: module Identity runs under torch.vmap, ...
     """
+    if torch.compiler.is_compiling():
+        return  # a compiled graph holds no vmap of the model's own
     functorch = getattr(torch._C, "_functorch", None)
     if functorch is not None and isinstance(output, torch.Tensor) and functorch.is_batchedtensor(output):
         error = RuntimeError(
