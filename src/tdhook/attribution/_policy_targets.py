@@ -33,6 +33,8 @@ from tensordict.utils import NestedKey, unravel_key
 from torchrl.modules import Actor, ActorCriticOperator, ActorCriticWrapper, ActorValueOperator, ValueOperator
 from torchrl.modules.distributions import MaskedCategorical, MaskedOneHotCategorical
 
+from tdhook.attribution.rules._identity import IdentityWeakKeyDict
+
 __all__ = ["actor_and_critic", "allowed_action"]
 
 _MASKED = (MaskedCategorical, MaskedOneHotCategorical)
@@ -66,7 +68,20 @@ def _chooses(module: object) -> bool:
     return isinstance(module, (ProbabilisticTensorDictModule, Actor))
 
 
+# The masked sampler found for each operator and key: looked up once, not at every call of a policy.
+_SAMPLERS: IdentityWeakKeyDict[TensorDictModuleBase, dict] = IdentityWeakKeyDict()
+
+
 def _masked_sampler(operator: TensorDictModuleBase, target_key: NestedKey) -> ProbabilisticTensorDictModule | None:
+    found = _SAMPLERS.get(operator)
+    if found is None:
+        found = _SAMPLERS[operator] = {}
+    if target_key not in found:
+        found[target_key] = _find_masked_sampler(operator, target_key)
+    return found[target_key]
+
+
+def _find_masked_sampler(operator: TensorDictModuleBase, target_key: NestedKey) -> ProbabilisticTensorDictModule | None:
     for sub in operator.modules():
         if isinstance(sub, ProbabilisticTensorDictModule) and issubclass(sub.distribution_class, _MASKED):
             dist_keys = list(getattr(sub, "dist_keys", sub.in_keys))
