@@ -4,6 +4,7 @@ Examples:
     >>> import torch
     >>> from tensordict import TensorDict
     >>> from tdhook.attribution._tokens import TokenInputs
+from tdhook.attribution.rules._glue import MODEL_INPUT
     >>> td = TensorDict(x=torch.ones(2, 3), batch_size=[2])
     >>> validate_inputs(td, ["x"])
     >>> work = td.copy()
@@ -27,6 +28,7 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
 from tdhook.attribution._tokens import TokenInputs
+from tdhook.attribution.rules._glue import MODEL_INPUT
 
 __all__ = ["describe", "feed_inputs", "validate_inputs"]
 
@@ -84,6 +86,7 @@ def feed_inputs(
             continue
         leaf = value.detach().requires_grad_(True)
         fed.append(leaf.clone())
+        setattr(fed[-1], MODEL_INPUT, True)  # relevance recorded at it is the input's as it is
         work.set(key, fed[-1])
         leaves.append(leaf)
     return leaves, fed

@@ -24,6 +24,7 @@ from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
 from tdhook.attribution._writes import model_updates, set_all_or_nothing
 from tdhook.attribution.coverage import Coverage, PlainGradientCall, reached_share
 from tdhook.attribution.mappers.base import BaseRuleMapper, RuleMapper
+from tdhook.attribution.rules._glue import GlueError
 from tdhook.attribution.rules._scopes import closing_scopes
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key
@@ -391,7 +392,13 @@ class LRP(TensorDictModuleBase):
         fed: list[torch.Tensor],
         retain: bool,
     ) -> list[torch.Tensor]:
-        grads = torch.autograd.grad(output, leaves, grad_output, retain_graph=retain, allow_unused=True)
+        try:
+            grads = torch.autograd.grad(output, leaves, grad_output, retain_graph=retain, allow_unused=True)
+        except GlueError as err:
+            names = {id(m): n for n, m in self.named_explained_modules().items()}
+            if id(err.module) in names:
+                err.add_note(f"LRP: the layer is module {names[id(err.module)]!r}")
+            raise
         relevances = [
             leaf.detach() * g if g is not None else torch.zeros_like(leaf)
             for leaf, g in zip(leaves, grads, strict=True)
@@ -401,8 +408,9 @@ class LRP(TensorDictModuleBase):
         for handle in self._handles or []:
             for x, rest in handle.pop_records():
                 x = getattr(x, "_tdhook_alias_of", x)
-                for i, model_input in enumerate(fed):
-                    if x is model_input:
+                # At a fed input, or (carried back through glue before the layer) at its leaf.
+                for i, (model_input, leaf) in enumerate(zip(fed, leaves, strict=True)):
+                    if x is model_input or x is leaf:
                         relevances[i] = relevances[i] + rest
         for i in token_indices:
             relevances[i] = self._tokens.per_token(i, relevances[i])
