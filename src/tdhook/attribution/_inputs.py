@@ -4,7 +4,6 @@ Examples:
     >>> import torch
     >>> from tensordict import TensorDict
     >>> from tdhook.attribution._tokens import TokenInputs
-from tdhook.attribution.rules._glue import MODEL_INPUT
     >>> td = TensorDict(x=torch.ones(2, 3), batch_size=[2])
     >>> validate_inputs(td, ["x"])
     >>> work = td.copy()
@@ -28,7 +27,6 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 
 from tdhook.attribution._tokens import TokenInputs
-from tdhook.attribution.rules._glue import MODEL_INPUT
 
 __all__ = ["describe", "feed_inputs", "validate_inputs"]
 
@@ -86,7 +84,6 @@ def feed_inputs(
             continue
         leaf = value.detach().requires_grad_(True)
         fed.append(leaf.clone())
-        setattr(fed[-1], MODEL_INPUT, True)  # relevance recorded at it is the input's as it is
         work.set(key, fed[-1])
         leaves.append(leaf)
     return leaves, fed

@@ -12,6 +12,7 @@ from tensordict.nn import TensorDictModuleBase, dispatch
 from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
+from tdhook.attribution._backward import leaf_relevance
 from tdhook.attribution._context import claim, release, suspend_function_modes_in
 from tdhook.attribution._copies import hide_from_copies
 from tdhook.attribution._inputs import describe, feed_inputs, validate_inputs
@@ -24,10 +25,16 @@ from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
 from tdhook.attribution._writes import model_updates, set_all_or_nothing
 from tdhook.attribution.coverage import Coverage, PlainGradientCall, reached_share
 from tdhook.attribution.mappers.base import BaseRuleMapper, RuleMapper
-from tdhook.attribution.rules._glue import GlueError
 from tdhook.attribution.rules._scopes import closing_scopes
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
-from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key
+from tdhook.attribution.targets import (
+    Target,
+    initial_relevance,
+    named_targets,
+    raise_for_unreached,
+    resolve_target_key,
+    zero_output_seeds,
+)
 
 __all__ = ["LRP"]
 
@@ -303,11 +310,12 @@ class LRP(TensorDictModuleBase):
                         raise ValueError(
                             f"LRP: target {target_key!r} does not depend on the explained inputs {self.explained_keys}"
                         )
-                    grad_outputs = initial_gradient(output, self.target, target_key, tensordict.batch_dims)
+                    grad_outputs, at_zero = initial_relevance(output, self.target, target_key, tensordict.batch_dims)
+                    extra = zero_output_seeds(output, at_zero, target_key) if at_zero is not None else []
                     if calls is not None and position == len(names) - 1:
                         self._report(calls, [result.get(resolve_target_key(result, *self.targets[n])) for n in names])
                     retain = position < len(names) - 1  # the next target reuses this forward pass
-                    relevances += self._backward(output, grad_outputs, leaves, fed, retain)
+                    relevances += self._backward(output, grad_outputs, leaves, fed, retain, target_key, extra)
                     seeds.append((name, output.detach(), grad_outputs))
         finally:
             self._layers.clear()
@@ -371,49 +379,32 @@ class LRP(TensorDictModuleBase):
         leaves: list[torch.Tensor],
         fed: list[torch.Tensor],
         retain: bool = False,
+        key: NestedKey = None,
+        extra: list[tuple[torch.Tensor, torch.Tensor]] = (),
     ) -> list[torch.Tensor]:
         batched = grad_outputs.dim() > output.dim()
-        if not batched:
-            return self._relevance(output, grad_outputs, leaves, fed, retain=retain)
+        n_units = grad_outputs.shape[0] if batched else 1
+        reached = [False] * len(leaves)
+        per_unit = []
         # target="all": one backward per output unit over a single forward pass.
-        n_units = grad_outputs.shape[0]
-        per_unit = [
-            self._relevance(output, grad_outputs[k], leaves, fed, retain=retain or k < n_units - 1)
-            for k in range(n_units)
-        ]
+        for k in range(n_units):
+            seeds = [(output, grad_outputs[k] if batched else grad_outputs), *extra]
+            relevances, used = leaf_relevance(
+                seeds, leaves, fed, self._handles or [], self.named_explained_modules, retain or k < n_units - 1
+            )
+            reached = [a or b for a, b in zip(reached, used, strict=True)]
+            per_unit.append(self._finish(relevances, leaves))
+        raise_for_unreached(key, self.explained_keys, reached)
+        if not batched:
+            return per_unit[0]
         batch_dims = output.dim() - 1
         return [torch.stack([unit[i] for unit in per_unit], dim=batch_dims) for i in range(len(per_unit[0]))]
 
-    def _relevance(
-        self,
-        output: torch.Tensor,
-        grad_output: torch.Tensor,
-        leaves: list[torch.Tensor],
-        fed: list[torch.Tensor],
-        retain: bool,
-    ) -> list[torch.Tensor]:
-        try:
-            grads = torch.autograd.grad(output, leaves, grad_output, retain_graph=retain, allow_unused=True)
-        except GlueError as err:
-            names = {id(m): n for n, m in self.named_explained_modules().items()}
-            if id(err.module) in names:
-                err.add_note(f"LRP: the layer is module {names[id(err.module)]!r}")
-            raise
-        relevances = [
-            leaf.detach() * g if g is not None else torch.zeros_like(leaf)
-            for leaf, g in zip(leaves, grads, strict=True)
-        ]
+    def _finish(self, relevances: list[torch.Tensor], leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         # Token relevance: the relevance of each token's embedding vector, summed over its features.
-        token_indices = [i for i, leaf in enumerate(leaves) if is_embedding_leaf(leaf)]
-        for handle in self._handles or []:
-            for x, rest in handle.pop_records():
-                x = getattr(x, "_tdhook_alias_of", x)
-                # At a fed input, or (carried back through glue before the layer) at its leaf.
-                for i, (model_input, leaf) in enumerate(zip(fed, leaves, strict=True)):
-                    if x is model_input or x is leaf:
-                        relevances[i] = relevances[i] + rest
-        for i in token_indices:
-            relevances[i] = self._tokens.per_token(i, relevances[i])
+        for i, leaf in enumerate(leaves):
+            if is_embedding_leaf(leaf):
+                relevances[i] = self._tokens.per_token(i, relevances[i])
         return relevances + [self._layers.pop(name, leaves[0]) for name in self.layer_keys]
 
     def _write(

@@ -30,10 +30,8 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["MODEL_INPUT", "GlueError", "carry_back", "input_leaves", "rest_records"]
+__all__ = ["GlueError", "carry_back", "input_leaves", "rest_records"]
 
-#: set on the tensors the wrapper feeds the model: relevance recorded at them needs no carrying back.
-MODEL_INPUT = "_tdhook_model_input"
 _LAYER_MARK = "tdhook_layer"  # the autograd metadata key set on Linear and convolution outputs (see base._mark)
 
 
@@ -178,13 +176,22 @@ def carry_back(x: torch.Tensor, relevance: torch.Tensor, who: str) -> list[tuple
     return [(leaves[i], parts[i].view_as(leaf)) for _, leaf, i in used]
 
 
+def _copied_leaf(x: torch.Tensor) -> torch.Tensor | None:
+    """The non-parameter leaf that ``x`` is an unmodified copy of, if it is one."""
+    node = x.grad_fn
+    if type(node).__name__ != "CloneBackward0" or len(node.next_functions) != 1:
+        return None
+    variable = getattr(node.next_functions[0][0], "variable", None)
+    return variable if variable is not None and not isinstance(variable, nn.Parameter) else None
+
+
 def rest_records(
     rule: object, module: nn.Module, x: torch.Tensor, rest: torch.Tensor
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The records of the relevance ``rest`` that ``x * grad`` did not carry at ``module``'s input ``x``.
 
-    A model input (a leaf, a tensor the wrapper fed the model, or an alias of one) keeps all of it, rounding
-    included; an input computed by glue gives what lies at its zero entries to the model inputs through
+    A model input (a leaf, a copy of a leaf as the wrapper feeds the model, or an alias of one) keeps all of it,
+    rounding included; an input computed by glue gives what lies at its zero entries to the model inputs through
     :func:`carry_back`.
 
     Examples:
@@ -193,8 +200,11 @@ def rest_records(
         [(True, tensor([1., 0.]))]
     """
     source = getattr(x, "_tdhook_alias_of", x)
-    if source.grad_fn is None or getattr(source, MODEL_INPUT, False):
+    if source.grad_fn is None:
         return [(x, rest)]
+    copied = _copied_leaf(source)
+    if copied is not None:
+        return [(copied, rest)]
     at_zero = torch.where(x.detach() == 0, rest, 0)
     who = f"{type(rule).__name__} on {type(module).__name__}"
     try:
