@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 
@@ -172,6 +173,8 @@ class LRP(TensorDictModuleBase):
         self._watch_calls = True
         self._plain_gradient: tuple[PlainGradientCall, ...] = ()
         self._last_call: tuple | None = None
+        # One call (and context change) at a time: the rules' per-module state is shared between threads.
+        self._lock = threading.RLock()
 
     def named_explained_modules(self) -> dict[str, nn.Module]:
         """The wrapped model's modules by the names rule mappers and ``layers`` use."""
@@ -194,6 +197,10 @@ class LRP(TensorDictModuleBase):
         return rules
 
     def __enter__(self) -> LRP:
+        with self._lock:
+            return self._enter()
+
+    def _enter(self) -> LRP:
         if self._handles is not None:
             raise RuntimeError("this LRP wrapper's context is already active; leave it before entering again")
         modules = self.named_explained_modules()
@@ -230,16 +237,21 @@ class LRP(TensorDictModuleBase):
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        handles, self._handles = self._handles or [], None
-        try:
-            self._remove(handles)
-        finally:
-            release(self)
+        with self._lock:  # waits for calls of other threads in flight
+            handles, self._handles = self._handles or [], None
+            try:
+                self._remove(handles)
+            finally:
+                release(self)
 
     def __getstate__(self) -> dict:
         if self._handles is not None:
             raise RuntimeError("LRP: leave the wrapper's context before copying or pickling it")
-        return super().__getstate__()
+        return {k: v for k, v in super().__getstate__().items() if k != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._lock = threading.RLock()
 
     def _remove(self, handles: list[RemovableRuleHandle]) -> None:
         for hook in self._hooks:
@@ -252,10 +264,11 @@ class LRP(TensorDictModuleBase):
 
     @dispatch(auto_batch_size=False)
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        if self._handles is None:
-            with self:
-                return self._explain(tensordict)
-        return self._explain(tensordict)
+        with self._lock:  # calls from several threads run one after the other (docs/guarantees.md)
+            if self._handles is None:
+                with self:
+                    return self._explain(tensordict)
+            return self._explain(tensordict)
 
     def _warn_for_stochastic_modules(self) -> None:
         for name, module in self._stochastic:
