@@ -114,3 +114,29 @@ class TestUnreachedInputs(ExpectsARefusal):
         td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
         with pytest.raises(ValueError, match=r"target 'y' does not depend on the explained input 'x'"):
             LRP(module)(td)
+
+
+def test_target_all_holds_the_result_once():
+    """Each unit's relevance is written into its place in the result: memory is the result and one unit, not the
+    result twice (all units, then their stack). Peak resident memory is measured in a fresh process."""
+    import subprocess
+    import sys
+
+    script = """
+import resource, torch
+from torch import nn
+from tensordict import TensorDict
+from tdhook.attribution import LRP
+torch.set_num_threads(1)
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(20000, 8), nn.ReLU(), nn.Linear(8, 20))
+x = torch.randn(64, 20000)
+lrp = LRP(net, in_keys=["x"], out_keys=["y"], target="all")
+lrp(TensorDict(x=x[:2], batch_size=[2]))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = lrp(TensorDict(x=x, batch_size=[64]))["relevance", "x"]
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((after - before) * 1024 / (out.numel() * out.element_size()))
+"""
+    ratio = float(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout)
+    assert ratio < 1.8, f"target='all' grew the peak memory by {ratio:.2f} times its result"

@@ -398,20 +398,27 @@ class LRP(TensorDictModuleBase):
         batched = grad_outputs.dim() > output.dim()
         n_units = grad_outputs.shape[0] if batched else 1
         reached = [False] * len(leaves)
-        per_unit = []
-        # target="all": one backward per output unit over a single forward pass.
+        stacked: list[torch.Tensor] = []
+        # target="all": one backward per output unit over a single forward pass, each written into its place in
+        # the result: no more than the result and one unit's relevance is held at a time.
         for k in range(n_units):
             seeds = [(output, grad_outputs[k] if batched else grad_outputs), *extra]
             relevances, used = leaf_relevance(
                 seeds, leaves, fed, self._handles or [], self.named_explained_modules, retain or k < n_units - 1
             )
             reached = [a or b for a, b in zip(reached, used, strict=True)]
-            per_unit.append(self._finish(relevances, leaves))
+            unit = self._finish(relevances, leaves)
+            if not batched:
+                stacked = unit
+                continue
+            dim = output.dim() - 1
+            if not stacked:
+                stacked = [r.new_empty((*r.shape[:dim], n_units, *r.shape[dim:])) for r in unit]
+            for into, r in zip(stacked, unit, strict=True):
+                into.select(dim, k).copy_(r)
+            del unit, relevances
         raise_for_unreached(key, self.explained_keys, reached)
-        if not batched:
-            return per_unit[0]
-        batch_dims = output.dim() - 1
-        return [torch.stack([unit[i] for unit in per_unit], dim=batch_dims) for i in range(len(per_unit[0]))]
+        return stacked
 
     def _finish(self, relevances: list[torch.Tensor], leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         # Token relevance: the relevance of each token's embedding vector, summed over its features.
