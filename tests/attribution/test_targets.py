@@ -83,10 +83,10 @@ class TestCallableTargets:
         assert expected.abs().min() > 1  # R / ε at the zero output dominates
         torch.testing.assert_close(td["relevance", "x"], expected, rtol=1e-10, atol=1e-10)
 
-    def test_relevance_on_a_zero_output_a_rule_cannot_carry_is_refused(self):
+    def test_relevance_on_a_zero_output_a_rule_cannot_carry_is_named_in_a_warning(self):
         net = torch.nn.Sequential(*self.zero_output_net(), torch.nn.Tanh())
         x = torch.tensor([[2.0, 2.0]], dtype=torch.float64)
-        with pytest.raises(ValueError, match=r"callable target puts relevance on 1 entries of output 'y' that are"):
+        with pytest.warns(UserWarning, match=r"callable target puts relevance 1 on 1 entries of output 'y' that are"):
             explain(net, x, rule_mapper=EpsilonPlus(), target=lambda y: torch.ones_like(y))
 
     def test_a_nan_from_a_callable_target_is_refused_naming_it(self):

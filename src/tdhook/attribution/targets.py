@@ -21,6 +21,7 @@ Examples:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Literal, Union
 
@@ -129,21 +130,21 @@ def zero_output_seeds(
 
     An output produced by a Linear or convolution layer with the ε-rule (LRP-ε, as zennit computes it)
     sends ``R / stabilize(0, ε) = R / ε`` through the layer's own gradient: the seed is the layer's plain
-    output with that gradient. Other producers cannot take relevance at a zero output.
-
-    Raises:
-        ValueError: naming ``key``, when the output does not come straight from such a layer, or ``ε = 0``.
+    output with that gradient. From any other producer (an activation, LRP-0) a zero output carries no
+    relevance through the gradient: a warning names the output and how much relevance is left out.
     """
     call = layer_call_of(output)
     rule = call.rule if call is not None else None
     if isinstance(rule, EpsilonRule) and rule.epsilon > 0 and call.raw.shape == output.shape:
         return [(call.raw, rest / rule.epsilon)]
     made_by = f"{type(call.module).__name__} with {type(rule).__name__}" if call is not None else "its producer"
-    raise ValueError(
-        f"LRP: the callable target puts relevance on {int((rest != 0).sum())} entries of output {key!r} that are "
-        f"exactly 0; {made_by} cannot carry relevance from a zero output (only a Linear or convolution layer "
-        "with the ε-rule, ε > 0, can): put the relevance on non-zero outputs"
+    warnings.warn(
+        f"LRP: the callable target puts relevance {float(rest.sum()):.4g} on {int((rest != 0).sum())} entries of "
+        f"output {key!r} that are exactly 0; {made_by} cannot carry relevance from a zero output (only a Linear "
+        "or convolution layer with the ε-rule, ε > 0, can), so it is left out",
+        stacklevel=4,
     )
+    return []
 
 
 def raise_for_unreached(key: NestedKey, keys: list[NestedKey], reached: list[bool]) -> None:
