@@ -21,7 +21,7 @@ from tdhook.attribution.lrp_helpers.rules import (
     WSquareRule,
     ZBoxRule,
 )
-from tdhook.attribution.rules._glue import GlueError
+from tdhook.attribution.rules import GlueError
 
 F64 = torch.float64
 
