@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, tensorclass
 from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
 from zennit import composites as zcomposites
@@ -233,6 +233,34 @@ class TestBadInput(ExpectsARefusal):
         self.run_and_expect(td, TypeError, "'x' holds integer tokens .torch.int64., which receive relevance")
         td = TensorDict(x=torch.ones(2, 5, dtype=torch.bool), batch_size=[2])
         self.run_and_expect(td, TypeError, "'x' must be a floating-point tensor .or integer tokens")
+
+    def test_inference_mode_is_named(self):
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        with torch.inference_mode():
+            self.run_and_expect(td, RuntimeError, r"torch.inference_mode\(\) is active .* blocks the gradients")
+
+    def test_inputs_made_in_inference_mode_are_explained(self):
+        with torch.inference_mode():
+            x = torch.randn(2, 5, dtype=torch.float64)
+        net = mlp()
+        actual = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]))(TensorDict(x=x, batch_size=[2]))
+        expected = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]))(TensorDict(x=x.clone(), batch_size=[2]))
+        torch.testing.assert_close(actual["relevance", "x"], expected["relevance", "x"])
+
+    def test_a_tensorclass_is_refused_or_explained_by_its_fields(self):
+        @tensorclass
+        class Observation:
+            x: torch.Tensor
+
+        observation = Observation(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        self.run_and_expect(observation, TypeError, r"the input is a tensorclass \(Observation\), whose fields")
+        td = TensorDict(x=observation, batch_size=[2])
+        self.run_and_expect(td, TypeError, r"input key 'x' holds a Observation.*in_keys=\[\('x', 'x'\)\]")
+        net = mlp()
+        module = TensorDictModule(lambda o: net(o.x), in_keys=["x"], out_keys=["y"])
+        out = LRP(module, in_keys=[("x", "x")])(td)
+        expected = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]))(observation.to_tensordict())
+        torch.testing.assert_close(out["relevance", "x", "x"], expected["relevance", "x"])
 
 
 class CountLayerCalls:

@@ -1065,3 +1065,38 @@ class TestLayerRelevance:
         expected = epsilon_by_hand(model, x, 0.1)
         assert relative_error(td["relevance", "0"], expected["0"]) <= 1e-12
         assert relative_error(td["relevance", "x"], expected["x"]) <= 1e-12
+
+
+class CountedLinear(nn.Linear):
+    """A Linear subclass whose forward is its own (it counts its calls)."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).calls += 1
+        return super().forward(x)
+
+
+class InheritedLinear(nn.Linear):
+    """A Linear subclass that keeps nn.Linear's forward."""
+
+
+@pytest.mark.parametrize("kind", [CountedLinear, InheritedLinear])
+def test_a_linear_subclass_under_flat_runs_its_forward_once_more_only_if_it_has_its_own(kind):
+    """Flat's modified pass (on ones, with unit weights) goes through a forward of the layer's own, so that what
+    it does around its linear function is in that pass too; nn.Linear's forward is replaced by F.linear."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)).to(F64)
+    sub = copy.deepcopy(plain)
+    sub[0] = kind(4, 6).to(F64)
+    sub[0].load_state_dict(plain[0].state_dict())
+    x = torch.randn(3, 4, dtype=F64)
+    x[:, 0] = 0.0
+    lrp = LRP(sub, EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        lrp(TensorDict(x=x, batch_size=[3]))  # the first call prepares the rule (a probe call for own forwards)
+        CountedLinear.calls = 0
+        actual = lrp(TensorDict(x=x, batch_size=[3]))["relevance", "x"]
+        assert CountedLinear.calls == (2 if kind is CountedLinear else 0)
+    expected = LRP(plain, EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[3]))
+    torch.testing.assert_close(actual, expected["relevance", "x"], rtol=1e-12, atol=1e-12)

@@ -7,13 +7,19 @@ residual additions), in float64:
 * with zero biases (and BatchNorm without shift), relevance is conserved: the
   input relevance sums to the explained output;
 * a ``[B, T]`` batch gives the same relevance as the flat ``[B·T]`` batch;
-* the model is left exactly as it was.
+* the model is left exactly as it was;
+* an exception or ``KeyboardInterrupt`` raised by a hook at a random module,
+  under a random preset, inside a context or not, leaves the parameters and
+  buffers bit for bit, no hook, and torch's global state (grad mode, torch
+  function switches, the function-mode stack) as before, and the wrapper
+  usable.
 
 The examples are derandomised, so CI runs the same ones every time.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,7 +27,15 @@ from tensordict import TensorDict
 from torch import nn
 
 from tdhook.attribution import LRP
-from tdhook.attribution.lrp_helpers.rules import BaseRuleMapper, EpsilonPlus, EpsilonPlusFlat, IgnoreRule
+from tdhook.attribution.lrp_helpers.rules import (
+    BaseRuleMapper,
+    EpsilonAlpha2Beta1,
+    EpsilonGammaBox,
+    EpsilonPlus,
+    EpsilonPlusFlat,
+    IgnoreRule,
+)
+from tests.attribution.test_lrp_faults import global_state, module_state
 from tests.attribution.test_lrp_reliability import assert_model_unchanged, model_snapshot
 from tests.conftest import relative_error
 
@@ -148,3 +162,57 @@ def test_batch_time_equals_flat_batch_and_model_is_restored(drawn, batch, time, 
     flat = explain(model, x.reshape(batch * time, features), mapper())["relevance", "x"]
     torch.testing.assert_close(nested.reshape(batch * time, features), flat, rtol=1e-12, atol=1e-14)
     assert_model_unchanged(model, before)
+
+
+FAULT_PRESETS = {
+    "LRP-0": lrp0,
+    "EpsilonPlus": EpsilonPlus,
+    "EpsilonPlusFlat": EpsilonPlusFlat,
+    "EpsilonGammaBox": lambda: EpsilonGammaBox(-3.0, 3.0),
+    "EpsilonAlpha2Beta1": EpsilonAlpha2Beta1,
+}
+
+
+class Fault(Exception):
+    """Raised by the test's hook at the drawn module."""
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    st.one_of(mlps().map(lambda drawn: drawn[0]), cnns()),
+    st.sampled_from(sorted(FAULT_PRESETS)),
+    st.integers(0, 10**6),
+    st.sampled_from(["forward hook", "pre-hook", "interrupt"]),
+    st.booleans(),
+)
+def test_a_fault_at_a_random_module_leaves_model_and_torch_state_as_before(model, preset, where, kind, inside):
+    modules = list(model.modules())
+    target = modules[where % len(modules)]
+    features = model[0].in_features if isinstance(model[0], nn.Linear) else None
+    x = torch.randn((3, features) if features else (3, 2, 5, 5), dtype=F64)
+    lrp = LRP(model, FAULT_PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+    expected = lrp(TensorDict(x=x, batch_size=[3]))["relevance", "x"]
+    state, params, torch_state = model.state_dict(), module_state(model), global_state()
+    state = {k: v.clone() for k, v in state.items()}
+    error = KeyboardInterrupt if kind == "interrupt" else Fault
+
+    def hook(*args):
+        raise error
+
+    handle = target.register_forward_pre_hook(hook) if kind == "pre-hook" else target.register_forward_hook(hook)
+    td = TensorDict(x=x, batch_size=[3])
+    try:
+        with pytest.raises(error):
+            if inside:
+                with lrp:
+                    lrp(td)
+            else:
+                lrp(td)
+    finally:
+        handle.remove()
+    assert global_state() == torch_state
+    assert module_state(model) == params  # hooks, forward methods, parameter and buffer identities and versions
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert set(td.keys()) == {"x"}
+    # The wrapper is still usable and gives what it gave before.
+    torch.testing.assert_close(lrp(TensorDict(x=x, batch_size=[3]))["relevance", "x"], expected, rtol=0, atol=0)

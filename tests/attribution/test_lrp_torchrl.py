@@ -17,6 +17,7 @@ from torchrl.modules import (
     ActorValueOperator,
     GRUModule,
     LSTMModule,
+    NoisyLinear,
     OneHotCategorical,
     ProbabilisticActor,
     QValueActor,
@@ -27,7 +28,7 @@ from torchrl.modules import (
 )
 
 from tdhook.attribution import LRP
-from tdhook.attribution.lrp_helpers.rules import EpsilonPlus
+from tdhook.attribution.lrp_helpers.rules import AlphaBetaRule, EpsilonPlus, FirstLayerRule, WSquareRule
 
 F64 = torch.float64
 
@@ -442,3 +443,43 @@ class TestRecurrentPolicies:
             rollout = env.rollout(4, policy=TensorDictSequential(lrp, QValueModule(spec=env.action_spec)))
         assert rollout["relevance", "observation"].shape == rollout["observation"].shape
         assert ("relevance", "is_init") not in rollout.keys(include_nested=True)
+
+
+def test_a_noisy_linear_is_explained_with_the_weights_its_call_used():
+    """NoisyLinear computes with weight_mu + weight_sigma * weight_epsilon in training mode, weight_mu in eval."""
+    torch.manual_seed(0)
+    noisy = nn.Sequential(NoisyLinear(4, 8, std_init=2.0), nn.ReLU(), NoisyLinear(8, 3, std_init=2.0)).double()
+    obs = observations().set("observation", observations()["observation"].double())
+    obs["observation"][:, 0] = 0.0  # w² sets relevance at zero inputs too
+
+    def same_as_linear() -> nn.Sequential:
+        plain = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+        with torch.no_grad():
+            for layer, twin in ((noisy[0], plain[0]), (noisy[2], plain[2])):
+                twin.weight.copy_(layer.weight)
+                twin.bias.copy_(layer.bias)
+        return plain
+
+    def relevance() -> torch.Tensor:
+        return lrp(TensorDict(observation=obs["observation"], batch_size=obs.batch_size))["relevance", "observation"]
+
+    def rules(name: str, module: nn.Module):  # rules that use the weights: w² first, then αβ
+        return FirstLayerRule(WSquareRule(), AlphaBetaRule(2.0, 1.0)) if isinstance(module, nn.Linear) else None
+
+    lrp = LRP(TensorDictModule(noisy, in_keys=["observation"], out_keys=["q"]), rules)
+    with lrp:
+        for step in ("deterministic", "random", "new noise", "eval", "deterministic again"):
+            if step == "new noise":
+                noisy.apply(lambda m: m.reset_noise() if isinstance(m, NoisyLinear) else None)
+            if step == "eval":
+                noisy.eval()
+            # Noise is used when exploring at random (or, for layers built so, in training mode).
+            kind = ExplorationType.RANDOM if step in ("random", "new noise", "eval") else ExplorationType.DETERMINISTIC
+            with set_exploration_type(kind):
+                actual = relevance()
+                twin = same_as_linear()
+            expected = LRP(TensorDictModule(twin, in_keys=["observation"], out_keys=["q"]), rules)(
+                TensorDict(observation=obs["observation"], batch_size=obs.batch_size)
+            )["relevance", "observation"]
+            torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12, msg=step)
+        assert not torch.equal(noisy[0].weight_sigma * noisy[0].weight_epsilon, torch.zeros(8, 4, dtype=F64))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tensordict import MemoryMappedTensor, TensorDict
 from torch import nn
-from torchrl.data import LazyMemmapStorage, ReplayBuffer
+from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
 from torchrl.modules import MLP, QValueActor
 
 from tdhook.attribution import LRP, explain_offline
@@ -77,3 +77,64 @@ def test_bad_rows_and_mismatched_output_are_named(tmp_path):
     explain_offline(lrp, data(10), tmp_path / "b", progress=False)
     with pytest.raises(ValueError, match="has 10 rows, the source 12"):
         explain_offline(lrp, data(12), tmp_path / "b", progress=False)
+
+
+def test_a_prefix_holding_another_memmapped_tensordict_is_refused(tmp_path):
+    lrp = LRP(q_actor(), EpsilonPlus())
+    data(10).memmap_(tmp_path / "data")  # the source itself, say
+    with pytest.raises(ValueError, match=r"'.*data' already holds a memory-mapped TensorDict that explain_offline"):
+        explain_offline(lrp, data(10), tmp_path / "data", progress=False)
+    explain_offline(lrp, data(10), tmp_path / "out", progress=False)
+    other = LRP(q_actor(), EpsilonPlus(), relevance_key="attribution")
+    with pytest.raises(ValueError, match=r"'.*out' already holds another memory-mapped TensorDict"):
+        explain_offline(other, data(10), tmp_path / "out", progress=False)
+
+
+class Interrupt(nn.Module):
+    """Counts the rows it sees; raises KeyboardInterrupt at the call numbered ``at``."""
+
+    def __init__(self, at: int | None) -> None:
+        super().__init__()
+        self.at, self.calls, self.rows = at, 0, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        self.rows += x.shape[0]
+        return x
+
+
+def test_an_interrupted_run_is_visibly_incomplete_and_a_rerun_finishes_only_the_missing_rows(tmp_path):
+    source = data(40)
+    lrp = LRP(q_actor(), EpsilonPlus())
+    expected = lrp(source.clone())["relevance", "observation"]
+    interrupt = Interrupt(at=3)
+    lrp.module.module[0].module.insert(0, interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        explain_offline(lrp, source, tmp_path / "out", batch_size=8, progress=False)
+    partial = TensorDict.load_memmap(tmp_path / "out")
+    assert partial["explained"].tolist() == [True] * 16 + [False] * 24
+    interrupt.at, interrupt.rows = None, 0
+    out = explain_offline(lrp, source, tmp_path / "out", batch_size=8, progress=False)
+    assert interrupt.rows == 24 and bool(out["explained"].all())
+    torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
+    interrupt.rows = 0
+    explain_offline(lrp, source, tmp_path / "out", batch_size=8, progress=False)
+    assert interrupt.rows == 1  # all done: one row is run to check the output is this explanation's
+
+
+@pytest.mark.parametrize("kind", ["tensordict", "buffer"])
+def test_sources_with_two_batch_dimensions(tmp_path, kind):
+    steps = TensorDict(observation=torch.randn(4, 5, 4, dtype=torch.float64), batch_size=[4, 5])
+    lrp = LRP(q_actor(), EpsilonPlus())
+    if kind == "buffer":
+        source = ReplayBuffer(storage=LazyTensorStorage(40, ndim=2))
+        source.extend(steps)
+        rows = source.storage[:].clone()  # the storage's own [N, T] layout
+    else:
+        source = rows = steps
+    out = explain_offline(lrp, source, tmp_path / "out", batch_size=3, progress=False)
+    expected = lrp(rows.clone())["relevance", "observation"]
+    assert out.batch_size == rows.batch_size and expected.shape == (*rows.batch_size, 4)
+    torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
 
+from tdhook.attribution import LRP
 from tdhook.attribution.mappers.presets import EpsilonPlus
 from tests.attribution._helpers import ExpectsARefusal, explain, mlp
 
@@ -68,3 +70,94 @@ class TestDefaultTargetKey:
         alone = TensorDictModule(lambda x: x + 1, in_keys=["observation"], out_keys=[("next", "recurrent_state")])
         result = alone(TensorDict(observation=torch.ones(2, 3), batch_size=[2]))
         assert resolve_target_key(result, None, alone) == ("next", "recurrent_state")
+
+
+def explicit_epsilon_lrp(layers: list[torch.nn.Module], x: torch.Tensor, relevance: torch.Tensor, eps: float):
+    """ε-LRP written out layer by layer (zennit's formula): R_in = a · Wᵀ (R / stabilize(z, ε))."""
+    activations = [x]
+    for layer in layers:
+        activations.append(layer(activations[-1]))
+    for layer, a, z in zip(reversed(layers), reversed(activations[:-1]), reversed(activations[1:]), strict=True):
+        if isinstance(layer, torch.nn.Linear):
+            stabilized = z + eps * torch.where(z >= 0, 1.0, -1.0).to(z.dtype)
+            relevance = a * ((relevance / stabilized) @ layer.weight)
+    return relevance
+
+
+class TestCallableTargets:
+    def zero_output_net(self) -> torch.nn.Sequential:
+        net = torch.nn.Sequential(
+            torch.nn.Linear(2, 2, bias=False), torch.nn.ReLU(), torch.nn.Linear(2, 2, bias=False)
+        ).double()
+        with torch.no_grad():
+            net[0].weight.copy_(torch.tensor([[1.0, 0.5], [0.5, 1.0]]))
+            net[2].weight.copy_(torch.tensor([[1.0, -1.0], [1.0, 2.0]]))
+        return net
+
+    def test_relevance_put_on_an_output_that_is_exactly_zero_is_kept(self):
+        net = self.zero_output_net()
+        x = torch.tensor([[2.0, 2.0], [4.0, 4.0]], dtype=torch.float64)  # equal hidden units: output 0 is exactly 0
+        assert (net(x)[:, 0] == 0).all()
+        start = torch.tensor([[1.0, 0.5], [-2.0, 0.0]], dtype=torch.float64)
+        td = explain(net, x, rule_mapper=EpsilonPlus(epsilon=1e-3), target=lambda y: start.clone())
+        expected = explicit_epsilon_lrp(list(net), x, start, 1e-3)
+        assert expected.abs().min() > 1  # R / ε at the zero output dominates
+        torch.testing.assert_close(td["relevance", "x"], expected, rtol=1e-10, atol=1e-10)
+
+    def test_relevance_on_a_zero_output_a_rule_cannot_carry_is_named_in_a_warning(self):
+        net = torch.nn.Sequential(*self.zero_output_net(), torch.nn.Tanh())
+        x = torch.tensor([[2.0, 2.0]], dtype=torch.float64)
+        with pytest.warns(UserWarning, match=r"callable target puts relevance 1 on 1 entries of output 'y' that are"):
+            explain(net, x, rule_mapper=EpsilonPlus(), target=lambda y: torch.ones_like(y))
+
+    def test_a_nan_from_a_callable_target_is_refused_naming_it(self):
+        def nan_for_the_first_unit(y):
+            return y.clone().index_fill_(-1, torch.tensor([0]), float("nan"))
+
+        with pytest.raises(ValueError, match=r"callable target .*nan_for_the_first_unit returned nan at \(0, 0\)"):
+            explain(mlp(), torch.randn(3, 5, dtype=torch.float64), target=nan_for_the_first_unit)
+
+
+class TestUnreachedInputs(ExpectsARefusal):
+    def test_a_target_that_ignores_an_explained_key_is_refused_naming_both(self):
+        net = mlp()
+        module = TensorDictModule(lambda x, z: net(x), in_keys=["x", "z"], out_keys=["y"])
+        td = TensorDict(
+            x=torch.randn(2, 5, dtype=torch.float64), z=torch.randn(2, 5, dtype=torch.float64), batch_size=[2]
+        )
+        with pytest.raises(ValueError, match=r"target 'y' does not depend on the explained input 'z'"):
+            LRP(module)(td)
+        assert "relevance" not in td.keys()
+
+    def test_an_output_made_of_parameters_alone_is_refused(self):
+        bias = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+        module = TensorDictModule(lambda x: bias.expand(*x.shape[:-1], 3), in_keys=["x"], out_keys=["y"])
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        with pytest.raises(ValueError, match=r"target 'y' does not depend on the explained input 'x'"):
+            LRP(module)(td)
+
+
+def test_target_all_holds_the_result_once():
+    """Each unit's relevance is written into its place in the result: memory is the result and one unit, not the
+    result twice (all units, then their stack). Peak resident memory is measured in a fresh process."""
+    import subprocess
+    import sys
+
+    script = """
+import resource, torch
+from torch import nn
+from tensordict import TensorDict
+from tdhook.attribution import LRP
+torch.set_num_threads(1)
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(20000, 8), nn.ReLU(), nn.Linear(8, 20))
+x = torch.randn(64, 20000)
+lrp = LRP(net, in_keys=["x"], out_keys=["y"], target="all")
+lrp(TensorDict(x=x[:2], batch_size=[2]))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = lrp(TensorDict(x=x, batch_size=[64]))["relevance", "x"]
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((after - before) * 1024 / (out.numel() * out.element_size()))
+"""
+    ratio = float(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout)
+    assert ratio < 1.8, f"target='all' grew the peak memory by {ratio:.2f} times its result"

@@ -4,13 +4,13 @@ along ``split_dim``, or both, over a single forward pass.
 Examples:
     >>> x = torch.tensor([[1.0, 2.0, 3.0]], requires_grad=True)
     >>> y = x.cumsum(-1)  # [1, 3]: position t depends on x[..., :t + 1]
-    >>> seed = torch.ones(1, 3)
-    >>> (relevance,) = backward_passes(lambda s, retain: [x * torch.autograd.grad(y, x, s, retain_graph=retain)[0]],
-    ...                               y, seed, split_dim=1, retain=False)
+    >>> def relevance_of(seed, retain):
+    ...     return [x.detach() * torch.autograd.grad(y, x, seed, retain_graph=retain)[0]]
+    >>> (relevance,) = backward_passes(relevance_of, y, torch.ones(1, 3), split_dim=1, retain=False)
     >>> relevance  # [batch, target position, input position]
     tensor([[[1., 0., 0.],
              [1., 2., 0.],
-             [1., 2., 3.]]], grad_fn=<StackBackward0>)
+             [1., 2., 3.]]])
 """
 
 from __future__ import annotations
@@ -85,26 +85,36 @@ def backward_passes(
     per_unit = grad_outputs.dim() > output.dim()
     seeds = grad_outputs if per_unit else grad_outputs.unsqueeze(0)
     positions: list[int | None] = [None] if split_dim is None else list(range(output.shape[split_dim]))
-    total, done = len(positions) * seeds.shape[0], 0
-    passes = []
-    for position in positions:
-        per_seed = []
-        for seed in seeds:
-            done += 1
-            per_seed.append(
-                relevance_of(
-                    seed if position is None else _at_position(seed, split_dim, position), retain or done < total
-                )
-            )
-        passes.append(per_seed)
+    if not per_unit and split_dim is None:
+        return relevance_of(grad_outputs, retain)
     unit_dim = output.dim() - 1 if split_dim is None else split_dim
+    total, done = len(positions) * seeds.shape[0], 0
+    # Each pass is written into its place in the result: no more than the result and one pass are held at a time.
+    results: list[torch.Tensor | None] | None = None
+    for p, position in enumerate(positions):
+        for k, seed in enumerate(seeds):
+            done += 1
+            seed = seed if position is None else _at_position(seed, split_dim, position)
+            relevances = relevance_of(seed, retain or done < total)
+            if results is None:
+                results = [
+                    None if r is None else _allocate(r, per_unit, len(seeds), unit_dim, split_dim, len(positions))
+                    for r in relevances
+                ]
+            for into, r in zip(results, relevances, strict=True):
+                if r is not None:
+                    view = into if position is None else into.select(split_dim, p)
+                    (view.select(unit_dim, k) if per_unit else view).copy_(r)
+            del relevances
+    return results
 
-    def combined(i: int) -> torch.Tensor | None:
-        if passes[0][0][i] is None:  # an input this call does not explain
-            return None
-        per_position = [
-            torch.stack([s[i] for s in per_seed], unit_dim) if per_unit else per_seed[0][i] for per_seed in passes
-        ]
-        return per_position[0] if split_dim is None else torch.stack(per_position, split_dim)
 
-    return [combined(i) for i in range(len(passes[0][0]))]
+def _allocate(
+    like: torch.Tensor, per_unit: bool, n_units: int, unit_dim: int, split_dim: int | None, n_positions: int
+) -> torch.Tensor:
+    shape = list(like.shape)
+    if per_unit:
+        shape.insert(unit_dim, n_units)
+    if split_dim is not None:
+        shape.insert(split_dim, n_positions)
+    return like.new_empty(shape)

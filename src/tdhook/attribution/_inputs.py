@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDictBase, is_tensorclass
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torchrl.modules import GRUModule, LSTMModule
@@ -34,7 +34,6 @@ __all__ = [
     "describe",
     "explained_in_call",
     "feed_inputs",
-    "leaf_relevances",
     "optional_inputs",
     "validate_inputs",
 ]
@@ -99,14 +98,33 @@ def validate_inputs(tensordict: TensorDictBase, keys: Sequence[NestedKey]) -> No
 
     Raises:
         KeyError: an input is missing.
-        TypeError: an input is not a floating-point or integer tensor.
+        TypeError: an input is not a floating-point or integer tensor (a tensorclass or TensorDict is named
+            with its entries' keys), or the TensorDict is a tensorclass (its fields cannot take the results).
+        RuntimeError: ``torch.inference_mode()`` is active: no gradient, so no relevance.
     """
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "LRP: torch.inference_mode() is active around the call; inference mode blocks the gradients that "
+            "relevance is computed from: call the wrapper outside it (torch.no_grad() around it is fine)"
+        )
+    if is_tensorclass(tensordict):
+        raise TypeError(
+            f"LRP: the input is a tensorclass ({type(tensordict).__name__}), whose fields are fixed, so the outputs "
+            "and relevance keys cannot be written into it; pass a TensorDict (tc.to_tensordict(), or a TensorDict "
+            "holding the tensorclass)"
+        )
     for key in keys:
         value = tensordict.get(key, None)
         if value is None:
             raise KeyError(
                 f"LRP: input key {key!r} is missing from the TensorDict "
                 f"(keys: {sorted(map(str, tensordict.keys(include_nested=True, leaves_only=True)))})"
+            )
+        if is_tensorclass(value) or isinstance(value, TensorDictBase):
+            fields = sorted(map(str, value.keys(include_nested=True, leaves_only=True)))[:4]
+            raise TypeError(
+                f"LRP: input key {key!r} holds a {type(value).__name__}, not a tensor; explain its floating-point "
+                f"entries by their nested keys, for example in_keys={[(key, f) for f in fields]!r}"
             )
         if not isinstance(value, torch.Tensor) or value.dtype == torch.bool or value.is_complex():
             dtype = getattr(value, "dtype", type(value).__name__)
@@ -147,33 +165,13 @@ def feed_inputs(
         if not value.is_floating_point():
             work.set(key, tokens.feed(i, value, leaves, fed))
             continue
+        if value.is_inference():  # made under torch.inference_mode(): a normal copy can require grad
+            value = value.clone()
         leaf = value.detach().requires_grad_(True)
         fed.append(leaf.clone())
         work.set(key, fed[-1])
         leaves.append(leaf)
     return leaves, fed
-
-
-def leaf_relevances(
-    output: torch.Tensor, grad_output: torch.Tensor, leaves: Sequence[torch.Tensor | None], retain: bool
-) -> list[torch.Tensor | None]:
-    """Each leaf times its gradient from ``output`` seeded with ``grad_output`` (zeros where none reaches it);
-    ``None`` for a leaf that is ``None`` (an input the call does not explain, see :func:`explained_in_call`).
-
-    Examples:
-        >>> x = torch.tensor([2.0], requires_grad=True)
-        >>> leaf_relevances(3 * x, torch.ones(1), [x, None], retain=False)
-        [tensor([6.]), None]
-    """
-    taken = [leaf for leaf in leaves if leaf is not None]
-    grads = iter(torch.autograd.grad(output, taken, grad_output, retain_graph=retain, allow_unused=True))
-    relevances: list[torch.Tensor | None] = []
-    for leaf in leaves:
-        grad = None if leaf is None else next(grads)
-        if leaf is not None:
-            grad = torch.zeros_like(leaf) if grad is None else grad
-        relevances.append(None if leaf is None else leaf.detach() * grad)
-    return relevances
 
 
 def describe(value: Any) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
+import threading
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -13,6 +13,7 @@ from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
 from tdhook.attribution._agents import agent_by_agent
+from tdhook.attribution._backward import leaf_relevance
 from tdhook.attribution._backward_passes import backward_passes, check_split_dim
 from tdhook.attribution._context import claim, release, suspend_function_modes_in
 from tdhook.attribution._copies import hide_from_copies
@@ -21,7 +22,6 @@ from tdhook.attribution._inputs import (
     describe,
     explained_in_call,
     feed_inputs,
-    leaf_relevances,
     optional_inputs,
     validate_inputs,
 )
@@ -29,6 +29,7 @@ from tdhook.attribution._keys import layer_keys, read_not_written, relevance_key
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action
+from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
 from tdhook.attribution._rule_use import RuleUse
 from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
 from tdhook.attribution._writes import model_updates, set_all_or_nothing
@@ -36,7 +37,14 @@ from tdhook.attribution.coverage import Coverage
 from tdhook.attribution.mappers.base import BaseRuleMapper, RuleMapper
 from tdhook.attribution.rules._scopes import closing_scopes
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
-from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key
+from tdhook.attribution.targets import (
+    Target,
+    initial_relevance,
+    named_targets,
+    raise_for_unreached,
+    resolve_target_key,
+    zero_output_seeds,
+)
 
 __all__ = ["LRP"]
 
@@ -196,6 +204,8 @@ class LRP(TensorDictModuleBase):
         self._coverage = CoverageRecorder()
         self.split_dim = split_dim
         self._split_dim: int | None = None
+        # One call (and context change) at a time: the rules' per-module state is shared between threads.
+        self._lock = threading.RLock()
 
     def named_explained_modules(self) -> dict[str, nn.Module]:
         """The wrapped model's modules by the names rule mappers and ``layers`` use."""
@@ -218,6 +228,10 @@ class LRP(TensorDictModuleBase):
         return rules
 
     def __enter__(self) -> LRP:
+        with self._lock:
+            return self._enter()
+
+    def _enter(self) -> LRP:
         if self._handles is not None:
             raise RuntimeError("this LRP wrapper's context is already active; leave it before entering again")
         modules = self.named_explained_modules()
@@ -251,20 +265,25 @@ class LRP(TensorDictModuleBase):
             raise
         self._handles = handles
         self._rule_use.reset()
-        self._stochastic = [(n, m) for n, m in modules.items() if isinstance(m, nn.Dropout) and m.p > 0]
+        self._stochastic = random_modules(modules)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        handles, self._handles = self._handles or [], None
-        try:
-            self._remove(handles)
-        finally:
-            release(self)
+        with self._lock:  # waits for calls of other threads in flight
+            handles, self._handles = self._handles or [], None
+            try:
+                self._remove(handles)
+            finally:
+                release(self)
 
     def __getstate__(self) -> dict:
         if self._handles is not None:
             raise RuntimeError("LRP: leave the wrapper's context before copying or pickling it")
-        return super().__getstate__()
+        return {k: v for k, v in super().__getstate__().items() if k != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._lock = threading.RLock()
 
     def _remove(self, handles: list[RemovableRuleHandle]) -> None:
         for hook in self._hooks:
@@ -277,26 +296,16 @@ class LRP(TensorDictModuleBase):
 
     @dispatch(auto_batch_size=False)
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        if self._handles is None:
-            with self:
-                return self._explain(tensordict)
-        return self._explain(tensordict)
-
-    def _warn_for_stochastic_modules(self) -> None:
-        for name, module in self._stochastic:
-            if module.training:
-                warnings.warn(
-                    f"LRP: module {name!r} ({type(module).__name__}, p={module.p}) is in training mode, so the "
-                    "relevance is random from call to call; call .eval() on the model for a deterministic explanation",
-                    stacklevel=4,
-                )
-                self._stochastic = []  # once per context
-                return
+        with self._lock:  # calls from several threads run one after the other (docs/guarantees.md)
+            if self._handles is None:
+                with self:
+                    return self._explain(tensordict)
+            return self._explain(tensordict)
 
     def _explain(self, tensordict: TensorDictBase) -> TensorDictBase:
         explained = explained_in_call(tensordict, self.explained_keys, self._defaulted_inputs, self._optional_inputs)
         validate_inputs(tensordict, [key for key, e in zip(self.explained_keys, explained, strict=True) if e])
-        self._warn_for_stochastic_modules()
+        self._stochastic = warn_for_random_modules("LRP", self._stochastic)  # once per context
         work = tensordict.copy()
         self._layers.clear()
         self._tokens.clear()
@@ -344,18 +353,15 @@ class LRP(TensorDictModuleBase):
                     target = self.target
                     if target is None:  # a masked policy explains an allowed action
                         target = allowed_action(self.targets[name][1], target_key, result, tensordict)
-                    grad_outputs = initial_gradient(output, target, target_key, tensordict.batch_dims)
+                    grad_outputs, at_zero = initial_relevance(output, target, target_key, tensordict.batch_dims)
+                    extra = zero_output_seeds(output, at_zero, target_key) if at_zero is not None else []
                     self._split_dim = check_split_dim(self.split_dim, output, target_key, tensordict.batch_dims)
                     if calls is not None and position == len(names) - 1:
                         targets = [result.get(resolve_target_key(result, *self.targets[n])) for n in names]
                         strict = bool(getattr(self.rule_mapper, "strict", False))
                         self._coverage.report(calls, targets, self.named_explained_modules(), strict)
                     retain = position < len(names) - 1  # the next target reuses this forward pass
-
-                    def relevance_of(seed: torch.Tensor, keep: bool) -> list[torch.Tensor]:
-                        return self._relevance(output, seed, leaves, fed, retain=keep)
-
-                    relevances += backward_passes(relevance_of, output, grad_outputs, self._split_dim, retain)
+                    relevances += self._backward(output, grad_outputs, leaves, fed, retain, target_key, extra)
                     seeds.append((name, output.detach(), grad_outputs))
         finally:
             self._layers.clear()
@@ -387,25 +393,39 @@ class LRP(TensorDictModuleBase):
         """
         return self._coverage.coverage(len(self.explained_keys), len(self.layer_keys), self._split_dim)
 
-    def _relevance(
+    def _backward(
         self,
         output: torch.Tensor,
-        grad_output: torch.Tensor,
-        leaves: list[torch.Tensor],
+        grad_outputs: torch.Tensor,
+        leaves: list[torch.Tensor | None],
         fed: list[torch.Tensor],
         retain: bool,
-    ) -> list[torch.Tensor]:
-        relevances = leaf_relevances(output, grad_output, leaves, retain)
+        key: NestedKey,
+        extra: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> list[torch.Tensor | None]:
+        if extra and self._split_dim is not None:
+            raise ValueError(
+                f"LRP: target {key!r}: split_dim cannot split relevance a callable target puts on outputs that are "
+                "exactly 0 (they are carried by the layers before the output); use target=None, an index or 'all'"
+            )
+        reached = [leaf is None for leaf in leaves]  # an input the call does not explain needs no path
+
+        def relevance_of(seed: torch.Tensor, keep: bool) -> list[torch.Tensor | None]:
+            relevances, used = leaf_relevance(
+                [(output, seed), *extra], leaves, fed, self._handles or [], self.named_explained_modules, keep
+            )
+            reached[:] = [a or b for a, b in zip(reached, used, strict=True)]
+            return self._finish(relevances, leaves)
+
+        stacked = backward_passes(relevance_of, output, grad_outputs, self._split_dim, retain)
+        raise_for_unreached(key, self.explained_keys, reached)
+        return stacked
+
+    def _finish(self, relevances: list[torch.Tensor | None], leaves: list[torch.Tensor | None]) -> list:
         # Token relevance: the relevance of each token's embedding vector, summed over its features.
-        token_indices = [i for i, leaf in enumerate(leaves) if is_embedding_leaf(leaf)]
-        for handle in self._handles or []:
-            for x, rest in handle.pop_records():
-                x = getattr(x, "_tdhook_alias_of", x)
-                for i, model_input in enumerate(fed):
-                    if x is model_input:
-                        relevances[i] = relevances[i] + rest
-        for i in token_indices:
-            relevances[i] = self._tokens.per_token(i, relevances[i])
+        for i, leaf in enumerate(leaves):
+            if leaf is not None and is_embedding_leaf(leaf):
+                relevances[i] = self._tokens.per_token(i, relevances[i])
         like = next(leaf for leaf in leaves if leaf is not None)
         return relevances + [self._layers.pop(name, like) for name in self.layer_keys]
 

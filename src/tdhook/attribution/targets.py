@@ -21,6 +21,7 @@ Examples:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Literal, Union
 
@@ -31,8 +32,18 @@ from tensordict.utils import NestedKey, unravel_key
 
 from tdhook.attribution._policy_targets import actor_and_critic
 from tdhook.attribution.rules._numerics import safe_divide
+from tdhook.attribution.rules.base import layer_call_of
+from tdhook.attribution.rules.basic import EpsilonRule
 
-__all__ = ["Target", "initial_gradient", "named_targets", "resolve_target_key"]
+__all__ = [
+    "Target",
+    "initial_gradient",
+    "initial_relevance",
+    "named_targets",
+    "raise_for_unreached",
+    "resolve_target_key",
+    "zero_output_seeds",
+]
 
 Target = Union[None, int, torch.Tensor, Callable[[torch.Tensor], torch.Tensor], Literal["all"]]
 
@@ -66,17 +77,96 @@ def initial_gradient(output: torch.Tensor, target: Target, key: NestedKey, batch
         ...
         IndexError: LRP: target 2 is out of range for output 'q' with 2 units in its last dimension
     """
+    return initial_relevance(output, target, key, batch_dims)[0]
+
+
+def initial_relevance(
+    output: torch.Tensor, target: Target, key: NestedKey, batch_dims: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`initial_gradient`, and the relevance a callable target put on outputs that are exactly zero.
+
+    ``output * g`` cannot carry relevance where ``output`` is zero; that part is returned separately
+    (``None`` when there is none) for :func:`zero_output_seeds`.
+
+    Raises:
+        ValueError: a callable target returned NaN or ±inf where the output is finite (where the output
+            itself is not finite, the relevance of that sample follows it, as with the other targets).
+
+    Examples:
+        >>> out = torch.tensor([[2.0, 0.0]])
+        >>> initial_relevance(out, lambda o: torch.ones_like(o), "q", 1)
+        (tensor([[0.5000, 0.0000]]), tensor([[0., 1.]]))
+    """
     out = output.detach()
+    if not callable(target):
+        return _initial_gradient(out, target, key, batch_dims), None
+    relevance = target(out)
+    if not isinstance(relevance, torch.Tensor) or relevance.shape != out.shape:
+        raise ValueError(
+            f"LRP: a callable target must return a tensor shaped like output {key!r} {tuple(out.shape)}, "
+            f"got {getattr(relevance, 'shape', type(relevance).__name__)}"
+        )
+    relevance = relevance.detach().to(out.dtype)
+    bad = ~relevance.isfinite() & out.isfinite()
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"LRP: the callable target {_name(target)} returned {relevance[where].item()} at {where} for output "
+            f"{key!r}, where the output is {out[where].item()}; a target's relevance must be finite"
+        )
+    at_zero = (out == 0) & (relevance != 0)
+    rest = torch.where(at_zero, relevance, 0) if bool(at_zero.any()) else None
+    return safe_divide(relevance, out).to(out.dtype), rest
+
+
+def _name(target: Callable) -> str:
+    return getattr(target, "__qualname__", None) or type(target).__name__
+
+
+def zero_output_seeds(
+    output: torch.Tensor, rest: torch.Tensor, key: NestedKey
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Where the backward pass starts for relevance ``rest`` put on outputs that are exactly zero.
+
+    An output produced by a Linear or convolution layer with the ε-rule (LRP-ε, as zennit computes it)
+    sends ``R / stabilize(0, ε) = R / ε`` through the layer's own gradient: the seed is the layer's plain
+    output with that gradient. From any other producer (an activation, LRP-0) a zero output carries no
+    relevance through the gradient: a warning names the output and how much relevance is left out.
+    """
+    call = layer_call_of(output)
+    rule = call.rule if call is not None else None
+    if isinstance(rule, EpsilonRule) and rule.epsilon > 0 and call.raw.shape == output.shape:
+        return [(call.raw, rest / rule.epsilon)]
+    made_by = f"{type(call.module).__name__} with {type(rule).__name__}" if call is not None else "its producer"
+    warnings.warn(
+        f"LRP: the callable target puts relevance {float(rest.sum()):.4g} on {int((rest != 0).sum())} entries of "
+        f"output {key!r} that are exactly 0; {made_by} cannot carry relevance from a zero output (only a Linear "
+        "or convolution layer with the ε-rule, ε > 0, can), so it is left out",
+        stacklevel=4,
+    )
+    return []
+
+
+def raise_for_unreached(key: NestedKey, keys: list[NestedKey], reached: list[bool]) -> None:
+    """Raise when the target ``key`` does not depend on some explained input.
+
+    Examples:
+        >>> raise_for_unreached("q", ["obs", "mask"], [True, False])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: LRP: target 'q' does not depend on the explained input 'mask'; ...
+    """
+    for input_key, was_reached in zip(keys, reached, strict=True):
+        if not was_reached:
+            raise ValueError(
+                f"LRP: target {key!r} does not depend on the explained input {input_key!r}; its relevance would be "
+                "zero everywhere: leave it out of in_keys, or explain an output that reads it"
+            )
+
+
+def _initial_gradient(out: torch.Tensor, target: Target, key: NestedKey, batch_dims: int) -> torch.Tensor:
     has_units = out.dim() > batch_dims
     n_units = out.shape[-1] if has_units else 1
-    if callable(target):
-        relevance = target(out)
-        if not isinstance(relevance, torch.Tensor) or relevance.shape != out.shape:
-            raise ValueError(
-                f"LRP: a callable target must return a tensor shaped like output {key!r} {tuple(out.shape)}, "
-                f"got {getattr(relevance, 'shape', type(relevance).__name__)}"
-            )
-        return safe_divide(relevance, out).to(out.dtype)
     if isinstance(target, str):
         if target != "all":
             raise ValueError(f"LRP: target must be None, an int, a LongTensor, a callable or 'all', got {target!r}")

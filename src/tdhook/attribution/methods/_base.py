@@ -22,7 +22,6 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +34,7 @@ from torch import nn
 from tdhook.attribution._inputs import describe, feed_inputs, validate_inputs
 from tdhook.attribution._keys import relevance_keys
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
+from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
 from tdhook.attribution._tokens import TokenInputs
 from tdhook.attribution._writes import model_updates, set_all_or_nothing
 from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key
@@ -184,17 +184,9 @@ class AttributionMethod(TensorDictModuleBase):
 
     def _warn_for_random_modules(self) -> None:
         """Warn, once per wrapper, if a dropout module in training mode makes every forward pass draw anew."""
-        if self._warned:
-            return
-        for name, sub in self.named_explained_modules().items():
-            if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0 and sub.training:
-                self._warned = True
-                warnings.warn(
-                    f"{type(self).__name__}: module {name!r} ({type(sub).__name__}, p={sub.p}) is in training mode, "
-                    "so each forward pass drops other units and the attribution is random; call .eval() on the model",
-                    stacklevel=4,
-                )
-                return
+        if not self._warned:
+            modules = random_modules(self.named_explained_modules())
+            self._warned = warn_for_random_modules(type(self).__name__, modules) != modules
 
     def _per_unit(self, call: Call, attribution: torch.Tensor) -> torch.Tensor:
         attribution = attribution.detach()

@@ -13,6 +13,7 @@ One family of rules per module: :mod:`~tdhook.attribution.rules.base` (what a ru
 """
 
 from tdhook.attribution.rules._autograd import redirect, relevance_proxy, scale_gradient
+from tdhook.attribution.rules._glue import GlueError
 from tdhook.attribution.rules._numerics import stabilize
 from tdhook.attribution.rules.additions import StabilizedAdditions
 from tdhook.attribution.rules.base import (
@@ -51,6 +52,7 @@ from tdhook.attribution.rules.transformer import (
 )
 
 __all__ = [
+    "GlueError",
     "stabilize",
     "redirect",
     "relevance_proxy",

@@ -214,6 +214,13 @@ def _probe_input(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     return weight.new_zeros(1, module.in_channels, *extent)
 
 
+def _has_weight_property(module: nn.Module) -> bool:
+    """Whether the layer's class computes ``weight`` in a property of its own (not a parametrization's)."""
+    return isinstance(getattr(type(module), "weight", None), property) and not nn.utils.parametrize.is_parametrized(
+        module
+    )
+
+
 def effective_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
     """The weight and bias a Linear or convolution layer really computes with, detached.
 
@@ -222,8 +229,10 @@ def effective_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
     is parametrized (``weight_norm``, ``spectral_norm``, ``orthogonal``) or computed
     by a hook (the older ``torch.nn.utils.weight_norm`` and ``spectral_norm``) is run
     once on a probe input, in eval mode and without its hooks, and the weight and
-    bias it hands to ``F.conv2d`` (or ``F.linear``, …) are taken. Nothing in the
-    module changes.
+    bias it hands to ``F.conv2d`` (or ``F.linear``, …) are taken. A layer whose
+    weight is a property (torchrl's ``NoisyLinear``, noisy in training mode or
+    under a random exploration type) gives what that property returns now. Nothing in the module
+    changes.
 
     Examples:
         >>> from torch.nn.utils.parametrizations import weight_norm
@@ -232,6 +241,11 @@ def effective_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
         >>> torch.equal(params["weight"], layer.weight.detach()), sorted(params)
         (True, ['bias', 'weight'])
     """
+    if _has_weight_property(module):
+        # A weight computed from parameters and buffers on each access, as the forward reads it, in the layer's
+        # current mode: torchrl's NoisyLinear gives weight_mu + weight_sigma * weight_epsilon when it explores.
+        computed = {"weight": module.weight, "bias": getattr(module, "bias", None)}
+        return {name: tensor.detach() for name, tensor in computed.items() if isinstance(tensor, torch.Tensor)}
     own = dict(module.named_parameters(recurse=False))
     if _has_plain_forward(module) and isinstance(own.get("weight"), nn.Parameter):
         return {name: param.detach() for name, param in own.items()}

@@ -15,6 +15,7 @@ is registered, again only when the module's parameters change (see
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -26,7 +27,7 @@ from torch import nn
 
 from tdhook.attribution.rules._autograd import raise_for_vmap
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
-from tdhook.attribution.rules._layers import LINEAR_LAYERS
+from tdhook.attribution.rules._layers import LINEAR_LAYERS, _has_weight_property
 from tdhook.attribution.rules._scopes import pop, push
 
 __all__ = [
@@ -151,13 +152,18 @@ def _zeroing(names: Sequence[str]) -> ParamModifier:
 _UNPREPARED = object()
 
 
+_NEVER_THE_SAME = itertools.count()
+
+
 def parameter_fingerprint(module: nn.Module) -> tuple[int, ...]:
     """What tells whether ``module``'s parameters and buffers (its children's included) still hold the values seen.
 
     For each tensor: its identity, its version counter (raised by every in-place
     write: ``optimizer.step()``, ``weight.mul_(2)``) and its storage (new after
-    ``weight.data = ...``). A parameter replaced by another changes the identity.
-    Cheap enough to check at every call of a ruled layer.
+    ``weight.data = ...``). A parameter replaced by another changes the identity,
+    and a switch between training and eval mode changes the fingerprint; a layer
+    whose weight is a property has a new fingerprint at every call. Cheap enough
+    to check at every call of a ruled layer.
 
     Examples:
         >>> lin = nn.Linear(2, 2)
@@ -173,7 +179,11 @@ def parameter_fingerprint(module: nn.Module) -> tuple[int, ...]:
         tensors = [*module.parameters(), *module.buffers()]
     else:
         tensors = [*module._parameters.values(), *module._buffers.values()]
-    fingerprint: list[int] = []
+    # The mode too (a layer's weight may depend on it); a weight computed by a property on each access
+    # (torchrl's NoisyLinear: noise or not by training mode or by the global exploration type) is never the same.
+    fingerprint: list[int] = [module.training]
+    if _has_weight_property(module):
+        fingerprint.append(next(_NEVER_THE_SAME))
     for tensor in tensors:
         if tensor is not None and not nn.parameter.is_lazy(tensor):
             fingerprint += (id(tensor), tensor._version, tensor.data_ptr())

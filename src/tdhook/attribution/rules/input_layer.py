@@ -14,6 +14,7 @@ from torch import nn
 
 from tdhook.attribution.rules._arguments import bounds
 from tdhook.attribution.rules._autograd import is_plain_gradient, may_overwrite
+from tdhook.attribution.rules._glue import rest_records
 from tdhook.attribution.rules._input_gradients import (
     direct_input_gradient,
     direct_input_gradients,
@@ -112,7 +113,7 @@ class _DirectInputRule(_ModifiedForwardRule):
         with torch.no_grad():
             grad_x = safe_divide(relevance, value)
         # The gradient carries R = x * grad_x; what it cannot carry (where x = 0) is recorded.
-        registration.records.append((x, relevance - value * grad_x))
+        registration.records.extend(rest_records(self, module, x, relevance - value * grad_x))
         return grad_x
 
 

@@ -1,0 +1,68 @@
+"""One backward pass of a call: the relevance of the explained inputs' leaves, records added back.
+
+The gradient carries ``leaf * grad``; what it cannot carry (relevance a rule
+set at zero inputs, recorded on the rule's registration) is added to the input
+it was recorded at, or, carried back through glue, at the input's leaf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from tdhook.attribution.rules._glue import GlueError
+from tdhook.attribution.rules.base import RemovableRuleHandle
+
+__all__ = ["leaf_relevance"]
+
+
+def leaf_relevance(
+    seeds: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    leaves: list[torch.Tensor | None],
+    fed: list[torch.Tensor],
+    handles: Sequence[RemovableRuleHandle],
+    modules: Callable[[], dict[str, nn.Module]],
+    retain: bool,
+) -> tuple[list[torch.Tensor | None], list[bool]]:
+    """The relevance of each leaf for the backward pass started at ``seeds``, and whether the leaf was reached
+    (``None`` and reached for a leaf that is ``None``: an input the call does not explain).
+
+    Args:
+        seeds: ``(tensor, gradient)`` pairs the backward pass starts from (the target output first).
+        leaves: the explained inputs' leaves (``None`` for an input the call does not explain).
+        fed: the tensors fed to the model, one per leaf.
+        handles: the rule handles of the context, whose records are popped.
+        modules: the model's modules by name, for naming a layer in an error.
+        retain: whether the graph is kept for a later backward pass.
+
+    Examples:
+        >>> leaf = torch.tensor([1.0, 2.0], requires_grad=True)
+        >>> fed = leaf.clone()
+        >>> relevance, reached = leaf_relevance([(fed * 3, torch.ones(2))], [leaf], [fed], [], dict, False)
+        >>> relevance, reached
+        ([tensor([3., 6.])], [True])
+    """
+    tensors, grads_out = zip(*seeds, strict=True)
+    taken = [leaf for leaf in leaves if leaf is not None]
+    try:
+        taken_grads = iter(torch.autograd.grad(tensors, taken, grads_out, retain_graph=retain, allow_unused=True))
+    except GlueError as err:
+        names = {id(m): n for n, m in modules().items()}
+        if id(err.module) in names:
+            err.add_note(f"LRP: the layer is module {names[id(err.module)]!r}")
+        raise
+    grads = [None if leaf is None else next(taken_grads) for leaf in leaves]
+    relevances: list[torch.Tensor | None] = [
+        None if leaf is None else leaf.detach() * g if g is not None else torch.zeros_like(leaf)
+        for leaf, g in zip(leaves, grads, strict=True)
+    ]
+    for handle in handles:
+        for x, rest in handle.pop_records():
+            x = getattr(x, "_tdhook_alias_of", x)
+            # At a fed input, or (carried back through glue before the layer) at its leaf.
+            for i, (model_input, leaf) in enumerate(zip(fed, leaves, strict=True)):
+                if leaf is not None and (x is model_input or x is leaf):
+                    relevances[i] = relevances[i] + rest
+    return relevances, [leaf is None or g is not None for leaf, g in zip(leaves, grads, strict=True)]

@@ -1,0 +1,214 @@
+"""Relevance set directly at a layer's input, carried back through the glue between the model inputs and that layer.
+
+The input-layer rules (Flat, w², z^B) and the Uniform rule give relevance to
+input positions whose value is zero, where ``x * grad`` cannot carry it. The
+wrapper adds it back to the explained input it belongs to. When glue sits
+between the explained input ``u`` and the layer's input ``x`` (a normaliser
+``(u - mean) / std``, a scaling step of a ``TensorDictSequential``, a reshape,
+a concatenation of observation keys), :func:`carry_back` maps it onto ``u``:
+
+* each position ``i`` of ``x`` that depends on exactly one position ``π(i)``
+  of the inputs (``x_i = a_i u_π(i) + b_i`` near the call: element-wise affine
+  maps, reshapes, permutations, slices, concatenations, broadcasts) gives its
+  relevance to that position; a broadcast input collects the relevance of all
+  its copies, so the sum is kept;
+* a position that depends on no input (padding, a constant) keeps its
+  relevance for that constant, as a bias does: it is not an input's;
+* a position that depends on several input positions at once (a sum of two
+  inputs, a matrix product, a mean) has no single owner: :class:`GlueError`.
+
+The positions are read from the glue's Jacobian ``J`` with forward products
+``J p`` (computed as double backward passes through the glue only) for probes
+``p`` holding each input position's index digits; a last probe checks that
+every row has one owner.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+__all__ = ["GlueError", "carry_back", "input_leaves", "rest_records"]
+
+_LAYER_MARK = "tdhook_layer"  # the autograd metadata key set on Linear and convolution outputs (see base._mark)
+
+
+class GlueError(ValueError):
+    """Relevance at a layer's input that cannot be given to the explained inputs position by position.
+
+    ``module`` is the layer whose rule set the relevance.
+    """
+
+    def __init__(self, message: str, module: nn.Module | None = None) -> None:
+        super().__init__(message)
+        self.module = module
+
+
+def input_leaves(x: torch.Tensor) -> tuple[list[torch.Tensor], bool]:
+    """The non-parameter leaves ``x`` is computed from, and whether its graph also passes through a layer.
+
+    Examples:
+        >>> u = torch.ones(2, requires_grad=True)
+        >>> leaves, through_layer = input_leaves(u / 2 + 1)
+        >>> leaves[0] is u, through_layer
+        (True, False)
+    """
+    if x.grad_fn is None:
+        return ([x] if x.requires_grad and not isinstance(x, nn.Parameter) else []), False
+    leaves: dict[int, torch.Tensor] = {}
+    through_layer = False
+    stack, seen = [x.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node.metadata.get(_LAYER_MARK, False):
+            through_layer = True
+            continue
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            if not isinstance(variable, nn.Parameter):
+                leaves.setdefault(id(variable), variable)
+            continue
+        stack.extend(fn for fn, _ in node.next_functions)
+    return list(leaves.values()), through_layer
+
+
+def _digits(dtype: torch.dtype) -> int:
+    """The base of the index digits a forward product in ``dtype`` gives back exactly enough to round."""
+    mantissa = round(-math.log2(torch.finfo(dtype).eps)) + 1
+    return 2 ** max(2, min(20, mantissa - 4))
+
+
+def carry_back(x: torch.Tensor, relevance: torch.Tensor, who: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``relevance`` of the non-leaf layer input ``x``, given to the leaves ``x`` was computed from.
+
+    Args:
+        x: the layer's input, computed from the model inputs by glue (no Linear or convolution layer between).
+        relevance: relevance shaped like ``x``.
+        who: the rule and module, for error messages.
+
+    Returns:
+        ``(leaf, relevance of leaf)`` pairs, one per leaf ``x`` depends on; the sum of the relevance is kept
+        except at positions that depend on no leaf.
+
+    Raises:
+        GlueError: a position holding relevance depends on several input positions, or the glue's
+            Jacobian cannot be read (a rule inside the glue whose backward is not differentiable).
+
+    Examples:
+        >>> u = torch.tensor([[0.0, 4.0]], requires_grad=True)
+        >>> x = (u - 1.0) / 2.0
+        >>> [(leaf is u, r) for leaf, r in carry_back(x, torch.tensor([[3.0, 0.0]]), "FlatRule on Linear")]
+        [(True, tensor([[3., 0.]]))]
+        >>> carry_back(u[:, :1] + u[:, 1:], torch.tensor([[1.0]]), "FlatRule on Linear")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        tdhook.attribution.rules._glue.GlueError: FlatRule on Linear: the layer's input at position (0, 0) ...
+    """
+    leaves, through_layer = input_leaves(x)
+    if through_layer:
+        raise GlueError(
+            f"{who}: the layer's input mixes the model inputs with the output of another Linear or convolution "
+            "layer, so the relevance this rule sets at its zero entries cannot be given to the explained inputs; "
+            "use this rule on the first layer only"
+        )
+    if not leaves:
+        return []
+    rows = relevance != 0
+    if not bool(rows.any()):
+        return []
+    sizes = [leaf.numel() for leaf in leaves]
+    total = sum(sizes)
+    base = _digits(x.dtype)
+    n_digits = max(1, math.ceil(math.log(max(total, 2)) / math.log(base)))
+    index = torch.arange(total, device=x.device)
+    probes = [torch.ones(total, dtype=x.dtype, device=x.device)]
+    for d in range(n_digits):
+        probes.append(((index // base**d) % base + 1).to(x.dtype))
+    check_base = base - 1 if base > 2 else base
+    probes.append(((index * 7919) % check_base + 1).to(x.dtype))
+    with torch.enable_grad():
+        w = torch.zeros_like(x, requires_grad=True)
+        vjp = torch.autograd.grad(x, leaves, w, retain_graph=True, create_graph=True, allow_unused=True)
+        used = [(g, leaf, i) for i, (g, leaf) in enumerate(zip(vjp, leaves, strict=True)) if g is not None]
+        if not used or not all(g.requires_grad for g, _, _ in used):
+            raise GlueError(f"{who}: the glue before the layer has a backward that cannot be differentiated again")
+        products = []
+        for probe in probes:
+            parts = list(probe.split(sizes))
+            jvp = torch.autograd.grad(
+                [g for g, _, _ in used],
+                w,
+                [parts[i].view_as(leaf) for _, leaf, i in used],
+                retain_graph=True,
+                allow_unused=True,
+            )[0]
+            products.append(torch.zeros_like(x) if jvp is None else jvp.detach())
+    scale, *digit_products, check = products
+    owned = scale != 0
+    orphan = rows & ~owned & torch.stack([p != 0 for p in (*digit_products, check)]).any(0)
+    owned = rows & owned
+    position = torch.zeros(x.shape, dtype=torch.long, device=x.device)
+    single = torch.ones_like(owned)
+    for d, product in enumerate(digit_products):
+        ratio = product / torch.where(owned, scale, 1)
+        digit = ratio.round()
+        single &= ((ratio - digit).abs() <= 0.1) & (digit >= 1) & (digit <= base)
+        position += (digit.clamp(1, base).long() - 1) * base**d
+    position = position.clamp(0, total - 1)
+    expected = ((position * 7919) % check_base + 1).to(x.dtype)
+    single &= ((check / torch.where(owned, scale, 1)) - expected).abs() <= 0.1
+    several = orphan | (owned & ~single)
+    if bool(several.any()):
+        where = tuple(int(i) for i in several.nonzero()[0])
+        raise GlueError(
+            f"{who}: the layer's input at position {where} depends on several input positions at once (glue "
+            "before the layer that sums or mixes inputs); its relevance has no single owner among the explained "
+            "inputs"
+        )
+    flat = torch.zeros(total, dtype=relevance.dtype, device=relevance.device)
+    flat.index_add_(0, position[owned], relevance[owned])
+    parts = flat.split(sizes)
+    return [(leaves[i], parts[i].view_as(leaf)) for _, leaf, i in used]
+
+
+def _copied_leaf(x: torch.Tensor) -> torch.Tensor | None:
+    """The non-parameter leaf that ``x`` is an unmodified copy of, if it is one."""
+    node = x.grad_fn
+    if type(node).__name__ != "CloneBackward0" or len(node.next_functions) != 1:
+        return None
+    variable = getattr(node.next_functions[0][0], "variable", None)
+    return variable if variable is not None and not isinstance(variable, nn.Parameter) else None
+
+
+def rest_records(
+    rule: object, module: nn.Module, x: torch.Tensor, rest: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The records of the relevance ``rest`` that ``x * grad`` did not carry at ``module``'s input ``x``.
+
+    A model input (a leaf, a copy of a leaf as the wrapper feeds the model, or an alias of one) keeps all of it,
+    rounding included; an input computed by glue gives what lies at its zero entries to the model inputs through
+    :func:`carry_back`.
+
+    Examples:
+        >>> u = torch.tensor([0.0, 2.0], requires_grad=True)
+        >>> [(leaf is u, r) for leaf, r in rest_records(object(), nn.Identity(), u * 3, torch.tensor([1.0, 0.0]))]
+        [(True, tensor([1., 0.]))]
+    """
+    source = getattr(x, "_tdhook_alias_of", x)
+    if source.grad_fn is None:
+        return [(x, rest)]
+    copied = _copied_leaf(source)
+    if copied is not None:
+        return [(copied, rest)]
+    at_zero = torch.where(x.detach() == 0, rest, 0)
+    who = f"{type(rule).__name__} on {type(module).__name__}"
+    try:
+        return carry_back(x, at_zero, who)
+    except GlueError as err:
+        err.module = module
+        raise

@@ -1,0 +1,63 @@
+"""carry_back: relevance at a layer's input given to the inputs it was computed from, position by position."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from tdhook.attribution.rules._glue import GlueError, carry_back, input_leaves
+
+
+def carried(x: torch.Tensor, relevance: torch.Tensor) -> list[torch.Tensor]:
+    return [r for _, r in carry_back(x, relevance, "rule on layer")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_elementwise_affine_glue_keeps_positions(dtype):
+    torch.manual_seed(0)
+    u = torch.randn(3, 700, dtype=dtype, requires_grad=True)  # more positions than one probe digit holds
+    scale = torch.rand(700, dtype=dtype) + 0.5
+    relevance = torch.randn(3, 700, dtype=dtype)
+    (back,) = carried(u * scale - 1.0, relevance)
+    torch.testing.assert_close(back, relevance, rtol=0, atol=0)
+
+
+def test_reshapes_permutations_and_concatenations_map_each_position():
+    a = torch.randn(2, 3, requires_grad=True)
+    b = torch.randn(2, 4, requires_grad=True)
+    x = torch.cat([a.flip(-1) * 2, b.t().reshape(2, 4)], dim=-1)
+    relevance = torch.arange(1.0, 15.0).view(2, 7)
+    back = {id(leaf): r for leaf, r in carry_back(x, relevance, "rule on layer")}
+    back_a, back_b = back[id(a)], back[id(b)]
+    torch.testing.assert_close(back_a, relevance[:, :3].flip(-1))
+    torch.testing.assert_close(back_b.t().reshape(2, 4), relevance[:, 3:])
+
+
+def test_a_broadcast_input_collects_its_copies_and_constants_keep_theirs():
+    u = torch.randn(2, 1, requires_grad=True)
+    x = F.pad(u.expand(2, 3), (1, 0))  # a padded constant column, then three copies of u
+    relevance = torch.ones(2, 4)
+    (back,) = carried(x, relevance)
+    torch.testing.assert_close(back, torch.full((2, 1), 3.0))
+
+
+@pytest.mark.parametrize("glue", ["sum", "difference", "matmul", "mean"])
+def test_glue_mixing_positions_raises(glue):
+    torch.manual_seed(0)
+    u = torch.randn(2, 4, requires_grad=True)
+    x = {
+        "sum": lambda: u + u.roll(1, -1),
+        "difference": lambda: u - u.roll(1, -1),
+        "matmul": lambda: u @ torch.randn(4, 4),
+        "mean": lambda: u.mean(-1, keepdim=True).expand(2, 4),
+    }[glue]()
+    with pytest.raises(GlueError, match="rule on layer: .* several input positions"):
+        carry_back(x, torch.ones(2, 4), "rule on layer")
+
+
+def test_leaves_and_layers_are_found_through_the_graph():
+    u = torch.randn(2, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(2))
+    leaves, through_layer = input_leaves(u * w)
+    assert [leaf is u for leaf in leaves] == [True] and not through_layer

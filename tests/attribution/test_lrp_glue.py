@@ -1,0 +1,120 @@
+"""Relevance set at zero inputs of the first layer, carried back through glue before it.
+
+Flat, w² and z^B give relevance to zero-valued inputs, which ``x * grad`` cannot carry. With glue between the
+explained input and the first layer (a normaliser inside the model, a scaling step of a pipeline), that
+relevance must still reach the explained input, position by position.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule, TensorDictSequential
+from torch import nn
+
+from tdhook.attribution import LRP
+from tdhook.attribution.lrp_helpers.rules import (
+    EpsilonPlus,
+    EpsilonPlusFlat,
+    FirstLayerRule,
+    WSquareRule,
+    ZBoxRule,
+)
+from tdhook.attribution.rules import GlueError
+
+F64 = torch.float64
+
+
+def first_layer(rule) -> EpsilonPlus:
+    return EpsilonPlus(
+        rule_mapper=lambda name, module: FirstLayerRule(rule()) if isinstance(module, nn.Linear) else None
+    )
+
+
+PRESETS = {
+    "Flat": EpsilonPlusFlat,
+    "ZBox": lambda: first_layer(lambda: ZBoxRule(-3.0, 3.0)),
+    "WSquare": lambda: first_layer(WSquareRule),
+}
+
+
+class Glue(nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+def network() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).to(F64)
+
+
+def inputs() -> torch.Tensor:
+    torch.manual_seed(1)
+    u = torch.randn(4, 6, dtype=F64)
+    u[:, ::2] = 0.0  # zero entries: the relevance there is set directly
+    return u
+
+
+MEAN = torch.linspace(-0.5, 0.5, 6, dtype=F64)
+STD = torch.linspace(0.5, 2.0, 6, dtype=F64)
+# glue x = fn(u), and the constant b of x = a * u + b (zero for linear glue)
+GLUES = {
+    "halve": (lambda u: u / 2, 0.0),
+    "normalise": (lambda u: (u - MEAN) / STD, -MEAN / STD),
+    "permute": (lambda u: u.flip(-1), 0.0),
+}
+
+
+def relevance(module, preset: str, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    lrp = LRP(module, PRESETS[preset](), **kwargs)
+    return lrp(TensorDict(x=x, batch_size=[len(x)]))["relevance", "x"]
+
+
+@pytest.mark.parametrize("glue", sorted(GLUES))
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_relevance_at_zero_inputs_crosses_glue_inside_the_model(preset: str, glue: str):
+    net = network()
+    fn, b = GLUES[glue]
+    u = inputs()
+    x = fn(u)
+    if glue == "normalise":  # zeros of the layer input, where x * grad cannot carry the relevance
+        x[:, ::2] = 0.0
+        u = x * STD + MEAN
+    expected_at_x = relevance(net, preset, x, in_keys=["x"], out_keys=["y"])
+    # The gradient carries (x - b) * grad = R_x (x - b) / x through the glue (LRP-0: the constant b takes its
+    # share); the relevance set at a zero of x belongs, whole, to the input position x was computed from.
+    expected = torch.where(x == 0, expected_at_x, expected_at_x * (x - b) / x)
+    if glue == "permute":
+        expected = expected.flip(-1)
+    actual = relevance(nn.Sequential(Glue(fn), *net), preset, u, in_keys=["x"], out_keys=["y"])
+    torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-12)
+    assert expected_at_x[x == 0].abs().min() > 1e-6  # the relevance that used to be lost is there
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_relevance_at_zero_inputs_crosses_a_pipeline_step(preset: str):
+    net = network()
+    u = inputs()
+    pipeline = TensorDictSequential(
+        TensorDictModule(lambda x: x * 2, in_keys=["x"], out_keys=["scaled"]),
+        TensorDictModule(net, in_keys=["scaled"], out_keys=["y"]),
+    )
+    expected = relevance(net, preset, u * 2, in_keys=["x"], out_keys=["y"])
+    actual = relevance(pipeline, preset, u, in_keys=["x"])
+    torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-12)
+
+
+def test_glue_that_sums_inputs_before_the_first_layer_raises_naming_the_layer():
+    net = network()
+    u = torch.randn(4, 6, dtype=F64)
+    u[:, 1] = -u[:, 0]  # the layer input u + roll(u) is zero at position 1
+    model = nn.Sequential(Glue(lambda u: u + u.roll(1, -1)), *net)
+    lrp = LRP(model, EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"])
+    with pytest.raises(GlueError, match=r"FlatRule on Linear.*several input positions") as info:
+        lrp(TensorDict(x=u, batch_size=[len(u)]))
+    assert any("'1'" in note for note in info.value.__notes__)
