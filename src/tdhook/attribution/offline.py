@@ -93,7 +93,7 @@ def _check_output(output: TensorDictBase, relevance: TensorDictBase, prefix: Pat
 
 def _progress_bar(total: int, show: bool):
     try:
-        from tqdm.auto import tqdm
+        from tqdm import tqdm  # the plain bar: tqdm.auto warns in notebooks without ipywidgets
     except ImportError as err:
         if show:
             raise ImportError(

@@ -235,7 +235,7 @@ def progress_bar(total: int, description: str, show: bool | None) -> Callable[[i
         show = total >= 20
     if not show:
         return lambda n: None
-    from tqdm.auto import tqdm
+    from tqdm import tqdm  # the plain bar: tqdm.auto warns in notebooks without ipywidgets
 
     bar = tqdm(total=total, desc=description, leave=False)
     done = [0]
