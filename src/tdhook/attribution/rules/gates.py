@@ -95,9 +95,12 @@ def keep_gate_mark(func: Any, args: tuple, result: Any) -> Any:
     return result
 
 
-def held_gate_product(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+def held_gate_product(func: Any, args: tuple, kwargs: dict, any_gate: bool = True) -> torch.Tensor | None:
     """``func(*args, **kwargs)`` with the gate held constant, when exactly one of the two factors is a gate and
     both are activations; ``None`` otherwise.
+
+    A sigmoid-like gate is held first. With ``any_gate`` false only a sigmoid-like gate is held: another
+    activation's output (``silu(gate) * up``) is a signal there, as AttnLRP's uniform rule takes it.
 
     Examples:
         >>> x = torch.tensor([2.0], requires_grad=True)
@@ -110,7 +113,7 @@ def held_gate_product(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | No
         return None
     # A sigmoid-like gate first (squeeze-excite: sigmoid(s) times an activation's output), then any gate.
     gates = [getattr(a, SIGMOID_MARK, False) for a in args]
-    if gates[0] == gates[1]:
+    if gates[0] == gates[1] and any_gate:
         gates = [is_gate(a) for a in args]
     if gates[0] == gates[1]:
         return None
