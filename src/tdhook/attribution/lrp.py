@@ -14,6 +14,7 @@ from torch import nn
 
 from tdhook.attribution._context import claim, release, suspend_function_modes_in
 from tdhook.attribution._copies import hide_from_copies
+from tdhook.attribution._function_gates import FunctionGates
 from tdhook.attribution._inputs import describe, feed_inputs, validate_inputs
 from tdhook.attribution._keys import layer_keys, relevance_keys
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
@@ -162,6 +163,7 @@ class LRP(TensorDictModuleBase):
         self._rule_use = RuleUse()
         # The first call watches which nonlinear functions keep their plain gradient (see coverage()).
         self._watch_calls = True
+        self._function_gates = FunctionGates()  # gates computed by functions, found by the first call
         self._plain_gradient: tuple[PlainGradientCall, ...] = ()
         self._last_call: tuple | None = None
 
@@ -273,13 +275,15 @@ class LRP(TensorDictModuleBase):
                 try:
                     with contextlib.ExitStack() as modes:
                         modes.enter_context(self._rule_use.watch(self.named_explained_modules, self._handles or []))
-                        rule_modes = getattr(self.rule_mapper, "function_modes", list)()
+                        rule_modes = list(getattr(self.rule_mapper, "function_modes", list)())
+                        rule_modes += self._function_gates.modes(self.rule_mapper, rule_modes)
                         for mode in rule_modes:
                             modes.enter_context(mode)
                         calls = self._watch(modes, rule_modes)
                         # Innermost: what ruled modules entered and an interrupt kept them from leaving ends first.
                         modes.enter_context(closing_scopes())
                         result = call_plain(self.module, work) if self._name_prefix else self.module(work)
+                    self._function_gates.settle()
                 except Exception as err:
                     self._tokens.raise_for_unembedded(leaves, err)
                     shapes = ", ".join(f"{k!r}: {describe(tensordict.get(k))}" for k in self.explained_keys)

@@ -168,7 +168,9 @@ class BaseRuleMapper:
 
         Where a sigmoid-like module has a :class:`~tdhook.attribution.rules.gates.GateRule`, gates are held
         constant in products (:class:`~tdhook.attribution.rules.gates.HeldGates`); residual sums are stabilised
-        with ``stabilize_additions``. Models with neither run without a mode (``torch.compile`` traces them).
+        with ``stabilize_additions``. Models with neither run without a mode (``torch.compile`` traces them),
+        but for the wrapper's first call: it runs in ``HeldGates`` to find gates computed by functions
+        (``x * torch.sigmoid(fc(x))``), and holds them in every later call where it finds one.
         """
         gates = [HeldGates()] if self._gate.is_registered_anywhere() else []
         return [*self.addition_modes(), *gates]
