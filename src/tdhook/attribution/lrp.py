@@ -326,7 +326,11 @@ class LRP(TensorDictModuleBase):
     def _watch(self, modes: contextlib.ExitStack, rule_modes: list) -> NonlinearCalls | None:
         if not self._watch_calls:
             return None
-        ruled = {id(h.module) for h in self._handles or [] if h.module is not None and h.rule.is_registered(h.module)}
+        ruled = {
+            id(h.module)
+            for h in self._handles or []
+            if h.module is not None and h.rule.decides_every_call and h.rule.is_registered(h.module)
+        }
         return modes.enter_context(NonlinearCalls(rule_modes).watch(self.named_explained_modules(), ruled))
 
     def _report(self, calls: NonlinearCalls, targets: list[torch.Tensor]) -> None:
