@@ -167,3 +167,18 @@ def test_candidates_have_no_parameters_and_no_children():
     assert type(AttnLRP()("act", Swish()).rule) is PseudoIdentityRule
     with pytest.raises(TypeError, match="must be a PassRule"):
         ElementwiseRule(IgnoreRule())
+
+
+def test_a_module_returning_a_view_of_its_input_keeps_it_and_is_decided():
+    class Rows(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.view_as(x)
+
+    rows, rule = Rows(), ElementwiseRule(PassRule())
+    x = torch.randn(2, 3, dtype=F64, requires_grad=True)
+    with rule.register(rows):
+        h = x * 1
+        out = rows(h)
+        assert rule._registrations[rows].state == [False]
+        assert out.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()
+        assert rows(h)._base is h  # decided: no alias of the input any more

@@ -32,17 +32,22 @@ from tdhook.attribution.rules.basic import PassRule
 
 __all__ = ["ElementwiseRule", "may_be_elementwise", "is_diagonal"]
 
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
 
 def may_be_elementwise(module: nn.Module) -> bool:
-    """Whether ``module`` is a candidate for :class:`ElementwiseRule`: no parameters and no children.
+    """Whether ``module`` is a candidate for :class:`ElementwiseRule`: no parameters and no children (an empty
+    container, which returns its input, is none).
 
     Examples:
         >>> class Swish(nn.Module):
         ...     def forward(self, x):
         ...         return x * torch.sigmoid(x)
         >>> may_be_elementwise(Swish()), may_be_elementwise(nn.Linear(2, 2)), may_be_elementwise(nn.Sequential())
-        (True, False, True)
+        (True, False, False)
     """
+    if isinstance(module, _CONTAINERS):
+        return False
     return next(module.parameters(), None) is None and next(module.children(), None) is None
 
 
@@ -127,10 +132,11 @@ class ElementwiseRule(Rule):
     def rewrite(self, module: nn.Module, registration: Any, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
         if len(inputs) != 1 or not isinstance(inputs[0], torch.Tensor) or not inputs[0].requires_grad:
             return None
-        x = inputs[0]
+        x, decided = inputs[0], registration.state
         if output.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-            return None  # a view or an in-place change of the input: its plain gradient is exact
-        decided = registration.state
+            if decided[0] is None:
+                decided[0] = False  # a view or an in-place change of the input: its plain gradient is exact
+            return None
         if decided[0] is None:
             decided[0] = is_diagonal(output, x)
         return self.rule.apply(output, x) if decided[0] else None
