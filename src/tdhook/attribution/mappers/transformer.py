@@ -59,7 +59,8 @@ class AttnLRP(BaseRuleMapper):
     included (a module without parameters whose first call shows it element-wise, as Bloom's ``BloomGelu``):
     :class:`PseudoIdentityRule`; softmax: :class:`SoftmaxEpsilonRule`; the
     products in attention (``q · kᵀ``, ``attention · v``, fused
-    ``scaled_dot_product_attention`` included) and gates: the uniform rule.
+    ``scaled_dot_product_attention`` included) and gates of two signals (``silu(g) * up``): the uniform rule;
+    sigmoid-like gates (squeeze-excite) are held constant, as CP-LRP holds them.
     Works on ``nn.MultiheadAttention``, ``nn.TransformerEncoder`` and Hugging
     Face models with no change to their code.
 
