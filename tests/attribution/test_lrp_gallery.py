@@ -14,7 +14,10 @@ calibrated on a few random batches (random weights make activations vanish with 
    out on narrow ones), EpsilonGammaBox on depthwise nets whose blocks end unrectified (z⁺ loses relevance there by
    design, as zennit's does), CP-LRP on attention models;
 4. EpsilonPlus merely tried on an attention model either conserves within 10 % or raises an error naming the
-   module.
+   module;
+5. on gated models (squeeze-excite blocks: a sigmoid-like module) and attention models AttnLRP runs too, and
+   creates no relevance: ``|Σ relevance| ≤ 1.1 |logit|`` (its softmax rule may absorb some); CP-LRP conserves
+   within 10 % on gated models as on attention models.
 
 ``pytest tests/attribution/test_lrp_gallery.py`` runs one model of each family at its smallest size (the
 transformers with few, narrow blocks); ``pytest -m gallery tests/attribution/test_lrp_gallery.py`` every
@@ -50,6 +53,7 @@ from tdhook.attribution import (
     EpsilonPlus,
     EpsilonPlusFlat,
 )
+from tests.attribution._gallery_table import render, table_parts, write_table
 
 torchvision = pytest.importorskip("torchvision")
 timm = pytest.importorskip("timm")
@@ -157,7 +161,7 @@ TORCHVISION_SIZES = {
     "squeezenet": 32,
     "vgg": 32,
 }
-TIMM_SIZES = {"densenet": 32, "convnext": 32}
+TIMM_SIZES = {"densenet": 32, "convnext": 32, "maxvit": 64, "coatnet": 64}
 
 
 def smallest_size(name: str, sizes: dict[str, int]) -> int:
@@ -189,11 +193,13 @@ def torchvision_case(name: str) -> Case:
 def timm_case(name: str, kind: str, depth: int | None = None) -> Case:
     """A timm model at the smallest input size it accepts (two patches a side for ViTs, ``depth`` blocks)."""
     label, kwargs = f"timm/{name}", {}
-    if kind == ATTENTION:
-        size = 2 * int(re.search(r"patch(\d+)", name).group(1))
-        kwargs["img_size"] = size
+    patch = re.search(r"patch(\d+)", name)
+    if patch:
+        size = kwargs["img_size"] = 2 * int(patch.group(1))
     else:
         size = smallest_size(name, TIMM_SIZES)
+        if kind == ATTENTION:
+            kwargs["img_size"] = size  # MaxViT and CoAtNet: windows of 2×2 tokens in the last stage
     if depth is not None:
         label, kwargs["depth"] = f"{label} ({depth} blocks)", depth
     return Case(label, tm(name, **kwargs), size, kind)
@@ -240,6 +246,7 @@ FAMILIES = [
         )
     ),
     timm_case("vit_tiny_patch16_224", ATTENTION, depth=2),
+    timm_case("maxvit_pico_rw_256", ATTENTION),
 ]
 
 
@@ -288,6 +295,9 @@ TIMM_MODELS = {
         "vit_base_patch32_224",
         "deit_tiny_distilled_patch16_224",
         "vit_small_patch14_reg4_dinov2",
+        "maxvit_pico_rw_256",
+        "maxvit_rmlp_pico_rw_256",
+        "coatnet_pico_rw_224",
     ],
 }
 
@@ -394,6 +404,14 @@ HOMOGENEOUS = (
 )
 HOMOGENEOUS_NAMES = frozenset({"StochasticDepth", "DropPath", "BlurPool2d"})
 NORMS = re.compile(r"(Layer|Group|RMS|Instance|Response)Norm")
+
+
+GATE_NAMES = frozenset({"Sigmoid", "Hardsigmoid", "HardSigmoid", "GateSigmoid"})
+
+
+def has_gates(model: nn.Module) -> bool:
+    """Whether the model holds a sigmoid-like module: the gate of a squeeze-excite (or ECA) block."""
+    return any(type(module).__name__ in GATE_NAMES for module in model.modules())
 
 
 def piecewise_linear(model: nn.Module) -> bool:
@@ -509,6 +527,7 @@ class Report:
 
     case: Case
     piecewise_linear: bool
+    gated: bool
     lrp0_error: float | str
     ratios: dict[str, tuple[float, ...] | str]
     left_changed: dict[str, str]
@@ -519,9 +538,14 @@ class Report:
         return any(re.search(rf"\b{re.escape(name)}\b", error) for name in self.module_names if name)
 
 
-def presets_for(case: Case) -> tuple[str, ...]:
-    """Every preset; AttnLRP on attention models only (on CNNs it is CP-LRP with ungated products)."""
-    return tuple(p for p in PRESETS if p != "AttnLRP" or case.kind == ATTENTION)
+def presets_for(case: Case, gated: bool) -> tuple[str, ...]:
+    """Every preset; AttnLRP on attention and gated models only (on other CNNs it is CP-LRP)."""
+    return tuple(p for p in PRESETS if p != "AttnLRP" or case.kind == ATTENTION or gated)
+
+
+def conserving(r: Report) -> tuple[str, ...]:
+    """The presets that must conserve: the kind's, and CP-LRP on gated models (it holds their gates)."""
+    return CONSERVING[r.case.kind] + (("CPLRP",) if r.gated and "CPLRP" not in CONSERVING[r.case.kind] else ())
 
 
 def measure(case: Case) -> Report:
@@ -560,7 +584,8 @@ def measure(case: Case) -> Report:
     zero_biases(model)
     phase_start = state = fingerprint(model)
     ratios: dict[str, tuple[float, ...] | str] = {}
-    for preset in presets_for(case):
+    gated = has_gates(model)
+    for preset in presets_for(case, gated):
         result = run(preset, PRESETS[preset]())
         if isinstance(result, str):
             ratios[preset] = result
@@ -571,6 +596,7 @@ def measure(case: Case) -> Report:
     return Report(
         case,
         piecewise_linear(model),
+        gated,
         lrp0_error,
         ratios,
         left_changed,
@@ -621,7 +647,7 @@ def lrp0_failures(r: Report) -> dict[str, str]:
 
 def conservation_failures(r: Report) -> dict[str, str]:
     """(3) With zero biases, relevance sums to the logit within 10 % under the presets a user would pick."""
-    return {p: f"not conserved: {r.ratios[p]}" for p in CONSERVING[r.case.kind] if not conserves(r.ratios[p])}
+    return {p: f"not conserved: {r.ratios[p]}" for p in conserving(r) if not conserves(r.ratios[p])}
 
 
 def tried_failures(r: Report) -> dict[str, str]:
@@ -632,11 +658,22 @@ def tried_failures(r: Report) -> dict[str, str]:
     return {"EpsilonPlus": f"neither conserves nor raises: ratios {outcome}"}
 
 
+def attnlrp_failures(r: Report) -> dict[str, str]:
+    """(5) AttnLRP, where it runs, creates no relevance: |Σ relevance| ≤ 1.1 |logit| with zero biases."""
+    outcome = r.ratios.get("AttnLRP")
+    if outcome is None:
+        return {}
+    if isinstance(outcome, str) or not all(abs(v) <= 1.0 + CONSERVATION_TOLERANCE for v in outcome):
+        return {"AttnLRP": f"relevance created: {outcome}"}
+    return {}
+
+
 CHECKS = {
     "runs, leaves the model unchanged": run_failures,
     "LRP-0 is gradient × input": lrp0_failures,
     "conserves under the presets a user would pick": conservation_failures,
     "EpsilonPlus merely tried on attention: conserves or names the module": tried_failures,
+    "AttnLRP creates no relevance": attnlrp_failures,
 }
 
 
@@ -652,6 +689,9 @@ class GalleryChecks:
 
     def test_relevance_is_conserved_under_the_presets_a_user_would_pick(self, case: Case):
         assert conservation_failures(report(case)) == {}
+
+    def test_attnlrp_creates_no_relevance(self, case: Case):
+        assert attnlrp_failures(report(case)) == {}
 
 
 class PresetMerelyTried:
@@ -669,6 +709,34 @@ class TestFamiliesPresetMerelyTried(PresetMerelyTried):
     """EpsilonPlus on the attention families."""
 
 
+# Nets with squeeze-excite gates: AttnLRP once created relevance on them (×86 to ×484 on maxvit_t, up to 2·10⁶ on
+# RegNetY), through the gate's branch; it holds the gates now, as CP-LRP does.
+GATED = {"regnet_y_400mf", "mobilenet_v3_small", "efficientnet_b0", "MaxVit (2 blocks)", "maxvit_pico_rw_256"}
+GATED_FAMILIES = [c for c in FAMILIES if c.name.startswith("torchvision/") and c.name[12:] in GATED]
+GATED_FAMILIES += [c for c in FAMILIES if c.name == "timm/maxvit_pico_rw_256"]
+
+
+class GatedChecks:
+    def test_attnlrp_creates_no_relevance_and_cplrp_conserves(self, case: Case):
+        r = report(case)
+        assert r.gated and "AttnLRP" in r.ratios
+        assert attnlrp_failures(r) == {}
+        assert conserves(r.ratios["CPLRP"]), r.ratios["CPLRP"]
+
+
+@pytest.mark.parametrize("case", GATED_FAMILIES, ids=str)
+class TestGatedFamilies(GatedChecks):
+    """The gated nets of the default run."""
+
+
+@pytest.mark.gallery
+@pytest.mark.parametrize(
+    "case", [c for c in GALLERY if c.name in ("torchvision/maxvit_t", "timm/coatnet_pico_rw_224")], ids=str
+)
+class TestGatedGallery(GatedChecks):
+    """The full-size MaxViT (224 pixels) and a CoAtNet: ``pytest -m gallery``."""
+
+
 @pytest.mark.gallery
 @pytest.mark.parametrize("case", GALLERY, ids=str)
 class TestGallery(GalleryChecks):
@@ -683,68 +751,21 @@ class TestGalleryPresetMerelyTried(PresetMerelyTried):
 
 # --- The table of docs/model_gallery.md ----------------------------------------------------------------------------
 
-TABLE_START, TABLE_END = "<!-- gallery-table:start -->", "<!-- gallery-table:end -->"
 
-
-def cell(ratios: tuple[float, ...] | str, asserted: bool, failed: bool) -> str:
-    if isinstance(ratios, str):
-        text = f"raises {ratios.split(':', 1)[0]}"
-    else:
-        low, high = f"{min(ratios):.3g}", f"{max(ratios):.3g}"
-        text = low if low == high else f"{low}–{high}"
-    return (f"**{text}**" if asserted else text) + (" ✗" if failed else "")
+HEADER = ("model", "input", "kind", "LRP-0 rel. error", *PRESETS)
 
 
 def table(reports: list[Report]) -> str:
-    header = ["model", "input", "kind", "LRP-0 rel. error", *PRESETS]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    failures: list[str] = []
-    errors: dict[tuple[str, str], list[str]] = {}  # (model, message with the preset's name left out) -> presets
-    for r in reports:
-        failed = {}
-        for check, judge in CHECKS.items():
-            for column, what in judge(r).items():
-                failed[column] = what
-                failures.append(f"* {r.case.name}, {column} ({check}): {what}")
-        if isinstance(r.lrp0_error, str):
-            lrp0 = f"raises {r.lrp0_error.split(':', 1)[0]}"
-            errors.setdefault((r.case.name, r.lrp0_error[:200]), []).append("LRP-0")
-        else:
-            lrp0 = f"{r.lrp0_error:.1e}" + (" (p.l.)" if r.piecewise_linear else "")
-        cells = [r.case.name, f"{r.case.size}²", r.case.kind, lrp0 + (" ✗" if "LRP-0" in failed else "")]
-        for preset in PRESETS:
-            if preset not in r.ratios:
-                cells.append("—")
-                continue
-            ratios = r.ratios[preset]
-            cells.append(cell(ratios, preset in CONSERVING[r.case.kind], preset in failed))
-            if isinstance(ratios, str):
-                message = ratios.replace(preset, "<preset>")[:200]  # the same error under several presets, once
-                errors.setdefault((r.case.name, message), []).append(preset)
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    parts = ["\n".join(lines)]
-    parts.append("Failed checks (✗ in the table):\n\n" + ("\n".join(failures) or "none"))
-    if errors:
-        listed = [f"* {model}, {', '.join(presets)}: `{message}`" for (model, message), presets in errors.items()]
-        parts.append("Errors raised:\n\n" + "\n".join(listed))
-    return "\n\n".join(parts)
-
-
-def write_table(path: str, text: str) -> None:
-    """Replace the table between the markers of ``path``."""
-    with open(path, encoding="utf-8") as f:
-        page = f.read()
-    head, rest = page.split(TABLE_START, 1)
-    _, tail = rest.split(TABLE_END, 1)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(f"{head}{TABLE_START}\n{text}\n{TABLE_END}{tail}")
+    return render(HEADER, table_parts(reports, list(PRESETS), CHECKS, conserving))
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--all", action="store_true", help="the whole gallery (as `pytest -m gallery`)")
     parser.add_argument("--only", nargs="*", default=None, help="models whose name contains one of these")
-    parser.add_argument("--write", metavar="PATH", help="replace the table between the markers of this file")
+    parser.add_argument(
+        "--write", metavar="PATH", help="replace the table between the markers of this file (with --only: those rows)"
+    )
     args = parser.parse_args(argv)
     cases = FAMILIES
     if args.all:
@@ -764,9 +785,11 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
         if args.write:  # after each model: a long run that stops leaves the models done so far
-            write_table(args.write, table(sorted(reports, key=lambda r: r.case.name.lower())))
+            done = [r] if args.only else reports  # with --only, the other models' rows are kept
+            parts = table_parts(done, list(PRESETS), CHECKS, conserving)
+            write_table(args.write, HEADER, parts, keep_others=bool(args.only))
     if not args.write:
-        print(table(sorted(reports, key=lambda r: r.case.name.lower())))
+        print(table(reports))
 
 
 if __name__ == "__main__":

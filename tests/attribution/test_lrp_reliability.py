@@ -381,6 +381,25 @@ def test_a_compiled_model_gives_the_same_relevance():
     assert [str(w.message) for w in caught] == []
 
 
+def test_a_compiled_model_with_a_gate_written_as_a_function_gives_the_eager_relevance():
+    class Gated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.gate, self.head = nn.Linear(5, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.fc(x))
+            return self.head(h * torch.sigmoid(self.gate(h)))
+
+    torch.manual_seed(0)
+    net = Gated().to(F64)
+    td = TensorDict(x=torch.randn(4, 5, dtype=F64), batch_size=[4])
+    expected = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(td.clone())["relevance", "x"]
+    explained = LRP(torch.compile(net, backend="eager"), EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    for _ in range(2):  # the first call finds the gate; later calls hold it too
+        torch.testing.assert_close(explained(td.clone())["relevance", "x"], expected, rtol=0, atol=0)
+
+
 def test_a_module_called_twice_gets_its_rule_on_each_call():
     """Weight sharing: every rule runs per call, and the relevance of both calls adds up at the input."""
     torch.manual_seed(0)

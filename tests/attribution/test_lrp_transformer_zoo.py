@@ -98,6 +98,8 @@ ZOO = {
     "falcon": Architecture("FalconConfig", "FalconForCausalLM", dict(head_dim=None, multi_query=True)),
     # transformers' eager and sdpa ALiBi paths of Falcon compute different functions: eager only.
     "falcon_alibi": Architecture("FalconConfig", "FalconForCausalLM", dict(head_dim=None, alibi=True), sdpa=False),
+    # Bloom's MLP activation is BloomGelu, a hand-written GELU module: the pass rule, as the first call proves it.
+    "bloom": Architecture("BloomConfig", "BloomForCausalLM", dict(n_layer=2, n_head=4, vocab_size=100), sdpa=False),
     "mixtral": Architecture("MixtralConfig", "MixtralForCausalLM", dict(MOE, num_local_experts=4)),
     "qwen2_moe": Architecture(
         "Qwen2MoeConfig",

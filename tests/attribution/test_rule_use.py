@@ -49,3 +49,23 @@ class TestRulesThatNeverRun:
         assert unused_rule_warnings(BaseRuleMapper(), Attending()) == []
         mlp = nn.Sequential(nn.Flatten(), nn.Linear(40, 8), nn.ReLU(), nn.Linear(8, 2))
         assert unused_rule_warnings(EpsilonPlus(), mlp) == []
+
+
+class Unused(nn.Module):
+    """A model holding a hand-written activation it never calls (configurations often build such spares)."""
+
+    class Swish(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * torch.sigmoid(x)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.spare = nn.Linear(8, 3), self.Swish()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).mean(1)
+
+
+def test_a_module_without_parameters_that_never_runs_is_not_named():
+    # Its parent cannot compute with parameters it does not have: nothing is lost by the module not running.
+    assert unused_rule_warnings(EpsilonPlus(), Unused()) == []

@@ -40,10 +40,11 @@ class CoverageRecorder:
         """Enter the watch on ``modes`` if no call was watched yet; the watch, or ``None``."""
         if not self._pending:
             return None
-        if any(hasattr(module, "_orig_mod") for module in modules.values()):
-            self._pending = False  # torch.compile traces what runs under a mode: a compiled model is not watched
-            return None
-        ruled = {id(h.module) for h in handles if h.module is not None and h.rule.is_registered(h.module)}
+        ruled = {
+            id(h.module)
+            for h in handles
+            if h.module is not None and h.rule.decides_every_call and h.rule.is_registered(h.module)
+        }
         return modes.enter_context(NonlinearCalls(rule_modes).watch(modules, ruled))
 
     def report(

@@ -210,7 +210,7 @@ def add_check_hooks(
             module = handle.module
             if getattr(module, "inplace", False) or isinstance(handle.rule, MergeBatchNormRule):
                 continue  # a merged BatchNorm is checked as part of the layer before it
-            if not handle.rule.is_registered(module):
+            if not handle.rule.is_registered(module) or not handle.rule.decides_every_call:
                 continue
             hooks.append(module.register_forward_pre_hook(pre_hook))
             hooks.append(module.register_forward_hook(forward_hook_for(names[id(module)])))

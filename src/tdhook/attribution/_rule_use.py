@@ -75,8 +75,8 @@ class RuleUse:
             module = handle.module
             if module is None or id(module) in ran or isinstance(handle.rule, IgnoreRule):
                 continue
-            if not handle.rule.is_registered(module):
-                continue
+            if not handle.rule.is_registered(module) or next(module.parameters(), None) is None:
+                continue  # a module without parameters: its parent cannot compute with them directly
             name = names.get(id(module), "")
             parent_name = name.rpartition(".")[0]
             parent = modules.get(parent_name)

@@ -9,18 +9,21 @@ Examples:
     >>> from torch import nn
     >>> from tensordict import TensorDict
     >>> from tdhook.attribution import LRP, EpsilonPlus
-    >>> class Sine(nn.Module):
+    >>> class SineBlock(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.inner = nn.Linear(4, 4)
     ...     def forward(self, x):
-    ...         return torch.sin(x)
-    >>> net = nn.Sequential(nn.Linear(3, 4), Sine(), nn.Linear(4, 2))
+    ...         return torch.sin(self.inner(x))
+    >>> net = nn.Sequential(nn.Linear(3, 4), SineBlock(), nn.Linear(4, 2))
     >>> lrp = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
     >>> import warnings
     >>> with warnings.catch_warnings(), lrp:
-    ...     warnings.simplefilter("ignore")  # the call warns that Sine keeps its plain gradient
+    ...     warnings.simplefilter("ignore")  # the call warns that SineBlock's sin keeps its plain gradient
     ...     _ = lrp(TensorDict(x=torch.randn(5, 3), batch_size=[5]))
     >>> report = lrp.coverage()
     >>> report.plain_gradient
-    (PlainGradientCall(module='1', module_type='Sine', function='sin', calls=1),)
+    (PlainGradientCall(module='1', module_type='SineBlock', function='sin', calls=1),)
     >>> report.reached.shape  # one share per sample: the inputs' relevance over the target's
     torch.Size([5])
 """

@@ -18,6 +18,7 @@ from tdhook.attribution._backward_passes import backward_passes, check_split_dim
 from tdhook.attribution._context import claim, release, suspend_function_modes_in
 from tdhook.attribution._copies import hide_from_copies
 from tdhook.attribution._coverage_recorder import CoverageRecorder
+from tdhook.attribution._function_gates import FunctionGates
 from tdhook.attribution._inputs import (
     describe,
     explained_in_call,
@@ -202,6 +203,7 @@ class LRP(TensorDictModuleBase):
         self._rule_use = RuleUse()
         # The first call watches which nonlinear functions keep their plain gradient (see coverage()).
         self._coverage = CoverageRecorder()
+        self._function_gates = FunctionGates()  # gates computed by functions, found by the first call
         self.split_dim = split_dim
         self._split_dim: int | None = None
         # One call (and context change) at a time: the rules' per-module state is shared between threads.
@@ -316,15 +318,18 @@ class LRP(TensorDictModuleBase):
                 try:
                     with contextlib.ExitStack() as modes:
                         modes.enter_context(self._rule_use.watch(self.named_explained_modules, self._handles or []))
-                        rule_modes = getattr(self.rule_mapper, "function_modes", list)()
+                        rule_modes = list(getattr(self.rule_mapper, "function_modes", list)())
+                        rule_modes += self._function_gates.modes(self.rule_mapper, rule_modes)
                         for mode in rule_modes:
                             modes.enter_context(mode)
-                        calls = self._coverage.watch(
-                            modes, rule_modes, self.named_explained_modules(), self._handles or []
-                        )
+                        modules = self.named_explained_modules()
+                        calls = self._coverage.watch(modes, rule_modes, modules, self._handles or [])
+                        if any(hasattr(m, "_orig_mod") for m in modules.values()):  # torch.compile'd parts
+                            modes.enter_context(torch.compiler.set_stance("force_eager"))  # run as written
                         # Innermost: what ruled modules entered and an interrupt kept them from leaving ends first.
                         modes.enter_context(closing_scopes())
                         result = call_plain(self.module, work) if self._name_prefix else self.module(work)
+                    self._function_gates.settle()
                 except Exception as err:
                     self._tokens.raise_for_unembedded(leaves, err)
                     path = [n for n, m in self.named_explained_modules().items() if m is getattr(err, "module", None)]
@@ -378,7 +383,7 @@ class LRP(TensorDictModuleBase):
         The first call of a wrapper watches its forward pass for functions that are not piecewise linear
         and that no rule covers (a custom module computing ``torch.sin``, a product of two activations under
         a CNN preset); the last call gives the share of the target's relevance that reached the explained
-        inputs, per sample. A model compiled with ``torch.compile`` is not watched (its report lists no calls).
+        inputs, per sample.
         See :class:`~tdhook.attribution.coverage.Coverage`.
 
         Examples:

@@ -16,6 +16,7 @@ from timm.models._efficientnet_blocks import SqueezeExcite as EfficientNetSqueez
 from torch import nn
 
 from tdhook.attribution.mappers.base import BaseRuleMapper
+from tdhook.attribution.mappers.transformer import CPLRP, AttnLRP
 from tdhook.attribution.rules.basic import IgnoreRule, PassRule
 from tdhook.attribution.rules.gates import GateRule, HeldGates, RouterRule, is_gate, is_router
 from tests.attribution.rules._helpers import CNN_PRESETS, F64, randn
@@ -125,6 +126,51 @@ class TestSqueezeExcite:
     @pytest.mark.parametrize("kind", sorted(SQUEEZE_EXCITES))
     def test_mappers_give_the_gate_the_gate_rule(self, kind: str):
         assert type(BaseRuleMapper()("se.gate", gate_module(SQUEEZE_EXCITES[kind]()))) is GateRule
+
+
+class SENetStack(nn.Module):
+    """Squeeze-excite blocks one after another, each behind a convolution and a ReLU (RegNetY's blocks, shortened)."""
+
+    def __init__(self, kind: str, blocks: int = 4) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for _ in range(blocks):
+            layers += [nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), SQUEEZE_EXCITES[kind]()]
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), *layers)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+class TestGatesUnderTransformerPresets:
+    """AttnLRP shares products of two signals uniformly, but holds a sigmoid-like gate as CP-LRP does: sigmoid(0)
+    is ½, so the identity rule through the gate's branch scales the gradient by sigmoid(s) / s, unbounded, and
+    relevance that cancels only in exact arithmetic grows with each block (RegNetY: 1e13 times the logit inside
+    its blocks, −1.4e4 at the input)."""
+
+    @pytest.mark.parametrize("mapper", [AttnLRP, CPLRP], ids=lambda m: m.__name__)
+    @pytest.mark.parametrize("kind", sorted(SQUEEZE_EXCITES))
+    def test_equals_the_gate_detached_by_hand(self, kind: str, mapper: type):
+        model, oracle, x = se_nets(kind)
+        relevance_out = torch.randn(2, 3, dtype=F64)
+        actual = lrp_relevance(model, x, relevance_out, mapper())
+        expected = lrp_relevance(oracle, x, relevance_out, mapper())
+        assert relative_error(actual, expected) <= 1e-12
+
+    @pytest.mark.parametrize("kind", ["torchvision-sigmoid", "timm-sigmoid", "timm-hardsigmoid"])
+    def test_chained_gates_conserve_under_attnlrp(self, kind: str):
+        torch.manual_seed(3)
+        model = SENetStack(kind).double().eval()
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith("bias"):
+                    parameter.zero_()
+        x = torch.randn(2, 3, 6, 6, dtype=F64)
+        with torch.no_grad():
+            relevance_out = model(x)
+        relevance = lrp_relevance(model, x, relevance_out, AttnLRP())
+        assert relative_error(relevance.flatten(1).sum(1), relevance_out.sum(1)) <= 1e-9
 
 
 # ----------------------------------------------------------------------------- a sigmoid that gates nothing

@@ -28,6 +28,7 @@ from tdhook.attribution.rules.additions import StabilizedAdditions
 from tdhook.attribution.rules.base import Rule
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule
 from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
+from tdhook.attribution.rules.elementwise import ElementwiseRule, may_be_elementwise
 from tdhook.attribution.rules.gates import GateRule, HeldGates, RouterRule, is_router
 from tdhook.attribution.rules.input_layer import FirstLayerRule
 from tdhook.attribution.rules.normalization import NormRule, is_norm
@@ -113,7 +114,10 @@ class BaseRuleMapper:
     norms (LayerNorm, GroupNorm, RMSNorm, channels-first and fused norms) →
     :class:`NormRule` (the normalising scale held constant); Linear and
     convolution layers, MaxPool, Dropout, Flatten, Unflatten, Identity →
-    :class:`IgnoreRule`. Other modules get no rule (plain gradient).
+    :class:`IgnoreRule`; other modules without parameters or children →
+    :class:`~tdhook.attribution.rules.elementwise.ElementwiseRule` (the pass
+    rule where the module's first call shows it element-wise: a hand-written
+    activation). Other modules get no rule (plain gradient).
     Subclasses add Linear/Conv rules in :meth:`layer_rule` and a special first
     layer in :meth:`first_layer_rule`, applied by :class:`FirstLayerRule` to
     the layers the model's input reaches first.
@@ -157,6 +161,7 @@ class BaseRuleMapper:
         self.stabilize_additions = stabilize_additions
         self.rule_mapper = rule_mapper_from_dict(rule_mapper) if isinstance(rule_mapper, Mapping) else rule_mapper
         self._pass = PassRule()
+        self._elementwise = ElementwiseRule(self._pass)
         self._gate = GateRule()
         self._router = RouterRule()
         self._quantized_linear = QuantizedLinearRule(epsilon=stabilizer)
@@ -172,7 +177,9 @@ class BaseRuleMapper:
 
         Where a sigmoid-like module has a :class:`~tdhook.attribution.rules.gates.GateRule`, gates are held
         constant in products (:class:`~tdhook.attribution.rules.gates.HeldGates`); residual sums are stabilised
-        with ``stabilize_additions``. Models with neither run without a mode (``torch.compile`` traces them).
+        with ``stabilize_additions``. Models with neither run without a mode (``torch.compile`` traces them),
+        but for the wrapper's first call: it runs in ``HeldGates`` to find gates computed by functions
+        (``x * torch.sigmoid(fc(x))``), and holds them in every later call where it finds one.
         """
         gates = [HeldGates()] if self._gate.is_registered_anywhere() else []
         return [*self.addition_modes(), *gates]
@@ -215,6 +222,8 @@ class BaseRuleMapper:
             return self._ignore
         if type(module).__module__.startswith("timm.layers.activations"):
             return self._pass  # timm's own activation classes (GELU, Swish, HardSwish, ...)
+        if name and may_be_elementwise(module):
+            return self._elementwise  # a hand-written activation: the pass rule, where its first call proves it
         return None
 
     def layer_rule(self, name: str, module: nn.Module) -> Rule | None:

@@ -10,6 +10,7 @@ from tdhook.attribution.mappers.base import BaseRuleMapper, PresetOptions
 from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._layers import ACTIVATIONS, AVG_POOLS, BATCH_NORMS, GATES
 from tdhook.attribution.rules.basic import EpsilonRule
+from tdhook.attribution.rules.elementwise import ElementwiseRule
 from tdhook.attribution.rules.functional import FunctionalRules
 from tdhook.attribution.rules.gates import GateRule
 from tdhook.attribution.rules.normalization import is_norm
@@ -54,10 +55,12 @@ class AttnLRP(BaseRuleMapper):
     """AttnLRP for transformers (Achtibat et al., 2024), as LXT computes it.
 
     Linear layers (and Hugging Face's ``Conv1D``) and average pooling: LRP-0,
-    or LRP-ε with ``epsilon``; LayerNorm/RMSNorm: :class:`LayerNormRule`; activations:
+    or LRP-ε with ``epsilon``; LayerNorm/RMSNorm: :class:`LayerNormRule`; activations, hand-written ones
+    included (a module without parameters whose first call shows it element-wise, as Bloom's ``BloomGelu``):
     :class:`PseudoIdentityRule`; softmax: :class:`SoftmaxEpsilonRule`; the
     products in attention (``q · kᵀ``, ``attention · v``, fused
-    ``scaled_dot_product_attention`` included) and gates: the uniform rule.
+    ``scaled_dot_product_attention`` included) and gates of two signals (``silu(g) * up``): the uniform rule;
+    sigmoid-like gates (squeeze-excite) are held constant, as CP-LRP holds them.
     Works on ``nn.MultiheadAttention``, ``nn.TransformerEncoder`` and Hugging
     Face models with no change to their code.
 
@@ -85,6 +88,7 @@ class AttnLRP(BaseRuleMapper):
         self._dense = None if epsilon is None else EpsilonRule(epsilon)
         self._softmax: SoftmaxEpsilonRule = SoftmaxEpsilonRule(softmax_epsilon)
         self._identity = PseudoIdentityRule()
+        self._elementwise = ElementwiseRule(self._identity)
         self._gate_identity = GateRule(stabilizer=self._identity.stabilizer)
         self._norm_rule = LayerNormRule(epsilon=self.stabilizer)
 

@@ -5,6 +5,7 @@ One family of rules per module: :mod:`~tdhook.attribution.rules.base` (what a ru
 :mod:`~tdhook.attribution.rules.modified` (αβ, z⁺, γ),
 :mod:`~tdhook.attribution.rules.input_layer` (Flat, w², z^B and the first-layer switch),
 :mod:`~tdhook.attribution.rules.batch_norm`, :mod:`~tdhook.attribution.rules.recurrent` (LSTM, GRU),
+:mod:`~tdhook.attribution.rules.elementwise` (hand-written element-wise modules),
 :mod:`~tdhook.attribution.rules.transformer`,
 :mod:`~tdhook.attribution.rules.functional` (rules on function calls),
 :mod:`~tdhook.attribution.rules.additions` (stabilised residual sums) and
@@ -36,6 +37,7 @@ from tdhook.attribution.rules.basic import (
 )
 from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
 from tdhook.attribution.rules.checks import raise_for_unconserved_rel_factory
+from tdhook.attribution.rules.elementwise import ElementwiseRule
 from tdhook.attribution.rules.functional import FunctionalRules
 from tdhook.attribution.rules.gates import GateRule, HeldGates, RouterRule
 from tdhook.attribution.rules.input_layer import FirstLayerRule, FlatRule, WSquareRule, ZBoxRule
@@ -67,6 +69,7 @@ __all__ = [
     "EpsilonRule",
     "UniformEpsilonRule",
     "PassRule",
+    "ElementwiseRule",
     "IgnoreRule",
     "StopRule",
     "UniformRule",

@@ -322,6 +322,9 @@ class Rule:
     #: whether the rule acts inside the module's forward (through a function mode of its own), so that the
     #: wrapper must not pause function modes there.
     acts_in_forward: bool = False
+    #: whether every call of the module gets the rule's gradient; where not (a rule that keeps the module's own
+    #: gradient for some calls), the wrapper's coverage watch and relevance checks look inside the module.
+    decides_every_call: bool = True
 
     def __init__(self) -> None:
         self._registrations: IdentityWeakKeyDict[nn.Module, Registration] = IdentityWeakKeyDict()

@@ -77,6 +77,13 @@ class FunctionalRules(TorchFunctionMode):
       ``torch.baddbmm``): the uniform rule, half of the relevance to each factor;
       with ``hold_gates``, a factor that is an activation function's output
       (a gate) is held constant instead and the other factor gets it all;
+    * a sigmoid-like gate (the output of a sigmoid or hard sigmoid, a module under
+      :class:`~tdhook.attribution.rules.gates.GateRule` included) times an activation:
+      the gate is held constant under AttnLRP too (signal-take-all). A gate is
+      no signal: sigmoid(0) is ½, so the identity rule would pass the gate's half
+      back through a gradient scaled by sigmoid(s) / s, unbounded as s → 0, and
+      relevance that cancels only in exact arithmetic would grow with every
+      squeeze-excite block;
     * ``softmax``: ``softmax`` (a :class:`SoftmaxEpsilonRule`, or an
       :class:`AHQKVRule` for CP-LRP, which holds the attention weights constant);
     * ``F.scaled_dot_product_attention``: the same rules as the unfused
@@ -116,10 +123,9 @@ class FunctionalRules(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func not in _HANDLED:
-            result = mark_parameter_derived(args, func(*args, **kwargs))
-            return keep_gate_mark(func, args, result) if self.hold_gates else result
+            return keep_gate_mark(func, args, mark_parameter_derived(args, func(*args, **kwargs)))
         if func in _PRODUCTS and len(args) == 2 and is_activation(args[0]) and is_activation(args[1]):
-            held = held_gate_product(func, args, kwargs) if self.hold_gates else None
+            held = held_gate_product(func, args, kwargs, any_gate=self.hold_gates)
             if held is not None:
                 return held
             # Halving the product's gradient halves both factors' gradients: the uniform rule, in one step.

@@ -95,9 +95,12 @@ def keep_gate_mark(func: Any, args: tuple, result: Any) -> Any:
     return result
 
 
-def held_gate_product(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+def held_gate_product(func: Any, args: tuple, kwargs: dict, any_gate: bool = True) -> torch.Tensor | None:
     """``func(*args, **kwargs)`` with the gate held constant, when exactly one of the two factors is a gate and
     both are activations; ``None`` otherwise.
+
+    A sigmoid-like gate is held first. With ``any_gate`` false only a sigmoid-like gate is held: another
+    activation's output (``silu(gate) * up``) is a signal there, as AttnLRP's uniform rule takes it.
 
     Examples:
         >>> x = torch.tensor([2.0], requires_grad=True)
@@ -106,15 +109,21 @@ def held_gate_product(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | No
         >>> (x * torch.autograd.grad(z, x)[0]).item() == z.item()  # all of z's relevance reaches x, through the signal
         True
     """
+    gates = _held_factors(args, any_gate)
+    if gates is None:
+        return None
+    return func(*(a.detach() if gate else a for a, gate in zip(args, gates, strict=True)), **kwargs)
+
+
+def _held_factors(args: tuple, any_gate: bool = True) -> list[bool] | None:
+    """Which of a product's two factors is the gate to hold, or ``None`` where none is."""
     if len(args) != 2 or not (is_activation(args[0]) and is_activation(args[1])):
         return None
     # A sigmoid-like gate first (squeeze-excite: sigmoid(s) times an activation's output), then any gate.
     gates = [getattr(a, SIGMOID_MARK, False) for a in args]
-    if gates[0] == gates[1]:
+    if gates[0] == gates[1] and any_gate:
         gates = [is_gate(a) for a in args]
-    if gates[0] == gates[1]:
-        return None
-    return func(*(a.detach() if gate else a for a, gate in zip(args, gates, strict=True)), **kwargs)
+    return None if gates[0] == gates[1] else gates
 
 
 class GateRule(PassRule):
@@ -154,15 +163,22 @@ class HeldGates(TorchFunctionMode):
 
     pause_in_ruled_modules = False
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.held = False  # whether a gate was held in a product (what the wrapper's first call asks)
+
     def covers(self, func: Any, args: tuple) -> bool:
-        """Whether this mode gives ``func`` a rule: a sigmoid-like gate, or a product with a gate."""
-        return func in GATE_FUNCTIONS or (func in _ELEMENTWISE_PRODUCTS and any(is_gate(a) for a in args))
+        """Whether this mode gives ``func`` a rule: a product whose gate it holds. A sigmoid is not covered here:
+        held, its output is cut from the explained output's graph, and one that gates nothing keeps its plain
+        gradient (the coverage report names it)."""
+        return func in _ELEMENTWISE_PRODUCTS and _held_factors(args) is not None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _ELEMENTWISE_PRODUCTS:
             held = held_gate_product(func, args, kwargs)
             if held is not None:
+                self.held = True
                 return held
             return mark_parameter_derived(args, func(*args, **kwargs))
         result = mark_parameter_derived(args, func(*args, **kwargs))

@@ -1,0 +1,79 @@
+"""Gates computed by functions: held from a wrapper's first call on, where that call finds one.
+
+The CNN presets hold squeeze-excite gates constant (signal-take-all) through
+:class:`~tdhook.attribution.rules.gates.HeldGates`, a ``TorchFunctionMode``
+that their mappers turn on only where a sigmoid-like module has a
+:class:`~tdhook.attribution.rules.gates.GateRule`: a mode on every call costs
+Python dispatch on every operation and keeps ``torch.compile`` from tracing the
+model. A model that computes its gate with a function
+(``x * torch.sigmoid(self.fc(x))``) has no such module, and its gate would keep
+the plain gradient, which creates relevance: both factors of the product get
+all of it.
+
+So the first call of a wrapper, which runs in the watch of
+:mod:`~tdhook.attribution._nonlinear_calls` anyway, runs in ``HeldGates`` too,
+and its relevance is right; later calls run in it only if that first call held a
+gate. The decision is the wrapper's (one model), not the mapper's, which may
+serve several models.
+
+Examples:
+    >>> import torch
+    >>> from torch import nn
+    >>> from tdhook.attribution.mappers.base import BaseRuleMapper
+    >>> gates = FunctionGates()
+    >>> (probe,) = gates.modes(BaseRuleMapper(), [])
+    >>> x = torch.randn(3, 4, requires_grad=True)
+    >>> with probe:
+    ...     h = x * 2
+    ...     z = h * torch.sigmoid(h @ torch.randn(4, 4))
+    >>> gates.settle()
+    >>> gates.found, len(gates.modes(BaseRuleMapper(), []))
+    (True, 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tdhook.attribution.mappers.base import BaseRuleMapper
+from tdhook.attribution.rules.gates import HeldGates
+
+__all__ = ["FunctionGates"]
+
+
+class FunctionGates:
+    """Whether one wrapper's model computes gates with functions, decided by its first call, which holds them."""
+
+    def __init__(self) -> None:
+        self.found: bool | None = None  # None: not known yet
+        self._probe: HeldGates | None = None
+
+    def modes(self, mapper: Any, rule_modes: Sequence[Any]) -> list[HeldGates]:
+        """The mode to add to the mapper's ``rule_modes`` for this call: ``HeldGates`` or nothing.
+
+        Args:
+            mapper: the wrapper's rule mapper; only a :class:`BaseRuleMapper` (the presets) holds gates.
+            rule_modes: the mapper's function modes for this call; one that covers sigmoid already holds gates.
+        """
+        self._probe = None
+        if not isinstance(mapper, BaseRuleMapper) or _covers_gates(rule_modes):
+            return []
+        if self.found is None:  # until a forward pass has completed in it
+            self._probe = HeldGates()
+            return [self._probe]
+        return [HeldGates()] if self.found else []
+
+    def settle(self) -> None:
+        """After a forward pass that completed: whether it held a gate decides the later calls."""
+        if self._probe is not None:
+            self.found, self._probe = self._probe.held, None
+
+
+def _covers_gates(modes: Sequence[Any]) -> bool:
+    """Whether one of the mapper's modes holds gates already (HeldGates, or AttnLRP's rules, which cover sigmoid)."""
+    return any(
+        isinstance(mode, HeldGates) or (hasattr(mode, "covers") and mode.covers(torch.sigmoid, ())) for mode in modes
+    )

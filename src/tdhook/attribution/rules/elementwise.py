@@ -1,0 +1,142 @@
+"""Modules of one's own that compute an element-wise function: relevance passes through them unchanged.
+
+A hand-written activation is often a module with no parameters and no children:
+Bloom's ``BloomGelu`` computes ``x * 0.5 * (1 + tanh(...))``, a ``Swish`` computes
+``x * sigmoid(x)``. No class name says it is an activation, and the product rules
+of AttnLRP and CP-LRP would split its products as if they joined two signals (CP-LRP
+then misses conservation by 7.6e-2 on Bloom). What the module computes says it:
+its output has its input's shape and each output element depends on the input
+element at the same place only (the Jacobian is diagonal).
+
+:class:`ElementwiseRule` is registered on every module without parameters or
+children that no other rule claims (:func:`may_be_elementwise`). At its first call in
+a context it tests the Jacobian on the call's own autograd graph: for two random
+output gradients ``u`` and ``v``, a diagonal Jacobian ``J`` gives
+``(Jᵀu) ⊙ v = (Jᵀv) ⊙ u``, and any other almost surely does not. An element-wise
+module then gets the pass rule it wraps (:class:`PassRule`, or AttnLRP's
+:class:`~tdhook.attribution.rules.transformer.PseudoIdentityRule`) on every call,
+the first one included; any other module keeps the gradient it had without the rule,
+with the function rules acting inside it.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
+from tdhook.attribution.rules.basic import PassRule
+
+__all__ = ["ElementwiseRule", "may_be_elementwise", "is_diagonal"]
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+def may_be_elementwise(module: nn.Module) -> bool:
+    """Whether ``module`` is a candidate for :class:`ElementwiseRule`: no parameters and no children (an empty
+    container, which returns its input, is none).
+
+    Examples:
+        >>> class Swish(nn.Module):
+        ...     def forward(self, x):
+        ...         return x * torch.sigmoid(x)
+        >>> may_be_elementwise(Swish()), may_be_elementwise(nn.Linear(2, 2)), may_be_elementwise(nn.Sequential())
+        (True, False, False)
+    """
+    if isinstance(module, _CONTAINERS):
+        return False
+    return next(module.parameters(), None) is None and next(module.children(), None) is None
+
+
+def is_diagonal(output: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``output`` (of ``x``'s shape) depends element by element on ``x``, judged from two
+    vector-Jacobian products over the autograd graph between them (kept for the backward pass).
+
+    Examples:
+        >>> x = torch.randn(3, 4, requires_grad=True)
+        >>> is_diagonal(torch.tanh(x) * x, x), is_diagonal(torch.softmax(x, -1), x)
+        (True, False)
+    """
+    if output.shape != x.shape or not (output.requires_grad and x.requires_grad) or output.numel() == 0:
+        return False
+    generator = torch.Generator(device=output.device).manual_seed(0)
+    u, v = (torch.rand(output.shape, generator=generator, device=output.device, dtype=output.dtype) + 0.5 for _ in "uv")
+    try:
+        ju, jv = (torch.autograd.grad(output, x, w, retain_graph=True, allow_unused=True)[0] for w in (u, v))
+    except RuntimeError:  # no differentiable path (an integer step, a detached result)
+        return False
+    if ju is None or jv is None:
+        return False
+    left, right = ju * v, jv * u
+    scale = left.abs().max().clamp_min(torch.finfo(left.dtype).tiny)
+    return bool(((left - right).abs().max() / scale) <= 64 * torch.finfo(left.dtype).eps)
+
+
+class ElementwiseRule(Rule):
+    """The pass rule on a module that proves element-wise at its first call (see the module's docstring).
+
+    Args:
+        rule: the pass rule applied to element-wise modules (:class:`PassRule` under the CNN presets,
+            :class:`~tdhook.attribution.rules.transformer.PseudoIdentityRule` under AttnLRP and CP-LRP).
+
+    Examples:
+        >>> class Swish(nn.Module):
+        ...     def forward(self, x):
+        ...         return x * torch.sigmoid(x)
+        >>> x = torch.tensor([[-1.0, 0.5, 2.0]], requires_grad=True)
+        >>> swish = Swish()
+        >>> with ElementwiseRule(PassRule()).register(swish):
+        ...     z = swish(x * 1)
+        ...     relevance = x * torch.autograd.grad(z, x, torch.ones_like(z))[0]
+        >>> torch.allclose(relevance, z)  # relevance passes through unchanged
+        True
+    """
+
+    # Function modes act inside the module: where it is not element-wise, it keeps the gradient it had unruled.
+    acts_in_forward = True
+    #: some calls keep their own gradient: the coverage watch looks inside modules with this rule.
+    decides_every_call = False
+
+    def __init__(self, rule: PassRule) -> None:
+        if not isinstance(rule, PassRule):
+            raise TypeError(f"ElementwiseRule: rule must be a PassRule, got {type(rule).__name__}")
+        super().__init__()
+        self.rule = rule
+
+    def prepare(self, module: nn.Module) -> list[bool | None]:
+        """Whether the module is element-wise: not known until its first call in the context."""
+        return [None]
+
+    def register(self, module: nn.Module) -> RemovableRuleHandle:
+        handle = super().register(module)
+        registration = self._registrations[module]
+        registration.hooks.append(module.register_forward_pre_hook(partial(self._alias_input, registration.state)))
+        return handle
+
+    @staticmethod
+    def _alias_input(decided: list[bool | None], module: nn.Module, args: tuple) -> tuple | None:
+        """Until the module is decided: its input as a fresh view, so that the test's two products end there and
+        run no hook of the input's own (the relevance of a layer named in ``layers``, a relevance check)."""
+        if decided[0] is not None or len(args) != 1 or not torch.is_grad_enabled():
+            return None
+        x = args[0]
+        if not isinstance(x, torch.Tensor) or not x.requires_grad:
+            return None
+        alias = x.view_as(x)
+        alias.__dict__.update(x.__dict__)  # the marks the rules set on the input (a gate, parameter-derived)
+        return (alias,)
+
+    def rewrite(self, module: nn.Module, registration: Any, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        if len(inputs) != 1 or not isinstance(inputs[0], torch.Tensor) or not inputs[0].requires_grad:
+            return None
+        x, decided = inputs[0], registration.state
+        if output.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            if decided[0] is None:
+                decided[0] = False  # a view or an in-place change of the input: its plain gradient is exact
+            return None
+        if decided[0] is None:
+            decided[0] = is_diagonal(output, x)
+        return self.rule.apply(output, x) if decided[0] else None

@@ -1,0 +1,141 @@
+"""Gates computed by functions in models with no sigmoid module: held (signal-take-all) from the first call on.
+
+The oracle is the closed form of signal-take-all: for ``z = a * sigmoid(W2 a)`` with ``a = W1 x`` and relevance
+``R`` at ``z``, the gate gets nothing and ``R_x = x ⊙ W1ᵀ (R / a)``; and, for networks, the same network with its
+gate detached by hand.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict
+from torch import nn
+
+from tdhook.attribution import LRP, BaseRuleMapper, EpsilonGammaBox, EpsilonPlus, EpsilonPlusFlat
+from tdhook.attribution._function_gates import FunctionGates
+from tests.conftest import relative_error
+
+F64 = torch.float64
+GATES = {"torch.sigmoid": torch.sigmoid, "Tensor.sigmoid": torch.Tensor.sigmoid, "F.hardsigmoid": F.hardsigmoid}
+
+
+class FunctionGated(nn.Module):
+    """``a * gate(fc(a))`` with ``a = inp(x)``, no bias: the gate is a function call, no module."""
+
+    def __init__(self, gate=torch.sigmoid, held: bool = False) -> None:
+        super().__init__()
+        self.inp, self.fc = nn.Linear(4, 6, bias=False), nn.Linear(6, 6, bias=False)
+        self.gate, self.held = gate, held
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.inp(x)
+        gate = self.gate(self.fc(a) * 2)
+        return a * (gate.detach() if self.held else gate)
+
+
+class FunctionSqueezeExcite(nn.Module):
+    """A convolution net whose squeeze-excite gate is ``torch.sigmoid``; ``held``: detached by hand (the oracle)."""
+
+    def __init__(self, held: bool = False) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+        self.reduce, self.expand = nn.Conv2d(8, 4, 1), nn.Conv2d(4, 8, 1)
+        self.head = nn.Sequential(nn.Conv2d(8, 6, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 3))
+        self.held = held
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        gate = torch.sigmoid(self.expand(torch.relu(self.reduce(h.mean((2, 3), keepdim=True)))))
+        return self.head(h * (gate.detach() if self.held else gate))
+
+
+def explain_twice(model: nn.Module, x: torch.Tensor, mapper, relevance_out: torch.Tensor | None = None):
+    """The relevance of a first and a second call of one wrapper, and the warnings of the first."""
+    target = None if relevance_out is None else (lambda y: relevance_out)
+    lrp = LRP(model, mapper, in_keys=["x"], out_keys=["y"], target=target)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = lrp(TensorDict(x=x.clone(), batch_size=[x.shape[0]]))["relevance", "x"]
+    second = lrp(TensorDict(x=x.clone(), batch_size=[x.shape[0]]))["relevance", "x"]
+    return first, second, [str(w.message) for w in caught if "no rule covers it" in str(w.message)]
+
+
+class TestClosedForm:
+    @pytest.mark.parametrize("gate", sorted(GATES))
+    def test_signal_takes_all(self, gate: str):
+        torch.manual_seed(0)
+        model = FunctionGated(GATES[gate]).double()
+        x, relevance_out = torch.randn(5, 4, dtype=F64), torch.randn(5, 6, dtype=F64)
+        a = model.inp(x).detach()
+        expected = x * ((relevance_out / a) @ model.inp.weight.detach())
+        first, second, messages = explain_twice(model, x, BaseRuleMapper(stabilizer=1e-12), relevance_out)
+        assert relative_error(first, expected) <= 1e-10
+        assert relative_error(second, expected) <= 1e-10
+        assert messages == []
+
+
+class TestSqueezeExciteWrittenWithFunctions:
+    @pytest.mark.parametrize("mapper", [EpsilonPlus, EpsilonPlusFlat, lambda: EpsilonGammaBox(-3.0, 3.0)])
+    def test_equals_the_gate_detached_by_hand_on_every_call(self, mapper):
+        torch.manual_seed(1)
+        model = FunctionSqueezeExcite().double().eval()
+        oracle = FunctionSqueezeExcite(held=True).double().eval()
+        oracle.load_state_dict(model.state_dict())
+        x = torch.randn(2, 3, 6, 6, dtype=F64).clamp(-2.9, 2.9)
+        expected, _, _ = explain_twice(oracle, x, mapper())
+        first, second, _ = explain_twice(model, x, mapper())
+        assert relative_error(first, expected) <= 1e-12
+        assert relative_error(second, expected) <= 1e-12
+
+
+class ModeSpy(nn.Module):
+    """Records whether a torch function mode is on while the model runs."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body, self.modes_on = body, []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.modes_on.append(torch._C._is_torch_function_mode_enabled())
+        return self.body(x)
+
+
+class TestLaterCalls:
+    def test_a_model_without_gates_runs_its_later_calls_without_a_mode(self):
+        spy = ModeSpy(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))).double()
+        explain_twice(spy, torch.randn(3, 4, dtype=F64), EpsilonPlus())
+        assert spy.modes_on == [True, False]  # the first call is watched; the second runs plain (torch.compile)
+
+    def test_a_model_with_function_gates_keeps_them_held(self):
+        spy = ModeSpy(FunctionGated()).double()
+        explain_twice(spy, torch.randn(3, 4, dtype=F64), EpsilonPlus())
+        assert spy.modes_on == [True, True]
+
+
+class SigmoidMLP(nn.Module):
+    """A sigmoid as an MLP's activation, computed by the model's own forward: no gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 6), nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.sigmoid(self.fc1(x)))
+
+
+def test_a_sigmoid_that_gates_nothing_is_still_reported():
+    _, _, messages = explain_twice(SigmoidMLP().double(), torch.randn(3, 4, dtype=F64), EpsilonPlus())
+    assert len(messages) == 1 and "computes sigmoid" in messages[0]
+
+
+def test_decided_by_a_completed_forward_pass_only():
+    gates = FunctionGates()
+    assert len(gates.modes(EpsilonPlus(), [])) == 1 and gates.found is None
+    assert len(gates.modes(EpsilonPlus(), [])) == 1  # the first pass raised: the next one decides
+    gates.settle()
+    assert gates.found is False and gates.modes(EpsilonPlus(), []) == []
+    assert gates.modes(lambda name, module: None, []) == []  # a plain mapper chooses every rule itself
