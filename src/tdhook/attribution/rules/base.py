@@ -15,6 +15,7 @@ is registered, again only when the module's parameters change (see
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -38,6 +39,7 @@ __all__ = [
     "parameter_fingerprint",
     "RemovableRuleHandle",
     "Rule",
+    "plain_calls",
 ]
 
 
@@ -149,6 +151,30 @@ def _zeroing(names: Sequence[str]) -> ParamModifier:
 
 
 _UNPREPARED = object()
+
+_PLAIN = threading.local()
+
+
+@contextmanager
+def plain_calls() -> Iterator[None]:
+    """Run modules as they are, without their rules, inside the ``with`` block (this thread only).
+
+    A rule that evaluates the module it is registered on at another point (the
+    Taylor rule at its reference point) needs the plain function and its plain
+    Jacobian, not the rules of the modules inside it.
+
+    Examples:
+        >>> from tdhook.attribution.rules import PassRule
+        >>> tanh, x = nn.Tanh(), torch.tensor([0.5], requires_grad=True)
+        >>> with PassRule().register(tanh), plain_calls():
+        ...     torch.autograd.grad(tanh(x), x)[0] == 1 - torch.tanh(x) ** 2
+        tensor([True])
+    """
+    _PLAIN.depth = getattr(_PLAIN, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _PLAIN.depth -= 1
 
 
 def parameter_fingerprint(module: nn.Module) -> tuple[int, ...]:
@@ -437,7 +463,7 @@ class Rule:
     def _forward_hook(self, registration: Registration) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
             inputs = pop(registration.snapshots) if registration.snapshots else args
-            if registration.busy or not torch.is_grad_enabled():
+            if registration.busy or not torch.is_grad_enabled() or getattr(_PLAIN, "depth", 0):
                 return None
             raise_for_vmap(module, output)
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
