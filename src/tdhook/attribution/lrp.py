@@ -37,11 +37,12 @@ from tdhook.attribution.mappers.base import BaseRuleMapper, RuleMapper
 from tdhook.attribution.rules._scopes import closing_scopes
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key
+from tdhook.attribution.tunables import MapperTunable
 
 __all__ = ["LRP"]
 
 
-class LRP(TensorDictModuleBase):
+class LRP(TensorDictModuleBase, MapperTunable):
     """Layer-wise relevance propagation around a ``TensorDictModule``.
 
     Inside ``with lrp:`` the rules chosen by ``rule_mapper`` are registered on

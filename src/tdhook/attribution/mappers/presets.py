@@ -30,6 +30,7 @@ from tdhook.attribution.rules.base import Rule
 from tdhook.attribution.rules.basic import EpsilonRule, RefuseRule
 from tdhook.attribution.rules.input_layer import FlatRule, ZBoxRule
 from tdhook.attribution.rules.modified import AlphaBetaRule, GammaRule
+from tdhook.attribution.tunables import EPSILON, GAMMA
 
 __all__ = [
     "Preset",
@@ -64,6 +65,7 @@ class Preset(BaseRuleMapper):
 
     layer_rules: ClassVar[RuleTable] = ()
     first_layer_rules: ClassVar[RuleTable] = ()
+    tunables = {"epsilon": EPSILON}
 
     def __init__(self, epsilon: float = 1e-6, **options: Unpack[PresetOptions]) -> None:
         nonnegative(type(self).__name__, "epsilon", epsilon)
@@ -167,6 +169,8 @@ class EpsilonGammaBox(Preset):
         >>> [type(r).__name__ for r in EpsilonGammaBox(-3.0, 3.0).rules(model).values()]
         ['FirstLayerRule', 'PassRule', 'FirstLayerRule', 'IgnoreRule', 'EpsilonRule']
     """
+
+    tunables = {"epsilon": EPSILON, "gamma": GAMMA}
 
     layer_rules = (
         (CONVOLUTIONS, lambda preset: GammaRule(gamma=preset.gamma, stabilizer=preset.stabilizer)),

@@ -29,6 +29,7 @@ from tdhook.attribution.rules._autograd import raise_for_vmap
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._scopes import pop, push
+from tdhook.attribution.tunables import Tunable
 
 __all__ = [
     "ParamModifier",
@@ -323,7 +324,7 @@ class RemovableRuleHandle:
         self.remove()
 
 
-class Rule:
+class Rule(Tunable):
     """Base class of the LRP rules.
 
     A rule rewrites a module's output into a tensor of the same value whose
@@ -357,6 +358,14 @@ class Rule:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({args})"
+
+    def _rebuild(self, values: dict[str, Any]) -> None:
+        if len(self._registrations):
+            raise RuntimeError(
+                f"{type(self).__name__} is registered on {len(self._registrations)} module(s); set its parameters "
+                "outside the LRP context"
+            )
+        super()._rebuild(values)
 
     def prepare(self, module: nn.Module) -> Any:
         """Per-module state computed from the module's parameters (for example modified parameters).

@@ -23,6 +23,7 @@ from tdhook.attribution.rules._arguments import finite_number, nonnegative
 from tdhook.attribution.rules._autograd import redirect
 from tdhook.attribution.rules._numerics import safe_divide, stabilize
 from tdhook.attribution.rules.base import Registration, Rule, plain_calls
+from tdhook.attribution.tunables import EPSILON
 
 __all__ = ["TaylorDecompositionRule"]
 
@@ -65,6 +66,8 @@ class TaylorDecompositionRule(Rule):
         >>> torch.allclose(relevance, expected)
         True
     """
+
+    tunables = {"epsilon": EPSILON, "bias": (bool, {"choices": [False, True]})}
 
     def __init__(
         self,
