@@ -12,7 +12,7 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 
 from tdhook.attribution import LRP, EpsilonGammaBox, InputXGradient, IntegratedGradients, UniformEpsilon, tune
-from tdhook.metrics import aopc, pixel_flipping
+from tdhook.metrics import aopc, pixel_flipping, sensitivity_max
 
 
 def policy() -> TensorDictModule:
@@ -71,6 +71,19 @@ class TestResult:
         assert result.study.trials[0].params == {"n_steps": 8, "method": "gausslegendre"}
         recomputed = attribution_aopc(explainer.module, result.explainer(td.clone())).double().mean().item()
         assert result.best_value == recomputed
+
+    def test_a_metric_that_explains_again_receives_the_trials_explainer(self):
+        explainer, td = LRP(policy(), rule_mapper=UniformEpsilon()), observations()
+        seen = []
+
+        def sensitivity(module, td, explainer):
+            seen.append(explainer.tunable_values())
+            return sensitivity_max(explainer, td, seed=0)
+
+        result = tune(explainer, td, sensitivity, n_trials=3, direction="minimize", progress=False)
+        assert seen == [t.params for t in result.study.trials]
+        recomputed = sensitivity_max(result.explainer, td, seed=0).double().mean().item()
+        assert result.best_value == recomputed <= result.study.trials[0].value
 
     def test_a_current_value_outside_the_range_starts_at_the_end_of_the_range(self):
         explainer, td = LRP(policy(), rule_mapper=UniformEpsilon(epsilon=0.0)), observations()

@@ -8,6 +8,7 @@ with ``metric(module, td_with_attribution)``, whose mean is the objective.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,6 +62,15 @@ def _suggest(trial: Any, name: str, space: Space) -> Any:
     return trial.suggest_float(name, float(spec["low"]), float(spec["high"]), log=bool(spec["log"]))
 
 
+def _takes_explainer(metric: Metric) -> bool:
+    """Whether ``metric`` takes the explainer itself, as a keyword ``explainer`` (sensitivity, randomisation)."""
+    try:
+        parameters = inspect.signature(metric).parameters
+    except (TypeError, ValueError):
+        return False
+    return "explainer" in parameters
+
+
 def _sampler(optuna: Any, sampler: Any, seed: int) -> Any:
     if isinstance(sampler, optuna.samplers.BaseSampler):
         return sampler
@@ -110,7 +120,8 @@ def tune(
             when called (the :class:`~tdhook.attribution.LRP` wrapper, an attribution method).
         td: the inputs to explain (left unchanged).
         metric: ``(module, td_with_attribution) -> tensor``; its mean is the objective. ``module`` is the
-            explainer's wrapped model.
+            explainer's wrapped model. A metric with a parameter named ``explainer`` also receives the trial's
+            explainer (for the metrics that explain again: ``sensitivity_max``, ``randomisation_check``).
         n_trials: the number of trials, the first included.
         direction: ``"maximize"`` or ``"minimize"``.
         sampler: ``"tpe"``, ``"random"`` or an optuna sampler.
@@ -149,13 +160,16 @@ def tune(
         raise ValueError(f"tune: {type(explainer).__name__} has no tunable parameters")
     current = _first_trial(explainer.tunable_values(), tunables)
     module = explainer.module
+    takes_explainer = _takes_explainer(metric)
     best: dict[str, Any] = {}
 
     def objective(trial: Any) -> float:
         params = {name: _suggest(trial, name, space) for name, space in tunables.items()}
         candidate = explainer.copy()
         candidate.set_kwargs(**params)
-        value = float(torch.as_tensor(metric(module, candidate(td.clone()))).double().mean())
+        explained = candidate(td.clone())
+        score = metric(module, explained, explainer=candidate) if takes_explainer else metric(module, explained)
+        value = float(torch.as_tensor(score).double().mean())
         if math.isfinite(value):
             previous = best.get("value")
             better = previous is None or (value > previous if direction == "maximize" else value < previous)
