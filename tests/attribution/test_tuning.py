@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import optuna
 import pytest
@@ -89,6 +90,18 @@ class TestResult:
         explainer, td = LRP(policy(), rule_mapper=UniformEpsilon(epsilon=0.0)), observations()
         result = tune(explainer, td, lrp_aopc, n_trials=3, progress=False)
         assert result.study.trials[0].params == {"epsilon": 1e-6}
+
+    def test_a_timeout_stops_starting_trials(self):
+        explainer, td = LRP(policy(), rule_mapper=UniformEpsilon()), observations()
+
+        def slow(module, td):
+            time.sleep(0.3)
+            return lrp_aopc(module, td)
+
+        result = tune(explainer, td, slow, n_trials=50, timeout=0.1, progress=False)
+        assert len(result.study.trials) == 1 and result.best_params == {"epsilon": 0.25}
+        with pytest.raises(RuntimeError, match="timeout"):
+            tune(explainer, td, slow, n_trials=50, timeout=0.0, progress=False)
 
 
 class TestArguments:

@@ -193,6 +193,8 @@ def tune(
             study.optimize(objective, n_trials=n_trials, timeout=timeout, callbacks=[advance])
     finally:
         optuna.logging.set_verbosity(verbosity)
+    if all(t.state == optuna.trial.TrialState.WAITING for t in study.trials):
+        raise RuntimeError(f"tune: no trial started before the timeout of {timeout} s")
     if "value" not in best:
         raise ValueError("tune: the metric was not finite in any trial")
     best_trial = study.best_trial

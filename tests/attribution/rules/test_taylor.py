@@ -70,6 +70,27 @@ class TestFormula:
         assert relative_error(actual[0], expected) <= TOL
 
     @pytest.mark.parametrize("bias", [False, True])
+    def test_convolution_block_with_a_reference_image(self, bias):
+        torch.manual_seed(6)
+        block = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.GELU(), nn.Conv2d(3, 2, 3), nn.Softplus()).to(F64)
+        x = torch.randn(2, 2, 6, 6, dtype=F64)
+        ref = torch.randn(1, 2, 6, 6, dtype=F64)  # one reference image, broadcast over the batch
+        grad_out = torch.randn_like(block(x).detach())
+        actual, r_out = rule_relevance(TaylorDecompositionRule(ref=ref, bias=bias), block, [x], grad_out)
+        (expected,) = taylor_formula(block, [x], [ref.expand_as(x).clone()], r_out, bias, 1e-6)
+        assert relative_error(actual[0], expected) <= TOL
+
+    def test_the_relevance_keeps_its_graph_with_create_graph(self):
+        torch.manual_seed(7)
+        block = mlp_block()
+        x = torch.randn(3, 4, dtype=F64, requires_grad=True)
+        with TaylorDecompositionRule(ref=0.2, bias=True).register(block):
+            out = block(x)
+            (grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        (weight_grad,) = torch.autograd.grad((x * grad).sum(), block[0].weight)
+        assert weight_grad.abs().sum() > 0  # differentiable through the Jacobian at the reference
+
+    @pytest.mark.parametrize("bias", [False, True])
     def test_bilinear_two_inputs_each_with_its_reference(self, bias):
         torch.manual_seed(1)
         module = Bilinear().to(F64)
