@@ -2,7 +2,7 @@
 
 Every name of :mod:`tdhook.attribution.rules`, :mod:`tdhook.attribution.mappers`
 and :mod:`tdhook.attribution.methods` (Saliency, IntegratedGradients, ...) is
-importable from here.
+importable from here, and so is :func:`~tdhook.attribution.tuning.tune`.
 
 Examples:
     >>> import torch
@@ -24,5 +24,15 @@ from tdhook.attribution.offline import explain_offline
 from tdhook.attribution.rules import *  # noqa: F403
 from tdhook.attribution.rules import __all__ as _rule_names
 from tdhook.attribution.shares import relevance_shares
+from tdhook.attribution.tuning import TuneResult, tune
 
-__all__ = ["LRP", "explain_offline", "relevance_shares", *_method_names, *_rule_names, *_mapper_names]
+__all__ = [
+    "LRP",
+    "explain_offline",
+    "relevance_shares",
+    "tune",
+    "TuneResult",
+    *_method_names,
+    *_rule_names,
+    *_mapper_names,
+]

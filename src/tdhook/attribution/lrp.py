@@ -46,11 +46,12 @@ from tdhook.attribution.targets import (
     resolve_target_key,
     zero_output_seeds,
 )
+from tdhook.attribution.tunables import MapperTunable
 
 __all__ = ["LRP"]
 
 
-class LRP(TensorDictModuleBase):
+class LRP(TensorDictModuleBase, MapperTunable):
     """Layer-wise relevance propagation around a ``TensorDictModule``.
 
     Inside ``with lrp:`` the rules chosen by ``rule_mapper`` are registered on

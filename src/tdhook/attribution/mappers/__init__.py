@@ -13,6 +13,7 @@ from tdhook.attribution.mappers.presets import (
     EpsilonPlus,
     EpsilonPlusFlat,
     Preset,
+    UniformEpsilon,
 )
 from tdhook.attribution.mappers.transformer import CPLRP, AttnLRP
 
@@ -27,6 +28,7 @@ __all__ = [
     "EpsilonAlpha2Beta1",
     "EpsilonAlpha2Beta1Flat",
     "EpsilonGammaBox",
+    "UniformEpsilon",
     "AttnLRP",
     "CPLRP",
 ]

@@ -34,6 +34,7 @@ from tdhook.attribution.rules.input_layer import FirstLayerRule
 from tdhook.attribution.rules.normalization import NormRule, is_norm
 from tdhook.attribution.rules.quantized import QuantizedLinearRule, holds_packed_weights, is_quantized_linear
 from tdhook.attribution.rules.recurrent import RecurrentRule, is_recurrent
+from tdhook.attribution.tunables import Tunable
 
 __all__ = ["RuleMapper", "rule_mapper_from_dict", "PresetOptions", "BaseRuleMapper"]
 
@@ -98,7 +99,7 @@ class PresetOptions(TypedDict, total=False):
     stabilize_additions: bool
 
 
-class BaseRuleMapper:
+class BaseRuleMapper(Tunable):
     """Map ``(name, module)`` to a rule: the user's mapper first, then defaults.
 
     Defaults: routers of a mixture of experts → :class:`~tdhook.attribution.rules.gates.RouterRule` (routing

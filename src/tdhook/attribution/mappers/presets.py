@@ -11,7 +11,8 @@ norms) gets :class:`~tdhook.attribution.mappers.base.BaseRuleMapper`'s defaults.
 * :class:`EpsilonPlusFlat`: the same with Flat on the first layer;
 * :class:`EpsilonAlpha2Beta1`: α2β1 on convolutions, ε on Linear;
 * :class:`EpsilonAlpha2Beta1Flat`: the same with Flat on the first layer;
-* :class:`EpsilonGammaBox`: γ on convolutions, ε on Linear, z^B on the first convolution.
+* :class:`EpsilonGammaBox`: γ on convolutions, ε on Linear, z^B on the first convolution;
+* :class:`UniformEpsilon`: ε on Linear and convolutions alike (pnpxai's ``LRPUniformEpsilon``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tdhook.attribution.rules.base import Rule
 from tdhook.attribution.rules.basic import EpsilonRule, RefuseRule
 from tdhook.attribution.rules.input_layer import FlatRule, ZBoxRule
 from tdhook.attribution.rules.modified import AlphaBetaRule, GammaRule
+from tdhook.attribution.tunables import EPSILON, GAMMA
 
 __all__ = [
     "Preset",
@@ -37,6 +39,7 @@ __all__ = [
     "EpsilonAlpha2Beta1",
     "EpsilonAlpha2Beta1Flat",
     "EpsilonGammaBox",
+    "UniformEpsilon",
 ]
 
 RuleFactory = Callable[["Preset"], Rule]
@@ -62,6 +65,7 @@ class Preset(BaseRuleMapper):
 
     layer_rules: ClassVar[RuleTable] = ()
     first_layer_rules: ClassVar[RuleTable] = ()
+    tunables = {"epsilon": EPSILON}
 
     def __init__(self, epsilon: float = 1e-6, **options: Unpack[PresetOptions]) -> None:
         nonnegative(type(self).__name__, "epsilon", epsilon)
@@ -166,6 +170,8 @@ class EpsilonGammaBox(Preset):
         ['FirstLayerRule', 'PassRule', 'FirstLayerRule', 'IgnoreRule', 'EpsilonRule']
     """
 
+    tunables = {"epsilon": EPSILON, "gamma": GAMMA}
+
     layer_rules = (
         (CONVOLUTIONS, lambda preset: GammaRule(gamma=preset.gamma, stabilizer=preset.stabilizer)),
         *_DENSE_EPSILON,
@@ -186,3 +192,30 @@ class EpsilonGammaBox(Preset):
         nonnegative(type(self).__name__, "gamma", gamma)
         self.low, self.high, self.gamma = low, high, gamma
         super().__init__(epsilon, **options)
+
+
+class UniformEpsilon(Preset):
+    """One ε-rule on every Linear and convolution layer, the defaults elsewhere (pnpxai's ``LRPUniformEpsilon``).
+
+    Activations pass relevance on, average pooling and the other defaults use
+    ``stabilizer`` (see :class:`~tdhook.attribution.mappers.base.BaseRuleMapper`), BatchNorm is merged into the
+    layer before it, and LSTM and GRU layers get the recurrent rule. This is zennit's ``LayerMapComposite`` of
+    ``Epsilon(epsilon)`` on Linear and convolutions with ``layer_map_base(stabilizer)``. Attention modules are
+    refused as by the other CNN presets: :class:`~tdhook.attribution.mappers.transformer.AttnLRP` with the same
+    ``epsilon`` is ε on the Linear layers with the transformer rules.
+
+    Args:
+        epsilon: ε of the Linear and convolution layers.
+        stabilizer: stabilizer of the other rules.
+        **options: ``rule_mapper``, ``strict`` and ``stabilize_additions``, as for :class:`Preset`.
+
+    Examples:
+        >>> mapper = UniformEpsilon()
+        >>> mapper("conv", nn.Conv2d(1, 1, 3)), mapper("fc", nn.Linear(2, 2)), mapper("act", nn.ReLU())
+        (EpsilonRule(epsilon=0.25), EpsilonRule(epsilon=0.25), PassRule(stabilizer=1e-12))
+    """
+
+    layer_rules = ((LINEAR_LAYERS, lambda preset: EpsilonRule(epsilon=preset.epsilon)),)
+
+    def __init__(self, epsilon: float = 0.25, stabilizer: float = 1e-6, **options: Unpack[PresetOptions]) -> None:
+        super().__init__(epsilon, stabilizer=stabilizer, **options)

@@ -20,6 +20,7 @@ from tdhook.attribution.rules.transformer import (
     PseudoIdentityRule,
     SoftmaxEpsilonRule,
 )
+from tdhook.attribution.tunables import EPSILON
 
 __all__ = ["AttnLRP", "CPLRP"]
 
@@ -76,6 +77,8 @@ class AttnLRP(BaseRuleMapper):
         >>> type(rules["norm1"]).__name__, type(rules["linear1"]).__name__
         ('LayerNormRule', 'IgnoreRule')
     """
+
+    tunables = {"epsilon": EPSILON}
 
     def __init__(
         self, epsilon: float | None = None, softmax_epsilon: float = 0.0, **options: Unpack[PresetOptions]

@@ -38,6 +38,7 @@ from tdhook.attribution._random_modules import random_modules, warn_for_random_m
 from tdhook.attribution._tokens import TokenInputs
 from tdhook.attribution._writes import model_updates, set_all_or_nothing
 from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key
+from tdhook.attribution.tunables import ModelTunable
 
 __all__ = ["AttributionMethod", "Call", "hooks_removed"]
 
@@ -89,7 +90,7 @@ def _rename(err: Exception, owner: str) -> Exception:
     return type(err)(message, *err.args[1:]).with_traceback(err.__traceback__)
 
 
-class AttributionMethod(TensorDictModuleBase):
+class AttributionMethod(TensorDictModuleBase, ModelTunable):
     """The base of the attribution methods: LRP's constructor conventions and one call's machinery.
 
     Subclasses implement :meth:`_attribute`, which returns, for every

@@ -56,6 +56,8 @@ class GradCAM(AttributionMethod):
         (torch.Size([5, 6, 6]), torch.Size([5, 3, 6, 6]))
     """
 
+    tunables = {"relu": (bool, {"choices": [True, False]})}
+
     _gradient_at_input = True
 
     def __init__(

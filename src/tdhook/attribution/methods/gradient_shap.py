@@ -100,6 +100,11 @@ class GradientShap(AttributionMethod):
         True
     """
 
+    tunables = {
+        "n_samples": (int, {"low": 2, "high": 100, "log": True}),
+        "stdevs": (float, {"low": 0.0, "high": 1.0, "log": False}),
+    }
+
     def __init__(
         self,
         module: TensorDictModuleBase | nn.Module,

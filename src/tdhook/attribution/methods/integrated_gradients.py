@@ -11,7 +11,7 @@ from torch import nn
 
 from tdhook.attribution.methods._base import AttributionMethod, Call
 from tdhook.attribution.methods._options import Baselines, baseline_tensors, checked_batch_size, steps_per_pass
-from tdhook.attribution.methods._quadrature import quadrature
+from tdhook.attribution.methods._quadrature import METHODS, quadrature
 from tdhook.attribution.targets import Target
 
 __all__ = ["IntegratedGradients"]
@@ -54,6 +54,11 @@ class IntegratedGradients(AttributionMethod):
         >>> bool(completeness.abs().max() < 1e-8)
         True
     """
+
+    tunables = {
+        "n_steps": (int, {"low": 5, "high": 200, "log": True}),
+        "method": (str, {"choices": list(METHODS)}),
+    }
 
     def __init__(
         self,

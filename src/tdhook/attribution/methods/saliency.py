@@ -40,6 +40,8 @@ class Saliency(AttributionMethod):
                 [1., 2., 3.]])
     """
 
+    tunables = {"abs": (bool, {"choices": [True, False]})}
+
     _gradient_at_input = True
 
     def __init__(

@@ -81,6 +81,8 @@ class ShapleyValueSampling(PerturbationMethod):
         tensor([3., 3.])
     """
 
+    tunables = {"n_samples": (int, {"low": 5, "high": 200, "log": True})}
+
     def __init__(
         self,
         module: TensorDictModuleBase | nn.Module,

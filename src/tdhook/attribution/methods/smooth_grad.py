@@ -90,6 +90,12 @@ class SmoothGrad(AttributionMethod):
         True
     """
 
+    tunables = {
+        "n_samples": (int, {"low": 2, "high": 100, "log": True}),
+        "stdev": (float, {"low": 1e-3, "high": 2.0, "log": True}),
+        "nt_type": (str, {"choices": list(NT_TYPES)}),
+    }
+
     def __init__(
         self,
         module: TensorDictModuleBase | nn.Module,

@@ -6,6 +6,7 @@ One family of rules per module: :mod:`~tdhook.attribution.rules.base` (what a ru
 :mod:`~tdhook.attribution.rules.input_layer` (Flat, w², z^B and the first-layer switch),
 :mod:`~tdhook.attribution.rules.batch_norm`, :mod:`~tdhook.attribution.rules.recurrent` (LSTM, GRU),
 :mod:`~tdhook.attribution.rules.elementwise` (hand-written element-wise modules),
+:mod:`~tdhook.attribution.rules.taylor` (first-order Taylor at a reference point),
 :mod:`~tdhook.attribution.rules.transformer`,
 :mod:`~tdhook.attribution.rules.functional` (rules on function calls),
 :mod:`~tdhook.attribution.rules.additions` (stabilised residual sums) and
@@ -45,6 +46,7 @@ from tdhook.attribution.rules.modified import AlphaBetaRule, GammaRule
 from tdhook.attribution.rules.normalization import NormRule
 from tdhook.attribution.rules.quantized import QuantizedLinearRule
 from tdhook.attribution.rules.recurrent import RecurrentRule
+from tdhook.attribution.rules.taylor import TaylorDecompositionRule
 from tdhook.attribution.rules.transformer import (
     AHQKVRule,
     LayerNormRule,
@@ -87,6 +89,7 @@ __all__ = [
     "RouterRule",
     "QuantizedLinearRule",
     "RecurrentRule",
+    "TaylorDecompositionRule",
     "SoftmaxEpsilonRule",
     "LayerNormRule",
     "PseudoIdentityRule",

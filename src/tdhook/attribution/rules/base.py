@@ -16,6 +16,7 @@ is registered, again only when the module's parameters change (see
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -29,6 +30,7 @@ from tdhook.attribution.rules._autograd import raise_for_vmap
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._layers import LINEAR_LAYERS, _has_weight_property
 from tdhook.attribution.rules._scopes import pop, push
+from tdhook.attribution.tunables import Tunable
 
 __all__ = [
     "ParamModifier",
@@ -39,6 +41,7 @@ __all__ = [
     "parameter_fingerprint",
     "RemovableRuleHandle",
     "Rule",
+    "plain_calls",
 ]
 
 
@@ -150,6 +153,30 @@ def _zeroing(names: Sequence[str]) -> ParamModifier:
 
 
 _UNPREPARED = object()
+
+_PLAIN = threading.local()
+
+
+@contextmanager
+def plain_calls() -> Iterator[None]:
+    """Run modules as they are, without their rules, inside the ``with`` block (this thread only).
+
+    A rule that evaluates the module it is registered on at another point (the
+    Taylor rule at its reference point) needs the plain function and its plain
+    Jacobian, not the rules of the modules inside it.
+
+    Examples:
+        >>> from tdhook.attribution.rules import PassRule
+        >>> tanh, x = nn.Tanh(), torch.tensor([0.5], requires_grad=True)
+        >>> with PassRule().register(tanh), plain_calls():
+        ...     torch.autograd.grad(tanh(x), x)[0] == 1 - torch.tanh(x) ** 2
+        tensor([True])
+    """
+    _PLAIN.depth = getattr(_PLAIN, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _PLAIN.depth -= 1
 
 
 _NEVER_THE_SAME = itertools.count()
@@ -307,7 +334,7 @@ class RemovableRuleHandle:
         self.remove()
 
 
-class Rule:
+class Rule(Tunable):
     """Base class of the LRP rules.
 
     A rule rewrites a module's output into a tensor of the same value whose
@@ -344,6 +371,14 @@ class Rule:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({args})"
+
+    def _rebuild(self, values: dict[str, Any]) -> None:
+        if len(self._registrations):
+            raise RuntimeError(
+                f"{type(self).__name__} is registered on {len(self._registrations)} module(s); set its parameters "
+                "outside the LRP context"
+            )
+        super()._rebuild(values)
 
     def prepare(self, module: nn.Module) -> Any:
         """Per-module state computed from the module's parameters (for example modified parameters).
@@ -450,7 +485,7 @@ class Rule:
     def _forward_hook(self, registration: Registration) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
             inputs = pop(registration.snapshots) if registration.snapshots else args
-            if registration.busy or not torch.is_grad_enabled():
+            if registration.busy or not torch.is_grad_enabled() or getattr(_PLAIN, "depth", 0):
                 return None
             raise_for_vmap(module, output)
             if not isinstance(output, torch.Tensor) or not output.requires_grad:

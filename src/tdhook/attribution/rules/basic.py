@@ -14,6 +14,7 @@ from tdhook.attribution.rules._autograd import redirect, relevance_proxy, times_
 from tdhook.attribution.rules._layers import LINEAR_LAYERS, bias_view
 from tdhook.attribution.rules._numerics import in_pieces_, stabilize
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, _single_input
+from tdhook.attribution.tunables import EPSILON
 
 __all__ = ["IgnoreRule", "StopRule", "EpsilonRule", "UniformEpsilonRule", "PassRule", "UniformRule", "RefuseRule"]
 
@@ -87,6 +88,7 @@ class EpsilonRule(Rule):
 
     uses_input = False
     merges_batch_norm = True
+    tunables = {"epsilon": EPSILON}
 
     def __init__(self, epsilon: float = 1e-6) -> None:
         nonnegative(type(self).__name__, "epsilon", epsilon)

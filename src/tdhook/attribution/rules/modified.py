@@ -21,6 +21,7 @@ from tdhook.attribution.rules._input_gradients import direct_input_gradient, has
 from tdhook.attribution.rules._layers import effective_parameters, forward_with
 from tdhook.attribution.rules._numerics import has_negative, nonzero_where_negative, pieces, signed_shift, stabilize
 from tdhook.attribution.rules.base import _ZERO_BIAS, ParamModifier, Registration, Rule, _single_input, _zeroing
+from tdhook.attribution.tunables import GAMMA
 
 __all__ = ["AlphaBetaRule", "GammaRule"]
 
@@ -154,7 +155,14 @@ class AlphaBetaRule(_ModifiedForwardRule):
         Traceback (most recent call last):
         ...
         ValueError: AlphaBetaRule needs alpha - beta == 1 and both non-negative, got alpha=2.0, beta=2.0
+        >>> AlphaBetaRule().set_kwargs(alpha=3.0).beta  # β follows α
+        2.0
     """
+
+    tunables = {"alpha": (float, {"low": 1.0, "high": 4.0, "log": False})}
+
+    def _rebuild(self, values: dict) -> None:
+        super()._rebuild({**values, "beta": values["alpha"] - 1.0} if "alpha" in values else values)
 
     def __init__(
         self, alpha: float = 2.0, beta: float = 1.0, stabilizer: float = 1e-6, zero_params: Sequence[str] = ()
@@ -216,6 +224,8 @@ class GammaRule(_ModifiedForwardRule):
         >>> GammaRule(gamma=0.5).gamma
         0.5
     """
+
+    tunables = {"gamma": GAMMA}
 
     def __init__(self, gamma: float = 0.25, stabilizer: float = 1e-6, zero_params: Sequence[str] = ()) -> None:
         nonnegative(type(self).__name__, "gamma", gamma)

@@ -37,6 +37,7 @@ from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._numerics import in_pieces_
 from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
+from tdhook.attribution.tunables import EPSILON
 
 __all__ = ["NormRule", "LayerNormRule", "is_norm"]
 
@@ -144,6 +145,7 @@ class NormRule(Rule):
 
     uses_input = False
     acts_in_forward = True
+    tunables = {"epsilon": EPSILON}
 
     def __init__(self, epsilon: float = 1e-6) -> None:
         nonnegative(type(self).__name__, "epsilon", epsilon)

@@ -18,6 +18,7 @@ from torch import nn
 
 from tdhook.attribution.rules._autograd import redirect
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
+from tdhook.attribution.tunables import EPSILON
 
 __all__ = ["QuantizedLinearRule", "is_quantized_linear", "holds_packed_weights"]
 
@@ -58,6 +59,7 @@ class QuantizedLinearRule(Rule):
     """
 
     uses_input = True
+    tunables = {"epsilon": EPSILON}
 
     def __init__(self, epsilon: float = 1e-6) -> None:
         super().__init__()

@@ -37,6 +37,7 @@ from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._autograd import redirect, scale_gradient
 from tdhook.attribution.rules._numerics import safe_divide, stabilize
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
+from tdhook.attribution.tunables import EPSILON
 
 __all__ = ["RecurrentRule", "is_recurrent", "lstm_step", "gru_step"]
 
@@ -270,6 +271,7 @@ class RecurrentRule(Rule):
     """
 
     uses_input = False
+    tunables = {"epsilon": EPSILON}
 
     def __init__(self, epsilon: float = 1e-6) -> None:
         nonnegative(type(self).__name__, "epsilon", epsilon)

@@ -36,6 +36,7 @@ from tdhook.attribution.rules.base import Rule, _single_input
 from tdhook.attribution.rules.basic import PassRule
 from tdhook.attribution.rules.gates import GATE_MARK, mark_gate
 from tdhook.attribution.rules.normalization import LayerNormRule
+from tdhook.attribution.tunables import EPSILON
 
 __all__ = [
     "SoftmaxEpsilonRule",
@@ -88,6 +89,8 @@ class SoftmaxEpsilonRule(Rule):
         True
     """
 
+    tunables = {"epsilon": EPSILON}
+
     def __init__(self, epsilon: float = 0.0) -> None:
         nonnegative(type(self).__name__, "epsilon", epsilon)
         super().__init__()
@@ -128,6 +131,8 @@ class AHQKVRule(SoftmaxEpsilonRule):
         ...     softmax(x).requires_grad
         False
     """
+
+    tunables = {}
 
     def __init__(self) -> None:
         super().__init__(epsilon=0.0)

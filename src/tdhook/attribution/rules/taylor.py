@@ -1,0 +1,196 @@
+"""The first-order Taylor rule: relevance from the Jacobian of any differentiable module at a reference point.
+
+For a module ``f`` with inputs ``x`` and output relevance ``R``:
+
+``R(x) = x ⊙ J_f(ref)ᵀ · (R / stabilize(z, ε))``
+
+where ``J_f(ref)`` is the Jacobian of ``f`` at the reference point and ``z``
+the part of the output the relevance is shared by: the linear term
+``J_f(ref) · x`` (``bias=False``, the constant ``f(ref)`` left out) or the
+output ``f(x)`` itself (``bias=True``). For a linear ``f`` with ``bias=False``
+this is the ε-rule on ``f`` with its bias left out of the denominator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.autograd.forward_ad as forward_ad
+from torch import nn
+
+from tdhook.attribution.rules._arguments import finite_number, nonnegative
+from tdhook.attribution.rules._autograd import redirect
+from tdhook.attribution.rules._numerics import safe_divide, stabilize
+from tdhook.attribution.rules.base import Registration, Rule, plain_calls
+from tdhook.attribution.tunables import EPSILON
+
+__all__ = ["TaylorDecompositionRule"]
+
+Reference = float | torch.Tensor | Sequence[float | torch.Tensor]
+BiasDistribution = Callable[[tuple[torch.Tensor, ...], list[torch.Tensor]], Sequence[torch.Tensor]]
+
+
+class TaylorDecompositionRule(Rule):
+    """First-order Taylor decomposition of a module at a reference point.
+
+    ``R(x_k) = x_k ⊙ J_k(ref)ᵀ · (R / stabilize(z, ε))`` for every floating input
+    ``x_k`` that requires grad, with ``J_k(ref)`` the Jacobian of the module's
+    output with respect to ``x_k`` at the reference point (the other arguments
+    as given) and ``R`` the output's relevance. ``z = Σ_k J_k(ref) · x_k`` with
+    ``bias=False``; ``z = f(x)``, the output, with ``bias=True``. The module is
+    evaluated at the reference as it is: rules of the modules inside it take
+    no part.
+
+    Args:
+        ref: the reference point: a number, a tensor broadcastable to every
+            input, or one number or tensor per floating input, in order.
+        bias: share the relevance by the output ``f(x)`` (which holds the bias
+            ``f(ref)``) instead of by the linear term ``J_f(ref) · x``.
+        distribute_bias: with ``bias=True``, ``(inputs, relevances) -> relevances``
+            called with the floating inputs and their relevances; what it
+            returns is used instead (for example the bias's share spread over
+            the inputs).
+        epsilon: the stabilizer of ``z``.
+
+    Examples:
+        >>> block = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+        >>> x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+        >>> with TaylorDecompositionRule(ref=0.5).register(block):
+        ...     out = block(x)
+        ...     relevance = x * torch.autograd.grad(out[:, 0].sum(), x)[0]
+        >>> ref = torch.full((3,), 0.5, dtype=torch.float64)
+        >>> jacobian = torch.func.jacrev(block)(ref)  # J_f(ref), the same for every sample
+        >>> z = x.detach() @ jacobian.T
+        >>> expected = x.detach() * (out.detach()[:, :1] / (z[:, :1] + 1e-6 * z[:, :1].sign())) * jacobian[0]
+        >>> torch.allclose(relevance, expected)
+        True
+    """
+
+    tunables = {"epsilon": EPSILON, "bias": (bool, {"choices": [False, True]})}
+
+    def __init__(
+        self,
+        ref: Reference = 0.0,
+        bias: bool = False,
+        distribute_bias: BiasDistribution | None = None,
+        epsilon: float = 1e-6,
+    ) -> None:
+        nonnegative(type(self).__name__, "epsilon", epsilon)
+        if not isinstance(bias, bool):
+            raise ValueError(f"{type(self).__name__}: bias must be True or False, got {bias!r}")
+        if distribute_bias is not None and not callable(distribute_bias):
+            raise ValueError(
+                f"{type(self).__name__}: distribute_bias must be a callable (inputs, relevances) -> relevances, "
+                f"got {type(distribute_bias).__name__}"
+            )
+        if distribute_bias is not None and not bias:
+            raise ValueError(
+                f"{type(self).__name__}: distribute_bias is only used with bias=True (with bias=False the bias "
+                "receives no relevance)"
+            )
+        _check_reference(type(self).__name__, ref)
+        super().__init__()
+        self.ref = ref
+        self.bias = bias
+        self.distribute_bias = distribute_bias
+        self.epsilon = epsilon
+
+    def _references(self, module: nn.Module, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        refs = self.ref if isinstance(self.ref, (list, tuple)) else [self.ref] * len(xs)
+        if len(refs) != len(xs):
+            raise ValueError(
+                f"{type(self).__name__}: ref must hold one reference per floating input of "
+                f"{type(module).__name__} ({len(xs)}), got {len(refs)}"
+            )
+        references = []
+        for ref, x in zip(refs, xs, strict=True):
+            ref = torch.as_tensor(ref, dtype=x.dtype, device=x.device)
+            try:
+                references.append(ref.detach().expand_as(x).clone())
+            except RuntimeError:
+                raise ValueError(
+                    f"{type(self).__name__}: ref of shape {tuple(ref.shape)} does not broadcast to the input of "
+                    f"{type(module).__name__} of shape {tuple(x.shape)}"
+                ) from None
+        return references
+
+    def rewrite(self, module, registration: Registration, inputs, output):
+        positions = [
+            i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor) and a.is_floating_point() and a.requires_grad
+        ]
+        if not positions:
+            return None
+        xs = [inputs[i].detach() for i in positions]
+        leaves = [ref.requires_grad_(True) for ref in self._references(module, xs)]
+        at_ref, linear_term = self._evaluate(module, registration, inputs, positions, leaves, xs)
+        z = output.detach() if self.bias else linear_term
+        relevance_out_value = output.detach()
+        scale = relevance_out_value / stabilize(z, self.epsilon)
+        targets = [inputs[i] for i in positions]
+
+        def backward(grad: torch.Tensor) -> list[torch.Tensor | None]:
+            vjps = torch.autograd.grad(
+                at_ref,
+                leaves,
+                grad * scale,
+                retain_graph=True,
+                allow_unused=True,
+                create_graph=torch.is_grad_enabled(),
+            )
+            grads = [torch.zeros_like(x) if g is None else g for g, x in zip(vjps, xs, strict=True)]
+            if self.distribute_bias is None:
+                return grads
+            relevances = [x * g for x, g in zip(xs, grads, strict=True)]
+            relevances = list(self.distribute_bias(tuple(xs), relevances))
+            if len(relevances) != len(xs):
+                raise ValueError(
+                    f"{type(self).__name__}: distribute_bias returned {len(relevances)} relevances for {len(xs)} inputs"
+                )
+            grads = []
+            for x, target, relevance in zip(xs, targets, relevances, strict=True):
+                grad_x = safe_divide(relevance, x)
+                registration.records.append((target, relevance - x * grad_x))
+                grads.append(grad_x)
+            return grads
+
+        return redirect(output, targets, backward)
+
+    def _evaluate(
+        self,
+        module: nn.Module,
+        registration: Registration,
+        inputs: tuple,
+        positions: list[int],
+        leaves: list[torch.Tensor],
+        xs: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``f(ref)`` with its graph to the reference leaves, and ``J_f(ref) · x`` (with ``bias=False``)."""
+        registration.busy.append(True)  # the rule's own hook must not run on this inner call
+        try:
+            with torch.enable_grad(), plain_calls():
+                if self.bias:
+                    return module(*_replaced(inputs, positions, leaves)), None
+                with forward_ad.dual_level():
+                    duals = [forward_ad.make_dual(ref, x) for ref, x in zip(leaves, xs, strict=True)]
+                    primal, tangent = forward_ad.unpack_dual(module(*_replaced(inputs, positions, duals)))
+                    tangent = torch.zeros_like(primal) if tangent is None else tangent.detach()
+                return primal, tangent
+        finally:
+            registration.busy.pop()
+
+
+def _replaced(inputs: tuple, positions: list[int], values: list[torch.Tensor]) -> tuple:
+    args = list(inputs)
+    for i, value in zip(positions, values, strict=True):
+        args[i] = value
+    return tuple(args)
+
+
+def _check_reference(owner: str, ref: object) -> None:
+    for value in ref if isinstance(ref, (list, tuple)) else [ref]:
+        if isinstance(value, torch.Tensor):
+            if not (value.is_floating_point() and bool(torch.isfinite(value).all())):
+                raise ValueError(f"{owner}: ref must hold finite floating-point numbers, got {value!r}")
+        else:
+            finite_number(owner, "ref", value)

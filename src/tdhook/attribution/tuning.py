@@ -1,0 +1,201 @@
+"""Tuning an explainer's parameters against an evaluation metric, with optuna (the ``tdhook[tune]`` extra).
+
+The explainer says what can be tuned (``get_tunables()``, see
+:mod:`tdhook.attribution.tunables`); each trial sets a copy of it
+(``copy().set_kwargs(...)``), explains ``td`` with it and scores the result
+with ``metric(module, td_with_attribution)``, whose mean is the objective.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+from tqdm.auto import tqdm
+
+from tdhook.attribution.tunables import Space
+
+__all__ = ["TuneResult", "tune"]
+
+Metric = Callable[[Any, TensorDictBase], torch.Tensor]
+_SAMPLERS = ("tpe", "random")
+
+
+@dataclass
+class TuneResult:
+    """What :func:`tune` found.
+
+    Attributes:
+        best_params: the tunable parameters of the best trial.
+        best_value: the objective of the best trial (the metric's mean).
+        explainer: a copy of the explainer with ``best_params`` set.
+        study: the optuna study, with every trial.
+    """
+
+    best_params: dict[str, Any]
+    best_value: float
+    explainer: Any
+    study: Any
+
+
+def _import_optuna() -> Any:
+    try:
+        import optuna
+    except ImportError as err:
+        raise ImportError(
+            "tune needs optuna, which is an optional extra of tdhook: pip install 'tdhook[tune]'"
+        ) from err
+    return optuna
+
+
+def _suggest(trial: Any, name: str, space: Space) -> Any:
+    kind, spec = space
+    if "choices" in spec:
+        return trial.suggest_categorical(name, list(spec["choices"]))
+    if kind is int:
+        return trial.suggest_int(name, int(spec["low"]), int(spec["high"]), log=bool(spec["log"]))
+    return trial.suggest_float(name, float(spec["low"]), float(spec["high"]), log=bool(spec["log"]))
+
+
+def _takes_explainer(metric: Metric) -> bool:
+    """Whether ``metric`` takes the explainer itself, as a keyword ``explainer`` (sensitivity, randomisation)."""
+    try:
+        parameters = inspect.signature(metric).parameters
+    except (TypeError, ValueError):
+        return False
+    return "explainer" in parameters
+
+
+def _sampler(optuna: Any, sampler: Any, seed: int) -> Any:
+    if isinstance(sampler, optuna.samplers.BaseSampler):
+        return sampler
+    if sampler == "tpe":
+        return optuna.samplers.TPESampler(seed=seed)
+    if sampler == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    raise ValueError(f"tune: sampler must be one of {list(_SAMPLERS)} or an optuna sampler, got {sampler!r}")
+
+
+def _first_trial(values: dict[str, Any], tunables: dict[str, Space]) -> dict[str, Any]:
+    """The current values optuna can start from: a choice among the choices, a number clamped to its range."""
+    first = {}
+    for name, value in values.items():
+        kind, spec = tunables[name]
+        if "choices" in spec:
+            if any(value is c or (type(value) is type(c) and value == c) for c in spec["choices"]):
+                first[name] = value
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            first[name] = kind(min(max(value, spec["low"]), spec["high"]))
+    return first
+
+
+def tune(
+    explainer: Any,
+    td: TensorDictBase,
+    metric: Metric,
+    *,
+    n_trials: int = 20,
+    direction: str = "maximize",
+    sampler: str | Any = "tpe",
+    seed: int = 0,
+    timeout: float | None = None,
+    progress: bool = True,
+    verbose: bool = False,
+) -> TuneResult:
+    """Pick the explainer's tunable parameters that score best on ``metric``.
+
+    The explainer's current parameters are the first trial (a number outside
+    its range clamped to the range, a parameter with no value sampled), so the
+    result is never worse than the explainer as it is. For a deterministic explainer and
+    metric, ``best_value`` is the metric of ``result.explainer`` and the same
+    ``seed`` gives the same result.
+
+    Args:
+        explainer: an object with ``get_tunables()``, ``set_kwargs()`` and ``copy()`` that explains a TensorDict
+            when called (the :class:`~tdhook.attribution.LRP` wrapper, an attribution method).
+        td: the inputs to explain (left unchanged).
+        metric: ``(module, td_with_attribution) -> tensor``; its mean is the objective. ``module`` is the
+            explainer's wrapped model. A metric with a parameter named ``explainer`` also receives the trial's
+            explainer (for the metrics that explain again: ``sensitivity_max``, ``randomisation_check``).
+        n_trials: the number of trials, the first included.
+        direction: ``"maximize"`` or ``"minimize"``.
+        sampler: ``"tpe"``, ``"random"`` or an optuna sampler.
+        seed: the sampler's seed.
+        timeout: stop starting trials after this many seconds.
+        progress: show a progress bar.
+        verbose: let optuna log each trial.
+
+    Returns:
+        A :class:`TuneResult`.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule
+        >>> from tdhook.attribution import LRP, UniformEpsilon
+        >>> from tdhook.metrics import aopc, pixel_flipping
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        >>> policy = TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"])
+        >>> td = TensorDict(observation=torch.randn(8, 6), batch_size=[8])
+        >>> lrp = LRP(policy, rule_mapper=UniformEpsilon())
+        >>> result = tune(lrp, td, lambda m, td: aopc(pixel_flipping(m, td, relevance_key="relevance")),
+        ...               n_trials=5, progress=False)
+        >>> sorted(result.best_params), result.best_value >= result.study.trials[0].value
+        (['epsilon'], True)
+    """
+    optuna = _import_optuna()
+    if direction not in ("maximize", "minimize"):
+        raise ValueError(f"tune: direction must be 'maximize' or 'minimize', got {direction!r}")
+    if not isinstance(n_trials, int) or isinstance(n_trials, bool) or n_trials < 1:
+        raise ValueError(f"tune: n_trials must be an integer >= 1, got {n_trials!r}")
+    tunables = explainer.get_tunables()
+    if not tunables:
+        raise ValueError(f"tune: {type(explainer).__name__} has no tunable parameters")
+    current = _first_trial(explainer.tunable_values(), tunables)
+    module = explainer.module
+    takes_explainer = _takes_explainer(metric)
+    best: dict[str, Any] = {}
+
+    def objective(trial: Any) -> float:
+        params = {name: _suggest(trial, name, space) for name, space in tunables.items()}
+        candidate = explainer.copy()
+        candidate.set_kwargs(**params)
+        explained = candidate(td.clone())
+        score = metric(module, explained, explainer=candidate) if takes_explainer else metric(module, explained)
+        value = float(torch.as_tensor(score).double().mean())
+        if math.isfinite(value):
+            previous = best.get("value")
+            better = previous is None or (value > previous if direction == "maximize" else value < previous)
+            if better:
+                best.update(value=value, explainer=candidate)
+        return value
+
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.INFO if verbose else optuna.logging.ERROR)
+    try:
+        study = optuna.create_study(direction=direction, sampler=_sampler(optuna, sampler, seed))
+        if current:
+            study.enqueue_trial(current)
+        with tqdm(total=n_trials, desc="tune", disable=not progress, leave=False) as bar:
+
+            def advance(study: Any, trial: Any) -> None:
+                bar.update(1)
+                if "value" in best:
+                    bar.set_postfix(best=f"{best['value']:.4g}")
+
+            study.optimize(objective, n_trials=n_trials, timeout=timeout, callbacks=[advance])
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+    if all(t.state == optuna.trial.TrialState.WAITING for t in study.trials):
+        raise RuntimeError(f"tune: no trial started before the timeout of {timeout} s")
+    if "value" not in best:
+        raise ValueError("tune: the metric was not finite in any trial")
+    best_trial = study.best_trial
+    return TuneResult(dict(best_trial.params), float(best_trial.value), best["explainer"], study)

@@ -1,0 +1,200 @@
+"""The Taylor rule against its formula, computed here with ``torch.func.jvp`` and ``torch.func.vjp`` in float64."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+
+from tdhook.attribution import LRP
+from tdhook.attribution.rules import EpsilonRule, TaylorDecompositionRule
+from tests.conftest import relative_error
+
+F64 = torch.float64
+TOL = 1e-10
+
+
+def taylor_formula(
+    f: Callable, xs: list[torch.Tensor], refs: list[torch.Tensor], r_out: torch.Tensor, bias: bool, eps: float
+) -> list[torch.Tensor]:
+    """``x ⊙ J_f(ref)ᵀ (R / stabilize(z))``, with ``z = J_f(ref) x`` or ``f(x)``."""
+    with torch.no_grad():
+        out = f(*xs)
+    _, linear_term = torch.func.jvp(f, tuple(refs), tuple(xs))
+    z = out if bias else linear_term
+    s = r_out / (z + eps * torch.where(z >= 0, 1.0, -1.0).to(z.dtype))  # sign(0) = 1
+    _, vjp_fn = torch.func.vjp(f, *refs)
+    return [x * v for x, v in zip(xs, vjp_fn(s), strict=True)]
+
+
+def rule_relevance(rule, module, xs, grad_out):
+    xs = [x.clone().requires_grad_(True) for x in xs]
+    with rule.register(module):
+        out = module(*xs)
+        grads = torch.autograd.grad(out, xs, grad_out)
+    return [x.detach() * g for x, g in zip(xs, grads, strict=True)], out.detach() * grad_out
+
+
+class Bilinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.map = nn.Bilinear(3, 4, 2)
+        self.act = nn.Softplus()
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.act(self.map(a, b))
+
+
+def mlp_block() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3), nn.Sigmoid()).to(F64)
+
+
+class TestFormula:
+    @pytest.mark.parametrize("bias", [False, True])
+    @pytest.mark.parametrize("batch", [(5,), (2, 3)])
+    @pytest.mark.parametrize("ref", [0.3, "tensor"])
+    def test_mlp_block(self, bias, batch, ref):
+        torch.manual_seed(0)
+        block = mlp_block()
+        x = torch.randn(*batch, 4, dtype=F64)
+        ref_value = torch.randn(4, dtype=F64) if ref == "tensor" else ref
+        out = block(x).detach()
+        grad_out = torch.randn_like(out)
+        actual, r_out = rule_relevance(TaylorDecompositionRule(ref=ref_value, bias=bias), block, [x], grad_out)
+        ref_tensor = torch.as_tensor(ref_value, dtype=F64).expand_as(x).clone()
+        (expected,) = taylor_formula(block, [x], [ref_tensor], r_out, bias, 1e-6)
+        assert relative_error(actual[0], expected) <= TOL
+
+    @pytest.mark.parametrize("bias", [False, True])
+    def test_convolution_block_with_a_reference_image(self, bias):
+        torch.manual_seed(6)
+        block = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.GELU(), nn.Conv2d(3, 2, 3), nn.Softplus()).to(F64)
+        x = torch.randn(2, 2, 6, 6, dtype=F64)
+        ref = torch.randn(1, 2, 6, 6, dtype=F64)  # one reference image, broadcast over the batch
+        grad_out = torch.randn_like(block(x).detach())
+        actual, r_out = rule_relevance(TaylorDecompositionRule(ref=ref, bias=bias), block, [x], grad_out)
+        (expected,) = taylor_formula(block, [x], [ref.expand_as(x).clone()], r_out, bias, 1e-6)
+        assert relative_error(actual[0], expected) <= TOL
+
+    def test_the_relevance_keeps_its_graph_with_create_graph(self):
+        torch.manual_seed(7)
+        block = mlp_block()
+        x = torch.randn(3, 4, dtype=F64, requires_grad=True)
+        with TaylorDecompositionRule(ref=0.2, bias=True).register(block):
+            out = block(x)
+            (grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        (weight_grad,) = torch.autograd.grad((x * grad).sum(), block[0].weight)
+        assert weight_grad.abs().sum() > 0  # differentiable through the Jacobian at the reference
+
+    @pytest.mark.parametrize("bias", [False, True])
+    def test_bilinear_two_inputs_each_with_its_reference(self, bias):
+        torch.manual_seed(1)
+        module = Bilinear().to(F64)
+        a, b = torch.randn(6, 3, dtype=F64), torch.randn(6, 4, dtype=F64)
+        refs = [torch.randn(3, dtype=F64), -0.5]
+        grad_out = torch.randn(6, 2, dtype=F64)
+        rule = TaylorDecompositionRule(ref=refs, bias=bias, epsilon=1e-3)
+        actual, r_out = rule_relevance(rule, module, [a, b], grad_out)
+        ref_tensors = [refs[0].expand_as(a).clone(), torch.full_like(b, -0.5)]
+        expected = taylor_formula(module, [a, b], ref_tensors, r_out, bias, 1e-3)
+        for got, want in zip(actual, expected, strict=True):
+            assert relative_error(got, want) <= TOL
+
+    def test_an_input_that_needs_no_grad_is_held_constant(self):
+        torch.manual_seed(2)
+        module = Bilinear().to(F64)
+        a, b = torch.randn(6, 3, dtype=F64, requires_grad=True), torch.randn(6, 4, dtype=F64)
+        with TaylorDecompositionRule(ref=0.25).register(module):
+            out = module(a, b)
+            (grad,) = torch.autograd.grad(out.sum(), a)
+        ref = [torch.full_like(a, 0.25)]
+        expected = taylor_formula(lambda a_: module(a_, b), [a.detach()], ref, out.detach(), False, 1e-6)
+        assert relative_error(a.detach() * grad, expected[0]) <= TOL
+
+    @pytest.mark.parametrize("ref", [0.0, 0.7])
+    def test_linear_without_bias_is_the_epsilon_rule_with_the_bias_zeroed(self, ref):
+        torch.manual_seed(3)
+        layer = nn.Linear(5, 4).to(F64)
+        with torch.no_grad():
+            layer.bias.zero_()
+        x = torch.randn(7, 5, dtype=F64)
+        grad_out = torch.randn(7, 4, dtype=F64)
+        taylor, _ = rule_relevance(TaylorDecompositionRule(ref=ref, epsilon=0.1), layer, [x], grad_out)
+        epsilon, _ = rule_relevance(EpsilonRule(epsilon=0.1), layer, [x], grad_out)
+        assert relative_error(taylor[0], epsilon[0]) <= TOL
+
+    def test_distribute_bias_gives_the_relevance(self):
+        torch.manual_seed(4)
+        block = mlp_block()
+        x = torch.randn(5, 4, dtype=F64)
+        grad_out = torch.randn(5, 3, dtype=F64)
+
+        def spread_the_rest(inputs, relevances):
+            # the output relevance the inputs did not receive, spread evenly over their features
+            (r,) = relevances
+            rest = r_out.sum(-1, keepdim=True) - r.sum(-1, keepdim=True)
+            return [r + rest / r.shape[-1]]
+
+        with torch.no_grad():
+            r_out = block(x) * grad_out
+        rule = TaylorDecompositionRule(ref=0.1, bias=True, distribute_bias=spread_the_rest)
+        (actual,), _ = rule_relevance(rule, block, [x], grad_out)
+        (plain,) = taylor_formula(block, [x], [torch.full_like(x, 0.1)], r_out, True, 1e-6)
+        assert relative_error(actual, spread_the_rest((x,), [plain])[0]) <= TOL
+        assert relative_error(actual.sum(-1), r_out.sum(-1)) <= TOL
+
+
+class TestInTheWrapper:
+    @pytest.mark.parametrize("key", ["by-type", "by-name"])
+    def test_mapped_on_a_block_whose_children_have_rules(self, key):
+        torch.manual_seed(5)
+
+        class Block(nn.Sequential):
+            pass
+
+        block = Block(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Softplus())
+        net = nn.Sequential(block, nn.Linear(6, 3)).to(F64)
+        rule = TaylorDecompositionRule(ref=-0.2, bias=True)
+        mapper = {Block: rule} if key == "by-type" else {"module.0": rule}  # names are relative to the policy
+        policy = TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"])
+        obs = torch.randn(4, 4, dtype=F64)
+        td = LRP(policy, rule_mapper=mapper, target=1)(TensorDict(observation=obs, batch_size=[4]))
+        with torch.no_grad():
+            hidden = block(obs)
+            r_hidden = hidden * net[1].weight[1]  # the last Linear has the plain gradient (LRP-0)
+        (expected,) = taylor_formula(block, [obs], [torch.full_like(obs, -0.2)], r_hidden, True, 1e-6)
+        assert relative_error(td["relevance", "observation"], expected) <= TOL
+
+
+class TestArguments:
+    @pytest.mark.parametrize(
+        ("kwargs", "message"),
+        [
+            ({"epsilon": -1.0}, "epsilon"),
+            ({"distribute_bias": lambda i, r: r}, "distribute_bias"),
+            ({"bias": True, "distribute_bias": 3}, "distribute_bias"),
+            ({"ref": float("nan")}, "ref"),
+            ({"bias": 1}, "bias"),
+        ],
+    )
+    def test_bad_arguments_are_named(self, kwargs, message):
+        with pytest.raises(ValueError, match=message):
+            TaylorDecompositionRule(**kwargs)
+
+    def test_one_reference_per_input(self):
+        module = Bilinear().to(F64)
+        a = torch.randn(2, 3, dtype=F64, requires_grad=True)
+        b = torch.randn(2, 4, dtype=F64, requires_grad=True)
+        with TaylorDecompositionRule(ref=[0.0]).register(module), pytest.raises(ValueError, match="one reference"):
+            module(a, b)
+
+    def test_reference_must_broadcast(self):
+        block = mlp_block()
+        x = torch.randn(2, 4, dtype=F64, requires_grad=True)
+        with TaylorDecompositionRule(ref=torch.zeros(3, dtype=F64)).register(block):
+            with pytest.raises(ValueError, match="does not broadcast"):
+                block(x)

@@ -1,0 +1,166 @@
+"""Tunables in pnpxai's form on rules, presets, the LRP wrapper and the attribution methods."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+
+import tdhook.attribution as attribution
+from tdhook.attribution import (
+    LRP,
+    AlphaBetaRule,
+    AttnLRP,
+    EpsilonGammaBox,
+    EpsilonPlus,
+    EpsilonRule,
+    GammaRule,
+    IntegratedGradients,
+    Saliency,
+    SmoothGrad,
+    TaylorDecompositionRule,
+    UniformEpsilon,
+)
+from tdhook.attribution.tunables import Tunable
+
+F64 = torch.float64
+
+
+def public_tunables() -> list[type]:
+    return [
+        obj
+        for name in attribution.__all__
+        if inspect.isclass(obj := getattr(attribution, name)) and issubclass(obj, Tunable)
+    ]
+
+
+def cnn_policy() -> TensorDictModule:
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3)
+    ).to(F64)
+    return TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"])
+
+
+def observations() -> TensorDict:
+    obs = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1), dtype=F64).clamp(-3, 3)
+    return TensorDict(observation=obs, batch_size=[2])
+
+
+class TestForm:
+    def test_every_rule_preset_and_method_says_what_it_tunes(self):
+        classes = public_tunables()
+        names = {c.__name__ for c in classes}
+        assert {"LRP", "EpsilonRule", "GammaRule", "EpsilonGammaBox", "UniformEpsilon", "IntegratedGradients"} <= names
+        assert {"Saliency", "SmoothGrad", "Occlusion", "TaylorDecompositionRule", "AttnLRP"} <= names
+        for cls in classes:
+            for name, (kind, space) in cls.tunables.items():
+                assert isinstance(kind, type), (cls, name)
+                if "choices" in space:
+                    assert set(space) == {"choices"} and space["choices"], (cls, name)
+                else:
+                    assert set(space) == {"low", "high", "log"} and space["low"] < space["high"], (cls, name)
+                    assert not (space["log"] and space["low"] <= 0), (cls, name)
+                assert name in inspect.signature(cls.__init__).parameters, (cls, name)
+
+    @pytest.mark.parametrize("owner", [EpsilonRule(), GammaRule(), EpsilonPlus(), EpsilonGammaBox(-1.0, 1.0)])
+    def test_epsilon_and_gamma_span_pnpxais_range(self, owner):
+        for name, (kind, space) in owner.get_tunables().items():
+            assert (kind, space) == (float, {"low": 1e-6, "high": 1.0, "log": True}), name
+
+    def test_get_tunables_is_a_fresh_dict(self):
+        preset = EpsilonPlus()
+        preset.get_tunables()["epsilon"][1]["low"] = 5.0
+        assert preset.get_tunables()["epsilon"][1]["low"] == 1e-6
+
+
+class TestSetKwargs:
+    def test_on_the_wrapper_it_sets_the_mappers_parameters(self):
+        policy, td = cnn_policy(), observations()
+        tuned = LRP(policy, rule_mapper=EpsilonGammaBox(low=-3, high=3)).set_kwargs(gamma=0.5)
+        built = LRP(policy, rule_mapper=EpsilonGammaBox(low=-3, high=3, gamma=0.5))
+        default = LRP(policy, rule_mapper=EpsilonGammaBox(low=-3, high=3))
+        relevance = tuned(td.clone())["relevance", "observation"]
+        assert torch.equal(relevance, built(td.clone())["relevance", "observation"])
+        assert not torch.allclose(relevance, default(td.clone())["relevance", "observation"])
+        assert tuned.get_tunables() == EpsilonGammaBox(-3, 3).get_tunables()
+        assert tuned.tunable_values() == {"epsilon": 1e-6, "gamma": 0.5}
+
+    def test_a_preset_rebuilds_its_layer_rules(self):
+        preset = UniformEpsilon()
+        assert preset.set_kwargs(epsilon=0.01) is preset
+        rule = preset("fc", nn.Linear(2, 2))
+        assert type(rule) is EpsilonRule and rule.epsilon == 0.01
+        assert preset.stabilizer == 1e-6
+
+    def test_a_method_is_built_anew(self):
+        policy, td = cnn_policy(), observations()
+        tuned = IntegratedGradients(policy, n_steps=8).set_kwargs(n_steps=20, method="riemann_left")
+        built = IntegratedGradients(policy, n_steps=20, method="riemann_left")
+        assert torch.equal(
+            tuned(td.clone())["attribution", "observation"], built(td.clone())["attribution", "observation"]
+        )
+        smooth = SmoothGrad(policy, stdev=0.5, seed=0).set_kwargs(stdev=0.1)
+        expected = SmoothGrad(policy, stdev=0.1, seed=0)(td.clone())["attribution", "observation"]
+        assert torch.equal(smooth(td.clone())["attribution", "observation"], expected)
+
+    def test_rules(self):
+        assert AlphaBetaRule().set_kwargs(alpha=3.0).beta == 2.0
+        rule = TaylorDecompositionRule(ref=0.5).set_kwargs(epsilon=0.1, bias=True)
+        assert (rule.ref, rule.epsilon, rule.bias) == (0.5, 0.1, True)
+
+    @pytest.mark.parametrize(
+        ("owner", "values", "named"),
+        [
+            (lambda: EpsilonRule(), {"gamma": 0.5}, "gamma"),
+            (lambda: EpsilonRule(), {"epsilon": 2.0}, "epsilon"),
+            (lambda: EpsilonGammaBox(-1.0, 1.0), {"gamma": 0.0}, "gamma"),
+            (lambda: EpsilonGammaBox(-1.0, 1.0), {"low": -2.0}, "low"),
+            (lambda: AttnLRP(), {"epsilon": float("nan")}, "epsilon"),
+            (lambda: IntegratedGradients(cnn_policy()), {"n_steps": 2.5}, "n_steps"),
+            (lambda: IntegratedGradients(cnn_policy()), {"method": "simpson"}, "method"),
+            (lambda: Saliency(cnn_policy()), {"abs": 1}, "abs"),
+            (lambda: LRP(cnn_policy(), rule_mapper=EpsilonPlus()), {"gamma": 0.1}, "gamma"),
+            (lambda: LRP(cnn_policy(), rule_mapper={nn.Linear: EpsilonRule()}), {"epsilon": 0.1}, "epsilon"),
+        ],
+    )
+    def test_unknown_names_and_values_out_of_range_are_named(self, owner, values, named):
+        target = owner()
+        before = target.tunable_values()
+        with pytest.raises(ValueError, match=named):
+            target.set_kwargs(**values)
+        assert target.tunable_values() == before
+
+    def test_not_inside_the_context(self):
+        lrp, rule = LRP(cnn_policy(), rule_mapper=EpsilonPlus()), EpsilonRule()
+        with lrp, pytest.raises(RuntimeError, match="context"):
+            lrp.set_kwargs(epsilon=0.1)
+        layer = nn.Linear(2, 2)
+        with rule.register(layer), pytest.raises(RuntimeError, match="context"):
+            rule.set_kwargs(epsilon=0.1)
+
+
+class TestCopy:
+    def test_copies_are_independent(self):
+        preset = EpsilonGammaBox(-1.0, 1.0)
+        copied = preset.copy().set_kwargs(gamma=0.5)
+        assert (preset.gamma, copied.gamma) == (0.25, 0.5)
+        assert preset("c", nn.Conv2d(1, 1, 1)).gamma == 0.25
+
+    def test_a_wrapper_copy_explains_the_same_model_with_its_own_mapper(self):
+        lrp = LRP(cnn_policy(), rule_mapper=EpsilonGammaBox(-3.0, 3.0))
+        copied = lrp.copy().set_kwargs(gamma=0.5)
+        assert copied.module is lrp.module
+        assert (lrp.rule_mapper.gamma, copied.rule_mapper.gamma) == (0.25, 0.5)
+        method = SmoothGrad(lrp.module)
+        assert method.copy().module is method.module
+
+    def test_a_wrapper_in_its_context_refuses_to_be_copied(self):
+        lrp = LRP(cnn_policy(), rule_mapper=EpsilonPlus())
+        with lrp, pytest.raises(RuntimeError, match="leave the wrapper's context"):
+            lrp.copy()
+        assert lrp.copy() is not lrp
