@@ -211,3 +211,32 @@ def test_a_metric_scores_the_quantity_the_method_explains(target):
     assert torch.allclose(drop, drop[:, :1].expand_as(drop))
     curve = pixel_flipping(net, out, target=target, features_per_step=108, **keys)
     torch.testing.assert_close(curve[:, 0] - curve[:, 1], drop[:, 0], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_sensitivity_max_holds_the_weights_of_a_callable_target_found_on_the_unperturbed_input(name):
+    net, keys, td = cnn_case()
+    n, radius = 2, 0.8
+    noise = torch.rand(3, n, 3, 6, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 1.6 - 0.8
+
+    def perturb(repeated, r):
+        return repeated.apply(lambda x: x + noise)
+
+    method = make(name, net, keys, target=softmax_of_unit_1)
+    ours = sensitivity_max(method, td, perturb_fn=perturb, perturb_radius=radius, n_perturb_samples=n)
+    assert method.target is softmax_of_unit_1
+
+    with torch.no_grad():
+        y = net(td["x"])
+    weights = softmax_of_unit_1(y) / y  # what every method explains at x, held for the perturbed inputs
+    reference = flat_attribution(name, net, keys, td, softmax_of_unit_1)
+    expected = []
+    for b in range(3):
+        held = weights[b : b + 1]
+        ratios = []
+        for j in range(n):
+            sample = TensorDict(x=td["x"][b : b + 1] + noise[b, j][None], batch_size=[1])
+            changed = flat_attribution(name, net, keys, sample, lambda out, held=held: out * held)
+            ratios.append((changed[0] - reference[b]).norm() / reference[b].norm())
+        expected.append(torch.stack(ratios).max())
+    torch.testing.assert_close(ours, torch.stack(expected), rtol=1e-9, atol=1e-12)
