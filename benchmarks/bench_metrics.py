@@ -3,11 +3,13 @@
 Both compute the same curve (Quantus' scores equal ``curve[..., 1:]``; the script checks it). They run in this
 one process, pinned to one thread: after a warm-up round, ``--repeats`` rounds run both in turn; the medians are
 reported with Quantus' time over tdhook's. Inputs are ``channels x size x size`` (768 features by default, 16 per
-step: 48 perturbation steps). Both run the model on the same 8 x 49 samples, so the model's cost bounds the
-ratio: ``linear`` (one 768-10 layer) shows the metrics' own work, ``mlp`` (768-256-10) and ``cnn`` (two 16-channel
-3x3 convolutions and a linear layer) add more and more of the same forward work to both.
+step: 48 perturbation steps). Both run the model on the same 8 x 48 perturbed samples (Quantus one pass of the
+batch per step, tdhook stacks of steps), so the model's cost bounds the ratio: ``linear`` (one 768-10 layer) shows
+the metrics' own work, ``mlp`` (768-256-10) and ``cnn`` (two 16-channel 3x3 convolutions and a linear layer) add
+more and more of the same forward work to both. The script also times those forward passes alone, in each
+library's batching, and prints the bound they set: Quantus' time over tdhook's passes alone.
 
-    python benchmarks/bench_metrics.py --model linear mlp cnn --batch 8 --size 16 --features-per-step 16 --repeats 7
+    taskset -c 1 python benchmarks/bench_metrics.py --model linear mlp cnn --features-per-step 16 --repeats 9
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from timing import interleaved_medians
 from torch import nn
 
 from tdhook.metrics import pixel_flipping
+from tdhook.metrics._scoring import Scorer
 
 
 def main() -> None:
@@ -44,7 +47,10 @@ def main() -> None:
         f"batch {b} x {c}x{s}x{s} ({n_features} features, {args.features_per_step} per step), 1 thread, "
         f"median of {args.repeats} interleaved rounds"
     )
-    print(f"{'model':<6} {'tdhook s':>9} {'quantus s':>10} {'quantus / tdhook':>17} {'max |diff|':>11}")
+    print(
+        f"{'model':<6} {'tdhook s':>9} {'its fwd s':>10} {'quantus s':>10} {'its fwd s':>10} "
+        f"{'quantus / tdhook':>17} {'fwd-only bound':>15} {'max |diff|':>11}"
+    )
     for name in args.model:
         torch.manual_seed(0)
         net = _model(name, c, s)
@@ -67,10 +73,36 @@ def main() -> None:
             scores = metric(model=net, x_batch=x.numpy(), y_batch=y, a_batch=a.numpy(), softmax=False, device="cpu")
             return np.array(scores)
 
+        # The forward passes alone, on the same samples as each metric: tdhook's stacks of steps (and its
+        # unperturbed pass), Quantus' one pass of the batch per step. Their ratio bounds what any metric code
+        # running these passes can reach.
+        n_steps = -(-n_features // args.features_per_step)
+        per_forward = Scorer(net, td, in_keys=["x"], out_keys=["y"]).chunk_size([x])
+        stacked = x.unsqueeze(0).expand(n_steps, *x.shape).reshape(-1, *x.shape[1:]).clone()
+
+        def our_forwards(net=net, x=x, stacked=stacked, size=per_forward * b) -> None:
+            with torch.no_grad():
+                net(x)
+                for start in range(0, len(stacked), size):
+                    net(stacked[start : start + size])
+
+        def their_forwards(net=net, stacked=stacked) -> None:
+            with torch.no_grad():
+                for start in range(0, len(stacked), b):
+                    net(stacked[start : start + b])
+
         gap = np.abs(ours()[:, 1:].numpy() - theirs()).max()
-        times = interleaved_medians({"tdhook": ours, "quantus": theirs}, args.repeats)
+        times = interleaved_medians(
+            {"tdhook": ours, "quantus": theirs, "tdhook fwd": our_forwards, "quantus fwd": their_forwards},
+            args.repeats,
+            collect=True,
+        )
         ratio = times["quantus"] / times["tdhook"]
-        print(f"{name:<6} {times['tdhook']:9.4f} {times['quantus']:10.4f} {ratio:17.1f} {gap:11.1e}")
+        bound = times["quantus"] / times["tdhook fwd"]
+        print(
+            f"{name:<6} {times['tdhook']:9.4f} {times['tdhook fwd']:10.4f} {times['quantus']:10.4f} "
+            f"{times['quantus fwd']:10.4f} {ratio:17.1f} {bound:15.1f} {gap:11.1e}"
+        )
 
 
 def _model(name: str, channels: int, size: int) -> nn.Module:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import statistics
 import time
@@ -21,15 +22,21 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def interleaved_medians(methods: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+def interleaved_medians(
+    methods: dict[str, Callable[[], object]], repeats: int, collect: bool = False
+) -> dict[str, float]:
     """Median wall time of each method over ``repeats`` rounds that run every method once, after a warm-up round.
 
     Interleaving spreads slow phases of a shared machine over all methods alike,
-    so their ratios stay steady where back-to-back blocks would drift.
+    so their ratios stay steady where back-to-back blocks would drift. With
+    ``collect``, Python's garbage collector runs before each timed call (untimed),
+    so that no method pays for the objects another one left behind.
     """
     times: dict[str, list[float]] = {label: [] for label in methods}
     for round_ in range(repeats + 1):
         for label, fn in methods.items():
+            if collect:
+                gc.collect()
             start = time.perf_counter()
             fn()
             if round_:

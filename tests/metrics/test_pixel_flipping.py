@@ -165,18 +165,20 @@ def test_nested_keys_a_baseline_dict_a_callable_target_and_no_batch_dimension():
     td = TensorDict(obs={"u": u, "v": v}, scores={"obs": {"u": au, "v": av}}, batch_size=[])
     baseline = {("obs", "u"): 1.0, ("obs", "v"): torch.full((3,), -1.0, dtype=torch.float64)}
 
-    def softmax_target(out):
+    def softmax_target(out):  # weights resolved once, on the unperturbed output, as the methods do
         return torch.softmax(out, -1) * torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=out.dtype)
 
     curve = pixel_flipping(policy, td, relevance_key="scores", baseline=baseline, target=softmax_target, progress=True)
     assert curve.shape == (9,)
     w, order = torch.cat([u, v]), torch.cat([au, av]).argsort(descending=True, stable=True)
     fill = torch.tensor([1.0] * 5 + [-1.0] * 3, dtype=torch.float64)
-    expected = [torch.softmax(net(u, v), -1)[1]]
+    y = net(u, v).detach()
+    weights = softmax_target(y) / y
+    expected = [torch.softmax(y, -1)[1]]
     for k in range(1, 9):
         perturbed = w.clone()
         perturbed[order[:k]] = fill[order[:k]]
-        expected.append(torch.softmax(net(perturbed[:5], perturbed[5:]), -1)[1])
+        expected.append((net(perturbed[:5], perturbed[5:]) * weights).sum().detach())
     torch.testing.assert_close(curve, torch.stack(expected), rtol=0, atol=1e-12)
 
 

@@ -45,16 +45,23 @@ def perturbation_curve(
         progress: show a progress bar (``None``: for runs of at least 20 forward passes).
         description: the progress bar's label.
     """
-    features.baselines(baseline)  # checked before any forward pass
+    baselines = features.baselines(baseline)  # checked before any forward pass, and resolved once
     n_steps = len(thresholds)
     size = scorer.chunk_size(features.inputs)
     update = progress_bar(-(-n_steps // size), description, progress)
     columns = [scorer.reference.unsqueeze(0)]
-    batch_dims = positions.dim() - 1
+    # Each key's feature positions, shaped like its attribution (split once, not per stack of steps), in the
+    # narrowest integer type that holds them: comparing them with the thresholds builds each stack's masks.
+    small = torch.int32 if positions.shape[-1] < 2**31 else torch.int64
+    per_key = features.split(positions.to(small))
+    thresholds = thresholds.to(device=positions.device, dtype=small)
     for start, stop in chunks(n_steps, size):
-        limit = thresholds[start:stop].to(positions.device).view(-1, *[1] * (batch_dims + 1))
-        mask = positions.unsqueeze(0) < limit
-        columns.append(scorer.scores(features.perturb(mask, baseline)))
+        limit = thresholds[start:stop]
+        perturbed = {
+            key: torch.where(p.unsqueeze(0) < limit.view(-1, *[1] * p.dim()), b, x)
+            for key, p, b, x in zip(features.keys, per_key, baselines, features.inputs, strict=True)
+        }
+        columns.append(scorer.scores(perturbed))
         update(1)
     update(0)
     return torch.cat(columns, dim=0).movedim(0, -1)

@@ -19,16 +19,26 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
-from tdhook.attribution.targets import resolve_target_key
+from tdhook.attribution.targets import initial_gradient, resolve_target_key
 from tdhook.metrics._features import explained_keys
 
-__all__ = ["check_method", "explain", "method_keys", "method_prefix", "original_target", "repeat_target", "target_set"]
+__all__ = [
+    "HeldWeights",
+    "check_method",
+    "explain",
+    "method_keys",
+    "method_prefix",
+    "original_target",
+    "repeat_target",
+    "target_set",
+]
 
 
 def check_method(method: object, name: str) -> TensorDictModuleBase:
@@ -59,14 +69,36 @@ def explain(method: TensorDictModuleBase, td: TensorDictBase) -> TensorDictBase:
     return work if result is None else result
 
 
+@dataclass(frozen=True)
+class HeldWeights:
+    """A callable target that gives every output the weights a callable target gave the unperturbed one.
+
+    The methods turn a callable target into weights ``target(y) / y`` on the output ``y`` they explain; holding
+    those weights explains a perturbed input for the same target, as ``None`` held at the original argmax does.
+
+    Examples:
+        >>> held = HeldWeights(torch.tensor([[0.5, -1.0]]))
+        >>> held(torch.tensor([[2.0, 4.0]]))
+        tensor([[ 1., -4.]])
+    """
+
+    weights: torch.Tensor
+
+    def __call__(self, output: torch.Tensor) -> torch.Tensor:
+        return output * self.weights
+
+
 def original_target(method: TensorDictModuleBase, result: TensorDictBase, batch_dims: int) -> object:
-    """The method's target, with ``None`` replaced by the argmax of the explained output in ``result``.
+    """The method's target as resolved on the unperturbed ``result``.
+
+    ``None`` becomes the argmax of the explained output (nothing for a one-unit output), a callable becomes
+    :class:`HeldWeights` with the weights it gives that output; an int or per-sample indices stay as they are.
 
     Raises:
         TypeError: the method explains several outputs at once (a dict ``target_key``).
     """
     target = getattr(method, "target", None)
-    if target is not None:
+    if target is not None and not callable(target):
         return target
     target_key = getattr(method, "target_key", None)
     if isinstance(target_key, Mapping):
@@ -74,6 +106,8 @@ def original_target(method: TensorDictModuleBase, result: TensorDictBase, batch_
     operator = getattr(method, "module", None)
     key = resolve_target_key(result, target_key, operator if isinstance(operator, TensorDictModuleBase) else method)
     output = result.get(key)
+    if target is not None:
+        return HeldWeights(initial_gradient(output.detach(), target, key, batch_dims))
     if output.dim() > batch_dims and output.shape[-1] > 1:
         return output.argmax(-1)
     return None
@@ -83,6 +117,10 @@ def repeat_target(target: object, batch_size: torch.Size, n: int) -> object:
     """A per-sample target for each sample repeated ``n`` times and flattened (other targets as they are)."""
     if isinstance(target, torch.Tensor) and target.shape == batch_size and len(batch_size):
         return target.unsqueeze(-1).expand(*batch_size, n).reshape(-1)
+    if isinstance(target, HeldWeights) and len(batch_size):
+        weights, dims = target.weights, len(batch_size)
+        rest = weights.shape[dims:]
+        return HeldWeights(weights.unsqueeze(dims).expand(*batch_size, n, *rest).reshape(-1, *rest))
     return target
 
 

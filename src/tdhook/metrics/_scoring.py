@@ -55,8 +55,10 @@ class Scorer:
         out_keys: a plain module's output keys.
         target_key: the output scored; the default is the one :class:`~tdhook.attribution.LRP` explains.
         target: ``None`` (the argmax of the unperturbed output's last dimension, or the output itself for a value
-            head), an int, a LongTensor of per-sample indices, or a callable ``output -> relevance`` whose sum
-            over the last dimension is the score.
+            head), an int, a LongTensor of per-sample indices, or a callable ``output -> relevance``. As for the
+            attribution methods, it is resolved once, on the unperturbed output ``y``: a callable gives the
+            weights ``w = target(y) / y`` (0 where ``y`` is 0), and the score of a perturbed output ``y'`` is
+            ``sum(y' * w)`` over its non-batch dimensions (``sum(target(y))`` unperturbed).
         steps_per_forward: how many perturbed versions of the batch share one forward pass; ``None`` picks as
             many as fit about 65 thousand input elements (larger stacks ran slower on CPU). With 1 the model sees
             the TensorDict's own batch shape; with more, one flat batch of ``steps * N`` samples.
@@ -96,9 +98,14 @@ class Scorer:
         result = self._run(self._base.clone(recurse=False))
         self._key = resolve_target_key(result, self._key, operator)
         output = self.reference_output = self._output(result)
-        self._callable = target if callable(target) else None
+        self._weights = None
         self._index = None
-        if self._callable is None and output.dim() > len(self._batch) and (target is not None or output.shape[-1] > 1):
+        if callable(target):
+            try:
+                self._weights = initial_gradient(output, target, self._key, len(self._batch))
+            except (ValueError, TypeError) as err:
+                raise _metrics_error(err) from err
+        elif output.dim() > len(self._batch) and (target is not None or output.shape[-1] > 1):
             try:
                 self._index = initial_gradient(output, target, self._key, len(self._batch)).argmax(-1)
             except (IndexError, ValueError, TypeError) as err:
@@ -132,14 +139,10 @@ class Scorer:
     def _score(self, output: torch.Tensor) -> torch.Tensor:
         """The score of ``output`` (``lead + batch + [n]`` or ``lead + batch``), shaped ``lead + batch``."""
         lead = output.dim() - len(self._batch) - (1 if output.dim() > len(self._batch) else 0)
-        if self._callable is not None:
-            relevance = self._callable(output)
-            if not isinstance(relevance, torch.Tensor) or relevance.shape != output.shape:
-                raise ValueError(
-                    f"metrics: a callable target must return a tensor shaped like output {self._key!r} "
-                    f"{list(output.shape)}, got {getattr(relevance, 'shape', type(relevance).__name__)}"
-                )
-            return relevance.sum(-1) if output.dim() > len(self._batch) + lead else relevance
+        if self._weights is not None:
+            product = output * self._weights
+            dims = tuple(range(lead + len(self._batch), product.dim()))
+            return product.sum(dims) if dims else product
         if self._index is not None:
             index = self._index.expand(*output.shape[:lead], *self._index.shape).unsqueeze(-1)
             return output.gather(-1, index).squeeze(-1)

@@ -48,7 +48,8 @@ def pixel_flipping(
         out_keys: a plain module's output keys.
         target_key: the scored output (by default the one :class:`~tdhook.attribution.LRP` explains).
         target: ``None`` (the argmax of the unperturbed output, kept for every step), an int, a LongTensor of
-            per-sample indices, or a callable ``output -> relevance`` summed over the last dimension.
+            per-sample indices, or a callable ``output -> relevance`` giving fixed weights ``relevance / output``
+            on the unperturbed output, as for the attribution methods.
         relevance_key: the prefix of the attribution keys (``"relevance"`` for LRP).
         baseline: the value perturbed features take: a number, a tensor that broadcasts to the key (a per-sample
             minimum, say), or a dict ``key -> number or tensor``.

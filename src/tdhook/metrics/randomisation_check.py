@@ -53,9 +53,9 @@ def randomisation_check(
     The method is deep-copied with its model. Every module of the copy that has ``reset_parameters`` is
     re-initialised in turn, from the last (top) layer to the first, each after ``torch.manual_seed(seed + 1)``,
     keeping the layers already reset (the cascade); after each, the copy explains ``td`` for the original targets
-    (``target=None`` is held at the original argmax) and the attributions of all explained keys together are
-    compared with the original ones, per sample. The caller's method, model and global random state are left as
-    they were.
+    (``target=None`` is held at the original argmax, a callable at the weights it gave the original output) and the
+    attributions of all explained keys together are compared with the original ones, per sample. The caller's
+    method, model and global random state are left as they were.
 
     The original explanation is read from ``td`` at ``(relevance_key, *key)`` where every key is there, and
     computed by the method otherwise.

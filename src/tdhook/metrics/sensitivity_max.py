@@ -44,7 +44,8 @@ def sensitivity_max(
 
     ``e`` is the method's attribution, the norm the Frobenius norm over all explained keys together (a zero
     ``‖e(x)‖`` counts as 1). The method explains each perturbed input for the target it explained at ``x``
-    (``target=None`` is held at the original argmax). All perturbed inputs run in one call of the method, as one
+    (``target=None`` is held at the original argmax, a callable at the weights ``target(y) / y`` it gave the
+    output ``y`` at ``x``). All perturbed inputs run in one call of the method, as one
     flat batch of ``N * n_perturb_samples`` samples.
 
     Args:
