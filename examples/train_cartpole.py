@@ -20,7 +20,7 @@ from tensordict.nn import TensorDictModule
 from torchrl.envs import EnvBase, GymEnv
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 from torchrl.modules import MLP, OneHotCategorical, ProbabilisticActor
-from tqdm.auto import tqdm
+from tqdm import tqdm  # the plain bar: tqdm.auto warns in notebooks without ipywidgets
 
 CHECKPOINT = Path(__file__).parent / "cartpole_policy.pt"
 

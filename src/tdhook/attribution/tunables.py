@@ -79,7 +79,10 @@ def _recording(init: Callable) -> Callable:
     @functools.wraps(init)
     def wrapper(self, *args: Any, **kwargs: Any) -> None:
         if _ARGUMENTS not in self.__dict__:
-            bound = signature.bind(self, *args, **kwargs)
+            try:
+                bound = signature.bind(self, *args, **kwargs)
+            except TypeError as err:  # the call's own error, named as Python names it
+                raise TypeError(f"{init.__qualname__}() {err}") from None
             bound.apply_defaults()
             arguments: dict[str, Any] = {}
             for name, value in list(bound.arguments.items())[1:]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from tensordict import TensorDictBase
-from tqdm.auto import tqdm
+from tqdm import tqdm  # the plain bar: tqdm.auto warns in notebooks without ipywidgets
 
 from tdhook.attribution.tunables import Space
 

@@ -5,8 +5,9 @@ Bloom's ``BloomGelu`` computes ``x * 0.5 * (1 + tanh(...))``, a ``Swish`` comput
 ``x * sigmoid(x)``. No class name says it is an activation, and the product rules
 of AttnLRP and CP-LRP would split its products as if they joined two signals (CP-LRP
 then misses conservation by 7.6e-2 on Bloom). What the module computes says it:
-its output has its input's shape and each output element depends on the input
-element at the same place only (the Jacobian is diagonal).
+its output has its input's shape, each output element depends on the input
+element at the same place only (the Jacobian is diagonal), and it is curved (a
+module computing ``x / 2`` or ``(x - m) / s`` is glue whose plain gradient is exact).
 
 :class:`ElementwiseRule` is registered on every module without parameters or
 children that no other rule claims (:func:`may_be_elementwise`). At its first call in
@@ -30,7 +31,7 @@ from torch import nn
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.rules.basic import PassRule
 
-__all__ = ["ElementwiseRule", "may_be_elementwise", "is_diagonal"]
+__all__ = ["ElementwiseRule", "may_be_elementwise", "is_diagonal", "is_curved"]
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
@@ -73,6 +74,38 @@ def is_diagonal(output: torch.Tensor, x: torch.Tensor) -> bool:
     left, right = ju * v, jv * u
     scale = left.abs().max().clamp_min(torch.finfo(left.dtype).tiny)
     return bool(((left - right).abs().max() / scale) <= 64 * torch.finfo(left.dtype).eps)
+
+
+def is_curved(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the element-wise ``module`` is curved at ``x`` (a non-zero second derivative somewhere): an affine
+    or piecewise-linear one (``x / 2``, ``(x - m) / s``, ``relu``) is not, and its plain gradient is exact.
+
+    The module's own forward runs once more on a copy of ``x``, without its hooks and without any function
+    mode (a mode holding a gate constant would hide the curve).
+
+    Examples:
+        >>> class Swish(nn.Module):
+        ...     def forward(self, x):
+        ...         return x * torch.sigmoid(x)
+        >>> class Scale(nn.Module):
+        ...     def forward(self, x):
+        ...         return (x - 1) / 2
+        >>> x = torch.randn(3, 4)
+        >>> is_curved(Swish(), x), is_curved(Scale(), x), is_curved(nn.ReLU(), x)
+        (True, False, False)
+    """
+    probe = x.detach().requires_grad_(True)
+    try:
+        with torch.enable_grad(), torch._C.DisableTorchFunction():
+            output = module.forward(probe)
+            ones = torch.ones_like(output)
+            (slope,) = torch.autograd.grad(output, probe, ones, create_graph=True)
+            if not slope.requires_grad:
+                return False  # the slope does not depend on x: affine
+            (curvature,) = torch.autograd.grad(slope, probe, ones, allow_unused=True)
+    except RuntimeError:  # not twice differentiable here: not a plain affine map
+        return True
+    return curvature is not None and bool(curvature.abs().max() > 0)
 
 
 class ElementwiseRule(Rule):
@@ -137,6 +170,6 @@ class ElementwiseRule(Rule):
             if decided[0] is None:
                 decided[0] = False  # a view or an in-place change of the input: its plain gradient is exact
             return None
-        if decided[0] is None:
-            decided[0] = is_diagonal(output, x)
+        if decided[0] is None:  # element-wise and curved: an activation; affine glue keeps its exact gradient
+            decided[0] = is_diagonal(output, x) and is_curved(module, x)
         return self.rule.apply(output, x) if decided[0] else None
