@@ -19,6 +19,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from tensordict.utils import NestedKey
 from torchrl.modules import GRUModule, LSTMModule
 
 from tdhook.attribution._tokens import TokenInputs
+from tdhook.attribution.rules._keeping_graph import RelevancePass
 
 __all__ = [
     "describe",
@@ -117,7 +119,11 @@ def validate_inputs(tensordict: TensorDictBase, keys: Sequence[NestedKey]) -> No
 
 
 def feed_inputs(
-    work: TensorDictBase, keys: Sequence[NestedKey], tokens: TokenInputs, explained: Sequence[bool] | None = None
+    work: TensorDictBase,
+    keys: Sequence[NestedKey],
+    tokens: TokenInputs,
+    explained: Sequence[bool] | None = None,
+    keep_graph: bool = False,
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
     """Replace each explained input in ``work`` by what the model is to see, with gradients enabled.
 
@@ -131,6 +137,8 @@ def feed_inputs(
         tokens: the wrapper's token inputs, cleared for this call.
         explained: per key, whether this call explains it (see :func:`explained_in_call`); the others are
             left as they are. Defaults to all.
+        keep_graph: take an input that requires grad as it is, with its history, in place of a fresh leaf
+            (differentiable relevance: its derivative reaches the caller's tensor).
 
     Returns:
         The leaves the relevance is taken for and the tensors fed to the
@@ -147,7 +155,7 @@ def feed_inputs(
         if not value.is_floating_point():
             work.set(key, tokens.feed(i, value, leaves, fed))
             continue
-        leaf = value.detach().requires_grad_(True)
+        leaf = value if keep_graph and value.requires_grad else value.detach().requires_grad_(True)
         fed.append(leaf.clone())
         work.set(key, fed[-1])
         leaves.append(leaf)
@@ -155,10 +163,17 @@ def feed_inputs(
 
 
 def leaf_relevances(
-    output: torch.Tensor, grad_output: torch.Tensor, leaves: Sequence[torch.Tensor | None], retain: bool
+    output: torch.Tensor,
+    grad_output: torch.Tensor,
+    leaves: Sequence[torch.Tensor | None],
+    retain: bool,
+    create_graph: bool = False,
+    relevance_pass: RelevancePass | None = None,
 ) -> list[torch.Tensor | None]:
     """Each leaf times its gradient from ``output`` seeded with ``grad_output`` (zeros where none reaches it);
     ``None`` for a leaf that is ``None`` (an input the call does not explain, see :func:`explained_in_call`).
+    With ``create_graph``, the relevances keep their graph (the graph is then always kept); ``relevance_pass``
+    (see :mod:`~tdhook.attribution.rules._keeping_graph`) runs while the gradients are taken.
 
     Examples:
         >>> x = torch.tensor([2.0], requires_grad=True)
@@ -166,13 +181,19 @@ def leaf_relevances(
         [tensor([6.]), None]
     """
     taken = [leaf for leaf in leaves if leaf is not None]
-    grads = iter(torch.autograd.grad(output, taken, grad_output, retain_graph=retain, allow_unused=True))
+    keep = retain or create_graph
+    with relevance_pass.running() if relevance_pass is not None else contextlib.nullcontext():
+        grads = iter(
+            torch.autograd.grad(
+                output, taken, grad_output, retain_graph=keep, create_graph=create_graph, allow_unused=True
+            )
+        )
     relevances: list[torch.Tensor | None] = []
     for leaf in leaves:
         grad = None if leaf is None else next(grads)
         if leaf is not None:
             grad = torch.zeros_like(leaf) if grad is None else grad
-        relevances.append(None if leaf is None else leaf.detach() * grad)
+        relevances.append(None if leaf is None else (leaf if create_graph else leaf.detach()) * grad)
     return relevances
 
 

@@ -17,6 +17,7 @@ from tdhook.attribution._backward_passes import backward_passes, check_split_dim
 from tdhook.attribution._context import claim, release, suspend_function_modes_in
 from tdhook.attribution._copies import hide_from_copies
 from tdhook.attribution._coverage_recorder import CoverageRecorder
+from tdhook.attribution._differentiable import check_differentiable, relevance_graph, rules_off
 from tdhook.attribution._inputs import (
     describe,
     explained_in_call,
@@ -31,9 +32,10 @@ from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._rule_use import RuleUse
 from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
-from tdhook.attribution._writes import model_updates, set_all_or_nothing
+from tdhook.attribution._writes import model_updates, relevance_updates, set_all_or_nothing
 from tdhook.attribution.coverage import Coverage
 from tdhook.attribution.mappers.base import BaseRuleMapper, RuleMapper
+from tdhook.attribution.rules._keeping_graph import RelevancePass
 from tdhook.attribution.rules._scopes import closing_scopes
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key
@@ -115,6 +117,11 @@ class LRP(TensorDictModuleBase):
             batch and ``split_dim=1``, ``relevance[b, t_target, t]`` is the
             relevance of the target at step ``t_target`` on the input at step
             ``t``. With ``target="all"`` the units follow the new dimension.
+        create_graph: write relevance (and outputs) that keep their graph: a
+            loss on them has its true derivative with respect to the inputs
+            that require grad and to every parameter, paths through the rules'
+            modified weights included (see the docs' page on differentiable
+            relevance). Every rule must support it (``rule.differentiable``).
 
     Examples:
         >>> import torch
@@ -149,6 +156,7 @@ class LRP(TensorDictModuleBase):
         relevance_check: RelevanceCheck | None = None,
         token_relevance_key: str | None = None,
         split_dim: int | None = None,
+        create_graph: bool = False,
     ) -> None:
         super().__init__()
         module, plain = as_tensordict_module(module, in_keys, out_keys)
@@ -196,6 +204,8 @@ class LRP(TensorDictModuleBase):
         self._coverage = CoverageRecorder()
         self.split_dim = split_dim
         self._split_dim: int | None = None
+        self.create_graph = create_graph
+        self._inactive = False  # inside inactive(): no rules
 
     def named_explained_modules(self) -> dict[str, nn.Module]:
         """The wrapped model's modules by the names rule mappers and ``layers`` use."""
@@ -224,7 +234,10 @@ class LRP(TensorDictModuleBase):
         claim(self, modules)
         handles: list[RemovableRuleHandle] = []
         try:
-            for name, rule in self._rules().items():
+            rules = self._rules()
+            if self.create_graph:
+                check_differentiable(rules)
+            for name, rule in rules.items():
                 try:
                     handles.append(rule.register(modules[name]))
                 except Exception as err:
@@ -273,11 +286,25 @@ class LRP(TensorDictModuleBase):
         for handle in reversed(handles):
             handle.remove()
 
+    def inactive(self) -> contextlib.AbstractContextManager[None]:
+        """Switch the rules off in the block (plain forward and backward; calls write gradient × input), and
+        enter an open context again when the block ends, however it ends.
+
+        Examples:
+            >>> from tensordict import TensorDict
+            >>> net = nn.Linear(3, 1)
+            >>> lrp, td = LRP(net, in_keys=["x"], out_keys=["y"]), TensorDict(x=torch.ones(2, 3), batch_size=[2])
+            >>> with lrp, lrp.inactive():
+            ...     torch.allclose(lrp(td)["relevance", "x"], net.weight.detach().expand(2, 3))
+            True
+        """
+        return rules_off(self)
+
     # ------------------------------------------------------------------ call
 
     @dispatch(auto_batch_size=False)
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        if self._handles is None:
+        if self._handles is None and not self._inactive:
             with self:
                 return self._explain(tensordict)
         return self._explain(tensordict)
@@ -301,13 +328,13 @@ class LRP(TensorDictModuleBase):
         self._layers.clear()
         self._tokens.clear()
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), relevance_graph(self.create_graph and not self._inactive) as graph:
                 # Integer tokens are fed to TokenInputs: the relevance of their embeddings stands for them.
-                leaves, fed = feed_inputs(work, self.explained_keys, self._tokens, explained)
+                leaves, fed = feed_inputs(work, self.explained_keys, self._tokens, explained, self.create_graph)
                 try:
                     with contextlib.ExitStack() as modes:
                         modes.enter_context(self._rule_use.watch(self.named_explained_modules, self._handles or []))
-                        rule_modes = getattr(self.rule_mapper, "function_modes", list)()
+                        rule_modes = [] if self._inactive else getattr(self.rule_mapper, "function_modes", list)()
                         for mode in rule_modes:
                             modes.enter_context(mode)
                         calls = self._coverage.watch(
@@ -353,7 +380,7 @@ class LRP(TensorDictModuleBase):
                     retain = position < len(names) - 1  # the next target reuses this forward pass
 
                     def relevance_of(seed: torch.Tensor, keep: bool) -> list[torch.Tensor]:
-                        return self._relevance(output, seed, leaves, fed, retain=keep)
+                        return self._relevance(output, seed, leaves, fed, retain=keep, graph=graph)
 
                     relevances += backward_passes(relevance_of, output, grad_outputs, self._split_dim, retain)
                     seeds.append((name, output.detach(), grad_outputs))
@@ -394,8 +421,9 @@ class LRP(TensorDictModuleBase):
         leaves: list[torch.Tensor],
         fed: list[torch.Tensor],
         retain: bool,
+        graph: RelevancePass | None = None,
     ) -> list[torch.Tensor]:
-        relevances = leaf_relevances(output, grad_output, leaves, retain)
+        relevances = leaf_relevances(output, grad_output, leaves, retain, self.create_graph, graph)
         # Token relevance: the relevance of each token's embedding vector, summed over its features.
         token_indices = [i for i, leaf in enumerate(leaves) if is_embedding_leaf(leaf)]
         for handle in self._handles or []:
@@ -409,18 +437,8 @@ class LRP(TensorDictModuleBase):
         like = next(leaf for leaf in leaves if leaf is not None)
         return relevances + [self._layers.pop(name, like) for name in self.layer_keys]
 
-    def _write(
-        self, tensordict: TensorDictBase, result: TensorDictBase, relevances: list, fed: list[torch.Tensor]
-    ) -> None:
-        updates = model_updates(tensordict, result, self.explained_keys, fed)
-        for key, rel in zip(self.relevance_keys, relevances, strict=True):
-            if rel is not None:
-                updates[key] = rel
-        if self.token_relevance_keys:
-            for key, source, rel in zip(self.token_relevance_keys, self._relevance_sources, relevances, strict=True):
-                if rel is None:
-                    continue
-                # Token ids already have one relevance per token; embeddings and layer outputs sum their features.
-                per_token = source is not None and not tensordict.get(source).is_floating_point()
-                updates[key] = rel if per_token else rel.sum(-1)
+    def _write(self, tensordict: TensorDictBase, result: TensorDictBase, relevances: list, fed: list) -> None:
+        updates = model_updates(tensordict, result, self.explained_keys, fed, detach=not self.create_graph)
+        keys = (self.relevance_keys, self.token_relevance_keys, self._relevance_sources)
+        updates.update(relevance_updates(tensordict, relevances, *keys))
         set_all_or_nothing(tensordict, updates)
