@@ -20,10 +20,11 @@ from tdhook.attribution.mappers.presets import EpsilonGammaBox, EpsilonPlus, Eps
 from tdhook.attribution.rules import StopRule
 from tests.conftest import relative_error
 
+EPSILON = 0.1  # large enough that the ε-rule's gradient differs from the plain one beyond the tolerances
 PRESETS = {
-    "EpsilonPlus": lambda: EpsilonPlus(),
-    "EpsilonPlusFlat": lambda: EpsilonPlusFlat(),
-    "EpsilonGammaBox": lambda: EpsilonGammaBox(low=-3.0, high=3.0),
+    "EpsilonPlus": lambda: EpsilonPlus(epsilon=EPSILON),
+    "EpsilonPlusFlat": lambda: EpsilonPlusFlat(epsilon=EPSILON),
+    "EpsilonGammaBox": lambda: EpsilonGammaBox(low=-3.0, high=3.0, epsilon=EPSILON),
 }
 
 
@@ -192,9 +193,9 @@ class TestZennit:
         weights = torch.randn_like(x)
         rel, (by_input, *_) = second_order(net, PRESETS[preset](), x, weights)
         composite = {
-            "EpsilonPlus": lambda: composites.EpsilonPlus(),
-            "EpsilonPlusFlat": lambda: composites.EpsilonPlusFlat(),
-            "EpsilonGammaBox": lambda: composites.EpsilonGammaBox(low=-3.0, high=3.0),
+            "EpsilonPlus": lambda: composites.EpsilonPlus(epsilon=EPSILON),
+            "EpsilonPlusFlat": lambda: composites.EpsilonPlusFlat(epsilon=EPSILON),
+            "EpsilonGammaBox": lambda: composites.EpsilonGammaBox(low=-3.0, high=3.0, epsilon=EPSILON),
         }[preset]()
         with torch.no_grad():
             onehot = torch.zeros_like(net(x)).scatter_(1, net(x).argmax(1, keepdim=True), 1.0)
