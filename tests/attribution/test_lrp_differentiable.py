@@ -274,6 +274,12 @@ class TestRefusals:
             lrp(TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2]))
         assert all(not m._forward_hooks for m in net.modules())
 
+    def test_function_rules(self):
+        net = mlp()
+        lrp = LRP(net, EpsilonPlus(stabilize_additions=True), in_keys=["x"], out_keys=["y"], create_graph=True)
+        with pytest.raises(NotImplementedError, match="function rules of EpsilonPlus"):
+            lrp(TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2]))
+
 
 class TestInactive:
     def plain(self, net, x):

@@ -27,12 +27,19 @@ from tdhook.attribution.rules.base import Rule
 __all__ = ["check_differentiable", "relevance_graph", "rules_off"]
 
 
-def check_differentiable(rules: Mapping[str, Rule]) -> None:
-    """Raise for the first rule of ``rules`` (by module name) whose relevance cannot keep its graph.
+def check_differentiable(rules: Mapping[str, Rule], mapper: object = None) -> None:
+    """Raise for the first rule of ``rules`` (by module name) whose relevance cannot keep its graph, or for
+    function rules of the rule ``mapper`` (AttnLRP's, stabilised additions): none of them can yet.
 
     Raises:
         NotImplementedError: naming the rule and the module; its relevance would be differentiated wrongly.
     """
+    modes = getattr(mapper, "function_modes", list)()
+    if modes:
+        raise NotImplementedError(
+            f"LRP(create_graph=True): the function rules of {type(mapper).__name__} "
+            f"({', '.join(type(mode).__name__ for mode in modes)}) cannot keep the relevance's graph"
+        )
     for name, rule in rules.items():
         if not rule.differentiable:
             raise NotImplementedError(

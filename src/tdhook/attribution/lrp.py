@@ -236,7 +236,7 @@ class LRP(TensorDictModuleBase):
         try:
             rules = self._rules()
             if self.create_graph:
-                check_differentiable(rules)
+                check_differentiable(rules, self.rule_mapper)
             for name, rule in rules.items():
                 try:
                     handles.append(rule.register(modules[name]))
