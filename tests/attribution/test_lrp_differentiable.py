@@ -65,7 +65,7 @@ def margin(net: nn.Module, x: torch.Tensor) -> float:
     hooks = [
         m.register_forward_hook(lambda m, a, out: outputs.append(out.abs().min()))
         for m in net.modules()
-        if isinstance(m, (nn.Linear, nn.Conv2d))
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))
     ]
     with torch.no_grad():
         net(x)
@@ -160,6 +160,50 @@ class TestFiniteDifferences:
         fd_input, fd_params = finite_differences(net, EpsilonAlpha2Beta1(rule_mapper={"0": first}), x, weights)
         assert relative_error(by_input, fd_input) < 1e-6
         assert_close_to(by_params, fd_params, 1e-6)
+
+    @pytest.mark.parametrize("preset", sorted(PRESETS))
+    @pytest.mark.parametrize("case", ["conv1d with weight_norm", "mlp on a [B, T] batch"])
+    def test_other_layers_and_batch_shapes(self, case, preset):
+        """A 1-D convolution whose weight is parametrized (weight_norm: the derivative reaches its ``original0``
+        and ``original1``), and an MLP on a ``[B, T]`` batch."""
+        from torch.nn.utils.parametrizations import weight_norm
+
+        def conv1d() -> nn.Module:
+            return nn.Sequential(
+                weight_norm(nn.Conv1d(2, 3, 3, padding=1)), nn.ReLU(), nn.Conv1d(3, 2, 3), nn.Flatten()
+            ).double()
+
+        make, shape, batch = {
+            "conv1d with weight_norm": (conv1d, (3, 2, 5), [3]),
+            "mlp on a [B, T] batch": (mlp, (2, 3, 5), [2, 3]),
+        }[case]
+        MODELS["other"] = (make, shape)
+        try:
+            net, x = smooth_point("other")
+        finally:
+            del MODELS["other"]
+        weights = torch.randn_like(x)
+        lrp = LRP(net, PRESETS[preset](), in_keys=["x"], out_keys=["y"], create_graph=True)
+        point = x.clone().requires_grad_(True)
+        rel = lrp(TensorDict(x=point, batch_size=batch))["relevance", "x"]
+        grads = torch.autograd.grad((rel * weights).sum(), [point, *net.parameters()])
+        plain = LRP(net, PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+        step, expected = 1e-6, []
+        for tensor in [point.detach(), *net.parameters()]:
+            result = torch.zeros_like(tensor)
+            for i in range(tensor.numel()):
+                values = []
+                for sign in (1, -1):
+                    with torch.no_grad():
+                        tensor.view(-1)[i] += sign * step
+                    td = plain(TensorDict(x=point.detach(), batch_size=batch))
+                    values.append((td["relevance", "x"] * weights).sum().item())
+                    with torch.no_grad():
+                        tensor.view(-1)[i] -= sign * step
+                result.view(-1)[i] = (values[0] - values[1]) / (2 * step)
+            expected.append(result)
+        assert_close_to(list(grads), expected, 1e-6)
+        assert all(g.abs().sum() > 0 for g in grads[1:])
 
     def test_modified_weights_are_on_the_path(self):
         """Cutting the paths through z⁺'s W⁺ (as a cached detached copy would) is visibly wrong: the oracle can
