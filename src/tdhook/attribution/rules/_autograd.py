@@ -146,7 +146,11 @@ def redirect(output: torch.Tensor, inputs: Sequence[torch.Tensor], backward_fn: 
     """Return ``output``'s value with a backward that sends gradient to ``inputs``.
 
     The module's own graph behind ``output`` receives no gradient. The value is
-    the same storage as ``output``: nothing is copied.
+    the same storage as ``output``: nothing is copied. In a call that keeps the
+    graph (see :mod:`~tdhook.attribution.rules._keeping_graph`), it does in every
+    backward pass but the wrapper's relevance pass, and ``backward_fn`` is
+    recorded by autograd: it must then use torch operations only, on tensors
+    that keep their history.
 
     Args:
         output: the module's output.
