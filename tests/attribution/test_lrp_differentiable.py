@@ -44,7 +44,28 @@ def cnn() -> nn.Module:
     ).double()
 
 
-MODELS = {"mlp": (mlp, (4, 5)), "cnn": (cnn, (2, 2, 6, 6))}
+def cnn_with_batch_norm() -> nn.Module:
+    """BatchNorm in eval mode after each convolution (merged into it), with statistics of their own."""
+    net = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.BatchNorm2d(3),
+        nn.ReLU(),
+        nn.Conv2d(3, 4, 3, stride=2),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(16, 3),
+    ).double()
+    for norm in (net[1], net[4]):
+        with torch.no_grad():
+            norm.running_mean.uniform_(-0.5, 0.5)
+            norm.running_var.uniform_(0.5, 2.0)
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-0.3, 0.3)
+    return net.eval()
+
+
+MODELS = {"mlp": (mlp, (4, 5)), "cnn": (cnn, (2, 2, 6, 6)), "cnn+bn": (cnn_with_batch_norm, (2, 2, 6, 6))}
 
 
 def smooth_point(name: str, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
@@ -65,7 +86,7 @@ def margin(net: nn.Module, x: torch.Tensor) -> float:
     hooks = [
         m.register_forward_hook(lambda m, a, out: outputs.append(out.abs().min()))
         for m in net.modules()
-        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.BatchNorm2d))
     ]
     with torch.no_grad():
         net(x)
@@ -226,9 +247,30 @@ class TestFiniteDifferences:
         assert conv > 1e-2 and relative_error(by_params[2], fd_params[2]) < 1e-6
 
 
+class TestBatchNorm:
+    def test_epsilon_rule_merged(self):
+        """The ε-rule on convolutions merged with their BatchNorm (the presets' convolutions take z⁺ or γ)."""
+        from tdhook.attribution.rules import EpsilonRule
+
+        net, x = smooth_point("cnn+bn")
+        weights = torch.randn_like(x)
+        _, (by_input, *by_params) = second_order(net, {nn.Conv2d: EpsilonRule(0.1)}, x, weights)
+        fd_input, fd_params = finite_differences(net, {nn.Conv2d: EpsilonRule(0.1)}, x, weights)
+        assert relative_error(by_input, fd_input) < 1e-6
+        assert_close_to(by_params, fd_params, 1e-6)
+
+    def test_training_mode_is_refused(self):
+        net, x = smooth_point("cnn+bn")
+        net.train()
+        lrp = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"], create_graph=True)
+        with pytest.raises(NotImplementedError, match="cannot be merged"):
+            relevance(lrp, x)
+        assert all(not m._forward_hooks for m in net.modules())
+
+
 class TestZennit:
     @pytest.mark.parametrize("preset", sorted(PRESETS))
-    @pytest.mark.parametrize("model", sorted(MODELS))
+    @pytest.mark.parametrize("model", ["cnn", "mlp"])  # zennit merges BatchNorm only through canonizers
     def test_input_gradient(self, model, preset):
         from zennit import composites
         from zennit.attribution import Gradient

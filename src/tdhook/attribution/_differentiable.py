@@ -45,7 +45,8 @@ def check_differentiable(rules: Mapping[str, Rule], mapper: object = None) -> No
             raise NotImplementedError(
                 f"LRP(create_graph=True): the rule {rule!r} on module {name or 'the model itself'!r} cannot keep "
                 "the relevance's graph, so its derivative would be wrong; map that module to a rule that can "
-                "(EpsilonRule, AlphaBetaRule, GammaRule, FlatRule, WSquareRule, ZBoxRule, PassRule, IgnoreRule)"
+                "(EpsilonRule, AlphaBetaRule, GammaRule, FlatRule, WSquareRule, ZBoxRule, PassRule, IgnoreRule, "
+                "MergeBatchNormRule)"
             )
 
 

@@ -125,6 +125,14 @@ class EpsilonRule(Rule):
         # The merged layer's weights are the layer's times the channel scale: the
         # gradient at the layer's own output is the merged one times that scale.
         channel = bias_view(call.module, merged.channel_scale)
+        if graph_kept() is not None:
+            z, epsilon = output.clone(), self.epsilon
+
+            def backward(grad: torch.Tensor) -> list[torch.Tensor]:
+                scale = (z != 0).to(z.dtype) if epsilon == 0 else z / stabilize(z, epsilon)
+                return [grad * scale * channel]
+
+            return redirect(output, [call.raw], backward)
         scale = self._scale(output, 1).mul_(channel)
         return redirect(output, [call.raw], lambda grad: [times_saved(grad, scale)])
 

@@ -121,6 +121,9 @@ class _ModifiedForwardRule(Rule):
 
     def rewrite_merged(self, call, output, merged):
         call.registration.merged_by_norm = True
+        if graph_kept() is not None:  # merged.params are the live ones: so are the modified ones
+            params = self.modified_params(merged.params)
+            return self._redirect_keeping_graph(call.module, call.registration, params, call.x, output)
         params = merged.cache.get(self)
         if params is None:
             params = merged.cache[self] = self.modified_params(merged.params)
