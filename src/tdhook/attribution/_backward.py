@@ -7,12 +7,14 @@ it was recorded at, or, carried back through glue, at the input's leaf.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from tdhook.attribution.rules._glue import GlueError
+from tdhook.attribution.rules._keeping_graph import RelevancePass
 from tdhook.attribution.rules.base import RemovableRuleHandle
 
 __all__ = ["leaf_relevance"]
@@ -25,6 +27,8 @@ def leaf_relevance(
     handles: Sequence[RemovableRuleHandle],
     modules: Callable[[], dict[str, nn.Module]],
     retain: bool,
+    create_graph: bool = False,
+    relevance_pass: RelevancePass | None = None,
 ) -> tuple[list[torch.Tensor | None], list[bool]]:
     """The relevance of each leaf for the backward pass started at ``seeds``, and whether the leaf was reached
     (``None`` and reached for a leaf that is ``None``: an input the call does not explain).
@@ -36,6 +40,8 @@ def leaf_relevance(
         handles: the rule handles of the context, whose records are popped.
         modules: the model's modules by name, for naming a layer in an error.
         retain: whether the graph is kept for a later backward pass.
+        create_graph: the relevances keep their graph (the graph is then always kept).
+        relevance_pass: run while the gradients are taken (see :mod:`~tdhook.attribution.rules._keeping_graph`).
 
     Examples:
         >>> leaf = torch.tensor([1.0, 2.0], requires_grad=True)
@@ -46,8 +52,14 @@ def leaf_relevance(
     """
     tensors, grads_out = zip(*seeds, strict=True)
     taken = [leaf for leaf in leaves if leaf is not None]
+    keep = retain or create_graph
     try:
-        taken_grads = iter(torch.autograd.grad(tensors, taken, grads_out, retain_graph=retain, allow_unused=True))
+        with relevance_pass.running() if relevance_pass is not None else contextlib.nullcontext():
+            taken_grads = iter(
+                torch.autograd.grad(
+                    tensors, taken, grads_out, retain_graph=keep, create_graph=create_graph, allow_unused=True
+                )
+            )
     except GlueError as err:
         names = {id(m): n for n, m in modules().items()}
         if id(err.module) in names:
@@ -55,7 +67,11 @@ def leaf_relevance(
         raise
     grads = [None if leaf is None else next(taken_grads) for leaf in leaves]
     relevances: list[torch.Tensor | None] = [
-        None if leaf is None else leaf.detach() * g if g is not None else torch.zeros_like(leaf)
+        None
+        if leaf is None
+        else (leaf if create_graph else leaf.detach()) * g
+        if g is not None
+        else torch.zeros_like(leaf)
         for leaf, g in zip(leaves, grads, strict=True)
     ]
     for handle in handles:

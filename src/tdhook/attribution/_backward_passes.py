@@ -20,7 +20,9 @@ from collections.abc import Callable
 import torch
 from tensordict.utils import NestedKey
 
-__all__ = ["backward_passes", "check_split_dim"]
+from tdhook.attribution.targets import raise_for_unreached
+
+__all__ = ["backward_passes", "check_split_dim", "target_relevance"]
 
 RelevanceOf = Callable[[torch.Tensor, bool], list[torch.Tensor]]
 
@@ -118,3 +120,34 @@ def _allocate(
     if split_dim is not None:
         shape.insert(split_dim, n_positions)
     return like.new_empty(shape)
+
+
+def target_relevance(
+    one_pass: Callable[[list, bool], tuple[list, list[bool]]],
+    output: torch.Tensor,
+    grad_outputs: torch.Tensor,
+    extra: list[tuple[torch.Tensor, torch.Tensor]],
+    key: NestedKey,
+    split_dim: int | None,
+    retain: bool,
+    explained_keys: list[NestedKey],
+    leaves: list[torch.Tensor | None],
+) -> list[torch.Tensor | None]:
+    """Every relevance of one target: :func:`backward_passes` over ``one_pass``, which takes the seeds
+    ``[(output, seed), *extra]`` and whether to keep the graph, and returns the relevances and which leaves it
+    reached. Raises where an explained input is reached by no pass (see ``raise_for_unreached``)."""
+    if extra and split_dim is not None:
+        raise ValueError(
+            f"LRP: target {key!r}: split_dim cannot split relevance a callable target puts on outputs that are "
+            "exactly 0 (they are carried by the layers before the output); use target=None, an index or 'all'"
+        )
+    reached = [leaf is None for leaf in leaves]  # an input the call does not explain needs no path
+
+    def relevance_of(seed: torch.Tensor, keep: bool) -> list[torch.Tensor | None]:
+        relevances, used = one_pass([(output, seed), *extra], keep)
+        reached[:] = [a or b for a, b in zip(reached, used, strict=True)]
+        return relevances
+
+    stacked = backward_passes(relevance_of, output, grad_outputs, split_dim, retain)
+    raise_for_unreached(key, explained_keys, reached)
+    return stacked

@@ -60,7 +60,9 @@ class CoverageRecorder:
 
     def keep(self, batch_dims: int, seeds: list, relevances: list[torch.Tensor]) -> None:
         """Keep a call's ``(target name, output, initial gradient)`` seeds and relevances."""
-        self._last_call = (batch_dims, seeds, relevances)
+        # Detached: relevance that keeps its graph (create_graph=True) must not keep it alive here.
+        kept = [r.detach() if r is not None and r.requires_grad else r for r in relevances]
+        self._last_call = (batch_dims, seeds, kept)
 
     def coverage(self, n_inputs: int, n_layers: int, split_dim: int | None) -> Coverage:
         """The report, for relevances laid out per target as ``n_inputs`` inputs, then ``n_layers`` layers."""

@@ -135,7 +135,11 @@ def validate_inputs(tensordict: TensorDictBase, keys: Sequence[NestedKey]) -> No
 
 
 def feed_inputs(
-    work: TensorDictBase, keys: Sequence[NestedKey], tokens: TokenInputs, explained: Sequence[bool] | None = None
+    work: TensorDictBase,
+    keys: Sequence[NestedKey],
+    tokens: TokenInputs,
+    explained: Sequence[bool] | None = None,
+    keep_graph: bool = False,
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
     """Replace each explained input in ``work`` by what the model is to see, with gradients enabled.
 
@@ -149,6 +153,8 @@ def feed_inputs(
         tokens: the wrapper's token inputs, cleared for this call.
         explained: per key, whether this call explains it (see :func:`explained_in_call`); the others are
             left as they are. Defaults to all.
+        keep_graph: take an input that requires grad as it is, with its history, in place of a fresh leaf
+            (differentiable relevance: its derivative reaches the caller's tensor).
 
     Returns:
         The leaves the relevance is taken for and the tensors fed to the
@@ -167,7 +173,7 @@ def feed_inputs(
             continue
         if value.is_inference():  # made under torch.inference_mode(): a normal copy can require grad
             value = value.clone()
-        leaf = value.detach().requires_grad_(True)
+        leaf = value if keep_graph and value.requires_grad else value.detach().requires_grad_(True)
         fed.append(leaf.clone())
         work.set(key, fed[-1])
         leaves.append(leaf)

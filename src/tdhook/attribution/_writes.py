@@ -26,7 +26,7 @@ from tensordict.utils import NestedKey
 
 from tdhook.attribution._keys import as_tuple
 
-__all__ = ["model_updates", "set_all_or_nothing"]
+__all__ = ["model_updates", "relevance_updates", "set_all_or_nothing"]
 
 
 def model_updates(
@@ -34,8 +34,10 @@ def model_updates(
     result: TensorDictBase,
     explained_keys: Sequence[NestedKey],
     fed: Sequence[torch.Tensor | None],
+    detach: bool = True,
 ) -> dict[NestedKey, Any]:
-    """The model's outputs to write into the caller's TensorDict, detached.
+    """The model's outputs to write into the caller's TensorDict, detached (unless ``detach`` is false: a call
+    that keeps the graph, whose outputs can be trained on).
 
     Args:
         tensordict: the caller's TensorDict.
@@ -57,7 +59,32 @@ def model_updates(
             continue
         if key in tensordict.keys(include_nested=True) and tensordict.get(key) is value:
             continue
-        updates[key] = value.detach() if isinstance(value, torch.Tensor) else value
+        updates[key] = value.detach() if detach and isinstance(value, torch.Tensor) else value
+    return updates
+
+
+def relevance_updates(
+    tensordict: TensorDictBase,
+    relevances: Sequence[torch.Tensor | None],
+    keys: Sequence[NestedKey],
+    token_keys: Sequence[NestedKey],
+    sources: Sequence[NestedKey | None],
+) -> dict[NestedKey, torch.Tensor]:
+    """``key -> relevance`` for each relevance key, and for each token relevance key (if any) the relevance per
+    token: token ids already have one relevance per token; embeddings and layer outputs sum their features.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict(x=torch.ones(2, 3), batch_size=[2])
+        >>> updates = relevance_updates(td, [torch.ones(2, 3)], [("relevance", "x")], [("tokens", "x")], ["x"])
+        >>> updates["tokens", "x"]
+        tensor([3., 3.])
+    """
+    updates = {key: rel for key, rel in zip(keys, relevances, strict=True) if rel is not None}
+    for key, source, rel in zip(token_keys, sources, relevances, strict=bool(token_keys)):
+        if rel is not None:
+            per_token = source is not None and not tensordict.get(source).is_floating_point()
+            updates[key] = rel if per_token else rel.sum(-1)
     return updates
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Mapping, Sequence
 
@@ -14,10 +15,11 @@ from torch import nn
 
 from tdhook.attribution._agents import agent_by_agent
 from tdhook.attribution._backward import leaf_relevance
-from tdhook.attribution._backward_passes import backward_passes, check_split_dim
+from tdhook.attribution._backward_passes import check_split_dim, target_relevance
 from tdhook.attribution._context import claim, release, suspend_function_modes_in
 from tdhook.attribution._copies import hide_from_copies
 from tdhook.attribution._coverage_recorder import CoverageRecorder
+from tdhook.attribution._differentiable import check_differentiable, relevance_graph, rules_off
 from tdhook.attribution._function_gates import FunctionGates
 from tdhook.attribution._inputs import (
     describe,
@@ -33,16 +35,16 @@ from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
 from tdhook.attribution._rule_use import RuleUse
 from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
-from tdhook.attribution._writes import model_updates, set_all_or_nothing
+from tdhook.attribution._writes import model_updates, relevance_updates, set_all_or_nothing
 from tdhook.attribution.coverage import Coverage
 from tdhook.attribution.mappers.base import BaseRuleMapper, RuleMapper
+from tdhook.attribution.rules._keeping_graph import RelevancePass
 from tdhook.attribution.rules._scopes import closing_scopes
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.targets import (
     Target,
     initial_relevance,
     named_targets,
-    raise_for_unreached,
     resolve_target_key,
     zero_output_seeds,
 )
@@ -125,6 +127,11 @@ class LRP(TensorDictModuleBase, MapperTunable):
             batch and ``split_dim=1``, ``relevance[b, t_target, t]`` is the
             relevance of the target at step ``t_target`` on the input at step
             ``t``. With ``target="all"`` the units follow the new dimension.
+        create_graph: write relevance (and outputs) that keep their graph: a
+            loss on them has its true derivative with respect to the inputs
+            that require grad and to every parameter, paths through the rules'
+            modified weights included (see the docs' page on differentiable
+            relevance). Every rule must support it (``rule.differentiable``).
 
     Examples:
         >>> import torch
@@ -159,6 +166,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         relevance_check: RelevanceCheck | None = None,
         token_relevance_key: str | None = None,
         split_dim: int | None = None,
+        create_graph: bool = False,
     ) -> None:
         super().__init__()
         module, plain = as_tensordict_module(module, in_keys, out_keys)
@@ -209,6 +217,8 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._split_dim: int | None = None
         # One call (and context change) at a time: the rules' per-module state is shared between threads.
         self._lock = threading.RLock()
+        self.create_graph = create_graph
+        self._inactive = False  # inside inactive(): no rules
 
     def named_explained_modules(self) -> dict[str, nn.Module]:
         """The wrapped model's modules by the names rule mappers and ``layers`` use."""
@@ -241,7 +251,10 @@ class LRP(TensorDictModuleBase, MapperTunable):
         claim(self, modules)
         handles: list[RemovableRuleHandle] = []
         try:
-            for name, rule in self._rules().items():
+            rules = self._rules()
+            if self.create_graph:
+                check_differentiable(rules, self.rule_mapper)
+            for name, rule in rules.items():
                 try:
                     handles.append(rule.register(modules[name]))
                 except Exception as err:
@@ -295,12 +308,26 @@ class LRP(TensorDictModuleBase, MapperTunable):
         for handle in reversed(handles):
             handle.remove()
 
+    def inactive(self) -> contextlib.AbstractContextManager[None]:
+        """Switch the rules off in the block (plain forward and backward; calls write gradient × input), and
+        enter an open context again when the block ends, however it ends.
+
+        Examples:
+            >>> from tensordict import TensorDict
+            >>> net = nn.Linear(3, 1)
+            >>> lrp, td = LRP(net, in_keys=["x"], out_keys=["y"]), TensorDict(x=torch.ones(2, 3), batch_size=[2])
+            >>> with lrp, lrp.inactive():
+            ...     torch.allclose(lrp(td)["relevance", "x"], net.weight.detach().expand(2, 3))
+            True
+        """
+        return rules_off(self)
+
     # ------------------------------------------------------------------ call
 
     @dispatch(auto_batch_size=False)
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         with self._lock:  # calls from several threads run one after the other (docs/guarantees.md)
-            if self._handles is None:
+            if self._handles is None and not self._inactive:
                 with self:
                     return self._explain(tensordict)
             return self._explain(tensordict)
@@ -313,14 +340,14 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._layers.clear()
         self._tokens.clear()
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), relevance_graph(self.create_graph and not self._inactive) as graph:
                 # Integer tokens are fed to TokenInputs: the relevance of their embeddings stands for them.
-                leaves, fed = feed_inputs(work, self.explained_keys, self._tokens, explained)
+                leaves, fed = feed_inputs(work, self.explained_keys, self._tokens, explained, self.create_graph)
                 try:
                     with contextlib.ExitStack() as modes:
                         modes.enter_context(self._rule_use.watch(self.named_explained_modules, self._handles or []))
-                        rule_modes = list(getattr(self.rule_mapper, "function_modes", list)())
-                        rule_modes += self._function_gates.modes(self.rule_mapper, rule_modes)
+                        rule_modes = [] if self._inactive else list(getattr(self.rule_mapper, "function_modes", list)())
+                        rule_modes += [] if self._inactive else self._function_gates.modes(self.rule_mapper, rule_modes)
                         for mode in rule_modes:
                             modes.enter_context(mode)
                         modules = self.named_explained_modules()
@@ -367,7 +394,9 @@ class LRP(TensorDictModuleBase, MapperTunable):
                         strict = bool(getattr(self.rule_mapper, "strict", False))
                         self._coverage.report(calls, targets, self.named_explained_modules(), strict)
                     retain = position < len(names) - 1  # the next target reuses this forward pass
-                    relevances += self._backward(output, grad_outputs, leaves, fed, retain, target_key, extra)
+                    one_pass = functools.partial(self._one_pass, leaves=leaves, fed=fed, graph=graph)
+                    passes = (output, grad_outputs, extra, target_key, self._split_dim, retain, self.explained_keys)
+                    relevances += target_relevance(one_pass, *passes, leaves)
                     seeds.append((name, output.detach(), grad_outputs))
         finally:
             self._layers.clear()
@@ -399,33 +428,11 @@ class LRP(TensorDictModuleBase, MapperTunable):
         """
         return self._coverage.coverage(len(self.explained_keys), len(self.layer_keys), self._split_dim)
 
-    def _backward(
-        self,
-        output: torch.Tensor,
-        grad_outputs: torch.Tensor,
-        leaves: list[torch.Tensor | None],
-        fed: list[torch.Tensor],
-        retain: bool,
-        key: NestedKey,
-        extra: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> list[torch.Tensor | None]:
-        if extra and self._split_dim is not None:
-            raise ValueError(
-                f"LRP: target {key!r}: split_dim cannot split relevance a callable target puts on outputs that are "
-                "exactly 0 (they are carried by the layers before the output); use target=None, an index or 'all'"
-            )
-        reached = [leaf is None for leaf in leaves]  # an input the call does not explain needs no path
-
-        def relevance_of(seed: torch.Tensor, keep: bool) -> list[torch.Tensor | None]:
-            relevances, used = leaf_relevance(
-                [(output, seed), *extra], leaves, fed, self._handles or [], self.named_explained_modules, keep
-            )
-            reached[:] = [a or b for a, b in zip(reached, used, strict=True)]
-            return self._finish(relevances, leaves)
-
-        stacked = backward_passes(relevance_of, output, grad_outputs, self._split_dim, retain)
-        raise_for_unreached(key, self.explained_keys, reached)
-        return stacked
+    def _one_pass(self, seeds: list, keep: bool, leaves: list, fed: list, graph: RelevancePass | None) -> tuple:
+        relevances, used = leaf_relevance(
+            seeds, leaves, fed, self._handles or [], self.named_explained_modules, keep, self.create_graph, graph
+        )
+        return self._finish(relevances, leaves), used
 
     def _finish(self, relevances: list[torch.Tensor | None], leaves: list[torch.Tensor | None]) -> list:
         # Token relevance: the relevance of each token's embedding vector, summed over its features.
@@ -435,18 +442,8 @@ class LRP(TensorDictModuleBase, MapperTunable):
         like = next(leaf for leaf in leaves if leaf is not None)
         return relevances + [self._layers.pop(name, like) for name in self.layer_keys]
 
-    def _write(
-        self, tensordict: TensorDictBase, result: TensorDictBase, relevances: list, fed: list[torch.Tensor]
-    ) -> None:
-        updates = model_updates(tensordict, result, self.explained_keys, fed)
-        for key, rel in zip(self.relevance_keys, relevances, strict=True):
-            if rel is not None:
-                updates[key] = rel
-        if self.token_relevance_keys:
-            for key, source, rel in zip(self.token_relevance_keys, self._relevance_sources, relevances, strict=True):
-                if rel is None:
-                    continue
-                # Token ids already have one relevance per token; embeddings and layer outputs sum their features.
-                per_token = source is not None and not tensordict.get(source).is_floating_point()
-                updates[key] = rel if per_token else rel.sum(-1)
+    def _write(self, tensordict: TensorDictBase, result: TensorDictBase, relevances: list, fed: list) -> None:
+        updates = model_updates(tensordict, result, self.explained_keys, fed, detach=not self.create_graph)
+        keys = (self.relevance_keys, self.token_relevance_keys, self._relevance_sources)
+        updates.update(relevance_updates(tensordict, relevances, *keys))
         set_all_or_nothing(tensordict, updates)

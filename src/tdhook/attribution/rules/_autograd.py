@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tdhook.attribution.rules._keeping_graph import RelevancePass, graph_kept
 from tdhook.attribution.rules._numerics import safe_divide
 
 __all__ = [
@@ -111,11 +112,49 @@ class _Redirect(torch.autograd.Function):
         return (None, None, *grads)
 
 
+class _GraphKeepingRedirect(torch.autograd.Function):
+    """:class:`_Redirect` in a call that keeps the graph (see :mod:`~tdhook.attribution.rules._keeping_graph`).
+
+    The module's own output is one more input: the wrapper's relevance pass sends the rule's gradient to
+    ``inputs``; every other backward pass (the derivative of a loss on the relevance, a plain gradient) sends
+    the incoming gradient to the module's output, through the plain model. The rule's backward runs with torch
+    operations only, so that a pass with ``create_graph=True`` records it.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        backward_fn: BackwardFn,
+        relevance_pass: RelevancePass,
+        output: torch.Tensor,
+        plain: torch.Tensor,
+        *inputs: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.mark_dirty(output)
+        ctx.backward_fn = backward_fn
+        ctx.relevance_pass = relevance_pass
+        ctx.n_inputs = len(inputs)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if not ctx.relevance_pass.is_running:
+            return (None, None, None, grad, *(None for _ in range(ctx.n_inputs)))
+        grads = tuple(ctx.backward_fn(grad))
+        if len(grads) != ctx.n_inputs:
+            raise RuntimeError(f"a rule's backward returned {len(grads)} gradients for {ctx.n_inputs} inputs")
+        return (None, None, None, None, *grads)
+
+
 def redirect(output: torch.Tensor, inputs: Sequence[torch.Tensor], backward_fn: BackwardFn) -> torch.Tensor:
     """Return ``output``'s value with a backward that sends gradient to ``inputs``.
 
     The module's own graph behind ``output`` receives no gradient. The value is
-    the same storage as ``output``: nothing is copied.
+    the same storage as ``output``: nothing is copied. In a call that keeps the
+    graph (see :mod:`~tdhook.attribution.rules._keeping_graph`), it does in every
+    backward pass but the wrapper's relevance pass, and ``backward_fn`` is
+    recorded by autograd: it must then use torch operations only, on tensors
+    that keep their history.
 
     Args:
         output: the module's output.
@@ -135,6 +174,9 @@ def redirect(output: torch.Tensor, inputs: Sequence[torch.Tensor], backward_fn: 
         >>> torch.autograd.grad(y.sum(), x)[0]
         tensor([3., 3.])
     """
+    relevance_pass = graph_kept()
+    if relevance_pass is not None:
+        return _GraphKeepingRedirect.apply(backward_fn, relevance_pass, output.detach(), output, *inputs)
     return _Redirect.apply(backward_fn, output.detach(), *inputs)
 
 

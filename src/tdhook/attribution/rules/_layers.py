@@ -12,6 +12,8 @@ from torch.nn.utils.weight_norm import WeightNorm as _WeightNormHook
 from torch.overrides import TorchFunctionMode
 from torchrl.modules.models.utils import SquashDims
 
+from tdhook.attribution.rules._keeping_graph import graph_kept
+
 __all__ = [
     "ACTIVATIONS",
     "AVG_POOLS",
@@ -222,7 +224,8 @@ def _has_weight_property(module: nn.Module) -> bool:
 
 
 def effective_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The weight and bias a Linear or convolution layer really computes with, detached.
+    """The weight and bias a Linear or convolution layer really computes with, detached (except in a call
+    that keeps the graph, see :mod:`~tdhook.attribution.rules._keeping_graph`).
 
     Its own parameters for a plain layer. A layer whose forward rewrites its weight
     (timm's weight-standardised ``StdConv2d`` and ``ScaledStdConv2d``), whose weight
@@ -241,19 +244,21 @@ def effective_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
         >>> torch.equal(params["weight"], layer.weight.detach()), sorted(params)
         (True, ['bias', 'weight'])
     """
+    # In a call that keeps the graph, the live tensors: the derivative of the relevance runs through them.
+    keep = graph_kept() is not None
     if _has_weight_property(module):
         # A weight computed from parameters and buffers on each access, as the forward reads it, in the layer's
         # current mode: torchrl's NoisyLinear gives weight_mu + weight_sigma * weight_epsilon when it explores.
         computed = {"weight": module.weight, "bias": getattr(module, "bias", None)}
-        return {name: tensor.detach() for name, tensor in computed.items() if isinstance(tensor, torch.Tensor)}
+        return {n: t if keep else t.detach() for n, t in computed.items() if isinstance(t, torch.Tensor)}
     own = dict(module.named_parameters(recurse=False))
     if _has_plain_forward(module) and isinstance(own.get("weight"), nn.Parameter):
-        return {name: param.detach() for name, param in own.items()}
+        return dict(own) if keep else {name: param.detach() for name, param in own.items()}
     recorder = _RecordLayerCall()
     modes = {sub: sub.training for sub in module.modules()}
     try:
         module.eval()  # no state may change: spectral_norm's power iteration runs in training mode only
-        with torch.no_grad():
+        with torch.enable_grad() if keep else torch.no_grad():
             probe = _probe_input(module, module.weight)
             # Seen by the recorder even inside a rule's function mode, which runs with torch functions off.
             with torch._C._EnableTorchFunction(), recorder:
@@ -266,4 +271,4 @@ def effective_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
             sub.training = training
     if recorder.params is None:
         raise ValueError(f"{type(module).__name__}: its forward called no linear or convolution function")
-    return {name: tensor.detach() for name, tensor in recorder.params.items()}
+    return {name: tensor if keep else tensor.detach() for name, tensor in recorder.params.items()}

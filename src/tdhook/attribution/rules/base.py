@@ -28,6 +28,7 @@ from torch import nn
 
 from tdhook.attribution.rules._autograd import raise_for_vmap
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
+from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import LINEAR_LAYERS, _has_weight_property
 from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.tunables import Tunable
@@ -119,10 +120,17 @@ class ParamModifier:
     def modify(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The selected entries of ``params``, modified (for example a layer merged with its BatchNorm).
 
+        Detached from ``params``, except in a call that keeps the graph (see
+        :mod:`~tdhook.attribution.rules._keeping_graph`): there the modified
+        tensors are functions of the live ones, so that the derivative of the
+        relevance runs through them.
+
         Examples:
             >>> ParamModifier(lambda n, p: 2 * p).modify({"weight": torch.ones(1)})
             {'weight': tensor([2.])}
         """
+        if graph_kept() is not None:
+            return {n: self.modify_fn(n, p) for n, p in params.items() if self.select_fn(n, p)}
         with torch.no_grad():
             return {n: self.modify_fn(n, p.detach()) for n, p in params.items() if self.select_fn(n, p)}
 
@@ -352,6 +360,10 @@ class Rule(Tunable):
     #: whether every call of the module gets the rule's gradient; where not (a rule that keeps the module's own
     #: gradient for some calls), the wrapper's coverage watch and relevance checks look inside the module.
     decides_every_call: bool = True
+    #: whether the rule's relevance keeps its graph in a call that asks for it (``LRP(..., create_graph=True)``,
+    #: see :mod:`~tdhook.attribution.rules._keeping_graph`): its backward is then written with torch operations
+    #: on tensors that keep their history, so that the relevance has its true derivative.
+    differentiable: bool = False
 
     def __init__(self) -> None:
         self._registrations: IdentityWeakKeyDict[nn.Module, Registration] = IdentityWeakKeyDict()
@@ -394,7 +406,10 @@ class Rule(Tunable):
         An ``optimizer.step()`` or an in-place write between two calls inside one
         context, or a parameter replaced by another, is seen through
         :func:`parameter_fingerprint`: the modified parameters always follow the
-        live ones, and are not rebuilt while nothing changes.
+        live ones, and are not rebuilt while nothing changes. In a call that keeps
+        the graph (``LRP(..., create_graph=True)``), the state is built from the
+        live parameters inside the autograd graph, once per call, and
+        ``registration.state`` is left as it is.
 
         Examples:
             >>> from tdhook.attribution.rules import AlphaBetaRule
@@ -410,6 +425,9 @@ class Rule(Tunable):
             if registration.state is _UNPREPARED:
                 registration.state = None
             return registration.state
+        relevance_pass = graph_kept()
+        if relevance_pass is not None:  # built from the live parameters, once per call: never the detached cache
+            return relevance_pass.state(self, module, lambda: self.prepare(module))
         fingerprint = parameter_fingerprint(module)
         if registration.state is _UNPREPARED or registration.fingerprint != fingerprint:
             registration.state = self.prepare(module)

@@ -11,6 +11,7 @@ from torch import nn
 
 from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._autograd import redirect, relevance_proxy, times_saved
+from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import LINEAR_LAYERS, bias_view
 from tdhook.attribution.rules._numerics import in_pieces_, stabilize
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, _single_input
@@ -36,6 +37,7 @@ class IgnoreRule(Rule):
 
     uses_input = False
     merges_batch_norm = True
+    differentiable = True
 
     def register(self, module: nn.Module) -> RemovableRuleHandle:
         if isinstance(module, LINEAR_LAYERS):
@@ -89,6 +91,7 @@ class EpsilonRule(Rule):
     uses_input = False
     merges_batch_norm = True
     tunables = {"epsilon": EPSILON}
+    differentiable = True
 
     def __init__(self, epsilon: float = 1e-6) -> None:
         nonnegative(type(self).__name__, "epsilon", epsilon)
@@ -104,7 +107,19 @@ class EpsilonRule(Rule):
             scale = in_pieces_(z.abs(), lambda piece: piece.div_(piece + self.epsilon))
         return scale if n_inputs == 1 else scale.div_(n_inputs)
 
+    def _redirect_keeping_graph(self, output: torch.Tensor, n_inputs: int) -> torch.Tensor:
+        """The rule in a call that keeps the graph: ``z / stabilize(z, ε)`` from the output and its history."""
+        z, epsilon = output.clone(), self.epsilon  # a copy: later in-place operations must not reach it
+
+        def backward(grad: torch.Tensor) -> list[torch.Tensor]:
+            scale = (z != 0).to(z.dtype) if epsilon == 0 else z / stabilize(z, epsilon)
+            return [grad * scale if n_inputs == 1 else grad * scale / n_inputs]
+
+        return redirect(output, [output], backward)
+
     def rewrite(self, module, registration, inputs, output):
+        if graph_kept() is not None:
+            return self._redirect_keeping_graph(output, 1)
         scale = self._scale(output, 1)
         return redirect(output, [output], lambda grad: [times_saved(grad, scale)])
 
@@ -112,6 +127,14 @@ class EpsilonRule(Rule):
         # The merged layer's weights are the layer's times the channel scale: the
         # gradient at the layer's own output is the merged one times that scale.
         channel = bias_view(call.module, merged.channel_scale)
+        if graph_kept() is not None:
+            z, epsilon = output.clone(), self.epsilon
+
+            def backward(grad: torch.Tensor) -> list[torch.Tensor]:
+                scale = (z != 0).to(z.dtype) if epsilon == 0 else z / stabilize(z, epsilon)
+                return [grad * scale * channel]
+
+            return redirect(output, [call.raw], backward)
         scale = self._scale(output, 1).mul_(channel)
         return redirect(output, [call.raw], lambda grad: [times_saved(grad, scale)])
 
@@ -135,6 +158,8 @@ class UniformEpsilonRule(EpsilonRule):
 
     def rewrite(self, module, registration, inputs, output):
         n_inputs = sum(isinstance(i, torch.Tensor) and i.requires_grad for i in inputs)
+        if graph_kept() is not None:
+            return self._redirect_keeping_graph(output, max(n_inputs, 1))
         scale = self._scale(output, max(n_inputs, 1))
         return redirect(output, [output], lambda grad: [times_saved(grad, scale)])
 
@@ -155,6 +180,8 @@ class PassRule(Rule):
         >>> torch.allclose(relevance, z)
         True
     """
+
+    differentiable = True
 
     def __init__(self, stabilizer: float = 1e-12) -> None:
         nonnegative(type(self).__name__, "stabilizer", stabilizer)
@@ -179,6 +206,9 @@ class PassRule(Rule):
         """``output = f(x)`` for an element-wise ``f``, with the rule's gradient."""
         if not x.requires_grad or x.shape != output.shape:
             return output
+        if graph_kept() is not None:  # the scale from the output and the input, with their history
+            z, stabilizer = output.clone(), self.stabilizer
+            return redirect(output, [x], lambda grad: [grad * z / stabilize(x, stabilizer)])
         scale = output.detach() / stabilize(x.detach(), self.stabilizer)
         return redirect(output, [x], lambda grad: [grad * scale])
 

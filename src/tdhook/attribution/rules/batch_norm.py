@@ -7,6 +7,7 @@ import warnings
 import torch
 from torch import nn
 
+from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import TRANSPOSED_FORWARDS, effective_parameters
 from tdhook.attribution.rules.base import _LAYER_MARK, LayerCall, MergedLayer, layer_call_of, parameter_fingerprint
 from tdhook.attribution.rules.normalization import NormRule
@@ -54,12 +55,25 @@ class MergeBatchNormRule(NormRule):
         super().__init__(epsilon)
         self._warned: set[type] = set()
 
+    @property
+    def differentiable(self) -> bool:  # type: ignore[override]
+        return True  # when merged; a call that keeps the graph refuses the other cases (see _refuse_unmerged)
+
     def prepare(self, module: nn.Module) -> dict:
         return {}
+
+    def _refuse_unmerged(self, module: nn.Module) -> None:
+        if graph_kept() is not None:
+            raise NotImplementedError(
+                f"LRP(create_graph=True): this {type(module).__name__} cannot be merged into the layer before it "
+                "(training mode, no running statistics, another producer or a rule that cannot merge), and its "
+                "ε-rule cannot keep the relevance's graph"
+            )
 
     def batch_norm(self, module: nn.Module, output: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         call = layer_call_of(args[0])
         if call is None or not _can_merge(call, module):
+            self._refuse_unmerged(module)
             return super().batch_norm(module, output, args, kwargs)
         if not call.rule.merges_batch_norm:
             if type(call.rule) not in self._warned:
@@ -69,14 +83,18 @@ class MergeBatchNormRule(NormRule):
                     f"{type(module).__name__} that follows it; the {type(module).__name__} gets the ε-rule",
                     stacklevel=2,
                 )
+            self._refuse_unmerged(module)
             return super().batch_norm(module, output, args, kwargs)
-        state = self._registrations[module].state
-        merged = state.get(call.module)
-        # Rebuilt when the layer's or the BatchNorm's parameters or statistics changed (an optimizer step).
-        fingerprint = parameter_fingerprint(call.module) + parameter_fingerprint(module)
-        if merged is None or merged.fingerprint != fingerprint:
-            merged = state[call.module] = _merge_batch_norm(call.module, module)
-            merged.fingerprint = fingerprint
+        if graph_kept() is not None:  # from the live parameters, every call: the kept merge is detached
+            merged = _merge_batch_norm(call.module, module)
+        else:
+            state = self._registrations[module].state
+            merged = state.get(call.module)
+            # Rebuilt when the layer's or the BatchNorm's parameters or statistics changed (an optimizer step).
+            fingerprint = parameter_fingerprint(call.module) + parameter_fingerprint(module)
+            if merged is None or merged.fingerprint != fingerprint:
+                merged = state[call.module] = _merge_batch_norm(call.module, module)
+                merged.fingerprint = fingerprint
         result = call.rule.rewrite_merged(call, output, merged)
         if result is not None and result.grad_fn is not None:
             result.grad_fn.metadata[_LAYER_MARK] = True  # the merged layer's output is a layer boundary
@@ -95,13 +113,15 @@ def _can_merge(call: LayerCall, norm: nn.Module) -> bool:
 
 
 def _merge_batch_norm(layer: nn.Module, norm: nn.Module) -> MergedLayer:
-    with torch.no_grad():
+    # Detached, except in a call that keeps the graph: there the merged parameters are functions of the live ones.
+    keep = graph_kept() is not None
+    with torch.enable_grad() if keep else torch.no_grad():
         scale = (norm.running_var + norm.eps).rsqrt()
         shift = torch.zeros_like(scale)
         if norm.weight is not None:
             scale = scale * norm.weight
         if norm.bias is not None:
-            shift = norm.bias.detach()
+            shift = norm.bias if keep else norm.bias.detach()
         params = effective_parameters(layer)
         weight = params["weight"]
         bias = params["bias"] if "bias" in params else torch.zeros_like(norm.running_mean)

@@ -107,6 +107,18 @@ class _DirectInputRule(_ModifiedForwardRule):
         grads = torch.autograd.grad(z_mod, leaves, start, allow_unused=True)
         return self.relevance([s.detach() for s in leaves], grads)
 
+    def input_gradient_keeping_graph(self, module, registration, params, x, z, grad):
+        """The relevance ``R`` of ``x`` through autograd, kept in the graph: ``x`` receives ``R / x`` and the
+        rest (``R - x · R / x``, where ``x = 0``) is recorded."""
+        stand_ins = [s if s is x else s.detach().requires_grad_(True) for s in self.stand_ins(x)]
+        z_mod = self.modified_output(module, registration, params, stand_ins)
+        start = grad * z / stabilize(z_mod, self.stabilizer)
+        grads = torch.autograd.grad(z_mod, stand_ins, start, create_graph=True, allow_unused=True)
+        relevance = self.relevance(stand_ins, grads)
+        grad_x = safe_divide(relevance, x)
+        registration.records.append((x, relevance - x * grad_x))
+        return grad_x
+
     def input_gradient(self, module, registration, params, x, z, grad):
         value = x.detach()
         relevance = self.direct_relevance(module, registration, params, value, z, grad)
@@ -250,6 +262,10 @@ class FirstLayerRule(Rule):
     """
 
     uses_input = False
+
+    @property
+    def differentiable(self) -> bool:  # type: ignore[override]
+        return self.first.differentiable and self.other.differentiable
 
     def __init__(self, first: Rule, other: Rule | None = None) -> None:
         for name, rule in (("first", first), ("other", other if other is not None else Rule())):

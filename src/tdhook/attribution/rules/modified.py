@@ -4,7 +4,10 @@ The modified passes run in the backward pass, only when relevance reaches the
 layer, with parameters built once per context and rebuilt when the layer's own change (see
 :class:`~tdhook.attribution.rules.base.ParamModifier` and :meth:`~tdhook.attribution.rules.base.Rule.prepared_state`).
 Inputs after a ReLU (``x ≥ 0``) take direct paths that apply the transposed
-modified weight without an autograd graph.
+modified weight without an autograd graph. In a call that keeps the graph
+(``LRP(..., create_graph=True)``), the modified parameters are functions of the
+live ones and every rule computes its gradient with autograd alone
+(:meth:`~_ModifiedForwardRule.input_gradient_keeping_graph`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch import nn
 from tdhook.attribution.rules._arguments import finite_number, nonnegative
 from tdhook.attribution.rules._autograd import is_plain_gradient, may_overwrite, redirect
 from tdhook.attribution.rules._input_gradients import direct_input_gradient, has_direct_input_gradient
+from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import effective_parameters, forward_with
 from tdhook.attribution.rules._numerics import has_negative, nonzero_where_negative, pieces, signed_shift, stabilize
 from tdhook.attribution.rules.base import _ZERO_BIAS, ParamModifier, Registration, Rule, _single_input, _zeroing
@@ -35,6 +39,7 @@ class _ModifiedForwardRule(Rule):
     """
 
     merges_batch_norm = True
+    differentiable = True
 
     def __init__(self, stabilizer: float = 1e-6, zero_params: Sequence[str] = ()) -> None:
         nonnegative(type(self).__name__, "stabilizer", stabilizer)
@@ -73,10 +78,43 @@ class _ModifiedForwardRule(Rule):
         """The gradient the rule sends to the layer input ``x``, given the output ``z`` and its gradient."""
         raise NotImplementedError
 
+    def input_gradient_keeping_graph(
+        self,
+        module: nn.Module,
+        registration: Registration,
+        params: dict[str, dict[str, torch.Tensor]],
+        x: torch.Tensor,
+        z: torch.Tensor,
+        grad: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`input_gradient` as a function of ``x``, ``z``, ``grad`` and ``params`` that autograd can
+        differentiate: no detached tensor, no in-place write (a call with ``create_graph=True``)."""
+        raise NotImplementedError
+
+    def _redirect_keeping_graph(self, module, registration, params, x, output):
+        version, z = x._version, output.clone()  # a copy: later in-place operations must not reach it
+
+        def backward(grad: torch.Tensor) -> list[torch.Tensor]:
+            self._check_unchanged(module, x, version)
+            with torch.enable_grad():
+                return [self.input_gradient_keeping_graph(module, registration, params, x, z, grad)]
+
+        return redirect(output, [x], backward)
+
+    def _check_unchanged(self, module: nn.Module, x: torch.Tensor, version: int) -> None:
+        if x._version != version:
+            raise RuntimeError(
+                f"{type(self).__name__} on {type(module).__name__}: the layer's input was modified in place "
+                "after the layer ran; make that operation out of place"
+            )
+
     def rewrite(self, module, registration, inputs, output):
         x = _single_input(self, module, inputs)
         if not x.requires_grad:
             return None
+        if graph_kept() is not None:
+            params = self.prepared_state(module, registration)
+            return self._redirect_keeping_graph(module, registration, params, x, output)
         # When a BatchNorm took over the last call, it most likely takes over this one: this redirect is then
         # never used, and the output is not copied (if it is used after all, z is copied or recomputed then).
         copy_output = not registration.merged_by_norm
@@ -84,6 +122,9 @@ class _ModifiedForwardRule(Rule):
 
     def rewrite_merged(self, call, output, merged):
         call.registration.merged_by_norm = True
+        if graph_kept() is not None:  # merged.params are the live ones: so are the modified ones
+            params = self.modified_params(merged.params)
+            return self._redirect_keeping_graph(call.module, call.registration, params, call.x, output)
         params = merged.cache.get(self)
         if params is None:
             params = merged.cache[self] = self.modified_params(merged.params)
@@ -97,11 +138,7 @@ class _ModifiedForwardRule(Rule):
             z, z_version = output.detach(), output._version
 
         def backward(grad: torch.Tensor) -> list[torch.Tensor]:
-            if x._version != version:
-                raise RuntimeError(
-                    f"{type(self).__name__} on {type(module).__name__}: the layer's input was modified in place "
-                    "after the layer ran; make that operation out of place"
-                )
+            self._check_unchanged(module, x, version)
             z_now = z
             if not copy_output:  # a copy the rule may write into; the output itself, if it is unchanged
                 with torch.no_grad():
@@ -194,6 +231,13 @@ class AlphaBetaRule(_ModifiedForwardRule):
         grads = [f * grad * z / stabilize(m.detach(), self.stabilizer) for f, m in zip(factors, modified, strict=False)]
         return torch.autograd.grad(modified, leaf, grads)[0]
 
+    def input_gradient_keeping_graph(self, module, registration, params, x, z, grad):
+        pairs = [("pos", "neg_nobias"), ("neg", "pos_nobias")] if self.beta else [("pos", "neg_nobias")]
+        modified = self._signed_forward(module, registration, params, x, pairs)
+        factors = (self.alpha, -self.beta)
+        shares = [f * grad * z / stabilize(m, self.stabilizer) for f, m in zip(factors, modified, strict=False)]
+        return torch.autograd.grad(modified, x, shares, create_graph=True)[0]
+
     def _z_plus_of_nonnegative_input(self, module, registration, positive, x, z, grad):
         """z⁺ (α = 1, β = 0) for ``x ≥ 0``: the same gradient with fewer passes over the output.
 
@@ -245,7 +289,7 @@ class GammaRule(_ModifiedForwardRule):
 
     def modified_params(self, params):
         modified = super().modified_params(params)
-        if set(self.zero_params) <= {"bias"}:
+        if set(self.zero_params) <= {"bias"} and graph_kept() is None:  # the fast paths' parameters
             # z^↑ = z + D with D = γ W⁺x + (b^γ⁺ − b): the shift's parameters, for inputs x ≥ 0.
             weight, bias, bias_up = params["weight"], params.get("bias"), modified["up"].get("bias")
             shift = {"weight": weight.detach().clamp(min=0).mul_(self.gamma)}
@@ -274,6 +318,13 @@ class GammaRule(_ModifiedForwardRule):
         grad_up = grad * torch.where(z > 0, z, 0) / stabilize(z_up.detach(), self.stabilizer)
         grad_down = grad * torch.where(z < 0, z, 0) / stabilize(z_down.detach(), self.stabilizer)
         return torch.autograd.grad((z_up, z_down), leaf, (grad_up, grad_down))[0]
+
+    def input_gradient_keeping_graph(self, module, registration, params, x, z, grad):
+        pairs = [("up", "down_nobias"), ("down", "up_nobias")]
+        z_up, z_down = self._signed_forward(module, registration, params, x, pairs)
+        grad_up = grad * torch.where(z > 0, z, 0) / stabilize(z_up, self.stabilizer)
+        grad_down = grad * torch.where(z < 0, z, 0) / stabilize(z_down, self.stabilizer)
+        return torch.autograd.grad((z_up, z_down), x, (grad_up, grad_down), create_graph=True)[0]
 
     def _positive_outputs_gradient(self, module, registration, params, x, z, grad):
         """The gradient for ``x ≥ 0`` when ``grad`` is zero wherever ``z < 0``: ``W^γ⁺ᵀ a`` alone.

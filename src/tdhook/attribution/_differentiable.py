@@ -1,0 +1,89 @@
+"""Differentiable relevance for the LRP wrapper: checking the rules, keeping the graph, and switching rules off.
+
+``LRP(..., create_graph=True)`` writes relevance whose derivative with respect
+to the inputs and to every parameter is the true one (see
+:mod:`~tdhook.attribution.rules._keeping_graph` for how the rules build it).
+:func:`check_differentiable` refuses a rule that cannot keep its graph, and
+:func:`rules_off` is ``LRP.inactive()``.
+
+Examples:
+    >>> from tdhook.attribution.rules import EpsilonRule, StopRule
+    >>> check_differentiable({"0": EpsilonRule()})
+    >>> check_differentiable({"0": StopRule()})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    NotImplementedError: LRP(create_graph=True): the rule StopRule() on module '0' cannot keep ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from tdhook.attribution.rules._keeping_graph import RelevancePass, keeping_graph
+from tdhook.attribution.rules.base import Rule
+
+__all__ = ["check_differentiable", "relevance_graph", "rules_off"]
+
+
+def check_differentiable(rules: Mapping[str, Rule], mapper: object = None) -> None:
+    """Raise for the first rule of ``rules`` (by module name) whose relevance cannot keep its graph, or for
+    function rules of the rule ``mapper`` (AttnLRP's, stabilised additions): none of them can yet.
+
+    Raises:
+        NotImplementedError: naming the rule and the module; its relevance would be differentiated wrongly.
+    """
+    modes = getattr(mapper, "function_modes", list)()
+    if modes:
+        raise NotImplementedError(
+            f"LRP(create_graph=True): the function rules of {type(mapper).__name__} "
+            f"({', '.join(type(mode).__name__ for mode in modes)}) cannot keep the relevance's graph"
+        )
+    for name, rule in rules.items():
+        if not rule.differentiable:
+            raise NotImplementedError(
+                f"LRP(create_graph=True): the rule {rule!r} on module {name or 'the model itself'!r} cannot keep "
+                "the relevance's graph, so its derivative would be wrong; map that module to a rule that can "
+                "(EpsilonRule, AlphaBetaRule, GammaRule, FlatRule, WSquareRule, ZBoxRule, PassRule, IgnoreRule, "
+                "MergeBatchNormRule)"
+            )
+
+
+@contextmanager
+def relevance_graph(keep: bool) -> Iterator[RelevancePass | None]:
+    """The call's :class:`~tdhook.attribution.rules._keeping_graph.RelevancePass` while the block runs when
+    ``keep`` (``create_graph=True``), else ``None`` and nothing changed.
+
+    Examples:
+        >>> with relevance_graph(False) as relevance_pass:
+        ...     relevance_pass is None
+        True
+    """
+    if not keep:
+        yield None
+        return
+    with keeping_graph() as relevance_pass:
+        yield relevance_pass
+
+
+@contextmanager
+def rules_off(wrapper: Any) -> Iterator[None]:
+    """Switch the rules of an LRP ``wrapper`` off for the block (see ``LRP.inactive``).
+
+    An open context is left for the block and entered again after it, whatever ends the block (an error, an
+    interrupt); calls of the wrapper in the block write gradient × input.
+    """
+    if wrapper._inactive:  # nested: the outer block restores
+        yield
+        return
+    was_open = wrapper._handles is not None
+    if was_open:
+        wrapper.__exit__(None, None, None)
+    wrapper._inactive = True
+    try:
+        yield
+    finally:
+        wrapper._inactive = False
+        if was_open:
+            wrapper.__enter__()
