@@ -10,7 +10,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -34,12 +34,14 @@ class CoverageRecorder:
         self,
         modes: contextlib.ExitStack,
         rule_modes: Sequence,
-        modules: Mapping[str, nn.Module],
+        named_modules: Callable[[], Mapping[str, nn.Module]],
         handles: Sequence[RemovableRuleHandle],
     ) -> NonlinearCalls | None:
-        """Enter the watch on ``modes`` if no call was watched yet; the watch, or ``None``."""
+        """Enter the watch on ``modes`` if no call was watched yet; the watch, or ``None``. ``named_modules``
+        gives the model's modules by name (asked only when watching: not on every call)."""
         if not self._pending:
             return None
+        modules = named_modules()
         ruled = {
             id(h.module)
             for h in handles

@@ -209,6 +209,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._layers = LayerRelevance()
         self._tokens = TokenInputs(self.explained_keys)
         self._stochastic: list[tuple[str, nn.Module]] = []
+        self._compiled = False
         self._rule_use = RuleUse()
         # The first call watches which nonlinear functions keep their plain gradient (see coverage()).
         self._coverage = CoverageRecorder()
@@ -282,6 +283,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._handles = handles
         self._rule_use.reset()
         self._stochastic = random_modules(modules)
+        self._compiled = any(hasattr(m, "_orig_mod") for m in modules.values())  # torch.compile'd parts
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -350,10 +352,11 @@ class LRP(TensorDictModuleBase, MapperTunable):
                         rule_modes += [] if self._inactive else self._function_gates.modes(self.rule_mapper, rule_modes)
                         for mode in rule_modes:
                             modes.enter_context(mode)
-                        modules = self.named_explained_modules()
-                        calls = self._coverage.watch(modes, rule_modes, modules, self._handles or [])
-                        if any(hasattr(m, "_orig_mod") for m in modules.values()):  # torch.compile'd parts
-                            modes.enter_context(torch.compiler.set_stance("force_eager"))  # run as written
+                        calls = self._coverage.watch(
+                            modes, rule_modes, self.named_explained_modules, self._handles or []
+                        )
+                        if self._compiled:  # parts compiled by torch.compile run as written: every rule applies
+                            modes.enter_context(torch.compiler.set_stance("force_eager"))
                         # Innermost: what ruled modules entered and an interrupt kept them from leaving ends first.
                         modes.enter_context(closing_scopes())
                         result = call_plain(self.module, work) if self._name_prefix else self.module(work)

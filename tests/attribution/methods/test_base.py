@@ -319,3 +319,35 @@ class TestPerturbationsPerEval:
     def test_refused_at_construction(self, name):
         with pytest.raises(ValueError, match=f"{name}: perturbations_per_eval must be a positive int"):
             make(name, random_mlp(0), in_keys=["x"], out_keys=["y"], perturbations_per_eval=0, **self.options(name))
+
+
+def test_inputs_the_module_fills_itself_are_not_explained_by_default():
+    # As for LRP: a composite-distribution actor reads "params", which its own network writes.
+    from tensordict.nn import CompositeDistribution
+    from torch.distributions import Categorical, Normal
+    from torchrl.modules import ProbabilisticActor
+
+    from tdhook.attribution import Saliency
+
+    class Heads(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 5)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            h = self.layer(x)
+            return h[..., :3], h[..., 3:4], torch.nn.functional.softplus(h[..., 4:5]) + 0.1
+
+    keys = [("params", "cat", "logits"), ("params", "normal", "loc"), ("params", "normal", "scale")]
+    net = TensorDictModule(Heads().double(), in_keys=["observation"], out_keys=keys)
+    actor = ProbabilisticActor(
+        net,
+        in_keys=["params"],
+        distribution_class=CompositeDistribution,
+        distribution_kwargs={"distribution_map": {"cat": Categorical, "normal": Normal}},
+    )
+    saliency = Saliency(actor, target_key=keys[0])
+    assert saliency.explained_keys == ["observation"]
+    td = TensorDict(observation=torch.randn(3, 4, dtype=torch.float64), batch_size=[3])
+    expected = Saliency(net, target_key=keys[0])(td.clone())["attribution", "observation"]
+    torch.testing.assert_close(saliency(td.clone())["attribution", "observation"], expected)

@@ -32,7 +32,7 @@ from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
 from tdhook.attribution._inputs import describe, feed_inputs, validate_inputs
-from tdhook.attribution._keys import relevance_keys
+from tdhook.attribution._keys import read_not_written, relevance_keys
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
 from tdhook.attribution._tokens import TokenInputs
@@ -135,7 +135,8 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             raise TypeError(str(err).replace("LRP", name, 1)) from None
         self._plain = plain
         self.module = module
-        self.explained_keys = unravel_key_list(list(in_keys if in_keys is not None else module.in_keys))
+        # As LRP: by default the module's in_keys it does not fill itself (a composite actor's "params").
+        self.explained_keys = unravel_key_list(list(in_keys)) if in_keys is not None else read_not_written(module)
         if not self.explained_keys:
             raise ValueError(f"{name}: no input key to explain; pass in_keys=[...]")
         targets = named_targets(module, target_key)
