@@ -196,8 +196,20 @@ def _existing_output(prefix: Path, length: int) -> TensorDictBase | None:
     return output
 
 
-def _explain_runs(lrp, source, prefix, length, runs, output, checked, progress):
-    """Explain and write the batches ``runs``, creating the output at the first one if there is none yet."""
+def _explain_runs(
+    lrp: LRP,
+    source,
+    prefix: Path,
+    length: int,
+    runs: list[tuple[int, int]],
+    output: TensorDictBase | None,
+    checked: bool,
+    progress: bool,
+) -> tuple[TensorDictBase | None, bool]:
+    """Explain and write the batches ``runs``, creating the output at the first one if there is none yet.
+
+    Returns the output (None if there was none and nothing to explain) and whether it has been checked.
+    """
     with lrp, _progress_bar(sum(end - begin for begin, end in runs), progress) as bar:
         for begin, end in runs:
             relevance = lrp(_rows(source, begin, end)).select(*lrp.relevance_keys)
@@ -211,7 +223,18 @@ def _explain_runs(lrp, source, prefix, length, runs, output, checked, progress):
     return output, checked
 
 
-def _explain_sharded(lrp, source, prefix, output, length, rows, batch_size, progress, rank, world_size):
+def _explain_sharded(
+    lrp: LRP,
+    source,
+    prefix: Path,
+    output: TensorDictBase | None,
+    length: int,
+    rows: range,
+    batch_size: int,
+    progress: bool,
+    rank: int,
+    world_size: int,
+) -> TensorDictBase:
     """Every rank's part of a run under torch.distributed; returns once all ranks have written their rows.
 
     Every rank checks an existing output itself, so a refused prefix raises on all ranks instead of leaving
