@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import doctest
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,8 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
+
+import tdhook
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -136,3 +139,16 @@ def test_vision_heatmap_writes_a_png(tmp_path: Path, capsys):
     relevance = td["relevance", "image"]
     assert relevance.shape == image.shape and torch.isfinite(relevance).all()
     assert relevance.abs().sum() > 0
+
+
+def test_offline_distributed_example_prints_two_ranks_equal_to_one_process(tmp_path: Path):
+    # The documentation's command, on fewer rows: two ranks by torchrun on gloo, then one process on rank 0.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(tdhook.__file__).parents[1]), env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    arguments = [str(EXAMPLES / "explain_offline_distributed.py"), "--rows", "1000", "--folder", str(tmp_path)]
+    done = subprocess.run([*command, *arguments], env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert "1000 rows, batch size 256" in done.stdout
+    assert "max |ranks - one process| with the same batches: 0\n" in done.stdout
+    other = done.stdout.split("max |ranks - one process| with batches of 356: ")[1].split()[0]
+    assert float(other) < 1e-5

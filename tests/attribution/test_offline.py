@@ -10,6 +10,7 @@ from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
 from torchrl.modules import MLP, QValueActor
 
 from tdhook.attribution import LRP, explain_offline
+from tdhook.attribution._offline_shards import shard_runs
 from tdhook.attribution.lrp_helpers.rules import EpsilonPlus
 
 
@@ -138,3 +139,48 @@ def test_sources_with_two_batch_dimensions(tmp_path, kind):
     expected = lrp(rows.clone())["relevance", "observation"]
     assert out.batch_size == rows.batch_size and expected.shape == (*rows.batch_size, 4)
     torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+def test_ranks_share_whole_batches_contiguously_and_balanced_by_rows(world_size):
+    generator = torch.Generator().manual_seed(world_size)
+    sizes = torch.randint(1, 9, (17,), generator=generator).tolist()
+    bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    runs = list(zip(bounds[:-1], bounds[1:], strict=True))
+    shares = [shard_runs(runs, rank, world_size) for rank in range(world_size)]
+    assert [run for share in shares for run in share] == runs  # every batch once, in order: contiguous shares
+    for share in shares:  # each share is within one batch of an even split
+        assert abs(sum(end - begin for begin, end in share) - bounds[-1] / world_size) <= max(sizes)
+    assert shard_runs([], 0, world_size) == []
+
+
+def test_without_a_process_group_nothing_waits_and_no_row_is_run_twice(tmp_path, monkeypatch):
+    def no_barrier():
+        raise AssertionError("explain_offline waited for other ranks without a process group")
+
+    monkeypatch.setattr("tdhook.attribution._offline_shards.dist.barrier", no_barrier)
+    lrp = LRP(q_actor(), EpsilonPlus())
+    interrupt = Interrupt(at=None)
+    lrp.module.module[0].module.insert(0, interrupt)
+    explain_offline(lrp, data(37), tmp_path / "out", batch_size=8, progress=False)
+    assert interrupt.calls == 5 and interrupt.rows == 37  # 8, 8, 8, 8, 5: no extra call to check the output
+    with pytest.raises(RuntimeError, match=r"distributed=True\) needs an initialised torch.distributed process"):
+        explain_offline(lrp, data(37), tmp_path / "out", progress=False, distributed=True)
+
+
+def test_a_process_group_of_one_rank_gives_the_result_of_no_group_bit_for_bit(tmp_path):
+    import torch.distributed as dist
+
+    source = data(37)
+    lrp = LRP(q_actor(), EpsilonPlus())
+    alone = explain_offline(lrp, source, tmp_path / "alone", batch_size=8, progress=False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        out = explain_offline(lrp, source, tmp_path / "group", batch_size=8, progress=False)
+        other = LRP(q_actor(), EpsilonPlus(), relevance_key="other")
+        with pytest.raises(ValueError, match=r"'.*alone' already holds another memory-mapped TensorDict"):
+            explain_offline(other, source, tmp_path / "alone", progress=False)
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(out["relevance", "observation"].clone(), alone["relevance", "observation"].clone())
+    assert bool(out["explained"].all())

@@ -3,21 +3,18 @@
 Relevance is written to memory-mapped files beside the data, one batch at a
 time, so memory stays that of one batch however large the source is.
 
-When one machine is not enough, split the rows across processes or GPUs with
-``torch.distributed``: every rank explains its own ``start:stop`` slice into
-the same ``prefix``, after rank 0 has created the output files::
+Under ``torch.distributed`` (a script run by ``torchrun``, any backend), the same
+call shares the rows among the ranks by itself: rank 0 creates the output files,
+every rank explains its own contiguous share of the batches into them, and the
+call returns on every rank once all rows are written. The batches are those a
+single process would run, so the result is the same bit for bit::
 
-    import torch.distributed as dist
+    torch.distributed.init_process_group()  # torchrun --nproc_per_node=2 explain.py
+    out = explain_offline(lrp, source, prefix)  # this rank's rows, then everyone's
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if rank == 0:
-        explain_offline(lrp, source, prefix, start=0, stop=0)  # creates the files only
-    dist.barrier()
-    rows = -(-len(source) // world)
-    explain_offline(lrp, source, prefix, start=min(rank * rows, len(source)),
-                    stop=min((rank + 1) * rows, len(source)))
-
-Each rank moves its copy of the model to its own device beforehand.
+Each rank moves its copy of the model to its own device beforehand. Pass
+``distributed=False`` to explain only ``start:stop`` on each rank as given.
+See the "Offline attribution at scale" page of the documentation.
 """
 
 from __future__ import annotations
@@ -27,6 +24,7 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from tdhook.attribution._offline_shards import barrier, process_group, shard_runs
 from tdhook.attribution.lrp import LRP
 
 __all__ = ["DONE_KEY", "explain_offline"]
@@ -118,6 +116,7 @@ def explain_offline(
     start: int = 0,
     stop: int | None = None,
     progress: bool = True,
+    distributed: bool | None = None,
 ) -> TensorDictBase:
     """Run ``lrp`` over ``source`` in batches and store its relevance keys in memory-mapped files.
 
@@ -131,7 +130,12 @@ def explain_offline(
             one of the right length is written into.
         batch_size: rows per LRP call.
         start, stop: the rows to explain (all by default).
-        progress: show a tqdm progress bar.
+        progress: show a tqdm progress bar (of rank 0's rows under ``torch.distributed``).
+        distributed: None (the default) shares the batches of ``start:stop`` among the ranks when a
+            ``torch.distributed`` process group is initialised, and explains them all in this process
+            otherwise; True requires a process group; False explains ``start:stop`` in this process only,
+            for callers who share the rows out themselves. Every rank of the group must make the call, with
+            the same arguments, and see the same ``prefix`` (on a file system shared by all nodes).
 
     Returns:
         The memory-mapped TensorDict of relevance, with the source's length, and at ``"explained"`` a boolean
@@ -140,7 +144,8 @@ def explain_offline(
 
     Raises:
         ValueError: ``prefix`` holds a memory-mapped TensorDict that is not this explanation's output (other
-            keys, shapes, dtypes or number of rows), naming it.
+            keys, shapes, dtypes or number of rows), naming it. Under ``torch.distributed`` every rank raises.
+        RuntimeError: ``distributed=True`` without an initialised process group.
 
     Examples:
         >>> import tempfile
@@ -162,6 +167,22 @@ def explain_offline(
     if batch_size < 1:
         raise ValueError(f"explain_offline: batch_size must be positive, got {batch_size}")
     prefix = Path(prefix)
+    group = process_group(distributed)
+    output = _existing_output(prefix, length)
+    if group is not None:
+        return _explain_sharded(lrp, source, prefix, output, length, range(start, stop), batch_size, progress, *group)
+    done = output.get(DONE_KEY) if output is not None else None
+    runs = _missing_runs(done, start, stop, batch_size)
+    output, checked = _explain_runs(lrp, source, prefix, length, runs, output, False, progress)
+    if output is None:  # nothing to explain: still leave a valid output behind (every row marked not done)
+        output = _create(_one_row_relevance(lrp, source), length, prefix)
+    elif not checked:
+        _check_output(output, _one_row_relevance(lrp, source), prefix, length)
+    return output
+
+
+def _existing_output(prefix: Path, length: int) -> TensorDictBase | None:
+    """The output already at ``prefix``, refused if it has another length or is not explain_offline's."""
     output = TensorDict.load_memmap(prefix) if (prefix / "meta.json").exists() else None
     if output is not None and output.batch_size[0] != length:
         raise ValueError(
@@ -172,9 +193,23 @@ def explain_offline(
             f"explain_offline: {str(prefix)!r} already holds a memory-mapped TensorDict that explain_offline did not "
             f"write (it has no {DONE_KEY!r} mask); choose another prefix, or delete that one"
         )
-    done = output.get(DONE_KEY) if output is not None else None
-    runs = _missing_runs(done, start, stop, batch_size)
-    checked = False
+    return output
+
+
+def _explain_runs(
+    lrp: LRP,
+    source,
+    prefix: Path,
+    length: int,
+    runs: list[tuple[int, int]],
+    output: TensorDictBase | None,
+    checked: bool,
+    progress: bool,
+) -> tuple[TensorDictBase | None, bool]:
+    """Explain and write the batches ``runs``, creating the output at the first one if there is none yet.
+
+    Returns the output (None if there was none and nothing to explain) and whether it has been checked.
+    """
     with lrp, _progress_bar(sum(end - begin for begin, end in runs), progress) as bar:
         for begin, end in runs:
             relevance = lrp(_rows(source, begin, end)).select(*lrp.relevance_keys)
@@ -185,14 +220,46 @@ def explain_offline(
                 checked = True
             output[begin:end] = relevance.set(DONE_KEY, torch.ones(relevance.batch_size, dtype=torch.bool))
             bar.update(end - begin)
-    if output is None:  # nothing to explain: still leave a valid output behind (every row marked not done)
-        with lrp:
-            relevance = lrp(_rows(source, 0, 1)).select(*lrp.relevance_keys)
-        output = _create(relevance, length, prefix)
-    elif not checked:
-        with lrp:
-            _check_output(output, lrp(_rows(source, 0, 1)).select(*lrp.relevance_keys), prefix, length)
+    return output, checked
+
+
+def _explain_sharded(
+    lrp: LRP,
+    source,
+    prefix: Path,
+    output: TensorDictBase | None,
+    length: int,
+    rows: range,
+    batch_size: int,
+    progress: bool,
+    rank: int,
+    world_size: int,
+) -> TensorDictBase:
+    """Every rank's part of a run under torch.distributed; returns once all ranks have written their rows.
+
+    Every rank checks an existing output itself, so a refused prefix raises on all ranks instead of leaving
+    the others waiting at a barrier.
+    """
+    template = _one_row_relevance(lrp, source)
+    if output is not None:
+        _check_output(output, template, prefix, length)
+    barrier()  # every rank has looked at the prefix before rank 0 creates files there
+    if rank == 0 and output is None:
+        _create(template, length, prefix)
+    barrier()
+    output = TensorDict.load_memmap(prefix)
+    done = output.get(DONE_KEY).clone()
+    barrier()  # every rank has read the same mask, so the same batches, before any rank marks rows
+    runs = shard_runs(_missing_runs(done, rows.start, rows.stop, batch_size), rank, world_size)
+    _explain_runs(lrp, source, prefix, length, runs, output, True, progress and rank == 0)
+    barrier()  # on return, every rank's rows are written
     return output
+
+
+def _one_row_relevance(lrp: LRP, source) -> TensorDictBase:
+    """The relevance keys of the source's first row: what the output's entries must hold."""
+    with lrp:
+        return lrp(_rows(source, 0, 1)).select(*lrp.relevance_keys)
 
 
 def _create(relevance: TensorDictBase, length: int, prefix: Path) -> TensorDictBase:
