@@ -21,7 +21,6 @@ Examples:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Literal, Union
 
@@ -34,7 +33,6 @@ from tdhook.attribution._inputs import describe
 from tdhook.attribution._policy_targets import actor_and_critic
 from tdhook.attribution.rules._numerics import safe_divide
 from tdhook.attribution.rules.base import layer_call_of
-from tdhook.attribution.rules.basic import EpsilonRule
 
 __all__ = [
     "EveryUnit",
@@ -208,23 +206,29 @@ def zero_output_seeds(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Where the backward pass starts for relevance ``rest`` put on outputs that are exactly zero.
 
-    An output produced by a Linear or convolution layer with the ε-rule (LRP-ε, as zennit computes it)
-    sends ``R / stabilize(0, ε) = R / ε`` through the layer's own gradient: the seed is the layer's plain
-    output with that gradient. From any other producer (an activation, LRP-0) a zero output carries no
-    relevance through the gradient: a warning names the output and how much relevance is left out.
+    ``output × gradient`` cannot carry relevance from a zero output: the rule of the Linear or convolution
+    layer that made the output says where its explicit form sends it (:meth:`Rule.zero_output_seeds
+    <tdhook.attribution.rules.base.Rule.zero_output_seeds>`): the ε-rule (ε > 0) sends ``R / ε`` through the
+    layer's gradient, z⁺ and αβ share ``R`` by their modified outputs.
+
+    Raises:
+        ValueError: no rule carries it (an activation, a norm or another operation made the output, or the
+            layer's rule is LRP-0 or γ, which give a zero output nothing to pass on), naming the output and the
+            entries.
     """
     call = layer_call_of(output)
-    rule = call.rule if call is not None else None
-    if isinstance(rule, EpsilonRule) and rule.epsilon > 0 and call.raw.shape == output.shape:
-        return [(call.raw, rest / rule.epsilon)]
-    made_by = f"{type(call.module).__name__} with {type(rule).__name__}" if call is not None else "its producer"
-    warnings.warn(
-        f"LRP: the callable target puts relevance {float(rest.sum()):.4g} on {int((rest != 0).sum())} entries of "
-        f"output {key!r} that are exactly 0; {made_by} cannot carry relevance from a zero output (only a Linear "
-        "or convolution layer with the ε-rule, ε > 0, can), so it is left out",
-        stacklevel=4,
+    seeds = call.rule.zero_output_seeds(call, rest) if call is not None else None
+    if seeds is not None:
+        return seeds
+    made_by = f"{type(call.module).__name__} with {type(call.rule).__name__}" if call is not None else "its producer"
+    entries = rest.nonzero()
+    where = ", ".join(str(tuple(int(i) for i in entry)) for entry in entries[:4])
+    raise ValueError(
+        f"LRP: the callable target puts relevance {float(rest.sum()):.4g} on {len(entries)} entries of output "
+        f"{key!r} that are exactly 0 (at {where}{', ...' if len(entries) > 4 else ''}); {made_by} cannot carry "
+        "relevance from a zero output (a Linear or convolution layer with the ε-rule, ε > 0, z⁺ or αβ can): put no "
+        "relevance there (multiply the target's relevance by output != 0), or explain an output such a layer makes"
     )
-    return []
 
 
 def raise_for_unreached(key: NestedKey, keys: list[NestedKey], reached: list[bool]) -> None:

@@ -238,6 +238,18 @@ class AlphaBetaRule(_ModifiedForwardRule):
         shares = [f * grad * z / stabilize(m, self.stabilizer) for f, m in zip(factors, modified, strict=False)]
         return torch.autograd.grad(modified, x, shares, create_graph=True)[0]
 
+    def zero_output_seeds(self, call, relevance):
+        """``R_j`` on an output ``z_j = 0`` is shared by the modified outputs, which need not be 0
+        (``α x⁺w⁺/z⁺ − β x⁻w⁻/z⁻``, as zennit's ``AlphaBeta`` and ``ZPlus`` share it): the layer input's gradient
+        for output relevance ``R``, started at the input (the rule's own gradient takes ``z · grad`` as ``R``)."""
+        if call.raw.shape != relevance.shape:
+            return None
+        params = self.prepared_state(call.module, call.registration)
+        shares = (call.module, call.registration, params, call.x, torch.ones_like(relevance), relevance)
+        if graph_kept() is not None:
+            return [(call.x, self.input_gradient_keeping_graph(*shares))]
+        return [(call.x, self.input_gradient(*shares))]
+
     def _z_plus_of_nonnegative_input(self, module, registration, positive, x, z, grad):
         """z⁺ (α = 1, β = 0) for ``x ≥ 0``: the same gradient with fewer passes over the output.
 
