@@ -6,9 +6,12 @@ import pytest
 import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
+from zennit import rules as zrules
+from zennit.composites import LayerMapComposite
 
 from tdhook.attribution import LRP
 from tdhook.attribution.mappers.presets import EpsilonPlus
+from tdhook.attribution.rules import AlphaBetaRule, EpsilonRule, FlatRule, GammaRule, WSquareRule, ZBoxRule
 from tests.attribution._helpers import ExpectsARefusal, explain, mlp
 
 
@@ -84,6 +87,29 @@ def explicit_epsilon_lrp(layers: list[torch.nn.Module], x: torch.Tensor, relevan
     return relevance
 
 
+ZERO_OUTPUT_RULES = {  # tdhook's rule and zennit's, by name
+    "zplus": (lambda: AlphaBetaRule(1.0, 0.0), lambda: zrules.ZPlus()),
+    "alpha2beta1": (lambda: AlphaBetaRule(2.0, 1.0), lambda: zrules.AlphaBeta(2.0, 1.0)),
+    "epsilon": (lambda: EpsilonRule(1e-2), lambda: zrules.Epsilon(1e-2)),
+    "flat": (lambda: FlatRule(), lambda: zrules.Flat()),
+    "wsquare": (lambda: WSquareRule(), lambda: zrules.WSquare()),
+}
+
+
+def assert_zero_outputs_relevance_is_zennits(net, layer, rule, x, start, create_graph=False):
+    """The relevance of a callable target ``start`` equals zennit's with ``rule`` on every ``layer``, and would
+    not without the relevance put on the outputs that are exactly 0."""
+    ours, theirs = (make() for make in ZERO_OUTPUT_RULES[rule])
+    mapper = {layer: ours}
+    relevance = explain(net, x, rule_mapper=mapper, target=lambda y: start.clone(), create_graph=create_graph)
+    leaf = x.clone().requires_grad_(True)
+    with LayerMapComposite([(layer, theirs)]).context(net):
+        (expected,) = torch.autograd.grad(net(leaf), leaf, start)  # zennit's input gradient is the relevance
+    without = explain(net, x, rule_mapper=mapper, target=lambda y: start * (y != 0))["relevance", "x"]
+    assert (expected - without).abs().max() > 0.1
+    torch.testing.assert_close(relevance["relevance", "x"].detach(), expected, rtol=1e-10, atol=1e-10)
+
+
 class TestCallableTargets:
     def zero_output_net(self) -> torch.nn.Sequential:
         net = torch.nn.Sequential(
@@ -119,16 +145,6 @@ class TestCallableTargets:
     @pytest.mark.parametrize("inputs", ["signed", "after a ReLU"])  # z⁺'s general path, and its path for x ≥ 0
     @pytest.mark.parametrize("create_graph", [False, True])
     def test_relevance_on_a_zero_output_flows_as_zennits_rule_sends_it(self, rule, inputs, create_graph):
-        from zennit import rules as zrules
-        from zennit.composites import LayerMapComposite
-
-        from tdhook.attribution.rules import AlphaBetaRule, EpsilonRule
-
-        ours, theirs = {
-            "zplus": (AlphaBetaRule(1.0, 0.0), zrules.ZPlus()),
-            "alpha2beta1": (AlphaBetaRule(2.0, 1.0), zrules.AlphaBeta(2.0, 1.0)),
-            "epsilon": (EpsilonRule(1e-3), zrules.Epsilon(1e-3)),
-        }[rule]
         if inputs == "signed":
             net = self.signed_zero_output_net()
             x = torch.tensor([[2.0, 2.0], [-1.0, -1.0], [3.0, -1.0]], dtype=torch.float64)
@@ -137,28 +153,22 @@ class TestCallableTargets:
             x = torch.tensor([[2.0, 2.0], [4.0, 4.0], [1.0, 3.0]], dtype=torch.float64)
         assert (net(x)[:2, 0] == 0).all() and (net(x)[2] != 0).all()  # rows 0 and 1: output 0 is exactly 0
         start = torch.tensor([[1.0, 0.5], [-2.0, 0.25], [0.5, 1.0]], dtype=torch.float64)
-        mapper = {torch.nn.Linear: ours}
-        td = explain(net, x, rule_mapper=mapper, target=lambda y: start.clone(), create_graph=create_graph)
-        leaf = x.clone().requires_grad_(True)
-        with LayerMapComposite([(torch.nn.Linear, theirs)]).context(net):
-            (expected,) = torch.autograd.grad(net(leaf), leaf, start)  # zennit's input gradient is the relevance
-        # Without the zero outputs' relevance, rows 0 and 1 would keep only unit 1's share.
-        without = explain(net, x, rule_mapper=mapper, target=lambda y: start * (y != 0))["relevance", "x"]
-        assert (expected[:2] - without[:2]).abs().max() > 0.1
-        torch.testing.assert_close(td["relevance", "x"].detach(), expected, rtol=1e-10, atol=1e-10)
+        assert_zero_outputs_relevance_is_zennits(net, torch.nn.Linear, rule, x, start, create_graph)
+
+    @pytest.mark.parametrize("rule", ["flat", "wsquare", "zplus"])
+    @pytest.mark.parametrize("create_graph", [False, True])
+    def test_relevance_on_zero_outputs_of_a_first_layer_flows_as_zennits_rule_sends_it(self, rule, create_graph):
+        net = torch.nn.Linear(2, 2).double()  # the layer that reads the input makes the output
+        with torch.no_grad():
+            net.weight.copy_(torch.tensor([[1.0, -1.0], [1.0, 2.0]]))
+            net.bias.copy_(torch.tensor([0.0, 0.5]))
+        x = torch.tensor([[2.0, 2.0], [0.0, 0.0], [-1.0, -1.0], [3.0, -1.0]], dtype=torch.float64)
+        assert (net(x)[:3, 0] == 0).all() and (net(x)[3] != 0).all()  # row 1: zero inputs too
+        start = torch.tensor([[1.0, 0.5], [-2.0, 0.25], [0.75, -1.0], [0.5, 1.0]], dtype=torch.float64)
+        assert_zero_outputs_relevance_is_zennits(net, torch.nn.Linear, rule, x, start, create_graph)
 
     @pytest.mark.parametrize("rule", ["zplus", "alpha2beta1", "epsilon"])
     def test_relevance_on_zero_outputs_of_a_convolution_flows_as_zennits_rule_sends_it(self, rule):
-        from zennit import rules as zrules
-        from zennit.composites import LayerMapComposite
-
-        from tdhook.attribution.rules import AlphaBetaRule, EpsilonRule
-
-        ours, theirs = {
-            "zplus": (AlphaBetaRule(1.0, 0.0), zrules.ZPlus()),
-            "alpha2beta1": (AlphaBetaRule(2.0, 1.0), zrules.AlphaBeta(2.0, 1.0)),
-            "epsilon": (EpsilonRule(1e-2), zrules.Epsilon(1e-2)),
-        }[rule]
         torch.manual_seed(0)
         net = torch.nn.Sequential(
             torch.nn.Conv2d(1, 2, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(2, 1, (1, 2))
@@ -172,14 +182,7 @@ class TestCallableTargets:
         x[1] = torch.randn(5, 5, dtype=torch.float64)
         assert 5 < int((net(x) == 0).sum()) < net(x).numel()
         start = torch.randn(2, 1, 5, 4, dtype=torch.float64)
-        mapper = {torch.nn.Conv2d: ours}
-        td = explain(net, x, rule_mapper=mapper, target=lambda y: start.clone())
-        leaf = x.clone().requires_grad_(True)
-        with LayerMapComposite([(torch.nn.Conv2d, theirs)]).context(net):
-            (expected,) = torch.autograd.grad(net(leaf), leaf, start)
-        without = explain(net, x, rule_mapper=mapper, target=lambda y: start * (y != 0))["relevance", "x"]
-        assert (expected - without).abs().max() > 0.1
-        torch.testing.assert_close(td["relevance", "x"], expected, rtol=1e-10, atol=1e-10)
+        assert_zero_outputs_relevance_is_zennits(net, torch.nn.Conv2d, rule, x, start)
 
     @pytest.mark.parametrize(
         ("last", "made_by"),
@@ -187,15 +190,17 @@ class TestCallableTargets:
             ("tanh", "its producer"),
             ("lrp0", "Linear with EpsilonRule"),
             ("gamma", "Linear with GammaRule"),
+            ("zbox", "Linear with ZBoxRule"),
         ],
     )
     def test_relevance_on_a_zero_output_no_rule_carries_is_refused_naming_the_entries(self, last, made_by):
-        from tdhook.attribution.rules import EpsilonRule, GammaRule
-
         net = self.zero_output_net()
         mapper = EpsilonPlus()
         if last == "tanh":
             net = torch.nn.Sequential(*net, torch.nn.Tanh())
+        elif last == "zbox":  # its denominator z - l w⁺ - h w⁻ is taken from the output: not carried (yet)
+            net = net[2]
+            mapper = {"module": ZBoxRule(low=-10.0, high=10.0)}
         else:
             mapper = {"module.2": EpsilonRule(0.0) if last == "lrp0" else GammaRule(0.25)}
         x = torch.tensor([[2.0, 2.0], [1.0, 3.0], [4.0, 4.0]], dtype=torch.float64)  # rows 0 and 2: output 0 is 0

@@ -209,12 +209,12 @@ def zero_output_seeds(
     ``output × gradient`` cannot carry relevance from a zero output: the rule of the Linear or convolution
     layer that made the output says where its explicit form sends it (:meth:`Rule.zero_output_seeds
     <tdhook.attribution.rules.base.Rule.zero_output_seeds>`): the ε-rule (ε > 0) sends ``R / ε`` through the
-    layer's gradient, z⁺ and αβ share ``R`` by their modified outputs.
+    layer's gradient, z⁺, αβ, Flat and w² share ``R`` by their modified outputs.
 
     Raises:
         ValueError: no rule carries it (an activation, a norm or another operation made the output, or the
-            layer's rule is LRP-0 or γ, which give a zero output nothing to pass on), naming the output and the
-            entries.
+            layer's rule is LRP-0 or γ, which give a zero output nothing to pass on, or z^B), naming the output
+            and the entries.
     """
     call = layer_call_of(output)
     seeds = call.rule.zero_output_seeds(call, rest) if call is not None else None
@@ -226,8 +226,9 @@ def zero_output_seeds(
     raise ValueError(
         f"LRP: the callable target puts relevance {float(rest.sum()):.4g} on {len(entries)} entries of output "
         f"{key!r} that are exactly 0 (at {where}{', ...' if len(entries) > 4 else ''}); {made_by} cannot carry "
-        "relevance from a zero output (a Linear or convolution layer with the ε-rule, ε > 0, z⁺ or αβ can): put no "
-        "relevance there (multiply the target's relevance by output != 0), or explain an output such a layer makes"
+        "relevance from a zero output (a Linear or convolution layer with the ε-rule, ε > 0, z⁺, αβ, Flat or w² "
+        "can): put no relevance there (multiply the target's relevance by output != 0), or explain an output such "
+        "a layer makes"
     )
 
 

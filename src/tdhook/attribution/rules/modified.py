@@ -38,6 +38,10 @@ class _ModifiedForwardRule(Rule):
     that lies off the explained path, costs nothing but a copy of its output.
     """
 
+    #: whether :meth:`input_gradient` reads the output ``z`` only in ``z · grad`` (the output relevance), so
+    #: that relevance on outputs exactly 0 can be handed to it directly (see :meth:`zero_output_seeds`).
+    relevance_from_output_product: bool = False
+
     merges_batch_norm = True
     differentiable = True
 
@@ -77,6 +81,20 @@ class _ModifiedForwardRule(Rule):
     ) -> torch.Tensor:
         """The gradient the rule sends to the layer input ``x``, given the output ``z`` and its gradient."""
         raise NotImplementedError
+
+    def zero_output_seeds(self, call, relevance):
+        """For a rule whose gradient reads the output ``z`` only as the output relevance ``z · grad``
+        (``relevance_from_output_product``): ``R_j`` on an output ``z_j = 0`` is shared by the modified
+        outputs, which need not be 0, as zennit shares it. The pass starts at the layer input, with the
+        gradient the rule sends it for output relevance ``R``; relevance it records (zero inputs) is added
+        as in any pass."""
+        if not self.relevance_from_output_product or call.raw.shape != relevance.shape:
+            return None
+        params = self.prepared_state(call.module, call.registration)
+        shares = (call.module, call.registration, params, call.x, torch.ones_like(relevance), relevance)
+        if graph_kept() is not None:
+            return [(call.x, self.input_gradient_keeping_graph(*shares))]
+        return [(call.x, self.input_gradient(*shares))]
 
     def input_gradient_keeping_graph(
         self,
@@ -196,6 +214,8 @@ class AlphaBetaRule(_ModifiedForwardRule):
         2.0
     """
 
+    relevance_from_output_product = True
+
     tunables = {"alpha": (float, {"low": 1.0, "high": 4.0, "log": False})}
 
     def _rebuild(self, values: dict) -> None:
@@ -237,18 +257,6 @@ class AlphaBetaRule(_ModifiedForwardRule):
         factors = (self.alpha, -self.beta)
         shares = [f * grad * z / stabilize(m, self.stabilizer) for f, m in zip(factors, modified, strict=False)]
         return torch.autograd.grad(modified, x, shares, create_graph=True)[0]
-
-    def zero_output_seeds(self, call, relevance):
-        """``R_j`` on an output ``z_j = 0`` is shared by the modified outputs, which need not be 0
-        (``α x⁺w⁺/z⁺ − β x⁻w⁻/z⁻``, as zennit's ``AlphaBeta`` and ``ZPlus`` share it): the layer input's gradient
-        for output relevance ``R``, started at the input (the rule's own gradient takes ``z · grad`` as ``R``)."""
-        if call.raw.shape != relevance.shape:
-            return None
-        params = self.prepared_state(call.module, call.registration)
-        shares = (call.module, call.registration, params, call.x, torch.ones_like(relevance), relevance)
-        if graph_kept() is not None:
-            return [(call.x, self.input_gradient_keeping_graph(*shares))]
-        return [(call.x, self.input_gradient(*shares))]
 
     def _z_plus_of_nonnegative_input(self, module, registration, positive, x, z, grad):
         """z⁺ (α = 1, β = 0) for ``x ≥ 0``: the same gradient with fewer passes over the output.
