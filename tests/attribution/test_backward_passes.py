@@ -7,8 +7,11 @@ import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tdhook.attribution import CPLRP, LRP, EpsilonPlus
+from tdhook.attribution._backward_passes import DEFAULT_MEMORY_BUDGET, units_per_chunk
+from tdhook.attribution.targets import EveryUnit
 from tests.attribution.test_lrp_transformer_zoo import ZOO, zero_additive
 
 F64 = torch.float64
@@ -114,3 +117,78 @@ def test_every_next_token_prediction_of_a_language_model_in_one_call(name: str):
 
     alone = LRP(explained, CPLRP(), in_keys=["x"], out_keys=["logits"], target=position_two)
     torch.testing.assert_close(relevance[:, 2], alone(TensorDict(x=x, batch_size=[2]))["relevance", "x"])
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the bytes of the largest tensor any operation returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+def seven_unit_policy() -> TensorDictModule:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 7)).double()
+    return TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"])
+
+
+class TestUnitsInChunks:
+    """target="all" builds the units' seeds in chunks that fit ``memory_budget``; the result is unchanged."""
+
+    @pytest.mark.parametrize("chunk", [1, 3, 7])  # 3 does not divide the 7 units
+    @pytest.mark.parametrize("split_dim", [None, 1])
+    def test_chunks_give_the_result_of_all_units_at_once(self, chunk, split_dim, monkeypatch):
+        policy = seven_unit_policy()
+        td = TensorDict(observation=torch.randn(4, 5, 3, dtype=F64), batch_size=[4, 5])
+        seed_bytes = 4 * 5 * 7 * 8  # one unit's seed: the output [4, 5, 7] in float64
+        whole = LRP(policy, EpsilonPlus(), target="all", split_dim=split_dim)(td.clone())["relevance", "observation"]
+        built = []
+        seeds = EveryUnit.seeds
+        monkeypatch.setattr(EveryUnit, "seeds", lambda self, a, b, out: built.append(b - a) or seeds(self, a, b, out))
+        lrp = LRP(policy, EpsilonPlus(), target="all", split_dim=split_dim, memory_budget=chunk * seed_bytes + 7)
+        chunked = lrp(td.clone())["relevance", "observation"]
+        assert built == [chunk] * (7 // chunk) + ([7 % chunk] if 7 % chunk else [])
+        assert chunked.shape == whole.shape == ((4, 5, 7, 5, 3) if split_dim else (4, 5, 7, 3))
+        torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-14)
+        shares = lrp.coverage().reached  # [4, 5, units]
+        for unit in range(7):  # and each unit's relevance and coverage are that unit's own call's
+            lrp.target = unit
+            one = lrp(td.clone())["relevance", "observation"]
+            torch.testing.assert_close(chunked.select(2, unit), one, rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(shares[..., unit], lrp.coverage().reached, rtol=1e-10, atol=1e-12)
+
+    def test_no_tensor_of_the_call_exceeds_the_budget(self):
+        # 300 units of a [4, 300] output: all seeds at once are 300 x 4 x 300 x 8 bytes = 2.9 MB (and an
+        # identity matrix of every unit 0.7 MB); the result [4, 300, 3] is 29 kB, each seed 9.6 kB.
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, 300)).double()
+        td = TensorDict(x=torch.randn(4, 3, dtype=F64), batch_size=[4])
+        budget = 64 * 1024
+        lrp = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"], target="all", memory_budget=budget)
+        with lrp:
+            lrp(td.clone())  # the first call of a context prepares the rules
+            largest = _LargestTensor()
+            with largest:
+                relevance = lrp(td.clone())["relevance", "x"]
+        assert relevance.shape == (4, 300, 3)
+        assert largest.largest <= budget, f"a tensor of {largest.largest} bytes (budget {budget})"
+        one = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"], target=123)(td.clone())["relevance", "x"]
+        torch.testing.assert_close(relevance[:, 123], one, rtol=1e-12, atol=1e-14)
+
+    def test_the_default_budget_explains_every_unit_at_once_below_it(self):
+        every = EveryUnit(torch.zeros(256, 18), batch_dims=1)
+        assert units_per_chunk(every, DEFAULT_MEMORY_BUDGET) == 18
+        assert units_per_chunk(EveryUnit(torch.zeros(64, 1000), 1), DEFAULT_MEMORY_BUDGET) == 131
+
+    @pytest.mark.parametrize(("budget", "error"), [(0, ValueError), (-5, ValueError), (1.5, TypeError)])
+    def test_a_budget_that_is_not_a_positive_int_is_refused(self, budget, error):
+        with pytest.raises(error, match="memory_budget"):
+            LRP(seven_unit_policy(), memory_budget=budget)

@@ -6,9 +6,12 @@ import pytest
 import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
+from zennit import rules as zrules
+from zennit.composites import LayerMapComposite
 
 from tdhook.attribution import LRP
 from tdhook.attribution.mappers.presets import EpsilonPlus
+from tdhook.attribution.rules import AlphaBetaRule, EpsilonRule, FlatRule, GammaRule, WSquareRule, ZBoxRule
 from tests.attribution._helpers import ExpectsARefusal, explain, mlp
 
 
@@ -84,6 +87,29 @@ def explicit_epsilon_lrp(layers: list[torch.nn.Module], x: torch.Tensor, relevan
     return relevance
 
 
+ZERO_OUTPUT_RULES = {  # tdhook's rule and zennit's, by name
+    "zplus": (lambda: AlphaBetaRule(1.0, 0.0), lambda: zrules.ZPlus()),
+    "alpha2beta1": (lambda: AlphaBetaRule(2.0, 1.0), lambda: zrules.AlphaBeta(2.0, 1.0)),
+    "epsilon": (lambda: EpsilonRule(1e-2), lambda: zrules.Epsilon(1e-2)),
+    "flat": (lambda: FlatRule(), lambda: zrules.Flat()),
+    "wsquare": (lambda: WSquareRule(), lambda: zrules.WSquare()),
+}
+
+
+def assert_zero_outputs_relevance_is_zennits(net, layer, rule, x, start, create_graph=False):
+    """The relevance of a callable target ``start`` equals zennit's with ``rule`` on every ``layer``, and would
+    not without the relevance put on the outputs that are exactly 0."""
+    ours, theirs = (make() for make in ZERO_OUTPUT_RULES[rule])
+    mapper = {layer: ours}
+    relevance = explain(net, x, rule_mapper=mapper, target=lambda y: start.clone(), create_graph=create_graph)
+    leaf = x.clone().requires_grad_(True)
+    with LayerMapComposite([(layer, theirs)]).context(net):
+        (expected,) = torch.autograd.grad(net(leaf), leaf, start)  # zennit's input gradient is the relevance
+    without = explain(net, x, rule_mapper=mapper, target=lambda y: start * (y != 0))["relevance", "x"]
+    assert (expected - without).abs().max() > 0.1
+    torch.testing.assert_close(relevance["relevance", "x"].detach(), expected, rtol=1e-10, atol=1e-10)
+
+
 class TestCallableTargets:
     def zero_output_net(self) -> torch.nn.Sequential:
         net = torch.nn.Sequential(
@@ -104,11 +130,88 @@ class TestCallableTargets:
         assert expected.abs().min() > 1  # R / ε at the zero output dominates
         torch.testing.assert_close(td["relevance", "x"], expected, rtol=1e-10, atol=1e-10)
 
-    def test_relevance_on_a_zero_output_a_rule_cannot_carry_is_named_in_a_warning(self):
-        net = torch.nn.Sequential(*self.zero_output_net(), torch.nn.Tanh())
-        x = torch.tensor([[2.0, 2.0]], dtype=torch.float64)
-        with pytest.warns(UserWarning, match=r"callable target puts relevance 1 on 1 entries of output 'y' that are"):
-            explain(net, x, rule_mapper=EpsilonPlus(), target=lambda y: torch.ones_like(y))
+    @staticmethod
+    def signed_zero_output_net() -> torch.nn.Sequential:
+        """Output 0 is exactly 0 for inputs with x_0 = x_1 (hidden units 0 and 1 equal), of either sign."""
+        net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 2)).double()
+        with torch.no_grad():
+            net[0].weight.copy_(torch.tensor([[1.0, 0.5], [0.5, 1.0], [1.0, -0.75]]))
+            net[0].bias.copy_(torch.tensor([0.25, 0.25, -0.5]))
+            net[1].weight.copy_(torch.tensor([[1.0, -1.0, 0.0], [1.0, 2.0, -1.5]]))
+            net[1].bias.copy_(torch.tensor([0.0, 0.5]))
+        return net
+
+    @pytest.mark.parametrize("rule", ["zplus", "alpha2beta1", "epsilon"])
+    @pytest.mark.parametrize("inputs", ["signed", "after a ReLU"])  # z⁺'s general path, and its path for x ≥ 0
+    @pytest.mark.parametrize("create_graph", [False, True])
+    def test_relevance_on_a_zero_output_flows_as_zennits_rule_sends_it(self, rule, inputs, create_graph):
+        if inputs == "signed":
+            net = self.signed_zero_output_net()
+            x = torch.tensor([[2.0, 2.0], [-1.0, -1.0], [3.0, -1.0]], dtype=torch.float64)
+        else:
+            net = self.zero_output_net()
+            x = torch.tensor([[2.0, 2.0], [4.0, 4.0], [1.0, 3.0]], dtype=torch.float64)
+        assert (net(x)[:2, 0] == 0).all() and (net(x)[2] != 0).all()  # rows 0 and 1: output 0 is exactly 0
+        start = torch.tensor([[1.0, 0.5], [-2.0, 0.25], [0.5, 1.0]], dtype=torch.float64)
+        assert_zero_outputs_relevance_is_zennits(net, torch.nn.Linear, rule, x, start, create_graph)
+
+    @pytest.mark.parametrize("rule", ["flat", "wsquare", "zplus"])
+    @pytest.mark.parametrize("create_graph", [False, True])
+    def test_relevance_on_zero_outputs_of_a_first_layer_flows_as_zennits_rule_sends_it(self, rule, create_graph):
+        net = torch.nn.Linear(2, 2).double()  # the layer that reads the input makes the output
+        with torch.no_grad():
+            net.weight.copy_(torch.tensor([[1.0, -1.0], [1.0, 2.0]]))
+            net.bias.copy_(torch.tensor([0.0, 0.5]))
+        x = torch.tensor([[2.0, 2.0], [0.0, 0.0], [-1.0, -1.0], [3.0, -1.0]], dtype=torch.float64)
+        assert (net(x)[:3, 0] == 0).all() and (net(x)[3] != 0).all()  # row 1: zero inputs too
+        start = torch.tensor([[1.0, 0.5], [-2.0, 0.25], [0.75, -1.0], [0.5, 1.0]], dtype=torch.float64)
+        assert_zero_outputs_relevance_is_zennits(net, torch.nn.Linear, rule, x, start, create_graph)
+
+    @pytest.mark.parametrize("rule", ["zplus", "alpha2beta1", "epsilon"])
+    def test_relevance_on_zero_outputs_of_a_convolution_flows_as_zennits_rule_sends_it(self, rule):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 2, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(2, 1, (1, 2))
+        ).double()
+        with torch.no_grad():  # positive hidden maps; horizontal differences: 0 where a hidden row is constant
+            net[0].weight.abs_()
+            net[0].bias.fill_(0.1)
+            net[2].weight.copy_(torch.tensor([[[[1.0, -1.0]], [[0.5, -0.5]]]]))
+            net[2].bias.zero_()
+        x = torch.ones(2, 1, 5, 5, dtype=torch.float64)
+        x[1] = torch.randn(5, 5, dtype=torch.float64)
+        assert 5 < int((net(x) == 0).sum()) < net(x).numel()
+        start = torch.randn(2, 1, 5, 4, dtype=torch.float64)
+        assert_zero_outputs_relevance_is_zennits(net, torch.nn.Conv2d, rule, x, start)
+
+    @pytest.mark.parametrize(
+        ("last", "made_by"),
+        [
+            ("tanh", "its producer"),
+            ("lrp0", "Linear with EpsilonRule"),
+            ("gamma", "Linear with GammaRule"),
+            ("zbox", "Linear with ZBoxRule"),
+        ],
+    )
+    def test_relevance_on_a_zero_output_no_rule_carries_is_refused_naming_the_entries(self, last, made_by):
+        net = self.zero_output_net()
+        mapper = EpsilonPlus()
+        if last == "tanh":
+            net = torch.nn.Sequential(*net, torch.nn.Tanh())
+        elif last == "zbox":  # its denominator z - l w⁺ - h w⁻ is taken from the output: not carried (yet)
+            net = net[2]
+            mapper = {"module": ZBoxRule(low=-10.0, high=10.0)}
+        else:
+            mapper = {"module.2": EpsilonRule(0.0) if last == "lrp0" else GammaRule(0.25)}
+        x = torch.tensor([[2.0, 2.0], [1.0, 3.0], [4.0, 4.0]], dtype=torch.float64)  # rows 0 and 2: output 0 is 0
+        td = TensorDict(x=x, batch_size=[3])
+        lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), rule_mapper=mapper, target=torch.ones_like)
+        match = rf"puts relevance 2 on 2 entries of output 'y' that are exactly 0 \(at \(0, 0\), \(2, 0\)\); {made_by}"
+        with pytest.raises(ValueError, match=match):
+            lrp(td)
+        assert list(td.keys()) == ["x"]
+        td = lrp(TensorDict(x=x[1:2], batch_size=[1]))  # no zero output: explained
+        assert td["relevance", "x"].shape == (1, 2)
 
     def test_a_nan_from_a_callable_target_is_refused_naming_it(self):
         def nan_for_the_first_unit(y):

@@ -1,6 +1,9 @@
 """The backward passes of one target: one seed, one per output unit (``target="all"``), one per position
 along ``split_dim``, or both, over a single forward pass.
 
+The units' seeds are built in chunks of at most ``memory_budget`` bytes (see :func:`units_per_chunk`), so
+that besides the forward pass's graph and the result the call holds one chunk of seeds and one pass.
+
 Examples:
     >>> x = torch.tensor([[1.0, 2.0, 3.0]], requires_grad=True)
     >>> y = x.cumsum(-1)  # [1, 3]: position t depends on x[..., :t + 1]
@@ -20,9 +23,19 @@ from collections.abc import Callable
 import torch
 from tensordict.utils import NestedKey
 
-from tdhook.attribution.targets import raise_for_unreached
+from tdhook.attribution.targets import EveryUnit, raise_for_unreached
 
-__all__ = ["backward_passes", "check_split_dim", "target_relevance"]
+__all__ = [
+    "DEFAULT_MEMORY_BUDGET",
+    "backward_passes",
+    "check_memory_budget",
+    "check_split_dim",
+    "target_relevance",
+    "units_per_chunk",
+]
+
+DEFAULT_MEMORY_BUDGET = 32 * 2**20
+"""The bytes the seeds of ``target="all"`` may take at once: 32 MiB."""
 
 RelevanceOf = Callable[[torch.Tensor, bool], list[torch.Tensor]]
 
@@ -56,8 +69,42 @@ def check_split_dim(split_dim: int | None, output: torch.Tensor, key: NestedKey,
     return dim
 
 
-def _at_position(seed: torch.Tensor, dim: int, position: int) -> torch.Tensor:
-    masked = torch.zeros_like(seed)
+def check_memory_budget(memory_budget: int) -> int:
+    """``memory_budget``, checked: a positive number of bytes.
+
+    Raises:
+        TypeError: it is not an int.
+        ValueError: it is not positive.
+
+    Examples:
+        >>> check_memory_budget(2**20)
+        1048576
+        >>> check_memory_budget(0)
+        Traceback (most recent call last):
+        ...
+        ValueError: LRP: memory_budget must be a positive number of bytes, got 0
+    """
+    if not isinstance(memory_budget, int) or isinstance(memory_budget, bool):
+        raise TypeError(f"LRP: memory_budget must be an int (bytes), got {type(memory_budget).__name__}")
+    if memory_budget <= 0:
+        raise ValueError(f"LRP: memory_budget must be a positive number of bytes, got {memory_budget}")
+    return memory_budget
+
+
+def units_per_chunk(seeds: EveryUnit, memory_budget: int) -> int:
+    """How many units' seeds :func:`backward_passes` builds at once: as many as ``memory_budget`` bytes hold,
+    at least one.
+
+    Examples:
+        >>> every = EveryUnit(torch.zeros(256, 1000), batch_dims=1)  # a seed is 256 x 1000 x 4 bytes
+        >>> units_per_chunk(every, DEFAULT_MEMORY_BUDGET), units_per_chunk(every, 2**20), units_per_chunk(every, 1)
+        (32, 1, 1)
+    """
+    return max(1, min(len(seeds), memory_budget // max(seeds.seed_bytes(), 1)))
+
+
+def _at_position(seed: torch.Tensor, dim: int, position: int, into: torch.Tensor | None) -> torch.Tensor:
+    masked = torch.zeros_like(seed) if into is None else into.zero_()
     masked.select(dim, position).copy_(seed.select(dim, position))
     return masked
 
@@ -65,49 +112,64 @@ def _at_position(seed: torch.Tensor, dim: int, position: int) -> torch.Tensor:
 def backward_passes(
     relevance_of: RelevanceOf,
     output: torch.Tensor,
-    grad_outputs: torch.Tensor,
+    grad_outputs: torch.Tensor | EveryUnit,
     split_dim: int | None,
     retain: bool,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> list[torch.Tensor | None]:
     """Every relevance of one target, one backward pass per seed.
 
     Args:
         relevance_of: runs one backward pass from a seed (``retain``: keep the graph) and returns the relevances.
         output: the target output.
-        grad_outputs: its initial gradient; with a leading dimension of units for ``target="all"``.
+        grad_outputs: its initial gradient, or for ``target="all"`` the units' gradients (:class:`EveryUnit`).
         split_dim: a dimension of ``output`` (checked by :func:`check_split_dim`) whose positions are explained
             one by one, or ``None``.
         retain: keep the graph after the last pass (another target follows).
+        memory_budget: the bytes the units' seeds may take at once (see :func:`units_per_chunk`).
 
     Returns:
         The relevances (``None`` for an input the call does not explain), each with the units
         (``target="all"``) in a dimension right after the batch dimensions of ``output``; with ``split_dim``, a
         new dimension of the positions right before ``split_dim``, and the units right after it.
     """
-    per_unit = grad_outputs.dim() > output.dim()
-    seeds = grad_outputs if per_unit else grad_outputs.unsqueeze(0)
-    positions: list[int | None] = [None] if split_dim is None else list(range(output.shape[split_dim]))
+    per_unit = isinstance(grad_outputs, EveryUnit)
     if not per_unit and split_dim is None:
         return relevance_of(grad_outputs, retain)
+    positions: list[int | None] = [None] if split_dim is None else list(range(output.shape[split_dim]))
+    n_units = len(grad_outputs) if per_unit else 1
+    chunk = units_per_chunk(grad_outputs, memory_budget) if per_unit else 1
     unit_dim = output.dim() - 1 if split_dim is None else split_dim
-    total, done = len(positions) * seeds.shape[0], 0
-    # Each pass is written into its place in the result: no more than the result and one pass are held at a time.
+    total, done = len(positions) * n_units, 0
+    # Each pass is written into its place in the result: no more than the result, one chunk of seeds and one
+    # pass are held at a time.
     results: list[torch.Tensor | None] | None = None
-    for p, position in enumerate(positions):
-        for k, seed in enumerate(seeds):
-            done += 1
-            seed = seed if position is None else _at_position(seed, split_dim, position)
-            relevances = relevance_of(seed, retain or done < total)
-            if results is None:
-                results = [
-                    None if r is None else _allocate(r, per_unit, len(seeds), unit_dim, split_dim, len(positions))
-                    for r in relevances
-                ]
-            for into, r in zip(results, relevances, strict=True):
-                if r is not None:
-                    view = into if position is None else into.select(split_dim, p)
-                    (view.select(unit_dim, k) if per_unit else view).copy_(r)
-            del relevances
+
+    masked = None  # one buffer for the seed of one position, refilled for each
+
+    def explain(seed: torch.Tensor, k: int, p: int, position: int | None) -> None:
+        nonlocal results, done, masked
+        done += 1
+        if position is not None:
+            seed = masked = _at_position(seed, split_dim, position, masked)
+        relevances = relevance_of(seed, retain or done < total)
+        if results is None:
+            results = [
+                None if r is None else _allocate(r, per_unit, n_units, unit_dim, split_dim, len(positions))
+                for r in relevances
+            ]
+        for into, r in zip(results, relevances, strict=True):
+            if r is not None:
+                view = into if position is None else into.select(split_dim, p)
+                (view.select(unit_dim, k) if per_unit else view).copy_(r)
+
+    held = None  # one buffer of seeds, refilled for each chunk: a new one each time could leave two resident
+    for start in range(0, n_units, chunk):
+        seeds = grad_outputs.seeds(start, min(start + chunk, n_units), held) if per_unit else grad_outputs.unsqueeze(0)
+        held = seeds if held is None else held
+        for p, position in enumerate(positions):
+            for k in range(len(seeds)):
+                explain(seeds[k], start + k, p, position)
     return results
 
 
@@ -125,13 +187,14 @@ def _allocate(
 def target_relevance(
     one_pass: Callable[[list, bool], tuple[list, list[bool]]],
     output: torch.Tensor,
-    grad_outputs: torch.Tensor,
+    grad_outputs: torch.Tensor | EveryUnit,
     extra: list[tuple[torch.Tensor, torch.Tensor]],
     key: NestedKey,
     split_dim: int | None,
     retain: bool,
     explained_keys: list[NestedKey],
     leaves: list[torch.Tensor | None],
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> list[torch.Tensor | None]:
     """Every relevance of one target: :func:`backward_passes` over ``one_pass``, which takes the seeds
     ``[(output, seed), *extra]`` and whether to keep the graph, and returns the relevances and which leaves it
@@ -148,6 +211,6 @@ def target_relevance(
         reached[:] = [a or b for a, b in zip(reached, used, strict=True)]
         return relevances
 
-    stacked = backward_passes(relevance_of, output, grad_outputs, split_dim, retain)
+    stacked = backward_passes(relevance_of, output, grad_outputs, split_dim, retain, memory_budget)
     raise_for_unreached(key, explained_keys, reached)
     return stacked

@@ -18,6 +18,7 @@ from torch import nn
 from tdhook.attribution._nonlinear_calls import NonlinearCalls, report_plain_gradient
 from tdhook.attribution.coverage import Coverage, PlainGradientCall, reached_share
 from tdhook.attribution.rules.base import RemovableRuleHandle
+from tdhook.attribution.targets import EveryUnit
 
 __all__ = ["CoverageRecorder"]
 
@@ -75,9 +76,13 @@ class CoverageRecorder:
         for position, (name, output, grad_output) in enumerate(seeds):
             start = position * (n_inputs + n_layers)
             inputs = [r for r in relevances[start : start + n_inputs] if r is not None]  # None: not explained
+            per_unit = isinstance(grad_output, EveryUnit)
             if split_dim is not None:  # the positions' relevances add up to the whole target's
                 dim = split_dim
-                per_unit = grad_output.dim() > output.dim()
                 inputs = [r.sum(dim).movedim(dim, batch_dims) if per_unit else r.sum(dim) for r in inputs]
-            shares[name] = reached_share(batch_dims, output, grad_output, inputs)
+            if per_unit:  # [*batch, units], each unit's relevance at [*batch, unit, ...]
+                target = grad_output.totals(output)
+            else:
+                target = (output.detach() * grad_output).double().flatten(batch_dims).sum(-1)
+            shares[name] = reached_share(batch_dims, target, inputs)
         return Coverage(self._plain_gradient, shares if None not in shares else shares[None])

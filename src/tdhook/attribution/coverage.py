@@ -90,25 +90,16 @@ class Coverage:
         return "\n".join(lines)
 
 
-def reached_share(
-    batch_dims: int, output: torch.Tensor, grad_output: torch.Tensor, relevances: list[torch.Tensor]
-) -> torch.Tensor:
-    """The inputs' relevance summed per sample, over the target's relevance ``output * grad_output``.
+def reached_share(batch_dims: int, target: torch.Tensor, relevances: list[torch.Tensor]) -> torch.Tensor:
+    """The inputs' relevance summed per sample, over the target's relevance summed per sample (``target``).
 
-    ``grad_output`` may hold one seed per output unit (``target="all"``) in a leading dimension; the relevances
+    ``target`` has the batch's shape, or one more dimension of output units (``target="all"``); the relevances
     then hold the units after the batch dimensions, and the share has one value per sample and unit.
 
     Examples:
-        >>> output, seed = torch.tensor([[2.0, 1.0]]), torch.tensor([[1.0, 0.0]])
-        >>> reached_share(1, output, seed, [torch.tensor([[0.5, 1.0, 0.0]])])
+        >>> reached_share(1, torch.tensor([2.0]), [torch.tensor([[0.5, 1.0, 0.0]])])
         tensor([0.7500], dtype=torch.float64)
     """
-    per_unit = grad_output.dim() > output.dim()
-    target = (output.detach() * grad_output).double()
-    if per_unit:  # [units, *batch, ...] -> [*batch, units]
-        target = target.flatten(1 + batch_dims).sum(-1).movedim(0, -1)
-    else:
-        target = target.flatten(batch_dims).sum(-1)
-    keep = batch_dims + per_unit
+    keep = target.dim()
     total = sum(r.double().flatten(keep).sum(-1) if r.dim() > keep else r.double() for r in relevances)
-    return total / target
+    return total / target.double()

@@ -15,7 +15,12 @@ from torch import nn
 
 from tdhook.attribution._agents import agent_by_agent
 from tdhook.attribution._backward import leaf_relevance
-from tdhook.attribution._backward_passes import check_split_dim, target_relevance
+from tdhook.attribution._backward_passes import (
+    DEFAULT_MEMORY_BUDGET,
+    check_memory_budget,
+    check_split_dim,
+    target_relevance,
+)
 from tdhook.attribution._context import claim, release, suspend_function_modes_in
 from tdhook.attribution._copies import hide_from_copies
 from tdhook.attribution._coverage_recorder import CoverageRecorder
@@ -43,6 +48,7 @@ from tdhook.attribution.rules._scopes import closing_scopes
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.targets import (
     Target,
+    explained_output,
     initial_relevance,
     named_targets,
     resolve_target_key,
@@ -132,6 +138,9 @@ class LRP(TensorDictModuleBase, MapperTunable):
             that require grad and to every parameter, paths through the rules'
             modified weights included (see the docs' page on differentiable
             relevance). Every rule must support it (``rule.differentiable``).
+        memory_budget: for ``target="all"``, the bytes the units' initial
+            gradients (one output-sized tensor per unit) may take at once: they
+            are built and explained in chunks of units that fit (default 32 MiB).
 
     Examples:
         >>> import torch
@@ -167,6 +176,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         token_relevance_key: str | None = None,
         split_dim: int | None = None,
         create_graph: bool = False,
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
     ) -> None:
         super().__init__()
         module, plain = as_tensordict_module(module, in_keys, out_keys)
@@ -219,6 +229,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         # One call (and context change) at a time: the rules' per-module state is shared between threads.
         self._lock = threading.RLock()
         self.create_graph = create_graph
+        self.memory_budget = check_memory_budget(memory_budget)
         self._inactive = False  # inside inactive(): no rules
 
     def named_explained_modules(self) -> dict[str, nn.Module]:
@@ -376,16 +387,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
                 seeds = []
                 for position, name in enumerate(names):
                     target_key = resolve_target_key(result, *self.targets[name])
-                    output = result.get(target_key)
-                    if not isinstance(output, torch.Tensor) or not output.is_floating_point():
-                        raise TypeError(
-                            f"LRP: target {target_key!r} is {describe(output)}; relevance explains a floating-point "
-                            "output (logits, action values, a value estimate): pass target_key=<such a key>"
-                        )
-                    if not output.requires_grad:
-                        raise ValueError(
-                            f"LRP: target {target_key!r} does not depend on the explained inputs {self.explained_keys}"
-                        )
+                    output = explained_output(result, target_key, self.explained_keys)
                     target = self.target
                     if target is None:  # a masked policy explains an allowed action
                         target = allowed_action(self.targets[name][1], target_key, result, tensordict)
@@ -399,7 +401,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
                     retain = position < len(names) - 1  # the next target reuses this forward pass
                     one_pass = functools.partial(self._one_pass, leaves=leaves, fed=fed, graph=graph)
                     passes = (output, grad_outputs, extra, target_key, self._split_dim, retain, self.explained_keys)
-                    relevances += target_relevance(one_pass, *passes, leaves)
+                    relevances += target_relevance(one_pass, *passes, leaves, self.memory_budget)
                     seeds.append((name, output.detach(), grad_outputs))
         finally:
             self._layers.clear()

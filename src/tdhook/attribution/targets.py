@@ -21,7 +21,6 @@ Examples:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Literal, Union
 
@@ -30,13 +29,15 @@ from tensordict import TensorDictBase
 from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase, TensorDictSequential
 from tensordict.utils import NestedKey, unravel_key
 
+from tdhook.attribution._inputs import describe
 from tdhook.attribution._policy_targets import actor_and_critic
 from tdhook.attribution.rules._numerics import safe_divide
 from tdhook.attribution.rules.base import layer_call_of
-from tdhook.attribution.rules.basic import EpsilonRule
 
 __all__ = [
+    "EveryUnit",
     "Target",
+    "explained_output",
     "initial_gradient",
     "initial_relevance",
     "named_targets",
@@ -48,12 +49,88 @@ __all__ = [
 Target = Union[None, int, torch.Tensor, Callable[[torch.Tensor], torch.Tensor], Literal["all"]]
 
 
+class EveryUnit:
+    """The initial gradients of ``target="all"``: a one-hot gradient per output unit, built a chunk of units at a
+    time (all of them at once would hold ``units`` copies of the output).
+
+    Args:
+        output: the explained output, of shape ``batch + [..., units]`` (or ``batch`` alone: one unit).
+        batch_dims: the number of batch dimensions.
+
+    Examples:
+        >>> every = EveryUnit(torch.tensor([[1.0, 3.0, 2.0]]), batch_dims=1)
+        >>> len(every), every.seeds(1, 3)  # units 1 and 2: [units, *output.shape]
+        (3, tensor([[[0., 1., 0.]],
+        <BLANKLINE>
+                [[0., 0., 1.]]]))
+        >>> every.totals(torch.tensor([[1.0, 3.0, 2.0]]))  # each unit's initial relevance, per sample
+        tensor([[1., 3., 2.]], dtype=torch.float64)
+    """
+
+    def __init__(self, output: torch.Tensor, batch_dims: int) -> None:
+        self.shape, self.dtype, self.device = output.shape, output.dtype, output.device
+        self.batch_dims = batch_dims
+        self.has_units = output.dim() > batch_dims
+        self.n_units = output.shape[-1] if self.has_units else 1
+
+    def __len__(self) -> int:
+        return self.n_units
+
+    def seed_bytes(self) -> int:
+        """The bytes one unit's initial gradient takes."""
+        return self.shape.numel() * torch.empty((), dtype=self.dtype).element_size()
+
+    def seeds(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The initial gradients of units ``start`` to ``stop - 1``, stacked in a leading dimension; written into
+        the first ``stop - start`` of ``out`` (of at least that many units) when given."""
+        count = stop - start
+        if out is None:
+            out = torch.empty(count, *self.shape, dtype=self.dtype, device=self.device)
+        seeds = out[:count]
+        if not self.has_units:
+            return seeds.fill_(1)
+        rows = seeds.zero_().view(count, -1, self.n_units)
+        units = torch.arange(start, stop, device=self.device)
+        rows[torch.arange(count, device=self.device), :, units] = 1
+        return seeds
+
+    def totals(self, output: torch.Tensor) -> torch.Tensor:
+        """Each unit's initial relevance summed per sample (``output`` times its seed), in float64:
+        ``batch + [units]``."""
+        output = output.detach().double()
+        if not self.has_units:
+            return output.unsqueeze(-1)
+        return output.reshape(*self.shape[: self.batch_dims], -1, self.n_units).sum(-2)
+
+
+def explained_output(result: TensorDictBase, key: NestedKey, explained_keys: list[NestedKey]) -> torch.Tensor:
+    """The target output ``result[key]``, checked: a floating-point tensor that depends on the explained inputs.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> explained_output(TensorDict(q=torch.ones(2, 3), batch_size=[2]), "q", ["obs"])
+        Traceback (most recent call last):
+        ...
+        ValueError: LRP: target 'q' does not depend on the explained inputs ['obs']
+    """
+    output = result.get(key)
+    if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+        raise TypeError(
+            f"LRP: target {key!r} is {describe(output)}; relevance explains a floating-point "
+            "output (logits, action values, a value estimate): pass target_key=<such a key>"
+        )
+    if not output.requires_grad:
+        raise ValueError(f"LRP: target {key!r} does not depend on the explained inputs {explained_keys}")
+    return output
+
+
 def _one_hot(output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(output).scatter_(-1, index.unsqueeze(-1), 1.0)
 
 
 def initial_gradient(output: torch.Tensor, target: Target, key: NestedKey, batch_dims: int) -> torch.Tensor:
-    """The gradient ``g`` such that ``output * g`` is the initial relevance.
+    """The gradient ``g`` such that ``output * g`` is the initial relevance (for ``target="all"``, every unit's
+    gradient, stacked; :func:`initial_relevance` gives them as an :class:`EveryUnit` to build in chunks).
 
     Args:
         output: the explained output, of shape ``batch + [n]`` (or ``batch`` alone).
@@ -77,12 +154,13 @@ def initial_gradient(output: torch.Tensor, target: Target, key: NestedKey, batch
         ...
         IndexError: LRP: target 2 is out of range for output 'q' with 2 units in its last dimension
     """
-    return initial_relevance(output, target, key, batch_dims)[0]
+    gradient = initial_relevance(output, target, key, batch_dims)[0]
+    return gradient.seeds(0, len(gradient)) if isinstance(gradient, EveryUnit) else gradient
 
 
 def initial_relevance(
     output: torch.Tensor, target: Target, key: NestedKey, batch_dims: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor | EveryUnit, torch.Tensor | None]:
     """:func:`initial_gradient`, and the relevance a callable target put on outputs that are exactly zero.
 
     ``output * g`` cannot carry relevance where ``output`` is zero; that part is returned separately
@@ -128,23 +206,30 @@ def zero_output_seeds(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Where the backward pass starts for relevance ``rest`` put on outputs that are exactly zero.
 
-    An output produced by a Linear or convolution layer with the ε-rule (LRP-ε, as zennit computes it)
-    sends ``R / stabilize(0, ε) = R / ε`` through the layer's own gradient: the seed is the layer's plain
-    output with that gradient. From any other producer (an activation, LRP-0) a zero output carries no
-    relevance through the gradient: a warning names the output and how much relevance is left out.
+    ``output × gradient`` cannot carry relevance from a zero output: the rule of the Linear or convolution
+    layer that made the output says where its explicit form sends it (:meth:`Rule.zero_output_seeds
+    <tdhook.attribution.rules.base.Rule.zero_output_seeds>`): the ε-rule (ε > 0) sends ``R / ε`` through the
+    layer's gradient, z⁺, αβ, Flat and w² share ``R`` by their modified outputs.
+
+    Raises:
+        ValueError: no rule carries it (an activation, a norm or another operation made the output, or the
+            layer's rule is LRP-0 or γ, which give a zero output nothing to pass on, or z^B), naming the output
+            and the entries.
     """
     call = layer_call_of(output)
-    rule = call.rule if call is not None else None
-    if isinstance(rule, EpsilonRule) and rule.epsilon > 0 and call.raw.shape == output.shape:
-        return [(call.raw, rest / rule.epsilon)]
-    made_by = f"{type(call.module).__name__} with {type(rule).__name__}" if call is not None else "its producer"
-    warnings.warn(
-        f"LRP: the callable target puts relevance {float(rest.sum()):.4g} on {int((rest != 0).sum())} entries of "
-        f"output {key!r} that are exactly 0; {made_by} cannot carry relevance from a zero output (only a Linear "
-        "or convolution layer with the ε-rule, ε > 0, can), so it is left out",
-        stacklevel=4,
+    seeds = call.rule.zero_output_seeds(call, rest) if call is not None else None
+    if seeds is not None:
+        return seeds
+    made_by = f"{type(call.module).__name__} with {type(call.rule).__name__}" if call is not None else "its producer"
+    entries = rest.nonzero()
+    where = ", ".join(str(tuple(int(i) for i in entry)) for entry in entries[:4])
+    raise ValueError(
+        f"LRP: the callable target puts relevance {float(rest.sum()):.4g} on {len(entries)} entries of output "
+        f"{key!r} that are exactly 0 (at {where}{', ...' if len(entries) > 4 else ''}); {made_by} cannot carry "
+        "relevance from a zero output (a Linear or convolution layer with the ε-rule, ε > 0, z⁺, αβ, Flat or w² "
+        "can): put no relevance there (multiply the target's relevance by output != 0), or explain an output such "
+        "a layer makes"
     )
-    return []
 
 
 def raise_for_unreached(key: NestedKey, keys: list[NestedKey], reached: list[bool]) -> None:
@@ -164,16 +249,13 @@ def raise_for_unreached(key: NestedKey, keys: list[NestedKey], reached: list[boo
             )
 
 
-def _initial_gradient(out: torch.Tensor, target: Target, key: NestedKey, batch_dims: int) -> torch.Tensor:
+def _initial_gradient(out: torch.Tensor, target: Target, key: NestedKey, batch_dims: int) -> torch.Tensor | EveryUnit:
     has_units = out.dim() > batch_dims
     n_units = out.shape[-1] if has_units else 1
     if isinstance(target, str):
         if target != "all":
             raise ValueError(f"LRP: target must be None, an int, a LongTensor, a callable or 'all', got {target!r}")
-        if not has_units:
-            return torch.ones_like(out).unsqueeze(0)
-        eye = torch.eye(n_units, dtype=out.dtype, device=out.device)
-        return eye.view(n_units, *([1] * (out.dim() - 1)), n_units).expand(n_units, *out.shape).clone()
+        return EveryUnit(out, batch_dims)
     if target is None:
         if not has_units or n_units == 1:
             return torch.ones_like(out)

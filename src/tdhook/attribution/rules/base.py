@@ -452,6 +452,17 @@ class Rule(Tunable):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot be merged with a BatchNorm")
 
+    def zero_output_seeds(
+        self, call: LayerCall, relevance: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Where a backward pass starts so that ``relevance``, put on outputs of ``call`` that are exactly 0 (and
+        zero elsewhere), flows as the rule's explicit form sends it: ``output × gradient`` cannot carry it there.
+
+        Returns ``(tensor, gradient)`` pairs added to the pass, or ``None`` where the rule gives such outputs no
+        way to pass relevance on (the wrapper then refuses the target, naming the outputs).
+        """
+        return None
+
     def resolve(self, module: nn.Module, registration: Registration, inputs: tuple) -> tuple[Rule, Registration]:
         """The rule that handles this call (a rule that delegates returns another)."""
         return self, registration

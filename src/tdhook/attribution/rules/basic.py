@@ -123,6 +123,25 @@ class EpsilonRule(Rule):
         scale = self._scale(output, 1)
         return redirect(output, [output], lambda grad: [times_saved(grad, scale)])
 
+    def zero_output_seeds(self, call, relevance):
+        """``R / stabilize(0, ε) = R / ε`` through the layer's own gradient (its output before the rule), as
+        zennit's ε-rule sends it; none for LRP-0 (``R / 0``).
+
+        Examples:
+            >>> from tdhook.attribution.rules.base import layer_call_of
+            >>> lin, x = nn.Linear(2, 1, bias=False), torch.tensor([[1.0, 1.0]], requires_grad=True)
+            >>> _ = lin.weight.data.copy_(torch.tensor([[2.0, -2.0]]))
+            >>> rule = EpsilonRule(epsilon=0.5)
+            >>> with rule.register(lin):
+            ...     out = lin(x)  # exactly 0
+            ...     [(start, grad)] = rule.zero_output_seeds(layer_call_of(out), torch.ones(1, 1))
+            ...     x.detach() * torch.autograd.grad(start, x, grad)[0]  # R_i = x_i w_i R / ε
+            tensor([[ 4., -4.]])
+        """
+        if self.epsilon == 0 or call.raw.shape != relevance.shape:
+            return None
+        return [(call.raw, relevance / self.epsilon)]
+
     def rewrite_merged(self, call, output, merged):
         # The merged layer's weights are the layer's times the channel scale: the
         # gradient at the layer's own output is the merged one times that scale.

@@ -146,6 +146,8 @@ class FlatRule(_DirectInputRule):
         True
     """
 
+    relevance_from_output_product = True
+
     def modifiers(self):
         return {"mod": ParamModifier.from_modifiers([ParamModifier(lambda n, p: torch.ones_like(p)), _ZERO_BIAS])}
 
@@ -157,6 +159,8 @@ class WSquareRule(_DirectInputRule):
         >>> WSquareRule(stabilizer=1e-3).stabilizer
         0.001
     """
+
+    relevance_from_output_product = True
 
     def modifiers(self):
         return {"mod": ParamModifier(lambda n, p: p**2)}

@@ -38,6 +38,10 @@ class _ModifiedForwardRule(Rule):
     that lies off the explained path, costs nothing but a copy of its output.
     """
 
+    #: whether :meth:`input_gradient` reads the output ``z`` only in ``z · grad`` (the output relevance), so
+    #: that relevance on outputs exactly 0 can be handed to it directly (see :meth:`zero_output_seeds`).
+    relevance_from_output_product: bool = False
+
     merges_batch_norm = True
     differentiable = True
 
@@ -77,6 +81,20 @@ class _ModifiedForwardRule(Rule):
     ) -> torch.Tensor:
         """The gradient the rule sends to the layer input ``x``, given the output ``z`` and its gradient."""
         raise NotImplementedError
+
+    def zero_output_seeds(self, call, relevance):
+        """For a rule whose gradient reads the output ``z`` only as the output relevance ``z · grad``
+        (``relevance_from_output_product``): ``R_j`` on an output ``z_j = 0`` is shared by the modified
+        outputs, which need not be 0, as zennit shares it. The pass starts at the layer input, with the
+        gradient the rule sends it for output relevance ``R``; relevance it records (zero inputs) is added
+        as in any pass."""
+        if not self.relevance_from_output_product or call.raw.shape != relevance.shape:
+            return None
+        params = self.prepared_state(call.module, call.registration)
+        shares = (call.module, call.registration, params, call.x, torch.ones_like(relevance), relevance)
+        if graph_kept() is not None:
+            return [(call.x, self.input_gradient_keeping_graph(*shares))]
+        return [(call.x, self.input_gradient(*shares))]
 
     def input_gradient_keeping_graph(
         self,
@@ -195,6 +213,8 @@ class AlphaBetaRule(_ModifiedForwardRule):
         >>> AlphaBetaRule().set_kwargs(alpha=3.0).beta  # β follows α
         2.0
     """
+
+    relevance_from_output_product = True
 
     tunables = {"alpha": (float, {"low": 1.0, "high": 4.0, "log": False})}
 
