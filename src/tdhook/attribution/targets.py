@@ -30,7 +30,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase, TensorDictSequential
 from tensordict.utils import NestedKey, unravel_key
 
-from tdhook.attribution._policy_targets import actor_and_critic
+from tdhook.attribution._policy_targets import acted_step, actor_and_critic, default_target_operator
 from tdhook.attribution.rules._numerics import safe_divide
 from tdhook.attribution.rules.base import layer_call_of
 from tdhook.attribution.rules.basic import EpsilonRule
@@ -42,6 +42,7 @@ __all__ = [
     "named_targets",
     "raise_for_unreached",
     "resolve_target_key",
+    "target_output",
     "zero_output_seeds",
 ]
 
@@ -289,6 +290,22 @@ def resolve_target_key(
     raise KeyError(f"LRP: none of the module's outputs {candidates} is a floating-point tensor; pass target_key")
 
 
+def target_output(result: TensorDictBase, key: NestedKey, operator: TensorDictModuleBase) -> object:
+    """The explained output of key ``key`` in ``result``: the value it holds, at the step the policy acts on
+    where ``operator`` runs a context of steps (torchrl's ``DecisionTransformerInferenceWrapper``: the last).
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule
+        >>> policy = TensorDictModule(torch.nn.Linear(3, 2), in_keys=["x"], out_keys=["y"])
+        >>> result = policy(TensorDict(x=torch.ones(4, 3), batch_size=[4]))
+        >>> target_output(result, "y", policy) is result["y"]
+        True
+    """
+    output = result.get(key)
+    return acted_step(operator, key, output) if isinstance(output, torch.Tensor) else output
+
+
 def _leaf_modules(module: TensorDictModuleBase) -> list[TensorDictModuleBase]:
     if isinstance(module, TensorDictSequential):
         return [leaf for sub in module.module for leaf in _leaf_modules(sub)]
@@ -304,7 +321,11 @@ def _default_target_candidates(module: TensorDictModuleBase) -> list[NestedKey]:
     ``"next"`` (the recurrent state a torchrl ``LSTMModule`` carries to the next
     step) come after the others: a recurrent actor explains its action output.
     """
-    leaves = [leaf for leaf in _leaf_modules(module) if not isinstance(leaf, ProbabilisticTensorDictModule)]
+    leaves = [
+        leaf
+        for leaf in _leaf_modules(default_target_operator(module))
+        if not isinstance(leaf, ProbabilisticTensorDictModule)
+    ]
     if not leaves:
         return []
     read = {unravel_key(k) for leaf in leaves for k in leaf.in_keys}
