@@ -242,10 +242,12 @@ def test_a_decision_transformer_under_transformer_presets(kind, preset):
     assert error <= (1e-10 if preset is CPLRP else 0.05), error
 
 
-def test_the_other_methods_explain_the_same_step():
+@pytest.mark.parametrize("layout", ["[B]", "[B, T]"])
+def test_the_other_methods_explain_the_same_step(layout):
     _, wrapper = decision_transformer("tanh_delta")
-    td = context("[B]")
+    td = context(layout)
     expected, _ = last_step_by_hand(wrapper, td, "param")
-    out = InputXGradient(wrapper)(td.clone())
+    out = InputXGradient(wrapper)(td)
+    assert out.batch_size == torch.Size([3]) and td.batch_size == context(layout).batch_size
     for key in CONTEXT_KEYS:
         torch.testing.assert_close(out["attribution", key], expected[key], rtol=1e-10, atol=1e-12)

@@ -36,7 +36,7 @@ from tdhook.attribution._keys import read_not_written, relevance_keys
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
 from tdhook.attribution._tokens import TokenInputs
-from tdhook.attribution._writes import model_updates, set_all_or_nothing
+from tdhook.attribution._writes import model_updates, returned_tensordict, set_all_or_nothing
 from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key, target_output
 from tdhook.attribution.tunables import ModelTunable
 
@@ -170,8 +170,12 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         self._warn_for_random_modules()
         with self._model_context():
             call = self._first_pass(tensordict)
-            attributions = self._attribute(call)
-            extra = self._extra_updates(call)
+            cut = returned_tensordict(tensordict, call.result)
+            if cut is tensordict:
+                attributions = self._attribute(call)
+                extra = self._extra_updates(call)
+        if cut is not tensordict:  # the module returned fewer batch dimensions: explain in its batch, as LRP does
+            return self.forward(cut)
         updates = model_updates(tensordict, call.result, self.explained_keys, call.fed)
         for key, attribution in zip(self.relevance_keys, attributions, strict=True):
             updates[key] = self._per_unit(call, attribution)
