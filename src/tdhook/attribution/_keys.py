@@ -117,10 +117,13 @@ def relevance_keys(
 
 
 def read_not_written(module: TensorDictModuleBase) -> list[NestedKey]:
-    """The input keys of ``module`` that it does not write itself: the inputs explained by default.
+    """The input keys of ``module`` that it does not fill itself: the inputs explained by default.
 
     A key whose entries the module writes (a ``ProbabilisticActor`` with ``return_composite`` reads ``"params"``,
-    which its network fills with ``("params", "cat", "logits")``, ...) is computed, not given.
+    which its network fills with ``("params", "cat", "logits")``, ...) is computed, not given. A key the module
+    reads and then writes anew under the same name is given: the caller's value is what the module reads (torchrl's
+    ``DecisionTransformerInferenceWrapper`` reads a context of observations, actions and returns-to-go and writes
+    back the last step's; a decision transformer's actor reads the past actions and writes the next one).
 
     Examples:
         >>> from tensordict.nn import TensorDictModule, TensorDictSequential
@@ -130,10 +133,13 @@ def read_not_written(module: TensorDictModuleBase) -> list[NestedKey]:
         ... )
         >>> read_not_written(net)
         ['obs']
+        >>> normalise = TensorDictModule(lambda obs: obs / 2, in_keys=["obs"], out_keys=["obs"])  # in place
+        >>> read_not_written(normalise)
+        ['obs']
     """
     written = [as_tuple(key) for key in module.out_keys]
     return [
         key
         for key in unravel_key_list(list(module.in_keys))
-        if not any(out[: len(as_tuple(key))] == as_tuple(key) for out in written)
+        if not any(len(out) > len(as_tuple(key)) and out[: len(as_tuple(key))] == as_tuple(key) for out in written)
     ]

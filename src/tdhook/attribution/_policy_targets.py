@@ -1,4 +1,5 @@
-"""Default targets of torchrl pipelines: actor and critic together, and the allowed action of a masked policy.
+"""Default targets of torchrl pipelines: actor and critic together, the allowed action of a masked policy, and the
+step a decision transformer acts on.
 
 * An ``ActorValueOperator``, an ``ActorCriticOperator``, an
   ``ActorCriticWrapper``, and a ``TensorDictSequential`` of an actor followed
@@ -8,6 +9,11 @@
   ``MaskedOneHotCategorical``) explains an allowed action: the action the
   TensorDict already holds (the action taken), else the highest allowed logit.
   The plain argmax could be a forbidden action.
+* torchrl's ``DecisionTransformerInferenceWrapper`` runs its actor on a
+  context of T steps and outputs the action of the last one. It explains what
+  its actor explains by default (``param`` of a ``DTActor``, ``loc`` of an
+  ``OnlineDTActor``), at the last step: the prediction the wrapper acts on,
+  not every step of the context.
 
 Examples:
     >>> from torch import nn
@@ -30,12 +36,19 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase, TensorDictSequential
 from tensordict.utils import NestedKey, unravel_key
-from torchrl.modules import Actor, ActorCriticOperator, ActorCriticWrapper, ActorValueOperator, ValueOperator
+from torchrl.modules import (
+    Actor,
+    ActorCriticOperator,
+    ActorCriticWrapper,
+    ActorValueOperator,
+    DecisionTransformerInferenceWrapper,
+    ValueOperator,
+)
 from torchrl.modules.distributions import MaskedCategorical, MaskedOneHotCategorical
 
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 
-__all__ = ["actor_and_critic", "allowed_action"]
+__all__ = ["actor_and_critic", "allowed_action", "acted_step", "default_target_operator"]
 
 _MASKED = (MaskedCategorical, MaskedOneHotCategorical)
 
@@ -117,3 +130,26 @@ def allowed_action(
         return logits.argmax(-1)
     mask = result.get(unravel_key(sampler.in_keys[dist_keys.index("mask")])).to(torch.bool)
     return logits.masked_fill(~mask, float("-inf")).argmax(-1)
+
+
+def default_target_operator(module: TensorDictModuleBase) -> TensorDictModuleBase:
+    """The module whose outputs give ``module``'s default target: a decision transformer's actor for its inference
+    wrapper (the wrapper writes its inputs back, so its own keys name no output), else ``module`` itself."""
+    if isinstance(module, DecisionTransformerInferenceWrapper):
+        return module.td_module
+    return module
+
+
+def acted_step(operator: TensorDictModuleBase, key: NestedKey, output: torch.Tensor) -> torch.Tensor:
+    """``output`` at the step the policy acts on: the last context step where ``operator`` is a
+    ``DecisionTransformerInferenceWrapper`` and ``key`` one of its actor's per-step outputs, else ``output``.
+
+    The wrapper cuts its action output (and the return-to-go) to the last step itself; its actor's other
+    outputs (``param``, ``loc``, ``scale``) keep the context's time dimension, second to last.
+    """
+    if not isinstance(operator, DecisionTransformerInferenceWrapper) or output.dim() < 2:
+        return output
+    key = unravel_key(key)
+    cut = {unravel_key(operator.out_action_key), unravel_key(operator.return_to_go_key)}
+    per_step = {unravel_key(k) for k in operator.td_module.out_keys} - cut
+    return output[..., -1, :] if key in per_step else output

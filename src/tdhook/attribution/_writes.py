@@ -26,7 +26,31 @@ from tensordict.utils import NestedKey
 
 from tdhook.attribution._keys import as_tuple
 
-__all__ = ["model_updates", "relevance_updates", "set_all_or_nothing"]
+__all__ = ["model_updates", "relevance_updates", "returned_tensordict", "set_all_or_nothing"]
+
+
+def returned_tensordict(tensordict: TensorDictBase, result: TensorDictBase) -> TensorDictBase:
+    """Where a call writes its results: the caller's TensorDict, or, where the module returned fewer batch
+    dimensions than it was given, a shallow copy of it with the module's batch size.
+
+    torchrl's ``DecisionTransformerInferenceWrapper``, called on a ``[B, T]`` context, returns a ``[B]``
+    TensorDict (one action per context) and leaves the caller's as it was; LRP does the same.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict(x=torch.zeros(2, 5, 3), batch_size=[2, 5])
+        >>> returned_tensordict(td, td) is td
+        True
+        >>> cut = returned_tensordict(td, TensorDict(y=torch.zeros(2, 1), batch_size=[2]))
+        >>> cut.batch_size, cut["x"] is td["x"], td.batch_size
+        (torch.Size([2]), True, torch.Size([2, 5]))
+    """
+    size, given = result.batch_size, tensordict.batch_size
+    if len(size) < len(given) and given[: len(size)] == size:
+        returned = tensordict.copy()
+        returned.batch_size = size
+        return returned
+    return tensordict
 
 
 def model_updates(

@@ -40,7 +40,7 @@ from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
 from tdhook.attribution._rule_use import RuleUse
 from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
-from tdhook.attribution._writes import model_updates, relevance_updates, set_all_or_nothing
+from tdhook.attribution._writes import model_updates, relevance_updates, returned_tensordict, set_all_or_nothing
 from tdhook.attribution.coverage import Coverage
 from tdhook.attribution.mappers.base import BaseRuleMapper, RuleMapper
 from tdhook.attribution.rules._keeping_graph import RelevancePass
@@ -382,22 +382,23 @@ class LRP(TensorDictModuleBase, MapperTunable):
                     raise
                 self._tokens.raise_for_unembedded(leaves, optional=self._defaulted_inputs)
                 result = work if result is None else result
-                relevances = []
+                out = returned_tensordict(tensordict, result)  # the caller's, unless the module cut the batch
+                relevances, outputs = [], []
                 names = list(self.targets)
                 seeds = []
                 for position, name in enumerate(names):
                     target_key = resolve_target_key(result, *self.targets[name])
-                    output = explained_output(result, target_key, self.explained_keys)
+                    output = explained_output(result, target_key, self.explained_keys, self.targets[name][1])
                     target = self.target
                     if target is None:  # a masked policy explains an allowed action
                         target = allowed_action(self.targets[name][1], target_key, result, tensordict)
-                    grad_outputs, at_zero = initial_relevance(output, target, target_key, tensordict.batch_dims)
+                    grad_outputs, at_zero = initial_relevance(output, target, target_key, out.batch_dims)
                     extra = zero_output_seeds(output, at_zero, target_key) if at_zero is not None else []
-                    self._split_dim = check_split_dim(self.split_dim, output, target_key, tensordict.batch_dims)
+                    self._split_dim = check_split_dim(self.split_dim, output, target_key, out.batch_dims)
+                    outputs.append(output)
                     if calls is not None and position == len(names) - 1:
-                        targets = [result.get(resolve_target_key(result, *self.targets[n])) for n in names]
                         strict = bool(getattr(self.rule_mapper, "strict", False))
-                        self._coverage.report(calls, targets, self.named_explained_modules(), strict)
+                        self._coverage.report(calls, outputs, self.named_explained_modules(), strict)
                     retain = position < len(names) - 1  # the next target reuses this forward pass
                     one_pass = functools.partial(self._one_pass, leaves=leaves, fed=fed, graph=graph)
                     passes = (output, grad_outputs, extra, target_key, self._split_dim, retain, self.explained_keys)
@@ -408,9 +409,9 @@ class LRP(TensorDictModuleBase, MapperTunable):
             self._tokens.clear()
             for handle in self._handles or []:
                 handle.pop_records()
-        self._write(tensordict, result, relevances, fed)
-        self._coverage.keep(tensordict.batch_dims, seeds, relevances)
-        return tensordict
+        self._write(out, result, relevances, fed)
+        self._coverage.keep(out.batch_dims, seeds, relevances)
+        return out
 
     def coverage(self) -> Coverage:
         """What this wrapper's calls left to the plain gradient, and how much relevance reached the inputs.

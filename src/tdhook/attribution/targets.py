@@ -30,7 +30,7 @@ from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase, T
 from tensordict.utils import NestedKey, unravel_key
 
 from tdhook.attribution._inputs import describe
-from tdhook.attribution._policy_targets import actor_and_critic
+from tdhook.attribution._policy_targets import acted_step, actor_and_critic, default_target_operator
 from tdhook.attribution.rules._numerics import safe_divide
 from tdhook.attribution.rules.base import layer_call_of
 
@@ -43,6 +43,7 @@ __all__ = [
     "named_targets",
     "raise_for_unreached",
     "resolve_target_key",
+    "target_output",
     "zero_output_seeds",
 ]
 
@@ -103,17 +104,22 @@ class EveryUnit:
         return output.reshape(*self.shape[: self.batch_dims], -1, self.n_units).sum(-2)
 
 
-def explained_output(result: TensorDictBase, key: NestedKey, explained_keys: list[NestedKey]) -> torch.Tensor:
-    """The target output ``result[key]``, checked: a floating-point tensor that depends on the explained inputs.
+def explained_output(
+    result: TensorDictBase, key: NestedKey, explained_keys: list[NestedKey], operator: TensorDictModuleBase
+) -> torch.Tensor:
+    """The target output of key ``key`` in ``result`` (see :func:`target_output`), checked: a floating-point
+    tensor that depends on the explained inputs.
 
     Examples:
         >>> from tensordict import TensorDict
-        >>> explained_output(TensorDict(q=torch.ones(2, 3), batch_size=[2]), "q", ["obs"])
+        >>> from tensordict.nn import TensorDictModule
+        >>> policy = TensorDictModule(torch.nn.Linear(3, 2), in_keys=["obs"], out_keys=["q"])
+        >>> explained_output(TensorDict(q=torch.ones(2, 3), batch_size=[2]), "q", ["obs"], policy)
         Traceback (most recent call last):
         ...
         ValueError: LRP: target 'q' does not depend on the explained inputs ['obs']
     """
-    output = result.get(key)
+    output = target_output(result, key, operator)
     if not isinstance(output, torch.Tensor) or not output.is_floating_point():
         raise TypeError(
             f"LRP: target {key!r} is {describe(output)}; relevance explains a floating-point "
@@ -371,6 +377,22 @@ def resolve_target_key(
     raise KeyError(f"LRP: none of the module's outputs {candidates} is a floating-point tensor; pass target_key")
 
 
+def target_output(result: TensorDictBase, key: NestedKey, operator: TensorDictModuleBase) -> object:
+    """The explained output of key ``key`` in ``result``: the value it holds, at the step the policy acts on
+    where ``operator`` runs a context of steps (torchrl's ``DecisionTransformerInferenceWrapper``: the last).
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule
+        >>> policy = TensorDictModule(torch.nn.Linear(3, 2), in_keys=["x"], out_keys=["y"])
+        >>> result = policy(TensorDict(x=torch.ones(4, 3), batch_size=[4]))
+        >>> target_output(result, "y", policy) is result["y"]
+        True
+    """
+    output = result.get(key)
+    return acted_step(operator, key, output) if isinstance(output, torch.Tensor) else output
+
+
 def _leaf_modules(module: TensorDictModuleBase) -> list[TensorDictModuleBase]:
     if isinstance(module, TensorDictSequential):
         return [leaf for sub in module.module for leaf in _leaf_modules(sub)]
@@ -386,7 +408,11 @@ def _default_target_candidates(module: TensorDictModuleBase) -> list[NestedKey]:
     ``"next"`` (the recurrent state a torchrl ``LSTMModule`` carries to the next
     step) come after the others: a recurrent actor explains its action output.
     """
-    leaves = [leaf for leaf in _leaf_modules(module) if not isinstance(leaf, ProbabilisticTensorDictModule)]
+    leaves = [
+        leaf
+        for leaf in _leaf_modules(default_target_operator(module))
+        if not isinstance(leaf, ProbabilisticTensorDictModule)
+    ]
     if not leaves:
         return []
     read = {unravel_key(k) for leaf in leaves for k in leaf.in_keys}

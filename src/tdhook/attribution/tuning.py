@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tensordict import TensorDictBase
-from tqdm import tqdm  # the plain bar: tqdm.auto warns in notebooks without ipywidgets
+from tqdm import TqdmWarning, tqdm  # the plain bar: tqdm.auto warns in notebooks without ipywidgets
 
 from tdhook.attribution.tunables import Space
 
@@ -45,7 +46,11 @@ class TuneResult:
 
 def _import_optuna() -> Any:
     try:
-        import optuna
+        # optuna imports tqdm.auto, which in a notebook without ipywidgets warns that it falls back to the plain
+        # bar; tune uses the plain bar anyway, so the warning says nothing to the reader.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="IProgress not found", category=TqdmWarning)
+            import optuna
     except ImportError as err:
         raise ImportError(
             "tune needs optuna, which is an optional extra of tdhook: pip install 'tdhook[tune]'"

@@ -26,7 +26,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
-from tdhook.attribution.targets import initial_gradient, resolve_target_key
+from tdhook.attribution.targets import initial_gradient, resolve_target_key, target_output
 from tdhook.metrics._features import explained_keys
 
 __all__ = [
@@ -104,8 +104,9 @@ def original_target(method: TensorDictModuleBase, result: TensorDictBase, batch_
     if isinstance(target_key, Mapping):
         raise TypeError("metrics: the method explains several outputs (a dict target_key); give it one")
     operator = getattr(method, "module", None)
-    key = resolve_target_key(result, target_key, operator if isinstance(operator, TensorDictModuleBase) else method)
-    output = result.get(key)
+    operator = operator if isinstance(operator, TensorDictModuleBase) else method
+    key = resolve_target_key(result, target_key, operator)
+    output = target_output(result, key, operator)
     if target is not None:
         return HeldWeights(initial_gradient(output.detach(), target, key, batch_dims))
     if output.dim() > batch_dims and output.shape[-1] > 1:

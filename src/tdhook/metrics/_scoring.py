@@ -31,7 +31,7 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
-from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key
+from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key, target_output
 from tdhook.metrics._features import explained_keys
 
 __all__ = ["Scorer", "chunks", "progress_bar"]
@@ -97,6 +97,7 @@ class Scorer:
         self._key, operator = named_targets(self.module, target_key)[None]
         result = self._run(self._base.clone(recurse=False))
         self._key = resolve_target_key(result, self._key, operator)
+        self._operator = operator
         output = self.reference_output = self._output(result)
         self._weights = None
         self._index = None
@@ -128,7 +129,7 @@ class Scorer:
         return work if result is None else result
 
     def _output(self, result: TensorDictBase) -> torch.Tensor:
-        output = result.get(self._key)
+        output = target_output(result, self._key, self._operator)
         if not isinstance(output, torch.Tensor) or not output.is_floating_point():
             raise TypeError(
                 f"metrics: target key {self._key!r} holds {getattr(output, 'dtype', type(output).__name__)}; "

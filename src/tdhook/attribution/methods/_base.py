@@ -36,8 +36,8 @@ from tdhook.attribution._keys import read_not_written, relevance_keys
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
 from tdhook.attribution._tokens import TokenInputs
-from tdhook.attribution._writes import model_updates, set_all_or_nothing
-from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key
+from tdhook.attribution._writes import model_updates, returned_tensordict, set_all_or_nothing
+from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key, target_output
 from tdhook.attribution.tunables import ModelTunable
 
 __all__ = ["AttributionMethod", "Call", "hooks_removed"]
@@ -170,8 +170,12 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         self._warn_for_random_modules()
         with self._model_context():
             call = self._first_pass(tensordict)
-            attributions = self._attribute(call)
-            extra = self._extra_updates(call)
+            cut = returned_tensordict(tensordict, call.result)
+            if cut is tensordict:
+                attributions = self._attribute(call)
+                extra = self._extra_updates(call)
+        if cut is not tensordict:  # the module returned fewer batch dimensions: explain in its batch, as LRP does
+            return self.forward(cut)
         updates = model_updates(tensordict, call.result, self.explained_keys, call.fed)
         for key, attribution in zip(self.relevance_keys, attributions, strict=True):
             updates[key] = self._per_unit(call, attribution)
@@ -230,7 +234,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             target_key = resolve_target_key(result, *self._target)
         except KeyError as err:
             raise _rename(err, name) from None
-        output = result.get(target_key)
+        output = target_output(result, target_key, self._target[1])
         if not isinstance(output, torch.Tensor) or not output.is_floating_point():
             raise TypeError(
                 f"{name}: target {target_key!r} is {describe(output)}; pass target_key=<a floating-point output>"
@@ -294,7 +298,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
                     x = x.detach().requires_grad_(True)
                     leaves.append(x)
                 work.set(key, x.reshape(*shape, *x.shape[1 + call.batch_dims :]).clone())
-            output = self._run(work).get(call.target_key)
+            output = target_output(self._run(work), call.target_key, self._target[1])
             objective = self._contract(call, output, copies)
         if grad and not objective.requires_grad:
             raise ValueError(f"{type(self).__name__}: target {call.target_key!r} does not depend on the inputs")
