@@ -8,9 +8,9 @@ from tensordict import TensorDict
 from torch import nn
 
 from tdhook.attribution import LRP
-from tdhook.attribution._context import leave_out_unread_marks
-from tdhook.attribution.lrp_helpers.rules import AttnLRP, BaseRuleMapper, EpsilonPlusFlat
-from tdhook.attribution.rules import EpsilonRule, IgnoreRule, MergeBatchNormRule, PassRule
+from tdhook.attribution._context import leave_out_unread_marks, marks_are_read
+from tdhook.attribution.lrp_helpers.rules import AttnLRP, BaseRuleMapper, EpsilonPlus, EpsilonPlusFlat
+from tdhook.attribution.rules import EpsilonRule, IgnoreRule, MergeBatchNormRule, PassRule, layer_call_of
 
 
 def hook_count(module: nn.Module) -> int:
@@ -35,15 +35,28 @@ class Attention(nn.Module):
 class TestUnreadMarks:
     def test_ignore_rules_are_left_out_where_no_rule_reads_layer_marks(self):
         rules = {"fc": IgnoreRule(), "act": PassRule(), "head": EpsilonRule()}
-        assert set(leave_out_unread_marks(rules, checked=False)) == {"act", "head"}
+        assert not marks_are_read(rules, checked=False, target=None)
+        assert set(leave_out_unread_marks(rules)) == {"act", "head"}
 
     @pytest.mark.parametrize("reader", [MergeBatchNormRule(), EpsilonPlusFlat().first_layer_rule("0", nn.Linear(2, 2))])
     def test_a_rule_that_reads_marks_keeps_every_rule(self, reader):
-        rules = {"fc": IgnoreRule(), "reader": reader}
-        assert set(leave_out_unread_marks(rules, checked=False)) == {"fc", "reader"}
+        assert marks_are_read({"fc": IgnoreRule(), "reader": reader}, checked=False, target=None)
 
-    def test_per_module_checks_keep_every_rule(self):
-        assert set(leave_out_unread_marks({"fc": IgnoreRule()}, checked=True)) == {"fc"}
+    def test_per_module_checks_and_callable_targets_read_marks(self):
+        assert marks_are_read({"fc": IgnoreRule()}, checked=True, target=None)
+        assert marks_are_read({"fc": IgnoreRule()}, checked=False, target=lambda out: out)
+        assert not marks_are_read({"fc": IgnoreRule()}, checked=False, target="all")
+
+    def test_layers_leave_no_marks_where_nothing_reads_them(self):
+        net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2), nn.Identity())
+        td = TensorDict(x=torch.randn(2, 3), batch_size=[2])
+        seen = []  # what the module after the last layer receives: the layer's output, as its rule returned it
+        net[3].register_forward_pre_hook(lambda m, args: seen.append(layer_call_of(args[0])))
+        with LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"]) as lrp:
+            lrp(td.clone())
+        with LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"], target=lambda out: out) as lrp:
+            lrp(td.clone())
+        assert seen[0] is None and seen[1] is not None and seen[1].module is net[2]
 
     def test_linear_layers_of_a_transformer_get_no_hooks_and_the_relevance_is_unchanged(self):
         torch.manual_seed(0)

@@ -35,7 +35,7 @@ from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule
 
-__all__ = ["claim", "leave_out_unread_marks", "release", "suspend_function_modes_in"]
+__all__ = ["claim", "leave_out_unread_marks", "marks_are_read", "release", "stop_marks", "suspend_function_modes_in"]
 
 # Every module inside an open LRP context, with the wrapper that owns it: two wrappers' rules on one module would mix.
 _OWNERS: IdentityWeakKeyDict[nn.Module, object] = IdentityWeakKeyDict()
@@ -115,26 +115,41 @@ def suspend_function_modes_in(handles: Sequence[RemovableRuleHandle]) -> list[Re
     return hooks
 
 
-def leave_out_unread_marks(rules: Mapping[str, Rule], checked: bool) -> dict[str, Rule]:
-    """``rules`` without those whose only effect is a mark that no rule among them reads.
+def marks_are_read(rules: Mapping[str, Rule], checked: bool, target: object) -> bool:
+    """Whether anything in a context reads the marks that rules leave on Linear and convolution layers' outputs.
 
-    :class:`~tdhook.attribution.rules.basic.IgnoreRule` keeps a Linear or convolution layer's plain gradient;
-    its hook only marks the layer's output, for a BatchNorm that merges into the layer or a first-layer rule.
-    A transformer under AttnLRP has neither, and the hook and the pause of the function modes around each
-    layer cost more than the layer's one call in the modes. Per-module relevance checks (``checked``) need
-    every rule's hooks.
-
-    Args:
-        rules: the rule of each module, by module name.
-        checked: whether the wrapper checks relevance module by module.
+    A BatchNorm merging into the layer before it and a first-layer rule read them (``reads_layer_marks``), and
+    so do per-module relevance checks (``checked``) and a callable target, whose relevance on outputs that are
+    exactly zero goes to the rule of the layer that produced them.
 
     Examples:
-        >>> from tdhook.attribution.rules import IgnoreRule, MergeBatchNormRule
-        >>> sorted(leave_out_unread_marks({"fc": IgnoreRule()}, checked=False))
-        []
-        >>> sorted(leave_out_unread_marks({"fc": IgnoreRule(), "bn": MergeBatchNormRule()}, checked=False))
-        ['bn', 'fc']
+        >>> from tdhook.attribution.rules import EpsilonRule, IgnoreRule, MergeBatchNormRule
+        >>> marks_are_read({"fc": IgnoreRule(), "head": EpsilonRule()}, checked=False, target=None)
+        False
+        >>> marks_are_read({"fc": IgnoreRule(), "bn": MergeBatchNormRule()}, checked=False, target=None)
+        True
     """
-    if checked or any(rule.reads_layer_marks for rule in rules.values()):
-        return dict(rules)
+    return checked or callable(target) or any(rule.reads_layer_marks for rule in rules.values())
+
+
+def leave_out_unread_marks(rules: Mapping[str, Rule]) -> dict[str, Rule]:
+    """``rules`` without those whose only effect is a mark (:attr:`~tdhook.attribution.rules.base.Rule.only_marks`),
+    for a context where :func:`marks_are_read` is false.
+
+    :class:`~tdhook.attribution.rules.basic.IgnoreRule` keeps a Linear or convolution layer's plain gradient;
+    its hook only marks the layer's output. A transformer under AttnLRP reads no marks, and the hook and the
+    pause of the function modes around each layer cost more than the layer's one call in the modes.
+
+    Examples:
+        >>> from tdhook.attribution.rules import EpsilonRule, IgnoreRule
+        >>> sorted(leave_out_unread_marks({"fc": IgnoreRule(), "head": EpsilonRule()}))
+        ['head']
+    """
     return {name: rule for name, rule in rules.items() if not rule.only_marks}
+
+
+def stop_marks(handles: Sequence[RemovableRuleHandle]) -> None:
+    """Registered rules leave no marks, in a context where :func:`marks_are_read` is false."""
+    for handle in handles:
+        if handle._registration is not None:
+            handle._registration.marks = False

@@ -236,6 +236,7 @@ class Registration:
     busy: list = field(default_factory=list)
     merged_by_norm: bool = False  # a BatchNorm took over the module's last call (see MergeBatchNormRule)
     fingerprint: tuple = ()  # the parameters ``state`` was prepared from (see parameter_fingerprint)
+    marks: bool = True  # whether a Linear or convolution layer's output gets its LayerCall (see Rule.reads_layer_marks)
 
 
 @dataclass(eq=False)
@@ -522,7 +523,8 @@ class Rule(Tunable):
             self.prepared_state(module, registration)
             rule, reg = self.resolve(module, registration, inputs)
             result = rule.rewrite(module, reg, inputs, output)
-            if isinstance(module, LINEAR_LAYERS) and len(inputs) == 1 and isinstance(inputs[0], torch.Tensor):
+            layer = registration.marks and isinstance(module, LINEAR_LAYERS)
+            if layer and len(inputs) == 1 and isinstance(inputs[0], torch.Tensor):
                 _mark(result if result is not None else output, LayerCall(module, rule, reg, inputs[0], output, 0))
             return result
 
