@@ -95,7 +95,8 @@ def main() -> None:
         # Called outside a context, each call of this one enters and leaves one (on a copy of the policy: a
         # module belongs to one open context at a time).
         entering = LRP(copy.deepcopy(policy), rule_mapper=EpsilonPlus())
-        with LRP(policy, rule_mapper=EpsilonPlus()) as lrp:
+        # A copy of the policy: the baseline calls `net` itself, which must not run under the context's rules.
+        with LRP(copy.deepcopy(policy), rule_mapper=EpsilonPlus()) as lrp:
             methods: dict[str, Callable] = {
                 "gradient x input, TensorDict in/out": lambda: gradient_times_input(net, td.clone(False)),
                 "tdhook EpsilonPlus": lambda: lrp(td.clone(False)),
