@@ -363,8 +363,17 @@ def taylor_block(seed: int) -> tuple[nn.Module, torch.Tensor]:
     return nn.Sequential(nn.Linear(3, 4), block, nn.Linear(4, 2)).to(F64), torch.randn(3, 3, dtype=F64)
 
 
-def taylor(bias: bool) -> Callable[[], dict]:
-    return lambda: {"1": TaylorDecompositionRule(ref=0.3, bias=bias, epsilon=0.1), nn.Linear: EpsilonRule(0.1)}
+def spread_bias(inputs: tuple[torch.Tensor, ...], relevances: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A ``distribute_bias`` that depends on the inputs (their records then keep the graph too)."""
+    return [r + 0.1 * torch.tanh(x) for x, r in zip(inputs, relevances, strict=True)]
+
+
+def taylor(bias: bool, distribute_bias=None) -> Callable[[], dict]:
+    def mapper() -> dict:
+        rule = TaylorDecompositionRule(ref=0.3, bias=bias, distribute_bias=distribute_bias, epsilon=0.1)
+        return {"1": rule, nn.Linear: EpsilonRule(0.1)}
+
+    return mapper
 
 
 OTHER_CASES = {
@@ -374,6 +383,7 @@ OTHER_CASES = {
     "UniformEpsilonRule": (two_branches(True), lambda: {"add": UniformEpsilonRule(0.1), nn.Linear: EpsilonRule(0.1)}),
     "Taylor, bias=False": (taylor_block, taylor(False)),
     "Taylor, bias=True": (taylor_block, taylor(True)),
+    "Taylor, bias=True, distribute_bias": (taylor_block, taylor(True, spread_bias)),
     "stabilised additions": (two_branches(False), lambda: EpsilonPlus(epsilon=0.1, stabilize_additions=True)),
     "GroupNorm": (normed_cnn("GroupNorm"), lambda: EpsilonPlus(epsilon=0.1)),
     "LayerNorm over (C, H, W)": (normed_cnn("LayerNorm"), lambda: EpsilonPlus(epsilon=0.1)),
