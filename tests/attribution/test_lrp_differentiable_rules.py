@@ -157,7 +157,8 @@ class TestTransformers:
     @pytest.mark.parametrize("preset", ["AttnLRP(ε=0.1, softmax ε=0.1)", "CPLRP(ε=0.1)"])
     @pytest.mark.parametrize("kind", ["gpt2", "llama"])
     def test_hugging_face(self, kind, preset):
-        """Tiny random GPT-2 and Llama (eager attention, causal masks, rotary embeddings, RMSNorm, a gated MLP)."""
+        """Tiny random GPT-2 (eager attention, Conv1D) and Llama (sdpa attention, grouped keys and values, rotary
+        embeddings, RMSNorm, a gated MLP), both with causal masks."""
         pytest.importorskip("transformers")
         net, x = smooth_language_model(kind)
         errors = directional_errors(net, TRANSFORMER_PRESETS[preset], x, key="embeds", directions=1, step=1e-7)
