@@ -175,6 +175,31 @@ class TestTransformers:
             assert kept.requires_grad and torch.allclose(kept, plain, rtol=1e-10, atol=1e-13)
 
 
+class TestSeveralPasses:
+    @pytest.mark.filterwarnings("ignore:LRP. EpsilonRule")
+    def test_every_unit_at_once(self):
+        """``target="all"`` (one relevance pass per unit over one forward pass) through the function rules: each
+        unit's relevance and its derivative are those of a call for that unit alone."""
+        net, x = smooth(encoder)
+        weights = torch.randn(2, 3, 3, 8, dtype=F64)
+        kept = LRP(net, CPLRP(epsilon=0.1), in_keys=["x"], out_keys=["y"], create_graph=True, target="all")
+        every = explain(kept, x)
+        assert every.shape == (2, 3, 3, 8)
+        params = list(net.parameters())
+        together = torch.autograd.grad((every * weights).sum(), params, allow_unused=True, materialize_grads=True)
+        alone = [torch.zeros_like(p) for p in params]
+        for unit in range(3):
+            single = LRP(net, CPLRP(epsilon=0.1), in_keys=["x"], out_keys=["y"], create_graph=True, target=unit)
+            one = explain(single, x)
+            assert torch.allclose(one, every[:, unit], rtol=1e-10, atol=1e-13)
+            grads = torch.autograd.grad(
+                (one * weights[:, unit]).sum(), params, allow_unused=True, materialize_grads=True
+            )
+            alone = [a + g for a, g in zip(alone, grads, strict=True)]
+        for a, b in zip(together, alone, strict=True):
+            assert torch.allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
 def smooth_language_model(kind: str) -> tuple[nn.Module, torch.Tensor]:
     """A tiny random GPT-2 or Llama (next-token logits from embeddings) and embeddings away from kinks."""
     from tests.attribution.test_lrp_huggingface import LastLogits, build
