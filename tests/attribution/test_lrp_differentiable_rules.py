@@ -334,6 +334,27 @@ class Add(nn.Module):
         return a + b
 
 
+class StoppedBeforeBatchNorm(nn.Module):
+    """A branch stopped at its Linear layer, before an eval-mode BatchNorm, beside a branch that is explained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b, self.head = nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Linear(4, 5), nn.Linear(5, 2)
+        self.act = nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.norm(self.a(x))) + self.b(x))
+
+
+def stopped_before_batch_norm(seed: int) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(seed)
+    net = StoppedBeforeBatchNorm().to(F64).eval()
+    with torch.no_grad():
+        net.norm.running_mean.uniform_(-0.5, 0.5)
+        net.norm.running_var.uniform_(0.5, 2.0)
+    return net, torch.randn(3, 4, dtype=F64)
+
+
 def two_branches(add_module: bool) -> Callable[[int], tuple[nn.Module, torch.Tensor]]:
     def make(seed: int) -> tuple[nn.Module, torch.Tensor]:
         torch.manual_seed(seed)
@@ -405,6 +426,10 @@ def taylor(bias: bool, distribute_bias=None) -> Callable[[], dict]:
 OTHER_CASES = {
     "PassRule on Tanh (whose backward saves its output)": (tanh_mlp, lambda: EpsilonPlus(epsilon=0.1)),
     "StopRule on a branch": (two_branches(False), lambda: {"b": StopRule(), nn.Linear: EpsilonRule(0.1)}),
+    "StopRule before a BatchNorm": (
+        stopped_before_batch_norm,
+        lambda: EpsilonPlus(epsilon=0.1, rule_mapper={"a": StopRule()}),
+    ),
     "UniformRule": (two_branches(True), lambda: {"add": UniformRule(), nn.Linear: EpsilonRule(0.1)}),
     "UniformEpsilonRule": (two_branches(True), lambda: {"add": UniformEpsilonRule(0.1), nn.Linear: EpsilonRule(0.1)}),
     "Taylor, bias=False": (taylor_block, taylor(False)),

@@ -44,6 +44,7 @@ __all__ = [
     "relevance_proxy",
     "scale_gradient",
     "hold",
+    "is_held",
     "relevance_pass_edges",
     "backward_keeps_graph",
     "is_batched_gradient",
@@ -101,6 +102,8 @@ _FREED_GRAPH_GUARD = torch.empty(0)
 
 # A node's metadata key: the positions of its next nodes that only passes other than the relevance pass reach.
 _PLAIN_EDGES = "tdhook_plain_edges"
+# The attribute that marks what :func:`hold` returned in a call that keeps the graph.
+_HELD = "_tdhook_held"
 
 
 class _Redirect(torch.autograd.Function):
@@ -407,7 +410,19 @@ def hold(x: torch.Tensor) -> torch.Tensor:
     held = _Held.apply(relevance_pass, x)
     held.grad_fn.metadata[_PLAIN_EDGES] = (0,)
     setattr(held, PARAMETER_DERIVED, True)  # a constant of the rule, as a parameter is: no activation
+    setattr(held, _HELD, True)
     return held
+
+
+def is_held(x: Any) -> bool:
+    """Whether ``x`` is what :func:`hold` returned in a call that keeps the graph (it requires grad, but no
+    relevance flows through it: the rules of the modules it enters have nothing to change).
+
+    Examples:
+        >>> is_held(hold(torch.ones(1, requires_grad=True) * 2))  # an ordinary call: a detached tensor
+        False
+    """
+    return getattr(x, _HELD, False)
 
 
 def relevance_pass_edges(node: Any) -> list:

@@ -32,7 +32,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._arguments import nonnegative
-from tdhook.attribution.rules._autograd import call_argument, hold, redirect, times_saved
+from tdhook.attribution.rules._autograd import call_argument, hold, is_held, redirect, times_saved
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._numerics import in_pieces_, stabilize
@@ -115,7 +115,8 @@ class _ConstantScale(TorchFunctionMode):
             x = args[0] if args else None
             if handler is not None:
                 self.applied = True
-                if isinstance(x, torch.Tensor) and x.requires_grad:
+                # A held input (create_graph=True: it requires grad, as a detached one would not) passes no relevance.
+                if isinstance(x, torch.Tensor) and x.requires_grad and not is_held(x):
                     return handler(self.rule, self.module, func(*args, **kwargs), args, kwargs)
             result = func(*args, **kwargs)
             if func in _SCALES:
