@@ -4,17 +4,21 @@ A torchrl ``MLP`` policy (observation → action values) is explained at batch 1
 (one environment step: the wrapper's per-call overhead dominates) and at a
 large batch (a replay-buffer batch: the arithmetic dominates). The baseline is
 a plain gradient × input call that reads the observation from a TensorDict
-and writes its relevance back, as the wrapper does. Every method runs in this
-one process, pinned to one thread; after a warm-up round, ``--repeats`` rounds
-run every method once in turn, and medians are reported with their ratio to
-the baseline.
+and writes its relevance back, as the wrapper does. The tdhook wrapper runs
+inside one open context (as in a rollout loop); the row "entering the context"
+calls a wrapper outside its context, so that each call enters and leaves one.
+Every method runs in this one process, pinned to one thread; after a warm-up
+round, ``--repeats`` rounds run every method once in turn, and medians are
+reported with their ratio to the baseline.
 
     python benchmarks/bench_policy.py --batches 1 4096 --repeats 200
+    python benchmarks/bench_policy.py --batches 1 --features 64 --cells 256 256 --actions 8 --repeats 200
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import warnings
 from collections.abc import Callable
 
@@ -71,26 +75,32 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4096])
     parser.add_argument("--features", type=int, default=16)
     parser.add_argument("--actions", type=int, default=4)
+    parser.add_argument("--cells", type=int, nargs="+", default=[64, 64])
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", module="captum")  # it notes that it made the input require grad
     torch.manual_seed(0)
-    net = MLP(in_features=args.features, out_features=args.actions, num_cells=[64, 64], activation_class=nn.ReLU)
+    net = MLP(in_features=args.features, out_features=args.actions, num_cells=args.cells, activation_class=nn.ReLU)
     policy = TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"])
 
     print(
-        f"MLP {args.features}-64-64-{args.actions} (ReLU), EpsilonPlus, 1 thread, "
+        f"MLP {'-'.join(map(str, [args.features, *args.cells, args.actions]))} (ReLU), EpsilonPlus, 1 thread, "
         f"median of {args.repeats} interleaved rounds"
     )
-    print(f"{'batch':>6} {'method':<34} {'milliseconds':>12} {'x baseline':>11}")
+    print(f"{'batch':>6} {'method':<42} {'milliseconds':>12} {'x baseline':>11}")
     for batch in args.batches:
         td = TensorDict(observation=torch.randn(batch, args.features), batch_size=[batch])
-        with LRP(policy, rule_mapper=EpsilonPlus()) as lrp:
+        # Called outside a context, each call of this one enters and leaves one (on a copy of the policy: a
+        # module belongs to one open context at a time).
+        entering = LRP(copy.deepcopy(policy), rule_mapper=EpsilonPlus())
+        # A copy of the policy: the baseline calls `net` itself, which must not run under the context's rules.
+        with LRP(copy.deepcopy(policy), rule_mapper=EpsilonPlus()) as lrp:
             methods: dict[str, Callable] = {
                 "gradient x input, TensorDict in/out": lambda: gradient_times_input(net, td.clone(False)),
                 "tdhook EpsilonPlus": lambda: lrp(td.clone(False)),
+                "tdhook EpsilonPlus, entering the context": lambda: entering(td.clone(False)),
             }
             if args.peers:
                 methods["zennit EpsilonPlus"] = zennit_runner(net, td)
@@ -98,7 +108,7 @@ def main() -> None:
             seconds = interleaved_medians(methods, args.repeats)
         base = seconds["gradient x input, TensorDict in/out"]
         for label, value in seconds.items():
-            print(f"{batch:6d} {label:<34} {1000 * value:12.3f} {value / base:11.2f}")
+            print(f"{batch:6d} {label:<42} {1000 * value:12.3f} {value / base:11.2f}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ next-token logit at its argmax. Every method runs in this one process, pinned
 to one thread, on the same model and inputs: a warm-up round, then
 ``--repeats`` timed rounds; the median is reported with its ratio to a plain
 gradient × input pass. Each tdhook wrapper runs inside one ``with lrp:``
-context, as in a loop over many inputs; the methods take turns in every round.
+context, as in a loop over many inputs; the rows marked "entering" call a
+wrapper outside its context, so that each call enters and leaves one (the
+rules are registered and removed every call). The methods take turns in every
+round.
 
     python benchmarks/bench_transformer.py --batch 8 --tokens 64 --repeats 5
 """
@@ -75,16 +78,19 @@ def main() -> None:
             # A copy of the model each: the wrappers' contexts stay open side by side.
             lrp = contexts.enter_context(LRP(copy.deepcopy(model), mapper, in_keys=["embeds"], out_keys=["logits"]))
             methods[label] = lambda lrp=lrp: lrp(TensorDict(embeds=x, batch_size=x.shape[:1]))["relevance", "embeds"]
+            # Called outside a context, each call of this one enters and leaves one.
+            entering = LRP(copy.deepcopy(model), mapper, in_keys=["embeds"], out_keys=["logits"])
+            methods[f"{label}, entering"] = lambda lrp=entering: lrp(TensorDict(embeds=x, batch_size=x.shape[:1]))
         seconds = interleaved_medians(methods, args.repeats)
 
     print(
         f"Llama {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.tokens} tokens, "
         f"1 thread, median of {args.repeats} interleaved rounds"
     )
-    print(f"{'method':<24} {'seconds':>8} {'x grad*input':>13}")
+    print(f"{'method':<32} {'seconds':>8} {'x grad*input':>13}")
     base = seconds["gradient x input"]
     for label, value in seconds.items():
-        print(f"{label:<24} {value:8.4f} {value / base:13.2f}")
+        print(f"{label:<32} {value:8.4f} {value / base:13.2f}")
 
 
 if __name__ == "__main__":

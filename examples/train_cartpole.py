@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModule
 from torchrl.envs import EnvBase, GymEnv
 from torchrl.envs.utils import ExplorationType, set_exploration_type
@@ -45,14 +47,24 @@ def train(
     episodes_per_update: int = 4,
     lr: float = 1e-2,
     max_updates: int | None = None,
+    log_prob: Callable[[list[TensorDictBase]], torch.Tensor] | None = None,
 ) -> list[float]:
     """REINFORCE with normalised returns-to-go; returns the mean episode return of each update.
 
     Episodes are collected without gradients (sampled actions); the log-probabilities
-    of the taken actions are recomputed in one batch for the update.
+    of the taken actions are recomputed in one batch for the update, by ``log_prob``
+    (the episodes -> their steps' log-probabilities, concatenated in order) if given,
+    else by the MLP behind the logits.
     """
     net = policy.module[0].module  # the MLP behind the logits
-    optimiser = torch.optim.Adam(net.parameters(), lr=lr)
+    if log_prob is None:
+
+        def log_prob(episodes: list[TensorDictBase]) -> torch.Tensor:
+            observation = torch.cat([ep["observation"] for ep in episodes])
+            action = torch.cat([ep["action"] for ep in episodes]).float()
+            return (net(observation).log_softmax(-1) * action).sum(-1)
+
+    optimiser = torch.optim.Adam(policy.parameters(), lr=lr)
     history: list[float] = []
     start = time.monotonic()
     bar = tqdm(desc="training on CartPole-v1", unit="update", total=max_updates)
@@ -64,10 +76,7 @@ def train(
         returns_to_go = [ep["next", "reward"].squeeze(-1).flip(0).cumsum(0).flip(0) for ep in episodes]
         flat = torch.cat(returns_to_go)
         advantage = (flat - flat.mean()) / (flat.std() + 1e-8)
-        observation = torch.cat([ep["observation"] for ep in episodes])
-        action = torch.cat([ep["action"] for ep in episodes]).float()
-        log_prob = (net(observation).log_softmax(-1) * action).sum(-1)
-        loss = -(log_prob * advantage).mean()
+        loss = -(log_prob(episodes) * advantage).mean()
         optimiser.zero_grad()
         loss.backward()
         optimiser.step()

@@ -33,7 +33,8 @@ def test_policy_benchmark_runs_on_tiny_inputs():
     command = [sys.executable, str(BENCHMARKS / "bench_policy.py"), "--batches", "1", "3", "--repeats", "1"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
     rows = [line.split() for line in result.stdout.splitlines()[2:]]
-    assert [row[0] for row in rows] == ["1"] * 4 + ["3"] * 4
+    assert [row[0] for row in rows] == ["1"] * 5 + ["3"] * 5
+    assert sum("entering the context" in line for line in result.stdout.splitlines()) == 2
     assert all(float(row[-1]) > 0 for row in rows)
 
 
@@ -55,7 +56,8 @@ def test_transformer_benchmark_runs_on_tiny_inputs():
         check=True,
     )
     rows = [line.rsplit(None, 2) for line in result.stdout.splitlines()[2:]]
-    assert [row[0] for row in rows] == ["gradient x input", "tdhook AttnLRP", "tdhook CP-LRP"]
+    tdhook = ["tdhook AttnLRP", "tdhook AttnLRP, entering", "tdhook CP-LRP", "tdhook CP-LRP, entering"]
+    assert [row[0] for row in rows] == ["gradient x input", *tdhook]
     assert all(float(value) > 0 for row in rows for value in row[1:])
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -62,38 +65,29 @@ MAPPERS = {
 }
 
 
-@pytest.mark.parametrize("mapper", MAPPERS.values(), ids=MAPPERS.keys())
-@pytest.mark.parametrize("activation", [nn.ReLU, nn.Tanh], ids=lambda a: a.__name__)
-@pytest.mark.parametrize("share_params", [False, True], ids=["own-params", "shared"])
-def test_each_agent_gets_the_relevance_of_its_own_unrolled_network(share_params, activation, mapper):
-    net = multi_agent_mlp(False, share_params, activation)
+def against_unrolled_agents(net: MultiAgentMLP, mapper: Callable[[], Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The relevance of a non-centralised network's agents, and the oracle: LRP on each agent's unrolled network."""
     td = agents_td((3,))
     relevance = LRP(wrapped(net), mapper())(td.clone())["relevance", "agents", "observation"]
+    expected = []
     for agent in range(AGENTS):
         x = td["agents", "observation"][:, agent]
         single = LRP(agent_mlp(net, agent), mapper(), in_keys=["x"], out_keys=["y"])
-        expected = single(TensorDict(x=x, batch_size=[BATCH]))["relevance", "x"]
-        torch.testing.assert_close(relevance[:, agent], expected, rtol=1e-10, atol=1e-12)
+        expected.append(single(TensorDict(x=x, batch_size=[BATCH]))["relevance", "x"])
+    return relevance, torch.stack(expected, 1)
 
 
-@pytest.mark.parametrize("share_params", [False, True], ids=["own-params", "shared"])
-@pytest.mark.parametrize("centralized", [False, True], ids=["local", "centralized"])
-def test_lrp0_is_gradient_times_input_for_every_layout(centralized, share_params):
-    net = multi_agent_mlp(centralized, share_params, nn.ReLU)
-    td = agents_td((3,))
-    before = {k: v.clone() for k, v in net.state_dict().items()}
+def against_gradient_times_input(net: nn.Module, td: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
+    """LRP-0's relevance of the chosen actions, and the oracle: gradient × input."""
     relevance = LRP(wrapped(net), BaseRuleMapper())(td.clone())["relevance", "agents", "observation"]
     x = td["agents", "observation"].clone().requires_grad_(True)
     y = net(x)
-    seed = nn.functional.one_hot(y.argmax(-1), 2).to(F64)
+    seed = nn.functional.one_hot(y.argmax(-1), y.shape[-1]).to(F64)
     (grad,) = torch.autograd.grad(y, x, seed)
-    torch.testing.assert_close(relevance, x.detach() * grad, rtol=1e-10, atol=1e-12)
-    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
-    assert "vmap_func_module" not in vars(net) and not net._forward_hooks and not net._forward_pre_hooks
+    return relevance, x.detach() * grad
 
 
-@pytest.mark.parametrize("share_params", [False, True], ids=["own-params", "shared"])
-def test_convolutional_agents(share_params):
+def conv_agents(share_params: bool) -> tuple[MultiAgentConvNet, TensorDict]:
     torch.manual_seed(0)
     net = MultiAgentConvNet(
         n_agents=AGENTS,
@@ -105,12 +99,33 @@ def test_convolutional_agents(share_params):
     ).to(F64)
     td = agents_td((2, 8, 8))
     net(td["agents", "observation"])  # lazy layers take their shapes
-    relevance = LRP(wrapped(net), BaseRuleMapper())(td.clone())["relevance", "agents", "observation"]
-    x = td["agents", "observation"].clone().requires_grad_(True)
-    y = net(x)
-    seed = nn.functional.one_hot(y.argmax(-1), y.shape[-1]).to(F64)
-    (grad,) = torch.autograd.grad(y, x, seed)
-    torch.testing.assert_close(relevance, x.detach() * grad, rtol=1e-10, atol=1e-12)
+    return net, td
+
+
+@pytest.mark.parametrize("mapper", MAPPERS.values(), ids=MAPPERS.keys())
+@pytest.mark.parametrize("activation", [nn.ReLU, nn.Tanh], ids=lambda a: a.__name__)
+@pytest.mark.parametrize("share_params", [False, True], ids=["own-params", "shared"])
+def test_each_agent_gets_the_relevance_of_its_own_unrolled_network(share_params, activation, mapper):
+    relevance, expected = against_unrolled_agents(multi_agent_mlp(False, share_params, activation), mapper)
+    torch.testing.assert_close(relevance, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("share_params", [False, True], ids=["own-params", "shared"])
+@pytest.mark.parametrize("centralized", [False, True], ids=["local", "centralized"])
+def test_lrp0_is_gradient_times_input_for_every_layout(centralized, share_params):
+    net = multi_agent_mlp(centralized, share_params, nn.ReLU)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    relevance, expected = against_gradient_times_input(net, agents_td((3,)))
+    torch.testing.assert_close(relevance, expected, rtol=1e-10, atol=1e-12)
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+    assert "vmap_func_module" not in vars(net) and not net._forward_hooks and not net._forward_pre_hooks
+
+
+@pytest.mark.parametrize("share_params", [False, True], ids=["own-params", "shared"])
+def test_convolutional_agents(share_params):
+    net, td = conv_agents(share_params)
+    relevance, expected = against_gradient_times_input(net, td)
+    torch.testing.assert_close(relevance, expected, rtol=1e-10, atol=1e-12)
     eps = LRP(wrapped(net), EpsilonPlus())(td.clone())["relevance", "agents", "observation"]
     assert not torch.allclose(eps, relevance)  # the rules ran (z+ on the convolutions) under every layout
 
@@ -130,3 +145,87 @@ def test_a_module_run_under_vmap_by_the_model_itself_is_refused_by_name():
         LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(td)
     assert any("'inner." in note for note in caught.value.__notes__)
     assert set(td.keys()) == {"x"}
+
+
+def only_agent(agent: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A callable target: the chosen (argmax) action value of ``agent`` alone, zero for the other agents."""
+
+    def target(out: torch.Tensor) -> torch.Tensor:
+        kept = torch.zeros_like(out)
+        kept[:, agent] = out[:, agent] * nn.functional.one_hot(out[:, agent].argmax(-1), out.shape[-1])
+        return kept
+
+    return target
+
+
+def split_over_agents(centralized: bool, share_params: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The relevance of every agent's action on every agent's observation (``split_dim=1``, over the agents), the
+    oracle (one call per agent, with a target keeping that agent's action alone) and the unsplit relevance."""
+    net = multi_agent_mlp(centralized, share_params, nn.Tanh)
+    td = agents_td((3,))
+
+    def relevance(**options: Any) -> torch.Tensor:
+        return LRP(wrapped(net), EpsilonPlus(), **options)(td.clone())["relevance", "agents", "observation"]
+
+    per_agent = torch.stack([relevance(target=only_agent(agent)) for agent in range(AGENTS)], 1)
+    return relevance(split_dim=1), per_agent, relevance()
+
+
+@pytest.mark.parametrize("share_params", [False, True], ids=["own-params", "shared"])
+@pytest.mark.parametrize("centralized", [False, True], ids=["local", "centralized"])
+def test_split_dim_over_the_agents_explains_each_agents_action_alone(centralized, share_params):
+    split, per_agent, whole = split_over_agents(centralized, share_params)
+    assert split.shape == (BATCH, AGENTS, AGENTS, 3)  # [batch, agent of the action, agent of the observation, feature]
+    torch.testing.assert_close(split, per_agent, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(split.sum(1), whole, rtol=1e-10, atol=1e-12)  # the agents' targets add up
+    others = ~torch.eye(AGENTS, dtype=torch.bool)
+    if centralized:  # every agent's action depends on every agent's observation
+        assert (split[:, others].abs().sum(-1) > 0).all()
+    else:  # an agent's action depends on its own observation only
+        assert split[:, others].abs().max() == 0
+
+
+def measure() -> None:
+    """Print each layout's largest error against its oracle, relative to the oracle's largest value."""
+
+    def row(network: str, centralized: bool, share_params: bool, rules: str, oracle: str, pair: tuple) -> None:
+        got, want = pair
+        error = ((got - want).abs().max() / want.abs().max()).item()
+        layout = f"{'yes' if centralized else 'no'} | {'shared' if share_params else 'per agent'}"
+        print(f"| {network} | {layout} | {rules} | {oracle} | {error:.1e} |")
+
+    print("| network | centralized | parameters | rules | oracle | error |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for share in (False, True):
+        for activation in (nn.ReLU, nn.Tanh):
+            for name, mapper in MAPPERS.items():
+                pair = against_unrolled_agents(multi_agent_mlp(False, share, activation), mapper)
+                row(f"MultiAgentMLP, {activation.__name__}", False, share, name, "each agent unrolled", pair)
+    for centralized in (False, True):
+        for share in (False, True):
+            pair = against_gradient_times_input(multi_agent_mlp(centralized, share, nn.ReLU), agents_td((3,)))
+            row("MultiAgentMLP, ReLU", centralized, share, "LRP-0", "gradient × input", pair)
+    for share in (False, True):
+        row(
+            "MultiAgentConvNet, ReLU",
+            False,
+            share,
+            "LRP-0",
+            "gradient × input",
+            against_gradient_times_input(*conv_agents(share)),
+        )
+    for centralized in (False, True):
+        for share in (False, True):
+            split, per_agent, _ = split_over_agents(centralized, share)
+            row(
+                "MultiAgentMLP, Tanh, split_dim=1",
+                centralized,
+                share,
+                "EpsilonPlus",
+                "one target per agent",
+                (split, per_agent),
+            )
+
+
+if __name__ == "__main__":
+    measure()

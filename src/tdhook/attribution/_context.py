@@ -30,10 +30,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
+from tdhook.attribution.rules._layers import LINEAR_LAYERS, _has_plain_forward
 from tdhook.attribution.rules._scopes import pop, push
-from tdhook.attribution.rules.base import RemovableRuleHandle
+from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
+from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule
 
-__all__ = ["claim", "release", "suspend_function_modes_in"]
+__all__ = ["claim", "leave_out_unread_marks", "marks_are_read", "release", "stop_marks", "suspend_function_modes_in"]
 
 # Every module inside an open LRP context, with the wrapper that owns it: two wrappers' rules on one module would mix.
 _OWNERS: IdentityWeakKeyDict[nn.Module, object] = IdentityWeakKeyDict()
@@ -72,6 +74,10 @@ def release(owner: object) -> None:
         del _OWNERS[module]
 
 
+# Rules whose hook computes on detached tensors only: nothing in it is a call on activations for a mode to change.
+_DETACHED_HOOKS = (EpsilonRule, IgnoreRule)
+
+
 def suspend_function_modes_in(handles: Sequence[RemovableRuleHandle]) -> list[RemovableHandle]:
     """Run modules that have a rule of their own without the mapper's function modes.
 
@@ -100,7 +106,50 @@ def suspend_function_modes_in(handles: Sequence[RemovableRuleHandle]) -> list[Re
     hooks: list[RemovableHandle] = []
     for handle in handles:
         module = handle.module
-        if module is not None and handle.rule.is_registered(module) and not handle.rule.acts_in_forward:
-            hooks.append(module.register_forward_pre_hook(suspend))
-            hooks.append(module.register_forward_hook(resume, always_call=True))
+        if module is None or not handle.rule.is_registered(module) or handle.rule.acts_in_forward:
+            continue
+        if type(handle.rule) in _DETACHED_HOOKS and isinstance(module, LINEAR_LAYERS) and _has_plain_forward(module):
+            continue  # one F.linear or convolution call, which no mode changes: pausing would cost more than it saves
+        hooks.append(module.register_forward_pre_hook(suspend))
+        hooks.append(module.register_forward_hook(resume, always_call=True))
     return hooks
+
+
+def marks_are_read(rules: Mapping[str, Rule], checked: bool, target: object) -> bool:
+    """Whether anything in a context reads the marks that rules leave on Linear and convolution layers' outputs.
+
+    A BatchNorm merging into the layer before it and a first-layer rule read them (``reads_layer_marks``), and
+    so do per-module relevance checks (``checked``) and a callable target, whose relevance on outputs that are
+    exactly zero goes to the rule of the layer that produced them.
+
+    Examples:
+        >>> from tdhook.attribution.rules import EpsilonRule, IgnoreRule, MergeBatchNormRule
+        >>> marks_are_read({"fc": IgnoreRule(), "head": EpsilonRule()}, checked=False, target=None)
+        False
+        >>> marks_are_read({"fc": IgnoreRule(), "bn": MergeBatchNormRule()}, checked=False, target=None)
+        True
+    """
+    return checked or callable(target) or any(rule.reads_layer_marks for rule in rules.values())
+
+
+def leave_out_unread_marks(rules: Mapping[str, Rule]) -> dict[str, Rule]:
+    """``rules`` without those whose only effect is a mark (:attr:`~tdhook.attribution.rules.base.Rule.only_marks`),
+    for a context where :func:`marks_are_read` is false.
+
+    :class:`~tdhook.attribution.rules.basic.IgnoreRule` keeps a Linear or convolution layer's plain gradient;
+    its hook only marks the layer's output. A transformer under AttnLRP reads no marks, and the hook and the
+    pause of the function modes around each layer cost more than the layer's one call in the modes.
+
+    Examples:
+        >>> from tdhook.attribution.rules import EpsilonRule, IgnoreRule
+        >>> sorted(leave_out_unread_marks({"fc": IgnoreRule(), "head": EpsilonRule()}))
+        ['head']
+    """
+    return {name: rule for name, rule in rules.items() if not rule.only_marks}
+
+
+def stop_marks(handles: Sequence[RemovableRuleHandle]) -> None:
+    """Registered rules leave no marks, in a context where :func:`marks_are_read` is false."""
+    for handle in handles:
+        if handle._registration is not None:
+            handle._registration.marks = False

@@ -47,10 +47,9 @@ class RuleUse:
         """Watch the next forward pass (called when a context opens)."""
         self._pending = True
 
-    @contextlib.contextmanager
     def watch(
         self, named_modules: Callable[[], Mapping[str, nn.Module]], handles: Sequence[RemovableRuleHandle]
-    ) -> Iterator[None]:
+    ) -> contextlib.AbstractContextManager[None]:
         """Run the block; if it is the first forward pass since :meth:`reset`, warn about rules without effect.
 
         Args:
@@ -58,8 +57,13 @@ class RuleUse:
             handles: the handles of the registered rules.
         """
         if not self._pending or not handles:
-            yield
-            return
+            return contextlib.nullcontext()  # every later call: nothing to set up
+        return self._watching(named_modules, handles)
+
+    @contextlib.contextmanager
+    def _watching(
+        self, named_modules: Callable[[], Mapping[str, nn.Module]], handles: Sequence[RemovableRuleHandle]
+    ) -> Iterator[None]:
         modules = named_modules()
         ran: set[int] = set()
         # A hook on each module of the model, not a global one: torch.compile warns about global module hooks.

@@ -21,7 +21,14 @@ from tdhook.attribution._backward_passes import (
     check_split_dim,
     target_relevance,
 )
-from tdhook.attribution._context import claim, release, suspend_function_modes_in
+from tdhook.attribution._context import (
+    claim,
+    leave_out_unread_marks,
+    marks_are_read,
+    release,
+    stop_marks,
+    suspend_function_modes_in,
+)
 from tdhook.attribution._copies import hide_from_copies
 from tdhook.attribution._coverage_recorder import CoverageRecorder
 from tdhook.attribution._differentiable import check_differentiable, relevance_graph, rules_off
@@ -266,13 +273,16 @@ class LRP(TensorDictModuleBase, MapperTunable):
             rules = self._rules()
             if self.create_graph:
                 check_differentiable(rules, self.rule_mapper)
-            for name, rule in rules.items():
+            read = marks_are_read(rules, self.relevance_check is not None, self.target)
+            for name, rule in (rules if read else leave_out_unread_marks(rules)).items():
                 try:
                     handles.append(rule.register(modules[name]))
                 except Exception as err:
                     raise type(err)(
                         f"cannot register {rule!r} on module {name!r} ({type(modules[name]).__name__}): {err}"
                     ) from err
+            if not read:
+                stop_marks(handles)
             if self.relevance_check is not None:
                 self._hooks += add_check_hooks(handles, modules, self.relevance_check)
             modes = getattr(self.rule_mapper, "function_modes", list)()

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.nn import Parameter
 
 from tdhook.attribution.rules._keeping_graph import RelevancePass, graph_kept
 from tdhook.attribution.rules._numerics import safe_divide
@@ -337,7 +338,9 @@ def mark_parameter_derived(args: tuple, result: Any) -> Any:
     derived = False
     for arg in args:
         if isinstance(arg, torch.Tensor) and arg.requires_grad:
-            if not (isinstance(arg, torch.nn.Parameter) or getattr(arg, PARAMETER_DERIVED, False)):
+            # An activation (the common case) ends the loop at the first attribute test; a leaf that requires
+            # grad is a parameter or an input, and only leaves pay for the (Python-level) Parameter test.
+            if not (getattr(arg, PARAMETER_DERIVED, False) if not arg.is_leaf else isinstance(arg, Parameter)):
                 return result
             derived = True
     if derived:

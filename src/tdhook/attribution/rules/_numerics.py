@@ -85,6 +85,9 @@ def pieces(*tensors: torch.Tensor, sample: torch.Tensor | None = None) -> Iterat
         whole = tensors if sample is None else (*tensors, sample.expand_as(first))
         yield (*whole, torch.empty_like(first))
         return
+    if sample is None and first.numel() <= PIECE:  # one piece: no splitting (the common case at small sizes)
+        yield (*(t.view(-1) for t in tensors), first.new_empty(first.numel()))
+        return
     rows = [t.view(1 if sample is None else len(t), -1) for t in tensors]
     scratch = first.new_empty(min(PIECE, rows[0].shape[1]))
     repeated = [] if sample is None else [sample.view(-1).split(PIECE)]
@@ -95,6 +98,9 @@ def pieces(*tensors: torch.Tensor, sample: torch.Tensor | None = None) -> Iterat
 
 def in_pieces_(tensor: torch.Tensor, update_: Callable[[torch.Tensor], object]) -> torch.Tensor:
     """Apply the element-wise in-place ``update_`` to ``tensor`` piece by piece, so its temporaries stay small."""
+    if tensor.numel() <= PIECE:  # small enough to stay in cache whole
+        update_(tensor)
+        return tensor
     for piece, _ in pieces(tensor):
         update_(piece)
     return tensor

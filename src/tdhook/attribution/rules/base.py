@@ -236,6 +236,7 @@ class Registration:
     busy: list = field(default_factory=list)
     merged_by_norm: bool = False  # a BatchNorm took over the module's last call (see MergeBatchNormRule)
     fingerprint: tuple = ()  # the parameters ``state`` was prepared from (see parameter_fingerprint)
+    marks: bool = True  # whether a Linear or convolution layer's output gets its LayerCall (see Rule.reads_layer_marks)
 
 
 @dataclass(eq=False)
@@ -300,6 +301,8 @@ class RemovableRuleHandle:
     def __init__(self, rule: Rule, module: nn.Module) -> None:
         self.rule = rule
         self._module_ref = weakref.ref(module)
+        # Read on every call of a context (the records): kept here rather than looked up by module each time.
+        self._registration: Registration | None = rule._registrations.get(module)
 
     @property
     def module(self) -> nn.Module | None:
@@ -313,8 +316,7 @@ class RemovableRuleHandle:
         return list(registration.hooks) if registration is not None else []
 
     def _records(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        module = self.module
-        registration = self.rule._registrations.get(module) if module is not None else None
+        registration = self._registration
         return registration.records if registration is not None else []
 
     @property
@@ -325,6 +327,8 @@ class RemovableRuleHandle:
     def pop_records(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Relevance not carried by the gradient, as ``(module input, relevance)`` pairs, since the last pop."""
         records = self._records()
+        if not records:
+            return []
         popped = list(records)
         records.clear()
         return popped
@@ -334,6 +338,7 @@ class RemovableRuleHandle:
         module = self.module
         if module is not None:
             self.rule.unregister(module)
+        self._registration = None
 
     def __enter__(self) -> RemovableRuleHandle:
         return self
@@ -364,6 +369,13 @@ class Rule(Tunable):
     #: see :mod:`~tdhook.attribution.rules._keeping_graph`): its backward is then written with torch operations
     #: on tensors that keep their history, so that the relevance has its true derivative.
     differentiable: bool = False
+    #: whether the rule reads the :class:`LayerCall` marks that rules leave on the outputs of Linear and
+    #: convolution layers (a BatchNorm merging into the layer before it, a first-layer rule finding the model's
+    #: input). Where no rule of a context reads them, the wrapper leaves out the rules registered only to leave
+    #: them (:attr:`only_marks`).
+    reads_layer_marks: bool = False
+    #: whether the rule's only effect is the :class:`LayerCall` mark (the plain gradient otherwise).
+    only_marks: bool = False
 
     def __init__(self) -> None:
         self._registrations: IdentityWeakKeyDict[nn.Module, Registration] = IdentityWeakKeyDict()
@@ -522,7 +534,8 @@ class Rule(Tunable):
             self.prepared_state(module, registration)
             rule, reg = self.resolve(module, registration, inputs)
             result = rule.rewrite(module, reg, inputs, output)
-            if isinstance(module, LINEAR_LAYERS) and len(inputs) == 1 and isinstance(inputs[0], torch.Tensor):
+            layer = registration.marks and isinstance(module, LINEAR_LAYERS)
+            if layer and len(inputs) == 1 and isinstance(inputs[0], torch.Tensor):
                 _mark(result if result is not None else output, LayerCall(module, rule, reg, inputs[0], output, 0))
             return result
 

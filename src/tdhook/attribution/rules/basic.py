@@ -38,6 +38,7 @@ class IgnoreRule(Rule):
     uses_input = False
     merges_batch_norm = True
     differentiable = True
+    only_marks = True
 
     def register(self, module: nn.Module) -> RemovableRuleHandle:
         if isinstance(module, LINEAR_LAYERS):

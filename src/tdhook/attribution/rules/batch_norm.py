@@ -51,6 +51,8 @@ class MergeBatchNormRule(NormRule):
         True
     """
 
+    reads_layer_marks = True
+
     def __init__(self, epsilon: float = 1e-6) -> None:
         super().__init__(epsilon)
         self._warned: set[type] = set()

@@ -43,6 +43,7 @@ __all__ = [
     "is_gate",
     "keep_gate_mark",
     "held_gate_product",
+    "SAME_VALUES",
     "GATE_FUNCTIONS",
 ]
 
@@ -52,7 +53,7 @@ GATE_MARK = "_tdhook_activation_of"
 SIGMOID_MARK = "_tdhook_sigmoid_gate"
 GATE_FUNCTIONS = frozenset({torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, F.hardsigmoid})
 # Operations that rearrange or copy values: a gate stays a gate through them.
-_SAME_VALUES = frozenset(
+SAME_VALUES = frozenset(
     {torch.Tensor.view, torch.Tensor.view_as, torch.Tensor.reshape, torch.reshape, torch.Tensor.expand}
     | {torch.Tensor.expand_as, torch.Tensor.unsqueeze, torch.unsqueeze, torch.Tensor.squeeze, torch.squeeze}
     | {torch.Tensor.permute, torch.permute, torch.Tensor.transpose, torch.transpose, torch.Tensor.flatten}
@@ -90,7 +91,7 @@ def keep_gate_mark(func: Any, args: tuple, result: Any) -> Any:
         >>> is_gate(keep_gate_mark(torch.Tensor.view, (gate, 2, 1), gate.view(2, 1)))
         True
     """
-    if func in _SAME_VALUES and args and is_gate(args[0]) and isinstance(result, torch.Tensor):
+    if func in SAME_VALUES and args and is_gate(args[0]) and isinstance(result, torch.Tensor):
         mark_gate(result, getattr(args[0], GATE_MARK), sigmoid=getattr(args[0], SIGMOID_MARK, False))
     return result
 

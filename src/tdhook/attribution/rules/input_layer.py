@@ -68,6 +68,8 @@ class _DirectInputRule(_ModifiedForwardRule):
     gradient those ones receive.
     """
 
+    reads_layer_marks = True  # glue and the first layer: walks that stop at layer outputs
+
     def stand_ins(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [torch.ones_like(x)]
 
@@ -264,6 +266,8 @@ class FirstLayerRule(Rule):
         ...     model(x).requires_grad  # the head, declared first, is not the first layer: StopRule
         False
     """
+
+    reads_layer_marks = True  # glue and the first layer: walks that stop at layer outputs
 
     uses_input = False
 

@@ -1,0 +1,113 @@
+"""What a context registers: rules left out where nothing reads their marks, modes not paused around one call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from tdhook.attribution import LRP
+from tdhook.attribution._context import leave_out_unread_marks, marks_are_read
+from tdhook.attribution.lrp_helpers.rules import AttnLRP, BaseRuleMapper, EpsilonPlus, EpsilonPlusFlat
+from tdhook.attribution.rules import EpsilonRule, IgnoreRule, MergeBatchNormRule, PassRule, layer_call_of
+
+
+def hook_count(module: nn.Module) -> int:
+    return len(module._forward_hooks) + len(module._forward_pre_hooks)
+
+
+class Attention(nn.Module):
+    """A single-head self-attention block with an MLP: products and softmax for AttnLRP's function rules."""
+
+    def __init__(self, width: int = 6) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, width)
+        self.act = nn.SiLU()
+        self.up, self.out = nn.Linear(width, width), nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2), -1)
+        h = x + weights @ self.v(x)
+        return self.out(self.act(h) * self.up(h)).sum(-2)
+
+
+class TestUnreadMarks:
+    def test_ignore_rules_are_left_out_where_no_rule_reads_layer_marks(self):
+        rules = {"fc": IgnoreRule(), "act": PassRule(), "head": EpsilonRule()}
+        assert not marks_are_read(rules, checked=False, target=None)
+        assert set(leave_out_unread_marks(rules)) == {"act", "head"}
+
+    @pytest.mark.parametrize("reader", [MergeBatchNormRule(), EpsilonPlusFlat().first_layer_rule("0", nn.Linear(2, 2))])
+    def test_a_rule_that_reads_marks_keeps_every_rule(self, reader):
+        assert marks_are_read({"fc": IgnoreRule(), "reader": reader}, checked=False, target=None)
+
+    def test_per_module_checks_and_callable_targets_read_marks(self):
+        assert marks_are_read({"fc": IgnoreRule()}, checked=True, target=None)
+        assert marks_are_read({"fc": IgnoreRule()}, checked=False, target=lambda out: out)
+        assert not marks_are_read({"fc": IgnoreRule()}, checked=False, target="all")
+
+    def test_layers_leave_no_marks_where_nothing_reads_them(self):
+        net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2), nn.Identity())
+        td = TensorDict(x=torch.randn(2, 3), batch_size=[2])
+        seen = []  # what the module after the last layer receives: the layer's output, as its rule returned it
+        net[3].register_forward_pre_hook(lambda m, args: seen.append(layer_call_of(args[0])))
+        with LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"]) as lrp:
+            lrp(td.clone())
+        with LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"], target=lambda out: out) as lrp:
+            lrp(td.clone())
+        assert seen[0] is None and seen[1] is not None and seen[1].module is net[2]
+
+    def test_linear_layers_of_a_transformer_get_no_hooks_and_the_relevance_is_unchanged(self):
+        torch.manual_seed(0)
+        model = Attention().double()
+        x = torch.randn(2, 4, 6, dtype=torch.float64)
+        checked = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"], relevance_check=lambda *args: None)
+        with checked:  # per-module checks: the Ignore rules stay registered on every Linear
+            assert hook_count(model.q) > 0
+            reference = checked(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
+        lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+        with lrp:
+            assert [hook_count(m) for m in (model.q, model.k, model.v, model.up, model.out)] == [0] * 5
+            relevance = lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
+        torch.testing.assert_close(relevance, reference, rtol=1e-12, atol=1e-14)
+
+    def test_a_batch_norm_after_a_layer_keeps_the_layer_marked_and_merged(self):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 2)).double().eval()
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+        with LRP(model, BaseRuleMapper(), in_keys=["x"], out_keys=["y"]):
+            assert hook_count(model[0]) > 0
+
+
+class TestModesAroundLayers:
+    def test_plain_linear_layers_under_the_epsilon_rule_are_not_paused(self):
+        model = Attention()
+        lrp = LRP(model, AttnLRP(epsilon=1e-6), in_keys=["x"], out_keys=["y"])
+        with lrp:
+            # The ε-rule's forward hook and nothing else: no pre-hook pausing the function rules.
+            assert len(model.q._forward_pre_hooks) == 0 and len(model.q._forward_hooks) == 1
+            # An activation module is paused: its rule decides its gradient, not the mode's activation rule.
+            assert len(model.act._forward_pre_hooks) == 1
+
+    def test_a_linear_subclass_with_its_own_forward_is_paused(self):
+        class Gated(nn.Linear):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return super().forward(x) * torch.sigmoid(x.sum(-1, keepdim=True))
+
+        model = nn.Sequential(Gated(3, 3), nn.Tanh(), nn.Linear(3, 2))
+        with LRP(model, AttnLRP(epsilon=1e-6), in_keys=["x"], out_keys=["y"]):
+            assert len(model[0]._forward_pre_hooks) == 1
+
+    def test_unpaused_epsilon_layers_give_the_epsilon_rule_and_nothing_more(self):
+        # Without the pause, F.linear runs in the function mode; the ε-rule must stay the only rule on it.
+        torch.manual_seed(1)
+        net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+        x = torch.randn(5, 4, dtype=torch.float64)
+        td = TensorDict(x=x, batch_size=[5])
+        relevance = LRP(net, AttnLRP(epsilon=0.1), in_keys=["x"], out_keys=["y"])(td.clone())["relevance", "x"]
+        explicit = BaseRuleMapper(rule_mapper=lambda name, m: EpsilonRule(0.1) if isinstance(m, nn.Linear) else None)
+        explicit.default_rule = lambda name, m: AttnLRP().default_rule(name, m)
+        expected = LRP(net, explicit, in_keys=["x"], out_keys=["y"])(td.clone())["relevance", "x"]
+        torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-14)
