@@ -18,7 +18,7 @@ from torch import nn
 
 from tdhook.attribution import LRP
 from tdhook.attribution.lrp_helpers.rules import CPLRP, AttnLRP
-from tdhook.attribution.mappers.presets import EpsilonPlus
+from tdhook.attribution.mappers.presets import EpsilonPlus, UniformEpsilon
 from tdhook.attribution.rules import (
     EpsilonRule,
     NormRule,
@@ -444,6 +444,7 @@ OTHER_CASES = {
     ),
     "LSTM": (recurrent("LSTM"), lambda: {nn.LSTM: RecurrentRule(0.1), nn.Linear: EpsilonRule(0.1)}),
     "GRU": (recurrent("GRU"), lambda: {nn.GRU: RecurrentRule(0.1), nn.Linear: EpsilonRule(0.1)}),
+    "UniformEpsilon preset on an LSTM": (recurrent("LSTM"), lambda: UniformEpsilon(epsilon=0.25)),
 }
 
 
@@ -474,6 +475,13 @@ class TestRefusals:
         lrp = LRP(net, {"0": QuantizedLinearRule()}, in_keys=["x"], out_keys=["y"], create_graph=True)
         with pytest.raises(NotImplementedError, match="QuantizedLinearRule.*'0'"):
             lrp(TensorDict(x=torch.randn(2, 3), batch_size=[2]))
+
+    def test_a_module_without_a_rule_keeps_its_own_reason(self):
+        """A preset's refusal of a module (UniformEpsilon on attention) is raised, not hidden by this check."""
+        net, x = encoder(0)
+        lrp = LRP(net, UniformEpsilon(), in_keys=["x"], out_keys=["y"], create_graph=True)
+        with pytest.raises(ValueError, match="UniformEpsilon has no rule for attention"):
+            explain(lrp, x)
 
     def test_a_function_mode_of_ones_own_is_refused(self):
         class Mode(torch.overrides.TorchFunctionMode):

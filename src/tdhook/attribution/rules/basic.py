@@ -290,6 +290,9 @@ class RefuseRule(Rule):
         ValueError: no rule for attention
     """
 
+    #: never in the way of ``create_graph=True``: registering it raises its own reason first
+    differentiable = True
+
     def __init__(self, reason: str) -> None:
         super().__init__()
         self.reason = reason
