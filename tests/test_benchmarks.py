@@ -90,3 +90,11 @@ def test_methods_benchmark_runs_on_tiny_inputs():
     rows = [line.rsplit(None, 2) for line in result.stdout.splitlines()[2:]]
     assert [row[0] for row in rows] == ["captum IntegratedGradients", "tdhook IntegratedGradients"]
     assert all(float(value) > 0 for row in rows for value in row[1:])
+
+
+def test_operation_sequence_script_runs():
+    command = [sys.executable, str(BENCHMARKS / "op_sequence.py"), "--cases", "uniform and stop", "Taylor"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
+    rows = result.stdout.splitlines()
+    assert [row.split(":")[0] for row in rows] == ["uniform and stop", "Taylor"]
+    assert all(int(row.split(": ")[1].split()[0]) > 0 for row in rows)  # operations were recorded

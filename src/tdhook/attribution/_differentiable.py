@@ -7,12 +7,12 @@ to the inputs and to every parameter is the true one (see
 :func:`rules_off` is ``LRP.inactive()``.
 
 Examples:
-    >>> from tdhook.attribution.rules import EpsilonRule, StopRule
+    >>> from tdhook.attribution.rules import EpsilonRule, QuantizedLinearRule
     >>> check_differentiable({"0": EpsilonRule()})
-    >>> check_differentiable({"0": StopRule()})  # doctest: +ELLIPSIS
+    >>> check_differentiable({"0": QuantizedLinearRule()})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    NotImplementedError: LRP(create_graph=True): the rule StopRule() on module '0' cannot keep ...
+    NotImplementedError: LRP(create_graph=True): the rule QuantizedLinearRule(epsilon=1e-06) on module '0' cannot ...
 """
 
 from __future__ import annotations
@@ -29,24 +29,24 @@ __all__ = ["check_differentiable", "relevance_graph", "rules_off"]
 
 def check_differentiable(rules: Mapping[str, Rule], mapper: object = None) -> None:
     """Raise for the first rule of ``rules`` (by module name) whose relevance cannot keep its graph, or for
-    function rules of the rule ``mapper`` (AttnLRP's, stabilised additions): none of them can yet.
+    function modes of the rule ``mapper`` that cannot (the package's own can: they say so with ``differentiable``).
 
     Raises:
         NotImplementedError: naming the rule and the module; its relevance would be differentiated wrongly.
     """
-    modes = getattr(mapper, "function_modes", list)()
-    if modes:
+    refused = [mode for mode in getattr(mapper, "function_modes", list)() if not getattr(mode, "differentiable", False)]
+    if refused:
         raise NotImplementedError(
             f"LRP(create_graph=True): the function rules of {type(mapper).__name__} "
-            f"({', '.join(type(mode).__name__ for mode in modes)}) cannot keep the relevance's graph"
+            f"({', '.join(type(mode).__name__ for mode in refused)}) cannot keep the relevance's graph"
         )
     for name, rule in rules.items():
         if not rule.differentiable:
             raise NotImplementedError(
                 f"LRP(create_graph=True): the rule {rule!r} on module {name or 'the model itself'!r} cannot keep "
                 "the relevance's graph, so its derivative would be wrong; map that module to a rule that can "
-                "(EpsilonRule, AlphaBetaRule, GammaRule, FlatRule, WSquareRule, ZBoxRule, PassRule, IgnoreRule, "
-                "MergeBatchNormRule)"
+                "(one whose `differentiable` is true: every rule of the package but QuantizedLinearRule, whose "
+                "dynamically quantized layer has no derivative)"
             )
 
 

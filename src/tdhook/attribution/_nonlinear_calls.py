@@ -36,7 +36,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from tdhook.attribution.coverage import PlainGradientCall
-from tdhook.attribution.rules._autograd import is_activation, mark_parameter_derived
+from tdhook.attribution.rules._autograd import is_activation, mark_parameter_derived, relevance_pass_edges
 
 __all__ = ["NonlinearCalls", "function_kind", "report_plain_gradient"]
 
@@ -143,7 +143,8 @@ def _grad_fn(result: Any) -> Any:
 
 
 def _graph_nodes(outputs: Sequence[torch.Tensor]) -> set:
-    """Every autograd node the ``outputs`` depend on."""
+    """Every autograd node the ``outputs`` depend on in the relevance pass (see
+    :func:`~tdhook.attribution.rules._autograd.relevance_pass_edges`)."""
     seen: set = set()
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     while stack:
@@ -151,7 +152,7 @@ def _graph_nodes(outputs: Sequence[torch.Tensor]) -> set:
         if node in seen:
             continue
         seen.add(node)
-        stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+        stack.extend(relevance_pass_edges(node))
     return seen
 
 

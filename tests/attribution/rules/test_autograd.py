@@ -21,3 +21,42 @@ class TestFastPaths:
             torch.autograd.grad(out, x, torch.ones_like(out))
             with pytest.raises(RuntimeError, match="backward through the graph a second time"):
                 torch.autograd.grad(out, x, torch.ones_like(out))
+
+
+class TestKeepingGraph:
+    """In a call that keeps the graph, ``hold``, ``scale_gradient`` and ``redirect`` change the gradient in the
+    relevance pass only; every other pass gets the plain one."""
+
+    def test_hold_and_scale_gradient(self):
+        from tdhook.attribution.rules import hold, scale_gradient
+        from tdhook.attribution.rules._autograd import is_activation
+        from tdhook.attribution.rules._keeping_graph import keeping_graph
+
+        x = torch.tensor([1.5, -2.0], dtype=torch.float64, requires_grad=True)
+        with keeping_graph() as relevance_pass:
+            gate = torch.sigmoid(x * 1)
+            held = hold(gate)
+            y = scale_gradient(x * 1, 0.5) * held
+        assert held.requires_grad and not is_activation(held)
+        with relevance_pass.running():  # half of the gradient, the gate held: 0.5 · gate
+            (relevance_grad,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        assert torch.allclose(relevance_grad, 0.5 * gate)
+        (plain,) = torch.autograd.grad(y.sum(), x, retain_graph=True)  # the plain product's gradient
+        assert torch.allclose(plain, gate + x * gate * (1 - gate))
+        # The relevance pass's gradient keeps the gate's derivative: d(0.5 · sigmoid(x)) / dx.
+        (second,) = torch.autograd.grad(relevance_grad.sum(), x)
+        assert torch.allclose(second, 0.5 * gate * (1 - gate))
+
+    def test_relevance_pass_edges_leave_the_plain_output_out(self):
+        from tdhook.attribution.rules import hold, redirect
+        from tdhook.attribution.rules._autograd import relevance_pass_edges
+        from tdhook.attribution.rules._keeping_graph import keeping_graph
+
+        x = torch.ones(2, requires_grad=True)
+        with keeping_graph():
+            inner = x * 2
+            out = redirect(x.exp(), [inner], lambda grad: [grad])
+            held = hold(x.exp())
+        assert relevance_pass_edges(out.grad_fn) == [inner.grad_fn]
+        assert relevance_pass_edges(held.grad_fn) == []
+        assert len([n for n, _ in out.grad_fn.next_functions if n is not None]) == 2  # the plain edge is there

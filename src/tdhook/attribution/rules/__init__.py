@@ -10,11 +10,12 @@ One family of rules per module: :mod:`~tdhook.attribution.rules.base` (what a ru
 :mod:`~tdhook.attribution.rules.transformer`,
 :mod:`~tdhook.attribution.rules.functional` (rules on function calls),
 :mod:`~tdhook.attribution.rules.additions` (stabilised residual sums) and
-:mod:`~tdhook.attribution.rules.checks`. :func:`redirect`, :func:`relevance_proxy` and
-:func:`scale_gradient` are what a rule of one's own is written with (see the docs' page on custom rules).
+:mod:`~tdhook.attribution.rules.checks`. :func:`redirect`, :func:`relevance_proxy`,
+:func:`scale_gradient` and :func:`hold` are what a rule of one's own is written with (see the docs' page on
+custom rules).
 """
 
-from tdhook.attribution.rules._autograd import redirect, relevance_proxy, scale_gradient
+from tdhook.attribution.rules._autograd import hold, redirect, relevance_proxy, scale_gradient
 from tdhook.attribution.rules._glue import GlueError
 from tdhook.attribution.rules._numerics import stabilize
 from tdhook.attribution.rules.additions import StabilizedAdditions
@@ -61,6 +62,7 @@ __all__ = [
     "redirect",
     "relevance_proxy",
     "scale_gradient",
+    "hold",
     "ParamModifier",
     "RemovableRuleHandle",
     "Registration",

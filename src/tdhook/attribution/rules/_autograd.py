@@ -14,6 +14,15 @@ value (bit for bit, no copy) whose backward is chosen by the rule:
   relevance a gradient cannot carry (where the input is zero).
 * :func:`scale_gradient` multiplies the gradient through a tensor by a factor
   (the uniform rule on products, the stabilised residual sums).
+* :func:`hold` holds a tensor constant for the relevance (a gate, a normalising
+  scale, attention weights under CP-LRP).
+
+In a call that keeps the graph (see :mod:`~tdhook.attribution.rules._keeping_graph`)
+each of them changes the gradient during the wrapper's relevance pass only, and
+passes the plain gradient in every other backward pass: the model's own
+derivative, and the derivative of the relevance through the values the rule
+computed with (a held gate is a coefficient of the relevance, and its
+derivative reaches the gate's parameters).
 
 The questions a rule's backward asks about the pass it runs in
 (:func:`backward_keeps_graph`, :func:`is_batched_gradient`,
@@ -35,6 +44,9 @@ __all__ = [
     "redirect",
     "relevance_proxy",
     "scale_gradient",
+    "hold",
+    "is_held",
+    "relevance_pass_edges",
     "backward_keeps_graph",
     "is_batched_gradient",
     "is_plain_gradient",
@@ -88,6 +100,11 @@ BackwardFn = Callable[[torch.Tensor], Sequence[torch.Tensor | None]]
 
 
 _FREED_GRAPH_GUARD = torch.empty(0)
+
+# A node's metadata key: the positions of its next nodes that only passes other than the relevance pass reach.
+_PLAIN_EDGES = "tdhook_plain_edges"
+# The attribute that marks what :func:`hold` returned in a call that keeps the graph.
+_HELD = "_tdhook_held"
 
 
 class _Redirect(torch.autograd.Function):
@@ -152,7 +169,8 @@ def redirect(output: torch.Tensor, inputs: Sequence[torch.Tensor], backward_fn: 
 
     The module's own graph behind ``output`` receives no gradient. The value is
     the same storage as ``output``: nothing is copied. In a call that keeps the
-    graph (see :mod:`~tdhook.attribution.rules._keeping_graph`), it does in every
+    graph (see :mod:`~tdhook.attribution.rules._keeping_graph`), the value is a
+    copy, the module's graph receives the gradient in every
     backward pass but the wrapper's relevance pass, and ``backward_fn`` is
     recorded by autograd: it must then use torch operations only, on tensors
     that keep their history.
@@ -177,7 +195,11 @@ def redirect(output: torch.Tensor, inputs: Sequence[torch.Tensor], backward_fn: 
     """
     relevance_pass = graph_kept()
     if relevance_pass is not None:
-        return _GraphKeepingRedirect.apply(backward_fn, relevance_pass, output.detach(), output, *inputs)
+        # A copy: rebasing an alias would raise the version of the module's own output, which its backward (a
+        # softmax's, a tanh's) may have saved for the plain passes.
+        result = _GraphKeepingRedirect.apply(backward_fn, relevance_pass, output.detach().clone(), output, *inputs)
+        result.grad_fn.metadata[_PLAIN_EDGES] = (1,)  # after the copy (no edge): the module's own output
+        return result
     return _Redirect.apply(backward_fn, output.detach(), *inputs)
 
 
@@ -346,6 +368,81 @@ class _ScaledGradient(torch.autograd.Function):
         return grad * ctx.factor, None, None
 
 
+class _GraphKeepingScaledGradient(torch.autograd.Function):
+    """:class:`_ScaledGradient` in a call that keeps the graph: the factor applies in the relevance pass only."""
+
+    @staticmethod
+    def forward(ctx, relevance_pass: RelevancePass, x: torch.Tensor, factor: float | torch.Tensor, in_place: bool):
+        ctx.relevance_pass = relevance_pass
+        return _ScaledGradient.forward(ctx, x, factor, in_place)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, grad * ctx.factor if ctx.relevance_pass.is_running else grad, None, None
+
+
+class _Held(torch.autograd.Function):
+    """A view of ``x`` that passes no gradient in the relevance pass, and the plain gradient in any other."""
+
+    @staticmethod
+    def forward(ctx, relevance_pass: RelevancePass, x: torch.Tensor) -> torch.Tensor:
+        ctx.relevance_pass = relevance_pass
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, None if ctx.relevance_pass.is_running else grad
+
+
+def hold(x: torch.Tensor) -> torch.Tensor:
+    """``x`` held constant for the relevance: ``x.detach()``, marked as no activation (see :func:`is_activation`).
+
+    In a call that keeps the graph it is a view of ``x`` that passes no gradient
+    in the wrapper's relevance pass and the plain gradient in every other pass,
+    so the derivative of the relevance reaches what ``x`` is computed from.
+
+    Examples:
+        >>> x = torch.tensor([2.0], requires_grad=True)
+        >>> held = hold(x * 3)
+        >>> held.requires_grad, is_activation(held)
+        (False, False)
+    """
+    relevance_pass = graph_kept()
+    if relevance_pass is None or not x.requires_grad:
+        return x.detach()
+    held = _Held.apply(relevance_pass, x)
+    held.grad_fn.metadata[_PLAIN_EDGES] = (0,)
+    setattr(held, PARAMETER_DERIVED, True)  # a constant of the rule, as a parameter is: no activation
+    setattr(held, _HELD, True)
+    return held
+
+
+def is_held(x: Any) -> bool:
+    """Whether ``x`` is what :func:`hold` returned in a call that keeps the graph (it requires grad, but no
+    relevance flows through it: the rules of the modules it enters have nothing to change).
+
+    Examples:
+        >>> is_held(hold(torch.ones(1, requires_grad=True) * 2))  # an ordinary call: a detached tensor
+        False
+    """
+    return getattr(x, _HELD, False)
+
+
+def relevance_pass_edges(node: Any) -> list:
+    """The autograd nodes that the wrapper's relevance pass reaches from ``node``: all of its next nodes, but for
+    the rules' nodes in a call that keeps the graph, which reach the plain model only in other passes.
+
+    Examples:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> [type(n).__name__ for n in relevance_pass_edges((x * 2).grad_fn)]
+        ['AccumulateGrad']
+    """
+    if not isinstance(node, torch.autograd.function.BackwardCFunction):  # a built-in node: no metadata to read
+        return [n for n, _ in node.next_functions if n is not None]
+    skipped = node.metadata.get(_PLAIN_EDGES, ())
+    return [n for i, (n, _) in enumerate(node.next_functions) if n is not None and i not in skipped]
+
+
 def scale_gradient(x: torch.Tensor, factor: float | torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """``x`` with its gradient multiplied by ``factor``; a view of ``x``, or ``x`` itself rebased with ``in_place``.
 
@@ -361,6 +458,9 @@ def scale_gradient(x: torch.Tensor, factor: float | torch.Tensor, in_place: bool
     """
     if not in_place and isinstance(factor, (int, float)) and factor == 1:
         return x
+    relevance_pass = graph_kept()
+    if relevance_pass is not None:  # the factor in the relevance pass only (see the module's docstring)
+        return _GraphKeepingScaledGradient.apply(relevance_pass, x, factor, in_place)
     return _ScaledGradient.apply(x, factor, in_place)
 
 

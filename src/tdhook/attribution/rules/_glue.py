@@ -30,6 +30,8 @@ import math
 import torch
 from torch import nn
 
+from tdhook.attribution.rules._autograd import relevance_pass_edges
+
 __all__ = ["GlueError", "carry_back", "input_leaves", "rest_records"]
 
 _LAYER_MARK = "tdhook_layer"  # the autograd metadata key set on Linear and convolution outputs (see base._mark)
@@ -73,7 +75,7 @@ def input_leaves(x: torch.Tensor) -> tuple[list[torch.Tensor], bool]:
             if not isinstance(variable, nn.Parameter):
                 leaves.setdefault(id(variable), variable)
             continue
-        stack.extend(fn for fn, _ in node.next_functions)
+        stack.extend(relevance_pass_edges(node))
     return list(leaves.values()), through_layer
 
 

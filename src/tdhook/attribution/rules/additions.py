@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._autograd import is_activation, mark_parameter_derived, scale_gradient
+from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._numerics import stabilize
 
 __all__ = ["StabilizedAdditions"]
@@ -49,6 +50,9 @@ class StabilizedAdditions(TorchFunctionMode):
         tensor([0.6667, 0.8000])
     """
 
+    #: the rescaling keeps the graph in a call that asks for it (``LRP(..., create_graph=True)``)
+    differentiable = True
+
     def __init__(self, epsilon: float = 1e-6) -> None:
         nonnegative(type(self).__name__, "epsilon", epsilon)
         super().__init__()
@@ -65,8 +69,12 @@ class StabilizedAdditions(TorchFunctionMode):
             and is_activation(args[1])
             and args[0].shape == args[1].shape
         ):
-            with torch.no_grad():
-                scale = result / stabilize(result, self.epsilon)
+            if graph_kept() is not None:  # from a copy of the sum, with its history
+                total = result.clone()
+                scale = total / stabilize(total, self.epsilon)
+            else:
+                with torch.no_grad():
+                    scale = result / stabilize(result, self.epsilon)
             # Rebased in place: ``a += b`` must leave the very tensor ``a`` with the new history.
             result = scale_gradient(result, scale, in_place=True)
         return result

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tdhook.attribution.rules._autograd import raise_for_vmap
+from tdhook.attribution.rules._autograd import raise_for_vmap, relevance_pass_edges
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import LINEAR_LAYERS, _has_weight_property
@@ -576,7 +576,7 @@ def _reaches_model_input(x: torch.Tensor) -> bool:
             if not isinstance(variable, nn.Parameter):
                 return True
             continue
-        stack.extend(fn for fn, _ in node.next_functions)
+        stack.extend(relevance_pass_edges(node))
     return False
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tdhook.attribution.rules._arguments import nonnegative
-from tdhook.attribution.rules._autograd import redirect, relevance_proxy, times_saved
+from tdhook.attribution.rules._autograd import hold, redirect, relevance_proxy, times_saved
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import LINEAR_LAYERS, bias_view
 from tdhook.attribution.rules._numerics import in_pieces_, stabilize
@@ -64,9 +64,10 @@ class StopRule(Rule):
     """
 
     uses_input = False
+    differentiable = True
 
     def rewrite(self, module, registration, inputs, output):
-        return output.detach()
+        return hold(output)
 
 
 class EpsilonRule(Rule):
@@ -250,6 +251,8 @@ class UniformRule(Rule):
         (2.0, 2.0)
     """
 
+    differentiable = True
+
     def rewrite(self, module, registration, inputs, output):
         tensors = [i for i in inputs if isinstance(i, torch.Tensor) and i.requires_grad]
         for t in tensors:
@@ -260,7 +263,8 @@ class UniformRule(Rule):
                 )
         if not tensors:
             return None
-        share = output.detach() / len(tensors)
+        # In a call that keeps the graph: from a copy of the output with its history (see EpsilonRule).
+        share = (output.detach() if graph_kept() is None else output.clone()) / len(tensors)
         stand_ins = []
         for t in tensors:
             (ones,) = relevance_proxy(
@@ -285,6 +289,9 @@ class RefuseRule(Rule):
         ...
         ValueError: no rule for attention
     """
+
+    #: never in the way of ``create_graph=True``: registering it raises its own reason first
+    differentiable = True
 
     def __init__(self, reason: str) -> None:
         super().__init__()

@@ -139,6 +139,10 @@ class ElementwiseRule(Rule):
         super().__init__()
         self.rule = rule
 
+    @property
+    def differentiable(self) -> bool:  # type: ignore[override]
+        return self.rule.differentiable
+
     def prepare(self, module: nn.Module) -> list[bool | None]:
         """Whether the module is element-wise: not known until its first call in the context."""
         return [None]

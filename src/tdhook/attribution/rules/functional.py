@@ -22,7 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from tdhook.attribution.rules._autograd import call_argument, is_activation, mark_parameter_derived, scale_gradient
+from tdhook.attribution.rules._autograd import (
+    call_argument,
+    hold,
+    is_activation,
+    mark_parameter_derived,
+    scale_gradient,
+)
+from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules.gates import GATE_FUNCTIONS, SAME_VALUES, held_gate_product, keep_gate_mark, mark_gate
 from tdhook.attribution.rules.transformer import (
     AHQKVRule,
@@ -87,7 +94,8 @@ class FunctionalRules(TorchFunctionMode):
     * ``softmax``: ``softmax`` (a :class:`SoftmaxEpsilonRule`, or an
       :class:`AHQKVRule` for CP-LRP, which holds the attention weights constant);
     * ``F.scaled_dot_product_attention``: the same rules as the unfused
-      ``softmax(q · kᵀ) · v``; with a non-zero softmax ε it is computed unfused;
+      ``softmax(q · kᵀ) · v``; with a non-zero softmax ε, or in a call that keeps the
+      relevance's graph (the fused kernels have no second derivative), it is computed unfused;
     * functional activations (``F.gelu``, ``F.silu``, ``torch.tanh``, …):
       ``activation`` (a :class:`PseudoIdentityRule`);
     * ``F.layer_norm`` and ``F.rms_norm``: :class:`LayerNormRule`.
@@ -109,6 +117,9 @@ class FunctionalRules(TorchFunctionMode):
         >>> torch.allclose(grad_v, torch.autograd.grad(F.scaled_dot_product_attention(q, k, v).sum(), v)[0] / 2)
         True
     """
+
+    #: the rules keep the graph in a call that asks for it (``LRP(..., create_graph=True)``)
+    differentiable = True
 
     def __init__(self, softmax: SoftmaxEpsilonRule, activation: PseudoIdentityRule, hold_gates: bool = False) -> None:
         expected = (("softmax", softmax, SoftmaxEpsilonRule), ("activation", activation, PseudoIdentityRule))
@@ -163,10 +174,10 @@ class FunctionalRules(TorchFunctionMode):
 
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
         attention = F.scaled_dot_product_attention
-        if isinstance(self.softmax, AHQKVRule):
-            query, key = query.detach(), key.detach()
+        if isinstance(self.softmax, AHQKVRule) and graph_kept() is None:
+            query, key = hold(query), hold(key)
             return attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
-        if self.softmax.epsilon != 0:
+        if self.softmax.epsilon != 0 or graph_kept() is not None:  # the fused kernels have no second derivative
             return self._unfused_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, **kwargs)
         # The uniform rule on q · kᵀ and on attention · v, applied to the fused call's inputs.
         scores_product = is_activation(query) and is_activation(key)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from tdhook.attribution.rules._autograd import is_activation, mark_parameter_derived
+from tdhook.attribution.rules._autograd import hold, is_activation, mark_parameter_derived
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.rules.basic import PassRule
@@ -113,7 +113,7 @@ def held_gate_product(func: Any, args: tuple, kwargs: dict, any_gate: bool = Tru
     gates = _held_factors(args, any_gate)
     if gates is None:
         return None
-    return func(*(a.detach() if gate else a for a, gate in zip(args, gates, strict=True)), **kwargs)
+    return func(*(hold(a) if gate else a for a, gate in zip(args, gates, strict=True)), **kwargs)
 
 
 def _held_factors(args: tuple, any_gate: bool = True) -> list[bool] | None:
@@ -163,6 +163,8 @@ class HeldGates(TorchFunctionMode):
     """
 
     pause_in_ruled_modules = False
+    #: the held gates keep the graph in a call that asks for it (see :func:`~tdhook.attribution.rules._autograd.hold`)
+    differentiable = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -231,6 +233,7 @@ class RouterRule(Rule):
     """
 
     uses_input = False
+    differentiable = True
 
     def register(self, module: nn.Module) -> RemovableRuleHandle:
         if module in self._registrations:
@@ -249,7 +252,7 @@ class RouterRule(Rule):
 
 def _held(output: Any, module: nn.Module) -> Any:
     if isinstance(output, torch.Tensor):
-        return output.detach()
+        return hold(output)
     if isinstance(output, (tuple, list)):
         return type(output)(_held(item, module) for item in output)
     if output is None or isinstance(output, (int, float, bool)):

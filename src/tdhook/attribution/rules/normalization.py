@@ -32,9 +32,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._arguments import nonnegative
-from tdhook.attribution.rules._autograd import call_argument, redirect, times_saved
+from tdhook.attribution.rules._autograd import call_argument, hold, is_held, redirect, times_saved
+from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
-from tdhook.attribution.rules._numerics import in_pieces_
+from tdhook.attribution.rules._numerics import in_pieces_, stabilize
 from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.tunables import EPSILON
@@ -84,6 +85,15 @@ def _forward_normalises(module: nn.Module) -> bool:
     return code is not None and not _NORM_CALLS.isdisjoint(code.co_names)
 
 
+def _constant(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """What a norm's rule computes its held scale from: ``tensor`` detached, or in a call that keeps the graph a
+    copy with its history (the scale is a constant of the rule, but the relevance's derivative runs through it).
+    """
+    if tensor is None:
+        return None
+    return tensor.detach() if graph_kept() is None else tensor.clone()
+
+
 def _channel_view(tensor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A per-channel tensor shaped to broadcast over ``x`` of shape ``(N, C, *)``."""
     return tensor.view(1, -1, *[1] * (x.dim() - 2))
@@ -105,15 +115,16 @@ class _ConstantScale(TorchFunctionMode):
             x = args[0] if args else None
             if handler is not None:
                 self.applied = True
-                if isinstance(x, torch.Tensor) and x.requires_grad:
+                # A held input (create_graph=True: it requires grad, as a detached one would not) passes no relevance.
+                if isinstance(x, torch.Tensor) and x.requires_grad and not is_held(x):
                     return handler(self.rule, self.module, func(*args, **kwargs), args, kwargs)
             result = func(*args, **kwargs)
             if func in _SCALES:
                 self.applied = True
-                return result.detach()
+                return hold(result)
             if func in _SCALE_AND_MEAN:
                 self.applied = True
-                return result[0].detach(), result[1]
+                return hold(result[0]), result[1]
             return result
 
 
@@ -146,6 +157,7 @@ class NormRule(Rule):
     uses_input = False
     acts_in_forward = True
     tunables = {"epsilon": EPSILON}
+    differentiable = True
 
     def __init__(self, epsilon: float = 1e-6) -> None:
         nonnegative(type(self).__name__, "epsilon", epsilon)
@@ -187,9 +199,9 @@ class NormRule(Rule):
         if not x.requires_grad:
             return output
         reduce = tuple(range(-dims, 0))
-        xd = x.detach()
+        xd = _constant(x)
         inv_sigma = torch.rsqrt(xd.var(reduce, unbiased=False, keepdim=True) + eps)
-        scale = inv_sigma if weight is None else inv_sigma * weight.detach()
+        scale = inv_sigma if weight is None else inv_sigma * _constant(weight)
 
         def backward(grad: torch.Tensor) -> list[torch.Tensor]:
             h = grad * scale
@@ -204,12 +216,12 @@ class NormRule(Rule):
         """``output = rms_norm(x)`` over the last ``dims`` dimensions, with the rule's gradient."""
         if not x.requires_grad:
             return output
-        xd = x.detach()
+        xd = _constant(x)
         eps = torch.finfo(xd.dtype).eps if eps is None else eps
         reduce = tuple(range(-dims, 0))
         scale = torch.rsqrt(xd.pow(2).mean(reduce, keepdim=True) + eps)
         if weight is not None:
-            scale = scale * weight.detach()
+            scale = scale * _constant(weight)
         scale = scale.to(output.dtype)
         return redirect(output, [x], lambda grad: [(grad * scale).to(x.dtype)])
 
@@ -220,11 +232,12 @@ class NormRule(Rule):
         """``output = group_norm(x, groups)`` for ``x`` of shape ``(N, C, *)``, with the rule's gradient."""
         if not x.requires_grad:
             return output
-        grouped = x.detach().reshape(x.shape[0], groups, -1)
+        grouped = _constant(x).reshape(x.shape[0], groups, -1)
         inv_sigma = torch.rsqrt(grouped.var(-1, unbiased=False, keepdim=True) + eps)
+        keep = graph_kept() is not None
 
         def backward(grad: torch.Tensor) -> list[torch.Tensor]:
-            h = grad if weight is None else grad * _channel_view(weight.detach(), grad)
+            h = grad if weight is None else grad * _channel_view(weight if keep else weight.detach(), grad)
             h = h.reshape(grouped.shape) * inv_sigma
             return [(h - h.mean(-1, keepdim=True)).reshape(x.shape)]
 
@@ -237,6 +250,13 @@ class NormRule(Rule):
         """
         if not x.requires_grad:
             return output
+        if graph_kept() is not None:  # the factor from the output's copy, with its history
+            z = output.clone()
+            factor = z / stabilize(z, self.epsilon)
+            if scale is None:
+                return redirect(output, [output], lambda grad: [grad * factor])
+            factor = factor * _channel_view(scale, z)
+            return redirect(output, [x], lambda grad: [grad * factor])
         z = output.detach()
         factor = in_pieces_(z.abs(), lambda piece: piece.div_(piece + self.epsilon))  # z / stabilize(z, ε)
         if scale is None:
@@ -253,8 +273,8 @@ class NormRule(Rule):
         if not training:
             return self.affine(output, x, None)
         dims = [0, *range(2, x.dim())]
-        scale = torch.rsqrt(x.detach().var(dims, unbiased=False) + eps)  # the batch statistics, held constant
-        return self.affine(output, x, scale if weight is None else scale * weight.detach())
+        scale = torch.rsqrt(_constant(x).var(dims, unbiased=False) + eps)  # the batch statistics, held constant
+        return self.affine(output, x, scale if weight is None else scale * _constant(weight))
 
     def instance_norm(self, module: nn.Module, output: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         """``output = F.instance_norm(*args, **kwargs)`` with the rule's gradient: a group norm of one channel
@@ -300,7 +320,7 @@ class NormRule(Rule):
             call_argument(args, kwargs, 2, "dim", 1),
             call_argument(args, kwargs, 3, "eps", 1e-12),
         )
-        denominator = x.detach().norm(p, dim, keepdim=True).clamp_min(eps)
+        denominator = _constant(x).norm(p, dim, keepdim=True).clamp_min(eps)
         return redirect(output, [x], lambda grad: [grad / denominator])
 
     functions = {

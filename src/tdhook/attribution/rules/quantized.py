@@ -43,6 +43,9 @@ class QuantizedLinearRule(Rule):
     """LRP-ε on a dynamically quantized ``Linear``: ``R_i = x_i Σ_j w_ji R_j / stabilize(z_j, ε)`` with ``w`` the
     dequantized weight and ``z`` the layer's (quantized) output.
 
+    Its relevance cannot keep its graph (``LRP(..., create_graph=True)`` refuses it): the layer's output is
+    computed from activations quantized on the fly, a step function of the input with no derivative to keep.
+
     Args:
         epsilon: the stabilizer added to ``z`` with its sign.
 

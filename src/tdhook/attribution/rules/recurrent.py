@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from tdhook.attribution.rules._arguments import nonnegative
-from tdhook.attribution.rules._autograd import redirect, scale_gradient
+from tdhook.attribution.rules._autograd import hold, redirect, scale_gradient
 from tdhook.attribution.rules._numerics import safe_divide, stabilize
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.tunables import EPSILON
@@ -68,7 +68,7 @@ def is_recurrent(module: nn.Module) -> bool:
 def _split(z: torch.Tensor, epsilon: float) -> torch.Tensor:
     """``z`` (a sum of terms) with its relevance split among the terms over ``stabilize(z)``: the gradient
     through it is multiplied by ``z / stabilize(z)``."""
-    value = z.detach()
+    value = hold(z)
     return scale_gradient(z, value / stabilize(value, epsilon))
 
 
@@ -102,15 +102,15 @@ def lstm_step(
     w_ih, w_hh, b_ih, b_hh = weights
     pre = F.linear(x, w_ih, b_ih) + F.linear(h, w_hh, b_hh)
     z_i, z_f, z_g, z_o = pre.chunk(4, -1)
-    i, f, o = torch.sigmoid(z_i).detach(), torch.sigmoid(z_f).detach(), torch.sigmoid(z_o).detach()
+    i, f, o = hold(torch.sigmoid(z_i)), hold(torch.sigmoid(z_f)), hold(torch.sigmoid(z_o))
     g_value = torch.tanh(z_g)
     # tanh passes R(g) to z_g, and the ε-rule splits it over stabilize(z_g): one factor g / stabilize(z_g).
-    g_factor = g_value.detach() / stabilize(z_g.detach(), epsilon)
+    g_factor = hold(g_value) / stabilize(hold(z_g), epsilon)
     g = redirect(g_value, [z_g], lambda grad: [grad * g_factor])
     c_value = f * c + i * g
     c_new = _split(c_value, epsilon)
-    h_value = o * torch.tanh(c_new.detach())
-    h_factor = safe_divide(h_value, c_new.detach())  # all of R(h_t) to c_t
+    h_value = o * torch.tanh(hold(c_new))
+    h_factor = safe_divide(h_value, hold(c_new))  # all of R(h_t) to c_t
     h_new = redirect(h_value, [c_new], lambda grad: [grad * h_factor])
     return h_new, c_new
 
@@ -144,11 +144,11 @@ def gru_step(
     w_ih, w_hh, b_ih, b_hh = weights
     x_r, x_z, u = F.linear(x, w_ih, b_ih).chunk(3, -1)
     h_r, h_z, v = F.linear(h, w_hh, b_hh).chunk(3, -1)
-    r, z = torch.sigmoid(x_r + h_r).detach(), torch.sigmoid(x_z + h_z).detach()
+    r, z = hold(torch.sigmoid(x_r + h_r)), hold(torch.sigmoid(x_z + h_z))
     v = _split(v, epsilon)  # the ε-rule from v to h_{t−1}
     a = u + r * v
     n_value = torch.tanh(a)
-    n_factor = n_value.detach() / stabilize(a.detach(), epsilon)  # tanh passes; a split over stabilize(a)
+    n_factor = hold(n_value) / stabilize(hold(a), epsilon)  # tanh passes; a split over stabilize(a)
     n = redirect(n_value, [a], lambda grad: [grad * n_factor])
     h_value = (1 - z) * n + z * h
     return _split(h_value, epsilon)
@@ -272,6 +272,7 @@ class RecurrentRule(Rule):
 
     uses_input = False
     tunables = {"epsilon": EPSILON}
+    differentiable = True
 
     def __init__(self, epsilon: float = 1e-6) -> None:
         nonnegative(type(self).__name__, "epsilon", epsilon)

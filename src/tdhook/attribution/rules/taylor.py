@@ -21,6 +21,7 @@ from torch import nn
 
 from tdhook.attribution.rules._arguments import finite_number, nonnegative
 from tdhook.attribution.rules._autograd import redirect
+from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._numerics import safe_divide, stabilize
 from tdhook.attribution.rules.base import Registration, Rule, plain_calls
 from tdhook.attribution.tunables import EPSILON
@@ -68,6 +69,7 @@ class TaylorDecompositionRule(Rule):
     """
 
     tunables = {"epsilon": EPSILON, "bias": (bool, {"choices": [False, True]})}
+    differentiable = True
 
     def __init__(
         self,
@@ -121,11 +123,13 @@ class TaylorDecompositionRule(Rule):
         ]
         if not positions:
             return None
-        xs = [inputs[i].detach() for i in positions]
+        # In a call that keeps the graph: the inputs, the output and J_f(ref) · x with their history.
+        keep = graph_kept() is not None
+        xs = [inputs[i].clone() if keep else inputs[i].detach() for i in positions]
         leaves = [ref.requires_grad_(True) for ref in self._references(module, xs)]
-        at_ref, linear_term = self._evaluate(module, registration, inputs, positions, leaves, xs)
-        z = output.detach() if self.bias else linear_term
-        relevance_out_value = output.detach()
+        at_ref, linear_term = self._evaluate(module, registration, inputs, positions, leaves, xs, keep)
+        relevance_out_value = output.clone() if keep else output.detach()
+        z = relevance_out_value if self.bias else linear_term
         scale = relevance_out_value / stabilize(z, self.epsilon)
         targets = [inputs[i] for i in positions]
 
@@ -164,6 +168,7 @@ class TaylorDecompositionRule(Rule):
         positions: list[int],
         leaves: list[torch.Tensor],
         xs: list[torch.Tensor],
+        keep: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``f(ref)`` with its graph to the reference leaves, and ``J_f(ref) · x`` (with ``bias=False``)."""
         registration.busy.append(True)  # the rule's own hook must not run on this inner call
@@ -174,7 +179,7 @@ class TaylorDecompositionRule(Rule):
                 with forward_ad.dual_level():
                     duals = [forward_ad.make_dual(ref, x) for ref, x in zip(leaves, xs, strict=True)]
                     primal, tangent = forward_ad.unpack_dual(module(*_replaced(inputs, positions, duals)))
-                    tangent = torch.zeros_like(primal) if tangent is None else tangent.detach()
+                    tangent = torch.zeros_like(primal) if tangent is None else tangent if keep else tangent.detach()
                 return primal, tangent
         finally:
             registration.busy.pop()

@@ -30,7 +30,8 @@ from __future__ import annotations
 import torch
 
 from tdhook.attribution.rules._arguments import nonnegative
-from tdhook.attribution.rules._autograd import redirect, scale_gradient
+from tdhook.attribution.rules._autograd import hold, redirect, scale_gradient
+from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._numerics import stabilize
 from tdhook.attribution.rules.base import Rule, _single_input
 from tdhook.attribution.rules.basic import PassRule
@@ -90,6 +91,7 @@ class SoftmaxEpsilonRule(Rule):
     """
 
     tunables = {"epsilon": EPSILON}
+    differentiable = True
 
     def __init__(self, epsilon: float = 0.0) -> None:
         nonnegative(type(self).__name__, "epsilon", epsilon)
@@ -100,6 +102,8 @@ class SoftmaxEpsilonRule(Rule):
         """``output = softmax(x, dim)`` with the rule's gradient."""
         if self.epsilon == 0 or not x.requires_grad:
             return output
+        if graph_kept() is not None:
+            return self._redirect_keeping_graph(output, x, dim)
         s = output.detach()
         logits = x.detach()
         masked = logits <= torch.finfo(logits.dtype).min
@@ -109,6 +113,22 @@ class SoftmaxEpsilonRule(Rule):
             relevance_in = logits * (relevance - s * relevance.sum(dim, keepdim=True))
             grad_in = relevance_in / stabilize(logits, self.epsilon)
             return [torch.where(masked, 0, grad_in).to(grad.dtype)]
+
+        return redirect(output, [x], backward)
+
+    def _redirect_keeping_graph(self, output: torch.Tensor, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """The rule in a call that keeps the graph: from copies of the output and the logits, with their history.
+
+        Masked logits enter as 0 (their relevance is 0 either way), so that no infinity reaches the derivative.
+        """
+        s, epsilon = output.clone(), self.epsilon
+        masked = x.detach() <= torch.finfo(x.dtype).min
+        logits = torch.where(masked, 0, x)
+
+        def backward(grad: torch.Tensor) -> list[torch.Tensor]:
+            relevance = s * grad
+            relevance_in = logits * (relevance - s * relevance.sum(dim, keepdim=True))
+            return [torch.where(masked, 0, relevance_in / stabilize(logits, epsilon)).to(grad.dtype)]
 
         return redirect(output, [x], backward)
 
@@ -138,7 +158,7 @@ class AHQKVRule(SoftmaxEpsilonRule):
         super().__init__(epsilon=0.0)
 
     def apply(self, output, x, dim):
-        return output.detach()
+        return hold(output)
 
 
 class PseudoIdentityRule(PassRule):
