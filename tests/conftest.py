@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -51,6 +53,12 @@ def zennit_model_relevance(composite, model: torch.nn.Module, x: torch.Tensor, c
     with Gradient(model=model, composite=composite) as attributor:
         _, relevance = attributor(x.detach().clone(), start)
     return relevance
+
+
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    # A worker of `pytest -n N` runs on one of N cores: one thread for torch, and for the processes its tests start.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

@@ -1,20 +1,75 @@
-"""Each benchmark script runs once on tiny sizes, so it cannot rot (no timing is asserted)."""
+"""Each benchmark script runs once on tiny sizes, so it cannot rot (no timing is asserted).
+
+The scripts run as their command line runs them (``__main__``, their arguments in ``sys.argv``, their folder on
+the path), one after the other in one process of their own: torch, zennit and captum are imported once for all.
+"""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 
+#: each script's tiny command line
+COMMANDS = {
+    "vision": ["bench_vision.py", "--models", "resnet18", "--batch", "1", "--size", "32", "--repeats", "1"],
+    "policy": ["bench_policy.py", "--batches", "1", "3", "--repeats", "1"],
+    "targets": ["bench_targets.py", "--units", "2", "3", "--batch", "4", "--repeats", "1"],
+    "transformer": [
+        *("bench_transformer.py", "--batch", "1", "--tokens", "4"),
+        *("--hidden", "16", "--layers", "1", "--repeats", "1"),
+    ],
+    "profile": ["profile_vision.py", "--model", "resnet18", "--batch", "1", "--size", "32"],
+    "metrics": [
+        *("bench_metrics.py", "--model", "linear", "cnn", "--batch", "2"),
+        *("--size", "4", "--features-per-step", "4", "--repeats", "1"),
+    ],
+    "methods": ["bench_methods.py", "--batch", "2", "--size", "8", "--steps", "4", "--repeats", "1"],
+}
 
-def test_vision_benchmark_runs_on_tiny_inputs():
-    command = [sys.executable, str(BENCHMARKS / "bench_vision.py"), "--models", "resnet18", "--batch", "1"]
-    result = subprocess.run(
-        [*command, "--size", "32", "--repeats", "1"], capture_output=True, text=True, timeout=600, check=True
-    )
-    rows = [line.split("  ") for line in result.stdout.splitlines() if line.startswith("resnet18")]
+# Runs each command as `python benchmarks/SCRIPT ARGS` would, and records what it printed or how it failed.
+RUNNER = """
+import contextlib, io, json, runpy, sys, traceback, warnings
+folder, commands, result = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+sys.path.insert(0, folder)
+printed = {}
+for name, (script, *arguments) in commands.items():
+    sys.argv = [f"{folder}/{script}", *arguments]
+    stdout = io.StringIO()
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(stdout):
+            runpy.run_path(sys.argv[0], run_name="__main__")
+        printed[name] = {"stdout": stdout.getvalue()}
+    except BaseException:
+        printed[name] = {"stdout": stdout.getvalue(), "error": traceback.format_exc()}
+with open(result, "w") as file:
+    json.dump(printed, file)
+"""
+
+
+@pytest.fixture(scope="module")
+def printed(tmp_path_factory) -> dict[str, dict[str, str]]:
+    """What each benchmark printed (``stdout``), and its traceback (``error``) where it failed."""
+    result = tmp_path_factory.mktemp("benchmarks") / "printed.json"
+    command = [sys.executable, "-c", RUNNER, str(BENCHMARKS), json.dumps(COMMANDS), str(result)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr
+    return json.loads(result.read_text())
+
+
+def stdout_of(printed: dict[str, dict[str, str]], name: str) -> str:
+    assert "error" not in printed[name], printed[name]["error"]
+    return printed[name]["stdout"]
+
+
+def test_vision_benchmark_runs_on_tiny_inputs(printed):
+    stdout = stdout_of(printed, "vision")
+    rows = [line.split("  ") for line in stdout.splitlines() if line.startswith("resnet18")]
     assert [row[1].strip() for row in rows] == [
         "gradient x input",
         "tdhook epsilon only",
@@ -29,65 +84,47 @@ def test_vision_benchmark_runs_on_tiny_inputs():
     assert all(float(value) >= 0 for row in rows for value in " ".join(row[2:]).split())
 
 
-def test_policy_benchmark_runs_on_tiny_inputs():
-    command = [sys.executable, str(BENCHMARKS / "bench_policy.py"), "--batches", "1", "3", "--repeats", "1"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
-    rows = [line.split() for line in result.stdout.splitlines()[2:]]
+def test_policy_benchmark_runs_on_tiny_inputs(printed):
+    stdout = stdout_of(printed, "policy")
+    rows = [line.split() for line in stdout.splitlines()[2:]]
     assert [row[0] for row in rows] == ["1"] * 5 + ["3"] * 5
-    assert sum("entering the context" in line for line in result.stdout.splitlines()) == 2
+    assert sum("entering the context" in line for line in stdout.splitlines()) == 2
     assert all(float(row[-1]) > 0 for row in rows)
 
 
-def test_target_benchmark_runs_on_tiny_inputs():
-    command = [sys.executable, str(BENCHMARKS / "bench_targets.py"), "--units", "2", "3", "--batch", "4"]
-    result = subprocess.run([*command, "--repeats", "1"], capture_output=True, text=True, timeout=600, check=True)
-    rows = [line.split() for line in result.stdout.splitlines()[2:]]
+def test_target_benchmark_runs_on_tiny_inputs(printed):
+    stdout = stdout_of(printed, "targets")
+    rows = [line.split() for line in stdout.splitlines()[2:]]
     assert [row[0] for row in rows] == ["2", "3"]
     assert all(float(value) > 0 for row in rows for value in row[1:])
 
 
-def test_transformer_benchmark_runs_on_tiny_inputs():
-    command = [sys.executable, str(BENCHMARKS / "bench_transformer.py"), "--batch", "1", "--tokens", "4"]
-    result = subprocess.run(
-        [*command, "--hidden", "16", "--layers", "1", "--repeats", "1"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
-    rows = [line.rsplit(None, 2) for line in result.stdout.splitlines()[2:]]
+def test_transformer_benchmark_runs_on_tiny_inputs(printed):
+    stdout = stdout_of(printed, "transformer")
+    rows = [line.rsplit(None, 2) for line in stdout.splitlines()[2:]]
     tdhook = ["tdhook AttnLRP", "tdhook AttnLRP, entering", "tdhook CP-LRP", "tdhook CP-LRP, entering"]
     assert [row[0] for row in rows] == ["gradient x input", *tdhook]
     assert all(float(value) > 0 for row in rows for value in row[1:])
 
 
-def test_profile_script_runs_on_tiny_inputs():
-    command = [sys.executable, str(BENCHMARKS / "profile_vision.py"), "--model", "resnet18", "--batch", "1"]
-    result = subprocess.run([*command, "--size", "32"], capture_output=True, text=True, timeout=600, check=True)
-    rows = {line.split()[0]: line.split()[-3:] for line in result.stdout.splitlines()[2:]}
+def test_profile_script_runs_on_tiny_inputs(printed):
+    stdout = stdout_of(printed, "profile")
+    rows = {line.split()[0]: line.split()[-3:] for line in stdout.splitlines()[2:]}
     assert list(rows) == ["convolution", "matrix", "element-wise", "total"]
     assert all(float(value) >= 0 for value in rows["total"][:2])
 
 
-def test_metrics_benchmark_runs_on_tiny_inputs():
-    command = [sys.executable, str(BENCHMARKS / "bench_metrics.py"), "--model", "linear", "cnn", "--batch", "2"]
-    result = subprocess.run(
-        [*command, "--size", "4", "--features-per-step", "4", "--repeats", "1"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
-    rows = [line.split() for line in result.stdout.splitlines()[2:]]
+def test_metrics_benchmark_runs_on_tiny_inputs(printed):
+    stdout = stdout_of(printed, "metrics")
+    rows = [line.split() for line in stdout.splitlines()[2:]]
     assert [row[0] for row in rows] == ["linear", "cnn"]
     assert all(float(value) >= 0 for row in rows for value in row[1:])
     assert all(float(row[-1]) < 1e-6 for row in rows)  # the same curve as Quantus
 
 
-def test_methods_benchmark_runs_on_tiny_inputs():
-    command = [sys.executable, str(BENCHMARKS / "bench_methods.py"), "--batch", "2", "--size", "8", "--steps", "4"]
-    result = subprocess.run([*command, "--repeats", "1"], capture_output=True, text=True, timeout=600, check=True)
-    rows = [line.rsplit(None, 2) for line in result.stdout.splitlines()[2:]]
+def test_methods_benchmark_runs_on_tiny_inputs(printed):
+    stdout = stdout_of(printed, "methods")
+    rows = [line.rsplit(None, 2) for line in stdout.splitlines()[2:]]
     assert [row[0] for row in rows] == ["captum IntegratedGradients", "tdhook IntegratedGradients"]
     assert all(float(value) > 0 for row in rows for value in row[1:])
 

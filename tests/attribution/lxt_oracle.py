@@ -4,12 +4,13 @@ LXT patches ``transformers`` classes for the whole process and supports only an
 older ``transformers`` release, so the oracle runs in its own interpreter with
 that release first on ``PYTHONPATH`` (see ``test_lrp_huggingface.py``).
 
-Usage: ``python lxt_oracle.py CASE.pt RESULT.pt``. ``CASE.pt`` holds ``kind``
-(``"gpt2"`` or ``"llama"``), ``variant`` (``"attnlrp"`` or ``"cp"``), the
-config keyword arguments, a state dict, ``embeds`` [B, T, H] and ``target`` [B]
-(a vocabulary index per sample). ``RESULT.pt`` receives the relevance
-``embeds * grad`` of the last position's target logit, the logits, and the
-``transformers`` version that produced them.
+Usage: ``python lxt_oracle.py CASE.pt RESULT.pt [CASE.pt RESULT.pt ...]``.
+Each ``CASE.pt`` holds ``kind`` (``"gpt2"`` or ``"llama"``), ``variant``
+(``"attnlrp"`` or ``"cp"``, the same in every case of one process: LXT's patch
+is process-wide), the config keyword arguments, a state dict, ``embeds``
+[B, T, H] and ``target`` [B] (a vocabulary index per sample). Its
+``RESULT.pt`` receives the relevance ``embeds * grad`` of the last position's
+target logit, the logits, and the ``transformers`` version that produced them.
 """
 
 from __future__ import annotations
@@ -17,24 +18,47 @@ from __future__ import annotations
 import sys
 
 
-def main(case_path: str, result_path: str) -> None:
+def main(*paths: str) -> None:
     import torch
-    import transformers
+
+    if not paths or len(paths) % 2:
+        raise ValueError("usage: lxt_oracle.py CASE.pt RESULT.pt [CASE.pt RESULT.pt ...]")
+    cases = [(torch.load(case), result) for case, result in zip(paths[::2], paths[1::2], strict=True)]
+    variants = {case["variant"] for case, _ in cases}
+    if len(variants) != 1:
+        raise ValueError(f"one variant per process (LXT patches process-wide), got {sorted(variants)}")
+    (variant,) = variants
+    for kind in sorted({case["kind"] for case, _ in cases}):
+        patch(kind, variant)
+    for case, result_path in cases:
+        explain(case, result_path)
+
+
+def patch(kind: str, variant: str) -> None:
+    """LXT's rules on the ``transformers`` classes of ``kind``."""
     from lxt.efficient import monkey_patch
     from transformers.models.gpt2 import modeling_gpt2
     from transformers.models.llama import modeling_llama
 
-    case = torch.load(case_path)
-    if case["kind"] == "gpt2":
+    if kind == "gpt2":
         from lxt.efficient.models import gpt2 as maps
 
-        modeling, config_class, model_class = modeling_gpt2, transformers.GPT2Config, transformers.GPT2LMHeadModel
+        modeling = modeling_gpt2
     else:
         from lxt.efficient.models import llama as maps
 
-        modeling, config_class, model_class = modeling_llama, transformers.LlamaConfig, transformers.LlamaForCausalLM
-    monkey_patch(modeling, maps.attnLRP if case["variant"] == "attnlrp" else maps.cp_LRP)
+        modeling = modeling_llama
+    monkey_patch(modeling, maps.attnLRP if variant == "attnlrp" else maps.cp_LRP)
 
+
+def explain(case: dict, result_path: str) -> None:
+    import torch
+    import transformers
+
+    if case["kind"] == "gpt2":
+        config_class, model_class = transformers.GPT2Config, transformers.GPT2LMHeadModel
+    else:
+        config_class, model_class = transformers.LlamaConfig, transformers.LlamaForCausalLM
     config = config_class(**case["config"])
     config._attn_implementation = "eager"
     model = model_class(config).to(torch.float64).eval()
@@ -49,4 +73,4 @@ def main(case_path: str, result_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:])

@@ -8,6 +8,7 @@ same weights and inputs.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -89,28 +90,58 @@ def lxt_pythonpath() -> str:
     """A directory holding LXT and the ``transformers`` release it supports (installed once, then reused)."""
     stamp = ORACLE_DIR / "requirements.txt"
     wanted = ORACLE_REQUIREMENTS.read_text()
-    if not stamp.exists() or stamp.read_text() != wanted:
-        command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade"]
-        command += ["--target", str(ORACLE_DIR), "-r", str(ORACLE_REQUIREMENTS)]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            pytest.fail(f"cannot install the LXT oracle ({' '.join(command)}):\n{done.stderr}")
-        stamp.write_text(wanted)
+    ORACLE_DIR.parent.mkdir(parents=True, exist_ok=True)
+    # One install at a time: the workers of `pytest -n N` may each ask for it.
+    with open(ORACLE_DIR.parent / "lxt.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not stamp.exists() or stamp.read_text() != wanted:
+            command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade"]
+            command += ["--target", str(ORACLE_DIR), "-r", str(ORACLE_REQUIREMENTS)]
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.fail(f"cannot install the LXT oracle ({' '.join(command)}):\n{done.stderr}")
+            stamp.write_text(wanted)
     return str(ORACLE_DIR)
 
 
-def lxt_relevance(tmp_path: Path, pythonpath: str, case: dict) -> dict:
-    case_path, result_path = tmp_path / "case.pt", tmp_path / "result.pt"
-    torch.save(case, case_path)
+def lxt_relevance(folder: Path, pythonpath: str, cases: dict[str, dict]) -> dict[str, dict]:
+    """LXT's results for several cases of one variant, from one process of its own."""
+    arguments = []
+    for name, case in cases.items():
+        torch.save(case, folder / f"{name}_case.pt")
+        arguments += [str(folder / f"{name}_case.pt"), str(folder / f"{name}_result.pt")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([pythonpath, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
-        [sys.executable, str(HERE / "lxt_oracle.py"), str(case_path), str(result_path)],
-        env=env,
-        capture_output=True,
-        text=True,
+        [sys.executable, str(HERE / "lxt_oracle.py"), *arguments], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
-    return torch.load(result_path)
+    return {name: torch.load(folder / f"{name}_result.pt") for name in cases}
+
+
+def lxt_inputs(kind: str) -> tuple[nn.Module, torch.Tensor]:
+    """The model and the embeddings that tdhook and LXT explain."""
+    model = build(kind)
+    return model, model.get_input_embeddings()(torch.randint(0, 64, (4, 7))).detach()
+
+
+@pytest.fixture(scope="module")
+def lxt_results(tmp_path_factory, lxt_pythonpath: str) -> dict[tuple[str, str], dict]:
+    """LXT's relevance of the predicted logit for each kind and variant: one process per variant, as LXT patches
+    ``transformers`` process-wide."""
+    results = {}
+    for variant in sorted(VARIANTS):
+        cases = {}
+        for kind in sorted(CONFIGS):
+            model, embeds = lxt_inputs(kind)
+            with torch.no_grad():
+                target = LastLogits(model)(embeds).argmax(-1)
+            config, state = CONFIGS[kind], model.state_dict()
+            cases[kind] = {"kind": kind, "variant": variant, "config": config, "state_dict": state}
+            cases[kind] |= {"embeds": embeds, "target": target}
+        folder = tmp_path_factory.mktemp(f"lxt_{variant}")
+        for kind, result in lxt_relevance(folder, lxt_pythonpath, cases).items():
+            results[kind, variant] = {**result, "target": cases[kind]["target"]}
+    return results
 
 
 def cosine_per_sample(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -119,26 +150,14 @@ def cosine_per_sample(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
-def test_agrees_with_lxt(kind: str, variant: str, tmp_path: Path, lxt_pythonpath: str):
-    model = build(kind)
-    embeds = model.get_input_embeddings()(torch.randint(0, 64, (4, 7))).detach()
+def test_agrees_with_lxt(kind: str, variant: str, lxt_results: dict):
+    model, embeds = lxt_inputs(kind)
     lrp = LRP(LastLogits(model), VARIANTS[variant](), in_keys=["embeds"], out_keys=["logits"])
     td = lrp(TensorDict(embeds=embeds.clone(), batch_size=[4]))
     target = td["logits"].argmax(-1)
 
-    state = model.state_dict()
-    oracle = lxt_relevance(
-        tmp_path,
-        lxt_pythonpath,
-        {
-            "kind": kind,
-            "variant": variant,
-            "config": CONFIGS[kind],
-            "state_dict": state,
-            "embeds": embeds,
-            "target": target,
-        },
-    )
+    oracle = lxt_results[kind, variant]
+    assert torch.equal(oracle["target"], target)  # LXT explained the logit tdhook did
     assert oracle["version"].startswith("4."), oracle["version"]
     torch.testing.assert_close(oracle["logits"], td["logits"])  # the same model on both sides
     cosine = cosine_per_sample(td["relevance", "embeds"], oracle["relevance"])

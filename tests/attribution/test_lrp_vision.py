@@ -10,6 +10,7 @@ tdhook for the same, otherwise it splits the sums exactly.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -83,11 +84,23 @@ def randomise_batch_norms(model: nn.Module, generator: torch.Generator, eps: flo
                 module.bias.copy_(torch.randn(n, generator=generator) * 0.1)
 
 
-def build(name: str, eps: float = 0.0) -> nn.Module:
+@functools.cache
+def _pristine(name: str, eps: float) -> nn.Module:
     torch.manual_seed(0)
     model = MODELS[name][0](weights=None, num_classes=10).double().eval()
     randomise_batch_norms(model, torch.Generator().manual_seed(1), eps)
     return model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_models_after_this_file():
+    yield
+    _pristine.cache_clear()
+
+
+def build(name: str, eps: float = 0.0) -> nn.Module:
+    """A fresh copy of the model: each is built and randomised once per session (vgg11's is a GiB in float64)."""
+    return copy.deepcopy(_pristine(name, eps))
 
 
 def snapshot(model: nn.Module) -> tuple[dict[str, torch.Tensor], str, list]:

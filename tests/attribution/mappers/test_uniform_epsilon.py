@@ -3,6 +3,9 @@ BatchNorm merged by zennit's canonizers, on torchvision's vgg11_bn and resnet18 
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import pytest
 import torch
 import torchvision
@@ -22,7 +25,20 @@ MODELS = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_models_after_this_file():
+    yield
+    _calibrated.cache_clear()
+    _zennit_relevance.cache_clear()
+
+
 def calibrated(name: str) -> nn.Module:
+    """A fresh copy of the calibrated model (built once per file: vgg11_bn's is a GiB in float64)."""
+    return copy.deepcopy(_calibrated(name))
+
+
+@functools.cache
+def _calibrated(name: str) -> nn.Module:
     """The model with BatchNorm statistics from a few random batches in train mode.
 
     Each BatchNorm's ``eps`` is then set to zero: zennit's canonizer leaves a merged BatchNorm computing
@@ -51,13 +67,19 @@ def test_equals_zennit_with_batch_norm_merged(name: str, epsilon: float):
     x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     lrp = LRP(model, rule_mapper=UniformEpsilon(epsilon, stabilize_additions=True), in_keys=["image"], out_keys=["y"])
     relevance = lrp(TensorDict(image=x.clone(), batch_size=[2]))["relevance", "image"]
-    expected = zennit_model_relevance(zennit_uniform_epsilon(epsilon), model, x, canonizers=[MODELS[name][1]()])
+    expected = _zennit_relevance(name, epsilon)
     assert relative_error(relevance, expected) <= 1e-10
     # ε makes a measurable difference: the test can tell.
-    other = zennit_model_relevance(
-        zennit_uniform_epsilon(0.01 if epsilon == 0.25 else 0.25), model, x, canonizers=[MODELS[name][1]()]
-    )
+    other = _zennit_relevance(name, 0.01 if epsilon == 0.25 else 0.25)
     assert relative_error(other, expected) > 1e-3
+
+
+@functools.cache
+def _zennit_relevance(name: str, epsilon: float) -> torch.Tensor:
+    """zennit's relevance on the calibrated model and the test's input, computed once per file and ε."""
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    model = calibrated(name)
+    return zennit_model_relevance(zennit_uniform_epsilon(epsilon), model, x, canonizers=[MODELS[name][1]()])
 
 
 def test_defaults_and_rules():
