@@ -88,3 +88,18 @@ def test_methods_benchmark_runs_on_tiny_inputs():
     rows = [line.rsplit(None, 2) for line in result.stdout.splitlines()[2:]]
     assert [row[0] for row in rows] == ["captum IntegratedGradients", "tdhook IntegratedGradients"]
     assert all(float(value) > 0 for row in rows for value in row[1:])
+
+
+def test_offline_benchmark_runs_on_tiny_inputs():
+    command = [sys.executable, str(BENCHMARKS / "bench_offline.py"), "--rows", "24", "--batch", "8", "--hidden", "8"]
+    for clock in ["wall", "cpu"]:
+        result = subprocess.run(
+            [*command, "--repeats", "1", "--clock", clock], capture_output=True, text=True, timeout=600, check=True
+        )
+        rows = [line.rsplit(None, 2) for line in result.stdout.splitlines()[2:]]
+        assert [row[0] for row in rows] == [
+            "bare loop of LRP calls",
+            "bare loop, relevance into a memmap",
+            "explain_offline",
+        ]
+        assert all(float(value) > 0 for row in rows for value in row[1:])
