@@ -23,24 +23,30 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 
 def interleaved_medians(
-    methods: dict[str, Callable[[], object]], repeats: int, collect: bool = False
+    methods: dict[str, Callable[[], object]],
+    repeats: int,
+    collect: bool = False,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
     """Median wall time of each method over ``repeats`` rounds that run every method once, after a warm-up round.
 
     Interleaving spreads slow phases of a shared machine over all methods alike,
     so their ratios stay steady where back-to-back blocks would drift. With
     ``collect``, Python's garbage collector runs before each timed call (untimed),
-    so that no method pays for the objects another one left behind.
+    so that no method pays for the objects another one left behind. ``clock``
+    reads the time: ``time.process_time`` gives the CPU time of this process
+    instead, which other processes on a loaded machine do not stretch (of use for
+    single-threaded work only).
     """
     times: dict[str, list[float]] = {label: [] for label in methods}
     for round_ in range(repeats + 1):
         for label, fn in methods.items():
             if collect:
                 gc.collect()
-            start = time.perf_counter()
+            start = clock()
             fn()
             if round_:
-                times[label].append(time.perf_counter() - start)
+                times[label].append(clock() - start)
     return {label: statistics.median(values) for label, values in times.items()}
 
 

@@ -30,6 +30,14 @@ COMMANDS = {
         *("--size", "4", "--features-per-step", "4", "--repeats", "1"),
     ],
     "methods": ["bench_methods.py", "--batch", "2", "--size", "8", "--steps", "4", "--repeats", "1"],
+    "operations": ["op_sequence.py", "--cases", "uniform and stop", "Taylor"],
+    **{
+        f"offline {clock}": [
+            *("bench_offline.py", "--rows", "24", "--batch", "8", "--hidden", "8"),
+            *("--repeats", "1", "--clock", clock),
+        ]
+        for clock in ["wall", "cpu"]
+    },
 }
 
 # Runs each command as `python benchmarks/SCRIPT ARGS` would, and records what it printed or how it failed.
@@ -129,9 +137,18 @@ def test_methods_benchmark_runs_on_tiny_inputs(printed):
     assert all(float(value) > 0 for row in rows for value in row[1:])
 
 
-def test_operation_sequence_script_runs():
-    command = [sys.executable, str(BENCHMARKS / "op_sequence.py"), "--cases", "uniform and stop", "Taylor"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
-    rows = result.stdout.splitlines()
+def test_operation_sequence_script_runs(printed):
+    rows = stdout_of(printed, "operations").splitlines()
     assert [row.split(":")[0] for row in rows] == ["uniform and stop", "Taylor"]
     assert all(int(row.split(": ")[1].split()[0]) > 0 for row in rows)  # operations were recorded
+
+
+@pytest.mark.parametrize("clock", ["wall", "cpu"])
+def test_offline_benchmark_runs_on_tiny_inputs(printed, clock: str):
+    rows = [line.rsplit(None, 2) for line in stdout_of(printed, f"offline {clock}").splitlines()[2:]]
+    assert [row[0] for row in rows] == [
+        "bare loop of LRP calls",
+        "bare loop, relevance into a memmap",
+        "explain_offline",
+    ]
+    assert all(float(value) > 0 for row in rows for value in row[1:])

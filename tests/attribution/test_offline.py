@@ -12,6 +12,7 @@ from torchrl.modules import MLP, QValueActor
 from tdhook.attribution import LRP, explain_offline
 from tdhook.attribution._offline_shards import shard_runs
 from tdhook.attribution.lrp_helpers.rules import EpsilonPlus
+from tdhook.attribution.offline import _missing_runs
 
 
 def q_actor() -> QValueActor:
@@ -184,3 +185,81 @@ def test_a_process_group_of_one_rank_gives_the_result_of_no_group_bit_for_bit(tm
         dist.destroy_process_group()
     assert torch.equal(out["relevance", "observation"].clone(), alone["relevance", "observation"].clone())
     assert bool(out["explained"].all())
+
+
+def rows_not_done_in_batches(done: torch.Tensor, start: int, stop: int, batch_size: int) -> list[tuple[int, int]]:
+    """Row by row: a batch starts at a row not done after a row done, or once the previous batch is full."""
+    batches: list[list[int]] = []
+    for row in range(start, stop):
+        if bool(done[row].all()):
+            continue
+        if batches and batches[-1][-1] == row - 1 and len(batches[-1]) < batch_size:
+            batches[-1].append(row)
+        else:
+            batches.append([row])
+    return [(batch[0], batch[-1] + 1) for batch in batches]
+
+
+@pytest.mark.parametrize("steps", [None, 3])
+def test_the_batches_cover_exactly_the_rows_not_done(steps):
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        rows = int(torch.randint(1, 30, (), generator=generator))
+        shape = (rows,) if steps is None else (rows, steps)
+        done = torch.rand(shape, generator=generator) < torch.rand((), generator=generator)
+        start = int(torch.randint(0, rows + 1, (), generator=generator))
+        stop = int(torch.randint(start, rows + 1, (), generator=generator))
+        batch_size = int(torch.randint(1, 8, (), generator=generator))
+        assert _missing_runs(done, start, stop, batch_size) == rows_not_done_in_batches(done, start, stop, batch_size)
+
+
+class BatchSizes(nn.Module):
+    """Records the number of rows of every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def forward(self, x):
+        self.sizes.append(x.shape[0])
+        return x
+
+
+def test_a_mask_with_holes_is_finished_stretch_by_stretch(tmp_path):
+    source = data(30)
+    lrp = LRP(q_actor(), EpsilonPlus())
+    expected = lrp(source.clone())["relevance", "observation"]
+    out = explain_offline(lrp, source, tmp_path / "out", batch_size=4, progress=False)
+    holes = torch.zeros(30, dtype=torch.bool)
+    holes[2:7] = holes[9] = holes[20:] = True
+    out["explained"][holes] = False
+    out["relevance", "observation"][holes] = 0.0
+    recorder = BatchSizes()
+    lrp.module.module[0].module.insert(0, recorder)
+    out = explain_offline(lrp, source, tmp_path / "out", batch_size=4, progress=False)
+    assert recorder.sizes == [4, 1, 1, 4, 4, 2]  # rows 2:6, 6:7, 9:10, 20:24, 24:28, 28:30
+    assert bool(out["explained"].all())
+    torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
+
+
+def test_an_empty_range_over_an_existing_output_explains_nothing(tmp_path):
+    lrp = LRP(q_actor(), EpsilonPlus())
+    first = explain_offline(lrp, data(10), tmp_path / "out", stop=4, progress=False)
+    written = first["relevance", "observation"].clone()
+    recorder = BatchSizes()
+    lrp.module.module[0].module.insert(0, recorder)
+    out = explain_offline(lrp, data(10), tmp_path / "out", start=5, stop=5, progress=False)
+    assert recorder.sizes == [1]  # only the row that checks the output is this explanation's
+    assert out["explained"].tolist() == [True] * 4 + [False] * 6
+    assert torch.equal(out["relevance", "observation"].clone(), written)
+
+
+def test_relevance_that_keeps_its_graph_is_stored_without_it(tmp_path):
+    net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)).double()
+    lrp = LRP(net, in_keys=["observation"], out_keys=["action_value"], create_graph=True)
+    source = data(10)
+    out = explain_offline(lrp, source, tmp_path / "out", batch_size=4, progress=False)
+    with lrp:
+        expected = lrp(source.clone())["relevance", "observation"]
+    assert expected.requires_grad and not out["relevance", "observation"].requires_grad
+    torch.testing.assert_close(out["relevance", "observation"].clone(), expected.detach(), rtol=1e-12, atol=1e-14)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import NestedKey, TensorDict, TensorDictBase
 
 from tdhook.attribution._offline_shards import barrier, process_group, shard_runs
 from tdhook.attribution.lrp import LRP
@@ -60,20 +60,26 @@ def _rows(source, start: int, stop: int) -> TensorDictBase:
 
 
 def _missing_runs(done: torch.Tensor | None, start: int, stop: int, batch_size: int) -> list[tuple[int, int]]:
-    """The ``begin:end`` batches, at most ``batch_size`` rows each, covering the rows of ``start:stop`` not done."""
-    if done is None:
-        missing = torch.ones(stop - start, dtype=torch.bool)
+    """The ``begin:end`` batches, at most ``batch_size`` rows each, covering the rows of ``start:stop`` not done.
+
+    Each stretch of consecutive rows not done is cut into batches from its first row on.
+
+    Examples:
+        >>> done = torch.tensor([True, False, False, False, True, False, False])
+        >>> _missing_runs(done, 0, 7, 2)
+        [(1, 3), (3, 4), (5, 7)]
+    """
+    if done is None or stop == start:
+        stretches = [(start, stop)] if stop > start else []
     else:
-        missing = ~done[start:stop].reshape(stop - start, -1).all(-1)
-    runs, begin = [], None
-    for offset, row_missing in enumerate([*missing.tolist(), False]):
-        row = start + offset
-        if row_missing and begin is None:
-            begin = row
-        if begin is not None and (not row_missing or row - begin == batch_size):
-            runs.append((begin, row))
-            begin = row if row_missing else None
-    return runs
+        missing = ~done[start:stop].as_subclass(torch.Tensor).reshape(stop - start, -1).all(-1)
+        edge = torch.zeros(1, dtype=torch.int8)
+        # +1 where a stretch of missing rows begins, -1 just after it ends
+        changes = torch.cat([edge, missing.to(torch.int8), edge]).diff().nonzero().flatten().tolist()
+        stretches = [(start + begin, start + end) for begin, end in zip(changes[::2], changes[1::2], strict=True)]
+    return [
+        (begin, min(begin + batch_size, end)) for first, end in stretches for begin in range(first, end, batch_size)
+    ]
 
 
 def _check_output(output: TensorDictBase, relevance: TensorDictBase, prefix: Path, length: int) -> None:
@@ -210,17 +216,33 @@ def _explain_runs(
 
     Returns the output (None if there was none and nothing to explain) and whether it has been checked.
     """
+    leaves, done = (None, None) if output is None else _writable(output)
     with lrp, _progress_bar(sum(end - begin for begin, end in runs), progress) as bar:
         for begin, end in runs:
-            relevance = lrp(_rows(source, begin, end)).select(*lrp.relevance_keys)
-            if output is None:
-                output = _create(relevance, length, prefix)
+            relevance = lrp(_rows(source, begin, end))
             if not checked:
-                _check_output(output, relevance, prefix, length)
+                relevance_only = relevance.select(*lrp.relevance_keys)
+                if output is None:
+                    output = _create(relevance_only, length, prefix)
+                    leaves, done = _writable(output)
+                _check_output(output, relevance_only, prefix, length)
                 checked = True
-            output[begin:end] = relevance.set(DONE_KEY, torch.ones(relevance.batch_size, dtype=torch.bool))
+            with torch.no_grad():  # relevance with a graph (create_graph=True) is stored, its graph is not
+                for key, leaf in leaves:
+                    leaf[begin:end].copy_(relevance.get(key))
+                done[begin:end] = True  # only once the batch's relevance is written
             bar.update(end - begin)
     return output, checked
+
+
+def _writable(output: TensorDictBase) -> tuple[list[tuple[NestedKey, torch.Tensor]], torch.Tensor]:
+    """Plain tensors over the output's files: its relevance entries by key, and its mask of rows done.
+
+    Writing rows into them skips the TensorDict and memory-mapped tensor indexing that costs more than the
+    copy of a batch.
+    """
+    leaves = [(key, output.get(key).as_subclass(torch.Tensor)) for key in output.keys(True, True) if key != DONE_KEY]
+    return leaves, output.get(DONE_KEY).as_subclass(torch.Tensor)
 
 
 def _explain_sharded(
