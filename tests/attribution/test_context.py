@@ -9,7 +9,7 @@ from torch import nn
 
 from tdhook.attribution import LRP
 from tdhook.attribution._context import leave_out_unread_marks, marks_are_read
-from tdhook.attribution.lrp_helpers.rules import AttnLRP, BaseRuleMapper, EpsilonPlus, EpsilonPlusFlat
+from tdhook.attribution.lrp_helpers.rules import CPLRP, AttnLRP, BaseRuleMapper, EpsilonPlus, EpsilonPlusFlat
 from tdhook.attribution.rules import EpsilonRule, IgnoreRule, MergeBatchNormRule, PassRule, layer_call_of
 
 
@@ -36,7 +36,8 @@ class TestUnreadMarks:
     def test_ignore_rules_are_left_out_where_no_rule_reads_layer_marks(self):
         rules = {"fc": IgnoreRule(), "act": PassRule(), "head": EpsilonRule()}
         assert not marks_are_read(rules, checked=False, target=None)
-        assert set(leave_out_unread_marks(rules)) == {"act", "head"}
+        modules = {"fc": nn.Linear(2, 2), "act": nn.Tanh(), "head": nn.Linear(2, 1)}
+        assert set(leave_out_unread_marks(rules, modules)) == {"act", "head"}
 
     @pytest.mark.parametrize("reader", [MergeBatchNormRule(), EpsilonPlusFlat().first_layer_rule("0", nn.Linear(2, 2))])
     def test_a_rule_that_reads_marks_keeps_every_rule(self, reader):
@@ -111,3 +112,51 @@ class TestModesAroundLayers:
         explicit.default_rule = lambda name, m: AttnLRP().default_rule(name, m)
         expected = LRP(net, explicit, in_keys=["x"], out_keys=["y"])(td.clone())["relevance", "x"]
         torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-14)
+
+
+class ConstantQuery(nn.Module):
+    """``out(q(x) * c(pos))`` with ``pos`` a buffer: a linear map of ``x`` (``c(pos)`` is a constant of the call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.c, self.out = nn.Linear(4, 5, bias=False), nn.Linear(3, 5, bias=False), nn.Linear(5, 2, bias=False)
+        self.register_buffer("pos", torch.randn(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.q(x) * self.c(self.pos))
+
+
+class GatedLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * torch.sigmoid(x.sum(-1, keepdim=True))
+
+
+class TestLayersOfConstants:
+    @pytest.mark.parametrize(
+        "mapper", [AttnLRP(), AttnLRP(epsilon=1e-12), CPLRP()], ids=["AttnLRP", "AttnLRP-eps", "CPLRP"]
+    )
+    @pytest.mark.parametrize("checked", [False, True], ids=["unchecked", "checked"])
+    def test_a_product_with_a_layer_of_constants_is_linear_and_gets_all_relevance(self, mapper, checked: bool):
+        # The model is linear in x, so every rule set must give gradient x input; the uniform rule on a product
+        # of an activation and a constant would send half of the relevance to the constant, and lose it.
+        torch.manual_seed(0)
+        model = ConstantQuery().double()
+        x = torch.randn(3, 4, dtype=torch.float64)
+        check = (lambda *args: None) if checked else None
+        lrp = LRP(model, mapper, in_keys=["x"], out_keys=["y"], relevance_check=check)
+        relevance = lrp(TensorDict(x=x, batch_size=[3]))["relevance", "x"]
+        leaf = x.clone().requires_grad_(True)
+        out = model(leaf)
+        (grad,) = torch.autograd.grad(out, leaf, torch.zeros_like(out).scatter_(-1, out.argmax(-1, keepdim=True), 1))
+        torch.testing.assert_close(relevance, leaf.detach() * grad, rtol=1e-9, atol=1e-12)
+
+    def test_a_linear_subclass_with_its_own_forward_keeps_its_rule_with_or_without_checks(self):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), GatedLinear(3, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+        x = torch.randn(3, 4, dtype=torch.float64)
+        td = TensorDict(x=x, batch_size=[3])
+        plain = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])(td.clone())["relevance", "x"]
+        checked = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"], relevance_check=lambda *args: None)
+        torch.testing.assert_close(plain, checked(td.clone())["relevance", "x"], rtol=1e-12, atol=1e-14)
+        with LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"]):
+            assert len(model[1]._forward_pre_hooks) == 1 and len(model[0]._forward_pre_hooks) == 0

@@ -132,20 +132,29 @@ def marks_are_read(rules: Mapping[str, Rule], checked: bool, target: object) -> 
     return checked or callable(target) or any(rule.reads_layer_marks for rule in rules.values())
 
 
-def leave_out_unread_marks(rules: Mapping[str, Rule]) -> dict[str, Rule]:
-    """``rules`` without those whose only effect is a mark (:attr:`~tdhook.attribution.rules.base.Rule.only_marks`),
-    for a context where :func:`marks_are_read` is false.
+def leave_out_unread_marks(rules: Mapping[str, Rule], modules: Mapping[str, nn.Module]) -> dict[str, Rule]:
+    """``rules`` without those whose only effect is a mark (:attr:`~tdhook.attribution.rules.base.Rule.only_marks`)
+    on a plain Linear or convolution layer, for a context where :func:`marks_are_read` is false.
 
     :class:`~tdhook.attribution.rules.basic.IgnoreRule` keeps a Linear or convolution layer's plain gradient;
     its hook only marks the layer's output. A transformer under AttnLRP reads no marks, and the hook and the
-    pause of the function modes around each layer cost more than the layer's one call in the modes.
+    pause of the function modes around each layer cost more than the layer's one ``F.linear`` call in the
+    modes. A layer with a forward of its own (a subclass), a parametrized weight or hooks of the user's keeps
+    its rule and so its pause: the modes must not change what its forward computes.
 
     Examples:
         >>> from tdhook.attribution.rules import EpsilonRule, IgnoreRule
-        >>> sorted(leave_out_unread_marks({"fc": IgnoreRule(), "head": EpsilonRule()}))
+        >>> modules = {"fc": nn.Linear(2, 2), "head": nn.Linear(2, 1)}
+        >>> sorted(leave_out_unread_marks({"fc": IgnoreRule(), "head": EpsilonRule()}, modules))
         ['head']
     """
-    return {name: rule for name, rule in rules.items() if not rule.only_marks}
+    return {name: rule for name, rule in rules.items() if not (rule.only_marks and _bare_layer(modules[name]))}
+
+
+def _bare_layer(module: nn.Module) -> bool:
+    """A Linear or convolution layer with torch's own forward, its own weight and no hooks."""
+    hooks = module._forward_hooks or module._forward_pre_hooks
+    return isinstance(module, LINEAR_LAYERS) and _has_plain_forward(module) and not hooks
 
 
 def stop_marks(handles: Sequence[RemovableRuleHandle]) -> None:

@@ -274,7 +274,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             if self.create_graph:
                 check_differentiable(rules, self.rule_mapper)
             read = marks_are_read(rules, self.relevance_check is not None, self.target)
-            for name, rule in (rules if read else leave_out_unread_marks(rules)).items():
+            for name, rule in (rules if read else leave_out_unread_marks(rules, modules)).items():
                 try:
                     handles.append(rule.register(modules[name]))
                 except Exception as err:

@@ -26,7 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from tdhook.attribution.rules._autograd import raise_for_vmap, relevance_pass_edges
+from tdhook.attribution.rules._autograd import (
+    is_activation,
+    mark_parameter_derived,
+    raise_for_vmap,
+    relevance_pass_edges,
+)
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import LINEAR_LAYERS, _has_weight_property
@@ -534,6 +539,11 @@ class Rule(Tunable):
             self.prepared_state(module, registration)
             rule, reg = self.resolve(module, registration, inputs)
             result = rule.rewrite(module, reg, inputs, output)
+            if not any(is_activation(value) for value in inputs):
+                # A module of constants (a Linear applied to a buffer or a learned query) computes from parameters
+                # alone, whether its forward ran inside the function modes or paused: mark it as the modes would.
+                parameters = (*inputs, *module.parameters(recurse=False))
+                mark_parameter_derived(parameters, output if result is None else result)
             layer = registration.marks and isinstance(module, LINEAR_LAYERS)
             if layer and len(inputs) == 1 and isinstance(inputs[0], torch.Tensor):
                 _mark(result if result is not None else output, LayerCall(module, rule, reg, inputs[0], output, 0))
