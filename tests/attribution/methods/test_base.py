@@ -280,7 +280,13 @@ class TestTorchRL:
             spec=GymEnv("CartPole-v1").action_spec,
         )
         policy = SmoothGrad(actor, target_key="action_value", n_samples=3, stdev=0.1, seed=0)
-        collector = Collector(lambda: GymEnv("CartPole-v1"), policy, frames_per_batch=16, total_frames=32)
+        collector = Collector(
+            lambda: GymEnv("CartPole-v1"),
+            policy,
+            frames_per_batch=16,
+            total_frames=32,
+            auto_register_policy_transforms=False,  # a policy with no recurrent state: the env stays as it is
+        )
         try:
             batches = list(collector)
         finally:
