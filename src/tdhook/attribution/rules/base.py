@@ -283,7 +283,11 @@ _LAYER_MARK = "tdhook_layer"
 
 
 def layer_call_of(tensor: Any) -> LayerCall | None:
-    """The :class:`LayerCall` that produced ``tensor``, if it is still unmodified."""
+    """The :class:`LayerCall` that produced ``tensor``, if it is still unmodified.
+
+    Layers leave these marks only in a context where some rule reads them: a rule of one's own that calls this
+    sets :attr:`Rule.reads_layer_marks` to ``True``, or it gets ``None``.
+    """
     call = getattr(tensor, _LAYER_CALL, None)
     if call is None or call.version != tensor._version:
         return None
