@@ -160,3 +160,20 @@ class TestLayersOfConstants:
         torch.testing.assert_close(plain, checked(td.clone())["relevance", "x"], rtol=1e-12, atol=1e-14)
         with LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"]):
             assert len(model[1]._forward_pre_hooks) == 1 and len(model[0]._forward_pre_hooks) == 0
+
+
+def test_a_callable_target_set_in_an_open_context_gets_the_marks_it_reads():
+    # Relevance on an output that is exactly 0 goes to the ε-rule of the layer that made it: the layer must mark it.
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    with torch.no_grad():
+        net[2].weight.zero_()
+        net[2].bias.copy_(torch.tensor([0.0, 1.0], dtype=torch.float64))
+    td = TensorDict(x=torch.randn(2, 3, dtype=torch.float64), batch_size=[2])
+    target = lambda out: torch.ones_like(out)  # noqa: E731 (relevance 1 on the output that is 0, too)
+    expected = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"], target=target)(td.clone())["relevance", "x"]
+    lrp = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        lrp(td.clone())
+        lrp.target = target
+        relevance = lrp(td.clone())["relevance", "x"]
+    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-14)

@@ -35,7 +35,15 @@ from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule
 
-__all__ = ["claim", "leave_out_unread_marks", "marks_are_read", "release", "stop_marks", "suspend_function_modes_in"]
+__all__ = [
+    "claim",
+    "leave_out_unread_marks",
+    "marks_are_read",
+    "marks_for_target",
+    "release",
+    "stop_marks",
+    "suspend_function_modes_in",
+]
 
 # Every module inside an open LRP context, with the wrapper that owns it: two wrappers' rules on one module would mix.
 _OWNERS: IdentityWeakKeyDict[nn.Module, object] = IdentityWeakKeyDict()
@@ -157,8 +165,18 @@ def _bare_layer(module: nn.Module) -> bool:
     return isinstance(module, LINEAR_LAYERS) and _has_plain_forward(module) and not hooks
 
 
-def stop_marks(handles: Sequence[RemovableRuleHandle]) -> None:
-    """Registered rules leave no marks, in a context where :func:`marks_are_read` is false."""
+def stop_marks(handles: Sequence[RemovableRuleHandle], stop: bool = True) -> None:
+    """Registered rules leave no marks, in a context where :func:`marks_are_read` is false (or leave them again,
+    with ``stop`` false: a callable target set while the context is open)."""
     for handle in handles:
         if handle._registration is not None:
-            handle._registration.marks = False
+            handle._registration.marks = not stop
+
+
+def marks_for_target(handles: Sequence[RemovableRuleHandle], target: object) -> bool:
+    """Whether ``target`` reads the marks (a callable, set while a context that left them out is open); the
+    registered rules then leave them again."""
+    if not callable(target):
+        return False
+    stop_marks(handles, stop=False)
+    return True

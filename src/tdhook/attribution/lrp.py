@@ -25,6 +25,7 @@ from tdhook.attribution._context import (
     claim,
     leave_out_unread_marks,
     marks_are_read,
+    marks_for_target,
     release,
     stop_marks,
     suspend_function_modes_in,
@@ -222,6 +223,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self.in_keys = unravel_key_list(list(dict.fromkeys([*module.in_keys, *self.explained_keys])))
         self.out_keys = [*unravel_key_list(module.out_keys), *self.relevance_keys, *self.token_relevance_keys]
         self._handles: list[RemovableRuleHandle] | None = None
+        self._marks_read = True  # whether the open context's layers mark their outputs (see marks_are_read)
         self._hooks: list = []
         self._layers = LayerRelevance()
         self._tokens = TokenInputs(self.explained_keys)
@@ -283,6 +285,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
                     ) from err
             if not read:
                 stop_marks(handles)
+            self._marks_read = read
             if self.relevance_check is not None:
                 self._hooks += add_check_hooks(handles, modules, self.relevance_check)
             modes = getattr(self.rule_mapper, "function_modes", list)()
@@ -356,6 +359,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             return self._explain(tensordict)
 
     def _explain(self, tensordict: TensorDictBase) -> TensorDictBase:
+        self._marks_read = self._marks_read or marks_for_target(self._handles or [], self.target)
         explained = explained_in_call(tensordict, self.explained_keys, self._defaulted_inputs, self._optional_inputs)
         validate_inputs(tensordict, [key for key, e in zip(self.explained_keys, explained, strict=True) if e])
         self._stochastic = warn_for_random_modules("LRP", self._stochastic)  # once per context
