@@ -177,3 +177,27 @@ def test_a_callable_target_set_in_an_open_context_gets_the_marks_it_reads():
         lrp.target = target
         relevance = lrp(td.clone())["relevance", "x"]
     torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-14)
+
+
+class KeywordCall(nn.Module):
+    """``out(a(input=x) * b(x))``: a product of two activations, one of them from a layer called by keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(4, 5, bias=False), nn.Linear(4, 5, bias=False), nn.Linear(5, 2, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.a(input=x) * self.b(x))
+
+
+@pytest.mark.parametrize("epsilon", [None, 1e-12], ids=["AttnLRP", "AttnLRP-eps"])
+def test_a_layer_called_by_keyword_is_an_activation_of_a_product(epsilon):
+    # Its hooks see no positional input; it must not be taken for a layer of constants. The model is
+    # homogeneous of degree 2 without biases, so the uniform rule conserves: the relevance sums to the logit,
+    # half of gradient x input.
+    torch.manual_seed(0)
+    model = KeywordCall().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    relevance = LRP(model, AttnLRP(epsilon=epsilon), in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[3]))
+    logits = model(x).max(-1).values
+    torch.testing.assert_close(relevance["relevance", "x"].sum(-1), logits, rtol=1e-9, atol=1e-12)

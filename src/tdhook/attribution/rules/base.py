@@ -34,7 +34,7 @@ from tdhook.attribution.rules._autograd import (
 )
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._keeping_graph import graph_kept
-from tdhook.attribution.rules._layers import LINEAR_LAYERS, _has_weight_property
+from tdhook.attribution.rules._layers import LINEAR_LAYERS, _has_plain_forward, _has_weight_property
 from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.tunables import Tunable
 
@@ -543,13 +543,14 @@ class Rule(Tunable):
             self.prepared_state(module, registration)
             rule, reg = self.resolve(module, registration, inputs)
             result = rule.rewrite(module, reg, inputs, output)
-            if not any(is_activation(value) for value in inputs):
-                # A module of constants (a Linear applied to a buffer or a learned query) computes from parameters
-                # alone, whether its forward ran inside the function modes or paused: mark it as the modes would.
-                parameters = (*inputs, *module.parameters(recurse=False))
+            one_input = isinstance(module, LINEAR_LAYERS) and len(inputs) == 1 and isinstance(inputs[0], torch.Tensor)
+            if one_input and not is_activation(inputs[0]) and _has_plain_forward(module):
+                # A layer of a constant (a buffer, a learned query) computes from parameters alone, whether its
+                # forward ran inside the function modes or paused: mark it as the modes would. Only where its one
+                # positional input is all it reads: a call with keyword arguments shows its hooks no input.
+                parameters = (inputs[0], *module.parameters(recurse=False))
                 mark_parameter_derived(parameters, output if result is None else result)
-            layer = registration.marks and isinstance(module, LINEAR_LAYERS)
-            if layer and len(inputs) == 1 and isinstance(inputs[0], torch.Tensor):
+            if one_input and registration.marks:
                 _mark(result if result is not None else output, LayerCall(module, rule, reg, inputs[0], output, 0))
             return result
 
