@@ -53,3 +53,12 @@ def gradient_times_input(model: nn.Module, inputs, targets, **kwargs):
     out = model(x)
     (grad,) = torch.autograd.grad(out[torch.arange(len(x)), torch.as_tensor(targets)].sum(), x)
     return (grad * x).detach().numpy()
+
+
+def mlp_net(channels: int = 3, size: int = 6, classes: int = 5, hidden: int = 16) -> nn.Module:
+    """A small random MLP on images in float64, in eval mode: its first layer reads the flattened sample."""
+    return (
+        nn.Sequential(nn.Flatten(), nn.Linear(channels * size * size, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+        .double()
+        .eval()
+    )

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from tdhook.metrics._features import Baseline, Features
-from tdhook.metrics._scoring import Scorer, chunks, progress_bar
+from tdhook.metrics._scoring import _ELEMENTS_PER_FORWARD, Scorer, chunks, progress_bar
 
 __all__ = ["perturbation_curve"]
 
@@ -36,32 +36,51 @@ def perturbation_curve(
 ) -> torch.Tensor:
     """The scores ``batch + [1 + len(thresholds)]``: unperturbed, then with features at positions below each threshold.
 
+    A model that starts with a linear layer (see :class:`~tdhook.metrics._leading_affine.LeadingAffine`) has that
+    layer's output updated from step to step; any other runs on stacks of perturbed inputs.
+
     Args:
         scorer: the model's target score.
         features: the explained keys and their attributions.
         positions: ``batch + [n_features]``: the step order of every feature (its rank).
-        thresholds: step ``k`` (from 1) sets the features with ``positions < thresholds[k - 1]`` to the baseline.
+        thresholds: step ``k`` (from 1) sets the features with ``positions < thresholds[k - 1]`` to the baseline;
+            increasing.
         baseline: the value the perturbed features take.
         progress: show a progress bar (``None``: for runs of at least 20 forward passes).
         description: the progress bar's label.
     """
     baselines = features.baselines(baseline)  # checked before any forward pass, and resolved once
-    n_steps = len(thresholds)
-    size = scorer.chunk_size(features.inputs)
-    update = progress_bar(-(-n_steps // size), description, progress)
-    columns = [scorer.reference.unsqueeze(0)]
     # Each key's feature positions, shaped like its attribution (split once, not per stack of steps), in the
     # narrowest integer type that holds them: comparing them with the thresholds builds each stack's masks.
     small = torch.int32 if positions.shape[-1] < 2**31 else torch.int64
     per_key = features.split(positions.to(small))
     thresholds = thresholds.to(device=positions.device, dtype=small)
-    for start, stop in chunks(n_steps, size):
-        limit = thresholds[start:stop]
-        perturbed = {
-            key: torch.where(p.unsqueeze(0) < limit.view(-1, *[1] * p.dim()), b, x)
-            for key, p, b, x in zip(features.keys, per_key, baselines, features.inputs, strict=True)
-        }
-        columns.append(scorer.scores(perturbed))
-        update(1)
+    columns = [scorer.reference.unsqueeze(0)]
+    affine = scorer.leading_affine()
+    if affine is not None and affine.fits(features.inputs[0], len(features.batch_size)):
+        x, n = features.inputs[0], features.batch_size.numel()
+        size = scorer.steps_per_forward or max(1, _ELEMENTS_PER_FORWARD // (n * affine.linear.out_features))
+        stacks = affine.outputs(
+            x.reshape(n, *x.shape[len(features.batch_size) :]),
+            baselines[0].expand_as(x).reshape(n, *x.shape[len(features.batch_size) :]),
+            per_key[0].reshape(n, *per_key[0].shape[len(features.batch_size) :]),
+            thresholds,
+            size,
+        )
+        update = progress_bar(-(-len(thresholds) // size), description, progress)
+        for output in stacks:
+            columns.append(scorer.scores_of(output))
+            update(1)
+    else:
+        size = scorer.chunk_size(features.inputs)
+        update = progress_bar(-(-len(thresholds) // size), description, progress)
+        for start, stop in chunks(len(thresholds), size):
+            limit = thresholds[start:stop]
+            perturbed = {
+                key: torch.where(p.unsqueeze(0) < limit.view(-1, *[1] * p.dim()), b, x)
+                for key, p, b, x in zip(features.keys, per_key, baselines, features.inputs, strict=True)
+            }
+            columns.append(scorer.scores(perturbed))
+            update(1)
     update(0)
     return torch.cat(columns, dim=0).movedim(0, -1)

@@ -26,13 +26,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import TensorDictModuleBase
+from tensordict.nn import TensorDictModule, TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import nn
 
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key, target_output
 from tdhook.metrics._features import explained_keys
+from tdhook.metrics._leading_affine import LeadingAffine
 
 __all__ = ["Scorer", "chunks", "progress_bar"]
 
@@ -158,6 +159,20 @@ class Scorer:
             perturbed: ``key -> [S] + batch + shape`` for each explained key (other inputs are repeated).
         """
         return self._score(self.outputs(perturbed))
+
+    def scores_of(self, outputs: torch.Tensor) -> torch.Tensor:
+        """The scores ``[S] + batch`` of the target outputs ``[S, N, ...]`` of ``S`` perturbed versions of the batch."""
+        return self._score(outputs.reshape(outputs.shape[0], *self._batch, *outputs.shape[2:]))
+
+    def leading_affine(self) -> LeadingAffine | None:
+        """The model split at its leading linear layer, where the one explained key is its only input and the target
+        its only output (see :class:`~tdhook.metrics._leading_affine.LeadingAffine`); otherwise ``None``."""
+        module = self.module
+        if type(module) is not TensorDictModule or module._forward_hooks or module._forward_pre_hooks:
+            return None
+        if list(module.in_keys) != self.keys or list(module.out_keys) != [self._key] or self._operator is not module:
+            return None
+        return LeadingAffine.find(module.module)
 
     def outputs(self, perturbed: Mapping[NestedKey, torch.Tensor]) -> torch.Tensor:
         """The target outputs of ``S`` perturbed versions of the batch, ``[S] + batch + ...``, in one forward pass.

@@ -1,0 +1,158 @@
+"""Curves through a model that starts with a linear layer: its output updated step by step equals direct passes.
+
+The direct passes are the same metric with the update switched off (a hook on the model that does nothing), and,
+for pixel flipping, Quantus.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+
+from tdhook.metrics import pixel_flipping, region_perturbation
+from tdhook.metrics._leading_affine import LeadingAffine
+from tests.metrics._models import images, mlp_net
+from tests.metrics.test_pixel_flipping import by_definition, quantus_pixel_flipping
+
+
+def direct(net: nn.Module) -> nn.Module:
+    """``net`` with a hook that changes nothing: the metrics then run it on every perturbed input."""
+    net.register_forward_pre_hook(lambda module, args: None)
+    return net
+
+
+def flipping(net, td, **kwargs):
+    return pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], **kwargs)
+
+
+def watched_flipping(net, td, **kwargs):
+    """The curve, and the mock of :meth:`LeadingAffine.outputs` that says whether (and how) it was updated."""
+    with mock.patch.object(LeadingAffine, "outputs", autospec=True, side_effect=LeadingAffine.outputs) as updated:
+        return flipping(net, td, **kwargs), updated
+
+
+@pytest.mark.parametrize(
+    ("batch", "map_channels", "features_per_step", "baseline"),
+    [((4,), 3, 1, 0.0), ((3,), 3, 10, 0.5), ((2, 3), 1, 5, "minimum"), ((1,), 1, 36, "tensor")],
+)
+def test_pixel_flipping_equals_direct_passes(batch, map_channels, features_per_step, baseline):
+    torch.manual_seed(0)
+    net, shape = mlp_net(), (3, 6, 6)
+    if len(batch) > 1:  # the model sees the batch as it is: it reads flat samples
+        net, shape = nn.Sequential(*list(net)[1:]), (108,)
+    x = torch.randn(*batch, *shape).double()
+    a = torch.randn(*batch, *((map_channels, 6, 6) if len(shape) == 3 else shape)).double()
+    if baseline == "minimum":
+        baseline = x.flatten(len(batch)).min(-1).values.view(*batch, *[1] * len(shape))
+    elif baseline == "tensor":
+        baseline = torch.randn(shape).double()
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=batch)
+    curve, updated = watched_flipping(net, td, features_per_step=features_per_step, baseline=baseline)
+    assert updated.called
+    expected = flipping(direct(net), td, features_per_step=features_per_step, baseline=baseline)
+    torch.testing.assert_close(curve, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("steps_per_forward", [1, 3])
+def test_stacks_of_a_few_steps_carry_the_sum_from_one_stack_to_the_next(steps_per_forward):
+    torch.manual_seed(7)
+    net = mlp_net()
+    x, a = images(3), torch.randn(3, 1, 6, 6, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[3])
+    curve, updated = watched_flipping(net, td, features_per_step=5, steps_per_forward=steps_per_forward)
+    assert updated.call_args.args[-1] == steps_per_forward
+    torch.testing.assert_close(curve, flipping(direct(net), td, features_per_step=5), rtol=0, atol=1e-12)
+
+
+def test_pixel_flipping_equals_quantus_and_its_definition():
+    torch.manual_seed(1)
+    net = mlp_net()
+    x, a = images(4), torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[4])
+    curve = flipping(net, td, features_per_step=9)
+    target = net(x).argmax(-1)
+    torch.testing.assert_close(curve[..., 1:], quantus_pixel_flipping(net, x, a, target, 9), rtol=0, atol=1e-6)
+    torch.testing.assert_close(curve, by_definition(net, x, a, target, 9), rtol=0, atol=1e-10)
+
+
+def test_float32_agrees_with_direct_float32_passes():
+    torch.manual_seed(2)
+    net = mlp_net(size=16, hidden=64).float()
+    x, a = torch.randn(8, 3, 16, 16), torch.randn(8, 3, 16, 16)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[8])
+    curve = flipping(net, td, features_per_step=16)
+    expected = flipping(direct(net), td, features_per_step=16)
+    assert curve.dtype == torch.float32
+    torch.testing.assert_close(curve, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize(("size", "patch_size", "n_regions"), [(7, 3, 5), (6, 2, None)])
+def test_region_perturbation_with_uneven_patches_equals_direct_passes(size, patch_size, n_regions):
+    torch.manual_seed(3)
+    net = mlp_net(size=size)
+    x, a = images(3, size=size), torch.randn(3, 3, size, size, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[3])
+    kwargs = dict(patch_size=patch_size, n_regions=n_regions, in_keys=["x"], out_keys=["y"])
+    curve = region_perturbation(net, td, **kwargs)
+    torch.testing.assert_close(curve, region_perturbation(direct(net), td, **kwargs), rtol=0, atol=1e-12)
+
+
+def test_a_policy_on_a_flat_observation_in_a_tensordict_module():
+    torch.manual_seed(4)
+    policy = TensorDictModule(
+        nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)).double(), in_keys=["obs"], out_keys=["q"]
+    )
+    obs = torch.randn(5, 6).double().requires_grad_(True)
+    td = TensorDict(obs=obs, attribution=TensorDict(obs=torch.randn(5, 6).double()), batch_size=[5])
+    before = td.clone()
+    curve = pixel_flipping(policy, td, features_per_step=4)
+    assert LeadingAffine.find(policy.module) is not None
+    assert not curve.requires_grad and torch.is_grad_enabled()
+    assert (td == before).all() and set(td.keys(True, True)) == set(before.keys(True, True))
+    policy.register_forward_pre_hook(lambda module, args: None)
+    torch.testing.assert_close(curve, pixel_flipping(policy, td, features_per_step=4), rtol=0, atol=1e-12)
+
+
+class Doubled(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+def _hooked_first_layer() -> nn.Module:
+    net = mlp_net()
+    net[1].register_forward_hook(lambda module, args, output: 3 * output)
+    return net
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        _hooked_first_layer,  # a hook on the skipped layer must run
+        lambda: Doubled(*mlp_net()),  # its own forward
+        lambda: nn.Sequential(nn.Flatten(start_dim=2), nn.Flatten(), *list(mlp_net())[1:]),  # another flatten
+        lambda: nn.Sequential(nn.ReLU(), *mlp_net()),  # a nonlinear first layer
+    ],
+)
+def test_models_it_cannot_split_run_every_perturbed_input(make):
+    torch.manual_seed(5)
+    net = make()
+    x, a = images(2), torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[2])
+    curve, updated = watched_flipping(net, td, features_per_step=9)
+    assert not updated.called
+    torch.testing.assert_close(curve, by_definition(net, x, a, net(x).argmax(-1), 9), rtol=0, atol=1e-10)
+
+
+def test_a_linear_layer_over_the_last_dimension_only_runs_every_perturbed_input():
+    torch.manual_seed(6)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Flatten(), nn.Linear(24, 2)).double()
+    x, a = torch.randn(2, 3, 4).double(), torch.randn(2, 3, 4).double()
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[2])
+    curve, updated = watched_flipping(net, td, features_per_step=5)
+    assert not updated.called
+    torch.testing.assert_close(curve, by_definition(net, x, a, net(x).argmax(-1), 5), rtol=0, atol=1e-10)
