@@ -360,8 +360,21 @@ class MaxSelectingRouter(nn.Module):
         return torch.zeros(*hidden.shape[:-1], 4, dtype=hidden.dtype).scatter(-1, index, weights), index
 
 
+class ProjectingRouter(nn.Module):
+    """A router named as Hugging Face names them that holds its projection and returns logits (as DBRX's): the
+    mixture around it selects the experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(6, 4, bias=False, dtype=F64)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.layer(hidden),)
+
+
 class Mixture(nn.Module):
-    """Bias-free linear experts weighted by a router's scores: with the scores held, a linear map of the input."""
+    """Bias-free linear experts weighted by a softmax of a router's scores: with the scores held, a linear map of the
+    input."""
 
     def __init__(self, router: nn.Module) -> None:
         super().__init__()
@@ -369,22 +382,25 @@ class Mixture(nn.Module):
         self.experts = nn.ModuleList(nn.Linear(6, 6, bias=False, dtype=F64) for _ in range(4))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        scores = self.router(hidden)[0]
+        scores = self.router(hidden)[0].softmax(-1)  # weighted in the mixture, as DBRX weighs its router's logits
         return sum(scores[:, i : i + 1] * expert(hidden) for i, expert in enumerate(self.experts))
 
 
+ROUTERS = [LinearRouter(6, 4, bias=False, dtype=F64), MaxSelectingRouter(), ProjectingRouter()]
+
+
 class TestRouterRule:
-    @pytest.mark.parametrize("router", [LinearRouter(6, 4, bias=False, dtype=F64), MaxSelectingRouter()])
-    def test_a_router_that_is_a_linear_or_selects_by_max_is_recognised(self, router: nn.Module):
+    @pytest.mark.parametrize("router", ROUTERS)
+    def test_a_router_that_is_a_linear_selects_by_max_or_holds_its_projection_is_recognised(self, router):
         """Llama 4's router is a Linear (a layer rule took it, and relevance flowed through its scores); PhiMoE's
-        selects by max in a helper function (no topk to see)."""
+        selects by max in a helper function (no topk to see); DBRX's holds a Linear and returns logits."""
         assert is_router(router)
         mappers = [BaseRuleMapper(), AttnLRP(), CPLRP(), *(make() for make in CNN_PRESETS.values())]
         for mapper in mappers:
             assert isinstance(mapper("router", router), RouterRule), mapper
             assert isinstance(mapper.rules(Mixture(router))["router"], RouterRule), mapper
 
-    @pytest.mark.parametrize("router", [LinearRouter(6, 4, bias=False, dtype=F64), MaxSelectingRouter()])
+    @pytest.mark.parametrize("router", ROUTERS)
     @pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
     def test_relevance_of_a_mixture_flows_through_its_experts_only(self, router: nn.Module, preset: type):
         torch.manual_seed(0)

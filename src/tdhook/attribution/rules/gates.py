@@ -196,7 +196,7 @@ def is_router(module: nn.Module) -> bool:
     """Whether ``module`` routes tokens to experts: its forward selects the top k of its scores
     (``torch.topk``), or it is named a router as Hugging Face names them (``PhimoeTopKRouter`` selects by ``max``
     in a helper function); and it holds no layer besides itself (the mixture around it holds the experts; a
-    router may itself be a ``Linear``, as Llama 4's is).
+    router may itself be a ``Linear``, as Llama 4's is), or, named a router, one: its projection (DBRX's).
 
     Examples:
         >>> class Router(nn.Module):
@@ -211,12 +211,11 @@ def is_router(module: nn.Module) -> bool:
         >>> is_router(Router()), is_router(LinearRouter(8, 4)), is_router(nn.Linear(8, 4))
         (True, True, False)
     """
-    if any(isinstance(sub, LINEAR_LAYERS) for sub in module.modules() if sub is not module):
-        return False
+    layers = sum(isinstance(sub, LINEAR_LAYERS) for sub in module.modules() if sub is not module)
     code = getattr(type(module).forward, "__code__", None)
-    if code is not None and "topk" in code.co_names:
+    if code is not None and "topk" in code.co_names and not layers:
         return True
-    return type(module).__name__.endswith(_ROUTER_NAMES)
+    return type(module).__name__.endswith(_ROUTER_NAMES) and layers <= 1  # its own projection (DBRX's)
 
 
 class RouterRule(Rule):
