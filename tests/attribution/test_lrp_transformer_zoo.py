@@ -148,6 +148,19 @@ ZOO = {
             topk_group=1,
         ),
     ),
+    # DBRX: a router that holds its projection and returns logits; the mixture weighs them (softmax, top k, norm).
+    "dbrx": Architecture(
+        "DbrxConfig",
+        "DbrxForCausalLM",
+        dict(
+            d_model=HIDDEN,
+            n_heads=4,
+            n_layers=2,
+            max_seq_len=64,
+            attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+            ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
+        ),
+    ),
     # MiniMax: lightning attention (linear attention with decay) beside softmax attention, and experts.
     "minimax": Architecture(
         "MiniMaxConfig",
