@@ -188,6 +188,8 @@ class TestCoverage:
         (torch.Tensor.T.__get__, ("T", "linear")),
         (torch.Tensor.add_, ("add", "linear")),
         (torch._grouped_mm, ("grouped_mm", "product")),  # mixture-of-experts kernels: linear in the activation
+        (torch.view_as_complex, ("view_as_complex", "linear")),  # rotary embeddings as complex products
+        (torch.view_as_real, ("view_as_real", "linear")),
     ],
 )
 def test_function_kinds(func, expected):

@@ -3,8 +3,9 @@
 Every architecture is built untrained (hidden size 32, two layers, batch 2 × 7 tokens or 2 × 3 × 16 × 16 pixels),
 in float64, with its matrices scaled up so that attention is far from uniform and every rule matters, and its
 one-dimensional scales randomised (Gemma's norms start at zero). Language models are fed ``inputs_embeds``;
-vision models ``pixel_values``. For each architecture, preset and attention implementation (``"eager"`` and
-``"sdpa"``, where the architecture has both):
+vision models ``pixel_values``; speech models a spectrogram (``input_features``) or a waveform
+(``input_values``). For each architecture, preset and attention implementation (``"eager"`` and ``"sdpa"``, where
+the architecture has both):
 
 1. the wrapper changes neither the output (bit for bit) nor the ``state_dict``, and raises no warning;
 2. every relevance is finite;
@@ -20,6 +21,7 @@ The table of docs/transformers.md is printed by ``python -m tests.attribution.te
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from dataclasses import dataclass, field
 
@@ -34,12 +36,13 @@ from tests.conftest import relative_error
 
 F64 = torch.float64
 BATCH, TOKENS, HIDDEN, IMAGE = 2, 7, 32, 16
+MEL_BINS, FRAMES, SAMPLES = 8, 16, 64
 CONSERVATION_TOLERANCE = 1e-6
 IMPLEMENTATION_TOLERANCE = 1e-6  # several norms compute in float32 whatever the model's dtype
 BFLOAT16_SCALE = 3.0  # milder weights: with 10, bfloat16 rounding alone changes the forward pass
 PRESETS = {"attnlrp": AttnLRP, "cplrp": CPLRP}
 # Parameter names of learned additive embeddings and bias tables, zeroed (with every bias) for conservation.
-ADDITIVE = ("bias", "position", "wpe", "token_type", "cls_token", "distillation_token", "mask_token")
+ADDITIVE = ("bias", "position", "wpe", "token_type", "cls_token", "class_embedding", "distillation_token", "mask_token")
 
 COMMON = dict(
     vocab_size=64,
@@ -53,6 +56,13 @@ COMMON = dict(
 )
 VISION = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 MOE = dict(num_experts=4, num_experts_per_tok=2, experts_implementation="eager")
+# The explained input of each kind of model: the keyword it is fed by and its shape.
+INPUTS = {
+    "text": ("inputs_embeds", (BATCH, TOKENS, HIDDEN)),
+    "image": ("pixel_values", (BATCH, 3, IMAGE, IMAGE)),
+    "spectrogram": ("input_features", (BATCH, MEL_BINS, FRAMES)),
+    "waveform": ("input_values", (BATCH, SAMPLES)),
+}
 
 
 @dataclass(frozen=True)
@@ -62,11 +72,11 @@ class Architecture:
     config: str
     model: str
     values: dict = field(default_factory=dict)
-    vision: bool = False
+    inputs: str = "text"  # a key of INPUTS
     sdpa: bool = True  # whether transformers offers sdpa attention for it
 
     def build(self, implementation: str, dtype: torch.dtype = F64, scale: float = 10.0) -> nn.Module:
-        values = {**(VISION if self.vision else COMMON), **self.values}
+        values = {**(COMMON if self.inputs == "text" else VISION), **self.values}
         values = {key: value for key, value in values.items() if value is not None}  # None: not for this config
         config = getattr(transformers, self.config)(**values)
         config._attn_implementation = implementation
@@ -108,6 +118,57 @@ ZOO = {
     ),
     "olmoe": Architecture("OlmoeConfig", "OlmoeForCausalLM", MOE),
     "qwen3_moe": Architecture("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(MOE, moe_intermediate_size=32)),
+    # Llama 4: a router that is a Linear itself, its sigmoid scores scaling the experts' input; an L2 norm on
+    # queries and keys; rotary embeddings as complex products.
+    "llama4": Architecture(
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        dict(MOE, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=64),
+    ),
+    # PhiMoE: a router that selects experts by max and scatter (no topk), returning routing weights and indices.
+    "phimoe": Architecture("PhimoeConfig", "PhimoeForCausalLM", dict(MOE, head_dim=None, num_local_experts=4)),
+    # DeepSeek-V2: multi-head latent attention (low-rank queries and keys, rotary part apart), grouped routing.
+    "deepseek_v2": Architecture(
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(
+            MOE,
+            head_dim=None,
+            num_key_value_heads=4,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        ),
+    ),
+    # DBRX: a router that holds its projection and returns logits; the mixture weighs them (softmax, top k, norm).
+    "dbrx": Architecture(
+        "DbrxConfig",
+        "DbrxForCausalLM",
+        dict(
+            d_model=HIDDEN,
+            n_heads=4,
+            n_layers=2,
+            max_seq_len=64,
+            attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+            ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
+        ),
+    ),
+    # MiniMax: lightning attention (linear attention with decay) beside softmax attention, and experts.
+    "minimax": Architecture(
+        "MiniMaxConfig",
+        "MiniMaxForCausalLM",
+        dict(MOE, num_local_experts=4, layer_types=["linear_attention", "full_attention"], block_size=4),
+    ),
+    # Cohere: a LayerNorm written by hand (mean and variance), attention and MLP in parallel, scaled logits.
+    "cohere": Architecture("CohereConfig", "CohereForCausalLM"),
     "gemma": Architecture("GemmaConfig", "GemmaForCausalLM"),
     "gemma2": Architecture("Gemma2Config", "Gemma2ForCausalLM", sdpa=False),
     "gemma3": Architecture("Gemma3TextConfig", "Gemma3ForCausalLM"),
@@ -117,16 +178,66 @@ ZOO = {
         "DistilBertConfig", "DistilBertForSequenceClassification", dict(dim=HIDDEN, n_layers=2, n_heads=4)
     ),
     "electra": Architecture("ElectraConfig", "ElectraForSequenceClassification", dict(embedding_size=HIDDEN)),
+    # ModernBERT: GeGLU, local (sliding-window) and global attention, LayerNorms without bias.
+    "modernbert": Architecture(
+        "ModernBertConfig",
+        "ModernBertForSequenceClassification",
+        dict(head_dim=None, num_key_value_heads=None, pad_token_id=0, global_attn_every_n_layers=2, local_attention=4),
+    ),
+    # MobileBERT: bottlenecks, stacked feed-forward networks and NoNorm, an element-wise affine map named a norm.
+    "mobilebert": Architecture(
+        "MobileBertConfig",
+        "MobileBertForSequenceClassification",
+        dict(embedding_size=HIDDEN, intra_bottleneck_size=16, true_hidden_size=16, num_feedforward_networks=2),
+    ),
+    # DeBERTa-v2: disentangled attention (content-to-position and position-to-content scores); eager only.
+    "deberta_v2": Architecture("DebertaV2Config", "DebertaV2ForSequenceClassification", sdpa=False),
     "t5_encoder": Architecture(
         "T5Config", "T5EncoderModel", dict(d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
     ),
-    "vit": Architecture("ViTConfig", "ViTForImageClassification", dict(image_size=IMAGE, patch_size=4), vision=True),
-    "deit": Architecture("DeiTConfig", "DeiTForImageClassification", dict(image_size=IMAGE, patch_size=4), vision=True),
+    "vit": Architecture("ViTConfig", "ViTForImageClassification", dict(image_size=IMAGE, patch_size=4), inputs="image"),
+    "deit": Architecture(
+        "DeiTConfig", "DeiTForImageClassification", dict(image_size=IMAGE, patch_size=4), inputs="image"
+    ),
     "beit": Architecture(
         "BeitConfig",
         "BeitForImageClassification",
         dict(image_size=IMAGE, patch_size=4, use_relative_position_bias=True),
-        vision=True,
+        inputs="image",
+    ),
+    # Whisper's encoder: two 1-D convolutions over a spectrogram, then a transformer.
+    "whisper": Architecture(
+        "WhisperConfig",
+        "WhisperForAudioClassification",
+        dict(
+            {key: None for key in VISION},
+            num_mel_bins=MEL_BINS,
+            max_source_positions=FRAMES // 2,
+            d_model=HIDDEN,
+            encoder_layers=2,
+            encoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_layers=1,
+            decoder_attention_heads=4,
+            decoder_ffn_dim=64,
+            vocab_size=64,
+        ),
+        inputs="spectrogram",
+    ),
+    # wav2vec 2.0: convolutions over the waveform (the first one group-normed), a weight-normed convolution as
+    # position embedding.
+    "wav2vec2": Architecture(
+        "Wav2Vec2Config",
+        "Wav2Vec2ForSequenceClassification",
+        dict(
+            conv_dim=(8, 8),
+            conv_stride=(2, 2),
+            conv_kernel=(3, 3),
+            num_conv_pos_embeddings=4,
+            num_conv_pos_embedding_groups=2,
+            classifier_proj_size=8,
+        ),
+        inputs="waveform",
     ),
     "swin": Architecture(
         "SwinConfig",
@@ -141,7 +252,7 @@ ZOO = {
             window_size=4,
             drop_path_rate=0.1,
         ),
-        vision=True,
+        inputs="image",
     ),
 }
 
@@ -150,10 +261,10 @@ class Explained(nn.Module):
     """The explained output: a language model's next-token logits, a classifier's logits, an encoder's last
     hidden state at the last position."""
 
-    def __init__(self, model: nn.Module, vision: bool) -> None:
+    def __init__(self, model: nn.Module, inputs: str = "text") -> None:
         super().__init__()
         self.model = model
-        self.input_name = "pixel_values" if vision else "inputs_embeds"
+        self.input_name = INPUTS[inputs][0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.model(**{self.input_name: x})
@@ -164,8 +275,7 @@ class Explained(nn.Module):
 
 def model_input(architecture: Architecture, dtype: torch.dtype = F64) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1)
-    shape = (BATCH, 3, IMAGE, IMAGE) if architecture.vision else (BATCH, TOKENS, HIDDEN)
-    return torch.randn(shape, generator=generator, dtype=F64).to(dtype)
+    return torch.randn(INPUTS[architecture.inputs][1], generator=generator, dtype=F64).to(dtype)
 
 
 def zero_additive(model: nn.Module) -> None:
@@ -199,7 +309,7 @@ def explain(name: str, preset: str, implementation: str, zeroed: bool | None = N
     model = architecture.build(implementation)
     if preset == "cplrp" if zeroed is None else zeroed:
         zero_additive(model)
-    explained, x = Explained(model, architecture.vision), model_input(architecture)
+    explained, x = Explained(model, architecture.inputs), model_input(architecture)
     plain = explained(x)
     state = {key: value.clone() for key, value in model.state_dict().items()}
     with warnings.catch_warnings(record=True) as caught:
@@ -239,11 +349,11 @@ def test_bfloat16_agrees_with_float32(name: str):
     architecture = ZOO[name]
     implementation = architecture.implementations()[-1]
     values = {k: v for k, v in architecture.values.items() if k != "experts_implementation"}
-    default_experts = Architecture(architecture.config, architecture.model, values, architecture.vision)
+    default_experts = Architecture(architecture.config, architecture.model, values, architecture.inputs)
     results, target = {}, None
     for dtype in (torch.float32, torch.bfloat16):
         model = default_experts.build(implementation, dtype, scale=BFLOAT16_SCALE)
-        explained, x = Explained(model, architecture.vision), model_input(architecture, dtype)
+        explained, x = Explained(model, architecture.inputs), model_input(architecture, dtype)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             lrp = LRP(explained, AttnLRP(), in_keys=["x"], out_keys=["y"], target=target)
@@ -318,11 +428,65 @@ def test_attention_the_rules_cannot_follow_is_an_error_saying_how_to_switch(impl
     model = ZOO["llama"].build("eager")
     model.config._attn_implementation = implementation
     x = model_input(ZOO["llama"])
-    lrp = LRP(Explained(model, vision=False), PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+    lrp = LRP(Explained(model), PRESETS[preset](), in_keys=["x"], out_keys=["y"])
     with pytest.raises(ValueError, match=f"'model' \\(LlamaForCausalLM\\).*'{implementation}'.*attn_implementation"):
         lrp(TensorDict(x=x, batch_size=[BATCH]))
     model.config._attn_implementation = "sdpa"  # switched as the message says: explained
     assert torch.isfinite(lrp(TensorDict(x=x, batch_size=[BATCH]))["relevance", "x"]).all()
+
+
+# Mixers that carry a state along the sequence: Mamba's selective scan and Qwen3-Next's gated delta rule.
+RECURRENT_MIXERS = {
+    "mamba": (
+        Architecture(
+            "MambaConfig",
+            "MambaForCausalLM",
+            dict({key: None for key in ("num_attention_heads", "num_key_value_heads", "head_dim")}, state_size=4),
+            sdpa=False,
+        ),
+        "model.backbone.layers.0.mixer",
+        "MambaMixer",
+    ),
+    "qwen3_next": (
+        Architecture(
+            "Qwen3NextConfig",
+            "Qwen3NextForCausalLM",
+            dict(
+                MOE,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=32,
+                linear_num_value_heads=4,
+                linear_num_key_heads=2,
+                linear_key_head_dim=8,
+                linear_value_head_dim=8,
+                layer_types=["linear_attention", "full_attention"],
+            ),
+        ),
+        "model.model.layers.0.linear_attn",
+        "Qwen3NextGatedDeltaNet",
+    ),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted(RECURRENT_MIXERS))
+def test_a_recurrent_mixer_no_rule_follows_is_named(name: str, preset: str):
+    """A state-space or linear-attention recurrence (``exp`` of input-dependent decays, products of activations
+    along the sequence) has no rule: its plain gradient does not conserve. The wrapper names the mixer: in a
+    warning, or in an error with ``strict=True``, leaving the caller's TensorDict as it was."""
+    architecture, module, module_class = RECURRENT_MIXERS[name]
+    model, x = architecture.build("eager"), model_input(architecture)
+    named = f"module '{module}' \\({module_class}\\) computes [a-z_, ]*exp"
+    lrp = LRP(Explained(model), PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lrp(TensorDict(x=x, batch_size=[BATCH]))
+    assert any(re.search(named, str(w.message)) for w in caught), [str(w.message) for w in caught]
+    strict = LRP(Explained(model), PRESETS[preset](strict=True), in_keys=["x"], out_keys=["y"])
+    td = TensorDict(x=x, batch_size=[BATCH])
+    with pytest.raises(ValueError, match=named):
+        strict(td)
+    assert set(td.keys()) == {"x"}
 
 
 @pytest.mark.parametrize(

@@ -58,7 +58,7 @@ _PIECEWISE_LINEAR = frozenset(
     "upsample_bilinear grid_sample pixel_shuffle pixel_unshuffle channel_shuffle native_channel_shuffle unfold "
     "fold diagonal diag diag_embed tril triu as_strided nan_to_num round floor ceil trunc sign heaviside "
     "embedding one_hot detach batch_norm broadcast_tensors atleast_1d atleast_2d atleast_3d pack_padded_sequence "
-    "pad_packed_sequence pack_sequence pad_sequence".split()
+    "pad_packed_sequence pack_sequence pad_sequence view_as_complex view_as_real real imag".split()
 )
 # Products and maps that are linear in each factor: piecewise linear as long as at most one factor is an activation.
 _PRODUCTS = frozenset(

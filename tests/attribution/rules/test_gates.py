@@ -12,9 +12,11 @@ import timm.layers
 import torch
 import torch.nn.functional as F
 import torchvision
+from tensordict import TensorDict
 from timm.models._efficientnet_blocks import SqueezeExcite as EfficientNetSqueezeExcite
 from torch import nn
 
+from tdhook.attribution import LRP
 from tdhook.attribution.mappers.base import BaseRuleMapper
 from tdhook.attribution.mappers.transformer import CPLRP, AttnLRP
 from tdhook.attribution.rules.basic import IgnoreRule, PassRule
@@ -331,7 +333,83 @@ class InlineMixture(nn.Module):
         return self.expert(hidden) * weights
 
 
+class LinearRouter(nn.Linear):
+    """A router that is a Linear layer itself (as Llama 4's): sigmoid scores at the top two experts, zero elsewhere."""
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = super().forward(hidden)
+        top, index = torch.topk(logits, 2, dim=-1)
+        return torch.sigmoid(torch.full_like(logits, float("-inf")).scatter(-1, index, top)), logits
+
+
+def _largest(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest score's softmax weight and index, by max (no topk)."""
+    index = scores.max(-1, keepdim=True).indices
+    return scores.softmax(-1).gather(-1, index), index
+
+
+class MaxSelectingRouter(nn.Module):
+    """A router named as Hugging Face names them, selecting its expert by max in a helper (as PhiMoE's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 6, dtype=F64))
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, index = _largest(F.linear(hidden, self.weight))
+        return torch.zeros(*hidden.shape[:-1], 4, dtype=hidden.dtype).scatter(-1, index, weights), index
+
+
+class ProjectingRouter(nn.Module):
+    """A router named as Hugging Face names them that holds its projection and returns logits (as DBRX's): the
+    mixture around it selects the experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(6, 4, bias=False, dtype=F64)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.layer(hidden),)
+
+
+class Mixture(nn.Module):
+    """Bias-free linear experts weighted by a softmax of a router's scores: with the scores held, a linear map of the
+    input."""
+
+    def __init__(self, router: nn.Module) -> None:
+        super().__init__()
+        self.router = router
+        self.experts = nn.ModuleList(nn.Linear(6, 6, bias=False, dtype=F64) for _ in range(4))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        scores = self.router(hidden)[0].softmax(-1)  # weighted in the mixture, as DBRX weighs its router's logits
+        return sum(scores[:, i : i + 1] * expert(hidden) for i, expert in enumerate(self.experts))
+
+
+ROUTERS = [LinearRouter(6, 4, bias=False, dtype=F64), MaxSelectingRouter(), ProjectingRouter()]
+
+
 class TestRouterRule:
+    @pytest.mark.parametrize("router", ROUTERS)
+    def test_a_router_that_is_a_linear_selects_by_max_or_holds_its_projection_is_recognised(self, router):
+        """Llama 4's router is a Linear (a layer rule took it, and relevance flowed through its scores); PhiMoE's
+        selects by max in a helper function (no topk to see); DBRX's holds a Linear and returns logits."""
+        assert is_router(router)
+        mappers = [BaseRuleMapper(), AttnLRP(), CPLRP(), *(make() for make in CNN_PRESETS.values())]
+        for mapper in mappers:
+            assert isinstance(mapper("router", router), RouterRule), mapper
+            assert isinstance(mapper.rules(Mixture(router))["router"], RouterRule), mapper
+
+    @pytest.mark.parametrize("router", ROUTERS)
+    @pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
+    def test_relevance_of_a_mixture_flows_through_its_experts_only(self, router: nn.Module, preset: type):
+        torch.manual_seed(0)
+        mixture, x = Mixture(router), randn(5, 6)
+        lrp = LRP(mixture, preset(), in_keys=["x"], out_keys=["y"], target=lambda y: y)
+        td = lrp(TensorDict(x=x, batch_size=[5]))
+        assert torch.equal(td["y"], mixture(x))  # the routing is unchanged
+        torch.testing.assert_close(td["relevance", "x"].sum(-1), td["y"].sum(-1), rtol=1e-12, atol=1e-12)
+
     def test_routers_are_recognised_by_their_top_k_selection(self):
         assert is_router(TopKRouter())
         assert not is_router(InlineMixture())  # holds layers: the mixture itself, not its router

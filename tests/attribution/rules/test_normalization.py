@@ -16,8 +16,10 @@ import timm.layers
 import torch
 import torch.nn.functional as F
 import torchvision
+from tensordict import TensorDict
 from torch import nn
 
+from tdhook.attribution import CPLRP, LRP, AttnLRP
 from tdhook.attribution.mappers.base import BaseRuleMapper
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule
 from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
@@ -123,6 +125,18 @@ class NotANorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(x) * 2
+
+
+class NoNorm(nn.Module):
+    """Named like a norm, an element-wise affine map (MobileBERT's): ``x · w + b``."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(size, dtype=F64))
+        self.bias = nn.Parameter(torch.zeros(size, dtype=F64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight + self.bias
 
 
 def randomise(module: nn.Module, bias: bool = True) -> nn.Module:
@@ -421,6 +435,17 @@ class TestIsNorm:
     )
     def test_not_norms(self, make):
         assert not is_norm(make())
+
+    @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "AttnLRP", "CPLRP"])
+    def test_an_affine_map_named_like_a_norm_passes_relevance_as_its_plain_gradient(self, preset: str):
+        """Its forward names nothing but its own tensors: no normalising scale to hold (the rule raised that it
+        found none). Without bias, ``w · x`` gives each element its own relevance back."""
+        module, x, relevance_out = NoNorm(4), randn(3, 4), randn(3, 4)
+        assert not is_norm(module)
+        mapper = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, **CNN_PRESETS}[preset]()
+        lrp = LRP(module, mapper, in_keys=["x"], out_keys=["y"], target=lambda y: relevance_out)
+        relevance = lrp(TensorDict(x=x, batch_size=[3]))["relevance", "x"]
+        assert relative_error(relevance, relevance_out) <= 1e-12
 
     @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
     def test_presets_map_norms_to_the_rule(self, preset: str):

@@ -194,6 +194,13 @@ class BaseRuleMapper(Tunable):
             rule = self.rule_mapper(name, module)
             if rule is not None:
                 return rule
+        return self._own_rule(name, module)
+
+    def _own_rule(self, name: str, module: nn.Module) -> Rule | None:
+        """The preset's rule for ``module``: a router's first (it may be a ``Linear`` itself), then the layer rule,
+        then the default."""
+        if is_router(module):
+            return self._router
         return self.layer_rule(name, module) or self.default_rule(name, module)
 
     def default_rule(self, name: str, module: nn.Module) -> Rule | None:
@@ -250,8 +257,9 @@ class BaseRuleMapper(Tunable):
             if self.rule_mapper is not None:
                 rule = self.rule_mapper(name, module)
             if rule is None:
-                rule = self.layer_rule(name, module) or self.default_rule(name, module)
-                first = self.first_layer_rule(name, module) if isinstance(module, LINEAR_LAYERS) else None
+                rule = self._own_rule(name, module)
+                is_layer = isinstance(module, LINEAR_LAYERS) and rule is not self._router
+                first = self.first_layer_rule(name, module) if is_layer else None
                 if first is not None and first is not rule:
                     rule = self._first_layer_switch(first, rule)
             if rule is not None:

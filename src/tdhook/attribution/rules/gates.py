@@ -59,6 +59,8 @@ SAME_VALUES = frozenset(
     | {torch.Tensor.permute, torch.permute, torch.Tensor.transpose, torch.transpose, torch.Tensor.flatten}
     | {torch.flatten, torch.Tensor.contiguous, torch.Tensor.clone, torch.Tensor.to, torch.Tensor.__getitem__}
 )
+# Class names of routers whose forward selects experts without ``topk`` (by ``max`` in a helper, as PhiMoE).
+_ROUTER_NAMES = ("Router",)
 _ELEMENTWISE_PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
 
 
@@ -192,7 +194,9 @@ class HeldGates(TorchFunctionMode):
 
 def is_router(module: nn.Module) -> bool:
     """Whether ``module`` routes tokens to experts: its forward selects the top k of its scores
-    (``torch.topk``), and it holds no layer of its own (the mixture around it holds the experts).
+    (``torch.topk``), or it is named a router as Hugging Face names them (``PhimoeTopKRouter`` selects by ``max``
+    in a helper function); and it holds no layer besides itself (the mixture around it holds the experts; a
+    router may itself be a ``Linear``, as Llama 4's is), or, named a router, one: its projection (DBRX's).
 
     Examples:
         >>> class Router(nn.Module):
@@ -201,13 +205,17 @@ def is_router(module: nn.Module) -> bool:
         ...         self.weight = nn.Parameter(torch.randn(4, 8))
         ...     def forward(self, x):
         ...         return torch.topk(torch.softmax(F.linear(x, self.weight), -1), 2, dim=-1)
-        >>> is_router(Router()), is_router(nn.Linear(8, 4))
-        (True, False)
+        >>> class LinearRouter(nn.Linear):
+        ...     def forward(self, x):
+        ...         return torch.topk(super().forward(x), 2, dim=-1)
+        >>> is_router(Router()), is_router(LinearRouter(8, 4)), is_router(nn.Linear(8, 4))
+        (True, True, False)
     """
+    layers = sum(isinstance(sub, LINEAR_LAYERS) for sub in module.modules() if sub is not module)
     code = getattr(type(module).forward, "__code__", None)
-    if code is None or "topk" not in code.co_names:
-        return False
-    return not any(isinstance(sub, LINEAR_LAYERS) for sub in module.modules())
+    if code is not None and "topk" in code.co_names and not layers:
+        return True
+    return type(module).__name__.endswith(_ROUTER_NAMES) and layers <= 1  # its own projection (DBRX's)
 
 
 class RouterRule(Rule):

@@ -76,7 +76,19 @@ def is_norm(module: nn.Module) -> bool:
     # block, BatchNormAct2d a norm.
     if any(isinstance(sub, LINEAR_LAYERS) for sub in module.modules()):
         return False
+    if _forward_is_arithmetic_on_own_tensors(module):
+        return False  # MobileBERT's NoNorm, x · w + b: no call that could compute a normalising scale
     return type(module).__name__.endswith(_NORM_NAMES) or _forward_normalises(module)
+
+
+def _forward_is_arithmetic_on_own_tensors(module: nn.Module) -> bool:
+    """Whether the module's own forward names nothing but its own parameters and buffers: operators on them
+    (``x * self.weight + self.bias``) act element by element and cannot reduce a position to a scale."""
+    code = getattr(type(module).forward, "__code__", None)
+    if code is None:
+        return False
+    own = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
+    return all(name in own for name in code.co_names)
 
 
 def _forward_normalises(module: nn.Module) -> bool:
