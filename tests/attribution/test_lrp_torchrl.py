@@ -27,7 +27,7 @@ from torchrl.modules import (
     set_recurrent_mode,
 )
 
-from tdhook.attribution import LRP
+from tdhook.attribution import LRP, BaseRuleMapper
 from tdhook.attribution.lrp_helpers.rules import AlphaBetaRule, EpsilonPlus, FirstLayerRule, WSquareRule
 
 F64 = torch.float64
@@ -483,3 +483,33 @@ def test_a_noisy_linear_is_explained_with_the_weights_its_call_used():
             )["relevance", "observation"]
             torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12, msg=step)
         assert not torch.equal(noisy[0].weight_sigma * noisy[0].weight_epsilon, torch.zeros(8, 4, dtype=F64))
+
+
+def test_q_networks_run_with_a_loss_modules_parameters_are_explained_without_a_false_alarm():
+    """SACLoss keeps its Q-networks' parameters stacked; ``params[i].to_module(net)`` puts non-leaf views of them in
+    the layers' parameter slots. They are parameters all the same: LRP-0 is gradient × input, and ``strict`` has no
+    nonlinear call to refuse."""
+    from torchrl.objectives import SACLoss
+
+    torch.manual_seed(0)
+    actor = ProbabilisticActor(
+        TensorDictModule(
+            nn.Sequential(mlp(4), NormalParamExtractor()), in_keys=["observation"], out_keys=["loc", "scale"]
+        ),
+        in_keys=["loc", "scale"],
+        distribution_class=TanhNormal,
+    )
+    qvalue = ValueOperator(
+        MLP(in_features=6, out_features=1, num_cells=[8], activation_class=nn.ReLU).to(F64),
+        in_keys=["observation", "action"],
+    )
+    loss = SACLoss(actor, qvalue, num_qvalue_nets=2)
+    td = observations().set("action", torch.randn(6, 2, dtype=F64))
+    for params in loss.qvalue_network_params.unbind(0):
+        with params.to_module(loss.qvalue_network):
+            out = LRP(loss.qvalue_network, BaseRuleMapper(strict=True))(td.clone())
+            x = td.clone()
+            inputs = [x["observation"].requires_grad_(), x["action"].requires_grad_()]
+            grads = torch.autograd.grad(loss.qvalue_network(x)["state_action_value"].sum(), inputs)
+        for key, value, grad in zip(("observation", "action"), inputs, grads, strict=True):
+            torch.testing.assert_close(out["relevance", key], value.detach() * grad, rtol=1e-10, atol=1e-12)
