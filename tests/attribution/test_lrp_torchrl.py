@@ -513,3 +513,22 @@ def test_q_networks_run_with_a_loss_modules_parameters_are_explained_without_a_f
             grads = torch.autograd.grad(loss.qvalue_network(x)["state_action_value"].sum(), inputs)
         for key, value, grad in zip(("observation", "action"), inputs, grads, strict=True):
             torch.testing.assert_close(out["relevance", key], value.detach() * grad, rtol=1e-10, atol=1e-12)
+
+
+def test_a_critic_reading_uint8_pixels_is_refused_by_key():
+    """A network that casts uint8 pixels itself leaves nothing that can take relevance: the error names the key."""
+
+    class Scale(nn.Module):
+        def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+            return pixels.to(F64) / 255
+
+    critic = ValueOperator(
+        nn.Sequential(Scale(), nn.Conv2d(3, 2, 3, dtype=F64), nn.ReLU(), nn.Flatten(), nn.LazyLinear(1, dtype=F64)),
+        in_keys=["pixels"],
+    )
+    td = TensorDict(pixels=torch.randint(0, 256, (2, 3, 6, 6), dtype=torch.uint8), batch_size=[2])
+    critic(td.clone())
+    before = td.clone()
+    with pytest.raises(TypeError, match=r"'pixels'.*torch.uint8.*ToTensorImage"):
+        LRP(critic, EpsilonPlus())(td)
+    assert set(td.keys()) == {"pixels"} and torch.equal(td["pixels"], before["pixels"])
