@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from torchrl.modules import (
     ProbabilisticActor,
     QValueActor,
     QValueModule,
+    TanhModule,
     TanhNormal,
     ValueOperator,
     set_recurrent_mode,
@@ -532,3 +534,24 @@ def test_a_critic_reading_uint8_pixels_is_refused_by_key():
     with pytest.raises(TypeError, match=r"'pixels'.*torch.uint8.*ToTensorImage"):
         LRP(critic, EpsilonPlus())(td)
     assert set(td.keys()) == {"pixels"} and torch.equal(td["pixels"], before["pixels"])
+
+
+@pytest.mark.parametrize("low, high", [(-2.0, 2.0), (-1.0, 3.0)])
+def test_a_tanh_module_passes_relevance_through_its_tanh(low: float, high: float):
+    """TD3's and DDPG's actors end in a TanhModule: the pass rule on its tanh, as on an nn.Tanh; the offset of
+    asymmetric bounds is a bias."""
+    net = zero_biases(mlp(2))
+    actor = TensorDictSequential(
+        TensorDictModule(net, in_keys=["observation"], out_keys=["param"]),
+        TanhModule(in_keys=["param"], out_keys=["action"], low=low, high=high),
+    )
+    td = observations()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no module computes a function without a rule
+        out = LRP(actor, CONSERVING)(td.clone())
+    assert torch.equal(out["action"], actor(td.clone())["action"])
+    squashed = LRP(nn.Sequential(net, nn.Tanh()), CONSERVING, in_keys=["observation"], out_keys=["action"])
+    expected = squashed(td.clone())["relevance", "observation"] * (high - low) / 2
+    torch.testing.assert_close(out["relevance", "observation"], expected, rtol=1e-10, atol=1e-12)
+    if low == -high:  # no offset: the action's relevance is conserved
+        torch.testing.assert_close(out["relevance", "observation"].sum(-1), out["action"].max(-1).values)

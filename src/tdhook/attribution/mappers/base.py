@@ -12,6 +12,7 @@ from fnmatch import fnmatchcase
 from typing import Protocol, TypedDict
 
 from torch import nn
+from torchrl.modules import TanhModule
 
 from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._layers import (
@@ -24,6 +25,7 @@ from tdhook.attribution.rules._layers import (
     GRADIENT_ROUTED_SUFFIXES,
     LINEAR_LAYERS,
 )
+from tdhook.attribution.rules.activation_calls import TanhCallsRule
 from tdhook.attribution.rules.additions import StabilizedAdditions
 from tdhook.attribution.rules.base import Rule
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule
@@ -108,7 +110,8 @@ class BaseRuleMapper(Tunable):
     dequantized weight); LSTM and GRU layers and cells →
     :class:`~tdhook.attribution.rules.recurrent.RecurrentRule` (signal-take-all, with ``stabilizer`` as ε);
     sigmoid-like modules → :class:`~tdhook.attribution.rules.gates.GateRule`
-    (held constant where they gate a signal); other activations → :class:`PassRule`;
+    (held constant where they gate a signal); other activations → :class:`PassRule`; torchrl's ``TanhModule`` →
+    :class:`~tdhook.attribution.rules.activation_calls.TanhCallsRule` (the pass rule on its ``tanh``);
     average pooling → :class:`EpsilonRule` with ``stabilizer`` (zennit's ``Norm``);
     BatchNorm → :class:`MergeBatchNormRule`
     (merged into the layer before it, else the ε-rule of its affine map); other
@@ -164,6 +167,7 @@ class BaseRuleMapper(Tunable):
         self._pass = PassRule()
         self._elementwise = ElementwiseRule(self._pass)
         self._gate = GateRule()
+        self._tanh_calls = TanhCallsRule()
         self._router = RouterRule()
         self._quantized_linear = QuantizedLinearRule(epsilon=stabilizer)
         self._recurrent = RecurrentRule(epsilon=stabilizer)
@@ -210,6 +214,8 @@ class BaseRuleMapper(Tunable):
             return self._gate
         if isinstance(module, ACTIVATIONS):
             return self._pass
+        if isinstance(module, TanhModule):
+            return self._tanh_calls
         if isinstance(module, BATCH_NORMS):
             return self._merge_batch_norm
         if is_norm(module):
