@@ -16,6 +16,7 @@ from torchrl.modules import (
     MLP,
     ActorCriticWrapper,
     ActorValueOperator,
+    ConsistentDropoutModule,
     GRUModule,
     LSTMModule,
     NoisyLinear,
@@ -555,3 +556,35 @@ def test_a_tanh_module_passes_relevance_through_its_tanh(low: float, high: float
     torch.testing.assert_close(out["relevance", "observation"], expected, rtol=1e-10, atol=1e-12)
     if low == -high:  # no offset: the action's relevance is conserved
         torch.testing.assert_close(out["relevance", "observation"].sum(-1), out["action"].max(-1).values)
+
+
+class TestConsistentDropout:
+    """A ConsistentDropoutModule multiplies by a mask that the TensorDict carries (or that it draws when there is
+    none): the mask steers the call, it is no evidence, and it is not an input to explain."""
+
+    def policy(self) -> TensorDictSequential:
+        torch.manual_seed(0)
+        return TensorDictSequential(
+            TensorDictModule(nn.Sequential(zero_biases(mlp(8)), nn.ReLU()), in_keys=["observation"], out_keys=["h"]),
+            ConsistentDropoutModule(p=0.5, in_keys=["h", "mask"], out_keys=["h", "mask"]),
+            TensorDictModule(zero_biases(nn.Linear(8, 3, dtype=F64)), in_keys=["h"], out_keys=["action_value"]),
+        )
+
+    def test_a_given_mask_is_a_constant_of_the_call(self):
+        policy = self.policy().train()
+        td = observations().set("mask", (torch.rand(6, 8) > 0.5).to(F64) * 2)
+        with pytest.warns(UserWarning, match="training mode"):  # told once: without a mask the module draws one
+            out = LRP(policy, CONSERVING)(td.clone())
+        assert list(out["relevance"].keys()) == ["observation"]
+        masked = TensorDictSequential(
+            policy[0], TensorDictModule(lambda h, m: h * m, in_keys=["h", "mask"], out_keys=["h"]), policy[2]
+        )
+        expected = LRP(masked, CONSERVING, in_keys=["observation"])(td.clone())
+        torch.testing.assert_close(out["relevance", "observation"], expected["relevance", "observation"])
+        torch.testing.assert_close(out["relevance", "observation"].sum(-1), out["action_value"].max(-1).values)
+
+    def test_without_a_mask_the_module_runs_as_it_does_alone(self):
+        policy = self.policy().eval()
+        out = LRP(policy, CONSERVING)(observations())
+        assert list(out["relevance"].keys()) == ["observation"]
+        torch.testing.assert_close(out["relevance", "observation"].sum(-1), out["action_value"].max(-1).values)
