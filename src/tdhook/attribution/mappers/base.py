@@ -12,7 +12,7 @@ from fnmatch import fnmatchcase
 from typing import Protocol, TypedDict
 
 from torch import nn
-from torchrl.modules import TanhModule
+from torchrl.modules import BatchRenorm1d, TanhModule
 
 from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._layers import (
@@ -33,7 +33,7 @@ from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
 from tdhook.attribution.rules.elementwise import ElementwiseRule, may_be_elementwise
 from tdhook.attribution.rules.gates import GateRule, HeldGates, RouterRule, is_router
 from tdhook.attribution.rules.input_layer import FirstLayerRule
-from tdhook.attribution.rules.normalization import NormRule, is_norm
+from tdhook.attribution.rules.normalization import BatchRenormRule, NormRule, is_norm
 from tdhook.attribution.rules.quantized import QuantizedLinearRule, holds_packed_weights, is_quantized_linear
 from tdhook.attribution.rules.recurrent import RecurrentRule, is_recurrent
 from tdhook.attribution.tunables import Tunable
@@ -114,7 +114,8 @@ class BaseRuleMapper(Tunable):
     :class:`~tdhook.attribution.rules.activation_calls.TanhCallsRule` (the pass rule on its ``tanh``);
     average pooling → :class:`EpsilonRule` with ``stabilizer`` (zennit's ``Norm``);
     BatchNorm → :class:`MergeBatchNormRule`
-    (merged into the layer before it, else the ε-rule of its affine map); other
+    (merged into the layer before it, else the ε-rule of its affine map); torchrl's BatchRenorm1d →
+    :class:`~tdhook.attribution.rules.normalization.BatchRenormRule` (the ε-rule of its affine map); other
     norms (LayerNorm, GroupNorm, RMSNorm, channels-first and fused norms) →
     :class:`NormRule` (the normalising scale held constant); Linear and
     convolution layers, MaxPool, Dropout, Flatten, Unflatten, Identity →
@@ -175,6 +176,7 @@ class BaseRuleMapper(Tunable):
         self._ignore = IgnoreRule()
         self._merge_batch_norm = MergeBatchNormRule(epsilon=stabilizer)
         self._norm_rule: NormRule = NormRule(epsilon=stabilizer)
+        self._batch_renorm = BatchRenormRule(epsilon=stabilizer)
         self._first_layer_rules: dict[tuple[int, int], FirstLayerRule] = {}
 
     def function_modes(self) -> list:
@@ -218,6 +220,8 @@ class BaseRuleMapper(Tunable):
             return self._tanh_calls
         if isinstance(module, BATCH_NORMS):
             return self._merge_batch_norm
+        if isinstance(module, BatchRenorm1d):
+            return self._batch_renorm
         if is_norm(module):
             return self._norm_rule
         if isinstance(module, AVG_POOLS):

@@ -46,7 +46,7 @@ from tdhook.attribution.rules.functional import FunctionalRules
 from tdhook.attribution.rules.gates import GateRule, HeldGates, RouterRule
 from tdhook.attribution.rules.input_layer import FirstLayerRule, FlatRule, WSquareRule, ZBoxRule
 from tdhook.attribution.rules.modified import AlphaBetaRule, GammaRule
-from tdhook.attribution.rules.normalization import NormRule
+from tdhook.attribution.rules.normalization import BatchRenormRule, NormRule
 from tdhook.attribution.rules.quantized import QuantizedLinearRule
 from tdhook.attribution.rules.recurrent import RecurrentRule
 from tdhook.attribution.rules.taylor import TaylorDecompositionRule
@@ -89,6 +89,7 @@ __all__ = [
     "FirstLayerRule",
     "MergeBatchNormRule",
     "NormRule",
+    "BatchRenormRule",
     "GateRule",
     "HeldGates",
     "RouterRule",

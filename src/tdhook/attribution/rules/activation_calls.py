@@ -12,15 +12,12 @@ symmetric about zero the action's relevance is conserved.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._arguments import nonnegative
-from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.rules.basic import PassRule
 
@@ -75,18 +72,4 @@ class TanhCallsRule(Rule):
         self._pass = PassRule(stabilizer)
 
     def register(self, module: nn.Module) -> RemovableRuleHandle:
-        if module in self._registrations:
-            raise ValueError(f"{self!r} is already registered on this {type(module).__name__}")
-        registration = self._new_registration(module)
-        modes: list[_PassTanh | None] = []
-
-        def enter(mod: nn.Module, args: tuple) -> None:
-            push(modes, _PassTanh(self._pass) if torch.is_grad_enabled() else None, enter=True)
-
-        def leave(mod: nn.Module, args: tuple, output: Any) -> None:
-            pop(modes)  # left; or by closing_scopes, if an interrupt skips this hook
-
-        registration.hooks.append(module.register_forward_pre_hook(enter))
-        registration.hooks.append(module.register_forward_hook(leave, always_call=True))
-        self._registrations[module] = registration
-        return RemovableRuleHandle(self, module)
+        return self._register_in_forward(module, lambda mod: _PassTanh(self._pass))
