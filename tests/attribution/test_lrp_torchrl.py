@@ -9,6 +9,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 from tensordict.nn import NormalParamExtractor, TensorDictModule, TensorDictModuleBase, TensorDictSequential
+from tensordict.utils import NestedKey
 from torch import nn
 from torchrl.envs import Compose, GymEnv, InitTracker, TransformedEnv
 from torchrl.envs.utils import ExplorationType, set_exploration_type
@@ -30,7 +31,8 @@ from torchrl.modules import (
     set_recurrent_mode,
 )
 
-from tdhook.attribution import LRP, BaseRuleMapper
+from tdhook.attribution import LRP, BaseRuleMapper, EpsilonRule
+from tdhook.attribution._keys import as_tuple
 from tdhook.attribution.lrp_helpers.rules import AlphaBetaRule, EpsilonPlus, FirstLayerRule, WSquareRule
 
 F64 = torch.float64
@@ -588,3 +590,146 @@ class TestConsistentDropout:
         out = LRP(policy, CONSERVING)(observations())
         assert list(out["relevance"].keys()) == ["observation"]
         torch.testing.assert_close(out["relevance", "observation"].sum(-1), out["action_value"].max(-1).values)
+
+
+# ----------------------------------------------------------------------------- torchrl's network builders
+
+
+def _agents(shape: tuple[int, ...], key: str = "observation") -> TensorDict:
+    return TensorDict(
+        {"agents": TensorDict({key: torch.randn(3, 3, *shape, dtype=F64)}, batch_size=[3, 3])}, batch_size=[3]
+    )
+
+
+def _pixels(channels: int = 2, size: int = 8) -> TensorDict:
+    return TensorDict(observation=torch.randn(3, channels, size, size, dtype=F64), batch_size=[3])
+
+
+def _with_action(td: TensorDict) -> TensorDict:
+    return td.set("action", torch.randn(*td.batch_size, 2, dtype=F64))
+
+
+class _Impala(nn.Module):
+    """torchrl's IMPALA network (residual blocks that open with an in-place ReLU), its logits as output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchrl.modules.models.recipes.impala import ImpalaNet
+
+        self.net = ImpalaNet(num_actions=3, channels=(4, 4), out_features=8)
+
+    def forward(self, pixels: torch.Tensor, reward: torch.Tensor) -> torch.Tensor:
+        return self.net(pixels, reward, torch.zeros_like(reward, dtype=torch.bool))[0][1]
+
+
+def network(kind: str) -> tuple[TensorDictModuleBase, TensorDict, NestedKey]:
+    """A network as torchrl's builders make it, with ReLU activations (piecewise linear); its inputs; the key its
+    relevance explains by default."""
+    from torchrl.modules import (
+        Conv3dNet,
+        ConvNet,
+        DdpgCnnQNet,
+        DdpgMlpQNet,
+        DuelingCnnDQNet,
+        MultiAgentConvNet,
+        SafeModule,
+        SafeSequential,
+        VDNMixer,
+    )
+    from torchrl.modules.models.models import DuelingMlpDQNet
+
+    relu = {"activation_class": nn.ReLU}
+    if kind == "ConvNet":
+        net = ConvNet(num_cells=[4, 4], kernel_sizes=3, **relu)
+        return TensorDictModule(net, ["observation"], ["out"]), _pixels(), "out"
+    if kind == "Conv3dNet":
+        td = TensorDict(observation=torch.randn(2, 1, 5, 5, 5, dtype=F64), batch_size=[2])
+        return (
+            TensorDictModule(Conv3dNet(num_cells=[3, 3], kernel_sizes=3, **relu), ["observation"], ["out"]),
+            td,
+            "out",
+        )
+    if kind == "DuelingMlpDQNet":
+        net = DuelingMlpDQNet(3, 1, {"num_cells": [8], **relu}, {"num_cells": [8], **relu})
+        return QValueActor(net, in_keys=["observation"], action_space="one-hot"), observations(), "chosen_action_value"
+    if kind == "DuelingCnnDQNet":
+        cnn = {"num_cells": [4], "kernel_sizes": 3, "strides": 1, **relu}
+        net = DuelingCnnDQNet(3, 1, cnn_kwargs=cnn, mlp_kwargs={"num_cells": [8], **relu})
+        return QValueActor(net, in_keys=["observation"], action_space="one-hot"), _pixels(), "chosen_action_value"
+    if kind == "DdpgMlpQNet":
+        layer = {"num_cells": [8], "depth": 1, **relu}
+        net = DdpgMlpQNet(mlp_net_kwargs_net1={**layer, "activate_last_layer": True}, mlp_net_kwargs_net2=layer)
+        return ValueOperator(net, ["observation", "action"]), _with_action(observations()), "state_action_value"
+    if kind == "DdpgCnnQNet":
+        cnn = {"num_cells": [4], "depth": 1, "kernel_sizes": 3, "strides": 2, "paddings": 0, **relu}
+        net = DdpgCnnQNet(conv_net_kwargs=cnn, mlp_net_kwargs={"num_cells": [8], "depth": 1, **relu})
+        return ValueOperator(net, ["observation", "action"]), _with_action(_pixels()), "state_action_value"
+    if kind == "centralised MultiAgentConvNet":
+        net = MultiAgentConvNet(n_agents=3, centralized=True, share_params=True, num_cells=[4], kernel_sizes=3, **relu)
+        value = ("agents", "state_value")
+        return TensorDictModule(net, [("agents", "observation")], [value]), _agents((2, 6, 6)), value
+    if kind == "VDNMixer":
+        mixer = TensorDictModule(VDNMixer(n_agents=3, device="cpu"), [("agents", "q")], ["q_total"])
+        return mixer, _agents((1,), "q"), "q_total"
+    if kind == "SafeSequential":
+        head = SafeModule(MLP(in_features=4, out_features=8, num_cells=[8], **relu), ["observation"], ["hidden"])
+        return SafeSequential(head, SafeModule(nn.Linear(8, 2), ["hidden"], ["out"])), observations(), "out"
+    td = TensorDict(pixels=torch.randn(2, 3, 3, 12, 12, dtype=F64), reward=torch.rand(2, 3, dtype=F64) - 0.5)
+    return TensorDictModule(_Impala(), ["pixels", "reward"], ["logits"]), td.auto_batch_size_(2), "logits"
+
+
+def zero_every_bias(module: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            if name.rsplit(".", 1)[-1] == "bias":
+                parameter.zero_()
+    return module
+
+
+def gradient_times_input(module: TensorDictModuleBase, td: TensorDict, target_key: NestedKey) -> tuple[dict, float]:
+    """The oracle: each input times the gradient of the chosen output unit (the output itself for one unit); and
+    the total value of the chosen units."""
+    x = td.clone()
+    leaves = {key: x.get(key).requires_grad_() for key in td.keys(include_nested=True, leaves_only=True)}
+    output = module(x).get(target_key)
+    seed = (output.detach() == output.detach().max(-1, keepdim=True).values).to(F64)
+    grads = torch.autograd.grad(output, list(leaves.values()), seed)
+    relevance = {key: leaf.detach() * grad for (key, leaf), grad in zip(leaves.items(), grads, strict=True)}
+    return relevance, (output * seed).sum().item()
+
+
+LINEAR_EPSILON_ZERO = {(nn.Linear, nn.Conv2d, nn.Conv3d): EpsilonRule(0.0)}
+NETWORKS = [
+    "ConvNet",
+    "Conv3dNet",
+    "DuelingMlpDQNet",
+    "DuelingCnnDQNet",
+    "DdpgMlpQNet",
+    "DdpgCnnQNet",
+    "centralised MultiAgentConvNet",
+    "VDNMixer",
+    "SafeSequential",
+    "ImpalaNet",
+]
+
+
+@pytest.mark.parametrize("kind", NETWORKS)
+def test_torchrl_networks_give_gradient_times_input_under_lrp0_and_conserve_relevance(kind: str):
+    """LRP-0 is gradient × input on every input key; with every bias zeroed the ε-rule with ε = 0 on every layer
+    conserves the explained value; the outputs are the module's, and nothing is warned about."""
+    torch.manual_seed(0)
+    module, td, target_key = network(kind)
+    module = module.to(F64)
+    plain = module(td.clone())  # lazy layers take their shapes
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = LRP(module, BaseRuleMapper(stabilizer=1e-12))(td.clone())
+    assert torch.equal(out[target_key], plain[target_key])
+    expected, _ = gradient_times_input(module, td, target_key)
+    assert set(out["relevance"].keys(include_nested=True, leaves_only=True)) == set(expected)
+    for key, relevance in expected.items():
+        torch.testing.assert_close(out["relevance", *as_tuple(key)], relevance, rtol=1e-10, atol=1e-12)
+    zero_every_bias(module)
+    out = LRP(module, BaseRuleMapper(stabilizer=1e-12, rule_mapper=LINEAR_EPSILON_ZERO))(td.clone())
+    total = sum(r.sum() for r in out["relevance"].values(include_nested=True, leaves_only=True))
+    torch.testing.assert_close(total.item(), gradient_times_input(module, td, target_key)[1], rtol=1e-9, atol=1e-12)
