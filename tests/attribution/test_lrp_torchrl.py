@@ -668,6 +668,8 @@ def network(kind: str) -> tuple[TensorDictModuleBase, TensorDict, NestedKey]:
         net = MultiAgentConvNet(n_agents=3, centralized=True, share_params=True, num_cells=[4], kernel_sizes=3, **relu)
         value = ("agents", "state_value")
         return TensorDictModule(net, [("agents", "observation")], [value]), _agents((2, 6, 6)), value
+    if kind == "CrossGroupCritic":
+        return cross_group_critic(), teams(), ("red", "state_value")
     if kind == "VDNMixer":
         mixer = TensorDictModule(VDNMixer(n_agents=3, device="cpu"), [("agents", "q")], ["q_total"])
         return mixer, _agents((1,), "q"), "q_total"
@@ -676,6 +678,42 @@ def network(kind: str) -> tuple[TensorDictModuleBase, TensorDict, NestedKey]:
         return SafeSequential(head, SafeModule(nn.Linear(8, 2), ["hidden"], ["out"])), observations(), "out"
     td = TensorDict(pixels=torch.randn(2, 3, 3, 12, 12, dtype=F64), reward=torch.rand(2, 3, dtype=F64) - 0.5)
     return TensorDictModule(_Impala(), ["pixels", "reward"], ["logits"]), td.auto_batch_size_(2), "logits"
+
+
+def cross_group_critic(detach_groups: list[str] | None = None) -> TensorDictModuleBase:
+    """torchrl's critic over two teams of agents with observations of different sizes."""
+    from torchrl.modules import CrossCriticGroupSpec, CrossGroupCritic
+
+    groups = {
+        team: CrossCriticGroupSpec(size, agents, (team, "observation"), (team, "state_value"))
+        for team, size, agents in (("red", 3, 2), ("blue", 4, 3))
+    }
+    critic = CrossGroupCritic(
+        groups, d_model=8, trunk_depth=1, trunk_cells=8, activation_class=nn.ReLU, detach_groups=detach_groups
+    )
+    return critic.to(F64)
+
+
+def teams() -> TensorDict:
+    red = TensorDict(observation=torch.randn(4, 2, 3, dtype=F64), batch_size=[4, 2])
+    return TensorDict(
+        red=red, blue=TensorDict(observation=torch.randn(4, 3, 4, dtype=F64), batch_size=[4, 3]), batch_size=[4]
+    )
+
+
+def test_a_cross_group_critic_that_detaches_a_group_is_refused_naming_it():
+    """The critic reads the detached team's observations, but no gradient reaches them: LRP says so by key, and
+    explains the other team alone when asked to."""
+    critic, td = cross_group_critic(detach_groups=["blue"]), teams()
+    with pytest.raises(ValueError, match=r"\('blue', 'observation'\) through its gradient.*detach_groups"):
+        LRP(critic, BaseRuleMapper(stabilizer=1e-12))(td.clone())
+    out = LRP(critic, BaseRuleMapper(stabilizer=1e-12), in_keys=[("red", "observation")])(td.clone())
+    x = td.clone()
+    red = x["red", "observation"].requires_grad_()
+    value = critic(x)["red", "state_value"]
+    torch.testing.assert_close(
+        out["relevance", "red", "observation"], red.detach() * torch.autograd.grad(value.sum(), red)[0]
+    )
 
 
 def zero_every_bias(module: nn.Module) -> nn.Module:
@@ -707,6 +745,7 @@ NETWORKS = [
     "DdpgMlpQNet",
     "DdpgCnnQNet",
     "centralised MultiAgentConvNet",
+    "CrossGroupCritic",
     "VDNMixer",
     "SafeSequential",
     "ImpalaNet",

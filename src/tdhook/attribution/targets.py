@@ -250,13 +250,15 @@ def raise_for_unreached(key: NestedKey, keys: list[NestedKey], reached: list[boo
         >>> raise_for_unreached("q", ["obs", "mask"], [True, False])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: LRP: target 'q' does not depend on the explained input 'mask'; ...
+        ValueError: LRP: target 'q' does not depend on the explained input 'mask' through its gradient ...
     """
     for input_key, was_reached in zip(keys, reached, strict=True):
         if not was_reached:
             raise ValueError(
-                f"LRP: target {key!r} does not depend on the explained input {input_key!r}; its relevance would be "
-                "zero everywhere: leave it out of in_keys, or explain an output that reads it"
+                f"LRP: target {key!r} does not depend on the explained input {input_key!r} through its gradient "
+                "(the model does not read it for this output, or detaches it, as torchrl's CrossGroupCritic does "
+                "with the groups in detach_groups); its relevance would be zero everywhere: leave it out of in_keys, "
+                "or explain an output that reads it"
             )
 
 
