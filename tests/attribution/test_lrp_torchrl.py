@@ -31,7 +31,7 @@ from torchrl.modules import (
     set_recurrent_mode,
 )
 
-from tdhook.attribution import LRP, BaseRuleMapper, EpsilonRule
+from tdhook.attribution import LRP, BaseRuleMapper, EpsilonRule, InputXGradient
 from tdhook.attribution._keys import as_tuple
 from tdhook.attribution.lrp_helpers.rules import AlphaBetaRule, EpsilonPlus, FirstLayerRule, WSquareRule
 
@@ -575,8 +575,12 @@ class TestConsistentDropout:
     def test_a_given_mask_is_a_constant_of_the_call(self):
         policy = self.policy().train()
         td = observations().set("mask", (torch.rand(6, 8) > 0.5).to(F64) * 2)
-        with pytest.warns(UserWarning, match="training mode"):  # told once: without a mask the module draws one
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a given mask draws nothing: no random explanation to warn about
             out = LRP(policy, CONSERVING)(td.clone())
+            InputXGradient(policy)(td.clone())
+        with pytest.warns(UserWarning, match="training mode"):  # without a mask the module draws one
+            LRP(policy, CONSERVING)(td.exclude("mask"))
         assert list(out["relevance"].keys()) == ["observation"]
         masked = TensorDictSequential(
             policy[0], TensorDictModule(lambda h, m: h * m, in_keys=["h", "mask"], out_keys=["h"]), policy[2]
