@@ -121,6 +121,28 @@ def test_lrp0_is_gradient_times_input_for_every_layout(centralized, share_params
     assert "vmap_func_module" not in vars(net) and not net._forward_hooks and not net._forward_pre_hooks
 
 
+@pytest.mark.parametrize("kind", ["mlp", "conv"])
+@pytest.mark.parametrize("centralized", [False, True], ids=["local", "centralized"])
+def test_the_outputs_are_those_of_the_vmapped_network_bit_for_bit(centralized, kind):
+    """The agents run one by one for the rules, but the outputs are the values of the network's own vmapped call:
+    a loop over the agents rounds differently, and a policy's outputs must not change under LRP."""
+    if kind == "mlp":
+        net, td = multi_agent_mlp(centralized, False, nn.ReLU), agents_td((3,))
+    else:
+        torch.manual_seed(0)
+        net = MultiAgentConvNet(
+            n_agents=AGENTS, centralized=centralized, share_params=False, num_cells=[4], kernel_sizes=3
+        )
+        net = net.to(F64)
+        td = agents_td((2, 6, 6))
+        net(td["agents", "observation"])
+    plain = wrapped(net)(td.clone())["agents", "action_value"]
+    out = LRP(wrapped(net), EpsilonPlus())(td.clone())
+    assert torch.equal(out["agents", "action_value"], plain)
+    relevance, expected = against_gradient_times_input(net, td)
+    torch.testing.assert_close(relevance, expected, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("share_params", [False, True], ids=["own-params", "shared"])
 def test_convolutional_agents(share_params):
     net, td = conv_agents(share_params)

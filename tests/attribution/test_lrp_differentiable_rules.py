@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
+from torchrl.modules import BatchRenorm1d
 
 from tdhook.attribution import LRP
 from tdhook.attribution.lrp_helpers.rules import CPLRP, AttnLRP
@@ -375,7 +376,13 @@ def normed_cnn(norm: str) -> Callable[[int], tuple[nn.Module, torch.Tensor]]:
             "GroupNorm": lambda: nn.GroupNorm(2, 4),
             "LayerNorm": lambda: nn.LayerNorm([4, 5, 5]),
             "BatchNorm (training)": lambda: nn.BatchNorm2d(4),
+            "BatchRenorm1d (eval)": lambda: BatchRenorm1d(4, warmup_steps=0).eval(),
         }[norm]()
+        if isinstance(layer, BatchRenorm1d):
+            with torch.no_grad():
+                layer.running_mean.normal_(), layer.running_var.uniform_(0.5, 2.0), layer.weight.uniform_(0.5, 2.0)
+            net = nn.Sequential(nn.Linear(3, 4), layer, Swish(), nn.Linear(4, 3))
+            return net.to(F64), torch.randn(5, 3, dtype=F64)
         net = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), layer, Swish(), nn.Flatten(), nn.Linear(100, 3))
         return net.to(F64), torch.randn(3, 2, 5, 5, dtype=F64)
 
@@ -442,6 +449,7 @@ OTHER_CASES = {
         normed_cnn("BatchNorm (training)"),
         lambda: EpsilonPlus(epsilon=0.1, rule_mapper={nn.BatchNorm2d: NormRule(0.1)}),
     ),
+    "BatchRenorm1d in eval mode": (normed_cnn("BatchRenorm1d (eval)"), lambda: EpsilonPlus(epsilon=0.1)),
     "LSTM": (recurrent("LSTM"), lambda: {nn.LSTM: RecurrentRule(0.1), nn.Linear: EpsilonRule(0.1)}),
     "GRU": (recurrent("GRU"), lambda: {nn.GRU: RecurrentRule(0.1), nn.Linear: EpsilonRule(0.1)}),
     "UniformEpsilon preset on an LSTM": (recurrent("LSTM"), lambda: UniformEpsilon(epsilon=0.25)),

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
 from tensordict import TensorDict
 from tensordict.nn import NormalParamExtractor, TensorDictModule, TensorDictModuleBase, TensorDictSequential
+from tensordict.utils import NestedKey
 from torch import nn
 from torchrl.envs import Compose, GymEnv, InitTracker, TransformedEnv
 from torchrl.envs.utils import ExplorationType, set_exploration_type
@@ -15,6 +17,7 @@ from torchrl.modules import (
     MLP,
     ActorCriticWrapper,
     ActorValueOperator,
+    ConsistentDropoutModule,
     GRUModule,
     LSTMModule,
     NoisyLinear,
@@ -22,12 +25,14 @@ from torchrl.modules import (
     ProbabilisticActor,
     QValueActor,
     QValueModule,
+    TanhModule,
     TanhNormal,
     ValueOperator,
     set_recurrent_mode,
 )
 
-from tdhook.attribution import LRP
+from tdhook.attribution import LRP, BaseRuleMapper, EpsilonRule, InputXGradient
+from tdhook.attribution._keys import as_tuple
 from tdhook.attribution.lrp_helpers.rules import AlphaBetaRule, EpsilonPlus, FirstLayerRule, WSquareRule
 
 F64 = torch.float64
@@ -483,3 +488,291 @@ def test_a_noisy_linear_is_explained_with_the_weights_its_call_used():
             )["relevance", "observation"]
             torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12, msg=step)
         assert not torch.equal(noisy[0].weight_sigma * noisy[0].weight_epsilon, torch.zeros(8, 4, dtype=F64))
+
+
+def test_q_networks_run_with_a_loss_modules_parameters_are_explained_without_a_false_alarm():
+    """SACLoss keeps its Q-networks' parameters stacked; ``params[i].to_module(net)`` puts non-leaf views of them in
+    the layers' parameter slots. They are parameters all the same: LRP-0 is gradient × input, and ``strict`` has no
+    nonlinear call to refuse."""
+    from torchrl.objectives import SACLoss
+
+    torch.manual_seed(0)
+    actor = ProbabilisticActor(
+        TensorDictModule(
+            nn.Sequential(mlp(4), NormalParamExtractor()), in_keys=["observation"], out_keys=["loc", "scale"]
+        ),
+        in_keys=["loc", "scale"],
+        distribution_class=TanhNormal,
+    )
+    qvalue = ValueOperator(
+        MLP(in_features=6, out_features=1, num_cells=[8], activation_class=nn.ReLU).to(F64),
+        in_keys=["observation", "action"],
+    )
+    loss = SACLoss(actor, qvalue, num_qvalue_nets=2)
+    td = observations().set("action", torch.randn(6, 2, dtype=F64))
+    for params in loss.qvalue_network_params.unbind(0):
+        with params.to_module(loss.qvalue_network):
+            out = LRP(loss.qvalue_network, BaseRuleMapper(strict=True))(td.clone())
+            x = td.clone()
+            inputs = [x["observation"].requires_grad_(), x["action"].requires_grad_()]
+            grads = torch.autograd.grad(loss.qvalue_network(x)["state_action_value"].sum(), inputs)
+        for key, value, grad in zip(("observation", "action"), inputs, grads, strict=True):
+            torch.testing.assert_close(out["relevance", key], value.detach() * grad, rtol=1e-10, atol=1e-12)
+
+
+def test_a_critic_reading_uint8_pixels_is_refused_by_key():
+    """A network that casts uint8 pixels itself leaves nothing that can take relevance: the error names the key."""
+
+    class Scale(nn.Module):
+        def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+            return pixels.to(F64) / 255
+
+    critic = ValueOperator(
+        nn.Sequential(Scale(), nn.Conv2d(3, 2, 3, dtype=F64), nn.ReLU(), nn.Flatten(), nn.LazyLinear(1, dtype=F64)),
+        in_keys=["pixels"],
+    )
+    td = TensorDict(pixels=torch.randint(0, 256, (2, 3, 6, 6), dtype=torch.uint8), batch_size=[2])
+    critic(td.clone())
+    before = td.clone()
+    with pytest.raises(TypeError, match=r"'pixels'.*torch.uint8.*ToTensorImage"):
+        LRP(critic, EpsilonPlus())(td)
+    assert set(td.keys()) == {"pixels"} and torch.equal(td["pixels"], before["pixels"])
+
+
+@pytest.mark.parametrize("low, high", [(-2.0, 2.0), (-1.0, 3.0)])
+def test_a_tanh_module_passes_relevance_through_its_tanh(low: float, high: float):
+    """TD3's and DDPG's actors end in a TanhModule: the pass rule on its tanh, as on an nn.Tanh; the offset of
+    asymmetric bounds is a bias."""
+    net = zero_biases(mlp(2))
+    actor = TensorDictSequential(
+        TensorDictModule(net, in_keys=["observation"], out_keys=["param"]),
+        TanhModule(in_keys=["param"], out_keys=["action"], low=low, high=high),
+    )
+    td = observations()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no module computes a function without a rule
+        out = LRP(actor, CONSERVING)(td.clone())
+    assert torch.equal(out["action"], actor(td.clone())["action"])
+    squashed = LRP(nn.Sequential(net, nn.Tanh()), CONSERVING, in_keys=["observation"], out_keys=["action"])
+    expected = squashed(td.clone())["relevance", "observation"] * (high - low) / 2
+    torch.testing.assert_close(out["relevance", "observation"], expected, rtol=1e-10, atol=1e-12)
+    if low == -high:  # no offset: the action's relevance is conserved
+        torch.testing.assert_close(out["relevance", "observation"].sum(-1), out["action"].max(-1).values)
+
+
+class TestConsistentDropout:
+    """A ConsistentDropoutModule multiplies by a mask that the TensorDict carries (or that it draws when there is
+    none): the mask steers the call, it is no evidence, and it is not an input to explain."""
+
+    def policy(self) -> TensorDictSequential:
+        torch.manual_seed(0)
+        return TensorDictSequential(
+            TensorDictModule(nn.Sequential(zero_biases(mlp(8)), nn.ReLU()), in_keys=["observation"], out_keys=["h"]),
+            ConsistentDropoutModule(p=0.5, in_keys=["h", "mask"], out_keys=["h", "mask"]),
+            TensorDictModule(zero_biases(nn.Linear(8, 3, dtype=F64)), in_keys=["h"], out_keys=["action_value"]),
+        )
+
+    def test_a_given_mask_is_a_constant_of_the_call(self):
+        policy = self.policy().train()
+        td = observations().set("mask", (torch.rand(6, 8) > 0.5).to(F64) * 2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a given mask draws nothing: no random explanation to warn about
+            out = LRP(policy, CONSERVING)(td.clone())
+            InputXGradient(policy)(td.clone())
+        with pytest.warns(UserWarning, match="training mode"):  # without a mask the module draws one
+            LRP(policy, CONSERVING)(td.exclude("mask"))
+        assert list(out["relevance"].keys()) == ["observation"]
+        masked = TensorDictSequential(
+            policy[0], TensorDictModule(lambda h, m: h * m, in_keys=["h", "mask"], out_keys=["h"]), policy[2]
+        )
+        expected = LRP(masked, CONSERVING, in_keys=["observation"])(td.clone())
+        torch.testing.assert_close(out["relevance", "observation"], expected["relevance", "observation"])
+        torch.testing.assert_close(out["relevance", "observation"].sum(-1), out["action_value"].max(-1).values)
+
+    def test_without_a_mask_the_module_runs_as_it_does_alone(self):
+        policy = self.policy().eval()
+        out = LRP(policy, CONSERVING)(observations())
+        assert list(out["relevance"].keys()) == ["observation"]
+        torch.testing.assert_close(out["relevance", "observation"].sum(-1), out["action_value"].max(-1).values)
+
+
+# ----------------------------------------------------------------------------- torchrl's network builders
+
+
+def _agents(shape: tuple[int, ...], key: str = "observation") -> TensorDict:
+    return TensorDict(
+        {"agents": TensorDict({key: torch.randn(3, 3, *shape, dtype=F64)}, batch_size=[3, 3])}, batch_size=[3]
+    )
+
+
+def _pixels(channels: int = 2, size: int = 8) -> TensorDict:
+    return TensorDict(observation=torch.randn(3, channels, size, size, dtype=F64), batch_size=[3])
+
+
+def _with_action(td: TensorDict) -> TensorDict:
+    return td.set("action", torch.randn(*td.batch_size, 2, dtype=F64))
+
+
+class _Impala(nn.Module):
+    """torchrl's IMPALA network (residual blocks that open with an in-place ReLU), its logits as output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchrl.modules.models.recipes.impala import ImpalaNet
+
+        self.net = ImpalaNet(num_actions=3, channels=(4, 4), out_features=8)
+
+    def forward(self, pixels: torch.Tensor, reward: torch.Tensor) -> torch.Tensor:
+        return self.net(pixels, reward, torch.zeros_like(reward, dtype=torch.bool))[0][1]
+
+
+def network(kind: str) -> tuple[TensorDictModuleBase, TensorDict, NestedKey]:
+    """A network as torchrl's builders make it, with ReLU activations (piecewise linear); its inputs; the key its
+    relevance explains by default."""
+    from torchrl.modules import (
+        Conv3dNet,
+        ConvNet,
+        DdpgCnnQNet,
+        DdpgMlpQNet,
+        DuelingCnnDQNet,
+        MultiAgentConvNet,
+        SafeModule,
+        SafeSequential,
+        VDNMixer,
+    )
+    from torchrl.modules.models.models import DuelingMlpDQNet
+
+    relu = {"activation_class": nn.ReLU}
+    if kind == "ConvNet":
+        net = ConvNet(num_cells=[4, 4], kernel_sizes=3, **relu)
+        return TensorDictModule(net, ["observation"], ["out"]), _pixels(), "out"
+    if kind == "Conv3dNet":
+        td = TensorDict(observation=torch.randn(2, 1, 5, 5, 5, dtype=F64), batch_size=[2])
+        return (
+            TensorDictModule(Conv3dNet(num_cells=[3, 3], kernel_sizes=3, **relu), ["observation"], ["out"]),
+            td,
+            "out",
+        )
+    if kind == "DuelingMlpDQNet":
+        net = DuelingMlpDQNet(3, 1, {"num_cells": [8], **relu}, {"num_cells": [8], **relu})
+        return QValueActor(net, in_keys=["observation"], action_space="one-hot"), observations(), "chosen_action_value"
+    if kind == "DuelingCnnDQNet":
+        cnn = {"num_cells": [4], "kernel_sizes": 3, "strides": 1, **relu}
+        net = DuelingCnnDQNet(3, 1, cnn_kwargs=cnn, mlp_kwargs={"num_cells": [8], **relu})
+        return QValueActor(net, in_keys=["observation"], action_space="one-hot"), _pixels(), "chosen_action_value"
+    if kind == "DdpgMlpQNet":
+        layer = {"num_cells": [8], "depth": 1, **relu}
+        net = DdpgMlpQNet(mlp_net_kwargs_net1={**layer, "activate_last_layer": True}, mlp_net_kwargs_net2=layer)
+        return ValueOperator(net, ["observation", "action"]), _with_action(observations()), "state_action_value"
+    if kind == "DdpgCnnQNet":
+        cnn = {"num_cells": [4], "depth": 1, "kernel_sizes": 3, "strides": 2, "paddings": 0, **relu}
+        net = DdpgCnnQNet(conv_net_kwargs=cnn, mlp_net_kwargs={"num_cells": [8], "depth": 1, **relu})
+        return ValueOperator(net, ["observation", "action"]), _with_action(_pixels()), "state_action_value"
+    if kind == "centralised MultiAgentConvNet":
+        net = MultiAgentConvNet(n_agents=3, centralized=True, share_params=True, num_cells=[4], kernel_sizes=3, **relu)
+        value = ("agents", "state_value")
+        return TensorDictModule(net, [("agents", "observation")], [value]), _agents((2, 6, 6)), value
+    if kind == "CrossGroupCritic":
+        return cross_group_critic(), teams(), ("red", "state_value")
+    if kind == "VDNMixer":
+        mixer = TensorDictModule(VDNMixer(n_agents=3, device="cpu"), [("agents", "q")], ["q_total"])
+        return mixer, _agents((1,), "q"), "q_total"
+    if kind == "SafeSequential":
+        head = SafeModule(MLP(in_features=4, out_features=8, num_cells=[8], **relu), ["observation"], ["hidden"])
+        return SafeSequential(head, SafeModule(nn.Linear(8, 2), ["hidden"], ["out"])), observations(), "out"
+    td = TensorDict(pixels=torch.randn(2, 3, 3, 12, 12, dtype=F64), reward=torch.rand(2, 3, dtype=F64) - 0.5)
+    return TensorDictModule(_Impala(), ["pixels", "reward"], ["logits"]), td.auto_batch_size_(2), "logits"
+
+
+def cross_group_critic(detach_groups: list[str] | None = None) -> TensorDictModuleBase:
+    """torchrl's critic over two teams of agents with observations of different sizes."""
+    from torchrl.modules import CrossCriticGroupSpec, CrossGroupCritic
+
+    groups = {
+        team: CrossCriticGroupSpec(size, agents, (team, "observation"), (team, "state_value"))
+        for team, size, agents in (("red", 3, 2), ("blue", 4, 3))
+    }
+    critic = CrossGroupCritic(
+        groups, d_model=8, trunk_depth=1, trunk_cells=8, activation_class=nn.ReLU, detach_groups=detach_groups
+    )
+    return critic.to(F64)
+
+
+def teams() -> TensorDict:
+    red = TensorDict(observation=torch.randn(4, 2, 3, dtype=F64), batch_size=[4, 2])
+    return TensorDict(
+        red=red, blue=TensorDict(observation=torch.randn(4, 3, 4, dtype=F64), batch_size=[4, 3]), batch_size=[4]
+    )
+
+
+def test_a_cross_group_critic_that_detaches_a_group_is_refused_naming_it():
+    """The critic reads the detached team's observations, but no gradient reaches them: LRP says so by key, and
+    explains the other team alone when asked to."""
+    critic, td = cross_group_critic(detach_groups=["blue"]), teams()
+    with pytest.raises(ValueError, match=r"\('blue', 'observation'\) through its gradient.*detach_groups"):
+        LRP(critic, BaseRuleMapper(stabilizer=1e-12))(td.clone())
+    out = LRP(critic, BaseRuleMapper(stabilizer=1e-12), in_keys=[("red", "observation")])(td.clone())
+    x = td.clone()
+    red = x["red", "observation"].requires_grad_()
+    value = critic(x)["red", "state_value"]
+    torch.testing.assert_close(
+        out["relevance", "red", "observation"], red.detach() * torch.autograd.grad(value.sum(), red)[0]
+    )
+
+
+def zero_every_bias(module: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            if name.rsplit(".", 1)[-1] == "bias":
+                parameter.zero_()
+    return module
+
+
+def gradient_times_input(module: TensorDictModuleBase, td: TensorDict, target_key: NestedKey) -> tuple[dict, float]:
+    """The oracle: each input times the gradient of the chosen output unit (the output itself for one unit); and
+    the total value of the chosen units."""
+    x = td.clone()
+    leaves = {key: x.get(key).requires_grad_() for key in td.keys(include_nested=True, leaves_only=True)}
+    output = module(x).get(target_key)
+    seed = (output.detach() == output.detach().max(-1, keepdim=True).values).to(F64)
+    grads = torch.autograd.grad(output, list(leaves.values()), seed)
+    relevance = {key: leaf.detach() * grad for (key, leaf), grad in zip(leaves.items(), grads, strict=True)}
+    return relevance, (output * seed).sum().item()
+
+
+LINEAR_EPSILON_ZERO = {(nn.Linear, nn.Conv2d, nn.Conv3d): EpsilonRule(0.0)}
+NETWORKS = [
+    "ConvNet",
+    "Conv3dNet",
+    "DuelingMlpDQNet",
+    "DuelingCnnDQNet",
+    "DdpgMlpQNet",
+    "DdpgCnnQNet",
+    "centralised MultiAgentConvNet",
+    "CrossGroupCritic",
+    "VDNMixer",
+    "SafeSequential",
+    "ImpalaNet",
+]
+
+
+@pytest.mark.parametrize("kind", NETWORKS)
+def test_torchrl_networks_give_gradient_times_input_under_lrp0_and_conserve_relevance(kind: str):
+    """LRP-0 is gradient × input on every input key; with every bias zeroed the ε-rule with ε = 0 on every layer
+    conserves the explained value; the outputs are the module's, and nothing is warned about."""
+    torch.manual_seed(0)
+    module, td, target_key = network(kind)
+    module = module.to(F64)
+    plain = module(td.clone())  # lazy layers take their shapes
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = LRP(module, BaseRuleMapper(stabilizer=1e-12))(td.clone())
+    assert torch.equal(out[target_key], plain[target_key])
+    expected, _ = gradient_times_input(module, td, target_key)
+    assert set(out["relevance"].keys(include_nested=True, leaves_only=True)) == set(expected)
+    for key, relevance in expected.items():
+        torch.testing.assert_close(out["relevance", *as_tuple(key)], relevance, rtol=1e-10, atol=1e-12)
+    zero_every_bias(module)
+    out = LRP(module, BaseRuleMapper(stabilizer=1e-12, rule_mapper=LINEAR_EPSILON_ZERO))(td.clone())
+    total = sum(r.sum() for r in out["relevance"].values(include_nested=True, leaves_only=True))
+    torch.testing.assert_close(total.item(), gradient_times_input(module, td, target_key)[1], rtol=1e-9, atol=1e-12)

@@ -9,16 +9,22 @@ from tensordict import TensorDict
 from tensordict.nn import CompositeDistribution, TensorDictModule, TensorDictSequential
 from torch import nn
 from torch.distributions import Categorical, Normal
+from torchrl.data import Bounded
+from torchrl.envs.utils import ExplorationType, set_exploration_type
 from torchrl.modules import (
+    Actor,
     ActorCriticOperator,
+    AdditiveGaussianModule,
     DecisionTransformerInferenceWrapper,
     DTActor,
     MaskedCategorical,
     MaskedOneHotCategorical,
     NormalParamExtractor,
     OnlineDTActor,
+    OrnsteinUhlenbeckProcessModule,
     ProbabilisticActor,
     TanhDelta,
+    TanhModule,
     TanhNormal,
     ValueOperator,
 )
@@ -251,3 +257,36 @@ def test_the_other_methods_explain_the_same_step(layout):
     assert out.batch_size == torch.Size([3]) and td.batch_size == context(layout).batch_size
     for key in CONTEXT_KEYS:
         torch.testing.assert_close(out["attribution", key], expected[key], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("exploration", ["OrnsteinUhlenbeck", "AdditiveGaussian"])
+def test_an_exploring_policy_explains_the_action_it_takes(exploration):
+    """DDPG's and TD3's exploring policies add noise to the actor's action; the noise process's own state keys
+    (``_ou_prev_noise``, ``_ou_steps``) are no output to explain. The action taken is: its relevance is the
+    actor's, the noise being a constant of the call."""
+    torch.manual_seed(0)
+    spec = Bounded(-2.0, 2.0, (1,), dtype=F64)
+    actor = TensorDictSequential(
+        Actor(
+            nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1)).double(),
+            in_keys=["observation"],
+            out_keys=["param"],
+        ),
+        TanhModule(in_keys=["param"], out_keys=["action"], spec=spec),
+    )
+    noise = OrnsteinUhlenbeckProcessModule(spec=spec) if exploration == "OrnsteinUhlenbeck" else None
+    noise = noise or AdditiveGaussianModule(spec=spec, sigma_init=0.5, sigma_end=0.5)
+    policy = TensorDictSequential(actor, noise)
+    td = TensorDict(
+        observation=torch.randn(5, 3, dtype=F64), is_init=torch.ones(5, 1, dtype=torch.bool), batch_size=[5]
+    )
+    with set_exploration_type(ExplorationType.RANDOM):
+        torch.manual_seed(1)
+        plain = policy(td.clone())
+        torch.manual_seed(1)
+        out = LRP(policy, EpsilonPlus())(td.clone())
+    assert torch.equal(out["action"], plain["action"])
+    assert not torch.equal(out["action"], actor(td.clone())["action"])  # the noise is there
+    assert list(out["relevance"].keys()) == ["observation"]
+    alone = LRP(actor, EpsilonPlus())(td.clone())
+    torch.testing.assert_close(out["relevance", "observation"], alone["relevance", "observation"])

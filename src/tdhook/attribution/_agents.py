@@ -6,16 +6,19 @@ and call one template network for all agents at once under ``torch.vmap``.
 Inside a vmapped call tensors report no gradient, so no rule would see the
 call: the relevance would silently be the plain gradient. While an LRP
 context is open, such a network maps its template over the agents one by one
-instead (:func:`agent_by_agent`), with the same values; the rules then run on
-each agent's call with that agent's parameters.
+instead (:func:`agent_by_agent`); the rules then run on each agent's call with
+that agent's parameters. The values are those of the network's own vmapped
+call, run once more without gradient: a loop rounds differently, and a policy's
+outputs must not change under LRP.
 
 Examples:
     >>> import torch
     >>> from torchrl.modules import MultiAgentMLP
     >>> net = MultiAgentMLP(3, 2, n_agents=4, centralized=False, share_params=False, depth=1, num_cells=8)
     >>> x = torch.randn(5, 4, 3)
+    >>> plain = net(x)
     >>> hooks = agent_by_agent({"": net})
-    >>> torch.allclose(net(x), torch.stack([net(x)[:, i] for i in range(4)], 1))
+    >>> torch.equal(net(x.requires_grad_()), plain)
     True
     >>> for hook in hooks:
     ...     hook.remove()
@@ -30,28 +33,43 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from tdhook.attribution.rules._autograd import redirect
+from tdhook.attribution.rules.base import plain_calls
+
 __all__ = ["agent_by_agent"]
 
 # The method torchrl's multi-agent networks map their template network with.
 _MAP_METHOD = "vmap_func_module"
 
 
-def _map_by_loop(module: nn.Module, in_dims: Any = 0, out_dims: Any = 0, **_: Any) -> Callable:
-    """``torch.vmap(call)`` over the agents' parameters (their first dimension), written as a loop over the agents."""
-    input_dims = in_dims[1:] if isinstance(in_dims, tuple) else (in_dims,)
-    out_dim = out_dims[0] if isinstance(out_dims, tuple) else out_dims
+def _map_by_loop(vmapped: Callable) -> Callable:
+    """A replacement for the network's ``vmap_func_module(module, in_dims, out_dims, ...)``: the agents' calls run
+    one by one (over the first dimension of their parameters), so that the rules see each; the values are those of
+    ``vmapped``, the network's own vmapped call, run without gradient (a loop rounds differently)."""
 
-    def call(params: Any, *inputs: torch.Tensor) -> torch.Tensor:
-        outputs = []
-        for agent in range(params.shape[0]):
-            agent_inputs = [
-                x if dim is None else x.select(dim, agent) for x, dim in zip(inputs, input_dims, strict=True)
-            ]
-            with params[agent].to_module(module, preserve_module_state=False):
-                outputs.append(module(*agent_inputs))
-        return torch.stack(outputs, out_dim)
+    def map_over_agents(module: nn.Module, in_dims: Any = 0, out_dims: Any = 0, **kwargs: Any) -> Callable:
+        input_dims = in_dims[1:] if isinstance(in_dims, tuple) else (in_dims,)
+        out_dim = out_dims[0] if isinstance(out_dims, tuple) else out_dims
 
-    return call
+        def call(params: Any, *inputs: torch.Tensor) -> torch.Tensor:
+            outputs = []
+            for agent in range(params.shape[0]):
+                agent_inputs = [
+                    x if dim is None else x.select(dim, agent) for x, dim in zip(inputs, input_dims, strict=True)
+                ]
+                with params[agent].to_module(module, preserve_module_state=False):
+                    outputs.append(module(*agent_inputs))
+            looped = torch.stack(outputs, out_dim)
+            if not looped.requires_grad:
+                return looped
+            with torch.no_grad(), plain_calls():  # detached: tensors that require grad take other kernels under vmap
+                detached = [x.detach() if isinstance(x, torch.Tensor) else x for x in inputs]
+                value = vmapped(module, in_dims, out_dims, **kwargs)(params.detach(), *detached)
+            return redirect(value, [looped], lambda grad: [grad])
+
+        return call
+
+    return map_over_agents
 
 
 def _is_vmapped_agents(module: nn.Module) -> bool:
@@ -67,7 +85,7 @@ def agent_by_agent(modules: Mapping[str, nn.Module]) -> list[RemovableHandle]:
             continue
 
         def start(net: nn.Module, args: tuple) -> None:
-            net.__dict__[_MAP_METHOD] = _map_by_loop
+            net.__dict__[_MAP_METHOD] = _map_by_loop(getattr(type(net), _MAP_METHOD))
 
         def end(net: nn.Module, args: tuple, output: Any) -> None:
             net.__dict__.pop(_MAP_METHOD, None)

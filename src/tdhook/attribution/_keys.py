@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 from torch import nn
+from torchrl.modules import ConsistentDropoutModule
 
 __all__ = ["as_tuple", "layer_keys", "read_not_written", "relevance_keys"]
 
@@ -119,6 +120,9 @@ def relevance_keys(
 def read_not_written(module: TensorDictModuleBase) -> list[NestedKey]:
     """The input keys of ``module`` that it does not fill itself: the inputs explained by default.
 
+    The mask of a torchrl ``ConsistentDropoutModule`` is left out: it steers the call (the module draws one where
+    the TensorDict has none), it is no evidence, and explaining it would count the dropped signal twice.
+
     A key whose entries the module writes (a ``ProbabilisticActor`` with ``return_composite`` reads ``"params"``,
     which its network fills with ``("params", "cat", "logits")``, ...) is computed, not given. A key the module
     reads and then writes anew under the same name is given: the caller's value is what the module reads (torchrl's
@@ -138,8 +142,10 @@ def read_not_written(module: TensorDictModuleBase) -> list[NestedKey]:
         ['obs']
     """
     written = [as_tuple(key) for key in module.out_keys]
+    masks = {unravel_key(sub.in_keys[1]) for sub in module.modules() if isinstance(sub, ConsistentDropoutModule)}
     return [
         key
         for key in unravel_key_list(list(module.in_keys))
         if not any(len(out) > len(as_tuple(key)) and out[: len(as_tuple(key))] == as_tuple(key) for out in written)
+        and key not in masks
     ]

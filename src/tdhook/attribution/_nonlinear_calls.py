@@ -36,7 +36,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from tdhook.attribution.coverage import PlainGradientCall
-from tdhook.attribution.rules._autograd import is_activation, mark_parameter_derived, relevance_pass_edges
+from tdhook.attribution.rules._autograd import (
+    is_activation,
+    mark_parameter_derived,
+    mark_parameter_slots,
+    relevance_pass_edges,
+)
 
 __all__ = ["NonlinearCalls", "function_kind", "report_plain_gradient"]
 
@@ -216,6 +221,7 @@ class NonlinearCalls(TorchFunctionMode):
 
         def enter(name: str, has_rule: bool):
             def hook(module: nn.Module, args: tuple) -> None:
+                mark_parameter_slots(module)  # parameters put in by ``to_module`` are parameters, not activations
                 self._stack.append(name)
                 self._ruled_depth += has_rule
 

@@ -1,5 +1,5 @@
-"""Default targets of torchrl pipelines: actor and critic together, the allowed action of a masked policy, and the
-step a decision transformer acts on.
+"""Default targets of torchrl pipelines: actor and critic together, the allowed action of a masked policy, the
+step a decision transformer acts on, and the action an exploring policy takes.
 
 * An ``ActorValueOperator``, an ``ActorCriticOperator``, an
   ``ActorCriticWrapper``, and a ``TensorDictSequential`` of an actor followed
@@ -14,6 +14,10 @@ step a decision transformer acts on.
   its actor explains by default (``param`` of a ``DTActor``, ``loc`` of an
   ``OnlineDTActor``), at the last step: the prediction the wrapper acts on,
   not every step of the context.
+* Exploration steps after an actor (``AdditiveGaussianModule``,
+  ``OrnsteinUhlenbeckProcessModule``, ``EGreedyModule``) write no output to
+  explain: the action taken is explained (their noise is a constant of the
+  call), not the noise process's state.
 
 Examples:
     >>> from torch import nn
@@ -41,16 +45,22 @@ from torchrl.modules import (
     ActorCriticOperator,
     ActorCriticWrapper,
     ActorValueOperator,
+    AdditiveGaussianModule,
     DecisionTransformerInferenceWrapper,
+    EGreedyModule,
+    OrnsteinUhlenbeckProcessModule,
     ValueOperator,
 )
 from torchrl.modules.distributions import MaskedCategorical, MaskedOneHotCategorical
 
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 
-__all__ = ["actor_and_critic", "allowed_action", "acted_step", "default_target_operator"]
+__all__ = ["actor_and_critic", "allowed_action", "acted_step", "default_target_operator", "EXPLORATION_MODULES"]
 
 _MASKED = (MaskedCategorical, MaskedOneHotCategorical)
+# Steps that perturb the action an actor wrote (noise, a random action now and then): they write no output of
+# their own to explain (the Ornstein-Uhlenbeck process writes its state, ``_ou_prev_noise`` and ``_ou_steps``).
+EXPLORATION_MODULES = (AdditiveGaussianModule, OrnsteinUhlenbeckProcessModule, EGreedyModule)
 
 
 def actor_and_critic(module: TensorDictModuleBase) -> dict[str, TensorDictModuleBase] | None:

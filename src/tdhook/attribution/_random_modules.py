@@ -1,5 +1,6 @@
 """Modules that draw anew at every forward pass in training mode (dropout): an explanation of such a model is
-random from call to call, and the user is told once.
+random from call to call, and the user is told once. A torchrl ``ConsistentDropoutModule`` whose mask the call's
+TensorDict holds drops the same units at every call: it draws nothing, and is no reason to warn.
 
 Examples:
     >>> import warnings
@@ -17,20 +18,29 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 
+from tensordict import TensorDictBase
+from tensordict.utils import NestedKey
 from torch import nn
+from torchrl.modules import ConsistentDropoutModule
 
 __all__ = ["random_modules", "warn_for_random_modules"]
 
 
-def random_modules(modules: Mapping[str, nn.Module]) -> list[tuple[str, nn.Module]]:
-    """The dropout modules among ``modules`` that drop anything (``p > 0``), by name."""
-    return [(n, m) for n, m in modules.items() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+def random_modules(modules: Mapping[str, nn.Module]) -> list[tuple[str, nn.Module, NestedKey | None]]:
+    """The dropout modules among ``modules`` that drop anything (``p > 0``), by name, each with the key its mask is
+    read from where a torchrl ``ConsistentDropoutModule`` runs it (``None`` for the others)."""
+    masks = {id(m.consistent_dropout): m.in_keys[1] for m in modules.values() if isinstance(m, ConsistentDropoutModule)}
+    return [
+        (n, m, masks.get(id(m))) for n, m in modules.items() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+    ]
 
 
-def warn_for_random_modules(who: str, candidates: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """Warn if one of ``candidates`` is in training mode; the candidates left to watch (none once warned)."""
-    for name, module in candidates:
-        if module.training:
+def warn_for_random_modules(who: str, candidates: list[tuple], tensordict: TensorDictBase | None = None) -> list[tuple]:
+    """Warn if one of ``candidates`` is in training mode and draws (no mask of its own in ``tensordict``); the
+    candidates left to watch (none once warned)."""
+    for name, module, mask in candidates:
+        given = mask is not None and tensordict is not None and tensordict.get(mask, None) is not None
+        if module.training and not given:
             warnings.warn(
                 f"{who}: module {name!r} ({type(module).__name__}, p={module.p}) is in training mode, so each "
                 "forward pass drops other units and the explanation is random from call to call; call .eval() on "

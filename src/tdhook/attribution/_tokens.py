@@ -135,20 +135,26 @@ class TokenInputs:
             cause: the exception the model raised, if any, chained to this one.
             optional: the inputs were taken from the module's ``in_keys``, not named by the caller: after a
                 forward pass that succeeded, integers no embedding read (an action mask, a step count) are
-                simply not explained (their leaf stays ``None``).
+                simply not explained (their leaf stays ``None``), unless no input at all is left to explain.
 
         Raises:
             TypeError: an input's leaf is still ``None``.
         """
-        if optional and cause is None:
+        if optional and cause is None and any(leaf is not None for leaf in leaves):
             return
         for i in self._ids:
             if leaves[i] is None:
                 key, dtype = self.keys[i], self._ids[i].dtype
+                pixels = (
+                    " (uint8 pixels: convert them to floating point before the model, for example with torchrl's "
+                    "ToTensorImage transform, so that the pixels themselves receive relevance)"
+                    if dtype == torch.uint8
+                    else ""
+                )
                 raise TypeError(
                     f"LRP: input key {key!r} holds integer tokens ({dtype}), which receive relevance only through "
-                    "an nn.Embedding that reads them directly, and no nn.Embedding did; pass in_keys=[...] to "
-                    "explain only the floating-point inputs"
+                    f"an nn.Embedding that reads them directly, and no nn.Embedding did{pixels}; pass in_keys=[...] "
+                    "to explain only the floating-point inputs"
                 ) from cause
 
     def per_token(self, index: int, relevance: torch.Tensor) -> torch.Tensor:

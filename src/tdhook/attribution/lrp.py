@@ -227,7 +227,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._hooks: list = []
         self._layers = LayerRelevance()
         self._tokens = TokenInputs(self.explained_keys)
-        self._stochastic: list[tuple[str, nn.Module]] = []
+        self._stochastic: list[tuple] = []
         self._compiled = False
         self._rule_use = RuleUse()
         # The first call watches which nonlinear functions keep their plain gradient (see coverage()).
@@ -362,7 +362,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._marks_read = self._marks_read or marks_for_target(self._handles or [], self.target)
         explained = explained_in_call(tensordict, self.explained_keys, self._defaulted_inputs, self._optional_inputs)
         validate_inputs(tensordict, [key for key, e in zip(self.explained_keys, explained, strict=True) if e])
-        self._stochastic = warn_for_random_modules("LRP", self._stochastic)  # once per context
+        self._stochastic = warn_for_random_modules("LRP", self._stochastic, tensordict)  # once per context
         work = tensordict.copy()
         self._layers.clear()
         self._tokens.clear()

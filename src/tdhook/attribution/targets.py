@@ -30,7 +30,12 @@ from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase, T
 from tensordict.utils import NestedKey, unravel_key
 
 from tdhook.attribution._inputs import describe
-from tdhook.attribution._policy_targets import acted_step, actor_and_critic, default_target_operator
+from tdhook.attribution._policy_targets import (
+    EXPLORATION_MODULES,
+    acted_step,
+    actor_and_critic,
+    default_target_operator,
+)
 from tdhook.attribution.rules._numerics import safe_divide
 from tdhook.attribution.rules.base import layer_call_of
 
@@ -245,13 +250,15 @@ def raise_for_unreached(key: NestedKey, keys: list[NestedKey], reached: list[boo
         >>> raise_for_unreached("q", ["obs", "mask"], [True, False])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: LRP: target 'q' does not depend on the explained input 'mask'; ...
+        ValueError: LRP: target 'q' does not depend on the explained input 'mask' through its gradient ...
     """
     for input_key, was_reached in zip(keys, reached, strict=True):
         if not was_reached:
             raise ValueError(
-                f"LRP: target {key!r} does not depend on the explained input {input_key!r}; its relevance would be "
-                "zero everywhere: leave it out of in_keys, or explain an output that reads it"
+                f"LRP: target {key!r} does not depend on the explained input {input_key!r} through its gradient "
+                "(the model does not read it for this output, or detaches it, as torchrl's CrossGroupCritic does "
+                "with the groups in detach_groups); its relevance would be zero everywhere: leave it out of in_keys, "
+                "or explain an output that reads it"
             )
 
 
@@ -404,14 +411,16 @@ def _default_target_candidates(module: TensorDictModuleBase) -> list[NestedKey]:
 
     Probabilistic modules (the sampling step of a torchrl ``ProbabilisticActor``)
     are left out: their inputs, the distribution's parameters (``loc``,
-    ``logits``), are what gets explained, not a random sample. Keys under
+    ``logits``), are what gets explained, not a random sample. So are torchrl's
+    exploration steps: the action they perturb is explained, not the noise
+    process's state. Keys under
     ``"next"`` (the recurrent state a torchrl ``LSTMModule`` carries to the next
     step) come after the others: a recurrent actor explains its action output.
     """
     leaves = [
         leaf
         for leaf in _leaf_modules(default_target_operator(module))
-        if not isinstance(leaf, ProbabilisticTensorDictModule)
+        if not isinstance(leaf, (ProbabilisticTensorDictModule, *EXPLORATION_MODULES))
     ]
     if not leaves:
         return []

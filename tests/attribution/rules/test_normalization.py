@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import timm.layers
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 import torchvision
 from tensordict import TensorDict
 from torch import nn
+from torchrl.modules import BatchRenorm1d
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP
 from tdhook.attribution.mappers.base import BaseRuleMapper
@@ -26,6 +28,7 @@ from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
 from tdhook.attribution.rules.normalization import LayerNormRule, NormRule, is_norm
 from tests.attribution.rules._helpers import CNN_PRESETS, F64, randn
 from tests.attribution.test_lrp_layers import (
+    argmax_one_hot,
     gradient_times_input,
     lrp_relevance,
     merged_by_hand,
@@ -660,3 +663,63 @@ def test_a_negative_epsilon_is_refused_at_construction(rule):
     with pytest.raises(ValueError, match=f"{rule.__name__}: epsilon must be a finite number >= 0, got -1e-05"):
         rule(epsilon=-1e-5)
     assert rule(epsilon=0.0).epsilon == 0.0
+
+
+# ----------------------------------------------------------------------------- torchrl's BatchRenorm1d
+
+
+class Affine(nn.Module):
+    """``y = s x + t`` per feature: what a BatchRenorm1d computes on one batch, its statistics held."""
+
+    def __init__(self, scale: torch.Tensor, shift: torch.Tensor) -> None:
+        super().__init__()
+        self.scale, self.shift = scale, shift
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale + self.shift
+
+
+class TestBatchRenorm:
+    """torchrl's BatchRenorm1d (CrossQ's critics): in training mode it normalises with the batch's statistics,
+    corrected by the running ones; held constant, it is an affine map per feature, as an eval-mode one is."""
+
+    def net(self, training: bool) -> nn.Sequential:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), BatchRenorm1d(6, warmup_steps=2), nn.ReLU(), nn.Linear(6, 3)).double()
+        with torch.no_grad():
+            model[1].weight.uniform_(0.5, 2.0)
+            model[1].bias.normal_()
+        for _ in range(3):  # past the warm-up: the correction r, d of the running statistics is on
+            model(torch.randn(16, 4, dtype=F64))
+        return model.train(training)
+
+    def held(self, model: nn.Sequential, x: torch.Tensor) -> nn.Sequential:
+        """``model`` with its BatchRenorm1d replaced by the affine map it computes on ``x``'s batch."""
+        h = model[0](x)
+        y = copy.deepcopy(model[1])(h)
+        hc, yc = h - h.mean(0), y - y.mean(0)
+        scale = (hc * yc).sum(0) / (hc * hc).sum(0)
+        return nn.Sequential(model[0], Affine(scale.detach(), (y.mean(0) - scale * h.mean(0)).detach()), *model[2:])
+
+    @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+    def test_lrp0_is_gradient_times_input_with_the_statistics_held(self, training: bool):
+        model, x = self.net(training), torch.randn(8, 4, dtype=F64)
+        expected = gradient_times_input(self.held(model, x), x, argmax_one_hot)
+        plain = copy.deepcopy(model)
+        plain_out = plain(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no call without a rule
+            lrp = LRP(model, BaseRuleMapper(stabilizer=1e-12), in_keys=["x"], out_keys=["y"])
+            out = lrp(TensorDict(x=x.clone(), batch_size=[8]))
+        assert relative_error(out["relevance", "x"], expected) <= 1e-10
+        assert torch.equal(out["y"], plain_out)
+        # The call updates the running statistics once, as the module's own call does.
+        for name, buffer in model[1].named_buffers():
+            assert torch.equal(buffer, dict(plain[1].named_buffers())[name]), name
+
+    def test_the_epsilon_rule_of_its_affine_map(self):
+        model, x = self.net(False), torch.randn(8, 4, dtype=F64)
+        relevance_out = torch.randn(8, 3, dtype=F64)
+        actual = lrp_relevance(model, x, relevance_out, BaseRuleMapper(stabilizer=0.5))
+        expected = lrp_relevance(self.held(model, x), x, relevance_out, {Affine: EpsilonRule(0.5)})
+        assert relative_error(actual, expected) <= 1e-10

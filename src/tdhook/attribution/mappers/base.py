@@ -12,6 +12,7 @@ from fnmatch import fnmatchcase
 from typing import Protocol, TypedDict
 
 from torch import nn
+from torchrl.modules import BatchRenorm1d, TanhModule
 
 from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._layers import (
@@ -24,6 +25,7 @@ from tdhook.attribution.rules._layers import (
     GRADIENT_ROUTED_SUFFIXES,
     LINEAR_LAYERS,
 )
+from tdhook.attribution.rules.activation_calls import TanhCallsRule
 from tdhook.attribution.rules.additions import StabilizedAdditions
 from tdhook.attribution.rules.base import Rule
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule
@@ -31,7 +33,7 @@ from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
 from tdhook.attribution.rules.elementwise import ElementwiseRule, may_be_elementwise
 from tdhook.attribution.rules.gates import GateRule, HeldGates, RouterRule, is_router
 from tdhook.attribution.rules.input_layer import FirstLayerRule
-from tdhook.attribution.rules.normalization import NormRule, is_norm
+from tdhook.attribution.rules.normalization import BatchRenormRule, NormRule, is_norm
 from tdhook.attribution.rules.quantized import QuantizedLinearRule, holds_packed_weights, is_quantized_linear
 from tdhook.attribution.rules.recurrent import RecurrentRule, is_recurrent
 from tdhook.attribution.tunables import Tunable
@@ -108,10 +110,12 @@ class BaseRuleMapper(Tunable):
     dequantized weight); LSTM and GRU layers and cells →
     :class:`~tdhook.attribution.rules.recurrent.RecurrentRule` (signal-take-all, with ``stabilizer`` as ε);
     sigmoid-like modules → :class:`~tdhook.attribution.rules.gates.GateRule`
-    (held constant where they gate a signal); other activations → :class:`PassRule`;
+    (held constant where they gate a signal); other activations → :class:`PassRule`; torchrl's ``TanhModule`` →
+    :class:`~tdhook.attribution.rules.activation_calls.TanhCallsRule` (the pass rule on its ``tanh``);
     average pooling → :class:`EpsilonRule` with ``stabilizer`` (zennit's ``Norm``);
     BatchNorm → :class:`MergeBatchNormRule`
-    (merged into the layer before it, else the ε-rule of its affine map); other
+    (merged into the layer before it, else the ε-rule of its affine map); torchrl's BatchRenorm1d →
+    :class:`~tdhook.attribution.rules.normalization.BatchRenormRule` (the ε-rule of its affine map); other
     norms (LayerNorm, GroupNorm, RMSNorm, channels-first and fused norms) →
     :class:`NormRule` (the normalising scale held constant); Linear and
     convolution layers, MaxPool, Dropout, Flatten, Unflatten, Identity →
@@ -164,6 +168,7 @@ class BaseRuleMapper(Tunable):
         self._pass = PassRule()
         self._elementwise = ElementwiseRule(self._pass)
         self._gate = GateRule()
+        self._tanh_calls = TanhCallsRule()
         self._router = RouterRule()
         self._quantized_linear = QuantizedLinearRule(epsilon=stabilizer)
         self._recurrent = RecurrentRule(epsilon=stabilizer)
@@ -171,6 +176,7 @@ class BaseRuleMapper(Tunable):
         self._ignore = IgnoreRule()
         self._merge_batch_norm = MergeBatchNormRule(epsilon=stabilizer)
         self._norm_rule: NormRule = NormRule(epsilon=stabilizer)
+        self._batch_renorm = BatchRenormRule(epsilon=stabilizer)
         self._first_layer_rules: dict[tuple[int, int], FirstLayerRule] = {}
 
     def function_modes(self) -> list:
@@ -217,8 +223,12 @@ class BaseRuleMapper(Tunable):
             return self._gate
         if isinstance(module, ACTIVATIONS):
             return self._pass
+        if isinstance(module, TanhModule):
+            return self._tanh_calls
         if isinstance(module, BATCH_NORMS):
             return self._merge_batch_norm
+        if isinstance(module, BatchRenorm1d):
+            return self._batch_renorm
         if is_norm(module):
             return self._norm_rule
         if isinstance(module, AVG_POOLS):

@@ -167,7 +167,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             value = tensordict.get(key)
             if not value.is_floating_point():
                 raise TypeError(f"{name}: input key {key!r} must be a floating-point tensor, got {describe(value)}")
-        self._warn_for_random_modules()
+        self._warn_for_random_modules(tensordict)
         with self._model_context():
             call = self._first_pass(tensordict)
             cut = returned_tensordict(tensordict, call.result)
@@ -188,11 +188,11 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         root = self.module.module if self._plain else self.module
         return dict(root.named_modules())
 
-    def _warn_for_random_modules(self) -> None:
+    def _warn_for_random_modules(self, tensordict: TensorDictBase) -> None:
         """Warn, once per wrapper, if a dropout module in training mode makes every forward pass draw anew."""
         if not self._warned:
             modules = random_modules(self.named_explained_modules())
-            self._warned = warn_for_random_modules(type(self).__name__, modules) != modules
+            self._warned = warn_for_random_modules(type(self).__name__, modules, tensordict) != modules
 
     def _per_unit(self, call: Call, attribution: torch.Tensor) -> torch.Tensor:
         attribution = attribution.detach()

@@ -6,6 +6,7 @@ One family of rules per module: :mod:`~tdhook.attribution.rules.base` (what a ru
 :mod:`~tdhook.attribution.rules.input_layer` (Flat, w², z^B and the first-layer switch),
 :mod:`~tdhook.attribution.rules.batch_norm`, :mod:`~tdhook.attribution.rules.recurrent` (LSTM, GRU),
 :mod:`~tdhook.attribution.rules.elementwise` (hand-written element-wise modules),
+:mod:`~tdhook.attribution.rules.activation_calls` (``tanh`` inside a module's own forward: torchrl's ``TanhModule``),
 :mod:`~tdhook.attribution.rules.taylor` (first-order Taylor at a reference point),
 :mod:`~tdhook.attribution.rules.transformer`,
 :mod:`~tdhook.attribution.rules.functional` (rules on function calls),
@@ -18,6 +19,7 @@ custom rules).
 from tdhook.attribution.rules._autograd import hold, redirect, relevance_proxy, scale_gradient
 from tdhook.attribution.rules._glue import GlueError
 from tdhook.attribution.rules._numerics import stabilize
+from tdhook.attribution.rules.activation_calls import TanhCallsRule
 from tdhook.attribution.rules.additions import StabilizedAdditions
 from tdhook.attribution.rules.base import (
     LayerCall,
@@ -44,7 +46,7 @@ from tdhook.attribution.rules.functional import FunctionalRules
 from tdhook.attribution.rules.gates import GateRule, HeldGates, RouterRule
 from tdhook.attribution.rules.input_layer import FirstLayerRule, FlatRule, WSquareRule, ZBoxRule
 from tdhook.attribution.rules.modified import AlphaBetaRule, GammaRule
-from tdhook.attribution.rules.normalization import NormRule
+from tdhook.attribution.rules.normalization import BatchRenormRule, NormRule
 from tdhook.attribution.rules.quantized import QuantizedLinearRule
 from tdhook.attribution.rules.recurrent import RecurrentRule
 from tdhook.attribution.rules.taylor import TaylorDecompositionRule
@@ -74,6 +76,7 @@ __all__ = [
     "UniformEpsilonRule",
     "PassRule",
     "ElementwiseRule",
+    "TanhCallsRule",
     "IgnoreRule",
     "StopRule",
     "UniformRule",
@@ -86,6 +89,7 @@ __all__ = [
     "FirstLayerRule",
     "MergeBatchNormRule",
     "NormRule",
+    "BatchRenormRule",
     "GateRule",
     "HeldGates",
     "RouterRule",

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 from torch.nn import Parameter
 
 from tdhook.attribution.rules._keeping_graph import RelevancePass, graph_kept
@@ -47,6 +48,7 @@ __all__ = [
     "hold",
     "is_held",
     "relevance_pass_edges",
+    "mark_parameter_slots",
     "backward_keeps_graph",
     "is_batched_gradient",
     "is_plain_gradient",
@@ -315,6 +317,29 @@ def is_activation(value: Any) -> bool:
         and not value.is_leaf
         and not getattr(value, PARAMETER_DERIVED, False)
     )
+
+
+def mark_parameter_slots(module: nn.Module) -> None:
+    """Mark the tensors in ``module``'s own parameter slots as parameters, whatever their autograd history.
+
+    ``params.to_module(net)`` (tensordict) and ``torch.func.functional_call`` put tensors into a module's parameter
+    slots; torchrl's loss modules do so with views of parameters stacked over an ensemble of Q-networks
+    (``loss.qvalue_network_params[i]``), which have autograd history. They are the layer's parameters all the
+    same: ``linear(x, weight)`` with such a weight is a linear map of ``x``, not a product of two activations.
+
+    Examples:
+        >>> layer = nn.Linear(2, 2)
+        >>> stacked = nn.Parameter(torch.ones(3, 2, 2))
+        >>> layer._parameters["weight"] = stacked[0]
+        >>> is_activation(layer.weight)
+        True
+        >>> mark_parameter_slots(layer)
+        >>> is_activation(layer.weight)
+        False
+    """
+    for value in module._parameters.values():
+        if isinstance(value, torch.Tensor) and value.requires_grad and not value.is_leaf:
+            setattr(value, PARAMETER_DERIVED, True)
 
 
 def mark_parameter_derived(args: tuple, result: Any) -> Any:

@@ -499,6 +499,28 @@ class Rule(Tunable):
         self._registrations[module] = registration
         return RemovableRuleHandle(self, module)
 
+    def _register_in_forward(
+        self, module: nn.Module, make_mode: Callable[[nn.Module], Any], leave: Callable | None = None
+    ) -> RemovableRuleHandle:
+        """Attach a rule that acts inside ``module``'s forward: each call with gradients runs in ``make_mode(module)``
+        (a ``TorchFunctionMode``), and ``leave(module, args, output, mode)``, if given, may replace the output."""
+        if module in self._registrations:
+            raise ValueError(f"{self!r} is already registered on this {type(module).__name__}")
+        registration = self._new_registration(module)
+        modes: list = []
+
+        def enter(mod: nn.Module, args: tuple) -> None:
+            push(modes, make_mode(mod) if torch.is_grad_enabled() else None, enter=True)
+
+        def done(mod: nn.Module, args: tuple, output: Any) -> Any:
+            mode = pop(modes)  # left; or by closing_scopes, if an interrupt skips this hook
+            return None if mode is None or leave is None else leave(mod, args, output, mode)
+
+        registration.hooks.append(module.register_forward_pre_hook(enter))
+        registration.hooks.append(module.register_forward_hook(done, always_call=True))
+        self._registrations[module] = registration
+        return RemovableRuleHandle(self, module)
+
     def _new_registration(self, module: nn.Module) -> Registration:
         # A lazy module (LazyConv2d, LazyLinear) is prepared at its first call, once its shapes are known; so is a
         # template whose parameters are placeholders on the meta device, swapped in at call time (torchrl's

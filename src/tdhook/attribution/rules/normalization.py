@@ -36,11 +36,10 @@ from tdhook.attribution.rules._autograd import call_argument, hold, is_held, red
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._numerics import in_pieces_, stabilize
-from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.tunables import EPSILON
 
-__all__ = ["NormRule", "LayerNormRule", "is_norm"]
+__all__ = ["NormRule", "LayerNormRule", "BatchRenormRule", "is_norm"]
 
 # Where a norm written by hand computes its normalising scale: the results are held constant.
 _SCALES = frozenset(
@@ -177,18 +176,7 @@ class NormRule(Rule):
         self.epsilon = epsilon
 
     def register(self, module: nn.Module) -> RemovableRuleHandle:
-        if module in self._registrations:
-            raise ValueError(f"{self!r} is already registered on this {type(module).__name__}")
-        registration = self._new_registration(module)
-        modes: list[_ConstantScale | None] = []
-
-        def enter(mod: nn.Module, args: tuple) -> None:
-            push(modes, _ConstantScale(self, mod) if torch.is_grad_enabled() else None, enter=True)
-
-        def leave(mod: nn.Module, args: tuple, output: Any) -> None:
-            mode = pop(modes)  # left; or by closing_scopes, if an interrupt skips this hook
-            if mode is None:
-                return
+        def leave(mod: nn.Module, args: tuple, output: Any, mode: _ConstantScale) -> None:
             if not mode.applied and isinstance(output, torch.Tensor) and output.requires_grad:
                 raise ValueError(
                     f"{type(self).__name__} on {type(mod).__name__}: its forward ran no normalisation the rule "
@@ -196,10 +184,7 @@ class NormRule(Rule):
                     "or a scale from rsqrt, sqrt, var, std or a norm); map the module to another rule"
                 )
 
-        registration.hooks.append(module.register_forward_pre_hook(enter))
-        registration.hooks.append(module.register_forward_hook(leave, always_call=True))
-        self._registrations[module] = registration
-        return RemovableRuleHandle(self, module)
+        return self._register_in_forward(module, lambda mod: _ConstantScale(self, mod), leave)
 
     # ------------------------------------------------------------------ the norms, each with the rule's gradient
 
@@ -356,3 +341,51 @@ class LayerNormRule(NormRule):
         >>> torch.allclose(grad, torch.tensor([1.0, 0.0, 0.0]) * torch.rsqrt(x.pow(2).mean() + torch.finfo().eps))
         True
     """
+
+
+# The batch statistics a batch renormalisation computes in its own forward: held constant by BatchRenormRule.
+_BATCH_STATISTICS = frozenset({torch.mean, torch.Tensor.mean, torch.var, torch.Tensor.var})
+
+
+class _HeldBatchStatistics(TorchFunctionMode):
+    """The mode a batch renormalisation's forward runs in: its batch mean and variance are held constant."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunction():
+            result = func(*args, **kwargs)
+            if func in _BATCH_STATISTICS and isinstance(result, torch.Tensor) and result.requires_grad:
+                return hold(result)
+            return result
+
+
+class BatchRenormRule(NormRule):
+    """torchrl's ``BatchRenorm1d`` (CrossQ's networks): the ε-rule of its affine map, as for an unmerged BatchNorm.
+
+    In eval mode it computes ``y = w (x − μ_run) / σ_run + b``. In training mode it normalises with the batch's
+    mean and deviation, corrected by the running ones (``r``, ``d``, constants of its own forward); the batch
+    statistics are held constant, as :class:`NormRule` holds a training-mode BatchNorm's, so that each sample is
+    explained by the affine map ``y = s x + t`` and no relevance passes between the samples of a batch. With
+    ``create_graph=True`` the relevance's derivative is exact in eval mode; in training mode it treats ``r`` and
+    ``d`` as constants, as the module's own gradient does (its forward detaches them).
+
+    Args:
+        epsilon: ε of the affine map's rule.
+
+    Examples:
+        >>> from torchrl.modules import BatchRenorm1d
+        >>> norm = BatchRenorm1d(2, warmup_steps=0)
+        >>> x = torch.tensor([[1.0, 2.0], [3.0, 6.0]], requires_grad=True)
+        >>> with BatchRenormRule(epsilon=0.0).register(norm):
+        ...     grad = torch.autograd.grad(norm(x)[0, 0], x)[0]
+        >>> grad[1].tolist()  # the other sample of the batch gets nothing
+        [0.0, 0.0]
+    """
+
+    def register(self, module: nn.Module) -> RemovableRuleHandle:
+        def leave(mod: nn.Module, args: tuple, output: Any, mode: _HeldBatchStatistics) -> torch.Tensor | None:
+            if not isinstance(output, torch.Tensor) or not args:
+                return None
+            return self.affine(output, args[0], None)  # the ε factor; the forward's own backward gives the scale
+
+        return self._register_in_forward(module, lambda mod: _HeldBatchStatistics(), leave)
