@@ -7,9 +7,9 @@ step: 48 perturbation steps). Both run the model on the same 8 x 48 perturbed sa
 batch per step, tdhook stacks of steps), so the model's cost bounds the ratio: ``linear`` (one 768-10 layer) shows
 the metrics' own work, ``mlp`` (768-256-10) and ``cnn`` (two 16-channel 3x3 convolutions and a linear layer) add
 more and more of the same forward work to both. The script also times those forward passes alone, in each
-library's batching, and prints the bound they set: Quantus' time over tdhook's passes alone. The bound holds for the CNN;
-``linear`` and ``mlp`` start with a linear layer on the flattened sample, whose output tdhook updates from step to
-step instead of recomputing (``tdhook.metrics._leading_affine``): it runs no such stacked passes, and can beat it.
+library's batching, and prints the bound they set: Quantus' time over tdhook's passes alone. The bound holds for
+the CNN; ``linear`` and ``mlp`` start with a linear layer on the flattened sample, whose output tdhook updates from
+step to step instead of recomputing (``tdhook.metrics._leading_affine``): it runs no such stacked passes.
 
     taskset -c 1 python benchmarks/bench_metrics.py --model linear mlp cnn --features-per-step 16 --repeats 9
 """
