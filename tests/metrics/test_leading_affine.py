@@ -156,3 +156,47 @@ def test_a_linear_layer_over_the_last_dimension_only_runs_every_perturbed_input(
     curve, updated = watched_flipping(net, td, features_per_step=5)
     assert not updated.called
     torch.testing.assert_close(curve, by_definition(net, x, a, net(x).argmax(-1), 5), rtol=0, atol=1e-10)
+
+
+def _in_place_images(batch: int) -> tuple[nn.Module, TensorDict]:
+    net = mlp_net()
+    net[2] = nn.ReLU(inplace=True)
+    x, a = images(batch), torch.randn(batch, 3, 6, 6, dtype=torch.float64)
+    return net, TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[batch])
+
+
+def _in_place_long_vector() -> tuple[nn.Module, TensorDict]:
+    """One sample of 6000 features through 16 units: stacks of 4096 steps by default, so two stacks."""
+    net = nn.Sequential(nn.Linear(6000, 16), nn.ReLU(inplace=True), nn.Linear(16, 1)).double()
+    x, a = torch.randn(1, 6000, dtype=torch.float64), torch.randn(1, 6000, dtype=torch.float64)
+    return net, TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[1])
+
+
+@pytest.mark.parametrize(
+    ("make", "steps_per_forward"),
+    [(lambda: _in_place_images(1), 3), (lambda: _in_place_images(2), 1), (_in_place_long_vector, None)],
+)
+def test_an_in_place_activation_after_the_layer_leaves_the_carried_sum_alone(make, steps_per_forward):
+    """``ReLU(inplace=True)`` right after the layer works on the stack of summed outputs; where that stack is what
+    the next stack starts from (one sample, or one step a stack), it must not be rectified with it."""
+    torch.manual_seed(8)
+    net, td = make()
+    kwargs = dict(features_per_step=1, steps_per_forward=steps_per_forward)
+    curve, updated = watched_flipping(net, td, **kwargs)
+    assert updated.called
+    torch.testing.assert_close(curve, flipping(direct(net), td, **kwargs), rtol=0, atol=1e-12)
+
+
+def test_long_stacks_of_steps_take_memory_linear_in_their_length():
+    """One sample through a layer of one unit: a stack holds 65536 steps. Their running sum must not build a
+    steps x steps matrix (32 GiB at that length; 128 MiB for the 4096 steps here)."""
+    torch.manual_seed(9)
+    net = nn.Sequential(nn.Linear(4096, 1)).double()
+    x, a = torch.randn(1, 4096, dtype=torch.float64), torch.randn(1, 4096, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[1])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
+        curve, updated = watched_flipping(net, td, features_per_step=1)
+    assert updated.called
+    largest = max(event.cpu_memory_usage for event in profiler.events())
+    assert largest < 4 << 20, f"one operation allocated {largest / 2**20:.0f} MiB"
+    torch.testing.assert_close(curve, flipping(direct(net), td, features_per_step=1), rtol=0, atol=1e-12)

@@ -121,7 +121,7 @@ class LeadingAffine:
             stop = min(start + size, len(thresholds))
             with torch.no_grad():
                 hidden = self._changes(first, order, delta, columns, start, stop).add_(carry)
-                carry = hidden[-1]
+                carry = hidden[-1].clone()  # the layers after may work in place on a view of ``hidden``
                 out = hidden.to(weight.dtype).reshape(-1, weight.shape[0])
                 for layer in self.rest:
                     out = layer(out)
@@ -146,10 +146,9 @@ class LeadingAffine:
             check_invariants=False,
         )
         per_step = torch.sparse.mm(changes, columns).view(n, steps, -1).double()
-        # The running sum over steps, as a product with a lower-triangular matrix of ones (faster than cumsum
-        # over a leading dimension).
-        ones = torch.ones(steps, steps, dtype=torch.float64, device=delta.device).tril_()
-        return (ones @ per_step).transpose(0, 1)
+        # The running sum over the steps, along a middle dimension: a product with a triangular matrix of ones
+        # would take steps² memory (32 GiB for a stack of 65536 steps).
+        return per_step.cumsum(1).transpose(0, 1)
 
 
 def _between(first: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
