@@ -4,8 +4,8 @@ A curve's step ``k`` differs from step ``k - 1`` in a few features only. When th
 whose first layer (after an optional ``nn.Flatten``) is an ``nn.Linear`` on the whole sample, that layer's output
 at step ``k`` is its output on the unperturbed input plus ``W (x_k - x)``, a sum over the features perturbed so
 far. Each step's change ``sum W[:, e] (b_e - x_e)`` over the features it perturbs is one row of a sparse product,
-and the changes are summed over the steps in float64; the rest of the model then runs on those outputs. The first layer
-costs one pass instead of one per step, and the curve is the same up to rounding.
+and the unperturbed output and the changes are computed and summed in float64; the rest of the model then runs on
+those outputs. The first layer costs one pass instead of one per step, and the curve is the same up to rounding.
 
 Examples:
     >>> import torch
@@ -111,12 +111,12 @@ class LeadingAffine:
             # sample's elements in the order they go (by element within a step).
             first = torch.searchsorted(thresholds, positions.expand_as(x).reshape(n, -1).contiguous(), right=True)
             first, order = torch.sort(first, dim=-1, stable=True)
-            # W[:, e] as row e, and the changes b_e - x_e, in the weights' precision (at least float32); the steps'
-            # changes are summed in float64.
-            precision = torch.promote_types(weight.dtype, torch.float32)
-            columns = weight.t().to(precision).contiguous()
-            delta = delta.to(precision)
-            carry = torch.nn.functional.linear(flat, weight, self.linear.bias).double()
+            # W[:, e] as row e, the unperturbed output and the changes b_e - x_e, all in float64: the output at a
+            # late step is the unperturbed one plus the changes, and in the weights' precision the rounding of a
+            # large input (a raw price of 1e6 in float32) would stay in it after that input went to the baseline.
+            columns = weight.t().double().contiguous()
+            bias = None if self.linear.bias is None else self.linear.bias.double()
+            carry = torch.nn.functional.linear(flat.double(), weight.double(), bias)
         for start in range(0, len(thresholds), size):
             stop = min(start + size, len(thresholds))
             with torch.no_grad():
