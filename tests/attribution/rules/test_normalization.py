@@ -130,6 +130,14 @@ class NotANorm(nn.Module):
         return torch.tanh(x) * 2
 
 
+class FullPrecisionRMSNorm(LlamaRMSNorm):
+    """Llama's RMSNorm with its forward wrapped by a decorator (mixed-precision code keeps norms out of autocast)."""
+
+    @torch.autocast("cpu", enabled=False)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
 class NoNorm(nn.Module):
     """Named like a norm, an element-wise affine map (MobileBERT's): ``x · w + b``."""
 
@@ -421,10 +429,18 @@ class TestIsNorm:
             lambda: LlamaRMSNorm(4),
             lambda: L2Norm(),
             lambda: RootMeanSquareScaling(4),
+            lambda: FullPrecisionRMSNorm(4),
         ],
     )
     def test_norms(self, make):
         assert is_norm(make())
+
+    def test_a_norm_whose_forward_a_decorator_wraps_keeps_its_held_scale(self):
+        """The wrapper's own code names nothing, as an element-wise map of the module's own tensors would: the
+        wrapped forward is what tells (it computes a scale), and each element keeps its relevance."""
+        norm, x, relevance_out = FullPrecisionRMSNorm(6).double(), randn(3, 6), randn(3, 6)
+        relevance = tdhook_relevance(BaseRuleMapper()("norm", norm), norm, x, relevance_out)
+        assert relative_error(relevance, relevance_out) <= 1e-12
 
     def test_a_norm_found_by_its_forward_gets_the_rms_behaviour(self):
         norm, x = RootMeanSquareScaling(6).double(), torch.randn(3, 6, dtype=torch.float64)

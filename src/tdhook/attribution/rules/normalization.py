@@ -24,6 +24,7 @@ module (timm's ``BatchNormAct2d``, ``GroupNormAct``) keep their own rules.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -80,20 +81,27 @@ def is_norm(module: nn.Module) -> bool:
     return type(module).__name__.endswith(_NORM_NAMES) or _forward_normalises(module)
 
 
+def _forward_names(module: nn.Module) -> tuple[str, ...] | None:
+    """The names the module's own forward reads (globals and attributes), past decorators that wrap it
+    (``@torch.autocast(...)``: the wrapper itself names nothing); ``None`` where it has no Python code."""
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    return None if code is None else code.co_names
+
+
 def _forward_is_arithmetic_on_own_tensors(module: nn.Module) -> bool:
     """Whether the module's own forward names nothing but its own parameters and buffers: operators on them
     (``x * self.weight + self.bias``) act element by element and cannot reduce a position to a scale."""
-    code = getattr(type(module).forward, "__code__", None)
-    if code is None:
+    names = _forward_names(module)
+    if not names:  # no code, or none that reads anything (a wrapper whose wrapped forward is not known)
         return False
     own = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
-    return all(name in own for name in code.co_names)
+    return all(name in own for name in names)
 
 
 def _forward_normalises(module: nn.Module) -> bool:
     """Whether the module's own forward calls a fused norm or ``rsqrt`` (the scale of a norm written by hand)."""
-    code = getattr(type(module).forward, "__code__", None)
-    return code is not None and not _NORM_CALLS.isdisjoint(code.co_names)
+    names = _forward_names(module)
+    return names is not None and not _NORM_CALLS.isdisjoint(names)
 
 
 def _constant(tensor: torch.Tensor | None) -> torch.Tensor | None:
