@@ -56,6 +56,29 @@ class LinearOnly(nn.Module):
         return self.head(self.pad(h))
 
 
+class Mixing(nn.Module):
+    """A module of one weight slot, with no rule of its own: its forward calls ``linear`` on that weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)
+
+
+class HyperNetwork(nn.Module):
+    """A hypernetwork: the mixing weight is computed from the input ``z`` and put in the slot by functional_call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generate, self.mixing = nn.Linear(3, 8), Mixing()
+
+    def forward(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        weight = self.generate(z).view(2, 4)
+        return torch.func.functional_call(self.mixing, {"weight": weight}, (x,))
+
+
 def call(model: nn.Module, mapper, batch: int = 3) -> tuple[LRP, TensorDict, list[str]]:
     lrp = LRP(model.double().eval(), mapper, in_keys=["x"], out_keys=["y"])
     with warnings.catch_warnings(record=True) as caught:
@@ -127,6 +150,15 @@ class TestStrictMode:
                 out_keys=["logits", "p"],
                 target_key="p",
             )(TensorDict(x=torch.randn(2, 4, dtype=F64), batch_size=[2]))
+
+    def test_a_weight_computed_from_an_input_is_an_activation_in_its_slot(self):
+        """A tensor in a parameter slot counts as a parameter only where it comes from parameters alone (a view
+        of stacked parameters, as torchrl's loss modules put there): a hypernetwork's weight depends on ``z``, and
+        ``linear(x, weight(z))`` is a product of two activations."""
+        lrp = LRP(HyperNetwork().double(), EpsilonPlus(strict=True), in_keys=["z", "x"], out_keys=["y"])
+        td = TensorDict(z=torch.randn(3, dtype=F64), x=torch.randn(4, dtype=F64), batch_size=[])
+        with pytest.raises(ValueError, match=r"module 'mixing' \(Mixing\) computes linear"):
+            lrp(td)
 
     def test_transformer_presets_cover_an_encoder(self):
         encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), 2)

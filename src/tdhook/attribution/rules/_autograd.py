@@ -320,12 +320,13 @@ def is_activation(value: Any) -> bool:
 
 
 def mark_parameter_slots(module: nn.Module) -> None:
-    """Mark the tensors in ``module``'s own parameter slots as parameters, whatever their autograd history.
+    """Mark the tensors in ``module``'s own parameter slots that are computed from parameters alone as parameters.
 
     ``params.to_module(net)`` (tensordict) and ``torch.func.functional_call`` put tensors into a module's parameter
     slots; torchrl's loss modules do so with views of parameters stacked over an ensemble of Q-networks
     (``loss.qvalue_network_params[i]``), which have autograd history. They are the layer's parameters all the
     same: ``linear(x, weight)`` with such a weight is a linear map of ``x``, not a product of two activations.
+    A weight a hypernetwork computes from an input is an activation, and stays one.
 
     Examples:
         >>> layer = nn.Linear(2, 2)
@@ -336,10 +337,32 @@ def mark_parameter_slots(module: nn.Module) -> None:
         >>> mark_parameter_slots(layer)
         >>> is_activation(layer.weight)
         False
+        >>> layer._parameters["weight"] = stacked[0] * torch.ones(2, requires_grad=True)  # from an input
+        >>> mark_parameter_slots(layer)
+        >>> is_activation(layer.weight)
+        True
     """
     for value in module._parameters.values():
         if isinstance(value, torch.Tensor) and value.requires_grad and not value.is_leaf:
-            setattr(value, PARAMETER_DERIVED, True)
+            if _from_parameters_alone(value):
+                setattr(value, PARAMETER_DERIVED, True)
+
+
+def _from_parameters_alone(tensor: torch.Tensor) -> bool:
+    """Whether every leaf of ``tensor``'s autograd history that requires grad is an ``nn.Parameter``."""
+    pending, seen = [tensor.grad_fn], set()
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf itself
+        if leaf is not None:
+            if not isinstance(leaf, Parameter):
+                return False
+            continue
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return True
 
 
 def mark_parameter_derived(args: tuple, result: Any) -> Any:
