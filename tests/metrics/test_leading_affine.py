@@ -216,3 +216,17 @@ def test_a_large_raw_feature_leaves_no_rounding_behind_once_it_is_at_the_baselin
     td64 = TensorDict(x=x.double(), attribution=TensorDict(x=a.double()), batch_size=[64])
     exact = flipping(direct(net.double()), td64, features_per_step=1)
     torch.testing.assert_close(curve[:, 2:].double(), exact[:, 2:], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_an_input_that_is_not_finite_is_gone_from_the_curve_once_it_is_at_the_baseline(value):
+    """Step by step, the unperturbed output would carry the NaN (or inf - inf) to the end of the curve."""
+    torch.manual_seed(11)
+    net = mlp_net()
+    x, a = images(2), torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    x[:, 0, 0, 0], a[:, 0, 0, 0] = value, 100.0  # it goes first
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[2])
+    curve = flipping(net, td, features_per_step=9)
+    assert torch.isfinite(curve[:, 1:]).all()
+    expected = flipping(direct(net), td, features_per_step=9)  # the unperturbed score is NaN or inf in both
+    torch.testing.assert_close(curve, expected, rtol=0, atol=1e-12, equal_nan=True)

@@ -79,7 +79,8 @@ class LeadingAffine:
         return cls(flatten, first[0], layers[2 if flatten else 1 :])
 
     def fits(self, x: torch.Tensor, batch_dims: int) -> bool:
-        """Whether the linear layer reads each sample of ``x`` (``batch + shape``) whole."""
+        """Whether the linear layer reads each sample of ``x`` (``batch + shape``) whole, and ``x`` is finite (an
+        infinite or NaN input would stay in the updated output after it went to the baseline)."""
         shape = x.shape[batch_dims:]
         features = 1
         for size in shape:
@@ -88,7 +89,7 @@ class LeadingAffine:
         small = self.linear.weight.numel() <= _LARGEST_LAYER  # its transposed copy stays small
         weight = self.linear.weight
         same = x.dtype == weight.dtype and x.device == weight.device and x.device.type != "mps"  # MPS: no float64
-        return whole and small and same and features == self.linear.in_features
+        return whole and small and same and features == self.linear.in_features and bool(torch.isfinite(x).all())
 
     def outputs(
         self, x: torch.Tensor, baseline: torch.Tensor, positions: torch.Tensor, thresholds: torch.Tensor, size: int
