@@ -115,9 +115,9 @@ class LeadingAffine:
             # W[:, e] as row e, the unperturbed output and the changes b_e - x_e, all in float64: the output at a
             # late step is the unperturbed one plus the changes, and in the weights' precision the rounding of a
             # large input (a raw price of 1e6 in float32) would stay in it after that input went to the baseline.
-            columns = weight.t().double().contiguous()
+            columns = weight.t().contiguous().double()  # transposed in the weights' own type: cheaper
             bias = None if self.linear.bias is None else self.linear.bias.double()
-            carry = torch.nn.functional.linear(flat.double(), weight.double(), bias)
+            carry = torch.nn.functional.linear(flat.double(), columns.t(), bias)
         for start in range(0, len(thresholds), size):
             stop = min(start + size, len(thresholds))
             with torch.no_grad():
