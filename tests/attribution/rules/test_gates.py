@@ -386,7 +386,41 @@ class Mixture(nn.Module):
         return sum(scores[:, i : i + 1] * expert(hidden) for i, expert in enumerate(self.experts))
 
 
+# Routers known by their names only count as Hugging Face's classes: these two stand in for them.
+MaxSelectingRouter.__module__ = ProjectingRouter.__module__ = "transformers.models.sketch.modeling_sketch"
 ROUTERS = [LinearRouter(6, 4, bias=False, dtype=F64), MaxSelectingRouter(), ProjectingRouter()]
+
+
+class BranchRouter(nn.Module):
+    """A user's module named a router that is a branch of the signal: one Linear, nothing held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(6, 4, bias=False, dtype=F64)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.layer(hidden),)
+
+
+class BranchNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.branch = BranchRouter()
+        self.head = nn.Linear(4, 3, bias=False, dtype=F64)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.branch(hidden)[0]))
+
+
+@pytest.mark.parametrize("mapper", [AttnLRP, CPLRP, BaseRuleMapper])
+def test_a_users_module_named_a_router_is_a_branch_of_the_signal(mapper):
+    torch.manual_seed(0)
+    net, x = BranchNet(), randn(5, 6)
+    assert not is_router(net.branch)
+    lrp = LRP(net, rule_mapper=mapper(), in_keys=["x"], out_keys=["y"])
+    td = lrp(TensorDict(x=x, batch_size=[5]))
+    # Bias-free and piecewise linear: the relevance sums to the explained logit (held as a router, it was ~0).
+    torch.testing.assert_close(td["relevance", "x"].sum(-1), net(x).max(-1).values, rtol=1e-6, atol=1e-8)
 
 
 class TestRouterRule:

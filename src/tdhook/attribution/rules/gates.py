@@ -194,8 +194,8 @@ class HeldGates(TorchFunctionMode):
 
 def is_router(module: nn.Module) -> bool:
     """Whether ``module`` routes tokens to experts: its forward selects the top k of its scores
-    (``torch.topk``), or it is named a router as Hugging Face names them (``PhimoeTopKRouter`` selects by ``max``
-    in a helper function); and it holds no layer besides itself (the mixture around it holds the experts; a
+    (``torch.topk``), or it is a Hugging Face class named a router (``PhimoeTopKRouter`` selects by ``max`` in a
+    helper function); and it holds no layer besides itself (the mixture around it holds the experts; a
     router may itself be a ``Linear``, as Llama 4's is), or, named a router, one: its projection (DBRX's).
 
     Examples:
@@ -215,7 +215,9 @@ def is_router(module: nn.Module) -> bool:
     code = getattr(type(module).forward, "__code__", None)
     if code is not None and "topk" in code.co_names and not layers:
         return True
-    return type(module).__name__.endswith(_ROUTER_NAMES) and layers <= 1  # its own projection (DBRX's)
+    # By name only in Hugging Face's classes: a user's module named a router may well be a branch of the signal.
+    named = type(module).__name__.endswith(_ROUTER_NAMES) and type(module).__module__.startswith("transformers.")
+    return named and layers <= 1  # its own projection (DBRX's)
 
 
 class RouterRule(Rule):
