@@ -193,3 +193,18 @@ def test_one_step_per_forward_keeps_the_batch_shape_the_model_needs():
     curve = pixel_flipping(module, td, target=0, steps_per_forward=1)
     assert curve.shape == (2, 4, 4)
     torch.testing.assert_close(curve[..., -1], torch.zeros(2, 4, dtype=torch.float64))
+
+
+def test_an_unbatched_tensordict_scores_the_argmax_of_a_vector_output():
+    torch.manual_seed(3)
+    net = torch.nn.Linear(4, 3).double()
+    x, a = torch.randn(4).double(), torch.tensor([0.1, 0.4, -0.2, 0.3]).double()
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[])
+    curve = pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], features_per_step=2)
+    unit = net(x).argmax()
+    expected = [
+        net(x)[unit],
+        net(x * torch.tensor([1.0, 0.0, 1.0, 0.0]).double())[unit],
+        net(torch.zeros(4).double())[unit],
+    ]
+    torch.testing.assert_close(curve, torch.stack(expected).detach(), rtol=0, atol=1e-12)

@@ -146,7 +146,7 @@ class Scorer:
             dims = tuple(range(lead + len(self._batch), product.dim()))
             return product.sum(dims) if dims else product
         if self._index is not None:
-            index = self._index.expand(*output.shape[:lead], *self._index.shape).unsqueeze(-1)
+            index = self._index.expand(output.shape[:lead] + self._index.shape).unsqueeze(-1)
             return output.gather(-1, index).squeeze(-1)
         if output.dim() > len(self._batch) + lead:
             return output.squeeze(-1)
