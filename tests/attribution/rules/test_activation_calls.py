@@ -80,3 +80,17 @@ def test_the_default_mapper_gives_a_tanh_module_the_rule():
     assert isinstance(BaseRuleMapper()("actor.1", squash()), TanhCallsRule)
     with pytest.raises(ValueError, match="stabilizer"):
         TanhCallsRule(stabilizer=-1.0)
+
+
+def test_a_clamped_saturated_action_keeps_its_relevance():
+    """``TanhModule(clamp=True)`` clamps tanh just inside (-1, 1): a saturated action (param 20, -40) has a zero
+    plain gradient there, and would get no relevance; the pass rule carries it through the clamp as through tanh."""
+    module = TanhModule(in_keys=["param"], out_keys=["action"], low=LOW, high=HIGH, clamp=True)
+    param = torch.tensor([[20.0, -40.0, 0.3]], dtype=F64, requires_grad=True)
+    plain = run(module, param)
+    assert torch.equal(torch.autograd.grad(plain.sum(), param)[0][0, :2], torch.zeros(2, dtype=F64))
+    with TanhCallsRule().register(module):
+        action = run(module, param)
+        grad = torch.autograd.grad(action.sum(), param)[0]
+    assert torch.equal(action, plain)
+    torch.testing.assert_close(param * grad, action - (LOW + HIGH) / 2, rtol=1e-10, atol=1e-12)

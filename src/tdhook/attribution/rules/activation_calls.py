@@ -7,7 +7,9 @@ could be registered on: its input and output are TensorDicts. :class:`TanhCallsR
 acts inside its forward, as the pass rule would on an ``nn.Tanh``: relevance passes
 through ``tanh`` unchanged, and the affine map to the bounds keeps its plain
 gradient, a layer whose offset (the middle of the bounds) is a bias. With bounds
-symmetric about zero the action's relevance is conserved.
+symmetric about zero the action's relevance is conserved. The clamp that
+``TanhModule(clamp=True)`` puts just inside (-1, 1) passes relevance too: its zero
+gradient on saturated values would drop their relevance.
 """
 
 from __future__ import annotations
@@ -24,10 +26,15 @@ from tdhook.attribution.rules.basic import PassRule
 __all__ = ["TanhCallsRule"]
 
 _TANH = frozenset({torch.tanh, torch.Tensor.tanh, F.tanh})
+# Clamps just inside (-1, 1) after the tanh (``TanhModule(clamp=True)``): their gradient is zero on saturated
+# values, which would drop the relevance of every saturated action.
+_CLAMPS = frozenset({torch.clamp, torch.Tensor.clamp, torch.clip, torch.Tensor.clip})
+_PASSED = _TANH | _CLAMPS
 
 
 class _PassTanh(TorchFunctionMode):
-    """The mode a ruled module's forward runs in: every ``tanh`` of a tensor that requires grad gets the pass rule."""
+    """The mode a ruled module's forward runs in: every ``tanh`` (and clamp) of a tensor that requires grad gets the
+    pass rule."""
 
     def __init__(self, rule: PassRule) -> None:
         super().__init__()
@@ -38,7 +45,7 @@ class _PassTanh(TorchFunctionMode):
         with torch._C.DisableTorchFunction():
             result = func(*args, **kwargs)
             x = args[0] if args else None
-            if func in _TANH and isinstance(x, torch.Tensor) and x.requires_grad:
+            if func in _PASSED and isinstance(x, torch.Tensor) and x.requires_grad:
                 return self.rule.apply(result, x)
             return result
 
