@@ -10,6 +10,9 @@ batches; zennit and captum register and remove their hooks per call, as their
 APIs do.
 
     python benchmarks/bench_vision.py --models vgg11 resnet18 --batch 8 --size 224 --repeats 5
+    python benchmarks/bench_vision.py --models mobilenet_v3_small efficientnet_b0 --presets EpsilonPlus --no-memory
+
+zennit gets its VGG and ResNet canonizers on those families, and its generic BatchNorm merger elsewhere.
 """
 
 from __future__ import annotations
@@ -28,7 +31,13 @@ from timing import interleaved_medians, peak_memory_mb
 from torch import nn
 
 from tdhook.attribution import LRP
-from tdhook.attribution.lrp_helpers.rules import BaseRuleMapper, EpsilonGammaBox, EpsilonPlusFlat, EpsilonRule
+from tdhook.attribution.lrp_helpers.rules import (
+    BaseRuleMapper,
+    EpsilonGammaBox,
+    EpsilonPlus,
+    EpsilonPlusFlat,
+    EpsilonRule,
+)
 
 LOW, HIGH = -3.0, 3.0  # input bounds of the z^B rule (EpsilonGammaBox)
 
@@ -66,22 +75,46 @@ def captum_runner(model: nn.Module, x: torch.Tensor) -> Callable[[], torch.Tenso
     return run
 
 
-def zennit_composites(name: str) -> dict:
-    from zennit import composites, rules, types
+PRESETS = ("epsilon only", "EpsilonPlus", "EpsilonPlusFlat", "EpsilonGammaBox")
+
+
+def tdhook_mappers(presets: list[str]) -> dict:
+    mappers = {
+        "epsilon only": BaseRuleMapper(
+            rule_mapper=lambda n, m: EpsilonRule() if isinstance(m, (nn.Linear, nn.Conv2d)) else None
+        ),
+        "EpsilonPlus": EpsilonPlus(),
+        "EpsilonPlusFlat": EpsilonPlusFlat(),
+        "EpsilonGammaBox": EpsilonGammaBox(LOW, HIGH),
+    }
+    return {f"tdhook {preset}": mappers[preset] for preset in presets}
+
+
+def zennit_composites(name: str, presets: list[str]) -> dict:
+    from zennit import canonizers, composites, rules, types
     from zennit.torchvision import ResNetCanonizer, VGGCanonizer
 
-    def canonizers():
-        return [ResNetCanonizer()] if name.startswith("resnet") else [VGGCanonizer()]
+    def canonizers_of_model():
+        if name.startswith("resnet"):
+            return [ResNetCanonizer()]
+        if name.startswith("vgg"):
+            return [VGGCanonizer()]
+        return [canonizers.SequentialMergeBatchNorm()]
 
-    epsilon_only = composites.LayerMapComposite(
-        layer_map=[(types.Activation, rules.Pass()), (types.AvgPool, rules.Norm()), (types.Linear, rules.Epsilon())],
-        canonizers=canonizers(),
-    )
-    return {
-        "zennit epsilon only": epsilon_only,
-        "zennit EpsilonPlusFlat": composites.EpsilonPlusFlat(canonizers=canonizers()),
-        "zennit EpsilonGammaBox": composites.EpsilonGammaBox(low=LOW, high=HIGH, canonizers=canonizers()),
+    made = {
+        "epsilon only": lambda: composites.LayerMapComposite(
+            layer_map=[
+                (types.Activation, rules.Pass()),
+                (types.AvgPool, rules.Norm()),
+                (types.Linear, rules.Epsilon()),
+            ],
+            canonizers=canonizers_of_model(),
+        ),
+        "EpsilonPlus": lambda: composites.EpsilonPlus(canonizers=canonizers_of_model()),
+        "EpsilonPlusFlat": lambda: composites.EpsilonPlusFlat(canonizers=canonizers_of_model()),
+        "EpsilonGammaBox": lambda: composites.EpsilonGammaBox(low=LOW, high=HIGH, canonizers=canonizers_of_model()),
     }
+    return {f"zennit {preset}": made[preset]() for preset in presets}
 
 
 def main() -> None:
@@ -90,6 +123,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--presets", nargs="+", choices=PRESETS, default=["epsilon only", "EpsilonPlusFlat", "EpsilonGammaBox"]
+    )
     parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
@@ -101,32 +137,30 @@ def main() -> None:
         f"batch {args.batch} x 3x{args.size}x{args.size}, 1 thread, median of {args.repeats} interleaved rounds; "
         "memory: peak MiB one call adds"
     )
-    print(f"{'model':<10} {'method':<26} {'seconds':>8} {'x grad*input':>13} {'peak MiB':>9}")
+    print(f"{'model':<20} {'method':<26} {'seconds':>8} {'x grad*input':>13} {'peak MiB':>9}")
     for name in args.models:
         model = getattr(torchvision.models, name)(weights=None).eval()
         x = torch.randn(args.batch, 3, args.size, args.size).clamp(LOW, HIGH)
-        epsilon_only = BaseRuleMapper(
-            rule_mapper=lambda n, m: EpsilonRule() if isinstance(m, (nn.Linear, nn.Conv2d)) else None
-        )
-        mappers = {
-            "tdhook epsilon only": epsilon_only,
-            "tdhook EpsilonPlusFlat": EpsilonPlusFlat(),
-            "tdhook EpsilonGammaBox": EpsilonGammaBox(LOW, HIGH),
-        }
+        mappers = tdhook_mappers(args.presets)
         methods: dict[str, Callable] = {"gradient x input": lambda: gradient_times_input(model, x)}
         with contextlib.ExitStack() as contexts:
             for label, mapper in mappers.items():
                 module = TensorDictModule(copy.deepcopy(model), in_keys=["x"], out_keys=["y"])
                 methods[label] = tdhook_runner(contexts.enter_context(LRP(module, rule_mapper=mapper)), x)
             if args.peers:
-                for label, composite in zennit_composites(name).items():
+                for label, composite in zennit_composites(name, args.presets).items():
                     methods[label] = zennit_runner(model, composite, x)
-                methods["captum LRP"] = captum_runner(model, x)
+                captum = captum_runner(model, x)
+                try:
+                    captum()
+                    methods["captum LRP"] = captum
+                except TypeError as err:  # captum has no rule for some activations (Hardswish, SiLU)
+                    print(f"{name:<20} captum LRP refuses the model ({type(err).__name__}: {str(err)[:60]}...)")
             seconds = interleaved_medians(methods, args.repeats)
             memory = {label: peak_memory_mb(fn) if args.memory else float("nan") for label, fn in methods.items()}
         base = seconds["gradient x input"]
         for label, value in seconds.items():
-            print(f"{name:<10} {label:<26} {value:8.3f} {value / base:13.2f} {memory[label]:9.0f}")
+            print(f"{name:<20} {label:<26} {value:8.3f} {value / base:13.2f} {memory[label]:9.0f}")
 
 
 if __name__ == "__main__":

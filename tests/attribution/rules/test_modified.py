@@ -64,6 +64,38 @@ class TestFastPaths:
     """The paths that skip autograd or a product, each checked against zennit and shown to be taken."""
 
     @pytest.mark.parametrize("kind", LAYERS)
+    def test_zplus_on_signed_inputs_takes_the_direct_path_and_matches_zennit(self, kind, monkeypatch):
+        taken = spy(monkeypatch, AlphaBetaRule, "_z_plus_of_signed_input")
+        ours, theirs = RULE_PAIRS["zplus"]
+        layer, x = make_layer(kind)
+        r_out = output_relevance(layer, x)
+        assert (
+            relative_error(tdhook_relevance(ours(), layer, x, r_out), zennit_relevance(theirs(), layer, x, r_out))
+            <= TOL
+        )
+        assert taken
+
+    def test_zplus_gradient_at_zero_inputs_is_that_of_both_clamps(self):
+        """Where ``x = 0`` neither ``x⁺`` nor ``x⁻`` passes gradient (torch's clamp passes none at its bound): the
+        direct path sends on 0 there, as autograd through the two clamps does, not ``w⁺ᵀ s`` or ``w⁻ᵀ s``."""
+        torch.manual_seed(0)
+        conv = nn.Conv2d(3, 4, 3, padding=1).double()
+        x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+        x[:, :, 1:3, 1:4] = 0.0
+        seed = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+        leaf = x.clone().requires_grad_(True)
+        with AlphaBetaRule(alpha=1.0, beta=0.0).register(conv):
+            (ours,) = torch.autograd.grad(conv(leaf), leaf, seed)
+        weight, bias = conv.weight.detach(), conv.bias.detach()
+        leaf = x.clone().requires_grad_(True)
+        pos = nn.functional.conv2d(leaf.clamp(min=0), weight.clamp(min=0), bias.clamp(min=0), padding=1)
+        z_plus = pos + nn.functional.conv2d(leaf.clamp(max=0), weight.clamp(max=0), None, padding=1)
+        z = nn.functional.conv2d(x, weight, bias, padding=1)
+        (expected,) = torch.autograd.grad(z_plus, leaf, seed * z / (z_plus.detach() + 1e-6))
+        assert (expected[x == 0] == 0).all() and (expected[x != 0] != 0).all()
+        torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-12)
+
+    @pytest.mark.parametrize("kind", LAYERS)
     @pytest.mark.parametrize("rule_name", ["gamma", "gamma-nobias"])
     def test_gamma_without_relevance_on_negative_outputs_matches_zennit(self, rule_name, kind, monkeypatch):
         # After a ReLU no relevance reaches a negative output: one transposed product suffices.

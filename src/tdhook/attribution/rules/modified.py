@@ -20,7 +20,11 @@ from torch import nn
 
 from tdhook.attribution.rules._arguments import finite_number, nonnegative
 from tdhook.attribution.rules._autograd import is_plain_gradient, may_overwrite, redirect
-from tdhook.attribution.rules._input_gradients import direct_input_gradient, has_direct_input_gradient
+from tdhook.attribution.rules._input_gradients import (
+    direct_input_gradient,
+    direct_input_gradients,
+    has_direct_input_gradient,
+)
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import effective_parameters, forward_with
 from tdhook.attribution.rules._numerics import has_negative, nonzero_where_negative, pieces, signed_shift, stabilize
@@ -242,8 +246,10 @@ class AlphaBetaRule(_ModifiedForwardRule):
         return mods
 
     def input_gradient(self, module, registration, params, x, z, grad):
-        if not self.beta and has_direct_input_gradient(module) and not has_negative(x):
-            return self._z_plus_of_nonnegative_input(module, registration, params["pos"], x.detach(), z, grad)
+        if not self.beta and has_direct_input_gradient(module):
+            if not has_negative(x):
+                return self._z_plus_of_nonnegative_input(module, registration, params["pos"], x.detach(), z, grad)
+            return self._z_plus_of_signed_input(module, registration, params, x.detach(), z, grad)
         leaf = x.detach().requires_grad_(True)
         pairs = [("pos", "neg_nobias"), ("neg", "pos_nobias")] if self.beta else [("pos", "neg_nobias")]
         modified = self._signed_forward(module, registration, params, leaf, pairs)
@@ -257,6 +263,24 @@ class AlphaBetaRule(_ModifiedForwardRule):
         factors = (self.alpha, -self.beta)
         shares = [f * grad * z / stabilize(m, self.stabilizer) for f, m in zip(factors, modified, strict=False)]
         return torch.autograd.grad(modified, x, shares, create_graph=True)[0]
+
+    def _z_plus_of_signed_input(self, module, registration, params, x, z, grad):
+        """z⁺ (α = 1, β = 0) for a signed ``x``: the same gradient as through autograd, with no graph.
+
+        ``z⁺ = w⁺x⁺ + b⁺ + w⁻x⁻ ≥ 0`` (both products are sums of non-negative terms), so ``stabilize(z⁺)`` is
+        ``z⁺ + ε`` exactly. The input gradient is ``w⁺ᵀ s`` where ``x > 0``, ``w⁻ᵀ s`` where ``x < 0`` and 0 where
+        ``x = 0`` (as through the clamps ``x⁺``, ``x⁻``: torch's clamp passes no gradient at its bound), with
+        ``s = grad · z / (z⁺ + ε)``.
+        """
+        positive, negative = params["pos"], params["neg_nobias"]
+        with torch.no_grad():
+            share = self._forward(module, registration, positive, x.clamp(min=0))
+            share += self._forward(module, registration, negative, x.clamp(max=0))
+            share = (grad * z).div_(share.add_(self.stabilizer))
+            up, down = direct_input_gradients(module, [positive["weight"], negative["weight"]], share, x)
+            # Masks as 0/1 factors from sign(x): several times faster on CPU than torch.where or masked_fill_.
+            sign = torch.sign(x)
+            return up.mul_(sign.clamp(min=0)).add_(down.mul_(sign.clamp_(max=0).neg_()))
 
     def _z_plus_of_nonnegative_input(self, module, registration, positive, x, z, grad):
         """z⁺ (α = 1, β = 0) for ``x ≥ 0``: the same gradient with fewer passes over the output.
@@ -335,15 +359,15 @@ class GammaRule(_ModifiedForwardRule):
         leaf = x.detach().requires_grad_(True)
         pairs = [("up", "down_nobias"), ("down", "up_nobias")]
         z_up, z_down = self._signed_forward(module, registration, params, leaf, pairs)
-        grad_up = grad * torch.where(z > 0, z, 0) / stabilize(z_up.detach(), self.stabilizer)
-        grad_down = grad * torch.where(z < 0, z, 0) / stabilize(z_down.detach(), self.stabilizer)
+        grad_up = grad * z.clamp(min=0) / stabilize(z_up.detach(), self.stabilizer)
+        grad_down = grad * z.clamp(max=0) / stabilize(z_down.detach(), self.stabilizer)
         return torch.autograd.grad((z_up, z_down), leaf, (grad_up, grad_down))[0]
 
     def input_gradient_keeping_graph(self, module, registration, params, x, z, grad):
         pairs = [("up", "down_nobias"), ("down", "up_nobias")]
         z_up, z_down = self._signed_forward(module, registration, params, x, pairs)
-        grad_up = grad * torch.where(z > 0, z, 0) / stabilize(z_up, self.stabilizer)
-        grad_down = grad * torch.where(z < 0, z, 0) / stabilize(z_down, self.stabilizer)
+        grad_up = grad * z.clamp(min=0) / stabilize(z_up, self.stabilizer)
+        grad_down = grad * z.clamp(max=0) / stabilize(z_down, self.stabilizer)
         return torch.autograd.grad((z_up, z_down), x, (grad_up, grad_down), create_graph=True)[0]
 
     def _positive_outputs_gradient(self, module, registration, params, x, z, grad):
