@@ -329,7 +329,10 @@ class TestQuantizationAwareLayers:
         }[kind]()
         for module in fused.modules():
             module.qconfig = quantization.get_default_qat_qconfig("x86")
-        layer = (qat.Conv2d if kind == "Conv2d" else getattr(intrinsic_qat, kind)).from_float(fused).double()
+        layer = (qat.Conv2d if kind == "Conv2d" else getattr(intrinsic_qat, kind)).from_float(fused)
+        with torch.no_grad():  # the observers see one batch: the fake quantiser's scales are then defined
+            layer.eval()(torch.randn(2, 4, 5, 5))
+        layer = layer.double()
         layer.apply(quantization.disable_observer)
         layer.apply(quantization.disable_fake_quant)  # fake quantisation runs in float32 only
         return layer.eval()
@@ -349,7 +352,6 @@ class TestQuantizationAwareLayers:
     def test_layer_not_linear_after_its_convolution_is_refused_by_name(self, kind: str, what: str, preset: str):
         model = self.model(self.qat_layer(kind))
         x = torch.randn(2, 3, 5, 5, dtype=F64)
-        model(x)  # the fake quantiser's first call sizes its per-channel scales: the model's own change
         before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
         # Named with its path where the rule is registered; the first-layer switch of EpsilonGammaBox chooses its
         # rule in the call, and the error names the layer's class.
