@@ -353,10 +353,8 @@ class TestQuantizationAwareLayers:
         model = self.model(self.qat_layer(kind))
         x = torch.randn(2, 3, 5, 5, dtype=F64)
         before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-        # Named with its path where the rule is registered; the first-layer switch of EpsilonGammaBox chooses its
-        # rule in the call, and the error names the layer's class.
-        named = rf"module '2' \({kind}\): " if preset != "EpsilonGammaBox" else ""
-        with pytest.raises(ValueError, match=rf"{named}{kind}: its forward {what}"):
+        # Named with its path, also under EpsilonGammaBox, whose first-layer switch chooses its rule in the call.
+        with pytest.raises(ValueError, match=rf"module '2' \({kind}\): {kind}: its forward {what}"):
             lrp_relevance(model, x, torch.randn(2, 3, dtype=F64), CNN_PRESETS[preset]())
         after = model.state_dict()
         assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
@@ -382,6 +380,6 @@ class TestQuantizationAwareLayers:
     @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
     def test_activation_inside_the_first_layer_is_refused_by_name(self):
         model = nn.Sequential(self.qat_layer("ConvReLU2d"), nn.Flatten()).double()
-        with pytest.raises(ValueError, match=r"ConvReLU2d: its forward is not affine"):
+        with pytest.raises(ValueError, match=r"module '0' \(ConvReLU2d\): ConvReLU2d: its forward is not affine"):
             x, relevance_out = torch.randn(2, 4, 3, 3, dtype=F64), torch.randn(2, 45, dtype=F64)
             lrp_relevance(model, x, relevance_out, CNN_PRESETS["EpsilonGammaBox"]())

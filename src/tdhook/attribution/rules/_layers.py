@@ -30,6 +30,7 @@ __all__ = [
     "forward_with",
     "bias_view",
     "effective_parameters",
+    "check_layer_forward",
 ]
 
 ACTIVATIONS = (
@@ -273,6 +274,29 @@ def effective_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
         raise ValueError(f"{type(module).__name__}: its forward called no linear or convolution function")
     _check_linear_after_layer_call(module, recorder.params["weight"])
     return {name: tensor if keep else tensor.detach() for name, tensor in recorder.params.items()}
+
+
+def check_layer_forward(module: nn.Module) -> None:
+    """Raise, as :func:`effective_parameters` would, where a Linear or convolution layer's own forward is not
+    linear in its linear function's output; nothing to check on a layer with torch's forward, a weight property
+    or parameters not yet initialised (a lazy layer).
+
+    Examples:
+        >>> class ConvReLU(nn.Conv2d):
+        ...     def forward(self, x):
+        ...         return super().forward(x).relu()
+        >>> check_layer_forward(nn.Conv2d(1, 1, 3))
+        >>> try:
+        ...     check_layer_forward(ConvReLU(1, 1, 3))
+        ... except ValueError as error:
+        ...     print(str(error).split(" (")[0])
+        ConvReLU: its forward is not affine in the output of its linear or convolution function
+    """
+    if not isinstance(module, LINEAR_LAYERS) or _has_plain_forward(module) or _has_weight_property(module):
+        return
+    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters(recurse=False)):
+        return
+    effective_parameters(module)
 
 
 def _check_linear_after_layer_call(module: nn.Module, weight: torch.Tensor) -> None:
