@@ -123,6 +123,25 @@ class TestStrictMode:
             _, _, messages = call(Bilinear(), preset())
             assert messages == []
 
+    @pytest.mark.parametrize("grid_from_the_input", [False, True], ids=["constant grid", "grid from the input"])
+    def test_grid_sample_is_named_where_its_grid_is_computed_from_the_input(self, grid_from_the_input: bool):
+        class Warp(nn.Module):
+            """Samples its features at positions computed from them, or at fixed positions."""
+
+            def __init__(self) -> None:
+                super().__init__()
+                self.features, self.offsets, self.head = nn.Linear(4, 8), nn.Linear(4, 8), nn.Linear(8, 2)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                features = self.features(x).view(-1, 2, 2, 2)
+                grid = torch.tanh(self.offsets(x)) if grid_from_the_input else torch.linspace(-0.9, 0.9, 8, dtype=F64)
+                grid = grid.expand(x.shape[0], 8).reshape(-1, 2, 2, 2)
+                return self.head(torch.nn.functional.grid_sample(features, grid, align_corners=False).flatten(1))
+
+        _, _, messages = call(Warp(), EpsilonPlus())
+        named = [m for m in messages if "grid_sample" in m]
+        assert len(named) == (1 if grid_from_the_input else 0), messages
+
     def test_calls_after_the_target_are_not_reported(self):
         class Probabilities(nn.Module):
             def __init__(self) -> None:
@@ -222,6 +241,8 @@ class TestCoverage:
         (torch._grouped_mm, ("grouped_mm", "product")),  # mixture-of-experts kernels: linear in the activation
         (torch.view_as_complex, ("view_as_complex", "linear")),  # rotary embeddings as complex products
         (torch.view_as_real, ("view_as_real", "linear")),
+        # linear in the sampled input and in the grid, each alone: a product where both are activations
+        (torch.nn.functional.grid_sample, ("grid_sample", "product")),
     ],
 )
 def test_function_kinds(func, expected):

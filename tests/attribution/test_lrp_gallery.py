@@ -402,7 +402,8 @@ HOMOGENEOUS = (
     nn.Sequential,  # an empty one
     nn.modules.padding._ConstantPadNd,
 )
-HOMOGENEOUS_NAMES = frozenset({"StochasticDepth", "DropPath", "BlurPool2d"})
+# QuantStub and DeQuantStub: the identity in a model not yet quantized (torchvision's quantization-ready models).
+HOMOGENEOUS_NAMES = frozenset({"StochasticDepth", "DropPath", "BlurPool2d", "QuantStub", "DeQuantStub"})
 NORMS = re.compile(r"(Layer|Group|RMS|Instance|Response)Norm")
 
 

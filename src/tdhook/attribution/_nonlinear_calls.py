@@ -60,7 +60,7 @@ _PIECEWISE_LINEAR = frozenset(
     "adaptive_max_pool1d_with_indices adaptive_max_pool2d_with_indices adaptive_max_pool3d_with_indices "
     "avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d dropout "
     "dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout interpolate upsample upsample_nearest "
-    "upsample_bilinear grid_sample pixel_shuffle pixel_unshuffle channel_shuffle native_channel_shuffle unfold "
+    "upsample_bilinear pixel_shuffle pixel_unshuffle channel_shuffle native_channel_shuffle unfold "
     "fold diagonal diag diag_embed tril triu as_strided nan_to_num round floor ceil trunc sign heaviside "
     "embedding one_hot detach batch_norm broadcast_tensors atleast_1d atleast_2d atleast_3d pack_padded_sequence "
     "pad_packed_sequence pack_sequence pad_sequence view_as_complex view_as_real real imag".split()
@@ -69,7 +69,7 @@ _PIECEWISE_LINEAR = frozenset(
 _PRODUCTS = frozenset(
     "mul rmul matmul rmatmul mm bmm einsum bilinear tensordot kron outer dot vdot inner mv addcmul baddbmm addbmm "
     "addmm addmv linear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d conv_tbc grouped_mm "
-    "scaled_mm scaled_grouped_mm".split()
+    "scaled_mm scaled_grouped_mm grid_sample grid_sampler grid_sampler_2d grid_sampler_3d".split()
 )
 # Where a product's factors are: an added term (addmm's input) is not a factor.
 _FACTORS = {"addmm": slice(1, 3), "addmv": slice(1, 3), "baddbmm": slice(1, 3), "addbmm": slice(1, 3)}

@@ -300,3 +300,86 @@ class TestForwardsThatPad:
         relevance_out = torch.randn(2, 4 * (6 - 2) ** 2, dtype=F64)
         actual, expected = (lrp_relevance(m, x, relevance_out, CNN_PRESETS[preset]()) for m in models)
         assert relative_error(actual, expected) <= 1e-12
+
+
+class TestQuantizationAwareLayers:
+    """torch.ao's quantization-aware layers (``prepare_qat``), fake quantisation off: a convolution whose forward
+    is linear in its convolution's output explains as the plain one; one that runs an activation or adds a
+    BatchNorm's shift after it is refused by name (the modified passes would run through the activation, or keep
+    the shift unmodified: α2β1 once gave twice the relevance on ``ConvBnReLU2d``, silently)."""
+
+    @staticmethod
+    def qat_layer(kind: str, shift: bool = True) -> nn.Module:
+        from torch.ao import quantization
+        from torch.ao.nn import intrinsic, qat
+        from torch.ao.nn.intrinsic import qat as intrinsic_qat
+
+        torch.manual_seed(0)
+        conv, norm = nn.Conv2d(4, 5, 3, padding=1, bias=False), randomise_batch_norm(nn.BatchNorm2d(5)).float()
+        with torch.no_grad():
+            norm.weight.mul_(torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0]))  # negative scales: signs swap in the merge
+            if not shift:
+                norm.bias.zero_()
+                norm.running_mean.zero_()
+        fused = {
+            "Conv2d": lambda: conv,
+            "ConvBn2d": lambda: intrinsic.ConvBn2d(conv, norm),
+            "ConvReLU2d": lambda: intrinsic.ConvReLU2d(conv, nn.ReLU()),
+            "ConvBnReLU2d": lambda: intrinsic.ConvBnReLU2d(conv, norm, nn.ReLU()),
+        }[kind]()
+        for module in fused.modules():
+            module.qconfig = quantization.get_default_qat_qconfig("x86")
+        layer = (qat.Conv2d if kind == "Conv2d" else getattr(intrinsic_qat, kind)).from_float(fused)
+        with torch.no_grad():  # the observers see one batch: the fake quantiser's scales are then defined
+            layer.eval()(torch.randn(2, 4, 5, 5))
+        layer = layer.double()
+        layer.apply(quantization.disable_observer)
+        layer.apply(quantization.disable_fake_quant)  # fake quantisation runs in float32 only
+        return layer.eval()
+
+    @staticmethod
+    def model(layer: nn.Module) -> nn.Sequential:
+        torch.manual_seed(1)
+        head = [nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(5, 3)]
+        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), layer, *head).double().eval()
+
+    @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+    @pytest.mark.parametrize("preset", ["EpsilonPlus", "EpsilonAlpha2Beta1", "EpsilonGammaBox"])
+    @pytest.mark.parametrize(
+        ("kind", "what"),
+        [("ConvReLU2d", "is not affine"), ("ConvBnReLU2d", "is not affine"), ("ConvBn2d", "adds a shift")],
+    )
+    def test_layer_not_linear_after_its_convolution_is_refused_by_name(self, kind: str, what: str, preset: str):
+        model = self.model(self.qat_layer(kind))
+        x = torch.randn(2, 3, 5, 5, dtype=F64)
+        before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        # Named with its path, also under EpsilonGammaBox, whose first-layer switch chooses its rule in the call.
+        with pytest.raises(ValueError, match=rf"module '2' \({kind}\): {kind}: its forward {what}"):
+            lrp_relevance(model, x, torch.randn(2, 3, dtype=F64), CNN_PRESETS[preset]())
+        after = model.state_dict()
+        assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+
+    @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+    @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
+    @pytest.mark.parametrize("kind", ["Conv2d", "ConvBn2d"])
+    def test_layer_linear_after_its_convolution_explains_as_the_plain_one(self, kind: str, preset: str):
+        layer = self.qat_layer(kind, shift=False)
+        plain = nn.Conv2d(4, 5, 3, padding=1, bias=False).double()
+        with torch.no_grad():  # the BatchNorm's scale γ / sqrt(var + eps) folded into the weight
+            scale = layer.bn.weight / (layer.bn.running_var + layer.bn.eps).sqrt() if kind == "ConvBn2d" else 1.0
+            plain.weight.copy_(layer.weight * torch.as_tensor(scale).reshape(-1, 1, 1, 1))
+        model, reference = self.model(layer), self.model(plain)
+        x = torch.randn(2, 3, 5, 5, dtype=F64)
+        torch.testing.assert_close(model(x), reference(x))
+        relevance_out = torch.randn(2, 3, dtype=F64)
+        actual = lrp_relevance(model, x, relevance_out, CNN_PRESETS[preset]())
+        expected = lrp_relevance(reference, x, relevance_out, CNN_PRESETS[preset]())
+        # The BatchNorm inside ConvBn2d keeps its own (stabilised) rule: differences of the order of the stabilizer.
+        assert relative_error(actual, expected) <= (1e-4 if kind == "ConvBn2d" else 1e-9)
+
+    @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+    def test_activation_inside_the_first_layer_is_refused_by_name(self):
+        model = nn.Sequential(self.qat_layer("ConvReLU2d"), nn.Flatten()).double()
+        with pytest.raises(ValueError, match=r"module '0' \(ConvReLU2d\): ConvReLU2d: its forward is not affine"):
+            x, relevance_out = torch.randn(2, 4, 3, 3, dtype=F64), torch.randn(2, 45, dtype=F64)
+            lrp_relevance(model, x, relevance_out, CNN_PRESETS["EpsilonGammaBox"]())

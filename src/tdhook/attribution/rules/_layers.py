@@ -30,6 +30,7 @@ __all__ = [
     "forward_with",
     "bias_view",
     "effective_parameters",
+    "check_layer_forward",
 ]
 
 ACTIVATIONS = (
@@ -271,4 +272,71 @@ def effective_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
             sub.training = training
     if recorder.params is None:
         raise ValueError(f"{type(module).__name__}: its forward called no linear or convolution function")
+    _check_linear_after_layer_call(module, recorder.params["weight"])
     return {name: tensor if keep else tensor.detach() for name, tensor in recorder.params.items()}
+
+
+def check_layer_forward(module: nn.Module) -> None:
+    """Raise, as :func:`effective_parameters` would, where a Linear or convolution layer's own forward is not
+    linear in its linear function's output; nothing to check on a layer with torch's forward, a weight property
+    or parameters not yet initialised (a lazy layer).
+
+    Examples:
+        >>> class ConvReLU(nn.Conv2d):
+        ...     def forward(self, x):
+        ...         return super().forward(x).relu()
+        >>> check_layer_forward(nn.Conv2d(1, 1, 3))
+        >>> try:
+        ...     check_layer_forward(ConvReLU(1, 1, 3))
+        ... except ValueError as error:
+        ...     print(str(error).split(" (")[0])
+        ConvReLU: its forward is not affine in the output of its linear or convolution function
+    """
+    if not isinstance(module, LINEAR_LAYERS) or _has_plain_forward(module) or _has_weight_property(module):
+        return
+    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters(recurse=False)):
+        return
+    effective_parameters(module)
+
+
+def _check_linear_after_layer_call(module: nn.Module, weight: torch.Tensor) -> None:
+    """Raise where the layer's forward is not linear in its linear function's output.
+
+    The rules run the layer's own forward with other weights and bias (:func:`forward_with`): what the forward
+    does around its linear function must then be linear in that function's output (a padding before it, as
+    timm's ``Conv2dSame``; a weight standardised before it, as ``StdConv2d``), or the modified passes are not the
+    rule's. An activation inside the layer (torch.ao's QAT ``ConvReLU2d``, ``ConvBnReLU2d``, ``LinearReLU``) would
+    clip them; a shift added after it (the BatchNorm inside QAT's ``ConvBn2d``) would stay unmodified. Told apart
+    by the forward itself, on a random input with weights ``W``, ``-W`` and ``0`` and no bias: a linear map ``g``
+    gives ``g(z) = -g(-z)`` and ``g(0) = 0``.
+    """
+    generator = torch.Generator().manual_seed(0)
+    shape = _probe_input(module, weight).shape
+    probe = torch.randn(shape, generator=generator, dtype=weight.dtype).to(weight.device)
+    signed = torch.randn(weight.shape, generator=generator, dtype=weight.dtype).to(weight.device)
+    modes = {sub: sub.training for sub in module.modules()}
+    outputs = []
+    try:
+        module.eval()
+        with torch.no_grad(), torch._C._EnableTorchFunction():
+            for w in (signed, -signed, torch.zeros_like(signed)):
+                with _SubstituteLayerCall(w, None):
+                    outputs.append(module.forward(probe))
+    finally:
+        for sub, training in modes.items():
+            sub.training = training
+    plus, minus, zero = outputs
+    scale = plus.abs().amax().clamp(min=torch.finfo(plus.dtype).tiny)
+    if ((plus + minus - 2 * zero).abs().amax() / scale).item() > 1e-3:
+        what = "is not affine in the output of its linear or convolution function (an activation runs inside it"
+        what += ", as in torch.ao's QAT ConvReLU2d and ConvBnReLU2d): the modified passes would run through it"
+    elif (zero.abs().amax() / scale).item() > 1e-3:
+        what = "adds a shift after its linear or convolution function (a BatchNorm inside it, as in torch.ao's QAT"
+        what += " ConvBn2d): the modified passes would keep it unmodified"
+    else:
+        return
+    raise ValueError(
+        f"{type(module).__name__}: its forward {what}; map this layer to EpsilonRule in rule_mapper, or explain "
+        "the model before such layers are fused (or after torch.ao's fuse_model in eval mode, which folds the "
+        "BatchNorm into the convolution)"
+    )

@@ -30,7 +30,13 @@ from tdhook.attribution.rules._autograd import (
     scale_gradient,
 )
 from tdhook.attribution.rules._keeping_graph import graph_kept
-from tdhook.attribution.rules.gates import GATE_FUNCTIONS, SAME_VALUES, held_gate_product, keep_gate_mark, mark_gate
+from tdhook.attribution.rules.gates import (
+    GATE_FUNCTIONS,
+    GATE_PRESERVING,
+    held_gate_product,
+    keep_gate_mark,
+    mark_gate,
+)
 from tdhook.attribution.rules.transformer import (
     AHQKVRule,
     LayerNormRule,
@@ -135,7 +141,7 @@ class FunctionalRules(TorchFunctionMode):
         kwargs = kwargs or {}
         if func not in _HANDLED:  # most calls: run, and mark what the rules read later (no rule of their own)
             result = mark_parameter_derived(args, func(*args, **kwargs))
-            return keep_gate_mark(func, args, result) if func in SAME_VALUES else result
+            return keep_gate_mark(func, args, result) if func in GATE_PRESERVING else result
         if func in _PRODUCTS and len(args) == 2 and is_activation(args[0]) and is_activation(args[1]):
             held = held_gate_product(func, args, kwargs, any_gate=self.hold_gates)
             if held is not None:

@@ -44,6 +44,8 @@ __all__ = [
     "keep_gate_mark",
     "held_gate_product",
     "SAME_VALUES",
+    "GATE_COMPLEMENTS",
+    "GATE_PRESERVING",
     "GATE_FUNCTIONS",
 ]
 
@@ -59,6 +61,9 @@ SAME_VALUES = frozenset(
     | {torch.Tensor.permute, torch.permute, torch.Tensor.transpose, torch.transpose, torch.Tensor.flatten}
     | {torch.flatten, torch.Tensor.contiguous, torch.Tensor.clone, torch.Tensor.to, torch.Tensor.__getitem__}
 )
+# ``1 - gate``: the complement of a sigmoid-like gate is one too (a GRU's ``(1 - z) * h``).
+GATE_COMPLEMENTS = frozenset({torch.Tensor.__rsub__, torch.rsub})
+GATE_PRESERVING = SAME_VALUES | GATE_COMPLEMENTS
 # Class names of routers whose forward selects experts without ``topk`` (by ``max`` in a helper, as PhiMoE).
 _ROUTER_NAMES = ("Router",)
 _ELEMENTWISE_PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
@@ -95,7 +100,14 @@ def keep_gate_mark(func: Any, args: tuple, result: Any) -> Any:
     """
     if func in SAME_VALUES and args and is_gate(args[0]) and isinstance(result, torch.Tensor):
         mark_gate(result, getattr(args[0], GATE_MARK), sigmoid=getattr(args[0], SIGMOID_MARK, False))
+    elif func in GATE_COMPLEMENTS and len(args) == 2 and _is_one(args[1]) and getattr(args[0], SIGMOID_MARK, False):
+        if isinstance(result, torch.Tensor):  # 1 - sigmoid(s) = sigmoid(-s): a gate in [0, 1] as well
+            mark_gate(result, getattr(args[0], GATE_MARK), sigmoid=True)
     return result
+
+
+def _is_one(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 1
 
 
 def held_gate_product(func: Any, args: tuple, kwargs: dict, any_gate: bool = True) -> torch.Tensor | None:

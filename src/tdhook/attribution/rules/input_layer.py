@@ -20,7 +20,7 @@ from tdhook.attribution.rules._input_gradients import (
     direct_input_gradients,
     has_direct_input_gradient,
 )
-from tdhook.attribution.rules._layers import bias_view
+from tdhook.attribution.rules._layers import bias_view, check_layer_forward
 from tdhook.attribution.rules._numerics import pieces, safe_divide, signed_shift, stabilize
 from tdhook.attribution.rules.base import (
     _UNPREPARED,
@@ -284,6 +284,10 @@ class FirstLayerRule(Rule):
         self.other = other if other is not None else IgnoreRule()
 
     def _new_registration(self, module: nn.Module) -> Registration:
+        if any(type(rule).prepare is not Rule.prepare for rule in self._pair):
+            # What the rules will read is prepared in the call; a layer they cannot run is refused now, so that
+            # the error names it (a layer whose forward is not linear in its convolution's output).
+            check_layer_forward(module)
         outer = Registration(None)
         # Both inner registrations share the outer one's records, read by the handle. Their
         # state is prepared at the first call that needs it: most layers never use ``first``.
