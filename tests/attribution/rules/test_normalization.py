@@ -400,6 +400,13 @@ class TestUnknownNorm:
         with pytest.raises(ValueError, match="NormRule on NotANorm: its forward ran no normalisation"):
             norm_relevance(NotANorm(), randn(2, 3), randn(2, 3))
 
+    def test_the_wrapper_names_the_module_path_of_a_rule_that_acts_in_its_forward(self):
+        net = nn.Sequential(nn.Linear(3, 3, dtype=F64), nn.Sequential(NotANorm()))
+        lrp = LRP(net, {"1.0": NormRule()}, in_keys=["x"], out_keys=["y"])
+        with pytest.raises(ValueError, match="ran no normalisation") as caught:
+            lrp(TensorDict(x=randn(2, 3), batch_size=[2]))
+        assert "LRP: the module is '1.0'" in caught.value.__notes__
+
     def test_module_without_gradient_does_not_raise(self):
         module = NotANorm()
         with NormRule().register(module), torch.no_grad():

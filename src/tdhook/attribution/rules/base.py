@@ -514,7 +514,14 @@ class Rule(Tunable):
 
         def done(mod: nn.Module, args: tuple, output: Any) -> Any:
             mode = pop(modes)  # left; or by closing_scopes, if an interrupt skips this hook
-            return None if mode is None or leave is None else leave(mod, args, output, mode)
+            if mode is None or leave is None:
+                return None
+            try:
+                return leave(mod, args, output, mode)
+            except Exception as err:
+                if getattr(err, "module", None) is None:
+                    err.module = mod  # the wrapper names its path
+                raise
 
         registration.hooks.append(module.register_forward_pre_hook(enter))
         registration.hooks.append(module.register_forward_hook(done, always_call=True))
