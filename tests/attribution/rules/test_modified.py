@@ -64,9 +64,10 @@ class TestFastPaths:
     """The paths that skip autograd or a product, each checked against zennit and shown to be taken."""
 
     @pytest.mark.parametrize("kind", LAYERS)
-    def test_zplus_on_signed_inputs_takes_the_direct_path_and_matches_zennit(self, kind, monkeypatch):
-        taken = spy(monkeypatch, AlphaBetaRule, "_z_plus_of_signed_input")
-        ours, theirs = RULE_PAIRS["zplus"]
+    @pytest.mark.parametrize("rule_name", ["zplus", "alpha2beta1"])
+    def test_alpha_beta_on_signed_inputs_takes_the_direct_path_and_matches_zennit(self, rule_name, kind, monkeypatch):
+        taken = spy(monkeypatch, AlphaBetaRule, "_signed_input_gradient")
+        ours, theirs = RULE_PAIRS[rule_name]
         layer, x = make_layer(kind)
         r_out = output_relevance(layer, x)
         assert (
@@ -75,7 +76,8 @@ class TestFastPaths:
         )
         assert taken
 
-    def test_zplus_gradient_at_zero_inputs_is_that_of_both_clamps(self):
+    @pytest.mark.parametrize(("alpha", "beta"), [(1.0, 0.0), (2.0, 1.0), (1.5, 0.5)])
+    def test_alpha_beta_gradient_at_zero_inputs_is_that_of_both_clamps(self, alpha, beta):
         """Where ``x = 0`` neither ``x⁺`` nor ``x⁻`` passes gradient (torch's clamp passes none at its bound): the
         direct path sends on 0 there, as autograd through the two clamps does, not ``w⁺ᵀ s`` or ``w⁻ᵀ s``."""
         torch.manual_seed(0)
@@ -84,14 +86,20 @@ class TestFastPaths:
         x[:, :, 1:3, 1:4] = 0.0
         seed = torch.randn(2, 4, 5, 5, dtype=torch.float64)
         leaf = x.clone().requires_grad_(True)
-        with AlphaBetaRule(alpha=1.0, beta=0.0).register(conv):
+        with AlphaBetaRule(alpha=alpha, beta=beta).register(conv):
             (ours,) = torch.autograd.grad(conv(leaf), leaf, seed)
         weight, bias = conv.weight.detach(), conv.bias.detach()
         leaf = x.clone().requires_grad_(True)
-        pos = nn.functional.conv2d(leaf.clamp(min=0), weight.clamp(min=0), bias.clamp(min=0), padding=1)
-        z_plus = pos + nn.functional.conv2d(leaf.clamp(max=0), weight.clamp(max=0), None, padding=1)
+        up, down = leaf.clamp(min=0), leaf.clamp(max=0)
+
+        def signed(w_up, b_up, w_down):
+            return nn.functional.conv2d(up, w_up, b_up, padding=1) + nn.functional.conv2d(down, w_down, None, padding=1)
+
+        z_plus = signed(weight.clamp(min=0), bias.clamp(min=0), weight.clamp(max=0))
+        z_minus = signed(weight.clamp(max=0), bias.clamp(max=0), weight.clamp(min=0))
         z = nn.functional.conv2d(x, weight, bias, padding=1)
-        (expected,) = torch.autograd.grad(z_plus, leaf, seed * z / (z_plus.detach() + 1e-6))
+        shares = (alpha * seed * z / (z_plus.detach() + 1e-6), -beta * seed * z / (z_minus.detach() - 1e-6))
+        (expected,) = torch.autograd.grad((z_plus, z_minus), leaf, shares)
         assert (expected[x == 0] == 0).all() and (expected[x != 0] != 0).all()
         torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-12)
 

@@ -246,10 +246,11 @@ class AlphaBetaRule(_ModifiedForwardRule):
         return mods
 
     def input_gradient(self, module, registration, params, x, z, grad):
-        if not self.beta and has_direct_input_gradient(module):
-            if not has_negative(x):
+        if has_direct_input_gradient(module):
+            if has_negative(x):
+                return self._signed_input_gradient(module, registration, params, x.detach(), z, grad)
+            if not self.beta:
                 return self._z_plus_of_nonnegative_input(module, registration, params["pos"], x.detach(), z, grad)
-            return self._z_plus_of_signed_input(module, registration, params, x.detach(), z, grad)
         leaf = x.detach().requires_grad_(True)
         pairs = [("pos", "neg_nobias"), ("neg", "pos_nobias")] if self.beta else [("pos", "neg_nobias")]
         modified = self._signed_forward(module, registration, params, leaf, pairs)
@@ -264,23 +265,31 @@ class AlphaBetaRule(_ModifiedForwardRule):
         shares = [f * grad * z / stabilize(m, self.stabilizer) for f, m in zip(factors, modified, strict=False)]
         return torch.autograd.grad(modified, x, shares, create_graph=True)[0]
 
-    def _z_plus_of_signed_input(self, module, registration, params, x, z, grad):
-        """z⁺ (α = 1, β = 0) for a signed ``x``: the same gradient as through autograd, with no graph.
+    def _signed_input_gradient(self, module, registration, params, x, z, grad):
+        """αβ for a signed ``x``: the same gradient as through autograd, with no graph.
 
         ``z⁺ = w⁺x⁺ + b⁺ + w⁻x⁻ ≥ 0`` (both products are sums of non-negative terms), so ``stabilize(z⁺)`` is
-        ``z⁺ + ε`` exactly. The input gradient is ``w⁺ᵀ s`` where ``x > 0``, ``w⁻ᵀ s`` where ``x < 0`` and 0 where
-        ``x = 0`` (as through the clamps ``x⁺``, ``x⁻``: torch's clamp passes no gradient at its bound), with
-        ``s = grad · z / (z⁺ + ε)``.
+        ``z⁺ + ε`` exactly; ``z⁻ = w⁻x⁺ + b⁻ + w⁺x⁻`` is stabilised as usual. With ``s⁺ = α grad · z / stabilize(z⁺)``
+        and ``s⁻ = -β grad · z / stabilize(z⁻)``, the input gradient is ``w⁺ᵀ s⁺ + w⁻ᵀ s⁻`` where ``x > 0``,
+        ``w⁻ᵀ s⁺ + w⁺ᵀ s⁻`` where ``x < 0`` and 0 where ``x = 0`` (as through the clamps ``x⁺``, ``x⁻``: torch's
+        clamp passes no gradient at its bound).
         """
-        positive, negative = params["pos"], params["neg_nobias"]
+        pairs = [("pos", "neg_nobias"), ("neg", "pos_nobias")] if self.beta else [("pos", "neg_nobias")]
         with torch.no_grad():
-            share = self._forward(module, registration, positive, x.clamp(min=0))
-            share += self._forward(module, registration, negative, x.clamp(max=0))
-            share = (grad * z).div_(share.add_(self.stabilizer))
-            up, down = direct_input_gradients(module, [positive["weight"], negative["weight"]], share, x)
+            x_pos, x_neg = x.clamp(min=0), x.clamp(max=0)
+            on_pos = on_neg = None
+            for factor, (up, down) in zip((self.alpha, -self.beta), pairs, strict=False):
+                modified = self._forward(module, registration, params[up], x_pos)
+                modified += self._forward(module, registration, params[down], x_neg)
+                shifted = modified.add_(self.stabilizer) if up == "pos" else stabilize(modified, self.stabilizer)
+                share = (factor * grad * z).div_(shifted)
+                weights = [params[up]["weight"], params[down]["weight"]]
+                through_pos, through_neg = direct_input_gradients(module, weights, share, x)
+                on_pos = through_pos if on_pos is None else on_pos.add_(through_pos)
+                on_neg = through_neg if on_neg is None else on_neg.add_(through_neg)
             # Masks as 0/1 factors from sign(x): several times faster on CPU than torch.where or masked_fill_.
             sign = torch.sign(x)
-            return up.mul_(sign.clamp(min=0)).add_(down.mul_(sign.clamp_(max=0).neg_()))
+            return on_pos.mul_(sign.clamp(min=0)).add_(on_neg.mul_(sign.clamp_(max=0).neg_()))
 
     def _z_plus_of_nonnegative_input(self, module, registration, positive, x, z, grad):
         """z⁺ (α = 1, β = 0) for ``x ≥ 0``: the same gradient with fewer passes over the output.
