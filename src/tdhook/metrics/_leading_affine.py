@@ -23,6 +23,7 @@ Examples:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -81,15 +82,11 @@ class LeadingAffine:
     def fits(self, x: torch.Tensor, batch_dims: int) -> bool:
         """Whether the linear layer reads each sample of ``x`` (``batch + shape``) whole, and ``x`` is finite (an
         infinite or NaN input would stay in the updated output after it went to the baseline)."""
-        shape = x.shape[batch_dims:]
-        features = 1
-        for size in shape:
-            features *= size
-        whole = self.flatten or len(shape) == 1
-        small = self.linear.weight.numel() <= _LARGEST_LAYER  # its transposed copy stays small
-        weight = self.linear.weight
+        shape, weight = x.shape[batch_dims:], self.linear.weight
+        whole = (self.flatten or len(shape) == 1) and math.prod(shape) == self.linear.in_features
+        small = weight.numel() <= _LARGEST_LAYER  # its transposed copy stays small
         same = x.dtype == weight.dtype and x.device == weight.device and x.device.type != "mps"  # MPS: no float64
-        return whole and small and same and features == self.linear.in_features and bool(torch.isfinite(x).all())
+        return whole and small and same and bool(torch.isfinite(x).all())
 
     def outputs(
         self, x: torch.Tensor, baseline: torch.Tensor, positions: torch.Tensor, thresholds: torch.Tensor, size: int
@@ -146,7 +143,7 @@ class LeadingAffine:
             is_coalesced=True,
             check_invariants=False,
         )
-        per_step = torch.sparse.mm(changes, columns).view(n, steps, -1).double()
+        per_step = torch.sparse.mm(changes, columns).view(n, steps, -1)
         # The running sum over the steps, along a middle dimension: a product with a triangular matrix of ones
         # would take steps² memory (32 GiB for a stack of 65536 steps).
         return per_step.cumsum(1).transpose(0, 1)

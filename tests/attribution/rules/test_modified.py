@@ -184,7 +184,7 @@ class TestFastPaths:
         assert torch.equal(first, second)
         assert torch.equal(first, last)
 
-    @pytest.mark.parametrize("rule_name", ["zplus", "gamma-after-relu"])
+    @pytest.mark.parametrize("rule_name", ["zplus", "alpha2beta1", "gamma-after-relu"])
     def test_vectorized_jacobian_equals_the_unit_by_unit_one(self, rule_name):
         # Batched gradients (is_grads_batched) must not be written into the rule's saved tensors.
         net = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)).double()
