@@ -37,6 +37,9 @@ def main() -> None:
     parser.add_argument("--features-per-step", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--model", nargs="+", choices=["linear", "mlp", "cnn"], default=["linear", "mlp", "cnn"])
+    parser.add_argument(
+        "--warm", action="store_true", help="time each call after an untimed one, as in a loop over many batches"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -47,7 +50,7 @@ def main() -> None:
     n_features = c * s * s
     print(
         f"batch {b} x {c}x{s}x{s} ({n_features} features, {args.features_per_step} per step), 1 thread, "
-        f"median of {args.repeats} interleaved rounds"
+        f"median of {args.repeats} interleaved rounds{', warm caches' if args.warm else ''}"
     )
     print(
         f"{'model':<6} {'tdhook s':>9} {'its fwd s':>10} {'quantus s':>10} {'its fwd s':>10} "
@@ -98,6 +101,7 @@ def main() -> None:
             {"tdhook": ours, "quantus": theirs, "tdhook fwd": our_forwards, "quantus fwd": their_forwards},
             args.repeats,
             collect=True,
+            warm=args.warm,
         )
         ratio = times["quantus"] / times["tdhook"]
         bound = times["quantus"] / times["tdhook fwd"]

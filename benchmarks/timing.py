@@ -27,6 +27,7 @@ def interleaved_medians(
     repeats: int,
     collect: bool = False,
     clock: Callable[[], float] = time.perf_counter,
+    warm: bool = False,
 ) -> dict[str, float]:
     """Median wall time of each method over ``repeats`` rounds that run every method once, after a warm-up round.
 
@@ -36,13 +37,17 @@ def interleaved_medians(
     so that no method pays for the objects another one left behind. ``clock``
     reads the time: ``time.process_time`` gives the CPU time of this process
     instead, which other processes on a loaded machine do not stretch (of use for
-    single-threaded work only).
+    single-threaded work only). With ``warm``, each timed call follows an untimed call of the same method (after
+    the collection): it finds the caches as a loop over many batches leaves them, not as the collector and the other
+    methods did.
     """
     times: dict[str, list[float]] = {label: [] for label in methods}
     for round_ in range(repeats + 1):
         for label, fn in methods.items():
             if collect:
                 gc.collect()
+            if warm and round_:
+                fn()
             start = clock()
             fn()
             if round_:

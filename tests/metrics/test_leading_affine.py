@@ -91,14 +91,20 @@ def test_float32_agrees_with_direct_float32_passes():
     torch.testing.assert_close(curve, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize(("size", "patch_size", "n_regions"), [(7, 3, 5), (6, 2, None)])
-def test_region_perturbation_with_uneven_patches_equals_direct_passes(size, patch_size, n_regions):
+@pytest.mark.parametrize(
+    ("size", "patch_size", "n_regions", "steps_per_forward"), [(7, 3, 5, None), (6, 2, None, None), (7, 2, 11, 3)]
+)
+def test_region_perturbation_with_uneven_patches_equals_direct_passes(size, patch_size, n_regions, steps_per_forward):
+    """Uneven patches give steps of different sizes; with ``n_regions`` some features never go, and they stay in
+    every step (stacks of 3 steps: they enter with the last stack, the first computed)."""
     torch.manual_seed(3)
     net = mlp_net(size=size)
     x, a = images(3, size=size), torch.randn(3, 3, size, size, dtype=torch.float64)
     td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[3])
     kwargs = dict(patch_size=patch_size, n_regions=n_regions, in_keys=["x"], out_keys=["y"])
-    curve = region_perturbation(net, td, **kwargs)
+    with mock.patch.object(LeadingAffine, "outputs", autospec=True, side_effect=LeadingAffine.outputs) as updated:
+        curve = region_perturbation(net, td, **kwargs, steps_per_forward=steps_per_forward)
+    assert updated.called
     torch.testing.assert_close(curve, region_perturbation(direct(net), td, **kwargs), rtol=0, atol=1e-12)
 
 
@@ -166,8 +172,8 @@ def _in_place_images(batch: int) -> tuple[nn.Module, TensorDict]:
 
 
 def _in_place_long_vector() -> tuple[nn.Module, TensorDict]:
-    """One sample of 6000 features through 16 units: stacks of 4096 steps by default, so two stacks."""
-    net = nn.Sequential(nn.Linear(6000, 16), nn.ReLU(inplace=True), nn.Linear(16, 1)).double()
+    """One sample of 6000 features through 64 units: stacks of 4096 steps by default, so two stacks."""
+    net = nn.Sequential(nn.Linear(6000, 64), nn.ReLU(inplace=True), nn.Linear(64, 1)).double()
     x, a = torch.randn(1, 6000, dtype=torch.float64), torch.randn(1, 6000, dtype=torch.float64)
     return net, TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[1])
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from tdhook.metrics._features import Baseline, Features
-from tdhook.metrics._scoring import _ELEMENTS_PER_FORWARD, Scorer, chunks, progress_bar
+from tdhook.metrics._scoring import Scorer, chunks, progress_bar
 
 __all__ = ["perturbation_curve"]
 
@@ -59,7 +59,7 @@ def perturbation_curve(
     affine = scorer.leading_affine()
     if affine is not None and affine.fits(features.inputs[0], len(features.batch_size)):
         x, n = features.inputs[0], features.batch_size.numel()
-        size = scorer.steps_per_forward or max(1, _ELEMENTS_PER_FORWARD // (n * affine.linear.out_features))
+        size = scorer.steps_per_forward or affine.stack_size(n)
         stacks = affine.outputs(
             x.reshape(n, *x.shape[len(features.batch_size) :]),
             baselines[0].expand_as(x).reshape(n, *x.shape[len(features.batch_size) :]),
@@ -68,9 +68,11 @@ def perturbation_curve(
             size,
         )
         update = progress_bar(-(-len(thresholds) // size), description, progress)
-        for output in stacks:
-            columns.append(scorer.scores_of(output))
+        scored = {}  # the stacks come from the last to the first
+        for start, output in stacks:
+            scored[start] = scorer.scores_of(output)
             update(1)
+        columns.extend(scored[start] for start in sorted(scored))
     else:
         size = scorer.chunk_size(features.inputs)
         update = progress_bar(-(-len(thresholds) // size), description, progress)

@@ -159,10 +159,9 @@ class Features:
             else:
                 value = baseline
             value = torch.as_tensor(value, dtype=x.dtype, device=x.device)
-            try:
-                fits = torch.broadcast_shapes(value.shape, x.shape) == x.shape
-            except RuntimeError:
-                fits = False
+            fits = value.dim() <= x.dim() and all(
+                v in (1, s) for v, s in zip(reversed(value.shape), reversed(x.shape), strict=False)
+            )
             if not fits:
                 raise ValueError(
                     f"metrics: baseline of shape {list(value.shape)} does not broadcast to input {key!r} of shape "

@@ -2,10 +2,11 @@
 
 A curve's step ``k`` differs from step ``k - 1`` in a few features only. When the model is an ``nn.Sequential``
 whose first layer (after an optional ``nn.Flatten``) is an ``nn.Linear`` on the whole sample, that layer's output
-at step ``k`` is its output on the unperturbed input plus ``W (x_k - x)``, a sum over the features perturbed so
-far. Each step's change ``sum W[:, e] (b_e - x_e)`` over the features it perturbs is one row of a sparse product,
-and the unperturbed output and the changes are computed and summed in float64; the rest of the model then runs on
-those outputs. The first layer costs one pass instead of one per step, and the curve is the same up to rounding.
+at step ``k`` is its output with every element at the baseline plus ``sum W[:, e] (x_e - b_e)`` over the elements
+not yet perturbed. The sum over the elements that one step perturbs is one bag of ``nn.functional.embedding_bag``
+over the rows of ``W^T``; the bags are then summed from the last step back, in float64, so that an element once at
+the baseline leaves no rounding behind (a raw price of 1e6 in float32 would). The rest of the model runs on those
+outputs. The first layer costs one pass instead of one per step, and the curve is the same up to rounding.
 
 Examples:
     >>> import torch
@@ -15,10 +16,10 @@ Examples:
     (True, None)
     >>> x = torch.randn(2, 4)
     >>> positions = torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0]])  # the rank of each feature
-    >>> (steps,) = LeadingAffine.find(net).outputs(x, torch.zeros(()), positions, torch.tensor([2, 4]), size=2)
+    >>> [(start, steps)] = LeadingAffine.find(net).outputs(x, torch.zeros(()), positions, torch.tensor([2, 4]), size=2)
     >>> direct = torch.stack([net(torch.where(positions < 2, 0.0, x)), net(torch.zeros(2, 4))])
-    >>> torch.allclose(steps, direct)
-    True
+    >>> start, torch.allclose(steps, direct)
+    (0, True)
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ from torch.nn.modules import module as module_globals
 
 __all__ = ["LeadingAffine"]
 
-# The largest leading layer updated step by step (weights): its transposed copy takes at most 64 MiB.
+# The largest leading layer updated step by step (weights): its transposed copy takes at most 32 MiB in float32.
 _LARGEST_LAYER = 1 << 23
+# The layer's outputs that one stack of steps holds (steps times the batch times its width): a stack's fixed cost
+# (a dozen operations) is then small next to its work, and its float64 sums take 2 MiB.
+_STACK_ELEMENTS = 1 << 18
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
@@ -80,18 +84,32 @@ class LeadingAffine:
         return cls(flatten, first[0], layers[2 if flatten else 1 :])
 
     def fits(self, x: torch.Tensor, batch_dims: int) -> bool:
-        """Whether the linear layer reads each sample of ``x`` (``batch + shape``) whole, and ``x`` is finite (an
-        infinite or NaN input would stay in the updated output after it went to the baseline)."""
+        """Whether the linear layer reads each sample of ``x`` (``batch + shape``) whole, in float32 or float64, and
+        ``x`` is finite (an infinite or NaN input would stay in the summed outputs after it went to the baseline)."""
         shape, weight = x.shape[batch_dims:], self.linear.weight
         whole = (self.flatten or len(shape) == 1) and math.prod(shape) == self.linear.in_features
         small = weight.numel() <= _LARGEST_LAYER  # its transposed copy stays small
-        same = x.dtype == weight.dtype and x.device == weight.device and x.device.type != "mps"  # MPS: no float64
+        typed = x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float64)
+        same = typed and x.device == weight.device and x.device.type != "mps"  # MPS: no float64
         return whole and small and same and bool(torch.isfinite(x).all())
+
+    def stack_size(self, n: int) -> int:
+        """How many steps one stack holds for a batch of ``n`` samples."""
+        return max(1, _STACK_ELEMENTS // (n * self.linear.out_features))
+
+    def _at_baseline(self, baseline: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """The layer's output with every element at the baseline (``base``, ``[N, M]``): for a baseline of 0, the
+        bias alone."""
+        weight, bias = self.linear.weight, self.linear.bias
+        if baseline.dim() == 0 and not bool(baseline):
+            zero = torch.zeros((), dtype=weight.dtype, device=weight.device)
+            return (zero if bias is None else bias).expand(base.shape[0], weight.shape[0])
+        return torch.nn.functional.linear(base, weight, bias)
 
     def outputs(
         self, x: torch.Tensor, baseline: torch.Tensor, positions: torch.Tensor, thresholds: torch.Tensor, size: int
-    ) -> Iterator[torch.Tensor]:
-        """The model's outputs at every step, in stacks of ``size`` steps, each ``[steps, N, ...]``.
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """The model's outputs at every step, in stacks of ``size`` steps from the last stack to the first.
 
         Args:
             x: the unperturbed input, ``[N] + shape``.
@@ -100,65 +118,108 @@ class LeadingAffine:
             thresholds: step ``k`` (from 1) sets the elements with ``positions < thresholds[k - 1]`` to the baseline;
                 increasing.
             size: the steps of one stack.
+
+        Yields:
+            ``(start, outputs)``: the outputs ``[steps, N, ...]`` of the steps ``start + 1 .. start + steps``.
         """
-        n, weight = x.shape[0], self.linear.weight
+        n, weight, n_steps = x.shape[0], self.linear.weight, len(thresholds)
         with torch.no_grad():  # not around a yield: the caller's code between stacks keeps its own grad mode
-            flat = x.reshape(n, -1)
-            delta = baseline.expand_as(x).reshape(n, -1).double() - flat.double()
-            # The step (from 0) from which each element is at the baseline (len(thresholds): never), and each
-            # sample's elements in the order they go (by element within a step).
-            first = torch.searchsorted(thresholds, positions.expand_as(x).reshape(n, -1).contiguous(), right=True)
-            first, order = torch.sort(first, dim=-1, stable=True)
-            # W[:, e] as row e, the unperturbed output and the changes b_e - x_e, all in float64: the output at a
-            # late step is the unperturbed one plus the changes, and in the weights' precision the rounding of a
-            # large input (a raw price of 1e6 in float32) would stay in it after that input went to the baseline.
-            columns = weight.t().contiguous().double()  # transposed in the weights' own type: cheaper
-            bias = None if self.linear.bias is None else self.linear.bias.double()
-            carry = torch.nn.functional.linear(flat.double(), columns.t(), bias)
-        for start in range(0, len(thresholds), size):
-            stop = min(start + size, len(thresholds))
+            base = baseline.expand_as(x).reshape(n, -1)
+            # Each sample's elements in the order they go, the step (from 0) at which each goes (n_steps: never),
+            # and where each step's elements begin (ends[:, k]: after the elements of steps before k).
+            ranks, order = _in_order(positions.expand_as(x).reshape(n, -1), whole=positions.shape == x.shape)
+            steps = torch.searchsorted(thresholds, ranks, right=True)
+            bounds = torch.arange(n_steps + 2, dtype=steps.dtype, device=steps.device)
+            ends = torch.searchsorted(steps, bounds.expand(len(steps), -1).contiguous()).expand(n, -1)
+            bags = _Bags(order, (x.reshape(n, -1) - base).gather(-1, order), ends, weight.t().contiguous())
+            # The layer's output with every element at the baseline, then with the elements never perturbed back.
+            carry = self._at_baseline(baseline, base).double()
+        for start in reversed(range(0, n_steps, size)):
+            stop = min(start + size, n_steps)
             with torch.no_grad():
-                hidden = self._changes(first, order, delta, columns, start, stop).add_(carry)
-                carry = hidden[-1].clone()  # the layers after may work in place on a view of ``hidden``
-                out = hidden.to(weight.dtype).reshape(-1, weight.shape[0])
+                hidden, carry = bags.outputs(start, stop, carry, last=stop == n_steps)
+                out = hidden.reshape(-1, weight.shape[0])
                 for layer in self.rest:
                     out = layer(out)
-            yield out.reshape(stop - start, n, *out.shape[1:])
-
-    @staticmethod
-    def _changes(
-        first: torch.Tensor, order: torch.Tensor, delta: torch.Tensor, columns: torch.Tensor, start: int, stop: int
-    ) -> torch.Tensor:
-        """How much the layer's output has changed at steps ``start + 1 .. stop`` since step ``start``, in float64."""
-        n, steps = first.shape[0], stop - start
-        # One sparse row per (sample, step) holding the elements that reach the baseline at that step: its product
-        # with the columns of W is that step's change. Listed by sample, then in the order they go, the elements
-        # are sorted as a coalesced sparse tensor needs.
-        rows, ranks = _between(first, start, stop)
-        cols = order[rows, ranks]
-        changes = torch.sparse_coo_tensor(
-            torch.stack([rows * steps + first[rows, ranks] - start, cols]),
-            delta[rows, cols],
-            size=(n * steps, delta.shape[1]),
-            is_coalesced=True,
-            check_invariants=False,
-        )
-        per_step = torch.sparse.mm(changes, columns).view(n, steps, -1)
-        # The running sum over the steps, along a middle dimension: a product with a triangular matrix of ones
-        # would take steps² memory (32 GiB for a stack of 65536 steps).
-        return per_step.cumsum(1).transpose(0, 1)
+            yield start, out.reshape(stop - start, n, *out.shape[1:])
 
 
-def _between(first: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rows, ranks)`` of the entries of ``first`` (sorted along its rows) in ``[start, stop)``, row by row.
+def _in_order(ranks: torch.Tensor, whole: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ranks`` ``[N, M]`` sorted along each row, and the order that sorts them (ties in element order).
+
+    Where each row may be a permutation of ``0 .. M - 1`` (``whole``: one rank per element), its inverse is the order,
+    found without a sort, and the sorted ranks are one row ``[1, M]`` for all.
 
     Examples:
-        >>> _between(torch.tensor([[0, 1, 1, 2], [1, 2, 3, 3]]), 1, 3)
-        (tensor([0, 0, 0, 1, 1]), tensor([1, 2, 3, 0, 1]))
+        >>> _in_order(torch.tensor([[2, 0, 1]]), whole=True)
+        (tensor([[0, 1, 2]]), tensor([[1, 2, 0]]))
+        >>> _in_order(torch.tensor([[1, 0, 1]]), whole=True)  # not a permutation
+        (tensor([[0, 1, 1]]), tensor([[1, 0, 2]]))
     """
-    bounds = torch.tensor([start, stop], dtype=first.dtype, device=first.device).expand(first.shape[0], 2)
-    low, high = torch.searchsorted(first, bounds.contiguous()).unbind(-1)
-    counts = high - low
-    rows = torch.repeat_interleave(torch.arange(first.shape[0], device=first.device), counts)
-    offsets = torch.repeat_interleave(low - (counts.cumsum(0) - counts), counts)
-    return rows, torch.arange(len(rows), device=first.device) + offsets
+    n, m = ranks.shape
+    if whole and 0 <= ranks.min() and ranks.max() < m:
+        elements = torch.arange(m, device=ranks.device)
+        order = torch.full((n, m), -1, device=ranks.device).scatter_(-1, ranks.long(), elements.expand(n, m))
+        if bool((order >= 0).all()):  # every rank once
+            return elements.to(ranks.dtype).unsqueeze(0), order
+    ranks, order = torch.sort(ranks, dim=-1, stable=True)
+    return ranks, order
+
+
+@dataclass
+class _Bags:
+    """The changes of the layer's output, one bag of elements per sample and step.
+
+    Attributes:
+        order: ``[N, M]``: each sample's elements in the order they go.
+        values: ``[N, M]``: ``x_e - b_e`` of those elements.
+        ends: ``[N, steps + 2]``: where in ``order`` each step's elements begin.
+        rows: ``W^T``, row ``e`` the weights of element ``e``.
+    """
+
+    order: torch.Tensor
+    values: torch.Tensor
+    ends: torch.Tensor
+    rows: torch.Tensor
+
+    def outputs(self, start: int, stop: int, carry: torch.Tensor, last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's outputs ``[stop - start, N, out]`` at steps ``start + 1 .. stop``, and the carry for the steps
+        before.
+
+        ``carry`` (float64) is the output at step ``stop + 1``: every element that goes by then at the baseline.
+        With ``last``, the elements that never go are added to it first.
+        """
+        sums = self._sums(start, stop + last)  # [N, bags, out]
+        n, width, steps = sums.shape[0], sums.shape[2], stop - start
+        if last:
+            carry = carry + sums[:, -1]
+        # [N, out, steps] in float64, in one copy: the running sum is then a scan along the last dimension.
+        running = torch.empty(n, width, steps, dtype=torch.float64, device=sums.device)
+        running.copy_(sums[:, :steps].transpose(1, 2)).cumsum_(-1)
+        # Step t's output is carry + the changes of steps t + 1 .. stop - 1: with P the running sum of the changes
+        # from ``start``, (carry + P[stop - 1]) - P[t]. Both terms hold the elements gone by step t in float64, so
+        # those cancel to float64 rounding; the float32 rounding of their change is not left in the output.
+        before = carry + running[..., -1]
+        hidden = running.neg_().add_(before.unsqueeze(-1))
+        out = torch.empty(steps, n, width, dtype=self.rows.dtype, device=self.rows.device)
+        return out.copy_(hidden.permute(2, 0, 1)), before
+
+    def _sums(self, start: int, stop: int) -> torch.Tensor:
+        """``[N, stop - start, out]``: per sample and step in ``[start, stop)``, ``sum W[:, e] (x_e - b_e)``."""
+        n, m = self.order.shape
+        low, high = self.ends[:, start], self.ends[:, stop]
+        begins = self.ends[:, start:stop]
+        if bool((low == 0).all()) and bool((high == m).all()):  # every element: no selection
+            order, values = self.order.reshape(-1), self.values.reshape(-1)
+            offsets = begins + torch.arange(n, device=begins.device).unsqueeze(-1) * m
+        else:
+            counts = high - low
+            rows = torch.repeat_interleave(torch.arange(n, device=counts.device), counts)
+            first = counts.cumsum(0) - counts  # where each sample's selection begins
+            picked = torch.arange(len(rows), device=counts.device) - first[rows] + low[rows]
+            order, values = self.order[rows, picked], self.values[rows, picked]
+            offsets = begins - low.unsqueeze(-1) + first.unsqueeze(-1)
+        sums = torch.nn.functional.embedding_bag(
+            order, self.rows, offsets.reshape(-1), mode="sum", per_sample_weights=values
+        )
+        return sums.view(n, stop - start, -1)
