@@ -65,7 +65,7 @@ def test_stacks_of_a_few_steps_carry_the_sum_from_one_stack_to_the_next(steps_pe
     x, a = images(3), torch.randn(3, 1, 6, 6, dtype=torch.float64)
     td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[3])
     curve, updated = watched_flipping(net, td, features_per_step=5, steps_per_forward=steps_per_forward)
-    assert updated.call_args.args[-1] == steps_per_forward
+    assert updated.call_args.args[5] == steps_per_forward  # (self, x, baseline, positions, thresholds, size, batch)
     torch.testing.assert_close(curve, flipping(direct(net), td, features_per_step=5), rtol=0, atol=1e-12)
 
 

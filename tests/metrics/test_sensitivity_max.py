@@ -9,6 +9,7 @@ from captum.metrics import sensitivity_max as captum_sensitivity_max
 from tensordict import TensorDict
 
 from tdhook.attribution import LRP
+from tdhook.attribution import InputXGradient as tdhook_input_x_gradient
 from tdhook.metrics import sensitivity_max
 from tests.metrics._models import TwoKeys, conv_net, images
 
@@ -68,3 +69,28 @@ def test_the_default_noise_stays_in_the_ball_follows_the_seed_and_leaves_the_glo
 def test_a_plain_model_is_refused():
     with pytest.raises(TypeError, match="method must be an attribution wrapper"):
         sensitivity_max(torch.nn.Linear(3, 2), TensorDict(x=torch.ones(2, 3), batch_size=[2]))
+
+
+def test_a_sequence_batch_keeps_its_time_dimension_in_the_perturbed_calls():
+    """A ``[B, T]`` batch through a model that attends over ``T``: each perturbed copy must reach the method as a
+    ``[B, T]`` batch (stacked along ``B``), and the result equals one call of the method per copy."""
+    torch.manual_seed(4)
+    encoder = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), encoder, torch.nn.Linear(8, 3)).double().eval()
+    method = tdhook_input_x_gradient(net, in_keys=["x"], out_keys=["y"])
+    td = TensorDict(x=torch.randn(2, 5, 4, dtype=torch.float64), batch_size=[2, 5])
+    noise = torch.rand(2, 5, 3, 4, dtype=torch.float64) * 0.2 - 0.1
+
+    def perturb(repeated, radius):
+        return TensorDict(x=repeated["x"] + noise, batch_size=repeated.batch_size)
+
+    ours = sensitivity_max(method, td, perturb_fn=perturb, n_perturb_samples=3)
+    reference = method(td.clone())
+    target = reference["y"].argmax(-1)
+    method.target = target
+    changes = []
+    for i in range(3):
+        copy = method(TensorDict(x=td["x"] + noise[:, :, i], batch_size=[2, 5]))
+        changes.append((copy["attribution", "x"] - reference["attribution", "x"]).norm(dim=-1))
+    expected = torch.stack(changes, -1).amax(-1) / reference["attribution", "x"].norm(dim=-1)
+    torch.testing.assert_close(ours, expected, rtol=1e-10, atol=0)

@@ -16,7 +16,7 @@ from scipy.stats import spearmanr
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 
-from tdhook.attribution import LRP, EpsilonPlus, IntegratedGradients, Occlusion, Saliency
+from tdhook.attribution import CPLRP, LRP, EpsilonPlus, IntegratedGradients, Occlusion, Saliency
 from tdhook.metrics import (
     action_fidelity,
     aopc,
@@ -240,3 +240,35 @@ def test_sensitivity_max_holds_the_weights_of_a_callable_target_found_on_the_unp
             ratios.append((changed[0] - reference[b]).norm() / reference[b].norm())
         expected.append(torch.stack(ratios).max())
     torch.testing.assert_close(ours, torch.stack(expected), rtol=1e-9, atol=1e-12)
+
+
+def test_pixel_flipping_of_a_decision_transformer_over_its_context_keys():
+    """torchrl's decision-transformer wrapper reads a ``[B]`` batch of contexts (observations, actions and
+    returns-to-go over ``T`` steps) and acts once per context: the curve ranks the elements of the three keys
+    together and equals, step by step, the wrapper's held action unit with those elements at 0."""
+    from tests.attribution.test_policy_targets import CONTEXT_KEYS, context, decision_transformer
+
+    _, wrapper = decision_transformer("plain")
+    td = context("[B]")
+    td.update(LRP(wrapper, CPLRP(), in_keys=list(CONTEXT_KEYS))(td.clone()).select("relevance"))
+    curve = pixel_flipping(wrapper, td, relevance_key="relevance", features_per_step=5)
+
+    values = torch.cat([td["relevance", k].flatten(1) for k in CONTEXT_KEYS], -1)
+    sizes = [td[k][0].numel() for k in CONTEXT_KEYS]
+    unit = wrapper(td.clone())["action"].argmax(-1)
+    expected = []
+    for b in range(td.batch_size[0]):
+        order = sorted(range(values.shape[1]), key=lambda i: (-values[b, i].item(), i))
+        flat = torch.cat([td[k][b].flatten() for k in CONTEXT_KEYS])
+        row = []
+        for start in range(0, len(order) + 5, 5):
+            perturbed = flat.clone()
+            perturbed[order[:start]] = 0.0
+            one = TensorDict(
+                {k: p.view_as(td[k][b]) for k, p in zip(CONTEXT_KEYS, perturbed.split(sizes), strict=True)}, []
+            )
+            row.append(wrapper(one.unsqueeze(0))["action"][0, unit[b]].item())
+            if start >= len(order):
+                break
+        expected.append(row)
+    torch.testing.assert_close(curve, torch.tensor(expected, dtype=curve.dtype), rtol=0, atol=1e-10)

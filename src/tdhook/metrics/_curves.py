@@ -66,6 +66,7 @@ def perturbation_curve(
             per_key[0].reshape(n, *per_key[0].shape[len(features.batch_size) :]),
             thresholds,
             size,
+            features.batch_size,
         )
         update = progress_bar(-(-len(thresholds) // size), description, progress)
         scored = {}  # the stacks come from the last to the first

@@ -29,7 +29,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 
-__all__ = ["Baseline", "Features", "explained_keys", "sort_positions"]
+__all__ = ["Baseline", "Features", "explained_keys", "sort_positions", "stacked_batch"]
 
 Baseline = Union[float, torch.Tensor, Mapping[NestedKey, Union[float, torch.Tensor]]]
 
@@ -62,6 +62,17 @@ def sort_positions(values: torch.Tensor, descending: bool = True) -> torch.Tenso
     positions = torch.empty_like(order)
     arange = torch.arange(values.shape[-1], device=values.device).expand_as(order)
     return positions.scatter_(-1, order, arange)
+
+
+def stacked_batch(n_steps: int, batch: Sequence[int]) -> tuple[int, ...]:
+    """The batch shape of ``n_steps`` perturbed copies of a ``batch``, stacked along its first dimension: a
+    ``[B, T]`` batch keeps its time dimension (a model may mix along every dimension but the first).
+
+    Examples:
+        >>> stacked_batch(3, [2, 5]), stacked_batch(3, [])
+        ((6, 5), (3,))
+    """
+    return (n_steps * batch[0], *batch[1:]) if len(batch) else (n_steps,)
 
 
 def _describe(value: object) -> str:

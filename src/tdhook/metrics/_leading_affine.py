@@ -25,12 +25,14 @@ Examples:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn.modules import module as module_globals
+
+from tdhook.metrics._features import stacked_batch
 
 __all__ = ["LeadingAffine"]
 
@@ -107,17 +109,28 @@ class LeadingAffine:
         return torch.nn.functional.linear(base, weight, bias)
 
     def outputs(
-        self, x: torch.Tensor, baseline: torch.Tensor, positions: torch.Tensor, thresholds: torch.Tensor, size: int
+        self,
+        x: torch.Tensor,
+        baseline: torch.Tensor,
+        positions: torch.Tensor,
+        thresholds: torch.Tensor,
+        size: int,
+        batch: Sequence[int] = (),
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """The model's outputs at every step, in stacks of ``size`` steps from the last stack to the first.
 
+        The layers after the first see a stack of ``S`` steps as the batch ``[S * B, ...]`` (see
+        :func:`~tdhook.metrics._features.stacked_batch`), so that a layer mixing along the other batch dimensions (a
+        time dimension) sees each step's batch as it is.
+
         Args:
-            x: the unperturbed input, ``[N] + shape``.
+            x: the unperturbed input, ``[N] + shape``, ``N`` the product of ``batch``.
             baseline: the baseline, broadcasting to ``x``.
             positions: the rank of each element of ``x``, broadcasting to ``x``.
             thresholds: step ``k`` (from 1) sets the elements with ``positions < thresholds[k - 1]`` to the baseline;
                 increasing.
             size: the steps of one stack.
+            batch: the batch shape that ``N`` flattens.
 
         Yields:
             ``(start, outputs)``: the outputs ``[steps, N, ...]`` of the steps ``start + 1 .. start + steps``.
@@ -138,10 +151,11 @@ class LeadingAffine:
             stop = min(start + size, n_steps)
             with torch.no_grad():
                 hidden, carry = bags.outputs(start, stop, carry, last=stop == n_steps)
-                out = hidden.reshape(-1, weight.shape[0])
+                stacked = stacked_batch(stop - start, batch or (n,))
+                out = hidden.reshape(*stacked, weight.shape[0])
                 for layer in self.rest:
                     out = layer(out)
-            yield start, out.reshape(stop - start, n, *out.shape[1:])
+            yield start, out.reshape(stop - start, n, *out.shape[len(stacked) :])
 
 
 def _in_order(ranks: torch.Tensor, whole: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
 from tdhook.attribution.targets import initial_gradient, resolve_target_key, target_output
-from tdhook.metrics._features import explained_keys
+from tdhook.metrics._features import explained_keys, stacked_batch
 
 __all__ = [
     "HeldWeights",
@@ -115,13 +115,20 @@ def original_target(method: TensorDictModuleBase, result: TensorDictBase, batch_
 
 
 def repeat_target(target: object, batch_size: torch.Size, n: int) -> object:
-    """A per-sample target for each sample repeated ``n`` times and flattened (other targets as they are)."""
+    """A per-sample target for ``n`` copies of the batch stacked along its first dimension (see
+    :func:`~tdhook.metrics._features.stacked_batch`); other targets as they are.
+
+    Examples:
+        >>> repeat_target(torch.tensor([[0, 1, 2]]), torch.Size([1, 3]), 2)
+        tensor([[0, 1, 2],
+                [0, 1, 2]])
+    """
     if isinstance(target, torch.Tensor) and target.shape == batch_size and len(batch_size):
-        return target.unsqueeze(-1).expand(*batch_size, n).reshape(-1)
+        return target.expand(n, *batch_size).reshape(stacked_batch(n, batch_size))
     if isinstance(target, HeldWeights) and len(batch_size):
         weights, dims = target.weights, len(batch_size)
         rest = weights.shape[dims:]
-        return HeldWeights(weights.unsqueeze(dims).expand(*batch_size, n, *rest).reshape(-1, *rest))
+        return HeldWeights(weights.expand(n, *weights.shape).reshape(*stacked_batch(n, batch_size), *rest))
     return target
 
 

@@ -2,7 +2,7 @@
 
 :class:`Scorer` runs the model once on the unperturbed TensorDict, fixes the target there (``None`` becomes the
 argmax of that output, as the explained class stays the same while the input is perturbed), and then scores stacks
-of perturbed inputs: ``S`` perturbed versions of the batch run as one flat batch of ``S * N`` samples, in as few
+of perturbed inputs: ``S`` perturbed versions of a ``[B, ...]`` batch run as one batch ``[S * B, ...]``, in as few
 forward passes of moderate size (large enough to spare per-call overhead, small enough to stay in cache).
 
 Examples:
@@ -32,7 +32,7 @@ from torch import nn
 
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key, target_output
-from tdhook.metrics._features import explained_keys
+from tdhook.metrics._features import explained_keys, stacked_batch
 from tdhook.metrics._leading_affine import LeadingAffine
 
 __all__ = ["Scorer", "chunks", "progress_bar"]
@@ -62,7 +62,8 @@ class Scorer:
             ``sum(y' * w)`` over its non-batch dimensions (``sum(target(y))`` unperturbed).
         steps_per_forward: how many perturbed versions of the batch share one forward pass; ``None`` picks as
             many as fit about 65 thousand input elements (larger stacks ran slower on CPU). With 1 the model sees
-            the TensorDict's own batch shape; with more, one flat batch of ``steps * N`` samples.
+            the TensorDict's own batch shape; with more, the steps stacked along the batch's first dimension
+            (``[steps * B, T]`` for a ``[B, T]`` batch: the time dimension stays).
 
     Attributes:
         keys: the explained input keys.
@@ -100,6 +101,13 @@ class Scorer:
         self._key = resolve_target_key(result, self._key, operator)
         self._operator = operator
         output = self.reference_output = self._output(result)
+        if tuple(output.shape[: len(self._batch)]) != tuple(self._batch):
+            raise ValueError(
+                f"metrics: the target output {self._key!r} of shape {list(output.shape)} does not start with the "
+                f"TensorDict's batch shape {list(self._batch)}: a metric scores one output per sample; give the "
+                "TensorDict the batch shape of the output (the batch of contexts [B], not [B, T], for a model "
+                "that reads a whole context and acts once)"
+            )
         self._weights = None
         self._index = None
         if callable(target):
@@ -191,8 +199,9 @@ class Scorer:
         work = self._base.expand(n_steps, *self._batch).clone(recurse=False)
         for key, value in perturbed.items():
             work.set(key, value)
-        output = self._output(self._run(work.reshape(-1)))
-        return output.reshape(n_steps, *self._batch, *output.shape[1:])
+        stacked = stacked_batch(n_steps, self._batch)
+        output = self._output(self._run(work.reshape(*stacked)))
+        return output.reshape(n_steps, *self._batch, *output.shape[len(stacked) :])
 
     def _plain_outputs(self, perturbed: Mapping[NestedKey, torch.Tensor], n_steps: int) -> torch.Tensor:
         """:meth:`outputs` for a plain module: its positional inputs built directly, without a TensorDict."""
@@ -203,7 +212,7 @@ class Scorer:
             if value is None:
                 value = self._base.get(key)
                 value = value.expand(n_steps, *value.shape)
-            args.append(value[0] if n_steps == 1 else value.reshape(-1, *value.shape[batch_dims + 1 :]))
+            args.append(value[0] if n_steps == 1 else value.reshape(-1, *value.shape[min(batch_dims, 1) + 1 :]))
         with torch.no_grad():
             outputs = self.module.module(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
@@ -220,7 +229,7 @@ class Scorer:
             )
         if n_steps == 1:
             return output.unsqueeze(0)
-        return output.reshape(n_steps, *self._batch, *output.shape[1:])
+        return output.reshape(n_steps, *self._batch, *output.shape[max(batch_dims, 1) :])
 
     def chunk_size(self, inputs: Sequence[torch.Tensor]) -> int:
         """How many perturbed versions of the batch one forward pass takes."""

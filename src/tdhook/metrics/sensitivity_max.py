@@ -9,7 +9,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
-from tdhook.metrics._features import Features
+from tdhook.metrics._features import Features, stacked_batch
 from tdhook.metrics._methods import (
     check_method,
     explain,
@@ -45,8 +45,8 @@ def sensitivity_max(
     ``e`` is the method's attribution, the norm the Frobenius norm over all explained keys together (a zero
     ``‖e(x)‖`` counts as 1). The method explains each perturbed input for the target it explained at ``x``
     (``target=None`` is held at the original argmax, a callable at the weights ``target(y) / y`` it gave the
-    output ``y`` at ``x``). All perturbed inputs run in one call of the method, as one
-    flat batch of ``N * n_perturb_samples`` samples.
+    output ``y`` at ``x``). All perturbed inputs run in one call of the method, stacked along the batch's first
+    dimension (``[n_perturb_samples * B, ...]``).
 
     Args:
         method: the attribution wrapper (:class:`~tdhook.attribution.LRP` or another method); it is called, and
@@ -95,15 +95,19 @@ def sensitivity_max(
         else:
             perturbed = perturb_fn(expanded, perturb_radius)
         perturbed = check_perturbed("sensitivity_max", "perturbed input", perturbed, keys, expanded)
-    work = td.select(*method.in_keys, strict=False)
-    work = work.unsqueeze(len(batch)).expand(*batch, n).clone(recurse=False)
+    # The perturbed copies stacked along the batch's first dimension, ``[n * B, ...]``: a ``[B, T]`` batch keeps
+    # its time dimension for a method whose model mixes along it.
+    stacked = stacked_batch(n, batch)
+    work = td.select(*method.in_keys, strict=False).expand(n, *batch).clone(recurse=False)
     for key in keys:
-        work.set(key, perturbed.get(key))
+        work.set(key, perturbed.get(key).movedim(len(batch), 0))
     target = repeat_target(original_target(method, result, len(batch)), batch, n)
     with target_set(method, target), torch.no_grad():
-        explained = explain(method, work.reshape(-1))
-    attributions = Features.read(explained, keys, prefix).attributions
-    changed = _flat(attributions, 1).reshape(*batch, n, -1)
+        explained = explain(method, work.reshape(*stacked))
+    attributions = [
+        a.reshape(n, *batch, *a.shape[len(stacked) :]) for a in Features.read(explained, keys, prefix).attributions
+    ]
+    changed = _flat(attributions, len(batch) + 1).movedim(0, -2)
     norm = reference.norm(dim=-1, keepdim=True)
     norm = torch.where(norm == 0, torch.ones_like(norm), norm)
     return ((changed - reference.unsqueeze(-2)).norm(dim=-1) / norm).amax(-1)
