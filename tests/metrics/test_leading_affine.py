@@ -10,6 +10,8 @@ from unittest import mock
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
@@ -236,3 +238,45 @@ def test_an_input_that_is_not_finite_is_gone_from_the_curve_once_it_is_at_the_ba
     assert torch.isfinite(curve[:, 1:]).all()
     expected = flipping(direct(net), td, features_per_step=9)  # the unperturbed score is NaN or inf in both
     torch.testing.assert_close(curve, expected, rtol=0, atol=1e-12, equal_nan=True)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    batch=st.lists(st.integers(1, 3), min_size=0, max_size=2),
+    width=st.integers(1, 9),
+    per_pixel=st.booleans(),
+    features_per_step=st.integers(1, 40),
+    baseline=st.sampled_from(["zero", "number", "per sample", "per element"]),
+    region=st.booleans(),
+    stack=st.sampled_from([None, 1, 2, 5]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_curves_equal_direct_passes(batch, width, per_pixel, features_per_step, baseline, region, stack, seed):
+    """Random batch shapes, widths, maps (per element or per pixel), steps, baselines, stack sizes and both curves:
+    the updated first layer equals the model run on every perturbed input."""
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(2 * 4 * 4, width), nn.Tanh(), nn.Linear(width, 3)).double()
+    if len(batch) != 1:  # images flattened from dim 1 need one batch dimension: other batches read flat samples
+        net = nn.Sequential(*list(net)[1:])
+    shape = (2, 4, 4) if len(batch) == 1 else (32,)
+    x = torch.randn(*batch, *shape, dtype=torch.float64)
+    map_shape = (1, 4, 4) if per_pixel and len(shape) == 3 else shape
+    a = torch.randn(*batch, *map_shape, dtype=torch.float64)
+    values = {
+        "zero": 0.0,
+        "number": 0.3,
+        "per sample": torch.randn(*batch, *[1] * len(shape), dtype=torch.float64),
+        "per element": torch.randn(shape, dtype=torch.float64),
+    }
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=batch)
+    kwargs = dict(baseline=values[baseline], steps_per_forward=stack, in_keys=["x"], out_keys=["y"], progress=False)
+    if region and len(shape) == 3:
+        kwargs.update(patch_size=1 + features_per_step % 3, n_regions=None if features_per_step % 2 else 3)
+        metric = region_perturbation
+    else:
+        kwargs.update(features_per_step=features_per_step)
+        metric = pixel_flipping
+    with mock.patch.object(LeadingAffine, "outputs", autospec=True, side_effect=LeadingAffine.outputs) as updated:
+        curve = metric(net, td, **kwargs)
+    assert updated.called
+    torch.testing.assert_close(curve, metric(direct(net), td, **kwargs), rtol=0, atol=1e-10)
