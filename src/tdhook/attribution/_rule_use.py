@@ -47,6 +47,10 @@ class RuleUse:
         """Watch the next forward pass (called when a context opens)."""
         self._pending = True
 
+    def watches(self, handles: Sequence[RemovableRuleHandle]) -> bool:
+        """Whether the next forward pass with the rules of ``handles`` is watched."""
+        return self._pending and bool(handles)
+
     def watch(
         self, named_modules: Callable[[], Mapping[str, nn.Module]], handles: Sequence[RemovableRuleHandle]
     ) -> contextlib.AbstractContextManager[None]:

@@ -21,6 +21,7 @@ from tdhook.attribution._backward_passes import (
     check_split_dim,
     target_relevance,
 )
+from tdhook.attribution._chain_plan import ChainPlan, context_plan, planned_call
 from tdhook.attribution._context import (
     claim,
     leave_out_unread_marks,
@@ -43,7 +44,8 @@ from tdhook.attribution._inputs import (
 )
 from tdhook.attribution._keys import layer_keys, read_not_written, relevance_keys
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
-from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
+from tdhook.attribution._model_run import run_model
+from tdhook.attribution._plain_modules import as_tensordict_module
 from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
 from tdhook.attribution._rule_use import RuleUse
@@ -52,7 +54,6 @@ from tdhook.attribution._writes import model_updates, relevance_updates, returne
 from tdhook.attribution.coverage import Coverage
 from tdhook.attribution.mappers.base import BaseRuleMapper, RuleMapper
 from tdhook.attribution.rules._keeping_graph import RelevancePass
-from tdhook.attribution.rules._scopes import closing_scopes
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.targets import (
     Target,
@@ -240,6 +241,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self.create_graph = create_graph
         self.memory_budget = check_memory_budget(memory_budget)
         self._inactive = False  # inside inactive(): no rules
+        self._plan: ChainPlan | None = None  # a chain of layers run without hooks and autograd (see _chain_plan)
 
     def named_explained_modules(self) -> dict[str, nn.Module]:
         """The wrapped model's modules by the names rule mappers and ``layers`` use."""
@@ -308,11 +310,12 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._rule_use.reset()
         self._stochastic = random_modules(modules)
         self._compiled = any(hasattr(m, "_orig_mod") for m in modules.values())  # torch.compile'd parts
+        self._plan = context_plan(self, rules, modules, {h.id for handle in handles for h in handle.hook_handles()})
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         with self._lock:  # waits for calls of other threads in flight
-            handles, self._handles = self._handles or [], None
+            handles, self._handles, self._plan = self._handles or [], None, None
             try:
                 self._remove(handles)
             finally:
@@ -370,21 +373,9 @@ class LRP(TensorDictModuleBase, MapperTunable):
             with torch.enable_grad(), relevance_graph(self.create_graph and not self._inactive) as graph:
                 # Integer tokens are fed to TokenInputs: the relevance of their embeddings stands for them.
                 leaves, fed = feed_inputs(work, self.explained_keys, self._tokens, explained, self.create_graph)
+                planned = planned_call(self, explained)  # a chain of layers: no hooks, modes or autograd
                 try:
-                    with contextlib.ExitStack() as modes:
-                        modes.enter_context(self._rule_use.watch(self.named_explained_modules, self._handles or []))
-                        rule_modes = [] if self._inactive else list(getattr(self.rule_mapper, "function_modes", list)())
-                        rule_modes += [] if self._inactive else self._function_gates.modes(self.rule_mapper, rule_modes)
-                        for mode in rule_modes:
-                            modes.enter_context(mode)
-                        calls = self._coverage.watch(
-                            modes, rule_modes, self.named_explained_modules, self._handles or []
-                        )
-                        if self._compiled:  # parts compiled by torch.compile run as written: every rule applies
-                            modes.enter_context(torch.compiler.set_stance("force_eager"))
-                        # Innermost: what ruled modules entered and an interrupt kept them from leaving ends first.
-                        modes.enter_context(closing_scopes())
-                        result = call_plain(self.module, work) if self._name_prefix else self.module(work)
+                    result, calls = (planned.run(work), None) if planned else run_model(self, work)
                     self._function_gates.settle()
                 except Exception as err:
                     self._tokens.raise_for_unembedded(leaves, err)
@@ -414,7 +405,9 @@ class LRP(TensorDictModuleBase, MapperTunable):
                         strict = bool(getattr(self.rule_mapper, "strict", False))
                         self._coverage.report(calls, outputs, self.named_explained_modules(), strict)
                     retain = position < len(names) - 1  # the next target reuses this forward pass
-                    one_pass = functools.partial(self._one_pass, leaves=leaves, fed=fed, graph=graph)
+                    one_pass = functools.partial(
+                        planned.one_pass if planned else self._one_pass, leaves=leaves, fed=fed, graph=graph
+                    )
                     passes = (output, grad_outputs, extra, target_key, self._split_dim, retain, self.explained_keys)
                     relevances += target_relevance(one_pass, *passes, leaves, self.memory_budget)
                     seeds.append((name, output.detach(), grad_outputs))

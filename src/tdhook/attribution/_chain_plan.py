@@ -1,0 +1,222 @@
+"""A chain of linear layers and ReLUs explained without autograd: the same relevance, one layer at a time.
+
+A small policy at batch 1 (an ``nn.Sequential`` of ``nn.Linear`` and ``nn.ReLU`` layers, as torchrl's ``MLP``
+builds) spends most of an LRP call in fixed costs of Python: a forward hook and an autograd ``Function`` per ruled
+layer, and the autograd engine. Where every layer's rule only rescales the gradient of the layer's output (LRP-ε,
+LRP-0) the modified gradient is a product of factors known after the forward pass, so this module runs the chain
+layer by layer under ``torch.no_grad()``, keeps each factor, and multiplies the seed back through them:
+
+* ``nn.Linear`` under :class:`~tdhook.attribution.rules.basic.EpsilonRule`: the output gradient times the rule's
+  own scale ``|z| / (|z| + ε)`` (``z != 0`` for ε = 0), then times ``W``;
+* ``nn.Linear`` under :class:`~tdhook.attribution.rules.basic.IgnoreRule` (or no rule): times ``W``;
+* ``nn.ReLU`` under :class:`~tdhook.attribution.rules.basic.PassRule`, ``IgnoreRule`` or no rule (each leaves
+  the plain gradient there): the kernel autograd runs, ``threshold_backward``.
+
+The result equals what the hooks and autograd compute, up to rounding (the tests compare the two). The wrapper
+uses a plan only where nothing else would act on the call (see :meth:`ChainPlan.build`).
+
+Examples:
+    >>> from torch import nn
+    >>> from tdhook.attribution.rules.basic import EpsilonRule
+    >>> net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    >>> plan = ChainPlan.build(net, {net[0]: EpsilonRule(0.0), net[2]: EpsilonRule(0.0)})
+    >>> x = torch.randn(5, 3)
+    >>> output, factors = plan.forward(x)
+    >>> seed = torch.zeros(5, 2).index_fill_(1, torch.tensor([0]), 1.0)
+    >>> x_ = x.clone().requires_grad_(True)
+    >>> torch.allclose(plan.input_gradient(factors, seed), torch.autograd.grad(net(x_)[:, 0].sum(), x_)[0])
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModule, TensorDictModuleBase, skip_existing
+from torch import nn
+from torch.nn.modules import module as module_globals
+
+from tdhook.attribution.rules.base import Rule
+from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule
+
+__all__ = ["ChainPlan", "PlannedCall", "context_plan", "planned_call"]
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _plain_chain(module: nn.Module) -> bool:
+    """An ``nn.Sequential`` whose call runs its layers in order: the class's own ``forward``, or torchrl's
+    ``MLP`` with a flat output (its ``forward`` then only calls the layers on its one input)."""
+    if not isinstance(module, nn.Sequential):
+        return False
+    if type(module).forward is nn.Sequential.forward:
+        return True
+    mlp = _torchrl_mlp()
+    return mlp is not None and type(module) is mlp and not getattr(module, "_reshape_out", True)
+
+
+def _torchrl_mlp() -> type | None:
+    try:
+        from torchrl.modules import MLP
+    except ImportError:  # pragma: no cover - torchrl is a dependency
+        return None
+    return MLP
+
+
+@dataclass
+class ChainPlan:
+    """The layers of a chain and how each one's gradient is taken.
+
+    Attributes:
+        layers: ``(layer, rule)`` in order: an ``nn.Linear`` with its ``EpsilonRule`` (``None``: the plain
+            gradient), or an ``nn.ReLU`` (rule ``None``).
+        hooks: the hook dicts of the chain and its layers, and their sizes when the plan was built (the rules' own
+            hooks included): a hook added later runs code the plan would skip, so the plan then stands aside.
+    """
+
+    layers: list[tuple[nn.Module, EpsilonRule | None]]
+    hooks: tuple[tuple[dict, ...], tuple[int, ...]]
+
+    @classmethod
+    def build(cls, chain: nn.Module, rules: Mapping[nn.Module, Rule], ours: Collection[int] = ()) -> ChainPlan | None:
+        """The plan of ``chain`` under ``rules`` (module to rule), or ``None`` where the chain or a rule is not
+        one the plan follows exactly, or a hook other than ``ours`` (hook ids: the rules' own) sits on the chain or
+        a layer.
+        """
+        if not _plain_chain(chain):
+            return None
+        layers: list[tuple[nn.Module, EpsilonRule | None]] = []
+        for layer in chain:
+            rule = rules.get(layer)
+            if type(layer) is nn.Linear and (rule is None or type(rule) in (EpsilonRule, IgnoreRule)):
+                layers.append((layer, rule if type(rule) is EpsilonRule else None))
+            elif type(layer) is nn.ReLU and (rule is None or type(rule) in (PassRule, IgnoreRule)):
+                layers.append((layer, None))
+            else:
+                return None
+        if not layers or any(list(layer.children()) for layer, _ in layers):
+            return None
+        dicts = tuple(getattr(m, name) for m in (chain, *chain) for name in _HOOKS if hasattr(m, name))
+        if any(hook not in ours for hooks in dicts for hook in hooks):
+            return None
+        return cls(layers, (dicts, tuple(map(len, dicts))))
+
+    def applies(self) -> bool:
+        """Whether no hook was added to the chain or its layers, and no global module hook is set."""
+        if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
+            return False
+        if module_globals._global_backward_hooks or module_globals._global_backward_pre_hooks:
+            return False
+        dicts, sizes = self.hooks
+        return tuple(map(len, dicts)) == sizes
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """The chain's output on ``x``, and per layer the factor its gradient needs (``None``: ``W`` alone)."""
+        factors: list[torch.Tensor | None] = []
+        with torch.no_grad():
+            for layer, rule in self.layers:
+                if type(layer) is nn.Linear:
+                    x = torch.nn.functional.linear(x, layer.weight, layer.bias)
+                    factors.append(None if rule is None else _epsilon_scale(x, rule.epsilon))
+                else:
+                    x = torch.relu(x)
+                    factors.append(x)
+        return x, factors
+
+    def input_gradient(self, factors: list[torch.Tensor | None], seed: torch.Tensor) -> torch.Tensor:
+        """The modified gradient of the chain's input for the output gradient ``seed``."""
+        grad = seed
+        with torch.no_grad():
+            for (layer, rule), factor in zip(reversed(self.layers), reversed(factors), strict=True):
+                if type(layer) is nn.Linear:
+                    grad = (grad if rule is None else grad * factor).matmul(layer.weight)
+                else:
+                    grad = torch.ops.aten.threshold_backward(grad, factor, 0)
+        return grad
+
+
+def _epsilon_scale(z: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """``EpsilonRule``'s scale of the output gradient, the same operations on a tensor in one piece.
+
+    Examples:
+        >>> z = torch.tensor([-2.0, 0.0, 0.5])
+        >>> torch.equal(_epsilon_scale(z, 0.5), EpsilonRule(0.5)._scale(z, 1))
+        True
+    """
+    if epsilon == 0:
+        return (z != 0).to(z.dtype)
+    scale = z.abs()
+    return scale.div_(scale + epsilon)
+
+
+@dataclass
+class PlannedCall:
+    """One call of a wrapper run by a :class:`ChainPlan`: the forward pass writes the model's output into the
+    call's TensorDict, as the model's ``TensorDictModule`` does, and keeps the factors for the passes after it.
+
+    Attributes:
+        plan: the plan of the wrapped chain.
+        wrapper: the ``TensorDictModule`` holding the chain (one input key, one output key).
+    """
+
+    plan: ChainPlan
+    wrapper: TensorDictModuleBase
+    factors: list[torch.Tensor | None] | None = None
+
+    def run(self, work: TensorDictBase) -> TensorDictBase:
+        """Run the chain on ``work``'s input and write its output there; ``work``."""
+        output, self.factors = self.plan.forward(work.get(self.wrapper.in_keys[0]))
+        # It depends on the input, as the wrapper's checks of the target ask (the wrapper writes it detached).
+        work.set(self.wrapper.out_keys[0], output.requires_grad_(True))
+        return work
+
+    def one_pass(self, seeds: list, keep: bool, leaves: list[torch.Tensor], **unused: object) -> tuple[list, list]:
+        """The relevance of the one leaf for the seed ``[(output, seed)]``, and that it was reached (as
+        :func:`~tdhook.attribution._backward.leaf_relevance` gives them; ``keep`` and the rest are of no use:
+        nothing is recorded)."""
+        ((_, seed),) = seeds
+        return [leaves[0].detach() * self.plan.input_gradient(self.factors, seed)], [True]
+
+
+def context_plan(
+    lrp: Any, rules: Mapping[str, Rule], modules: Mapping[str, nn.Module], ours: Collection[int]
+) -> ChainPlan | None:
+    """The plan of ``lrp``'s context (its rules registered), or ``None`` where a feature of the wrapper or the
+    model acts on calls beyond the chain: a function mode, inner layers or a relevance check, a kept graph, a
+    random or compiled module, several explained keys, a ``TensorDictModule`` other than the plain one, a hook
+    other than ``ours`` (the ids of the context's hooks)."""
+    wrapper = lrp.module
+    if type(wrapper) is not TensorDictModule or wrapper._kwargs is not None:
+        return None
+    if len(wrapper.in_keys) != 1 or len(wrapper.out_keys) != 1 or list(wrapper.in_keys) != lrp.explained_keys:
+        return None
+    if lrp.create_graph or lrp.relevance_check is not None or lrp.layer_keys or lrp._stochastic or lrp._compiled:
+        return None
+    if getattr(lrp.rule_mapper, "function_modes", list)():
+        return None
+    return ChainPlan.build(wrapper.module, {modules[name]: rule for name, rule in rules.items()}, ours)
+
+
+def planned_call(lrp: Any, explained: list[bool]) -> PlannedCall | None:
+    """The planned run of this call of ``lrp``, or ``None`` where it takes the hooks and autograd: outside a
+    context or inside ``inactive()``, the first call of a context (it watches the rules and the functions the model
+    calls), a callable, ``"all"`` or dict target, ``split_dim``, an input missing, or a hook added since the
+    context was entered."""
+    plan = lrp._plan
+    if plan is None or lrp._handles is None or lrp._inactive or not all(explained) or lrp.split_dim is not None:
+        return None
+    if (
+        lrp._coverage.watching
+        or lrp._rule_use.watches(lrp._handles)
+        or callable(lrp.target)
+        or isinstance(lrp.target, str)
+    ):
+        return None
+    wrapper = lrp.module
+    if skip_existing() or wrapper._forward_hooks or wrapper._forward_pre_hooks or not plan.applies():
+        return None
+    return PlannedCall(plan, lrp.module)

@@ -1,0 +1,193 @@
+"""Chains of linear layers and ReLUs run without hooks and autograd: the same call as with them.
+
+The oracle is the wrapper's own general path (rule hooks and autograd) on a copy of the model that carries a
+forward hook doing nothing, which keeps the plan aside.
+"""
+
+from __future__ import annotations
+
+import copy
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+from torchrl.modules import MLP, ProbabilisticActor
+
+from tdhook.attribution import LRP
+from tdhook.attribution._chain_plan import ChainPlan, PlannedCall
+from tdhook.attribution.lrp_helpers.rules import BaseRuleMapper, EpsilonAlpha2Beta1, EpsilonPlus, EpsilonPlusFlat
+from tdhook.attribution.rules import EpsilonRule
+
+MAPPERS = {
+    "EpsilonPlus": EpsilonPlus,
+    "EpsilonPlusFlat": EpsilonPlusFlat,  # its first layer's flat rule: no plan
+    "EpsilonAlpha2Beta1": EpsilonAlpha2Beta1,
+    "LRP-0": BaseRuleMapper,
+    "epsilon 0.25": lambda: {nn.Linear: EpsilonRule(0.25)},
+}
+
+
+def hooked(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose chain has a forward hook that changes nothing: the plan stands aside."""
+    module = copy.deepcopy(module)
+    chain = module.module if isinstance(module, TensorDictModule) else module
+    chain.register_forward_hook(lambda m, args, out: None)
+    return module
+
+
+def calls(wrapper: LRP, td: TensorDict, n: int = 2) -> tuple[list[TensorDict], list[bool]]:
+    """``n`` calls in one context, and whether each ran by a plan."""
+    results, planned = [], []
+    with wrapper, mock.patch.object(PlannedCall, "run", autospec=True, side_effect=PlannedCall.run) as run:
+        for _ in range(n):
+            count = run.call_count
+            results.append(wrapper(td.clone()))
+            planned.append(run.call_count > count)
+    return results, planned
+
+
+def assert_same_call(ours: TensorDict, general: TensorDict) -> None:
+    assert set(ours.keys(True, True)) == set(general.keys(True, True))
+    for key in general.keys(True, True):
+        assert not ours[key].requires_grad, key
+        assert ours[key].dtype == general[key].dtype, key
+        torch.testing.assert_close(ours[key], general[key], rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    widths=st.lists(st.integers(1, 12), min_size=1, max_size=4),
+    bias=st.booleans(),
+    inplace=st.booleans(),
+    mapper=st.sampled_from(sorted(MAPPERS)),
+    batch=st.sampled_from([(), (1,), (5,), (2, 3)]),
+    target=st.sampled_from([None, 0, "tensor"]),
+    plain=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_chains_give_the_general_paths_call(widths, bias, inplace, mapper, batch, target, plain, seed):
+    """Random depths, widths, biases, in-place ReLUs, presets, batch shapes, targets, plain or TensorDict modules:
+    every call after the first (which watches the rules) equals the general path's, and takes the plan where all
+    rules are ε or the plain gradient."""
+    torch.manual_seed(seed)
+    sizes = [5, *widths]
+    layers: list[nn.Module] = []
+    for i, (n_in, n_out) in enumerate(zip(sizes, sizes[1:], strict=False)):
+        layers += [nn.Linear(n_in, n_out, bias=bias)] + ([nn.ReLU(inplace=inplace)] if i < len(widths) - 1 else [])
+    chain = nn.Sequential(*layers).double()
+    x = torch.randn(*batch, 5, dtype=torch.float64)
+    if target == "tensor":
+        target = torch.randint(0, widths[-1], batch) if batch else torch.tensor(widths[-1] - 1)
+    keys = {"in_keys": ["x"], "out_keys": ["y"]}
+    module = chain if plain else TensorDictModule(chain, **keys)
+    options = {"target": target, **(keys if plain else {"in_keys": ["x"]})}
+    td = TensorDict(x=x, batch_size=batch)
+    (first, second), planned = calls(LRP(module, MAPPERS[mapper](), **options), td)
+    (_, general), general_planned = calls(LRP(hooked(module), MAPPERS[mapper](), **options), td)
+    assert not planned[0] and not any(general_planned)
+    if mapper in ("EpsilonPlus", "LRP-0", "epsilon 0.25"):  # ε or the plain gradient on every layer
+        assert planned[1]
+    if mapper == "EpsilonPlusFlat":  # the flat rule on the first layer
+        assert not planned[1]
+    assert_same_call(second, general)
+    assert_same_call(first, general)
+
+
+def test_a_torchrl_mlp_policy_in_a_rollout_loop():
+    """The per-step case: torchrl's ``MLP`` at batch 1, many calls in one context; outputs and relevance as the
+    general path writes them, the caller's TensorDict unchanged."""
+    torch.manual_seed(0)
+    net = MLP(in_features=8, out_features=3, num_cells=[16, 16], activation_class=nn.ReLU).double()
+    policy = TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"])
+    td = TensorDict(observation=torch.randn(1, 8, dtype=torch.float64), batch_size=[1])
+    before = td.clone()
+    results, planned = calls(LRP(policy, EpsilonPlus()), td, n=4)
+    (_, general), _ = calls(LRP(hooked(policy), EpsilonPlus()), td)
+    assert planned == [False, True, True, True]
+    for result in results:
+        assert_same_call(result, general)
+    assert (td == before).all() and set(td.keys(True, True)) == {"observation"}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: MLP(in_features=4, out_features=(2, 3), num_cells=[8]),  # reshapes its output
+        lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6)),  # an activation the plan does not take
+        lambda: nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8).eval(), nn.ReLU(), nn.Linear(8, 6)),
+        lambda: nn.Sequential(nn.Sequential(nn.Linear(4, 8)), nn.ReLU(), nn.Linear(8, 6)),  # nested
+    ],
+)
+def test_chains_it_cannot_follow_take_the_general_path(make):
+    torch.manual_seed(1)
+    policy = TensorDictModule(make().double().eval(), in_keys=["x"], out_keys=["y"])
+    td = TensorDict(x=torch.randn(3, 4, dtype=torch.float64), batch_size=[3])
+    (_, second), planned = calls(LRP(policy, EpsilonPlus()), td)
+    assert planned == [False, False]
+    (_, general), _ = calls(LRP(hooked(policy), EpsilonPlus()), td)
+    assert_same_call(second, general)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"target": "all"}, {"target": lambda y: y}, {"split_dim": 1}, {"create_graph": True}, {"layers": ["module.0"]}],
+    ids=["all", "callable", "split_dim", "create_graph", "layers"],
+)
+def test_calls_with_more_than_one_seed_or_graph_take_the_general_path(options):
+    torch.manual_seed(2)
+    policy = TensorDictModule(
+        nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double(), in_keys=["x"], out_keys=["y"]
+    )
+    td = TensorDict(x=torch.randn(2, 5, 4, dtype=torch.float64), batch_size=[2, 5])
+    (_, second), planned = calls(LRP(policy, EpsilonPlus(), **options), td)
+    assert planned == [False, False]
+    (_, general), _ = calls(LRP(hooked(policy), EpsilonPlus(), **options), td)
+    for key in general.keys(True, True):
+        torch.testing.assert_close(second[key].detach(), general[key].detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_a_hook_added_inside_the_context_runs_and_the_plan_stands_aside():
+    torch.manual_seed(3)
+    chain = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    lrp = LRP(TensorDictModule(chain, in_keys=["x"], out_keys=["y"]), EpsilonPlus())
+    td = TensorDict(x=torch.randn(2, 4, dtype=torch.float64), batch_size=[2])
+    seen = []
+    with lrp:
+        lrp(td.clone())
+        assert lrp._plan is not None and lrp._plan.applies()
+        handle = chain[1].register_forward_hook(lambda m, args, out: seen.append(out.shape))
+        assert not lrp._plan.applies()
+        out = lrp(td.clone())
+        handle.remove()
+        assert lrp._plan.applies()
+    assert seen == [torch.Size([2, 8])]
+    assert torch.equal(out["y"], chain(td["x"]))
+    assert lrp._plan is None  # left with the context
+
+
+def test_a_policy_a_distribution_reads_is_not_a_plain_chain():
+    """A ``ProbabilisticActor`` explains its logits with the distribution's mask and action in mind: its
+    ``TensorDictSequential`` is not the plain ``TensorDictModule`` the plan takes."""
+    torch.manual_seed(4)
+    net = TensorDictModule(nn.Linear(4, 3).double(), in_keys=["observation"], out_keys=["logits"])
+    actor = ProbabilisticActor(net, in_keys=["logits"], distribution_class=torch.distributions.Categorical)
+    td = TensorDict(observation=torch.randn(2, 4, dtype=torch.float64), batch_size=[2])
+    _, planned = calls(LRP(actor, EpsilonPlus(), in_keys=["observation"]), td)
+    assert planned == [False, False]
+
+
+def test_the_plan_of_a_chain_follows_autograd():
+    torch.manual_seed(5)
+    chain = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    plan = ChainPlan.build(chain, {})
+    x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    output, factors = plan.forward(x)
+    seed = torch.randn(6, 2, dtype=torch.float64)
+    torch.testing.assert_close(output, chain(x).detach(), rtol=0, atol=0)
+    (expected,) = torch.autograd.grad(chain(x), x, seed)
+    torch.testing.assert_close(plan.input_gradient(factors, seed), expected, rtol=1e-14, atol=1e-14)
