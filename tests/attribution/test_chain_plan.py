@@ -32,6 +32,16 @@ MAPPERS = {
 }
 
 
+ACTIVATIONS = {
+    "relu": nn.ReLU,
+    "relu in place": lambda: nn.ReLU(inplace=True),
+    "tanh": nn.Tanh,
+    "elu": nn.ELU,
+    "silu": nn.SiLU,
+    "leaky in place": lambda: nn.LeakyReLU(0.1, inplace=True),  # no plan: the pass rule's input is overwritten
+}
+
+
 def hooked(module: nn.Module) -> nn.Module:
     """A copy of ``module`` whose chain has a forward hook that changes nothing: the plan stands aside."""
     module = copy.deepcopy(module)
@@ -63,22 +73,22 @@ def assert_same_call(ours: TensorDict, general: TensorDict) -> None:
 @given(
     widths=st.lists(st.integers(1, 12), min_size=1, max_size=4),
     bias=st.booleans(),
-    inplace=st.booleans(),
+    activation=st.sampled_from(sorted(ACTIVATIONS)),
     mapper=st.sampled_from(sorted(MAPPERS)),
     batch=st.sampled_from([(), (1,), (5,), (2, 3)]),
     target=st.sampled_from([None, 0, "tensor"]),
     plain=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_random_chains_give_the_general_paths_call(widths, bias, inplace, mapper, batch, target, plain, seed):
-    """Random depths, widths, biases, in-place ReLUs, presets, batch shapes, targets, plain or TensorDict modules:
-    every call after the first (which watches the rules) equals the general path's, and takes the plan where all
-    rules are ε or the plain gradient."""
+def test_random_chains_give_the_general_paths_call(widths, bias, activation, mapper, batch, target, plain, seed):
+    """Random depths, widths, biases, activations (in place or not), presets, batch shapes, targets, plain or
+    TensorDict modules: every call after the first (which watches the rules) equals the general path's, and takes
+    the plan where all rules are ε, the plain gradient or the pass rule."""
     torch.manual_seed(seed)
     sizes = [5, *widths]
     layers: list[nn.Module] = []
     for i, (n_in, n_out) in enumerate(zip(sizes, sizes[1:], strict=False)):
-        layers += [nn.Linear(n_in, n_out, bias=bias)] + ([nn.ReLU(inplace=inplace)] if i < len(widths) - 1 else [])
+        layers += [nn.Linear(n_in, n_out, bias=bias)] + ([ACTIVATIONS[activation]()] if i < len(widths) - 1 else [])
     chain = nn.Sequential(*layers).double()
     x = torch.randn(*batch, 5, dtype=torch.float64)
     if target == "tensor":
@@ -90,19 +100,20 @@ def test_random_chains_give_the_general_paths_call(widths, bias, inplace, mapper
     (first, second), planned = calls(LRP(module, MAPPERS[mapper](), **options), td)
     (_, general), general_planned = calls(LRP(hooked(module), MAPPERS[mapper](), **options), td)
     assert not planned[0] and not any(general_planned)
-    if mapper in ("EpsilonPlus", "LRP-0", "epsilon 0.25"):  # ε or the plain gradient on every layer
-        assert planned[1]
+    if mapper in ("EpsilonPlus", "LRP-0", "epsilon 0.25") and (activation != "leaky in place" or len(widths) == 1):
+        assert planned[1]  # ε or the plain gradient on every Linear, the pass rule on every activation
     if mapper == "EpsilonPlusFlat":  # the flat rule on the first layer
         assert not planned[1]
     assert_same_call(second, general)
     assert_same_call(first, general)
 
 
-def test_a_torchrl_mlp_policy_in_a_rollout_loop():
+@pytest.mark.parametrize("activation", [nn.ReLU, nn.Tanh], ids=["ReLU", "Tanh (torchrl's default)"])
+def test_a_torchrl_mlp_policy_in_a_rollout_loop(activation):
     """The per-step case: torchrl's ``MLP`` at batch 1, many calls in one context; outputs and relevance as the
     general path writes them, the caller's TensorDict unchanged."""
     torch.manual_seed(0)
-    net = MLP(in_features=8, out_features=3, num_cells=[16, 16], activation_class=nn.ReLU).double()
+    net = MLP(in_features=8, out_features=3, num_cells=[16, 16], activation_class=activation).double()
     policy = TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"])
     td = TensorDict(observation=torch.randn(1, 8, dtype=torch.float64), batch_size=[1])
     before = td.clone()
@@ -118,7 +129,7 @@ def test_a_torchrl_mlp_policy_in_a_rollout_loop():
     "make",
     [
         lambda: MLP(in_features=4, out_features=(2, 3), num_cells=[8]),  # reshapes its output
-        lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6)),  # an activation the plan does not take
+        lambda: nn.Sequential(nn.Linear(4, 8), nn.Sigmoid(), nn.Linear(8, 6)),  # a gate rule
         lambda: nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8).eval(), nn.ReLU(), nn.Linear(8, 6)),
         lambda: nn.Sequential(nn.Sequential(nn.Linear(4, 8)), nn.ReLU(), nn.Linear(8, 6)),  # nested
     ],

@@ -1,4 +1,4 @@
-"""A chain of linear layers and ReLUs explained without autograd: the same relevance, one layer at a time.
+"""A chain of linear layers and activations explained without autograd: the same relevance, one layer at a time.
 
 A small policy at batch 1 (an ``nn.Sequential`` of ``nn.Linear`` and ``nn.ReLU`` layers, as torchrl's ``MLP``
 builds) spends most of an LRP call in fixed costs of Python: a forward hook and an autograd ``Function`` per ruled
@@ -10,7 +10,9 @@ layer by layer under ``torch.no_grad()``, keeps each factor, and multiplies the 
   own scale ``|z| / (|z| + ε)`` (``z != 0`` for ε = 0), then times ``W``;
 * ``nn.Linear`` under :class:`~tdhook.attribution.rules.basic.IgnoreRule` (or no rule): times ``W``;
 * ``nn.ReLU`` under :class:`~tdhook.attribution.rules.basic.PassRule`, ``IgnoreRule`` or no rule (each leaves
-  the plain gradient there): the kernel autograd runs, ``threshold_backward``.
+  the plain gradient there): the kernel autograd runs, ``threshold_backward``;
+* another element-wise activation (``nn.Tanh``, torchrl's default, ``nn.ELU``, ``nn.SiLU`` …, not in place) under
+  ``PassRule``: times the rule's scale ``output / stabilize(input)``.
 
 The result equals what the hooks and autograd compute, up to rounding (the tests compare the two). The wrapper
 uses a plan only where nothing else would act on the call (see :meth:`ChainPlan.build`).
@@ -40,12 +42,31 @@ from tensordict.nn import TensorDictModule, TensorDictModuleBase, skip_existing
 from torch import nn
 from torch.nn.modules import module as module_globals
 
+from tdhook.attribution.rules._numerics import stabilize
 from tdhook.attribution.rules.base import Rule
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule
 
 __all__ = ["ChainPlan", "PlannedCall", "context_plan", "planned_call"]
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# Element-wise activations whose PassRule gradient is the plan's ``grad * output / stabilize(input)``.
+_ACTIVATIONS = (
+    nn.Tanh,
+    nn.ELU,
+    nn.LeakyReLU,
+    nn.SiLU,
+    nn.GELU,
+    nn.Softplus,
+    nn.Mish,
+    nn.Hardtanh,
+    nn.ReLU6,
+    nn.Hardswish,
+    nn.SELU,
+    nn.CELU,
+    nn.Softsign,
+    nn.Tanhshrink,
+    nn.PReLU,
+)
 
 
 def _plain_chain(module: nn.Module) -> bool:
@@ -73,7 +94,7 @@ class ChainPlan:
 
     Attributes:
         layers: ``(layer, rule)`` in order: an ``nn.Linear`` with its ``EpsilonRule`` (``None``: the plain
-            gradient), or an ``nn.ReLU`` (rule ``None``).
+            gradient), an ``nn.ReLU`` (rule ``None``), or another activation with its ``PassRule``.
         hooks: the hook dicts of the chain and its layers, and their sizes when the plan was built (the rules' own
             hooks included): a hook added later runs code the plan would skip, so the plan then stands aside.
     """
@@ -96,6 +117,8 @@ class ChainPlan:
                 layers.append((layer, rule if type(rule) is EpsilonRule else None))
             elif type(layer) is nn.ReLU and (rule is None or type(rule) in (PassRule, IgnoreRule)):
                 layers.append((layer, None))
+            elif type(layer) in _ACTIVATIONS and type(rule) is PassRule and not getattr(layer, "inplace", False):
+                layers.append((layer, rule))
             else:
                 return None
         if not layers or any(list(layer.children()) for layer, _ in layers):
@@ -122,9 +145,13 @@ class ChainPlan:
                 if type(layer) is nn.Linear:
                     x = torch.nn.functional.linear(x, layer.weight, layer.bias)
                     factors.append(None if rule is None else _epsilon_scale(x, rule.epsilon))
-                else:
+                elif type(layer) is nn.ReLU:
                     x = torch.relu(x)
                     factors.append(x)
+                else:  # PassRule's scale, output over stabilized input
+                    output = layer(x)
+                    factors.append(output / stabilize(x, rule.stabilizer))
+                    x = output
         return x, factors
 
     def input_gradient(self, factors: list[torch.Tensor | None], seed: torch.Tensor) -> torch.Tensor:
@@ -134,8 +161,10 @@ class ChainPlan:
             for (layer, rule), factor in zip(reversed(self.layers), reversed(factors), strict=True):
                 if type(layer) is nn.Linear:
                     grad = (grad if rule is None else grad * factor).matmul(layer.weight)
-                else:
+                elif type(layer) is nn.ReLU:
                     grad = torch.ops.aten.threshold_backward(grad, factor, 0)
+                else:
+                    grad = grad * factor
         return grad
 
 
