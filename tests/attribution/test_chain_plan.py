@@ -202,3 +202,23 @@ def test_the_plan_of_a_chain_follows_autograd():
     torch.testing.assert_close(output, chain(x).detach(), rtol=0, atol=0)
     (expected,) = torch.autograd.grad(chain(x), x, seed)
     torch.testing.assert_close(plan.input_gradient(factors, seed), expected, rtol=1e-14, atol=1e-14)
+
+
+def test_a_layer_replaced_inside_the_context_sets_the_plan_aside():
+    """The new layer has no rule (its plain gradient), and the output is the new chain's: as without a plan."""
+    torch.manual_seed(6)
+    chain = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    lrp = LRP(TensorDictModule(chain, in_keys=["x"], out_keys=["y"]), {nn.Linear: EpsilonRule(0.5)})
+    td = TensorDict(x=torch.randn(2, 4, dtype=torch.float64), batch_size=[2])
+    with lrp:
+        lrp(td.clone())
+        chain[2] = nn.Linear(8, 3).double()
+        assert not lrp._plan.applies()
+        out = lrp(td.clone())
+    assert torch.equal(out["y"], chain(td["x"]))
+    x = td["x"].clone().requires_grad_(True)
+    hidden = chain[1](chain[0](x))
+    scale = hidden.detach().abs() / (hidden.detach().abs() + 0.5)  # the ε-rule on the first layer only
+    (grad,) = torch.autograd.grad(chain[2](hidden).max(-1).values.sum(), hidden)
+    (expected,) = torch.autograd.grad(hidden, x, grad * scale)
+    torch.testing.assert_close(out["relevance", "x"], x.detach() * expected, rtol=1e-12, atol=1e-12)

@@ -97,10 +97,12 @@ class ChainPlan:
             gradient), an ``nn.ReLU`` (rule ``None``), or another activation with its ``PassRule``.
         hooks: the hook dicts of the chain and its layers, and their sizes when the plan was built (the rules' own
             hooks included): a hook added later runs code the plan would skip, so the plan then stands aside.
+        chain: the planned chain (a layer replaced in it later also sets the plan aside).
     """
 
     layers: list[tuple[nn.Module, EpsilonRule | None]]
     hooks: tuple[tuple[dict, ...], tuple[int, ...]]
+    chain: nn.Module | None = None
 
     @classmethod
     def build(cls, chain: nn.Module, rules: Mapping[nn.Module, Rule], ours: Collection[int] = ()) -> ChainPlan | None:
@@ -126,10 +128,14 @@ class ChainPlan:
         dicts = tuple(getattr(m, name) for m in (chain, *chain) for name in _HOOKS if hasattr(m, name))
         if any(hook not in ours for hooks in dicts for hook in hooks):
             return None
-        return cls(layers, (dicts, tuple(map(len, dicts))))
+        return cls(layers, (dicts, tuple(map(len, dicts))), chain)
 
     def applies(self) -> bool:
-        """Whether no hook was added to the chain or its layers, and no global module hook is set."""
+        """Whether the chain still holds the planned layers, no hook was added to it or its layers, and no global
+        module hook is set."""
+        layers = self.chain._modules.values() if self.chain is not None else ()
+        if len(layers) != len(self.layers) or any(a is not b for a, (b, _) in zip(layers, self.layers, strict=True)):
+            return False
         if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
             return False
         if module_globals._global_backward_hooks or module_globals._global_backward_pre_hooks:
