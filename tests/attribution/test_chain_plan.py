@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
-from torchrl.modules import MLP, ProbabilisticActor
+from torchrl.data import Bounded
+from torchrl.modules import MLP, Actor, ProbabilisticActor, ValueOperator
 
 from tdhook.attribution import LRP
 from tdhook.attribution._chain_plan import ChainPlan, PlannedCall
@@ -222,3 +223,23 @@ def test_a_layer_replaced_inside_the_context_sets_the_plan_aside():
     (grad,) = torch.autograd.grad(chain[2](hidden).max(-1).values.sum(), hidden)
     (expected,) = torch.autograd.grad(hidden, x, grad * scale)
     torch.testing.assert_close(out["relevance", "x"], x.detach() * expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["ValueOperator", "Actor", "safe Actor"])
+def test_torchrl_value_operators_and_actors(kind):
+    """torchrl's ``ValueOperator`` and ``Actor`` call their module as ``TensorDictModule`` does: planned; a safe
+    ``Actor`` projects its action in a hook: the general path, which runs it."""
+    torch.manual_seed(7)
+    net = MLP(in_features=4, out_features=1 if kind == "ValueOperator" else 2, num_cells=[8]).double()
+    if kind == "ValueOperator":
+        module = ValueOperator(net, in_keys=["observation"])
+    else:
+        spec = Bounded(-0.01, 0.01, (2,), dtype=torch.float64) if kind == "safe Actor" else None
+        module = Actor(net, in_keys=["observation"], spec=spec, safe=spec is not None)
+    td = TensorDict(observation=torch.randn(3, 4, dtype=torch.float64), batch_size=[3])
+    (_, second), planned = calls(LRP(module, EpsilonPlus()), td)
+    assert planned == [False, kind != "safe Actor"]
+    (_, general), _ = calls(LRP(hooked(module), EpsilonPlus()), td)
+    assert_same_call(second, general)
+    if kind == "safe Actor":
+        assert second["action"].abs().max() <= 0.01

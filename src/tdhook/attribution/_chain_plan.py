@@ -222,10 +222,10 @@ def context_plan(
 ) -> ChainPlan | None:
     """The plan of ``lrp``'s context (its rules registered), or ``None`` where a feature of the wrapper or the
     model acts on calls beyond the chain: a function mode, inner layers or a relevance check, a kept graph, a
-    random or compiled module, several explained keys, a ``TensorDictModule`` other than the plain one, a hook
-    other than ``ours`` (the ids of the context's hooks)."""
+    random or compiled module, several explained keys, a TensorDict module that calls its module otherwise than
+    ``TensorDictModule`` does, a hook other than ``ours`` (the ids of the context's hooks)."""
     wrapper = lrp.module
-    if type(wrapper) is not TensorDictModule or wrapper._kwargs is not None:
+    if not _plain_tensordict_module(wrapper):
         return None
     if len(wrapper.in_keys) != 1 or len(wrapper.out_keys) != 1 or list(wrapper.in_keys) != lrp.explained_keys:
         return None
@@ -234,6 +234,17 @@ def context_plan(
     if getattr(lrp.rule_mapper, "function_modes", list)():
         return None
     return ChainPlan.build(wrapper.module, {modules[name]: rule for name, rule in rules.items()}, ours)
+
+
+def _plain_tensordict_module(wrapper: object) -> bool:
+    """A ``TensorDictModule`` (or a subclass with its call, as torchrl's ``ValueOperator`` and ``Actor``) that reads
+    its inputs positionally as they are stored and writes its outputs into the TensorDict it is given."""
+    calls = ("forward", "_call_module", "_write_to_tensordict")
+    if not isinstance(wrapper, TensorDictModule) or any(
+        getattr(type(wrapper), name) is not getattr(TensorDictModule, name) for name in calls
+    ):
+        return False
+    return wrapper._kwargs is None and not getattr(wrapper, "_get_kwargs", None)
 
 
 def planned_call(lrp: Any, explained: list[bool]) -> PlannedCall | None:
