@@ -42,11 +42,13 @@ from tensordict.nn import TensorDictModule, TensorDictModuleBase, skip_existing
 from torch import nn
 from torch.nn.modules import module as module_globals
 
+from tdhook.attribution._inputs import feed_inputs
+from tdhook.attribution._writes import model_updates
 from tdhook.attribution.rules._numerics import stabilize
 from tdhook.attribution.rules.base import Rule
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule
 
-__all__ = ["ChainPlan", "PlannedCall", "context_plan", "planned_call"]
+__all__ = ["ChainPlan", "PlannedCall", "context_plan", "planned_call", "planned_feed", "planned_updates"]
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 # Element-wise activations whose PassRule gradient is the plan's ``grad * output / stabilize(input)``.
@@ -201,13 +203,26 @@ class PlannedCall:
     plan: ChainPlan
     wrapper: TensorDictModuleBase
     factors: list[torch.Tensor | None] | None = None
+    output: torch.Tensor | None = None
+
+    def feed(self, work: TensorDictBase) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The leaf of the one explained input and the tensor the chain reads (the input itself: the plan writes
+        into no input), as :func:`~tdhook.attribution._inputs.feed_inputs` gives them."""
+        leaf = work.get(self.wrapper.in_keys[0]).detach()
+        return [leaf], [leaf]
 
     def run(self, work: TensorDictBase) -> TensorDictBase:
         """Run the chain on ``work``'s input and write its output there; ``work``."""
         output, self.factors = self.plan.forward(work.get(self.wrapper.in_keys[0]))
+        self.output = output
         # It depends on the input, as the wrapper's checks of the target ask (the wrapper writes it detached).
         work.set(self.wrapper.out_keys[0], output.requires_grad_(True))
         return work
+
+    def updates(self) -> dict:
+        """The model's outputs to write into the caller's TensorDict: the chain's one output, detached (what
+        :func:`~tdhook.attribution._writes.model_updates` finds after the call)."""
+        return {self.wrapper.out_keys[0]: self.output.detach()}
 
     def one_pass(self, seeds: list, keep: bool, leaves: list[torch.Tensor], **unused: object) -> tuple[list, list]:
         """The relevance of the one leaf for the seed ``[(output, seed)]``, and that it was reached (as
@@ -247,11 +262,11 @@ def _plain_tensordict_module(wrapper: object) -> bool:
     return wrapper._kwargs is None and not getattr(wrapper, "_get_kwargs", None)
 
 
-def planned_call(lrp: Any, explained: list[bool]) -> PlannedCall | None:
-    """The planned run of this call of ``lrp``, or ``None`` where it takes the hooks and autograd: outside a
-    context or inside ``inactive()``, the first call of a context (it watches the rules and the functions the model
-    calls), a callable, ``"all"`` or dict target, ``split_dim``, an input missing, or a hook added since the
-    context was entered."""
+def planned_call(lrp: Any, explained: list[bool], work: TensorDictBase) -> PlannedCall | None:
+    """The planned run of this call of ``lrp`` on ``work``, or ``None`` where it takes the hooks and autograd:
+    outside a context or inside ``inactive()``, the first call of a context (it watches the rules and the
+    functions the model calls), a callable, ``"all"`` or dict target, ``split_dim``, an input missing or not
+    floating-point, or a hook added since the context was entered."""
     plan = lrp._plan
     if plan is None or lrp._handles is None or lrp._inactive or not all(explained) or lrp.split_dim is not None:
         return None
@@ -265,4 +280,18 @@ def planned_call(lrp: Any, explained: list[bool]) -> PlannedCall | None:
     wrapper = lrp.module
     if skip_existing() or wrapper._forward_hooks or wrapper._forward_pre_hooks or not plan.applies():
         return None
+    if not work.get(wrapper.in_keys[0]).is_floating_point():
+        return None
     return PlannedCall(plan, lrp.module)
+
+
+def planned_feed(planned: PlannedCall | None, *args: Any) -> tuple[list, list]:
+    """The leaves and fed inputs of a call: ``planned``'s, or :func:`~tdhook.attribution._inputs.feed_inputs`
+    of ``args`` where the call is not planned."""
+    return planned.feed(args[0]) if planned is not None else feed_inputs(*args)
+
+
+def planned_updates(planned: PlannedCall | None, *args: Any, **kwargs: Any) -> dict:
+    """The model's outputs to write: ``planned``'s, or :func:`~tdhook.attribution._writes.model_updates` of the
+    arguments where the call is not planned."""
+    return planned.updates() if planned is not None else model_updates(*args, **kwargs)

@@ -21,7 +21,14 @@ from tdhook.attribution._backward_passes import (
     check_split_dim,
     target_relevance,
 )
-from tdhook.attribution._chain_plan import ChainPlan, context_plan, planned_call
+from tdhook.attribution._chain_plan import (
+    ChainPlan,
+    PlannedCall,
+    context_plan,
+    planned_call,
+    planned_feed,
+    planned_updates,
+)
 from tdhook.attribution._context import (
     claim,
     leave_out_unread_marks,
@@ -38,7 +45,6 @@ from tdhook.attribution._function_gates import FunctionGates
 from tdhook.attribution._inputs import (
     describe,
     explained_in_call,
-    feed_inputs,
     optional_inputs,
     validate_inputs,
 )
@@ -50,7 +56,7 @@ from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
 from tdhook.attribution._rule_use import RuleUse
 from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
-from tdhook.attribution._writes import model_updates, relevance_updates, returned_tensordict, set_all_or_nothing
+from tdhook.attribution._writes import relevance_updates, returned_tensordict, set_all_or_nothing
 from tdhook.attribution.coverage import Coverage
 from tdhook.attribution.mappers.base import BaseRuleMapper, RuleMapper
 from tdhook.attribution.rules._keeping_graph import RelevancePass
@@ -249,8 +255,6 @@ class LRP(TensorDictModuleBase, MapperTunable):
         root = self.module.module if prefix else self.module
         return dict(root.named_modules())
 
-    # ------------------------------------------------------------------ context
-
     def _rules(self) -> dict[str, Rule]:
         mapper = self.rule_mapper
         modules = self.named_explained_modules()
@@ -351,8 +355,6 @@ class LRP(TensorDictModuleBase, MapperTunable):
         """
         return rules_off(self)
 
-    # ------------------------------------------------------------------ call
-
     @dispatch(auto_batch_size=False)
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         with self._lock:  # calls from several threads run one after the other (docs/guarantees.md)
@@ -371,9 +373,11 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._tokens.clear()
         try:
             with torch.enable_grad(), relevance_graph(self.create_graph and not self._inactive) as graph:
+                planned = planned_call(self, explained, work)  # a chain of layers: no hooks, modes or autograd
                 # Integer tokens are fed to TokenInputs: the relevance of their embeddings stands for them.
-                leaves, fed = feed_inputs(work, self.explained_keys, self._tokens, explained, self.create_graph)
-                planned = planned_call(self, explained)  # a chain of layers: no hooks, modes or autograd
+                leaves, fed = planned_feed(
+                    planned, work, self.explained_keys, self._tokens, explained, self.create_graph
+                )
                 try:
                     result, calls = (planned.run(work), None) if planned else run_model(self, work)
                     self._function_gates.settle()
@@ -416,7 +420,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             self._tokens.clear()
             for handle in self._handles or []:
                 handle.pop_records()
-        self._write(out, result, relevances, fed)
+        self._write(out, result, relevances, fed, planned)
         self._coverage.keep(out.batch_dims, seeds, relevances)
         return out
 
@@ -455,8 +459,15 @@ class LRP(TensorDictModuleBase, MapperTunable):
         like = next(leaf for leaf in leaves if leaf is not None)
         return relevances + [self._layers.pop(name, like) for name in self.layer_keys]
 
-    def _write(self, tensordict: TensorDictBase, result: TensorDictBase, relevances: list, fed: list) -> None:
-        updates = model_updates(tensordict, result, self.explained_keys, fed, detach=not self.create_graph)
+    def _write(
+        self,
+        tensordict: TensorDictBase,
+        result: TensorDictBase,
+        relevances: list,
+        fed: list,
+        planned: PlannedCall | None,
+    ) -> None:
+        updates = planned_updates(planned, tensordict, result, self.explained_keys, fed, detach=not self.create_graph)
         keys = (self.relevance_keys, self.token_relevance_keys, self._relevance_sources)
         updates.update(relevance_updates(tensordict, relevances, *keys))
         set_all_or_nothing(tensordict, updates)
