@@ -31,6 +31,11 @@ class CoverageRecorder:
         self._plain_gradient: tuple[PlainGradientCall, ...] = ()
         self._last_call: tuple[int, list, list[torch.Tensor]] | None = None
 
+    @property
+    def pending(self) -> bool:
+        """Whether the next call is watched (no call was watched yet)."""
+        return self._pending
+
     def watch(
         self,
         modes: contextlib.ExitStack,

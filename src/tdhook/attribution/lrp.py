@@ -56,6 +56,7 @@ from tdhook.attribution.rules._scopes import closing_scopes
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.targets import (
     Target,
+    default_target_candidates,
     explained_output,
     initial_relevance,
     named_targets,
@@ -65,6 +66,8 @@ from tdhook.attribution.targets import (
 from tdhook.attribution.tunables import MapperTunable
 
 __all__ = ["LRP"]
+
+_NOTHING_WATCHED = RuleUse.NOTHING  # what RuleUse.watch returns once the first forward pass is watched
 
 
 class LRP(TensorDictModuleBase, MapperTunable):
@@ -223,6 +226,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self.in_keys = unravel_key_list(list(dict.fromkeys([*module.in_keys, *self.explained_keys])))
         self.out_keys = [*unravel_key_list(module.out_keys), *self.relevance_keys, *self.token_relevance_keys]
         self._handles: list[RemovableRuleHandle] | None = None
+        self._candidates: dict[str | None, list[NestedKey]] = {}  # per target, its default keys (open context)
         self._marks_read = True  # whether the open context's layers mark their outputs (see marks_are_read)
         self._hooks: list = []
         self._layers = LayerRelevance()
@@ -305,6 +309,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             release(self)
             raise
         self._handles = handles
+        self._candidates = {}
         self._rule_use.reset()
         self._stochastic = random_modules(modules)
         self._compiled = any(hasattr(m, "_orig_mod") for m in modules.values())  # torch.compile'd parts
@@ -371,20 +376,26 @@ class LRP(TensorDictModuleBase, MapperTunable):
                 # Integer tokens are fed to TokenInputs: the relevance of their embeddings stands for them.
                 leaves, fed = feed_inputs(work, self.explained_keys, self._tokens, explained, self.create_graph)
                 try:
-                    with contextlib.ExitStack() as modes:
-                        modes.enter_context(self._rule_use.watch(self.named_explained_modules, self._handles or []))
-                        rule_modes = [] if self._inactive else list(getattr(self.rule_mapper, "function_modes", list)())
-                        rule_modes += [] if self._inactive else self._function_gates.modes(self.rule_mapper, rule_modes)
-                        for mode in rule_modes:
-                            modes.enter_context(mode)
-                        calls = self._coverage.watch(
-                            modes, rule_modes, self.named_explained_modules, self._handles or []
-                        )
-                        if self._compiled:  # parts compiled by torch.compile run as written: every rule applies
-                            modes.enter_context(torch.compiler.set_stance("force_eager"))
-                        # Innermost: what ruled modules entered and an interrupt kept them from leaving ends first.
-                        modes.enter_context(closing_scopes())
-                        result = call_plain(self.module, work) if self._name_prefix else self.module(work)
+                    watch = self._rule_use.watch(self.named_explained_modules, self._handles or [])
+                    rule_modes = [] if self._inactive else list(getattr(self.rule_mapper, "function_modes", list)())
+                    rule_modes += [] if self._inactive else self._function_gates.modes(self.rule_mapper, rule_modes)
+                    calls = None
+                    if rule_modes or self._compiled or self._coverage.pending or watch is not _NOTHING_WATCHED:
+                        with contextlib.ExitStack() as modes:
+                            modes.enter_context(watch)
+                            for mode in rule_modes:
+                                modes.enter_context(mode)
+                            calls = self._coverage.watch(
+                                modes, rule_modes, self.named_explained_modules, self._handles or []
+                            )
+                            if self._compiled:  # parts compiled by torch.compile run as written: every rule applies
+                                modes.enter_context(torch.compiler.set_stance("force_eager"))
+                            # Innermost: what ruled modules entered and an interrupt kept them from leaving ends first.
+                            modes.enter_context(closing_scopes())
+                            result = self._run_module(work)
+                    else:  # nothing to enter but the scopes (every call of a context after its first, mostly)
+                        with closing_scopes():
+                            result = self._run_module(work)
                     self._function_gates.settle()
                 except Exception as err:
                     self._tokens.raise_for_unembedded(leaves, err)
@@ -401,7 +412,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
                 names = list(self.targets)
                 seeds = []
                 for position, name in enumerate(names):
-                    target_key = resolve_target_key(result, *self.targets[name])
+                    target_key = resolve_target_key(result, *self.targets[name], self._target_candidates(name))
                     output = explained_output(result, target_key, self.explained_keys, self.targets[name][1])
                     target = self.target
                     if target is None:  # a masked policy explains an allowed action
@@ -426,6 +437,18 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._write(out, result, relevances, fed)
         self._coverage.keep(out.batch_dims, seeds, relevances)
         return out
+
+    def _target_candidates(self, name: str | None) -> list[NestedKey] | None:
+        """The default target keys of target ``name``, found once per open context (``None`` outside one)."""
+        if self._handles is None or self.targets[name][0] is not None:
+            return None
+        candidates = self._candidates.get(name)
+        if candidates is None:
+            candidates = self._candidates[name] = default_target_candidates(self.targets[name][1])
+        return candidates
+
+    def _run_module(self, work: TensorDictBase) -> TensorDictBase | None:
+        return call_plain(self.module, work) if self._name_prefix else self.module(work)
 
     def coverage(self) -> Coverage:
         """What this wrapper's calls left to the plain gradient, and how much relevance reached the inputs.
