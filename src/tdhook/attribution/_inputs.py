@@ -28,6 +28,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torchrl.modules import GRUModule, LSTMModule
 
+from tdhook.attribution._keys import as_tuple
 from tdhook.attribution._tokens import TokenInputs
 
 __all__ = [
@@ -175,7 +176,8 @@ def feed_inputs(
             value = value.clone()
         leaf = value if keep_graph and value.requires_grad else value.detach().requires_grad_(True)
         fed.append(leaf.clone())
-        work.set(key, fed[-1])
+        # A copy of the value ``work`` holds at ``key``: checked already (batch size, device), set as it is.
+        work._set_tuple(as_tuple(key), fed[-1], inplace=False, validated=True, non_blocking=False)
         leaves.append(leaf)
     return leaves, fed
 

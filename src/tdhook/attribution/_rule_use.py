@@ -40,6 +40,9 @@ __all__ = ["RuleUse"]
 class RuleUse:
     """Watches the first forward pass after :meth:`reset` and warns about rules that did not take effect."""
 
+    #: what :meth:`watch` returns when it does not watch: a context manager that does nothing.
+    NOTHING = contextlib.nullcontext()
+
     def __init__(self) -> None:
         self._pending = True
 
@@ -61,7 +64,7 @@ class RuleUse:
             handles: the handles of the registered rules.
         """
         if not self._pending or not handles:
-            return contextlib.nullcontext()  # every later call: nothing to set up
+            return RuleUse.NOTHING  # every later call: nothing to set up
         return self._watching(named_modules, handles)
 
     @contextlib.contextmanager

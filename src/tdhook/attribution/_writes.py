@@ -77,11 +77,11 @@ def model_updates(
     """
     explained = set(explained_keys)
     updates: dict[Any, Any] = {}
-    for key in result.keys(include_nested=True, leaves_only=True):
-        value = result.get(key)
+    # items() rather than keys() and get(): several times cheaper on a small TensorDict.
+    for key, value in result.items(include_nested=True, leaves_only=True):
         if key in explained and (any(value is f for f in fed) or not value.is_floating_point()):
             continue
-        if key in tensordict.keys(include_nested=True) and tensordict.get(key) is value:
+        if _get_or_none(tensordict, key) is value:  # already there (None: absent, or a leaf in the way)
             continue
         updates[key] = value.detach() if detach and isinstance(value, torch.Tensor) else value
     return updates
@@ -123,12 +123,22 @@ def set_all_or_nothing(tensordict: TensorDictBase, updates: dict) -> None:
         BaseException: whatever a write raised, after the writes before it
             were undone and the sub-TensorDicts they created removed.
     """
-    previous = {key: _get_or_none(tensordict, key) for key in updates}
-    branches = {key[:depth] for key in map(as_tuple, updates) for depth in range(1, len(key))}
-    new_branches = sorted((b for b in branches if _get_or_none(tensordict, b) is None), key=len, reverse=True)
+    # What each write replaces, and the branches it creates, are looked up right before it: a write changes
+    # nothing but its own key and the branches on its path (looked up once, at the first key that has them).
+    previous: dict = {}
+    branches: set = set()
+    new_branches: list = []
     written = []
     try:
         for key, value in updates.items():
+            path = as_tuple(key)
+            for depth in range(1, len(path)):
+                branch = path[:depth]
+                if branch not in branches:
+                    branches.add(branch)
+                    if _get_or_none(tensordict, branch) is None:
+                        new_branches.append(branch)
+            previous[key] = _get_or_none(tensordict, key)
             tensordict.set(key, value)
             written.append(key)
     except BaseException:
@@ -137,7 +147,7 @@ def set_all_or_nothing(tensordict: TensorDictBase, updates: dict) -> None:
                 tensordict.del_(key)
             else:
                 tensordict.set(key, previous[key])
-        for branch in new_branches:  # deepest first; only the ones this call created
+        for branch in sorted(new_branches, key=len, reverse=True):  # deepest first; only the ones this call created
             value = _get_or_none(tensordict, branch)
             if isinstance(value, TensorDictBase) and value.is_empty():
                 tensordict.del_(branch)

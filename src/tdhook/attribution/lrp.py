@@ -62,6 +62,7 @@ from tdhook.attribution.mappers.base import BaseRuleMapper, RuleMapper
 from tdhook.attribution.rules._keeping_graph import RelevancePass
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.targets import (
+    DefaultTargets,
     Target,
     explained_output,
     initial_relevance,
@@ -230,6 +231,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self.in_keys = unravel_key_list(list(dict.fromkeys([*module.in_keys, *self.explained_keys])))
         self.out_keys = [*unravel_key_list(module.out_keys), *self.relevance_keys, *self.token_relevance_keys]
         self._handles: list[RemovableRuleHandle] | None = None
+        self._candidates = DefaultTargets()  # per target, its default keys, found once per open context
         self._marks_read = True  # whether the open context's layers mark their outputs (see marks_are_read)
         self._hooks: list = []
         self._layers = LayerRelevance()
@@ -311,6 +313,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             release(self)
             raise
         self._handles = handles
+        self._candidates.clear()
         self._rule_use.reset()
         self._stochastic = random_modules(modules)
         self._compiled = any(hasattr(m, "_orig_mod") for m in modules.values())  # torch.compile'd parts
@@ -396,7 +399,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
                 names = list(self.targets)
                 seeds = []
                 for position, name in enumerate(names):
-                    target_key = resolve_target_key(result, *self.targets[name])
+                    target_key = resolve_target_key(result, *self.targets[name], self._candidates.of(self, name))
                     output = explained_output(result, target_key, self.explained_keys, self.targets[name][1])
                     target = self.target
                     if target is None:  # a masked policy explains an allowed action

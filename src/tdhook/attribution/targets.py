@@ -22,7 +22,7 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 import torch
 from tensordict import TensorDictBase
@@ -40,8 +40,10 @@ from tdhook.attribution.rules._numerics import safe_divide
 from tdhook.attribution.rules.base import layer_call_of
 
 __all__ = [
+    "DefaultTargets",
     "EveryUnit",
     "Target",
+    "default_target_candidates",
     "explained_output",
     "initial_gradient",
     "initial_relevance",
@@ -135,8 +137,10 @@ def explained_output(
     return output
 
 
-def _one_hot(output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(output).scatter_(-1, index.unsqueeze(-1), 1.0)
+def _one_hot(output: torch.Tensor, index: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """Ones at ``index`` of the last dimension (``index`` shaped like ``output`` without it, or with it of size 1
+    when ``keepdim``), zeros elsewhere."""
+    return torch.zeros_like(output).scatter_(-1, index if keepdim else index.unsqueeze(-1), 1.0)
 
 
 def initial_gradient(output: torch.Tensor, target: Target, key: NestedKey, batch_dims: int) -> torch.Tensor:
@@ -272,7 +276,7 @@ def _initial_gradient(out: torch.Tensor, target: Target, key: NestedKey, batch_d
     if target is None:
         if not has_units or n_units == 1:
             return torch.ones_like(out)
-        return _one_hot(out, out.argmax(-1))
+        return _one_hot(out, out.argmax(-1, keepdim=True), keepdim=True)
     if not has_units:
         raise ValueError(f"LRP: output {key!r} has no unit dimension to index with target {target!r}")
     if isinstance(target, int) and not isinstance(target, bool):
@@ -341,7 +345,10 @@ def named_targets(
 
 
 def resolve_target_key(
-    result: TensorDictBase, target_key: NestedKey | None, operator: TensorDictModuleBase
+    result: TensorDictBase,
+    target_key: NestedKey | None,
+    operator: TensorDictModuleBase,
+    candidates: list[NestedKey] | None = None,
 ) -> NestedKey:
     """The key of the output to explain in the model's ``result``.
 
@@ -351,6 +358,7 @@ def resolve_target_key(
             floating-point out key of ``operator`` that none of its modules
             reads (see :class:`~tdhook.attribution.LRP`).
         operator: the module whose out keys give the default.
+        candidates: ``default_target_candidates(operator)``, if found already.
 
     Returns:
         ``target_key`` if given, else the default key.
@@ -376,7 +384,8 @@ def resolve_target_key(
         if target_key not in result.keys(include_nested=True):
             raise KeyError(f"LRP: target key {target_key!r} was not written by the wrapped module")
         return target_key
-    candidates = _default_target_candidates(operator)
+    if candidates is None:
+        candidates = default_target_candidates(operator)
     for key in candidates:
         value = result.get(key, None)
         if isinstance(value, torch.Tensor) and value.is_floating_point():
@@ -406,7 +415,30 @@ def _leaf_modules(module: TensorDictModuleBase) -> list[TensorDictModuleBase]:
     return [module]
 
 
-def _default_target_candidates(module: TensorDictModuleBase) -> list[NestedKey]:
+class DefaultTargets(dict):
+    """A wrapper's default target keys, per target name, found once per open context (the pipeline's keys stay
+    the same while its rules are registered).
+
+    Examples:
+        >>> from tensordict.nn import TensorDictModule
+        >>> from tdhook.attribution import LRP
+        >>> lrp = LRP(TensorDictModule(torch.nn.Linear(3, 2), in_keys=["x"], out_keys=["y"]))
+        >>> DefaultTargets().of(lrp, None) is None  # outside a context: looked up on every call
+        True
+    """
+
+    def of(self, wrapper: Any, name: str | None) -> list[NestedKey] | None:
+        """The default target keys of ``wrapper``'s target ``name`` (``None`` outside a context, or where the
+        target key is given)."""
+        key, operator = wrapper.targets[name]
+        if wrapper._handles is None or key is not None:
+            return None
+        if name not in self:
+            self[name] = default_target_candidates(operator)
+        return self[name]
+
+
+def default_target_candidates(module: TensorDictModuleBase) -> list[NestedKey]:
     """Out keys in pipeline order that no module of the pipeline reads.
 
     Probabilistic modules (the sampling step of a torchrl ``ProbabilisticActor``)
@@ -416,6 +448,15 @@ def _default_target_candidates(module: TensorDictModuleBase) -> list[NestedKey]:
     process's state. Keys under
     ``"next"`` (the recurrent state a torchrl ``LSTMModule`` carries to the next
     step) come after the others: a recurrent actor explains its action output.
+
+    Examples:
+        >>> from tensordict.nn import TensorDictModule, TensorDictSequential
+        >>> net = TensorDictSequential(
+        ...     TensorDictModule(torch.nn.Linear(3, 4), in_keys=["x"], out_keys=["hidden"]),
+        ...     TensorDictModule(torch.nn.Linear(4, 2), in_keys=["hidden"], out_keys=["logits"]),
+        ... )
+        >>> default_target_candidates(net)
+        ['logits']
     """
     leaves = [
         leaf

@@ -49,14 +49,17 @@ class TestAgainstZennit:
 class TestFastPaths:
     """The paths that skip autograd or a product, each checked against zennit and shown to be taken."""
 
+    @pytest.mark.parametrize("on_node", [False, True])
     @pytest.mark.parametrize("rule_name", ["epsilon"])
-    def test_repeated_backward_over_one_forward_gives_the_same_gradient(self, rule_name):
+    def test_repeated_backward_over_one_forward_gives_the_same_gradient(self, rule_name, on_node):
         # A backward that frees the graph may write into what the rule saved; one that keeps it must not.
         rule = RULE_PAIRS[rule_name.removesuffix("-positive-outputs")][0]()
         layer, x = make_layer("conv2d")
         x = x.clamp(min=0).requires_grad_(True)
         with rule.register(layer):
+            _leave_marks(rule, layer, not on_node)
             out = layer(x)
+            assert _on_node(out) == on_node
             grad = torch.randn_like(out)
             if rule_name.endswith("-positive-outputs"):
                 grad = grad * (out > 0)
@@ -65,9 +68,12 @@ class TestFastPaths:
             last = torch.autograd.grad(out, x, grad)[0]
         assert torch.equal(first, second)
         assert torch.equal(first, last)
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            torch.autograd.grad(out, x, grad)
 
+    @pytest.mark.parametrize("on_node", [False, True])
     @pytest.mark.parametrize("rule_name", ["epsilon"])
-    def test_vectorized_jacobian_equals_the_unit_by_unit_one(self, rule_name):
+    def test_vectorized_jacobian_equals_the_unit_by_unit_one(self, rule_name, on_node):
         # Batched gradients (is_grads_batched) must not be written into the rule's saved tensors.
         net = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)).double()
         x = torch.randn(2, 4, dtype=torch.float64)
@@ -75,9 +81,58 @@ class TestFastPaths:
         if rule_name.endswith("-after-relu"):  # the γ paths for inputs x ≥ 0
             rule, second = second, rule
         with rule.register(net[0]), second.register(net[2]):
+            _leave_marks(rule, net[0], not on_node)
+            _leave_marks(second, net[2], not on_node)
             vectorized = torch.autograd.functional.jacobian(net, x, vectorize=True)
             unit_by_unit = torch.autograd.functional.jacobian(net, x)
+            assert _on_node(net[2](net[1](net[0](x)))) == on_node
         assert torch.allclose(vectorized, unit_by_unit, rtol=1e-12, atol=1e-14)
+
+    @pytest.mark.parametrize("inplace", [False, True])
+    @pytest.mark.parametrize("kind", ["linear", "conv2d"])
+    def test_the_gradient_changed_on_the_layer_node_equals_the_redirect(self, kind, inplace):
+        # Where nothing but the rule sees a layer's output (no marks read, no hook before the rule's), the rule
+        # changes the gradient on the layer's own autograd node: the same relevance, bit for bit, in-place
+        # operations on the output after the rule included.
+        layer, x = make_layer(kind)
+        net = nn.Sequential(layer, nn.ReLU(inplace=inplace), nn.Flatten(), nn.LazyLinear(3)).double()
+        net(x)  # the lazy layer takes its shape
+        relevances = []
+        for on_node in (False, True):
+            rule, x_leaf = EpsilonRule(0.25), x.clone().requires_grad_(True)
+            with rule.register(net[0]), rule.register(net[3]):
+                _leave_marks(rule, net[0], not on_node)
+                _leave_marks(rule, net[3], not on_node)
+                out = net(x_leaf)
+                assert _on_node(net[0](x_leaf)) == on_node
+                relevances.append(x_leaf * torch.autograd.grad(out, x_leaf, torch.ones_like(out))[0])
+        assert torch.equal(relevances[0], relevances[1])
+        assert relevances[1].abs().sum() > 0
+
+    def test_an_output_seen_before_the_rule_keeps_the_redirect(self):
+        # A forward hook that runs before the rule's (or a view as the output) sees the output the rule would
+        # change on its node: the rule then returns a tensor of its own.
+        layer, rule = nn.Linear(3, 2), EpsilonRule()
+        seen = []
+        first = layer.register_forward_hook(lambda m, args, out: seen.append(out))
+        with rule.register(layer):
+            _leave_marks(rule, layer, False)
+            assert not _on_node(layer(torch.ones(1, 3, requires_grad=True)))
+            first.remove()
+            assert _on_node(layer(torch.ones(1, 3, requires_grad=True)))
+            assert not _on_node(layer(torch.ones(2, 4, 3, requires_grad=True)))  # a view of a matrix product
+            assert not _on_node(layer(torch.ones(3, requires_grad=True)))
+        assert len(seen) == 1
+
+
+def _leave_marks(rule: EpsilonRule, layer: nn.Module, marks: bool) -> None:
+    """Leave the layer's LayerCall marks (the redirect path) or not (as a context where no rule reads them)."""
+    rule._registrations[layer].marks = marks
+
+
+def _on_node(output: torch.Tensor) -> bool:
+    """Whether the ε-rule changed the gradient on the layer's own node, not through a redirect of its own."""
+    return "Redirect" not in type(output.grad_fn).__name__
 
 
 class TestClosedForms:

@@ -43,6 +43,7 @@ from tdhook.attribution.rules._numerics import safe_divide
 
 __all__ = [
     "redirect",
+    "scale_at_node",
     "relevance_proxy",
     "scale_gradient",
     "hold",
@@ -61,6 +62,16 @@ __all__ = [
 ]
 
 
+# The questions asked in every rule's backward, looked up once (``None``, or left out, on a torch without them).
+_KEEP_GRAPH_QUERY = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+_FUNCTORCH = getattr(torch._C, "_functorch", None)
+_BATCHED_CHECKS = tuple(
+    check
+    for check in (getattr(_FUNCTORCH, name, None) for name in ("is_legacy_batchedtensor", "is_batchedtensor"))
+    if check is not None
+)
+
+
 def backward_keeps_graph() -> bool:
     """Whether the running backward pass keeps the graph for another one (``retain_graph`` or ``create_graph``).
 
@@ -75,8 +86,7 @@ def backward_keeps_graph() -> bool:
     """
     if torch.compiler.is_compiling():
         return True  # the safe side: a compiled graph is not asked
-    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return True if query is None else bool(query())
+    return True if _KEEP_GRAPH_QUERY is None else bool(_KEEP_GRAPH_QUERY())
 
 
 def is_batched_gradient(grad: torch.Tensor) -> bool:
@@ -93,9 +103,10 @@ def is_batched_gradient(grad: torch.Tensor) -> bool:
     """
     if torch.compiler.is_compiling():
         return False  # a compiled backward is not a batch of gradients
-    functorch = getattr(torch._C, "_functorch", None)
-    checks = [getattr(functorch, name, None) for name in ("is_legacy_batchedtensor", "is_batchedtensor")]
-    return any(check is not None and check(grad) for check in checks)
+    for check in _BATCHED_CHECKS:
+        if check(grad):
+            return True
+    return False
 
 
 BackwardFn = Callable[[torch.Tensor], Sequence[torch.Tensor | None]]
@@ -203,6 +214,31 @@ def redirect(output: torch.Tensor, inputs: Sequence[torch.Tensor], backward_fn: 
         result.grad_fn.metadata[_PLAIN_EDGES] = (1,)  # after the copy (no edge): the module's own output
         return result
     return _Redirect.apply(backward_fn, output.detach(), *inputs)
+
+
+def scale_at_node(output: torch.Tensor, scale: torch.Tensor) -> None:
+    """Multiply the gradient that reaches ``output``'s autograd node by ``scale`` (see :func:`times_saved`).
+
+    What :func:`redirect` does with a backward ``grad -> [times_saved(grad, scale)]`` towards ``output``
+    itself, for less: a hook on the node that made ``output`` (its only output), in place of an autograd
+    function of its own. Tensor hooks on ``output`` run before it and see the gradient that reaches
+    ``output``, as they would on :func:`redirect`'s result; in-place operations on ``output`` keep the node
+    behind their own. Only for a fresh tensor (not a view) that nothing but the rule has seen (see
+    :func:`~tdhook.attribution.rules.base.output_seen_by_rule_alone`).
+
+    Examples:
+        >>> x = torch.tensor([1.0, 2.0], requires_grad=True)
+        >>> y = x * 3
+        >>> scale_at_node(y, torch.tensor([0.5, 0.25]))
+        >>> torch.autograd.grad(y.relu_().sum(), x)[0]
+        tensor([1.5000, 0.7500])
+    """
+
+    def hook(grads: tuple) -> tuple:
+        (grad,) = grads
+        return (None if grad is None else times_saved(grad, scale),)
+
+    output.grad_fn.register_prehook(hook)
 
 
 RelevanceFn = Callable[[Sequence[torch.Tensor]], torch.Tensor]
@@ -534,8 +570,7 @@ def raise_for_vmap(module: torch.nn.Module, output: Any) -> None:
     """
     if torch.compiler.is_compiling():
         return  # a compiled graph holds no vmap of the model's own
-    functorch = getattr(torch._C, "_functorch", None)
-    if functorch is not None and isinstance(output, torch.Tensor) and functorch.is_batchedtensor(output):
+    if _FUNCTORCH is not None and isinstance(output, torch.Tensor) and _FUNCTORCH.is_batchedtensor(output):
         error = RuntimeError(
             f"LRP: module {type(module).__name__} runs under torch.vmap, where its rule cannot see the call's "
             "gradient (the relevance would be the plain gradient); call it outside torch.vmap (LRP does so itself "

@@ -48,6 +48,7 @@ __all__ = [
     "RemovableRuleHandle",
     "Rule",
     "plain_calls",
+    "output_seen_by_rule_alone",
 ]
 
 
@@ -242,6 +243,7 @@ class Registration:
     merged_by_norm: bool = False  # a BatchNorm took over the module's last call (see MergeBatchNormRule)
     fingerprint: tuple = ()  # the parameters ``state`` was prepared from (see parameter_fingerprint)
     marks: bool = True  # whether a Linear or convolution layer's output gets its LayerCall (see Rule.reads_layer_marks)
+    plain_layer: type | None = None  # the class of a Linear or convolution layer with torch's own forward, else None
 
 
 @dataclass(eq=False)
@@ -493,6 +495,8 @@ class Rule(Tunable):
         if module in self._registrations:
             raise ValueError(f"{self!r} is already registered on this {type(module).__name__}")
         registration = self._new_registration(module)
+        if isinstance(module, LINEAR_LAYERS) and _has_plain_forward(module):
+            registration.plain_layer = type(module)  # a parametrization, added later, changes the class
         if self.uses_input and getattr(module, "inplace", False):
             registration.hooks.append(module.register_forward_pre_hook(self._snapshot_hook(registration)))
         registration.hooks.append(module.register_forward_hook(self._forward_hook(registration)))
@@ -601,6 +605,37 @@ def _mark(tensor: torch.Tensor, call: LayerCall) -> None:
     setattr(tensor, _LAYER_CALL, call)
     if tensor.grad_fn is not None:
         tensor.grad_fn.metadata[_LAYER_MARK] = True
+
+
+def output_seen_by_rule_alone(module: nn.Module, registration: Registration, output: torch.Tensor) -> bool:
+    """Whether a rule may change the gradient at ``output`` on ``output``'s own autograd node rather than through
+    a tensor of its own: nothing but the rule ever sees ``output`` before the gradient is changed.
+
+    That holds where ``output`` is a fresh tensor (not a view, whose in-place changes would go around its node)
+    made by a plain Linear or convolution layer; the rule's forward hook is the module's first and no global
+    forward hook runs (no other hook saw ``output`` and registered a tensor hook on it); and no pass starts at
+    the layer's raw output (its :class:`LayerCall` mark is not left: no BatchNorm merges, no callable target
+    or relevance check reads it). Not in a compiled graph, nor under ``torch.func`` transforms.
+
+    Examples:
+        >>> from tdhook.attribution.rules import EpsilonRule
+        >>> lin, rule, x = nn.Linear(2, 2), EpsilonRule(), torch.ones(1, 2)
+        >>> with rule.register(lin):
+        ...     registration = rule._registrations[lin]
+        ...     registration.marks = False
+        ...     output_seen_by_rule_alone(lin, registration, nn.functional.linear(x, lin.weight, lin.bias))
+        True
+    """
+    return (
+        not registration.marks
+        and type(module) is registration.plain_layer
+        and not output._is_view()
+        and output.grad_fn is not None
+        and not nn.modules.module._global_forward_hooks
+        and next(iter(module._forward_hooks), None) == registration.hooks[-1].id
+        and not torch._C._are_functorch_transforms_active()
+        and not torch.compiler.is_compiling()
+    )
 
 
 def _reaches_model_input(x: torch.Tensor) -> bool:

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from tdhook.attribution.rules._arguments import nonnegative
-from tdhook.attribution.rules._autograd import hold, redirect, relevance_proxy, times_saved
+from tdhook.attribution.rules._autograd import hold, redirect, relevance_proxy, scale_at_node, times_saved
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import LINEAR_LAYERS, bias_view
-from tdhook.attribution.rules._numerics import in_pieces_, stabilize
-from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, _single_input
+from tdhook.attribution.rules._numerics import PIECE, in_pieces_, stabilize
+from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, _single_input, output_seen_by_rule_alone
 from tdhook.attribution.tunables import EPSILON
 
 __all__ = ["IgnoreRule", "StopRule", "EpsilonRule", "UniformEpsilonRule", "PassRule", "UniformRule", "RefuseRule"]
@@ -101,12 +101,15 @@ class EpsilonRule(Rule):
         self.epsilon = epsilon
 
     def _scale(self, output: torch.Tensor, n_inputs: int) -> torch.Tensor:
-        z = output.detach()
-        if self.epsilon == 0:
+        z, epsilon = output.detach(), self.epsilon
+        if epsilon == 0:
             scale = (z != 0).to(z.dtype)
-        else:
+        elif z.numel() <= PIECE:  # small enough to stay in cache whole (in_pieces_ without its call)
             # z / stabilize(z, ε) is |z| / (|z| + ε) exactly (a sign flip is exact), in three passes.
-            scale = in_pieces_(z.abs(), lambda piece: piece.div_(piece + self.epsilon))
+            scale = z.abs()
+            scale.div_(scale + epsilon)
+        else:
+            scale = in_pieces_(z.abs(), lambda piece: piece.div_(piece + epsilon))
         return scale if n_inputs == 1 else scale.div_(n_inputs)
 
     def _redirect_keeping_graph(self, output: torch.Tensor, n_inputs: int) -> torch.Tensor:
@@ -123,6 +126,9 @@ class EpsilonRule(Rule):
         if graph_kept() is not None:
             return self._redirect_keeping_graph(output, 1)
         scale = self._scale(output, 1)
+        if output_seen_by_rule_alone(module, registration, output):
+            scale_at_node(output, scale)  # the same gradient as the redirect below, for less
+            return None
         return redirect(output, [output], lambda grad: [times_saved(grad, scale)])
 
     def zero_output_seeds(self, call, relevance):
