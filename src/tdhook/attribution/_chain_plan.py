@@ -265,7 +265,7 @@ def _plain_tensordict_module(wrapper: object) -> bool:
 def planned_call(lrp: Any, explained: list[bool], work: TensorDictBase) -> PlannedCall | None:
     """The planned run of this call of ``lrp`` on ``work``, or ``None`` where it takes the hooks and autograd:
     outside a context or inside ``inactive()``, the first call of a context (it watches the rules and the
-    functions the model calls), a callable, ``"all"`` or dict target, ``split_dim``, an input missing or not
+    functions the model calls), a callable or ``"all"`` target, ``split_dim``, an input missing or not
     floating-point, or a hook added since the context was entered."""
     plan = lrp._plan
     if plan is None or lrp._handles is None or lrp._inactive or not all(explained) or lrp.split_dim is not None:
