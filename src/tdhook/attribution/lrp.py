@@ -6,6 +6,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from tensordict import TensorDictBase
@@ -367,7 +368,8 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._marks_read = self._marks_read or marks_for_target(self._handles or [], self.target)
         explained = explained_in_call(tensordict, self.explained_keys, self._defaulted_inputs, self._optional_inputs)
         validate_inputs(tensordict, [key for key, e in zip(self.explained_keys, explained, strict=True) if e])
-        self._stochastic = warn_for_random_modules("LRP", self._stochastic, tensordict)  # once per context
+        if self._stochastic:
+            self._stochastic = warn_for_random_modules("LRP", self._stochastic, tensordict)  # once per context
         work = tensordict.copy()
         self._layers.clear()
         self._tokens.clear()
@@ -376,26 +378,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
                 # Integer tokens are fed to TokenInputs: the relevance of their embeddings stands for them.
                 leaves, fed = feed_inputs(work, self.explained_keys, self._tokens, explained, self.create_graph)
                 try:
-                    watch = self._rule_use.watch(self.named_explained_modules, self._handles or [])
-                    rule_modes = [] if self._inactive else list(getattr(self.rule_mapper, "function_modes", list)())
-                    rule_modes += [] if self._inactive else self._function_gates.modes(self.rule_mapper, rule_modes)
-                    calls = None
-                    if rule_modes or self._compiled or self._coverage.pending or watch is not _NOTHING_WATCHED:
-                        with contextlib.ExitStack() as modes:
-                            modes.enter_context(watch)
-                            for mode in rule_modes:
-                                modes.enter_context(mode)
-                            calls = self._coverage.watch(
-                                modes, rule_modes, self.named_explained_modules, self._handles or []
-                            )
-                            if self._compiled:  # parts compiled by torch.compile run as written: every rule applies
-                                modes.enter_context(torch.compiler.set_stance("force_eager"))
-                            # Innermost: what ruled modules entered and an interrupt kept them from leaving ends first.
-                            modes.enter_context(closing_scopes())
-                            result = self._run_module(work)
-                    else:  # nothing to enter but the scopes (every call of a context after its first, mostly)
-                        with closing_scopes():
-                            result = self._run_module(work)
+                    result, calls = _run_model(self, work)
                     self._function_gates.settle()
                 except Exception as err:
                     self._tokens.raise_for_unembedded(leaves, err)
@@ -408,18 +391,19 @@ class LRP(TensorDictModuleBase, MapperTunable):
                 self._tokens.raise_for_unembedded(leaves, optional=self._defaulted_inputs)
                 result = work if result is None else result
                 out = returned_tensordict(tensordict, result)  # the caller's, unless the module cut the batch
+                batch_dims = out.batch_dims
                 relevances, outputs = [], []
                 names = list(self.targets)
                 seeds = []
                 for position, name in enumerate(names):
-                    target_key = resolve_target_key(result, *self.targets[name], self._target_candidates(name))
+                    target_key = resolve_target_key(result, *self.targets[name], _target_candidates(self, name))
                     output = explained_output(result, target_key, self.explained_keys, self.targets[name][1])
                     target = self.target
                     if target is None:  # a masked policy explains an allowed action
                         target = allowed_action(self.targets[name][1], target_key, result, tensordict)
-                    grad_outputs, at_zero = initial_relevance(output, target, target_key, out.batch_dims)
+                    grad_outputs, at_zero = initial_relevance(output, target, target_key, batch_dims)
                     extra = zero_output_seeds(output, at_zero, target_key) if at_zero is not None else []
-                    self._split_dim = check_split_dim(self.split_dim, output, target_key, out.batch_dims)
+                    self._split_dim = check_split_dim(self.split_dim, output, target_key, batch_dims)
                     outputs.append(output)
                     if calls is not None and position == len(names) - 1:
                         strict = bool(getattr(self.rule_mapper, "strict", False))
@@ -435,20 +419,8 @@ class LRP(TensorDictModuleBase, MapperTunable):
             for handle in self._handles or []:
                 handle.pop_records()
         self._write(out, result, relevances, fed)
-        self._coverage.keep(out.batch_dims, seeds, relevances)
+        self._coverage.keep(batch_dims, seeds, relevances)
         return out
-
-    def _target_candidates(self, name: str | None) -> list[NestedKey] | None:
-        """The default target keys of target ``name``, found once per open context (``None`` outside one)."""
-        if self._handles is None or self.targets[name][0] is not None:
-            return None
-        candidates = self._candidates.get(name)
-        if candidates is None:
-            candidates = self._candidates[name] = default_target_candidates(self.targets[name][1])
-        return candidates
-
-    def _run_module(self, work: TensorDictBase) -> TensorDictBase | None:
-        return call_plain(self.module, work) if self._name_prefix else self.module(work)
 
     def coverage(self) -> Coverage:
         """What this wrapper's calls left to the plain gradient, and how much relevance reached the inputs.
@@ -490,3 +462,39 @@ class LRP(TensorDictModuleBase, MapperTunable):
         keys = (self.relevance_keys, self.token_relevance_keys, self._relevance_sources)
         updates.update(relevance_updates(tensordict, relevances, *keys))
         set_all_or_nothing(tensordict, updates)
+
+
+def _run_model(lrp: LRP, work: TensorDictBase) -> tuple[TensorDictBase | None, Any]:
+    """Run ``lrp``'s model on ``work`` in the call's function modes and watches: its result, and the watch of
+    nonlinear calls (``None`` where the call is not watched)."""
+    watch = lrp._rule_use.watch(lrp.named_explained_modules, lrp._handles or [])
+    rule_modes = [] if lrp._inactive else list(getattr(lrp.rule_mapper, "function_modes", list)())
+    rule_modes += [] if lrp._inactive else lrp._function_gates.modes(lrp.rule_mapper, rule_modes)
+    if not (rule_modes or lrp._compiled or lrp._coverage.pending or watch is not _NOTHING_WATCHED):
+        with closing_scopes():  # nothing to enter but the scopes (every call of a context after its first, mostly)
+            return _call_model(lrp, work), None
+    with contextlib.ExitStack() as modes:
+        modes.enter_context(watch)
+        for mode in rule_modes:
+            modes.enter_context(mode)
+        calls = lrp._coverage.watch(modes, rule_modes, lrp.named_explained_modules, lrp._handles or [])
+        if lrp._compiled:  # parts compiled by torch.compile run as written: every rule applies
+            modes.enter_context(torch.compiler.set_stance("force_eager"))
+        # Innermost: what ruled modules entered and an interrupt kept them from leaving ends first.
+        modes.enter_context(closing_scopes())
+        return _call_model(lrp, work), calls
+
+
+def _call_model(lrp: LRP, work: TensorDictBase) -> TensorDictBase | None:
+    return call_plain(lrp.module, work) if lrp._name_prefix else lrp.module(work)
+
+
+def _target_candidates(lrp: LRP, name: str | None) -> list[NestedKey] | None:
+    """The default target keys of ``lrp``'s target ``name``, found once per open context (``None`` outside one)."""
+    key, operator = lrp.targets[name]
+    if lrp._handles is None or key is not None:
+        return None
+    candidates = lrp._candidates.get(name)
+    if candidates is None:
+        candidates = lrp._candidates[name] = default_target_candidates(operator)
+    return candidates
