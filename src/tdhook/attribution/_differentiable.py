@@ -18,7 +18,7 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from tdhook.attribution.rules._keeping_graph import RelevancePass, keeping_graph
@@ -50,8 +50,7 @@ def check_differentiable(rules: Mapping[str, Rule], mapper: object = None) -> No
             )
 
 
-@contextmanager
-def relevance_graph(keep: bool) -> Iterator[RelevancePass | None]:
+def relevance_graph(keep: bool) -> AbstractContextManager[RelevancePass | None]:
     """The call's :class:`~tdhook.attribution.rules._keeping_graph.RelevancePass` while the block runs when
     ``keep`` (``create_graph=True``), else ``None`` and nothing changed.
 
@@ -60,11 +59,10 @@ def relevance_graph(keep: bool) -> Iterator[RelevancePass | None]:
         ...     relevance_pass is None
         True
     """
-    if not keep:
-        yield None
-        return
-    with keeping_graph() as relevance_pass:
-        yield relevance_pass
+    return keeping_graph() if keep else _NO_GRAPH
+
+
+_NO_GRAPH = nullcontext()  # reusable: entering it does nothing (cheaper than a generator's context per call)
 
 
 @contextmanager

@@ -370,7 +370,8 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._marks_read = self._marks_read or marks_for_target(self._handles or [], self.target)
         explained = explained_in_call(tensordict, self.explained_keys, self._defaulted_inputs, self._optional_inputs)
         validate_inputs(tensordict, [key for key, e in zip(self.explained_keys, explained, strict=True) if e])
-        self._stochastic = warn_for_random_modules("LRP", self._stochastic, tensordict)  # once per context
+        if self._stochastic:
+            self._stochastic = warn_for_random_modules("LRP", self._stochastic, tensordict)  # once per context
         work = tensordict.copy()
         self._layers.clear()
         self._tokens.clear()

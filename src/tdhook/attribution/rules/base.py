@@ -168,6 +168,9 @@ def _zeroing(names: Sequence[str]) -> ParamModifier:
 
 _UNPREPARED = object()
 
+# torch's global forward hooks (``register_module_forward_hook``), run before every module's own.
+_GLOBAL_FORWARD_HOOKS = nn.modules.module._global_forward_hooks
+
 _PLAIN = threading.local()
 
 
@@ -631,7 +634,7 @@ def output_seen_by_rule_alone(module: nn.Module, registration: Registration, out
         and type(module) is registration.plain_layer
         and not output._is_view()
         and output.grad_fn is not None
-        and not nn.modules.module._global_forward_hooks
+        and not _GLOBAL_FORWARD_HOOKS
         and next(iter(module._forward_hooks), None) == registration.hooks[-1].id
         and not torch._C._are_functorch_transforms_active()
         and not torch.compiler.is_compiling()
