@@ -41,6 +41,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModule, TensorDictModuleBase, skip_existing
 from torch import nn
 from torch.nn.modules import module as module_globals
+from torchrl.modules import MLP
 
 from tdhook.attribution._inputs import feed_inputs
 from tdhook.attribution._writes import model_updates
@@ -78,16 +79,7 @@ def _plain_chain(module: nn.Module) -> bool:
         return False
     if type(module).forward is nn.Sequential.forward:
         return True
-    mlp = _torchrl_mlp()
-    return mlp is not None and type(module) is mlp and not getattr(module, "_reshape_out", True)
-
-
-def _torchrl_mlp() -> type | None:
-    try:
-        from torchrl.modules import MLP
-    except ImportError:  # pragma: no cover - torchrl is a dependency
-        return None
-    return MLP
+    return type(module) is MLP and not getattr(module, "_reshape_out", True)
 
 
 @dataclass
@@ -104,7 +96,7 @@ class ChainPlan:
 
     layers: list[tuple[nn.Module, EpsilonRule | None]]
     hooks: tuple[tuple[dict, ...], tuple[int, ...]]
-    chain: nn.Module | None = None
+    chain: nn.Module
 
     @classmethod
     def build(cls, chain: nn.Module, rules: Mapping[nn.Module, Rule], ours: Collection[int] = ()) -> ChainPlan | None:
@@ -135,7 +127,7 @@ class ChainPlan:
     def applies(self) -> bool:
         """Whether the chain still holds the planned layers, no hook was added to it or its layers, and no global
         module hook is set."""
-        layers = self.chain._modules.values() if self.chain is not None else ()
+        layers = self.chain._modules.values()
         if len(layers) != len(self.layers) or any(a is not b for a, (b, _) in zip(layers, self.layers, strict=True)):
             return False
         if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
@@ -152,7 +144,7 @@ class ChainPlan:
             for layer, rule in self.layers:
                 if type(layer) is nn.Linear:
                     x = torch.nn.functional.linear(x, layer.weight, layer.bias)
-                    factors.append(None if rule is None else _epsilon_scale(x, rule.epsilon))
+                    factors.append(None if rule is None else rule._scale(x, 1))
                 elif type(layer) is nn.ReLU:
                     x = torch.relu(x)
                     factors.append(x)
@@ -174,20 +166,6 @@ class ChainPlan:
                 else:
                     grad = grad * factor
         return grad
-
-
-def _epsilon_scale(z: torch.Tensor, epsilon: float) -> torch.Tensor:
-    """``EpsilonRule``'s scale of the output gradient, the same operations on a tensor in one piece.
-
-    Examples:
-        >>> z = torch.tensor([-2.0, 0.0, 0.5])
-        >>> torch.equal(_epsilon_scale(z, 0.5), EpsilonRule(0.5)._scale(z, 1))
-        True
-    """
-    if epsilon == 0:
-        return (z != 0).to(z.dtype)
-    scale = z.abs()
-    return scale.div_(scale + epsilon)
 
 
 @dataclass

@@ -99,15 +99,6 @@ class LeadingAffine:
         """How many steps one stack holds for a batch of ``n`` samples."""
         return max(1, _STACK_ELEMENTS // (n * self.linear.out_features))
 
-    def _at_baseline(self, baseline: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        """The layer's output with every element at the baseline (``base``, ``[N, M]``): for a baseline of 0, the
-        bias alone."""
-        weight, bias = self.linear.weight, self.linear.bias
-        if baseline.dim() == 0 and not bool(baseline):
-            zero = torch.zeros((), dtype=weight.dtype, device=weight.device)
-            return (zero if bias is None else bias).expand(base.shape[0], weight.shape[0])
-        return torch.nn.functional.linear(base, weight, bias)
-
     def outputs(
         self,
         x: torch.Tensor,
@@ -146,7 +137,7 @@ class LeadingAffine:
             ends = torch.searchsorted(steps, bounds.expand(len(steps), -1).contiguous()).expand(n, -1)
             bags = _Bags(order, (x.reshape(n, -1) - base).gather(-1, order), ends, weight.t().contiguous())
             # The layer's output with every element at the baseline, then with the elements never perturbed back.
-            carry = self._at_baseline(baseline, base).double()
+            carry = torch.nn.functional.linear(base, weight, self.linear.bias).double()
         for start in reversed(range(0, n_steps, size)):
             stop = min(start + size, n_steps)
             with torch.no_grad():

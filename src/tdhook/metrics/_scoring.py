@@ -212,7 +212,7 @@ class Scorer:
             if value is None:
                 value = self._base.get(key)
                 value = value.expand(n_steps, *value.shape)
-            args.append(value[0] if n_steps == 1 else value.reshape(-1, *value.shape[min(batch_dims, 1) + 1 :]))
+            args.append(value[0] if n_steps == 1 else value.flatten(0, 1) if batch_dims else value)  # [S * B, ...]
         with torch.no_grad():
             outputs = self.module.module(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
