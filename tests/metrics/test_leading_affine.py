@@ -249,13 +249,17 @@ def test_an_input_that_is_not_finite_is_gone_from_the_curve_once_it_is_at_the_ba
     baseline=st.sampled_from(["zero", "number", "per sample", "per element"]),
     region=st.booleans(),
     stack=st.sampled_from([None, 1, 2, 5]),
+    bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_random_curves_equal_direct_passes(batch, width, per_pixel, features_per_step, baseline, region, stack, seed):
-    """Random batch shapes, widths, maps (per element or per pixel), steps, baselines, stack sizes and both curves:
-    the updated first layer equals the model run on every perturbed input."""
+def test_random_curves_equal_direct_passes(
+    batch, width, per_pixel, features_per_step, baseline, region, stack, bias, seed
+):
+    """Random batch shapes, widths, maps (per element or per pixel), steps, baselines, stack sizes, first layers with
+    and without bias, and both curves: the updated first layer equals the model run on every perturbed input."""
     torch.manual_seed(seed)
-    net = nn.Sequential(nn.Flatten(), nn.Linear(2 * 4 * 4, width), nn.Tanh(), nn.Linear(width, 3)).double()
+    first = nn.Linear(2 * 4 * 4, width, bias=bias)
+    net = nn.Sequential(nn.Flatten(), first, nn.Tanh(), nn.Linear(width, 3)).double()
     if len(batch) != 1:  # images flattened from dim 1 need one batch dimension: other batches read flat samples
         net = nn.Sequential(*list(net)[1:])
     shape = (2, 4, 4) if len(batch) == 1 else (32,)

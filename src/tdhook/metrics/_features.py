@@ -29,6 +29,8 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 
+from tdhook.metrics._stable_order import stable_order
+
 __all__ = ["Baseline", "Features", "explained_keys", "sort_positions", "stacked_batch"]
 
 Baseline = Union[float, torch.Tensor, Mapping[NestedKey, Union[float, torch.Tensor]]]
@@ -58,7 +60,7 @@ def sort_positions(values: torch.Tensor, descending: bool = True) -> torch.Tenso
         >>> sort_positions(torch.tensor([0.5, 2.0, 0.5, 1.0]), descending=False)
         tensor([0, 3, 1, 2])
     """
-    order = torch.sort(values, dim=-1, descending=descending, stable=True).indices
+    order = stable_order(values, descending)
     positions = torch.empty_like(order)
     arange = torch.arange(values.shape[-1], device=values.device).expand_as(order)
     return positions.scatter_(-1, order, arange)

@@ -137,7 +137,7 @@ class LeadingAffine:
             ends = torch.searchsorted(steps, bounds.expand(len(steps), -1).contiguous()).expand(n, -1)
             bags = _Bags(order, (x.reshape(n, -1) - base).gather(-1, order), ends, weight.t().contiguous())
             # The layer's output with every element at the baseline, then with the elements never perturbed back.
-            carry = torch.nn.functional.linear(base, weight, self.linear.bias).double()
+            carry = self._at_baseline(base)
         for start in reversed(range(0, n_steps, size)):
             stop = min(start + size, n_steps)
             with torch.no_grad():
@@ -147,6 +147,16 @@ class LeadingAffine:
                 for layer in self.rest:
                     out = layer(out)
             yield start, out.reshape(stop - start, n, *out.shape[len(stacked) :])
+
+    def _at_baseline(self, base: torch.Tensor) -> torch.Tensor:
+        """The layer's output ``[N, out]`` in float64 with every element at the baseline ``base`` ``[N, M]``: its bias
+        where the baseline is zero (as the pass would give it: a sum of zeros plus the bias), else one pass."""
+        bias = self.linear.bias
+        if not bool((base == 0).all()):
+            return torch.nn.functional.linear(base, self.linear.weight, bias).double()
+        if bias is None:
+            return torch.zeros(len(base), self.linear.out_features, dtype=torch.float64, device=base.device)
+        return bias.detach().double().expand(len(base), -1)
 
 
 def _in_order(ranks: torch.Tensor, whole: bool) -> tuple[torch.Tensor, torch.Tensor]:
