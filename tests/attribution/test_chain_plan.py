@@ -243,3 +243,84 @@ def test_torchrl_value_operators_and_actors(kind):
     assert_same_call(second, general)
     if kind == "safe Actor":
         assert second["action"].abs().max() <= 0.01
+
+
+class _Chain(nn.Sequential):
+    """A plain chain (``nn.Sequential``'s own forward) with one more method a ``TensorDictModule`` may call."""
+
+    def doubled(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * self(x)
+
+
+def _patch_linear(policy: TensorDictModule) -> None:
+    layer = policy.module[2]
+    layer.forward = lambda x: nn.functional.linear(x, 2 * layer.weight, layer.bias)
+
+
+def _patch_relu(policy: TensorDictModule) -> None:
+    policy.module[1].forward = lambda x: nn.functional.leaky_relu(x, 0.3)
+
+
+def _patch_chain(policy: TensorDictModule) -> None:
+    chain = policy.module
+    chain.forward = lambda x: nn.Sequential.forward(chain, 2 * x)
+
+
+def _compile_chain_in_place(policy: TensorDictModule) -> None:
+    chain = policy.module  # what ``module.compile()`` sets, without the compiler's time
+    chain._compiled_call_impl = lambda *args, **kwargs: 2 * chain._call_impl(*args, **kwargs)
+
+
+def _patch_call_module(policy: TensorDictModule) -> None:
+    call = policy._call_module
+    policy._call_module = lambda tensors, **kwargs: call([2 * t for t in tensors], **kwargs)
+
+
+def _parametrize_weight(policy: TensorDictModule) -> None:
+    nn.utils.parametrize.register_parametrization(policy.module[2], "weight", _Doubled())
+
+
+class _Doubled(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 2 * weight
+
+
+MODEL_CHANGES = {
+    "a Linear layer's forward set on it": _patch_linear,
+    "a ReLU's forward set on it": _patch_relu,
+    "the chain's forward set on it": _patch_chain,
+    "the chain compiled in place": _compile_chain_in_place,
+    "the TensorDictModule's _call_module set on it": _patch_call_module,
+    "the TensorDictModule calling another method": lambda policy: setattr(policy, "method", "doubled"),
+    "another chain put in the TensorDictModule": lambda policy: setattr(
+        policy, "module", _Chain(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)).double()
+    ),
+    "a parametrization on a weight": _parametrize_weight,
+}
+
+
+@pytest.mark.parametrize("when", ["before the context", "after its first call"])
+@pytest.mark.parametrize("change", sorted(MODEL_CHANGES))
+def test_a_model_whose_calls_run_other_code_is_explained_as_it_runs(change, when):
+    """Whatever makes a call of the model run other code than its classes' (a forward set on an instance, a
+    module compiled in place, another chain or method, a parametrization) sets the plan aside: LRP-0 is gradient
+    × input of the model as it runs, on every call."""
+    torch.manual_seed(8)
+    policy = TensorDictModule(
+        _Chain(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double(), in_keys=["x"], out_keys=["y"]
+    )
+    td = TensorDict(x=torch.randn(5, 4, dtype=torch.float64), batch_size=[5])
+    lrp = LRP(policy, BaseRuleMapper())
+    if when == "before the context":
+        MODEL_CHANGES[change](policy)
+    with lrp:
+        results = [lrp(td.clone())]
+        if when == "after its first call":
+            MODEL_CHANGES[change](policy)
+        results.append(lrp(td.clone()))
+    x = td["x"].clone().requires_grad_(True)
+    y = policy(TensorDict(x=x, batch_size=[5]))["y"]
+    (grad,) = torch.autograd.grad(y.max(-1).values.sum(), x)
+    for result in results[1:] if when == "after its first call" else results:
+        torch.testing.assert_close(result["y"], y.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(result["relevance", "x"], x.detach() * grad, rtol=1e-12, atol=1e-12)
