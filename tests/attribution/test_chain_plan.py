@@ -324,3 +324,56 @@ def test_a_model_whose_calls_run_other_code_is_explained_as_it_runs(change, when
     for result in results[1:] if when == "after its first call" else results:
         torch.testing.assert_close(result["y"], y.detach(), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(result["relevance", "x"], x.detach() * grad, rtol=1e-12, atol=1e-12)
+
+
+class _DoubledCall(nn.Sequential):
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().__call__(x)
+
+
+class _DoubledCallImpl(nn.Sequential):
+    def _call_impl(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super()._call_impl(x)
+
+
+class _ReversedIter(nn.Sequential):
+    def __iter__(self):
+        return reversed(list(self._modules.values()))
+
+
+class _DoubledPolicy(TensorDictModule):
+    def __call__(self, tensordict: TensorDict) -> TensorDict:
+        tensordict = super().__call__(tensordict)
+        return tensordict.set("y", 2 * tensordict["y"])
+
+
+def _policy_of(chain_class: type, policy_class: type = TensorDictModule) -> TensorDictModule:
+    chain = chain_class(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)).double()
+    return policy_class(chain, in_keys=["x"], out_keys=["y"])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: _policy_of(_DoubledCall),
+        lambda: _policy_of(_DoubledCallImpl),
+        lambda: _policy_of(_ReversedIter),
+        lambda: _policy_of(nn.Sequential, _DoubledPolicy),
+    ],
+    ids=["chain's __call__", "chain's _call_impl", "chain's __iter__", "TensorDictModule's __call__"],
+)
+def test_subclasses_that_change_the_call_take_the_general_path(make):
+    """A chain or TensorDictModule subclass that keeps ``forward`` but changes how a call runs (``__call__``,
+    ``_call_impl``, the order ``nn.Sequential.forward`` iterates in) is explained as it runs: LRP-0 is gradient ×
+    input."""
+    torch.manual_seed(10)
+    policy = make()
+    td = TensorDict(x=torch.randn(5, 4, dtype=torch.float64), batch_size=[5])
+    results, planned = calls(LRP(policy, BaseRuleMapper()), td)
+    assert planned == [False, False]
+    x = td["x"].clone().requires_grad_(True)
+    y = policy(TensorDict(x=x, batch_size=[5]))["y"]
+    (grad,) = torch.autograd.grad(y.max(-1).values.sum(), x)
+    for result in results:
+        torch.testing.assert_close(result["y"], y.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(result["relevance", "x"], x.detach() * grad, rtol=1e-12, atol=1e-12)

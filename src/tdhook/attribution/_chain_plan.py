@@ -77,12 +77,19 @@ _ACTIVATIONS = (
 
 def _plain_chain(module: nn.Module) -> bool:
     """An ``nn.Sequential`` whose call runs its layers in order: the class's own ``forward``, or torchrl's
-    ``MLP`` with a flat output (its ``forward`` then only calls the layers on its one input)."""
-    if not isinstance(module, nn.Sequential):
+    ``MLP`` with a flat output (its ``forward`` then only calls the layers on its one input), and ``nn.Module``'s
+    call."""
+    if not isinstance(module, nn.Sequential) or not _calls_as(type(module), nn.Sequential, "__iter__"):
         return False
     if type(module).forward is nn.Sequential.forward:
         return True
     return type(module) is MLP and not getattr(module, "_reshape_out", True)
+
+
+def _calls_as(cls: type, base: type, *names: str) -> bool:
+    """Whether ``cls`` calls its instances as ``base`` does: the same ``__call__`` and ``_call_impl`` (and
+    ``names``)."""
+    return all(getattr(cls, name) is getattr(base, name) for name in ("__call__", "_call_impl", *names))
 
 
 def _runs_its_class_code(module: nn.Module) -> bool:
@@ -252,13 +259,15 @@ def _plain_tensordict_module(wrapper: object) -> bool:
     its inputs positionally as they are stored, calls its module itself (no ``method``) and writes its outputs into
     the TensorDict it is given."""
     calls = ("forward", "_call_module", "_write_to_tensordict")
-    if not isinstance(wrapper, TensorDictModule) or any(
-        getattr(type(wrapper), name) is not getattr(TensorDictModule, name) for name in calls
-    ):
+    if not isinstance(wrapper, TensorDictModule) or not _calls_as(type(wrapper), TensorDictModule, *calls):
         return False
-    if getattr(wrapper, "method", None) is not None or getattr(wrapper, "method_kwargs", None):
-        return False
-    return wrapper._kwargs is None and not getattr(wrapper, "_get_kwargs", None) and _runs_its_class_code(wrapper)
+    return wrapper._kwargs is None and not getattr(wrapper, "_get_kwargs", None) and _calls_its_module(wrapper)
+
+
+def _calls_its_module(wrapper: TensorDictModule) -> bool:
+    """Whether ``wrapper`` calls its module itself (no ``method``) with its class's code (checked on every call)."""
+    method = getattr(wrapper, "method", None) is not None or getattr(wrapper, "method_kwargs", None)
+    return not method and _runs_its_class_code(wrapper)
 
 
 def planned_call(lrp: Any, explained: list[bool], work: TensorDictBase) -> PlannedCall | None:
@@ -281,7 +290,7 @@ def planned_call(lrp: Any, explained: list[bool], work: TensorDictBase) -> Plann
     wrapper = lrp.module
     if skip_existing() or wrapper._forward_hooks or wrapper._forward_pre_hooks or not plan.applies():
         return None
-    if getattr(wrapper, "module", None) is not plan.chain or not _plain_tensordict_module(wrapper):
+    if getattr(wrapper, "module", None) is not plan.chain or not _calls_its_module(wrapper):
         return None  # another chain, call step or method put in since the context was entered
     if not work.get(wrapper.in_keys[0]).is_floating_point():
         return None
