@@ -377,3 +377,21 @@ def test_subclasses_that_change_the_call_take_the_general_path(make):
     for result in results:
         torch.testing.assert_close(result["y"], y.detach(), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(result["relevance", "x"], x.detach() * grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("key", [nn.Sequential, "module"], ids=["by type", "by name"])
+def test_a_rule_on_the_chain_itself_takes_the_general_path(key):
+    """The ε-rule on the chain as a whole rescales the gradient of its output before LRP-0 runs through the
+    layers: the plan, which follows the layers' rules only, stands aside."""
+    torch.manual_seed(11)
+    chain = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    td = TensorDict(x=torch.randn(5, 4, dtype=torch.float64), batch_size=[5])
+    mapper = {key: EpsilonRule(0.5), nn.Linear: EpsilonRule(0.0)}
+    results, planned = calls(LRP(TensorDictModule(chain, in_keys=["x"], out_keys=["y"]), mapper), td)
+    assert planned == [False, False]
+    x = td["x"].clone().requires_grad_(True)
+    y = chain(x)
+    seed = torch.zeros_like(y).scatter_(-1, y.argmax(-1, keepdim=True), 1.0) * y.abs() / (y.abs() + 0.5)
+    (grad,) = torch.autograd.grad(y, x, seed.detach())
+    for result in results:
+        torch.testing.assert_close(result["relevance", "x"], x.detach() * grad, rtol=1e-12, atol=1e-12)

@@ -120,11 +120,12 @@ class ChainPlan:
     @classmethod
     def build(cls, chain: nn.Module, rules: Mapping[nn.Module, Rule], ours: Collection[int] = ()) -> ChainPlan | None:
         """The plan of ``chain`` under ``rules`` (module to rule), or ``None`` where the chain or a rule is not
-        one the plan follows exactly, a hook other than ``ours`` (hook ids: the rules' own) sits on the chain or
-        a layer, or a forward is set on one of them (see :meth:`applies`).
+        one the plan follows exactly (a rule on the chain itself other than ``IgnoreRule``), a hook other than
+        ``ours`` (hook ids: the rules' own) sits on the chain or a layer, or a forward is set on one of them (see
+        :meth:`applies`).
         """
-        if not _plain_chain(chain):
-            return None
+        if not _plain_chain(chain) or type(rules.get(chain, IgnoreRule())) is not IgnoreRule:
+            return None  # a rule on the chain as a whole acts beyond its layers' rules
         layers: list[tuple[nn.Module, EpsilonRule | None]] = []
         for layer in chain:
             rule = rules.get(layer)
