@@ -395,3 +395,54 @@ def test_a_rule_on_the_chain_itself_takes_the_general_path(key):
     (grad,) = torch.autograd.grad(y, x, seed.detach())
     for result in results:
         torch.testing.assert_close(result["relevance", "x"], x.detach() * grad, rtol=1e-12, atol=1e-12)
+
+
+def _optimizer_step(chain: nn.Module) -> None:
+    parameters = list(chain.parameters())
+    for p in parameters:
+        p.grad = torch.randn_like(p)
+    torch.optim.SGD(parameters, lr=0.5).step()
+
+
+PARAMETER_UPDATES = {
+    "an optimizer step": _optimizer_step,
+    "a soft update in place": lambda chain: [p.data.mul_(0.5).add_(0.25) for p in chain.parameters()],
+    "load_state_dict": lambda chain: chain.load_state_dict(
+        {k: torch.randn_like(v) for k, v in chain.state_dict().items()}
+    ),
+    "load_state_dict(assign=True)": lambda chain: chain.load_state_dict(
+        {k: torch.randn_like(v) for k, v in chain.state_dict().items()}, assign=True
+    ),
+    "a new weight Parameter": lambda chain: setattr(
+        chain[2], "weight", nn.Parameter(torch.randn_like(chain[2].weight))
+    ),
+    "the bias removed": lambda chain: setattr(chain[0], "bias", None),
+    "requires_grad off, train() and a step": lambda chain: [
+        p.requires_grad_(False).mul_(0.5) for p in chain.train().parameters()
+    ],
+}
+
+
+@pytest.mark.parametrize("update", sorted(PARAMETER_UPDATES))
+def test_parameters_updated_between_calls_are_read_live(update):
+    """Target networks and training loops change the weights between the calls of one context: each planned call
+    computes with the weights of its time, as the general path does (the same updates, from the same seed)."""
+    torch.manual_seed(12)
+    policy = TensorDictModule(
+        nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double(), in_keys=["x"], out_keys=["y"]
+    )
+    td = TensorDict(x=torch.randn(5, 4, dtype=torch.float64), batch_size=[5])
+    results = []
+    for module in (policy, hooked(policy)):
+        lrp, out = LRP(module, EpsilonPlus()), []
+        with lrp, mock.patch.object(PlannedCall, "run", autospec=True, side_effect=PlannedCall.run) as run:
+            out += [lrp(td.clone()), lrp(td.clone())]
+            torch.manual_seed(13)
+            PARAMETER_UPDATES[update](module.module)
+            out.append(lrp(td.clone()))
+        results.append((out, run.call_count))
+    (ours, planned), (general, general_planned) = results
+    assert (planned, general_planned) == (2, 0)
+    assert not torch.allclose(ours[1]["y"], ours[2]["y"])  # the update changed the output
+    for mine, theirs in zip(ours, general, strict=True):
+        assert_same_call(mine, theirs)
