@@ -243,3 +243,206 @@ def test_torchrl_value_operators_and_actors(kind):
     assert_same_call(second, general)
     if kind == "safe Actor":
         assert second["action"].abs().max() <= 0.01
+
+
+class _Chain(nn.Sequential):
+    """A plain chain (``nn.Sequential``'s own forward) with one more method a ``TensorDictModule`` may call."""
+
+    def doubled(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * self(x)
+
+
+def _patch_linear(policy: TensorDictModule) -> None:
+    layer = policy.module[2]
+    layer.forward = lambda x: nn.functional.linear(x, 2 * layer.weight, layer.bias)
+
+
+def _patch_relu(policy: TensorDictModule) -> None:
+    policy.module[1].forward = lambda x: nn.functional.leaky_relu(x, 0.3)
+
+
+def _patch_chain(policy: TensorDictModule) -> None:
+    chain = policy.module
+    chain.forward = lambda x: nn.Sequential.forward(chain, 2 * x)
+
+
+def _compile_chain_in_place(policy: TensorDictModule) -> None:
+    chain = policy.module  # what ``module.compile()`` sets, without the compiler's time
+    chain._compiled_call_impl = lambda *args, **kwargs: 2 * chain._call_impl(*args, **kwargs)
+
+
+def _patch_call_module(policy: TensorDictModule) -> None:
+    call = policy._call_module
+    policy._call_module = lambda tensors, **kwargs: call([2 * t for t in tensors], **kwargs)
+
+
+def _parametrize_weight(policy: TensorDictModule) -> None:
+    nn.utils.parametrize.register_parametrization(policy.module[2], "weight", _Doubled())
+
+
+class _Doubled(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 2 * weight
+
+
+MODEL_CHANGES = {
+    "a Linear layer's forward set on it": _patch_linear,
+    "a ReLU's forward set on it": _patch_relu,
+    "the chain's forward set on it": _patch_chain,
+    "the chain compiled in place": _compile_chain_in_place,
+    "the TensorDictModule's _call_module set on it": _patch_call_module,
+    "the TensorDictModule calling another method": lambda policy: setattr(policy, "method", "doubled"),
+    "another chain put in the TensorDictModule": lambda policy: setattr(
+        policy, "module", _Chain(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)).double()
+    ),
+    "a parametrization on a weight": _parametrize_weight,
+}
+
+
+@pytest.mark.parametrize("when", ["before the context", "after its first call"])
+@pytest.mark.parametrize("change", sorted(MODEL_CHANGES))
+def test_a_model_whose_calls_run_other_code_is_explained_as_it_runs(change, when):
+    """Whatever makes a call of the model run other code than its classes' (a forward set on an instance, a
+    module compiled in place, another chain or method, a parametrization) sets the plan aside: LRP-0 is gradient
+    × input of the model as it runs, on every call."""
+    torch.manual_seed(8)
+    policy = TensorDictModule(
+        _Chain(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double(), in_keys=["x"], out_keys=["y"]
+    )
+    td = TensorDict(x=torch.randn(5, 4, dtype=torch.float64), batch_size=[5])
+    lrp = LRP(policy, BaseRuleMapper())
+    if when == "before the context":
+        MODEL_CHANGES[change](policy)
+    with lrp:
+        results = [lrp(td.clone())]
+        if when == "after its first call":
+            MODEL_CHANGES[change](policy)
+        results.append(lrp(td.clone()))
+    x = td["x"].clone().requires_grad_(True)
+    y = policy(TensorDict(x=x, batch_size=[5]))["y"]
+    (grad,) = torch.autograd.grad(y.max(-1).values.sum(), x)
+    for result in results[1:] if when == "after its first call" else results:
+        torch.testing.assert_close(result["y"], y.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(result["relevance", "x"], x.detach() * grad, rtol=1e-12, atol=1e-12)
+
+
+class _DoubledCall(nn.Sequential):
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().__call__(x)
+
+
+class _DoubledCallImpl(nn.Sequential):
+    def _call_impl(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super()._call_impl(x)
+
+
+class _ReversedIter(nn.Sequential):
+    def __iter__(self):
+        return reversed(list(self._modules.values()))
+
+
+class _DoubledPolicy(TensorDictModule):
+    def __call__(self, tensordict: TensorDict) -> TensorDict:
+        tensordict = super().__call__(tensordict)
+        return tensordict.set("y", 2 * tensordict["y"])
+
+
+def _policy_of(chain_class: type, policy_class: type = TensorDictModule) -> TensorDictModule:
+    chain = chain_class(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)).double()
+    return policy_class(chain, in_keys=["x"], out_keys=["y"])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: _policy_of(_DoubledCall),
+        lambda: _policy_of(_DoubledCallImpl),
+        lambda: _policy_of(_ReversedIter),
+        lambda: _policy_of(nn.Sequential, _DoubledPolicy),
+    ],
+    ids=["chain's __call__", "chain's _call_impl", "chain's __iter__", "TensorDictModule's __call__"],
+)
+def test_subclasses_that_change_the_call_take_the_general_path(make):
+    """A chain or TensorDictModule subclass that keeps ``forward`` but changes how a call runs (``__call__``,
+    ``_call_impl``, the order ``nn.Sequential.forward`` iterates in) is explained as it runs: LRP-0 is gradient ×
+    input."""
+    torch.manual_seed(10)
+    policy = make()
+    td = TensorDict(x=torch.randn(5, 4, dtype=torch.float64), batch_size=[5])
+    results, planned = calls(LRP(policy, BaseRuleMapper()), td)
+    assert planned == [False, False]
+    x = td["x"].clone().requires_grad_(True)
+    y = policy(TensorDict(x=x, batch_size=[5]))["y"]
+    (grad,) = torch.autograd.grad(y.max(-1).values.sum(), x)
+    for result in results:
+        torch.testing.assert_close(result["y"], y.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(result["relevance", "x"], x.detach() * grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("key", [nn.Sequential, "module"], ids=["by type", "by name"])
+def test_a_rule_on_the_chain_itself_takes_the_general_path(key):
+    """The ε-rule on the chain as a whole rescales the gradient of its output before LRP-0 runs through the
+    layers: the plan, which follows the layers' rules only, stands aside."""
+    torch.manual_seed(11)
+    chain = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    td = TensorDict(x=torch.randn(5, 4, dtype=torch.float64), batch_size=[5])
+    mapper = {key: EpsilonRule(0.5), nn.Linear: EpsilonRule(0.0)}
+    results, planned = calls(LRP(TensorDictModule(chain, in_keys=["x"], out_keys=["y"]), mapper), td)
+    assert planned == [False, False]
+    x = td["x"].clone().requires_grad_(True)
+    y = chain(x)
+    seed = torch.zeros_like(y).scatter_(-1, y.argmax(-1, keepdim=True), 1.0) * y.abs() / (y.abs() + 0.5)
+    (grad,) = torch.autograd.grad(y, x, seed.detach())
+    for result in results:
+        torch.testing.assert_close(result["relevance", "x"], x.detach() * grad, rtol=1e-12, atol=1e-12)
+
+
+def _optimizer_step(chain: nn.Module) -> None:
+    parameters = list(chain.parameters())
+    for p in parameters:
+        p.grad = torch.randn_like(p)
+    torch.optim.SGD(parameters, lr=0.5).step()
+
+
+PARAMETER_UPDATES = {
+    "an optimizer step": _optimizer_step,
+    "a soft update in place": lambda chain: [p.data.mul_(0.5).add_(0.25) for p in chain.parameters()],
+    "load_state_dict": lambda chain: chain.load_state_dict(
+        {k: torch.randn_like(v) for k, v in chain.state_dict().items()}
+    ),
+    "load_state_dict(assign=True)": lambda chain: chain.load_state_dict(
+        {k: torch.randn_like(v) for k, v in chain.state_dict().items()}, assign=True
+    ),
+    "a new weight Parameter": lambda chain: setattr(
+        chain[2], "weight", nn.Parameter(torch.randn_like(chain[2].weight))
+    ),
+    "the bias removed": lambda chain: setattr(chain[0], "bias", None),
+    "requires_grad off, train() and a step": lambda chain: [
+        p.requires_grad_(False).mul_(0.5) for p in chain.train().parameters()
+    ],
+}
+
+
+@pytest.mark.parametrize("update", sorted(PARAMETER_UPDATES))
+def test_parameters_updated_between_calls_are_read_live(update):
+    """Target networks and training loops change the weights between the calls of one context: each planned call
+    computes with the weights of its time, as the general path does (the same updates, from the same seed)."""
+    torch.manual_seed(12)
+    policy = TensorDictModule(
+        nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double(), in_keys=["x"], out_keys=["y"]
+    )
+    td = TensorDict(x=torch.randn(5, 4, dtype=torch.float64), batch_size=[5])
+    results = []
+    for module in (policy, hooked(policy)):
+        lrp, out = LRP(module, EpsilonPlus()), []
+        with lrp, mock.patch.object(PlannedCall, "run", autospec=True, side_effect=PlannedCall.run) as run:
+            out += [lrp(td.clone()), lrp(td.clone())]
+            torch.manual_seed(13)
+            PARAMETER_UPDATES[update](module.module)
+            out.append(lrp(td.clone()))
+        results.append((out, run.call_count))
+    (ours, planned), (general, general_planned) = results
+    assert (planned, general_planned) == (2, 0)
+    assert not torch.allclose(ours[1]["y"], ours[2]["y"])  # the update changed the output
+    for mine, theirs in zip(ours, general, strict=True):
+        assert_same_call(mine, theirs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tensordict import TensorDict
-from tensordict.nn import TensorDictModule
+from tensordict.nn import TensorDictModule, TensorDictSequential
 from zennit import rules as zrules
 from zennit.composites import LayerMapComposite
 
@@ -264,3 +264,34 @@ print((after - before) * 1024 / (out.numel() * out.element_size()))
 """
     ratio = float(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout)
     assert ratio < 1.8, f"target='all' grew the peak memory by {ratio:.2f} times its result"
+
+
+def _append_step(pipeline: TensorDictSequential) -> None:
+    pipeline.module.append(TensorDictModule(torch.nn.Linear(2, 5, bias=False).double(), in_keys=["y"], out_keys=["z"]))
+
+
+def _rename_output(pipeline: TensorDictSequential) -> None:
+    pipeline.module[-1].out_keys = ["z"]
+
+
+@pytest.mark.parametrize("change", [_append_step, _rename_output], ids=["a step appended", "the output renamed"])
+def test_the_default_target_follows_a_pipeline_changed_inside_the_context(change):
+    """The default target keys are kept while a context is open, and found again where the pipeline's modules or
+    keys change: the call explains what the same call outside the context explains."""
+    torch.manual_seed(9)
+    pipeline = TensorDictSequential(
+        TensorDictModule(torch.nn.Linear(3, 4, bias=False).double(), in_keys=["x"], out_keys=["h"]),
+        TensorDictModule(torch.nn.Linear(4, 2, bias=False).double(), in_keys=["h"], out_keys=["y"]),
+    )
+    td = TensorDict(x=torch.randn(6, 3, dtype=torch.float64), batch_size=[6])
+    lrp = LRP(pipeline)
+    with lrp:
+        lrp(td.clone())
+        change(pipeline)
+        inside = lrp(td.clone())
+    outside = lrp(td.clone())
+    assert "z" in outside.keys()
+    torch.testing.assert_close(inside["relevance", "x"], outside["relevance", "x"], rtol=1e-12, atol=1e-12)
+    # LRP-0 on Linear layers without bias: the relevance sums to the explained output, the last step's maximum.
+    total = outside["z"].max(-1).values
+    torch.testing.assert_close(inside["relevance", "x"].sum(-1), total, rtol=1e-9, atol=1e-9)

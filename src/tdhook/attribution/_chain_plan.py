@@ -52,6 +52,9 @@ from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule
 __all__ = ["ChainPlan", "PlannedCall", "context_plan", "planned_call", "planned_feed", "planned_updates"]
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# Set on an instance, each of these changes what calling the module runs (a forward patched on a layer, a
+# TensorDictModule's call step replaced, ``module.compile()``'s ``_compiled_call_impl``).
+_CALL_ATTRIBUTES = frozenset(("forward", "_call_impl", "_wrapped_call_impl", "_call_module", "_write_to_tensordict"))
 # Element-wise activations whose PassRule gradient is the plan's ``grad * output / stabilize(input)``.
 _ACTIVATIONS = (
     nn.Tanh,
@@ -74,12 +77,26 @@ _ACTIVATIONS = (
 
 def _plain_chain(module: nn.Module) -> bool:
     """An ``nn.Sequential`` whose call runs its layers in order: the class's own ``forward``, or torchrl's
-    ``MLP`` with a flat output (its ``forward`` then only calls the layers on its one input)."""
-    if not isinstance(module, nn.Sequential):
+    ``MLP`` with a flat output (its ``forward`` then only calls the layers on its one input), and ``nn.Module``'s
+    call."""
+    if not isinstance(module, nn.Sequential) or not _calls_as(type(module), nn.Sequential, "__iter__"):
         return False
     if type(module).forward is nn.Sequential.forward:
         return True
     return type(module) is MLP and not getattr(module, "_reshape_out", True)
+
+
+def _calls_as(cls: type, base: type, *names: str) -> bool:
+    """Whether ``cls`` calls its instances as ``base`` does: the same ``__call__`` and ``_call_impl`` (and
+    ``names``)."""
+    return all(getattr(cls, name) is getattr(base, name) for name in ("__call__", "_call_impl", *names))
+
+
+def _runs_its_class_code(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs its class's code: no forward or call step set on the instance, and not
+    compiled in place (``module.compile()``)."""
+    attributes = module.__dict__
+    return attributes.get("_compiled_call_impl") is None and attributes.keys().isdisjoint(_CALL_ATTRIBUTES)
 
 
 @dataclass
@@ -92,20 +109,23 @@ class ChainPlan:
         hooks: the hook dicts of the chain and its layers, and their sizes when the plan was built (the rules' own
             hooks included): a hook added later runs code the plan would skip, so the plan then stands aside.
         chain: the planned chain (a layer replaced in it later also sets the plan aside).
+        kinds: the class of each layer when the plan was built (a parametrization added later changes it).
     """
 
     layers: list[tuple[nn.Module, EpsilonRule | None]]
     hooks: tuple[tuple[dict, ...], tuple[int, ...]]
     chain: nn.Module
+    kinds: tuple[type, ...]
 
     @classmethod
     def build(cls, chain: nn.Module, rules: Mapping[nn.Module, Rule], ours: Collection[int] = ()) -> ChainPlan | None:
         """The plan of ``chain`` under ``rules`` (module to rule), or ``None`` where the chain or a rule is not
-        one the plan follows exactly, or a hook other than ``ours`` (hook ids: the rules' own) sits on the chain or
-        a layer.
+        one the plan follows exactly (a rule on the chain itself other than ``IgnoreRule``), a hook other than
+        ``ours`` (hook ids: the rules' own) sits on the chain or a layer, or a forward is set on one of them (see
+        :meth:`applies`).
         """
-        if not _plain_chain(chain):
-            return None
+        if not _plain_chain(chain) or type(rules.get(chain, IgnoreRule())) is not IgnoreRule:
+            return None  # a rule on the chain as a whole acts beyond its layers' rules
         layers: list[tuple[nn.Module, EpsilonRule | None]] = []
         for layer in chain:
             rule = rules.get(layer)
@@ -122,13 +142,19 @@ class ChainPlan:
         dicts = tuple(getattr(m, name) for m in (chain, *chain) for name in _HOOKS if hasattr(m, name))
         if any(hook not in ours for hooks in dicts for hook in hooks):
             return None
-        return cls(layers, (dicts, tuple(map(len, dicts))), chain)
+        if not all(map(_runs_its_class_code, (chain, *(layer for layer, _ in layers)))):
+            return None
+        return cls(layers, (dicts, tuple(map(len, dicts))), chain, tuple(type(layer) for layer, _ in layers))
 
     def applies(self) -> bool:
-        """Whether the chain still holds the planned layers, no hook was added to it or its layers, and no global
-        module hook is set."""
-        layers = self.chain._modules.values()
-        if len(layers) != len(self.layers) or any(a is not b for a, (b, _) in zip(layers, self.layers, strict=True)):
+        """Whether the chain still holds the planned layers, of the same classes, and runs them as their classes
+        do (no forward set on an instance, nothing compiled in place), no hook was added to the chain or its
+        layers, and no global module hook is set."""
+        layers = tuple(self.chain._modules.values())
+        # The planned classes (Linear, activations) compare modules by identity: the same objects, same classes.
+        if tuple(map(type, layers)) != self.kinds or layers != tuple(layer for layer, _ in self.layers):
+            return False
+        if not all(map(_runs_its_class_code, (self.chain, *layers))):
             return False
         if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
             return False
@@ -231,20 +257,27 @@ def context_plan(
 
 def _plain_tensordict_module(wrapper: object) -> bool:
     """A ``TensorDictModule`` (or a subclass with its call, as torchrl's ``ValueOperator`` and ``Actor``) that reads
-    its inputs positionally as they are stored and writes its outputs into the TensorDict it is given."""
+    its inputs positionally as they are stored, calls its module itself (no ``method``) and writes its outputs into
+    the TensorDict it is given."""
     calls = ("forward", "_call_module", "_write_to_tensordict")
-    if not isinstance(wrapper, TensorDictModule) or any(
-        getattr(type(wrapper), name) is not getattr(TensorDictModule, name) for name in calls
-    ):
+    if not isinstance(wrapper, TensorDictModule) or not _calls_as(type(wrapper), TensorDictModule, *calls):
         return False
-    return wrapper._kwargs is None and not getattr(wrapper, "_get_kwargs", None)
+    return wrapper._kwargs is None and not getattr(wrapper, "_get_kwargs", None) and _calls_its_module(wrapper)
+
+
+def _calls_its_module(wrapper: TensorDictModule) -> bool:
+    """Whether ``wrapper`` calls its module itself (no ``method``) with its class's code (checked on every call)."""
+    method = getattr(wrapper, "method", None) is not None or getattr(wrapper, "method_kwargs", None)
+    return not method and _runs_its_class_code(wrapper)
 
 
 def planned_call(lrp: Any, explained: list[bool], work: TensorDictBase) -> PlannedCall | None:
     """The planned run of this call of ``lrp`` on ``work``, or ``None`` where it takes the hooks and autograd:
     outside a context or inside ``inactive()``, the first call of a context (it watches the rules and the
     functions the model calls), a callable or ``"all"`` target, ``split_dim``, an input missing or not
-    floating-point, or a hook added since the context was entered."""
+    floating-point, a hook added since the context was entered, or a model that runs other code than when the
+    plan was made (see :meth:`ChainPlan.applies`; another chain, call step or ``method`` in the wrapped
+    ``TensorDictModule``)."""
     plan = lrp._plan
     if plan is None or lrp._handles is None or lrp._inactive or not all(explained) or lrp.split_dim is not None:
         return None
@@ -258,6 +291,8 @@ def planned_call(lrp: Any, explained: list[bool], work: TensorDictBase) -> Plann
     wrapper = lrp.module
     if skip_existing() or wrapper._forward_hooks or wrapper._forward_pre_hooks or not plan.applies():
         return None
+    if getattr(wrapper, "module", None) is not plan.chain or not _calls_its_module(wrapper):
+        return None  # another chain, call step or method put in since the context was entered
     if not work.get(wrapper.in_keys[0]).is_floating_point():
         return None
     return PlannedCall(plan, lrp.module)

@@ -416,8 +416,8 @@ def _leaf_modules(module: TensorDictModuleBase) -> list[TensorDictModuleBase]:
 
 
 class DefaultTargets(dict):
-    """A wrapper's default target keys, per target name, found once per open context (the pipeline's keys stay
-    the same while its rules are registered).
+    """A wrapper's default target keys, per target name, kept while a context is open and found again where the
+    pipeline's steps or their keys change (a step appended, an output renamed inside the context).
 
     Examples:
         >>> from tensordict.nn import TensorDictModule
@@ -425,6 +425,12 @@ class DefaultTargets(dict):
         >>> lrp = LRP(TensorDictModule(torch.nn.Linear(3, 2), in_keys=["x"], out_keys=["y"]))
         >>> DefaultTargets().of(lrp, None) is None  # outside a context: looked up on every call
         True
+        >>> with lrp:
+        ...     targets = DefaultTargets()
+        ...     first = targets.of(lrp, None)
+        ...     lrp.module.out_keys = ["z"]
+        ...     first, targets.of(lrp, None)
+        (['y'], ['z'])
     """
 
     def of(self, wrapper: Any, name: str | None) -> list[NestedKey] | None:
@@ -433,9 +439,13 @@ class DefaultTargets(dict):
         key, operator = wrapper.targets[name]
         if wrapper._handles is None or key is not None:
             return None
-        if name not in self:
-            self[name] = default_target_candidates(operator)
-        return self[name]
+        leaves = _leaf_modules(default_target_operator(operator))
+        # The steps by identity (kept alive with the keys, so that no other module takes their ids) and their keys.
+        steps = [(id(leaf), list(leaf.in_keys), list(leaf.out_keys)) for leaf in leaves]
+        kept = self.get(name)
+        if kept is None or kept[1] != steps:
+            kept = self[name] = (leaves, steps, _unread_outputs(leaves))
+        return kept[2]
 
 
 def default_target_candidates(module: TensorDictModuleBase) -> list[NestedKey]:
@@ -458,11 +468,12 @@ def default_target_candidates(module: TensorDictModuleBase) -> list[NestedKey]:
         >>> default_target_candidates(net)
         ['logits']
     """
-    leaves = [
-        leaf
-        for leaf in _leaf_modules(default_target_operator(module))
-        if not isinstance(leaf, (ProbabilisticTensorDictModule, *EXPLORATION_MODULES))
-    ]
+    return _unread_outputs(_leaf_modules(default_target_operator(module)))
+
+
+def _unread_outputs(steps: list[TensorDictModuleBase]) -> list[NestedKey]:
+    """:func:`default_target_candidates` of a pipeline whose steps (its leaf modules) are ``steps``."""
+    leaves = [leaf for leaf in steps if not isinstance(leaf, (ProbabilisticTensorDictModule, *EXPLORATION_MODULES))]
     if not leaves:
         return []
     read = {unravel_key(k) for leaf in leaves for k in leaf.in_keys}
