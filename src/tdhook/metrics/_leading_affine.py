@@ -135,7 +135,9 @@ class LeadingAffine:
             steps = torch.searchsorted(thresholds, ranks, right=True)
             bounds = torch.arange(n_steps + 2, dtype=steps.dtype, device=steps.device)
             ends = torch.searchsorted(steps, bounds.expand(len(steps), -1).contiguous()).expand(n, -1)
-            bags = _Bags(order, (x.reshape(n, -1) - base).gather(-1, order), ends, weight.t().contiguous())
+            values = (x.reshape(n, -1) - base).gather(-1, order)
+            # The bags from the last step back (bag 0: the elements that never go), summed in that order.
+            bags = _Bags(order.flip(-1), values.flip(-1), order.shape[1] - ends.flip(-1), weight.t().contiguous())
             # The layer's output with every element at the baseline, then with the elements never perturbed back.
             carry = torch.nn.functional.linear(base, weight, self.linear.bias).double()
         for start in reversed(range(0, n_steps, size)):
@@ -146,7 +148,7 @@ class LeadingAffine:
                 out = hidden.reshape(*stacked, weight.shape[0])
                 for layer in self.rest:
                     out = layer(out)
-            yield start, out.reshape(stop - start, n, *out.shape[len(stacked) :])
+            yield start, out.reshape(stop - start, n, *out.shape[len(stacked) :]).flip(0)  # from the first step
 
 
 def _in_order(ranks: torch.Tensor, whole: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,12 +175,14 @@ def _in_order(ranks: torch.Tensor, whole: bool) -> tuple[torch.Tensor, torch.Ten
 
 @dataclass
 class _Bags:
-    """The changes of the layer's output, one bag of elements per sample and step.
+    """The changes of the layer's output, one bag of elements per sample and step, from the last step back.
+
+    Bag ``j`` holds the elements that go at step ``steps + 1 - j`` (from 1); bag 0 those that never go.
 
     Attributes:
-        order: ``[N, M]``: each sample's elements in the order they go.
+        order: ``[N, M]``: each sample's elements, the last to go first.
         values: ``[N, M]``: ``x_e - b_e`` of those elements.
-        ends: ``[N, steps + 2]``: where in ``order`` each step's elements begin.
+        ends: ``[N, steps + 2]``: where in ``order`` each bag begins.
         rows: ``W^T``, row ``e`` the weights of element ``e``.
     """
 
@@ -188,29 +192,30 @@ class _Bags:
     rows: torch.Tensor
 
     def outputs(self, start: int, stop: int, carry: torch.Tensor, last: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's outputs ``[stop - start, N, out]`` at steps ``start + 1 .. stop``, and the carry for the steps
-        before.
+        """The layer's outputs ``[stop - start, N, out]`` at steps ``stop .. start + 1`` (from the last step back),
+        and the carry for the steps before.
 
         ``carry`` (float64) is the output at step ``stop + 1``: every element that goes by then at the baseline.
         With ``last``, the elements that never go are added to it first.
         """
-        sums = self._sums(start, stop + last)  # [N, bags, out]
+        n_bags = self.ends.shape[1] - 1
+        sums = self._sums(n_bags - stop - last, n_bags - start)  # [N, last + steps, out], from the last step back
         n, width, steps = sums.shape[0], sums.shape[2], stop - start
         if last:
-            carry = carry + sums[:, -1]
-        # [N, out, steps] in float64, in one copy: the running sum is then a scan along the last dimension.
-        running = torch.empty(n, width, steps, dtype=torch.float64, device=sums.device)
-        running.copy_(sums[:, :steps].transpose(1, 2)).cumsum_(-1)
-        # Step t's output is carry + the changes of steps t + 1 .. stop - 1: with P the running sum of the changes
-        # from ``start``, (carry + P[stop - 1]) - P[t]. Both terms hold the elements gone by step t in float64, so
-        # those cancel to float64 rounding; the float32 rounding of their change is not left in the output.
-        before = carry + running[..., -1]
-        hidden = running.neg_().add_(before.unsqueeze(-1))
+            carry = carry + sums[:, 0]
+        # [N, out, steps + 1] in float64: the carry, then the changes from the stack's last step back to its first,
+        # summed along the last dimension. Entry j is the output j steps before the stack's last: it sums only the
+        # elements still there, so an element at the baseline leaves no rounding behind (a running sum from the
+        # stack's first step, taken off its total, would keep the rounding of a large one).
+        running = torch.empty(n, width, steps + 1, dtype=torch.float64, device=sums.device)
+        running[..., 0].copy_(carry)
+        running[..., 1:].copy_(sums[:, last:].transpose(1, 2))
+        running.cumsum_(-1)
         out = torch.empty(steps, n, width, dtype=self.rows.dtype, device=self.rows.device)
-        return out.copy_(hidden.permute(2, 0, 1)), before
+        return out.copy_(running[..., :steps].permute(2, 0, 1)), running[..., steps]
 
     def _sums(self, start: int, stop: int) -> torch.Tensor:
-        """``[N, stop - start, out]``: per sample and step in ``[start, stop)``, ``sum W[:, e] (x_e - b_e)``."""
+        """``[N, stop - start, out]``: per sample and bag in ``[start, stop)``, ``sum W[:, e] (x_e - b_e)``."""
         n, m = self.order.shape
         low, high = self.ends[:, start], self.ends[:, stop]
         begins = self.ends[:, start:stop]
