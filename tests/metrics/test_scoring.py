@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from unittest import mock
 
 import pytest
@@ -110,3 +111,50 @@ def test_an_output_without_the_batch_shape_is_refused_by_name():
         pixel_flipping(net, td)
     flat = TensorDict(x=td["x"], attribution=TensorDict(x=td["attribution", "x"]), batch_size=[3])
     assert pixel_flipping(net, flat, features_per_step=4).shape == (3, 4)
+
+
+def batch_normalised(first: str) -> nn.Module:
+    """A model whose BatchNorm normalises each pass by the statistics of the batch it sees: in training mode, or
+    without running statistics."""
+    torch.manual_seed(5)
+    if first == "linear":  # the first layer updated step by step, the layers after it on stacks
+        layers = [nn.Flatten(), nn.Linear(48, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)]
+    else:
+        layers = [nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False), nn.ReLU(), nn.Flatten()]
+        layers.append(nn.Linear(16, 3))
+    return nn.Sequential(*layers).double().train(first == "linear")
+
+
+def step_by_step(net: nn.Module, x: torch.Tensor, a: torch.Tensor, target: torch.Tensor, per_step: int):
+    """The curve by its definition: one pass of the whole batch per step, ``per_step`` more features at 0 each."""
+    ranks = torch.sort(a.flatten(1), dim=-1, descending=True, stable=True).indices.argsort(-1).view_as(a)
+    with torch.no_grad():
+        columns = [net(torch.where(ranks < k, 0.0, x)) for k in range(0, a[0].numel() + per_step, per_step)]
+    return torch.stack([c[torch.arange(len(x)), target] for c in columns], -1)
+
+
+@pytest.mark.parametrize("first", ["linear", "convolution"])
+def test_a_model_normalising_over_the_batch_sees_one_step_at_a_time(first):
+    """Stacked steps would share their BatchNorm statistics (0.4 off the curve here): each step runs alone, as the
+    batch it is, and an explicit stack of several steps is refused, naming the layer."""
+    net = batch_normalised(first)
+    x, a = torch.randn(4, 3, 4, 4, dtype=torch.float64), torch.randn(4, 3, 4, 4, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[4])
+    with torch.no_grad():
+        target = net(x).argmax(-1)
+    curve = pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], features_per_step=8)
+    torch.testing.assert_close(curve, step_by_step(net, x, a, target, 8), rtol=0, atol=1e-12)
+    name = "2 (BatchNorm1d)" if first == "linear" else "1 (BatchNorm2d)"
+    with pytest.raises(ValueError, match=rf"module {re.escape(name)} normalises over the batch"):
+        pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], steps_per_forward=2)
+
+
+def test_perturbations_scored_at_once_run_alone_through_a_model_normalising_over_the_batch():
+    net = batch_normalised("convolution")
+    x = torch.randn(3, 3, 4, 4, dtype=torch.float64)
+    td = TensorDict(x=x, batch_size=[3])
+    scorer = Scorer(net, td, in_keys=["x"], out_keys=["y"])
+    stack = torch.randn(5, 3, 3, 4, 4, dtype=torch.float64)
+    with torch.no_grad():
+        expected = torch.stack([net(s)[torch.arange(3), scorer.target_index] for s in stack])
+    torch.testing.assert_close(scorer.scores({"x": stack}), expected, rtol=0, atol=1e-12)

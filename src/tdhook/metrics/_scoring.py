@@ -35,11 +35,28 @@ from tdhook.attribution.targets import Target, initial_gradient, named_targets, 
 from tdhook.metrics._features import explained_keys, stacked_batch
 from tdhook.metrics._leading_affine import LeadingAffine
 
-__all__ = ["Scorer", "chunks", "progress_bar"]
+__all__ = ["Scorer", "batch_normalising_module", "chunks", "progress_bar"]
 
 # Elements of the explained inputs that one forward pass may hold (stacked perturbation steps times the batch):
 # on CPU a small CNN ran fastest with stacks of about this size, and larger ones fell out of cache.
 _ELEMENTS_PER_FORWARD = 1 << 16
+
+
+def batch_normalising_module(module: nn.Module) -> str | None:
+    """The first module of ``module`` whose output depends on the other samples of its batch, named with its type, or
+    ``None``: a BatchNorm in training mode or without running statistics normalises by the batch's own statistics.
+
+    Perturbed copies of a batch stacked into one pass would then change each other's outputs.
+
+    Examples:
+        >>> net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+        >>> batch_normalising_module(net), batch_normalising_module(net.eval())
+        ('1 (BatchNorm1d)', None)
+    """
+    for name, layer in module.named_modules():
+        if isinstance(layer, nn.modules.batchnorm._BatchNorm) and (layer.training or layer.running_mean is None):
+            return f"{name or type(module).__name__} ({type(layer).__name__})"
+    return None
 
 
 def _metrics_error(err: Exception) -> Exception:
@@ -63,7 +80,8 @@ class Scorer:
         steps_per_forward: how many perturbed versions of the batch share one forward pass; ``None`` picks as
             many as fit about 65 thousand input elements (larger stacks ran slower on CPU). With 1 the model sees
             the TensorDict's own batch shape; with more, the steps stacked along the batch's first dimension
-            (``[steps * B, T]`` for a ``[B, T]`` batch: the time dimension stays).
+            (``[steps * B, T]`` for a ``[B, T]`` batch: the time dimension stays). A model that normalises over
+            the batch (see :func:`batch_normalising_module`) sees one step per pass; more is refused.
 
     Attributes:
         keys: the explained input keys.
@@ -93,7 +111,14 @@ class Scorer:
         if steps_per_forward is not None and steps_per_forward < 1:
             raise ValueError(f"metrics: steps_per_forward must be a positive int or None, got {steps_per_forward}")
         self.keys = explained_keys(in_keys, self.module.in_keys)
-        self.steps_per_forward = steps_per_forward
+        self._alone = batch_normalising_module(module)
+        if self._alone is not None and steps_per_forward not in (None, 1):
+            raise ValueError(
+                f"metrics: module {self._alone} normalises over the batch (training mode or no running "
+                f"statistics): {steps_per_forward} steps stacked in one pass would change each other's scores; "
+                "leave steps_per_forward at None (one step per pass) or call .eval() on the model"
+            )
+        self.steps_per_forward = 1 if self._alone is not None else steps_per_forward
         self._batch = td.batch_size
         self._base = td.select(*self.module.in_keys, strict=False)
         self._key, operator = named_targets(self.module, target_key)[None]
@@ -189,6 +214,10 @@ class Scorer:
             perturbed: ``key -> [S] + batch + shape`` for each explained key (other inputs are repeated).
         """
         n_steps = next(iter(perturbed.values())).shape[0]
+        if self._alone is not None and n_steps > 1:  # each step as the batch it is
+            return torch.cat(
+                [self.outputs({key: value[i : i + 1] for key, value in perturbed.items()}) for i in range(n_steps)]
+            )
         if self._plain and self._key in self.module.out_keys:
             return self._plain_outputs(perturbed, n_steps)
         if n_steps == 1:
