@@ -297,3 +297,19 @@ def test_a_large_feature_flipped_inside_a_stack_leaves_no_rounding_behind(dtype,
     assert updated.called and updated.call_args.args[5] >= 20  # one stack
     expected = flipping(direct(net), td, features_per_step=1)
     torch.testing.assert_close(curve[:, 1:], expected[:, 1:], rtol=0, atol=atol)
+
+
+def test_a_baseline_that_is_not_finite_runs_every_perturbed_input():
+    """A baseline of inf in one element: the output with every element at the baseline (where the update starts)
+    is not finite, and it would spread to every step; the direct passes stay finite until that element goes."""
+    torch.manual_seed(13)
+    net = mlp_net()
+    x, a = images(2), torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    a[:, 0, 0, 0] = -100.0  # the element goes last
+    baseline = torch.zeros(3, 6, 6, dtype=torch.float64)
+    baseline[0, 0, 0] = float("inf")
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[2])
+    curve = flipping(net, td, features_per_step=9, baseline=baseline)
+    assert torch.isfinite(curve[:, :-1]).all()
+    expected = flipping(direct(net), td, features_per_step=9, baseline=baseline)
+    torch.testing.assert_close(curve, expected, rtol=0, atol=1e-12, equal_nan=True)

@@ -85,15 +85,16 @@ class LeadingAffine:
             return None
         return cls(flatten, first[0], layers[2 if flatten else 1 :])
 
-    def fits(self, x: torch.Tensor, batch_dims: int) -> bool:
+    def fits(self, x: torch.Tensor, batch_dims: int, baseline: torch.Tensor) -> bool:
         """Whether the linear layer reads each sample of ``x`` (``batch + shape``) whole, in float32 or float64, and
-        ``x`` is finite (an infinite or NaN input would stay in the summed outputs after it went to the baseline)."""
+        ``x`` and ``baseline`` are finite (an infinite or NaN input would stay in the summed outputs after it went to
+        the baseline; such a baseline would be in the outputs before it came)."""
         shape, weight = x.shape[batch_dims:], self.linear.weight
         whole = (self.flatten or len(shape) == 1) and math.prod(shape) == self.linear.in_features
         small = weight.numel() <= _LARGEST_LAYER  # its transposed copy stays small
         typed = x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float64)
         same = typed and x.device == weight.device and x.device.type != "mps"  # MPS: no float64
-        return whole and small and same and bool(torch.isfinite(x).all())
+        return whole and small and same and bool(torch.isfinite(x).all()) and bool(torch.isfinite(baseline).all())
 
     def stack_size(self, n: int) -> int:
         """How many steps one stack holds for a batch of ``n`` samples."""
