@@ -12,6 +12,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule, TensorDictModuleBase, TensorDictSequential
 from torch import nn
 
+from tdhook.attribution.targets import initial_gradient
 from tdhook.metrics import pixel_flipping
 from tdhook.metrics._leading_affine import LeadingAffine
 from tdhook.metrics._scoring import Scorer, chunks
@@ -125,12 +126,13 @@ def batch_normalised(first: str) -> nn.Module:
     return nn.Sequential(*layers).double().train(first == "linear")
 
 
-def step_by_step(net: nn.Module, x: torch.Tensor, a: torch.Tensor, target: torch.Tensor, per_step: int):
-    """The curve by its definition: one pass of the whole batch per step, ``per_step`` more features at 0 each."""
+def step_by_step(net: nn.Module, x: torch.Tensor, a: torch.Tensor, score, per_step: int):
+    """The curve by its definition: one pass of the whole batch per step, ``per_step`` more features at 0 each,
+    ``score(output)`` per sample."""
     ranks = torch.sort(a.flatten(1), dim=-1, descending=True, stable=True).indices.argsort(-1).view_as(a)
     with torch.no_grad():
         columns = [net(torch.where(ranks < k, 0.0, x)) for k in range(0, a[0].numel() + per_step, per_step)]
-    return torch.stack([c[torch.arange(len(x)), target] for c in columns], -1)
+    return torch.stack([score(c) for c in columns], -1)
 
 
 @pytest.mark.parametrize("first", ["linear", "convolution"])
@@ -143,7 +145,8 @@ def test_a_model_normalising_over_the_batch_sees_one_step_at_a_time(first):
     with torch.no_grad():
         target = net(x).argmax(-1)
     curve = pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], features_per_step=8)
-    torch.testing.assert_close(curve, step_by_step(net, x, a, target, 8), rtol=0, atol=1e-12)
+    expected = step_by_step(net, x, a, lambda y: y[torch.arange(4), target], 8)
+    torch.testing.assert_close(curve, expected, rtol=0, atol=1e-12)
     name = "2 (BatchNorm1d)" if first == "linear" else "1 (BatchNorm2d)"
     with pytest.raises(ValueError, match=rf"module {re.escape(name)} normalises over the batch"):
         pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], steps_per_forward=2)
@@ -158,3 +161,36 @@ def test_perturbations_scored_at_once_run_alone_through_a_model_normalising_over
     with torch.no_grad():
         expected = torch.stack([net(s)[torch.arange(3), scorer.target_index] for s in stack])
     torch.testing.assert_close(scorer.scores({"x": stack}), expected, rtol=0, atol=1e-12)
+
+
+class Heads(nn.Module):
+    """Splits the last dimension of its input into ``heads`` outputs of ``units`` each."""
+
+    def __init__(self, heads: int, units: int) -> None:
+        super().__init__()
+        self.heads, self.units = heads, units
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.view(*h.shape[:-1], self.heads, self.units)
+
+
+@pytest.mark.parametrize(
+    ("target", "units"), [(None, 3), (2, 3), ("per head", 3), ("callable", 3), (None, 1), ("callable", 1)]
+)
+def test_an_output_with_more_dimensions_is_scored_as_the_methods_explain_it(target, units):
+    """An output ``batch + [heads, units]``: the score is what the methods explain, the sum over every non-batch
+    dimension of the output times the target's initial gradient (each head's argmax for ``None``)."""
+    torch.manual_seed(6)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(48, 2 * units), nn.Tanh(), Heads(2, units)).double()
+    x, a = torch.randn(4, 3, 4, 4, dtype=torch.float64), torch.randn(4, 3, 4, 4, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[4])
+    with torch.no_grad():
+        y = net(x)
+    target = {"per head": torch.tensor([[0, 1], [2, 2], [1, 0], [0, 0]]), "callable": lambda o: o.exp()}.get(
+        target, target
+    )
+    gradient = initial_gradient(y, target, "y", 1)
+    expected = step_by_step(hooked(net), x, a, lambda out: (out * gradient).sum((-2, -1)), 8)
+    for model in (net, hooked(net)):  # the first layer updated, and stacked passes
+        curve = pixel_flipping(model, td, in_keys=["x"], out_keys=["y"], target=target, features_per_step=8)
+        torch.testing.assert_close(curve, expected, rtol=0, atol=1e-12)

@@ -76,7 +76,8 @@ class Scorer:
             head), an int, a LongTensor of per-sample indices, or a callable ``output -> relevance``. As for the
             attribution methods, it is resolved once, on the unperturbed output ``y``: a callable gives the
             weights ``w = target(y) / y`` (0 where ``y`` is 0), and the score of a perturbed output ``y'`` is
-            ``sum(y' * w)`` over its non-batch dimensions (``sum(target(y))`` unperturbed).
+            ``sum(y' * w)`` over its non-batch dimensions (``sum(target(y))`` unperturbed). An index target scores
+            the sum of the picked units over any dimensions between the batch and the units.
         steps_per_forward: how many perturbed versions of the batch share one forward pass; ``None`` picks as
             many as fit about 65 thousand input elements (larger stacks ran slower on CPU). With 1 the model sees
             the TensorDict's own batch shape; with more, the steps stacked along the batch's first dimension
@@ -133,6 +134,7 @@ class Scorer:
                 "TensorDict the batch shape of the output (the batch of contexts [B], not [B, T], for a model "
                 "that reads a whole context and acts once)"
             )
+        self._units = output.dim() - len(self._batch)  # the output's dimensions after the batch
         self._weights = None
         self._index = None
         if callable(target):
@@ -172,18 +174,15 @@ class Scorer:
         return output
 
     def _score(self, output: torch.Tensor) -> torch.Tensor:
-        """The score of ``output`` (``lead + batch + [n]`` or ``lead + batch``), shaped ``lead + batch``."""
-        lead = output.dim() - len(self._batch) - (1 if output.dim() > len(self._batch) else 0)
+        """The score of ``output`` (``lead + batch + units``, ``units`` the unperturbed output's non-batch shape),
+        shaped ``lead + batch``: the sum over ``units`` of the output times the target's initial gradient."""
+        units = self._units
         if self._weights is not None:
-            product = output * self._weights
-            dims = tuple(range(lead + len(self._batch), product.dim()))
-            return product.sum(dims) if dims else product
-        if self._index is not None:
-            index = self._index.expand(output.shape[:lead] + self._index.shape).unsqueeze(-1)
-            return output.gather(-1, index).squeeze(-1)
-        if output.dim() > len(self._batch) + lead:
-            return output.squeeze(-1)
-        return output
+            output = output * self._weights
+        elif self._index is not None:
+            index = self._index.expand(output.shape[:-1]).unsqueeze(-1)
+            output, units = output.gather(-1, index).squeeze(-1), units - 1
+        return output.sum(tuple(range(-units, 0))) if units else output
 
     def scores(self, perturbed: Mapping[NestedKey, torch.Tensor]) -> torch.Tensor:
         """The scores of ``S`` perturbed versions of the batch, shaped ``[S] + batch``, in one forward pass.
