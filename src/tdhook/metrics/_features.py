@@ -147,7 +147,9 @@ class Features:
     @property
     def values(self) -> torch.Tensor:
         """The attributions as ``batch + [n_features]``, keys concatenated in order."""
-        return torch.cat([a.reshape(*self.batch_size, -1) for a in self.attributions], dim=-1)
+        return torch.cat(
+            [a.reshape(*self.batch_size, n) for a, n in zip(self.attributions, self.sizes, strict=True)], -1
+        )
 
     def broadcast_values(self) -> list[torch.Tensor]:
         """Each attribution broadcast to its input's shape."""

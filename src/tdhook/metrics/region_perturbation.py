@@ -6,6 +6,7 @@ its leading dimensions (the channels), ranked by the sum of the attribution over
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -123,7 +124,7 @@ def region_perturbation(
             )
         grid = patch_grid(height, width, patch_size).to(x.device)
         n_patches = int(grid.max()) + 1
-        plane = full.reshape(*batch, -1, height * width).sum(-2)
+        plane = full.reshape(*batch, math.prod(x.shape[len(batch) : -2]), height * width).sum(-2)
         patch_sums = torch.zeros(*batch, n_patches, dtype=a.dtype, device=a.device)
         sums.append(patch_sums.index_add_(-1, grid.flatten(), plane))
         feature_regions.append((grid + offset).expand(a.shape[len(batch) :]).flatten())
