@@ -100,6 +100,14 @@ def faithfulness_correlation(
             raise ValueError(
                 f"faithfulness_correlation: subsets must index the {n_features} features, in [0, {n_features})"
             )
+        ordered = subsets.sort(-1).values
+        repeated = (ordered[..., 1:] == ordered[..., :-1]).any(-1)
+        if bool(repeated.any()):
+            *sample, run = (int(i) for i in repeated.nonzero()[0])
+            raise ValueError(
+                f"faithfulness_correlation: subsets must name distinct features in each run: sample {tuple(sample)}, "
+                f"run {run} names a feature twice"
+            )
         subsets = subsets.to(values.device).long().movedim(-2, 0)
         n_runs, subset_size = subsets.shape[0], subsets.shape[-1]
     if isinstance(subset_size, bool) or not isinstance(subset_size, int) or not 1 <= subset_size <= n_features:
