@@ -46,3 +46,17 @@ def test_errors_name_the_key_and_what_was_expected():
         Features.read(td, ["x"], "attribution").baselines({"z": 0.0})
     with pytest.raises(ValueError, match="in_keys is empty"):
         explained_keys([], ["x"])
+
+
+def test_inputs_and_attributions_that_require_grad_give_scores_that_do_not():
+    """Attributions a caller computed with autograd, still in its graph: they are read out of it, so the scores
+    built from them carry no graph (the correlation of faithfulness_correlation did)."""
+    from tdhook.metrics import faithfulness_correlation
+
+    net = torch.nn.Linear(6, 2).double()
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    td = TensorDict(x=x, attribution=TensorDict(x=2 * x), batch_size=[3])
+    features = Features.read(td, ["x"], "attribution")
+    assert not features.values.requires_grad and not features.inputs[0].requires_grad
+    correlation = faithfulness_correlation(net, td, n_runs=4, subset_size=2, seed=0, in_keys=["x"], out_keys=["y"])
+    assert not correlation.requires_grad

@@ -129,8 +129,8 @@ class Features:
                     f"of shape {list(x.shape)}; expected the batch {list(batch)} followed by each dimension of the "
                     "input or 1"
                 )
-            inputs.append(x)
-            attributions.append(a)
+            inputs.append(x.detach())  # scores carry no graph of the caller's
+            attributions.append(a.detach())
         return cls(list(in_keys), inputs, attributions, batch)
 
     @property

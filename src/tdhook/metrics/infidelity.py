@@ -20,7 +20,7 @@ PerturbFn = Callable[[TensorDictBase], tuple[TensorDictBase, TensorDictBase]]
 
 
 def repeated(td: TensorDictBase, keys: Sequence[NestedKey], n: int) -> TensorDictBase:
-    """The ``keys`` of ``td`` with each sample repeated ``n`` times: batch ``batch + [n]``, a copy.
+    """The ``keys`` of ``td`` with each sample repeated ``n`` times: batch ``batch + [n]``, a copy out of any graph.
 
     Examples:
         >>> import torch
@@ -28,7 +28,7 @@ def repeated(td: TensorDictBase, keys: Sequence[NestedKey], n: int) -> TensorDic
         >>> repeated(TensorDict(x=torch.ones(2, 3), batch_size=[2]), ["x"], 4)["x"].shape
         torch.Size([2, 4, 3])
     """
-    selected = td.select(*keys)
+    selected = td.select(*keys).detach()
     return selected.unsqueeze(selected.batch_dims).expand(*selected.batch_size, n).clone()
 
 
