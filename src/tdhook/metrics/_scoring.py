@@ -32,31 +32,15 @@ from torch import nn
 
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key, target_output
+from tdhook.metrics._batch_statistics import batch_normalising_module
 from tdhook.metrics._features import explained_keys, stacked_batch
 from tdhook.metrics._leading_affine import LeadingAffine
 
-__all__ = ["Scorer", "batch_normalising_module", "chunks", "progress_bar"]
+__all__ = ["Scorer", "chunks", "progress_bar"]
 
 # Elements of the explained inputs that one forward pass may hold (stacked perturbation steps times the batch):
 # on CPU a small CNN ran fastest with stacks of about this size, and larger ones fell out of cache.
 _ELEMENTS_PER_FORWARD = 1 << 16
-
-
-def batch_normalising_module(module: nn.Module) -> str | None:
-    """The first module of ``module`` whose output depends on the other samples of its batch, named with its type, or
-    ``None``: a BatchNorm in training mode or without running statistics normalises by the batch's own statistics.
-
-    Perturbed copies of a batch stacked into one pass would then change each other's outputs.
-
-    Examples:
-        >>> net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
-        >>> batch_normalising_module(net), batch_normalising_module(net.eval())
-        ('1 (BatchNorm1d)', None)
-    """
-    for name, layer in module.named_modules():
-        if isinstance(layer, nn.modules.batchnorm._BatchNorm) and (layer.training or layer.running_mean is None):
-            return f"{name or type(module).__name__} ({type(layer).__name__})"
-    return None
 
 
 def _metrics_error(err: Exception) -> Exception:
@@ -82,7 +66,8 @@ class Scorer:
             many as fit about 65 thousand input elements (larger stacks ran slower on CPU). With 1 the model sees
             the TensorDict's own batch shape; with more, the steps stacked along the batch's first dimension
             (``[steps * B, T]`` for a ``[B, T]`` batch: the time dimension stays). A model that normalises over
-            the batch (see :func:`batch_normalising_module`) sees one step per pass; more is refused.
+            the batch (see
+            :func:`~tdhook.metrics._batch_statistics.batch_normalising_module`) sees one step per pass; more is refused.
 
     Attributes:
         keys: the explained input keys.

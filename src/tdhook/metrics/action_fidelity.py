@@ -10,6 +10,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import nn
 
+from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._features import Baseline, Features, sort_positions
 from tdhook.metrics._random import generator
 from tdhook.metrics._scoring import Scorer, chunks, progress_bar
@@ -17,6 +18,7 @@ from tdhook.metrics._scoring import Scorer, chunks, progress_bar
 __all__ = ["action_fidelity"]
 
 
+@keeps_running_statistics
 def action_fidelity(
     module: TensorDictModuleBase | nn.Module,
     td: TensorDictBase,

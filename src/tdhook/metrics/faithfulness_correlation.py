@@ -11,6 +11,7 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from tdhook.attribution.targets import Target
+from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._features import Baseline, Features, sort_positions
 from tdhook.metrics._random import generator
 from tdhook.metrics._scoring import Scorer, chunks, progress_bar
@@ -19,6 +20,7 @@ from tdhook.metrics._similarity import pearson
 __all__ = ["faithfulness_correlation"]
 
 
+@keeps_running_statistics
 def faithfulness_correlation(
     module: TensorDictModuleBase | nn.Module,
     td: TensorDictBase,

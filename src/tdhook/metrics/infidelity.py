@@ -11,6 +11,7 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from tdhook.attribution.targets import Target
+from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._features import Features
 from tdhook.metrics._scoring import Scorer
 
@@ -56,6 +57,7 @@ def check_perturbed(
     return value
 
 
+@keeps_running_statistics
 def infidelity(
     module: TensorDictModuleBase | nn.Module,
     td: TensorDictBase,

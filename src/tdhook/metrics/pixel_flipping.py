@@ -14,6 +14,7 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from tdhook.attribution.targets import Target
+from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._curves import perturbation_curve
 from tdhook.metrics._features import Baseline, Features, sort_positions
 from tdhook.metrics._scoring import Scorer
@@ -21,6 +22,7 @@ from tdhook.metrics._scoring import Scorer
 __all__ = ["pixel_flipping"]
 
 
+@keeps_running_statistics
 def pixel_flipping(
     module: TensorDictModuleBase | nn.Module,
     td: TensorDictBase,

@@ -17,6 +17,7 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from tdhook.attribution.targets import Target
+from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._curves import perturbation_curve
 from tdhook.metrics._features import Baseline, Features, sort_positions
 from tdhook.metrics._scoring import Scorer
@@ -42,6 +43,7 @@ def patch_grid(height: int, width: int, patch_size: int) -> torch.Tensor:
     return rows[:, None] * n_cols + cols[None, :]
 
 
+@keeps_running_statistics
 def region_perturbation(
     module: TensorDictModuleBase | nn.Module,
     td: TensorDictBase,

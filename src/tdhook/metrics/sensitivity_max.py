@@ -9,6 +9,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
+from tdhook.metrics._batch_statistics import batch_normalising_module, keeps_running_statistics
 from tdhook.metrics._features import Features, stacked_batch
 from tdhook.metrics._methods import (
     check_method,
@@ -20,7 +21,6 @@ from tdhook.metrics._methods import (
     target_set,
 )
 from tdhook.metrics._random import generator
-from tdhook.metrics._scoring import batch_normalising_module
 from tdhook.metrics.infidelity import check_perturbed, repeated
 
 __all__ = ["sensitivity_max"]
@@ -30,6 +30,7 @@ def _flat(attributions: Sequence[torch.Tensor], batch_dims: int) -> torch.Tensor
     return torch.cat([a.flatten(batch_dims) for a in attributions], dim=-1)
 
 
+@keeps_running_statistics
 def sensitivity_max(
     method: TensorDictModuleBase,
     td: TensorDictBase,
