@@ -194,3 +194,41 @@ def test_an_output_with_more_dimensions_is_scored_as_the_methods_explain_it(targ
     for model in (net, hooked(net)):  # the first layer updated, and stacked passes
         curve = pixel_flipping(model, td, in_keys=["x"], out_keys=["y"], target=target, features_per_step=8)
         torch.testing.assert_close(curve, expected, rtol=0, atol=1e-12)
+
+
+class Scaled(nn.Module):
+    """Scales its inputs in place (``obs /= 255`` in a policy's forward), then a linear head over both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        x.div_(2)
+        s.mul_(3)
+        return self.head(x.flatten(1) * s)
+
+
+@pytest.mark.parametrize("steps_per_forward", [None, 1])
+@pytest.mark.parametrize("as_module", [True, False], ids=["TensorDictModule", "plain module"])
+def test_a_model_that_changes_its_inputs_in_place_is_given_copies(steps_per_forward, as_module):
+    """The unperturbed pass and the one-step passes ran on the caller's tensors: the model halved the TensorDict's
+    input (and tripled its fixed input at every step), and the curve was the one of those inputs."""
+    torch.manual_seed(7)
+    net = Scaled().double()
+    x, s, a = (torch.randn(2, 3, 4, dtype=torch.float64) for _ in range(3))
+    td = TensorDict(x=x.clone(), s=s[:, :1, 0].clone(), attribution=TensorDict(x=a), batch_size=[2])
+    if as_module:
+        model, kwargs = TensorDictModule(net, in_keys=["x", "s"], out_keys=["y"]), dict(in_keys=["x"])
+    else:
+        model, kwargs = net, dict(in_keys=["x", "s"], out_keys=["y"])
+        td["attribution", "s"] = torch.full((2, 1), -torch.inf, dtype=torch.float64)  # ranked last
+    before = td.clone()
+    curve = pixel_flipping(model, td, features_per_step=4, steps_per_forward=steps_per_forward, **kwargs)
+    assert (td == before).all()
+    with torch.no_grad():
+        target = net(x.clone(), before["s"].clone()).argmax(-1)
+        expected = step_by_step(
+            lambda perturbed: net(perturbed.clone(), before["s"].clone()), x, a, lambda y: y[torch.arange(2), target], 4
+        )
+    torch.testing.assert_close(curve[:, : expected.shape[1]], expected, rtol=0, atol=1e-12)

@@ -108,7 +108,7 @@ class Scorer:
         self._batch = td.batch_size
         self._base = td.select(*self.module.in_keys, strict=False)
         self._key, operator = named_targets(self.module, target_key)[None]
-        result = self._run(self._base.clone(recurse=False))
+        result = self._run(self._base.clone())  # copies: a model may change its inputs in place
         self._key = resolve_target_key(result, self._key, operator)
         self._operator = operator
         output = self.reference_output = self._output(result)
@@ -204,8 +204,8 @@ class Scorer:
             )
         if self._plain and self._key in self.module.out_keys:
             return self._plain_outputs(perturbed, n_steps)
-        if n_steps == 1:
-            work = self._base.clone(recurse=False)
+        if n_steps == 1:  # the other inputs copied (stacked, they are copies already)
+            work = self._base.exclude(*perturbed).clone()
             for key, value in perturbed.items():
                 work.set(key, value[0])
             return self._output(self._run(work)).unsqueeze(0)
@@ -222,9 +222,9 @@ class Scorer:
         args = []
         for key in self.module.in_keys:
             value = perturbed.get(key)
-            if value is None:
+            if value is None:  # a copy for one step (stacked, flattening copies), as a model may change it in place
                 value = self._base.get(key)
-                value = value.expand(n_steps, *value.shape)
+                value = value.clone().unsqueeze(0) if n_steps == 1 else value.expand(n_steps, *value.shape)
             args.append(value[0] if n_steps == 1 else value.flatten(0, 1) if batch_dims else value)  # [S * B, ...]
         with torch.no_grad():
             outputs = self.module.module(*args)
