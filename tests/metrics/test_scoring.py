@@ -232,3 +232,21 @@ def test_a_model_that_changes_its_inputs_in_place_is_given_copies(steps_per_forw
             lambda perturbed: net(perturbed.clone(), before["s"].clone()), x, a, lambda y: y[torch.arange(2), target], 4
         )
     torch.testing.assert_close(curve[:, : expected.shape[1]], expected, rtol=0, atol=1e-12)
+
+
+def test_an_explained_key_the_model_does_not_read_is_refused_by_name():
+    """Perturbing a key the model never reads (a typo, or a key a pipeline writes before reading it) gave a flat
+    curve, as if every feature were irrelevant."""
+    policy = TensorDictModule(nn.Linear(4, 2), in_keys=["x"], out_keys=["y"])
+    td = TensorDict(x=torch.randn(2, 4), z=torch.randn(2, 4), batch_size=[2])
+    td["attribution"] = TensorDict(x=torch.randn(2, 4), z=torch.randn(2, 4), batch_size=[2])
+    with pytest.raises(
+        ValueError, match=r"metrics: in_keys \['z'\] are not inputs of the model \(its in_keys: \['x'\]\)"
+    ):
+        pixel_flipping(policy, td, in_keys=["z"])
+    pipeline = TensorDictSequential(
+        TensorDictModule(nn.Linear(4, 4), in_keys=["x"], out_keys=["z"]),
+        policy.__class__(nn.Linear(4, 2), ["z"], ["y"]),
+    )
+    with pytest.raises(ValueError, match=r"in_keys \['z'\] are not inputs of the model"):
+        pixel_flipping(pipeline, td, in_keys=["x", "z"])

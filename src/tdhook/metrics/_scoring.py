@@ -97,6 +97,12 @@ class Scorer:
         if steps_per_forward is not None and steps_per_forward < 1:
             raise ValueError(f"metrics: steps_per_forward must be a positive int or None, got {steps_per_forward}")
         self.keys = explained_keys(in_keys, self.module.in_keys)
+        unread = [key for key in self.keys if key not in self.module.in_keys]
+        if unread:
+            raise ValueError(
+                f"metrics: in_keys {unread} are not inputs of the model (its in_keys: {list(self.module.in_keys)}); "
+                "perturbing them would leave its output as it is"
+            )
         self._alone = batch_normalising_module(module)
         if self._alone is not None and steps_per_forward not in (None, 1):
             raise ValueError(
