@@ -90,12 +90,14 @@ class Features:
         inputs: the input of each key, ``batch + shape``.
         attributions: the attribution of each key, as stored (it broadcasts to the input).
         batch_size: the TensorDict's batch size.
+        prefix: the prefix of the attribution keys, as a tuple.
     """
 
     keys: list[NestedKey]
     inputs: list[torch.Tensor]
     attributions: list[torch.Tensor]
     batch_size: torch.Size
+    prefix: tuple[str, ...] = ("attribution",)
 
     @classmethod
     def read(cls, td: TensorDictBase, in_keys: Sequence[NestedKey], relevance_key: NestedKey) -> Features:
@@ -131,7 +133,22 @@ class Features:
                 )
             inputs.append(x.detach())  # scores carry no graph of the caller's
             attributions.append(a.detach())
-        return cls(list(in_keys), inputs, attributions, batch)
+        return cls(list(in_keys), inputs, attributions, batch, prefix)
+
+    def refuse_nan(self, metric: str) -> None:
+        """Raise where an attribution holds NaN, which has no rank among the features.
+
+        Raises:
+            ValueError: naming the metric, the attribution's key and the first NaN's index.
+        """
+        for key, a in zip(self.keys, self.attributions, strict=True):
+            where = a.isnan().nonzero()
+            if len(where):
+                a_key = (*self.prefix, *(key if isinstance(key, tuple) else (key,)))
+                raise ValueError(
+                    f"{metric}: attribution {a_key!r} holds NaN (at {tuple(where[0].tolist())}), which has no rank "
+                    "among the features; replace it (torch.nan_to_num) or find where the method divided by zero"
+                )
 
     @property
     def sizes(self) -> list[int]:

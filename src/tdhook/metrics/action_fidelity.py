@@ -55,7 +55,8 @@ def action_fidelity(
         features are removed, and ``random``: the same for ``k`` random features, averaged over the draws.
 
     Raises:
-        ValueError: ``k`` or ``n_random`` is out of range, or the output has fewer than two actions.
+        ValueError: ``k`` or ``n_random`` is out of range, the output has fewer than two actions, or an attribution
+            holds NaN.
 
     Examples:
         >>> import torch
@@ -73,6 +74,7 @@ def action_fidelity(
         module, td, in_keys=in_keys, out_keys=out_keys, target_key=target_key, steps_per_forward=steps_per_forward
     )
     features = Features.read(td, scorer.keys, relevance_key)
+    features.refuse_nan("action_fidelity")
     features.baselines(baseline)
     batch, n_features = td.batch_size, features.n_features
     output = scorer.reference_output

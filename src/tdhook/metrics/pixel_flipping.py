@@ -65,7 +65,8 @@ def pixel_flipping(
 
     Raises:
         KeyError: an input or attribution key is missing.
-        ValueError: ``features_per_step`` is not positive, or an attribution or baseline does not fit its key.
+        ValueError: ``features_per_step`` is not positive, an attribution or baseline does not fit its key, or an
+            attribution holds NaN (it has no rank).
 
     Examples:
         >>> import torch
@@ -90,6 +91,7 @@ def pixel_flipping(
         steps_per_forward=steps_per_forward,
     )
     features = Features.read(td, scorer.keys, relevance_key)
+    features.refuse_nan("pixel_flipping")
     n_steps = -(-features.n_features // features_per_step)
     positions = sort_positions(features.values)
     thresholds = torch.arange(1, n_steps + 1) * features_per_step

@@ -82,7 +82,8 @@ def region_perturbation(
         with the first ``k`` patches at the baseline.
 
     Raises:
-        ValueError: a bad ``patch_size``, ``order`` or ``n_regions``, or a key with fewer than two dimensions.
+        ValueError: a bad ``patch_size``, ``order`` or ``n_regions``, a key with fewer than two dimensions, or an
+            attribution holding NaN.
 
     Examples:
         >>> import torch
@@ -109,6 +110,7 @@ def region_perturbation(
         steps_per_forward=steps_per_forward,
     )
     features = Features.read(td, scorer.keys, relevance_key)
+    features.refuse_nan("region_perturbation")
     batch = td.batch_size
     sums, feature_regions, offset = [], [], 0
     parts = zip(features.keys, features.inputs, features.attributions, features.broadcast_values(), strict=True)
