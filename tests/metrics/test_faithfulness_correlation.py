@@ -88,3 +88,14 @@ def test_errors_name_what_was_expected():
         faithfulness_correlation(net, td, subsets=torch.zeros(3, 4, 5, dtype=torch.long), in_keys=["x"], out_keys=["y"])
     with pytest.raises(ValueError, match=r"subsets must index the 108 features"):
         faithfulness_correlation(net, td, subsets=torch.full((2, 4, 5), 108), in_keys=["x"], out_keys=["y"])
+
+
+def test_a_subset_naming_a_feature_twice_is_refused():
+    """A subset is a set: a feature named twice would count twice in the attribution sum of the definition (and in
+    Quantus, which sums ``a[indices]``) but go to the baseline once, and the subset would be smaller than its size."""
+    net = conv_net()
+    td = TensorDict(x=images(2), attribution=TensorDict(x=torch.randn(2, 3, 6, 6)), batch_size=[2])
+    subsets = torch.arange(2 * 4 * 5).view(2, 4, 5)
+    subsets[1, 2, 3] = subsets[1, 2, 0]
+    with pytest.raises(ValueError, match=r"subsets must name distinct features in each run: sample \(1,\), run 2"):
+        faithfulness_correlation(net, td, subsets=subsets, in_keys=["x"], out_keys=["y"])

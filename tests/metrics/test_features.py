@@ -46,3 +46,34 @@ def test_errors_name_the_key_and_what_was_expected():
         Features.read(td, ["x"], "attribution").baselines({"z": 0.0})
     with pytest.raises(ValueError, match="in_keys is empty"):
         explained_keys([], ["x"])
+
+
+def test_inputs_and_attributions_that_require_grad_give_scores_that_do_not():
+    """Attributions a caller computed with autograd, still in its graph: they are read out of it, so the scores
+    built from them carry no graph (the correlation of faithfulness_correlation did)."""
+    from tdhook.metrics import faithfulness_correlation
+
+    net = torch.nn.Linear(6, 2).double()
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    td = TensorDict(x=x, attribution=TensorDict(x=2 * x), batch_size=[3])
+    features = Features.read(td, ["x"], "attribution")
+    assert not features.values.requires_grad and not features.inputs[0].requires_grad
+    correlation = faithfulness_correlation(net, td, n_runs=4, subset_size=2, seed=0, in_keys=["x"], out_keys=["y"])
+    assert not correlation.requires_grad
+
+
+@pytest.mark.parametrize("metric", ["pixel_flipping", "region_perturbation", "action_fidelity"])
+def test_an_attribution_holding_nan_is_refused_where_features_are_ranked(metric):
+    """NaN has no rank: a descending sort put it first (Quantus' ``argsort(-a)`` puts it last), so the curve was
+    the one of an order the attribution does not give."""
+    from tdhook import metrics
+
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(32, 3)).double()
+    x, a = torch.randn(2, 2, 4, 4, dtype=torch.float64), torch.randn(2, 2, 4, 4, dtype=torch.float64)
+    a[1, 0, 2, 3] = float("nan")
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[2])
+    kwargs = {"region_perturbation": dict(patch_size=2), "action_fidelity": dict(k=2)}.get(metric, {})
+    with pytest.raises(
+        ValueError, match=rf"{metric}: attribution \('attribution', 'x'\) holds NaN \(at \(1, 0, 2, 3\)\)"
+    ):
+        getattr(metrics, metric)(net, td, in_keys=["x"], out_keys=["y"], **kwargs)

@@ -66,3 +66,15 @@ def test_a_bad_perturb_fn_is_named():
         infidelity(net, td, perturb_fn=lambda r: r, in_keys=["x"], out_keys=["y"])
     with pytest.raises(ValueError, match=r"perturbation at 'x' must be shaped like the repeated input \[2, 10, 3, 6,"):
         infidelity(net, td, perturb_fn=lambda r: (r[:, :1], r), in_keys=["x"], out_keys=["y"])
+
+
+def test_inputs_that_require_grad_give_gaps_that_do_not():
+    """The repeated inputs given to ``perturb_fn`` are out of the caller's graph: a perturbation built from them (here
+    the input itself) leaves no graph in the result."""
+    net = torch.nn.Linear(6, 2).double()
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    td = TensorDict(x=x, attribution=TensorDict(x=2 * x), batch_size=[3])
+    gaps = infidelity(
+        net, td, perturb_fn=lambda r: (r, r.apply(torch.zeros_like)), n_perturb_samples=2, in_keys=["x"], out_keys=["y"]
+    )
+    assert not gaps.requires_grad

@@ -284,3 +284,36 @@ def test_random_curves_equal_direct_passes(
         curve = metric(net, td, **kwargs)
     assert updated.called
     torch.testing.assert_close(curve, metric(direct(net), td, **kwargs), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize(("dtype", "scale", "atol"), [(torch.float64, 1e8, 1e-13), (torch.float32, 1e12, 1e-6)])
+def test_a_large_feature_flipped_inside_a_stack_leaves_no_rounding_behind(dtype, scale, atol):
+    """All the steps in one stack (the default for this small layer): once the large feature (a raw timestamp, a
+    price in cents) is at the baseline, each step's output is the sum of the features still there, summed from the
+    last step back, with nothing of the large feature left to cancel; as exact as a direct pass of the model. The
+    running sum from the first step of the stack kept about ``scale * 1e-16`` (1e-8 in float64, 1e-4 in float32)."""
+    torch.manual_seed(12)
+    net = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 1)).to(dtype)
+    x, a = torch.randn(64, 20, dtype=dtype), torch.randn(64, 20, dtype=dtype)
+    x[:, 0], a[:, 0] = scale * (1 + torch.rand(64, dtype=dtype)), 100.0  # it goes first
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[64])
+    curve, updated = watched_flipping(net, td, features_per_step=1)
+    assert updated.called and updated.call_args.args[5] >= 20  # one stack
+    expected = flipping(direct(net), td, features_per_step=1)
+    torch.testing.assert_close(curve[:, 1:], expected[:, 1:], rtol=0, atol=atol)
+
+
+def test_a_baseline_that_is_not_finite_runs_every_perturbed_input():
+    """A baseline of inf in one element: the output with every element at the baseline (where the update starts)
+    is not finite, and it would spread to every step; the direct passes stay finite until that element goes."""
+    torch.manual_seed(13)
+    net = mlp_net()
+    x, a = images(2), torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    a[:, 0, 0, 0] = -100.0  # the element goes last
+    baseline = torch.zeros(3, 6, 6, dtype=torch.float64)
+    baseline[0, 0, 0] = float("inf")
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[2])
+    curve = flipping(net, td, features_per_step=9, baseline=baseline)
+    assert torch.isfinite(curve[:, :-1]).all()
+    expected = flipping(direct(net), td, features_per_step=9, baseline=baseline)
+    torch.testing.assert_close(curve, expected, rtol=0, atol=1e-12, equal_nan=True)

@@ -9,7 +9,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 
 from tdhook.attribution import LRP
-from tdhook.metrics import pixel_flipping
+from tdhook.metrics import pixel_flipping, region_perturbation
 from tests.metrics._models import TwoKeys, conv_net, for_quantus, images
 
 quantus = pytest.importorskip("quantus")
@@ -208,3 +208,23 @@ def test_an_unbatched_tensordict_scores_the_argmax_of_a_vector_output():
         net(torch.zeros(4).double())[unit],
     ]
     torch.testing.assert_close(curve, torch.stack(expected).detach(), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("batch", [(0,), (2, 0)])
+@pytest.mark.parametrize("first", ["linear", "convolution"])
+def test_an_empty_batch_gives_empty_curves(batch, first):
+    """No sample (the last, empty, slice of a dataset): curves ``batch + [L + 1]`` with nothing in them, through the
+    first-layer update and through stacked passes alike."""
+    if first == "linear":
+        net = torch.nn.Sequential(torch.nn.Linear(48, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3)).double()
+        shape = (48,)
+    else:
+        net, shape = conv_net(size=4, classes=3), (3, 4, 4)
+        batch = batch[-1:]
+    x, a = torch.randn(*batch, *shape, dtype=torch.float64), torch.randn(*batch, *shape, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=batch)
+    curve = pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], features_per_step=5)
+    assert curve.shape == (*batch, 11) and curve.dtype == torch.float64
+    if len(shape) == 3:
+        regions = region_perturbation(net, td, patch_size=2, in_keys=["x"], out_keys=["y"])
+        assert regions.shape == (*batch, 5)

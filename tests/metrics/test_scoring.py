@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from unittest import mock
 
 import pytest
@@ -11,6 +12,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule, TensorDictModuleBase, TensorDictSequential
 from torch import nn
 
+from tdhook.attribution.targets import initial_gradient
 from tdhook.metrics import pixel_flipping
 from tdhook.metrics._leading_affine import LeadingAffine
 from tdhook.metrics._scoring import Scorer, chunks
@@ -110,3 +112,141 @@ def test_an_output_without_the_batch_shape_is_refused_by_name():
         pixel_flipping(net, td)
     flat = TensorDict(x=td["x"], attribution=TensorDict(x=td["attribution", "x"]), batch_size=[3])
     assert pixel_flipping(net, flat, features_per_step=4).shape == (3, 4)
+
+
+def batch_normalised(first: str) -> nn.Module:
+    """A model whose BatchNorm normalises each pass by the statistics of the batch it sees: in training mode, or
+    without running statistics."""
+    torch.manual_seed(5)
+    if first == "linear":  # the first layer updated step by step, the layers after it on stacks
+        layers = [nn.Flatten(), nn.Linear(48, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)]
+    else:
+        layers = [nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False), nn.ReLU(), nn.Flatten()]
+        layers.append(nn.Linear(16, 3))
+    return nn.Sequential(*layers).double().train(first == "linear")
+
+
+def step_by_step(net: nn.Module, x: torch.Tensor, a: torch.Tensor, score, per_step: int):
+    """The curve by its definition: one pass of the whole batch per step, ``per_step`` more features at 0 each,
+    ``score(output)`` per sample."""
+    ranks = torch.sort(a.flatten(1), dim=-1, descending=True, stable=True).indices.argsort(-1).view_as(a)
+    with torch.no_grad():
+        columns = [net(torch.where(ranks < k, 0.0, x)) for k in range(0, a[0].numel() + per_step, per_step)]
+    return torch.stack([score(c) for c in columns], -1)
+
+
+@pytest.mark.parametrize("first", ["linear", "convolution"])
+def test_a_model_normalising_over_the_batch_sees_one_step_at_a_time(first):
+    """Stacked steps would share their BatchNorm statistics (0.4 off the curve here): each step runs alone, as the
+    batch it is, and an explicit stack of several steps is refused, naming the layer."""
+    net = batch_normalised(first)
+    x, a = torch.randn(4, 3, 4, 4, dtype=torch.float64), torch.randn(4, 3, 4, 4, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[4])
+    with torch.no_grad():
+        target = net(x).argmax(-1)
+    curve = pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], features_per_step=8)
+    expected = step_by_step(net, x, a, lambda y: y[torch.arange(4), target], 8)
+    torch.testing.assert_close(curve, expected, rtol=0, atol=1e-12)
+    name = "2 (BatchNorm1d)" if first == "linear" else "1 (BatchNorm2d)"
+    with pytest.raises(ValueError, match=rf"module {re.escape(name)} normalises over the batch"):
+        pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], steps_per_forward=2)
+
+
+def test_perturbations_scored_at_once_run_alone_through_a_model_normalising_over_the_batch():
+    net = batch_normalised("convolution")
+    x = torch.randn(3, 3, 4, 4, dtype=torch.float64)
+    td = TensorDict(x=x, batch_size=[3])
+    scorer = Scorer(net, td, in_keys=["x"], out_keys=["y"])
+    stack = torch.randn(5, 3, 3, 4, 4, dtype=torch.float64)
+    with torch.no_grad():
+        expected = torch.stack([net(s)[torch.arange(3), scorer.target_index] for s in stack])
+    torch.testing.assert_close(scorer.scores({"x": stack}), expected, rtol=0, atol=1e-12)
+
+
+class Heads(nn.Module):
+    """Splits the last dimension of its input into ``heads`` outputs of ``units`` each."""
+
+    def __init__(self, heads: int, units: int) -> None:
+        super().__init__()
+        self.heads, self.units = heads, units
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.view(*h.shape[:-1], self.heads, self.units)
+
+
+@pytest.mark.parametrize(
+    ("target", "units"), [(None, 3), (2, 3), ("per head", 3), ("callable", 3), (None, 1), ("callable", 1)]
+)
+def test_an_output_with_more_dimensions_is_scored_as_the_methods_explain_it(target, units):
+    """An output ``batch + [heads, units]``: the score is what the methods explain, the sum over every non-batch
+    dimension of the output times the target's initial gradient (each head's argmax for ``None``)."""
+    torch.manual_seed(6)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(48, 2 * units), nn.Tanh(), Heads(2, units)).double()
+    x, a = torch.randn(4, 3, 4, 4, dtype=torch.float64), torch.randn(4, 3, 4, 4, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[4])
+    with torch.no_grad():
+        y = net(x)
+    target = {"per head": torch.tensor([[0, 1], [2, 2], [1, 0], [0, 0]]), "callable": lambda o: o.exp()}.get(
+        target, target
+    )
+    gradient = initial_gradient(y, target, "y", 1)
+    expected = step_by_step(hooked(net), x, a, lambda out: (out * gradient).sum((-2, -1)), 8)
+    for model in (net, hooked(net)):  # the first layer updated, and stacked passes
+        curve = pixel_flipping(model, td, in_keys=["x"], out_keys=["y"], target=target, features_per_step=8)
+        torch.testing.assert_close(curve, expected, rtol=0, atol=1e-12)
+
+
+class Scaled(nn.Module):
+    """Scales its inputs in place (``obs /= 255`` in a policy's forward), then a linear head over both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        x.div_(2)
+        s.mul_(3)
+        return self.head(x.flatten(1) * s)
+
+
+@pytest.mark.parametrize("steps_per_forward", [None, 1])
+@pytest.mark.parametrize("as_module", [True, False], ids=["TensorDictModule", "plain module"])
+def test_a_model_that_changes_its_inputs_in_place_is_given_copies(steps_per_forward, as_module):
+    """The unperturbed pass and the one-step passes ran on the caller's tensors: the model halved the TensorDict's
+    input (and tripled its fixed input at every step), and the curve was the one of those inputs."""
+    torch.manual_seed(7)
+    net = Scaled().double()
+    x, s, a = (torch.randn(2, 3, 4, dtype=torch.float64) for _ in range(3))
+    td = TensorDict(x=x.clone(), s=s[:, :1, 0].clone(), attribution=TensorDict(x=a), batch_size=[2])
+    if as_module:
+        model, kwargs = TensorDictModule(net, in_keys=["x", "s"], out_keys=["y"]), dict(in_keys=["x"])
+    else:
+        model, kwargs = net, dict(in_keys=["x", "s"], out_keys=["y"])
+        td["attribution", "s"] = torch.full((2, 1), -torch.inf, dtype=torch.float64)  # ranked last
+    before = td.clone()
+    curve = pixel_flipping(model, td, features_per_step=4, steps_per_forward=steps_per_forward, **kwargs)
+    assert (td == before).all()
+    with torch.no_grad():
+        target = net(x.clone(), before["s"].clone()).argmax(-1)
+        expected = step_by_step(
+            lambda perturbed: net(perturbed.clone(), before["s"].clone()), x, a, lambda y: y[torch.arange(2), target], 4
+        )
+    torch.testing.assert_close(curve[:, : expected.shape[1]], expected, rtol=0, atol=1e-12)
+
+
+def test_an_explained_key_the_model_does_not_read_is_refused_by_name():
+    """Perturbing a key the model never reads (a typo, or a key a pipeline writes before reading it) gave a flat
+    curve, as if every feature were irrelevant."""
+    policy = TensorDictModule(nn.Linear(4, 2), in_keys=["x"], out_keys=["y"])
+    td = TensorDict(x=torch.randn(2, 4), z=torch.randn(2, 4), batch_size=[2])
+    td["attribution"] = TensorDict(x=torch.randn(2, 4), z=torch.randn(2, 4), batch_size=[2])
+    with pytest.raises(
+        ValueError, match=r"metrics: in_keys \['z'\] are not inputs of the model \(its in_keys: \['x'\]\)"
+    ):
+        pixel_flipping(policy, td, in_keys=["z"])
+    pipeline = TensorDictSequential(
+        TensorDictModule(nn.Linear(4, 4), in_keys=["x"], out_keys=["z"]),
+        policy.__class__(nn.Linear(4, 2), ["z"], ["y"]),
+    )
+    with pytest.raises(ValueError, match=r"in_keys \['z'\] are not inputs of the model"):
+        pixel_flipping(pipeline, td, in_keys=["x", "z"])

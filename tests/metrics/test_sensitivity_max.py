@@ -94,3 +94,32 @@ def test_a_sequence_batch_keeps_its_time_dimension_in_the_perturbed_calls():
         changes.append((copy["attribution", "x"] - reference["attribution", "x"]).norm(dim=-1))
     expected = torch.stack(changes, -1).amax(-1) / reference["attribution", "x"].norm(dim=-1)
     torch.testing.assert_close(ours, expected, rtol=1e-10, atol=0)
+
+
+def test_a_model_normalising_over_the_batch_explains_each_perturbed_copy_alone():
+    """BatchNorm without running statistics normalises each call by its batch: the copies stacked in one call
+    would change each other's explanations, so each copy is explained as the batch it is."""
+    torch.manual_seed(5)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3),
+        torch.nn.BatchNorm2d(4, track_running_stats=False),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(16, 3),
+    ).double()
+    method = tdhook_input_x_gradient(net, in_keys=["x"], out_keys=["y"])
+    td = TensorDict(x=torch.randn(3, 3, 4, 4, dtype=torch.float64), batch_size=[3])
+    noise = torch.rand(3, 4, 3, 4, 4, dtype=torch.float64) * 0.2 - 0.1
+
+    def perturb(repeated, radius):
+        return TensorDict(x=repeated["x"] + noise, batch_size=repeated.batch_size)
+
+    ours = sensitivity_max(method, td, perturb_fn=perturb, n_perturb_samples=4)
+    reference = method(td.clone())
+    method.target = reference["y"].argmax(-1)
+    changes = []
+    for i in range(4):
+        copy = method(TensorDict(x=td["x"] + noise[:, i], batch_size=[3]))
+        changes.append((copy["attribution", "x"] - reference["attribution", "x"]).flatten(1).norm(dim=-1))
+    expected = torch.stack(changes, -1).amax(-1) / reference["attribution", "x"].flatten(1).norm(dim=-1)
+    torch.testing.assert_close(ours, expected, rtol=1e-10, atol=0)

@@ -57,7 +57,7 @@ def perturbation_curve(
     thresholds = thresholds.to(device=positions.device, dtype=small)
     columns = [scorer.reference.unsqueeze(0)]
     affine = scorer.leading_affine()
-    if affine is not None and affine.fits(features.inputs[0], len(features.batch_size)):
+    if affine is not None and affine.fits(features.inputs[0], len(features.batch_size), baselines[0]):
         x, n = features.inputs[0], features.batch_size.numel()
         size = scorer.steps_per_forward or affine.stack_size(n)
         stacks = affine.outputs(

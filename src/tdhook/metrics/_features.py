@@ -92,12 +92,14 @@ class Features:
         inputs: the input of each key, ``batch + shape``.
         attributions: the attribution of each key, as stored (it broadcasts to the input).
         batch_size: the TensorDict's batch size.
+        prefix: the prefix of the attribution keys, as a tuple.
     """
 
     keys: list[NestedKey]
     inputs: list[torch.Tensor]
     attributions: list[torch.Tensor]
     batch_size: torch.Size
+    prefix: tuple[str, ...] = ("attribution",)
 
     @classmethod
     def read(cls, td: TensorDictBase, in_keys: Sequence[NestedKey], relevance_key: NestedKey) -> Features:
@@ -131,9 +133,24 @@ class Features:
                     f"of shape {list(x.shape)}; expected the batch {list(batch)} followed by each dimension of the "
                     "input or 1"
                 )
-            inputs.append(x)
-            attributions.append(a)
-        return cls(list(in_keys), inputs, attributions, batch)
+            inputs.append(x.detach())  # scores carry no graph of the caller's
+            attributions.append(a.detach())
+        return cls(list(in_keys), inputs, attributions, batch, prefix)
+
+    def refuse_nan(self, metric: str) -> None:
+        """Raise where an attribution holds NaN, which has no rank among the features.
+
+        Raises:
+            ValueError: naming the metric, the attribution's key and the first NaN's index.
+        """
+        for key, a in zip(self.keys, self.attributions, strict=True):
+            where = a.isnan().nonzero()
+            if len(where):
+                a_key = (*self.prefix, *(key if isinstance(key, tuple) else (key,)))
+                raise ValueError(
+                    f"{metric}: attribution {a_key!r} holds NaN (at {tuple(where[0].tolist())}), which has no rank "
+                    "among the features; replace it (torch.nan_to_num) or find where the method divided by zero"
+                )
 
     @property
     def sizes(self) -> list[int]:
@@ -149,7 +166,9 @@ class Features:
     @property
     def values(self) -> torch.Tensor:
         """The attributions as ``batch + [n_features]``, keys concatenated in order."""
-        return torch.cat([a.reshape(*self.batch_size, -1) for a in self.attributions], dim=-1)
+        return torch.cat(
+            [a.reshape(*self.batch_size, n) for a, n in zip(self.attributions, self.sizes, strict=True)], -1
+        )
 
     def broadcast_values(self) -> list[torch.Tensor]:
         """Each attribution broadcast to its input's shape."""

@@ -85,15 +85,16 @@ class LeadingAffine:
             return None
         return cls(flatten, first[0], layers[2 if flatten else 1 :])
 
-    def fits(self, x: torch.Tensor, batch_dims: int) -> bool:
-        """Whether the linear layer reads each sample of ``x`` (``batch + shape``) whole, in float32 or float64, and
-        ``x`` is finite (an infinite or NaN input would stay in the summed outputs after it went to the baseline)."""
+    def fits(self, x: torch.Tensor, batch_dims: int, baseline: torch.Tensor) -> bool:
+        """Whether the linear layer reads each sample of ``x`` (``batch + shape``, not empty) whole, in float32 or
+        float64, and ``x`` and ``baseline`` are finite (an infinite or NaN input would stay in the summed outputs after
+        it went to the baseline; such a baseline would be in the outputs before it came)."""
         shape, weight = x.shape[batch_dims:], self.linear.weight
-        whole = (self.flatten or len(shape) == 1) and math.prod(shape) == self.linear.in_features
+        whole = (self.flatten or len(shape) == 1) and math.prod(shape) == self.linear.in_features and x.numel() > 0
         small = weight.numel() <= _LARGEST_LAYER  # its transposed copy stays small
         typed = x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float64)
         same = typed and x.device == weight.device and x.device.type != "mps"  # MPS: no float64
-        return whole and small and same and bool(torch.isfinite(x).all())
+        return whole and small and same and bool(torch.isfinite(x).all()) and bool(torch.isfinite(baseline).all())
 
     def stack_size(self, n: int) -> int:
         """How many steps one stack holds for a batch of ``n`` samples."""
@@ -135,7 +136,9 @@ class LeadingAffine:
             steps = torch.searchsorted(thresholds, ranks, right=True)
             bounds = torch.arange(n_steps + 2, dtype=steps.dtype, device=steps.device)
             ends = torch.searchsorted(steps, bounds.expand(len(steps), -1).contiguous()).expand(n, -1)
-            bags = _Bags(order, (x.reshape(n, -1) - base).gather(-1, order), ends, weight.t().contiguous())
+            values = (x.reshape(n, -1) - base).gather(-1, order)
+            # The bags from the last step back (bag 0: the elements that never go), summed in that order.
+            bags = _Bags(order.flip(-1), values.flip(-1), order.shape[1] - ends.flip(-1), weight.t().contiguous())
             # The layer's output with every element at the baseline, then with the elements never perturbed back.
             carry = self._at_baseline(base)
         for start in reversed(range(0, n_steps, size)):
@@ -146,7 +149,7 @@ class LeadingAffine:
                 out = hidden.reshape(*stacked, weight.shape[0])
                 for layer in self.rest:
                     out = layer(out)
-            yield start, out.reshape(stop - start, n, *out.shape[len(stacked) :])
+            yield start, out.reshape(stop - start, n, *out.shape[len(stacked) :]).flip(0)  # from the first step
 
     def _at_baseline(self, base: torch.Tensor) -> torch.Tensor:
         """The layer's output ``[N, out]`` in float64 with every element at the baseline ``base`` ``[N, M]``: its bias
@@ -183,12 +186,14 @@ def _in_order(ranks: torch.Tensor, whole: bool) -> tuple[torch.Tensor, torch.Ten
 
 @dataclass
 class _Bags:
-    """The changes of the layer's output, one bag of elements per sample and step.
+    """The changes of the layer's output, one bag of elements per sample and step, from the last step back.
+
+    Bag ``j`` holds the elements that go at step ``steps + 1 - j`` (from 1); bag 0 those that never go.
 
     Attributes:
-        order: ``[N, M]``: each sample's elements in the order they go.
+        order: ``[N, M]``: each sample's elements, the last to go first.
         values: ``[N, M]``: ``x_e - b_e`` of those elements.
-        ends: ``[N, steps + 2]``: where in ``order`` each step's elements begin.
+        ends: ``[N, steps + 2]``: where in ``order`` each bag begins.
         rows: ``W^T``, row ``e`` the weights of element ``e``.
     """
 
@@ -198,29 +203,30 @@ class _Bags:
     rows: torch.Tensor
 
     def outputs(self, start: int, stop: int, carry: torch.Tensor, last: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's outputs ``[stop - start, N, out]`` at steps ``start + 1 .. stop``, and the carry for the steps
-        before.
+        """The layer's outputs ``[stop - start, N, out]`` at steps ``stop .. start + 1`` (from the last step back),
+        and the carry for the steps before.
 
         ``carry`` (float64) is the output at step ``stop + 1``: every element that goes by then at the baseline.
         With ``last``, the elements that never go are added to it first.
         """
-        sums = self._sums(start, stop + last)  # [N, bags, out]
+        n_bags = self.ends.shape[1] - 1
+        sums = self._sums(n_bags - stop - last, n_bags - start)  # [N, last + steps, out], from the last step back
         n, width, steps = sums.shape[0], sums.shape[2], stop - start
         if last:
-            carry = carry + sums[:, -1]
-        # [N, out, steps] in float64, in one copy: the running sum is then a scan along the last dimension.
-        running = torch.empty(n, width, steps, dtype=torch.float64, device=sums.device)
-        running.copy_(sums[:, :steps].transpose(1, 2)).cumsum_(-1)
-        # Step t's output is carry + the changes of steps t + 1 .. stop - 1: with P the running sum of the changes
-        # from ``start``, (carry + P[stop - 1]) - P[t]. Both terms hold the elements gone by step t in float64, so
-        # those cancel to float64 rounding; the float32 rounding of their change is not left in the output.
-        before = carry + running[..., -1]
-        hidden = running.neg_().add_(before.unsqueeze(-1))
+            carry = carry + sums[:, 0]
+        # [N, out, steps + 1] in float64: the carry, then the changes from the stack's last step back to its first,
+        # summed along the last dimension. Entry j is the output j steps before the stack's last: it sums only the
+        # elements still there, so an element at the baseline leaves no rounding behind (a running sum from the
+        # stack's first step, taken off its total, would keep the rounding of a large one).
+        running = torch.empty(n, width, steps + 1, dtype=torch.float64, device=sums.device)
+        running[..., 0].copy_(carry)
+        running[..., 1:].copy_(sums[:, last:].transpose(1, 2))
+        running.cumsum_(-1)
         out = torch.empty(steps, n, width, dtype=self.rows.dtype, device=self.rows.device)
-        return out.copy_(hidden.permute(2, 0, 1)), before
+        return out.copy_(running[..., :steps].permute(2, 0, 1)), running[..., steps]
 
     def _sums(self, start: int, stop: int) -> torch.Tensor:
-        """``[N, stop - start, out]``: per sample and step in ``[start, stop)``, ``sum W[:, e] (x_e - b_e)``."""
+        """``[N, stop - start, out]``: per sample and bag in ``[start, stop)``, ``sum W[:, e] (x_e - b_e)``."""
         n, m = self.order.shape
         low, high = self.ends[:, start], self.ends[:, stop]
         begins = self.ends[:, start:stop]

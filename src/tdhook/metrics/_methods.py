@@ -115,16 +115,17 @@ def original_target(method: TensorDictModuleBase, result: TensorDictBase, batch_
 
 
 def repeat_target(target: object, batch_size: torch.Size, n: int) -> object:
-    """A per-sample target for ``n`` copies of the batch stacked along its first dimension (see
-    :func:`~tdhook.metrics._features.stacked_batch`); other targets as they are.
+    """A per-sample target (indices ``batch`` or ``batch + [1]``, or held weights) for ``n`` copies of the batch
+    stacked along its first dimension (see :func:`~tdhook.metrics._features.stacked_batch`); other targets as they
+    are.
 
     Examples:
         >>> repeat_target(torch.tensor([[0, 1, 2]]), torch.Size([1, 3]), 2)
         tensor([[0, 1, 2],
                 [0, 1, 2]])
     """
-    if isinstance(target, torch.Tensor) and target.shape == batch_size and len(batch_size):
-        return target.expand(n, *batch_size).reshape(stacked_batch(n, batch_size))
+    if isinstance(target, torch.Tensor) and target.shape in (batch_size, (*batch_size, 1)) and len(batch_size):
+        return target.expand(n, *target.shape).reshape(*stacked_batch(n, batch_size), *target.shape[len(batch_size) :])
     if isinstance(target, HeldWeights) and len(batch_size):
         weights, dims = target.weights, len(batch_size)
         rest = weights.shape[dims:]

@@ -32,6 +32,7 @@ from torch import nn
 
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key, target_output
+from tdhook.metrics._batch_statistics import batch_normalising_module
 from tdhook.metrics._features import explained_keys, stacked_batch
 from tdhook.metrics._leading_affine import LeadingAffine
 
@@ -59,11 +60,14 @@ class Scorer:
             head), an int, a LongTensor of per-sample indices, or a callable ``output -> relevance``. As for the
             attribution methods, it is resolved once, on the unperturbed output ``y``: a callable gives the
             weights ``w = target(y) / y`` (0 where ``y`` is 0), and the score of a perturbed output ``y'`` is
-            ``sum(y' * w)`` over its non-batch dimensions (``sum(target(y))`` unperturbed).
+            ``sum(y' * w)`` over its non-batch dimensions (``sum(target(y))`` unperturbed). An index target scores
+            the sum of the picked units over any dimensions between the batch and the units.
         steps_per_forward: how many perturbed versions of the batch share one forward pass; ``None`` picks as
             many as fit about 65 thousand input elements (larger stacks ran slower on CPU). With 1 the model sees
             the TensorDict's own batch shape; with more, the steps stacked along the batch's first dimension
-            (``[steps * B, T]`` for a ``[B, T]`` batch: the time dimension stays).
+            (``[steps * B, T]`` for a ``[B, T]`` batch: the time dimension stays). A model that normalises over
+            the batch (see
+            :func:`~tdhook.metrics._batch_statistics.batch_normalising_module`) sees one step per pass; more is refused.
 
     Attributes:
         keys: the explained input keys.
@@ -93,11 +97,24 @@ class Scorer:
         if steps_per_forward is not None and steps_per_forward < 1:
             raise ValueError(f"metrics: steps_per_forward must be a positive int or None, got {steps_per_forward}")
         self.keys = explained_keys(in_keys, self.module.in_keys)
-        self.steps_per_forward = steps_per_forward
+        unread = [key for key in self.keys if key not in self.module.in_keys]
+        if unread:
+            raise ValueError(
+                f"metrics: in_keys {unread} are not inputs of the model (its in_keys: {list(self.module.in_keys)}); "
+                "perturbing them would leave its output as it is"
+            )
+        self._alone = batch_normalising_module(module)
+        if self._alone is not None and steps_per_forward not in (None, 1):
+            raise ValueError(
+                f"metrics: module {self._alone} normalises over the batch (training mode or no running "
+                f"statistics): {steps_per_forward} steps stacked in one pass would change each other's scores; "
+                "leave steps_per_forward at None (one step per pass) or call .eval() on the model"
+            )
+        self.steps_per_forward = 1 if self._alone is not None else steps_per_forward
         self._batch = td.batch_size
         self._base = td.select(*self.module.in_keys, strict=False)
         self._key, operator = named_targets(self.module, target_key)[None]
-        result = self._run(self._base.clone(recurse=False))
+        result = self._run(self._base.clone())  # copies: a model may change its inputs in place
         self._key = resolve_target_key(result, self._key, operator)
         self._operator = operator
         output = self.reference_output = self._output(result)
@@ -108,6 +125,7 @@ class Scorer:
                 "TensorDict the batch shape of the output (the batch of contexts [B], not [B, T], for a model "
                 "that reads a whole context and acts once)"
             )
+        self._units = output.dim() - len(self._batch)  # the output's dimensions after the batch
         self._weights = None
         self._index = None
         if callable(target):
@@ -147,18 +165,15 @@ class Scorer:
         return output
 
     def _score(self, output: torch.Tensor) -> torch.Tensor:
-        """The score of ``output`` (``lead + batch + [n]`` or ``lead + batch``), shaped ``lead + batch``."""
-        lead = output.dim() - len(self._batch) - (1 if output.dim() > len(self._batch) else 0)
+        """The score of ``output`` (``lead + batch + units``, ``units`` the unperturbed output's non-batch shape),
+        shaped ``lead + batch``: the sum over ``units`` of the output times the target's initial gradient."""
+        units = self._units
         if self._weights is not None:
-            product = output * self._weights
-            dims = tuple(range(lead + len(self._batch), product.dim()))
-            return product.sum(dims) if dims else product
-        if self._index is not None:
-            index = self._index.expand(output.shape[:lead] + self._index.shape).unsqueeze(-1)
-            return output.gather(-1, index).squeeze(-1)
-        if output.dim() > len(self._batch) + lead:
-            return output.squeeze(-1)
-        return output
+            output = output * self._weights
+        elif self._index is not None:
+            index = self._index.expand(output.shape[:-1]).unsqueeze(-1)
+            output, units = output.gather(-1, index).squeeze(-1), units - 1
+        return output.sum(tuple(range(-units, 0))) if units else output
 
     def scores(self, perturbed: Mapping[NestedKey, torch.Tensor]) -> torch.Tensor:
         """The scores of ``S`` perturbed versions of the batch, shaped ``[S] + batch``, in one forward pass.
@@ -189,10 +204,14 @@ class Scorer:
             perturbed: ``key -> [S] + batch + shape`` for each explained key (other inputs are repeated).
         """
         n_steps = next(iter(perturbed.values())).shape[0]
+        if self._alone is not None and n_steps > 1:  # each step as the batch it is
+            return torch.cat(
+                [self.outputs({key: value[i : i + 1] for key, value in perturbed.items()}) for i in range(n_steps)]
+            )
         if self._plain and self._key in self.module.out_keys:
             return self._plain_outputs(perturbed, n_steps)
-        if n_steps == 1:
-            work = self._base.clone(recurse=False)
+        if n_steps == 1:  # the other inputs copied (stacked, they are copies already)
+            work = self._base.exclude(*perturbed).clone()
             for key, value in perturbed.items():
                 work.set(key, value[0])
             return self._output(self._run(work)).unsqueeze(0)
@@ -209,9 +228,9 @@ class Scorer:
         args = []
         for key in self.module.in_keys:
             value = perturbed.get(key)
-            if value is None:
+            if value is None:  # a copy for one step (stacked, flattening copies), as a model may change it in place
                 value = self._base.get(key)
-                value = value.expand(n_steps, *value.shape)
+                value = value.clone().unsqueeze(0) if n_steps == 1 else value.expand(n_steps, *value.shape)
             args.append(value[0] if n_steps == 1 else value.flatten(0, 1) if batch_dims else value)  # [S * B, ...]
         with torch.no_grad():
             outputs = self.module.module(*args)

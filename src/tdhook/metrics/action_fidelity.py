@@ -10,6 +10,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import nn
 
+from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._features import Baseline, Features, sort_positions
 from tdhook.metrics._random import generator
 from tdhook.metrics._scoring import Scorer, chunks, progress_bar
@@ -17,6 +18,7 @@ from tdhook.metrics._scoring import Scorer, chunks, progress_bar
 __all__ = ["action_fidelity"]
 
 
+@keeps_running_statistics
 def action_fidelity(
     module: TensorDictModuleBase | nn.Module,
     td: TensorDictBase,
@@ -53,7 +55,8 @@ def action_fidelity(
         features are removed, and ``random``: the same for ``k`` random features, averaged over the draws.
 
     Raises:
-        ValueError: ``k`` or ``n_random`` is out of range, or the output has fewer than two actions.
+        ValueError: ``k`` or ``n_random`` is out of range, the output has fewer than two actions, or an attribution
+            holds NaN.
 
     Examples:
         >>> import torch
@@ -71,6 +74,7 @@ def action_fidelity(
         module, td, in_keys=in_keys, out_keys=out_keys, target_key=target_key, steps_per_forward=steps_per_forward
     )
     features = Features.read(td, scorer.keys, relevance_key)
+    features.refuse_nan("action_fidelity")
     features.baselines(baseline)
     batch, n_features = td.batch_size, features.n_features
     output = scorer.reference_output

@@ -11,6 +11,7 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from tdhook.attribution.targets import Target
+from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._features import Baseline, Features, sort_positions
 from tdhook.metrics._random import generator
 from tdhook.metrics._scoring import Scorer, chunks, progress_bar
@@ -19,6 +20,7 @@ from tdhook.metrics._similarity import pearson
 __all__ = ["faithfulness_correlation"]
 
 
+@keeps_running_statistics
 def faithfulness_correlation(
     module: TensorDictModuleBase | nn.Module,
     td: TensorDictBase,
@@ -99,6 +101,14 @@ def faithfulness_correlation(
         if subsets.numel() and (int(subsets.min()) < 0 or int(subsets.max()) >= n_features):
             raise ValueError(
                 f"faithfulness_correlation: subsets must index the {n_features} features, in [0, {n_features})"
+            )
+        ordered = subsets.sort(-1).values
+        repeated = (ordered[..., 1:] == ordered[..., :-1]).any(-1)
+        if bool(repeated.any()):
+            *sample, run = (int(i) for i in repeated.nonzero()[0])
+            raise ValueError(
+                f"faithfulness_correlation: subsets must name distinct features in each run: sample {tuple(sample)}, "
+                f"run {run} names a feature twice"
             )
         subsets = subsets.to(values.device).long().movedim(-2, 0)
         n_runs, subset_size = subsets.shape[0], subsets.shape[-1]

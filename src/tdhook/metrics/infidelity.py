@@ -11,6 +11,7 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from tdhook.attribution.targets import Target
+from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._features import Features
 from tdhook.metrics._scoring import Scorer
 
@@ -20,7 +21,7 @@ PerturbFn = Callable[[TensorDictBase], tuple[TensorDictBase, TensorDictBase]]
 
 
 def repeated(td: TensorDictBase, keys: Sequence[NestedKey], n: int) -> TensorDictBase:
-    """The ``keys`` of ``td`` with each sample repeated ``n`` times: batch ``batch + [n]``, a copy.
+    """The ``keys`` of ``td`` with each sample repeated ``n`` times: batch ``batch + [n]``, a copy out of any graph.
 
     Examples:
         >>> import torch
@@ -28,7 +29,7 @@ def repeated(td: TensorDictBase, keys: Sequence[NestedKey], n: int) -> TensorDic
         >>> repeated(TensorDict(x=torch.ones(2, 3), batch_size=[2]), ["x"], 4)["x"].shape
         torch.Size([2, 4, 3])
     """
-    selected = td.select(*keys)
+    selected = td.select(*keys).detach()
     return selected.unsqueeze(selected.batch_dims).expand(*selected.batch_size, n).clone()
 
 
@@ -56,6 +57,7 @@ def check_perturbed(
     return value
 
 
+@keeps_running_statistics
 def infidelity(
     module: TensorDictModuleBase | nn.Module,
     td: TensorDictBase,

@@ -14,6 +14,7 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from tdhook.attribution.targets import Target
+from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._curves import perturbation_curve
 from tdhook.metrics._features import Baseline, Features, sort_positions
 from tdhook.metrics._scoring import Scorer
@@ -21,6 +22,7 @@ from tdhook.metrics._scoring import Scorer
 __all__ = ["pixel_flipping"]
 
 
+@keeps_running_statistics
 def pixel_flipping(
     module: TensorDictModuleBase | nn.Module,
     td: TensorDictBase,
@@ -63,7 +65,8 @@ def pixel_flipping(
 
     Raises:
         KeyError: an input or attribution key is missing.
-        ValueError: ``features_per_step`` is not positive, or an attribution or baseline does not fit its key.
+        ValueError: ``features_per_step`` is not positive, an attribution or baseline does not fit its key, or an
+            attribution holds NaN (it has no rank).
 
     Examples:
         >>> import torch
@@ -88,6 +91,7 @@ def pixel_flipping(
         steps_per_forward=steps_per_forward,
     )
     features = Features.read(td, scorer.keys, relevance_key)
+    features.refuse_nan("pixel_flipping")
     n_steps = -(-features.n_features // features_per_step)
     positions = sort_positions(features.values)
     thresholds = torch.arange(1, n_steps + 1) * features_per_step

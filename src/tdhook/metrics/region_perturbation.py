@@ -6,6 +6,7 @@ its leading dimensions (the channels), ranked by the sum of the attribution over
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -16,6 +17,7 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from tdhook.attribution.targets import Target
+from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._curves import perturbation_curve
 from tdhook.metrics._features import Baseline, Features, sort_positions
 from tdhook.metrics._scoring import Scorer
@@ -41,6 +43,7 @@ def patch_grid(height: int, width: int, patch_size: int) -> torch.Tensor:
     return rows[:, None] * n_cols + cols[None, :]
 
 
+@keeps_running_statistics
 def region_perturbation(
     module: TensorDictModuleBase | nn.Module,
     td: TensorDictBase,
@@ -79,7 +82,8 @@ def region_perturbation(
         with the first ``k`` patches at the baseline.
 
     Raises:
-        ValueError: a bad ``patch_size``, ``order`` or ``n_regions``, or a key with fewer than two dimensions.
+        ValueError: a bad ``patch_size``, ``order`` or ``n_regions``, a key with fewer than two dimensions, or an
+            attribution holding NaN.
 
     Examples:
         >>> import torch
@@ -106,6 +110,7 @@ def region_perturbation(
         steps_per_forward=steps_per_forward,
     )
     features = Features.read(td, scorer.keys, relevance_key)
+    features.refuse_nan("region_perturbation")
     batch = td.batch_size
     sums, feature_regions, offset = [], [], 0
     parts = zip(features.keys, features.inputs, features.attributions, features.broadcast_values(), strict=True)
@@ -123,7 +128,7 @@ def region_perturbation(
             )
         grid = patch_grid(height, width, patch_size).to(x.device)
         n_patches = int(grid.max()) + 1
-        plane = full.reshape(*batch, -1, height * width).sum(-2)
+        plane = full.reshape(*batch, math.prod(x.shape[len(batch) : -2]), height * width).sum(-2)
         patch_sums = torch.zeros(*batch, n_patches, dtype=a.dtype, device=a.device)
         sums.append(patch_sums.index_add_(-1, grid.flatten(), plane))
         feature_regions.append((grid + offset).expand(a.shape[len(batch) :]).flatten())

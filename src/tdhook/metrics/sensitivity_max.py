@@ -9,6 +9,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
+from tdhook.metrics._batch_statistics import batch_normalising_module, keeps_running_statistics
 from tdhook.metrics._features import Features, stacked_batch
 from tdhook.metrics._methods import (
     check_method,
@@ -29,6 +30,7 @@ def _flat(attributions: Sequence[torch.Tensor], batch_dims: int) -> torch.Tensor
     return torch.cat([a.flatten(batch_dims) for a in attributions], dim=-1)
 
 
+@keeps_running_statistics
 def sensitivity_max(
     method: TensorDictModuleBase,
     td: TensorDictBase,
@@ -46,7 +48,8 @@ def sensitivity_max(
     ``‖e(x)‖`` counts as 1). The method explains each perturbed input for the target it explained at ``x``
     (``target=None`` is held at the original argmax, a callable at the weights ``target(y) / y`` it gave the
     output ``y`` at ``x``). All perturbed inputs run in one call of the method, stacked along the batch's first
-    dimension (``[n_perturb_samples * B, ...]``).
+    dimension (``[n_perturb_samples * B, ...]``), or one call each where the model normalises over the batch (a
+    BatchNorm in training mode or without running statistics).
 
     Args:
         method: the attribution wrapper (:class:`~tdhook.attribution.LRP` or another method); it is called, and
@@ -96,17 +99,23 @@ def sensitivity_max(
             perturbed = perturb_fn(expanded, perturb_radius)
         perturbed = check_perturbed("sensitivity_max", "perturbed input", perturbed, keys, expanded)
     # The perturbed copies stacked along the batch's first dimension, ``[n * B, ...]``: a ``[B, T]`` batch keeps
-    # its time dimension for a method whose model mixes along it.
+    # its time dimension for a method whose model mixes along it. A model that normalises over the batch explains
+    # each copy alone (stacked, the copies would change each other's explanations).
     stacked = stacked_batch(n, batch)
     work = td.select(*method.in_keys, strict=False).expand(n, *batch).clone(recurse=False)
     for key in keys:
         work.set(key, perturbed.get(key).movedim(len(batch), 0))
-    target = repeat_target(original_target(method, result, len(batch)), batch, n)
-    with target_set(method, target), torch.no_grad():
-        explained = explain(method, work.reshape(*stacked))
-    attributions = [
-        a.reshape(n, *batch, *a.shape[len(stacked) :]) for a in Features.read(explained, keys, prefix).attributions
-    ]
+    target = original_target(method, result, len(batch))
+    if batch_normalising_module(method) is not None:
+        with target_set(method, target), torch.no_grad():
+            copies = [Features.read(explain(method, work[i]), keys, prefix).attributions for i in range(n)]
+        attributions = [torch.stack(parts) for parts in zip(*copies, strict=True)]
+    else:
+        with target_set(method, repeat_target(target, batch, n)), torch.no_grad():
+            explained = explain(method, work.reshape(*stacked))
+        attributions = [
+            a.reshape(n, *batch, *a.shape[len(stacked) :]) for a in Features.read(explained, keys, prefix).attributions
+        ]
     changed = _flat(attributions, len(batch) + 1).movedim(0, -2)
     norm = reference.norm(dim=-1, keepdim=True)
     norm = torch.where(norm == 0, torch.ones_like(norm), norm)
