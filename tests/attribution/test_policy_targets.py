@@ -3,6 +3,8 @@ a decision transformer's inference wrapper the step it acts on."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -102,6 +104,31 @@ def test_an_actor_followed_by_its_critic_explains_both():
     for name, key in {"actor": "loc", "critic": "state_action_value"}.items():
         alone = LRP(pipeline, EpsilonPlus(), in_keys=["observation"], target_key=key)(td.clone())
         torch.testing.assert_close(out["relevance", name, "observation"], alone["relevance", "observation"])
+
+
+def test_steps_given_by_name_explain_as_steps_given_in_order():
+    """``TensorDictSequential`` takes its steps as an ordered dict of names too (its ``module`` is then a
+    ``ModuleDict``): the actor followed by its critic explains both, as with the steps given in order."""
+    torch.manual_seed(0)
+    actor = tanh_normal_actor("observation", 4)
+    critic = ValueOperator(Critic(4), in_keys=["observation", "action"])
+    named = TensorDictSequential(OrderedDict(actor=actor, critic=critic)).double()
+    td = TensorDict(observation=torch.randn(5, 4, dtype=F64), batch_size=[5])
+    out = LRP(named, EpsilonPlus(), in_keys=["observation"])(td.clone())
+    expected = LRP(TensorDictSequential(actor, critic), EpsilonPlus(), in_keys=["observation"])(td.clone())
+    for name in ("actor", "critic"):
+        torch.testing.assert_close(out["relevance", name, "observation"], expected["relevance", name, "observation"])
+
+
+def test_a_pipeline_of_named_steps_explains_its_last_output():
+    """The default target of steps given by name is the last step's output, as for steps given in order."""
+    torch.manual_seed(0)
+    first = TensorDictModule(nn.Linear(3, 4).double(), in_keys=["x"], out_keys=["h"])
+    last = TensorDictModule(nn.Linear(4, 2).double(), in_keys=["h"], out_keys=["y"])
+    td = TensorDict(x=torch.randn(5, 3, dtype=F64), batch_size=[5])
+    named = LRP(TensorDictSequential(OrderedDict(first=first, last=last)))(td.clone())
+    ordered = LRP(TensorDictSequential(first, last))(td.clone())
+    torch.testing.assert_close(named["relevance", "x"], ordered["relevance", "x"])
 
 
 def test_actor_critic_operator_explains_both_heads():

@@ -40,6 +40,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase, TensorDictSequential
 from tensordict.utils import NestedKey, unravel_key
+from torch import nn
 from torchrl.modules import (
     Actor,
     ActorCriticOperator,
@@ -55,7 +56,14 @@ from torchrl.modules.distributions import MaskedCategorical, MaskedOneHotCategor
 
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 
-__all__ = ["actor_and_critic", "allowed_action", "acted_step", "default_target_operator", "EXPLORATION_MODULES"]
+__all__ = [
+    "actor_and_critic",
+    "allowed_action",
+    "acted_step",
+    "default_target_operator",
+    "sequential_steps",
+    "EXPLORATION_MODULES",
+]
 
 _MASKED = (MaskedCategorical, MaskedOneHotCategorical)
 # Steps that perturb the action an actor wrote (noise, a random action now and then): they write no output of
@@ -69,12 +77,8 @@ def actor_and_critic(module: TensorDictModuleBase) -> dict[str, TensorDictModule
         return {"actor": module.get_policy_operator(), "critic": module.get_value_head()}
     if isinstance(module, (ActorValueOperator, ActorCriticWrapper)):
         return {"actor": module.get_policy_operator(), "critic": module.get_value_operator()}
-    if (
-        isinstance(module, TensorDictSequential)
-        and len(module.module) > 1
-        and isinstance(module.module[-1], ValueOperator)
-    ):
-        steps = list(module.module)
+    steps = sequential_steps(module)
+    if len(steps) > 1 and isinstance(steps[-1], ValueOperator):
         actor_steps = steps[:-1]
         critic_reads = {unravel_key(k) for k in steps[-1].in_keys}
         actions = {
@@ -84,6 +88,15 @@ def actor_and_critic(module: TensorDictModuleBase) -> dict[str, TensorDictModule
             actor = actor_steps[0] if len(actor_steps) == 1 else TensorDictSequential(*actor_steps)
             return {"actor": actor, "critic": steps[-1]}
     return None
+
+
+def sequential_steps(module: TensorDictModuleBase) -> list[nn.Module]:
+    """The steps of a ``TensorDictSequential``, given in order (a ``ModuleList``) or by name (an ordered dict, held
+    as a ``ModuleDict``); none for any other module."""
+    if not isinstance(module, TensorDictSequential):
+        return []
+    steps = module.module
+    return list(steps.values() if isinstance(steps, nn.ModuleDict) else steps)
 
 
 def _chooses(module: object) -> bool:

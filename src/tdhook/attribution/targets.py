@@ -35,6 +35,7 @@ from tdhook.attribution._policy_targets import (
     acted_step,
     actor_and_critic,
     default_target_operator,
+    sequential_steps,
 )
 from tdhook.attribution.rules._numerics import safe_divide
 from tdhook.attribution.rules.base import layer_call_of
@@ -411,7 +412,7 @@ def target_output(result: TensorDictBase, key: NestedKey, operator: TensorDictMo
 
 def _leaf_modules(module: TensorDictModuleBase) -> list[TensorDictModuleBase]:
     if isinstance(module, TensorDictSequential):
-        return [leaf for sub in module.module for leaf in _leaf_modules(sub)]
+        return [leaf for sub in sequential_steps(module) for leaf in _leaf_modules(sub)]
     return [module]
 
 
