@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -9,7 +10,7 @@ from tensordict.nn import TensorDictModule, TensorDictSequential
 from zennit import rules as zrules
 from zennit.composites import LayerMapComposite
 
-from tdhook.attribution import LRP
+from tdhook.attribution import LRP, Saliency
 from tdhook.attribution.mappers.presets import EpsilonPlus
 from tdhook.attribution.rules import AlphaBetaRule, EpsilonRule, FlatRule, GammaRule, WSquareRule, ZBoxRule
 from tests.attribution._helpers import ExpectsARefusal, explain, mlp
@@ -250,7 +251,7 @@ def test_target_all_holds_the_result_once():
 import resource, torch
 from torch import nn
 from tensordict import TensorDict
-from tdhook.attribution import LRP
+from tdhook.attribution import LRP, Saliency
 torch.set_num_threads(1)
 torch.manual_seed(0)
 net = nn.Sequential(nn.Linear(20000, 8), nn.ReLU(), nn.Linear(8, 20))
@@ -295,3 +296,30 @@ def test_the_default_target_follows_a_pipeline_changed_inside_the_context(change
     # LRP-0 on Linear layers without bias: the relevance sums to the explained output, the last step's maximum.
     total = outside["z"].max(-1).values
     torch.testing.assert_close(inside["relevance", "x"].sum(-1), total, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("numpy_target", "torch_target"),
+    [
+        (np.int64(2), 2),
+        (np.uint8(1), 1),
+        (np.array([0, 3, 1]), torch.tensor([0, 3, 1])),
+        (np.array([[2], [0], [1]], dtype=np.int32), torch.tensor([[2], [0], [1]])),
+    ],
+    ids=["int64", "uint8", "array", "column"],
+)
+@pytest.mark.parametrize("method", [LRP, Saliency])
+def test_a_numpy_action_is_a_target(method, numpy_target, torch_target):
+    """Actions from a gymnasium environment or a numpy argmax index the output as ints and LongTensors do."""
+    torch.manual_seed(0)
+    policy = TensorDictModule(torch.nn.Linear(3, 4).double(), in_keys=["observation"], out_keys=["action_value"])
+    td = TensorDict(observation=torch.randn(3, 3, dtype=torch.float64), batch_size=[3])
+    key = "relevance" if method is LRP else "attribution"
+    got = method(policy, target=numpy_target)(td.clone())[key, "observation"]
+    torch.testing.assert_close(got, method(policy, target=torch_target)(td.clone())[key, "observation"])
+
+
+def test_a_numpy_array_of_floats_is_no_target():
+    policy = TensorDictModule(torch.nn.Linear(3, 4), in_keys=["observation"], out_keys=["action_value"])
+    with pytest.raises(TypeError, match="target must be None, an int, a LongTensor"):
+        LRP(policy, target=np.array([0.5, 1.0]))(TensorDict(observation=torch.randn(2, 3), batch_size=[2]))

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Union
 
+import numpy as np
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase, TensorDictSequential
@@ -280,6 +281,8 @@ def _initial_gradient(out: torch.Tensor, target: Target, key: NestedKey, batch_d
         return _one_hot(out, out.argmax(-1, keepdim=True), keepdim=True)
     if not has_units:
         raise ValueError(f"LRP: output {key!r} has no unit dimension to index with target {target!r}")
+    if isinstance(target, (np.integer, np.ndarray)) and target.dtype.kind in "iu":  # an action from numpy
+        target = int(target) if isinstance(target, np.integer) else torch.from_numpy(target)
     if isinstance(target, int) and not isinstance(target, bool):
         if not -n_units <= target < n_units:
             raise IndexError(
