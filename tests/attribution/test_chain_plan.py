@@ -446,3 +446,23 @@ def test_parameters_updated_between_calls_are_read_live(update):
     assert not torch.allclose(ours[1]["y"], ours[2]["y"])  # the update changed the output
     for mine, theirs in zip(ours, general, strict=True):
         assert_same_call(mine, theirs)
+
+
+@pytest.mark.parametrize("path", ["planned", "general"])
+@pytest.mark.parametrize("activation", [nn.ELU, nn.SiLU, nn.LeakyReLU])
+def test_an_activation_set_in_place_inside_the_context_keeps_its_input(path, activation):
+    """The pass rule reads an activation's input; one set to run in place after the context was entered
+    overwrote it before the rule read it (in both paths), and the relevance was that of ``f(f(x)) / f(x)``."""
+    torch.manual_seed(0)
+    chain = nn.Sequential(nn.Linear(4, 6), activation(), nn.Linear(6, 3)).double()
+    policy = TensorDictModule(chain, in_keys=["observation"], out_keys=["action_value"])
+    policy = policy if path == "planned" else hooked(policy)
+    td = TensorDict(observation=torch.randn(5, 4, dtype=torch.float64), batch_size=[5])
+    expected = LRP(copy.deepcopy(policy), EpsilonPlus())(td.clone())
+    lrp = LRP(policy, EpsilonPlus())
+    with lrp:
+        lrp(td.clone())  # the context's first call: the activation still out of place
+        policy.module[1].inplace = True
+        results = [lrp(td.clone()) for _ in range(2)]
+    for result in results:
+        assert_same_call(result, expected)

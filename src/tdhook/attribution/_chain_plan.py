@@ -156,6 +156,8 @@ class ChainPlan:
             return False
         if not all(map(_runs_its_class_code, (self.chain, *layers))):
             return False
+        if any(type(layer) in _ACTIVATIONS and getattr(layer, "inplace", False) for layer, _ in self.layers):
+            return False  # an activation set to run in place since: its input is gone by the time of its factor
         if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
             return False
         if module_globals._global_backward_hooks or module_globals._global_backward_pre_hooks:

@@ -500,7 +500,7 @@ class Rule(Tunable):
         registration = self._new_registration(module)
         if isinstance(module, LINEAR_LAYERS) and _has_plain_forward(module):
             registration.plain_layer = type(module)  # a parametrization, added later, changes the class
-        if self.uses_input and getattr(module, "inplace", False):
+        if self.uses_input and hasattr(module, "inplace"):  # in place now, or once its flag is set in the context
             registration.hooks.append(module.register_forward_pre_hook(self._snapshot_hook(registration)))
         registration.hooks.append(module.register_forward_hook(self._forward_hook(registration)))
         self._registrations[module] = registration
@@ -563,7 +563,9 @@ class Rule(Tunable):
     @staticmethod
     def _snapshot_hook(registration: Registration) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
-            if torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            if not getattr(module, "inplace", False) or not torch.is_grad_enabled():
+                return
+            if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
                 push(registration.snapshots, (args[0].clone(), *args[1:]))
 
         return hook
