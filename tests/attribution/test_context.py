@@ -89,8 +89,9 @@ class TestModesAroundLayers:
         with lrp:
             # The ε-rule's forward hook and nothing else: no pre-hook pausing the function rules.
             assert len(model.q._forward_pre_hooks) == 0 and len(model.q._forward_hooks) == 1
-            # An activation module is paused: its rule decides its gradient, not the mode's activation rule.
-            assert len(model.act._forward_pre_hooks) == 1
+            # An activation module is paused: its rule decides its gradient, not the mode's activation rule. SiLU
+            # may run in place: a second pre-hook copies its input for the rule in a call where it does.
+            assert len(model.act._forward_pre_hooks) == 2
 
     def test_a_linear_subclass_with_its_own_forward_is_paused(self):
         class Gated(nn.Linear):
