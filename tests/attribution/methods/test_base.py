@@ -22,7 +22,7 @@ from tdhook.attribution import (
     SmoothGrad,
 )
 from tests.attribution._helpers import assert_unchanged, state_snapshot
-from tests.attribution.methods._models import random_mlp, two_key_policy
+from tests.attribution.methods._models import TwoKeyNet, random_mlp, two_key_policy
 
 # name -> constructor keywords; every method of the package is listed (METHODS is extended as they land).
 METHODS = {
@@ -174,6 +174,40 @@ class TestTargets:
             TensorDict(x=x, batch_size=[6])
         )
         assert torch.equal(default["attribution", "x"], chosen["attribution", "x"])
+
+
+class ScalesItsInputs(nn.Module):
+    """A policy that scales its observation and goal first, in place (``obs /= 255``) or not."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.in_place = in_place
+        torch.manual_seed(3)
+        self.net = TwoKeyNet().double()
+
+    def forward(self, obs: torch.Tensor, goal: torch.Tensor) -> torch.Tensor:
+        if self.in_place:
+            obs /= 255.0
+            goal /= 2.0
+        else:
+            obs, goal = obs / 255.0, goal / 2.0
+        return self.net(obs * 100.0, goal)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("explained", [["goal"], ["obs", "goal"]])
+def test_a_model_that_scales_its_inputs_in_place(name, explained):
+    """Every perturbed pass sees the caller's values, also of a key left fixed that the model scales in place."""
+    td = TensorDict(
+        obs=torch.rand(3, 4, dtype=torch.float64) * 255, goal=torch.randn(3, 2, dtype=torch.float64), batch_size=[3]
+    )
+    results = [
+        make(name, TensorDictModule(ScalesItsInputs(in_place), ["obs", "goal"], ["q"]), in_keys=explained)(td.clone())
+        for in_place in (False, True)
+    ]
+    for key in explained:
+        torch.testing.assert_close(results[1]["attribution", key], results[0]["attribution", key], rtol=1e-12, atol=0)
+    torch.testing.assert_close(results[1]["q"], results[0]["q"], rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize("name", list(METHODS))

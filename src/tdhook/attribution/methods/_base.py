@@ -116,6 +116,8 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
 
     #: whether the unperturbed forward pass records gradients (methods that differentiate at the input).
     _gradient_at_input = False
+    #: whether the model is run again on perturbed copies (:meth:`_evaluate`) after the unperturbed pass.
+    _evaluates_copies = True
 
     def __init__(
         self,
@@ -227,6 +229,9 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         name = type(self).__name__
         work = tensordict.copy()
         grad = self._gradient_at_input
+        base = tensordict.select(*self.module.in_keys, strict=False).exclude(*self.explained_keys)
+        if self._evaluates_copies:  # as the caller gave them: the model may scale an input in place (obs /= 255)
+            base = base.clone()
         with torch.enable_grad() if grad else torch.no_grad():
             leaves, fed = feed_inputs(work, self.explained_keys, TokenInputs(self.explained_keys))
             result = self._run(work)
@@ -246,7 +251,6 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         except (IndexError, ValueError, TypeError) as err:
             raise _rename(err, name) from None
         all_units = seeds.dim() > output.dim()
-        base = tensordict.select(*self.module.in_keys, strict=False).exclude(*self.explained_keys)
         return Call(
             tensordict=tensordict,
             inputs=[tensordict.get(k) for k in self.explained_keys],
@@ -290,7 +294,8 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         copies = perturbed[0].shape[0]
         batch = call.batch_shape
         shape = (copies * batch[0], *batch[1:]) if call.batch_dims else (copies,)
-        work = call.base.unsqueeze(0).expand(copies, *batch).reshape(shape)
+        # Copies of the inputs left fixed, never views of the caller's: the model may write into them.
+        work = call.base.unsqueeze(0).expand(copies, *batch).clone().reshape(shape)
         leaves = []
         with torch.enable_grad() if grad else torch.no_grad():
             for key, x in zip(self.explained_keys, perturbed, strict=True):

@@ -59,6 +59,7 @@ class GradCAM(AttributionMethod):
     tunables = {"relu": (bool, {"choices": [True, False]})}
 
     _gradient_at_input = True
+    _evaluates_copies = False
 
     def __init__(
         self,
