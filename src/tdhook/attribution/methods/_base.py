@@ -37,6 +37,7 @@ from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
 from tdhook.attribution._tokens import TokenInputs
 from tdhook.attribution._writes import model_updates, returned_tensordict, set_all_or_nothing
+from tdhook.attribution.methods._batch_statistics import batch_normalisers, buffers_kept
 from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key, target_output
 from tdhook.attribution.tunables import ModelTunable
 
@@ -62,6 +63,7 @@ class Call:
     all_units: bool
     fed: list[torch.Tensor]
     leaves: list[torch.Tensor] = field(default_factory=list)
+    separate_copies: bool = False
 
     @property
     def batch_shape(self) -> torch.Size:
@@ -262,6 +264,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             all_units=all_units,
             fed=fed,
             leaves=leaves if grad else [],
+            separate_copies=self._evaluates_copies and bool(batch_normalisers(self.named_explained_modules())),
         )
 
     # ------------------------------------------------------------------ evaluations
@@ -283,6 +286,9 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The explained quantity at ``copies`` perturbed inputs, in one forward pass.
 
+        A model that normalises over the batch (BatchNorm in training mode) runs one copy per pass instead, so
+        that each copy is normalised with its own statistics, as the model on one batch is.
+
         Args:
             call: the call.
             perturbed: per explained key, ``[copies, *input.shape]``.
@@ -292,22 +298,31 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             ``[units, copies, *batch]``, and the leaves (empty without ``grad``).
         """
         copies = perturbed[0].shape[0]
+        leaves = [x.detach().requires_grad_(True) for x in perturbed] if grad else []
+        inputs = leaves if grad else perturbed
+        per_pass = 1 if call.separate_copies else copies
+        with torch.enable_grad() if grad else torch.no_grad():
+            objective = torch.cat(
+                [self._run_copies(call, [x[s : s + per_pass] for x in inputs]) for s in range(0, copies, per_pass)],
+                dim=1,
+            )
+        if grad and not objective.requires_grad:
+            raise ValueError(f"{type(self).__name__}: target {call.target_key!r} does not depend on the inputs")
+        return objective, leaves
+
+    def _run_copies(self, call: Call, perturbed: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The explained quantity at perturbed copies of the batch, stacked in one forward pass: ``[units, copies,
+        *batch]``."""
+        copies = perturbed[0].shape[0]
         batch = call.batch_shape
         shape = (copies * batch[0], *batch[1:]) if call.batch_dims else (copies,)
         # Copies of the inputs left fixed, never views of the caller's: the model may write into them.
         work = call.base.unsqueeze(0).expand(copies, *batch).clone().reshape(shape)
-        leaves = []
-        with torch.enable_grad() if grad else torch.no_grad():
-            for key, x in zip(self.explained_keys, perturbed, strict=True):
-                if grad:
-                    x = x.detach().requires_grad_(True)
-                    leaves.append(x)
-                work.set(key, x.reshape(*shape, *x.shape[1 + call.batch_dims :]).clone())
+        for key, x in zip(self.explained_keys, perturbed, strict=True):
+            work.set(key, x.reshape(*shape, *x.shape[1 + call.batch_dims :]).clone())
+        with buffers_kept(self.module):  # each pass sees the model as the caller's pass left it (running statistics)
             output = target_output(self._run(work), call.target_key, self._target[1])
-            objective = self._contract(call, output, copies)
-        if grad and not objective.requires_grad:
-            raise ValueError(f"{type(self).__name__}: target {call.target_key!r} does not depend on the inputs")
-        return objective, leaves
+        return self._contract(call, output, copies)
 
     @staticmethod
     def _gradients(objective: torch.Tensor, leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
