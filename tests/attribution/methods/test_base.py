@@ -166,6 +166,17 @@ class TestTargets:
         by_int = make(name, net, in_keys=["x"], out_keys=["y"], target=1)(td.clone())
         torch.testing.assert_close(by_callable["attribution", "x"], by_int["attribution", "x"], rtol=1e-10, atol=1e-12)
 
+    def test_callable_target_relevance_on_a_zero_output_is_refused(self, name):
+        """``output × weight`` cannot carry relevance from an output that is exactly 0: an error, not a zero map."""
+        net = nn.Sequential(nn.Linear(5, 3), nn.ReLU()).double()
+        with torch.no_grad():
+            net[0].bias.copy_(torch.tensor([5.0, -50.0, 5.0]))  # unit 1 is 0 for every sample
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        x = td["x"].clone()
+        with pytest.raises(ValueError, match=rf"{name}: the callable target puts relevance on 2 entries of output 'y'"):
+            make(name, net, in_keys=["x"], out_keys=["y"], target=torch.ones_like)(td)
+        assert list(td.keys()) == ["x"] and torch.equal(td["x"], x)
+
     def test_default_target_is_the_argmax_on_the_unperturbed_input(self, name):
         net = random_mlp(8)
         x = torch.randn(6, 5, dtype=torch.float64)

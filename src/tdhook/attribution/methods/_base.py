@@ -38,7 +38,14 @@ from tdhook.attribution._random_modules import random_modules, warn_for_random_m
 from tdhook.attribution._tokens import TokenInputs
 from tdhook.attribution._writes import model_updates, returned_tensordict, set_all_or_nothing
 from tdhook.attribution.methods._batch_statistics import batch_normalisers, buffers_kept
-from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key, target_output
+from tdhook.attribution.targets import (
+    EveryUnit,
+    Target,
+    initial_relevance,
+    named_targets,
+    resolve_target_key,
+    target_output,
+)
 from tdhook.attribution.tunables import ModelTunable
 
 __all__ = ["AttributionMethod", "Call", "hooks_removed"]
@@ -110,9 +117,11 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         target_key: the output to explain (the pipeline's final output by
             default, as for :class:`~tdhook.attribution.LRP`).
         target: ``None`` (argmax of the last dimension), an int, a
-            LongTensor of per-sample indices, a callable ``output -> weights``
-            or ``"all"``, resolved once, on the unperturbed input: every
-            perturbed output is contracted with the weights found there.
+            LongTensor of per-sample indices, a callable ``output -> relevance``
+            (as for LRP: ``lambda y: y * w`` weights the output by ``w``) or
+            ``"all"``, resolved once, on the unperturbed input: every
+            perturbed output is contracted with the weights found there
+            (``relevance / output``).
         relevance_key: the prefix of the attribution keys.
     """
 
@@ -249,9 +258,19 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         if grad and not output.requires_grad:
             raise ValueError(f"{name}: target {target_key!r} does not depend on the explained inputs")
         try:
-            seeds = initial_gradient(output, self.target, target_key, tensordict.batch_dims)
+            seeds, at_zero = initial_relevance(output, self.target, target_key, tensordict.batch_dims)
         except (IndexError, ValueError, TypeError) as err:
             raise _rename(err, name) from None
+        if at_zero is not None:
+            entries = at_zero.nonzero()
+            where = ", ".join(str(tuple(int(i) for i in entry)) for entry in entries[:4])
+            raise ValueError(
+                f"{name}: the callable target puts relevance on {len(entries)} entries of output {target_key!r} that "
+                f"are exactly 0 (at {where}{', ...' if len(entries) > 4 else ''}); the output is weighted by "
+                "relevance / output, which cannot carry it: return the output times the weights (lambda y: y * w)"
+            )
+        if isinstance(seeds, EveryUnit):
+            seeds = seeds.seeds(0, len(seeds))
         all_units = seeds.dim() > output.dim()
         return Call(
             tensordict=tensordict,
