@@ -45,6 +45,7 @@ from tdhook.attribution.targets import (
     named_targets,
     resolve_target_key,
     target_output,
+    zero_entries,
 )
 from tdhook.attribution.tunables import ModelTunable
 
@@ -262,12 +263,10 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         except (IndexError, ValueError, TypeError) as err:
             raise _rename(err, name) from None
         if at_zero is not None:
-            entries = at_zero.nonzero()
-            where = ", ".join(str(tuple(int(i) for i in entry)) for entry in entries[:4])
             raise ValueError(
-                f"{name}: the callable target puts relevance on {len(entries)} entries of output {target_key!r} that "
-                f"are exactly 0 (at {where}{', ...' if len(entries) > 4 else ''}); the output is weighted by "
-                "relevance / output, which cannot carry it: return the output times the weights (lambda y: y * w)"
+                f"{name}: the callable target puts relevance on {zero_entries(at_zero, target_key)}; the output is "
+                "weighted by relevance / output, which cannot carry it: return the output times the weights "
+                "(lambda y: y * w)"
             )
         if isinstance(seeds, EveryUnit):
             seeds = seeds.seeds(0, len(seeds))
