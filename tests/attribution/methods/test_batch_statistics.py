@@ -70,6 +70,19 @@ def test_running_statistics_as_after_one_forward_pass(name):
         torch.testing.assert_close(net.state_dict()[key], value, rtol=0, atol=0, msg=key)
 
 
+@pytest.mark.parametrize("name", list(METHODS))
+def test_a_failed_call_leaves_the_running_statistics(name):
+    """A call that fails after the model's own pass (here a key the target does not come from) moves nothing."""
+    net = batch_norm_mlp(nn.BatchNorm1d(6))
+    before = state(net)
+    td = TensorDict(x=torch.randn(4, 5, dtype=torch.float64), batch_size=[4])
+    with pytest.raises(IndexError, match=f"{name}: target 7 is out of range"):
+        make(name, net, in_keys=["x"], out_keys=["y"], target=7)(td)
+    for key, value in before.items():
+        torch.testing.assert_close(net.state_dict()[key], value, rtol=0, atol=0, msg=key)
+    assert list(td.keys()) == ["x"]
+
+
 def test_integrated_gradients_against_the_quadrature_of_whole_batches():
     """Each point of the path is a batch normalised by its own statistics: the quadrature written out."""
     net = batch_norm_mlp(nn.BatchNorm1d(6))

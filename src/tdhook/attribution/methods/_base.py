@@ -37,7 +37,7 @@ from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
 from tdhook.attribution._tokens import TokenInputs
 from tdhook.attribution._writes import model_updates, returned_tensordict, set_all_or_nothing
-from tdhook.attribution.methods._batch_statistics import batch_normalisers, buffers_kept
+from tdhook.attribution.methods._batch_statistics import batch_normalisers, buffers_kept, buffers_restored_on_error
 from tdhook.attribution.targets import (
     EveryUnit,
     Target,
@@ -182,7 +182,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             if not value.is_floating_point():
                 raise TypeError(f"{name}: input key {key!r} must be a floating-point tensor, got {describe(value)}")
         self._warn_for_random_modules(tensordict)
-        with self._model_context():
+        with buffers_restored_on_error(self.module), self._model_context():
             call = self._first_pass(tensordict)
             cut = returned_tensordict(tensordict, call.result)
             if cut is tensordict:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torchrl.modules import BatchRenorm1d
 
-__all__ = ["batch_normalisers", "buffers_kept"]
+__all__ = ["batch_normalisers", "buffers_kept", "buffers_restored_on_error"]
 
 
 def batch_normalisers(modules: Mapping[str, nn.Module]) -> list[str]:
@@ -47,6 +47,42 @@ def batch_normalisers(modules: Mapping[str, nn.Module]) -> list[str]:
     return names
 
 
+def _training_buffers(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """The buffers of ``model``'s modules in training mode, the only ones a forward pass updates."""
+    return [
+        (module, name, buffer)
+        for module in model.modules()
+        if module.training
+        for name, buffer in module._buffers.items()
+        if isinstance(buffer, torch.Tensor)
+    ]
+
+
+@contextlib.contextmanager
+def buffers_restored_on_error(model: nn.Module) -> Iterator[None]:
+    """Give the buffers of ``model``'s modules in training mode their values back if the block raises.
+
+    Examples:
+        >>> norm = nn.BatchNorm1d(2)
+        >>> try:
+        ...     with buffers_restored_on_error(norm):
+        ...         _ = norm(torch.randn(4, 2))
+        ...         raise RuntimeError("a later step failed")
+        ... except RuntimeError:
+        ...     pass
+        >>> int(norm.num_batches_tracked)
+        0
+    """
+    kept = [(buffer, buffer.clone()) for _, _, buffer in _training_buffers(model)]
+    try:
+        yield
+    except BaseException:
+        with torch.no_grad():
+            for buffer, value in kept:
+                buffer.copy_(value)
+        raise
+
+
 @contextlib.contextmanager
 def buffers_kept(model: nn.Module) -> Iterator[None]:
     """Run the block on copies of the buffers of ``model``'s modules in training mode, and put the originals back.
@@ -56,13 +92,7 @@ def buffers_kept(model: nn.Module) -> Iterator[None]:
     may still read, and get their own buffers back, untouched, on the way out
     (by error or not).
     """
-    kept = [
-        (module, name, buffer)
-        for module in model.modules()
-        if module.training
-        for name, buffer in module._buffers.items()
-        if isinstance(buffer, torch.Tensor)
-    ]
+    kept = _training_buffers(model)
     for module, name, buffer in kept:
         module._buffers[name] = buffer.clone()
     try:
