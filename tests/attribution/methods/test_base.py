@@ -46,6 +46,7 @@ REFERENCES = {
     "goal": torch.randn(2, 2, dtype=torch.float64, generator=_DRAWS),
     ("agents", "obs"): torch.randn(2, 5, dtype=torch.float64, generator=_DRAWS),
     "hidden": torch.randn(2, 6, dtype=torch.float64, generator=_DRAWS),
+    "extra": torch.randn(2, 2, dtype=torch.float64, generator=_DRAWS),
 }
 
 
@@ -270,6 +271,14 @@ class TestRefusals:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             method(td.clone())
+
+    def test_a_key_the_module_does_not_read_or_fills_itself(self, name):
+        """Its attribution would be zero whatever the model does (LRP refuses it too): refused, naming the key."""
+        first = TensorDictModule(nn.Linear(5, 6).double(), in_keys=["x"], out_keys=["hidden"])
+        second = TensorDictModule(nn.Linear(6, 3).double(), in_keys=["hidden"], out_keys=["logits"])
+        for key in ["hidden", "extra"]:
+            with pytest.raises(ValueError, match=rf"{name}: input key '{key}' is not an input of the module"):
+                make(name, TensorDictSequential(first, second), in_keys=["x", key])
 
     def test_plain_module_needs_keys(self, name):
         with pytest.raises(TypeError, match=f"{name} needs in_keys and out_keys"):

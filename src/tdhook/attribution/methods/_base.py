@@ -150,9 +150,16 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         self._plain = plain
         self.module = module
         # As LRP: by default the module's in_keys it does not fill itself (a composite actor's "params").
-        self.explained_keys = unravel_key_list(list(in_keys)) if in_keys is not None else read_not_written(module)
+        given = read_not_written(module)
+        self.explained_keys = unravel_key_list(list(in_keys)) if in_keys is not None else given
         if not self.explained_keys:
             raise ValueError(f"{name}: no input key to explain; pass in_keys=[...]")
+        for key in self.explained_keys:
+            if key not in given:  # its attribution would be zero whatever the model does
+                raise ValueError(
+                    f"{name}: input key {key!r} is not an input of the module (it reads {given}, besides the keys it "
+                    "fills itself); leave it out of in_keys"
+                )
         targets = named_targets(module, target_key)
         if set(targets) != {None}:
             raise ValueError(
