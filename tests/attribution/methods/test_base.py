@@ -280,6 +280,22 @@ class TestRefusals:
             with pytest.raises(ValueError, match=rf"{name}: input key '{key}' is not an input of the module"):
                 make(name, TensorDictSequential(first, second), in_keys=["x", key])
 
+    def test_under_inference_mode(self, name):
+        """The perturbation methods need no gradient and run; the others refuse, naming the method."""
+        net = random_mlp(3)
+        td = TensorDict(x=torch.randn(3, 5, dtype=torch.float64), batch_size=[3])
+        method = make(name, net, in_keys=["x"], out_keys=["y"])
+        if name in ("FeatureAblation", "Occlusion", "ShapleyValueSampling"):
+            expected = method(td.clone())["attribution", "x"]
+            with torch.inference_mode():
+                result = method(td.clone())["attribution", "x"]
+            assert torch.equal(result, expected)
+        else:
+            with pytest.raises(RuntimeError, match=f"^{name}: torch.inference_mode\\(\\) is active"):
+                with torch.inference_mode():
+                    method(td)
+            assert list(td.keys()) == ["x"]
+
     def test_plain_module_needs_keys(self, name):
         with pytest.raises(TypeError, match=f"{name} needs in_keys and out_keys"):
             make(name, nn.Linear(2, 2), in_keys=["x"])

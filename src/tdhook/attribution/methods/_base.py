@@ -130,6 +130,8 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
     _gradient_at_input = False
     #: whether the model is run again on perturbed copies (:meth:`_evaluate`) after the unperturbed pass.
     _evaluates_copies = True
+    #: whether the method differentiates the model (it cannot run under ``torch.inference_mode()``).
+    _needs_gradients = True
 
     def __init__(
         self,
@@ -181,8 +183,10 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         name = type(self).__name__
         try:
-            validate_inputs(tensordict, self.explained_keys)
-        except (KeyError, TypeError) as err:
+            # A method that needs no gradient runs under inference mode, which the check refuses for the others.
+            with contextlib.nullcontext() if self._needs_gradients else torch.inference_mode(False):
+                validate_inputs(tensordict, self.explained_keys)
+        except (KeyError, TypeError, RuntimeError) as err:
             raise _rename(err, name) from None
         for key in self.explained_keys:
             value = tensordict.get(key)
