@@ -53,6 +53,7 @@ __all__ = [
     "raise_for_unreached",
     "resolve_target_key",
     "target_output",
+    "zero_entries",
     "zero_output_seeds",
 ]
 
@@ -238,14 +239,25 @@ def zero_output_seeds(
     if seeds is not None:
         return seeds
     made_by = f"{type(call.module).__name__} with {type(call.rule).__name__}" if call is not None else "its producer"
+    raise ValueError(
+        f"LRP: the callable target puts relevance {float(rest.sum()):.4g} on {zero_entries(rest, key)}; {made_by} "
+        "cannot carry relevance from a zero output (a Linear or convolution layer with the ε-rule, ε > 0, z⁺, αβ, "
+        "Flat or w² can): put no relevance there (multiply the target's relevance by output != 0), or explain an "
+        "output such a layer makes"
+    )
+
+
+def zero_entries(rest: torch.Tensor, key: NestedKey) -> str:
+    """Where a callable target put relevance on outputs that are exactly 0, in words (the first four entries).
+
+    Examples:
+        >>> zero_entries(torch.tensor([[0.0, 1.0], [2.0, 0.0]]), "q")
+        "2 entries of output 'q' that are exactly 0 (at (0, 1), (1, 0))"
+    """
     entries = rest.nonzero()
     where = ", ".join(str(tuple(int(i) for i in entry)) for entry in entries[:4])
-    raise ValueError(
-        f"LRP: the callable target puts relevance {float(rest.sum()):.4g} on {len(entries)} entries of output "
-        f"{key!r} that are exactly 0 (at {where}{', ...' if len(entries) > 4 else ''}); {made_by} cannot carry "
-        "relevance from a zero output (a Linear or convolution layer with the ε-rule, ε > 0, z⁺, αβ, Flat or w² "
-        "can): put no relevance there (multiply the target's relevance by output != 0), or explain an output such "
-        "a layer makes"
+    return (
+        f"{len(entries)} entries of output {key!r} that are exactly 0 (at {where}{', ...' if len(entries) > 4 else ''})"
     )
 
 

@@ -22,7 +22,7 @@ from tdhook.attribution import (
     SmoothGrad,
 )
 from tests.attribution._helpers import assert_unchanged, state_snapshot
-from tests.attribution.methods._models import random_mlp, two_key_policy
+from tests.attribution.methods._models import TwoKeyNet, random_mlp, two_key_policy
 
 # name -> constructor keywords; every method of the package is listed (METHODS is extended as they land).
 METHODS = {
@@ -46,6 +46,7 @@ REFERENCES = {
     "goal": torch.randn(2, 2, dtype=torch.float64, generator=_DRAWS),
     ("agents", "obs"): torch.randn(2, 5, dtype=torch.float64, generator=_DRAWS),
     "hidden": torch.randn(2, 6, dtype=torch.float64, generator=_DRAWS),
+    "extra": torch.randn(2, 2, dtype=torch.float64, generator=_DRAWS),
 }
 
 
@@ -166,6 +167,17 @@ class TestTargets:
         by_int = make(name, net, in_keys=["x"], out_keys=["y"], target=1)(td.clone())
         torch.testing.assert_close(by_callable["attribution", "x"], by_int["attribution", "x"], rtol=1e-10, atol=1e-12)
 
+    def test_callable_target_relevance_on_a_zero_output_is_refused(self, name):
+        """``output × weight`` cannot carry relevance from an output that is exactly 0: an error, not a zero map."""
+        net = nn.Sequential(nn.Linear(5, 3), nn.ReLU()).double()
+        with torch.no_grad():
+            net[0].bias.copy_(torch.tensor([5.0, -50.0, 5.0]))  # unit 1 is 0 for every sample
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        x = td["x"].clone()
+        with pytest.raises(ValueError, match=rf"{name}: the callable target puts relevance on 2 entries of output 'y'"):
+            make(name, net, in_keys=["x"], out_keys=["y"], target=torch.ones_like)(td)
+        assert list(td.keys()) == ["x"] and torch.equal(td["x"], x)
+
     def test_default_target_is_the_argmax_on_the_unperturbed_input(self, name):
         net = random_mlp(8)
         x = torch.randn(6, 5, dtype=torch.float64)
@@ -174,6 +186,40 @@ class TestTargets:
             TensorDict(x=x, batch_size=[6])
         )
         assert torch.equal(default["attribution", "x"], chosen["attribution", "x"])
+
+
+class ScalesItsInputs(nn.Module):
+    """A policy that scales its observation and goal first, in place (``obs /= 255``) or not."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.in_place = in_place
+        torch.manual_seed(3)
+        self.net = TwoKeyNet().double()
+
+    def forward(self, obs: torch.Tensor, goal: torch.Tensor) -> torch.Tensor:
+        if self.in_place:
+            obs /= 255.0
+            goal /= 2.0
+        else:
+            obs, goal = obs / 255.0, goal / 2.0
+        return self.net(obs * 100.0, goal)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("explained", [["goal"], ["obs", "goal"]])
+def test_a_model_that_scales_its_inputs_in_place(name, explained):
+    """Every perturbed pass sees the caller's values, also of a key left fixed that the model scales in place."""
+    td = TensorDict(
+        obs=torch.rand(3, 4, dtype=torch.float64) * 255, goal=torch.randn(3, 2, dtype=torch.float64), batch_size=[3]
+    )
+    results = [
+        make(name, TensorDictModule(ScalesItsInputs(in_place), ["obs", "goal"], ["q"]), in_keys=explained)(td.clone())
+        for in_place in (False, True)
+    ]
+    for key in explained:
+        torch.testing.assert_close(results[1]["attribution", key], results[0]["attribution", key], rtol=1e-12, atol=0)
+    torch.testing.assert_close(results[1]["q"], results[0]["q"], rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize("name", list(METHODS))
@@ -225,6 +271,30 @@ class TestRefusals:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             method(td.clone())
+
+    def test_a_key_the_module_does_not_read_or_fills_itself(self, name):
+        """Its attribution would be zero whatever the model does (LRP refuses it too): refused, naming the key."""
+        first = TensorDictModule(nn.Linear(5, 6).double(), in_keys=["x"], out_keys=["hidden"])
+        second = TensorDictModule(nn.Linear(6, 3).double(), in_keys=["hidden"], out_keys=["logits"])
+        for key in ["hidden", "extra"]:
+            with pytest.raises(ValueError, match=rf"{name}: input key '{key}' is not an input of the module"):
+                make(name, TensorDictSequential(first, second), in_keys=["x", key])
+
+    def test_under_inference_mode(self, name):
+        """The perturbation methods need no gradient and run; the others refuse, naming the method."""
+        net = random_mlp(3)
+        td = TensorDict(x=torch.randn(3, 5, dtype=torch.float64), batch_size=[3])
+        method = make(name, net, in_keys=["x"], out_keys=["y"])
+        if name in ("FeatureAblation", "Occlusion", "ShapleyValueSampling"):
+            expected = method(td.clone())["attribution", "x"]
+            with torch.inference_mode():
+                result = method(td.clone())["attribution", "x"]
+            assert torch.equal(result, expected)
+        else:
+            with pytest.raises(RuntimeError, match=f"^{name}: torch.inference_mode\\(\\) is active"):
+                with torch.inference_mode():
+                    method(td)
+            assert list(td.keys()) == ["x"]
 
     def test_plain_module_needs_keys(self, name):
         with pytest.raises(TypeError, match=f"{name} needs in_keys and out_keys"):

@@ -41,6 +41,29 @@ class TestAgainstCaptum:
         expected = captum.attr.LayerAttribution.interpolate(cam, (8, 8), interpolate_mode="bilinear").expand(4, 3, 8, 8)
         assert relative_error(td["attribution", "image"], expected) <= 1e-8
 
+    @pytest.mark.parametrize("relu", [True, False])
+    def test_layer_whose_output_an_in_place_relu_overwrites(self, relu):
+        """The map is of the layer's own output, not of what an in-place ReLU after it leaves (torchvision's VGG)."""
+        torch.manual_seed(0)
+        net = nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(4, 4, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.Flatten(),
+            nn.Linear(4 * 5 * 7, 3),
+        ).double()
+        x = torch.randn(2, 3, 5, 7, dtype=torch.float64)
+        for layer in ["0", "2"]:
+            td = GradCAM(net, layer=layer, in_keys=["x"], out_keys=["y"], target=1, relu=relu, upsample=True)(
+                TensorDict(x=x, batch_size=[2])
+            )
+            cam = captum.attr.LayerGradCam(net, net[int(layer)]).attribute(x.clone(), target=1, relu_attributions=relu)
+            assert relative_error(td["attribution", layer], cam.squeeze(1)) <= 1e-12
+            resized = captum.attr.LayerAttribution.interpolate(cam, (5, 7), interpolate_mode="bilinear")
+            assert relative_error(td["attribution", "x"], resized.expand(2, 3, 5, 7)) <= 1e-12
+            torch.testing.assert_close(td["y"], net(x.clone()), rtol=1e-12, atol=1e-12)
+
     def test_two_key_policy_dense_layer(self):
         policy = two_key_policy()
         obs, goal = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)

@@ -37,7 +37,16 @@ from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
 from tdhook.attribution._tokens import TokenInputs
 from tdhook.attribution._writes import model_updates, returned_tensordict, set_all_or_nothing
-from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key, target_output
+from tdhook.attribution.methods._batch_statistics import batch_normalisers, buffers_kept, buffers_restored_on_error
+from tdhook.attribution.targets import (
+    EveryUnit,
+    Target,
+    initial_relevance,
+    named_targets,
+    resolve_target_key,
+    target_output,
+    zero_entries,
+)
 from tdhook.attribution.tunables import ModelTunable
 
 __all__ = ["AttributionMethod", "Call", "hooks_removed"]
@@ -62,6 +71,7 @@ class Call:
     all_units: bool
     fed: list[torch.Tensor]
     leaves: list[torch.Tensor] = field(default_factory=list)
+    separate_copies: bool = False
 
     @property
     def batch_shape(self) -> torch.Size:
@@ -108,14 +118,20 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         target_key: the output to explain (the pipeline's final output by
             default, as for :class:`~tdhook.attribution.LRP`).
         target: ``None`` (argmax of the last dimension), an int, a
-            LongTensor of per-sample indices, a callable ``output -> weights``
-            or ``"all"``, resolved once, on the unperturbed input: every
-            perturbed output is contracted with the weights found there.
+            LongTensor of per-sample indices, a callable ``output -> relevance``
+            (as for LRP: ``lambda y: y * w`` weights the output by ``w``) or
+            ``"all"``, resolved once, on the unperturbed input: every
+            perturbed output is contracted with the weights found there
+            (``relevance / output``).
         relevance_key: the prefix of the attribution keys.
     """
 
     #: whether the unperturbed forward pass records gradients (methods that differentiate at the input).
     _gradient_at_input = False
+    #: whether the model is run again on perturbed copies (:meth:`_evaluate`) after the unperturbed pass.
+    _evaluates_copies = True
+    #: whether the method differentiates the model (it cannot run under ``torch.inference_mode()``).
+    _needs_gradients = True
 
     def __init__(
         self,
@@ -136,9 +152,16 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         self._plain = plain
         self.module = module
         # As LRP: by default the module's in_keys it does not fill itself (a composite actor's "params").
-        self.explained_keys = unravel_key_list(list(in_keys)) if in_keys is not None else read_not_written(module)
+        given = read_not_written(module)
+        self.explained_keys = unravel_key_list(list(in_keys)) if in_keys is not None else given
         if not self.explained_keys:
             raise ValueError(f"{name}: no input key to explain; pass in_keys=[...]")
+        for key in self.explained_keys:
+            if key not in given:  # its attribution would be zero whatever the model does
+                raise ValueError(
+                    f"{name}: input key {key!r} is not an input of the module (it reads {given}, besides the keys it "
+                    "fills itself); leave it out of in_keys"
+                )
         targets = named_targets(module, target_key)
         if set(targets) != {None}:
             raise ValueError(
@@ -160,15 +183,17 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         name = type(self).__name__
         try:
-            validate_inputs(tensordict, self.explained_keys)
-        except (KeyError, TypeError) as err:
+            # A method that needs no gradient runs under inference mode, which the check refuses for the others.
+            with contextlib.nullcontext() if self._needs_gradients else torch.inference_mode(False):
+                validate_inputs(tensordict, self.explained_keys)
+        except (KeyError, TypeError, RuntimeError) as err:
             raise _rename(err, name) from None
         for key in self.explained_keys:
             value = tensordict.get(key)
             if not value.is_floating_point():
                 raise TypeError(f"{name}: input key {key!r} must be a floating-point tensor, got {describe(value)}")
         self._warn_for_random_modules(tensordict)
-        with self._model_context():
+        with buffers_restored_on_error(self.module), self._model_context():
             call = self._first_pass(tensordict)
             cut = returned_tensordict(tensordict, call.result)
             if cut is tensordict:
@@ -227,6 +252,9 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         name = type(self).__name__
         work = tensordict.copy()
         grad = self._gradient_at_input
+        base = tensordict.select(*self.module.in_keys, strict=False).exclude(*self.explained_keys)
+        if self._evaluates_copies:  # as the caller gave them: the model may scale an input in place (obs /= 255)
+            base = base.clone()
         with torch.enable_grad() if grad else torch.no_grad():
             leaves, fed = feed_inputs(work, self.explained_keys, TokenInputs(self.explained_keys))
             result = self._run(work)
@@ -242,11 +270,18 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         if grad and not output.requires_grad:
             raise ValueError(f"{name}: target {target_key!r} does not depend on the explained inputs")
         try:
-            seeds = initial_gradient(output, self.target, target_key, tensordict.batch_dims)
+            seeds, at_zero = initial_relevance(output, self.target, target_key, tensordict.batch_dims)
         except (IndexError, ValueError, TypeError) as err:
             raise _rename(err, name) from None
+        if at_zero is not None:
+            raise ValueError(
+                f"{name}: the callable target puts relevance on {zero_entries(at_zero, target_key)}; the output is "
+                "weighted by relevance / output, which cannot carry it: return the output times the weights "
+                "(lambda y: y * w)"
+            )
+        if isinstance(seeds, EveryUnit):
+            seeds = seeds.seeds(0, len(seeds))
         all_units = seeds.dim() > output.dim()
-        base = tensordict.select(*self.module.in_keys, strict=False).exclude(*self.explained_keys)
         return Call(
             tensordict=tensordict,
             inputs=[tensordict.get(k) for k in self.explained_keys],
@@ -258,6 +293,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             all_units=all_units,
             fed=fed,
             leaves=leaves if grad else [],
+            separate_copies=self._evaluates_copies and bool(batch_normalisers(self.named_explained_modules())),
         )
 
     # ------------------------------------------------------------------ evaluations
@@ -279,6 +315,9 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The explained quantity at ``copies`` perturbed inputs, in one forward pass.
 
+        A model that normalises over the batch (BatchNorm in training mode) runs one copy per pass instead, so
+        that each copy is normalised with its own statistics, as the model on one batch is.
+
         Args:
             call: the call.
             perturbed: per explained key, ``[copies, *input.shape]``.
@@ -288,21 +327,31 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             ``[units, copies, *batch]``, and the leaves (empty without ``grad``).
         """
         copies = perturbed[0].shape[0]
-        batch = call.batch_shape
-        shape = (copies * batch[0], *batch[1:]) if call.batch_dims else (copies,)
-        work = call.base.unsqueeze(0).expand(copies, *batch).reshape(shape)
-        leaves = []
+        leaves = [x.detach().requires_grad_(True) for x in perturbed] if grad else []
+        inputs = leaves if grad else perturbed
+        per_pass = 1 if call.separate_copies else copies
         with torch.enable_grad() if grad else torch.no_grad():
-            for key, x in zip(self.explained_keys, perturbed, strict=True):
-                if grad:
-                    x = x.detach().requires_grad_(True)
-                    leaves.append(x)
-                work.set(key, x.reshape(*shape, *x.shape[1 + call.batch_dims :]).clone())
-            output = target_output(self._run(work), call.target_key, self._target[1])
-            objective = self._contract(call, output, copies)
+            objective = torch.cat(
+                [self._run_copies(call, [x[s : s + per_pass] for x in inputs]) for s in range(0, copies, per_pass)],
+                dim=1,
+            )
         if grad and not objective.requires_grad:
             raise ValueError(f"{type(self).__name__}: target {call.target_key!r} does not depend on the inputs")
         return objective, leaves
+
+    def _run_copies(self, call: Call, perturbed: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The explained quantity at perturbed copies of the batch, stacked in one forward pass: ``[units, copies,
+        *batch]``."""
+        copies = perturbed[0].shape[0]
+        batch = call.batch_shape
+        shape = (copies * batch[0], *batch[1:]) if call.batch_dims else (copies,)
+        # Copies of the inputs left fixed, never views of the caller's: the model may write into them.
+        work = call.base.unsqueeze(0).expand(copies, *batch).clone().reshape(shape)
+        for key, x in zip(self.explained_keys, perturbed, strict=True):
+            work.set(key, x.reshape(*shape, *x.shape[1 + call.batch_dims :]).clone())
+        with buffers_kept(self.module):  # each pass sees the model as the caller's pass left it (running statistics)
+            output = target_output(self._run(work), call.target_key, self._target[1])
+        return self._contract(call, output, copies)
 
     @staticmethod
     def _gradients(objective: torch.Tensor, leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -119,6 +119,8 @@ class PerturbationMethod(AttributionMethod):
             forward pass evaluates (1: one forward pass per step).
     """
 
+    _needs_gradients = False
+
     def __init__(
         self,
         module: TensorDictModuleBase | nn.Module,

@@ -59,6 +59,7 @@ class GradCAM(AttributionMethod):
     tunables = {"relu": (bool, {"choices": [True, False]})}
 
     _gradient_at_input = True
+    _evaluates_copies = False
 
     def __init__(
         self,
@@ -101,8 +102,11 @@ class GradCAM(AttributionMethod):
     def _model_context(self) -> Iterator[None]:
         self._activations = []
 
-        def record(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        def record(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
             self._activations.append(output)
+            # The model goes on with a copy: an in-place operation after the layer (a ReLU(inplace=True)) must
+            # not overwrite the activation the map is made of.
+            return output.clone() if isinstance(output, torch.Tensor) else None
 
         try:
             with hooks_removed([self.named_explained_modules()[self.layer].register_forward_hook(record)]):

@@ -54,6 +54,7 @@ class GuidedBackprop(AttributionMethod):
     """
 
     _gradient_at_input = True
+    _evaluates_copies = False
 
     @contextlib.contextmanager
     def _model_context(self) -> Iterator[None]:

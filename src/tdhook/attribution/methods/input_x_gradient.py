@@ -28,6 +28,7 @@ class InputXGradient(AttributionMethod):
     """
 
     _gradient_at_input = True
+    _evaluates_copies = False
 
     def _attribute(self, call: Call) -> list[torch.Tensor]:
         grads = self._input_gradients(call)

@@ -43,6 +43,7 @@ class Saliency(AttributionMethod):
     tunables = {"abs": (bool, {"choices": [True, False]})}
 
     _gradient_at_input = True
+    _evaluates_copies = False
 
     def __init__(
         self,

@@ -1,0 +1,113 @@
+"""Models that normalise over the batch (BatchNorm in training mode): each copy alone, running statistics kept."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+from torchrl.modules import BatchRenorm1d
+
+from tdhook.attribution import IntegratedGradients
+from tdhook.attribution.methods._batch_statistics import batch_normalisers, buffers_kept
+from tdhook.attribution.methods._quadrature import quadrature
+from tests.attribution.methods.test_base import METHODS, make
+from tests.conftest import relative_error
+
+
+def batch_norm_mlp(norm: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 6), norm, nn.Tanh(), nn.Linear(6, 3)).double().train()
+
+
+NORMS = {
+    "training": lambda: nn.BatchNorm1d(6),
+    "no running statistics": lambda: nn.BatchNorm1d(6, track_running_stats=False).eval(),
+    "batch renorm": lambda: BatchRenorm1d(6, warmup_steps=0),
+}
+# Each method with the option that puts several copies of the batch in one forward pass, and one copy per pass.
+STACKED = {
+    "IntegratedGradients": ("internal_batch_size", None),
+    "SmoothGrad": ("internal_batch_size", None),
+    "GradientShap": ("internal_batch_size", None),
+    "FeatureAblation": ("perturbations_per_eval", 100),
+    "Occlusion": ("perturbations_per_eval", 100),
+    "ShapleyValueSampling": ("perturbations_per_eval", 100),
+}
+
+
+def state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value.clone() for name, value in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("norm", list(NORMS))
+@pytest.mark.parametrize("name", list(STACKED))
+def test_stacked_copies_equal_one_copy_per_pass(name, norm):
+    """The batch statistics of a perturbed pass are those of one perturbed batch, however many run at once."""
+    net = batch_norm_mlp(NORMS[norm]())
+    td = TensorDict(x=torch.randn(4, 5, dtype=torch.float64), batch_size=[4])
+    option, stacked = STACKED[name]
+    one = {option: 4 if option == "internal_batch_size" else 1}  # a copy of the batch of 4 per pass
+    if name in ("FeatureAblation", "ShapleyValueSampling"):
+        one["feature_masks"] = torch.tensor([0, 0, 1, 2, 3])  # 4 groups: several perturbed copies
+    alone = make(name, copy.deepcopy(net), in_keys=["x"], out_keys=["y"], **one)  # each call moves the statistics
+    together = make(name, net, in_keys=["x"], out_keys=["y"], **{**one, option: stacked})
+    expected = alone(td.clone())["attribution", "x"]
+    assert relative_error(together(td.clone())["attribution", "x"], expected) <= 1e-12
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_running_statistics_as_after_one_forward_pass(name):
+    """The call leaves the model as one plain forward pass on the caller's input would: perturbed passes count not."""
+    net = batch_norm_mlp(nn.BatchNorm1d(6))
+    x = torch.randn(4, 5, dtype=torch.float64)
+    plain = copy.deepcopy(net)
+    plain(x.clone())
+    make(name, net, in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[4]))
+    for key, value in state(plain).items():
+        torch.testing.assert_close(net.state_dict()[key], value, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_a_failed_call_leaves_the_running_statistics(name):
+    """A call that fails after the model's own pass (here a key the target does not come from) moves nothing."""
+    net = batch_norm_mlp(nn.BatchNorm1d(6))
+    before = state(net)
+    td = TensorDict(x=torch.randn(4, 5, dtype=torch.float64), batch_size=[4])
+    with pytest.raises(IndexError, match=f"{name}: target 7 is out of range"):
+        make(name, net, in_keys=["x"], out_keys=["y"], target=7)(td)
+    for key, value in before.items():
+        torch.testing.assert_close(net.state_dict()[key], value, rtol=0, atol=0, msg=key)
+    assert list(td.keys()) == ["x"]
+
+
+def test_integrated_gradients_against_the_quadrature_of_whole_batches():
+    """Each point of the path is a batch normalised by its own statistics: the quadrature written out."""
+    net = batch_norm_mlp(nn.BatchNorm1d(6))
+    x = torch.randn(4, 5, dtype=torch.float64)
+    baseline = torch.randn(5, dtype=torch.float64)
+    td = IntegratedGradients(net, in_keys=["x"], out_keys=["y"], baselines=baseline, n_steps=5, target=1)(
+        TensorDict(x=x, batch_size=[4])
+    )
+    alphas, weights = quadrature("gausslegendre", 5)
+    reference = copy.deepcopy(net)
+    total = torch.zeros_like(x)
+    for alpha, weight in zip(alphas.tolist(), weights.tolist(), strict=True):
+        point = (baseline + alpha * (x - baseline)).requires_grad_(True)
+        (gradient,) = torch.autograd.grad(reference(point)[:, 1].sum(), point)
+        total += weight * gradient
+    assert relative_error(td["attribution", "x"], total * (x - baseline)) <= 1e-12
+
+
+def test_helpers_name_the_normalisers_and_restore_buffers():
+    net = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3), nn.Sequential(nn.BatchNorm1d(3).eval())).train()
+    net[2].eval()
+    assert batch_normalisers(dict(net.named_modules())) == ["1"]
+    before = state(net)
+    with pytest.raises(RuntimeError, match="inside"), buffers_kept(net):
+        net(torch.randn(4, 2))
+        raise RuntimeError("inside")
+    for key, value in before.items():
+        assert torch.equal(net.state_dict()[key], value), key
