@@ -20,23 +20,24 @@ Examples:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TypeVar
 
-import torch
 from torch import nn
 
-__all__ = ["batch_normalising_module", "keeps_running_statistics", "running_statistics_kept"]
+from tdhook.attribution.methods._batch_statistics import batch_normalisers, buffers_kept
+
+__all__ = ["batch_normalising_module", "keeps_running_statistics"]
 
 Metric = TypeVar("Metric", bound=Callable)
 
 
 def batch_normalising_module(module: object) -> str | None:
     """The first module of ``module`` whose output depends on the other samples of its batch, named with its type, or
-    ``None``: a BatchNorm in training mode or without running statistics normalises by the batch's own statistics.
+    ``None`` (see :func:`~tdhook.attribution.methods._batch_statistics.batch_normalisers`: a BatchNorm in training
+    mode or without running statistics, torchrl's ``BatchRenorm1d`` in training mode).
 
     Examples:
         >>> net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, track_running_stats=False))
@@ -45,37 +46,23 @@ def batch_normalising_module(module: object) -> str | None:
     """
     if not isinstance(module, nn.Module):
         return None
-    for name, layer in module.named_modules():
-        if isinstance(layer, nn.modules.batchnorm._BatchNorm) and (layer.training or layer.running_mean is None):
-            return f"{name or type(module).__name__} ({type(layer).__name__})"
-    return None
-
-
-@contextlib.contextmanager
-def running_statistics_kept(module: object) -> Iterator[None]:
-    """The running statistics of ``module``'s BatchNorm layers in training mode, put back after the block."""
-    layers = module.modules() if isinstance(module, nn.Module) else ()
-    saved = [
-        (buffer, buffer.clone())
-        for layer in layers
-        if isinstance(layer, nn.modules.batchnorm._BatchNorm) and layer.training
-        for buffer in layer.buffers(recurse=False)
-    ]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
+    modules = dict(module.named_modules())
+    names = batch_normalisers(modules)
+    return f"{names[0] or type(module).__name__} ({type(modules[names[0]]).__name__})" if names else None
 
 
 def keeps_running_statistics(metric: Metric) -> Metric:
-    """``metric`` leaving the running statistics of its model (its first argument) as they were, even on failure."""
+    """``metric`` leaving the buffers of its model (its first argument) as they were, even on failure: the passes of
+    modules in training mode update copies of them (see
+    :func:`~tdhook.attribution.methods._batch_statistics.buffers_kept`)."""
     first = next(iter(inspect.signature(metric).parameters))
 
     @functools.wraps(metric)
     def kept(*args, **kwargs):
-        with running_statistics_kept(args[0] if args else kwargs.get(first)):
+        model = args[0] if args else kwargs.get(first)
+        if not isinstance(model, nn.Module):
+            return metric(*args, **kwargs)
+        with buffers_kept(model):
             return metric(*args, **kwargs)
 
     return kept
