@@ -14,10 +14,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
-from tensordict.nn import TensorDictModule
+from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
 from torchrl.data import Bounded
-from torchrl.modules import MLP, Actor, ProbabilisticActor, ValueOperator
+from torchrl.modules import MLP, Actor, ProbabilisticActor, QValueActor, ValueOperator
 
 from tdhook.attribution import LRP
 from tdhook.attribution._chain_plan import ChainPlan, PlannedCall
@@ -466,3 +466,108 @@ def test_an_activation_set_in_place_inside_the_context_keeps_its_input(path, act
         results = [lrp(td.clone()) for _ in range(2)]
     for result in results:
         assert_same_call(result, expected)
+
+
+def _general_copy(pipeline: TensorDictSequential) -> TensorDictSequential:
+    """A copy of ``pipeline`` whose head chain has a forward hook that changes nothing: the plan stands aside."""
+    pipeline = copy.deepcopy(pipeline)
+    pipeline.module[0].module.register_forward_hook(lambda m, args, out: None)
+    return pipeline
+
+
+def _q_value_actor(action_space: str) -> QValueActor:
+    torch.manual_seed(3)
+    chain = MLP(in_features=5, out_features=4, num_cells=[8, 8], activation_class=nn.Tanh)
+    return QValueActor(chain, in_keys=["observation"], action_space=action_space).double()
+
+
+def _with_ruled_tail() -> TensorDictSequential:
+    torch.manual_seed(4)
+    head = TensorDictModule(nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 4)), ["observation"], ["hidden"])
+    tail = TensorDictModule(nn.Sequential(nn.Tanh(), nn.Linear(4, 3)), in_keys=["hidden"], out_keys=["logits"])
+    return TensorDictSequential(head, tail).double()
+
+
+@pytest.mark.parametrize("target_key", [None, "action_value"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: _q_value_actor("one_hot"), lambda: _q_value_actor("categorical"), _with_ruled_tail],
+    ids=["q-value one-hot", "q-value categorical", "ruled tail"],
+)
+def test_a_pipeline_whose_first_step_is_a_chain_runs_its_tail_as_it_is(make, target_key):
+    """torchrl's QValueActor runs its Q-network, then a QValueModule that picks the action: the chain is planned
+    and the steps after it run as they are (their rules included), their outputs taking the gradient to the
+    chain's output with autograd. Every output and the relevance are the general path's."""
+    pipeline = make()
+    if target_key is not None and "action_value" not in pipeline.out_keys:
+        target_key = "hidden"
+    td = TensorDict(observation=torch.randn(6, 5, dtype=torch.float64), batch_size=[6])
+    ours, planned = calls(LRP(pipeline, EpsilonPlus(), target_key=target_key), td, n=3)
+    general, _ = calls(LRP(_general_copy(pipeline), EpsilonPlus(), target_key=target_key), td, n=3)
+    assert planned == [False, True, True]
+    for mine, theirs in zip(ours, general, strict=True):
+        assert_same_call(mine, theirs)
+
+
+def _tail_reading_the_input() -> TensorDictSequential:
+    torch.manual_seed(5)
+    head = TensorDictModule(nn.Sequential(nn.Linear(5, 4), nn.ReLU()), ["observation"], ["hidden"])
+    tail = TensorDictModule(Concatenated(), in_keys=["hidden", "observation"], out_keys=["value"])
+    return TensorDictSequential(head, tail).double()
+
+
+class Concatenated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(9, 1)
+
+    def forward(self, hidden: torch.Tensor, observation: torch.Tensor) -> torch.Tensor:
+        return self.layer(torch.cat([hidden, observation], -1))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        _tail_reading_the_input,  # relevance reaches the input beside the chain
+        lambda: TensorDictSequential(*_with_ruled_tail().module, selected_out_keys=["logits"]),
+        lambda: TensorDictSequential(*_with_ruled_tail().module, partial_tolerant=True),
+    ],
+    ids=["tail reads the input", "selected out keys", "partial tolerant"],
+)
+def test_pipelines_the_plan_does_not_follow_take_the_general_path(make):
+    pipeline = make()
+    td = TensorDict(observation=torch.randn(6, 5, dtype=torch.float64), batch_size=[6])
+    ours, planned = calls(LRP(pipeline, EpsilonPlus()), td, n=2)
+    general, _ = calls(LRP(_general_copy(pipeline), EpsilonPlus()), td, n=2)
+    assert planned == [False, False]
+    for mine, theirs in zip(ours, general, strict=True):
+        assert_same_call(mine, theirs)
+
+
+def _change_pipeline(pipeline: TensorDictSequential, change: str) -> None:
+    torch.manual_seed(6)
+    if change == "hook on the head":
+        pipeline.module[0].register_forward_hook(lambda m, args, out: out.set("hidden", out["hidden"] * 2))
+    elif change == "step appended":
+        pipeline.module.append(TensorDictModule(nn.Linear(3, 2).double(), in_keys=["logits"], out_keys=["q"]))
+    else:
+        pipeline.module[0] = copy.deepcopy(pipeline.module[0])
+
+
+@pytest.mark.parametrize("change", ["hook on the head", "step appended", "head replaced"])
+def test_a_pipeline_changed_inside_the_context_sets_the_plan_aside(change):
+    """After the change the call is the general path's on the changed pipeline (whose new parts have no rule: they
+    came after the context's rules were registered)."""
+    pipeline = _with_ruled_tail()
+    general = _general_copy(pipeline)
+    td = TensorDict(observation=torch.randn(6, 5, dtype=torch.float64), batch_size=[6])
+    lrp, reference = LRP(pipeline, EpsilonPlus()), LRP(general, EpsilonPlus())
+    with lrp, reference, mock.patch.object(PlannedCall, "run", autospec=True, side_effect=PlannedCall.run) as run:
+        for _ in range(2):
+            assert_same_call(lrp(td.clone()), reference(td.clone()))
+        assert run.call_count == 1
+        _change_pipeline(pipeline, change)
+        _change_pipeline(general, change)
+        result, expected = lrp(td.clone()), reference(td.clone())
+        assert run.call_count == 1
+    assert_same_call(result, expected)

@@ -15,7 +15,10 @@ layer by layer under ``torch.no_grad()``, keeps each factor, and multiplies the 
   ``PassRule``: times the rule's scale ``output / stabilize(input)``.
 
 The result equals what the hooks and autograd compute, up to rounding (the tests compare the two). The wrapper
-uses a plan only where nothing else would act on the call (see :meth:`ChainPlan.build`).
+uses a plan only where nothing else would act on the call (see :meth:`ChainPlan.build`). The chain is the module of
+the wrapped ``TensorDictModule``, or of the first step of a wrapped ``TensorDictSequential`` (torchrl's
+``QValueActor``: a Q-network, then the ``QValueModule`` that picks the action): the steps after it run as they are,
+rules included, and their outputs take the gradient back to the chain's output with autograd.
 
 Examples:
     >>> from torch import nn
@@ -38,14 +41,17 @@ from typing import Any
 
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import TensorDictModule, TensorDictModuleBase, skip_existing
+from tensordict.nn import TensorDictModule, TensorDictModuleBase, TensorDictSequential, skip_existing
+from tensordict.utils import unravel_key
 from torch import nn
 from torch.nn.modules import module as module_globals
 from torchrl.modules import MLP
 
 from tdhook.attribution._inputs import feed_inputs
+from tdhook.attribution._policy_targets import sequential_steps
 from tdhook.attribution._writes import model_updates
 from tdhook.attribution.rules._numerics import stabilize
+from tdhook.attribution.rules._scopes import closing_scopes
 from tdhook.attribution.rules.base import Rule
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule
 
@@ -110,12 +116,17 @@ class ChainPlan:
             hooks included): a hook added later runs code the plan would skip, so the plan then stands aside.
         chain: the planned chain (a layer replaced in it later also sets the plan aside).
         kinds: the class of each layer when the plan was built (a parametrization added later changes it).
+        head: the ``TensorDictModule`` that holds the chain (set by :func:`context_plan`).
+        tail: the steps of a ``TensorDictSequential`` after the head, run as they are (torchrl's ``QValueModule``
+            after a Q-network): their outputs take the gradient to the chain's output with autograd.
     """
 
     layers: list[tuple[nn.Module, EpsilonRule | None]]
     hooks: tuple[tuple[dict, ...], tuple[int, ...]]
     chain: nn.Module
     kinds: tuple[type, ...]
+    head: TensorDictModuleBase | None = None
+    tail: tuple[TensorDictModuleBase, ...] = ()
 
     @classmethod
     def build(cls, chain: nn.Module, rules: Mapping[nn.Module, Rule], ours: Collection[int] = ()) -> ChainPlan | None:
@@ -177,7 +188,7 @@ class ChainPlan:
                     x = torch.relu(x)
                     factors.append(x)
                 else:  # PassRule's scale, output over stabilized input
-                    output = layer(x)
+                    output = layer.forward(x)  # its class's own code (checked), without the rules' hooks
                     factors.append(output / stabilize(x, rule.stabilizer))
                     x = output
         return x, factors
@@ -210,6 +221,7 @@ class PlannedCall:
     wrapper: TensorDictModuleBase
     factors: list[torch.Tensor | None] | None = None
     output: torch.Tensor | None = None
+    tail: tuple[TensorDictModuleBase, ...] = ()
 
     def feed(self, work: TensorDictBase) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The leaf of the one explained input and the tensor the chain reads (the input itself: the plan writes
@@ -218,24 +230,37 @@ class PlannedCall:
         return [leaf], [leaf]
 
     def run(self, work: TensorDictBase) -> TensorDictBase:
-        """Run the chain on ``work``'s input and write its output there; ``work``."""
+        """Run the chain on ``work``'s input and write its output there, then the tail's steps; ``work``."""
         output, self.factors = self.plan.forward(work.get(self.wrapper.in_keys[0]))
         self.output = output
-        # It depends on the input, as the wrapper's checks of the target ask (the wrapper writes it detached).
+        # It depends on the input, as the wrapper's checks of the target ask (the wrapper writes it detached); the
+        # tail's outputs take their gradient to it with autograd.
         work.set(self.wrapper.out_keys[0], output.requires_grad_(True))
+        if self.tail:
+            with closing_scopes():  # what the tail's rules enter and an interrupt keeps them from leaving
+                for step in self.tail:
+                    work = step(work)
         return work
 
-    def updates(self) -> dict:
+    def updates(self) -> dict | None:
         """The model's outputs to write into the caller's TensorDict: the chain's one output, detached (what
-        :func:`~tdhook.attribution._writes.model_updates` finds after the call)."""
-        return {self.wrapper.out_keys[0]: self.output.detach()}
+        :func:`~tdhook.attribution._writes.model_updates` finds after the call); ``None`` with a tail, whose outputs
+        that function finds."""
+        return None if self.tail else {self.wrapper.out_keys[0]: self.output.detach()}
 
     def one_pass(self, seeds: list, keep: bool, leaves: list[torch.Tensor], **unused: object) -> tuple[list, list]:
-        """The relevance of the one leaf for the seed ``[(output, seed)]``, and that it was reached (as
-        :func:`~tdhook.attribution._backward.leaf_relevance` gives them; ``keep`` and the rest are of no use:
-        nothing is recorded)."""
-        ((_, seed),) = seeds
-        return [leaves[0].detach() * self.plan.input_gradient(self.factors, seed)], [True]
+        """The relevance of the one leaf for the backward pass started at ``seeds`` (``(tensor, gradient)`` pairs),
+        and whether it was reached, as :func:`~tdhook.attribution._backward.leaf_relevance` gives them. Seeds on
+        the tail's outputs reach the chain's output through autograd (``keep``: for a later pass); nothing is
+        recorded."""
+        if not self.tail:
+            ((_, seed),) = seeds
+            return [leaves[0].detach() * self.plan.input_gradient(self.factors, seed)], [True]
+        tensors, grads = zip(*seeds, strict=True)
+        (grad,) = torch.autograd.grad(tensors, self.output, grads, retain_graph=keep, allow_unused=True)
+        if grad is None:
+            return [torch.zeros_like(leaves[0])], [False]
+        return [leaves[0].detach() * self.plan.input_gradient(self.factors, grad)], [True]
 
 
 def context_plan(
@@ -245,16 +270,42 @@ def context_plan(
     model acts on calls beyond the chain: a function mode, inner layers or a relevance check, a kept graph, a
     random or compiled module, several explained keys, a TensorDict module that calls its module otherwise than
     ``TensorDictModule`` does, a hook other than ``ours`` (the ids of the context's hooks)."""
-    wrapper = lrp.module
-    if not _plain_tensordict_module(wrapper):
+    head, tail = _head_and_tail(lrp.module)
+    if head is None or len(head.in_keys) != 1 or len(head.out_keys) != 1 or list(head.in_keys) != lrp.explained_keys:
         return None
-    if len(wrapper.in_keys) != 1 or len(wrapper.out_keys) != 1 or list(wrapper.in_keys) != lrp.explained_keys:
-        return None
+    if any(unravel_key(key) == unravel_key(head.in_keys[0]) for step in tail for key in step.in_keys):
+        return None  # the tail reads the explained input itself: relevance would reach it beside the chain
     if lrp.create_graph or lrp.relevance_check is not None or lrp.layer_keys or lrp._stochastic or lrp._compiled:
         return None
     if getattr(lrp.rule_mapper, "function_modes", list)():
         return None
-    return ChainPlan.build(wrapper.module, {modules[name]: rule for name, rule in rules.items()}, ours)
+    plan = ChainPlan.build(head.module, {modules[name]: rule for name, rule in rules.items()}, ours)
+    if plan is not None:
+        plan.head, plan.tail = head, tail
+    return plan
+
+
+def _head_and_tail(wrapper: object) -> tuple[TensorDictModule | None, tuple[TensorDictModuleBase, ...]]:
+    """The ``TensorDictModule`` holding a chain that ``wrapper`` runs first, and the steps after it: ``wrapper``
+    itself and none, or the first step of a ``TensorDictSequential`` that runs its steps one after the other on the
+    TensorDict it is given (no ``selected_out_keys``, ``inplace`` or ``partial_tolerant``) and the steps after it;
+    ``(None, ())`` for anything else."""
+    if _plain_tensordict_module(wrapper):
+        return wrapper, ()
+    if not isinstance(wrapper, TensorDictSequential) or not _runs_steps_in_turn(wrapper):
+        return None, ()
+    steps = sequential_steps(wrapper)
+    if len(steps) < 2 or not _plain_tensordict_module(steps[0]):
+        return None, ()
+    return steps[0], tuple(steps[1:])
+
+
+def _runs_steps_in_turn(wrapper: TensorDictSequential) -> bool:
+    """Whether calling ``wrapper`` only calls each of its steps on the TensorDict it is given, in order."""
+    calls = ("forward", "_run_module", "_module_iter")
+    if not _calls_as(type(wrapper), TensorDictSequential, *calls) or not _runs_its_class_code(wrapper):
+        return False
+    return wrapper.inplace is None and not wrapper._select_before_return and not wrapper.partial_tolerant
 
 
 def _plain_tensordict_module(wrapper: object) -> bool:
@@ -290,14 +341,20 @@ def planned_call(lrp: Any, explained: list[bool], work: TensorDictBase) -> Plann
         or isinstance(lrp.target, str)
     ):
         return None
-    wrapper = lrp.module
-    if skip_existing() or wrapper._forward_hooks or wrapper._forward_pre_hooks or not plan.applies():
+    wrapper, head = lrp.module, plan.head
+    if skip_existing() or _hooked(wrapper) or not plan.applies():
         return None
-    if getattr(wrapper, "module", None) is not plan.chain or not _calls_its_module(wrapper):
+    if plan.tail and (_hooked(head) or _head_and_tail(wrapper) != (head, plan.tail)):
+        return None  # a hook on the head, or other steps put in since the context was entered
+    if getattr(head, "module", None) is not plan.chain or not _calls_its_module(head):
         return None  # another chain, call step or method put in since the context was entered
-    if not work.get(wrapper.in_keys[0]).is_floating_point():
+    if not work.get(head.in_keys[0]).is_floating_point():
         return None
-    return PlannedCall(plan, lrp.module)
+    return PlannedCall(plan, head, tail=plan.tail)
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
 def planned_feed(planned: PlannedCall | None, *args: Any) -> tuple[list, list]:
@@ -309,4 +366,5 @@ def planned_feed(planned: PlannedCall | None, *args: Any) -> tuple[list, list]:
 def planned_updates(planned: PlannedCall | None, *args: Any, **kwargs: Any) -> dict:
     """The model's outputs to write: ``planned``'s, or :func:`~tdhook.attribution._writes.model_updates` of the
     arguments where the call is not planned."""
-    return planned.updates() if planned is not None else model_updates(*args, **kwargs)
+    updates = planned.updates() if planned is not None else None
+    return model_updates(*args, **kwargs) if updates is None else updates
