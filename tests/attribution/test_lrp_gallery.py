@@ -161,7 +161,7 @@ TORCHVISION_SIZES = {
     "squeezenet": 32,
     "vgg": 32,
 }
-TIMM_SIZES = {"densenet": 32, "convnext": 32, "maxvit": 64, "coatnet": 64}
+TIMM_SIZES = {"densenet": 32, "convnext": 32, "maxvit": 64, "coatnet": 64, "ghostnetv2": 48}
 
 
 def smallest_size(name: str, sizes: dict[str, int]) -> int:
@@ -287,6 +287,7 @@ TIMM_MODELS = {
         "mobilenetv3_large_100",
         "tf_mobilenetv3_small_minimal_100",
         "lcnet_050",
+        "ghostnetv2_100",
     ],
     ATTENTION: [
         "vit_tiny_patch16_224",
