@@ -243,6 +243,7 @@ FAMILIES = [
             ("nf_resnet26", RECTIFIED),
             ("resnetv2_50x1_bit", RECTIFIED),
             ("convnext_atto", DEPTHWISE),
+            ("poolformerv2_s12", RECTIFIED),
         )
     ),
     timm_case("vit_tiny_patch16_224", ATTENTION, depth=2),
@@ -268,6 +269,7 @@ TIMM_MODELS = {
         "nfnet_l0",
         "resnetv2_50x1_bit",
         "resnetv2_50",
+        "poolformerv2_s12",
     ],
     NARROW: ["seresnext26d_32x4d", "cspresnext50", "regnetx_002", "regnetx_004", "regnety_002", "regnety_004"],
     DEPTHWISE: [
