@@ -560,3 +560,33 @@ class TestResizedGates:
         with HeldGates():
             gate = F.interpolate(torch.sigmoid(x * 1), scale_factor=2, mode=mode)
         assert is_gate(gate) == (mode != "bicubic")  # bicubic overshoots [0, 1]
+
+
+class ChunkedGate(nn.Module):
+    """A value and a gate split from one sigmoid (iFormer's ``SHMA``: ``v, gate = sigmoid(conv(x)).chunk(2, 1)``),
+    the value mixed by a convolution and multiplied by the gate, detached by hand with ``hold``."""
+
+    def __init__(self, split: str, hold: bool = False) -> None:
+        super().__init__()
+        self.conv, self.mix = nn.Conv2d(3, 8, 1), nn.Conv2d(4, 4, 3, padding=1)
+        self.gate = nn.Sigmoid()
+        self.head = nn.Linear(4, 3)
+        self.split, self.hold = split, hold
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        both = self.gate(2 * self.conv(x))
+        value, gate = both.chunk(2, dim=1) if self.split == "chunk" else torch.split(both, 4, dim=1)
+        return self.head((self.mix(value) * (gate.detach() if self.hold else gate)).mean((2, 3)))
+
+
+@pytest.mark.parametrize("mapper", [*sorted(MAPPERS), "CPLRP", "AttnLRP"])
+@pytest.mark.parametrize("split", ["chunk", "split"])
+def test_a_gate_split_from_a_sigmoid_is_held(split: str, mapper: str):
+    # Each piece of a split gate is a gate: EpsilonGammaBox once summed to 1.95-2.8 times the logit on iFormer.
+    torch.manual_seed(0)
+    model, oracle = ChunkedGate(split).double().eval(), ChunkedGate(split, hold=True).double().eval()
+    oracle.load_state_dict(model.state_dict())
+    x, relevance_out = randn(2, 3, 5, 5), randn(2, 3)
+    make = {"CPLRP": CPLRP, "AttnLRP": AttnLRP, **MAPPERS}[mapper]
+    actual = lrp_relevance(model, x, relevance_out, make())
+    assert relative_error(actual, lrp_relevance(oracle, x, relevance_out, make())) <= 1e-12
