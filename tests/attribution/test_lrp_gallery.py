@@ -270,6 +270,7 @@ TIMM_MODELS = {
         "resnetv2_50x1_bit",
         "resnetv2_50",
         "poolformerv2_s12",
+        "resnetv2_50d_evos",
     ],
     NARROW: ["seresnext26d_32x4d", "cspresnext50", "regnetx_002", "regnetx_004", "regnety_002", "regnety_004"],
     DEPTHWISE: [

@@ -45,6 +45,9 @@ _GATE_NAMES = frozenset({"Sigmoid", "HardSigmoid", "Hardsigmoid", "GateSigmoid"}
 # Element-wise activations timm defines beside its models, with a learnt scale and shift, by module and class name:
 # MetaFormer's ``StarReLU`` (``s * relu(x) ** 2 + b``) and ``SquaredReLU``.
 _TIMM_MODEL_ACTIVATIONS = {"timm.models.metaformer": frozenset({"StarReLU", "SquaredReLU"})}
+# timm's EvoNorms (``x * sigmoid(v * x) / group_std(x) * w + b`` and the like): a gate and a normalising scale on
+# ``x`` in one module, which no norm rule holds; relevance passes through them as through an un-merged norm.
+_TIMM_EVO_NORMS = ("timm.layers.evo_norm", "EvoNorm")
 
 
 class RuleMapper(Protocol):
@@ -243,6 +246,8 @@ class BaseRuleMapper(Tunable):
             return self._ignore
         if _is_timm_activation(module):
             return self._pass  # timm's own activation classes (GELU, Swish, HardSwish, StarReLU, ...)
+        if type(module).__module__ == _TIMM_EVO_NORMS[0] and type(module).__name__.startswith(_TIMM_EVO_NORMS[1]):
+            return self._pass  # timm's EvoNorms: an un-merged norm with a gate inside
         if name and may_be_elementwise(module):
             return self._elementwise  # a hand-written activation: the pass rule, where its first call proves it
         return None
