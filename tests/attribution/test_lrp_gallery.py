@@ -161,7 +161,7 @@ TORCHVISION_SIZES = {
     "squeezenet": 32,
     "vgg": 32,
 }
-TIMM_SIZES = {"densenet": 32, "convnext": 32, "maxvit": 64, "coatnet": 64}
+TIMM_SIZES = {"densenet": 32, "convnext": 32, "maxvit": 64, "coatnet": 64, "ghostnetv2": 48}
 
 
 def smallest_size(name: str, sizes: dict[str, int]) -> int:
@@ -243,6 +243,7 @@ FAMILIES = [
             ("nf_resnet26", RECTIFIED),
             ("resnetv2_50x1_bit", RECTIFIED),
             ("convnext_atto", DEPTHWISE),
+            ("poolformerv2_s12", RECTIFIED),
         )
     ),
     timm_case("vit_tiny_patch16_224", ATTENTION, depth=2),
@@ -268,6 +269,8 @@ TIMM_MODELS = {
         "nfnet_l0",
         "resnetv2_50x1_bit",
         "resnetv2_50",
+        "poolformerv2_s12",
+        "resnetv2_50d_evos",
     ],
     NARROW: ["seresnext26d_32x4d", "cspresnext50", "regnetx_002", "regnetx_004", "regnety_002", "regnety_004"],
     DEPTHWISE: [
@@ -287,6 +290,7 @@ TIMM_MODELS = {
         "mobilenetv3_large_100",
         "tf_mobilenetv3_small_minimal_100",
         "lcnet_050",
+        "ghostnetv2_100",
     ],
     ATTENTION: [
         "vit_tiny_patch16_224",

@@ -126,3 +126,64 @@ def test_every_preset_maps_lstm_and_gru_to_the_recurrent_rule_with_its_stabilize
 def test_the_users_mapper_overrides_the_recurrent_default():
     rule = BaseRuleMapper(rule_mapper={nn.LSTM: StopRule()})("lstm", nn.LSTM(3, 4))
     assert isinstance(rule, StopRule)
+
+
+class MetaFormerBlock(nn.Module):
+    """A linear layer, timm's ``StarReLU`` (``s * relu(x) ** 2 + b``) and a head: PoolFormerV2's MLP."""
+
+    def __init__(self) -> None:
+        from timm.models.metaformer import StarReLU
+
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(6, 8, bias=False), StarReLU(scale_value=0.8), nn.Linear(8, 3)
+        with torch.no_grad():
+            self.act.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+STAR_RELU_PRESETS = {
+    "EpsilonPlus": EpsilonPlus,
+    "EpsilonGammaBox": lambda: EpsilonGammaBox(-3.0, 3.0),
+    "CPLRP": CPLRP,
+    "AttnLRP": AttnLRP,
+}
+
+
+@pytest.mark.parametrize("preset", sorted(STAR_RELU_PRESETS))
+def test_timm_star_relu_passes_relevance_as_an_activation(preset: str):
+    # Its square doubled the relevance under the plain gradient (PoolFormerV2 summed to 2.1-2.5 times the logit).
+    model = MetaFormerBlock().double()
+    with torch.no_grad():
+        model.fc2.bias.zero_()
+    assert isinstance(STAR_RELU_PRESETS[preset]()("act", model.act), PassRule)
+    x = torch.randn(4, 6, dtype=torch.float64).clamp(-2.9, 2.9)
+    lrp = LRP(model, rule_mapper=STAR_RELU_PRESETS[preset](), in_keys=["x"], out_keys=["y"], target=lambda y: y)
+    td = lrp(TensorDict(x=x, batch_size=[4]))
+    assert relative_error(td["relevance", "x"].sum(1), td["y"].sum(1)) <= 1e-4  # the stabilisers' ε: 1e-6 each
+
+
+@pytest.mark.parametrize("norm", ["EvoNorm2dS0", "EvoNorm2dB0", "EvoNorm2dS1"])
+@pytest.mark.parametrize("preset", sorted(STAR_RELU_PRESETS))
+def test_timm_evo_norms_pass_relevance_as_an_unmerged_norm(preset: str, norm: str):
+    # x * sigmoid(v * x) / group_std(x): under the plain gradient a scale-invariant map passes no relevance (the
+    # sums were 1e-7 to 1e-12 times the logit on resnetv2_50d_evos, with a warning naming each EvoNorm).
+    import timm.layers.evo_norm
+
+    torch.manual_seed(0)
+    evo = getattr(timm.layers.evo_norm, norm)(8, **({"group_size": 4} if "S" in norm else {}))
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), evo, nn.Conv2d(8, 4, 3, bias=False), nn.Flatten(), nn.LazyLinear(3)
+    )
+    model = model.double().eval()
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    model(x)
+    with torch.no_grad():
+        model[4].bias.zero_()
+        if getattr(evo, "v", None) is not None:
+            evo.v.uniform_(0.5, 1.5)
+    assert isinstance(STAR_RELU_PRESETS[preset]()("1", evo), PassRule)
+    lrp = LRP(model, rule_mapper=STAR_RELU_PRESETS[preset](), in_keys=["x"], out_keys=["y"], target=lambda y: y)
+    td = lrp(TensorDict(x=x, batch_size=[2]))
+    assert relative_error(td["relevance", "x"].flatten(1).sum(1), td["y"].sum(1)) <= 1e-4

@@ -44,6 +44,16 @@ class TanhGelu(nn.Module):
         return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
 
 
+class ScaledGelu(nn.Module):
+    """A scaled GELU that says it works in place but does not (timm's ``GammaAct``: ``gelu(x).mul_(gamma)``, with
+    ``inplace=True`` in NFNet-F0's stem)."""
+
+    inplace = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x).mul_(1.7)
+
+
 class Mixing(nn.Module):
     """No parameters, the input's shape, but not element-wise: each output mixes two features."""
 
@@ -69,7 +79,7 @@ PRESETS = {
     "AttnLRP": AttnLRP,
     "CPLRP": CPLRP,
 }
-ACTIVATIONS = {"Swish": Swish, "TanhGelu": TanhGelu}
+ACTIVATIONS = {"Swish": Swish, "TanhGelu": TanhGelu, "ScaledGelu": ScaledGelu}
 
 
 def relevance(model: nn.Module, x: torch.Tensor, mapper, calls: int = 2, **kwargs) -> list[torch.Tensor]:
@@ -93,8 +103,10 @@ class TestHandWrittenActivations:
         expected = relevance(model, x, PRESETS[preset](rule_mapper={ACTIVATIONS[act]: kind}), calls=1)[0]
         for actual in relevance(model, x, PRESETS[preset]()):  # the first call and a later one
             assert relative_error(actual["x"], expected["x"]) <= 1e-12
-        if act == "TanhGelu":  # (Swish's sigmoid is a gate held on the signal: the same relevance unruled)
-            plain = relevance(model, x, PRESETS[preset](rule_mapper={TanhGelu: IgnoreRule()}), calls=1)[0]
+        # (Swish's sigmoid is a gate held on the signal, and F.gelu has a function rule under AttnLRP and CP-LRP:
+        # the same relevance unruled there)
+        if act == "TanhGelu" or (act == "ScaledGelu" and preset not in ("AttnLRP", "CPLRP")):
+            plain = relevance(model, x, PRESETS[preset](rule_mapper={ACTIVATIONS[act]: IgnoreRule()}), calls=1)[0]
             assert relative_error(plain["x"], expected["x"]) > 1e-3
 
     def test_relevance_passes_through_unchanged(self):

@@ -518,3 +518,75 @@ class TestRouterRule:
         router = DictRouter()
         with RouterRule().register(router), pytest.raises(TypeError, match="RouterRule on DictRouter"):
             router(randn(2, 6))
+
+
+class ResizedGate(nn.Module):
+    """A signal times a gate computed at half its resolution and resized to it (GhostNetV2's ``GhostModuleV2``:
+    ``x * F.interpolate(sigmoid(s), size, mode="nearest")``), the gate detached by hand with ``hold``."""
+
+    def __init__(self, mode: str, hold: bool = False) -> None:
+        super().__init__()
+        self.conv, self.short = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(3, 4, 1)
+        self.gate = nn.Sigmoid()
+        self.head = nn.Linear(4, 3)
+        self.mode, self.hold = mode, hold
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = F.interpolate(self.gate(2 * self.short(F.avg_pool2d(x, 2))), size=x.shape[-2:], mode=self.mode)
+        return self.head((self.conv(x).relu() * (gate.detach() if self.hold else gate)).mean((2, 3)))
+
+
+class TestResizedGates:
+    """A gate resized by copies or convex combinations of its values stays a gate, and is held (it once lost its
+    mark in ``F.interpolate``: CP-LRP split the product evenly, and summed to −118 to 1.27 times the logit on
+    timm's ``ghostnetv2_100``, EpsilonGammaBox to 254–288, with no warning under CP-LRP)."""
+
+    @pytest.mark.parametrize("mapper", [*sorted(MAPPERS), "CPLRP", "AttnLRP"])
+    @pytest.mark.parametrize("mode", ["nearest", "bilinear"])
+    def test_equals_the_gate_detached_by_hand(self, mode: str, mapper: str):
+        torch.manual_seed(0)
+        model = ResizedGate(mode).double().eval()
+        oracle = ResizedGate(mode, hold=True).double().eval()
+        oracle.load_state_dict(model.state_dict())
+        x, relevance_out = randn(2, 3, 6, 6), randn(2, 3)
+        make = {"CPLRP": CPLRP, "AttnLRP": AttnLRP, **MAPPERS}[mapper]
+        actual = lrp_relevance(model, x, relevance_out, make())
+        expected = lrp_relevance(oracle, x, relevance_out, make())
+        assert relative_error(actual, expected) <= 1e-12
+
+    @pytest.mark.parametrize("mode", ["nearest", "bilinear", "bicubic"])
+    def test_only_convex_resizes_keep_the_mark(self, mode: str):
+        x = randn(1, 2, 3, 3).requires_grad_(True)
+        with HeldGates():
+            gate = F.interpolate(torch.sigmoid(x * 1), scale_factor=2, mode=mode)
+        assert is_gate(gate) == (mode != "bicubic")  # bicubic overshoots [0, 1]
+
+
+class ChunkedGate(nn.Module):
+    """A value and a gate split from one sigmoid (iFormer's ``SHMA``: ``v, gate = sigmoid(conv(x)).chunk(2, 1)``),
+    the value mixed by a convolution and multiplied by the gate, detached by hand with ``hold``."""
+
+    def __init__(self, split: str, hold: bool = False) -> None:
+        super().__init__()
+        self.conv, self.mix = nn.Conv2d(3, 8, 1), nn.Conv2d(4, 4, 3, padding=1)
+        self.gate = nn.Sigmoid()
+        self.head = nn.Linear(4, 3)
+        self.split, self.hold = split, hold
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        both = self.gate(2 * self.conv(x))
+        value, gate = both.chunk(2, dim=1) if self.split == "chunk" else torch.split(both, 4, dim=1)
+        return self.head((self.mix(value) * (gate.detach() if self.hold else gate)).mean((2, 3)))
+
+
+@pytest.mark.parametrize("mapper", [*sorted(MAPPERS), "CPLRP", "AttnLRP"])
+@pytest.mark.parametrize("split", ["chunk", "split"])
+def test_a_gate_split_from_a_sigmoid_is_held(split: str, mapper: str):
+    # Each piece of a split gate is a gate: EpsilonGammaBox once summed to 1.95-2.8 times the logit on iFormer.
+    torch.manual_seed(0)
+    model, oracle = ChunkedGate(split).double().eval(), ChunkedGate(split, hold=True).double().eval()
+    oracle.load_state_dict(model.state_dict())
+    x, relevance_out = randn(2, 3, 5, 5), randn(2, 3)
+    make = {"CPLRP": CPLRP, "AttnLRP": AttnLRP, **MAPPERS}[mapper]
+    actual = lrp_relevance(model, x, relevance_out, make())
+    assert relative_error(actual, lrp_relevance(oracle, x, relevance_out, make())) <= 1e-12

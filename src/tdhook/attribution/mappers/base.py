@@ -42,6 +42,12 @@ __all__ = ["RuleMapper", "rule_mapper_from_dict", "PresetOptions", "BaseRuleMapp
 
 # Sigmoid-like modules of other libraries, by class name (timm's ``Sigmoid`` and ``HardSigmoid``).
 _GATE_NAMES = frozenset({"Sigmoid", "HardSigmoid", "Hardsigmoid", "GateSigmoid"})
+# Element-wise activations timm defines beside its models, with a learnt scale and shift, by module and class name:
+# MetaFormer's ``StarReLU`` (``s * relu(x) ** 2 + b``) and ``SquaredReLU``.
+_TIMM_MODEL_ACTIVATIONS = {"timm.models.metaformer": frozenset({"StarReLU", "SquaredReLU"})}
+# timm's EvoNorms (``x * sigmoid(v * x) / group_std(x) * w + b`` and the like): a gate and a normalising scale on
+# ``x`` in one module, which no norm rule holds; relevance passes through them as through an un-merged norm.
+_TIMM_EVO_NORMS = ("timm.layers.evo_norm", "EvoNorm")
 
 
 class RuleMapper(Protocol):
@@ -238,8 +244,10 @@ class BaseRuleMapper(Tunable):
             return self._ignore
         if name_of_class.endswith(GRADIENT_ROUTED_SUFFIXES):
             return self._ignore
-        if type(module).__module__.startswith("timm.layers.activations"):
-            return self._pass  # timm's own activation classes (GELU, Swish, HardSwish, ...)
+        if _is_timm_activation(module):
+            return self._pass  # timm's own activation classes (GELU, Swish, HardSwish, StarReLU, ...)
+        if type(module).__module__ == _TIMM_EVO_NORMS[0] and type(module).__name__.startswith(_TIMM_EVO_NORMS[1]):
+            return self._pass  # timm's EvoNorms: an un-merged norm with a gate inside
         if name and may_be_elementwise(module):
             return self._elementwise  # a hand-written activation: the pass rule, where its first call proves it
         return None
@@ -281,3 +289,12 @@ class BaseRuleMapper(Tunable):
         if key not in self._first_layer_rules:
             self._first_layer_rules[key] = FirstLayerRule(first, other)
         return self._first_layer_rules[key]
+
+
+def _is_timm_activation(module: nn.Module) -> bool:
+    """Whether ``module`` is one of timm's element-wise activations: a class of ``timm.layers.activations*``, or
+    one of those its models define (MetaFormer's ``StarReLU``), which have a scalar scale and shift of their own."""
+    kind = type(module)
+    return kind.__module__.startswith("timm.layers.activations") or (
+        kind.__name__ in _TIMM_MODEL_ACTIVATIONS.get(kind.__module__, ())
+    )

@@ -141,7 +141,7 @@ class FunctionalRules(TorchFunctionMode):
         kwargs = kwargs or {}
         if func not in _HANDLED:  # most calls: run, and mark what the rules read later (no rule of their own)
             result = mark_parameter_derived(args, func(*args, **kwargs))
-            return keep_gate_mark(func, args, result) if func in GATE_PRESERVING else result
+            return keep_gate_mark(func, args, result, kwargs) if func in GATE_PRESERVING else result
         if func in _PRODUCTS and len(args) == 2 and is_activation(args[0]) and is_activation(args[1]):
             held = held_gate_product(func, args, kwargs, any_gate=self.hold_gates)
             if held is not None:

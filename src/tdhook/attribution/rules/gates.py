@@ -46,6 +46,8 @@ __all__ = [
     "SAME_VALUES",
     "GATE_COMPLEMENTS",
     "GATE_PRESERVING",
+    "GATE_RESIZES",
+    "GATE_SPLITS",
     "GATE_FUNCTIONS",
 ]
 
@@ -63,7 +65,16 @@ SAME_VALUES = frozenset(
 )
 # ``1 - gate``: the complement of a sigmoid-like gate is one too (a GRU's ``(1 - z) * h``).
 GATE_COMPLEMENTS = frozenset({torch.Tensor.__rsub__, torch.rsub})
-GATE_PRESERVING = SAME_VALUES | GATE_COMPLEMENTS
+# Resizing a gate to the signal's size (GhostNetV2's ``x * interpolate(sigmoid(s), size, mode="nearest")``) keeps
+# it a gate where each output is a copy or a convex combination of the gate's values: still in [0, 1].
+GATE_RESIZES = frozenset({F.interpolate})
+# Splitting a gate gives gates (iFormer's ``v, gate = sigmoid(conv(x)).chunk(2, dim=1)``).
+GATE_SPLITS = frozenset(
+    {torch.Tensor.chunk, torch.chunk, torch.Tensor.split, torch.split, torch.Tensor.unbind, torch.unbind}
+    | {torch.Tensor.tensor_split, torch.tensor_split}
+)
+_CONVEX_RESIZE_MODES = frozenset({"nearest", "nearest-exact", "linear", "bilinear", "trilinear", "area"})
+GATE_PRESERVING = SAME_VALUES | GATE_COMPLEMENTS | GATE_RESIZES | GATE_SPLITS
 # Class names of routers whose forward selects experts without ``topk`` (by ``max`` in a helper, as PhiMoE).
 _ROUTER_NAMES = ("Router",)
 _ELEMENTWISE_PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
@@ -88,9 +99,11 @@ def is_gate(value: Any) -> bool:
     return getattr(value, GATE_MARK, None) is not None
 
 
-def keep_gate_mark(func: Any, args: tuple, result: Any) -> Any:
+def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = None) -> Any:
     """``result`` marked as its input was, where ``func`` only rearranges or copies values (a view, a reshape,
-    an ``expand_as``: ECA and squeeze-excite reshape their gate before the product).
+    an ``expand_as``: ECA and squeeze-excite reshape their gate before the product), or resizes them by copies
+    or convex combinations (``F.interpolate`` but bicubic: GhostNetV2 upsamples its gate to the signal's size);
+    each piece of a gate split in pieces (``chunk``, ``split``, ``unbind``) marked as it was.
 
     Examples:
         >>> x = torch.ones(2, requires_grad=True) * 1
@@ -98,12 +111,23 @@ def keep_gate_mark(func: Any, args: tuple, result: Any) -> Any:
         >>> is_gate(keep_gate_mark(torch.Tensor.view, (gate, 2, 1), gate.view(2, 1)))
         True
     """
-    if func in SAME_VALUES and args and is_gate(args[0]) and isinstance(result, torch.Tensor):
+    same_values = func in SAME_VALUES or (func in GATE_RESIZES and _convex_resize(args, kwargs or {}))
+    if same_values and args and is_gate(args[0]) and isinstance(result, torch.Tensor):
         mark_gate(result, getattr(args[0], GATE_MARK), sigmoid=getattr(args[0], SIGMOID_MARK, False))
+    elif func in GATE_SPLITS and args and is_gate(args[0]) and isinstance(result, (tuple, list)):
+        for piece in result:
+            if isinstance(piece, torch.Tensor):
+                mark_gate(piece, getattr(args[0], GATE_MARK), sigmoid=getattr(args[0], SIGMOID_MARK, False))
     elif func in GATE_COMPLEMENTS and len(args) == 2 and _is_one(args[1]) and getattr(args[0], SIGMOID_MARK, False):
         if isinstance(result, torch.Tensor):  # 1 - sigmoid(s) = sigmoid(-s): a gate in [0, 1] as well
             mark_gate(result, getattr(args[0], GATE_MARK), sigmoid=True)
     return result
+
+
+def _convex_resize(args: tuple, kwargs: dict) -> bool:
+    """Whether an ``F.interpolate`` call gives each output a copy or a convex combination of its input's values."""
+    mode = args[3] if len(args) > 3 else kwargs.get("mode", "nearest")
+    return mode in _CONVEX_RESIZE_MODES
 
 
 def _is_one(value: Any) -> bool:
@@ -201,7 +225,7 @@ class HeldGates(TorchFunctionMode):
         result = mark_parameter_derived(args, func(*args, **kwargs))
         if func in GATE_FUNCTIONS and args and is_activation(args[0]) and isinstance(result, torch.Tensor):
             return mark_gate(result, args[0], sigmoid=True)
-        return keep_gate_mark(func, args, result)
+        return keep_gate_mark(func, args, result, kwargs)
 
 
 def is_router(module: nn.Module) -> bool:
