@@ -13,6 +13,10 @@ reported with their ratio to the baseline.
 
     python benchmarks/bench_policy.py --batches 1 4096 --repeats 200
     python benchmarks/bench_policy.py --batches 1 --features 64 --cells 256 256 --actions 8 --repeats 200
+
+With ``--q-value`` the policy is torchrl's ``QValueActor`` (the MLP, then the ``QValueModule`` that picks the
+action), as a DQN rollout runs it; the baseline then runs the same actor and takes the gradient of the chosen
+action's value, and the peers, which take no TensorDict pipeline, are left out.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from timing import interleaved_medians
 from torch import nn
-from torchrl.modules import MLP
+from torchrl.modules import MLP, QValueActor
 
 from tdhook.attribution import LRP
 from tdhook.attribution.lrp_helpers.rules import EpsilonPlus
@@ -38,6 +42,15 @@ def gradient_times_input(net: nn.Module, td: TensorDict) -> TensorDict:
     out = net(x)
     (grad,) = torch.autograd.grad(out.max(-1).values.sum(), x)
     td.set("action_value", out.detach())
+    td.set(("relevance", "observation"), x.detach() * grad)
+    return td
+
+
+def q_value_gradient_times_input(actor: nn.Module, td: TensorDict) -> TensorDict:
+    x = td["observation"].detach().requires_grad_(True)
+    out = actor(td.set("observation", x))
+    (grad,) = torch.autograd.grad(out["chosen_action_value"].sum(), x)
+    td.set("observation", x.detach())
     td.set(("relevance", "observation"), x.detach() * grad)
     return td
 
@@ -78,15 +91,21 @@ def main() -> None:
     parser.add_argument("--cells", type=int, nargs="+", default=[64, 64])
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--q-value", action="store_true", help="explain torchrl's QValueActor around the MLP")
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", module="captum")  # it notes that it made the input require grad
     torch.manual_seed(0)
     net = MLP(in_features=args.features, out_features=args.actions, num_cells=args.cells, activation_class=nn.ReLU)
     policy = TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"])
+    baseline = gradient_times_input
+    if args.q_value:
+        policy = QValueActor(net, in_keys=["observation"], action_space="one_hot")
+        baseline, args.peers = q_value_gradient_times_input, False
 
     print(
-        f"MLP {'-'.join(map(str, [args.features, *args.cells, args.actions]))} (ReLU), EpsilonPlus, 1 thread, "
+        f"MLP {'-'.join(map(str, [args.features, *args.cells, args.actions]))} (ReLU)"
+        f"{' in a QValueActor' if args.q_value else ''}, EpsilonPlus, 1 thread, "
         f"median of {args.repeats} interleaved rounds"
     )
     print(f"{'batch':>6} {'method':<42} {'milliseconds':>12} {'x baseline':>11}")
@@ -98,7 +117,9 @@ def main() -> None:
         # A copy of the policy: the baseline calls `net` itself, which must not run under the context's rules.
         with LRP(copy.deepcopy(policy), rule_mapper=EpsilonPlus()) as lrp:
             methods: dict[str, Callable] = {
-                "gradient x input, TensorDict in/out": lambda: gradient_times_input(net, td.clone(False)),
+                "gradient x input, TensorDict in/out": lambda: baseline(
+                    policy if args.q_value else net, td.clone(False)
+                ),
                 "tdhook EpsilonPlus": lambda: lrp(td.clone(False)),
                 "tdhook EpsilonPlus, entering the context": lambda: entering(td.clone(False)),
             }

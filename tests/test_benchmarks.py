@@ -24,6 +24,7 @@ COMMANDS = {
         *("--presets", "EpsilonPlus", "--no-memory"),
     ],
     "policy": ["bench_policy.py", "--batches", "1", "3", "--repeats", "1"],
+    "q-value policy": ["bench_policy.py", "--batches", "2", "--repeats", "1", "--q-value"],
     "targets": ["bench_targets.py", "--units", "2", "3", "--batch", "4", "--repeats", "1"],
     "transformer": [
         *("bench_transformer.py", "--batch", "1", "--tokens", "4"),
@@ -110,6 +111,14 @@ def test_policy_benchmark_runs_on_tiny_inputs(printed):
     rows = [line.split() for line in stdout.splitlines()[2:]]
     assert [row[0] for row in rows] == ["1"] * 5 + ["3"] * 5
     assert sum("entering the context" in line for line in stdout.splitlines()) == 2
+    assert all(float(row[-1]) > 0 for row in rows)
+
+
+def test_q_value_policy_benchmark_runs_on_tiny_inputs(printed):
+    stdout = stdout_of(printed, "q-value policy")
+    assert "in a QValueActor" in stdout.splitlines()[0]
+    rows = [line.split() for line in stdout.splitlines()[2:]]
+    assert [row[0] for row in rows] == ["2"] * 3  # the baseline, in a context, entering one: no peers
     assert all(float(row[-1]) > 0 for row in rows)
 
 
