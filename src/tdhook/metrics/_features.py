@@ -144,6 +144,8 @@ class Features:
             ValueError: naming the metric, the attribution's key and the first NaN's index.
         """
         for key, a in zip(self.keys, self.attributions, strict=True):
+            if not (a.is_floating_point() and bool(a.isnan().any())):  # no index search in the common case
+                continue
             where = a.isnan().nonzero()
             if len(where):
                 a_key = (*self.prefix, *(key if isinstance(key, tuple) else (key,)))
