@@ -571,3 +571,60 @@ def test_a_pipeline_changed_inside_the_context_sets_the_plan_aside(change):
         result, expected = lrp(td.clone()), reference(td.clone())
         assert run.call_count == 1
     assert_same_call(result, expected)
+
+
+class _DoubledInPlace(nn.Module):
+    """Doubles its input in place (as a step may do to the action values it reads), then adds one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2.0)
+        return x + 1
+
+
+@pytest.mark.parametrize("last", [nn.Tanh, nn.ReLU, None], ids=["tanh last", "relu last", "linear last"])
+def test_a_tail_that_changes_the_chain_output_in_place_gives_the_general_paths_call(last):
+    """A step after the chain may change the chain's output in place, as it may on the general path, which keeps
+    the chain's factors as they were in the forward pass; where autograd needs that output itself (a ReLU last:
+    its gradient reads its output) the general path raises, and so does the plan."""
+    torch.manual_seed(7)
+    layers = [nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 4), *([last()] if last else [])]
+    head = TensorDictModule(nn.Sequential(*layers), ["observation"], ["hidden"])
+    pipeline = TensorDictSequential(head, TensorDictModule(_DoubledInPlace(), ["hidden"], ["out"])).double()
+    td = TensorDict(observation=torch.randn(6, 5, dtype=torch.float64), batch_size=[6])
+    lrp, reference = LRP(pipeline, EpsilonPlus()), LRP(_general_copy(pipeline), EpsilonPlus())
+    with lrp, reference, mock.patch.object(PlannedCall, "run", autospec=True, side_effect=PlannedCall.run) as run:
+        for _ in range(3):
+            given, before = td.clone(), td.clone()
+            if last is nn.ReLU:
+                with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                    reference(td.clone())
+                with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                    lrp(given)
+                assert set(given.keys(True, True)) == {"observation"} and (given == before).all()
+            else:
+                assert_same_call(lrp(given), reference(td.clone()))
+        assert run.call_count == 2  # every call after the first is planned
+
+
+class _ReadsBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(5, 1)
+
+    def forward(self, observation: TensorDict, hidden: torch.Tensor) -> torch.Tensor:
+        return self.layer(observation["x"]) + hidden.sum(-1, keepdim=True)
+
+
+def test_a_tail_reading_the_branch_that_holds_the_input_takes_the_general_path():
+    """A step that reads the sub-TensorDict holding the explained input reads the input itself: relevance reaches
+    it beside the chain, as the general path finds."""
+    torch.manual_seed(8)
+    head = TensorDictModule(nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 4)), [("obs", "x")], ["hidden"])
+    pipeline = TensorDictSequential(head, TensorDictModule(_ReadsBranch(), ["obs", "hidden"], ["out"])).double()
+    td = TensorDict(obs=TensorDict(x=torch.randn(6, 5, dtype=torch.float64), batch_size=[6]), batch_size=[6])
+    options = {"in_keys": [("obs", "x")], "target_key": "out"}
+    ours, planned = calls(LRP(pipeline, EpsilonPlus(), **options), td, n=2)
+    general, _ = calls(LRP(_general_copy(pipeline), EpsilonPlus(), **options), td, n=2)
+    assert planned == [False, False]
+    for mine, theirs in zip(ours, general, strict=True):
+        assert_same_call(mine, theirs)

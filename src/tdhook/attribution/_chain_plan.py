@@ -42,12 +42,13 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModule, TensorDictModuleBase, TensorDictSequential, skip_existing
-from tensordict.utils import unravel_key
+from tensordict.utils import NestedKey
 from torch import nn
 from torch.nn.modules import module as module_globals
 from torchrl.modules import MLP
 
 from tdhook.attribution._inputs import feed_inputs
+from tdhook.attribution._keys import as_tuple
 from tdhook.attribution._policy_targets import sequential_steps
 from tdhook.attribution._writes import model_updates
 from tdhook.attribution.rules._numerics import stabilize
@@ -232,15 +233,22 @@ class PlannedCall:
     def run(self, work: TensorDictBase) -> TensorDictBase:
         """Run the chain on ``work``'s input and write its output there, then the tail's steps; ``work``."""
         output, self.factors = self.plan.forward(work.get(self.wrapper.in_keys[0]))
-        self.output = output
+        self.output = output.requires_grad_(True)
         # It depends on the input, as the wrapper's checks of the target ask (the wrapper writes it detached); the
         # tail's outputs take their gradient to it with autograd.
-        work.set(self.wrapper.out_keys[0], output.requires_grad_(True))
+        work.set(self.wrapper.out_keys[0], self._read_by_tail(output) if self.tail else output)
         if self.tail:
             with closing_scopes():  # what the tail's rules enter and an interrupt keeps them from leaving
                 for step in self.tail:
                     work = step(work)
         return work
+
+    def _read_by_tail(self, output: torch.Tensor) -> torch.Tensor:
+        """What the tail reads for the chain's output ``output`` (a leaf): a tensor that autograd takes back to it
+        and that a step may change in place, as it may the chain's output on the general path, leaving the leaf and
+        the factors as the forward pass made them. After a ReLU it is that ReLU's output again, which autograd
+        keeps: changed in place, the backward pass then raises as the general path's does."""
+        return torch.relu(output) if type(self.plan.layers[-1][0]) is nn.ReLU else output.clone()
 
     def updates(self) -> dict | None:
         """The model's outputs to write into the caller's TensorDict: the chain's one output, detached (what
@@ -273,8 +281,8 @@ def context_plan(
     head, tail = _head_and_tail(lrp.module)
     if head is None or len(head.in_keys) != 1 or len(head.out_keys) != 1 or list(head.in_keys) != lrp.explained_keys:
         return None
-    if any(unravel_key(key) == unravel_key(head.in_keys[0]) for step in tail for key in step.in_keys):
-        return None  # the tail reads the explained input itself: relevance would reach it beside the chain
+    if any(_on_one_path(key, head.in_keys[0]) for step in tail for key in step.in_keys):
+        return None  # the tail reads the explained input or a branch holding it: relevance reaches it elsewhere
     if lrp.create_graph or lrp.relevance_check is not None or lrp.layer_keys or lrp._stochastic or lrp._compiled:
         return None
     if getattr(lrp.rule_mapper, "function_modes", list)():
@@ -298,6 +306,12 @@ def _head_and_tail(wrapper: object) -> tuple[TensorDictModule | None, tuple[Tens
     if len(steps) < 2 or not _plain_tensordict_module(steps[0]):
         return None, ()
     return steps[0], tuple(steps[1:])
+
+
+def _on_one_path(key: NestedKey, other: NestedKey) -> bool:
+    """Whether ``key`` and ``other`` are the same key, or one is a branch holding the other."""
+    key, other = as_tuple(key), as_tuple(other)
+    return key[: len(other)] == other[: len(key)]
 
 
 def _runs_steps_in_turn(wrapper: TensorDictSequential) -> bool:
