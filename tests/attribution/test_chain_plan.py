@@ -628,3 +628,29 @@ def test_a_tail_reading_the_branch_that_holds_the_input_takes_the_general_path()
     assert planned == [False, False]
     for mine, theirs in zip(ours, general, strict=True):
         assert_same_call(mine, theirs)
+
+
+class _FunctionGate(nn.Module):
+    """A gate computed with functions (``sigmoid(a) * b``), which the presets hold constant after the first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 6)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        z = self.layer(hidden)
+        return torch.sigmoid(z[..., :3]) * z[..., 3:]
+
+
+def test_a_tail_computing_a_gate_with_functions_takes_the_general_path():
+    """The gate is held under a function mode that the calls after the first enter around the model: the tail
+    would run without it, so the call takes the general path."""
+    torch.manual_seed(9)
+    head = TensorDictModule(nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 4)), ["observation"], ["hidden"])
+    pipeline = TensorDictSequential(head, TensorDictModule(_FunctionGate(), ["hidden"], ["out"])).double()
+    td = TensorDict(observation=torch.randn(6, 5, dtype=torch.float64), batch_size=[6])
+    ours, planned = calls(LRP(pipeline, EpsilonPlus()), td, n=3)
+    general, _ = calls(LRP(_general_copy(pipeline), EpsilonPlus()), td, n=3)
+    assert planned == [False, False, False]
+    for mine, theirs in zip(ours, general, strict=True):
+        assert_same_call(mine, theirs)
