@@ -654,3 +654,32 @@ def test_a_tail_computing_a_gate_with_functions_takes_the_general_path():
     assert planned == [False, False, False]
     for mine, theirs in zip(ours, general, strict=True):
         assert_same_call(mine, theirs)
+
+
+@pytest.mark.parametrize("chain", ["linear layers", "an activation alone"])
+def test_a_tail_whose_rule_reads_the_layers_before_it_takes_the_general_path(chain):
+    """A rule of the input layer (the flat rule) on a step after the chain walks back through the graph to the
+    layers before it: through the chain's Linear layers it raises, through glue alone it gives the explained
+    input the relevance the gradient cannot carry. The planned chain leaves no such graph, so the call takes the
+    general path, which raises or gives the same relevance."""
+    from tdhook.attribution.rules import GlueError, PassRule
+    from tdhook.attribution.rules.input_layer import FlatRule
+
+    torch.manual_seed(10)
+    layers = [nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 5)] if chain == "linear layers" else [nn.Tanh()]
+    head = TensorDictModule(nn.Sequential(*layers), ["observation"], ["hidden"])
+    tail = TensorDictModule(nn.Sequential(nn.Linear(5, 3)), ["hidden"], ["out"])
+    pipeline = TensorDictSequential(head, tail).double()
+    mapper = {"module.1.module.0": FlatRule(), nn.Linear: EpsilonRule(0.0), (nn.Tanh, nn.ReLU): PassRule()}
+    td = TensorDict(observation=torch.randn(6, 5, dtype=torch.float64), batch_size=[6])
+    lrp, reference = LRP(pipeline, mapper), LRP(_general_copy(pipeline), mapper)
+    with lrp, reference, mock.patch.object(PlannedCall, "run", autospec=True, side_effect=PlannedCall.run) as run:
+        for _ in range(2):
+            if chain == "linear layers":
+                with pytest.raises(GlueError, match="mixes the model inputs with the output of another Linear"):
+                    reference(td.clone())
+                with pytest.raises(GlueError, match="mixes the model inputs with the output of another Linear"):
+                    lrp(td.clone())
+            else:
+                assert_same_call(lrp(td.clone()), reference(td.clone()))
+        assert run.call_count == 0

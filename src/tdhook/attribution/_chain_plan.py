@@ -277,12 +277,15 @@ def context_plan(
     """The plan of ``lrp``'s context (its rules registered), or ``None`` where a feature of the wrapper or the
     model acts on calls beyond the chain: a function mode, inner layers or a relevance check, a kept graph, a
     random or compiled module, several explained keys, a TensorDict module that calls its module otherwise than
-    ``TensorDictModule`` does, a hook other than ``ours`` (the ids of the context's hooks)."""
+    ``TensorDictModule`` does, a hook other than ``ours`` (the ids of the context's hooks), steps after the chain
+    that read the explained input or whose rules read the layers' marks (input-layer rules, merged BatchNorms)."""
     head, tail = _head_and_tail(lrp.module)
     if head is None or len(head.in_keys) != 1 or len(head.out_keys) != 1 or list(head.in_keys) != lrp.explained_keys:
         return None
     if any(_on_one_path(key, head.in_keys[0]) for step in tail for key in step.in_keys):
         return None  # the tail reads the explained input or a branch holding it: relevance reaches it elsewhere
+    if tail and lrp._marks_read:
+        return None  # a tail rule walks back to the layers before it (input-layer rules), which the plan runs bare
     if lrp.create_graph or lrp.relevance_check is not None or lrp.layer_keys or lrp._stochastic or lrp._compiled:
         return None
     if getattr(lrp.rule_mapper, "function_modes", list)():
