@@ -550,15 +550,33 @@ def _change_pipeline(pipeline: TensorDictSequential, change: str) -> None:
         pipeline.module[0].register_forward_hook(lambda m, args, out: out.set("hidden", out["hidden"] * 2))
     elif change == "step appended":
         pipeline.module.append(TensorDictModule(nn.Linear(3, 2).double(), in_keys=["logits"], out_keys=["q"]))
+    elif change == "a step set to read the input":
+        step = pipeline.module[1]
+        step.module, step.in_keys = nn.Linear(5, 3).double(), ["observation"]
+    elif change == "a step reading the input appended to a nested pipeline":
+        step = TensorDictModule(nn.Linear(5, 2).double(), in_keys=["observation"], out_keys=["logits"])
+        pipeline.module[1].module.append(step)
     else:
         pipeline.module[0] = copy.deepcopy(pipeline.module[0])
 
 
-@pytest.mark.parametrize("change", ["hook on the head", "step appended", "head replaced"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        "hook on the head",
+        "step appended",
+        "head replaced",
+        "a step set to read the input",
+        "a step reading the input appended to a nested pipeline",
+    ],
+)
 def test_a_pipeline_changed_inside_the_context_sets_the_plan_aside(change):
     """After the change the call is the general path's on the changed pipeline (whose new parts have no rule: they
     came after the context's rules were registered)."""
     pipeline = _with_ruled_tail()
+    if change.endswith("nested pipeline"):
+        head, tail = pipeline.module
+        pipeline = TensorDictSequential(head, TensorDictSequential(tail))
     general = _general_copy(pipeline)
     td = TensorDict(observation=torch.randn(6, 5, dtype=torch.float64), batch_size=[6])
     lrp, reference = LRP(pipeline, EpsilonPlus()), LRP(general, EpsilonPlus())

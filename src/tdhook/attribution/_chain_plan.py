@@ -35,7 +35,7 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +120,8 @@ class ChainPlan:
         head: the ``TensorDictModule`` that holds the chain (set by :func:`context_plan`).
         tail: the steps of a ``TensorDictSequential`` after the head, run as they are (torchrl's ``QValueModule``
             after a Q-network): their outputs take the gradient to the chain's output with autograd.
+        reads: each step of the tail (and of the ``TensorDictSequential`` steps in it) with the keys it read when the
+            plan was made (see :func:`_tail_reads`): a step put in or a key changed since sets the plan aside.
     """
 
     layers: list[tuple[nn.Module, EpsilonRule | None]]
@@ -128,6 +130,7 @@ class ChainPlan:
     kinds: tuple[type, ...]
     head: TensorDictModuleBase | None = None
     tail: tuple[TensorDictModuleBase, ...] = ()
+    reads: tuple[tuple[TensorDictModuleBase, tuple], ...] = ()
 
     @classmethod
     def build(cls, chain: nn.Module, rules: Mapping[nn.Module, Rule], ours: Collection[int] = ()) -> ChainPlan | None:
@@ -282,7 +285,8 @@ def context_plan(
     head, tail = _head_and_tail(lrp.module)
     if head is None or len(head.in_keys) != 1 or len(head.out_keys) != 1 or list(head.in_keys) != lrp.explained_keys:
         return None
-    if any(_on_one_path(key, head.in_keys[0]) for step in tail for key in step.in_keys):
+    reads = _tail_reads(tail)
+    if any(_on_one_path(key, head.in_keys[0]) for _, keys in reads for key in keys):
         return None  # the tail reads the explained input or a branch holding it: relevance reaches it elsewhere
     if tail and lrp._marks_read:
         return None  # a tail rule walks back to the layers before it (input-layer rules), which the plan runs bare
@@ -292,7 +296,7 @@ def context_plan(
         return None
     plan = ChainPlan.build(head.module, {modules[name]: rule for name, rule in rules.items()}, ours)
     if plan is not None:
-        plan.head, plan.tail = head, tail
+        plan.head, plan.tail, plan.reads = head, tail, reads
     return plan
 
 
@@ -309,6 +313,15 @@ def _head_and_tail(wrapper: object) -> tuple[TensorDictModule | None, tuple[Tens
     if len(steps) < 2 or not _plain_tensordict_module(steps[0]):
         return None, ()
     return steps[0], tuple(steps[1:])
+
+
+def _tail_reads(tail: Sequence[TensorDictModuleBase]) -> tuple[tuple[TensorDictModuleBase, tuple], ...]:
+    """Each step of ``tail`` with the keys it reads, then, for a ``TensorDictSequential``, its steps in turn."""
+    reads: list[tuple[TensorDictModuleBase, tuple]] = []
+    for step in tail:
+        reads.append((step, tuple(step.in_keys)))
+        reads += _tail_reads(sequential_steps(step))
+    return tuple(reads)
 
 
 def _on_one_path(key: NestedKey, other: NestedKey) -> bool:
@@ -362,8 +375,10 @@ def planned_call(lrp: Any, explained: list[bool], work: TensorDictBase) -> Plann
     wrapper, head = lrp.module, plan.head
     if skip_existing() or _hooked(wrapper) or not plan.applies():
         return None
-    if plan.tail and (_hooked(head) or _head_and_tail(wrapper) != (head, plan.tail)):
-        return None  # a hook on the head, or other steps put in since the context was entered
+    if plan.tail and (
+        _hooked(head) or _head_and_tail(wrapper) != (head, plan.tail) or _tail_reads(plan.tail) != plan.reads
+    ):
+        return None  # a hook on the head, or other steps or keys put in since the context was entered
     if getattr(head, "module", None) is not plan.chain or not _calls_its_module(head):
         return None  # another chain, call step or method put in since the context was entered
     if not work.get(head.in_keys[0]).is_floating_point():
