@@ -701,3 +701,47 @@ def test_a_tail_whose_rule_reads_the_layers_before_it_takes_the_general_path(cha
             else:
                 assert_same_call(lrp(td.clone()), reference(td.clone()))
         assert run.call_count == 0
+
+
+class _Raising(nn.Module):
+    """A Linear layer that raises ``error`` when it is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 3)
+        self.error: BaseException | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        output = self.layer(hidden)
+        if self.error is not None:
+            raise self.error
+        return output
+
+
+@pytest.mark.parametrize("error", [RuntimeError("in the tail"), KeyboardInterrupt()], ids=["error", "interrupt"])
+def test_a_tail_that_raises_leaves_the_call_and_the_context_as_they_were(error):
+    """The caller's TensorDict and the model's hooks are unchanged, and the next call is planned and the general
+    path's."""
+    torch.manual_seed(11)
+    head = TensorDictModule(nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 4)), ["observation"], ["hidden"])
+    raising = _Raising()
+    pipeline = TensorDictSequential(head, TensorDictModule(raising, ["hidden"], ["out"])).double()
+    td = TensorDict(observation=torch.randn(6, 5, dtype=torch.float64), batch_size=[6])
+    lrp, reference = LRP(pipeline, EpsilonPlus()), LRP(_general_copy(pipeline), EpsilonPlus())
+
+    def hooks() -> list[int]:
+        return [len(getattr(m, name)) for m in pipeline.modules() for name in ("_forward_hooks", "_forward_pre_hooks")]
+
+    with lrp, reference, mock.patch.object(PlannedCall, "run", autospec=True, side_effect=PlannedCall.run) as run:
+        expected = reference(td.clone())
+        lrp(td.clone())
+        given, before, registered = td.clone(), td.clone(), hooks()
+        raising.error = error
+        with pytest.raises(type(error)):
+            lrp(given)
+        assert run.call_count == 1  # the call that raised was planned
+        assert set(given.keys(True, True)) == {"observation"} and (given == before).all()
+        assert hooks() == registered
+        raising.error = None
+        assert_same_call(lrp(td.clone()), expected)
+        assert run.call_count == 2
