@@ -745,3 +745,21 @@ def test_a_tail_that_raises_leaves_the_call_and_the_context_as_they_were(error):
         raising.error = None
         assert_same_call(lrp(td.clone()), expected)
         assert run.call_count == 2
+
+
+def test_a_batch_norm_right_after_the_chain_takes_the_general_path():
+    """The presets merge a BatchNorm into the Linear layer before it, here the chain's last one (the merge reads
+    the layers' marks, which the planned chain leaves none of): the call takes the general path."""
+    torch.manual_seed(12)
+    head = TensorDictModule(nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 4)), ["observation"], ["hidden"])
+    norm = nn.BatchNorm1d(4).eval()
+    norm.running_mean.uniform_(-1.0, 1.0)
+    norm.running_var.uniform_(0.5, 2.0)
+    tail = TensorDictModule(nn.Sequential(norm, nn.Linear(4, 2)), ["hidden"], ["out"])
+    pipeline = TensorDictSequential(head, tail).double()
+    td = TensorDict(observation=torch.randn(6, 5, dtype=torch.float64), batch_size=[6])
+    ours, planned = calls(LRP(pipeline, EpsilonPlus()), td, n=2)
+    general, _ = calls(LRP(_general_copy(pipeline), EpsilonPlus()), td, n=2)
+    assert planned == [False, False]
+    for mine, theirs in zip(ours, general, strict=True):
+        assert_same_call(mine, theirs)
