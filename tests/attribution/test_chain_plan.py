@@ -550,15 +550,33 @@ def _change_pipeline(pipeline: TensorDictSequential, change: str) -> None:
         pipeline.module[0].register_forward_hook(lambda m, args, out: out.set("hidden", out["hidden"] * 2))
     elif change == "step appended":
         pipeline.module.append(TensorDictModule(nn.Linear(3, 2).double(), in_keys=["logits"], out_keys=["q"]))
+    elif change == "a step set to read the input":
+        step = pipeline.module[1]
+        step.module, step.in_keys = nn.Linear(5, 3).double(), ["observation"]
+    elif change == "a step reading the input appended to a nested pipeline":
+        step = TensorDictModule(nn.Linear(5, 2).double(), in_keys=["observation"], out_keys=["logits"])
+        pipeline.module[1].module.append(step)
     else:
         pipeline.module[0] = copy.deepcopy(pipeline.module[0])
 
 
-@pytest.mark.parametrize("change", ["hook on the head", "step appended", "head replaced"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        "hook on the head",
+        "step appended",
+        "head replaced",
+        "a step set to read the input",
+        "a step reading the input appended to a nested pipeline",
+    ],
+)
 def test_a_pipeline_changed_inside_the_context_sets_the_plan_aside(change):
     """After the change the call is the general path's on the changed pipeline (whose new parts have no rule: they
     came after the context's rules were registered)."""
     pipeline = _with_ruled_tail()
+    if change.endswith("nested pipeline"):
+        head, tail = pipeline.module
+        pipeline = TensorDictSequential(head, TensorDictSequential(tail))
     general = _general_copy(pipeline)
     td = TensorDict(observation=torch.randn(6, 5, dtype=torch.float64), batch_size=[6])
     lrp, reference = LRP(pipeline, EpsilonPlus()), LRP(general, EpsilonPlus())
@@ -571,3 +589,177 @@ def test_a_pipeline_changed_inside_the_context_sets_the_plan_aside(change):
         result, expected = lrp(td.clone()), reference(td.clone())
         assert run.call_count == 1
     assert_same_call(result, expected)
+
+
+class _DoubledInPlace(nn.Module):
+    """Doubles its input in place (as a step may do to the action values it reads), then adds one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2.0)
+        return x + 1
+
+
+@pytest.mark.parametrize("last", [nn.Tanh, nn.ReLU, None], ids=["tanh last", "relu last", "linear last"])
+def test_a_tail_that_changes_the_chain_output_in_place_gives_the_general_paths_call(last):
+    """A step after the chain may change the chain's output in place, as it may on the general path, which keeps
+    the chain's factors as they were in the forward pass; where autograd needs that output itself (a ReLU last:
+    its gradient reads its output) the general path raises, and so does the plan."""
+    torch.manual_seed(7)
+    layers = [nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 4), *([last()] if last else [])]
+    head = TensorDictModule(nn.Sequential(*layers), ["observation"], ["hidden"])
+    pipeline = TensorDictSequential(head, TensorDictModule(_DoubledInPlace(), ["hidden"], ["out"])).double()
+    td = TensorDict(observation=torch.randn(6, 5, dtype=torch.float64), batch_size=[6])
+    lrp, reference = LRP(pipeline, EpsilonPlus()), LRP(_general_copy(pipeline), EpsilonPlus())
+    with lrp, reference, mock.patch.object(PlannedCall, "run", autospec=True, side_effect=PlannedCall.run) as run:
+        for _ in range(3):
+            given, before = td.clone(), td.clone()
+            if last is nn.ReLU:
+                with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                    reference(td.clone())
+                with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                    lrp(given)
+                assert set(given.keys(True, True)) == {"observation"} and (given == before).all()
+            else:
+                assert_same_call(lrp(given), reference(td.clone()))
+        assert run.call_count == 2  # every call after the first is planned
+
+
+class _ReadsBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(5, 1)
+
+    def forward(self, observation: TensorDict, hidden: torch.Tensor) -> torch.Tensor:
+        return self.layer(observation["x"]) + hidden.sum(-1, keepdim=True)
+
+
+def test_a_tail_reading_the_branch_that_holds_the_input_takes_the_general_path():
+    """A step that reads the sub-TensorDict holding the explained input reads the input itself: relevance reaches
+    it beside the chain, as the general path finds."""
+    torch.manual_seed(8)
+    head = TensorDictModule(nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 4)), [("obs", "x")], ["hidden"])
+    pipeline = TensorDictSequential(head, TensorDictModule(_ReadsBranch(), ["obs", "hidden"], ["out"])).double()
+    td = TensorDict(obs=TensorDict(x=torch.randn(6, 5, dtype=torch.float64), batch_size=[6]), batch_size=[6])
+    options = {"in_keys": [("obs", "x")], "target_key": "out"}
+    ours, planned = calls(LRP(pipeline, EpsilonPlus(), **options), td, n=2)
+    general, _ = calls(LRP(_general_copy(pipeline), EpsilonPlus(), **options), td, n=2)
+    assert planned == [False, False]
+    for mine, theirs in zip(ours, general, strict=True):
+        assert_same_call(mine, theirs)
+
+
+class _FunctionGate(nn.Module):
+    """A gate computed with functions (``sigmoid(a) * b``), which the presets hold constant after the first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 6)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        z = self.layer(hidden)
+        return torch.sigmoid(z[..., :3]) * z[..., 3:]
+
+
+def test_a_tail_computing_a_gate_with_functions_takes_the_general_path():
+    """The gate is held under a function mode that the calls after the first enter around the model: the tail
+    would run without it, so the call takes the general path."""
+    torch.manual_seed(9)
+    head = TensorDictModule(nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 4)), ["observation"], ["hidden"])
+    pipeline = TensorDictSequential(head, TensorDictModule(_FunctionGate(), ["hidden"], ["out"])).double()
+    td = TensorDict(observation=torch.randn(6, 5, dtype=torch.float64), batch_size=[6])
+    ours, planned = calls(LRP(pipeline, EpsilonPlus()), td, n=3)
+    general, _ = calls(LRP(_general_copy(pipeline), EpsilonPlus()), td, n=3)
+    assert planned == [False, False, False]
+    for mine, theirs in zip(ours, general, strict=True):
+        assert_same_call(mine, theirs)
+
+
+@pytest.mark.parametrize("chain", ["linear layers", "an activation alone"])
+def test_a_tail_whose_rule_reads_the_layers_before_it_takes_the_general_path(chain):
+    """A rule of the input layer (the flat rule) on a step after the chain walks back through the graph to the
+    layers before it: through the chain's Linear layers it raises, through glue alone it gives the explained
+    input the relevance the gradient cannot carry. The planned chain leaves no such graph, so the call takes the
+    general path, which raises or gives the same relevance."""
+    from tdhook.attribution.rules import GlueError, PassRule
+    from tdhook.attribution.rules.input_layer import FlatRule
+
+    torch.manual_seed(10)
+    layers = [nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 5)] if chain == "linear layers" else [nn.Tanh()]
+    head = TensorDictModule(nn.Sequential(*layers), ["observation"], ["hidden"])
+    tail = TensorDictModule(nn.Sequential(nn.Linear(5, 3)), ["hidden"], ["out"])
+    pipeline = TensorDictSequential(head, tail).double()
+    mapper = {"module.1.module.0": FlatRule(), nn.Linear: EpsilonRule(0.0), (nn.Tanh, nn.ReLU): PassRule()}
+    td = TensorDict(observation=torch.randn(6, 5, dtype=torch.float64), batch_size=[6])
+    lrp, reference = LRP(pipeline, mapper), LRP(_general_copy(pipeline), mapper)
+    with lrp, reference, mock.patch.object(PlannedCall, "run", autospec=True, side_effect=PlannedCall.run) as run:
+        for _ in range(2):
+            if chain == "linear layers":
+                with pytest.raises(GlueError, match="mixes the model inputs with the output of another Linear"):
+                    reference(td.clone())
+                with pytest.raises(GlueError, match="mixes the model inputs with the output of another Linear"):
+                    lrp(td.clone())
+            else:
+                assert_same_call(lrp(td.clone()), reference(td.clone()))
+        assert run.call_count == 0
+
+
+class _Raising(nn.Module):
+    """A Linear layer that raises ``error`` when it is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 3)
+        self.error: BaseException | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        output = self.layer(hidden)
+        if self.error is not None:
+            raise self.error
+        return output
+
+
+@pytest.mark.parametrize("error", [RuntimeError("in the tail"), KeyboardInterrupt()], ids=["error", "interrupt"])
+def test_a_tail_that_raises_leaves_the_call_and_the_context_as_they_were(error):
+    """The caller's TensorDict and the model's hooks are unchanged, and the next call is planned and the general
+    path's."""
+    torch.manual_seed(11)
+    head = TensorDictModule(nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 4)), ["observation"], ["hidden"])
+    raising = _Raising()
+    pipeline = TensorDictSequential(head, TensorDictModule(raising, ["hidden"], ["out"])).double()
+    td = TensorDict(observation=torch.randn(6, 5, dtype=torch.float64), batch_size=[6])
+    lrp, reference = LRP(pipeline, EpsilonPlus()), LRP(_general_copy(pipeline), EpsilonPlus())
+
+    def hooks() -> list[int]:
+        return [len(getattr(m, name)) for m in pipeline.modules() for name in ("_forward_hooks", "_forward_pre_hooks")]
+
+    with lrp, reference, mock.patch.object(PlannedCall, "run", autospec=True, side_effect=PlannedCall.run) as run:
+        expected = reference(td.clone())
+        lrp(td.clone())
+        given, before, registered = td.clone(), td.clone(), hooks()
+        raising.error = error
+        with pytest.raises(type(error)):
+            lrp(given)
+        assert run.call_count == 1  # the call that raised was planned
+        assert set(given.keys(True, True)) == {"observation"} and (given == before).all()
+        assert hooks() == registered
+        raising.error = None
+        assert_same_call(lrp(td.clone()), expected)
+        assert run.call_count == 2
+
+
+def test_a_batch_norm_right_after_the_chain_takes_the_general_path():
+    """The presets merge a BatchNorm into the Linear layer before it, here the chain's last one (the merge reads
+    the layers' marks, which the planned chain leaves none of): the call takes the general path."""
+    torch.manual_seed(12)
+    head = TensorDictModule(nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 4)), ["observation"], ["hidden"])
+    norm = nn.BatchNorm1d(4).eval()
+    norm.running_mean.uniform_(-1.0, 1.0)
+    norm.running_var.uniform_(0.5, 2.0)
+    tail = TensorDictModule(nn.Sequential(norm, nn.Linear(4, 2)), ["hidden"], ["out"])
+    pipeline = TensorDictSequential(head, tail).double()
+    td = TensorDict(observation=torch.randn(6, 5, dtype=torch.float64), batch_size=[6])
+    ours, planned = calls(LRP(pipeline, EpsilonPlus()), td, n=2)
+    general, _ = calls(LRP(_general_copy(pipeline), EpsilonPlus()), td, n=2)
+    assert planned == [False, False]
+    for mine, theirs in zip(ours, general, strict=True):
+        assert_same_call(mine, theirs)

@@ -35,19 +35,20 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModule, TensorDictModuleBase, TensorDictSequential, skip_existing
-from tensordict.utils import unravel_key
+from tensordict.utils import NestedKey
 from torch import nn
 from torch.nn.modules import module as module_globals
 from torchrl.modules import MLP
 
 from tdhook.attribution._inputs import feed_inputs
+from tdhook.attribution._keys import as_tuple
 from tdhook.attribution._policy_targets import sequential_steps
 from tdhook.attribution._writes import model_updates
 from tdhook.attribution.rules._numerics import stabilize
@@ -119,6 +120,8 @@ class ChainPlan:
         head: the ``TensorDictModule`` that holds the chain (set by :func:`context_plan`).
         tail: the steps of a ``TensorDictSequential`` after the head, run as they are (torchrl's ``QValueModule``
             after a Q-network): their outputs take the gradient to the chain's output with autograd.
+        reads: each step of the tail (and of the ``TensorDictSequential`` steps in it) with the keys it read when the
+            plan was made (see :func:`_tail_reads`): a step put in or a key changed since sets the plan aside.
     """
 
     layers: list[tuple[nn.Module, EpsilonRule | None]]
@@ -127,6 +130,7 @@ class ChainPlan:
     kinds: tuple[type, ...]
     head: TensorDictModuleBase | None = None
     tail: tuple[TensorDictModuleBase, ...] = ()
+    reads: tuple[tuple[TensorDictModuleBase, tuple], ...] = ()
 
     @classmethod
     def build(cls, chain: nn.Module, rules: Mapping[nn.Module, Rule], ours: Collection[int] = ()) -> ChainPlan | None:
@@ -232,15 +236,22 @@ class PlannedCall:
     def run(self, work: TensorDictBase) -> TensorDictBase:
         """Run the chain on ``work``'s input and write its output there, then the tail's steps; ``work``."""
         output, self.factors = self.plan.forward(work.get(self.wrapper.in_keys[0]))
-        self.output = output
+        self.output = output.requires_grad_(True)
         # It depends on the input, as the wrapper's checks of the target ask (the wrapper writes it detached); the
         # tail's outputs take their gradient to it with autograd.
-        work.set(self.wrapper.out_keys[0], output.requires_grad_(True))
+        work.set(self.wrapper.out_keys[0], self._read_by_tail(output) if self.tail else output)
         if self.tail:
             with closing_scopes():  # what the tail's rules enter and an interrupt keeps them from leaving
                 for step in self.tail:
                     work = step(work)
         return work
+
+    def _read_by_tail(self, output: torch.Tensor) -> torch.Tensor:
+        """What the tail reads for the chain's output ``output`` (a leaf): a tensor that autograd takes back to it
+        and that a step may change in place, as it may the chain's output on the general path, leaving the leaf and
+        the factors as the forward pass made them. After a ReLU it is that ReLU's output again, which autograd
+        keeps: changed in place, the backward pass then raises as the general path's does."""
+        return torch.relu(output) if type(self.plan.layers[-1][0]) is nn.ReLU else output.clone()
 
     def updates(self) -> dict | None:
         """The model's outputs to write into the caller's TensorDict: the chain's one output, detached (what
@@ -269,19 +280,23 @@ def context_plan(
     """The plan of ``lrp``'s context (its rules registered), or ``None`` where a feature of the wrapper or the
     model acts on calls beyond the chain: a function mode, inner layers or a relevance check, a kept graph, a
     random or compiled module, several explained keys, a TensorDict module that calls its module otherwise than
-    ``TensorDictModule`` does, a hook other than ``ours`` (the ids of the context's hooks)."""
+    ``TensorDictModule`` does, a hook other than ``ours`` (the ids of the context's hooks), steps after the chain
+    that read the explained input or whose rules read the layers' marks (input-layer rules, merged BatchNorms)."""
     head, tail = _head_and_tail(lrp.module)
     if head is None or len(head.in_keys) != 1 or len(head.out_keys) != 1 or list(head.in_keys) != lrp.explained_keys:
         return None
-    if any(unravel_key(key) == unravel_key(head.in_keys[0]) for step in tail for key in step.in_keys):
-        return None  # the tail reads the explained input itself: relevance would reach it beside the chain
+    reads = _tail_reads(tail)
+    if any(_on_one_path(key, head.in_keys[0]) for _, keys in reads for key in keys):
+        return None  # the tail reads the explained input or a branch holding it: relevance reaches it elsewhere
+    if tail and lrp._marks_read:
+        return None  # a tail rule walks back to the layers before it (input-layer rules), which the plan runs bare
     if lrp.create_graph or lrp.relevance_check is not None or lrp.layer_keys or lrp._stochastic or lrp._compiled:
         return None
     if getattr(lrp.rule_mapper, "function_modes", list)():
         return None
     plan = ChainPlan.build(head.module, {modules[name]: rule for name, rule in rules.items()}, ours)
     if plan is not None:
-        plan.head, plan.tail = head, tail
+        plan.head, plan.tail, plan.reads = head, tail, reads
     return plan
 
 
@@ -298,6 +313,21 @@ def _head_and_tail(wrapper: object) -> tuple[TensorDictModule | None, tuple[Tens
     if len(steps) < 2 or not _plain_tensordict_module(steps[0]):
         return None, ()
     return steps[0], tuple(steps[1:])
+
+
+def _tail_reads(tail: Sequence[TensorDictModuleBase]) -> tuple[tuple[TensorDictModuleBase, tuple], ...]:
+    """Each step of ``tail`` with the keys it reads, then, for a ``TensorDictSequential``, its steps in turn."""
+    reads: list[tuple[TensorDictModuleBase, tuple]] = []
+    for step in tail:
+        reads.append((step, tuple(step.in_keys)))
+        reads += _tail_reads(sequential_steps(step))
+    return tuple(reads)
+
+
+def _on_one_path(key: NestedKey, other: NestedKey) -> bool:
+    """Whether ``key`` and ``other`` are the same key, or one is a branch holding the other."""
+    key, other = as_tuple(key), as_tuple(other)
+    return key[: len(other)] == other[: len(key)]
 
 
 def _runs_steps_in_turn(wrapper: TensorDictSequential) -> bool:
@@ -327,16 +357,17 @@ def _calls_its_module(wrapper: TensorDictModule) -> bool:
 def planned_call(lrp: Any, explained: list[bool], work: TensorDictBase) -> PlannedCall | None:
     """The planned run of this call of ``lrp`` on ``work``, or ``None`` where it takes the hooks and autograd:
     outside a context or inside ``inactive()``, the first call of a context (it watches the rules and the
-    functions the model calls), a callable or ``"all"`` target, ``split_dim``, an input missing or not
-    floating-point, a hook added since the context was entered, or a model that runs other code than when the
-    plan was made (see :meth:`ChainPlan.applies`; another chain, call step or ``method`` in the wrapped
-    ``TensorDictModule``)."""
+    functions the model calls), a model computing gates with functions (held), a callable or ``"all"`` target,
+    ``split_dim``, an input missing or not floating-point, a hook added since the context was entered, or a model
+    that runs other code than when the plan was made (see :meth:`ChainPlan.applies`; another chain, call step or
+    ``method`` in the wrapped ``TensorDictModule``)."""
     plan = lrp._plan
     if plan is None or lrp._handles is None or lrp._inactive or not all(explained) or lrp.split_dim is not None:
         return None
     if (
         lrp._coverage.watching
         or lrp._rule_use.watches(lrp._handles)
+        or lrp._function_gates.may_hold(lrp.rule_mapper)  # a gate the model computes with functions, held
         or callable(lrp.target)
         or isinstance(lrp.target, str)
     ):
@@ -344,8 +375,10 @@ def planned_call(lrp: Any, explained: list[bool], work: TensorDictBase) -> Plann
     wrapper, head = lrp.module, plan.head
     if skip_existing() or _hooked(wrapper) or not plan.applies():
         return None
-    if plan.tail and (_hooked(head) or _head_and_tail(wrapper) != (head, plan.tail)):
-        return None  # a hook on the head, or other steps put in since the context was entered
+    if plan.tail and (
+        _hooked(head) or _head_and_tail(wrapper) != (head, plan.tail) or _tail_reads(plan.tail) != plan.reads
+    ):
+        return None  # a hook on the head, or other steps or keys put in since the context was entered
     if getattr(head, "module", None) is not plan.chain or not _calls_its_module(head):
         return None  # another chain, call step or method put in since the context was entered
     if not work.get(head.in_keys[0]).is_floating_point():

@@ -66,6 +66,11 @@ class FunctionGates:
             return [self._probe]
         return [HeldGates()] if self.found else []
 
+    def may_hold(self, mapper: Any) -> bool:
+        """Whether a call in a context of ``mapper`` (with no function modes of its own) enters ``HeldGates``: gates
+        were found, or no forward pass has completed yet."""
+        return isinstance(mapper, BaseRuleMapper) and self.found is not False
+
     def settle(self) -> None:
         """After a forward pass that completed: whether it held a gate decides the later calls."""
         if self._probe is not None:
