@@ -81,6 +81,16 @@ class Concatenated(nn.Module):
         return self.layer(torch.cat([hidden, observation], -1))
 
 
+def assert_general_path(pipeline: TensorDictSequential) -> None:
+    """Two calls of ``pipeline`` in one context take the general path, and equal those of the hooked copy."""
+    td = TensorDict(observation=torch.randn(6, 5, dtype=torch.float64), batch_size=[6])
+    ours, planned = calls(LRP(pipeline, EpsilonPlus()), td, n=2)
+    general, _ = calls(LRP(_general_copy(pipeline), EpsilonPlus()), td, n=2)
+    assert planned == [False, False]
+    for mine, theirs in zip(ours, general, strict=True):
+        assert_same_call(mine, theirs)
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -92,12 +102,7 @@ class Concatenated(nn.Module):
 )
 def test_pipelines_the_plan_does_not_follow_take_the_general_path(make):
     pipeline = make()
-    td = TensorDict(observation=torch.randn(6, 5, dtype=torch.float64), batch_size=[6])
-    ours, planned = calls(LRP(pipeline, EpsilonPlus()), td, n=2)
-    general, _ = calls(LRP(_general_copy(pipeline), EpsilonPlus()), td, n=2)
-    assert planned == [False, False]
-    for mine, theirs in zip(ours, general, strict=True):
-        assert_same_call(mine, theirs)
+    assert_general_path(pipeline)
 
 
 def _change_pipeline(pipeline: TensorDictSequential, change: str) -> None:
@@ -313,9 +318,4 @@ def test_a_batch_norm_right_after_the_chain_takes_the_general_path():
     norm.running_var.uniform_(0.5, 2.0)
     tail = TensorDictModule(nn.Sequential(norm, nn.Linear(4, 2)), ["hidden"], ["out"])
     pipeline = TensorDictSequential(head, tail).double()
-    td = TensorDict(observation=torch.randn(6, 5, dtype=torch.float64), batch_size=[6])
-    ours, planned = calls(LRP(pipeline, EpsilonPlus()), td, n=2)
-    general, _ = calls(LRP(_general_copy(pipeline), EpsilonPlus()), td, n=2)
-    assert planned == [False, False]
-    for mine, theirs in zip(ours, general, strict=True):
-        assert_same_call(mine, theirs)
+    assert_general_path(pipeline)
