@@ -225,7 +225,11 @@ class PlannedCall:
     wrapper: TensorDictModuleBase
     factors: list[torch.Tensor | None] | None = None
     output: torch.Tensor | None = None
-    tail: tuple[TensorDictModuleBase, ...] = ()
+
+    @property
+    def tail(self) -> tuple[TensorDictModuleBase, ...]:
+        """The steps run after the chain, as they are (see :attr:`ChainPlan.tail`)."""
+        return self.plan.tail
 
     def feed(self, work: TensorDictBase) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The leaf of the one explained input and the tensor the chain reads (the input itself: the plan writes
@@ -383,7 +387,7 @@ def planned_call(lrp: Any, explained: list[bool], work: TensorDictBase) -> Plann
         return None  # another chain, call step or method put in since the context was entered
     if not work.get(head.in_keys[0]).is_floating_point():
         return None
-    return PlannedCall(plan, head, tail=plan.tail)
+    return PlannedCall(plan, head)
 
 
 def _hooked(module: nn.Module) -> bool:
