@@ -69,7 +69,7 @@ _PIECEWISE_LINEAR = frozenset(
 _PRODUCTS = frozenset(
     "mul rmul matmul rmatmul mm bmm einsum bilinear tensordot kron outer dot vdot inner mv addcmul baddbmm addbmm "
     "addmm addmv linear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d conv_tbc grouped_mm "
-    "scaled_mm scaled_grouped_mm grid_sample grid_sampler grid_sampler_2d grid_sampler_3d".split()
+    "scaled_mm scaled_grouped_mm grid_sample grid_sampler grid_sampler_2d grid_sampler_3d embedding_bag".split()
 )
 # Where a product's factors are: an added term (addmm's input) is not a factor.
 _FACTORS = {"addmm": slice(1, 3), "addmv": slice(1, 3), "baddbmm": slice(1, 3), "addbmm": slice(1, 3)}
