@@ -10,7 +10,16 @@ import torchvision
 from tensordict import TensorDict
 from torch import nn
 
-from tdhook.attribution import CPLRP, LRP, AttnLRP, BaseRuleMapper, EpsilonGammaBox, EpsilonPlus, PassRule
+from tdhook.attribution import (
+    CPLRP,
+    LRP,
+    AttnLRP,
+    BaseRuleMapper,
+    EpsilonGammaBox,
+    EpsilonPlus,
+    EpsilonPlusFlat,
+    PassRule,
+)
 from tdhook.attribution._nonlinear_calls import function_kind
 
 F64 = torch.float64
@@ -188,6 +197,66 @@ class TestStrictMode:
                 warnings.simplefilter("ignore")  # out_proj's rule has no effect: named elsewhere
                 lrp(TensorDict(x=torch.randn(2, 5, 8, dtype=F64), batch_size=[2]))
             assert lrp.coverage().plain_gradient == ()
+
+
+class _CubeOfSum(torch.autograd.Function):
+    """``x · Σx`` along the last dimension, with its exact backward: an autograd ``Function`` the mode cannot see
+    into (its forward runs without gradients)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x.sum(-1, keepdim=True)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return grad * x.sum(-1, keepdim=True) + (grad * x).sum(-1, keepdim=True)
+
+
+class CubeOfSum(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _CubeOfSum.apply(x)
+
+
+class FunctionInItsForward(nn.Module):
+    """Applies the Function in its own forward, between two layers of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(_CubeOfSum.apply(self.first(x)))
+
+
+class TestAutogradFunctions:
+    """A custom ``torch.autograd.Function`` runs its own backward: the watch names it, as it does a nonlinear call."""
+
+    def test_a_module_applying_one_is_named(self):
+        model = nn.Sequential(nn.Linear(4, 4), CubeOfSum(), nn.Linear(4, 2))
+        _, _, messages = call(model, EpsilonPlus())
+        assert (
+            len(messages) == 1
+            and "module '1' (CubeOfSum) computes _CubeOfSum (an autograd.Function with its own backward)" in messages[0]
+        )
+        with pytest.raises(ValueError, match=r"module '1' \(CubeOfSum\) computes _CubeOfSum"):
+            call(model, EpsilonPlus(strict=True))
+
+    def test_the_model_applying_one_in_its_own_forward_is_named(self):
+        with pytest.raises(ValueError, match=r"the model itself \(FunctionInItsForward\) computes _CubeOfSum"):
+            call(FunctionInItsForward(), EpsilonPlus(strict=True))
+
+    def test_a_rule_on_the_module_covers_it(self):
+        model = nn.Sequential(nn.Linear(4, 4), CubeOfSum(), nn.Linear(4, 2))
+        _, td, messages = call(model, EpsilonPlus(strict=True, rule_mapper={CubeOfSum: PassRule()}))
+        assert messages == [] and torch.isfinite(td["relevance", "x"]).all()
+
+    def test_the_rules_own_functions_are_not_named(self):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        for mapper in (EpsilonPlus(strict=True), EpsilonPlusFlat(strict=True), AttnLRP(strict=True)):
+            _, _, messages = call(model, mapper)
+            assert messages == []
 
 
 class TestCoverage:

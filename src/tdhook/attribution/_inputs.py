@@ -65,7 +65,7 @@ def explained_in_call(
     module's ``in_keys`` (``defaulted``) are not when they hold booleans (masks,
     ``is_init``: inputs that steer the model, not evidence), or when they are
     ``optional`` and absent. Integer keys are decided after the forward pass:
-    tokens an ``nn.Embedding`` reads are explained, other integers are not.
+    tokens an ``nn.Embedding`` or ``nn.EmbeddingBag`` reads are explained, other integers are not.
     Where that would leave nothing to explain, every key is, so that
     :func:`validate_inputs` names the key that cannot be.
 
@@ -131,7 +131,8 @@ def validate_inputs(tensordict: TensorDictBase, keys: Sequence[NestedKey]) -> No
             dtype = getattr(value, "dtype", type(value).__name__)
             raise TypeError(
                 f"LRP: input key {key!r} must be a floating-point tensor (or integer tokens read by an "
-                f"nn.Embedding) to receive relevance, got {dtype}; pass in_keys=[...] to explain only those inputs"
+                f"nn.Embedding or nn.EmbeddingBag) to receive relevance, got {dtype}; pass in_keys=[...] to explain "
+                "only those inputs"
             )
 
 

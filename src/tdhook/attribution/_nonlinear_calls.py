@@ -8,7 +8,11 @@ and records, by module, every call on activations that is neither piecewise
 linear nor covered by a rule: not by a module's rule (it is not watched
 inside modules that have one), nor by one of the rule mapper's function modes
 (a mode covers a call when its ``covers(func, args)`` says so). What it
-records is decided by what the forward really runs, not by class names.
+records is decided by what the forward really runs, not by class names. A
+custom ``torch.autograd.Function`` runs its forward without gradients, where
+the mode sees nothing: its node is found in the graph of the explained
+outputs instead, and the module that applied it from the autograd sequence
+numbers of the nodes each module call created.
 
 Examples:
     >>> import torch
@@ -28,11 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.function import BackwardCFunction
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from tdhook.attribution.coverage import PlainGradientCall
@@ -69,7 +74,7 @@ _PIECEWISE_LINEAR = frozenset(
 _PRODUCTS = frozenset(
     "mul rmul matmul rmatmul mm bmm einsum bilinear tensordot kron outer dot vdot inner mv addcmul baddbmm addbmm "
     "addmm addmv linear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d conv_tbc grouped_mm "
-    "scaled_mm scaled_grouped_mm grid_sample grid_sampler grid_sampler_2d grid_sampler_3d".split()
+    "scaled_mm scaled_grouped_mm grid_sample grid_sampler grid_sampler_2d grid_sampler_3d embedding_bag".split()
 )
 # Where a product's factors are: an added term (addmm's input) is not a factor.
 _FACTORS = {"addmm": slice(1, 3), "addmv": slice(1, 3), "baddbmm": slice(1, 3), "addbmm": slice(1, 3)}
@@ -142,6 +147,11 @@ def _is_nonlinear_call(func: Any, args: tuple) -> str | None:
     return name
 
 
+def _next_sequence_number() -> int:
+    """The sequence number autograd gives the next node it creates in this thread (nodes are numbered in order)."""
+    return torch._C._autograd._get_sequence_nr()
+
+
 def _grad_fn(result: Any) -> Any:
     tensors = result if isinstance(result, (tuple, list)) else (result,)
     return next((t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
@@ -181,6 +191,10 @@ class NonlinearCalls(TorchFunctionMode):
         self._calls: list[tuple[str, str, Any]] = []
         self._stack: list[str] = []
         self._ruled_depth = 0
+        # Per module call: its name, the autograd sequence numbers of the nodes it created (from, to), and
+        # whether a rule covers it. An autograd Function's node is found in the graph, and its module from these.
+        self._spans: list[list] = []
+        self._open: list[list] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = mark_parameter_derived(args, func(*args, **(kwargs or {})))
@@ -203,11 +217,28 @@ class NonlinearCalls(TorchFunctionMode):
         """
         reached = None if targets is None else _graph_nodes(targets)
         found: dict[str, dict[str, int]] = {}
-        for module, name, node in self._calls:
+        for module, name, node in [*self._calls, *self._function_calls(reached or ())]:
             if reached is None or node in reached:
                 per_module = found.setdefault(module, {})
                 per_module[name] = per_module.get(name, 0) + 1
         return found
+
+    def _function_calls(self, nodes: Iterable[Any]) -> list[tuple[str, str, Any]]:
+        """The nodes of custom autograd Functions among ``nodes`` that a module outside every rule applied: their
+        backward is the plain gradient, and the mode cannot see into their forward (it runs without gradients)."""
+        calls = []
+        for node in nodes:
+            function = getattr(node, "_forward_cls", None) if isinstance(node, BackwardCFunction) else None
+            if function is None or function.__module__.startswith("tdhook."):
+                continue  # not a custom Function, or one of the rules' own
+            number = node._sequence_nr()
+            # The innermost module call whose span holds the node: the one that started last among them.
+            spans = [span for span in self._spans if span[1] <= number < span[2]]
+            if spans:
+                name, _, _, ruled = max(spans, key=lambda span: span[1])
+                if not ruled:
+                    calls.append((name, f"{function.__name__} (an autograd.Function with its own backward)", node))
+        return calls
 
     @contextlib.contextmanager
     def watch(self, modules: Mapping[str, nn.Module], ruled: set[int]) -> Iterator[NonlinearCalls]:
@@ -224,6 +255,10 @@ class NonlinearCalls(TorchFunctionMode):
                 mark_parameter_slots(module)  # parameters put in by ``to_module`` are parameters, not activations
                 self._stack.append(name)
                 self._ruled_depth += has_rule
+                number = _next_sequence_number()
+                span = [name, number, number, self._ruled_depth > 0]
+                self._spans.append(span)
+                self._open.append(span)
 
             return hook
 
@@ -232,6 +267,8 @@ class NonlinearCalls(TorchFunctionMode):
                 if self._stack:
                     self._stack.pop()
                 self._ruled_depth -= has_rule
+                if self._open:
+                    self._open.pop()[2] = _next_sequence_number()
 
             return hook
 
@@ -246,6 +283,7 @@ class NonlinearCalls(TorchFunctionMode):
             for hook in hooks:
                 hook.remove()
             self._stack.clear()
+            self._open.clear()
             self._ruled_depth = 0
 
 

@@ -1,8 +1,10 @@
-"""Integer token inputs: the ``nn.Embedding`` output that stands in for token ids in the relevance backward pass.
+"""Integer token inputs: the embeddings that stand in for token ids in the relevance backward pass.
 
 Token ids have no gradient, so the output of the ``nn.Embedding`` that reads
 them becomes the tensor the relevance is taken for, and each token's
-relevance is that of its embedding vector, summed over the features.
+relevance is that of its embedding vector, summed over the features. An
+``nn.EmbeddingBag`` reduces its tokens' rows in one call: the rows it gathered
+stand in for its tokens, and its output is computed again from them.
 
 Examples:
     >>> import torch
@@ -24,11 +26,13 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 from tensordict.utils import NestedKey
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 __all__ = ["TokenInputs", "is_embedding_leaf"]
 
@@ -93,6 +97,40 @@ class TokenInputs:
         fed.append(None)
         return self._ids[index]
 
+    def register(self, modules: Mapping[str, nn.Module]) -> list[RemovableHandle]:
+        """Hook each ``nn.Embedding`` (:meth:`embedding_hook`) and ``nn.EmbeddingBag`` (:meth:`bag_hook`) of
+        ``modules``, so that the tokens they read get the relevance of their embeddings.
+
+        Args:
+            modules: the explained model's modules, by name (the names go into error messages).
+
+        Returns:
+            The hooks' handles.
+        """
+        handles = []
+        for name, module in modules.items():
+            if isinstance(module, nn.Embedding):
+                handles.append(module.register_forward_hook(self.embedding_hook(name), prepend=True))
+            elif isinstance(module, nn.EmbeddingBag):
+                handles.append(module.register_forward_hook(self.bag_hook(name), prepend=True, with_kwargs=True))
+        return handles
+
+    def _reader_of(self, args: tuple, name: str) -> int | None:
+        """The explained input whose fed token ids (or a reshaped view of them) ``args[0]`` is, if any; an input
+        embedded twice is refused."""
+        if not self._ids or not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor):
+            return None
+        for i, tokens in self._ids.items():
+            # The tokens themselves, or a reshaped view of them (GPT-2 flattens its input_ids).
+            if args[0] is tokens or (args[0]._base is tokens and args[0].numel() == tokens.numel()):
+                if self._leaves[i] is not None:
+                    raise ValueError(
+                        f"LRP: input key {self.keys[i]!r} is embedded twice (again by {name!r}); "
+                        "its token relevance would be ambiguous"
+                    )
+                return i
+        return None
+
     def embedding_hook(self, name: str) -> Callable[[nn.Module, tuple, torch.Tensor], torch.Tensor | None]:
         """A forward hook for ``nn.Embedding`` ``name`` that takes its output as the tokens' leaf.
 
@@ -106,29 +144,50 @@ class TokenInputs:
         """
 
         def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-            if not self._ids or not torch.is_grad_enabled() or not args:
+            i = self._reader_of(args, name)
+            if i is None:
                 return None
-            leaves, fed = self._leaves, self._fed
-            for i, tokens in self._ids.items():
-                # The tokens themselves, or a reshaped view of them (GPT-2 flattens its input_ids).
-                if args[0] is tokens or (args[0]._base is tokens and args[0].numel() == tokens.numel()):
-                    if leaves[i] is not None:
-                        raise ValueError(
-                            f"LRP: input key {self.keys[i]!r} is embedded twice (again by {name!r}); "
-                            "its token relevance would be ambiguous"
-                        )
-                    leaf = output.detach().requires_grad_(True)
-                    leaf._tdhook_embedding_of = name
-                    leaves[i], fed[i] = leaf, leaf.clone()
-                    return fed[i]
-            return None
+            leaf = output.detach().requires_grad_(True)
+            leaf._tdhook_embedding_of = name
+            self._leaves[i], self._fed[i] = leaf, leaf.clone()
+            return self._fed[i]
+
+        return hook
+
+    def bag_hook(self, name: str) -> Callable[[nn.Module, tuple, dict, torch.Tensor], torch.Tensor | None]:
+        """A forward hook for ``nn.EmbeddingBag`` ``name``: the rows it gathered for the tokens become their leaf,
+        and its output is computed again from that leaf, so that each token gets the relevance of its own row.
+
+        The bag's sum, mean or max is linear in the rows (piecewise for max): the plain gradient through it is
+        LRP-0, and the relevance of the rows sums to that of the bag's output. Per-sample weights are held as
+        constants, as gates are: relevance goes to the tokens they weight, not to the weights.
+
+        Args:
+            name: the bag's module name, for error messages.
+
+        Returns:
+            The hook, for ``register_forward_hook(..., prepend=True, with_kwargs=True)``.
+        """
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
+            i = self._reader_of(args, name)
+            if i is None:
+                return None
+            ids = args[0]
+            offsets = args[1] if len(args) > 1 else kwargs.get("offsets")
+            weights = args[2] if len(args) > 2 else kwargs.get("per_sample_weights")
+            # Read after the call: with max_norm, the bag has renormalised in place the rows it used.
+            leaf = module.weight.detach()[ids].requires_grad_(True)
+            leaf._tdhook_embedding_of = name
+            self._leaves[i], self._fed[i] = leaf, leaf
+            return _bag_of_rows(module, ids, leaf, offsets, None if weights is None else weights.detach())
 
         return hook
 
     def raise_for_unembedded(
         self, leaves: list[torch.Tensor | None], cause: Exception | None = None, optional: bool = False
     ) -> None:
-        """Raise if the tokens of an input were read by no ``nn.Embedding``.
+        """Raise if the tokens of an input were read by no ``nn.Embedding`` or ``nn.EmbeddingBag``.
 
         Args:
             leaves: the tensors the relevance is taken for.
@@ -153,8 +212,8 @@ class TokenInputs:
                 )
                 raise TypeError(
                     f"LRP: input key {key!r} holds integer tokens ({dtype}), which receive relevance only through "
-                    f"an nn.Embedding that reads them directly, and no nn.Embedding did{pixels}; pass in_keys=[...] "
-                    "to explain only the floating-point inputs"
+                    f"an nn.Embedding or nn.EmbeddingBag that reads them directly, and none did{pixels}; pass "
+                    "in_keys=[...] to explain only the floating-point inputs"
                 ) from cause
 
     def per_token(self, index: int, relevance: torch.Tensor) -> torch.Tensor:
@@ -168,3 +227,30 @@ class TokenInputs:
             ``relevance`` summed over its last dimension, shaped like the token ids.
         """
         return relevance.sum(-1).reshape(self._ids[index].shape)
+
+
+def _bag_of_rows(
+    bag: nn.EmbeddingBag,
+    ids: torch.Tensor,
+    rows: torch.Tensor,
+    offsets: torch.Tensor | None,
+    weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """What ``bag`` computed for the token ``ids``, from ``rows``, their gathered embeddings (``ids.shape + (D,)``):
+    the bag over a table of those rows, each token reading its own, and a row of zeros for the padding tokens."""
+    count = ids.numel()
+    index = torch.arange(count, device=ids.device).view_as(ids)
+    table = rows.reshape(count, rows.shape[-1])
+    padding = None
+    if bag.padding_idx is not None:
+        index = torch.where(ids == bag.padding_idx, count, index)
+        table, padding = torch.cat([table, table.new_zeros(1, table.shape[-1])]), count
+    return F.embedding_bag(
+        index,
+        table,
+        offsets,
+        mode=bag.mode,
+        per_sample_weights=weights,
+        include_last_offset=bag.include_last_offset,
+        padding_idx=padding,
+    )

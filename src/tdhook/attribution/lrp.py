@@ -100,7 +100,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         in_keys: for a plain module, its input keys; for a TensorDict module,
             the input keys to explain. By default its in_keys, leaving out in
             each call those that hold booleans (``is_init``, an action mask),
-            integers no ``nn.Embedding`` reads, and the recurrent states of a
+            integers no ``nn.Embedding`` or ``nn.EmbeddingBag`` reads, and the recurrent states of a
             torchrl ``LSTMModule``/``GRUModule`` the TensorDict does not hold.
         out_keys: the output keys of a plain module.
         target_key: the output to explain. Defaults to the first
@@ -140,7 +140,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             in place of ``relevance_key``: for embeddings ``[B, T, H]`` given
             as input, or an embedding layer named in ``layers``, the relevance
             of each token ``[B, T]``. Integer token ids read by an
-            ``nn.Embedding`` get their per-token relevance at
+            ``nn.Embedding`` or ``nn.EmbeddingBag`` get their per-token relevance at
             ``(relevance_key, key)`` already.
         split_dim: a dimension of the target output whose positions are
             explained one by one (time in a ``[B, T]`` batch, the sequence of
@@ -301,9 +301,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
                 self._hooks += suspend_function_modes_in(handles)
             for name in self.layer_keys:
                 self._hooks.append(modules[name].register_forward_hook(self._layers.hook(name)))
-            for name, sub in modules.items():
-                if isinstance(sub, nn.Embedding):
-                    self._hooks.append(sub.register_forward_hook(self._tokens.embedding_hook(name), prepend=True))
+            self._hooks += self._tokens.register(modules)  # on each nn.Embedding and nn.EmbeddingBag
             self._hooks += agent_by_agent(modules)  # multi-agent networks that vmap their agents: one by one
             # Copies of the model made inside the context (deepcopy, pickle) leave every hook of the context out.
             hook_ids = {hook.id for hook in self._hooks} | {h.id for handle in handles for h in handle.hook_handles()}

@@ -208,6 +208,44 @@ class TestFastPaths:
         assert relative_error(tdhook_relevance(ours(), layer, x, r_out), expected) <= TOL
 
 
+class _UpsampledTo(nn.Module):
+    """A transposed convolution called with ``output_size`` (a U-Net's decoder matching its skip connection)."""
+
+    def __init__(self, layer: nn.Module, *sizes: tuple[int, ...]) -> None:
+        super().__init__()
+        self.layer, self.sizes = layer, sizes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.layer(x, output_size=size).flatten(1) for size in self.sizes], dim=1)
+
+
+class TestTransposedConvolutionCalledWithAnOutputSize:
+    """``layer(x, output_size=...)`` chooses the output padding per call: the modified passes must use it."""
+
+    @pytest.mark.parametrize("rule_name", sorted(ALL_RULE_PAIRS))
+    def test_matches_zennit_on_the_layer_with_that_output_padding(self, rule_name: str):
+        ours, theirs = ALL_RULE_PAIRS[rule_name]
+        layer = nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1).double()
+        with torch.no_grad():
+            layer.bias.normal_()
+        x = torch.randn(2, 3, 4, 4, dtype=torch.float64).clamp(-2.4, 2.4)  # inside the ZBox bounds
+        # Output sizes 7×7 (the default), 8×8 and 7×8: output paddings (0, 0), (1, 1) and (0, 1).
+        model = _UpsampledTo(layer, (7, 7), (8, 8), (7, 8))
+        r_out = output_relevance(model, x)
+        rule_mapper = {nn.ConvTranspose2d: ours()}
+        lrp = LRP(model, rule_mapper=rule_mapper, in_keys=["x"], out_keys=["y"], target=lambda y: r_out)
+        actual = lrp(TensorDict(x=x.clone(), batch_size=[2]))["relevance", "x"]
+        expected, start = torch.zeros_like(x), 0
+        for padding in ((0, 0), (1, 1), (0, 1)):
+            padded = nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1, output_padding=padding).double()
+            padded.load_state_dict(layer.state_dict())
+            n = 4 * (7 + padding[0]) * (7 + padding[1])
+            part = r_out[:, start : start + n].reshape(2, 4, 7 + padding[0], 7 + padding[1])
+            expected += zennit_relevance(theirs(), padded, x, part)
+            start += n
+        assert relative_error(actual, expected) <= TOL
+
+
 class TestRegistration:
     def test_alpha_beta_refuses_unbalanced_parameters(self):
         with pytest.raises(ValueError, match="alpha - beta == 1"):

@@ -395,6 +395,34 @@ class TestAffineClosedForm:
         self.check(module, randn(3, 4, 2, 3), batch_statistics=False)
 
 
+class TestLocalResponseNormClosedForm:
+    """``F.local_response_norm``: ``y = x / d`` with ``d = (k + α · mean of x² over neighbouring channels)^β`` held
+    constant, so that ``grad_x = g / d`` and every element keeps its relevance."""
+
+    @pytest.mark.parametrize("shape", [(3, 5, 4), (2, 6, 3, 4), (2, 4, 2, 3, 3)])
+    @pytest.mark.parametrize("size", [2, 3])
+    def test_local_response_norm(self, shape: tuple[int, ...], size: int):
+        module = nn.LocalResponseNorm(size, alpha=0.5, beta=0.75, k=0.5)
+        x, relevance_out = randn(*shape), randn(*shape)
+        squares = F.pad(x.pow(2).unsqueeze(1), (0, 0) * (x.dim() - 2) + (size // 2, (size - 1) // 2)).squeeze(1)
+        window = sum(squares.narrow(1, start, x.shape[1]) for start in range(size)) / size
+        divisor = (0.5 + 0.5 * window).pow(0.75)
+        expected = x * output_gradient(module, x, relevance_out) / divisor
+        relevance = norm_relevance(module, x, relevance_out)
+        assert relative_error(relevance, expected) <= 1e-12
+        assert relative_error(relevance, relevance_out) <= 1e-12
+        assert relative_error(norm_relevance(module, x, relevance_out, IgnoreRule()), expected) > 1e-3
+
+    def test_presets_give_it_the_rule(self):
+        net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.LocalResponseNorm(3), nn.Flatten(), nn.Linear(16, 2))
+        net, x = net.double(), randn(2, 3, 4, 4)
+        for preset in CNN_PRESETS.values():
+            lrp = LRP(net, preset(strict=True), in_keys=["x"], out_keys=["y"])
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # covered: no plain-gradient warning, no refusal
+                assert lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"].shape == x.shape
+
+
 class TestUnknownNorm:
     def test_module_without_a_normalisation_raises(self):
         with pytest.raises(ValueError, match="NormRule on NotANorm: its forward ran no normalisation"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from tensordict.nn.utils import biased_softplus
@@ -130,8 +132,18 @@ CONVOLUTIONS = (*PLAIN_CONVOLUTIONS, *TRANSPOSED_FORWARDS)
 LINEAR_LAYERS = (*CONVOLUTIONS, nn.Linear)
 
 
-def forward_with(module: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, busy: list) -> torch.Tensor:
-    """Run ``module`` on ``x`` with ``params`` in place of its own parameters."""
+def forward_with(
+    module: nn.Module,
+    params: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    busy: list,
+    out_shape: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Run ``module`` on ``x`` with ``params`` in place of its own parameters.
+
+    ``out_shape`` is the shape of the output the call being explained gave: a transposed convolution called with
+    ``output_size`` chose its output padding from it, and the pass here gives the same shape.
+    """
     weight = params.get("weight", getattr(module, "weight", None))
     bias = params.get("bias", getattr(module, "bias", None))
     if isinstance(module, LINEAR_LAYERS) and not _has_plain_forward(module):
@@ -145,14 +157,21 @@ def forward_with(module: nn.Module, params: dict[str, torch.Tensor], x: torch.Te
         return module._conv_forward(x, weight, bias)
     if type(module) in TRANSPOSED_FORWARDS:
         m = module
-        return TRANSPOSED_FORWARDS[type(m)](
-            x, weight, bias, m.stride, m.padding, m.output_padding, m.groups, m.dilation
-        )
+        output_padding = m.output_padding if out_shape is None else _output_padding(m, x, out_shape)
+        return TRANSPOSED_FORWARDS[type(m)](x, weight, bias, m.stride, m.padding, output_padding, m.groups, m.dilation)
     busy.append(True)  # the rule's own hook must not run on this inner call
     try:
         return functional_call(module, params, (x,))
     finally:
         busy.pop()
+
+
+def _output_padding(module: nn.Module, x: torch.Tensor, out_shape: Sequence[int]) -> tuple[int, ...]:
+    """The output padding that gives a transposed convolution's output on ``x`` the spatial size of ``out_shape``."""
+    dims = len(module.kernel_size)
+    m = module
+    spans = zip(x.shape[-dims:], out_shape[-dims:], m.stride, m.padding, m.dilation, m.kernel_size, strict=True)
+    return tuple(n_out - ((n_in - 1) * s - 2 * p + d * (k - 1) + 1) for n_in, n_out, s, p, d, k in spans)
 
 
 def bias_view(module: nn.Module, bias: torch.Tensor) -> torch.Tensor:

@@ -73,8 +73,8 @@ class _DirectInputRule(_ModifiedForwardRule):
     def stand_ins(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [torch.ones_like(x)]
 
-    def modified_output(self, module, registration, params, stand_ins) -> torch.Tensor:
-        return self._forward(module, registration, params["mod"], stand_ins[0])
+    def modified_output(self, module, registration, params, stand_ins, out_shape) -> torch.Tensor:
+        return self._forward(module, registration, params["mod"], stand_ins[0], out_shape)
 
     def relevance(self, stand_ins, grads) -> torch.Tensor:
         return grads[0]
@@ -87,15 +87,19 @@ class _DirectInputRule(_ModifiedForwardRule):
             # The modified output of ones is the same for every sample: computed for one, once per context.
             def denominator() -> torch.Tensor:
                 ones = x.new_ones(_one_sample_shape(module, x) or x.shape)
-                return stabilize(self._forward(module, registration, params["mod"], ones), self.stabilizer)
+                modified = self._forward(module, registration, params["mod"], ones, z.shape)
+                return stabilize(modified, self.stabilizer)
 
-            share = _shares(grad, z, self._for_one_sample(module, params, "denominator", x, denominator))
+            share = _shares(grad, z, self._for_one_sample(module, params, "denominator", x, z, denominator))
             return direct_input_gradient(module, params["mod"]["weight"], share, x)
 
     @staticmethod
-    def _for_one_sample(module, params, name: str, x: torch.Tensor, compute: Callable[[], torch.Tensor]):
-        """``compute()``, a tensor for one sample shaped like those of ``x``, kept while the context lasts."""
-        key = (_one_sample_shape(module, x) or x.shape, x.dtype, x.device)
+    def _for_one_sample(
+        module, params, name: str, x: torch.Tensor, z: torch.Tensor, compute: Callable[[], torch.Tensor]
+    ):
+        """``compute()``, a tensor for one sample shaped like those of the output ``z`` for the input ``x``, kept
+        while the context lasts (a transposed convolution gives inputs of one shape outputs of several)."""
+        key = (_one_sample_shape(module, x) or x.shape, z.shape[1:], x.dtype, x.device)
         kept = params.setdefault("one_sample", {})
         if name not in kept or kept[name][0] != key:  # the latest shape only: memory stays bounded
             kept[name] = (key, compute())
@@ -104,7 +108,7 @@ class _DirectInputRule(_ModifiedForwardRule):
     def _relevance_by_autograd(self, module, registration, params, x, z, grad) -> torch.Tensor:
         """The relevance from :meth:`stand_ins`, :meth:`modified_output` and :meth:`relevance`."""
         leaves = [s.detach().requires_grad_(True) for s in self.stand_ins(x)]
-        z_mod = self.modified_output(module, registration, params, leaves)
+        z_mod = self.modified_output(module, registration, params, leaves, z.shape)
         start = grad * z / stabilize(z_mod.detach(), self.stabilizer)
         grads = torch.autograd.grad(z_mod, leaves, start, allow_unused=True)
         return self.relevance([s.detach() for s in leaves], grads)
@@ -113,7 +117,7 @@ class _DirectInputRule(_ModifiedForwardRule):
         """The relevance ``R`` of ``x`` through autograd, kept in the graph: ``x`` receives ``R / x`` and the
         rest (``R - x · R / x``, where ``x = 0``) is recorded."""
         stand_ins = [s if s is x else s.detach().requires_grad_(True) for s in self.stand_ins(x)]
-        z_mod = self.modified_output(module, registration, params, stand_ins)
+        z_mod = self.modified_output(module, registration, params, stand_ins, z.shape)
         start = grad * z / stabilize(z_mod, self.stabilizer)
         grads = torch.autograd.grad(z_mod, stand_ins, start, create_graph=True, allow_unused=True)
         relevance = self.relevance(stand_ins, grads)
@@ -220,24 +224,25 @@ class ZBoxRule(_DirectInputRule):
         orig, pos, neg = params["orig"], params["pos"], params["neg"]
 
         def offset() -> torch.Tensor:
-            offset = self._forward(module, registration, pos, low) + self._forward(module, registration, neg, high)
+            offset = self._forward(module, registration, pos, low, z.shape)
+            offset += self._forward(module, registration, neg, high, z.shape)
             for bias, sign in ((params["plain"].get("bias"), 1), (orig.get("bias"), -1)):
                 if bias is not None:
                     offset.add_(bias_view(module, bias), alpha=sign)
             return offset
 
         with torch.no_grad():
-            offset = self._for_one_sample(module, params, "offset", x, offset)
+            offset = self._for_one_sample(module, params, "offset", x, z, offset)
             share = _shares(grad, z, offset, self.stabilizer)
             through_weight, through_positive = direct_input_gradients(module, [orig["weight"], pos["weight"]], share, x)
             return through_weight.mul_(x - high).add_(through_positive.mul_(high - low))
 
-    def modified_output(self, module, registration, params, stand_ins):
+    def modified_output(self, module, registration, params, stand_ins, out_shape):
         x, low, high = stand_ins
         return (
-            self._forward(module, registration, params["orig"], x)
-            - self._forward(module, registration, params["pos"], low)
-            - self._forward(module, registration, params["neg"], high)
+            self._forward(module, registration, params["orig"], x, out_shape)
+            - self._forward(module, registration, params["pos"], low, out_shape)
+            - self._forward(module, registration, params["neg"], high, out_shape)
         )
 
     def relevance(self, stand_ins, grads):

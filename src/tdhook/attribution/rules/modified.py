@@ -167,7 +167,7 @@ class _ModifiedForwardRule(Rule):
                     z_now = (
                         z.clone()
                         if z._version == z_version
-                        else self._forward(module, registration, params["plain"], x)
+                        else self._forward(module, registration, params["plain"], x, z.shape)
                     )
             with torch.enable_grad():
                 return [self.input_gradient(module, registration, params, x, z_now, grad)]
@@ -175,10 +175,13 @@ class _ModifiedForwardRule(Rule):
         return redirect(output, [x], backward)
 
     @staticmethod
-    def _forward(module, registration, params, x):
-        return forward_with(module, params, x, registration.busy)
+    def _forward(module, registration, params, x, out_shape: Sequence[int]) -> torch.Tensor:
+        """The layer's forward on ``x`` with ``params``, giving an output of ``out_shape`` (the explained call's)."""
+        return forward_with(module, params, x, registration.busy, out_shape)
 
-    def _signed_forward(self, module, registration, params, x, pairs: Sequence[tuple[str, str]]) -> list[torch.Tensor]:
+    def _signed_forward(
+        self, module, registration, params, x, pairs: Sequence[tuple[str, str]], out_shape: Sequence[int]
+    ) -> list[torch.Tensor]:
         """For each ``(key⁺, key⁻)``: the forward of ``x⁺`` with params ``key⁺`` plus ``x⁻`` with ``key⁻``.
 
         The ``x⁻`` pass is skipped when ``x`` has no negative entry (after a ReLU): it would add exact zeros.
@@ -188,9 +191,9 @@ class _ModifiedForwardRule(Rule):
         x_neg = x.clamp(max=0) if has_neg else None
         outputs = []
         for pos_key, neg_key in pairs:
-            out = self._forward(module, registration, params[pos_key], x_pos)
+            out = self._forward(module, registration, params[pos_key], x_pos, out_shape)
             if has_neg:
-                out = out + self._forward(module, registration, params[neg_key], x_neg)
+                out = out + self._forward(module, registration, params[neg_key], x_neg, out_shape)
             outputs.append(out)
         return outputs
 
@@ -253,14 +256,14 @@ class AlphaBetaRule(_ModifiedForwardRule):
                 return self._z_plus_of_nonnegative_input(module, registration, params["pos"], x.detach(), z, grad)
         leaf = x.detach().requires_grad_(True)
         pairs = [("pos", "neg_nobias"), ("neg", "pos_nobias")] if self.beta else [("pos", "neg_nobias")]
-        modified = self._signed_forward(module, registration, params, leaf, pairs)
+        modified = self._signed_forward(module, registration, params, leaf, pairs, z.shape)
         factors = (self.alpha, -self.beta)
         grads = [f * grad * z / stabilize(m.detach(), self.stabilizer) for f, m in zip(factors, modified, strict=False)]
         return torch.autograd.grad(modified, leaf, grads)[0]
 
     def input_gradient_keeping_graph(self, module, registration, params, x, z, grad):
         pairs = [("pos", "neg_nobias"), ("neg", "pos_nobias")] if self.beta else [("pos", "neg_nobias")]
-        modified = self._signed_forward(module, registration, params, x, pairs)
+        modified = self._signed_forward(module, registration, params, x, pairs, z.shape)
         factors = (self.alpha, -self.beta)
         shares = [f * grad * z / stabilize(m, self.stabilizer) for f, m in zip(factors, modified, strict=False)]
         return torch.autograd.grad(modified, x, shares, create_graph=True)[0]
@@ -279,8 +282,8 @@ class AlphaBetaRule(_ModifiedForwardRule):
             x_pos, x_neg = x.clamp(min=0), x.clamp(max=0)
             on_pos = on_neg = None
             for factor, (up, down) in zip((self.alpha, -self.beta), pairs, strict=False):
-                modified = self._forward(module, registration, params[up], x_pos)
-                modified += self._forward(module, registration, params[down], x_neg)
+                modified = self._forward(module, registration, params[up], x_pos, z.shape)
+                modified += self._forward(module, registration, params[down], x_neg, z.shape)
                 shifted = modified.add_(self.stabilizer) if up == "pos" else stabilize(modified, self.stabilizer)
                 share = (factor * grad * z).div_(shifted)
                 weights = [params[up]["weight"], params[down]["weight"]]
@@ -298,7 +301,7 @@ class AlphaBetaRule(_ModifiedForwardRule):
         with no autograd graph behind the modified forward pass.
         """
         with torch.no_grad():
-            share = self._forward(module, registration, positive, x)
+            share = self._forward(module, registration, positive, x, z.shape)
             if not is_plain_gradient(grad, z):
                 share = grad * z / share.add_(self.stabilizer)
             else:
@@ -367,14 +370,14 @@ class GammaRule(_ModifiedForwardRule):
                     return self._nonnegative_input_gradient(module, registration, params, x.detach(), z, grad)
         leaf = x.detach().requires_grad_(True)
         pairs = [("up", "down_nobias"), ("down", "up_nobias")]
-        z_up, z_down = self._signed_forward(module, registration, params, leaf, pairs)
+        z_up, z_down = self._signed_forward(module, registration, params, leaf, pairs, z.shape)
         grad_up = grad * z.clamp(min=0) / stabilize(z_up.detach(), self.stabilizer)
         grad_down = grad * z.clamp(max=0) / stabilize(z_down.detach(), self.stabilizer)
         return torch.autograd.grad((z_up, z_down), leaf, (grad_up, grad_down))[0]
 
     def input_gradient_keeping_graph(self, module, registration, params, x, z, grad):
         pairs = [("up", "down_nobias"), ("down", "up_nobias")]
-        z_up, z_down = self._signed_forward(module, registration, params, x, pairs)
+        z_up, z_down = self._signed_forward(module, registration, params, x, pairs, z.shape)
         grad_up = grad * z.clamp(min=0) / stabilize(z_up, self.stabilizer)
         grad_down = grad * z.clamp(max=0) / stabilize(z_down, self.stabilizer)
         return torch.autograd.grad((z_up, z_down), x, (grad_up, grad_down), create_graph=True)[0]
@@ -385,7 +388,7 @@ class GammaRule(_ModifiedForwardRule):
         ``z^↑ = z + D`` (see :meth:`modified_params`): one forward pass for ``D`` and one transposed product,
         with ``a = grad · z / stabilize(z^↑)``. Where ``z ≤ 0``, ``a`` is zero with any non-zero denominator.
         """
-        shift = self._forward(module, registration, params["shift"], x)
+        shift = self._forward(module, registration, params["shift"], x, z.shape)
         nonnegative, epsilon = params["shift_is_nonnegative"], self.stabilizer
         for d, z_, g, scratch in pieces(shift, z, grad):
             if nonnegative:  # stabilize(z + D) = z + D + ε where z > 0; elsewhere D + ε > 0 does
@@ -403,7 +406,7 @@ class GammaRule(_ModifiedForwardRule):
         ``z < 0``: both are ``m = max(z, −(1 + γ) z) + D + ε``. With ``r = grad / m`` the shares are
         ``a = z⁺ r`` and ``c = −z⁻ r``, and the input gradient is ``W^γ⁺ᵀ a + W^γ⁻ᵀ c``.
         """
-        shift = self._forward(module, registration, params["shift"], x)
+        shift = self._forward(module, registration, params["shift"], x, z.shape)
         negative_share = shift  # −c is written over D
         positive_share = z if may_overwrite(grad, z) else torch.empty_like(z)
         scale = -(1 + self.gamma)

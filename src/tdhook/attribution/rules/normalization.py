@@ -8,7 +8,7 @@ forward pass, to what the forward really runs rather than to what the class is
 called:
 
 * the fused norms ``F.layer_norm``, ``F.rms_norm``, ``F.group_norm``,
-  ``F.instance_norm``, ``F.batch_norm`` and ``F.normalize``, over the
+  ``F.instance_norm``, ``F.batch_norm``, ``F.normalize`` and ``F.local_response_norm``, over the
   dimensions and groups their arguments name (a channels-first LayerNorm that
   permutes around ``F.layer_norm`` included);
 * norms written by hand (Hugging Face's RMSNorm, Gemma's ``x · (1 + w)``, T5's
@@ -189,7 +189,8 @@ class NormRule(Rule):
                 raise ValueError(
                     f"{type(self).__name__} on {type(mod).__name__}: its forward ran no normalisation the rule "
                     "knows (F.layer_norm, F.rms_norm, F.group_norm, F.instance_norm, F.batch_norm, F.normalize, "
-                    "or a scale from rsqrt, sqrt, var, std or a norm); map the module to another rule"
+                    "F.local_response_norm, or a scale from rsqrt, sqrt, var, std or a norm); map the module to "
+                    "another rule"
                 )
 
         return self._register_in_forward(module, lambda mod: _ConstantScale(self, mod), leave)
@@ -328,8 +329,26 @@ class NormRule(Rule):
         denominator = _constant(x).norm(p, dim, keepdim=True).clamp_min(eps)
         return redirect(output, [x], lambda grad: [grad / denominator])
 
+    @staticmethod
+    def _local_response_norm_call(rule, module, output, args, kwargs):
+        """``F.local_response_norm``: ``y = x / d`` with ``d = (k + α · mean of x² over the neighbouring channels)^β``
+        held constant, so that every element keeps its relevance."""
+        x = args[0]
+        size = call_argument(args, kwargs, 1, "size")
+        alpha, beta, k = (
+            call_argument(args, kwargs, i, n, v) for i, n, v in ((2, "alpha", 1e-4), (3, "beta", 0.75), (4, "k", 1.0))
+        )
+        squares = _constant(x).pow(2).unsqueeze(1)
+        # The window of channels c - size // 2 … c + (size - 1) // 2, zero past the ends, as the function sums it.
+        padding = (0, 0) * (x.dim() - 2) + (size // 2, (size - 1) // 2)
+        padded = F.pad(squares, padding).squeeze(1)
+        window = sum(padded.narrow(1, start, x.shape[1]) for start in range(size)) / size
+        divisor = window.mul(alpha).add(k).pow(beta)
+        return redirect(output, [x], lambda grad: [grad / divisor])
+
     functions = {
         F.layer_norm: _layer_norm_call,
+        F.local_response_norm: _local_response_norm_call,
         F.rms_norm: _rms_norm_call,
         F.group_norm: _group_norm_call,
         F.batch_norm: lambda rule, module, output, args, kwargs: rule.batch_norm(module, output, args, kwargs),

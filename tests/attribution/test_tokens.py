@@ -1,0 +1,112 @@
+"""Integer tokens read by an ``nn.EmbeddingBag``: each token gets the relevance of its embedding row in the bag.
+
+The oracle is LRP-0 with the gathered embedding rows as the inputs: a token's relevance is its row times the
+gradient the row receives through the bag's reduction (sum, mean or max, with per-sample weights held as
+constants), summed over the features.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+
+from tdhook.attribution import LRP
+from tdhook.attribution.mappers.base import BaseRuleMapper
+from tdhook.attribution.rules.basic import EpsilonRule
+from tests.conftest import relative_error
+
+F64 = torch.float64
+
+
+class BagNet(nn.Module):
+    """An ``nn.EmbeddingBag`` over the tokens of each sample, then a small head."""
+
+    def __init__(self, mode: str, padding_idx: int | None = None, weighted: bool = False) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(11, 6, mode=mode, padding_idx=padding_idx)
+        self.head = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        self.weighted = weighted
+
+    def weights(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        return torch.linspace(0.5, 2.0, tokens.numel(), dtype=F64).view_as(tokens) if self.weighted else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bag(tokens, per_sample_weights=self.weights(tokens)))
+
+
+def expected_token_relevance(net: BagNet, tokens: torch.Tensor) -> torch.Tensor:
+    """LRP-0 of the head with the gathered rows as inputs, summed over the features."""
+    rows = net.bag.weight.detach()[tokens].requires_grad_(True)
+    index = torch.arange(tokens.numel()).view_as(tokens)
+    if net.bag.padding_idx is not None:
+        index = torch.where(tokens == net.bag.padding_idx, tokens.numel(), index)
+    table = torch.cat([rows.reshape(-1, rows.shape[-1]), rows.new_zeros(1, rows.shape[-1])])
+    weights = net.weights(tokens)
+    bagged = F.embedding_bag(index, table, mode=net.bag.mode, per_sample_weights=weights, padding_idx=tokens.numel())
+    out = net.head(bagged)
+    one_hot = torch.zeros_like(out).scatter_(-1, out.argmax(-1, keepdim=True), 1.0)
+    (grad,) = torch.autograd.grad(out, rows, one_hot)
+    return (rows.detach() * grad).sum(-1)
+
+
+def explain(net: nn.Module, tokens: torch.Tensor) -> TensorDict:
+    """LRP-0 on the Linear layers, with a strict mapper: the bag is covered, no warning is raised."""
+    mapper = BaseRuleMapper(rule_mapper={nn.Linear: EpsilonRule(0.0)}, strict=True)
+    lrp = LRP(TensorDictModule(net, in_keys=["tokens"], out_keys=["logits"]), rule_mapper=mapper)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return lrp(TensorDict(tokens=tokens, batch_size=tokens.shape[:1]))
+
+
+class TestEmbeddingBag:
+    @pytest.mark.parametrize(
+        ("mode", "padding_idx", "weighted"),
+        [("sum", None, False), ("mean", None, False), ("max", None, False), ("sum", None, True), ("mean", 0, False)],
+        ids=["sum", "mean", "max", "sum-weighted", "mean-padding"],
+    )
+    def test_token_relevance_is_that_of_its_row_in_the_bag(self, mode: str, padding_idx: int | None, weighted: bool):
+        torch.manual_seed(0)
+        net = BagNet(mode, padding_idx, weighted).double()
+        tokens = torch.randint(0, 11, (4, 5))
+        tokens[:, -1] = 0  # the padding token, where there is one: no relevance
+        before = {k: v.clone() for k, v in net.state_dict().items()}
+        td = explain(net, tokens)
+        relevance = td["relevance", "tokens"]
+        assert relevance.shape == tokens.shape and relevance.dtype == F64
+        assert relative_error(relevance, expected_token_relevance(net, tokens)) <= 1e-12
+        if padding_idx is not None:
+            assert torch.all(relevance[:, -1] == 0)
+        assert torch.equal(td["logits"], net(tokens))
+        assert all(torch.equal(v, net.state_dict()[k]) for k, v in before.items())
+
+    def test_conserves_the_logit_without_biases(self):
+        torch.manual_seed(0)
+        net = BagNet("sum").double()
+        for layer in (net.head[0], net.head[2]):
+            layer.bias = None
+        tokens = torch.randint(0, 11, (3, 6))
+        relevance = explain(net, tokens)["relevance", "tokens"]
+        logits = net(tokens)
+        torch.testing.assert_close(relevance.sum(-1), logits.max(-1).values, rtol=1e-10, atol=1e-12)
+
+    @pytest.mark.parametrize("include_last_offset", [False, True])
+    def test_flat_tokens_with_offsets_equal_the_batched_bag(self, include_last_offset: bool):
+        class OffsetBag(BagNet):
+            def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+                flat = tokens.flatten()
+                offsets = torch.arange(0, flat.numel() + include_last_offset, tokens.shape[1])
+                return self.head(self.bag(flat, offsets=offsets))
+
+        torch.manual_seed(0)
+        net = OffsetBag("mean").double()
+        net.bag.include_last_offset = include_last_offset
+        tokens = torch.randint(0, 11, (3, 4))
+        relevance = explain(net, tokens)["relevance", "tokens"]
+        assert relevance.shape == tokens.shape
+        assert relative_error(relevance, expected_token_relevance(net, tokens)) <= 1e-12
