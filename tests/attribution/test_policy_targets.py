@@ -317,3 +317,35 @@ def test_an_exploring_policy_explains_the_action_it_takes(exploration):
     assert list(out["relevance"].keys()) == ["observation"]
     alone = LRP(actor, EpsilonPlus())(td.clone())
     torch.testing.assert_close(out["relevance", "observation"], alone["relevance", "observation"])
+
+
+@pytest.mark.parametrize("exploration", ["OrnsteinUhlenbeck", "AdditiveGaussian"])
+@pytest.mark.parametrize("calls", [1, 3], ids=["one-call", "three-calls-in-a-context"])
+def test_an_exploring_policy_whose_noise_reaches_the_bounds_still_explains_the_actor(exploration, calls):
+    """The exploration step projects the noisy action into the spec (a clamp). That projection is part of the
+    perturbation, a constant of the call like the noise: a clamped step keeps the actor's relevance instead of
+    getting none."""
+    torch.manual_seed(0)
+    spec = Bounded(-1.0, 1.0, (2,), dtype=F64)
+    net = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2)).double()
+    actor = Actor(net, in_keys=["observation"], spec=spec)
+    if exploration == "OrnsteinUhlenbeck":
+        noise = OrnsteinUhlenbeckProcessModule(spec=spec, sigma=5.0, theta=0.0)
+    else:
+        noise = AdditiveGaussianModule(spec=spec, sigma_init=5.0, sigma_end=5.0)
+    policy = TensorDictSequential(actor, noise)
+    td = TensorDict(
+        observation=torch.randn(16, 3, dtype=F64), is_init=torch.ones(16, 1, dtype=torch.bool), batch_size=[16]
+    )
+    lrp = LRP(policy, target="all")
+    with set_exploration_type(ExplorationType.RANDOM), lrp:
+        for _ in range(calls):
+            torch.manual_seed(1)
+            plain = policy(td.clone())
+            torch.manual_seed(1)
+            out = lrp(td.clone())
+    assert torch.equal(out["action"], plain["action"])
+    assert (out["action"].abs() == 1).any() and (out["action"].abs() < 1).any()  # some steps hit the bounds
+    x = td["observation"].clone().requires_grad_(True)
+    expected = torch.stack([x.detach() * torch.autograd.grad(net(x)[:, unit].sum(), x)[0] for unit in range(2)], 1)
+    torch.testing.assert_close(out["relevance", "observation"], expected, rtol=1e-10, atol=1e-12)

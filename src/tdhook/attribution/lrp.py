@@ -41,6 +41,7 @@ from tdhook.attribution._context import (
 from tdhook.attribution._copies import hide_from_copies
 from tdhook.attribution._coverage_recorder import CoverageRecorder
 from tdhook.attribution._differentiable import check_differentiable, relevance_graph, rules_off
+from tdhook.attribution._exploration import perturbation_held_constant
 from tdhook.attribution._function_gates import FunctionGates
 from tdhook.attribution._inputs import (
     describe,
@@ -304,7 +305,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             for name, sub in modules.items():
                 if isinstance(sub, nn.Embedding):
                     self._hooks.append(sub.register_forward_hook(self._tokens.embedding_hook(name), prepend=True))
-            self._hooks += agent_by_agent(modules)  # multi-agent networks that vmap their agents: one by one
+            self._hooks += agent_by_agent(modules) + perturbation_held_constant(modules)  # _agents, _exploration
             # Copies of the model made inside the context (deepcopy, pickle) leave every hook of the context out.
             hook_ids = {hook.id for hook in self._hooks} | {h.id for handle in handles for h in handle.hook_handles()}
             self._hooks.append(hide_from_copies(modules.values(), hook_ids))
