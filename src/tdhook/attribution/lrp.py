@@ -60,6 +60,7 @@ from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
 from tdhook.attribution._writes import relevance_updates, returned_tensordict, set_all_or_nothing
 from tdhook.attribution.coverage import Coverage
 from tdhook.attribution.mappers.base import BaseRuleMapper, RuleMapper
+from tdhook.attribution.rules._caller import called_in_grad_mode
 from tdhook.attribution.rules._keeping_graph import RelevancePass
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.targets import (
@@ -361,7 +362,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
 
     @dispatch(auto_batch_size=False)
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        with self._lock:  # calls from several threads run one after the other (docs/guarantees.md)
+        with self._lock, called_in_grad_mode(torch.is_grad_enabled()):  # one call at a time (docs/guarantees.md)
             if self._handles is None and not self._inactive:
                 with self:
                     return self._explain(tensordict)
