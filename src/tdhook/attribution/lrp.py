@@ -52,6 +52,7 @@ from tdhook.attribution._inputs import (
 from tdhook.attribution._keys import layer_keys, read_not_written, relevance_keys
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
 from tdhook.attribution._model_run import run_model
+from tdhook.attribution._no_grad_values import called_in_grad_mode, caller_values
 from tdhook.attribution._plain_modules import as_tensordict_module
 from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
@@ -60,7 +61,6 @@ from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
 from tdhook.attribution._writes import relevance_updates, returned_tensordict, set_all_or_nothing
 from tdhook.attribution.coverage import Coverage
 from tdhook.attribution.mappers.base import BaseRuleMapper, RuleMapper
-from tdhook.attribution.rules._caller import called_in_grad_mode
 from tdhook.attribution.rules._keeping_graph import RelevancePass
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.targets import (
@@ -306,7 +306,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             for name, sub in modules.items():
                 if isinstance(sub, nn.Embedding):
                     self._hooks.append(sub.register_forward_hook(self._tokens.embedding_hook(name), prepend=True))
-            self._hooks += agent_by_agent(modules) + perturbation_held_constant(modules)  # _agents, _exploration
+            self._hooks += [*agent_by_agent(modules), *perturbation_held_constant(modules), *caller_values(modules)]
             # Copies of the model made inside the context (deepcopy, pickle) leave every hook of the context out.
             hook_ids = {hook.id for hook in self._hooks} | {h.id for handle in handles for h in handle.hook_handles()}
             self._hooks.append(hide_from_copies(modules.values(), hook_ids))

@@ -35,16 +35,13 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._autograd import hold, redirect, scale_gradient
-from tdhook.attribution.rules._caller import caller_grad_enabled
 from tdhook.attribution.rules._numerics import safe_divide, stabilize
-from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, plain_calls
+from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.tunables import EPSILON
 
 __all__ = ["RecurrentRule", "is_recurrent", "lstm_step", "gru_step"]
 
 _KINDS = ("LSTM", "GRU")
-# torch's own layers, whose kernels differ with and without gradient (torchrl's Python LSTM and GRU do not).
-_TORCH_FORWARDS = (nn.LSTM.forward, nn.GRU.forward)
 
 
 def _kind(module: nn.Module) -> str | None:
@@ -316,9 +313,6 @@ class RecurrentRule(Rule):
                 f"RecurrentRule: {type(module).__name__} applies dropout={module.dropout} between layers in training "
                 "mode, which is not supported; call .eval() on the model"
             )
-        if not caller_grad_enabled() and type(module).forward in _TORCH_FORWARDS:  # the caller's values: no grad
-            with torch.no_grad(), plain_calls():
-                output = module(*args, **kwargs)
         return self._layers(module, x, hx, mask, output)
 
     def _cell(self, module: nn.RNNCellBase, x: torch.Tensor, hx: Any, output: Any) -> Any:
