@@ -161,6 +161,18 @@ def _graph_nodes(outputs: Sequence[torch.Tensor]) -> set:
     return seen
 
 
+def _custom_functions(args: Sequence[Any]) -> Iterator[tuple[Any, str]]:
+    """The autograd nodes of custom ``torch.autograd.Function`` s that made the activations in ``args``, with the
+    Function's name: their backward is their own, and their forward runs without gradient, so its calls are not
+    watched. tdhook's own Functions (the rules') and torch's are left out."""
+    for arg in args:
+        for tensor in arg if isinstance(arg, (list, tuple)) else (arg,):
+            node = tensor.grad_fn if isinstance(tensor, torch.Tensor) else None
+            kind = getattr(node, "_forward_cls", None)
+            if kind is not None and not kind.__module__.startswith(("tdhook.", "torch.")):
+                yield node, kind.__name__
+
+
 def _is_activation_result(result: Any) -> bool:
     if isinstance(result, (tuple, list)):
         return any(isinstance(r, torch.Tensor) and r.requires_grad for r in result)
@@ -181,6 +193,7 @@ class NonlinearCalls(TorchFunctionMode):
         self._calls: list[tuple[str, str, Any]] = []
         self._stack: list[str] = []
         self._ruled_depth = 0
+        self._functions: set = set()  # the custom Functions' nodes already recorded
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = mark_parameter_derived(args, func(*args, **(kwargs or {})))
@@ -188,7 +201,13 @@ class NonlinearCalls(TorchFunctionMode):
         return result
 
     def _record(self, func: Any, args: tuple, result: Any) -> None:
-        if self._ruled_depth or not _is_activation_result(result):
+        if self._ruled_depth:
+            return
+        for node, name in _custom_functions(args):  # recorded where their result is first used
+            if node not in self._functions:
+                self._functions.add(node)
+                self._calls.append((self._stack[-1] if self._stack else "", name, node))
+        if not _is_activation_result(result):
             return
         name = _is_nonlinear_call(func, args)
         if name is not None and not any(mode.covers(func, args) for mode in self._covering):
@@ -202,6 +221,10 @@ class NonlinearCalls(TorchFunctionMode):
                 distribution built from the logits after them is not explained); ``None``: every call.
         """
         reached = None if targets is None else _graph_nodes(targets)
+        for node, name in _custom_functions(targets or ()):  # a target made by a custom Function itself
+            if node not in self._functions:
+                self._functions.add(node)
+                self._calls.append(("", name, node))
         found: dict[str, dict[str, int]] = {}
         for module, name, node in self._calls:
             if reached is None or node in reached:
