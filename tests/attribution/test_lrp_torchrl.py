@@ -460,6 +460,25 @@ class TestRecurrentPolicies:
             with_grad = LRP(policy, PRESET())(td.clone())
         torch.testing.assert_close(out["relevance", "observation"], with_grad["relevance", "observation"])
 
+    @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+    def test_a_scan_backend_in_recurrent_mode_is_refused_naming_the_module(self, kind):
+        """torchrl's ``recurrent_backend="scan"`` runs the recurrence outside the module's nn.LSTM/nn.GRU (a custom
+        autograd function for the GRU, a higher-order op for the LSTM): no rule sees it, so it is refused; step
+        mode and the pad backend, on the same parameters, are explained."""
+        policy, rnn = recurrent_policy(kind)
+        rnn.recurrent_backend = "scan"
+        td = recurrent_inputs(kind, states=False)
+        before = td.clone()
+        with set_recurrent_mode(True), pytest.raises(ValueError, match=rf"{kind}Module 'module.0'.*'scan'.*'pad'"):
+            LRP(policy, PRESET())(td)
+        assert (td == before).all() and set(td.keys(True, True)) == set(before.keys(True, True))
+        step = recurrent_inputs(kind, batch=(4,))
+        LRP(policy, PRESET())(step)  # step by step: torchrl runs the pad backend
+        rnn.recurrent_backend = "pad"
+        with set_recurrent_mode(True):
+            out = LRP(policy, PRESET())(td.clone())
+        torch.testing.assert_close(out["relevance", "observation"].sum(), chosen(out).sum(), rtol=1e-6, atol=0)
+
     def test_rollout_with_a_recurrent_policy_writes_relevance_every_step(self):
         policy, rnn = recurrent_policy("LSTM", actions=2)
         policy = policy.float()  # CartPole's observations are float32

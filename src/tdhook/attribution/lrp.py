@@ -13,7 +13,6 @@ from tensordict.nn import TensorDictModuleBase, dispatch
 from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
-from tdhook.attribution._agents import agent_by_agent
 from tdhook.attribution._backward import leaf_relevance
 from tdhook.attribution._backward_passes import (
     DEFAULT_MEMORY_BUDGET,
@@ -41,7 +40,6 @@ from tdhook.attribution._context import (
 from tdhook.attribution._copies import hide_from_copies
 from tdhook.attribution._coverage_recorder import CoverageRecorder
 from tdhook.attribution._differentiable import check_differentiable, relevance_graph, rules_off
-from tdhook.attribution._exploration import perturbation_held_constant
 from tdhook.attribution._function_gates import FunctionGates
 from tdhook.attribution._inputs import (
     describe,
@@ -52,7 +50,8 @@ from tdhook.attribution._inputs import (
 from tdhook.attribution._keys import layer_keys, read_not_written, relevance_keys
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
 from tdhook.attribution._model_run import run_model
-from tdhook.attribution._no_grad_values import called_in_grad_mode, caller_values
+from tdhook.attribution._module_hooks import module_hooks
+from tdhook.attribution._no_grad_values import called_in_grad_mode
 from tdhook.attribution._plain_modules import as_tensordict_module
 from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
@@ -306,7 +305,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             for name, sub in modules.items():
                 if isinstance(sub, nn.Embedding):
                     self._hooks.append(sub.register_forward_hook(self._tokens.embedding_hook(name), prepend=True))
-            self._hooks += [*agent_by_agent(modules), *perturbation_held_constant(modules), *caller_values(modules)]
+            self._hooks += module_hooks(modules)  # torchrl's modules and the caller's grad mode (see _module_hooks)
             # Copies of the model made inside the context (deepcopy, pickle) leave every hook of the context out.
             hook_ids = {hook.id for hook in self._hooks} | {h.id for handle in handles for h in handle.hook_handles()}
             self._hooks.append(hide_from_copies(modules.values(), hook_ids))
