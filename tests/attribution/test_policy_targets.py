@@ -349,3 +349,49 @@ def test_an_exploring_policy_whose_noise_reaches_the_bounds_still_explains_the_a
     x = td["observation"].clone().requires_grad_(True)
     expected = torch.stack([x.detach() * torch.autograd.grad(net(x)[:, unit].sum(), x)[0] for unit in range(2)], 1)
     torch.testing.assert_close(out["relevance", "observation"], expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("distribution", [MaskedCategorical, MaskedOneHotCategorical], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("held", [False, True], ids=["best-allowed", "held-action"])
+def test_masked_agents_explain_each_agents_allowed_or_held_action(distribution, held):
+    """The logits, mask and action of a multi-agent policy live under the agents' key, with the agents in its
+    batch: each agent's action (the one the TensorDict holds, else its best allowed one) is explained."""
+    from torchrl.modules import MultiAgentMLP
+
+    torch.manual_seed(0)
+    batch, agents, actions = 4, 3, 5
+    net = MultiAgentMLP(
+        4, actions, n_agents=agents, centralized=True, share_params=False, depth=1, activation_class=nn.ReLU
+    ).double()
+    actor = ProbabilisticActor(
+        TensorDictModule(net, in_keys=[("agents", "observation")], out_keys=[("agents", "logits")]),
+        in_keys={"logits": ("agents", "logits"), "mask": ("agents", "action_mask")},
+        out_keys=[("agents", "action")],
+        distribution_class=distribution,
+    )
+    observation = torch.randn(batch, agents, 4, dtype=F64)
+    mask = torch.rand(batch, agents, actions) > 0.5
+    mask[..., 0] = True
+    logits = net(observation).detach()
+    chosen = torch.multinomial(mask.double().flatten(0, 1), 1).reshape(batch, agents)
+    if not held:
+        chosen = logits.masked_fill(~mask, float("-inf")).argmax(-1)
+    agents_td = TensorDict(observation=observation, action_mask=mask, batch_size=[batch, agents])
+    if held:
+        one_hot = distribution is MaskedOneHotCategorical
+        agents_td["action"] = nn.functional.one_hot(chosen, actions) if one_hot else chosen
+    out = LRP(actor)(TensorDict(agents=agents_td, batch_size=[batch]))
+    x = observation.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(net(x).gather(-1, chosen.unsqueeze(-1)).sum(), x)
+    torch.testing.assert_close(out["relevance", "agents", "observation"], x.detach() * grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("distribution", [MaskedCategorical, MaskedOneHotCategorical], ids=lambda d: d.__name__)
+def test_a_held_action_that_is_not_one_per_row_of_logits_is_named(distribution):
+    actor = masked_actor(distribution)
+    td = masked_td(actor)
+    td["action"] = torch.zeros(6, 2, 2, dtype=torch.long)  # two actions per sample
+    before = td.clone()
+    with pytest.raises(ValueError, match=r"action at 'action' \(shape \[6, 2, 2\]\) is not one action per row"):
+        LRP(actor)(td)
+    assert set(td.keys()) == set(before.keys()) and (td == before).all()
