@@ -152,6 +152,29 @@ def test_convolutional_agents(share_params):
     assert not torch.allclose(eps, relevance)  # the rules ran (z+ on the convolutions) under every layout
 
 
+@pytest.mark.parametrize("kind", ["mlp", "conv"])
+@pytest.mark.parametrize("share_params", [False, True], ids=["own-params", "shared"])
+def test_agents_with_lazy_layers_take_their_shapes_from_the_first_explained_call(kind, share_params):
+    """A network with lazy layers explained before any plain call: its own vmapped call sizes the layers first."""
+    torch.manual_seed(0)
+    if kind == "mlp":
+        net = MultiAgentMLP(
+            None, 2, n_agents=AGENTS, centralized=False, share_params=share_params, depth=1, activation_class=nn.ReLU
+        )
+        td = agents_td((3,))
+    else:
+        net = MultiAgentConvNet(
+            n_agents=AGENTS, centralized=False, share_params=share_params, num_cells=[4], activation_class=nn.ReLU
+        )
+        td = agents_td((2, 6, 6))
+    net = net.to(F64)
+    out = LRP(wrapped(net), BaseRuleMapper())(td.clone())
+    assert torch.equal(out["agents", "action_value"], wrapped(net)(td.clone())["agents", "action_value"])
+    relevance, expected = against_gradient_times_input(net, td)
+    torch.testing.assert_close(out["relevance", "agents", "observation"], expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(relevance, expected, rtol=1e-10, atol=1e-12)
+
+
 def test_a_module_run_under_vmap_by_the_model_itself_is_refused_by_name():
     class Vmapped(nn.Module):
         def __init__(self) -> None:

@@ -259,6 +259,65 @@ class TestAutogradFunctions:
             assert messages == []
 
 
+class Cube(torch.autograd.Function):
+    """A custom autograd Function: its forward runs without gradient, its backward is its own."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return grad * 3 * x**2
+
+
+class CubeBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Cube.apply(self.layer(x)).flip(-1)
+
+
+class TestCustomAutogradFunctions:
+    def test_a_custom_function_keeps_its_own_backward_and_is_reported_by_its_module(self):
+        lrp, _, messages = call(nn.Sequential(CubeBlock(), nn.Linear(4, 2)), EpsilonPlus())
+        found = {(c.module, c.module_type, c.function, c.calls) for c in lrp.coverage().plain_gradient}
+        # CubeBlock's first node is its Linear's: the innermost call that holds the Function's node is CubeBlock's
+        assert found == {("0", "CubeBlock", "Cube (an autograd.Function with its own backward)", 1)}
+        with pytest.raises(ValueError, match=r"module '0' \(CubeBlock\) computes Cube"):
+            call(nn.Sequential(CubeBlock(), nn.Linear(4, 2)), EpsilonPlus(strict=True))
+
+    def test_a_tanh_normal_actors_deterministic_action_is_reported(self):
+        """torchrl's TanhNormal computes its action's tanh in a custom Function (``safetanh``): explaining the
+        action rather than ``loc`` keeps that tanh's plain gradient, which the report says."""
+        from tensordict.nn import NormalParamExtractor, TensorDictModule
+        from torchrl.envs.utils import ExplorationType, set_exploration_type
+        from torchrl.modules import ProbabilisticActor, TanhNormal
+
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(3, 2), NormalParamExtractor()).double()
+        actor = ProbabilisticActor(
+            TensorDictModule(net, in_keys=["observation"], out_keys=["loc", "scale"]),
+            in_keys=["loc", "scale"],
+            distribution_class=TanhNormal,
+        )
+        td = TensorDict(observation=torch.randn(4, 3, dtype=F64), batch_size=[4])
+        with set_exploration_type(ExplorationType.DETERMINISTIC):
+            lrp = LRP(actor, EpsilonPlus(), target_key="action")
+            with pytest.warns(UserWarning, match="SafeTanh"):
+                lrp(td.clone())
+            assert [c.function for c in lrp.coverage().plain_gradient] == [
+                "_SafeTanhNoEps (an autograd.Function with its own backward)"
+            ]
+            by_loc = LRP(actor, EpsilonPlus())
+            by_loc(td.clone())
+            assert by_loc.coverage().plain_gradient == ()  # the tanh comes after the explained loc
+
+
 class TestCoverage:
     def test_lists_the_plain_gradient_calls_by_module(self):
         lrp, _, _ = call(nn.Sequential(SineBlock(), nn.ReLU(), Bilinear()), EpsilonPlus())

@@ -439,6 +439,46 @@ class TestRecurrentPolicies:
         keys = ("observation", *state_keys(kind))
         torch.testing.assert_close(total_relevance(out, keys), chosen(out).sum(), rtol=1e-6, atol=0)
 
+    @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+    @pytest.mark.parametrize("recurrent_mode", [False, True], ids=["step", "sequence"])
+    def test_outputs_under_no_grad_are_those_of_the_policy_under_no_grad(self, kind, recurrent_mode):
+        """A collector runs its policy under no_grad, where torch's float32 LSTM takes another kernel than with
+        gradient (the values differ in the last bits): the outputs under LRP are those of the plain call in the
+        caller's grad mode, so that a rollout takes the same actions and carries the same states."""
+        policy, _ = recurrent_policy(kind, python_based=False)
+        policy = policy.float()
+        td = recurrent_inputs(kind, batch=(3, 5) if recurrent_mode else (1,))
+        td = td.apply(lambda t: t.float() if t.is_floating_point() else t)
+        lrp = LRP(policy, PRESET())
+        with torch.no_grad(), set_recurrent_mode(recurrent_mode):
+            plain = policy(td.clone())
+            out = lrp(td.clone())
+        assert lrp.coverage().plain_gradient == ()
+        for key in ("embed", "action_value", *[("next", k) for k in state_keys(kind)]):
+            assert torch.equal(out[key], plain[key]), key
+        with set_recurrent_mode(recurrent_mode):
+            with_grad = LRP(policy, PRESET())(td.clone())
+        torch.testing.assert_close(out["relevance", "observation"], with_grad["relevance", "observation"])
+
+    @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+    def test_a_scan_backend_in_recurrent_mode_is_refused_naming_the_module(self, kind):
+        """torchrl's ``recurrent_backend="scan"`` runs the recurrence outside the module's nn.LSTM/nn.GRU (a custom
+        autograd function for the GRU, a higher-order op for the LSTM): no rule sees it, so it is refused; step
+        mode and the pad backend, on the same parameters, are explained."""
+        policy, rnn = recurrent_policy(kind)
+        rnn.recurrent_backend = "scan"
+        td = recurrent_inputs(kind, states=False)
+        before = td.clone()
+        with set_recurrent_mode(True), pytest.raises(ValueError, match=rf"{kind}Module 'module.0'.*'scan'.*'pad'"):
+            LRP(policy, PRESET())(td)
+        assert (td == before).all() and set(td.keys(True, True)) == set(before.keys(True, True))
+        step = recurrent_inputs(kind, batch=(4,))
+        LRP(policy, PRESET())(step)  # step by step: torchrl runs the pad backend
+        rnn.recurrent_backend = "pad"
+        with set_recurrent_mode(True):
+            out = LRP(policy, PRESET())(td.clone())
+        torch.testing.assert_close(out["relevance", "observation"].sum(), chosen(out).sum(), rtol=1e-6, atol=0)
+
     def test_rollout_with_a_recurrent_policy_writes_relevance_every_step(self):
         policy, rnn = recurrent_policy("LSTM", actions=2)
         policy = policy.float()  # CartPole's observations are float32

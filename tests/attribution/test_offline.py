@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from tensordict import MemoryMappedTensor, TensorDict
+from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
-from torchrl.modules import MLP, QValueActor
+from torchrl.modules import MLP, GRUModule, LSTMModule, QValueActor, set_recurrent_mode
 
 from tdhook.attribution import LRP, explain_offline
 from tdhook.attribution._offline_shards import shard_runs
@@ -140,6 +141,49 @@ def test_sources_with_two_batch_dimensions(tmp_path, kind):
     expected = lrp(rows.clone())["relevance", "observation"]
     assert out.batch_size == rows.batch_size and expected.shape == (*rows.batch_size, 4)
     torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
+
+
+def recurrent_policy_and_trajectories(kind: str) -> tuple[TensorDictSequential, TensorDict]:
+    torch.manual_seed(0)
+    module = LSTMModule if kind == "LSTM" else GRUModule
+    rnn = module(input_size=4, hidden_size=5, in_key="observation", out_key="embed").double()
+    head = TensorDictModule(MLP(in_features=5, out_features=2, num_cells=[8]).double(), ["embed"], ["action_value"])
+    steps = TensorDict(
+        observation=torch.randn(4, 5, 4, dtype=torch.float64),
+        is_init=torch.zeros(4, 5, 1, dtype=torch.bool),
+        batch_size=[4, 5],
+    )
+    steps["is_init"][:, 0] = True
+    return TensorDictSequential(rnn, head), steps
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_trajectories_of_a_recurrent_policy_that_hold_no_recurrent_states(tmp_path, kind):
+    """A torchrl LSTMModule/GRUModule reads its recurrent states when the data holds them and starts from zeros
+    otherwise: stored trajectories ``[N, T]`` without them are explained by their observations alone."""
+    policy, steps = recurrent_policy_and_trajectories(kind)
+    buffer = ReplayBuffer(storage=LazyTensorStorage(40, ndim=2))
+    buffer.extend(steps)
+    lrp = LRP(policy, EpsilonPlus())
+    with set_recurrent_mode(True):
+        expected = lrp(steps.clone())["relevance", "observation"]
+        for source in (steps, buffer.storage[:].transpose(0, 1)):  # trajectories as rows
+            out = explain_offline(lrp, source, tmp_path / f"out-{len(list(tmp_path.iterdir()))}", progress=False)
+            assert set(out.keys(include_nested=True, leaves_only=True)) == {("relevance", "observation"), "explained"}
+            torch.testing.assert_close(out["relevance", "observation"].clone(), expected)
+
+
+def test_a_time_major_buffer_under_a_policy_in_recurrent_mode_is_refused_naming_the_module(tmp_path):
+    """A replay buffer of ``ndim=2`` extended along time (torchrl's default) stores time first, so its rows are time
+    steps; a recurrent module in recurrent mode would read its environments as time steps (50% off)."""
+    policy, steps = recurrent_policy_and_trajectories("GRU")
+    buffer = ReplayBuffer(storage=LazyTensorStorage(40, ndim=2))
+    buffer.extend(steps)
+    with set_recurrent_mode(True), pytest.raises(ValueError, match=r"GRUModule 'module.0'.*recurrent mode.*transpose"):
+        explain_offline(LRP(policy, EpsilonPlus()), buffer, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    out = explain_offline(LRP(policy, EpsilonPlus()), buffer, tmp_path / "out", progress=False)  # step by step
+    assert out.batch_size == (5, 4)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 5])

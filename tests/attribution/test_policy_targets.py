@@ -317,3 +317,81 @@ def test_an_exploring_policy_explains_the_action_it_takes(exploration):
     assert list(out["relevance"].keys()) == ["observation"]
     alone = LRP(actor, EpsilonPlus())(td.clone())
     torch.testing.assert_close(out["relevance", "observation"], alone["relevance", "observation"])
+
+
+@pytest.mark.parametrize("exploration", ["OrnsteinUhlenbeck", "AdditiveGaussian"])
+@pytest.mark.parametrize("calls", [1, 3], ids=["one-call", "three-calls-in-a-context"])
+def test_an_exploring_policy_whose_noise_reaches_the_bounds_still_explains_the_actor(exploration, calls):
+    """The exploration step projects the noisy action into the spec (a clamp). That projection is part of the
+    perturbation, a constant of the call like the noise: a clamped step keeps the actor's relevance instead of
+    getting none."""
+    torch.manual_seed(0)
+    spec = Bounded(-1.0, 1.0, (2,), dtype=F64)
+    net = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2)).double()
+    actor = Actor(net, in_keys=["observation"], spec=spec)
+    if exploration == "OrnsteinUhlenbeck":
+        noise = OrnsteinUhlenbeckProcessModule(spec=spec, sigma=5.0, theta=0.0)
+    else:
+        noise = AdditiveGaussianModule(spec=spec, sigma_init=5.0, sigma_end=5.0)
+    policy = TensorDictSequential(actor, noise)
+    td = TensorDict(
+        observation=torch.randn(16, 3, dtype=F64), is_init=torch.ones(16, 1, dtype=torch.bool), batch_size=[16]
+    )
+    lrp = LRP(policy, target="all")
+    with set_exploration_type(ExplorationType.RANDOM), lrp:
+        for _ in range(calls):
+            torch.manual_seed(1)
+            plain = policy(td.clone())
+            torch.manual_seed(1)
+            out = lrp(td.clone())
+    assert torch.equal(out["action"], plain["action"])
+    assert (out["action"].abs() == 1).any() and (out["action"].abs() < 1).any()  # some steps hit the bounds
+    x = td["observation"].clone().requires_grad_(True)
+    expected = torch.stack([x.detach() * torch.autograd.grad(net(x)[:, unit].sum(), x)[0] for unit in range(2)], 1)
+    torch.testing.assert_close(out["relevance", "observation"], expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("distribution", [MaskedCategorical, MaskedOneHotCategorical], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("held", [False, True], ids=["best-allowed", "held-action"])
+def test_masked_agents_explain_each_agents_allowed_or_held_action(distribution, held):
+    """The logits, mask and action of a multi-agent policy live under the agents' key, with the agents in its
+    batch: each agent's action (the one the TensorDict holds, else its best allowed one) is explained."""
+    from torchrl.modules import MultiAgentMLP
+
+    torch.manual_seed(0)
+    batch, agents, actions = 4, 3, 5
+    net = MultiAgentMLP(
+        4, actions, n_agents=agents, centralized=True, share_params=False, depth=1, activation_class=nn.ReLU
+    ).double()
+    actor = ProbabilisticActor(
+        TensorDictModule(net, in_keys=[("agents", "observation")], out_keys=[("agents", "logits")]),
+        in_keys={"logits": ("agents", "logits"), "mask": ("agents", "action_mask")},
+        out_keys=[("agents", "action")],
+        distribution_class=distribution,
+    )
+    observation = torch.randn(batch, agents, 4, dtype=F64)
+    mask = torch.rand(batch, agents, actions) > 0.5
+    mask[..., 0] = True
+    logits = net(observation).detach()
+    chosen = torch.multinomial(mask.double().flatten(0, 1), 1).reshape(batch, agents)
+    if not held:
+        chosen = logits.masked_fill(~mask, float("-inf")).argmax(-1)
+    agents_td = TensorDict(observation=observation, action_mask=mask, batch_size=[batch, agents])
+    if held:
+        one_hot = distribution is MaskedOneHotCategorical
+        agents_td["action"] = nn.functional.one_hot(chosen, actions) if one_hot else chosen
+    out = LRP(actor)(TensorDict(agents=agents_td, batch_size=[batch]))
+    x = observation.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(net(x).gather(-1, chosen.unsqueeze(-1)).sum(), x)
+    torch.testing.assert_close(out["relevance", "agents", "observation"], x.detach() * grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("distribution", [MaskedCategorical, MaskedOneHotCategorical], ids=lambda d: d.__name__)
+def test_a_held_action_that_is_not_one_per_row_of_logits_is_named(distribution):
+    actor = masked_actor(distribution)
+    td = masked_td(actor)
+    td["action"] = torch.zeros(6, 2, 2, dtype=torch.long)  # two actions per sample
+    before = td.clone()
+    with pytest.raises(ValueError, match=r"action at 'action' \(shape \[6, 2, 2\]\) is not one action per row"):
+        LRP(actor)(td)
+    assert set(td.keys()) == set(before.keys()) and (td == before).all()

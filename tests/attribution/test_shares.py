@@ -55,3 +55,28 @@ def test_shares_of_a_rollout_keep_batch_and_time():
 def test_missing_relevance_is_named():
     with pytest.raises(KeyError, match="no 'relevance' entry"):
         relevance_shares(TensorDict(x=torch.ones(2), batch_size=[2]))
+
+
+def test_an_actor_critic_pipeline_gets_the_shares_of_each_target_within_that_target():
+    """Relevance of two targets (an actor's logits and a critic's value) does not add up: each target's shares
+    are taken from its own relevance, named by its nested relevance key."""
+    from torchrl.modules import ActorValueOperator, OneHotCategorical, ProbabilisticActor, ValueOperator
+
+    torch.manual_seed(0)
+    common = TensorDictModule(lambda a, b: torch.cat([a, b], -1), ["a", "b"], ["hidden"])
+    actor_net = MLP(in_features=6, out_features=2, num_cells=[8], activation_class=torch.nn.ReLU)
+    actor = ProbabilisticActor(
+        TensorDictModule(actor_net, ["hidden"], ["logits"]), in_keys=["logits"], distribution_class=OneHotCategorical
+    )
+    critic = ValueOperator(
+        MLP(in_features=6, out_features=1, num_cells=[8], activation_class=torch.nn.ReLU), ["hidden"]
+    )
+    td = LRP(ActorValueOperator(common, actor, critic))(
+        TensorDict(a=torch.randn(5, 2), b=torch.randn(5, 4), batch_size=[5])
+    )
+    for target in ("actor", "critic"):
+        shares = relevance_shares(td, relevance_key=("relevance", target))
+        assert set(shares.keys()) == {"a", "b"}
+        a_total, b_total = (td["relevance", target, key].abs().sum(-1) for key in ("a", "b"))
+        torch.testing.assert_close(shares["a"], a_total / (a_total + b_total))
+        torch.testing.assert_close(shares["a"] + shares["b"], torch.ones(5))

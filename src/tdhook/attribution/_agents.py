@@ -52,6 +52,9 @@ def _map_by_loop(vmapped: Callable) -> Callable:
         out_dim = out_dims[0] if isinstance(out_dims, tuple) else out_dims
 
         def call(params: Any, *inputs: torch.Tensor) -> torch.Tensor:
+            if _has_lazy_parameters(params):  # lazy layers take their shapes from the network's own vmapped call
+                with torch.no_grad(), plain_calls():
+                    vmapped(module, in_dims, out_dims, **kwargs)(params, *_detached(inputs))
             outputs = []
             for agent in range(params.shape[0]):
                 agent_inputs = [
@@ -63,13 +66,20 @@ def _map_by_loop(vmapped: Callable) -> Callable:
             if not looped.requires_grad:
                 return looped
             with torch.no_grad(), plain_calls():  # detached: tensors that require grad take other kernels under vmap
-                detached = [x.detach() if isinstance(x, torch.Tensor) else x for x in inputs]
-                value = vmapped(module, in_dims, out_dims, **kwargs)(params.detach(), *detached)
+                value = vmapped(module, in_dims, out_dims, **kwargs)(params.detach(), *_detached(inputs))
             return redirect(value, [looped], lambda grad: [grad])
 
         return call
 
     return map_over_agents
+
+
+def _detached(inputs: tuple) -> list:
+    return [x.detach() if isinstance(x, torch.Tensor) else x for x in inputs]
+
+
+def _has_lazy_parameters(params: Any) -> bool:
+    return any(isinstance(p, nn.parameter.UninitializedTensorMixin) for p in params.values(True, True))
 
 
 def _is_vmapped_agents(module: nn.Module) -> bool:

@@ -232,10 +232,12 @@ class NonlinearCalls(TorchFunctionMode):
             if function is None or function.__module__.startswith("tdhook."):
                 continue  # not a custom Function, or one of the rules' own
             number = node._sequence_nr()
-            # The innermost module call whose span holds the node: the one that started last among them.
+            # The innermost module call whose span holds the node: the one that started last among them, and of
+            # those that started with the same number (a module whose first node is its first child's), the one
+            # called last (the spans are in the order of the calls).
             spans = [span for span in self._spans if span[1] <= number < span[2]]
             if spans:
-                name, _, _, ruled = max(spans, key=lambda span: span[1])
+                name, _, _, ruled = max(reversed(spans), key=lambda span: span[1])
                 if not ruled:
                     calls.append((name, f"{function.__name__} (an autograd.Function with its own backward)", node))
         return calls

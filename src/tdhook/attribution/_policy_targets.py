@@ -146,9 +146,16 @@ def allowed_action(
     action_key = unravel_key(sampler.out_keys[0])
     taken = tensordict.get(action_key, None)
     one_hot = issubclass(sampler.distribution_class, MaskedOneHotCategorical)
-    if isinstance(taken, torch.Tensor):
-        return taken.long().argmax(-1) if one_hot else taken.long().reshape(taken.shape[: tensordict.batch_dims])
     logits = result.get(target_key).detach()
+    if isinstance(taken, torch.Tensor):  # one action per row of logits (the agents of a nested key included)
+        if (taken.shape[:-1] if one_hot else taken.numel()) != (
+            logits.shape[:-1] if one_hot else logits[..., 0].numel()
+        ):
+            raise ValueError(
+                f"LRP: the action at {action_key!r} (shape {list(taken.shape)}) is not one action per row of the "
+                f"logits at {target_key!r} (shape {list(logits.shape)}); it is the action explained by default"
+            )
+        return taken.long().argmax(-1) if one_hot else taken.long().reshape(logits.shape[:-1])
     if "mask" not in dist_keys:
         return logits.argmax(-1)
     mask = result.get(unravel_key(sampler.in_keys[dist_keys.index("mask")])).to(torch.bool)

@@ -13,7 +13,6 @@ from tensordict.nn import TensorDictModuleBase, dispatch
 from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
-from tdhook.attribution._agents import agent_by_agent
 from tdhook.attribution._backward import leaf_relevance
 from tdhook.attribution._backward_passes import (
     DEFAULT_MEMORY_BUDGET,
@@ -51,6 +50,8 @@ from tdhook.attribution._inputs import (
 from tdhook.attribution._keys import layer_keys, read_not_written, relevance_keys
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
 from tdhook.attribution._model_run import run_model
+from tdhook.attribution._module_hooks import module_hooks
+from tdhook.attribution._no_grad_values import called_in_grad_mode
 from tdhook.attribution._plain_modules import as_tensordict_module
 from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
@@ -302,7 +303,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             for name in self.layer_keys:
                 self._hooks.append(modules[name].register_forward_hook(self._layers.hook(name)))
             self._hooks += self._tokens.register(modules)  # on each nn.Embedding and nn.EmbeddingBag
-            self._hooks += agent_by_agent(modules)  # multi-agent networks that vmap their agents: one by one
+            self._hooks += module_hooks(modules)  # torchrl's modules and the caller's grad mode (see _module_hooks)
             # Copies of the model made inside the context (deepcopy, pickle) leave every hook of the context out.
             hook_ids = {hook.id for hook in self._hooks} | {h.id for handle in handles for h in handle.hook_handles()}
             self._hooks.append(hide_from_copies(modules.values(), hook_ids))
@@ -358,7 +359,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
 
     @dispatch(auto_batch_size=False)
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        with self._lock:  # calls from several threads run one after the other (docs/guarantees.md)
+        with self._lock, called_in_grad_mode(torch.is_grad_enabled()):  # one call at a time (docs/guarantees.md)
             if self._handles is None and not self._inactive:
                 with self:
                     return self._explain(tensordict)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from tensordict import NestedKey, TensorDict, TensorDictBase
+from torchrl.modules import GRUModule, LSTMModule
 
 from tdhook.attribution._offline_shards import barrier, process_group, shard_runs
 from tdhook.attribution.lrp import LRP
@@ -129,8 +130,11 @@ def explain_offline(
     Args:
         lrp: the LRP wrapper (its rules are registered once for the whole pass).
         source: a TensorDict (memory-mapped or not) of any batch shape, or a torchrl ``ReplayBuffer``
-            (its storage in storage order, a two-dimensional ``[N, T]`` storage included); rows are taken
-            along the first batch dimension.
+            (its storage in storage order, a two-dimensional storage included); rows are taken
+            along the first batch dimension. A two-dimensional storage extended along time (torchrl's
+            default ``dim_extend``) holds time first; a policy with an ``LSTMModule`` or ``GRUModule`` in
+            recurrent mode needs trajectories as rows (``buffer.storage[:].transpose(0, 1)``), and is refused
+            that storage with a ``ValueError`` naming the module.
         prefix: folder of the output memory-mapped TensorDict, reopened with
             ``TensorDict.load_memmap(prefix)``. Created on first use; an existing
             one of the right length is written into.
@@ -166,6 +170,7 @@ def explain_offline(
         ...     out.is_memmap(), out["relevance", "observation"].shape, bool(out["explained"].all())
         (True, torch.Size([10, 3]), True)
     """
+    _refuse_time_read_as_rows(lrp, source)
     length = _source_length(source)
     stop = length if stop is None else stop
     if not 0 <= start <= stop <= length:
@@ -185,6 +190,25 @@ def explain_offline(
     elif not checked:
         _check_output(output, _one_row_relevance(lrp, source), prefix, length)
     return output
+
+
+def _refuse_time_read_as_rows(lrp: LRP, source) -> None:
+    """A replay buffer whose storage has several dimensions and was extended along a later one (``dim_extend``,
+    torchrl's default for ``ndim=2``: time) holds time first, so its rows are time steps of every environment;
+    a torchrl LSTMModule or GRUModule in recurrent mode reads the last batch dimension as time and would run the
+    environments as the steps of one trajectory."""
+    storage = getattr(source, "storage", None) if not isinstance(source, TensorDictBase) else None
+    if storage is None or getattr(storage, "ndim", 1) < 2 or not getattr(source, "dim_extend", 0):
+        return
+    for name, module in lrp.named_explained_modules().items():
+        if isinstance(module, (LSTMModule, GRUModule)) and module.recurrent_mode:
+            raise ValueError(
+                f"explain_offline: the replay buffer's storage (shape {list(storage.shape)}) holds time first "
+                f"(extended along dim_extend={source.dim_extend}), and {type(module).__name__} {name!r} runs in "
+                "recurrent mode, reading the last batch dimension as time: it would take the environments for "
+                "time steps. Pass the trajectories as rows, buffer.storage[:].transpose(0, 1), or explain step "
+                "by step outside recurrent mode with the recurrent states stored"
+            )
 
 
 def _existing_output(prefix: Path, length: int) -> TensorDictBase | None:
@@ -221,7 +245,7 @@ def _explain_runs(
         for begin, end in runs:
             relevance = lrp(_rows(source, begin, end))
             if not checked:
-                relevance_only = relevance.select(*lrp.relevance_keys)
+                relevance_only = _written_relevance(lrp, relevance)
                 if output is None:
                     output = _create(relevance_only, length, prefix)
                     leaves, done = _writable(output)
@@ -278,10 +302,16 @@ def _explain_sharded(
     return output
 
 
+def _written_relevance(lrp: LRP, result: TensorDictBase) -> TensorDictBase:
+    """The relevance keys a call wrote: those of inputs the data leaves out (the recurrent states of a torchrl
+    LSTMModule, which then starts from zeros) are not."""
+    return result.select(*lrp.relevance_keys, strict=False)
+
+
 def _one_row_relevance(lrp: LRP, source) -> TensorDictBase:
     """The relevance keys of the source's first row: what the output's entries must hold."""
     with lrp:
-        return lrp(_rows(source, 0, 1)).select(*lrp.relevance_keys)
+        return _written_relevance(lrp, lrp(_rows(source, 0, 1)))
 
 
 def _create(relevance: TensorDictBase, length: int, prefix: Path) -> TensorDictBase:

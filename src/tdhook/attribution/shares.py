@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import NestedKey, TensorDict, TensorDictBase
 
 from tdhook.attribution.rules._numerics import safe_divide
 
 __all__ = ["relevance_shares"]
 
 
-def relevance_shares(tensordict: TensorDictBase, relevance_key: str = "relevance", signed: bool = False) -> TensorDict:
+def relevance_shares(
+    tensordict: TensorDictBase, relevance_key: NestedKey = "relevance", signed: bool = False
+) -> TensorDict:
     """Each relevance key's share of the total, per batch element (per step of a rollout).
 
     A key's relevance is summed over its own (non-batch) dimensions; by default
@@ -18,9 +20,16 @@ def relevance_shares(tensordict: TensorDictBase, relevance_key: str = "relevance
     (zero where all relevance is zero). With ``signed=True`` the signed sums are
     divided by the signed total, as conservation accounts for relevance.
 
+    Every relevance key under ``relevance_key`` shares one total: relevance of
+    one target. A wrapper that explains several targets at once (a dict
+    ``target_key``, or the ``{"actor", "critic"}`` default of an actor-critic
+    pipeline) writes each target's relevance under ``(relevance_key, name)``;
+    take each target's shares with ``relevance_key=("relevance", name)``, as
+    the actor's logits and the critic's value do not add up.
+
     Args:
         tensordict: a TensorDict written by :class:`~tdhook.attribution.LRP`.
-        relevance_key: the prefix of the relevance keys.
+        relevance_key: the prefix of the relevance keys, nested for one target of several.
         signed: use signed rather than absolute relevance.
 
     Returns:
@@ -36,7 +45,7 @@ def relevance_shares(tensordict: TensorDictBase, relevance_key: str = "relevance
         >>> shares["pixels"], shares["state"]
         (tensor([0.7500, 0.7500]), tensor([0.2500, 0.2500]))
     """
-    if relevance_key not in tensordict.keys():
+    if relevance_key not in tensordict.keys(include_nested=True):
         raise KeyError(f"relevance_shares: the TensorDict has no {relevance_key!r} entry; run it through LRP first")
     relevance = tensordict.get(relevance_key)
     batch_dims = tensordict.batch_dims

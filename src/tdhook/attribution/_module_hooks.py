@@ -1,0 +1,40 @@
+"""The hooks an LRP context puts on the model's modules besides the rules, for torchrl's modules and grad modes.
+
+* multi-agent networks that vmap their agents run them one by one (:mod:`._agents`);
+* exploration steps after an actor perturb the action by a constant of the call (:mod:`._exploration`);
+* under a caller's ``no_grad``, modules whose kernels depend on the grad mode give that mode's values
+  (:mod:`._no_grad_values`);
+* recurrent modules whose backend bypasses their ``nn.LSTM``/``nn.GRU`` are refused (:mod:`._recurrent_backends`).
+
+Examples:
+    >>> from torch import nn
+    >>> hooks = module_hooks(dict(nn.LSTM(3, 4).named_modules()))
+    >>> len(hooks)
+    1
+    >>> for hook in hooks:
+    ...     hook.remove()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from tdhook.attribution._agents import agent_by_agent
+from tdhook.attribution._exploration import perturbation_held_constant
+from tdhook.attribution._no_grad_values import caller_values
+from tdhook.attribution._recurrent_backends import refuse_bypassing_backends
+
+__all__ = ["module_hooks"]
+
+
+def module_hooks(modules: Mapping[str, nn.Module]) -> list[RemovableHandle]:
+    """Every hook of the module docstring that applies to ``modules`` (the model's modules by name)."""
+    return [
+        *agent_by_agent(modules),
+        *perturbation_held_constant(modules),
+        *caller_values(modules),
+        *refuse_bypassing_backends(modules),
+    ]

@@ -1,0 +1,96 @@
+"""Outputs of a wrapper called without gradient: the values the model gives its caller in that mode.
+
+A wrapper runs the model with gradient whatever the mode it is called in (a
+collector calls its policy under ``torch.no_grad()``). A few torch modules
+take another kernel when no gradient is recorded: the float32 ``nn.LSTM`` on
+CPU, and the fast path of ``nn.TransformerEncoderLayer``, ``nn.TransformerEncoder``
+and ``nn.MultiheadAttention``. Their values then differ from the plain call's in
+the last bits, enough to change a recurrent policy's states and, now and then,
+its action. While the caller's mode is ``no_grad``, the outermost such module
+(:func:`caller_values`) runs once more without gradient and rules, and its
+output takes those values, its gradient still flowing through the ruled pass.
+
+Examples:
+    >>> import torch
+    >>> from torch import nn
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> lstm, x = nn.LSTM(3, 4, num_layers=2, batch_first=True), torch.randn(2, 5, 3)
+    >>> with torch.no_grad():
+    ...     plain = lstm(x)[0]
+    >>> hooks = caller_values({"": lstm})
+    >>> with torch.no_grad(), called_in_grad_mode(torch.is_grad_enabled()), torch.enable_grad():
+    ...     y = lstm(x.requires_grad_())[0]
+    >>> torch.equal(y, plain), y.requires_grad
+    (True, True)
+    >>> for hook in hooks:
+    ...     hook.remove()
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+from torch.utils.hooks import RemovableHandle
+
+from tdhook.attribution.rules._autograd import redirect
+from tdhook.attribution.rules.base import plain_calls
+
+__all__ = ["called_in_grad_mode", "caller_grad_enabled", "caller_values"]
+
+# torch's own modules whose kernels differ with and without gradient (subclasses with their own forward, such as
+# torchrl's Python LSTM, compute the same either way).
+_BY_GRAD_MODE = (nn.LSTM, nn.GRU, nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
+
+_LOCAL = threading.local()
+
+
+@contextmanager
+def called_in_grad_mode(enabled: bool) -> Iterator[None]:
+    """Record, for this thread and the ``with`` block, the grad mode the wrapper was called in."""
+    previous = getattr(_LOCAL, "enabled", True)
+    _LOCAL.enabled = enabled
+    try:
+        yield
+    finally:
+        _LOCAL.enabled = previous
+
+
+def caller_grad_enabled() -> bool:
+    """Whether the wrapper running now was called with gradient enabled (True outside any wrapper call)."""
+    return getattr(_LOCAL, "enabled", True)
+
+
+def _differs_by_grad_mode(module: nn.Module) -> bool:
+    return any(type(module).forward is kind.forward for kind in _BY_GRAD_MODE)
+
+
+def _route(value: Any, output: Any) -> Any:
+    if isinstance(output, torch.Tensor) and output.requires_grad and isinstance(value, torch.Tensor):
+        return redirect(value, [output], lambda grad: [grad])
+    return output
+
+
+def _caller_values_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    if caller_grad_enabled() or not torch.is_grad_enabled():
+        return None
+    # No rules, and no function modes (a mode active keeps the transformer layers off their fast path).
+    with torch.no_grad(), plain_calls(), torch._C.DisableTorchFunction():
+        values = module(*args, **kwargs)
+    return tree_map(_route, values, output)
+
+
+def caller_values(modules: Mapping[str, nn.Module]) -> list[RemovableHandle]:
+    """Make the outermost modules among ``modules`` whose kernels depend on the grad mode give, when the wrapper
+    was called without gradient, the values of that mode; the returned hook handles end it."""
+    found = {name: m for name, m in modules.items() if _differs_by_grad_mode(m)}
+    outermost = [
+        m for name, m in found.items() if not any(name.startswith(f"{o}.") or o == "" for o in found if o != name)
+    ]
+    return [m.register_forward_hook(_caller_values_hook, with_kwargs=True) for m in outermost]

@@ -1,0 +1,56 @@
+"""A wrapper called under no_grad writes the values the model gives without gradient (torch's LSTM and transformer
+fast paths compute other bits then), and the relevance of the call with gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+
+from tdhook.attribution import LRP, AttnLRP, EpsilonPlus
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 8, num_layers=2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0])
+
+
+class Attending(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x)[:, -1])
+
+
+MODELS = {"lstm": (Recurrent, 4, EpsilonPlus), "transformer": (Attending, 8, AttnLRP)}
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_outputs_under_no_grad_are_the_plain_calls_and_relevance_that_of_a_call_with_gradient(kind):
+    model_class, features, mapper = MODELS[kind]
+    torch.manual_seed(0)
+    model = TensorDictModule(model_class().eval(), in_keys=["x"], out_keys=["y"])
+    td = TensorDict(x=torch.randn(3, 5, features), batch_size=[3])
+    with torch.no_grad():
+        plain = model(td.clone())["y"]
+    with_grad = LRP(model, mapper())(td.clone())
+    assert not torch.equal(with_grad["y"], plain)  # the kernels differ: otherwise this test proves nothing
+    lrp = LRP(model, mapper())
+    with torch.no_grad(), lrp:
+        first, second = lrp(td.clone()), lrp(td.clone())  # the first call watches with a function mode
+    for out in (first, second):
+        assert torch.equal(out["y"], plain) and not out["y"].requires_grad
+        torch.testing.assert_close(out["relevance", "x"], with_grad["relevance", "x"], rtol=1e-5, atol=1e-7)
+    assert torch.equal(with_grad["y"], model(td.clone())["y"])  # with gradient, the values of the call with gradient
+    assert not model.module._forward_hooks and not any(m._forward_hooks for m in model.module.modules())
