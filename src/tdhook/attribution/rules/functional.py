@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import types
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -57,11 +58,16 @@ _ACTIVATION_FUNCTIONS = frozenset(
     | {torch.tanh, torch.sigmoid, torch.Tensor.tanh, torch.Tensor.sigmoid}
 )
 
+# Dropout as a function (attention dropout in eager attention): its keyword that says whether it drops, by function.
+_DROPOUTS = {F.dropout: "training", F.dropout1d: "training", F.dropout2d: "training", F.dropout3d: "training"}
+_DROPOUTS |= {F.alpha_dropout: "training", F.feature_alpha_dropout: "training", torch.dropout: "train"}
+
 
 _HANDLED = frozenset(
     _PRODUCTS
     | _SOFTMAX
     | _ACTIVATION_FUNCTIONS
+    | set(_DROPOUTS)
     | {torch.baddbmm, F.scaled_dot_product_attention, F.layer_norm, F.rms_norm, F.multi_head_attention_forward}
 )
 
@@ -169,6 +175,10 @@ class FunctionalRules(TorchFunctionMode):
             weight = call_argument(args, kwargs, 2, "weight")
             eps = call_argument(args, kwargs, 3, "eps")
             return LayerNormRule.rms_norm(func(*args, **kwargs), args[0], len(shape), weight, eps)
+        if func in _DROPOUTS:
+            dropping = call_argument(args, kwargs, 2, _DROPOUTS[func], func is not torch.dropout)
+            _warn_random(call_argument(args, kwargs, 1, "p", 0.5) if dropping else 0.0)
+            return mark_parameter_derived(args, func(*args, **kwargs))
         if func in _COMPOSITES:
             with self:
                 return _COMPOSITES[func](*args, **kwargs)
@@ -180,6 +190,7 @@ class FunctionalRules(TorchFunctionMode):
 
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
         attention = F.scaled_dot_product_attention
+        _warn_random(dropout_p)
         if isinstance(self.softmax, AHQKVRule) and graph_kept() is None:
             query, key = hold(query), hold(key)
             return attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
@@ -212,3 +223,16 @@ class FunctionalRules(TorchFunctionMode):
                 else:
                     scores = scores + attn_mask
             return torch.softmax(scores, dim=-1) @ value
+
+
+def _warn_random(p: float) -> None:
+    """Warn that a dropout call drops (``p > 0``): the explanation is random from call to call, as for a
+    ``Dropout`` module in training mode (under CP-LRP the dropped attention weights are held constant, but they
+    still differ from call to call)."""
+    if p:
+        warnings.warn(
+            f"LRP: the forward pass calls dropout (p={p}) in training mode, outside any Dropout module (attention "
+            "dropout, mostly), so each forward pass drops other units and the explanation is random from call to "
+            "call; call .eval() on the model for a deterministic one",
+            stacklevel=4,
+        )
