@@ -194,6 +194,13 @@ ZOO = {
     "convbert": Architecture(
         "ConvBertConfig", "ConvBertForSequenceClassification", dict(embedding_size=HIDDEN), sdpa=False
     ),
+    # Funnel: relative attention scores written as einsums, the sequence pooled between blocks; eager only.
+    "funnel": Architecture(
+        "FunnelConfig",
+        "FunnelForSequenceClassification",
+        dict(num_hidden_layers=None, d_model=HIDDEN, n_head=4, d_head=8, d_inner=64, block_sizes=[1, 1]),
+        sdpa=False,
+    ),
     # GPT-BigCode: multi-query attention (one key and value head for all query heads).
     "gpt_bigcode": Architecture(
         "GPTBigCodeConfig",
