@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
 from torch import nn
 
 from tdhook.attribution import LRP
@@ -238,3 +239,31 @@ def test_an_encoder_decoder_conserves_over_both_sequences_under_cplrp(name: str)
             assert td["relevance", "source"].abs().sum() > 0 and td["relevance", "target"].abs().sum() > 0
     for preset in PRESETS:
         assert relative_error(relevance["sdpa", preset], relevance["eager", preset]) <= 1e-6
+
+
+class WithMask(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, embeds: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(inputs_embeds=embeds, attention_mask=attention_mask).logits[:, -1]
+
+
+def test_an_attention_mask_given_as_an_input_key_is_fed_but_not_explained():
+    """A plain module's ``in_keys`` are its inputs, so the integer mask is one of the explained inputs: the error
+    says how to feed it without explaining it (a ``TensorDictModule``, and ``in_keys`` for the wrapper), and that
+    way the embeddings are explained, none on the padding."""
+    model, x = ZOO["llama"].build("sdpa"), model_input(ZOO["llama"])
+    mask = torch.ones(BATCH, TOKENS, dtype=torch.long)
+    mask[0, :PADDED] = 0
+    td = TensorDict(embeds=x, attention_mask=mask, batch_size=[BATCH])
+    plain = LRP(WithMask(model), PRESETS["cplrp"](), in_keys=["embeds", "attention_mask"], out_keys=["y"])
+    with pytest.raises(TypeError, match="'attention_mask' holds integer tokens.*TensorDictModule.*in_keys"):
+        plain(td)
+    module = TensorDictModule(WithMask(model), in_keys=["embeds", "attention_mask"], out_keys=["y"])
+    explained = LRP(module, PRESETS["cplrp"](), in_keys=["embeds"])(td)
+    assert list(explained["relevance"].keys()) == ["embeds"]
+    relevance = explained["relevance", "embeds"]
+    assert torch.equal(relevance[0, :PADDED], torch.zeros(PADDED, HIDDEN, dtype=F64))
+    assert relevance[0, PADDED:].abs().sum() > 0

@@ -154,7 +154,9 @@ class TokenInputs:
                 raise TypeError(
                     f"LRP: input key {key!r} holds integer tokens ({dtype}), which receive relevance only through "
                     f"an nn.Embedding that reads them directly, and no nn.Embedding did{pixels}; pass in_keys=[...] "
-                    "to explain only the floating-point inputs"
+                    "to explain only the floating-point inputs (a plain nn.Module's in_keys are also its inputs: "
+                    "to feed it an input that is not explained, such as an attention mask, wrap it in a "
+                    "TensorDictModule with every input key and give the wrapper in_keys of the explained ones)"
                 ) from cause
 
     def per_token(self, index: int, relevance: torch.Tensor) -> torch.Tensor:
