@@ -47,6 +47,35 @@ class NextToken(nn.Module):
         return self.model(inputs_embeds=x, **self.kwargs).logits[:, -1]
 
 
+class Called(nn.Module):
+    """A model called on the explained inputs by ``call(model, *inputs)``."""
+
+    def __init__(self, model: nn.Module, call) -> None:
+        super().__init__()
+        self.model = model
+        self.call = call
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.call(self.model, *inputs)
+
+
+def all_logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(inputs_embeds=x).logits
+
+
+def seq2seq(model: nn.Module, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """An encoder-decoder's next-token logits from the embeddings of both sequences."""
+    return model(inputs_embeds=source, decoder_inputs_embeds=target).logits[:, -1]
+
+
+def seq2seq_tokens(model: nn.Module, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=source, decoder_input_ids=target).logits[:, -1]
+
+
+def with_mask(model: nn.Module, embeds: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    return model(inputs_embeds=embeds, attention_mask=attention_mask).logits[:, -1]
+
+
 def explain(module: nn.Module, preset: str, x: torch.Tensor, **options) -> TensorDict:
     lrp = LRP(module, PRESETS[preset](), in_keys=["x"], out_keys=["y"], **options)
     return lrp(TensorDict(x=x.clone(), batch_size=[x.shape[0]]))
@@ -156,48 +185,20 @@ def test_returning_the_attention_weights_changes_nothing(preset: str):
     assert torch.equal(returned["relevance", "x"], explain(NextToken(model), preset, x)["relevance", "x"])
 
 
-class AllLogits(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(inputs_embeds=x).logits
-
-
-class LogitsAt(AllLogits):
-    def __init__(self, model: nn.Module, position: int) -> None:
-        super().__init__(model)
-        self.position = position
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x)[:, self.position]
-
-
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_next_token_prediction_in_one_call(preset: str):
     """``split_dim=1`` over the sequence explains the prediction at each position on its own: as one call per
     position does, with no relevance on the tokens after it (a causal model)."""
     model, x = ZOO["llama"].build("sdpa"), model_input(ZOO["llama"])
     tokens = torch.randint(0, 64, (BATCH, TOKENS), generator=torch.Generator().manual_seed(2))
-    every = explain(AllLogits(model), preset, x, split_dim=1, target=tokens)["relevance", "x"]
+    every = explain(Called(model, all_logits), preset, x, split_dim=1, target=tokens)["relevance", "x"]
     assert every.shape == (BATCH, TOKENS, TOKENS, HIDDEN)
     after = torch.ones(TOKENS, TOKENS, dtype=torch.bool).triu(1)  # [position, token]: tokens after the position
     assert torch.equal(every.sum(-1)[:, after], torch.zeros(BATCH, int(after.sum()), dtype=F64))
     for position in (0, 3, TOKENS - 1):
-        alone = explain(LogitsAt(model, position), preset, x, target=tokens[:, position])["relevance", "x"]
+        at_position = Called(model, lambda m, x, t=position: all_logits(m, x)[:, t])
+        alone = explain(at_position, preset, x, target=tokens[:, position])["relevance", "x"]
         assert relative_error(every[:, position], alone) <= 1e-12
-
-
-class Seq2Seq(nn.Module):
-    """An encoder-decoder's next-token logits from the embeddings of both sequences."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.model(inputs_embeds=source, decoder_inputs_embeds=target).logits[:, -1]
 
 
 NOT_FOR_SEQ2SEQ = {key: None for key in ("num_key_value_heads", "head_dim", "num_attention_heads", "intermediate_size")}
@@ -227,7 +228,7 @@ def test_an_encoder_decoder_conserves_over_both_sequences_under_cplrp(name: str)
         for preset in sorted(PRESETS):
             model = SEQ2SEQ[name].build(implementation)
             zero_additive(model)
-            lrp = LRP(Seq2Seq(model), PRESETS[preset](), in_keys=["source", "target"], out_keys=["y"])
+            lrp = LRP(Called(model, seq2seq), PRESETS[preset](), in_keys=["source", "target"], out_keys=["y"])
             td = lrp(TensorDict({"source": source, "target": target}, batch_size=[BATCH]))
             relevance[implementation, preset] = torch.cat(
                 [td["relevance", k].flatten(1) for k in ("source", "target")], 1
@@ -241,15 +242,6 @@ def test_an_encoder_decoder_conserves_over_both_sequences_under_cplrp(name: str)
         assert relative_error(relevance["sdpa", preset], relevance["eager", preset]) <= 1e-6
 
 
-class WithMask(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, embeds: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.model(inputs_embeds=embeds, attention_mask=attention_mask).logits[:, -1]
-
-
 def test_an_attention_mask_given_as_an_input_key_is_fed_but_not_explained():
     """A plain module's ``in_keys`` are its inputs, so the integer mask is one of the explained inputs: the error
     says how to feed it without explaining it (a ``TensorDictModule``, and ``in_keys`` for the wrapper), and that
@@ -258,12 +250,66 @@ def test_an_attention_mask_given_as_an_input_key_is_fed_but_not_explained():
     mask = torch.ones(BATCH, TOKENS, dtype=torch.long)
     mask[0, :PADDED] = 0
     td = TensorDict(embeds=x, attention_mask=mask, batch_size=[BATCH])
-    plain = LRP(WithMask(model), PRESETS["cplrp"](), in_keys=["embeds", "attention_mask"], out_keys=["y"])
+    plain = LRP(Called(model, with_mask), PRESETS["cplrp"](), in_keys=["embeds", "attention_mask"], out_keys=["y"])
     with pytest.raises(TypeError, match="'attention_mask' holds integer tokens.*TensorDictModule.*in_keys"):
         plain(td)
-    module = TensorDictModule(WithMask(model), in_keys=["embeds", "attention_mask"], out_keys=["y"])
+    module = TensorDictModule(Called(model, with_mask), in_keys=["embeds", "attention_mask"], out_keys=["y"])
     explained = LRP(module, PRESETS["cplrp"](), in_keys=["embeds"])(td)
     assert list(explained["relevance"].keys()) == ["embeds"]
     relevance = explained["relevance", "embeds"]
     assert torch.equal(relevance[0, :PADDED], torch.zeros(PADDED, HIDDEN, dtype=F64))
     assert relevance[0, PADDED:].abs().sum() > 0
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted(SEQ2SEQ))
+def test_token_ids_of_both_sequences_are_explained_through_their_embeddings(name: str, preset: str):
+    """BART's learned positions are an ``nn.Embedding`` that reads the token ids for their shape only and looks
+    up positions: the ids are embedded once, by the token embedding (it was refused as embedded twice). Each
+    token's relevance is that of its embedding, as when the model is fed the embeddings, and nothing is warned
+    of (looking at what an embedding reads was reported as a nonlinear call of the model)."""
+    model = SEQ2SEQ[name].build("sdpa")
+    generator = torch.Generator().manual_seed(0)
+    source, target = (torch.randint(3, 64, (BATCH, n), generator=generator) for n in (TOKENS, 4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from_ids = LRP(Called(model, seq2seq_tokens), PRESETS[preset](), in_keys=["source", "target"], out_keys=["y"])(
+            TensorDict({"source": source, "target": target}, batch_size=[BATCH])
+        )
+    # BART's encoder hands its positions a view of the embeddings, for their shape: no call of the model.
+    assert [str(w.message) for w in caught] == []
+    embeds = {"source": model.get_encoder().embed_tokens(source), "target": model.get_decoder().embed_tokens(target)}
+    from_embeds = LRP(Called(model, seq2seq), PRESETS[preset](), in_keys=["source", "target"], out_keys=["y"])(
+        TensorDict({key: value.detach() for key, value in embeds.items()}, batch_size=[BATCH])
+    )
+    torch.testing.assert_close(from_ids["y"], from_embeds["y"])
+    for key in ("source", "target"):
+        assert relative_error(from_ids["relevance", key], from_embeds["relevance", key].sum(-1)) <= 1e-12
+
+
+class ShapeReadingPositions(nn.Embedding):
+    """Learned positions that read the token ids for their shape only, as BART's do."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(torch.arange(ids.shape[-1]).expand_as(ids))
+
+
+class TokensAndPositions(nn.Module):
+    def __init__(self, shape_reading: bool) -> None:
+        super().__init__()
+        self.words = nn.Embedding(8, 4, dtype=F64)
+        self.positions = (ShapeReadingPositions if shape_reading else nn.Embedding)(8, 4, dtype=F64)
+        self.head = nn.Linear(4, 2, dtype=F64)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.words(tokens) + self.positions(tokens)).sum(1)
+
+
+def test_an_embedding_that_reads_the_ids_without_looking_them_up_does_not_embed_them():
+    tokens = torch.randint(0, 8, (2, 5), generator=torch.Generator().manual_seed(0))
+    td = TensorDict(tokens=tokens, batch_size=[2])
+    model = TokensAndPositions(shape_reading=True)
+    relevance = LRP(model, in_keys=["tokens"], out_keys=["y"], layers={"words": "words"})(td)
+    torch.testing.assert_close(relevance["relevance", "tokens"], relevance["relevance", "words"].sum(-1))
+    with pytest.raises(ValueError, match="'tokens' is embedded twice .again by 'positions'"):
+        LRP(TokensAndPositions(shape_reading=False), in_keys=["tokens"], out_keys=["y"])(td)  # two lookups

@@ -110,17 +110,21 @@ class TokenInputs:
                 return None
             leaves, fed = self._leaves, self._fed
             for i, tokens in self._ids.items():
-                # The tokens themselves, or a reshaped view of them (GPT-2 flattens its input_ids).
-                if args[0] is tokens or (args[0]._base is tokens and args[0].numel() == tokens.numel()):
-                    if leaves[i] is not None:
-                        raise ValueError(
-                            f"LRP: input key {self.keys[i]!r} is embedded twice (again by {name!r}); "
-                            "its token relevance would be ambiguous"
-                        )
-                    leaf = output.detach().requires_grad_(True)
-                    leaf._tdhook_embedding_of = name
-                    leaves[i], fed[i] = leaf, leaf.clone()
-                    return fed[i]
+                # Looking at what the embedding read is no call of the model: out of the function modes' sight.
+                with torch._C.DisableTorchFunction():
+                    if not _reads(args[0], tokens):
+                        continue
+                    if leaves[i] is not None and not _looks_up(module, args[0], output):
+                        return None  # it reads the ids for their shape only (BART's learned positions)
+                if leaves[i] is not None:
+                    raise ValueError(
+                        f"LRP: input key {self.keys[i]!r} is embedded twice (again by {name!r}); "
+                        "its token relevance would be ambiguous"
+                    )
+                leaf = output.detach().requires_grad_(True)
+                leaf._tdhook_embedding_of = name
+                leaves[i], fed[i] = leaf, leaf.clone()
+                return fed[i]
             return None
 
         return hook
@@ -170,3 +174,26 @@ class TokenInputs:
             ``relevance`` summed over its last dimension, shaped like the token ids.
         """
         return relevance.sum(-1).reshape(self._ids[index].shape)
+
+
+def _reads(arg: object, tokens: torch.Tensor) -> bool:
+    """Whether an embedding's input ``arg`` is the fed ``tokens``, or a reshaped view of them (GPT-2 flattens its
+    input_ids)."""
+    if arg is tokens:
+        return True
+    return isinstance(arg, torch.Tensor) and arg._base is tokens and arg.numel() == tokens.numel()
+
+
+def _looks_up(embedding: nn.Module, ids: torch.Tensor, output: torch.Tensor) -> bool:
+    """Whether ``output`` is the rows of ``embedding``'s table that ``ids`` select, up to one scale (a scaled
+    word embedding, as Gemma's and BART's): not so for an embedding that reads ids only for their shape and looks
+    up positions."""
+    weight = getattr(embedding, "weight", None)
+    if not isinstance(weight, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
+        return True  # nothing to compare with: taken as a lookup
+    with torch.no_grad():
+        rows = nn.functional.embedding(ids, weight).to(output.dtype)
+        if rows.shape != output.shape:
+            return False
+        scale = (rows * output).sum() / (rows * rows).sum().clamp_min(torch.finfo(rows.dtype).tiny)
+        return bool(torch.allclose(output, scale * rows))
