@@ -5,17 +5,30 @@ older ``transformers`` release, so the oracle runs in its own interpreter with
 that release first on ``PYTHONPATH`` (see ``test_lrp_huggingface.py``).
 
 Usage: ``python lxt_oracle.py CASE.pt RESULT.pt [CASE.pt RESULT.pt ...]``.
-Each ``CASE.pt`` holds ``kind`` (``"gpt2"`` or ``"llama"``), ``variant``
+Each ``CASE.pt`` holds ``kind`` (a key of ``MODELS``), ``variant``
 (``"attnlrp"`` or ``"cp"``, the same in every case of one process: LXT's patch
 is process-wide), the config keyword arguments, a state dict, ``embeds``
-[B, T, H] and ``target`` [B] (a vocabulary index per sample). Its
-``RESULT.pt`` receives the relevance ``embeds * grad`` of the last position's
-target logit, the logits, and the ``transformers`` version that produced them.
+[B, T, H] and ``target`` [B] (a vocabulary or class index per sample). Its
+``RESULT.pt`` receives the relevance ``embeds * grad`` of the target logit (at
+the last position for a language model), the logits, and the ``transformers``
+version that produced them.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
+
+# The models LXT 2.1 has rules for: kind -> (config class, model class, ``transformers.models`` package, LXT
+# variants). LXT's BERT rules are AttnLRP's only.
+MODELS = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", "gpt2", ("attnlrp", "cp")),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "llama", ("attnlrp", "cp")),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2", ("attnlrp", "cp")),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", ("attnlrp", "cp")),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", "gemma3", ("attnlrp", "cp")),
+    "bert": ("BertConfig", "BertForSequenceClassification", "bert", ("attnlrp",)),
+}
 
 
 def main(*paths: str) -> None:
@@ -37,17 +50,10 @@ def main(*paths: str) -> None:
 def patch(kind: str, variant: str) -> None:
     """LXT's rules on the ``transformers`` classes of ``kind``."""
     from lxt.efficient import monkey_patch
-    from transformers.models.gpt2 import modeling_gpt2
-    from transformers.models.llama import modeling_llama
 
-    if kind == "gpt2":
-        from lxt.efficient.models import gpt2 as maps
-
-        modeling = modeling_gpt2
-    else:
-        from lxt.efficient.models import llama as maps
-
-        modeling = modeling_llama
+    package = MODELS[kind][2]
+    modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    maps = importlib.import_module(f"lxt.efficient.models.{package}")
     monkey_patch(modeling, maps.attnLRP if variant == "attnlrp" else maps.cp_LRP)
 
 
@@ -55,16 +61,15 @@ def explain(case: dict, result_path: str) -> None:
     import torch
     import transformers
 
-    if case["kind"] == "gpt2":
-        config_class, model_class = transformers.GPT2Config, transformers.GPT2LMHeadModel
-    else:
-        config_class, model_class = transformers.LlamaConfig, transformers.LlamaForCausalLM
+    config_name, model_name = MODELS[case["kind"]][:2]
+    config_class, model_class = getattr(transformers, config_name), getattr(transformers, model_name)
     config = config_class(**case["config"])
     config._attn_implementation = "eager"
     model = model_class(config).to(torch.float64).eval()
     model.load_state_dict(case["state_dict"])
     embeds = case["embeds"].clone().requires_grad_(True)
-    logits = model(inputs_embeds=embeds).logits[:, -1]
+    logits = model(inputs_embeds=embeds).logits
+    logits = logits[:, -1] if logits.dim() == 3 else logits
     logits.gather(1, case["target"][:, None]).sum().backward()
     torch.save(
         {"relevance": (embeds * embeds.grad).detach(), "logits": logits.detach(), "version": transformers.__version__},

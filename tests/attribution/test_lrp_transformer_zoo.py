@@ -190,6 +190,23 @@ ZOO = {
         "MobileBertForSequenceClassification",
         dict(embedding_size=HIDDEN, intra_bottleneck_size=16, true_hidden_size=16, num_feedforward_networks=2),
     ),
+    # ConvBERT: span-based dynamic convolution, its kernels from torch.multiply of two activations; eager only.
+    "convbert": Architecture(
+        "ConvBertConfig", "ConvBertForSequenceClassification", dict(embedding_size=HIDDEN), sdpa=False
+    ),
+    # Funnel: relative attention scores written as einsums, the sequence pooled between blocks; eager only.
+    "funnel": Architecture(
+        "FunnelConfig",
+        "FunnelForSequenceClassification",
+        dict(num_hidden_layers=None, d_model=HIDDEN, n_head=4, d_head=8, d_inner=64, block_sizes=[1, 1]),
+        sdpa=False,
+    ),
+    # GPT-BigCode: multi-query attention (one key and value head for all query heads).
+    "gpt_bigcode": Architecture(
+        "GPTBigCodeConfig",
+        "GPTBigCodeForCausalLM",
+        dict(n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64, multi_query=True),
+    ),
     # DeBERTa-v2: disentangled attention (content-to-position and position-to-content scores); eager only.
     "deberta_v2": Architecture("DebertaV2Config", "DebertaV2ForSequenceClassification", sdpa=False),
     "t5_encoder": Architecture(

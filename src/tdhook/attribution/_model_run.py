@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
+from tdhook.attribution._checkpointing import raise_for_checkpointing
 from tdhook.attribution._nonlinear_calls import NonlinearCalls
 from tdhook.attribution._plain_modules import call_plain
 from tdhook.attribution._rule_use import RuleUse
@@ -30,6 +31,7 @@ __all__ = ["run_model"]
 def run_model(lrp: Any, work: TensorDictBase) -> tuple[TensorDictBase | None, NonlinearCalls | None]:
     """Run ``lrp``'s model on ``work`` under the function modes of its rules; what the model returned, and the
     watch of the nonlinear calls that no rule covers (the first call of a wrapper only, else ``None``)."""
+    raise_for_checkpointing("LRP", [] if lrp._inactive else lrp._checkpointing)  # before the model runs
     handles = lrp._handles or []
     watch = lrp._rule_use.watch(lrp.named_explained_modules, handles)
     rule_modes = [] if lrp._inactive else list(getattr(lrp.rule_mapper, "function_modes", list)())

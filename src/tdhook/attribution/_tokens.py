@@ -115,20 +115,26 @@ class TokenInputs:
                 handles.append(module.register_forward_hook(self.bag_hook(name), prepend=True, with_kwargs=True))
         return handles
 
-    def _reader_of(self, args: tuple, name: str) -> int | None:
+    def _reader_of(self, module: nn.Module, args: tuple, output: torch.Tensor, name: str) -> int | None:
         """The explained input whose fed token ids (or a reshaped view of them) ``args[0]`` is, if any; an input
-        embedded twice is refused."""
+        embedded twice is refused, but for an embedding that reads the ids for their shape only (BART's learned
+        positions), which does not embed them."""
         if not self._ids or not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor):
             return None
         for i, tokens in self._ids.items():
-            # The tokens themselves, or a reshaped view of them (GPT-2 flattens its input_ids).
-            if args[0] is tokens or (args[0]._base is tokens and args[0].numel() == tokens.numel()):
-                if self._leaves[i] is not None:
-                    raise ValueError(
-                        f"LRP: input key {self.keys[i]!r} is embedded twice (again by {name!r}); "
-                        "its token relevance would be ambiguous"
-                    )
-                return i
+            # Looking at what the embedding read is no call of the model: out of the function modes' sight.
+            with torch._C.DisableTorchFunction():
+                if not _reads(args[0], tokens):
+                    continue
+                second = self._leaves[i] is not None
+                if second and isinstance(module, nn.Embedding) and not _looks_up(module, args[0], output):
+                    return None
+            if second:
+                raise ValueError(
+                    f"LRP: input key {self.keys[i]!r} is embedded twice (again by {name!r}); "
+                    "its token relevance would be ambiguous"
+                )
+            return i
         return None
 
     def embedding_hook(self, name: str) -> Callable[[nn.Module, tuple, torch.Tensor], torch.Tensor | None]:
@@ -144,7 +150,7 @@ class TokenInputs:
         """
 
         def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-            i = self._reader_of(args, name)
+            i = self._reader_of(module, args, output, name)
             if i is None:
                 return None
             leaf = output.detach().requires_grad_(True)
@@ -170,7 +176,7 @@ class TokenInputs:
         """
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
-            i = self._reader_of(args, name)
+            i = self._reader_of(module, args, output, name)
             if i is None:
                 return None
             ids = args[0]
@@ -213,7 +219,9 @@ class TokenInputs:
                 raise TypeError(
                     f"LRP: input key {key!r} holds integer tokens ({dtype}), which receive relevance only through "
                     f"an nn.Embedding or nn.EmbeddingBag that reads them directly, and none did{pixels}; pass "
-                    "in_keys=[...] to explain only the floating-point inputs"
+                    "in_keys=[...] to explain only the floating-point inputs (a plain nn.Module's in_keys are also its "
+                    "inputs: to feed it an input that is not explained, such as an attention mask, wrap it in a "
+                    "TensorDictModule with every input key and give the wrapper in_keys of the explained ones)"
                 ) from cause
 
     def per_token(self, index: int, relevance: torch.Tensor) -> torch.Tensor:
@@ -254,3 +262,26 @@ def _bag_of_rows(
         include_last_offset=bag.include_last_offset,
         padding_idx=padding,
     )
+
+
+def _reads(arg: object, tokens: torch.Tensor) -> bool:
+    """Whether an embedding's input ``arg`` is the fed ``tokens``, or a reshaped view of them (GPT-2 flattens its
+    input_ids)."""
+    if arg is tokens:
+        return True
+    return isinstance(arg, torch.Tensor) and arg._base is tokens and arg.numel() == tokens.numel()
+
+
+def _looks_up(embedding: nn.Module, ids: torch.Tensor, output: torch.Tensor) -> bool:
+    """Whether ``output`` is the rows of ``embedding``'s table that ``ids`` select, up to one scale (a scaled
+    word embedding, as Gemma's and BART's): not so for an embedding that reads ids only for their shape and looks
+    up positions."""
+    weight = getattr(embedding, "weight", None)
+    if not isinstance(weight, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
+        return True  # nothing to compare with: taken as a lookup
+    with torch.no_grad():
+        rows = nn.functional.embedding(ids, weight).to(output.dtype)
+        if rows.shape != output.shape:
+            return False
+        scale = (rows * output).sum() / (rows * rows).sum().clamp_min(torch.finfo(rows.dtype).tiny)
+        return bool(torch.allclose(output, scale * rows))

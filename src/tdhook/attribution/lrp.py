@@ -28,6 +28,7 @@ from tdhook.attribution._chain_plan import (
     planned_feed,
     planned_updates,
 )
+from tdhook.attribution._checkpointing import checkpointing_modules
 from tdhook.attribution._context import (
     claim,
     leave_out_unread_marks,
@@ -237,7 +238,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._hooks: list = []
         self._layers = LayerRelevance()
         self._tokens = TokenInputs(self.explained_keys)
-        self._stochastic: list[tuple] = []
+        self._stochastic, self._checkpointing = [], []  # dropout to warn of, checkpointing to refuse, at each call
         self._compiled = False
         self._rule_use = RuleUse()
         # The first call watches which nonlinear functions keep their plain gradient (see coverage()).
@@ -314,7 +315,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._handles = handles
         self._candidates.clear()
         self._rule_use.reset()
-        self._stochastic = random_modules(modules)
+        self._stochastic, self._checkpointing = random_modules(modules), checkpointing_modules(modules)
         self._compiled = any(hasattr(m, "_orig_mod") for m in modules.values())  # torch.compile'd parts
         self._plan = context_plan(self, rules, modules, {h.id for handle in handles for h in handle.hook_handles()})
         return self

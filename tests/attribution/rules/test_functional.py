@@ -134,3 +134,42 @@ def test_rules_of_the_wrong_kind_are_refused():
         FunctionalRules(0.1, PseudoIdentityRule())
     with pytest.raises(TypeError, match="FunctionalRules: activation must be a PseudoIdentityRule, got NoneType"):
         FunctionalRules(AHQKVRule(), None)
+
+
+PRODUCT_FORMS = {
+    "multiply": lambda a, b: torch.multiply(a, b),  # ConvBERT's dynamic convolution
+    "Tensor.multiply": lambda a, b: a.multiply(b),
+    "mm": lambda a, b: torch.mm(a, b.T),
+    "Tensor.mm": lambda a, b: a.mm(b.T),
+    "einsum": lambda a, b: torch.einsum("ij,kj->ik", a, b),  # Funnel's, Longformer's attention scores
+    "einsum, operands listed": lambda a, b: torch.einsum("ij,kj->ik", [a, b]),
+}
+
+
+@pytest.mark.parametrize("form", sorted(PRODUCT_FORMS))
+def test_every_spelling_of_a_product_of_two_activations_gets_the_uniform_rule(form: str):
+    """``torch.multiply``, ``mm`` and a two-operand ``einsum`` are products as ``*`` and ``@`` are: each factor gets
+    half of the product's gradient (it got all of it, doubling the relevance, with a warning)."""
+    a, b = randn(3, 4), randn(3, 4)
+    leaves = [t.clone().requires_grad_(True) for t in (a, b)]
+    with FunctionalRules(SoftmaxEpsilonRule(), PseudoIdentityRule()):
+        z = PRODUCT_FORMS[form](leaves[0] * 1, leaves[1] * 1)
+    grads = torch.autograd.grad(z.sum(), leaves)
+    plain = torch.autograd.grad(PRODUCT_FORMS[form](*leaves).sum(), leaves)
+    torch.testing.assert_close(z, PRODUCT_FORMS[form](a, b))
+    for grad, plain_grad in zip(grads, plain, strict=True):
+        torch.testing.assert_close(grad, plain_grad / 2)
+
+
+def test_an_einsum_of_one_activation_or_of_three_operands_is_left_alone():
+    """A map linear in its one activation keeps its plain gradient; so does an einsum of three activations (no
+    rule covers it, the wrapper names it)."""
+    a, b, c = (randn(3, 3).requires_grad_(True) for _ in range(3))
+    weight = nn.Parameter(randn(3, 3))
+    with FunctionalRules(SoftmaxEpsilonRule(), PseudoIdentityRule()):
+        linear = torch.einsum("ij,jk->ik", a * 1, weight)
+        triple = torch.einsum("ij,jk,kl->il", a * 1, b * 1, c * 1)
+    torch.testing.assert_close(torch.autograd.grad(linear.sum(), a)[0], weight.sum(1).expand(3, 3))
+    plain = torch.autograd.grad(torch.einsum("ij,jk,kl->il", a, b, c).sum(), (a, b, c))
+    for grad, plain_grad in zip(torch.autograd.grad(triple.sum(), (a, b, c)), plain, strict=True):
+        torch.testing.assert_close(grad, plain_grad)

@@ -138,6 +138,19 @@ class FullPrecisionRMSNorm(LlamaRMSNorm):
         return super().forward(x)
 
 
+class NormedEmbeddings(nn.Module):
+    """Token embeddings, a LayerNorm and dropout, as Funnel's embeddings: no layer of its own."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(8, dim)
+        self.layer_norm = nn.LayerNorm(dim)
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.layer_norm(inputs_embeds))
+
+
 class NoNorm(nn.Module):
     """Named like a norm, an element-wise affine map (MobileBERT's): ``x · w + b``."""
 
@@ -489,6 +502,20 @@ class TestIsNorm:
     )
     def test_not_norms(self, make):
         assert not is_norm(make())
+
+    @pytest.mark.parametrize("preset", ["AttnLRP", "CPLRP"])
+    def test_a_block_calling_a_child_norm_is_not_a_norm_itself(self, preset: str):
+        """Funnel's embeddings call ``self.layer_norm(x)``: its forward names ``layer_norm``, the child that is the
+        norm (and gets the rule), not ``F.layer_norm``. Mapped to a norm rule itself, the block raised that its
+        forward ran no normalisation. The block explains as its norm does."""
+        block, x, relevance_out = NormedEmbeddings(4).double().eval(), randn(3, 4), randn(3, 4)
+        assert not is_norm(block) and is_norm(block.layer_norm)
+        relevance = {}
+        for name, module in (("block", block), ("norm", block.layer_norm)):
+            mapper = {"AttnLRP": AttnLRP, "CPLRP": CPLRP}[preset]()
+            lrp = LRP(module, mapper, in_keys=["x"], out_keys=["y"], target=lambda y: relevance_out)
+            relevance[name] = lrp(TensorDict(x=x, batch_size=[3]))
+        assert torch.equal(relevance["block"]["relevance", "x"], relevance["norm"]["relevance", "x"])
 
     @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "AttnLRP", "CPLRP"])
     def test_an_affine_map_named_like_a_norm_passes_relevance_as_its_plain_gradient(self, preset: str):

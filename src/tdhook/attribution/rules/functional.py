@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import types
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -48,8 +49,8 @@ from tdhook.attribution.rules.transformer import (
 __all__ = ["FunctionalRules"]
 
 _PRODUCTS = frozenset(
-    {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
-    | {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
+    {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm, torch.mm, torch.Tensor.mm}
+    | {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.multiply, torch.Tensor.multiply}
 )
 _SOFTMAX = frozenset({F.softmax, torch.softmax, torch.Tensor.softmax})
 _ACTIVATION_FUNCTIONS = frozenset(
@@ -57,12 +58,18 @@ _ACTIVATION_FUNCTIONS = frozenset(
     | {torch.tanh, torch.sigmoid, torch.Tensor.tanh, torch.Tensor.sigmoid}
 )
 
+# Dropout as a function (attention dropout in eager attention): its keyword that says whether it drops, by function.
+_DROPOUTS = {F.dropout: "training", F.dropout1d: "training", F.dropout2d: "training", F.dropout3d: "training"}
+_DROPOUTS |= {F.alpha_dropout: "training", F.feature_alpha_dropout: "training", torch.dropout: "train"}
+
 
 _HANDLED = frozenset(
     _PRODUCTS
     | _SOFTMAX
     | _ACTIVATION_FUNCTIONS
-    | {torch.baddbmm, F.scaled_dot_product_attention, F.layer_norm, F.rms_norm, F.multi_head_attention_forward}
+    | set(_DROPOUTS)
+    | {torch.baddbmm, torch.einsum, F.scaled_dot_product_attention, F.layer_norm, F.rms_norm}
+    | {F.multi_head_attention_forward}
 )
 
 
@@ -86,8 +93,8 @@ _COMPOSITES = {F.multi_head_attention_forward: _body_of(F.multi_head_attention_f
 class FunctionalRules(TorchFunctionMode):
     """Apply AttnLRP's (or CP-LRP's) rules to functional calls during a forward pass.
 
-    * products of two activations (``a * b``, ``a @ b``, ``torch.bmm``,
-      ``torch.baddbmm``): the uniform rule, half of the relevance to each factor;
+    * products of two activations (``a * b``, ``a @ b``, ``torch.multiply``, ``mm``, ``torch.bmm``,
+      ``torch.baddbmm``, an ``einsum`` of two operands): the uniform rule, half of the relevance to each factor;
       with ``hold_gates``, a factor that is an activation function's output
       (a gate) is held constant instead and the other factor gets it all;
     * a sigmoid-like gate (the output of a sigmoid or hard sigmoid, a module under
@@ -149,6 +156,8 @@ class FunctionalRules(TorchFunctionMode):
             # Halving the product's gradient halves both factors' gradients: the uniform rule, in one step.
             # The product is a fresh tensor: rebased in place, so that later in-place operations on it stay legal.
             return scale_gradient(func(*args, **kwargs), 0.5, in_place=True)
+        if func is torch.einsum:
+            return self._einsum(args, kwargs)
         if func is torch.baddbmm and len(args) >= 3 and is_activation(args[1]) and is_activation(args[2]):
             return func(args[0], *uniform_product(args[1], args[2]), *args[3:], **kwargs)
         if func in _SOFTMAX and args and is_activation(args[0]):
@@ -169,17 +178,37 @@ class FunctionalRules(TorchFunctionMode):
             weight = call_argument(args, kwargs, 2, "weight")
             eps = call_argument(args, kwargs, 3, "eps")
             return LayerNormRule.rms_norm(func(*args, **kwargs), args[0], len(shape), weight, eps)
+        if func in _DROPOUTS:
+            dropping = call_argument(args, kwargs, 2, _DROPOUTS[func], func is not torch.dropout)
+            _warn_random(call_argument(args, kwargs, 1, "p", 0.5) if dropping else 0.0)
+            return mark_parameter_derived(args, func(*args, **kwargs))
         if func in _COMPOSITES:
             with self:
                 return _COMPOSITES[func](*args, **kwargs)
         return mark_parameter_derived(args, func(*args, **kwargs))
 
     def covers(self, func: Callable, args: tuple) -> bool:
-        """Whether this mode gives ``func`` a rule (products, softmax, attention, activations, norms)."""
-        return func in _HANDLED
+        """Whether this mode gives ``func`` a rule (products, softmax, attention, activations, norms); an
+        ``einsum`` of more than two operands has none."""
+        return func in _HANDLED and (func is not torch.einsum or len(_einsum_operands(args)) == 2)
+
+    def _einsum(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        """``torch.einsum(equation, a, b)`` of two activations: a product, as ``a @ b`` is (bilinear, so the uniform
+        rule gives each factor half); of other operands, the plain call."""
+        operands = _einsum_operands(args)
+        if len(operands) != 2 or not all(is_activation(operand) for operand in operands):
+            return mark_parameter_derived(args, torch.einsum(*args, **kwargs))
+        equation = args[0]
+
+        def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch.einsum(equation, a, b, **kwargs)
+
+        held = held_gate_product(product, tuple(operands), {}, any_gate=self.hold_gates)
+        return held if held is not None else scale_gradient(product(*operands), 0.5, in_place=True)
 
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
         attention = F.scaled_dot_product_attention
+        _warn_random(dropout_p)
         if isinstance(self.softmax, AHQKVRule) and graph_kept() is None:
             query, key = hold(query), hold(key)
             return attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
@@ -212,3 +241,22 @@ class FunctionalRules(TorchFunctionMode):
                 else:
                     scores = scores + attn_mask
             return torch.softmax(scores, dim=-1) @ value
+
+
+def _einsum_operands(args: tuple) -> tuple:
+    """The operands of ``torch.einsum(equation, *operands)``, given one by one or as one list."""
+    operands = args[1:]
+    return tuple(operands[0]) if len(operands) == 1 and isinstance(operands[0], (list, tuple)) else operands
+
+
+def _warn_random(p: float) -> None:
+    """Warn that a dropout call drops (``p > 0``): the explanation is random from call to call, as for a
+    ``Dropout`` module in training mode (under CP-LRP the dropped attention weights are held constant, but they
+    still differ from call to call)."""
+    if p:
+        warnings.warn(
+            f"LRP: the forward pass calls dropout (p={p}) in training mode, outside any Dropout module (attention "
+            "dropout, mostly), so each forward pass drops other units and the explanation is random from call to "
+            "call; call .eval() on the model for a deterministic one",
+            stacklevel=4,
+        )
