@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from tensordict.nn.utils import biased_softplus
 from torch import nn
 from torch.func import functional_call
+from torch.nn.utils.prune import BasePruningMethod as _PruningHook
 from torch.nn.utils.spectral_norm import SpectralNorm as _SpectralNormHook
 from torch.nn.utils.weight_norm import WeightNorm as _WeightNormHook
 from torch.overrides import TorchFunctionMode
@@ -180,8 +181,21 @@ class _RecordLayerCall(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-# The hooks of the older torch.nn.utils.weight_norm and spectral_norm, which compute the weight before each call.
-_WEIGHT_HOOKS = (_WeightNormHook, _SpectralNormHook)
+# The hooks that compute a layer's weight or bias before each call: the older torch.nn.utils.weight_norm and
+# spectral_norm, and torch.nn.utils.prune (the original times the mask).
+_WEIGHT_HOOKS = (_WeightNormHook, _SpectralNormHook, _PruningHook)
+
+
+def _computed_name(hook: object) -> str:
+    """The attribute a weight hook sets on its layer (``weight``, or ``bias`` for a pruned bias)."""
+    return hook._tensor_name if isinstance(hook, _PruningHook) else hook.name
+
+
+def _holds_its_parameters(module: nn.Module) -> bool:
+    """Whether the ``weight`` and ``bias`` the layer's forward reads are its own parameters, not tensors a hook
+    computes before each call (``torch.nn.utils.prune`` keeps ``weight_orig`` and sets ``weight``)."""
+    shadowed = "weight" in module.__dict__ or "bias" in module.__dict__  # read before the parameters of that name
+    return isinstance(module._parameters.get("weight"), nn.Parameter) and not shadowed
 
 
 class _SubstituteLayerCall(TorchFunctionMode):
@@ -230,10 +244,12 @@ def effective_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
 
     Its own parameters for a plain layer. A layer whose forward rewrites its weight
     (timm's weight-standardised ``StdConv2d`` and ``ScaledStdConv2d``), whose weight
-    is parametrized (``weight_norm``, ``spectral_norm``, ``orthogonal``) or computed
-    by a hook (the older ``torch.nn.utils.weight_norm`` and ``spectral_norm``) is run
-    once on a probe input, in eval mode and without its hooks, and the weight and
-    bias it hands to ``F.conv2d`` (or ``F.linear``, …) are taken. A layer whose
+    is parametrized (``weight_norm``, ``spectral_norm``, ``orthogonal``) or whose
+    weight or bias is computed by a hook (the older ``torch.nn.utils.weight_norm``
+    and ``spectral_norm``, ``torch.nn.utils.prune``'s original times mask) is run
+    once on a probe input, in eval mode and without its other hooks, and the weight
+    and bias it hands to ``F.conv2d`` (or ``F.linear``, …) are taken; the tensors
+    the hooks set are put back as the layer's last call left them. A layer whose
     weight is a property (torchrl's ``NoisyLinear``, noisy in training mode or
     under a random exploration type) gives what that property returns now. Nothing in the module
     changes.
@@ -253,23 +269,28 @@ def effective_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
         computed = {"weight": module.weight, "bias": getattr(module, "bias", None)}
         return {n: t if keep else t.detach() for n, t in computed.items() if isinstance(t, torch.Tensor)}
     own = dict(module.named_parameters(recurse=False))
-    if _has_plain_forward(module) and isinstance(own.get("weight"), nn.Parameter):
+    if _has_plain_forward(module) and _holds_its_parameters(module):
         return dict(own) if keep else {name: param.detach() for name, param in own.items()}
     recorder = _RecordLayerCall()
     modes = {sub: sub.training for sub in module.modules()}
+    hooks = [hook for hook in module._forward_pre_hooks.values() if isinstance(hook, _WEIGHT_HOOKS)]
+    computed = {name: module.__dict__[name] for name in map(_computed_name, hooks) if name in module.__dict__}
     try:
         module.eval()  # no state may change: spectral_norm's power iteration runs in training mode only
         with torch.enable_grad() if keep else torch.no_grad():
+            for hook in hooks:
+                hook(module, ())
             probe = _probe_input(module, module.weight)
             # Seen by the recorder even inside a rule's function mode, which runs with torch functions off.
             with torch._C._EnableTorchFunction(), recorder:
-                for hook in list(module._forward_pre_hooks.values()):
-                    if isinstance(hook, _WEIGHT_HOOKS):
-                        hook(module, (probe,))
                 module.forward(probe)
     finally:
         for sub, training in modes.items():
             sub.training = training
+        # The tensors the hooks set, as the layer's last call left them (with their graph, not detached copies).
+        for name in map(_computed_name, hooks):
+            if name in computed:
+                module.__dict__[name] = computed[name]
     if recorder.params is None:
         raise ValueError(f"{type(module).__name__}: its forward called no linear or convolution function")
     _check_linear_after_layer_call(module, recorder.params["weight"])
