@@ -261,6 +261,43 @@ class TestStateUntouched:
         assert_bit_identical(layer, before)
 
 
+class TestTrainingMode:
+    """spectral_norm in training mode (a GAN's discriminator, an RL critic being trained): one power iteration per
+    call of the layer, the wrapper's included, and no more; reading the weight outside the call used to run it
+    again (twice per call under LRP-0, four times under EpsilonPlus)."""
+
+    @pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
+    @pytest.mark.parametrize("preset", ["LRP-0", *sorted(CNN_PRESETS)])
+    @pytest.mark.parametrize("kind", ["parametrization", "hook"])
+    def test_one_call_iterates_once_and_explains_with_the_weight_it_used(self, kind: str, preset: str):
+        norm = parametrizations.spectral_norm if kind == "parametrization" else nn.utils.spectral_norm
+        model = nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1),
+            nn.ReLU(),
+            norm(nn.Conv2d(4, 5, 3)),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(45, 3),
+        ).double()
+        x = torch.randn(2, 3, 5, 5, dtype=F64)
+        with torch.no_grad():  # the hook's weight is then a leaf: the model can be copied
+            model(x)  # u and v after a power iteration
+            called = copy.deepcopy(model)
+            called(x)  # one more: what one explained call must leave
+        mapper = BaseRuleMapper(stabilizer=1e-12) if preset == "LRP-0" else CNN_PRESETS[preset]()
+        relevance_out = torch.randn(2, 3, dtype=F64)
+        actual = lrp_relevance(model, x, relevance_out, mapper)
+        u = "parametrizations.weight.0._u" if kind == "parametrization" else "weight_u"
+        assert torch.equal(model[2].get_buffer(u), called[2].get_buffer(u))
+        plain = nn.Conv2d(4, 5, 3).double()
+        with torch.no_grad():
+            plain.weight.copy_(effective_parameters(model[2])["weight"])
+            plain.bias.copy_(model[2].bias)
+        reference = nn.Sequential(model[0], model[1], plain, *model[3:])
+        mapper = BaseRuleMapper(stabilizer=1e-12) if preset == "LRP-0" else CNN_PRESETS[preset]()
+        assert relative_error(actual, lrp_relevance(reference, x, relevance_out, mapper)) <= 1e-12
+
+
 class TestHookBasedParametrizations:
     """torch.nn.utils.weight_norm and spectral_norm (hook-based, before parametrizations): the hook's weight."""
 

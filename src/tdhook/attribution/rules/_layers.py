@@ -29,6 +29,7 @@ __all__ = [
     "CONVOLUTIONS",
     "LINEAR_LAYERS",
     "forward_with",
+    "has_weight",
     "bias_view",
     "effective_parameters",
     "check_layer_forward",
@@ -133,9 +134,11 @@ LINEAR_LAYERS = (*CONVOLUTIONS, nn.Linear)
 
 def forward_with(module: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, busy: list) -> torch.Tensor:
     """Run ``module`` on ``x`` with ``params`` in place of its own parameters."""
-    weight = params.get("weight", getattr(module, "weight", None))
-    bias = params.get("bias", getattr(module, "bias", None))
-    if isinstance(module, LINEAR_LAYERS) and not _has_plain_forward(module):
+    # Read from the module only where not given: a parametrized weight is computed on each access (spectral_norm's
+    # power iteration runs in training mode), which only the module's own call may do.
+    weight = params["weight"] if "weight" in params else getattr(module, "weight", None)
+    bias = params["bias"] if "bias" in params else getattr(module, "bias", None)
+    if isinstance(module, LINEAR_LAYERS) and not _has_torch_forward(module):
         # The layer's own forward (timm's Conv2dSame pads, StdConv2d standardises), with its linear function
         # given these parameters: the rest of what the forward does is kept.
         with torch._C._EnableTorchFunction(), _SubstituteLayerCall(weight, bias):
@@ -218,9 +221,23 @@ class _SubstituteLayerCall(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _has_plain_forward(module: nn.Module) -> bool:
+def has_weight(module: nn.Module) -> bool:
+    """Whether ``module`` has a tensor ``weight``, told without computing a parametrized one (see
+    :func:`forward_with`)."""
+    if nn.utils.parametrize.is_parametrized(module, "weight"):
+        return True
+    return isinstance(getattr(module, "weight", None), torch.Tensor)
+
+
+def _has_torch_forward(module: nn.Module) -> bool:
+    """Whether the layer's forward is torch's own (a parametrized layer's class keeps it): its linear function of
+    the input, the weight and the bias, and nothing else."""
     base = next(cls for cls in (nn.Linear, *PLAIN_CONVOLUTIONS, *TRANSPOSED_FORWARDS) if isinstance(module, cls))
-    return type(module).forward is base.forward and not nn.utils.parametrize.is_parametrized(module)
+    return type(module).forward is base.forward
+
+
+def _has_plain_forward(module: nn.Module) -> bool:
+    return _has_torch_forward(module) and not nn.utils.parametrize.is_parametrized(module)
 
 
 def _probe_input(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:

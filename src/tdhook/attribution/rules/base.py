@@ -635,6 +635,11 @@ def _has_uninitialized_parameters(module: nn.Module) -> bool:
 
 
 def _has_meta_weight(module: nn.Module) -> bool:
+    if nn.utils.parametrize.is_parametrized(module, "weight"):
+        # The stored tensors: computing the weight would run the parametrization (spectral_norm's power
+        # iteration, in training mode), which only the module's own call may do.
+        stored = module.parametrizations["weight"]
+        return any(t.is_meta for t in (*stored.parameters(), *stored.buffers()))
     weight = getattr(module, "weight", None)
     return isinstance(weight, torch.Tensor) and weight.is_meta
 
