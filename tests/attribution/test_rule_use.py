@@ -69,3 +69,18 @@ class Unused(nn.Module):
 def test_a_module_without_parameters_that_never_runs_is_not_named():
     # Its parent cannot compute with parameters it does not have: nothing is lost by the module not running.
     assert unused_rule_warnings(EpsilonPlus(), Unused()) == []
+
+
+class RefusesPreHooks(nn.Linear):
+    """A layer that refuses forward pre-hooks (TorchScript modules do)."""
+
+    def register_forward_pre_hook(self, *args, **kwargs):
+        raise RuntimeError("register_forward_pre_hook is not supported here")
+
+
+def test_a_watch_that_cannot_hook_a_module_leaves_no_hook_on_the_others():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), RefusesPreHooks(8, 3)).double()
+    lrp = LRP(model, lambda name, module: EpsilonRule(0.1) if name == "0" else None, in_keys=["x"], out_keys=["y"])
+    with pytest.raises(RuntimeError, match="not supported here"):
+        lrp(TensorDict(x=torch.randn(2, 8, dtype=torch.float64), batch_size=[2]))
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from tdhook.attribution._scripted_modules import refuse_scripted_modules
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._layers import LINEAR_LAYERS, _has_plain_forward
 from tdhook.attribution.rules._scopes import pop, push
@@ -57,9 +58,12 @@ def claim(owner: object, modules: Mapping[str, nn.Module]) -> None:
         modules: the wrapped model's modules by name.
 
     Raises:
+        TypeError: one of ``modules`` is a TorchScript module, which no rule reaches
+            (:func:`~tdhook.attribution._scripted_modules.refuse_scripted_modules`).
         RuntimeError: one of ``modules`` is inside another owner's context;
             then none is claimed.
     """
+    refuse_scripted_modules(modules)
     for name, module in modules.items():
         current = _OWNERS.get(module)
         if current is not None and current is not owner:

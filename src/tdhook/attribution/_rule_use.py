@@ -74,8 +74,10 @@ class RuleUse:
         modules = named_modules()
         ran: set[int] = set()
         # A hook on each module of the model, not a global one: torch.compile warns about global module hooks.
-        hooks = [module.register_forward_pre_hook(lambda m, args: ran.add(id(m))) for module in modules.values()]
+        hooks = []
         try:
+            for module in modules.values():  # inside the try: a registration that fails removes the ones before it
+                hooks.append(module.register_forward_pre_hook(lambda m, args: ran.add(id(m))))
             yield
         finally:
             for hook in hooks:

@@ -1,15 +1,21 @@
-"""What a rule is: registration, the handle that removes it, and ParamModifier."""
+"""What a rule is: registration, the handle that removes it, ParamModifier, and the user's forward hooks."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook
 
+from tdhook.attribution.mappers.presets import EpsilonPlus
 from tdhook.attribution.rules.base import ParamModifier
 from tdhook.attribution.rules.basic import EpsilonRule
 from tdhook.attribution.rules.modified import GammaRule
-from tests.attribution.rules._helpers import make_layer
+from tests.attribution.rules._helpers import CNN_PRESETS, F64, make_layer
+from tests.attribution.test_lrp_layers import lrp_relevance, randomise_batch_norm
+from tests.conftest import relative_error
 
 
 class TestRegistration:
@@ -46,3 +52,118 @@ class TestRegistration:
             with ParamModifier(lambda n, p: p * 0)(layer):
                 raise RuntimeError("boom")
         assert layer.weight is weight
+
+
+# ----------------------------------------------------------------------------- forward hooks of the user's
+
+
+class After(nn.Module):
+    """``change(layer(x))``: what a forward hook on ``layer`` does, written as code after the layer."""
+
+    def __init__(self, layer: nn.Module, change) -> None:
+        super().__init__()
+        self.layer, self.change = layer, change
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.change(self.layer(x))
+
+
+def hooked_cnn() -> nn.Sequential:
+    return (
+        nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1),
+            randomise_batch_norm(nn.BatchNorm2d(4)),
+            nn.ReLU(),
+            nn.Conv2d(4, 5, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(5, 3),
+        )
+        .double()
+        .eval()
+    )
+
+
+CHANGES = {  # (the hook's change, returned or made in place; the same change out of place)
+    "negate": (lambda o: -o, None),
+    "permute": (lambda o: o.flip(1), None),  # the channels in reverse order
+    "relu-twice": (lambda o: o.relu() * 2, None),
+    "tanh": (torch.tanh, None),
+    "shift": (lambda o: o + 0.3, None),
+    "in-place-scale": (lambda o: o.mul_(2), lambda o: o * 2),
+}
+
+
+class TestForwardHooksOfTheUser:
+    """A forward hook on a layer with a rule runs, and is explained as code after the layer (the rule's own hook
+    runs first); the rules once took what it changed for the layer's computation (z⁺ off by up to 1.8e1)."""
+
+    @pytest.mark.parametrize("with_kwargs", [False, True])
+    @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
+    @pytest.mark.parametrize("change", sorted(CHANGES))
+    @pytest.mark.parametrize("layer", [0, 3], ids=["first-conv", "second-conv"])
+    def test_a_hook_that_changes_the_output_equals_the_change_written_after_the_layer(
+        self, layer: int, change: str, preset: str, with_kwargs: bool
+    ):
+        hooked, out_of_place = CHANGES[change]
+        model = hooked_cnn()
+        reference = copy.deepcopy(model)
+        reference[layer] = After(reference[layer], out_of_place or hooked)
+        ran = []
+
+        def hook(module, args, *rest):
+            ran.append(True)
+            output = rest[-1]
+            result = hooked(output)
+            return None if out_of_place else result
+
+        model[layer].register_forward_hook(hook, with_kwargs=with_kwargs)
+        x = torch.randn(2, 3, 6, 6, dtype=F64)
+        torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+        relevance_out = torch.randn(2, 3, dtype=F64)
+        ran.clear()
+        actual = lrp_relevance(model, x, relevance_out, CNN_PRESETS[preset]())
+        assert ran  # the hook ran in the explained call
+        expected = lrp_relevance(reference, x, relevance_out, CNN_PRESETS[preset]())
+        assert relative_error(actual, expected) <= 1e-10
+
+    def test_a_hook_that_only_looks_sees_the_layers_output(self):
+        model, seen = hooked_cnn(), []
+        model[3].register_forward_hook(lambda module, args, output: seen.append(output.detach().clone()))
+        x = torch.randn(2, 3, 6, 6, dtype=F64)
+        relevance_out = torch.randn(2, 3, dtype=F64)
+        actual = lrp_relevance(model, x, relevance_out, CNN_PRESETS["EpsilonPlus"]())
+        with torch.no_grad():
+            assert torch.equal(seen[-1], model[:4](x))
+        plain = hooked_cnn()
+        plain.load_state_dict(model.state_dict())
+        expected = lrp_relevance(plain, x, relevance_out, CNN_PRESETS["EpsilonPlus"]())
+        assert relative_error(actual, expected) <= 1e-12
+
+
+class TestGlobalForwardHooks:
+    """torch's global forward hooks run before every module's own hooks, the rule's too."""
+
+    def test_one_that_changes_a_layers_output_is_refused_naming_the_module(self):
+        model = hooked_cnn()
+        target = model[3]
+        handle = register_module_forward_hook(lambda module, args, output: -output if module is target else None)
+        try:
+            with pytest.raises(ValueError, match="global forward hook") as caught:
+                lrp_relevance(model, torch.randn(2, 3, 6, 6, dtype=F64), torch.randn(2, 3, dtype=F64), EpsilonPlus())
+        finally:
+            handle.remove()
+        assert any("'3'" in note for note in caught.value.__notes__)
+        assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+    def test_one_that_only_looks_changes_nothing(self):
+        model, seen = hooked_cnn(), []
+        x, relevance_out = torch.randn(2, 3, 6, 6, dtype=F64), torch.randn(2, 3, dtype=F64)
+        expected = lrp_relevance(model, x, relevance_out, EpsilonPlus())
+        handle = register_module_forward_hook(lambda module, args, output: seen.append(type(module)))
+        try:
+            actual = lrp_relevance(model, x, relevance_out, EpsilonPlus())
+        finally:
+            handle.remove()
+        assert nn.Conv2d in seen and torch.equal(actual, expected)

@@ -110,19 +110,22 @@ class TestFastPaths:
         assert relevances[1].abs().sum() > 0
 
     def test_an_output_seen_before_the_rule_keeps_the_redirect(self):
-        # A forward hook that runs before the rule's (or a view as the output) sees the output the rule would
-        # change on its node: the rule then returns a tensor of its own.
+        # A forward hook that runs before the rule's (prepended after the rule was registered; or a view as the
+        # output) sees the output the rule would change on its node: the rule then returns a tensor of its own.
+        # The rule's hook goes before the hooks the layer had: those see the rule's output, on its node or not.
         layer, rule = nn.Linear(3, 2), EpsilonRule()
         seen = []
-        first = layer.register_forward_hook(lambda m, args, out: seen.append(out))
+        layer.register_forward_hook(lambda m, args, out: seen.append(out))
         with rule.register(layer):
             _leave_marks(rule, layer, False)
+            assert _on_node(layer(torch.ones(1, 3, requires_grad=True)))
+            first = layer.register_forward_hook(lambda m, args, out: seen.append(out), prepend=True)
             assert not _on_node(layer(torch.ones(1, 3, requires_grad=True)))
             first.remove()
             assert _on_node(layer(torch.ones(1, 3, requires_grad=True)))
             assert not _on_node(layer(torch.ones(2, 4, 3, requires_grad=True)))  # a view of a matrix product
             assert not _on_node(layer(torch.ones(3, requires_grad=True)))
-        assert len(seen) == 1
+        assert len(seen) == 6
 
 
 def _leave_marks(rule: EpsilonRule, layer: nn.Module, marks: bool) -> None:

@@ -13,7 +13,7 @@ import pytest
 import timm.layers
 import torch
 from torch import nn
-from torch.nn.utils import parametrizations
+from torch.nn.utils import parametrizations, prune
 
 from tdhook.attribution.mappers.base import BaseRuleMapper
 from tdhook.attribution.rules._layers import effective_parameters
@@ -261,6 +261,43 @@ class TestStateUntouched:
         assert_bit_identical(layer, before)
 
 
+class TestTrainingMode:
+    """spectral_norm in training mode (a GAN's discriminator, an RL critic being trained): one power iteration per
+    call of the layer, the wrapper's included, and no more; reading the weight outside the call used to run it
+    again (twice per call under LRP-0, four times under EpsilonPlus)."""
+
+    @pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
+    @pytest.mark.parametrize("preset", ["LRP-0", *sorted(CNN_PRESETS)])
+    @pytest.mark.parametrize("kind", ["parametrization", "hook"])
+    def test_one_call_iterates_once_and_explains_with_the_weight_it_used(self, kind: str, preset: str):
+        norm = parametrizations.spectral_norm if kind == "parametrization" else nn.utils.spectral_norm
+        model = nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1),
+            nn.ReLU(),
+            norm(nn.Conv2d(4, 5, 3)),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(45, 3),
+        ).double()
+        x = torch.randn(2, 3, 5, 5, dtype=F64)
+        with torch.no_grad():  # the hook's weight is then a leaf: the model can be copied
+            model(x)  # u and v after a power iteration
+            called = copy.deepcopy(model)
+            called(x)  # one more: what one explained call must leave
+        mapper = BaseRuleMapper(stabilizer=1e-12) if preset == "LRP-0" else CNN_PRESETS[preset]()
+        relevance_out = torch.randn(2, 3, dtype=F64)
+        actual = lrp_relevance(model, x, relevance_out, mapper)
+        u = "parametrizations.weight.0._u" if kind == "parametrization" else "weight_u"
+        assert torch.equal(model[2].get_buffer(u), called[2].get_buffer(u))
+        plain = nn.Conv2d(4, 5, 3).double()
+        with torch.no_grad():
+            plain.weight.copy_(effective_parameters(model[2])["weight"])
+            plain.bias.copy_(model[2].bias)
+        reference = nn.Sequential(model[0], model[1], plain, *model[3:])
+        mapper = BaseRuleMapper(stabilizer=1e-12) if preset == "LRP-0" else CNN_PRESETS[preset]()
+        assert relative_error(actual, lrp_relevance(reference, x, relevance_out, mapper)) <= 1e-12
+
+
 class TestHookBasedParametrizations:
     """torch.nn.utils.weight_norm and spectral_norm (hook-based, before parametrizations): the hook's weight."""
 
@@ -282,6 +319,53 @@ class TestHookBasedParametrizations:
         actual = lrp_relevance(model, x, relevance_out, CNN_PRESETS["EpsilonAlpha2Beta1"]())
         expected = lrp_relevance(reference, x, relevance_out, CNN_PRESETS["EpsilonAlpha2Beta1"]())
         assert relative_error(actual, expected) <= 1e-12
+
+    @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
+    @pytest.mark.parametrize("pruned", ["weight", "bias", "weight+bias"])
+    def test_pruned_layers_equal_plain_layers_holding_the_masked_tensors(self, pruned: str, preset: str):
+        # torch.nn.utils.prune keeps weight_orig (a parameter) and sets ``weight`` = original × mask before each
+        # call; a pruned bias was once read from bias_orig, unmasked, by the modified rules (z⁺ off by 9.5e-2).
+        model = nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 5, 3), nn.ReLU(), nn.Flatten(), nn.Linear(45, 3)
+        ).double()
+        with torch.no_grad():
+            for index in (0, 2, 5):
+                model[index].bias.normal_()
+        reference = copy.deepcopy(model)
+        for index in (0, 2, 5):
+            for name in pruned.split("+"):
+                prune.random_unstructured(model[index], name, amount=0.5)
+                with torch.no_grad():
+                    getattr(reference[index], name).copy_(getattr(model[index], name))
+        x = torch.randn(2, 3, 5, 5, dtype=F64)
+        relevance_out = torch.randn(2, 3, dtype=F64)
+        actual = lrp_relevance(model, x, relevance_out, CNN_PRESETS[preset]())
+        expected = lrp_relevance(reference, x, relevance_out, CNN_PRESETS[preset]())
+        assert relative_error(actual, expected) <= 1e-12
+        # The unmasked tensors give other relevance: the test can tell.
+        unmasked = copy.deepcopy(reference)
+        for index in (0, 2, 5):
+            for name in pruned.split("+"):
+                with torch.no_grad():
+                    getattr(unmasked[index], name).copy_(getattr(model[index], name + "_orig"))
+        assert relative_error(lrp_relevance(unmasked, x, relevance_out, CNN_PRESETS[preset]()), expected) > 1e-3
+
+    @pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
+    @pytest.mark.parametrize("legacy", ["weight_norm", "spectral_norm", "prune"])
+    def test_the_weight_a_hook_computed_keeps_its_graph(self, legacy: str):
+        # Finding the effective weight runs the hook without gradients; the weight the layer's last call set, with
+        # its graph to the parameters, is put back, so that a loss on ``layer.weight`` still trains them.
+        conv = nn.Conv2d(3, 4, 3).double()
+        layer = prune.l1_unstructured(conv, "weight", 0.3) if legacy == "prune" else getattr(nn.utils, legacy)(conv)
+        model = nn.Sequential(layer, nn.ReLU(), nn.Flatten(), nn.Linear(36, 3)).double()
+        x = torch.randn(2, 3, 5, 5, dtype=F64)
+        model(x)
+        weight = layer.weight
+        assert weight.grad_fn is not None
+        lrp_relevance(model, x, torch.randn(2, 3, dtype=F64), CNN_PRESETS["EpsilonPlus"]())
+        assert layer.weight.grad_fn is not None
+        effective_parameters(layer)
+        assert layer.weight is not weight and layer.weight.grad_fn is not None  # the LRP call's own forward set it
 
 
 class TestForwardsThatPad:

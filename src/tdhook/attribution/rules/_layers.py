@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from tensordict.nn.utils import biased_softplus
 from torch import nn
 from torch.func import functional_call
+from torch.nn.utils.prune import BasePruningMethod as _PruningHook
 from torch.nn.utils.spectral_norm import SpectralNorm as _SpectralNormHook
 from torch.nn.utils.weight_norm import WeightNorm as _WeightNormHook
 from torch.overrides import TorchFunctionMode
@@ -30,6 +31,7 @@ __all__ = [
     "CONVOLUTIONS",
     "LINEAR_LAYERS",
     "forward_with",
+    "has_weight",
     "bias_view",
     "effective_parameters",
     "check_layer_forward",
@@ -144,9 +146,11 @@ def forward_with(
     ``out_shape`` is the shape of the output the call being explained gave: a transposed convolution called with
     ``output_size`` chose its output padding from it, and the pass here gives the same shape.
     """
-    weight = params.get("weight", getattr(module, "weight", None))
-    bias = params.get("bias", getattr(module, "bias", None))
-    if isinstance(module, LINEAR_LAYERS) and not _has_plain_forward(module):
+    # Read from the module only where not given: a parametrized weight is computed on each access (spectral_norm's
+    # power iteration runs in training mode), which only the module's own call may do.
+    weight = params["weight"] if "weight" in params else getattr(module, "weight", None)
+    bias = params["bias"] if "bias" in params else getattr(module, "bias", None)
+    if isinstance(module, LINEAR_LAYERS) and not _has_torch_forward(module):
         # The layer's own forward (timm's Conv2dSame pads, StdConv2d standardises), with its linear function
         # given these parameters: the rest of what the forward does is kept.
         with torch._C._EnableTorchFunction(), _SubstituteLayerCall(weight, bias):
@@ -199,8 +203,21 @@ class _RecordLayerCall(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-# The hooks of the older torch.nn.utils.weight_norm and spectral_norm, which compute the weight before each call.
-_WEIGHT_HOOKS = (_WeightNormHook, _SpectralNormHook)
+# The hooks that compute a layer's weight or bias before each call: the older torch.nn.utils.weight_norm and
+# spectral_norm, and torch.nn.utils.prune (the original times the mask).
+_WEIGHT_HOOKS = (_WeightNormHook, _SpectralNormHook, _PruningHook)
+
+
+def _computed_name(hook: object) -> str:
+    """The attribute a weight hook sets on its layer (``weight``, or ``bias`` for a pruned bias)."""
+    return hook._tensor_name if isinstance(hook, _PruningHook) else hook.name
+
+
+def _holds_its_parameters(module: nn.Module) -> bool:
+    """Whether the ``weight`` and ``bias`` the layer's forward reads are its own parameters, not tensors a hook
+    computes before each call (``torch.nn.utils.prune`` keeps ``weight_orig`` and sets ``weight``)."""
+    shadowed = "weight" in module.__dict__ or "bias" in module.__dict__  # read before the parameters of that name
+    return isinstance(module._parameters.get("weight"), nn.Parameter) and not shadowed
 
 
 class _SubstituteLayerCall(TorchFunctionMode):
@@ -223,9 +240,23 @@ class _SubstituteLayerCall(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _has_plain_forward(module: nn.Module) -> bool:
+def has_weight(module: nn.Module) -> bool:
+    """Whether ``module`` has a tensor ``weight``, told without computing a parametrized one (see
+    :func:`forward_with`)."""
+    if nn.utils.parametrize.is_parametrized(module, "weight"):
+        return True
+    return isinstance(getattr(module, "weight", None), torch.Tensor)
+
+
+def _has_torch_forward(module: nn.Module) -> bool:
+    """Whether the layer's forward is torch's own (a parametrized layer's class keeps it): its linear function of
+    the input, the weight and the bias, and nothing else."""
     base = next(cls for cls in (nn.Linear, *PLAIN_CONVOLUTIONS, *TRANSPOSED_FORWARDS) if isinstance(module, cls))
-    return type(module).forward is base.forward and not nn.utils.parametrize.is_parametrized(module)
+    return type(module).forward is base.forward
+
+
+def _has_plain_forward(module: nn.Module) -> bool:
+    return _has_torch_forward(module) and not nn.utils.parametrize.is_parametrized(module)
 
 
 def _probe_input(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
@@ -249,10 +280,12 @@ def effective_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
 
     Its own parameters for a plain layer. A layer whose forward rewrites its weight
     (timm's weight-standardised ``StdConv2d`` and ``ScaledStdConv2d``), whose weight
-    is parametrized (``weight_norm``, ``spectral_norm``, ``orthogonal``) or computed
-    by a hook (the older ``torch.nn.utils.weight_norm`` and ``spectral_norm``) is run
-    once on a probe input, in eval mode and without its hooks, and the weight and
-    bias it hands to ``F.conv2d`` (or ``F.linear``, …) are taken. A layer whose
+    is parametrized (``weight_norm``, ``spectral_norm``, ``orthogonal``) or whose
+    weight or bias is computed by a hook (the older ``torch.nn.utils.weight_norm``
+    and ``spectral_norm``, ``torch.nn.utils.prune``'s original times mask) is run
+    once on a probe input, in eval mode and without its other hooks, and the weight
+    and bias it hands to ``F.conv2d`` (or ``F.linear``, …) are taken; the tensors
+    the hooks set are put back as the layer's last call left them. A layer whose
     weight is a property (torchrl's ``NoisyLinear``, noisy in training mode or
     under a random exploration type) gives what that property returns now. Nothing in the module
     changes.
@@ -272,23 +305,28 @@ def effective_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
         computed = {"weight": module.weight, "bias": getattr(module, "bias", None)}
         return {n: t if keep else t.detach() for n, t in computed.items() if isinstance(t, torch.Tensor)}
     own = dict(module.named_parameters(recurse=False))
-    if _has_plain_forward(module) and isinstance(own.get("weight"), nn.Parameter):
+    if _has_plain_forward(module) and _holds_its_parameters(module):
         return dict(own) if keep else {name: param.detach() for name, param in own.items()}
     recorder = _RecordLayerCall()
     modes = {sub: sub.training for sub in module.modules()}
+    hooks = [hook for hook in module._forward_pre_hooks.values() if isinstance(hook, _WEIGHT_HOOKS)]
+    computed = {name: module.__dict__[name] for name in map(_computed_name, hooks) if name in module.__dict__}
     try:
         module.eval()  # no state may change: spectral_norm's power iteration runs in training mode only
         with torch.enable_grad() if keep else torch.no_grad():
+            for hook in hooks:
+                hook(module, ())
             probe = _probe_input(module, module.weight)
             # Seen by the recorder even inside a rule's function mode, which runs with torch functions off.
             with torch._C._EnableTorchFunction(), recorder:
-                for hook in list(module._forward_pre_hooks.values()):
-                    if isinstance(hook, _WEIGHT_HOOKS):
-                        hook(module, (probe,))
                 module.forward(probe)
     finally:
         for sub, training in modes.items():
             sub.training = training
+        # The tensors the hooks set, as the layer's last call left them (with their graph, not detached copies).
+        for name in map(_computed_name, hooks):
+            if name in computed:
+                module.__dict__[name] = computed[name]
     if recorder.params is None:
         raise ValueError(f"{type(module).__name__}: its forward called no linear or convolution function")
     _check_linear_after_layer_call(module, recorder.params["weight"])

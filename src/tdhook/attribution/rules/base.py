@@ -34,7 +34,13 @@ from tdhook.attribution.rules._autograd import (
 )
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._keeping_graph import graph_kept
-from tdhook.attribution.rules._layers import LINEAR_LAYERS, _has_plain_forward, _has_weight_property
+from tdhook.attribution.rules._layers import (
+    LINEAR_LAYERS,
+    _has_plain_forward,
+    _has_weight_property,
+    effective_parameters,
+    forward_with,
+)
 from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.tunables import Tunable
 
@@ -502,7 +508,9 @@ class Rule(Tunable):
             registration.plain_layer = type(module)  # a parametrization, added later, changes the class
         if self.uses_input and hasattr(module, "inplace"):  # in place now, or once its flag is set in the context
             registration.hooks.append(module.register_forward_pre_hook(self._snapshot_hook(registration)))
-        registration.hooks.append(module.register_forward_hook(self._forward_hook(registration)))
+        # Before the module's own forward hooks: what they change is then code after the layer, passed by its
+        # gradient, not taken by the rule for the layer's own computation.
+        registration.hooks.append(module.register_forward_hook(self._forward_hook(registration), prepend=True))
         self._registrations[module] = registration
         return RemovableRuleHandle(self, module)
 
@@ -578,6 +586,8 @@ class Rule(Tunable):
             raise_for_vmap(module, output)
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return None
+            if _GLOBAL_FORWARD_HOOKS and isinstance(module, LINEAR_LAYERS):
+                _raise_if_a_global_hook_changed(module, registration, inputs, output)
             self.prepared_state(module, registration)
             rule, reg = self.resolve(module, registration, inputs)
             result = rule.rewrite(module, reg, inputs, output)
@@ -595,11 +605,41 @@ class Rule(Tunable):
         return hook
 
 
+def _raise_if_a_global_hook_changed(module: nn.Module, registration: Registration, inputs: tuple, output) -> None:
+    """Raise where a global forward hook (``register_module_forward_hook``) changed a Linear or convolution
+    layer's output before the rule's hook saw it.
+
+    A rule's hook runs before the module's own forward hooks (those then act on the rule's output, as code after
+    the layer would), but after torch's global ones. What such a hook changed, the rule would take for the
+    layer's own computation: the layer is run again on its input and the outputs are compared.
+    """
+    if len(inputs) != 1 or not isinstance(inputs[0], torch.Tensor) or _has_uninitialized_parameters(module):
+        return
+    with torch.no_grad():
+        own = forward_with(module, effective_parameters(module), inputs[0], registration.busy)
+    seen = output.detach()
+    if own.shape == seen.shape and bool(((own - seen).abs() <= 1e-6 * own.abs().amax() + 1e-30).all()):
+        return
+    error = ValueError(
+        f"LRP: a global forward hook (torch.nn.modules.module.register_module_forward_hook) changed the output of "
+        f"{type(module).__name__} before its rule saw it; the rule would take the hook's change for the layer's "
+        "own computation. Register the hook on the module itself (module.register_forward_hook: it then acts "
+        "after the rule, as code after the layer would), or remove it while explaining."
+    )
+    error.module = module  # the wrapper names the module's path
+    raise error
+
+
 def _has_uninitialized_parameters(module: nn.Module) -> bool:
     return any(nn.parameter.is_lazy(p) for p in module.parameters(recurse=False))
 
 
 def _has_meta_weight(module: nn.Module) -> bool:
+    if nn.utils.parametrize.is_parametrized(module, "weight"):
+        # The stored tensors: computing the weight would run the parametrization (spectral_norm's power
+        # iteration, in training mode), which only the module's own call may do.
+        stored = module.parametrizations["weight"]
+        return any(t.is_meta for t in (*stored.parameters(), *stored.buffers()))
     weight = getattr(module, "weight", None)
     return isinstance(weight, torch.Tensor) and weight.is_meta
 

@@ -26,7 +26,7 @@ from tdhook.attribution.rules._input_gradients import (
     has_direct_input_gradient,
 )
 from tdhook.attribution.rules._keeping_graph import graph_kept
-from tdhook.attribution.rules._layers import effective_parameters, forward_with
+from tdhook.attribution.rules._layers import effective_parameters, forward_with, has_weight
 from tdhook.attribution.rules._numerics import has_negative, nonzero_where_negative, pieces, signed_shift, stabilize
 from tdhook.attribution.rules.base import _ZERO_BIAS, ParamModifier, Registration, Rule, _single_input, _zeroing
 from tdhook.attribution.tunables import GAMMA
@@ -70,7 +70,7 @@ class _ModifiedForwardRule(Rule):
         return modified
 
     def prepare(self, module: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
-        if not isinstance(getattr(module, "weight", None), torch.Tensor):
+        if not has_weight(module):
             raise ValueError(f"{type(self).__name__} needs a module with a weight; {type(module).__name__} has none")
         return self.modified_params(effective_parameters(module))
 
