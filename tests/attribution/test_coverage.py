@@ -113,6 +113,26 @@ class TestStrictMode:
         assert messages == []
         assert torch.isfinite(td["relevance", "x"]).all()
 
+    @pytest.mark.parametrize("dims", [1, 2, 3])
+    def test_max_unpooling_needs_no_rule(self, dims: int):
+        """SegNet's decoder puts each pooled value back where its window's maximum was: linear in the values, its
+        plain gradient is LRP-0."""
+
+        class PoolUnpool(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.shape, features = (1, *[4] * dims), 4**dims
+                self.first, self.head = nn.Linear(4, features), nn.Linear(features, 2)
+                self.pool = getattr(nn, f"MaxPool{dims}d")(2, return_indices=True)
+                self.unpool = getattr(nn, f"MaxUnpool{dims}d")(2)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                pooled, indices = self.pool(self.first(x).relu().reshape(len(x), *self.shape))
+                return self.head(self.unpool(pooled, indices).flatten(1))
+
+        _, td, messages = call(PoolUnpool(), EpsilonPlus(strict=True))
+        assert messages == [] and torch.isfinite(td["relevance", "x"]).all()
+
     def test_mapping_the_module_satisfies_strict_mode(self):
         class Sine(nn.Module):
             # Not element-wise (an element-wise module without parameters gets the pass rule by itself).

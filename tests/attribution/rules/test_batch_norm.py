@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from tensordict import TensorDict
 from torch import nn
 
+from tdhook.attribution import LRP
 from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
 from tdhook.attribution.rules.modified import GammaRule
-from tests.attribution.rules._helpers import make_layer
+from tests.attribution.rules._helpers import CNN_PRESETS, make_layer
+from tests.conftest import relative_error
 
 
 class TestFastPaths:
@@ -38,3 +43,25 @@ class TestFastPaths:
             norm(layer(x.clone().requires_grad_(True)))  # merged: the next call does not copy the output
             actual = relevance()
         torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-14)
+
+
+class TestLazyBatchNorm:
+    """A lazy BatchNorm (and layer) has no parameters when the rule is registered: the merge is prepared at its
+    first call, as for a BatchNorm whose parameters are known."""
+
+    @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
+    @pytest.mark.parametrize("lazy_layer", [False, True], ids=["conv", "lazy-conv"])
+    def test_first_call_equals_the_materialised_model(self, preset: str, lazy_layer: bool):
+        torch.manual_seed(0)
+        conv = nn.LazyConv2d(4, 3) if lazy_layer else nn.Conv2d(3, 4, 3)
+        model = nn.Sequential(conv, nn.LazyBatchNorm2d(), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3)).double().eval()
+        x = torch.randn(2, 3, 6, 6, dtype=torch.float64).clamp(-2.9, 2.9)
+
+        def relevance(net: nn.Module) -> torch.Tensor:
+            lrp = LRP(net, CNN_PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+            return lrp(TensorDict(x=x.clone(), batch_size=[2]))["relevance", "x"]
+
+        first = relevance(model)  # materialised in this call, inside the context
+        assert type(model[1]) is nn.BatchNorm2d and not torch.equal(first, torch.zeros_like(first))
+        # The same model, its parameters known before the context (eval mode: the call changed no statistic).
+        assert relative_error(first, relevance(copy.deepcopy(model))) <= 1e-12

@@ -208,6 +208,44 @@ class TestFastPaths:
         assert relative_error(tdhook_relevance(ours(), layer, x, r_out), expected) <= TOL
 
 
+# Layer options users set that change which inputs an output reads: groups, dilation, strides past the kernel,
+# 'same' padding, padding modes that copy the input, transposed convolutions with output padding, Linear on sequences.
+CONFIGURATIONS = {
+    "conv1d-groups-same-even-kernel": (lambda: nn.Conv1d(4, 6, 4, groups=2, padding="same"), (2, 4, 9)),
+    "conv2d-depthwise-no-bias": (lambda: nn.Conv2d(4, 8, 3, groups=4, padding=1, bias=False), (2, 4, 6, 6)),
+    "conv2d-dilation-stride-past-kernel": (lambda: nn.Conv2d(3, 4, 2, stride=3, dilation=2), (2, 3, 9, 9)),
+    "conv2d-reflect": (lambda: nn.Conv2d(3, 4, 3, padding=(1, 2), padding_mode="reflect"), (2, 3, 6, 6)),
+    "conv2d-replicate-stride": (
+        lambda: nn.Conv2d(3, 4, 3, stride=2, padding=2, padding_mode="replicate"),
+        (2, 3, 7, 7),
+    ),
+    "conv1d-circular": (lambda: nn.Conv1d(3, 4, 3, padding=1, padding_mode="circular"), (2, 3, 7)),
+    "conv3d-groups-dilation": (lambda: nn.Conv3d(4, 4, 2, groups=2, dilation=2, stride=2), (2, 4, 5, 5, 5)),
+    "convtranspose1d-output-padding": (lambda: nn.ConvTranspose1d(3, 4, 3, stride=2, output_padding=1), (2, 3, 5)),
+    "convtranspose2d-groups-dilation": (
+        lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2, dilation=2, padding=1, output_padding=1),
+        (2, 4, 4, 4),
+    ),
+    "linear-on-a-sequence": (lambda: nn.Linear(6, 5), (2, 3, 4, 6)),
+}
+
+
+class TestLayerConfigurations:
+    @pytest.mark.parametrize("kind", sorted(CONFIGURATIONS))
+    @pytest.mark.parametrize("rule_name", sorted(ALL_RULE_PAIRS))
+    def test_rule_matches_zennit(self, rule_name: str, kind: str):
+        make, shape = CONFIGURATIONS[kind]
+        layer = make().double()
+        if layer.bias is not None:
+            with torch.no_grad():
+                layer.bias.normal_()
+        x = torch.randn(shape, dtype=torch.float64).clamp(-2.4, 2.4)  # inside the ZBox bounds
+        r_out = output_relevance(layer, x)
+        ours, theirs = ALL_RULE_PAIRS[rule_name]
+        expected = zennit_relevance(theirs(), layer, x, r_out)
+        assert relative_error(tdhook_relevance(ours(), layer, x, r_out), expected) <= TOL
+
+
 class _UpsampledTo(nn.Module):
     """A transposed convolution called with ``output_size`` (a U-Net's decoder matching its skip connection)."""
 

@@ -80,6 +80,9 @@ GRADIENT_ROUTED = (
     nn.AdaptiveMaxPool1d,
     nn.AdaptiveMaxPool2d,
     nn.AdaptiveMaxPool3d,
+    nn.MaxUnpool1d,  # linear in the values it puts back (its indices are integers)
+    nn.MaxUnpool2d,
+    nn.MaxUnpool3d,
     nn.Dropout,
     nn.Dropout1d,
     nn.Dropout2d,

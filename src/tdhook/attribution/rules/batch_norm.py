@@ -9,7 +9,14 @@ from torch import nn
 
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import TRANSPOSED_FORWARDS, effective_parameters
-from tdhook.attribution.rules.base import _LAYER_MARK, LayerCall, MergedLayer, layer_call_of, parameter_fingerprint
+from tdhook.attribution.rules.base import (
+    _LAYER_MARK,
+    _UNPREPARED,
+    LayerCall,
+    MergedLayer,
+    layer_call_of,
+    parameter_fingerprint,
+)
 from tdhook.attribution.rules.normalization import NormRule
 
 __all__ = ["MergeBatchNormRule"]
@@ -90,7 +97,10 @@ class MergeBatchNormRule(NormRule):
         if graph_kept() is not None:  # from the live parameters, every call: the kept merge is detached
             merged = _merge_batch_norm(call.module, module)
         else:
-            state = self._registrations[module].state
+            registration = self._registrations[module]
+            if registration.state is _UNPREPARED:  # a lazy BatchNorm: no parameters when the rule was registered
+                self.prepared_state(module, registration)
+            state = registration.state
             merged = state.get(call.module)
             # Rebuilt when the layer's or the BatchNorm's parameters or statistics changed (an optimizer step).
             fingerprint = parameter_fingerprint(call.module) + parameter_fingerprint(module)
