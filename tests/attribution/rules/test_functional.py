@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -193,3 +195,29 @@ def test_fused_attention_with_a_query_row_masked_whole_is_unchanged(softmax, mas
     grads = torch.autograd.grad(fused, leaves, randn(2, 2, 5, 4), allow_unused=True)
     assert all(g is None or torch.isfinite(g).all() for g in grads)
     assert grads[2] is not None and grads[2][:, :, 2:].abs().sum() > 0
+
+
+DROPOUT_CALLS = {  # a call, and whether it drops
+    "F.dropout, training by default": (lambda x: F.dropout(x, 0.5), True),
+    "F.dropout, not training": (lambda x: F.dropout(x, 0.5, training=False), False),
+    "F.dropout, p = 0": (lambda x: F.dropout(x, 0.0, True), False),
+    "F.dropout2d, training": (lambda x: F.dropout2d(x, 0.5, True), True),
+    "F.alpha_dropout, not training by default": (lambda x: F.alpha_dropout(x, 0.5), False),
+    "F.feature_alpha_dropout, training": (lambda x: F.feature_alpha_dropout(x, 0.5, training=True), True),
+    "torch.dropout, training": (lambda x: torch.dropout(x, 0.5, True), True),
+    "torch.dropout, not training": (lambda x: torch.dropout(x, 0.5, train=False), False),
+}
+
+
+@pytest.mark.parametrize("call", sorted(DROPOUT_CALLS))
+def test_a_dropout_call_that_drops_is_warned_of(call: str):
+    """The explanation of a call that drops units is random from call to call, as for a Dropout module in
+    training mode; a call that does not drop (not training, ``p = 0``, each function's own default) is not."""
+    function, drops = DROPOUT_CALLS[call]
+    x = randn(2, 3, 4, 4).requires_grad_(True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with FunctionalRules(SoftmaxEpsilonRule(), PseudoIdentityRule()):
+            function(x * 1)
+    warned = [str(w.message) for w in caught if "calls dropout" in str(w.message)]
+    assert bool(warned) == drops, warned
