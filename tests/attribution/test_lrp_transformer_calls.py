@@ -18,7 +18,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from tdhook.attribution import LRP
+from tdhook.attribution import CPLRP, LRP, AttnLRP
 from tests.attribution.test_lrp_transformer_zoo import (
     BATCH,
     HIDDEN,
@@ -147,6 +147,32 @@ def test_left_padding_gives_the_relevance_of_the_sequence_alone(name: str, imple
     torch.testing.assert_close(padded["y"][:1], alone["y"])
     assert relative_error(padded["relevance", "x"][0, PADDED:], alone["relevance", "x"][0]) <= 1e-6
     assert torch.equal(padded["relevance", "x"][0, :PADDED], torch.zeros(PADDED, x.shape[-1], dtype=dtype))
+
+
+UNFUSED = {  # the fused attention computed unfused: a softmax ε, or a relevance that keeps its graph
+    "attnlrp-softmax-epsilon": (lambda: AttnLRP(softmax_epsilon=0.01), {}),
+    "attnlrp-create-graph": (AttnLRP, {"create_graph": True}),
+    "cplrp-create-graph": (CPLRP, {"create_graph": True}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNFUSED))
+def test_left_padding_where_the_rules_compute_the_attention_unfused(case: str):
+    """A left-padded query sees no key: the fused kernel gives it zeros, an unfused softmax NaN, which reached
+    every token through ``0 · NaN`` (NaN logits and relevance). The output is the model's, bit for bit, and the
+    padded sample is explained as the sequence alone."""
+    model, x = ZOO["llama"].build("sdpa"), model_input(ZOO["llama"])
+    mask = torch.ones(BATCH, TOKENS, dtype=torch.long)
+    mask[0, :PADDED] = 0
+    padded_model = NextToken(model, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+    make, options = UNFUSED[case]
+    padded = LRP(padded_model, make(), in_keys=["x"], out_keys=["y"], **options)(TensorDict(x=x, batch_size=[BATCH]))
+    alone = LRP(NextToken(model), make(), in_keys=["x"], out_keys=["y"], **options)(
+        TensorDict(x=x[:1, PADDED:], batch_size=[1])
+    )
+    assert torch.equal(padded["y"], padded_model(x))
+    assert relative_error(padded["relevance", "x"][0, PADDED:], alone["relevance", "x"][0]) <= 1e-6
+    assert torch.equal(padded["relevance", "x"][0, :PADDED], torch.zeros(PADDED, HIDDEN, dtype=F64))
 
 
 class CachedPrefix(nn.Module):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -173,3 +175,49 @@ def test_an_einsum_of_one_activation_or_of_three_operands_is_left_alone():
     plain = torch.autograd.grad(torch.einsum("ij,jk,kl->il", a, b, c).sum(), (a, b, c))
     for grad, plain_grad in zip(torch.autograd.grad(triple.sum(), (a, b, c)), plain, strict=True):
         torch.testing.assert_close(grad, plain_grad)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
+@pytest.mark.parametrize("softmax", [SoftmaxEpsilonRule(0.0), SoftmaxEpsilonRule(0.05), AHQKVRule()])
+def test_fused_attention_with_a_query_row_masked_whole_is_unchanged(softmax, mask_kind: str):
+    """A left-padded query sees no key: the fused kernel gives it zeros where a softmax gives NaN. Computed unfused
+    (softmax ε > 0), its output was NaN and the NaN reached every other row through ``0 · NaN``; the output must be
+    the fused call's, bit for bit, and the relevance finite."""
+    q, k, v = randn(2, 2, 5, 4), randn(2, 2, 5, 4), randn(2, 2, 5, 4)
+    keep = torch.ones(5, 5, dtype=torch.bool).tril()
+    keep[:2] = False  # the first two queries are padding: no key at all
+    mask = keep if mask_kind == "bool" else torch.zeros(5, 5, dtype=F64).masked_fill(~keep, float("-inf"))
+    plain = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    with FunctionalRules(softmax, PseudoIdentityRule()):
+        fused = F.scaled_dot_product_attention(*(t * 1 for t in leaves), attn_mask=mask)
+    assert torch.equal(fused, plain)
+    grads = torch.autograd.grad(fused, leaves, randn(2, 2, 5, 4), allow_unused=True)
+    assert all(g is None or torch.isfinite(g).all() for g in grads)
+    assert grads[2] is not None and grads[2][:, :, 2:].abs().sum() > 0
+
+
+DROPOUT_CALLS = {  # a call, and whether it drops
+    "F.dropout, training by default": (lambda x: F.dropout(x, 0.5), True),
+    "F.dropout, not training": (lambda x: F.dropout(x, 0.5, training=False), False),
+    "F.dropout, p = 0": (lambda x: F.dropout(x, 0.0, True), False),
+    "F.dropout2d, training": (lambda x: F.dropout2d(x, 0.5, True), True),
+    "F.alpha_dropout, not training by default": (lambda x: F.alpha_dropout(x, 0.5), False),
+    "F.feature_alpha_dropout, training": (lambda x: F.feature_alpha_dropout(x, 0.5, training=True), True),
+    "torch.dropout, training": (lambda x: torch.dropout(x, 0.5, True), True),
+    "torch.dropout, not training": (lambda x: torch.dropout(x, 0.5, train=False), False),
+}
+
+
+@pytest.mark.parametrize("call", sorted(DROPOUT_CALLS))
+def test_a_dropout_call_that_drops_is_warned_of(call: str):
+    """The explanation of a call that drops units is random from call to call, as for a Dropout module in
+    training mode; a call that does not drop (not training, ``p = 0``, each function's own default) is not."""
+    function, drops = DROPOUT_CALLS[call]
+    x = randn(2, 3, 4, 4).requires_grad_(True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with FunctionalRules(SoftmaxEpsilonRule(), PseudoIdentityRule()):
+            function(x * 1)
+    warned = [str(w.message) for w in caught if "calls dropout" in str(w.message)]
+    assert bool(warned) == drops, warned

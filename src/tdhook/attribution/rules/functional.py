@@ -28,6 +28,7 @@ from tdhook.attribution.rules._autograd import (
     hold,
     is_activation,
     mark_parameter_derived,
+    redirect,
     scale_gradient,
 )
 from tdhook.attribution.rules._keeping_graph import graph_kept
@@ -226,6 +227,12 @@ class FunctionalRules(TorchFunctionMode):
     def _unfused_attention(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa=False):
         if dropout_p:
             raise ValueError("LRP: attention dropout must be off (call the model in eval mode)")
+        plain = None
+        if graph_kept() is None:  # the fused call's values, bit for bit; the unfused rules give the gradient
+            with torch.no_grad():
+                plain = F.scaled_dot_product_attention(
+                    query, key, value, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa
+                )
         if enable_gqa and key.shape[-3] != query.shape[-3]:
             repeats = query.shape[-3] // key.shape[-3]
             key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
@@ -240,7 +247,10 @@ class FunctionalRules(TorchFunctionMode):
                     scores = scores.masked_fill(~attn_mask, float("-inf"))
                 else:
                     scores = scores + attn_mask
-            return torch.softmax(scores, dim=-1) @ value
+            # A query that sees no key (left padding) gets zeros, as from the fused kernels: its softmax is NaN.
+            unseen = torch.isneginf(scores.detach()).all(-1, keepdim=True)
+            out = torch.softmax(scores, dim=-1).masked_fill(unseen, 0.0) @ value
+        return out if plain is None or not out.requires_grad else redirect(plain, [out], lambda grad: [grad])
 
 
 def _einsum_operands(args: tuple) -> tuple:
