@@ -147,10 +147,15 @@ def forward_with(module: nn.Module, params: dict[str, torch.Tensor], x: torch.Te
         return F.linear(x, weight, bias)
     if isinstance(module, PLAIN_CONVOLUTIONS):
         return module._conv_forward(x, weight, bias)
-    if type(module) in TRANSPOSED_FORWARDS:
+    # By isinstance: a parametrized layer's class is a subclass of the layer's.
+    transposed = next((f for kind, f in TRANSPOSED_FORWARDS.items() if isinstance(module, kind)), None)
+    if transposed is not None:
         m = module
-        return TRANSPOSED_FORWARDS[type(m)](
-            x, weight, bias, m.stride, m.padding, m.output_padding, m.groups, m.dilation
+        return transposed(x, weight, bias, m.stride, m.padding, m.output_padding, m.groups, m.dilation)
+    if nn.utils.parametrize.is_parametrized(module):
+        # functional_call would set the values through the parametrization's right_inverse, writing its original.
+        raise ValueError(
+            f"{type(module).__name__}: a rule's modified pass cannot run a parametrized module of this kind"
         )
     busy.append(True)  # the rule's own hook must not run on this inner call
     try:
