@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.utils import parametrizations, prune
 
 from tdhook.attribution.mappers.base import BaseRuleMapper
-from tdhook.attribution.rules._layers import effective_parameters
+from tdhook.attribution.rules._layers import effective_parameters, forward_with
 from tests.attribution.rules._helpers import CNN_PRESETS, F64, LAYERS, make_layer
 from tests.attribution.test_lrp_layers import lrp_relevance, randomise_batch_norm
 from tests.conftest import relative_error
@@ -233,6 +233,46 @@ class TestRelevance:
         actual = lrp_relevance(model, x, relevance_out, CNN_PRESETS[preset]())
         expected = lrp_relevance(plain, x, relevance_out, CNN_PRESETS[preset]())
         assert relative_error(actual, expected) <= 1e-12
+
+    @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
+    @pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+    def test_a_parametrized_transposed_convolution_equals_the_plain_one_and_keeps_its_parameters(
+        self, kind: str, preset: str
+    ):
+        # Its modified passes must run the transposed convolution itself: torch.func.functional_call would set the
+        # rule's weights through the parametrization, writing them into its original (the parameter).
+        upsample = PARAMETRIZATIONS[kind](nn.ConvTranspose2d(4, 4, 3, stride=2).double())
+        model = (
+            nn.Sequential(
+                nn.Conv2d(3, 4, 3, padding=1),
+                nn.ReLU(),
+                upsample,
+                randomise_batch_norm(nn.BatchNorm2d(4)),
+                nn.ReLU(),
+                nn.Flatten(),
+                nn.Linear(4 * 9 * 9, 3),
+            )
+            .double()
+            .eval()
+        )
+        plain = nn.ConvTranspose2d(4, 4, 3, stride=2).double()
+        with torch.no_grad():
+            plain.weight.copy_(upsample.weight)
+            plain.bias.copy_(upsample.bias)
+        reference = nn.Sequential(*model[:2], plain, *model[3:])
+        x = torch.randn(2, 3, 4, 4, dtype=F64)
+        before = snapshot(model)
+        relevance_out = torch.randn(2, 3, dtype=F64)
+        actual = lrp_relevance(model, x, relevance_out, CNN_PRESETS[preset]())
+        assert_bit_identical(model, before)
+        assert relative_error(actual, lrp_relevance(reference, x, relevance_out, CNN_PRESETS[preset]())) <= 1e-12
+
+    def test_a_modified_pass_refuses_a_parametrized_module_it_would_write_into(self):
+        bilinear = parametrizations.weight_norm(nn.Bilinear(2, 2, 1).double())
+        original = bilinear.parametrizations.weight.original1.detach().clone()
+        with pytest.raises(ValueError, match="ParametrizedBilinear: a rule's modified pass cannot run"):
+            forward_with(bilinear, {"weight": torch.ones(1, 2, 2, dtype=F64)}, torch.ones(1, 2, dtype=F64), [])
+        assert torch.equal(bilinear.parametrizations.weight.original1, original)
 
     @pytest.mark.parametrize("kind", PARAMETRIZED)
     def test_parametrizations_get_no_rule(self, kind: str):

@@ -162,10 +162,17 @@ def forward_with(
         return F.linear(x, weight, bias)
     if isinstance(module, PLAIN_CONVOLUTIONS):
         return module._conv_forward(x, weight, bias)
-    if type(module) in TRANSPOSED_FORWARDS:
+    # By isinstance: a parametrized layer's class is a subclass of the layer's.
+    transposed = next((f for kind, f in TRANSPOSED_FORWARDS.items() if isinstance(module, kind)), None)
+    if transposed is not None:
         m = module
         output_padding = m.output_padding if out_shape is None else _output_padding(m, x, out_shape)
-        return TRANSPOSED_FORWARDS[type(m)](x, weight, bias, m.stride, m.padding, output_padding, m.groups, m.dilation)
+        return transposed(x, weight, bias, m.stride, m.padding, output_padding, m.groups, m.dilation)
+    if nn.utils.parametrize.is_parametrized(module):
+        # functional_call would set the values through the parametrization's right_inverse, writing its original.
+        raise ValueError(
+            f"{type(module).__name__}: a rule's modified pass cannot run a parametrized module of this kind"
+        )
     busy.append(True)  # the rule's own hook must not run on this inner call
     try:
         return functional_call(module, params, (x,))
