@@ -40,7 +40,9 @@ __all__ = [
     "leave_out_unread_marks",
     "marks_are_read",
     "marks_for_target",
+    "register_rule",
     "release",
+    "remove_listed",
     "stop_marks",
     "suspend_function_modes_in",
 ]
@@ -82,6 +84,59 @@ def release(owner: object) -> None:
         del _OWNERS[module]
 
 
+def register_rule(rule: Rule, name: str, module: nn.Module) -> RemovableRuleHandle:
+    """``rule.register(module)``, and where that fails (an error, an interrupt), the hooks it had added so far
+    removed and its record of the module dropped: a rule half registered would act on later calls of the model.
+
+    Args:
+        rule: the rule.
+        name: the module's path, named in the error.
+        module: the module.
+
+    Raises:
+        BaseException: what the registration raised; an ``Exception`` as the same type, naming the rule and the
+            module.
+    """
+    before = {key: set(hooks) for key, hooks in vars(module).items() if "hooks" in key and isinstance(hooks, dict)}
+    had = module in rule._registrations  # registered already (refused below): that registration is not ours
+    try:
+        return rule.register(module)
+    except BaseException as err:
+        if not had:
+            rule.unregister(module)
+        for key, hooks in vars(module).items():
+            if key in before and isinstance(hooks, dict):
+                for hook_id in [hook_id for hook_id in hooks if hook_id not in before[key]]:
+                    del hooks[hook_id]
+        if isinstance(err, Exception):
+            raise type(err)(f"cannot register {rule!r} on module {name!r} ({type(module).__name__}): {err}") from err
+        raise
+
+
+def remove_listed(hooks: list) -> None:
+    """Remove the hooks and rule handles listed in ``hooks``, in order, each even if removing another raised.
+
+    Each stays listed until its removal has returned: one that an interrupt (``KeyboardInterrupt``) stopped is
+    removed when this is called again (removing is idempotent). The first failure is raised at the end.
+
+    Args:
+        hooks: torch hook handles, rule handles, or anything with a ``remove()`` method; emptied but for the
+            interrupted ones.
+    """
+    failure, index = None, 0
+    while index < len(hooks):
+        try:
+            hooks[index].remove()
+        except BaseException as err:  # a rule of one's own whose removal raised: the others are removed still
+            failure = failure or err
+            if not isinstance(err, Exception):
+                index += 1  # interrupted: kept, to be removed again
+                continue
+        del hooks[index]
+    if failure is not None:
+        raise failure
+
+
 # Rules whose hook computes on detached tensors only: nothing in it is a call on activations for a mode to change.
 _DETACHED_HOOKS = (EpsilonRule, IgnoreRule)
 
@@ -112,15 +167,20 @@ def suspend_function_modes_in(handles: Sequence[RemovableRuleHandle]) -> list[Re
         pop(guards)
 
     hooks: list[RemovableHandle] = []
-    for handle in handles:
-        module = handle.module
-        if module is None or not handle.rule.is_registered(module) or handle.rule.acts_in_forward:
-            continue
-        if type(handle.rule) in _DETACHED_HOOKS and isinstance(module, LINEAR_LAYERS) and _has_plain_forward(module):
-            continue  # one F.linear or convolution call, which no mode changes: pausing would cost more than it saves
-        hooks.append(module.register_forward_pre_hook(suspend))
-        hooks.append(module.register_forward_hook(resume, always_call=True))
-    return hooks
+    try:
+        for handle in handles:
+            module = handle.module
+            if module is None or not handle.rule.is_registered(module) or handle.rule.acts_in_forward:
+                continue
+            detached = type(handle.rule) in _DETACHED_HOOKS
+            if detached and isinstance(module, LINEAR_LAYERS) and _has_plain_forward(module):
+                continue  # one F.linear or convolution call, which no mode changes: pausing costs more than it saves
+            hooks.append(module.register_forward_pre_hook(suspend))
+            hooks.append(module.register_forward_hook(resume, always_call=True))
+        return hooks  # inside the try: an interrupt before the return leaves no hook
+    except BaseException:  # an interrupt: leave the model as it was
+        remove_listed(hooks)
+        raise
 
 
 def marks_are_read(rules: Mapping[str, Rule], checked: bool, target: object) -> bool:

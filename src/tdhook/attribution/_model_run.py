@@ -31,7 +31,7 @@ def run_model(lrp: Any, work: TensorDictBase) -> tuple[TensorDictBase | None, No
     """Run ``lrp``'s model on ``work`` under the function modes of its rules; what the model returned, and the
     watch of the nonlinear calls that no rule covers (the first call of a wrapper only, else ``None``)."""
     handles = lrp._handles or []
-    watch = lrp._rule_use.watch(lrp.named_explained_modules, handles)
+    watch = lrp._rule_use.watch(lrp.named_explained_modules, handles, lrp._hooks)
     rule_modes = [] if lrp._inactive else list(getattr(lrp.rule_mapper, "function_modes", list)())
     rule_modes += [] if lrp._inactive else lrp._function_gates.modes(lrp.rule_mapper, rule_modes)
     if not (rule_modes or lrp._compiled or lrp._coverage.watching or watch is not RuleUse.NOTHING):

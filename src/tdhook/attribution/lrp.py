@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from tensordict import TensorDictBase
@@ -34,7 +34,9 @@ from tdhook.attribution._context import (
     leave_out_unread_marks,
     marks_are_read,
     marks_for_target,
+    register_rule,
     release,
+    remove_listed,
     stop_marks,
     suspend_function_modes_in,
 )
@@ -276,6 +278,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
     def _enter(self) -> LRP:
         if self._handles is not None:
             raise RuntimeError("this LRP wrapper's context is already active; leave it before entering again")
+        remove_listed(self._hooks)  # what a removal interrupted while leaving the last context left behind
         modules = self.named_explained_modules()
         claim(self, modules)
         handles: list[RemovableRuleHandle] = []
@@ -285,12 +288,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
                 check_differentiable(rules, self.rule_mapper)
             read = marks_are_read(rules, self.relevance_check is not None, self.target)
             for name, rule in (rules if read else leave_out_unread_marks(rules, modules)).items():
-                try:
-                    handles.append(rule.register(modules[name]))
-                except Exception as err:
-                    raise type(err)(
-                        f"cannot register {rule!r} on module {name!r} ({type(modules[name]).__name__}): {err}"
-                    ) from err
+                handles.append(register_rule(rule, name, modules[name]))
             if not read:
                 stop_marks(handles)
             self._marks_read = read
@@ -308,25 +306,29 @@ class LRP(TensorDictModuleBase, MapperTunable):
             # Copies of the model made inside the context (deepcopy, pickle) leave every hook of the context out.
             hook_ids = {hook.id for hook in self._hooks} | {h.id for handle in handles for h in handle.hook_handles()}
             self._hooks.append(hide_from_copies(modules.values(), hook_ids))
+            self._handles = handles
+            self._candidates.clear()
+            self._rule_use.reset()
+            self._stochastic = random_modules(modules)
+            self._compiled = any(hasattr(m, "_orig_mod") for m in modules.values())  # torch.compile'd parts
+            ours = {h.id for handle in handles for h in handle.hook_handles()}
+            self._plan = context_plan(self, rules, modules, ours)
+            return self  # inside the try: an interrupt before the return leaves the context as if never entered
         except BaseException:
-            self._remove(handles)
-            release(self)
+            self._leave(handles)
             raise
-        self._handles = handles
-        self._candidates.clear()
-        self._rule_use.reset()
-        self._stochastic = random_modules(modules)
-        self._compiled = any(hasattr(m, "_orig_mod") for m in modules.values())  # torch.compile'd parts
-        self._plan = context_plan(self, rules, modules, {h.id for handle in handles for h in handle.hook_handles()})
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
         with self._lock:  # waits for calls of other threads in flight
-            handles, self._handles, self._plan = self._handles or [], None, None
-            try:
-                self._remove(handles)
-            finally:
-                release(self)
+            self._leave(self._handles or [])
+
+    def _leave(self, handles: list[RemovableRuleHandle]) -> None:
+        self._hooks += reversed(handles)  # the rules last, in the reverse order of their registration
+        self._handles, self._plan = None, None
+        try:
+            remove_listed(self._hooks)  # an interrupted removal leaves the rest listed, removed at the next enter
+        finally:
+            release(self)
 
     def __getstate__(self) -> dict:
         if self._handles is not None:
@@ -336,13 +338,6 @@ class LRP(TensorDictModuleBase, MapperTunable):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._lock = threading.RLock()
-
-    def _remove(self, handles: list[RemovableRuleHandle]) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
-        for handle in reversed(handles):
-            handle.remove()
 
     def inactive(self) -> contextlib.AbstractContextManager[None]:
         """Switch the rules off in the block (plain forward and backward; calls write gradient × input), and
@@ -362,11 +357,14 @@ class LRP(TensorDictModuleBase, MapperTunable):
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         with self._lock:  # calls from several threads run one after the other (docs/guarantees.md)
             if self._handles is None and not self._inactive:
-                with self:
-                    return self._explain(tensordict)
-            return self._explain(tensordict)
+                with self:  # the results are written once it is left: a call whose context fails to close writes none
+                    out, write = self._explain(tensordict)
+            else:
+                out, write = self._explain(tensordict)
+            write()
+            return out
 
-    def _explain(self, tensordict: TensorDictBase) -> TensorDictBase:
+    def _explain(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, Callable[[], None]]:
         self._marks_read = self._marks_read or marks_for_target(self._handles or [], self.target)
         explained = explained_in_call(tensordict, self.explained_keys, self._defaulted_inputs, self._optional_inputs)
         validate_inputs(tensordict, [key for key, e in zip(self.explained_keys, explained, strict=True) if e])
@@ -424,9 +422,12 @@ class LRP(TensorDictModuleBase, MapperTunable):
             self._tokens.clear()
             for handle in self._handles or []:
                 handle.pop_records()
-        self._write(out, result, relevances, fed, planned)
-        self._coverage.keep(out.batch_dims, seeds, relevances)
-        return out
+
+        def write() -> None:
+            self._coverage.keep(out.batch_dims, seeds, relevances)
+            self._write(out, result, relevances, fed, planned)  # the last step of a call: all of it, or nothing
+
+        return out, write
 
     def coverage(self) -> Coverage:
         """What this wrapper's calls left to the plain gradient, and how much relevance reached the inputs.
