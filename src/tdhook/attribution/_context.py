@@ -2,14 +2,18 @@
 
 A module is inside at most one LRP wrapper's context at a time (the rules of
 two wrappers on one model would mix): :func:`claim` takes the modules for a
-wrapper, :func:`release` gives them back. :func:`suspend_function_modes_in`
+wrapper, :func:`release` gives them back; a claim holds its wrapper weakly, so that
+a wrapper garbage collected with its context open (its hooks removed then, see
+:func:`abandon`) holds the modules no longer. :func:`suspend_function_modes_in`
 pauses the rule mapper's torch function modes inside modules that have a rule
 of their own.
 
 Examples:
     >>> import torch
     >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    >>> first, second = object(), object()
+    >>> class Owner:
+    ...     pass
+    >>> first, second = Owner(), Owner()
     >>> claim(first, dict(net.named_modules()))
     >>> claim(second, dict(net.named_modules()))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -22,6 +26,7 @@ Examples:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,6 +41,7 @@ from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule
 
 __all__ = [
+    "abandon",
     "claim",
     "leave_out_unread_marks",
     "marks_are_read",
@@ -47,8 +53,14 @@ __all__ = [
     "suspend_function_modes_in",
 ]
 
-# Every module inside an open LRP context, with the wrapper that owns it: two wrappers' rules on one module would mix.
-_OWNERS: IdentityWeakKeyDict[nn.Module, object] = IdentityWeakKeyDict()
+# Every module inside an open LRP context, with (a weak reference to) the wrapper that owns it: two wrappers' rules
+# on one module would mix.
+_OWNERS: IdentityWeakKeyDict[nn.Module, weakref.ref] = IdentityWeakKeyDict()
+
+
+def _owner(module: nn.Module) -> object | None:
+    reference = _OWNERS.get(module)
+    return None if reference is None else reference()
 
 
 def claim(owner: object, modules: Mapping[str, nn.Module]) -> None:
@@ -63,15 +75,16 @@ def claim(owner: object, modules: Mapping[str, nn.Module]) -> None:
             then none is claimed.
     """
     for name, module in modules.items():
-        current = _OWNERS.get(module)
+        current = _owner(module)
         if current is not None and current is not owner:
             path = name or "the model itself"
             raise RuntimeError(
                 f"LRP: module {path!r} ({type(module).__name__}) is already inside another LRP wrapper's "
                 "context; leave that context first (the rules of two wrappers on one model would mix)"
             )
+    reference = weakref.ref(owner)
     for module in modules.values():
-        _OWNERS[module] = owner
+        _OWNERS[module] = reference
 
 
 def release(owner: object) -> None:
@@ -80,8 +93,20 @@ def release(owner: object) -> None:
     Args:
         owner: the LRP wrapper leaving its context.
     """
-    for module in [m for m, current in _OWNERS.items() if current is owner]:
+    for module in [m for m, reference in _OWNERS.items() if reference() in (owner, None)]:
         del _OWNERS[module]
+
+
+def abandon(hooks: list, handles: list[RemovableRuleHandle]) -> None:
+    """Remove what the context of a wrapper garbage collected with it open left on the model: ``hooks`` and the
+    rules of ``handles`` (the finalizer of an open context; it holds the lists, not the wrapper).
+
+    Args:
+        hooks: the context's hooks (the wrapper's list).
+        handles: the handles of its rules.
+    """
+    hooks += reversed(handles)
+    remove_listed(hooks)
 
 
 def register_rule(rule: Rule, name: str, module: nn.Module) -> RemovableRuleHandle:

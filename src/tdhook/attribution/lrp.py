@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -23,13 +24,13 @@ from tdhook.attribution._backward_passes import (
 )
 from tdhook.attribution._chain_plan import (
     ChainPlan,
-    PlannedCall,
     context_plan,
     planned_call,
     planned_feed,
     planned_updates,
 )
 from tdhook.attribution._context import (
+    abandon,
     claim,
     leave_out_unread_marks,
     marks_are_read,
@@ -252,6 +253,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self.memory_budget = check_memory_budget(memory_budget)
         self._inactive = False  # inside inactive(): no rules
         self._plan: ChainPlan | None = None  # a chain of layers run without hooks and autograd (see _chain_plan)
+        self._abandoned: weakref.finalize | None = None  # an open context's cleanup if the wrapper is collected
 
     def named_explained_modules(self) -> dict[str, nn.Module]:
         """The wrapped model's modules by the names rule mappers and ``layers`` use."""
@@ -283,6 +285,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         claim(self, modules)
         handles: list[RemovableRuleHandle] = []
         try:
+            self._abandoned = weakref.finalize(self, abandon, self._hooks, handles)  # collected, never left
             rules = self._rules()
             if self.create_graph:
                 check_differentiable(rules, self.rule_mapper)
@@ -325,6 +328,9 @@ class LRP(TensorDictModuleBase, MapperTunable):
     def _leave(self, handles: list[RemovableRuleHandle]) -> None:
         self._hooks += reversed(handles)  # the rules last, in the reverse order of their registration
         self._handles, self._plan = None, None
+        if self._abandoned is not None:
+            self._abandoned.detach()
+            self._abandoned = None
         try:
             remove_listed(self._hooks)  # an interrupted removal leaves the rest listed, removed at the next enter
         finally:
@@ -356,12 +362,10 @@ class LRP(TensorDictModuleBase, MapperTunable):
     @dispatch(auto_batch_size=False)
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         with self._lock:  # calls from several threads run one after the other (docs/guarantees.md)
-            if self._handles is None and not self._inactive:
-                with self:  # the results are written once it is left: a call whose context fails to close writes none
-                    out, write = self._explain(tensordict)
-            else:
+            entering = self._handles is None and not self._inactive
+            with self if entering else contextlib.nullcontext():  # a context entered here is left before the write
                 out, write = self._explain(tensordict)
-            write()
+            write()  # a call whose context fails to close writes nothing
             return out
 
     def _explain(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, Callable[[], None]]:
@@ -423,9 +427,12 @@ class LRP(TensorDictModuleBase, MapperTunable):
             for handle in self._handles or []:
                 handle.pop_records()
 
-        def write() -> None:
+        def write() -> None:  # the last step of a call: all of its results, or none
             self._coverage.keep(out.batch_dims, seeds, relevances)
-            self._write(out, result, relevances, fed, planned)  # the last step of a call: all of it, or nothing
+            updates = planned_updates(planned, out, result, self.explained_keys, fed, detach=not self.create_graph)
+            keys = (self.relevance_keys, self.token_relevance_keys, self._relevance_sources)
+            updates.update(relevance_updates(out, relevances, *keys))
+            set_all_or_nothing(out, updates)
 
         return out, write
 
@@ -463,16 +470,3 @@ class LRP(TensorDictModuleBase, MapperTunable):
                 relevances[i] = self._tokens.per_token(i, relevances[i])
         like = next(leaf for leaf in leaves if leaf is not None)
         return relevances + [self._layers.pop(name, like) for name in self.layer_keys]
-
-    def _write(
-        self,
-        tensordict: TensorDictBase,
-        result: TensorDictBase,
-        relevances: list,
-        fed: list,
-        planned: PlannedCall | None,
-    ) -> None:
-        updates = planned_updates(planned, tensordict, result, self.explained_keys, fed, detach=not self.create_graph)
-        keys = (self.relevance_keys, self.token_relevance_keys, self._relevance_sources)
-        updates.update(relevance_updates(tensordict, relevances, *keys))
-        set_all_or_nothing(tensordict, updates)
