@@ -115,6 +115,20 @@ def test_a_call_interrupted_at_any_line_leaves_the_running_statistics(name):
                 torch.testing.assert_close(net.state_dict()[key], value, rtol=0, atol=0, msg=interrupt.where)
 
 
+def test_buffers_kept_interrupted_while_swapping_copies_in_leaves_the_models_own():
+    """The metrics run their passes in ``buffers_kept`` alone: an interrupt while it swaps the copies in (every line
+    of entering it) leaves the model's own buffers in place."""
+    net = batch_norm_mlp(nn.BatchNorm1d(6))
+    own = [id(buffer) for buffer in net.buffers()]
+    for at in every_line(lambda: buffers_kept(net).__enter__(), stride=1):
+        kept = buffers_kept(net)
+        with Interrupt(at) as interrupt:
+            kept.__enter__()
+        if interrupt.where is None:
+            kept.__exit__(None, None, None)
+        assert [id(buffer) for buffer in net.buffers()] == own, interrupt.where
+
+
 def test_integrated_gradients_against_the_quadrature_of_whole_batches():
     """Each point of the path is a batch normalised by its own statistics: the quadrature written out."""
     net = batch_norm_mlp(nn.BatchNorm1d(6))
