@@ -31,7 +31,7 @@ class Interrupt:
         lines.add(frame.f_lineno)
         self.count += 1
         if self.count == self.at:
-            sys.settrace(None)
+            sys.settrace(self._previous)
             self.where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} ({frame.f_code.co_name})"
             raise KeyboardInterrupt(self.where)
         return self._local
@@ -48,11 +48,12 @@ class Interrupt:
 
     def __enter__(self) -> Interrupt:
         self._seen: dict[int, set[int]] = {}
+        self._previous = sys.gettrace()  # a coverage tool's, put back on the way out
         sys.settrace(self._global)
         return self
 
     def __exit__(self, kind: type | None, *exc_info: object) -> bool:
-        sys.settrace(None)
+        sys.settrace(self._previous)
         return kind is KeyboardInterrupt and self.where is not None  # its own interrupt: raised, and caught here
 
 
