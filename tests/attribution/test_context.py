@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -202,3 +204,25 @@ def test_a_layer_called_by_keyword_is_an_activation_of_a_product(epsilon):
     relevance = LRP(model, AttnLRP(epsilon=epsilon), in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[3]))
     logits = model(x).max(-1).values
     torch.testing.assert_close(relevance["relevance", "x"].sum(-1), logits, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("mapper", [EpsilonPlus, AttnLRP, lambda: EpsilonPlusFlat(stabilize_additions=True)])
+def test_a_wrapper_dropped_with_its_context_open_gives_the_model_back(mapper):
+    """``lrp.__enter__()`` with no ``__exit__``, and the wrapper dropped (a notebook cell run again): once it is
+    garbage collected its hooks are gone and another wrapper explains the model, as a fresh one does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 3)).double()
+    x = torch.randn(3, 5, dtype=torch.float64)
+    expected = LRP(model, mapper(), in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[3]))["relevance", "x"]
+    before = [vars(m).keys() for m in model.modules()]
+    dropped = LRP(model, mapper(), in_keys=["x"], out_keys=["y"], layers=["2"])
+    dropped.__enter__()
+    dropped(TensorDict(x=x, batch_size=[3]))
+    assert sum(hook_count(m) for m in model.modules())
+    del dropped
+    gc.collect()
+    assert sum(hook_count(m) for m in model.modules()) == 0
+    assert [vars(m).keys() for m in model.modules()] == before  # no __getstate__ of the context's left either
+    again = LRP(model, mapper(), in_keys=["x"], out_keys=["y"])
+    with again:
+        torch.testing.assert_close(again(TensorDict(x=x, batch_size=[3]))["relevance", "x"], expected, rtol=0, atol=0)

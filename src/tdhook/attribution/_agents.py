@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from tdhook.attribution._context import remove_listed
 from tdhook.attribution.rules._autograd import redirect
 from tdhook.attribution.rules.base import plain_calls
 
@@ -89,17 +90,20 @@ def _is_vmapped_agents(module: nn.Module) -> bool:
 def agent_by_agent(modules: Mapping[str, nn.Module]) -> list[RemovableHandle]:
     """Make every multi-agent network among ``modules`` that maps its agents with ``torch.vmap`` map them one by
     one during its forward pass; the returned hook handles end it."""
+
+    def start(net: nn.Module, args: tuple) -> None:
+        net.__dict__[_MAP_METHOD] = _map_by_loop(getattr(type(net), _MAP_METHOD))
+
+    def end(net: nn.Module, args: tuple, output: Any) -> None:
+        net.__dict__.pop(_MAP_METHOD, None)
+
     hooks: list[RemovableHandle] = []
-    for module in modules.values():
-        if not _is_vmapped_agents(module):
-            continue
-
-        def start(net: nn.Module, args: tuple) -> None:
-            net.__dict__[_MAP_METHOD] = _map_by_loop(getattr(type(net), _MAP_METHOD))
-
-        def end(net: nn.Module, args: tuple, output: Any) -> None:
-            net.__dict__.pop(_MAP_METHOD, None)
-
-        hooks.append(module.register_forward_pre_hook(start))
-        hooks.append(module.register_forward_hook(end, always_call=True))
-    return hooks
+    try:
+        for module in modules.values():
+            if _is_vmapped_agents(module):
+                hooks.append(module.register_forward_pre_hook(start))
+                hooks.append(module.register_forward_hook(end, always_call=True))
+        return hooks  # inside the try: an interrupt before the return leaves no hook
+    except BaseException:  # an interrupt: leave the model as it was
+        remove_listed(hooks)
+        raise

@@ -2,14 +2,18 @@
 
 A module is inside at most one LRP wrapper's context at a time (the rules of
 two wrappers on one model would mix): :func:`claim` takes the modules for a
-wrapper, :func:`release` gives them back. :func:`suspend_function_modes_in`
+wrapper, :func:`release` gives them back; a claim holds its wrapper weakly, so that
+a wrapper garbage collected with its context open (its hooks removed then, see
+:func:`abandon`) holds the modules no longer. :func:`suspend_function_modes_in`
 pauses the rule mapper's torch function modes inside modules that have a rule
 of their own.
 
 Examples:
     >>> import torch
     >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    >>> first, second = object(), object()
+    >>> class Owner:
+    ...     pass
+    >>> first, second = Owner(), Owner()
     >>> claim(first, dict(net.named_modules()))
     >>> claim(second, dict(net.named_modules()))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -22,6 +26,7 @@ Examples:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,17 +42,26 @@ from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule
 
 __all__ = [
+    "abandon",
     "claim",
     "leave_out_unread_marks",
     "marks_are_read",
     "marks_for_target",
+    "register_rule",
     "release",
+    "remove_listed",
     "stop_marks",
     "suspend_function_modes_in",
 ]
 
-# Every module inside an open LRP context, with the wrapper that owns it: two wrappers' rules on one module would mix.
-_OWNERS: IdentityWeakKeyDict[nn.Module, object] = IdentityWeakKeyDict()
+# Every module inside an open LRP context, with (a weak reference to) the wrapper that owns it: two wrappers' rules
+# on one module would mix.
+_OWNERS: IdentityWeakKeyDict[nn.Module, weakref.ref] = IdentityWeakKeyDict()
+
+
+def _owner(module: nn.Module) -> object | None:
+    reference = _OWNERS.get(module)
+    return None if reference is None else reference()
 
 
 def claim(owner: object, modules: Mapping[str, nn.Module]) -> None:
@@ -65,15 +79,16 @@ def claim(owner: object, modules: Mapping[str, nn.Module]) -> None:
     """
     refuse_scripted_modules(modules)
     for name, module in modules.items():
-        current = _OWNERS.get(module)
+        current = _owner(module)
         if current is not None and current is not owner:
             path = name or "the model itself"
             raise RuntimeError(
                 f"LRP: module {path!r} ({type(module).__name__}) is already inside another LRP wrapper's "
                 "context; leave that context first (the rules of two wrappers on one model would mix)"
             )
+    reference = weakref.ref(owner)
     for module in modules.values():
-        _OWNERS[module] = owner
+        _OWNERS[module] = reference
 
 
 def release(owner: object) -> None:
@@ -82,8 +97,73 @@ def release(owner: object) -> None:
     Args:
         owner: the LRP wrapper leaving its context.
     """
-    for module in [m for m, current in _OWNERS.items() if current is owner]:
+    for module in [m for m, reference in _OWNERS.items() if reference() in (owner, None)]:
         del _OWNERS[module]
+
+
+def abandon(hooks: list, handles: list[RemovableRuleHandle]) -> None:
+    """Remove what the context of a wrapper garbage collected with it open left on the model: ``hooks`` and the
+    rules of ``handles`` (the finalizer of an open context; it holds the lists, not the wrapper).
+
+    Args:
+        hooks: the context's hooks (the wrapper's list).
+        handles: the handles of its rules.
+    """
+    hooks += reversed(handles)
+    remove_listed(hooks)
+
+
+def register_rule(rule: Rule, name: str, module: nn.Module) -> RemovableRuleHandle:
+    """``rule.register(module)``, and where that fails (an error, an interrupt), the hooks it had added so far
+    removed and its record of the module dropped: a rule half registered would act on later calls of the model.
+
+    Args:
+        rule: the rule.
+        name: the module's path, named in the error.
+        module: the module.
+
+    Raises:
+        BaseException: what the registration raised; an ``Exception`` as the same type, naming the rule and the
+            module.
+    """
+    before = {key: set(hooks) for key, hooks in vars(module).items() if "hooks" in key and isinstance(hooks, dict)}
+    had = module in rule._registrations  # registered already (refused below): that registration is not ours
+    try:
+        return rule.register(module)
+    except BaseException as err:
+        if not had:
+            rule.unregister(module)
+        for key, hooks in vars(module).items():
+            if key in before and isinstance(hooks, dict):
+                for hook_id in [hook_id for hook_id in hooks if hook_id not in before[key]]:
+                    del hooks[hook_id]
+        if isinstance(err, Exception):
+            raise type(err)(f"cannot register {rule!r} on module {name!r} ({type(module).__name__}): {err}") from err
+        raise
+
+
+def remove_listed(hooks: list) -> None:
+    """Remove the hooks and rule handles listed in ``hooks``, in order, each even if removing another raised.
+
+    Each stays listed until its removal has returned: one that an interrupt (``KeyboardInterrupt``) stopped is
+    removed when this is called again (removing is idempotent). The first failure is raised at the end.
+
+    Args:
+        hooks: torch hook handles, rule handles, or anything with a ``remove()`` method; emptied but for the
+            interrupted ones.
+    """
+    failure, index = None, 0
+    while index < len(hooks):
+        try:
+            hooks[index].remove()
+        except BaseException as err:  # a rule of one's own whose removal raised: the others are removed still
+            failure = failure or err
+            if not isinstance(err, Exception):
+                index += 1  # interrupted: kept, to be removed again
+                continue
+        del hooks[index]
+    if failure is not None:
+        raise failure
 
 
 # Rules whose hook computes on detached tensors only: nothing in it is a call on activations for a mode to change.
@@ -116,15 +196,20 @@ def suspend_function_modes_in(handles: Sequence[RemovableRuleHandle]) -> list[Re
         pop(guards)
 
     hooks: list[RemovableHandle] = []
-    for handle in handles:
-        module = handle.module
-        if module is None or not handle.rule.is_registered(module) or handle.rule.acts_in_forward:
-            continue
-        if type(handle.rule) in _DETACHED_HOOKS and isinstance(module, LINEAR_LAYERS) and _has_plain_forward(module):
-            continue  # one F.linear or convolution call, which no mode changes: pausing would cost more than it saves
-        hooks.append(module.register_forward_pre_hook(suspend))
-        hooks.append(module.register_forward_hook(resume, always_call=True))
-    return hooks
+    try:
+        for handle in handles:
+            module = handle.module
+            if module is None or not handle.rule.is_registered(module) or handle.rule.acts_in_forward:
+                continue
+            detached = type(handle.rule) in _DETACHED_HOOKS
+            if detached and isinstance(module, LINEAR_LAYERS) and _has_plain_forward(module):
+                continue  # one F.linear or convolution call, which no mode changes: pausing costs more than it saves
+            hooks.append(module.register_forward_pre_hook(suspend))
+            hooks.append(module.register_forward_hook(resume, always_call=True))
+        return hooks  # inside the try: an interrupt before the return leaves no hook
+    except BaseException:  # an interrupt: leave the model as it was
+        remove_listed(hooks)
+        raise
 
 
 def marks_are_read(rules: Mapping[str, Rule], checked: bool, target: object) -> bool:

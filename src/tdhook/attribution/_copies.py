@@ -59,18 +59,24 @@ class HiddenFromCopies:
 
     def __init__(self, modules: Iterable[nn.Module], hook_ids: set[int]) -> None:
         self._installed: list[tuple[weakref.ref, _StateWithoutHooks]] = []
-        for module in modules:
-            getstate = _StateWithoutHooks(module, hook_ids)
-            module.__dict__[_GETSTATE] = getstate
-            self._installed.append((weakref.ref(module), getstate))
+        try:
+            for module in modules:  # each listed before it is installed, so that remove() finds it
+                getstate = _StateWithoutHooks(module, hook_ids)
+                self._installed.append((weakref.ref(module), getstate))
+                module.__dict__[_GETSTATE] = getstate
+        except BaseException:
+            self.remove()
+            raise
 
     def remove(self) -> None:
-        """Give the modules back their own ``__getstate__``."""
-        installed, self._installed = self._installed, []
-        for ref, getstate in installed:
+        """Give the modules back their own ``__getstate__`` (each listed until it is given back)."""
+        installed = self._installed
+        while installed:
+            ref, getstate = installed[-1]
             module = ref()
             if module is not None and module.__dict__.get(_GETSTATE) is getstate:
                 del module.__dict__[_GETSTATE]
+            installed.pop()
 
 
 def hide_from_copies(modules: Iterable[nn.Module], hook_ids: set[int]) -> HiddenFromCopies:

@@ -33,7 +33,7 @@ def run_model(lrp: Any, work: TensorDictBase) -> tuple[TensorDictBase | None, No
     watch of the nonlinear calls that no rule covers (the first call of a wrapper only, else ``None``)."""
     raise_for_checkpointing("LRP", [] if lrp._inactive else lrp._checkpointing)  # before the model runs
     handles = lrp._handles or []
-    watch = lrp._rule_use.watch(lrp.named_explained_modules, handles)
+    watch = lrp._rule_use.watch(lrp.named_explained_modules, handles, lrp._hooks)
     rule_modes = [] if lrp._inactive else list(getattr(lrp.rule_mapper, "function_modes", list)())
     rule_modes += [] if lrp._inactive else lrp._function_gates.modes(lrp.rule_mapper, rule_modes)
     if not (rule_modes or lrp._compiled or lrp._coverage.watching or watch is not RuleUse.NOTHING):

@@ -55,33 +55,42 @@ class RuleUse:
         return self._pending and bool(handles)
 
     def watch(
-        self, named_modules: Callable[[], Mapping[str, nn.Module]], handles: Sequence[RemovableRuleHandle]
+        self,
+        named_modules: Callable[[], Mapping[str, nn.Module]],
+        handles: Sequence[RemovableRuleHandle],
+        hooks: list | None = None,
     ) -> contextlib.AbstractContextManager[None]:
         """Run the block; if it is the first forward pass since :meth:`reset`, warn about rules without effect.
 
         Args:
             named_modules: gives the model's modules by name (asked only when watching).
             handles: the handles of the registered rules.
+            hooks: where the watch's hooks are listed while they are on the model (the context's hooks, which
+                leaving the context removes: one left by an interrupt is removed then).
         """
         if not self._pending or not handles:
             return RuleUse.NOTHING  # every later call: nothing to set up
-        return self._watching(named_modules, handles)
+        return self._watching(named_modules, handles, [] if hooks is None else hooks)
 
     @contextlib.contextmanager
     def _watching(
-        self, named_modules: Callable[[], Mapping[str, nn.Module]], handles: Sequence[RemovableRuleHandle]
+        self, named_modules: Callable[[], Mapping[str, nn.Module]], handles: Sequence[RemovableRuleHandle], hooks: list
     ) -> Iterator[None]:
         modules = named_modules()
         ran: set[int] = set()
         # A hook on each module of the model, not a global one: torch.compile warns about global module hooks.
-        hooks = []
+        mine: list = []
         try:
-            for module in modules.values():  # inside the try: a registration that fails removes the ones before it
-                hooks.append(module.register_forward_pre_hook(lambda m, args: ran.add(id(m))))
+            for module in modules.values():  # each listed as it is registered
+                mine.append(module.register_forward_pre_hook(lambda m, args: ran.add(id(m))))
+                hooks.append(mine[-1])
             yield
         finally:
-            for hook in hooks:
-                hook.remove()
+            while mine:  # each left listed in ``hooks`` until it is removed (removing again does nothing)
+                mine[-1].remove()
+                if mine[-1] in hooks:
+                    hooks.remove(mine[-1])
+                mine.pop()
         self._pending = False  # a pass that failed or was interrupted is watched again at the next call
         names = {id(module): name for name, module in modules.items()}
         for handle in handles:

@@ -139,14 +139,14 @@ def set_all_or_nothing(tensordict: TensorDictBase, updates: dict) -> None:
                     if _get_or_none(tensordict, branch) is None:
                         new_branches.append(branch)
             previous[key] = _get_or_none(tensordict, key)
+            written.append(key)  # before the write: an interrupt right after it still finds it undone
             tensordict.set(key, value)
-            written.append(key)
     except BaseException:
         for key in reversed(written):
-            if previous[key] is None:
-                tensordict.del_(key)
-            else:
+            if previous[key] is not None:
                 tensordict.set(key, previous[key])
+            elif _get_or_none(tensordict, key) is not None:  # not there where its write failed
+                tensordict.del_(key)
         for branch in sorted(new_branches, key=len, reverse=True):  # deepest first; only the ones this call created
             value = _get_or_none(tensordict, branch)
             if isinstance(value, TensorDictBase) and value.is_empty():

@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from tensordict import TensorDictBase
@@ -22,7 +23,6 @@ from tdhook.attribution._backward_passes import (
 )
 from tdhook.attribution._chain_plan import (
     ChainPlan,
-    PlannedCall,
     context_plan,
     planned_call,
     planned_feed,
@@ -30,11 +30,14 @@ from tdhook.attribution._chain_plan import (
 )
 from tdhook.attribution._checkpointing import checkpointing_modules
 from tdhook.attribution._context import (
+    abandon,
     claim,
     leave_out_unread_marks,
     marks_are_read,
     marks_for_target,
+    register_rule,
     release,
+    remove_listed,
     stop_marks,
     suspend_function_modes_in,
 )
@@ -252,6 +255,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self.memory_budget = check_memory_budget(memory_budget)
         self._inactive = False  # inside inactive(): no rules
         self._plan: ChainPlan | None = None  # a chain of layers run without hooks and autograd (see _chain_plan)
+        self._abandoned: weakref.finalize | None = None  # an open context's cleanup if the wrapper is collected
 
     def named_explained_modules(self) -> dict[str, nn.Module]:
         """The wrapped model's modules by the names rule mappers and ``layers`` use."""
@@ -278,21 +282,18 @@ class LRP(TensorDictModuleBase, MapperTunable):
     def _enter(self) -> LRP:
         if self._handles is not None:
             raise RuntimeError("this LRP wrapper's context is already active; leave it before entering again")
+        remove_listed(self._hooks)  # what a removal interrupted while leaving the last context left behind
         modules = self.named_explained_modules()
         claim(self, modules)
         handles: list[RemovableRuleHandle] = []
         try:
+            self._abandoned = weakref.finalize(self, abandon, self._hooks, handles)  # collected, never left
             rules = self._rules()
             if self.create_graph:
                 check_differentiable(rules, self.rule_mapper)
             read = marks_are_read(rules, self.relevance_check is not None, self.target)
             for name, rule in (rules if read else leave_out_unread_marks(rules, modules)).items():
-                try:
-                    handles.append(rule.register(modules[name]))
-                except Exception as err:
-                    raise type(err)(
-                        f"cannot register {rule!r} on module {name!r} ({type(modules[name]).__name__}): {err}"
-                    ) from err
+                handles.append(register_rule(rule, name, modules[name]))
             if not read:
                 stop_marks(handles)
             self._marks_read = read
@@ -308,25 +309,32 @@ class LRP(TensorDictModuleBase, MapperTunable):
             # Copies of the model made inside the context (deepcopy, pickle) leave every hook of the context out.
             hook_ids = {hook.id for hook in self._hooks} | {h.id for handle in handles for h in handle.hook_handles()}
             self._hooks.append(hide_from_copies(modules.values(), hook_ids))
+            self._handles = handles
+            self._candidates.clear()
+            self._rule_use.reset()
+            self._stochastic, self._checkpointing = random_modules(modules), checkpointing_modules(modules)
+            self._compiled = any(hasattr(m, "_orig_mod") for m in modules.values())  # torch.compile'd parts
+            ours = {h.id for handle in handles for h in handle.hook_handles()}
+            self._plan = context_plan(self, rules, modules, ours)
+            return self  # inside the try: an interrupt before the return leaves the context as if never entered
         except BaseException:
-            self._remove(handles)
-            release(self)
+            self._leave(handles)
             raise
-        self._handles = handles
-        self._candidates.clear()
-        self._rule_use.reset()
-        self._stochastic, self._checkpointing = random_modules(modules), checkpointing_modules(modules)
-        self._compiled = any(hasattr(m, "_orig_mod") for m in modules.values())  # torch.compile'd parts
-        self._plan = context_plan(self, rules, modules, {h.id for handle in handles for h in handle.hook_handles()})
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
         with self._lock:  # waits for calls of other threads in flight
-            handles, self._handles, self._plan = self._handles or [], None, None
-            try:
-                self._remove(handles)
-            finally:
-                release(self)
+            self._leave(self._handles or [])
+
+    def _leave(self, handles: list[RemovableRuleHandle]) -> None:
+        self._hooks += reversed(handles)  # the rules last, in the reverse order of their registration
+        self._handles, self._plan = None, None
+        if self._abandoned is not None:
+            self._abandoned.detach()
+            self._abandoned = None
+        try:
+            remove_listed(self._hooks)  # an interrupted removal leaves the rest listed, removed at the next enter
+        finally:
+            release(self)
 
     def __getstate__(self) -> dict:
         if self._handles is not None:
@@ -336,13 +344,6 @@ class LRP(TensorDictModuleBase, MapperTunable):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._lock = threading.RLock()
-
-    def _remove(self, handles: list[RemovableRuleHandle]) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
-        for handle in reversed(handles):
-            handle.remove()
 
     def inactive(self) -> contextlib.AbstractContextManager[None]:
         """Switch the rules off in the block (plain forward and backward; calls write gradient × input), and
@@ -360,13 +361,15 @@ class LRP(TensorDictModuleBase, MapperTunable):
 
     @dispatch(auto_batch_size=False)
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        with self._lock, called_in_grad_mode(torch.is_grad_enabled()):  # one call at a time (docs/guarantees.md)
-            if self._handles is None and not self._inactive:
-                with self:
-                    return self._explain(tensordict)
-            return self._explain(tensordict)
+        with self._lock:  # calls from several threads run one after the other (docs/guarantees.md)
+            entering = self._handles is None and not self._inactive
+            # A context entered here is left before the write, and so is the record of the caller's grad mode.
+            with called_in_grad_mode(torch.is_grad_enabled()), self if entering else contextlib.nullcontext():
+                out, write = self._explain(tensordict)
+            write()  # a call whose context fails to close writes nothing
+            return out
 
-    def _explain(self, tensordict: TensorDictBase) -> TensorDictBase:
+    def _explain(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, Callable[[], None]]:
         self._marks_read = self._marks_read or marks_for_target(self._handles or [], self.target)
         explained = explained_in_call(tensordict, self.explained_keys, self._defaulted_inputs, self._optional_inputs)
         validate_inputs(tensordict, [key for key, e in zip(self.explained_keys, explained, strict=True) if e])
@@ -424,9 +427,15 @@ class LRP(TensorDictModuleBase, MapperTunable):
             self._tokens.clear()
             for handle in self._handles or []:
                 handle.pop_records()
-        self._write(out, result, relevances, fed, planned)
-        self._coverage.keep(out.batch_dims, seeds, relevances)
-        return out
+
+        def write() -> None:  # the last step of a call: all of its results, or none
+            self._coverage.keep(out.batch_dims, seeds, relevances)
+            updates = planned_updates(planned, out, result, self.explained_keys, fed, detach=not self.create_graph)
+            keys = (self.relevance_keys, self.token_relevance_keys, self._relevance_sources)
+            updates.update(relevance_updates(out, relevances, *keys))
+            set_all_or_nothing(out, updates)
+
+        return out, write
 
     def coverage(self) -> Coverage:
         """What this wrapper's calls left to the plain gradient, and how much relevance reached the inputs.
@@ -462,16 +471,3 @@ class LRP(TensorDictModuleBase, MapperTunable):
                 relevances[i] = self._tokens.per_token(i, relevances[i])
         like = next(leaf for leaf in leaves if leaf is not None)
         return relevances + [self._layers.pop(name, like) for name in self.layer_keys]
-
-    def _write(
-        self,
-        tensordict: TensorDictBase,
-        result: TensorDictBase,
-        relevances: list,
-        fed: list,
-        planned: PlannedCall | None,
-    ) -> None:
-        updates = planned_updates(planned, tensordict, result, self.explained_keys, fed, detach=not self.create_graph)
-        keys = (self.relevance_keys, self.token_relevance_keys, self._relevance_sources)
-        updates.update(relevance_updates(tensordict, relevances, *keys))
-        set_all_or_nothing(tensordict, updates)

@@ -13,6 +13,7 @@ from torchrl.modules import BatchRenorm1d
 from tdhook.attribution import IntegratedGradients
 from tdhook.attribution.methods._batch_statistics import batch_normalisers, buffers_kept
 from tdhook.attribution.methods._quadrature import quadrature
+from tests.attribution._interrupts import Interrupt, every_line
 from tests.attribution.methods.test_base import METHODS, make
 from tests.conftest import relative_error
 
@@ -81,6 +82,51 @@ def test_a_failed_call_leaves_the_running_statistics(name):
     for key, value in before.items():
         torch.testing.assert_close(net.state_dict()[key], value, rtol=0, atol=0, msg=key)
     assert list(td.keys()) == ["x"]
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_a_call_whose_write_fails_leaves_the_running_statistics(name):
+    """The results cannot be written (the caller's TensorDict holds a tensor where their branch goes): the model's
+    pass is undone too."""
+    net = batch_norm_mlp(nn.BatchNorm1d(6))
+    before = state(net)
+    td = TensorDict(x=torch.randn(4, 5, dtype=torch.float64), attribution=torch.zeros(4), batch_size=[4])
+    with pytest.raises(Exception):  # noqa: B017 (tensordict's own error)
+        make(name, net, in_keys=["x"], out_keys=["y"])(td)
+    for key, value in before.items():
+        torch.testing.assert_close(net.state_dict()[key], value, rtol=0, atol=0, msg=key)
+    assert sorted(td.keys()) == ["attribution", "x"]
+
+
+@pytest.mark.parametrize("name", ["Saliency", "IntegratedGradients", "Occlusion"])
+def test_a_call_interrupted_at_any_line_leaves_the_running_statistics(name):
+    """A ``KeyboardInterrupt`` at any line of tdhook's code in the call (every STRIDE-th line; every line checked by
+    hand) but those of the outer scope that puts the buffers back when the call fails."""
+    net = batch_norm_mlp(nn.BatchNorm1d(6))
+    method = make(name, net, in_keys=["x"], out_keys=["y"])
+    x = torch.randn(4, 5, dtype=torch.float64)
+    skip = ("buffers_restored_on_error",)
+    for at in every_line(lambda: method(TensorDict(x=x, batch_size=[4])), skip, start=1):
+        before, td = state(net), TensorDict(x=x, batch_size=[4])
+        with Interrupt(at, skip) as interrupt:
+            method(td)
+        if interrupt.where is not None and list(td.keys()) == ["x"]:  # a call that raised and wrote nothing
+            for key, value in before.items():
+                torch.testing.assert_close(net.state_dict()[key], value, rtol=0, atol=0, msg=interrupt.where)
+
+
+def test_buffers_kept_interrupted_while_swapping_copies_in_leaves_the_models_own():
+    """The metrics run their passes in ``buffers_kept`` alone: an interrupt while it swaps the copies in (every line
+    of entering it) leaves the model's own buffers in place."""
+    net = batch_norm_mlp(nn.BatchNorm1d(6))
+    own = [id(buffer) for buffer in net.buffers()]
+    for at in every_line(lambda: buffers_kept(net).__enter__(), stride=1):
+        kept = buffers_kept(net)
+        with Interrupt(at) as interrupt:
+            kept.__enter__()
+        if interrupt.where is None:
+            kept.__exit__(None, None, None)
+        assert [id(buffer) for buffer in net.buffers()] == own, interrupt.where
 
 
 def test_integrated_gradients_against_the_quadrature_of_whole_batches():

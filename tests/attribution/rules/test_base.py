@@ -13,6 +13,7 @@ from tdhook.attribution.mappers.presets import EpsilonPlus
 from tdhook.attribution.rules.base import ParamModifier
 from tdhook.attribution.rules.basic import EpsilonRule
 from tdhook.attribution.rules.modified import GammaRule
+from tdhook.attribution.rules.normalization import NormRule
 from tests.attribution.rules._helpers import CNN_PRESETS, F64, make_layer
 from tests.attribution.test_lrp_layers import lrp_relevance, randomise_batch_norm
 from tests.conftest import relative_error
@@ -26,6 +27,34 @@ class TestRegistration:
             with pytest.raises(ValueError, match="already registered"):
                 rule.register(layer)
         assert not layer._forward_hooks
+
+    def test_an_interrupted_removal_is_finished_by_the_next_one(self):
+        layer = nn.LayerNorm(3)  # the rule acts in the forward: a pre-hook enters its mode, a forward hook leaves it
+        rule = NormRule()
+        handle = rule.register(layer)
+        hooks = rule._registrations[layer].hooks
+        assert len(hooks) == 2
+
+        class Interrupted:
+            """A hook handle whose first removal is interrupted before it removes anything."""
+
+            def __init__(self, inner) -> None:
+                self.inner, self.calls = inner, 0
+
+            def remove(self) -> None:
+                self.calls += 1
+                if self.calls == 1:
+                    raise KeyboardInterrupt
+                self.inner.remove()
+
+        hooks[0] = Interrupted(hooks[0])  # removed last
+        with pytest.raises(KeyboardInterrupt):
+            handle.remove()
+        assert rule.is_registered(layer)  # what is left is still the rule's, to be removed
+        handle.remove()
+        assert not rule.is_registered(layer) and not layer._forward_hooks and not layer._forward_pre_hooks
+        with rule.register(layer):  # registered again, once
+            assert len(layer._forward_hooks) == 1 and len(layer._forward_pre_hooks) == 1
 
     def test_handle_removes_hooks_and_never_writes_parameters(self):
         layer, x = make_layer("conv2d")

@@ -193,20 +193,21 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             if not value.is_floating_point():
                 raise TypeError(f"{name}: input key {key!r} must be a floating-point tensor, got {describe(value)}")
         self._warn_for_random_modules(tensordict)
-        with buffers_restored_on_error(self.module), self._model_context():
-            call = self._first_pass(tensordict)
-            cut = returned_tensordict(tensordict, call.result)
-            if cut is tensordict:
-                attributions = self._attribute(call)
-                extra = self._extra_updates(call)
-        if cut is not tensordict:  # the module returned fewer batch dimensions: explain in its batch, as LRP does
-            return self.forward(cut)
-        updates = model_updates(tensordict, call.result, self.explained_keys, call.fed)
-        for key, attribution in zip(self.relevance_keys, attributions, strict=True):
-            updates[key] = self._per_unit(call, attribution)
-        updates.update(extra)
-        set_all_or_nothing(tensordict, updates)
-        return tensordict
+        with buffers_restored_on_error(self.module):  # up to the write: a call that fails moves no statistics
+            with self._model_context():
+                call = self._first_pass(tensordict)
+                cut = returned_tensordict(tensordict, call.result)
+                if cut is tensordict:
+                    attributions = self._attribute(call)
+                    extra = self._extra_updates(call)
+            if cut is not tensordict:  # the module returned fewer batch dimensions: explain in its batch, as LRP does
+                return self.forward(cut)
+            updates = model_updates(tensordict, call.result, self.explained_keys, call.fed)
+            for key, attribution in zip(self.relevance_keys, attributions, strict=True):
+                updates[key] = self._per_unit(call, attribution)
+            updates.update(extra)
+            set_all_or_nothing(tensordict, updates)
+            return tensordict
 
     def named_explained_modules(self) -> dict[str, nn.Module]:
         """The wrapped model's modules by name, relative to the object passed as ``module`` (as LRP names them)."""

@@ -60,7 +60,8 @@ def _training_buffers(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tens
 
 @contextlib.contextmanager
 def buffers_restored_on_error(model: nn.Module) -> Iterator[None]:
-    """Give the buffers of ``model``'s modules in training mode their values back if the block raises.
+    """Give the buffers of ``model``'s modules in training mode their values back if the block raises (and their
+    places in the modules, where a :func:`buffers_kept` inside was stopped before it put them back).
 
     Examples:
         >>> norm = nn.BatchNorm1d(2)
@@ -73,12 +74,13 @@ def buffers_restored_on_error(model: nn.Module) -> Iterator[None]:
         >>> int(norm.num_batches_tracked)
         0
     """
-    kept = [(buffer, buffer.clone()) for _, _, buffer in _training_buffers(model)]
+    kept = [(module, name, buffer, buffer.clone()) for module, name, buffer in _training_buffers(model)]
     try:
         yield
     except BaseException:
         with torch.no_grad():
-            for buffer, value in kept:
+            for module, name, buffer, value in kept:
+                module._buffers[name] = buffer  # the module's own, where an interrupt left a copy in its place
                 buffer.copy_(value)
         raise
 
@@ -93,9 +95,9 @@ def buffers_kept(model: nn.Module) -> Iterator[None]:
     (by error or not).
     """
     kept = _training_buffers(model)
-    for module, name, buffer in kept:
-        module._buffers[name] = buffer.clone()
     try:
+        for module, name, buffer in kept:
+            module._buffers[name] = buffer.clone()
         yield
     finally:
         for module, name, buffer in kept:

@@ -563,10 +563,14 @@ class Rule(Tunable):
 
     def unregister(self, module: nn.Module) -> None:
         """Detach the rule from ``module`` (no-op when it is not attached)."""
-        registration = self._registrations.pop(module, None)
+        registration = self._registrations.get(module)
         if registration is not None:
-            for hook in registration.hooks:
-                hook.remove()
+            # Each hook listed until it is removed, and the registration kept until they all are: an unregistering
+            # that an interrupt stops is finished by the next one, never leaving a hook of the rule on the module.
+            while registration.hooks:
+                registration.hooks[-1].remove()
+                registration.hooks.pop()
+            self._registrations.pop(module, None)
 
     @staticmethod
     def _snapshot_hook(registration: Registration) -> Callable:

@@ -1,0 +1,68 @@
+"""Raising ``KeyboardInterrupt`` at a chosen line of tdhook's own code, through ``sys.settrace``."""
+
+from __future__ import annotations
+
+import linecache
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import tdhook
+
+SOURCE = str(Path(tdhook.__file__).parent)
+
+
+class Interrupt:
+    """Raise ``KeyboardInterrupt`` at the ``at``-th line event of tdhook's source inside the block (never, with
+    ``at=None``: then :attr:`count` is the number of line events), and catch it; :attr:`where` says where it was
+    raised (``None``: the block ran fewer lines, and ended as it does without an interrupt). Functions named in
+    ``skip``, and what they call, are not traced."""
+
+    def __init__(self, at: int | None, skip: tuple[str, ...] = ()) -> None:
+        self.at, self.count, self.where, self.skip = at, 0, None, skip
+
+    def _local(self, frame, event, arg):
+        if event != "line":
+            return self._local
+        lines = self._seen.setdefault(id(frame), set())
+        text = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+        if text.startswith(("with ", "async with ")) and frame.f_lineno in lines:
+            return self._local  # leaving a with block: the context manager's __exit__ comes next
+        lines.add(frame.f_lineno)
+        self.count += 1
+        if self.count == self.at:
+            sys.settrace(self._previous)
+            self.where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} ({frame.f_code.co_name})"
+            raise KeyboardInterrupt(self.where)
+        return self._local
+
+    def _global(self, frame, event, arg):
+        if not frame.f_code.co_filename.startswith(SOURCE):
+            return None
+        caller = frame
+        while caller is not None:
+            if caller.f_code.co_name in self.skip:
+                return None
+            caller = caller.f_back
+        return self._local
+
+    def __enter__(self) -> Interrupt:
+        self._seen: dict[int, set[int]] = {}
+        self._previous = sys.gettrace()  # a coverage tool's, put back on the way out
+        sys.settrace(self._global)
+        return self
+
+    def __exit__(self, kind: type | None, *exc_info: object) -> bool:
+        sys.settrace(self._previous)
+        return kind is KeyboardInterrupt and self.where is not None  # its own interrupt: raised, and caught here
+
+
+# Every STRIDE-th line, from a start that differs per test, keeps the suite fast; every line was checked by hand.
+STRIDE = 9
+
+
+def every_line(run: Callable[[], object], skip: tuple[str, ...] = (), start: int = 1, stride: int = STRIDE) -> range:
+    """The line events of tdhook's code that ``run()`` goes through (every STRIDE-th, from ``start``)."""
+    with Interrupt(None, skip) as counting:
+        run()
+    return range(start, counting.count + 1, stride)
