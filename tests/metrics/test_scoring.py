@@ -250,3 +250,34 @@ def test_an_explained_key_the_model_does_not_read_is_refused_by_name():
     )
     with pytest.raises(ValueError, match=r"in_keys \['z'\] are not inputs of the model"):
         pixel_flipping(pipeline, td, in_keys=["x", "z"])
+
+
+@pytest.mark.parametrize("states", [False, True], ids=["no-states", "states"])
+def test_a_recurrent_policys_default_keys_are_those_lrp_explains(states):
+    """By default the metrics perturb the inputs LRP explains by default: not ``is_init`` (a flag), nor the
+    recurrent states of an LSTMModule/GRUModule the TensorDict does not hold (the module starts from zeros)."""
+    from torchrl.modules import MLP, GRUModule
+
+    from tdhook.attribution import LRP
+    from tdhook.metrics import action_fidelity
+
+    torch.manual_seed(0)
+    rnn = GRUModule(input_size=4, hidden_size=6, in_key="observation", out_key="embed").double()
+    head = TensorDictModule(MLP(in_features=6, out_features=3, num_cells=[8]).double(), ["embed"], ["action_value"])
+    policy = TensorDictSequential(rnn, head)
+    td = TensorDict(
+        observation=torch.randn(5, 4, dtype=torch.float64), is_init=torch.zeros(5, 1, dtype=torch.bool), batch_size=[5]
+    )
+    if states:
+        td["recurrent_state"] = torch.randn(5, 1, 6, dtype=torch.float64)
+    explained = LRP(policy, relevance_key="attribution")(td)
+    keys = ["observation", "recurrent_state"] if states else ["observation"]
+    assert set(explained["attribution"].keys()) == set(keys)
+    for metric in (
+        lambda **kw: action_fidelity(policy, explained, k=2, n_random=3, seed=0, progress=False, **kw),
+        lambda **kw: pixel_flipping(policy, explained, progress=False, **kw),
+    ):
+        by_default, by_name = metric(), metric(in_keys=keys)
+        if isinstance(by_name, TensorDict):
+            by_default, by_name = by_default.to_dict(), by_name.to_dict()
+        torch.testing.assert_close(by_default, by_name)
