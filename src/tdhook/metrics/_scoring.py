@@ -29,6 +29,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModule, TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import nn
+from torchrl.modules import GRUModule, LSTMModule
 
 from tdhook.attribution._inputs import explained_in_call, optional_inputs
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
@@ -46,6 +47,21 @@ _ELEMENTS_PER_FORWARD = 1 << 16
 
 def _metrics_error(err: Exception) -> Exception:
     return type(err)(str(err).replace("LRP:", "metrics:", 1))
+
+
+def _refuse_steps_read_together(module: TensorDictModuleBase, td: TensorDictBase) -> None:
+    """A torchrl LSTMModule/GRUModule in recurrent mode reads the last batch dimension as time, so each step's
+    output depends on the steps before it: perturbing every step at once would count those effects too."""
+    if not td.batch_dims or td.batch_size[-1] < 2:
+        return
+    for name, sub in module.named_modules():
+        if isinstance(sub, (LSTMModule, GRUModule)) and sub.recurrent_mode:
+            raise ValueError(
+                f"metrics: {type(sub).__name__} {name!r} runs in recurrent mode, reading the last batch dimension "
+                f"(of {list(td.batch_size)}) as time: perturbing every step at once would change each step's output "
+                "through the steps before it as well. Score the steps one by one: outside recurrent mode, with the "
+                "recurrent states the rollout stored in the TensorDict"
+            )
 
 
 class Scorer:
@@ -108,6 +124,7 @@ class Scorer:
                 f"metrics: in_keys {unread} are not inputs of the model (its in_keys: {list(self.module.in_keys)}); "
                 "perturbing them would leave its output as it is"
             )
+        _refuse_steps_read_together(self.module, td)
         self._alone = batch_normalising_module(module)
         if self._alone is not None and steps_per_forward not in (None, 1):
             raise ValueError(
