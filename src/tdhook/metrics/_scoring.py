@@ -29,9 +29,8 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModule, TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import nn
-from torchrl.modules import GRUModule, LSTMModule
 
-from tdhook.attribution._inputs import explained_in_call, optional_inputs
+from tdhook.attribution._inputs import explained_in_call, module_in_recurrent_mode, optional_inputs
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key, target_output
 from tdhook.metrics._batch_statistics import batch_normalising_module
@@ -54,14 +53,14 @@ def _refuse_steps_read_together(module: TensorDictModuleBase, td: TensorDictBase
     output depends on the steps before it: perturbing every step at once would count those effects too."""
     if not td.batch_dims or td.batch_size[-1] < 2:
         return
-    for name, sub in module.named_modules():
-        if isinstance(sub, (LSTMModule, GRUModule)) and sub.recurrent_mode:
-            raise ValueError(
-                f"metrics: {type(sub).__name__} {name!r} runs in recurrent mode, reading the last batch dimension "
-                f"(of {list(td.batch_size)}) as time: perturbing every step at once would change each step's output "
-                "through the steps before it as well. Score the steps one by one: outside recurrent mode, with the "
-                "recurrent states the rollout stored in the TensorDict"
-            )
+    found = module_in_recurrent_mode(module)
+    if found is not None:
+        raise ValueError(
+            f"metrics: {type(found[1]).__name__} {found[0]!r} runs in recurrent mode, reading the last batch dimension "
+            f"(of {list(td.batch_size)}) as time: perturbing every step at once would change each step's output "
+            "through the steps before it as well. Score the steps one by one: outside recurrent mode, with the "
+            "recurrent states the rollout stored in the TensorDict"
+        )
 
 
 class Scorer:
