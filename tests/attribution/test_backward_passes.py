@@ -82,6 +82,18 @@ class TestTimeBatches:
         with pytest.raises(TypeError, match="split_dim must be an int"):
             LRP(per_step_policy(), EpsilonPlus(), split_dim="time")(td)
 
+    @pytest.mark.parametrize("batch, split_dim", [((2, 3, 3), 1), ((2, 3, 4), 1), ((2, 3, 3), 0), ((4, 5), 0)])
+    def test_a_batch_dimension_before_the_last_is_refused_by_name(self, batch, split_dim):
+        """The split dimension goes right before ``split_dim``: before the last batch dimension it would take a
+        batch dimension's place, so the TensorDict's batch would index the wrong dimensions (silently where two
+        sizes agree, time and agents of [B, T, agents] with T = agents) or refuse the write."""
+        td = TensorDict(observation=torch.randn(*batch, 3, dtype=F64), batch_size=batch)
+        with pytest.raises(ValueError, match=rf"split_dim={split_dim} is a batch dimension before the last"):
+            LRP(per_step_policy(), EpsilonPlus(), split_dim=split_dim)(td)
+        assert set(td.keys()) == {"observation"}
+        last = LRP(per_step_policy(), EpsilonPlus(), split_dim=len(batch) - 1)(td.clone())["relevance", "observation"]
+        assert last.shape == (*batch, batch[-1], 3)
+
 
 class NextTokenLogits(nn.Module):
     def __init__(self, model: nn.Module) -> None:

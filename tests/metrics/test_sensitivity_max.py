@@ -123,3 +123,20 @@ def test_a_model_normalising_over_the_batch_explains_each_perturbed_copy_alone()
         changes.append((copy["attribution", "x"] - reference["attribution", "x"]).flatten(1).norm(dim=-1))
     expected = torch.stack(changes, -1).amax(-1) / reference["attribution", "x"].flatten(1).norm(dim=-1)
     torch.testing.assert_close(ours, expected, rtol=1e-10, atol=0)
+
+
+def test_lrp_on_a_recurrent_policy_is_scored_on_the_keys_it_explains():
+    """LRP leaves out ``is_init`` and the recurrent states the TensorDict does not hold; so does the metric."""
+    from tensordict.nn import TensorDictModule, TensorDictSequential
+    from torchrl.modules import MLP, GRUModule
+
+    torch.manual_seed(0)
+    rnn = GRUModule(input_size=4, hidden_size=6, in_key="observation", out_key="embed").double()
+    head = TensorDictModule(MLP(in_features=6, out_features=3, num_cells=[8]).double(), ["embed"], ["action_value"])
+    lrp = LRP(TensorDictSequential(rnn, head))
+    td = TensorDict(
+        observation=torch.randn(5, 4, dtype=torch.float64), is_init=torch.zeros(5, 1, dtype=torch.bool), batch_size=[5]
+    )
+    by_default = sensitivity_max(lrp, td, n_perturb_samples=3, seed=0)
+    by_name = sensitivity_max(lrp, td, n_perturb_samples=3, seed=0, in_keys=["observation"])
+    torch.testing.assert_close(by_default, by_name)

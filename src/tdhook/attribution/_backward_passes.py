@@ -45,7 +45,7 @@ def check_split_dim(split_dim: int | None, output: torch.Tensor, key: NestedKey,
 
     Raises:
         TypeError: ``split_dim`` is not an int.
-        ValueError: it is not such a dimension of the target output.
+        ValueError: it is not such a dimension of the target output, or it is a batch dimension before the last.
 
     Examples:
         >>> check_split_dim(-2, torch.zeros(4, 7, 3), "logits", 1)
@@ -65,6 +65,13 @@ def check_split_dim(split_dim: int | None, output: torch.Tensor, key: NestedKey,
         raise ValueError(
             f"LRP: split_dim={split_dim} must be a dimension of target {key!r} (shape {list(output.shape)}) before "
             f"its units' dimension, from 0 to {positions - 1} (or {-output.dim()} to {positions - 1 - output.dim()})"
+        )
+    if dim < batch_dims - 1:  # the new dimension, right before dim, would take the place of a batch dimension
+        raise ValueError(
+            f"LRP: split_dim={split_dim} is a batch dimension before the last of the TensorDict's batch "
+            f"(target {key!r}, shape {list(output.shape)}, batch dimensions {batch_dims}): the positions' dimension "
+            f"goes right before it, where the batch would index it; split the last batch dimension "
+            f"(split_dim={batch_dims - 1}), after moving the one to split there (TensorDict.transpose)"
         )
     return dim
 

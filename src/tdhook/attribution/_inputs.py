@@ -32,6 +32,7 @@ from tdhook.attribution._keys import as_tuple
 from tdhook.attribution._tokens import TokenInputs
 
 __all__ = [
+    "module_in_recurrent_mode",
     "describe",
     "explained_in_call",
     "feed_inputs",
@@ -54,6 +55,25 @@ def optional_inputs(module: TensorDictModuleBase) -> set[NestedKey]:
         if isinstance(sub, (LSTMModule, GRUModule)):
             keys.update(k for k in sub.in_keys[1:] if k != "is_init")
     return keys
+
+
+def module_in_recurrent_mode(module: TensorDictModuleBase) -> tuple[str, TensorDictModuleBase] | None:
+    """The name and module of the first torchrl ``LSTMModule``/``GRUModule`` in ``module`` that runs in recurrent
+    mode now (reading the last batch dimension as time), or ``None``.
+
+    Examples:
+        >>> from torchrl.modules import GRUModule, set_recurrent_mode
+        >>> gru = GRUModule(input_size=3, hidden_size=4, in_key="obs", out_key="h")
+        >>> module_in_recurrent_mode(gru) is None
+        True
+        >>> with set_recurrent_mode(True):
+        ...     module_in_recurrent_mode(gru)[0]
+        ''
+    """
+    for name, sub in module.named_modules():
+        if isinstance(sub, (LSTMModule, GRUModule)) and sub.recurrent_mode:
+            return name, sub
+    return None
 
 
 def explained_in_call(

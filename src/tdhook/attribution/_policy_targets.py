@@ -16,8 +16,11 @@ step a decision transformer acts on, and the action an exploring policy takes.
   not every step of the context.
 * Exploration steps after an actor (``AdditiveGaussianModule``,
   ``OrnsteinUhlenbeckProcessModule``, ``EGreedyModule``) write no output to
-  explain: the action taken is explained (their noise is a constant of the
-  call), not the noise process's state.
+  explain: the action taken is explained (their noise, and the projection of
+  the noisy action into the spec, are a constant of the call), not the noise
+  process's state. ``EGreedyModule`` replaces the action now and then by a
+  random one, which the network has no part in: the greedy action's value
+  (``chosen_action_value``) is what is explained.
 
 Examples:
     >>> from torch import nn

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 from tensordict import NestedKey, TensorDict, TensorDictBase
-from torchrl.modules import GRUModule, LSTMModule
 
+from tdhook.attribution._inputs import module_in_recurrent_mode
 from tdhook.attribution._offline_shards import barrier, process_group, shard_runs
 from tdhook.attribution.lrp import LRP
 
@@ -200,15 +200,16 @@ def _refuse_time_read_as_rows(lrp: LRP, source) -> None:
     storage = getattr(source, "storage", None) if not isinstance(source, TensorDictBase) else None
     if storage is None or getattr(storage, "ndim", 1) < 2 or not getattr(source, "dim_extend", 0):
         return
-    for name, module in lrp.named_explained_modules().items():
-        if isinstance(module, (LSTMModule, GRUModule)) and module.recurrent_mode:
-            raise ValueError(
-                f"explain_offline: the replay buffer's storage (shape {list(storage.shape)}) holds time first "
-                f"(extended along dim_extend={source.dim_extend}), and {type(module).__name__} {name!r} runs in "
-                "recurrent mode, reading the last batch dimension as time: it would take the environments for "
-                "time steps. Pass the trajectories as rows, buffer.storage[:].transpose(0, 1), or explain step "
-                "by step outside recurrent mode with the recurrent states stored"
-            )
+    found = module_in_recurrent_mode(lrp.named_explained_modules()[""])  # named as the rule mappers name modules
+    if found is not None:
+        name = found[0]
+        raise ValueError(
+            f"explain_offline: the replay buffer's storage (shape {list(storage.shape)}) holds time first "
+            f"(extended along dim_extend={source.dim_extend}), and {type(found[1]).__name__} {name!r} runs in "
+            "recurrent mode, reading the last batch dimension as time: it would take the environments for "
+            "time steps. Pass the trajectories as rows, buffer.storage[:].transpose(0, 1), or explain step "
+            "by step outside recurrent mode with the recurrent states stored"
+        )
 
 
 def _existing_output(prefix: Path, length: int) -> TensorDictBase | None:

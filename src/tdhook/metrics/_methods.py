@@ -26,6 +26,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
+from tdhook.attribution._inputs import explained_in_call, optional_inputs
 from tdhook.attribution.targets import initial_gradient, resolve_target_key, target_output
 from tdhook.metrics._features import explained_keys, stacked_batch
 
@@ -50,9 +51,18 @@ def check_method(method: object, name: str) -> TensorDictModuleBase:
     return method
 
 
-def method_keys(method: TensorDictModuleBase, in_keys: Sequence[NestedKey] | None) -> list[NestedKey]:
-    """The explained keys: ``in_keys``, else the method's explained keys, else its in_keys."""
-    return explained_keys(in_keys, getattr(method, "explained_keys", None) or method.in_keys)
+def method_keys(
+    method: TensorDictModuleBase, in_keys: Sequence[NestedKey] | None, td: TensorDictBase | None = None
+) -> list[NestedKey]:
+    """The explained keys: ``in_keys``, else the method's explained keys, else its in_keys. Keys the method took
+    from its module's in_keys are those it explains in a call on ``td``: not the flags and masks, nor the
+    recurrent states ``td`` does not hold."""
+    keys = explained_keys(in_keys, getattr(method, "explained_keys", None) or method.in_keys)
+    if in_keys is None and td is not None and getattr(method, "_defaulted_inputs", False):
+        module = getattr(method, "module", method)
+        flags = explained_in_call(td, keys, True, optional_inputs(module))
+        keys = [key for key, explained in zip(keys, flags, strict=True) if explained]
+    return keys
 
 
 def method_prefix(method: TensorDictModuleBase, relevance_key: NestedKey | None) -> NestedKey:

@@ -30,6 +30,7 @@ from tensordict.nn import TensorDictModule, TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import nn
 
+from tdhook.attribution._inputs import explained_in_call, module_in_recurrent_mode, optional_inputs
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key, target_output
 from tdhook.metrics._batch_statistics import batch_normalising_module
@@ -47,13 +48,29 @@ def _metrics_error(err: Exception) -> Exception:
     return type(err)(str(err).replace("LRP:", "metrics:", 1))
 
 
+def _refuse_steps_read_together(module: TensorDictModuleBase, td: TensorDictBase) -> None:
+    """A torchrl LSTMModule/GRUModule in recurrent mode reads the last batch dimension as time, so each step's
+    output depends on the steps before it: perturbing every step at once would count those effects too."""
+    if not td.batch_dims or td.batch_size[-1] < 2:
+        return
+    found = module_in_recurrent_mode(module)
+    if found is not None:
+        raise ValueError(
+            f"metrics: {type(found[1]).__name__} {found[0]!r} runs in recurrent mode, reading the last batch dimension "
+            f"(of {list(td.batch_size)}) as time: perturbing every step at once would change each step's output "
+            "through the steps before it as well. Score the steps one by one: outside recurrent mode, with the "
+            "recurrent states the rollout stored in the TensorDict"
+        )
+
+
 class Scorer:
     """The target score of a model on a TensorDict and on perturbed versions of it.
 
     Args:
         module: a ``TensorDictModuleBase``, or a plain ``nn.Module`` with ``in_keys`` and ``out_keys``.
         td: the unperturbed TensorDict (left unchanged).
-        in_keys: the explained input keys (a plain module's inputs; by default all of a TensorDict module's).
+        in_keys: the explained input keys (a plain module's inputs; by default those of a TensorDict module that
+            LRP explains by default: not the flags and masks, nor the recurrent states the TensorDict lacks).
         out_keys: a plain module's output keys.
         target_key: the output scored; the default is the one :class:`~tdhook.attribution.LRP` explains.
         target: ``None`` (the argmax of the unperturbed output's last dimension, or the output itself for a value
@@ -97,12 +114,16 @@ class Scorer:
         if steps_per_forward is not None and steps_per_forward < 1:
             raise ValueError(f"metrics: steps_per_forward must be a positive int or None, got {steps_per_forward}")
         self.keys = explained_keys(in_keys, self.module.in_keys)
+        if in_keys is None:  # as LRP explains by default: no flags or masks, no recurrent state the data leaves out
+            flags = explained_in_call(td, self.keys, True, optional_inputs(self.module))
+            self.keys = [key for key, explained in zip(self.keys, flags, strict=True) if explained]
         unread = [key for key in self.keys if key not in self.module.in_keys]
         if unread:
             raise ValueError(
                 f"metrics: in_keys {unread} are not inputs of the model (its in_keys: {list(self.module.in_keys)}); "
                 "perturbing them would leave its output as it is"
             )
+        _refuse_steps_read_together(self.module, td)
         self._alone = batch_normalising_module(module)
         if self._alone is not None and steps_per_forward not in (None, 1):
             raise ValueError(

@@ -46,7 +46,7 @@ def pixel_flipping(
     Args:
         module: the model: a ``TensorDictModuleBase``, or a plain ``nn.Module`` with ``in_keys`` and ``out_keys``.
         td: inputs and attributions (left unchanged).
-        in_keys: the explained keys (a plain module's inputs; by default all of a TensorDict module's inputs).
+        in_keys: the explained keys (a plain module's inputs; by default those LRP explains by default).
         out_keys: a plain module's output keys.
         target_key: the scored output (by default the one :class:`~tdhook.attribution.LRP` explains).
         target: ``None`` (the argmax of the unperturbed output, kept for every step), an int, a LongTensor of

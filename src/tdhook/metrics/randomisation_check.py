@@ -92,7 +92,7 @@ def randomisation_check(
     if similarity not in ("spearman", "pearson"):
         raise ValueError(f"randomisation_check: similarity must be 'spearman' or 'pearson', got {similarity!r}")
     compare = spearman if similarity == "spearman" else pearson
-    keys = method_keys(method, in_keys)
+    keys = method_keys(method, in_keys, td)
     prefix = method_prefix(method, relevance_key)
     batch_dims = td.batch_dims
     copied = copy.deepcopy(method)

@@ -83,7 +83,7 @@ def sensitivity_max(
     check_method(method, "sensitivity_max")
     if isinstance(n_perturb_samples, bool) or not isinstance(n_perturb_samples, int) or n_perturb_samples < 1:
         raise ValueError(f"sensitivity_max: n_perturb_samples must be a positive int, got {n_perturb_samples!r}")
-    keys = method_keys(method, in_keys)
+    keys = method_keys(method, in_keys, td)
     prefix = method_prefix(method, relevance_key)
     batch, n = td.batch_size, n_perturb_samples
     rng = generator(seed) if perturb_fn is None else None
