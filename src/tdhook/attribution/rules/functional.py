@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import types
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,9 @@ from tdhook.attribution.rules.transformer import (
     uniform_product,
 )
 
+if TYPE_CHECKING:
+    from tdhook.attribution._function_rule_plan import Recording
+
 __all__ = ["FunctionalRules"]
 
 _PRODUCTS = frozenset(
@@ -57,6 +61,9 @@ _ACTIVATION_FUNCTIONS = frozenset(
     | {torch.tanh, torch.sigmoid, torch.Tensor.tanh, torch.Tensor.sigmoid}
 )
 
+
+# What :meth:`FunctionalRules._other_rules` returns for a call none of them changes.
+_NO_RULE = object()
 
 _HANDLED = frozenset(
     _PRODUCTS
@@ -136,24 +143,58 @@ class FunctionalRules(TorchFunctionMode):
         self.softmax = softmax
         self.activation = activation
         self.hold_gates = hold_gates
+        #: where a call records what the mode does (see :mod:`tdhook.attribution._function_rule_plan`)
+        self.recording = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func not in _HANDLED:  # most calls: run, and mark what the rules read later (no rule of their own)
             result = mark_parameter_derived(args, func(*args, **kwargs))
             return keep_gate_mark(func, args, result, kwargs) if func in GATE_PRESERVING else result
+        recording = self.recording
+        if recording is None:
+            return self._ruled(func, args, kwargs)
+        self.recording = None  # the calls a rule makes are its own
+        try:
+            return self._ruled(func, args, kwargs, recording)
+        finally:
+            self.recording = recording
+
+    def _ruled(self, func, args: tuple, kwargs: dict, recording: Recording | None = None):
+        """A call of a function the mode has rules for (products, softmax, attention, activations, norms); what
+        the rule did, told to ``recording`` (a call whose rules a later call may apply without the mode)."""
         if func in _PRODUCTS and len(args) == 2 and is_activation(args[0]) and is_activation(args[1]):
             held = held_gate_product(func, args, kwargs, any_gate=self.hold_gates)
             if held is not None:
+                if recording is not None:
+                    recording.other_rule()
                 return held
             # Halving the product's gradient halves both factors' gradients: the uniform rule, in one step.
             # The product is a fresh tensor: rebased in place, so that later in-place operations on it stay legal.
-            return scale_gradient(func(*args, **kwargs), 0.5, in_place=True)
-        if func is torch.baddbmm and len(args) >= 3 and is_activation(args[1]) and is_activation(args[2]):
-            return func(args[0], *uniform_product(args[1], args[2]), *args[3:], **kwargs)
+            product = func(*args, **kwargs)
+            node = product.grad_fn
+            scaled = scale_gradient(product, 0.5, in_place=True)
+            if recording is not None:
+                recording.scaled(node, scaled.grad_fn)
+            return scaled
         if func in _SOFTMAX and args and is_activation(args[0]):
             dim = call_argument(args, kwargs, 1, "dim")
-            return self.softmax.apply(func(*args, **kwargs), args[0], dim)
+            output = func(*args, **kwargs)
+            ruled = self.softmax.apply(output, args[0], dim)
+            if recording is not None and ruled is not output:  # but for ε = 0 (the plain gradient)
+                recording.other_rule()
+            return ruled
+        result = self._other_rules(func, args, kwargs)
+        if result is _NO_RULE:
+            return mark_parameter_derived(args, func(*args, **kwargs))
+        if recording is not None:
+            recording.other_rule()
+        return result
+
+    def _other_rules(self, func, args: tuple, kwargs: dict):
+        """The rules but those for products and softmax; ``_NO_RULE`` where none applies."""
+        if func is torch.baddbmm and len(args) >= 3 and is_activation(args[1]) and is_activation(args[2]):
+            return func(args[0], *uniform_product(args[1], args[2]), *args[3:], **kwargs)
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)
         if func in _ACTIVATION_FUNCTIONS and args and is_activation(args[0]):
@@ -172,7 +213,7 @@ class FunctionalRules(TorchFunctionMode):
         if func in _COMPOSITES:
             with self:
                 return _COMPOSITES[func](*args, **kwargs)
-        return mark_parameter_derived(args, func(*args, **kwargs))
+        return _NO_RULE
 
     def covers(self, func: Callable, args: tuple) -> bool:
         """Whether this mode gives ``func`` a rule (products, softmax, attention, activations, norms)."""
