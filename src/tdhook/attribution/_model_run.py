@@ -20,12 +20,16 @@ import torch
 from tensordict import TensorDictBase
 
 from tdhook.attribution._checkpointing import raise_for_checkpointing
+from tdhook.attribution._function_rule_plan import FunctionRulePlan
 from tdhook.attribution._nonlinear_calls import NonlinearCalls
 from tdhook.attribution._plain_modules import call_plain
 from tdhook.attribution._rule_use import RuleUse
 from tdhook.attribution.rules._scopes import closing_scopes
+from tdhook.attribution.rules.functional import FunctionalRules
 
 __all__ = ["run_model"]
+
+sequence_number = FunctionRulePlan.sequence_number
 
 
 def run_model(lrp: Any, work: TensorDictBase) -> tuple[TensorDictBase | None, NonlinearCalls | None]:
@@ -36,6 +40,21 @@ def run_model(lrp: Any, work: TensorDictBase) -> tuple[TensorDictBase | None, No
     watch = lrp._rule_use.watch(lrp.named_explained_modules, handles, lrp._hooks)
     rule_modes = [] if lrp._inactive else list(getattr(lrp.rule_mapper, "function_modes", list)())
     rule_modes += [] if lrp._inactive else lrp._function_gates.modes(lrp.rule_mapper, rule_modes)
+    key = _plan_key(lrp, rule_modes, work)
+    recording = None
+    if key is not None:
+        plan = lrp._function_rule_plan.usable(key)
+        if plan is not None and watch is RuleUse.NOTHING and not lrp._coverage.watching:
+            start = sequence_number()
+            with closing_scopes():
+                result = _call(lrp, work)
+            if plan.apply(work if result is None else result, start, sequence_number()):
+                return result, None
+            # Not the recorded graph: the call runs again in the mode, and records anew.
+            lrp._function_rule_plan.forget(key)
+            for handle in handles:
+                handle.pop_records()
+        recording = rule_modes[0].recording = lrp._function_rule_plan.recorder(key)
     if not (rule_modes or lrp._compiled or lrp._coverage.watching or watch is not RuleUse.NOTHING):
         with closing_scopes():  # nothing to enter but the scopes (every call of a context after its first, mostly)
             return _call(lrp, work), None
@@ -48,7 +67,30 @@ def run_model(lrp: Any, work: TensorDictBase) -> tuple[TensorDictBase | None, No
             modes.enter_context(torch.compiler.set_stance("force_eager"))
         # Innermost: what ruled modules entered and an interrupt kept them from leaving ends first.
         modes.enter_context(closing_scopes())
-        return _call(lrp, work), calls
+        start = sequence_number()
+        try:
+            result = _call(lrp, work)
+        finally:
+            if recording is not None:
+                rule_modes[0].recording = None
+        if recording is not None:
+            lrp._function_rule_plan.settle(recording, work if result is None else result, start)
+        return result, calls
+
+
+def _plan_key(lrp: Any, rule_modes: list, work: TensorDictBase) -> tuple | None:
+    """The signature of a call whose function rules may be found in its graph (see
+    :mod:`~tdhook.attribution._function_rule_plan`): the names, shapes and types of its inputs; ``None`` for a call
+    that runs in the modes whatever its inputs."""
+    if len(rule_modes) != 1 or type(rule_modes[0]) is not FunctionalRules or lrp._compiled:
+        return None
+    if lrp.create_graph or lrp.layer_keys or lrp.relevance_check is not None or lrp._tokens.feeding:
+        return None
+    return tuple(
+        (key, value.shape, value.dtype, value.device, value.requires_grad)
+        for key, value in work.items(True, True)
+        if isinstance(value, torch.Tensor)
+    )
 
 
 def _call(lrp: Any, work: TensorDictBase) -> TensorDictBase | None:

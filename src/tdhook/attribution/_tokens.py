@@ -66,6 +66,11 @@ class TokenInputs:
         self._leaves: list[torch.Tensor | None] = []
         self._fed: list[torch.Tensor | None] = []
 
+    @property
+    def feeding(self) -> bool:
+        """Whether the current call feeds token ids to an embedding."""
+        return bool(self._ids)
+
     def clear(self) -> None:
         """Forget the tokens of the last call."""
         self._ids = {}

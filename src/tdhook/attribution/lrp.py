@@ -45,6 +45,7 @@ from tdhook.attribution._copies import hide_from_copies
 from tdhook.attribution._coverage_recorder import CoverageRecorder
 from tdhook.attribution._differentiable import check_differentiable, relevance_graph, rules_off
 from tdhook.attribution._function_gates import FunctionGates
+from tdhook.attribution._function_rule_plan import FunctionRulePlan
 from tdhook.attribution._inputs import (
     describe,
     explained_in_call,
@@ -246,7 +247,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._rule_use = RuleUse()
         # The first call watches which nonlinear functions keep their plain gradient (see coverage()).
         self._coverage = CoverageRecorder()
-        self._function_gates = FunctionGates()  # gates computed by functions, found by the first call
+        self._function_gates, self._function_rule_plan = FunctionGates(), FunctionRulePlan()  # found by calls
         self.split_dim = split_dim
         self._split_dim: int | None = None
         # One call (and context change) at a time: the rules' per-module state is shared between threads.
@@ -309,7 +310,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             # Copies of the model made inside the context (deepcopy, pickle) leave every hook of the context out.
             hook_ids = {hook.id for hook in self._hooks} | {h.id for handle in handles for h in handle.hook_handles()}
             self._hooks.append(hide_from_copies(modules.values(), hook_ids))
-            self._handles = handles
+            self._handles, self._function_rule_plan = handles, FunctionRulePlan()  # plans for this context's rules
             self._candidates.clear()
             self._rule_use.reset()
             self._stochastic, self._checkpointing = random_modules(modules), checkpointing_modules(modules)

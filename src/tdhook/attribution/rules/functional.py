@@ -18,6 +18,7 @@ import math
 import types
 import warnings
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,9 @@ from tdhook.attribution.rules.transformer import (
     uniform_product,
 )
 
+if TYPE_CHECKING:
+    from tdhook.attribution._function_rule_plan import Recording
+
 __all__ = ["FunctionalRules"]
 
 _PRODUCTS = frozenset(
@@ -63,6 +67,9 @@ _ACTIVATION_FUNCTIONS = frozenset(
 _DROPOUTS = {F.dropout: "training", F.dropout1d: "training", F.dropout2d: "training", F.dropout3d: "training"}
 _DROPOUTS |= {F.alpha_dropout: "training", F.feature_alpha_dropout: "training", torch.dropout: "train"}
 
+
+# What :meth:`FunctionalRules._other_rules` returns for a call none of them changes.
+_NO_RULE = object()
 
 _HANDLED = frozenset(
     _PRODUCTS
@@ -144,26 +151,70 @@ class FunctionalRules(TorchFunctionMode):
         self.softmax = softmax
         self.activation = activation
         self.hold_gates = hold_gates
+        #: where a call records what the mode does (see :mod:`tdhook.attribution._function_rule_plan`)
+        self.recording = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func not in _HANDLED:  # most calls: run, and mark what the rules read later (no rule of their own)
             result = mark_parameter_derived(args, func(*args, **kwargs))
             return keep_gate_mark(func, args, result, kwargs) if func in GATE_PRESERVING else result
+        recording = self.recording
+        if recording is None:
+            return self._ruled(func, args, kwargs)
+        self.recording = None  # the calls a rule makes are its own
+        try:
+            return self._ruled(func, args, kwargs, recording)
+        finally:
+            self.recording = recording
+
+    def _ruled(self, func, args: tuple, kwargs: dict, recording: Recording | None = None):
+        """A call of a function the mode has rules for (products, softmax, attention, activations, norms); what
+        the rule did, told to ``recording`` (a call whose rules a later call may apply without the mode)."""
         if func in _PRODUCTS and len(args) == 2 and is_activation(args[0]) and is_activation(args[1]):
             held = held_gate_product(func, args, kwargs, any_gate=self.hold_gates)
             if held is not None:
+                if recording is not None:
+                    recording.other_rule()
                 return held
             # Halving the product's gradient halves both factors' gradients: the uniform rule, in one step.
             # The product is a fresh tensor: rebased in place, so that later in-place operations on it stay legal.
-            return scale_gradient(func(*args, **kwargs), 0.5, in_place=True)
-        if func is torch.einsum:
-            return self._einsum(args, kwargs)
-        if func is torch.baddbmm and len(args) >= 3 and is_activation(args[1]) and is_activation(args[2]):
-            return func(args[0], *uniform_product(args[1], args[2]), *args[3:], **kwargs)
+            product = func(*args, **kwargs)
+            node = product.grad_fn
+            scaled = scale_gradient(product, 0.5, in_place=True)
+            if recording is not None:
+                recording.scaled(node, scaled.grad_fn)
+            return scaled
         if func in _SOFTMAX and args and is_activation(args[0]):
             dim = call_argument(args, kwargs, 1, "dim")
-            return self.softmax.apply(func(*args, **kwargs), args[0], dim)
+            output = func(*args, **kwargs)
+            ruled = self.softmax.apply(output, args[0], dim)
+            if recording is not None and ruled is not output:  # but for ε = 0 (the plain gradient)
+                recording.other_rule()
+            return ruled
+        if func in _DROPOUTS:
+            dropping = call_argument(args, kwargs, 2, _DROPOUTS[func], func is not torch.dropout)
+            p = call_argument(args, kwargs, 1, "p", 0.5) if dropping else 0.0
+            _warn_random(p)
+            if recording is not None and p:  # random: every later call runs in the mode, and warns
+                recording.other_rule()
+            return mark_parameter_derived(args, func(*args, **kwargs))
+        result = self._other_rules(func, args, kwargs)
+        if result is _NO_RULE:
+            return mark_parameter_derived(args, func(*args, **kwargs))
+        if recording is not None:
+            recording.other_rule()
+        return result
+
+    def _other_rules(self, func, args: tuple, kwargs: dict):
+        """The rules but those for products and softmax; ``_NO_RULE`` where none applies."""
+        if func is torch.einsum:
+            operands = _einsum_operands(args)
+            if len(operands) == 2 and all(is_activation(operand) for operand in operands):
+                return self._einsum(args, kwargs)
+            return _NO_RULE
+        if func is torch.baddbmm and len(args) >= 3 and is_activation(args[1]) and is_activation(args[2]):
+            return func(args[0], *uniform_product(args[1], args[2]), *args[3:], **kwargs)
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)
         if func in _ACTIVATION_FUNCTIONS and args and is_activation(args[0]):
@@ -179,14 +230,10 @@ class FunctionalRules(TorchFunctionMode):
             weight = call_argument(args, kwargs, 2, "weight")
             eps = call_argument(args, kwargs, 3, "eps")
             return LayerNormRule.rms_norm(func(*args, **kwargs), args[0], len(shape), weight, eps)
-        if func in _DROPOUTS:
-            dropping = call_argument(args, kwargs, 2, _DROPOUTS[func], func is not torch.dropout)
-            _warn_random(call_argument(args, kwargs, 1, "p", 0.5) if dropping else 0.0)
-            return mark_parameter_derived(args, func(*args, **kwargs))
         if func in _COMPOSITES:
             with self:
                 return _COMPOSITES[func](*args, **kwargs)
-        return mark_parameter_derived(args, func(*args, **kwargs))
+        return _NO_RULE
 
     def covers(self, func: Callable, args: tuple) -> bool:
         """Whether this mode gives ``func`` a rule (products, softmax, attention, activations, norms); an
@@ -268,5 +315,5 @@ def _warn_random(p: float) -> None:
             f"LRP: the forward pass calls dropout (p={p}) in training mode, outside any Dropout module (attention "
             "dropout, mostly), so each forward pass drops other units and the explanation is random from call to "
             "call; call .eval() on the model for a deterministic one",
-            stacklevel=4,
+            stacklevel=5,
         )

@@ -1,0 +1,216 @@
+"""Later calls of a context find AttnLRP's products in the autograd graph instead of through the function mode.
+
+The oracles: the uniform rule written into the forward pass of ``out(q(x) * k(x))`` by hand (bias-free layers, so
+that the rest is gradient × input); and, for Hugging Face's GPT-2 and Llama, the first call of the same context,
+which runs in the function mode (the one the LXT tests check).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from tdhook.attribution import CPLRP, LRP, AttnLRP, _function_rule_plan
+from tests.attribution.test_lrp_huggingface import LastLogits, build
+from tests.conftest import relative_error
+
+F64 = torch.float64
+
+
+class Product(nn.Module):
+    """``out(a * b)`` with ``a = q(x)``, ``b = k(x)``, no biases; ``a + b`` instead where ``product`` is false, one
+    product more (``a * b * v(x)``) with ``extra``, and a copy of ``b`` (one autograd node more, on no path to the
+    product) with ``copy``. The flags change the graph between calls on inputs of one shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(4, 6, bias=False) for _ in range(3))
+        self.out = nn.Linear(6, 3, bias=False)
+        self.product, self.extra, self.copy = True, False, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.q(x), self.k(x)
+        if self.copy:
+            b = b.clone()
+        h = a * b if self.product else a + b
+        if self.extra:
+            h = h * self.v(x)
+        return self.out(h)
+
+
+def halved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with half of its gradient: the uniform rule on a product, written out."""
+    return 0.5 * t + 0.5 * t.detach()
+
+
+def by_hand(model: Product, x: torch.Tensor) -> torch.Tensor:
+    """AttnLRP's relevance for ``model``'s argmax logit, with the uniform rule written into the forward pass: each
+    product's gradient halved, then gradient × input (every layer is linear and bias-free: LRP-0 is the gradient)."""
+    leaf = x.clone().requires_grad_(True)
+    a, b = model.q(leaf), model.k(leaf)
+    h = halved(a * b) if model.product else a + b
+    if model.extra:
+        h = halved(h * model.v(leaf))
+    logits = model.out(h)
+    (grad,) = torch.autograd.grad(logits.max(-1).values.sum(), leaf)
+    return leaf.detach() * grad
+
+
+@pytest.fixture
+def applied(monkeypatch) -> list[bool]:
+    """Whether each call that had a plan found its recorded graph (and so ran without the mode)."""
+    results: list[bool] = []
+    apply = _function_rule_plan._Plan.apply
+
+    def watched(self, *args):
+        results.append(apply(self, *args))
+        return results[-1]
+
+    monkeypatch.setattr(_function_rule_plan._Plan, "apply", watched)
+    return results
+
+
+def call(lrp: LRP, x: torch.Tensor) -> torch.Tensor:
+    return lrp(TensorDict(x=x.clone(), batch_size=x.shape[:1]))["relevance", "x"]
+
+
+def product_model() -> Product:
+    torch.manual_seed(0)
+    return Product().to(F64)
+
+
+def test_later_calls_halve_the_products_in_the_graph(applied):
+    model, x = product_model(), torch.randn(5, 4, dtype=F64)
+    expected = by_hand(model, x)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(3)]
+    assert applied == [True, True]
+    for relevance in relevances:
+        assert relative_error(relevance, expected) <= 1e-12
+    # Without the rule, gradient × input is twice as large: the comparison can fail.
+    leaf = x.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(model(leaf).max(-1).values.sum(), leaf)
+    assert relative_error(leaf.detach() * grad, 2 * expected) <= 1e-12
+
+
+@pytest.mark.parametrize(
+    "change, later",
+    [
+        # A call with no product to rule records no plan: its inputs' shape keeps the mode from then on.
+        pytest.param({"product": False}, [], id="the product becomes a sum"),
+        pytest.param({"extra": True}, [True], id="one product more"),
+        pytest.param({"copy": True}, [True], id="one node more off the product's path"),
+    ],
+)
+def test_a_call_whose_graph_changed_runs_again_in_the_mode(applied, change: dict, later: list):
+    model, x = product_model(), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        call(lrp, x)
+        call(lrp, x)  # the plan of the first call
+        for name, value in change.items():
+            setattr(model, name, value)
+        changed = call(lrp, x)  # the same shapes, another graph: the plan does not fit, the mode runs
+        expected = by_hand(model, x)
+        again = call(lrp, x)  # the plan the changed call recorded
+    assert applied == [True, False, *later]
+    assert relative_error(changed, expected) <= 1e-12
+    assert relative_error(again, expected) <= 1e-12
+
+
+def test_a_graph_that_keeps_changing_keeps_the_mode(applied):
+    model, x = product_model(), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    relevances, expected = [], []
+    with lrp:
+        for extra in [False, False, True, False, True, False]:
+            model.extra = extra
+            relevances.append(call(lrp, x))
+            expected.append(by_hand(model, x))
+    # Planned, then two calls on another graph: each ran twice (without, then in the mode); then the mode alone.
+    assert applied == [True, False, False]
+    for relevance, oracle in zip(relevances, expected, strict=True):
+        assert relative_error(relevance, oracle) <= 1e-12
+
+
+def test_each_input_shape_has_a_plan_of_its_own(applied):
+    model = product_model()
+    x, y = torch.randn(5, 4, dtype=F64), torch.randn(2, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        results = [call(lrp, inputs) for inputs in (x, y, x, y)]
+    assert applied == [True, True]
+    for inputs, relevance in zip((x, y, x, y), results, strict=True):
+        assert relative_error(relevance, by_hand(model, inputs)) <= 1e-12
+
+
+def test_a_rule_other_than_the_uniform_product_keeps_the_mode(applied):
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2), dim=-1) @ x
+
+    torch.manual_seed(0)
+    model, x = Attention().to(F64), torch.randn(2, 3, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(softmax_epsilon=0.1), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        first, second = call(lrp, x), call(lrp, x)
+    assert applied == []  # the softmax's ε changes its gradient: every call runs in the mode
+    assert relative_error(second, first) <= 1e-12
+    # With ε = 0 the softmax keeps its gradient: the products alone are ruled, and a plan applies.
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        first, second = call(lrp, x), call(lrp, x)
+    assert applied == [True]
+    assert relative_error(second, first) <= 1e-12
+
+
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hugging_face_models_later_calls_equal_the_first(applied, kind: str, preset):
+    model = LastLogits(build(kind))
+    x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(1), dtype=F64)
+    lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        first, *later = (call(lrp, x) for _ in range(3))
+    # AttnLRP's rules inside these models are the uniform rule on products: later calls take the graph's way.
+    # CP-LRP holds the attention weights and the gates constant: it keeps the mode.
+    assert applied == ([True, True] if preset is AttnLRP else [])
+    for relevance in later:
+        assert relative_error(relevance, first) <= 1e-12
+
+
+class DroppedProduct(Product):
+    """``out(dropout(a * b))`` with a dropout function, as eager attention drops its weights."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(nn.functional.dropout(self.q(x) * self.k(x), 0.5, training=self.training))
+
+
+def test_a_dropout_call_that_drops_keeps_every_call_in_the_mode_and_warned_of():
+    """A random call is a rule of its own (a warning at each call), which the graph path would skip."""
+    torch.manual_seed(0)
+    model = DroppedProduct().double()
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    td = TensorDict(x=torch.randn(5, 4, dtype=F64), batch_size=[5])
+    with lrp:
+        for _ in range(3):
+            with pytest.warns(UserWarning, match="calls dropout"):
+                lrp(td.clone())
+    model.eval()  # nothing dropped: the later calls take the graph path, with no warning
+    with lrp:
+        first = lrp(td.clone())["relevance", "x"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            later = lrp(td.clone())["relevance", "x"]
+    assert lrp._function_rule_plan._plans  # a plan was recorded and used
+    assert relative_error(later, by_hand(model, td["x"])) < 1e-12
+    assert relative_error(later, first) < 1e-12
