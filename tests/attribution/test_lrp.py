@@ -384,3 +384,5 @@ class TestFirstAttempts(ExpectsARefusal):
             LRP(policy, zcomposites.EpsilonPlus())
         with pytest.raises(TypeError, match="rule_mapper must be .* got str"):
             LRP(policy, "EpsilonPlus")
+        with pytest.raises(TypeError, match=r"a single rule \(EpsilonRule\); map it .* \{nn.Linear: rule\}"):
+            LRP(policy, EpsilonRule(0.25))

@@ -17,6 +17,7 @@ from typing import Any
 
 from tdhook.attribution.mappers import presets, transformer
 from tdhook.attribution.mappers.base import BaseRuleMapper, RuleMapper
+from tdhook.attribution.rules.base import Rule
 
 __all__ = ["as_rule_mapper"]
 
@@ -31,8 +32,9 @@ def as_rule_mapper(rule_mapper: Any) -> RuleMapper:
         A mapper: a callable ``(name, module) -> Rule | None``, or an object with ``rules(model)``.
 
     Raises:
-        TypeError: ``rule_mapper`` is a class (a preset not instantiated), or neither a callable, a dict nor an
-            object with ``rules(model)`` (a zennit composite is pointed to tdhook's preset of the same name).
+        TypeError: ``rule_mapper`` is a class (a preset not instantiated), a single rule, or neither a callable, a
+            dict nor an object with ``rules(model)`` (a zennit composite is pointed to tdhook's preset of the same
+            name).
     """
     if rule_mapper is None or isinstance(rule_mapper, Mapping):
         return BaseRuleMapper(rule_mapper=rule_mapper)
@@ -42,6 +44,11 @@ def as_rule_mapper(rule_mapper: Any) -> RuleMapper:
     if callable(rule_mapper) or hasattr(rule_mapper, "rules"):
         return rule_mapper
     kind = type(rule_mapper)
+    if isinstance(rule_mapper, Rule):
+        raise TypeError(
+            f"LRP: rule_mapper is a single rule ({kind.__name__}); map it to the modules it is for, for example "
+            "{nn.Linear: rule}, or pass a preset"
+        )
     if kind.__module__.split(".")[0] == "zennit":
         ours = [n for n in (*presets.__all__, *transformer.__all__) if n == kind.__name__ and n != "Preset"]
         instead = f"tdhook.attribution.{ours[0]}()" if ours else "one of tdhook.attribution's presets"
