@@ -360,6 +360,10 @@ class TestInputsNotExplained:
 class TestFirstAttempts(ExpectsARefusal):
     """What a first attempt gets wrong is named, with what was expected, before anything is run or written."""
 
+    def test_a_plain_module_without_keys_is_shown_the_keys_to_give(self):
+        with pytest.raises(TypeError, match=r"plain Sequential; give both, .* \(in_keys=\['x'\], out_keys=\['y'\]"):
+            LRP(mlp(), EpsilonPlus())
+
     def test_a_tensor_in_the_way_of_the_relevance_keys_is_named(self):
         td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), relevance=torch.zeros(2), batch_size=[2])
         expected = r"holds a Tensor at 'relevance', where the relevance key \('relevance', 'x'\)"
