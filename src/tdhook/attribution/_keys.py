@@ -173,7 +173,10 @@ def check_writable(tensordict: TensorDictBase, *keys: Sequence[tuple[str, ...]])
 needs a sub-TensorDict; remove it or pass relevance_key= another prefix"
     """
     seen = set()
+    present = tensordict.keys()
     for key in (key for group in keys for key in group):
+        if key[0] not in present:
+            continue  # the common case, checked cheaply: the write creates the whole path
         for depth in range(1, len(key)):
             prefix = key[:depth]
             if prefix in seen:
