@@ -205,7 +205,9 @@ def feed_inputs(
     return leaves, fed
 
 
-def dtype_mismatch(tensordict: TensorDictBase, keys: Sequence[NestedKey], model: nn.Module) -> str | None:
+def dtype_mismatch(
+    tensordict: TensorDictBase, keys: Sequence[NestedKey], model: nn.Module, owner: str = "LRP"
+) -> str | None:
     """A note for an error of the model's run: the floating-point inputs whose dtype is not that of the model's
     parameters (where they all share one), or ``None``.
 
@@ -213,6 +215,7 @@ def dtype_mismatch(tensordict: TensorDictBase, keys: Sequence[NestedKey], model:
         tensordict: the caller's TensorDict.
         keys: the explained input keys.
         model: the wrapped model.
+        owner: the wrapper's name, at the head of the note.
 
     Examples:
         >>> from tensordict import TensorDict
@@ -234,7 +237,7 @@ def dtype_mismatch(tensordict: TensorDictBase, keys: Sequence[NestedKey], model:
         return None
     inputs = ", ".join(f"{key!r} is {value}" for key, value in odd)
     return (
-        f"LRP: input {inputs}, the model's parameters {dtype}: cast one to the other's dtype "
+        f"{owner}: input {inputs}, the model's parameters {dtype}: cast one to the other's dtype "
         f"(td.to({dtype}) or model.to({odd[0][1]}))"
     )
 

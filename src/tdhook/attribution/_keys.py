@@ -137,17 +137,16 @@ def check_free(module: TensorDictModuleBase, keys: Sequence[tuple[str, ...]]) ->
         Traceback (most recent call last):
         ...
         ValueError: LRP: the relevance key ('action_value', 'obs') would be written inside the model's key \
-'action_value'; pass another relevance_key (the default is 'relevance')
+'action_value'; pass another relevance_key
     """
     for model_key in unravel_key_list([*module.in_keys, *module.out_keys]):
         ours = as_tuple(model_key)
         for key in keys:
             if key[: len(ours)] == ours or ours[: len(key)] == key:
-                where = "over" if len(ours) >= len(key) else "inside"
-                verb = "overwrite" if where == "over" else "be written inside"
+                verb = "overwrite" if len(ours) >= len(key) else "be written inside"
                 raise ValueError(
                     f"LRP: the relevance key {key!r} would {verb} the model's key {model_key!r}; pass another "
-                    "relevance_key (the default is 'relevance')"
+                    "relevance_key"
                 )
 
 
