@@ -355,3 +355,38 @@ class TestInputsNotExplained:
         assert set(LRP(rnn)(td.clone())["relevance"].keys()) == {"x"}
         with pytest.raises(KeyError, match="input key 'x' is missing"):
             LRP(rnn)(td.exclude("x"))
+
+
+class TestFirstAttempts(ExpectsARefusal):
+    """What a first attempt gets wrong is named, with what was expected, before anything is run or written."""
+
+    def test_a_plain_module_without_keys_is_shown_the_keys_to_give(self):
+        with pytest.raises(TypeError, match=r"plain Sequential; give both, .* \(in_keys=\['x'\], out_keys=\['y'\]"):
+            LRP(mlp(), EpsilonPlus())
+
+    def test_a_tensor_in_the_way_of_the_relevance_keys_is_named(self):
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), relevance=torch.zeros(2), batch_size=[2])
+        expected = r"holds a Tensor at 'relevance', where the relevance key \('relevance', 'x'\)"
+        self.run_and_expect(td, KeyError, expected)
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), scores=torch.zeros(2), batch_size=[2])
+        self.run_and_expect(td, KeyError, "relevance_key=", relevance_key="scores")
+
+    @pytest.mark.parametrize("key", ["x", "y"])
+    def test_a_relevance_key_on_a_key_of_the_model_is_refused(self, key):
+        with pytest.raises(ValueError, match=f"relevance key \\('{key}', 'x'\\) .* the model's key '{key}'"):
+            LRP(TensorDictModule(mlp(), in_keys=["x"], out_keys=["y"]), relevance_key=key)
+
+    def test_an_input_of_another_dtype_than_the_model_is_named(self):
+        td = TensorDict(x=torch.randn(2, 5), batch_size=[2])  # mlp() is float64
+        self.run_and_expect(td, RuntimeError, r"'x' is torch.float32, the model's parameters torch.float64")
+
+    def test_a_rule_mapper_that_is_not_one_is_named(self):
+        policy = TensorDictModule(mlp(), in_keys=["x"], out_keys=["y"])
+        with pytest.raises(TypeError, match=r"the class EpsilonPlus; pass an instance, EpsilonPlus\(\)"):
+            LRP(policy, EpsilonPlus)
+        with pytest.raises(TypeError, match=r"zennit composite .* tdhook.attribution.EpsilonPlus\(\)"):
+            LRP(policy, zcomposites.EpsilonPlus())
+        with pytest.raises(TypeError, match="rule_mapper must be .* got str"):
+            LRP(policy, "EpsilonPlus")
+        with pytest.raises(TypeError, match=r"a single rule \(EpsilonRule\); map it .* \{nn.Linear: rule\}"):
+            LRP(policy, EpsilonRule(0.25))

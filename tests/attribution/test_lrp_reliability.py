@@ -192,9 +192,10 @@ def test_a_fault_at_any_stage_changes_nothing(stage: str, error: BaseException):
 
 def test_a_failed_write_leaves_no_partial_result():
     model, _ = model_with_faults()
-    td = TensorDict(x=torch.randn(2, 3, 6, 6, dtype=F64), relevance=torch.zeros(2), batch_size=[2])
+    # A sub-TensorDict at "relevance" whose batch size [2, 4] the relevance [2, 3, 6, 6] does not fit.
+    td = TensorDict(x=torch.randn(2, 3, 6, 6, dtype=F64), relevance=TensorDict(batch_size=[2, 4]), batch_size=[2])
     before = td_snapshot(td)
-    with pytest.raises(KeyError, match="The entry relevance is already present"):  # tensordict's own error
+    with pytest.raises(RuntimeError, match="batch dimension mismatch"):  # tensordict's own error
         LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(td)
     assert "y" not in td.keys()  # written first, then taken back
     assert_td_unchanged(td, before)

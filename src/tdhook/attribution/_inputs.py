@@ -26,12 +26,14 @@ import torch
 from tensordict import TensorDictBase, is_tensorclass
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
+from torch import nn
 from torchrl.modules import GRUModule, LSTMModule
 
 from tdhook.attribution._keys import as_tuple
 from tdhook.attribution._tokens import TokenInputs
 
 __all__ = [
+    "dtype_mismatch",
     "module_in_recurrent_mode",
     "describe",
     "explained_in_call",
@@ -201,6 +203,43 @@ def feed_inputs(
         work._set_tuple(as_tuple(key), fed[-1], inplace=False, validated=True, non_blocking=False)
         leaves.append(leaf)
     return leaves, fed
+
+
+def dtype_mismatch(
+    tensordict: TensorDictBase, keys: Sequence[NestedKey], model: nn.Module, owner: str = "LRP"
+) -> str | None:
+    """A note for an error of the model's run: the floating-point inputs whose dtype is not that of the model's
+    parameters (where they all share one), or ``None``.
+
+    Args:
+        tensordict: the caller's TensorDict.
+        keys: the explained input keys.
+        model: the wrapped model.
+        owner: the wrapper's name, at the head of the note.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> dtype_mismatch(TensorDict(x=torch.ones(2, 3), batch_size=[2]), ["x"], nn.Linear(3, 1).double())
+        "LRP: input 'x' is torch.float32, the model's parameters torch.float64: cast one to the other's dtype \
+(td.to(torch.float64) or model.to(torch.float32))"
+        >>> dtype_mismatch(TensorDict(x=torch.ones(2, 3), batch_size=[2]), ["x"], nn.Linear(3, 1)) is None
+        True
+    """
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if len(dtypes) != 1:
+        return None
+    (dtype,) = dtypes
+    values = [(key, tensordict.get(key, None)) for key in keys]
+    odd = [
+        (k, v.dtype) for k, v in values if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != dtype
+    ]
+    if not odd:
+        return None
+    inputs = ", ".join(f"{key!r} is {value}" for key, value in odd)
+    return (
+        f"{owner}: input {inputs}, the model's parameters {dtype}: cast one to the other's dtype "
+        f"(td.to({dtype}) or model.to({odd[0][1]}))"
+    )
 
 
 def describe(value: Any) -> str:

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 from torch import nn
 from torchrl.modules import ConsistentDropoutModule
 
-__all__ = ["as_tuple", "layer_keys", "read_not_written", "relevance_keys"]
+__all__ = ["as_tuple", "check_free", "check_writable", "layer_keys", "read_not_written", "relevance_keys"]
 
 
 def as_tuple(key: NestedKey) -> tuple[str, ...]:
@@ -115,6 +116,80 @@ def relevance_keys(
         for prefix in [(name,) if name is not None else ()]
         for k in keys
     ]
+
+
+def check_free(module: TensorDictModuleBase, keys: Sequence[tuple[str, ...]]) -> None:
+    """Refuse relevance keys that would overwrite, or be written inside, a key the model reads or writes.
+
+    Args:
+        module: the wrapped module.
+        keys: the relevance keys (and token relevance keys) of the wrapper.
+
+    Raises:
+        ValueError: a relevance key equals a key of the model or one holds the other (``relevance_key="x"``
+            with an input ``"x"`` would write ``("x", "x")`` inside the input).
+
+    Examples:
+        >>> from tensordict.nn import TensorDictModule
+        >>> policy = TensorDictModule(nn.Linear(3, 2), in_keys=["obs"], out_keys=["action_value"])
+        >>> check_free(policy, [("relevance", "obs")])
+        >>> check_free(policy, [("action_value", "obs")])
+        Traceback (most recent call last):
+        ...
+        ValueError: LRP: the relevance key ('action_value', 'obs') would be written inside the model's key \
+'action_value'; pass another relevance_key
+    """
+    for model_key in unravel_key_list([*module.in_keys, *module.out_keys]):
+        ours = as_tuple(model_key)
+        for key in keys:
+            if key[: len(ours)] == ours or ours[: len(key)] == key:
+                verb = "overwrite" if len(ours) >= len(key) else "be written inside"
+                raise ValueError(
+                    f"LRP: the relevance key {key!r} would {verb} the model's key {model_key!r}; pass another "
+                    "relevance_key"
+                )
+
+
+def check_writable(tensordict: TensorDictBase, *keys: Sequence[tuple[str, ...]]) -> None:
+    """Refuse a call whose relevance keys run through a leaf of the caller's TensorDict (a tensor at
+    ``"relevance"``): they need a sub-TensorDict there. Found before the model runs.
+
+    Args:
+        tensordict: the caller's TensorDict.
+        keys: the relevance keys, in one or more lists.
+
+    Raises:
+        KeyError: a leaf sits where a relevance key needs a sub-TensorDict.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> check_writable(TensorDict(x=torch.ones(2), batch_size=[2]), [("relevance", "x")])
+        >>> check_writable(TensorDict(x=torch.ones(2), relevance=torch.ones(2), batch_size=[2]), [("relevance", "x")])
+        Traceback (most recent call last):
+        ...
+        KeyError: "LRP: the TensorDict holds a Tensor at 'relevance', where the relevance key ('relevance', 'x') \
+needs a sub-TensorDict; remove it or pass relevance_key= another prefix"
+    """
+    seen = set()
+    present = tensordict.keys()
+    for key in (key for group in keys for key in group):
+        if key[0] not in present:
+            continue  # the common case, checked cheaply: the write creates the whole path
+        for depth in range(1, len(key)):
+            prefix = key[:depth]
+            if prefix in seen:
+                continue
+            seen.add(prefix)
+            value = tensordict.get(prefix, None)
+            if value is None:
+                break  # absent: the write creates the rest of the path
+            if not isinstance(value, TensorDictBase):
+                shown = prefix[0] if depth == 1 else prefix
+                raise KeyError(
+                    f"LRP: the TensorDict holds a {type(value).__name__} at {shown!r}, where the relevance key "
+                    f"{key!r} needs a sub-TensorDict; remove it or pass relevance_key= another prefix"
+                )
 
 
 def read_not_written(module: TensorDictModuleBase) -> list[NestedKey]:

@@ -48,7 +48,8 @@ def as_tensordict_module(
         if in_keys is None or out_keys is None:
             raise TypeError(
                 f"LRP needs in_keys and out_keys to wrap a plain {type(module).__name__}; "
-                "give both or pass a TensorDictModule"
+                "give both, the names its inputs and outputs take in the TensorDict (in_keys=['x'], out_keys=['y']: "
+                "it is then called as module(td['x']) and its output written at 'y'), or pass a TensorDictModule"
             )
         return TensorDictModule(module, in_keys=in_keys, out_keys=out_keys), True
     if out_keys is not None:

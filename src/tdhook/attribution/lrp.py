@@ -48,11 +48,12 @@ from tdhook.attribution._function_gates import FunctionGates
 from tdhook.attribution._function_rule_plan import FunctionRulePlan
 from tdhook.attribution._inputs import (
     describe,
+    dtype_mismatch,
     explained_in_call,
     optional_inputs,
     validate_inputs,
 )
-from tdhook.attribution._keys import layer_keys, read_not_written, relevance_keys
+from tdhook.attribution._keys import check_free, check_writable, layer_keys, read_not_written, relevance_keys
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
 from tdhook.attribution._model_run import run_model
 from tdhook.attribution._module_hooks import module_hooks
@@ -64,7 +65,8 @@ from tdhook.attribution._rule_use import RuleUse
 from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
 from tdhook.attribution._writes import relevance_updates, returned_tensordict, set_all_or_nothing
 from tdhook.attribution.coverage import Coverage
-from tdhook.attribution.mappers.base import BaseRuleMapper, RuleMapper
+from tdhook.attribution.mappers.base import RuleMapper
+from tdhook.attribution.mappers.given import as_rule_mapper
 from tdhook.attribution.rules._keeping_graph import RelevancePass
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.targets import (
@@ -205,9 +207,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         # Module names (for rule mappers and inner-layer keys) are relative to what the caller passed.
         self._name_prefix = "module." if plain else ""
         self.module = module
-        if rule_mapper is None or isinstance(rule_mapper, Mapping):
-            rule_mapper = BaseRuleMapper(rule_mapper=rule_mapper)
-        self.rule_mapper = rule_mapper
+        self.rule_mapper = as_rule_mapper(rule_mapper)
         self.explained_keys = unravel_key_list(list(in_keys)) if in_keys is not None else read_not_written(module)
         # Keys taken from the module's in_keys: those holding booleans or integers no embedding reads, and the
         # recurrent states a torchrl LSTMModule/GRUModule does without, are not explained (see explained_in_call).
@@ -234,6 +234,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self.token_relevance_keys = (
             [(token_relevance_key, *key[1:]) for key in self.relevance_keys] if token_relevance_key else []
         )
+        check_free(module, [*self.relevance_keys, *self.token_relevance_keys])
         self.in_keys = unravel_key_list(list(dict.fromkeys([*module.in_keys, *self.explained_keys])))
         self.out_keys = [*unravel_key_list(module.out_keys), *self.relevance_keys, *self.token_relevance_keys]
         self._handles: list[RemovableRuleHandle] | None = None
@@ -374,6 +375,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._marks_read = self._marks_read or marks_for_target(self._handles or [], self.target)
         explained = explained_in_call(tensordict, self.explained_keys, self._defaulted_inputs, self._optional_inputs)
         validate_inputs(tensordict, [key for key, e in zip(self.explained_keys, explained, strict=True) if e])
+        check_writable(tensordict, self.relevance_keys, self.token_relevance_keys)
         if self._stochastic:
             self._stochastic = warn_for_random_modules("LRP", self._stochastic, tensordict)  # once per context
         work = tensordict.copy()
@@ -396,6 +398,8 @@ class LRP(TensorDictModuleBase, MapperTunable):
                         err.add_note(f"LRP: the module is {path[0] or 'the model itself'!r}")
                     shapes = ", ".join(f"{k!r}: {describe(tensordict.get(k))}" for k in self.explained_keys)
                     err.add_note(f"LRP: raised while running the wrapped module on the inputs {shapes}")
+                    if (mismatch := dtype_mismatch(tensordict, self.explained_keys, self.module)) is not None:
+                        err.add_note(mismatch)
                     raise
                 self._tokens.raise_for_unembedded(leaves, optional=self._defaulted_inputs)
                 result = work if result is None else result

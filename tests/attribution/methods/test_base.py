@@ -255,7 +255,17 @@ class TestRefusals:
 
     def test_output_key_taken_by_a_leaf(self, name):
         td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), attribution=torch.zeros(2), batch_size=[2])
-        self.run_and_expect(name, td, Exception, None)
+        self.run_and_expect(name, td, KeyError, f"{name}: the TensorDict holds a Tensor at 'attribution', where")
+
+    @pytest.mark.parametrize("key", ["x", "y"])
+    def test_a_relevance_key_on_a_key_of_the_model(self, name, key):
+        with pytest.raises(ValueError, match=rf"{name}: the relevance key \('{key}', 'x'\) would .* key '{key}'"):
+            make(name, random_mlp(9), in_keys=["x"], out_keys=["y"], relevance_key=key)
+
+    def test_an_input_of_another_dtype_than_the_model(self, name):
+        td = TensorDict(x=torch.randn(2, 5), batch_size=[2])  # random_mlp is float64
+        expected = f"{name}: input 'x' is torch.float32, the model's parameters torch.float64"
+        self.run_and_expect(name, td, RuntimeError, expected)
 
     def test_one_target_key_only(self, name):
         with pytest.raises(ValueError, match=f"{name}: explains one output; pass target_key=<key>"):

@@ -31,8 +31,8 @@ from tensordict.nn import TensorDictModuleBase, dispatch
 from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
-from tdhook.attribution._inputs import describe, feed_inputs, validate_inputs
-from tdhook.attribution._keys import read_not_written, relevance_keys
+from tdhook.attribution._inputs import describe, dtype_mismatch, feed_inputs, validate_inputs
+from tdhook.attribution._keys import check_free, check_writable, read_not_written, relevance_keys
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
 from tdhook.attribution._tokens import TokenInputs
@@ -173,6 +173,10 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         self.target = target
         self.relevance_key = relevance_key
         self.relevance_keys = relevance_keys(relevance_key, [None], self.explained_keys)
+        try:
+            check_free(module, self.relevance_keys)
+        except ValueError as err:
+            raise _rename(err, name) from None
         self.in_keys = unravel_key_list(list(dict.fromkeys([*module.in_keys, *self.explained_keys])))
         self.out_keys = [*unravel_key_list(module.out_keys), *self.relevance_keys]
         self._warned = False
@@ -186,6 +190,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             # A method that needs no gradient runs under inference mode, which the check refuses for the others.
             with contextlib.nullcontext() if self._needs_gradients else torch.inference_mode(False):
                 validate_inputs(tensordict, self.explained_keys)
+                check_writable(tensordict, self.relevance_keys)
         except (KeyError, TypeError, RuntimeError) as err:
             raise _rename(err, name) from None
         for key in self.explained_keys:
@@ -245,6 +250,8 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         except Exception as err:
             shapes = ", ".join(f"{k!r}: {describe(work.get(k))}" for k in self.explained_keys)
             err.add_note(f"{name}: raised while running the wrapped module on the inputs {shapes}")
+            if (mismatch := dtype_mismatch(work, self.explained_keys, self.module, name)) is not None:
+                err.add_note(mismatch)
             raise
         return work if result is None else result
 
