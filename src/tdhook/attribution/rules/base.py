@@ -525,7 +525,12 @@ class Rule(Tunable):
         modes: list = []
 
         def enter(mod: nn.Module, args: tuple) -> None:
-            push(modes, make_mode(mod) if torch.is_grad_enabled() else None, enter=True)
+            # No rule under plain_calls, nor where torch functions are disabled (inside a module whose own rule
+            # decides its gradient as a whole), where a mode could not act.
+            ruled = (
+                torch.is_grad_enabled() and not getattr(_PLAIN, "depth", 0) and torch._C._is_torch_function_enabled()
+            )
+            push(modes, make_mode(mod) if ruled else None, enter=True)
 
         def done(mod: nn.Module, args: tuple, output: Any) -> Any:
             mode = pop(modes)  # left; or by closing_scopes, if an interrupt skips this hook
