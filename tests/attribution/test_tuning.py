@@ -107,7 +107,15 @@ class TestResult:
 class TestArguments:
     @pytest.mark.parametrize(
         ("kwargs", "named"),
-        [({"direction": "up"}, "direction"), ({"sampler": "grid"}, "sampler"), ({"n_trials": 0}, "n_trials")],
+        [
+            ({"direction": "up"}, "direction"),
+            ({"sampler": "grid"}, "sampler"),
+            ({"n_trials": 0}, "n_trials"),
+            ({"seed": None}, "seed"),  # optuna would draw a seed: a result no call could repeat
+            ({"seed": 1.5}, "seed"),
+            ({"timeout": "10"}, "timeout"),
+            ({"timeout": float("nan")}, "timeout"),
+        ],
     )
     def test_bad_arguments_are_named(self, kwargs, named):
         with pytest.raises(ValueError, match=named):

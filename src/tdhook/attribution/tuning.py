@@ -161,6 +161,12 @@ def tune(
         raise ValueError(f"tune: direction must be 'maximize' or 'minimize', got {direction!r}")
     if not isinstance(n_trials, int) or isinstance(n_trials, bool) or n_trials < 1:
         raise ValueError(f"tune: n_trials must be an integer >= 1, got {n_trials!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"tune: seed must be an integer (the same seed gives the same result), got {seed!r}")
+    if timeout is not None and (
+        not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or math.isnan(timeout)
+    ):
+        raise ValueError(f"tune: timeout must be a number of seconds or None, got {timeout!r}")
     tunables = explainer.get_tunables()
     if not tunables:
         raise ValueError(f"tune: {type(explainer).__name__} has no tunable parameters")
