@@ -254,3 +254,39 @@ class TestTheModelIsLeftAsItIs:
         plain(x)  # the one update the module's own forward makes
         for name, buffer in plain.named_buffers():
             assert torch.equal(block.get_buffer(name), buffer), name
+
+
+class TestRefused:
+    def test_a_module_with_several_outputs_is_refused(self):
+        # the rule explains one output tensor; on a module returning a tuple it used to be skipped, silently
+        class Pair(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.layer = nn.Linear(4, 4)
+
+            def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                h = self.layer(x)
+                return h, torch.tanh(h)
+
+        pair = Pair().to(F64)
+        x = torch.randn(2, 4, dtype=F64, requires_grad=True)
+        with TaylorDecompositionRule(ref=0.1).register(pair):
+            with pytest.raises(ValueError, match=r"TaylorDecompositionRule on Pair: .*tuple"):
+                pair(x)
+
+    def test_a_module_without_forward_mode_derivatives_is_named_with_bias_false(self):
+        class Distances(nn.Module):  # torch.cdist has no forward-mode derivative
+            def __init__(self) -> None:
+                super().__init__()
+                self.centres = nn.Parameter(torch.randn(3, 4, dtype=F64))
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return torch.cdist(x, self.centres)
+
+        module, x = Distances(), torch.randn(2, 4, dtype=F64, requires_grad=True)
+        with TaylorDecompositionRule(ref=0.1).register(module):
+            with pytest.raises(NotImplementedError, match=r"TaylorDecompositionRule on Distances: .*bias=True"):
+                module(x)
+        with TaylorDecompositionRule(ref=0.1, bias=True).register(module):
+            (grad,) = torch.autograd.grad(module(x).sum(), x)
+        assert torch.isfinite(grad).all()

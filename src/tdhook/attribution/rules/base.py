@@ -389,6 +389,9 @@ class Rule(Tunable):
     #: see :mod:`~tdhook.attribution.rules._keeping_graph`): its backward is then written with torch operations
     #: on tensors that keep their history, so that the relevance has its true derivative.
     differentiable: bool = False
+    #: whether the rule rewrites one output tensor only: on a module whose output is a tuple, a list or a dict
+    #: the rule then raises, where it would otherwise be skipped and the module keep its plain gradient.
+    one_output_only: bool = False
     #: whether the rule reads the :class:`LayerCall` marks that rules leave on the outputs of Linear and
     #: convolution layers (a BatchNorm merging into the layer before it, a first-layer rule finding the model's
     #: input). Where no rule of a context reads them, the wrapper leaves out the rules registered only to leave
@@ -594,6 +597,8 @@ class Rule(Tunable):
                 return None
             raise_for_vmap(module, output)
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
+                if self.one_output_only and not isinstance(output, torch.Tensor):
+                    _raise_for_several_outputs(self, module, output)
                 return None
             if _GLOBAL_FORWARD_HOOKS and isinstance(module, LINEAR_LAYERS):
                 _raise_if_a_global_hook_changed(module, registration, inputs, output)
@@ -612,6 +617,18 @@ class Rule(Tunable):
             return result
 
         return hook
+
+
+def _raise_for_several_outputs(rule: Rule, module: nn.Module, output: Any) -> None:
+    """Raise where a rule that rewrites one output tensor is on a module whose output holds several that need
+    grad."""
+    values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else ()
+    if any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
+        raise ValueError(
+            f"{type(rule).__name__} on {type(module).__name__}: the rule explains a module with one output tensor, "
+            f"and this one returns a {type(output).__name__}; map the modules inside it, or a module that "
+            "returns one tensor"
+        )
 
 
 def _raise_if_a_global_hook_changed(module: nn.Module, registration: Registration, inputs: tuple, output) -> None:

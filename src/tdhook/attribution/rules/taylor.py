@@ -70,6 +70,7 @@ class TaylorDecompositionRule(Rule):
 
     tunables = {"epsilon": EPSILON, "bias": (bool, {"choices": [False, True]})}
     differentiable = True
+    one_output_only = True
 
     def __init__(
         self,
@@ -180,9 +181,15 @@ class TaylorDecompositionRule(Rule):
                     return _call_at_reference(module, _replaced(inputs, positions, leaves)), None
                 with forward_ad.dual_level():
                     duals = [forward_ad.make_dual(ref, x) for ref, x in zip(leaves, xs, strict=True)]
-                    primal, tangent = forward_ad.unpack_dual(
-                        _call_at_reference(module, _replaced(inputs, positions, duals))
-                    )
+                    try:
+                        at_ref = _call_at_reference(module, _replaced(inputs, positions, duals))
+                    except NotImplementedError as err:
+                        raise NotImplementedError(
+                            f"{type(self).__name__} on {type(module).__name__}: with bias=False the rule takes "
+                            f"J_f(ref) · x by forward-mode differentiation, which an operation of the module lacks "
+                            f"({str(err).splitlines()[0]}); use bias=True, which needs only the backward pass"
+                        ) from err
+                    primal, tangent = forward_ad.unpack_dual(at_ref)
                     tangent = torch.zeros_like(primal) if tangent is None else tangent if keep else tangent.detach()
                 return primal, tangent
         finally:
