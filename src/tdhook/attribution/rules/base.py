@@ -389,6 +389,10 @@ class Rule(Tunable):
     #: see :mod:`~tdhook.attribution.rules._keeping_graph`): its backward is then written with torch operations
     #: on tensors that keep their history, so that the relevance has its true derivative.
     differentiable: bool = False
+    #: whether the wrapper pauses the mapper's function modes inside the module (see
+    #: :func:`~tdhook.attribution._context.suspend_function_modes_in`); a rule that computes the module's gradient
+    #: from its own evaluation (the Taylor rule) leaves them running, so that the rules inside act as they would.
+    pauses_function_modes: bool = True
     #: whether the rule rewrites one output tensor only: on a module whose output is a tuple, a list or a dict
     #: the rule then raises, where it would otherwise be skipped and the module keep its plain gradient.
     one_output_only: bool = False
@@ -528,11 +532,7 @@ class Rule(Tunable):
         modes: list = []
 
         def enter(mod: nn.Module, args: tuple) -> None:
-            # No rule under plain_calls, nor where torch functions are disabled (inside a module whose own rule
-            # decides its gradient as a whole), where a mode could not act.
-            ruled = (
-                torch.is_grad_enabled() and not getattr(_PLAIN, "depth", 0) and torch._C._is_torch_function_enabled()
-            )
+            ruled = torch.is_grad_enabled() and not getattr(_PLAIN, "depth", 0)  # no rule under plain_calls
             push(modes, make_mode(mod) if ruled else None, enter=True)
 
         def done(mod: nn.Module, args: tuple, output: Any) -> Any:
