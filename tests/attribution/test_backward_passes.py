@@ -204,3 +204,27 @@ class TestUnitsInChunks:
     def test_a_budget_that_is_not_a_positive_int_is_refused(self, budget, error):
         with pytest.raises(error, match="memory_budget"):
             LRP(seven_unit_policy(), memory_budget=budget)
+
+
+class TestKeepingTheGraph:
+    @pytest.mark.parametrize(
+        ("split_dim", "target", "memory_budget"),
+        [(1, None, DEFAULT_MEMORY_BUDGET), (1, "all", DEFAULT_MEMORY_BUDGET), (None, "all", 1), (1, "all", 1)],
+    )
+    def test_the_derivative_of_relevance_explained_in_several_passes(self, split_dim, target, memory_budget):
+        # each pass saves its seed in the graph it keeps: a seed buffer refilled for the next pass broke the
+        # derivative (torch's error about a variable modified by an inplace operation)
+        torch.manual_seed(0)
+        policy = TensorDictModule(CausalPolicy().to(F64), in_keys=["observation"], out_keys=["action_value"])
+        options = dict(split_dim=split_dim, target=target, memory_budget=memory_budget)
+
+        def relevance(observation: torch.Tensor, **extra) -> torch.Tensor:
+            lrp = LRP(policy, EpsilonPlus(epsilon=0.1), **options, **extra)
+            return lrp(TensorDict(observation=observation, batch_size=[2]))["relevance", "observation"]
+
+        observation = torch.randn(2, 3, 3, dtype=F64)
+        kept = relevance(observation.clone().requires_grad_(True), create_graph=True)
+        assert (kept - relevance(observation)).abs().max() <= 1e-12
+        assert torch.autograd.gradcheck(
+            lambda x: relevance(x, create_graph=True), (observation.clone().requires_grad_(True),), eps=1e-6, atol=1e-6
+        )

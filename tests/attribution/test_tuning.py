@@ -107,7 +107,15 @@ class TestResult:
 class TestArguments:
     @pytest.mark.parametrize(
         ("kwargs", "named"),
-        [({"direction": "up"}, "direction"), ({"sampler": "grid"}, "sampler"), ({"n_trials": 0}, "n_trials")],
+        [
+            ({"direction": "up"}, "direction"),
+            ({"sampler": "grid"}, "sampler"),
+            ({"n_trials": 0}, "n_trials"),
+            ({"seed": None}, "seed"),  # optuna would draw a seed: a result no call could repeat
+            ({"seed": 1.5}, "seed"),
+            ({"timeout": "10"}, "timeout"),
+            ({"timeout": float("nan")}, "timeout"),
+        ],
     )
     def test_bad_arguments_are_named(self, kwargs, named):
         with pytest.raises(ValueError, match=named):
@@ -137,3 +145,22 @@ class TestOutput:
     def test_a_progress_bar(self, capsys):
         tune(LRP(policy(), rule_mapper=UniformEpsilon()), observations(), lrp_aopc, n_trials=2)
         assert "tune" in capsys.readouterr().err
+
+
+class TestNonFiniteMetric:
+    @pytest.mark.parametrize("direction, bad", [("maximize", float("inf")), ("minimize", float("-inf"))])
+    def test_an_infinite_trial_is_failed_and_the_result_is_one_trial(self, direction, bad):
+        # an infinite value must neither be reported as the best nor pair one trial's parameters with another's
+        # explainer
+        explainer, td = LRP(policy(), rule_mapper=UniformEpsilon(epsilon=0.25)), observations()
+        calls = []
+
+        def metric(module, td):
+            calls.append(None)
+            return torch.tensor(bad) if len(calls) == 2 else lrp_aopc(module, td)
+
+        result = tune(explainer, td, metric, n_trials=4, direction=direction, sampler="random", progress=False)
+        assert result.study.trials[1].state == optuna.trial.TrialState.FAIL
+        assert result.best_value not in (float("inf"), float("-inf"))
+        assert result.explainer.tunable_values() == result.best_params
+        assert result.best_value == lrp_aopc(explainer.module, result.explainer(td.clone())).double().mean().item()

@@ -153,13 +153,17 @@ def backward_passes(
     results: list[torch.Tensor | None] | None = None
 
     masked = None  # one buffer for the seed of one position, refilled for each
+    # Relevance that keeps its graph (create_graph=True) keeps the seed it was computed from: no seed buffer is
+    # refilled then, each pass gets its own.
+    graph = False
 
     def explain(seed: torch.Tensor, k: int, p: int, position: int | None) -> None:
-        nonlocal results, done, masked
+        nonlocal results, done, masked, graph
         done += 1
         if position is not None:
-            seed = masked = _at_position(seed, split_dim, position, masked)
+            seed = masked = _at_position(seed, split_dim, position, None if graph else masked)
         relevances = relevance_of(seed, retain or done < total)
+        graph = graph or any(r is not None and r.requires_grad for r in relevances)
         if results is None:
             results = [
                 None if r is None else _allocate(r, per_unit, n_units, unit_dim, split_dim, len(positions))
@@ -172,7 +176,8 @@ def backward_passes(
 
     held = None  # one buffer of seeds, refilled for each chunk: a new one each time could leave two resident
     for start in range(0, n_units, chunk):
-        seeds = grad_outputs.seeds(start, min(start + chunk, n_units), held) if per_unit else grad_outputs.unsqueeze(0)
+        stop = min(start + chunk, n_units)
+        seeds = grad_outputs.seeds(start, stop, None if graph else held) if per_unit else grad_outputs.unsqueeze(0)
         held = seeds if held is None else held
         for p, position in enumerate(positions):
             for k in range(len(seeds)):

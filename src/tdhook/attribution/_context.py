@@ -199,9 +199,12 @@ def suspend_function_modes_in(handles: Sequence[RemovableRuleHandle]) -> list[Re
     try:
         for handle in handles:
             module = handle.module
-            if module is None or not handle.rule.is_registered(module) or handle.rule.acts_in_forward:
+            rule = handle.rule
+            if module is None or not rule.is_registered(module) or rule.acts_in_forward:
                 continue
-            detached = type(handle.rule) in _DETACHED_HOOKS
+            if not rule.pauses_function_modes:  # a rule that lets the rules inside act (the Taylor rule)
+                continue
+            detached = type(rule) in _DETACHED_HOOKS
             if detached and isinstance(module, LINEAR_LAYERS) and _has_plain_forward(module):
                 continue  # one F.linear or convolution call, which no mode changes: pausing costs more than it saves
             hooks.append(module.register_forward_pre_hook(suspend))

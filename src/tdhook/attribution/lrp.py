@@ -61,6 +61,7 @@ from tdhook.attribution._no_grad_values import called_in_grad_mode
 from tdhook.attribution._plain_modules import as_tensordict_module
 from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
+from tdhook.attribution._rule_names import warn_for_unmatched_names
 from tdhook.attribution._rule_use import RuleUse
 from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
 from tdhook.attribution._writes import relevance_updates, returned_tensordict, set_all_or_nothing
@@ -208,6 +209,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._name_prefix = "module." if plain else ""
         self.module = module
         self.rule_mapper = as_rule_mapper(rule_mapper)
+        warn_for_unmatched_names(self.rule_mapper, self.named_explained_modules())
         self.explained_keys = unravel_key_list(list(in_keys)) if in_keys is not None else read_not_written(module)
         # Keys taken from the module's in_keys: those holding booleans or integers no embedding reads, and the
         # recurrent states a torchrl LSTMModule/GRUModule does without, are not explained (see explained_in_call).

@@ -116,7 +116,8 @@ def tune(
 
     The explainer's current parameters are the first trial (a number outside
     its range clamped to the range, a parameter with no value sampled), so the
-    result is never worse than the explainer as it is. For a deterministic explainer and
+    result is never worse than the explainer as it is. A trial whose objective
+    is not finite (NaN or infinite) is failed and cannot be the best. For a deterministic explainer and
     metric, ``best_value`` is the metric of ``result.explainer`` and the same
     ``seed`` gives the same result.
 
@@ -160,6 +161,12 @@ def tune(
         raise ValueError(f"tune: direction must be 'maximize' or 'minimize', got {direction!r}")
     if not isinstance(n_trials, int) or isinstance(n_trials, bool) or n_trials < 1:
         raise ValueError(f"tune: n_trials must be an integer >= 1, got {n_trials!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"tune: seed must be an integer (the same seed gives the same result), got {seed!r}")
+    if timeout is not None and (
+        not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or math.isnan(timeout)
+    ):
+        raise ValueError(f"tune: timeout must be a number of seconds or None, got {timeout!r}")
     tunables = explainer.get_tunables()
     if not tunables:
         raise ValueError(f"tune: {type(explainer).__name__} has no tunable parameters")
@@ -175,11 +182,13 @@ def tune(
         explained = candidate(td.clone())
         score = metric(module, explained, explainer=candidate) if takes_explainer else metric(module, explained)
         value = float(torch.as_tensor(score).double().mean())
-        if math.isfinite(value):
-            previous = best.get("value")
-            better = previous is None or (value > previous if direction == "maximize" else value < previous)
-            if better:
-                best.update(value=value, explainer=candidate)
+        if not math.isfinite(value):
+            # optuna fails a trial whose value is NaN, but would take an infinite one as the best: fail both, so that
+            # the best trial, its parameters and the explainer returned are one trial's
+            return math.nan
+        previous = best.get("value")
+        if previous is None or (value > previous if direction == "maximize" else value < previous):
+            best.update(value=value, explainer=candidate)
         return value
 
     verbosity = optuna.logging.get_verbosity()

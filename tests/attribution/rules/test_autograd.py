@@ -60,3 +60,24 @@ class TestKeepingGraph:
         assert relevance_pass_edges(out.grad_fn) == [inner.grad_fn]
         assert relevance_pass_edges(held.grad_fn) == []
         assert len([n for n, _ in out.grad_fn.next_functions if n is not None]) == 2  # the plain edge is there
+
+
+class TestRedirectToTheOutput:
+    @pytest.mark.parametrize("function", [torch.tanh, torch.sigmoid, torch.exp, lambda t: t.softmax(-1)])
+    def test_a_module_whose_backward_saves_its_output(self, function):
+        # the ε-rule sends its gradient on to the module's own output; marking an alias of it dirty raised the
+        # version of the output that the module's backward had saved (torch's in-place modification error)
+        from tdhook.attribution.rules import EpsilonRule
+
+        class Activation(torch.nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return function(x)
+
+        module, x = Activation(), torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+        with EpsilonRule(epsilon=0.1).register(module):
+            out = module(x)
+            (grad,) = torch.autograd.grad(out, x, torch.ones_like(out))
+        y = x.detach().clone().requires_grad_(True)
+        z = function(y)
+        (expected,) = torch.autograd.grad(z, y, z.detach() / (z.detach() + 0.1 * z.detach().sign()))
+        assert torch.allclose(grad, expected, rtol=1e-12, atol=0)

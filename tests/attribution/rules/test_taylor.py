@@ -10,7 +10,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from tdhook.attribution import LRP
+from tdhook.attribution import LRP, EpsilonPlus
 from tdhook.attribution.rules import EpsilonRule, TaylorDecompositionRule
 from tests.conftest import relative_error
 
@@ -47,6 +47,17 @@ class Bilinear(nn.Module):
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return self.act(self.map(a, b))
+
+
+class GatedResidual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.value = nn.Linear(4, 5)
+        self.gate = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.value(x)
+        return h * torch.sigmoid(self.gate(x)) + h
 
 
 def mlp_block() -> nn.Module:
@@ -169,6 +180,35 @@ class TestInTheWrapper:
         (expected,) = taylor_formula(block, [obs], [torch.full_like(obs, -0.2)], r_hidden, True, 1e-6)
         assert relative_error(td["relevance", "observation"], expected) <= TOL
 
+    @pytest.mark.parametrize("inner", ["layer-norm", "batch-norm", "gate-and-residual"])
+    @pytest.mark.parametrize("mapper", ["default", "EpsilonPlus(stabilize_additions=True)"])
+    @pytest.mark.parametrize("bias", [False, True])
+    def test_the_jacobian_at_the_reference_is_the_plain_one_whatever_runs_inside(self, inner, mapper, bias):
+        # the norms' rules, the held gates and the stabilised sums change the gradient of what they cover: none of
+        # them may act in the evaluation at the reference (they made J_f(ref) off by up to 200 %, or raised)
+        torch.manual_seed(9)
+        block = {
+            "layer-norm": lambda: nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Tanh()),
+            "batch-norm": lambda: nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Tanh()),
+            "gate-and-residual": GatedResidual,
+        }[inner]()
+        net = nn.Sequential(block, nn.Linear(5, 3)).to(F64).eval()
+        if inner == "batch-norm":
+            with torch.no_grad():
+                block[1].running_var.uniform_(0.5, 2.0)
+                block[1].running_mean.normal_()
+        rule = TaylorDecompositionRule(ref=0.3, bias=bias)
+        rule_mapper = {"module.0": rule}
+        if mapper != "default":
+            rule_mapper = EpsilonPlus(epsilon=0.0, stabilize_additions=True, rule_mapper=rule_mapper)
+        policy = TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"])
+        obs = torch.randn(4, 4, dtype=F64)
+        td = LRP(policy, rule_mapper=rule_mapper, target=1)(TensorDict(observation=obs, batch_size=[4]))
+        with torch.no_grad():
+            r_hidden = block(obs) * net[1].weight[1]
+        (expected,) = taylor_formula(block, [obs], [torch.full_like(obs, 0.3)], r_hidden, bias, 1e-6)
+        assert relative_error(td["relevance", "observation"], expected) <= 1e-9
+
 
 class TestArguments:
     @pytest.mark.parametrize(
@@ -198,3 +238,55 @@ class TestArguments:
         with TaylorDecompositionRule(ref=torch.zeros(3, dtype=F64)).register(block):
             with pytest.raises(ValueError, match="does not broadcast"):
                 block(x)
+
+
+class TestTheModelIsLeftAsItIs:
+    @pytest.mark.parametrize("bias", [False, True])
+    def test_the_evaluation_at_the_reference_does_not_move_batch_norm_statistics(self, bias):
+        # in training mode a BatchNorm's forward updates its running statistics; the rule's extra evaluation at the
+        # reference must not add an update of its own (towards the statistics of a batch of references)
+        torch.manual_seed(8)
+        block = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh()).to(F64).train()
+        plain = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh()).to(F64).train()
+        plain.load_state_dict(block.state_dict())
+        x = torch.randn(5, 4, dtype=F64)
+        rule_relevance(TaylorDecompositionRule(ref=0.3, bias=bias), block, [x], torch.ones(5, 6, dtype=F64))
+        plain(x)  # the one update the module's own forward makes
+        for name, buffer in plain.named_buffers():
+            assert torch.equal(block.get_buffer(name), buffer), name
+
+
+class TestRefused:
+    def test_a_module_with_several_outputs_is_refused(self):
+        # the rule explains one output tensor; on a module returning a tuple it used to be skipped, silently
+        class Pair(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.layer = nn.Linear(4, 4)
+
+            def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                h = self.layer(x)
+                return h, torch.tanh(h)
+
+        pair = Pair().to(F64)
+        x = torch.randn(2, 4, dtype=F64, requires_grad=True)
+        with TaylorDecompositionRule(ref=0.1).register(pair):
+            with pytest.raises(ValueError, match=r"TaylorDecompositionRule on Pair: .*tuple"):
+                pair(x)
+
+    def test_a_module_without_forward_mode_derivatives_is_named_with_bias_false(self):
+        class Distances(nn.Module):  # torch.cdist has no forward-mode derivative
+            def __init__(self) -> None:
+                super().__init__()
+                self.centres = nn.Parameter(torch.randn(3, 4, dtype=F64))
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return torch.cdist(x, self.centres)
+
+        module, x = Distances(), torch.randn(2, 4, dtype=F64, requires_grad=True)
+        with TaylorDecompositionRule(ref=0.1).register(module):
+            with pytest.raises(NotImplementedError, match=r"TaylorDecompositionRule on Distances: .*bias=True"):
+                module(x)
+        with TaylorDecompositionRule(ref=0.1, bias=True).register(module):
+            (grad,) = torch.autograd.grad(module(x).sum(), x)
+        assert torch.isfinite(grad).all()

@@ -94,6 +94,7 @@ def rule_mapper_from_dict(mapping: Mapping[type | tuple[type, ...] | str, Rule])
                 return rule
         return None
 
+    mapper.name_patterns = tuple(key for key, _ in entries if isinstance(key, str))  # checked by the wrapper
     return mapper
 
 

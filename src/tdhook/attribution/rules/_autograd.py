@@ -213,7 +213,12 @@ def redirect(output: torch.Tensor, inputs: Sequence[torch.Tensor], backward_fn: 
         result = _GraphKeepingRedirect.apply(backward_fn, relevance_pass, output.detach().clone(), output, *inputs)
         result.grad_fn.metadata[_PLAIN_EDGES] = (1,)  # after the copy (no edge): the module's own output
         return result
-    return _Redirect.apply(backward_fn, output.detach(), *inputs)
+    value = output.detach()
+    if output.grad_fn is not None and hasattr(output.grad_fn, "_saved_result") and any(t is output for t in inputs):
+        # The gradient goes on to the output's own node, which saved the output (a tanh's, a softmax's): marking an
+        # alias of it dirty would raise the version that node checks.
+        value = value.clone()
+    return _Redirect.apply(backward_fn, value, *inputs)
 
 
 def scale_at_node(output: torch.Tensor, scale: torch.Tensor) -> None:

@@ -389,6 +389,13 @@ class Rule(Tunable):
     #: see :mod:`~tdhook.attribution.rules._keeping_graph`): its backward is then written with torch operations
     #: on tensors that keep their history, so that the relevance has its true derivative.
     differentiable: bool = False
+    #: whether the wrapper pauses the mapper's function modes inside the module (see
+    #: :func:`~tdhook.attribution._context.suspend_function_modes_in`); a rule that computes the module's gradient
+    #: from its own evaluation (the Taylor rule) leaves them running, so that the rules inside act as they would.
+    pauses_function_modes: bool = True
+    #: whether the rule rewrites one output tensor only: on a module whose output is a tuple, a list or a dict
+    #: the rule then raises, where it would otherwise be skipped and the module keep its plain gradient.
+    one_output_only: bool = False
     #: whether the rule reads the :class:`LayerCall` marks that rules leave on the outputs of Linear and
     #: convolution layers (a BatchNorm merging into the layer before it, a first-layer rule finding the model's
     #: input). Where no rule of a context reads them, the wrapper leaves out the rules registered only to leave
@@ -525,7 +532,8 @@ class Rule(Tunable):
         modes: list = []
 
         def enter(mod: nn.Module, args: tuple) -> None:
-            push(modes, make_mode(mod) if torch.is_grad_enabled() else None, enter=True)
+            ruled = torch.is_grad_enabled() and not getattr(_PLAIN, "depth", 0)  # no rule under plain_calls
+            push(modes, make_mode(mod) if ruled else None, enter=True)
 
         def done(mod: nn.Module, args: tuple, output: Any) -> Any:
             mode = pop(modes)  # left; or by closing_scopes, if an interrupt skips this hook
@@ -589,6 +597,8 @@ class Rule(Tunable):
                 return None
             raise_for_vmap(module, output)
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
+                if self.one_output_only and not isinstance(output, torch.Tensor):
+                    _raise_for_several_outputs(self, module, output)
                 return None
             if _GLOBAL_FORWARD_HOOKS and isinstance(module, LINEAR_LAYERS):
                 _raise_if_a_global_hook_changed(module, registration, inputs, output)
@@ -607,6 +617,18 @@ class Rule(Tunable):
             return result
 
         return hook
+
+
+def _raise_for_several_outputs(rule: Rule, module: nn.Module, output: Any) -> None:
+    """Raise where a rule that rewrites one output tensor is on a module whose output holds several that need
+    grad."""
+    values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else ()
+    if any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
+        raise ValueError(
+            f"{type(rule).__name__} on {type(module).__name__}: the rule explains a module with one output tensor, "
+            f"and this one returns a {type(output).__name__}; map the modules inside it, or a module that "
+            "returns one tensor"
+        )
 
 
 def _raise_if_a_global_hook_changed(module: nn.Module, registration: Registration, inputs: tuple, output) -> None:

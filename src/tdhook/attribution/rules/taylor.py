@@ -70,6 +70,10 @@ class TaylorDecompositionRule(Rule):
 
     tunables = {"epsilon": EPSILON, "bias": (bool, {"choices": [False, True]})}
     differentiable = True
+    one_output_only = True
+    # The rules inside the module act in its forward as they would (a norm's rule checks that it ran); the
+    # evaluation at the reference leaves them out.
+    pauses_function_modes = False
 
     def __init__(
         self,
@@ -173,16 +177,39 @@ class TaylorDecompositionRule(Rule):
         """``f(ref)`` with its graph to the reference leaves, and ``J_f(ref) · x`` (with ``bias=False``)."""
         registration.busy.append(True)  # the rule's own hook must not run on this inner call
         try:
-            with torch.enable_grad(), plain_calls():
+            # plain_calls: the rules of the modules inside take no part; no torch function mode either (the
+            # mapper's held gates and stabilised sums, the norms' held scales): the Jacobian is the plain one.
+            with torch.enable_grad(), plain_calls(), torch._C.DisableTorchFunction():
                 if self.bias:
-                    return module(*_replaced(inputs, positions, leaves)), None
+                    return _call_at_reference(module, _replaced(inputs, positions, leaves)), None
                 with forward_ad.dual_level():
                     duals = [forward_ad.make_dual(ref, x) for ref, x in zip(leaves, xs, strict=True)]
-                    primal, tangent = forward_ad.unpack_dual(module(*_replaced(inputs, positions, duals)))
+                    try:
+                        at_ref = _call_at_reference(module, _replaced(inputs, positions, duals))
+                    except NotImplementedError as err:
+                        raise NotImplementedError(
+                            f"{type(self).__name__} on {type(module).__name__}: with bias=False the rule takes "
+                            f"J_f(ref) · x by forward-mode differentiation, which an operation of the module lacks "
+                            f"({str(err).splitlines()[0]}); use bias=True, which needs only the backward pass"
+                        ) from err
+                    primal, tangent = forward_ad.unpack_dual(at_ref)
                     tangent = torch.zeros_like(primal) if tangent is None else tangent if keep else tangent.detach()
                 return primal, tangent
         finally:
             registration.busy.pop()
+
+
+def _call_at_reference(module: nn.Module, args: tuple) -> torch.Tensor:
+    """The module at the reference, on copies of its buffers where it has any.
+
+    A module in training mode updates buffers in its forward (a BatchNorm's
+    running statistics); the evaluation at the reference is no forward of the
+    model's and must leave them as they are.
+    """
+    buffers = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
+    if not buffers:
+        return module(*args)
+    return torch.func.functional_call(module, buffers, args)
 
 
 def _replaced(inputs: tuple, positions: list[int], values: list[torch.Tensor]) -> tuple:
