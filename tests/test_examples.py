@@ -7,7 +7,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -169,14 +168,13 @@ def recurrent_episode(example, seed: int, steps: int):
 
 def test_recurrent_example_explains_the_shipped_policy_and_writes_a_png_with_nothing_on_stderr(tmp_path: Path):
     output = tmp_path / "recurrent_relevance.png"
-    start = time.monotonic()
     done = run_example("explain_recurrent_cartpole", output)
-    elapsed = time.monotonic() - start
     assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The shipped policy is trained: its greedy episode keeps the pole up over the whole 100-step window.
     assert "episode of 100 steps" in done.stdout and "nan" not in done.stdout
     assert done.stderr == ""
-    assert elapsed < 60  # no training: the checkpoint is loaded (a few seconds on an idle core, imports included)
+    # No training: the checkpoint is loaded (training says how it stopped or that it reached its target).
+    assert "stopped" not in done.stdout and "reached the target" not in done.stdout
 
 
 def test_recurrent_example_relevance_is_causal_and_conserved():
