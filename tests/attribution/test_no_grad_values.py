@@ -54,3 +54,36 @@ def test_outputs_under_no_grad_are_the_plain_calls_and_relevance_that_of_a_call_
         torch.testing.assert_close(out["relevance", "x"], with_grad["relevance", "x"], rtol=1e-5, atol=1e-7)
     assert torch.equal(with_grad["y"], model(td.clone())["y"])  # with gradient, the values of the call with gradient
     assert not model.module._forward_hooks and not any(m._forward_hooks for m in model.module.modules())
+
+
+class GatedRecurrent(Recurrent):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.GRU(4, 8, num_layers=2, batch_first=True)
+
+
+@pytest.mark.parametrize(
+    ("model_class", "dtype", "runs_again"),
+    [(Recurrent, torch.float32, True), (Recurrent, torch.float64, False), (GatedRecurrent, torch.float32, False)],
+    ids=["lstm-float32", "lstm-float64", "gru-float32"],
+)
+def test_a_recurrent_module_runs_again_without_gradient_only_where_its_kernel_can_differ(
+    model_class, dtype, runs_again
+):
+    # On CPU, oneDNN's LSTM kernel (taken without gradient) has no float64, and a GRU has one kernel: neither runs
+    # twice; the outputs are still the plain call's under no_grad, bit for bit.
+    torch.manual_seed(0)
+    model = TensorDictModule(model_class().to(dtype).eval(), in_keys=["x"], out_keys=["y"])
+    td = TensorDict(x=torch.randn(3, 5, 4, dtype=dtype), batch_size=[3])
+    with torch.no_grad():
+        plain = model(td.clone())["y"]
+    with_grad = LRP(model, EpsilonPlus())(td.clone())
+    runs = []
+    model.module.lstm.register_forward_pre_hook(lambda module, args: runs.append(module))
+    lrp = LRP(model, EpsilonPlus())
+    with torch.no_grad(), lrp:
+        outs = [lrp(td.clone()), lrp(td.clone())]
+    assert len(runs) == (4 if runs_again else 2)
+    for out in outs:
+        assert torch.equal(out["y"], plain) and not out["y"].requires_grad
+        assert torch.equal(out["relevance", "x"], with_grad["relevance", "x"])

@@ -9,6 +9,9 @@ the last bits, enough to change a recurrent policy's states and, now and then,
 its action. While the caller's mode is ``no_grad``, the outermost such module
 (:func:`caller_values`) runs once more without gradient and rules, and its
 output takes those values, its gradient still flowing through the ruled pass.
+Where the kernels cannot differ it is not run again: on CPU, ``nn.GRU`` (one
+kernel in either mode) and ``nn.LSTM`` on float64 inputs (its other kernel,
+oneDNN's, takes only float32, bfloat16 and float16).
 
 Examples:
     >>> import torch
@@ -30,12 +33,12 @@ Examples:
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
@@ -51,15 +54,20 @@ _BY_GRAD_MODE = (nn.LSTM, nn.GRU, nn.MultiheadAttention, nn.TransformerEncoderLa
 _LOCAL = threading.local()
 
 
-@contextmanager
-def called_in_grad_mode(enabled: bool) -> Iterator[None]:
+class called_in_grad_mode:  # a class, not a generator: it costs less per call
     """Record, for this thread and the ``with`` block, the grad mode the wrapper was called in."""
-    previous = getattr(_LOCAL, "enabled", True)
-    _LOCAL.enabled = enabled
-    try:
-        yield
-    finally:
-        _LOCAL.enabled = previous
+
+    __slots__ = ("_enabled", "_previous")
+
+    def __init__(self, enabled: bool) -> None:
+        self._enabled = enabled
+
+    def __enter__(self) -> None:
+        self._previous = getattr(_LOCAL, "enabled", True)
+        _LOCAL.enabled = self._enabled
+
+    def __exit__(self, *exc_info: object) -> None:
+        _LOCAL.enabled = self._previous
 
 
 def caller_grad_enabled() -> bool:
@@ -71,6 +79,18 @@ def _differs_by_grad_mode(module: nn.Module) -> bool:
     return any(type(module).forward is kind.forward for kind in _BY_GRAD_MODE)
 
 
+def _same_kernel_either_way(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether ``module`` runs the same kernel with and without gradient on these inputs: on CPU, a GRU (torch has
+    one CPU kernel for it), or an LSTM on float64 (its oneDNN kernel, the other one, has no float64)."""
+    if not isinstance(module, (nn.LSTM, nn.GRU)):
+        return False
+    data = args[0] if args else kwargs.get("input")
+    data = data.data if isinstance(data, PackedSequence) else data
+    if not isinstance(data, torch.Tensor) or data.device.type != "cpu":
+        return False
+    return isinstance(module, nn.GRU) or data.dtype == torch.float64
+
+
 def _route(value: Any, output: Any) -> Any:
     if isinstance(output, torch.Tensor) and output.requires_grad and isinstance(value, torch.Tensor):
         return redirect(value, [output], lambda grad: [grad])
@@ -78,7 +98,7 @@ def _route(value: Any, output: Any) -> Any:
 
 
 def _caller_values_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    if caller_grad_enabled() or not torch.is_grad_enabled():
+    if caller_grad_enabled() or not torch.is_grad_enabled() or _same_kernel_either_way(module, args, kwargs):
         return None
     # No rules, and no function modes (a mode active keeps the transformer layers off their fast path).
     with torch.no_grad(), plain_calls(), torch._C.DisableTorchFunction():

@@ -83,6 +83,8 @@ from tdhook.attribution.tunables import MapperTunable
 
 __all__ = ["LRP"]
 
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it does nothing
+
 
 class LRP(TensorDictModuleBase, MapperTunable):
     """Layer-wise relevance propagation around a ``TensorDictModule``.
@@ -368,7 +370,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         with self._lock:  # calls from several threads run one after the other (docs/guarantees.md)
             entering = self._handles is None and not self._inactive
             # A context entered here is left before the write, and so is the record of the caller's grad mode.
-            with called_in_grad_mode(torch.is_grad_enabled()), self if entering else contextlib.nullcontext():
+            with called_in_grad_mode(torch.is_grad_enabled()), self if entering else _NO_CONTEXT:
                 out, write = self._explain(tensordict)
             write()  # a call whose context fails to close writes nothing
             return out
