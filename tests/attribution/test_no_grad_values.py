@@ -87,3 +87,25 @@ def test_a_recurrent_module_runs_again_without_gradient_only_where_its_kernel_ca
     for out in outs:
         assert torch.equal(out["y"], plain) and not out["y"].requires_grad
         assert torch.equal(out["relevance", "x"], with_grad["relevance", "x"])
+
+
+def test_a_module_dropping_in_training_mode_writes_the_values_of_the_pass_explained():
+    """A second run without gradient would draw other dropout masks: its values would belong to no explained pass.
+    (An LSTM dropping between its layers is refused by its rule.)"""
+    model_class, features, mapper = MODELS["transformer"]
+    torch.manual_seed(0)
+    net = model_class()
+    for part in net.modules():
+        if isinstance(part, nn.Dropout):
+            part.p = 0.5
+        elif isinstance(getattr(part, "dropout", None), float):
+            part.dropout = 0.5
+    model = TensorDictModule(net.train(), in_keys=["x"], out_keys=["y"])
+    td = TensorDict(x=torch.randn(3, 5, features), batch_size=[3])
+    torch.manual_seed(1)
+    explained = LRP(model, mapper())(td.clone())  # with gradient: the values of the pass explained
+    torch.manual_seed(1)
+    with torch.no_grad(), pytest.warns(UserWarning, match="random"):
+        out = LRP(model, mapper())(td.clone())
+    assert torch.equal(out["y"], explained["y"])
+    torch.testing.assert_close(out["relevance", "x"], explained["relevance", "x"], rtol=0, atol=0)

@@ -91,6 +91,18 @@ def _same_kernel_either_way(module: nn.Module, args: tuple, kwargs: dict) -> boo
     return isinstance(module, nn.GRU) or data.dtype == torch.float64
 
 
+def _draws_dropout(module: nn.Module) -> bool:
+    """Whether a call of ``module`` draws dropout masks (a part in training mode with a dropout probability above
+    0): another run would draw other masks, and its values would not be those of the pass explained."""
+    for part in module.modules():
+        if not part.training:
+            continue
+        p = part.p if isinstance(part, nn.modules.dropout._DropoutNd) else getattr(part, "dropout", None)
+        if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
+            return True
+    return False
+
+
 def _route(value: Any, output: Any) -> Any:
     if isinstance(output, torch.Tensor) and output.requires_grad and isinstance(value, torch.Tensor):
         return redirect(value, [output], lambda grad: [grad])
@@ -99,6 +111,8 @@ def _route(value: Any, output: Any) -> Any:
 
 def _caller_values_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     if caller_grad_enabled() or not torch.is_grad_enabled() or _same_kernel_either_way(module, args, kwargs):
+        return None
+    if _draws_dropout(module):  # the values written are those of the pass explained (random either way)
         return None
     # No rules, and no function modes (a mode active keeps the transformer layers off their fast path).
     with torch.no_grad(), plain_calls(), torch._C.DisableTorchFunction():
