@@ -195,7 +195,7 @@ class DroppedProduct(Product):
         return self.out(nn.functional.dropout(self.q(x) * self.k(x), 0.5, training=self.training))
 
 
-def test_a_dropout_call_that_drops_keeps_every_call_in_the_mode_and_warned_of():
+def test_a_dropout_call_that_drops_keeps_every_call_in_the_mode_and_warned_of(applied):
     """A random call is a rule of its own (a warning at each call), which the graph path would skip."""
     torch.manual_seed(0)
     model = DroppedProduct().double()
@@ -205,12 +205,13 @@ def test_a_dropout_call_that_drops_keeps_every_call_in_the_mode_and_warned_of():
         for _ in range(3):
             with pytest.warns(UserWarning, match="calls dropout"):
                 lrp(td.clone())
+    assert applied == []  # no call had a plan: each ran in the mode
     model.eval()  # nothing dropped: the later calls take the graph path, with no warning
     with lrp:
         first = lrp(td.clone())["relevance", "x"]
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             later = lrp(td.clone())["relevance", "x"]
-    assert lrp._function_rule_plan._plans  # a plan was recorded and used
+    assert applied == [True]  # the later call ran by its plan, without the mode
     assert relative_error(later, by_hand(model, td["x"])) < 1e-12
     assert relative_error(later, first) < 1e-12
