@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 from tensordict import TensorDict
+from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP, _function_rule_plan
@@ -215,3 +216,25 @@ def test_a_dropout_call_that_drops_keeps_every_call_in_the_mode_and_warned_of(ap
     assert applied == [True]  # the later call ran by its plan, without the mode
     assert relative_error(later, by_hand(model, td["x"])) < 1e-12
     assert relative_error(later, first) < 1e-12
+
+
+class Doubling(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+
+def test_a_call_run_again_in_the_mode_starts_from_the_inputs_it_was_given(monkeypatch):
+    """A first step that overwrites the key it reads (``x -> 2 x``) must not run twice when the graph differs."""
+    model = product_model()
+    pipeline = TensorDictSequential(
+        TensorDictModule(Doubling(), in_keys=["x"], out_keys=["x"]),
+        TensorDictModule(model, in_keys=["x"], out_keys=["y"]),
+    )
+    x = torch.randn(5, 4, dtype=F64)
+    lrp = LRP(pipeline, AttnLRP(), in_keys=["x"])
+    with lrp:
+        call(lrp, x)
+        monkeypatch.setattr(_function_rule_plan._Plan, "apply", lambda self, *args: False)  # as if the graph changed
+        again = lrp(TensorDict(x=x.clone(), batch_size=[5]))
+    assert torch.equal(again["y"], model(2 * x))
+    assert relative_error(again["relevance", "x"], by_hand(model, 2 * x)) < 1e-12  # x times the gradient in x

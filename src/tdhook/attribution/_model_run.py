@@ -45,15 +45,17 @@ def run_model(lrp: Any, work: TensorDictBase) -> tuple[TensorDictBase | None, No
     if key is not None:
         plan = lrp._function_rule_plan.usable(key)
         if plan is not None and watch is RuleUse.NOTHING and not lrp._coverage.watching:
+            inputs = work.copy()  # what the call writes into ``work`` (a step may overwrite the key it reads)
             start = sequence_number()
             with closing_scopes():
                 result = _call(lrp, work)
             if plan.apply(work if result is None else result, start, sequence_number()):
                 return result, None
-            # Not the recorded graph: the call runs again in the mode, and records anew.
+            # Not the recorded graph: the call runs again in the mode, from the same inputs, and records anew.
             lrp._function_rule_plan.forget(key)
             for handle in handles:
                 handle.pop_records()
+            work.update(inputs)
         recording = rule_modes[0].recording = lrp._function_rule_plan.recorder(key)
     if not (rule_modes or lrp._compiled or lrp._coverage.watching or watch is not RuleUse.NOTHING):
         with closing_scopes():  # nothing to enter but the scopes (every call of a context after its first, mostly)
