@@ -2,7 +2,8 @@
 
 The metrics stack perturbed copies of a batch into one pass; through such a layer the copies would change each
 other's outputs, so they run one copy per pass. In training mode each pass also updates the layer's running
-statistics: the metrics put them back, so that the caller's model is left as it was.
+statistics, with which some layers normalise (torchrl's ``BatchRenorm1d``): every pass of a metric starts from the
+statistics the caller left (:func:`statistics_kept`), and the caller's model is left as it was.
 
 Examples:
     >>> import torch
@@ -20,6 +21,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable
@@ -29,7 +31,7 @@ from torch import nn
 
 from tdhook.attribution.methods._batch_statistics import batch_normalisers, buffers_kept
 
-__all__ = ["batch_normalising_module", "keeps_running_statistics"]
+__all__ = ["batch_normalising_module", "keeps_running_statistics", "statistics_kept"]
 
 Metric = TypeVar("Metric", bound=Callable)
 
@@ -49,6 +51,24 @@ def batch_normalising_module(module: object) -> str | None:
     modules = dict(module.named_modules())
     names = batch_normalisers(modules)
     return f"{names[0] or type(module).__name__} ({type(modules[names[0]]).__name__})" if names else None
+
+
+def statistics_kept(model: nn.Module) -> contextlib.AbstractContextManager:
+    """The context of one pass of a metric through ``model`` (or through a method that runs it): modules in training
+    mode update copies of their buffers, so that the next pass starts, as this one did, from the running statistics
+    the caller left.
+
+    Examples:
+        >>> import torch
+        >>> from torchrl.modules import BatchRenorm1d
+        >>> norm = BatchRenorm1d(2, warmup_steps=1, momentum=0.5)
+        >>> x = torch.randn(4, 2)
+        >>> with statistics_kept(norm):
+        ...     first = norm(x)
+        >>> torch.equal(norm(x), first)  # from the same statistics, the same output
+        True
+    """
+    return buffers_kept(model)
 
 
 def keeps_running_statistics(metric: Metric) -> Metric:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_globals
 
+from tdhook.metrics._batch_statistics import statistics_kept
 from tdhook.metrics._features import stacked_batch
 
 __all__ = ["LeadingAffine"]
@@ -147,8 +148,9 @@ class LeadingAffine:
                 hidden, carry = bags.outputs(start, stop, carry, last=stop == n_steps)
                 stacked = stacked_batch(stop - start, batch or (n,))
                 out = hidden.reshape(*stacked, weight.shape[0])
-                for layer in self.rest:
-                    out = layer(out)
+                with statistics_kept(nn.ModuleList(self.rest)):  # each stack from the caller's statistics
+                    for layer in self.rest:
+                        out = layer(out)
             yield start, out.reshape(stop - start, n, *out.shape[len(stacked) :]).flip(0)  # from the first step
 
     def _at_baseline(self, base: torch.Tensor) -> torch.Tensor:

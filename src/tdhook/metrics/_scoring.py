@@ -33,7 +33,7 @@ from torch import nn
 from tdhook.attribution._inputs import explained_in_call, module_in_recurrent_mode, optional_inputs
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key, target_output
-from tdhook.metrics._batch_statistics import batch_normalising_module
+from tdhook.metrics._batch_statistics import batch_normalising_module, statistics_kept
 from tdhook.metrics._features import explained_keys, stacked_batch
 from tdhook.metrics._leading_affine import LeadingAffine
 
@@ -172,7 +172,7 @@ class Scorer:
         return self._index
 
     def _run(self, work: TensorDictBase) -> TensorDictBase:
-        with torch.no_grad():
+        with torch.no_grad(), statistics_kept(self.module):  # every pass from the caller's running statistics
             result = call_plain(self.module, work) if self._plain else self.module(work)
         return work if result is None else result
 
@@ -253,7 +253,7 @@ class Scorer:
                 value = self._base.get(key)
                 value = value.clone().unsqueeze(0) if n_steps == 1 else value.expand(n_steps, *value.shape)
             args.append(value[0] if n_steps == 1 else value.flatten(0, 1) if batch_dims else value)  # [S * B, ...]
-        with torch.no_grad():
+        with torch.no_grad(), statistics_kept(self.module):
             outputs = self.module.module(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         if len(outputs) != len(self.module.out_keys):

@@ -16,6 +16,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import nn
 
+from tdhook.metrics._batch_statistics import statistics_kept
 from tdhook.metrics._features import Features
 from tdhook.metrics._methods import check_method, explain, method_keys, method_prefix, original_target, target_set
 from tdhook.metrics._scoring import progress_bar
@@ -99,7 +100,8 @@ def randomisation_check(
     layers = _named_layers(copied)[::-1]
     if not layers:
         raise ValueError("randomisation_check: the method's model has no module with reset_parameters to randomise")
-    result = explain(copied, td)
+    with statistics_kept(copied):  # every explanation from the caller's running statistics
+        result = explain(copied, td)
     target = original_target(copied, result, batch_dims)
     try:
         stored = Features.read(td, keys, prefix).attributions
@@ -118,7 +120,8 @@ def randomisation_check(
             torch.manual_seed(seed + 1)
             with torch.no_grad():
                 layer.reset_parameters()
-            changed = Features.read(explain(copied, td), keys, prefix).attributions
+            with statistics_kept(copied):
+                changed = Features.read(explain(copied, td), keys, prefix).attributions
             scores[name] = compare(original, flat(changed))
             update(1)
     update(0)

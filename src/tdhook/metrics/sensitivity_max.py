@@ -9,7 +9,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
-from tdhook.metrics._batch_statistics import batch_normalising_module, keeps_running_statistics
+from tdhook.metrics._batch_statistics import batch_normalising_module, keeps_running_statistics, statistics_kept
 from tdhook.metrics._features import Features, stacked_batch
 from tdhook.metrics._methods import (
     check_method,
@@ -88,7 +88,8 @@ def sensitivity_max(
     batch, n = td.batch_size, n_perturb_samples
     rng = generator(seed) if perturb_fn is None else None
     with torch.no_grad():
-        result = explain(method, td)
+        with statistics_kept(method):  # every call of the method from the caller's running statistics
+            result = explain(method, td)
         reference = _flat(Features.read(result, keys, prefix).attributions, len(batch))
         expanded = repeated(td, keys, n)
         if perturb_fn is None:
@@ -108,10 +109,13 @@ def sensitivity_max(
     target = original_target(method, result, len(batch))
     if batch_normalising_module(method) is not None:
         with target_set(method, target), torch.no_grad():
-            copies = [Features.read(explain(method, work[i]), keys, prefix).attributions for i in range(n)]
+            copies = []
+            for i in range(n):
+                with statistics_kept(method):
+                    copies.append(Features.read(explain(method, work[i]), keys, prefix).attributions)
         attributions = [torch.stack(parts) for parts in zip(*copies, strict=True)]
     else:
-        with target_set(method, repeat_target(target, batch, n)), torch.no_grad():
+        with target_set(method, repeat_target(target, batch, n)), torch.no_grad(), statistics_kept(method):
             explained = explain(method, work.reshape(*stacked))
         attributions = [
             a.reshape(n, *batch, *a.shape[len(stacked) :]) for a in Features.read(explained, keys, prefix).attributions

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from tensordict.nn import TensorDictModule
 from torch import nn
@@ -50,3 +52,18 @@ def random_mlp(seed: int, features: int = 5, units: int = 3) -> nn.Module:
 def flat(x: torch.Tensor, batch_dims: int) -> torch.Tensor:
     """``x`` with its batch dimensions flattened into one, for captum."""
     return x.reshape(-1, *x.shape[batch_dims:])
+
+
+class FromCallersStatistics(nn.Module):
+    """``net`` run, on every call, from a copy of it as it was when wrapped: no pass moves the running statistics
+    that a later pass normalises with (the definition of each pass of a method or metric on a model in training
+    mode). It holds a BatchNorm in training mode that it never runs, so that methods and metrics give it one
+    perturbed copy of the batch per pass, as they give the model it wraps."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "net", copy.deepcopy(net))  # not a submodule: nothing outside sees its buffers
+        self.one_copy_per_pass = nn.BatchNorm1d(1).train()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return copy.deepcopy(self.net)(x)

@@ -37,7 +37,12 @@ from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
 from tdhook.attribution._tokens import TokenInputs
 from tdhook.attribution._writes import model_updates, returned_tensordict, set_all_or_nothing
-from tdhook.attribution.methods._batch_statistics import batch_normalisers, buffers_kept, buffers_restored_on_error
+from tdhook.attribution.methods._batch_statistics import (
+    BufferValues,
+    batch_normalisers,
+    buffers_kept,
+    buffers_restored_on_error,
+)
 from tdhook.attribution.targets import (
     EveryUnit,
     Target,
@@ -59,6 +64,9 @@ class Call:
     ``seeds`` has one row per explained output unit (one row unless
     ``target="all"``); the explained quantity of a forward pass is its target
     output times a row, summed over the output's non-batch dimensions.
+    ``buffers_before`` holds the buffers of the modules in training mode as the
+    caller left them, before the unperturbed pass moved them: every perturbed
+    pass starts from them.
     """
 
     tensordict: TensorDictBase
@@ -72,6 +80,7 @@ class Call:
     fed: list[torch.Tensor]
     leaves: list[torch.Tensor] = field(default_factory=list)
     separate_copies: bool = False
+    buffers_before: BufferValues | None = None
 
     @property
     def batch_shape(self) -> torch.Size:
@@ -198,14 +207,16 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             if not value.is_floating_point():
                 raise TypeError(f"{name}: input key {key!r} must be a floating-point tensor, got {describe(value)}")
         self._warn_for_random_modules(tensordict)
-        with buffers_restored_on_error(self.module):  # up to the write: a call that fails moves no statistics
+        with buffers_restored_on_error(self.module) as before:  # up to the write: a call that fails moves none
             with self._model_context():
                 call = self._first_pass(tensordict)
+                call.buffers_before = before
                 cut = returned_tensordict(tensordict, call.result)
                 if cut is tensordict:
                     attributions = self._attribute(call)
                     extra = self._extra_updates(call)
             if cut is not tensordict:  # the module returned fewer batch dimensions: explain in its batch, as LRP does
+                before.restore()  # that call runs the model's own pass again
                 return self.forward(cut)
             updates = model_updates(tensordict, call.result, self.explained_keys, call.fed)
             for key, attribution in zip(self.relevance_keys, attributions, strict=True):
@@ -357,7 +368,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         work = call.base.unsqueeze(0).expand(copies, *batch).clone().reshape(shape)
         for key, x in zip(self.explained_keys, perturbed, strict=True):
             work.set(key, x.reshape(*shape, *x.shape[1 + call.batch_dims :]).clone())
-        with buffers_kept(self.module):  # each pass sees the model as the caller's pass left it (running statistics)
+        with buffers_kept(self.module, call.buffers_before):  # each pass starts from the caller's statistics
             output = target_output(self._run(work), call.target_key, self._target[1])
         return self._contract(call, output, copies)
 

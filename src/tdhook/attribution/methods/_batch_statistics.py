@@ -2,10 +2,11 @@
 
 A method that stacks perturbed copies of the batch in one forward pass would
 normalise every copy with the statistics of all of them, a function other than
-the model's on one batch; such models get one copy per pass. Every perturbed
-pass would also move the running statistics; they are put back after each,
-so that every pass sees the model as the caller's own pass left it, and the
-call leaves the model as one plain forward pass on the caller's input does.
+the model's on one batch; such models get one copy per pass. Every pass
+would also move the running statistics, which some layers normalise with in
+training mode (torchrl's ``BatchRenorm1d``): every perturbed pass starts from
+the statistics the caller left (not those the unperturbed pass moved), and
+the call leaves the model as one plain forward pass on the caller's input does.
 
 Examples:
     >>> import torch
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 from torchrl.modules import BatchRenorm1d
 
-__all__ = ["batch_normalisers", "buffers_kept", "buffers_restored_on_error"]
+__all__ = ["BufferValues", "batch_normalisers", "buffers_kept", "buffers_restored_on_error"]
 
 
 def batch_normalisers(modules: Mapping[str, nn.Module]) -> list[str]:
@@ -58,10 +59,45 @@ def _training_buffers(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tens
     ]
 
 
+class BufferValues:
+    """The values of the buffers of a model's modules in training mode, as they were at one moment.
+
+    A method takes them before the model's own pass (which moves running statistics) and runs every perturbed
+    pass from them, as the caller left the model, and puts them back where the call fails.
+
+    Examples:
+        >>> norm = nn.BatchNorm1d(2)
+        >>> before = BufferValues(norm)
+        >>> _ = norm(torch.randn(4, 2))
+        >>> before.restore()
+        >>> int(norm.num_batches_tracked)
+        0
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._kept = {(module, name): (buffer, buffer.clone()) for module, name, buffer in _training_buffers(model)}
+
+    def value(self, module: nn.Module, name: str, default: torch.Tensor) -> torch.Tensor:
+        """The value the buffer ``name`` of ``module`` had (``default`` for one that was not kept)."""
+        kept = self._kept.get((module, name))
+        return default if kept is None else kept[1]
+
+    def restore(self) -> None:
+        """Give every kept buffer its value back, in its own place in its module (where a :func:`buffers_kept`
+        was stopped before it put it back)."""
+        with torch.no_grad():
+            for (module, name), (buffer, value) in self._kept.items():
+                module._buffers[name] = buffer
+                buffer.copy_(value)
+
+
 @contextlib.contextmanager
-def buffers_restored_on_error(model: nn.Module) -> Iterator[None]:
+def buffers_restored_on_error(model: nn.Module) -> Iterator[BufferValues]:
     """Give the buffers of ``model``'s modules in training mode their values back if the block raises (and their
     places in the modules, where a :func:`buffers_kept` inside was stopped before it put them back).
+
+    Yields:
+        The values the buffers had on entry, for :func:`buffers_kept` to start passes from.
 
     Examples:
         >>> norm = nn.BatchNorm1d(2)
@@ -74,30 +110,42 @@ def buffers_restored_on_error(model: nn.Module) -> Iterator[None]:
         >>> int(norm.num_batches_tracked)
         0
     """
-    kept = [(module, name, buffer, buffer.clone()) for module, name, buffer in _training_buffers(model)]
+    before = BufferValues(model)
     try:
-        yield
+        yield before
     except BaseException:
-        with torch.no_grad():
-            for module, name, buffer, value in kept:
-                module._buffers[name] = buffer  # the module's own, where an interrupt left a copy in its place
-                buffer.copy_(value)
+        before.restore()
         raise
 
 
 @contextlib.contextmanager
-def buffers_kept(model: nn.Module) -> Iterator[None]:
+def buffers_kept(model: nn.Module, start: BufferValues | None = None) -> Iterator[None]:
     """Run the block on copies of the buffers of ``model``'s modules in training mode, and put the originals back.
 
     Modules in eval mode do not update their buffers; those in training mode
     (running statistics, batch counters) update copies, which a backward pass
     may still read, and get their own buffers back, untouched, on the way out
     (by error or not).
+
+    Args:
+        model: the model.
+        start: the values the copies start from (the caller's, taken before a pass that moved the buffers);
+            ``None``: the buffers' current values.
+
+    Examples:
+        >>> norm = nn.BatchNorm1d(2)
+        >>> before = BufferValues(norm)
+        >>> _ = norm(torch.randn(4, 2))  # the model's own pass
+        >>> with buffers_kept(norm, before):  # a pass as if the first had not run
+        ...     int(norm.num_batches_tracked)
+        0
+        >>> int(norm.num_batches_tracked)
+        1
     """
     kept = _training_buffers(model)
     try:
         for module, name, buffer in kept:
-            module._buffers[name] = buffer.clone()
+            module._buffers[name] = (buffer if start is None else start.value(module, name, buffer)).clone()
         yield
     finally:
         for module, name, buffer in kept:
