@@ -64,3 +64,55 @@ def test_works_on_a_torchrl_q_value_actor_with_lrp_relevance():
         action_fidelity(actor, td, k=2, relevance_key="relevance")
     with pytest.raises(ValueError, match=r"k must be an int in \[1, 6\]"):
         action_fidelity(actor, td, k=7, relevance_key="relevance", target_key="action_value")
+
+
+class TwoHeads(torch.nn.Module):
+    """A policy with two heads of three actions each: output ``batch + [2, 3]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).unflatten(-1, (2, 3))
+
+
+def test_a_multi_head_policy_counts_states_whose_action_changes_in_any_head():
+    """The share was taken over (state, head) pairs: 0.14 where 0.26 of the states changed their action."""
+    torch.manual_seed(0)
+    net = TwoHeads().double()
+    x, a = torch.randn(50, 4, dtype=torch.float64), torch.randn(50, 4, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[50])
+    result = action_fidelity(net, td, k=1, seed=0, in_keys=["x"], out_keys=["q"])
+    top = a.argsort(dim=-1, descending=True, stable=True)[:, :1]
+    mask = torch.zeros(50, 4, dtype=torch.bool).scatter_(-1, top, True)
+    changed = net(x).argmax(-1) != net(torch.where(mask, 0.0, x)).argmax(-1)
+    expected = changed.any(-1).double().mean()
+    assert expected != changed.double().mean()  # the case tells the two apart
+    torch.testing.assert_close(result["relevant"], expected, rtol=0, atol=1e-12)
+
+
+def test_a_continuous_policy_is_refused_and_a_categorical_one_scored():
+    from tensordict.nn import NormalParamExtractor
+    from torchrl.data import Bounded
+    from torchrl.modules import Actor, OneHotCategorical, ProbabilisticActor, TanhNormal
+
+    x = torch.randn(8, 4, dtype=torch.float64)
+    td = TensorDict(observation=x, attribution=TensorDict(observation=x.flip(-1)), batch_size=[8])
+    body = torch.nn.Sequential(torch.nn.Linear(4, 4), NormalParamExtractor()).double()
+    params = TensorDictModule(body, ["observation"], ["loc", "scale"])
+    gaussian = ProbabilisticActor(params, in_keys=["loc", "scale"], distribution_class=TanhNormal)
+    for target_key in (None, "loc"):
+        with pytest.raises(ValueError, match=r"output 'loc' is a parameter of the TanhNormal distribution"):
+            action_fidelity(gaussian, td, k=1, seed=0, target_key=target_key)
+    deterministic = Actor(torch.nn.Linear(4, 2).double(), spec=Bounded(-1.0, 1.0, (2,), dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"output 'action' is an action whose spec is continuous"):
+        action_fidelity(deterministic, td, k=1, seed=0)
+    logits = TensorDictModule(torch.nn.Linear(4, 3).double(), ["observation"], ["logits"])
+    categorical = ProbabilisticActor(logits, in_keys=["logits"], distribution_class=OneHotCategorical)
+    result = action_fidelity(categorical, td, k=1, seed=0, target_key="logits")
+    top = x.flip(-1).argsort(dim=-1, descending=True, stable=True)[:, :1]
+    perturbed = torch.where(torch.zeros(8, 4, dtype=torch.bool).scatter_(-1, top, True), 0.0, x)
+    net = logits.module
+    expected = (net(x).argmax(-1) != net(perturbed).argmax(-1)).double().mean()
+    torch.testing.assert_close(result["relevant"], expected, rtol=0, atol=1e-12)

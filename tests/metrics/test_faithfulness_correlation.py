@@ -99,3 +99,42 @@ def test_a_subset_naming_a_feature_twice_is_refused():
     subsets[1, 2, 3] = subsets[1, 2, 0]
     with pytest.raises(ValueError, match=r"subsets must name distinct features in each run: sample \(1,\), run 2"):
         faithfulness_correlation(net, td, subsets=subsets, in_keys=["x"], out_keys=["y"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_constant_attributions_give_nan_as_quantus_not_a_correlation_of_rounding(dtype):
+    """Equal attributions make every subset's sum the same: the correlation is undefined (Quantus: NaN). A masked
+    sum over all features rounded differently from subset to subset, which gave correlations like 0.3."""
+    net = conv_net()
+    x = images(3)
+    a = torch.full((3, 3, 6, 6), 0.1, dtype=dtype)
+    a[2] = torch.randn(3, 6, 6, dtype=dtype)  # Quantus refuses a batch of attributions that are all equal
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[3])
+    subsets = quantus_subsets(7, 108, 3, 20, 30)
+    ours = faithfulness_correlation(net, td, subsets=subsets, in_keys=["x"], out_keys=["y"])
+    np.random.seed(7)
+    metric = quantus.FaithfulnessCorrelation(
+        nr_runs=20,
+        subset_size=30,
+        perturb_baseline=0.0,
+        normalise=False,
+        abs=False,
+        return_aggregate=False,
+        disable_warnings=True,
+        display_progressbar=False,
+    )
+    y = net(x).argmax(-1).numpy()
+    expected = metric(model=for_quantus(net), x_batch=x.numpy(), y_batch=y, a_batch=a.numpy(), softmax=False)
+    torch.testing.assert_close(ours, torch.tensor(np.array(expected)), rtol=0, atol=1e-6, equal_nan=True)
+    assert ours[:2].isnan().all()
+    drawn = faithfulness_correlation(net, td, n_runs=20, subset_size=30, seed=0, in_keys=["x"], out_keys=["y"])
+    assert drawn[:2].isnan().all() and not drawn[2].isnan()
+
+
+def test_a_nan_attribution_is_refused_by_name():
+    net = conv_net()
+    a = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    a[1, 0, 2, 3] = float("nan")
+    td = TensorDict(x=images(2), attribution=TensorDict(x=a), batch_size=[2])
+    with pytest.raises(ValueError, match=r"faithfulness_correlation: attribution \('attribution', 'x'\) holds NaN"):
+        faithfulness_correlation(net, td, n_runs=4, subset_size=5, seed=0, in_keys=["x"], out_keys=["y"])

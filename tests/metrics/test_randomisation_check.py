@@ -89,3 +89,60 @@ def test_a_method_that_ignores_the_weights_scores_one_and_stored_attributions_ar
     td["attribution", "x"] = -td["x"]  # a stored explanation is compared as it is
     negative = randomisation_check(InputAsAttribution(net), td, abs=False, similarity="pearson")
     torch.testing.assert_close(negative["0"], -torch.ones(5, dtype=torch.float64))
+
+
+def mlp() -> torch.nn.Sequential:
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).double()
+
+
+@pytest.mark.parametrize("method", ["lrp", "saliency"])
+def test_a_parametrized_layer_is_reset_as_the_plain_layer(method):
+    """``reset_parameters`` on a parametrized layer wrote into a temporary: its weight stayed, and a gradient method
+    scored 1 at that layer, as if it ignored the weights. The layer now computes with the plain layer's draws."""
+    from torch.nn.utils import parametrizations
+
+    from tdhook.attribution import Saliency
+
+    torch.manual_seed(0)
+    plain = mlp()
+    normed = mlp()
+    normed.load_state_dict(plain.state_dict())
+    parametrizations.weight_norm(normed[2])
+    parametrizations.weight_norm(normed[0])
+    td = TensorDict(x=torch.randn(6, 4, dtype=torch.float64), batch_size=[6])
+
+    def wrap(net):
+        if method == "lrp":
+            return LRP(net, in_keys=["x"], out_keys=["y"])
+        return Saliency(net, in_keys=["x"], out_keys=["y"])
+
+    expected = randomisation_check(wrap(plain), td, abs=False, similarity="pearson")
+    weights = [p.clone() for p in normed.parameters()]
+    ours = randomisation_check(wrap(normed), td, abs=False, similarity="pearson")
+    assert list(ours) == list(expected) == ["2", "0"]
+    for name in ours:
+        torch.testing.assert_close(ours[name], expected[name], rtol=0, atol=1e-10)
+    assert bool((ours["2"] < 0.99).any())  # the weights changed
+    assert all(torch.equal(p, w) for p, w in zip(normed.parameters(), weights, strict=True))  # the caller's model
+
+
+@pytest.mark.parametrize(
+    "hook",
+    [
+        lambda layer: torch.nn.utils.weight_norm(layer),
+        lambda layer: torch.nn.utils.spectral_norm(layer),
+        lambda layer: torch.nn.utils.prune.random_unstructured(layer, "weight", 0.3),
+    ],
+    ids=["weight_norm", "spectral_norm", "prune"],
+)
+def test_a_weight_recomputed_in_a_pre_hook_is_refused_by_name(hook):
+    """The pre-hook recomputes the weight from other parameters at every call: a reset never reached it."""
+    import warnings
+
+    net = mlp()
+    with torch.no_grad(), warnings.catch_warnings():  # made under no_grad, the model can be copied
+        warnings.simplefilter("ignore", FutureWarning)
+        hook(net[2])
+    lrp = LRP(net, in_keys=["x"], out_keys=["y"])
+    with pytest.raises(ValueError, match=r"randomisation_check: module '2' \(Linear\) recomputes 'weight'"):
+        randomisation_check(lrp, TensorDict(x=torch.randn(3, 4, dtype=torch.float64), batch_size=[3]))

@@ -23,3 +23,14 @@ def test_batched_over_leading_dimensions():
     a, b = torch.randn(2, 3, 9, dtype=torch.float64), torch.randn(2, 3, 9, dtype=torch.float64)
     assert spearman(a, b).shape == (2, 3)
     torch.testing.assert_close(spearman(a, b)[1, 2], spearman(a[1, 2], b[1, 2]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_constant_row_gives_nan_as_scipy_even_where_its_mean_rounds(dtype):
+    # The float32 mean of fifty 0.1 is not 0.1: the centred row was rounding noise and the correlation 2e-9.
+    a = torch.tensor([[0.1] * 50, [1 / 3] * 50, list(range(50))], dtype=dtype)
+    b = torch.randn(3, 50, dtype=dtype)
+    r = pearson(a, b)
+    assert r[:2].isnan().all() and bool(r[2].isfinite())
+    assert pearson(b, a)[:2].isnan().all()
+    assert spearman(a, b)[:2].isnan().all()

@@ -18,10 +18,25 @@ __all__ = ["average_ranks", "pearson", "spearman"]
 
 
 def pearson(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The Pearson correlation of ``a`` and ``b`` along the last dimension (NaN where one is constant)."""
+    """The Pearson correlation of ``a`` and ``b`` along the last dimension (NaN where one is constant).
+
+    A constant row is found by comparing its entries, not from its spread: the mean of equal floats can differ
+    from them in the last bit, which would leave a spread of rounding and a correlation of noise.
+
+    Examples:
+        >>> pearson(torch.full((1, 50), 0.1), torch.linspace(0.0, 1.0, 50).unsqueeze(0))
+        tensor([nan])
+    """
+    constant = _constant(a) | _constant(b)
     a = a - a.mean(-1, keepdim=True)
     b = b - b.mean(-1, keepdim=True)
-    return (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))
+    r = (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))
+    return r.masked_fill(constant, float("nan"))
+
+
+def _constant(values: torch.Tensor) -> torch.Tensor:
+    """Whether all entries along the last dimension are equal."""
+    return (values == values[..., :1]).all(-1)
 
 
 def average_ranks(values: torch.Tensor) -> torch.Tensor:

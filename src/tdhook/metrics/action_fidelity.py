@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import torch
 from tensordict import TensorDict, TensorDictBase
-from tensordict.nn import TensorDictModuleBase
-from tensordict.utils import NestedKey
+from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase
+from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 from torch import nn
 
 from tdhook.metrics._batch_statistics import keeps_running_statistics
@@ -16,6 +16,9 @@ from tdhook.metrics._random import generator
 from tdhook.metrics._scoring import Scorer, chunks, progress_bar
 
 __all__ = ["action_fidelity"]
+
+# Distributions whose sample is the index (or one-hot vector) of an argmax-able output.
+_CATEGORICAL = (torch.distributions.Categorical, torch.distributions.OneHotCategorical)
 
 
 @keeps_running_statistics
@@ -36,7 +39,10 @@ def action_fidelity(
 ) -> TensorDict:
     """The share of states whose greedy action changes when ``k`` features go to the baseline.
 
-    The greedy action is the argmax of the last dimension of the output at ``target_key`` (the action values).
+    The greedy action is the argmax of the last dimension of the output at ``target_key`` (the action values or a
+    categorical policy's logits). An output ``batch + [heads..., actions]`` gives one action per head, and a
+    state's action changes when that of any head does. A continuous action (the parameters of a
+    non-categorical distribution, an action whose torchrl spec is continuous) has no argmax and is refused.
     Features rank jointly across all explained keys, as in :func:`~tdhook.metrics.pixel_flipping`.
 
     Args:
@@ -55,8 +61,8 @@ def action_fidelity(
         features are removed, and ``random``: the same for ``k`` random features, averaged over the draws.
 
     Raises:
-        ValueError: ``k`` or ``n_random`` is out of range, the output has fewer than two actions, or an attribution
-            holds NaN.
+        ValueError: ``k`` or ``n_random`` is out of range, the output has fewer than two actions or is a continuous
+            action, or an attribution holds NaN.
 
     Examples:
         >>> import torch
@@ -83,6 +89,13 @@ def action_fidelity(
             f"action_fidelity: output {scorer.target_key!r} of shape {list(output.shape)} has no action dimension "
             "of two or more actions; pass target_key= the action values (for a QValueActor, 'action_value')"
         )
+    continuous = _continuous_action(scorer.module, scorer.target_key)
+    if continuous is not None:
+        raise ValueError(
+            f"action_fidelity: output {scorer.target_key!r} is {continuous}: a continuous action is not the argmax "
+            "of an output, so whether it changes is not defined here; score the policy with pixel_flipping or "
+            "faithfulness_correlation on that output, or pass target_key= the action values of a discrete policy"
+        )
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_features:
         raise ValueError(f"action_fidelity: k must be an int in [1, {n_features}] (the number of features), got {k!r}")
     if isinstance(n_random, bool) or not isinstance(n_random, int) or n_random < 1:
@@ -103,8 +116,27 @@ def action_fidelity(
             draws = torch.rand(n_draws, *batch, n_features, generator=rng, dtype=torch.float64)
             positions.append(sort_positions(draws).to(relevant_positions.device))
         mask = torch.cat(positions) < k
-        changed.append(scorer.outputs(features.perturb(mask, baseline)).argmax(-1) != action)
+        flipped = scorer.outputs(features.perturb(mask, baseline)).argmax(-1) != action
+        heads = flipped.dim() - 1 - len(batch)  # a state's action is that of every head together
+        changed.append(flipped.flatten(-heads).any(-1) if heads else flipped)
         update(1)
     update(0)
     changed = torch.cat(changed).reshape(n_total, -1).to(output.dtype).mean(-1)
     return TensorDict(relevant=changed[0], random=changed[1:].mean(), batch_size=[])
+
+
+def _continuous_action(module: TensorDictModuleBase, key: NestedKey) -> str | None:
+    """What makes the output at ``key`` a continuous action, or ``None``: it is a parameter of a distribution that
+    is not categorical, or the torchrl spec of a module says that the key is continuous."""
+    key = unravel_key(key)
+    for sub in module.modules():
+        if isinstance(sub, ProbabilisticTensorDictModule) and key in unravel_key_list(list(sub.in_keys)):
+            dist = getattr(sub, "distribution_class", None)
+            if not (isinstance(dist, type) and issubclass(dist, _CATEGORICAL)):
+                return f"a parameter of the {getattr(dist, '__name__', dist)} distribution of {type(sub).__name__}"
+        spec = getattr(sub, "spec", None)
+        if spec is not None and callable(getattr(spec, "keys", None)) and key in spec.keys(True, True):
+            leaf = spec[key]
+            if getattr(leaf, "domain", None) == "continuous":
+                return f"an action whose spec is continuous ({type(leaf).__name__})"
+    return None

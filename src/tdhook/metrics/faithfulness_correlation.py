@@ -12,10 +12,11 @@ from torch import nn
 
 from tdhook.attribution.targets import Target
 from tdhook.metrics._batch_statistics import keeps_running_statistics
-from tdhook.metrics._features import Baseline, Features, sort_positions
+from tdhook.metrics._features import Baseline, Features
 from tdhook.metrics._random import generator
 from tdhook.metrics._scoring import Scorer, chunks, progress_bar
 from tdhook.metrics._similarity import pearson
+from tdhook.metrics._stable_order import stable_order
 
 __all__ = ["faithfulness_correlation"]
 
@@ -82,6 +83,7 @@ def faithfulness_correlation(
         steps_per_forward=steps_per_forward,
     )
     features = Features.read(td, scorer.keys, relevance_key)
+    features.refuse_nan("faithfulness_correlation")
     features.baselines(baseline)
     batch, n_features = td.batch_size, features.n_features
     values = features.values
@@ -126,12 +128,15 @@ def faithfulness_correlation(
     for start, stop in chunks(n_runs, size):
         if subsets is None:
             draws = torch.rand(stop - start, *batch, n_features, generator=rng, dtype=torch.float64)
-            mask = (sort_positions(draws) < subset_size).to(values.device)
+            chosen = stable_order(draws)[..., :subset_size].to(values.device)
         else:
             chosen = subsets[start:stop]
-            mask = torch.zeros(stop - start, *batch, n_features, dtype=torch.bool, device=values.device)
-            mask.scatter_(-1, chosen, True)
-        sums.append((values.unsqueeze(0) * mask).sum(-1))
+        mask = torch.zeros(stop - start, *batch, n_features, dtype=torch.bool, device=values.device)
+        mask.scatter_(-1, chosen, True)
+        # The subset's own attributions summed, not a masked sum over every feature: where the zeros fall changes
+        # the rounding of a masked sum, and equal attributions would then give sums that differ in the last bits
+        # (a correlation of rounding noise where the sums do not vary).
+        sums.append(values.expand(stop - start, *values.shape).gather(-1, chosen).sum(-1))
         drops.append(scorer.reference.unsqueeze(0) - scorer.scores(features.perturb(mask, baseline)))
         update(1)
     update(0)

@@ -18,6 +18,7 @@ from torch import nn
 
 from tdhook.metrics._batch_statistics import statistics_kept
 from tdhook.metrics._features import Features
+from tdhook.metrics._layer_reset import refuse_hooked_weights, reset_layer
 from tdhook.metrics._methods import check_method, explain, method_keys, method_prefix, original_target, target_set
 from tdhook.metrics._scoring import progress_bar
 from tdhook.metrics._similarity import pearson, spearman
@@ -25,13 +26,16 @@ from tdhook.metrics._similarity import pearson, spearman
 __all__ = ["randomisation_check"]
 
 
+def _named_modules(method: TensorDictModuleBase) -> list[tuple[str, nn.Module]]:
+    """The modules of the method's model, by the names the method gives them."""
+    if hasattr(method, "named_explained_modules"):
+        return list(method.named_explained_modules().items())
+    return list(getattr(method, "module", method).named_modules())
+
+
 def _named_layers(method: TensorDictModuleBase) -> list[tuple[str, nn.Module]]:
     """The modules of the method's model that can be re-initialised, by the names the method gives them."""
-    if hasattr(method, "named_explained_modules"):
-        named = method.named_explained_modules().items()
-    else:
-        named = getattr(method, "module", method).named_modules()
-    return [(name, module) for name, module in named if callable(getattr(module, "reset_parameters", None))]
+    return [(name, m) for name, m in _named_modules(method) if callable(getattr(m, "reset_parameters", None))]
 
 
 def _cuda_devices(model: nn.Module) -> list[int]:
@@ -53,7 +57,8 @@ def randomisation_check(
 
     The method is deep-copied with its model. Every module of the copy that has ``reset_parameters`` is
     re-initialised in turn, from the last (top) layer to the first, each after ``torch.manual_seed(seed + 1)``,
-    keeping the layers already reset (the cascade); after each, the copy explains ``td`` for the original targets
+    keeping the layers already reset (the cascade; a parametrized tensor takes the plain layer's fresh values
+    through its parametrization); after each, the copy explains ``td`` for the original targets
     (``target=None`` is held at the original argmax, a callable at the weights it gave the original output) and the
     attributions of all explained keys together are compared with the original ones, per sample. The caller's
     method, model and global random state are left as they were.
@@ -77,7 +82,9 @@ def randomisation_check(
 
     Raises:
         TypeError: ``method`` is not a TensorDict module.
-        ValueError: an unknown ``similarity``, or a model without parameters to reset.
+        ValueError: an unknown ``similarity``, a model without parameters to reset, a parametrization that cannot
+            take fresh values, or a tensor recomputed in a forward pre-hook (``torch.nn.utils.weight_norm``,
+            ``spectral_norm``, ``prune``), which a reset would not reach.
 
     Examples:
         >>> import torch
@@ -96,6 +103,7 @@ def randomisation_check(
     keys = method_keys(method, in_keys, td)
     prefix = method_prefix(method, relevance_key)
     batch_dims = td.batch_dims
+    refuse_hooked_weights(_named_modules(method), "randomisation_check")
     copied = copy.deepcopy(method)
     layers = _named_layers(copied)[::-1]
     if not layers:
@@ -118,8 +126,7 @@ def randomisation_check(
     with torch.random.fork_rng(devices=_cuda_devices(copied)), target_set(copied, target):
         for name, layer in layers:
             torch.manual_seed(seed + 1)
-            with torch.no_grad():
-                layer.reset_parameters()
+            reset_layer(name, layer)
             with statistics_kept(copied):
                 changed = Features.read(explain(copied, td), keys, prefix).attributions
             scores[name] = compare(original, flat(changed))
