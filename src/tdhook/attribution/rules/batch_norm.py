@@ -81,7 +81,8 @@ class MergeBatchNormRule(NormRule):
 
     def batch_norm(self, module: nn.Module, output: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         call = layer_call_of(args[0])
-        if call is None or not _can_merge(call, module):
+        flattened = call is None and (call := _flattened_layer_call(args[0])) is not None
+        if call is None or not _can_merge(call, module, flattened):
             self._refuse_unmerged(module)
             return super().batch_norm(module, output, args, kwargs)
         if not call.rule.merges_batch_norm:
@@ -107,18 +108,38 @@ class MergeBatchNormRule(NormRule):
             if merged is None or merged.fingerprint != fingerprint:
                 merged = state[call.module] = _merge_batch_norm(call.module, module)
                 merged.fingerprint = fingerprint
-        result = call.rule.rewrite_merged(call, output, merged)
+        # A flattened layer output is merged in the layer's own shape, and the result flattened as the input was.
+        seen = output.view(call.raw.shape) if flattened else output
+        result = call.rule.rewrite_merged(call, seen, merged)
         if result is not None and result.grad_fn is not None:
             result.grad_fn.metadata[_LAYER_MARK] = True  # the merged layer's output is a layer boundary
+        result = seen if result is None else result
         for observe in call.observers:
-            observe(result if result is not None else output)
-        return output if result is None else result
+            observe(result)
+        return result.view(output.shape) if flattened else result
 
 
-def _can_merge(call: LayerCall, norm: nn.Module) -> bool:
+def _flattened_layer_call(x: torch.Tensor) -> LayerCall | None:
+    """The call of the Linear layer whose output ``(..., C)`` the BatchNorm's input ``x`` holds flattened to
+    ``(M, C)`` (a view of the same memory, rows in order: timm's ``LinearNorm`` normalises a token sequence so),
+    else ``None``."""
+    if not x._is_view() or x.dim() != 2:
+        return None
+    base = x._base
+    call = layer_call_of(base)
+    if call is None or not isinstance(call.module, nn.Linear) or base.dim() < 3 or not base.is_contiguous():
+        return None
+    features = base.shape[-1]
+    rows_in_order = x.shape == (base.numel() // features, features) and x.stride() == (features, 1)
+    return call if rows_in_order and x.data_ptr() == base.data_ptr() else None
+
+
+def _can_merge(call: LayerCall, norm: nn.Module, flattened: bool = False) -> bool:
     if norm.training or norm.running_mean is None or norm.running_var is None:
         return False
     raw = call.raw
+    if flattened:
+        return raw.shape[-1] == norm.num_features
     if isinstance(call.module, nn.Linear) and raw.dim() != 2:
         return False  # BatchNorm1d on (N, L, C) normalises L, not the layer's features
     return raw.dim() >= 2 and raw.shape[1] == norm.num_features
