@@ -206,6 +206,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             value = tensordict.get(key)
             if not value.is_floating_point():
                 raise TypeError(f"{name}: input key {key!r} must be a floating-point tensor, got {describe(value)}")
+        self._check_batch(tensordict)
         self._warn_for_random_modules(tensordict)
         with buffers_restored_on_error(self.module) as before:  # up to the write: a call that fails moves none
             with self._model_context():
@@ -235,6 +236,9 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         if not self._warned:
             modules = random_modules(self.named_explained_modules())
             self._warned = warn_for_random_modules(type(self).__name__, modules, tensordict) != modules
+
+    def _check_batch(self, tensordict: TensorDictBase) -> None:
+        """Refuse, before the model runs, a batch the method cannot explain (none by default)."""
 
     def _per_unit(self, call: Call, attribution: torch.Tensor) -> torch.Tensor:
         attribution = attribution.detach()
