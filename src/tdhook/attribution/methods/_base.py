@@ -22,6 +22,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -43,6 +44,7 @@ from tdhook.attribution.methods._batch_statistics import (
     buffers_kept,
     buffers_restored_on_error,
 )
+from tdhook.attribution.methods._sampled_targets import sampled_target
 from tdhook.attribution.targets import (
     EveryUnit,
     Target,
@@ -189,6 +191,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         self.in_keys = unravel_key_list(list(dict.fromkeys([*module.in_keys, *self.explained_keys])))
         self.out_keys = [*unravel_key_list(module.out_keys), *self.relevance_keys]
         self._warned = False
+        self._warned_sampled = False
 
     # ------------------------------------------------------------------ call
 
@@ -212,6 +215,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             with self._model_context():
                 call = self._first_pass(tensordict)
                 call.buffers_before = before
+                self._warn_for_sampled_target(call)
                 cut = returned_tensordict(tensordict, call.result)
                 if cut is tensordict:
                     attributions = self._attribute(call)
@@ -236,6 +240,21 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         if not self._warned:
             modules = random_modules(self.named_explained_modules())
             self._warned = warn_for_random_modules(type(self).__name__, modules, tensordict) != modules
+
+    def _warn_for_sampled_target(self, call: Call) -> None:
+        """Warn, once per wrapper, if the target is drawn at random anew in every pass of a method that compares
+        passes (see :func:`~tdhook.attribution.methods._sampled_targets.sampled_target`)."""
+        if self._evaluates_copies and not self._warned_sampled:
+            found = sampled_target(self.module, call.target_key)
+            if found is not None:
+                self._warned_sampled = True
+                warnings.warn(
+                    f"{type(self).__name__}: the target {call.target_key!r} is drawn at random ({found}), so each "
+                    "forward pass draws anew and the explanation compares independent draws; explain the "
+                    "distribution's parameters (target_key='loc', say) or sample deterministically "
+                    "(tensordict.nn.set_interaction_type('deterministic'))",
+                    stacklevel=4,
+                )
 
     def _check_batch(self, tensordict: TensorDictBase) -> None:
         """Refuse, before the model runs, a batch the method cannot explain (none by default)."""
