@@ -396,14 +396,24 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         return self._contract(call, output, copies)
 
     @staticmethod
-    def _gradients(objective: torch.Tensor, leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Per leaf, the gradient of each unit's explained quantity: ``[units, *leaf.shape]``."""
+    def _gradients(
+        objective: torch.Tensor, leaves: Sequence[torch.Tensor], unreached: list[bool] | None = None
+    ) -> list[torch.Tensor]:
+        """Per leaf, the gradient of each unit's explained quantity: ``[units, *leaf.shape]``.
+
+        Zero where a unit does not depend on the leaf; ``unreached``, when given, is filled with whether no unit
+        depends on each leaf (no path to it in the graph).
+        """
         units = objective.shape[0]
         per_unit = []
+        reached = [False] * len(leaves)
         with torch.enable_grad():
             for u in range(units):
                 grads = torch.autograd.grad(objective[u].sum(), leaves, retain_graph=u < units - 1, allow_unused=True)
+                reached = [r or g is not None for r, g in zip(reached, grads, strict=True)]
                 per_unit.append([torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads, strict=True)])
+        if unreached is not None:
+            unreached[:] = [not r for r in reached]
         return [torch.stack([unit[i] for unit in per_unit]) for i in range(len(leaves))]
 
     def _input_gradients(self, call: Call) -> list[torch.Tensor]:

@@ -127,8 +127,14 @@ class GradCAM(AttributionMethod):
                 f"GradCAM: the output of layer {self.layer!r} has shape {list(activation.shape)}; expected the "
                 f"batch shape {list(batch)} followed by channels and spatial dimensions"
             )
+        unreached: list[bool] = []
         with torch.enable_grad():
-            (gradient,) = self._gradients(self._contract(call, call.output, None), [activation])
+            (gradient,) = self._gradients(self._contract(call, call.output, None), [activation], unreached)
+        if unreached[0]:  # a layer of another branch (a critic's, for the actor's output): its map would be 0
+            raise ValueError(
+                f"GradCAM: target {call.target_key!r} does not depend on the output of layer {self.layer!r}; "
+                "pass a layer on the way to the target (or target_key=<an output that reads it>)"
+            )
         spatial = tuple(range(call.batch_dims + 2, gradient.dim()))
         weights = gradient.mean(spatial, keepdim=True) if spatial else gradient
         cam = (weights * activation.detach().unsqueeze(0)).sum(call.batch_dims + 1)
