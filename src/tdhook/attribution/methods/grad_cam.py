@@ -116,10 +116,12 @@ class GradCAM(AttributionMethod):
 
     def _attribute(self, call: Call) -> list[torch.Tensor]:
         if len(self._activations) != 1 or not isinstance(self._activations[0], torch.Tensor):
-            raise ValueError(
-                f"GradCAM: layer {self.layer!r} must return one tensor in one call per forward pass; "
-                f"it was called {len(self._activations)} times"
+            got = (
+                f"it returned {type(self._activations[0]).__name__}"
+                if len(self._activations) == 1
+                else f"it was called {len(self._activations)} times"
             )
+            raise ValueError(f"GradCAM: layer {self.layer!r} must return one tensor in one call per pass, {got}")
         activation = self._activations[0]
         batch = tuple(call.batch_shape)
         if activation.dim() <= call.batch_dims or tuple(activation.shape[: call.batch_dims]) != batch:
