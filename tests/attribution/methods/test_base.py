@@ -377,6 +377,30 @@ class TestTorchRL:
             assert not attribution.requires_grad and attribution.numel() == 16 * 4 and attribution.abs().sum() > 0
 
 
+@pytest.mark.parametrize("held", [False, True])
+@pytest.mark.parametrize("name", list(METHODS))
+def test_a_masked_policy_explains_the_held_or_best_allowed_action(name, held):
+    """As LRP: the default target of a masked policy's logits is the action the TensorDict holds, else the best
+    allowed one (the methods explained the plain argmax, forbidden everywhere here: 0.3 to 1.7 off)."""
+    from torchrl.modules import MaskedCategorical
+
+    from tests.attribution.test_policy_targets import masked_actor, masked_td
+
+    actor = masked_actor(MaskedCategorical)
+    td = masked_td(actor)
+    with torch.no_grad():
+        logits = actor.module[0](td.clone())["logits"]
+    action = logits.masked_fill(~td["action_mask"], float("-inf")).argmax(-1)
+    if held:
+        action = torch.tensor([0, 1, 2, 2, 1, 0])
+        td["action"] = action
+    references = {"observation": torch.randn(2, 4, dtype=torch.float64)}
+    options = {"baselines": references} if name == "GradientShap" else {}
+    got = make(name, actor, in_keys=["observation"], **options)(td.clone())["attribution", "observation"]
+    expected = make(name, actor, in_keys=["observation"], target=action, **options)(td.clone())
+    torch.testing.assert_close(got, expected["attribution", "observation"], rtol=0, atol=0)
+
+
 def recurrent_policy() -> TensorDictSequential:
     from torchrl.modules import LSTMModule
 
