@@ -401,6 +401,34 @@ def test_a_masked_policy_explains_the_held_or_best_allowed_action(name, held):
     torch.testing.assert_close(got, expected["attribution", "observation"], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", list(METHODS))
+def test_default_keys_leave_out_flags_and_absent_recurrent_states(name):
+    """As LRP: by default a call explains neither boolean inputs (an action mask, is_init) nor the recurrent states
+    the TensorDict lacks (the methods refused such policies unless in_keys named the observation)."""
+    from torchrl.modules import MaskedCategorical
+
+    from tests.attribution.test_policy_targets import masked_actor, masked_td
+
+    def attributions(module, td, *keys, **options):
+        if name == "GradientShap":
+            features, draws = 4 if "observation" in td.keys() else 3, torch.Generator().manual_seed(0)
+            options["baselines"] = torch.randn(2, features, dtype=torch.float64, generator=draws)
+        if name == "Occlusion":
+            options["sliding_window_shapes"] = (2,)
+        in_keys = {"in_keys": list(keys)} if keys else {}
+        return make(name, module, **in_keys, **options)(td.clone())["attribution"]
+
+    actor = masked_actor(MaskedCategorical)
+    td = masked_td(actor)
+    got = attributions(actor, td)
+    assert list(got.keys()) == ["observation"]
+    torch.testing.assert_close(got["observation"], attributions(actor, td, "observation")["observation"])
+    policy, steps = recurrent_policy(), trajectories(1)[:, 0]  # step mode, no recurrent state yet
+    got = attributions(policy, steps, target_key="q")
+    assert list(got.keys()) == ["obs"]
+    torch.testing.assert_close(got["obs"], attributions(policy, steps, "obs", target_key="q")["obs"])
+
+
 def recurrent_policy() -> TensorDictSequential:
     from torchrl.modules import LSTMModule
 

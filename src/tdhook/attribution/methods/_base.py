@@ -32,7 +32,7 @@ from tensordict.nn import TensorDictModuleBase, dispatch
 from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
-from tdhook.attribution._inputs import describe, dtype_mismatch, feed_inputs, validate_inputs
+from tdhook.attribution._inputs import describe, dtype_mismatch, feed_inputs, optional_inputs, validate_inputs
 from tdhook.attribution._keys import check_free, check_writable, read_not_written, relevance_keys
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action
@@ -45,6 +45,7 @@ from tdhook.attribution.methods._batch_statistics import (
     buffers_kept,
     buffers_restored_on_error,
 )
+from tdhook.attribution.methods._call_keys import keys_explained_in_call, narrowed
 from tdhook.attribution.methods._sampled_targets import sampled_target
 from tdhook.attribution.targets import (
     EveryUnit,
@@ -144,6 +145,8 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
     _evaluates_copies = True
     #: whether the method differentiates the model (it cannot run under ``torch.inference_mode()``).
     _needs_gradients = True
+    #: attributes holding one option per explained key, in their order (narrowed with the keys of a call).
+    _per_key_options: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -166,6 +169,9 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         # As LRP: by default the module's in_keys it does not fill itself (a composite actor's "params").
         given = read_not_written(module)
         self.explained_keys = unravel_key_list(list(in_keys)) if in_keys is not None else given
+        # Default keys: a call leaves out those holding booleans, and recurrent states the TensorDict lacks.
+        self._defaulted_inputs = in_keys is None
+        self._optional_inputs = optional_inputs(module)
         if not self.explained_keys:
             raise ValueError(f"{name}: no input key to explain; pass in_keys=[...]")
         for key in self.explained_keys:
@@ -199,6 +205,13 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
     @dispatch(auto_batch_size=False)
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         name = type(self).__name__
+        flags = keys_explained_in_call(self, tensordict)
+        if not all(flags):  # default keys: as LRP, not the flags and masks, nor recurrent states left out
+            method = narrowed(self, flags)
+            try:
+                return method.forward(tensordict)
+            finally:
+                self._warned, self._warned_sampled = method._warned, method._warned_sampled
         try:
             # A method that needs no gradient runs under inference mode, which the check refuses for the others.
             with contextlib.nullcontext() if self._needs_gradients else torch.inference_mode(False):
