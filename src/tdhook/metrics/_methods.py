@@ -27,6 +27,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
 from tdhook.attribution._inputs import explained_in_call, optional_inputs
+from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution.targets import initial_gradient, resolve_target_key, target_output
 from tdhook.metrics._features import explained_keys, stacked_batch
 
@@ -101,7 +102,8 @@ class HeldWeights:
 def original_target(method: TensorDictModuleBase, result: TensorDictBase, batch_dims: int) -> object:
     """The method's target as resolved on the unperturbed ``result``.
 
-    ``None`` becomes the argmax of the explained output (nothing for a one-unit output), a callable becomes
+    ``None`` becomes the argmax of the explained output (nothing for a one-unit output), or, for the logits of a
+    masked policy, the best allowed action, as the methods explain by default; a callable becomes
     :class:`HeldWeights` with the weights it gives that output; an int or per-sample indices stay as they are.
 
     Raises:
@@ -119,6 +121,10 @@ def original_target(method: TensorDictModuleBase, result: TensorDictBase, batch_
     output = target_output(result, key, operator)
     if target is not None:
         return HeldWeights(initial_gradient(output.detach(), target, key, batch_dims))
+    # The method ran on the inputs alone (see explain): no action held in the TensorDict, the mask decides.
+    allowed = allowed_action(operator, key, result, result.empty())
+    if allowed is not None:
+        return allowed
     if output.dim() > batch_dims and output.shape[-1] > 1:
         return output.argmax(-1)
     return None

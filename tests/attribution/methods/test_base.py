@@ -377,6 +377,114 @@ class TestTorchRL:
             assert not attribution.requires_grad and attribution.numel() == 16 * 4 and attribution.abs().sum() > 0
 
 
+@pytest.mark.parametrize("held", [False, True])
+@pytest.mark.parametrize("name", list(METHODS))
+def test_a_masked_policy_explains_the_held_or_best_allowed_action(name, held):
+    """As LRP: the default target of a masked policy's logits is the action the TensorDict holds, else the best
+    allowed one (the methods explained the plain argmax, forbidden everywhere here: 0.3 to 1.7 off)."""
+    from torchrl.modules import MaskedCategorical
+
+    from tests.attribution.test_policy_targets import masked_actor, masked_td
+
+    actor = masked_actor(MaskedCategorical)
+    td = masked_td(actor)
+    with torch.no_grad():
+        logits = actor.module[0](td.clone())["logits"]
+    action = logits.masked_fill(~td["action_mask"], float("-inf")).argmax(-1)
+    if held:
+        action = torch.tensor([0, 1, 2, 2, 1, 0])
+        td["action"] = action
+    references = {"observation": torch.randn(2, 4, dtype=torch.float64)}
+    options = {"baselines": references} if name == "GradientShap" else {}
+    got = make(name, actor, in_keys=["observation"], **options)(td.clone())["attribution", "observation"]
+    expected = make(name, actor, in_keys=["observation"], target=action, **options)(td.clone())
+    torch.testing.assert_close(got, expected["attribution", "observation"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_default_keys_leave_out_flags_and_absent_recurrent_states(name):
+    """As LRP: by default a call explains neither boolean inputs (an action mask, is_init) nor the recurrent states
+    the TensorDict lacks (the methods refused such policies unless in_keys named the observation)."""
+    from torchrl.modules import MaskedCategorical
+
+    from tests.attribution.test_policy_targets import masked_actor, masked_td
+
+    def attributions(module, td, *keys, **options):
+        if name == "GradientShap":
+            features, draws = 4 if "observation" in td.keys() else 3, torch.Generator().manual_seed(0)
+            options["baselines"] = torch.randn(2, features, dtype=torch.float64, generator=draws)
+        if name == "Occlusion":
+            options["sliding_window_shapes"] = (2,)
+        in_keys = {"in_keys": list(keys)} if keys else {}
+        return make(name, module, **in_keys, **options)(td.clone())["attribution"]
+
+    actor = masked_actor(MaskedCategorical)
+    td = masked_td(actor)
+    got = attributions(actor, td)
+    assert list(got.keys()) == ["observation"]
+    torch.testing.assert_close(got["observation"], attributions(actor, td, "observation")["observation"])
+    policy, steps = recurrent_policy(), trajectories(1)[:, 0]  # step mode, no recurrent state yet
+    got = attributions(policy, steps, target_key="q")
+    assert list(got.keys()) == ["obs"]
+    torch.testing.assert_close(got["obs"], attributions(policy, steps, "obs", target_key="q")["obs"])
+
+
+def recurrent_policy() -> TensorDictSequential:
+    from torchrl.modules import LSTMModule
+
+    torch.manual_seed(0)
+    lstm = LSTMModule(input_size=3, hidden_size=5, in_key="obs", out_key="h")
+    return TensorDictSequential(lstm, TensorDictModule(nn.Linear(5, 2), in_keys=["h"], out_keys=["q"])).double()
+
+
+def trajectories(steps: int) -> TensorDict:
+    is_init = torch.zeros(2, steps, 1, dtype=torch.bool)
+    is_init[:, 0] = True
+    return TensorDict(obs=torch.randn(2, steps, 3, dtype=torch.float64), is_init=is_init, batch_size=[2, steps])
+
+
+class TestRecurrentMode:
+    @pytest.mark.parametrize("name", ["FeatureAblation", "Occlusion", "ShapleyValueSampling"])
+    def test_perturbations_of_every_step_at_once_are_refused(self, name):
+        """In recurrent mode a step's output depends on the steps before it; a perturbation of every step at once
+        wrote only the step's own drop on its features (an ablation of the first step lost its effect on the
+        later ones): refused, naming the module, before the model runs."""
+        from torchrl.modules import set_recurrent_mode
+
+        policy = recurrent_policy()
+        td = trajectories(4)
+        before = state_snapshot(policy)
+        with set_recurrent_mode(True), pytest.raises(ValueError, match=f"^{name}: LSTMModule 'module.0' runs in "):
+            make(name, policy, target_key="q", in_keys=["obs"])(td)
+        assert_unchanged(policy, before)
+        assert sorted(td.keys()) == ["is_init", "obs"]
+        with set_recurrent_mode(True):  # one step: nothing read across steps
+            one = make(name, policy, target_key="q", in_keys=["obs"])(trajectories(1))
+        assert one["attribution", "obs"].shape == (2, 1, 3)
+
+    @pytest.mark.parametrize("name", ["Saliency", "IntegratedGradients"])
+    def test_gradient_methods_explain_the_sum_over_the_steps(self, name):
+        """As LRP without split_dim: the gradient of every step's target output, summed over the steps."""
+        from torchrl.modules import set_recurrent_mode
+
+        policy, td = recurrent_policy(), trajectories(4)
+        with set_recurrent_mode(True):
+            x = td["obs"].clone().requires_grad_(True)
+            out = policy(td.clone().set("obs", x))["q"]
+            chosen = out.argmax(-1, keepdim=True)
+            (gradient,) = torch.autograd.grad(out.gather(-1, chosen).sum(), x)
+            options = {"n_steps": 50} if name == "IntegratedGradients" else {}
+            attribution = make(name, policy, target_key="q", in_keys=["obs"], **options)(td.clone())
+            if name == "IntegratedGradients":  # completeness per trajectory
+                with torch.no_grad():
+                    at_zero = policy(td.clone().set("obs", torch.zeros_like(x)))["q"].gather(-1, chosen)
+                total = attribution["attribution", "obs"].sum((-1, -2))
+                expected = (out.gather(-1, chosen) - at_zero).sum((-1, -2)).detach()
+                torch.testing.assert_close(total, expected, rtol=1e-8, atol=1e-10)
+            else:
+                torch.testing.assert_close(attribution["attribution", "obs"], gradient.abs(), rtol=1e-12, atol=0)
+
+
 @pytest.mark.parametrize("name", ["FeatureAblation", "Occlusion", "ShapleyValueSampling"])
 class TestPerturbationsPerEval:
     def options(self, name):

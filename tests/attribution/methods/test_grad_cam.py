@@ -129,7 +129,7 @@ class TestRefusals:
         net = Twice().double()
         snapshot = state_snapshot(net)
         td = TensorDict(x=torch.randn(2, 3, dtype=torch.float64), batch_size=[2])
-        with pytest.raises(ValueError, match="GradCAM: layer 'act' must return one tensor in one call"):
+        with pytest.raises(ValueError, match="layer 'act' must return one tensor .*, it was called 2 times"):
             GradCAM(net, layer="act", in_keys=["x"], out_keys=["y"])(td)
         assert_unchanged(net, snapshot)
         assert list(td.keys()) == ["x"]
@@ -140,3 +140,37 @@ class TestRefusals:
             GradCAM(net, layer="1", in_keys=["x"], out_keys=["y"], upsample=True)(
                 TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
             )
+
+    def test_a_layer_the_target_does_not_depend_on(self):
+        """A critic's layer for the actor's logits: the map was 0 everywhere, silently (captum raises)."""
+        torch.manual_seed(0)
+        actor = TensorDictModule(random_mlp(0, features=4, units=2), in_keys=["obs"], out_keys=["logits"])
+        critic = TensorDictModule(random_mlp(1, features=4, units=1), in_keys=["obs"], out_keys=["value"])
+        pipeline = TensorDictSequential(actor, critic)
+        snapshot = state_snapshot(pipeline)
+        td = TensorDict(obs=torch.randn(3, 4, dtype=torch.float64), batch_size=[3])
+        cam = GradCAM(pipeline, layer="module.1.module.1", target_key="logits", relu=False)
+        with pytest.raises(ValueError, match="GradCAM: target 'logits' does not depend on the output of layer 'module"):
+            cam(td)
+        assert_unchanged(pipeline, snapshot)
+        assert list(td.keys()) == ["obs"]
+        # With "all", a unit that does not reach the layer gets 0, as long as one does.
+        two_heads = GradCAM(pipeline, layer="module.0.module.1", target_key="logits", target="all")(td.clone())
+        assert two_heads["attribution", "module.0.module.1"].shape == (3, 2)
+
+    def test_a_layer_returning_a_tuple(self):
+        """An nn.LSTM returns (output, (h, c)): refused saying so (the message said it was called once)."""
+
+        class Recurrent(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.lstm = nn.LSTM(3, 4, batch_first=True)
+                self.head = nn.Linear(4, 2)
+
+            def forward(self, x):
+                return self.head(self.lstm(x)[0][:, -1])
+
+        td = TensorDict(x=torch.randn(2, 5, 3, dtype=torch.float64), batch_size=[2])
+        with pytest.raises(ValueError, match="layer 'lstm' must return one tensor .*, it returned tuple"):
+            GradCAM(Recurrent().double(), layer="lstm", in_keys=["x"], out_keys=["y"])(td)
+        assert list(td.keys()) == ["x"]

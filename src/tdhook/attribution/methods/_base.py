@@ -22,6 +22,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -31,9 +32,10 @@ from tensordict.nn import TensorDictModuleBase, dispatch
 from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
-from tdhook.attribution._inputs import describe, dtype_mismatch, feed_inputs, validate_inputs
+from tdhook.attribution._inputs import describe, dtype_mismatch, feed_inputs, optional_inputs, validate_inputs
 from tdhook.attribution._keys import check_free, check_writable, read_not_written, relevance_keys
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
+from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
 from tdhook.attribution._tokens import TokenInputs
 from tdhook.attribution._writes import model_updates, returned_tensordict, set_all_or_nothing
@@ -43,6 +45,8 @@ from tdhook.attribution.methods._batch_statistics import (
     buffers_kept,
     buffers_restored_on_error,
 )
+from tdhook.attribution.methods._call_keys import keys_explained_in_call, narrowed
+from tdhook.attribution.methods._sampled_targets import sampled_target
 from tdhook.attribution.targets import (
     EveryUnit,
     Target,
@@ -141,6 +145,8 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
     _evaluates_copies = True
     #: whether the method differentiates the model (it cannot run under ``torch.inference_mode()``).
     _needs_gradients = True
+    #: attributes holding one option per explained key, in their order (narrowed with the keys of a call).
+    _per_key_options: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -163,6 +169,9 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         # As LRP: by default the module's in_keys it does not fill itself (a composite actor's "params").
         given = read_not_written(module)
         self.explained_keys = unravel_key_list(list(in_keys)) if in_keys is not None else given
+        # Default keys: a call leaves out those holding booleans, and recurrent states the TensorDict lacks.
+        self._defaulted_inputs = in_keys is None
+        self._optional_inputs = optional_inputs(module)
         if not self.explained_keys:
             raise ValueError(f"{name}: no input key to explain; pass in_keys=[...]")
         for key in self.explained_keys:
@@ -189,12 +198,20 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         self.in_keys = unravel_key_list(list(dict.fromkeys([*module.in_keys, *self.explained_keys])))
         self.out_keys = [*unravel_key_list(module.out_keys), *self.relevance_keys]
         self._warned = False
+        self._warned_sampled = False
 
     # ------------------------------------------------------------------ call
 
     @dispatch(auto_batch_size=False)
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         name = type(self).__name__
+        flags = keys_explained_in_call(self, tensordict)
+        if not all(flags):  # default keys: as LRP, not the flags and masks, nor recurrent states left out
+            method = narrowed(self, flags)
+            try:
+                return method.forward(tensordict)
+            finally:
+                self._warned, self._warned_sampled = method._warned, method._warned_sampled
         try:
             # A method that needs no gradient runs under inference mode, which the check refuses for the others.
             with contextlib.nullcontext() if self._needs_gradients else torch.inference_mode(False):
@@ -206,11 +223,13 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             value = tensordict.get(key)
             if not value.is_floating_point():
                 raise TypeError(f"{name}: input key {key!r} must be a floating-point tensor, got {describe(value)}")
+        self._check_batch(tensordict)
         self._warn_for_random_modules(tensordict)
         with buffers_restored_on_error(self.module) as before:  # up to the write: a call that fails moves none
             with self._model_context():
                 call = self._first_pass(tensordict)
                 call.buffers_before = before
+                self._warn_for_sampled_target(call)
                 cut = returned_tensordict(tensordict, call.result)
                 if cut is tensordict:
                     attributions = self._attribute(call)
@@ -235,6 +254,24 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         if not self._warned:
             modules = random_modules(self.named_explained_modules())
             self._warned = warn_for_random_modules(type(self).__name__, modules, tensordict) != modules
+
+    def _warn_for_sampled_target(self, call: Call) -> None:
+        """Warn, once per wrapper, if the target is drawn at random anew in every pass of a method that compares
+        passes (see :func:`~tdhook.attribution.methods._sampled_targets.sampled_target`)."""
+        if self._evaluates_copies and not self._warned_sampled:
+            found = sampled_target(self.module, call.target_key)
+            if found is not None:
+                self._warned_sampled = True
+                warnings.warn(
+                    f"{type(self).__name__}: the target {call.target_key!r} is drawn at random ({found}), so each "
+                    "forward pass draws anew and the explanation compares independent draws; explain the "
+                    "distribution's parameters (target_key='loc', say) or sample deterministically "
+                    "(tensordict.nn.set_interaction_type('deterministic'))",
+                    stacklevel=4,
+                )
+
+    def _check_batch(self, tensordict: TensorDictBase) -> None:
+        """Refuse, before the model runs, a batch the method cannot explain (none by default)."""
 
     def _per_unit(self, call: Call, attribution: torch.Tensor) -> torch.Tensor:
         attribution = attribution.detach()
@@ -289,7 +326,10 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         if grad and not output.requires_grad:
             raise ValueError(f"{name}: target {target_key!r} does not depend on the explained inputs")
         try:
-            seeds, at_zero = initial_relevance(output, self.target, target_key, tensordict.batch_dims)
+            target = self.target
+            if target is None:  # as LRP: a masked policy explains the action it holds, or the best allowed one
+                target = allowed_action(self._target[1], target_key, result, tensordict)
+            seeds, at_zero = initial_relevance(output, target, target_key, tensordict.batch_dims)
         except (IndexError, ValueError, TypeError) as err:
             raise _rename(err, name) from None
         if at_zero is not None:
@@ -373,14 +413,24 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         return self._contract(call, output, copies)
 
     @staticmethod
-    def _gradients(objective: torch.Tensor, leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Per leaf, the gradient of each unit's explained quantity: ``[units, *leaf.shape]``."""
+    def _gradients(
+        objective: torch.Tensor, leaves: Sequence[torch.Tensor], unreached: list[bool] | None = None
+    ) -> list[torch.Tensor]:
+        """Per leaf, the gradient of each unit's explained quantity: ``[units, *leaf.shape]``.
+
+        Zero where a unit does not depend on the leaf; ``unreached``, when given, is filled with whether no unit
+        depends on each leaf (no path to it in the graph).
+        """
         units = objective.shape[0]
         per_unit = []
+        reached = [False] * len(leaves)
         with torch.enable_grad():
             for u in range(units):
                 grads = torch.autograd.grad(objective[u].sum(), leaves, retain_graph=u < units - 1, allow_unused=True)
+                reached = [r or g is not None for r, g in zip(reached, grads, strict=True)]
                 per_unit.append([torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads, strict=True)])
+        if unreached is not None:
+            unreached[:] = [not r for r in reached]
         return [torch.stack([unit[i] for unit in per_unit]) for i in range(len(leaves))]
 
     def _input_gradients(self, call: Call) -> list[torch.Tensor]:

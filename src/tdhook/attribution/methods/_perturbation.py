@@ -21,11 +21,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TypeVar, Union
 
 import torch
+from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import nn
 from tqdm import tqdm  # the plain bar: tqdm.auto warns in notebooks without ipywidgets
 
+from tdhook.attribution._inputs import module_in_recurrent_mode
 from tdhook.attribution.methods._base import AttributionMethod, Call
 from tdhook.attribution.methods._options import Baselines, baseline_tensors, per_key
 from tdhook.attribution.targets import Target
@@ -152,6 +154,22 @@ class PerturbationMethod(AttributionMethod):
         self.baselines = baselines
         self.progress = progress
         self.perturbations_per_eval = perturbations_per_eval
+
+    def _check_batch(self, tensordict: TensorDictBase) -> None:
+        """Refuse a batch whose samples read each other: a torchrl LSTMModule/GRUModule in recurrent mode reads the
+        last batch dimension as time, so a step's output depends on the features of the steps before it, which a
+        perturbation changes at every step at once, while its drop is written to the step's own features."""
+        if not tensordict.batch_dims or tensordict.batch_size[-1] < 2:
+            return
+        found = module_in_recurrent_mode(self.module.module if self._plain else self.module)
+        if found is not None:
+            raise ValueError(
+                f"{type(self).__name__}: {type(found[1]).__name__} {found[0]!r} runs in recurrent mode, reading the "
+                f"last batch dimension (of {list(tensordict.batch_size)}) as time: a perturbation of every step at "
+                "once changes each step's output through the steps before it too, which the step's own features "
+                "cannot carry. Explain the steps one by one, outside recurrent mode with the recurrent states the "
+                "rollout stored, or use a gradient method or LRP (with split_dim for each step on its own)"
+            )
 
     def _baselines(self, call: Call) -> list[torch.Tensor]:
         return baseline_tensors(self.baselines, self.explained_keys, call.inputs, call.batch_dims, type(self).__name__)

@@ -48,7 +48,8 @@ def quadrature(method: str, n_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
             ``"riemann_left"`` (α = k/n), ``"riemann_right"`` (α = (k+1)/n),
             ``"riemann_middle"`` (α = (k+½)/n), all with w = 1/n, or
             ``"riemann_trapezoid"`` (α = k/(n−1), w = 1/n with the first and
-            last weights halved).
+            last weights halved: captum's weights, which sum to (n−1)/n, not 1,
+            so that integrated gradients sum to (n−1)/n of ``F(x) − F(b)``).
         n_steps: the number of points (at least 2 for the trapezoid).
 
     Returns:

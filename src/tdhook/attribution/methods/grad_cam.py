@@ -116,10 +116,12 @@ class GradCAM(AttributionMethod):
 
     def _attribute(self, call: Call) -> list[torch.Tensor]:
         if len(self._activations) != 1 or not isinstance(self._activations[0], torch.Tensor):
-            raise ValueError(
-                f"GradCAM: layer {self.layer!r} must return one tensor in one call per forward pass; "
-                f"it was called {len(self._activations)} times"
+            got = (
+                f"it returned {type(self._activations[0]).__name__}"
+                if len(self._activations) == 1
+                else f"it was called {len(self._activations)} times"
             )
+            raise ValueError(f"GradCAM: layer {self.layer!r} must return one tensor in one call per pass, {got}")
         activation = self._activations[0]
         batch = tuple(call.batch_shape)
         if activation.dim() <= call.batch_dims or tuple(activation.shape[: call.batch_dims]) != batch:
@@ -127,8 +129,14 @@ class GradCAM(AttributionMethod):
                 f"GradCAM: the output of layer {self.layer!r} has shape {list(activation.shape)}; expected the "
                 f"batch shape {list(batch)} followed by channels and spatial dimensions"
             )
+        unreached: list[bool] = []
         with torch.enable_grad():
-            (gradient,) = self._gradients(self._contract(call, call.output, None), [activation])
+            (gradient,) = self._gradients(self._contract(call, call.output, None), [activation], unreached)
+        if unreached[0]:  # a layer of another branch (a critic's, for the actor's output): its map would be 0
+            raise ValueError(
+                f"GradCAM: target {call.target_key!r} does not depend on the output of layer {self.layer!r}; "
+                "pass a layer on the way to the target (or target_key=<an output that reads it>)"
+            )
         spatial = tuple(range(call.batch_dims + 2, gradient.dim()))
         weights = gradient.mean(spatial, keepdim=True) if spatial else gradient
         cam = (weights * activation.detach().unsqueeze(0)).sum(call.batch_dims + 1)

@@ -105,6 +105,8 @@ class GradientShap(AttributionMethod):
         "stdevs": (float, {"low": 0.0, "high": 1.0, "log": False}),
     }
 
+    _per_key_options = ("baselines", "stdevs")
+
     def __init__(
         self,
         module: TensorDictModuleBase | nn.Module,

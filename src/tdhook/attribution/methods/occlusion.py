@@ -86,6 +86,8 @@ class Occlusion(PerturbationMethod):
         tensor([3., 3., 7., 7.])
     """
 
+    _per_key_options = ("sliding_window_shapes", "strides")
+
     def __init__(
         self,
         module: TensorDictModuleBase | nn.Module,

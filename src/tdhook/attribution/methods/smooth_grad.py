@@ -96,6 +96,8 @@ class SmoothGrad(AttributionMethod):
         "nt_type": (str, {"choices": list(NT_TYPES)}),
     }
 
+    _per_key_options = ("stdevs",)
+
     def __init__(
         self,
         module: TensorDictModuleBase | nn.Module,
