@@ -313,3 +313,24 @@ def test_a_policy_in_recurrent_mode_over_steps_is_refused_naming_its_recurrent_m
     ).set("recurrent_state", torch.randn(2, 1, 6, dtype=torch.float64))
     explained = LRP(policy, relevance_key="attribution")(steps)
     assert 0 <= action_fidelity(policy, explained, k=1, progress=False)["relevant"] <= 1
+
+
+@pytest.mark.parametrize("as_module", [False, True])
+def test_dropout_in_training_mode_is_refused_by_name(as_module):
+    """Each perturbed input drew its own dropout mask: two runs of a curve differed by 0.6, and the global random
+    state moved. A model in eval mode, or a dropout that drops nothing, is scored."""
+    net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(16, 3))
+    x = torch.randn(4, 6)
+    td = TensorDict(x=x, attribution=TensorDict(x=x), batch_size=[4])
+    model = TensorDictModule(net, in_keys=["x"], out_keys=["y"]) if as_module else net
+    keys = {} if as_module else {"in_keys": ["x"], "out_keys": ["y"]}
+    name = "module.2" if as_module else "2"
+    rng = torch.get_rng_state()
+    with pytest.raises(ValueError, match=rf"metrics: module '{name}' \(Dropout, p=0.5\) is in training mode"):
+        pixel_flipping(model, td, **keys)
+    assert torch.equal(torch.get_rng_state(), rng)
+    net.eval()
+    torch.testing.assert_close(pixel_flipping(model, td, **keys), pixel_flipping(model, td, **keys), rtol=0, atol=0)
+    net.train()
+    net[2].p = 0.0
+    pixel_flipping(model, td, **keys)

@@ -32,6 +32,7 @@ from torch import nn
 
 from tdhook.attribution._inputs import explained_in_call, module_in_recurrent_mode, optional_inputs
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
+from tdhook.attribution._random_modules import random_modules
 from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key, target_output
 from tdhook.metrics._batch_statistics import batch_normalising_module
 from tdhook.metrics._features import explained_keys, stacked_batch
@@ -61,6 +62,18 @@ def _refuse_steps_read_together(module: TensorDictModuleBase, td: TensorDictBase
             "through the steps before it as well. Score the steps one by one: outside recurrent mode, with the "
             "recurrent states the rollout stored in the TensorDict"
         )
+
+
+def _refuse_random_modules(module: nn.Module, td: TensorDictBase) -> None:
+    """A dropout module in training mode drops other units at every forward pass: each perturbed input's score
+    would carry its own dropout noise (and the draws would come from the global random state)."""
+    for name, found, mask in random_modules(dict(module.named_modules())):
+        if found.training and (mask is None or td.get(mask, None) is None):
+            raise ValueError(
+                f"metrics: module {name!r} ({type(found).__name__}, p={found.p}) is in training mode: each forward "
+                "pass of the perturbed inputs would drop other units, and the scores would mix the perturbation "
+                "with dropout noise; call .eval() on the model"
+            )
 
 
 class Scorer:
@@ -124,6 +137,7 @@ class Scorer:
                 "perturbing them would leave its output as it is"
             )
         _refuse_steps_read_together(self.module, td)
+        _refuse_random_modules(module, td)
         self._alone = batch_normalising_module(module)
         if self._alone is not None and steps_per_forward not in (None, 1):
             raise ValueError(
