@@ -272,3 +272,23 @@ def test_pixel_flipping_of_a_decision_transformer_over_its_context_keys():
                 break
         expected.append(row)
     torch.testing.assert_close(curve, torch.tensor(expected, dtype=curve.dtype), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["lrp", "saliency"])
+def test_a_method_inside_a_pipeline_is_held_at_its_original_targets(name):
+    """A pipeline has no ``target`` of its own: the wrapper inside explained each perturbed or randomised input at
+    its own argmax (1.2 off the wrapper scored alone), and LRP's relevance key went unread."""
+    from tensordict.nn import TensorDictSequential
+
+    model, keys, td = two_keys_case()
+    method = make(name, model, keys)
+    total = TensorDictModule(lambda q: q.sum(-1, keepdim=True), in_keys=["q"], out_keys=["total"])
+    pipeline = TensorDictSequential(method, total)
+    alone = sensitivity_max(method, td, seed=0, perturb_radius=0.5)
+    torch.testing.assert_close(sensitivity_max(pipeline, td, seed=0, perturb_radius=0.5), alone, rtol=0, atol=1e-12)
+    assert method.target is None
+    alone = randomisation_check(method, td)
+    inside = randomisation_check(pipeline, td)
+    assert [layer.rsplit(".", 1)[-1] for layer in inside] == [layer.rsplit(".", 1)[-1] for layer in alone]
+    for ours, expected in zip(inside.values(), alone.values(), strict=True):
+        torch.testing.assert_close(ours, expected, rtol=0, atol=1e-12)

@@ -32,6 +32,7 @@ from tdhook.metrics._features import explained_keys, stacked_batch
 
 __all__ = [
     "HeldWeights",
+    "attribution_wrapper",
     "check_method",
     "explain",
     "method_keys",
@@ -51,12 +52,36 @@ def check_method(method: object, name: str) -> TensorDictModuleBase:
     return method
 
 
+def attribution_wrapper(method: TensorDictModuleBase) -> TensorDictModuleBase:
+    """The module that holds the method's ``target``: the method itself where it has one, else the one attribution
+    wrapper inside it (a ``TensorDictSequential`` that runs a preprocessing step before an LRP wrapper, say).
+
+    Raises:
+        TypeError: the method holds several attribution wrappers, whose targets could not be held as one.
+    """
+    if hasattr(method, "target"):
+        return method
+    found = [(name, m) for name, m in method.named_modules() if name and _is_wrapper(m)]
+    outer = [(name, m) for name, m in found if not any(name.startswith(f"{other}.") for other, _ in found)]
+    if len(outer) > 1:
+        raise TypeError(
+            f"metrics: the method holds several attribution wrappers ({', '.join(repr(n) for n, _ in outer)}); "
+            "score one at a time"
+        )
+    return outer[0][1] if outer else method
+
+
+def _is_wrapper(module: object) -> bool:
+    return isinstance(module, TensorDictModuleBase) and hasattr(module, "target") and hasattr(module, "relevance_key")
+
+
 def method_keys(
     method: TensorDictModuleBase, in_keys: Sequence[NestedKey] | None, td: TensorDictBase | None = None
 ) -> list[NestedKey]:
     """The explained keys: ``in_keys``, else the method's explained keys, else its in_keys. Keys the method took
     from its module's in_keys are those it explains in a call on ``td``: not the flags and masks, nor the
     recurrent states ``td`` does not hold."""
+    method = attribution_wrapper(method)
     keys = explained_keys(in_keys, getattr(method, "explained_keys", None) or method.in_keys)
     if in_keys is None and td is not None and getattr(method, "_defaulted_inputs", False):
         module = getattr(method, "module", method)
@@ -69,7 +94,7 @@ def method_prefix(method: TensorDictModuleBase, relevance_key: NestedKey | None)
     """The prefix of the attribution keys: ``relevance_key``, else the method's own, else ``"attribution"``."""
     if relevance_key is not None:
         return relevance_key
-    return getattr(method, "relevance_key", "attribution")
+    return getattr(attribution_wrapper(method), "relevance_key", "attribution")
 
 
 def explain(method: TensorDictModuleBase, td: TensorDictBase) -> TensorDictBase:
@@ -107,6 +132,7 @@ def original_target(method: TensorDictModuleBase, result: TensorDictBase, batch_
     Raises:
         TypeError: the method explains several outputs at once (a dict ``target_key``).
     """
+    method = attribution_wrapper(method)
     target = getattr(method, "target", None)
     if target is not None and not callable(target):
         return target
@@ -145,7 +171,9 @@ def repeat_target(target: object, batch_size: torch.Size, n: int) -> object:
 
 @contextlib.contextmanager
 def target_set(method: TensorDictModuleBase, target: object) -> Iterator[TensorDictModuleBase]:
-    """``method`` with ``target`` in place of its own for the block, restored afterwards."""
+    """``method`` (its :func:`attribution_wrapper`) with ``target`` in place of its own for the block, restored
+    afterwards."""
+    method = attribution_wrapper(method)
     if not hasattr(method, "target"):
         yield method
         return

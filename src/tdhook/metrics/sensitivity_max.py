@@ -10,7 +10,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
 from tdhook.metrics._batch_statistics import batch_normalising_module, keeps_running_statistics
-from tdhook.metrics._features import Features, stacked_batch
+from tdhook.metrics._features import Features, inputs_value, stacked_batch
 from tdhook.metrics._methods import (
     check_method,
     explain,
@@ -84,6 +84,8 @@ def sensitivity_max(
     if isinstance(n_perturb_samples, bool) or not isinstance(n_perturb_samples, int) or n_perturb_samples < 1:
         raise ValueError(f"sensitivity_max: n_perturb_samples must be a positive int, got {n_perturb_samples!r}")
     keys = method_keys(method, in_keys, td)
+    for key in keys:  # the keys perturbed: inputs the TensorDict holds
+        inputs_value(td, key)
     prefix = method_prefix(method, relevance_key)
     batch, n = td.batch_size, n_perturb_samples
     rng = generator(seed) if perturb_fn is None else None
