@@ -27,6 +27,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
 from tdhook.attribution._inputs import explained_in_call, optional_inputs
+from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution.targets import initial_gradient, resolve_target_key, target_output
 from tdhook.metrics._features import explained_keys, stacked_batch
 
@@ -123,11 +124,15 @@ class HeldWeights:
         return output * self.weights
 
 
-def original_target(method: TensorDictModuleBase, result: TensorDictBase, batch_dims: int) -> object:
-    """The method's target as resolved on the unperturbed ``result``.
+def original_target(
+    method: TensorDictModuleBase, result: TensorDictBase, batch_dims: int, td: TensorDictBase | None = None
+) -> object:
+    """The method's target as resolved on the unperturbed ``result`` of a call on ``td``.
 
-    ``None`` becomes the argmax of the explained output (nothing for a one-unit output), a callable becomes
-    :class:`HeldWeights` with the weights it gives that output; an int or per-sample indices stay as they are.
+    ``None`` becomes the argmax of the explained output (nothing for a one-unit output; for a torchrl policy that
+    masks actions, the action ``td`` holds, else the highest allowed logit, as the methods explain it), a callable
+    becomes :class:`HeldWeights` with the weights it gives that output; an int or per-sample indices stay as they
+    are.
 
     Raises:
         TypeError: the method explains several outputs at once (a dict ``target_key``).
@@ -146,7 +151,8 @@ def original_target(method: TensorDictModuleBase, result: TensorDictBase, batch_
     if target is not None:
         return HeldWeights(initial_gradient(output.detach(), target, key, batch_dims))
     if output.dim() > batch_dims and output.shape[-1] > 1:
-        return output.argmax(-1)
+        allowed = allowed_action(operator, key, result, result if td is None else td)
+        return output.argmax(-1) if allowed is None else allowed
     return None
 
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from tdhook.attribution._inputs import explained_in_call, module_in_recurrent_mode, optional_inputs
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
+from tdhook.attribution._policy_targets import allowed_action, allowed_mask
 from tdhook.attribution._random_modules import random_modules
 from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key, target_output
 from tdhook.metrics._batch_statistics import batch_normalising_module
@@ -103,6 +104,9 @@ class Scorer:
         keys: the explained input keys.
         reference: the score on the unperturbed input, shaped like the batch.
         reference_output: the target output on the unperturbed input.
+        allowed: where the target holds the logits of a masked torchrl policy, its mask of allowed actions (an
+            input, the same for every perturbed version); else ``None``. ``target=None`` then scores the action
+            the TensorDict holds, else the highest allowed logit, as the methods explain it.
     """
 
     def __init__(
@@ -170,9 +174,15 @@ class Scorer:
                 raise _metrics_error(err) from err
         elif output.dim() > len(self._batch) and (target is not None or output.shape[-1] > 1):
             try:
-                self._index = initial_gradient(output, target, self._key, len(self._batch)).argmax(-1)
+                # A masked policy's default: the allowed action LRP and the methods explain, not the plain argmax.
+                allowed = allowed_action(operator, self._key, result, td) if target is None else None
+                if allowed is not None:
+                    self._index = allowed.reshape(output.shape[:-1])
+                else:
+                    self._index = initial_gradient(output, target, self._key, len(self._batch)).argmax(-1)
             except (IndexError, ValueError, TypeError) as err:
                 raise _metrics_error(err) from err
+        self.allowed = allowed_mask(operator, self._key, result)
         self.reference = self._score(output)
 
     @property

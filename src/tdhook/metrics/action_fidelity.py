@@ -40,9 +40,10 @@ def action_fidelity(
     """The share of states whose greedy action changes when ``k`` features go to the baseline.
 
     The greedy action is the argmax of the last dimension of the output at ``target_key`` (the action values or a
-    categorical policy's logits). An output ``batch + [heads..., actions]`` gives one action per head, and a
-    state's action changes when that of any head does. A continuous action (the parameters of a
-    non-categorical distribution, an action whose torchrl spec is continuous) has no argmax and is refused.
+    categorical policy's logits; for a torchrl policy that masks actions, the highest allowed logit). An output
+    ``batch + [heads..., actions]`` gives one action per head, and a state's action changes when that of any head
+    does. A continuous action (the parameters of a non-categorical distribution, an action whose torchrl spec is
+    continuous) has no argmax and is refused.
     Features rank jointly across all explained keys, as in :func:`~tdhook.metrics.pixel_flipping`.
 
     Args:
@@ -101,7 +102,12 @@ def action_fidelity(
     if isinstance(n_random, bool) or not isinstance(n_random, int) or n_random < 1:
         raise ValueError(f"action_fidelity: n_random must be a positive int, got {n_random!r}")
     rng = generator(seed)
-    action = output.argmax(-1)
+    allowed = scorer.allowed  # a masked policy's greedy action is its highest allowed logit
+
+    def greedy(values: torch.Tensor) -> torch.Tensor:
+        return (values if allowed is None else values.masked_fill(~allowed, float("-inf"))).argmax(-1)
+
+    action = greedy(output)
     relevant_positions = sort_positions(features.values).unsqueeze(0)
     size = scorer.chunk_size(features.inputs)
     n_total = 1 + n_random
@@ -116,7 +122,7 @@ def action_fidelity(
             draws = torch.rand(n_draws, *batch, n_features, generator=rng, dtype=torch.float64)
             positions.append(sort_positions(draws).to(relevant_positions.device))
         mask = torch.cat(positions) < k
-        flipped = scorer.outputs(features.perturb(mask, baseline)).argmax(-1) != action
+        flipped = greedy(scorer.outputs(features.perturb(mask, baseline))) != action
         heads = flipped.dim() - 1 - len(batch)  # a state's action is that of every head together
         changed.append(flipped.flatten(-heads).any(-1) if heads else flipped)
         update(1)

@@ -108,7 +108,7 @@ def randomisation_check(
     if not layers:
         raise ValueError("randomisation_check: the method's model has no module with reset_parameters to randomise")
     result = explain(copied, td)
-    target = original_target(copied, result, batch_dims)
+    target = original_target(copied, result, batch_dims, td)
     try:
         stored = Features.read(td, keys, prefix).attributions
     except KeyError:

@@ -107,7 +107,7 @@ def sensitivity_max(
     work = td.select(*method.in_keys, strict=False).expand(n, *batch).clone(recurse=False)
     for key in keys:
         work.set(key, perturbed.get(key).movedim(len(batch), 0))
-    target = original_target(method, result, len(batch))
+    target = original_target(method, result, len(batch), td)
     if batch_normalising_module(method) is not None:
         with target_set(method, target), torch.no_grad():
             copies = [Features.read(explain(method, work[i]), keys, prefix).attributions for i in range(n)]

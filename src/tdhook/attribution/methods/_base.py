@@ -34,6 +34,7 @@ from torch import nn
 from tdhook.attribution._inputs import describe, dtype_mismatch, feed_inputs, validate_inputs
 from tdhook.attribution._keys import check_free, check_writable, read_not_written, relevance_keys
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
+from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
 from tdhook.attribution._tokens import TokenInputs
 from tdhook.attribution._writes import model_updates, returned_tensordict, set_all_or_nothing
@@ -278,7 +279,10 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         if grad and not output.requires_grad:
             raise ValueError(f"{name}: target {target_key!r} does not depend on the explained inputs")
         try:
-            seeds, at_zero = initial_relevance(output, self.target, target_key, tensordict.batch_dims)
+            target = self.target
+            if target is None:  # a masked policy explains an allowed action, as LRP does
+                target = allowed_action(self._target[1], target_key, result, tensordict)
+            seeds, at_zero = initial_relevance(output, target, target_key, tensordict.batch_dims)
         except (IndexError, ValueError, TypeError) as err:
             raise _rename(err, name) from None
         if at_zero is not None:
