@@ -334,3 +334,19 @@ def test_dropout_in_training_mode_is_refused_by_name(as_module):
     net.train()
     net[2].p = 0.0
     pixel_flipping(model, td, **keys)
+
+
+def test_an_actor_critic_without_target_key_is_refused_by_name():
+    """LRP explains both heads of an ActorValueOperator by default; a metric scores one (it raised KeyError: None)."""
+    from torchrl.modules import ActorValueOperator, OneHotCategorical, ProbabilisticActor, ValueOperator
+
+    common = TensorDictModule(nn.Linear(4, 8), ["observation"], ["hidden"])
+    logits = TensorDictModule(nn.Linear(8, 3), ["hidden"], ["logits"])
+    actor = ProbabilisticActor(logits, in_keys=["logits"], distribution_class=OneHotCategorical)
+    operator = ActorValueOperator(common, actor, ValueOperator(nn.Linear(8, 1), in_keys=["hidden"]))
+    x = torch.randn(5, 4)
+    td = TensorDict(observation=x, relevance=TensorDict(actor=TensorDict(observation=x)), batch_size=[5])
+    with pytest.raises(ValueError, match=r"ActorValueOperator has several outputs to score by default \(\['actor'"):
+        pixel_flipping(operator, td, relevance_key=("relevance", "actor"))
+    curve = pixel_flipping(operator, td, relevance_key=("relevance", "actor"), target_key="logits")
+    assert curve.shape == (5, 5)

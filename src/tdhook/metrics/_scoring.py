@@ -152,7 +152,14 @@ class Scorer:
         self.steps_per_forward = 1 if self._alone is not None else steps_per_forward
         self._batch = td.batch_size
         self._base = td.select(*self.module.in_keys, strict=False)
-        self._key, operator = named_targets(self.module, target_key)[None]
+        named = named_targets(self.module, target_key)
+        if None not in named:
+            raise ValueError(
+                f"metrics: {type(self.module).__name__} has several outputs to score by default ({sorted(named)}); "
+                "a metric scores one: pass target_key= one of its outputs (and relevance_key= the prefix of that "
+                "head's relevance, such as ('relevance', 'actor') for LRP)"
+            )
+        self._key, operator = named[None]
         result = self._run(self._base.clone())  # copies: a model may change its inputs in place
         self._key = resolve_target_key(result, self._key, operator)
         self._operator = operator
