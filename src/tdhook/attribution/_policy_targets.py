@@ -168,16 +168,11 @@ def allowed_mask(operator: TensorDictModuleBase, target_key: NestedKey, result: 
     reads a mask, read from ``result``; else ``None``.
 
     Examples:
-        >>> from torch import nn
         >>> from tensordict import TensorDict
         >>> from tensordict.nn import TensorDictModule
-        >>> from torchrl.modules import MaskedCategorical, ProbabilisticActor
-        >>> actor = ProbabilisticActor(
-        ...     TensorDictModule(nn.Linear(4, 3), in_keys=["observation"], out_keys=["logits"]),
-        ...     in_keys={"logits": "logits", "mask": "action_mask"}, distribution_class=MaskedCategorical,
-        ... )
-        >>> allowed_mask(actor, "logits", TensorDict(action_mask=torch.tensor([[True, False, True]]), batch_size=[1]))
-        tensor([[ True, False,  True]])
+        >>> plain = TensorDictModule(nn.Linear(4, 3), in_keys=["observation"], out_keys=["logits"])
+        >>> allowed_mask(plain, "logits", TensorDict(batch_size=[1])) is None  # no masked distribution
+        True
     """
     sampler = _masked_sampler(operator, target_key)
     if sampler is None:
