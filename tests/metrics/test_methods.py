@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tensordict import TensorDict
 from torch import nn
@@ -21,3 +22,17 @@ def test_per_sample_indices_with_a_trailing_unit_dimension_are_repeated_too():
     column = sensitivity_max(InputXGradient(net, in_keys=["x"], out_keys=["y"], target=target), td, seed=0)
     flat = sensitivity_max(InputXGradient(net, in_keys=["x"], out_keys=["y"], target=target[:, 0]), td, seed=0)
     torch.testing.assert_close(column, flat, rtol=0, atol=1e-12)
+
+
+def test_the_wrapper_inside_a_pipeline_holds_the_target_and_several_are_refused():
+    from tensordict.nn import TensorDictModule, TensorDictSequential
+
+    from tdhook.metrics._methods import attribution_wrapper
+
+    net = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)).double()
+    first = InputXGradient(net, in_keys=["x"], out_keys=["y"])
+    second = InputXGradient(TensorDictModule(net, in_keys=["x"], out_keys=["z"]))
+    pipeline = TensorDictSequential(TensorDictModule(lambda x: x, ["x"], ["w"]), first)
+    assert attribution_wrapper(pipeline) is first and attribution_wrapper(first) is first
+    with pytest.raises(TypeError, match=r"the method holds several attribution wrappers \('module.0', 'module.1'\)"):
+        attribution_wrapper(TensorDictSequential(first, second))
