@@ -29,6 +29,7 @@ from tensordict.utils import NestedKey
 from tdhook.attribution._inputs import explained_in_call, optional_inputs
 from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution.targets import initial_gradient, resolve_target_key, target_output
+from tdhook.metrics._chosen_values import chosen_value_module
 from tdhook.metrics._features import explained_keys, stacked_batch
 
 __all__ = [
@@ -136,6 +137,7 @@ def original_target(
 
     Raises:
         TypeError: the method explains several outputs at once (a dict ``target_key``).
+        ValueError: ``None`` on a ``QValueModule``'s chosen action value, whose action another input may change.
     """
     method = attribution_wrapper(method)
     target = getattr(method, "target", None)
@@ -147,6 +149,12 @@ def original_target(
     operator = getattr(method, "module", None)
     operator = operator if isinstance(operator, TensorDictModuleBase) else method
     key = resolve_target_key(result, target_key, operator)
+    if target is None and chosen_value_module(operator, key) is not None:
+        raise ValueError(
+            f"metrics: the method explains {key!r}, the value of the greedy action, which another input may change: "
+            "its explanations there would be of another action. Build the method with target_key= the action "
+            "values (for a QValueActor, 'action_value': the same relevance here, and its argmax is then held)"
+        )
     output = target_output(result, key, operator)
     if target is not None:
         return HeldWeights(initial_gradient(output.detach(), target, key, batch_dims))

@@ -36,6 +36,7 @@ from tdhook.attribution._policy_targets import allowed_action, allowed_mask
 from tdhook.attribution._random_modules import random_modules
 from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key, target_output
 from tdhook.metrics._batch_statistics import batch_normalising_module
+from tdhook.metrics._chosen_values import chosen_action
 from tdhook.metrics._features import explained_keys, stacked_batch
 from tdhook.metrics._leading_affine import LeadingAffine
 
@@ -92,7 +93,9 @@ class Scorer:
             attribution methods, it is resolved once, on the unperturbed output ``y``: a callable gives the
             weights ``w = target(y) / y`` (0 where ``y`` is 0), and the score of a perturbed output ``y'`` is
             ``sum(y' * w)`` over its non-batch dimensions (``sum(target(y))`` unperturbed). An index target scores
-            the sum of the picked units over any dimensions between the batch and the units.
+            the sum of the picked units over any dimensions between the batch and the units. With ``None``, the
+            value of a torchrl ``QValueModule``'s chosen action (``chosen_action_value``) is scored as the action
+            values at the action chosen on the unperturbed input (see :mod:`~tdhook.metrics._chosen_values`).
         steps_per_forward: how many perturbed versions of the batch share one forward pass; ``None`` picks as
             many as fit about 65 thousand input elements (larger stacks ran slower on CPU). With 1 the model sees
             the TensorDict's own batch shape; with more, the steps stacked along the batch's first dimension
@@ -162,6 +165,11 @@ class Scorer:
         self._key, operator = named[None]
         result = self._run(self._base.clone())  # copies: a model may change its inputs in place
         self._key = resolve_target_key(result, self._key, operator)
+        # A chosen action's value follows the greedy action of each perturbed input: score the value of the action
+        # chosen here instead, the quantity explained.
+        chosen = chosen_action(self.module, self._key, result) if target is None else None
+        if chosen is not None:
+            self._key = chosen[0]
         self._operator = operator
         output = self.reference_output = self._output(result)
         if tuple(output.shape[: len(self._batch)]) != tuple(self._batch):
@@ -183,7 +191,9 @@ class Scorer:
             try:
                 # A masked policy's default: the allowed action LRP and the methods explain, not the plain argmax.
                 allowed = allowed_action(operator, self._key, result, td) if target is None else None
-                if allowed is not None:
+                if chosen is not None:
+                    self._index = chosen[1]
+                elif allowed is not None:
                     self._index = allowed.reshape(output.shape[:-1])
                 else:
                     self._index = initial_gradient(output, target, self._key, len(self._batch)).argmax(-1)
