@@ -350,3 +350,36 @@ def test_an_actor_critic_without_target_key_is_refused_by_name():
         pixel_flipping(operator, td, relevance_key=("relevance", "actor"))
     curve = pixel_flipping(operator, td, relevance_key=("relevance", "actor"), target_key="logits")
     assert curve.shape == (5, 5)
+
+
+def test_the_models_own_draws_leave_the_global_rng_and_a_sampled_target_is_refused():
+    """An EGreedyModule after the actor drew from the caller's global random state at every pass; a sampled action
+    as the target was drawn anew at every pass (two curves 1.9 apart)."""
+    from tensordict.nn import NormalParamExtractor
+    from torchrl.data import OneHot
+    from torchrl.envs.utils import ExplorationType, set_exploration_type
+    from torchrl.modules import EGreedyModule, ProbabilisticActor, QValueActor, TanhNormal
+
+    from tdhook.metrics import action_fidelity, faithfulness_correlation, infidelity
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)).double()
+    actor = QValueActor(net, in_keys=["observation"], spec=OneHot(3), action_space="one_hot")
+    policy = TensorDictSequential(actor, EGreedyModule(spec=OneHot(3), eps_init=0.5))
+    x = torch.randn(4, 6, dtype=torch.float64)
+    td = TensorDict(observation=x, attribution=TensorDict(observation=x), batch_size=[4])
+    rng = torch.get_rng_state()
+    pixel_flipping(policy, td)
+    action_fidelity(policy, td, k=2, seed=0)
+    faithfulness_correlation(policy, td, n_runs=3, subset_size=2, seed=0)
+    infidelity(policy, td, perturb_fn=lambda t: (t.apply(torch.zeros_like), t))
+    assert torch.equal(torch.get_rng_state(), rng)
+
+    body = nn.Sequential(nn.Linear(6, 4), NormalParamExtractor()).double()
+    params = TensorDictModule(body, ["observation"], ["loc", "scale"])
+    sampler = ProbabilisticActor(params, in_keys=["loc", "scale"], distribution_class=TanhNormal)
+    with set_exploration_type(ExplorationType.RANDOM):
+        with pytest.raises(ValueError, match=r"target 'action' is sampled from the TanhNormal distribution"):
+            pixel_flipping(sampler, td, target_key="action")
+        pixel_flipping(sampler, td, target_key="loc")
+    pixel_flipping(sampler, td, target_key="action")  # deterministic by default: the distribution's mode

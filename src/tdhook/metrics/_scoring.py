@@ -26,8 +26,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import TensorDictModule, TensorDictModuleBase
-from tensordict.utils import NestedKey
+from tensordict.nn import InteractionType, ProbabilisticTensorDictModule, TensorDictModule, TensorDictModuleBase
+from tensordict.nn.probabilistic import interaction_type
+from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
 from tdhook.attribution._inputs import explained_in_call, module_in_recurrent_mode, optional_inputs
@@ -76,6 +77,21 @@ def _refuse_random_modules(module: nn.Module, td: TensorDictBase) -> None:
                 "pass of the perturbed inputs would drop other units, and the scores would mix the perturbation "
                 "with dropout noise; call .eval() on the model"
             )
+
+
+def _refuse_sampled_target(module: nn.Module, key: NestedKey) -> None:
+    """A target sampled from a distribution under random interaction is drawn anew at every forward pass: a curve
+    of it would be noise."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, ProbabilisticTensorDictModule) and key in unravel_key_list(list(sub.out_keys)):
+            mode = interaction_type() or sub.default_interaction_type
+            if mode == InteractionType.RANDOM:
+                raise ValueError(
+                    f"metrics: target {key!r} is sampled from the {sub.distribution_class.__name__} distribution of "
+                    f"module {name!r} under random interaction: every forward pass of a perturbed input would draw "
+                    "it anew. Score a parameter of the distribution (target_key='loc', 'logits', ...) or call the "
+                    "metric under torchrl's set_exploration_type(ExplorationType.DETERMINISTIC)"
+                )
 
 
 class Scorer:
@@ -165,6 +181,7 @@ class Scorer:
         self._key, operator = named[None]
         result = self._run(self._base.clone())  # copies: a model may change its inputs in place
         self._key = resolve_target_key(result, self._key, operator)
+        _refuse_sampled_target(self.module, self._key)
         # A chosen action's value follows the greedy action of each perturbed input: score the value of the action
         # chosen here instead, the quantity explained.
         chosen = chosen_action(self.module, self._key, result) if target is None else None

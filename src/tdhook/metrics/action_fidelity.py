@@ -12,7 +12,7 @@ from torch import nn
 
 from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._features import Baseline, Features, sort_positions
-from tdhook.metrics._random import generator
+from tdhook.metrics._random import generator, keeps_global_rng
 from tdhook.metrics._scoring import Scorer, chunks, progress_bar
 
 __all__ = ["action_fidelity"]
@@ -22,6 +22,7 @@ _CATEGORICAL = (torch.distributions.Categorical, torch.distributions.OneHotCateg
 
 
 @keeps_running_statistics
+@keeps_global_rng
 def action_fidelity(
     module: TensorDictModuleBase | nn.Module,
     td: TensorDictBase,

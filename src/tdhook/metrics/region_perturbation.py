@@ -20,6 +20,7 @@ from tdhook.attribution.targets import Target
 from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._curves import perturbation_curve
 from tdhook.metrics._features import Baseline, Features, sort_positions
+from tdhook.metrics._random import keeps_global_rng
 from tdhook.metrics._scoring import Scorer
 
 __all__ = ["patch_grid", "region_perturbation"]
@@ -44,6 +45,7 @@ def patch_grid(height: int, width: int, patch_size: int) -> torch.Tensor:
 
 
 @keeps_running_statistics
+@keeps_global_rng
 def region_perturbation(
     module: TensorDictModuleBase | nn.Module,
     td: TensorDictBase,

@@ -20,7 +20,7 @@ from tdhook.metrics._methods import (
     repeat_target,
     target_set,
 )
-from tdhook.metrics._random import generator
+from tdhook.metrics._random import generator, keeps_global_rng
 from tdhook.metrics.infidelity import check_perturbed, repeated
 
 __all__ = ["sensitivity_max"]
@@ -31,6 +31,7 @@ def _flat(attributions: Sequence[torch.Tensor], batch_dims: int) -> torch.Tensor
 
 
 @keeps_running_statistics
+@keeps_global_rng
 def sensitivity_max(
     method: TensorDictModuleBase,
     td: TensorDictBase,
