@@ -50,3 +50,27 @@ def test_a_method_explaining_the_chosen_value_is_refused_by_the_metrics_that_exp
     same = held(td.clone())[prefix, "observation"]
     torch.testing.assert_close(same, default[prefix, "observation"], rtol=0, atol=1e-12)  # the same explanation
     metric(held, td)
+
+
+def test_a_masked_q_value_actor_chooses_and_is_scored_among_the_allowed_actions():
+    """The QValueModule writes forbidden actions' values as the lowest float: their argmax is the allowed action."""
+    from tdhook.metrics import action_fidelity
+
+    torch.manual_seed(1)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).double()
+    actor = QValueActor(net, in_keys=["observation"], spec=None, action_space="one_hot", action_mask_key="action_mask")
+    x = torch.randn(40, 6, dtype=torch.float64)
+    values = net(x).detach()
+    mask = torch.ones(40, 3, dtype=torch.bool)
+    mask[torch.arange(40), values.argmax(-1)] = False  # the plain argmax is forbidden everywhere
+    td = TensorDict(observation=x, action_mask=mask, batch_size=[40])
+    out = LRP(actor, in_keys=["observation"])(td.clone())
+    chosen = values.masked_fill(~mask, float("-inf")).argmax(-1)
+    curve = pixel_flipping(actor, out, relevance_key="relevance")
+    torch.testing.assert_close(curve[:, 0], values.gather(-1, chosen[:, None])[:, 0], rtol=0, atol=1e-12)
+    top = out["relevance", "observation"].argsort(dim=-1, descending=True, stable=True)[:, :2]
+    after = net(x.scatter(-1, top, 0.0)).detach().masked_fill(~mask, float("-inf")).argmax(-1)
+    expected = (after != chosen).double().mean()
+    for target_key in (None, "action_value"):
+        result = action_fidelity(actor, out, k=2, relevance_key="relevance", seed=0, target_key=target_key)
+        torch.testing.assert_close(result["relevant"], expected, rtol=0, atol=0)

@@ -41,13 +41,10 @@ def chosen_action(
     module: TensorDictModuleBase, key: NestedKey, result: TensorDictBase
 ) -> tuple[NestedKey, torch.Tensor] | None:
     """Where ``key`` is a chosen action's value: the key of the action values and the index of the action chosen
-    in ``result`` (per sample, the greedy action among the allowed ones); else ``None``."""
+    in ``result`` (per sample: the module writes the action values of forbidden actions as the lowest float, so
+    that their argmax is the greedy allowed action); else ``None``."""
     found = chosen_value_module(module, key)
     if found is None:
         return None
     values_key = unravel_key(found.out_keys[1])
-    values = result.get(values_key).detach()
-    mask_key = getattr(found, "action_mask_key", None)
-    if mask_key is not None:
-        values = values.masked_fill(~result.get(mask_key).to(torch.bool), float("-inf"))
-    return values_key, values.argmax(-1)
+    return values_key, result.get(values_key).detach().argmax(-1)  # masked already where the module reads a mask
