@@ -383,3 +383,18 @@ def test_the_models_own_draws_leave_the_global_rng_and_a_sampled_target_is_refus
             pixel_flipping(sampler, td, target_key="action")
         pixel_flipping(sampler, td, target_key="loc")
     pixel_flipping(sampler, td, target_key="action")  # deterministic by default: the distribution's mode
+
+
+def test_a_callable_target_with_relevance_on_a_zero_output_is_refused_by_name():
+    """Its weight there was 0: the curve started at sum(target(y)) minus that relevance, without a word."""
+    net = nn.Sequential(nn.Linear(3, 2), nn.ReLU())
+    with torch.no_grad():
+        net[0].weight.copy_(torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]]))
+        net[0].bias.zero_()
+    x = torch.ones(2, 3)  # outputs [3, 0]
+    td = TensorDict(x=x, attribution=TensorDict(x=x), batch_size=[2])
+    keys = {"in_keys": ["x"], "out_keys": ["y"]}
+    with pytest.raises(ValueError, match=r"target puts relevance on 2 entries of output 'y' that are exactly 0"):
+        pixel_flipping(net, td, target=lambda y: torch.ones_like(y), **keys)
+    curve = pixel_flipping(net, td, target=lambda y: y * torch.tensor([1.0, 2.0]), **keys)
+    torch.testing.assert_close(curve[:, 0], torch.full((2,), 3.0))

@@ -35,7 +35,15 @@ from tdhook.attribution._inputs import explained_in_call, module_in_recurrent_mo
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action, allowed_mask
 from tdhook.attribution._random_modules import random_modules
-from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key, target_output
+from tdhook.attribution.targets import (
+    Target,
+    initial_gradient,
+    initial_relevance,
+    named_targets,
+    resolve_target_key,
+    target_output,
+    zero_entries,
+)
 from tdhook.metrics._batch_statistics import batch_normalising_module
 from tdhook.metrics._chosen_values import chosen_action
 from tdhook.metrics._features import explained_keys, stacked_batch
@@ -107,8 +115,9 @@ class Scorer:
         target: ``None`` (the argmax of the unperturbed output's last dimension, or the output itself for a value
             head), an int, a LongTensor of per-sample indices, or a callable ``output -> relevance``. As for the
             attribution methods, it is resolved once, on the unperturbed output ``y``: a callable gives the
-            weights ``w = target(y) / y`` (0 where ``y`` is 0), and the score of a perturbed output ``y'`` is
-            ``sum(y' * w)`` over its non-batch dimensions (``sum(target(y))`` unperturbed). An index target scores
+            weights ``w = target(y) / y`` (relevance where ``y`` is 0 is refused: ``w`` cannot carry it), and the
+            score of a perturbed output ``y'`` is ``sum(y' * w)`` over its non-batch dimensions (``sum(target(y))``
+            unperturbed). An index target scores
             the sum of the picked units over any dimensions between the batch and the units. With ``None``, the
             value of a torchrl ``QValueModule``'s chosen action (``chosen_action_value``) is scored as the action
             values at the action chosen on the unperturbed input (see :mod:`~tdhook.metrics._chosen_values`).
@@ -201,9 +210,15 @@ class Scorer:
         self._index = None
         if callable(target):
             try:
-                self._weights = initial_gradient(output, target, self._key, len(self._batch))
+                self._weights, at_zero = initial_relevance(output, target, self._key, len(self._batch))
             except (ValueError, TypeError) as err:
                 raise _metrics_error(err) from err
+            if at_zero is not None:  # y * relevance / y cannot score it: the curve would start below sum(target(y))
+                raise ValueError(
+                    f"metrics: the callable target puts relevance on {zero_entries(at_zero, self._key)}; a perturbed "
+                    "output y' scores sum(y' * relevance / y), which cannot carry it: return the output times the "
+                    "weights (lambda y: y * w)"
+                )
         elif output.dim() > len(self._batch) and (target is not None or output.shape[-1] > 1):
             try:
                 # A masked policy's default: the allowed action LRP and the methods explain, not the plain argmax.
