@@ -28,7 +28,7 @@ from tensordict.utils import NestedKey
 
 from tdhook.attribution._inputs import explained_in_call, optional_inputs
 from tdhook.attribution._policy_targets import allowed_action
-from tdhook.attribution.targets import initial_gradient, resolve_target_key, target_output
+from tdhook.attribution.targets import initial_relevance, resolve_target_key, target_output, zero_entries
 from tdhook.metrics._chosen_values import chosen_value_module
 from tdhook.metrics._features import explained_keys, stacked_batch
 
@@ -157,7 +157,14 @@ def original_target(
         )
     output = target_output(result, key, operator)
     if target is not None:
-        return HeldWeights(initial_gradient(output.detach(), target, key, batch_dims))
+        weights, at_zero = initial_relevance(output.detach(), target, key, batch_dims)
+        if at_zero is not None:  # LRP seeds it at the zero outputs; held weights on other outputs cannot
+            raise ValueError(
+                f"metrics: the method's callable target puts relevance on {zero_entries(at_zero, key)}; weights "
+                "relevance / output held for other inputs cannot carry it: return the output times the weights "
+                "(lambda y: y * w)"
+            )
+        return HeldWeights(weights)
     if output.dim() > batch_dims and output.shape[-1] > 1:
         allowed = allowed_action(operator, key, result, result if td is None else td)
         return output.argmax(-1) if allowed is None else allowed
