@@ -395,3 +395,19 @@ def test_a_held_action_that_is_not_one_per_row_of_logits_is_named(distribution):
     with pytest.raises(ValueError, match=r"action at 'action' \(shape \[6, 2, 2\]\) is not one action per row"):
         LRP(actor)(td)
     assert set(td.keys()) == set(before.keys()) and (td == before).all()
+
+
+@pytest.mark.parametrize("method", ["Saliency", "IntegratedGradients", "Occlusion"])
+def test_the_other_methods_explain_the_allowed_action_of_a_masked_policy_as_lrp(method):
+    """They explained the plain argmax, a forbidden action, where LRP explains the highest allowed logit: a metric
+    could not score the unit both explained."""
+    import tdhook.attribution as attribution
+
+    actor = masked_actor(MaskedCategorical)
+    td = masked_td(actor)
+    kwargs = {"sliding_window_shapes": {"observation": (1,)}} if method == "Occlusion" else {}
+    wrapper = getattr(attribution, method)
+    out = wrapper(actor, in_keys=["observation"], target_key="logits", **kwargs)(td.clone())
+    allowed = out["logits"].masked_fill(~td["action_mask"], float("-inf")).argmax(-1)
+    expected = wrapper(actor, in_keys=["observation"], target_key="logits", target=allowed, **kwargs)(td.clone())
+    torch.testing.assert_close(out["attribution", "observation"], expected["attribution", "observation"])

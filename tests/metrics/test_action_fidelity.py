@@ -60,8 +60,9 @@ def test_works_on_a_torchrl_q_value_actor_with_lrp_relevance():
     result = action_fidelity(actor, td, k=2, relevance_key="relevance", target_key="action_value", seed=0)
     assert set(result.keys()) == {"relevant", "random"}
     assert (td == before).all()
-    with pytest.raises(ValueError, match="output 'chosen_action_value' of shape \\[10, 1\\] has no action dimension"):
-        action_fidelity(actor, td, k=2, relevance_key="relevance")
+    # The default, the chosen action's value, is read as the action values at the chosen action.
+    by_default = action_fidelity(actor, td, k=2, relevance_key="relevance", seed=0)
+    assert (by_default == result).all()
     with pytest.raises(ValueError, match=r"k must be an int in \[1, 6\]"):
         action_fidelity(actor, td, k=7, relevance_key="relevance", target_key="action_value")
 

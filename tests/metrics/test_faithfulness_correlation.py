@@ -24,18 +24,13 @@ def quantus_subsets(seed, n_features, batch, n_runs, subset_size):
     return torch.from_numpy(np.stack(runs, axis=1))
 
 
-@pytest.mark.parametrize(("batch", "n_runs", "subset_size"), [(1, 5, 10), (4, 12, 20), (3, 30, 35)])
-def test_equals_quantus_given_its_subsets(batch, n_runs, subset_size):
-    net = conv_net()
-    x, a = images(batch), torch.randn(batch, 3, 6, 6, dtype=torch.float64)
-    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[batch])
-    subsets = quantus_subsets(7, 108, batch, n_runs, subset_size)
-    ours = faithfulness_correlation(net, td, subsets=subsets, in_keys=["x"], out_keys=["y"], baseline=0.25)
-    np.random.seed(7)
+def quantus_correlation(net, x, a, seed, n_runs, subset_size, baseline):
+    """Quantus' FaithfulnessCorrelation after ``np.random.seed(seed)``, normalisation and abs off."""
+    np.random.seed(seed)
     metric = quantus.FaithfulnessCorrelation(
         nr_runs=n_runs,
         subset_size=subset_size,
-        perturb_baseline=0.25,
+        perturb_baseline=baseline,
         normalise=False,
         abs=False,
         return_aggregate=False,
@@ -43,8 +38,19 @@ def test_equals_quantus_given_its_subsets(batch, n_runs, subset_size):
         display_progressbar=False,
     )
     y = net(x).argmax(-1).numpy()
-    expected = metric(model=for_quantus(net), x_batch=x.numpy(), y_batch=y, a_batch=a.numpy(), softmax=False)
-    torch.testing.assert_close(ours, torch.tensor(np.array(expected)), rtol=0, atol=1e-6)
+    scores = metric(model=for_quantus(net), x_batch=x.numpy(), y_batch=y, a_batch=a.numpy(), softmax=False)
+    return torch.tensor(np.array(scores))
+
+
+@pytest.mark.parametrize(("batch", "n_runs", "subset_size"), [(1, 5, 10), (4, 12, 20), (3, 30, 35)])
+def test_equals_quantus_given_its_subsets(batch, n_runs, subset_size):
+    net = conv_net()
+    x, a = images(batch), torch.randn(batch, 3, 6, 6, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[batch])
+    subsets = quantus_subsets(7, 108, batch, n_runs, subset_size)
+    ours = faithfulness_correlation(net, td, subsets=subsets, in_keys=["x"], out_keys=["y"], baseline=0.25)
+    expected = quantus_correlation(net, x, a, 7, n_runs, subset_size, 0.25)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
 
 
 def test_random_subsets_follow_the_seed_and_equal_the_definition_over_several_keys():
@@ -112,20 +118,8 @@ def test_constant_attributions_give_nan_as_quantus_not_a_correlation_of_rounding
     td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[3])
     subsets = quantus_subsets(7, 108, 3, 20, 30)
     ours = faithfulness_correlation(net, td, subsets=subsets, in_keys=["x"], out_keys=["y"])
-    np.random.seed(7)
-    metric = quantus.FaithfulnessCorrelation(
-        nr_runs=20,
-        subset_size=30,
-        perturb_baseline=0.0,
-        normalise=False,
-        abs=False,
-        return_aggregate=False,
-        disable_warnings=True,
-        display_progressbar=False,
-    )
-    y = net(x).argmax(-1).numpy()
-    expected = metric(model=for_quantus(net), x_batch=x.numpy(), y_batch=y, a_batch=a.numpy(), softmax=False)
-    torch.testing.assert_close(ours, torch.tensor(np.array(expected)), rtol=0, atol=1e-6, equal_nan=True)
+    expected = quantus_correlation(net, x, a, 7, 20, 30, 0.0)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6, equal_nan=True)
     assert ours[:2].isnan().all()
     drawn = faithfulness_correlation(net, td, n_runs=20, subset_size=30, seed=0, in_keys=["x"], out_keys=["y"])
     assert drawn[:2].isnan().all() and not drawn[2].isnan()

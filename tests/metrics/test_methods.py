@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tensordict import TensorDict
 from torch import nn
@@ -40,3 +41,35 @@ def test_a_masked_policy_is_explained_for_its_best_allowed_action_throughout():
         got = sensitivity_max(make(in_keys=["observation"]), td, seed=0, n_perturb_samples=4)
         expected = sensitivity_max(make(in_keys=["observation"], target=allowed), td, seed=0, n_perturb_samples=4)
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def test_the_wrapper_inside_a_pipeline_holds_the_target_and_several_are_refused():
+    from tensordict.nn import TensorDictModule, TensorDictSequential
+
+    from tdhook.metrics._methods import attribution_wrapper
+
+    net = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)).double()
+    first = InputXGradient(net, in_keys=["x"], out_keys=["y"])
+    second = InputXGradient(TensorDictModule(net, in_keys=["x"], out_keys=["z"]))
+    pipeline = TensorDictSequential(TensorDictModule(lambda x: x, ["x"], ["w"]), first)
+    assert attribution_wrapper(pipeline) is first and attribution_wrapper(first) is first
+    with pytest.raises(TypeError, match=r"the method holds several attribution wrappers \('module.0', 'module.1'\)"):
+        attribution_wrapper(TensorDictSequential(first, second))
+
+
+def test_a_held_callable_target_with_relevance_on_a_zero_output_is_refused_by_name():
+    """LRP seeds such relevance at the zero outputs of the unperturbed input; the weights held for the perturbed
+    ones dropped it, and the two explanations compared were of different targets."""
+    from tdhook.attribution import LRP, EpsilonPlus
+
+    net = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 2))  # the ε-rule carries it from a zero output
+    with torch.no_grad():
+        net[0].weight.copy_(torch.eye(3))
+        net[2].weight.copy_(torch.tensor([[1.0, 1.0, 1.0], [1.0, -1.0, 0.0]]))
+        net[0].bias.zero_()
+        net[2].bias.zero_()
+    td = TensorDict(x=torch.ones(2, 3), batch_size=[2])  # outputs [3, 0]
+    lrp = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"], target=lambda y: torch.ones_like(y))
+    lrp(td.clone())  # LRP explains it
+    with pytest.raises(ValueError, match=r"callable target puts relevance on 2 entries of output 'y' that are exactly"):
+        sensitivity_max(lrp, td, seed=0)

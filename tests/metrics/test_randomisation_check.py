@@ -146,3 +146,28 @@ def test_a_weight_recomputed_in_a_pre_hook_is_refused_by_name(hook):
     lrp = LRP(net, in_keys=["x"], out_keys=["y"])
     with pytest.raises(ValueError, match=r"randomisation_check: module '2' \(Linear\) recomputes 'weight'"):
         randomisation_check(lrp, TensorDict(x=torch.randn(3, 4, dtype=torch.float64), batch_size=[3]))
+
+
+def test_a_parametrized_submodule_of_a_reset_layer_takes_the_plain_draws():
+    from torch.nn.utils import parametrizations
+
+    from tdhook.metrics._layer_reset import reset_layer
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.other = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+
+        def reset_parameters(self) -> None:
+            self.inner.reset_parameters()
+            self.other.reset_parameters()
+
+    plain, normed = Block(), Block()
+    normed.load_state_dict(plain.state_dict())
+    parametrizations.weight_norm(normed.inner)
+    torch.manual_seed(0)
+    plain.reset_parameters()
+    torch.manual_seed(0)
+    reset_layer("block", normed)
+    torch.testing.assert_close(normed.inner.weight, plain.inner.weight, rtol=0, atol=1e-6)
+    assert torch.equal(normed.other.weight, plain.other.weight) and torch.equal(normed.inner.bias, plain.inner.bias)

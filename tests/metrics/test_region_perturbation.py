@@ -98,3 +98,19 @@ def test_errors_name_the_key_and_what_was_expected():
     flat = TensorDict(v=torch.ones(1, 4), attribution=TensorDict(v=torch.ones(1, 4)), batch_size=[1])
     with pytest.raises(ValueError, match=r"input 'v' of shape \[1, 4\] needs two dimensions after the batch"):
         region_perturbation(torch.nn.Linear(4, 2), flat, patch_size=2, in_keys=["v"], out_keys=["y"])
+
+
+def test_a_patch_summing_to_nan_is_refused_by_name():
+    """+inf and -inf in one patch sum to NaN, which the sort put first in most-relevant-first order (Quantus last)."""
+    net = conv_net(size=4)
+    a = torch.randn(1, 3, 4, 4, dtype=torch.float64)
+    a[0, 0, 3, 3], a[0, 1, 3, 2] = float("inf"), -float("inf")
+    td = TensorDict(x=images(1, size=4), attribution=TensorDict(x=a), batch_size=[1])
+    with pytest.raises(ValueError, match=r"attribution of 'x' sums to NaN over a patch \(sample and patch \(0, 3\)"):
+        region_perturbation(net, td, patch_size=2, in_keys=["x"], out_keys=["y"])
+    a[0, 1, 3, 2] = 0.0  # one infinite feature ranks its patch first
+    morf = region_perturbation(net, td, patch_size=2, n_regions=1, in_keys=["x"], out_keys=["y"])
+    perturbed = td["x"].clone()
+    perturbed[..., 2:, 2:] = 0.0
+    target = net(td["x"]).argmax(-1)
+    torch.testing.assert_close(morf[:, 1], net(perturbed)[0, target], rtol=0, atol=1e-12)

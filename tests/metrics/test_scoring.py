@@ -313,3 +313,88 @@ def test_a_policy_in_recurrent_mode_over_steps_is_refused_naming_its_recurrent_m
     ).set("recurrent_state", torch.randn(2, 1, 6, dtype=torch.float64))
     explained = LRP(policy, relevance_key="attribution")(steps)
     assert 0 <= action_fidelity(policy, explained, k=1, progress=False)["relevant"] <= 1
+
+
+@pytest.mark.parametrize("as_module", [False, True])
+def test_dropout_in_training_mode_is_refused_by_name(as_module):
+    """Each perturbed input drew its own dropout mask: two runs of a curve differed by 0.6, and the global random
+    state moved. A model in eval mode, or a dropout that drops nothing, is scored."""
+    net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(16, 3))
+    x = torch.randn(4, 6)
+    td = TensorDict(x=x, attribution=TensorDict(x=x), batch_size=[4])
+    model = TensorDictModule(net, in_keys=["x"], out_keys=["y"]) if as_module else net
+    keys = {} if as_module else {"in_keys": ["x"], "out_keys": ["y"]}
+    name = "module.2" if as_module else "2"
+    rng = torch.get_rng_state()
+    with pytest.raises(ValueError, match=rf"metrics: module '{name}' \(Dropout, p=0.5\) is in training mode"):
+        pixel_flipping(model, td, **keys)
+    assert torch.equal(torch.get_rng_state(), rng)
+    net.eval()
+    torch.testing.assert_close(pixel_flipping(model, td, **keys), pixel_flipping(model, td, **keys), rtol=0, atol=0)
+    net.train()
+    net[2].p = 0.0
+    pixel_flipping(model, td, **keys)
+
+
+def test_an_actor_critic_without_target_key_is_refused_by_name():
+    """LRP explains both heads of an ActorValueOperator by default; a metric scores one (it raised KeyError: None)."""
+    from torchrl.modules import ActorValueOperator, OneHotCategorical, ProbabilisticActor, ValueOperator
+
+    common = TensorDictModule(nn.Linear(4, 8), ["observation"], ["hidden"])
+    logits = TensorDictModule(nn.Linear(8, 3), ["hidden"], ["logits"])
+    actor = ProbabilisticActor(logits, in_keys=["logits"], distribution_class=OneHotCategorical)
+    operator = ActorValueOperator(common, actor, ValueOperator(nn.Linear(8, 1), in_keys=["hidden"]))
+    x = torch.randn(5, 4)
+    td = TensorDict(observation=x, relevance=TensorDict(actor=TensorDict(observation=x)), batch_size=[5])
+    with pytest.raises(ValueError, match=r"ActorValueOperator has several outputs to score by default \(\['actor'"):
+        pixel_flipping(operator, td, relevance_key=("relevance", "actor"))
+    curve = pixel_flipping(operator, td, relevance_key=("relevance", "actor"), target_key="logits")
+    assert curve.shape == (5, 5)
+
+
+def test_the_models_own_draws_leave_the_global_rng_and_a_sampled_target_is_refused():
+    """An EGreedyModule after the actor drew from the caller's global random state at every pass; a sampled action
+    as the target was drawn anew at every pass (two curves 1.9 apart)."""
+    from tensordict.nn import NormalParamExtractor
+    from torchrl.data import OneHot
+    from torchrl.envs.utils import ExplorationType, set_exploration_type
+    from torchrl.modules import EGreedyModule, ProbabilisticActor, QValueActor, TanhNormal
+
+    from tdhook.metrics import action_fidelity, faithfulness_correlation, infidelity
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)).double()
+    actor = QValueActor(net, in_keys=["observation"], spec=OneHot(3), action_space="one_hot")
+    policy = TensorDictSequential(actor, EGreedyModule(spec=OneHot(3), eps_init=0.5))
+    x = torch.randn(4, 6, dtype=torch.float64)
+    td = TensorDict(observation=x, attribution=TensorDict(observation=x), batch_size=[4])
+    rng = torch.get_rng_state()
+    pixel_flipping(policy, td)
+    action_fidelity(policy, td, k=2, seed=0)
+    faithfulness_correlation(policy, td, n_runs=3, subset_size=2, seed=0)
+    infidelity(policy, td, perturb_fn=lambda t: (t.apply(torch.zeros_like), t))
+    assert torch.equal(torch.get_rng_state(), rng)
+
+    body = nn.Sequential(nn.Linear(6, 4), NormalParamExtractor()).double()
+    params = TensorDictModule(body, ["observation"], ["loc", "scale"])
+    sampler = ProbabilisticActor(params, in_keys=["loc", "scale"], distribution_class=TanhNormal)
+    with set_exploration_type(ExplorationType.RANDOM):
+        with pytest.raises(ValueError, match=r"target 'action' is sampled from the TanhNormal distribution"):
+            pixel_flipping(sampler, td, target_key="action")
+        pixel_flipping(sampler, td, target_key="loc")
+    pixel_flipping(sampler, td, target_key="action")  # deterministic by default: the distribution's mode
+
+
+def test_a_callable_target_with_relevance_on_a_zero_output_is_refused_by_name():
+    """Its weight there was 0: the curve started at sum(target(y)) minus that relevance, without a word."""
+    net = nn.Sequential(nn.Linear(3, 2), nn.ReLU())
+    with torch.no_grad():
+        net[0].weight.copy_(torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]]))
+        net[0].bias.zero_()
+    x = torch.ones(2, 3)  # outputs [3, 0]
+    td = TensorDict(x=x, attribution=TensorDict(x=x), batch_size=[2])
+    keys = {"in_keys": ["x"], "out_keys": ["y"]}
+    with pytest.raises(ValueError, match=r"target puts relevance on 2 entries of output 'y' that are exactly 0"):
+        pixel_flipping(net, td, target=lambda y: torch.ones_like(y), **keys)
+    curve = pixel_flipping(net, td, target=lambda y: y * torch.tensor([1.0, 2.0]), **keys)
+    torch.testing.assert_close(curve[:, 0], torch.full((2,), 3.0))

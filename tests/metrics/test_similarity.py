@@ -34,3 +34,12 @@ def test_a_constant_row_gives_nan_as_scipy_even_where_its_mean_rounds(dtype):
     assert r[:2].isnan().all() and bool(r[2].isfinite())
     assert pearson(b, a)[:2].isnan().all()
     assert spearman(a, b)[:2].isnan().all()
+
+
+def test_a_nan_gives_nan_as_scipy_not_a_rank_correlation():
+    """A NaN sorted last and took ranks that were not its own: spearman([1, nan, 3, 2], [1, 2, 3, 4]) gave 0.17."""
+    a = torch.tensor([[1.0, float("nan"), 3.0, 2.0], [1.0, float("inf"), 3.0, 2.0]], dtype=torch.float64)
+    b = torch.tensor([[1.0, 2.0, 3.0, 4.0]] * 2, dtype=torch.float64)
+    r = spearman(a, b)
+    assert r[0].isnan() and spearman(b, a)[0].isnan()
+    assert abs(r[1].item() - stats.spearmanr(a[1], b[1])[0]) < 1e-12  # an infinite value ranks as the largest

@@ -272,3 +272,67 @@ def test_pixel_flipping_of_a_decision_transformer_over_its_context_keys():
                 break
         expected.append(row)
     torch.testing.assert_close(curve, torch.tensor(expected, dtype=curve.dtype), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["lrp", "saliency"])
+def test_a_method_inside_a_pipeline_is_held_at_its_original_targets(name):
+    """A pipeline has no ``target`` of its own: the wrapper inside explained each perturbed or randomised input at
+    its own argmax (1.2 off the wrapper scored alone), and LRP's relevance key went unread."""
+    from tensordict.nn import TensorDictSequential
+
+    model, keys, td = two_keys_case()
+    method = make(name, model, keys)
+    total = TensorDictModule(lambda q: q.sum(-1, keepdim=True), in_keys=["q"], out_keys=["total"])
+    pipeline = TensorDictSequential(method, total)
+    alone = sensitivity_max(method, td, seed=0, perturb_radius=0.5)
+    torch.testing.assert_close(sensitivity_max(pipeline, td, seed=0, perturb_radius=0.5), alone, rtol=0, atol=1e-12)
+    assert method.target is None
+    alone = randomisation_check(method, td)
+    inside = randomisation_check(pipeline, td)
+    assert [layer.rsplit(".", 1)[-1] for layer in inside] == [layer.rsplit(".", 1)[-1] for layer in alone]
+    for ours, expected in zip(inside.values(), alone.values(), strict=True):
+        torch.testing.assert_close(ours, expected, rtol=0, atol=1e-12)
+
+
+def test_a_masked_policy_is_scored_at_the_allowed_action_the_methods_explain():
+    """Every metric took the plain argmax of a masked policy's logits, a forbidden action, where the methods explain
+    the highest allowed logit: pixel flipping tracked another logit than the one explained, and sensitivity_max
+    compared the explanation of the allowed action with those of the forbidden one."""
+    from torchrl.modules import MaskedCategorical, ProbabilisticActor
+
+    torch.manual_seed(5)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).double()
+    actor = ProbabilisticActor(
+        TensorDictModule(net, in_keys=["observation"], out_keys=["logits"]),
+        in_keys={"logits": "logits", "mask": "action_mask"},
+        distribution_class=MaskedCategorical,
+    )
+    observation = torch.randn(6, 4, dtype=torch.float64)
+    logits = net(observation).detach()
+    mask = torch.ones(6, 3, dtype=torch.bool)
+    mask[torch.arange(6), logits.argmax(-1)] = False  # the plain argmax is forbidden everywhere
+    td = TensorDict(observation=observation, action_mask=mask, batch_size=[6])
+    allowed = logits.masked_fill(~mask, float("-inf")).argmax(-1)
+    keys = {"in_keys": ["observation"], "target_key": "logits"}
+    explained = Saliency(actor, **keys)(td.clone())
+
+    curve = pixel_flipping(actor, explained, **keys)
+    torch.testing.assert_close(curve, pixel_flipping(actor, explained, target=allowed, **keys), rtol=0, atol=0)
+    torch.testing.assert_close(curve[:, 0], logits.gather(-1, allowed[:, None])[:, 0], rtol=0, atol=1e-12)
+
+    fidelity = action_fidelity(actor, explained, k=2, seed=0, **keys)
+    top = explained["attribution", "observation"].argsort(dim=-1, descending=True, stable=True)[:, :2]
+    perturbed = observation.scatter(-1, top, 0.0)
+    after = net(perturbed).detach().masked_fill(~mask, float("-inf")).argmax(-1)
+    torch.testing.assert_close(fidelity["relevant"], (after != allowed).double().mean(), rtol=0, atol=0)
+
+    for make_method in (
+        lambda **kw: Saliency(actor, **keys, **kw),
+        lambda **kw: LRP(actor, EpsilonPlus(), **keys, **kw),
+    ):
+        ours = sensitivity_max(make_method(), td, seed=0, perturb_radius=0.5)
+        expected = sensitivity_max(make_method(target=allowed), td, seed=0, perturb_radius=0.5)
+        torch.testing.assert_close(ours, expected, rtol=0, atol=1e-12)
+        ours, expected = randomisation_check(make_method(), td), randomisation_check(make_method(target=allowed), td)
+        for layer in expected:
+            torch.testing.assert_close(ours[layer], expected[layer], rtol=0, atol=1e-12)

@@ -62,6 +62,7 @@ from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 __all__ = [
     "actor_and_critic",
     "allowed_action",
+    "allowed_mask",
     "acted_step",
     "default_target_operator",
     "sequential_steps",
@@ -145,7 +146,6 @@ def allowed_action(
     sampler = _masked_sampler(operator, target_key)
     if sampler is None:
         return None
-    dist_keys = list(getattr(sampler, "dist_keys", sampler.in_keys))
     action_key = unravel_key(sampler.out_keys[0])
     taken = tensordict.get(action_key, None)
     one_hot = issubclass(sampler.distribution_class, MaskedOneHotCategorical)
@@ -159,10 +159,28 @@ def allowed_action(
                 f"logits at {target_key!r} (shape {list(logits.shape)}); it is the action explained by default"
             )
         return taken.long().argmax(-1) if one_hot else taken.long().reshape(logits.shape[:-1])
+    mask = allowed_mask(operator, target_key, result)
+    return logits.argmax(-1) if mask is None else logits.masked_fill(~mask, float("-inf")).argmax(-1)
+
+
+def allowed_mask(operator: TensorDictModuleBase, target_key: NestedKey, result: TensorDictBase) -> torch.Tensor | None:
+    """The boolean mask of the allowed actions where ``target_key`` holds the logits of a masked distribution that
+    reads a mask, read from ``result``; else ``None``.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule
+        >>> plain = TensorDictModule(nn.Linear(4, 3), in_keys=["observation"], out_keys=["logits"])
+        >>> allowed_mask(plain, "logits", TensorDict(batch_size=[1])) is None  # no masked distribution
+        True
+    """
+    sampler = _masked_sampler(operator, target_key)
+    if sampler is None:
+        return None
+    dist_keys = list(getattr(sampler, "dist_keys", sampler.in_keys))
     if "mask" not in dist_keys:
-        return logits.argmax(-1)
-    mask = result.get(unravel_key(sampler.in_keys[dist_keys.index("mask")])).to(torch.bool)
-    return logits.masked_fill(~mask, float("-inf")).argmax(-1)
+        return None
+    return result.get(unravel_key(sampler.in_keys[dist_keys.index("mask")])).to(torch.bool)
 
 
 def default_target_operator(module: TensorDictModuleBase) -> TensorDictModuleBase:

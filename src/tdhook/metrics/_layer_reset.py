@@ -78,7 +78,7 @@ def reset_layer(name: str, layer: nn.Module) -> None:
             layer.reset_parameters()
             return
         twin = copy.deepcopy(layer)
-        for module in twin.modules():
+        for module in list(twin.modules()):  # listed first: a removal changes the module's class and children
             if parametrize.is_parametrized(module):
                 for tensor in list(module.parametrizations):
                     parametrize.remove_parametrizations(module, tensor, leave_parametrized=True)

@@ -28,11 +28,13 @@ from tensordict.utils import NestedKey
 
 from tdhook.attribution._inputs import explained_in_call, optional_inputs
 from tdhook.attribution._policy_targets import allowed_action
-from tdhook.attribution.targets import initial_gradient, resolve_target_key, target_output
+from tdhook.attribution.targets import initial_relevance, resolve_target_key, target_output, zero_entries
+from tdhook.metrics._chosen_values import chosen_value_module
 from tdhook.metrics._features import explained_keys, stacked_batch
 
 __all__ = [
     "HeldWeights",
+    "attribution_wrapper",
     "check_method",
     "explain",
     "method_keys",
@@ -52,12 +54,36 @@ def check_method(method: object, name: str) -> TensorDictModuleBase:
     return method
 
 
+def attribution_wrapper(method: TensorDictModuleBase) -> TensorDictModuleBase:
+    """The module that holds the method's ``target``: the method itself where it has one, else the one attribution
+    wrapper inside it (a ``TensorDictSequential`` that runs a preprocessing step before an LRP wrapper, say).
+
+    Raises:
+        TypeError: the method holds several attribution wrappers, whose targets could not be held as one.
+    """
+    if hasattr(method, "target"):
+        return method
+    found = [(name, m) for name, m in method.named_modules() if name and _is_wrapper(m)]
+    outer = [(name, m) for name, m in found if not any(name.startswith(f"{other}.") for other, _ in found)]
+    if len(outer) > 1:
+        raise TypeError(
+            f"metrics: the method holds several attribution wrappers ({', '.join(repr(n) for n, _ in outer)}); "
+            "score one at a time"
+        )
+    return outer[0][1] if outer else method
+
+
+def _is_wrapper(module: object) -> bool:
+    return isinstance(module, TensorDictModuleBase) and hasattr(module, "target") and hasattr(module, "relevance_key")
+
+
 def method_keys(
     method: TensorDictModuleBase, in_keys: Sequence[NestedKey] | None, td: TensorDictBase | None = None
 ) -> list[NestedKey]:
     """The explained keys: ``in_keys``, else the method's explained keys, else its in_keys. Keys the method took
     from its module's in_keys are those it explains in a call on ``td``: not the flags and masks, nor the
     recurrent states ``td`` does not hold."""
+    method = attribution_wrapper(method)
     keys = explained_keys(in_keys, getattr(method, "explained_keys", None) or method.in_keys)
     if in_keys is None and td is not None and getattr(method, "_defaulted_inputs", False):
         module = getattr(method, "module", method)
@@ -70,7 +96,7 @@ def method_prefix(method: TensorDictModuleBase, relevance_key: NestedKey | None)
     """The prefix of the attribution keys: ``relevance_key``, else the method's own, else ``"attribution"``."""
     if relevance_key is not None:
         return relevance_key
-    return getattr(method, "relevance_key", "attribution")
+    return getattr(attribution_wrapper(method), "relevance_key", "attribution")
 
 
 def explain(method: TensorDictModuleBase, td: TensorDictBase) -> TensorDictBase:
@@ -99,16 +125,21 @@ class HeldWeights:
         return output * self.weights
 
 
-def original_target(method: TensorDictModuleBase, result: TensorDictBase, batch_dims: int) -> object:
-    """The method's target as resolved on the unperturbed ``result``.
+def original_target(
+    method: TensorDictModuleBase, result: TensorDictBase, batch_dims: int, td: TensorDictBase | None = None
+) -> object:
+    """The method's target as resolved on the unperturbed ``result`` of a call on ``td``.
 
-    ``None`` becomes the argmax of the explained output (nothing for a one-unit output), or, for the logits of a
-    masked policy, the best allowed action, as the methods explain by default; a callable becomes
-    :class:`HeldWeights` with the weights it gives that output; an int or per-sample indices stay as they are.
+    ``None`` becomes the argmax of the explained output (nothing for a one-unit output; for a torchrl policy that
+    masks actions, the action ``td`` holds, else the highest allowed logit, as the methods explain it), a callable
+    becomes :class:`HeldWeights` with the weights it gives that output; an int or per-sample indices stay as they
+    are.
 
     Raises:
         TypeError: the method explains several outputs at once (a dict ``target_key``).
+        ValueError: ``None`` on a ``QValueModule``'s chosen action value, whose action another input may change.
     """
+    method = attribution_wrapper(method)
     target = getattr(method, "target", None)
     if target is not None and not callable(target):
         return target
@@ -118,15 +149,25 @@ def original_target(method: TensorDictModuleBase, result: TensorDictBase, batch_
     operator = getattr(method, "module", None)
     operator = operator if isinstance(operator, TensorDictModuleBase) else method
     key = resolve_target_key(result, target_key, operator)
+    if target is None and chosen_value_module(operator, key) is not None:
+        raise ValueError(
+            f"metrics: the method explains {key!r}, the value of the greedy action, which another input may change: "
+            "its explanations there would be of another action. Build the method with target_key= the action "
+            "values (for a QValueActor, 'action_value': the same relevance here, and its argmax is then held)"
+        )
     output = target_output(result, key, operator)
     if target is not None:
-        return HeldWeights(initial_gradient(output.detach(), target, key, batch_dims))
-    # The method ran on the inputs alone (see explain): no action held in the TensorDict, the mask decides.
-    allowed = allowed_action(operator, key, result, result.empty())
-    if allowed is not None:
-        return allowed
+        weights, at_zero = initial_relevance(output.detach(), target, key, batch_dims)
+        if at_zero is not None:  # LRP seeds it at the zero outputs; held weights on other outputs cannot
+            raise ValueError(
+                f"metrics: the method's callable target puts relevance on {zero_entries(at_zero, key)}; weights "
+                "relevance / output held for other inputs cannot carry it: return the output times the weights "
+                "(lambda y: y * w)"
+            )
+        return HeldWeights(weights)
     if output.dim() > batch_dims and output.shape[-1] > 1:
-        return output.argmax(-1)
+        allowed = allowed_action(operator, key, result, result if td is None else td)
+        return output.argmax(-1) if allowed is None else allowed
     return None
 
 
@@ -151,7 +192,9 @@ def repeat_target(target: object, batch_size: torch.Size, n: int) -> object:
 
 @contextlib.contextmanager
 def target_set(method: TensorDictModuleBase, target: object) -> Iterator[TensorDictModuleBase]:
-    """``method`` with ``target`` in place of its own for the block, restored afterwards."""
+    """``method`` (its :func:`attribution_wrapper`) with ``target`` in place of its own for the block, restored
+    afterwards."""
+    method = attribution_wrapper(method)
     if not hasattr(method, "target"):
         yield method
         return

@@ -1,4 +1,5 @@
-"""Random draws of the metrics, from a generator of their own: the global random state is never touched.
+"""Random draws of the metrics, from a generator of their own: the global random state is never touched, not even
+by the model's own draws (an exploration step such as torchrl's ``EGreedyModule``), which run on a fork of it.
 
 Examples:
     >>> import torch
@@ -9,9 +10,17 @@ Examples:
 
 from __future__ import annotations
 
-import torch
+import functools
+import inspect
+from collections.abc import Callable
+from typing import TypeVar
 
-__all__ = ["generator"]
+import torch
+from torch import nn
+
+__all__ = ["cuda_devices", "generator", "keeps_global_rng"]
+
+Metric = TypeVar("Metric", bound=Callable)
 
 
 def generator(seed: int | None) -> torch.Generator:
@@ -28,3 +37,23 @@ def generator(seed: int | None) -> torch.Generator:
     else:
         raise TypeError(f"metrics: seed must be an int or None, got {type(seed).__name__}")
     return g
+
+
+def cuda_devices(model: nn.Module) -> list[int]:
+    """The CUDA devices that hold ``model``'s parameters or buffers."""
+    return sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.device.type == "cuda"})
+
+
+def keeps_global_rng(metric: Metric) -> Metric:
+    """``metric`` run on a fork of the global random state (CPU, and the CUDA devices of its model, its first
+    argument): draws of the model's own leave the caller's state as it was."""
+    first = next(iter(inspect.signature(metric).parameters))
+
+    @functools.wraps(metric)
+    def forked(*args, **kwargs):
+        model = args[0] if args else kwargs.get(first)
+        devices = cuda_devices(model) if isinstance(model, nn.Module) else []
+        with torch.random.fork_rng(devices=devices):
+            return metric(*args, **kwargs)
+
+    return forked

@@ -26,14 +26,26 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import TensorDictModule, TensorDictModuleBase
-from tensordict.utils import NestedKey
+from tensordict.nn import InteractionType, ProbabilisticTensorDictModule, TensorDictModule, TensorDictModuleBase
+from tensordict.nn.probabilistic import interaction_type
+from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
 from tdhook.attribution._inputs import explained_in_call, module_in_recurrent_mode, optional_inputs
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
-from tdhook.attribution.targets import Target, initial_gradient, named_targets, resolve_target_key, target_output
+from tdhook.attribution._policy_targets import allowed_action, allowed_mask
+from tdhook.attribution._random_modules import random_modules
+from tdhook.attribution.targets import (
+    Target,
+    initial_gradient,
+    initial_relevance,
+    named_targets,
+    resolve_target_key,
+    target_output,
+    zero_entries,
+)
 from tdhook.metrics._batch_statistics import batch_normalising_module, statistics_kept
+from tdhook.metrics._chosen_values import chosen_action
 from tdhook.metrics._features import explained_keys, stacked_batch
 from tdhook.metrics._leading_affine import LeadingAffine
 
@@ -63,6 +75,33 @@ def _refuse_steps_read_together(module: TensorDictModuleBase, td: TensorDictBase
         )
 
 
+def _refuse_random_modules(module: nn.Module, td: TensorDictBase) -> None:
+    """A dropout module in training mode drops other units at every forward pass: each perturbed input's score
+    would carry its own dropout noise (and the draws would come from the global random state)."""
+    for name, found, mask in random_modules(dict(module.named_modules())):
+        if found.training and (mask is None or td.get(mask, None) is None):
+            raise ValueError(
+                f"metrics: module {name!r} ({type(found).__name__}, p={found.p}) is in training mode: each forward "
+                "pass of the perturbed inputs would drop other units, and the scores would mix the perturbation "
+                "with dropout noise; call .eval() on the model"
+            )
+
+
+def _refuse_sampled_target(module: nn.Module, key: NestedKey) -> None:
+    """A target sampled from a distribution under random interaction is drawn anew at every forward pass: a curve
+    of it would be noise."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, ProbabilisticTensorDictModule) and key in unravel_key_list(list(sub.out_keys)):
+            mode = interaction_type() or sub.default_interaction_type
+            if mode == InteractionType.RANDOM:
+                raise ValueError(
+                    f"metrics: target {key!r} is sampled from the {sub.distribution_class.__name__} distribution of "
+                    f"module {name!r} under random interaction: every forward pass of a perturbed input would draw "
+                    "it anew. Score a parameter of the distribution (target_key='loc', 'logits', ...) or call the "
+                    "metric under torchrl's set_exploration_type(ExplorationType.DETERMINISTIC)"
+                )
+
+
 class Scorer:
     """The target score of a model on a TensorDict and on perturbed versions of it.
 
@@ -76,9 +115,12 @@ class Scorer:
         target: ``None`` (the argmax of the unperturbed output's last dimension, or the output itself for a value
             head), an int, a LongTensor of per-sample indices, or a callable ``output -> relevance``. As for the
             attribution methods, it is resolved once, on the unperturbed output ``y``: a callable gives the
-            weights ``w = target(y) / y`` (0 where ``y`` is 0), and the score of a perturbed output ``y'`` is
-            ``sum(y' * w)`` over its non-batch dimensions (``sum(target(y))`` unperturbed). An index target scores
-            the sum of the picked units over any dimensions between the batch and the units.
+            weights ``w = target(y) / y`` (relevance where ``y`` is 0 is refused: ``w`` cannot carry it), and the
+            score of a perturbed output ``y'`` is ``sum(y' * w)`` over its non-batch dimensions (``sum(target(y))``
+            unperturbed). An index target scores
+            the sum of the picked units over any dimensions between the batch and the units. With ``None``, the
+            value of a torchrl ``QValueModule``'s chosen action (``chosen_action_value``) is scored as the action
+            values at the action chosen on the unperturbed input (see :mod:`~tdhook.metrics._chosen_values`).
         steps_per_forward: how many perturbed versions of the batch share one forward pass; ``None`` picks as
             many as fit about 65 thousand input elements (larger stacks ran slower on CPU). With 1 the model sees
             the TensorDict's own batch shape; with more, the steps stacked along the batch's first dimension
@@ -90,6 +132,9 @@ class Scorer:
         keys: the explained input keys.
         reference: the score on the unperturbed input, shaped like the batch.
         reference_output: the target output on the unperturbed input.
+        allowed: where the target holds the logits of a masked torchrl policy, its mask of allowed actions (an
+            input, the same for every perturbed version); else ``None``. ``target=None`` then scores the action
+            the TensorDict holds, else the highest allowed logit, as the methods explain it.
     """
 
     def __init__(
@@ -124,6 +169,7 @@ class Scorer:
                 "perturbing them would leave its output as it is"
             )
         _refuse_steps_read_together(self.module, td)
+        _refuse_random_modules(module, td)
         self._alone = batch_normalising_module(module)
         if self._alone is not None and steps_per_forward not in (None, 1):
             raise ValueError(
@@ -134,9 +180,22 @@ class Scorer:
         self.steps_per_forward = 1 if self._alone is not None else steps_per_forward
         self._batch = td.batch_size
         self._base = td.select(*self.module.in_keys, strict=False)
-        self._key, operator = named_targets(self.module, target_key)[None]
+        named = named_targets(self.module, target_key)
+        if None not in named:
+            raise ValueError(
+                f"metrics: {type(self.module).__name__} has several outputs to score by default ({sorted(named)}); "
+                "a metric scores one: pass target_key= one of its outputs (and relevance_key= the prefix of that "
+                "head's relevance, such as ('relevance', 'actor') for LRP)"
+            )
+        self._key, operator = named[None]
         result = self._run(self._base.clone())  # copies: a model may change its inputs in place
         self._key = resolve_target_key(result, self._key, operator)
+        _refuse_sampled_target(self.module, self._key)
+        # A chosen action's value follows the greedy action of each perturbed input: score the value of the action
+        # chosen here instead, the quantity explained.
+        chosen = chosen_action(self.module, self._key, result) if target is None else None
+        if chosen is not None:
+            self._key = chosen[0]
         self._operator = operator
         output = self.reference_output = self._output(result)
         if tuple(output.shape[: len(self._batch)]) != tuple(self._batch):
@@ -151,14 +210,28 @@ class Scorer:
         self._index = None
         if callable(target):
             try:
-                self._weights = initial_gradient(output, target, self._key, len(self._batch))
+                self._weights, at_zero = initial_relevance(output, target, self._key, len(self._batch))
             except (ValueError, TypeError) as err:
                 raise _metrics_error(err) from err
+            if at_zero is not None:  # y * relevance / y cannot score it: the curve would start below sum(target(y))
+                raise ValueError(
+                    f"metrics: the callable target puts relevance on {zero_entries(at_zero, self._key)}; a perturbed "
+                    "output y' scores sum(y' * relevance / y), which cannot carry it: return the output times the "
+                    "weights (lambda y: y * w)"
+                )
         elif output.dim() > len(self._batch) and (target is not None or output.shape[-1] > 1):
             try:
-                self._index = initial_gradient(output, target, self._key, len(self._batch)).argmax(-1)
+                # A masked policy's default: the allowed action LRP and the methods explain, not the plain argmax.
+                allowed = allowed_action(operator, self._key, result, td) if target is None else None
+                if chosen is not None:
+                    self._index = chosen[1]
+                elif allowed is not None:
+                    self._index = allowed.reshape(output.shape[:-1])
+                else:
+                    self._index = initial_gradient(output, target, self._key, len(self._batch)).argmax(-1)
             except (IndexError, ValueError, TypeError) as err:
                 raise _metrics_error(err) from err
+        self.allowed = allowed_mask(operator, self._key, result)
         self.reference = self._score(output)
 
     @property

@@ -54,5 +54,16 @@ def average_ranks(values: torch.Tensor) -> torch.Tensor:
 
 
 def spearman(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The Spearman rank correlation of ``a`` and ``b`` along the last dimension (ties get average ranks)."""
-    return pearson(average_ranks(a), average_ranks(b))
+    """The Spearman rank correlation of ``a`` and ``b`` along the last dimension (ties get average ranks; NaN where
+    one holds NaN, which has no rank, as scipy's ``spearmanr``).
+
+    Examples:
+        >>> spearman(torch.tensor([1.0, float("nan"), 3.0]), torch.tensor([1.0, 2.0, 3.0]))
+        tensor(nan)
+    """
+    r = pearson(average_ranks(a), average_ranks(b))
+    return r.masked_fill(_holds_nan(a) | _holds_nan(b), float("nan"))
+
+
+def _holds_nan(values: torch.Tensor) -> torch.Tensor:
+    return values.isnan().any(-1) if values.is_floating_point() else torch.zeros(values.shape[:-1], dtype=torch.bool)

@@ -12,7 +12,7 @@ from torch import nn
 
 from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._features import Baseline, Features, sort_positions
-from tdhook.metrics._random import generator
+from tdhook.metrics._random import generator, keeps_global_rng
 from tdhook.metrics._scoring import Scorer, chunks, progress_bar
 
 __all__ = ["action_fidelity"]
@@ -22,6 +22,7 @@ _CATEGORICAL = (torch.distributions.Categorical, torch.distributions.OneHotCateg
 
 
 @keeps_running_statistics
+@keeps_global_rng
 def action_fidelity(
     module: TensorDictModuleBase | nn.Module,
     td: TensorDictBase,
@@ -40,9 +41,10 @@ def action_fidelity(
     """The share of states whose greedy action changes when ``k`` features go to the baseline.
 
     The greedy action is the argmax of the last dimension of the output at ``target_key`` (the action values or a
-    categorical policy's logits). An output ``batch + [heads..., actions]`` gives one action per head, and a
-    state's action changes when that of any head does. A continuous action (the parameters of a
-    non-categorical distribution, an action whose torchrl spec is continuous) has no argmax and is refused.
+    categorical policy's logits; for a torchrl policy that masks actions, the highest allowed logit). An output
+    ``batch + [heads..., actions]`` gives one action per head, and a state's action changes when that of any head
+    does. A continuous action (the parameters of a non-categorical distribution, an action whose torchrl spec is
+    continuous) has no argmax and is refused.
     Features rank jointly across all explained keys, as in :func:`~tdhook.metrics.pixel_flipping`.
 
     Args:
@@ -101,7 +103,12 @@ def action_fidelity(
     if isinstance(n_random, bool) or not isinstance(n_random, int) or n_random < 1:
         raise ValueError(f"action_fidelity: n_random must be a positive int, got {n_random!r}")
     rng = generator(seed)
-    action = output.argmax(-1)
+    allowed = scorer.allowed  # a masked policy's greedy action is its highest allowed logit
+
+    def greedy(values: torch.Tensor) -> torch.Tensor:
+        return (values if allowed is None else values.masked_fill(~allowed, float("-inf"))).argmax(-1)
+
+    action = greedy(output)
     relevant_positions = sort_positions(features.values).unsqueeze(0)
     size = scorer.chunk_size(features.inputs)
     n_total = 1 + n_random
@@ -116,7 +123,7 @@ def action_fidelity(
             draws = torch.rand(n_draws, *batch, n_features, generator=rng, dtype=torch.float64)
             positions.append(sort_positions(draws).to(relevant_positions.device))
         mask = torch.cat(positions) < k
-        flipped = scorer.outputs(features.perturb(mask, baseline)).argmax(-1) != action
+        flipped = greedy(scorer.outputs(features.perturb(mask, baseline))) != action
         heads = flipped.dim() - 1 - len(batch)  # a state's action is that of every head together
         changed.append(flipped.flatten(-heads).any(-1) if heads else flipped)
         update(1)

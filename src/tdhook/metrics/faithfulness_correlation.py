@@ -13,7 +13,7 @@ from torch import nn
 from tdhook.attribution.targets import Target
 from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._features import Baseline, Features
-from tdhook.metrics._random import generator
+from tdhook.metrics._random import generator, keeps_global_rng
 from tdhook.metrics._scoring import Scorer, chunks, progress_bar
 from tdhook.metrics._similarity import pearson
 from tdhook.metrics._stable_order import stable_order
@@ -22,6 +22,7 @@ __all__ = ["faithfulness_correlation"]
 
 
 @keeps_running_statistics
+@keeps_global_rng
 def faithfulness_correlation(
     module: TensorDictModuleBase | nn.Module,
     td: TensorDictBase,

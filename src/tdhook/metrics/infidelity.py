@@ -13,6 +13,7 @@ from torch import nn
 from tdhook.attribution.targets import Target
 from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._features import Features
+from tdhook.metrics._random import keeps_global_rng
 from tdhook.metrics._scoring import Scorer
 
 __all__ = ["infidelity", "repeated"]
@@ -58,6 +59,7 @@ def check_perturbed(
 
 
 @keeps_running_statistics
+@keeps_global_rng
 def infidelity(
     module: TensorDictModuleBase | nn.Module,
     td: TensorDictBase,

@@ -17,12 +17,14 @@ from tdhook.attribution.targets import Target
 from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._curves import perturbation_curve
 from tdhook.metrics._features import Baseline, Features, sort_positions
+from tdhook.metrics._random import keeps_global_rng
 from tdhook.metrics._scoring import Scorer
 
 __all__ = ["pixel_flipping"]
 
 
 @keeps_running_statistics
+@keeps_global_rng
 def pixel_flipping(
     module: TensorDictModuleBase | nn.Module,
     td: TensorDictBase,

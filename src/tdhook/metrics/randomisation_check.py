@@ -20,6 +20,7 @@ from tdhook.metrics._batch_statistics import statistics_kept
 from tdhook.metrics._features import Features
 from tdhook.metrics._layer_reset import refuse_hooked_weights, reset_layer
 from tdhook.metrics._methods import check_method, explain, method_keys, method_prefix, original_target, target_set
+from tdhook.metrics._random import cuda_devices
 from tdhook.metrics._scoring import progress_bar
 from tdhook.metrics._similarity import pearson, spearman
 
@@ -36,10 +37,6 @@ def _named_modules(method: TensorDictModuleBase) -> list[tuple[str, nn.Module]]:
 def _named_layers(method: TensorDictModuleBase) -> list[tuple[str, nn.Module]]:
     """The modules of the method's model that can be re-initialised, by the names the method gives them."""
     return [(name, m) for name, m in _named_modules(method) if callable(getattr(m, "reset_parameters", None))]
-
-
-def _cuda_devices(model: nn.Module) -> list[int]:
-    return sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.device.type == "cuda"})
 
 
 def randomisation_check(
@@ -110,7 +107,7 @@ def randomisation_check(
         raise ValueError("randomisation_check: the method's model has no module with reset_parameters to randomise")
     with statistics_kept(copied):  # every explanation from the caller's running statistics
         result = explain(copied, td)
-    target = original_target(copied, result, batch_dims)
+    target = original_target(copied, result, batch_dims, td)
     try:
         stored = Features.read(td, keys, prefix).attributions
     except KeyError:
@@ -123,7 +120,7 @@ def randomisation_check(
     original = flat(stored)
     scores: dict[str, torch.Tensor] = {}
     update = progress_bar(len(layers), "randomisation check", progress)
-    with torch.random.fork_rng(devices=_cuda_devices(copied)), target_set(copied, target):
+    with torch.random.fork_rng(devices=cuda_devices(copied)), target_set(copied, target):
         for name, layer in layers:
             torch.manual_seed(seed + 1)
             reset_layer(name, layer)

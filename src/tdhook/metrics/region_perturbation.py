@@ -20,6 +20,7 @@ from tdhook.attribution.targets import Target
 from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._curves import perturbation_curve
 from tdhook.metrics._features import Baseline, Features, sort_positions
+from tdhook.metrics._random import keeps_global_rng
 from tdhook.metrics._scoring import Scorer
 
 __all__ = ["patch_grid", "region_perturbation"]
@@ -44,6 +45,7 @@ def patch_grid(height: int, width: int, patch_size: int) -> torch.Tensor:
 
 
 @keeps_running_statistics
+@keeps_global_rng
 def region_perturbation(
     module: TensorDictModuleBase | nn.Module,
     td: TensorDictBase,
@@ -83,7 +85,7 @@ def region_perturbation(
 
     Raises:
         ValueError: a bad ``patch_size``, ``order`` or ``n_regions``, a key with fewer than two dimensions, or an
-            attribution holding NaN.
+            attribution holding NaN or summing to NaN over a patch.
 
     Examples:
         >>> import torch
@@ -131,6 +133,12 @@ def region_perturbation(
         plane = full.reshape(*batch, math.prod(x.shape[len(batch) : -2]), height * width).sum(-2)
         patch_sums = torch.zeros(*batch, n_patches, dtype=a.dtype, device=a.device)
         sums.append(patch_sums.index_add_(-1, grid.flatten(), plane))
+        if bool(sums[-1].isnan().any()):  # +inf and -inf in one patch
+            where = tuple(sums[-1].isnan().nonzero()[0].tolist())
+            raise ValueError(
+                f"region_perturbation: the attribution of {key!r} sums to NaN over a patch (sample and patch "
+                f"{where}: +inf and -inf in one patch), which has no rank; make the attributions finite first"
+            )
         feature_regions.append((grid + offset).expand(a.shape[len(batch) :]).flatten())
         offset += n_patches
     n_total = offset

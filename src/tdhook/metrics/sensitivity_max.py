@@ -10,7 +10,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
 from tdhook.metrics._batch_statistics import batch_normalising_module, keeps_running_statistics, statistics_kept
-from tdhook.metrics._features import Features, stacked_batch
+from tdhook.metrics._features import Features, inputs_value, stacked_batch
 from tdhook.metrics._methods import (
     check_method,
     explain,
@@ -20,7 +20,7 @@ from tdhook.metrics._methods import (
     repeat_target,
     target_set,
 )
-from tdhook.metrics._random import generator
+from tdhook.metrics._random import generator, keeps_global_rng
 from tdhook.metrics.infidelity import check_perturbed, repeated
 
 __all__ = ["sensitivity_max"]
@@ -31,6 +31,7 @@ def _flat(attributions: Sequence[torch.Tensor], batch_dims: int) -> torch.Tensor
 
 
 @keeps_running_statistics
+@keeps_global_rng
 def sensitivity_max(
     method: TensorDictModuleBase,
     td: TensorDictBase,
@@ -84,6 +85,8 @@ def sensitivity_max(
     if isinstance(n_perturb_samples, bool) or not isinstance(n_perturb_samples, int) or n_perturb_samples < 1:
         raise ValueError(f"sensitivity_max: n_perturb_samples must be a positive int, got {n_perturb_samples!r}")
     keys = method_keys(method, in_keys, td)
+    for key in keys:  # the keys perturbed: inputs the TensorDict holds
+        inputs_value(td, key)
     prefix = method_prefix(method, relevance_key)
     batch, n = td.batch_size, n_perturb_samples
     rng = generator(seed) if perturb_fn is None else None
@@ -106,7 +109,7 @@ def sensitivity_max(
     work = td.select(*method.in_keys, strict=False).expand(n, *batch).clone(recurse=False)
     for key in keys:
         work.set(key, perturbed.get(key).movedim(len(batch), 0))
-    target = original_target(method, result, len(batch))
+    target = original_target(method, result, len(batch), td)
     if batch_normalising_module(method) is not None:
         with target_set(method, target), torch.no_grad():
             copies = []

@@ -1,0 +1,50 @@
+"""The value of the greedy action (torchrl's ``chosen_action_value``): a score whose action a perturbation may change.
+
+A ``QValueModule`` writes the action values, the greedy action and that action's value. Explained at an input,
+the chosen value is the value of the action chosen there; on a perturbed input it is the value of whatever action
+is greedy there, so a curve of it would switch from one action to another. The metrics score instead the value of
+the action chosen on the unperturbed input, a fixed unit of the action values: the quantity the explanation is
+about, as the argmax of ``None`` targets stays fixed.
+
+Examples:
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> from torchrl.modules import QValueActor
+    >>> actor = QValueActor(torch.nn.Linear(3, 2), in_keys=["observation"], spec=None, action_space="one_hot")
+    >>> result = actor(TensorDict(observation=torch.randn(4, 3), batch_size=[4]))
+    >>> key, index = chosen_action(actor, "chosen_action_value", result)
+    >>> key, torch.equal(result["action_value"].gather(-1, index[:, None]), result["chosen_action_value"])
+    ('action_value', True)
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
+from tensordict.utils import NestedKey, unravel_key
+from torchrl.modules import QValueModule
+
+__all__ = ["chosen_action", "chosen_value_module"]
+
+
+def chosen_value_module(module: TensorDictModuleBase, key: NestedKey) -> QValueModule | None:
+    """The ``QValueModule`` in ``module`` that writes the chosen action's value at ``key``, or ``None``."""
+    key = unravel_key(key)
+    for sub in module.modules():
+        if isinstance(sub, QValueModule) and len(sub.out_keys) > 2 and unravel_key(sub.out_keys[2]) == key:
+            return sub
+    return None
+
+
+def chosen_action(
+    module: TensorDictModuleBase, key: NestedKey, result: TensorDictBase
+) -> tuple[NestedKey, torch.Tensor] | None:
+    """Where ``key`` is a chosen action's value: the key of the action values and the index of the action chosen
+    in ``result`` (per sample: the module writes the action values of forbidden actions as the lowest float, so
+    that their argmax is the greedy allowed action); else ``None``."""
+    found = chosen_value_module(module, key)
+    if found is None:
+        return None
+    values_key = unravel_key(found.out_keys[1])
+    return values_key, result.get(values_key).detach().argmax(-1)  # masked already where the module reads a mask
