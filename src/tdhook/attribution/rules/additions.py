@@ -22,6 +22,7 @@ from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._autograd import is_activation, mark_parameter_derived, scale_gradient
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._numerics import stabilize
+from tdhook.attribution.rules._recomputed import raise_for_checkpoint
 
 __all__ = ["StabilizedAdditions"]
 
@@ -69,6 +70,7 @@ class StabilizedAdditions(TorchFunctionMode):
             and is_activation(args[1])
             and args[0].shape == args[1].shape
         ):
+            raise_for_checkpoint("stabilised additions")
             if graph_kept() is not None:  # from a copy of the sum, with its history
                 total = result.clone()
                 scale = total / stabilize(total, self.epsilon)

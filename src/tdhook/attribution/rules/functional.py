@@ -33,6 +33,7 @@ from tdhook.attribution.rules._autograd import (
     scale_gradient,
 )
 from tdhook.attribution.rules._keeping_graph import graph_kept
+from tdhook.attribution.rules._recomputed import raise_for_checkpoint
 from tdhook.attribution.rules.gates import (
     GATE_FUNCTIONS,
     GATE_PRESERVING,
@@ -159,6 +160,7 @@ class FunctionalRules(TorchFunctionMode):
         if func not in _HANDLED:  # most calls: run, and mark what the rules read later (no rule of their own)
             result = mark_parameter_derived(args, func(*args, **kwargs))
             return keep_gate_mark(func, args, result, kwargs) if func in GATE_PRESERVING else result
+        raise_for_checkpoint("the transformer rules on products, softmax, attention, activations and norms")
         recording = self.recording
         if recording is None:
             return self._ruled(func, args, kwargs)

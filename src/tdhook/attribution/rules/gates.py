@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._autograd import hold, is_activation, mark_parameter_derived
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
+from tdhook.attribution.rules._recomputed import raise_for_checkpoint
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.rules.basic import PassRule
 
@@ -219,6 +220,7 @@ class HeldGates(TorchFunctionMode):
         if func in _ELEMENTWISE_PRODUCTS:
             held = held_gate_product(func, args, kwargs)
             if held is not None:
+                raise_for_checkpoint("gates held constant in products")
                 self.held = True
                 return held
             return mark_parameter_derived(args, func(*args, **kwargs))
