@@ -293,8 +293,8 @@ class RouterRule(Rule):
                 return None
             return _held(output, mod)
 
-        registration.hooks.append(module.register_forward_hook(hold))
-        self._registrations[module] = registration
+        with self._recorded(module, registration):
+            registration.hooks.append(module.register_forward_hook(hold))
         return RemovableRuleHandle(self, module)
 
 
