@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.function import BackwardCFunction
+from torch.nn.modules._functions import BackwardHookFunction
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from tdhook.attribution.coverage import PlainGradientCall
@@ -230,8 +231,8 @@ class NonlinearCalls(TorchFunctionMode):
         calls = []
         for node in nodes:
             function = getattr(node, "_forward_cls", None) if isinstance(node, BackwardCFunction) else None
-            if function is None or function.__module__.startswith("tdhook."):
-                continue  # not a custom Function, or one of the rules' own
+            if function is None or function.__module__.startswith("tdhook.") or function is BackwardHookFunction:
+                continue  # not a custom Function, one of the rules' own, or the identity of full backward hooks
             number = node._sequence_nr()
             # The innermost module call whose span holds the node: the one that started last among them, and of
             # those that started with the same number (a module whose first node is its first child's), the one
