@@ -294,6 +294,22 @@ class TestAutogradFunctions:
         torch.testing.assert_close(td["relevance", "x"], expected["relevance", "x"], rtol=0, atol=0)
 
 
+class VmappedSine(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.vmap(torch.sin)(self.fc(x))
+
+
+def test_a_call_under_vmap_is_named_as_the_same_call_outside():
+    # Under torch.vmap tensors report no gradient: the watch looks at the tensors the graph holds, and names the
+    # sine as it does outside vmap (it went unreported, with its plain gradient).
+    _, _, messages = call(nn.Sequential(VmappedSine(), nn.Linear(4, 2)), EpsilonPlus())
+    assert len(messages) == 1 and "module '0' (VmappedSine) computes sin" in messages[0]
+
+
 class Cube(torch.autograd.Function):
     """A custom autograd Function: its forward runs without gradient, its backward is its own."""
 

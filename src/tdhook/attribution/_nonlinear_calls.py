@@ -47,6 +47,7 @@ from tdhook.attribution.rules._autograd import (
     mark_parameter_derived,
     mark_parameter_slots,
     relevance_pass_edges,
+    unwrapped,
 )
 
 __all__ = ["NonlinearCalls", "function_kind", "report_plain_gradient"]
@@ -173,6 +174,14 @@ def _graph_nodes(outputs: Sequence[torch.Tensor]) -> set:
     return seen
 
 
+def _unwrapped_all(value: Any) -> Any:
+    """``value`` without the wrappers of ``torch.func`` transforms: a tensor, or the tensors of a tuple or list
+    (a list of the same length), and of the tuples or lists in it (``torch.cat``'s)."""
+    if isinstance(value, (tuple, list)):
+        return [[unwrapped(u) for u in v] if isinstance(v, (tuple, list)) else unwrapped(v) for v in value]
+    return unwrapped(value)
+
+
 def _is_activation_result(result: Any) -> bool:
     if isinstance(result, (tuple, list)):
         return any(isinstance(r, torch.Tensor) and r.requires_grad for r in result)
@@ -200,7 +209,10 @@ class NonlinearCalls(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = mark_parameter_derived(args, func(*args, **(kwargs or {})))
-        self._record(func, args, result)
+        if torch._C._are_functorch_transforms_active():  # under torch.vmap: the tensors the graph holds
+            self._record(func, _unwrapped_all(args), _unwrapped_all(result))
+        else:
+            self._record(func, args, result)
         return result
 
     def _record(self, func: Any, args: tuple, result: Any) -> None:

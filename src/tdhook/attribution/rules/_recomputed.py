@@ -34,7 +34,7 @@ import sys
 import torch
 from torch import nn
 
-__all__ = ["in_checkpoint", "raise_for_checkpoint", "innermost_module"]
+__all__ = ["in_checkpoint", "raise_for_checkpoint", "innermost_module", "error_in_running_module"]
 
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 _CALL_CODES = frozenset(
@@ -72,13 +72,25 @@ def raise_for_checkpoint(what: str) -> None:
     """
     if not in_checkpoint():
         return
+    raise error_in_running_module(
+        ValueError,
+        "runs inside torch.utils.checkpoint, whose backward pass recomputes the forward without the function rules "
+        f"({what}), so the relevance would be computed with the plain functions' tensors. Explain the model "
+        "without checkpointing (call the checkpointed block directly, or switch its checkpointing off), or use "
+        "rules that are registered on modules only",
+    )
+
+
+def error_in_running_module(kind: type[Exception], what: str) -> Exception:
+    """A ``kind`` error saying that the innermost running module ``what``; the module is kept on the error's
+    ``module``, where the LRP wrapper reads it to name its path.
+
+    Examples:
+        >>> error_in_running_module(ValueError, "runs where no rule reaches")
+        ValueError('LRP: a call runs where no rule reaches')
+    """
     module = innermost_module()
     where = f"module {type(module).__name__}" if module is not None else "a call"
-    error = ValueError(
-        f"LRP: {where} runs inside torch.utils.checkpoint, whose backward pass recomputes the forward without "
-        f"the function rules ({what}), so the relevance would be computed with the plain functions' tensors. "
-        "Explain the model without checkpointing (call the checkpointed block directly, or switch its "
-        "checkpointing off), or use rules that are registered on modules only"
-    )
+    error = kind(f"LRP: {where} {what}")
     error.module = module  # type: ignore[attr-defined]
-    raise error
+    return error

@@ -19,7 +19,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._arguments import nonnegative
-from tdhook.attribution.rules._autograd import is_activation, mark_parameter_derived, scale_gradient
+from tdhook.attribution.rules._autograd import (
+    is_activation,
+    mark_parameter_derived,
+    raise_for_transformed_call,
+    scale_gradient,
+)
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._numerics import stabilize
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint
@@ -61,6 +66,8 @@ class StabilizedAdditions(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _ADDITIONS and len(args) == 2:
+            raise_for_transformed_call("stabilised additions", args, needs=2)
         result = mark_parameter_derived(args, func(*args, **kwargs))
         if (
             func in _ADDITIONS

@@ -29,6 +29,7 @@ from tdhook.attribution.rules._autograd import (
     hold,
     is_activation,
     mark_parameter_derived,
+    raise_for_transformed_call,
     redirect,
     scale_gradient,
 )
@@ -160,7 +161,9 @@ class FunctionalRules(TorchFunctionMode):
         if func not in _HANDLED:  # most calls: run, and mark what the rules read later (no rule of their own)
             result = mark_parameter_derived(args, func(*args, **kwargs))
             return keep_gate_mark(func, args, result, kwargs) if func in GATE_PRESERVING else result
-        raise_for_checkpoint("the transformer rules on products, softmax, attention, activations and norms")
+        what = "the transformer rules on products, softmax, attention, activations and norms"
+        raise_for_checkpoint(what)
+        raise_for_transformed_call(what, args, needs=2 if func in _PRODUCTS else 1)
         recording = self.recording
         if recording is None:
             return self._ruled(func, args, kwargs)
