@@ -31,7 +31,6 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -49,6 +48,7 @@ from tdhook.attribution.rules._autograd import (
     relevance_pass_edges,
     unwrapped,
 )
+from tdhook.attribution.rules._caller import warn_at_caller
 
 __all__ = ["NonlinearCalls", "function_kind", "report_plain_gradient"]
 
@@ -339,5 +339,5 @@ def report_plain_gradient(
         )
         if strict:
             raise ValueError(message)
-        warnings.warn(message, stacklevel=2)
+        warn_at_caller(message)
     return calls

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import types
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -33,6 +32,7 @@ from tdhook.attribution.rules._autograd import (
     redirect,
     scale_gradient,
 )
+from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint
 from tdhook.attribution.rules.gates import (
@@ -316,9 +316,8 @@ def _warn_random(p: float) -> None:
     ``Dropout`` module in training mode (under CP-LRP the dropped attention weights are held constant, but they
     still differ from call to call)."""
     if p:
-        warnings.warn(
+        warn_at_caller(
             f"LRP: the forward pass calls dropout (p={p}) in training mode, outside any Dropout module (attention "
             "dropout, mostly), so each forward pass drops other units and the explanation is random from call to "
-            "call; call .eval() on the model for a deterministic one",
-            stacklevel=5,
+            "call; call .eval() on the model for a deterministic one"
         )
