@@ -278,6 +278,37 @@ class TestAutogradFunctions:
             _, _, messages = call(model, mapper)
             assert messages == []
 
+    def test_the_users_full_backward_hooks_are_not_named(self):
+        # register_full_backward_hook and _pre_hook wrap the module's inputs and outputs in an identity Function
+        # whose backward runs the hooks: no call of the model's, so strict mode runs, with the hooks' relevance.
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        torch.manual_seed(0)  # the input call() draws
+        _, expected, _ = call(model, EpsilonPlus(strict=True))
+        ran = []
+        model[0].register_full_backward_hook(lambda module, grad_in, grad_out: ran.append("hook"))
+        model[2].register_full_backward_pre_hook(lambda module, grad_out: ran.append("pre-hook"))
+        torch.manual_seed(0)
+        lrp, td, messages = call(model, EpsilonPlus(strict=True))
+        assert messages == [] and lrp.coverage().plain_gradient == ()
+        assert sorted(ran) == ["hook", "pre-hook"]
+        torch.testing.assert_close(td["relevance", "x"], expected["relevance", "x"], rtol=0, atol=0)
+
+
+class VmappedSine(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.vmap(torch.sin)(self.fc(x))
+
+
+def test_a_call_under_vmap_is_named_as_the_same_call_outside():
+    # Under torch.vmap tensors report no gradient: the watch looks at the tensors the graph holds, and names the
+    # sine as it does outside vmap (it went unreported, with its plain gradient).
+    _, _, messages = call(nn.Sequential(VmappedSine(), nn.Linear(4, 2)), EpsilonPlus())
+    assert len(messages) == 1 and "module '0' (VmappedSine) computes sin" in messages[0]
+
 
 class Cube(torch.autograd.Function):
     """A custom autograd Function: its forward runs without gradient, its backward is its own."""

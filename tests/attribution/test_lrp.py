@@ -239,6 +239,12 @@ class TestBadInput(ExpectsARefusal):
         with torch.inference_mode():
             self.run_and_expect(td, RuntimeError, r"torch.inference_mode\(\) is active .* blocks the gradients")
 
+    def test_an_input_on_the_meta_device_is_named(self):
+        # Before, the model ran on the shapes alone: a relevance of no values under LRP-0, and under z⁺ a bare
+        # "Tensor.item() cannot be called on meta tensors" from inside a rule.
+        td = TensorDict(x=torch.randn(2, 5, device="meta"), batch_size=[2])
+        self.run_and_expect(td, ValueError, "input key 'x' is on the meta device, which holds shapes but no values")
+
     def test_inputs_made_in_inference_mode_are_explained(self):
         with torch.inference_mode():
             x = torch.randn(2, 5, dtype=torch.float64)

@@ -361,10 +361,12 @@ def test_activation_checkpointing_works_or_raises_clearly():
     expected = LRP(net, EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"])(td.clone())["relevance", "x"]
     checkpointed = LRP(CheckpointedBody(net, reentrant=False), EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"])
     torch.testing.assert_close(checkpointed(td.clone())["relevance", "x"], expected, rtol=0, atol=0)
-    # The re-entrant variant cannot serve torch.autograd.grad at all; torch says so, and the model is left as it was.
+    # The re-entrant variant cannot serve torch.autograd.grad at all; the error names the checkpointed module, and
+    # the model is left as it was.
     reentrant_model = CheckpointedBody(net, reentrant=True)
     before = model_snapshot(reentrant_model)
-    with pytest.raises(RuntimeError, match="use_reentrant=True, torch.utils.checkpoint is incompatible with .grad"):
+    pattern = r"module 'net.0' \(Linear\) runs in a region checkpointed .*use_reentrant=True"
+    with pytest.raises(ValueError, match=pattern):
         LRP(reentrant_model, EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"])(td.clone())
     assert_model_unchanged(reentrant_model, before)
 

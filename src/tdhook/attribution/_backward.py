@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from tdhook.attribution._checkpointing import reentrant_checkpoint_error
 from tdhook.attribution.rules._glue import GlueError
 from tdhook.attribution.rules._keeping_graph import RelevancePass
 from tdhook.attribution.rules.base import RemovableRuleHandle
@@ -64,6 +65,11 @@ def leaf_relevance(
         names = {id(m): n for n, m in modules().items()}
         if id(err.module) in names:
             err.add_note(f"LRP: the layer is module {names[id(err.module)]!r}")
+        raise
+    except RuntimeError as err:
+        checkpointed = reentrant_checkpoint_error(err, tensors, modules())
+        if checkpointed is not None:
+            raise checkpointed from err
         raise
     grads = [None if leaf is None else next(taken_grads) for leaf in leaves]
     relevances: list[torch.Tensor | None] = [

@@ -124,6 +124,7 @@ def validate_inputs(tensordict: TensorDictBase, keys: Sequence[NestedKey]) -> No
         TypeError: an input is not a floating-point or integer tensor (a tensorclass or TensorDict is named
             with its entries' keys), or the TensorDict is a tensorclass (its fields cannot take the results).
         RuntimeError: ``torch.inference_mode()`` is active: no gradient, so no relevance.
+        ValueError: an input is on the meta device (no values to explain).
     """
     if torch.is_inference_mode_enabled():
         raise RuntimeError(
@@ -155,6 +156,11 @@ def validate_inputs(tensordict: TensorDictBase, keys: Sequence[NestedKey]) -> No
                 f"LRP: input key {key!r} must be a floating-point tensor (or integer tokens read by an "
                 f"nn.Embedding or nn.EmbeddingBag) to receive relevance, got {dtype}; pass in_keys=[...] to explain "
                 "only those inputs"
+            )
+        if value.is_meta:
+            raise ValueError(
+                f"LRP: input key {key!r} is on the meta device, which holds shapes but no values: there is no "
+                "relevance to compute from it; pass the input (and the model) on a real device"
             )
 
 

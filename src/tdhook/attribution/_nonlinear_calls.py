@@ -31,13 +31,13 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd.function import BackwardCFunction
+from torch.nn.modules._functions import BackwardHookFunction
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from tdhook.attribution.coverage import PlainGradientCall
@@ -46,7 +46,9 @@ from tdhook.attribution.rules._autograd import (
     mark_parameter_derived,
     mark_parameter_slots,
     relevance_pass_edges,
+    unwrapped,
 )
+from tdhook.attribution.rules._caller import warn_at_caller
 
 __all__ = ["NonlinearCalls", "function_kind", "report_plain_gradient"]
 
@@ -172,6 +174,14 @@ def _graph_nodes(outputs: Sequence[torch.Tensor]) -> set:
     return seen
 
 
+def _unwrapped_all(value: Any) -> Any:
+    """``value`` without the wrappers of ``torch.func`` transforms: a tensor, or the tensors of a tuple or list
+    (a list of the same length), and of the tuples or lists in it (``torch.cat``'s)."""
+    if isinstance(value, (tuple, list)):
+        return [[unwrapped(u) for u in v] if isinstance(v, (tuple, list)) else unwrapped(v) for v in value]
+    return unwrapped(value)
+
+
 def _is_activation_result(result: Any) -> bool:
     if isinstance(result, (tuple, list)):
         return any(isinstance(r, torch.Tensor) and r.requires_grad for r in result)
@@ -199,7 +209,10 @@ class NonlinearCalls(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = mark_parameter_derived(args, func(*args, **(kwargs or {})))
-        self._record(func, args, result)
+        if torch._C._are_functorch_transforms_active():  # under torch.vmap: the tensors the graph holds
+            self._record(func, _unwrapped_all(args), _unwrapped_all(result))
+        else:
+            self._record(func, args, result)
         return result
 
     def _record(self, func: Any, args: tuple, result: Any) -> None:
@@ -230,8 +243,8 @@ class NonlinearCalls(TorchFunctionMode):
         calls = []
         for node in nodes:
             function = getattr(node, "_forward_cls", None) if isinstance(node, BackwardCFunction) else None
-            if function is None or function.__module__.startswith("tdhook."):
-                continue  # not a custom Function, or one of the rules' own
+            if function is None or function.__module__.startswith("tdhook.") or function is BackwardHookFunction:
+                continue  # not a custom Function, one of the rules' own, or the identity of full backward hooks
             number = node._sequence_nr()
             # The innermost module call whose span holds the node: the one that started last among them, and of
             # those that started with the same number (a module whose first node is its first child's), the one
@@ -326,5 +339,5 @@ def report_plain_gradient(
         )
         if strict:
             raise ValueError(message)
-        warnings.warn(message, stacklevel=2)
+        warn_at_caller(message)
     return calls

@@ -15,13 +15,14 @@ Examples:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torch import nn
 from torchrl.modules import ConsistentDropoutModule
+
+from tdhook.attribution.rules._caller import warn_at_caller
 
 __all__ = ["random_modules", "warn_for_random_modules"]
 
@@ -41,11 +42,10 @@ def warn_for_random_modules(who: str, candidates: list[tuple], tensordict: Tenso
     for name, module, mask in candidates:
         given = mask is not None and tensordict is not None and tensordict.get(mask, None) is not None
         if module.training and not given:
-            warnings.warn(
+            warn_at_caller(
                 f"{who}: module {name!r} ({type(module).__name__}, p={module.p}) is in training mode, so each "
                 "forward pass drops other units and the explanation is random from call to call; call .eval() on "
-                "the model for a deterministic one",
-                stacklevel=4,
+                "the model for a deterministic one"
             )
             return []
     return candidates

@@ -17,12 +17,13 @@ Examples:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
+
+from tdhook.attribution.rules._caller import warn_at_caller
 
 __all__ = ["unmatched_names", "warn_for_unmatched_names"]
 
@@ -67,9 +68,7 @@ def warn_for_unmatched_names(mapper: Any, modules: Mapping[str, nn.Module]) -> N
         names = [name for name in modules if name]
         shown = ", ".join(repr(name) for name in names[:_SHOWN]) + (", ..." if len(names) > _SHOWN else "")
         keys = ", ".join(repr(key) for key in unmatched)
-        warnings.warn(
+        warn_at_caller(
             f"LRP: rule_mapper: {keys} {'matches' if len(unmatched) == 1 else 'match'} no module of the model, "
-            f"and the rule it keys is not used; its modules are {shown or 'none but the model itself'}",
-            UserWarning,
-            stacklevel=3,
+            f"and the rule it keys is not used; its modules are {shown or 'none but the model itself'}"
         )

@@ -26,11 +26,11 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from torch import nn
 
+from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules.base import RemovableRuleHandle
 from tdhook.attribution.rules.basic import IgnoreRule
 
@@ -104,11 +104,10 @@ class RuleUse:
             parent = modules.get(parent_name)
             if parent is None or parent is module or id(parent) not in ran:
                 continue
-            warnings.warn(
+            warn_at_caller(
                 f"LRP: {handle.rule!r} on module {name!r} ({type(module).__name__}) has no effect: the module did "
                 f"not run, although its parent {parent_name or 'the model'!r} ({type(parent).__name__}) did. The "
                 "parent computes with the module's parameters directly (as nn.MultiheadAttention does with "
                 "out_proj), so that computation keeps its plain gradient; map the parent to a rule, or use a "
-                "preset that handles it (AttnLRP, CPLRP)",
-                stacklevel=5,
+                "preset that handles it (AttnLRP, CPLRP)"
             )

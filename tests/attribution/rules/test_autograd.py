@@ -81,3 +81,86 @@ class TestRedirectToTheOutput:
         z = function(y)
         (expected,) = torch.autograd.grad(z, y, z.detach() / (z.detach() + 0.1 * z.detach().sign()))
         assert torch.allclose(grad, expected, rtol=1e-12, atol=0)
+
+
+class TestCallsUnderTorchFuncTransforms:
+    """Under ``torch.vmap`` tensors report no gradient, so the function rules (and the coverage watch) saw no
+    activation and left the call its plain gradient, silently: a vmapped attention was 121 % off under AttnLRP
+    and 46 % under CP-LRP, a vmapped sigmoid gate 9.8 % off under EpsilonPlus. Such a call is refused naming the
+    module; one the rules would not change (a linear map under vmap) runs as before."""
+
+    @staticmethod
+    def attend(q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+
+    @staticmethod
+    def gate(h, g):
+        return h * torch.sigmoid(g)
+
+    def models(self, vmapped: bool):
+        from torch import nn
+
+        attend, gate = self.attend, self.gate
+
+        class Attention(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.q, self.k, self.v, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+            def forward(self, x):
+                q, k, v = self.q(x), self.k(x), self.v(x)
+                return self.head((torch.vmap(attend) if vmapped else attend)(q, k, v).mean(1))
+
+        class Gated(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc, self.g, self.head = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+            def forward(self, x):
+                h = torch.relu(self.fc(x))
+                return self.head((torch.vmap(gate) if vmapped else gate)(h, self.g(h)))
+
+        torch.manual_seed(0)
+        return Attention().double(), Gated().double()
+
+    @pytest.mark.parametrize("preset", ["AttnLRP", "CPLRP", "EpsilonPlus"])
+    def test_refused_naming_the_module(self, preset: str):
+        from tensordict import TensorDict
+
+        from tdhook.attribution import LRP
+        from tdhook.attribution.lrp_helpers.rules import CPLRP, AttnLRP, EpsilonPlus
+        from tests.attribution.test_lrp_reliability import assert_model_unchanged, model_snapshot
+
+        mapper = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, "EpsilonPlus": EpsilonPlus}[preset]()
+        attention, gated = self.models(vmapped=True)
+        model, x = (gated, torch.randn(4, 6)) if preset == "EpsilonPlus" else (attention, torch.randn(2, 5, 8))
+        before = model_snapshot(model)
+        lrp = LRP(model, mapper, in_keys=["x"], out_keys=["y"])
+        refused = r"module (Attention|Gated) runs under torch.vmap .* would be the plain gradient"
+        with pytest.raises(RuntimeError, match=refused):
+            lrp(TensorDict(x=x.double(), batch_size=x.shape[:1]))
+        assert_model_unchanged(model, before)
+
+    def test_a_linear_map_under_vmap_is_not_refused(self):
+        from tensordict import TensorDict
+        from torch import nn
+
+        from tdhook.attribution import LRP
+        from tdhook.attribution.lrp_helpers.rules import AttnLRP
+
+        class Scaled(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.fc, self.w = nn.Linear(4, 4), nn.Parameter(torch.randn(4, 2))
+
+            def forward(self, x):
+                return torch.vmap(lambda h: h @ self.w)(self.fc(x))
+
+        model = Scaled().double()
+        x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+        relevance = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])(TensorDict(x=x.detach(), batch_size=[3]))[
+            "relevance", "x"
+        ]
+        out = model(x)
+        expected = x * torch.autograd.grad(out.max(-1).values.sum(), x)[0]  # LRP-0: gradient x input
+        torch.testing.assert_close(relevance, expected.detach(), rtol=1e-10, atol=1e-12)

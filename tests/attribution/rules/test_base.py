@@ -196,3 +196,42 @@ class TestGlobalForwardHooks:
         finally:
             handle.remove()
         assert nn.Conv2d in seen and torch.equal(actual, expected)
+
+
+def _rule_hooks(module: nn.Module) -> dict[str, int]:
+    return {k: len(v) for k, v in vars(module).items() if "hooks" in k and isinstance(v, dict) and v}
+
+
+class TestInterruptedRegistration:
+    """``Rule.register`` records the registration before it adds a hook: an interrupt at any line leaves either
+    nothing on the module, or a registration the rule knows, which ``unregister`` removes. Recorded last, a hook
+    added before the interrupt stayed on the module unseen (``is_registered`` false, ``unregister`` a no-op): the
+    rule went on changing the module's gradient, training included, and registering it again doubled it."""
+
+    @pytest.mark.parametrize(
+        ("make_rule", "make_module"),
+        [
+            (lambda: EpsilonRule(), lambda: nn.ELU(inplace=True)),  # the in-place snapshot pre-hook, then the hook
+            (lambda: GammaRule(0.25), lambda: nn.Linear(2, 2)),
+            (lambda: NormRule(), lambda: nn.LayerNorm(2)),  # a rule that acts inside the forward
+        ],
+        ids=["in-place", "modified", "in-forward"],
+    )
+    def test_no_hook_is_left_that_the_rule_does_not_know(self, make_rule, make_module):
+        from tests.attribution._interrupts import Interrupt, every_line
+
+        x = torch.randn(4, 2)
+
+        def gradient(module: nn.Module) -> torch.Tensor:
+            leaf = x.clone().requires_grad_(True)
+            return torch.autograd.grad(module(leaf * 1.0).pow(2).sum(), leaf)[0]
+
+        for at in every_line(lambda: make_rule().register(make_module()).remove(), stride=1):
+            rule, module = make_rule(), make_module()
+            plain = gradient(copy.deepcopy(module))
+            with Interrupt(at) as interrupt:
+                rule.register(module)
+            rule.unregister(module)  # what the caller can still do without the handle
+            assert _rule_hooks(module) == {}, interrupt.where
+            assert len(rule._registrations) == 0, interrupt.where
+            torch.testing.assert_close(gradient(module), plain, rtol=0, atol=0, msg=interrupt.where)

@@ -40,6 +40,7 @@ from torch.nn import Parameter
 
 from tdhook.attribution.rules._keeping_graph import RelevancePass, graph_kept
 from tdhook.attribution.rules._numerics import safe_divide
+from tdhook.attribution.rules._recomputed import error_in_running_module
 
 __all__ = [
     "redirect",
@@ -59,6 +60,8 @@ __all__ = [
     "mark_parameter_derived",
     "call_argument",
     "raise_for_vmap",
+    "raise_for_transformed_call",
+    "unwrapped",
 ]
 
 
@@ -583,3 +586,53 @@ def raise_for_vmap(module: torch.nn.Module, output: Any) -> None:
         )
         error.module = module  # type: ignore[attr-defined]
         raise error
+
+
+def unwrapped(value: Any) -> Any:
+    """``value`` without the wrappers of ``torch.func`` transforms (a BatchedTensor under ``torch.vmap``): the
+    tensor whose autograd history the relevance pass follows.
+
+    Examples:
+        >>> x, seen = torch.ones(2, 3, requires_grad=True) * 1, []
+        >>> _ = torch.vmap(lambda t: seen.append((t.requires_grad, unwrapped(t).requires_grad)) or t)(x)
+        >>> seen
+        [(False, True)]
+    """
+    while _FUNCTORCH is not None and isinstance(value, torch.Tensor) and _FUNCTORCH.is_functorch_wrapped_tensor(value):
+        value = _FUNCTORCH.get_unwrapped(value)
+    return value
+
+
+def raise_for_transformed_call(what: str, args: Sequence[Any], needs: int = 1) -> None:
+    """Raise where a call a function rule would change runs under a ``torch.func`` transform (``torch.vmap``) on
+    an activation: there tensors report no gradient, so the rule would not see the call and its relevance would
+    silently be the plain gradient.
+
+    Args:
+        what: the rule that would change the call, for the message.
+        args: the call's arguments.
+        needs: how many of them must be activations for the rule to change the call (2 for a product).
+
+    Raises:
+        RuntimeError: naming the module that makes the call (its path is added by the LRP wrapper through the
+            error's ``module``).
+
+    Examples:
+        >>> a = torch.randn(2, 3, requires_grad=True) * 1
+        >>> raise_for_transformed_call("a product's rule", (a, a))  # not transformed: nothing to refuse
+        >>> try:
+        ...     torch.vmap(lambda x: raise_for_transformed_call("a product's rule", (x, x)) or x)(a)
+        ... except RuntimeError as err:
+        ...     print(str(err)[:58])
+        LRP: a call runs under torch.vmap (or another torch.func t
+    """
+    if not torch._C._are_functorch_transforms_active():
+        return
+    if sum(is_activation(unwrapped(a)) for a in args if isinstance(a, torch.Tensor)) < needs:
+        return
+    raise error_in_running_module(
+        RuntimeError,
+        "runs under torch.vmap (or another torch.func transform) on an activation, where the function rules "
+        f"({what}) cannot see the call's gradient: the relevance would be the plain gradient. Compute it outside "
+        "the transform (a loop, or a batched call without torch.vmap) while explaining it",
+    )

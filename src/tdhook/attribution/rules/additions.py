@@ -19,9 +19,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._arguments import nonnegative
-from tdhook.attribution.rules._autograd import is_activation, mark_parameter_derived, scale_gradient
+from tdhook.attribution.rules._autograd import (
+    is_activation,
+    mark_parameter_derived,
+    raise_for_transformed_call,
+    scale_gradient,
+)
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._numerics import stabilize
+from tdhook.attribution.rules._recomputed import raise_for_checkpoint
 
 __all__ = ["StabilizedAdditions"]
 
@@ -60,6 +66,8 @@ class StabilizedAdditions(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _ADDITIONS and len(args) == 2:
+            raise_for_transformed_call("stabilised additions", args, needs=2)
         result = mark_parameter_derived(args, func(*args, **kwargs))
         if (
             func in _ADDITIONS
@@ -69,6 +77,7 @@ class StabilizedAdditions(TorchFunctionMode):
             and is_activation(args[1])
             and args[0].shape == args[1].shape
         ):
+            raise_for_checkpoint("stabilised additions")
             if graph_kept() is not None:  # from a copy of the sum, with its history
                 total = result.clone()
                 scale = total / stabilize(total, self.epsilon)

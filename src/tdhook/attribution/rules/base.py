@@ -513,13 +513,28 @@ class Rule(Tunable):
         registration = self._new_registration(module)
         if isinstance(module, LINEAR_LAYERS) and _has_plain_forward(module):
             registration.plain_layer = type(module)  # a parametrization, added later, changes the class
-        if self.uses_input and hasattr(module, "inplace"):  # in place now, or once its flag is set in the context
-            registration.hooks.append(module.register_forward_pre_hook(self._snapshot_hook(registration)))
-        # Before the module's own forward hooks: what they change is then code after the layer, passed by its
-        # gradient, not taken by the rule for the layer's own computation.
-        registration.hooks.append(module.register_forward_hook(self._forward_hook(registration), prepend=True))
-        self._registrations[module] = registration
+        with self._recorded(module, registration):
+            if self.uses_input and hasattr(module, "inplace"):  # in place now, or once its flag is set in the context
+                registration.hooks.append(module.register_forward_pre_hook(self._snapshot_hook(registration)))
+            # Before the module's own forward hooks: what they change is then code after the layer, passed by its
+            # gradient, not taken by the rule for the layer's own computation.
+            registration.hooks.append(module.register_forward_hook(self._forward_hook(registration), prepend=True))
         return RemovableRuleHandle(self, module)
+
+    @contextmanager
+    def _recorded(self, module: nn.Module, registration: Registration) -> Iterator[None]:
+        """Record ``registration`` for ``module``, then run the block that adds its hooks; where the block fails (an
+        error, an interrupt), remove the hooks it added and the record.
+
+        Recorded first, each hook is listed as it is added, so :meth:`unregister` finds every hook the rule put
+        on the module, whatever line an interrupt stops the registration at: none is left acting unseen.
+        """
+        try:
+            self._registrations[module] = registration
+            yield
+        except BaseException:
+            self.unregister(module)
+            raise
 
     def _register_in_forward(
         self, module: nn.Module, make_mode: Callable[[nn.Module], Any], leave: Callable | None = None
@@ -546,9 +561,9 @@ class Rule(Tunable):
                     err.module = mod  # the wrapper names its path
                 raise
 
-        registration.hooks.append(module.register_forward_pre_hook(enter))
-        registration.hooks.append(module.register_forward_hook(done, always_call=True))
-        self._registrations[module] = registration
+        with self._recorded(module, registration):
+            registration.hooks.append(module.register_forward_pre_hook(enter))
+            registration.hooks.append(module.register_forward_hook(done, always_call=True))
         return RemovableRuleHandle(self, module)
 
     def _new_registration(self, module: nn.Module) -> Registration:

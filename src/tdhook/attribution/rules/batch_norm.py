@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import nn
 
+from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import TRANSPOSED_FORWARDS, effective_parameters
 from tdhook.attribution.rules.base import (
@@ -88,10 +87,9 @@ class MergeBatchNormRule(NormRule):
         if not call.rule.merges_batch_norm:
             if type(call.rule) not in self._warned:
                 self._warned.add(type(call.rule))
-                warnings.warn(
+                warn_at_caller(
                     f"{type(call.rule).__name__} on {type(call.module).__name__} cannot be merged with the "
-                    f"{type(module).__name__} that follows it; the {type(module).__name__} gets the ε-rule",
-                    stacklevel=2,
+                    f"{type(module).__name__} that follows it; the {type(module).__name__} gets the ε-rule"
                 )
             self._refuse_unmerged(module)
             return super().batch_norm(module, output, args, kwargs)

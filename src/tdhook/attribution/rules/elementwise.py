@@ -153,8 +153,12 @@ class ElementwiseRule(Rule):
 
     def register(self, module: nn.Module) -> RemovableRuleHandle:
         handle = super().register(module)
-        registration = self._registrations[module]
-        registration.hooks.append(module.register_forward_pre_hook(partial(self._alias_input, registration.state)))
+        try:
+            registration = self._registrations[module]
+            registration.hooks.append(module.register_forward_pre_hook(partial(self._alias_input, registration.state)))
+        except BaseException:  # an interrupt: the hooks added so far removed, as Rule.register does for its own
+            self.unregister(module)
+            raise
         return handle
 
     @staticmethod

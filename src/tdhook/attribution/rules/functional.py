@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import types
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -29,10 +28,13 @@ from tdhook.attribution.rules._autograd import (
     hold,
     is_activation,
     mark_parameter_derived,
+    raise_for_transformed_call,
     redirect,
     scale_gradient,
 )
+from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._keeping_graph import graph_kept
+from tdhook.attribution.rules._recomputed import raise_for_checkpoint
 from tdhook.attribution.rules.gates import (
     GATE_FUNCTIONS,
     GATE_PRESERVING,
@@ -159,6 +161,9 @@ class FunctionalRules(TorchFunctionMode):
         if func not in _HANDLED:  # most calls: run, and mark what the rules read later (no rule of their own)
             result = mark_parameter_derived(args, func(*args, **kwargs))
             return keep_gate_mark(func, args, result, kwargs) if func in GATE_PRESERVING else result
+        what = "the transformer rules on products, softmax, attention, activations and norms"
+        raise_for_checkpoint(what)
+        raise_for_transformed_call(what, args, needs=2 if func in _PRODUCTS else 1)
         recording = self.recording
         if recording is None:
             return self._ruled(func, args, kwargs)
@@ -311,9 +316,8 @@ def _warn_random(p: float) -> None:
     ``Dropout`` module in training mode (under CP-LRP the dropped attention weights are held constant, but they
     still differ from call to call)."""
     if p:
-        warnings.warn(
+        warn_at_caller(
             f"LRP: the forward pass calls dropout (p={p}) in training mode, outside any Dropout module (attention "
             "dropout, mostly), so each forward pass drops other units and the explanation is random from call to "
-            "call; call .eval() on the model for a deterministic one",
-            stacklevel=5,
+            "call; call .eval() on the model for a deterministic one"
         )

@@ -29,8 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from tdhook.attribution.rules._autograd import hold, is_activation, mark_parameter_derived
+from tdhook.attribution.rules._autograd import (
+    hold,
+    is_activation,
+    mark_parameter_derived,
+    raise_for_transformed_call,
+)
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
+from tdhook.attribution.rules._recomputed import raise_for_checkpoint
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.rules.basic import PassRule
 
@@ -219,9 +225,12 @@ class HeldGates(TorchFunctionMode):
         if func in _ELEMENTWISE_PRODUCTS:
             held = held_gate_product(func, args, kwargs)
             if held is not None:
+                raise_for_checkpoint("gates held constant in products")
                 self.held = True
                 return held
             return mark_parameter_derived(args, func(*args, **kwargs))
+        if func in GATE_FUNCTIONS:  # a gate computed under torch.vmap is neither seen nor held
+            raise_for_transformed_call("gates held constant in products", args[:1])
         result = mark_parameter_derived(args, func(*args, **kwargs))
         if func in GATE_FUNCTIONS and args and is_activation(args[0]) and isinstance(result, torch.Tensor):
             return mark_gate(result, args[0], sigmoid=True)
@@ -291,8 +300,8 @@ class RouterRule(Rule):
                 return None
             return _held(output, mod)
 
-        registration.hooks.append(module.register_forward_hook(hold))
-        self._registrations[module] = registration
+        with self._recorded(module, registration):
+            registration.hooks.append(module.register_forward_hook(hold))
         return RemovableRuleHandle(self, module)
 
 

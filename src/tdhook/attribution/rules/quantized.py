@@ -84,8 +84,8 @@ class QuantizedLinearRule(Rule):
                 return None
             return self.apply(mod, x, output)
 
-        registration.hooks.append(module.register_forward_hook(hook))
-        self._registrations[module] = registration
+        with self._recorded(module, registration):
+            registration.hooks.append(module.register_forward_hook(hook))
         return RemovableRuleHandle(self, module)
 
     def apply(self, module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:

@@ -293,8 +293,8 @@ class RecurrentRule(Rule):
                 "is not supported"
             )
         registration = self._new_registration(module)
-        registration.hooks.append(module.register_forward_hook(self._recurrent_hook, with_kwargs=True))
-        self._registrations[module] = registration
+        with self._recorded(module, registration):
+            registration.hooks.append(module.register_forward_hook(self._recurrent_hook, with_kwargs=True))
         return RemovableRuleHandle(self, module)
 
     def _recurrent_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
