@@ -183,12 +183,14 @@ def test_hugging_face_models_later_calls_equal_the_first(applied, kind: str, pre
     with lrp:
         first, *later = (call(lrp, x) for _ in range(3))
         norms = [len(plan.plain) for plan in plans(lrp)]
+        starts = [plan.norm_outputs for plan in plans(lrp)]  # paths start from every norm's output too
     # AttnLRP's rules inside these models are the uniform rule on products: later calls take the graph's way.
     # CP-LRP holds the attention weights and the gates constant: it keeps the mode.
     assert applied == ([True, True] if preset is AttnLRP else [])
     # Llama's RMSNorms (written out) run plainly with their scales cut; GPT-2's LayerNorms (F.layer_norm, whose
     # rule is a backward of its own) keep their mode.
     assert norms == ([{"llama": 5, "gpt2": 0}[kind]] if preset is AttnLRP else [])
+    assert starts == ([5] if preset is AttnLRP else [])
     for relevance in later:
         assert torch.equal(relevance, first)  # to the last bit
 

@@ -42,7 +42,7 @@ Examples:
     >>> plan.settle(recording, TensorDict(y=halved.sum()), start)
     >>> start = plan.sequence_number()  # a later call, without the mode
     >>> result = TensorDict(y=((x * 2) * (x * 3)).sum())
-    >>> plan.usable("inputs of shape 3").apply(result, start, plan.sequence_number())
+    >>> plan.usable("inputs of shape 3").apply(result, start, plan.sequence_number(), [])
     True
     >>> torch.allclose(torch.autograd.grad(result["y"], x)[0], 6 * x)  # half of the plain gradient, 12 x
     True
@@ -88,6 +88,7 @@ class Recording:
         self.cuts: list[_Cut] = []
         self.norms: dict[int, Any] = {}  # by id: norms whose every call only held scales taken by one node each
         self.moded: set[int] = set()  # ids of norms with a call that did more: later calls keep their mode
+        self.outputs: list[Any] = []  # the nodes of the norms' outputs, in the order of their calls
 
     def scaled(self, product: Any, factor: Any) -> None:
         """The mode halves the gradient of a product (the uniform rule): ``factor``, a node of its own, passes
@@ -117,32 +118,40 @@ class _Plan:
     """Paths from a call's outputs to its products' and held scales' nodes, as one program of steps (see the
     module's docstring).
 
-    Step ``i`` reaches a node: the ``index``-th output's ``grad_fn`` where ``parent`` is -1, else the ``index``-th
-    next function of step ``parent``'s node. It expects the node's type, and for a product or a scale its sequence
-    number (relative to the first number of the call) and the pre-hook it gets; ``expand`` where later steps start
-    from it. ``plain``: the ids of the norms that run without their mode.
+    Step ``i`` reaches a node: the ``index``-th root where ``parent`` is -1 (the outputs' ``grad_fn``, then the
+    nodes of the norms' outputs), else the ``index``-th next function of step ``parent``'s node. It expects the
+    node's type, and for a product or a scale its sequence number (relative to the first number of the call) and
+    the pre-hook it gets; ``expand`` where later steps start from it. ``plain``: the ids of the norms that run
+    without their mode.
     """
 
     def __init__(
-        self, keys: list, steps: list[tuple[int, int, type, int | None, bool, Any]], nodes: int, plain: tuple
+        self,
+        keys: list,
+        norm_outputs: int,
+        steps: list[tuple[int, int, type, int | None, bool, Any]],
+        nodes: int,
+        plain: tuple,
     ) -> None:
         self.keys = keys  # the keys of the outputs the paths start from
+        self.norm_outputs = norm_outputs  # how many norm outputs the call notes, where paths start too
         self.steps = steps
         self.nodes = nodes  # how many nodes the call creates
         self.norms = plain  # the norms themselves, kept alive while their ids stand for them
         self.plain = frozenset(id(module) for module in plain)
 
-    def apply(self, result: TensorDictBase, start: int, end: int) -> bool:
+    def apply(self, result: TensorDictBase, start: int, end: int, norm_outputs: list) -> bool:
         """Put the pre-hooks on the nodes of the products and held scales of a call that created nodes ``start`` to
-        ``end`` and returned ``result``; ``False``, and no hook set, where the graph is not the recorded one."""
-        if end - start != self.nodes:
+        ``end``, returned ``result`` and whose norms returned tensors of the nodes ``norm_outputs``; ``False``, and
+        no hook set, where the graph is not the recorded one."""
+        if end - start != self.nodes or len(norm_outputs) != self.norm_outputs:
             return False
-        outputs = [result.get(key, None) for key in self.keys]
         nexts: list[Any] = []  # per step, its node's next functions (where later steps start from it)
         hooked = []
         try:
+            roots = [result.get(key, None).grad_fn for key in self.keys] + norm_outputs
             for parent, index, kind, offset, expand, hook in self.steps:
-                node = outputs[index].grad_fn if parent < 0 else nexts[parent][index][0]
+                node = roots[index] if parent < 0 else nexts[parent][index][0]
                 if type(node) is not kind:
                     return False
                 if offset is not None:
@@ -232,9 +241,10 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
     parents: dict[int, tuple[int | None, int, Any]] = {}  # id -> (parent id, index, node)
     queue: list[Any] = []
     factors = recording.factors
-    for index, output in enumerate(outputs):
-        node = factors.get(id(output.grad_fn), output.grad_fn)  # a plain call's graph has the product's node there
-        if id(node) not in parents:
+    # The paths start from the outputs and from the norms' outputs (the shortest then take a few steps each).
+    for index, root in enumerate([output.grad_fn for output in outputs] + recording.outputs):
+        node = factors.get(id(root), root)  # a plain call's graph has the product's node there
+        if node is not None and id(node) not in parents:
             parents[id(node)] = (None, index, node)
             queue.append(node)
     for node in queue:  # grows while it is read
@@ -278,7 +288,8 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
                 steps[slots[parent]] = (*parent_step[:4], True, parent_step[5])
             steps.append((-1 if parent is None else slots[parent], index, type(node), offset, False, hook))
             slots[key] = len(steps) - 1
-    return _Plan(keys, steps, end - start - len(recording.products), tuple(norms.values()))
+    nodes = end - start - len(recording.products)
+    return _Plan(keys, len(recording.outputs), steps, nodes, tuple(norms.values()))
 
 
 def _branch_intact(node: Any, graph: dict) -> bool:

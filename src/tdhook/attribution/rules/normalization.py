@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._autograd import call_argument, hold, is_held, redirect, times_saved
-from tdhook.attribution.rules._graph_calls import recording, runs_plain
+from tdhook.attribution.rules._graph_calls import note_output, recording, runs_plain
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._numerics import in_pieces_, stabilize
@@ -180,6 +180,19 @@ class _ConstantScale(TorchFunctionMode):
                 self.kept = True
 
 
+class _PlainRun:
+    """What a norm's forward runs in where a later call's plan cuts its scales' gradient: nothing."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+
+_PLAIN_RUN = _PlainRun()
+
+
 class NormRule(Rule):
     """Normalisation with the normalising scale held constant (AttnLRP's LayerNorm rule, for every norm).
 
@@ -217,7 +230,10 @@ class NormRule(Rule):
         self.epsilon = epsilon
 
     def register(self, module: nn.Module) -> RemovableRuleHandle:
-        def leave(mod: nn.Module, args: tuple, output: Any, mode: _ConstantScale) -> None:
+        def leave(mod: nn.Module, args: tuple, output: Any, mode: _ConstantScale | _PlainRun) -> None:
+            if mode is _PLAIN_RUN:  # a later call, by the plan of a recorded one
+                note_output(output)
+                return
             if not mode.applied and isinstance(output, torch.Tensor) and output.requires_grad:
                 raise ValueError(
                     f"{type(self).__name__} on {type(mod).__name__}: its forward ran no normalisation the rule "
@@ -227,9 +243,10 @@ class NormRule(Rule):
                 )
             if mode.record is not None:  # the recording of a call: whether later calls may run this forward plainly
                 mode.record.norm_done(mod, plain=not (mode.kept or mode.pending))
+            note_output(output)
 
-        def make_mode(mod: nn.Module) -> _ConstantScale | None:
-            return None if runs_plain(mod) else _ConstantScale(self, mod, recording())
+        def make_mode(mod: nn.Module) -> _ConstantScale | _PlainRun:
+            return _PLAIN_RUN if runs_plain(mod) else _ConstantScale(self, mod, recording())
 
         return self._register_in_forward(module, make_mode, leave)
 
