@@ -50,6 +50,7 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -301,11 +302,16 @@ def _branch_intact(node: Any, graph: dict) -> bool:
         if current is None or id(current) in seen or (current is not node and id(current) in graph):
             continue
         seen.add(id(current))
-        for name in dir(current):
-            if name.startswith("_saved_"):
-                try:
-                    getattr(current, name)
-                except RuntimeError:
-                    return False
+        for name in _saved_names(type(current)):
+            try:
+                getattr(current, name)
+            except RuntimeError:
+                return False
         stack.extend(child for child, _ in current.next_functions)
     return True
+
+
+@functools.cache
+def _saved_names(kind: type) -> tuple[str, ...]:
+    """The attributes through which a node of type ``kind`` gives the tensors and values it saved."""
+    return tuple(name for name in dir(kind) if name.startswith("_saved_"))
