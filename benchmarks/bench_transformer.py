@@ -9,7 +9,7 @@ gradient × input pass. Each tdhook wrapper runs inside one ``with lrp:``
 context, as in a loop over many inputs; the rows marked "entering" call a
 wrapper outside its context, so that each call enters and leaves one (the
 rules are registered and removed every call). The methods take turns in every
-round.
+round. ``--clock thread`` times this thread's CPU time instead of the wall time.
 
     python benchmarks/bench_transformer.py --batch 8 --tokens 64 --repeats 5
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import time
 from collections.abc import Callable
 
 import torch
@@ -67,6 +68,12 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "thread"],
+        default="wall",
+        help="wall time, or this thread's CPU time (steadier on a loaded machine: other processes do not stretch it)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -81,11 +88,12 @@ def main() -> None:
             # Called outside a context, each call of this one enters and leaves one.
             entering = LRP(copy.deepcopy(model), mapper, in_keys=["embeds"], out_keys=["logits"])
             methods[f"{label}, entering"] = lambda lrp=entering: lrp(TensorDict(embeds=x, batch_size=x.shape[:1]))
-        seconds = interleaved_medians(methods, args.repeats)
+        clock = time.perf_counter if args.clock == "wall" else time.thread_time
+        seconds = interleaved_medians(methods, args.repeats, clock=clock)
 
     print(
         f"Llama {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.tokens} tokens, "
-        f"1 thread, median of {args.repeats} interleaved rounds"
+        f"1 thread, {args.clock} time, median of {args.repeats} interleaved rounds"
     )
     print(f"{'method':<32} {'seconds':>8} {'x grad*input':>13}")
     base = seconds["gradient x input"]

@@ -182,11 +182,17 @@ def test_hugging_face_models_later_calls_equal_the_first(applied, kind: str, pre
     lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
     with lrp:
         first, *later = (call(lrp, x) for _ in range(3))
+        norms = [len(plan.plain) for plan in plans(lrp)]
+        starts = [plan.norm_outputs for plan in plans(lrp)]  # paths start from every norm's output too
     # AttnLRP's rules inside these models are the uniform rule on products: later calls take the graph's way.
     # CP-LRP holds the attention weights and the gates constant: it keeps the mode.
     assert applied == ([True, True] if preset is AttnLRP else [])
+    # Llama's RMSNorms (written out) run plainly with their scales cut; GPT-2's LayerNorms (F.layer_norm, whose
+    # rule is a backward of its own) keep their mode.
+    assert norms == ([{"llama": 5, "gpt2": 0}[kind]] if preset is AttnLRP else [])
+    assert starts == ([5] if preset is AttnLRP else [])
     for relevance in later:
-        assert relative_error(relevance, first) <= 1e-12
+        assert torch.equal(relevance, first)  # to the last bit
 
 
 class DroppedProduct(Product):
@@ -238,3 +244,116 @@ def test_a_call_run_again_in_the_mode_starts_from_the_inputs_it_was_given(monkey
         again = lrp(TensorDict(x=x.clone(), batch_size=[5]))
     assert torch.equal(again["y"], model(2 * x))
     assert relative_error(again["relevance", "x"], by_hand(model, 2 * x)) < 1e-12  # x times the gradient in x
+
+
+class HandNorm(nn.Module):
+    """An RMS norm written out, as Hugging Face writes Llama's; ``variant`` picks how, ``held`` detaches the scale
+    (the rule, written by hand)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, size))
+        self.variant, self.held = "rsqrt", False
+
+    def scale(self, t: torch.Tensor, root) -> torch.Tensor:
+        s = root(t.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return s.detach() if self.held else s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.variant == "sqrt":
+            return self.weight * (x / self.scale(x, torch.sqrt))
+        if self.variant == "input changed in place":  # after its square was taken: the square's backward reads it
+            x = x * 1.0
+            s = self.scale(x, torch.rsqrt)
+            x.mul_(1.0)
+            return self.weight * (x * s)
+        if self.variant == "product's input changed in place":  # a plain product's backward reads it for the scale
+            y = x * 1.0
+            h = y * self.scale(x, torch.rsqrt)
+            y.add_(0.0)
+            return self.weight * h
+        return self.weight * (x * self.scale(x, torch.rsqrt))
+
+
+class NormedProduct(Product):
+    """``out(norm(a * b))``: the uniform rule on the product, the norm's scale held constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = HandNorm(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.q(x) * self.k(x)))
+
+
+def norm_by_hand(model: NormedProduct, x: torch.Tensor, rule: bool = True) -> torch.Tensor:
+    """AttnLRP's relevance for ``model``, with the product's gradient halved and the norm's scale detached by hand
+    (``rule`` false: the plain gradient of both, gradient × input)."""
+    leaf = x.clone().requires_grad_(True)
+    product = model.q(leaf) * model.k(leaf)
+    model.norm.held = rule
+    try:
+        logits = model.out(model.norm(halved(product) if rule else product))
+    finally:
+        model.norm.held = False
+    (grad,) = torch.autograd.grad(logits.max(-1).values.sum(), leaf)
+    return leaf.detach() * grad
+
+
+def normed_model() -> NormedProduct:
+    torch.manual_seed(0)
+    return NormedProduct().to(F64)
+
+
+def plans(lrp: LRP) -> list:
+    return [plan for plan in lrp._function_rule_plan._plans.values() if plan is not None]
+
+
+@pytest.mark.parametrize("variant", ["rsqrt", "sqrt"])
+def test_later_calls_run_a_norm_plainly_and_cut_its_scale_in_the_graph(applied, variant: str):
+    model, x = normed_model(), torch.randn(5, 4, dtype=F64)
+    model.norm.variant = variant
+    expected = norm_by_hand(model, x)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        first, *later = (call(lrp, x) for _ in range(3))
+        (plan,) = plans(lrp)
+    assert applied == [True, True]
+    assert plan.plain == {id(model.norm)}  # the norm's forward ran without its mode
+    assert relative_error(first, expected) <= 1e-12
+    for relevance in later:
+        assert torch.equal(relevance, first)  # the mode's relevance, to the last bit
+    # The scale's plain gradient gives another relevance: the comparison can fail.
+    assert relative_error(norm_by_hand(model, x, rule=False), 2 * expected) > 1e-3
+
+
+def test_a_norm_whose_graph_changed_runs_again_in_the_mode(applied):
+    model, x = normed_model(), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        call(lrp, x)
+        call(lrp, x)  # by the plan: the norm's rsqrt cut
+        model.norm.variant = "sqrt"  # another node where the plan expects rsqrt's
+        changed = call(lrp, x)
+        again = call(lrp, x)  # by the plan the changed call recorded
+    assert applied == [True, False, True]
+    expected = norm_by_hand(model, x)
+    assert relative_error(changed, expected) <= 1e-12
+    assert torch.equal(again, changed)
+
+
+@pytest.mark.parametrize("variant", ["input changed in place", "product's input changed in place"])
+def test_a_norm_whose_plain_backward_would_read_tensors_changed_in_place_keeps_its_mode(applied, variant: str):
+    """A plain call runs the backward of the scale's branch and of the product that takes the scale, which read
+    tensors that the mode's graph never reads; changed in place, they would raise in the backward pass."""
+    model, x = normed_model(), torch.randn(5, 4, dtype=F64)
+    model.norm.variant = variant
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        first, *later = (call(lrp, x) for _ in range(3))
+        (plan,) = plans(lrp)
+    assert applied == [True, True]  # the product still by the plan
+    assert plan.plain == frozenset()  # the norm in its mode
+    assert relative_error(first, norm_by_hand(model, x)) <= 1e-12
+    for relevance in later:
+        assert torch.equal(relevance, first)

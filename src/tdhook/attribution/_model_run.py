@@ -24,6 +24,7 @@ from tdhook.attribution._function_rule_plan import FunctionRulePlan
 from tdhook.attribution._nonlinear_calls import NonlinearCalls
 from tdhook.attribution._plain_modules import call_plain
 from tdhook.attribution._rule_use import RuleUse
+from tdhook.attribution.rules._graph_calls import graph_call
 from tdhook.attribution.rules._scopes import closing_scopes
 from tdhook.attribution.rules.functional import FunctionalRules
 
@@ -47,9 +48,10 @@ def run_model(lrp: Any, work: TensorDictBase) -> tuple[TensorDictBase | None, No
         if plan is not None and watch is RuleUse.NOTHING and not lrp._coverage.watching:
             inputs = work.copy()  # what the call writes into ``work`` (a step may overwrite the key it reads)
             start = sequence_number()
-            with closing_scopes():
+            norm_outputs: list = []
+            with closing_scopes(), graph_call(plain=plan.plain, outputs=norm_outputs):
                 result = _call(lrp, work)
-            if plan.apply(work if result is None else result, start, sequence_number()):
+            if plan.apply(work if result is None else result, start, sequence_number(), norm_outputs):
                 return result, None
             # Not the recorded graph: the call runs again in the mode, from the same inputs, and records anew.
             lrp._function_rule_plan.forget(key)
@@ -67,6 +69,8 @@ def run_model(lrp: Any, work: TensorDictBase) -> tuple[TensorDictBase | None, No
         calls = lrp._coverage.watch(modes, rule_modes, lrp.named_explained_modules, handles)
         if lrp._compiled:  # parts compiled by torch.compile run as written: every rule applies
             modes.enter_context(torch.compiler.set_stance("force_eager"))
+        if recording is not None:  # norms tell where the scales they hold are, and their outputs
+            modes.enter_context(graph_call(recording, outputs=recording.outputs))
         # Innermost: what ruled modules entered and an interrupt kept them from leaving ends first.
         modes.enter_context(closing_scopes())
         start = sequence_number()

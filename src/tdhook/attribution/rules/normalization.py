@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._autograd import call_argument, hold, is_held, redirect, times_saved
+from tdhook.attribution.rules._graph_calls import note_output, recording, runs_plain
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._numerics import in_pieces_, stabilize
@@ -121,13 +122,21 @@ def _channel_view(tensor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 class _ConstantScale(TorchFunctionMode):
-    """The mode a norm's forward runs in: norms get the rule, normalising scales are held constant."""
+    """The mode a norm's forward runs in: norms get the rule, normalising scales are held constant.
 
-    def __init__(self, rule: NormRule, module: nn.Module) -> None:
+    In a call that records where the rules act in the graph (``record``), each held scale's autograd node is told
+    to the recording with the node of the call that takes the scale, and the scale's place among that node's
+    inputs (see :mod:`~tdhook.attribution.rules._graph_calls`).
+    """
+
+    def __init__(self, rule: NormRule, module: nn.Module, record: Any = None) -> None:
         super().__init__()
         self.rule = rule
         self.module = module
         self.applied = False
+        self.record = record
+        self.pending: dict[int, tuple[torch.Tensor, Any]] = {}  # held scales no call has taken yet, by id
+        self.kept = False  # whether the forward does more than hold scales: later calls keep the mode
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -138,15 +147,50 @@ class _ConstantScale(TorchFunctionMode):
                 self.applied = True
                 # A held input (create_graph=True: it requires grad, as a detached one would not) passes no relevance.
                 if isinstance(x, torch.Tensor) and x.requires_grad and not is_held(x):
+                    self.kept = True
                     return handler(self.rule, self.module, func(*args, **kwargs), args, kwargs)
             result = func(*args, **kwargs)
             if func in _SCALES:
                 self.applied = True
-                return hold(result)
+                held = hold(result)
+                if self.record is not None and result.grad_fn is not None:
+                    self.pending[id(held)] = (held, result.grad_fn)
+                return held
             if func in _SCALE_AND_MEAN:
                 self.applied = True
+                self.kept = True
                 return hold(result[0]), result[1]
+            if self.pending:
+                self._taken(args, kwargs, result)
             return result
+
+    def _taken(self, args: tuple, kwargs: dict, result: Any) -> None:
+        """Tell the recording which held scales this call took: the result's node has no edge where a held scale
+        entered, and the plain call's node has the scale's own node there."""
+        node = result.grad_fn if isinstance(result, torch.Tensor) else None
+        inputs = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]
+        for value in inputs:
+            entry = self.pending.pop(id(value), None)
+            if entry is None:
+                continue
+            free = [] if node is None else [i for i, (child, _) in enumerate(node.next_functions) if child is None]
+            if len(free) == 1:
+                self.record.held(self.module, entry[1], inputs, node, free[0])
+            else:  # taken by a call whose result is a constant, or where the scale's place is not one
+                self.kept = True
+
+
+class _PlainRun:
+    """What a norm's forward runs in where a later call's plan cuts its scales' gradient: nothing."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+
+_PLAIN_RUN = _PlainRun()
 
 
 class NormRule(Rule):
@@ -186,7 +230,10 @@ class NormRule(Rule):
         self.epsilon = epsilon
 
     def register(self, module: nn.Module) -> RemovableRuleHandle:
-        def leave(mod: nn.Module, args: tuple, output: Any, mode: _ConstantScale) -> None:
+        def leave(mod: nn.Module, args: tuple, output: Any, mode: _ConstantScale | _PlainRun) -> None:
+            if mode is _PLAIN_RUN:  # a later call, by the plan of a recorded one
+                note_output(output)
+                return
             if not mode.applied and isinstance(output, torch.Tensor) and output.requires_grad:
                 raise ValueError(
                     f"{type(self).__name__} on {type(mod).__name__}: its forward ran no normalisation the rule "
@@ -194,8 +241,14 @@ class NormRule(Rule):
                     "F.local_response_norm, or a scale from rsqrt, sqrt, var, std or a norm); map the module to "
                     "another rule"
                 )
+            if mode.record is not None:  # the recording of a call: whether later calls may run this forward plainly
+                mode.record.norm_done(mod, plain=not (mode.kept or mode.pending))
+            note_output(output)
 
-        return self._register_in_forward(module, lambda mod: _ConstantScale(self, mod), leave)
+        def make_mode(mod: nn.Module) -> _ConstantScale | _PlainRun:
+            return _PLAIN_RUN if runs_plain(mod) else _ConstantScale(self, mod, recording())
+
+        return self._register_in_forward(module, make_mode, leave)
 
     # ------------------------------------------------------------------ the norms, each with the rule's gradient
 

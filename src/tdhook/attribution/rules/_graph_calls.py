@@ -1,0 +1,70 @@
+"""What a norm's rule tells a call that records its rules' places in the graph, and which norms run without a mode.
+
+A wrapper's call may record where its rules act in the autograd graph, so that later calls on inputs of the same
+shapes run the model without function modes and put the rules there as hooks (see
+:mod:`tdhook.attribution._function_rule_plan`). A norm's rule
+(:class:`~tdhook.attribution.rules.normalization.NormRule`) holds the normalising scale constant in a function mode
+of its own, by detaching it. In a recording call the mode also tells where the scale's autograd node lies: behind
+the node of the call that takes the scale (``x * rsqrt(...)``), at the scale's place among that node's inputs. A
+later call runs such a norm's forward as it is (this thread reads :func:`runs_plain`) and stops the gradient at the
+scale's node, which then passes none, as the detached scale passes none. The nodes of the norms' outputs, noted in
+every such call, are where the paths to the ruled nodes may start: a few steps from each.
+
+Examples:
+    >>> import torch
+    >>> norm = torch.nn.RMSNorm(3)
+    >>> outputs = []
+    >>> with graph_call(plain={id(norm)}, outputs=outputs):
+    ...     note_output(norm(torch.ones(2, 3, requires_grad=True)))
+    ...     runs_plain(norm)
+    True
+    >>> runs_plain(norm), recording() is None, type(outputs[0]).__name__
+    (False, True, 'MulBackward0')
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["graph_call", "note_output", "recording", "runs_plain"]
+
+_LOCAL = threading.local()
+
+
+def recording() -> Any:
+    """The recording of this thread's call in the modes, where a later call may run its norms plainly, or ``None``."""
+    return getattr(_LOCAL, "recording", None)
+
+
+def runs_plain(module: nn.Module) -> bool:
+    """Whether ``module``'s forward runs in this thread's call without its rule's mode (the call's plan cuts the
+    gradient of the scale it holds)."""
+    plain = getattr(_LOCAL, "plain", None)
+    return plain is not None and id(module) in plain
+
+
+def note_output(output: Any) -> None:
+    """A norm's forward returned ``output``: its node is noted, where the call notes them (a recording call's paths
+    to the nodes it rules start from the norms' outputs as well as from the model's, and so are they followed)."""
+    noted = getattr(_LOCAL, "outputs", None)
+    if noted is not None:
+        noted.append(output.grad_fn if isinstance(output, torch.Tensor) else None)
+
+
+@contextmanager
+def graph_call(record: Any = None, plain: Collection[int] = (), outputs: list | None = None) -> Iterator[None]:
+    """A call in the block whose norms tell ``record`` where their scales' nodes are (a recording call), or in which
+    the modules whose ids are in ``plain`` run their forward without their rule's mode (a later call); the nodes of
+    the norms' outputs are appended to ``outputs``."""
+    before = recording(), getattr(_LOCAL, "plain", None), getattr(_LOCAL, "outputs", None)
+    _LOCAL.recording, _LOCAL.plain, _LOCAL.outputs = record, plain, outputs
+    try:
+        yield
+    finally:  # as they were: a wrapper called inside another one's model leaves the outer call's state
+        _LOCAL.recording, _LOCAL.plain, _LOCAL.outputs = before
