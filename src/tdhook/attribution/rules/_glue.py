@@ -116,7 +116,8 @@ def carry_back(x: torch.Tensor, relevance: torch.Tensor, who: str) -> list[tuple
         raise GlueError(
             f"{who}: the layer's input mixes the model inputs with the output of another Linear or convolution "
             "layer, so the relevance this rule sets at its zero entries cannot be given to the explained inputs; "
-            "use this rule on the first layer only"
+            "use this rule on the first layer only (a preset's first-layer rule: map this layer to another rule in "
+            "rule_mapper)"
         )
     if not leaves:
         return []
