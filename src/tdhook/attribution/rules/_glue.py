@@ -237,9 +237,39 @@ def whole_records(
         [(True, tensor([1., 1.]))]
     """
     source = getattr(x, "_tdhook_alias_of", x)
-    if source.grad_fn is None or _copied_leaf(source) is not None or input_leaves(x)[1]:
-        return None
+    if source.grad_fn is None or _only_moves_values(source) or input_leaves(x)[1]:
+        return None  # a model input, or one moved without a shift: x * grad carries the relevance exactly
     try:
         return carry_back(x, relevance, f"{type(rule).__name__} on {type(module).__name__}")
     except GlueError:
         return None  # positions mixed where relevance lies, or a backward that cannot be differentiated again
+
+
+# Autograd nodes of glue that only moves or copies values (no shift, no scale): the gradient through them carries
+# ``x * grad`` to the input position ``x`` came from exactly.
+_MOVES = frozenset(
+    {
+        "CloneBackward0",
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "ReshapeAliasBackward0",
+        "AliasBackward0",
+        "PermuteBackward0",
+        "TransposeBackward0",
+        "TBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "SqueezeBackward2",
+        "UnsqueezeBackward0",
+        "FlipBackward0",
+    }
+)
+
+
+def _only_moves_values(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a non-parameter leaf moved by a chain of single-input views, copies and permutations."""
+    node = x.grad_fn
+    while node is not None and type(node).__name__ in _MOVES and len(node.next_functions) == 1:
+        node = node.next_functions[0][0]
+    variable = getattr(node, "variable", None)
+    return variable is not None and not isinstance(variable, nn.Parameter)
