@@ -419,3 +419,27 @@ class TestInactive:
             with lrp.inactive(), lrp.inactive():
                 pass
             assert lrp._handles is not None and not lrp._inactive
+
+
+class Normalise(nn.Module):
+    """``(x - mean) / std`` per feature: glue with a shift between the explained input and the first layer."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = torch.linspace(-0.5, 0.5, x.shape[-1], dtype=x.dtype)
+        return (x - mean) / torch.linspace(0.5, 2.0, x.shape[-1], dtype=x.dtype)
+
+
+@pytest.mark.parametrize("preset", ["EpsilonPlusFlat"])
+def test_a_first_layer_behind_a_normaliser_keeps_the_derivative_of_its_relevance(preset: str):
+    # The relevance the first layer sets is given to the input positions whole through the normaliser; its
+    # derivative runs through the normaliser and every parameter.
+    for attempt in range(200):
+        torch.manual_seed(attempt)
+        net, x = nn.Sequential(Normalise(), *mlp()), torch.randn(4, 5, dtype=torch.float64)
+        if margin(net, x) > 1e-3:
+            break
+    weights = torch.randn_like(x)
+    _, (by_input, *by_params) = second_order(net, PRESETS[preset](), x, weights)
+    fd_input, fd_params = finite_differences(net, PRESETS[preset](), x, weights)
+    assert relative_error(by_input, fd_input) < 1e-6
+    assert_close_to(by_params, fd_params, 1e-6)

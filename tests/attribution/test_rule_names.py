@@ -33,6 +33,13 @@ def test_a_name_that_matches_no_module_is_named_in_a_warning(mapper):
         LRP(policy(), mapper)
 
 
+@pytest.mark.parametrize("mapper", [{"Linear": EpsilonRule()}, EpsilonPlus(rule_mapper={"Tanh": EpsilonRule()})])
+def test_a_class_name_as_a_key_is_pointed_to_the_type(mapper):
+    # zennit's composites and LXT map by type: a class name given as a string matches no module name
+    with pytest.warns(UserWarning, match=r"matches no module .* is the name of a class .* key the type itself"):
+        LRP(policy(), mapper)
+
+
 @pytest.mark.parametrize("key", ["module.0", "module.[02]", "*.2"])
 def test_names_and_patterns_that_match_are_taken(key):
     warnings.simplefilter("error")  # no warning

@@ -68,7 +68,15 @@ def warn_for_unmatched_names(mapper: Any, modules: Mapping[str, nn.Module]) -> N
         names = [name for name in modules if name]
         shown = ", ".join(repr(name) for name in names[:_SHOWN]) + (", ..." if len(names) > _SHOWN else "")
         keys = ", ".join(repr(key) for key in unmatched)
+        classes = {type(module).__name__ for module in modules.values()}
+        by_class = [key for key in unmatched if key in classes]
+        hint = (
+            f"; {', '.join(repr(key) for key in by_class)} {'is' if len(by_class) == 1 else 'are'} the name of a class "
+            "of its modules: a string key matches module names, key the type itself (nn.Linear, ...) to match by class"
+            if by_class
+            else ""
+        )
         warn_at_caller(
             f"LRP: rule_mapper: {keys} {'matches' if len(unmatched) == 1 else 'match'} no module of the model, "
-            f"and the rule it keys is not used; its modules are {shown or 'none but the model itself'}"
+            f"and the rule it keys is not used; its modules are {shown or 'none but the model itself'}{hint}"
         )

@@ -67,7 +67,7 @@ from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
 from tdhook.attribution._writes import relevance_updates, returned_tensordict, set_all_or_nothing
 from tdhook.attribution.coverage import Coverage
 from tdhook.attribution.mappers.base import RuleMapper
-from tdhook.attribution.mappers.given import as_rule_mapper
+from tdhook.attribution.mappers.given import as_rule_mapper, checked_rules
 from tdhook.attribution.rules._keeping_graph import RelevancePass
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.targets import (
@@ -273,13 +273,13 @@ class LRP(TensorDictModuleBase, MapperTunable):
         mapper = self.rule_mapper
         modules = self.named_explained_modules()
         if hasattr(mapper, "rules"):
-            return mapper.rules(modules[""])
+            return checked_rules(mapper.rules(modules[""]), modules)
         rules = {}
         for name, sub in modules.items():
             rule = mapper(name, sub)
             if rule is not None:
                 rules[name] = rule
-        return rules
+        return checked_rules(rules, modules)
 
     def __enter__(self) -> LRP:
         with self._lock:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -23,6 +25,7 @@ from tdhook.attribution import (
     Preset,
     ZBoxRule,
 )
+from tests.conftest import relative_error
 
 PRESETS = {
     "EpsilonPlus": EpsilonPlus,
@@ -124,3 +127,143 @@ class TestArguments:
         for preset in (EpsilonPlus, EpsilonPlusFlat, EpsilonAlpha2Beta1):
             assert preset(epsilon=0.0, stabilizer=0.0).epsilon == 0.0  # LRP-0
         assert AttnLRP(epsilon=None).epsilon is None and CPLRP(epsilon=0.0).epsilon == 0.0
+
+
+def zennit_by_name(model: nn.Module, x: torch.Tensor, names_to_rules: list) -> torch.Tensor:
+    """zennit's relevance of the argmax logit with rules given by module name, its base layer map elsewhere."""
+    from zennit.composites import LayerMapComposite, MixedComposite, NameMapComposite, layer_map_base
+
+    from tests.conftest import zennit_model_relevance
+
+    composite = MixedComposite([NameMapComposite(names_to_rules), LayerMapComposite(layer_map_base())])
+    return zennit_model_relevance(composite, model, x)
+
+
+def relevance_of(model, mapper, x: torch.Tensor) -> torch.Tensor:
+    lrp = LRP(model, mapper, in_keys=["x"], out_keys=["y"])
+    return lrp(TensorDict(x=x.clone(), batch_size=[x.shape[0]]))["relevance", "x"]
+
+
+class DeclaredLate(nn.Module):
+    """The head is registered first and the stem last: the stem is the layer the input reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head, self.mid, self.stem = nn.Linear(16, 3), nn.Conv2d(4, 4, 3), nn.Conv2d(3, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mid(self.stem(x).relu()).relu().flatten(1))
+
+
+class TwoEncoders(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(4, 5), nn.Linear(4, 5), nn.Linear(10, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([self.a(x).relu(), self.b(x).relu()], -1))
+
+
+class Reused(nn.Module):
+    """One Linear layer called on the input, then on its own output: the first call only is the first layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.a(self.a(x).relu()).relu())
+
+
+class Unrolled(nn.Module):
+    """``Reused`` with the second call given a copy of the layer: a model zennit can map by name."""
+
+    def __init__(self, reused: Reused) -> None:
+        super().__init__()
+        self.a1, self.a2, self.head = reused.a, copy.deepcopy(reused.a), reused.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.a2(self.a1(x).relu()).relu())
+
+
+class TestFirstLayerAgainstZennit:
+    """The Flat and z^B rules go on the layers the input reaches, by the data flow: zennit's composites give them to
+    the first layer in registration order, so the oracle is zennit's NameMapComposite naming the same layers."""
+
+    def test_a_stem_registered_last_gets_flat(self):
+        from zennit import rules as zrules
+
+        model, x = DeclaredLate().double().eval(), torch.randn(2, 3, 6, 6, dtype=torch.float64)
+        expected = zennit_by_name(
+            model, x, [(("stem",), zrules.Flat()), (("mid",), zrules.ZPlus()), (("head",), zrules.Epsilon())]
+        )
+        assert relative_error(relevance_of(model, EpsilonPlusFlat(), x), expected) <= 1e-6
+
+    def test_every_encoder_of_the_input_gets_flat(self):
+        from zennit import rules as zrules
+
+        model, x = TwoEncoders().double().eval(), torch.randn(3, 4, dtype=torch.float64)
+        expected = zennit_by_name(model, x, [(("a", "b"), zrules.Flat()), (("head",), zrules.Epsilon())])
+        assert relative_error(relevance_of(model, EpsilonPlusFlat(), x), expected) <= 1e-6
+
+    def test_a_first_layer_called_again_later_gets_its_other_rule_there(self):
+        from zennit import rules as zrules
+
+        model, x = Reused().double().eval(), torch.randn(3, 4, dtype=torch.float64)
+        expected = zennit_by_name(
+            Unrolled(model).eval(), x, [(("a1",), zrules.Flat()), (("a2", "head"), zrules.Epsilon())]
+        )
+        assert relative_error(relevance_of(model, EpsilonPlusFlat(), x), expected) <= 1e-6
+
+    def test_a_sequential_in_a_pipeline_behind_glue_keeps_its_first_layer(self):
+        from tensordict.nn import TensorDictModule, TensorDictSequential
+        from zennit import composites as zcomposites
+
+        from tests.conftest import zennit_model_relevance
+
+        net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.ReLU(), nn.Flatten())
+        net = nn.Sequential(*net, nn.Linear(16, 3)).double().eval()
+        x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+        pipeline = TensorDictSequential(
+            TensorDictModule(lambda x: x * 1.0, in_keys=["x"], out_keys=["scaled"]),
+            TensorDictModule(net, in_keys=["scaled"], out_keys=["y"]),
+        )
+        actual = LRP(pipeline, EpsilonPlusFlat())(TensorDict(x=x.clone(), batch_size=[2]))["relevance", "x"]
+        assert relative_error(actual, zennit_model_relevance(zcomposites.EpsilonPlusFlat(), net, x)) <= 1e-6
+
+    def test_a_layer_mixing_the_input_with_a_layer_output_is_refused_by_name(self):
+        class InputSkip(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.c1, self.c2, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(7, 4, 3), nn.Linear(64, 3)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.fc(self.c2(torch.cat([self.c1(x).relu(), x], 1)).relu().flatten(1))
+
+        x = torch.randn(2, 3, 6, 6, dtype=torch.float64).clamp(-2.9, 2.9)
+        for mapper in (EpsilonPlusFlat(), EpsilonGammaBox(-3.0, 3.0)):
+            with pytest.raises(ValueError, match=r"(?s)mixes the model inputs with .* rule_mapper.*module 'c2'"):
+                relevance_of(InputSkip().double().eval(), mapper, x)
+
+
+class TestBoxBoundsAgainstZennit:
+    """Bounds broadcast to one sample as torch broadcasts (per channel ``(3, 1, 1)``, per pixel, per position of
+    the last dimension); zennit needs them expanded with a batch dimension, as given to it here."""
+
+    @pytest.mark.parametrize("bounds_shape", [(3, 1, 1), (3, 8, 8), (8,), ()], ids=str)
+    @pytest.mark.parametrize("first", ["conv2d", "convtranspose2d"])
+    def test_matches_zennit_with_the_bounds_expanded(self, bounds_shape, first: str):
+        from zennit import composites as zcomposites
+
+        from tests.conftest import zennit_model_relevance
+
+        stem = nn.Conv2d(3, 4, 3, padding=1) if first == "conv2d" else nn.ConvTranspose2d(3, 4, 3, stride=2)
+        x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+        body = nn.Sequential(stem, nn.ReLU(), nn.Conv2d(4, 4, 3), nn.ReLU(), nn.Flatten()).double()
+        model = nn.Sequential(*body, nn.Linear(body(x).shape[1], 3)).double().eval()
+        low = -torch.rand(bounds_shape, dtype=torch.float64) - 1.0
+        high = torch.rand(bounds_shape, dtype=torch.float64) + 1.0
+        x = torch.maximum(torch.minimum(x, high), low)
+        theirs = zcomposites.EpsilonGammaBox(low.expand_as(x), high.expand_as(x))
+        expected = zennit_model_relevance(theirs, model, x)
+        assert relative_error(relevance_of(model, EpsilonGammaBox(low, high), x), expected) <= 1e-6

@@ -239,3 +239,36 @@ class TestArguments:
         assert EpsilonRule(epsilon=epsilon).epsilon is epsilon  # epsilon = 0 is LRP-0
         assert UniformEpsilonRule(epsilon=epsilon).epsilon is epsilon
         assert PassRule(stabilizer=epsilon).stabilizer is epsilon
+
+
+class TestPassRuleOnLayers:
+    """PassRule is for element-wise modules. A Linear or convolution layer whose output has its input's shape
+    (``Linear(5, 5)``, a convolution with padding) mixes positions all the same: passing relevance through it
+    unchanged ignored the weights (134-147 % off LRP-0 on these layers) where ``Linear(4, 5)``
+    was refused. Both are refused now, naming the module; a per-channel scale (a depthwise 1×1 convolution) is
+    element-wise and keeps the rule."""
+
+    @pytest.mark.parametrize(
+        "layer",
+        [nn.Linear(5, 5), nn.Conv1d(4, 4, 3, padding=1), nn.Conv1d(4, 4, 1), nn.ConvTranspose1d(4, 4, 1)],
+        ids=["linear", "conv3", "conv1x1", "convtranspose1x1"],
+    )
+    def test_a_layer_that_mixes_positions_is_refused_by_name(self, layer):
+        from tensordict import TensorDict
+
+        from tdhook.attribution import LRP
+
+        model = nn.Sequential(layer, nn.ReLU(), nn.Flatten(), nn.LazyLinear(2)).double()
+        x = torch.randn(3, 4, 5, dtype=torch.float64)
+        model(x)
+        lrp = LRP(model, {"0": PassRule()}, in_keys=["x"], out_keys=["y"])
+        with pytest.raises(ValueError, match=rf"module '0' \({type(layer).__name__}\).*element-wise"):
+            lrp(TensorDict(x=x, batch_size=[3]))
+
+    def test_a_per_channel_scale_passes_relevance_on(self):
+        layer = nn.Conv1d(4, 4, 1, groups=4, bias=False).double()
+        x = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+        with PassRule().register(layer):
+            z = layer(x)
+            relevance = x * torch.autograd.grad(z, x, torch.ones_like(z))[0]
+        torch.testing.assert_close(relevance, z.detach())

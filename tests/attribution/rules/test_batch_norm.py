@@ -139,3 +139,43 @@ class TestTokensFlattenedIntoTheBatchNorm:
             model, x, r_out, [(nn.Linear, zrules.Gamma(0.25)), (nn.BatchNorm1d, zrules.Epsilon(1e-6))]
         )
         assert relative_error(actual, expected) <= 1e-6
+
+
+class PerSample(nn.Module):
+    """A convolution on unbatched inputs ``(C, *spatial)``, one sample at a time, then a BatchNorm that reads the
+    convolution's output as a batch: its dimension 1 is the first spatial one, not the layer's channels."""
+
+    def __init__(self, layer: nn.Module, norm: nn.Module) -> None:
+        super().__init__()
+        self.layer, self.bn = layer, norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.bn(self.layer(sample)) for sample in x]).flatten(1)
+
+
+class TestUnbatchedLayerOutputIsNotMerged:
+    """An unbatched convolution's output ``(C_out, L)`` seen by BatchNorm1d(L) is normalised per position, not per
+    output channel: folding the BatchNorm into the channels explained another function (190-250 % off LRP-0 =
+    gradient × input here). The BatchNorm gets the ε-rule of its affine map, which with ε = 0 is LRP-0."""
+
+    @pytest.mark.parametrize(
+        ("layer", "norm", "shape"),
+        [
+            (nn.Conv1d(2, 4, 3), nn.BatchNorm1d(4), (3, 2, 6)),  # output (4, 4): L == C_out
+            (nn.Conv3d(2, 3, 1), nn.BatchNorm2d(3), (3, 2, 3, 2, 2)),  # output (3, 3, 2, 2): D == C_out
+            (nn.ConvTranspose1d(2, 3, 2), nn.BatchNorm1d(3), (3, 2, 2)),  # output (3, 3)
+        ],
+        ids=["conv1d", "conv3d", "convtranspose1d"],
+    )
+    def test_lrp_0_equals_gradient_times_input(self, layer, norm, shape):
+        from tdhook.attribution import BaseRuleMapper, EpsilonRule
+        from tests.attribution.test_lrp_layers import lrp_relevance, randomise_batch_norm
+
+        model = PerSample(layer.double(), randomise_batch_norm(norm.double())).eval()
+        x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+        y = model(x)
+        r_out = torch.randn_like(y)
+        (grad,) = torch.autograd.grad(y, x, r_out / y)  # the output relevance is the output times its gradient
+        mapper = BaseRuleMapper(stabilizer=0.0, rule_mapper={type(layer): EpsilonRule(0.0)})
+        actual = lrp_relevance(model, x, r_out, rule_mapper=mapper)
+        assert relative_error(actual, x.detach() * grad) <= 1e-10

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
+from torch import nn
 
-from tdhook.attribution.rules._glue import GlueError, carry_back, input_leaves
+from tdhook.attribution.rules._glue import GlueError, carry_back, input_leaves, whole_records
 
 
 def carried(x: torch.Tensor, relevance: torch.Tensor) -> list[torch.Tensor]:
@@ -61,3 +62,26 @@ def test_leaves_and_layers_are_found_through_the_graph():
     w = torch.nn.Parameter(torch.randn(2))
     leaves, through_layer = input_leaves(u * w)
     assert [leaf is u for leaf in leaves] == [True] and not through_layer
+
+
+class TestWholeRecords:
+    """Which first-layer inputs give all their relevance to the input positions through glue."""
+
+    def test_a_shifted_input_gives_each_position_its_relevance(self):
+
+        u = torch.randn(2, 3, requires_grad=True)
+        relevance = torch.randn(2, 3)
+        ((leaf, carried),) = whole_records(object(), nn.Identity(), (u - 0.5) * 4, relevance)
+        assert leaf is u and torch.equal(carried, relevance)
+
+    @pytest.mark.parametrize(
+        "move",
+        [lambda u: u.flatten(1), lambda u: u.clone().transpose(1, 2).flip(-1), lambda u: u.unsqueeze(0)],
+        ids=["flatten", "transpose-flip", "unsqueeze"],
+    )
+    def test_values_moved_without_a_shift_are_left_to_the_gradient(self, move):
+        # x * grad carries the relevance exactly there: no Jacobian probes on every call (an MLP's nn.Flatten)
+
+        u = torch.randn(2, 3, 4, requires_grad=True)
+        x = move(u)
+        assert whole_records(object(), nn.Identity(), x, torch.randn_like(x)) is None

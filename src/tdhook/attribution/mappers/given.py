@@ -17,9 +17,10 @@ from typing import Any
 
 from tdhook.attribution.mappers import presets, transformer
 from tdhook.attribution.mappers.base import BaseRuleMapper, RuleMapper
+from tdhook.attribution.rules import __all__ as _RULE_NAMES
 from tdhook.attribution.rules.base import Rule
 
-__all__ = ["as_rule_mapper"]
+__all__ = ["as_rule_mapper", "checked_rules"]
 
 
 def as_rule_mapper(rule_mapper: Any) -> RuleMapper:
@@ -60,3 +61,53 @@ def as_rule_mapper(rule_mapper: Any) -> RuleMapper:
         "LRP: rule_mapper must be a preset (EpsilonPlus(), ...), a dict keyed by module type or name pattern, or a "
         f"callable (name, module) -> Rule | None; got {kind.__name__}"
     )
+
+
+def checked_rules(rules: Mapping[str, Any], modules: Mapping[str, Any]) -> dict[str, Rule]:
+    """The rules a mapper chose, each checked to be a tdhook :class:`~tdhook.attribution.rules.base.Rule`.
+
+    Args:
+        rules: the rule of each module that has one, by module name.
+        modules: the model's modules by name.
+
+    Returns:
+        ``rules`` as a dict.
+
+    Raises:
+        TypeError: a rule is not a tdhook ``Rule`` (a zennit rule, a hook, a class): the error names the module and
+            what was given, and points a zennit rule to tdhook's of the same name.
+
+    Examples:
+        >>> from torch import nn
+        >>> from tdhook.attribution.rules import EpsilonRule
+        >>> layer = nn.Linear(2, 2)
+        >>> checked_rules({"fc": EpsilonRule()}, {"fc": layer})
+        {'fc': EpsilonRule(epsilon=1e-06)}
+        >>> try:
+        ...     checked_rules({"fc": EpsilonRule}, {"fc": layer})
+        ... except TypeError as error:
+        ...     print(str(error).split("; ")[1])
+        pass an instance, EpsilonRule()
+    """
+    for name, rule in rules.items():
+        if isinstance(rule, Rule):
+            continue
+        module = f"module {name!r} ({type(modules[name]).__name__})" if name in modules else f"module {name!r}"
+        if isinstance(rule, type):
+            given = f"the class {rule.__name__}"
+            hint = f"pass an instance, {rule.__name__}()" if issubclass(rule, Rule) else _ANY_RULE
+        else:
+            kind = type(rule)
+            given = f"a {kind.__module__}.{kind.__name__}"
+            hint = _ANY_RULE
+            if kind.__module__.split(".")[0] == "zennit":
+                ours = _ZENNIT_RULES.get(kind.__name__, f"{kind.__name__}Rule")
+                if ours.split("(")[0] in _RULE_NAMES:
+                    hint = f"use tdhook.attribution.{ours} in its place"
+        raise TypeError(f"LRP: rule_mapper gave {module} {given}, not a tdhook Rule; {hint}")
+    return dict(rules)
+
+
+_ANY_RULE = "map it to one of tdhook.attribution's rules (EpsilonRule, AlphaBetaRule, ...) or to None"
+# zennit's rules whose tdhook counterpart is not named by adding "Rule".
+_ZENNIT_RULES = {"ZPlus": "AlphaBetaRule(1.0, 0.0)", "Norm": "EpsilonRule"}

@@ -1,7 +1,9 @@
 """Relevance set directly at a layer's input, carried back through the glue between the model inputs and that layer.
 
 The input-layer rules (Flat, w², z^B) and the Uniform rule give relevance to
-input positions whose value is zero, where ``x * grad`` cannot carry it. The
+input positions whose value is zero, where ``x * grad`` cannot carry it; the
+input-layer rules give all of theirs this way where the glue maps positions one
+to one (:func:`whole_records`), so that a normaliser's shift takes no share. The
 wrapper adds it back to the explained input it belongs to. When glue sits
 between the explained input ``u`` and the layer's input ``x`` (a normaliser
 ``(u - mean) / std``, a scaling step of a ``TensorDictSequential``, a reshape,
@@ -32,7 +34,7 @@ from torch import nn
 
 from tdhook.attribution.rules._autograd import relevance_pass_edges
 
-__all__ = ["GlueError", "carry_back", "input_leaves", "rest_records"]
+__all__ = ["GlueError", "carry_back", "input_leaves", "rest_records", "whole_records"]
 
 _LAYER_MARK = "tdhook_layer"  # the autograd metadata key set on Linear and convolution outputs (see base._mark)
 
@@ -116,7 +118,8 @@ def carry_back(x: torch.Tensor, relevance: torch.Tensor, who: str) -> list[tuple
         raise GlueError(
             f"{who}: the layer's input mixes the model inputs with the output of another Linear or convolution "
             "layer, so the relevance this rule sets at its zero entries cannot be given to the explained inputs; "
-            "use this rule on the first layer only"
+            "use this rule on the first layer only (a preset's first-layer rule: map this layer to another rule in "
+            "rule_mapper)"
         )
     if not leaves:
         return []
@@ -214,3 +217,59 @@ def rest_records(
     except GlueError as err:
         err.module = module
         raise
+
+
+def whole_records(
+    rule: object, module: nn.Module, x: torch.Tensor, relevance: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The records of all of ``relevance``, set directly at ``module``'s input ``x``, where glue computes ``x``
+    from the model inputs one position each (``(u - mean) / std``, a scaling, a flip, a reshape); ``None`` where
+    ``x`` is a model input or a copy of one, or where the glue mixes positions or passes through another layer
+    (the gradient then carries ``x * grad`` and :func:`rest_records` the rest).
+
+    The relevance a first-layer rule sets belongs to the input position its input was computed from, whole: the
+    gradient through glue with a shift ``b`` would carry ``R (x - b) / x`` instead, unbounded where ``x`` nears
+    zero (a pixel near a normaliser's mean), and the relevance would no longer sum to the layer's.
+
+    Examples:
+        >>> u = torch.tensor([0.5, 2.0], requires_grad=True)
+        >>> [(leaf is u, r) for leaf, r in whole_records(object(), nn.Identity(), (u - 0.5) * 4, torch.ones(2))]
+        [(True, tensor([1., 1.]))]
+    """
+    source = getattr(x, "_tdhook_alias_of", x)
+    if source.grad_fn is None or _only_moves_values(source) or input_leaves(x)[1]:
+        return None  # a model input, or one moved without a shift: x * grad carries the relevance exactly
+    try:
+        return carry_back(x, relevance, f"{type(rule).__name__} on {type(module).__name__}")
+    except GlueError:
+        return None  # positions mixed where relevance lies, or a backward that cannot be differentiated again
+
+
+# Autograd nodes of glue that only moves or copies values (no shift, no scale): the gradient through them carries
+# ``x * grad`` to the input position ``x`` came from exactly.
+_MOVES = frozenset(
+    {
+        "CloneBackward0",
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "ReshapeAliasBackward0",
+        "AliasBackward0",
+        "PermuteBackward0",
+        "TransposeBackward0",
+        "TBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "SqueezeBackward2",
+        "UnsqueezeBackward0",
+        "FlipBackward0",
+    }
+)
+
+
+def _only_moves_values(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a non-parameter leaf moved by a chain of single-input views, copies and permutations."""
+    node = x.grad_fn
+    while node is not None and type(node).__name__ in _MOVES and len(node.next_functions) == 1:
+        node = node.next_functions[0][0]
+    variable = getattr(node, "variable", None)
+    return variable is not None and not isinstance(variable, nn.Parameter)

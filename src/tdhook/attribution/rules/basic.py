@@ -218,6 +218,12 @@ class PassRule(Rule):
     def register(self, module: nn.Module) -> RemovableRuleHandle:
         if type(module) is nn.ReLU:
             return RemovableRuleHandle(self, module)
+        if isinstance(module, LINEAR_LAYERS) and not _scales_each_channel(module):
+            raise ValueError(
+                f"PassRule needs an element-wise module; {type(module).__name__} mixes its inputs with its weight "
+                "even where its output has its input's shape: map it to EpsilonRule (LRP-0 with epsilon=0) or "
+                "IgnoreRule (its plain gradient)"
+            )
         return super().register(module)
 
     def rewrite(self, module, registration, inputs, output):
@@ -238,6 +244,20 @@ class PassRule(Rule):
             return redirect(output, [x], lambda grad: [grad * z / stabilize(x, stabilizer)])
         scale = output.detach() / stabilize(x.detach(), self.stabilizer)
         return redirect(output, [x], lambda grad: [grad * scale])
+
+
+def _scales_each_channel(layer: nn.Module) -> bool:
+    """Whether a convolution scales each channel on its own: depthwise, with a kernel of size one, no stride and
+    no padding (a string padding, ``"same"`` or ``"valid"``, pads nothing with such a kernel)."""
+    if isinstance(layer, nn.Linear) or not hasattr(layer, "groups"):
+        return False
+    padding = layer.padding if isinstance(layer.padding, tuple) else (0,)
+    return (
+        layer.groups == layer.in_channels == layer.out_channels
+        and all(k == 1 for k in layer.kernel_size)
+        and all(s == 1 for s in layer.stride)
+        and all(p == 0 for p in padding)
+    )
 
 
 class UniformRule(Rule):

@@ -138,9 +138,12 @@ def _can_merge(call: LayerCall, norm: nn.Module, flattened: bool = False) -> boo
     raw = call.raw
     if flattened:
         return raw.shape[-1] == norm.num_features
-    if isinstance(call.module, nn.Linear) and raw.dim() != 2:
-        return False  # BatchNorm1d on (N, L, C) normalises L, not the layer's features
-    return raw.dim() >= 2 and raw.shape[1] == norm.num_features
+    if isinstance(call.module, nn.Linear):
+        if raw.dim() != 2:
+            return False  # BatchNorm1d on (N, L, C) normalises L, not the layer's features
+    elif raw.dim() != len(call.module.kernel_size) + 2:
+        return False  # an unbatched convolution's (C, *spatial): the BatchNorm's dimension 1 is spatial
+    return raw.shape[1] == norm.num_features
 
 
 def _merge_batch_norm(layer: nn.Module, norm: nn.Module) -> MergedLayer:

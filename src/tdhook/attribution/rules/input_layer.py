@@ -2,7 +2,10 @@
 
 Their relevance is not proportional to the input, so it is set directly: the
 gradient carries ``x * grad`` and the rest (where ``x = 0``) is recorded on the
-rule's registration for the wrapper to add back.
+rule's registration for the wrapper to add back. Where glue computes the input
+from the model inputs one position each (a normaliser ``(u - mean) / std``),
+all of it is recorded, each input position getting the relevance of the value
+computed from it (see :func:`~tdhook.attribution.rules._glue.whole_records`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from torch import nn
 
 from tdhook.attribution.rules._arguments import bounds
 from tdhook.attribution.rules._autograd import is_plain_gradient, may_overwrite
-from tdhook.attribution.rules._glue import rest_records
+from tdhook.attribution.rules._glue import rest_records, whole_records
 from tdhook.attribution.rules._input_gradients import (
     direct_input_gradient,
     direct_input_gradients,
@@ -121,6 +124,10 @@ class _DirectInputRule(_ModifiedForwardRule):
         start = grad * z / stabilize(z_mod, self.stabilizer)
         grads = torch.autograd.grad(z_mod, stand_ins, start, create_graph=True, allow_unused=True)
         relevance = self.relevance(stand_ins, grads)
+        whole = whole_records(self, module, x, relevance)
+        if whole is not None:  # computed by glue position by position, as in input_gradient
+            registration.records.extend(whole)
+            return torch.zeros_like(x)
         grad_x = safe_divide(relevance, x)
         registration.records.append((x, relevance - x * grad_x))
         return grad_x
@@ -128,6 +135,10 @@ class _DirectInputRule(_ModifiedForwardRule):
     def input_gradient(self, module, registration, params, x, z, grad):
         value = x.detach()
         relevance = self.direct_relevance(module, registration, params, value, z, grad)
+        whole = whole_records(self, module, x, relevance)
+        if whole is not None:  # computed by glue position by position: each input position gets its relevance
+            registration.records.extend(whole)
+            return torch.zeros_like(value)
         with torch.no_grad():
             grad_x = safe_divide(relevance, value)
         # The gradient carries R = x * grad_x; what it cannot carry (where x = 0) is recorded.
