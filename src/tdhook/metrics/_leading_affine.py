@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.modules import module as module_globals
 
 from tdhook.metrics._features import stacked_batch
+from tdhook.metrics._transposed_weights import transposed
 
 __all__ = ["LeadingAffine"]
 
@@ -200,14 +201,15 @@ _ROW_PADDING = 8
 class _Bags:
     """The changes of the layer's output, one bag of elements per sample and step, from the last step back.
 
-    Bag 0 is one row of ``rows`` with weight 1: the layer's output with every element at the baseline. Bag 1 holds
-    the elements that never go, bag ``j >= 2`` those that go at step ``steps + 2 - j`` (from 1).
+    Bag 0 is empty: its sum is the layer's output with every element at the baseline. Bag 1 holds the elements that
+    never go, bag ``j >= 2`` those that go at step ``steps + 2 - j`` (from 1).
 
     Attributes:
-        order: ``[N, 1 + M]``: each sample's row of bag 0, then its elements, the last to go first.
-        values: ``[N, 1 + M]``: 1, then ``x_e - b_e`` of those elements.
+        order: ``[N, M]``: each sample's elements, the last to go first.
+        values: ``[N, M]``: ``x_e - b_e`` of those elements.
         ends: ``[N, steps + 3]``: where in ``order`` each bag begins.
-        rows: ``W^T`` (row ``e`` the weights of element ``e``), then the outputs at the baseline.
+        rows: ``W^T``, row ``e`` the weights of element ``e``.
+        base: the layer's output with every element at the baseline, ``[N, out]`` or ``[1, out]``.
         carry: the output (float64 ``[N, out]``) at the step after the next stack's last; ``None`` before the first.
     """
 
@@ -215,6 +217,7 @@ class _Bags:
     values: torch.Tensor
     ends: torch.Tensor
     rows: torch.Tensor
+    base: torch.Tensor
     carry: torch.Tensor | None = None
 
     @classmethod
@@ -224,16 +227,9 @@ class _Bags:
         """The bags of elements in ``order`` (``[N, M]``, the first to go first), with ``values`` ``x_e - b_e`` and
         ``ends`` ``[N, steps + 2]`` (where each step's elements begin), through a layer of ``weight``, whose output
         at the baseline is ``base`` (``[N, out]``, or ``[1, out]`` for all samples)."""
-        n, m = order.shape
-        rows = torch.empty(m + len(base), weight.shape[0], dtype=weight.dtype, device=weight.device)
-        rows[:m].copy_(weight.t())
-        rows[m:].copy_(base)
-        first = torch.arange(m, m + n, device=order.device) if len(base) > 1 else torch.full((n,), m)
+        m = order.shape[1]
         return cls(
-            torch.cat([first.to(order.device).unsqueeze(-1), order.flip(-1)], -1),
-            torch.cat([values.new_ones(n, 1), values.flip(-1)], -1),
-            torch.cat([ends.new_zeros(n, 1), 1 + m - ends.flip(-1)], -1),
-            rows,
+            order.flip(-1), values.flip(-1), torch.cat([ends[:, :1], m - ends.flip(-1)], -1), transposed(weight), base
         )
 
     def outputs(self, start: int, stop: int) -> torch.Tensor:
@@ -251,6 +247,8 @@ class _Bags:
         low = 0 if first else n_bags - 1 - stop
         high = n_bags if start == 0 else n_bags - start
         sums = self._sums(low, high)  # [N, bags, out]
+        if first:
+            sums[:, 0] = self.base
         n, count, width = sums.shape
         padded = torch.empty(count, n, width + _ROW_PADDING, dtype=sums.dtype, device=sums.device)[..., :width]
         torch.cumsum(sums, 1, out=padded.transpose(0, 1))
