@@ -156,7 +156,8 @@ class LeadingAffine:
         where the baseline is zero (its bias, as the pass would give it: a sum of zeros plus the bias), else one pass
         ``[N, out]``."""
         weight, bias = self.linear.weight, self.linear.bias
-        if not bool((base == 0).all()):
+        stored = base if any(base.stride()) else base.reshape(-1)[:1]  # a number expanded: one element to look at
+        if not bool((stored == 0).all()):
             return torch.nn.functional.linear(base, weight, bias)
         if bias is None:
             return weight.new_zeros(1, self.linear.out_features)
@@ -182,7 +183,7 @@ def _in_order(ranks: torch.Tensor, whole: bool) -> tuple[torch.Tensor, torch.Ten
         (tensor([[0, 1, 1]]), tensor([[1, 0, 2]]))
     """
     n, m = ranks.shape
-    if whole and 0 <= ranks.min() and ranks.max() < m:
+    if whole and _within(ranks, m):
         elements = torch.arange(m, device=ranks.device)
         order = torch.full((n, m), -1, device=ranks.device).scatter_(-1, ranks.long(), elements.expand(n, m))
         if bool((order >= 0).all()):  # every rank once
@@ -195,6 +196,12 @@ def _in_order(ranks: torch.Tensor, whole: bool) -> tuple[torch.Tensor, torch.Ten
 # a power of two apart, and the running sum, which reads and writes them a row apart, would keep evicting its own
 # cache lines (the padded layout ran about five times faster for a 256-wide layer).
 _ROW_PADDING = 8
+
+
+def _within(ranks: torch.Tensor, m: int) -> bool:
+    """Whether every rank lies in ``0 .. m - 1`` (one reduction for both ends)."""
+    low, high = torch.aminmax(ranks)
+    return bool(low >= 0) and bool(high < m)
 
 
 @dataclass
