@@ -17,6 +17,7 @@ step to step instead of recomputing (``tdhook.metrics._leading_affine``): it run
 from __future__ import annotations
 
 import argparse
+import time
 import warnings
 
 import numpy as np
@@ -40,6 +41,11 @@ def main() -> None:
     parser.add_argument(
         "--warm", action="store_true", help="time each call after an untimed one, as in a loop over many batches"
     )
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time the CPU time of this process instead of the wall time (steadier where other work shares the core)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -51,6 +57,7 @@ def main() -> None:
     print(
         f"batch {b} x {c}x{s}x{s} ({n_features} features, {args.features_per_step} per step), 1 thread, "
         f"median of {args.repeats} interleaved rounds{', warm caches' if args.warm else ''}"
+        f"{', CPU time' if args.cpu_time else ''}"
     )
     print(
         f"{'model':<6} {'tdhook s':>9} {'its fwd s':>10} {'quantus s':>10} {'its fwd s':>10} "
@@ -102,6 +109,7 @@ def main() -> None:
             args.repeats,
             collect=True,
             warm=args.warm,
+            clock=time.process_time if args.cpu_time else time.perf_counter,
         )
         ratio = times["quantus"] / times["tdhook"]
         bound = times["quantus"] / times["tdhook fwd"]

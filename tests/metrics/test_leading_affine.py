@@ -317,3 +317,41 @@ def test_a_baseline_that_is_not_finite_runs_every_perturbed_input():
     assert torch.isfinite(curve[:, :-1]).all()
     expected = flipping(direct(net), td, features_per_step=9, baseline=baseline)
     torch.testing.assert_close(curve, expected, rtol=0, atol=1e-12, equal_nan=True)
+
+
+def test_float32_outputs_are_summed_in_float64_and_rounded_once():
+    """A float32 layer whose output is 1e8 (one feature, the last to go) plus one for each of 40 small features still
+    there: each step's output is that sum rounded once to float32 (a multiple of 8 there). A running sum in float32
+    would stay at 1e8, as 1e8 + 1 rounds back to 1e8 (and a float32 pass of the model is off by up to 16 here)."""
+    net = nn.Sequential(nn.Linear(41, 1, bias=False))
+    with torch.no_grad():
+        net[0].weight.fill_(1.0)
+    x = torch.ones(1, 41)
+    x[0, 0] = 1e8
+    a = torch.arange(41.0, 0.0, -1.0).unsqueeze(0)  # the small features first, in order; the large one last
+    a[0, 0] = -1.0
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[1])
+    curve, updated = watched_flipping(net, td, features_per_step=1)
+    assert updated.called
+    still_there = torch.arange(39, -2, -1, dtype=torch.float64)  # small features at steps 1 .. 41
+    expected = torch.where(still_there >= 0, 1e8 + still_there, 0.0).float()
+    assert torch.equal(curve[0, 1:], expected)
+
+
+class _ViewsItsInput(nn.Module):
+    """A layer of the caller's that merges its input's last two dimensions with ``view`` (and splits them back)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(*x.shape[:-2], -1).view(x.shape)
+
+
+def test_a_layer_of_the_callers_after_the_first_gets_a_contiguous_stack():
+    """The summed outputs are rows of a padded buffer; torch's layers read them as they are, a layer of the
+    caller's that calls ``view`` gets a contiguous copy."""
+    torch.manual_seed(14)
+    net = nn.Sequential(nn.Linear(8, 5), _ViewsItsInput(), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, a = torch.randn(2, 3, 8, dtype=torch.float64), torch.randn(2, 3, 8, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[2, 3])
+    curve, updated = watched_flipping(net, td, features_per_step=3)
+    assert updated.called
+    torch.testing.assert_close(curve, flipping(direct(net), td, features_per_step=3), rtol=0, atol=1e-12)

@@ -34,6 +34,7 @@ from torch.nn.modules import module as module_globals
 
 from tdhook.metrics._batch_statistics import statistics_kept
 from tdhook.metrics._features import stacked_batch
+from tdhook.metrics._transposed_weights import transposed
 
 __all__ = ["LeadingAffine"]
 
@@ -138,14 +139,13 @@ class LeadingAffine:
             bounds = torch.arange(n_steps + 2, dtype=steps.dtype, device=steps.device)
             ends = torch.searchsorted(steps, bounds.expand(len(steps), -1).contiguous()).expand(n, -1)
             values = (x.reshape(n, -1) - base).gather(-1, order)
-            # The bags from the last step back (bag 0: the elements that never go), summed in that order.
-            bags = _Bags(order.flip(-1), values.flip(-1), order.shape[1] - ends.flip(-1), weight.t().contiguous())
-            # The layer's output with every element at the baseline, then with the elements never perturbed back.
-            carry = self._at_baseline(base)
+            bags = _Bags.build(order, values, ends, weight, self._at_baseline(base))
+            plain = all(_strided_ok(module) for layer in self.rest for module in layer.modules())
         for start in reversed(range(0, n_steps, size)):
             stop = min(start + size, n_steps)
             with torch.no_grad():
-                hidden, carry = bags.outputs(start, stop, carry, last=stop == n_steps)
+                hidden = bags.outputs(start, stop)
+                hidden = hidden if plain else hidden.contiguous()
                 stacked = stacked_batch(stop - start, batch or (n,))
                 out = hidden.reshape(*stacked, weight.shape[0])
                 with statistics_kept(nn.ModuleList(self.rest)):  # each stack from the caller's statistics
@@ -154,14 +154,22 @@ class LeadingAffine:
             yield start, out.reshape(stop - start, n, *out.shape[len(stacked) :]).flip(0)  # from the first step
 
     def _at_baseline(self, base: torch.Tensor) -> torch.Tensor:
-        """The layer's output ``[N, out]`` in float64 with every element at the baseline ``base`` ``[N, M]``: its bias
-        where the baseline is zero (as the pass would give it: a sum of zeros plus the bias), else one pass."""
-        bias = self.linear.bias
-        if not bool((base == 0).all()):
-            return torch.nn.functional.linear(base, self.linear.weight, bias).double()
+        """The layer's output with every element at the baseline ``base`` ``[N, M]``, in its precision: ``[1, out]``
+        where the baseline is zero (its bias, as the pass would give it: a sum of zeros plus the bias), else one pass
+        ``[N, out]``."""
+        weight, bias = self.linear.weight, self.linear.bias
+        stored = base if any(base.stride()) else base.reshape(-1)[:1]  # a number expanded: one element to look at
+        if not bool((stored == 0).all()):
+            return torch.nn.functional.linear(base, weight, bias)
         if bias is None:
-            return torch.zeros(len(base), self.linear.out_features, dtype=torch.float64, device=base.device)
-        return bias.detach().double().expand(len(base), -1)
+            return weight.new_zeros(1, self.linear.out_features)
+        return bias.detach().unsqueeze(0)
+
+
+def _strided_ok(module: nn.Module) -> bool:
+    """Whether ``module`` is one of torch's own layers, which take inputs of any strides (a layer of the caller's may
+    call ``view`` on its input, which needs a contiguous one)."""
+    return type(module).__module__.startswith("torch.nn.")
 
 
 def _in_order(ranks: torch.Tensor, whole: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,7 +185,7 @@ def _in_order(ranks: torch.Tensor, whole: bool) -> tuple[torch.Tensor, torch.Ten
         (tensor([[0, 1, 1]]), tensor([[1, 0, 2]]))
     """
     n, m = ranks.shape
-    if whole and 0 <= ranks.min() and ranks.max() < m:
+    if whole and _within(ranks, m):
         elements = torch.arange(m, device=ranks.device)
         order = torch.full((n, m), -1, device=ranks.device).scatter_(-1, ranks.long(), elements.expand(n, m))
         if bool((order >= 0).all()):  # every rank once
@@ -186,49 +194,83 @@ def _in_order(ranks: torch.Tensor, whole: bool) -> tuple[torch.Tensor, torch.Ten
     return ranks, order
 
 
+# Padding of each row of a stack's summed outputs (elements): rows of a power-of-two width would start at addresses
+# a power of two apart, and the running sum, which reads and writes them a row apart, would keep evicting its own
+# cache lines (the padded layout ran about five times faster for a 256-wide layer).
+_ROW_PADDING = 8
+
+
+def _within(ranks: torch.Tensor, m: int) -> bool:
+    """Whether every rank lies in ``0 .. m - 1`` (one reduction for both ends)."""
+    low, high = torch.aminmax(ranks)
+    return bool(low >= 0) and bool(high < m)
+
+
 @dataclass
 class _Bags:
     """The changes of the layer's output, one bag of elements per sample and step, from the last step back.
 
-    Bag ``j`` holds the elements that go at step ``steps + 1 - j`` (from 1); bag 0 those that never go.
+    Bag 0 is empty: its sum is the layer's output with every element at the baseline. Bag 1 holds the elements that
+    never go, bag ``j >= 2`` those that go at step ``steps + 2 - j`` (from 1).
 
     Attributes:
         order: ``[N, M]``: each sample's elements, the last to go first.
         values: ``[N, M]``: ``x_e - b_e`` of those elements.
-        ends: ``[N, steps + 2]``: where in ``order`` each bag begins.
+        ends: ``[N, steps + 3]``: where in ``order`` each bag begins.
         rows: ``W^T``, row ``e`` the weights of element ``e``.
+        base: the layer's output with every element at the baseline, ``[N, out]`` or ``[1, out]``.
+        carry: the output (float64 ``[N, out]``) at the step after the next stack's last; ``None`` before the first.
     """
 
     order: torch.Tensor
     values: torch.Tensor
     ends: torch.Tensor
     rows: torch.Tensor
+    base: torch.Tensor
+    carry: torch.Tensor | None = None
 
-    def outputs(self, start: int, stop: int, carry: torch.Tensor, last: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's outputs ``[stop - start, N, out]`` at steps ``stop .. start + 1`` (from the last step back),
-        and the carry for the steps before.
+    @classmethod
+    def build(
+        cls, order: torch.Tensor, values: torch.Tensor, ends: torch.Tensor, weight: torch.Tensor, base: torch.Tensor
+    ) -> _Bags:
+        """The bags of elements in ``order`` (``[N, M]``, the first to go first), with ``values`` ``x_e - b_e`` and
+        ``ends`` ``[N, steps + 2]`` (where each step's elements begin), through a layer of ``weight``, whose output
+        at the baseline is ``base`` (``[N, out]``, or ``[1, out]`` for all samples)."""
+        m = order.shape[1]
+        return cls(
+            order.flip(-1), values.flip(-1), torch.cat([ends[:, :1], m - ends.flip(-1)], -1), transposed(weight), base
+        )
 
-        ``carry`` (float64) is the output at step ``stop + 1``: every element that goes by then at the baseline.
-        With ``last``, the elements that never go are added to it first.
+    def outputs(self, start: int, stop: int) -> torch.Tensor:
+        """The layer's outputs ``[stop - start, N, out]`` at steps ``stop .. start + 1`` (from the last step back);
+        the stacks come from the last to the first.
+
+        Each output is the sum of the bags of the elements still there, so an element at the baseline leaves no
+        rounding behind (a running sum from the first step, taken off its total, would keep the rounding of a large
+        one). The sums run along the bags in float64 (``torch.cumsum`` accumulates float32 in float64 on CPU, and
+        rounds each output once); the carry from one stack to the next is float64 too.
         """
-        n_bags = self.ends.shape[1] - 1
-        sums = self._sums(n_bags - stop - last, n_bags - start)  # [N, last + steps, out], from the last step back
-        n, width, steps = sums.shape[0], sums.shape[2], stop - start
-        if last:
-            carry = carry + sums[:, 0]
-        # [N, out, steps + 1] in float64: the carry, then the changes from the stack's last step back to its first,
-        # summed along the last dimension. Entry j is the output j steps before the stack's last: it sums only the
-        # elements still there, so an element at the baseline leaves no rounding behind (a running sum from the
-        # stack's first step, taken off its total, would keep the rounding of a large one).
-        running = torch.empty(n, width, steps + 1, dtype=torch.float64, device=sums.device)
-        running[..., 0].copy_(carry)
-        running[..., 1:].copy_(sums[:, last:].transpose(1, 2))
-        running.cumsum_(-1)
-        out = torch.empty(steps, n, width, dtype=self.rows.dtype, device=self.rows.device)
-        return out.copy_(running[..., :steps].permute(2, 0, 1)), running[..., steps]
+        steps, n_bags, first = stop - start, self.ends.shape[1] - 1, self.carry is None
+        # The bags of the stack: those of the outputs' steps (the first stack from bag 0 on), and the bag of the step
+        # before them, whose sum carries to the next stack (or, after the last one, is not used).
+        low = 0 if first else n_bags - 1 - stop
+        high = n_bags if start == 0 else n_bags - start
+        sums = self._sums(low, high)  # [N, bags, out]
+        if first:
+            sums[:, 0] = self.base
+        n, count, width = sums.shape
+        padded = torch.empty(count, n, width + _ROW_PADDING, dtype=sums.dtype, device=sums.device)[..., :width]
+        torch.cumsum(sums, 1, out=padded.transpose(0, 1))
+        outputs = padded[int(first) : int(first) + steps]  # bag 0 of the first stack is no step's
+        if not first:
+            outputs.add_(self.carry)  # in float64, rounded once
+        if start > 0:  # the output at step start + 1, the last of the stack: every bag but the one after it
+            carry = sums[:, :-1].sum(1, dtype=torch.float64)
+            self.carry = carry if first else carry.add_(self.carry)
+        return outputs
 
     def _sums(self, start: int, stop: int) -> torch.Tensor:
-        """``[N, stop - start, out]``: per sample and bag in ``[start, stop)``, ``sum W[:, e] (x_e - b_e)``."""
+        """``[N, stop - start, out]``: per sample and bag in ``[start, stop)``, ``sum rows[e] * values[e]``."""
         n, m = self.order.shape
         low, high = self.ends[:, start], self.ends[:, stop]
         begins = self.ends[:, start:stop]
