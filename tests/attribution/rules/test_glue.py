@@ -85,3 +85,16 @@ class TestWholeRecords:
         u = torch.randn(2, 3, 4, requires_grad=True)
         x = move(u)
         assert whole_records(object(), nn.Identity(), x, torch.randn_like(x)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("positions", [700, 5000])
+def test_a_normalisers_division_keeps_positions_in_every_float_type(dtype, positions: int):
+    # Each rounding in the glue (the shift, the division by a deviation) shifts the digits its forward products
+    # give back: read with too little headroom, a plain (u - mean) / std in float32 looked like mixed positions.
+    torch.manual_seed(0)
+    u = torch.rand(2, positions, dtype=dtype, requires_grad=True)
+    mean, std = torch.rand(positions, dtype=dtype), torch.rand(positions, dtype=dtype) * 0.3 + 0.2
+    relevance = torch.randn(2, positions, dtype=dtype)
+    (back,) = carried(((u - mean) / std * 0.7 + 0.1) / 1.3, relevance)
+    torch.testing.assert_close(back, relevance, rtol=0, atol=0)
