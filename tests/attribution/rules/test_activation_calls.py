@@ -94,3 +94,21 @@ def test_a_clamped_saturated_action_keeps_its_relevance():
         grad = torch.autograd.grad(action.sum(), param)[0]
     assert torch.equal(action, plain)
     torch.testing.assert_close(param * grad, action - (LOW + HIGH) / 2, rtol=1e-10, atol=1e-12)
+
+
+def test_a_tanh_under_vmap_is_refused_naming_the_module():
+    # Under torch.vmap the tanh's input reports no gradient: the pass rule did not apply, silently.
+    squash = TanhModule(in_keys=["param"], out_keys=["action"])
+
+    class Vmapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.squash = nn.Linear(3, 2), squash
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.vmap(lambda h: self.squash(TensorDict(param=h))["action"])(self.fc(x))
+
+    mapper = BaseRuleMapper(rule_mapper=lambda name, module: TanhCallsRule() if module is squash else None)
+    lrp = LRP(Vmapped(), mapper, in_keys=["x"], out_keys=["y"])
+    with pytest.raises(RuntimeError, match="module TanhModule runs under torch.vmap"):
+        lrp(TensorDict(x=torch.randn(4, 3), batch_size=[4]))

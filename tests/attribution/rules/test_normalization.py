@@ -801,3 +801,47 @@ class TestBatchRenorm:
         actual = lrp_relevance(model, x, relevance_out, BaseRuleMapper(stabilizer=0.5))
         expected = lrp_relevance(self.held(model, x), x, relevance_out, {Affine: EpsilonRule(0.5)})
         assert relative_error(actual, expected) <= 1e-10
+
+
+class TestNormsUnderVmap:
+    """Under ``torch.vmap`` a norm's input reports no gradient: a fused norm (``F.layer_norm``, ``F.rms_norm``)
+    kept its plain gradient silently (47 % off a LayerNorm's relevance, 52 % off an RMSNorm's). It is refused
+    naming the module; a norm written out, whose held scale needs no gradient to be seen, keeps its relevance."""
+
+    class Vmapped(nn.Module):
+        def __init__(self, norm: nn.Module, vmapped: bool) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.inp, self.norm, self.out = nn.Linear(4, 6).to(F64), norm.to(F64), nn.Linear(6, 3).to(F64)
+            self.vmapped = vmapped
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out((torch.vmap(self.norm) if self.vmapped else self.norm)(self.inp(x)))
+
+    class WrittenOut(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 6))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    @pytest.mark.parametrize("norm", [nn.LayerNorm, nn.RMSNorm], ids=["LayerNorm", "RMSNorm"])
+    @pytest.mark.parametrize("mapper", [AttnLRP, BaseRuleMapper], ids=["AttnLRP", "BaseRuleMapper"])
+    def test_a_fused_norm_is_refused_naming_the_module(self, norm, mapper):
+        lrp = LRP(self.Vmapped(norm(6), vmapped=True), mapper(), in_keys=["x"], out_keys=["y"])
+        with pytest.raises(RuntimeError, match=rf"module {norm.__name__} runs under torch.vmap") as info:
+            lrp(TensorDict(x=randn(5, 3, 4), batch_size=[5]))
+        assert any("'norm'" in note for note in info.value.__notes__)
+
+    def test_a_batch_renorm_is_refused_naming_the_module(self):
+        lrp = LRP(self.Vmapped(BatchRenorm1d(6), vmapped=True).eval(), BaseRuleMapper(), in_keys=["x"], out_keys=["y"])
+        with pytest.raises(RuntimeError, match=r"module BatchRenorm1d runs under torch.vmap"):
+            lrp(TensorDict(x=randn(5, 3, 4), batch_size=[5]))
+
+    def test_a_written_out_norm_keeps_its_relevance(self):
+        x = TensorDict(x=randn(5, 3, 4), batch_size=[5])
+        norm = self.WrittenOut()
+        plain = LRP(self.Vmapped(norm, vmapped=False), AttnLRP(), in_keys=["x"], out_keys=["y"])(x.clone())
+        vmapped = LRP(self.Vmapped(norm, vmapped=True), AttnLRP(), in_keys=["x"], out_keys=["y"])(x.clone())
+        assert relative_error(vmapped["relevance", "x"], plain["relevance", "x"]) <= 1e-12

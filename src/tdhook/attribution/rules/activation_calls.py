@@ -20,6 +20,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._arguments import nonnegative
+from tdhook.attribution.rules._autograd import raise_for_transformed_call
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.rules.basic import PassRule
 
@@ -45,6 +46,8 @@ class _PassTanh(TorchFunctionMode):
         with torch._C.DisableTorchFunction():
             result = func(*args, **kwargs)
             x = args[0] if args else None
+            if func in _PASSED:  # under torch.vmap the input reports no gradient: refused, not passed plainly
+                raise_for_transformed_call("the pass rule on tanh", args[:1])
             if func in _PASSED and isinstance(x, torch.Tensor) and x.requires_grad:
                 return self.rule.apply(result, x)
             return result

@@ -33,7 +33,15 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._arguments import nonnegative
-from tdhook.attribution.rules._autograd import call_argument, hold, is_held, redirect, times_saved
+from tdhook.attribution.rules._autograd import (
+    call_argument,
+    hold,
+    is_held,
+    raise_for_transformed_call,
+    raise_for_vmap,
+    redirect,
+    times_saved,
+)
 from tdhook.attribution.rules._graph_calls import note_output, recording, runs_plain
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
@@ -145,6 +153,8 @@ class _ConstantScale(TorchFunctionMode):
             x = args[0] if args else None
             if handler is not None:
                 self.applied = True
+                # Under torch.vmap the input reports no gradient: the fused norm would keep its plain gradient.
+                raise_for_transformed_call("the norm's rule", args[:1])
                 # A held input (create_graph=True: it requires grad, as a detached one would not) passes no relevance.
                 if isinstance(x, torch.Tensor) and x.requires_grad and not is_held(x):
                     self.kept = True
@@ -466,6 +476,7 @@ class BatchRenormRule(NormRule):
 
     def register(self, module: nn.Module) -> RemovableRuleHandle:
         def leave(mod: nn.Module, args: tuple, output: Any, mode: _HeldBatchStatistics) -> torch.Tensor | None:
+            raise_for_vmap(mod, output)  # its input would report no gradient: the plain gradient, silently
             if not isinstance(output, torch.Tensor) or not args:
                 return None
             return self.affine(output, args[0], None)  # the ε factor; the forward's own backward gives the scale
