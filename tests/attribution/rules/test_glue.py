@@ -71,8 +71,19 @@ class TestWholeRecords:
 
         u = torch.randn(2, 3, requires_grad=True)
         relevance = torch.randn(2, 3)
-        ((leaf, carried),) = whole_records(object(), nn.Identity(), (u - 0.5) * 4, relevance)
+        ((leaf, carried),), left = whole_records(object(), nn.Identity(), (u - 0.5) * 4, relevance)
         assert leaf is u and torch.equal(carried, relevance)
+        assert not left.any()
+
+    def test_positions_that_mix_inputs_are_left_to_the_gradient_and_only_they(self):
+        # One mixed feature beside a normaliser once sent every position to the gradient, where the shift's
+        # positions got R (x - b) / x: the fix of the normaliser undone by a feature beside it.
+        u = torch.randn(2, 3, requires_grad=True)
+        x = torch.cat([(u - 0.5) * 4, u.mean(-1, keepdim=True)], -1)
+        relevance = torch.randn(2, 4)
+        ((leaf, carried),), left = whole_records(object(), nn.Identity(), x, relevance)
+        assert leaf is u and torch.equal(carried, relevance[:, :3])
+        assert torch.equal(left, torch.cat([torch.zeros(2, 3), relevance[:, 3:]], -1))
 
     @pytest.mark.parametrize(
         "move",
@@ -98,3 +109,14 @@ def test_a_normalisers_division_keeps_positions_in_every_float_type(dtype, posit
     relevance = torch.randn(2, positions, dtype=dtype)
     (back,) = carried(((u - mean) / std * 0.7 + 0.1) / 1.3, relevance)
     torch.testing.assert_close(back, relevance, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [3, 5])
+def test_a_mean_of_neighbours_is_not_read_as_the_middle_one(dtype, window: int):
+    # An average pool gives each affine probe the middle position's value back: its relevance went, whole and
+    # silently, to the middle input. The hashed checks tell it from one owner.
+    u = torch.randn(2, 1, 9, dtype=dtype, requires_grad=True)
+    x = F.avg_pool1d(u, window, stride=1) - 0.5  # no edge: every position a mean of its neighbours
+    with pytest.raises(GlueError, match="several input positions"):
+        carried(x, torch.ones_like(x))

@@ -21,8 +21,10 @@ a concatenation of observation keys), :func:`carry_back` maps it onto ``u``:
 
 The positions are read from the glue's Jacobian ``J`` with forward products
 ``J p`` (computed as double backward passes through the glue only) for probes
-``p`` holding each input position's index digits; a last probe checks that
-every row has one owner.
+``p`` holding each input position's index digits; last probes holding a hash
+of each position's index check that every row has one owner (a mean of
+neighbours gives back the digits of the middle one, as any affine probe does,
+but not its hash).
 """
 
 from __future__ import annotations
@@ -92,20 +94,34 @@ def _digits(dtype: torch.dtype) -> int:
     return 2 ** max(1, min(20, mantissa - 9))
 
 
-def carry_back(x: torch.Tensor, relevance: torch.Tensor, who: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _hashed(index: torch.Tensor, salt: int, base: int) -> torch.Tensor:
+    """A hash of each index in ``1 … base``: no mean of the hashes of other indices is the hash of one but by chance
+    (an affine function of the index gives a mean of neighbours the middle one's value)."""
+    h = (index * 2654435761 + salt * 40503 + 12345) & 0x7FFFFFFF
+    h = h ^ (h >> 15)
+    h = (h * 73244475) & 0x7FFFFFFF
+    h = h ^ (h >> 13)
+    return h % base + 1
+
+
+def carry_back(
+    x: torch.Tensor, relevance: torch.Tensor, who: str, mixed: list[torch.Tensor] | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``relevance`` of the non-leaf layer input ``x``, given to the leaves ``x`` was computed from.
 
     Args:
         x: the layer's input, computed from the model inputs by glue (no Linear or convolution layer between).
         relevance: relevance shaped like ``x``.
         who: the rule and module, for error messages.
+        mixed: where given, a position that depends on several input positions is not refused: the mask of such
+            positions (shaped like ``x``) is appended to this list, and their relevance is left out of the result.
 
     Returns:
         ``(leaf, relevance of leaf)`` pairs, one per leaf ``x`` depends on; the sum of the relevance is kept
         except at positions that depend on no leaf.
 
     Raises:
-        GlueError: a position holding relevance depends on several input positions, or the glue's
+        GlueError: a position holding relevance depends on several input positions (``mixed`` not given), or the glue's
             Jacobian cannot be read (a rule inside the glue whose backward is not differentiable).
 
     Examples:
@@ -126,10 +142,10 @@ def carry_back(x: torch.Tensor, relevance: torch.Tensor, who: str) -> list[tuple
             "use this rule on the first layer only (a preset's first-layer rule: map this layer to another rule in "
             "rule_mapper)"
         )
-    if not leaves:
-        return []
     rows = relevance != 0
-    if not bool(rows.any()):
+    if mixed is not None:
+        mixed.append(torch.zeros_like(rows))
+    if not leaves or not bool(rows.any()):
         return []
     sizes = [leaf.numel() for leaf in leaves]
     total = sum(sizes)
@@ -140,7 +156,8 @@ def carry_back(x: torch.Tensor, relevance: torch.Tensor, who: str) -> list[tuple
     for d in range(n_digits):
         probes.append(((index // base**d) % base + 1).to(x.dtype))
     check_base = base - 1 if base > 2 else base
-    probes.append(((index * 7919) % check_base + 1).to(x.dtype))
+    checks = [_hashed(index, salt, check_base) for salt in range(2 if check_base > 1000 else 8)]
+    probes.extend(check.to(x.dtype) for check in checks)
     with torch.enable_grad():
         w = torch.zeros_like(x, requires_grad=True)
         vjp = torch.autograd.grad(x, leaves, w, retain_graph=True, create_graph=True, allow_unused=True)
@@ -158,9 +175,10 @@ def carry_back(x: torch.Tensor, relevance: torch.Tensor, who: str) -> list[tuple
                 allow_unused=True,
             )[0]
             products.append(torch.zeros_like(x) if jvp is None else jvp.detach())
-    scale, *digit_products, check = products
+    scale, *digit_products = products[: n_digits + 1]
+    check_products = products[n_digits + 1 :]
     owned = scale != 0
-    orphan = rows & ~owned & torch.stack([p != 0 for p in (*digit_products, check)]).any(0)
+    orphan = rows & ~owned & torch.stack([p != 0 for p in products[1:]]).any(0)
     owned = rows & owned
     position = torch.zeros(x.shape, dtype=torch.long, device=x.device)
     single = torch.ones_like(owned)
@@ -170,10 +188,14 @@ def carry_back(x: torch.Tensor, relevance: torch.Tensor, who: str) -> list[tuple
         single &= ((ratio - digit).abs() <= 0.1) & (digit >= 1) & (digit <= base)
         position += (digit.clamp(1, base).long() - 1) * base**d
     position = position.clamp(0, total - 1)
-    expected = ((position * 7919) % check_base + 1).to(x.dtype)
-    single &= ((check / torch.where(owned, scale, 1)) - expected).abs() <= 0.1
+    for salt, check in enumerate(check_products):
+        expected = _hashed(position, salt, check_base).to(x.dtype)
+        single &= ((check / torch.where(owned, scale, 1)) - expected).abs() <= 0.1
     several = orphan | (owned & ~single)
-    if bool(several.any()):
+    if mixed is not None:
+        mixed[-1] = several
+        owned &= single
+    elif bool(several.any()):
         where = tuple(int(i) for i in several.nonzero()[0])
         raise GlueError(
             f"{who}: the layer's input at position {where} depends on several input positions at once (glue "
@@ -226,11 +248,13 @@ def rest_records(
 
 def whole_records(
     rule: object, module: nn.Module, x: torch.Tensor, relevance: torch.Tensor
-) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """The records of all of ``relevance``, set directly at ``module``'s input ``x``, where glue computes ``x``
-    from the model inputs one position each (``(u - mean) / std``, a scaling, a flip, a reshape); ``None`` where
-    ``x`` is a model input or a copy of one, or where the glue mixes positions or passes through another layer
-    (the gradient then carries ``x * grad`` and :func:`rest_records` the rest).
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None:
+    """The records of ``relevance``, set directly at ``module``'s input ``x``, at the positions that glue computes
+    from the model inputs one position each (``(u - mean) / std``, a scaling, a flip, a reshape), and the relevance
+    left at the positions that mix several inputs (a mean of the inputs beside them), for the gradient to carry;
+    ``None`` where ``x`` is a model input or a copy of one, or where the glue passes through another layer or its
+    backward cannot be differentiated again (the gradient then carries ``x * grad`` and :func:`rest_records` the
+    rest).
 
     The relevance a first-layer rule sets belongs to the input position its input was computed from, whole: the
     gradient through glue with a shift ``b`` would carry ``R (x - b) / x`` instead, unbounded where ``x`` nears
@@ -238,16 +262,22 @@ def whole_records(
 
     Examples:
         >>> u = torch.tensor([0.5, 2.0], requires_grad=True)
-        >>> [(leaf is u, r) for leaf, r in whole_records(object(), nn.Identity(), (u - 0.5) * 4, torch.ones(2))]
-        [(True, tensor([1., 1.]))]
+        >>> x = torch.cat([(u - 0.5) * 4, u.sum(0, keepdim=True)])  # the last position mixes both inputs
+        >>> records, left = whole_records(object(), nn.Identity(), x, torch.ones(3))
+        >>> [(leaf is u, r) for leaf, r in records], left
+        ([(True, tensor([1., 1.]))], tensor([0., 0., 1.]))
     """
     source = getattr(x, "_tdhook_alias_of", x)
     if source.grad_fn is None or _only_moves_values(source) or input_leaves(x)[1]:
         return None  # a model input, or one moved without a shift: x * grad carries the relevance exactly
+    mixed: list[torch.Tensor] = []
     try:
-        return carry_back(x, relevance, f"{type(rule).__name__} on {type(module).__name__}")
+        records = carry_back(x, relevance, f"{type(rule).__name__} on {type(module).__name__}", mixed)
     except GlueError:
-        return None  # positions mixed where relevance lies, or a backward that cannot be differentiated again
+        return None  # a backward that cannot be differentiated again
+    # Only the positions that mix inputs are left to the gradient: one of them must not send the shifted ones
+    # there too, where their relevance would be scaled by (x - b) / x.
+    return records, torch.where(mixed[0], relevance, 0)
 
 
 # Autograd nodes of glue that only moves or copies values (no shift, no scale): the gradient through them carries

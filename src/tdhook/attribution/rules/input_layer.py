@@ -126,8 +126,8 @@ class _DirectInputRule(_ModifiedForwardRule):
         relevance = self.relevance(stand_ins, grads)
         whole = whole_records(self, module, x, relevance)
         if whole is not None:  # computed by glue position by position, as in input_gradient
-            registration.records.extend(whole)
-            return torch.zeros_like(x)
+            records, relevance = whole
+            registration.records.extend(records)
         grad_x = safe_divide(relevance, x)
         registration.records.append((x, relevance - x * grad_x))
         return grad_x
@@ -137,8 +137,10 @@ class _DirectInputRule(_ModifiedForwardRule):
         relevance = self.direct_relevance(module, registration, params, value, z, grad)
         whole = whole_records(self, module, x, relevance)
         if whole is not None:  # computed by glue position by position: each input position gets its relevance
-            registration.records.extend(whole)
-            return torch.zeros_like(value)
+            records, relevance = whole  # what is left: that of positions mixing several inputs, to the gradient
+            registration.records.extend(records)
+            if not bool(relevance.any()):
+                return torch.zeros_like(value)
         with torch.no_grad():
             grad_x = safe_divide(relevance, value)
         # The gradient carries R = x * grad_x; what it cannot carry (where x = 0) is recorded.
