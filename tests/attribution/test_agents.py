@@ -12,7 +12,7 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 from torchrl.modules import MultiAgentConvNet, MultiAgentMLP
 
-from tdhook.attribution import LRP, BaseRuleMapper, EpsilonGammaBox, EpsilonPlus
+from tdhook.attribution import LRP, AttnLRP, BaseRuleMapper, EpsilonGammaBox, EpsilonPlus
 
 F64 = torch.float64
 AGENTS, BATCH = 3, 4
@@ -27,8 +27,11 @@ def wrapped(net: nn.Module) -> TensorDictModule:
     return TensorDictModule(net, in_keys=[("agents", "observation")], out_keys=[("agents", "action_value")])
 
 
-def multi_agent_mlp(centralized: bool, share_params: bool, activation: type[nn.Module]) -> MultiAgentMLP:
+def multi_agent_mlp(
+    centralized: bool, share_params: bool, activation: type[nn.Module], norm: bool = False
+) -> MultiAgentMLP:
     torch.manual_seed(0)
+    normalised = {"norm_class": nn.LayerNorm, "norm_kwargs": {"normalized_shape": 8}} if norm else {}
     net = MultiAgentMLP(
         3,
         2,
@@ -38,7 +41,12 @@ def multi_agent_mlp(centralized: bool, share_params: bool, activation: type[nn.M
         depth=2,
         num_cells=8,
         activation_class=activation,
+        **normalised,
     )
+    if norm:  # norms away from their identity initialisation
+        with torch.no_grad():
+            for value in net.params.values(include_nested=True, leaves_only=True):
+                value.add_(torch.randn_like(value) * 0.5)
     return net.to(F64)
 
 
@@ -47,8 +55,11 @@ def agent_mlp(net: MultiAgentMLP, agent: int) -> nn.Sequential:
     params = net.params if net.share_params else net.params[agent]
     layers = []
     for name, module in net._empty_net.named_children():
-        if isinstance(module, nn.Linear):
-            layer = nn.Linear(module.in_features, module.out_features, dtype=F64)
+        if isinstance(module, (nn.Linear, nn.LayerNorm)):
+            if isinstance(module, nn.Linear):
+                layer = nn.Linear(module.in_features, module.out_features, dtype=F64)
+            else:
+                layer = nn.LayerNorm(module.normalized_shape, eps=module.eps, dtype=F64)
             with torch.no_grad():
                 layer.weight.copy_(params[name]["weight"])
                 layer.bias.copy_(params[name]["bias"])
@@ -107,6 +118,15 @@ def conv_agents(share_params: bool) -> tuple[MultiAgentConvNet, TensorDict]:
 @pytest.mark.parametrize("share_params", [False, True], ids=["own-params", "shared"])
 def test_each_agent_gets_the_relevance_of_its_own_unrolled_network(share_params, activation, mapper):
     relevance, expected = against_unrolled_agents(multi_agent_mlp(False, share_params, activation), mapper)
+    torch.testing.assert_close(relevance, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("mapper", [EpsilonPlus, AttnLRP], ids=["EpsilonPlus", "AttnLRP"])
+@pytest.mark.parametrize("share_params", [False, True], ids=["own-params", "shared"])
+def test_agents_with_layer_norms_get_the_relevance_of_their_unrolled_networks(share_params, mapper):
+    """torchrl runs unshared agents' layers under vmap, where a norm's input reports no gradient; the agents are
+    unrolled for the rules, so each agent's norms get the norm rule as in its own network."""
+    relevance, expected = against_unrolled_agents(multi_agent_mlp(False, share_params, nn.Tanh, norm=True), mapper)
     torch.testing.assert_close(relevance, expected, rtol=1e-10, atol=1e-12)
 
 
