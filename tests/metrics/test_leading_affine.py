@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from tdhook.metrics import pixel_flipping, region_perturbation
 from tdhook.metrics._leading_affine import LeadingAffine
@@ -355,3 +356,58 @@ def test_a_layer_of_the_callers_after_the_first_gets_a_contiguous_stack():
     curve, updated = watched_flipping(net, td, features_per_step=3)
     assert updated.called
     torch.testing.assert_close(curve, flipping(direct(net), td, features_per_step=3), rtol=0, atol=1e-12)
+
+
+class _FirstLayerPasses(TorchFunctionMode):
+    """Counts the passes of one linear layer (``nn.functional.linear`` with its weights)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight, self.count = weight, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is nn.functional.linear and (args[1] if len(args) > 1 else kwargs.get("weight")) is self.weight:
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "target", [None, 3, torch.tensor([0, 4, 2]), lambda y: y * torch.linspace(0.5, 2.0, 5, dtype=y.dtype)]
+)
+@pytest.mark.parametrize("steps_per_forward", [None, 2])
+def test_the_unperturbed_output_comes_from_the_sums_with_the_target_fixed_on_it(target, steps_per_forward):
+    """Column 0 and the target come from the first layer's summed outputs at step 0: the layer never runs on the
+    unperturbed input (with a zero baseline, not at all), and the curve, its first column included, equals direct
+    passes whatever the target."""
+    torch.manual_seed(3)
+    net, x, a = mlp_net(), images(3), images(3)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[3])
+    kwargs = {"features_per_step": 10, "target": target, "steps_per_forward": steps_per_forward}
+    with _FirstLayerPasses(net[1].weight) as passes:
+        curve, updated = watched_flipping(net, td, **kwargs)
+    assert updated.called and passes.count == 0
+    expected = flipping(direct(net), td, **kwargs)
+    torch.testing.assert_close(curve, expected, rtol=0, atol=1e-12)
+    with torch.no_grad():
+        y = net(x)
+    if callable(target):
+        reference = target(y).sum(-1)
+    else:
+        reference = y.max(-1).values if target is None else y[torch.arange(3), target]
+    torch.testing.assert_close(curve[:, 0], reference, rtol=0, atol=1e-12)
+
+
+def test_a_refused_target_is_refused_as_before_with_the_unperturbed_output_from_the_sums():
+    """The target's checks run on the summed unperturbed output: a callable that puts relevance where the output is
+    0 (a ReLU output) is refused, and so is an index past the output's units."""
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(108, 4), nn.ReLU()).double().eval()
+    x = images(2)
+    with torch.no_grad():
+        net[1].bias.fill_(-100.0)  # every output 0
+    td = TensorDict(x=x, attribution=TensorDict(x=images(2)), batch_size=[2])
+    with pytest.raises(ValueError, match="callable target puts relevance on"):
+        flipping(net, td, target=lambda y: y + 1.0)
+    with pytest.raises((IndexError, ValueError), match="metrics"):
+        flipping(net, td, target=7)

@@ -55,11 +55,11 @@ def perturbation_curve(
     small = torch.int32 if positions.shape[-1] < 2**31 else torch.int64
     per_key = features.split(positions.to(small))
     thresholds = thresholds.to(device=positions.device, dtype=small)
-    columns = [scorer.reference.unsqueeze(0)]
     affine = scorer.leading_affine()
     if affine is not None and affine.fits(features.inputs[0], len(features.batch_size), baselines[0]):
         x, n = features.inputs[0], features.batch_size.numel()
         size = scorer.steps_per_forward or affine.stack_size(n)
+        folded = scorer.pending  # the unperturbed output comes from the stack of the first steps
         stacks = affine.outputs(
             x.reshape(n, *x.shape[len(features.batch_size) :]),
             baselines[0].expand_as(x).reshape(n, *x.shape[len(features.batch_size) :]),
@@ -67,14 +67,20 @@ def perturbation_curve(
             thresholds,
             size,
             features.batch_size,
+            unperturbed=folded,
         )
         update = progress_bar(-(-len(thresholds) // size), description, progress)
-        scored = {}  # the stacks come from the last to the first
+        outputs = {}  # the stacks come from the last to the first
         for start, output in stacks:
-            scored[start] = scorer.scores_of(output)
+            outputs[start] = output
             update(1)
-        columns.extend(scored[start] for start in sorted(scored))
+        steps = torch.cat([outputs[start] for start in sorted(outputs)]) if len(outputs) > 1 else output
+        if folded:
+            scorer.resolve(steps[0])
+        columns = [scorer.reference.unsqueeze(0), scorer.scores_of(steps[int(folded) :])]
     else:
+        scorer.resolve()
+        columns = [scorer.reference.unsqueeze(0)]
         size = scorer.chunk_size(features.inputs)
         update = progress_bar(-(-len(thresholds) // size), description, progress)
         for start, stop in chunks(len(thresholds), size):

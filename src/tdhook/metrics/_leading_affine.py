@@ -110,6 +110,7 @@ class LeadingAffine:
         thresholds: torch.Tensor,
         size: int,
         batch: Sequence[int] = (),
+        unperturbed: bool = False,
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """The model's outputs at every step, in stacks of ``size`` steps from the last stack to the first.
 
@@ -125,9 +126,12 @@ class LeadingAffine:
                 increasing.
             size: the steps of one stack.
             batch: the batch shape that ``N`` flattens.
+            unperturbed: the stack of the first steps begins with step 0, the unperturbed input (its first layer's
+                output is the sum of every bag, which that stack's running sum reaches anyway).
 
         Yields:
-            ``(start, outputs)``: the outputs ``[steps, N, ...]`` of the steps ``start + 1 .. start + steps``.
+            ``(start, outputs)``: the outputs ``[steps, N, ...]`` of the steps ``start + 1 .. start + steps``
+            (``start`` is ``-1`` for a stack that begins with step 0).
         """
         n, weight, n_steps = x.shape[0], self.linear.weight, len(thresholds)
         with torch.no_grad():  # not around a yield: the caller's code between stacks keeps its own grad mode
@@ -143,15 +147,16 @@ class LeadingAffine:
             plain = all(_strided_ok(module) for layer in self.rest for module in layer.modules())
         for start in reversed(range(0, n_steps, size)):
             stop = min(start + size, n_steps)
+            first = start - int(unperturbed and start == 0)  # the step before the stack's first
             with torch.no_grad():
-                hidden = bags.outputs(start, stop)
+                hidden = bags.outputs(start, stop, unperturbed=first < start)
                 hidden = hidden if plain else hidden.contiguous()
-                stacked = stacked_batch(stop - start, batch or (n,))
+                stacked = stacked_batch(stop - first, batch or (n,))
                 out = hidden.reshape(*stacked, weight.shape[0])
                 with statistics_kept(nn.ModuleList(self.rest)):  # each stack from the caller's statistics
                     for layer in self.rest:
                         out = layer(out)
-            yield start, out.reshape(stop - start, n, *out.shape[len(stacked) :]).flip(0)  # from the first step
+            yield first, out.reshape(stop - first, n, *out.shape[len(stacked) :]).flip(0)  # from the first step
 
     def _at_baseline(self, base: torch.Tensor) -> torch.Tensor:
         """The layer's output with every element at the baseline ``base`` ``[N, M]``, in its precision: ``[1, out]``
@@ -241,9 +246,10 @@ class _Bags:
             order.flip(-1), values.flip(-1), torch.cat([ends[:, :1], m - ends.flip(-1)], -1), transposed(weight), base
         )
 
-    def outputs(self, start: int, stop: int) -> torch.Tensor:
+    def outputs(self, start: int, stop: int, unperturbed: bool = False) -> torch.Tensor:
         """The layer's outputs ``[stop - start, N, out]`` at steps ``stop .. start + 1`` (from the last step back);
-        the stacks come from the last to the first.
+        the stacks come from the last to the first. With ``unperturbed`` (where ``start`` is 0), the output at step 0
+        follows: ``[stop + 1, N, out]``.
 
         Each output is the sum of the bags of the elements still there, so an element at the baseline leaves no
         rounding behind (a running sum from the first step, taken off its total, would keep the rounding of a large
@@ -261,7 +267,8 @@ class _Bags:
         n, count, width = sums.shape
         padded = torch.empty(count, n, width + _ROW_PADDING, dtype=sums.dtype, device=sums.device)[..., :width]
         torch.cumsum(sums, 1, out=padded.transpose(0, 1))
-        outputs = padded[int(first) : int(first) + steps]  # bag 0 of the first stack is no step's
+        # Bag 0 of the first stack is no step's; the row after the stack's steps adds the bag of step start + 1.
+        outputs = padded[int(first) : int(first) + steps + int(unperturbed)]
         if not first:
             outputs.add_(self.carry)  # in float64, rounded once
         if start > 0:  # the output at step start + 1, the last of the stack: every bag but the one after it

@@ -127,6 +127,9 @@ class Scorer:
             (``[steps * B, T]`` for a ``[B, T]`` batch: the time dimension stays). A model that normalises over
             the batch (see
             :func:`~tdhook.metrics._batch_statistics.batch_normalising_module`) sees one step per pass; more is refused.
+        defer: where the model starts with a linear layer (see :meth:`leading_affine`), leave the unperturbed pass
+            and the target to :meth:`resolve`, which takes the unperturbed output from the curve's own sums: the
+            attributes below wait for that call.
 
     Attributes:
         keys: the explained input keys.
@@ -147,6 +150,7 @@ class Scorer:
         target_key: NestedKey | None = None,
         target: Target = None,
         steps_per_forward: int | None = None,
+        defer: bool = False,
     ) -> None:
         try:
             self.module, self._plain = as_tensordict_module(module, in_keys, out_keys)
@@ -187,8 +191,36 @@ class Scorer:
                 "a metric scores one: pass target_key= one of its outputs (and relevance_key= the prefix of that "
                 "head's relevance, such as ('relevance', 'actor') for LRP)"
             )
-        self._key, operator = named[None]
-        result = self._run(self._base.clone())  # copies: a model may change its inputs in place
+        self._key, self._operator = named[None]
+        self._pending: tuple[TensorDictBase, Target] | None = (td, target)
+        if not (defer and self._alone is None and self.leading_affine() is not None):  # (each step as its own batch)
+            self.resolve()
+
+    @property
+    def pending(self) -> bool:
+        """Whether the unperturbed output is still to come (see :meth:`resolve`)."""
+        return self._pending is not None
+
+    def resolve(self, output: torch.Tensor | None = None) -> None:
+        """Fix the target on the unperturbed output: ``output`` (``[N, ...]``, the target output of the batch
+        flattened, as a curve through the model's leading linear layer finds it at step 0), or one pass of the model.
+
+        A scorer made with ``defer=True`` for a model that starts with a linear layer waits for this call; any other
+        has made it already, and a second call does nothing.
+        """
+        if self._pending is None:
+            return
+        td, target = self._pending
+        if output is None:
+            result = self._run(self._base.clone())  # copies: a model may change its inputs in place
+        else:  # what the wrapped plain module's pass writes: its inputs and its one output
+            result = self._base.clone(recurse=False)
+            result.set(self.module.out_keys[0], output.reshape(*self._batch, *output.shape[1:]))
+        self._pending = None
+        self._resolve(result, td, target)
+
+    def _resolve(self, result: TensorDictBase, td: TensorDictBase, target: Target) -> None:
+        operator = self._operator
         self._key = resolve_target_key(result, self._key, operator)
         _refuse_sampled_target(self.module, self._key)
         # A chosen action's value follows the greedy action of each perturbed input: score the value of the action
@@ -196,7 +228,6 @@ class Scorer:
         chosen = chosen_action(self.module, self._key, result) if target is None else None
         if chosen is not None:
             self._key = chosen[0]
-        self._operator = operator
         output = self.reference_output = self._output(result)
         if tuple(output.shape[: len(self._batch)]) != tuple(self._batch):
             raise ValueError(
@@ -287,7 +318,8 @@ class Scorer:
         module = self.module
         if type(module) is not TensorDictModule or module._forward_hooks or module._forward_pre_hooks:
             return None
-        if list(module.in_keys) != self.keys or list(module.out_keys) != [self._key] or self._operator is not module:
+        key = self._key if self._key is not None or len(module.out_keys) != 1 else module.out_keys[0]
+        if list(module.in_keys) != self.keys or list(module.out_keys) != [key] or self._operator is not module:
             return None
         return LeadingAffine.find(module.module)
 

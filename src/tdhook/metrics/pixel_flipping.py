@@ -91,6 +91,7 @@ def pixel_flipping(
         target_key=target_key,
         target=target,
         steps_per_forward=steps_per_forward,
+        defer=True,
     )
     features = Features.read(td, scorer.keys, relevance_key)
     features.refuse_nan("pixel_flipping")

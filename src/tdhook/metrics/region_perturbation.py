@@ -110,6 +110,7 @@ def region_perturbation(
         target_key=target_key,
         target=target,
         steps_per_forward=steps_per_forward,
+        defer=True,
     )
     features = Features.read(td, scorer.keys, relevance_key)
     features.refuse_nan("region_perturbation")
