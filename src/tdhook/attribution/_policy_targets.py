@@ -63,6 +63,7 @@ __all__ = [
     "actor_and_critic",
     "allowed_action",
     "allowed_mask",
+    "masked_action_keys",
     "acted_step",
     "default_target_operator",
     "sequential_steps",
@@ -161,6 +162,29 @@ def allowed_action(
         return taken.long().argmax(-1) if one_hot else taken.long().reshape(logits.shape[:-1])
     mask = allowed_mask(operator, target_key, result)
     return logits.argmax(-1) if mask is None else logits.masked_fill(~mask, float("-inf")).argmax(-1)
+
+
+def masked_action_keys(module: object) -> list[NestedKey]:
+    """The keys where the masked distributions of ``module`` write their actions: an action a TensorDict holds
+    there is the one explained by default (see :func:`allowed_action`).
+
+    Examples:
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.modules import MaskedCategorical, ProbabilisticActor
+        >>> net = TensorDictModule(nn.Linear(4, 3), in_keys=["observation"], out_keys=["logits"])
+        >>> actor = ProbabilisticActor(
+        ...     net, in_keys={"logits": "logits", "mask": "action_mask"}, distribution_class=MaskedCategorical
+        ... )
+        >>> masked_action_keys(actor), masked_action_keys(net)
+        (['action'], [])
+    """
+    if not isinstance(module, nn.Module):
+        return []
+    return [
+        unravel_key(sub.out_keys[0])
+        for sub in module.modules()
+        if isinstance(sub, ProbabilisticTensorDictModule) and issubclass(sub.distribution_class, _MASKED)
+    ]
 
 
 def allowed_mask(operator: TensorDictModuleBase, target_key: NestedKey, result: TensorDictBase) -> torch.Tensor | None:

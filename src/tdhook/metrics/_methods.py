@@ -27,7 +27,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
 from tdhook.attribution._inputs import explained_in_call, optional_inputs
-from tdhook.attribution._policy_targets import allowed_action
+from tdhook.attribution._policy_targets import allowed_action, masked_action_keys
 from tdhook.attribution.targets import initial_relevance, resolve_target_key, target_output, zero_entries
 from tdhook.metrics._chosen_values import chosen_value_module
 from tdhook.metrics._features import explained_keys, stacked_batch
@@ -100,8 +100,9 @@ def method_prefix(method: TensorDictModuleBase, relevance_key: NestedKey | None)
 
 
 def explain(method: TensorDictModuleBase, td: TensorDictBase) -> TensorDictBase:
-    """The method's result on a shallow copy of ``td``'s inputs (``td`` itself is not written to)."""
-    work = td.select(*method.in_keys, strict=False)
+    """The method's result on a shallow copy of ``td``'s inputs and of the actions it holds for a masked policy,
+    which the method explains by default (``td`` itself is not written to)."""
+    work = td.select(*method.in_keys, *masked_action_keys(method), strict=False)
     result = method(work)
     return work if result is None else result
 
