@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from tdhook.attribution._context import remove_listed
+from tdhook.attribution._context import hooks_around
 from tdhook.attribution.rules._autograd import redirect
 from tdhook.attribution.rules.base import plain_calls
 
@@ -97,13 +97,4 @@ def agent_by_agent(modules: Mapping[str, nn.Module]) -> list[RemovableHandle]:
     def end(net: nn.Module, args: tuple, output: Any) -> None:
         net.__dict__.pop(_MAP_METHOD, None)
 
-    hooks: list[RemovableHandle] = []
-    try:
-        for module in modules.values():
-            if _is_vmapped_agents(module):
-                hooks.append(module.register_forward_pre_hook(start))
-                hooks.append(module.register_forward_hook(end, always_call=True))
-        return hooks  # inside the try: an interrupt before the return leaves no hook
-    except BaseException:  # an interrupt: leave the model as it was
-        remove_listed(hooks)
-        raise
+    return hooks_around((module for module in modules.values() if _is_vmapped_agents(module)), start, end)

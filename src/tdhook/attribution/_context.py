@@ -27,7 +27,7 @@ Examples:
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ __all__ = [
     "marks_for_target",
     "register_rule",
     "release",
+    "hooks_around",
     "remove_listed",
     "stop_marks",
     "suspend_function_modes_in",
@@ -195,20 +196,34 @@ def suspend_function_modes_in(handles: Sequence[RemovableRuleHandle]) -> list[Re
     def resume(module: nn.Module, args: tuple, output: Any) -> None:
         pop(guards)
 
+    def pausing(handle: RemovableRuleHandle) -> bool:
+        module, rule = handle.module, handle.rule
+        if module is None or not rule.is_registered(module) or rule.acts_in_forward:
+            return False
+        if not rule.pauses_function_modes:  # a rule that lets the rules inside act (the Taylor rule)
+            return False
+        detached = type(rule) in _DETACHED_HOOKS
+        # one F.linear or convolution call, which no mode changes: pausing costs more than it saves
+        return not (detached and isinstance(module, LINEAR_LAYERS) and _has_plain_forward(module))
+
+    return hooks_around((handle.module for handle in handles if pausing(handle)), suspend, resume)
+
+
+def hooks_around(modules: Iterable[nn.Module], start: Callable, end: Callable) -> list[RemovableHandle]:
+    """A forward pre-hook ``start`` and a forward hook ``end`` (called when the forward raises too) on each of
+    ``modules``, or none if an interrupt stops the registration (the model is then left as it was).
+
+    Examples:
+        >>> hooks = hooks_around([nn.Linear(2, 2), nn.ReLU()], lambda m, a: None, lambda m, a, o: None)
+        >>> len(hooks)
+        4
+        >>> remove_listed(hooks)
+    """
     hooks: list[RemovableHandle] = []
     try:
-        for handle in handles:
-            module = handle.module
-            rule = handle.rule
-            if module is None or not rule.is_registered(module) or rule.acts_in_forward:
-                continue
-            if not rule.pauses_function_modes:  # a rule that lets the rules inside act (the Taylor rule)
-                continue
-            detached = type(rule) in _DETACHED_HOOKS
-            if detached and isinstance(module, LINEAR_LAYERS) and _has_plain_forward(module):
-                continue  # one F.linear or convolution call, which no mode changes: pausing costs more than it saves
-            hooks.append(module.register_forward_pre_hook(suspend))
-            hooks.append(module.register_forward_hook(resume, always_call=True))
+        for module in modules:
+            hooks.append(module.register_forward_pre_hook(start))
+            hooks.append(module.register_forward_hook(end, always_call=True))
         return hooks  # inside the try: an interrupt before the return leaves no hook
     except BaseException:  # an interrupt: leave the model as it was
         remove_listed(hooks)
