@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._autograd import (
+    PARAMETER_DERIVED,
     call_argument,
     hold,
     is_activation,
@@ -36,8 +37,10 @@ from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint
 from tdhook.attribution.rules.gates import (
+    ELEMENTWISE_PRODUCTS,
     GATE_FUNCTIONS,
     GATE_PRESERVING,
+    held_factors,
     held_gate_product,
     keep_gate_mark,
     mark_gate,
@@ -69,6 +72,12 @@ _ACTIVATION_FUNCTIONS = frozenset(
 _DROPOUTS = {F.dropout: "training", F.dropout1d: "training", F.dropout2d: "training", F.dropout3d: "training"}
 _DROPOUTS |= {F.alpha_dropout: "training", F.feature_alpha_dropout: "training", torch.dropout: "train"}
 
+
+# Attention weights of up to this many elements are held without a detach in a call that records its rules' places
+# (later calls then run without the mode); larger ones are detached, and every call runs in the mode: a plain call
+# computes their gradient and then drops it, which on one CPU thread costs what the mode saves at about 32k elements
+# (a Llama of 2 layers, 2 × 64 tokens, 4 heads) and more beyond.
+_LARGEST_GRAPH_HOLD = 2**14
 
 # What :meth:`FunctionalRules._other_rules` returns for a call none of them changes.
 _NO_RULE = object()
@@ -177,11 +186,9 @@ class FunctionalRules(TorchFunctionMode):
         """A call of a function the mode has rules for (products, softmax, attention, activations, norms); what
         the rule did, told to ``recording`` (a call whose rules a later call may apply without the mode)."""
         if func in _PRODUCTS and len(args) == 2 and is_activation(args[0]) and is_activation(args[1]):
-            held = held_gate_product(func, args, kwargs, any_gate=self.hold_gates)
-            if held is not None:
-                if recording is not None:
-                    recording.other_rule()
-                return held
+            gates = held_factors(args, any_gate=self.hold_gates)
+            if gates is not None:
+                return _held_product(func, args, kwargs, gates, recording)
             # Halving the product's gradient halves both factors' gradients: the uniform rule, in one step.
             # The product is a fresh tensor: rebased in place, so that later in-place operations on it stay legal.
             product = func(*args, **kwargs)
@@ -193,6 +200,11 @@ class FunctionalRules(TorchFunctionMode):
         if func in _SOFTMAX and args and is_activation(args[0]):
             dim = call_argument(args, kwargs, 1, "dim")
             output = func(*args, **kwargs)
+            if recording is not None and isinstance(self.softmax, AHQKVRule) and _held_in_graph(output):
+                # Held whole without a detach (see _function_rule_plan): a constant to the rules, as a parameter is.
+                recording.held_output(output)
+                setattr(output, PARAMETER_DERIVED, True)
+                return output
             ruled = self.softmax.apply(output, args[0], dim)
             if recording is not None and ruled is not output:  # but for ε = 0 (the plain gradient)
                 recording.other_rule()
@@ -303,6 +315,25 @@ class FunctionalRules(TorchFunctionMode):
             unseen = torch.isneginf(scores.detach()).all(-1, keepdim=True)
             out = torch.softmax(scores, dim=-1).masked_fill(unseen, 0.0) @ value
         return out if plain is None or not out.requires_grad else redirect(plain, [out], lambda grad: [grad])
+
+
+def _held_in_graph(weights: torch.Tensor) -> bool:
+    """Whether a recording call holds CP-LRP's attention ``weights`` without a detach, so that later calls may run
+    without the mode (see :mod:`~tdhook.attribution._function_rule_plan`): up to ``_LARGEST_GRAPH_HOLD`` elements."""
+    return weights.grad_fn is not None and weights.numel() <= _LARGEST_GRAPH_HOLD
+
+
+def _held_product(func: Callable, args: tuple, kwargs: dict, gates: list[bool], recording: Recording | None):
+    """A product of two activations with the factor ``gates`` marks held constant (signal-take-all). In a recording
+    call an element-wise product keeps the gate attached and its node passes the gate no gradient, as later calls
+    without the mode do (see :mod:`~tdhook.attribution._function_rule_plan`)."""
+    if recording is not None and func in ELEMENTWISE_PRODUCTS:
+        product = func(*args, **kwargs)
+        if recording.held_factor(product, args[gates.index(True)]):
+            return product
+    if recording is not None:
+        recording.other_rule()
+    return func(*(hold(a) if gate else a for a, gate in zip(args, gates, strict=True)), **kwargs)
 
 
 def _einsum_operands(args: tuple) -> tuple:
