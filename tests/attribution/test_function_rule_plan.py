@@ -176,9 +176,14 @@ def test_a_rule_other_than_the_uniform_product_keeps_the_mode(applied):
 
 
 @pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_hugging_face_models_calls_in_a_context_equal_a_call_in_the_mode(applied, kind: str, preset):
-    model = LastLogits(build(kind))
+def test_hugging_face_models_calls_in_a_context_equal_a_call_in_the_mode(applied, kind: str, implementation, preset):
+    """Under sdpa the fused attention's node scales (AttnLRP) or drops (CP-LRP) the gradients to the query, key
+    and value, as the mode's factors on its inputs do."""
+    model = build(kind)
+    model.set_attn_implementation(implementation)
+    model = LastLogits(model)
     x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(1), dtype=F64)
     lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
     in_mode = call(lrp, x)  # a call that enters its context runs in the mode, with what it holds detached

@@ -90,11 +90,18 @@ class _Cut(NamedTuple):
 
 
 class _Hold(NamedTuple):
-    """A tensor the function mode held constant without detaching it: a node that passes it no gradient."""
+    """What the function mode did to a node's gradients without a node of its own: it passes no gradient at all
+    (``factors`` None: a held tensor's own node), or it multiplies the gradients it passes to its inputs by
+    ``factors`` (one per input: ``None`` leaves it, ``0.0`` passes none: a held input)."""
 
-    node: Any  # the held tensor's own node (``place`` None), or the node of the product that took it
-    place: int | None  # the held factor's place among the product node's inputs
+    node: Any
+    factors: tuple[float | None, ...] | None
     earlier: int  # how many products' nodes of the mode's own came before
+
+    @property
+    def dropped(self) -> tuple[int, ...]:
+        """The places of the node's inputs that get no gradient."""
+        return () if self.factors is None else tuple(i for i, f in enumerate(self.factors) if f == 0.0)
 
 
 class Recording:
@@ -138,9 +145,31 @@ class Recording:
         places = [] if node is None else [i for i, next_edge in enumerate(node.next_functions) if next_edge == edge]
         if len(places) != 1 or len(node.next_functions) != 2:
             return False
-        node.register_hook(_DROPS[places[0]])
-        pass_no_relevance(node, places)
-        self.holds.append(_Hold(node, places[0], len(self.products)))
+        return self.scaled_inputs(product, [factor], [0.0], places)
+
+    def scaled_inputs(
+        self, output: torch.Tensor, inputs: Sequence[Any], factors: Sequence[float | None], places: Sequence[int]
+    ) -> bool:
+        """The mode multiplies the gradients that ``output``'s node (just made, as by a plain call) passes to
+        ``inputs`` (its inputs at ``places``) by ``factors`` (``0.0``: none, as to a detached input; ``None`` or 1:
+        unchanged), without a node of its own, in this call and in a later one. ``False``, and nothing done, where
+        an input is not at its place."""
+        node = output.grad_fn
+        if node is None:
+            return False
+        nexts = node.next_functions
+        scaled: list[float | None] = [None] * len(nexts)
+        for tensor, factor, place in zip(inputs, factors, places, strict=True):
+            if factor is None or factor == 1:
+                continue
+            edge = (tensor.grad_fn, tensor.output_nr) if isinstance(tensor, torch.Tensor) else None
+            if edge is None or edge[0] is None or place >= len(nexts) or nexts[place] != edge:
+                return False
+            scaled[place] = float(factor)
+        hold = _Hold(node, tuple(scaled), len(self.products))
+        node.register_hook(functools.partial(_scale_inputs, hold.factors))
+        pass_no_relevance(node, hold.dropped)
+        self.holds.append(hold)
         return True
 
     def held(self, module: Any, node: Any, inputs: Sequence[torch.Tensor], consumer: Any, index: int) -> None:
@@ -219,13 +248,13 @@ def _post_hook(hook: Any) -> Any:
     return lambda node: node.register_hook(hook)
 
 
-def _drop(place: int, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
-    """A product's node with a held factor at ``place``: no gradient there (as none reaches a detached factor)."""
-    return tuple(None if i == place else grad for i, grad in enumerate(grad_inputs))
-
-
-# The post-hooks of a product's node that pass its first or its second factor no gradient.
-_DROPS = (functools.partial(_drop, 0), functools.partial(_drop, 1))
+def _scale_inputs(factors: tuple, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
+    """A node's gradients to its inputs times ``factors``: none where the factor is 0 (as none reaches a detached
+    input), unchanged where it is ``None``; as the mode's ``grad * factor`` elsewhere."""
+    return tuple(
+        grad if factor is None or grad is None else None if factor == 0.0 else grad * factor
+        for grad, factor in zip(grad_inputs, factors, strict=True)
+    )
 
 
 def _halve(grads: tuple) -> tuple:
@@ -240,7 +269,6 @@ def _cut(grads: tuple) -> tuple:
 
 
 _HALVE, _CUT = _pre_hook(_halve), _pre_hook(_cut)
-_DROP_ON = tuple(_post_hook(drop) for drop in _DROPS)
 
 
 class FunctionRulePlan:
@@ -306,8 +334,8 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
     cuts = [cut for cut in recording.cuts if id(cut.module) in norms]
     # A held scale's node is no next function of its consumer in the mode's graph: a plain call's has it there.
     # Nothing behind it, nor behind a held tensor's node or a held factor's place, gets a gradient.
-    held = {id(cut.node) for cut in cuts} | {id(hold.node) for hold in recording.holds if hold.place is None}
-    dropped = {(id(hold.node), hold.place) for hold in recording.holds if hold.place is not None}
+    held = {id(cut.node) for cut in cuts} | {id(hold.node) for hold in recording.holds if hold.factors is None}
+    dropped = {(id(hold.node), place) for hold in recording.holds for place in hold.dropped}
     extra: dict[int, dict[int, Any]] = {}
     for cut in cuts:
         extra.setdefault(id(cut.consumer), {})[cut.index] = cut.node
@@ -350,7 +378,7 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
     # Each earlier product added a node of the mode's own (its gradient's factor), which a plain call lacks.
     targets = {id(node): (position, _HALVE) for position, node in products}
     targets |= {id(cut.node): (cut.earlier, _CUT) for cut in cuts}
-    targets |= {id(hold.node): (hold.earlier, _CUT if hold.place is None else _DROP_ON[hold.place]) for hold in holds}
+    targets |= {id(hold.node): (hold.earlier, _hold_hook(hold)) for hold in holds}
     for target in targets:
         chain = []  # the nodes from the target up to the first one with a step, or to an output
         key: int | None = target
@@ -368,6 +396,11 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
             slots[key] = len(steps) - 1
     nodes = end - start - len(recording.products)
     return _Plan(keys, len(recording.outputs), steps, nodes, tuple(norms.values()))
+
+
+def _hold_hook(hold: _Hold) -> Any:
+    """What puts a hold's hook on its node in a later call."""
+    return _CUT if hold.factors is None else _post_hook(functools.partial(_scale_inputs, hold.factors))
 
 
 def _saved_intact(result: TensorDictBase, norm_outputs: list) -> bool:

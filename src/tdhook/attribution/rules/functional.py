@@ -216,6 +216,10 @@ class FunctionalRules(TorchFunctionMode):
             if recording is not None and p:  # random: every later call runs in the mode, and warns
                 recording.other_rule()
             return mark_parameter_derived(args, func(*args, **kwargs))
+        if func is F.scaled_dot_product_attention and recording is not None:
+            attended = self._attention_in_graph(args, kwargs, recording)
+            if attended is not None:
+                return attended
         result = self._other_rules(func, args, kwargs)
         if result is _NO_RULE:
             return mark_parameter_derived(args, func(*args, **kwargs))
@@ -279,14 +283,26 @@ class FunctionalRules(TorchFunctionMode):
             return attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
         if self.softmax.epsilon != 0 or graph_kept() is not None:  # the fused kernels have no second derivative
             return self._unfused_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, **kwargs)
-        # The uniform rule on q · kᵀ and on attention · v, applied to the fused call's inputs.
-        scores_product = is_activation(query) and is_activation(key)
-        weights_active = is_activation(query) or is_activation(key)
-        value_product = weights_active and is_activation(value)
-        qk = (0.5 if scores_product else 1.0) * (0.5 if value_product else 1.0)
-        query, key = scale_gradient(query, qk), scale_gradient(key, qk)
-        value = scale_gradient(value, 0.5 if value_product else 1.0)
+        qk, _, v = _attention_factors(query, key, value)
+        query, key, value = scale_gradient(query, qk), scale_gradient(key, qk), scale_gradient(value, v)
         return attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
+
+    def _attention_in_graph(self, args: tuple, kwargs: dict, recording: Recording) -> torch.Tensor | None:
+        """A fused attention in a recording call, as a plain call computes it, with the rules' factors on the
+        gradients its node passes to the query, key and value (see :meth:`_attention`); ``None`` where the
+        call needs more (dropout, an ε or a kept graph: the unfused rules) or its node is not the fused call's."""
+        query, key, value = (call_argument(args, kwargs, i, name) for i, name in enumerate(("query", "key", "value")))
+        if call_argument(args, kwargs, 4, "dropout_p", 0.0) or graph_kept() is not None or self.softmax.epsilon:
+            return None
+        if isinstance(self.softmax, AHQKVRule):  # held weights: no gradient to the query and the key
+            weights = query.shape[:-1].numel() * key.shape[-2]
+            if weights > _LARGEST_GRAPH_HOLD:
+                return None
+            factors = (0.0, 0.0, None)
+        else:
+            factors = _attention_factors(query, key, value)
+        output = F.scaled_dot_product_attention(*args, **kwargs)
+        return output if recording.scaled_inputs(output, (query, key, value), factors, (0, 1, 2)) else None
 
     def _unfused_attention(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa=False):
         if dropout_p:
@@ -315,6 +331,15 @@ class FunctionalRules(TorchFunctionMode):
             unseen = torch.isneginf(scores.detach()).all(-1, keepdim=True)
             out = torch.softmax(scores, dim=-1).masked_fill(unseen, 0.0) @ value
         return out if plain is None or not out.requires_grad else redirect(plain, [out], lambda grad: [grad])
+
+
+def _attention_factors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[float, float, float]:
+    """The uniform rule on ``q · kᵀ`` and on ``attention · v`` as factors of a fused attention's gradients to the
+    query, key and value: a half for each product of two activations the gradient passes through."""
+    scores_product = is_activation(query) and is_activation(key)
+    value_product = (is_activation(query) or is_activation(key)) and is_activation(value)
+    qk = (0.5 if scores_product else 1.0) * (0.5 if value_product else 1.0)
+    return qk, qk, 0.5 if value_product else 1.0
 
 
 def _held_in_graph(weights: torch.Tensor) -> bool:
