@@ -25,7 +25,12 @@ more (a fused ``F.layer_norm``, whose rule is a backward of its own) keeps its m
 whose plain backward would read a tensor changed in place after the forward saved it.
 
 Where the mode applies any other rule (a held gate, a softmax with ε, a norm or an activation called as a
-function, a fused attention), every later call on inputs of that signature runs in the mode. So do calls that
+function, a fused attention), every later call on inputs of that signature runs in the mode. So does every call
+where the forward reads values computed from the explained inputs into Python (``if x.sum() > 0``, ``.item()``,
+``int(...)``): on other inputs of the same shapes it may take another branch whose graph has the same nodes, with
+a product of two activations on one and of an activation and a constant (which the uniform rule leaves whole) on
+the other. Values of inputs that are not explained (masks, token ids) are not followed: a branch on them that
+changes which products are of two activations, and nothing else in the graph, is not seen. So do calls that
 keep the relevance's graph, that ask for inner layers' relevance or token relevance, and models run with other
 function modes. The marks the mode leaves on tensors (computed from parameters alone; gates) are read by the
 function modes only, to decide which products are of two activations: the recording holds those decisions.
@@ -99,6 +104,11 @@ class Recording:
 
     def other_rule(self) -> None:
         """The mode applied a rule that is not the uniform rule on a product."""
+        self.plannable = False
+
+    def read_values(self) -> None:
+        """The forward read values computed from the explained inputs into Python (``if x.sum() > 0``,
+        ``.item()``): on other inputs of the same shapes it may take another way, whose graph may look the same."""
         self.plannable = False
 
     def held(self, module: Any, node: Any, inputs: Sequence[torch.Tensor], consumer: Any, index: int) -> None:
