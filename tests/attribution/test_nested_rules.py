@@ -38,9 +38,15 @@ def test_the_epsilon_rule_over_inner_rules_is_refused_by_name(rule_mapper):
     net = block_net()
     snapshot = state_snapshot(net)
     expected = r"EpsilonRule\(epsilon=0.5\) on module 'module(.0)?' \(Sequential\) would act on top of the rules of "
-    with pytest.raises(ValueError, match=expected + r"the modules inside it \('module.0"):
-        explain(net, torch.randn(2, 4, dtype=torch.float64), rule_mapper)
+    td = TensorDict(x=torch.randn(2, 4, dtype=torch.float64), batch_size=[2])
+    x = td["x"]
+    lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), rule_mapper=rule_mapper)
+    with lrp:
+        for _ in range(2):  # a refused call leaves the next one of the context watched, and refused
+            with pytest.raises(ValueError, match=expected + r"the modules inside it \('module.0"):
+                lrp(td)
     assert_unchanged(net, snapshot)
+    assert list(td.keys()) == ["x"] and td["x"] is x
 
 
 @pytest.mark.parametrize("inner", [{}, {nn.Linear: EpsilonRule(0.0)}], ids=["defaults", "LRP-0"])
