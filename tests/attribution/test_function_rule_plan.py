@@ -202,6 +202,44 @@ def test_hugging_face_models_calls_in_a_context_equal_a_call_in_the_mode(applied
         assert torch.equal(relevance, in_mode)  # to the last bit
 
 
+class Branching(nn.Module):
+    """``out(q(x) * k(s))``, where ``s`` is the input or a constant by a value the forward reads from the input (a
+    Python branch, ``int(...)`` or ``.item()``): the same graph either way, but a product of two activations on
+    one branch and of an activation with a value computed from parameters alone on the other, which the uniform
+    rule leaves whole."""
+
+    def __init__(self, read: str) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(4, 6, bias=False), nn.Linear(4, 6, bias=False)
+        self.out = nn.Linear(6, 3, bias=False)
+        self.register_buffer("constant", torch.randn(1, 4))
+        self.read = read
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        reads = {"bool": lambda: bool(x.sum() > 0), "int": lambda: int(x.sum() > 0), "item": lambda: x.sum().item() > 0}
+        source = x if reads[self.read]() else self.constant.expand_as(x)
+        return self.out(self.q(x) * self.k(source))
+
+
+@pytest.mark.parametrize("read", ["bool", "int", "item"])
+def test_a_forward_that_branches_on_the_inputs_values_keeps_the_mode(applied, read: str):
+    """Before, the plan recorded on one branch halved the other branch's product too: half the relevance of the
+    fresh wrapper's first call, silently."""
+    torch.manual_seed(0)
+    model = Branching(read).to(F64)
+    inputs = [torch.randn(3, 4, dtype=F64) for _ in range(40)]
+    positive = [x for x in inputs if x.sum() > 0][:2]
+    negative = [x for x in inputs if x.sum() <= 0][:2]
+    xs = [positive[0], negative[0], positive[1], negative[1]]
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        later = [call(lrp, x) for x in xs]
+    assert applied == []
+    for x, relevance in zip(xs, later, strict=True):
+        fresh = call(LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"]), x)
+        assert relative_error(relevance, fresh) <= 1e-12
+
+
 class DroppedProduct(Product):
     """``out(dropout(a * b))`` with a dropout function, as eager attention drops its weights."""
 

@@ -24,17 +24,24 @@ behind it get none either, as behind the detached scale: the same gradient, bit 
 more (a fused ``F.layer_norm``, whose rule is a backward of its own) keeps its mode in later calls, and so does one
 whose plain backward would read a tensor changed in place after the forward saved it.
 
-CP-LRP's held attention weights and held gates get it too. In a recording call the mode holds them without
-detaching them, so that its graph is the plain call's: a softmax's output, held whole, gets a pre-hook on its node
-that passes no gradient (every call that takes it takes it held); a gate held in a product of two activations gets
-a post-hook on the product's node that passes none to the gate's place. Both are recorded, and a later call puts
-the same hooks on the same nodes. The nodes behind them run with no gradient, as they would not behind a detached
-tensor: a call whose graph there saved a tensor that was changed in place after runs again in the mode (their
-backward would raise), and so do later calls on inputs of its signature.
+CP-LRP's held attention weights and held gates get it too, and so does a fused attention (sdpa). In a recording
+call the mode holds them without detaching them, so that its graph is the plain call's: a softmax's output, held
+whole, gets a pre-hook on its node that passes no gradient (every call that takes it takes it held); a gate held in
+an element-wise product of two activations gets a post-hook on the product's node that passes none to the gate's
+place; a fused attention's node gets a post-hook that multiplies the gradients it passes to the query, key and
+value by the rule's factors (none to the query and key under CP-LRP; the uniform rule's halves under AttnLRP).
+They are recorded, and a later call puts the same hooks on the same nodes. The nodes behind a held tensor run with
+no gradient, as they would not behind a detached one: a call whose graph there saved a tensor that was changed in
+place after runs again in the mode (their backward would raise), and so do later calls on inputs of its signature.
 
 Where the mode applies any other rule (a softmax with ε, a norm or an activation called as a function, a fused
-attention, a gate held in a product other than an element-wise one), every later call on inputs of that signature
-runs in the mode. So do calls that
+attention with dropout, a gate held in a product other than an element-wise one), every later call on inputs of
+that signature runs in the mode. So does every call
+where the forward reads values computed from the explained inputs into Python (``if x.sum() > 0``, ``.item()``,
+``int(...)``): on other inputs of the same shapes it may take another branch whose graph has the same nodes, with
+a product of two activations on one and of an activation and a constant (which the uniform rule leaves whole) on
+the other. Values of inputs that are not explained (masks, token ids) are not followed: a branch on them that
+changes which products are of two activations, and nothing else in the graph, is not seen. So do calls that
 keep the relevance's graph, that ask for inner layers' relevance or token relevance, and models run with other
 function modes. The marks the mode leaves on tensors (computed from parameters alone; gates) are read by the
 function modes only, to decide which products are of two activations: the recording holds those decisions.
@@ -171,6 +178,11 @@ class Recording:
         pass_no_relevance(node, hold.dropped)
         self.holds.append(hold)
         return True
+
+    def read_values(self) -> None:
+        """The forward read values computed from the explained inputs into Python (``if x.sum() > 0``,
+        ``.item()``): on other inputs of the same shapes it may take another way, whose graph may look the same."""
+        self.plannable = False
 
     def held(self, module: Any, node: Any, inputs: Sequence[torch.Tensor], consumer: Any, index: int) -> None:
         """A norm's mode held a scale (``node`` made it) constant, and the call whose node is ``consumer`` took it,

@@ -79,6 +79,40 @@ _DROPOUTS |= {F.alpha_dropout: "training", F.feature_alpha_dropout: "training", 
 # (a Llama of 2 layers, 2 × 64 tokens, 4 heads) and more beyond.
 _LARGEST_GRAPH_HOLD = 2**14
 
+# Calls that hand a tensor's values to Python (a branch, an index): a forward that reads the explained inputs' values
+# may take another way on other inputs of the same shapes, with the same graph and other rules (a product of two
+# activations on one branch, of an activation and a constant on the other), so a recording call that sees one read
+# them makes no plan (see :mod:`tdhook.attribution._function_rule_plan`).
+_VALUE_READS = frozenset(
+    {torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
+    | {torch.Tensor.__complex__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__}
+    | {torch.equal, torch.Tensor.equal, torch.allclose, torch.Tensor.allclose, torch.is_nonzero}
+    | {torch.Tensor.is_nonzero}
+)
+# Marks a tensor without gradient computed from the explained inputs' values (``x.sum() > 0``), in a recording call.
+_INPUT_VALUES = "_tdhook_input_values"
+
+
+def _from_inputs(value: object) -> bool:
+    """Whether ``value`` is a tensor computed from the explained inputs: an activation, an input (a leaf with a
+    gradient that is no parameter), or a tensor without gradient marked as computed from them."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    if value.requires_grad:
+        return is_activation(value) or (value.is_leaf and not isinstance(value, torch.nn.Parameter))
+    return getattr(value, _INPUT_VALUES, False)
+
+
+def _watch_values(recording: Recording, func: Callable, args: tuple, result: object) -> None:
+    """In a recording call: tell ``recording`` where the forward reads the explained inputs' values into Python, and
+    mark the tensors without gradient computed from them, whose values it may read later."""
+    if func in _VALUE_READS:
+        if args and _from_inputs(args[0]):
+            recording.read_values()
+    elif isinstance(result, torch.Tensor) and not result.requires_grad and any(_from_inputs(a) for a in args):
+        setattr(result, _INPUT_VALUES, True)
+
+
 # What :meth:`FunctionalRules._other_rules` returns for a call none of them changes.
 _NO_RULE = object()
 
@@ -169,6 +203,8 @@ class FunctionalRules(TorchFunctionMode):
         kwargs = kwargs or {}
         if func not in _HANDLED:  # most calls: run, and mark what the rules read later (no rule of their own)
             result = mark_parameter_derived(args, func(*args, **kwargs))
+            if self.recording is not None:
+                _watch_values(self.recording, func, args, result)
             return keep_gate_mark(func, args, result, kwargs) if func in GATE_PRESERVING else result
         what = "the transformer rules on products, softmax, attention, activations and norms"
         raise_for_checkpoint(what)
