@@ -218,26 +218,34 @@ class Branching(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         reads = {"bool": lambda: bool(x.sum() > 0), "int": lambda: int(x.sum() > 0), "item": lambda: x.sum().item() > 0}
+        reads["weights"] = lambda: peaked(x).item()  # held under CP-LRP, but computed from the input
         source = x if reads[self.read]() else self.constant.expand_as(x)
         return self.out(self.q(x) * self.k(source))
 
 
-@pytest.mark.parametrize("read", ["bool", "int", "item"])
-def test_a_forward_that_branches_on_the_inputs_values_keeps_the_mode(applied, read: str):
+def peaked(x: torch.Tensor) -> torch.Tensor:
+    """Whether the attention weights ``softmax(x xᵀ)`` have an entry above 0.9."""
+    return torch.softmax(x @ x.transpose(-1, -2), dim=-1).max() > 0.9
+
+
+@pytest.mark.parametrize("read, preset", [("bool", AttnLRP), ("int", AttnLRP), ("item", AttnLRP), ("weights", CPLRP)])
+def test_a_forward_that_branches_on_the_inputs_values_keeps_the_mode(applied, read: str, preset):
     """Before, the plan recorded on one branch halved the other branch's product too: half the relevance of the
-    fresh wrapper's first call, silently."""
+    fresh wrapper's first call, silently. Attention weights that CP-LRP holds are constants to the rules, but their
+    values are the input's too."""
     torch.manual_seed(0)
     model = Branching(read).to(F64)
     inputs = [torch.randn(3, 4, dtype=F64) for _ in range(40)]
-    positive = [x for x in inputs if x.sum() > 0][:2]
-    negative = [x for x in inputs if x.sum() <= 0][:2]
+    taken = [bool(peaked(x)) if read == "weights" else bool(x.sum() > 0) for x in inputs]
+    positive = [x for x, first in zip(inputs, taken, strict=True) if first][:2]
+    negative = [x for x, first in zip(inputs, taken, strict=True) if not first][:2]
     xs = [positive[0], negative[0], positive[1], negative[1]]
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
     with lrp:
         later = [call(lrp, x) for x in xs]
     assert applied == []
     for x, relevance in zip(xs, later, strict=True):
-        fresh = call(LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"]), x)
+        fresh = call(LRP(model, preset(), in_keys=["x"], out_keys=["y"]), x)
         assert relative_error(relevance, fresh) <= 1e-12
 
 

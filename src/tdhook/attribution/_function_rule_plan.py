@@ -40,12 +40,12 @@ place after runs again in the mode (their backward would raise), and so do later
 
 Where the mode applies any other rule (a softmax with ε, a norm or an activation called as a function, a fused
 attention with dropout, a gate held in a product other than an element-wise one), every later call on inputs of
-that signature runs in the mode. So does every call
-where the forward reads values computed from the explained inputs into Python (``if x.sum() > 0``, ``.item()``,
-``int(...)``): on other inputs of the same shapes it may take another branch whose graph has the same nodes, with
-a product of two activations on one and of an activation and a constant (which the uniform rule leaves whole) on
-the other. Values of inputs that are not explained (masks, token ids) are not followed: a branch on them that
-changes which products are of two activations, and nothing else in the graph, is not seen. So do calls that
+that signature runs in the mode. So does every call where the forward reads values computed from the explained
+inputs into Python (``if x.sum() > 0``, ``.item()``, ``int(...)``; held attention weights' values are the inputs'
+too): on other inputs of the same shapes it may take another branch whose graph has the same nodes, with a product
+of two activations on one and of an activation and a constant (which the uniform rule leaves whole) on the other.
+Values of inputs that are not explained (masks, token ids) are not followed: a branch on them that changes which
+products are of two activations, and nothing else in the graph, is not seen. So do calls that
 keep the relevance's graph, that ask for inner layers' relevance or token relevance, and models run with other
 function modes. The marks the mode leaves on tensors (computed from parameters alone; gates) are read by the
 function modes only, to decide which products are of two activations: the recording holds those decisions.

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch.nn import Parameter
 from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._autograd import (
@@ -98,11 +99,12 @@ _INPUT_VALUES = "_tdhook_input_values"
 
 def _from_inputs(value: object) -> bool:
     """Whether ``value`` is a tensor computed from the explained inputs: an activation, an input (a leaf with a
-    gradient that is no parameter), or a tensor without gradient marked as computed from them."""
+    gradient that is no parameter), or a tensor marked as computed from them (without gradient, or from tensors
+    held without a detach: constants to the rules, but not in value)."""
     if not isinstance(value, torch.Tensor):
         return False
-    if value.requires_grad:
-        return is_activation(value) or (value.is_leaf and not isinstance(value, torch.nn.Parameter))
+    if value.requires_grad and (is_activation(value) or (value.is_leaf and not isinstance(value, Parameter))):
+        return True
     return getattr(value, _INPUT_VALUES, False)
 
 
@@ -244,8 +246,8 @@ class FunctionalRules(TorchFunctionMode):
             if recording is not None and isinstance(self.softmax, AHQKVRule) and _held_in_graph(output):
                 # Held whole without a detach (see _function_rule_plan): a constant to the rules, as a parameter is.
                 recording.held_output(output)
-                setattr(output, PARAMETER_DERIVED, True)
-                setattr(output, _HELD_ONLY, True)
+                for mark in (PARAMETER_DERIVED, _HELD_ONLY, _INPUT_VALUES):
+                    setattr(output, mark, True)
                 return output
             ruled = self.softmax.apply(output, args[0], dim)
             if recording is not None and ruled is not output:  # but for ε = 0 (the plain gradient)
@@ -416,14 +418,19 @@ def _follow_held(
         result = mode.__torch_function__(func, types, args, kwargs)
     finally:
         recording.follows = True
+    inputs = _tensors_in((*args, *kwargs.values()))
     needing = [
         before[id(tensor)][1] if tensor is first else getattr(tensor, _HELD_ONLY, False)
-        for tensor in _tensors_in((*args, *kwargs.values()))
+        for tensor in inputs
         if (before[id(tensor)][0] if tensor is first else tensor.requires_grad)
     ]
     held = bool(needing) and all(needing)  # every input that needs a gradient is held
+    # Values computed from held ones are the explained inputs' (a branch on them is one on the inputs).
+    valued = any(getattr(tensor, _INPUT_VALUES, False) for tensor in inputs)
     changed = [target for target in targets if target._version != before[id(target)][2]]  # in place
     for output in {id(tensor): tensor for tensor in [*_tensors_in((result,)), *changed]}.values():
+        if valued:
+            setattr(output, _INPUT_VALUES, True)
         if not output.requires_grad:
             continue
         was = before.get(id(output))
