@@ -130,6 +130,8 @@ class Recording:
         self.outputs: list[Any] = []  # the nodes of the norms' outputs, in the order of their calls
         self.holds: list[_Hold] = []  # what the mode held without detaching it, in the order of the calls
         self.follows = False  # whether the mode follows what is made of tensors it held (see held_output)
+        self.followed: dict[int, torch.Tensor] = {}  # by id: the held tensors and what is made of them
+        self.held_alone: dict[int, torch.Tensor] = {}  # by id: the held tensors and what is made of them alone
         self.strayed = False  # whether a held tensor took other values in place: unlike a detached one's
 
     def scaled(self, product: Any, factor: Any) -> None:
@@ -148,10 +150,20 @@ class Recording:
         call makes of it: a detached tensor needs no gradient, nor does what is made of it alone, while this one
         and what is made of it do (see :func:`~tdhook.attribution.rules.functional.FunctionalRules`)."""
         self.follows = True
+        self.made_of_held(tensor, alone=True)
         node = tensor.grad_fn
         node.register_prehook(_cut)
         pass_no_relevance(node, range(len(node.next_functions)))  # what is behind it is not explained
         self.holds.append(_Hold(node, None, len(self.products)))
+
+    def made_of_held(self, tensor: torch.Tensor, alone: bool) -> None:
+        """``tensor`` is made of held tensors (``alone``: of them and of constants only, and so a constant too); the
+        recording keeps it (its id stands for it) until the call ends."""
+        self.followed[id(tensor)] = tensor
+        if alone:
+            self.held_alone[id(tensor)] = tensor
+        else:
+            self.held_alone.pop(id(tensor), None)
 
     def held_factor(self, product: torch.Tensor, factor: torch.Tensor) -> bool:
         """The mode holds ``factor`` (a gate) constant in ``product``, an element-wise product of two activations

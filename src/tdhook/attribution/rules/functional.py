@@ -90,9 +90,6 @@ _VALUE_READS = frozenset(
     | {torch.equal, torch.Tensor.equal, torch.allclose, torch.Tensor.allclose, torch.is_nonzero}
     | {torch.Tensor.is_nonzero}
 )
-# Marks a tensor held without a detach in a recording call (CP-LRP's attention weights), and what is made of such
-# tensors alone: where a call with them detached has tensors that need no gradient (see :func:`_follow_held`).
-_HELD_ONLY = "_tdhook_held_only"
 # Marks a tensor without gradient computed from the explained inputs' values (``x.sum() > 0``), in a recording call.
 _INPUT_VALUES = "_tdhook_input_values"
 
@@ -246,8 +243,8 @@ class FunctionalRules(TorchFunctionMode):
             if recording is not None and isinstance(self.softmax, AHQKVRule) and _held_in_graph(output):
                 # Held whole without a detach (see _function_rule_plan): a constant to the rules, as a parameter is.
                 recording.held_output(output)
-                for mark in (PARAMETER_DERIVED, _HELD_ONLY, _INPUT_VALUES):
-                    setattr(output, mark, True)
+                setattr(output, PARAMETER_DERIVED, True)
+                setattr(output, _INPUT_VALUES, True)  # a constant to the rules, but its values are the inputs'
                 return output
             ruled = self.softmax.apply(output, args[0], dim)
             if recording is not None and ruled is not output:  # but for ε = 0 (the plain gradient)
@@ -336,12 +333,13 @@ class FunctionalRules(TorchFunctionMode):
         gradients its node passes to the query, key and value (see :meth:`_attention`); ``None`` where the
         call needs more (dropout, an ε or a kept graph: the unfused rules) or its node is not the fused call's."""
         query, key, value = (call_argument(args, kwargs, i, name) for i, name in enumerate(("query", "key", "value")))
-        if isinstance(self.softmax, AHQKVRule) and (not value.requires_grad or getattr(value, _HELD_ONLY, False)):
+        if isinstance(self.softmax, AHQKVRule) and (not value.requires_grad or id(value) in recording.held_alone):
             # Held query and key, and values made of held tensors alone: a constant, as a detached call's output.
             recording.other_rule()
             output = self._attention(*args, **kwargs)
-            setattr(output, PARAMETER_DERIVED, True)
-            setattr(output, _HELD_ONLY, True)
+            if output.requires_grad:
+                setattr(output, PARAMETER_DERIVED, True)
+                recording.made_of_held(output, alone=True)
             return output
         if call_argument(args, kwargs, 4, "dropout_p", 0.0) or graph_kept() is not None or self.softmax.epsilon:
             return None
@@ -403,42 +401,45 @@ def _follow_held(
     mode: FunctionalRules, func: Callable, types: tuple, args: tuple, kwargs: dict, recording: Recording
 ) -> object:
     """``func``'s call in the mode, in a recording call that holds tensors without detaching them: what is made of
-    held tensors alone (a stack of attention weights, a buffer they are copied into) is marked held and a constant to
-    the rules, as what is made of detached tensors (which needs no gradient) is; a held tensor that takes other
-    values in place tells ``recording`` that the call strayed from a detached one's (it must run again, detached).
+    held tensors alone (a stack of attention weights, a buffer they are copied into) is a constant to the rules, as
+    what is made of detached tensors (which needs no gradient) is; a held tensor that takes other values in place
+    tells ``recording`` that the call strayed from a detached one's (it must run again, detached). Whatever is made
+    of held tensors has the explained inputs' values (a branch on them is one on the inputs).
 
     The inputs are the tensors among ``args`` and ``kwargs`` and in the lists and tuples there; the first argument
     counts as it was before the call (an in-place call changes it)."""
     first = args[0] if args and isinstance(args[0], torch.Tensor) else None
     # What an in-place call may change: the first argument and, for a view, the tensor it views.
     targets = [] if first is None else [first] if first._base is None else [first, first._base]
-    before = {id(t): (t.requires_grad, getattr(t, _HELD_ONLY, False), t._version) for t in targets}
+    inputs = _tensors_in((*args, *kwargs.values()))
+    followed, alone = recording.followed, recording.held_alone
     recording.follows = False  # the call itself runs as in any other call
     try:
+        if not any(id(tensor) in followed for tensor in (*inputs, *targets)):
+            return mode.__torch_function__(func, types, args, kwargs)  # most calls: no held tensor in them
+        before = {id(t): (t.requires_grad, id(t) in alone, t._version) for t in targets}
         result = mode.__torch_function__(func, types, args, kwargs)
     finally:
         recording.follows = True
-    inputs = _tensors_in((*args, *kwargs.values()))
     needing = [
-        before[id(tensor)][1] if tensor is first else getattr(tensor, _HELD_ONLY, False)
+        before[id(tensor)][1] if tensor is first else id(tensor) in alone
         for tensor in inputs
         if (before[id(tensor)][0] if tensor is first else tensor.requires_grad)
     ]
     held = bool(needing) and all(needing)  # every input that needs a gradient is held
-    # Values computed from held ones are the explained inputs' (a branch on them is one on the inputs).
-    valued = any(getattr(tensor, _INPUT_VALUES, False) for tensor in inputs)
     changed = [target for target in targets if target._version != before[id(target)][2]]  # in place
     for output in {id(tensor): tensor for tensor in [*_tensors_in((result,)), *changed]}.values():
-        if valued:
-            setattr(output, _INPUT_VALUES, True)
-        if not output.requires_grad:
-            continue
+        setattr(output, _INPUT_VALUES, True)
         was = before.get(id(output))
-        if held and (was is None or was[1] or not was[0]):  # made of held tensors alone (an activation stays one)
+        if not output.requires_grad:
+            recording.made_of_held(output, alone=False)
+        elif held and (was is None or was[1] or not was[0]):  # made of held tensors alone (an activation stays one)
             setattr(output, PARAMETER_DERIVED, True)
-            setattr(output, _HELD_ONLY, True)
+            recording.made_of_held(output, alone=True)
         elif not held and was is not None and was[1]:  # a held tensor that took other values in place
             recording.strayed = True
+        else:
+            recording.made_of_held(output, alone=False)
     return result
 
 
