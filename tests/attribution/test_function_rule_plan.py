@@ -612,7 +612,7 @@ def test_held_weights_combined_into_new_tensors_stay_constants(applied, combine:
 class ConstantValues(nn.Module):
     """``out(x · (1 + attention(q(x), k(x), values)))``: fused attention over constant values (a buffer, or
     ``softmax``'s held weights times a buffer), which under CP-LRP gives a constant: its product with ``x`` is no
-    product of two activations."""
+    product of two activations, nor is that of what is made of it alone (a concatenation)."""
 
     def __init__(self, values: str) -> None:
         super().__init__()
@@ -623,20 +623,22 @@ class ConstantValues(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k = self.q(x).unsqueeze(1), self.k(x).unsqueeze(1)  # one head
         values = self.table.expand_as(q)
-        if self.values == "held":
+        if self.values != "buffer":
             values = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ values
         attended = F.scaled_dot_product_attention(q, k, values)
+        if self.values == "held, concatenated":  # the same values, made of the constant anew
+            attended = torch.cat([attended, attended], 1)[:, :1]
         return self.out(x * (1 + attended.squeeze(1)))
 
 
-@pytest.mark.parametrize("values", ["buffer", "held"])
+@pytest.mark.parametrize("values", ["buffer", "held", "held, concatenated"])
 def test_fused_attention_over_constant_values_is_a_constant(applied, values: str):
     torch.manual_seed(0)
     model, x = ConstantValues(values).to(F64), torch.randn(2, 3, 4, dtype=F64)
     with torch.no_grad():
         q, k = model.q(x).unsqueeze(1), model.k(x).unsqueeze(1)
         table = model.table.expand_as(q)
-        table = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ table if values == "held" else table
+        table = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ table if values != "buffer" else table
         attended = F.scaled_dot_product_attention(q, k, table).squeeze(1)
     leaf = x.clone().requires_grad_(True)
     (grad,) = torch.autograd.grad(model.out(leaf * (1 + attended)).max(-1).values.sum(), leaf)

@@ -162,8 +162,6 @@ class Recording:
         self.followed[id(tensor)] = tensor
         if alone:
             self.held_alone[id(tensor)] = tensor
-        else:
-            self.held_alone.pop(id(tensor), None)
 
     def held_factor(self, product: torch.Tensor, factor: torch.Tensor) -> bool:
         """The mode holds ``factor`` (a gate) constant in ``product``, an element-wise product of two activations
