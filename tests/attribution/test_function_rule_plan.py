@@ -15,6 +15,7 @@ import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
+from torch.nn import functional as F
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP, _function_rule_plan
 from tests.attribution.test_lrp_huggingface import LastLogits, build
@@ -217,26 +218,34 @@ class Branching(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         reads = {"bool": lambda: bool(x.sum() > 0), "int": lambda: int(x.sum() > 0), "item": lambda: x.sum().item() > 0}
+        reads["weights"] = lambda: peaked(x).item()  # held under CP-LRP, but computed from the input
         source = x if reads[self.read]() else self.constant.expand_as(x)
         return self.out(self.q(x) * self.k(source))
 
 
-@pytest.mark.parametrize("read", ["bool", "int", "item"])
-def test_a_forward_that_branches_on_the_inputs_values_keeps_the_mode(applied, read: str):
+def peaked(x: torch.Tensor) -> torch.Tensor:
+    """Whether the attention weights ``softmax(x xᵀ)`` have an entry above 0.9."""
+    return torch.softmax(x @ x.transpose(-1, -2), dim=-1).max() > 0.9
+
+
+@pytest.mark.parametrize("read, preset", [("bool", AttnLRP), ("int", AttnLRP), ("item", AttnLRP), ("weights", CPLRP)])
+def test_a_forward_that_branches_on_the_inputs_values_keeps_the_mode(applied, read: str, preset):
     """Before, the plan recorded on one branch halved the other branch's product too: half the relevance of the
-    fresh wrapper's first call, silently."""
+    fresh wrapper's first call, silently. Attention weights that CP-LRP holds are constants to the rules, but their
+    values are the input's too."""
     torch.manual_seed(0)
     model = Branching(read).to(F64)
     inputs = [torch.randn(3, 4, dtype=F64) for _ in range(40)]
-    positive = [x for x in inputs if x.sum() > 0][:2]
-    negative = [x for x in inputs if x.sum() <= 0][:2]
+    taken = [bool(peaked(x)) if read == "weights" else bool(x.sum() > 0) for x in inputs]
+    positive = [x for x, first in zip(inputs, taken, strict=True) if first][:2]
+    negative = [x for x, first in zip(inputs, taken, strict=True) if not first][:2]
     xs = [positive[0], negative[0], positive[1], negative[1]]
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
     with lrp:
         later = [call(lrp, x) for x in xs]
     assert applied == []
     for x, relevance in zip(xs, later, strict=True):
-        fresh = call(LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"]), x)
+        fresh = call(LRP(model, preset(), in_keys=["x"], out_keys=["y"]), x)
         assert relative_error(relevance, fresh) <= 1e-12
 
 
@@ -432,9 +441,9 @@ class HeldAttention(nn.Module):
         return self.out(h)
 
 
-def held_by_hand(model: HeldAttention, x: torch.Tensor) -> torch.Tensor:
-    """CP-LRP's relevance for ``model``'s argmax logit with its attention weights and gate detached by hand (the
-    rest is linear and bias-free: LRP-0 is the gradient)."""
+def held_by_hand(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """CP-LRP's relevance for ``model``'s argmax logit with what its ``held`` flag holds (attention weights, gates)
+    detached by hand (the rest is linear and bias-free: LRP-0 is the gradient)."""
     model.held = True
     try:
         leaf = x.clone().requires_grad_(True)
@@ -542,3 +551,100 @@ def test_returned_attention_weights_change_no_call_in_a_context(applied, preset)
     for relevance in relevances:
         assert torch.equal(relevance, in_mode)
     assert torch.equal(in_mode, call(LRP(LastLogits(model), preset(), in_keys=["x"], out_keys=["y"]), x))
+
+
+class CombinedWeights(nn.Module):
+    """Attention weights computed head by head (two heads of two features), then combined before they meet the
+    values: stacked, copied into a buffer, or written into one by index; with ``mixed``, the buffer then takes the
+    scores (an activation) in place too, so that its product with the values is one of two activations. ``held``
+    detaches each head's weights (CP-LRP's rule, by hand)."""
+
+    def __init__(self, combine: str, mixed: bool = False) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(4, 4, bias=False) for _ in range(3))
+        self.out = nn.Linear(4, 3, bias=False)
+        self.combine, self.mixed, self.held = combine, mixed, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (layer(x).unflatten(-1, (2, 2)).transpose(1, 2) for layer in (self.q, self.k, self.v))
+        ruled = self.held and self.mixed  # the uniform rule by hand on the products the relevance then reaches
+        scores = q @ k.transpose(-1, -2)
+        scores = halved(scores) if ruled else scores
+        heads = [torch.softmax(scores[:, head], dim=-1) for head in range(2)]
+        heads = [weights.detach() for weights in heads] if self.held else heads
+        if self.combine == "stack":
+            weights = torch.stack(heads, 1)
+        else:
+            weights = scores.new_zeros(scores.shape)
+            for head, head_weights in enumerate(heads):
+                if self.combine == "copy":
+                    weights[:, head].copy_(head_weights)
+                else:
+                    weights[:, head] = head_weights
+        if self.mixed:
+            weights.add_(scores)
+        h = weights @ v
+        return self.out((halved(h) if ruled else h).transpose(1, 2).flatten(-2))
+
+
+@pytest.mark.parametrize(
+    "combine, mixed", [("stack", False), ("copy", False), ("index", False), ("index", True), ("copy", True)]
+)
+def test_held_weights_combined_into_new_tensors_stay_constants(applied, combine: str, mixed: bool):
+    """Held without a detach, the weights require grad, and so does what is made of them alone (a stack, a buffer
+    they are copied or written into): constants all the same, as made of detached weights, whose products with the
+    values the uniform rule leaves whole. A buffer that also takes an activation in place is none: that call runs
+    again with the weights detached, and keeps the mode."""
+    torch.manual_seed(0)
+    model, x = CombinedWeights(combine, mixed).to(F64), torch.randn(2, 3, 4, dtype=F64)
+    expected = held_by_hand(model, x)  # each head's weights detached, the uniform rule where mixed
+    lrp = LRP(model, CPLRP(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)
+    with lrp, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        relevances = [call(lrp, x) for _ in range(3)]
+    assert applied == ([] if mixed else [True, True])
+    assert relative_error(in_mode, expected) <= 1e-12
+    for relevance in relevances:
+        assert relative_error(relevance, expected) <= 1e-12
+
+
+class ConstantValues(nn.Module):
+    """``out(x · (1 + attention(q(x), k(x), values)))``: fused attention over constant values (a buffer, or
+    ``softmax``'s held weights times a buffer), which under CP-LRP gives a constant: its product with ``x`` is no
+    product of two activations, nor is that of what is made of it alone (a concatenation)."""
+
+    def __init__(self, values: str) -> None:
+        super().__init__()
+        self.q, self.k, self.out = (nn.Linear(4, size, bias=False) for size in (4, 4, 3))
+        self.values = values
+        self.register_buffer("table", torch.randn(3, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = self.q(x).unsqueeze(1), self.k(x).unsqueeze(1)  # one head
+        values = self.table.expand_as(q)
+        if self.values != "buffer":
+            values = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ values
+        attended = F.scaled_dot_product_attention(q, k, values)
+        if self.values == "held, concatenated":  # the same values, made of the constant anew
+            attended = torch.cat([attended, attended], 1)[:, :1]
+        return self.out(x * (1 + attended.squeeze(1)))
+
+
+@pytest.mark.parametrize("values", ["buffer", "held", "held, concatenated"])
+def test_fused_attention_over_constant_values_is_a_constant(applied, values: str):
+    torch.manual_seed(0)
+    model, x = ConstantValues(values).to(F64), torch.randn(2, 3, 4, dtype=F64)
+    with torch.no_grad():
+        q, k = model.q(x).unsqueeze(1), model.k(x).unsqueeze(1)
+        table = model.table.expand_as(q)
+        table = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ table if values != "buffer" else table
+        attended = F.scaled_dot_product_attention(q, k, table).squeeze(1)
+    leaf = x.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(model.out(leaf * (1 + attended)).max(-1).values.sum(), leaf)
+    expected = leaf.detach() * grad  # a linear map of x: LRP-0 is the gradient
+    lrp = LRP(model, CPLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(3)]
+    for relevance in relevances:
+        assert relative_error(relevance, expected) <= 1e-12

@@ -30,18 +30,22 @@ whole, gets a pre-hook on its node that passes no gradient (every call that take
 an element-wise product of two activations gets a post-hook on the product's node that passes none to the gate's
 place; a fused attention's node gets a post-hook that multiplies the gradients it passes to the query, key and
 value by the rule's factors (none to the query and key under CP-LRP; the uniform rule's halves under AttnLRP).
-They are recorded, and a later call puts the same hooks on the same nodes. The nodes behind a held tensor run with
+They are recorded, and a later call puts the same hooks on the same nodes. What the call makes of held tensors alone
+(a stack of heads' weights, a buffer they are written into) needs a gradient, as what is made of detached ones does
+not: the mode marks it a constant to the rules; a held tensor that then takes other values in place (an activation's)
+would be an activation if detached, and the call runs again with its held tensors detached. The nodes behind a held
+tensor run with
 no gradient, as they would not behind a detached one: a call whose graph there saved a tensor that was changed in
 place after runs again in the mode (their backward would raise), and so do later calls on inputs of its signature.
 
 Where the mode applies any other rule (a softmax with ε, a norm or an activation called as a function, a fused
 attention with dropout, a gate held in a product other than an element-wise one), every later call on inputs of
-that signature runs in the mode. So does every call
-where the forward reads values computed from the explained inputs into Python (``if x.sum() > 0``, ``.item()``,
-``int(...)``): on other inputs of the same shapes it may take another branch whose graph has the same nodes, with
-a product of two activations on one and of an activation and a constant (which the uniform rule leaves whole) on
-the other. Values of inputs that are not explained (masks, token ids) are not followed: a branch on them that
-changes which products are of two activations, and nothing else in the graph, is not seen. So do calls that
+that signature runs in the mode. So does every call where the forward reads values computed from the explained
+inputs into Python (``if x.sum() > 0``, ``.item()``, ``int(...)``; held attention weights' values are the inputs'
+too): on other inputs of the same shapes it may take another branch whose graph has the same nodes, with a product
+of two activations on one and of an activation and a constant (which the uniform rule leaves whole) on the other.
+Values of inputs that are not explained (masks, token ids) are not followed: a branch on them that changes which
+products are of two activations, and nothing else in the graph, is not seen. So do calls that
 keep the relevance's graph, that ask for inner layers' relevance or token relevance, and models run with other
 function modes. The marks the mode leaves on tensors (computed from parameters alone; gates) are read by the
 function modes only, to decide which products are of two activations: the recording holds those decisions.
@@ -125,6 +129,10 @@ class Recording:
         self.moded: set[int] = set()  # ids of norms with a call that did more: later calls keep their mode
         self.outputs: list[Any] = []  # the nodes of the norms' outputs, in the order of their calls
         self.holds: list[_Hold] = []  # what the mode held without detaching it, in the order of the calls
+        self.follows = False  # whether the mode follows what is made of tensors it held (see held_output)
+        self.followed: dict[int, torch.Tensor] = {}  # by id: the held tensors and what is made of them
+        self.held_alone: dict[int, torch.Tensor] = {}  # by id: the held tensors and what is made of them alone
+        self.strayed = False  # whether a held tensor took other values in place: unlike a detached one's
 
     def scaled(self, product: Any, factor: Any) -> None:
         """The mode halves the gradient of a product (the uniform rule): ``factor``, a node of its own, passes
@@ -138,11 +146,22 @@ class Recording:
 
     def held_output(self, tensor: torch.Tensor) -> None:
         """The mode holds ``tensor`` (a softmax's output, CP-LRP's attention weights) constant without detaching it:
-        its node passes no gradient from now on, in this call and in a later one."""
+        its node passes no gradient from now on, in this call and in a later one. The mode then follows what the
+        call makes of it: a detached tensor needs no gradient, nor does what is made of it alone, while this one
+        and what is made of it do (see :func:`~tdhook.attribution.rules.functional.FunctionalRules`)."""
+        self.follows = True
+        self.made_of_held(tensor, alone=True)
         node = tensor.grad_fn
         node.register_prehook(_cut)
         pass_no_relevance(node, range(len(node.next_functions)))  # what is behind it is not explained
         self.holds.append(_Hold(node, None, len(self.products)))
+
+    def made_of_held(self, tensor: torch.Tensor, alone: bool) -> None:
+        """``tensor`` is made of held tensors (``alone``: of them and of constants only, and so a constant too); the
+        recording keeps it (its id stands for it) until the call ends."""
+        self.followed[id(tensor)] = tensor
+        if alone:
+            self.held_alone[id(tensor)] = tensor
 
     def held_factor(self, product: torch.Tensor, factor: torch.Tensor) -> bool:
         """The mode holds ``factor`` (a gate) constant in ``product``, an element-wise product of two activations
@@ -311,10 +330,11 @@ class FunctionRulePlan:
     def settle(self, recording: Recording, result: TensorDictBase, start: int) -> bool:
         """After a call in the mode that completed and returned ``result``: the plan for its signature (``None``:
         the mode for good). ``False`` where the call held tensors without detaching them and its graph saved a
-        tensor that was changed in place since: its backward would raise, and the call must run again in the mode
-        with no recording."""
+        tensor that was changed in place since (its backward would raise), or a held tensor took other values in
+        place (a detached one would then be another activation): the call must run again in the mode with no
+        recording."""
         end = _sequence_number()
-        if recording.holds and not _saved_intact(result, recording.outputs):
+        if recording.strayed or (recording.holds and not _saved_intact(result, recording.outputs)):
             self._plans[recording.key] = None
             return False
         self._plans[recording.key] = _build(recording, result, start, end) if recording.plannable else None

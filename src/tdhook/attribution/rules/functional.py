@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch.nn import Parameter
 from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._autograd import (
@@ -95,11 +96,12 @@ _INPUT_VALUES = "_tdhook_input_values"
 
 def _from_inputs(value: object) -> bool:
     """Whether ``value`` is a tensor computed from the explained inputs: an activation, an input (a leaf with a
-    gradient that is no parameter), or a tensor without gradient marked as computed from them."""
+    gradient that is no parameter), or a tensor marked as computed from them (without gradient, or from tensors
+    held without a detach: constants to the rules, but not in value)."""
     if not isinstance(value, torch.Tensor):
         return False
-    if value.requires_grad:
-        return is_activation(value) or (value.is_leaf and not isinstance(value, torch.nn.Parameter))
+    if value.requires_grad and (is_activation(value) or (value.is_leaf and not isinstance(value, Parameter))):
+        return True
     return getattr(value, _INPUT_VALUES, False)
 
 
@@ -201,6 +203,8 @@ class FunctionalRules(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.recording is not None and self.recording.follows:  # tensors held in the graph exist: follow them
+            return _follow_held(self, func, types, args, kwargs, self.recording)
         if func not in _HANDLED:  # most calls: run, and mark what the rules read later (no rule of their own)
             result = mark_parameter_derived(args, func(*args, **kwargs))
             if self.recording is not None:
@@ -240,6 +244,7 @@ class FunctionalRules(TorchFunctionMode):
                 # Held whole without a detach (see _function_rule_plan): a constant to the rules, as a parameter is.
                 recording.held_output(output)
                 setattr(output, PARAMETER_DERIVED, True)
+                setattr(output, _INPUT_VALUES, True)  # a constant to the rules, but its values are the inputs'
                 return output
             ruled = self.softmax.apply(output, args[0], dim)
             if recording is not None and ruled is not output:  # but for ε = 0 (the plain gradient)
@@ -328,6 +333,14 @@ class FunctionalRules(TorchFunctionMode):
         gradients its node passes to the query, key and value (see :meth:`_attention`); ``None`` where the
         call needs more (dropout, an ε or a kept graph: the unfused rules) or its node is not the fused call's."""
         query, key, value = (call_argument(args, kwargs, i, name) for i, name in enumerate(("query", "key", "value")))
+        if isinstance(self.softmax, AHQKVRule) and (not value.requires_grad or id(value) in recording.held_alone):
+            # Held query and key, and values made of held tensors alone: a constant, as a detached call's output.
+            recording.other_rule()
+            output = self._attention(*args, **kwargs)
+            if output.requires_grad:
+                setattr(output, PARAMETER_DERIVED, True)
+                recording.made_of_held(output, alone=True)
+            return output
         if call_argument(args, kwargs, 4, "dropout_p", 0.0) or graph_kept() is not None or self.softmax.epsilon:
             return None
         if isinstance(self.softmax, AHQKVRule):  # held weights: no gradient to the query and the key
@@ -382,6 +395,63 @@ def _held_in_graph(weights: torch.Tensor) -> bool:
     """Whether a recording call holds CP-LRP's attention ``weights`` without a detach, so that later calls may run
     without the mode (see :mod:`~tdhook.attribution._function_rule_plan`): up to ``_LARGEST_GRAPH_HOLD`` elements."""
     return weights.grad_fn is not None and weights.numel() <= _LARGEST_GRAPH_HOLD
+
+
+def _follow_held(
+    mode: FunctionalRules, func: Callable, types: tuple, args: tuple, kwargs: dict, recording: Recording
+) -> object:
+    """``func``'s call in the mode, in a recording call that holds tensors without detaching them: what is made of
+    held tensors alone (a stack of attention weights, a buffer they are copied into) is a constant to the rules, as
+    what is made of detached tensors (which needs no gradient) is; a held tensor that takes other values in place
+    tells ``recording`` that the call strayed from a detached one's (it must run again, detached). Whatever is made
+    of held tensors has the explained inputs' values (a branch on them is one on the inputs).
+
+    The inputs are the tensors among ``args`` and ``kwargs`` and in the lists and tuples there; the first argument
+    counts as it was before the call (an in-place call changes it)."""
+    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    # What an in-place call may change: the first argument and, for a view, the tensor it views.
+    targets = [] if first is None else [first] if first._base is None else [first, first._base]
+    inputs = _tensors_in((*args, *kwargs.values()))
+    followed, alone = recording.followed, recording.held_alone
+    recording.follows = False  # the call itself runs as in any other call
+    try:
+        if not any(id(tensor) in followed for tensor in (*inputs, *targets)):
+            return mode.__torch_function__(func, types, args, kwargs)  # most calls: no held tensor in them
+        before = {id(t): (t.requires_grad, id(t) in alone, t._version) for t in targets}
+        result = mode.__torch_function__(func, types, args, kwargs)
+    finally:
+        recording.follows = True
+    needing = [
+        before[id(tensor)][1] if tensor is first else id(tensor) in alone
+        for tensor in inputs
+        if (before[id(tensor)][0] if tensor is first else tensor.requires_grad)
+    ]
+    held = bool(needing) and all(needing)  # every input that needs a gradient is held
+    changed = [target for target in targets if target._version != before[id(target)][2]]  # in place
+    for output in {id(tensor): tensor for tensor in [*_tensors_in((result,)), *changed]}.values():
+        setattr(output, _INPUT_VALUES, True)
+        was = before.get(id(output))
+        if not output.requires_grad:
+            recording.made_of_held(output, alone=False)
+        elif held and (was is None or was[1] or not was[0]):  # made of held tensors alone (an activation stays one)
+            setattr(output, PARAMETER_DERIVED, True)
+            recording.made_of_held(output, alone=True)
+        elif not held and was is not None and was[1]:  # a held tensor that took other values in place
+            recording.strayed = True
+        else:
+            recording.made_of_held(output, alone=False)
+    return result
+
+
+def _tensors_in(values: tuple) -> list[torch.Tensor]:
+    """The tensors among ``values`` and in the lists and tuples there (one level)."""
+    found: list[torch.Tensor] = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(item for item in value if isinstance(item, torch.Tensor))
+    return found
 
 
 def _held_product(func: Callable, args: tuple, kwargs: dict, gates: list[bool], recording: Recording | None):
