@@ -116,7 +116,7 @@ def test_a_product_changed_in_place_afterwards_keeps_the_rule(softmax):
 
 
 @pytest.mark.parametrize("hold_gates", [False, True])
-@pytest.mark.parametrize("scale", ["reshape", "one_plus", "expand"])
+@pytest.mark.parametrize("scale", ["reshape", "one_plus", "expand", "cat", "stack"])
 def test_a_parameter_reshaped_or_shifted_is_not_an_activation(hold_gates: bool, scale: str):
     # A layer scale (x * gamma.reshape(1, -1)) or a Gemma-style weight (x * (1 + w)) has autograd history but is
     # a parameter: the product is linear in x and keeps all of its relevance (it was halved as a product of two
@@ -125,8 +125,15 @@ def test_a_parameter_reshaped_or_shifted_is_not_an_activation(hold_gates: bool, 
     x = randn(3, 4).requires_grad_(True)
     with FunctionalRules(SoftmaxEpsilonRule(), PseudoIdentityRule(), hold_gates=hold_gates):
         h = x * 1
-        factor = {"reshape": gamma.reshape(1, -1), "one_plus": 1 + gamma, "expand": gamma.view(1, 4).expand(3, 4)}
-        y = h * factor[scale]
+        factor = {
+            "reshape": lambda: gamma.reshape(1, -1),
+            "one_plus": lambda: 1 + gamma,
+            "expand": lambda: gamma.view(1, 4).expand(3, 4),
+            # Parameters joined by one call taking a list of them (a scale assembled from pieces).
+            "cat": lambda: torch.cat([gamma[:2], gamma[2:]]),
+            "stack": lambda: torch.stack([gamma, gamma * 1]).mean(0),
+        }
+        y = h * factor[scale]()
     (grad,) = torch.autograd.grad(y.sum(), x)
     torch.testing.assert_close(x * grad, y.detach())
 

@@ -425,17 +425,23 @@ def mark_parameter_derived(args: tuple, result: Any) -> Any:
         False
         >>> is_activation(mark_parameter_derived((x, gamma), x * gamma))
         True
+        >>> beta = torch.nn.Parameter(torch.ones(3))
+        >>> is_activation(mark_parameter_derived(([gamma, beta],), torch.cat([gamma, beta])))  # a list of them
+        False
     """
     if not (isinstance(result, torch.Tensor) and result.requires_grad):
         return result
     derived = False
     for arg in args:
-        if isinstance(arg, torch.Tensor) and arg.requires_grad:
-            # An activation (the common case) ends the loop at the first attribute test; a leaf that requires
-            # grad is a parameter or an input, and only leaves pay for the (Python-level) Parameter test.
-            if not (getattr(arg, PARAMETER_DERIVED, False) if not arg.is_leaf else isinstance(arg, Parameter)):
-                return result
-            derived = True
+        # The tensors of a list (torch.cat's, torch.stack's) count as arguments of their own.
+        for tensor in arg if isinstance(arg, (list, tuple)) else (arg,):
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                # An activation (the common case) ends the loop at the first attribute test; a leaf that requires
+                # grad is a parameter or an input, and only leaves pay for the (Python-level) Parameter test.
+                leaf = tensor.is_leaf
+                if not (getattr(tensor, PARAMETER_DERIVED, False) if not leaf else isinstance(tensor, Parameter)):
+                    return result
+                derived = True
     if derived:
         setattr(result, PARAMETER_DERIVED, True)
     return result
