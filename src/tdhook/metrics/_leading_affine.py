@@ -24,6 +24,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -96,7 +97,9 @@ class LeadingAffine:
         small = weight.numel() <= _LARGEST_LAYER  # its transposed copy stays small
         typed = x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float64)
         same = typed and x.device == weight.device and x.device.type != "mps"  # MPS: no float64
-        return whole and small and same and bool(torch.isfinite(x).all()) and bool(torch.isfinite(baseline).all())
+        # A sum is finite only where every element is (one that overflows takes the stacked passes, as a non-finite
+        # element does): two reductions instead of a mask of each tensor and its reduction.
+        return whole and small and same and math.isfinite(x.sum().item() + baseline.sum().item())
 
     def stack_size(self, n: int) -> int:
         """How many steps one stack holds for a batch of ``n`` samples."""
@@ -106,11 +109,12 @@ class LeadingAffine:
         self,
         x: torch.Tensor,
         baseline: torch.Tensor,
-        positions: torch.Tensor,
+        positions: torch.Tensor | None,
         thresholds: torch.Tensor,
         size: int,
         batch: Sequence[int] = (),
         unperturbed: bool = False,
+        order: torch.Tensor | None = None,
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """The model's outputs at every step, in stacks of ``size`` steps from the last stack to the first.
 
@@ -121,13 +125,15 @@ class LeadingAffine:
         Args:
             x: the unperturbed input, ``[N] + shape``, ``N`` the product of ``batch``.
             baseline: the baseline, broadcasting to ``x``.
-            positions: the rank of each element of ``x``, broadcasting to ``x``.
+            positions: the rank of each element of ``x``, broadcasting to ``x``; ``None`` where ``order`` gives it.
             thresholds: step ``k`` (from 1) sets the elements with ``positions < thresholds[k - 1]`` to the baseline;
                 increasing.
             size: the steps of one stack.
             batch: the batch shape that ``N`` flattens.
             unperturbed: the stack of the first steps begins with step 0, the unperturbed input (its first layer's
                 output is the sum of every bag, which that stack's running sum reaches anyway).
+            order: ``[N, M]``: each sample's elements in the order they go, where the ranks are ``0 .. M - 1`` (one
+                per element: ``positions`` is its inverse, which is then not needed).
 
         Yields:
             ``(start, outputs)``: the outputs ``[steps, N, ...]`` of the steps ``start + 1 .. start + steps``
@@ -136,15 +142,19 @@ class LeadingAffine:
         n, weight, n_steps = x.shape[0], self.linear.weight, len(thresholds)
         with torch.no_grad():  # not around a yield: the caller's code between stacks keeps its own grad mode
             base = baseline.expand_as(x).reshape(n, -1)
-            # Each sample's elements in the order they go, the step (from 0) at which each goes (n_steps: never),
-            # and where each step's elements begin (ends[:, k]: after the elements of steps before k).
-            ranks, order = _in_order(positions.expand_as(x).reshape(n, -1), whole=positions.shape == x.shape)
-            steps = torch.searchsorted(thresholds, ranks, right=True)
-            bounds = torch.arange(n_steps + 2, dtype=steps.dtype, device=steps.device)
-            ends = torch.searchsorted(steps, bounds.expand(len(steps), -1).contiguous()).expand(n, -1)
+            # Each sample's elements in the order they go, their ranks in that order (None: 0 .. M - 1), and where
+            # each step's elements begin (ends[:, k]: after the elements of the steps before k).
+            if order is None:
+                ranks, order = _in_order(positions.expand_as(x).reshape(n, -1), whole=positions.shape == x.shape)
+            else:
+                ranks = None
+            ends = _step_ends(ranks, thresholds, x[0].numel()).expand(n, -1)
             values = (x.reshape(n, -1) - base).gather(-1, order)
             bags = _Bags.build(order, values, ends, weight, self._at_baseline(base))
-            plain = all(_strided_ok(module) for layer in self.rest for module in layer.modules())
+            modules = [module for layer in self.rest for module in layer.modules()]
+            plain = all(_strided_ok(module) for module in modules)
+            # Modules in training mode update their buffers: each stack starts from the caller's (the others do not).
+            kept = nn.ModuleList(self.rest) if any(module.training for module in modules) else None
         for start in reversed(range(0, n_steps, size)):
             stop = min(start + size, n_steps)
             first = start - int(unperturbed and start == 0)  # the step before the stack's first
@@ -153,7 +163,7 @@ class LeadingAffine:
                 hidden = hidden if plain else hidden.contiguous()
                 stacked = stacked_batch(stop - first, batch or (n,))
                 out = hidden.reshape(*stacked, weight.shape[0])
-                with statistics_kept(nn.ModuleList(self.rest)):  # each stack from the caller's statistics
+                with statistics_kept(kept) if kept is not None else contextlib.nullcontext():
                     for layer in self.rest:
                         out = layer(out)
             yield first, out.reshape(stop - first, n, *out.shape[len(stacked) :]).flip(0)  # from the first step
@@ -164,11 +174,30 @@ class LeadingAffine:
         ``[N, out]``."""
         weight, bias = self.linear.weight, self.linear.bias
         stored = base if any(base.stride()) else base.reshape(-1)[:1]  # a number expanded: one element to look at
-        if not bool((stored == 0).all()):
+        if not (stored.item() == 0 if stored.numel() == 1 else bool((stored == 0).all())):
             return torch.nn.functional.linear(base, weight, bias)
         if bias is None:
             return weight.new_zeros(1, self.linear.out_features)
         return bias.detach().unsqueeze(0)
+
+
+def _step_ends(ranks: torch.Tensor | None, thresholds: torch.Tensor, m: int) -> torch.Tensor:
+    """``[R, steps + 2]``: where the elements of each step begin in each row of sorted ``ranks`` ``[R, m]`` (``None``:
+    one row ``0 .. m - 1``), the elements of step ``k`` (from 1) those ranked below ``thresholds[k - 1]`` and not
+    below the threshold before; column 0 is 0 and the last column ``m`` (where the elements that never go end).
+
+    Examples:
+        >>> _step_ends(None, torch.tensor([2, 4, 6]), 5)
+        tensor([[0, 2, 4, 5, 5]])
+        >>> _step_ends(torch.tensor([[0, 0, 1, 3, 3]]), torch.tensor([1, 2]), 5)
+        tensor([[0, 2, 3, 5]])
+    """
+    low, high = (0, m) if ranks is None else (torch.iinfo(ranks.dtype).min, torch.iinfo(ranks.dtype).max)
+    low, high = (torch.full((1,), value, dtype=torch.long, device=thresholds.device) for value in (low, high))
+    bounds = torch.cat([low, thresholds.long(), high])  # below and above every rank
+    if ranks is None:  # the count of ranks below each bound
+        return bounds.clamp_(max=m).unsqueeze(0)
+    return torch.searchsorted(ranks, bounds.to(ranks.dtype).expand(len(ranks), -1).contiguous())
 
 
 def _strided_ok(module: nn.Module) -> bool:
@@ -281,9 +310,10 @@ class _Bags:
         n, m = self.order.shape
         low, high = self.ends[:, start], self.ends[:, stop]
         begins = self.ends[:, start:stop]
-        if bool((low == 0).all()) and bool((high == m).all()):  # every element: no selection
+        # Every element (every bag, from the first, which begins at 0, to the last, which ends at m): no selection.
+        if (start == 0 and stop == self.ends.shape[1] - 1) or (bool((low == 0).all()) and bool((high == m).all())):
             order, values = self.order.reshape(-1), self.values.reshape(-1)
-            offsets = begins + torch.arange(n, device=begins.device).unsqueeze(-1) * m
+            offsets = begins + torch.arange(0, n * m, m, device=begins.device).unsqueeze(-1)
         else:
             counts = high - low
             rows = torch.repeat_interleave(torch.arange(n, device=counts.device), counts)
