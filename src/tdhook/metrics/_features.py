@@ -178,9 +178,8 @@ class Features:
     @property
     def values(self) -> torch.Tensor:
         """The attributions as ``batch + [n_features]``, keys concatenated in order."""
-        return torch.cat(
-            [a.reshape(*self.batch_size, n) for a, n in zip(self.attributions, self.sizes, strict=True)], -1
-        )
+        flat = [a.reshape(*self.batch_size, n) for a, n in zip(self.attributions, self.sizes, strict=True)]
+        return flat[0] if len(flat) == 1 else torch.cat(flat, -1)
 
     def broadcast_values(self) -> list[torch.Tensor]:
         """Each attribution broadcast to its input's shape."""

@@ -142,15 +142,16 @@ class LeadingAffine:
         n, weight, n_steps = x.shape[0], self.linear.weight, len(thresholds)
         with torch.no_grad():  # not around a yield: the caller's code between stacks keeps its own grad mode
             base = baseline.expand_as(x).reshape(n, -1)
-            # Each sample's elements in the order they go, their ranks in that order (None: 0 .. M - 1), and where
-            # each step's elements begin (ends[:, k]: after the elements of the steps before k).
+            # Each sample's elements in the order they go and their ranks in that order (None: 0 .. M - 1); the
+            # bags read them from the last to go.
             if order is None:
                 ranks, order = _in_order(positions.expand_as(x).reshape(n, -1), whole=positions.shape == x.shape)
             else:
                 ranks = None
-            ends = _step_ends(ranks, thresholds, x[0].numel()).expand(n, -1)
-            values = (x.reshape(n, -1) - base).gather(-1, order)
-            bags = _Bags.build(order, values, ends, weight, self._at_baseline(base))
+            last_first = order.flip(-1)
+            bounds = _bag_bounds(ranks, thresholds, x[0].numel(), x.device).expand(n, -1)
+            values = (x.reshape(n, -1) - base).gather(-1, last_first)
+            bags = _Bags(last_first, values, bounds, transposed(weight), self._at_baseline(base))
             modules = [module for layer in self.rest for module in layer.modules()]
             plain = all(_strided_ok(module) for module in modules)
             # Modules in training mode update their buffers: each stack starts from the caller's (the others do not).
@@ -181,23 +182,25 @@ class LeadingAffine:
         return bias.detach().unsqueeze(0)
 
 
-def _step_ends(ranks: torch.Tensor | None, thresholds: torch.Tensor, m: int) -> torch.Tensor:
-    """``[R, steps + 2]``: where the elements of each step begin in each row of sorted ``ranks`` ``[R, m]`` (``None``:
-    one row ``0 .. m - 1``), the elements of step ``k`` (from 1) those ranked below ``thresholds[k - 1]`` and not
-    below the threshold before; column 0 is 0 and the last column ``m`` (where the elements that never go end).
+def _bag_bounds(ranks: torch.Tensor | None, thresholds: torch.Tensor, m: int, device: torch.device) -> torch.Tensor:
+    """``[R, steps + 3]``: where each bag of :class:`_Bags` begins in each row of elements sorted by ``ranks``
+    ``[R, m]`` (``None``: one row ranked ``0 .. m - 1``), read from the last element back: bag 0 empty, bag 1 the
+    elements that never go, bag ``j >= 2`` those that go at step ``steps + 2 - j``, the elements of step ``k`` (from 1)
+    those ranked below ``thresholds[k - 1]`` and not below the threshold before; the last column is ``m``.
 
     Examples:
-        >>> _step_ends(None, torch.tensor([2, 4, 6]), 5)
-        tensor([[0, 2, 4, 5, 5]])
-        >>> _step_ends(torch.tensor([[0, 0, 1, 3, 3]]), torch.tensor([1, 2]), 5)
-        tensor([[0, 2, 3, 5]])
+        >>> _bag_bounds(None, torch.tensor([2, 4, 6]), 5, torch.device("cpu"))  # [0, 0, 1, 3, 5]: steps 3, 2, 1
+        tensor([[0, 0, 0, 1, 3, 5]])
+        >>> _bag_bounds(torch.tensor([[0, 0, 1, 3, 3]]), torch.tensor([1, 2]), 5, torch.device("cpu"))
+        tensor([[0, 0, 2, 3, 5]])
     """
-    low, high = (0, m) if ranks is None else (torch.iinfo(ranks.dtype).min, torch.iinfo(ranks.dtype).max)
-    low, high = (torch.full((1,), value, dtype=torch.long, device=thresholds.device) for value in (low, high))
-    bounds = torch.cat([low, thresholds.long(), high])  # below and above every rank
-    if ranks is None:  # the count of ranks below each bound
-        return bounds.clamp_(max=m).unsqueeze(0)
-    return torch.searchsorted(ranks, bounds.to(ranks.dtype).expand(len(ranks), -1).contiguous())
+    if ranks is None:  # the count of ranks below each threshold, from the last
+        counts = [min(threshold, m) for threshold in reversed(thresholds.tolist())]
+        return torch.tensor([[0, 0, *(m - count for count in counts), m]], device=device)
+    low, high = torch.iinfo(ranks.dtype).min, torch.iinfo(ranks.dtype).max  # below and above every rank
+    bounds = torch.tensor([low, *thresholds.tolist(), high], dtype=ranks.dtype, device=ranks.device)
+    ends = torch.searchsorted(ranks, bounds.expand(len(ranks), -1).contiguous())  # [R, steps + 2], from the first
+    return torch.cat([ends[:, :1], m - ends.flip(-1)], -1)
 
 
 def _strided_ok(module: nn.Module) -> bool:
@@ -262,18 +265,6 @@ class _Bags:
     rows: torch.Tensor
     base: torch.Tensor
     carry: torch.Tensor | None = None
-
-    @classmethod
-    def build(
-        cls, order: torch.Tensor, values: torch.Tensor, ends: torch.Tensor, weight: torch.Tensor, base: torch.Tensor
-    ) -> _Bags:
-        """The bags of elements in ``order`` (``[N, M]``, the first to go first), with ``values`` ``x_e - b_e`` and
-        ``ends`` ``[N, steps + 2]`` (where each step's elements begin), through a layer of ``weight``, whose output
-        at the baseline is ``base`` (``[N, out]``, or ``[1, out]`` for all samples)."""
-        m = order.shape[1]
-        return cls(
-            order.flip(-1), values.flip(-1), torch.cat([ends[:, :1], m - ends.flip(-1)], -1), transposed(weight), base
-        )
 
     def outputs(self, start: int, stop: int, unperturbed: bool = False) -> torch.Tensor:
         """The layer's outputs ``[stop - start, N, out]`` at steps ``stop .. start + 1`` (from the last step back);
