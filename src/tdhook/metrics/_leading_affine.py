@@ -97,9 +97,11 @@ class LeadingAffine:
         small = weight.numel() <= _LARGEST_LAYER  # its transposed copy stays small
         typed = x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float64)
         same = typed and x.device == weight.device and x.device.type != "mps"  # MPS: no float64
+        if not (whole and small and same):
+            return False
         # A sum is finite only where every element is (one that overflows takes the stacked passes, as a non-finite
-        # element does): two reductions instead of a mask of each tensor and its reduction.
-        return whole and small and same and math.isfinite(x.sum().item() + baseline.sum().item())
+        # element does): a reduction instead of a mask of each tensor and its reduction.
+        return math.isfinite(x.sum().item() + (baseline.item() if baseline.dim() == 0 else baseline.sum().item()))
 
     def stack_size(self, n: int) -> int:
         """How many steps one stack holds for a batch of ``n`` samples."""
@@ -299,10 +301,11 @@ class _Bags:
     def _sums(self, start: int, stop: int) -> torch.Tensor:
         """``[N, stop - start, out]``: per sample and bag in ``[start, stop)``, ``sum rows[e] * values[e]``."""
         n, m = self.order.shape
-        low, high = self.ends[:, start], self.ends[:, stop]
         begins = self.ends[:, start:stop]
         # Every element (every bag, from the first, which begins at 0, to the last, which ends at m): no selection.
-        if (start == 0 and stop == self.ends.shape[1] - 1) or (bool((low == 0).all()) and bool((high == m).all())):
+        every = start == 0 and stop == self.ends.shape[1] - 1
+        low, high = (None, None) if every else (self.ends[:, start], self.ends[:, stop])
+        if every or (bool((low == 0).all()) and bool((high == m).all())):
             order, values = self.order.reshape(-1), self.values.reshape(-1)
             offsets = begins + torch.arange(0, n * m, m, device=begins.device).unsqueeze(-1)
         else:
