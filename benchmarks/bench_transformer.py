@@ -1,9 +1,9 @@
 """Time AttnLRP and CP-LRP on a tiny random Llama against gradient × input.
 
 The model is a Hugging Face ``LlamaForCausalLM`` from a small random config
-with eager attention, called on embeddings; the explained output is the
-next-token logit at its argmax. Every method runs in this one process, pinned
-to one thread, on the same model and inputs: a warm-up round, then
+with eager attention (``--attention sdpa``: the fused one, transformers' default),
+called on embeddings; the explained output is the next-token logit at its
+argmax. Every method runs in this one process, pinned to one thread, on the same model and inputs: a warm-up round, then
 ``--repeats`` timed rounds; the median is reported with its ratio to a plain
 gradient × input pass. Each tdhook wrapper runs inside one ``with lrp:``
 context, as in a loop over many inputs; the rows marked "entering" call a
@@ -41,7 +41,7 @@ class LastLogits(nn.Module):
         return self.model(inputs_embeds=embeds).logits[:, -1]
 
 
-def tiny_llama(hidden: int, layers: int) -> nn.Module:
+def tiny_llama(hidden: int, layers: int, attention: str = "eager") -> nn.Module:
     config = transformers.LlamaConfig(
         vocab_size=1000,
         hidden_size=hidden,
@@ -51,7 +51,7 @@ def tiny_llama(hidden: int, layers: int) -> nn.Module:
         num_key_value_heads=2,
         max_position_embeddings=512,
     )
-    config._attn_implementation = "eager"
+    config._attn_implementation = attention
     return LastLogits(transformers.LlamaForCausalLM(config).eval())
 
 
@@ -69,6 +69,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
+        "--attention", choices=["eager", "sdpa"], default="eager", help="the attention implementation of the model"
+    )
+    parser.add_argument(
         "--clock",
         choices=["wall", "thread"],
         default="wall",
@@ -77,7 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = tiny_llama(args.hidden, args.layers)
+    model = tiny_llama(args.hidden, args.layers, args.attention)
     x = torch.randn(args.batch, args.tokens, args.hidden)
     methods: dict[str, Callable] = {"gradient x input": lambda: gradient_times_input(model, x)}
     with contextlib.ExitStack() as contexts:
@@ -92,7 +95,8 @@ def main() -> None:
         seconds = interleaved_medians(methods, args.repeats, clock=clock)
 
     print(
-        f"Llama {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.tokens} tokens, "
+        f"Llama {args.layers} layers, hidden {args.hidden}, {args.attention} attention, "
+        f"batch {args.batch} x {args.tokens} tokens, "
         f"1 thread, {args.clock} time, median of {args.repeats} interleaved rounds"
     )
     print(f"{'method':<32} {'seconds':>8} {'x grad*input':>13}")

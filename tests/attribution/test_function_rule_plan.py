@@ -1,8 +1,9 @@
-"""Later calls of a context find AttnLRP's products in the autograd graph instead of through the function mode.
+"""Later calls of a context find AttnLRP's products (and CP-LRP's held tensors) in the autograd graph instead of
+through the function mode.
 
 The oracles: the uniform rule written into the forward pass of ``out(q(x) * k(x))`` by hand (bias-free layers, so
-that the rest is gradient × input); and, for Hugging Face's GPT-2 and Llama, the first call of the same context,
-which runs in the function mode (the one the LXT tests check).
+that the rest is gradient × input), and held tensors detached by hand; and, for Hugging Face's GPT-2 and Llama, a
+call that runs in the function mode alone (the one the LXT tests check).
 """
 
 from __future__ import annotations
@@ -175,24 +176,68 @@ def test_a_rule_other_than_the_uniform_product_keeps_the_mode(applied):
 
 
 @pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_hugging_face_models_later_calls_equal_the_first(applied, kind: str, preset):
-    model = LastLogits(build(kind))
+def test_hugging_face_models_calls_in_a_context_equal_a_call_in_the_mode(applied, kind: str, implementation, preset):
+    """Under sdpa the fused attention's node scales (AttnLRP) or drops (CP-LRP) the gradients to the query, key
+    and value, as the mode's factors on its inputs do."""
+    model = build(kind)
+    model.set_attn_implementation(implementation)
+    model = LastLogits(model)
     x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(1), dtype=F64)
     lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)  # a call that enters its context runs in the mode, with what it holds detached
     with lrp:
         first, *later = (call(lrp, x) for _ in range(3))
         norms = [len(plan.plain) for plan in plans(lrp)]
         starts = [plan.norm_outputs for plan in plans(lrp)]  # paths start from every norm's output too
-    # AttnLRP's rules inside these models are the uniform rule on products: later calls take the graph's way.
-    # CP-LRP holds the attention weights and the gates constant: it keeps the mode.
-    assert applied == ([True, True] if preset is AttnLRP else [])
+    # AttnLRP's rules inside these models are the uniform rule on products, and CP-LRP's hold the attention weights
+    # and the gates: later calls take the graph's way with both.
+    assert applied == [True, True]
     # Llama's RMSNorms (written out) run plainly with their scales cut; GPT-2's LayerNorms (F.layer_norm, whose
     # rule is a backward of its own) keep their mode.
-    assert norms == ([{"llama": 5, "gpt2": 0}[kind]] if preset is AttnLRP else [])
-    assert starts == ([5] if preset is AttnLRP else [])
-    for relevance in later:
-        assert torch.equal(relevance, first)  # to the last bit
+    assert norms == [{"llama": 5, "gpt2": 0}[kind]]
+    assert starts == [5]
+    for relevance in [first, *later]:
+        assert torch.equal(relevance, in_mode)  # to the last bit
+
+
+class Branching(nn.Module):
+    """``out(q(x) * k(s))``, where ``s`` is the input or a constant by a value the forward reads from the input (a
+    Python branch, ``int(...)`` or ``.item()``): the same graph either way, but a product of two activations on
+    one branch and of an activation with a value computed from parameters alone on the other, which the uniform
+    rule leaves whole."""
+
+    def __init__(self, read: str) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(4, 6, bias=False), nn.Linear(4, 6, bias=False)
+        self.out = nn.Linear(6, 3, bias=False)
+        self.register_buffer("constant", torch.randn(1, 4))
+        self.read = read
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        reads = {"bool": lambda: bool(x.sum() > 0), "int": lambda: int(x.sum() > 0), "item": lambda: x.sum().item() > 0}
+        source = x if reads[self.read]() else self.constant.expand_as(x)
+        return self.out(self.q(x) * self.k(source))
+
+
+@pytest.mark.parametrize("read", ["bool", "int", "item"])
+def test_a_forward_that_branches_on_the_inputs_values_keeps_the_mode(applied, read: str):
+    """Before, the plan recorded on one branch halved the other branch's product too: half the relevance of the
+    fresh wrapper's first call, silently."""
+    torch.manual_seed(0)
+    model = Branching(read).to(F64)
+    inputs = [torch.randn(3, 4, dtype=F64) for _ in range(40)]
+    positive = [x for x in inputs if x.sum() > 0][:2]
+    negative = [x for x in inputs if x.sum() <= 0][:2]
+    xs = [positive[0], negative[0], positive[1], negative[1]]
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        later = [call(lrp, x) for x in xs]
+    assert applied == []
+    for x, relevance in zip(xs, later, strict=True):
+        fresh = call(LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"]), x)
+        assert relative_error(relevance, fresh) <= 1e-12
 
 
 class DroppedProduct(Product):
@@ -357,3 +402,143 @@ def test_a_norm_whose_plain_backward_would_read_tensors_changed_in_place_keeps_i
     assert relative_error(first, norm_by_hand(model, x)) <= 1e-12
     for relevance in later:
         assert torch.equal(relevance, first)
+
+
+class HeldAttention(nn.Module):
+    """``softmax(q(x) k(x)ᵀ) v(x)`` then ``out``, bias-free, with the attention weights also returned through a
+    second consumer (``weights * 1`` added to nothing the output reads) and, with ``in_place``, scaled in place
+    after the softmax; ``gated`` multiplies the output by ``silu(g(x))`` (a gate under CP-LRP); ``curved`` puts a
+    ``sin`` (no rule covers it) on the query."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.g = (nn.Linear(4, 4, bias=False) for _ in range(4))
+        self.out = nn.Linear(4, 3, bias=False)
+        self.silu = nn.SiLU()
+        self.in_place, self.gated, self.held, self.curved = False, False, False, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        query = torch.sin(self.q(x)) if self.curved else self.q(x)
+        weights = torch.softmax(query @ self.k(x).transpose(-1, -2), dim=-1)
+        if self.held:
+            weights = weights.detach()
+        if self.in_place:
+            weights.mul_(1.0)
+        self.seen = weights * 1
+        h = weights @ self.v(x)
+        if self.gated:
+            gate = self.silu(self.g(x))
+            h = (gate.detach() if self.held else gate) * h
+        return self.out(h)
+
+
+def held_by_hand(model: HeldAttention, x: torch.Tensor) -> torch.Tensor:
+    """CP-LRP's relevance for ``model``'s argmax logit with its attention weights and gate detached by hand (the
+    rest is linear and bias-free: LRP-0 is the gradient)."""
+    model.held = True
+    try:
+        leaf = x.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(model(leaf).max(-1).values.sum(), leaf)
+    finally:
+        model.held = False
+    return leaf.detach() * grad
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_later_calls_hold_cplrps_attention_weights_and_gates_in_the_graph(applied, gated: bool):
+    """The softmax's node passes no gradient, and the product's node none to the gate: what detaching them does."""
+    torch.manual_seed(0)
+    model, x = HeldAttention().to(F64), torch.randn(2, 3, 4, dtype=F64)
+    model.gated = gated
+    expected = held_by_hand(model, x)
+    lrp = LRP(model, CPLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(3)]
+    assert applied == [True, True]
+    for relevance in relevances:
+        assert relative_error(relevance, expected) <= 1e-12
+
+
+def test_attention_weights_changed_in_place_run_again_detached(applied):
+    """Held without a detach, weights scaled in place leave a softmax node whose backward would raise: the call runs
+    again in the mode (weights detached), and so do the later calls."""
+    torch.manual_seed(0)
+    model, x = HeldAttention().to(F64), torch.randn(2, 3, 4, dtype=F64)
+    model.in_place = True
+    expected = held_by_hand(model, x)
+    lrp = LRP(model, CPLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(3)]
+        assert plans(lrp) == []
+    assert applied == []
+    for relevance in relevances:
+        assert relative_error(relevance, expected) <= 1e-12
+
+
+def test_a_call_that_enters_its_context_records_no_plan(applied):
+    """Its context ends with it: a plan would serve no later call."""
+    lrp = LRP(product_model(), AttnLRP(), in_keys=["x"], out_keys=["y"])
+    recorder = _function_rule_plan.FunctionRulePlan.recorder
+    calls = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_function_rule_plan.FunctionRulePlan, "recorder", lambda *a: calls.append(1) or recorder(*a))
+        call(lrp, torch.randn(5, 4, dtype=F64))
+        assert calls == []
+        with lrp:
+            call(lrp, torch.randn(5, 4, dtype=F64))
+        assert calls == [1]
+
+
+def test_what_a_held_tensor_is_computed_from_is_not_reported_as_explained():
+    """Behind held attention weights and a held gate no relevance flows: a call there that no rule covers (a ``sin``
+    on the query, ``silu`` as a function on the gate's input) is not reported, in the first call of a context."""
+    torch.manual_seed(0)
+    model, x = HeldAttention().to(F64), torch.randn(2, 3, 4, dtype=F64)
+    model.curved, model.gated = True, True
+    lrp = LRP(model, CPLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        relevance = call(lrp, x)
+    assert lrp.coverage().plain_gradient == ()
+    assert relative_error(relevance, held_by_hand(model, x)) <= 1e-12
+
+
+def test_large_attention_weights_are_detached_and_every_call_runs_in_the_mode(applied):
+    """Past 2**14 elements, the gradient a plain call would compute for the weights (and drop) costs more than the
+    mode: the weights are detached, as in a call that records nothing."""
+    torch.manual_seed(0)
+    model, x = HeldAttention().to(F64), torch.randn(2, 100, 4, dtype=F64)  # weights of 2 × 100 × 100 elements
+    lrp = LRP(model, CPLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(2)]
+        assert plans(lrp) == []
+    assert applied == []
+    for relevance in relevances:
+        assert relative_error(relevance, held_by_hand(model, x)) <= 1e-12
+
+
+class WithAttentions(nn.Module):
+    """Next-token logits of a language model asked to return its attention weights too (the held tensors are then
+    outputs of the model as well)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.model(inputs_embeds=x, output_attentions=True)
+        return (out.logits[:, -1], *out.attentions)
+
+
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
+def test_returned_attention_weights_change_no_call_in_a_context(applied, preset):
+    model = build("llama")
+    x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(1), dtype=F64)
+    lrp = LRP(WithAttentions(model), preset(), in_keys=["x"], out_keys=["y", "a0", "a1"], target_key="y")
+    in_mode = call(lrp, x)
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(3)]
+    assert applied == [True, True]
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)
+    assert torch.equal(in_mode, call(LRP(LastLogits(model), preset(), in_keys=["x"], out_keys=["y"]), x))

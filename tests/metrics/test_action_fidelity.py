@@ -117,3 +117,49 @@ def test_a_continuous_policy_is_refused_and_a_categorical_one_scored():
     net = logits.module
     expected = (net(x).argmax(-1) != net(perturbed).argmax(-1)).double().mean()
     torch.testing.assert_close(result["relevant"], expected, rtol=0, atol=1e-12)
+
+
+def test_continuous_heads_without_a_continuous_spec_are_refused_by_name():
+    """A composite distribution's Normal part, a torchrl ``Actor`` without a spec and a ``TanhModule`` are
+    continuous actions: before, the argmax of their last dimension was scored as a greedy action, silently."""
+    from tensordict.nn import CompositeDistribution, TensorDictSequential
+    from torchrl.data import OneHot
+    from torchrl.modules import Actor, ProbabilisticActor, TanhModule
+
+    x = torch.randn(8, 4, dtype=torch.float64)
+    td = TensorDict(observation=x, attribution=TensorDict(observation=x.flip(-1)), batch_size=[8])
+    heads = TensorDictSequential(
+        TensorDictModule(torch.nn.Linear(4, 3).double(), ["observation"], [("params", "move", "loc")]),
+        TensorDictModule(lambda loc: torch.ones_like(loc), [("params", "move", "loc")], [("params", "move", "scale")]),
+        TensorDictModule(torch.nn.Linear(4, 3).double(), ["observation"], [("params", "pick", "logits")]),
+    )
+    maps = {"move": torch.distributions.Normal, "pick": torch.distributions.Categorical}
+    composite = ProbabilisticActor(
+        heads,
+        in_keys=["params"],
+        out_keys=["move", "pick"],
+        distribution_class=CompositeDistribution,
+        distribution_kwargs={"distribution_map": maps},
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"output \('params', 'move', 'loc'\) is a parameter of the Normal "
+        r"distribution 'move' of the CompositeDistribution",
+    ):
+        action_fidelity(composite, td, k=1, seed=0, in_keys=["observation"], target_key=("params", "move", "loc"))
+    pick = ("params", "pick", "logits")
+    picked = action_fidelity(composite, td, k=1, seed=0, in_keys=["observation"], target_key=pick)
+    top = x.flip(-1).argsort(dim=-1, descending=True, stable=True)[:, :1]
+    perturbed = torch.where(torch.zeros(8, 4, dtype=torch.bool).scatter_(-1, top, True), 0.0, x)
+    net = heads[2].module
+    expected = (net(x).argmax(-1) != net(perturbed).argmax(-1)).double().mean()
+    torch.testing.assert_close(picked["relevant"], expected, rtol=0, atol=1e-12)
+
+    with pytest.raises(ValueError, match=r"output 'action' is the action of a torchrl Actor with no spec"):
+        action_fidelity(Actor(torch.nn.Linear(4, 2).double()), td, k=1, seed=0)
+    raw = TensorDictModule(torch.nn.Linear(4, 2).double(), ["observation"], ["raw"])
+    squashed = TensorDictSequential(raw, TanhModule(in_keys=["raw"], out_keys=["action"], low=-1.0, high=1.0))
+    with pytest.raises(ValueError, match=r"output 'action' is the bounded action of a TanhModule"):
+        action_fidelity(squashed, td, k=1, seed=0)
+    values = Actor(net, spec=OneHot(3, dtype=torch.float64))  # an Actor that says its output is discrete: scored
+    torch.testing.assert_close(action_fidelity(values, td, k=1, seed=0)["relevant"], expected, rtol=0, atol=1e-12)

@@ -96,3 +96,41 @@ def test_infinities_of_both_signs_are_ranked_not_refused_as_nan():
     target = net(x).argmax(-1)
     last = net(torch.where(torch.arange(8).view(1, 2, 2, 2) == 0, x, 0.0))[torch.arange(2), target]
     torch.testing.assert_close(curve[:, 1], last, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("metric", ["pixel_flipping", "faithfulness_correlation", "action_fidelity"])
+def test_a_baseline_shaped_like_the_batch_is_refused_as_ambiguous(metric):
+    """A per-sample value of shape ``[B]`` (``x.min(1).values``) broadcasts, by torch's rule, along the input's last
+    dimension: one value per feature, silently, where that dimension has B entries. Refused, naming the key and the
+    unambiguous forms."""
+    from tdhook import metrics
+
+    net = torch.nn.Linear(3, 2).double()
+    x = torch.randn(3, 3, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=torch.randn(3, 3, dtype=torch.float64)), batch_size=[3])
+    kwargs = {"faithfulness_correlation": dict(n_runs=2, subset_size=2, seed=0), "action_fidelity": dict(k=1)}
+    kwargs = dict(in_keys=["x"], out_keys=["y"], relevance_key="attribution", **kwargs.get(metric, {}))
+    with pytest.raises(
+        ValueError,
+        match=r"baseline of shape \[3\] for input 'x' of shape \[3, 3\] has the batch's"
+        r" shape.*\.view\(3, 1\).*\.view\(1, 3\)",
+    ):
+        getattr(metrics, metric)(net, td, baseline=x.min(1).values, **kwargs)
+    getattr(metrics, metric)(net, td, baseline=x.min(1).values.view(3, 1), **kwargs)
+
+
+def test_a_per_sample_baseline_goes_to_each_sample():
+    # The curve against a brute force: the top k features of each sample set to that sample's minimum.
+    from tdhook.metrics import pixel_flipping
+
+    net = torch.nn.Linear(4, 2).double()
+    x, a = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[3])
+    low = x.min(1).values.view(3, 1)
+    curve = pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], relevance_key="attribution", baseline=low)
+    order, target = a.argsort(1, descending=True), net(x).argmax(1, keepdim=True)
+    for k in range(5):
+        perturbed = x.clone()
+        for i in range(3):
+            perturbed[i, order[i, :k]] = low[i, 0]
+        torch.testing.assert_close(curve[:, k], net(perturbed).gather(1, target).squeeze(1).detach())

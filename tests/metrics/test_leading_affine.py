@@ -467,3 +467,29 @@ def test_finite_inputs_whose_sum_overflows_run_every_perturbed_input():
     assert not updated.called and torch.isfinite(curve).all()
     expected = by_definition(net, x, a, net(x).argmax(-1), 2)
     torch.testing.assert_close(curve.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+class _Centred(nn.Module):
+    """``h - mean(h)`` over the batch: a layer of the caller's that reads every sample of its batch."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h - h.mean(0, keepdim=True)
+
+
+def test_one_step_per_forward_pass_keeps_the_unperturbed_input_in_a_pass_of_its_own():
+    """With ``steps_per_forward=1`` the model sees the TensorDict's own batch in every pass: a layer after the first
+    that reads the whole batch then gives each step's score as a pass over that step alone. Before, the unperturbed
+    output came from the sums in one pass with step 1 (twice the batch): its first two columns off by up to 9 %
+    of a score, silently."""
+    torch.manual_seed(5)
+    net = nn.Sequential(nn.Linear(6, 5), _Centred(), nn.ReLU(), nn.Linear(5, 3)).double().eval()
+    x, a = torch.randn(3, 6, dtype=torch.float64), torch.randn(3, 6, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[3])
+    curve, updated = watched_flipping(net, td, steps_per_forward=1)
+    assert updated.called
+    with torch.no_grad():
+        target = net(x).argmax(-1, keepdim=True)
+        order = a.argsort(dim=-1, descending=True, stable=True)
+        steps = [torch.zeros(3, 6, dtype=torch.bool).scatter_(-1, order[:, :k], True) for k in range(7)]
+        expected = torch.stack([net(torch.where(mask, 0.0, x)).gather(-1, target).squeeze(-1) for mask in steps], -1)
+    torch.testing.assert_close(curve, expected, rtol=0, atol=1e-12)

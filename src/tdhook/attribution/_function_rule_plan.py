@@ -24,8 +24,24 @@ behind it get none either, as behind the detached scale: the same gradient, bit 
 more (a fused ``F.layer_norm``, whose rule is a backward of its own) keeps its mode in later calls, and so does one
 whose plain backward would read a tensor changed in place after the forward saved it.
 
-Where the mode applies any other rule (a held gate, a softmax with ε, a norm or an activation called as a
-function, a fused attention), every later call on inputs of that signature runs in the mode. So do calls that
+CP-LRP's held attention weights and held gates get it too, and so does a fused attention (sdpa). In a recording
+call the mode holds them without detaching them, so that its graph is the plain call's: a softmax's output, held
+whole, gets a pre-hook on its node that passes no gradient (every call that takes it takes it held); a gate held in
+an element-wise product of two activations gets a post-hook on the product's node that passes none to the gate's
+place; a fused attention's node gets a post-hook that multiplies the gradients it passes to the query, key and
+value by the rule's factors (none to the query and key under CP-LRP; the uniform rule's halves under AttnLRP).
+They are recorded, and a later call puts the same hooks on the same nodes. The nodes behind a held tensor run with
+no gradient, as they would not behind a detached one: a call whose graph there saved a tensor that was changed in
+place after runs again in the mode (their backward would raise), and so do later calls on inputs of its signature.
+
+Where the mode applies any other rule (a softmax with ε, a norm or an activation called as a function, a fused
+attention with dropout, a gate held in a product other than an element-wise one), every later call on inputs of
+that signature runs in the mode. So does every call
+where the forward reads values computed from the explained inputs into Python (``if x.sum() > 0``, ``.item()``,
+``int(...)``): on other inputs of the same shapes it may take another branch whose graph has the same nodes, with
+a product of two activations on one and of an activation and a constant (which the uniform rule leaves whole) on
+the other. Values of inputs that are not explained (masks, token ids) are not followed: a branch on them that
+changes which products are of two activations, and nothing else in the graph, is not seen. So do calls that
 keep the relevance's graph, that ask for inner layers' relevance or token relevance, and models run with other
 function modes. The marks the mode leaves on tensors (computed from parameters alone; gates) are read by the
 function modes only, to decide which products are of two activations: the recording holds those decisions.
@@ -39,7 +55,8 @@ Examples:
     >>> node = product.grad_fn
     >>> halved = scale_gradient(product, 0.5, in_place=True)  # the mode's uniform rule
     >>> recording.scaled(node, halved.grad_fn)
-    >>> plan.settle(recording, TensorDict(y=halved.sum()), start)
+    >>> plan.settle(recording, TensorDict(y=halved.sum()), start)  # a graph whose backward can run
+    True
     >>> start = plan.sequence_number()  # a later call, without the mode
     >>> result = TensorDict(y=((x * 2) * (x * 3)).sum())
     >>> plan.usable("inputs of shape 3").apply(result, start, plan.sequence_number(), [])
@@ -56,6 +73,8 @@ from typing import Any, NamedTuple
 
 import torch
 from tensordict import TensorDictBase
+
+from tdhook.attribution.rules._autograd import pass_no_relevance
 
 __all__ = ["FunctionRulePlan", "Recording"]
 
@@ -77,6 +96,21 @@ class _Cut(NamedTuple):
     earlier: int  # how many products' nodes of the mode's own came before
 
 
+class _Hold(NamedTuple):
+    """What the function mode did to a node's gradients without a node of its own: it passes no gradient at all
+    (``factors`` None: a held tensor's own node), or it multiplies the gradients it passes to its inputs by
+    ``factors`` (one per input: ``None`` leaves it, ``0.0`` passes none: a held input)."""
+
+    node: Any
+    factors: tuple[float | None, ...] | None
+    earlier: int  # how many products' nodes of the mode's own came before
+
+    @property
+    def dropped(self) -> tuple[int, ...]:
+        """The places of the node's inputs that get no gradient."""
+        return () if self.factors is None else tuple(i for i, f in enumerate(self.factors) if f == 0.0)
+
+
 class Recording:
     """What the function mode did in one call: the products whose gradient it halved, or that it did more; and the
     scales that norms' modes held constant."""
@@ -90,6 +124,7 @@ class Recording:
         self.norms: dict[int, Any] = {}  # by id: norms whose every call only held scales taken by one node each
         self.moded: set[int] = set()  # ids of norms with a call that did more: later calls keep their mode
         self.outputs: list[Any] = []  # the nodes of the norms' outputs, in the order of their calls
+        self.holds: list[_Hold] = []  # what the mode held without detaching it, in the order of the calls
 
     def scaled(self, product: Any, factor: Any) -> None:
         """The mode halves the gradient of a product (the uniform rule): ``factor``, a node of its own, passes
@@ -99,6 +134,54 @@ class Recording:
 
     def other_rule(self) -> None:
         """The mode applied a rule that is not the uniform rule on a product."""
+        self.plannable = False
+
+    def held_output(self, tensor: torch.Tensor) -> None:
+        """The mode holds ``tensor`` (a softmax's output, CP-LRP's attention weights) constant without detaching it:
+        its node passes no gradient from now on, in this call and in a later one."""
+        node = tensor.grad_fn
+        node.register_prehook(_cut)
+        pass_no_relevance(node, range(len(node.next_functions)))  # what is behind it is not explained
+        self.holds.append(_Hold(node, None, len(self.products)))
+
+    def held_factor(self, product: torch.Tensor, factor: torch.Tensor) -> bool:
+        """The mode holds ``factor`` (a gate) constant in ``product``, an element-wise product of two activations
+        just computed, without detaching it: ``product``'s node passes no gradient to the factor's place, in this
+        call and in a later one. ``False``, and nothing done, where that place is not one input of the node."""
+        node, edge = product.grad_fn, (factor.grad_fn, factor.output_nr)
+        places = [] if node is None else [i for i, next_edge in enumerate(node.next_functions) if next_edge == edge]
+        if len(places) != 1 or len(node.next_functions) != 2:
+            return False
+        return self.scaled_inputs(product, [factor], [0.0], places)
+
+    def scaled_inputs(
+        self, output: torch.Tensor, inputs: Sequence[Any], factors: Sequence[float | None], places: Sequence[int]
+    ) -> bool:
+        """The mode multiplies the gradients that ``output``'s node (just made, as by a plain call) passes to
+        ``inputs`` (its inputs at ``places``) by ``factors`` (``0.0``: none, as to a detached input; ``None`` or 1:
+        unchanged), without a node of its own, in this call and in a later one. ``False``, and nothing done, where
+        an input is not at its place."""
+        node = output.grad_fn
+        if node is None:
+            return False
+        nexts = node.next_functions
+        scaled: list[float | None] = [None] * len(nexts)
+        for tensor, factor, place in zip(inputs, factors, places, strict=True):
+            if factor is None or factor == 1:
+                continue
+            edge = (tensor.grad_fn, tensor.output_nr) if isinstance(tensor, torch.Tensor) else None
+            if edge is None or edge[0] is None or place >= len(nexts) or nexts[place] != edge:
+                return False
+            scaled[place] = float(factor)
+        hold = _Hold(node, tuple(scaled), len(self.products))
+        node.register_hook(functools.partial(_scale_inputs, hold.factors))
+        pass_no_relevance(node, hold.dropped)
+        self.holds.append(hold)
+        return True
+
+    def read_values(self) -> None:
+        """The forward read values computed from the explained inputs into Python (``if x.sum() > 0``,
+        ``.item()``): on other inputs of the same shapes it may take another way, whose graph may look the same."""
         self.plannable = False
 
     def held(self, module: Any, node: Any, inputs: Sequence[torch.Tensor], consumer: Any, index: int) -> None:
@@ -121,9 +204,9 @@ class _Plan:
 
     Step ``i`` reaches a node: the ``index``-th root where ``parent`` is -1 (the outputs' ``grad_fn``, then the
     nodes of the norms' outputs), else the ``index``-th next function of step ``parent``'s node. It expects the
-    node's type, and for a product or a scale its sequence number (relative to the first number of the call) and
-    the pre-hook it gets; ``expand`` where later steps start from it. ``plain``: the ids of the norms that run
-    without their mode.
+    node's type, and for a product, a scale or a held tensor its sequence number (relative to the first number of
+    the call) and what puts its hook on it; ``expand`` where later steps start from it. ``plain``: the ids of the
+    norms that run without their mode.
     """
 
     def __init__(
@@ -142,29 +225,48 @@ class _Plan:
         self.plain = frozenset(id(module) for module in plain)
 
     def apply(self, result: TensorDictBase, start: int, end: int, norm_outputs: list) -> bool:
-        """Put the pre-hooks on the nodes of the products and held scales of a call that created nodes ``start`` to
-        ``end``, returned ``result`` and whose norms returned tensors of the nodes ``norm_outputs``; ``False``, and
-        no hook set, where the graph is not the recorded one."""
+        """Put the hooks on the nodes of the products, held scales and held tensors of a call that created nodes
+        ``start`` to ``end``, returned ``result`` and whose norms returned tensors of the nodes ``norm_outputs``;
+        ``False``, and no hook set, where the graph is not the recorded one."""
         if end - start != self.nodes or len(norm_outputs) != self.norm_outputs:
             return False
         nexts: list[Any] = []  # per step, its node's next functions (where later steps start from it)
         hooked = []
         try:
             roots = [result.get(key, None).grad_fn for key in self.keys] + norm_outputs
-            for parent, index, kind, offset, expand, hook in self.steps:
+            for parent, index, kind, offset, expand, attach in self.steps:
                 node = roots[index] if parent < 0 else nexts[parent][index][0]
                 if type(node) is not kind:
                     return False
                 if offset is not None:
                     if node._sequence_nr() - start != offset:
                         return False
-                    hooked.append((node, hook))
+                    hooked.append((node, attach))
                 nexts.append(node.next_functions if expand else None)
         except (IndexError, AttributeError):  # fewer outputs or next functions than recorded
             return False
-        for node, hook in hooked:
-            node.register_prehook(hook)
+        for node, attach in hooked:
+            attach(node)
         return True
+
+
+def _pre_hook(hook: Any) -> Any:
+    """What puts ``hook`` on a node as a pre-hook."""
+    return lambda node: node.register_prehook(hook)
+
+
+def _post_hook(hook: Any) -> Any:
+    """What puts ``hook`` on a node as a post-hook."""
+    return lambda node: node.register_hook(hook)
+
+
+def _scale_inputs(factors: tuple, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
+    """A node's gradients to its inputs times ``factors``: none where the factor is 0 (as none reaches a detached
+    input), unchanged where it is ``None``; as the mode's ``grad * factor`` elsewhere."""
+    return tuple(
+        grad if factor is None or grad is None else None if factor == 0.0 else grad * factor
+        for grad, factor in zip(grad_inputs, factors, strict=True)
+    )
 
 
 def _halve(grads: tuple) -> tuple:
@@ -176,6 +278,9 @@ def _halve(grads: tuple) -> tuple:
 def _cut(grads: tuple) -> tuple:
     """A held scale's node: no gradient (as none reaches a detached scale); the nodes behind it get none either."""
     return (None, *grads[1:])
+
+
+_HALVE, _CUT = _pre_hook(_halve), _pre_hook(_cut)
 
 
 class FunctionRulePlan:
@@ -203,11 +308,17 @@ class FunctionRulePlan:
             return None if self._plans[key] is None else Recording(key)  # None: the mode changes more
         return Recording(key) if len(self._plans) < _MOST_PLANS else None
 
-    def settle(self, recording: Recording, result: TensorDictBase, start: int) -> None:
+    def settle(self, recording: Recording, result: TensorDictBase, start: int) -> bool:
         """After a call in the mode that completed and returned ``result``: the plan for its signature (``None``:
-        the mode for good)."""
+        the mode for good). ``False`` where the call held tensors without detaching them and its graph saved a
+        tensor that was changed in place since: its backward would raise, and the call must run again in the mode
+        with no recording."""
         end = _sequence_number()
+        if recording.holds and not _saved_intact(result, recording.outputs):
+            self._plans[recording.key] = None
+            return False
         self._plans[recording.key] = _build(recording, result, start, end) if recording.plannable else None
+        return True
 
     def forget(self, key: Hashable) -> None:
         """Drop the plan for ``key``, whose call's graph was another: the next call records again; the second
@@ -234,7 +345,9 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
     norms = {key: module for key, module in recording.norms.items() if key not in recording.moded}
     cuts = [cut for cut in recording.cuts if id(cut.module) in norms]
     # A held scale's node is no next function of its consumer in the mode's graph: a plain call's has it there.
-    held = {id(cut.node) for cut in cuts}
+    # Nothing behind it, nor behind a held tensor's node or a held factor's place, gets a gradient.
+    held = {id(cut.node) for cut in cuts} | {id(hold.node) for hold in recording.holds if hold.factors is None}
+    dropped = {(id(hold.node), place) for hold in recording.holds for place in hold.dropped}
     extra: dict[int, dict[int, Any]] = {}
     for cut in cuts:
         extra.setdefault(id(cut.consumer), {})[cut.index] = cut.node
@@ -253,12 +366,15 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
             continue  # what is behind a scale is no part of the mode's graph
         scales = extra.get(id(node), {})
         for index, (child, _) in enumerate(node.next_functions):
+            if dropped and (id(node), index) in dropped:
+                continue
             child = scales.get(index) if child is None else factors.get(id(child), child)
             if child is not None and id(child) not in parents:
                 parents[id(child)] = (id(node), index, child)
                 queue.append(child)
-    if any(key not in parents for key in wanted):
-        return None  # a product no output depends on: nothing to gain
+    # A product or a held tensor that no output reaches but through a held one gets no gradient: it needs no hook.
+    products = [(position, node) for position, node in enumerate(recording.products) if id(node) in parents]
+    holds = [hold for hold in recording.holds if id(hold.node) in parents]
     # A norm keeps its mode where a scale's node is on no path from the outputs, where its consumer's inputs were
     # changed in place after the call, or where the scale's branch saved tensors that were (a plain call runs the
     # consumer's backward towards the scale, and the branch's with no gradient: they would raise).
@@ -267,13 +383,14 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
         if changed or id(cut.node) not in parents or not _branch_intact(cut.node, parents):
             norms.pop(id(cut.module), None)
     cuts = [cut for cut in cuts if id(cut.module) in norms]
-    if not wanted and not cuts:
-        return None
+    if not products and not cuts and not holds:
+        return None  # nothing to gain
     steps: list[tuple[int, int, type, int | None, bool, Any]] = []
     slots: dict[int, int] = {}
     # Each earlier product added a node of the mode's own (its gradient's factor), which a plain call lacks.
-    targets = {id(node): (position, _halve) for position, node in enumerate(recording.products)}
-    targets |= {id(cut.node): (cut.earlier, _cut) for cut in cuts}
+    targets = {id(node): (position, _HALVE) for position, node in products}
+    targets |= {id(cut.node): (cut.earlier, _CUT) for cut in cuts}
+    targets |= {id(hold.node): (hold.earlier, _hold_hook(hold)) for hold in holds}
     for target in targets:
         chain = []  # the nodes from the target up to the first one with a step, or to an output
         key: int | None = target
@@ -282,21 +399,34 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
             key = parents[key][0]
         for key in reversed(chain):
             parent, index, node = parents[key]
-            earlier, hook = targets.get(key, (None, None))
+            earlier, attach = targets.get(key, (None, None))
             offset = None if earlier is None else node._sequence_nr() - start - earlier
             if parent is not None:
                 parent_step = steps[slots[parent]]
                 steps[slots[parent]] = (*parent_step[:4], True, parent_step[5])
-            steps.append((-1 if parent is None else slots[parent], index, type(node), offset, False, hook))
+            steps.append((-1 if parent is None else slots[parent], index, type(node), offset, False, attach))
             slots[key] = len(steps) - 1
     nodes = end - start - len(recording.products)
     return _Plan(keys, len(recording.outputs), steps, nodes, tuple(norms.values()))
 
 
-def _branch_intact(node: Any, graph: dict) -> bool:
-    """Whether the backward of ``node`` and of the nodes behind it that are not in ``graph`` can run: none of the
-    tensors they saved was changed in place since (reading a saved tensor checks its version)."""
-    stack, seen = [node], set()
+def _hold_hook(hold: _Hold) -> Any:
+    """What puts a hold's hook on its node in a later call."""
+    return _CUT if hold.factors is None else _post_hook(functools.partial(_scale_inputs, hold.factors))
+
+
+def _saved_intact(result: TensorDictBase, norm_outputs: list) -> bool:
+    """Whether every node of a call's graph, from its outputs in ``result`` and from its norms' outputs, can run
+    its backward: none of the tensors it saved was changed in place since."""
+    roots = [value.grad_fn for value in result.values(True, True) if isinstance(value, torch.Tensor)]
+    return _branch_intact(None, {}, roots + norm_outputs)
+
+
+def _branch_intact(node: Any, graph: dict, roots: Sequence[Any] = ()) -> bool:
+    """Whether the backward of ``node`` (or of the ``roots``) and of the nodes behind it that are not in ``graph``
+    can run: none of the tensors they saved was changed in place since (reading a saved tensor checks its
+    version)."""
+    stack, seen = [node, *roots], set()
     while stack:
         current = stack.pop()
         if current is None or id(current) in seen or (current is not node and id(current) in graph):

@@ -61,6 +61,8 @@ def run_model(lrp: Any, work: TensorDictBase) -> tuple[TensorDictBase | None, No
                 handle.pop_records()
             work.update(dict(inputs))
         recording = rule_modes[0].recording = lrp._function_rule_plan.recorder(key)
+        if recording is not None:  # a recording call may run again (see below): the leaves it may overwrite
+            inputs = list(work.items(include_nested=True, leaves_only=True))
     if not (rule_modes or lrp._compiled or lrp._coverage.watching or watch is not RuleUse.NOTHING):
         with closing_scopes():  # nothing to enter but the scopes (every call of a context after its first, mostly)
             return _call(lrp, work), None
@@ -81,8 +83,14 @@ def run_model(lrp: Any, work: TensorDictBase) -> tuple[TensorDictBase | None, No
         finally:
             if recording is not None:
                 rule_modes[0].recording = None
-        if recording is not None:
-            lrp._function_rule_plan.settle(recording, work if result is None else result, start)
+        if recording is not None and not lrp._function_rule_plan.settle(
+            recording, work if result is None else result, start
+        ):
+            # Its tensors held without a detach left a graph whose backward would raise: again, detached.
+            for handle in handles:
+                handle.pop_records()
+            work.update(dict(inputs))
+            result = _call(lrp, work)
         return result, calls
 
 
@@ -93,6 +101,8 @@ def _plan_key(lrp: Any, rule_modes: list, work: TensorDictBase) -> tuple | None:
     if len(rule_modes) != 1 or type(rule_modes[0]) is not FunctionalRules or lrp._compiled:
         return None
     if lrp.create_graph or lrp.layer_keys or lrp.relevance_check is not None or lrp._tokens.feeding:
+        return None
+    if lrp._call_enters:  # its context ends with the call: no later call would use a plan
         return None
     return tuple(
         (key, value.shape, value.dtype, value.device, value.requires_grad)

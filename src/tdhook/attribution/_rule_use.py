@@ -1,4 +1,5 @@
-"""Rules that never take effect: a module with a rule that does not run, while its parent does.
+"""Rules that never take effect: a module with a rule that does not run, while its parent does; and the ε-rule on
+a block whose inner modules ran with rules of their own, refused (see :mod:`~tdhook.attribution._nested_rules`).
 
 ``nn.MultiheadAttention`` computes its output projection with ``out_proj.weight``
 directly, never calling ``out_proj``; swin's attention does the same with its
@@ -30,6 +31,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from torch import nn
 
+from tdhook.attribution._nested_rules import refuse_rescaling_over_ruled_modules
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules.base import RemovableRuleHandle
 from tdhook.attribution.rules.basic import IgnoreRule
@@ -91,6 +93,8 @@ class RuleUse:
                 if mine[-1] in hooks:
                     hooks.remove(mine[-1])
                 mine.pop()
+        # Raised before the pass counts as watched: every later call is refused alike.
+        refuse_rescaling_over_ruled_modules(handles, modules, ran)
         self._pending = False  # a pass that failed or was interrupted is watched again at the next call
         names = {id(module): name for name, module in modules.items()}
         for handle in handles:

@@ -253,6 +253,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         # The first call watches which nonlinear functions keep their plain gradient (see coverage()).
         self._coverage = CoverageRecorder()
         self._function_gates, self._function_rule_plan = FunctionGates(), FunctionRulePlan()  # found by calls
+        self._call_enters = False  # whether the call in flight entered the context it leaves when it ends
         self.split_dim = split_dim
         self._split_dim: int | None = None
         # One call (and context change) at a time: the rules' per-module state is shared between threads.
@@ -369,6 +370,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         with self._lock:  # calls from several threads run one after the other (docs/guarantees.md)
             entering = self._handles is None and not self._inactive
+            self._call_enters = entering
             # A context entered here is left before the write, and so is the record of the caller's grad mode.
             with called_in_grad_mode(torch.is_grad_enabled()), self if entering else _NO_CONTEXT:
                 out, write = self._explain(tensordict)

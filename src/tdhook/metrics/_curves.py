@@ -67,7 +67,11 @@ def perturbation_curve(
             ranks = features.split(positions)[0]
             ranks = ranks.reshape(n, *ranks.shape[lead:])
         size = scorer.steps_per_forward or affine.stack_size(n)
-        folded = scorer.pending  # the unperturbed output comes from the stack of the first steps
+        # The unperturbed output comes from the stack of the first steps, but where one step per pass is asked: the
+        # model then sees the TensorDict's own batch in every pass (a layer of the caller's may read the whole batch).
+        folded = scorer.pending and scorer.steps_per_forward != 1
+        if scorer.pending and not folded:
+            scorer.resolve()
         stacks = affine.outputs(
             x.reshape(n, *sample),
             baselines[0].expand_as(x).reshape(n, *sample),

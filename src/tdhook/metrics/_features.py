@@ -190,7 +190,8 @@ class Features:
 
         Raises:
             KeyError: a dict of baselines misses a key.
-            ValueError: a baseline does not broadcast to its key.
+            ValueError: a baseline does not broadcast to its key, or has the batch's shape and fewer dimensions than
+                its key (``[B]`` for ``[B, F]``: per sample or, by broadcasting, per feature?).
         """
         out = []
         for key, x in zip(self.keys, self.inputs, strict=True):
@@ -202,6 +203,7 @@ class Features:
             else:
                 value = baseline
             value = torch.as_tensor(value, dtype=x.dtype, device=x.device)
+            self._refuse_batch_shaped(key, value, x)
             fits = value.dim() <= x.dim() and all(
                 v in (1, s) for v, s in zip(reversed(value.shape), reversed(x.shape), strict=False)
             )
@@ -212,6 +214,21 @@ class Features:
                 )
             out.append(value)
         return out
+
+    def _refuse_batch_shaped(self, key: NestedKey, value: torch.Tensor, x: torch.Tensor) -> None:
+        """Raise where a baseline has the batch's shape and fewer dimensions than its input: torch's broadcasting
+        would align it with the input's last dimensions (one value per feature), not one value per sample."""
+        batch = tuple(self.batch_size)
+        if value.numel() <= 1 or tuple(value.shape) != batch or value.dim() >= x.dim():
+            return
+        per_sample = ", ".join(map(str, (*batch, *([1] * (x.dim() - len(batch))))))
+        per_feature = ", ".join(map(str, (*([1] * (x.dim() - value.dim())), *value.shape)))
+        raise ValueError(
+            f"metrics: baseline of shape {list(value.shape)} for input {key!r} of shape {list(x.shape)} has the "
+            "batch's shape, and broadcasting would align it with the input's last dimensions (one value per "
+            f"feature), not one per sample; give one value per sample as baseline.view({per_sample}), or one per "
+            f"feature as baseline.view({per_feature})"
+        )
 
     def split(self, mask: torch.Tensor) -> list[torch.Tensor]:
         """A feature mask ``lead + batch + [n_features]`` as one mask per key, each shaped like its attribution."""

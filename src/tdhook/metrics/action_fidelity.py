@@ -6,9 +6,10 @@ from collections.abc import Sequence
 
 import torch
 from tensordict import TensorDict, TensorDictBase
-from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase
+from tensordict.nn import CompositeDistribution, ProbabilisticTensorDictModule, TensorDictModuleBase
 from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 from torch import nn
+from torchrl.modules import Actor, TanhModule
 
 from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._features import Baseline, Features, sort_positions
@@ -43,8 +44,9 @@ def action_fidelity(
     The greedy action is the argmax of the last dimension of the output at ``target_key`` (the action values or a
     categorical policy's logits; for a torchrl policy that masks actions, the highest allowed logit). An output
     ``batch + [heads..., actions]`` gives one action per head, and a state's action changes when that of any head
-    does. A continuous action (the parameters of a non-categorical distribution, an action whose torchrl spec is
-    continuous) has no argmax and is refused.
+    does. A continuous action (the parameters of a non-categorical distribution or of such a part of a
+    ``CompositeDistribution``, an action whose torchrl spec is continuous, the action of a torchrl ``Actor`` without
+    a spec or of a ``TanhModule``) has no argmax and is refused.
     Features rank jointly across all explained keys, as in :func:`~tdhook.metrics.pixel_flipping`.
 
     Args:
@@ -134,16 +136,53 @@ def action_fidelity(
 
 def _continuous_action(module: TensorDictModuleBase, key: NestedKey) -> str | None:
     """What makes the output at ``key`` a continuous action, or ``None``: it is a parameter of a distribution that
-    is not categorical, or the torchrl spec of a module says that the key is continuous."""
+    is not categorical (a part of a ``CompositeDistribution`` included), the torchrl spec of a module says that the
+    key is continuous, or it is the action of a torchrl ``Actor`` without a spec or of a ``TanhModule``."""
     key = unravel_key(key)
     for sub in module.modules():
-        if isinstance(sub, ProbabilisticTensorDictModule) and key in unravel_key_list(list(sub.in_keys)):
-            dist = getattr(sub, "distribution_class", None)
-            if not (isinstance(dist, type) and issubclass(dist, _CATEGORICAL)):
-                return f"a parameter of the {getattr(dist, '__name__', dist)} distribution of {type(sub).__name__}"
+        if isinstance(sub, ProbabilisticTensorDictModule):
+            found = _distribution_of(sub, key)
+            if found is not None:
+                dist, what = found
+                if not (isinstance(dist, type) and issubclass(dist, _CATEGORICAL)):
+                    return f"a parameter of the {getattr(dist, '__name__', dist)} distribution{what}"
+        if isinstance(sub, TanhModule) and key in unravel_key_list(list(sub.out_keys)):
+            return "the bounded action of a TanhModule (tanh scaled to its bounds)"
         spec = getattr(sub, "spec", None)
         if spec is not None and callable(getattr(spec, "keys", None)) and key in spec.keys(True, True):
             leaf = spec[key]
             if getattr(leaf, "domain", None) == "continuous":
                 return f"an action whose spec is continuous ({type(leaf).__name__})"
+            if leaf is None and isinstance(sub, Actor) and key in unravel_key_list(list(sub.out_keys)):
+                return (
+                    "the action of a torchrl Actor with no spec (a deterministic actor's action is continuous; give "
+                    "it a Categorical or OneHot spec if its output holds action values)"
+                )
+    return None
+
+
+def _distribution_of(module: ProbabilisticTensorDictModule, key: tuple | str) -> tuple[object, str] | None:
+    """The distribution class whose parameter ``key`` is, and where it sits, or ``None`` where ``key`` is none of
+    ``module``'s: an in key, or a key under the in key of a ``CompositeDistribution`` (its part named by the keys
+    between, as its ``distribution_map`` names them; a part it does not name is reported as the composite)."""
+    dist = getattr(module, "distribution_class", None)
+    where = f" of {type(module).__name__}"
+    in_keys = unravel_key_list(list(module.in_keys))
+    if key in in_keys:
+        return dist, where
+    if not (isinstance(dist, type) and issubclass(dist, CompositeDistribution)):
+        return None
+    path = key if isinstance(key, tuple) else (key,)
+    for in_key in in_keys:
+        prefix = in_key if isinstance(in_key, tuple) else (in_key,)
+        if path[: len(prefix)] != prefix or len(path) <= len(prefix) + 1:
+            continue
+        rest = path[len(prefix) : -1]  # the part's name: the keys between the in key and the parameter's name
+        parts = {
+            unravel_key(name): part for name, part in module.distribution_kwargs.get("distribution_map", {}).items()
+        }
+        for name, part in parts.items():
+            if (name if isinstance(name, tuple) else (name,)) == rest:
+                return part, f" {name!r} of the CompositeDistribution of {type(module).__name__}"
+        return dist, where
     return None

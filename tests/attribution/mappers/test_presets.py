@@ -246,6 +246,31 @@ class TestFirstLayerAgainstZennit:
                 relevance_of(InputSkip().double().eval(), mapper, x)
 
 
+class TestTheUsersMapperComesFirst:
+    """A user's rule, keyed by type or by name, wins over the preset's rules, its first-layer rule included (zennit's
+    composites keep their first-layer rule over a ``layer_map`` entry; tdhook's ``rule_mapper`` is consulted first
+    everywhere, as documented); the preset's own parameters change its rules and keep its first layer."""
+
+    def test_a_type_entry_replaces_the_box_on_the_first_convolution(self):
+        from zennit import rules as zrules
+
+        model, x = DeclaredLate().double().eval(), torch.randn(2, 3, 6, 6, dtype=torch.float64).clamp(-2.9, 2.9)
+        mapper = EpsilonGammaBox(-3.0, 3.0, rule_mapper={nn.Conv2d: GammaRule(gamma=0.5)})
+        gammas = zennit_by_name(model, x, [(("stem", "mid"), zrules.Gamma(0.5)), (("head",), zrules.Epsilon())])
+        assert relative_error(relevance_of(model, mapper, x), gammas) <= 1e-6
+
+    def test_the_presets_own_gamma_keeps_the_box_on_the_first_convolution(self):
+        from zennit import rules as zrules
+
+        model, x = DeclaredLate().double().eval(), torch.randn(2, 3, 6, 6, dtype=torch.float64).clamp(-2.9, 2.9)
+        boxed = [(("stem",), zrules.ZBox(-3.0, 3.0)), (("mid",), zrules.Gamma(0.5)), (("head",), zrules.Epsilon())]
+        expected = zennit_by_name(model, x, boxed)
+        assert relative_error(relevance_of(model, EpsilonGammaBox(-3.0, 3.0, gamma=0.5), x), expected) <= 1e-6
+        # What tells the two maps apart on this model: the first layer's rule.
+        gammas = zennit_by_name(model, x, [(("stem", "mid"), zrules.Gamma(0.5)), (("head",), zrules.Epsilon())])
+        assert relative_error(gammas, expected) > 1e-2
+
+
 class TestBoxBoundsAgainstZennit:
     """Bounds broadcast to one sample as torch broadcasts (per channel ``(3, 1, 1)``, per pixel, per position of
     the last dimension); zennit needs them expanded with a batch dimension, as given to it here."""

@@ -104,7 +104,34 @@ class TestAgainstTheQuadrature:
         (expected,) = reference(net, [fx], [torch.zeros_like(fx)], net(fx).argmax(-1), "gausslegendre", 11)
         assert relative_error(td["attribution", "x"].reshape(fx.shape), expected) <= 1e-10
 
-    @pytest.mark.parametrize("internal_batch_size", [1, 7, 1000])
+    @pytest.mark.parametrize("method", ["IntegratedGradients", "SmoothGrad", "GradientShap"])
+    def test_an_internal_batch_size_below_the_batch_is_warned_of_and_changes_nothing(self, method):
+        """A pass holds at least one point per sample: 2 rows asked, 3 run in each pass. Before, silently (captum
+        warns alike); the result is the one of all points at once."""
+        from tdhook import attribution
+
+        net, rows = small_cnn(), []
+        net.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
+        td = TensorDict(image=torch.randn(3, 3, 8, 8, dtype=torch.float64), batch_size=[3])
+        shap = dict(n_samples=4, seed=0, baselines=torch.zeros(2, 3, 8, 8, dtype=torch.float64))
+        options = {
+            "IntegratedGradients": dict(n_steps=4),
+            "SmoothGrad": dict(n_samples=4, seed=0),
+            "GradientShap": shap,
+        }
+        options = dict(in_keys=["image"], out_keys=["logits"], **options[method])
+        whole = getattr(attribution, method)(net, **options)(td.clone())
+        rows.clear()
+        with pytest.warns(
+            UserWarning,
+            match=rf"{method}: internal_batch_size=2 is less than the 3 samples of the "
+            r"batch: each forward pass runs one .* for every sample, 3 rows",
+        ):
+            pieces = getattr(attribution, method)(net, internal_batch_size=2, **options)(td.clone())
+        assert max(rows) == 3
+        torch.testing.assert_close(pieces["attribution", "image"], whole["attribution", "image"], rtol=1e-12, atol=0)
+
+    @pytest.mark.parametrize("internal_batch_size", [3, 7, 1000])
     def test_internal_batch_size_changes_nothing(self, internal_batch_size):
         net = small_cnn()
         td = TensorDict(image=torch.randn(3, 3, 8, 8, dtype=torch.float64), batch_size=[3])

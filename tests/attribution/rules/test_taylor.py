@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -290,3 +292,17 @@ class TestRefused:
         with TaylorDecompositionRule(ref=0.1, bias=True).register(module):
             (grad,) = torch.autograd.grad(module(x).sum(), x)
         assert torch.isfinite(grad).all()
+
+
+def test_the_first_forward_mode_call_of_a_process_raises_no_warning_from_torch():
+    """A fresh process with warnings as errors: torch's loading of its forward-mode decompositions warns
+    (torch.jit.script is deprecated), which must not reach the caller of the rule."""
+    code = (
+        "import torch; from torch import nn; from tdhook.attribution.rules import TaylorDecompositionRule\n"
+        "block = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))\n"
+        "x = torch.randn(5, 3, requires_grad=True)\n"
+        "with TaylorDecompositionRule(ref=0.5).register(block):\n"
+        "    torch.autograd.grad(block(x)[:, 0].sum(), x)\n"
+    )
+    run = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]

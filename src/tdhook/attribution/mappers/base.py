@@ -137,7 +137,11 @@ class BaseRuleMapper(Tunable):
     Args:
         stabilizer: stabilizer of the default rules.
         rule_mapper: ``(name, module) -> Rule | None`` consulted first, or a dict
-            for :func:`rule_mapper_from_dict`.
+            for :func:`rule_mapper_from_dict`. A rule it gives wins over the preset's, on the first layer too: a
+            type entry ``{nn.Conv2d: GammaRule(0.5)}`` under :class:`~tdhook.attribution.EpsilonGammaBox` puts γ on
+            the first convolution in place of z^B (zennit's composites keep their first-layer rule over a
+            ``layer_map`` entry). To change the preset's rules and keep its first layer, set its own parameters
+            (``EpsilonGammaBox(low, high, gamma=0.5)``), or name the first layer with the rule it should keep.
         strict: raise, naming the module, where a module's own forward computes a function that is not
             piecewise linear and that no rule covers, rather than warn that its plain gradient is used. The
             wrapper decides it from what the first forward pass really calls (see

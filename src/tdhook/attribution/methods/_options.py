@@ -20,6 +20,8 @@ from typing import Any, Union
 import torch
 from tensordict.utils import NestedKey, unravel_key
 
+from tdhook.attribution.rules._caller import warn_at_caller
+
 __all__ = ["Baselines", "baseline_tensors", "checked_batch_size", "per_key", "seeded_generator", "steps_per_pass"]
 
 Baselines = Union[float, torch.Tensor, Mapping[NestedKey, Union[float, torch.Tensor]]]
@@ -118,23 +120,33 @@ def seeded_generator(seed: int | None) -> torch.Generator:
     return generator
 
 
-def steps_per_pass(n_steps: int, rows_per_step: int, internal_batch_size: int | None) -> int:
+def steps_per_pass(n_steps: int, rows_per_step: int, internal_batch_size: int | None, owner: str = "") -> int:
     """How many perturbed copies (points of a path, noisy samples) one forward pass evaluates.
+
+    A pass holds at least one copy of every sample: where ``internal_batch_size`` is less than the batch's samples,
+    each pass runs ``rows_per_step`` rows, and a warning (from ``owner``) says so, as captum's does.
 
     Args:
         n_steps: the number of copies.
         rows_per_step: the rows one copy adds to a forward pass (the batch's number of samples).
         internal_batch_size: the most rows per forward pass, or ``None`` for all the copies at once.
+        owner: the method, named in the warning.
 
     Returns:
         At least 1, at most ``n_steps``.
 
     Examples:
-        >>> steps_per_pass(50, 8, None), steps_per_pass(50, 8, 100), steps_per_pass(50, 8, 3)
+        >>> steps_per_pass(50, 8, None), steps_per_pass(50, 8, 100), steps_per_pass(50, 8, 8)
         (50, 12, 1)
     """
     if internal_batch_size is None:
         return n_steps
+    if internal_batch_size < rows_per_step:
+        warn_at_caller(
+            f"{owner}: internal_batch_size={internal_batch_size} is less than the {rows_per_step} samples of the "
+            f"batch: each forward pass runs one copy (a point of the path, a noisy sample) for every sample, "
+            f"{rows_per_step} rows; split the batch to run fewer"
+        )
     return max(1, min(n_steps, internal_batch_size // max(1, rows_per_step)))
 
 

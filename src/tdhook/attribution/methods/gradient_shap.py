@@ -87,7 +87,8 @@ class GradientShap(AttributionMethod):
         n_samples: the copies per sample.
         stdevs: the noise's standard deviation, one number or a dict keyed by in_key.
         seed: the seed of the draws; ``None`` for fresh draws every call.
-        internal_batch_size: the most rows (copies × samples) per forward pass; ``None`` for all at once.
+        internal_batch_size: the most rows (copies × samples) per forward pass; ``None`` for all at once. A pass
+            holds one of every sample at least: below the batch's samples, a warning says so.
 
     Examples:
         >>> import torch
@@ -172,7 +173,7 @@ class GradientShap(AttributionMethod):
         )
         units = call.seeds.shape[0]
         totals = [x.new_zeros(units, *x.shape) for x in call.inputs]
-        chunk = steps_per_pass(self.n_samples, call.batch_shape.numel(), self.internal_batch_size)
+        chunk = steps_per_pass(self.n_samples, call.batch_shape.numel(), self.internal_batch_size, "GradientShap")
         for start in range(0, self.n_samples, chunk):
             stop = start + chunk
             drawn = [r[indices[start:stop].to(r.device)] for r in references]  # [copies, *batch, *sample]

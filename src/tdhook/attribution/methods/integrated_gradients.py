@@ -40,7 +40,8 @@ class IntegratedGradients(AttributionMethod):
         method: ``"gausslegendre"``, ``"riemann_trapezoid"``, ``"riemann_left"``,
             ``"riemann_right"`` or ``"riemann_middle"`` (see
             :func:`~tdhook.attribution.methods._quadrature.quadrature`).
-        internal_batch_size: the most rows (points × samples) per forward pass; ``None`` for all at once.
+        internal_batch_size: the most rows (points × samples) per forward pass; ``None`` for all at once. A pass
+            holds one of every sample at least: below the batch's samples, a warning says so.
 
     Examples:
         >>> import torch
@@ -97,7 +98,7 @@ class IntegratedGradients(AttributionMethod):
         )
         differences = [x - b for x, b in zip(call.inputs, baselines, strict=True)]
         totals = [x.new_zeros(call.seeds.shape[0], *x.shape) for x in call.inputs]
-        chunk = steps_per_pass(self.n_steps, call.batch_shape.numel(), self.internal_batch_size)
+        chunk = steps_per_pass(self.n_steps, call.batch_shape.numel(), self.internal_batch_size, "IntegratedGradients")
         for start in range(0, self.n_steps, chunk):
             alphas = self._alphas[start : start + chunk]
             weights = self._weights[start : start + chunk]

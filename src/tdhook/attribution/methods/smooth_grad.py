@@ -77,7 +77,8 @@ class SmoothGrad(AttributionMethod):
         seed: the seed of the noise (drawn as :func:`noisy_copies` says); ``None`` for fresh noise every call.
         nt_type: ``"smoothgrad"``, ``"smoothgrad_sq"`` or ``"vargrad"``.
         abs: whether the saliency is the gradient's absolute value.
-        internal_batch_size: the most rows (copies × samples) per forward pass; ``None`` for all at once.
+        internal_batch_size: the most rows (copies × samples) per forward pass; ``None`` for all at once. A pass
+            holds one of every sample at least: below the batch's samples, a warning says so.
 
     Examples:
         >>> import torch
@@ -141,7 +142,7 @@ class SmoothGrad(AttributionMethod):
         units = call.seeds.shape[0]
         sums = [x.new_zeros(units, *x.shape) for x in call.inputs]
         squares = [x.new_zeros(units, *x.shape) for x in call.inputs]
-        chunk = steps_per_pass(self.n_samples, call.batch_shape.numel(), self.internal_batch_size)
+        chunk = steps_per_pass(self.n_samples, call.batch_shape.numel(), self.internal_batch_size, "SmoothGrad")
         for start in range(0, self.n_samples, chunk):
             objective, leaves = self._evaluate(call, [c[start : start + chunk] for c in copies], grad=True)
             for total, square, grad in zip(sums, squares, self._gradients(objective, leaves), strict=True):

@@ -50,6 +50,7 @@ __all__ = [
     "hold",
     "is_held",
     "relevance_pass_edges",
+    "pass_no_relevance",
     "mark_parameter_slots",
     "backward_keeps_graph",
     "is_batched_gradient",
@@ -529,10 +530,24 @@ def relevance_pass_edges(node: Any) -> list:
         >>> [type(n).__name__ for n in relevance_pass_edges((x * 2).grad_fn)]
         ['AccumulateGrad']
     """
-    if not isinstance(node, torch.autograd.function.BackwardCFunction):  # a built-in node: no metadata to read
-        return [n for n, _ in node.next_functions if n is not None]
     skipped = node.metadata.get(_PLAIN_EDGES, ())
+    if not skipped:
+        return [n for n, _ in node.next_functions if n is not None]
     return [n for i, (n, _) in enumerate(node.next_functions) if n is not None and i not in skipped]
+
+
+def pass_no_relevance(node: Any, places: Sequence[int]) -> None:
+    """Tell :func:`relevance_pass_edges` that ``node`` passes no relevance to its inputs at ``places`` (a hook of a
+    rule stops the gradient there).
+
+    Examples:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> node = (x * 2).grad_fn
+        >>> pass_no_relevance(node, [0])
+        >>> relevance_pass_edges(node)
+        []
+    """
+    node.metadata[_PLAIN_EDGES] = tuple(places)
 
 
 def scale_gradient(x: torch.Tensor, factor: float | torch.Tensor, in_place: bool = False) -> torch.Tensor:

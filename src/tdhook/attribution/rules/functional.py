@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._autograd import (
+    PARAMETER_DERIVED,
     call_argument,
     hold,
     is_activation,
@@ -36,8 +37,10 @@ from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint
 from tdhook.attribution.rules.gates import (
+    ELEMENTWISE_PRODUCTS,
     GATE_FUNCTIONS,
     GATE_PRESERVING,
+    held_factors,
     held_gate_product,
     keep_gate_mark,
     mark_gate,
@@ -68,6 +71,46 @@ _ACTIVATION_FUNCTIONS = frozenset(
 # Dropout as a function (attention dropout in eager attention): its keyword that says whether it drops, by function.
 _DROPOUTS = {F.dropout: "training", F.dropout1d: "training", F.dropout2d: "training", F.dropout3d: "training"}
 _DROPOUTS |= {F.alpha_dropout: "training", F.feature_alpha_dropout: "training", torch.dropout: "train"}
+
+
+# Attention weights of up to this many elements are held without a detach in a call that records its rules' places
+# (later calls then run without the mode); larger ones are detached, and every call runs in the mode: a plain call
+# computes their gradient and then drops it, which on one CPU thread costs what the mode saves at about 32k elements
+# (a Llama of 2 layers, 2 × 64 tokens, 4 heads) and more beyond.
+_LARGEST_GRAPH_HOLD = 2**14
+
+# Calls that hand a tensor's values to Python (a branch, an index): a forward that reads the explained inputs' values
+# may take another way on other inputs of the same shapes, with the same graph and other rules (a product of two
+# activations on one branch, of an activation and a constant on the other), so a recording call that sees one read
+# them makes no plan (see :mod:`tdhook.attribution._function_rule_plan`).
+_VALUE_READS = frozenset(
+    {torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
+    | {torch.Tensor.__complex__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__}
+    | {torch.equal, torch.Tensor.equal, torch.allclose, torch.Tensor.allclose, torch.is_nonzero}
+    | {torch.Tensor.is_nonzero}
+)
+# Marks a tensor without gradient computed from the explained inputs' values (``x.sum() > 0``), in a recording call.
+_INPUT_VALUES = "_tdhook_input_values"
+
+
+def _from_inputs(value: object) -> bool:
+    """Whether ``value`` is a tensor computed from the explained inputs: an activation, an input (a leaf with a
+    gradient that is no parameter), or a tensor without gradient marked as computed from them."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    if value.requires_grad:
+        return is_activation(value) or (value.is_leaf and not isinstance(value, torch.nn.Parameter))
+    return getattr(value, _INPUT_VALUES, False)
+
+
+def _watch_values(recording: Recording, func: Callable, args: tuple, result: object) -> None:
+    """In a recording call: tell ``recording`` where the forward reads the explained inputs' values into Python, and
+    mark the tensors without gradient computed from them, whose values it may read later."""
+    if func in _VALUE_READS:
+        if args and _from_inputs(args[0]):
+            recording.read_values()
+    elif isinstance(result, torch.Tensor) and not result.requires_grad and any(_from_inputs(a) for a in args):
+        setattr(result, _INPUT_VALUES, True)
 
 
 # What :meth:`FunctionalRules._other_rules` returns for a call none of them changes.
@@ -160,6 +203,8 @@ class FunctionalRules(TorchFunctionMode):
         kwargs = kwargs or {}
         if func not in _HANDLED:  # most calls: run, and mark what the rules read later (no rule of their own)
             result = mark_parameter_derived(args, func(*args, **kwargs))
+            if self.recording is not None:
+                _watch_values(self.recording, func, args, result)
             return keep_gate_mark(func, args, result, kwargs) if func in GATE_PRESERVING else result
         what = "the transformer rules on products, softmax, attention, activations and norms"
         raise_for_checkpoint(what)
@@ -177,11 +222,9 @@ class FunctionalRules(TorchFunctionMode):
         """A call of a function the mode has rules for (products, softmax, attention, activations, norms); what
         the rule did, told to ``recording`` (a call whose rules a later call may apply without the mode)."""
         if func in _PRODUCTS and len(args) == 2 and is_activation(args[0]) and is_activation(args[1]):
-            held = held_gate_product(func, args, kwargs, any_gate=self.hold_gates)
-            if held is not None:
-                if recording is not None:
-                    recording.other_rule()
-                return held
+            gates = held_factors(args, any_gate=self.hold_gates)
+            if gates is not None:
+                return _held_product(func, args, kwargs, gates, recording)
             # Halving the product's gradient halves both factors' gradients: the uniform rule, in one step.
             # The product is a fresh tensor: rebased in place, so that later in-place operations on it stay legal.
             product = func(*args, **kwargs)
@@ -193,6 +236,11 @@ class FunctionalRules(TorchFunctionMode):
         if func in _SOFTMAX and args and is_activation(args[0]):
             dim = call_argument(args, kwargs, 1, "dim")
             output = func(*args, **kwargs)
+            if recording is not None and isinstance(self.softmax, AHQKVRule) and _held_in_graph(output):
+                # Held whole without a detach (see _function_rule_plan): a constant to the rules, as a parameter is.
+                recording.held_output(output)
+                setattr(output, PARAMETER_DERIVED, True)
+                return output
             ruled = self.softmax.apply(output, args[0], dim)
             if recording is not None and ruled is not output:  # but for ε = 0 (the plain gradient)
                 recording.other_rule()
@@ -204,6 +252,10 @@ class FunctionalRules(TorchFunctionMode):
             if recording is not None and p:  # random: every later call runs in the mode, and warns
                 recording.other_rule()
             return mark_parameter_derived(args, func(*args, **kwargs))
+        if func is F.scaled_dot_product_attention and recording is not None:
+            attended = self._attention_in_graph(args, kwargs, recording)
+            if attended is not None:
+                return attended
         result = self._other_rules(func, args, kwargs)
         if result is _NO_RULE:
             return mark_parameter_derived(args, func(*args, **kwargs))
@@ -267,14 +319,26 @@ class FunctionalRules(TorchFunctionMode):
             return attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
         if self.softmax.epsilon != 0 or graph_kept() is not None:  # the fused kernels have no second derivative
             return self._unfused_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, **kwargs)
-        # The uniform rule on q · kᵀ and on attention · v, applied to the fused call's inputs.
-        scores_product = is_activation(query) and is_activation(key)
-        weights_active = is_activation(query) or is_activation(key)
-        value_product = weights_active and is_activation(value)
-        qk = (0.5 if scores_product else 1.0) * (0.5 if value_product else 1.0)
-        query, key = scale_gradient(query, qk), scale_gradient(key, qk)
-        value = scale_gradient(value, 0.5 if value_product else 1.0)
+        qk, _, v = _attention_factors(query, key, value)
+        query, key, value = scale_gradient(query, qk), scale_gradient(key, qk), scale_gradient(value, v)
         return attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
+
+    def _attention_in_graph(self, args: tuple, kwargs: dict, recording: Recording) -> torch.Tensor | None:
+        """A fused attention in a recording call, as a plain call computes it, with the rules' factors on the
+        gradients its node passes to the query, key and value (see :meth:`_attention`); ``None`` where the
+        call needs more (dropout, an ε or a kept graph: the unfused rules) or its node is not the fused call's."""
+        query, key, value = (call_argument(args, kwargs, i, name) for i, name in enumerate(("query", "key", "value")))
+        if call_argument(args, kwargs, 4, "dropout_p", 0.0) or graph_kept() is not None or self.softmax.epsilon:
+            return None
+        if isinstance(self.softmax, AHQKVRule):  # held weights: no gradient to the query and the key
+            weights = query.shape[:-1].numel() * key.shape[-2]
+            if weights > _LARGEST_GRAPH_HOLD:
+                return None
+            factors = (0.0, 0.0, None)
+        else:
+            factors = _attention_factors(query, key, value)
+        output = F.scaled_dot_product_attention(*args, **kwargs)
+        return output if recording.scaled_inputs(output, (query, key, value), factors, (0, 1, 2)) else None
 
     def _unfused_attention(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa=False):
         if dropout_p:
@@ -303,6 +367,34 @@ class FunctionalRules(TorchFunctionMode):
             unseen = torch.isneginf(scores.detach()).all(-1, keepdim=True)
             out = torch.softmax(scores, dim=-1).masked_fill(unseen, 0.0) @ value
         return out if plain is None or not out.requires_grad else redirect(plain, [out], lambda grad: [grad])
+
+
+def _attention_factors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[float, float, float]:
+    """The uniform rule on ``q · kᵀ`` and on ``attention · v`` as factors of a fused attention's gradients to the
+    query, key and value: a half for each product of two activations the gradient passes through."""
+    scores_product = is_activation(query) and is_activation(key)
+    value_product = (is_activation(query) or is_activation(key)) and is_activation(value)
+    qk = (0.5 if scores_product else 1.0) * (0.5 if value_product else 1.0)
+    return qk, qk, 0.5 if value_product else 1.0
+
+
+def _held_in_graph(weights: torch.Tensor) -> bool:
+    """Whether a recording call holds CP-LRP's attention ``weights`` without a detach, so that later calls may run
+    without the mode (see :mod:`~tdhook.attribution._function_rule_plan`): up to ``_LARGEST_GRAPH_HOLD`` elements."""
+    return weights.grad_fn is not None and weights.numel() <= _LARGEST_GRAPH_HOLD
+
+
+def _held_product(func: Callable, args: tuple, kwargs: dict, gates: list[bool], recording: Recording | None):
+    """A product of two activations with the factor ``gates`` marks held constant (signal-take-all). In a recording
+    call an element-wise product keeps the gate attached and its node passes the gate no gradient, as later calls
+    without the mode do (see :mod:`~tdhook.attribution._function_rule_plan`)."""
+    if recording is not None and func in ELEMENTWISE_PRODUCTS:
+        product = func(*args, **kwargs)
+        if recording.held_factor(product, args[gates.index(True)]):
+            return product
+    if recording is not None:
+        recording.other_rule()
+    return func(*(hold(a) if gate else a for a, gate in zip(args, gates, strict=True)), **kwargs)
 
 
 def _einsum_operands(args: tuple) -> tuple:

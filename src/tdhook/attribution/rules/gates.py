@@ -49,6 +49,8 @@ __all__ = [
     "is_gate",
     "keep_gate_mark",
     "held_gate_product",
+    "held_factors",
+    "ELEMENTWISE_PRODUCTS",
     "SAME_VALUES",
     "GATE_COMPLEMENTS",
     "GATE_PRESERVING",
@@ -83,7 +85,7 @@ _CONVEX_RESIZE_MODES = frozenset({"nearest", "nearest-exact", "linear", "bilinea
 GATE_PRESERVING = SAME_VALUES | GATE_COMPLEMENTS | GATE_RESIZES | GATE_SPLITS
 # Class names of routers whose forward selects experts without ``topk`` (by ``max`` in a helper, as PhiMoE).
 _ROUTER_NAMES = ("Router",)
-_ELEMENTWISE_PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
+ELEMENTWISE_PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
 
 
 def mark_gate(tensor: torch.Tensor, source: torch.Tensor, sigmoid: bool = False) -> torch.Tensor:
@@ -154,14 +156,21 @@ def held_gate_product(func: Any, args: tuple, kwargs: dict, any_gate: bool = Tru
         >>> (x * torch.autograd.grad(z, x)[0]).item() == z.item()  # all of z's relevance reaches x, through the signal
         True
     """
-    gates = _held_factors(args, any_gate)
+    gates = held_factors(args, any_gate)
     if gates is None:
         return None
     return func(*(hold(a) if gate else a for a, gate in zip(args, gates, strict=True)), **kwargs)
 
 
-def _held_factors(args: tuple, any_gate: bool = True) -> list[bool] | None:
-    """Which of a product's two factors is the gate to hold, or ``None`` where none is."""
+def held_factors(args: tuple, any_gate: bool = True) -> list[bool] | None:
+    """Which of a product's two factors is the gate to hold, or ``None`` where none is (see
+    :func:`held_gate_product`).
+
+    Examples:
+        >>> x = torch.tensor([2.0], requires_grad=True)
+        >>> held_factors((x * 3, mark_gate(torch.sigmoid(x * 1), x, sigmoid=True)))
+        [False, True]
+    """
     if len(args) != 2 or not (is_activation(args[0]) and is_activation(args[1])):
         return None
     # A sigmoid-like gate first (squeeze-excite: sigmoid(s) times an activation's output), then any gate.
@@ -218,11 +227,11 @@ class HeldGates(TorchFunctionMode):
         """Whether this mode gives ``func`` a rule: a product whose gate it holds. A sigmoid is not covered here:
         held, its output is cut from the explained output's graph, and one that gates nothing keeps its plain
         gradient (the coverage report names it)."""
-        return func in _ELEMENTWISE_PRODUCTS and _held_factors(args) is not None
+        return func in ELEMENTWISE_PRODUCTS and held_factors(args) is not None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _ELEMENTWISE_PRODUCTS:
+        if func in ELEMENTWISE_PRODUCTS:
             held = held_gate_product(func, args, kwargs)
             if held is not None:
                 raise_for_checkpoint("gates held constant in products")

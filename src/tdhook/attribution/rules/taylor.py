@@ -13,6 +13,8 @@ this is the ε-rule on ``f`` with its bias left out of the denominator.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -182,6 +184,7 @@ class TaylorDecompositionRule(Rule):
             with torch.enable_grad(), plain_calls(), torch._C.DisableTorchFunction():
                 if self.bias:
                     return _call_at_reference(module, _replaced(inputs, positions, leaves)), None
+                _load_forward_ad()
                 with forward_ad.dual_level():
                     duals = [forward_ad.make_dual(ref, x) for ref, x in zip(leaves, xs, strict=True)]
                     try:
@@ -226,3 +229,17 @@ def _check_reference(owner: str, ref: object) -> None:
                 raise ValueError(f"{owner}: ref must hold finite floating-point numbers, got {value!r}")
         else:
             finite_number(owner, "ref", value)
+
+
+@functools.cache
+def _load_forward_ad() -> None:
+    """Load what forward-mode differentiation needs, once, with the warnings of the loading silenced.
+
+    Its first use in a process loads torch's decompositions for it, which script functions with ``torch.jit``, and
+    ``torch.jit.script`` warns (``FutureWarning``) in the torch versions that deprecate it: a warning from torch's own
+    code, which a caller running with ``-W error`` would get as an error from the rule.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        with forward_ad.dual_level():
+            forward_ad.make_dual(torch.zeros(1), torch.zeros(1))

@@ -1,0 +1,92 @@
+"""The ε-rule on a module whose inner modules change the gradient with rules of their own: refused.
+
+:class:`~tdhook.attribution.rules.basic.EpsilonRule` rescales a module's output
+gradient and lets the module's own backward do the rest. On a container (an
+``nn.Sequential``, a residual block, the whole model) that backward runs
+through the rules of the modules inside it, so the ε-rule of the block would be
+applied on top of theirs (the last layer's output stabilised twice), which is
+neither the ε-rule of the block as one layer (its plain Jacobian) nor the rules
+of its layers. The wrapper refuses the pair at the first call of a context,
+naming both modules, where the inner module ran. Inner rules that keep the plain
+gradient (``IgnoreRule``, LRP-0, a pass rule that registers nothing on ``nn.ReLU``), and
+those of modules the block does not call (``nn.MultiheadAttention`` computes
+with ``out_proj.weight`` directly), leave the block's ε-rule exact.
+
+Examples:
+    >>> from torch import nn
+    >>> from tdhook.attribution.rules import EpsilonRule
+    >>> net = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Tanh()), nn.Linear(2, 1))
+    >>> modules = dict(net.named_modules())
+    >>> handles = [EpsilonRule().register(modules["0"]), EpsilonRule().register(modules["0.0"])]
+    >>> try:
+    ...     refuse_rescaling_over_ruled_modules(handles, modules, ran={id(m) for m in net.modules()})
+    ... except ValueError as error:
+    ...     print(str(error).split(" of the")[0])
+    LRP: EpsilonRule(epsilon=1e-06) on module '0' (Sequential) would act on top
+    >>> for handle in handles:
+    ...     handle.remove()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+from torch import nn
+
+from tdhook.attribution.rules.base import RemovableRuleHandle
+from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule
+
+__all__ = ["refuse_rescaling_over_ruled_modules"]
+
+_SHOWN = 3  # inner modules an error names
+
+
+def _changes_gradient(handle: RemovableRuleHandle) -> bool:
+    """Whether the rule of ``handle`` may change its module's gradient: it has hooks, is more than a mark, and is not
+    LRP-0 (the ε-rule with ``ε = 0``, gradient × input)."""
+    rule = handle.rule
+    lrp0 = type(rule) is EpsilonRule and rule.epsilon == 0
+    return bool(handle.hook_handles()) and not isinstance(rule, IgnoreRule) and not rule.only_marks and not lrp0
+
+
+def refuse_rescaling_over_ruled_modules(
+    handles: Sequence[RemovableRuleHandle], modules: Mapping[str, nn.Module], ran: Collection[int]
+) -> None:
+    """Raise where an ε-rule is on a module some of whose inner modules ran with rules that change their gradient.
+
+    Args:
+        handles: the handles of the context's rules.
+        modules: the model's modules by name.
+        ran: the ``id`` of each module that ran in the call watched.
+
+    Raises:
+        ValueError: naming the module with the ε-rule, the rule, and the first inner modules with rules of their own,
+            and what to map instead.
+    """
+    rescaling = [h for h in handles if isinstance(h.rule, EpsilonRule) and h.module is not None and h.module._modules]
+    if not rescaling:
+        return
+    names = {id(module): name for name, module in modules.items()}
+    ruled = {id(h.module): h.rule for h in handles if id(h.module) in ran and _changes_gradient(h)}
+    for handle in rescaling:
+        outer = handle.module
+        inner = [
+            (name, module)
+            for name, module in outer.named_modules(remove_duplicate=False)
+            if module is not outer and id(module) in ruled
+        ]
+        if not inner:
+            continue
+        path = names.get(id(outer), "?")
+        shown = ", ".join(
+            f"{names.get(id(module), name)!r} ({type(module).__name__}): {ruled[id(module)]!r}"
+            for name, module in inner[:_SHOWN]
+        )
+        more = f" and {len(inner) - _SHOWN} more" if len(inner) > _SHOWN else ""
+        pattern = f"{path}.*" if path else "*"
+        raise ValueError(
+            f"LRP: {handle.rule!r} on module {path or 'the model itself'!r} ({type(outer).__name__}) would act on "
+            f"top of the rules of the modules inside it ({shown}{more}): its own backward runs through theirs. Map "
+            f"the rule to the layers inside instead (a pattern such as {pattern!r}, or their types), map those "
+            "modules to IgnoreRule() to treat the block as one ε-layer, or use TaylorDecompositionRule for a block"
+        )
