@@ -197,7 +197,7 @@ def _bag_bounds(ranks: torch.Tensor | None, thresholds: torch.Tensor, m: int, de
         tensor([[0, 0, 2, 3, 5]])
     """
     if ranks is None:  # the count of ranks below each threshold, from the last
-        counts = [min(threshold, m) for threshold in reversed(thresholds.tolist())]
+        counts = [max(0, min(threshold, m)) for threshold in reversed(thresholds.tolist())]
         return torch.tensor([[0, 0, *(m - count for count in counts), m]], device=device)
     low, high = torch.iinfo(ranks.dtype).min, torch.iinfo(ranks.dtype).max  # below and above every rank
     bounds = torch.tensor([low, *thresholds.tolist(), high], dtype=ranks.dtype, device=ranks.device)
