@@ -3,7 +3,7 @@
 A metric or a method on a plain module wraps it on every call. ``TensorDictModule``'s constructor checks its keys
 and sets each attribute through ``nn.Module.__setattr__``, about 25 µs, as long as a metric's whole setup on a small
 model. A wrapper for keys wrapped before is built from the attributes the first one got instead (copies of them),
-in about 7 µs: the same object, with the same attributes.
+in about 8 µs: the same object, with the same attributes.
 
 Examples:
     >>> import torch
@@ -102,10 +102,14 @@ def _copied(state: dict[str, object]) -> dict[str, object]:
     """``state`` with its lists and dicts copied (a wrapper may change its keys), those it shares shared in the copy
     (its out keys are one list under two names)."""
     copies: dict[int, object] = {}
-    return {
-        name: copies.setdefault(id(value), copy.copy(value)) if isinstance(value, (list, dict)) else value
-        for name, value in state.items()
-    }
+    copied = {}
+    for name, value in state.items():
+        if isinstance(value, (list, dict)):
+            if id(value) not in copies:
+                copies[id(value)] = value.copy() if type(value) in (list, dict) else copy.copy(value)
+            value = copies[id(value)]
+        copied[name] = value
+    return copied
 
 
 def call_plain(wrapper: TensorDictModule, work: TensorDictBase) -> TensorDictBase:
