@@ -79,6 +79,25 @@ def test_an_attribution_holding_nan_is_refused_where_features_are_ranked(metric)
         getattr(metrics, metric)(net, td, in_keys=["x"], out_keys=["y"], **kwargs)
 
 
+def test_infinities_of_both_signs_are_ranked_not_refused_as_nan():
+    """The NaN check first looks at the attribution's sum, which is NaN too where +inf and -inf meet: such an
+    attribution holds no NaN, and its infinities are ranked first and last."""
+    from tdhook.metrics import pixel_flipping
+
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(8, 3))
+    x, a = torch.randn(2, 2, 2, 2), torch.randn(2, 2, 2, 2)
+    a[:, 0, 0, 0], a[:, 1, 1, 1] = float("-inf"), float("inf")
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[2])
+    features = Features.read(td, ["x"], "attribution")
+    assert bool(features.values.sum(-1).isnan().all())
+    features.refuse_nan("pixel_flipping")  # no error
+    assert sort_positions(features.values)[:, [0, 7]].tolist() == [[7, 0], [7, 0]]
+    curve = pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], features_per_step=7)
+    target = net(x).argmax(-1)
+    last = net(torch.where(torch.arange(8).view(1, 2, 2, 2) == 0, x, 0.0))[torch.arange(2), target]
+    torch.testing.assert_close(curve[:, 1], last, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("metric", ["pixel_flipping", "faithfulness_correlation", "action_fidelity"])
 def test_a_baseline_shaped_like_the_batch_is_refused_as_ambiguous(metric):
     """A per-sample value of shape ``[B]`` (``x.min(1).values``) broadcasts, by torch's rule, along the input's last

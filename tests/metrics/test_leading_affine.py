@@ -6,6 +6,7 @@ for pixel flipping, Quantus.
 
 from __future__ import annotations
 
+import copy
 from unittest import mock
 
 import pytest
@@ -18,7 +19,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tdhook.metrics import pixel_flipping, region_perturbation
-from tdhook.metrics._leading_affine import LeadingAffine
+from tdhook.metrics._leading_affine import LeadingAffine, _in_order
 from tests.metrics._models import images, mlp_net
 from tests.metrics.test_pixel_flipping import by_definition, quantus_pixel_flipping
 
@@ -411,6 +412,61 @@ def test_a_refused_target_is_refused_as_before_with_the_unperturbed_output_from_
         flipping(net, td, target=lambda y: y + 1.0)
     with pytest.raises((IndexError, ValueError), match="metrics"):
         flipping(net, td, target=7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_order_of_the_sort_is_read_as_it_is_where_each_element_has_its_own_rank(dtype):
+    """Pixel flipping gives the first layer the features in the order of its sort: with one feature per element, the
+    ranks are not inverted back into that order (``_in_order`` does not run), and the curve equals direct passes; a
+    map of pixels (one rank for three channels) still sorts the ranks."""
+    torch.manual_seed(15)
+    net = mlp_net().to(dtype)
+    x = images(3).to(dtype)
+    tolerance = dict(rtol=0, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    for channels, inverted in [(3, False), (1, True)]:
+        a = torch.randn(3, channels, 6, 6, dtype=dtype)
+        td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[3])
+        with mock.patch("tdhook.metrics._leading_affine._in_order", side_effect=_in_order) as in_order:
+            curve, updated = watched_flipping(net, td, features_per_step=7)
+        assert updated.called and in_order.called == inverted
+        expected = flipping(direct(copy.deepcopy(net)), td, features_per_step=7)
+        torch.testing.assert_close(curve, expected, **tolerance)
+
+
+@pytest.mark.parametrize("size", [2, 3, 6])
+def test_outputs_from_the_order_equal_those_from_the_ranks(size):
+    """The layer's outputs from the elements' order and from their ranks (its inverse) are the same tensors, in stacks
+    of ``size`` steps, the unperturbed one included."""
+    torch.manual_seed(16)
+    net = nn.Sequential(nn.Linear(12, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    x, base = torch.randn(4, 12, dtype=torch.float64), torch.randn(12, dtype=torch.float64)
+    order = torch.stack([torch.randperm(12) for _ in range(4)])
+    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(12).expand(4, -1))
+    thresholds = torch.tensor([2, 5, 6, 9, 12, 14])
+    split = LeadingAffine.find(net)
+    from_ranks = list(split.outputs(x, base, ranks, thresholds, size, unperturbed=True))
+    from_order = list(split.outputs(x, base, None, thresholds, size, unperturbed=True, order=order))
+    assert [start for start, _ in from_order] == [start for start, _ in from_ranks]
+    for (_, expected), (_, found) in zip(from_ranks, from_order, strict=True):
+        assert torch.equal(found, expected)
+    direct_steps = [net(torch.where(ranks < limit, base, x)) for limit in [0, *thresholds.tolist()]]
+    steps = torch.cat([found for _, found in sorted(from_order, key=lambda pair: pair[0])])
+    torch.testing.assert_close(steps, torch.stack(direct_steps), rtol=0, atol=1e-12)
+
+
+def test_finite_inputs_whose_sum_overflows_run_every_perturbed_input():
+    """Whether the inputs are finite is read from their sum: float32 features near the largest float sum to inf, and
+    the curve then comes from passes of the model, as it does for an input that is not finite."""
+    torch.manual_seed(17)
+    net = nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 2))
+    with torch.no_grad():
+        net[0].weight.mul_(1e-38)
+    x, a = torch.full((2, 6), 3e38), torch.randn(2, 6)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[2])
+    curve, updated = watched_flipping(net, td, features_per_step=2)
+    assert not updated.called and torch.isfinite(curve).all()
+    expected = by_definition(net, x, a, net(x).argmax(-1), 2)
+    torch.testing.assert_close(curve.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 class _Centred(nn.Module):

@@ -398,3 +398,32 @@ def test_a_callable_target_with_relevance_on_a_zero_output_is_refused_by_name():
         pixel_flipping(net, td, target=lambda y: torch.ones_like(y), **keys)
     curve = pixel_flipping(net, td, target=lambda y: y * torch.tensor([1.0, 2.0]), **keys)
     torch.testing.assert_close(curve[:, 0], torch.full((2,), 3.0))
+
+
+class _HoldsATensorDictModule(nn.Module):
+    """A plain model with a TensorDict module inside (called on tensors through its own module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = TensorDictModule(nn.Linear(4, 3), in_keys=["h"], out_keys=["q"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.module(x)
+
+
+@pytest.mark.parametrize("holds", [False, True])
+def test_a_plain_model_is_searched_for_torchrls_modules_only_where_it_holds_a_tensordict_module(holds):
+    """Torchrl's recurrent, sampling, Q-value and masked modules are TensorDict modules: a plain model that holds none
+    is not searched for them (and scores the argmax as before); one that holds one is."""
+    torch.manual_seed(0)
+    net = _HoldsATensorDictModule() if holds else nn.Linear(4, 3)
+    x = torch.randn(5, 4)
+    td = TensorDict(x=x, batch_size=[5])
+    searches = ["_refuse_steps_read_together", "_refuse_sampled_target", "chosen_action", "allowed_action"]
+    with mock.patch.multiple("tdhook.metrics._scoring", **{name: mock.DEFAULT for name in searches}) as found:
+        for name in ("chosen_action", "allowed_action"):
+            found[name].return_value = None
+        scorer = Scorer(net, td, in_keys=["x"], out_keys=["y"])
+    assert all(found[name].called == holds for name in searches)
+    assert scorer.allowed is None and torch.equal(scorer.target_index, net(x).argmax(-1))
+    torch.testing.assert_close(scorer.reference, net(x).max(-1).values)

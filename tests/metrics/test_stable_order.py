@@ -30,6 +30,7 @@ def test_equals_torchs_stable_sort(shape, pool, seed, descending):
     picks = torch.randint(len(pool), shape, generator=generator)
     values = torch.tensor(pool, dtype=torch.float32)[picks]
     assert torch.equal(stable_order(values, descending), torch_order(values, descending))
+    assert torch.equal(stable_order(values, descending, nan_free=True), torch_order(values, descending))
 
 
 @pytest.mark.parametrize("descending", [True, False])

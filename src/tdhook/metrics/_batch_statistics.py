@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from torch import nn
@@ -36,10 +36,11 @@ __all__ = ["batch_normalising_module", "keeps_running_statistics", "statistics_k
 Metric = TypeVar("Metric", bound=Callable)
 
 
-def batch_normalising_module(module: object) -> str | None:
+def batch_normalising_module(module: object, modules: Mapping[str, nn.Module] | None = None) -> str | None:
     """The first module of ``module`` whose output depends on the other samples of its batch, named with its type, or
     ``None`` (see :func:`~tdhook.attribution.methods._batch_statistics.batch_normalisers`: a BatchNorm in training
-    mode or without running statistics, torchrl's ``BatchRenorm1d`` in training mode).
+    mode or without running statistics, torchrl's ``BatchRenorm1d`` in training mode). ``modules``: those of
+    ``module`` by name, where the caller has walked them already.
 
     Examples:
         >>> net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, track_running_stats=False))
@@ -48,7 +49,7 @@ def batch_normalising_module(module: object) -> str | None:
     """
     if not isinstance(module, nn.Module):
         return None
-    modules = dict(module.named_modules())
+    modules = dict(module.named_modules()) if modules is None else modules
     names = batch_normalisers(modules)
     return f"{names[0] or type(module).__name__} ({type(modules[names[0]]).__name__})" if names else None
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from tdhook.metrics._features import Baseline, Features
+from tdhook.metrics._features import Baseline, Features, positions_of
 from tdhook.metrics._scoring import Scorer, chunks, progress_bar
 
 __all__ = ["perturbation_curve"]
@@ -28,11 +28,12 @@ __all__ = ["perturbation_curve"]
 def perturbation_curve(
     scorer: Scorer,
     features: Features,
-    positions: torch.Tensor,
+    positions: torch.Tensor | None,
     thresholds: torch.Tensor,
     baseline: Baseline,
     progress: bool | None = None,
     description: str = "perturbation curve",
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The scores ``batch + [1 + len(thresholds)]``: unperturbed, then with features at positions below each threshold.
 
@@ -42,22 +43,29 @@ def perturbation_curve(
     Args:
         scorer: the model's target score.
         features: the explained keys and their attributions.
-        positions: ``batch + [n_features]``: the step order of every feature (its rank).
+        positions: ``batch + [n_features]``: the step order of every feature (its rank); ``None`` where ``order``
+            gives it.
         thresholds: step ``k`` (from 1) sets the features with ``positions < thresholds[k - 1]`` to the baseline;
             increasing.
         baseline: the value the perturbed features take.
         progress: show a progress bar (``None``: for runs of at least 20 forward passes).
         description: the progress bar's label.
+        order: ``batch + [n_features]``: the features in the order they go, one rank each (each row a permutation,
+            ``positions`` its inverse), or ``None``. A first layer updated step by step reads its elements in that
+            order without inverting ``positions``.
     """
     baselines = features.baselines(baseline)  # checked before any forward pass, and resolved once
-    # Each key's feature positions, shaped like its attribution (split once, not per stack of steps), in the
-    # narrowest integer type that holds them: comparing them with the thresholds builds each stack's masks.
-    small = torch.int32 if positions.shape[-1] < 2**31 else torch.int64
-    per_key = features.split(positions.to(small))
-    thresholds = thresholds.to(device=positions.device, dtype=small)
     affine = scorer.leading_affine()
-    if affine is not None and affine.fits(features.inputs[0], len(features.batch_size), baselines[0]):
+    lead = len(features.batch_size)
+    if affine is not None and affine.fits(features.inputs[0], lead, baselines[0]):
         x, n = features.inputs[0], features.batch_size.numel()
+        sample = x.shape[lead:]
+        if order is not None and features.attributions[0].shape == x.shape:  # one feature per element
+            ranks, order = None, order.reshape(n, -1)
+        else:
+            positions = positions_of(order) if positions is None else positions
+            ranks = features.split(positions)[0]
+            ranks = ranks.reshape(n, *ranks.shape[lead:])
         size = scorer.steps_per_forward or affine.stack_size(n)
         # The unperturbed output comes from the stack of the first steps, but where one step per pass is asked: the
         # model then sees the TensorDict's own batch in every pass (a layer of the caller's may read the whole batch).
@@ -65,13 +73,14 @@ def perturbation_curve(
         if scorer.pending and not folded:
             scorer.resolve()
         stacks = affine.outputs(
-            x.reshape(n, *x.shape[len(features.batch_size) :]),
-            baselines[0].expand_as(x).reshape(n, *x.shape[len(features.batch_size) :]),
-            per_key[0].reshape(n, *per_key[0].shape[len(features.batch_size) :]),
+            x.reshape(n, *sample),
+            baselines[0].expand_as(x).reshape(n, *sample),
+            ranks,
             thresholds,
             size,
             features.batch_size,
             unperturbed=folded,
+            order=order if ranks is None else None,
         )
         update = progress_bar(-(-len(thresholds) // size), description, progress)
         outputs = {}  # the stacks come from the last to the first
@@ -79,11 +88,19 @@ def perturbation_curve(
             outputs[start] = output
             update(1)
         steps = torch.cat([outputs[start] for start in sorted(outputs)]) if len(outputs) > 1 else output
-        if folded:
+        if folded:  # the scores of step 0 and of the others at once
             scorer.resolve(steps[0])
-        columns = [scorer.reference.unsqueeze(0), scorer.scores_of(steps[int(folded) :])]
+            update(0)
+            return scorer.scores_of(steps).movedim(0, -1)
+        columns = [scorer.reference.unsqueeze(0), scorer.scores_of(steps)]
     else:
         scorer.resolve()
+        positions = positions_of(order) if positions is None else positions
+        # Each key's feature positions, shaped like its attribution (split once, not per stack of steps), in the
+        # narrowest integer type that holds them: comparing them with the thresholds builds each stack's masks.
+        small = torch.int32 if positions.shape[-1] < 2**31 else torch.int64
+        per_key = features.split(positions.to(small))
+        thresholds = thresholds.to(device=positions.device, dtype=small)
         columns = [scorer.reference.unsqueeze(0)]
         size = scorer.chunk_size(features.inputs)
         update = progress_bar(-(-len(thresholds) // size), description, progress)

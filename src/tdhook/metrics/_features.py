@@ -31,7 +31,7 @@ from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 
 from tdhook.metrics._stable_order import stable_order
 
-__all__ = ["Baseline", "Features", "explained_keys", "sort_positions", "stacked_batch"]
+__all__ = ["Baseline", "Features", "explained_keys", "positions_of", "sort_positions", "stacked_batch"]
 
 Baseline = Union[float, torch.Tensor, Mapping[NestedKey, Union[float, torch.Tensor]]]
 
@@ -60,10 +60,18 @@ def sort_positions(values: torch.Tensor, descending: bool = True) -> torch.Tenso
         >>> sort_positions(torch.tensor([0.5, 2.0, 0.5, 1.0]), descending=False)
         tensor([0, 3, 1, 2])
     """
-    order = stable_order(values, descending)
-    positions = torch.empty_like(order)
-    arange = torch.arange(values.shape[-1], device=values.device).expand_as(order)
-    return positions.scatter_(-1, order, arange)
+    return positions_of(stable_order(values, descending))
+
+
+def positions_of(order: torch.Tensor) -> torch.Tensor:
+    """The position of every entry of the last dimension in ``order`` (each row a permutation): its inverse.
+
+    Examples:
+        >>> positions_of(torch.tensor([[1, 3, 0, 2]]))
+        tensor([[2, 0, 3, 1]])
+    """
+    arange = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, arange)
 
 
 def stacked_batch(n_steps: int, batch: Sequence[int]) -> tuple[int, ...]:
@@ -144,7 +152,9 @@ class Features:
             ValueError: naming the metric, the attribution's key and the first NaN's index.
         """
         for key, a in zip(self.keys, self.attributions, strict=True):
-            if not (a.is_floating_point() and bool(a.isnan().any())):  # no index search in the common case
+            # No index search in the common case: a sum holds NaN where any element does (and where +inf and -inf
+            # meet, which the search below tells apart), one reduction instead of a mask and its reduction.
+            if not (a.is_floating_point() and bool(a.sum().isnan())):
                 continue
             where = a.isnan().nonzero()
             if len(where):
@@ -168,9 +178,8 @@ class Features:
     @property
     def values(self) -> torch.Tensor:
         """The attributions as ``batch + [n_features]``, keys concatenated in order."""
-        return torch.cat(
-            [a.reshape(*self.batch_size, n) for a, n in zip(self.attributions, self.sizes, strict=True)], -1
-        )
+        flat = [a.reshape(*self.batch_size, n) for a, n in zip(self.attributions, self.sizes, strict=True)]
+        return flat[0] if len(flat) == 1 else torch.cat(flat, -1)
 
     def broadcast_values(self) -> list[torch.Tensor]:
         """Each attribution broadcast to its input's shape."""

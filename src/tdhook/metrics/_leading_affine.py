@@ -24,6 +24,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -96,7 +97,11 @@ class LeadingAffine:
         small = weight.numel() <= _LARGEST_LAYER  # its transposed copy stays small
         typed = x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float64)
         same = typed and x.device == weight.device and x.device.type != "mps"  # MPS: no float64
-        return whole and small and same and bool(torch.isfinite(x).all()) and bool(torch.isfinite(baseline).all())
+        if not (whole and small and same):
+            return False
+        # A sum is finite only where every element is (one that overflows takes the stacked passes, as a non-finite
+        # element does): a reduction instead of a mask of each tensor and its reduction.
+        return math.isfinite(x.sum().item() + (baseline.item() if baseline.dim() == 0 else baseline.sum().item()))
 
     def stack_size(self, n: int) -> int:
         """How many steps one stack holds for a batch of ``n`` samples."""
@@ -106,11 +111,12 @@ class LeadingAffine:
         self,
         x: torch.Tensor,
         baseline: torch.Tensor,
-        positions: torch.Tensor,
+        positions: torch.Tensor | None,
         thresholds: torch.Tensor,
         size: int,
         batch: Sequence[int] = (),
         unperturbed: bool = False,
+        order: torch.Tensor | None = None,
     ) -> Iterator[tuple[int, torch.Tensor]]:
         """The model's outputs at every step, in stacks of ``size`` steps from the last stack to the first.
 
@@ -121,13 +127,15 @@ class LeadingAffine:
         Args:
             x: the unperturbed input, ``[N] + shape``, ``N`` the product of ``batch``.
             baseline: the baseline, broadcasting to ``x``.
-            positions: the rank of each element of ``x``, broadcasting to ``x``.
+            positions: the rank of each element of ``x``, broadcasting to ``x``; ``None`` where ``order`` gives it.
             thresholds: step ``k`` (from 1) sets the elements with ``positions < thresholds[k - 1]`` to the baseline;
                 increasing.
             size: the steps of one stack.
             batch: the batch shape that ``N`` flattens.
             unperturbed: the stack of the first steps begins with step 0, the unperturbed input (its first layer's
                 output is the sum of every bag, which that stack's running sum reaches anyway).
+            order: ``[N, M]``: each sample's elements in the order they go, where the ranks are ``0 .. M - 1`` (one
+                per element: ``positions`` is its inverse, which is then not needed).
 
         Yields:
             ``(start, outputs)``: the outputs ``[steps, N, ...]`` of the steps ``start + 1 .. start + steps``
@@ -136,15 +144,20 @@ class LeadingAffine:
         n, weight, n_steps = x.shape[0], self.linear.weight, len(thresholds)
         with torch.no_grad():  # not around a yield: the caller's code between stacks keeps its own grad mode
             base = baseline.expand_as(x).reshape(n, -1)
-            # Each sample's elements in the order they go, the step (from 0) at which each goes (n_steps: never),
-            # and where each step's elements begin (ends[:, k]: after the elements of steps before k).
-            ranks, order = _in_order(positions.expand_as(x).reshape(n, -1), whole=positions.shape == x.shape)
-            steps = torch.searchsorted(thresholds, ranks, right=True)
-            bounds = torch.arange(n_steps + 2, dtype=steps.dtype, device=steps.device)
-            ends = torch.searchsorted(steps, bounds.expand(len(steps), -1).contiguous()).expand(n, -1)
-            values = (x.reshape(n, -1) - base).gather(-1, order)
-            bags = _Bags.build(order, values, ends, weight, self._at_baseline(base))
-            plain = all(_strided_ok(module) for layer in self.rest for module in layer.modules())
+            # Each sample's elements in the order they go and their ranks in that order (None: 0 .. M - 1); the
+            # bags read them from the last to go.
+            if order is None:
+                ranks, order = _in_order(positions.expand_as(x).reshape(n, -1), whole=positions.shape == x.shape)
+            else:
+                ranks = None
+            last_first = order.flip(-1)
+            bounds = _bag_bounds(ranks, thresholds, x[0].numel(), x.device).expand(n, -1)
+            values = (x.reshape(n, -1) - base).gather(-1, last_first)
+            bags = _Bags(last_first, values, bounds, transposed(weight), self._at_baseline(base))
+            modules = [module for layer in self.rest for module in layer.modules()]
+            plain = all(_strided_ok(module) for module in modules)
+            # Modules in training mode update their buffers: each stack starts from the caller's (the others do not).
+            kept = nn.ModuleList(self.rest) if any(module.training for module in modules) else None
         for start in reversed(range(0, n_steps, size)):
             stop = min(start + size, n_steps)
             first = start - int(unperturbed and start == 0)  # the step before the stack's first
@@ -153,7 +166,7 @@ class LeadingAffine:
                 hidden = hidden if plain else hidden.contiguous()
                 stacked = stacked_batch(stop - first, batch or (n,))
                 out = hidden.reshape(*stacked, weight.shape[0])
-                with statistics_kept(nn.ModuleList(self.rest)):  # each stack from the caller's statistics
+                with statistics_kept(kept) if kept is not None else contextlib.nullcontext():
                     for layer in self.rest:
                         out = layer(out)
             yield first, out.reshape(stop - first, n, *out.shape[len(stacked) :]).flip(0)  # from the first step
@@ -164,11 +177,32 @@ class LeadingAffine:
         ``[N, out]``."""
         weight, bias = self.linear.weight, self.linear.bias
         stored = base if any(base.stride()) else base.reshape(-1)[:1]  # a number expanded: one element to look at
-        if not bool((stored == 0).all()):
+        if not (stored.item() == 0 if stored.numel() == 1 else bool((stored == 0).all())):
             return torch.nn.functional.linear(base, weight, bias)
         if bias is None:
             return weight.new_zeros(1, self.linear.out_features)
         return bias.detach().unsqueeze(0)
+
+
+def _bag_bounds(ranks: torch.Tensor | None, thresholds: torch.Tensor, m: int, device: torch.device) -> torch.Tensor:
+    """``[R, steps + 3]``: where each bag of :class:`_Bags` begins in each row of elements sorted by ``ranks``
+    ``[R, m]`` (``None``: one row ranked ``0 .. m - 1``), read from the last element back: bag 0 empty, bag 1 the
+    elements that never go, bag ``j >= 2`` those that go at step ``steps + 2 - j``, the elements of step ``k`` (from 1)
+    those ranked below ``thresholds[k - 1]`` and not below the threshold before; the last column is ``m``.
+
+    Examples:
+        >>> _bag_bounds(None, torch.tensor([2, 4, 6]), 5, torch.device("cpu"))  # [0, 0, 1, 3, 5]: steps 3, 2, 1
+        tensor([[0, 0, 0, 1, 3, 5]])
+        >>> _bag_bounds(torch.tensor([[0, 0, 1, 3, 3]]), torch.tensor([1, 2]), 5, torch.device("cpu"))
+        tensor([[0, 0, 2, 3, 5]])
+    """
+    if ranks is None:  # the count of ranks below each threshold, from the last
+        counts = [max(0, min(threshold, m)) for threshold in reversed(thresholds.tolist())]
+        return torch.tensor([[0, 0, *(m - count for count in counts), m]], device=device)
+    low, high = torch.iinfo(ranks.dtype).min, torch.iinfo(ranks.dtype).max  # below and above every rank
+    bounds = torch.tensor([low, *thresholds.tolist(), high], dtype=ranks.dtype, device=ranks.device)
+    ends = torch.searchsorted(ranks, bounds.expand(len(ranks), -1).contiguous())  # [R, steps + 2], from the first
+    return torch.cat([ends[:, :1], m - ends.flip(-1)], -1)
 
 
 def _strided_ok(module: nn.Module) -> bool:
@@ -234,18 +268,6 @@ class _Bags:
     base: torch.Tensor
     carry: torch.Tensor | None = None
 
-    @classmethod
-    def build(
-        cls, order: torch.Tensor, values: torch.Tensor, ends: torch.Tensor, weight: torch.Tensor, base: torch.Tensor
-    ) -> _Bags:
-        """The bags of elements in ``order`` (``[N, M]``, the first to go first), with ``values`` ``x_e - b_e`` and
-        ``ends`` ``[N, steps + 2]`` (where each step's elements begin), through a layer of ``weight``, whose output
-        at the baseline is ``base`` (``[N, out]``, or ``[1, out]`` for all samples)."""
-        m = order.shape[1]
-        return cls(
-            order.flip(-1), values.flip(-1), torch.cat([ends[:, :1], m - ends.flip(-1)], -1), transposed(weight), base
-        )
-
     def outputs(self, start: int, stop: int, unperturbed: bool = False) -> torch.Tensor:
         """The layer's outputs ``[stop - start, N, out]`` at steps ``stop .. start + 1`` (from the last step back);
         the stacks come from the last to the first. With ``unperturbed`` (where ``start`` is 0), the output at step 0
@@ -279,11 +301,13 @@ class _Bags:
     def _sums(self, start: int, stop: int) -> torch.Tensor:
         """``[N, stop - start, out]``: per sample and bag in ``[start, stop)``, ``sum rows[e] * values[e]``."""
         n, m = self.order.shape
-        low, high = self.ends[:, start], self.ends[:, stop]
         begins = self.ends[:, start:stop]
-        if bool((low == 0).all()) and bool((high == m).all()):  # every element: no selection
+        # Every element (every bag, from the first, which begins at 0, to the last, which ends at m): no selection.
+        every = start == 0 and stop == self.ends.shape[1] - 1
+        low, high = (None, None) if every else (self.ends[:, start], self.ends[:, stop])
+        if every or (bool((low == 0).all()) and bool((high == m).all())):
             order, values = self.order.reshape(-1), self.values.reshape(-1)
-            offsets = begins + torch.arange(n, device=begins.device).unsqueeze(-1) * m
+            offsets = begins + torch.arange(0, n * m, m, device=begins.device).unsqueeze(-1)
         else:
             counts = high - low
             rows = torch.repeat_interleave(torch.arange(n, device=counts.device), counts)

@@ -41,6 +41,8 @@ def generator(seed: int | None) -> torch.Generator:
 
 def cuda_devices(model: nn.Module) -> list[int]:
     """The CUDA devices that hold ``model``'s parameters or buffers."""
+    if not torch.cuda.is_initialized():  # a tensor on a CUDA device starts CUDA: none yet, no walk of the model
+        return []
     return sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.device.type == "cuda"})
 
 

@@ -75,10 +75,11 @@ def _refuse_steps_read_together(module: TensorDictModuleBase, td: TensorDictBase
         )
 
 
-def _refuse_random_modules(module: nn.Module, td: TensorDictBase) -> None:
-    """A dropout module in training mode drops other units at every forward pass: each perturbed input's score
-    would carry its own dropout noise (and the draws would come from the global random state)."""
-    for name, found, mask in random_modules(dict(module.named_modules())):
+def _refuse_random_modules(modules: Mapping[str, nn.Module], td: TensorDictBase) -> None:
+    """A dropout module in training mode (among the model's ``modules``, by name) drops other units at every forward
+    pass: each perturbed input's score would carry its own dropout noise (and the draws would come from the global
+    random state)."""
+    for name, found, mask in random_modules(modules):
         if found.training and (mask is None or td.get(mask, None) is None):
             raise ValueError(
                 f"metrics: module {name!r} ({type(found).__name__}, p={found.p}) is in training mode: each forward "
@@ -172,9 +173,16 @@ class Scorer:
                 f"metrics: in_keys {unread} are not inputs of the model (its in_keys: {list(self.module.in_keys)}); "
                 "perturbing them would leave its output as it is"
             )
-        _refuse_steps_read_together(self.module, td)
-        _refuse_random_modules(module, td)
-        self._alone = batch_normalising_module(module)
+        modules = dict(module.named_modules())  # the caller's model, walked once for the checks below
+        # A plain model that holds none of tensordict's modules holds none of torchrl's recurrent, sampling, Q-value
+        # or masked modules either: the checks and targets that look for them would find nothing.
+        self._tensordict_free = self._plain and not any(
+            isinstance(sub, TensorDictModuleBase) for sub in modules.values()
+        )
+        if not self._tensordict_free:
+            _refuse_steps_read_together(self.module, td)
+        _refuse_random_modules(modules, td)
+        self._alone = batch_normalising_module(module, modules)
         if self._alone is not None and steps_per_forward not in (None, 1):
             raise ValueError(
                 f"metrics: module {self._alone} normalises over the batch (training mode or no running "
@@ -193,6 +201,7 @@ class Scorer:
             )
         self._key, self._operator = named[None]
         self._pending: tuple[TensorDictBase, Target] | None = (td, target)
+        self._split: LeadingAffine | None | bool = False  # the model's split, once looked for (False: not yet)
         if not (defer and self._alone is None and self.leading_affine() is not None):  # (each step as its own batch)
             self.resolve()
 
@@ -222,13 +231,16 @@ class Scorer:
     def _resolve(self, result: TensorDictBase, td: TensorDictBase, target: Target) -> None:
         operator = self._operator
         self._key = resolve_target_key(result, self._key, operator)
-        _refuse_sampled_target(self.module, self._key)
+        free = self._tensordict_free
+        if not free:
+            _refuse_sampled_target(self.module, self._key)
         # A chosen action's value follows the greedy action of each perturbed input: score the value of the action
         # chosen here instead, the quantity explained.
-        chosen = chosen_action(self.module, self._key, result) if target is None else None
+        chosen = chosen_action(self.module, self._key, result) if target is None and not free else None
         if chosen is not None:
             self._key = chosen[0]
         output = self.reference_output = self._output(result)
+        self._reference = None
         if tuple(output.shape[: len(self._batch)]) != tuple(self._batch):
             raise ValueError(
                 f"metrics: the target output {self._key!r} of shape {list(output.shape)} does not start with the "
@@ -253,17 +265,25 @@ class Scorer:
         elif output.dim() > len(self._batch) and (target is not None or output.shape[-1] > 1):
             try:
                 # A masked policy's default: the allowed action LRP and the methods explain, not the plain argmax.
-                allowed = allowed_action(operator, self._key, result, td) if target is None else None
+                allowed = allowed_action(operator, self._key, result, td) if target is None and not free else None
                 if chosen is not None:
                     self._index = chosen[1]
                 elif allowed is not None:
                     self._index = allowed.reshape(output.shape[:-1])
+                elif target is None:  # the argmax, as the one-hot initial gradient of the methods has it
+                    self._index = output.detach().argmax(-1)
                 else:
                     self._index = initial_gradient(output, target, self._key, len(self._batch)).argmax(-1)
             except (IndexError, ValueError, TypeError) as err:
                 raise _metrics_error(err) from err
-        self.allowed = allowed_mask(operator, self._key, result)
-        self.reference = self._score(output)
+        self.allowed = None if free else allowed_mask(operator, self._key, result)
+
+    @property
+    def reference(self) -> torch.Tensor:
+        """The score on the unperturbed input, shaped like the batch."""
+        if self._reference is None:
+            self._reference = self._score(self.reference_output)
+        return self._reference
 
     @property
     def target_key(self) -> NestedKey:
@@ -321,7 +341,9 @@ class Scorer:
         key = self._key if self._key is not None or len(module.out_keys) != 1 else module.out_keys[0]
         if list(module.in_keys) != self.keys or list(module.out_keys) != [key] or self._operator is not module:
             return None
-        return LeadingAffine.find(module.module)
+        if self._split is False:  # the model does not change within the metric's call
+            self._split = LeadingAffine.find(module.module)
+        return self._split
 
     def outputs(self, perturbed: Mapping[NestedKey, torch.Tensor]) -> torch.Tensor:
         """The target outputs of ``S`` perturbed versions of the batch, ``[S] + batch + ...``, in one forward pass.

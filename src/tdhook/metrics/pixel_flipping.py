@@ -16,9 +16,10 @@ from torch import nn
 from tdhook.attribution.targets import Target
 from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._curves import perturbation_curve
-from tdhook.metrics._features import Baseline, Features, sort_positions
+from tdhook.metrics._features import Baseline, Features
 from tdhook.metrics._random import keeps_global_rng
 from tdhook.metrics._scoring import Scorer
+from tdhook.metrics._stable_order import stable_order
 
 __all__ = ["pixel_flipping"]
 
@@ -96,6 +97,6 @@ def pixel_flipping(
     features = Features.read(td, scorer.keys, relevance_key)
     features.refuse_nan("pixel_flipping")
     n_steps = -(-features.n_features // features_per_step)
-    positions = sort_positions(features.values)
-    thresholds = torch.arange(1, n_steps + 1) * features_per_step
-    return perturbation_curve(scorer, features, positions, thresholds, baseline, progress, "pixel flipping")
+    order = stable_order(features.values, nan_free=True)
+    thresholds = torch.arange(features_per_step, n_steps * features_per_step + 1, features_per_step)
+    return perturbation_curve(scorer, features, None, thresholds, baseline, progress, "pixel flipping", order=order)
