@@ -493,3 +493,20 @@ def test_one_step_per_forward_pass_keeps_the_unperturbed_input_in_a_pass_of_its_
         steps = [torch.zeros(3, 6, dtype=torch.bool).scatter_(-1, order[:, :k], True) for k in range(7)]
         expected = torch.stack([net(torch.where(mask, 0.0, x)).gather(-1, target).squeeze(-1) for mask in steps], -1)
     torch.testing.assert_close(curve, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("batch", [[2, 3], []])
+def test_a_flatten_first_on_a_batch_of_other_than_one_dimension_is_run_as_the_model_runs(batch):
+    """``nn.Flatten()`` flattens every dimension after the first, which is a sample's only on a batch of one
+    dimension: on a ``[2, 3]`` batch it takes the second batch dimension into the features, on a batch ``[]`` it
+    leaves the first feature dimension out. The model refuses such inputs, and so does the metric, as the model's
+    own passes do (the curve was that of samples flattened one by one, which the model does not compute)."""
+    torch.manual_seed(7)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(12, 3), nn.ReLU(), nn.Linear(3, 2)).double().eval()
+    x = torch.randn(*batch, 3, 4, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=torch.randn_like(x), batch_size=batch), batch_size=batch)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        net(x)
+    for steps_per_forward in (None, 2):
+        with pytest.raises(RuntimeError, match="cannot be multiplied"):
+            flipping(net, td, features_per_step=5, steps_per_forward=steps_per_forward)

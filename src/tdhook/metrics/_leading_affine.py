@@ -89,11 +89,14 @@ class LeadingAffine:
         return cls(flatten, first[0], layers[2 if flatten else 1 :])
 
     def fits(self, x: torch.Tensor, batch_dims: int, baseline: torch.Tensor) -> bool:
-        """Whether the linear layer reads each sample of ``x`` (``batch + shape``, not empty) whole, in float32 or
+        """Whether the linear layer reads each sample of ``x`` (``batch + shape``, not empty) whole (after a flatten, on
+        a batch of one dimension), in float32 or
         float64, and ``x`` and ``baseline`` are finite (an infinite or NaN input would stay in the summed outputs after
         it went to the baseline; such a baseline would be in the outputs before it came)."""
         shape, weight = x.shape[batch_dims:], self.linear.weight
-        whole = (self.flatten or len(shape) == 1) and math.prod(shape) == self.linear.in_features and x.numel() > 0
+        # nn.Flatten() flattens every dimension after the first: a sample's own on a batch of one dimension only.
+        flat = batch_dims == 1 if self.flatten else len(shape) == 1
+        whole = flat and math.prod(shape) == self.linear.in_features and x.numel() > 0
         small = weight.numel() <= _LARGEST_LAYER  # its transposed copy stays small
         typed = x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float64)
         same = typed and x.device == weight.device and x.device.type != "mps"  # MPS: no float64
