@@ -510,3 +510,21 @@ def test_a_flatten_first_on_a_batch_of_other_than_one_dimension_is_run_as_the_mo
     for steps_per_forward in (None, 2):
         with pytest.raises(RuntimeError, match="cannot be multiplied"):
             flipping(net, td, features_per_step=5, steps_per_forward=steps_per_forward)
+
+
+def test_a_large_baseline_leaves_no_rounding_in_the_steps_before_it_comes():
+    """A float32 model with inputs near 1 and a baseline of 1e6: the layer's output with every element at the
+    baseline is near 1e7, and ``x - b`` near -1e6. Taken in float32, their sum at step 0 (and at the first steps)
+    carries their rounding, about 1, far above the output itself, and the target fixed there is another unit. In
+    float64 the curve is the definition's, rounded once to float32; the target is the model's argmax."""
+    torch.manual_seed(11)
+    net = nn.Sequential(nn.Linear(12, 9, bias=False), nn.ReLU(), nn.Linear(9, 4)).eval()
+    x, a = torch.randn(5, 12), torch.randn(5, 12)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[5])
+    curve, updated = watched_flipping(net, td, features_per_step=7, baseline=1e6)
+    assert updated.called
+    wide = copy.deepcopy(net).double()
+    target = wide(x.double()).argmax(-1)
+    assert torch.equal(target, net(x).argmax(-1))
+    expected = by_definition(wide, x.double(), a.double(), target, 7, baseline=1e6)
+    torch.testing.assert_close(curve.double(), expected, rtol=1e-6, atol=1e-5)

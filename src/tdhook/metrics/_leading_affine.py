@@ -155,8 +155,21 @@ class LeadingAffine:
                 ranks = None
             last_first = order.flip(-1)
             bounds = _bag_bounds(ranks, thresholds, x[0].numel(), x.device).expand(n, -1)
-            values = (x.reshape(n, -1) - base).gather(-1, last_first)
-            bags = _Bags(last_first, values, bounds, transposed(weight), self._at_baseline(base))
+            # A baseline other than zero: its output and x - b in float64. In the layer's float32, the output at a
+            # step before the baseline's elements come would be the sum of two large terms (the output at the
+            # baseline, the changes x - b) that cancel, and would carry their rounding (a baseline of 1e6 for inputs
+            # near 1: about 1, more than the output itself, and the target fixed on it another unit).
+            at_baseline = self._at_baseline(base)
+            wide = at_baseline is None
+            if wide:
+                base, rows = base.to(torch.float64), transposed(weight).to(torch.float64)
+                at_baseline = torch.nn.functional.linear(
+                    base, weight.to(torch.float64), None if self.linear.bias is None else self.linear.bias.double()
+                )
+            else:
+                rows = transposed(weight)
+            values = (x.reshape(n, -1).to(base.dtype) - base).gather(-1, last_first)
+            bags = _Bags(last_first, values, bounds, rows, at_baseline)
             modules = [module for layer in self.rest for module in layer.modules()]
             plain = all(_strided_ok(module) for module in modules)
             # Modules in training mode update their buffers: each stack starts from the caller's (the others do not).
@@ -166,6 +179,8 @@ class LeadingAffine:
             first = start - int(unperturbed and start == 0)  # the step before the stack's first
             with torch.no_grad():
                 hidden = bags.outputs(start, stop, unperturbed=first < start)
+                if hidden.dtype != weight.dtype:  # summed in float64 (see above): rounded once to the layer's
+                    hidden = hidden.to(weight.dtype)
                 hidden = hidden if plain else hidden.contiguous()
                 stacked = stacked_batch(stop - first, batch or (n,))
                 out = hidden.reshape(*stacked, weight.shape[0])
@@ -174,14 +189,13 @@ class LeadingAffine:
                         out = layer(out)
             yield first, out.reshape(stop - first, n, *out.shape[len(stacked) :]).flip(0)  # from the first step
 
-    def _at_baseline(self, base: torch.Tensor) -> torch.Tensor:
-        """The layer's output with every element at the baseline ``base`` ``[N, M]``, in its precision: ``[1, out]``
-        where the baseline is zero (its bias, as the pass would give it: a sum of zeros plus the bias), else one pass
-        ``[N, out]``."""
+    def _at_baseline(self, base: torch.Tensor) -> torch.Tensor | None:
+        """The layer's output with every element at the baseline ``base`` ``[N, M]`` where the baseline is zero: its
+        bias ``[1, out]``, as the pass would give it (a sum of zeros plus the bias); ``None`` for any other baseline."""
         weight, bias = self.linear.weight, self.linear.bias
         stored = base if any(base.stride()) else base.reshape(-1)[:1]  # a number expanded: one element to look at
         if not (stored.item() == 0 if stored.numel() == 1 else bool((stored == 0).all())):
-            return torch.nn.functional.linear(base, weight, bias)
+            return None
         if bias is None:
             return weight.new_zeros(1, self.linear.out_features)
         return bias.detach().unsqueeze(0)
