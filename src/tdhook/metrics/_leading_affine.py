@@ -162,10 +162,8 @@ class LeadingAffine:
             at_baseline = self._at_baseline(base)
             wide = at_baseline is None
             if wide:
-                base, rows = base.to(torch.float64), transposed(weight).to(torch.float64)
-                at_baseline = torch.nn.functional.linear(
-                    base, weight.to(torch.float64), None if self.linear.bias is None else self.linear.bias.double()
-                )
+                base, rows, bias = base.to(torch.float64), transposed(weight).to(torch.float64), self.linear.bias
+                at_baseline = base @ rows if bias is None else torch.addmm(bias.to(torch.float64), base, rows)
             else:
                 rows = transposed(weight)
             values = (x.reshape(n, -1).to(base.dtype) - base).gather(-1, last_first)
