@@ -19,6 +19,7 @@ from torch.nn import functional as F
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP, _function_rule_plan
 from tests.attribution.test_lrp_huggingface import LastLogits, build
+from tests.attribution.test_lrp_transformer_zoo import ZOO, Explained, model_input
 from tests.conftest import relative_error
 
 F64 = torch.float64
@@ -648,3 +649,30 @@ def test_fused_attention_over_constant_values_is_a_constant(applied, values: str
         relevances = [call(lrp, x) for _ in range(3)]
     for relevance in relevances:
         assert relative_error(relevance, expected) <= 1e-12
+
+
+# Zoo configurations whose later calls take the graph's way under both presets (the others keep the mode: a
+# functional activation or gate, a recurrent mixer, relative position biases read by value, ...).
+PLANNED = {("bert", "sdpa"), ("mixtral", "eager"), ("gemma3", "sdpa"), ("falcon", "eager"), ("deit", "sdpa")}
+
+
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
+@pytest.mark.parametrize(
+    ("name", "implementation"),
+    [(name, implementation) for name in sorted(ZOO) for implementation in ZOO[name].implementations()],
+)
+def test_zoo_models_calls_in_a_context_equal_a_call_in_the_mode(applied, name: str, implementation: str, preset):
+    """Every call of a context (the recording one, then those that may take the graph's way) equals a call that
+    runs in the mode, to the last bit, with no warning, on every architecture of the transformer zoo; an encoder, a
+    mixture of experts, Gemma 3, multi-query attention and a vision transformer take the graph's way."""
+    architecture = ZOO[name]
+    explained, x = Explained(architecture.build(implementation), architecture.inputs), model_input(architecture)
+    lrp = LRP(explained, preset(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)
+    with lrp, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        relevances = [call(lrp, x) for _ in range(3)]
+    if (name, implementation) in PLANNED:
+        assert applied == [True, True]
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)
