@@ -1,10 +1,5 @@
 """A plain ``nn.Module`` given to LRP with ``in_keys`` and ``out_keys``: its TensorDict wrapper, and a lean call.
 
-A metric or a method on a plain module wraps it on every call. ``TensorDictModule``'s constructor checks its keys
-and sets each attribute through ``nn.Module.__setattr__``, about 25 µs, as long as a metric's whole setup on a small
-model. A wrapper for keys wrapped before is built from the attributes the first one got instead (copies of them),
-in about 8 µs: the same object, with the same attributes.
-
 Examples:
     >>> import torch
     >>> from tensordict import TensorDict
@@ -17,7 +12,6 @@ Examples:
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import torch
@@ -57,59 +51,10 @@ def as_tensordict_module(
                 "give both, the names its inputs and outputs take in the TensorDict (in_keys=['x'], out_keys=['y']: "
                 "it is then called as module(td['x']) and its output written at 'y'), or pass a TensorDictModule"
             )
-        return _wrapped(module, in_keys, out_keys), True
+        return TensorDictModule(module, in_keys=in_keys, out_keys=out_keys), True
     if out_keys is not None:
         raise TypeError("out_keys is only for a plain nn.Module: a TensorDict module declares its own")
     return module, False
-
-
-# The attributes of a TensorDictModule beyond those every nn.Module has (its keys, its options), as the constructor set
-# them for each pair of in and out keys seen: a hundred pairs at most.
-_WRAPPER_STATE: dict[tuple, dict[str, object]] = {}
-_LARGEST_STATE = 100
-_MODULE_STATE = frozenset(nn.Module().__dict__)
-
-
-def _wrapped(module: nn.Module, in_keys: Sequence[NestedKey], out_keys: Sequence[NestedKey]) -> TensorDictModule:
-    """``TensorDictModule(module, in_keys=in_keys, out_keys=out_keys)``, from the attributes of the last such wrapper
-    made for the same keys where there was one.
-
-    Examples:
-        >>> first = _wrapped(torch.nn.Linear(3, 2), ["x"], ["y"])
-        >>> second = _wrapped(torch.nn.Linear(3, 2), ["x"], ["y"])
-        >>> second.in_keys, second.out_keys, second.in_keys is first.in_keys
-        (['x'], ['y'], False)
-    """
-    try:  # a str or a tuple is one key, a list several: the type tells them apart
-        keys = (type(in_keys), tuple(in_keys), type(out_keys), tuple(out_keys))
-        state = _WRAPPER_STATE.get(keys)
-    except TypeError:  # keys that do not hash (a dict of inputs)
-        return TensorDictModule(module, in_keys=in_keys, out_keys=out_keys)
-    if state is None:
-        wrapper = TensorDictModule(module, in_keys=in_keys, out_keys=out_keys)
-        if len(_WRAPPER_STATE) >= _LARGEST_STATE:
-            _WRAPPER_STATE.clear()
-        _WRAPPER_STATE[keys] = _copied({k: v for k, v in wrapper.__dict__.items() if k not in _MODULE_STATE})
-        return wrapper
-    wrapper = TensorDictModule.__new__(TensorDictModule)
-    nn.Module.__init__(wrapper)
-    wrapper.__dict__.update(_copied(state))
-    wrapper.module = module
-    return wrapper
-
-
-def _copied(state: dict[str, object]) -> dict[str, object]:
-    """``state`` with its lists and dicts copied (a wrapper may change its keys), those it shares shared in the copy
-    (its out keys are one list under two names)."""
-    copies: dict[int, object] = {}
-    copied = {}
-    for name, value in state.items():
-        if isinstance(value, (list, dict)):
-            if id(value) not in copies:
-                copies[id(value)] = value.copy() if type(value) in (list, dict) else copy.copy(value)
-            value = copies[id(value)]
-        copied[name] = value
-    return copied
 
 
 def call_plain(wrapper: TensorDictModule, work: TensorDictBase) -> TensorDictBase:
