@@ -20,9 +20,11 @@ Norms written out (Llama's RMSNorm: ``x * rsqrt(mean(x²) + ε)``) get the same 
 in a mode of its own, nine torch calls of Python dispatch per norm. The recording call notes each held scale's node
 and the node of the call that took the scale (see :mod:`~tdhook.attribution.rules._graph_calls`); a later call runs
 the norm's forward as it is and puts a pre-hook on the scale's node that passes no gradient, so that the nodes
-behind it get none either, as behind the detached scale: the same gradient, bit for bit. A norm whose forward does
-more (a fused ``F.layer_norm``, whose rule is a backward of its own) keeps its mode in later calls, and so does one
-whose plain backward would read a tensor changed in place after the forward saved it.
+behind it get none either, as behind the detached scale: the same gradient, bit for bit. A fused ``F.layer_norm``
+(a module's, or called as a function) gets its rule as a hook on its own node, from the scale the node saved: the
+recording call puts it there and notes the node, a later call puts it on the same node of its plain graph. A norm
+whose forward does more keeps its mode in later calls, and so does one whose plain backward would read a tensor
+changed in place after the forward saved it (a layer norm's input changed in place after it).
 
 CP-LRP's held attention weights and held gates get it too, and so does a fused attention (sdpa). In a recording
 call the mode holds them without detaching them, so that its graph is the plain call's: a softmax's output, held
@@ -38,7 +40,7 @@ tensor run with
 no gradient, as they would not behind a detached one: a call whose graph there saved a tensor that was changed in
 place after runs again in the mode (their backward would raise), and so do later calls on inputs of its signature.
 
-Where the mode applies any other rule (a softmax with ε, a norm or an activation called as a function, a fused
+Where the mode applies any other rule (a softmax with ε, an RMS norm or an activation called as a function, a fused
 attention with dropout, a gate held in a product other than an element-wise one), every later call on inputs of
 that signature runs in the mode. So does every call where the forward reads values computed from the explained
 inputs into Python (``if x.sum() > 0``, ``.item()``, ``int(...)``; held attention weights' values are the inputs'
@@ -103,11 +105,13 @@ class _Cut(NamedTuple):
 class _Hold(NamedTuple):
     """What the function mode did to a node's gradients without a node of its own: it passes no gradient at all
     (``factors`` None: a held tensor's own node), or it multiplies the gradients it passes to its inputs by
-    ``factors`` (one per input: ``None`` leaves it, ``0.0`` passes none: a held input)."""
+    ``factors`` (one per input: ``None`` leaves it, ``0.0`` passes none: a held input); or ``hook`` put a rule of
+    its own on the node (a fused layer norm's)."""
 
     node: Any
     factors: tuple[float | None, ...] | None
     earlier: int  # how many products' nodes of the mode's own came before
+    hook: Any = None  # puts the rule on a node of the same type: ``hook(node)``
 
     @property
     def dropped(self) -> tuple[int, ...]:
@@ -133,6 +137,7 @@ class Recording:
         self.followed: dict[int, torch.Tensor] = {}  # by id: the held tensors and what is made of them
         self.held_alone: dict[int, torch.Tensor] = {}  # by id: the held tensors and what is made of them alone
         self.strayed = False  # whether a held tensor took other values in place: unlike a detached one's
+        self.settled = False  # whether the call ended (see FunctionRulePlan.settle)
 
     def scaled(self, product: Any, factor: Any) -> None:
         """The mode halves the gradient of a product (the uniform rule): ``factor``, a node of its own, passes
@@ -196,6 +201,16 @@ class Recording:
         node.register_hook(functools.partial(_scale_inputs, hold.factors))
         pass_no_relevance(node, hold.dropped)
         self.holds.append(hold)
+        return True
+
+    def hooked(self, node: Any, hook: Any) -> bool:
+        """A rule puts its gradient on ``node`` (just made, as by a plain call) by ``hook(node)``, which it can do on
+        the same node of a later call; the recording does it now. ``False``, and nothing done, once the recording
+        is settled (a call that runs again in the mode after it puts its rules its own way)."""
+        if self.settled:
+            return False
+        hook(node)
+        self.holds.append(_Hold(node, (None,) * len(node.next_functions), len(self.products), hook))
         return True
 
     def read_values(self) -> None:
@@ -334,6 +349,7 @@ class FunctionRulePlan:
         place (a detached one would then be another activation): the call must run again in the mode with no
         recording."""
         end = _sequence_number()
+        recording.settled = True
         if recording.strayed or (recording.holds and not _saved_intact(result, recording.outputs)):
             self._plans[recording.key] = None
             return False
@@ -403,8 +419,6 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
         if changed or id(cut.node) not in parents or not _branch_intact(cut.node, parents):
             norms.pop(id(cut.module), None)
     cuts = [cut for cut in cuts if id(cut.module) in norms]
-    if not products and not cuts and not holds:
-        return None  # nothing to gain
     steps: list[tuple[int, int, type, int | None, bool, Any]] = []
     slots: dict[int, int] = {}
     # Each earlier product added a node of the mode's own (its gradient's factor), which a plain call lacks.
@@ -432,6 +446,8 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
 
 def _hold_hook(hold: _Hold) -> Any:
     """What puts a hold's hook on its node in a later call."""
+    if hold.hook is not None:
+        return hold.hook
     return _CUT if hold.factors is None else _post_hook(functools.partial(_scale_inputs, hold.factors))
 
 

@@ -264,7 +264,7 @@ class FunctionalRules(TorchFunctionMode):
         result = self._other_rules(func, args, kwargs)
         if result is _NO_RULE:
             return mark_parameter_derived(args, func(*args, **kwargs))
-        if recording is not None:
+        if recording is not None and not _ruled_on_own_node(recording, result):
             recording.other_rule()
         return result
 
@@ -471,6 +471,13 @@ def _einsum_operands(args: tuple) -> tuple:
     """The operands of ``torch.einsum(equation, *operands)``, given one by one or as one list."""
     operands = args[1:]
     return tuple(operands[0]) if len(operands) == 1 and isinstance(operands[0], (list, tuple)) else operands
+
+
+def _ruled_on_own_node(recording: Recording, result: object) -> bool:
+    """Whether the rule just applied put its gradient on ``result``'s own node, and the recording holds it (a fused
+    layer norm's): a later call puts it on the same node of its plain graph."""
+    node = getattr(result, "grad_fn", None)
+    return node is not None and bool(recording.holds) and recording.holds[-1].node is node
 
 
 def _warn_random(p: float) -> None:

@@ -24,6 +24,7 @@ module (timm's ``BatchNormAct2d``, ``GroupNormAct``) keep their own rules.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -129,6 +130,57 @@ def _channel_view(tensor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return tensor.view(1, -1, *[1] * (x.dim() - 2))
 
 
+def _fused_layer_norm_of(output: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``output`` is a fused layer norm's of ``x``, made by its own node, which saved the normalising
+    scale in ``x``'s dtype (outside calls that keep the graph)."""
+    node = output.grad_fn
+    if type(node).__name__ != "NativeLayerNormBackward0" or graph_kept() is not None:
+        return False
+    child, index = node.next_functions[0]
+    if x.grad_fn is None:  # a leaf: its node is its accumulator
+        taken = getattr(child, "variable", None) is x
+    else:
+        taken = child is x.grad_fn and index == x.output_nr
+    return taken and node._saved_result2.dtype == x.dtype
+
+
+def _layer_norm_scale(node: Any) -> torch.Tensor:
+    """The factor of a fused layer norm's node's rule gradient: the normalising scale it saved (``1 / σ``, per
+    position), times the norm's weight."""
+    weight = node._saved_weight
+    rstd = node._saved_result2
+    return rstd if weight is None else rstd * weight.detach()
+
+
+def _centred(scale: torch.Tensor, reduce: tuple[int, ...], grad: torch.Tensor) -> list[torch.Tensor]:
+    """The layer norm rule's gradient: ``h − mean(h)`` over the normalised dimensions, ``h = grad · scale``."""
+    h = grad * scale
+    return [h - h.mean(reduce, keepdim=True)]
+
+
+def hook_layer_norm_rule(reduce: tuple[int, ...], node: Any) -> None:
+    """Put the layer norm rule on a fused layer norm's node (normalising over the dimensions ``reduce``): a hook
+    that replaces the gradient it passes to its input by the rule's, the scale it saved held constant.
+
+    Examples:
+        >>> x = torch.randn(2, 4, requires_grad=True)
+        >>> y = F.layer_norm(x, (4,))
+        >>> hook_layer_norm_rule((-1,), y.grad_fn)
+        >>> grad = torch.autograd.grad(y[0, 0], x)[0]
+        >>> sigma = (x.detach().var(-1, unbiased=False) + 1e-5).sqrt()
+        >>> torch.allclose(grad[0], (torch.tensor([1.0, 0.0, 0.0, 0.0]) - 1 / 4) / sigma[0])
+        True
+    """
+    rule = functools.partial(_centred, _layer_norm_scale(node), reduce)
+    node.register_hook(functools.partial(_input_gradient_by, rule))
+
+
+def _input_gradient_by(rule: Any, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
+    """A node's post-hook: the gradient to its first input from ``rule``, the others as the node computed them."""
+    grad = grad_outputs[0]
+    return grad_inputs if grad is None else (*rule(grad), *grad_inputs[1:])
+
+
 class _ConstantScale(TorchFunctionMode):
     """The mode a norm's forward runs in: norms get the rule, normalising scales are held constant.
 
@@ -157,8 +209,11 @@ class _ConstantScale(TorchFunctionMode):
                 raise_for_transformed_call("the norm's rule", args[:1])
                 # A held input (create_graph=True: it requires grad, as a detached one would not) passes no relevance.
                 if isinstance(x, torch.Tensor) and x.requires_grad and not is_held(x):
-                    self.kept = True
-                    return handler(self.rule, self.module, func(*args, **kwargs), args, kwargs)
+                    output = func(*args, **kwargs)
+                    ruled = handler(self.rule, self.module, output, args, kwargs)
+                    # A rule found in the plain graph (the fused layer norm's hook) lets later calls run it plainly.
+                    self.kept = self.kept or ruled is not output
+                    return ruled
             result = func(*args, **kwargs)
             if func in _SCALES:
                 self.applied = True
@@ -270,6 +325,13 @@ class NormRule(Rule):
         if not x.requires_grad:
             return output
         reduce = tuple(range(-dims, 0))
+        if _fused_layer_norm_of(output, x):
+            # The scale torch computed (and saved on the node): in a call that records where the rules act, a hook
+            # on the fused norm's own node, which a later call puts on the same node of its plain graph.
+            held = recording()
+            if held is not None and held.hooked(output.grad_fn, functools.partial(hook_layer_norm_rule, reduce)):
+                return output
+            return redirect(output, [x], functools.partial(_centred, _layer_norm_scale(output.grad_fn), reduce))
         xd = _constant(x)
         inv_sigma = torch.rsqrt(xd.var(reduce, unbiased=False, keepdim=True) + eps)
         scale = inv_sigma if weight is None else inv_sigma * _constant(weight)
