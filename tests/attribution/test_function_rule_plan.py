@@ -105,8 +105,8 @@ def test_later_calls_halve_the_products_in_the_graph(applied):
 @pytest.mark.parametrize(
     "change, later",
     [
-        # A call with no product to rule records a plan with no hook: later calls run without the mode.
-        pytest.param({"product": False}, [True], id="the product becomes a sum"),
+        # A call with no product to rule records no plan: its inputs' shape keeps the mode from then on.
+        pytest.param({"product": False}, [], id="the product becomes a sum"),
         pytest.param({"extra": True}, [True], id="one product more"),
         pytest.param({"copy": True}, [True], id="one node more off the product's path"),
     ],
@@ -482,6 +482,64 @@ def test_a_fused_layer_norm_whose_input_is_changed_in_place_after_it_keeps_its_m
     assert applied == []  # every call in the mode
     model.in_place = False  # the same function: the change in place comes after the norm's output was taken
     assert relative_error(first, layer_norm_by_hand(model, x)) <= 1e-12
+    for relevance in later:
+        assert torch.equal(relevance, first)
+
+
+class ActivatedProduct(Product):
+    """``out(f(q(x)) * k(x))`` with ``f`` an activation called as a function; with ``in_place``, ``f``'s input is
+    changed in place after the call (its node's own backward, which reads it, would raise)."""
+
+    def __init__(self, activation, in_place: bool = False) -> None:
+        super().__init__()
+        self.activation, self.in_place = activation, in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.q(x)
+        activated = self.activation(h)
+        if self.in_place:
+            h.mul_(1.0)
+        return self.out(activated * self.k(x))
+
+
+def activated_by_hand(model: ActivatedProduct, x: torch.Tensor) -> torch.Tensor:
+    """AttnLRP's relevance for ``model``: ``f``'s input gets ``grad · f(h) / h``, the product's gradient halved."""
+    leaf = x.clone().requires_grad_(True)
+    h = model.q(leaf)
+    activated = h * (model.activation(h) / h).detach()  # the identity rule: the relevance passes as it is
+    logits = model.out(halved(activated * model.k(leaf)))
+    (grad,) = torch.autograd.grad(logits.max(-1).values.sum(), leaf)
+    return leaf.detach() * grad
+
+
+@pytest.mark.parametrize("activation", [F.gelu, F.silu], ids=["gelu", "silu"])
+def test_later_calls_put_a_functional_activations_rule_on_its_node(applied, activation):
+    torch.manual_seed(0)
+    model, x = ActivatedProduct(activation).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)  # a call that enters its context runs in the mode
+    with lrp:
+        first, *later = (call(lrp, x) for _ in range(3))
+    assert applied == [True, True]
+    assert relative_error(first, activated_by_hand(model, x)) <= 1e-9  # the stabiliser's 1e-10 aside
+    for relevance in [first, *later]:
+        assert torch.equal(relevance, in_mode)  # the mode's relevance, to the last bit
+    # The activation's plain gradient gives another relevance: the comparison can fail.
+    leaf = x.clone().requires_grad_(True)
+    logits = model.out(halved(activation(model.q(leaf)) * model.k(leaf)))
+    (grad,) = torch.autograd.grad(logits.max(-1).values.sum(), leaf)
+    assert relative_error(leaf.detach() * grad, first) > 1e-3
+
+
+def test_a_functional_activation_whose_input_is_changed_in_place_after_it_keeps_its_mode(applied):
+    torch.manual_seed(0)
+    model, x = ActivatedProduct(F.gelu, in_place=True).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        first, *later = (call(lrp, x) for _ in range(3))
+    assert applied == []  # every call in the mode: the recording call ran again there
+    model.in_place = False  # the same function: the change comes after the activation was taken
+    assert relative_error(first, activated_by_hand(model, x)) <= 1e-9
     for relevance in later:
         assert torch.equal(relevance, first)
 

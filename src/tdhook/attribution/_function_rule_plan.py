@@ -40,7 +40,11 @@ tensor run with
 no gradient, as they would not behind a detached one: a call whose graph there saved a tensor that was changed in
 place after runs again in the mode (their backward would raise), and so do later calls on inputs of its signature.
 
-Where the mode applies any other rule (a softmax with ε, an RMS norm or an activation called as a function, a fused
+GELU and SiLU called as functions get it too: their nodes save their input, from which a hook computes the
+identity rule's factor (see :func:`~tdhook.attribution.rules.basic.hook_pass_rule`).
+
+Where the mode applies any other rule (a softmax with ε, an RMS norm, an activation called as a function whose
+node keeps no input (tanh, sigmoid), a fused
 attention with dropout, a gate held in a product other than an element-wise one), every later call on inputs of
 that signature runs in the mode. So does every call where the forward reads values computed from the explained
 inputs into Python (``if x.sum() > 0``, ``.item()``, ``int(...)``; held attention weights' values are the inputs'
@@ -419,6 +423,10 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
         if changed or id(cut.node) not in parents or not _branch_intact(cut.node, parents):
             norms.pop(id(cut.module), None)
     cuts = [cut for cut in cuts if id(cut.module) in norms]
+    if not products and not cuts and not holds:
+        # Nothing to gain, and a plan with no step checks no node type: a later call whose branch makes another
+        # graph of the same size (a sum become a product) would run without its rule.
+        return None
     steps: list[tuple[int, int, type, int | None, bool, Any]] = []
     slots: dict[int, int] = {}
     # Each earlier product added a node of the mode's own (its gradient's factor), which a plain call lacks.

@@ -45,6 +45,7 @@ from tdhook.attribution.rules._recomputed import error_in_running_module
 __all__ = [
     "redirect",
     "scale_at_node",
+    "first_input_is",
     "relevance_proxy",
     "scale_gradient",
     "hold",
@@ -248,6 +249,25 @@ def scale_at_node(output: torch.Tensor, scale: torch.Tensor) -> None:
         return (None if grad is None else times_saved(grad, scale),)
 
     output.grad_fn.register_prehook(hook)
+
+
+def first_input_is(node: Any, x: torch.Tensor) -> bool:
+    """Whether ``x`` is what the autograd ``node`` passes its first gradient to (its first next function is
+    ``x``'s node, or for a leaf ``x``'s accumulator).
+
+    Examples:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> h = x * 2
+        >>> first_input_is(torch.tanh(h).grad_fn, h), first_input_is(torch.tanh(h).grad_fn, x)
+        (True, False)
+    """
+    nexts = node.next_functions
+    if not nexts:
+        return False
+    child, index = nexts[0]
+    if x.grad_fn is None:
+        return getattr(child, "variable", None) is x
+    return child is x.grad_fn and index == x.output_nr
 
 
 RelevanceFn = Callable[[Sequence[torch.Tensor]], torch.Tensor]

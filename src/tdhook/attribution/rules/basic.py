@@ -6,18 +6,38 @@ rule's docstring gives the relevance ``R_i`` it assigns to the module's input.
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 from torch import nn
 
 from tdhook.attribution.rules._arguments import nonnegative
-from tdhook.attribution.rules._autograd import hold, redirect, relevance_proxy, scale_at_node, times_saved
+from tdhook.attribution.rules._autograd import (
+    first_input_is,
+    hold,
+    redirect,
+    relevance_proxy,
+    scale_at_node,
+    times_saved,
+)
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import LINEAR_LAYERS, bias_view
 from tdhook.attribution.rules._numerics import PIECE, in_pieces_, stabilize
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, _single_input, output_seen_by_rule_alone
 from tdhook.attribution.tunables import EPSILON
 
-__all__ = ["IgnoreRule", "StopRule", "EpsilonRule", "UniformEpsilonRule", "PassRule", "UniformRule", "RefuseRule"]
+__all__ = [
+    "IgnoreRule",
+    "StopRule",
+    "EpsilonRule",
+    "UniformEpsilonRule",
+    "PassRule",
+    "UniformRule",
+    "RefuseRule",
+    "pass_rule_on_node",
+    "hook_pass_rule",
+]
 
 
 class IgnoreRule(Rule):
@@ -244,6 +264,61 @@ class PassRule(Rule):
             return redirect(output, [x], lambda grad: [grad * z / stabilize(x, stabilizer)])
         scale = output.detach() / stabilize(x.detach(), self.stabilizer)
         return redirect(output, [x], lambda grad: [grad * scale])
+
+
+def _recomputed_gelu(node: Any, x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.gelu(x, approximate=node._saved_approximate)
+
+
+def _recomputed_silu(node: Any, x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.silu(x)
+
+
+# The activations whose autograd node saves their input, by the node's type: the function, from the node and its
+# saved input.
+_SAVING_THEIR_INPUT = {"GeluBackward0": _recomputed_gelu, "SiluBackward0": _recomputed_silu}
+
+
+def pass_rule_on_node(output: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether :func:`hook_pass_rule` can put the pass rule on ``output``'s own node: an activation of ``x`` whose
+    node saved ``x`` (GELU, SiLU), ``output`` fresh (no view, no marks), outside calls that keep the graph.
+
+    Examples:
+        >>> x = torch.randn(3, requires_grad=True)
+        >>> pass_rule_on_node(nn.functional.gelu(x), x), pass_rule_on_node(torch.tanh(x), x)
+        (True, False)
+    """
+    node = output.grad_fn
+    return (
+        type(node).__name__ in _SAVING_THEIR_INPUT
+        and graph_kept() is None
+        and not output._is_view()
+        and not output.__dict__
+        and first_input_is(node, x)
+    )
+
+
+def hook_pass_rule(stabilizer: float, node: Any) -> None:
+    """Put the pass rule (stabiliser ``stabilizer``) on an activation's node that saved its input (see
+    :func:`pass_rule_on_node`): a hook that passes ``grad · f(x) / stabilize(x)`` to ``x``, the node's own
+    gradient dropped; ``f(x)`` is recomputed from the saved input (the output's values, bit for bit).
+
+    Examples:
+        >>> x = torch.tensor([-1.0, 0.5, 2.0], requires_grad=True)
+        >>> z = nn.functional.gelu(x)
+        >>> hook_pass_rule(1e-10, z.grad_fn)
+        >>> relevance = x * torch.autograd.grad(z, x, torch.ones(3))[0]
+        >>> torch.allclose(relevance, z)
+        True
+    """
+    x = node._saved_self.detach()
+    scale = _SAVING_THEIR_INPUT[type(node).__name__](node, x) / stabilize(x, stabilizer)
+    node.register_hook(functools.partial(_input_gradient_times, scale))
+
+
+def _input_gradient_times(scale: torch.Tensor, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
+    grad = grad_outputs[0]
+    return (None if grad is None else grad * scale,)
 
 
 def _scales_each_channel(layer: nn.Module) -> bool:

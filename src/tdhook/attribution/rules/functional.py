@@ -14,6 +14,7 @@ opposed to parameters, buffers and constants.
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from tdhook.attribution.rules._autograd import (
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint
+from tdhook.attribution.rules.basic import hook_pass_rule, pass_rule_on_node
 from tdhook.attribution.rules.gates import (
     ELEMENTWISE_PRODUCTS,
     GATE_FUNCTIONS,
@@ -261,15 +263,16 @@ class FunctionalRules(TorchFunctionMode):
             attended = self._attention_in_graph(args, kwargs, recording)
             if attended is not None:
                 return attended
-        result = self._other_rules(func, args, kwargs)
+        result = self._other_rules(func, args, kwargs, recording)
         if result is _NO_RULE:
             return mark_parameter_derived(args, func(*args, **kwargs))
         if recording is not None and not _ruled_on_own_node(recording, result):
             recording.other_rule()
         return result
 
-    def _other_rules(self, func, args: tuple, kwargs: dict):
-        """The rules but those for products and softmax; ``_NO_RULE`` where none applies."""
+    def _other_rules(self, func, args: tuple, kwargs: dict, recording: Recording | None = None):
+        """The rules but those for products and softmax; ``_NO_RULE`` where none applies. An activation whose node
+        saved its input gets the rule on that node in a recording call (a later call puts it there as well)."""
         if func is torch.einsum:
             operands = _einsum_operands(args)
             if len(operands) == 2 and all(is_activation(operand) for operand in operands):
@@ -280,7 +283,12 @@ class FunctionalRules(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)
         if func in _ACTIVATION_FUNCTIONS and args and is_activation(args[0]):
-            result = self.activation.apply(func(*args, **kwargs), args[0])
+            output = func(*args, **kwargs)
+            if recording is not None and pass_rule_on_node(output, args[0]):
+                stabilizer = self.activation.stabilizer
+                if recording.hooked(output.grad_fn, functools.partial(hook_pass_rule, stabilizer)):
+                    return mark_gate(output, args[0])  # marked as the rule marks its output (see PseudoIdentityRule)
+            result = self.activation.apply(output, args[0])
             return mark_gate(result, args[0], sigmoid=True) if func in GATE_FUNCTIONS else result
         if func is F.layer_norm and is_activation(args[0]):
             shape = call_argument(args, kwargs, 1, "normalized_shape")

@@ -36,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._autograd import (
     call_argument,
+    first_input_is,
     hold,
     is_held,
     raise_for_transformed_call,
@@ -136,12 +137,7 @@ def _fused_layer_norm_of(output: torch.Tensor, x: torch.Tensor) -> bool:
     node = output.grad_fn
     if type(node).__name__ != "NativeLayerNormBackward0" or graph_kept() is not None:
         return False
-    child, index = node.next_functions[0]
-    if x.grad_fn is None:  # a leaf: its node is its accumulator
-        taken = getattr(child, "variable", None) is x
-    else:
-        taken = child is x.grad_fn and index == x.output_nr
-    return taken and node._saved_result2.dtype == x.dtype
+    return first_input_is(node, x) and node._saved_result2.dtype == x.dtype
 
 
 def _layer_norm_scale(node: Any) -> torch.Tensor:
