@@ -106,7 +106,7 @@ class _Hold(NamedTuple):
     """What the function mode did to a node's gradients without a node of its own: it passes no gradient at all
     (``factors`` None: a held tensor's own node), or it multiplies the gradients it passes to its inputs by
     ``factors`` (one per input: ``None`` leaves it, ``0.0`` passes none: a held input); or ``hook`` put a rule of
-    its own on the node (a fused layer norm's)."""
+    its own on the node (a fused layer norm's), which passes no gradient where ``factors`` holds ``0.0``."""
 
     node: Any
     factors: tuple[float | None, ...] | None
@@ -203,14 +203,16 @@ class Recording:
         self.holds.append(hold)
         return True
 
-    def hooked(self, node: Any, hook: Any) -> bool:
+    def hooked(self, node: Any, hook: Any, dropped: Sequence[int] = ()) -> bool:
         """A rule puts its gradient on ``node`` (just made, as by a plain call) by ``hook(node)``, which it can do on
-        the same node of a later call; the recording does it now. ``False``, and nothing done, once the recording
-        is settled (a call that runs again in the mode after it puts its rules its own way)."""
+        the same node of a later call, and passes no gradient to its inputs at ``dropped``; the recording does it
+        now. ``False``, and nothing done, once the recording is settled (a call that runs again in the mode after it
+        puts its rules its own way)."""
         if self.settled:
             return False
         hook(node)
-        self.holds.append(_Hold(node, (None,) * len(node.next_functions), len(self.products), hook))
+        factors = tuple(0.0 if place in dropped else None for place in range(len(node.next_functions)))
+        self.holds.append(_Hold(node, factors, len(self.products), hook))
         return True
 
     def read_values(self) -> None:
