@@ -16,6 +16,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP, _function_rule_plan
 from tests.attribution.test_lrp_huggingface import LastLogits, build
@@ -577,6 +578,43 @@ def test_a_fused_layer_norm_takes_its_normalised_dimensions_from_its_node(applie
     assert relative_error(switched_by_hand(model, x), expected) <= 1e-12
     model.shape = (6,)  # the other dimensions give another relevance: the comparison can fail
     assert relative_error(switched_by_hand(model, x), expected) > 1e-3
+
+
+class CheckpointedLayerNorm(nn.Module):
+    """``out(norm(lin(x)))`` with the norm in a ``torch.utils.checkpoint`` region; ``runs`` counts its forwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm, self.out = nn.Linear(4, 6, bias=False), nn.LayerNorm(6), nn.Linear(6, 3, bias=False)
+        self.runs = 0
+
+    def region(self, h: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        return self.norm(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(checkpoint(self.region, self.lin(x), use_reentrant=False))
+
+
+def test_a_fused_layer_norm_in_a_checkpoint_region_computes_its_own_scale(applied):
+    """The scale its node saved would be read through the region's saved-tensor hooks, which run the region's
+    forward again to give it: the rule computes the scale itself, and the region runs once in each forward and
+    once in each backward pass."""
+    torch.manual_seed(0)
+    model, x = CheckpointedLayerNorm().to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(3)]
+    assert model.runs == 2 * 4
+    leaf = x.clone().requires_grad_(True)
+    h = model.lin(leaf)
+    sigma = (h.detach().var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt()
+    logits = model.out((h - h.mean(-1, keepdim=True)) / sigma * model.norm.weight + model.norm.bias)
+    (grad,) = torch.autograd.grad(logits.max(-1).values.sum(), leaf)
+    for relevance in [in_mode, *relevances]:
+        assert relative_error(relevance, leaf.detach() * grad) <= 1e-12
+        assert torch.equal(relevance, in_mode)
 
 
 class HeldAttention(nn.Module):

@@ -48,6 +48,7 @@ from tdhook.attribution.rules._graph_calls import note_output, recording, runs_p
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._numerics import in_pieces_, stabilize
+from tdhook.attribution.rules._recomputed import saved_tensors_hooked
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.tunables import EPSILON
 
@@ -133,9 +134,10 @@ def _channel_view(tensor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _fused_layer_norm_of(output: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether ``output`` is a fused layer norm's of ``x``, made by its own node, which saved the normalising
-    scale in ``x``'s dtype (outside calls that keep the graph)."""
+    scale in ``x``'s dtype (outside calls that keep the graph, and outside saved-tensor hooks: a checkpoint region
+    would run its forward again to give the scale)."""
     node = output.grad_fn
-    if type(node).__name__ != "NativeLayerNormBackward0" or graph_kept() is not None:
+    if type(node).__name__ != "NativeLayerNormBackward0" or graph_kept() is not None or saved_tensors_hooked():
         return False
     child, index = node.next_functions[0]
     if x.grad_fn is None:  # a leaf: its node is its accumulator
