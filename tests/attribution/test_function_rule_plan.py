@@ -580,6 +580,54 @@ def test_a_fused_layer_norm_takes_its_normalised_dimensions_from_its_node(applie
     assert relative_error(switched_by_hand(model, x), expected) > 1e-3
 
 
+class RenormalisedLayerNorm(nn.Module):
+    """A fused layer norm whose output is normalised again with ``torch.var_mean``, whose variance the rule holds:
+    the norm keeps its mode in every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.layer_norm(x, (6,), self.weight)
+        var, mean = torch.var_mean(h, -1, keepdim=True)
+        return (h - mean) * torch.rsqrt(var + 1e-5)
+
+
+class RenormalisedProduct(Product):
+    """``out(norm(a * b))`` with a :class:`RenormalisedLayerNorm`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RenormalisedLayerNorm()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.q(x) * self.k(x)))
+
+
+def test_a_norm_that_keeps_its_mode_leaves_its_fused_layer_norm_to_the_plan(applied):
+    """The recording call puts the rule on the fused layer norm's node, inside a norm whose mode holds more: in a
+    later call the norm's mode leaves that node plain, and the plan puts the same hook on it."""
+    torch.manual_seed(0)
+    model, x = RenormalisedProduct().to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)
+    with lrp:
+        first, *later = (call(lrp, x) for _ in range(3))
+        norms = [plan.plain for plan in plans(lrp)]
+    assert applied == [True, True]
+    assert norms == [frozenset()]  # the norm in its mode
+    leaf = x.clone().requires_grad_(True)
+    product = halved(model.q(leaf) * model.k(leaf))
+    sigma = (product.detach().var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt()
+    h = (product - product.mean(-1, keepdim=True)) / sigma * model.norm.weight
+    renormalised = (h - h.mean(-1, keepdim=True)) * torch.rsqrt(h.detach().var(-1, keepdim=True) + 1e-5)
+    (grad,) = torch.autograd.grad(model.out(renormalised).max(-1).values.sum(), leaf)
+    assert relative_error(first, leaf.detach() * grad) <= 1e-12
+    for relevance in [first, *later]:
+        assert torch.equal(relevance, in_mode)
+
+
 class CheckpointedLayerNorm(nn.Module):
     """``out(norm(lin(x)))`` with the norm in a ``torch.utils.checkpoint`` region; ``runs`` counts its forwards."""
 

@@ -44,7 +44,7 @@ from tdhook.attribution.rules._autograd import (
     redirect,
     times_saved,
 )
-from tdhook.attribution.rules._graph_calls import note_output, recording, runs_plain
+from tdhook.attribution.rules._graph_calls import note_output, planned, recording, runs_plain
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._numerics import in_pieces_, stabilize
@@ -340,6 +340,8 @@ class NormRule(Rule):
             # on the fused norm's own node, which a later call puts on the same node of its plain graph.
             held = recording()
             if held is not None and held.hooked(output.grad_fn, hook_layer_norm_rule, _LAYER_NORM_CONSTANTS):
+                return output
+            if planned():  # in a norm that keeps its mode for more: the plan puts the hook, as the recording did
                 return output
             return redirect(output, [x], functools.partial(_centred, _layer_norm_scale(output.grad_fn), reduce))
         xd = _constant(x)
