@@ -22,9 +22,11 @@ and the node of the call that took the scale (see :mod:`~tdhook.attribution.rule
 the norm's forward as it is and puts a pre-hook on the scale's node that passes no gradient, so that the nodes
 behind it get none either, as behind the detached scale: the same gradient, bit for bit. A fused ``F.layer_norm``
 (a module's, or called as a function) gets its rule as a hook on its own node, from the scale the node saved: the
-recording call puts it there and notes the node, a later call puts it on the same node of its plain graph. A norm
-whose forward does more keeps its mode in later calls, and so does one whose plain backward would read a tensor
-changed in place after the forward saved it (a layer norm's input changed in place after it).
+recording call puts it there and notes the node, a later call puts it on the same node of its plain graph (its
+weight and bias get no gradient, as they get none from the mode's rule). A norm whose forward does more keeps its
+mode in later calls (a fused layer norm in it still runs plainly, for the plan's hook), and so does one whose plain
+backward would read a tensor changed in place after the forward saved it (a layer norm's input changed in place
+after it). Under saved-tensor hooks (a checkpoint region's) a fused layer norm computes its scale itself.
 
 CP-LRP's held attention weights and held gates get it too, and so does a fused attention (sdpa). In a recording
 call the mode holds them without detaching them, so that its graph is the plain call's: a softmax's output, held
