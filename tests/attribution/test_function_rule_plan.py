@@ -16,6 +16,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP, _function_rule_plan
 from tests.attribution.test_lrp_huggingface import LastLogits, build
@@ -484,6 +485,184 @@ def test_a_fused_layer_norm_whose_input_is_changed_in_place_after_it_keeps_its_m
     assert relative_error(first, layer_norm_by_hand(model, x)) <= 1e-12
     for relevance in later:
         assert torch.equal(relevance, first)
+
+
+class ConditionedLayerNorm(nn.Module):
+    """A fused layer norm over the last dimension with the weight and bias it is given (an adaptive norm's)."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (6,), weight, bias)
+
+
+class ConditionedNorm(Product):
+    """``out(layer_norm(a * b, w, flip(w)))`` with ``w = v(mean of x over the batch)``: a norm whose weight and
+    bias are computed from the explained input, in a norm module or a call of the function."""
+
+    def __init__(self, functional: bool) -> None:
+        super().__init__()
+        self.norm = None if functional else ConditionedLayerNorm()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.v(x.mean(0))
+        args = (self.q(x) * self.k(x), weight, weight.flip(-1))
+        return self.out(F.layer_norm(args[0], (6,), *args[1:]) if self.norm is None else self.norm(*args))
+
+
+def conditioned_by_hand(model: ConditionedNorm, x: torch.Tensor, constant: bool = True) -> torch.Tensor:
+    """AttnLRP's relevance for ``model``, by hand: the product halved, ``σ`` detached, and the norm's weight and
+    bias its constants (``constant``), as they are to the rule's node in the mode."""
+    leaf = x.clone().requires_grad_(True)
+    product = halved(model.q(leaf) * model.k(leaf))
+    weight = model.v(leaf.mean(0))
+    weight = weight.detach() if constant else weight
+    sigma = (product.detach().var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt()
+    logits = model.out((product - product.mean(-1, keepdim=True)) / sigma * weight + weight.flip(-1))
+    (grad,) = torch.autograd.grad(logits.max(-1).values.sum(), leaf)
+    return leaf.detach() * grad
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["module", "function"])
+def test_a_fused_layer_norms_weight_and_bias_computed_from_the_input_get_no_relevance(applied, functional: bool):
+    """The mode's rule passes the norm's input alone a gradient; the hook on the norm's node passes its weight and
+    bias none either, though the node computes theirs."""
+    torch.manual_seed(0)
+    model, x = ConditionedNorm(functional).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)
+    with lrp:
+        first, *later = (call(lrp, x) for _ in range(3))
+    assert applied == [True, True]
+    assert relative_error(first, conditioned_by_hand(model, x)) <= 1e-12
+    for relevance in [first, *later]:
+        assert torch.equal(relevance, in_mode)
+    # The gradient through the weight and bias gives another relevance: the comparison can fail.
+    assert relative_error(conditioned_by_hand(model, x, constant=False), first) > 1e-3
+
+
+class SwitchedLayerNorm(Product):
+    """``out(layer_norm(a * b, shape))`` on inputs ``[N, 2, 4]``, over the last dimension or the last two as
+    ``shape`` says: the graph's nodes are the same either way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out, self.shape = nn.Linear(12, 3, bias=False), (6,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.layer_norm(self.q(x) * self.k(x), self.shape).flatten(-2))
+
+
+def switched_by_hand(model: SwitchedLayerNorm, x: torch.Tensor) -> torch.Tensor:
+    """AttnLRP's relevance for ``model``, by hand: the product halved, ``σ`` detached, over ``model.shape``."""
+    leaf, dims = x.clone().requires_grad_(True), tuple(range(-len(model.shape), 0))
+    product = halved(model.q(leaf) * model.k(leaf))
+    sigma = (product.detach().var(dims, unbiased=False, keepdim=True) + 1e-5).sqrt()
+    logits = model.out(((product - product.mean(dims, keepdim=True)) / sigma).flatten(-2))
+    (grad,) = torch.autograd.grad(logits.max(-1).values.sum(), leaf)
+    return leaf.detach() * grad
+
+
+def test_a_fused_layer_norm_takes_its_normalised_dimensions_from_its_node(applied):
+    """A norm whose normalised dimensions change between calls on inputs of one shape (a module's attribute): the
+    graph's nodes are the recorded ones, and the rule's hook centres over the dimensions the node normalised."""
+    torch.manual_seed(0)
+    model, x = SwitchedLayerNorm().to(F64), torch.randn(5, 2, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        for shape in [(6,), (2, 6)]:
+            model.shape = shape
+            relevances = [call(lrp, x) for _ in range(2)]
+            expected = switched_by_hand(model, x)
+            for relevance in relevances:
+                assert relative_error(relevance, expected) <= 1e-12
+    assert applied[-1] is True  # the last call by the plan the first ones recorded
+    assert relative_error(switched_by_hand(model, x), expected) <= 1e-12
+    model.shape = (6,)  # the other dimensions give another relevance: the comparison can fail
+    assert relative_error(switched_by_hand(model, x), expected) > 1e-3
+
+
+class RenormalisedLayerNorm(nn.Module):
+    """A fused layer norm whose output is normalised again with ``torch.var_mean``, whose variance the rule holds:
+    the norm keeps its mode in every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.layer_norm(x, (6,), self.weight)
+        var, mean = torch.var_mean(h, -1, keepdim=True)
+        return (h - mean) * torch.rsqrt(var + 1e-5)
+
+
+class RenormalisedProduct(Product):
+    """``out(norm(a * b))`` with a :class:`RenormalisedLayerNorm`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RenormalisedLayerNorm()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.q(x) * self.k(x)))
+
+
+def test_a_norm_that_keeps_its_mode_leaves_its_fused_layer_norm_to_the_plan(applied):
+    """The recording call puts the rule on the fused layer norm's node, inside a norm whose mode holds more: in a
+    later call the norm's mode leaves that node plain, and the plan puts the same hook on it."""
+    torch.manual_seed(0)
+    model, x = RenormalisedProduct().to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)
+    with lrp:
+        first, *later = (call(lrp, x) for _ in range(3))
+        norms = [plan.plain for plan in plans(lrp)]
+    assert applied == [True, True]
+    assert norms == [frozenset()]  # the norm in its mode
+    leaf = x.clone().requires_grad_(True)
+    product = halved(model.q(leaf) * model.k(leaf))
+    sigma = (product.detach().var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt()
+    h = (product - product.mean(-1, keepdim=True)) / sigma * model.norm.weight
+    renormalised = (h - h.mean(-1, keepdim=True)) * torch.rsqrt(h.detach().var(-1, keepdim=True) + 1e-5)
+    (grad,) = torch.autograd.grad(model.out(renormalised).max(-1).values.sum(), leaf)
+    assert relative_error(first, leaf.detach() * grad) <= 1e-12
+    for relevance in [first, *later]:
+        assert torch.equal(relevance, in_mode)
+
+
+class CheckpointedLayerNorm(nn.Module):
+    """``out(norm(lin(x)))`` with the norm in a ``torch.utils.checkpoint`` region; ``runs`` counts its forwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm, self.out = nn.Linear(4, 6, bias=False), nn.LayerNorm(6), nn.Linear(6, 3, bias=False)
+        self.runs = 0
+
+    def region(self, h: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        return self.norm(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(checkpoint(self.region, self.lin(x), use_reentrant=False))
+
+
+def test_a_fused_layer_norm_in_a_checkpoint_region_computes_its_own_scale(applied):
+    """The scale its node saved would be read through the region's saved-tensor hooks, which run the region's
+    forward again to give it: the rule computes the scale itself, and the region runs once in each forward and
+    once in each backward pass."""
+    torch.manual_seed(0)
+    model, x = CheckpointedLayerNorm().to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(3)]
+    assert model.runs == 2 * 4
+    leaf = x.clone().requires_grad_(True)
+    h = model.lin(leaf)
+    sigma = (h.detach().var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt()
+    logits = model.out((h - h.mean(-1, keepdim=True)) / sigma * model.norm.weight + model.norm.bias)
+    (grad,) = torch.autograd.grad(logits.max(-1).values.sum(), leaf)
+    for relevance in [in_mode, *relevances]:
+        assert relative_error(relevance, leaf.detach() * grad) <= 1e-12
+        assert torch.equal(relevance, in_mode)
 
 
 class ActivatedProduct(Product):

@@ -22,9 +22,11 @@ and the node of the call that took the scale (see :mod:`~tdhook.attribution.rule
 the norm's forward as it is and puts a pre-hook on the scale's node that passes no gradient, so that the nodes
 behind it get none either, as behind the detached scale: the same gradient, bit for bit. A fused ``F.layer_norm``
 (a module's, or called as a function) gets its rule as a hook on its own node, from the scale the node saved: the
-recording call puts it there and notes the node, a later call puts it on the same node of its plain graph. A norm
-whose forward does more keeps its mode in later calls, and so does one whose plain backward would read a tensor
-changed in place after the forward saved it (a layer norm's input changed in place after it).
+recording call puts it there and notes the node, a later call puts it on the same node of its plain graph (its
+weight and bias get no gradient, as they get none from the mode's rule). A norm whose forward does more keeps its
+mode in later calls (a fused layer norm in it still runs plainly, for the plan's hook), and so does one whose plain
+backward would read a tensor changed in place after the forward saved it (a layer norm's input changed in place
+after it). Under saved-tensor hooks (a checkpoint region's) a fused layer norm computes its scale itself.
 
 CP-LRP's held attention weights and held gates get it too, and so does a fused attention (sdpa). In a recording
 call the mode holds them without detaching them, so that its graph is the plain call's: a softmax's output, held
@@ -110,7 +112,7 @@ class _Hold(NamedTuple):
     """What the function mode did to a node's gradients without a node of its own: it passes no gradient at all
     (``factors`` None: a held tensor's own node), or it multiplies the gradients it passes to its inputs by
     ``factors`` (one per input: ``None`` leaves it, ``0.0`` passes none: a held input); or ``hook`` put a rule of
-    its own on the node (a fused layer norm's)."""
+    its own on the node (a fused layer norm's), which passes no gradient where ``factors`` holds ``0.0``."""
 
     node: Any
     factors: tuple[float | None, ...] | None
@@ -207,14 +209,16 @@ class Recording:
         self.holds.append(hold)
         return True
 
-    def hooked(self, node: Any, hook: Any) -> bool:
+    def hooked(self, node: Any, hook: Any, dropped: Sequence[int] = ()) -> bool:
         """A rule puts its gradient on ``node`` (just made, as by a plain call) by ``hook(node)``, which it can do on
-        the same node of a later call; the recording does it now. ``False``, and nothing done, once the recording
-        is settled (a call that runs again in the mode after it puts its rules its own way)."""
+        the same node of a later call, and passes no gradient to its inputs at ``dropped``; the recording does it
+        now. ``False``, and nothing done, once the recording is settled (a call that runs again in the mode after it
+        puts its rules its own way)."""
         if self.settled:
             return False
         hook(node)
-        self.holds.append(_Hold(node, (None,) * len(node.next_functions), len(self.products), hook))
+        factors = tuple(0.0 if place in dropped else None for place in range(len(node.next_functions)))
+        self.holds.append(_Hold(node, factors, len(self.products), hook))
         return True
 
     def read_values(self) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["graph_call", "note_output", "recording", "runs_plain"]
+__all__ = ["graph_call", "note_output", "planned", "recording", "runs_plain"]
 
 _LOCAL = threading.local()
 
@@ -40,6 +40,12 @@ _LOCAL = threading.local()
 def recording() -> Any:
     """The recording of this thread's call in the modes, where a later call may run its norms plainly, or ``None``."""
     return getattr(_LOCAL, "recording", None)
+
+
+def planned() -> bool:
+    """Whether this thread's call runs by the plan of a recorded one, which puts the rules it recorded on the nodes
+    of the graph after the forward (a norm that keeps its mode leaves a fused layer norm's node to it)."""
+    return recording() is None and getattr(_LOCAL, "outputs", None) is not None
 
 
 def runs_plain(module: nn.Module) -> bool:

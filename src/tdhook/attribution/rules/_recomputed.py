@@ -34,7 +34,13 @@ import sys
 import torch
 from torch import nn
 
-__all__ = ["in_checkpoint", "raise_for_checkpoint", "innermost_module", "error_in_running_module"]
+__all__ = [
+    "in_checkpoint",
+    "saved_tensors_hooked",
+    "raise_for_checkpoint",
+    "innermost_module",
+    "error_in_running_module",
+]
 
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 _CALL_CODES = frozenset(
@@ -47,6 +53,12 @@ def in_checkpoint() -> bool:
     recomputed in the backward pass)."""
     hooks = _TOP_HOOKS(False) if _TOP_HOOKS is not None else None
     return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
+
+
+def saved_tensors_hooked() -> bool:
+    """Whether saved-tensor hooks are on (a checkpoint region's, an offload's): a saved tensor read in the forward
+    pass goes through them (a checkpoint region runs its forward again to give it, an offload copies it back)."""
+    return _TOP_HOOKS is not None and _TOP_HOOKS(False) is not None
 
 
 def innermost_module() -> nn.Module | None:

@@ -24,6 +24,7 @@ from tdhook.attribution.rules._autograd import (
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import LINEAR_LAYERS, bias_view
 from tdhook.attribution.rules._numerics import PIECE, in_pieces_, stabilize
+from tdhook.attribution.rules._recomputed import saved_tensors_hooked
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, _single_input, output_seen_by_rule_alone
 from tdhook.attribution.tunables import EPSILON
 
@@ -281,7 +282,8 @@ _SAVING_THEIR_INPUT = {"GeluBackward0": _recomputed_gelu, "SiluBackward0": _reco
 
 def pass_rule_on_node(output: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether :func:`hook_pass_rule` can put the pass rule on ``output``'s own node: an activation of ``x`` whose
-    node saved ``x`` (GELU, SiLU), ``output`` fresh (no view, no marks), outside calls that keep the graph.
+    node saved ``x`` (GELU, SiLU), ``output`` fresh (no view, no marks), outside calls that keep the graph and
+    outside saved-tensor hooks (a checkpoint region would run its forward again to give ``x``).
 
     Examples:
         >>> x = torch.randn(3, requires_grad=True)
@@ -292,6 +294,7 @@ def pass_rule_on_node(output: torch.Tensor, x: torch.Tensor) -> bool:
     return (
         type(node).__name__ in _SAVING_THEIR_INPUT
         and graph_kept() is None
+        and not saved_tensors_hooked()
         and not output._is_view()
         and not output.__dict__
         and first_input_is(node, x)

@@ -39,15 +39,17 @@ from tdhook.attribution.rules._autograd import (
     first_input_is,
     hold,
     is_held,
+    pass_no_relevance,
     raise_for_transformed_call,
     raise_for_vmap,
     redirect,
     times_saved,
 )
-from tdhook.attribution.rules._graph_calls import note_output, recording, runs_plain
+from tdhook.attribution.rules._graph_calls import note_output, planned, recording, runs_plain
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._numerics import in_pieces_, stabilize
+from tdhook.attribution.rules._recomputed import saved_tensors_hooked
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.tunables import EPSILON
 
@@ -133,9 +135,10 @@ def _channel_view(tensor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _fused_layer_norm_of(output: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether ``output`` is a fused layer norm's of ``x``, made by its own node, which saved the normalising
-    scale in ``x``'s dtype (outside calls that keep the graph)."""
+    scale in ``x``'s dtype (outside calls that keep the graph, and outside saved-tensor hooks: a checkpoint region
+    would run its forward again to give the scale)."""
     node = output.grad_fn
-    if type(node).__name__ != "NativeLayerNormBackward0" or graph_kept() is not None:
+    if type(node).__name__ != "NativeLayerNormBackward0" or graph_kept() is not None or saved_tensors_hooked():
         return False
     return first_input_is(node, x) and node._saved_result2.dtype == x.dtype
 
@@ -154,27 +157,34 @@ def _centred(scale: torch.Tensor, reduce: tuple[int, ...], grad: torch.Tensor) -
     return [h - h.mean(reduce, keepdim=True)]
 
 
-def hook_layer_norm_rule(reduce: tuple[int, ...], node: Any) -> None:
-    """Put the layer norm rule on a fused layer norm's node (normalising over the dimensions ``reduce``): a hook
-    that replaces the gradient it passes to its input by the rule's, the scale it saved held constant.
+def hook_layer_norm_rule(node: Any) -> None:
+    """Put the layer norm rule on a fused layer norm's node: a hook that replaces the gradient it passes to its
+    input by the rule's, over the dimensions the node normalised and with the scale it saved held constant, and
+    passes its weight and bias none (they are the rule's constants, as to the mode's own node).
 
     Examples:
         >>> x = torch.randn(2, 4, requires_grad=True)
         >>> y = F.layer_norm(x, (4,))
-        >>> hook_layer_norm_rule((-1,), y.grad_fn)
+        >>> hook_layer_norm_rule(y.grad_fn)
         >>> grad = torch.autograd.grad(y[0, 0], x)[0]
         >>> sigma = (x.detach().var(-1, unbiased=False) + 1e-5).sqrt()
         >>> torch.allclose(grad[0], (torch.tensor([1.0, 0.0, 0.0, 0.0]) - 1 / 4) / sigma[0])
         True
     """
+    reduce = tuple(range(-len(node._saved_normalized_shape), 0))
     rule = functools.partial(_centred, _layer_norm_scale(node), reduce)
     node.register_hook(functools.partial(_input_gradient_by, rule))
+    pass_no_relevance(node, _LAYER_NORM_CONSTANTS)
+
+
+# The places of a fused layer norm's weight and bias among its node's inputs: the rule passes them no gradient.
+_LAYER_NORM_CONSTANTS = (1, 2)
 
 
 def _input_gradient_by(rule: Any, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
-    """A node's post-hook: the gradient to its first input from ``rule``, the others as the node computed them."""
+    """A node's post-hook: the gradient to its first input from ``rule``, none to the others."""
     grad = grad_outputs[0]
-    return grad_inputs if grad is None else (*rule(grad), *grad_inputs[1:])
+    return grad_inputs if grad is None else (*rule(grad), *[None] * (len(grad_inputs) - 1))
 
 
 class _ConstantScale(TorchFunctionMode):
@@ -325,7 +335,9 @@ class NormRule(Rule):
             # The scale torch computed (and saved on the node): in a call that records where the rules act, a hook
             # on the fused norm's own node, which a later call puts on the same node of its plain graph.
             held = recording()
-            if held is not None and held.hooked(output.grad_fn, functools.partial(hook_layer_norm_rule, reduce)):
+            if held is not None and held.hooked(output.grad_fn, hook_layer_norm_rule, _LAYER_NORM_CONSTANTS):
+                return output
+            if planned():  # in a norm that keeps its mode for more: the plan puts the hook, as the recording did
                 return output
             return redirect(output, [x], functools.partial(_centred, _layer_norm_scale(output.grad_fn), reduce))
         xd = _constant(x)
