@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import gc
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -39,11 +40,15 @@ def interleaved_medians(
     instead, which other processes on a loaded machine do not stretch (of use for
     single-threaded work only). With ``warm``, each timed call follows an untimed call of the same method (after
     the collection): it finds the caches as a loop over many batches leaves them, not as the collector and the other
-    methods did.
+    methods did. The methods take their turns in a new order every round (drawn with a fixed seed): a method that
+    always ran first, or right after another, would meet the caches that place leaves.
     """
     times: dict[str, list[float]] = {label: [] for label in methods}
+    order = list(methods.items())
+    shuffle = random.Random(0).shuffle
     for round_ in range(repeats + 1):
-        for label, fn in methods.items():
+        shuffle(order)
+        for label, fn in order:
             if collect:
                 gc.collect()
             if warm and round_:

@@ -30,6 +30,7 @@ COMMANDS = {
         *("bench_transformer.py", "--batch", "1", "--tokens", "4"),
         *("--hidden", "16", "--layers", "1", "--repeats", "1"),
     ],
+    "transformer zoo": ["bench_transformer_zoo.py", "gpt2", "llama", "--repeats", "1"],
     "profile": ["profile_vision.py", "--model", "resnet18", "--batch", "1", "--size", "32"],
     "metrics": [
         *("bench_metrics.py", "--model", "linear", "cnn", "--batch", "2"),
@@ -135,6 +136,13 @@ def test_transformer_benchmark_runs_on_tiny_inputs(printed):
     tdhook = ["tdhook AttnLRP", "tdhook AttnLRP, entering", "tdhook CP-LRP", "tdhook CP-LRP, entering"]
     assert [row[0] for row in rows] == ["gradient x input", *tdhook]
     assert all(float(value) > 0 for row in rows for value in row[1:])
+
+
+def test_transformer_zoo_benchmark_runs_on_the_architectures_asked_for(printed):
+    stdout = stdout_of(printed, "transformer zoo")
+    rows = [line.split() for line in stdout.splitlines()[2:] if not line.startswith("[")]
+    assert [row[:2] for row in rows] == [["gpt2", "eager"], ["gpt2", "sdpa"], ["llama", "eager"], ["llama", "sdpa"]]
+    assert all(float(value) > 0 for row in rows for value in row[2:])
 
 
 def test_profile_script_runs_on_tiny_inputs(printed):
