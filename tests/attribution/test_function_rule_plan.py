@@ -723,6 +723,46 @@ def test_a_functional_activation_whose_input_is_changed_in_place_after_it_keeps_
         assert torch.equal(relevance, first)
 
 
+class SigmoidGated(Product):
+    """``out(sigmoid(q(x)) * v(x))``, the gate called as a function (a mixture of experts' shared-expert gate); with
+    ``reused``, the gate is also added to the output as a signal, which its own rule then reaches."""
+
+    def __init__(self, reused: bool = False) -> None:
+        super().__init__()
+        self.reused = reused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.sigmoid(self.q(x))
+        return self.out(gate * self.v(x) + (gate if self.reused else 0.0))
+
+
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
+@pytest.mark.parametrize("reused", [False, True], ids=["held", "reused"])
+def test_a_functional_sigmoid_gate_needs_no_rule_where_every_product_holds_it(applied, preset, reused: bool):
+    torch.manual_seed(0)
+    model, x = SigmoidGated(reused).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)  # a call that enters its context runs in the mode
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(3)]
+    # Held alone, the gate takes no gradient: later calls run without the mode. Reused, its rule matters: the
+    # recording call runs again in the mode, and so do the later ones.
+    assert applied == ([] if reused else [True, True])
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)
+    # By hand: the gate held (no gradient into it) in the product; reused, the identity rule on its other path.
+    leaf = x.clone().requires_grad_(True)
+    h = model.q(leaf)
+    gate = torch.sigmoid(h)
+    signal = h * (gate / h).detach() if reused else 0.0
+    logits = model.out(gate.detach() * model.v(leaf) + signal)
+    (grad,) = torch.autograd.grad(logits.max(-1).values.sum(), leaf)
+    assert relative_error(in_mode, leaf.detach() * grad) <= 1e-8  # the identity rule's stabiliser (1e-10) aside
+    assert (
+        relative_error(in_mode, leaf.detach() * torch.autograd.grad(model(leaf).max(-1).values.sum(), leaf)[0]) > 1e-3
+    )
+
+
 class HeldAttention(nn.Module):
     """``softmax(q(x) k(x)ᵀ) v(x)`` then ``out``, bias-free, with the attention weights also returned through a
     second consumer (``weights * 1`` added to nothing the output reads) and, with ``in_place``, scaled in place

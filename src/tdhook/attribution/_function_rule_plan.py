@@ -43,7 +43,10 @@ no gradient, as they would not behind a detached one: a call whose graph there s
 place after runs again in the mode (their backward would raise), and so do later calls on inputs of its signature.
 
 GELU and SiLU called as functions get it too: their nodes save their input, from which a hook computes the
-identity rule's factor (see :func:`~tdhook.attribution.rules.basic.hook_pass_rule`).
+identity rule's factor (see :func:`~tdhook.attribution.rules.basic.hook_pass_rule`). A sigmoid-like gate called as a
+function (a mixture of experts' shared-expert gate) is left without its rule in a recording call: where every
+product that takes it holds it, no gradient reaches its node, and the plan is made; where one does (the gate also
+used as a signal), the call runs again in the mode, and so do later calls on inputs of its signature.
 
 Where the mode applies any other rule (a softmax with ε, an RMS norm, an activation called as a function whose
 node keeps no input (tanh, sigmoid), a fused
@@ -144,6 +147,7 @@ class Recording:
         self.held_alone: dict[int, torch.Tensor] = {}  # by id: the held tensors and what is made of them alone
         self.strayed = False  # whether a held tensor took other values in place: unlike a detached one's
         self.settled = False  # whether the call ended (see FunctionRulePlan.settle)
+        self.unruled: list[Any] = []  # sigmoid-like gates' nodes left without their rule (see unruled_gate)
 
     def scaled(self, product: Any, factor: Any) -> None:
         """The mode halves the gradient of a product (the uniform rule): ``factor``, a node of its own, passes
@@ -220,6 +224,12 @@ class Recording:
         factors = tuple(0.0 if place in dropped else None for place in range(len(node.next_functions)))
         self.holds.append(_Hold(node, factors, len(self.products), hook))
         return True
+
+    def unruled_gate(self, node: Any) -> None:
+        """The mode left a sigmoid-like gate made by ``node`` without its rule: where every product that takes the
+        gate holds it, no gradient reaches the node, and the rule would change nothing. The plan is made only if no
+        output reaches the node (see :meth:`FunctionRulePlan.settle`); else the call runs again in the mode."""
+        self.unruled.append(node)
 
     def read_values(self) -> None:
         """The forward read values computed from the explained inputs into Python (``if x.sum() > 0``,
@@ -358,10 +368,13 @@ class FunctionRulePlan:
         recording."""
         end = _sequence_number()
         recording.settled = True
-        if recording.strayed or (recording.holds and not _saved_intact(result, recording.outputs)):
+        intact = not recording.holds or _saved_intact(result, recording.outputs)
+        plan = _build(recording, result, start, end) if recording.plannable and intact else None
+        # A gate left without its rule that a gradient reaches (or may: no plan was made) needs the rule.
+        if recording.strayed or not intact or (recording.unruled and plan in (None, _GATE_REACHED)):
             self._plans[recording.key] = None
             return False
-        self._plans[recording.key] = _build(recording, result, start, end) if recording.plannable else None
+        self._plans[recording.key] = plan
         return True
 
     def forget(self, key: Hashable) -> None:
@@ -374,7 +387,11 @@ class FunctionRulePlan:
             self._plans.pop(key, None)
 
 
-def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -> _Plan | None:
+# What _build returns where an output reaches a gate the recording left without its rule.
+_GATE_REACHED = object()
+
+
+def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -> _Plan | None | object:
     """The plan of a recorded call: a breadth-first walk from the outputs in ``result`` to every product's node and
     held scale's node."""
     keyed = [
@@ -416,6 +433,8 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
             if child is not None and id(child) not in parents:
                 parents[id(child)] = (id(node), index, child)
                 queue.append(child)
+    if any(id(node) in parents for node in recording.unruled):
+        return _GATE_REACHED
     # A product or a held tensor that no output reaches but through a held one gets no gradient: it needs no hook.
     products = [(position, node) for position, node in enumerate(recording.products) if id(node) in parents]
     holds = [hold for hold in recording.holds if id(hold.node) in parents]

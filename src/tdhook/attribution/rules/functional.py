@@ -284,6 +284,10 @@ class FunctionalRules(TorchFunctionMode):
             return self._attention(*args, **kwargs)
         if func in _ACTIVATION_FUNCTIONS and args and is_activation(args[0]):
             output = func(*args, **kwargs)
+            if recording is not None and func in GATE_FUNCTIONS and graph_kept() is None and output.grad_fn is not None:
+                # A sigmoid-like gate, held where a product takes it: its own rule would change nothing there.
+                recording.unruled_gate(output.grad_fn)
+                return mark_gate(output, args[0], sigmoid=True)
             if recording is not None and pass_rule_on_node(output, args[0]):
                 stabilizer = self.activation.stabilizer
                 if recording.hooked(output.grad_fn, functools.partial(hook_pass_rule, stabilizer)):
@@ -483,9 +487,14 @@ def _einsum_operands(args: tuple) -> tuple:
 
 def _ruled_on_own_node(recording: Recording, result: object) -> bool:
     """Whether the rule just applied put its gradient on ``result``'s own node, and the recording holds it (a fused
-    layer norm's): a later call puts it on the same node of its plain graph."""
+    layer norm's), or left a gate without its rule on the recording's condition: a later call can do the same on
+    its plain graph."""
     node = getattr(result, "grad_fn", None)
-    return node is not None and bool(recording.holds) and recording.holds[-1].node is node
+    if node is None:
+        return False
+    return (bool(recording.holds) and recording.holds[-1].node is node) or (
+        bool(recording.unruled) and recording.unruled[-1] is node
+    )
 
 
 def _warn_random(p: float) -> None:
