@@ -763,6 +763,42 @@ def test_a_functional_sigmoid_gate_needs_no_rule_where_every_product_holds_it(ap
     )
 
 
+class BiasedAttention(Product):
+    """``out(sdpa(q(x), k(x), v(x), mask=bias))`` with a learned bias as the mask: a mask that requires grad makes
+    torch compute the fused attention by several nodes (its math path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(1, 5, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.scaled_dot_product_attention(self.q(x), self.k(x), self.v(x), attn_mask=self.bias))
+
+
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
+def test_a_fused_attention_computed_by_several_nodes_takes_the_graph_s_way(applied, preset):
+    torch.manual_seed(0)
+    model, x = BiasedAttention().to(F64), torch.randn(3, 5, 4, dtype=F64)
+    lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)  # a call that enters its context runs in the mode
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(3)]
+    assert applied == [True, True]
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)
+    # By hand: AttnLRP halves q · kᵀ and attention · v; CP-LRP holds the attention weights.
+    leaf = x.clone().requires_grad_(True)
+    q, k, v = model.q(leaf), model.k(leaf), model.v(leaf)
+    held = preset is CPLRP
+    scores = (q @ k.transpose(-2, -1) if held else halved(q @ k.transpose(-2, -1))) / 6**0.5 + model.bias
+    weights = torch.softmax(scores, -1)
+    attended = weights.detach() @ v if held else halved(weights @ v)
+    (grad,) = torch.autograd.grad(model.out(attended).max(-1).values.sum(), leaf)
+    assert relative_error(in_mode, leaf.detach() * grad) <= 1e-12
+    plain = torch.autograd.grad(model(leaf).max(-1).values.sum(), leaf)[0]
+    assert relative_error(in_mode, leaf.detach() * plain) > 1e-3
+
+
 class HeldAttention(nn.Module):
     """``softmax(q(x) k(x)ᵀ) v(x)`` then ``out``, bias-free, with the attention weights also returned through a
     second consumer (``weights * 1`` added to nothing the output reads) and, with ``in_place``, scaled in place

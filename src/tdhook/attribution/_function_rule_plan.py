@@ -33,7 +33,9 @@ call the mode holds them without detaching them, so that its graph is the plain 
 whole, gets a pre-hook on its node that passes no gradient (every call that takes it takes it held); a gate held in
 an element-wise product of two activations gets a post-hook on the product's node that passes none to the gate's
 place; a fused attention's node gets a post-hook that multiplies the gradients it passes to the query, key and
-value by the rule's factors (none to the query and key under CP-LRP; the uniform rule's halves under AttnLRP).
+value by the rule's factors (none to the query and key under CP-LRP; the uniform rule's halves under AttnLRP); where
+torch computes it by several nodes (its math path, for a mask that requires grad: a learned position bias), the
+nodes that take the query, key and value get those factors.
 They are recorded, and a later call puts the same hooks on the same nodes. What the call makes of held tensors alone
 (a stack of heads' weights, a buffer they are written into) needs a gradient, as what is made of detached ones does
 not: the mode marks it a constant to the rules; a held tensor that then takes other values in place (an activation's)
@@ -198,19 +200,28 @@ class Recording:
         node = output.grad_fn
         if node is None:
             return False
-        nexts = node.next_functions
-        scaled: list[float | None] = [None] * len(nexts)
-        for tensor, factor, place in zip(inputs, factors, places, strict=True):
+        return self.scaled_at(
+            [(node, place, tensor, factor) for tensor, factor, place in zip(inputs, factors, places, strict=True)]
+        )
+
+    def scaled_at(self, places: Sequence[tuple[Any, int, Any, float | None]]) -> bool:
+        """:meth:`scaled_inputs` on nodes of a call's graph (a fused attention computed by several nodes): each
+        ``(node, place, tensor, factor)`` multiplies the gradient ``node`` passes to ``tensor``, its input at
+        ``place``, by ``factor``. ``False``, and nothing done, where an input is not at its place."""
+        by_node: dict[int, tuple[Any, list[float | None]]] = {}
+        for node, place, tensor, factor in places:
             if factor is None or factor == 1:
                 continue
+            nexts = node.next_functions
             edge = (tensor.grad_fn, tensor.output_nr) if isinstance(tensor, torch.Tensor) else None
             if edge is None or edge[0] is None or place >= len(nexts) or nexts[place] != edge:
                 return False
-            scaled[place] = float(factor)
-        hold = _Hold(node, tuple(scaled), len(self.products))
-        node.register_hook(functools.partial(_scale_inputs, hold.factors))
-        pass_no_relevance(node, hold.dropped)
-        self.holds.append(hold)
+            by_node.setdefault(id(node), (node, [None] * len(nexts)))[1][place] = float(factor)
+        for node, scaled in by_node.values():
+            hold = _Hold(node, tuple(scaled), len(self.products))
+            node.register_hook(functools.partial(_scale_inputs, hold.factors))
+            pass_no_relevance(node, hold.dropped)
+            self.holds.append(hold)
         return True
 
     def hooked(self, node: Any, hook: Any, dropped: Sequence[int] = ()) -> bool:

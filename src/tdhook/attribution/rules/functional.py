@@ -363,7 +363,18 @@ class FunctionalRules(TorchFunctionMode):
         else:
             factors = _attention_factors(query, key, value)
         output = F.scaled_dot_product_attention(*args, **kwargs)
-        return output if recording.scaled_inputs(output, (query, key, value), factors, (0, 1, 2)) else None
+        if recording.scaled_inputs(output, (query, key, value), factors, (0, 1, 2)):
+            return output
+        # Computed by several nodes (torch's math path: a mask that requires grad, as a learned position bias):
+        # the factors on the nodes that take the query, key and value.
+        places = _taking_nodes(output, (query, key, value), call_argument(args, kwargs, 3, "attn_mask"))
+        if places is None:
+            return None
+        scaled = [
+            (node, place, tensor, factor)
+            for (node, place), tensor, factor in zip(places, (query, key, value), factors, strict=True)
+        ]
+        return output if recording.scaled_at(scaled) else None
 
     def _unfused_attention(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa=False):
         if dropout_p:
@@ -392,6 +403,44 @@ class FunctionalRules(TorchFunctionMode):
             unseen = torch.isneginf(scores.detach()).all(-1, keepdim=True)
             out = torch.softmax(scores, dim=-1).masked_fill(unseen, 0.0) @ value
         return out if plain is None or not out.requires_grad else redirect(plain, [out], lambda grad: [grad])
+
+
+# The most nodes a fused attention computed by several nodes may take (torch's math path takes about twenty).
+_MOST_ATTENTION_NODES = 64
+
+
+def _taking_nodes(output: torch.Tensor, inputs: tuple, mask: object) -> list[tuple[object, int]] | None:
+    """For each of ``inputs``, the one node of ``output``'s graph that takes it and its place there, walking from
+    ``output``'s node down to the inputs and ``mask``; ``None`` where an input is taken by none or by more than one
+    node, or where the walk goes past ``_MOST_ATTENTION_NODES`` nodes (not an attention computed from these alone).
+
+    Examples:
+        >>> q, k, v, bias = (torch.randn(1, 2, 3, 4, requires_grad=True) * 1 for _ in range(4))
+        >>> out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[..., :3])
+        >>> [type(node).__name__ for node, _ in _taking_nodes(out, (q, k, v), bias[..., :3])]
+        ['MulBackward1', 'TransposeBackward0', 'ExpandBackward0']
+    """
+    edges = {(t.grad_fn, t.output_nr): i for i, t in enumerate(inputs) if t.grad_fn is not None}
+    if len(edges) != len(inputs):
+        return None
+    stops = set(edges)
+    if isinstance(mask, torch.Tensor) and mask.grad_fn is not None:
+        stops.add((mask.grad_fn, mask.output_nr))
+    found: list[list[tuple[object, int]]] = [[] for _ in inputs]
+    queue, seen = [output.grad_fn], set()
+    while queue:
+        node = queue.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if len(seen) > _MOST_ATTENTION_NODES:
+            return None
+        for place, edge in enumerate(node.next_functions):
+            if edge in edges:
+                found[edges[edge]].append((node, place))
+            elif edge not in stops:
+                queue.append(edge[0])
+    return [places[0] for places in found] if all(len(places) == 1 for places in found) else None
 
 
 def _attention_factors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[float, float, float]:
