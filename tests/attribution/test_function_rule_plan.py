@@ -723,6 +723,33 @@ def test_a_functional_activation_whose_input_is_changed_in_place_after_it_keeps_
         assert torch.equal(relevance, first)
 
 
+class FunctionalGelu(nn.Module):
+    """A hand-written activation: a module of its own (the element-wise rule's, the mode acting inside it) whose
+    forward calls ``F.gelu``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x)
+
+
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
+def test_a_hand_written_activation_calling_gelu_takes_the_graphs_way(applied, preset):
+    """The module's rule meets the activation whose node holds the rule in a recording call, and a plain activation
+    in a later call: it puts the rule on both alike, so that the later call finds the recorded graph."""
+    torch.manual_seed(0)
+    model, x = ActivatedProduct(FunctionalGelu()).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(4)]
+    # The first call of a context tests that the module is element-wise (nodes of its own): the next one records
+    # again, and the later ones take the graph's way.
+    assert applied[1:] == [True, True]
+    if preset is AttnLRP:
+        assert relative_error(in_mode, activated_by_hand(model, x)) <= 1e-9
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)
+
+
 class HeldAttention(nn.Module):
     """``softmax(q(x) k(x)ᵀ) v(x)`` then ``out``, bias-free, with the attention weights also returned through a
     second consumer (``weights * 1`` added to nothing the output reads) and, with ``in_place``, scaled in place
@@ -961,8 +988,10 @@ def test_fused_attention_over_constant_values_is_a_constant(applied, values: str
 
 
 # Zoo configurations whose later calls take the graph's way under both presets (the others keep the mode: a
-# functional activation or gate, a recurrent mixer, relative position biases read by value, ...).
+# functional activation whose node keeps no input (tanh) or gate, a recurrent mixer, relative position biases read by
+# value, ...).
 PLANNED = {("bert", "sdpa"), ("mixtral", "eager"), ("gemma3", "sdpa"), ("falcon", "eager"), ("deit", "sdpa")}
+PLANNED |= {("whisper", "sdpa"), ("deberta_v2", "eager"), ("convbert", "eager")}  # F.gelu called as a function
 
 
 @pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
