@@ -723,6 +723,46 @@ def test_a_functional_activation_whose_input_is_changed_in_place_after_it_keeps_
         assert torch.equal(relevance, first)
 
 
+class ChangedAfterActivation(ActivatedProduct):
+    """``out(f(h) * k(x) + h + 1)`` with ``h = q(x)``: ``h + 1`` computed anew, or with ``in_place`` in place in
+    ``h``, which ``f``'s node saved; one node either way, so that the graph differs in that tensor's version alone."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.q(x)
+        activated = self.activation(h)
+        h = h.add_(1.0) if self.in_place else h + 1.0
+        return self.out(activated * self.k(x) + h)
+
+
+@pytest.mark.parametrize(
+    "activation", [F.gelu, F.silu, lambda h: F.layer_norm(h, (6,))], ids=["gelu", "silu", "layer norm"]
+)
+def test_a_later_call_that_changes_a_ruled_nodes_saved_input_runs_in_the_mode(applied, activation):
+    """A branch the recording call did not take changes the input of an activation (or fused layer norm) whose node
+    holds the rule in place, in a graph of the recorded shape: the node's own backward, which the mode never runs,
+    could not read it. The call runs in the mode instead of raising."""
+    torch.manual_seed(0)
+    model, x = ChangedAfterActivation(activation).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model.in_place = True
+    in_mode = call(lrp, x)
+    model.in_place = False
+    with lrp:
+        call(lrp, x)
+        call(lrp, x)  # the graph's way
+        model.in_place = True
+        relevance = call(lrp, x)
+    assert applied == [True, False]
+    assert torch.equal(relevance, in_mode)
+    if activation is not F.gelu:
+        return
+    leaf = x.clone().requires_grad_(True)  # by hand: the identity rule on f, the product's gradient halved
+    h = model.q(leaf)
+    logits = model.out(halved(h * (F.gelu(h) / h).detach() * model.k(leaf)) + h + 1.0)
+    (grad,) = torch.autograd.grad(logits.max(-1).values.sum(), leaf)
+    assert relative_error(relevance, leaf.detach() * grad) <= 1e-9
+
+
 class FunctionalGelu(nn.Module):
     """A hand-written activation: a module of its own (the element-wise rule's, the mode acting inside it) whose
     forward calls ``F.gelu``."""
