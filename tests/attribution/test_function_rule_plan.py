@@ -19,6 +19,8 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP, _function_rule_plan
+from tdhook.attribution.rules.functional import FunctionalRules
+from tdhook.attribution.rules.transformer import PseudoIdentityRule, SoftmaxEpsilonRule
 from tests.attribution.test_lrp_huggingface import LastLogits, build
 from tests.attribution.test_lrp_transformer_zoo import ZOO, Explained, model_input
 from tests.conftest import relative_error
@@ -721,6 +723,35 @@ def test_a_functional_activation_whose_input_is_changed_in_place_after_it_keeps_
     assert relative_error(first, activated_by_hand(model, x)) <= 1e-9
     for relevance in later:
         assert torch.equal(relevance, first)
+
+
+class PlainActivations(PseudoIdentityRule):
+    """A rule of one's own for activations called as functions: their plain gradient."""
+
+    def apply(self, output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return output
+
+
+class PlainActivationsLRP(AttnLRP):
+    """AttnLRP whose function rules give activations :class:`PlainActivations`."""
+
+    def function_modes(self) -> list:
+        return [FunctionalRules(SoftmaxEpsilonRule(), PlainActivations())]
+
+
+def test_an_identity_rule_of_ones_own_keeps_its_gradient_on_functional_activations(applied):
+    torch.manual_seed(0)
+    model, x = ActivatedProduct(F.gelu).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, PlainActivationsLRP(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(3)]
+    leaf = x.clone().requires_grad_(True)  # by hand: the plain gradient of the activation, the product's halved
+    logits = model.out(halved(F.gelu(model.q(leaf)) * model.k(leaf)))
+    (grad,) = torch.autograd.grad(logits.max(-1).values.sum(), leaf)
+    assert relative_error(in_mode, leaf.detach() * grad) <= 1e-12
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)
 
 
 class ChangedAfterActivation(ActivatedProduct):

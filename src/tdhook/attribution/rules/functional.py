@@ -284,7 +284,9 @@ class FunctionalRules(TorchFunctionMode):
             return self._attention(*args, **kwargs)
         if func in _ACTIVATION_FUNCTIONS and args and is_activation(args[0]):
             output = func(*args, **kwargs)
-            if recording is not None and pass_rule_on_node(output, args[0]):
+            # The node's hook is the identity rule's own: a rule of one's own (another ``apply``) keeps the mode.
+            own = type(self.activation).apply is PseudoIdentityRule.apply
+            if recording is not None and own and pass_rule_on_node(output, args[0]):
                 stabilizer = self.activation.stabilizer
                 if recording.hooked(output.grad_fn, functools.partial(hook_pass_rule, stabilizer)):
                     setattr(output, RULED_ON_NODE, stabilizer)
