@@ -19,6 +19,8 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP, _function_rule_plan
+from tdhook.attribution.rules.functional import FunctionalRules
+from tdhook.attribution.rules.transformer import PseudoIdentityRule, SoftmaxEpsilonRule
 from tests.attribution.test_lrp_huggingface import LastLogits, build
 from tests.attribution.test_lrp_transformer_zoo import ZOO, Explained, model_input
 from tests.conftest import relative_error
@@ -799,6 +801,102 @@ def test_a_fused_attention_computed_by_several_nodes_takes_the_graph_s_way(appli
     assert relative_error(in_mode, leaf.detach() * plain) > 1e-3
 
 
+class PlainActivations(PseudoIdentityRule):
+    """A rule of one's own for activations called as functions: their plain gradient."""
+
+    def apply(self, output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return output
+
+
+class PlainActivationsLRP(AttnLRP):
+    """AttnLRP whose function rules give activations :class:`PlainActivations`."""
+
+    def function_modes(self) -> list:
+        return [FunctionalRules(SoftmaxEpsilonRule(), PlainActivations())]
+
+
+def test_an_identity_rule_of_ones_own_keeps_its_gradient_on_functional_activations(applied):
+    torch.manual_seed(0)
+    model, x = ActivatedProduct(F.gelu).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, PlainActivationsLRP(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(3)]
+    leaf = x.clone().requires_grad_(True)  # by hand: the plain gradient of the activation, the product's halved
+    logits = model.out(halved(F.gelu(model.q(leaf)) * model.k(leaf)))
+    (grad,) = torch.autograd.grad(logits.max(-1).values.sum(), leaf)
+    assert relative_error(in_mode, leaf.detach() * grad) <= 1e-12
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)
+
+
+class ChangedAfterActivation(ActivatedProduct):
+    """``out(f(h) * k(x) + h + 1)`` with ``h = q(x)``: ``h + 1`` computed anew, or with ``in_place`` in place in
+    ``h``, which ``f``'s node saved; one node either way, so that the graph differs in that tensor's version alone."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.q(x)
+        activated = self.activation(h)
+        h = h.add_(1.0) if self.in_place else h + 1.0
+        return self.out(activated * self.k(x) + h)
+
+
+@pytest.mark.parametrize(
+    "activation", [F.gelu, F.silu, lambda h: F.layer_norm(h, (6,))], ids=["gelu", "silu", "layer norm"]
+)
+def test_a_later_call_that_changes_a_ruled_nodes_saved_input_runs_in_the_mode(applied, activation):
+    """A branch the recording call did not take changes the input of an activation (or fused layer norm) whose node
+    holds the rule in place, in a graph of the recorded shape: the node's own backward, which the mode never runs,
+    could not read it. The call runs in the mode instead of raising."""
+    torch.manual_seed(0)
+    model, x = ChangedAfterActivation(activation).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model.in_place = True
+    in_mode = call(lrp, x)
+    model.in_place = False
+    with lrp:
+        call(lrp, x)
+        call(lrp, x)  # the graph's way
+        model.in_place = True
+        relevance = call(lrp, x)
+    assert applied == [True, False]
+    assert torch.equal(relevance, in_mode)
+    if activation is not F.gelu:
+        return
+    leaf = x.clone().requires_grad_(True)  # by hand: the identity rule on f, the product's gradient halved
+    h = model.q(leaf)
+    logits = model.out(halved(h * (F.gelu(h) / h).detach() * model.k(leaf)) + h + 1.0)
+    (grad,) = torch.autograd.grad(logits.max(-1).values.sum(), leaf)
+    assert relative_error(relevance, leaf.detach() * grad) <= 1e-9
+
+
+class FunctionalGelu(nn.Module):
+    """A hand-written activation: a module of its own (the element-wise rule's, the mode acting inside it) whose
+    forward calls ``F.gelu``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x)
+
+
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
+def test_a_hand_written_activation_calling_gelu_takes_the_graphs_way(applied, preset):
+    """The module's rule meets the activation whose node holds the rule in a recording call, and a plain activation
+    in a later call: it puts the rule on both alike, so that the later call finds the recorded graph."""
+    torch.manual_seed(0)
+    model, x = ActivatedProduct(FunctionalGelu()).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(4)]
+    # The first call of a context tests that the module is element-wise (nodes of its own): the next one records
+    # again, and the later ones take the graph's way.
+    assert applied[1:] == [True, True]
+    if preset is AttnLRP:
+        assert relative_error(in_mode, activated_by_hand(model, x)) <= 1e-9
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)
+
+
 class HeldAttention(nn.Module):
     """``softmax(q(x) k(x)ᵀ) v(x)`` then ``out``, bias-free, with the attention weights also returned through a
     second consumer (``weights * 1`` added to nothing the output reads) and, with ``in_place``, scaled in place
@@ -1037,8 +1135,10 @@ def test_fused_attention_over_constant_values_is_a_constant(applied, values: str
 
 
 # Zoo configurations whose later calls take the graph's way under both presets (the others keep the mode: a
-# functional activation or gate, a recurrent mixer, relative position biases read by value, ...).
+# functional activation whose node keeps no input (tanh) or gate, a recurrent mixer, relative position biases read by
+# value, ...).
 PLANNED = {("bert", "sdpa"), ("mixtral", "eager"), ("gemma3", "sdpa"), ("falcon", "eager"), ("deit", "sdpa")}
+PLANNED |= {("whisper", "sdpa"), ("deberta_v2", "eager"), ("convbert", "eager")}  # F.gelu called as a function
 
 
 @pytest.mark.parametrize("preset", [AttnLRP, CPLRP])

@@ -45,7 +45,9 @@ no gradient, as they would not behind a detached one: a call whose graph there s
 place after runs again in the mode (their backward would raise), and so do later calls on inputs of its signature.
 
 GELU and SiLU called as functions get it too: their nodes save their input, from which a hook computes the
-identity rule's factor (see :func:`~tdhook.attribution.rules.basic.hook_pass_rule`). A sigmoid-like gate called as a
+identity rule's factor (see :func:`~tdhook.attribution.rules.basic.hook_pass_rule`). The backward of such a node, and
+of a fused layer norm's, runs in a later call, never in the mode: a later call whose tensors they saved were changed
+in place since (a branch the recording call did not take) runs in the mode. A sigmoid-like gate called as a
 function (a mixture of experts' shared-expert gate) is left without its rule in a recording call: where every
 product that takes it holds it, no gradient reaches its node, and the plan is made; where one does (the gate also
 used as a signal), the call runs again in the mode, and so do later calls on inputs of its signature.
@@ -304,6 +306,8 @@ class _Plan:
                 if offset is not None:
                     if node._sequence_nr() - start != offset:
                         return False
+                    if isinstance(attach, _OnNode) and not _saved_readable(node):
+                        return False
                     hooked.append((node, attach))
                 nexts.append(node.next_functions if expand else None)
         except (IndexError, AttributeError):  # fewer outputs or next functions than recorded
@@ -486,10 +490,21 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
     return _Plan(keys, len(recording.outputs), steps, nodes, tuple(norms.values()))
 
 
+class _OnNode(NamedTuple):
+    """A rule's own hook on a node whose backward the function mode never runs (a fused layer norm's, an
+    activation's): a later call puts it there only where that backward can run, none of the tensors the node saved
+    changed in place since (a branch the recording call did not take may change one in a graph of the same shape)."""
+
+    hook: Any
+
+    def __call__(self, node: Any) -> None:
+        self.hook(node)
+
+
 def _hold_hook(hold: _Hold) -> Any:
     """What puts a hold's hook on its node in a later call."""
     if hold.hook is not None:
-        return hold.hook
+        return _OnNode(hold.hook)
     return _CUT if hold.factors is None else _post_hook(functools.partial(_scale_inputs, hold.factors))
 
 
@@ -510,12 +525,20 @@ def _branch_intact(node: Any, graph: dict, roots: Sequence[Any] = ()) -> bool:
         if current is None or id(current) in seen or (current is not node and id(current) in graph):
             continue
         seen.add(id(current))
-        for name in _saved_names(type(current)):
-            try:
-                getattr(current, name)
-            except RuntimeError:
-                return False
+        if not _saved_readable(current):
+            return False
         stack.extend(child for child, _ in current.next_functions)
+    return True
+
+
+def _saved_readable(node: Any) -> bool:
+    """Whether ``node`` can run its backward: none of the tensors it saved was changed in place since (reading a
+    saved tensor checks its version)."""
+    for name in _saved_names(type(node)):
+        try:
+            getattr(node, name)
+        except RuntimeError:
+            return False
     return True
 
 

@@ -38,6 +38,7 @@ __all__ = [
     "RefuseRule",
     "pass_rule_on_node",
     "hook_pass_rule",
+    "RULED_ON_NODE",
 ]
 
 
@@ -274,6 +275,10 @@ def _recomputed_gelu(node: Any, x: torch.Tensor) -> torch.Tensor:
 def _recomputed_silu(node: Any, x: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(x)
 
+
+# Marks an activation's output whose own node holds the pass rule (see :func:`hook_pass_rule`): the rule's
+# stabiliser. A call without the function mode makes no such output, and a module's rule meets the plain one.
+RULED_ON_NODE = "_tdhook_pass_rule_on_node"
 
 # The activations whose autograd node saves their input, by the node's type: the function, from the node and its
 # saved input.

@@ -38,7 +38,7 @@ from tdhook.attribution.rules._autograd import (
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint
-from tdhook.attribution.rules.basic import hook_pass_rule, pass_rule_on_node
+from tdhook.attribution.rules.basic import RULED_ON_NODE, hook_pass_rule, pass_rule_on_node
 from tdhook.attribution.rules.gates import (
     ELEMENTWISE_PRODUCTS,
     GATE_FUNCTIONS,
@@ -288,9 +288,12 @@ class FunctionalRules(TorchFunctionMode):
                 # A sigmoid-like gate, held where a product takes it: its own rule would change nothing there.
                 recording.unruled_gate(output.grad_fn)
                 return mark_gate(output, args[0], sigmoid=True)
-            if recording is not None and pass_rule_on_node(output, args[0]):
+            # The node's hook is the identity rule's own: a rule of one's own (another ``apply``) keeps the mode.
+            own = type(self.activation).apply is PseudoIdentityRule.apply
+            if recording is not None and own and pass_rule_on_node(output, args[0]):
                 stabilizer = self.activation.stabilizer
                 if recording.hooked(output.grad_fn, functools.partial(hook_pass_rule, stabilizer)):
+                    setattr(output, RULED_ON_NODE, stabilizer)
                     return mark_gate(output, args[0])  # marked as the rule marks its output (see PseudoIdentityRule)
             result = self.activation.apply(output, args[0])
             return mark_gate(result, args[0], sigmoid=True) if func in GATE_FUNCTIONS else result

@@ -34,7 +34,7 @@ from tdhook.attribution.rules._autograd import hold, redirect, scale_gradient
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._numerics import stabilize
 from tdhook.attribution.rules.base import Rule, _single_input
-from tdhook.attribution.rules.basic import PassRule
+from tdhook.attribution.rules.basic import RULED_ON_NODE, PassRule
 from tdhook.attribution.rules.gates import GATE_MARK, mark_gate
 from tdhook.attribution.rules.normalization import LayerNormRule
 from tdhook.attribution.tunables import EPSILON
@@ -183,8 +183,10 @@ class PseudoIdentityRule(PassRule):
         super().__init__(stabilizer)
 
     def apply(self, output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if getattr(output, GATE_MARK, None) is x:
+        if getattr(output, GATE_MARK, None) is x and getattr(output, RULED_ON_NODE, None) != self.stabilizer:
             return output  # the functional activation inside this module already has the rule
+        # An activation whose node holds the rule, with this rule's stabiliser, gets it here as well (the same
+        # factor, and its node no gradient): a later call, without the function mode, finds the graph it records.
         result = super().apply(output, x)
         if result.requires_grad:
             # Marked as an activation's output: CP-LRP holds such a tensor constant where it gates another one.
