@@ -128,6 +128,23 @@ class TestFastPaths:
         assert len(seen) == 6
 
 
+@pytest.mark.parametrize("activation", [nn.GELU, nn.SiLU, nn.Tanh])
+def test_the_pass_rule_in_float16_is_finite_where_the_input_is_exactly_zero(activation):
+    # float16's smallest step (6e-8) swallows the stabiliser (1e-12): the factor f(0) / stabilize(0) would be 0 / 0.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6, bias=False), activation(), nn.Linear(6, 3, bias=False))
+    x = torch.randn(3, 4)
+    x[0] = 0.0  # a row of zeros (a padded position): its pre-activations are exactly 0
+    relevances = {}
+    for dtype in (torch.float32, torch.float16):
+        model, leaf = net.to(dtype), x.to(dtype).requires_grad_(True)
+        with PassRule().register(model[1]):
+            out = model(leaf)
+            relevances[dtype] = leaf * torch.autograd.grad(out, leaf, torch.ones_like(out))[0]
+    assert torch.isfinite(relevances[torch.float16]).all()
+    torch.testing.assert_close(relevances[torch.float16].float(), relevances[torch.float32], rtol=1e-2, atol=1e-2)
+
+
 def _leave_marks(rule: EpsilonRule, layer: nn.Module, marks: bool) -> None:
     """Leave the layer's LayerCall marks (the redirect path) or not (as a context where no rule reads them)."""
     rule._registrations[layer].marks = marks

@@ -264,8 +264,23 @@ class PassRule(Rule):
         if graph_kept() is not None:  # the scale from the output and the input, with their history
             z, stabilizer = output.clone(), self.stabilizer
             return redirect(output, [x], lambda grad: [grad * z / stabilize(x, stabilizer)])
-        scale = output.detach() / stabilize(x.detach(), self.stabilizer)
+        scale = pass_factor(output.detach(), x.detach(), self.stabilizer)
         return redirect(output, [x], lambda grad: [grad * scale])
+
+
+def pass_factor(output: torch.Tensor, x: torch.Tensor, stabilizer: float) -> torch.Tensor:
+    """The pass rule's factor ``f(x) / stabilize(x)`` for ``output = f(x)``, in float32 for float16 tensors (whose
+    smallest step, 6e-8, is far above the stabilisers of 1e-10 and 1e-12: an input of exactly 0 would give 0 / 0),
+    returned in ``x``'s dtype.
+
+    Examples:
+        >>> x = torch.tensor([0.0, 2.0], dtype=torch.float16)
+        >>> pass_factor(torch.nn.functional.gelu(x), x, 1e-10)
+        tensor([0.0000, 0.9771], dtype=torch.float16)
+    """
+    if x.dtype == torch.float16:
+        return (output.float() / stabilize(x.float(), stabilizer)).to(x.dtype)
+    return output / stabilize(x, stabilizer)
 
 
 def _recomputed_gelu(node: Any, x: torch.Tensor) -> torch.Tensor:
@@ -320,7 +335,7 @@ def hook_pass_rule(stabilizer: float, node: Any) -> None:
         True
     """
     x = node._saved_self.detach()
-    scale = _SAVING_THEIR_INPUT[type(node).__name__](node, x) / stabilize(x, stabilizer)
+    scale = pass_factor(_SAVING_THEIR_INPUT[type(node).__name__](node, x), x, stabilizer)
     node.register_hook(functools.partial(_input_gradient_times, scale))
 
 
