@@ -77,6 +77,9 @@ def main() -> None:
         default="wall",
         help="wall time, or this thread's CPU time (steadier on a loaded machine: other processes do not stretch it)",
     )
+    parser.add_argument(
+        "--warm", action="store_true", help="time each call after an untimed one of the same method, as in a loop"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -92,7 +95,7 @@ def main() -> None:
             entering = LRP(copy.deepcopy(model), mapper, in_keys=["embeds"], out_keys=["logits"])
             methods[f"{label}, entering"] = lambda lrp=entering: lrp(TensorDict(embeds=x, batch_size=x.shape[:1]))
         clock = time.perf_counter if args.clock == "wall" else time.thread_time
-        seconds = interleaved_medians(methods, args.repeats, clock=clock)
+        seconds = interleaved_medians(methods, args.repeats, clock=clock, warm=args.warm)
 
     print(
         f"Llama {args.layers} layers, hidden {args.hidden}, {args.attention} attention, "

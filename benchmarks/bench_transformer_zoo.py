@@ -43,6 +43,9 @@ def main() -> None:
         default="wall",
         help="wall time, or this thread's CPU time (steadier on a loaded machine: other processes do not stretch it)",
     )
+    parser.add_argument(
+        "--warm", action="store_true", help="time each call after an untimed one of the same method, as in a loop"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -69,7 +72,7 @@ def main() -> None:
                 for label, preset in [("AttnLRP", AttnLRP), ("CP-LRP", CPLRP)]:
                     lrp = contexts.enter_context(LRP(copy.deepcopy(model), preset(), in_keys=["x"], out_keys=["y"]))
                     methods[label] = lambda lrp=lrp, x=x: lrp(TensorDict(x=x, batch_size=x.shape[:1]))
-                seconds = interleaved_medians(methods, args.repeats, clock=clock)
+                seconds = interleaved_medians(methods, args.repeats, clock=clock, warm=args.warm)
             base = seconds["gradient x input"]
             print(
                 f"{name:<14} {implementation:<9} {base * 1e3:14.2f} "
