@@ -1,0 +1,210 @@
+"""Later calls of a context put the identity rule of activations called as functions on their own nodes, and leave
+sigmoid gates that every product holds without their rule (the oracles: the rules written by hand, and a call in
+the function mode)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tdhook.attribution import CPLRP, LRP, AttnLRP
+from tdhook.attribution.rules.functional import FunctionalRules
+from tdhook.attribution.rules.transformer import PseudoIdentityRule, SoftmaxEpsilonRule
+from tests.attribution._plan_helpers import F64, Product, call, halved
+from tests.conftest import relative_error
+
+
+class ActivatedProduct(Product):
+    """``out(f(q(x)) * k(x))`` with ``f`` an activation called as a function; with ``in_place``, ``f``'s input is
+    changed in place after the call (its node's own backward, which reads it, would raise)."""
+
+    def __init__(self, activation, in_place: bool = False) -> None:
+        super().__init__()
+        self.activation, self.in_place = activation, in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.q(x)
+        activated = self.activation(h)
+        if self.in_place:
+            h.mul_(1.0)
+        return self.out(activated * self.k(x))
+
+
+def activated_by_hand(model: ActivatedProduct, x: torch.Tensor) -> torch.Tensor:
+    """AttnLRP's relevance for ``model``: ``f``'s input gets ``grad · f(h) / h``, the product's gradient halved."""
+    leaf = x.clone().requires_grad_(True)
+    h = model.q(leaf)
+    activated = h * (model.activation(h) / h).detach()  # the identity rule: the relevance passes as it is
+    logits = model.out(halved(activated * model.k(leaf)))
+    (grad,) = torch.autograd.grad(logits.max(-1).values.sum(), leaf)
+    return leaf.detach() * grad
+
+
+@pytest.mark.parametrize("activation", [F.gelu, F.silu], ids=["gelu", "silu"])
+def test_later_calls_put_a_functional_activations_rule_on_its_node(applied, activation):
+    torch.manual_seed(0)
+    model, x = ActivatedProduct(activation).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)  # a call that enters its context runs in the mode
+    with lrp:
+        first, *later = (call(lrp, x) for _ in range(3))
+    assert applied == [True, True]
+    assert relative_error(first, activated_by_hand(model, x)) <= 1e-9  # the stabiliser's 1e-10 aside
+    for relevance in [first, *later]:
+        assert torch.equal(relevance, in_mode)  # the mode's relevance, to the last bit
+    # The activation's plain gradient gives another relevance: the comparison can fail.
+    leaf = x.clone().requires_grad_(True)
+    logits = model.out(halved(activation(model.q(leaf)) * model.k(leaf)))
+    (grad,) = torch.autograd.grad(logits.max(-1).values.sum(), leaf)
+    assert relative_error(leaf.detach() * grad, first) > 1e-3
+
+
+def test_a_functional_activation_whose_input_is_changed_in_place_after_it_keeps_its_mode(applied):
+    torch.manual_seed(0)
+    model, x = ActivatedProduct(F.gelu, in_place=True).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        first, *later = (call(lrp, x) for _ in range(3))
+    assert applied == []  # every call in the mode: the recording call ran again there
+    model.in_place = False  # the same function: the change comes after the activation was taken
+    assert relative_error(first, activated_by_hand(model, x)) <= 1e-9
+    for relevance in later:
+        assert torch.equal(relevance, first)
+
+
+class SigmoidGated(Product):
+    """``out(sigmoid(q(x)) * v(x))``, the gate called as a function (a mixture of experts' shared-expert gate); with
+    ``reused``, the gate is also added to the output as a signal, which its own rule then reaches."""
+
+    def __init__(self, reused: bool = False) -> None:
+        super().__init__()
+        self.reused = reused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.sigmoid(self.q(x))
+        return self.out(gate * self.v(x) + (gate if self.reused else 0.0))
+
+
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
+@pytest.mark.parametrize("reused", [False, True], ids=["held", "reused"])
+def test_a_functional_sigmoid_gate_needs_no_rule_where_every_product_holds_it(applied, preset, reused: bool):
+    torch.manual_seed(0)
+    model, x = SigmoidGated(reused).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)  # a call that enters its context runs in the mode
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(3)]
+    # Held alone, the gate takes no gradient: later calls run without the mode. Reused, its rule matters: the
+    # recording call runs again in the mode, and so do the later ones.
+    assert applied == ([] if reused else [True, True])
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)
+    # By hand: the gate held (no gradient into it) in the product; reused, the identity rule on its other path.
+    leaf = x.clone().requires_grad_(True)
+    h = model.q(leaf)
+    gate = torch.sigmoid(h)
+    signal = h * (gate / h).detach() if reused else 0.0
+    logits = model.out(gate.detach() * model.v(leaf) + signal)
+    (grad,) = torch.autograd.grad(logits.max(-1).values.sum(), leaf)
+    assert relative_error(in_mode, leaf.detach() * grad) <= 1e-8  # the identity rule's stabiliser (1e-10) aside
+    assert (
+        relative_error(in_mode, leaf.detach() * torch.autograd.grad(model(leaf).max(-1).values.sum(), leaf)[0]) > 1e-3
+    )
+
+
+class PlainActivations(PseudoIdentityRule):
+    """A rule of one's own for activations called as functions: their plain gradient."""
+
+    def apply(self, output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return output
+
+
+class PlainActivationsLRP(AttnLRP):
+    """AttnLRP whose function rules give activations :class:`PlainActivations`."""
+
+    def function_modes(self) -> list:
+        return [FunctionalRules(SoftmaxEpsilonRule(), PlainActivations())]
+
+
+def test_an_identity_rule_of_ones_own_keeps_its_gradient_on_functional_activations(applied):
+    torch.manual_seed(0)
+    model, x = ActivatedProduct(F.gelu).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, PlainActivationsLRP(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(3)]
+    leaf = x.clone().requires_grad_(True)  # by hand: the plain gradient of the activation, the product's halved
+    logits = model.out(halved(F.gelu(model.q(leaf)) * model.k(leaf)))
+    (grad,) = torch.autograd.grad(logits.max(-1).values.sum(), leaf)
+    assert relative_error(in_mode, leaf.detach() * grad) <= 1e-12
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)
+
+
+class ChangedAfterActivation(ActivatedProduct):
+    """``out(f(h) * k(x) + h + 1)`` with ``h = q(x)``: ``h + 1`` computed anew, or with ``in_place`` in place in
+    ``h``, which ``f``'s node saved; one node either way, so that the graph differs in that tensor's version alone."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.q(x)
+        activated = self.activation(h)
+        h = h.add_(1.0) if self.in_place else h + 1.0
+        return self.out(activated * self.k(x) + h)
+
+
+@pytest.mark.parametrize(
+    "activation", [F.gelu, F.silu, lambda h: F.layer_norm(h, (6,))], ids=["gelu", "silu", "layer norm"]
+)
+def test_a_later_call_that_changes_a_ruled_nodes_saved_input_runs_in_the_mode(applied, activation):
+    """A branch the recording call did not take changes the input of an activation (or fused layer norm) whose node
+    holds the rule in place, in a graph of the recorded shape: the node's own backward, which the mode never runs,
+    could not read it. The call runs in the mode instead of raising."""
+    torch.manual_seed(0)
+    model, x = ChangedAfterActivation(activation).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model.in_place = True
+    in_mode = call(lrp, x)
+    model.in_place = False
+    with lrp:
+        call(lrp, x)
+        call(lrp, x)  # the graph's way
+        model.in_place = True
+        relevance = call(lrp, x)
+    assert applied == [True, False]
+    assert torch.equal(relevance, in_mode)
+    if activation is not F.gelu:
+        return
+    leaf = x.clone().requires_grad_(True)  # by hand: the identity rule on f, the product's gradient halved
+    h = model.q(leaf)
+    logits = model.out(halved(h * (F.gelu(h) / h).detach() * model.k(leaf)) + h + 1.0)
+    (grad,) = torch.autograd.grad(logits.max(-1).values.sum(), leaf)
+    assert relative_error(relevance, leaf.detach() * grad) <= 1e-9
+
+
+class FunctionalGelu(nn.Module):
+    """A hand-written activation: a module of its own (the element-wise rule's, the mode acting inside it) whose
+    forward calls ``F.gelu``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x)
+
+
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
+def test_a_hand_written_activation_calling_gelu_takes_the_graphs_way(applied, preset):
+    """The module's rule meets the activation whose node holds the rule in a recording call, and a plain activation
+    in a later call: it puts the rule on both alike, so that the later call finds the recorded graph."""
+    torch.manual_seed(0)
+    model, x = ActivatedProduct(FunctionalGelu()).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(4)]
+    # The first call of a context tests that the module is element-wise (nodes of its own): the next one records
+    # again, and the later ones take the graph's way.
+    assert applied[1:] == [True, True]
+    if preset is AttnLRP:
+        assert relative_error(in_mode, activated_by_hand(model, x)) <= 1e-9
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)
