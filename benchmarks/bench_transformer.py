@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import time
 from collections.abc import Callable
 
 import torch
 import transformers
 from tensordict import TensorDict
-from timing import interleaved_medians
+from timing import add_clock_options, clock_of, interleaved_medians
 from torch import nn
 
 from tdhook.attribution import LRP
@@ -71,15 +70,7 @@ def main() -> None:
     parser.add_argument(
         "--attention", choices=["eager", "sdpa"], default="eager", help="the attention implementation of the model"
     )
-    parser.add_argument(
-        "--clock",
-        choices=["wall", "thread"],
-        default="wall",
-        help="wall time, or this thread's CPU time (steadier on a loaded machine: other processes do not stretch it)",
-    )
-    parser.add_argument(
-        "--warm", action="store_true", help="time each call after an untimed one of the same method, as in a loop"
-    )
+    add_clock_options(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -94,7 +85,7 @@ def main() -> None:
             # Called outside a context, each call of this one enters and leaves one.
             entering = LRP(copy.deepcopy(model), mapper, in_keys=["embeds"], out_keys=["logits"])
             methods[f"{label}, entering"] = lambda lrp=entering: lrp(TensorDict(embeds=x, batch_size=x.shape[:1]))
-        clock = time.perf_counter if args.clock == "wall" else time.thread_time
+        clock = clock_of(args)
         seconds = interleaved_medians(methods, args.repeats, clock=clock, warm=args.warm)
 
     print(

@@ -17,13 +17,12 @@ import argparse
 import contextlib
 import copy
 import sys
-import time
 import warnings
 from pathlib import Path
 
 import torch
 from tensordict import TensorDict
-from timing import interleaved_medians
+from timing import add_clock_options, clock_of, interleaved_medians
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: the zoo lives in its tests
 
@@ -37,20 +36,12 @@ def main() -> None:
     parser.add_argument("names", nargs="*", help="architectures of the zoo (default: all of them)")
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    parser.add_argument(
-        "--clock",
-        choices=["wall", "thread"],
-        default="wall",
-        help="wall time, or this thread's CPU time (steadier on a loaded machine: other processes do not stretch it)",
-    )
-    parser.add_argument(
-        "--warm", action="store_true", help="time each call after an untimed one of the same method, as in a loop"
-    )
+    add_clock_options(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     dtype = getattr(torch, args.dtype)
-    clock = time.perf_counter if args.clock == "wall" else time.thread_time
+    clock = clock_of(args)
     unknown = sorted(set(args.names) - set(ZOO))
     if unknown:
         parser.error(f"not in the zoo: {', '.join(unknown)}; it has {', '.join(sorted(ZOO))}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import gc
@@ -21,6 +22,25 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def add_clock_options(parser: argparse.ArgumentParser) -> None:
+    """Add ``--clock wall|thread`` and ``--warm`` to a benchmark's command line (read them with :func:`clock_of`
+    and ``args.warm``, for :func:`interleaved_medians`)."""
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "thread"],
+        default="wall",
+        help="wall time, or this thread's CPU time (steadier on a loaded machine: other processes do not stretch it)",
+    )
+    parser.add_argument(
+        "--warm", action="store_true", help="time each call after an untimed one of the same method, as in a loop"
+    )
+
+
+def clock_of(args: argparse.Namespace) -> Callable[[], float]:
+    """The clock ``--clock`` names (see :func:`add_clock_options`)."""
+    return time.perf_counter if args.clock == "wall" else time.thread_time
 
 
 def interleaved_medians(
