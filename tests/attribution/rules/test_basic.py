@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tensordict import TensorDict
 from torch import nn
 from zennit import rules as zrules
 
+from tdhook.attribution import LRP, AttnLRP
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule, StopRule, UniformEpsilonRule, UniformRule
 from tests.attribution.rules._helpers import LAYERS, TOL, make_layer, output_relevance
 from tests.attribution.rules._helpers import RULE_PAIRS as ALL_RULE_PAIRS
@@ -143,6 +145,17 @@ def test_the_pass_rule_in_float16_is_finite_where_the_input_is_exactly_zero(acti
             relevances[dtype] = leaf * torch.autograd.grad(out, leaf, torch.ones_like(out))[0]
     assert torch.isfinite(relevances[torch.float16]).all()
     torch.testing.assert_close(relevances[torch.float16].float(), relevances[torch.float32], rtol=1e-2, atol=1e-2)
+
+
+def test_the_pass_rule_in_float16_keeps_a_finite_relevance_with_its_graph():
+    # The same 0 / 0 in a call that keeps the relevance's graph (create_graph=True), whose factor is computed apart.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6, bias=False), nn.GELU(), nn.Linear(6, 3, bias=False)).half()
+    x = torch.randn(3, 4).half()
+    x[0] = 0.0
+    td = TensorDict(x=x.requires_grad_(True), batch_size=[3])
+    relevance = LRP(net, AttnLRP(), in_keys=["x"], out_keys=["y"], create_graph=True)(td)["relevance", "x"]
+    assert relevance.requires_grad and torch.isfinite(relevance).all()
 
 
 def _leave_marks(rule: EpsilonRule, layer: nn.Module, marks: bool) -> None:

@@ -263,7 +263,7 @@ class PassRule(Rule):
             return output
         if graph_kept() is not None:  # the scale from the output and the input, with their history
             z, stabilizer = output.clone(), self.stabilizer
-            return redirect(output, [x], lambda grad: [grad * z / stabilize(x, stabilizer)])
+            return redirect(output, [x], lambda grad: [grad * pass_factor(z, x, stabilizer)])
         scale = pass_factor(output.detach(), x.detach(), self.stabilizer)
         return redirect(output, [x], lambda grad: [grad * scale])
 
