@@ -18,6 +18,7 @@ from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP, _function_rule_plan
+from tdhook.attribution.rules.normalization import is_norm
 from tests.attribution._plan_helpers import F64, Product, by_hand, call, plans, product_model
 from tests.attribution.test_lrp_huggingface import LastLogits, build
 from tests.attribution.test_lrp_transformer_zoo import ZOO, Explained, model_input
@@ -128,8 +129,9 @@ def test_hugging_face_models_calls_in_a_context_equal_a_call_in_the_mode(applied
     in_mode = call(lrp, x)  # a call that enters its context runs in the mode, with what it holds detached
     with lrp:
         first, *later = (call(lrp, x) for _ in range(3))
-        norms = [len(plan.plain) for plan in plans(lrp)]
+        norms = [sum(is_norm(module) for module in plan.modules) for plan in plans(lrp)]
         starts = [plan.norm_outputs for plan in plans(lrp)]  # paths start from every norm's output too
+        quiet = [type(module).__name__ for plan in plans(lrp) for module in plan.quiet]
     # AttnLRP's rules inside these models are the uniform rule on products, and CP-LRP's hold the attention weights
     # and the gates: later calls take the graph's way with both.
     assert applied == [True, True]
@@ -137,6 +139,9 @@ def test_hugging_face_models_calls_in_a_context_equal_a_call_in_the_mode(applied
     # plainly with the rule's hook on their fused node.
     assert norms == [5]
     assert starts == [5]
+    # Llama's SiLU modules get the identity rule on their nodes, and run without their hooks; GPT-2's GELU is written
+    # out (its node saved no input), and keeps its rule in its forward.
+    assert quiet == (["SiLUActivation"] * 2 if kind == "llama" else [])
     for relevance in [first, *later]:
         assert torch.equal(relevance, in_mode)  # to the last bit
 

@@ -10,9 +10,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP
+from tdhook.attribution.rules.basic import PassRule
 from tdhook.attribution.rules.functional import FunctionalRules
 from tdhook.attribution.rules.transformer import PseudoIdentityRule, SoftmaxEpsilonRule
-from tests.attribution._plan_helpers import F64, Product, call, halved
+from tests.attribution._plan_helpers import F64, Product, call, halved, plans
 from tests.conftest import relative_error
 
 
@@ -208,3 +209,142 @@ def test_a_hand_written_activation_calling_gelu_takes_the_graphs_way(applied, pr
         assert relative_error(in_mode, activated_by_hand(model, x)) <= 1e-9
     for relevance in relevances:
         assert torch.equal(relevance, in_mode)
+
+
+@pytest.fixture
+def rewrites(monkeypatch) -> list[nn.Module]:
+    """The activation modules whose pass rule's hook ran, one entry per run."""
+    seen: list[nn.Module] = []
+    rewrite = PassRule.rewrite
+
+    def watched(self, module, *args):
+        seen.append(module)
+        return rewrite(self, module, *args)
+
+    monkeypatch.setattr(PassRule, "rewrite", watched)
+    return seen
+
+
+@pytest.mark.parametrize("activation", [nn.GELU, nn.SiLU])
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
+def test_later_calls_run_an_activation_module_without_its_hooks(applied, rewrites, preset, activation):
+    """The identity rule of a GELU or SiLU module goes on its node, from the plan: a later call runs the module
+    straight to its forward (its hooks, the rule's and those pausing the function modes, stay off), and the relevance
+    is the mode's to the last bit."""
+    torch.manual_seed(0)
+    model, x = ActivatedProduct(activation()).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)
+    with lrp:
+        rewrites.clear()
+        relevances = [call(lrp, x) for _ in range(4)]
+        assert [type(m) for plan in plans(lrp) for m in plan.quiet] == [activation]
+    assert applied[-2:] == [True, True]
+    assert len(rewrites) == len(relevances) - len(applied)  # the recording calls' alone
+    assert "_call_impl" not in vars(model.activation)
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)
+    if preset is AttnLRP:
+        assert relative_error(in_mode, activated_by_hand(model, x)) <= 1e-9
+    assert rewrites == [] or all(m is model.activation for m in rewrites)
+    _ = call(lrp, x)  # the context left: the module's hooks run again, and leave with the call
+    assert rewrites[-1] is model.activation and not model.activation._forward_hooks
+
+
+class TwiceActivated(ActivatedProduct):
+    """``out(f(h) * k(x))`` where ``f`` runs twice on ``h = q(x)``: once as ``ActivatedProduct`` does, once under
+    ``torch.no_grad`` (its value unused), where its rule's hook lets the call be."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.activation(self.q(x))
+        return super().forward(x)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ActivatedProduct(nn.Tanh()),  # its node saved its output: no hook can compute the rule from it
+        lambda: TwiceActivated(nn.GELU()),  # one call with the rule on the node, one its hook let be
+    ],
+    ids=["tanh", "called twice"],
+)
+def test_an_activation_module_whose_rule_is_not_on_its_node_keeps_its_hooks(applied, rewrites, make):
+    torch.manual_seed(0)
+    model, x = make().to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)
+    with lrp:
+        rewrites.clear()
+        relevances = [call(lrp, x) for _ in range(4)]
+        assert all(plan.quiet == () for plan in plans(lrp))
+    assert applied[-2:] == [True, True]  # later calls take the graph's way all the same
+    assert rewrites.count(model.activation) == len(relevances)  # the rule's hook acted in every call
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)
+
+
+def test_an_activation_module_with_a_hook_of_the_callers_keeps_its_hooks(applied):
+    """A module with a hook that is not the wrapper's runs torch's way: the caller's hook runs in every call."""
+    torch.manual_seed(0)
+    model, x = ActivatedProduct(nn.GELU()).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)
+    seen = []
+    hook = model.activation.register_forward_hook(lambda module, args, output: seen.append(output.shape))
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(4)]
+    hook.remove()
+    assert applied[-2:] == [True, True]
+    assert len(seen) == len(relevances)
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)
+
+
+class OwnPass(PassRule):
+    """The pass rule with an apply of its own: the plain gradient."""
+
+    def apply(self, output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return output
+
+
+def test_a_pass_rule_with_an_apply_of_its_own_keeps_it_in_every_call(rewrites):
+    torch.manual_seed(0)
+    model, x = ActivatedProduct(nn.GELU()).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(rule_mapper={"activation": OwnPass()}), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(4)]
+    assert rewrites.count(model.activation) == len(relevances)
+    leaf = x.clone().requires_grad_(True)  # by hand: the activation's plain gradient, the product's halved
+    logits = model.out(halved(F.gelu(model.q(leaf)) * model.k(leaf)))
+    (grad,) = torch.autograd.grad(logits.max(-1).values.sum(), leaf)
+    for relevance in relevances:
+        assert relative_error(relevance, leaf.detach() * grad) <= 1e-12
+
+
+class PartlyCheckpointed(ActivatedProduct):
+    """``out(f(h) * f(h2) * k(x))``-like: ``f`` runs on ``h = q(x)`` plainly and on ``h2 = v(x)`` inside a
+    (non-reentrant) checkpoint region, whose saved-tensor hooks keep its rule in its forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        plain = self.activation(self.q(x))
+        checkpointed = torch.utils.checkpoint.checkpoint(self.activation, self.v(x), use_reentrant=False)
+        return self.out(plain * checkpointed + self.k(x))
+
+
+def test_an_activation_module_ruled_on_its_node_in_one_call_and_in_its_forward_in_another(applied, rewrites):
+    torch.manual_seed(0)
+    model, x = PartlyCheckpointed(nn.GELU()).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(4)]
+    assert applied == []  # no plan: a later call could not tell its calls apart
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)
+    leaf = x.clone().requires_grad_(True)  # by hand: the identity rule on both calls, the product's halved
+    h, h2 = model.q(leaf), model.v(leaf)
+    passed = [t * (F.gelu(t) / t).detach() for t in (h, h2)]
+    logits = model.out(halved(passed[0] * passed[1]) + model.k(leaf))
+    (grad,) = torch.autograd.grad(logits.max(-1).values.sum(), leaf)
+    assert relative_error(in_mode, leaf.detach() * grad) <= 1e-9

@@ -22,6 +22,7 @@ from torch import nn
 
 from tdhook.attribution import LRP
 from tdhook.attribution.lrp_helpers.rules import AttnLRP, EpsilonGammaBox, EpsilonPlus, EpsilonRule
+from tdhook.attribution.rules import _graph_calls
 from tests.attribution._interrupts import Interrupt, every_line
 
 F64 = torch.float64
@@ -36,6 +37,9 @@ def global_state() -> tuple:
         len(torch.nn.modules.module._global_forward_hooks),
         len(torch.nn.modules.module._global_forward_pre_hooks),
         len(torch.nn.modules.module._global_backward_hooks),
+        # The thread's state of a call that records or follows a plan of function rules: none between calls.
+        _graph_calls.recording(),
+        _graph_calls.planned(),
     )
 
 
@@ -158,11 +162,8 @@ def test_an_interrupt_at_any_line_of_a_call_leaves_model_and_tensordict_as_befor
             with Interrupt(at, CLEANUP) as interrupt:
                 lrp(td)
             assert_all_or_nothing(td, entries, expected, interrupt.where)
-            if not inside:
-                assert global_state() == before_global, interrupt.where
-                assert_same_state(before, module_state(model), interrupt.where)
-            else:
-                assert_same_state(inner_before, module_state(model), interrupt.where)
+            assert global_state() == before_global, interrupt.where
+            assert_same_state(inner_before if inside else before, module_state(model), interrupt.where)
             torch.testing.assert_close(explain(lrp, x), expected, rtol=0, atol=0, msg=interrupt.where)
     lrp.__exit__(None, None, None)
     assert global_state() == before_global

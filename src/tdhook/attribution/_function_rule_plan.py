@@ -45,7 +45,10 @@ no gradient, as they would not behind a detached one: a call whose graph there s
 place after runs again in the mode (their backward would raise), and so do later calls on inputs of its signature.
 
 GELU and SiLU called as functions get it too: their nodes save their input, from which a hook computes the
-identity rule's factor (see :func:`~tdhook.attribution.rules.basic.hook_pass_rule`). The backward of such a node, and
+identity rule's factor (see :func:`~tdhook.attribution.rules.basic.hook_pass_rule`). So do GELU and SiLU modules
+under the pass rule: their rule's hook puts it on the node in a recording call, and leaves it to the plan in a later
+one, which runs the module without its hooks where they have nothing else to do (see
+:mod:`~tdhook.attribution._quiet_modules`). The backward of such a node, and
 of a fused layer norm's, runs in a later call, never in the mode: a later call whose tensors they saved were changed
 in place since (a branch the recording call did not take) runs in the mode. A sigmoid-like gate called as a
 function (a mixture of experts' shared-expert gate) is left without its rule in a recording call: where every
@@ -87,12 +90,13 @@ Examples:
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from tensordict import TensorDictBase
 
+from tdhook.attribution._quiet_modules import QuietModules
 from tdhook.attribution.rules._autograd import pass_no_relevance
 
 __all__ = ["FunctionRulePlan", "Recording"]
@@ -152,6 +156,9 @@ class Recording:
         self.strayed = False  # whether a held tensor took other values in place: unlike a detached one's
         self.settled = False  # whether the call ended (see FunctionRulePlan.settle)
         self.unruled: list[Any] = []  # sigmoid-like gates' nodes left without their rule (see unruled_gate)
+        self.on_node: dict[int, Any] = {}  # by id: modules whose rule went on their output's node (rule_on_node)
+        self.applied: set[int] = set()  # ids of modules whose rule acted in their forward in some call
+        self.in_forward: set[int] = set()  # ids of modules whose rule's hooks let some call be
 
     def scaled(self, product: Any, factor: Any) -> None:
         """The mode halves the gradient of a product (the uniform rule): ``factor``, a node of its own, passes
@@ -238,6 +245,22 @@ class Recording:
         self.holds.append(_Hold(node, factors, len(self.products), hook))
         return True
 
+    def rule_on_node(self, module: Any) -> None:
+        """``module``'s rule put its gradient on the node of the module's output (see :meth:`hooked`): in a later
+        call its hook leaves that to the plan (see :func:`~tdhook.attribution.rules._graph_calls.runs_plain`), and
+        the module may run without its hooks (see :mod:`~tdhook.attribution._quiet_modules`), if they had nothing
+        else to do in this call."""
+        self.on_node[id(module)] = module
+
+    def rule_applied(self, module: Any) -> None:
+        """``module``'s rule put its gradient in the module's forward: a module whose rule also went on a node in
+        this call (in another of its calls) leaves no plan (later calls could not tell which call is which)."""
+        self.applied.add(id(module))
+
+    def rule_in_forward(self, module: Any) -> None:
+        """``module``'s rule's hooks let a call of it be (without gradients, a plain call): later calls keep them."""
+        self.in_forward.add(id(module))
+
     def unruled_gate(self, node: Any) -> None:
         """The mode left a sigmoid-like gate made by ``node`` without its rule: where every product that takes the
         gate holds it, no gradient reaches the node, and the rule would change nothing. The plan is made only if no
@@ -270,8 +293,9 @@ class _Plan:
     Step ``i`` reaches a node: the ``index``-th root where ``parent`` is -1 (the outputs' ``grad_fn``, then the
     nodes of the norms' outputs), else the ``index``-th next function of step ``parent``'s node. It expects the
     node's type, and for a product, a scale or a held tensor its sequence number (relative to the first number of
-    the call) and what puts its hook on it; ``expand`` where later steps start from it. ``plain``: the ids of the
-    norms that run without their mode.
+    the call) and what puts its hook on it; ``expand`` where later steps start from it. ``plain``: the modules whose
+    rule the plan puts on the graph (norms that run without their mode, activations whose rule goes on their node);
+    ``quiet``: those of them whose hooks have nothing to do in a later call, which runs them without.
     """
 
     def __init__(
@@ -281,12 +305,14 @@ class _Plan:
         steps: list[tuple[int, int, type, int | None, bool, Any]],
         nodes: int,
         plain: tuple,
+        quiet: tuple = (),
     ) -> None:
         self.keys = keys  # the keys of the outputs the paths start from
+        self.quiet = quiet
         self.norm_outputs = norm_outputs  # how many norm outputs the call notes, where paths start too
         self.steps = steps
         self.nodes = nodes  # how many nodes the call creates
-        self.norms = plain  # the norms themselves, kept alive while their ids stand for them
+        self.modules = plain  # the modules themselves, kept alive while their ids stand for them
         self.plain = frozenset(id(module) for module in plain)
 
     def apply(self, result: TensorDictBase, start: int, end: int, norm_outputs: list) -> bool:
@@ -356,8 +382,9 @@ class FunctionRulePlan:
     Not shared between threads: the wrapper runs one call at a time.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, own_hook_ids: Collection[int] = ()) -> None:
         self._plans: dict[Hashable, _Plan | None] = {}
+        self.quiet = QuietModules(own_hook_ids)  # runs the modules of a plan's ``quiet`` without the hooks
         self._changed: set[Hashable] = set()  # signatures whose graph differed from their plan's once
 
     @staticmethod
@@ -416,8 +443,8 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
     ]
     keys, outputs = [key for key, _ in keyed], [value for _, value in keyed]
     wanted = {id(node): position for position, node in enumerate(recording.products)}
-    if len(wanted) != len(recording.products):
-        return None
+    if len(wanted) != len(recording.products) or any(key in recording.applied for key in recording.on_node):
+        return None  # a module whose rule went on its node in one call and acted in its forward in another
     norms = {key: module for key, module in recording.norms.items() if key not in recording.moded}
     cuts = [cut for cut in recording.cuts if id(cut.module) in norms]
     # A held scale's node is no next function of its consumer in the mode's graph: a plain call's has it there.
@@ -487,7 +514,9 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
             steps.append((-1 if parent is None else slots[parent], index, type(node), offset, False, attach))
             slots[key] = len(steps) - 1
     nodes = end - start - len(recording.products)
-    return _Plan(keys, len(recording.outputs), steps, nodes, tuple(norms.values()))
+    quiet = tuple(module for key, module in recording.on_node.items() if key not in recording.in_forward)
+    on_node = tuple(recording.on_node.values())
+    return _Plan(keys, len(recording.outputs), steps, nodes, (*norms.values(), *on_node), quiet)
 
 
 class _OnNode(NamedTuple):

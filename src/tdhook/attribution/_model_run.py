@@ -37,6 +37,7 @@ def run_model(lrp: Any, work: TensorDictBase) -> tuple[TensorDictBase | None, No
     """Run ``lrp``'s model on ``work`` under the function modes of its rules; what the model returned, and the
     watch of the nonlinear calls that no rule covers (the first call of a wrapper only, else ``None``)."""
     raise_for_checkpointing("LRP", [] if lrp._inactive else lrp._checkpointing)  # before the model runs
+    lrp._function_rule_plan.quiet.remove()  # modules a plan ran without hooks, if an interrupt left them so
     handles = lrp._handles or []
     watch = lrp._rule_use.watch(lrp.named_explained_modules, handles, lrp._hooks)
     rule_modes = [] if lrp._inactive else list(getattr(lrp.rule_mapper, "function_modes", list)())
@@ -51,7 +52,8 @@ def run_model(lrp: Any, work: TensorDictBase) -> tuple[TensorDictBase | None, No
             inputs = list(work.items(include_nested=True, leaves_only=True))
             start = sequence_number()
             norm_outputs: list = []
-            with closing_scopes(), graph_call(plain=plan.plain, outputs=norm_outputs):
+            quiet = lrp._function_rule_plan.quiet.running(plan.quiet)  # modules whose rules the plan puts
+            with closing_scopes(), graph_call(plain=plan.plain, outputs=norm_outputs), quiet:
                 result = _call(lrp, work)
             if plan.apply(work if result is None else result, start, sequence_number(), norm_outputs):
                 return result, None

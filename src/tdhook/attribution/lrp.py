@@ -307,21 +307,25 @@ class LRP(TensorDictModuleBase, MapperTunable):
             if self.relevance_check is not None:
                 self._hooks += add_check_hooks(handles, modules, self.relevance_check)
             modes = getattr(self.rule_mapper, "function_modes", list)()
+            pausing = []
             if any(getattr(mode, "pause_in_ruled_modules", True) for mode in modes):
-                self._hooks += suspend_function_modes_in(handles)
+                pausing = suspend_function_modes_in(handles)
+                self._hooks += pausing
             for name in self.layer_keys:
                 self._hooks.append(modules[name].register_forward_hook(self._layers.hook(name)))
             self._hooks += self._tokens.register(modules)  # on each nn.Embedding and nn.EmbeddingBag
             self._hooks += module_hooks(modules)  # torchrl's modules and the caller's grad mode (see _module_hooks)
             # Copies of the model made inside the context (deepcopy, pickle) leave every hook of the context out.
-            hook_ids = {hook.id for hook in self._hooks} | {h.id for handle in handles for h in handle.hook_handles()}
-            self._hooks.append(hide_from_copies(modules.values(), hook_ids))
-            self._handles, self._function_rule_plan = handles, FunctionRulePlan()  # plans for this context's rules
+            ours = {h.id for handle in handles for h in handle.hook_handles()}
+            self._hooks.append(hide_from_copies(modules.values(), ours | {hook.id for hook in self._hooks}))
+            # Plans for this context's rules; a module whose hooks are all its rule's and pausing ones may skip them.
+            self._function_rule_plan = FunctionRulePlan(ours | {hook.id for hook in pausing})
+            self._hooks.append(self._function_rule_plan.quiet)  # puts back what an interrupt left without hooks
+            self._handles = handles
             self._candidates.clear()
             self._rule_use.reset()
             self._stochastic, self._checkpointing = random_modules(modules), checkpointing_modules(modules)
             self._compiled = any(hasattr(m, "_orig_mod") for m in modules.values())  # torch.compile'd parts
-            ours = {h.id for handle in handles for h in handle.hook_handles()}
             self._plan = context_plan(self, rules, modules, ours)
             return self  # inside the try: an interrupt before the return leaves the context as if never entered
         except BaseException:

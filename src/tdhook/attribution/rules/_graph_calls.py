@@ -25,8 +25,7 @@ Examples:
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection, Iterator
-from contextlib import contextmanager
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -49,8 +48,8 @@ def planned() -> bool:
 
 
 def runs_plain(module: nn.Module) -> bool:
-    """Whether ``module``'s forward runs in this thread's call without its rule's mode (the call's plan cuts the
-    gradient of the scale it holds)."""
+    """Whether ``module``'s rule is put on the graph by this thread's call's plan: a norm's forward runs without its
+    rule's mode (the plan cuts the gradient of the scale it holds); an activation's rule goes on its node."""
     plain = getattr(_LOCAL, "plain", None)
     return plain is not None and id(module) in plain
 
@@ -63,14 +62,22 @@ def note_output(output: Any) -> None:
         noted.append(output.grad_fn if isinstance(output, torch.Tensor) else None)
 
 
-@contextmanager
-def graph_call(record: Any = None, plain: Collection[int] = (), outputs: list | None = None) -> Iterator[None]:
+class graph_call:  # noqa: N801 (used as a function: ``with graph_call(...):``)
     """A call in the block whose norms tell ``record`` where their scales' nodes are (a recording call), or in which
-    the modules whose ids are in ``plain`` run their forward without their rule's mode (a later call); the nodes of
-    the norms' outputs are appended to ``outputs``."""
-    before = recording(), getattr(_LOCAL, "plain", None), getattr(_LOCAL, "outputs", None)
-    _LOCAL.recording, _LOCAL.plain, _LOCAL.outputs = record, plain, outputs
-    try:
-        yield
-    finally:  # as they were: a wrapper called inside another one's model leaves the outer call's state
-        _LOCAL.recording, _LOCAL.plain, _LOCAL.outputs = before
+    the modules whose ids are in ``plain`` have their rules put on the graph by the call's plan (a later call); the
+    nodes of the norms' outputs are appended to ``outputs``.
+
+    A class rather than a generator: it wraps every call that records or follows a plan, and its state is put back
+    by ``__exit__`` alone (a generator's ``finally``, an interrupt could skip).
+    """
+
+    def __init__(self, record: Any = None, plain: Collection[int] = (), outputs: list | None = None) -> None:
+        self._state = record, plain, outputs
+
+    def __enter__(self) -> None:
+        self._before = recording(), getattr(_LOCAL, "plain", None), getattr(_LOCAL, "outputs", None)
+        _LOCAL.recording, _LOCAL.plain, _LOCAL.outputs = self._state
+
+    def __exit__(self, *exc_info: object) -> None:
+        # As they were: a wrapper called inside another one's model leaves the outer call's state.
+        _LOCAL.recording, _LOCAL.plain, _LOCAL.outputs = self._before

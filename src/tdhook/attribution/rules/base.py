@@ -32,6 +32,7 @@ from tdhook.attribution.rules._autograd import (
     raise_for_vmap,
     relevance_pass_edges,
 )
+from tdhook.attribution.rules._graph_calls import recording
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import (
@@ -609,12 +610,12 @@ class Rule(Tunable):
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
             inputs = pop(registration.snapshots) if registration.snapshots else args
             if registration.busy or not torch.is_grad_enabled() or getattr(_PLAIN, "depth", 0):
-                return None
+                return _ruled_in_forward(module)
             raise_for_vmap(module, output)
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 if self.one_output_only and not isinstance(output, torch.Tensor):
                     _raise_for_several_outputs(self, module, output)
-                return None
+                return _ruled_in_forward(module)
             if _GLOBAL_FORWARD_HOOKS and isinstance(module, LINEAR_LAYERS):
                 _raise_if_a_global_hook_changed(module, registration, inputs, output)
             self.prepared_state(module, registration)
@@ -632,6 +633,15 @@ class Rule(Tunable):
             return result
 
         return hook
+
+
+def _ruled_in_forward(module: nn.Module) -> None:
+    """A call that records its rules' places in the graph keeps ``module``'s hooks in later calls: its rule acted in
+    the forward, or left a call alone (see ``Recording.rule_in_forward`` in ``tdhook.attribution._function_rule_plan``).
+    """
+    record = recording()
+    if record is not None:
+        record.rule_in_forward(module)
 
 
 def _raise_for_several_outputs(rule: Rule, module: nn.Module, output: Any) -> None:

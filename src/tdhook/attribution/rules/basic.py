@@ -21,6 +21,7 @@ from tdhook.attribution.rules._autograd import (
     scale_at_node,
     times_saved,
 )
+from tdhook.attribution.rules._graph_calls import recording, runs_plain
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import LINEAR_LAYERS, bias_view
 from tdhook.attribution.rules._numerics import PIECE, in_pieces_, stabilize
@@ -255,7 +256,33 @@ class PassRule(Rule):
                 f"PassRule needs an element-wise module; {type(module).__name__} maps {tuple(x.shape)} "
                 f"to {tuple(output.shape)}"
             )
-        return self.apply(output, x) if x.requires_grad else None
+        if not x.requires_grad:
+            return None
+        record = recording()
+        if record is None:
+            if runs_plain(module) and pass_rule_on_node(output, x):
+                return self.on_node(output, x)  # a call by a plan, which puts the rule on the node as recorded
+            return self.apply(output, x)
+        if self._ruled_on_node(record, output, x):
+            record.rule_on_node(module)  # later calls may run the module without its hooks
+            return self.on_node(output, x)
+        record.rule_applied(module)
+        return self.apply(output, x)
+
+    def _ruled_on_node(self, record: Any, output: torch.Tensor, x: torch.Tensor) -> bool:
+        """In a call that records its rules' places in the graph: whether the rule went on the node of ``output``,
+        an activation of ``x`` whose node saved ``x`` (see :func:`pass_rule_on_node`), where a later call puts it
+        too. Only for this class's own :meth:`apply`, whose arithmetic :func:`hook_pass_rule` repeats."""
+        if type(self).apply is not type(self).apply_on_node or not pass_rule_on_node(output, x):
+            return False
+        if not record.hooked(output.grad_fn, functools.partial(hook_pass_rule, self.stabilizer)):
+            return False
+        setattr(output, RULED_ON_NODE, self.stabilizer)
+        return True
+
+    def on_node(self, output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """What the rule returns for ``output = f(x)`` once its gradient is on ``output``'s node."""
+        return output
 
     def apply(self, output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``output = f(x)`` for an element-wise ``f``, with the rule's gradient."""
@@ -266,6 +293,10 @@ class PassRule(Rule):
             return redirect(output, [x], lambda grad: [grad * pass_factor(z, x, stabilizer)])
         scale = pass_factor(output.detach(), x.detach(), self.stabilizer)
         return redirect(output, [x], lambda grad: [grad * scale])
+
+    # The apply whose gradient :func:`hook_pass_rule` puts on an activation's node: a subclass with an apply of its
+    # own keeps it (the rule's gradient then comes from its apply in every call).
+    apply_on_node = apply
 
 
 def pass_factor(output: torch.Tensor, x: torch.Tensor, stabilizer: float) -> torch.Tensor:

@@ -192,3 +192,8 @@ class PseudoIdentityRule(PassRule):
             # Marked as an activation's output: CP-LRP holds such a tensor constant where it gates another one.
             mark_gate(result, x)
         return result
+
+    apply_on_node = apply
+
+    def on_node(self, output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return mark_gate(output, x)  # marked as apply marks it

@@ -1,0 +1,92 @@
+"""Modules that a call following a plan runs without their hooks: their rule is on the graph already.
+
+A module with a forward hook takes torch's slow way through ``nn.Module.__call__``: on a small transformer, an
+activation module's hooks cost more than its own forward. In a call that follows the plan a recording call made (see
+:mod:`~tdhook.attribution._function_rule_plan`), an activation module whose rule the plan puts on its output's node
+leaves its hooks nothing to do: the rule's hook would put the rule the plan puts, and the hooks that pause the
+function modes pause none (such a call runs without them). So the call runs such a module straight to its
+``forward``: an instance attribute ``_call_impl`` (what ``nn.Module.__call__`` calls) set to the bound ``forward`` for
+the call, removed after it, however it ends. Only a module whose every hook is the wrapper's own (its rule's, and
+the pausing ones), with no backward hook, no global module hook set and no trace running, is run that way; any other
+keeps its way.
+
+Examples:
+    >>> import torch
+    >>> from torch import nn
+    >>> act, calls = nn.SiLU(), []
+    >>> hook = act.register_forward_hook(lambda module, args, output: calls.append(1))
+    >>> with QuietModules({hook.id}).running([act]):
+    ...     _ = act(torch.ones(2))
+    >>> _ = act(torch.ones(2))
+    >>> len(calls), "_call_impl" in act.__dict__  # the hook ran for the second call only
+    (1, False)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import torch
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+__all__ = ["QuietModules"]
+
+_GLOBAL_HOOKS = (
+    torch_module._global_forward_hooks,
+    torch_module._global_forward_pre_hooks,
+    torch_module._global_backward_hooks,
+    torch_module._global_backward_pre_hooks,
+)
+
+
+class QuietModules:
+    """Runs calls with modules set to skip their hooks (see the module), if all of them are in ``own_hook_ids``.
+
+    Its :meth:`remove` puts every module back, as a hook handle's removes a hook: listed with a context's hooks, it
+    ends with the context (or with the wrapper, collected with its context open).
+    """
+
+    def __init__(self, own_hook_ids: Collection[int]) -> None:
+        self._own = frozenset(own_hook_ids)
+        self._quieted: list[nn.Module] = []  # the modules running without hooks now
+        self._modules: Sequence[nn.Module] = ()
+
+    def running(self, modules: Sequence[nn.Module]) -> QuietModules:
+        """A ``with`` block in which each of ``modules`` whose hooks are all the wrapper's own runs straight to its
+        forward; every module is back on torch's way when the block ends, however it ends."""
+        self._modules = modules
+        return self
+
+    def __enter__(self) -> None:
+        self.remove()  # what an interrupt in the last block's end left
+        modules, quieted = self._modules, self._quieted
+        try:
+            if modules and not any(_GLOBAL_HOOKS) and not torch._C._get_tracing_state():
+                for module in modules:
+                    if self._quiet_possible(module):
+                        quieted.append(module)  # listed first: an interrupt after it leaves nothing unlisted
+                        module.__dict__["_call_impl"] = module.forward
+        except BaseException:  # an interrupt: no block to end
+            self.remove()
+            raise
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.remove()
+
+    def _quiet_possible(self, module: nn.Module) -> bool:
+        own = self._own
+        return (
+            "_call_impl" not in module.__dict__
+            and not module._backward_hooks
+            and not module._backward_pre_hooks
+            and all(key in own for key in module._forward_hooks)
+            and all(key in own for key in module._forward_pre_hooks)
+        )
+
+    def remove(self) -> None:
+        """Put every module run without its hooks back on torch's way (idempotent)."""
+        quieted = self._quieted
+        while quieted:
+            quieted[-1].__dict__.pop("_call_impl", None)
+            quieted.pop()
