@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tensordict import TensorDict
 from torch import nn
 from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP
 from tdhook.attribution.rules.basic import PassRule
@@ -348,3 +350,36 @@ def test_an_activation_module_ruled_on_its_node_in_one_call_and_in_its_forward_i
     logits = model.out(halved(passed[0] * passed[1]) + model.k(leaf))
     (grad,) = torch.autograd.grad(logits.max(-1).values.sum(), leaf)
     assert relative_error(in_mode, leaf.detach() * grad) <= 1e-9
+
+
+class TanhGelu(TorchFunctionMode):
+    """A caller's function mode that changes what ``F.gelu`` computes (its tanh approximation): the function modes
+    are paused inside a ruled module, the caller's as well as the rules' own."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is F.gelu:
+            kwargs["approximate"] = "tanh"
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["only the wrappers hooks", "a hook of the callers"])
+def test_a_callers_function_mode_stays_paused_in_an_activation_module_in_later_calls(applied, hooked):
+    """Out of context the caller's mode is paused inside the GELU module, in its forward and in its rule: later calls
+    give the same output and relevance, whether the module could run without its hooks or not."""
+    torch.manual_seed(0)
+    model, x = ActivatedProduct(nn.GELU()).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    if hooked:
+        model.activation.register_forward_hook(lambda module, args, output: None)
+    td = TensorDict(x=x, batch_size=[5])
+    with TanhGelu():
+        expected = lrp(td.clone())
+    with lrp:
+        with TanhGelu():
+            results = [lrp(td.clone()) for _ in range(4)]
+    assert applied[-2:] == [True, True]  # later calls take the graph's way all the same
+    for result in results:
+        assert torch.equal(result["y"], expected["y"])
+        assert torch.equal(result["relevance", "x"], expected["relevance", "x"])
+    assert relative_error(expected["relevance", "x"], activated_by_hand(model, x)) <= 1e-9  # the exact GELU's

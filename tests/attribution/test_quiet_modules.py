@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution._quiet_modules import QuietModules
 
@@ -82,3 +83,19 @@ def test_what_an_interrupted_end_left_is_put_back_by_the_next_block_and_by_remov
     quiet.remove()  # idempotent, as a hook handle's
     module(torch.randn(3))
     assert calls == ["pre", "post"] * 2
+
+
+class Passing(TorchFunctionMode):
+    """A caller's function mode that lets every call through."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_function_mode_keeps_every_module_on_torchs_way():
+    """The hooks that pause the function modes in a ruled module pause a caller's mode too: with one entered, a
+    module runs its hooks."""
+    module, calls, own = watched()
+    with Passing(), QuietModules(own).running([module]):
+        module(torch.randn(3))
+    assert calls == ["pre", "post"] and "_call_impl" not in vars(module)

@@ -7,8 +7,9 @@ leaves its hooks nothing to do: the rule's hook would put the rule the plan puts
 function modes pause none (such a call runs without them). So the call runs such a module straight to its
 ``forward``: an instance attribute ``_call_impl`` (what ``nn.Module.__call__`` calls) set to the bound ``forward`` for
 the call, removed after it, however it ends. Only a module whose every hook is the wrapper's own (its rule's, and
-the pausing ones), with no backward hook, no global module hook set and no trace running, is run that way; any other
-keeps its way.
+the pausing ones), with no backward hook, no global module hook set, no trace running and no function mode entered
+(a caller's mode, which the pausing hooks pause too: out of context it sees nothing of the module's forward), is run
+that way; any other keeps its way.
 
 Examples:
     >>> import torch
@@ -40,6 +41,9 @@ _GLOBAL_HOOKS = (
 )
 
 
+_function_modes = torch._C._is_torch_function_mode_enabled
+
+
 class QuietModules:
     """Runs calls with modules set to skip their hooks (see the module), if all of them are in ``own_hook_ids``.
 
@@ -62,7 +66,7 @@ class QuietModules:
         self.remove()  # what an interrupt in the last block's end left
         modules, quieted = self._modules, self._quieted
         try:
-            if modules and not any(_GLOBAL_HOOKS) and not torch._C._get_tracing_state():
+            if modules and not any(_GLOBAL_HOOKS) and not torch._C._get_tracing_state() and not _function_modes():
                 for module in modules:
                     if self._quiet_possible(module):
                         quieted.append(module)  # listed first: an interrupt after it leaves nothing unlisted

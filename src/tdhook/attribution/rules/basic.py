@@ -275,7 +275,7 @@ class PassRule(Rule):
         too. Only for this class's own :meth:`apply`, whose arithmetic :func:`hook_pass_rule` repeats."""
         if type(self).apply is not type(self).apply_on_node or not pass_rule_on_node(output, x):
             return False
-        if not record.hooked(output.grad_fn, functools.partial(hook_pass_rule, self.stabilizer)):
+        if not record.hooked(output.grad_fn, functools.partial(_hook_pass_rule_paused, self.stabilizer)):
             return False
         setattr(output, RULED_ON_NODE, self.stabilizer)
         return True
@@ -368,6 +368,16 @@ def hook_pass_rule(stabilizer: float, node: Any) -> None:
     x = node._saved_self.detach()
     scale = pass_factor(_SAVING_THEIR_INPUT[type(node).__name__](node, x), x, stabilizer)
     node.register_hook(functools.partial(_input_gradient_times, scale))
+
+
+def _hook_pass_rule_paused(stabilizer: float, node: Any) -> None:
+    """:func:`hook_pass_rule` as a module's rule computes its factor: in the module's forward hook, where the function
+    modes are paused (a caller's mode too), whether it runs there (a recording call) or from a plan after the call."""
+    if not torch._C._is_torch_function_mode_enabled():
+        hook_pass_rule(stabilizer, node)
+        return
+    with torch._C.DisableTorchFunction():
+        hook_pass_rule(stabilizer, node)
 
 
 def _input_gradient_times(scale: torch.Tensor, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
