@@ -21,7 +21,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from tdhook.attribution import LRP
+from tdhook.attribution import LRP, AttnLRP
 from tdhook.attribution.lrp_helpers.redirect import redirect
 from tdhook.attribution.lrp_helpers.rules import (
     EpsilonAlpha2Beta1,
@@ -262,6 +262,36 @@ class TestClearErrors:
         with lrp:
             with pytest.raises(RuntimeError, match="leave the wrapper's context before copying or pickling it"):
                 copy.deepcopy(lrp)
+
+
+class GatedProduct(nn.Module):
+    """``out(gelu(q(x)) * k(x))``: a product of two activations and a GELU module, whose rules a context's later calls
+    find in the autograd graph (plans that hold autograd node types and hooks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.out = nn.Linear(4, 6), nn.Linear(4, 6), nn.Linear(6, 3)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.act(self.q(x)) * self.k(x))
+
+
+def test_a_wrapper_copies_and_pickles_after_a_context_whose_calls_followed_plans():
+    """The plans a context's calls made are the context's own: a copy or a pickle made after it leaves them out, and
+    its calls, in a context of its own or out of one, give the original's relevance."""
+    torch.manual_seed(0)
+    lrp = LRP(GatedProduct().to(F64), AttnLRP(), in_keys=["x"], out_keys=["y"])
+    td = TensorDict(x=torch.randn(5, 4, dtype=F64), batch_size=[5])
+    expected = lrp(td.clone())["relevance", "x"]
+    with lrp:
+        for _ in range(3):
+            lrp(td.clone())
+    for clone in (copy.deepcopy(lrp), pickle.loads(pickle.dumps(lrp))):
+        assert torch.equal(clone(td.clone())["relevance", "x"], expected)
+        with clone:
+            for _ in range(3):
+                assert torch.equal(clone(td.clone())["relevance", "x"], expected)
 
 
 MAPPERS = {

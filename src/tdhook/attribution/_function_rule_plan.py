@@ -387,6 +387,11 @@ class FunctionRulePlan:
         self.quiet = QuietModules(own_hook_ids)  # runs the modules of a plan's ``quiet`` without the hooks
         self._changed: set[Hashable] = set()  # signatures whose graph differed from their plan's once
 
+    def __reduce__(self) -> tuple:
+        """A copy or a pickle (of a wrapper, after its context) starts with no plan: the plans are their context's
+        own, and hold autograd node types, which do not pickle."""
+        return FunctionRulePlan, ()
+
     @staticmethod
     def sequence_number() -> int:
         """The number autograd gives the next node this thread creates."""
