@@ -4,6 +4,8 @@ the function mode)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -353,8 +355,8 @@ def test_an_activation_module_ruled_on_its_node_in_one_call_and_in_its_forward_i
 
 
 class TanhGelu(TorchFunctionMode):
-    """A caller's function mode that changes what ``F.gelu`` computes (its tanh approximation): the function modes
-    are paused inside a ruled module, the caller's as well as the rules' own."""
+    """A function mode that changes what ``F.gelu`` computes (its tanh approximation): the function modes are
+    paused inside a ruled module, a caller's or the model's own as well as the rules'."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -363,20 +365,30 @@ class TanhGelu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@pytest.mark.parametrize("hooked", [False, True], ids=["only the wrappers hooks", "a hook of the callers"])
-def test_a_callers_function_mode_stays_paused_in_an_activation_module_in_later_calls(applied, hooked):
-    """Out of context the caller's mode is paused inside the GELU module, in its forward and in its rule: later calls
-    give the same output and relevance, whether the module could run without its hooks or not."""
+class ModeInside(ActivatedProduct):
+    """``ActivatedProduct`` whose forward enters :class:`TanhGelu` around its activation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with TanhGelu():
+            activated = self.activation(self.q(x))
+        return self.out(activated * self.k(x))
+
+
+@pytest.mark.parametrize("where", ["around the call", "around the call, a hook of the callers", "inside the model"])
+def test_a_function_mode_stays_paused_in_an_activation_module_in_later_calls(applied, where):
+    """Out of context a function mode is paused inside the GELU module, in its forward and in its rule: later calls
+    give the same output and relevance, whether the module could run without its hooks or not, and whether the
+    caller or the model entered the mode."""
     torch.manual_seed(0)
-    model, x = ActivatedProduct(nn.GELU()).to(F64), torch.randn(5, 4, dtype=F64)
+    inside = where == "inside the model"
+    model, x = (ModeInside if inside else ActivatedProduct)(nn.GELU()).to(F64), torch.randn(5, 4, dtype=F64)
     lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
-    if hooked:
+    if where.endswith("hook of the callers"):
         model.activation.register_forward_hook(lambda module, args, output: None)
     td = TensorDict(x=x, batch_size=[5])
-    with TanhGelu():
+    with contextlib.nullcontext() if inside else TanhGelu():
         expected = lrp(td.clone())
-    with lrp:
-        with TanhGelu():
+        with lrp:
             results = [lrp(td.clone()) for _ in range(4)]
     assert applied[-2:] == [True, True]  # later calls take the graph's way all the same
     for result in results:

@@ -92,10 +92,17 @@ class Passing(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_function_mode_keeps_every_module_on_torchs_way():
-    """The hooks that pause the function modes in a ruled module pause a caller's mode too: with one entered, a
-    module runs its hooks."""
+def test_a_call_under_a_function_mode_takes_torchs_way():
+    """The hooks that pause the function modes in a ruled module pause a caller's mode too: a call made while one is
+    entered, around the block or inside it, runs the module's hooks."""
     module, calls, own = watched()
     with Passing(), QuietModules(own).running([module]):
         module(torch.randn(3))
-    assert calls == ["pre", "post"] and "_call_impl" not in vars(module)
+    assert calls == ["pre", "post"]
+    x = torch.randn(3)
+    with QuietModules(own).running([module]):
+        module(x)  # quiet
+        with Passing():
+            inside = module(x)
+    assert calls == ["pre", "post"] * 2 and "_call_impl" not in vars(module)
+    assert torch.equal(inside, nn.functional.gelu(x))

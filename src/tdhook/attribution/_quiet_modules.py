@@ -7,9 +7,10 @@ leaves its hooks nothing to do: the rule's hook would put the rule the plan puts
 function modes pause none (such a call runs without them). So the call runs such a module straight to its
 ``forward``: an instance attribute ``_call_impl`` (what ``nn.Module.__call__`` calls) set to the bound ``forward`` for
 the call, removed after it, however it ends. Only a module whose every hook is the wrapper's own (its rule's, and
-the pausing ones), with no backward hook, no global module hook set, no trace running and no function mode entered
-(a caller's mode, which the pausing hooks pause too: out of context it sees nothing of the module's forward), is run
-that way; any other keeps its way.
+the pausing ones), with no backward hook, no global module hook set and no trace running, is run that way; any other
+keeps its way. A call of such a module made while a function mode is entered (by the caller, or by the model around
+the module) takes torch's way with its hooks all the same: the pausing ones pause that mode too, so that out of
+context it sees nothing of the module's forward.
 
 Examples:
     >>> import torch
@@ -25,7 +26,8 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,6 +44,19 @@ _GLOBAL_HOOKS = (
 
 
 _function_modes = torch._C._is_torch_function_mode_enabled
+
+
+def _quiet_call(module: nn.Module) -> Callable:
+    """What a call of ``module`` runs while it is quiet: its forward, or torch's way with its hooks where a function
+    mode is entered."""
+    forward, call_impl = module.forward, type(module)._call_impl
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if _function_modes():
+            return call_impl(module, *args, **kwargs)
+        return forward(*args, **kwargs)
+
+    return call
 
 
 class QuietModules:
@@ -66,11 +81,11 @@ class QuietModules:
         self.remove()  # what an interrupt in the last block's end left
         modules, quieted = self._modules, self._quieted
         try:
-            if modules and not any(_GLOBAL_HOOKS) and not torch._C._get_tracing_state() and not _function_modes():
+            if modules and not any(_GLOBAL_HOOKS) and not torch._C._get_tracing_state():
                 for module in modules:
                     if self._quiet_possible(module):
                         quieted.append(module)  # listed first: an interrupt after it leaves nothing unlisted
-                        module.__dict__["_call_impl"] = module.forward
+                        module.__dict__["_call_impl"] = _quiet_call(module)
         except BaseException:  # an interrupt: no block to end
             self.remove()
             raise
