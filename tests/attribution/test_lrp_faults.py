@@ -323,3 +323,46 @@ def test_a_copy_made_inside_the_context_has_no_rules(mapper: str, how: str):
         torch.testing.assert_close(explain(copy_lrp, x), expected, rtol=0, atol=0)
     assert module_state(model) == before
     assert not any("__getstate__" in vars(module) for module in model.modules())
+
+
+class SnapshotNet(nn.Module):
+    """``head(gelu(q(x)) * k(x))`` whose forward copies the whole model when ``how`` is set: a copy made in the
+    middle of a call, while a later call of a context runs the GELU module without its hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.act, self.head = nn.Linear(5, 8), nn.Linear(5, 8), nn.GELU(), nn.Linear(8, 3)
+        self.to(F64)
+        self.how, self.copies = None, []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.head(self.act(self.q(x)) * self.k(x))
+        if self.how is not None:
+            how, self.how = self.how, None
+            self.copies.append(copies_of(self, how))
+        return y
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_copy_made_during_a_later_call_runs_its_activations_own_way(how: str):
+    """A copy made while a later call of a context runs an activation module without its hooks leaves that out: the
+    copy's module runs its own hooks, and its own wrapper explains it as the original."""
+    model, x = SnapshotNet(), torch.randn(4, 5, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    expected = explain(lrp, x)
+    with lrp:
+        for _ in range(3):
+            explain(lrp, x)
+        model.how = how  # copied in the middle of the next call
+        explain(lrp, x)
+    (copied,) = model.copies
+    assert not any("_call_impl" in vars(module) for module in copied.modules())
+    seen = []
+    copied.act.register_forward_hook(lambda module, args, output: seen.append(output.shape))
+    copied(x)
+    assert seen == [torch.Size([4, 8])]
+    copy_lrp = LRP(copied, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    with copy_lrp:
+        for _ in range(3):
+            torch.testing.assert_close(explain(copy_lrp, x), expected, rtol=0, atol=0)

@@ -29,6 +29,8 @@ from typing import Any
 
 from torch import nn
 
+from tdhook.attribution._quiet_modules import QuietCall
+
 __all__ = ["hide_from_copies"]
 
 _GETSTATE = "__getstate__"
@@ -46,7 +48,12 @@ class _StateWithoutHooks:
         state = type(module).__getstate__(module)
         if not isinstance(state, dict):
             return state
-        state = {name: value for name, value in state.items() if name != _GETSTATE}
+        # Nor the call step a plan's call sets on a quiet module for the call (a copy made in it would keep it).
+        state = {
+            name: value
+            for name, value in state.items()
+            if name != _GETSTATE and not (name == "_call_impl" and isinstance(value, QuietCall))
+        }
         for name, value in state.items():
             # _forward_hooks, _forward_pre_hooks and their companions (always-called, with-kwargs) share the ids.
             if "hooks" in name and isinstance(value, dict) and any(key in self._hook_ids for key in value):

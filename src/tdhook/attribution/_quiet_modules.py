@@ -26,14 +26,14 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-__all__ = ["QuietModules"]
+__all__ = ["QuietCall", "QuietModules"]
 
 _GLOBAL_HOOKS = (
     torch_module._global_forward_hooks,
@@ -46,17 +46,19 @@ _GLOBAL_HOOKS = (
 _function_modes = torch._C._is_torch_function_mode_enabled
 
 
-def _quiet_call(module: nn.Module) -> Callable:
+class QuietCall:
     """What a call of ``module`` runs while it is quiet: its forward, or torch's way with its hooks where a function
-    mode is entered."""
-    forward, call_impl = module.forward, type(module)._call_impl
+    mode is entered. A copy of the module made meanwhile leaves it out (see :mod:`~tdhook.attribution._copies`)."""
 
-    def call(*args: Any, **kwargs: Any) -> Any:
+    __slots__ = ("_call_impl", "_forward", "_module")
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module, self._forward, self._call_impl = module, module.forward, type(module)._call_impl
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _function_modes():
-            return call_impl(module, *args, **kwargs)
-        return forward(*args, **kwargs)
-
-    return call
+            return self._call_impl(self._module, *args, **kwargs)
+        return self._forward(*args, **kwargs)
 
 
 class QuietModules:
@@ -85,7 +87,7 @@ class QuietModules:
                 for module in modules:
                     if self._quiet_possible(module):
                         quieted.append(module)  # listed first: an interrupt after it leaves nothing unlisted
-                        module.__dict__["_call_impl"] = _quiet_call(module)
+                        module.__dict__["_call_impl"] = QuietCall(module)
         except BaseException:  # an interrupt: no block to end
             self.remove()
             raise
