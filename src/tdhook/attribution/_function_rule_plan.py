@@ -19,7 +19,8 @@ Norms written out (Llama's RMSNorm: ``x * rsqrt(mean(x²) + ε)``) get the same 
 (:class:`~tdhook.attribution.rules.normalization.NormRule`) holds the normalising scale constant by detaching it
 in a mode of its own, nine torch calls of Python dispatch per norm. The recording call notes each held scale's node
 and the node of the call that took the scale (see :mod:`~tdhook.attribution.rules._graph_calls`); a later call runs
-the norm's forward as it is and puts a pre-hook on the scale's node that passes no gradient, so that the nodes
+the norm's forward as it is (without the rule's hooks, see :mod:`~tdhook.attribution._quiet_modules`) and puts a
+pre-hook on the scale's node that passes no gradient, so that the nodes
 behind it get none either, as behind the detached scale: the same gradient, bit for bit. A fused ``F.layer_norm``
 (a module's, or called as a function) gets its rule as a hook on its own node, from the scale the node saved: the
 recording call puts it there and notes the node, a later call puts it on the same node of its plain graph (its
@@ -81,7 +82,7 @@ Examples:
     True
     >>> start = plan.sequence_number()  # a later call, without the mode
     >>> result = TensorDict(y=((x * 2) * (x * 3)).sum())
-    >>> plan.usable("inputs of shape 3").apply(result, start, plan.sequence_number(), [])
+    >>> plan.usable("inputs of shape 3").apply(result, start, plan.sequence_number())
     True
     >>> torch.allclose(torch.autograd.grad(result["y"], x)[0], 6 * x)  # half of the plain gradient, 12 x
     True
@@ -290,18 +291,17 @@ class _Plan:
     """Paths from a call's outputs to its products' and held scales' nodes, as one program of steps (see the
     module's docstring).
 
-    Step ``i`` reaches a node: the ``index``-th root where ``parent`` is -1 (the outputs' ``grad_fn``, then the
-    nodes of the norms' outputs), else the ``index``-th next function of step ``parent``'s node. It expects the
-    node's type, and for a product, a scale or a held tensor its sequence number (relative to the first number of
-    the call) and what puts its hook on it; ``expand`` where later steps start from it. ``plain``: the modules whose
-    rule the plan puts on the graph (norms that run without their mode, activations whose rule goes on their node);
-    ``quiet``: those of them whose hooks have nothing to do in a later call, which runs them without.
+    Step ``i`` reaches a node: the ``index``-th root where ``parent`` is -1 (the outputs' ``grad_fn``), else the
+    ``index``-th next function of step ``parent``'s node. It expects the node's type, and for a product, a scale or
+    a held tensor its sequence number (relative to the first number of the call) and what puts its hook on it;
+    ``expand`` where later steps start from it. ``plain``: the modules whose rule the plan puts on the graph (norms
+    that run without their mode, activations whose rule goes on their node); ``quiet``: those of them whose hooks
+    have nothing to do in a later call, which runs them without.
     """
 
     def __init__(
         self,
         keys: list,
-        norm_outputs: int,
         steps: list[tuple[int, int, type, int | None, bool, Any]],
         nodes: int,
         plain: tuple,
@@ -309,22 +309,21 @@ class _Plan:
     ) -> None:
         self.keys = keys  # the keys of the outputs the paths start from
         self.quiet = quiet
-        self.norm_outputs = norm_outputs  # how many norm outputs the call notes, where paths start too
         self.steps = steps
         self.nodes = nodes  # how many nodes the call creates
         self.modules = plain  # the modules themselves, kept alive while their ids stand for them
         self.plain = frozenset(id(module) for module in plain)
 
-    def apply(self, result: TensorDictBase, start: int, end: int, norm_outputs: list) -> bool:
+    def apply(self, result: TensorDictBase, start: int, end: int) -> bool:
         """Put the hooks on the nodes of the products, held scales and held tensors of a call that created nodes
-        ``start`` to ``end``, returned ``result`` and whose norms returned tensors of the nodes ``norm_outputs``;
-        ``False``, and no hook set, where the graph is not the recorded one."""
-        if end - start != self.nodes or len(norm_outputs) != self.norm_outputs:
+        ``start`` to ``end`` and returned ``result``; ``False``, and no hook set, where the graph is not the recorded
+        one."""
+        if end - start != self.nodes:
             return False
         nexts: list[Any] = []  # per step, its node's next functions (where later steps start from it)
         hooked = []
         try:
-            roots = [result.get(key, None).grad_fn for key in self.keys] + norm_outputs
+            roots = [result.get(key, None).grad_fn for key in self.keys]
             for parent, index, kind, offset, expand, attach in self.steps:
                 node = roots[index] if parent < 0 else nexts[parent][index][0]
                 if type(node) is not kind:
@@ -463,8 +462,8 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
     parents: dict[int, tuple[int | None, int, Any]] = {}  # id -> (parent id, index, node)
     queue: list[Any] = []
     factors = recording.factors
-    # The paths start from the outputs and from the norms' outputs (the shortest then take a few steps each).
-    for index, root in enumerate([output.grad_fn for output in outputs] + recording.outputs):
+    # The paths start from the outputs: a later call runs the norms without hooks, which would note theirs.
+    for index, root in enumerate([output.grad_fn for output in outputs]):
         node = factors.get(id(root), root)  # a plain call's graph has the product's node there
         if node is not None and id(node) not in parents:
             parents[id(node)] = (None, index, node)
@@ -519,9 +518,11 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
             steps.append((-1 if parent is None else slots[parent], index, type(node), offset, False, attach))
             slots[key] = len(steps) - 1
     nodes = end - start - len(recording.products)
+    # The norms that run plainly and the activations whose rule goes on their node run without their hooks (but
+    # those of activations whose hooks let a call be).
     quiet = tuple(module for key, module in recording.on_node.items() if key not in recording.in_forward)
     on_node = tuple(recording.on_node.values())
-    return _Plan(keys, len(recording.outputs), steps, nodes, (*norms.values(), *on_node), quiet)
+    return _Plan(keys, steps, nodes, (*norms.values(), *on_node), (*norms.values(), *quiet))
 
 
 class _OnNode(NamedTuple):

@@ -4,13 +4,14 @@ A module with a forward hook takes torch's slow way through ``nn.Module.__call__
 activation module's hooks cost more than its own forward. In a call that follows the plan a recording call made (see
 :mod:`~tdhook.attribution._function_rule_plan`), an activation module whose rule the plan puts on its output's node
 leaves its hooks nothing to do: the rule's hook would put the rule the plan puts, and the hooks that pause the
-function modes pause none (such a call runs without them). So the call runs such a module straight to its
-``forward``: an instance attribute ``_call_impl`` (what ``nn.Module.__call__`` calls) set to the bound ``forward`` for
-the call, removed after it, however it ends. Only a module whose every hook is the wrapper's own (its rule's, and
-the pausing ones), with no backward hook, no global module hook set and no trace running, is run that way; any other
-keeps its way. A call of such a module made while a function mode is entered (by the caller, or by the model around
-the module) takes torch's way with its hooks all the same: the pausing ones pause that mode too, so that out of
-context it sees nothing of the module's forward.
+function modes pause none (such a call runs without them). So does a norm that the plan runs plainly (its scale's
+gradient cut on the graph). So the call runs such a module straight to its ``forward``: an instance attribute
+``_call_impl`` (what ``nn.Module.__call__`` calls) set to the bound ``forward`` for the call, removed after it,
+however it ends. Only a module whose every hook is the wrapper's own (its rule's, and the pausing ones), with no
+backward hook, no global module hook set and no trace running, is run that way; any other keeps its way. A call of
+such a module made while a function mode is entered (by the caller, or by the model around the module) takes torch's
+way with its hooks all the same: the pausing ones pause that mode too, so that out of context it sees nothing of the
+module's forward.
 
 Examples:
     >>> import torch
