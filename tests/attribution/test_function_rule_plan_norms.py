@@ -405,3 +405,25 @@ def test_a_fused_layer_norm_in_a_checkpoint_region_computes_its_own_scale(applie
     for relevance in [in_mode, *relevances]:
         assert relative_error(relevance, leaf.detach() * grad) <= 1e-12
         assert torch.equal(relevance, in_mode)
+
+
+class CheckpointedNorm(NormedProduct):
+    """``out(norm(a * b))`` with the written-out norm in a ``torch.utils.checkpoint`` region."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(checkpoint(self.norm, self.q(x) * self.k(x), use_reentrant=False))
+
+
+def test_a_written_out_norm_in_a_checkpoint_region_gives_the_modes_relevance_in_later_calls():
+    """The backward pass runs the region's forward again, after the call: with the norm's rule, which holds its
+    scale. A later call that ran the norm plainly saved more tensors in its forward than that run does (torch raised
+    a CheckpointError); such a call runs in the mode."""
+    torch.manual_seed(0)
+    model, x = CheckpointedNorm().to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(3)]
+    assert relative_error(in_mode, norm_by_hand(model, x)) <= 1e-12
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)
