@@ -130,6 +130,7 @@ def test_hugging_face_models_calls_in_a_context_equal_a_call_in_the_mode(applied
     with lrp:
         first, *later = (call(lrp, x) for _ in range(3))
         norms = [sum(is_norm(module) for module in plan.modules) for plan in plans(lrp)]
+        starts = [plan.norm_outputs for plan in plans(lrp)]  # paths start from every norm's output too
         quiet = [type(module).__name__ for plan in plans(lrp) for module in plan.quiet]
     # AttnLRP's rules inside these models are the uniform rule on products, and CP-LRP's hold the attention weights
     # and the gates: later calls take the graph's way with both.
@@ -137,6 +138,7 @@ def test_hugging_face_models_calls_in_a_context_equal_a_call_in_the_mode(applied
     # Llama's RMSNorms (written out) run plainly with their scales cut; GPT-2's LayerNorms (F.layer_norm) run
     # plainly with the rule's hook on their fused node.
     assert norms == [5]
+    assert starts == [5]  # noted by the norms' calls, which run without their hooks
     # The norms run without their hooks, and so do Llama's SiLU modules, whose identity rule goes on their nodes;
     # GPT-2's GELU is written out (its node saved no input), and keeps its rule in its forward.
     activations = ["SiLUActivation"] * 2 if kind == "llama" else []

@@ -123,6 +123,40 @@ def test_a_norm_whose_plain_backward_would_read_tensors_changed_in_place_keeps_i
         assert torch.equal(relevance, first)
 
 
+class BypassedNorm(NormedProduct):
+    """``out(norm(a * b))``, or with ``bypassed`` the norm's forward called directly (``norm.forward(a * b)``): the
+    same graph, node for node, but without the norm's rule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bypassed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        product = self.q(x) * self.k(x)
+        return self.out(self.norm.forward(product) if self.bypassed else self.norm(product))
+
+
+def test_a_later_call_that_bypasses_a_norm_the_plan_runs_plainly_runs_again_in_the_mode(applied):
+    """The plan cuts a scale that a norm's rule held: a later call whose graph is the same, but whose scale no norm's
+    rule holds (a forward called directly), runs again in the mode, which keeps its scale's gradient. The norms a
+    later call runs without their hooks still note their outputs, as their hooks did, where the paths start."""
+    torch.manual_seed(0)
+    model, x = BypassedNorm().to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        call(lrp, x)
+        call(lrp, x)  # by the plan: the norm run without its hooks, its scale cut
+        model.bypassed = True
+        bypassed = call(lrp, x)
+    assert applied == [True, False]
+    # A call that enters its context runs in the mode (and warns: the norm did not run, its scale has no rule).
+    with pytest.warns(UserWarning):
+        in_mode = call(LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"]), x)
+    assert torch.equal(bypassed, in_mode)
+    # The scale held gives another relevance: the comparison can fail.
+    assert relative_error(norm_by_hand(model, x), in_mode) > 1e-3
+
+
 class LayerNormedProduct(Product):
     """``out(layer_norm(a * b))`` with a fused layer norm, a module's or called as a function; with ``in_place``,
     the norm's input is changed in place after the norm (its own backward, which reads it, would raise)."""
@@ -370,4 +404,26 @@ def test_a_fused_layer_norm_in_a_checkpoint_region_computes_its_own_scale(applie
     (grad,) = torch.autograd.grad(logits.max(-1).values.sum(), leaf)
     for relevance in [in_mode, *relevances]:
         assert relative_error(relevance, leaf.detach() * grad) <= 1e-12
+        assert torch.equal(relevance, in_mode)
+
+
+class CheckpointedNorm(NormedProduct):
+    """``out(norm(a * b))`` with the written-out norm in a ``torch.utils.checkpoint`` region."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(checkpoint(self.norm, self.q(x) * self.k(x), use_reentrant=False))
+
+
+def test_a_written_out_norm_in_a_checkpoint_region_gives_the_modes_relevance_in_later_calls():
+    """The backward pass runs the region's forward again, after the call: with the norm's rule, which holds its
+    scale. A later call that ran the norm plainly saved more tensors in its forward than that run does (torch raised
+    a CheckpointError); such a call runs in the mode."""
+    torch.manual_seed(0)
+    model, x = CheckpointedNorm().to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(3)]
+    assert relative_error(in_mode, norm_by_hand(model, x)) <= 1e-12
+    for relevance in relevances:
         assert torch.equal(relevance, in_mode)

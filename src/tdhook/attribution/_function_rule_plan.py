@@ -16,18 +16,19 @@ calls. Where anything differs, its hooks are not set, and the call runs again in
 inputs whose graph differs twice keep the mode from then on.
 
 Norms written out (Llama's RMSNorm: ``x * rsqrt(mean(x²) + ε)``) get the same treatment: their rule
-(:class:`~tdhook.attribution.rules.normalization.NormRule`) holds the normalising scale constant by detaching it
-in a mode of its own, nine torch calls of Python dispatch per norm. The recording call notes each held scale's node
-and the node of the call that took the scale (see :mod:`~tdhook.attribution.rules._graph_calls`); a later call runs
-the norm's forward as it is (without the rule's hooks, see :mod:`~tdhook.attribution._quiet_modules`) and puts a
-pre-hook on the scale's node that passes no gradient, so that the nodes
-behind it get none either, as behind the detached scale: the same gradient, bit for bit. A fused ``F.layer_norm``
-(a module's, or called as a function) gets its rule as a hook on its own node, from the scale the node saved: the
-recording call puts it there and notes the node, a later call puts it on the same node of its plain graph (its
-weight and bias get no gradient, as they get none from the mode's rule). A norm whose forward does more keeps its
-mode in later calls (a fused layer norm in it still runs plainly, for the plan's hook), and so does one whose plain
-backward would read a tensor changed in place after the forward saved it (a layer norm's input changed in place
-after it). Under saved-tensor hooks (a checkpoint region's) a fused layer norm computes its scale itself.
+(:class:`~tdhook.attribution.rules.normalization.NormRule`) holds the normalising scale constant by detaching it in
+a mode of its own, nine torch calls of Python dispatch per norm. The recording call notes each held scale's node and
+the node of the call that took the scale (see :mod:`~tdhook.attribution.rules._graph_calls`); a later call runs the
+norm's forward as it is (without the rule's hooks, see :mod:`~tdhook.attribution._quiet_modules`; the call notes the
+node of its output all the same, where the paths to its scales start) and puts a pre-hook on the scale's node that
+passes no gradient, so that the nodes behind it get none either, as behind the detached scale: the same gradient,
+bit for bit. A fused ``F.layer_norm`` (a module's, or called as a function) gets its rule as a hook on its own node,
+from the scale the node saved: the recording call puts it there and notes the node, a later call puts it on the same
+node of its plain graph (its weight and bias get no gradient, as they get none from the mode's rule). A norm whose
+forward does more keeps its mode in later calls (a fused layer norm in it still runs plainly, for the plan's hook),
+and so does one whose plain backward would read a tensor changed in place after the forward saved it (a layer norm's
+input changed in place after it). Under saved-tensor hooks (a checkpoint region's) a fused layer norm computes its
+scale itself.
 
 CP-LRP's held attention weights and held gates get it too, and so does a fused attention (sdpa). In a recording
 call the mode holds them without detaching them, so that its graph is the plain call's: a softmax's output, held
@@ -82,7 +83,7 @@ Examples:
     True
     >>> start = plan.sequence_number()  # a later call, without the mode
     >>> result = TensorDict(y=((x * 2) * (x * 3)).sum())
-    >>> plan.usable("inputs of shape 3").apply(result, start, plan.sequence_number())
+    >>> plan.usable("inputs of shape 3").apply(result, start, plan.sequence_number(), [])
     True
     >>> torch.allclose(torch.autograd.grad(result["y"], x)[0], 6 * x)  # half of the plain gradient, 12 x
     True
@@ -291,39 +292,44 @@ class _Plan:
     """Paths from a call's outputs to its products' and held scales' nodes, as one program of steps (see the
     module's docstring).
 
-    Step ``i`` reaches a node: the ``index``-th root where ``parent`` is -1 (the outputs' ``grad_fn``), else the
-    ``index``-th next function of step ``parent``'s node. It expects the node's type, and for a product, a scale or
-    a held tensor its sequence number (relative to the first number of the call) and what puts its hook on it;
-    ``expand`` where later steps start from it. ``plain``: the modules whose rule the plan puts on the graph (norms
-    that run without their mode, activations whose rule goes on their node); ``quiet``: those of them whose hooks
-    have nothing to do in a later call, which runs them without.
+    Step ``i`` reaches a node: the ``index``-th root where ``parent`` is -1 (the outputs' ``grad_fn``, then the
+    nodes of the norms' outputs, in the order of their calls), else the ``index``-th next function of step
+    ``parent``'s node. It expects the node's type, and for a product, a scale or a held tensor its sequence number
+    (relative to the first number of the call) and what puts its hook on it; ``expand`` where later steps start from
+    it. ``plain``: the modules whose rule the plan puts on the graph (norms that run without their mode, activations
+    whose rule goes on their node); ``quiet``: those of them whose hooks have nothing to do in a later call, which
+    runs them without (the norms' calls note their outputs all the same: ``noting``, their ids).
     """
 
     def __init__(
         self,
         keys: list,
+        norm_outputs: int,
         steps: list[tuple[int, int, type, int | None, bool, Any]],
         nodes: int,
         plain: tuple,
         quiet: tuple = (),
+        noting: frozenset = frozenset(),
     ) -> None:
         self.keys = keys  # the keys of the outputs the paths start from
-        self.quiet = quiet
+        self.quiet, self.noting = quiet, noting
+        self.norm_outputs = norm_outputs  # how many norm outputs the call notes, where paths start too
         self.steps = steps
         self.nodes = nodes  # how many nodes the call creates
         self.modules = plain  # the modules themselves, kept alive while their ids stand for them
         self.plain = frozenset(id(module) for module in plain)
 
-    def apply(self, result: TensorDictBase, start: int, end: int) -> bool:
+    def apply(self, result: TensorDictBase, start: int, end: int, norm_outputs: list) -> bool:
         """Put the hooks on the nodes of the products, held scales and held tensors of a call that created nodes
-        ``start`` to ``end`` and returned ``result``; ``False``, and no hook set, where the graph is not the recorded
-        one."""
-        if end - start != self.nodes:
+        ``start`` to ``end``, returned ``result`` and whose norms returned tensors of the nodes ``norm_outputs``;
+        ``False``, and no hook set, where the graph is not the recorded one (a norm's scale on the recorded node, but
+        no norm's call around it: a forward called directly, which the mode leaves its plain gradient)."""
+        if end - start != self.nodes or len(norm_outputs) != self.norm_outputs:
             return False
         nexts: list[Any] = []  # per step, its node's next functions (where later steps start from it)
         hooked = []
         try:
-            roots = [result.get(key, None).grad_fn for key in self.keys]
+            roots = [result.get(key, None).grad_fn for key in self.keys] + norm_outputs
             for parent, index, kind, offset, expand, attach in self.steps:
                 node = roots[index] if parent < 0 else nexts[parent][index][0]
                 if type(node) is not kind:
@@ -462,8 +468,9 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
     parents: dict[int, tuple[int | None, int, Any]] = {}  # id -> (parent id, index, node)
     queue: list[Any] = []
     factors = recording.factors
-    # The paths start from the outputs: a later call runs the norms without hooks, which would note theirs.
-    for index, root in enumerate([output.grad_fn for output in outputs]):
+    # The paths start from the outputs and from the norms' outputs (the shortest then take a few steps each): a scale
+    # is then found through the call of its norm, which a later call notes, quiet or not.
+    for index, root in enumerate([output.grad_fn for output in outputs] + recording.outputs):
         node = factors.get(id(root), root)  # a plain call's graph has the product's node there
         if node is not None and id(node) not in parents:
             parents[id(node)] = (None, index, node)
@@ -522,7 +529,8 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
     # those of activations whose hooks let a call be).
     quiet = tuple(module for key, module in recording.on_node.items() if key not in recording.in_forward)
     on_node = tuple(recording.on_node.values())
-    return _Plan(keys, steps, nodes, (*norms.values(), *on_node), (*norms.values(), *quiet))
+    plain = (*norms.values(), *on_node)
+    return _Plan(keys, len(recording.outputs), steps, nodes, plain, (*norms.values(), *quiet), frozenset(norms))
 
 
 class _OnNode(NamedTuple):

@@ -51,10 +51,12 @@ def run_model(lrp: Any, work: TensorDictBase) -> tuple[TensorDictBase | None, No
             # several times cheaper than a copy of the TensorDict.
             inputs = list(work.items(include_nested=True, leaves_only=True))
             start = sequence_number()
-            quiet = lrp._function_rule_plan.quiet.running(plan.quiet)  # modules whose rules the plan puts
-            with closing_scopes(), graph_call(plain=plan.plain, outputs=[]), quiet:
+            norm_outputs: list = []
+            # Modules whose rules the plan puts, without their hooks (the norms note their outputs all the same).
+            quiet = lrp._function_rule_plan.quiet.running(plan.quiet, plan.noting)
+            with closing_scopes(), graph_call(plain=plan.plain, outputs=norm_outputs), quiet:
                 result = _call(lrp, work)
-            if plan.apply(work if result is None else result, start, sequence_number()):
+            if plan.apply(work if result is None else result, start, sequence_number(), norm_outputs):
                 return result, None
             # Not the recorded graph: the call runs again in the mode, from the same inputs, and records anew.
             lrp._function_rule_plan.forget(key)

@@ -5,7 +5,9 @@ activation module's hooks cost more than its own forward. In a call that follows
 :mod:`~tdhook.attribution._function_rule_plan`), an activation module whose rule the plan puts on its output's node
 leaves its hooks nothing to do: the rule's hook would put the rule the plan puts, and the hooks that pause the
 function modes pause none (such a call runs without them). So does a norm that the plan runs plainly (its scale's
-gradient cut on the graph). So the call runs such a module straight to its ``forward``: an instance attribute
+gradient cut on the graph), but for one thing its hooks did, which its quiet call does: it notes its output's node
+for the plan (see :func:`~tdhook.attribution.rules._graph_calls.note_output`), where the paths to the nodes it rules
+start. So the call runs such a module straight to its ``forward``: an instance attribute
 ``_call_impl`` (what ``nn.Module.__call__`` calls) set to the bound ``forward`` for the call, removed after it,
 however it ends. Only a module whose every hook is the wrapper's own (its rule's, and the pausing ones), with no
 backward hook, no global module hook set and no trace running, is run that way; any other keeps its way. A call of
@@ -34,6 +36,9 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
+from tdhook.attribution.rules._graph_calls import note_output
+from tdhook.attribution.rules.base import rules_apply
+
 __all__ = ["QuietCall", "QuietModules"]
 
 _GLOBAL_HOOKS = (
@@ -49,17 +54,22 @@ _function_modes = torch._C._is_torch_function_mode_enabled
 
 class QuietCall:
     """What a call of ``module`` runs while it is quiet: its forward, or torch's way with its hooks where a function
-    mode is entered. A copy of the module made meanwhile leaves it out (see :mod:`~tdhook.attribution._copies`)."""
+    mode is entered; with ``notes``, the forward's output is noted where its rule's hooks would note it (a norm's).
+    A copy of the module made meanwhile leaves it out (see :mod:`~tdhook.attribution._copies`)."""
 
-    __slots__ = ("_call_impl", "_forward", "_module")
+    __slots__ = ("_call_impl", "_forward", "_module", "_notes")
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, notes: bool = False) -> None:
         self._module, self._forward, self._call_impl = module, module.forward, type(module)._call_impl
+        self._notes = notes
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _function_modes():
             return self._call_impl(self._module, *args, **kwargs)
-        return self._forward(*args, **kwargs)
+        output = self._forward(*args, **kwargs)
+        if self._notes and rules_apply():
+            note_output(output)
+        return output
 
 
 class QuietModules:
@@ -73,22 +83,24 @@ class QuietModules:
         self._own = frozenset(own_hook_ids)
         self._quieted: list[nn.Module] = []  # the modules running without hooks now
         self._modules: Sequence[nn.Module] = ()
+        self._noting: Collection[int] = ()
 
-    def running(self, modules: Sequence[nn.Module]) -> QuietModules:
+    def running(self, modules: Sequence[nn.Module], noting: Collection[int] = ()) -> QuietModules:
         """A ``with`` block in which each of ``modules`` whose hooks are all the wrapper's own runs straight to its
-        forward; every module is back on torch's way when the block ends, however it ends."""
-        self._modules = modules
+        forward, those whose ids are in ``noting`` noting their outputs as their hooks would; every module is back on
+        torch's way when the block ends, however it ends."""
+        self._modules, self._noting = modules, noting
         return self
 
     def __enter__(self) -> None:
         self.remove()  # what an interrupt in the last block's end left
-        modules, quieted = self._modules, self._quieted
+        modules, quieted, noting = self._modules, self._quieted, self._noting
         try:
             if modules and not any(_GLOBAL_HOOKS) and not torch._C._get_tracing_state():
                 for module in modules:
                     if self._quiet_possible(module):
                         quieted.append(module)  # listed first: an interrupt after it leaves nothing unlisted
-                        module.__dict__["_call_impl"] = QuietCall(module)
+                        module.__dict__["_call_impl"] = QuietCall(module, id(module) in noting)
         except BaseException:  # an interrupt: no block to end
             self.remove()
             raise

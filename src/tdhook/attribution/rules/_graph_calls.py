@@ -7,8 +7,9 @@ shapes run the model without function modes and put the rules there as hooks (se
 of its own, by detaching it. In a recording call the mode also tells where the scale's autograd node lies: behind
 the node of the call that takes the scale (``x * rsqrt(...)``), at the scale's place among that node's inputs. A
 later call runs such a norm's forward as it is (this thread reads :func:`runs_plain`) and stops the gradient at the
-scale's node, which then passes none, as the detached scale passes none. A recording call notes the nodes of the
-norms' outputs, from which it checks that its graph can run its backward.
+scale's node, which then passes none, as the detached scale passes none. The nodes of the norms' outputs, noted in
+every such call (by the norm's hook, or by its call without hooks: see :mod:`~tdhook.attribution._quiet_modules`),
+are where the paths to the ruled nodes may start: a few steps from each, through the norm's own call.
 
 Examples:
     >>> import torch
@@ -55,8 +56,8 @@ def runs_plain(module: nn.Module) -> bool:
 
 
 def note_output(output: Any) -> None:
-    """A norm's forward returned ``output``: its node is noted, where the call notes them (a recording call checks
-    the graph behind them, as behind the model's outputs, for tensors changed in place since they were saved)."""
+    """A norm's forward returned ``output``: its node is noted, where the call notes them (a recording call's paths
+    to the nodes it rules start from the norms' outputs as well as from the model's, and so are they followed)."""
     noted = getattr(_LOCAL, "outputs", None)
     if noted is not None:
         noted.append(output.grad_fn if isinstance(output, torch.Tensor) else None)

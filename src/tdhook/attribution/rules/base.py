@@ -55,6 +55,7 @@ __all__ = [
     "RemovableRuleHandle",
     "Rule",
     "plain_calls",
+    "rules_apply",
     "output_seen_by_rule_alone",
 ]
 
@@ -201,6 +202,11 @@ def plain_calls() -> Iterator[None]:
         yield
     finally:
         _PLAIN.depth -= 1
+
+
+def rules_apply() -> bool:
+    """Whether a rule's hooks apply it to a module's call made now: with gradients, outside :func:`plain_calls`."""
+    return torch.is_grad_enabled() and not getattr(_PLAIN, "depth", 0)
 
 
 _NEVER_THE_SAME = itertools.count()
@@ -548,8 +554,7 @@ class Rule(Tunable):
         modes: list = []
 
         def enter(mod: nn.Module, args: tuple) -> None:
-            ruled = torch.is_grad_enabled() and not getattr(_PLAIN, "depth", 0)  # no rule under plain_calls
-            push(modes, make_mode(mod) if ruled else None, enter=True)
+            push(modes, make_mode(mod) if rules_apply() else None, enter=True)
 
         def done(mod: nn.Module, args: tuple, output: Any) -> Any:
             mode = pop(modes)  # left; or by closing_scopes, if an interrupt skips this hook
