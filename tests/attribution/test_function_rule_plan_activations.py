@@ -250,7 +250,6 @@ def test_later_calls_run_an_activation_module_without_its_hooks(applied, rewrite
         assert torch.equal(relevance, in_mode)
     if preset is AttnLRP:
         assert relative_error(in_mode, activated_by_hand(model, x)) <= 1e-9
-    assert rewrites == [] or all(m is model.activation for m in rewrites)
     _ = call(lrp, x)  # the context left: the module's hooks run again, and leave with the call
     assert rewrites[-1] is model.activation and not model.activation._forward_hooks
 

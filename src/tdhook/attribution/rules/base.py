@@ -614,7 +614,7 @@ class Rule(Tunable):
     def _forward_hook(self, registration: Registration) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
             inputs = pop(registration.snapshots) if registration.snapshots else args
-            if registration.busy or not torch.is_grad_enabled() or getattr(_PLAIN, "depth", 0):
+            if registration.busy or not rules_apply():
                 return _ruled_in_forward(module)
             raise_for_vmap(module, output)
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
