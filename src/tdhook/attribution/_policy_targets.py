@@ -159,9 +159,37 @@ def allowed_action(
                 f"LRP: the action at {action_key!r} (shape {list(taken.shape)}) is not one action per row of the "
                 f"logits at {target_key!r} (shape {list(logits.shape)}); it is the action explained by default"
             )
-        return taken.long().argmax(-1) if one_hot else taken.long().reshape(logits.shape[:-1])
+        action = taken.long().argmax(-1) if one_hot else taken.long().reshape(logits.shape[:-1])
+        _raise_for_forbidden(operator, target_key, result, action, action_key)
+        return action
     mask = allowed_mask(operator, target_key, result)
     return logits.argmax(-1) if mask is None else logits.masked_fill(~mask, float("-inf")).argmax(-1)
+
+
+def _raise_for_forbidden(
+    operator: TensorDictModuleBase,
+    target_key: NestedKey,
+    result: TensorDictBase,
+    action: torch.Tensor,
+    action_key: NestedKey,
+) -> None:
+    """Refuse a held action that the mask of the same TensorDict forbids: no policy took it under that mask.
+    torchrl's ``env.rollout`` and collectors keep the previous step's action in the TensorDict they give the policy
+    (``step_mdp`` with ``exclude_action=False``), so there the held action is not the one the call takes."""
+    mask = allowed_mask(operator, target_key, result)
+    if mask is None:
+        return
+    forbidden = ~mask.gather(-1, action.unsqueeze(-1)).squeeze(-1)
+    if forbidden.any():
+        sampler = _masked_sampler(operator, target_key)
+        mask_key = unravel_key(sampler.in_keys[list(getattr(sampler, "dist_keys", sampler.in_keys)).index("mask")])
+        where = f" at rows {[tuple(row) for row in forbidden.nonzero().tolist()[:5]]}" if forbidden.dim() else ""
+        raise ValueError(
+            f"LRP: the action at {action_key!r}, explained by default as the action taken, is forbidden by the mask "
+            f"at {mask_key!r}{where}: it was not taken under that mask. torchrl's env.rollout and collectors give "
+            "the policy the previous step's action; explain the collected TensorDict after the rollout (each step "
+            "holds its own action), or leave the action out to explain the best allowed one, or pass a target"
+        )
 
 
 def masked_action_keys(module: object) -> list[NestedKey]:

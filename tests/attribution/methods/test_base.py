@@ -392,7 +392,7 @@ def test_a_masked_policy_explains_the_held_or_best_allowed_action(name, held):
         logits = actor.module[0](td.clone())["logits"]
     action = logits.masked_fill(~td["action_mask"], float("-inf")).argmax(-1)
     if held:
-        action = torch.tensor([0, 1, 2, 2, 1, 0])
+        action = logits.masked_fill(~td["action_mask"], float("inf")).argmin(-1)  # allowed, not the best allowed
         td["action"] = action
     references = {"observation": torch.randn(2, 4, dtype=torch.float64)}
     options = {"baselines": references} if name == "GradientShap" else {}
