@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tensordict import TensorDict
+from tensordict.nn import EnsembleModule, TensorDictModule
+from torch import nn
 
 from tdhook.attribution._writes import set_all_or_nothing
 from tests.attribution._interrupts import Interrupt, every_line
@@ -26,3 +29,22 @@ def test_a_write_interrupted_at_any_line_leaves_the_tensordict_as_it_was():
         now = dict(td.items(include_nested=True, leaves_only=True))
         assert now.keys() == before.keys() and all(now[k] is v for k, v in before.items()), interrupt.where
         assert list(td.keys()) == ["x", "y"], interrupt.where  # no branch of its own left, empty or not
+
+
+@pytest.mark.parametrize("method", ["LRP", "Saliency"])
+def test_a_module_that_puts_a_dimension_in_front_of_the_batch_is_refused_naming_both_sizes(method):
+    """tensordict's EnsembleModule returns its members' outputs in a ``[members, *batch]`` TensorDict: the results
+    could not be written into the caller's (tensordict's own error, once every backward pass had run)."""
+    import tdhook.attribution as attribution
+
+    torch.manual_seed(0)
+    critic = TensorDictModule(nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1)), ["observation"], ["q"])
+    ensemble = EnsembleModule(critic, num_copies=3)
+    state = {k: v.clone() for k, v in ensemble.state_dict().items()}
+    td = TensorDict(observation=torch.randn(5, 3), batch_size=[5])
+    before = td.clone()
+    message = rf"{method}: the module returned a TensorDict of batch size \[3, 5\] for one of batch size \[5\]"
+    with pytest.raises(ValueError, match=message):
+        getattr(attribution, method)(ensemble)(td)
+    assert list(td.keys()) == ["observation"] and torch.equal(td["observation"], before["observation"])
+    assert all(torch.equal(ensemble.state_dict()[k], v) for k, v in state.items())

@@ -29,12 +29,14 @@ from tdhook.attribution._keys import as_tuple
 __all__ = ["model_updates", "relevance_updates", "returned_tensordict", "set_all_or_nothing"]
 
 
-def returned_tensordict(tensordict: TensorDictBase, result: TensorDictBase) -> TensorDictBase:
+def returned_tensordict(tensordict: TensorDictBase, result: TensorDictBase, name: str = "LRP") -> TensorDictBase:
     """Where a call writes its results: the caller's TensorDict, or, where the module returned fewer batch
     dimensions than it was given, a shallow copy of it with the module's batch size.
 
     torchrl's ``DecisionTransformerInferenceWrapper``, called on a ``[B, T]`` context, returns a ``[B]``
-    TensorDict (one action per context) and leaves the caller's as it was; LRP does the same.
+    TensorDict (one action per context) and leaves the caller's as it was; LRP does the same. Any other batch
+    size (tensordict's ``EnsembleModule`` puts its members' dimension in front of the batch) is refused with a
+    ``ValueError`` naming both sizes, before anything is written (``name`` begins the message).
 
     Examples:
         >>> from tensordict import TensorDict
@@ -44,12 +46,23 @@ def returned_tensordict(tensordict: TensorDictBase, result: TensorDictBase) -> T
         >>> cut = returned_tensordict(td, TensorDict(y=torch.zeros(2, 1), batch_size=[2]))
         >>> cut.batch_size, cut["x"] is td["x"], td.batch_size
         (torch.Size([2]), True, torch.Size([2, 5]))
+        >>> returned_tensordict(td, TensorDict(y=torch.zeros(3, 2, 5), batch_size=[3, 2, 5]))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: LRP: the module returned a TensorDict of batch size [3, 2, 5] for one of batch size [2, 5]; ...
     """
     size, given = result.batch_size, tensordict.batch_size
     if len(size) < len(given) and given[: len(size)] == size:
         returned = tensordict.copy()
         returned.batch_size = size
         return returned
+    if size != given:
+        raise ValueError(
+            f"{name}: the module returned a TensorDict of batch size {list(size)} for one of batch size "
+            f"{list(given)}; the results are written next to the inputs, in the batch they were given with (an "
+            "EnsembleModule puts its members' dimension in front of the batch: explain one member at a time, "
+            "with its parameters put in the module it copies, params_td[i].to_module(ensemble.module))"
+        )
     return tensordict
 
 

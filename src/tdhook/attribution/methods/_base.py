@@ -230,7 +230,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
                 call = self._first_pass(tensordict)
                 call.buffers_before = before
                 self._warn_for_sampled_target(call)
-                cut = returned_tensordict(tensordict, call.result)
+                cut = returned_tensordict(tensordict, call.result, name)
                 if cut is tensordict:
                     attributions = self._attribute(call)
                     extra = self._extra_updates(call)
