@@ -125,11 +125,16 @@ def _masked_sampler(operator: TensorDictModuleBase, target_key: NestedKey) -> Pr
 def _find_masked_sampler(operator: TensorDictModuleBase, target_key: NestedKey) -> ProbabilisticTensorDictModule | None:
     for sub in operator.modules():
         if isinstance(sub, ProbabilisticTensorDictModule) and issubclass(sub.distribution_class, _MASKED):
-            dist_keys = list(getattr(sub, "dist_keys", sub.in_keys))
-            keys = [unravel_key(k) for k in sub.in_keys]
-            if "logits" in dist_keys and keys[dist_keys.index("logits")] == unravel_key(target_key):
+            keys = _distribution_keys(sub)
+            if unravel_key(target_key) in (keys.get("logits"), keys.get("probs")):
                 return sub
     return None
+
+
+def _distribution_keys(sampler: ProbabilisticTensorDictModule) -> dict[str, NestedKey]:
+    """The keys a sampler reads, by the distribution's argument each is given as (``logits``, ``mask``, ...)."""
+    dist_keys = list(getattr(sampler, "dist_keys", sampler.in_keys))
+    return {name: unravel_key(key) for name, key in zip(dist_keys, sampler.in_keys, strict=True)}
 
 
 def allowed_action(
@@ -181,8 +186,8 @@ def _raise_for_forbidden(
         return
     forbidden = ~mask.gather(-1, action.unsqueeze(-1)).squeeze(-1)
     if forbidden.any():
-        sampler = _masked_sampler(operator, target_key)
-        mask_key = unravel_key(sampler.in_keys[list(getattr(sampler, "dist_keys", sampler.in_keys)).index("mask")])
+        keys = _distribution_keys(_masked_sampler(operator, target_key))
+        mask_key = keys.get("mask", keys.get("indices"))
         where = f" at rows {[tuple(row) for row in forbidden.nonzero().tolist()[:5]]}" if forbidden.dim() else ""
         raise ValueError(
             f"LRP: the action at {action_key!r}, explained by default as the action taken, is forbidden by the mask "
@@ -216,8 +221,9 @@ def masked_action_keys(module: object) -> list[NestedKey]:
 
 
 def allowed_mask(operator: TensorDictModuleBase, target_key: NestedKey, result: TensorDictBase) -> torch.Tensor | None:
-    """The boolean mask of the allowed actions where ``target_key`` holds the logits of a masked distribution that
-    reads a mask, read from ``result``; else ``None``.
+    """The boolean mask of the allowed actions where ``target_key`` holds the logits (or probabilities) of a masked
+    distribution that reads a mask, or the indices of the allowed actions (entries equal to the distribution's
+    ``padding_value`` left out), read from ``result``; else ``None``.
 
     Examples:
         >>> from tensordict import TensorDict
@@ -229,10 +235,16 @@ def allowed_mask(operator: TensorDictModuleBase, target_key: NestedKey, result: 
     sampler = _masked_sampler(operator, target_key)
     if sampler is None:
         return None
-    dist_keys = list(getattr(sampler, "dist_keys", sampler.in_keys))
-    if "mask" not in dist_keys:
+    keys = _distribution_keys(sampler)
+    if "mask" in keys:
+        return result.get(keys["mask"]).to(torch.bool)
+    if "indices" not in keys:
         return None
-    return result.get(unravel_key(sampler.in_keys[dist_keys.index("mask")])).to(torch.bool)
+    indices = result.get(keys["indices"]).long()
+    padding = sampler.distribution_kwargs.get("padding_value")
+    listed = torch.ones_like(indices) if padding is None else (indices != padding).long()
+    counts = torch.zeros(result.get(target_key).shape, dtype=torch.long, device=indices.device)
+    return counts.scatter_add_(-1, indices.masked_fill(listed == 0, 0), listed) > 0
 
 
 def default_target_operator(module: TensorDictModuleBase) -> TensorDictModuleBase:
