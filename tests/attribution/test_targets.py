@@ -323,3 +323,15 @@ def test_a_numpy_array_of_floats_is_no_target():
     policy = TensorDictModule(torch.nn.Linear(3, 4), in_keys=["observation"], out_keys=["action_value"])
     with pytest.raises(TypeError, match="target must be None, an int, a LongTensor"):
         LRP(policy, target=np.array([0.5, 1.0]))(TensorDict(observation=torch.randn(2, 3), batch_size=[2]))
+
+
+def test_a_default_target_left_out_of_the_pipelines_result_is_named_absent():
+    """``selected_out_keys`` can leave the pipeline's final output out of its result: the error said it was not a
+    floating-point tensor."""
+    body = TensorDictModule(torch.nn.Linear(3, 4), in_keys=["observation"], out_keys=["hidden"])
+    head = TensorDictModule(torch.nn.Linear(4, 2), in_keys=["hidden"], out_keys=["action_value"])
+    pipeline = TensorDictSequential(body, head, selected_out_keys=["hidden"])
+    td = TensorDict(observation=torch.randn(2, 3), batch_size=[2])
+    with pytest.raises(KeyError, match=r"in its result \('action_value': absent\); pass target_key"):
+        LRP(pipeline)(td)
+    assert list(td.keys()) == ["observation"]

@@ -406,7 +406,12 @@ def resolve_target_key(
         value = result.get(key, None)
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             return key
-    raise KeyError(f"LRP: none of the module's outputs {candidates} is a floating-point tensor; pass target_key")
+    present = result.keys(include_nested=True)
+    found = ", ".join(f"{key!r}: {describe(result.get(key)) if key in present else 'absent'}" for key in candidates)
+    raise KeyError(
+        f"LRP: none of the module's outputs {candidates} is a floating-point tensor in its result ({found}); "
+        "pass target_key"
+    )
 
 
 def target_output(result: TensorDictBase, key: NestedKey, operator: TensorDictModuleBase) -> object:
