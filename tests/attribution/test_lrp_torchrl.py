@@ -479,6 +479,20 @@ class TestRecurrentPolicies:
             out = LRP(policy, PRESET())(td.clone())
         torch.testing.assert_close(out["relevance", "observation"].sum(), chosen(out).sum(), rtol=1e-6, atol=0)
 
+    @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+    def test_dropout_between_layers_in_training_mode_is_refused_naming_the_modules_path(self, kind):
+        """The error named the class alone (``LSTM``), not which of the model's recurrent layers it was."""
+        policy, rnn = recurrent_policy(kind)
+        getattr(rnn, kind.lower()).dropout = 0.1  # the module is in training mode
+        state = {k: v.clone() for k, v in policy.state_dict().items()}
+        td = recurrent_inputs(kind, states=False)
+        before = td.clone()
+        with set_recurrent_mode(True), pytest.raises(ValueError, match="dropout=0.1") as refusal:
+            LRP(policy, PRESET())(td)
+        assert f"LRP: the module is 'module.0.{kind.lower()}'" in refusal.value.__notes__
+        assert (td == before).all() and set(td.keys(True, True)) == set(before.keys(True, True))
+        assert all(torch.equal(policy.state_dict()[k], v) for k, v in state.items())
+
     def test_rollout_with_a_recurrent_policy_writes_relevance_every_step(self):
         policy, rnn = recurrent_policy("LSTM", actions=2)
         policy = policy.float()  # CartPole's observations are float32

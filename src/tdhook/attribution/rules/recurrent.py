@@ -229,11 +229,13 @@ def run_layer_stack(
 def _check_close(module: nn.Module, recomputed: torch.Tensor, output: torch.Tensor) -> None:
     tolerance = 1e-6 if output.dtype == torch.float64 else 1e-2
     if output.shape != recomputed.shape or not torch.allclose(recomputed, output, rtol=tolerance, atol=tolerance):
-        raise RuntimeError(
+        error = RuntimeError(
             f"RecurrentRule on {type(module).__name__}: the step-by-step re-computation from the module's weights "
             f"does not reproduce its output (shape {tuple(output.shape)}); the module computes something other than "
             "torch's LSTM/GRU recurrence: map it to another rule"
         )
+        error.module = module  # the wrapper names the module's path
+        raise error
 
 
 def _through(output: torch.Tensor, recomputed: torch.Tensor) -> torch.Tensor:
@@ -309,10 +311,12 @@ class RecurrentRule(Rule):
         if isinstance(module, nn.RNNCellBase):
             return self._cell(module, x, hx, output)
         if module.training and module.dropout > 0 and module.num_layers > 1:
-            raise ValueError(
+            error = ValueError(
                 f"RecurrentRule: {type(module).__name__} applies dropout={module.dropout} between layers in training "
                 "mode, which is not supported; call .eval() on the model"
             )
+            error.module = module  # the wrapper names the module's path
+            raise error
         return self._layers(module, x, hx, mask, output)
 
     def _cell(self, module: nn.RNNCellBase, x: torch.Tensor, hx: Any, output: Any) -> Any:
