@@ -195,6 +195,45 @@ def test_agents_with_lazy_layers_take_their_shapes_from_the_first_explained_call
     torch.testing.assert_close(relevance, expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("norm", ["BatchNorm1d", "BatchRenorm1d"])
+def test_norms_in_training_mode_move_their_statistics_once_and_give_the_networks_outputs(norm):
+    """The agents' loop and the network's own vmapped call both moved the running statistics (two steps per call);
+    the vmapped call then ran from the moved ones, so a BatchRenorm1d past its warm-up gave other outputs (0.33 to
+    0.37 off, relative)."""
+    from torchrl.modules.models.batchrenorm import BatchRenorm1d
+
+    kwargs = {"num_features": 8, "momentum": 0.5}
+    if norm == "BatchRenorm1d":
+        kwargs["warmup_steps"] = 0
+
+    def network() -> MultiAgentMLP:
+        torch.manual_seed(0)
+        norm_class = nn.BatchNorm1d if norm == "BatchNorm1d" else BatchRenorm1d
+        net = MultiAgentMLP(
+            3,
+            2,
+            n_agents=AGENTS,
+            centralized=False,
+            share_params=False,
+            depth=2,
+            num_cells=8,
+            activation_class=nn.ReLU,
+            norm_class=norm_class,
+            norm_kwargs=kwargs,
+        )
+        return net.to(F64)
+
+    explained, plain = network(), network()
+    lrp = LRP(wrapped(explained), BaseRuleMapper())
+    for call in range(3):
+        td = agents_td((3,))
+        td["agents", "observation"] = td["agents", "observation"] * (call + 1) + call
+        out = lrp(td.clone())
+        assert torch.equal(out["agents", "action_value"], wrapped(plain)(td.clone())["agents", "action_value"])
+        for key, value in plain.params.items(include_nested=True, leaves_only=True):
+            assert torch.equal(explained.params[key], value), (call, key)
+
+
 def test_a_module_run_under_vmap_by_the_model_itself_is_refused_by_name():
     class Vmapped(nn.Module):
         def __init__(self) -> None:

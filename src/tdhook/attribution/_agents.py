@@ -53,9 +53,13 @@ def _map_by_loop(vmapped: Callable) -> Callable:
         out_dim = out_dims[0] if isinstance(out_dims, tuple) else out_dims
 
         def call(params: Any, *inputs: torch.Tensor) -> torch.Tensor:
-            if _has_lazy_parameters(params):  # lazy layers take their shapes from the network's own vmapped call
+            lazy = _has_lazy_parameters(params)
+            if lazy:  # lazy layers take their shapes from the network's own vmapped call (which moves the statistics)
                 with torch.no_grad(), plain_calls():
                     vmapped(module, in_dims, out_dims, **kwargs)(params, *_detached(inputs))
+            # The running statistics of norms in training mode move once per call, as in the network's own call.
+            buffers = [t for t in params.values(True, True) if not isinstance(t, nn.Parameter)]
+            before = [t.clone() for t in buffers]
             outputs = []
             for agent in range(params.shape[0]):
                 agent_inputs = [
@@ -65,14 +69,27 @@ def _map_by_loop(vmapped: Callable) -> Callable:
                     outputs.append(module(*agent_inputs))
             looped = torch.stack(outputs, out_dim)
             if not looped.requires_grad:
+                if lazy:
+                    _put_back(buffers, before)
                 return looped
             with torch.no_grad(), plain_calls():  # detached: tensors that require grad take other kernels under vmap
+                _put_back(buffers, before)  # the network's own call, from the state it was called in
                 value = vmapped(module, in_dims, out_dims, **kwargs)(params.detach(), *_detached(inputs))
+                if lazy:
+                    _put_back(buffers, before)
             return redirect(value, [looped], lambda grad: [grad])
 
         return call
 
     return map_over_agents
+
+
+def _put_back(buffers: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """Write ``values`` back into the ``buffers`` a call changed (only those: an unchanged one keeps its version)."""
+    with torch.no_grad():
+        for buffer, value in zip(buffers, values, strict=True):
+            if not torch.equal(buffer, value):
+                buffer.copy_(value)
 
 
 def _detached(inputs: tuple) -> list:
