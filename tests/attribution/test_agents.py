@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -28,10 +29,12 @@ def wrapped(net: nn.Module) -> TensorDictModule:
 
 
 def multi_agent_mlp(
-    centralized: bool, share_params: bool, activation: type[nn.Module], norm: bool = False
+    centralized: bool, share_params: bool, activation: type[nn.Module], norm: bool | dict = False
 ) -> MultiAgentMLP:
+    """``norm``: a LayerNorm after each layer, away from its identity initialisation; or the norm's arguments
+    (``norm_class``, ``norm_kwargs``)."""
     torch.manual_seed(0)
-    normalised = {"norm_class": nn.LayerNorm, "norm_kwargs": {"normalized_shape": 8}} if norm else {}
+    normalised = {"norm_class": nn.LayerNorm, "norm_kwargs": {"normalized_shape": 8}} if norm is True else norm or {}
     net = MultiAgentMLP(
         3,
         2,
@@ -43,7 +46,7 @@ def multi_agent_mlp(
         activation_class=activation,
         **normalised,
     )
-    if norm:  # norms away from their identity initialisation
+    if norm is True:  # norms away from their identity initialisation
         with torch.no_grad():
             for value in net.params.values(include_nested=True, leaves_only=True):
                 value.add_(torch.randn_like(value) * 0.5)
@@ -205,23 +208,10 @@ def test_norms_in_training_mode_move_their_statistics_once_and_give_the_networks
     kwargs = {"num_features": 8, "momentum": 0.5}
     if norm == "BatchRenorm1d":
         kwargs["warmup_steps"] = 0
-
-    def network() -> MultiAgentMLP:
-        torch.manual_seed(0)
-        norm_class = nn.BatchNorm1d if norm == "BatchNorm1d" else BatchRenorm1d
-        net = MultiAgentMLP(
-            3,
-            2,
-            n_agents=AGENTS,
-            centralized=False,
-            share_params=False,
-            depth=2,
-            num_cells=8,
-            activation_class=nn.ReLU,
-            norm_class=norm_class,
-            norm_kwargs=kwargs,
-        )
-        return net.to(F64)
+    norm_class = nn.BatchNorm1d if norm == "BatchNorm1d" else BatchRenorm1d
+    network = functools.partial(
+        multi_agent_mlp, False, False, nn.ReLU, {"norm_class": norm_class, "norm_kwargs": kwargs}
+    )
 
     explained, plain = network(), network()
     lrp = LRP(wrapped(explained), BaseRuleMapper())
