@@ -437,15 +437,24 @@ def test_a_held_action_the_mask_forbids_is_refused_naming_both_keys(distribution
     """No policy took an action its mask forbids: explaining it as the action taken was silently wrong."""
     actor = masked_actor(distribution)
     td = masked_td(actor)
-    forbidden = (~td["action_mask"]).long().argmax(-1)
-    forbidden[1:] = (~td["action_mask"][1:]).long().argmin(-1)  # only the first row holds a forbidden action
+    held = (~td["action_mask"]).long().argmin(-1)  # the first allowed action of each row
+    td["action_mask"][-1] = False  # a row that allows nothing (padding) has no action taken to tell apart
     one_hot = distribution is MaskedOneHotCategorical
-    td["action"] = nn.functional.one_hot(forbidden, 3).bool() if one_hot else forbidden
-    before = td.clone()
+
+    def holding(actions: torch.Tensor) -> TensorDict:
+        return td.clone().set("action", nn.functional.one_hot(actions, 3).bool() if one_hot else actions)
+
+    out = LRP(actor)(holding(held))
+    expected = LRP(actor, target=held)(holding(held))
+    torch.testing.assert_close(out["relevance", "observation"], expected["relevance", "observation"])
+    forbidden = held.clone()
+    forbidden[0] = (~td["action_mask"][0]).long().argmax()
+    stale = holding(forbidden)
+    before = stale.clone()
     message = r"action at 'action'.* forbidden by the mask at 'action_mask' at rows \[\(0,\)\]"
     with pytest.raises(ValueError, match=message):
-        LRP(actor)(td)
-    assert set(td.keys()) == set(before.keys()) and (td == before).all()
+        LRP(actor)(stale)
+    assert set(stale.keys()) == set(before.keys()) and (stale == before).all()
 
 
 def _masked_cartpole(parity: bool):

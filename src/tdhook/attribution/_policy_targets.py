@@ -184,7 +184,8 @@ def _raise_for_forbidden(
     mask = allowed_mask(operator, target_key, result)
     if mask is None:
         return
-    forbidden = ~mask.gather(-1, action.unsqueeze(-1)).squeeze(-1)
+    # Rows that allow no action (the padding of split trajectories) have no action taken to tell apart.
+    forbidden = ~mask.gather(-1, action.unsqueeze(-1)).squeeze(-1) & mask.any(-1)
     if forbidden.any():
         keys = _distribution_keys(_masked_sampler(operator, target_key))
         mask_key = keys.get("mask", keys.get("indices"))
