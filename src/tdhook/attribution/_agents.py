@@ -59,7 +59,7 @@ def _map_by_loop(vmapped: Callable) -> Callable:
                     vmapped(module, in_dims, out_dims, **kwargs)(params, *_detached(inputs))
             # The running statistics of norms in training mode move once per call, as in the network's own call.
             buffers = [t for t in params.values(True, True) if not isinstance(t, nn.Parameter)]
-            before = [t.clone() for t in buffers]
+            before = [t.detach().clone() for t in buffers]
             outputs = []
             for agent in range(params.shape[0]):
                 agent_inputs = [
