@@ -52,6 +52,12 @@ def masked_td(actor: ProbabilisticActor) -> TensorDict:
     return TensorDict(observation=observation, action_mask=mask, batch_size=[6])
 
 
+def as_transition(td: TensorDict) -> TensorDict:
+    """``td`` as a stored transition: with a ``"next"`` (its next state), as rollouts, collectors and replay buffers
+    store steps. The action such a TensorDict holds is the action taken in its state."""
+    return td.set("next", TensorDict(observation=td["observation"] + 1, batch_size=td.batch_size))
+
+
 @pytest.mark.parametrize("distribution", [MaskedCategorical, MaskedOneHotCategorical], ids=lambda d: d.__name__)
 def test_a_masked_policy_explains_the_best_allowed_action(distribution):
     actor = masked_actor(distribution)
@@ -99,15 +105,21 @@ def test_a_masked_policy_reading_probabilities_or_allowed_indices_explains_the_b
 
 
 @pytest.mark.parametrize("distribution", [MaskedCategorical, MaskedOneHotCategorical], ids=lambda d: d.__name__)
-def test_a_masked_policy_explains_the_action_the_tensordict_holds(distribution):
+def test_a_masked_policy_explains_the_action_a_transition_holds(distribution):
+    """A stored transition (with its ``"next"``) holds the action taken in its state, which is explained; a step
+    without ``"next"`` (what a rollout gives the policy, holding the previous step's action) explains the best
+    allowed action."""
     actor = masked_actor(distribution)
     td = masked_td(actor)
     logits = actor.module[0](td.clone())["logits"].detach()
     taken = logits.masked_fill(~td["action_mask"], float("inf")).argmin(-1)  # allowed, but not the best allowed
+    best = logits.masked_fill(~td["action_mask"], float("-inf")).argmax(-1)
+    assert (taken != best).all()
     td["action"] = nn.functional.one_hot(taken, 3).bool() if distribution is MaskedOneHotCategorical else taken
-    out = LRP(actor, EpsilonPlus(), in_keys=["observation"])(td.clone())
-    expected = LRP(actor, EpsilonPlus(), in_keys=["observation"], target=taken)(td.clone())
-    torch.testing.assert_close(out["relevance", "observation"], expected["relevance", "observation"])
+    for step, action in [(as_transition(td.clone()), taken), (td.clone(), best)]:
+        out = LRP(actor, EpsilonPlus(), in_keys=["observation"])(step.clone())
+        expected = LRP(actor, EpsilonPlus(), in_keys=["observation"], target=action)(step.clone())
+        torch.testing.assert_close(out["relevance", "observation"], expected["relevance", "observation"])
 
 
 class Critic(nn.Module):
@@ -415,7 +427,10 @@ def test_masked_agents_explain_each_agents_allowed_or_held_action(distribution, 
     if held:
         one_hot = distribution is MaskedOneHotCategorical
         agents_td["action"] = nn.functional.one_hot(chosen, actions) if one_hot else chosen
-    out = LRP(actor)(TensorDict(agents=agents_td, batch_size=[batch]))
+    td = TensorDict(agents=agents_td, batch_size=[batch])
+    if held:  # a stored transition, with its next state
+        td["next"] = TensorDict(agents=agents_td.select("observation").apply(lambda t: t + 1), batch_size=[batch])
+    out = LRP(actor)(td)
     x = observation.clone().requires_grad_(True)
     (grad,) = torch.autograd.grad(net(x).gather(-1, chosen.unsqueeze(-1)).sum(), x)
     torch.testing.assert_close(out["relevance", "agents", "observation"], x.detach() * grad, rtol=1e-10, atol=1e-12)
@@ -425,7 +440,7 @@ def test_masked_agents_explain_each_agents_allowed_or_held_action(distribution, 
 def test_a_held_action_that_is_not_one_per_row_of_logits_is_named(distribution):
     actor = masked_actor(distribution)
     td = masked_td(actor)
-    td["action"] = torch.zeros(6, 2, 2, dtype=torch.long)  # two actions per sample
+    td = as_transition(td.set("action", torch.zeros(6, 2, 2, dtype=torch.long)))  # two actions per sample
     before = td.clone()
     with pytest.raises(ValueError, match=r"action at 'action' \(shape \[6, 2, 2\]\) is not one action per row"):
         LRP(actor)(td)
@@ -442,7 +457,7 @@ def test_a_held_action_the_mask_forbids_is_refused_naming_both_keys(distribution
     one_hot = distribution is MaskedOneHotCategorical
 
     def holding(actions: torch.Tensor) -> TensorDict:
-        return td.clone().set("action", nn.functional.one_hot(actions, 3).bool() if one_hot else actions)
+        return as_transition(td.clone().set("action", nn.functional.one_hot(actions, 3).bool() if one_hot else actions))
 
     out = LRP(actor)(holding(held))
     expected = LRP(actor, target=held)(holding(held))
@@ -493,27 +508,22 @@ def _masked_cartpole_actor() -> ProbabilisticActor:
     return ProbabilisticActor(net, in_keys=keys, distribution_class=MaskedCategorical)
 
 
-def test_a_rollout_whose_previous_action_is_forbidden_is_refused():
-    """torchrl's env.rollout gives the policy the previous step's action, here always forbidden by the new mask."""
-    env = _masked_cartpole(parity=True)
-    with pytest.raises(ValueError, match=r"forbidden by the mask at 'action_mask'.*previous step's action"):
-        env.rollout(5, LRP(_masked_cartpole_actor()), break_when_any_done=False)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="torchrl's env.rollout and collectors keep the previous step's action in the TensorDict they give the "
-    "policy, and a masked policy explains the action a TensorDict holds (the action taken, in stored transitions): "
-    "in a rollout, each step explains the previous step's action (2.0 off, relative, here: opposite logits)",
-)
-def test_a_masked_policy_in_a_rollout_explains_the_action_of_each_step():
+@pytest.mark.parametrize("parity", [False, True], ids=["both-allowed", "previous-forbidden"])
+def test_a_masked_policy_in_a_rollout_explains_the_action_of_each_step(parity):
+    """torchrl's env.rollout gives the policy each step's TensorDict holding the previous step's action (with
+    ``parity``, always forbidden by the new mask): that action was explained in place of the step's own (2.0 off,
+    relative, with both allowed), or refused as forbidden."""
     actor = _masked_cartpole_actor()
     with set_exploration_type(ExplorationType.DETERMINISTIC):
-        rollout = _masked_cartpole(parity=False).rollout(20, LRP(actor), break_when_any_done=False)
+        rollout = _masked_cartpole(parity=parity).rollout(20, LRP(actor), break_when_any_done=False)
     assert rollout["action"].unique().numel() == 2  # the action changes along the rollout
-    steps = rollout.exclude("relevance", "next")  # each step with its own action: a stored transition
+    assert (rollout["action"][1:] != rollout["action"][:-1]).any()
+    steps = rollout.exclude("relevance", "next")  # each step with its own action
     expected = LRP(actor, target=rollout["action"])(steps)["relevance", "observation"]
     torch.testing.assert_close(rollout["relevance", "observation"], expected)
+    # The collected TensorDict, a transition per step, explains the same actions.
+    again = LRP(actor)(rollout.exclude("relevance"))["relevance", "observation"]
+    torch.testing.assert_close(again, expected)
 
 
 @pytest.mark.parametrize("method", ["Saliency", "IntegratedGradients", "Occlusion"])

@@ -43,15 +43,15 @@ def test_a_masked_policy_is_explained_for_its_best_allowed_action_throughout():
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
-def test_a_masked_policy_is_explained_for_the_action_the_tensordict_holds_throughout():
-    """A rollout's TensorDict holds the action taken, which the methods explain by default: the unperturbed
+def test_a_masked_policy_is_explained_for_the_action_a_transition_holds_throughout():
+    """A stored transition holds the action taken, which the methods explain by default: the unperturbed
     explanation was of the best allowed action while the perturbed ones were held at the taken one (sensitivity 3.7
     instead of the figure with either target given)."""
     from torchrl.modules import MaskedCategorical
 
     from tdhook.attribution import LRP, EpsilonPlus
     from tdhook.metrics import randomisation_check
-    from tests.attribution.test_policy_targets import masked_actor, masked_td
+    from tests.attribution.test_policy_targets import as_transition, masked_actor, masked_td
 
     actor = masked_actor(MaskedCategorical)
     td = masked_td(actor)
@@ -60,7 +60,7 @@ def test_a_masked_policy_is_explained_for_the_action_the_tensordict_holds_throug
     best = logits.argmax(-1)
     taken = logits.scatter(-1, best.unsqueeze(-1), float("-inf")).argmax(-1)  # allowed, not the best
     assert td["action_mask"].gather(-1, taken.unsqueeze(-1)).all() and (taken != best).all()
-    td["action"] = taken
+    td = as_transition(td.set("action", taken))
     for make in (lambda **kw: LRP(actor, EpsilonPlus(), **kw), lambda **kw: InputXGradient(actor, **kw)):
         got = sensitivity_max(make(in_keys=["observation"]), td, seed=0, n_perturb_samples=4)
         expected = sensitivity_max(make(in_keys=["observation"], target=taken), td, seed=0, n_perturb_samples=4)

@@ -6,9 +6,12 @@ step a decision transformer acts on, and the action an exploring policy takes.
   by a ``ValueOperator`` (a critic of the actor's action, as in DDPG or SAC)
   explain both heads: ``{"actor": ..., "critic": ...}``.
 * A policy whose distribution masks actions (``MaskedCategorical``,
-  ``MaskedOneHotCategorical``) explains an allowed action: the action the
-  TensorDict already holds (the action taken), else the highest allowed logit.
-  The plain argmax could be a forbidden action.
+  ``MaskedOneHotCategorical``) explains an allowed action: in a stored
+  transition (a TensorDict holding ``"next"``, as collectors and replay buffers
+  give them), the action it holds (the action taken); else the highest allowed
+  logit. The plain argmax could be a forbidden action. A live step of
+  torchrl's ``env.rollout`` or of a collector holds the previous step's action
+  and no ``"next"``: that action is not the one this step takes.
 * torchrl's ``DecisionTransformerInferenceWrapper`` runs its actor on a
   context of T steps and outputs the action of the last one. It explains what
   its actor explains by default (``param`` of a ``DTActor``, ``loc`` of an
@@ -63,6 +66,7 @@ __all__ = [
     "actor_and_critic",
     "allowed_action",
     "allowed_mask",
+    "holds_transition",
     "masked_action_keys",
     "acted_step",
     "default_target_operator",
@@ -147,13 +151,14 @@ def allowed_action(
         operator: the module whose output is explained.
         target_key: the explained key.
         result: the model's outputs (holding the logits and the mask).
-        tensordict: the caller's TensorDict; an action it holds is the one explained.
+        tensordict: the caller's TensorDict; an action it holds is the one explained where it holds a transition
+            (see :func:`holds_transition`).
     """
     sampler = _masked_sampler(operator, target_key)
     if sampler is None:
         return None
     action_key = unravel_key(sampler.out_keys[0])
-    taken = tensordict.get(action_key, None)
+    taken = tensordict.get(action_key, None) if holds_transition(tensordict) else None
     one_hot = issubclass(sampler.distribution_class, MaskedOneHotCategorical)
     logits = result.get(target_key).detach()
     if isinstance(taken, torch.Tensor):  # one action per row of logits (the agents of a nested key included)
@@ -171,6 +176,21 @@ def allowed_action(
     return logits.argmax(-1) if mask is None else logits.masked_fill(~mask, float("-inf")).argmax(-1)
 
 
+def holds_transition(tensordict: TensorDictBase) -> bool:
+    """Whether ``tensordict`` is a stored transition, whose action is the one taken in its state: it holds
+    ``"next"``, as the TensorDicts of torchrl's rollouts, collectors and replay buffers do. The TensorDict a rollout
+    or a collector gives the policy at a step holds the previous step's action (``step_mdp`` keeps it), and no
+    ``"next"``.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> step = TensorDict(observation=torch.zeros(2, 4), action=torch.zeros(2, dtype=torch.long), batch_size=[2])
+        >>> holds_transition(step), holds_transition(step.set("next", step.select("observation")))
+        (False, True)
+    """
+    return "next" in tensordict.keys()
+
+
 def _raise_for_forbidden(
     operator: TensorDictModuleBase,
     target_key: NestedKey,
@@ -178,9 +198,8 @@ def _raise_for_forbidden(
     action: torch.Tensor,
     action_key: NestedKey,
 ) -> None:
-    """Refuse a held action that the mask of the same TensorDict forbids: no policy took it under that mask.
-    torchrl's ``env.rollout`` and collectors keep the previous step's action in the TensorDict they give the policy
-    (``step_mdp`` with ``exclude_action=False``), so there the held action is not the one the call takes."""
+    """Refuse a transition's action that the mask of the same TensorDict forbids: no policy took it under that
+    mask (the action and the mask are of different steps)."""
     mask = allowed_mask(operator, target_key, result)
     if mask is None:
         return
@@ -192,9 +211,8 @@ def _raise_for_forbidden(
         where = f" at rows {[tuple(row) for row in forbidden.nonzero().tolist()[:5]]}" if forbidden.dim() else ""
         raise ValueError(
             f"LRP: the action at {action_key!r}, explained by default as the action taken, is forbidden by the mask "
-            f"at {mask_key!r}{where}: it was not taken under that mask. torchrl's env.rollout and collectors give "
-            "the policy the previous step's action; explain the collected TensorDict after the rollout (each step "
-            "holds its own action), or leave the action out to explain the best allowed one, or pass a target"
+            f'at {mask_key!r}{where}: it was not taken under that mask (the TensorDict holds "next": a transition, '
+            "whose action is explained as the one taken in its state); pass a target to explain another action"
         )
 
 

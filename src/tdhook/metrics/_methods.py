@@ -100,9 +100,11 @@ def method_prefix(method: TensorDictModuleBase, relevance_key: NestedKey | None)
 
 
 def explain(method: TensorDictModuleBase, td: TensorDictBase) -> TensorDictBase:
-    """The method's result on a shallow copy of ``td``'s inputs and of the actions it holds for a masked policy,
-    which the method explains by default (``td`` itself is not written to)."""
-    work = td.select(*method.in_keys, *masked_action_keys(method), strict=False)
+    """The method's result on a shallow copy of ``td``'s inputs and, for a masked policy, of the actions it holds and
+    of its ``"next"`` (a transition's action is the one the method explains by default; ``td`` itself is not written
+    to)."""
+    held = masked_action_keys(method)
+    work = td.select(*method.in_keys, *held, *(["next"] if held else []), strict=False)
     result = method(work)
     return work if result is None else result
 

@@ -380,11 +380,11 @@ class TestTorchRL:
 @pytest.mark.parametrize("held", [False, True])
 @pytest.mark.parametrize("name", list(METHODS))
 def test_a_masked_policy_explains_the_held_or_best_allowed_action(name, held):
-    """As LRP: the default target of a masked policy's logits is the action the TensorDict holds, else the best
+    """As LRP: the default target of a masked policy's logits is the action a transition holds, else the best
     allowed one (the methods explained the plain argmax, forbidden everywhere here: 0.3 to 1.7 off)."""
     from torchrl.modules import MaskedCategorical
 
-    from tests.attribution.test_policy_targets import masked_actor, masked_td
+    from tests.attribution.test_policy_targets import as_transition, masked_actor, masked_td
 
     actor = masked_actor(MaskedCategorical)
     td = masked_td(actor)
@@ -393,7 +393,7 @@ def test_a_masked_policy_explains_the_held_or_best_allowed_action(name, held):
     action = logits.masked_fill(~td["action_mask"], float("-inf")).argmax(-1)
     if held:
         action = logits.masked_fill(~td["action_mask"], float("inf")).argmin(-1)  # allowed, not the best allowed
-        td["action"] = action
+        td = as_transition(td.set("action", action))
     references = {"observation": torch.randn(2, 4, dtype=torch.float64)}
     options = {"baselines": references} if name == "GradientShap" else {}
     got = make(name, actor, in_keys=["observation"], **options)(td.clone())["attribution", "observation"]
