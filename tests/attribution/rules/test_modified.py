@@ -320,3 +320,25 @@ class TestArguments:
     @pytest.mark.parametrize("gamma", [0.0, 0.25, 100.0])
     def test_legitimate_gamma_is_accepted(self, gamma: float):
         assert GammaRule(gamma=gamma, stabilizer=0.0, zero_params=("bias",)).gamma == gamma
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="stabilizer=0 is accepted (and the presets pass it to z+, αβ and γ: EpsilonPlus(epsilon=0.0, "
+    "stabilizer=0.0) is called LRP-0 in the preset tests), but an output whose modified contributions are all 0 "
+    "(zero or rectified inputs: most layers) divides 0 by 0, and the relevance is NaN with no error. Its limit as "
+    "the stabilizer goes to 0 is finite: those outputs pass nothing on (every contribution is 0). A safe division "
+    "would be needed on each path of the rules (the general one and the fast paths for inputs ≥ 0).",
+)
+@pytest.mark.parametrize(
+    "make", [lambda s: AlphaBetaRule(1.0, 0.0, s), lambda s: AlphaBetaRule(2.0, 1.0, s), lambda s: GammaRule(0.25, s)]
+)
+def test_a_zero_stabilizer_gives_the_limit_of_small_ones(make):
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 3, 3, padding=1, bias=False).double()
+    x = torch.randn(2, 2, 6, 6, dtype=torch.float64).relu()
+    x[:, :, :3] = 0  # the outputs over these rows have no contribution at all
+    with torch.no_grad():
+        relevance_out = output_relevance(conv, x) * (conv(x) != 0)  # none on outputs that are exactly 0 (γ: refused)
+    limit = tdhook_relevance(make(1e-30), conv, x, relevance_out)
+    assert relative_error(tdhook_relevance(make(0.0), conv, x, relevance_out), limit) <= 1e-10
