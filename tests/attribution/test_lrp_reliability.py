@@ -281,6 +281,25 @@ class TestClearErrors:
             warnings.simplefilter("error")  # the identity in eval mode: no warning
             lrp(td.clone())
 
+    def test_token_dropout_in_training_mode_warns_with_its_name(self):
+        # timm's PatchDropout keeps a random subset of a ViT's tokens in training mode.
+        from timm.layers import PatchDropout
+
+        class MeanOfTokens(nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return x.mean(1)  # of the tokens kept
+
+        net = nn.Sequential(nn.Linear(4, 4), PatchDropout(0.5, num_prefix_tokens=0), MeanOfTokens(), nn.Linear(4, 3))
+        net = net.to(F64).eval()
+        td = TensorDict(x=torch.randn(2, 6, 4, dtype=F64), batch_size=[2])
+        lrp = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the identity in eval mode: no warning
+            lrp(td.clone())
+        net.train()
+        with pytest.warns(UserWarning, match=r"module '1' \(PatchDropout, p=0.5\) is in training mode"):
+            lrp(td.clone())
+
     def test_copy_and_pickle_outside_the_context_only(self):
         lrp = LRP(self.policy(), EpsilonGammaBox(-3.0, 3.0))
         td = TensorDict(observation=torch.randn(2, 5, dtype=F64), batch_size=[2])

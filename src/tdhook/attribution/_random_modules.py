@@ -1,7 +1,7 @@
 """Modules that draw anew at every forward pass in training mode (dropout, and stochastic depth: timm's ``DropPath``
-and ``DropBlock2d``, torchvision's ``StochasticDepth``): an explanation of such a model is random from call to call,
-and the user is told once. A torchrl ``ConsistentDropoutModule`` whose mask the call's
-TensorDict holds drops the same units at every call: it draws nothing, and is no reason to warn.
+and ``DropBlock2d``, torchvision's ``StochasticDepth``; timm's ``PatchDropout`` of tokens): an explanation of such a
+model is random from call to call, and the user is told once. A torchrl ``ConsistentDropoutModule`` whose mask the
+call's TensorDict holds drops the same units at every call: it draws nothing, and is no reason to warn.
 
 Examples:
     >>> import warnings
@@ -27,9 +27,9 @@ from tdhook.attribution.rules._caller import warn_at_caller
 
 __all__ = ["drop_probability", "random_modules", "warn_for_random_modules"]
 
-# Stochastic depth of timm and torchvision (not dependencies of tdhook), by class name (and by its end, for the
-# models that prefix their own: SwinDropPath): the attribute holding the probability of a drop.
-_STOCHASTIC_DEPTH = {"DropBlock2d": "drop_prob", "StochasticDepth": "p"}
+# Stochastic depth of timm and torchvision, and timm's dropout of tokens (not dependencies of tdhook), by class name
+# (and by its end, for the models that prefix their own: SwinDropPath): the attribute holding the probability of a drop.
+_STOCHASTIC_DEPTH = {"DropBlock2d": "drop_prob", "StochasticDepth": "p", "PatchDropout": "prob"}
 _STOCHASTIC_DEPTH_SUFFIX = ("DropPath", "drop_prob")
 
 
