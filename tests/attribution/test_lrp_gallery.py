@@ -161,7 +161,8 @@ TORCHVISION_SIZES = {
     "squeezenet": 32,
     "vgg": 32,
 }
-TIMM_SIZES = {"densenet": 32, "convnext": 32, "maxvit": 64, "coatnet": 64, "ghostnetv2": 48}
+# resnetv2_50d_frn: at 16 pixels its last filter response norms normalise 1×1 maps, where they are piecewise constant.
+TIMM_SIZES = {"densenet": 32, "convnext": 32, "maxvit": 64, "coatnet": 64, "ghostnetv2": 48, "resnetv2_50d_frn": 64}
 
 
 def smallest_size(name: str, sizes: dict[str, int]) -> int:
@@ -271,6 +272,7 @@ TIMM_MODELS = {
         "resnetv2_50",
         "poolformerv2_s12",
         "resnetv2_50d_evos",
+        "resnetv2_50d_frn",
     ],
     NARROW: ["seresnext26d_32x4d", "cspresnext50", "regnetx_002", "regnetx_004", "regnety_002", "regnety_004"],
     DEPTHWISE: [

@@ -427,3 +427,23 @@ def test_a_plain_model_is_searched_for_torchrls_modules_only_where_it_holds_a_te
     assert all(found[name].called == holds for name in searches)
     assert scorer.allowed is None and torch.equal(scorer.target_index, net(x).argmax(-1))
     torch.testing.assert_close(scorer.reference, net(x).max(-1).values)
+
+
+def test_stochastic_depth_in_training_mode_is_refused_by_name():
+    """timm's DropPath drops a sample's residual branch at random in training mode, as dropout drops units."""
+    from timm.layers import DropPath
+
+    class Residual(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.drop, self.head = torch.nn.Linear(6, 6), DropPath(0.5), torch.nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(x + self.drop(torch.relu(self.fc(x))))
+
+    net, x = Residual(), torch.randn(4, 6)
+    td = TensorDict(x=x, attribution=TensorDict(x=x), batch_size=[4])
+    with pytest.raises(ValueError, match=r"metrics: module 'drop' \(DropPath, p=0.5\) is in training mode"):
+        pixel_flipping(net, td, in_keys=["x"], out_keys=["y"])
+    net.eval()
+    pixel_flipping(net, td, in_keys=["x"], out_keys=["y"])

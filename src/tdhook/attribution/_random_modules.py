@@ -1,6 +1,7 @@
-"""Modules that draw anew at every forward pass in training mode (dropout): an explanation of such a model is
-random from call to call, and the user is told once. A torchrl ``ConsistentDropoutModule`` whose mask the call's
-TensorDict holds drops the same units at every call: it draws nothing, and is no reason to warn.
+"""Modules that draw anew at every forward pass in training mode (dropout, and stochastic depth: timm's ``DropPath``
+and ``DropBlock2d``, torchvision's ``StochasticDepth``; timm's ``PatchDropout`` of tokens): an explanation of such a
+model is random from call to call, and the user is told once. A torchrl ``ConsistentDropoutModule`` whose mask the
+call's TensorDict holds drops the same units at every call: it draws nothing, and is no reason to warn.
 
 Examples:
     >>> import warnings
@@ -24,16 +25,37 @@ from torchrl.modules import ConsistentDropoutModule
 
 from tdhook.attribution.rules._caller import warn_at_caller
 
-__all__ = ["random_modules", "warn_for_random_modules"]
+__all__ = ["drop_probability", "random_modules", "warn_for_random_modules"]
+
+# Stochastic depth of timm and torchvision, and timm's dropout of tokens (not dependencies of tdhook), by class name
+# (and by its end, for the models that prefix their own: SwinDropPath): the attribute holding the probability of a drop.
+_STOCHASTIC_DEPTH = {"DropBlock2d": "drop_prob", "StochasticDepth": "p", "PatchDropout": "prob"}
+_STOCHASTIC_DEPTH_SUFFIX = ("DropPath", "drop_prob")
+
+
+def drop_probability(module: nn.Module) -> float:
+    """The probability that ``module`` drops a unit, a sample's branch or a block in training mode: a dropout's
+    ``p``, stochastic depth's; ``0`` for any other module.
+
+    Examples:
+        >>> drop_probability(nn.Dropout(0.25)), drop_probability(nn.Linear(2, 2))
+        (0.25, 0.0)
+    """
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return module.p
+    name = type(module).__name__
+    attribute = _STOCHASTIC_DEPTH.get(name)
+    if attribute is None and name.endswith(_STOCHASTIC_DEPTH_SUFFIX[0]):
+        attribute = _STOCHASTIC_DEPTH_SUFFIX[1]
+    probability = getattr(module, attribute, None) if attribute is not None else None
+    return float(probability) if isinstance(probability, (int, float)) else 0.0
 
 
 def random_modules(modules: Mapping[str, nn.Module]) -> list[tuple[str, nn.Module, NestedKey | None]]:
-    """The dropout modules among ``modules`` that drop anything (``p > 0``), by name, each with the key its mask is
-    read from where a torchrl ``ConsistentDropoutModule`` runs it (``None`` for the others)."""
+    """The dropout and stochastic-depth modules among ``modules`` that drop anything (``p > 0``), by name, each with
+    the key its mask is read from where a torchrl ``ConsistentDropoutModule`` runs it (``None`` for the others)."""
     masks = {id(m.consistent_dropout): m.in_keys[1] for m in modules.values() if isinstance(m, ConsistentDropoutModule)}
-    return [
-        (n, m, masks.get(id(m))) for n, m in modules.items() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
-    ]
+    return [(n, m, masks.get(id(m))) for n, m in modules.items() if drop_probability(m) > 0]
 
 
 def warn_for_random_modules(who: str, candidates: list[tuple], tensordict: TensorDictBase | None = None) -> list[tuple]:
@@ -43,9 +65,9 @@ def warn_for_random_modules(who: str, candidates: list[tuple], tensordict: Tenso
         given = mask is not None and tensordict is not None and tensordict.get(mask, None) is not None
         if module.training and not given:
             warn_at_caller(
-                f"{who}: module {name!r} ({type(module).__name__}, p={module.p}) is in training mode, so each "
-                "forward pass drops other units and the explanation is random from call to call; call .eval() on "
-                "the model for a deterministic one"
+                f"{who}: module {name!r} ({type(module).__name__}, p={drop_probability(module)}) is in training "
+                "mode, so each forward pass drops other units and the explanation is random from call to call; call "
+                ".eval() on the model for a deterministic one"
             )
             return []
     return candidates

@@ -34,7 +34,7 @@ from torch import nn
 from tdhook.attribution._inputs import explained_in_call, module_in_recurrent_mode, optional_inputs
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action, allowed_mask
-from tdhook.attribution._random_modules import random_modules
+from tdhook.attribution._random_modules import drop_probability, random_modules
 from tdhook.attribution.targets import (
     Target,
     initial_gradient,
@@ -82,9 +82,9 @@ def _refuse_random_modules(modules: Mapping[str, nn.Module], td: TensorDictBase)
     for name, found, mask in random_modules(modules):
         if found.training and (mask is None or td.get(mask, None) is None):
             raise ValueError(
-                f"metrics: module {name!r} ({type(found).__name__}, p={found.p}) is in training mode: each forward "
-                "pass of the perturbed inputs would drop other units, and the scores would mix the perturbation "
-                "with dropout noise; call .eval() on the model"
+                f"metrics: module {name!r} ({type(found).__name__}, p={drop_probability(found)}) is in training "
+                "mode: each forward pass of the perturbed inputs would drop other units, and the scores would mix the "
+                "perturbation with dropout noise; call .eval() on the model"
             )
 
 

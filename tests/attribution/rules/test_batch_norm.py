@@ -179,3 +179,51 @@ class TestUnbatchedLayerOutputIsNotMerged:
         mapper = BaseRuleMapper(stabilizer=0.0, rule_mapper={type(layer): EpsilonRule(0.0)})
         actual = lrp_relevance(model, x, r_out, rule_mapper=mapper)
         assert relative_error(actual, x.detach() * grad) <= 1e-10
+
+
+def frozen_copy(norm: nn.BatchNorm2d, with_act: bool) -> nn.Module:
+    """``norm`` frozen as torchvision's ``FrozenBatchNorm2d`` (what timm's ``freeze_batch_norm_2d`` and
+    torchvision's detection backbones hold), or as timm's ``FrozenBatchNormAct2d`` with a ReLU inside."""
+    from timm.layers import FrozenBatchNormAct2d
+    from torchvision.ops.misc import FrozenBatchNorm2d
+
+    n = norm.num_features
+    frozen = (FrozenBatchNormAct2d(n, act_layer=nn.ReLU) if with_act else FrozenBatchNorm2d(n)).double()
+    frozen.eps = norm.eps
+    for name in ("weight", "bias", "running_mean", "running_var"):
+        getattr(frozen, name).copy_(getattr(norm, name).detach())
+    return frozen
+
+
+class TestFrozenBatchNorm:
+    """A frozen BatchNorm (torchvision's ``FrozenBatchNorm2d``, timm's ``FrozenBatchNormAct2d``) computes the
+    eval-mode BatchNorm from buffers, ``x · s + t``: it is merged into the layer before it as a BatchNorm is. Left
+    with its plain gradient, freezing the BatchNorms of a model changed its relevance with no warning (78 % under
+    EpsilonPlus on timm's resnet18, 2.3 times it on efficientnet_b0)."""
+
+    @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
+    @pytest.mark.parametrize("with_act", [False, True], ids=["FrozenBatchNorm2d", "FrozenBatchNormAct2d"])
+    @pytest.mark.parametrize("after", ["layer", "relu"])
+    def test_equals_the_batch_norm_it_freezes(self, preset: str, with_act: bool, after: str):
+        from tests.attribution.test_lrp_layers import randomise_batch_norm
+
+        torch.manual_seed(0)
+        norm = randomise_batch_norm(nn.BatchNorm2d(4).double()).eval()
+        head = [nn.Flatten(), nn.Linear(64, 3)]
+        before = [nn.Conv2d(3, 4, 3)] + ([nn.ReLU()] if after == "relu" else [])
+        plain = nn.Sequential(*before, norm, nn.ReLU(), *head).double().eval()
+        frozen = copy.deepcopy(plain)
+        frozen[len(before)] = frozen_copy(norm, with_act)
+        if with_act:
+            frozen[len(before) + 1] = nn.Identity()
+        x = torch.randn(2, 3, 6, 6, dtype=torch.float64).clamp(-2.9, 2.9)
+        with torch.no_grad():
+            torch.testing.assert_close(frozen(x), plain(x), rtol=1e-12, atol=1e-12)
+        state = copy.deepcopy(frozen.state_dict())
+
+        def relevance(net: nn.Module) -> torch.Tensor:
+            lrp = LRP(net, CNN_PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+            return lrp(TensorDict(x=x.clone(), batch_size=[2]))["relevance", "x"]
+
+        assert relative_error(relevance(frozen), relevance(plain)) <= 1e-10
+        assert all(torch.equal(value, frozen.state_dict()[key]) for key, value in state.items())

@@ -191,6 +191,43 @@ def test_a_module_returning_a_view_of_its_input_keeps_it_and_is_decided():
     with rule.register(rows):
         h = x * 1
         out = rows(h)
-        assert rule._registrations[rows].state == [False]
+        assert rule._registrations[rows].state == [False, h.shape]  # decided, for inputs of this shape
         assert out.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()
         assert rows(h)._base is h  # decided: no alias of the input any more
+
+
+class GatedByTheMeanToken(nn.Module):
+    """``x · tanh(mean of the tokens)``: element-wise on one token, mixing the tokens of a longer sequence."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.tanh(x.mean(1, keepdim=True))
+
+
+class TokenNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.act, self.head = nn.Linear(3, 4), GatedByTheMeanToken(), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.embed(x)).sum(1))
+
+
+@pytest.mark.parametrize("preset", ["EpsilonPlus", "CPLRP"])
+def test_a_call_on_inputs_of_another_shape_is_decided_anew(preset: str):
+    """Decided element-wise on one token, the module kept the pass rule for later calls of the same context on
+    longer sequences, which it mixes: 47 % off the relevance a fresh context gives them (with a warning there,
+    none in the context)."""
+    torch.manual_seed(0)
+    net, short, long = TokenNet().double().eval(), torch.randn(2, 1, 3, dtype=F64), torch.randn(2, 4, 3, dtype=F64)
+    fresh = LRP(net, PRESETS[preset](), in_keys=["x"], out_keys=["y"], target=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = fresh(TensorDict(x=long, batch_size=[2]))["relevance", "x"]
+        lrp = LRP(net, PRESETS[preset](), in_keys=["x"], out_keys=["y"], target=0)
+        with lrp:
+            lrp(TensorDict(x=short, batch_size=[2]))
+            actual = lrp(TensorDict(x=long, batch_size=[2]))["relevance", "x"]
+            again = lrp(TensorDict(x=short, batch_size=[2]))["relevance", "x"]
+    assert relative_error(actual, expected) <= 1e-12
+    first = LRP(net, PRESETS[preset](), in_keys=["x"], out_keys=["y"], target=0)
+    assert relative_error(again, first(TensorDict(x=short, batch_size=[2]))["relevance", "x"]) <= 1e-12

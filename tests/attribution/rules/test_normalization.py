@@ -474,6 +474,8 @@ class TestIsNorm:
             lambda: timm.layers.LayerNorm2d(4),
             lambda: timm.layers.BatchNormAct2d(4),
             lambda: timm.layers.GroupNormAct(4, num_groups=2),
+            lambda: timm.layers.FilterResponseNormAct2d(4),
+            lambda: timm.layers.FilterResponseNormTlu2d(4),
             lambda: LlamaRMSNorm(4),
             lambda: L2Norm(),
             lambda: RootMeanSquareScaling(4),
@@ -541,11 +543,13 @@ class TestIsNorm:
 
 
 def zero_biases(model: nn.Module) -> nn.Module:
-    """Every bias zero, and the running means too: a BatchNorm's shift ``β − μ s`` is zero."""
+    """Every bias zero, and the running means too: a BatchNorm's shift ``β − μ s`` is zero; so is the threshold
+    ``τ`` of a thresholded linear unit, ``max(x, τ)``."""
     with torch.no_grad():
         for module in model.modules():
-            if getattr(module, "bias", None) is not None:
-                module.bias.zero_()
+            for name in ("bias", "tau"):
+                if getattr(module, name, None) is not None:
+                    getattr(module, name).zero_()
             if getattr(module, "running_mean", None) is not None:
                 module.running_mean.zero_()
     return model
@@ -564,6 +568,9 @@ CNN_NORMS = {
     "LayerNorm2d-timm": lambda c: timm.layers.LayerNorm2d(c),
     "GroupNormAct-timm": lambda c: timm.layers.GroupNormAct(c, num_groups=2, act_layer=nn.LeakyReLU),
     "BatchNormAct2d-timm": batch_norm_act,
+    # The filter response norm with its thresholded linear unit (timm's resnetv2_50d_frn): its scale is computed in
+    # a helper function, out of the forward's sight, and its class is named after the unit (it passed no relevance).
+    "FilterResponseNormTlu2d-timm": lambda c: timm.layers.FilterResponseNormTlu2d(c),
 }
 MLP_NORMS = {
     "LayerNorm": lambda n: nn.LayerNorm(n),

@@ -18,7 +18,6 @@ from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._layers import (
     ACTIVATIONS,
     AVG_POOLS,
-    BATCH_NORMS,
     GATES,
     GRADIENT_ROUTED,
     GRADIENT_ROUTED_NAMES,
@@ -29,7 +28,7 @@ from tdhook.attribution.rules.activation_calls import TanhCallsRule
 from tdhook.attribution.rules.additions import StabilizedAdditions
 from tdhook.attribution.rules.base import Rule
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule
-from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
+from tdhook.attribution.rules.batch_norm import MergeBatchNormRule, is_batch_norm
 from tdhook.attribution.rules.elementwise import ElementwiseRule, may_be_elementwise
 from tdhook.attribution.rules.gates import GateRule, HeldGates, RouterRule, is_router
 from tdhook.attribution.rules.input_layer import FirstLayerRule
@@ -120,7 +119,7 @@ class BaseRuleMapper(Tunable):
     (held constant where they gate a signal); other activations → :class:`PassRule`; torchrl's ``TanhModule`` →
     :class:`~tdhook.attribution.rules.activation_calls.TanhCallsRule` (the pass rule on its ``tanh``);
     average pooling → :class:`EpsilonRule` with ``stabilizer`` (zennit's ``Norm``);
-    BatchNorm → :class:`MergeBatchNormRule`
+    BatchNorm (and frozen ones, torchvision's ``FrozenBatchNorm2d``) → :class:`MergeBatchNormRule`
     (merged into the layer before it, else the ε-rule of its affine map); torchrl's BatchRenorm1d →
     :class:`~tdhook.attribution.rules.normalization.BatchRenormRule` (the ε-rule of its affine map); other
     norms (LayerNorm, GroupNorm, RMSNorm, channels-first and fused norms) →
@@ -236,7 +235,7 @@ class BaseRuleMapper(Tunable):
             return self._pass
         if isinstance(module, TanhModule):
             return self._tanh_calls
-        if isinstance(module, BATCH_NORMS):
+        if is_batch_norm(module):  # a frozen one (torchvision's FrozenBatchNorm2d) included
             return self._merge_batch_norm
         if isinstance(module, BatchRenorm1d):
             return self._batch_renorm

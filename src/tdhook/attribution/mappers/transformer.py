@@ -8,8 +8,9 @@ from torch import nn
 
 from tdhook.attribution.mappers.base import BaseRuleMapper, PresetOptions
 from tdhook.attribution.rules._arguments import nonnegative
-from tdhook.attribution.rules._layers import ACTIVATIONS, AVG_POOLS, BATCH_NORMS, GATES
+from tdhook.attribution.rules._layers import ACTIVATIONS, AVG_POOLS, GATES
 from tdhook.attribution.rules.basic import EpsilonRule
+from tdhook.attribution.rules.batch_norm import is_batch_norm
 from tdhook.attribution.rules.elementwise import ElementwiseRule
 from tdhook.attribution.rules.functional import FunctionalRules
 from tdhook.attribution.rules.gates import GateRule
@@ -102,7 +103,7 @@ class AttnLRP(BaseRuleMapper):
         return None
 
     def default_rule(self, name, module):
-        if is_norm(module) and not isinstance(module, BATCH_NORMS):
+        if is_norm(module) and not is_batch_norm(module):
             return self._norm_rule
         if isinstance(module, nn.Softmax):
             return self._softmax

@@ -2,23 +2,62 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._caller import warn_at_caller
+from tdhook.attribution.rules._graph_calls import note_output, recording
 from tdhook.attribution.rules._keeping_graph import graph_kept
-from tdhook.attribution.rules._layers import TRANSPOSED_FORWARDS, effective_parameters
+from tdhook.attribution.rules._layers import BATCH_NORMS, TRANSPOSED_FORWARDS, effective_parameters
 from tdhook.attribution.rules.base import (
     _LAYER_MARK,
     _UNPREPARED,
     LayerCall,
     MergedLayer,
+    RemovableRuleHandle,
     layer_call_of,
     parameter_fingerprint,
 )
 from tdhook.attribution.rules.normalization import NormRule
 
-__all__ = ["MergeBatchNormRule"]
+__all__ = ["MergeBatchNormRule", "is_batch_norm", "is_frozen_batch_norm"]
+
+# The buffers a frozen BatchNorm computes its affine map from (torchvision's FrozenBatchNorm2d, timm's
+# FrozenBatchNormAct2d): no parameters, and no statistics that a call updates.
+_FROZEN_BUFFERS = ("weight", "bias", "running_mean", "running_var")
+
+
+def is_frozen_batch_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a frozen BatchNorm: a class named ``FrozenBatchNorm*`` (torchvision's
+    ``FrozenBatchNorm2d``, which timm's ``freeze_batch_norm_2d`` and torchvision's detection backbones put in place
+    of BatchNorm2d; timm's ``FrozenBatchNormAct2d``) holding the eval-mode statistics as buffers.
+
+    Examples:
+        >>> from torchvision.ops.misc import FrozenBatchNorm2d
+        >>> is_frozen_batch_norm(FrozenBatchNorm2d(4)), is_frozen_batch_norm(nn.BatchNorm2d(4))
+        (True, False)
+    """
+    buffers = module._buffers
+    return (
+        type(module).__name__.startswith("FrozenBatchNorm")
+        and all(isinstance(buffers.get(name), torch.Tensor) for name in _FROZEN_BUFFERS)
+        and isinstance(getattr(module, "eps", None), float)
+    )
+
+
+def is_batch_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a BatchNorm (torch's, and its subclasses) or a frozen one: what
+    :class:`MergeBatchNormRule` merges into the layer before it.
+
+    Examples:
+        >>> is_batch_norm(nn.BatchNorm1d(3)), is_batch_norm(nn.LayerNorm(3))
+        (True, False)
+    """
+    return isinstance(module, BATCH_NORMS) or is_frozen_batch_norm(module)
 
 
 class MergeBatchNormRule(NormRule):
@@ -69,6 +108,22 @@ class MergeBatchNormRule(NormRule):
 
     def prepare(self, module: nn.Module) -> dict:
         return {}
+
+    def register(self, module: nn.Module) -> RemovableRuleHandle:
+        if not is_frozen_batch_norm(module):
+            return super().register(module)
+
+        def leave(mod: nn.Module, args: tuple, output: Any, mode: _FrozenAffine) -> None:
+            if not mode.applied and isinstance(output, torch.Tensor) and output.requires_grad:
+                raise ValueError(
+                    f"{type(self).__name__} on {type(mod).__name__}: its forward computed no x * scale + shift (nor "
+                    "F.batch_norm) from its input; map the module to another rule"
+                )
+            if mode.record is not None:  # the BatchNorm keeps its mode in later calls, as a merged one does
+                mode.record.norm_done(mod, plain=False)
+            note_output(output)
+
+        return self._register_in_forward(module, lambda mod: _FrozenAffine(self, mod, recording()), leave)
 
     def _refuse_unmerged(self, module: nn.Module) -> None:
         if graph_kept() is not None:
@@ -133,17 +188,20 @@ def _flattened_layer_call(x: torch.Tensor) -> LayerCall | None:
 
 
 def _can_merge(call: LayerCall, norm: nn.Module, flattened: bool = False) -> bool:
-    if norm.training or norm.running_mean is None or norm.running_var is None:
+    if norm.running_mean is None or norm.running_var is None:
+        return False
+    if norm.training and not is_frozen_batch_norm(norm):  # a frozen one normalises by its buffers in either mode
         return False
     raw = call.raw
+    features = norm.running_mean.numel()  # torchvision's FrozenBatchNorm2d has no num_features
     if flattened:
-        return raw.shape[-1] == norm.num_features
+        return raw.shape[-1] == features
     if isinstance(call.module, nn.Linear):
         if raw.dim() != 2:
             return False  # BatchNorm1d on (N, L, C) normalises L, not the layer's features
     elif raw.dim() != len(call.module.kernel_size) + 2:
         return False  # an unbatched convolution's (C, *spatial): the BatchNorm's dimension 1 is spatial
-    return raw.shape[1] == norm.num_features
+    return raw.shape[1] == features
 
 
 def _merge_batch_norm(layer: nn.Module, norm: nn.Module) -> MergedLayer:
@@ -169,3 +227,41 @@ def _merge_batch_norm(layer: nn.Module, norm: nn.Module) -> MergedLayer:
             weight = weight * scale.view(-1, *[1] * (weight.dim() - 1))
         bias = (bias - norm.running_mean) * scale + shift
     return MergedLayer({"weight": weight, "bias": bias}, scale)
+
+
+# How a frozen BatchNorm's forward scales its input and adds the shift (``x * scale + shift``).
+_PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
+_SUMS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__})
+
+
+class _FrozenAffine(TorchFunctionMode):
+    """The mode a frozen BatchNorm's forward runs in: its ``x * scale + shift`` (or an eval-mode ``F.batch_norm``)
+    on the module's input is the BatchNorm's output, merged into the layer before it or given the ε-rule of its
+    affine map, as :meth:`MergeBatchNormRule.batch_norm` does for a BatchNorm. What the forward does after it (timm's
+    activation inside ``FrozenBatchNormAct2d``) runs on that output, with its own rules."""
+
+    def __init__(self, rule: MergeBatchNormRule, module: nn.Module, record: Any = None) -> None:
+        super().__init__()
+        self.rule, self.module, self.record = rule, module, record
+        self.applied = False
+        self.scaled: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, input * scale)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunction():
+            result = func(*args, **kwargs)
+            if self.applied:
+                return result
+            if func is F.batch_norm and args and args[0].requires_grad:
+                self.applied = True
+                return self.rule.batch_norm(self.module, result, args, kwargs)
+            if self.scaled is None and func in _PRODUCTS and len(args) == 2:
+                inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+                if len(inputs) == 1 and inputs[0].shape == result.shape:
+                    self.scaled = (inputs[0], result)
+            elif self.scaled is not None and func in _SUMS and any(a is self.scaled[1] for a in args):
+                self.applied = True
+                m = self.module
+                statistics = (m.running_mean, m.running_var, m.weight, m.bias, False, 0.0, m.eps)
+                return self.rule.batch_norm(m, result, (self.scaled[0], *statistics), {})
+            return result

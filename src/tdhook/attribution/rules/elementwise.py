@@ -11,7 +11,8 @@ module computing ``x / 2`` or ``(x - m) / s`` is glue whose plain gradient is ex
 
 :class:`ElementwiseRule` is registered on every module without parameters or
 children that no other rule claims (:func:`may_be_elementwise`). At its first call in
-a context it tests the Jacobian on the call's own autograd graph: for two random
+a context on inputs of a shape (a module may mix what a dimension of size 1 kept apart: the tokens of a
+longer sequence) it tests the Jacobian on the call's own autograd graph: for two random
 output gradients ``u`` and ``v``, a diagonal Jacobian ``J`` gives
 ``(Jᵀu) ⊙ v = (Jᵀv) ⊙ u``, and any other almost surely does not. An element-wise
 module then gets the pass rule it wraps (:class:`PassRule`, or AttnLRP's
@@ -147,9 +148,10 @@ class ElementwiseRule(Rule):
     def differentiable(self) -> bool:  # type: ignore[override]
         return self.rule.differentiable
 
-    def prepare(self, module: nn.Module) -> list[bool | None]:
-        """Whether the module is element-wise: not known until its first call in the context."""
-        return [None]
+    def prepare(self, module: nn.Module) -> list:
+        """Whether the module is element-wise, and for inputs of which shape: not known until its first call in the
+        context."""
+        return [None, None]
 
     def register(self, module: nn.Module) -> RemovableRuleHandle:
         handle = super().register(module)
@@ -162,13 +164,14 @@ class ElementwiseRule(Rule):
         return handle
 
     @staticmethod
-    def _alias_input(decided: list[bool | None], module: nn.Module, args: tuple) -> tuple | None:
-        """Until the module is decided: its input as a fresh view, so that the test's two products end there and
-        run no hook of the input's own (the relevance of a layer named in ``layers``, a relevance check)."""
-        if decided[0] is not None or len(args) != 1 or not torch.is_grad_enabled():
+    def _alias_input(decided: list, module: nn.Module, args: tuple) -> tuple | None:
+        """Until the module is decided for inputs of this shape: its input as a fresh view, so that the test's two
+        products end there and run no hook of the input's own (the relevance of a layer named in ``layers``, a
+        relevance check)."""
+        if len(args) != 1 or not torch.is_grad_enabled():
             return None
         x = args[0]
-        if not isinstance(x, torch.Tensor) or not x.requires_grad:
+        if not isinstance(x, torch.Tensor) or not x.requires_grad or _decided_for(decided, x):
             return None
         alias = x.view_as(x)
         alias.__dict__.update(x.__dict__)  # the marks the rules set on the input (a gate, parameter-derived)
@@ -179,9 +182,14 @@ class ElementwiseRule(Rule):
             return None
         x, decided = inputs[0], registration.state
         if output.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-            if decided[0] is None:
-                decided[0] = False  # a view or an in-place change of the input: its plain gradient is exact
+            if not _decided_for(decided, x):
+                decided[:] = [False, x.shape]  # a view or an in-place change of the input: its plain gradient is exact
             return None
-        if decided[0] is None:  # element-wise and curved: an activation; affine glue keeps its exact gradient
-            decided[0] = is_diagonal(output, x) and is_curved(module, x)
+        if not _decided_for(decided, x):  # element-wise and curved: an activation; affine glue keeps its gradient
+            decided[:] = [is_diagonal(output, x) and is_curved(module, x), x.shape]
         return self.rule.apply(output, x) if decided[0] else None
+
+
+def _decided_for(decided: list, x: torch.Tensor) -> bool:
+    """Whether the module was decided for inputs of ``x``'s shape (``decided``: the decision and that shape)."""
+    return decided[0] is not None and decided[1] == x.shape

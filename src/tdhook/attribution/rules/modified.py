@@ -62,6 +62,21 @@ class _ModifiedForwardRule(Rule):
     def modifiers(self) -> dict[str, ParamModifier]:
         raise NotImplementedError
 
+    def _denominator(self, modified: torch.Tensor) -> torch.Tensor:
+        """``stabilize(modified)``; without a stabilizer (``0``), ``modified`` with its zeros made ones. A zero
+        modified output is a sum of contributions that are all zero (or of terms that cancel, for γ, whose share
+        is then zero too), so its share multiplies only zeros: the limit of small stabilizers, not ``0 / 0``."""
+        if self.stabilizer:
+            return stabilize(modified, self.stabilizer)
+        return torch.where(modified == 0, torch.ones_like(modified), modified)
+
+    def _shifted_(self, denominator: torch.Tensor) -> torch.Tensor:
+        """``denominator + ε`` in place, for a denominator that is never negative; its zeros made ones where
+        ``ε = 0`` (see :meth:`_denominator`)."""
+        if self.stabilizer:
+            return denominator.add_(self.stabilizer)
+        return denominator.masked_fill_(denominator == 0, 1)
+
     def modified_params(self, params: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
         """The modified parameter sets of the rule, by name, built from ``params``."""
         zero = _zeroing(self.zero_params)
@@ -258,14 +273,14 @@ class AlphaBetaRule(_ModifiedForwardRule):
         pairs = [("pos", "neg_nobias"), ("neg", "pos_nobias")] if self.beta else [("pos", "neg_nobias")]
         modified = self._signed_forward(module, registration, params, leaf, pairs, z.shape)
         factors = (self.alpha, -self.beta)
-        grads = [f * grad * z / stabilize(m.detach(), self.stabilizer) for f, m in zip(factors, modified, strict=False)]
+        grads = [f * grad * z / self._denominator(m.detach()) for f, m in zip(factors, modified, strict=False)]
         return torch.autograd.grad(modified, leaf, grads)[0]
 
     def input_gradient_keeping_graph(self, module, registration, params, x, z, grad):
         pairs = [("pos", "neg_nobias"), ("neg", "pos_nobias")] if self.beta else [("pos", "neg_nobias")]
         modified = self._signed_forward(module, registration, params, x, pairs, z.shape)
         factors = (self.alpha, -self.beta)
-        shares = [f * grad * z / stabilize(m, self.stabilizer) for f, m in zip(factors, modified, strict=False)]
+        shares = [f * grad * z / self._denominator(m) for f, m in zip(factors, modified, strict=False)]
         return torch.autograd.grad(modified, x, shares, create_graph=True)[0]
 
     def _signed_input_gradient(self, module, registration, params, x, z, grad):
@@ -284,7 +299,7 @@ class AlphaBetaRule(_ModifiedForwardRule):
             for factor, (up, down) in zip((self.alpha, -self.beta), pairs, strict=False):
                 modified = self._forward(module, registration, params[up], x_pos, z.shape)
                 modified += self._forward(module, registration, params[down], x_neg, z.shape)
-                shifted = modified.add_(self.stabilizer) if up == "pos" else stabilize(modified, self.stabilizer)
+                shifted = self._shifted_(modified) if up == "pos" else self._denominator(modified)
                 share = (factor * grad * z).div_(shifted)
                 weights = [params[up]["weight"], params[down]["weight"]]
                 through_pos, through_neg = direct_input_gradients(module, weights, share, x)
@@ -303,10 +318,10 @@ class AlphaBetaRule(_ModifiedForwardRule):
         with torch.no_grad():
             share = self._forward(module, registration, positive, x, z.shape)
             if not is_plain_gradient(grad, z):
-                share = grad * z / share.add_(self.stabilizer)
+                share = grad * z / self._shifted_(share)
             else:
                 for d, z_, g, scratch in pieces(share, z, grad):
-                    torch.div(torch.mul(g, z_, out=scratch), d.add_(self.stabilizer), out=d)  # α = 1
+                    torch.div(torch.mul(g, z_, out=scratch), self._shifted_(d), out=d)  # α = 1
             return direct_input_gradient(module, positive["weight"], share, x)
 
 
@@ -371,15 +386,15 @@ class GammaRule(_ModifiedForwardRule):
         leaf = x.detach().requires_grad_(True)
         pairs = [("up", "down_nobias"), ("down", "up_nobias")]
         z_up, z_down = self._signed_forward(module, registration, params, leaf, pairs, z.shape)
-        grad_up = grad * z.clamp(min=0) / stabilize(z_up.detach(), self.stabilizer)
-        grad_down = grad * z.clamp(max=0) / stabilize(z_down.detach(), self.stabilizer)
+        grad_up = grad * z.clamp(min=0) / self._denominator(z_up.detach())
+        grad_down = grad * z.clamp(max=0) / self._denominator(z_down.detach())
         return torch.autograd.grad((z_up, z_down), leaf, (grad_up, grad_down))[0]
 
     def input_gradient_keeping_graph(self, module, registration, params, x, z, grad):
         pairs = [("up", "down_nobias"), ("down", "up_nobias")]
         z_up, z_down = self._signed_forward(module, registration, params, x, pairs, z.shape)
-        grad_up = grad * z.clamp(min=0) / stabilize(z_up, self.stabilizer)
-        grad_down = grad * z.clamp(max=0) / stabilize(z_down, self.stabilizer)
+        grad_up = grad * z.clamp(min=0) / self._denominator(z_up)
+        grad_down = grad * z.clamp(max=0) / self._denominator(z_down)
         return torch.autograd.grad((z_up, z_down), x, (grad_up, grad_down), create_graph=True)[0]
 
     def _positive_outputs_gradient(self, module, registration, params, x, z, grad):
@@ -392,9 +407,11 @@ class GammaRule(_ModifiedForwardRule):
         nonnegative, epsilon = params["shift_is_nonnegative"], self.stabilizer
         for d, z_, g, scratch in pieces(shift, z, grad):
             if nonnegative:  # stabilize(z + D) = z + D + ε where z > 0; elsewhere D + ε > 0 does
-                d.add_(torch.clamp(z_, min=0, out=scratch)).add_(epsilon)
+                self._shifted_(d.add_(torch.clamp(z_, min=0, out=scratch)))
             else:
                 d.add_(z_).add_(signed_shift(d, epsilon))
+                if not epsilon:
+                    d.masked_fill_(d == 0, 1)
             torch.div(torch.mul(g, z_, out=scratch), d, out=d)
         return direct_input_gradient(module, params["up"]["weight"], shift, x)
 
@@ -411,7 +428,7 @@ class GammaRule(_ModifiedForwardRule):
         positive_share = z if may_overwrite(grad, z) else torch.empty_like(z)
         scale = -(1 + self.gamma)
         for d, z_, g, a, scratch in pieces(shift, z, grad, positive_share):
-            d.add_(torch.maximum(z_, torch.mul(z_, scale, out=scratch), out=scratch)).add_(self.stabilizer)
+            self._shifted_(d.add_(torch.maximum(z_, torch.mul(z_, scale, out=scratch), out=scratch)))
             torch.div(g, d, out=d)
             torch.clamp(z_, max=0, out=scratch)
             torch.clamp(z_, min=0, out=a).mul_(d)

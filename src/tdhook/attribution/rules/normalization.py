@@ -63,13 +63,14 @@ _SCALES = frozenset(
 _SCALE_AND_MEAN = frozenset({torch.var_mean, torch.std_mean})
 # Names in a forward's code that make it a norm: fused norms, and rsqrt, the scale of a norm written by hand.
 _NORM_CALLS = frozenset({"layer_norm", "rms_norm", "group_norm", "rsqrt"})
-_NORM_NAMES = ("Norm", "Norm1d", "Norm2d", "Norm3d", "NormAct", "NormAct1d", "NormAct2d", "NormAct3d")
+# timm's FilterResponseNormTlu2d (a filter response norm, then a thresholded linear unit) is named after the unit.
+_NORM_NAMES = ("Norm", "Norm1d", "Norm2d", "Norm3d", "NormAct", "NormAct1d", "NormAct2d", "NormAct3d", "NormTlu2d")
 
 
 def is_norm(module: nn.Module) -> bool:
     """Whether ``module`` is a normalisation layer: torch's norms, classes named ``*Norm``, ``*Norm2d``,
-    ``*NormAct2d`` and the like (timm's, torchvision's and Hugging Face's), and modules whose forward calls a
-    fused norm or computes a normalising scale with ``rsqrt``, whatever their name.
+    ``*NormAct2d``, ``*NormTlu2d`` and the like (timm's, torchvision's and Hugging Face's), and modules whose forward
+    calls a fused norm or computes a normalising scale with ``rsqrt``, whatever their name.
 
     Examples:
         >>> class ConvNormAct(nn.Sequential):  # a block named like a norm
