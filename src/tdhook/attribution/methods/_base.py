@@ -147,6 +147,9 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
     _needs_gradients = True
     #: attributes holding one option per explained key, in their order (narrowed with the keys of a call).
     _per_key_options: tuple[str, ...] = ()
+    #: attributes that may hold one value per sample (a tensor with the batch's shape before a sample's): a caller
+    #: that explains copies of the batch stacked along its first dimension repeats them for the copies.
+    _per_sample_options: tuple[str, ...] = ()
 
     def __init__(
         self,

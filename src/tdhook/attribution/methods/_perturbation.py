@@ -122,6 +122,7 @@ class PerturbationMethod(AttributionMethod):
     """
 
     _needs_gradients = False
+    _per_sample_options = ("baselines",)
 
     def __init__(
         self,
