@@ -198,7 +198,7 @@ def _stacked_copies(value: torch.Tensor, batch_size: torch.Size, n: int) -> torc
 @contextlib.contextmanager
 def options_repeated(method: TensorDictModuleBase, td: TensorDictBase, n: int) -> Iterator[None]:
     """The method's options that hold one value per sample of ``td`` (a baseline or a feature mask with the batch's
-    shape before a sample's: ``_per_sample_options`` of the methods) repeated for ``n`` copies of the batch stacked
+    shape before a sample's: ``_per_call_options`` of the methods) repeated for ``n`` copies of the batch stacked
     along its first dimension (see :func:`~tdhook.metrics._features.stacked_batch`), restored afterwards.
 
     Examples:
@@ -226,7 +226,7 @@ def options_repeated(method: TensorDictModuleBase, td: TensorDictBase, n: int) -
     def repeated(value: object, keys: Sequence[NestedKey]) -> object:
         return _stacked_copies(value, batch, n) if per_sample(value, keys) else value
 
-    previous = {name: getattr(method, name) for name in getattr(method, "_per_sample_options", ())}
+    previous = {name: getattr(method, name) for name in getattr(method, "_per_call_options", ())}
     try:
         for name, value in previous.items():
             if isinstance(value, Mapping):

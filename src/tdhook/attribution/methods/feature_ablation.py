@@ -50,7 +50,7 @@ class FeatureAblation(PerturbationMethod):
         tensor([3., 3., 7., 7.])
     """
 
-    _per_sample_options = ("baselines", "feature_masks")
+    _per_call_options = ("baselines", "feature_masks")
 
     def __init__(
         self,
