@@ -100,3 +100,21 @@ def test_a_held_callable_target_with_relevance_on_a_zero_output_is_refused_by_na
     lrp(td.clone())  # LRP explains it
     with pytest.raises(ValueError, match=r"callable target puts relevance on 2 entries of output 'y' that are exactly"):
         sensitivity_max(lrp, td, seed=0)
+
+
+@pytest.mark.parametrize("metric", ["sensitivity_max", "randomisation_check"])
+def test_a_grad_cam_map_of_a_layer_alone_is_refused_and_its_upsampled_map_scored(metric):
+    """Without ``upsample``, GradCAM writes no attribution of the input keys, which these metrics compare: it is
+    refused by name (the metrics reported a missing key and asked to run an attribution method first)."""
+    from tdhook import metrics
+    from tdhook.attribution import GradCAM
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 5 * 5, 4)).double()
+    td = TensorDict(x=torch.randn(3, 2, 5, 5, dtype=torch.float64), batch_size=[3])
+    score = getattr(metrics, metric)
+    with pytest.raises(ValueError, match=rf"{metric}: GradCAM writes its map of layer '0'.*upsample=True"):
+        score(GradCAM(net, in_keys=["x"], out_keys=["y"], layer="0"), td)
+    scored = score(GradCAM(net, in_keys=["x"], out_keys=["y"], layer="0", upsample=True), td)
+    assert all(value.shape == (3,) for value in (scored.values() if isinstance(scored, dict) else [scored]))
+    assert set(td.keys()) == {"x"}

@@ -52,6 +52,13 @@ def check_method(method: object, name: str) -> TensorDictModuleBase:
             f"{name}: method must be an attribution wrapper (a TensorDictModuleBase such as LRP), "
             f"got {type(method).__name__}"
         )
+    wrapper = attribution_wrapper(method)
+    if getattr(wrapper, "upsample", None) is False and hasattr(wrapper, "layer_key"):  # GradCAM on a layer alone
+        raise ValueError(
+            f"{name}: GradCAM writes its map of layer {wrapper.layer!r} at {wrapper.layer_key!r}, not an attribution "
+            "of the input keys, which the metric compares; build it with upsample=True (the map resized to each "
+            "input)"
+        )
     return method
 
 
