@@ -220,7 +220,9 @@ def options_repeated(method: TensorDictModuleBase, td: TensorDictBase, n: int) -
     """
     method = attribution_wrapper(method)
     batch = td.batch_size
+    # The keys a call explains: floating-point inputs (with default keys, a call leaves out flags and masks).
     inputs = {key: td.get(key) for key in getattr(method, "explained_keys", ()) if key in td.keys(True)}
+    inputs = {key: x for key, x in inputs.items() if x.is_floating_point()}
 
     def per_sample(value: object, keys: Sequence[NestedKey]) -> bool:
         return (
