@@ -100,3 +100,50 @@ def test_a_held_callable_target_with_relevance_on_a_zero_output_is_refused_by_na
     lrp(td.clone())  # LRP explains it
     with pytest.raises(ValueError, match=r"callable target puts relevance on 2 entries of output 'y' that are exactly"):
         sensitivity_max(lrp, td, seed=0)
+
+
+@pytest.mark.parametrize("metric", ["sensitivity_max", "randomisation_check"])
+def test_a_grad_cam_map_of_a_layer_alone_is_refused_and_its_upsampled_map_scored(metric):
+    """Without ``upsample``, GradCAM writes no attribution of the input keys, which these metrics compare: it is
+    refused by name (the metrics reported a missing key and asked to run an attribution method first)."""
+    from tdhook import metrics
+    from tdhook.attribution import GradCAM
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 5 * 5, 4)).double()
+    td = TensorDict(x=torch.randn(3, 2, 5, 5, dtype=torch.float64), batch_size=[3])
+    score = getattr(metrics, metric)
+    with pytest.raises(ValueError, match=rf"{metric}: GradCAM writes its map of layer '0'.*upsample=True"):
+        score(GradCAM(net, in_keys=["x"], out_keys=["y"], layer="0"), td)
+    scored = score(GradCAM(net, in_keys=["x"], out_keys=["y"], layer="0", upsample=True), td)
+    assert all(value.shape == (3,) for value in (scored.values() if isinstance(scored, dict) else [scored]))
+    assert set(td.keys()) == {"x"}
+
+
+def test_a_per_sample_baseline_for_every_key_is_repeated_though_a_flag_of_other_shape_is_left_out():
+    """With default keys, a call leaves out a boolean flag; one per-sample baseline for every key goes with each
+    perturbed copy of its sample whatever the flag's shape (it was left as it was, and the method refused it)."""
+    from tensordict.nn import TensorDictModule
+
+    from tdhook.attribution import Occlusion
+
+    class Flagged(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(6, 3)
+
+        def forward(self, obs: torch.Tensor, goal: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+            return self.body(torch.cat([obs, goal], -1)) * (~done).unsqueeze(-1)
+
+    torch.manual_seed(0)
+    module = TensorDictModule(Flagged().double(), in_keys=["obs", "goal", "done"], out_keys=["q"])
+    td = TensorDict(
+        obs=torch.randn(3, 4, dtype=torch.float64),
+        goal=torch.randn(3, 2, dtype=torch.float64),
+        done=torch.zeros(3, dtype=torch.bool),
+        batch_size=[3],
+    )
+    baselines = torch.randn(3, 1, dtype=torch.float64)
+    by_default = Occlusion(module, sliding_window_shapes=(1,), baselines=baselines)
+    by_name = Occlusion(module, in_keys=["obs", "goal"], sliding_window_shapes=(1,), baselines=baselines)
+    torch.testing.assert_close(sensitivity_max(by_default, td, seed=0), sensitivity_max(by_name, td, seed=0))

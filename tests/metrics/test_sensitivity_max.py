@@ -140,3 +140,43 @@ def test_lrp_on_a_recurrent_policy_is_scored_on_the_keys_it_explains():
     by_default = sensitivity_max(lrp, td, n_perturb_samples=3, seed=0)
     by_name = sensitivity_max(lrp, td, n_perturb_samples=3, seed=0, in_keys=["observation"])
     torch.testing.assert_close(by_default, by_name)
+
+
+@pytest.mark.parametrize("batch", [(3,), (2, 3)])
+@pytest.mark.parametrize("name", ["IntegratedGradients", "Occlusion", "FeatureAblation", "ShapleyValueSampling"])
+def test_per_sample_baselines_and_masks_go_with_each_perturbed_copy(name, batch):
+    """A baseline or feature mask with the batch's shape holds one value per sample: every perturbed copy of a
+    sample is explained with that sample's."""
+    from tdhook import attribution
+
+    torch.manual_seed(2)
+    net = TwoKeys().double()
+    u, v = torch.randn(*batch, 5, dtype=torch.float64), torch.randn(*batch, 3, dtype=torch.float64)
+    options = {
+        "IntegratedGradients": {"baselines": {"u": u.amin(-1, keepdim=True), "v": 0.5}, "n_steps": 8},
+        "Occlusion": {"sliding_window_shapes": (2,), "baselines": torch.randn(*batch, 1, dtype=torch.float64)},
+        "FeatureAblation": {"feature_masks": {"u": torch.randint(0, 3, (*batch, 5)), "v": None}},
+        "ShapleyValueSampling": {
+            "feature_masks": torch.randint(0, 2, (*batch, 1)),
+            "baselines": {"u": torch.randn(*batch, 5, dtype=torch.float64), "v": 0.0},
+            "n_samples": 4,
+            "seed": 0,
+        },
+    }[name]
+    method = getattr(attribution, name)(net, in_keys=["u", "v"], out_keys=["q"], **options)
+    td = TensorDict(u=u, v=v, batch_size=batch)
+    noise = TensorDict(
+        u=torch.rand(*batch, 4, 5, dtype=torch.float64) * 0.2 - 0.1,
+        v=torch.rand(*batch, 4, 3, dtype=torch.float64) * 0.2 - 0.1,
+        batch_size=[*batch, 4],
+    )
+
+    given = {name: getattr(method, name) for name in ("baselines", "feature_masks") if hasattr(method, name)}
+    ours = sensitivity_max(method, td, perturb_fn=lambda repeated, radius: repeated + noise, n_perturb_samples=4)
+    assert all(getattr(method, name) is value for name, value in given.items())
+    reference = method(td.clone())
+    flat = lambda out: torch.cat([out["attribution", k].flatten(len(batch)) for k in ("u", "v")], -1)  # noqa: E731
+    method.target = reference["q"].argmax(-1)
+    changes = [(flat(method(td.clone() + noise[(Ellipsis, i)])) - flat(reference)).norm(dim=-1) for i in range(4)]
+    expected = torch.stack(changes, -1).amax(-1) / flat(reference).norm(dim=-1)
+    torch.testing.assert_close(ours, expected, rtol=1e-10, atol=0)

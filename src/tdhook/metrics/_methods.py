@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
-from tensordict.utils import NestedKey
+from tensordict.utils import NestedKey, unravel_key
 
 from tdhook.attribution._inputs import explained_in_call, optional_inputs
 from tdhook.attribution._policy_targets import allowed_action, masked_action_keys
@@ -39,6 +39,7 @@ __all__ = [
     "explain",
     "method_keys",
     "method_prefix",
+    "options_repeated",
     "original_target",
     "repeat_target",
     "target_set",
@@ -50,6 +51,13 @@ def check_method(method: object, name: str) -> TensorDictModuleBase:
         raise TypeError(
             f"{name}: method must be an attribution wrapper (a TensorDictModuleBase such as LRP), "
             f"got {type(method).__name__}"
+        )
+    wrapper = attribution_wrapper(method)
+    if getattr(wrapper, "upsample", None) is False and hasattr(wrapper, "layer_key"):  # GradCAM on a layer alone
+        raise ValueError(
+            f"{name}: GradCAM writes its map of layer {wrapper.layer!r} at {wrapper.layer_key!r}, not an attribution "
+            "of the input keys, which the metric compares; build it with upsample=True (the map resized to each "
+            "input)"
         )
     return method
 
@@ -185,12 +193,63 @@ def repeat_target(target: object, batch_size: torch.Size, n: int) -> object:
                 [0, 1, 2]])
     """
     if isinstance(target, torch.Tensor) and target.shape in (batch_size, (*batch_size, 1)) and len(batch_size):
-        return target.expand(n, *target.shape).reshape(*stacked_batch(n, batch_size), *target.shape[len(batch_size) :])
+        return _stacked_copies(target, batch_size, n)
     if isinstance(target, HeldWeights) and len(batch_size):
-        weights, dims = target.weights, len(batch_size)
-        rest = weights.shape[dims:]
-        return HeldWeights(weights.expand(n, *weights.shape).reshape(*stacked_batch(n, batch_size), *rest))
+        return HeldWeights(_stacked_copies(target.weights, batch_size, n))
     return target
+
+
+def _stacked_copies(value: torch.Tensor, batch_size: torch.Size, n: int) -> torch.Tensor:
+    """``value`` (``batch + rest``) for ``n`` copies of the batch stacked along its first dimension."""
+    return value.expand(n, *value.shape).reshape(*stacked_batch(n, batch_size), *value.shape[len(batch_size) :])
+
+
+@contextlib.contextmanager
+def options_repeated(method: TensorDictModuleBase, td: TensorDictBase, n: int) -> Iterator[None]:
+    """The method's options that hold one value per sample of ``td`` (a baseline or a feature mask with the batch's
+    shape before a sample's: ``_per_call_options`` of the methods) repeated for ``n`` copies of the batch stacked
+    along its first dimension (see :func:`~tdhook.metrics._features.stacked_batch`), restored afterwards.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> from tdhook.attribution import IntegratedGradients
+        >>> ig = IntegratedGradients(torch.nn.Linear(3, 1), in_keys=["x"], out_keys=["y"], baselines=torch.zeros(2, 1))
+        >>> with options_repeated(ig, TensorDict(x=torch.ones(2, 3), batch_size=[2]), 4):
+        ...     ig.baselines.shape
+        torch.Size([8, 1])
+        >>> ig.baselines.shape
+        torch.Size([2, 1])
+    """
+    method = attribution_wrapper(method)
+    batch = td.batch_size
+    # The keys a call explains: floating-point inputs (with default keys, a call leaves out flags and masks).
+    inputs = {key: td.get(key) for key in getattr(method, "explained_keys", ()) if key in td.keys(True)}
+    inputs = {key: x for key, x in inputs.items() if x.is_floating_point()}
+
+    def per_sample(value: object, keys: Sequence[NestedKey]) -> bool:
+        return (
+            isinstance(value, torch.Tensor)
+            and len(batch) > 0
+            and bool(keys)
+            and all(value.dim() == inputs[key].dim() and value.shape[: len(batch)] == batch for key in keys)
+        )
+
+    def repeated(value: object, keys: Sequence[NestedKey]) -> object:
+        return _stacked_copies(value, batch, n) if per_sample(value, keys) else value
+
+    previous = {name: getattr(method, name) for name in getattr(method, "_per_call_options", ())}
+    try:
+        for name, value in previous.items():
+            if isinstance(value, Mapping):
+                given = {key: unravel_key(key) for key in value}
+                value = {key: repeated(v, [given[key]] if given[key] in inputs else []) for key, v in value.items()}
+            else:
+                value = repeated(value, list(inputs))
+            setattr(method, name, value)
+        yield
+    finally:
+        for name, value in previous.items():
+            setattr(method, name, value)
 
 
 @contextlib.contextmanager

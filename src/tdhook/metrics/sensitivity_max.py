@@ -16,6 +16,7 @@ from tdhook.metrics._methods import (
     explain,
     method_keys,
     method_prefix,
+    options_repeated,
     original_target,
     repeat_target,
     target_set,
@@ -49,8 +50,9 @@ def sensitivity_max(
     ``‖e(x)‖`` counts as 1). The method explains each perturbed input for the target it explained at ``x``
     (``target=None`` is held at the original argmax, a callable at the weights ``target(y) / y`` it gave the
     output ``y`` at ``x``). All perturbed inputs run in one call of the method, stacked along the batch's first
-    dimension (``[n_perturb_samples * B, ...]``), or one call each where the model normalises over the batch (a
-    BatchNorm in training mode or without running statistics).
+    dimension (``[n_perturb_samples * B, ...]``, with the method's per-sample baselines and feature masks repeated
+    alike), or one call each where the model normalises over the batch (a BatchNorm in training mode or without
+    running statistics).
 
     Args:
         method: the attribution wrapper (:class:`~tdhook.attribution.LRP` or another method); it is called, and
@@ -118,7 +120,8 @@ def sensitivity_max(
                     copies.append(Features.read(explain(method, work[i]), keys, prefix).attributions)
         attributions = [torch.stack(parts) for parts in zip(*copies, strict=True)]
     else:
-        with target_set(method, repeat_target(target, batch, n)), torch.no_grad(), statistics_kept(method):
+        held = target_set(method, repeat_target(target, batch, n))
+        with held, options_repeated(method, td, n), torch.no_grad(), statistics_kept(method):
             explained = explain(method, work.reshape(*stacked))
         attributions = [
             a.reshape(n, *batch, *a.shape[len(stacked) :]) for a in Features.read(explained, keys, prefix).attributions

@@ -545,3 +545,57 @@ def test_inputs_the_module_fills_itself_are_not_explained_by_default():
     td = TensorDict(observation=torch.randn(3, 4, dtype=torch.float64), batch_size=[3])
     expected = Saliency(net, target_key=keys[0])(td.clone())["attribution", "observation"]
     torch.testing.assert_close(saliency(td.clone())["attribution", "observation"], expected)
+
+
+class _MaskedTwoKeyNet(nn.Module):
+    """Action values from an observation and a goal, those of the actions a boolean mask forbids pushed down."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, obs: torch.Tensor, goal: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.body(torch.cat([obs, goal], -1)).masked_fill(~mask, -10.0)
+
+
+_OPTIONS_BY_KEY = {
+    "IntegratedGradients": {"baselines": {"obs": 0.5, "goal": -0.2}},
+    "SmoothGrad": {"stdev": {"obs": 0.1, "goal": 0.3}},
+    "GradientShap": {
+        "baselines": {"obs": REFERENCES["obs"], "goal": REFERENCES["goal"]},
+        "stdevs": {"obs": 0.1, "goal": 0.0},
+    },
+    "Occlusion": {"sliding_window_shapes": {"obs": (2,), "goal": (1,)}, "baselines": {"obs": 0.5, "goal": 0.0}},
+    "FeatureAblation": {"feature_masks": {"obs": torch.tensor([0, 0, 1, 1]), "goal": torch.tensor([1, 2])}},
+    "ShapleyValueSampling": {
+        "feature_masks": {"obs": torch.tensor([0, 0, 1, 1]), "goal": None},
+        "baselines": {"obs": 1.0, "goal": 0.0},
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(_OPTIONS_BY_KEY))
+def test_options_by_key_name_the_keys_a_call_explains_by_default(name):
+    """With default keys, a call leaves out the boolean mask: options given by key name the keys it explains (and
+    may name the mask too); the methods whose options are lists by key asked for an entry for the mask, the others
+    refused one."""
+    torch.manual_seed(0)
+    module = TensorDictModule(_MaskedTwoKeyNet().double(), in_keys=["obs", "goal", "mask"], out_keys=["q"])
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    mask[:, 0] = False
+    td = TensorDict(
+        obs=torch.randn(4, 4, dtype=torch.float64),
+        goal=torch.randn(4, 2, dtype=torch.float64),
+        mask=mask,
+        batch_size=[4],
+    )
+    options = _OPTIONS_BY_KEY[name]
+    expected = make(name, module, in_keys=["obs", "goal"], **options)(td.clone())["attribution"]
+    got = make(name, module, **options)(td.clone())["attribution"]
+    assert set(got.keys()) == {"obs", "goal"}
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    with_mask = {option: {**value, "mask": next(iter(value.values()))} for option, value in options.items()}
+    torch.testing.assert_close(make(name, module, **with_mask)(td.clone())["attribution"], expected, rtol=0, atol=0)
+    incomplete = {option: {"obs": value["obs"]} for option, value in options.items()}
+    with pytest.raises(KeyError, match="'goal'"):
+        make(name, module, **incomplete)(td.clone())

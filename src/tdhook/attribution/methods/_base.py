@@ -46,6 +46,7 @@ from tdhook.attribution.methods._batch_statistics import (
     buffers_restored_on_error,
 )
 from tdhook.attribution.methods._call_keys import keys_explained_in_call, narrowed
+from tdhook.attribution.methods._options import MISSING
 from tdhook.attribution.methods._sampled_targets import sampled_target
 from tdhook.attribution.targets import (
     EveryUnit,
@@ -147,6 +148,10 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
     _needs_gradients = True
     #: attributes holding one option per explained key, in their order (narrowed with the keys of a call).
     _per_key_options: tuple[str, ...] = ()
+    #: options resolved against the keys of each call (one value, or a dict keyed by in_key), which may hold one
+    #: value per sample (a tensor with the batch's shape before a sample's): a caller that explains copies of the
+    #: batch stacked along its first dimension repeats them for the copies.
+    _per_call_options: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -212,6 +217,15 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
                 return method.forward(tensordict)
             finally:
                 self._warned, self._warned_sampled = method._warned, method._warned_sampled
+        for option in self._per_key_options:  # with default keys, a dict needs entries for the keys a call explains
+            missing = [
+                key for key, value in zip(self.explained_keys, getattr(self, option), strict=True) if value is MISSING
+            ]
+            if missing:
+                raise KeyError(
+                    f"{name}: {option} has no entry for input keys {missing}, which the call explains; give one per "
+                    f"explained input key {self.explained_keys}"
+                )
         try:
             # A method that needs no gradient runs under inference mode, which the check refuses for the others.
             with contextlib.nullcontext() if self._needs_gradients else torch.inference_mode(False):

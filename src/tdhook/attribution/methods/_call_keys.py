@@ -24,9 +24,11 @@ Examples:
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
+from tensordict.utils import unravel_key
 
 from tdhook.attribution._inputs import explained_in_call
 
@@ -53,5 +55,9 @@ def narrowed(method: TensorDictModuleBase, flags: list[bool]) -> TensorDictModul
     for name in method._per_key_options:
         values = getattr(method, name)
         setattr(copied, name, [values[i] for i in keep])
+    for name in method._per_call_options:  # a dict's entries for keys the call leaves out are not used
+        value = getattr(method, name)
+        if isinstance(value, Mapping):
+            setattr(copied, name, {k: v for k, v in value.items() if unravel_key(k) in copied.explained_keys})
     copied._defaulted_inputs = False
     return copied

@@ -22,12 +22,30 @@ from tensordict.utils import NestedKey, unravel_key
 
 from tdhook.attribution.rules._caller import warn_at_caller
 
-__all__ = ["Baselines", "baseline_tensors", "checked_batch_size", "per_key", "seeded_generator", "steps_per_pass"]
+__all__ = [
+    "MISSING",
+    "Baselines",
+    "baseline_tensors",
+    "checked_batch_size",
+    "per_key",
+    "seeded_generator",
+    "steps_per_pass",
+]
 
 Baselines = Union[float, torch.Tensor, Mapping[NestedKey, Union[float, torch.Tensor]]]
 
 
-def per_key(value: Any, keys: Sequence[NestedKey], name: str, owner: str) -> list:
+class _Missing:
+    """The entry of a key that a dict of options leaves out (see :func:`per_key`)."""
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING = _Missing()
+
+
+def per_key(value: Any, keys: Sequence[NestedKey], name: str, owner: str, partial: bool = False) -> list:
     """``value`` for each of ``keys``: the dict's entry, or the one value for all.
 
     Args:
@@ -35,24 +53,30 @@ def per_key(value: Any, keys: Sequence[NestedKey], name: str, owner: str) -> lis
         keys: the explained input keys.
         name: the option's name, for error messages.
         owner: the method's name, for error messages.
+        partial: whether the dict may leave keys out (default keys, of which a call may explain fewer): their
+            entries are :data:`MISSING`.
 
     Returns:
         One value per key, in the order of ``keys``.
 
     Raises:
         KeyError: the dict misses an explained key or names a key that is not explained.
+
+    Examples:
+        >>> per_key({"obs": 1.0}, ["obs", "mask"], "baselines", "IntegratedGradients", partial=True)
+        [1.0, MISSING]
     """
     if not isinstance(value, Mapping):
         return [value] * len(keys)
     given = {unravel_key(k): v for k, v in value.items()}
-    missing = [k for k in keys if k not in given]
+    missing = [] if partial else [k for k in keys if k not in given]
     extra = [k for k in given if k not in keys]
     if missing or extra:
         raise KeyError(
             f"{owner}: {name} must have one entry per explained input key {list(keys)}; "
             f"missing {missing}, not explained {extra}"
         )
-    return [given[k] for k in keys]
+    return [given.get(k, MISSING) for k in keys]
 
 
 def baseline_tensors(

@@ -122,6 +122,7 @@ class PerturbationMethod(AttributionMethod):
     """
 
     _needs_gradients = False
+    _per_call_options = ("baselines",)
 
     def __init__(
         self,

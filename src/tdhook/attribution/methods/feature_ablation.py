@@ -50,6 +50,8 @@ class FeatureAblation(PerturbationMethod):
         tensor([3., 3., 7., 7.])
     """
 
+    _per_call_options = ("baselines", "feature_masks")
+
     def __init__(
         self,
         module: TensorDictModuleBase | nn.Module,

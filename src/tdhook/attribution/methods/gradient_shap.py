@@ -12,7 +12,7 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from tdhook.attribution.methods._base import AttributionMethod, Call
-from tdhook.attribution.methods._options import checked_batch_size, per_key, seeded_generator, steps_per_pass
+from tdhook.attribution.methods._options import MISSING, checked_batch_size, per_key, seeded_generator, steps_per_pass
 from tdhook.attribution.targets import Target
 
 __all__ = ["GradientShap", "shap_draws"]
@@ -133,9 +133,12 @@ class GradientShap(AttributionMethod):
         )
         if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
             raise ValueError(f"GradientShap: n_samples must be a positive int, got {n_samples!r}")
-        self.baselines = per_key(baselines, self.explained_keys, "baselines", "GradientShap")
+        partial = self._defaulted_inputs
+        self.baselines = per_key(baselines, self.explained_keys, "baselines", "GradientShap", partial=partial)
         sizes = set()
         for key, reference in zip(self.explained_keys, self.baselines, strict=True):
+            if reference is MISSING:
+                continue
             if not isinstance(reference, torch.Tensor) or not reference.is_floating_point() or reference.dim() < 1:
                 raise TypeError(
                     f"GradientShap: the baselines of input key {key!r} must be a floating-point tensor of reference "
@@ -146,9 +149,9 @@ class GradientShap(AttributionMethod):
             raise ValueError(
                 f"GradientShap: every key needs the same number R > 0 of reference samples, got {sorted(sizes)}"
             )
-        self.stdevs = per_key(stdevs, self.explained_keys, "stdevs", "GradientShap")
+        self.stdevs = per_key(stdevs, self.explained_keys, "stdevs", "GradientShap", partial=partial)
         for key, value in zip(self.explained_keys, self.stdevs, strict=True):
-            if isinstance(value, bool) or not isinstance(value, Real) or not value >= 0:
+            if value is not MISSING and (isinstance(value, bool) or not isinstance(value, Real) or not value >= 0):
                 raise ValueError(f"GradientShap: the stdev of input key {key!r} must be a number >= 0, got {value!r}")
         self.n_samples = n_samples
         self.seed = seed

@@ -56,6 +56,7 @@ class IntegratedGradients(AttributionMethod):
         True
     """
 
+    _per_call_options = ("baselines",)
     tunables = {
         "n_steps": (int, {"low": 5, "high": 200, "log": True}),
         "method": (str, {"choices": list(METHODS)}),

@@ -114,10 +114,11 @@ class Occlusion(PerturbationMethod):
             progress=progress,
             perturbations_per_eval=perturbations_per_eval,
         )
+        partial = self._defaulted_inputs
         self.sliding_window_shapes = per_key(
-            sliding_window_shapes, self.explained_keys, "sliding_window_shapes", "Occlusion"
+            sliding_window_shapes, self.explained_keys, "sliding_window_shapes", "Occlusion", partial=partial
         )
-        self.strides = per_key(strides, self.explained_keys, "strides", "Occlusion")
+        self.strides = per_key(strides, self.explained_keys, "strides", "Occlusion", partial=partial)
 
     def _grids(self, call: Call) -> list[list[tuple[slice, ...]]]:
         """Per key, the windows as tuples of slices over a sample's dimensions."""

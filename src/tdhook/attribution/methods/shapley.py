@@ -81,6 +81,7 @@ class ShapleyValueSampling(PerturbationMethod):
         tensor([3., 3.])
     """
 
+    _per_call_options = ("baselines", "feature_masks")
     tunables = {"n_samples": (int, {"low": 5, "high": 200, "log": True})}
 
     def __init__(

@@ -12,7 +12,7 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from tdhook.attribution.methods._base import AttributionMethod, Call
-from tdhook.attribution.methods._options import checked_batch_size, per_key, seeded_generator, steps_per_pass
+from tdhook.attribution.methods._options import MISSING, checked_batch_size, per_key, seeded_generator, steps_per_pass
 from tdhook.attribution.targets import Target
 
 __all__ = ["SmoothGrad", "noisy_copies"]
@@ -127,9 +127,9 @@ class SmoothGrad(AttributionMethod):
             raise ValueError(f"SmoothGrad: n_samples must be a positive int, got {n_samples!r}")
         if nt_type not in NT_TYPES:
             raise ValueError(f"SmoothGrad: nt_type must be one of {NT_TYPES}, got {nt_type!r}")
-        self.stdevs = per_key(stdev, self.explained_keys, "stdev", "SmoothGrad")
+        self.stdevs = per_key(stdev, self.explained_keys, "stdev", "SmoothGrad", partial=self._defaulted_inputs)
         for key, value in zip(self.explained_keys, self.stdevs, strict=True):
-            if isinstance(value, bool) or not isinstance(value, Real) or not value >= 0:
+            if value is not MISSING and (isinstance(value, bool) or not isinstance(value, Real) or not value >= 0):
                 raise ValueError(f"SmoothGrad: the stdev of input key {key!r} must be a number >= 0, got {value!r}")
         self.n_samples = n_samples
         self.seed = seed
