@@ -2,8 +2,8 @@
 
 The rule acts on what a norm's forward really runs (``F.layer_norm``, ``F.rms_norm``, ``F.group_norm``,
 ``F.instance_norm``, ``F.batch_norm``, ``F.normalize``, or a scale from ``rsqrt``/``sqrt``/``var``/``std``/a vector
-norm in a norm written by hand). Relevance is the input times the rule's gradient, and the gradient that reaches a
-norm's output is ``R / y`` for an output relevance ``R``.
+norm/a negative power in a norm written by hand). Relevance is the input times the rule's gradient, and the gradient
+that reaches a norm's output is ``R / y`` for an output relevance ``R``.
 """
 
 from __future__ import annotations
@@ -66,6 +66,19 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._norm(x) * (1.0 + self.weight)
+
+
+class Gemma3nRMSNorm(nn.Module):
+    """Gemma 3n's RMSNorm: ``w · x · pow(mean(x²) + ε, −1/2)`` (``torch.pow``, or the ``**`` operator)."""
+
+    def __init__(self, n: int, eps: float = 1e-6, operator: bool = False) -> None:
+        super().__init__()
+        self.eps, self.operator = eps, operator
+        self.weight = nn.Parameter(torch.ones(n, dtype=F64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean_squared = x.pow(2).mean(-1, keepdim=True) + self.eps
+        return x * (mean_squared**-0.5 if self.operator else torch.pow(mean_squared, -0.5)) * self.weight
 
 
 class VectorNormRMSNorm(nn.Module):
@@ -278,6 +291,8 @@ RMS_NORMS = {
     "llama": lambda: LlamaRMSNorm(6, eps=1e-5),
     "gemma": lambda: GemmaRMSNorm(6, eps=1e-5),
     "vector-norm": lambda: VectorNormRMSNorm(6),
+    "gemma3n": lambda: Gemma3nRMSNorm(6, eps=1e-5),
+    "gemma3n-operator": lambda: Gemma3nRMSNorm(6, eps=1e-5, operator=True),
 }
 
 
