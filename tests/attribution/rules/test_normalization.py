@@ -152,16 +152,19 @@ class FullPrecisionRMSNorm(LlamaRMSNorm):
 
 
 class NormedEmbeddings(nn.Module):
-    """Token embeddings, a LayerNorm and dropout, as Funnel's embeddings: no layer of its own."""
+    """Token embeddings, a LayerNorm and dropout, as Funnel's embeddings: no layer of its own. Without ``norm``
+    the LayerNorm is ``None``, as in ESM-2's embeddings (``emb_layer_norm_before=False``)."""
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, norm: bool = True) -> None:
         super().__init__()
         self.word_embeddings = nn.Embedding(8, dim)
-        self.layer_norm = nn.LayerNorm(dim)
+        self.layer_norm = nn.LayerNorm(dim) if norm else None
         self.dropout = nn.Dropout(0.1)
 
     def forward(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.layer_norm(inputs_embeds))
+        if self.layer_norm is not None:
+            inputs_embeds = self.layer_norm(inputs_embeds)
+        return self.dropout(inputs_embeds)
 
 
 class NoNorm(nn.Module):
@@ -531,6 +534,20 @@ class TestIsNorm:
             lrp = LRP(module, mapper, in_keys=["x"], out_keys=["y"], target=lambda y: relevance_out)
             relevance[name] = lrp(TensorDict(x=x, batch_size=[3]))
         assert torch.equal(relevance["block"]["relevance", "x"], relevance["norm"]["relevance", "x"])
+
+    @pytest.mark.parametrize("preset", ["AttnLRP", "CPLRP"])
+    def test_a_block_whose_optional_norm_is_none_is_not_a_norm(self, preset: str):
+        """ESM-2's embeddings name ``self.layer_norm``, left ``None``: no call of ``F.layer_norm``. Mapped to a norm
+        rule, the block was reported as a module that did not run in every call. It passes relevance on as the
+        identity it computes in eval mode."""
+        block, x, relevance_out = NormedEmbeddings(4, norm=False).double().eval(), randn(3, 4), randn(3, 4)
+        assert not is_norm(block)
+        mapper = {"AttnLRP": AttnLRP, "CPLRP": CPLRP}[preset]()
+        lrp = LRP(nn.Sequential(block), mapper, in_keys=["x"], out_keys=["y"], target=lambda y: relevance_out)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            relevance = lrp(TensorDict(x=x, batch_size=[3]))["relevance", "x"]
+        assert torch.equal(relevance, relevance_out)
 
     @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "AttnLRP", "CPLRP"])
     def test_an_affine_map_named_like_a_norm_passes_relevance_as_its_plain_gradient(self, preset: str):

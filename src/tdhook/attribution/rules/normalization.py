@@ -116,9 +116,10 @@ def _forward_is_arithmetic_on_own_tensors(module: nn.Module) -> bool:
 def _forward_normalises(module: nn.Module) -> bool:
     """Whether the module's own forward calls a fused norm or ``rsqrt`` (the scale of a norm written by hand).
     A name that is one of the module's children (``self.layer_norm(x)``) is that child's call, not the function's:
-    the child is the norm."""
+    the child is the norm; so is one left ``None`` (ESM-2's embeddings, whose optional norm is off)."""
     names = _forward_names(module)
-    return names is not None and not _NORM_CALLS.isdisjoint(set(names) - set(module._modules))
+    unset = {name for name, value in vars(module).items() if value is None}
+    return names is not None and not _NORM_CALLS.isdisjoint(set(names) - set(module._modules) - unset)
 
 
 def _constant(tensor: torch.Tensor | None) -> torch.Tensor | None:
