@@ -289,11 +289,6 @@ def test_fused_attention_over_constant_values_is_a_constant(applied, values: str
         assert relative_error(relevance, expected) <= 1e-12
 
 
-# Zoo configurations whose later calls take the graph's way under both presets (the others keep the mode: a
-# functional activation whose node keeps no input (tanh) or gate, a recurrent mixer, relative position biases read by
-# value, ...).
-
-
 class ShapedRoutingWeights(nn.Module):
     """``out(e(x) * w)`` with routing weights ``w = softmax(g(x))`` shaped or cast after an activation (JetMoE's
     router: ``softmax(logits.float()).type_as(hidden_states)``); ``held`` detaches them (CP-LRP's rule, by hand)."""
@@ -331,3 +326,8 @@ def test_held_weights_shaped_after_an_activation_stay_constants(applied, shaping
         relevances = [call(lrp, x) for _ in range(3)]
     for relevance in relevances:
         assert relative_error(relevance, expected) <= 1e-6
+
+
+# Zoo configurations whose later calls take the graph's way under both presets (the others keep the mode: a
+# functional activation whose node keeps no input (tanh) or gate, a recurrent mixer, relative position biases read by
+# value, ...).
