@@ -590,3 +590,40 @@ def test_a_gate_split_from_a_sigmoid_is_held(split: str, mapper: str):
     make = {"CPLRP": CPLRP, "AttnLRP": AttnLRP, **MAPPERS}[mapper]
     actual = lrp_relevance(model, x, relevance_out, make())
     assert relative_error(actual, lrp_relevance(oracle, x, relevance_out, make())) <= 1e-12
+
+
+# Casts and reshapes after a gate, before its product (a gate computed in another precision, cast back).
+GATE_CASTS = {
+    "float, type_as": lambda gate, signal: gate.float().type_as(signal),
+    "float, double": lambda gate, signal: gate.float().double(),
+    "half, to": lambda gate, signal: gate.half().to(signal.dtype),
+    "bfloat16, double": lambda gate, signal: gate.bfloat16().double(),
+    "reshape_as": lambda gate, signal: gate.reshape_as(signal),
+}
+
+
+class CastGate(nn.Module):
+    """``out(s(x) * cast(sigmoid(g(x))))``, no biases; ``held`` detaches the gate (the oracle)."""
+
+    def __init__(self, cast: str) -> None:
+        super().__init__()
+        self.s, self.g, self.out = nn.Linear(4, 6, bias=False), nn.Linear(4, 6, bias=False), nn.Linear(6, 3, bias=False)
+        self.cast, self.held = GATE_CASTS[cast], False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        signal, gate = self.s(x), torch.sigmoid(self.g(x))
+        return self.out(signal * self.cast(gate.detach() if self.held else gate, signal))
+
+
+@pytest.mark.parametrize("mapper", ["AttnLRP", "CPLRP", "BaseRuleMapper"])
+@pytest.mark.parametrize("cast", sorted(GATE_CASTS))
+def test_a_gate_cast_or_reshaped_before_its_product_is_held(cast: str, mapper: str):
+    """A cast (``gate.float().type_as(x)``, ``.double()``) or a ``reshape_as`` keeps a gate a gate: held in the
+    product as the gate detached by hand (its mark was lost, and the product's relevance shared with the gate)."""
+    torch.manual_seed(0)
+    model, x, relevance_out = CastGate(cast).to(F64), randn(3, 4), randn(3, 3)
+    make = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, **MAPPERS}[mapper]
+    model.held = True
+    expected = lrp_relevance(model, x, relevance_out, make())
+    model.held = False
+    assert relative_error(lrp_relevance(model, x, relevance_out, make()), expected) <= 1e-12

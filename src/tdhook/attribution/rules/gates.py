@@ -64,12 +64,14 @@ GATE_MARK = "_tdhook_activation_of"
 # The attribute that marks a sigmoid-like gate, a value in [0, 1]: held first where both factors are marked.
 SIGMOID_MARK = "_tdhook_sigmoid_gate"
 GATE_FUNCTIONS = frozenset({torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, F.hardsigmoid})
-# Operations that rearrange or copy values: a gate stays a gate through them.
+# Operations that rearrange, copy or cast values: a gate stays a gate through them.
 SAME_VALUES = frozenset(
     {torch.Tensor.view, torch.Tensor.view_as, torch.Tensor.reshape, torch.reshape, torch.Tensor.expand}
     | {torch.Tensor.expand_as, torch.Tensor.unsqueeze, torch.unsqueeze, torch.Tensor.squeeze, torch.squeeze}
     | {torch.Tensor.permute, torch.permute, torch.Tensor.transpose, torch.transpose, torch.Tensor.flatten}
     | {torch.flatten, torch.Tensor.contiguous, torch.Tensor.clone, torch.Tensor.to, torch.Tensor.__getitem__}
+    | {torch.Tensor.reshape_as, torch.Tensor.type_as, torch.Tensor.float, torch.Tensor.double, torch.Tensor.half}
+    | {torch.Tensor.bfloat16}
 )
 # ``1 - gate``: the complement of a sigmoid-like gate is one too (a GRU's ``(1 - z) * h``).
 GATE_COMPLEMENTS = frozenset({torch.Tensor.__rsub__, torch.rsub})
@@ -108,7 +110,7 @@ def is_gate(value: Any) -> bool:
 
 
 def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = None) -> Any:
-    """``result`` marked as its input was, where ``func`` only rearranges or copies values (a view, a reshape,
+    """``result`` marked as its input was, where ``func`` only rearranges, copies or casts values (a view, a reshape,
     an ``expand_as``: ECA and squeeze-excite reshape their gate before the product), or resizes them by copies
     or convex combinations (``F.interpolate`` but bicubic: GhostNetV2 upsamples its gate to the signal's size);
     each piece of a gate split in pieces (``chunk``, ``split``, ``unbind``) marked as it was.
