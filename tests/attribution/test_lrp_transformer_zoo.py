@@ -127,6 +127,12 @@ ZOO = {
     ),
     # PhiMoE: a router that selects experts by max and scatter (no topk), returning routing weights and indices.
     "phimoe": Architecture("PhimoeConfig", "PhimoeForCausalLM", dict(MOE, head_dim=None, num_local_experts=4)),
+    # JetMoE: a mixture of attention heads beside the mixture of experts, routing weights cast with type_as.
+    "jetmoe": Architecture(
+        "JetMoeConfig",
+        "JetMoeForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=2, kv_channels=8, num_key_value_heads=None, head_dim=None),
+    ),
     # DeepSeek-V2: multi-head latent attention (low-rank queries and keys, rotary part apart), grouped routing.
     "deepseek_v2": Architecture(
         "DeepseekV2Config",
