@@ -495,6 +495,30 @@ class TestRouterRule:
         assert torch.equal(td["y"], mixture(x))  # the routing is unchanged
         torch.testing.assert_close(td["relevance", "x"].sum(-1), td["y"].sum(-1), rtol=1e-12, atol=1e-12)
 
+    def test_hugging_face_gates_that_hold_their_projection_and_select_the_top_k_are_routers(self):
+        """JetMoE's ``TopKGating`` and HunYuan's MoE gate (their routing weights got relevance under AttnLRP); a
+        gate that selects nothing, or a user's module named a gate, is none."""
+        from transformers import HunYuanMoEV1Config
+        from transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe import HunYuanMoEV1Gate
+        from transformers.models.jetmoe.modeling_jetmoe import JetMoeTopKGating
+
+        assert is_router(JetMoeTopKGating(6, 4, 2))
+        assert is_router(HunYuanMoEV1Gate(HunYuanMoEV1Config(hidden_size=6, num_experts=4, moe_topk=2)))
+
+        class SketchGate(ProjectingRouter):  # a projection named a gate, no top k: a fusion gate (DEIMv2's)
+            pass
+
+        class UsersTopKGating(nn.Module):  # not Hugging Face's: may be a branch of the signal
+            def __init__(self) -> None:
+                super().__init__()
+                self.layer = nn.Linear(6, 4)
+
+            def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+                return torch.topk(self.layer(hidden), 2).values
+
+        SketchGate.__module__ = ProjectingRouter.__module__
+        assert not is_router(SketchGate()) and not is_router(UsersTopKGating())
+
     def test_routers_are_recognised_by_their_top_k_selection(self):
         assert is_router(TopKRouter())
         assert not is_router(InlineMixture())  # holds layers: the mixture itself, not its router

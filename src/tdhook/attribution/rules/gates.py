@@ -87,6 +87,8 @@ _CONVEX_RESIZE_MODES = frozenset({"nearest", "nearest-exact", "linear", "bilinea
 GATE_PRESERVING = SAME_VALUES | GATE_COMPLEMENTS | GATE_RESIZES | GATE_SPLITS
 # Class names of routers whose forward selects experts without ``topk`` (by ``max`` in a helper, as PhiMoE).
 _ROUTER_NAMES = ("Router",)
+# Class names of routers that hold their projection and select by ``topk`` (JetMoE's ``TopKGating``, HunYuan's gate).
+_GATE_NAMES = ("Gate", "Gating")
 ELEMENTWISE_PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
 
 
@@ -252,7 +254,8 @@ def is_router(module: nn.Module) -> bool:
     """Whether ``module`` routes tokens to experts: its forward selects the top k of its scores
     (``torch.topk``), or it is a Hugging Face class named a router (``PhimoeTopKRouter`` selects by ``max`` in a
     helper function); and it holds no layer besides itself (the mixture around it holds the experts; a
-    router may itself be a ``Linear``, as Llama 4's is), or, named a router, one: its projection (DBRX's).
+    router may itself be a ``Linear``, as Llama 4's is), or, named a router, one: its projection (DBRX's; and
+    JetMoE's and HunYuan's, named gates, which select by ``topk``).
 
     Examples:
         >>> class Router(nn.Module):
@@ -269,11 +272,13 @@ def is_router(module: nn.Module) -> bool:
     """
     layers = sum(isinstance(sub, LINEAR_LAYERS) for sub in module.modules() if sub is not module)
     code = getattr(type(module).forward, "__code__", None)
-    if code is not None and "topk" in code.co_names and not layers:
+    selects = code is not None and "topk" in code.co_names
+    if selects and not layers:
         return True
     # By name only in Hugging Face's classes: a user's module named a router may well be a branch of the signal.
-    named = type(module).__name__.endswith(_ROUTER_NAMES) and type(module).__module__.startswith("transformers.")
-    return named and layers <= 1  # its own projection (DBRX's)
+    name = type(module).__name__
+    named = name.endswith(_ROUTER_NAMES) or (selects and name.endswith(_GATE_NAMES))
+    return named and type(module).__module__.startswith("transformers.") and layers <= 1  # its projection (DBRX's)
 
 
 class RouterRule(Rule):
