@@ -549,6 +549,30 @@ class TestIsNorm:
             relevance = lrp(TensorDict(x=x, batch_size=[3]))["relevance", "x"]
         assert torch.equal(relevance, relevance_out)
 
+    @pytest.mark.parametrize("preset", ["AttnLRP", "CPLRP", "EpsilonPlus"])
+    def test_convnext_v2s_global_response_norm_is_explained_as_timms(self, preset: str):
+        """Hugging Face's ``ConvNextV2GRN`` computes timm's ``GlobalResponseNorm`` (``x + w · x · ‖x‖ / mean ‖x‖ + b``)
+        under a name that ends in ``GRN``: its scale is held as timm's is (it kept its plain gradient, with a
+        warning, and CP-LRP was 1.5 times the logit off on a tiny ConvNeXt V2)."""
+        from timm.layers.grn import GlobalResponseNorm
+        from transformers.models.convnextv2.modeling_convnextv2 import ConvNextV2GRN
+
+        grn, reference = ConvNextV2GRN(4).double(), GlobalResponseNorm(4, eps=1e-6).double()
+        with torch.no_grad():
+            reference.weight.copy_(randn(4))
+            grn.weight.copy_(reference.weight.view(1, 1, 1, 4))
+        x, relevance_out = randn(2, 3, 3, 4), randn(2, 3, 3, 4)
+        assert is_norm(grn)
+        torch.testing.assert_close(grn(x), reference(x))
+        relevance = {}
+        for name, module in (("hugging face", grn), ("timm", reference)):
+            mapper = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, **CNN_PRESETS}[preset]()
+            lrp = LRP(nn.Sequential(module), mapper, in_keys=["x"], out_keys=["y"], target=lambda y: relevance_out)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                relevance[name] = lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
+        assert relative_error(relevance["hugging face"], relevance["timm"]) <= 1e-12
+
     @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "AttnLRP", "CPLRP"])
     def test_an_affine_map_named_like_a_norm_passes_relevance_as_its_plain_gradient(self, preset: str):
         """Its forward names nothing but its own tensors: no normalising scale to hold (the rule raised that it

@@ -65,7 +65,8 @@ _SCALE_AND_MEAN = frozenset({torch.var_mean, torch.std_mean})
 _POWERS = frozenset({torch.pow, torch.Tensor.pow, torch.Tensor.__pow__})
 # Names in a forward's code that make it a norm: fused norms, and rsqrt, the scale of a norm written by hand.
 _NORM_CALLS = frozenset({"layer_norm", "rms_norm", "group_norm", "rsqrt"})
-_NORM_NAMES = ("Norm", "Norm1d", "Norm2d", "Norm3d", "NormAct", "NormAct1d", "NormAct2d", "NormAct3d")
+# ``GRN``: a global response norm (ConvNeXt V2's, ``x · w · ‖x‖ / mean ‖x‖ + x``; timm names it ``GlobalResponseNorm``).
+_NORM_NAMES = ("Norm", "Norm1d", "Norm2d", "Norm3d", "NormAct", "NormAct1d", "NormAct2d", "NormAct3d", "GRN")
 
 
 def is_norm(module: nn.Module) -> bool:
