@@ -118,8 +118,13 @@ def _watch_values(recording: Recording, func: Callable, args: tuple, result: obj
     if func in _VALUE_READS:
         if args and _from_inputs(args[0]):
             recording.read_values()
-    elif isinstance(result, torch.Tensor) and not result.requires_grad and any(_from_inputs(a) for a in args):
-        setattr(result, _INPUT_VALUES, True)
+        return
+    # The tensors a call returns: one, or several (the indices of sort, topk and max over a dimension).
+    pieces = result if isinstance(result, (tuple, list)) else (result,)
+    constants = [piece for piece in pieces if isinstance(piece, torch.Tensor) and not piece.requires_grad]
+    if constants and any(_from_inputs(a) for a in args):
+        for piece in constants:
+            setattr(piece, _INPUT_VALUES, True)
 
 
 # What :meth:`FunctionalRules._other_rules` returns for a call none of them changes.
