@@ -163,6 +163,7 @@ class Branching(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         reads = {"bool": lambda: bool(x.sum() > 0), "int": lambda: int(x.sum() > 0), "item": lambda: x.sum().item() > 0}
         reads["weights"] = lambda: peaked(x).item()  # held under CP-LRP, but computed from the input
+        reads["indices"] = lambda: bool(x.sum(-1).max(0).indices == 0)  # of a call returning several tensors
         source = x if reads[self.read]() else self.constant.expand_as(x)
         return self.out(self.q(x) * self.k(source))
 
@@ -172,7 +173,9 @@ def peaked(x: torch.Tensor) -> torch.Tensor:
     return torch.softmax(x @ x.transpose(-1, -2), dim=-1).max() > 0.9
 
 
-@pytest.mark.parametrize("read, preset", [("bool", AttnLRP), ("int", AttnLRP), ("item", AttnLRP), ("weights", CPLRP)])
+@pytest.mark.parametrize(
+    "read, preset", [("bool", AttnLRP), ("int", AttnLRP), ("item", AttnLRP), ("weights", CPLRP), ("indices", AttnLRP)]
+)
 def test_a_forward_that_branches_on_the_inputs_values_keeps_the_mode(applied, read: str, preset):
     """Before, the plan recorded on one branch halved the other branch's product too: half the relevance of the
     fresh wrapper's first call, silently. Attention weights that CP-LRP holds are constants to the rules, but their
@@ -180,7 +183,8 @@ def test_a_forward_that_branches_on_the_inputs_values_keeps_the_mode(applied, re
     torch.manual_seed(0)
     model = Branching(read).to(F64)
     inputs = [torch.randn(3, 4, dtype=F64) for _ in range(40)]
-    taken = [bool(peaked(x)) if read == "weights" else bool(x.sum() > 0) for x in inputs]
+    branches = {"weights": lambda x: bool(peaked(x)), "indices": lambda x: bool(x.sum(-1).argmax() == 0)}
+    taken = [branches.get(read, lambda x: bool(x.sum() > 0))(x) for x in inputs]
     positive = [x for x, first in zip(inputs, taken, strict=True) if first][:2]
     negative = [x for x, first in zip(inputs, taken, strict=True) if not first][:2]
     xs = [positive[0], negative[0], positive[1], negative[1]]

@@ -289,6 +289,45 @@ def test_fused_attention_over_constant_values_is_a_constant(applied, values: str
         assert relative_error(relevance, expected) <= 1e-12
 
 
+class ShapedRoutingWeights(nn.Module):
+    """``out(e(x) * w)`` with routing weights ``w = softmax(g(x))`` shaped or cast after an activation (JetMoE's
+    router: ``softmax(logits.float()).type_as(hidden_states)``); ``held`` detaches them (CP-LRP's rule, by hand)."""
+
+    def __init__(self, shaping: str) -> None:
+        super().__init__()
+        self.g, self.e = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+        self.out = nn.Linear(4, 3, bias=False)
+        self.shaping, self.held = shaping, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        signal = self.e(x)
+        weights = torch.softmax(self.g(x).float(), dim=-1)
+        weights = weights.detach() if self.held else weights
+        if self.shaping == "type_as":
+            weights = weights.type_as(signal)
+        elif self.shaping == "to":
+            weights = weights.to(signal)
+        else:  # the same shape: the template gives its shape only
+            weights = getattr(weights.double(), self.shaping)(signal)
+        return self.out(signal * weights)
+
+
+@pytest.mark.parametrize("shaping", ["type_as", "to", "view_as", "reshape_as", "expand_as"])
+def test_held_weights_shaped_after_an_activation_stay_constants(applied, shaping: str):
+    """A method that takes only the shape, dtype or device of its other tensor (``w.type_as(x)``) makes a
+    constant of held weights, as of detached ones: their product with the signal is no product of two activations
+    (the uniform rule halved it in a recording call, half the relevance lost)."""
+    torch.manual_seed(0)
+    model, x = ShapedRoutingWeights(shaping).to(F64), torch.randn(2, 3, 4, dtype=F64)
+    expected = held_by_hand(model, x)
+    lrp = LRP(model, CPLRP(), in_keys=["x"], out_keys=["y"])
+    assert relative_error(call(lrp, x), expected) <= 1e-6  # float32 weights
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(3)]
+    for relevance in relevances:
+        assert relative_error(relevance, expected) <= 1e-6
+
+
 # Zoo configurations whose later calls take the graph's way under both presets (the others keep the mode: a
 # functional activation whose node keeps no input (tanh) or gate, a recurrent mixer, relative position biases read by
 # value, ...).

@@ -127,6 +127,12 @@ ZOO = {
     ),
     # PhiMoE: a router that selects experts by max and scatter (no topk), returning routing weights and indices.
     "phimoe": Architecture("PhimoeConfig", "PhimoeForCausalLM", dict(MOE, head_dim=None, num_local_experts=4)),
+    # JetMoE: a mixture of attention heads beside the mixture of experts, routing weights cast with type_as.
+    "jetmoe": Architecture(
+        "JetMoeConfig",
+        "JetMoeForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=2, kv_channels=8, num_key_value_heads=None, head_dim=None),
+    ),
     # DeepSeek-V2: multi-head latent attention (low-rank queries and keys, rotary part apart), grouped routing.
     "deepseek_v2": Architecture(
         "DeepseekV2Config",
@@ -413,19 +419,19 @@ class DetachedRouter(nn.Module):
         self.router = router
 
     def forward(self, hidden: torch.Tensor) -> tuple:
-        return tuple(out.detach() for out in self.router(hidden))
+        return tuple(out.detach() if isinstance(out, torch.Tensor) else out for out in self.router(hidden))
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "jetmoe"])
 def test_routing_weights_are_held_constant(name: str, preset: str):
     """A mixture of experts: all relevance flows through the experts (the routing weights held constant), and
-    it is conserved through the mixture."""
+    it is conserved through the mixture. (JetMoE's router is a gate named ``TopKGating`` that holds its projection.)"""
     model = ZOO[name].build("eager")
     zero_additive(model)
     block = model.model.layers[0].mlp
-    reference = copy.deepcopy(block)
-    reference.gate = DetachedRouter(reference.gate)
+    reference, router = copy.deepcopy(block), "router" if name == "jetmoe" else "gate"
+    setattr(reference, router, DetachedRouter(getattr(reference, router)))
     x = model_input(ZOO[name])
     relevance = {}
     for kind, moe in (("rules", block), ("reference", reference)):

@@ -116,7 +116,9 @@ def test_a_product_changed_in_place_afterwards_keeps_the_rule(softmax):
 
 
 @pytest.mark.parametrize("hold_gates", [False, True])
-@pytest.mark.parametrize("scale", ["reshape", "one_plus", "expand", "cat", "stack"])
+@pytest.mark.parametrize(
+    "scale", ["reshape", "one_plus", "expand", "cat", "stack", "chunk", "split", "unbind", "topk", "max"]
+)
 def test_a_parameter_reshaped_or_shifted_is_not_an_activation(hold_gates: bool, scale: str):
     # A layer scale (x * gamma.reshape(1, -1)) or a Gemma-style weight (x * (1 + w)) has autograd history but is
     # a parameter: the product is linear in x and keeps all of its relevance (it was halved as a product of two
@@ -132,6 +134,12 @@ def test_a_parameter_reshaped_or_shifted_is_not_an_activation(hold_gates: bool, 
             # Parameters joined by one call taking a list of them (a scale assembled from pieces).
             "cat": lambda: torch.cat([gamma[:2], gamma[2:]]),
             "stack": lambda: torch.stack([gamma, gamma * 1]).mean(0),
+            # Pieces of a parameter: calls that return several tensors (a weight split per head or per expert).
+            "chunk": lambda: torch.cat(gamma.chunk(2)),
+            "split": lambda: torch.split(gamma, [1, 3])[1].sum() * torch.ones(4),
+            "unbind": lambda: gamma.view(2, 2).unbind(0)[0].repeat(2),
+            "topk": lambda: torch.topk(gamma, 4).values,
+            "max": lambda: gamma.view(2, 2).max(0).values.repeat(2),
         }
         y = h * factor[scale]()
     (grad,) = torch.autograd.grad(y.sum(), x)

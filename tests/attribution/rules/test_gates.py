@@ -495,6 +495,30 @@ class TestRouterRule:
         assert torch.equal(td["y"], mixture(x))  # the routing is unchanged
         torch.testing.assert_close(td["relevance", "x"].sum(-1), td["y"].sum(-1), rtol=1e-12, atol=1e-12)
 
+    def test_hugging_face_gates_that_hold_their_projection_and_select_the_top_k_are_routers(self):
+        """JetMoE's ``TopKGating`` and HunYuan's MoE gate (their routing weights got relevance under AttnLRP); a
+        gate that selects nothing, or a user's module named a gate, is none."""
+        from transformers import HunYuanMoEV1Config
+        from transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe import HunYuanMoEV1Gate
+        from transformers.models.jetmoe.modeling_jetmoe import JetMoeTopKGating
+
+        assert is_router(JetMoeTopKGating(6, 4, 2))
+        assert is_router(HunYuanMoEV1Gate(HunYuanMoEV1Config(hidden_size=6, num_experts=4, moe_topk=2)))
+
+        class SketchGate(ProjectingRouter):  # a projection named a gate, no top k: a fusion gate (DEIMv2's)
+            pass
+
+        class UsersTopKGating(nn.Module):  # not Hugging Face's: may be a branch of the signal
+            def __init__(self) -> None:
+                super().__init__()
+                self.layer = nn.Linear(6, 4)
+
+            def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+                return torch.topk(self.layer(hidden), 2).values
+
+        SketchGate.__module__ = ProjectingRouter.__module__
+        assert not is_router(SketchGate()) and not is_router(UsersTopKGating())
+
     def test_routers_are_recognised_by_their_top_k_selection(self):
         assert is_router(TopKRouter())
         assert not is_router(InlineMixture())  # holds layers: the mixture itself, not its router
@@ -590,3 +614,40 @@ def test_a_gate_split_from_a_sigmoid_is_held(split: str, mapper: str):
     make = {"CPLRP": CPLRP, "AttnLRP": AttnLRP, **MAPPERS}[mapper]
     actual = lrp_relevance(model, x, relevance_out, make())
     assert relative_error(actual, lrp_relevance(oracle, x, relevance_out, make())) <= 1e-12
+
+
+# Casts and reshapes after a gate, before its product (a gate computed in another precision, cast back).
+GATE_CASTS = {
+    "float, type_as": lambda gate, signal: gate.float().type_as(signal),
+    "float, double": lambda gate, signal: gate.float().double(),
+    "half, to": lambda gate, signal: gate.half().to(signal.dtype),
+    "bfloat16, double": lambda gate, signal: gate.bfloat16().double(),
+    "reshape_as": lambda gate, signal: gate.reshape_as(signal),
+}
+
+
+class CastGate(nn.Module):
+    """``out(s(x) * cast(sigmoid(g(x))))``, no biases; ``held`` detaches the gate (the oracle)."""
+
+    def __init__(self, cast: str) -> None:
+        super().__init__()
+        self.s, self.g, self.out = nn.Linear(4, 6, bias=False), nn.Linear(4, 6, bias=False), nn.Linear(6, 3, bias=False)
+        self.cast, self.held = GATE_CASTS[cast], False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        signal, gate = self.s(x), torch.sigmoid(self.g(x))
+        return self.out(signal * self.cast(gate.detach() if self.held else gate, signal))
+
+
+@pytest.mark.parametrize("mapper", ["AttnLRP", "CPLRP", "BaseRuleMapper"])
+@pytest.mark.parametrize("cast", sorted(GATE_CASTS))
+def test_a_gate_cast_or_reshaped_before_its_product_is_held(cast: str, mapper: str):
+    """A cast (``gate.float().type_as(x)``, ``.double()``) or a ``reshape_as`` keeps a gate a gate: held in the
+    product as the gate detached by hand (its mark was lost, and the product's relevance shared with the gate)."""
+    torch.manual_seed(0)
+    model, x, relevance_out = CastGate(cast).to(F64), randn(3, 4), randn(3, 3)
+    make = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, **MAPPERS}[mapper]
+    model.held = True
+    expected = lrp_relevance(model, x, relevance_out, make())
+    model.held = False
+    assert relative_error(lrp_relevance(model, x, relevance_out, make()), expected) <= 1e-12

@@ -2,8 +2,8 @@
 
 The rule acts on what a norm's forward really runs (``F.layer_norm``, ``F.rms_norm``, ``F.group_norm``,
 ``F.instance_norm``, ``F.batch_norm``, ``F.normalize``, or a scale from ``rsqrt``/``sqrt``/``var``/``std``/a vector
-norm in a norm written by hand). Relevance is the input times the rule's gradient, and the gradient that reaches a
-norm's output is ``R / y`` for an output relevance ``R``.
+norm/a negative power in a norm written by hand). Relevance is the input times the rule's gradient, and the gradient
+that reaches a norm's output is ``R / y`` for an output relevance ``R``.
 """
 
 from __future__ import annotations
@@ -66,6 +66,19 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._norm(x) * (1.0 + self.weight)
+
+
+class Gemma3nRMSNorm(nn.Module):
+    """Gemma 3n's RMSNorm: ``w · x · pow(mean(x²) + ε, −1/2)`` (``torch.pow``, or the ``**`` operator)."""
+
+    def __init__(self, n: int, eps: float = 1e-6, operator: bool = False) -> None:
+        super().__init__()
+        self.eps, self.operator = eps, operator
+        self.weight = nn.Parameter(torch.ones(n, dtype=F64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean_squared = x.pow(2).mean(-1, keepdim=True) + self.eps
+        return x * (mean_squared**-0.5 if self.operator else torch.pow(mean_squared, -0.5)) * self.weight
 
 
 class VectorNormRMSNorm(nn.Module):
@@ -139,16 +152,19 @@ class FullPrecisionRMSNorm(LlamaRMSNorm):
 
 
 class NormedEmbeddings(nn.Module):
-    """Token embeddings, a LayerNorm and dropout, as Funnel's embeddings: no layer of its own."""
+    """Token embeddings, a LayerNorm and dropout, as Funnel's embeddings: no layer of its own. Without ``norm``
+    the LayerNorm is ``None``, as in ESM-2's embeddings (``emb_layer_norm_before=False``)."""
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, norm: bool = True) -> None:
         super().__init__()
         self.word_embeddings = nn.Embedding(8, dim)
-        self.layer_norm = nn.LayerNorm(dim)
+        self.layer_norm = nn.LayerNorm(dim) if norm else None
         self.dropout = nn.Dropout(0.1)
 
     def forward(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.layer_norm(inputs_embeds))
+        if self.layer_norm is not None:
+            inputs_embeds = self.layer_norm(inputs_embeds)
+        return self.dropout(inputs_embeds)
 
 
 class NoNorm(nn.Module):
@@ -278,6 +294,8 @@ RMS_NORMS = {
     "llama": lambda: LlamaRMSNorm(6, eps=1e-5),
     "gemma": lambda: GemmaRMSNorm(6, eps=1e-5),
     "vector-norm": lambda: VectorNormRMSNorm(6),
+    "gemma3n": lambda: Gemma3nRMSNorm(6, eps=1e-5),
+    "gemma3n-operator": lambda: Gemma3nRMSNorm(6, eps=1e-5, operator=True),
 }
 
 
@@ -518,6 +536,44 @@ class TestIsNorm:
             lrp = LRP(module, mapper, in_keys=["x"], out_keys=["y"], target=lambda y: relevance_out)
             relevance[name] = lrp(TensorDict(x=x, batch_size=[3]))
         assert torch.equal(relevance["block"]["relevance", "x"], relevance["norm"]["relevance", "x"])
+
+    @pytest.mark.parametrize("preset", ["AttnLRP", "CPLRP"])
+    def test_a_block_whose_optional_norm_is_none_is_not_a_norm(self, preset: str):
+        """ESM-2's embeddings name ``self.layer_norm``, left ``None``: no call of ``F.layer_norm``. Mapped to a norm
+        rule, the block was reported as a module that did not run in every call. It passes relevance on as the
+        identity it computes in eval mode."""
+        block, x, relevance_out = NormedEmbeddings(4, norm=False).double().eval(), randn(3, 4), randn(3, 4)
+        assert not is_norm(block)
+        mapper = {"AttnLRP": AttnLRP, "CPLRP": CPLRP}[preset]()
+        lrp = LRP(nn.Sequential(block), mapper, in_keys=["x"], out_keys=["y"], target=lambda y: relevance_out)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            relevance = lrp(TensorDict(x=x, batch_size=[3]))["relevance", "x"]
+        assert torch.equal(relevance, relevance_out)
+
+    @pytest.mark.parametrize("preset", ["AttnLRP", "CPLRP", "EpsilonPlus"])
+    def test_convnext_v2s_global_response_norm_is_explained_as_timms(self, preset: str):
+        """Hugging Face's ``ConvNextV2GRN`` computes timm's ``GlobalResponseNorm`` (``x + w · x · ‖x‖ / mean ‖x‖ + b``)
+        under a name that ends in ``GRN``: its scale is held as timm's is (it kept its plain gradient, with a
+        warning, and CP-LRP was 1.5 times the logit off on a tiny ConvNeXt V2)."""
+        from timm.layers.grn import GlobalResponseNorm
+        from transformers.models.convnextv2.modeling_convnextv2 import ConvNextV2GRN
+
+        grn, reference = ConvNextV2GRN(4).double(), GlobalResponseNorm(4, eps=1e-6).double()
+        with torch.no_grad():
+            reference.weight.copy_(randn(4))
+            grn.weight.copy_(reference.weight.view(1, 1, 1, 4))
+        x, relevance_out = randn(2, 3, 3, 4), randn(2, 3, 3, 4)
+        assert is_norm(grn)
+        torch.testing.assert_close(grn(x), reference(x))
+        relevance = {}
+        for name, module in (("hugging face", grn), ("timm", reference)):
+            mapper = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, **CNN_PRESETS}[preset]()
+            lrp = LRP(nn.Sequential(module), mapper, in_keys=["x"], out_keys=["y"], target=lambda y: relevance_out)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                relevance[name] = lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
+        assert relative_error(relevance["hugging face"], relevance["timm"]) <= 1e-12
 
     @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "AttnLRP", "CPLRP"])
     def test_an_affine_map_named_like_a_norm_passes_relevance_as_its_plain_gradient(self, preset: str):

@@ -448,8 +448,18 @@ def mark_parameter_derived(args: tuple, result: Any) -> Any:
         >>> beta = torch.nn.Parameter(torch.ones(3))
         >>> is_activation(mark_parameter_derived(([gamma, beta],), torch.cat([gamma, beta])))  # a list of them
         False
+        >>> [is_activation(piece) for piece in mark_parameter_derived((gamma, 3), gamma.chunk(3))]  # pieces
+        [False, False, False]
     """
-    if not (isinstance(result, torch.Tensor) and result.requires_grad):
+    if isinstance(result, torch.Tensor):
+        if not result.requires_grad:
+            return result
+        outputs = (result,)
+    elif isinstance(result, (tuple, list)):  # the pieces of chunk, split or unbind, topk's values
+        outputs = [piece for piece in result if isinstance(piece, torch.Tensor) and piece.requires_grad]
+        if not outputs:
+            return result
+    else:
         return result
     derived = False
     for arg in args:
@@ -463,7 +473,8 @@ def mark_parameter_derived(args: tuple, result: Any) -> Any:
                     return result
                 derived = True
     if derived:
-        setattr(result, PARAMETER_DERIVED, True)
+        for output in outputs:
+            setattr(output, PARAMETER_DERIVED, True)
     return result
 
 

@@ -94,6 +94,11 @@ _VALUE_READS = frozenset(
 )
 # Marks a tensor without gradient computed from the explained inputs' values (``x.sum() > 0``), in a recording call.
 _INPUT_VALUES = "_tdhook_input_values"
+# Methods whose tensor arguments after the first give only a shape, dtype or device (``w.type_as(x)``): what they
+# return is made of the first alone.
+_TEMPLATED = frozenset(
+    {torch.Tensor.type_as, torch.Tensor.to, torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.expand_as}
+)
 
 
 def _from_inputs(value: object) -> bool:
@@ -113,8 +118,13 @@ def _watch_values(recording: Recording, func: Callable, args: tuple, result: obj
     if func in _VALUE_READS:
         if args and _from_inputs(args[0]):
             recording.read_values()
-    elif isinstance(result, torch.Tensor) and not result.requires_grad and any(_from_inputs(a) for a in args):
-        setattr(result, _INPUT_VALUES, True)
+        return
+    # The tensors a call returns: one, or several (the indices of sort, topk and max over a dimension).
+    pieces = result if isinstance(result, (tuple, list)) else (result,)
+    constants = [piece for piece in pieces if isinstance(piece, torch.Tensor) and not piece.requires_grad]
+    if constants and any(_from_inputs(a) for a in args):
+        for piece in constants:
+            setattr(piece, _INPUT_VALUES, True)
 
 
 # What :meth:`FunctionalRules._other_rules` returns for a call none of them changes.
@@ -470,12 +480,13 @@ def _follow_held(
     tells ``recording`` that the call strayed from a detached one's (it must run again, detached). Whatever is made
     of held tensors has the explained inputs' values (a branch on them is one on the inputs).
 
-    The inputs are the tensors among ``args`` and ``kwargs`` and in the lists and tuples there; the first argument
-    counts as it was before the call (an in-place call changes it)."""
+    The inputs are the tensors among ``args`` and ``kwargs`` and in the lists and tuples there (the first alone where
+    the others give only a shape, dtype or device: ``w.type_as(x)``); the first argument counts as it was before the
+    call (an in-place call changes it)."""
     first = args[0] if args and isinstance(args[0], torch.Tensor) else None
     # What an in-place call may change: the first argument and, for a view, the tensor it views.
     targets = [] if first is None else [first] if first._base is None else [first, first._base]
-    inputs = _tensors_in((*args, *kwargs.values()))
+    inputs = [first] if func in _TEMPLATED and first is not None else _tensors_in((*args, *kwargs.values()))
     followed, alone = recording.followed, recording.held_alone
     recording.follows = False  # the call itself runs as in any other call
     try:

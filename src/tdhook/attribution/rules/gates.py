@@ -64,12 +64,14 @@ GATE_MARK = "_tdhook_activation_of"
 # The attribute that marks a sigmoid-like gate, a value in [0, 1]: held first where both factors are marked.
 SIGMOID_MARK = "_tdhook_sigmoid_gate"
 GATE_FUNCTIONS = frozenset({torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, F.hardsigmoid})
-# Operations that rearrange or copy values: a gate stays a gate through them.
+# Operations that rearrange, copy or cast values: a gate stays a gate through them.
 SAME_VALUES = frozenset(
     {torch.Tensor.view, torch.Tensor.view_as, torch.Tensor.reshape, torch.reshape, torch.Tensor.expand}
     | {torch.Tensor.expand_as, torch.Tensor.unsqueeze, torch.unsqueeze, torch.Tensor.squeeze, torch.squeeze}
     | {torch.Tensor.permute, torch.permute, torch.Tensor.transpose, torch.transpose, torch.Tensor.flatten}
     | {torch.flatten, torch.Tensor.contiguous, torch.Tensor.clone, torch.Tensor.to, torch.Tensor.__getitem__}
+    | {torch.Tensor.reshape_as, torch.Tensor.type_as, torch.Tensor.float, torch.Tensor.double, torch.Tensor.half}
+    | {torch.Tensor.bfloat16}
 )
 # ``1 - gate``: the complement of a sigmoid-like gate is one too (a GRU's ``(1 - z) * h``).
 GATE_COMPLEMENTS = frozenset({torch.Tensor.__rsub__, torch.rsub})
@@ -85,6 +87,8 @@ _CONVEX_RESIZE_MODES = frozenset({"nearest", "nearest-exact", "linear", "bilinea
 GATE_PRESERVING = SAME_VALUES | GATE_COMPLEMENTS | GATE_RESIZES | GATE_SPLITS
 # Class names of routers whose forward selects experts without ``topk`` (by ``max`` in a helper, as PhiMoE).
 _ROUTER_NAMES = ("Router",)
+# Class names of routers that hold their projection and select by ``topk`` (JetMoE's ``TopKGating``, HunYuan's gate).
+_GATE_NAMES = ("Gate", "Gating")
 ELEMENTWISE_PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
 
 
@@ -108,7 +112,7 @@ def is_gate(value: Any) -> bool:
 
 
 def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = None) -> Any:
-    """``result`` marked as its input was, where ``func`` only rearranges or copies values (a view, a reshape,
+    """``result`` marked as its input was, where ``func`` only rearranges, copies or casts values (a view, a reshape,
     an ``expand_as``: ECA and squeeze-excite reshape their gate before the product), or resizes them by copies
     or convex combinations (``F.interpolate`` but bicubic: GhostNetV2 upsamples its gate to the signal's size);
     each piece of a gate split in pieces (``chunk``, ``split``, ``unbind``) marked as it was.
@@ -250,7 +254,8 @@ def is_router(module: nn.Module) -> bool:
     """Whether ``module`` routes tokens to experts: its forward selects the top k of its scores
     (``torch.topk``), or it is a Hugging Face class named a router (``PhimoeTopKRouter`` selects by ``max`` in a
     helper function); and it holds no layer besides itself (the mixture around it holds the experts; a
-    router may itself be a ``Linear``, as Llama 4's is), or, named a router, one: its projection (DBRX's).
+    router may itself be a ``Linear``, as Llama 4's is), or, named a router, one: its projection (DBRX's; and
+    JetMoE's and HunYuan's, named gates, which select by ``topk``).
 
     Examples:
         >>> class Router(nn.Module):
@@ -267,11 +272,13 @@ def is_router(module: nn.Module) -> bool:
     """
     layers = sum(isinstance(sub, LINEAR_LAYERS) for sub in module.modules() if sub is not module)
     code = getattr(type(module).forward, "__code__", None)
-    if code is not None and "topk" in code.co_names and not layers:
+    selects = code is not None and "topk" in code.co_names
+    if selects and not layers:
         return True
     # By name only in Hugging Face's classes: a user's module named a router may well be a branch of the signal.
-    named = type(module).__name__.endswith(_ROUTER_NAMES) and type(module).__module__.startswith("transformers.")
-    return named and layers <= 1  # its own projection (DBRX's)
+    name = type(module).__name__
+    named = name.endswith(_ROUTER_NAMES) or (selects and name.endswith(_GATE_NAMES))
+    return named and type(module).__module__.startswith("transformers.") and layers <= 1  # its projection (DBRX's)
 
 
 class RouterRule(Rule):

@@ -12,9 +12,9 @@ called:
   dimensions and groups their arguments name (a channels-first LayerNorm that
   permutes around ``F.layer_norm`` included);
 * norms written by hand (Hugging Face's RMSNorm, Gemma's ``x · (1 + w)``, T5's
-  norm): the normalising scale, from ``rsqrt``, ``sqrt``, ``var``, ``std`` or a
-  vector norm, is held constant, so the rest of the forward is differentiated
-  as it is.
+  norm, Gemma 3n's ``pow(mean(x²) + ε, -0.5)``): the normalising scale, from
+  ``rsqrt``, ``sqrt``, ``var``, ``std``, a vector norm or a negative power, is
+  held constant, so the rest of the forward is differentiated as it is.
 
 A BatchNorm in eval mode is an affine map per channel, ``y = s x + t``; it is
 treated as a layer whose shift is a bias: the ε-rule (see
@@ -61,10 +61,24 @@ _SCALES = frozenset(
     | {torch.std, torch.Tensor.std, torch.norm, torch.Tensor.norm, torch.linalg.vector_norm, torch.linalg.norm}
 )
 _SCALE_AND_MEAN = frozenset({torch.var_mean, torch.std_mean})
+# A negative power is a normalising scale too (Gemma 3n's ``x * torch.pow(mean(x²) + ε, -0.5)``).
+_POWERS = frozenset({torch.pow, torch.Tensor.pow, torch.Tensor.__pow__})
 # Names in a forward's code that make it a norm: fused norms, and rsqrt, the scale of a norm written by hand.
 _NORM_CALLS = frozenset({"layer_norm", "rms_norm", "group_norm", "rsqrt"})
-# timm's FilterResponseNormTlu2d (a filter response norm, then a thresholded linear unit) is named after the unit.
-_NORM_NAMES = ("Norm", "Norm1d", "Norm2d", "Norm3d", "NormAct", "NormAct1d", "NormAct2d", "NormAct3d", "NormTlu2d")
+# timm's FilterResponseNormTlu2d (a filter response norm, then a thresholded linear unit) is named after the unit;
+# ``GRN``: a global response norm (ConvNeXt V2's, ``x · w · ‖x‖ / mean ‖x‖ + x``; timm names it ``GlobalResponseNorm``).
+_NORM_NAMES = (
+    "Norm",
+    "Norm1d",
+    "Norm2d",
+    "Norm3d",
+    "NormAct",
+    "NormAct1d",
+    "NormAct2d",
+    "NormAct3d",
+    "NormTlu2d",
+    "GRN",
+)
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -115,9 +129,10 @@ def _forward_is_arithmetic_on_own_tensors(module: nn.Module) -> bool:
 def _forward_normalises(module: nn.Module) -> bool:
     """Whether the module's own forward calls a fused norm or ``rsqrt`` (the scale of a norm written by hand).
     A name that is one of the module's children (``self.layer_norm(x)``) is that child's call, not the function's:
-    the child is the norm."""
+    the child is the norm; so is one left ``None`` (ESM-2's embeddings, whose optional norm is off)."""
     names = _forward_names(module)
-    return names is not None and not _NORM_CALLS.isdisjoint(set(names) - set(module._modules))
+    unset = {name for name, value in vars(module).items() if value is None}
+    return names is not None and not _NORM_CALLS.isdisjoint(set(names) - set(module._modules) - unset)
 
 
 def _constant(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -222,7 +237,7 @@ class _ConstantScale(TorchFunctionMode):
                     self.kept = self.kept or ruled is not output
                     return ruled
             result = func(*args, **kwargs)
-            if func in _SCALES:
+            if func in _SCALES or (func in _POWERS and _negative_exponent(args, kwargs)):
                 self.applied = True
                 held = hold(result)
                 if self.record is not None and result.grad_fn is not None:
@@ -250,6 +265,12 @@ class _ConstantScale(TorchFunctionMode):
                 self.record.held(self.module, entry[1], inputs, node, free[0])
             else:  # taken by a call whose result is a constant, or where the scale's place is not one
                 self.kept = True
+
+
+def _negative_exponent(args: tuple, kwargs: dict) -> bool:
+    """Whether a call of ``pow`` raises a tensor to a negative number (``pow(t, -0.5)``: a normalising scale)."""
+    exponent = call_argument(args, kwargs, 1, "exponent")
+    return isinstance(args[0], torch.Tensor) and isinstance(exponent, (int, float)) and exponent < 0
 
 
 class _PlainRun:
@@ -310,8 +331,8 @@ class NormRule(Rule):
                 raise ValueError(
                     f"{type(self).__name__} on {type(mod).__name__}: its forward ran no normalisation the rule "
                     "knows (F.layer_norm, F.rms_norm, F.group_norm, F.instance_norm, F.batch_norm, F.normalize, "
-                    "F.local_response_norm, or a scale from rsqrt, sqrt, var, std or a norm); map the module to "
-                    "another rule"
+                    "F.local_response_norm, or a scale from rsqrt, sqrt, var, std, a norm or a negative power); map "
+                    "the module to another rule"
                 )
             if mode.record is not None:  # the recording of a call: whether later calls may run this forward plainly
                 mode.record.norm_done(mod, plain=not (mode.kept or mode.pending))
