@@ -522,34 +522,81 @@ class TestConvolutions:
         plain = gradient_times_input(layer, x, lambda out: r_out / out)
         assert relative_error(relevance, plain) > 1e-3
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="a module of one's own that holds a weight and calls F.conv2d (or F.linear) is no Linear or "
-        "convolution layer to the mappers: it keeps its plain gradient (LRP-0) under every preset, and neither the "
-        "call nor coverage() says so (EpsilonPlus 131 %, EpsilonAlpha2Beta1 86 %, EpsilonGammaBox 51 % off the same "
-        "net with nn.Conv2d; zennit maps its rules by type alike). Subclassing nn.Conv2d gives it the rule.",
-    )
-    def test_a_convolution_written_with_f_conv2d_gets_the_layer_rule_or_a_warning(self):
-        class FunctionalConv(nn.Module):
-            def __init__(self, conv: nn.Conv2d) -> None:
+    def test_a_convolution_written_with_f_conv2d_is_warned_of_naming_the_module(self):
+        """A module of one's own that holds a weight and calls F.conv2d is no convolution layer to the mappers (rules
+        go by module type, as zennit's): it keeps its plain gradient, and nothing said so (EpsilonPlus 131 %,
+        EpsilonAlpha2Beta1 86 %, EpsilonGammaBox 51 % off the same net with nn.Conv2d). The first call warns, naming
+        the module and the rule a Conv2d gets, and coverage() lists the call; a strict mapper refuses it."""
+        from tdhook.attribution import EpsilonGammaBox
+
+        functional, plain, x = _functional_conv_net()
+        r_out = argmax_one_hot(plain(x).detach()) * plain(x).detach()
+        for mapper in (EpsilonPlus(), EpsilonGammaBox(-10.0, 10.0)):
+            expected = lrp_relevance(plain, x, r_out, rule_mapper=mapper)
+            lrp = LRP(functional, rule_mapper=mapper, in_keys=["x"], out_keys=["y"], target=lambda y: r_out)
+            with pytest.warns(UserWarning, match=r"module '2' \(FunctionalConv\) computes conv2d with its own weight"):
+                actual = lrp(TensorDict(x=x.clone(), batch_size=[2]))["relevance", "x"]
+            assert relative_error(actual, expected) > 0.1  # the plain gradient there: why it is warned of
+            assert [(c.module, c.module_type, c.calls) for c in lrp.coverage().plain_gradient] == [
+                ("2", "FunctionalConv", 1)
+            ]
+        with pytest.raises(ValueError, match=r"module '2' \(FunctionalConv\) computes conv2d"):
+            lrp_relevance(functional, x, r_out, rule_mapper=EpsilonPlus(strict=True))
+
+    @pytest.mark.parametrize("preset", ["CPLRP", "Epsilon0", "none"])
+    def test_a_convolution_written_with_f_conv2d_is_not_warned_of_where_a_layer_would_be_lrp0(self, preset):
+        """Where a Conv2d would get LRP-0 too (the transformer presets, a mapper giving ε = 0, no mapper), the plain
+        gradient is its rule: no warning, and the relevance is the layer's."""
+        from tdhook.attribution import CPLRP
+
+        mappers = {"CPLRP": CPLRP, "Epsilon0": lambda: {nn.Conv2d: EpsilonRule(0.0)}, "none": lambda: None}
+        functional, plain, x = _functional_conv_net()
+        r_out = argmax_one_hot(plain(x).detach()) * plain(x).detach()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            actual = lrp_relevance(functional, x, r_out, rule_mapper=mappers[preset]())
+        expected = lrp_relevance(plain, x, r_out, rule_mapper=mappers[preset]())
+        torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
+
+    def test_a_fixed_filter_applied_with_f_conv2d_is_not_warned_of(self):
+        """A filter held in a buffer (a blur before pooling) is no layer's weight: no warning."""
+
+        class Blur(nn.Module):
+            def __init__(self) -> None:
                 super().__init__()
-                self.weight, self.bias = conv.weight, conv.bias
+                self.register_buffer("kernel", torch.full((4, 1, 3, 3), 1 / 9, dtype=F64))
 
             def forward(self, x: torch.Tensor) -> torch.Tensor:
-                return nn.functional.conv2d(x, self.weight, self.bias, padding=1)
+                return nn.functional.conv2d(x, self.kernel, padding=1, groups=4)
 
         torch.manual_seed(0)
-        layers = [nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()]
-        plain = nn.Sequential(*layers, nn.Flatten(), nn.Linear(4 * 6 * 6, 3)).to(F64).eval()
-        functional = nn.Sequential(plain[0], plain[1], FunctionalConv(plain[2]), *plain[3:]).eval()
+        net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), Blur(), nn.Flatten(), nn.Linear(4 * 36, 3))
+        net = net.to(F64).eval()
         x = torch.randn(2, 3, 6, 6, dtype=F64)
-        r_out = argmax_one_hot(plain(x).detach()) * plain(x).detach()
-        expected = lrp_relevance(plain, x, r_out, rule_mapper=EpsilonPlus())
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            actual = lrp_relevance(functional, x, r_out, rule_mapper=EpsilonPlus())
-        warned = any("'2'" in str(warning.message) for warning in caught)
-        assert warned or relative_error(actual, expected) <= 1e-10
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            lrp_relevance(net, x, argmax_one_hot(net(x).detach()) * net(x).detach(), rule_mapper=EpsilonPlus())
+
+
+class FunctionalConv(nn.Module):
+    """A convolution of one's own: a Conv2d's weight and bias, applied with ``F.conv2d``."""
+
+    def __init__(self, conv: nn.Conv2d) -> None:
+        super().__init__()
+        self.weight, self.bias = conv.weight, conv.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.conv2d(x, self.weight, self.bias, padding=1)
+
+
+def _functional_conv_net() -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    """A small CNN whose second convolution is a :class:`FunctionalConv`, the same net with its ``nn.Conv2d``, and
+    an input."""
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()]
+    plain = nn.Sequential(*layers, nn.Flatten(), nn.Linear(4 * 6 * 6, 3)).to(F64).eval()
+    functional = nn.Sequential(plain[0], plain[1], FunctionalConv(plain[2]), *plain[3:]).eval()
+    return functional, plain, torch.randn(2, 3, 6, 6, dtype=F64)
 
 
 # ----------------------------------------------------------------------------- 4. activations and shape modules

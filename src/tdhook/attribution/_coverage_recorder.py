@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from tdhook.attribution._nonlinear_calls import NonlinearCalls, report_plain_gradient
+from tdhook.attribution._unmapped_layers import report_unmapped_layers
 from tdhook.attribution.coverage import Coverage, PlainGradientCall, reached_share
 from tdhook.attribution.rules.base import RemovableRuleHandle
 from tdhook.attribution.targets import EveryUnit
@@ -56,12 +58,15 @@ class CoverageRecorder:
         return modes.enter_context(NonlinearCalls(rule_modes).watch(modules, ruled))
 
     def report(
-        self, calls: NonlinearCalls, targets: list[torch.Tensor], modules: Mapping[str, nn.Module], strict: bool
+        self, calls: NonlinearCalls, targets: list[torch.Tensor], modules: Mapping[str, nn.Module], mapper: Any
     ) -> None:
-        """Warn about (or, ``strict``, refuse) the watched calls the targets depend on."""
+        """Warn about (or, with a ``strict`` mapper, refuse) the watched calls the targets depend on: nonlinear calls
+        without a rule, and convolutions outside convolution layers that ``mapper`` would give another rule."""
         self._pending = False
+        strict = bool(getattr(mapper, "strict", False))
         try:
-            self._plain_gradient = report_plain_gradient(calls.found(targets), modules, strict)
+            plain = report_plain_gradient(calls.found(targets), modules, strict)
+            self._plain_gradient = plain + report_unmapped_layers(calls.found_layers(targets), modules, mapper, strict)
         except ValueError:
             self._pending = True  # a strict error: the next call checks again
             raise

@@ -40,6 +40,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.nn.modules._functions import BackwardHookFunction
 from torch.overrides import TorchFunctionMode, resolve_name
 
+from tdhook.attribution._unmapped_layers import LAYER_FUNCTIONS
 from tdhook.attribution.coverage import PlainGradientCall
 from tdhook.attribution.rules._autograd import (
     is_activation,
@@ -150,6 +151,16 @@ def _is_nonlinear_call(func: Any, args: tuple) -> str | None:
     return name
 
 
+def _is_layer_call(func: Any, args: tuple) -> str | None:
+    """The function's name when this call is a convolution of an activation by a weight computed from parameters
+    (what a convolution layer computes), else ``None``."""
+    name = function_kind(func)[0]
+    if name not in LAYER_FUNCTIONS or len(args) < 2 or not is_activation(args[0]):
+        return None
+    weight = args[1]
+    return name if isinstance(weight, torch.Tensor) and weight.requires_grad and not is_activation(weight) else None
+
+
 def _next_sequence_number() -> int:
     """The sequence number autograd gives the next node it creates in this thread (nodes are numbered in order)."""
     return torch._C._autograd._get_sequence_nr()
@@ -200,6 +211,7 @@ class NonlinearCalls(TorchFunctionMode):
         super().__init__()
         self._covering = [mode for mode in modes if hasattr(mode, "covers")]
         self._calls: list[tuple[str, str, Any]] = []
+        self._layer_calls: list[tuple[str, str, Any]] = []  # convolutions outside convolution layers
         self._stack: list[str] = []
         self._ruled_depth = 0
         # Per module call: its name, the autograd sequence numbers of the nodes it created (from, to), and
@@ -221,6 +233,8 @@ class NonlinearCalls(TorchFunctionMode):
         name = _is_nonlinear_call(func, args)
         if name is not None and not any(mode.covers(func, args) for mode in self._covering):
             self._calls.append((self._stack[-1] if self._stack else "", name, _grad_fn(result)))
+        elif name is None and (layer := _is_layer_call(func, args)) is not None:
+            self._layer_calls.append((self._stack[-1] if self._stack else "", layer, _grad_fn(result)))
 
     def found(self, targets: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, int]]:
         """Module name → function name → number of calls (the model itself is ``""``).
@@ -230,12 +244,13 @@ class NonlinearCalls(TorchFunctionMode):
                 distribution built from the logits after them is not explained); ``None``: every call.
         """
         reached = None if targets is None else _graph_nodes(targets)
-        found: dict[str, dict[str, int]] = {}
-        for module, name, node in [*self._calls, *self._function_calls(reached or ())]:
-            if reached is None or node in reached:
-                per_module = found.setdefault(module, {})
-                per_module[name] = per_module.get(name, 0) + 1
-        return found
+        return _count([*self._calls, *self._function_calls(reached or ())], reached)
+
+    def found_layers(self, targets: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, int]]:
+        """Module name → convolution function → number of calls: convolutions of activations by weights computed from
+        parameters, in modules without a rule (see :mod:`~tdhook.attribution._unmapped_layers`); ``targets`` as for
+        :meth:`found`."""
+        return _count(self._layer_calls, None if targets is None else _graph_nodes(targets))
 
     def _function_calls(self, nodes: Iterable[Any]) -> list[tuple[str, str, Any]]:
         """The nodes of custom autograd Functions among ``nodes`` that a module outside every rule applied: their
@@ -301,6 +316,17 @@ class NonlinearCalls(TorchFunctionMode):
             self._stack.clear()
             self._open.clear()
             self._ruled_depth = 0
+
+
+def _count(calls: Iterable[tuple[str, str, Any]], reached: set | None) -> dict[str, dict[str, int]]:
+    """Module name → function name → number of ``calls`` (``(module, function, node)``) whose node is ``reached``
+    (every call where it is ``None``)."""
+    found: dict[str, dict[str, int]] = {}
+    for module, name, node in calls:
+        if reached is None or node in reached:
+            per_module = found.setdefault(module, {})
+            per_module[name] = per_module.get(name, 0) + 1
+    return found
 
 
 def report_plain_gradient(

@@ -428,8 +428,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
                     self._split_dim = check_split_dim(self.split_dim, output, target_key, out.batch_dims)
                     outputs.append(output)
                     if calls is not None and position == len(names) - 1:
-                        strict = bool(getattr(self.rule_mapper, "strict", False))
-                        self._coverage.report(calls, outputs, self.named_explained_modules(), strict)
+                        self._coverage.report(calls, outputs, self.named_explained_modules(), self.rule_mapper)
                     retain = position < len(names) - 1  # the next target reuses this forward pass
                     one_pass = functools.partial(
                         planned.one_pass if planned else self._one_pass, leaves=leaves, fed=fed, graph=graph
