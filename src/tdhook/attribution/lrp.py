@@ -325,7 +325,10 @@ class LRP(TensorDictModuleBase, MapperTunable):
             self._candidates.clear()
             self._rule_use.reset()
             self._stochastic, self._checkpointing = random_modules(modules), checkpointing_modules(modules)
-            self._compiled = any(hasattr(m, "_orig_mod") for m in modules.values())  # torch.compile'd parts
+            # Parts compiled by torch.compile (wrapped, or in place by module.compile()).
+            self._compiled = any(
+                hasattr(m, "_orig_mod") or vars(m).get("_compiled_call_impl") is not None for m in modules.values()
+            )
             self._plan = context_plan(self, rules, modules, ours)
             return self  # inside the try: an interrupt before the return leaves the context as if never entered
         except BaseException:
