@@ -86,6 +86,12 @@ __all__ = ["LRP"]
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
+def _compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is compiled by torch.compile: wrapped (``_orig_mod``), or in place by
+    ``module.compile()`` (its call replaced on the instance)."""
+    return hasattr(module, "_orig_mod") or vars(module).get("_compiled_call_impl") is not None
+
+
 class LRP(TensorDictModuleBase, MapperTunable):
     """Layer-wise relevance propagation around a ``TensorDictModule``.
 
@@ -325,10 +331,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             self._candidates.clear()
             self._rule_use.reset()
             self._stochastic, self._checkpointing = random_modules(modules), checkpointing_modules(modules)
-            # Parts compiled by torch.compile (wrapped, or in place by module.compile()).
-            self._compiled = any(
-                hasattr(m, "_orig_mod") or vars(m).get("_compiled_call_impl") is not None for m in modules.values()
-            )
+            self._compiled = any(map(_compiled, modules.values()))
             self._plan = context_plan(self, rules, modules, ours)
             return self  # inside the try: an interrupt before the return leaves the context as if never entered
         except BaseException:
