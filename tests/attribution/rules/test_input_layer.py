@@ -222,6 +222,20 @@ class TestArguments:
         rule = ZBoxRule(low=low, high=high)
         assert rule.low is low and rule.high is high
 
+    def test_number_bounds_are_checked_on_the_cpu_whatever_the_default_device(self):
+        """Built under ``torch.device("meta")`` (where models are built empty), the numbers are checked as numbers
+        (the check tried to copy a meta tensor to the CPU) and the rule gives the relevance it gives elsewhere."""
+        torch.manual_seed(0)
+        layer = nn.Linear(4, 3).double()
+        x = torch.randn(5, 4, dtype=torch.float64)
+        relevance_out = torch.randn(5, 3, dtype=torch.float64)
+        with torch.device("meta"):
+            rule = ZBoxRule(low=-3.0, high=3.0)
+            with pytest.raises(ValueError, match="low must be below high everywhere"):
+                ZBoxRule(low=1.0, high=0.0)
+        expected = tdhook_relevance(ZBoxRule(low=-3.0, high=3.0), layer, x, relevance_out)
+        torch.testing.assert_close(tdhook_relevance(rule, layer, x, relevance_out), expected, rtol=0, atol=0)
+
     def test_negative_stabilizer_and_non_rules_are_refused(self):
         with pytest.raises(ValueError, match="FlatRule: stabilizer must be a finite number >= 0"):
             FlatRule(stabilizer=-1e-6)
