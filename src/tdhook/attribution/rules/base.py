@@ -37,6 +37,7 @@ from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import (
     LINEAR_LAYERS,
+    TRANSPOSED_FORWARDS,
     _has_plain_forward,
     _has_weight_property,
     effective_parameters,
@@ -525,7 +526,8 @@ class Rule(Tunable):
                 registration.hooks.append(module.register_forward_pre_hook(self._snapshot_hook(registration)))
             # Before the module's own forward hooks: what they change is then code after the layer, passed by its
             # gradient, not taken by the rule for the layer's own computation.
-            registration.hooks.append(module.register_forward_hook(self._forward_hook(registration), prepend=True))
+            hook = self._forward_hook(registration)
+            registration.hooks.append(module.register_forward_hook(hook, prepend=True, with_kwargs=True))
         return RemovableRuleHandle(self, module)
 
     @contextmanager
@@ -612,8 +614,8 @@ class Rule(Tunable):
         return hook
 
     def _forward_hook(self, registration: Registration) -> Callable:
-        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-            inputs = pop(registration.snapshots) if registration.snapshots else args
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            inputs = pop(registration.snapshots) if registration.snapshots else _call_arguments(module, args, kwargs)
             if registration.busy or not rules_apply():
                 return _ruled_in_forward(module)
             raise_for_vmap(module, output)
@@ -630,7 +632,7 @@ class Rule(Tunable):
             if one_input and not is_activation(inputs[0]) and _has_plain_forward(module):
                 # A layer of a constant (a buffer, a learned query) computes from parameters alone, whether its
                 # forward ran inside the function modes or paused: mark it as the modes would. Only where its one
-                # positional input is all it reads: a call with keyword arguments shows its hooks no input.
+                # input is all it reads.
                 parameters = (inputs[0], *module.parameters(recurse=False))
                 mark_parameter_derived(parameters, output if result is None else result)
             if one_input and registration.marks:
@@ -638,6 +640,16 @@ class Rule(Tunable):
             return result
 
         return hook
+
+
+def _call_arguments(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """The arguments of a call of ``module``: the positional ones, then those given by keyword (``layer(input=x)``
+    is ``layer(x)``, and a keyword the rule's modified pass would leave out is refused as a second argument is), but
+    a transposed convolution's ``output_size``: its rules take the shape of its output."""
+    if not kwargs:
+        return args
+    transposed = isinstance(module, tuple(TRANSPOSED_FORWARDS))
+    return (*args, *(value for name, value in kwargs.items() if not (transposed and name == "output_size")))
 
 
 def _ruled_in_forward(module: nn.Module) -> None:
