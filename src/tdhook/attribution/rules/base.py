@@ -308,9 +308,23 @@ def layer_call_of(tensor: Any) -> LayerCall | None:
     sets :attr:`Rule.reads_layer_marks` to ``True``, or it gets ``None``.
     """
     call = getattr(tensor, _LAYER_CALL, None)
+    if call is None and _through_backward_hook(tensor):
+        # A full backward hook of the layer, or of the module it feeds, hands on a view of the layer's output.
+        tensor = tensor._base
+        call = getattr(tensor, _LAYER_CALL, None)
     if call is None or call.version != tensor._version:
         return None
     return call
+
+
+def _through_backward_hook(tensor: Any) -> bool:
+    """Whether ``tensor`` is the view of a module's output or input that torch makes for the module's full
+    backward hooks (``register_full_backward_hook``, ``register_full_backward_pre_hook``): the same values."""
+    return (
+        isinstance(tensor, torch.Tensor)
+        and tensor._is_view()
+        and type(tensor.grad_fn).__name__ == "BackwardHookFunctionBackward"
+    )
 
 
 class RemovableRuleHandle:
