@@ -163,6 +163,28 @@ class TestFastPaths:
         assert relative_error(tdhook_relevance(ZBoxRule(-2.5, 2.5), layer, x, r_out), expected) <= TOL
 
 
+@pytest.mark.parametrize("rule", ["zbox", "flat"])
+def test_calls_of_a_context_under_autocast_or_not_each_equal_a_fresh_call(rule: str):
+    """What the rule keeps for one sample, computed by a call under ``torch.autocast`` (in bfloat16), is not reused
+    by the context's calls without it, nor the other way round (3.6e-3 off, relative, under z^B)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3))
+    first = ZBoxRule(-3.0, 3.0) if rule == "zbox" else FlatRule()
+    mapper = {nn.Conv2d: first, nn.Linear: EpsilonRule(1e-6)}
+    x = torch.randn(2, 3, 6, 6).clamp(-2.9, 2.9)
+    lrp = LRP(model, rule_mapper=mapper, in_keys=["x"], out_keys=["y"])
+
+    def relevance(autocast: bool) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return lrp(TensorDict(x=x.clone(), batch_size=[2]))["relevance", "x"]
+
+    fresh = {autocast: relevance(autocast) for autocast in (False, True)}  # each call its own context
+    assert not torch.equal(fresh[False], fresh[True])
+    with lrp:
+        for autocast in (True, False, True, False):
+            torch.testing.assert_close(relevance(autocast), fresh[autocast], rtol=0, atol=0)
+
+
 class TestFirstLayerRule:
     def test_first_layer_is_the_one_the_input_reaches(self):
         class TwoEncoders(nn.Module):
