@@ -6,9 +6,12 @@ import copy
 
 import pytest
 import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 
+from tdhook.attribution import LRP
 from tdhook.attribution.mappers.presets import EpsilonPlus
 from tdhook.attribution.rules.base import ParamModifier
 from tdhook.attribution.rules.basic import EpsilonRule
@@ -204,6 +207,18 @@ class TestCallsByKeyword:
         expected = lrp_relevance(model, x, relevance_out, CNN_PRESETS[preset]())
         actual = lrp_relevance(by_keyword, x, relevance_out, CNN_PRESETS[preset]())
         torch.testing.assert_close(actual, expected, rtol=1e-12, atol=0)
+
+    @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
+    def test_a_layer_a_tensordict_module_calls_by_keyword(self, preset: str):
+        """``TensorDictModule(layer, in_keys={"input": "x"})`` calls the layer with ``input=`` (EpsilonPlusFlat gave
+        it ε, not Flat: 2.3 off, relative)."""
+        layer, x = nn.Linear(5, 3).double(), torch.randn(4, 5, dtype=F64)
+
+        def relevance(in_keys) -> torch.Tensor:
+            policy = TensorDictModule(layer, in_keys=in_keys, out_keys=["y"])
+            return LRP(policy, rule_mapper=CNN_PRESETS[preset]())(TensorDict(x=x, batch_size=[4]))["relevance", "x"]
+
+        torch.testing.assert_close(relevance({"input": "x"}), relevance(["x"]), rtol=0, atol=0)
 
     def test_a_second_argument_by_keyword_is_refused_as_a_positional_one(self):
         """The modified pass runs the layer on its input alone: a keyword it would leave out (a scale here; 5e-6
