@@ -220,6 +220,16 @@ class TestCallsByKeyword:
 
         torch.testing.assert_close(relevance({"input": "x"}), relevance(["x"]), rtol=0, atol=0)
 
+    @pytest.mark.parametrize("activation", [nn.LeakyReLU(0.1, inplace=True), nn.ELU(inplace=True), nn.SiLU(True)])
+    def test_an_activation_in_place_called_by_keyword(self, activation: nn.Module):
+        """The rule keeps the input of an activation that overwrites it, given by keyword too (the overwritten
+        input was read: 0.2 to 1.4 off, relative, under EpsilonPlus)."""
+        model = nn.Sequential(nn.Linear(5, 8), activation, nn.Linear(8, 3)).double()
+        x, relevance_out = torch.randn(4, 5, dtype=F64), torch.randn(4, 3, dtype=F64)
+        expected = lrp_relevance(model, x, relevance_out, EpsilonPlus())
+        actual = lrp_relevance(ByKeyword(*model), x, relevance_out, EpsilonPlus())
+        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=0)
+
     def test_a_second_argument_by_keyword_is_refused_as_a_positional_one(self):
         """The modified pass runs the layer on its input alone: a keyword it would leave out (a scale here; 5e-6
         off under γ, silently) is refused, as the same argument given by position is."""

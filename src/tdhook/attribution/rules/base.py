@@ -537,7 +537,8 @@ class Rule(Tunable):
             registration.plain_layer = type(module)  # a parametrization, added later, changes the class
         with self._recorded(module, registration):
             if self.uses_input and hasattr(module, "inplace"):  # in place now, or once its flag is set in the context
-                registration.hooks.append(module.register_forward_pre_hook(self._snapshot_hook(registration)))
+                snapshot = self._snapshot_hook(registration)
+                registration.hooks.append(module.register_forward_pre_hook(snapshot, with_kwargs=True))
             # Before the module's own forward hooks: what they change is then code after the layer, passed by its
             # gradient, not taken by the rule for the layer's own computation.
             hook = self._forward_hook(registration)
@@ -619,11 +620,12 @@ class Rule(Tunable):
 
     @staticmethod
     def _snapshot_hook(registration: Registration) -> Callable:
-        def hook(module: nn.Module, args: tuple) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if not getattr(module, "inplace", False) or not torch.is_grad_enabled():
                 return
-            if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-                push(registration.snapshots, (args[0].clone(), *args[1:]))
+            inputs = _call_arguments(module, args, kwargs)
+            if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].requires_grad:
+                push(registration.snapshots, (inputs[0].clone(), *inputs[1:]))
 
         return hook
 
