@@ -433,6 +433,18 @@ def test_a_model_compiled_in_place_gives_the_same_relevance(part: str, preset: t
             torch.testing.assert_close(explained(td.clone())["relevance", "x"], expected, rtol=0, atol=0)
 
 
+def test_a_compiled_wrapper_gives_the_same_relevance():
+    """``torch.compile(lrp)`` (as a collector's ``compile_policy`` does): the wrapper's call runs as written (traced,
+    it raised a SystemError from a rule's autograd function)."""
+    net = small_mlp()
+    td = TensorDict(x=torch.randn(4, 5, dtype=F64), batch_size=[4])
+    expected = LRP(net, EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"])(td.clone())["relevance", "x"]
+    torch._dynamo.reset()
+    compiled = torch.compile(LRP(net, EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"]), backend="eager")
+    for _ in range(2):
+        torch.testing.assert_close(compiled(td.clone())["relevance", "x"], expected, rtol=0, atol=0)
+
+
 def test_a_compiled_model_with_a_gate_written_as_a_function_gives_the_eager_relevance():
     class Gated(nn.Module):
         def __init__(self) -> None:

@@ -86,6 +86,13 @@ __all__ = ["LRP"]
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
+def _uncompiled_dispatch(forward: Callable) -> Callable:
+    """``forward`` called with keyword tensors too (tensordict's ``dispatch``), and run as written where the wrapper
+    itself is compiled (``torch.compile(lrp)``, a collector's ``compile_policy``): a call registers hooks, runs
+    the rules' autograd functions and a backward pass, which a compiled graph would not run as written."""
+    return torch.compiler.disable(dispatch(auto_batch_size=False)(forward))
+
+
 def _compiled(module: nn.Module) -> bool:
     """Whether ``module`` is compiled by torch.compile: wrapped (``_orig_mod``), or in place by
     ``module.compile()`` (its call replaced on the instance)."""
@@ -376,7 +383,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         """
         return rules_off(self)
 
-    @dispatch(auto_batch_size=False)
+    @_uncompiled_dispatch
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         with self._lock:  # calls from several threads run one after the other (docs/guarantees.md)
             entering = self._handles is None and not self._inactive
