@@ -110,3 +110,29 @@ class TestEmbeddingBag:
         relevance = explain(net, tokens)["relevance", "tokens"]
         assert relevance.shape == tokens.shape
         assert relative_error(relevance, expected_token_relevance(net, tokens)) <= 1e-12
+
+
+class ByKeyword(nn.Module):
+    """An ``nn.Embedding`` or ``nn.EmbeddingBag`` called with the tokens by keyword (``embedding(input=tokens)``), or
+    by position."""
+
+    def __init__(self, bag: bool, keyword: bool) -> None:
+        super().__init__()
+        self.embedding = nn.EmbeddingBag(11, 6, mode="mean") if bag else nn.Embedding(11, 6)
+        self.head = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        self.bag, self.keyword = bag, keyword
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        embedded = self.embedding(input=tokens) if self.keyword else self.embedding(tokens)
+        return self.head(embedded if self.bag else embedded.mean(1))
+
+
+@pytest.mark.parametrize("bag", [False, True], ids=["embedding", "bag"])
+def test_tokens_given_by_keyword_get_the_relevance_of_tokens_given_by_position(bag: bool):
+    """The embedding's hook sees the tokens given by keyword (the call was refused: no embedding read them)."""
+    torch.manual_seed(0)
+    by_position, by_keyword = ByKeyword(bag, False).double(), ByKeyword(bag, True).double()
+    by_keyword.load_state_dict(by_position.state_dict())
+    tokens = torch.randint(0, 11, (4, 5))
+    expected = explain(by_position, tokens)["relevance", "tokens"]
+    torch.testing.assert_close(explain(by_keyword, tokens)["relevance", "tokens"], expected, rtol=0, atol=0)

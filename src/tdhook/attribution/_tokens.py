@@ -115,7 +115,7 @@ class TokenInputs:
         handles = []
         for name, module in modules.items():
             if isinstance(module, nn.Embedding):
-                handles.append(module.register_forward_hook(self.embedding_hook(name), prepend=True))
+                handles.append(module.register_forward_hook(self.embedding_hook(name), prepend=True, with_kwargs=True))
             elif isinstance(module, nn.EmbeddingBag):
                 handles.append(module.register_forward_hook(self.bag_hook(name), prepend=True, with_kwargs=True))
         return handles
@@ -142,20 +142,20 @@ class TokenInputs:
             return i
         return None
 
-    def embedding_hook(self, name: str) -> Callable[[nn.Module, tuple, torch.Tensor], torch.Tensor | None]:
+    def embedding_hook(self, name: str) -> Callable[[nn.Module, tuple, dict, torch.Tensor], torch.Tensor | None]:
         """A forward hook for ``nn.Embedding`` ``name`` that takes its output as the tokens' leaf.
 
         Args:
             name: the embedding's module name, for error messages.
 
         Returns:
-            The hook, for ``register_forward_hook(..., prepend=True)``: when
+            The hook, for ``register_forward_hook(..., prepend=True, with_kwargs=True)``: when
             the embedding reads fed token ids (or a reshaped view of them),
             it returns a copy of the detached output, whose leaf is recorded.
         """
 
-        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-            i = self._reader_of(module, args, output, name)
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
+            i = self._reader_of(module, _with_input(args, kwargs), output, name)
             if i is None:
                 return None
             leaf = output.detach().requires_grad_(True)
@@ -181,6 +181,7 @@ class TokenInputs:
         """
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
+            args = _with_input(args, kwargs)
             i = self._reader_of(module, args, output, name)
             if i is None:
                 return None
@@ -240,6 +241,11 @@ class TokenInputs:
             ``relevance`` summed over its last dimension, shaped like the token ids.
         """
         return relevance.sum(-1).reshape(self._ids[index].shape)
+
+
+def _with_input(args: tuple, kwargs: dict) -> tuple:
+    """A call's positional arguments, with its input first where it was given by keyword (``embedding(input=ids)``)."""
+    return args if args or "input" not in kwargs else (kwargs["input"],)
 
 
 def _bag_of_rows(

@@ -86,6 +86,19 @@ __all__ = ["LRP"]
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
+def _uncompiled_dispatch(forward: Callable) -> Callable:
+    """``forward`` called with keyword tensors too (tensordict's ``dispatch``), and run as written where the wrapper
+    itself is compiled (``torch.compile(lrp)``, a collector's ``compile_policy``): a call registers hooks, runs
+    the rules' autograd functions and a backward pass, which a compiled graph would not run as written."""
+    return torch.compiler.disable(dispatch(auto_batch_size=False)(forward))
+
+
+def _compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is compiled by torch.compile: wrapped (``_orig_mod``), or in place by
+    ``module.compile()`` (its call replaced on the instance)."""
+    return hasattr(module, "_orig_mod") or vars(module).get("_compiled_call_impl") is not None
+
+
 class LRP(TensorDictModuleBase, MapperTunable):
     """Layer-wise relevance propagation around a ``TensorDictModule``.
 
@@ -325,7 +338,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             self._candidates.clear()
             self._rule_use.reset()
             self._stochastic, self._checkpointing = random_modules(modules), checkpointing_modules(modules)
-            self._compiled = any(hasattr(m, "_orig_mod") for m in modules.values())  # torch.compile'd parts
+            self._compiled = any(map(_compiled, modules.values()))
             self._plan = context_plan(self, rules, modules, ours)
             return self  # inside the try: an interrupt before the return leaves the context as if never entered
         except BaseException:
@@ -370,7 +383,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         """
         return rules_off(self)
 
-    @dispatch(auto_batch_size=False)
+    @_uncompiled_dispatch
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         with self._lock:  # calls from several threads run one after the other (docs/guarantees.md)
             entering = self._handles is None and not self._inactive

@@ -104,6 +104,17 @@ class TestKeysAndShapes:
         assert not any(v.requires_grad for v in td.values(include_nested=True, leaves_only=True))
         assert td["attribution", "obs"].abs().sum() > 0
 
+    def test_another_default_device_changes_nothing(self, name):
+        """Built and called under another default device (``torch.set_default_device("cuda")``; ``"meta"`` here), a
+        method computes what it does without one: its draws and quadrature are made on the CPU, as documented
+        (SmoothGrad and GradientShap drew on the default device, IntegratedGradients built its points there)."""
+        net = random_mlp(3)
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        expected = make(name, net, in_keys=["x"], out_keys=["y"])(td.clone())["attribution", "x"]
+        with torch.device("meta"):
+            actual = make(name, net, in_keys=["x"], out_keys=["y"])(td.clone())["attribution", "x"]
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
     def test_parameters_get_no_grad(self, name):
         net = random_mlp(3)
         make(name, net, in_keys=["x"], out_keys=["y"])(

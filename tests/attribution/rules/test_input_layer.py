@@ -163,6 +163,28 @@ class TestFastPaths:
         assert relative_error(tdhook_relevance(ZBoxRule(-2.5, 2.5), layer, x, r_out), expected) <= TOL
 
 
+@pytest.mark.parametrize("rule", ["zbox", "flat"])
+def test_calls_of_a_context_under_autocast_or_not_each_equal_a_fresh_call(rule: str):
+    """What the rule keeps for one sample, computed by a call under ``torch.autocast`` (in bfloat16), is not reused
+    by the context's calls without it, nor the other way round (3.6e-3 off, relative, under z^B)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3))
+    first = ZBoxRule(-3.0, 3.0) if rule == "zbox" else FlatRule()
+    mapper = {nn.Conv2d: first, nn.Linear: EpsilonRule(1e-6)}
+    x = torch.randn(2, 3, 6, 6).clamp(-2.9, 2.9)
+    lrp = LRP(model, rule_mapper=mapper, in_keys=["x"], out_keys=["y"])
+
+    def relevance(autocast: bool) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return lrp(TensorDict(x=x.clone(), batch_size=[2]))["relevance", "x"]
+
+    fresh = {autocast: relevance(autocast) for autocast in (False, True)}  # each call its own context
+    assert not torch.equal(fresh[False], fresh[True])
+    with lrp:
+        for autocast in (True, False, True, False):
+            torch.testing.assert_close(relevance(autocast), fresh[autocast], rtol=0, atol=0)
+
+
 class TestFirstLayerRule:
     def test_first_layer_is_the_one_the_input_reaches(self):
         class TwoEncoders(nn.Module):
@@ -221,6 +243,20 @@ class TestArguments:
     def test_legitimate_bounds_are_accepted(self, low, high):
         rule = ZBoxRule(low=low, high=high)
         assert rule.low is low and rule.high is high
+
+    def test_number_bounds_are_checked_on_the_cpu_whatever_the_default_device(self):
+        """Built under ``torch.device("meta")`` (where models are built empty), the numbers are checked as numbers
+        (the check tried to copy a meta tensor to the CPU) and the rule gives the relevance it gives elsewhere."""
+        torch.manual_seed(0)
+        layer = nn.Linear(4, 3).double()
+        x = torch.randn(5, 4, dtype=torch.float64)
+        relevance_out = torch.randn(5, 3, dtype=torch.float64)
+        with torch.device("meta"):
+            rule = ZBoxRule(low=-3.0, high=3.0)
+            with pytest.raises(ValueError, match="low must be below high everywhere"):
+                ZBoxRule(low=1.0, high=0.0)
+        expected = tdhook_relevance(ZBoxRule(low=-3.0, high=3.0), layer, x, relevance_out)
+        torch.testing.assert_close(tdhook_relevance(rule, layer, x, relevance_out), expected, rtol=0, atol=0)
 
     def test_negative_stabilizer_and_non_rules_are_refused(self):
         with pytest.raises(ValueError, match="FlatRule: stabilizer must be a finite number >= 0"):

@@ -66,6 +66,26 @@ def test_the_rule_on_one_layer_matches_the_epsilon_rule():
     assert relative_error(actual, expected) <= 0.05
 
 
+def test_a_layer_called_with_its_input_by_keyword_gets_the_rule():
+    """``layer(x=x)``: the rule's hook sees the input (it saw none, left the layer, whose kernel has no gradient,
+    without its rule, and the call was refused: the target did not depend on the input)."""
+
+    class ByKeyword(nn.Sequential):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for module in self:
+                x = module(x=x) if isinstance(module, torch.ao.nn.quantized.dynamic.Linear) else module(x)
+            return x
+
+    _, quantized = quantized_mlp()
+    x = torch.randn(5, 8)
+
+    def relevance(model: nn.Module) -> torch.Tensor:
+        lrp = LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+        return lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"]
+
+    torch.testing.assert_close(relevance(ByKeyword(*quantized)), relevance(quantized), rtol=0, atol=0)
+
+
 def test_registering_on_another_module_is_an_error_naming_it():
     with pytest.raises(TypeError, match="expects a dynamically quantized Linear.*got Linear"):
         QuantizedLinearRule().register(nn.Linear(2, 2))

@@ -21,7 +21,7 @@ METHODS = ("gausslegendre", "riemann_trapezoid", "riemann_left", "riemann_right"
 
 def _gauss_legendre(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Gauss–Legendre nodes and weights on [-1, 1] by Newton's iteration on the Legendre polynomial."""
-    k = torch.arange(1, n + 1, dtype=torch.float64)
+    k = torch.arange(1, n + 1, dtype=torch.float64, device="cpu")
     x = torch.cos(math.pi * (k - 0.25) / (n + 0.5))  # Tricomi's initial guesses, in decreasing order
     for _ in range(100):
         p0, p1 = torch.ones_like(x), x.clone()
@@ -76,8 +76,8 @@ def quadrature(method: str, n_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     if method == "gausslegendre":
         nodes, weights = _gauss_legendre(n_steps)
         return (nodes + 1) / 2, weights / 2
-    k = torch.arange(n_steps, dtype=torch.float64)
-    weights = torch.full((n_steps,), 1.0 / n_steps, dtype=torch.float64)
+    k = torch.arange(n_steps, dtype=torch.float64, device="cpu")
+    weights = torch.full((n_steps,), 1.0 / n_steps, dtype=torch.float64, device="cpu")
     if method == "riemann_trapezoid":
         weights[0] /= 2
         weights[-1] /= 2

@@ -54,11 +54,11 @@ def shap_draws(
     """
     generator = seeded_generator(seed)
     batch = inputs[0].shape[:batch_dims]
-    indices = torch.randint(references[0].shape[0], (n_samples, *batch), generator=generator)
-    alphas = torch.rand((n_samples, *batch), generator=generator, dtype=torch.float64)
+    indices = torch.randint(references[0].shape[0], (n_samples, *batch), generator=generator, device="cpu")
+    alphas = torch.rand((n_samples, *batch), generator=generator, dtype=torch.float64, device="cpu")
     noisy = []
     for x, stdev in zip(inputs, stdevs, strict=True):
-        noise = torch.randn((n_samples, *x.shape), generator=generator, dtype=x.dtype).to(x.device)
+        noise = torch.randn((n_samples, *x.shape), generator=generator, dtype=x.dtype, device="cpu").to(x.device)
         noisy.append(x.unsqueeze(0) + stdev * noise)
     return indices, alphas, noisy
 

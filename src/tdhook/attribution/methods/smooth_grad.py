@@ -48,7 +48,7 @@ def noisy_copies(
     generator = seeded_generator(seed)
     copies = []
     for x, stdev in zip(inputs, stdevs, strict=True):
-        noise = torch.randn((n_samples, *x.shape), generator=generator, dtype=x.dtype).to(x.device)
+        noise = torch.randn((n_samples, *x.shape), generator=generator, dtype=x.dtype, device="cpu").to(x.device)
         copies.append(x.unsqueeze(0) + stdev * noise)
     return copies
 

@@ -71,7 +71,7 @@ def bounds(owner: str, low: float | torch.Tensor, high: float | torch.Tensor) ->
                 raise ValueError(f"{owner}: {name} must hold real numbers, got a {value.dtype} tensor")
             tensors.append(value.detach())
         else:
-            tensors.append(torch.as_tensor(finite_number(owner, name, value), dtype=torch.float64))
+            tensors.append(torch.as_tensor(finite_number(owner, name, value), dtype=torch.float64, device="cpu"))
     low_t, high_t = tensors
     try:
         torch.broadcast_shapes(low_t.shape, high_t.shape)

@@ -37,6 +37,7 @@ from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import (
     LINEAR_LAYERS,
+    TRANSPOSED_FORWARDS,
     _has_plain_forward,
     _has_weight_property,
     effective_parameters,
@@ -307,9 +308,23 @@ def layer_call_of(tensor: Any) -> LayerCall | None:
     sets :attr:`Rule.reads_layer_marks` to ``True``, or it gets ``None``.
     """
     call = getattr(tensor, _LAYER_CALL, None)
+    if call is None and _through_backward_hook(tensor):
+        # A full backward hook of the layer, or of the module it feeds, hands on a view of the layer's output.
+        tensor = tensor._base
+        call = getattr(tensor, _LAYER_CALL, None)
     if call is None or call.version != tensor._version:
         return None
     return call
+
+
+def _through_backward_hook(tensor: Any) -> bool:
+    """Whether ``tensor`` is the view of a module's output or input that torch makes for the module's full
+    backward hooks (``register_full_backward_hook``, ``register_full_backward_pre_hook``): the same values."""
+    return (
+        isinstance(tensor, torch.Tensor)
+        and tensor._is_view()
+        and type(tensor.grad_fn).__name__ == "BackwardHookFunctionBackward"
+    )
 
 
 class RemovableRuleHandle:
@@ -522,10 +537,12 @@ class Rule(Tunable):
             registration.plain_layer = type(module)  # a parametrization, added later, changes the class
         with self._recorded(module, registration):
             if self.uses_input and hasattr(module, "inplace"):  # in place now, or once its flag is set in the context
-                registration.hooks.append(module.register_forward_pre_hook(self._snapshot_hook(registration)))
+                snapshot = self._snapshot_hook(registration)
+                registration.hooks.append(module.register_forward_pre_hook(snapshot, with_kwargs=True))
             # Before the module's own forward hooks: what they change is then code after the layer, passed by its
             # gradient, not taken by the rule for the layer's own computation.
-            registration.hooks.append(module.register_forward_hook(self._forward_hook(registration), prepend=True))
+            hook = self._forward_hook(registration)
+            registration.hooks.append(module.register_forward_hook(hook, prepend=True, with_kwargs=True))
         return RemovableRuleHandle(self, module)
 
     @contextmanager
@@ -603,17 +620,18 @@ class Rule(Tunable):
 
     @staticmethod
     def _snapshot_hook(registration: Registration) -> Callable:
-        def hook(module: nn.Module, args: tuple) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if not getattr(module, "inplace", False) or not torch.is_grad_enabled():
                 return
-            if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-                push(registration.snapshots, (args[0].clone(), *args[1:]))
+            inputs = _call_arguments(module, args, kwargs)
+            if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].requires_grad:
+                push(registration.snapshots, (inputs[0].clone(), *inputs[1:]))
 
         return hook
 
     def _forward_hook(self, registration: Registration) -> Callable:
-        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-            inputs = pop(registration.snapshots) if registration.snapshots else args
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            inputs = pop(registration.snapshots) if registration.snapshots else _call_arguments(module, args, kwargs)
             if registration.busy or not rules_apply():
                 return _ruled_in_forward(module)
             raise_for_vmap(module, output)
@@ -630,7 +648,7 @@ class Rule(Tunable):
             if one_input and not is_activation(inputs[0]) and _has_plain_forward(module):
                 # A layer of a constant (a buffer, a learned query) computes from parameters alone, whether its
                 # forward ran inside the function modes or paused: mark it as the modes would. Only where its one
-                # positional input is all it reads: a call with keyword arguments shows its hooks no input.
+                # input is all it reads.
                 parameters = (inputs[0], *module.parameters(recurse=False))
                 mark_parameter_derived(parameters, output if result is None else result)
             if one_input and registration.marks:
@@ -638,6 +656,16 @@ class Rule(Tunable):
             return result
 
         return hook
+
+
+def _call_arguments(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """The arguments of a call of ``module``: the positional ones, then those given by keyword (``layer(input=x)``
+    is ``layer(x)``, and a keyword the rule's modified pass would leave out is refused as a second argument is), but
+    a transposed convolution's ``output_size``: its rules take the shape of its output."""
+    if not kwargs:
+        return args
+    transposed = isinstance(module, tuple(TRANSPOSED_FORWARDS))
+    return (*args, *(value for name, value in kwargs.items() if not (transposed and name == "output_size")))
 
 
 def _ruled_in_forward(module: nn.Module) -> None:

@@ -101,8 +101,11 @@ class _DirectInputRule(_ModifiedForwardRule):
         module, params, name: str, x: torch.Tensor, z: torch.Tensor, compute: Callable[[], torch.Tensor]
     ):
         """``compute()``, a tensor for one sample shaped like those of the output ``z`` for the input ``x``, kept
-        while the context lasts (a transposed convolution gives inputs of one shape outputs of several)."""
-        key = (_one_sample_shape(module, x) or x.shape, z.shape[1:], x.dtype, x.device)
+        while the context lasts (a transposed convolution gives inputs of one shape outputs of several), and for
+        calls under the same autocast (a layer computed in bfloat16 there is not the float32 one of other calls)."""
+        device = x.device.type
+        autocast = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device)
+        key = (_one_sample_shape(module, x) or x.shape, z.shape[1:], x.dtype, x.device, autocast)
         kept = params.setdefault("one_sample", {})
         if name not in kept or kept[name][0] != key:  # the latest shape only: memory stays bounded
             kept[name] = (key, compute())

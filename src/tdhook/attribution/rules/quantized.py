@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tdhook.attribution.rules._autograd import redirect
-from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
+from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, _call_arguments
 from tdhook.attribution.tunables import EPSILON
 
 __all__ = ["QuantizedLinearRule", "is_quantized_linear", "holds_packed_weights"]
@@ -78,14 +78,15 @@ class QuantizedLinearRule(Rule):
             raise ValueError(f"{self!r} is already registered on this {type(module).__name__}")
         registration = self._new_registration(module)
 
-        def hook(mod: nn.Module, args: tuple, output: Any) -> torch.Tensor | None:
-            x = args[0] if args else None
+        def hook(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> torch.Tensor | None:
+            inputs = _call_arguments(mod, args, kwargs)  # the input given by position or by keyword
+            x = inputs[0] if inputs else None
             if not torch.is_grad_enabled() or not isinstance(x, torch.Tensor) or not x.requires_grad:
                 return None
             return self.apply(mod, x, output)
 
         with self._recorded(module, registration):
-            registration.hooks.append(module.register_forward_hook(hook))
+            registration.hooks.append(module.register_forward_hook(hook, with_kwargs=True))
         return RemovableRuleHandle(self, module)
 
     def apply(self, module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
