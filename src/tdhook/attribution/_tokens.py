@@ -10,7 +10,7 @@ Examples:
     >>> import torch
     >>> embedding = torch.nn.Embedding(10, 4)
     >>> tokens = TokenInputs(["input_ids"])
-    >>> hook = embedding.register_forward_hook(tokens.embedding_hook("embedding"), prepend=True)
+    >>> hook = embedding.register_forward_hook(tokens.embedding_hook("embedding"), prepend=True, with_kwargs=True)
     >>> leaves, fed = [], []
     >>> with torch.enable_grad():
     ...     ids = tokens.feed(0, torch.tensor([[1, 2, 3]]), leaves, fed)

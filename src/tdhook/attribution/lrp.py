@@ -322,8 +322,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             modes = getattr(self.rule_mapper, "function_modes", list)()
             pausing = []
             if any(getattr(mode, "pause_in_ruled_modules", True) for mode in modes):
-                pausing = suspend_function_modes_in(handles)
-                self._hooks += pausing
+                self._hooks += (pausing := suspend_function_modes_in(handles))  # one line: listed as made
             for name in self.layer_keys:
                 self._hooks.append(modules[name].register_forward_hook(self._layers.hook(name)))
             self._hooks += self._tokens.register(modules)  # on each nn.Embedding and nn.EmbeddingBag
