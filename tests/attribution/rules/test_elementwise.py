@@ -191,7 +191,7 @@ def test_a_module_returning_a_view_of_its_input_keeps_it_and_is_decided():
     with rule.register(rows):
         h = x * 1
         out = rows(h)
-        assert rule._registrations[rows].state == [False, h.shape]  # decided, for inputs of this shape
+        assert rule._registrations[rows].state == {h.shape: False}  # decided, for inputs of this shape
         assert out.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()
         assert rows(h)._base is h  # decided: no alias of the input any more
 

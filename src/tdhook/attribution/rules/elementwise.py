@@ -148,10 +148,10 @@ class ElementwiseRule(Rule):
     def differentiable(self) -> bool:  # type: ignore[override]
         return self.rule.differentiable
 
-    def prepare(self, module: nn.Module) -> list:
-        """Whether the module is element-wise, and for inputs of which shape: not known until its first call in the
-        context."""
-        return [None, None]
+    def prepare(self, module: nn.Module) -> dict:
+        """Whether the module is element-wise, by the shape of its inputs: not known until its first call on inputs of
+        that shape in the context."""
+        return {}
 
     def register(self, module: nn.Module) -> RemovableRuleHandle:
         handle = super().register(module)
@@ -164,14 +164,14 @@ class ElementwiseRule(Rule):
         return handle
 
     @staticmethod
-    def _alias_input(decided: list, module: nn.Module, args: tuple) -> tuple | None:
+    def _alias_input(decided: dict, module: nn.Module, args: tuple) -> tuple | None:
         """Until the module is decided for inputs of this shape: its input as a fresh view, so that the test's two
         products end there and run no hook of the input's own (the relevance of a layer named in ``layers``, a
         relevance check)."""
         if len(args) != 1 or not torch.is_grad_enabled():
             return None
         x = args[0]
-        if not isinstance(x, torch.Tensor) or not x.requires_grad or _decided_for(decided, x):
+        if not isinstance(x, torch.Tensor) or not x.requires_grad or x.shape in decided:
             return None
         alias = x.view_as(x)
         alias.__dict__.update(x.__dict__)  # the marks the rules set on the input (a gate, parameter-derived)
@@ -182,14 +182,8 @@ class ElementwiseRule(Rule):
             return None
         x, decided = inputs[0], registration.state
         if output.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-            if not _decided_for(decided, x):
-                decided[:] = [False, x.shape]  # a view or an in-place change of the input: its plain gradient is exact
+            decided.setdefault(x.shape, False)  # a view or an in-place change of the input: its plain gradient is exact
             return None
-        if not _decided_for(decided, x):  # element-wise and curved: an activation; affine glue keeps its gradient
-            decided[:] = [is_diagonal(output, x) and is_curved(module, x), x.shape]
-        return self.rule.apply(output, x) if decided[0] else None
-
-
-def _decided_for(decided: list, x: torch.Tensor) -> bool:
-    """Whether the module was decided for inputs of ``x``'s shape (``decided``: the decision and that shape)."""
-    return decided[0] is not None and decided[1] == x.shape
+        if x.shape not in decided:  # element-wise and curved: an activation; affine glue keeps its exact gradient
+            decided[x.shape] = is_diagonal(output, x) and is_curved(module, x)
+        return self.rule.apply(output, x) if decided[x.shape] else None
