@@ -16,6 +16,7 @@ from torch import nn
 from tdhook.attribution._checkpointing import reentrant_checkpoint_error
 from tdhook.attribution.rules._glue import GlueError
 from tdhook.attribution.rules._keeping_graph import RelevancePass
+from tdhook.attribution.rules._linked_inputs import linked_source
 from tdhook.attribution.rules.base import RemovableRuleHandle
 
 __all__ = ["leaf_relevance"]
@@ -75,7 +76,7 @@ def leaf_relevance(
     relevances: list[torch.Tensor | None] = [
         None
         if leaf is None
-        else (leaf if create_graph else leaf.detach()) * g
+        else (linked_source(leaf) if create_graph else leaf.detach()) * g
         if g is not None
         else torch.zeros_like(leaf)
         for leaf, g in zip(leaves, grads, strict=True)

@@ -31,6 +31,7 @@ from torchrl.modules import GRUModule, LSTMModule
 
 from tdhook.attribution._keys import as_tuple
 from tdhook.attribution._tokens import TokenInputs
+from tdhook.attribution.rules._linked_inputs import linked_input
 
 __all__ = [
     "dtype_mismatch",
@@ -183,8 +184,8 @@ def feed_inputs(
         tokens: the wrapper's token inputs, cleared for this call.
         explained: per key, whether this call explains it (see :func:`explained_in_call`); the others are
             left as they are. Defaults to all.
-        keep_graph: take an input that requires grad as it is, with its history, in place of a fresh leaf
-            (differentiable relevance: its derivative reaches the caller's tensor).
+        keep_graph: feed an input that requires grad linked to the caller's tensor (differentiable relevance: its
+            derivative reaches that tensor; see :func:`~tdhook.attribution.rules._linked_inputs.linked_input`).
 
     Returns:
         The leaves the relevance is taken for and the tensors fed to the
@@ -203,8 +204,12 @@ def feed_inputs(
             continue
         if value.is_inference():  # made under torch.inference_mode(): a normal copy can require grad
             value = value.clone()
-        leaf = value if keep_graph and value.requires_grad else value.detach().requires_grad_(True)
-        fed.append(leaf.clone())
+        if keep_graph and value.requires_grad:  # a fresh leaf all the same, linked to the caller's tensor
+            leaf, copy = linked_input(value)
+        else:
+            leaf = value.detach().requires_grad_(True)
+            copy = leaf.clone()
+        fed.append(copy)
         # A copy of the value ``work`` holds at ``key``: checked already (batch size, device), set as it is.
         work._set_tuple(as_tuple(key), fed[-1], inplace=False, validated=True, non_blocking=False)
         leaves.append(leaf)

@@ -34,6 +34,9 @@ from tensordict.utils import NestedKey
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from tdhook.attribution.rules._keeping_graph import graph_kept
+from tdhook.attribution.rules._linked_inputs import linked_input
+
 __all__ = ["TokenInputs", "is_embedding_leaf"]
 
 
@@ -158,10 +161,14 @@ class TokenInputs:
             i = self._reader_of(module, _with_input(args, kwargs), output, name)
             if i is None:
                 return None
-            leaf = output.detach().requires_grad_(True)
+            if graph_kept() is not None and output.requires_grad:  # linked to the table's rows
+                leaf, fed = linked_input(output)
+            else:
+                leaf = output.detach().requires_grad_(True)
+                fed = leaf.clone()
             leaf._tdhook_embedding_of = name
-            self._leaves[i], self._fed[i] = leaf, leaf.clone()
-            return self._fed[i]
+            self._leaves[i], self._fed[i] = leaf, fed
+            return fed
 
         return hook
 
@@ -189,10 +196,13 @@ class TokenInputs:
             offsets = args[1] if len(args) > 1 else kwargs.get("offsets")
             weights = args[2] if len(args) > 2 else kwargs.get("per_sample_weights")
             # Read after the call: with max_norm, the bag has renormalised in place the rows it used.
-            leaf = module.weight.detach()[ids].requires_grad_(True)
+            if graph_kept() is not None and module.weight.requires_grad:  # linked to the table's rows
+                leaf, rows = linked_input(module.weight[ids])
+            else:
+                leaf = rows = module.weight.detach()[ids].requires_grad_(True)
             leaf._tdhook_embedding_of = name
-            self._leaves[i], self._fed[i] = leaf, leaf
-            return _bag_of_rows(module, ids, leaf, offsets, None if weights is None else weights.detach())
+            self._leaves[i], self._fed[i] = leaf, rows
+            return _bag_of_rows(module, ids, rows, offsets, None if weights is None else weights.detach())
 
         return hook
 

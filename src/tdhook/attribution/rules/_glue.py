@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from tdhook.attribution.rules._autograd import relevance_pass_edges
+from tdhook.attribution.rules._linked_inputs import is_linked_copy
 
 __all__ = ["GlueError", "carry_back", "input_leaves", "rest_records", "whole_records"]
 
@@ -211,9 +212,10 @@ def carry_back(
 def _copied_leaf(x: torch.Tensor) -> torch.Tensor | None:
     """The non-parameter leaf that ``x`` is an unmodified copy of, if it is one."""
     node = x.grad_fn
-    if type(node).__name__ != "CloneBackward0" or len(node.next_functions) != 1:
+    edges = relevance_pass_edges(node)  # a call that keeps the graph links its copy to the caller's tensor too
+    if (type(node).__name__ != "CloneBackward0" and not is_linked_copy(node)) or len(edges) != 1:
         return None
-    variable = getattr(node.next_functions[0][0], "variable", None)
+    variable = getattr(edges[0], "variable", None)
     return variable if variable is not None and not isinstance(variable, nn.Parameter) else None
 
 
@@ -304,7 +306,10 @@ _MOVES = frozenset(
 def _only_moves_values(x: torch.Tensor) -> bool:
     """Whether ``x`` is a non-parameter leaf moved by a chain of single-input views, copies and permutations."""
     node = x.grad_fn
-    while node is not None and type(node).__name__ in _MOVES and len(node.next_functions) == 1:
-        node = node.next_functions[0][0]
+    while node is not None and (type(node).__name__ in _MOVES or is_linked_copy(node)):
+        edges = relevance_pass_edges(node)
+        if len(edges) != 1:
+            break
+        node = edges[0]
     variable = getattr(node, "variable", None)
     return variable is not None and not isinstance(variable, nn.Parameter)

@@ -1,0 +1,126 @@
+"""Differentiable relevance (``create_graph=True``) through what a call adds around the rules: inputs that carry
+their own history, token ids, callable targets, inner layers' relevance and the hooks that watch the relevance pass.
+
+The oracle is the ordinary call: its relevance (first order) and central finite differences of it in float64
+along one random direction per tensor (second order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+
+from tdhook.attribution import LRP
+from tdhook.attribution.mappers.presets import EpsilonGammaBox, EpsilonPlus, EpsilonPlusFlat
+from tests.conftest import relative_error
+
+PRESETS = {
+    "EpsilonPlus": lambda: EpsilonPlus(epsilon=0.1),
+    "EpsilonPlusFlat": lambda: EpsilonPlusFlat(epsilon=0.1),
+    "EpsilonGammaBox": lambda: EpsilonGammaBox(low=-3.0, high=3.0, epsilon=0.1),
+}
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def directional_errors(loss: Callable[[bool], torch.Tensor], tensors: list[torch.Tensor], step: float = 1e-6):
+    """Per tensor, the relative error of ``loss(True)``'s derivative along a random direction against central
+    differences of ``loss(False)`` (the ordinary call); the tensors are moved in place."""
+    generator = torch.Generator().manual_seed(1)
+    for tensor in tensors:
+        tensor.requires_grad_(True)
+    grads = torch.autograd.grad(loss(True), tensors, allow_unused=True, materialize_grads=True)
+    errors = []
+    for tensor, grad in zip(tensors, grads, strict=True):
+        direction = torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
+        values = []
+        for sign in (1, -1):
+            with torch.no_grad():
+                tensor.add_(sign * step * direction)
+            values.append(loss(False).item())
+            with torch.no_grad():
+                tensor.sub_(sign * step * direction)
+        expected = (values[0] - values[1]) / (2 * step)
+        actual = (grad * direction).sum().item()
+        errors.append(abs(actual - expected) / max(abs(expected), 1e-8))
+    return errors
+
+
+class TestInputsWithHistory:
+    @pytest.mark.parametrize("preset", sorted(PRESETS))
+    def test_an_input_computed_from_a_leaf(self, preset):
+        """An input that is no leaf (``x0 + delta``, as an attack on the explanation computes it): the relevance is
+        the ordinary call's, and its derivative reaches ``delta`` and the parameters."""
+        net = mlp()
+        x0 = torch.randn(4, 5, dtype=torch.float64)
+        delta = torch.zeros(4, 5, dtype=torch.float64)
+        weights = torch.randn(4, 5, dtype=torch.float64)
+        plain = LRP(net, PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+        kept = LRP(net, PRESETS[preset](), in_keys=["x"], out_keys=["y"], create_graph=True)
+
+        def loss(graph: bool) -> torch.Tensor:
+            lrp = kept if graph else plain
+            return (lrp(TensorDict(x=x0 + delta, batch_size=[4]))["relevance", "x"] * weights).sum()
+
+        expected = plain(TensorDict(x=x0, batch_size=[4]))["relevance", "x"]
+        got = kept(TensorDict(x=x0 + delta.clone().requires_grad_(True), batch_size=[4]))["relevance", "x"]
+        assert relative_error(got.detach(), expected) < 1e-12
+        assert max(directional_errors(loss, [delta, *net.parameters()])) < 1e-6
+
+    def test_one_tensor_under_two_keys(self):
+        """Each key gets the relevance of its own use of the tensor, as in an ordinary call."""
+
+        class Two(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.linear = nn.Linear(10, 2).double()
+
+            def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+                return self.linear(torch.cat([a, b], -1))
+
+        torch.manual_seed(0)
+        model = TensorDictModule(Two(), in_keys=["a", "b"], out_keys=["y"])
+        x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+        plain = LRP(model)(TensorDict(a=x.detach(), b=x.detach(), batch_size=[3]))
+        kept = LRP(model, create_graph=True)(TensorDict(a=x, b=x, batch_size=[3]))
+        for key in ("a", "b"):
+            assert relative_error(kept["relevance", key].detach(), plain["relevance", key]) < 1e-12
+
+
+class TestTokenIds:
+    @staticmethod
+    def model(embedding: str) -> nn.Module:
+        torch.manual_seed(0)
+        table = nn.Embedding(10, 4) if embedding == "Embedding" else nn.EmbeddingBag(10, 4, mode="sum")
+        head = [nn.Flatten(), nn.Linear(12, 5)] if embedding == "Embedding" else [nn.Linear(4, 5)]
+        return nn.Sequential(table, *head, nn.Tanh(), nn.Linear(5, 2)).double()
+
+    def test_the_derivative_of_the_relevance_reaches_the_embedding_table(self):
+        """Token ids stand for their embeddings' rows: the relevance's derivative reaches the table as it reaches
+        every other parameter."""
+        model = self.model("Embedding")
+        ids = torch.randint(0, 10, (3, 3))
+        weights = torch.randn(3, 3, dtype=torch.float64)
+
+        def loss(graph: bool) -> torch.Tensor:
+            lrp = LRP(model, EpsilonPlus(epsilon=0.1), in_keys=["ids"], out_keys=["y"], create_graph=graph)
+            return (lrp(TensorDict(ids=ids, batch_size=[3]))["relevance", "ids"] * weights).sum()
+
+        assert max(directional_errors(loss, list(model.parameters()))) < 1e-6
+
+    @pytest.mark.parametrize("embedding", ["Embedding", "EmbeddingBag"])
+    def test_the_outputs_derivative_reaches_the_embedding_table(self, embedding):
+        model = self.model(embedding)
+        ids = torch.randint(0, 10, (3, 3))
+        lrp = LRP(model, EpsilonPlus(epsilon=0.1), in_keys=["ids"], out_keys=["y"], create_graph=True)
+        (got,) = torch.autograd.grad(lrp(TensorDict(ids=ids, batch_size=[3]))["y"].sum(), model[0].weight)
+        (expected,) = torch.autograd.grad(model(ids).sum(), model[0].weight)
+        assert relative_error(got, expected) < 1e-12
