@@ -124,3 +124,28 @@ class TestTokenIds:
         (got,) = torch.autograd.grad(lrp(TensorDict(ids=ids, batch_size=[3]))["y"].sum(), model[0].weight)
         (expected,) = torch.autograd.grad(model(ids).sum(), model[0].weight)
         assert relative_error(got, expected) < 1e-12
+
+
+def margin(output: torch.Tensor) -> torch.Tensor:
+    """The margin of unit 0 over unit 1, put on unit 0 (a callable target)."""
+    relevance = torch.zeros_like(output)
+    relevance[..., 0] = output[..., 0] - output[..., 1]
+    return relevance
+
+
+class TestCallableTargets:
+    @pytest.mark.parametrize("target", [margin, lambda output: output**2], ids=["margin", "square"])
+    @pytest.mark.parametrize("split_dim", [None, 1])
+    def test_the_derivative_runs_through_the_target(self, target, split_dim):
+        """The initial relevance a callable target computes from the output is part of the relevance: its
+        derivative runs through it."""
+        net = mlp()
+        x = torch.randn(2, 3, 5, dtype=torch.float64)
+        weights = torch.randn(2, 3, 5, dtype=torch.float64) if split_dim is None else torch.randn(2, 3, 3, 5)
+
+        def loss(graph: bool) -> torch.Tensor:
+            lrp = LRP(net, PRESETS["EpsilonPlus"](), in_keys=["x"], out_keys=["y"], target=target,
+                      split_dim=split_dim, create_graph=graph)  # fmt: skip
+            return (lrp(TensorDict(x=x, batch_size=[2, 3]))["relevance", "x"] * weights.double()).sum()
+
+        assert max(directional_errors(loss, [x, *net.parameters()])) < 1e-6

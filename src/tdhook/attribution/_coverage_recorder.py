@@ -75,6 +75,7 @@ class CoverageRecorder:
         """Keep a call's ``(target name, output, initial gradient)`` seeds and relevances."""
         # Detached: relevance that keeps its graph (create_graph=True) must not keep it alive here.
         kept = [r.detach() if r is not None and r.requires_grad else r for r in relevances]
+        seeds = [(name, output, _detached(seed)) for name, output, seed in seeds]  # a callable target's keeps its own
         self._last_call = (batch_dims, seeds, kept)
 
     def coverage(self, n_inputs: int, n_layers: int, split_dim: int | None) -> Coverage:
@@ -96,3 +97,7 @@ class CoverageRecorder:
                 target = (output.detach() * grad_output).double().flatten(batch_dims).sum(-1)
             shares[name] = reached_share(batch_dims, target, inputs)
         return Coverage(self._plain_gradient, shares if None not in shares else shares[None])
+
+
+def _detached(value: object) -> object:
+    return value.detach() if isinstance(value, torch.Tensor) and value.requires_grad else value

@@ -38,6 +38,7 @@ from tdhook.attribution._policy_targets import (
     default_target_operator,
     sequential_steps,
 )
+from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._numerics import safe_divide
 from tdhook.attribution.rules.base import layer_call_of
 
@@ -196,13 +197,16 @@ def initial_relevance(
     out = output.detach()
     if not callable(target):
         return _initial_gradient(out, target, key, batch_dims), None
-    relevance = target(out)
-    if not isinstance(relevance, torch.Tensor) or relevance.shape != out.shape:
+    # In a call that keeps the graph, the initial relevance is a function of the output like the rest of the
+    # relevance: the target sees the output with its history, and the gradient keeps it.
+    keep = graph_kept() is not None
+    given = target(output if keep else out)
+    if not isinstance(given, torch.Tensor) or given.shape != out.shape:
         raise ValueError(
             f"LRP: a callable target must return a tensor shaped like output {key!r} {tuple(out.shape)}, "
-            f"got {getattr(relevance, 'shape', type(relevance).__name__)}"
+            f"got {getattr(given, 'shape', type(given).__name__)}"
         )
-    relevance = relevance.detach().to(out.dtype)
+    relevance = given.detach().to(out.dtype)
     bad = ~relevance.isfinite() & out.isfinite()
     if bool(bad.any()):
         where = tuple(int(i) for i in bad.nonzero()[0])
@@ -212,6 +216,8 @@ def initial_relevance(
         )
     at_zero = (out == 0) & (relevance != 0)
     rest = torch.where(at_zero, relevance, 0) if bool(at_zero.any()) else None
+    if keep:
+        return safe_divide(given.to(out.dtype), output), rest
     return safe_divide(relevance, out).to(out.dtype), rest
 
 
