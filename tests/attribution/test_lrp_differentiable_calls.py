@@ -17,6 +17,7 @@ from torch import nn
 
 from tdhook.attribution import LRP
 from tdhook.attribution.mappers.presets import EpsilonGammaBox, EpsilonPlus, EpsilonPlusFlat
+from tdhook.attribution.rules import EpsilonRule, TaylorDecompositionRule
 from tests.conftest import relative_error
 
 PRESETS = {
@@ -149,3 +150,67 @@ class TestCallableTargets:
             return (lrp(TensorDict(x=x, batch_size=[2, 3]))["relevance", "x"] * weights.double()).sum()
 
         assert max(directional_errors(loss, [x, *net.parameters()])) < 1e-6
+
+
+class TestInnerLayers:
+    @pytest.mark.parametrize("preset", sorted(PRESETS))
+    def test_the_derivative_of_an_inner_layers_relevance(self, preset):
+        net = mlp()
+        x = torch.randn(4, 5, dtype=torch.float64)
+        weights = torch.randn(4, 7, dtype=torch.float64)
+
+        def loss(graph: bool) -> torch.Tensor:
+            lrp = LRP(net, PRESETS[preset](), in_keys=["x"], out_keys=["y"], layers=["1", "2"], create_graph=graph)
+            td = lrp(TensorDict(x=x, batch_size=[4]))
+            return (td["relevance", "1"] * weights).sum() + (td["relevance", "2"] ** 2).sum()
+
+        assert max(directional_errors(loss, [x, *net.parameters()])) < 1e-6
+
+
+def taylor_block_net() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5))
+    return nn.Sequential(block, nn.ReLU(), nn.Linear(5, 3)).double(), block.double()
+
+
+class TestCallsAtTheTaylorReference:
+    """The Taylor rule evaluates its module at the reference point: that call is no call of the model."""
+
+    @pytest.mark.parametrize("create_graph", [False, True])
+    def test_the_relevance_of_the_explained_module_is_its_output_relevance(self, create_graph):
+        net, block = taylor_block_net()
+        x = torch.randn(6, 4, dtype=torch.float64)
+        mapper = {"0": TaylorDecompositionRule(ref=0.3), nn.Linear: EpsilonRule(0.01)}
+        lrp = LRP(net, mapper, in_keys=["x"], out_keys=["y"], layers=["0"], create_graph=create_graph)
+        got = lrp(TensorDict(x=x, batch_size=[6]))["relevance", "0"]
+        tail = LRP(nn.Sequential(net[1], net[2]), {nn.Linear: EpsilonRule(0.01)}, in_keys=["h"], out_keys=["y"])
+        with torch.no_grad():
+            expected = tail(TensorDict(h=block(x), batch_size=[6]))["relevance", "h"]
+        assert relative_error(got.detach(), expected) < 1e-12
+
+    def test_a_relevance_check_sees_the_models_calls_only(self):
+        net, _ = taylor_block_net()
+        seen = []
+        mapper = {"0": TaylorDecompositionRule(ref=0.3), nn.Linear: EpsilonRule(0.01)}
+
+        def check(name, module, relevance_in, relevance_out):
+            seen.append((name, float(relevance_in.sum()), float(relevance_out.sum())))
+
+        lrp = LRP(net, mapper, in_keys=["x"], out_keys=["y"], relevance_check=check)
+        td = lrp(TensorDict(x=torch.randn(6, 4, dtype=torch.float64), batch_size=[6]))
+        block = [(r_in, r_out) for name, r_in, r_out in seen if name == "0"]
+        assert len(block) == 1
+        assert abs(block[0][0] - td["relevance", "x"].sum().item()) < 1e-12
+
+
+def test_a_relevance_check_is_not_called_by_later_backward_passes():
+    """A loss on the relevance runs a backward pass through the graph the call kept: the check watches the
+    relevance pass only."""
+    net = mlp()
+    seen = []
+    lrp = LRP(net, PRESETS["EpsilonPlus"](), in_keys=["x"], out_keys=["y"], create_graph=True, layers=["2"],
+              relevance_check=lambda *args: seen.append(args[0]))  # fmt: skip
+    td = lrp(TensorDict(x=torch.randn(4, 5, dtype=torch.float64), batch_size=[4]))
+    calls = len(seen)
+    (td["relevance", "x"].sum() + td["relevance", "2"].sum()).backward()
+    assert calls == 5 and len(seen) == calls  # the three Linear layers and the two Tanh

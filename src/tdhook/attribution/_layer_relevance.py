@@ -28,7 +28,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from tdhook.attribution.rules.base import RemovableRuleHandle, layer_call_of
+from tdhook.attribution.rules._keeping_graph import graph_kept
+from tdhook.attribution.rules.base import RemovableRuleHandle, layer_call_of, rules_apply
 from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
 
 __all__ = ["LayerRelevance", "OutputRelevance", "RelevanceCheck", "add_check_hooks"]
@@ -69,9 +70,13 @@ class OutputRelevance:
     def _hook(self, tensor: torch.Tensor, merged: bool) -> None:
         if not tensor.requires_grad:
             return
-        value = tensor.detach().clone()  # later in-place operations must not change it
+        # A copy (later in-place operations must not change it); with its history in a call that keeps the graph.
+        relevance_pass = graph_kept()
+        value = tensor.detach().clone() if relevance_pass is None else tensor.clone()
 
         def record(grad: torch.Tensor) -> None:
+            if relevance_pass is not None and not relevance_pass.is_running:
+                return  # a later backward pass through the graph the call kept (a loss on the relevance)
             if merged or not self.merged:
                 self.value, self.merged = value * grad, merged
 
@@ -117,7 +122,7 @@ class LayerRelevance:
         """
 
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if not torch.is_grad_enabled():
+            if not rules_apply():  # no gradient, or no call of the model's (the Taylor rule's at its reference)
                 return
             if not isinstance(output, torch.Tensor):
                 raise TypeError(
@@ -184,7 +189,7 @@ def add_check_hooks(
         return sum(r for h in handles for t, r in h.records if t is x)
 
     def pre_hook(module: nn.Module, args: tuple) -> tuple | None:
-        if torch.is_grad_enabled() and len(args) == 1 and isinstance(args[0], torch.Tensor):
+        if rules_apply() and len(args) == 1 and isinstance(args[0], torch.Tensor):
             if args[0].requires_grad:
                 # A view of its own, so that the gradient seen is this module's share only,
                 # even when the input also feeds other modules (a residual branch).
@@ -195,12 +200,17 @@ def add_check_hooks(
 
     def forward_hook_for(name: str) -> Callable[[nn.Module, tuple, Any], None]:
         def forward_hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
+            if not (rules_apply() and isinstance(output, torch.Tensor) and output.requires_grad):
                 return
             if len(args) != 1 or not hasattr(args[0], "_tdhook_alias_of"):
                 return
-            x, out = args[0], OutputRelevance.watch(output)
-            x.register_hook(lambda g: check(name, module, x.detach() * g + records_for(x), out.total()))
+            x, out, relevance_pass = args[0], OutputRelevance.watch(output), graph_kept()
+
+            def run_check(grad: torch.Tensor) -> None:
+                if relevance_pass is None or relevance_pass.is_running:  # not a later pass through a kept graph
+                    check(name, module, x.detach() * grad + records_for(x), out.total())
+
+            x.register_hook(run_check)
 
         return forward_hook
 
