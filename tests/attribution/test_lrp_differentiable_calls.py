@@ -214,3 +214,43 @@ def test_a_relevance_check_is_not_called_by_later_backward_passes():
     calls = len(seen)
     (td["relevance", "x"].sum() + td["relevance", "2"].sum()).backward()
     assert calls == 5 and len(seen) == calls  # the three Linear layers and the two Tanh
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap", "jvp", "jacrev"])
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_a_call_under_a_torch_func_transform_is_refused(transform, create_graph):
+    net = mlp()
+    lrp = LRP(net, PRESETS["EpsilonPlusFlat"](), in_keys=["x"], out_keys=["y"], create_graph=create_graph)
+    x = torch.randn(4, 5, dtype=torch.float64)
+
+    def total(x: torch.Tensor) -> torch.Tensor:
+        return lrp(TensorDict(x=x, batch_size=x.shape[:1]))["relevance", "x"].sum()
+
+    run = {
+        "grad": lambda: torch.func.grad(total)(x),
+        "vmap": lambda: torch.func.vmap(lambda row: total(row.unsqueeze(0)))(x),
+        "jvp": lambda: torch.func.jvp(total, (x,), (torch.ones_like(x),)),
+        "jacrev": lambda: torch.func.jacrev(total)(x),
+    }[transform]
+    with pytest.raises(NotImplementedError, match="torch.func transform"):
+        run()
+    assert all(not m._forward_hooks for m in net.modules())
+
+
+def test_functional_call_reaches_the_parameters_it_is_given():
+    net = mlp()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    weights = torch.randn(4, 5, dtype=torch.float64)
+    lrp = LRP(net, PRESETS["EpsilonGammaBox"](), in_keys=["x"], out_keys=["y"], create_graph=True)
+    given = {f"module.{name}": p.detach() * 1.5 for name, p in net.named_parameters()}
+    for p in given.values():
+        p.requires_grad_(True)
+    rel = torch.func.functional_call(lrp, given, (TensorDict(x=x, batch_size=[4]),))["relevance", "x"]
+    got = torch.autograd.grad((rel * weights).sum(), list(given.values()))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.mul_(1.5)
+    expected_rel = lrp(TensorDict(x=x, batch_size=[4]))["relevance", "x"]
+    expected = torch.autograd.grad((expected_rel * weights).sum(), list(net.parameters()))
+    assert relative_error(rel.detach(), expected_rel.detach()) < 1e-12
+    assert all(relative_error(a, b) < 1e-12 for a, b in zip(got, expected, strict=True))

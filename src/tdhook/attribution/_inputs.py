@@ -125,8 +125,16 @@ def validate_inputs(tensordict: TensorDictBase, keys: Sequence[NestedKey]) -> No
         TypeError: an input is not a floating-point or integer tensor (a tensorclass or TensorDict is named
             with its entries' keys), or the TensorDict is a tensorclass (its fields cannot take the results).
         RuntimeError: ``torch.inference_mode()`` is active: no gradient, so no relevance.
+        NotImplementedError: the call runs under a ``torch.func`` transform (``grad``, ``vmap``, ...).
         ValueError: an input is on the meta device (no values to explain).
     """
+    if torch._C._are_functorch_transforms_active():
+        raise NotImplementedError(
+            "LRP: the call runs under a torch.func transform (grad, vjp, jacrev, jvp, vmap), which does not run "
+            "the autograd backward pass and hooks the rules work through; call the wrapper outside it, and take "
+            "the relevance's derivative with LRP(..., create_graph=True) and torch.autograd.grad "
+            "(torch.func.functional_call is fine)"
+        )
     if torch.is_inference_mode_enabled():
         raise RuntimeError(
             "LRP: torch.inference_mode() is active around the call; inference mode blocks the gradients that "
