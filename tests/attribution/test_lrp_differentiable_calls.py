@@ -254,3 +254,35 @@ def test_functional_call_reaches_the_parameters_it_is_given():
     expected = torch.autograd.grad((expected_rel * weights).sum(), list(net.parameters()))
     assert relative_error(rel.detach(), expected_rel.detach()) < 1e-12
     assert all(relative_error(a, b) < 1e-12 for a, b in zip(got, expected, strict=True))
+
+
+class TestSwitchedOnInAnOpenContext:
+    def test_the_relevance_keeps_its_graph(self):
+        """``create_graph`` set on a wrapper whose context is open: later calls keep the graph (the plan the
+        context made for ordinary calls does not)."""
+        net = mlp()
+        x = torch.randn(4, 5, dtype=torch.float64)
+        weights = torch.randn(4, 5, dtype=torch.float64)
+        lrp = LRP(net, PRESETS["EpsilonPlus"](), in_keys=["x"], out_keys=["y"])
+        expected = LRP(net, PRESETS["EpsilonPlus"](), in_keys=["x"], out_keys=["y"], create_graph=True)
+        (wanted,) = torch.autograd.grad((expected(TensorDict(x=x, batch_size=[4]))["relevance", "x"] * weights).sum(),
+                                        net[0].weight)  # fmt: skip
+        with lrp:
+            for _ in range(3):
+                lrp(TensorDict(x=x, batch_size=[4]))
+            lrp.create_graph = True
+            rel = lrp(TensorDict(x=x, batch_size=[4]))["relevance", "x"]
+        assert rel.requires_grad
+        (got,) = torch.autograd.grad((rel * weights).sum(), net[0].weight)
+        assert relative_error(got, wanted) < 1e-12
+
+    def test_a_rule_that_cannot_keep_the_graph_is_refused(self):
+        class FirstOrderOnly(EpsilonRule):
+            differentiable = False
+
+        net = mlp()
+        lrp = LRP(net, {"2": FirstOrderOnly()}, in_keys=["x"], out_keys=["y"])
+        with lrp:
+            lrp.create_graph = True
+            with pytest.raises(NotImplementedError, match="FirstOrderOnly.*Linear"):
+                lrp(TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2]))

@@ -17,12 +17,12 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from tdhook.attribution.rules._keeping_graph import RelevancePass, keeping_graph
-from tdhook.attribution.rules.base import Rule
+from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 
 __all__ = ["check_differentiable", "relevance_graph", "rules_off"]
 
@@ -50,16 +50,30 @@ def check_differentiable(rules: Mapping[str, Rule], mapper: object = None) -> No
             )
 
 
-def relevance_graph(keep: bool) -> AbstractContextManager[RelevancePass | None]:
+def relevance_graph(
+    keep: bool, handles: Sequence[RemovableRuleHandle] | None = None
+) -> AbstractContextManager[RelevancePass | None]:
     """The call's :class:`~tdhook.attribution.rules._keeping_graph.RelevancePass` while the block runs when
     ``keep`` (``create_graph=True``), else ``None`` and nothing changed.
+
+    Raises:
+        NotImplementedError: ``keep``, and a rule of ``handles`` (the open context's, registered before
+            ``create_graph`` was switched on) cannot keep the relevance's graph.
 
     Examples:
         >>> with relevance_graph(False) as relevance_pass:
         ...     relevance_pass is None
         True
     """
-    return keeping_graph() if keep else _NO_GRAPH
+    if not keep:
+        return _NO_GRAPH
+    for handle in handles or ():
+        if not handle.rule.differentiable:
+            raise NotImplementedError(
+                f"LRP(create_graph=True): the rule {handle.rule!r} on a {type(handle.module).__name__} cannot keep "
+                "the relevance's graph, so its derivative would be wrong; map that module to a rule that can"
+            )
+    return keeping_graph()
 
 
 _NO_GRAPH = nullcontext()  # reusable: entering it does nothing (cheaper than a generator's context per call)

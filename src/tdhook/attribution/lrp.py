@@ -404,7 +404,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._layers.clear()
         self._tokens.clear()
         try:
-            with torch.enable_grad(), relevance_graph(self.create_graph and not self._inactive) as graph:
+            with torch.enable_grad(), relevance_graph(self.create_graph and not self._inactive, self._handles) as graph:
                 planned = planned_call(self, explained, work)  # a chain of layers: no hooks, modes or autograd
                 # Integer tokens are fed to TokenInputs: the relevance of their embeddings stands for them.
                 leaves, fed = planned_feed(
