@@ -65,6 +65,17 @@ class TestResult:
         assert params[0] == params[1] and runs[0].best_value == runs[1].best_value
         assert params[0] != params[2]
 
+    def test_a_seeded_random_explainer_gives_the_same_result(self):
+        """SmoothGrad draws noise from a generator of its own: with its seed set, every trial draws the same noise,
+        the same seed gives the same values, and the best value is what the best explainer gives."""
+        from tdhook.attribution import SmoothGrad
+
+        td = observations()
+        runs = [tune(SmoothGrad(policy(), seed=0), td, attribution_aopc, n_trials=4, progress=False) for _ in "ab"]
+        assert [t.value for t in runs[0].study.trials] == [t.value for t in runs[1].study.trials]
+        best = runs[0].explainer
+        assert attribution_aopc(best.module, best(td.clone())).double().mean().item() == runs[0].best_value
+
     def test_a_method_with_an_integer_and_a_categorical_parameter(self):
         explainer, td = IntegratedGradients(policy(), n_steps=8), observations()
         result = tune(explainer, td, attribution_aopc, n_trials=5, progress=False)
