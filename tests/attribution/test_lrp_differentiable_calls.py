@@ -15,7 +15,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from tdhook.attribution import LRP
+from tdhook.attribution import CPLRP, LRP
 from tdhook.attribution.mappers.presets import EpsilonGammaBox, EpsilonPlus, EpsilonPlusFlat
 from tdhook.attribution.rules import EpsilonRule, TaylorDecompositionRule
 from tests.conftest import relative_error
@@ -286,3 +286,36 @@ class TestSwitchedOnInAnOpenContext:
             lrp.create_graph = True
             with pytest.raises(NotImplementedError, match="FirstOrderOnly.*Linear"):
                 lrp(TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2]))
+
+
+@pytest.mark.filterwarnings("ignore:LRP. EpsilonRule")  # out_proj, computed by its parent (a known warning)
+@pytest.mark.parametrize("kind", ["TransformerEncoderLayer", "LSTM"])
+def test_a_caller_without_gradient_gets_the_same_derivative(kind):
+    """A collector's ``torch.no_grad()`` around the call: the modules whose kernels depend on the grad mode give
+    that mode's values, and the derivative still runs through them."""
+    torch.manual_seed(0)
+    if kind == "LSTM":
+
+        class Model(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.lstm, self.head = nn.LSTM(4, 6, batch_first=True), nn.Linear(6, 2)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.head(self.lstm(x)[0][:, -1])
+
+        model, x = Model(), torch.randn(3, 5, 4)  # float32: another kernel without gradient
+    else:
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval()
+        model, x = nn.Sequential(layer, nn.Flatten(), nn.Linear(24, 3)), torch.randn(2, 3, 8)
+    weights = torch.randn_like(x)
+    grads = []
+    for grad_mode in (torch.enable_grad, torch.no_grad):
+        mapper = CPLRP(epsilon=0.1) if kind == "TransformerEncoderLayer" else PRESETS["EpsilonPlus"]()
+        lrp = LRP(model, mapper, in_keys=["x"], out_keys=["y"], create_graph=True)
+        with grad_mode():
+            td = lrp(TensorDict(x=x, batch_size=x.shape[:1]))
+        loss = (td["relevance", "x"] * weights).sum() + td["y"].sum()
+        grads.append(torch.autograd.grad(loss, list(model.parameters())))
+    for got, expected in zip(*grads, strict=True):
+        assert relative_error(got, expected) < 1e-5

@@ -42,7 +42,6 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
-from tdhook.attribution.rules._autograd import redirect
 from tdhook.attribution.rules.base import plain_calls
 
 __all__ = ["called_in_grad_mode", "caller_grad_enabled", "caller_values"]
@@ -103,9 +102,23 @@ def _draws_dropout(module: nn.Module) -> bool:
     return False
 
 
+class _CallerValues(torch.autograd.Function):
+    """``value``'s numbers with ``output``'s gradient, in every backward pass: the relevance pass's and, in a call
+    that keeps the graph, any later one (the derivative of a loss on the relevance or on the outputs)."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        ctx.mark_dirty(value)  # the very storage of the values, with this node as its history
+        return value
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, grad
+
+
 def _route(value: Any, output: Any) -> Any:
     if isinstance(output, torch.Tensor) and output.requires_grad and isinstance(value, torch.Tensor):
-        return redirect(value, [output], lambda grad: [grad])
+        return _CallerValues.apply(value.detach(), output)
     return output
 
 
