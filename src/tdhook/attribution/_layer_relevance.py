@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from tdhook.attribution.rules._set_relevance import pop_set_relevance, watch
 from tdhook.attribution.rules.base import RemovableRuleHandle, layer_call_of
 from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
 
@@ -70,10 +71,14 @@ class OutputRelevance:
         if not tensor.requires_grad:
             return
         value = tensor.detach().clone()  # later in-place operations must not change it
+        watch(tensor)  # a first-layer rule reading it leaves there the relevance its gradient does not carry
 
         def record(grad: torch.Tensor) -> None:
+            set_there = pop_set_relevance(tensor)
             if merged or not self.merged:
                 self.value, self.merged = value * grad, merged
+                if set_there is not None:
+                    self.value = self.value + set_there
 
         tensor.register_hook(record)
 
