@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from tdhook.attribution.rules._keeping_graph import graph_kept
+from tdhook.attribution.rules._set_relevance import pop_set_relevance, watch
 from tdhook.attribution.rules.base import RemovableRuleHandle, layer_call_of, rules_apply
 from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
 
@@ -73,12 +74,16 @@ class OutputRelevance:
         # A copy (later in-place operations must not change it); with its history in a call that keeps the graph.
         relevance_pass = graph_kept()
         value = tensor.detach().clone() if relevance_pass is None else tensor.clone()
+        watch(tensor)  # a first-layer rule reading it leaves there the relevance its gradient does not carry
 
         def record(grad: torch.Tensor) -> None:
             if relevance_pass is not None and not relevance_pass.is_running:
                 return  # a later backward pass through the graph the call kept (a loss on the relevance)
+            set_there = pop_set_relevance(tensor)
             if merged or not self.merged:
                 self.value, self.merged = value * grad, merged
+                if set_there is not None:
+                    self.value = self.value + set_there
 
         tensor.register_hook(record)
 

@@ -9,7 +9,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from tdhook.attribution import CPLRP, LRP, AttnLRP, EpsilonPlus
+from tdhook.attribution import CPLRP, LRP, AttnLRP, EpsilonPlus, EpsilonPlusFlat
 from tdhook.attribution.rules.basic import EpsilonRule
 from tdhook.attribution.rules.quantized import QuantizedLinearRule
 from tests.conftest import relative_error, tdhook_relevance
@@ -54,6 +54,21 @@ def test_quantized_mlp_gets_the_epsilon_rule_on_its_dequantized_weights(preset):
     expected = LRP(reference, preset(rule_mapper=mapper), in_keys=["x"], out_keys=["y"], target=td["y"].argmax(-1))
     # The dequantized float layer computes what the quantized one does up to the activations' int8 rounding.
     assert relative_error(relevance, expected(TensorDict(x=x, batch_size=[5]))["relevance", "x"]) <= 0.05
+
+
+def test_a_float_layer_after_a_quantized_one_is_no_first_layer():
+    # Quantizing only the first layer: the float layer after it reads a layer's output, so a preset's first-layer
+    # rule (Flat) does not go on it (it did, as if the quantized layer were glue: 10 times off, relative).
+    mlp, _ = quantized_mlp()
+    quantized = torch.ao.quantization.quantize_dynamic(mlp, {"0"}, dtype=torch.qint8)
+    assert isinstance(quantized[0], torch.ao.nn.quantized.dynamic.Linear) and type(quantized[2]) is nn.Linear
+    td = TensorDict(x=torch.randn(5, 8), batch_size=[5])
+
+    def relevance(mapper) -> torch.Tensor:
+        return LRP(quantized, mapper, in_keys=["x"], out_keys=["y"], target=0)(td.clone())["relevance", "x"]
+
+    # No Linear layer is reached first: EpsilonPlusFlat is EpsilonPlus, to the bit.
+    assert torch.equal(relevance(EpsilonPlusFlat()), relevance(EpsilonPlus()))
 
 
 def test_the_rule_on_one_layer_matches_the_epsilon_rule():

@@ -138,10 +138,10 @@ def carry_back(
     leaves, through_layer = input_leaves(x)
     if through_layer:
         raise GlueError(
-            f"{who}: the layer's input mixes the model inputs with the output of another Linear or convolution "
-            "layer, so the relevance this rule sets at its zero entries cannot be given to the explained inputs; "
-            "use this rule on the first layer only (a preset's first-layer rule: map this layer to another rule in "
-            "rule_mapper)"
+            f"{who}: the layer's input mixes the model inputs with the output of another Linear, convolution or "
+            "recurrent layer, so the relevance this rule sets at its zero entries cannot be given to the explained "
+            "inputs; use this rule on the first layer only (a preset's first-layer rule: map this layer to another "
+            "rule in rule_mapper)"
         )
     rows = relevance != 0
     if mixed is not None:

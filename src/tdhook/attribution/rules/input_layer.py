@@ -25,6 +25,7 @@ from tdhook.attribution.rules._input_gradients import (
 )
 from tdhook.attribution.rules._layers import bias_view, check_layer_forward
 from tdhook.attribution.rules._numerics import pieces, safe_divide, signed_shift, stabilize
+from tdhook.attribution.rules._set_relevance import note_set_relevance
 from tdhook.attribution.rules.base import (
     _UNPREPARED,
     _ZERO_BIAS,
@@ -126,28 +127,31 @@ class _DirectInputRule(_ModifiedForwardRule):
         z_mod = self.modified_output(module, registration, params, stand_ins, z.shape)
         start = grad * z / stabilize(z_mod, self.stabilizer)
         grads = torch.autograd.grad(z_mod, stand_ins, start, create_graph=True, allow_unused=True)
-        relevance = self.relevance(stand_ins, grads)
+        relevance = set_at_x = self.relevance(stand_ins, grads)
         whole = whole_records(self, module, x, relevance)
         if whole is not None:  # computed by glue position by position, as in input_gradient
             records, relevance = whole
             registration.records.extend(records)
         grad_x = safe_divide(relevance, x)
         registration.records.append((x, relevance - x * grad_x))
+        note_set_relevance(x, set_at_x, carried=x * grad_x)
         return grad_x
 
     def input_gradient(self, module, registration, params, x, z, grad):
         value = x.detach()
-        relevance = self.direct_relevance(module, registration, params, value, z, grad)
+        relevance = set_at_x = self.direct_relevance(module, registration, params, value, z, grad)
         whole = whole_records(self, module, x, relevance)
         if whole is not None:  # computed by glue position by position: each input position gets its relevance
             records, relevance = whole  # what is left: that of positions mixing several inputs, to the gradient
             registration.records.extend(records)
             if not bool(relevance.any()):
+                note_set_relevance(x, set_at_x)  # for the relevance of a module whose output is x (``layers``)
                 return torch.zeros_like(value)
         with torch.no_grad():
             grad_x = safe_divide(relevance, value)
         # The gradient carries R = x * grad_x; what it cannot carry (where x = 0) is recorded.
         registration.records.extend(rest_records(self, module, x, relevance - value * grad_x))
+        note_set_relevance(x, set_at_x, carried=value * grad_x)
         return grad_x
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tdhook.attribution.rules._autograd import redirect
-from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, _call_arguments
+from tdhook.attribution.rules.base import _LAYER_MARK, RemovableRuleHandle, Rule, _call_arguments
 from tdhook.attribution.tunables import EPSILON
 
 __all__ = ["QuantizedLinearRule", "is_quantized_linear", "holds_packed_weights"]
@@ -94,4 +94,7 @@ class QuantizedLinearRule(Rule):
         weight = module.weight().dequantize().to(x.dtype)
         z = output.detach()
         scale = z.abs() / (z.abs() + self.epsilon)  # z / stabilize(z, ε), exactly
-        return redirect(output, [x], lambda grad: [(grad * scale).to(x.dtype) @ weight])
+        routed = redirect(output, [x], lambda grad: [(grad * scale).to(x.dtype) @ weight])
+        if routed.grad_fn is not None:  # a layer's output: the layers it feeds are no first layers
+            routed.grad_fn.metadata[_LAYER_MARK] = True
+        return routed

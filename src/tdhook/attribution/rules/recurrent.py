@@ -36,7 +36,7 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._autograd import hold, redirect, scale_gradient
 from tdhook.attribution.rules._numerics import safe_divide, stabilize
-from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
+from tdhook.attribution.rules.base import _LAYER_MARK, RemovableRuleHandle, Rule
 from tdhook.attribution.tunables import EPSILON
 
 __all__ = ["RecurrentRule", "is_recurrent", "lstm_step", "gru_step"]
@@ -239,8 +239,13 @@ def _check_close(module: nn.Module, recomputed: torch.Tensor, output: torch.Tens
 
 
 def _through(output: torch.Tensor, recomputed: torch.Tensor) -> torch.Tensor:
-    """``output``'s value with its gradient sent to ``recomputed``."""
-    return redirect(output, [recomputed], lambda grad: [grad])
+    """``output``'s value with its gradient sent to ``recomputed``, marked as a layer's output: the layers it feeds
+    are not first layers (the walks of the first-layer rule and of the glue before it stop there, as at a Linear
+    layer's output)."""
+    routed = redirect(output, [recomputed], lambda grad: [grad])
+    if routed.grad_fn is not None:
+        routed.grad_fn.metadata[_LAYER_MARK] = True
+    return routed
 
 
 class RecurrentRule(Rule):

@@ -1,0 +1,45 @@
+"""Relevance a rule sets at its input directly, kept for the inner-layer relevance of the tensor it was set at.
+
+Flat, w² and z^B set the relevance of their layer's input ``x``, zero entries included; the gradient carries only
+``x · grad`` of it, and the rest goes to the explained inputs as records. The wrapper's inner-layer relevance
+(``layers``) of a module whose output is ``x`` (a ``Flatten``, a normaliser before the first layer) reads
+``x · grad`` at ``x``: it marks such a tensor as watched, and the rule leaves what the gradient does not carry on
+it, for the watcher to add.
+
+Examples:
+    >>> x = torch.tensor([0.0, 2.0])
+    >>> watch(x)
+    >>> note_set_relevance(x, torch.tensor([1.0, 3.0]), carried=torch.tensor([0.0, 3.0]))
+    >>> pop_set_relevance(x), pop_set_relevance(x)
+    (tensor([1., 0.]), None)
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["watch", "note_set_relevance", "pop_set_relevance"]
+
+_WATCHED = "_tdhook_watched"
+_SET = "_tdhook_set_relevance"
+
+
+def watch(tensor: torch.Tensor) -> None:
+    """Mark ``tensor`` (a module's output whose relevance the wrapper reads) for :func:`note_set_relevance`."""
+    setattr(tensor, _WATCHED, True)
+
+
+def note_set_relevance(x: torch.Tensor, whole: torch.Tensor, carried: torch.Tensor | None = None) -> None:
+    """Leave on ``x`` (or the tensor it is an alias of), if it is watched, the relevance ``whole`` a rule set at it
+    less what its gradient carries (``carried``, ``x · grad``; none where ``None``), added to what is there."""
+    source = getattr(x, "_tdhook_alias_of", x)
+    if not getattr(source, _WATCHED, False):
+        return
+    rest = whole if carried is None else whole - carried
+    prior = source.__dict__.get(_SET)
+    setattr(source, _SET, rest if prior is None else prior + rest)
+
+
+def pop_set_relevance(tensor: torch.Tensor) -> torch.Tensor | None:
+    """What :func:`note_set_relevance` left on ``tensor`` since the last pop (``None`` if nothing)."""
+    return tensor.__dict__.pop(_SET, None)
