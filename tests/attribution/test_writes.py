@@ -93,3 +93,25 @@ def test_a_lazy_stack_gets_the_results_of_its_dense_batch_and_keeps_its_own_entr
     for part, before in zip(parts, entries, strict=True):
         assert all(part.get(key) is value for key, value in before.items())  # the caller's tensors, not copies
         assert set(part.keys(include_nested=True, leaves_only=True)) == {"x", "extra", "y", ("relevance", "x")}
+
+
+@pytest.mark.parametrize("method", ["LRP", "Saliency"])
+@pytest.mark.parametrize("how", ["lock_", "memmap_"])
+def test_a_locked_tensordict_is_refused_before_the_model_runs_naming_the_keys(method, how, tmp_path):
+    """A locked TensorDict (``lock_()``, ``memmap_()``) takes no new key: the call ran the model and every backward
+    pass, then failed in tensordict's write with a message that named no key."""
+    import tdhook.attribution as attribution
+
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2)
+    calls = []
+    layer.register_forward_hook(lambda *_: calls.append(1))
+    net = TensorDictModule(layer, in_keys=["x"], out_keys=["y"])
+    td = TensorDict(x=torch.randn(4, 3), batch_size=[4])
+    td = td.lock_() if how == "lock_" else td.memmap_(tmp_path)
+    before = dict(td.items())
+    wrapper = getattr(attribution, method)(net)
+    with pytest.raises(RuntimeError, match=r"is locked.*\('(relevance|attribution)', 'x'\).*unlock_\(\)"):
+        wrapper(td)
+    assert not calls
+    assert dict(td.items()).keys() == before.keys() and all(td.get(k) is v for k, v in before.items())
