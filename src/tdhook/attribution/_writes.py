@@ -26,7 +26,7 @@ from tensordict.utils import NestedKey
 
 from tdhook.attribution._keys import as_tuple
 
-__all__ = ["model_updates", "relevance_updates", "returned_tensordict", "set_all_or_nothing"]
+__all__ = ["has_lazy_stack", "model_updates", "relevance_updates", "returned_tensordict", "set_all_or_nothing"]
 
 
 def returned_tensordict(tensordict: TensorDictBase, result: TensorDictBase, name: str = "LRP") -> TensorDictBase:
@@ -90,7 +90,7 @@ def model_updates(
     """
     explained = set(explained_keys)
     updates: dict[Any, Any] = {}
-    if _has_lazy_stack(result):
+    if has_lazy_stack(result):
         return _lazy_stack_updates(tensordict, result, explained, fed, detach)
     # items() rather than keys() and get(): several times cheaper on a small TensorDict.
     for key, value in result.items(include_nested=True, leaves_only=True):
@@ -102,11 +102,18 @@ def model_updates(
     return updates
 
 
-def _has_lazy_stack(tensordict: TensorDictBase) -> bool:
-    """Whether ``tensordict`` is, or holds, a ``LazyStackedTensorDict`` (whose ``get`` stacks a new tensor)."""
+def has_lazy_stack(tensordict: TensorDictBase) -> bool:
+    """Whether ``tensordict`` is, or holds, a ``LazyStackedTensorDict`` (whose ``get`` stacks a new tensor).
+
+    Examples:
+        >>> from tensordict import LazyStackedTensorDict, TensorDict
+        >>> parts = [TensorDict(x=torch.zeros(i + 1)) for i in range(2)]
+        >>> has_lazy_stack(TensorDict(x=torch.zeros(2))), has_lazy_stack(TensorDict(a=LazyStackedTensorDict(*parts)))
+        (False, True)
+    """
     if isinstance(tensordict, LazyStackedTensorDict):
         return True
-    return any(_has_lazy_stack(value) for value in tensordict.values() if isinstance(value, TensorDictBase))
+    return any(has_lazy_stack(value) for value in tensordict.values() if isinstance(value, TensorDictBase))
 
 
 def _stacked_leaves(tensordict: Any, key: tuple) -> list | None:

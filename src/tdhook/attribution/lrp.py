@@ -411,7 +411,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
                     planned, work, self.explained_keys, self._tokens, explained, self.create_graph
                 )
                 try:
-                    result, calls = (planned.run(work), None) if planned else run_model(self, work)
+                    result, calls = (planned.run(work), None) if planned else run_model(self, work, leaves, fed)
                     self._function_gates.settle()
                 except Exception as err:
                     self._tokens.raise_for_unembedded(leaves, err)
