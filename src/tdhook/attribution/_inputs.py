@@ -31,6 +31,7 @@ from torchrl.modules import GRUModule, LSTMModule
 
 from tdhook.attribution._keys import as_tuple
 from tdhook.attribution._tokens import TokenInputs
+from tdhook.attribution.rules._glue import mark_input_leaf
 
 __all__ = [
     "dtype_mismatch",
@@ -184,7 +185,8 @@ def feed_inputs(
         explained: per key, whether this call explains it (see :func:`explained_in_call`); the others are
             left as they are. Defaults to all.
         keep_graph: take an input that requires grad as it is, with its history, in place of a fresh leaf
-            (differentiable relevance: its derivative reaches the caller's tensor).
+            (differentiable relevance: its derivative reaches the caller's tensor), through a view of each key's
+            own, so that each key gets its own path's gradient (one tensor under several keys).
 
     Returns:
         The leaves the relevance is taken for and the tensors fed to the
@@ -203,7 +205,13 @@ def feed_inputs(
             continue
         if value.is_inference():  # made under torch.inference_mode(): a normal copy can require grad
             value = value.clone()
-        leaf = value if keep_graph and value.requires_grad else value.detach().requires_grad_(True)
+        if keep_graph and value.requires_grad:
+            # The caller's tensor, with its history, through a view of this key's own: the gradient of this key's
+            # path alone where one tensor is under several keys (or another key is computed from it).
+            leaf = value.view_as(value)
+            mark_input_leaf(leaf)  # where glue carries relevance back, it stops here
+        else:
+            leaf = value.detach().requires_grad_(True)
         fed.append(leaf.clone())
         # A copy of the value ``work`` holds at ``key``: checked already (batch size, device), set as it is.
         work._set_tuple(as_tuple(key), fed[-1], inplace=False, validated=True, non_blocking=False)

@@ -30,15 +30,17 @@ but not its hash).
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import nn
 
 from tdhook.attribution.rules._autograd import relevance_pass_edges
 
-__all__ = ["GlueError", "carry_back", "input_leaves", "rest_records", "whole_records"]
+__all__ = ["GlueError", "carry_back", "input_leaves", "mark_input_leaf", "rest_records", "whole_records"]
 
 _LAYER_MARK = "tdhook_layer"  # the autograd metadata key set on Linear and convolution outputs (see base._mark)
+_INPUT_MARK = "tdhook_input_leaf"  # on the node of an explained input that has a history (see mark_input_leaf)
 
 
 class GlueError(ValueError):
@@ -52,8 +54,25 @@ class GlueError(ValueError):
         self.module = module
 
 
+def mark_input_leaf(x: torch.Tensor) -> None:
+    """Make ``x``, an explained input that has a history (a call that keeps the relevance's graph takes the
+    caller's tensor as it is), a leaf to :func:`input_leaves`: the walk stops at it rather than at the leaves of its
+    history, so that relevance carried back through glue reaches the input it is explained for.
+
+    Examples:
+        >>> source = torch.ones(2, requires_grad=True)
+        >>> explained = (source * 3).view_as(source)
+        >>> mark_input_leaf(explained)
+        >>> input_leaves(explained / 2)[0][0] is explained
+        True
+    """
+    if x.grad_fn is not None:
+        x.grad_fn.metadata[_INPUT_MARK] = weakref.ref(x)
+
+
 def input_leaves(x: torch.Tensor) -> tuple[list[torch.Tensor], bool]:
-    """The non-parameter leaves ``x`` is computed from, and whether its graph also passes through a layer.
+    """The non-parameter leaves ``x`` is computed from, and whether its graph also passes through a layer
+    (an explained input marked by :func:`mark_input_leaf` is a leaf).
 
     Examples:
         >>> u = torch.ones(2, requires_grad=True)
@@ -73,6 +92,10 @@ def input_leaves(x: torch.Tensor) -> tuple[list[torch.Tensor], bool]:
         seen.add(node)
         if node.metadata.get(_LAYER_MARK, False):
             through_layer = True
+            continue
+        marked = node.metadata.get(_INPUT_MARK)
+        if marked is not None and marked() is not None:
+            leaves.setdefault(id(marked()), marked())
             continue
         variable = getattr(node, "variable", None)
         if variable is not None:
