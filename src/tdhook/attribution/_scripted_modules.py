@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-__all__ = ["refuse_scripted_modules"]
+__all__ = ["refuse_scripted_modules", "refuse_unreachable_relus"]
 
 
 def refuse_scripted_modules(modules: Mapping[str, nn.Module]) -> None:
@@ -78,3 +78,38 @@ def _aten_operators(module: nn.Module) -> list[str]:
         if node.op == "call_function" and isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
     )
     return list(found)
+
+
+def refuse_unreachable_relus(modules: Mapping[str, nn.Module], owner: str) -> None:
+    """Raise where one of ``modules`` computes ReLU as TorchScript or as an ATen operator, where no forward hook on
+    an ``nn.ReLU`` reaches (a method that guides each ReLU module's gradient would leave it plain).
+
+    Args:
+        modules: the model's modules by name.
+        owner: the method's name, at the head of the message.
+
+    Raises:
+        TypeError: naming the first such module and what to do.
+
+    Examples:
+        >>> from torch import nn
+        >>> scripted = torch.jit.script(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+        >>> refuse_unreachable_relus(dict(scripted.named_modules()), "GuidedBackprop")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: GuidedBackprop: module 'the model itself' (Sequential compiled by torch.jit) computes ReLU ...
+        >>> refuse_unreachable_relus(dict(nn.Sequential(nn.Linear(2, 2), nn.ReLU()).named_modules()), "GuidedBackprop")
+    """
+    for name, module in modules.items():
+        if isinstance(module, torch.jit.ScriptModule):
+            kind = f"{getattr(module, 'original_name', type(module).__name__)} compiled by torch.jit"
+            computes = "aten::relu" in str(module.inlined_graph)
+        else:
+            kind = "GraphModule" if isinstance(module, torch.fx.GraphModule) else type(module).__name__
+            computes = any(op.startswith("aten.relu") for op in _aten_operators(module))
+        if computes:
+            raise TypeError(
+                f"{owner}: module {name or 'the model itself'!r} ({kind}) computes ReLU as TorchScript or an ATen "
+                "operator, where no forward hook on an nn.ReLU reaches: its ReLUs would keep their plain gradient. "
+                "Explain the module as it was before torch.jit or torch.export."
+            )
