@@ -75,9 +75,17 @@ def _aten_operators(module: nn.Module) -> list[str]:
     found = dict.fromkeys(
         str(node.target.overloadpacket if isinstance(node.target, torch._ops.OpOverload) else node.target)
         for node in graph.nodes
-        if node.op == "call_function" and isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+        if node.op == "call_function" and _is_aten(node.target)
     )
     return list(found)
+
+
+def _is_aten(target: object) -> bool:
+    """Whether a graph node's target is an ATen operator (not a custom operator of ``torch.library``, which an
+    eager model calls alike)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target.namespace == "aten"
+    return isinstance(target, torch._ops.OpOverloadPacket) and target._qualified_op_name.startswith("aten::")
 
 
 def refuse_unreachable_relus(modules: Mapping[str, nn.Module], owner: str) -> None:
