@@ -87,3 +87,31 @@ def test_a_graph_module_of_torch_fx_symbolic_trace_keeps_its_layers_and_is_expla
     expected = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[3]))
     got = LRP(traced, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[3]))
     torch.testing.assert_close(got["relevance", "x"], expected["relevance", "x"], rtol=0, atol=0)
+
+
+@torch.library.custom_op("tdhook_tests::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+_twice.register_autograd(lambda ctx, grad: grad * 2)
+
+
+class CallsACustomOperator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(torch.ops.tdhook_tests.twice(x))
+
+
+@pytest.mark.filterwarnings("ignore:LRP.*computes twice:UserWarning")  # the custom operator keeps its gradient
+def test_a_traced_graph_calling_a_custom_operator_is_explained_as_its_eager_form():
+    # A custom operator of torch.library is called alike by the eager model and its graph: not refused as ATen.
+    model = CallsACustomOperator()
+    traced = torch.fx.symbolic_trace(model)
+    x = torch.randn(3, 5, dtype=torch.float64)
+    expected = LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[3]))
+    got = LRP(traced, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[3]))
+    torch.testing.assert_close(got["relevance", "x"], expected["relevance", "x"], rtol=0, atol=0)
