@@ -248,6 +248,56 @@ def test_a_call_run_again_in_the_mode_starts_from_the_inputs_it_was_given(monkey
     assert relative_error(again["relevance", "x"], by_hand(model, 2 * x)) < 1e-12  # x times the gradient in x
 
 
+class ScalingInPlace(nn.Module):
+    """``x.mul_(2)`` on its input, then a counter of calls ``steps.add_(1)`` where it is given one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = product_model()
+
+    def forward(self, x: torch.Tensor, steps: torch.Tensor | None = None) -> torch.Tensor:
+        x.mul_(2.0)
+        if steps is not None:
+            steps.add_(1)
+        return self.model(x)
+
+
+def test_a_call_run_again_in_the_mode_starts_from_the_values_it_was_given(applied):
+    """A model that changes its explained input in place (``x.mul_(2)``) must not see it changed twice when the
+    graph differs: the second run saw ``4 x``, the output 0.53 and the relevance 1.1 off (relative) on a softmax
+    attention model under AttnLRP."""
+    net = ScalingInPlace()
+    x = torch.randn(5, 4, dtype=F64)
+    lrp = LRP(net, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        call(lrp, x)
+        call(lrp, x)  # the plan of the first call
+        net.model.extra = True
+        again = lrp(TensorDict(x=x.clone(), batch_size=[5]))  # the same shapes, another graph: runs again
+    assert applied == [True, False]
+    assert torch.equal(again["y"], net.model(2 * x))
+    assert relative_error(again["relevance", "x"], by_hand(net.model, 2 * x)) < 1e-12  # x · gradient in x
+
+
+def test_a_model_that_changes_an_input_it_is_not_explained_for_in_place_is_refused_where_the_call_runs_again(applied):
+    """An input that is not explained is the caller's tensor: a call that runs the model again would change it
+    twice (``steps`` counted 2 for one call), and nothing can put it back."""
+    net = ScalingInPlace()
+    x = torch.randn(5, 4, dtype=F64)
+    lrp = LRP(TensorDictModule(net, in_keys=["x", "steps"], out_keys=["y"]), AttnLRP(), in_keys=["x"])
+    with lrp:
+        for _ in range(2):
+            td = TensorDict(x=x.clone(), steps=torch.zeros(5, dtype=torch.long), batch_size=[5])
+            lrp(td)
+            assert td["steps"].tolist() == [1] * 5
+        net.model.extra = True
+        td = TensorDict(x=x.clone(), steps=torch.zeros(5, dtype=torch.long), batch_size=[5])
+        with pytest.raises(RuntimeError, match=r"changed its input 'steps' in place"):
+            lrp(td)
+    assert td["steps"].tolist() == [1] * 5  # one run's change, as the model's own call makes
+    assert set(td.keys()) == {"x", "steps"}
+
+
 PLANNED = {("bert", "sdpa"), ("mixtral", "eager"), ("gemma3", "sdpa"), ("falcon", "eager"), ("deit", "sdpa")}
 PLANNED |= {("whisper", "sdpa"), ("deberta_v2", "eager"), ("convbert", "eager")}  # F.gelu called as a function
 
@@ -272,3 +322,17 @@ def test_zoo_models_calls_in_a_context_equal_a_call_in_the_mode(applied, name: s
         assert applied == [True, True]
     for relevance in relevances:
         assert torch.equal(relevance, in_mode)
+
+
+def test_a_lazy_stack_with_entries_of_different_shapes_is_explained_in_a_context(applied):
+    """The signature of a call's inputs stacked every entry of a ``LazyStackedTensorDict``: one whose stacked
+    TensorDicts hold entries of different shapes failed before the model ran. Such a call runs in the mode."""
+    from tensordict import LazyStackedTensorDict
+
+    model, x = product_model(), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        for _ in range(3):
+            parts = [TensorDict(x=x[i].clone(), extra=torch.zeros(i + 1), batch_size=[]) for i in range(5)]
+            out = lrp(LazyStackedTensorDict.lazy_stack(parts, 0))
+            assert relative_error(out["relevance", "x"], by_hand(model, x)) < 1e-12

@@ -366,3 +366,46 @@ def test_a_copy_made_during_a_later_call_runs_its_activations_own_way(how: str):
     with copy_lrp:
         for _ in range(3):
             torch.testing.assert_close(explain(copy_lrp, x), expected, rtol=0, atol=0)
+
+
+class Normalised(nn.Module):
+    """A linear layer, a BatchNorm (in training mode: it moves its running statistics) and a head; ``n`` is read
+    by the pipeline but not by the layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer, self.norm, self.head = nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.layer(x)))
+
+
+FAILING_CALLS = {
+    "integer input no embedding reads": dict(in_keys=["x", "n"]),
+    "target out of range": dict(target=7),
+    "callable target that raises": dict(target=lambda y: y[..., 99]),
+    "split_dim past the output's dimensions": dict(split_dim=3),
+}
+
+
+@pytest.mark.parametrize("in_context", [False, True])
+@pytest.mark.parametrize("case", sorted(FAILING_CALLS))
+def test_a_call_that_fails_after_the_forward_pass_leaves_the_running_statistics(case: str, in_context: bool):
+    """A BatchNorm in training mode moves its running statistics in the forward pass: a call that failed after it
+    (a target, an input found unexplainable) left them moved and ``num_batches_tracked`` counted one up."""
+    model = Normalised().train()
+    pipeline = TensorDictModule(model, in_keys=["x", "n"], out_keys=["out"])
+    before = {name: (buffer, buffer.clone()) for name, buffer in model.named_buffers()}
+    td = TensorDict(x=torch.randn(5, 3), n=torch.arange(5), batch_size=[5])
+    kwargs = {"in_keys": ["x"], **FAILING_CALLS[case]}
+    lrp = LRP(pipeline, EpsilonPlus(), **kwargs)
+    with pytest.raises((TypeError, IndexError, ValueError, KeyError, RuntimeError)):
+        if in_context:
+            with lrp:
+                lrp(td)
+        else:
+            lrp(td)
+    for name, buffer in model.named_buffers():
+        assert buffer is before[name][0] and torch.equal(buffer, before[name][1]), name
+    assert model.training

@@ -48,3 +48,70 @@ def test_a_module_that_puts_a_dimension_in_front_of_the_batch_is_refused_naming_
         getattr(attribution, method)(ensemble)(td)
     assert list(td.keys()) == ["observation"] and torch.equal(td["observation"], before["observation"])
     assert all(torch.equal(ensemble.state_dict()[k], v) for k, v in state.items())
+
+
+def _lazy_stack(x: torch.Tensor) -> tuple[list[TensorDict], TensorDict]:
+    from tensordict import LazyStackedTensorDict
+
+    # Heterogeneous entries, as torchrl's multi-agent environments and variable-length replay buffer items give.
+    parts = [TensorDict(x=x[i].clone(), extra=torch.zeros(i + 1), batch_size=[]) for i in range(len(x))]
+    return parts, LazyStackedTensorDict.lazy_stack(parts, 0)
+
+
+@pytest.mark.parametrize("method", ["LRP", "LRP in a context", "Saliency"])
+def test_a_lazy_stack_gets_the_results_of_its_dense_batch_and_keeps_its_own_entries(method):
+    """A ``LazyStackedTensorDict`` whose sub-TensorDicts hold entries of different shapes was explained, then its
+    write failed (tensordict cannot stack ``extra``); one of equal shapes had each of its entries (the explained input
+    and every other) replaced by a view of a new tensor: the caller's sub-TensorDicts no longer held their tensors."""
+    import tdhook.attribution as attribution
+
+    torch.manual_seed(0)
+    net = TensorDictModule(
+        nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).double(), in_keys=["x"], out_keys=["y"]
+    )
+    x = torch.randn(5, 6, dtype=torch.float64)
+    make = (
+        (lambda: attribution.Saliency(net, relevance_key="relevance"))
+        if method == "Saliency"
+        else (lambda: attribution.LRP(net))
+    )
+    dense = make()(TensorDict(x=x.clone(), batch_size=[5]))
+    parts, stacked = _lazy_stack(x)
+    entries = [dict(part.items()) for part in parts]
+    wrapper = make()
+    if method == "LRP in a context":
+        with wrapper:
+            for _ in range(3):  # later calls of a context may take other paths
+                parts, stacked = _lazy_stack(x)
+                entries = [dict(part.items()) for part in parts]
+                out = wrapper(stacked)
+    else:
+        out = wrapper(stacked)
+    assert out is stacked
+    torch.testing.assert_close(out["relevance", "x"], dense["relevance", "x"], rtol=0, atol=0)
+    torch.testing.assert_close(out["y"], dense["y"], rtol=0, atol=0)
+    for part, before in zip(parts, entries, strict=True):
+        assert all(part.get(key) is value for key, value in before.items())  # the caller's tensors, not copies
+        assert set(part.keys(include_nested=True, leaves_only=True)) == {"x", "extra", "y", ("relevance", "x")}
+
+
+@pytest.mark.parametrize("method", ["LRP", "Saliency"])
+@pytest.mark.parametrize("how", ["lock_", "memmap_"])
+def test_a_locked_tensordict_is_refused_before_the_model_runs_naming_the_keys(method, how, tmp_path):
+    """A locked TensorDict (``lock_()``, ``memmap_()``) takes no new key: the call ran the model and every backward
+    pass, then failed in tensordict's write with a message that named no key."""
+    import tdhook.attribution as attribution
+
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2)
+    calls = []
+    layer.register_forward_hook(lambda *_: calls.append(1))
+    net = TensorDictModule(layer, in_keys=["x"], out_keys=["y"])
+    td = TensorDict(x=torch.randn(4, 3), batch_size=[4])
+    td = td.lock_() if how == "lock_" else td.memmap_(tmp_path)
+    before = dict(td.items())
+    wrapper = getattr(attribution, method)(net)
+    with pytest.raises(RuntimeError, match=r"is locked.*\('(relevance|attribution)', 'x'\).*unlock_\(\)"):
+        wrapper(td)
+    assert not calls
+    assert dict(td.items()).keys() == before.keys() and all(td.get(k) is v for k, v in before.items())

@@ -152,7 +152,8 @@ def check_free(module: TensorDictModuleBase, keys: Sequence[tuple[str, ...]]) ->
 
 def check_writable(tensordict: TensorDictBase, *keys: Sequence[tuple[str, ...]]) -> None:
     """Refuse a call whose relevance keys run through a leaf of the caller's TensorDict (a tensor at
-    ``"relevance"``): they need a sub-TensorDict there. Found before the model runs.
+    ``"relevance"``): they need a sub-TensorDict there; or a call on a locked TensorDict (``lock_()``,
+    ``memmap_()``), which takes no new key. Found before the model runs.
 
     Args:
         tensordict: the caller's TensorDict.
@@ -160,6 +161,7 @@ def check_writable(tensordict: TensorDictBase, *keys: Sequence[tuple[str, ...]])
 
     Raises:
         KeyError: a leaf sits where a relevance key needs a sub-TensorDict.
+        RuntimeError: the TensorDict is locked.
 
     Examples:
         >>> import torch
@@ -170,7 +172,19 @@ def check_writable(tensordict: TensorDictBase, *keys: Sequence[tuple[str, ...]])
         ...
         KeyError: "LRP: the TensorDict holds a Tensor at 'relevance', where the relevance key ('relevance', 'x') \
 needs a sub-TensorDict; remove it or pass relevance_key= another prefix"
+        >>> locked = TensorDict(x=torch.ones(2), batch_size=[2]).lock_()
+        >>> check_writable(locked, [("relevance", "x")])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        RuntimeError: LRP: the TensorDict is locked (lock_() and memmap_() lock it), so the relevance keys ...
     """
+    if tensordict.is_locked:
+        wanted = [key for group in keys for key in group]
+        raise RuntimeError(
+            f"LRP: the TensorDict is locked (lock_() and memmap_() lock it), so the relevance keys {wanted} and the "
+            "module's outputs cannot be written into it; pass an unlocked one: td.unlock_() (new entries are not "
+            "memory-mapped) or td.clone()"
+        )
     seen = set()
     present = tensordict.keys()
     for key in (key for group in keys for key in group):

@@ -14,6 +14,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,9 +22,11 @@ from tensordict import TensorDictBase
 
 from tdhook.attribution._checkpointing import raise_for_checkpointing
 from tdhook.attribution._function_rule_plan import FunctionRulePlan
+from tdhook.attribution._given_inputs import given_inputs, restore_inputs
 from tdhook.attribution._nonlinear_calls import NonlinearCalls
 from tdhook.attribution._plain_modules import call_plain
 from tdhook.attribution._rule_use import RuleUse
+from tdhook.attribution._writes import has_lazy_stack
 from tdhook.attribution.rules._graph_calls import graph_call
 from tdhook.attribution.rules._scopes import closing_scopes
 from tdhook.attribution.rules.functional import FunctionalRules
@@ -33,9 +36,16 @@ __all__ = ["run_model"]
 sequence_number = FunctionRulePlan.sequence_number
 
 
-def run_model(lrp: Any, work: TensorDictBase) -> tuple[TensorDictBase | None, NonlinearCalls | None]:
+def run_model(
+    lrp: Any, work: TensorDictBase, leaves: Sequence[torch.Tensor | None] = (), fed: Sequence[torch.Tensor | None] = ()
+) -> tuple[TensorDictBase | None, NonlinearCalls | None]:
     """Run ``lrp``'s model on ``work`` under the function modes of its rules; what the model returned, and the
-    watch of the nonlinear calls that no rule covers (the first call of a wrapper only, else ``None``)."""
+    watch of the nonlinear calls that no rule covers (the first call of a wrapper only, else ``None``).
+
+    A call that runs the model again (its graph was not the recorded one) starts from the inputs it was given:
+    ``work``'s entries, and the values of the explained inputs' copies ``fed``, taken again from ``leaves`` where
+    the model changed them in place. An input that is not explained and that the model changed in place is the
+    caller's tensor, which nothing can put back: such a call raises a ``RuntimeError`` naming its key."""
     raise_for_checkpointing("LRP", [] if lrp._inactive else lrp._checkpointing)  # before the model runs
     lrp._function_rule_plan.quiet.remove()  # modules a plan ran without hooks, if an interrupt left them so
     handles = lrp._handles or []
@@ -49,7 +59,7 @@ def run_model(lrp: Any, work: TensorDictBase) -> tuple[TensorDictBase | None, No
         if plan is not None and watch is RuleUse.NOTHING and not lrp._coverage.watching:
             # What the call may overwrite in ``work`` (a step may write the key it reads): its leaves, a list being
             # several times cheaper than a copy of the TensorDict.
-            inputs = list(work.items(include_nested=True, leaves_only=True))
+            inputs = given_inputs(work)
             start = sequence_number()
             norm_outputs: list = []
             # Modules whose rules the plan puts, without their hooks (the norms note their outputs all the same).
@@ -62,10 +72,10 @@ def run_model(lrp: Any, work: TensorDictBase) -> tuple[TensorDictBase | None, No
             lrp._function_rule_plan.forget(key)
             for handle in handles:
                 handle.pop_records()
-            work.update(dict(inputs))
+            restore_inputs(work, inputs, leaves, fed)
         recording = rule_modes[0].recording = lrp._function_rule_plan.recorder(key)
         if recording is not None:  # a recording call may run again (see below): the leaves it may overwrite
-            inputs = list(work.items(include_nested=True, leaves_only=True))
+            inputs = given_inputs(work)
     if not (rule_modes or lrp._compiled or lrp._coverage.watching or watch is not RuleUse.NOTHING):
         with closing_scopes():  # nothing to enter but the scopes (every call of a context after its first, mostly)
             return _call(lrp, work), None
@@ -92,7 +102,7 @@ def run_model(lrp: Any, work: TensorDictBase) -> tuple[TensorDictBase | None, No
             # Its tensors held without a detach left a graph whose backward would raise: again, detached.
             for handle in handles:
                 handle.pop_records()
-            work.update(dict(inputs))
+            restore_inputs(work, inputs, leaves, fed)
             result = _call(lrp, work)
         return result, calls
 
@@ -106,6 +116,8 @@ def _plan_key(lrp: Any, rule_modes: list, work: TensorDictBase) -> tuple | None:
     if lrp.create_graph or lrp.layer_keys or lrp.relevance_check is not None or lrp._tokens.feeding:
         return None
     if lrp._call_enters:  # its context ends with the call: no later call would use a plan
+        return None
+    if has_lazy_stack(work):  # entries of different shapes cannot be stacked into a signature
         return None
     return tuple(
         (key, value.shape, value.dtype, value.device, value.requires_grad)

@@ -21,12 +21,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDictBase
 from tensordict.utils import NestedKey
 
 from tdhook.attribution._keys import as_tuple
 
-__all__ = ["model_updates", "relevance_updates", "returned_tensordict", "set_all_or_nothing"]
+__all__ = ["has_lazy_stack", "model_updates", "relevance_updates", "returned_tensordict", "set_all_or_nothing"]
 
 
 def returned_tensordict(tensordict: TensorDictBase, result: TensorDictBase, name: str = "LRP") -> TensorDictBase:
@@ -90,12 +90,76 @@ def model_updates(
     """
     explained = set(explained_keys)
     updates: dict[Any, Any] = {}
+    if has_lazy_stack(result):
+        return _lazy_stack_updates(tensordict, result, explained, fed, detach)
     # items() rather than keys() and get(): several times cheaper on a small TensorDict.
     for key, value in result.items(include_nested=True, leaves_only=True):
         if key in explained and (any(value is f for f in fed) or not value.is_floating_point()):
             continue
         if _get_or_none(tensordict, key) is value:  # already there (None: absent, or a leaf in the way)
             continue
+        updates[key] = value.detach() if detach and isinstance(value, torch.Tensor) else value
+    return updates
+
+
+def has_lazy_stack(tensordict: TensorDictBase) -> bool:
+    """Whether ``tensordict`` is, or holds, a ``LazyStackedTensorDict`` (whose ``get`` stacks a new tensor).
+
+    Examples:
+        >>> from tensordict import LazyStackedTensorDict, TensorDict
+        >>> parts = [TensorDict(x=torch.zeros(i + 1)) for i in range(2)]
+        >>> has_lazy_stack(TensorDict(x=torch.zeros(2))), has_lazy_stack(TensorDict(a=LazyStackedTensorDict(*parts)))
+        (False, True)
+    """
+    if isinstance(tensordict, LazyStackedTensorDict):
+        return True
+    return any(has_lazy_stack(value) for value in tensordict.values() if isinstance(value, TensorDictBase))
+
+
+def _stacked_leaves(tensordict: Any, key: tuple) -> list | None:
+    """The tensors a lazy stack holds at ``key``, one per stacked TensorDict (nested stacks flattened), without
+    stacking them; ``None`` where one is absent."""
+    if isinstance(tensordict, LazyStackedTensorDict):
+        leaves = []
+        for part in tensordict.tensordicts:
+            found = _stacked_leaves(part, key)
+            if found is None:
+                return None
+            leaves += found
+        return leaves
+    if not isinstance(tensordict, TensorDictBase):
+        return None
+    value = _get_or_none(tensordict, key[0])
+    if len(key) == 1:
+        return None if value is None or isinstance(value, LazyStackedTensorDict) else [value]
+    return _stacked_leaves(value, key[1:])
+
+
+def _lazy_stack_updates(
+    tensordict: TensorDictBase,
+    result: TensorDictBase,
+    explained: set,
+    fed: Sequence[torch.Tensor | None],
+    detach: bool,
+) -> dict[NestedKey, Any]:
+    """:func:`model_updates` for a TensorDict that holds lazy stacks: their entries are compared one stacked
+    TensorDict at a time, so that the caller's tensors stay in place and entries of different shapes (which cannot
+    be stacked) are left alone unless the model wrote them."""
+    updates: dict[Any, Any] = {}
+    for key in result.keys(include_nested=True, leaves_only=True):
+        path = as_tuple(key)
+        new = _stacked_leaves(result, path)
+        if not new:
+            continue
+        if key in explained and isinstance(new[0], torch.Tensor):
+            if not new[0].is_floating_point():
+                continue  # integer tokens, given as they were
+            if all(any(t is f or t._base is f for f in fed if f is not None) for t in new):
+                continue  # the copy made for the model, or a lazy stack's views of it
+        old = _stacked_leaves(tensordict, path)
+        if old is not None and len(old) == len(new) and all(a is b for a, b in zip(old, new, strict=True)):
+            continue
+        value = result.get(key)
         updates[key] = value.detach() if detach and isinstance(value, torch.Tensor) else value
     return updates
 

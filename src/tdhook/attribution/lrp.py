@@ -68,6 +68,7 @@ from tdhook.attribution._writes import relevance_updates, returned_tensordict, s
 from tdhook.attribution.coverage import Coverage
 from tdhook.attribution.mappers.base import RuleMapper
 from tdhook.attribution.mappers.given import as_rule_mapper, checked_rules
+from tdhook.attribution.methods._batch_statistics import buffers_restored_on_error
 from tdhook.attribution.rules._keeping_graph import RelevancePass
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.targets import (
@@ -384,7 +385,8 @@ class LRP(TensorDictModuleBase, MapperTunable):
 
     @_uncompiled_dispatch
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        with self._lock:  # calls from several threads run one after the other (docs/guarantees.md)
+        # One call at a time (docs/guarantees.md); one that fails leaves the running statistics as they were.
+        with self._lock, buffers_restored_on_error(self.module):
             entering = self._handles is None and not self._inactive
             self._call_enters = entering
             # A context entered here is left before the write, and so is the record of the caller's grad mode.
@@ -411,7 +413,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
                     planned, work, self.explained_keys, self._tokens, explained, self.create_graph
                 )
                 try:
-                    result, calls = (planned.run(work), None) if planned else run_model(self, work)
+                    result, calls = (planned.run(work), None) if planned else run_model(self, work, leaves, fed)
                     self._function_gates.settle()
                 except Exception as err:
                     self._tokens.raise_for_unembedded(leaves, err)

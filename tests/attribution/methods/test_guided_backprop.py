@@ -70,3 +70,39 @@ class TestAgainstCaptum:
                 TensorDict(image=torch.randn(2, 3, 12, 12, dtype=torch.float64), batch_size=[2])
             )
         assert_unchanged(net, snapshot)
+
+
+def _compiled(net: nn.Module, x: torch.Tensor, how: str) -> nn.Module:
+    if how == "script":
+        return torch.jit.script(net)
+    if how == "trace":
+        return torch.jit.trace(net, x)
+    return torch.export.export(net, (x,)).module()
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.*` is deprecated:FutureWarning")
+@pytest.mark.parametrize("how", ["script", "trace", "export"])
+def test_a_model_whose_relus_no_hook_reaches_is_refused_by_name(how: str):
+    """A TorchScript or exported model runs its ReLUs where no forward hook reaches: the guide was never applied and
+    the result was the plain gradient's (1.15 off, relative, on a small CNN)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)).eval()
+    x = torch.randn(2, 3, 6, 6)
+    compiled = _compiled(net, x, how)
+    before = state_snapshot(compiled)
+    td = TensorDict(x=x, batch_size=[2])
+    with pytest.raises(TypeError, match=r"GuidedBackprop: module 'the model itself' .* computes ReLU"):
+        GuidedBackprop(compiled, in_keys=["x"], out_keys=["y"])(td)
+    assert_unchanged(compiled, before)
+    assert list(td.keys()) == ["x"]
+
+
+def test_a_scripted_part_without_relu_is_explained():
+    torch.manual_seed(0)
+    net = nn.Sequential(torch.jit.script(nn.Linear(3, 4)), nn.ReLU(), nn.Linear(4, 2))
+    plain = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    plain.load_state_dict(net.state_dict())
+    x = torch.randn(5, 3)
+    got = GuidedBackprop(net, in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[5]))["attribution", "x"]
+    expected = GuidedBackprop(plain, in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[5]))["attribution", "x"]
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

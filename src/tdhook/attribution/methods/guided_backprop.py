@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from tdhook.attribution._scripted_modules import refuse_unreachable_relus
 from tdhook.attribution.methods._base import AttributionMethod, Call, hooks_removed
 
 __all__ = ["GuidedBackprop"]
@@ -36,7 +37,9 @@ class GuidedBackprop(AttributionMethod):
     whose output passes back the positive part of its gradient, so the ReLU's
     gradient becomes ``max(g, 0) * 1[x > 0]``; the hooks are removed when the
     call ends, by error or not. ReLUs called as functions keep their plain
-    gradient. Takes the arguments of
+    gradient; a model that runs its ReLUs as TorchScript or ATen operators
+    (``torch.jit``, ``torch.export``), where no hook reaches, is refused by
+    name. Takes the arguments of
     :class:`~tdhook.attribution.methods._base.AttributionMethod`.
 
     Examples:
@@ -58,6 +61,7 @@ class GuidedBackprop(AttributionMethod):
 
     @contextlib.contextmanager
     def _model_context(self) -> Iterator[None]:
+        refuse_unreachable_relus(self.named_explained_modules(), "GuidedBackprop")
         with hooks_removed([]) as handles:
             for sub in self.module.modules():
                 if isinstance(sub, nn.ReLU):
