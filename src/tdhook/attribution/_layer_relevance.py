@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from tdhook.attribution.rules._wrapper_calls import rules_act_here
 from tdhook.attribution.rules.base import RemovableRuleHandle, layer_call_of
 from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
 
@@ -117,7 +118,7 @@ class LayerRelevance:
         """
 
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if not torch.is_grad_enabled():
+            if not torch.is_grad_enabled() or not rules_act_here():  # the model's own call, in an open context
                 return
             if not isinstance(output, torch.Tensor):
                 raise TypeError(
