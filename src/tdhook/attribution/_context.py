@@ -38,6 +38,7 @@ from tdhook.attribution._scripted_modules import refuse_scripted_modules
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._layers import LINEAR_LAYERS, _has_plain_forward
 from tdhook.attribution.rules._scopes import pop, push
+from tdhook.attribution.rules._wrapper_calls import context_closed, context_opened
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule
 
@@ -90,6 +91,7 @@ def claim(owner: object, modules: Mapping[str, nn.Module]) -> None:
     reference = weakref.ref(owner)
     for module in modules.values():
         _OWNERS[module] = reference
+    context_opened(owner)
 
 
 def release(owner: object) -> None:
@@ -98,6 +100,7 @@ def release(owner: object) -> None:
     Args:
         owner: the LRP wrapper leaving its context.
     """
+    context_closed(owner)
     for module in [m for m, reference in _OWNERS.items() if reference() in (owner, None)]:
         del _OWNERS[module]
 

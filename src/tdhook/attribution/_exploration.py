@@ -35,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 from torchrl.modules import AdditiveGaussianModule, OrnsteinUhlenbeckProcessModule
 
 from tdhook.attribution.rules._autograd import redirect
+from tdhook.attribution.rules._wrapper_calls import rules_act_here
 
 __all__ = ["perturbation_held_constant"]
 
@@ -58,6 +59,8 @@ def perturbation_held_constant(modules: Mapping[str, nn.Module]) -> list[Removab
         read: dict[int, torch.Tensor] = {}
 
         def before(step: nn.Module, args: tuple, kwargs: dict, read: dict = read) -> None:
+            if not rules_act_here():  # the model's own call, in an open context: as it is
+                return
             td = _tensordict(args, kwargs)
             action = td.get(step.in_keys[0], None) if td is not None else None
             if isinstance(action, torch.Tensor) and action.requires_grad:

@@ -42,6 +42,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
+from tdhook.attribution.rules._wrapper_calls import wrapper_call
 from tdhook.attribution.rules.base import plain_calls
 
 __all__ = ["called_in_grad_mode", "caller_grad_enabled", "caller_values"]
@@ -51,10 +52,12 @@ __all__ = ["called_in_grad_mode", "caller_grad_enabled", "caller_values"]
 _BY_GRAD_MODE = (nn.LSTM, nn.GRU, nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
 
 _LOCAL = threading.local()
+_CALLS = wrapper_call()
 
 
 class called_in_grad_mode:  # a class, not a generator: it costs less per call
-    """Record, for this thread and the ``with`` block, the grad mode the wrapper was called in."""
+    """Record, for this thread and the ``with`` block, the grad mode the wrapper was called in, and that a wrapper's
+    call is in progress."""
 
     __slots__ = ("_enabled", "_previous")
 
@@ -64,9 +67,11 @@ class called_in_grad_mode:  # a class, not a generator: it costs less per call
     def __enter__(self) -> None:
         self._previous = getattr(_LOCAL, "enabled", True)
         _LOCAL.enabled = self._enabled
+        _CALLS.__enter__()  # the wrapper's call: its rules act in the block (see rules._wrapper_calls)
 
     def __exit__(self, *exc_info: object) -> None:
         _LOCAL.enabled = self._previous
+        _CALLS.__exit__()
 
 
 def caller_grad_enabled() -> bool:

@@ -44,6 +44,7 @@ from tdhook.attribution.rules._layers import (
     forward_with,
 )
 from tdhook.attribution.rules._scopes import pop, push
+from tdhook.attribution.rules._wrapper_calls import rules_act_here
 from tdhook.attribution.tunables import Tunable
 
 __all__ = [
@@ -206,8 +207,9 @@ def plain_calls() -> Iterator[None]:
 
 
 def rules_apply() -> bool:
-    """Whether a rule's hooks apply it to a module's call made now: with gradients, outside :func:`plain_calls`."""
-    return torch.is_grad_enabled() and not getattr(_PLAIN, "depth", 0)
+    """Whether a rule's hooks apply it to a module's call made now: with gradients, outside :func:`plain_calls`,
+    and, while a wrapper's context is open, in a wrapper's call (:mod:`._wrapper_calls`)."""
+    return torch.is_grad_enabled() and not getattr(_PLAIN, "depth", 0) and rules_act_here()
 
 
 _NEVER_THE_SAME = itertools.count()

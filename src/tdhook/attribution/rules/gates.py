@@ -37,7 +37,7 @@ from tdhook.attribution.rules._autograd import (
 )
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint
-from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
+from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, rules_apply
 from tdhook.attribution.rules.basic import PassRule
 
 __all__ = [
@@ -312,7 +312,7 @@ class RouterRule(Rule):
         registration = self._new_registration(module)
 
         def hold(mod: nn.Module, args: tuple, output: Any) -> Any:
-            if not torch.is_grad_enabled():
+            if not rules_apply():
                 return None
             return _held(output, mod)
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tdhook.attribution.rules._autograd import redirect
-from tdhook.attribution.rules.base import _LAYER_MARK, RemovableRuleHandle, Rule, _call_arguments
+from tdhook.attribution.rules.base import _LAYER_MARK, RemovableRuleHandle, Rule, _call_arguments, rules_apply
 from tdhook.attribution.tunables import EPSILON
 
 __all__ = ["QuantizedLinearRule", "is_quantized_linear", "holds_packed_weights"]
@@ -81,7 +81,7 @@ class QuantizedLinearRule(Rule):
         def hook(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> torch.Tensor | None:
             inputs = _call_arguments(mod, args, kwargs)  # the input given by position or by keyword
             x = inputs[0] if inputs else None
-            if not torch.is_grad_enabled() or not isinstance(x, torch.Tensor) or not x.requires_grad:
+            if not rules_apply() or not isinstance(x, torch.Tensor) or not x.requires_grad:
                 return None
             return self.apply(mod, x, output)
 

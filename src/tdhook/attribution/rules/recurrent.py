@@ -36,7 +36,7 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._autograd import hold, redirect, scale_gradient
 from tdhook.attribution.rules._numerics import safe_divide, stabilize
-from tdhook.attribution.rules.base import _LAYER_MARK, RemovableRuleHandle, Rule
+from tdhook.attribution.rules.base import _LAYER_MARK, RemovableRuleHandle, Rule, rules_apply
 from tdhook.attribution.tunables import EPSILON
 
 __all__ = ["RecurrentRule", "is_recurrent", "lstm_step", "gru_step"]
@@ -305,7 +305,7 @@ class RecurrentRule(Rule):
         return RemovableRuleHandle(self, module)
 
     def _recurrent_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        if not torch.is_grad_enabled():
+        if not rules_apply():
             return None
         x = args[0] if args else kwargs.get("input")
         hx = args[1] if len(args) > 1 else kwargs.get("hx")
