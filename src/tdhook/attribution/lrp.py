@@ -64,7 +64,6 @@ from tdhook.attribution._random_modules import random_modules, warn_for_random_m
 from tdhook.attribution._rule_names import warn_for_unmatched_names
 from tdhook.attribution._rule_use import RuleUse
 from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
-from tdhook.attribution._training_outputs import with_plain_gradient
 from tdhook.attribution._writes import relevance_updates, returned_tensordict, set_all_or_nothing
 from tdhook.attribution.coverage import Coverage
 from tdhook.attribution.mappers.base import RuleMapper
@@ -461,7 +460,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             self._coverage.keep(out.batch_dims, seeds, relevances)
             updates = planned_updates(planned, out, result, self.explained_keys, fed, detach=not self.create_graph)
             keys = (self.relevance_keys, self.token_relevance_keys, self._relevance_sources)
-            updates = with_plain_gradient(self, tensordict, updates) | relevance_updates(out, relevances, *keys)
+            updates.update(relevance_updates(out, relevances, *keys))
             set_all_or_nothing(out, updates)
 
         return out, write

@@ -38,7 +38,6 @@ from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
 from tdhook.attribution._tokens import TokenInputs
-from tdhook.attribution._training_outputs import with_plain_gradient
 from tdhook.attribution._writes import model_updates, returned_tensordict, set_all_or_nothing
 from tdhook.attribution.methods._batch_statistics import (
     BufferValues,
@@ -253,7 +252,6 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
                 before.restore()  # that call runs the model's own pass again
                 return self.forward(cut)
             updates = model_updates(tensordict, call.result, self.explained_keys, call.fed)
-            updates = with_plain_gradient(self, tensordict, updates)  # a caller may train on the outputs
             for key, attribution in zip(self.relevance_keys, attributions, strict=True):
                 updates[key] = self._per_unit(call, attribution)
             updates.update(extra)
