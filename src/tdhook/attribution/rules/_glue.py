@@ -41,7 +41,6 @@ from tdhook.attribution.rules._linked_inputs import is_linked_copy
 __all__ = ["GlueError", "carry_back", "input_leaves", "rest_records", "whole_records"]
 
 
-
 class GlueError(ValueError):
     """Relevance at a layer's input that cannot be given to the explained inputs position by position.
 

@@ -9,9 +9,9 @@ leaves no mark, but its product with a weight computed from parameters is in the
 Examples:
     >>> import torch
     >>> from torch import nn
-    >>> x = torch.randn(2, 3, requires_grad=True)
-    >>> is_layer_node(nn.Bilinear(3, 3, 2)(x, x).grad_fn.next_functions[1][0]), is_layer_node((x * 2).grad_fn)
-    (True, False)
+    >>> x, weight = torch.randn(2, 3, requires_grad=True), nn.Parameter(torch.randn(3, 2))
+    >>> is_layer_node((x @ weight).grad_fn), is_layer_node((x @ x.T).grad_fn), is_layer_node((x * 2).grad_fn)
+    (True, False, False)
 """
 
 from __future__ import annotations
