@@ -15,6 +15,7 @@ from torch import nn
 from torchrl.modules import BatchRenorm1d, TanhModule
 
 from tdhook.attribution.rules._arguments import nonnegative
+from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._layers import (
     ACTIVATIONS,
     AVG_POOLS,
@@ -272,6 +273,7 @@ class BaseRuleMapper(Tunable):
         at each call. A module the user's mapper names keeps the user's rule.
         """
         rules: dict[str, Rule] = {}
+        quantized: dict[str, Rule] = {}  # quantized Linear layers, and the first-layer rule they do not get
         for name, module in model.named_modules():
             if "parametrizations" in name.split("."):
                 continue  # a weight's parametrization (weight_norm, spectral_norm) computes a weight, not activations
@@ -284,8 +286,21 @@ class BaseRuleMapper(Tunable):
                 first = self.first_layer_rule(name, module) if is_layer else None
                 if first is not None and first is not rule:
                     rule = self._first_layer_switch(first, rule)
+                elif (
+                    rule is self._quantized_linear
+                    and (first := self.first_layer_rule(name, _float_twin(module))) is not None
+                ):
+                    quantized[name] = first
             if rule is not None:
                 rules[name] = rule
+        if quantized:
+            warn_at_caller(
+                f"{type(self).__name__}: its first-layer rule ({type(next(iter(quantized.values()))).__name__}) is not "
+                f"applied to dynamically quantized Linear layers ({', '.join(map(repr, quantized))}): where "
+                "the model's input reaches one of them first, it gets QuantizedLinearRule (ε on its dequantized "
+                "weight) instead. Keep the first layer a float nn.Linear (quantize_dynamic(model, {names of the "
+                "others})) to have the first-layer rule there"
+            )
         return rules
 
     def _first_layer_switch(self, first: Rule, other: Rule | None) -> FirstLayerRule:
@@ -293,6 +308,12 @@ class BaseRuleMapper(Tunable):
         if key not in self._first_layer_rules:
             self._first_layer_rules[key] = FirstLayerRule(first, other)
         return self._first_layer_rules[key]
+
+
+def _float_twin(module: nn.Module) -> nn.Module:
+    """A float ``nn.Linear`` of a quantized Linear's shape, on the meta device: what the mapper's first-layer rule
+    is looked up for."""
+    return nn.Linear(module.in_features, module.out_features, device="meta")
 
 
 def _is_timm_activation(module: nn.Module) -> bool:

@@ -35,11 +35,10 @@ import torch
 from torch import nn
 
 from tdhook.attribution.rules._autograd import relevance_pass_edges
+from tdhook.attribution.rules._layer_nodes import is_layer_node
 from tdhook.attribution.rules._linked_inputs import is_linked_copy
 
 __all__ = ["GlueError", "carry_back", "input_leaves", "rest_records", "whole_records"]
-
-_LAYER_MARK = "tdhook_layer"  # the autograd metadata key set on Linear and convolution outputs (see base._mark)
 
 
 class GlueError(ValueError):
@@ -72,7 +71,7 @@ def input_leaves(x: torch.Tensor) -> tuple[list[torch.Tensor], bool]:
         if node is None or node in seen:
             continue
         seen.add(node)
-        if node.metadata.get(_LAYER_MARK, False):
+        if is_layer_node(node):
             through_layer = True
             continue
         variable = getattr(node, "variable", None)

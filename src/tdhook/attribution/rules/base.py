@@ -35,6 +35,7 @@ from tdhook.attribution.rules._autograd import (
 from tdhook.attribution.rules._graph_calls import recording
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._keeping_graph import graph_kept
+from tdhook.attribution.rules._layer_nodes import LAYER_MARK, is_layer_node
 from tdhook.attribution.rules._layers import (
     LINEAR_LAYERS,
     TRANSPOSED_FORWARDS,
@@ -300,7 +301,7 @@ class MergedLayer:
 
 
 _LAYER_CALL = "_tdhook_layer_call"
-_LAYER_MARK = "tdhook_layer"
+_LAYER_MARK = LAYER_MARK
 
 
 def layer_call_of(tensor: Any) -> LayerCall | None:
@@ -779,7 +780,7 @@ def _reaches_model_input(x: torch.Tensor) -> bool:
         if node is None or node in seen:
             continue
         seen.add(node)
-        if node.metadata.get(_LAYER_MARK, False):
+        if is_layer_node(node):
             continue
         variable = getattr(node, "variable", None)
         if variable is not None:

@@ -1,0 +1,64 @@
+"""Where the first-layer walks stop: the autograd nodes of layers.
+
+The first-layer rule goes on the layers the model's input reaches through glue alone; the walks that decide it (and
+the glue checks of the rules that set relevance at zero inputs) go back from a layer's input and stop at a layer's
+output. The outputs of layers with a rule are marked as such (``node.metadata[LAYER_MARK]``); a layer without one
+(``nn.RNN``, ``nn.Bilinear``, a module of one's own that calls ``F.conv2d`` or ``F.linear`` with its own weight)
+leaves no mark, but its product with a weight computed from parameters is in the graph: a walk stops there too.
+
+Examples:
+    >>> import torch
+    >>> from torch import nn
+    >>> x, weight = torch.randn(2, 3, requires_grad=True), nn.Parameter(torch.randn(3, 2))
+    >>> is_layer_node((x @ weight).grad_fn), is_layer_node((x @ x.T).grad_fn), is_layer_node((x * 2).grad_fn)
+    (True, False, False)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+__all__ = ["LAYER_MARK", "is_layer_node"]
+
+LAYER_MARK = "tdhook_layer"  # the autograd metadata key set on the outputs of layers with a rule
+
+# The autograd nodes of products of an activation by a weight (matrix products, convolutions, bilinear maps and
+# fused recurrent kernels): a layer's, where one factor is computed from parameters alone.
+_WEIGHT_PRODUCTS = frozenset(
+    "MmBackward0 AddmmBackward0 BmmBackward0 BaddbmmBackward0 AddbmmBackward0 MvBackward0 AddmvBackward0 "
+    "ConvolutionBackward0 TrilinearBackward0 CudnnRnnBackward0 MiopenRnnBackward0 MkldnnRnnLayerBackward0".split()
+)
+_FROM_PARAMETERS = "tdhook_from_parameters"  # a node's cached answer to _from_parameters
+
+
+def is_layer_node(node: Any) -> bool:
+    """Whether the autograd ``node`` is a layer's output: marked as one, or a product of an activation by a weight
+    computed from parameters alone."""
+    if node.metadata.get(LAYER_MARK, False):
+        return True
+    if type(node).__name__ not in _WEIGHT_PRODUCTS:
+        return False
+    sources = [_from_parameters(n) for n, _ in node.next_functions if n is not None]
+    return any(sources) and not all(sources)
+
+
+def _from_parameters(node: Any) -> bool:
+    """Whether every leaf behind ``node`` is an ``nn.Parameter`` (a weight, or one computed from weights)."""
+    cached = node.metadata.get(_FROM_PARAMETERS)
+    if cached is not None:
+        return cached
+    pending, seen, answer = [node], set(), True
+    while pending and answer:
+        current = pending.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        variable = getattr(current, "variable", None)
+        if variable is not None:
+            answer = isinstance(variable, nn.Parameter)
+            continue
+        pending.extend(n for n, _ in current.next_functions if n is not None)
+    node.metadata[_FROM_PARAMETERS] = answer
+    return answer
