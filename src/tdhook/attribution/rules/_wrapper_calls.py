@@ -15,9 +15,11 @@ Examples:
     >>> rules_act_here()
     True
     >>> context_opened(owner)
-    >>> rules_act_here(), [rules_act_here() for _ in [0] if wrapper_call().__enter__() is None]
-    (False, [True])
-    >>> wrapper_call().__exit__(None, None, None); wrapper_call().__exit__(None, None, None)
+    >>> rules_act_here()  # a call of the model itself while a context is open
+    False
+    >>> with wrapper_call():  # a wrapper's call
+    ...     rules_act_here()
+    True
     >>> context_closed(owner)
     >>> rules_act_here()
     True
