@@ -91,7 +91,7 @@ def claim(owner: object, modules: Mapping[str, nn.Module]) -> None:
     reference = weakref.ref(owner)
     for module in modules.values():
         _OWNERS[module] = reference
-    context_opened(owner)
+    context_opened(owner, modules.values())
 
 
 def release(owner: object) -> None:
@@ -100,8 +100,9 @@ def release(owner: object) -> None:
     Args:
         owner: the LRP wrapper leaving its context.
     """
-    context_closed(owner)
-    for module in [m for m, reference in _OWNERS.items() if reference() in (owner, None)]:
+    held = [m for m, reference in _OWNERS.items() if reference() in (owner, None)]
+    context_closed(owner, held)
+    for module in held:
         del _OWNERS[module]
 
 

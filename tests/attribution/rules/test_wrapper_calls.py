@@ -11,7 +11,7 @@ from torchrl.data import Bounded
 from torchrl.modules import MLP, AdditiveGaussianModule, LSTMModule
 
 from tdhook.attribution import LRP, EpsilonAlpha2Beta1, EpsilonGammaBox, EpsilonPlus, EpsilonPlusFlat
-from tdhook.attribution.lrp_helpers.rules import AttnLRP
+from tdhook.attribution.lrp_helpers.rules import AttnLRP, EpsilonRule
 
 
 class _Recurrent(nn.Module):
@@ -105,3 +105,25 @@ def test_an_lstm_module_in_a_rollout_step_keeps_its_plain_gradient():
         inside = torch.autograd.grad(lstm(td.clone())["embed"].square().sum(), params)
     for ours, theirs in zip(inside, plain, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_a_rule_registered_by_hand_on_another_model_acts_while_a_context_is_open():
+    """Only the modules an open context holds run plainly outside its calls: a rule registered by hand on another
+    model keeps acting (it gave that model the plain gradient while any context was open)."""
+    torch.manual_seed(0)
+    held = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    other = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    handles = [EpsilonRule(0.5).register(layer) for layer in (other[0], other[2])]
+    try:
+        ruled = _grads(other, x)
+        with LRP(held, EpsilonPlus(), in_keys=["x"], out_keys=["y"]) as lrp:
+            lrp(TensorDict(x=x, batch_size=[5]))
+            during = _grads(other, x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    plain = _grads(other, x)
+    assert any((a - b).abs().max() > 1e-3 for a, b in zip(ruled, plain, strict=True))  # the rule changes them
+    for a, b in zip(during, ruled, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

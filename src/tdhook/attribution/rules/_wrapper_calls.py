@@ -5,8 +5,9 @@ model itself in that time, not through the wrapper (a torchrl loss module callin
 another attribution method, a comparison), ran with the rules too: its outputs were the model's, but the gradient
 it sent back was the rules', and a training step took it, silently (the first layer of a ``Tanh`` MLP got a
 gradient 2 % off, under ``EpsilonPlusFlat`` none at all). The wrapper marks its calls on their thread
-(:class:`wrapper_call`) and its open contexts (:func:`context_opened`, :func:`context_closed`); a rule applies
-where no context is open (a rule registered by hand) or inside a wrapper's call.
+(:class:`wrapper_call`) and its open contexts with the modules they hold (:func:`context_opened`,
+:func:`context_closed`); a rule applies inside a wrapper's call, and outside one on a module that no open context
+holds (a rule registered by hand on another model), or where no context is open.
 
 Examples:
     >>> class Wrapper:
@@ -14,14 +15,15 @@ Examples:
     >>> owner = Wrapper()
     >>> rules_act_here()
     True
-    >>> context_opened(owner)
-    >>> rules_act_here()  # a call of the model itself while a context is open
-    False
+    >>> held, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    >>> context_opened(owner, [held])
+    >>> rules_act_here(held), rules_act_here(other)  # calls of the modules themselves while the context is open
+    (False, True)
     >>> with wrapper_call():  # a wrapper's call
-    ...     rules_act_here()
+    ...     rules_act_here(held)
     True
-    >>> context_closed(owner)
-    >>> rules_act_here()
+    >>> context_closed(owner, [held])
+    >>> rules_act_here(held)
     True
 """
 
@@ -29,6 +31,11 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterable
+
+import torch
+
+from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 
 __all__ = ["context_closed", "context_opened", "in_a_wrapper_call", "rules_act_here", "wrapper_call"]
 
@@ -39,6 +46,7 @@ class _Calls(threading.local):
 
 _CALLS = _Calls()  # this thread's wrapper calls in progress
 _OPEN: weakref.WeakSet = weakref.WeakSet()  # wrappers whose context is open (any thread)
+_HELD: IdentityWeakKeyDict = IdentityWeakKeyDict()  # the modules those contexts hold
 
 
 class wrapper_call:  # a class, not a generator: it costs less per call
@@ -53,13 +61,17 @@ class wrapper_call:  # a class, not a generator: it costs less per call
         _CALLS.depth -= 1
 
 
-def context_opened(owner: object) -> None:
-    """Record that ``owner``'s context is open: its modules' own calls now run without rules."""
+def context_opened(owner: object, modules: Iterable[torch.nn.Module] = ()) -> None:
+    """Record that ``owner``'s context is open and holds ``modules``: their own calls now run without rules."""
     _OPEN.add(owner)
+    for module in modules:
+        _HELD[module] = True
 
 
-def context_closed(owner: object) -> None:
-    """Record that ``owner``'s context is closed."""
+def context_closed(owner: object, modules: Iterable[torch.nn.Module] = ()) -> None:
+    """Record that ``owner``'s context, which held ``modules``, is closed."""
+    for module in modules:
+        _HELD.pop(module, None)
     _OPEN.discard(owner)
 
 
@@ -68,6 +80,9 @@ def in_a_wrapper_call() -> bool:
     return _CALLS.depth > 0
 
 
-def rules_act_here() -> bool:
-    """Whether rules act on a module called now: inside a wrapper's call, or where no wrapper's context is open."""
-    return _CALLS.depth > 0 or not _OPEN
+def rules_act_here(module: torch.nn.Module | None = None) -> bool:
+    """Whether rules act on ``module`` called now: inside a wrapper's call, where no wrapper's context is open, or
+    on a module no open context holds (``None``: any module, as held)."""
+    if _CALLS.depth > 0 or not _OPEN:
+        return True
+    return module is not None and module not in _HELD

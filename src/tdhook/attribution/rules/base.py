@@ -207,10 +207,11 @@ def plain_calls() -> Iterator[None]:
         _PLAIN.depth -= 1
 
 
-def rules_apply() -> bool:
-    """Whether a rule's hooks apply it to a module's call made now: with gradients, outside :func:`plain_calls`,
-    and, while a wrapper's context is open, in a wrapper's call (:mod:`._wrapper_calls`)."""
-    return torch.is_grad_enabled() and not getattr(_PLAIN, "depth", 0) and rules_act_here()
+def rules_apply(module: nn.Module | None = None) -> bool:
+    """Whether a rule's hooks apply it to a call of ``module`` made now: with gradients, outside
+    :func:`plain_calls`, and, on a module an open wrapper's context holds, in a wrapper's call
+    (:mod:`._wrapper_calls`; ``None``: any module, as held)."""
+    return torch.is_grad_enabled() and not getattr(_PLAIN, "depth", 0) and rules_act_here(module)
 
 
 _NEVER_THE_SAME = itertools.count()
@@ -574,7 +575,7 @@ class Rule(Tunable):
         modes: list = []
 
         def enter(mod: nn.Module, args: tuple) -> None:
-            push(modes, make_mode(mod) if rules_apply() else None, enter=True)
+            push(modes, make_mode(mod) if rules_apply(mod) else None, enter=True)
 
         def done(mod: nn.Module, args: tuple, output: Any) -> Any:
             mode = pop(modes)  # left; or by closing_scopes, if an interrupt skips this hook
@@ -635,7 +636,7 @@ class Rule(Tunable):
     def _forward_hook(self, registration: Registration) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             inputs = pop(registration.snapshots) if registration.snapshots else _call_arguments(module, args, kwargs)
-            if registration.busy or not rules_apply():
+            if registration.busy or not rules_apply(module):
                 return _ruled_in_forward(module)
             raise_for_vmap(module, output)
             if not isinstance(output, torch.Tensor) or not output.requires_grad:

@@ -168,7 +168,7 @@ class ElementwiseRule(Rule):
         """Until the module is decided for inputs of this shape: its input as a fresh view, so that the test's two
         products end there and run no hook of the input's own (the relevance of a layer named in ``layers``, a
         relevance check)."""
-        if len(args) != 1 or not rules_apply():
+        if len(args) != 1 or not rules_apply(module):
             return None
         x = args[0]
         if not isinstance(x, torch.Tensor) or not x.requires_grad or x.shape in decided:

@@ -312,7 +312,7 @@ class RouterRule(Rule):
         registration = self._new_registration(module)
 
         def hold(mod: nn.Module, args: tuple, output: Any) -> Any:
-            if not rules_apply():
+            if not rules_apply(mod):
                 return None
             return _held(output, mod)
 

@@ -81,7 +81,7 @@ class QuantizedLinearRule(Rule):
         def hook(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> torch.Tensor | None:
             inputs = _call_arguments(mod, args, kwargs)  # the input given by position or by keyword
             x = inputs[0] if inputs else None
-            if not rules_apply() or not isinstance(x, torch.Tensor) or not x.requires_grad:
+            if not rules_apply(mod) or not isinstance(x, torch.Tensor) or not x.requires_grad:
                 return None
             return self.apply(mod, x, output)
 

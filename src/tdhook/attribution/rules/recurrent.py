@@ -305,7 +305,7 @@ class RecurrentRule(Rule):
         return RemovableRuleHandle(self, module)
 
     def _recurrent_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        if not rules_apply():
+        if not rules_apply(module):
             return None
         x = args[0] if args else kwargs.get("input")
         hx = args[1] if len(args) > 1 else kwargs.get("hx")
