@@ -338,6 +338,8 @@ class Scorer:
         module = self.module
         if type(module) is not TensorDictModule or module._forward_hooks or module._forward_pre_hooks:
             return None
+        if "forward" in vars(module):  # a forward set on the instance runs in place of the class's
+            return None
         key = self._key if self._key is not None or len(module.out_keys) != 1 else module.out_keys[0]
         if list(module.in_keys) != self.keys or list(module.out_keys) != [key] or self._operator is not module:
             return None
