@@ -156,7 +156,7 @@ class Occlusion(PerturbationMethod):
         windows = [(i, window) for i, grid in enumerate(grids) for window in grid]
         # Drops and counts summed in float32 at least (see accumulation_dtype: a bfloat16 count stops at 256
         # windows), rounded once to the input's dtype.
-        wide = [accumulation_dtype(x.dtype) for x in call.inputs]
+        wide = [torch.promote_types(accumulation_dtype(x.dtype), call.output.dtype) for x in call.inputs]
         totals = [x.new_zeros(call.seeds.shape[0], *x.shape, dtype=w) for x, w in zip(call.inputs, wide, strict=True)]
         counts = [x.new_zeros(x.shape[call.batch_dims :], dtype=w) for x, w in zip(call.inputs, wide, strict=True)]
 
