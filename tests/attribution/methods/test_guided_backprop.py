@@ -76,7 +76,7 @@ class TestAgainstCaptum:
         torch.testing.assert_close(td["y"], twin(x), rtol=0, atol=0)
         expected = captum.attr.GuidedBackprop(twin).attribute(x.clone(), target=twin(x).argmax(-1))
         assert relative_error(td["attribution", "x"], expected) <= 1e-8
-        assert bool(td["attribution", "x"].abs().amax(-1).gt(0).all())  # not a vanishing comparison
+        assert td["attribution", "x"].abs().max() > 0.1  # not a comparison of zeros
 
     def test_two_key_policy(self):
         policy = two_key_policy()
