@@ -47,8 +47,8 @@ class TestAgainstCaptum:
 
     def test_an_in_place_operation_on_a_relus_output(self):
         """A model adding to a ReLU's output in place (after ``ReLU(inplace=True)`` too) raised torch's error about a
-        view made in a custom Function modified in place, though it runs plainly. captum raises on it too: its
-        oracle is the same model with the additions out of place."""
+        view made in a custom Function modified in place. The model runs forward; captum raises on it, as the plain
+        gradient does (the ReLU's saved output changed): the oracle is the model with the additions out of place."""
 
         class AddOne(nn.Module):
             def __init__(self, in_place: bool) -> None:
