@@ -102,8 +102,17 @@ def _calls_as(cls: type, base: type, *names: str) -> bool:
 def _runs_its_class_code(module: nn.Module) -> bool:
     """Whether calling ``module`` runs its class's code: no forward or call step set on the instance, and not
     compiled in place (``module.compile()``)."""
-    attributes = module.__dict__
-    return attributes.get("_compiled_call_impl") is None and attributes.keys().isdisjoint(_CALL_ATTRIBUTES)
+    return _run_their_class_code((module,))
+
+
+def _run_their_class_code(modules: Sequence[nn.Module]) -> bool:
+    """Whether calling each of ``modules`` runs its class's code (see :func:`_runs_its_class_code`), in one loop:
+    a plan checks it on every call."""
+    for module in modules:
+        attributes = module.__dict__
+        if attributes.get("_compiled_call_impl") is not None or not attributes.keys().isdisjoint(_CALL_ATTRIBUTES):
+            return False
+    return True
 
 
 @dataclass
@@ -132,6 +141,11 @@ class ChainPlan:
     tail: tuple[TensorDictModuleBase, ...] = ()
     reads: tuple[tuple[TensorDictModuleBase, tuple], ...] = ()
 
+    def __post_init__(self) -> None:
+        # What every call compares (see applies): the layers in order, and those that could be set to run in place.
+        self.modules = tuple(layer for layer, _ in self.layers)
+        self.activations = tuple(layer for layer in self.modules if type(layer) in _ACTIVATIONS)
+
     @classmethod
     def build(cls, chain: nn.Module, rules: Mapping[nn.Module, Rule], ours: Collection[int] = ()) -> ChainPlan | None:
         """The plan of ``chain`` under ``rules`` (module to rule), or ``None`` where the chain or a rule is not
@@ -157,7 +171,7 @@ class ChainPlan:
         dicts = tuple(getattr(m, name) for m in (chain, *chain) for name in _HOOKS if hasattr(m, name))
         if any(hook not in ours for hooks in dicts for hook in hooks):
             return None
-        if not all(map(_runs_its_class_code, (chain, *(layer for layer, _ in layers)))):
+        if not _run_their_class_code((chain, *(layer for layer, _ in layers))):
             return None
         return cls(layers, (dicts, tuple(map(len, dicts))), chain, tuple(type(layer) for layer, _ in layers))
 
@@ -167,11 +181,11 @@ class ChainPlan:
         layers, and no global module hook is set."""
         layers = tuple(self.chain._modules.values())
         # The planned classes (Linear, activations) compare modules by identity: the same objects, same classes.
-        if tuple(map(type, layers)) != self.kinds or layers != tuple(layer for layer, _ in self.layers):
+        if tuple(map(type, layers)) != self.kinds or layers != self.modules:
             return False
-        if not all(map(_runs_its_class_code, (self.chain, *layers))):
+        if not _run_their_class_code((self.chain, *layers)):
             return False
-        if any(type(layer) in _ACTIVATIONS and getattr(layer, "inplace", False) for layer, _ in self.layers):
+        if any(getattr(layer, "inplace", False) for layer in self.activations):
             return False  # an activation set to run in place since: its input is gone by the time of its factor
         if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
             return False
