@@ -233,10 +233,12 @@ class PlannedCall:
     Attributes:
         plan: the plan of the wrapped chain.
         wrapper: the ``TensorDictModule`` holding the chain (one input key, one output key).
+        value: the input the call's TensorDict holds at the wrapper's input key (read once per call).
     """
 
     plan: ChainPlan
     wrapper: TensorDictModuleBase
+    value: torch.Tensor
     factors: list[torch.Tensor | None] | None = None
     output: torch.Tensor | None = None
 
@@ -248,12 +250,12 @@ class PlannedCall:
     def feed(self, work: TensorDictBase) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The leaf of the one explained input and the tensor the chain reads (the input itself: the plan writes
         into no input), as :func:`~tdhook.attribution._inputs.feed_inputs` gives them."""
-        leaf = work.get(self.wrapper.in_keys[0]).detach()
+        leaf = self.value.detach()
         return [leaf], [leaf]
 
     def run(self, work: TensorDictBase) -> TensorDictBase:
         """Run the chain on ``work``'s input and write its output there, then the tail's steps; ``work``."""
-        output, self.factors = self.plan.forward(work.get(self.wrapper.in_keys[0]))
+        output, self.factors = self.plan.forward(self.value)
         self.output = output.requires_grad_(True)
         # It depends on the input, as the wrapper's checks of the target ask (the wrapper writes it detached); the
         # tail's outputs take their gradient to it with autograd.
@@ -401,9 +403,10 @@ def planned_call(lrp: Any, explained: list[bool], work: TensorDictBase) -> Plann
         return None  # a hook on the head, or other steps or keys put in since the context was entered
     if getattr(head, "module", None) is not plan.chain or not _calls_its_module(head):
         return None  # another chain, call step or method put in since the context was entered
-    if not work.get(head.in_keys[0]).is_floating_point():
+    value = work.get(head.in_keys[0])
+    if not value.is_floating_point():
         return None
-    return PlannedCall(plan, head)
+    return PlannedCall(plan, head, value)
 
 
 def _hooked(module: nn.Module) -> bool:
