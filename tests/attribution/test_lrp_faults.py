@@ -7,6 +7,7 @@ or that nothing of the context is left behind.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import pickle
@@ -409,3 +410,73 @@ def test_a_call_that_fails_after_the_forward_pass_leaves_the_running_statistics(
     for name, buffer in model.named_buffers():
         assert buffer is before[name][0] and torch.equal(buffer, before[name][1]), name
     assert model.training
+
+
+class Counting(nn.Module):
+    """Counts its calls in training mode in a buffer ``count``, once it has one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        count = self._buffers.get("count")
+        if count is not None and self.training:
+            count.add_(1)
+        return x
+
+
+def _insert_norm(net: nn.Sequential) -> None:
+    net.insert(1, nn.BatchNorm1d(4))  # nn.Sequential.insert writes into _modules without registration hooks
+
+
+def _replace_identity(net: nn.Sequential) -> None:
+    net._modules["1"] = nn.BatchNorm1d(4)  # same number of children, another object
+
+
+def _register_buffer(net: nn.Sequential) -> None:
+    net[2].register_buffer("count", torch.zeros(()))
+
+
+def _write_buffer(net: nn.Sequential) -> None:
+    net[2]._buffers["count"] = torch.zeros(())
+
+
+def _train(net: nn.Sequential) -> None:
+    net.train()
+
+
+STRUCTURE_CHANGES = {
+    "BatchNorm inserted": _insert_norm,
+    "Identity replaced by a BatchNorm": _replace_identity,
+    "buffer registered": _register_buffer,
+    "buffer written into _buffers": _write_buffer,
+    "train() switched on": _train,
+}
+
+
+@pytest.mark.parametrize("in_context", [False, True])
+@pytest.mark.parametrize("change", sorted(STRUCTURE_CHANGES))
+def test_a_failing_call_after_the_model_changed_puts_its_buffers_back(change: str, in_context: bool):
+    """The modules holding buffers are found once per structure of the model: a module put in or replaced, a buffer
+    added or training switched on between two calls (by any means) is seen by the next call, whose failure after the
+    forward pass puts the moved buffers back."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Identity(), Counting(), nn.Linear(4, 2))
+    if change == "train() switched on":
+        net.insert(1, nn.BatchNorm1d(4))
+    net.eval()
+    if change != "train() switched on":
+        net.train()  # training mode throughout; the model holds no buffer before the change
+    lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), EpsilonPlus())
+    td = TensorDict(x=torch.randn(5, 3), batch_size=[5])
+    with lrp if in_context else contextlib.nullcontext():
+        lrp(td.clone())
+        lrp(td.clone())
+        STRUCTURE_CHANGES[change](net)
+        before = {name: (buffer, buffer.clone()) for name, buffer in net.named_buffers()}
+        assert before
+        lrp.target = 7  # out of range: the call fails after the forward pass
+        with pytest.raises(IndexError):
+            lrp(td.clone())
+        for name, buffer in net.named_buffers():
+            assert buffer is before[name][0] and torch.equal(buffer, before[name][1]), name
+        lrp.target = None
+        lrp(td.clone())  # the same call that succeeds moves them
+        assert any(not torch.equal(buffer, before[name][1]) for name, buffer in net.named_buffers())

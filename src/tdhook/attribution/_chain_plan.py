@@ -102,8 +102,17 @@ def _calls_as(cls: type, base: type, *names: str) -> bool:
 def _runs_its_class_code(module: nn.Module) -> bool:
     """Whether calling ``module`` runs its class's code: no forward or call step set on the instance, and not
     compiled in place (``module.compile()``)."""
-    attributes = module.__dict__
-    return attributes.get("_compiled_call_impl") is None and attributes.keys().isdisjoint(_CALL_ATTRIBUTES)
+    return _run_their_class_code((module,))
+
+
+def _run_their_class_code(modules: Sequence[nn.Module]) -> bool:
+    """Whether calling each of ``modules`` runs its class's code (see :func:`_runs_its_class_code`), in one loop:
+    a plan checks it on every call."""
+    for module in modules:
+        attributes = module.__dict__
+        if attributes.get("_compiled_call_impl") is not None or not attributes.keys().isdisjoint(_CALL_ATTRIBUTES):
+            return False
+    return True
 
 
 @dataclass
@@ -132,6 +141,11 @@ class ChainPlan:
     tail: tuple[TensorDictModuleBase, ...] = ()
     reads: tuple[tuple[TensorDictModuleBase, tuple], ...] = ()
 
+    def __post_init__(self) -> None:
+        # What every call compares (see applies): the layers in order, and those that could be set to run in place.
+        self.modules = tuple(layer for layer, _ in self.layers)
+        self.activations = tuple(layer for layer in self.modules if type(layer) in _ACTIVATIONS)
+
     @classmethod
     def build(cls, chain: nn.Module, rules: Mapping[nn.Module, Rule], ours: Collection[int] = ()) -> ChainPlan | None:
         """The plan of ``chain`` under ``rules`` (module to rule), or ``None`` where the chain or a rule is not
@@ -157,7 +171,7 @@ class ChainPlan:
         dicts = tuple(getattr(m, name) for m in (chain, *chain) for name in _HOOKS if hasattr(m, name))
         if any(hook not in ours for hooks in dicts for hook in hooks):
             return None
-        if not all(map(_runs_its_class_code, (chain, *(layer for layer, _ in layers)))):
+        if not _run_their_class_code((chain, *(layer for layer, _ in layers))):
             return None
         return cls(layers, (dicts, tuple(map(len, dicts))), chain, tuple(type(layer) for layer, _ in layers))
 
@@ -167,11 +181,11 @@ class ChainPlan:
         layers, and no global module hook is set."""
         layers = tuple(self.chain._modules.values())
         # The planned classes (Linear, activations) compare modules by identity: the same objects, same classes.
-        if tuple(map(type, layers)) != self.kinds or layers != tuple(layer for layer, _ in self.layers):
+        if tuple(map(type, layers)) != self.kinds or layers != self.modules:
             return False
-        if not all(map(_runs_its_class_code, (self.chain, *layers))):
+        if not _run_their_class_code((self.chain, *layers)):
             return False
-        if any(type(layer) in _ACTIVATIONS and getattr(layer, "inplace", False) for layer, _ in self.layers):
+        if any(getattr(layer, "inplace", False) for layer in self.activations):
             return False  # an activation set to run in place since: its input is gone by the time of its factor
         if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
             return False
@@ -219,10 +233,12 @@ class PlannedCall:
     Attributes:
         plan: the plan of the wrapped chain.
         wrapper: the ``TensorDictModule`` holding the chain (one input key, one output key).
+        value: the input the call's TensorDict holds at the wrapper's input key (read once per call).
     """
 
     plan: ChainPlan
     wrapper: TensorDictModuleBase
+    value: torch.Tensor
     factors: list[torch.Tensor | None] | None = None
     output: torch.Tensor | None = None
 
@@ -234,12 +250,12 @@ class PlannedCall:
     def feed(self, work: TensorDictBase) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The leaf of the one explained input and the tensor the chain reads (the input itself: the plan writes
         into no input), as :func:`~tdhook.attribution._inputs.feed_inputs` gives them."""
-        leaf = work.get(self.wrapper.in_keys[0]).detach()
+        leaf = self.value.detach()
         return [leaf], [leaf]
 
     def run(self, work: TensorDictBase) -> TensorDictBase:
         """Run the chain on ``work``'s input and write its output there, then the tail's steps; ``work``."""
-        output, self.factors = self.plan.forward(work.get(self.wrapper.in_keys[0]))
+        output, self.factors = self.plan.forward(self.value)
         self.output = output.requires_grad_(True)
         # It depends on the input, as the wrapper's checks of the target ask (the wrapper writes it detached); the
         # tail's outputs take their gradient to it with autograd.
@@ -387,9 +403,10 @@ def planned_call(lrp: Any, explained: list[bool], work: TensorDictBase) -> Plann
         return None  # a hook on the head, or other steps or keys put in since the context was entered
     if getattr(head, "module", None) is not plan.chain or not _calls_its_module(head):
         return None  # another chain, call step or method put in since the context was entered
-    if not work.get(head.in_keys[0]).is_floating_point():
+    value = work.get(head.in_keys[0])
+    if not value.is_floating_point():
         return None
-    return PlannedCall(plan, head)
+    return PlannedCall(plan, head, value)
 
 
 def _hooked(module: nn.Module) -> bool:

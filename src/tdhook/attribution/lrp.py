@@ -68,7 +68,7 @@ from tdhook.attribution._writes import relevance_updates, returned_tensordict, s
 from tdhook.attribution.coverage import Coverage
 from tdhook.attribution.mappers.base import RuleMapper
 from tdhook.attribution.mappers.given import as_rule_mapper, checked_rules
-from tdhook.attribution.methods._batch_statistics import buffers_restored_on_error
+from tdhook.attribution.methods._batch_statistics import BufferHolders, buffers_restored_on_error
 from tdhook.attribution.rules._keeping_graph import RelevancePass
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.targets import (
@@ -85,6 +85,9 @@ from tdhook.attribution.tunables import MapperTunable
 __all__ = ["LRP"]
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it does nothing
+# Sets the per-call state on the wrapper without nn.Module's __setattr__ (a microsecond a call: it looks the name up
+# among parameters, buffers and submodules, which these plain values never are).
+_set_state = object.__setattr__
 
 
 def _uncompiled_dispatch(forward: Callable) -> Callable:
@@ -277,6 +280,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._inactive = False  # inside inactive(): no rules
         self._plan: ChainPlan | None = None  # a chain of layers run without hooks and autograd (see _chain_plan)
         self._abandoned: weakref.finalize | None = None  # an open context's cleanup if the wrapper is collected
+        self._buffer_holders = BufferHolders()  # the modules whose buffers a failing call puts back
 
     def named_explained_modules(self) -> dict[str, nn.Module]:
         """The wrapped model's modules by the names rule mappers and ``layers`` use."""
@@ -386,9 +390,9 @@ class LRP(TensorDictModuleBase, MapperTunable):
     @_uncompiled_dispatch
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         # One call at a time (docs/guarantees.md); one that fails leaves the running statistics as they were.
-        with self._lock, buffers_restored_on_error(self.module):
+        with self._lock, buffers_restored_on_error(self.module, self._buffer_holders):
             entering = self._handles is None and not self._inactive
-            self._call_enters = entering
+            _set_state(self, "_call_enters", entering)
             # A context entered here is left before the write, and so is the record of the caller's grad mode.
             with called_in_grad_mode(torch.is_grad_enabled()), self if entering else _NO_CONTEXT:
                 out, write = self._explain(tensordict)
@@ -396,7 +400,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             return out
 
     def _explain(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, Callable[[], None]]:
-        self._marks_read = self._marks_read or marks_for_target(self._handles or [], self.target)
+        _set_state(self, "_marks_read", self._marks_read or marks_for_target(self._handles or [], self.target))
         explained = explained_in_call(tensordict, self.explained_keys, self._defaulted_inputs, self._optional_inputs)
         validate_inputs(tensordict, [key for key, e in zip(self.explained_keys, explained, strict=True) if e])
         check_writable(tensordict, self.relevance_keys, self.token_relevance_keys)
@@ -439,7 +443,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
                         target = allowed_action(self.targets[name][1], target_key, result, tensordict)
                     grad_outputs, at_zero = initial_relevance(output, target, target_key, out.batch_dims)
                     extra = zero_output_seeds(output, at_zero, target_key) if at_zero is not None else []
-                    self._split_dim = check_split_dim(self.split_dim, output, target_key, out.batch_dims)
+                    _set_state(self, "_split_dim", check_split_dim(self.split_dim, output, target_key, out.batch_dims))
                     outputs.append(output)
                     if calls is not None and position == len(names) - 1:
                         self._coverage.report(calls, outputs, self.named_explained_modules(), self.rule_mapper)

@@ -12,7 +12,13 @@ from torch import nn
 from torchrl.modules import BatchRenorm1d
 
 from tdhook.attribution import IntegratedGradients
-from tdhook.attribution.methods._batch_statistics import batch_normalisers, buffers_kept
+from tdhook.attribution.methods._batch_statistics import (
+    BufferHolders,
+    BufferValues,
+    batch_normalisers,
+    buffers_kept,
+    buffers_restored_on_error,
+)
 from tdhook.attribution.methods._quadrature import quadrature
 from tests.attribution._interrupts import Interrupt, every_line
 from tests.attribution.methods._models import FromCallersStatistics
@@ -212,3 +218,54 @@ def test_helpers_name_the_normalisers_and_restore_buffers():
         raise RuntimeError("inside")
     for key, value in before.items():
         assert torch.equal(net.state_dict()[key], value), key
+
+
+MEAN_VAR = ["running_mean", "running_var"]
+
+
+def _holder_names(model: nn.Module, holders: BufferHolders) -> list[str]:
+    names = {module: name for name, module in model.named_modules()}
+    return sorted(names[module] for module in holders.of(model) if module in names)
+
+
+def test_buffer_holders_follow_every_change_of_the_model():
+    """The modules holding buffers are found again after a module is put in, replaced or removed by any means
+    (registration or a write into ``_modules``), or a buffer registered, written in or deleted."""
+    net = nn.Sequential(nn.Linear(2, 3), nn.Identity(), nn.Sequential(nn.Tanh()))
+    holders = BufferHolders()
+    assert _holder_names(net, holders) == []
+    net.insert(1, nn.BatchNorm1d(3))  # writes into _modules
+    assert _holder_names(net, holders) == ["1"]
+    net[3]._modules["0"] = nn.BatchNorm1d(3)  # a deeper child replaced, same number of children
+    assert _holder_names(net, holders) == ["1", "3.0"]
+    net[2]._buffers["count"] = torch.zeros(())
+    assert _holder_names(net, holders) == ["1", "2", "3.0"]
+    del net[3]
+    net[0].register_buffer("mask", torch.ones(3))
+    assert _holder_names(net, holders) == ["0", "1", "2"]
+    del net[2]._buffers["count"]  # a module listed with no buffer left: its buffers are read on every call
+    assert sorted(name for _, name in BufferValues(net, holders)._kept) == ["mask", "num_batches_tracked", *MEAN_VAR]
+    other = copy.deepcopy(net)
+    assert _holder_names(other, holders) == ["0", "1"]  # another model: found anew
+
+
+def test_buffer_holders_copied_with_a_wrapper_start_anew():
+    holders = BufferHolders()
+    net = nn.Sequential(nn.BatchNorm1d(3))
+    holders.of(net)
+    copied = copy.deepcopy((net, holders))
+    assert copied[1]._found is None
+    assert copied[1].of(copied[0]) == [copied[0][0]]
+
+
+def test_a_model_without_buffers_in_training_mode_shares_one_context_that_keeps_nothing():
+    holders = BufferHolders()
+    net = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3)).eval()
+    first, second = buffers_restored_on_error(net, holders), buffers_restored_on_error(net, holders)
+    assert first is second
+    net.train()
+    with pytest.raises(RuntimeError):
+        with buffers_restored_on_error(net, holders):
+            net(torch.randn(4, 2))
+            raise RuntimeError("a later step failed")
+    assert int(net[1].num_batches_tracked) == 0

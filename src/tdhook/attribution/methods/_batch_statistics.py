@@ -23,13 +23,16 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import itertools
+import operator
 from collections.abc import Iterator, Mapping
+from types import TracebackType
 
 import torch
 from torch import nn
 from torchrl.modules import BatchRenorm1d
 
-__all__ = ["BufferValues", "batch_normalisers", "buffers_kept", "buffers_restored_on_error"]
+__all__ = ["BufferHolders", "BufferValues", "batch_normalisers", "buffers_kept", "buffers_restored_on_error"]
 
 
 def batch_normalisers(modules: Mapping[str, nn.Module]) -> list[str]:
@@ -48,11 +51,60 @@ def batch_normalisers(modules: Mapping[str, nn.Module]) -> list[str]:
     return names
 
 
-def _training_buffers(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    """The buffers of ``model``'s modules in training mode, the only ones a forward pass updates."""
+_CHILDREN, _BUFFERS = operator.attrgetter("_modules"), operator.attrgetter("_buffers")
+_chained = itertools.chain.from_iterable
+
+
+class BufferHolders:
+    """The modules of a model that hold buffers, found again only where the model's structure changed since.
+
+    Walking every module of a model for its buffers on every call costs a few microseconds per module; a call
+    checks instead, in a few C-level passes over the modules found last time, that each still has the same
+    children (the same objects) and the same number of buffers, and walks the model again where one differs (a
+    module put in, replaced or removed anywhere, by any means, a buffer registered or deleted). Which of the
+    holders are in training mode, and their buffers, are read on every call.
+
+    Examples:
+        >>> net = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))
+        >>> holders = BufferHolders()
+        >>> holders.of(net) == [net[1]]
+        True
+        >>> _ = net.append(nn.BatchNorm1d(3))
+        >>> holders.of(net) == [net[1], net[2]]
+        True
+    """
+
+    def __init__(self) -> None:
+        self._found: tuple[nn.Module, list[nn.Module], list[nn.Module | None], list[nn.Module], list] | None = None
+
+    def of(self, model: nn.Module) -> list[nn.Module]:
+        """The modules of ``model`` (itself included) that hold at least one buffer."""
+        found = self._found
+        if found is not None and found[0] is model:
+            _, modules, children, holders, others = found
+            # Every module's children, in a row: unchanged, they are the modules found (the root aside), and no
+            # other module is reached; the modules that held no buffer still hold none.
+            if not any(map(_BUFFERS, others)) and [*_chained(map(dict.values, map(_CHILDREN, modules)))] == children:
+                return holders
+        modules = list(model.modules())
+        children = [*_chained(map(dict.values, map(_CHILDREN, modules)))]
+        holders = [module for module in modules if module._buffers]
+        others = [module for module in modules if not module._buffers]
+        self._found = (model, modules, children, holders, others)  # one assignment: an interrupt leaves the last
+        return holders
+
+    def __reduce__(self) -> tuple:
+        return BufferHolders, ()  # a copy finds its model's modules again
+
+
+def _training_buffers(
+    model: nn.Module, holders: BufferHolders | None = None
+) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """The buffers of ``model``'s modules in training mode, the only ones a forward pass updates (found by
+    ``holders`` where given)."""
     return [
         (module, name, buffer)
-        for module in model.modules()
+        for module in (model.modules() if holders is None else holders.of(model))
         if module.training
         for name, buffer in module._buffers.items()
         if isinstance(buffer, torch.Tensor)
@@ -74,8 +126,9 @@ class BufferValues:
         0
     """
 
-    def __init__(self, model: nn.Module) -> None:
-        self._kept = {(module, name): (buffer, buffer.clone()) for module, name, buffer in _training_buffers(model)}
+    def __init__(self, model: nn.Module, holders: BufferHolders | None = None) -> None:
+        kept = _training_buffers(model, holders)
+        self._kept = {(module, name): (buffer, buffer.clone()) for module, name, buffer in kept}
 
     def value(self, module: nn.Module, name: str, default: torch.Tensor) -> torch.Tensor:
         """The value the buffer ``name`` of ``module`` had (``default`` for one that was not kept)."""
@@ -91,13 +144,39 @@ class BufferValues:
                 buffer.copy_(value)
 
 
-@contextlib.contextmanager
-def buffers_restored_on_error(model: nn.Module) -> Iterator[BufferValues]:
+class _RestoredOnError:
+    """Puts ``values`` back where the block raises (a class, not a generator: entered on every call)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: BufferValues) -> None:
+        self.values = values
+
+    def __enter__(self) -> BufferValues:
+        return self.values
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        if kind is not None:
+            self.values.restore()
+
+
+_NOTHING_KEPT = _RestoredOnError(BufferValues(nn.Module().eval()))  # no module in training mode holds a buffer
+
+
+def buffers_restored_on_error(
+    model: nn.Module, holders: BufferHolders | None = None
+) -> contextlib.AbstractContextManager[BufferValues]:
     """Give the buffers of ``model``'s modules in training mode their values back if the block raises (and their
     places in the modules, where a :func:`buffers_kept` inside was stopped before it put them back).
 
-    Yields:
-        The values the buffers had on entry, for :func:`buffers_kept` to start passes from.
+    Args:
+        model: the model.
+        holders: where given, finds the modules that hold buffers (once per structure of the model: see
+            :class:`BufferHolders`); else every module is looked at.
+
+    Returns:
+        A context manager that yields the values the buffers had on entry, for :func:`buffers_kept` to start
+        passes from (a shared one that keeps nothing where no module in training mode holds a buffer).
 
     Examples:
         >>> norm = nn.BatchNorm1d(2)
@@ -110,12 +189,8 @@ def buffers_restored_on_error(model: nn.Module) -> Iterator[BufferValues]:
         >>> int(norm.num_batches_tracked)
         0
     """
-    before = BufferValues(model)
-    try:
-        yield before
-    except BaseException:
-        before.restore()
-        raise
+    before = BufferValues(model, holders)
+    return _RestoredOnError(before) if before._kept else _NOTHING_KEPT
 
 
 @contextlib.contextmanager
