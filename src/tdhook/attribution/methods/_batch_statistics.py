@@ -52,6 +52,8 @@ def batch_normalisers(modules: Mapping[str, nn.Module]) -> list[str]:
 
 
 _CHILDREN, _BUFFERS = operator.attrgetter("_modules"), operator.attrgetter("_buffers")
+# A TorchScript module keeps its children in a mapping of its own, not a dict: its own ``values`` reads both.
+_VALUES = operator.methodcaller("values")
 _chained = itertools.chain.from_iterable
 
 
@@ -84,10 +86,10 @@ class BufferHolders:
             _, modules, children, holders, others = found
             # Every module's children, in a row: unchanged, they are the modules found (the root aside), and no
             # other module is reached; the modules that held no buffer still hold none.
-            if not any(map(_BUFFERS, others)) and [*_chained(map(dict.values, map(_CHILDREN, modules)))] == children:
+            if not any(map(_BUFFERS, others)) and [*_chained(map(_VALUES, map(_CHILDREN, modules)))] == children:
                 return holders
         modules = list(model.modules())
-        children = [*_chained(map(dict.values, map(_CHILDREN, modules)))]
+        children = [*_chained(map(_VALUES, map(_CHILDREN, modules)))]
         holders = [module for module in modules if module._buffers]
         others = [module for module in modules if not module._buffers]
         self._found = (model, modules, children, holders, others)  # one assignment: an interrupt leaves the last
