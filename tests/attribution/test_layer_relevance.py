@@ -85,3 +85,45 @@ def test_modules_that_return_one_tensor_each_get_its_whole_relevance(preset: str
     expected = LRP(rest, PRESETS[preset]("0"), in_keys=["x"], out_keys=["y"], target=target)(given)["relevance", "x"]
     for name in names:
         assert relative_error(td["relevance", name], expected) <= 1e-12, name
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("glue", ["normaliser", "tanh"])
+def test_a_module_further_up_the_glue_gets_its_whole_output_relevance(glue: str, preset: str):
+    # A normaliser (or an activation) before a Flatten and the first layer: its output is not the layer's input, and
+    # the relevance the rule sets at that input reached it through no gradient (it had none: 100 % off).
+    torch.manual_seed(0)
+    first = {"normaliser": Normaliser, "tanh": nn.Tanh}[glue]()
+    model = cnn(nn.Identity())
+    model = nn.Sequential(first, nn.Flatten(2), nn.Unflatten(2, (4, 4)), *model[1:]).to(F64).eval()
+    x = torch.randn(4, 2, 4, 4, dtype=F64).clamp(-3, 3)
+    x[x.abs() < 0.6] = 0.5 if glue == "normaliser" else 0.0  # zero entries of the first layer's input
+    with torch.no_grad():
+        target = model(x).argmax(-1)
+    lrp = LRP(model, PRESETS[preset]("3"), in_keys=["x"], out_keys=["y"], target=target, layers=["0", "1"])
+    td = lrp(TensorDict(x=x, batch_size=[4]))
+    rest = nn.Sequential(*model[1:])
+    given = TensorDict(x=model[0](x), batch_size=[4])
+    expected = LRP(rest, PRESETS[preset]("2"), in_keys=["x"], out_keys=["y"], target=target)(given)["relevance", "x"]
+    assert relative_error(td["relevance", "0"], expected) <= 1e-12
+    assert relative_error(td["relevance", "1"], expected.flatten(2)) <= 1e-12
+
+
+def test_a_relevance_check_sees_each_module_once_when_relevance_is_carried_up_the_glue():
+    # Reading the glue's Jacobian runs backward passes through the first layer's input: the check's hook there must
+    # not take them for the relevance pass (it ran once more, on a zero gradient).
+    torch.manual_seed(0)
+    model = nn.Sequential(Normaliser(), nn.Flatten(2), nn.Unflatten(2, (4, 4)), *cnn(nn.Identity())[1:]).to(F64)
+    x = torch.randn(2, 2, 4, 4, dtype=F64)
+    x[x.abs() < 0.6] = 0.5  # zero entries of the first layer's input
+    checks = []
+    lrp = LRP(
+        model.eval(),
+        EpsilonPlusFlat(),
+        in_keys=["x"],
+        out_keys=["y"],
+        layers=["0"],
+        relevance_check=lambda name, module, relevance_in, relevance_out: checks.append(name),
+    )
+    lrp(TensorDict(x=x, batch_size=[2]))
+    assert sorted(checks) == ["3", "6"]

@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from tdhook.attribution.rules._keeping_graph import graph_kept
-from tdhook.attribution.rules._set_relevance import pop_set_relevance, watch
+from tdhook.attribution.rules._set_relevance import forget_watched, pop_set_relevance, probing, watch
 from tdhook.attribution.rules.base import RemovableRuleHandle, layer_call_of, rules_apply
 from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
 
@@ -77,6 +77,8 @@ class OutputRelevance:
         watch(tensor)  # a first-layer rule reading it leaves there the relevance its gradient does not carry
 
         def record(grad: torch.Tensor) -> None:
+            if probing():
+                return  # a pass reading the glue's Jacobian, not the relevance pass
             if relevance_pass is not None and not relevance_pass.is_running:
                 return  # a later backward pass through the graph the call kept (a loss on the relevance)
             set_there = pop_set_relevance(tensor, grad)  # each reader of the tensor, in one pass
@@ -141,6 +143,7 @@ class LayerRelevance:
     def clear(self) -> None:
         """Forget every watched output, before and after a call."""
         self._cells = {}
+        forget_watched()
 
     def pop(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The relevance of module ``name``'s outputs in the last backward pass; then reset.
@@ -212,6 +215,8 @@ def add_check_hooks(
             x, out, relevance_pass = args[0], OutputRelevance.watch(output), graph_kept()
 
             def run_check(grad: torch.Tensor) -> None:
+                if probing():
+                    return  # a pass reading the glue's Jacobian, not the relevance pass
                 if relevance_pass is None or relevance_pass.is_running:  # not a later pass through a kept graph
                     check(name, module, x.detach() * grad + records_for(x), out.total())
 

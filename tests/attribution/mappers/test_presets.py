@@ -23,6 +23,7 @@ from tdhook.attribution import (
     FlatRule,
     GammaRule,
     Preset,
+    UniformEpsilon,
     ZBoxRule,
 )
 from tests.conftest import relative_error
@@ -292,3 +293,78 @@ class TestBoxBoundsAgainstZennit:
         theirs = zcomposites.EpsilonGammaBox(low.expand_as(x), high.expand_as(x))
         expected = zennit_model_relevance(theirs, model, x)
         assert relative_error(relevance_of(model, EpsilonGammaBox(low, high), x), expected) <= 1e-6
+
+
+class _CaptumNet(nn.Module):
+    """A CNN captum's LRP takes: no ``nn.Flatten`` (it has no rule for it) and no two activations in a row (captum
+    passes relevance through the second one wrongly: 61 % off zennit and tdhook on a ReLU then a Tanh)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 5, 3, padding=1), nn.ReLU(),
+            nn.AvgPool2d(2), nn.Conv2d(5, 3, 1), nn.Tanh(), nn.AdaptiveAvgPool2d(1),
+        )  # fmt: skip
+        self.classifier = nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x).flatten(1))
+
+
+class TestAgainstCaptum:
+    """captum's LRP and its rules (float64), in what they cover: Conv2d and Linear layers, inputs ``x ≥ 0`` and
+    outputs followed by a ReLU for its z⁺ and γ (which modify every weight, not those of the signed parts)."""
+
+    def test_captums_default_is_uniform_epsilon(self):
+        from captum.attr import LRP as CaptumLRP
+
+        torch.manual_seed(0)
+        model, x = _CaptumNet().double().eval(), torch.randn(3, 2, 8, 8, dtype=torch.float64)
+        with torch.no_grad():
+            target = model(x).argmax(-1)
+        expected = CaptumLRP(model).attribute(x.clone(), target=target)  # ε = 1e-9 on every layer
+        mapper = UniformEpsilon(epsilon=1e-9, stabilizer=1e-9)
+        actual = LRP(model, mapper, in_keys=["x"], out_keys=["y"], target=target)(
+            TensorDict(x=x.clone(), batch_size=[3])
+        )["relevance", "x"]
+        assert relative_error(actual, expected) <= 1e-6
+        # EpsilonPlus is not captum's default: z⁺ on the convolutions.
+        plus = LRP(model, EpsilonPlus(epsilon=1e-9, stabilizer=1e-9), in_keys=["x"], out_keys=["y"], target=target)
+        assert relative_error(plus(TensorDict(x=x.clone(), batch_size=[3]))["relevance", "x"], expected) > 0.1
+
+    @pytest.mark.parametrize("rule", ["zplus", "gamma"])
+    def test_captums_rules_without_bias_on_the_convolutions_after_the_first(self, rule: str):
+        from captum.attr import LRP as CaptumLRP
+        from captum.attr._utils.lrp_rules import Alpha1_Beta0_Rule
+        from captum.attr._utils.lrp_rules import GammaRule as CaptumGamma
+
+        torch.manual_seed(0)
+        model, x = _CaptumNet().double().eval(), torch.randn(3, 2, 8, 8, dtype=torch.float64)
+        model.features[6] = nn.Conv2d(5, 3, 1).double()  # after a ReLU and a pool: inputs >= 0
+        model.features[7] = nn.ReLU()
+        theirs = {"zplus": lambda: Alpha1_Beta0_Rule(set_bias_to_zero=True), "gamma": lambda: CaptumGamma(0.5, True)}
+        ours = {
+            "zplus": AlphaBetaRule(1.0, 0.0, stabilizer=1e-9, zero_params=["bias"]),
+            "gamma": GammaRule(0.5, stabilizer=1e-9, zero_params=["bias"]),
+        }
+        first = model.features[0]
+        with torch.no_grad():
+            target = model(x).argmax(-1)
+        for module in model.modules():
+            if isinstance(module, nn.Conv2d) and module is not first:
+                module.rule = theirs[rule]()
+        try:
+            expected = CaptumLRP(model).attribute(x.clone(), target=target)
+        finally:
+            for module in model.modules():
+                if hasattr(module, "rule"):
+                    del module.rule
+        mapper = UniformEpsilon(
+            epsilon=1e-9,
+            stabilizer=1e-9,
+            rule_mapper=lambda name, m: ours[rule] if isinstance(m, nn.Conv2d) and m is not first else None,
+        )
+        actual = LRP(model, mapper, in_keys=["x"], out_keys=["y"], target=target)(
+            TensorDict(x=x.clone(), batch_size=[3])
+        )["relevance", "x"]
+        assert relative_error(actual, expected) <= 1e-6

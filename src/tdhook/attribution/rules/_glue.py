@@ -37,8 +37,9 @@ from torch import nn
 from tdhook.attribution.rules._autograd import relevance_pass_edges
 from tdhook.attribution.rules._layer_nodes import is_layer_node
 from tdhook.attribution.rules._linked_inputs import is_linked_copy
+from tdhook.attribution.rules._set_relevance import glue_probe, note_set_relevance, watched_tensors
 
-__all__ = ["GlueError", "carry_back", "input_leaves", "rest_records", "whole_records"]
+__all__ = ["GlueError", "carry_back", "input_leaves", "note_up_the_glue", "rest_records", "whole_records"]
 
 
 class GlueError(ValueError):
@@ -105,7 +106,11 @@ def _hashed(index: torch.Tensor, salt: int, base: int) -> torch.Tensor:
 
 
 def carry_back(
-    x: torch.Tensor, relevance: torch.Tensor, who: str, mixed: list[torch.Tensor] | None = None
+    x: torch.Tensor,
+    relevance: torch.Tensor,
+    who: str,
+    mixed: list[torch.Tensor] | None = None,
+    sources: list[torch.Tensor] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``relevance`` of the non-leaf layer input ``x``, given to the leaves ``x`` was computed from.
 
@@ -115,6 +120,8 @@ def carry_back(
         who: the rule and module, for error messages.
         mixed: where given, a position that depends on several input positions is not refused: the mask of such
             positions (shaped like ``x``) is appended to this list, and their relevance is left out of the result.
+        sources: where given, the tensors to carry the relevance back to, in place of the leaves (tensors the glue
+            computes ``x`` from, with no layer between); none of them when ``x`` depends on none.
 
     Returns:
         ``(leaf, relevance of leaf)`` pairs, one per leaf ``x`` depends on; the sum of the relevance is kept
@@ -134,7 +141,7 @@ def carry_back(
         ...
         tdhook.attribution.rules._glue.GlueError: FlatRule on Linear: the layer's input at position (0, 0) ...
     """
-    leaves, through_layer = input_leaves(x)
+    leaves, through_layer = input_leaves(x) if sources is None else (sources, False)
     if through_layer:
         raise GlueError(
             f"{who}: the layer's input mixes the model inputs with the output of another Linear, convolution or "
@@ -158,10 +165,12 @@ def carry_back(
     check_base = base - 1 if base > 2 else base
     checks = [_hashed(index, salt, check_base) for salt in range(2 if check_base > 1000 else 8)]
     probes.extend(check.to(x.dtype) for check in checks)
-    with torch.enable_grad():
+    with torch.enable_grad(), glue_probe():  # the hooks on the tensors passed are not the relevance pass's
         w = torch.zeros_like(x, requires_grad=True)
         vjp = torch.autograd.grad(x, leaves, w, retain_graph=True, create_graph=True, allow_unused=True)
         used = [(g, leaf, i) for i, (g, leaf) in enumerate(zip(vjp, leaves, strict=True)) if g is not None]
+        if not used and sources is not None:
+            return []  # x is not computed from them
         if not used or not all(g.requires_grad for g, _, _ in used):
             raise GlueError(f"{who}: the glue before the layer has a backward that cannot be differentiated again")
         products = []
@@ -312,3 +321,56 @@ def _only_moves_values(x: torch.Tensor) -> bool:
         node = edges[0]
     variable = getattr(node, "variable", None)
     return variable is not None and not isinstance(variable, nn.Parameter)
+
+
+def note_up_the_glue(rule: object, module: nn.Module, x: torch.Tensor, whole: torch.Tensor, carried=None) -> None:
+    """:func:`~tdhook.attribution.rules._set_relevance.note_set_relevance` at ``module``'s input ``x``, and at each
+    watched tensor (a module output named in ``layers``) that glue computes ``x`` from: the relevance the gradient
+    does not carry, carried back to its positions. A normaliser's output before a ``Flatten`` and the first layer gets
+    the relevance the rule set at the positions computed from it, which reaches it through no gradient.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> from tdhook.attribution import LRP, EpsilonPlusFlat
+        >>> model = nn.Sequential(nn.Tanh(), nn.Flatten(), nn.Linear(4, 2))  # Flat on the Linear
+        >>> lrp = LRP(model, EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"], layers=["0"])
+        >>> td = lrp(TensorDict(x=torch.tensor([[[0.5, 1.0], [-2.0, 0.25]]]), batch_size=[1]))
+        >>> relevance = td["relevance", "0"]  # the Tanh's output: each input's, which the pass rule passes on
+        >>> torch.allclose(relevance, td["relevance", "x"]), bool(relevance.abs().sum() > 0)
+        (True, True)
+    """
+    source = getattr(x, "_tdhook_alias_of", x)
+    watched = [t for t in watched_tensors() if t is not source and t is not x and t.requires_grad]
+    rest = whole if carried is None else whole - carried
+    notes = []
+    if watched and bool(rest.any()) and not input_leaves(x)[1]:  # (glue through another layer: no first layer's)
+        nodes, leaves = _glue_nodes(x)
+        upstream = [t for t in watched if (t.grad_fn in nodes if t.grad_fn is not None else id(t) in leaves)]
+        who = f"{type(rule).__name__} on {type(module).__name__}"
+        for tensor in upstream:
+            try:
+                notes.extend(carry_back(x, rest, who, mixed=[], sources=[tensor]))
+            except GlueError:
+                continue  # a backward that cannot be differentiated again: the gradient's share alone
+    # Noted once every pass through the glue has run: such a pass runs the watchers' hooks, which take what is noted.
+    note_set_relevance(x, whole, carried)
+    for watched, relevance in notes:
+        note_set_relevance(watched, relevance)
+
+
+def _glue_nodes(x: torch.Tensor) -> tuple[set, set[int]]:
+    """The autograd nodes of the glue ``x`` is computed by, up to the layers before it, and the ids of its leaves."""
+    nodes: set = set()
+    leaves: set[int] = set()
+    stack = [x.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in nodes or is_layer_node(node):
+            continue
+        nodes.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            leaves.add(id(variable))
+            continue
+        stack.extend(relevance_pass_edges(node))
+    return nodes, leaves

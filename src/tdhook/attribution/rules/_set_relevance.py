@@ -4,7 +4,9 @@ Flat, w² and z^B set the relevance of their layer's input ``x``, zero entries i
 ``x · grad`` of it, and the rest goes to the explained inputs as records. The wrapper's inner-layer relevance
 (``layers``) of a module whose output is ``x`` (a ``Flatten``, a normaliser before the first layer) reads
 ``x · grad`` at ``x``: it marks such a tensor as watched, and the rule leaves what the gradient does not carry on
-it, for the watcher to add.
+it, for the watcher to add. A watched tensor further up the glue (a normaliser's output before a ``Flatten`` and
+the layer) gets its share carried back through the glue (see :func:`~tdhook.attribution.rules._glue.note_up_the_glue`),
+from the tensors :func:`watched_tensors` gives.
 
 Examples:
     >>> x = torch.tensor([0.0, 2.0])
@@ -16,18 +18,63 @@ Examples:
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
-__all__ = ["watch", "note_set_relevance", "pop_set_relevance"]
+__all__ = [
+    "watch",
+    "watched_tensors",
+    "forget_watched",
+    "glue_probe",
+    "probing",
+    "note_set_relevance",
+    "pop_set_relevance",
+]
 
 _WATCHED = "_tdhook_watched"
 _SET = "_tdhook_set_relevance"
 _POPPED = "_tdhook_popped_relevance"
+_LOCAL = threading.local()  # this thread's watched tensors, held weakly: those of finished calls go with them
 
 
 def watch(tensor: torch.Tensor) -> None:
     """Mark ``tensor`` (a module's output whose relevance the wrapper reads) for :func:`note_set_relevance`."""
     setattr(tensor, _WATCHED, True)
+    alive = [ref for ref in getattr(_LOCAL, "watched", []) if ref() is not None]
+    if not any(ref() is tensor for ref in alive):
+        alive.append(weakref.ref(tensor))
+    _LOCAL.watched = alive
+
+
+def forget_watched() -> None:
+    """Forget this thread's watched tensors (a call of the wrapper starts or ends)."""
+    _LOCAL.watched = []
+
+
+@contextmanager
+def glue_probe() -> Iterator[None]:
+    """Backward passes through the glue that read its Jacobian (see :func:`~tdhook.attribution.rules._glue.carry_back`):
+    the hooks of the tensors they pass, which read the relevance pass's gradients, skip them (see :func:`probing`)."""
+    previous = getattr(_LOCAL, "probing", False)
+    _LOCAL.probing = True
+    try:
+        yield
+    finally:
+        _LOCAL.probing = previous
+
+
+def probing() -> bool:
+    """Whether this thread runs a backward pass of :func:`glue_probe`, not a pass of relevance."""
+    return getattr(_LOCAL, "probing", False)
+
+
+def watched_tensors() -> list[torch.Tensor]:
+    """The tensors this thread watches that are still alive, in the order they were watched."""
+    return [t for t in (ref() for ref in getattr(_LOCAL, "watched", [])) if t is not None]
 
 
 def note_set_relevance(x: torch.Tensor, whole: torch.Tensor, carried: torch.Tensor | None = None) -> None:

@@ -17,7 +17,7 @@ from torch import nn
 
 from tdhook.attribution.rules._arguments import bounds
 from tdhook.attribution.rules._autograd import is_plain_gradient, may_overwrite
-from tdhook.attribution.rules._glue import rest_records, whole_records
+from tdhook.attribution.rules._glue import note_up_the_glue, rest_records, whole_records
 from tdhook.attribution.rules._input_gradients import (
     direct_input_gradient,
     direct_input_gradients,
@@ -25,7 +25,6 @@ from tdhook.attribution.rules._input_gradients import (
 )
 from tdhook.attribution.rules._layers import bias_view, check_layer_forward
 from tdhook.attribution.rules._numerics import pieces, safe_divide, signed_shift, stabilize
-from tdhook.attribution.rules._set_relevance import note_set_relevance
 from tdhook.attribution.rules.base import (
     _UNPREPARED,
     _ZERO_BIAS,
@@ -134,7 +133,7 @@ class _DirectInputRule(_ModifiedForwardRule):
             registration.records.extend(records)
         grad_x = safe_divide(relevance, x)
         registration.records.append((x, relevance - x * grad_x))
-        note_set_relevance(x, set_at_x, carried=x * grad_x)
+        note_up_the_glue(self, module, x, set_at_x, carried=x * grad_x)
         return grad_x
 
     def input_gradient(self, module, registration, params, x, z, grad):
@@ -145,13 +144,13 @@ class _DirectInputRule(_ModifiedForwardRule):
             records, relevance = whole  # what is left: that of positions mixing several inputs, to the gradient
             registration.records.extend(records)
             if not bool(relevance.any()):
-                note_set_relevance(x, set_at_x)  # for the relevance of a module whose output is x (``layers``)
+                note_up_the_glue(self, module, x, set_at_x)  # for the relevance of modules named in ``layers``
                 return torch.zeros_like(value)
         with torch.no_grad():
             grad_x = safe_divide(relevance, value)
         # The gradient carries R = x * grad_x; what it cannot carry (where x = 0) is recorded.
         registration.records.extend(rest_records(self, module, x, relevance - value * grad_x))
-        note_set_relevance(x, set_at_x, carried=value * grad_x)
+        note_up_the_glue(self, module, x, set_at_x, carried=value * grad_x)
         return grad_x
 
 
