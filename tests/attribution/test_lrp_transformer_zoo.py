@@ -155,6 +155,7 @@ ZOO = {
         ),
     ),
     # DBRX: a router that holds its projection and returns logits; the mixture weighs them (softmax, top k, norm).
+    # Queries, keys and values clipped to ±clip_qkv by Tensor.clamp, a bound that clips many units here.
     "dbrx": Architecture(
         "DbrxConfig",
         "DbrxForCausalLM",
@@ -163,7 +164,7 @@ ZOO = {
             n_heads=4,
             n_layers=2,
             max_seq_len=64,
-            attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+            attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=0.5),
             ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
         ),
     ),
@@ -173,6 +174,8 @@ ZOO = {
         "MiniMaxForCausalLM",
         dict(MOE, num_local_experts=4, layer_types=["linear_attention", "full_attention"], block_size=4),
     ),
+    # OLMo: queries, keys and values clipped in place (Tensor.clamp_) to ±clip_qkv; LayerNorms without parameters.
+    "olmo": Architecture("OlmoConfig", "OlmoForCausalLM", dict(clip_qkv=0.5)),
     # Cohere: a LayerNorm written by hand (mean and variance), attention and MLP in parallel, scaled logits.
     "cohere": Architecture("CohereConfig", "CohereForCausalLM"),
     "gemma": Architecture("GemmaConfig", "GemmaForCausalLM"),
