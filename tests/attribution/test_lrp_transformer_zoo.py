@@ -55,6 +55,7 @@ COMMON = dict(
     head_dim=8,
 )
 VISION = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+UNSET = {key: None for key in ("num_key_value_heads", "head_dim")}  # configs without them
 MOE = dict(num_experts=4, num_experts_per_tok=2, experts_implementation="eager")
 # The explained input of each kind of model: the keyword it is fed by and its shape.
 INPUTS = {
@@ -218,6 +219,26 @@ ZOO = {
     ),
     # DeBERTa-v2: disentangled attention (content-to-position and position-to-content scores); eager only.
     "deberta_v2": Architecture("DebertaV2Config", "DebertaV2ForSequenceClassification", sdpa=False),
+    # LayoutLM: BERT with 2-D position embeddings of the words' boxes (zero boxes here: additive, zeroed).
+    "layoutlm": Architecture("LayoutLMConfig", "LayoutLMForSequenceClassification", dict(UNSET)),
+    # XLNet: two-stream relative attention, its scores from einsums with learned biases (zeroed); eager only.
+    "xlnet": Architecture(
+        "XLNetConfig",
+        "XLNetLMHeadModel",
+        dict(UNSET, max_position_embeddings=None, d_model=HIDDEN, n_layer=2, n_head=4, d_inner=64),
+        sdpa=False,
+    ),
+    # MPT: ALiBi attention, LayerNorms without bias; eager only.
+    "mpt": Architecture(
+        "MptConfig",
+        "MptForCausalLM",
+        dict(UNSET, d_model=HIDDEN, n_heads=4, n_layers=2, max_seq_len=64, expansion_ratio=2),
+        sdpa=False,
+    ),
+    # RoFormer: rotary position embeddings from a sinusoidal table; eager only.
+    "roformer": Architecture(
+        "RoFormerConfig", "RoFormerForSequenceClassification", dict(UNSET, embedding_size=HIDDEN), sdpa=False
+    ),
     "t5_encoder": Architecture(
         "T5Config", "T5EncoderModel", dict(d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
     ),
@@ -230,6 +251,48 @@ ZOO = {
         "BeitForImageClassification",
         dict(image_size=IMAGE, patch_size=4, use_relative_position_bias=True),
         inputs="image",
+    ),
+    # YOLOS: a ViT with detection tokens appended to the patches (learned, additive: zeroed).
+    "yolos": Architecture(
+        "YolosConfig",
+        "YolosModel",
+        dict(image_size=[IMAGE, IMAGE], patch_size=4, num_detection_tokens=2),
+        inputs="image",
+    ),
+    # Hiera: a hierarchical ViT, queries pooled by max over windows between stages; eager only.
+    "hiera": Architecture(
+        "HieraConfig",
+        "HieraForImageClassification",
+        dict(
+            {key: None for key in VISION},
+            image_size=[IMAGE, IMAGE],
+            patch_size=[3, 3],
+            patch_stride=[2, 2],
+            patch_padding=[1, 1],
+            embed_dim=16,
+            depths=[1, 1],
+            num_heads=[1, 2],
+            query_stride=[2, 2],
+            masked_unit_size=[2, 2],
+            num_query_pool=1,
+        ),
+        inputs="image",
+        sdpa=False,
+    ),
+    # ConvNeXt (v1): depth-wise convolutions, channels-last LayerNorms, a layer scale (1 here, not 1e-6).
+    "convnext": Architecture(
+        "ConvNextConfig",
+        "ConvNextForImageClassification",
+        dict(
+            {key: None for key in VISION},
+            hidden_sizes=[8, 16],
+            depths=[1, 1],
+            patch_size=2,
+            num_stages=2,
+            layer_scale_init_value=1.0,
+        ),
+        inputs="image",
+        sdpa=False,
     ),
     # Whisper's encoder: two 1-D convolutions over a spectrogram, then a transformer.
     "whisper": Architecture(
