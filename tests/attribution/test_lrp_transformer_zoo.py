@@ -55,6 +55,7 @@ COMMON = dict(
     head_dim=8,
 )
 VISION = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+UNSET = {key: None for key in ("num_key_value_heads", "head_dim")}  # configs without them
 MOE = dict(num_experts=4, num_experts_per_tok=2, experts_implementation="eager")
 # The explained input of each kind of model: the keyword it is fed by and its shape.
 INPUTS = {
@@ -155,6 +156,7 @@ ZOO = {
         ),
     ),
     # DBRX: a router that holds its projection and returns logits; the mixture weighs them (softmax, top k, norm).
+    # Queries, keys and values clipped to ±clip_qkv by Tensor.clamp, a bound that clips many units here.
     "dbrx": Architecture(
         "DbrxConfig",
         "DbrxForCausalLM",
@@ -163,7 +165,7 @@ ZOO = {
             n_heads=4,
             n_layers=2,
             max_seq_len=64,
-            attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+            attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=0.5),
             ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
         ),
     ),
@@ -173,6 +175,8 @@ ZOO = {
         "MiniMaxForCausalLM",
         dict(MOE, num_local_experts=4, layer_types=["linear_attention", "full_attention"], block_size=4),
     ),
+    # OLMo: queries, keys and values clipped in place (Tensor.clamp_) to ±clip_qkv; LayerNorms without parameters.
+    "olmo": Architecture("OlmoConfig", "OlmoForCausalLM", dict(clip_qkv=0.5)),
     # Cohere: a LayerNorm written by hand (mean and variance), attention and MLP in parallel, scaled logits.
     "cohere": Architecture("CohereConfig", "CohereForCausalLM"),
     "gemma": Architecture("GemmaConfig", "GemmaForCausalLM"),
@@ -215,6 +219,26 @@ ZOO = {
     ),
     # DeBERTa-v2: disentangled attention (content-to-position and position-to-content scores); eager only.
     "deberta_v2": Architecture("DebertaV2Config", "DebertaV2ForSequenceClassification", sdpa=False),
+    # LayoutLM: BERT with 2-D position embeddings of the words' boxes (zero boxes here: additive, zeroed).
+    "layoutlm": Architecture("LayoutLMConfig", "LayoutLMForSequenceClassification", dict(UNSET)),
+    # XLNet: two-stream relative attention, its scores from einsums with learned biases (zeroed); eager only.
+    "xlnet": Architecture(
+        "XLNetConfig",
+        "XLNetLMHeadModel",
+        dict(UNSET, max_position_embeddings=None, d_model=HIDDEN, n_layer=2, n_head=4, d_inner=64),
+        sdpa=False,
+    ),
+    # MPT: ALiBi attention, LayerNorms without bias; eager only.
+    "mpt": Architecture(
+        "MptConfig",
+        "MptForCausalLM",
+        dict(UNSET, d_model=HIDDEN, n_heads=4, n_layers=2, max_seq_len=64, expansion_ratio=2),
+        sdpa=False,
+    ),
+    # RoFormer: rotary position embeddings from a sinusoidal table; eager only.
+    "roformer": Architecture(
+        "RoFormerConfig", "RoFormerForSequenceClassification", dict(UNSET, embedding_size=HIDDEN), sdpa=False
+    ),
     "t5_encoder": Architecture(
         "T5Config", "T5EncoderModel", dict(d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
     ),
@@ -227,6 +251,48 @@ ZOO = {
         "BeitForImageClassification",
         dict(image_size=IMAGE, patch_size=4, use_relative_position_bias=True),
         inputs="image",
+    ),
+    # YOLOS: a ViT with detection tokens appended to the patches (learned, additive: zeroed).
+    "yolos": Architecture(
+        "YolosConfig",
+        "YolosModel",
+        dict(image_size=[IMAGE, IMAGE], patch_size=4, num_detection_tokens=2),
+        inputs="image",
+    ),
+    # Hiera: a hierarchical ViT, queries pooled by max over windows between stages; eager only.
+    "hiera": Architecture(
+        "HieraConfig",
+        "HieraForImageClassification",
+        dict(
+            {key: None for key in VISION},
+            image_size=[IMAGE, IMAGE],
+            patch_size=[3, 3],
+            patch_stride=[2, 2],
+            patch_padding=[1, 1],
+            embed_dim=16,
+            depths=[1, 1],
+            num_heads=[1, 2],
+            query_stride=[2, 2],
+            masked_unit_size=[2, 2],
+            num_query_pool=1,
+        ),
+        inputs="image",
+        sdpa=False,
+    ),
+    # ConvNeXt (v1): depth-wise convolutions, channels-last LayerNorms, a layer scale (1 here, not 1e-6).
+    "convnext": Architecture(
+        "ConvNextConfig",
+        "ConvNextForImageClassification",
+        dict(
+            {key: None for key in VISION},
+            hidden_sizes=[8, 16],
+            depths=[1, 1],
+            patch_size=2,
+            num_stages=2,
+            layer_scale_init_value=1.0,
+        ),
+        inputs="image",
+        sdpa=False,
     ),
     # Whisper's encoder: two 1-D convolutions over a spectrogram, then a transformer.
     "whisper": Architecture(

@@ -236,3 +236,102 @@ def test_a_dropout_call_that_drops_is_warned_of(call: str):
             function(x * 1)
     warned = [str(w.message) for w in caught if "calls dropout" in str(w.message)]
     assert bool(warned) == drops, warned
+
+
+def assert_explained_as(model: nn.Module, reference: nn.Module, x: torch.Tensor, preset: str) -> None:
+    """``model`` under ``preset`` (AttnLRP or CP-LRP): its output unchanged, no warning, the relevance of
+    ``reference`` (the same function written another way), which conserves the explained logit (no biases)."""
+    from tensordict import TensorDict
+
+    from tdhook.attribution import CPLRP, LRP, AttnLRP
+
+    relevance = []
+    for module in (model, reference):
+        mapper = {"AttnLRP": AttnLRP, "CPLRP": CPLRP}[preset]()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            td = LRP(module, mapper, in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[len(x)]))
+        relevance.append(td["relevance", "x"])
+        assert torch.equal(td["y"], module(x))
+    assert relative_error(relevance[0], relevance[1]) <= 1e-12
+    logit = reference(x).max(1).values
+    assert ((relevance[0].sum(1) - logit).abs() / logit.abs()).max() <= 1e-9
+
+
+class Clipped(nn.Module):
+    """A linear map, its output clipped to ``[-1, 1]`` by a call (as DBRX and OLMo clip queries, keys and values
+    with ``clip_qkv``), then another linear map; ``clip=None``: the module form, ``nn.Hardtanh`` (``nn.ReLU6`` on
+    ``6 h``, over 6, with ``relu6``)."""
+
+    def __init__(self, clip: str | None, relu6: bool = False) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 6, bias=False), nn.Linear(6, 3, bias=False)
+        self.clip, self.module = clip, nn.ReLU6() if relu6 else nn.Hardtanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        if self.clip is None:
+            h = self.module(h * 6.0) / 6.0 if isinstance(self.module, nn.ReLU6) else self.module(h)
+        elif self.clip.endswith("_"):  # in place: the result is the same tensor
+            getattr(h, self.clip)(min=-1.0, max=1.0)
+        else:
+            h = CLIP_CALLS[self.clip](h)
+        return self.second(h)
+
+
+CLIP_CALLS = {
+    "torch.clamp": lambda h: torch.clamp(h, -1.0, 1.0),
+    "Tensor.clamp": lambda h: h.clamp(min=-1.0, max=1.0),
+    "torch.clip": lambda h: torch.clip(h, min=-1.0, max=1.0),
+    "F.hardtanh": F.hardtanh,
+    "F.hardtanh in place": lambda h: F.hardtanh(h, inplace=True),
+    "F.relu6": lambda h: F.relu6(h * 6.0) / 6.0,
+}
+
+
+@pytest.mark.parametrize("preset", ["AttnLRP", "CPLRP"])
+@pytest.mark.parametrize("clip", [*sorted(CLIP_CALLS), "clamp_", "clip_"])
+def test_a_clipping_call_passes_relevance_on_as_the_module_does(clip: str, preset: str):
+    """A unit clipped at a bound other than zero has no gradient but a value: the plain gradient lost its relevance
+    (a tiny DBRX with ``clip_qkv=0.5``: CP-LRP 8.9 % of the logit off, OLMo 7.7 %, without a warning). A clipping
+    call gets the identity rule, as ``nn.Hardtanh`` and ``nn.ReLU6`` do: the same relevance, which conserves."""
+    torch.manual_seed(0)
+    model = Clipped(clip).double()
+    reference = Clipped(None, relu6=clip == "F.relu6").double()
+    reference.load_state_dict(model.state_dict())
+    x = randn(5, 4) * 3
+    assert (model.first(x).abs() > 1).float().mean() > 0.3  # many units clipped
+    assert_explained_as(model, reference, x, preset)
+
+
+class Gated(nn.Module):
+    """A linear map, a gated linear unit over its output (``F.glu``, ``nn.GLU`` or written out as
+    ``a * sigmoid(b)``), another linear map: Speech2Text's convolutional subsampler, Wav2Vec2-Conformer's ``nn.GLU``."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 8, bias=False), nn.Linear(4, 3, bias=False)
+        self.form, self.glu = form, nn.GLU(dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        if self.form == "F.glu":
+            h = F.glu(h, dim=-1)
+        elif self.form == "nn.GLU":
+            h = self.glu(h)
+        else:
+            a, b = h.chunk(2, -1)
+            h = a * torch.sigmoid(b)
+        return self.second(h)
+
+
+@pytest.mark.parametrize("preset", ["AttnLRP", "CPLRP"])
+@pytest.mark.parametrize("form", ["F.glu", "nn.GLU"])
+def test_a_gated_linear_unit_holds_its_gate_as_the_written_out_product_does(form: str, preset: str):
+    """``F.glu`` kept its plain gradient, with a warning (a tiny Speech2Text's encoder: CP-LRP 25 % of the output
+    off). It gets the rule of ``a * sigmoid(b)`` written out: the sigmoid gate held, ``a`` takes all the relevance,
+    which conserves."""
+    torch.manual_seed(0)
+    model, reference = Gated(form).double(), Gated("written out").double()
+    reference.load_state_dict(model.state_dict())
+    assert_explained_as(model, reference, randn(5, 4) * 3, preset)

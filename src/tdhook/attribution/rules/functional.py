@@ -76,6 +76,11 @@ _ACTIVATION_FUNCTIONS = frozenset(
     | {torch.tanh, torch.sigmoid, torch.Tensor.tanh, torch.Tensor.sigmoid}
 )
 
+# Clipping calls: element-wise, piecewise linear but not homogeneous, as ``nn.Hardtanh`` and ``nn.ReLU6`` are (a
+# unit clipped at a bound other than zero has a value but no gradient); those in place change their first argument.
+_CLIPS = frozenset({torch.clamp, torch.Tensor.clamp, torch.clip, torch.Tensor.clip, F.hardtanh, F.relu6})
+_CLIPS_IN_PLACE = frozenset({torch.clamp_, torch.Tensor.clamp_, torch.clip_, torch.Tensor.clip_})
+
 # Dropout as a function (attention dropout in eager attention): its keyword that says whether it drops, by function.
 _DROPOUTS = {F.dropout: "training", F.dropout1d: "training", F.dropout2d: "training", F.dropout3d: "training"}
 _DROPOUTS |= {F.alpha_dropout: "training", F.feature_alpha_dropout: "training", torch.dropout: "train"}
@@ -142,6 +147,9 @@ _HANDLED = frozenset(
     | set(_DROPOUTS)
     | {torch.baddbmm, torch.einsum, F.scaled_dot_product_attention, F.layer_norm, F.rms_norm}
     | {F.multi_head_attention_forward}
+    | _CLIPS
+    | _CLIPS_IN_PLACE
+    | {F.glu}
 )
 
 
@@ -181,8 +189,9 @@ class FunctionalRules(TorchFunctionMode):
     * ``F.scaled_dot_product_attention``: the same rules as the unfused
       ``softmax(q · kᵀ) · v``; with a non-zero softmax ε, or in a call that keeps the
       relevance's graph (the fused kernels have no second derivative), it is computed unfused;
-    * functional activations (``F.gelu``, ``F.silu``, ``torch.tanh``, …):
-      ``activation`` (a :class:`PseudoIdentityRule`);
+    * functional activations (``F.gelu``, ``F.silu``, ``torch.tanh``, …) and clipping calls (``clamp``,
+      ``clip``, ``F.hardtanh``, ``F.relu6``, in place too): ``activation`` (a :class:`PseudoIdentityRule`);
+    * ``F.glu`` (``a · sigmoid(b)``): its gate held constant, ``a`` gets all the relevance;
     * ``F.layer_norm`` and ``F.rms_norm``: :class:`LayerNormRule`.
 
     Args:
@@ -327,6 +336,10 @@ class FunctionalRules(TorchFunctionMode):
                     return mark_gate(output, args[0])
             result = self.activation.apply(output, args[0])
             return mark_gate(result, args[0], sigmoid=True) if func in GATE_FUNCTIONS else result
+        if (func in _CLIPS or func in _CLIPS_IN_PLACE) and is_activation(args[0]):
+            return self._clip(func, args, kwargs)
+        if func is F.glu and is_activation(args[0]):
+            return _glu(args[0], call_argument(args, kwargs, 1, "dim", -1))
         if func is F.layer_norm and is_activation(args[0]):
             shape = call_argument(args, kwargs, 1, "normalized_shape")
             weight = call_argument(args, kwargs, 2, "weight")
@@ -341,6 +354,30 @@ class FunctionalRules(TorchFunctionMode):
             with self:
                 return _COMPOSITES[func](*args, **kwargs)
         return _NO_RULE
+
+    def _clip(self, func: Callable, args: tuple, kwargs: dict):
+        """A clipping call on an activation (``clamp``, ``clip``, ``F.hardtanh``, ``F.relu6``, in place or not): the
+        identity rule, as ``nn.Hardtanh`` and ``nn.ReLU6`` get it, so that a unit clipped at a bound other than zero
+        passes its relevance on (its gradient is zero). Bounds that are activations (``torch.clamp(x, min=y)``: a
+        maximum of two signals) keep the plain gradient. In place, the rule's output is copied into the argument."""
+        x = args[0]
+        bounds = [*args[1:], *(value for key, value in kwargs.items() if key != "inplace")]
+        if any(is_activation(bound) for bound in bounds):
+            return mark_parameter_derived(args, func(*args, **kwargs))
+        in_place = func in _CLIPS_IN_PLACE or (
+            func in (F.hardtanh, F.relu6) and call_argument(args, kwargs, 3 if func is F.hardtanh else 1, "inplace")
+        )
+        if not in_place:
+            return self.activation.apply(func(*args, **kwargs), x)
+        source = x.clone()  # the clipped values from a copy: the rule keeps the input as it was
+        if func in _CLIPS_IN_PLACE:
+            clipped = torch.clamp(source, *args[1:], **kwargs)
+        elif func is F.hardtanh:
+            bounds = call_argument(args, kwargs, 1, "min_val", -1.0), call_argument(args, kwargs, 2, "max_val", 1.0)
+            clipped = F.hardtanh(source, *bounds)
+        else:
+            clipped = F.relu6(source)
+        return x.copy_(self.activation.apply(clipped, source))
 
     def covers(self, func: Callable, args: tuple) -> bool:
         """Whether this mode gives ``func`` a rule (products, softmax, attention, activations, norms); an
@@ -560,6 +597,27 @@ def _held_product(func: Callable, args: tuple, kwargs: dict, gates: list[bool], 
     if recording is not None:
         recording.other_rule()
     return func(*(hold(a) if gate else a for a, gate in zip(args, gates, strict=True)), **kwargs)
+
+
+def _glu(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``F.glu(x, dim)``, ``a · sigmoid(b)`` of ``x``'s halves ``a`` and ``b``, with its sigmoid gate held constant
+    (as a squeeze-excite gate is, under both presets): ``a`` gets all the relevance, ``b`` none.
+
+    Examples:
+        >>> x = torch.tensor([[1.0, -2.0, 0.5, 3.0]], requires_grad=True)
+        >>> y = _glu(x * 1, -1)
+        >>> torch.equal(y, F.glu(x, -1))
+        True
+        >>> relevance = x * torch.autograd.grad(y.sum(), x)[0]
+        >>> torch.allclose(relevance, torch.cat([y, torch.zeros(1, 2)], -1))
+        True
+    """
+    gate = hold(torch.sigmoid(x.chunk(2, dim)[1]))
+
+    def backward(grad: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.cat([grad * gate, torch.zeros_like(grad)], dim)]
+
+    return redirect(F.glu(x, dim), [x], backward)
 
 
 def _einsum_operands(args: tuple) -> tuple:
