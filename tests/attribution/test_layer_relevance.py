@@ -63,3 +63,25 @@ def test_the_module_before_a_first_layer_gets_its_whole_input_relevance(model_na
     given = TensorDict(x=model[0](x), batch_size=[shape[0]])
     expected = LRP(rest, PRESETS[preset]("0"), in_keys=["x"], out_keys=["y"], target=target)(given)["relevance", "x"]
     assert relative_error(ours, expected) <= 1e-12
+
+
+@pytest.mark.parametrize("preset", ["EpsilonPlusFlat", "w2"])  # first-layer rules of a Linear layer
+def test_modules_that_return_one_tensor_each_get_its_whole_relevance(preset: str):
+    # An Identity, a Dropout in eval mode or a Flatten of a flat input returns its input itself: every module named
+    # in layers whose output is that tensor gets the relevance the first layer sets there, not only the first one
+    # read (the others had none of it: 100 % off where the gradient carries none).
+    torch.manual_seed(0)
+    glue = [nn.Tanh(), nn.Identity(), nn.Dropout(0.2), nn.Flatten()]
+    model = nn.Sequential(*glue, nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)).to(F64).eval()
+    x = torch.randn(4, 6, dtype=F64)
+    x[x.abs() < 0.6] = 0.0  # zero entries of the first layer's input
+    with torch.no_grad():
+        target = model(x).argmax(-1)
+    names = [str(i) for i in range(len(glue))]
+    lrp = LRP(model, PRESETS[preset]("4"), in_keys=["x"], out_keys=["y"], target=target, layers=names)
+    td = lrp(TensorDict(x=x, batch_size=[4]))
+    rest = nn.Sequential(*model[len(glue) :])
+    given = TensorDict(x=torch.tanh(x), batch_size=[4])
+    expected = LRP(rest, PRESETS[preset]("0"), in_keys=["x"], out_keys=["y"], target=target)(given)["relevance", "x"]
+    for name in names:
+        assert relative_error(td["relevance", name], expected) <= 1e-12, name

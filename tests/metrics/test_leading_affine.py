@@ -128,6 +128,18 @@ def test_a_policy_on_a_flat_observation_in_a_tensordict_module():
     torch.testing.assert_close(curve, pixel_flipping(policy, td, features_per_step=4), rtol=0, atol=1e-12)
 
 
+def test_a_forward_set_on_the_tensordict_module_runs_every_perturbed_input():
+    torch.manual_seed(4)
+    net = mlp_net()
+    policy = TensorDictModule(net, in_keys=["x"], out_keys=["y"])
+    plain = policy.forward
+    policy.forward = lambda td: plain(td.set("x", 2 * td.get("x")))
+    x, a = images(2), torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[2])
+    curve = pixel_flipping(policy, td, features_per_step=9)
+    torch.testing.assert_close(curve, by_definition(net, 2 * x, a, net(2 * x).argmax(-1), 9), rtol=0, atol=1e-10)
+
+
 class Doubled(nn.Sequential):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return 2 * super().forward(x)
@@ -139,11 +151,23 @@ def _hooked_first_layer() -> nn.Module:
     return net
 
 
+def _forward_set_on(index: int | None) -> nn.Module:
+    """``mlp_net`` with a forward of its own set on the instance (as accelerate's hooks do) of the model or a layer."""
+    net = mlp_net()
+    module = net if index is None else net[index]
+    plain = module.forward
+    module.forward = lambda x: 3 * plain(x)
+    return net
+
+
 @pytest.mark.parametrize(
     "make",
     [
         _hooked_first_layer,  # a hook on the skipped layer must run
         lambda: Doubled(*mlp_net()),  # its own forward
+        lambda: _forward_set_on(None),  # a forward set on the model itself
+        lambda: _forward_set_on(0),  # ... on the flatten
+        lambda: _forward_set_on(1),  # ... on the linear layer
         lambda: nn.Sequential(nn.Flatten(start_dim=2), nn.Flatten(), *list(mlp_net())[1:]),  # another flatten
         lambda: nn.Sequential(nn.ReLU(), *mlp_net()),  # a nonlinear first layer
     ],

@@ -43,3 +43,17 @@ def test_a_nan_gives_nan_as_scipy_not_a_rank_correlation():
     r = spearman(a, b)
     assert r[0].isnan() and spearman(b, a)[0].isnan()
     assert abs(r[1].item() - stats.spearmanr(a[1], b[1])[0]) < 1e-12  # an infinite value ranks as the largest
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_rows_rank_and_correlate_in_float32(dtype):
+    """3000 entries: float16's sum of squared ranks overflowed (NaN) and bfloat16 ranks past 256 rounded to ties."""
+    torch.manual_seed(0)
+    a = torch.randn(2, 3000).to(dtype)
+    b = (a.float() + 0.5 * torch.randn(2, 3000)).to(dtype)
+    for similarity in (spearman, pearson):
+        got = similarity(a, b)
+        assert got.dtype == dtype
+        expected = similarity(a.double(), b.double()).to(dtype)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert torch.equal(average_ranks(a), average_ranks(a.double()).float())

@@ -65,6 +65,7 @@ class HiddenFromCopies:
     """The modules whose copies leave hooks out; :meth:`remove` ends that (a hook handle's interface)."""
 
     def __init__(self, modules: Iterable[nn.Module], hook_ids: set[int]) -> None:
+        self.hook_ids = hook_ids  # a hook of the context's added later is left out once its id is added here
         self._installed: list[tuple[weakref.ref, _StateWithoutHooks]] = []
         try:
             for module in modules:  # each listed before it is installed, so that remove() finds it

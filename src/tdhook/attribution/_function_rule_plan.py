@@ -98,8 +98,11 @@ from typing import Any, NamedTuple
 import torch
 from tensordict import TensorDictBase
 
+from tdhook.attribution._kept_outputs import OutputKeepers
 from tdhook.attribution._quiet_modules import QuietModules
-from tdhook.attribution.rules._autograd import pass_no_relevance
+from tdhook.attribution.rules._autograd import first_input_is, pass_no_relevance
+from tdhook.attribution.rules._graph_calls import KeptOutputs
+from tdhook.attribution.rules.basic import hook_pass_rule_given
 
 __all__ = ["FunctionRulePlan", "Recording"]
 
@@ -142,7 +145,7 @@ class Recording:
     """What the function mode did in one call: the products whose gradient it halved, or that it did more; and the
     scales that norms' modes held constant."""
 
-    def __init__(self, key: Hashable) -> None:
+    def __init__(self, key: Hashable, keeps_outputs: bool = False) -> None:
         self.key = key
         self.products: list[Any] = []  # the products' autograd nodes, in the order of their calls
         self.factors: dict[int, Any] = {}  # by id: the mode's node after a product, and the product's node
@@ -161,6 +164,10 @@ class Recording:
         self.on_node: dict[int, Any] = {}  # by id: modules whose rule went on their output's node (rule_on_node)
         self.applied: set[int] = set()  # ids of modules whose rule acted in their forward in some call
         self.in_forward: set[int] = set()  # ids of modules whose rule's hooks let some call be
+        # The outputs of every module, where this call keeps them (see hooked_given); an activation's input that is
+        # a module's output, where it does not and would need them.
+        self.kept = KeptOutputs(None) if keeps_outputs else None
+        self.wants_outputs = False
 
     def scaled(self, product: Any, factor: Any) -> None:
         """The mode halves the gradient of a product (the uniform rule): ``factor``, a node of its own, passes
@@ -247,6 +254,25 @@ class Recording:
         self.holds.append(_Hold(node, factors, len(self.products), hook))
         return True
 
+    def halved(self, node: Any) -> bool:
+        """The uniform rule on a product whose node is ``node`` (just made, as by a plain call: an ``einsum``'s, a
+        view), which halves the gradient it is given, in this call and in a later one (see :meth:`hooked`)."""
+        return self.hooked(node, _HALVE)
+
+    def hooked_given(self, node: Any, x: torch.Tensor, stabilizer: float) -> bool:
+        """The identity rule (stabiliser ``stabilizer``) on ``node``, an activation's of ``x`` that saved its output,
+        not ``x`` (``torch.tanh``): where ``x`` is a module's output, which a later call keeps for the rule's factor
+        (see :mod:`~tdhook.attribution._kept_outputs`), the recording puts the rule on the node (see
+        :meth:`hooked`). ``False``, and nothing done, where ``x`` is no such output (a later call could not find
+        it), or where this call keeps no module's outputs (the next recording call on its signature will)."""
+        if self.kept is None:
+            self.wants_outputs = True
+            return False
+        module = self.kept.module_of(x)
+        if module is None or self.settled:
+            return False
+        return self.hooked(node, _GivenInput(stabilizer, id(module), module, x))
+
     def rule_on_node(self, module: Any) -> None:
         """``module``'s rule put its gradient on the node of the module's output (see :meth:`hooked`): in a later
         call its hook leaves that to the plan (see :func:`~tdhook.attribution.rules._graph_calls.runs_plain`), and
@@ -310,8 +336,11 @@ class _Plan:
         plain: tuple,
         quiet: tuple = (),
         noting: frozenset = frozenset(),
+        kept: tuple = (),
     ) -> None:
         self.keys = keys  # the keys of the outputs the paths start from
+        self.kept = frozenset(id(module) for module in kept)  # modules whose outputs a call keeps (see _GivenInput)
+        self.kept_modules = kept
         self.quiet, self.noting = quiet, noting
         self.norm_outputs = norm_outputs  # how many norm outputs the call notes, where paths start too
         self.steps = steps
@@ -319,11 +348,14 @@ class _Plan:
         self.modules = plain  # the modules themselves, kept alive while their ids stand for them
         self.plain = frozenset(id(module) for module in plain)
 
-    def apply(self, result: TensorDictBase, start: int, end: int, norm_outputs: list) -> bool:
+    def apply(
+        self, result: TensorDictBase, start: int, end: int, norm_outputs: list, kept: KeptOutputs | None = None
+    ) -> bool:
         """Put the hooks on the nodes of the products, held scales and held tensors of a call that created nodes
-        ``start`` to ``end``, returned ``result`` and whose norms returned tensors of the nodes ``norm_outputs``;
-        ``False``, and no hook set, where the graph is not the recorded one (a norm's scale on the recorded node, but
-        no norm's call around it: a forward called directly, which the mode leaves its plain gradient)."""
+        ``start`` to ``end``, returned ``result`` and whose norms returned tensors of the nodes ``norm_outputs``,
+        the modules of ``self.kept`` their outputs in ``kept``; ``False``, and no hook set, where the graph is not
+        the recorded one (a norm's scale on the recorded node, but no norm's call around it: a forward called
+        directly, which the mode leaves its plain gradient; an activation's input that is not the kept output)."""
         if end - start != self.nodes or len(norm_outputs) != self.norm_outputs:
             return False
         nexts: list[Any] = []  # per step, its node's next functions (where later steps start from it)
@@ -339,6 +371,10 @@ class _Plan:
                         return False
                     if isinstance(attach, _OnNode) and not _saved_readable(node):
                         return False
+                    if type(attach) is _OnNode and type(attach.hook) is _GivenInput:
+                        attach = attach.hook.given(node, kept)
+                        if attach is None:
+                            return False
                     hooked.append((node, attach))
                 nexts.append(node.next_functions if expand else None)
         except (IndexError, AttributeError):  # fewer outputs or next functions than recorded
@@ -387,10 +423,19 @@ class FunctionRulePlan:
     Not shared between threads: the wrapper runs one call at a time.
     """
 
-    def __init__(self, own_hook_ids: Collection[int] = ()) -> None:
+    def __init__(self, own_hook_ids: Collection[int] = (), hidden: set[int] | None = None) -> None:
         self._plans: dict[Hashable, _Plan | None] = {}
         self.quiet = QuietModules(own_hook_ids)  # runs the modules of a plan's ``quiet`` without the hooks
+        # Keep modules' outputs for activations' rules; ``hidden``: the ids of hooks that copies leave out.
+        self.keepers = OutputKeepers(set() if hidden is None else hidden)
+        self._keeping: set[Hashable] = set()  # signatures whose recording calls keep every module's outputs
         self._changed: set[Hashable] = set()  # signatures whose graph differed from their plan's once
+
+    def remove(self) -> None:
+        """Put every module run without its hooks back on torch's way, and remove the hooks that keep outputs
+        (a hook handle's interface: the context lists the plan with its hooks)."""
+        self.quiet.remove()
+        self.keepers.remove()
 
     def __reduce__(self) -> tuple:
         """A copy or a pickle (of a wrapper, after its context) starts with no plan: the plans are their context's
@@ -409,8 +454,8 @@ class FunctionRulePlan:
     def recorder(self, key: Hashable) -> Recording | None:
         """A recording for a call in the mode on inputs of signature ``key``, where a plan may come of it."""
         if key in self._plans:
-            return None if self._plans[key] is None else Recording(key)  # None: the mode changes more
-        return Recording(key) if len(self._plans) < _MOST_PLANS else None
+            return None if self._plans[key] is None else Recording(key, key in self._keeping)  # None: the mode
+        return Recording(key, key in self._keeping) if len(self._plans) < _MOST_PLANS else None
 
     def settle(self, recording: Recording, result: TensorDictBase, start: int) -> bool:
         """After a call in the mode that completed and returned ``result``: the plan for its signature (``None``:
@@ -426,6 +471,13 @@ class FunctionRulePlan:
         if recording.strayed or not intact or (recording.unruled and plan in (None, _GATE_REACHED)):
             self._plans[recording.key] = None
             return False
+        if recording.wants_outputs and recording.key not in self._keeping:
+            # An activation's input may be a module's output: the next call records again, keeping them all.
+            self._keeping.add(recording.key)
+            self._plans.pop(recording.key, None)
+            return True
+        if isinstance(plan, _Plan) and plan.kept:
+            self.keepers.keep(plan.kept_modules)
         self._plans[recording.key] = plan
         return True
 
@@ -527,10 +579,16 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
     nodes = end - start - len(recording.products)
     # The norms that run plainly and the activations whose rule goes on their node run without their hooks (but
     # those of activations whose hooks let a call be).
-    quiet = tuple(module for key, module in recording.on_node.items() if key not in recording.in_forward)
+    # The modules whose outputs are activations' inputs keep their hooks, which keep those outputs.
+    given = [hold.hook for hold in holds if type(hold.hook) is _GivenInput]
+    if any(recording.kept.output(hook.module) is not hook.x for hook in given):
+        return None  # the module returned another output after the one the activation took: a later call keeps that
+    kept = {hook.module: hook.holder for hook in given}
+    quiet = tuple(module for key, module in recording.on_node.items() if key not in recording.in_forward | set(kept))
     on_node = tuple(recording.on_node.values())
     plain = (*norms.values(), *on_node)
-    return _Plan(keys, len(recording.outputs), steps, nodes, plain, (*norms.values(), *quiet), frozenset(norms))
+    quiet = (*(module for key, module in norms.items() if key not in kept), *quiet)
+    return _Plan(keys, len(recording.outputs), steps, nodes, plain, quiet, frozenset(norms), tuple(kept.values()))
 
 
 class _OnNode(NamedTuple):
@@ -544,8 +602,34 @@ class _OnNode(NamedTuple):
         self.hook(node)
 
 
+class _GivenInput(NamedTuple):
+    """The identity rule on the node of an activation that saved its output, not its input (``torch.tanh``): its
+    input ``x`` is the output of the module whose id is ``module``, which a later call keeps (see
+    :class:`~tdhook.attribution.rules._graph_calls.KeptOutputs`). ``holder`` and ``x`` are the recording call's (the
+    ids stand for them while the plan is made)."""
+
+    stabilizer: float
+    module: int
+    holder: Any
+    x: torch.Tensor
+
+    def __call__(self, node: Any) -> None:
+        """The rule in the recording call, from its own input."""
+        hook_pass_rule_given(self.stabilizer, self.x, node)
+
+    def given(self, node: Any, kept: KeptOutputs | None) -> Any:
+        """What puts the rule on ``node``, an activation's node of a later call, from its module's kept output;
+        ``None`` where that output is not the node's input, or was changed in place since the module returned it."""
+        x = None if kept is None else kept.output(self.module)
+        if x is None or not first_input_is(node, x):
+            return None
+        return functools.partial(hook_pass_rule_given, self.stabilizer, x)
+
+
 def _hold_hook(hold: _Hold) -> Any:
     """What puts a hold's hook on its node in a later call."""
+    if type(hold.hook) is _GivenInput:  # the plan keeps no tensor of the recording call
+        return _OnNode(hold.hook._replace(holder=None, x=None))
     if hold.hook is not None:
         return _OnNode(hold.hook)
     return _CUT if hold.factors is None else _post_hook(functools.partial(_scale_inputs, hold.factors))

@@ -79,7 +79,7 @@ class OutputRelevance:
         def record(grad: torch.Tensor) -> None:
             if relevance_pass is not None and not relevance_pass.is_running:
                 return  # a later backward pass through the graph the call kept (a loss on the relevance)
-            set_there = pop_set_relevance(tensor)
+            set_there = pop_set_relevance(tensor, grad)  # each reader of the tensor, in one pass
             if merged or not self.merged:
                 self.value, self.merged = value * grad, merged
                 if set_there is not None:

@@ -27,7 +27,7 @@ from tdhook.attribution._nonlinear_calls import NonlinearCalls
 from tdhook.attribution._plain_modules import call_plain
 from tdhook.attribution._rule_use import RuleUse
 from tdhook.attribution._writes import has_lazy_stack
-from tdhook.attribution.rules._graph_calls import graph_call
+from tdhook.attribution.rules._graph_calls import KeptOutputs, graph_call
 from tdhook.attribution.rules._scopes import closing_scopes
 from tdhook.attribution.rules.functional import FunctionalRules
 
@@ -62,11 +62,12 @@ def run_model(
             inputs = given_inputs(work)
             start = sequence_number()
             norm_outputs: list = []
+            kept = KeptOutputs(plan.kept) if plan.kept else None  # activations' inputs (a tanh's)
             # Modules whose rules the plan puts, without their hooks (the norms note their outputs all the same).
             quiet = lrp._function_rule_plan.quiet.running(plan.quiet, plan.noting)
-            with closing_scopes(), graph_call(plain=plan.plain, outputs=norm_outputs), quiet:
+            with closing_scopes(), graph_call(plain=plan.plain, outputs=norm_outputs, kept=kept), quiet:
                 result = _call(lrp, work)
-            if plan.apply(work if result is None else result, start, sequence_number(), norm_outputs):
+            if plan.apply(work if result is None else result, start, sequence_number(), norm_outputs, kept):
                 return result, None
             # Not the recorded graph: the call runs again in the mode, from the same inputs, and records anew.
             lrp._function_rule_plan.forget(key)
@@ -87,7 +88,9 @@ def run_model(
         if lrp._compiled:  # parts compiled by torch.compile run as written: every rule applies
             modes.enter_context(torch.compiler.set_stance("force_eager"))
         if recording is not None:  # norms tell where the scales they hold are, and their outputs
-            modes.enter_context(graph_call(recording, outputs=recording.outputs))
+            modes.enter_context(graph_call(recording, outputs=recording.outputs, kept=recording.kept))
+            if recording.kept is not None:  # every module's output, where an activation's input may be one
+                modes.enter_context(lrp._function_rule_plan.keepers.every(lrp.named_explained_modules().values()))
         # Innermost: what ruled modules entered and an interrupt kept them from leaving ends first.
         modes.enter_context(closing_scopes())
         start = sequence_number()

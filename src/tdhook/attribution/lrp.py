@@ -336,8 +336,8 @@ class LRP(TensorDictModuleBase, MapperTunable):
             ours = {h.id for handle in handles for h in handle.hook_handles()}
             self._hooks.append(hide_from_copies(modules.values(), ours | {hook.id for hook in self._hooks}))
             # Plans for this context's rules; a module whose hooks are all its rule's and pausing ones may skip them.
-            self._function_rule_plan = FunctionRulePlan(ours | {hook.id for hook in pausing})
-            self._hooks.append(self._function_rule_plan.quiet)  # puts back what an interrupt left without hooks
+            self._function_rule_plan = FunctionRulePlan(ours | {hook.id for hook in pausing}, self._hooks[-1].hook_ids)
+            self._hooks.append(self._function_rule_plan)  # puts back what an interrupt left without hooks, and more
             self._handles = handles
             self._candidates.clear()
             self._rule_use.reset()

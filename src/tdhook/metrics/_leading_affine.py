@@ -48,7 +48,9 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 
 
 def _hooked(module: nn.Module) -> bool:
-    return any(getattr(module, name, None) for name in _HOOKS)
+    """Whether ``module`` runs anything besides its class's forward: a hook, or a forward set on the instance (as
+    accelerate's hooks and monkeypatching do), which ``module(x)`` calls in place of the class's."""
+    return any(getattr(module, name, None) for name in _HOOKS) or "forward" in vars(module)
 
 
 def _plain_sequential(module: nn.Module) -> bool:
@@ -73,7 +75,8 @@ class LeadingAffine:
     def find(cls, model: nn.Module) -> LeadingAffine | None:
         """The split of ``model``, or ``None`` where it is not a plain ``nn.Sequential`` starting with a linear layer.
 
-        No hook may sit on the model or on the layers it skips (they would not run), nor a global module hook.
+        No hook may sit on the model or on the layers it skips (they would not run), nor a forward set on one of
+        them, nor a global module hook.
         """
         if not _plain_sequential(model) or _hooked(model):
             return None

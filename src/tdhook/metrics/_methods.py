@@ -26,10 +26,10 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey, unravel_key
 
+from tdhook.attribution._chosen_values import chosen_value_module
 from tdhook.attribution._inputs import explained_in_call, optional_inputs
 from tdhook.attribution._policy_targets import allowed_action, masked_action_keys
 from tdhook.attribution.targets import initial_relevance, resolve_target_key, target_output, zero_entries
-from tdhook.metrics._chosen_values import chosen_value_module
 from tdhook.metrics._features import explained_keys, stacked_batch
 
 __all__ = [

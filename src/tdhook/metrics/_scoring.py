@@ -31,6 +31,7 @@ from tensordict.nn.probabilistic import interaction_type
 from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
+from tdhook.attribution._chosen_values import chosen_action
 from tdhook.attribution._inputs import explained_in_call, module_in_recurrent_mode, optional_inputs
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action, allowed_mask
@@ -45,7 +46,6 @@ from tdhook.attribution.targets import (
     zero_entries,
 )
 from tdhook.metrics._batch_statistics import batch_normalising_module, statistics_kept
-from tdhook.metrics._chosen_values import chosen_action
 from tdhook.metrics._features import explained_keys, stacked_batch
 from tdhook.metrics._leading_affine import LeadingAffine
 
@@ -121,7 +121,7 @@ class Scorer:
             unperturbed). An index target scores
             the sum of the picked units over any dimensions between the batch and the units. With ``None``, the
             value of a torchrl ``QValueModule``'s chosen action (``chosen_action_value``) is scored as the action
-            values at the action chosen on the unperturbed input (see :mod:`~tdhook.metrics._chosen_values`).
+            values at the action chosen on the unperturbed input (see :mod:`~tdhook.attribution._chosen_values`).
         steps_per_forward: how many perturbed versions of the batch share one forward pass; ``None`` picks as
             many as fit about 65 thousand input elements (larger stacks ran slower on CPU). With 1 the model sees
             the TensorDict's own batch shape; with more, the steps stacked along the batch's first dimension
@@ -337,6 +337,8 @@ class Scorer:
         its only output (see :class:`~tdhook.metrics._leading_affine.LeadingAffine`); otherwise ``None``."""
         module = self.module
         if type(module) is not TensorDictModule or module._forward_hooks or module._forward_pre_hooks:
+            return None
+        if "forward" in vars(module):  # a forward set on the instance runs in place of the class's
             return None
         key = self._key if self._key is not None or len(module.out_keys) != 1 else module.out_keys[0]
         if list(module.in_keys) != self.keys or list(module.out_keys) != [key] or self._operator is not module:

@@ -21,17 +21,22 @@ def pearson(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The Pearson correlation of ``a`` and ``b`` along the last dimension (NaN where one is constant).
 
     A constant row is found by comparing its entries, not from its spread: the mean of equal floats can differ
-    from them in the last bit, which would leave a spread of rounding and a correlation of noise.
+    from them in the last bit, which would leave a spread of rounding and a correlation of noise. Half-precision
+    rows are correlated in float32 (their norms overflow float16 past 65504) and the result rounded to their dtype.
 
     Examples:
         >>> pearson(torch.full((1, 50), 0.1), torch.linspace(0.0, 1.0, 50).unsqueeze(0))
         tensor([nan])
     """
     constant = _constant(a) | _constant(b)
+    dtype = torch.result_type(a, b)
+    wide = torch.promote_types(dtype, torch.float32)
+    a = a.to(wide)
+    b = b.to(wide)
     a = a - a.mean(-1, keepdim=True)
     b = b - b.mean(-1, keepdim=True)
     r = (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))
-    return r.masked_fill(constant, float("nan"))
+    return r.masked_fill(constant, float("nan")).to(dtype)
 
 
 def _constant(values: torch.Tensor) -> torch.Tensor:
@@ -42,6 +47,9 @@ def _constant(values: torch.Tensor) -> torch.Tensor:
 def average_ranks(values: torch.Tensor) -> torch.Tensor:
     """Ranks from 1 along the last dimension, tied entries sharing the mean of their ranks.
 
+    They are float32 for half-precision values (bfloat16 holds integers up to 256 only, float16 up to 2048), float64
+    for integer ones, in the values' dtype otherwise.
+
     Examples:
         >>> average_ranks(torch.tensor([3.0, 1.0, 3.0, 2.0]))
         tensor([3.5000, 1.0000, 3.5000, 2.0000])
@@ -50,7 +58,8 @@ def average_ranks(values: torch.Tensor) -> torch.Tensor:
     query = values.contiguous()
     below = torch.searchsorted(ordered, query, side="left")
     up_to = torch.searchsorted(ordered, query, side="right")
-    return (below + up_to + 1).to(values.dtype if values.is_floating_point() else torch.float64) / 2
+    dtype = torch.promote_types(values.dtype, torch.float32) if values.is_floating_point() else torch.float64
+    return (below + up_to + 1).to(dtype) / 2
 
 
 def spearman(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -62,7 +71,8 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         tensor(nan)
     """
     r = pearson(average_ranks(a), average_ranks(b))
-    return r.masked_fill(_holds_nan(a) | _holds_nan(b), float("nan"))
+    r = r.masked_fill(_holds_nan(a) | _holds_nan(b), float("nan"))
+    return r.to(torch.result_type(a, b)) if a.is_floating_point() or b.is_floating_point() else r
 
 
 def _holds_nan(values: torch.Tensor) -> torch.Tensor:

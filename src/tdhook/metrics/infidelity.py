@@ -122,13 +122,19 @@ def infidelity(
     perturbation = check_perturbed("infidelity", "perturbation", returned[0], scorer.keys, expanded)
     perturbed = check_perturbed("infidelity", "perturbed input", returned[1], scorer.keys, expanded)
     scores = scorer.scores({key: perturbed.get(key).movedim(batch_dims, 0) for key in scorer.keys})
-    drops = scorer.reference.unsqueeze(-1) - scores.movedim(0, -1)
+    # In float32 at least, rounded once to the result's dtype: in float16 the sums of squares overflow past 65504
+    # (a few hundred draws of dot products near 15), and the gaps came out NaN.
+    dtype = torch.result_type(scores, features.attributions[0])
+    for key, a in zip(scorer.keys, features.attributions, strict=True):
+        dtype = torch.promote_types(dtype, torch.promote_types(a.dtype, perturbation.get(key).dtype))
+    wide = torch.promote_types(dtype, torch.float32)
+    drops = scorer.reference.unsqueeze(-1).to(wide) - scores.movedim(0, -1).to(wide)
     dots = sum(
-        (a.unsqueeze(batch_dims) * perturbation.get(key)).flatten(batch_dims + 1).sum(-1)
+        (a.unsqueeze(batch_dims).to(wide) * perturbation.get(key).to(wide)).flatten(batch_dims + 1).sum(-1)
         for key, a in zip(scorer.keys, features.attributions, strict=True)
     )
     if normalize:
         denominator = dots.pow(2).sum(-1, keepdim=True)
         beta = (dots * drops).sum(-1, keepdim=True) / torch.where(denominator == 0, 1.0, denominator)
         dots = beta * dots
-    return (dots - drops).pow(2).mean(-1)
+    return (dots - drops).pow(2).mean(-1).to(dtype)

@@ -67,3 +67,10 @@ class FromCallersStatistics(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return copy.deepcopy(self.net)(x)
+
+
+def bfloat16_linear(features: int, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+    """A bfloat16 linear model with 3 outputs, and the float64 weights of output 0 (exactly the bfloat16 ones)."""
+    torch.manual_seed(seed)
+    net = nn.Linear(features, 3).to(torch.bfloat16)
+    return net, net.weight[0].detach().double()

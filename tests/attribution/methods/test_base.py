@@ -342,6 +342,24 @@ class TestTorchRL:
         expected = by_net(TensorDict(observation=obs, batch_size=[6]))["attribution", "observation"]
         torch.testing.assert_close(by_actor, expected, rtol=1e-12, atol=0)
 
+    @pytest.mark.parametrize("name", list(METHODS))
+    def test_the_default_chosen_action_value_is_held_at_the_action_chosen_on_the_input(self, name):
+        """Path, sampling and perturbation methods explained the greedy action of each perturbed input (the max of
+        the action values there): 0.19 off the action chosen on the input for FeatureAblation, as LRP explains it."""
+        from torchrl.modules import QValueActor
+
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+        actor = QValueActor(net, in_keys=["observation"], action_space="one-hot")
+        obs = 2 * torch.randn(6, 4, dtype=torch.float64)
+        chosen = net(obs).argmax(-1)
+        references = {"baselines": REFERENCES["obs"]} if name == "GradientShap" else {}
+        td = make(name, actor, **references)(TensorDict(observation=obs, batch_size=[6]))
+        assert torch.equal(td["chosen_action_value"], net(obs).max(-1, keepdim=True).values.detach())
+        direct = make(name, net, in_keys=["observation"], out_keys=["q"], target=chosen, **references)
+        expected = direct(TensorDict(observation=obs, batch_size=[6]))["attribution", "observation"]
+        torch.testing.assert_close(td["attribution", "observation"], expected, rtol=1e-12, atol=1e-14)
+
     @pytest.mark.parametrize("name", ["IntegratedGradients", "Occlusion"])
     def test_rollout_takes_the_same_actions(self, name):
         from torchrl.envs import GymEnv

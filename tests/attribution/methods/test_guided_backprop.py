@@ -45,6 +45,39 @@ class TestAgainstCaptum:
         expected = captum.attr.GuidedBackprop(net).attribute(x.clone(), target=net(x).argmax(-1))
         assert relative_error(td["attribution", "x"], expected) <= 1e-8
 
+    def test_an_in_place_operation_on_a_relus_output(self):
+        """A model adding to a ReLU's output in place (after ``ReLU(inplace=True)`` too) raised torch's error about a
+        view made in a custom Function modified in place. The model runs forward; captum raises on it, as the plain
+        gradient does (the ReLU's saved output changed): the oracle is the model with the additions out of place."""
+
+        class AddOne(nn.Module):
+            def __init__(self, in_place: bool) -> None:
+                super().__init__()
+                self.in_place = in_place
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return x.add_(1.0) if self.in_place else x + 1.0
+
+        def model(in_place: bool) -> nn.Module:
+            torch.manual_seed(1)
+            return nn.Sequential(
+                nn.Linear(5, 8),
+                nn.ReLU(),
+                AddOne(in_place),
+                nn.Linear(8, 8),
+                nn.ReLU(inplace=in_place),
+                AddOne(in_place),
+                nn.Linear(8, 3),
+            ).double()
+
+        net, twin = model(True), model(False)
+        x = torch.randn(7, 5, dtype=torch.float64)
+        td = GuidedBackprop(net, in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[7]))
+        torch.testing.assert_close(td["y"], twin(x), rtol=0, atol=0)
+        expected = captum.attr.GuidedBackprop(twin).attribute(x.clone(), target=twin(x).argmax(-1))
+        assert relative_error(td["attribution", "x"], expected) <= 1e-8
+        assert td["attribution", "x"].abs().max() > 0.1  # not a comparison of zeros
+
     def test_two_key_policy(self):
         policy = two_key_policy()
         obs, goal = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)

@@ -10,7 +10,7 @@ from tensordict import TensorDict
 
 from tdhook.attribution import IntegratedGradients
 from tdhook.attribution.methods._quadrature import quadrature
-from tests.attribution.methods._models import flat, random_mlp, small_cnn, two_key_policy
+from tests.attribution.methods._models import bfloat16_linear, flat, random_mlp, small_cnn, two_key_policy
 from tests.conftest import relative_error
 
 METHODS = ["gausslegendre", "riemann_trapezoid", "riemann_left", "riemann_right", "riemann_middle"]
@@ -207,3 +207,15 @@ class TestRefusals:
     def test_internal_batch_size(self):
         with pytest.raises(ValueError, match="internal_batch_size must be a positive int"):
             IntegratedGradients(random_mlp(0), in_keys=["x"], out_keys=["y"], internal_batch_size=0)
+
+
+def test_bfloat16_points_one_per_pass_sum_in_float32():
+    """On a linear model IG is w · x; in bfloat16, 200 points summed one pass at a time were 11 % off it."""
+    net, w = bfloat16_linear(64)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    ig = IntegratedGradients(
+        net, in_keys=["x"], out_keys=["y"], target=0, n_steps=200, method="riemann_middle", internal_batch_size=2
+    )
+    got = ig(TensorDict(x=x, batch_size=[2]))["attribution", "x"]
+    assert got.dtype == torch.bfloat16
+    assert relative_error(got.double(), w * x.double()) < 2**-8

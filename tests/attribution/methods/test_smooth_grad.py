@@ -8,7 +8,7 @@ import torch
 from tensordict import TensorDict
 
 from tdhook.attribution import Saliency, SmoothGrad
-from tests.attribution.methods._models import random_mlp, small_cnn, two_key_policy
+from tests.attribution.methods._models import bfloat16_linear, random_mlp, small_cnn, two_key_policy
 from tests.conftest import relative_error
 
 pytestmark = pytest.mark.filterwarnings("ignore:Input Tensor .* did not already require gradients:UserWarning")
@@ -111,3 +111,15 @@ class TestRefusals:
     def test_at_construction(self, kwargs, match):
         with pytest.raises((ValueError, KeyError), match=f"SmoothGrad: {match}"):
             SmoothGrad(random_mlp(0), in_keys=["x"], out_keys=["y"], **kwargs)
+
+
+def test_bfloat16_copies_one_per_pass_sum_to_saliency_at_stdev_zero():
+    """The copies are summed in float32: in bfloat16, 200 copies summed one pass at a time drifted up to 19 % from
+    Saliency."""
+    net, _ = bfloat16_linear(64)
+    td = TensorDict(x=torch.randn(2, 64).to(torch.bfloat16), batch_size=[2])
+    kwargs = dict(in_keys=["x"], out_keys=["y"], target=0)
+    smooth = SmoothGrad(net, **kwargs, n_samples=200, stdev=0.0, seed=0, internal_batch_size=2)
+    got = smooth(td.clone())["attribution", "x"]
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, Saliency(net, **kwargs)(td.clone())["attribution", "x"], rtol=0, atol=0)

@@ -209,6 +209,14 @@ class TestRewrittenWeights:
         layer = PARAMETRIZATIONS[kind](nn.Linear(5, 3).double()).eval()
         assert relative_error(effective_parameters(layer)["weight"], weight_by_hand(layer)) <= 1e-12
 
+    @pytest.mark.parametrize("mode", ["reflect", "circular"])
+    @pytest.mark.parametrize("kind", PARAMETRIZED)
+    def test_a_padding_that_copies_the_input_wider_than_the_kernel(self, kind: str, mode: str):
+        # The probe input was the kernel's extent: a reflect or circular padding wider than that cannot pad it, and
+        # the layer was refused at registration ("Padding size should be less than the corresponding input ...").
+        layer = PARAMETRIZATIONS[kind](nn.Conv1d(2, 3, 1, stride=2, padding=2, padding_mode=mode).double()).eval()
+        assert relative_error(effective_parameters(layer)["weight"], weight_by_hand(layer)) <= 1e-12
+
     def test_layer_calling_no_linear_function_raises(self):
         class Skipping(nn.Linear):
             def forward(self, x):

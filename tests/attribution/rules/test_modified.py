@@ -131,6 +131,19 @@ class TestFastPaths:
         # A zeroed bias can make D = γW⁺x − b negative: the signs of z^↑ and z^↓ are then unknown (autograd path).
         assert bool(two_products) == (rule_name == "gamma")
 
+    @pytest.mark.parametrize("kind", ["linear", "conv2d"])
+    def test_gamma_without_bias_on_a_layer_whose_biases_are_all_negative_matches_zennit(self, kind):
+        # With every bias ≤ 0 the shift D = γW⁺x − b is ≥ 0, but with zeroed biases z^↓ is not (1 + γ)z − D: the
+        # two-product path does not hold. A one-output head after a ReLU or a sigmoid was 100 % off.
+        ours, theirs = RULE_PAIRS["gamma-nobias"]
+        layer, x = make_layer(kind)
+        with torch.no_grad():
+            layer.bias.copy_(-layer.bias.abs())
+        x = x.clamp(min=0)
+        r_out = output_relevance(layer, x)  # relevance on negative outputs too
+        expected = zennit_relevance(theirs(), layer, x, r_out)
+        assert relative_error(tdhook_relevance(ours(), layer, x, r_out), expected) <= TOL
+
     @pytest.mark.parametrize("rule_name", ["zplus", "gamma"])
     def test_an_expanded_output_gradient_gives_the_contiguous_result(self, rule_name):
         # out.sum() sends back an expanded gradient: the element-wise work then runs on whole tensors.

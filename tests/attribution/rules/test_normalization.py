@@ -537,6 +537,31 @@ class TestIsNorm:
             relevance[name] = lrp(TensorDict(x=x, batch_size=[3]))
         assert torch.equal(relevance["block"]["relevance", "x"], relevance["norm"]["relevance", "x"])
 
+    @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "AttnLRP", "CPLRP"])
+    def test_a_module_named_like_a_norm_that_holds_one_is_not_a_norm_itself(self, preset: str):
+        """PatchTST's ``PatchTSTBatchNorm`` (and PatchTSMixer's) transposes its input around a child
+        ``nn.BatchNorm1d``: the child is the norm and gets the rule. Mapped to a norm rule by its name, the wrapper
+        raised that its forward ran no normalisation, and no PatchTST with its default norm could be explained. It
+        explains as its BatchNorm does on the transposed input."""
+        from transformers import PatchTSTConfig
+        from transformers.models.patchtst.modeling_patchtst import PatchTSTBatchNorm
+
+        wrapper = PatchTSTBatchNorm(PatchTSTConfig(d_model=4)).double().eval()
+        randomise_batch_norm(wrapper.batchnorm)
+        x, relevance_out = randn(3, 5, 4), randn(3, 5, 4)
+        assert not is_norm(wrapper) and is_norm(wrapper.batchnorm)
+        relevance = {}
+        for name, module, given, seed in (
+            ("wrapper", wrapper, x, relevance_out),
+            ("batch norm", wrapper.batchnorm, x.transpose(1, 2), relevance_out.transpose(1, 2)),
+        ):
+            mapper = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, **CNN_PRESETS}[preset]()
+            lrp = LRP(nn.Sequential(module), mapper, in_keys=["x"], out_keys=["y"], target=lambda y, s=seed: s)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                relevance[name] = lrp(TensorDict(x=given.contiguous(), batch_size=[3]))["relevance", "x"]
+        assert relative_error(relevance["wrapper"], relevance["batch norm"].transpose(1, 2)) <= 1e-12
+
     @pytest.mark.parametrize("preset", ["AttnLRP", "CPLRP"])
     def test_a_block_whose_optional_norm_is_none_is_not_a_norm(self, preset: str):
         """ESM-2's embeddings name ``self.layer_norm``, left ``None``: no call of ``F.layer_norm``. Mapped to a norm

@@ -32,6 +32,7 @@ from tensordict.nn import TensorDictModuleBase, dispatch
 from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
+from tdhook.attribution._chosen_values import chosen_action
 from tdhook.attribution._inputs import describe, dtype_mismatch, feed_inputs, optional_inputs, validate_inputs
 from tdhook.attribution._keys import check_free, check_writable, read_not_written, relevance_keys
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
@@ -332,6 +333,12 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             target_key = resolve_target_key(result, *self._target)
         except KeyError as err:
             raise _rename(err, name) from None
+        target = self.target
+        # A chosen action's value follows the greedy action of each perturbed input: the methods that evaluate such
+        # inputs explain the value of the action chosen here (the action values at that action), as LRP does.
+        chosen = chosen_action(self.module, target_key, result) if target is None and self._evaluates_copies else None
+        if chosen is not None:
+            target_key, target = chosen
         output = target_output(result, target_key, self._target[1])
         if not isinstance(output, torch.Tensor) or not output.is_floating_point():
             raise TypeError(
@@ -340,7 +347,6 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         if grad and not output.requires_grad:
             raise ValueError(f"{name}: target {target_key!r} does not depend on the explained inputs")
         try:
-            target = self.target
             if target is None:  # as LRP: a masked policy explains the action it holds, or the best allowed one
                 target = allowed_action(self._target[1], target_key, result, tensordict)
             seeds, at_zero = initial_relevance(output, target, target_key, tensordict.batch_dims)

@@ -52,6 +52,8 @@ def batch_normalisers(modules: Mapping[str, nn.Module]) -> list[str]:
 
 
 _CHILDREN, _BUFFERS = operator.attrgetter("_modules"), operator.attrgetter("_buffers")
+# A TorchScript module keeps its children in a mapping of its own, not a dict: its own ``values`` reads both.
+_VALUES = operator.methodcaller("values")
 _chained = itertools.chain.from_iterable
 
 
@@ -59,8 +61,8 @@ def _children(modules: list[nn.Module]) -> list[nn.Module | None]:
     """The children of each of ``modules``, in a row."""
     try:
         return [*_chained(map(dict.values, map(_CHILDREN, modules)))]
-    except TypeError:  # a TorchScript module keeps its children in a wrapper of a dict
-        return [*_chained(map(operator.methodcaller("values"), map(_CHILDREN, modules)))]
+    except TypeError:  # a TorchScript module's mapping: dict.values, the fast way for the others, refuses it
+        return [*_chained(map(_VALUES, map(_CHILDREN, modules)))]
 
 
 class BufferHolders:

@@ -11,6 +11,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import nn
 
+from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.methods._base import AttributionMethod, Call
 from tdhook.attribution.methods._options import MISSING, checked_batch_size, per_key, seeded_generator, steps_per_pass
 from tdhook.attribution.targets import Target
@@ -175,7 +176,8 @@ class GradientShap(AttributionMethod):
             call.inputs, references, self.stdevs, self.n_samples, call.batch_dims, self.seed
         )
         units = call.seeds.shape[0]
-        totals = [x.new_zeros(units, *x.shape) for x in call.inputs]
+        # Summed over the copies in float32 at least (see accumulation_dtype), rounded once to the input's dtype.
+        totals = [x.new_zeros(units, *x.shape, dtype=accumulation_dtype(x.dtype)) for x in call.inputs]
         chunk = steps_per_pass(self.n_samples, call.batch_shape.numel(), self.internal_batch_size, "GradientShap")
         for start in range(0, self.n_samples, chunk):
             stop = start + chunk
@@ -187,5 +189,5 @@ class GradientShap(AttributionMethod):
                 points.append(d + a.view(*a.shape, *[1] * (diff.dim() - a.dim())) * diff)
             objective, leaves = self._evaluate(call, points, grad=True)
             for total, grad, diff in zip(totals, self._gradients(objective, leaves), differences, strict=True):
-                total += (grad * diff.unsqueeze(0)).sum(1)
-        return [total / self.n_samples for total in totals]
+                total += (grad.to(total.dtype) * diff.unsqueeze(0).to(total.dtype)).sum(1)
+        return [(total / self.n_samples).to(x.dtype) for total, x in zip(totals, call.inputs, strict=True)]

@@ -15,11 +15,15 @@ __all__ = ["GuidedBackprop"]
 
 
 class _PositiveGradient(torch.autograd.Function):
-    """The identity forward; backward passes the positive part of the incoming gradient."""
+    """The identity forward; backward passes the positive part of the incoming gradient.
+
+    The forward returns a copy, not a view: a model may change a ReLU's output in place (``x += 1``, after
+    ``ReLU(inplace=True)`` too), which autograd forbids on a view made inside a custom Function.
+    """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        return x.view_as(x)
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: D102

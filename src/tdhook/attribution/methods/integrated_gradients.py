@@ -9,6 +9,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import nn
 
+from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.methods._base import AttributionMethod, Call
 from tdhook.attribution.methods._options import Baselines, baseline_tensors, checked_batch_size, steps_per_pass
 from tdhook.attribution.methods._quadrature import METHODS, quadrature
@@ -98,7 +99,8 @@ class IntegratedGradients(AttributionMethod):
             self.baselines, self.explained_keys, call.inputs, call.batch_dims, "IntegratedGradients"
         )
         differences = [x - b for x, b in zip(call.inputs, baselines, strict=True)]
-        totals = [x.new_zeros(call.seeds.shape[0], *x.shape) for x in call.inputs]
+        # Summed over the points in float32 at least (see accumulation_dtype), rounded once to the input's dtype.
+        totals = [x.new_zeros(call.seeds.shape[0], *x.shape, dtype=accumulation_dtype(x.dtype)) for x in call.inputs]
         chunk = steps_per_pass(self.n_steps, call.batch_shape.numel(), self.internal_batch_size, "IntegratedGradients")
         for start in range(0, self.n_steps, chunk):
             alphas = self._alphas[start : start + chunk]
@@ -109,6 +111,8 @@ class IntegratedGradients(AttributionMethod):
                 perturbed.append(b.unsqueeze(0) + a * d.unsqueeze(0))
             objective, leaves = self._evaluate(call, perturbed, grad=True)
             for total, grad in zip(totals, self._gradients(objective, leaves), strict=True):
-                w = weights.to(dtype=grad.dtype, device=grad.device).view(1, -1, *[1] * (grad.dim() - 2))
-                total += (grad * w).sum(1)
-        return [total * d.unsqueeze(0) for total, d in zip(totals, differences, strict=True)]
+                w = weights.to(dtype=total.dtype, device=grad.device).view(1, -1, *[1] * (grad.dim() - 2))
+                total += (grad.to(total.dtype) * w).sum(1)
+        return [
+            (total * d.unsqueeze(0).to(total.dtype)).to(d.dtype) for total, d in zip(totals, differences, strict=True)
+        ]

@@ -11,6 +11,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import nn
 
+from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.methods._base import Call
 from tdhook.attribution.methods._options import Baselines, per_key
 from tdhook.attribution.methods._perturbation import PerturbationMethod
@@ -153,8 +154,11 @@ class Occlusion(PerturbationMethod):
         unperturbed = self._unperturbed(call)
         lead = (slice(None),) * (1 + call.batch_dims)
         windows = [(i, window) for i, grid in enumerate(grids) for window in grid]
-        totals = [x.new_zeros(call.seeds.shape[0], *x.shape) for x in call.inputs]
-        counts = [x.new_zeros(x.shape[call.batch_dims :]) for x in call.inputs]
+        # Drops and counts summed in float32 at least (see accumulation_dtype: a bfloat16 count stops at 256
+        # windows), rounded once to the input's dtype.
+        wide = [torch.promote_types(accumulation_dtype(x.dtype), call.output.dtype) for x in call.inputs]
+        totals = [x.new_zeros(call.seeds.shape[0], *x.shape, dtype=w) for x, w in zip(call.inputs, wide, strict=True)]
+        counts = [x.new_zeros(x.shape[call.batch_dims :], dtype=w) for x, w in zip(call.inputs, wide, strict=True)]
 
         def occluded(step: tuple[int, tuple[slice, ...]]) -> list[torch.Tensor]:
             i, window = step
@@ -163,7 +167,7 @@ class Occlusion(PerturbationMethod):
             return [x if j == i else other for j, other in enumerate(call.inputs)]
 
         for (i, window), value in self._values(call, windows, occluded):
-            drop = unperturbed - value
+            drop = unperturbed.to(wide[i]) - value.to(wide[i])
             totals[i][(*lead, *window)] += drop.view(*drop.shape, *[1] * len(window))
             counts[i][window] += 1
-        return [total / count for total, count in zip(totals, counts, strict=True)]
+        return [(total / count).to(x.dtype) for total, count, x in zip(totals, counts, call.inputs, strict=True)]

@@ -11,6 +11,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import nn
 
+from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.methods._base import Call
 from tdhook.attribution.methods._options import Baselines, seeded_generator
 from tdhook.attribution.methods._perturbation import FeatureMasks, PerturbationMethod, feature_groups, spread
@@ -123,8 +124,11 @@ class ShapleyValueSampling(PerturbationMethod):
             self.feature_masks, self.explained_keys, call.inputs, call.batch_dims, "ShapleyValueSampling"
         )
         orders = permutations(len(ids), self.n_samples, self.seed)
-        unperturbed = self._unperturbed(call)
-        empty = self._at(call, baselines)
+        # The gains summed over the orders in float32 at least (see accumulation_dtype), rounded once to the input's
+        # dtype.
+        wide = accumulation_dtype(call.output.dtype)
+        unperturbed = self._unperturbed(call).to(wide)
+        empty = self._at(call, baselines).to(wide)
         gains = unperturbed.new_zeros(len(ids), *unperturbed.shape)
         group_ids = torch.tensor(ids, dtype=torch.long, device=masks[0].device)
 
@@ -141,12 +145,12 @@ class ShapleyValueSampling(PerturbationMethod):
         for order, groups in enumerate(orders):
             before = empty
             for position, group in enumerate(groups):
-                after = unperturbed if position == len(groups) - 1 else values[order, position]
+                after = unperturbed if position == len(groups) - 1 else values[order, position].to(wide)
                 gains[group] += after - before
                 before = after
         gains /= len(orders)
         totals = [x.new_zeros(call.seeds.shape[0], *x.shape) for x in call.inputs]
         for group, gain in zip(ids, gains, strict=True):
             for total, mask in zip(totals, masks, strict=True):
-                total += spread(gain, mask == group, call.batch_dims)
+                total += spread(gain.to(total.dtype), mask == group, call.batch_dims)
         return totals

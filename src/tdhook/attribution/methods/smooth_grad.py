@@ -11,6 +11,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import nn
 
+from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.methods._base import AttributionMethod, Call
 from tdhook.attribution.methods._options import MISSING, checked_batch_size, per_key, seeded_generator, steps_per_pass
 from tdhook.attribution.targets import Target
@@ -140,19 +141,22 @@ class SmoothGrad(AttributionMethod):
     def _attribute(self, call: Call) -> list[torch.Tensor]:
         copies = noisy_copies(call.inputs, self.stdevs, self.n_samples, self.seed)
         units = call.seeds.shape[0]
-        sums = [x.new_zeros(units, *x.shape) for x in call.inputs]
-        squares = [x.new_zeros(units, *x.shape) for x in call.inputs]
+        # Summed over the copies in float32 at least (see accumulation_dtype), rounded once to the input's dtype.
+        sums = [x.new_zeros(units, *x.shape, dtype=accumulation_dtype(x.dtype)) for x in call.inputs]
+        squares = [torch.zeros_like(total) for total in sums]
         chunk = steps_per_pass(self.n_samples, call.batch_shape.numel(), self.internal_batch_size, "SmoothGrad")
         for start in range(0, self.n_samples, chunk):
             objective, leaves = self._evaluate(call, [c[start : start + chunk] for c in copies], grad=True)
             for total, square, grad in zip(sums, squares, self._gradients(objective, leaves), strict=True):
-                saliency = grad.abs() if self.abs else grad
+                saliency = (grad.abs() if self.abs else grad).to(total.dtype)
                 total += saliency.sum(1)
                 square += (saliency * saliency).sum(1)
         means = [total / self.n_samples for total in sums]
         mean_squares = [square / self.n_samples for square in squares]
         if self.nt_type == "smoothgrad":
-            return means
-        if self.nt_type == "smoothgrad_sq":
-            return mean_squares
-        return [sq - m * m for sq, m in zip(mean_squares, means, strict=True)]
+            found = means
+        elif self.nt_type == "smoothgrad_sq":
+            found = mean_squares
+        else:
+            found = [sq - m * m for sq, m in zip(mean_squares, means, strict=True)]
+        return [value.to(x.dtype) for value, x in zip(found, call.inputs, strict=True)]

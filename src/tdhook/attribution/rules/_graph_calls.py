@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["graph_call", "note_output", "planned", "recording", "runs_plain"]
+__all__ = ["KeptOutputs", "graph_call", "keep_output", "note_output", "planned", "recording", "runs_plain"]
 
 _LOCAL = threading.local()
 
@@ -63,22 +63,77 @@ def note_output(output: Any) -> None:
         noted.append(output.grad_fn if isinstance(output, torch.Tensor) else None)
 
 
+class KeptOutputs:
+    """The last output of each module of ``modules`` (ids; ``None``: of every module with a rule) in one call, with
+    its version when the module returned it: the input of an activation whose node saves its output, not its input
+    (``torch.tanh``), for the identity rule's factor ``tanh(x) / x`` (see
+    :mod:`tdhook.attribution._function_rule_plan`).
+
+    Examples:
+        >>> layer, kept = torch.nn.Linear(2, 2), KeptOutputs(None)
+        >>> with graph_call(outputs=[], kept=kept):
+        ...     keep_output(layer, layer(torch.ones(2)))
+        >>> kept.output(id(layer)).shape
+        torch.Size([2])
+    """
+
+    __slots__ = ("modules", "outputs")
+
+    def __init__(self, modules: Collection[int] | None) -> None:
+        self.modules = modules
+        self.outputs: dict[int, tuple[Any, torch.Tensor, int]] = {}  # by module id: (module, output, version)
+
+    def keep(self, module: nn.Module, output: torch.Tensor) -> None:
+        """``module`` returned ``output``: kept where its module is one of those kept."""
+        if self.modules is None or id(module) in self.modules:
+            self.outputs[id(module)] = (module, output, output._version)
+
+    def module_of(self, tensor: torch.Tensor) -> Any:
+        """The module whose last output is ``tensor`` itself, unchanged in place since; or ``None``."""
+        for module, output, version in self.outputs.values():
+            if output is tensor:
+                return module if tensor._version == version else None
+        return None
+
+    def output(self, key: int) -> torch.Tensor | None:
+        """The last output of the module whose id is ``key``, where it is unchanged in place since; or ``None``."""
+        entry = self.outputs.get(key)
+        return None if entry is None or entry[1]._version != entry[2] else entry[1]
+
+
+def keep_output(module: nn.Module, output: Any) -> None:
+    """A module whose rule is a hook on it returned ``output`` (what its later hooks and its caller see, but for
+    hooks registered after the rule's): kept where this thread's call keeps that module's outputs."""
+    kept = getattr(_LOCAL, "kept", None)
+    if kept is not None and isinstance(output, torch.Tensor):
+        kept.keep(module, output)
+
+
 class graph_call:  # noqa: N801 (used as a function: ``with graph_call(...):``)
     """A call in the block whose norms tell ``record`` where their scales' nodes are (a recording call), or in which
     the modules whose ids are in ``plain`` have their rules put on the graph by the call's plan (a later call); the
-    nodes of the norms' outputs are appended to ``outputs``.
+    nodes of the norms' outputs are appended to ``outputs``, and ``kept`` keeps the outputs of modules with a rule
+    (see :class:`KeptOutputs`).
 
     A class rather than a generator: it wraps every call that records or follows a plan, and its state is put back
     by ``__exit__`` alone (a generator's ``finally``, an interrupt could skip).
     """
 
-    def __init__(self, record: Any = None, plain: Collection[int] = (), outputs: list | None = None) -> None:
-        self._state = record, plain, outputs
+    def __init__(
+        self,
+        record: Any = None,
+        plain: Collection[int] = (),
+        outputs: list | None = None,
+        kept: KeptOutputs | None = None,
+    ) -> None:
+        self._state = record, plain, outputs, kept
 
     def __enter__(self) -> None:
-        self._before = recording(), getattr(_LOCAL, "plain", None), getattr(_LOCAL, "outputs", None)
-        _LOCAL.recording, _LOCAL.plain, _LOCAL.outputs = self._state
+        local = _LOCAL
+        self._before = recording(), getattr(local, "plain", None), getattr(local, "outputs", None)
+        self._before += (getattr(local, "kept", None),)
+        local.recording, local.plain, local.outputs, local.kept = self._state
 
     def __exit__(self, *exc_info: object) -> None:
         # As they were: a wrapper called inside another one's model leaves the outer call's state.
-        _LOCAL.recording, _LOCAL.plain, _LOCAL.outputs = self._before
+        _LOCAL.recording, _LOCAL.plain, _LOCAL.outputs, _LOCAL.kept = self._before

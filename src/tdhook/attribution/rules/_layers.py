@@ -274,6 +274,10 @@ def _probe_input(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     if isinstance(module, nn.Linear):
         return weight.new_zeros(1, module.in_features)
     extent = [(k - 1) * d + 1 for k, d in zip(module.kernel_size, module.dilation, strict=True)]
+    if getattr(module, "padding_mode", "zeros") != "zeros":
+        # A padding that copies the input (reflect, circular) needs an input longer than the padding.
+        longest = max(getattr(module, "_reversed_padding_repeated_twice", None) or [0]) + 1
+        extent = [max(size, longest) for size in extent]
     return weight.new_zeros(1, module.in_channels, *extent)
 
 

@@ -22,6 +22,7 @@ __all__ = ["watch", "note_set_relevance", "pop_set_relevance"]
 
 _WATCHED = "_tdhook_watched"
 _SET = "_tdhook_set_relevance"
+_POPPED = "_tdhook_popped_relevance"
 
 
 def watch(tensor: torch.Tensor) -> None:
@@ -40,6 +41,25 @@ def note_set_relevance(x: torch.Tensor, whole: torch.Tensor, carried: torch.Tens
     setattr(source, _SET, rest if prior is None else prior + rest)
 
 
-def pop_set_relevance(tensor: torch.Tensor) -> torch.Tensor | None:
-    """What :func:`note_set_relevance` left on ``tensor`` since the last pop (``None`` if nothing)."""
-    return tensor.__dict__.pop(_SET, None)
+def pop_set_relevance(tensor: torch.Tensor, grad: torch.Tensor | None = None) -> torch.Tensor | None:
+    """What :func:`note_set_relevance` left on ``tensor`` since the last pop (``None`` if nothing).
+
+    Several readers of one tensor (modules that return their input itself, an ``Identity`` and a ``Dropout`` in
+    eval mode, each named in ``layers``) pop it from their hooks on that tensor, which all see the same ``grad`` in
+    one backward pass: given ``grad``, the readers after the first get what the first popped.
+
+    Examples:
+        >>> x, grad = torch.tensor([0.0, 2.0]), torch.ones(2)
+        >>> watch(x)
+        >>> note_set_relevance(x, torch.tensor([1.0, 3.0]), carried=torch.tensor([0.0, 3.0]))
+        >>> pop_set_relevance(x, grad), pop_set_relevance(x, grad), pop_set_relevance(x, torch.ones(2))
+        (tensor([1., 0.]), tensor([1., 0.]), None)
+    """
+    value = tensor.__dict__.pop(_SET, None)
+    if grad is None:
+        return value
+    if value is not None:
+        setattr(tensor, _POPPED, (grad, value))  # the gradient is held, so that no later one takes its identity
+        return value
+    popped = tensor.__dict__.get(_POPPED)
+    return popped[1] if popped is not None and popped[0] is grad else None

@@ -39,6 +39,8 @@ __all__ = [
     "RefuseRule",
     "pass_rule_on_node",
     "hook_pass_rule",
+    "pass_rule_given_input",
+    "hook_pass_rule_given",
     "RULED_ON_NODE",
 ]
 
@@ -350,6 +352,51 @@ def pass_rule_on_node(output: torch.Tensor, x: torch.Tensor) -> bool:
         and not output.__dict__
         and first_input_is(node, x)
     )
+
+
+# The activations whose autograd node saves their output, not their input, by the node's type: their rule needs the
+# input kept apart (see :func:`hook_pass_rule_given`).
+_SAVING_THEIR_OUTPUT = frozenset({"TanhBackward0", "SigmoidBackward0"})
+
+
+def pass_rule_given_input(output: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether :func:`hook_pass_rule_given` can put the pass rule on ``output``'s own node, given ``x``: an
+    activation of ``x`` whose node saved ``output`` (tanh, sigmoid), with the conditions of
+    :func:`pass_rule_on_node`.
+
+    Examples:
+        >>> x = torch.randn(3, requires_grad=True)
+        >>> pass_rule_given_input(torch.tanh(x), x), pass_rule_given_input(nn.functional.gelu(x), x)
+        (True, False)
+    """
+    node = output.grad_fn
+    return (
+        type(node).__name__ in _SAVING_THEIR_OUTPUT
+        and x.shape == output.shape
+        and graph_kept() is None
+        and not saved_tensors_hooked()
+        and not output._is_view()
+        and not output.__dict__
+        and first_input_is(node, x)
+    )
+
+
+def hook_pass_rule_given(stabilizer: float, x: torch.Tensor, node: Any) -> None:
+    """Put the pass rule (stabiliser ``stabilizer``) on the node of an activation of ``x`` that saved its output
+    (see :func:`pass_rule_given_input`): a hook that passes ``grad · f(x) / stabilize(x)`` to ``x``, the node's own
+    gradient dropped; ``f(x)`` is the output the node saved.
+
+    Examples:
+        >>> x = torch.tensor([-1.0, 0.5, 2.0], requires_grad=True)
+        >>> h = x * 1
+        >>> z = torch.tanh(h)
+        >>> hook_pass_rule_given(1e-10, h.detach(), z.grad_fn)
+        >>> relevance = x * torch.autograd.grad(z, x, torch.ones(3))[0]
+        >>> torch.allclose(relevance, z)
+        True
+    """
+    scale = pass_factor(node._saved_result.detach(), x.detach(), stabilizer)
+    node.register_hook(functools.partial(_input_gradient_times, scale))
 
 
 def hook_pass_rule(stabilizer: float, node: Any) -> None:

@@ -38,7 +38,12 @@ from tdhook.attribution.rules._autograd import (
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint
-from tdhook.attribution.rules.basic import RULED_ON_NODE, hook_pass_rule, pass_rule_on_node
+from tdhook.attribution.rules.basic import (
+    RULED_ON_NODE,
+    hook_pass_rule,
+    pass_rule_given_input,
+    pass_rule_on_node,
+)
 from tdhook.attribution.rules.gates import (
     ELEMENTWISE_PRODUCTS,
     GATE_FUNCTIONS,
@@ -249,6 +254,16 @@ class FunctionalRules(TorchFunctionMode):
             if recording is not None:
                 recording.scaled(node, scaled.grad_fn)
             return scaled
+        if func is torch.einsum and recording is not None:
+            operands = _einsum_operands(args)
+            two = len(operands) == 2 and all(is_activation(operand) for operand in operands)
+            if two and held_factors(tuple(operands), any_gate=self.hold_gates) is None:
+                # A product of two activations (Funnel's relative attention), often a view: its own node halves the
+                # gradient it passes (the uniform rule), in this call and in a later one.
+                product = torch.einsum(args[0], *operands, **kwargs)
+                if recording.halved(product.grad_fn):
+                    return product
+                return scale_gradient(product, 0.5, in_place=True)
         if func in _SOFTMAX and args and is_activation(args[0]):
             dim = call_argument(args, kwargs, 1, "dim")
             output = func(*args, **kwargs)
@@ -305,6 +320,11 @@ class FunctionalRules(TorchFunctionMode):
                 if recording.hooked(output.grad_fn, functools.partial(hook_pass_rule, stabilizer)):
                     setattr(output, RULED_ON_NODE, stabilizer)
                     return mark_gate(output, args[0])  # marked as the rule marks its output (see PseudoIdentityRule)
+            # A node that saved its output (tanh): the input is a module's output, which later calls keep for it.
+            if recording is not None and own and pass_rule_given_input(output, args[0]):
+                if recording.hooked_given(output.grad_fn, args[0], self.activation.stabilizer):
+                    setattr(output, RULED_ON_NODE, self.activation.stabilizer)
+                    return mark_gate(output, args[0])
             result = self.activation.apply(output, args[0])
             return mark_gate(result, args[0], sigmoid=True) if func in GATE_FUNCTIONS else result
         if func is F.layer_norm and is_activation(args[0]):

@@ -369,6 +369,9 @@ class GammaRule(_ModifiedForwardRule):
             modified["shift"] = shift
             # D ≥ 0 when its bias is (the default: b^γ⁺ − b = γ b⁺): then z > 0 gives z^↑ > 0 and z < 0 gives z^↓ < 0.
             modified["shift_is_nonnegative"] = "bias" not in shift or bool((shift["bias"] >= 0).all())
+            # z^↓ = (1 + γ) z − D needs b^γ⁻ = (2 + γ) b − b^γ⁺, which the γ-modified biases satisfy; zeroed ones
+            # only where the layer's own bias is zero.
+            modified["down_mirrors_up"] = "bias" not in self.zero_params or bias is None or not bool(bias.any())
         return modified
 
     def input_gradient(self, module, registration, params, x, z, grad):
@@ -381,7 +384,7 @@ class GammaRule(_ModifiedForwardRule):
             with torch.no_grad():
                 if not nonzero_where_negative(grad, z):  # no relevance reaches a negative output (a ReLU follows)
                     return self._positive_outputs_gradient(module, registration, params, x.detach(), z, grad)
-                if params["shift_is_nonnegative"]:
+                if params["shift_is_nonnegative"] and params["down_mirrors_up"]:
                     return self._nonnegative_input_gradient(module, registration, params, x.detach(), z, grad)
         leaf = x.detach().requires_grad_(True)
         pairs = [("up", "down_nobias"), ("down", "up_nobias")]

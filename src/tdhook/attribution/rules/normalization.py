@@ -83,8 +83,9 @@ _NORM_NAMES = (
 
 def is_norm(module: nn.Module) -> bool:
     """Whether ``module`` is a normalisation layer: torch's norms, classes named ``*Norm``, ``*Norm2d``,
-    ``*NormAct2d``, ``*NormTlu2d`` and the like (timm's, torchvision's and Hugging Face's), and modules whose forward
-    calls a fused norm or computes a normalising scale with ``rsqrt``, whatever their name.
+    ``*NormAct2d``, ``*NormTlu2d`` and the like (timm's, torchvision's and Hugging Face's; but one that holds a norm
+    wraps it), and modules whose forward calls a fused norm or computes a normalising scale with ``rsqrt``, whatever
+    their name.
 
     Examples:
         >>> class ConvNormAct(nn.Sequential):  # a block named like a norm
@@ -96,6 +97,14 @@ def is_norm(module: nn.Module) -> bool:
         ...         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
         >>> is_norm(RootMeanSquare())
         True
+        >>> class ChannelsLastBatchNorm(nn.Module):  # named like a norm, holds one: the child is the norm
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.batchnorm = nn.BatchNorm1d(4)
+        ...     def forward(self, x):
+        ...         return self.batchnorm(x.transpose(1, 2)).transpose(1, 2)
+        >>> is_norm(ChannelsLastBatchNorm()), is_norm(ChannelsLastBatchNorm().batchnorm)
+        (False, True)
     """
     torch_norms = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
     if isinstance(module, torch_norms):
@@ -106,7 +115,15 @@ def is_norm(module: nn.Module) -> bool:
         return False
     if _forward_is_arithmetic_on_own_tensors(module):
         return False  # MobileBERT's NoNorm, x · w + b: no call that could compute a normalising scale
-    return type(module).__name__.endswith(_NORM_NAMES) or _forward_normalises(module)
+    if type(module).__name__.endswith(_NORM_NAMES) and not _holds_a_norm(module):
+        return True
+    return _forward_normalises(module)
+
+
+def _holds_a_norm(module: nn.Module) -> bool:
+    """Whether one of ``module``'s children is a norm: a module named like a norm that holds one (PatchTST's
+    ``PatchTSTBatchNorm`` transposes around an ``nn.BatchNorm1d``) wraps it, and the child gets the rule."""
+    return any(is_norm(child) for child in module.children())
 
 
 def _forward_names(module: nn.Module) -> tuple[str, ...] | None:

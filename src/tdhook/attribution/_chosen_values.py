@@ -4,7 +4,8 @@ A ``QValueModule`` writes the action values, the greedy action and that action's
 the chosen value is the value of the action chosen there; on a perturbed input it is the value of whatever action
 is greedy there, so a curve of it would switch from one action to another. The metrics score instead the value of
 the action chosen on the unperturbed input, a fixed unit of the action values: the quantity the explanation is
-about, as the argmax of ``None`` targets stays fixed.
+about, as the argmax of ``None`` targets stays fixed. The attribution methods that evaluate perturbed inputs (path,
+sampling and perturbation methods) explain that value too, as LRP and the gradient at the input do.
 
 Examples:
     >>> import torch
