@@ -57,6 +57,14 @@ _VALUES = operator.methodcaller("values")
 _chained = itertools.chain.from_iterable
 
 
+def _children(modules: list[nn.Module]) -> list[nn.Module | None]:
+    """The children of each of ``modules``, in a row."""
+    try:
+        return [*_chained(map(dict.values, map(_CHILDREN, modules)))]
+    except TypeError:  # a TorchScript module's mapping: dict.values, the fast way for the others, refuses it
+        return [*_chained(map(_VALUES, map(_CHILDREN, modules)))]
+
+
 class BufferHolders:
     """The modules of a model that hold buffers, found again only where the model's structure changed since.
 
@@ -86,10 +94,10 @@ class BufferHolders:
             _, modules, children, holders, others = found
             # Every module's children, in a row: unchanged, they are the modules found (the root aside), and no
             # other module is reached; the modules that held no buffer still hold none.
-            if not any(map(_BUFFERS, others)) and [*_chained(map(_VALUES, map(_CHILDREN, modules)))] == children:
+            if not any(map(_BUFFERS, others)) and _children(modules) == children:
                 return holders
         modules = list(model.modules())
-        children = [*_chained(map(_VALUES, map(_CHILDREN, modules)))]
+        children = _children(modules)
         holders = [module for module in modules if module._buffers]
         others = [module for module in modules if not module._buffers]
         self._found = (model, modules, children, holders, others)  # one assignment: an interrupt leaves the last
