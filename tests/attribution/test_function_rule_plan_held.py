@@ -329,5 +329,5 @@ def test_held_weights_shaped_after_an_activation_stay_constants(applied, shaping
 
 
 # Zoo configurations whose later calls take the graph's way under both presets (the others keep the mode: a
-# functional activation whose node keeps no input (tanh) or gate, a recurrent mixer, relative position biases read by
-# value, ...).
+# functional activation whose node keeps no input and whose input is no module's output (Gemma 2's softcapping tanh),
+# a gate, a recurrent mixer, relative position biases read by value, ...).

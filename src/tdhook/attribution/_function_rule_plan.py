@@ -57,8 +57,17 @@ function (a mixture of experts' shared-expert gate) is left without its rule in 
 product that takes it holds it, no gradient reaches its node, and the plan is made; where one does (the gate also
 used as a signal), the call runs again in the mode, and so do later calls on inputs of its signature.
 
+``torch.tanh`` called as a function gets it too where its input is a module's output (RoBERTa's, MobileBERT's and
+Funnel's classification heads): its node saves its output, not its input, so a recording call that meets one asks
+the next recording call on the same signature to keep every module's output; where the tanh's input is one, the
+plan keeps a forward hook on that module for the rest of the context, and its hook on the tanh's node computes the
+identity rule's factor from the kept output and the output the node saved, as the mode computes it from both (see
+:mod:`~tdhook.attribution._kept_outputs`). A kept output that is no longer the node's input, or that was changed in
+place since, runs the call in the mode. An ``einsum`` of two activations (Funnel's relative attention), often a view
+that the mode's in-place factor would rebase, gets the uniform rule as a pre-hook that halves its own node's gradient.
+
 Where the mode applies any other rule (a softmax with ε, an RMS norm, an activation called as a function whose
-node keeps no input (tanh, sigmoid), a fused
+node keeps no input and whose input is no module's output (Gemma 2's softcapping ``tanh``), a fused
 attention with dropout, a gate held in a product other than an element-wise one), every later call on inputs of
 that signature runs in the mode. So does every call where the forward reads values computed from the explained
 inputs into Python (``if x.sum() > 0``, ``.item()``, ``int(...)``; held attention weights' values are the inputs'
