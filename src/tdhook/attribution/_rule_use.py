@@ -33,6 +33,7 @@ from torch import nn
 
 from tdhook.attribution._nested_rules import refuse_rescaling_over_ruled_modules
 from tdhook.attribution.rules._caller import warn_at_caller
+from tdhook.attribution.rules._first_pass import watching_first_pass
 from tdhook.attribution.rules.base import RemovableRuleHandle
 from tdhook.attribution.rules.basic import IgnoreRule
 
@@ -86,7 +87,8 @@ class RuleUse:
             for module in modules.values():  # each listed as it is registered
                 mine.append(module.register_forward_pre_hook(lambda m, args: ran.add(id(m))))
                 hooks.append(mine[-1])
-            yield
+            with watching_first_pass():  # rules check their calls' inputs in this pass only
+                yield
         finally:
             while mine:  # each left listed in ``hooks`` until it is removed (removing again does nothing)
                 mine[-1].remove()

@@ -302,3 +302,63 @@ class TestPassRuleOnLayers:
             z = layer(x)
             relevance = x * torch.autograd.grad(z, x, torch.ones_like(z))[0]
         torch.testing.assert_close(relevance, z.detach())
+
+
+def _explainer(net: nn.Module, mapper):
+    """An LRP wrapper on ``net`` that explains the first logit."""
+    from tdhook.attribution import LRP
+
+    first = lambda y: torch.zeros_like(y).index_fill_(1, torch.tensor([0]), 1.0) * y  # noqa: E731
+    return LRP(net, rule_mapper=mapper, in_keys=["x"], out_keys=["y"], target=first)
+
+
+def _relevance(lrp, x: torch.Tensor) -> torch.Tensor:
+    from tensordict import TensorDict
+
+    return lrp(TensorDict(x=x, batch_size=[x.shape[0]]))["relevance", "x"]
+
+
+class TestPassRuleAtZeroInputs:
+    """An activation with f(0) != 0 under the pass rule drops the relevance of its outputs at exactly-zero inputs
+    (input x gradient is 0 there; zennit's Pass hands it to the layer before): the wrapper warns, naming it."""
+
+    @pytest.mark.parametrize("activation", [nn.Sigmoid(), nn.Softplus(), nn.Hardsigmoid()], ids=type)
+    def test_an_activation_behind_a_relu_warns_by_name_once(self, activation):
+        from tdhook.attribution import EpsilonPlus
+
+        net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), activation, nn.Linear(4, 2)).double()
+        x = torch.randn(5, 3, dtype=torch.float64)
+        mapper = EpsilonPlus()
+        with pytest.warns(UserWarning, match=f"on {type(activation).__name__}: .* exactly 0") as caught:
+            with _explainer(net, mapper) as lrp:
+                for _ in range(3):  # the first call warns, later calls of the context do not check again
+                    _relevance(lrp, x)
+        assert sum("exactly 0" in str(w.message) for w in caught) == 1
+
+    @pytest.mark.parametrize(
+        "activations",
+        [(nn.Sigmoid(),), (nn.ReLU(), nn.Tanh()), (nn.ReLU(), nn.SiLU()), (nn.ReLU(), nn.GELU())],
+        ids=["sigmoid-on-nonzero", "relu-tanh", "relu-silu", "relu-gelu"],
+    )
+    def test_no_warning_without_the_pattern(self, activations):
+        import warnings
+
+        from zennit import composites as zcomposites
+
+        from tdhook.attribution import EpsilonPlus
+
+        net = nn.Sequential(nn.Linear(3, 4), *activations, nn.Linear(4, 2)).double().eval()
+        x = torch.randn(5, 3, dtype=torch.float64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with _explainer(net, EpsilonPlus()) as lrp:
+                actual = _relevance(lrp, x)
+                for _ in range(2):  # later calls of the context too
+                    _relevance(lrp, x)
+        with torch.no_grad():
+            out = net(x)
+        from zennit.attribution import Gradient
+
+        with Gradient(model=net, composite=zcomposites.EpsilonPlus()) as attributor:
+            _, expected = attributor(x.clone(), torch.zeros_like(out).index_fill_(1, torch.tensor([0]), 1.0) * out)
+        assert relative_error(actual, expected) <= 1e-6

@@ -120,3 +120,55 @@ def test_a_mean_of_neighbours_is_not_read_as_the_middle_one(dtype, window: int):
     x = F.avg_pool1d(u, window, stride=1) - 0.5  # no edge: every position a mean of its neighbours
     with pytest.raises(GlueError, match="several input positions"):
         carried(x, torch.ones_like(x))
+
+
+class TestZeroedByTheGlue:
+    """A first-layer rule's relevance at entries a ReLU before the layer zeroed reaches no model input (the glue's
+    gradient is 0 there; zennit's Pass hands it on): the wrapper warns once per context, naming the layer."""
+
+    @staticmethod
+    def _explain(net: nn.Module, x: torch.Tensor, calls: int = 3) -> torch.Tensor:
+        from tensordict import TensorDict
+
+        from tdhook.attribution import LRP, EpsilonPlusFlat
+
+        first = lambda y: torch.zeros_like(y).index_fill_(1, torch.tensor([0]), 1.0) * y  # noqa: E731
+        with LRP(net, rule_mapper=EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"], target=first) as lrp:
+            for _ in range(calls):
+                relevance = lrp(TensorDict(x=x, batch_size=[x.shape[0]]))["relevance", "x"]
+        return relevance
+
+    def test_a_relu_before_the_first_layer_warns_by_name_once(self):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.ReLU(), nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+        x = torch.randn(5, 3, dtype=torch.float64)
+        with pytest.warns(UserWarning, match=r"FlatRule on Linear: .* zeroed \(Relu") as caught:
+            self._explain(net, x)
+        assert sum("zeroed" in str(w.message) for w in caught) == 1
+
+    @pytest.mark.parametrize(
+        "glue", [nn.Identity(), nn.ReLU(), nn.Tanh(), nn.ZeroPad1d(1)], ids=["none", "relu-on-positive", "tanh", "pad"]
+    )
+    def test_no_warning_where_nothing_is_zeroed(self, glue):
+        import warnings
+
+        from zennit import composites as zcomposites
+        from zennit.attribution import Gradient
+
+        from tests.conftest import relative_error
+
+        torch.manual_seed(0)
+        width = 5 if isinstance(glue, nn.ZeroPad1d) else 3
+        net = nn.Sequential(glue, nn.Linear(width, 4), nn.ReLU(), nn.Linear(4, 2)).double().eval()
+        x = torch.randn(5, 3, dtype=torch.float64)
+        x = x.abs() + 0.1 if isinstance(glue, nn.ReLU) else x
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            actual = self._explain(net, x)
+        if isinstance(glue, nn.ZeroPad1d):
+            return  # a padding's entries keep their relevance, as a bias does (zennit hands it to no input either)
+        with torch.no_grad():
+            out = net(x)
+        with Gradient(model=net, composite=zcomposites.EpsilonPlusFlat()) as attributor:
+            _, expected = attributor(x.clone(), torch.zeros_like(out).index_fill_(1, torch.tensor([0]), 1.0) * out)
+        assert relative_error(actual, expected) <= 1e-6

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from tdhook.attribution.rules._autograd import relevance_pass_edges
+from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._layer_nodes import is_layer_node
 from tdhook.attribution.rules._linked_inputs import is_linked_copy
 from tdhook.attribution.rules._set_relevance import glue_probe, note_set_relevance, watched_tensors
@@ -111,6 +112,7 @@ def carry_back(
     who: str,
     mixed: list[torch.Tensor] | None = None,
     sources: list[torch.Tensor] | None = None,
+    dropped: list[torch.Tensor] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``relevance`` of the non-leaf layer input ``x``, given to the leaves ``x`` was computed from.
 
@@ -122,6 +124,8 @@ def carry_back(
             positions (shaped like ``x``) is appended to this list, and their relevance is left out of the result.
         sources: where given, the tensors to carry the relevance back to, in place of the leaves (tensors the glue
             computes ``x`` from, with no layer between); none of them when ``x`` depends on none.
+        dropped: where given, the mask of the positions holding relevance whose row of the glue's Jacobian is 0 here
+            (a constant, or an activation's zeroed output) is appended to this list: their relevance is left out.
 
     Returns:
         ``(leaf, relevance of leaf)`` pairs, one per leaf ``x`` depends on; the sum of the relevance is kept
@@ -188,6 +192,8 @@ def carry_back(
     check_products = products[n_digits + 1 :]
     owned = scale != 0
     orphan = rows & ~owned & torch.stack([p != 0 for p in products[1:]]).any(0)
+    if dropped is not None:
+        dropped.append(rows & ~owned & ~orphan)
     owned = rows & owned
     position = torch.zeros(x.shape, dtype=torch.long, device=x.device)
     single = torch.ones_like(owned)
@@ -228,13 +234,14 @@ def _copied_leaf(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def rest_records(
-    rule: object, module: nn.Module, x: torch.Tensor, rest: torch.Tensor
+    rule: object, module: nn.Module, x: torch.Tensor, rest: torch.Tensor, registration: object | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The records of the relevance ``rest`` that ``x * grad`` did not carry at ``module``'s input ``x``.
 
     A model input (a leaf, a copy of a leaf as the wrapper feeds the model, or an alias of one) keeps all of it,
     rounding included; an input computed by glue gives what lies at its zero entries to the model inputs through
-    :func:`carry_back`.
+    :func:`carry_back`. In the first call for ``registration`` (the rule's on ``module``), relevance that an activation
+    in the glue zeroed is warned about (see :func:`warn_if_zeroed_by_glue`).
 
     Examples:
         >>> u = torch.tensor([0.0, 2.0], requires_grad=True)
@@ -249,15 +256,18 @@ def rest_records(
         return [(copied, rest)]
     at_zero = torch.where(x.detach() == 0, rest, 0)
     who = f"{type(rule).__name__} on {type(module).__name__}"
+    dropped = _unchecked(registration)
     try:
-        return carry_back(x, at_zero, who)
+        records = carry_back(x, at_zero, who, dropped=dropped)
     except GlueError as err:
         err.module = module
         raise
+    warn_if_zeroed_by_glue(rule, module, x, dropped)
+    return records
 
 
 def whole_records(
-    rule: object, module: nn.Module, x: torch.Tensor, relevance: torch.Tensor
+    rule: object, module: nn.Module, x: torch.Tensor, relevance: torch.Tensor, registration: object | None = None
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None:
     """The records of ``relevance``, set directly at ``module``'s input ``x``, at the positions that glue computes
     from the model inputs one position each (``(u - mean) / std``, a scaling, a flip, a reshape), and the relevance
@@ -269,6 +279,7 @@ def whole_records(
     The relevance a first-layer rule sets belongs to the input position its input was computed from, whole: the
     gradient through glue with a shift ``b`` would carry ``R (x - b) / x`` instead, unbounded where ``x`` nears
     zero (a pixel near a normaliser's mean), and the relevance would no longer sum to the layer's.
+    ``registration`` is checked as in :func:`rest_records`.
 
     Examples:
         >>> u = torch.tensor([0.5, 2.0], requires_grad=True)
@@ -281,13 +292,90 @@ def whole_records(
     if source.grad_fn is None or _only_moves_values(source) or input_leaves(x)[1]:
         return None  # a model input, or one moved without a shift: x * grad carries the relevance exactly
     mixed: list[torch.Tensor] = []
+    dropped = _unchecked(registration)
     try:
-        records = carry_back(x, relevance, f"{type(rule).__name__} on {type(module).__name__}", mixed)
+        records = carry_back(x, relevance, f"{type(rule).__name__} on {type(module).__name__}", mixed, dropped=dropped)
     except GlueError:
         return None  # a backward that cannot be differentiated again
+    warn_if_zeroed_by_glue(rule, module, x, dropped)
     # Only the positions that mix inputs are left to the gradient: one of them must not send the shifted ones
     # there too, where their relevance would be scaled by (x - b) / x.
     return records, torch.where(mixed[0], relevance, 0)
+
+
+# Autograd nodes of activations whose gradient is 0 where they zero (or clamp) their input: glue made of them
+# gives a layer input positions that depend on no model input here, though they do elsewhere.
+_ZEROING = frozenset(
+    {
+        "ReluBackward0",
+        "ThresholdBackward0",
+        "HardtanhBackward0",
+        "ClampBackward0",
+        "ClampBackward1",
+        "ClampMinBackward0",
+        "ClampMaxBackward0",
+        "HardsigmoidBackward0",
+        "HardswishBackward0",
+    }
+)
+
+# Set on a rule's registration once its first call was checked by :func:`warn_if_zeroed_by_glue`.
+_ZEROED_BY_GLUE = "_tdhook_zeroed_by_glue_checked"
+
+
+def _unchecked(registration: object | None) -> list[torch.Tensor] | None:
+    """A list for :func:`carry_back`'s ``dropped`` in the first call that carries relevance back for a rule's
+    ``registration`` on a module (once per context: the check costs nothing later), else ``None``."""
+    if registration is None or getattr(registration, _ZEROED_BY_GLUE, False):
+        return None
+    setattr(registration, _ZEROED_BY_GLUE, True)
+    return []
+
+
+def warn_if_zeroed_by_glue(
+    rule: object, module: nn.Module, x: torch.Tensor, dropped: list[torch.Tensor] | None
+) -> bool:
+    """Warn, naming ``module``, where relevance the rule set at its input ``x`` was
+    dropped (``dropped``, from :func:`carry_back`) at positions an activation in the glue zeroed (a ReLU before the
+    first layer): no gradient reaches the model input there, while zennit's pass rule hands the relevance on to it.
+    Returns whether it warned.
+
+    Examples:
+        >>> import warnings
+        >>> u = torch.tensor([-1.0, 2.0], requires_grad=True)
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_if_zeroed_by_glue(object(), nn.Linear(2, 1), u.relu(), [torch.tensor([True, False])])
+        ...     warn_if_zeroed_by_glue(object(), nn.Linear(2, 1), u * 2, [torch.tensor([True, False])])
+        True
+        False
+    """
+    if not dropped or not bool(dropped[0].any()):
+        return False
+    zeroing = sorted(name.rpartition("Backward")[0] for name in _glue_node_names(x) & _ZEROING)
+    if not zeroing:
+        return False  # a constant (padding) keeps its relevance, as a bias does
+    name = type(module).__name__
+    warn_at_caller(
+        f"{type(rule).__name__} on {name}: the relevance it sets at {int(dropped[0].sum())} entries of its input "
+        f"that the glue before it zeroed ({', '.join(zeroing)} at its inputs) cannot pass back, since the glue's "
+        f"gradient is 0 there: it is dropped, where zennit's pass rule hands it to the model input. Explain at the "
+        f"{name}'s input, or map the {name} to another rule (EpsilonRule)"
+    )
+    return True
+
+
+def _glue_node_names(x: torch.Tensor) -> set[str]:
+    """The types of the autograd nodes between ``x`` and the model inputs (no further than a layer's node)."""
+    names, stack, seen = set(), [x.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or is_layer_node(node):
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(relevance_pass_edges(node))
+    return names
 
 
 # Autograd nodes of glue that only moves or copies values (no shift, no scale): the gradient through them carries

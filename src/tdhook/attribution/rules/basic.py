@@ -21,6 +21,8 @@ from tdhook.attribution.rules._autograd import (
     scale_at_node,
     times_saved,
 )
+from tdhook.attribution.rules._caller import warn_at_caller
+from tdhook.attribution.rules._first_pass import first_pass
 from tdhook.attribution.rules._graph_calls import recording, runs_plain
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import LINEAR_LAYERS, bias_view
@@ -260,6 +262,10 @@ class PassRule(Rule):
             )
         if not x.requires_grad:
             return None
+        warned = first_pass()  # checked in a context's first pass only
+        if warned is not None and (_ZERO_INPUTS, id(module)) not in warned:
+            warned.add((_ZERO_INPUTS, id(module)))
+            warn_if_zero_inputs_drop(self, module, x, output)
         record = recording()
         if record is None:
             if runs_plain(module) and pass_rule_on_node(output, x):
@@ -299,6 +305,38 @@ class PassRule(Rule):
     # The apply whose gradient :func:`hook_pass_rule` puts on an activation's node: a subclass with an apply of its
     # own keeps it (the rule's gradient then comes from its apply in every call).
     apply_on_node = apply
+
+
+# What a PassRule notes in the first pass's set (see :func:`first_pass`), with the module's id, once it checked it.
+_ZERO_INPUTS = "pass rule at zero inputs"
+
+
+def warn_if_zero_inputs_drop(rule: Rule, module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> bool:
+    """Warn, naming ``module``, where ``output = f(x)`` is nonzero at an input of exactly 0: the relevance of those
+    outputs is lost, since the pass rule's gradient ``f(x) / stabilize(x)`` times ``x = 0`` is 0 (zennit's pass rule
+    hands it on to the layer before). Returns whether it warned.
+
+    Examples:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     x = torch.tensor([0.0, 1.0])
+        ...     warn_if_zero_inputs_drop(PassRule(), nn.Sigmoid(), x, torch.sigmoid(x))
+        True
+        >>> warn_if_zero_inputs_drop(PassRule(), nn.Tanh(), x, torch.tanh(x))
+        False
+    """
+    with torch.no_grad():
+        lost = int(((x == 0) & (output != 0)).sum())
+    if lost:
+        name = type(module).__name__
+        warn_at_caller(
+            f"{type(rule).__name__} on {name}: {lost} of its inputs are exactly 0 where its output is not "
+            f"({name}(0) != 0), and the relevance of those outputs cannot pass back (an input relevance of "
+            "input x gradient is 0 there): it is dropped, where zennit's Pass hands it to the layer before. Map "
+            f"the {name} to another rule (EpsilonRule, IgnoreRule), or explain at its input (the pre-activation)"
+        )
+    return bool(lost)
 
 
 def pass_factor(output: torch.Tensor, x: torch.Tensor, stabilizer: float) -> torch.Tensor:

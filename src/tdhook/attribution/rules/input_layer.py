@@ -127,7 +127,7 @@ class _DirectInputRule(_ModifiedForwardRule):
         start = grad * z / stabilize(z_mod, self.stabilizer)
         grads = torch.autograd.grad(z_mod, stand_ins, start, create_graph=True, allow_unused=True)
         relevance = set_at_x = self.relevance(stand_ins, grads)
-        whole = whole_records(self, module, x, relevance)
+        whole = whole_records(self, module, x, relevance, registration)
         if whole is not None:  # computed by glue position by position, as in input_gradient
             records, relevance = whole
             registration.records.extend(records)
@@ -139,7 +139,7 @@ class _DirectInputRule(_ModifiedForwardRule):
     def input_gradient(self, module, registration, params, x, z, grad):
         value = x.detach()
         relevance = set_at_x = self.direct_relevance(module, registration, params, value, z, grad)
-        whole = whole_records(self, module, x, relevance)
+        whole = whole_records(self, module, x, relevance, registration)
         if whole is not None:  # computed by glue position by position: each input position gets its relevance
             records, relevance = whole  # what is left: that of positions mixing several inputs, to the gradient
             registration.records.extend(records)
@@ -149,7 +149,7 @@ class _DirectInputRule(_ModifiedForwardRule):
         with torch.no_grad():
             grad_x = safe_divide(relevance, value)
         # The gradient carries R = x * grad_x; what it cannot carry (where x = 0) is recorded.
-        registration.records.extend(rest_records(self, module, x, relevance - value * grad_x))
+        registration.records.extend(rest_records(self, module, x, relevance - value * grad_x, registration))
         note_up_the_glue(self, module, x, set_at_x, carried=value * grad_x)
         return grad_x
 

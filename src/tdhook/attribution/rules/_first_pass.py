@@ -1,0 +1,42 @@
+"""The first forward pass of an LRP context, where rules check what they cannot follow once, at no cost later.
+
+The wrapper watches the first pass of each context (see :mod:`tdhook.attribution._rule_use`); a rule reads
+:func:`first_pass` to check its call's input then only, and notes in the set it returns what it warned about, so that
+a module called several times in that pass warns once.
+
+Examples:
+    >>> first_pass() is None
+    True
+    >>> with watching_first_pass():
+    ...     warned = first_pass()
+    ...     warned.add("a check")
+    >>> sorted(warned), first_pass() is None
+    (['a check'], True)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["first_pass", "watching_first_pass"]
+
+_LOCAL = threading.local()
+
+
+def first_pass() -> set[Any] | None:
+    """In the first forward pass of a context on this thread, the set of what was warned about in it, else ``None``."""
+    return getattr(_LOCAL, "warned", None)
+
+
+@contextmanager
+def watching_first_pass() -> Iterator[None]:
+    """Run the block as the first forward pass of a context (see :func:`first_pass`)."""
+    previous = getattr(_LOCAL, "warned", None)
+    _LOCAL.warned = set()
+    try:
+        yield
+    finally:
+        _LOCAL.warned = previous
