@@ -23,6 +23,7 @@ from torch import nn
 from tdhook.attribution import LRP
 from tdhook.attribution.lrp_helpers.rules import AttnLRP, EpsilonGammaBox, EpsilonPlus, EpsilonRule
 from tdhook.attribution.rules import _graph_calls
+from tdhook.attribution.rules._first_pass import first_pass
 from tests.attribution._interrupts import Interrupt, every_line
 
 F64 = torch.float64
@@ -40,6 +41,8 @@ def global_state() -> tuple:
         # The thread's state of a call that records or follows a plan of function rules: none between calls.
         _graph_calls.recording(),
         _graph_calls.planned(),
+        # The first pass's checks (rules warn once per context there): none between calls.
+        first_pass(),
     )
 
 

@@ -17,8 +17,6 @@ Examples:
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 __all__ = ["first_pass", "watching_first_pass"]
@@ -31,12 +29,16 @@ def first_pass() -> set[Any] | None:
     return getattr(_LOCAL, "warned", None)
 
 
-@contextmanager
-def watching_first_pass() -> Iterator[None]:
-    """Run the block as the first forward pass of a context (see :func:`first_pass`)."""
-    previous = getattr(_LOCAL, "warned", None)
-    _LOCAL.warned = set()
-    try:
-        yield
-    finally:
-        _LOCAL.warned = previous
+class watching_first_pass:  # noqa: N801 (used as a function: ``with watching_first_pass():``)
+    """Run the block as the first forward pass of a context (see :func:`first_pass`).
+
+    A class rather than a generator: the thread's state is put back by ``__exit__`` alone (a generator's
+    ``finally``, an interrupt could skip).
+    """
+
+    def __enter__(self) -> None:
+        self._previous = getattr(_LOCAL, "warned", None)
+        _LOCAL.warned = set()
+
+    def __exit__(self, *exc_info: object) -> None:
+        _LOCAL.warned = self._previous
