@@ -352,7 +352,8 @@ def warn_if_zeroed_by_glue(
     """
     if not dropped or not bool(dropped[0].any()):
         return False
-    zeroing = sorted(name.rpartition("Backward")[0] for name in _glue_node_names(x) & _ZEROING)
+    names = {type(node).__name__ for node in _glue_nodes(x)[0]}
+    zeroing = sorted(name.rpartition("Backward")[0] for name in names & _ZEROING)
     if not zeroing:
         return False  # a constant (padding) keeps its relevance, as a bias does
     name = type(module).__name__
@@ -363,19 +364,6 @@ def warn_if_zeroed_by_glue(
         f"{name}'s input, or map the {name} to another rule (EpsilonRule)"
     )
     return True
-
-
-def _glue_node_names(x: torch.Tensor) -> set[str]:
-    """The types of the autograd nodes between ``x`` and the model inputs (no further than a layer's node)."""
-    names, stack, seen = set(), [x.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen or is_layer_node(node):
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        stack.extend(relevance_pass_edges(node))
-    return names
 
 
 # Autograd nodes of glue that only moves or copies values (no shift, no scale): the gradient through them carries
