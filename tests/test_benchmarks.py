@@ -36,6 +36,10 @@ COMMANDS = {
         *("bench_metrics.py", "--model", "linear", "cnn", "--batch", "2"),
         *("--size", "4", "--features-per-step", "4", "--repeats", "1"),
     ],
+    "metrics frozen heap": [
+        *("bench_metrics.py", "--model", "linear", "--batch", "2", "--size", "4"),
+        *("--features-per-step", "4", "--repeats", "1", "--frozen-heap"),
+    ],
     "methods": ["bench_methods.py", "--batch", "2", "--size", "8", "--steps", "4", "--repeats", "1"],
     "operations": ["op_sequence.py", "--cases", "uniform and stop", "Taylor"],
     **{
@@ -158,6 +162,14 @@ def test_metrics_benchmark_runs_on_tiny_inputs(printed):
     assert [row[0] for row in rows] == ["linear", "cnn"]
     assert all(float(value) >= 0 for row in rows for value in row[1:])
     assert all(float(row[-1]) < 1e-6 for row in rows)  # the same curve as Quantus
+
+
+def test_metrics_benchmark_runs_with_the_imports_out_of_the_collectors_walk(printed):
+    stdout = stdout_of(printed, "metrics frozen heap")
+    assert stdout.splitlines()[0].endswith("frozen heap")
+    [row] = [line.split() for line in stdout.splitlines()[2:]]
+    assert row[0] == "linear" and all(float(value) >= 0 for value in row[1:])
+    assert float(row[-1]) < 1e-6
 
 
 def test_methods_benchmark_runs_on_tiny_inputs(printed):
