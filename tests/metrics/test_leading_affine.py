@@ -519,6 +519,32 @@ def test_one_step_per_forward_pass_keeps_the_unperturbed_input_in_a_pass_of_its_
     torch.testing.assert_close(curve, expected, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("steps_per_forward", [1, 2])
+def test_a_pass_of_one_step_of_a_sample_without_batch_runs_it_unbatched(steps_per_forward):
+    """On a TensorDict of batch ``[]`` a pass of one step runs the sample as it is, ``[features]``, as the model's
+    own passes do; a layer after the first that reads its first dimension (here: centres over it) then sees the
+    features, not a batch of one. Before, the steps of such passes ran ``[1, width]``: every column after the first
+    was that of a layer centred to zero, off by up to 0.89 (the unperturbed score is 1.33)."""
+    torch.manual_seed(5)
+    net = nn.Sequential(nn.Linear(6, 5), _Centred(), nn.Tanh(), nn.Linear(5, 3)).double().eval()
+    x, a = torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[])
+    # 3 steps: with 2 per pass, the first pass holds the unperturbed input and step 1, the last one step 3 alone.
+    curve, updated = watched_flipping(net, td, features_per_step=2, steps_per_forward=steps_per_forward)
+    assert updated.called
+    with torch.no_grad():
+        target = net(x).argmax(-1)
+        order = a.argsort(descending=True, stable=True)
+        steps = [torch.zeros(6, dtype=torch.bool).scatter_(-1, order[: 2 * k], True) for k in range(4)]
+        alone = torch.stack([net(torch.where(mask, 0.0, x))[target] for mask in steps])
+    if steps_per_forward == 1:  # as the passes without the update
+        direct_curve = flipping(direct(copy.deepcopy(net)), td, features_per_step=2, steps_per_forward=1)
+        torch.testing.assert_close(curve, direct_curve, rtol=0, atol=1e-12)
+        torch.testing.assert_close(curve, alone, rtol=0, atol=1e-12)
+    else:  # the first pass stacks three steps (a layer that reads them all sees them together), the last runs alone
+        torch.testing.assert_close(curve[-1], alone[-1], rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("batch", [[2, 3], []])
 def test_a_flatten_first_on_a_batch_of_other_than_one_dimension_is_run_as_the_model_runs(batch):
     """``nn.Flatten()`` flattens every dimension after the first, which is a sample's only on a batch of one

@@ -228,3 +228,16 @@ def test_an_empty_batch_gives_empty_curves(batch, first):
     if len(shape) == 3:
         regions = region_perturbation(net, td, patch_size=2, in_keys=["x"], out_keys=["y"])
         assert regions.shape == (*batch, 5)
+
+
+def test_a_tensordict_of_baselines_with_nested_keys_gives_each_key_its_leaf():
+    """A baseline given as a TensorDict of nested keys (one per sample) gives each input key its leaf, as a dict
+    keyed by the nested keys does; before, its top-level key was read as the input key and refused."""
+    torch.manual_seed(0)
+    module = TensorDictModule(torch.nn.Linear(3, 2).double(), in_keys=[("o", "x")], out_keys=["y"])
+    x, b = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    td = TensorDict({"o": {"x": x}, "attribution": {"o": {"x": torch.randn(4, 3, dtype=torch.float64)}}}, [4])
+    got = pixel_flipping(module, td, baseline=TensorDict({"o": {"x": b}}, batch_size=[4]))
+    assert torch.equal(got, pixel_flipping(module, td, baseline={("o", "x"): b}))
+    with torch.no_grad():
+        assert torch.equal(got[:, -1], module.module(b)[torch.arange(4), module.module(x).argmax(-1)])

@@ -180,3 +180,22 @@ def test_per_sample_baselines_and_masks_go_with_each_perturbed_copy(name, batch)
     changes = [(flat(method(td.clone() + noise[(Ellipsis, i)])) - flat(reference)).norm(dim=-1) for i in range(4)]
     expected = torch.stack(changes, -1).amax(-1) / flat(reference).norm(dim=-1)
     torch.testing.assert_close(ours, expected, rtol=1e-10, atol=0)
+
+
+def test_a_tensordict_of_per_sample_baselines_with_nested_keys_is_repeated_for_the_perturbed_copies():
+    """A method's baselines given as a TensorDict of nested keys, one per sample of a ``[2, 3]`` batch, are read by
+    their leaves and repeated for the perturbed copies, as a dict keyed by the nested keys is; before, the method
+    refused the TensorDict's top-level key."""
+    from tensordict.nn import TensorDictModule
+
+    from tdhook.attribution import IntegratedGradients
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+    module = TensorDictModule(net, in_keys=[("o", "x")], out_keys=["y"])
+    x, b = torch.randn(2, 3, 3, dtype=torch.float64), torch.randn(2, 3, 3, dtype=torch.float64)
+    td = TensorDict({"o": {"x": x}}, batch_size=[2, 3])
+    nested = TensorDict({"o": {"x": b}}, batch_size=[2, 3])
+    got = sensitivity_max(IntegratedGradients(module, baselines=nested, n_steps=5), td, seed=0)
+    expected = sensitivity_max(IntegratedGradients(module, baselines={("o", "x"): b}, n_steps=5), td, seed=0)
+    assert got.shape == (2, 3) and torch.equal(got, expected)

@@ -29,6 +29,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 
+from tdhook.attribution.methods._options import entries
 from tdhook.metrics._stable_order import stable_order
 
 __all__ = ["Baseline", "Features", "explained_keys", "positions_of", "sort_positions", "stacked_batch"]
@@ -196,7 +197,7 @@ class Features:
         out = []
         for key, x in zip(self.keys, self.inputs, strict=True):
             if isinstance(baseline, Mapping):
-                found = {unravel_key(k): v for k, v in baseline.items()}
+                found = {unravel_key(k): v for k, v in entries(baseline).items()}
                 if key not in found:
                     raise KeyError(f"metrics: baseline dict has no entry for input {key!r} (keys: {list(found)})")
                 value = found[key]

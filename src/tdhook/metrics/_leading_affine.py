@@ -120,7 +120,7 @@ class LeadingAffine:
         positions: torch.Tensor | None,
         thresholds: torch.Tensor,
         size: int,
-        batch: Sequence[int] = (),
+        batch: Sequence[int] | None = None,
         unperturbed: bool = False,
         order: torch.Tensor | None = None,
     ) -> Iterator[tuple[int, torch.Tensor]]:
@@ -137,7 +137,8 @@ class LeadingAffine:
             thresholds: step ``k`` (from 1) sets the elements with ``positions < thresholds[k - 1]`` to the baseline;
                 increasing.
             size: the steps of one stack.
-            batch: the batch shape that ``N`` flattens.
+            batch: the batch shape that ``N`` flattens (``None``: ``[N]``). On a batch ``[]``, a stack of one step
+                runs the sample unbatched, as the model's own passes of one step do.
             unperturbed: the stack of the first steps begins with step 0, the unperturbed input (its first layer's
                 output is the sum of every bag, which that stack's running sum reaches anyway).
             order: ``[N, M]``: each sample's elements in the order they go, where the ranks are ``0 .. M - 1`` (one
@@ -183,7 +184,8 @@ class LeadingAffine:
                 if hidden.dtype != weight.dtype:  # summed in float64 (see above): rounded once to the layer's
                     hidden = hidden.to(weight.dtype)
                 hidden = hidden if plain else hidden.contiguous()
-                stacked = stacked_batch(stop - first, batch or (n,))
+                alone = batch is not None and not len(batch) and stop - first == 1  # one sample, run as it is
+                stacked = () if alone else stacked_batch(stop - first, (n,) if batch is None else batch)
                 out = hidden.reshape(*stacked, weight.shape[0])
                 with statistics_kept(kept) if kept is not None else contextlib.nullcontext():
                     for layer in self.rest:

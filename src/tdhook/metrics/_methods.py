@@ -29,6 +29,7 @@ from tensordict.utils import NestedKey, unravel_key
 from tdhook.attribution._chosen_values import chosen_value_module
 from tdhook.attribution._inputs import explained_in_call, optional_inputs
 from tdhook.attribution._policy_targets import allowed_action, masked_action_keys
+from tdhook.attribution.methods._options import entries
 from tdhook.attribution.targets import initial_relevance, resolve_target_key, target_output, zero_entries
 from tdhook.metrics._features import explained_keys, stacked_batch
 
@@ -241,6 +242,7 @@ def options_repeated(method: TensorDictModuleBase, td: TensorDictBase, n: int) -
     try:
         for name, value in previous.items():
             if isinstance(value, Mapping):
+                value = entries(value)
                 given = {key: unravel_key(key) for key in value}
                 value = {key: repeated(v, [given[key]] if given[key] in inputs else []) for key, v in value.items()}
             else:

@@ -219,3 +219,24 @@ def test_bfloat16_points_one_per_pass_sum_in_float32():
     got = ig(TensorDict(x=x, batch_size=[2]))["attribution", "x"]
     assert got.dtype == torch.bfloat16
     assert relative_error(got.double(), w * x.double()) < 2**-8
+
+
+def test_a_tensordict_of_baselines_with_nested_keys_gives_each_key_its_leaf():
+    """Baselines as a TensorDict give each (nested) input key its leaf, as a dict keyed by the nested keys does,
+    with one baseline per sample of a ``[2, 3]`` batch; before, the TensorDict's top-level key was read as an input
+    key and refused."""
+    from tensordict.nn import TensorDictModule
+
+    from tests.attribution.methods._models import TwoKeyNet
+
+    torch.manual_seed(0)
+    policy = TensorDictModule(TwoKeyNet().double(), in_keys=[("o", "obs"), ("o", "goal")], out_keys=["q"])
+    obs, goal = torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(2, 3, 2, dtype=torch.float64)
+    b_obs, b_goal = torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(2, dtype=torch.float64)
+    nested = TensorDict({"o": {"obs": b_obs, "goal": b_goal.expand(2, 3, 2)}}, batch_size=[2, 3])
+    by_key = {("o", "obs"): b_obs, ("o", "goal"): b_goal}
+    td = TensorDict({"o": {"obs": obs, "goal": goal}}, batch_size=[2, 3])
+    got = IntegratedGradients(policy, target=1, baselines=nested, n_steps=8)(td.clone())
+    expected = IntegratedGradients(policy, target=1, baselines=by_key, n_steps=8)(td.clone())
+    for key in [("o", "obs"), ("o", "goal")]:
+        assert torch.equal(got["attribution", *key], expected["attribution", *key])

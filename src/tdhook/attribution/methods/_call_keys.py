@@ -31,6 +31,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import unravel_key
 
 from tdhook.attribution._inputs import explained_in_call
+from tdhook.attribution.methods._options import entries
 
 __all__ = ["keys_explained_in_call", "narrowed"]
 
@@ -58,6 +59,7 @@ def narrowed(method: TensorDictModuleBase, flags: list[bool]) -> TensorDictModul
     for name in method._per_call_options:  # a dict's entries for keys the call leaves out are not used
         value = getattr(method, name)
         if isinstance(value, Mapping):
-            setattr(copied, name, {k: v for k, v in value.items() if unravel_key(k) in copied.explained_keys})
+            kept = {k: v for k, v in entries(value).items() if unravel_key(k) in copied.explained_keys}
+            setattr(copied, name, kept)
     copied._defaulted_inputs = False
     return copied

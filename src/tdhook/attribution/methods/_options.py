@@ -18,6 +18,7 @@ from numbers import Number
 from typing import Any, Union
 
 import torch
+from tensordict import TensorDictBase
 from tensordict.utils import NestedKey, unravel_key
 
 from tdhook.attribution.rules._caller import warn_at_caller
@@ -27,6 +28,7 @@ __all__ = [
     "Baselines",
     "baseline_tensors",
     "checked_batch_size",
+    "entries",
     "per_key",
     "seeded_generator",
     "steps_per_pass",
@@ -45,11 +47,24 @@ class _Missing:
 MISSING = _Missing()
 
 
+def entries(value: Mapping) -> dict:
+    """The entries of options given per input key: a dict's items, or a TensorDict's leaves under their nested keys.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> list(entries(TensorDict({"obs": {"goal": torch.zeros(2)}, "x": torch.ones(3)})))
+        [('obs', 'goal'), 'x']
+    """
+    if isinstance(value, TensorDictBase):
+        return dict(value.items(include_nested=True, leaves_only=True))
+    return dict(value.items())
+
+
 def per_key(value: Any, keys: Sequence[NestedKey], name: str, owner: str, partial: bool = False) -> list:
     """``value`` for each of ``keys``: the dict's entry, or the one value for all.
 
     Args:
-        value: one value, or a dict keyed by input key (every explained key, and only those).
+        value: one value, or a dict (or a TensorDict) keyed by input key (every explained key, and only those).
         keys: the explained input keys.
         name: the option's name, for error messages.
         owner: the method's name, for error messages.
@@ -68,7 +83,7 @@ def per_key(value: Any, keys: Sequence[NestedKey], name: str, owner: str, partia
     """
     if not isinstance(value, Mapping):
         return [value] * len(keys)
-    given = {unravel_key(k): v for k, v in value.items()}
+    given = {unravel_key(k): v for k, v in entries(value).items()}
     missing = [] if partial else [k for k in keys if k not in given]
     extra = [k for k in given if k not in keys]
     if missing or extra:
