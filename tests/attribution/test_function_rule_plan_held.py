@@ -331,3 +331,50 @@ def test_held_weights_shaped_after_an_activation_stay_constants(applied, shaping
 # Zoo configurations whose later calls take the graph's way under both presets (the others keep the mode: a
 # functional activation whose node keeps no input and whose input is no module's output (Gemma 2's softcapping tanh),
 # a gate, a recurrent mixer, relative position biases read by value, ...).
+
+
+class GatedMatmul(Product):
+    """``out(sum(q(x)ᵀ @ silu(k(x))))``, per position of a ``[batch, positions, features]`` input: a ``matmul`` of
+    an activation and a gate (an activation function's output), which torch computes by a ``bmm`` of reshaped
+    factors and CP-LRP holds its gate in (MiniMax's lightning attention holds its values so)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.matmul(self.q(x).unsqueeze(-1), F.silu(self.k(x)).unsqueeze(-2)).sum(-1))
+
+
+def test_later_calls_hold_cplrps_gate_in_a_matmul_in_the_graph(applied):
+    """A gate held in a ``matmul`` kept every call of MiniMax in the function mode under CP-LRP (1.5x a gradient pass
+    at the tiny size, AttnLRP 1.2x): the node that takes it in the ``matmul``'s own graph passes it no gradient."""
+    torch.manual_seed(0)
+    model, x = GatedMatmul().to(F64), torch.randn(5, 2, 4, dtype=F64)
+    lrp = LRP(model, CPLRP(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(3)]
+    assert applied == [True, True]
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)
+    leaf = x.clone().requires_grad_(True)  # by hand: the gate detached
+    product = torch.matmul(model.q(leaf).unsqueeze(-1), F.silu(model.k(leaf)).detach().unsqueeze(-2))
+    (grad,) = torch.autograd.grad(model.out(product.sum(-1)).max(-1).values.sum(), leaf)
+    assert relative_error(in_mode, leaf.detach() * grad) <= 1e-8
+    (plain,) = torch.autograd.grad(model(leaf).max(-1).values.sum(), leaf)  # the gate not held: the test can fail
+    assert relative_error(in_mode, leaf.detach() * plain) > 1e-3
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_minimax_under_cplrp_runs_later_calls_without_the_mode(applied, implementation: str):
+    from tensordict import TensorDict
+
+    from tests.attribution.test_lrp_transformer_zoo import ZOO, Explained, model_input
+
+    architecture = ZOO["minimax"]
+    model = Explained(architecture.build(implementation), architecture.inputs)
+    x = model_input(architecture, F64)
+    lrp = LRP(model, CPLRP(), in_keys=["x"], out_keys=["y"])
+    in_mode = lrp(TensorDict(x=x.clone(), batch_size=x.shape[:1]))["relevance", "x"]
+    with lrp:
+        relevances = [lrp(TensorDict(x=x.clone(), batch_size=x.shape[:1]))["relevance", "x"] for _ in range(3)]
+    assert applied == [True, True]
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)

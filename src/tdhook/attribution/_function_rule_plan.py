@@ -34,10 +34,11 @@ CP-LRP's held attention weights and held gates get it too, and so does a fused a
 call the mode holds them without detaching them, so that its graph is the plain call's: a softmax's output, held
 whole, gets a pre-hook on its node that passes no gradient (every call that takes it takes it held); a gate held in
 an element-wise product of two activations gets a post-hook on the product's node that passes none to the gate's
-place; a fused attention's node gets a post-hook that multiplies the gradients it passes to the query, key and
-value by the rule's factors (none to the query and key under CP-LRP; the uniform rule's halves under AttnLRP); where
-torch computes it by several nodes (its math path, for a mask that requires grad: a learned position bias), the
-nodes that take the query, key and value get those factors.
+place (in a ``matmul``, which torch computes by a ``bmm`` of views of its factors, the node of those that takes the
+gate: MiniMax's lightning attention); a fused attention's node gets a post-hook that multiplies the gradients it
+passes to the query, key and value by the rule's factors (none to the query and key under CP-LRP; the uniform
+rule's halves under AttnLRP); where torch computes it by several nodes (its math path, for a mask that requires
+grad: a learned position bias), the nodes that take the query, key and value get those factors.
 They are recorded, and a later call puts the same hooks on the same nodes. What the call makes of held tensors alone
 (a stack of heads' weights, a buffer they are written into) needs a gradient, as what is made of detached ones does
 not: the mode marks it a constant to the rules; a held tensor that then takes other values in place (an activation's)
@@ -47,7 +48,9 @@ no gradient, as they would not behind a detached one: a call whose graph there s
 place after runs again in the mode (their backward would raise), and so do later calls on inputs of its signature.
 
 GELU and SiLU called as functions get it too: their nodes save their input, from which a hook computes the
-identity rule's factor (see :func:`~tdhook.attribution.rules.basic.hook_pass_rule`). So do GELU and SiLU modules
+identity rule's factor (see :func:`~tdhook.attribution.rules.basic.hook_pass_rule`); so do clipping calls (``clamp``
+and ``clip`` with bounds that are numbers, ``F.hardtanh``, ``F.relu6``; in place too, whose node saves the input as
+it was: OLMo's and DBRX's ``clip_qkv``). So do GELU and SiLU modules
 under the pass rule: their rule's hook puts it on the node in a recording call, and leaves it to the plan in a later
 one, which runs the module without its hooks where they have nothing else to do (see
 :mod:`~tdhook.attribution._quiet_modules`). The backward of such a node, and
@@ -66,18 +69,19 @@ identity rule's factor from the kept output and the output the node saved, as th
 place since, runs the call in the mode. An ``einsum`` of two activations (Funnel's relative attention), often a view
 that the mode's in-place factor would rebase, gets the uniform rule as a pre-hook that halves its own node's gradient.
 
-Where the mode applies any other rule (a softmax with ε, an RMS norm, an activation called as a function whose
-node keeps no input and whose input is no module's output (Gemma 2's softcapping ``tanh``), a fused
-attention with dropout, a gate held in a product other than an element-wise one), every later call on inputs of
-that signature runs in the mode. So does every call where the forward reads values computed from the explained
-inputs into Python (``if x.sum() > 0``, ``.item()``, ``int(...)``; held attention weights' values are the inputs'
-too): on other inputs of the same shapes it may take another branch whose graph has the same nodes, with a product
-of two activations on one and of an activation and a constant (which the uniform rule leaves whole) on the other.
-Values of inputs that are not explained (masks, token ids) are not followed: a branch on them that changes which
-products are of two activations, and nothing else in the graph, is not seen. So do calls that
-keep the relevance's graph, that ask for inner layers' relevance or token relevance, and models run with other
-function modes. The marks the mode leaves on tensors (computed from parameters alone; gates) are read by the
-function modes only, to decide which products are of two activations: the recording holds those decisions.
+Where the mode applies any other rule (a softmax with ε, an RMS norm, an activation called as a function whose node
+keeps no input and whose input is no module's output (Gemma 2's softcapping ``tanh``), a clipping call with bounds
+that are tensors or in place through a view, a fused attention with dropout, a gate held in a product other than an
+element-wise one or a ``matmul``), every later call on inputs of that signature runs in the mode. So does every call
+where the forward reads values computed from the explained inputs into Python (``if x.sum() > 0``, ``.item()``,
+``int(...)``; held attention weights' values are the inputs' too): on other inputs of the same shapes it may take
+another branch whose graph has the same nodes, with a product of two activations on one and of an activation and a
+constant (which the uniform rule leaves whole) on the other. Values of inputs that are not explained (masks, token
+ids) are not followed: a branch on them that changes which products are of two activations, and nothing else in the
+graph, is not seen. So do calls that keep the relevance's graph, that ask for inner layers' relevance or token
+relevance, and models run with other function modes. The marks the mode leaves on tensors (computed from parameters
+alone; gates) are read by the function modes only, to decide which products are of two activations: the recording
+holds those decisions.
 
 Examples:
     >>> from tensordict import TensorDict
@@ -216,6 +220,29 @@ class Recording:
         if len(places) != 1 or len(node.next_functions) != 2:
             return False
         return self.scaled_inputs(product, [factor], [0.0], places)
+
+    def held_in_call(self, product: torch.Tensor, factor: torch.Tensor, start: int) -> bool:
+        """:meth:`held_factor` for a product whose nodes, from sequence number ``start`` on, take its factors through
+        views (a ``matmul``, which torch computes by a ``bmm`` of reshaped factors; MiniMax's lightning attention
+        holds its values there): the one node of those that takes ``factor`` passes it no gradient, in this call and
+        in a later one. ``False``, and nothing done, where not exactly one place of one such node takes it."""
+        node, edge = product.grad_fn, (factor.grad_fn, factor.output_nr)
+        if node is None or edge[0] is None:
+            return False
+        places, stack, seen = [], [node], set()
+        while stack:
+            current = stack.pop()
+            if id(current) in seen:
+                continue
+            seen.add(id(current))
+            for place, next_edge in enumerate(current.next_functions):
+                if next_edge == edge:
+                    places.append((current, place))
+                elif next_edge[0] is not None and next_edge[0]._sequence_nr() >= start:
+                    stack.append(next_edge[0])
+        if len(places) != 1:
+            return False
+        return self.scaled_at([(*places[0], factor, 0.0)])
 
     def scaled_inputs(
         self, output: torch.Tensor, inputs: Sequence[Any], factors: Sequence[float | None], places: Sequence[int]

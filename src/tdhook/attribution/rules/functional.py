@@ -636,6 +636,11 @@ def _held_product(func: Callable, args: tuple, kwargs: dict, gates: list[bool], 
         product = func(*args, **kwargs)
         if recording.held_factor(product, args[gates.index(True)]):
             return product
+    elif recording is not None and graph_kept() is None:  # a matmul: the gate's place in the nodes it makes
+        start = torch._C._autograd._get_sequence_nr()
+        product = func(*args, **kwargs)
+        if recording.held_in_call(product, args[gates.index(True)], start):
+            return product
     if recording is not None:
         recording.other_rule()
     return func(*(hold(a) if gate else a for a, gate in zip(args, gates, strict=True)), **kwargs)
