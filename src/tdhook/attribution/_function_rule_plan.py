@@ -111,6 +111,7 @@ from typing import Any, NamedTuple
 import torch
 from tensordict import TensorDictBase
 
+from tdhook.attribution._graph_inputs import chain_of, computed_again
 from tdhook.attribution._kept_outputs import OutputKeepers
 from tdhook.attribution._quiet_modules import QuietModules
 from tdhook.attribution.rules._autograd import first_input_is, pass_no_relevance
@@ -309,6 +310,16 @@ class Recording:
             return False
         return self.hooked(node, _GivenInput(stabilizer, id(module), module, x))
 
+    def hooked_recomputed(self, node: Any, x: torch.Tensor, stabilizer: float) -> bool:
+        """The identity rule (stabiliser ``stabilizer``) on ``node``, an activation's of ``x`` that saved its output,
+        not ``x``: where the nodes below compute ``x`` again to the last bit (Gemma 2's softcapping ``tanh``, see
+        :mod:`~tdhook.attribution._graph_inputs`), the recording puts the rule on the node (see :meth:`hooked`), and
+        a later call computes its ``x`` the same way. ``False``, and nothing done, where they do not."""
+        if self.settled:
+            return False
+        chain = chain_of(x, self.factors)
+        return chain is not None and self.hooked(node, _Recomputed(stabilizer, chain, x))
+
     def rule_on_node(self, module: Any) -> None:
         """``module``'s rule put its gradient on the node of the module's output (see :meth:`hooked`): in a later
         call its hook leaves that to the plan (see :func:`~tdhook.attribution.rules._graph_calls.runs_plain`), and
@@ -407,7 +418,7 @@ class _Plan:
                         return False
                     if isinstance(attach, _OnNode) and not _saved_readable(node):
                         return False
-                    if type(attach) is _OnNode and type(attach.hook) is _GivenInput:
+                    if type(attach) is _OnNode and type(attach.hook) in (_GivenInput, _Recomputed):
                         attach = attach.hook.given(node, kept)
                         if attach is None:
                             return False
@@ -662,10 +673,31 @@ class _GivenInput(NamedTuple):
         return functools.partial(hook_pass_rule_given, self.stabilizer, x)
 
 
+class _Recomputed(NamedTuple):
+    """The identity rule on the node of an activation that saved its output, not its input ``x``, which the nodes
+    below compute again by ``chain`` (see :mod:`~tdhook.attribution._graph_inputs`). ``x`` is the recording call's."""
+
+    stabilizer: float
+    chain: tuple[str, ...]
+    x: torch.Tensor | None
+
+    def __call__(self, node: Any) -> None:
+        """The rule in the recording call, from its own input."""
+        hook_pass_rule_given(self.stabilizer, self.x, node)
+
+    def given(self, node: Any, kept: KeptOutputs | None) -> Any:
+        """What puts the rule on ``node``, an activation's node of a later call, from its input computed again;
+        ``None`` where the nodes below are not the chain's."""
+        x = computed_again(node, self.chain, node._saved_result.shape)
+        return None if x is None else functools.partial(hook_pass_rule_given, self.stabilizer, x)
+
+
 def _hold_hook(hold: _Hold) -> Any:
     """What puts a hold's hook on its node in a later call."""
     if type(hold.hook) is _GivenInput:  # the plan keeps no tensor of the recording call
         return _OnNode(hold.hook._replace(holder=None, x=None))
+    if type(hold.hook) is _Recomputed:
+        return _OnNode(hold.hook._replace(x=None))
     if hold.hook is not None:
         return _OnNode(hold.hook)
     return _CUT if hold.factors is None else _post_hook(functools.partial(_scale_inputs, hold.factors))

@@ -331,9 +331,13 @@ class FunctionalRules(TorchFunctionMode):
                 if recording.hooked(output.grad_fn, functools.partial(hook_pass_rule, stabilizer)):
                     setattr(output, RULED_ON_NODE, stabilizer)
                     return mark_gate(output, args[0])  # marked as the rule marks its output (see PseudoIdentityRule)
-            # A node that saved its output (tanh): the input is a module's output, which later calls keep for it.
+            # A node that saved its output (tanh): the input is a module's output, which later calls keep for it;
+            # or else the nodes below it compute the input again (Gemma 2's softcapping).
             if recording is not None and own and pass_rule_given_input(output, args[0]):
-                if recording.hooked_given(output.grad_fn, args[0], self.activation.stabilizer):
+                stabilizer = self.activation.stabilizer
+                if recording.hooked_given(output.grad_fn, args[0], stabilizer) or recording.hooked_recomputed(
+                    output.grad_fn, args[0], stabilizer
+                ):
                     setattr(output, RULED_ON_NODE, self.activation.stabilizer)
                     return mark_gate(output, args[0])
             result = self.activation.apply(output, args[0])
