@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tensordict import TensorDict
 from torch import nn
 from torch.nn import functional as F
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP
-from tests.attribution._plan_helpers import F64, Product, call, halved
+from tests.attribution._plan_helpers import F64, Product, halved, in_mode_and_in_context, zoo_calls
 from tests.conftest import relative_error
 
 CLIPS = {
@@ -68,9 +67,7 @@ def test_later_calls_put_a_clipping_calls_rule_on_its_node(applied, name: str, p
     model, x = ClippedProduct(CLIPS[name]).to(F64), torch.randn(5, 4, dtype=F64) * 3
     assert (model.q(x).abs() > 1).float().mean() > 0.3  # many units clipped
     lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
-    in_mode = call(lrp, x)  # a call that enters its context runs in the mode
-    with lrp:
-        relevances = [call(lrp, x) for _ in range(4)]
+    in_mode, relevances = in_mode_and_in_context(lrp, x, 4)
     assert applied[-2:] == [True, True]
     for relevance in relevances:
         assert torch.equal(relevance, in_mode)
@@ -105,9 +102,7 @@ def test_a_clip_whose_node_is_not_a_plain_clips_keeps_the_modes_rule(applied, ki
     torch.manual_seed(0)
     model, x = ViewClipped(kind).to(F64), torch.randn(5, 4, dtype=F64) * 3
     lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
-    in_mode = call(lrp, x)
-    with lrp:
-        relevances = [call(lrp, x) for _ in range(3)]
+    in_mode, relevances = in_mode_and_in_context(lrp, x, 3)
     assert applied == []
     for relevance in relevances:
         assert torch.equal(relevance, in_mode)
@@ -119,15 +114,7 @@ def test_a_clip_whose_node_is_not_a_plain_clips_keeps_the_modes_rule(applied, ki
 def test_zoo_models_that_clip_qkv_run_later_calls_without_the_mode(applied, name: str, preset):
     """OLMo clips its queries, keys and values in place, DBRX its fused ``Wqkv`` output (``clip_qkv``): later calls
     take the graph's way, with the mode's relevance."""
-    from tests.attribution.test_lrp_transformer_zoo import ZOO, Explained, model_input
-
-    architecture = ZOO[name]
-    model = Explained(architecture.build("eager"), architecture.inputs)
-    x = model_input(architecture, F64)
-    lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
-    in_mode = lrp(TensorDict(x=x.clone(), batch_size=x.shape[:1]))["relevance", "x"]
-    with lrp:
-        relevances = [lrp(TensorDict(x=x.clone(), batch_size=x.shape[:1]))["relevance", "x"] for _ in range(3)]
+    in_mode, relevances = zoo_calls(name, "eager", preset, 3)
     assert applied == [True, True]
     for relevance in relevances:
         assert torch.equal(relevance, in_mode)

@@ -11,7 +11,16 @@ from torch import nn
 from torch.nn import functional as F
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP, _function_rule_plan
-from tests.attribution._plan_helpers import F64, Product, call, halved, plans, product_model
+from tests.attribution._plan_helpers import (
+    F64,
+    Product,
+    call,
+    halved,
+    in_mode_and_in_context,
+    plans,
+    product_model,
+    zoo_calls,
+)
 from tests.attribution.test_lrp_huggingface import LastLogits, build
 from tests.conftest import relative_error
 
@@ -33,9 +42,7 @@ def test_a_fused_attention_computed_by_several_nodes_takes_the_graph_s_way(appli
     torch.manual_seed(0)
     model, x = BiasedAttention().to(F64), torch.randn(3, 5, 4, dtype=F64)
     lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
-    in_mode = call(lrp, x)  # a call that enters its context runs in the mode
-    with lrp:
-        relevances = [call(lrp, x) for _ in range(3)]
+    in_mode, relevances = in_mode_and_in_context(lrp, x, 3)
     assert applied == [True, True]
     for relevance in relevances:
         assert torch.equal(relevance, in_mode)
@@ -183,9 +190,7 @@ def test_returned_attention_weights_change_no_call_in_a_context(applied, preset)
     model = build("llama")
     x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(1), dtype=F64)
     lrp = LRP(WithAttentions(model), preset(), in_keys=["x"], out_keys=["y", "a0", "a1"], target_key="y")
-    in_mode = call(lrp, x)
-    with lrp:
-        relevances = [call(lrp, x) for _ in range(3)]
+    in_mode, relevances = in_mode_and_in_context(lrp, x, 3)
     assert applied == [True, True]
     for relevance in relevances:
         assert torch.equal(relevance, in_mode)
@@ -348,9 +353,7 @@ def test_later_calls_hold_cplrps_gate_in_a_matmul_in_the_graph(applied):
     torch.manual_seed(0)
     model, x = GatedMatmul().to(F64), torch.randn(5, 2, 4, dtype=F64)
     lrp = LRP(model, CPLRP(), in_keys=["x"], out_keys=["y"])
-    in_mode = call(lrp, x)
-    with lrp:
-        relevances = [call(lrp, x) for _ in range(3)]
+    in_mode, relevances = in_mode_and_in_context(lrp, x, 3)
     assert applied == [True, True]
     for relevance in relevances:
         assert torch.equal(relevance, in_mode)
@@ -364,17 +367,7 @@ def test_later_calls_hold_cplrps_gate_in_a_matmul_in_the_graph(applied):
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 def test_minimax_under_cplrp_runs_later_calls_without_the_mode(applied, implementation: str):
-    from tensordict import TensorDict
-
-    from tests.attribution.test_lrp_transformer_zoo import ZOO, Explained, model_input
-
-    architecture = ZOO["minimax"]
-    model = Explained(architecture.build(implementation), architecture.inputs)
-    x = model_input(architecture, F64)
-    lrp = LRP(model, CPLRP(), in_keys=["x"], out_keys=["y"])
-    in_mode = lrp(TensorDict(x=x.clone(), batch_size=x.shape[:1]))["relevance", "x"]
-    with lrp:
-        relevances = [lrp(TensorDict(x=x.clone(), batch_size=x.shape[:1]))["relevance", "x"] for _ in range(3)]
+    in_mode, relevances = zoo_calls("minimax", implementation, CPLRP, 3)
     assert applied == [True, True]
     for relevance in relevances:
         assert torch.equal(relevance, in_mode)

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tensordict import TensorDict
 from torch import nn
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP
 from tdhook.attribution._graph_inputs import chain_of, computed_again
-from tests.attribution._plan_helpers import F64, Product, call, halved
+from tests.attribution._plan_helpers import F64, Product, halved, in_mode_and_in_context, zoo_calls
 from tests.conftest import relative_error
 
 
@@ -66,9 +65,7 @@ def test_later_calls_put_a_softcapping_tanhs_rule_on_its_node(applied, preset):
     torch.manual_seed(0)
     model, x = Softcapped().to(F64), torch.randn(5, 4, 4, dtype=F64) * 3
     lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
-    in_mode = call(lrp, x)
-    with lrp:
-        relevances = [call(lrp, x) for _ in range(4)]
+    in_mode, relevances = in_mode_and_in_context(lrp, x, 4)
     assert applied == [True, True]  # the second call records again, keeping the modules' outputs (none is a tanh's)
     for relevance in relevances:
         assert torch.equal(relevance, in_mode)
@@ -87,9 +84,7 @@ def test_a_tanh_whose_input_no_chain_computes_keeps_the_mode(applied):
     torch.manual_seed(0)
     model, x = Softcapped(summed=True).to(F64), torch.randn(5, 4, 4, dtype=F64)
     lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
-    in_mode = call(lrp, x)
-    with lrp:
-        relevances = [call(lrp, x) for _ in range(4)]
+    in_mode, relevances = in_mode_and_in_context(lrp, x, 4)
     assert applied == []
     for relevance in relevances:
         assert torch.equal(relevance, in_mode)
@@ -97,15 +92,7 @@ def test_a_tanh_whose_input_no_chain_computes_keeps_the_mode(applied):
 
 @pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
 def test_gemma2_runs_later_calls_without_the_mode(applied, preset):
-    from tests.attribution.test_lrp_transformer_zoo import ZOO, Explained, model_input
-
-    architecture = ZOO["gemma2"]
-    model = Explained(architecture.build("eager"), architecture.inputs)
-    x = model_input(architecture, F64)
-    lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
-    in_mode = lrp(TensorDict(x=x.clone(), batch_size=x.shape[:1]))["relevance", "x"]
-    with lrp:
-        relevances = [lrp(TensorDict(x=x.clone(), batch_size=x.shape[:1]))["relevance", "x"] for _ in range(4)]
+    in_mode, relevances = zoo_calls("gemma2", "eager", preset, 4)
     assert applied == [True, True]  # the second call records again, keeping the modules' outputs (none is a tanh's)
     for relevance in relevances:
         assert torch.equal(relevance, in_mode)
@@ -130,9 +117,7 @@ def test_a_tanh_of_a_modules_output_times_a_number_takes_the_graphs_way(applied,
     torch.manual_seed(0)
     model, x = ScaledTanh(in_place).to(F64), torch.randn(5, 4, dtype=F64)
     lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
-    in_mode = call(lrp, x)
-    with lrp:
-        relevances = [call(lrp, x) for _ in range(4)]
+    in_mode, relevances = in_mode_and_in_context(lrp, x, 4)
     assert applied == [True, True]
     for relevance in relevances:
         assert torch.equal(relevance, in_mode)
