@@ -90,6 +90,21 @@ def test_a_tanh_whose_input_no_chain_computes_keeps_the_mode(applied):
         assert torch.equal(relevance, in_mode)
 
 
+def test_a_large_tanh_input_keeps_the_mode(applied):
+    """Attention logits of more than 2¹⁴ elements (5 × 64 × 64 here) are not computed again: at a realistic size the
+    extra ``bmm`` costs more than the mode (see ``_graph_inputs._LARGEST``)."""
+    torch.manual_seed(0)
+    model, x = Softcapped().to(F64), torch.randn(5, 64, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    in_mode, relevances = in_mode_and_in_context(lrp, x, 4)
+    assert applied == []
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)
+    small = torch.randn(5, 4, 4, dtype=F64)
+    assert chain_of(model.q(small) @ model.k(small).transpose(-1, -2) / 2.0, {}) is not None
+    assert chain_of(model.q(x) @ model.k(x).transpose(-1, -2) / 2.0, {}) is None
+
+
 @pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
 def test_gemma2_runs_later_calls_without_the_mode(applied, preset):
     in_mode, relevances = zoo_calls("gemma2", "eager", preset, 4)
