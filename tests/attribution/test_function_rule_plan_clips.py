@@ -109,6 +109,19 @@ def test_a_clip_whose_node_is_not_a_plain_clips_keeps_the_modes_rule(applied, ki
     assert relative_error(in_mode, clipped_by_hand(model, x, plain_clip(kind))) <= 1e-9
 
 
+def test_a_large_clip_keeps_the_modes_rule(applied):
+    """A clip of more than 2¹⁴ elements (5 × 600 × 6 here) keeps the mode's rule: at a realistic size the rule on
+    the node costs more than the mode saves (see ``functional._LARGEST_CLIP_ON_NODE``)."""
+    torch.manual_seed(0)
+    model, x = ClippedProduct(CLIPS["Tensor.clamp_"]).to(F64), torch.randn(5, 600, 4, dtype=F64) * 3
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    in_mode, relevances = in_mode_and_in_context(lrp, x, 3)
+    assert applied == []
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)
+    assert relative_error(in_mode, clipped_by_hand(model, x, plain_clip("Tensor.clamp_"))) <= 1e-6  # the stabiliser
+
+
 @pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
 @pytest.mark.parametrize("name", ["olmo", "dbrx"])
 def test_zoo_models_that_clip_qkv_run_later_calls_without_the_mode(applied, name: str, preset):
