@@ -62,3 +62,21 @@ def product_model() -> Product:
 
 def plans(lrp: LRP) -> list:
     return [plan for plan in lrp._function_rule_plan._plans.values() if plan is not None]
+
+
+def in_mode_and_in_context(lrp: LRP, x: torch.Tensor, calls: int = 3) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The relevance of a call that enters its context (in the function mode), then of ``calls`` calls in one
+    context (the first records, later ones may take the graph's way)."""
+    in_mode = call(lrp, x)
+    with lrp:
+        return in_mode, [call(lrp, x) for _ in range(calls)]
+
+
+def zoo_calls(name: str, implementation: str, preset: type, calls: int = 3) -> tuple[torch.Tensor, list]:
+    """:func:`in_mode_and_in_context` for an architecture of the transformer zoo, on its float64 input."""
+    from tests.attribution.test_lrp_transformer_zoo import ZOO, Explained, model_input
+
+    architecture = ZOO[name]
+    model = Explained(architecture.build(implementation), architecture.inputs)
+    lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
+    return in_mode_and_in_context(lrp, model_input(architecture, F64), calls)

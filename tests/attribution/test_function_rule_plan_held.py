@@ -11,7 +11,16 @@ from torch import nn
 from torch.nn import functional as F
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP, _function_rule_plan
-from tests.attribution._plan_helpers import F64, Product, call, halved, plans, product_model
+from tests.attribution._plan_helpers import (
+    F64,
+    Product,
+    call,
+    halved,
+    in_mode_and_in_context,
+    plans,
+    product_model,
+    zoo_calls,
+)
 from tests.attribution.test_lrp_huggingface import LastLogits, build
 from tests.conftest import relative_error
 
@@ -33,9 +42,7 @@ def test_a_fused_attention_computed_by_several_nodes_takes_the_graph_s_way(appli
     torch.manual_seed(0)
     model, x = BiasedAttention().to(F64), torch.randn(3, 5, 4, dtype=F64)
     lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
-    in_mode = call(lrp, x)  # a call that enters its context runs in the mode
-    with lrp:
-        relevances = [call(lrp, x) for _ in range(3)]
+    in_mode, relevances = in_mode_and_in_context(lrp, x, 3)
     assert applied == [True, True]
     for relevance in relevances:
         assert torch.equal(relevance, in_mode)
@@ -183,9 +190,7 @@ def test_returned_attention_weights_change_no_call_in_a_context(applied, preset)
     model = build("llama")
     x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(1), dtype=F64)
     lrp = LRP(WithAttentions(model), preset(), in_keys=["x"], out_keys=["y", "a0", "a1"], target_key="y")
-    in_mode = call(lrp, x)
-    with lrp:
-        relevances = [call(lrp, x) for _ in range(3)]
+    in_mode, relevances = in_mode_and_in_context(lrp, x, 3)
     assert applied == [True, True]
     for relevance in relevances:
         assert torch.equal(relevance, in_mode)
@@ -331,3 +336,38 @@ def test_held_weights_shaped_after_an_activation_stay_constants(applied, shaping
 # Zoo configurations whose later calls take the graph's way under both presets (the others keep the mode: a
 # functional activation whose node keeps no input and whose input is no module's output (Gemma 2's softcapping tanh),
 # a gate, a recurrent mixer, relative position biases read by value, ...).
+
+
+class GatedMatmul(Product):
+    """``out(sum(q(x)ᵀ @ silu(k(x))))``, per position of a ``[batch, positions, features]`` input: a ``matmul`` of
+    an activation and a gate (an activation function's output), which torch computes by a ``bmm`` of reshaped
+    factors and CP-LRP holds its gate in (MiniMax's lightning attention holds its values so)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.matmul(self.q(x).unsqueeze(-1), F.silu(self.k(x)).unsqueeze(-2)).sum(-1))
+
+
+def test_later_calls_hold_cplrps_gate_in_a_matmul_in_the_graph(applied):
+    """A gate held in a ``matmul`` kept every call of MiniMax in the function mode under CP-LRP (1.5x a gradient pass
+    at the tiny size, AttnLRP 1.2x): the node that takes it in the ``matmul``'s own graph passes it no gradient."""
+    torch.manual_seed(0)
+    model, x = GatedMatmul().to(F64), torch.randn(5, 2, 4, dtype=F64)
+    lrp = LRP(model, CPLRP(), in_keys=["x"], out_keys=["y"])
+    in_mode, relevances = in_mode_and_in_context(lrp, x, 3)
+    assert applied == [True, True]
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)
+    leaf = x.clone().requires_grad_(True)  # by hand: the gate detached
+    product = torch.matmul(model.q(leaf).unsqueeze(-1), F.silu(model.k(leaf)).detach().unsqueeze(-2))
+    (grad,) = torch.autograd.grad(model.out(product.sum(-1)).max(-1).values.sum(), leaf)
+    assert relative_error(in_mode, leaf.detach() * grad) <= 1e-8
+    (plain,) = torch.autograd.grad(model(leaf).max(-1).values.sum(), leaf)  # the gate not held: the test can fail
+    assert relative_error(in_mode, leaf.detach() * plain) > 1e-3
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_minimax_under_cplrp_runs_later_calls_without_the_mode(applied, implementation: str):
+    in_mode, relevances = zoo_calls("minimax", implementation, CPLRP, 3)
+    assert applied == [True, True]
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)

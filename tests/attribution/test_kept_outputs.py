@@ -18,7 +18,8 @@ from tests.conftest import relative_error
 class TanhProduct(Product):
     """``out(tanh(q(x)) * k(x))``, ``tanh`` called as a function; with ``where``: ``"in place"`` changes ``q``'s output
     in place before the ``tanh``, ``"computed"`` takes the ``tanh`` of ``2 · q(x)`` (no module's output), ``"twice"``
-    calls ``q`` again after taking the ``tanh`` of its first output."""
+    calls ``q`` again after taking the ``tanh`` of its first output. ``2 · q(x)`` is computed as ``q(x) + q(x)``, a
+    sum, which the nodes below the ``tanh`` do not compute again (see ``test_graph_inputs``)."""
 
     def __init__(self, where: str = "") -> None:
         super().__init__()
@@ -27,8 +28,8 @@ class TanhProduct(Product):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.q(x)
         if self.where == "in place":
-            h.mul_(2.0)
-        activated = torch.tanh(h * 2.0 if self.where == "computed" else h)
+            h.add_(h)
+        activated = torch.tanh(h + h if self.where == "computed" else h)
         if self.where == "twice":
             activated = activated + 0.0 * self.q(x)
         return self.out(activated * self.k(x))

@@ -34,10 +34,11 @@ CP-LRP's held attention weights and held gates get it too, and so does a fused a
 call the mode holds them without detaching them, so that its graph is the plain call's: a softmax's output, held
 whole, gets a pre-hook on its node that passes no gradient (every call that takes it takes it held); a gate held in
 an element-wise product of two activations gets a post-hook on the product's node that passes none to the gate's
-place; a fused attention's node gets a post-hook that multiplies the gradients it passes to the query, key and
-value by the rule's factors (none to the query and key under CP-LRP; the uniform rule's halves under AttnLRP); where
-torch computes it by several nodes (its math path, for a mask that requires grad: a learned position bias), the
-nodes that take the query, key and value get those factors.
+place (in a ``matmul``, which torch computes by a ``bmm`` of views of its factors, the node of those that takes the
+gate: MiniMax's lightning attention); a fused attention's node gets a post-hook that multiplies the gradients it
+passes to the query, key and value by the rule's factors (none to the query and key under CP-LRP; the uniform
+rule's halves under AttnLRP); where torch computes it by several nodes (its math path, for a mask that requires
+grad: a learned position bias), the nodes that take the query, key and value get those factors.
 They are recorded, and a later call puts the same hooks on the same nodes. What the call makes of held tensors alone
 (a stack of heads' weights, a buffer they are written into) needs a gradient, as what is made of detached ones does
 not: the mode marks it a constant to the rules; a held tensor that then takes other values in place (an activation's)
@@ -47,7 +48,9 @@ no gradient, as they would not behind a detached one: a call whose graph there s
 place after runs again in the mode (their backward would raise), and so do later calls on inputs of its signature.
 
 GELU and SiLU called as functions get it too: their nodes save their input, from which a hook computes the
-identity rule's factor (see :func:`~tdhook.attribution.rules.basic.hook_pass_rule`). So do GELU and SiLU modules
+identity rule's factor (see :func:`~tdhook.attribution.rules.basic.hook_pass_rule`); so do clipping calls (``clamp``
+and ``clip`` with bounds that are numbers, ``F.hardtanh``, ``F.relu6``; in place too, whose node saves the input as
+it was: OLMo's and DBRX's ``clip_qkv``). So do GELU and SiLU modules
 under the pass rule: their rule's hook puts it on the node in a recording call, and leaves it to the plan in a later
 one, which runs the module without its hooks where they have nothing else to do (see
 :mod:`~tdhook.attribution._quiet_modules`). The backward of such a node, and
@@ -66,18 +69,19 @@ identity rule's factor from the kept output and the output the node saved, as th
 place since, runs the call in the mode. An ``einsum`` of two activations (Funnel's relative attention), often a view
 that the mode's in-place factor would rebase, gets the uniform rule as a pre-hook that halves its own node's gradient.
 
-Where the mode applies any other rule (a softmax with ε, an RMS norm, an activation called as a function whose
-node keeps no input and whose input is no module's output (Gemma 2's softcapping ``tanh``), a fused
-attention with dropout, a gate held in a product other than an element-wise one), every later call on inputs of
-that signature runs in the mode. So does every call where the forward reads values computed from the explained
-inputs into Python (``if x.sum() > 0``, ``.item()``, ``int(...)``; held attention weights' values are the inputs'
-too): on other inputs of the same shapes it may take another branch whose graph has the same nodes, with a product
-of two activations on one and of an activation and a constant (which the uniform rule leaves whole) on the other.
-Values of inputs that are not explained (masks, token ids) are not followed: a branch on them that changes which
-products are of two activations, and nothing else in the graph, is not seen. So do calls that
-keep the relevance's graph, that ask for inner layers' relevance or token relevance, and models run with other
-function modes. The marks the mode leaves on tensors (computed from parameters alone; gates) are read by the
-function modes only, to decide which products are of two activations: the recording holds those decisions.
+Where the mode applies any other rule (a softmax with ε, an RMS norm, an activation called as a function whose node
+keeps no input and whose input is no module's output (Gemma 2's softcapping ``tanh``), a clipping call with bounds
+that are tensors or in place through a view, a fused attention with dropout, a gate held in a product other than an
+element-wise one or a ``matmul``), every later call on inputs of that signature runs in the mode. So does every call
+where the forward reads values computed from the explained inputs into Python (``if x.sum() > 0``, ``.item()``,
+``int(...)``; held attention weights' values are the inputs' too): on other inputs of the same shapes it may take
+another branch whose graph has the same nodes, with a product of two activations on one and of an activation and a
+constant (which the uniform rule leaves whole) on the other. Values of inputs that are not explained (masks, token
+ids) are not followed: a branch on them that changes which products are of two activations, and nothing else in the
+graph, is not seen. So do calls that keep the relevance's graph, that ask for inner layers' relevance or token
+relevance, and models run with other function modes. The marks the mode leaves on tensors (computed from parameters
+alone; gates) are read by the function modes only, to decide which products are of two activations: the recording
+holds those decisions.
 
 Examples:
     >>> from tensordict import TensorDict
@@ -107,6 +111,7 @@ from typing import Any, NamedTuple
 import torch
 from tensordict import TensorDictBase
 
+from tdhook.attribution._graph_inputs import chain_of, computed_again
 from tdhook.attribution._kept_outputs import OutputKeepers
 from tdhook.attribution._quiet_modules import QuietModules
 from tdhook.attribution.rules._autograd import first_input_is, pass_no_relevance
@@ -217,6 +222,29 @@ class Recording:
             return False
         return self.scaled_inputs(product, [factor], [0.0], places)
 
+    def held_in_call(self, product: torch.Tensor, factor: torch.Tensor, start: int) -> bool:
+        """:meth:`held_factor` for a product whose nodes, from sequence number ``start`` on, take its factors through
+        views (a ``matmul``, which torch computes by a ``bmm`` of reshaped factors; MiniMax's lightning attention
+        holds its values there): the one node of those that takes ``factor`` passes it no gradient, in this call and
+        in a later one. ``False``, and nothing done, where not exactly one place of one such node takes it."""
+        node, edge = product.grad_fn, (factor.grad_fn, factor.output_nr)
+        if node is None or edge[0] is None:
+            return False
+        places, stack, seen = [], [node], set()
+        while stack:
+            current = stack.pop()
+            if id(current) in seen:
+                continue
+            seen.add(id(current))
+            for place, next_edge in enumerate(current.next_functions):
+                if next_edge == edge:
+                    places.append((current, place))
+                elif next_edge[0] is not None and next_edge[0]._sequence_nr() >= start:
+                    stack.append(next_edge[0])
+        if len(places) != 1:
+            return False
+        return self.scaled_at([(*places[0], factor, 0.0)])
+
     def scaled_inputs(
         self, output: torch.Tensor, inputs: Sequence[Any], factors: Sequence[float | None], places: Sequence[int]
     ) -> bool:
@@ -281,6 +309,16 @@ class Recording:
         if module is None or self.settled:
             return False
         return self.hooked(node, _GivenInput(stabilizer, id(module), module, x))
+
+    def hooked_recomputed(self, node: Any, x: torch.Tensor, stabilizer: float) -> bool:
+        """The identity rule (stabiliser ``stabilizer``) on ``node``, an activation's of ``x`` that saved its output,
+        not ``x``: where the nodes below compute ``x`` again to the last bit (Gemma 2's softcapping ``tanh``, see
+        :mod:`~tdhook.attribution._graph_inputs`), the recording puts the rule on the node (see :meth:`hooked`), and
+        a later call computes its ``x`` the same way. ``False``, and nothing done, where they do not."""
+        if self.settled:
+            return False
+        chain = chain_of(x, self.factors)
+        return chain is not None and self.hooked(node, _Recomputed(stabilizer, chain, x))
 
     def rule_on_node(self, module: Any) -> None:
         """``module``'s rule put its gradient on the node of the module's output (see :meth:`hooked`): in a later
@@ -380,7 +418,7 @@ class _Plan:
                         return False
                     if isinstance(attach, _OnNode) and not _saved_readable(node):
                         return False
-                    if type(attach) is _OnNode and type(attach.hook) is _GivenInput:
+                    if type(attach) is _OnNode and type(attach.hook) in (_GivenInput, _Recomputed):
                         attach = attach.hook.given(node, kept)
                         if attach is None:
                             return False
@@ -635,10 +673,31 @@ class _GivenInput(NamedTuple):
         return functools.partial(hook_pass_rule_given, self.stabilizer, x)
 
 
+class _Recomputed(NamedTuple):
+    """The identity rule on the node of an activation that saved its output, not its input ``x``, which the nodes
+    below compute again by ``chain`` (see :mod:`~tdhook.attribution._graph_inputs`). ``x`` is the recording call's."""
+
+    stabilizer: float
+    chain: tuple[str, ...]
+    x: torch.Tensor | None
+
+    def __call__(self, node: Any) -> None:
+        """The rule in the recording call, from its own input."""
+        hook_pass_rule_given(self.stabilizer, self.x, node)
+
+    def given(self, node: Any, kept: KeptOutputs | None) -> Any:
+        """What puts the rule on ``node``, an activation's node of a later call, from its input computed again;
+        ``None`` where the nodes below are not the chain's."""
+        x = computed_again(node, self.chain, node._saved_result.shape)
+        return None if x is None else functools.partial(hook_pass_rule_given, self.stabilizer, x)
+
+
 def _hold_hook(hold: _Hold) -> Any:
     """What puts a hold's hook on its node in a later call."""
     if type(hold.hook) is _GivenInput:  # the plan keeps no tensor of the recording call
         return _OnNode(hold.hook._replace(holder=None, x=None))
+    if type(hold.hook) is _Recomputed:
+        return _OnNode(hold.hook._replace(x=None))
     if hold.hook is not None:
         return _OnNode(hold.hook)
     return _CUT if hold.factors is None else _post_hook(functools.partial(_scale_inputs, hold.factors))

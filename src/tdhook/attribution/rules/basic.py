@@ -40,6 +40,7 @@ __all__ = [
     "UniformRule",
     "RefuseRule",
     "pass_rule_on_node",
+    "clipped_on_node",
     "hook_pass_rule",
     "pass_rule_given_input",
     "hook_pass_rule_given",
@@ -362,6 +363,14 @@ def _recomputed_silu(node: Any, x: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(x)
 
 
+def _recomputed_clamp(node: Any, x: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(x, node._saved_min, node._saved_max)
+
+
+def _recomputed_hardtanh(node: Any, x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.hardtanh(x, node._saved_min_val, node._saved_max_val)
+
+
 # Marks an activation's output whose own node holds the pass rule (see :func:`hook_pass_rule`): the rule's
 # stabiliser. A call without the function mode makes no such output, and a module's rule meets the plain one.
 RULED_ON_NODE = "_tdhook_pass_rule_on_node"
@@ -369,6 +378,23 @@ RULED_ON_NODE = "_tdhook_pass_rule_on_node"
 # The activations whose autograd node saves their input, by the node's type: the function, from the node and its
 # saved input.
 _SAVING_THEIR_INPUT = {"GeluBackward0": _recomputed_gelu, "SiluBackward0": _recomputed_silu}
+
+# Clipping calls' nodes (``clamp`` and ``clip`` with bounds that are numbers, ``F.hardtanh``, ``F.relu6``, in place
+# too), which save their input as well (in place, a copy of it as it was): the function mode puts the pass rule on
+# them (see ``FunctionalRules``), a module's rule does not (see :func:`pass_rule_on_node`).
+_CLIPPING = {"ClampBackward1": _recomputed_clamp, "HardtanhBackward0": _recomputed_hardtanh}
+_RECOMPUTED = _SAVING_THEIR_INPUT | _CLIPPING
+
+
+def clipped_on_node(node: Any) -> bool:
+    """Whether ``node`` is a clipping call's whose input :func:`hook_pass_rule` recomputes the output from.
+
+    Examples:
+        >>> x = torch.randn(3, requires_grad=True)
+        >>> clipped_on_node(x.clamp(-1.0, 1.0).grad_fn), clipped_on_node(x.clamp(torch.tensor(-1.0)).grad_fn)
+        (True, False)
+    """
+    return type(node).__name__ in _CLIPPING
 
 
 def pass_rule_on_node(output: torch.Tensor, x: torch.Tensor) -> bool:
@@ -439,8 +465,9 @@ def hook_pass_rule_given(stabilizer: float, x: torch.Tensor, node: Any) -> None:
 
 def hook_pass_rule(stabilizer: float, node: Any) -> None:
     """Put the pass rule (stabiliser ``stabilizer``) on an activation's node that saved its input (see
-    :func:`pass_rule_on_node`): a hook that passes ``grad · f(x) / stabilize(x)`` to ``x``, the node's own
-    gradient dropped; ``f(x)`` is recomputed from the saved input (the output's values, bit for bit).
+    :func:`pass_rule_on_node`, :func:`clipped_on_node`): a hook that passes ``grad · f(x) / stabilize(x)`` to
+    ``x``, the node's own gradient dropped; ``f(x)`` is recomputed from the saved input (the output's values, bit for
+    bit).
 
     Examples:
         >>> x = torch.tensor([-1.0, 0.5, 2.0], requires_grad=True)
@@ -451,7 +478,7 @@ def hook_pass_rule(stabilizer: float, node: Any) -> None:
         True
     """
     x = node._saved_self.detach()
-    scale = pass_factor(_SAVING_THEIR_INPUT[type(node).__name__](node, x), x, stabilizer)
+    scale = pass_factor(_RECOMPUTED[type(node).__name__](node, x), x, stabilizer)
     node.register_hook(functools.partial(_input_gradient_times, scale))
 
 
