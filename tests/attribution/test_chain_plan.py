@@ -206,7 +206,8 @@ def test_the_plan_of_a_chain_follows_autograd():
 
 
 def test_a_layer_replaced_inside_the_context_sets_the_plan_aside():
-    """The new layer has no rule (its plain gradient), and the output is the new chain's: as without a plan."""
+    """The new layer gets its rule (the context follows the change: see test_model_changes.py), and the output is the
+    new chain's: as without a plan. (The new layer kept its plain gradient before.)"""
     torch.manual_seed(6)
     chain = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double()
     lrp = LRP(TensorDictModule(chain, in_keys=["x"], out_keys=["y"]), {nn.Linear: EpsilonRule(0.5)})
@@ -219,8 +220,10 @@ def test_a_layer_replaced_inside_the_context_sets_the_plan_aside():
     assert torch.equal(out["y"], chain(td["x"]))
     x = td["x"].clone().requires_grad_(True)
     hidden = chain[1](chain[0](x))
-    scale = hidden.detach().abs() / (hidden.detach().abs() + 0.5)  # the ε-rule on the first layer only
-    (grad,) = torch.autograd.grad(chain[2](hidden).max(-1).values.sum(), hidden)
+    scale = hidden.detach().abs() / (hidden.detach().abs() + 0.5)  # the ε-rule on the first layer
+    logits = chain[2](hidden)
+    top = logits.detach().max(-1).values
+    (grad,) = torch.autograd.grad(logits.max(-1).values, hidden, top.abs() / (top.abs() + 0.5))  # and on the new one
     (expected,) = torch.autograd.grad(hidden, x, grad * scale)
     torch.testing.assert_close(out["relevance", "x"], x.detach() * expected, rtol=1e-12, atol=1e-12)
 

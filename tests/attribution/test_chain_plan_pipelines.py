@@ -132,8 +132,8 @@ def _change_pipeline(pipeline: TensorDictSequential, change: str) -> None:
     ],
 )
 def test_a_pipeline_changed_inside_the_context_sets_the_plan_aside(change):
-    """After the change the call is the general path's on the changed pipeline (whose new parts have no rule: they
-    came after the context's rules were registered)."""
+    """After the change the call is the general path's on the changed pipeline (whose new parts get their rules: the
+    context follows the change, see test_model_changes.py)."""
     pipeline = _with_ruled_tail()
     if change.endswith("nested pipeline"):
         head, tail = pipeline.module

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from tdhook.attribution._model_changes import forget_modules, record_modules
 from tdhook.attribution._scripted_modules import refuse_scripted_modules
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._layers import LINEAR_LAYERS, _has_plain_forward
@@ -91,6 +92,7 @@ def claim(owner: object, modules: Mapping[str, nn.Module]) -> None:
     reference = weakref.ref(owner)
     for module in modules.values():
         _OWNERS[module] = reference
+    record_modules(owner, modules)  # each call checks that the model still has these (see _model_changes)
     context_opened(owner, modules.values())
 
 
@@ -102,6 +104,7 @@ def release(owner: object) -> None:
     """
     held = [m for m, reference in _OWNERS.items() if reference() in (owner, None)]
     context_closed(owner, held)
+    forget_modules(owner)
     for module in held:
         del _OWNERS[module]
 

@@ -55,6 +55,7 @@ from tdhook.attribution._inputs import (
 )
 from tdhook.attribution._keys import check_free, check_writable, layer_keys, read_not_written, relevance_keys
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
+from tdhook.attribution._model_changes import follow_model_changes
 from tdhook.attribution._model_run import run_model
 from tdhook.attribution._module_hooks import module_hooks
 from tdhook.attribution._no_grad_values import called_in_grad_mode
@@ -265,8 +266,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._layers = LayerRelevance()
         self._tokens = TokenInputs(self.explained_keys)
         self._stochastic, self._checkpointing = [], []  # dropout to warn of, checkpointing to refuse, at each call
-        self._compiled = False
-        self._rule_use = RuleUse()
+        self._compiled, self._rule_use = False, RuleUse()
         # The first call watches which nonlinear functions keep their plain gradient (see coverage()).
         self._coverage = CoverageRecorder()
         self._function_gates, self._function_rule_plan = FunctionGates(), FunctionRulePlan()  # found by calls
@@ -400,6 +400,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             return out
 
     def _explain(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, Callable[[], None]]:
+        follow_model_changes(self)  # a module put in since the context was entered gets its rule
         _set_state(self, "_marks_read", self._marks_read or marks_for_target(self._handles or [], self.target))
         explained = explained_in_call(tensordict, self.explained_keys, self._defaulted_inputs, self._optional_inputs)
         validate_inputs(tensordict, [key for key, e in zip(self.explained_keys, explained, strict=True) if e])

@@ -32,6 +32,7 @@ from tdhook.attribution.rules._autograd import (
     raise_for_vmap,
     relevance_pass_edges,
 )
+from tdhook.attribution.rules._earlier_hooks import raise_if_an_earlier_hook_changed
 from tdhook.attribution.rules._graph_calls import recording
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._keeping_graph import graph_kept
@@ -41,8 +42,6 @@ from tdhook.attribution.rules._layers import (
     TRANSPOSED_FORWARDS,
     _has_plain_forward,
     _has_weight_property,
-    effective_parameters,
-    forward_with,
 )
 from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules._wrapper_calls import rules_act_here
@@ -643,8 +642,9 @@ class Rule(Tunable):
                 if self.one_output_only and not isinstance(output, torch.Tensor):
                     _raise_for_several_outputs(self, module, output)
                 return _ruled_in_forward(module)
-            if _GLOBAL_FORWARD_HOOKS and isinstance(module, LINEAR_LAYERS):
-                _raise_if_a_global_hook_changed(module, registration, inputs, output)
+            earlier = next(iter(module._forward_hooks.values())) is not hook  # prepended in the open context
+            if (_GLOBAL_FORWARD_HOOKS or earlier) and isinstance(module, LINEAR_LAYERS):
+                raise_if_an_earlier_hook_changed(module, registration.busy, inputs, output, not earlier)
             self.prepared_state(module, registration)
             rule, reg = self.resolve(module, registration, inputs)
             result = rule.rewrite(module, reg, inputs, output)
@@ -691,31 +691,6 @@ def _raise_for_several_outputs(rule: Rule, module: nn.Module, output: Any) -> No
             f"and this one returns a {type(output).__name__}; map the modules inside it, or a module that "
             "returns one tensor"
         )
-
-
-def _raise_if_a_global_hook_changed(module: nn.Module, registration: Registration, inputs: tuple, output) -> None:
-    """Raise where a global forward hook (``register_module_forward_hook``) changed a Linear or convolution
-    layer's output before the rule's hook saw it.
-
-    A rule's hook runs before the module's own forward hooks (those then act on the rule's output, as code after
-    the layer would), but after torch's global ones. What such a hook changed, the rule would take for the
-    layer's own computation: the layer is run again on its input and the outputs are compared.
-    """
-    if len(inputs) != 1 or not isinstance(inputs[0], torch.Tensor) or _has_uninitialized_parameters(module):
-        return
-    with torch.no_grad():
-        own = forward_with(module, effective_parameters(module), inputs[0], registration.busy)
-    seen = output.detach()
-    if own.shape == seen.shape and bool(((own - seen).abs() <= 1e-6 * own.abs().amax() + 1e-30).all()):
-        return
-    error = ValueError(
-        f"LRP: a global forward hook (torch.nn.modules.module.register_module_forward_hook) changed the output of "
-        f"{type(module).__name__} before its rule saw it; the rule would take the hook's change for the layer's "
-        "own computation. Register the hook on the module itself (module.register_forward_hook: it then acts "
-        "after the rule, as code after the layer would), or remove it while explaining."
-    )
-    error.module = module  # the wrapper names the module's path
-    raise error
 
 
 def _has_uninitialized_parameters(module: nn.Module) -> bool:

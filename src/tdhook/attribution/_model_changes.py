@@ -1,0 +1,108 @@
+"""Modules put into the model, replaced or taken out while an LRP context is open: the context follows the change.
+
+A context gives the rules once, when it opens, to the modules the model has then. A module put in later
+(``model[2] = nn.Conv2d(...)``, a new head, a step appended to a pipeline) had no rule: it kept its plain gradient
+(LRP-0), and every later call of the context explained the model as if the preset did not apply there, with no word
+(a small CNN under ``EpsilonPlus`` 118 % off, relative L2, and an MLP under ``UniformEpsilon`` 57 % off the changed
+model explained in a context entered after the change). A module taken out left the first-layer rules of the old
+layout in place. Each call now compares the model's modules with those the context found, cheaply (each module's
+children, by identity, in one pass), and where they differ the context is left and entered again: the rules are
+given anew to the model as it is, as a context entered after the change gives them. Parametrizations registered or
+removed in the meantime (``weight_norm``, ``spectral_norm``) change nothing: their modules compute a layer's weight,
+which the layer's rule reads at each call.
+
+Examples:
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> from torch import nn
+    >>> from tdhook.attribution import LRP, UniformEpsilon
+    >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+    >>> lrp = LRP(net, UniformEpsilon(), in_keys=["x"], out_keys=["y"])
+    >>> td = TensorDict(x=torch.ones(3, 2), batch_size=[3])
+    >>> with lrp:
+    ...     _ = lrp(td)
+    ...     net[2] = nn.Linear(2, 1)  # a new head: the next call gives it the preset's rule
+    ...     relevance = lrp(td)["relevance", "x"]
+    >>> torch.equal(relevance, lrp(td)["relevance", "x"])  # a call outside the context enters one of its own
+    True
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from torch import nn
+from torch.nn.utils import parametrize
+
+from tdhook.attribution.methods._batch_statistics import _children
+from tdhook.attribution.rules._identity import IdentityWeakKeyDict
+
+__all__ = ["follow_model_changes", "forget_modules", "record_modules"]
+
+
+class _Found:
+    """The modules an open context found, and the children of each, in a row."""
+
+    __slots__ = ("children", "computing_weights", "modules")
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self.modules = list(modules)
+        self.children = _children(self.modules)
+        self.computing_weights = _parametrization_modules(self.modules)
+
+    def unchanged(self) -> bool:
+        return _same(_children(self.modules), self.children)
+
+
+# Per open context (its wrapper, held weakly), the modules it gave its rules to.
+_FOUND: IdentityWeakKeyDict[object, _Found] = IdentityWeakKeyDict()
+
+
+def record_modules(owner: object, modules: Mapping[str, nn.Module]) -> None:
+    """Record ``modules`` (the model's modules by name, the model itself at ``""``) as those ``owner``'s context
+    gave its rules to."""
+    _FOUND[owner] = _Found(modules.values())
+
+
+def forget_modules(owner: object) -> None:
+    """Forget what :func:`record_modules` recorded for ``owner`` (its context is left)."""
+    _FOUND.pop(owner, None)
+
+
+def follow_model_changes(lrp: Any) -> None:
+    """Enter ``lrp``'s open context again where a module was put into the model, replaced, moved or taken out since
+    the context was entered (its rules are given to the model as it is now); nothing where the model is as it was,
+    or where only parametrizations came or went."""
+    found = _FOUND.get(lrp)
+    if found is None or found.unchanged():
+        return
+    now = list(found.modules[0].modules()) if found.modules else []
+    before = {id(module) for module in found.modules}
+    after = {id(module) for module in now}
+    weights = found.computing_weights | _parametrization_modules(now)
+    if (before ^ after) <= weights and _same(_without(now, weights), _without(found.modules, weights)):
+        _FOUND[lrp] = _Found(now)  # parametrizations only: the layers read their weights at each call
+        return
+    lrp._leave(lrp._handles or [])
+    lrp._enter()
+
+
+def _without(modules: list[nn.Module], ids: set[int]) -> list[nn.Module]:
+    return [module for module in modules if id(module) not in ids]
+
+
+def _same(modules: list[nn.Module], others: list[nn.Module]) -> bool:
+    """The same modules in the same order, told apart by identity (``TensorDictParams`` compare element-wise)."""
+    return len(modules) == len(others) and all(map(operator.is_, modules, others))
+
+
+def _parametrization_modules(modules: Iterable[nn.Module]) -> set[int]:
+    """``id`` of every module that computes a parametrized tensor of one of ``modules`` (their ``parametrizations``
+    and the modules inside)."""
+    ids: set[int] = set()
+    for module in modules:
+        if parametrize.is_parametrized(module):
+            ids.update(id(inner) for inner in module.parametrizations.modules())
+    return ids
