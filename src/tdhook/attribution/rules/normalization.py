@@ -47,6 +47,7 @@ from tdhook.attribution.rules._autograd import (
 )
 from tdhook.attribution.rules._graph_calls import note_output, planned, recording, runs_plain
 from tdhook.attribution.rules._keeping_graph import graph_kept
+from tdhook.attribution.rules._layer_norm_gradient import layer_norm_rule_gradient
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._numerics import in_pieces_, stabilize
 from tdhook.attribution.rules._recomputed import saved_tensors_hooked
@@ -176,18 +177,12 @@ def _fused_layer_norm_of(output: torch.Tensor, x: torch.Tensor) -> bool:
     return first_input_is(node, x) and node._saved_result2.dtype == x.dtype
 
 
-def _layer_norm_scale(node: Any) -> torch.Tensor:
-    """The factor of a fused layer norm's node's rule gradient: the normalising scale it saved (``1 / σ``, per
-    position), times the norm's weight."""
+def _node_rule(node: Any) -> Any:
+    """A fused layer norm's node's rule gradient, from the normalising scale it saved (``1 / σ``, per position) and
+    the norm's weight (see :mod:`~tdhook.attribution.rules._layer_norm_gradient`)."""
     weight = node._saved_weight
-    rstd = node._saved_result2
-    return rstd if weight is None else rstd * weight.detach()
-
-
-def _centred(scale: torch.Tensor, reduce: tuple[int, ...], grad: torch.Tensor) -> list[torch.Tensor]:
-    """The layer norm rule's gradient: ``h − mean(h)`` over the normalised dimensions, ``h = grad · scale``."""
-    h = grad * scale
-    return [h - h.mean(reduce, keepdim=True)]
+    weight = None if weight is None else weight.detach()
+    return functools.partial(layer_norm_rule_gradient, node._saved_normalized_shape, node._saved_result2, weight)
 
 
 def hook_layer_norm_rule(node: Any) -> None:
@@ -204,9 +199,7 @@ def hook_layer_norm_rule(node: Any) -> None:
         >>> torch.allclose(grad[0], (torch.tensor([1.0, 0.0, 0.0, 0.0]) - 1 / 4) / sigma[0])
         True
     """
-    reduce = tuple(range(-len(node._saved_normalized_shape), 0))
-    rule = functools.partial(_centred, _layer_norm_scale(node), reduce)
-    node.register_hook(functools.partial(_input_gradient_by, rule))
+    node.register_hook(functools.partial(_input_gradient_by, _node_rule(node)))
     pass_no_relevance(node, _LAYER_NORM_CONSTANTS)
 
 
@@ -378,7 +371,7 @@ class NormRule(Rule):
                 return output
             if planned():  # in a norm that keeps its mode for more: the plan puts the hook, as the recording did
                 return output
-            return redirect(output, [x], functools.partial(_centred, _layer_norm_scale(output.grad_fn), reduce))
+            return redirect(output, [x], _node_rule(output.grad_fn))
         xd = _constant(x)
         inv_sigma = torch.rsqrt(xd.var(reduce, unbiased=False, keepdim=True) + eps)
         scale = inv_sigma if weight is None else inv_sigma * _constant(weight)
