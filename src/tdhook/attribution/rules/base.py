@@ -214,17 +214,20 @@ def rules_apply(module: nn.Module | None = None) -> bool:
 
 
 _NEVER_THE_SAME = itertools.count()
+_NUMBERS = frozenset({bool, int, float})  # the attribute types a fingerprint holds the values of
 
 
-def parameter_fingerprint(module: nn.Module) -> tuple[int, ...]:
+def parameter_fingerprint(module: nn.Module) -> tuple:
     """What tells whether ``module``'s parameters and buffers (its children's included) still hold the values seen.
 
     For each tensor: its identity, its version counter (raised by every in-place
     write: ``optimizer.step()``, ``weight.mul_(2)``) and its storage (new after
     ``weight.data = ...``). A parameter replaced by another changes the identity,
     and a switch between training and eval mode changes the fingerprint; a layer
-    whose weight is a property has a new fingerprint at every call. Cheap enough
-    to check at every call of a ruled layer.
+    whose weight is a property has a new fingerprint at every call. The number
+    attributes of the module and its children are part of it too: what is derived
+    from the parameters may read them (a BatchNorm's ``eps``, timm's
+    ``ScaledStdConv2d.scale``). Cheap enough to check at every call of a ruled layer.
 
     Examples:
         >>> lin = nn.Linear(2, 2)
@@ -235,14 +238,23 @@ def parameter_fingerprint(module: nn.Module) -> tuple[int, ...]:
         ...     _ = lin.weight.mul_(2)
         >>> before == parameter_fingerprint(lin)
         False
+        >>> norm = nn.BatchNorm1d(2)
+        >>> before = parameter_fingerprint(norm)
+        >>> norm.eps = 0.5
+        >>> before == parameter_fingerprint(norm)
+        False
     """
     if module._modules:
         tensors = [*module.parameters(), *module.buffers()]
+        modules = list(module.modules())
     else:
         tensors = [*module._parameters.values(), *module._buffers.values()]
-    # The mode too (a layer's weight may depend on it); a weight computed by a property on each access
-    # (torchrl's NoisyLinear: noise or not by training mode or by the global exploration type) is never the same.
-    fingerprint: list[int] = [module.training]
+        modules = [module]
+    # The mode and the number attributes too (a layer's weight may depend on them: ``training``, ``eps``); a weight
+    # computed by a property on each access (torchrl's NoisyLinear: noise or not by training mode or by the global
+    # exploration type) is never the same.
+    fingerprint: list = [value for sub in modules for value in sub.__dict__.values() if type(value) in _NUMBERS]
+    fingerprint.append(len(fingerprint))  # where the numbers end and the tensors begin
     if _has_weight_property(module):
         fingerprint.append(next(_NEVER_THE_SAME))
     for tensor in tensors:
