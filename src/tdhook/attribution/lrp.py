@@ -47,8 +47,6 @@ from tdhook.attribution._differentiable import check_differentiable, relevance_g
 from tdhook.attribution._function_gates import FunctionGates
 from tdhook.attribution._function_rule_plan import FunctionRulePlan
 from tdhook.attribution._inputs import (
-    describe,
-    dtype_mismatch,
     explained_in_call,
     optional_inputs,
     validate_inputs,
@@ -64,6 +62,7 @@ from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
 from tdhook.attribution._rule_names import warn_for_unmatched_names
 from tdhook.attribution._rule_use import RuleUse
+from tdhook.attribution._run_errors import run_error
 from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
 from tdhook.attribution._writes import relevance_updates, returned_tensordict, set_all_or_nothing
 from tdhook.attribution.coverage import Coverage
@@ -422,14 +421,10 @@ class LRP(TensorDictModuleBase, MapperTunable):
                     self._function_gates.settle()
                 except Exception as err:
                     self._tokens.raise_for_unembedded(leaves, err)
-                    path = [n for n, m in self.named_explained_modules().items() if m is getattr(err, "module", None)]
-                    if path:
-                        err.add_note(f"LRP: the module is {path[0] or 'the model itself'!r}")
-                    shapes = ", ".join(f"{k!r}: {describe(tensordict.get(k))}" for k in self.explained_keys)
-                    err.add_note(f"LRP: raised while running the wrapped module on the inputs {shapes}")
-                    if (mismatch := dtype_mismatch(tensordict, self.explained_keys, self.module)) is not None:
-                        err.add_note(mismatch)
-                    raise
+                    error = run_error(err, tensordict, self.explained_keys, self.named_explained_modules())
+                    if error is err:
+                        raise
+                    raise error from err
                 self._tokens.raise_for_unembedded(leaves, optional=self._defaulted_inputs)
                 result = work if result is None else result
                 out = returned_tensordict(tensordict, result)  # the caller's, unless the module cut the batch

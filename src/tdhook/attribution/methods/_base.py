@@ -33,11 +33,12 @@ from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
 from tdhook.attribution._chosen_values import chosen_action
-from tdhook.attribution._inputs import describe, dtype_mismatch, feed_inputs, optional_inputs, validate_inputs
+from tdhook.attribution._inputs import describe, feed_inputs, optional_inputs, validate_inputs
 from tdhook.attribution._keys import check_free, check_writable, read_not_written, relevance_keys
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
+from tdhook.attribution._run_errors import run_error
 from tdhook.attribution._tokens import TokenInputs
 from tdhook.attribution._writes import model_updates, returned_tensordict, set_all_or_nothing
 from tdhook.attribution.methods._batch_statistics import (
@@ -311,11 +312,10 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         try:
             result = call_plain(self.module, work) if self._plain else self.module(work)
         except Exception as err:
-            shapes = ", ".join(f"{k!r}: {describe(work.get(k))}" for k in self.explained_keys)
-            err.add_note(f"{name}: raised while running the wrapped module on the inputs {shapes}")
-            if (mismatch := dtype_mismatch(work, self.explained_keys, self.module, name)) is not None:
-                err.add_note(mismatch)
-            raise
+            error = run_error(err, work, self.explained_keys, dict(self.module.named_modules()), name)
+            if error is err:
+                raise
+            raise error from err
         return work if result is None else result
 
     def _first_pass(self, tensordict: TensorDictBase) -> Call:

@@ -43,6 +43,7 @@ from tdhook.attribution.rules._layers import (
     _has_plain_forward,
     _has_weight_property,
 )
+from tdhook.attribution.rules._meta_tensors import raise_for_meta_tensors
 from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules._wrapper_calls import rules_act_here
 from tdhook.attribution.tunables import Tunable
@@ -654,6 +655,7 @@ class Rule(Tunable):
                 if self.one_output_only and not isinstance(output, torch.Tensor):
                     _raise_for_several_outputs(self, module, output)
                 return _ruled_in_forward(module)
+            raise_for_meta_tensors(module, output)
             earlier = next(iter(module._forward_hooks.values())) is not hook  # prepended in the open context
             if (_GLOBAL_FORWARD_HOOKS or earlier) and isinstance(module, LINEAR_LAYERS):
                 raise_if_an_earlier_hook_changed(module, registration.busy, inputs, output, not earlier)

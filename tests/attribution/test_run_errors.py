@@ -1,0 +1,85 @@
+"""The error a failing run of the wrapped model raises.
+
+A parameter or buffer left on the meta device failed with torch's "Tensor on device meta is not on the expected
+device cpu!", which names no module: the error names the module, the tensor and the device expected, and the call
+leaves the model and the caller's TensorDict as they were. A model may hold such tensors without computing with them
+(torchrl's multi-agent templates, see test_agents.py): they are not refused before the call.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+
+from tdhook.attribution import LRP, EpsilonPlus, Saliency
+
+
+def on_meta(where: str) -> nn.Sequential:
+    """Two Linear layers and a BatchNorm, with a parameter (or a buffer) of the one at ``where`` on meta."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 1)).eval()
+    if where == "buffer":
+        model[3].running_var = torch.empty(3, device="meta")
+    else:
+        model[int(where)].weight = nn.Parameter(torch.empty_like(model[int(where)].weight, device="meta"))
+    return model
+
+
+def state(model: nn.Module) -> list:
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    hooks = [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for m in model.modules()]
+    return [(n, t, t.device, t.clone() if not t.is_meta else None) for n, t in tensors] + hooks
+
+
+def assert_same(before: list, after: list) -> None:
+    assert len(before) == len(after)
+    for old, new in zip(before, after, strict=True):
+        if isinstance(old, tuple) and len(old) == 4 and isinstance(old[1], torch.Tensor):
+            assert old[:3] == new[:3] and new[1] is old[1]
+            assert old[3] is None or torch.equal(old[3], new[3])
+        else:
+            assert old == new
+
+
+@pytest.mark.parametrize("in_context", [False, True], ids=["call", "context"])
+@pytest.mark.parametrize(
+    "where, named",
+    [("0", "'0' (Linear) holds its parameter 'weight'"), ("2", "'2' (Linear) holds its parameter 'weight'"),
+     ("buffer", "'3' (BatchNorm1d) holds its buffer 'running_var'")],
+)  # fmt: skip
+def test_a_tensor_on_meta_is_named_and_nothing_changes(where: str, named: str, in_context: bool):
+    model = on_meta(where)
+    lrp = LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    x = torch.randn(4, 2)
+    td = TensorDict(x=x, batch_size=[4])
+    before = state(model)
+    match = re.escape(f"LRP: the module {named} on the meta device") + ".*inputs are on cpu.*expected on cpu"
+    with pytest.raises(ValueError, match=match) as info:
+        if in_context:
+            with lrp:
+                lrp(td)
+        else:
+            lrp(td)
+    assert "meta" in str(info.value.__cause__)  # torch's own error, as the cause
+    assert_same(before, state(model))
+    assert set(td.keys()) == {"x"} and td["x"] is x
+
+
+def test_another_method_names_it_too():
+    model = TensorDictModule(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1)).to("meta"), in_keys=["x"], out_keys=["y"])
+    with pytest.raises(ValueError, match="Saliency: the module 'module.0' \\(Linear\\) holds its parameter 'weight'"):
+        Saliency(model, target=0)(TensorDict(x=torch.randn(4, 2), batch_size=[4]))
+
+
+def test_an_error_not_about_meta_is_left_as_it_is():
+    # A meta tensor the model holds but does not compute with is no cause of another error.
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(2, 1))
+    model.register_buffer("template", torch.empty(3, device="meta"))
+    with pytest.raises(RuntimeError, match="cannot be multiplied") as info:
+        LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(TensorDict(x=torch.randn(4, 2), batch_size=[4]))
+    assert any("raised while running the wrapped module" in note for note in info.value.__notes__)
