@@ -61,7 +61,7 @@ class CoverageRecorder:
         self, calls: NonlinearCalls, targets: list[torch.Tensor], modules: Mapping[str, nn.Module], mapper: Any
     ) -> None:
         """Warn about (or, with a ``strict`` mapper, refuse) the watched calls the targets depend on: nonlinear calls
-        without a rule, and convolutions outside convolution layers that ``mapper`` would give another rule."""
+        without a rule, and convolutions or linear maps outside layers that ``mapper`` would give another rule."""
         self._pending = False
         strict = bool(getattr(mapper, "strict", False))
         try:

@@ -152,8 +152,8 @@ def _is_nonlinear_call(func: Any, args: tuple) -> str | None:
 
 
 def _is_layer_call(func: Any, args: tuple) -> str | None:
-    """The function's name when this call is a convolution of an activation by a weight computed from parameters
-    (what a convolution layer computes), else ``None``."""
+    """The function's name when this call is a convolution or linear map of an activation by a weight computed from
+    parameters (what a convolution or Linear layer computes), else ``None``."""
     name = function_kind(func)[0]
     if name not in LAYER_FUNCTIONS or len(args) < 2 or not is_activation(args[0]):
         return None
@@ -211,7 +211,7 @@ class NonlinearCalls(TorchFunctionMode):
         super().__init__()
         self._covering = [mode for mode in modes if hasattr(mode, "covers")]
         self._calls: list[tuple[str, str, Any]] = []
-        self._layer_calls: list[tuple[str, str, Any]] = []  # convolutions outside convolution layers
+        self._layer_calls: list[tuple[str, str, Any]] = []  # convolutions and linear maps outside layers
         self._stack: list[str] = []
         self._ruled_depth = 0
         # Per module call: its name, the autograd sequence numbers of the nodes it created (from, to), and
@@ -247,9 +247,9 @@ class NonlinearCalls(TorchFunctionMode):
         return _count([*self._calls, *self._function_calls(reached or ())], reached)
 
     def found_layers(self, targets: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, int]]:
-        """Module name → convolution function → number of calls: convolutions of activations by weights computed from
-        parameters, in modules without a rule (see :mod:`~tdhook.attribution._unmapped_layers`); ``targets`` as for
-        :meth:`found`."""
+        """Module name → layer function → number of calls: convolutions and linear maps of activations by weights
+        computed from parameters, in modules without a rule (see :mod:`~tdhook.attribution._unmapped_layers`);
+        ``targets`` as for :meth:`found`."""
         return _count(self._layer_calls, None if targets is None else _graph_nodes(targets))
 
     def _function_calls(self, nodes: Iterable[Any]) -> list[tuple[str, str, Any]]:

@@ -1,13 +1,15 @@
-"""Convolutions computed by modules that are no convolution layer: the layer rules, given by module type, miss them.
+"""Layers computed by modules that are no such layer: the layer rules, given by module type, miss them.
 
 A rule mapper gives its layer rules by module type, as zennit's composites do: a module of one's own that holds a
-weight and calls ``F.conv2d`` in its forward is no ``nn.Conv2d`` to it, so it keeps its plain gradient (LRP-0), where
-the preset gives convolutions z⁺, αβ or γ. Nothing else tells: the call is linear in the activation, so the watch of
-nonlinear calls (:mod:`~tdhook.attribution._nonlinear_calls`) has nothing to say about it. The watch notes such
-calls (a convolution of an activation by a weight computed from parameters, in a module without a rule), and
-:func:`report_unmapped_layers` warns of those whose module the mapper would give another rule, were it a
-convolution layer: a user's mapper or a preset that leaves convolutions LRP-0 (the transformer presets) hears
-nothing.
+weight and calls ``F.conv2d`` (or ``F.linear``) in its forward is no ``nn.Conv2d`` (no ``nn.Linear``) to it, so it
+keeps its plain gradient (LRP-0), where the preset gives convolutions z⁺, αβ or γ, or Linear layers a large ε. A
+``torch.fx`` graph traced through its ``nn.Linear`` layers holds such calls too. Nothing else tells: the call is
+linear in the activation, so the watch of nonlinear calls (:mod:`~tdhook.attribution._nonlinear_calls`) has nothing
+to say about it. The watch notes such calls (a convolution or linear map of an activation by a weight computed from
+parameters, in a module without a rule), and :func:`report_unmapped_layers` warns of those whose module the mapper
+would give a rule that is not (near) the plain gradient, were it such a layer: a user's mapper or a preset that
+leaves these layers LRP-0 (the transformer presets), or gives them an ε no larger than the presets' default
+(``1e-6``, which changes the relevance by ε over the layer's outputs), hears nothing.
 
 Examples:
     >>> from tdhook.attribution import EpsilonPlus
@@ -31,10 +33,14 @@ from tdhook.attribution.coverage import PlainGradientCall
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule
 
-__all__ = ["LAYER_FUNCTIONS", "report_unmapped_layers"]
+__all__ = ["LAYER_FUNCTIONS", "NEGLIGIBLE_EPSILON", "report_unmapped_layers"]
 
-# The functions of the convolution layers, and the layer each stands for to a rule mapper.
+# An ε-rule with an ε up to this (the presets' default) is the plain gradient but where a layer's output is as small.
+NEGLIGIBLE_EPSILON = 1e-6
+
+# The functions of the Linear and convolution layers, and the layer each stands for to a rule mapper.
 LAYER_FUNCTIONS: dict[str, type[nn.Module]] = {
+    "linear": nn.Linear,
     "conv1d": nn.Conv1d,
     "conv2d": nn.Conv2d,
     "conv3d": nn.Conv3d,
@@ -64,11 +70,12 @@ def report_unmapped_layers(
             if rule is None:
                 continue
             kind = type(module).__name__ if module is not None else "?"
-            calls.append(PlainGradientCall(name, kind, f"{function} (a convolution outside a layer)", count))
-            where = f"module {name!r}" if name else "the model itself"
             layer = LAYER_FUNCTIONS[function].__name__
+            what = "Linear layer" if layer == "Linear" else "convolution layer"
+            calls.append(PlainGradientCall(name, kind, f"{function} (a {what}'s product outside a layer)", count))
+            where = f"module {name!r}" if name else "the model itself"
             message = (
-                f"LRP: {where} ({kind}) computes {function} with its own weight, but is no convolution layer to the "
+                f"LRP: {where} ({kind}) computes {function} with its own weight, but is no {what} to the "
                 f"rule mapper, which gives rules by module type: it keeps its plain gradient (LRP-0) where a {layer} "
                 f"gets {type(rule).__name__}. Make it a subclass of nn.{layer}, or map it in rule_mapper; "
                 "lrp.coverage() lists every such call"
@@ -80,11 +87,12 @@ def report_unmapped_layers(
 
 
 def _layer_rule(mapper: Callable[[str, nn.Module], Any] | None, name: str, layer: type[nn.Module]) -> Any:
-    """The rule ``mapper`` gives a layer of type ``layer`` named ``name``, where it is not the plain gradient."""
+    """The rule ``mapper`` gives a layer of type ``layer`` named ``name``, where it is not (near) the plain gradient."""
     if mapper is None:
         return None
-    rule = mapper(name, layer(1, 1, 1, device="meta"))
+    shape = (1, 1) if layer is nn.Linear else (1, 1, 1)
+    rule = mapper(name, layer(*shape, device="meta"))
     plain = rule is None or isinstance(rule, IgnoreRule)
-    if type(rule) is EpsilonRule and rule.epsilon == 0.0:
+    if type(rule) is EpsilonRule and rule.epsilon <= NEGLIGIBLE_EPSILON:
         plain = True
     return None if plain else rule

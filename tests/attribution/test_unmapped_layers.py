@@ -1,0 +1,138 @@
+"""Linear maps computed by modules that are no ``nn.Linear``: ``F.linear`` with a module's own weight.
+
+The convolution case (``F.conv2d``) is tested in ``test_lrp_layers.py::TestConvolutions``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.fx
+from tensordict import TensorDict
+from torch import nn
+
+from tdhook.attribution import CPLRP, LRP, AttnLRP, EpsilonPlus, UniformEpsilon
+from tdhook.attribution._unmapped_layers import report_unmapped_layers
+from tdhook.attribution.lrp_helpers.rules import AlphaBetaRule, EpsilonRule, FlatRule, GammaRule, WSquareRule
+from tests.conftest import relative_error
+
+F64 = torch.float64
+
+
+class OwnLinear(nn.Module):
+    """A Linear layer of one's own: an ``nn.Linear``'s weight and bias, applied with ``F.linear``."""
+
+    def __init__(self, layer: nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = layer.weight, layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class ThroughLayers(torch.fx.Tracer):
+    """A tracer that keeps no module as a leaf: the graph calls ``F.linear`` with the layers' weights."""
+
+    def is_leaf_module(self, module: nn.Module, name: str) -> bool:
+        return False
+
+
+def _nets() -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    """A small MLP whose last layer is an :class:`OwnLinear`, the same MLP with its ``nn.Linear``, and an input."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3)).to(F64)
+    return nn.Sequential(plain[0], plain[1], OwnLinear(plain[2])), plain, torch.randn(4, 5, dtype=F64)
+
+
+def _relevance(model: nn.Module, x: torch.Tensor, mapper) -> tuple[torch.Tensor, LRP]:
+    lrp = LRP(model, rule_mapper=mapper, in_keys=["x"], out_keys=["y"])
+    return lrp(TensorDict(x=x.clone(), batch_size=[x.shape[0]]))["relevance", "x"], lrp
+
+
+class TestLinearWrittenWithFLinear:
+    def test_is_warned_of_naming_the_module(self):
+        """A module of one's own calling F.linear with its weight is no nn.Linear to the mappers (rules go by module
+        type): it kept its plain gradient with no word, 57 % off the same net with nn.Linear under UniformEpsilon
+        (ε = 0.25). The first call warns, naming the module and the rule a Linear gets, and coverage() lists the
+        call; a strict mapper refuses it."""
+        own, plain, x = _nets()
+        expected, _ = _relevance(plain, x, UniformEpsilon())
+        with pytest.warns(UserWarning, match=r"module '2' \(OwnLinear\) computes linear with its own weight.*Linear"):
+            actual, lrp = _relevance(own, x, UniformEpsilon())
+        assert relative_error(actual, expected) > 0.1  # the plain gradient there: why it is warned of
+        assert [(c.module, c.module_type, c.calls) for c in lrp.coverage().plain_gradient] == [("2", "OwnLinear", 1)]
+        with pytest.raises(ValueError, match=r"module '2' \(OwnLinear\) computes linear"):
+            _relevance(own, x, UniformEpsilon(strict=True))
+
+    @pytest.mark.parametrize(
+        "rule",
+        [lambda: EpsilonRule(0.25), lambda: GammaRule(0.25), lambda: AlphaBetaRule(2.0, 1.0), FlatRule, WSquareRule],
+        ids=["epsilon", "gamma", "alpha2beta1", "flat", "wsquare"],
+    )
+    def test_is_warned_of_where_a_linear_layer_gets_another_rule(self, rule):
+        own, _, x = _nets()
+        with pytest.warns(UserWarning, match=r"module '2' \(OwnLinear\) computes linear"):
+            _relevance(own, x, {nn.Linear: rule()})
+
+    def test_a_graph_traced_through_its_linear_layers_is_warned_of(self):
+        """torch.fx traced with a tracer that keeps no nn.Linear as a leaf: the graph calls F.linear itself
+        (130 % off the traced module under UniformEpsilon, with no word)."""
+        _, plain, x = _nets()
+        traced = torch.fx.GraphModule(plain, ThroughLayers().trace(plain))
+        expected, _ = _relevance(plain, x, UniformEpsilon())
+        with pytest.warns(UserWarning, match=r"the model itself \(GraphModule\) computes linear with its own weight"):
+            actual, _ = _relevance(traced, x, UniformEpsilon())
+        assert relative_error(actual, expected) > 0.1
+
+    @pytest.mark.parametrize("preset", ["EpsilonPlus", "AttnLRP", "CPLRP", "Epsilon0", "none"])
+    def test_is_not_warned_of_where_a_linear_layer_would_be_near_lrp0(self, preset):
+        """Where an nn.Linear would get LRP-0 (the transformer presets, ε = 0, no mapper) or the presets' tiny
+        ε (1e-6): no warning, and the relevance is the layer's (to ε's effect)."""
+        mappers = {
+            "EpsilonPlus": EpsilonPlus,
+            "AttnLRP": AttnLRP,
+            "CPLRP": CPLRP,
+            "Epsilon0": lambda: {nn.Linear: EpsilonRule(0.0)},
+            "none": lambda: None,
+        }
+        own, plain, x = _nets()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            actual, _ = _relevance(own, x, mappers[preset]())
+        expected, _ = _relevance(plain, x, mappers[preset]())
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-8)
+
+    def test_a_fixed_projection_in_a_buffer_is_not_warned_of(self):
+        """A projection held in a buffer is no layer's weight: no warning."""
+
+        class Project(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.register_buffer("basis", torch.eye(16, dtype=F64)[:8])
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return nn.functional.linear(x, self.basis)
+
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), Project(), nn.Linear(8, 3)).to(F64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _relevance(net, torch.randn(4, 5, dtype=F64), UniformEpsilon())
+
+
+def test_report_names_the_linear_layer_and_its_rule():
+    found, modules = {"head": {"linear": 2}}, {"head": nn.Identity()}
+    with pytest.warns(UserWarning, match=r"no Linear layer .* where a Linear gets EpsilonRule"):
+        (call,) = report_unmapped_layers(found, modules, UniformEpsilon(), strict=False)
+    assert (call.module, call.module_type, call.calls) == ("head", "Identity", 2)
+    assert report_unmapped_layers(found, modules, EpsilonPlus(), strict=False) == ()  # ε = 1e-6: near LRP-0
+
+
+def test_a_tiny_epsilon_on_convolutions_is_near_lrp0_too():
+    """The same line for convolutions: ε up to the presets' 1e-6 is not warned of, a larger one is."""
+    found, modules = {"conv": {"conv2d": 1}}, {"conv": nn.Identity()}
+    assert report_unmapped_layers(found, modules, lambda name, module: EpsilonRule(1e-6), strict=False) == ()
+    with pytest.warns(UserWarning, match=r"no convolution layer .* where a Conv2d gets EpsilonRule"):
+        report_unmapped_layers(found, modules, lambda name, module: EpsilonRule(1e-3), strict=False)
