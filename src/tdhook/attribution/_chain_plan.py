@@ -201,7 +201,7 @@ class ChainPlan:
             for layer, rule in self.layers:
                 if type(layer) is nn.Linear:
                     x = torch.nn.functional.linear(x, layer.weight, layer.bias)
-                    factors.append(None if rule is None else rule._scale(x, 1))
+                    factors.append(None if rule is None else rule._scale_of(x, 1))  # x has no history: no detach
                 elif type(layer) is nn.ReLU:
                     x = torch.relu(x)
                     factors.append(x)
