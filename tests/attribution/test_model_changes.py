@@ -113,3 +113,22 @@ def test_a_layer_parametrized_in_an_open_context_is_no_change(how: str):
             torch.nn.utils.parametrize.remove_parametrizations(net[2], "weight")
             got = lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
     assert relative_error(got, fresh(net, EpsilonPlusFlat(), x)) < 1e-12
+
+
+def test_a_first_layer_moved_into_the_wrapper_is_followed():
+    # The wrapper's own module gains the model's first layer as the model loses it: every module's children, in a
+    # row, read as before (the buffer holders' check, which stands for the context's, sees no change), but the
+    # model's own children differ: the context is entered again.
+    net = nn.Sequential(nn.Linear(5, 5), nn.ReLU(), nn.Linear(5, 3)).to(F64)
+    x = torch.randn(4, 5, dtype=F64)
+    lrp = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        lrp(TensorDict(x=x, batch_size=[4]))
+        lrp(TensorDict(x=x, batch_size=[4]))
+        handles = lrp._handles
+        lrp.module.extra = net[0]
+        del net[0]
+        got = lrp(TensorDict(x=x, batch_size=[4]))["relevance", "x"]
+        assert lrp._handles is not handles
+    assert torch.equal(got, fresh(copy.deepcopy(net), EpsilonPlus(), x))
+    assert no_hooks(net)

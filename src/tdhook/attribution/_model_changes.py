@@ -6,7 +6,9 @@ A context gives the rules once, when it opens, to the modules the model has then
 (a small CNN under ``EpsilonPlus`` 118 % off, relative L2, and an MLP under ``UniformEpsilon`` 57 % off the changed
 model explained in a context entered after the change). A module taken out left the first-layer rules of the old
 layout in place. Each call now compares the model's modules with those the context found, cheaply (each module's
-children, by identity, in one pass), and where they differ the context is left and entered again: the rules are
+children, by identity, in one pass; where the call's check of the modules holding buffers, which passes over the
+same modules, found them as they were when the context's were last confirmed, that check stands for this one), and
+where they differ the context is left and entered again: the rules are
 given anew to the model as it is, as a context entered after the change gives them. Parametrizations registered or
 removed in the meantime (``weight_norm``, ``spectral_norm``) change nothing: their modules compute a layer's weight,
 which the layer's rule reads at each call.
@@ -36,7 +38,7 @@ from typing import Any
 from torch import nn
 from torch.nn.utils import parametrize
 
-from tdhook.attribution.methods._batch_statistics import _children
+from tdhook.attribution.methods._batch_statistics import _CHILDREN, _children
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 
 __all__ = ["follow_model_changes", "forget_modules", "record_modules"]
@@ -45,15 +47,41 @@ __all__ = ["follow_model_changes", "forget_modules", "record_modules"]
 class _Found:
     """The modules an open context found, and the children of each, in a row."""
 
-    __slots__ = ("children", "computing_weights", "modules")
+    __slots__ = ("children", "computing_weights", "lead", "lead_children", "linked", "modules")
 
     def __init__(self, modules: Iterable[nn.Module]) -> None:
         self.modules = list(modules)
         self.children = _children(self.modules)
         self.computing_weights = _parametrization_modules(self.modules)
+        # A check of the buffer holders (BufferHolders.checked) found these modules, after ``lead`` (the
+        # wrapper's own modules, ``lead_children`` children in all), with these children.
+        self.linked: tuple | None = None
+        self.lead: list[nn.Module] = []
+        self.lead_children = 0
 
-    def unchanged(self) -> bool:
-        return _same(_children(self.modules), self.children)
+    def unchanged(self, checked: tuple | None) -> bool:
+        """The modules have the children they had. ``checked``: what this call's check of the buffer holders found
+        (the model's modules and their children in a row, as they are now), or ``None``."""
+        if checked is not None and checked is self.linked and _count(self.lead) == self.lead_children:
+            # The holders' modules have the children they had when linked: these modules' children follow the
+            # lead's, unchanged in number, so they are those found.
+            return True
+        if not _same(_children(self.modules), self.children):
+            return False
+        if checked is not None:
+            self._link(checked)
+        return True
+
+    def _link(self, checked: tuple) -> None:
+        modules, children = checked[1], checked[2]
+        lead = modules[: len(modules) - len(self.modules)]
+        count = _count(lead)
+        if (
+            len(modules) >= len(self.modules)
+            and _same(modules[len(lead) :], self.modules)
+            and _same(children[count:], self.children)
+        ):
+            self.linked, self.lead, self.lead_children = checked, lead, count
 
 
 # Per open context (its wrapper, held weakly), the modules it gave its rules to.
@@ -76,7 +104,7 @@ def follow_model_changes(lrp: Any) -> None:
     the context was entered (its rules are given to the model as it is now); nothing where the model is as it was,
     or where only parametrizations came or went."""
     found = _FOUND.get(lrp)
-    if found is None or found.unchanged():
+    if found is None or found.unchanged(lrp._buffer_holders.take_checked()):
         return
     now = list(found.modules[0].modules()) if found.modules else []
     before = {id(module) for module in found.modules}
@@ -87,6 +115,11 @@ def follow_model_changes(lrp: Any) -> None:
         return
     lrp._leave(lrp._handles or [])
     lrp._enter()
+
+
+def _count(modules: list[nn.Module]) -> int:
+    """How many children ``modules`` have in all."""
+    return sum(map(len, map(_CHILDREN, modules)))
 
 
 def _without(modules: list[nn.Module], ids: set[int]) -> list[nn.Module]:

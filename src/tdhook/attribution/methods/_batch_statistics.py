@@ -74,6 +74,10 @@ class BufferHolders:
     module put in, replaced or removed anywhere, by any means, a buffer registered or deleted). Which of the
     holders are in training mode, and their buffers, are read on every call.
 
+    After each :meth:`of`, :attr:`checked` holds what it found (the model, its modules and their children in a
+    row, as they are at that moment) until :meth:`take_checked` takes it: another check of the same structure in
+    the same call reads it instead of passing over the modules again (see ``tdhook.attribution._model_changes``).
+
     Examples:
         >>> net = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))
         >>> holders = BufferHolders()
@@ -86,6 +90,13 @@ class BufferHolders:
 
     def __init__(self) -> None:
         self._found: tuple[nn.Module, list[nn.Module], list[nn.Module | None], list[nn.Module], list] | None = None
+        self.checked: tuple | None = None
+
+    def take_checked(self) -> tuple | None:
+        """What the last :meth:`of` found, once: ``None`` where it was taken already (a check of an earlier call
+        says nothing about the model now)."""
+        checked, self.checked = self.checked, None
+        return checked
 
     def of(self, model: nn.Module) -> list[nn.Module]:
         """The modules of ``model`` (itself included) that hold at least one buffer."""
@@ -95,12 +106,14 @@ class BufferHolders:
             # Every module's children, in a row: unchanged, they are the modules found (the root aside), and no
             # other module is reached; the modules that held no buffer still hold none.
             if not any(map(_BUFFERS, others)) and _children(modules) == children:
+                self.checked = found
                 return holders
         modules = list(model.modules())
         children = _children(modules)
         holders = [module for module in modules if module._buffers]
         others = [module for module in modules if not module._buffers]
-        self._found = (model, modules, children, holders, others)  # one assignment: an interrupt leaves the last
+        # One tuple: an interrupt leaves the last one whole.
+        self._found = self.checked = (model, modules, children, holders, others)
         return holders
 
     def __reduce__(self) -> tuple:

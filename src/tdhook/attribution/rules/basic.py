@@ -129,7 +129,11 @@ class EpsilonRule(Rule):
         self.epsilon = epsilon
 
     def _scale(self, output: torch.Tensor, n_inputs: int) -> torch.Tensor:
-        z, epsilon = output.detach(), self.epsilon
+        return self._scale_of(output.detach(), n_inputs)
+
+    def _scale_of(self, z: torch.Tensor, n_inputs: int) -> torch.Tensor:
+        """:meth:`_scale` of an output ``z`` that has no history (one computed under ``no_grad``)."""
+        epsilon = self.epsilon
         if epsilon == 0:
             scale = (z != 0).to(z.dtype)
         elif z.numel() <= PIECE:  # small enough to stay in cache whole (in_pieces_ without its call)
