@@ -115,3 +115,38 @@ def test_a_locked_tensordict_is_refused_before_the_model_runs_naming_the_keys(me
         wrapper(td)
     assert not calls
     assert dict(td.items()).keys() == before.keys() and all(td.get(k) is v for k, v in before.items())
+
+
+class _Patches(nn.Module):
+    """Folds the batch into the patches, as MobileViT's transformer blocks do: ``[B, C, H, W] -> [B·H·W, C]``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.permute(0, 2, 3, 1).reshape(-1, x.shape[1])
+
+
+class _Unfolded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.patches, self.mix = nn.Conv2d(2, 3, 1), _Patches(), nn.Linear(3, 3)
+        self.head = nn.Linear(12, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        patches = self.mix(self.patches(self.conv(x)))
+        return self.head(patches.reshape(x.shape[0], -1))
+
+
+def test_a_layer_whose_output_folds_the_batch_is_refused_naming_it_and_the_shapes():
+    """Relevance at a layer whose output is ``[batch x patches, C]`` cannot be written per sample: tensordict's own
+    error named neither the layer nor what was expected."""
+    from tdhook.attribution import LRP
+
+    torch.manual_seed(0)
+    td = TensorDict(x=torch.randn(3, 2, 2, 2), batch_size=[3])
+    before = td.clone()
+    lrp = LRP(_Unfolded(), in_keys=["x"], out_keys=["y"], layers=["conv", "mix"])
+    message = r"LRP: the relevance at \('relevance', 'mix'\) has shape \[12, 3\], which does not start with the "
+    with pytest.raises(ValueError, match=message + r"TensorDict's batch shape \[3\]"):
+        lrp(td)
+    assert list(td.keys()) == ["x"] and torch.equal(td["x"], before["x"])
+    written = LRP(_Unfolded(), in_keys=["x"], out_keys=["y"], layers=["conv"])(td.clone())
+    assert written["relevance", "conv"].shape == (3, 3, 2, 2)

@@ -182,6 +182,15 @@ def relevance_updates(
         tensor([3., 3.])
     """
     updates = {key: rel for key, rel in zip(keys, relevances, strict=True) if rel is not None}
+    batch = tensordict.batch_size
+    for key, rel in updates.items():
+        if rel.shape[: len(batch)] != batch:  # a layer's output that folds the batch into another dimension
+            raise ValueError(
+                f"LRP: the relevance at {key!r} has shape {list(rel.shape)}, which does not start with the "
+                f"TensorDict's batch shape {list(batch)}: the layer named there returns an output whose leading "
+                "dimensions are not the batch (such as [batch x patches, ...]), and its relevance cannot be written "
+                "per sample; name a layer whose output keeps the batch in front"
+            )
     for key, source, rel in zip(token_keys, sources, relevances, strict=bool(token_keys)):
         if rel is not None:
             per_token = source is not None and not tensordict.get(source).is_floating_point()
