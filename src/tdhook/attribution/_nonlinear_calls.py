@@ -50,6 +50,7 @@ from tdhook.attribution.rules._autograd import (
     unwrapped,
 )
 from tdhook.attribution.rules._caller import warn_at_caller
+from tdhook.attribution.rules.base import _reaches_model_input
 
 __all__ = ["NonlinearCalls", "function_kind", "report_plain_gradient"]
 
@@ -212,6 +213,7 @@ class NonlinearCalls(TorchFunctionMode):
         self._covering = [mode for mode in modes if hasattr(mode, "covers")]
         self._calls: list[tuple[str, str, Any]] = []
         self._layer_calls: list[tuple[str, str, Any]] = []  # convolutions and linear maps outside layers
+        self._first_layer_calls: list[tuple[str, str, Any]] = []  # those of them the model's input reaches first
         self._stack: list[str] = []
         self._ruled_depth = 0
         # Per module call: its name, the autograd sequence numbers of the nodes it created (from, to), and
@@ -234,7 +236,10 @@ class NonlinearCalls(TorchFunctionMode):
         if name is not None and not any(mode.covers(func, args) for mode in self._covering):
             self._calls.append((self._stack[-1] if self._stack else "", name, _grad_fn(result)))
         elif name is None and (layer := _is_layer_call(func, args)) is not None:
-            self._layer_calls.append((self._stack[-1] if self._stack else "", layer, _grad_fn(result)))
+            call = (self._stack[-1] if self._stack else "", layer, _grad_fn(result))
+            self._layer_calls.append(call)
+            if _reaches_model_input(args[0]):  # as the first-layer rule decides it for a layer: at this call
+                self._first_layer_calls.append(call)
 
     def found(self, targets: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, int]]:
         """Module name → function name → number of calls (the model itself is ``""``).
@@ -251,6 +256,12 @@ class NonlinearCalls(TorchFunctionMode):
         computed from parameters, in modules without a rule (see :mod:`~tdhook.attribution._unmapped_layers`);
         ``targets`` as for :meth:`found`."""
         return _count(self._layer_calls, None if targets is None else _graph_nodes(targets))
+
+    def found_first_layers(self, targets: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, int]]:
+        """Those of :meth:`found_layers` whose activation the model's input reaches through no layer: calls in the
+        first layer's place, where a preset puts its first-layer rule (Flat, z^B); ``targets`` as for
+        :meth:`found`."""
+        return _count(self._first_layer_calls, None if targets is None else _graph_nodes(targets))
 
     def _function_calls(self, nodes: Iterable[Any]) -> list[tuple[str, str, Any]]:
         """The nodes of custom autograd Functions among ``nodes`` that a module outside every rule applied: their
