@@ -39,6 +39,7 @@ from tdhook.attribution.rules._autograd import (
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint, saved_tensors_hooked
+from tdhook.attribution.rules._statistics import clips_a_statistic
 from tdhook.attribution.rules.basic import (
     RULED_ON_NODE,
     clipped_on_node,
@@ -81,7 +82,11 @@ _ACTIVATION_FUNCTIONS = frozenset(
 # Clipping calls: element-wise, piecewise linear but not homogeneous, as ``nn.Hardtanh`` and ``nn.ReLU6`` are (a
 # unit clipped at a bound other than zero has a value but no gradient); those in place change their first argument.
 _CLIPS = frozenset({torch.clamp, torch.Tensor.clamp, torch.clip, torch.Tensor.clip, F.hardtanh, F.relu6})
-_CLIPS_IN_PLACE = frozenset({torch.clamp_, torch.Tensor.clamp_, torch.clip_, torch.Tensor.clip_})
+_CLIPS |= {torch.clamp_min, torch.Tensor.clamp_min, torch.clamp_max, torch.Tensor.clamp_max}
+# In place, and the call each clips a copy with.
+_CLIPS_IN_PLACE = dict.fromkeys((torch.clamp_, torch.Tensor.clamp_, torch.clip_, torch.Tensor.clip_), torch.clamp)
+_CLIPS_IN_PLACE |= dict.fromkeys((torch.clamp_min_, torch.Tensor.clamp_min_), torch.clamp_min)
+_CLIPS_IN_PLACE |= dict.fromkeys((torch.clamp_max_, torch.Tensor.clamp_max_), torch.clamp_max)
 
 # Dropout as a function (attention dropout in eager attention): its keyword that says whether it drops, by function.
 _DROPOUTS = {F.dropout: "training", F.dropout1d: "training", F.dropout2d: "training", F.dropout3d: "training"}
@@ -156,7 +161,7 @@ _HANDLED = frozenset(
     | {torch.baddbmm, torch.einsum, F.scaled_dot_product_attention, F.layer_norm, F.rms_norm}
     | {F.multi_head_attention_forward}
     | _CLIPS
-    | _CLIPS_IN_PLACE
+    | set(_CLIPS_IN_PLACE)
     | {F.glu}
 )
 
@@ -198,7 +203,9 @@ class FunctionalRules(TorchFunctionMode):
       ``softmax(q · kᵀ) · v``; with a non-zero softmax ε, or in a call that keeps the
       relevance's graph (the fused kernels have no second derivative), it is computed unfused;
     * functional activations (``F.gelu``, ``F.silu``, ``torch.tanh``, …) and clipping calls (``clamp``,
-      ``clip``, ``F.hardtanh``, ``F.relu6``, in place too): ``activation`` (a :class:`PseudoIdentityRule`);
+      ``clamp_min``, ``clamp_max``, ``clip``, ``F.hardtanh``, ``F.relu6``, in place too): ``activation`` (a
+      :class:`PseudoIdentityRule`); a clip of a statistic that normalises (``norm.clamp_min(eps)``, a divisor's
+      guard) keeps its plain gradient (see :mod:`~tdhook.attribution.rules._statistics`);
     * ``F.glu`` (``a · sigmoid(b)``): its gate held constant, ``a`` gets all the relevance;
     * ``F.layer_norm`` and ``F.rms_norm``: :class:`LayerNormRule`.
 
@@ -349,6 +356,8 @@ class FunctionalRules(TorchFunctionMode):
             result = self.activation.apply(output, args[0])
             return mark_gate(result, args[0], sigmoid=True) if func in GATE_FUNCTIONS else result
         if (func in _CLIPS or func in _CLIPS_IN_PLACE) and is_activation(args[0]):
+            if clips_a_statistic(args[0]):  # a divisor's guard (``norm.clamp_min(eps)``): its plain gradient
+                return _NO_RULE
             return self._clip(func, args, kwargs, recording)
         if func is F.glu and is_activation(args[0]):
             return _glu(args[0], call_argument(args, kwargs, 1, "dim", -1))
@@ -368,11 +377,12 @@ class FunctionalRules(TorchFunctionMode):
         return _NO_RULE
 
     def _clip(self, func: Callable, args: tuple, kwargs: dict, recording: Recording | None = None):
-        """A clipping call on an activation (``clamp``, ``clip``, ``F.hardtanh``, ``F.relu6``, in place or not): the
-        identity rule, as ``nn.Hardtanh`` and ``nn.ReLU6`` get it, so that a unit clipped at a bound other than zero
-        passes its relevance on (its gradient is zero). Bounds that are activations (``torch.clamp(x, min=y)``: a
-        maximum of two signals) keep the plain gradient. In place, the rule's output is copied into the argument.
-        In a recording call, the rule goes on the call's own node where it can (see :meth:`_clip_on_node`)."""
+        """A clipping call on an activation (``clamp``, ``clamp_min``, ``clamp_max``, ``clip``, ``F.hardtanh``,
+        ``F.relu6``, in place or not): the identity rule, as ``nn.Hardtanh`` and ``nn.ReLU6`` get it, so that a unit
+        clipped at a bound other than zero passes its relevance on (its gradient is zero). Bounds that are activations
+        (``torch.clamp(x, min=y)``: a maximum of two signals) keep the plain gradient. In place, the rule's output is
+        copied into the argument. In a recording call, the rule goes on the call's own node where it can (see
+        :meth:`_clip_on_node`)."""
         x = args[0]
         bounds = [*args[1:], *(value for key, value in kwargs.items() if key != "inplace")]
         if any(is_activation(bound) for bound in bounds):
@@ -386,7 +396,7 @@ class FunctionalRules(TorchFunctionMode):
             return self.activation.apply(func(*args, **kwargs), x)
         source = x.clone()  # the clipped values from a copy: the rule keeps the input as it was
         if func in _CLIPS_IN_PLACE:
-            clipped = torch.clamp(source, *args[1:], **kwargs)
+            clipped = _CLIPS_IN_PLACE[func](source, *args[1:], **kwargs)
         elif func is F.hardtanh:
             bounds = call_argument(args, kwargs, 1, "min_val", -1.0), call_argument(args, kwargs, 2, "max_val", 1.0)
             clipped = F.hardtanh(source, *bounds)
