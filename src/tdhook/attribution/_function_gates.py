@@ -13,7 +13,10 @@ all of it.
 So the first call of a wrapper, which runs in the watch of
 :mod:`~tdhook.attribution._nonlinear_calls` anyway, runs in ``HeldGates`` too,
 and its relevance is right; later calls run in it only if that first call held a
-gate. The decision is the wrapper's (one model), not the mapper's, which may
+gate, or gave a clipping call the model's outputs depend on the pass rule
+(``torch.clamp`` in a module's own forward: the rule ``nn.Hardtanh`` gets; a clip
+inside an ``nn.Hardtanh``, whose own rule takes the gradient past it, is no
+reason). The decision is the wrapper's (one model), not the mapper's, which may
 serve several models.
 
 Examples:
@@ -39,6 +42,7 @@ from typing import Any
 import torch
 
 from tdhook.attribution.mappers.base import BaseRuleMapper
+from tdhook.attribution.rules._autograd import relevance_pass_edges
 from tdhook.attribution.rules.gates import HeldGates
 
 __all__ = ["FunctionGates"]
@@ -71,10 +75,14 @@ class FunctionGates:
         were found, or no forward pass has completed yet."""
         return isinstance(mapper, BaseRuleMapper) and self.found is not False
 
-    def settle(self) -> None:
-        """After a forward pass that completed: whether it held a gate decides the later calls."""
+    def settle(self, outputs: object = None) -> None:
+        """After a forward pass that completed: whether it held a gate, or gave a clipping call whose output
+        ``outputs`` (what the model returned) depend on the pass rule, decides the later calls. A clip inside a
+        module with a rule of its own (``nn.Hardtanh``) is not reached: the module's rule takes the gradient past
+        it."""
         if self._probe is not None:
-            self.found, self._probe = self._probe.held, None
+            probe, self._probe = self._probe, None
+            self.found = probe.held or (bool(probe.clips) and _reaches(outputs, set(probe.clips)))
 
 
 def _covers_gates(modes: Sequence[Any]) -> bool:
@@ -82,3 +90,26 @@ def _covers_gates(modes: Sequence[Any]) -> bool:
     return any(
         isinstance(mode, HeldGates) or (hasattr(mode, "covers") and mode.covers(torch.sigmoid, ())) for mode in modes
     )
+
+
+def _reaches(outputs: object, nodes: set) -> bool:
+    """Whether the relevance pass from the tensors in ``outputs`` (a tensor, a TensorDict or a tuple of them) reaches
+    one of ``nodes``."""
+    if isinstance(outputs, torch.Tensor):
+        tensors = [outputs]
+    elif isinstance(outputs, (tuple, list)):
+        tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
+    elif hasattr(outputs, "values"):
+        tensors = [t for t in outputs.values(True, True) if isinstance(t, torch.Tensor)]
+    else:
+        return True  # nothing to walk from: as if reached
+    stack, seen = [t.grad_fn for t in tensors if t.requires_grad and t.grad_fn is not None], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        if node in nodes:
+            return True
+        seen.add(node)
+        stack.extend(relevance_pass_edges(node))
+    return False
