@@ -130,6 +130,18 @@ class TestLaterCalls:
         explain_twice(spy, torch.randn(3, 4, dtype=F64) * 3, EpsilonPlus())
         assert spy.modes_on == [True, False]
 
+    @pytest.mark.parametrize("target_key", ["loc", "scale"])
+    def test_a_clip_only_an_unexplained_output_reads_is_no_reason_for_the_mode(self, target_key: str):
+        # NormalParamExtractor keeps the scale of a Gaussian policy away from zero with clamp_min: explained at its
+        # loc, later calls run without the mode, as before; explained at the scale, the clip's pass rule needs it.
+        from tensordict.nn import NormalParamExtractor, TensorDictModule
+
+        spy = ModeSpy(nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 4), NormalParamExtractor())).double()
+        lrp = LRP(TensorDictModule(spy, in_keys=["x"], out_keys=["loc", "scale"]), EpsilonPlus(), target_key=target_key)
+        for _ in range(2):
+            lrp(TensorDict(x=torch.randn(3, 4, dtype=F64) * 3, batch_size=[3]))
+        assert spy.modes_on == [True, target_key == "scale"]
+
 
 class ClipCall(nn.Module):
     """A Linear layer's output clipped by a function in a module with a parameter (so no rule of its own)."""

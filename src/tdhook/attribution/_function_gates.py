@@ -44,6 +44,7 @@ import torch
 from tdhook.attribution.mappers.base import BaseRuleMapper
 from tdhook.attribution.rules._autograd import relevance_pass_edges
 from tdhook.attribution.rules.gates import HeldGates
+from tdhook.attribution.targets import resolve_target_key
 
 __all__ = ["FunctionGates"]
 
@@ -75,14 +76,15 @@ class FunctionGates:
         were found, or no forward pass has completed yet."""
         return isinstance(mapper, BaseRuleMapper) and self.found is not False
 
-    def settle(self, outputs: object = None) -> None:
-        """After a forward pass that completed: whether it held a gate, or gave a clipping call whose output
-        ``outputs`` (what the model returned) depend on the pass rule, decides the later calls. A clip inside a
-        module with a rule of its own (``nn.Hardtanh``) is not reached: the module's rule takes the gradient past
-        it."""
+    def settle(self, outputs: object = None, lrp: Any = None) -> None:
+        """After a forward pass that completed: whether it held a gate, or gave a clipping call whose output the
+        explained outputs depend on the pass rule, decides the later calls. ``outputs``: what the model returned;
+        ``lrp``: the wrapper, whose targets are the explained outputs (every tensor of ``outputs`` without it). A
+        clip inside a module with a rule of its own (``nn.Hardtanh``) is not reached: the module's rule takes the
+        gradient past it; nor is one only an output that is not explained reads (a policy's scale, for its loc)."""
         if self._probe is not None:
             probe, self._probe = self._probe, None
-            self.found = probe.held or (bool(probe.clips) and _reaches(outputs, set(probe.clips)))
+            self.found = probe.held or (bool(probe.clips) and _reaches(_explained(outputs, lrp), set(probe.clips)))
 
 
 def _covers_gates(modes: Sequence[Any]) -> bool:
@@ -90,6 +92,17 @@ def _covers_gates(modes: Sequence[Any]) -> bool:
     return any(
         isinstance(mode, HeldGates) or (hasattr(mode, "covers") and mode.covers(torch.sigmoid, ())) for mode in modes
     )
+
+
+def _explained(outputs: object, lrp: Any) -> object:
+    """The outputs ``lrp`` explains in the TensorDict ``outputs`` (all of it where they cannot be told)."""
+    if lrp is None or not hasattr(outputs, "get"):
+        return outputs
+    try:
+        keys = [resolve_target_key(outputs, *lrp.targets[name], lrp._candidates.of(lrp, name)) for name in lrp.targets]
+    except Exception:  # noqa: BLE001 (the call reports a target it cannot find itself, right after)
+        return outputs
+    return [outputs.get(key) for key in keys]
 
 
 def _reaches(outputs: object, nodes: set) -> bool:
