@@ -71,10 +71,12 @@ _PIECEWISE_LINEAR = frozenset(
     "avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d dropout "
     "dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout interpolate upsample upsample_nearest "
     "upsample_bilinear pixel_shuffle pixel_unshuffle channel_shuffle native_channel_shuffle unfold "
-    "fold diagonal diag diag_embed tril triu as_strided nan_to_num round floor ceil trunc sign heaviside "
+    "fold diagonal diag diag_embed tril triu as_strided nan_to_num "
     "embedding one_hot detach batch_norm broadcast_tensors atleast_1d atleast_2d atleast_3d pack_padded_sequence "
     "pad_packed_sequence pack_sequence pad_sequence view_as_complex view_as_real real imag".split()
 )
+# Calls that are piecewise constant in their activation: their gradient is zero, and no relevance passes back.
+_PIECEWISE_CONSTANT = frozenset("round floor ceil trunc fix sign sgn heaviside".split())
 # Products and maps that are linear in each factor: piecewise linear as long as at most one factor is an activation.
 _PRODUCTS = frozenset(
     "mul rmul matmul rmatmul mm bmm einsum bilinear tensordot kron outer dot vdot inner mv addcmul baddbmm addbmm "
@@ -91,7 +93,7 @@ _OPERATORS = frozenset({"add", "sub", "mul", "matmul", "truediv", "floordiv", "d
 
 def function_kind(func: Any) -> tuple[str, str]:
     """The name of a torch function and its kind: ``"linear"``, ``"product"``, ``"division"``,
-    ``"reflected division"`` or ``"nonlinear"``.
+    ``"reflected division"``, ``"constant"`` (piecewise constant: a zero gradient) or ``"nonlinear"``.
 
     Examples:
         >>> function_kind(torch.Tensor.__iadd__), function_kind(torch.sin), function_kind(torch.Tensor.__rtruediv__)
@@ -125,6 +127,8 @@ def _classify(func: Any) -> tuple[str, str]:
         return name, "product"
     if name in _PIECEWISE_LINEAR:
         return name, "linear"
+    if name in _PIECEWISE_CONSTANT:
+        return name, "constant"
     return name, "nonlinear"
 
 
@@ -368,13 +372,25 @@ def report_plain_gradient(
         module = modules.get(name)
         where = f"module {name!r}" if name else "the model itself"
         kind = f" ({type(module).__name__})" if module is not None else ""
-        message = (
-            f"LRP: {where}{kind} computes {', '.join(functions)} in its own forward, which is not piecewise "
-            "linear, and no rule covers it: its plain gradient is used. Map the module in rule_mapper (for example "
-            "PassRule for an element-wise activation, UniformRule or IgnoreRule), or use a preset whose function "
-            "rules cover it (AttnLRP, CPLRP); lrp.coverage() lists every such call"
-        )
-        if strict:
-            raise ValueError(message)
-        warn_at_caller(message)
+        constant = [f for f in functions if f in _PIECEWISE_CONSTANT]
+        curved = [f for f in functions if f not in _PIECEWISE_CONSTANT]
+        messages = []
+        if curved:
+            messages.append(
+                f"LRP: {where}{kind} computes {', '.join(curved)} in its own forward, which is not piecewise "
+                "linear, and no rule covers it: its plain gradient is used. Map the module in rule_mapper (for "
+                "example PassRule for an element-wise activation, UniformRule or IgnoreRule), or use a preset whose "
+                "function rules cover it (AttnLRP, CPLRP); lrp.coverage() lists every such call"
+            )
+        if constant:
+            messages.append(
+                f"LRP: {where}{kind} computes {', '.join(constant)} in its own forward, which is piecewise constant: "
+                "its gradient is zero, so no relevance passes back through it and what it reads gets none. Map the "
+                "module in rule_mapper (for example PassRule for an element-wise rounding, as a straight-through "
+                "estimator passes it, or IgnoreRule to keep the zero); lrp.coverage() lists every such call"
+            )
+        for message in messages:
+            if strict:
+                raise ValueError(message)
+            warn_at_caller(message)
     return calls
