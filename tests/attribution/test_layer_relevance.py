@@ -46,6 +46,19 @@ PRESETS = {
 }
 
 
+def rest_explained(model: nn.Sequential, mapper, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The oracle: the modules after the first, explained on its output as their input (``mapper``'s rules)."""
+    given = TensorDict(x=model[0](x), batch_size=[len(x)])
+    rest = nn.Sequential(*model[1:])
+    return LRP(rest, mapper, in_keys=["x"], out_keys=["y"], target=target)(given)["relevance", "x"]
+
+
+def summed_checks() -> tuple[dict, object]:
+    """A relevance check that keeps each module's first (relevance in, relevance out), summed, by name."""
+    checks: dict = {}
+    return checks, lambda name, module, rin, rout: checks.setdefault(name, (rin.sum(), rout.sum()))
+
+
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 @pytest.mark.parametrize("model_name", sorted(MODELS))
 def test_the_module_before_a_first_layer_gets_its_whole_input_relevance(model_name: str, preset: str):
@@ -103,9 +116,7 @@ def test_a_module_further_up_the_glue_gets_its_whole_output_relevance(glue: str,
         target = model(x).argmax(-1)
     lrp = LRP(model, PRESETS[preset]("3"), in_keys=["x"], out_keys=["y"], target=target, layers=["0", "1"])
     td = lrp(TensorDict(x=x, batch_size=[4]))
-    rest = nn.Sequential(*model[1:])
-    given = TensorDict(x=model[0](x), batch_size=[4])
-    expected = LRP(rest, PRESETS[preset]("2"), in_keys=["x"], out_keys=["y"], target=target)(given)["relevance", "x"]
+    expected = rest_explained(model, PRESETS[preset]("2"), x, target)
     assert relative_error(td["relevance", "0"], expected) <= 1e-12
     assert relative_error(td["relevance", "1"], expected.flatten(2)) <= 1e-12
 
@@ -148,15 +159,10 @@ def test_a_relevance_check_sees_the_relevance_a_first_layer_sets_behind_glue(glu
     x = torch.randn(4, 2, 4, 4, dtype=F64).clamp(-3, 3)
     if glue == "normaliser":
         x[x.abs() < 0.6] = 0.5  # zero entries of the first layer's input
-    checks = {}
-    lrp = LRP(
-        model,
-        PRESETS[preset]("3"),
-        in_keys=["x"],
-        out_keys=["y"],
-        relevance_check=lambda name, module, rin, rout: checks.setdefault(name, (rin.sum(), rout.sum())),
-    )
-    relevance = lrp(TensorDict(x=x, batch_size=[4]))["relevance", "x"]
+    checks, check = summed_checks()
+    relevance = LRP(model, PRESETS[preset]("3"), in_keys=["x"], out_keys=["y"], relevance_check=check)(
+        TensorDict(x=x, batch_size=[4])
+    )["relevance", "x"]
     into_first, out_of_first = checks["3"]
     assert abs(into_first - relevance.sum()) <= 1e-12 * relevance.abs().sum()
     if preset == "EpsilonPlusFlat":  # Flat conserves at the layer (w² gives padding a share, z^B its bias)
@@ -190,20 +196,13 @@ def test_layers_and_a_relevance_check_each_read_their_own(preset: str):
     x[x.abs() < 0.6] = 0.5  # zero entries of the first layer's input
     with torch.no_grad():
         target = model(x).argmax(-1)
-    checks = {}
+    checks, check = summed_checks()
+    layers = ["0", "1"]
     lrp = LRP(
-        model,
-        PRESETS[preset]("2"),
-        in_keys=["x"],
-        out_keys=["y"],
-        target=target,
-        layers=["0", "1"],
-        relevance_check=lambda name, module, rin, rout: checks.setdefault(name, (rin.sum(), rout.sum())),
+        model, PRESETS[preset]("2"), in_keys=["x"], out_keys=["y"], target=target, layers=layers, relevance_check=check
     )
     td = lrp(TensorDict(x=x, batch_size=[4]))
-    rest = nn.Sequential(*model[1:])
-    given = TensorDict(x=model[0](x), batch_size=[4])
-    expected = LRP(rest, PRESETS[preset]("1"), in_keys=["x"], out_keys=["y"], target=target)(given)["relevance", "x"]
+    expected = rest_explained(model, PRESETS[preset]("1"), x, target)
     assert relative_error(td["relevance", "0"], expected) <= 1e-12
     assert relative_error(td["relevance", "1"], expected.flatten(1)) <= 1e-12
     assert abs(checks["2"][0] - expected.sum()) <= 1e-12 * expected.abs().sum()
