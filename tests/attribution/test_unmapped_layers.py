@@ -13,7 +13,16 @@ import torch.fx
 from tensordict import TensorDict
 from torch import nn
 
-from tdhook.attribution import CPLRP, LRP, AttnLRP, EpsilonAlpha2Beta1Flat, EpsilonPlus, EpsilonPlusFlat, UniformEpsilon
+from tdhook.attribution import (
+    CPLRP,
+    LRP,
+    AttnLRP,
+    EpsilonAlpha2Beta1Flat,
+    EpsilonGammaBox,
+    EpsilonPlus,
+    EpsilonPlusFlat,
+    UniformEpsilon,
+)
 from tdhook.attribution._unmapped_layers import report_unmapped_layers
 from tdhook.attribution.lrp_helpers.rules import (
     AlphaBetaRule,
@@ -151,6 +160,23 @@ class TestFirstLayerWrittenWithFLinear:
         assert [(c.module, c.calls) for c in lrp.coverage().plain_gradient] == [("0", 1)]
         with pytest.raises(ValueError, match=r"module '0' \(OwnLinear\) computes linear .* FlatRule"):
             _relevance(own, x, preset(strict=True))
+
+    def test_a_first_convolution_of_ones_own_names_zbox(self):
+        """``F.conv2d`` with a module's own weight as the first layer under EpsilonGammaBox: warned of naming z^B, the
+        first layer's rule (before: γ, the later convolutions')."""
+
+        class OwnConv(nn.Module):
+            def __init__(self, conv: nn.Conv2d) -> None:
+                super().__init__()
+                self.weight, self.bias = conv.weight, conv.bias
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return nn.functional.conv2d(x, self.weight, self.bias, padding=1)
+
+        torch.manual_seed(0)
+        net = nn.Sequential(OwnConv(nn.Conv2d(3, 4, 3)), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 3)).to(F64)
+        with pytest.warns(UserWarning, match=r"module '0' \(OwnConv\) .* reaches first gets ZBoxRule"):
+            _relevance(net, torch.randn(2, 3, 6, 6, dtype=F64), EpsilonGammaBox(-3.0, 3.0))
 
     def test_a_users_rule_for_linear_layers_wins_as_on_a_first_layer(self):
         """A user's rule for nn.Linear wins over the first-layer rule (as BaseRuleMapper.rules decides): ε = 0 there
