@@ -426,3 +426,57 @@ class TestCoverage:
 )
 def test_function_kinds(func, expected):
     assert function_kind(func) == expected
+
+
+class Rounded(nn.Module):
+    """A Linear layer whose output is added to a piecewise constant function of itself (``h + f(h)``), then a head:
+    the function's branch passes no relevance back."""
+
+    def __init__(self, function) -> None:
+        super().__init__()
+        self.inner, self.head, self.function = nn.Linear(4, 6, bias=False), nn.Linear(6, 3, bias=False), function
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inner(x)
+        return self.head(h + self.function(h))
+
+
+PIECEWISE_CONSTANT = {
+    "round": torch.round,
+    "floor": torch.floor,
+    "ceil": torch.ceil,
+    "trunc": torch.trunc,
+    "sign": torch.sign,
+    "Tensor.round": lambda h: h.round(),
+}
+
+
+class TestPiecewiseConstantCalls:
+    @pytest.mark.parametrize("preset", [EpsilonPlus, AttnLRP, CPLRP], ids=lambda p: p.__name__)
+    @pytest.mark.parametrize("name", sorted(PIECEWISE_CONSTANT))
+    def test_a_call_whose_gradient_is_zero_is_named(self, name: str, preset):
+        """round, floor, sign and the like were classed piecewise linear: their zero gradient dropped the relevance
+        of their branch with no word (``h + round(h)`` then a head: the input relevance 0.38 of the logit under
+        EpsilonPlus and AttnLRP, ``h + sign(h)`` 780 times it). The first call warns, naming the module and the
+        function; coverage() lists the call, and a strict mapper refuses it."""
+        function = name.split(".")[-1]
+        torch.manual_seed(0)
+        model, x = Rounded(PIECEWISE_CONSTANT[name]).double(), torch.randn(5, 4, dtype=F64) * 3
+        lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
+        with pytest.warns(UserWarning, match=rf"the model itself \(Rounded\) computes {function} .* constant"):
+            lrp(TensorDict(x=x, batch_size=[5]))
+        assert [(c.module, c.function) for c in lrp.coverage().plain_gradient] == [("", function)]
+        if preset is EpsilonPlus:
+            with pytest.raises(ValueError, match=rf"computes {function} .* its gradient is zero"):
+                LRP(model, EpsilonPlus(strict=True), in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[5]))
+
+    def test_a_detached_rounding_is_not_named(self):
+        """A straight-through estimator, ``h + (round(h) - h).detach()``: the explained output does not depend on the
+        rounding's gradient."""
+        torch.manual_seed(0)
+        model = Rounded(lambda h: (h.round() - h).detach()).double()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(
+                TensorDict(x=torch.randn(5, 4, dtype=F64), batch_size=[5])
+            )

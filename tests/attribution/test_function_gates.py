@@ -115,6 +115,44 @@ class TestLaterCalls:
         explain_twice(spy, torch.randn(3, 4, dtype=F64), EpsilonPlus())
         assert spy.modes_on == [True, True]
 
+    def test_a_model_that_clips_with_a_function_keeps_the_mode(self):
+        # A clip called as a function gets the pass rule of nn.Hardtanh from the mode: later calls keep it.
+        body = nn.Sequential(nn.Linear(4, 6), ClipCall(), nn.Linear(6, 2))
+        spy = ModeSpy(body).double()
+        explain_twice(spy, torch.randn(3, 4, dtype=F64) * 3, EpsilonPlus())
+        assert spy.modes_on == [True, True]
+
+    def test_a_model_with_clipping_modules_runs_its_later_calls_without_a_mode(self):
+        # nn.Hardtanh and nn.ReLU6 have the pass rule of their own, which takes the gradient past the F.hardtanh
+        # inside: the mode passing that call is no reason to run later calls in it.
+        body = nn.Sequential(nn.Linear(4, 6), nn.Hardtanh(), nn.Linear(6, 6), nn.ReLU6(), nn.Linear(6, 2))
+        spy = ModeSpy(body).double()
+        explain_twice(spy, torch.randn(3, 4, dtype=F64) * 3, EpsilonPlus())
+        assert spy.modes_on == [True, False]
+
+    @pytest.mark.parametrize("target_key", ["loc", "scale"])
+    def test_a_clip_only_an_unexplained_output_reads_is_no_reason_for_the_mode(self, target_key: str):
+        # NormalParamExtractor keeps the scale of a Gaussian policy away from zero with clamp_min: explained at its
+        # loc, later calls run without the mode, as before; explained at the scale, the clip's pass rule needs it.
+        from tensordict.nn import NormalParamExtractor, TensorDictModule
+
+        spy = ModeSpy(nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 4), NormalParamExtractor())).double()
+        lrp = LRP(TensorDictModule(spy, in_keys=["x"], out_keys=["loc", "scale"]), EpsilonPlus(), target_key=target_key)
+        for _ in range(2):
+            lrp(TensorDict(x=torch.randn(3, 4, dtype=F64) * 3, batch_size=[3]))
+        assert spy.modes_on == [True, target_key == "scale"]
+
+
+class ClipCall(nn.Module):
+    """A Linear layer's output clipped by a function in a module with a parameter (so no rule of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.clamp(h * self.scale, -1.0, 1.0)
+
 
 class SigmoidMLP(nn.Module):
     """A sigmoid as an MLP's activation, computed by the model's own forward: no gate."""

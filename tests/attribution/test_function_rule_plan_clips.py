@@ -1,6 +1,6 @@
-"""Later calls of a context put the identity rule of clipping calls (``clamp``, ``clip``, ``F.hardtanh``,
-``F.relu6``, in place too: OLMo's and DBRX's ``clip_qkv``) on their own nodes, which saved their input (the oracles:
-the rule written by hand, and a call in the function mode)."""
+"""Later calls of a context put the identity rule of clipping calls (``clamp``, ``clamp_min``, ``clamp_max``, ``clip``,
+``F.hardtanh``, ``F.relu6``, in place too: OLMo's and DBRX's ``clip_qkv``) on their own nodes, which saved their input
+(the oracles: the rule written by hand, and a call in the function mode)."""
 
 from __future__ import annotations
 
@@ -24,11 +24,16 @@ CLIPS = {
     "F.relu6 in place": lambda h: F.relu6(h * 6.0, inplace=True) / 6.0,
     "Tensor.clamp_": lambda h: h.clamp_(min=-1.0, max=1.0),
     "torch.clip_": lambda h: torch.clip_(h, -1.0, 1.0),
+    "Tensor.clamp_min": lambda h: h.clamp_min(-1.0),
+    "torch.clamp_max": lambda h: torch.clamp_max(h, 1.0),
+    "Tensor.clamp_min_": lambda h: h.clamp_min_(-1.0),
+    "Tensor.clamp_max_": lambda h: h.clamp_max_(1.0),
     "nn.Hardtanh": nn.Hardtanh(),  # a module, whose rule the mode leaves alone
 }
 
 # The same clips, computed out of place on a copy: what the rule written by hand clips.
-PLAIN = {"Tensor.clamp, min only": lambda h: h.clamp(min=-1.0)}
+PLAIN = dict.fromkeys(["Tensor.clamp, min only", "Tensor.clamp_min", "Tensor.clamp_min_"], lambda h: h.clamp(min=-1.0))
+PLAIN |= dict.fromkeys(["torch.clamp_max", "Tensor.clamp_max_"], lambda h: h.clamp(max=1.0))
 PLAIN |= dict.fromkeys(["F.relu6", "F.relu6 in place"], lambda h: h.clamp(0.0, 1.0))
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from tdhook.attribution import LRP
 from tdhook.attribution.lrp_helpers.rules import EpsilonGammaBox, EpsilonPlus, EpsilonPlusFlat, WSquareRule
+from tdhook.attribution.rules.checks import raise_for_unconserved_rel_factory
 from tests.conftest import relative_error
 
 F64 = torch.float64
@@ -43,6 +44,19 @@ PRESETS = {
     "w2": lambda first: EpsilonPlus(rule_mapper={first: WSquareRule()}),
     "EpsilonGammaBox": lambda first: EpsilonGammaBox(-3.0, 3.0),
 }
+
+
+def rest_explained(model: nn.Sequential, mapper, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The oracle: the modules after the first, explained on its output as their input (``mapper``'s rules)."""
+    given = TensorDict(x=model[0](x), batch_size=[len(x)])
+    rest = nn.Sequential(*model[1:])
+    return LRP(rest, mapper, in_keys=["x"], out_keys=["y"], target=target)(given)["relevance", "x"]
+
+
+def summed_checks() -> tuple[dict, object]:
+    """A relevance check that keeps each module's first (relevance in, relevance out), summed, by name."""
+    checks: dict = {}
+    return checks, lambda name, module, rin, rout: checks.setdefault(name, (rin.sum(), rout.sum()))
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -102,9 +116,7 @@ def test_a_module_further_up_the_glue_gets_its_whole_output_relevance(glue: str,
         target = model(x).argmax(-1)
     lrp = LRP(model, PRESETS[preset]("3"), in_keys=["x"], out_keys=["y"], target=target, layers=["0", "1"])
     td = lrp(TensorDict(x=x, batch_size=[4]))
-    rest = nn.Sequential(*model[1:])
-    given = TensorDict(x=model[0](x), batch_size=[4])
-    expected = LRP(rest, PRESETS[preset]("2"), in_keys=["x"], out_keys=["y"], target=target)(given)["relevance", "x"]
+    expected = rest_explained(model, PRESETS[preset]("2"), x, target)
     assert relative_error(td["relevance", "0"], expected) <= 1e-12
     assert relative_error(td["relevance", "1"], expected.flatten(2)) <= 1e-12
 
@@ -127,3 +139,70 @@ def test_a_relevance_check_sees_each_module_once_when_relevance_is_carried_up_th
     )
     lrp(TensorDict(x=x, batch_size=[2]))
     assert sorted(checks) == ["3", "6"]
+
+
+class Scale(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 3.0
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("glue", ["normaliser", "tanh", "scale"])
+def test_a_relevance_check_sees_the_relevance_a_first_layer_sets_behind_glue(glue: str, preset: str):
+    # Glue that computes the first layer's input (a normaliser, an activation, a scale before a Flatten): the rule
+    # sets that input's relevance on the explained inputs, by position, and not through the gradient, so the check
+    # read 0 for the layer's input relevance and raise_for_unconserved_rel_factory raised where relevance is
+    # conserved (its whole output relevance off). It sees what the rule set there: the input key's relevance.
+    torch.manual_seed(0)
+    first = {"normaliser": Normaliser, "tanh": nn.Tanh, "scale": Scale}[glue]()
+    model = nn.Sequential(first, nn.Flatten(2), nn.Unflatten(2, (4, 4)), *cnn(nn.Identity())[1:]).to(F64).eval()
+    x = torch.randn(4, 2, 4, 4, dtype=F64).clamp(-3, 3)
+    if glue == "normaliser":
+        x[x.abs() < 0.6] = 0.5  # zero entries of the first layer's input
+    checks, check = summed_checks()
+    relevance = LRP(model, PRESETS[preset]("3"), in_keys=["x"], out_keys=["y"], relevance_check=check)(
+        TensorDict(x=x, batch_size=[4])
+    )["relevance", "x"]
+    into_first, out_of_first = checks["3"]
+    assert abs(into_first - relevance.sum()) <= 1e-12 * relevance.abs().sum()
+    if preset == "EpsilonPlusFlat":  # Flat conserves at the layer (w² gives padding a share, z^B its bias)
+        assert abs(into_first - out_of_first) <= 1e-6 * abs(out_of_first)  # Flat's stabiliser
+    if glue == "tanh":  # the activation before it, under the pass rule, sees the same
+        assert abs(checks["0"][0] - checks["0"][1]) <= 1e-12 * abs(checks["0"][1])
+
+
+def test_the_conservation_check_passes_where_a_normaliser_precedes_a_flat_first_layer():
+    # EpsilonPlusFlat with ε = 0 and no biases conserves at every layer: the check raised at the first layer, whose
+    # input relevance it read as 0 (100 % off).
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        Normaliser(), nn.Flatten(), nn.Linear(16, 4, bias=False), nn.ReLU(), nn.Linear(4, 3, bias=False)
+    ).to(F64)
+    x = torch.randn(5, 4, 4, dtype=F64)
+    check = raise_for_unconserved_rel_factory(1e-4, 1e-4)
+    lrp = LRP(model, EpsilonPlusFlat(epsilon=0), in_keys=["x"], out_keys=["y"], relevance_check=check)
+    td = lrp(TensorDict(x=x, batch_size=[5]))
+    logit = td["y"].max(-1).values
+    assert relative_error(td["relevance", "x"].sum((1, 2)), logit) <= 1e-5  # Flat's stabiliser aside
+
+
+@pytest.mark.parametrize("preset", ["EpsilonPlusFlat", "w2"])
+def test_layers_and_a_relevance_check_each_read_their_own(preset: str):
+    # The check reads the relevance set at the first layer's input from an alias of it, layers from the module output
+    # itself: neither takes the other's.
+    torch.manual_seed(0)
+    model = nn.Sequential(Normaliser(), *mlp_on_images()).to(F64).eval()
+    x = torch.randn(4, 1, 4, 4, dtype=F64)
+    x[x.abs() < 0.6] = 0.5  # zero entries of the first layer's input
+    with torch.no_grad():
+        target = model(x).argmax(-1)
+    checks, check = summed_checks()
+    layers = ["0", "1"]
+    lrp = LRP(
+        model, PRESETS[preset]("2"), in_keys=["x"], out_keys=["y"], target=target, layers=layers, relevance_check=check
+    )
+    td = lrp(TensorDict(x=x, batch_size=[4]))
+    expected = rest_explained(model, PRESETS[preset]("1"), x, target)
+    assert relative_error(td["relevance", "0"], expected) <= 1e-12
+    assert relative_error(td["relevance", "1"], expected.flatten(1)) <= 1e-12
+    assert abs(checks["2"][0] - expected.sum()) <= 1e-12 * expected.abs().sum()

@@ -13,9 +13,25 @@ import torch.fx
 from tensordict import TensorDict
 from torch import nn
 
-from tdhook.attribution import CPLRP, LRP, AttnLRP, EpsilonPlus, UniformEpsilon
+from tdhook.attribution import (
+    CPLRP,
+    LRP,
+    AttnLRP,
+    EpsilonAlpha2Beta1Flat,
+    EpsilonGammaBox,
+    EpsilonPlus,
+    EpsilonPlusFlat,
+    UniformEpsilon,
+)
 from tdhook.attribution._unmapped_layers import report_unmapped_layers
-from tdhook.attribution.lrp_helpers.rules import AlphaBetaRule, EpsilonRule, FlatRule, GammaRule, WSquareRule
+from tdhook.attribution.lrp_helpers.rules import (
+    AlphaBetaRule,
+    EpsilonRule,
+    FirstLayerRule,
+    FlatRule,
+    GammaRule,
+    WSquareRule,
+)
 from tests.conftest import relative_error
 
 F64 = torch.float64
@@ -120,6 +136,83 @@ class TestLinearWrittenWithFLinear:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             _relevance(net, torch.randn(4, 5, dtype=F64), UniformEpsilon())
+
+
+class TestFirstLayerWrittenWithFLinear:
+    """The first-layer rule (Flat) goes by module type too: a first layer of one's own calling F.linear kept LRP-0."""
+
+    @staticmethod
+    def _first_own() -> tuple[nn.Module, nn.Module, torch.Tensor]:
+        torch.manual_seed(0)
+        plain = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3)).to(F64)
+        return nn.Sequential(OwnLinear(plain[0]), plain[1], plain[2]), plain, torch.randn(4, 5, dtype=F64)
+
+    @pytest.mark.parametrize("preset", [EpsilonPlusFlat, EpsilonAlpha2Beta1Flat], ids=lambda p: p.__name__)
+    def test_is_warned_of_naming_the_first_layer_rule(self, preset):
+        """EpsilonPlusFlat's Linear rule is ε = 1e-6 (near LRP-0, not warned of), but the first layer gets Flat: the
+        F.linear module there kept LRP-0 with no word, 152 % off the same net with nn.Linear. Its call is in the
+        first layer's place at run time (the model's input reaches it through no layer): warned of, naming Flat."""
+        own, plain, x = self._first_own()
+        expected, _ = _relevance(plain, x, preset())
+        with pytest.warns(UserWarning, match=r"module '0' \(OwnLinear\) .* the model's input reaches first gets Flat"):
+            actual, lrp = _relevance(own, x, preset())
+        assert relative_error(actual, expected) > 1.0  # 1.52: the plain gradient there
+        assert [(c.module, c.calls) for c in lrp.coverage().plain_gradient] == [("0", 1)]
+        with pytest.raises(ValueError, match=r"module '0' \(OwnLinear\) computes linear .* FlatRule"):
+            _relevance(own, x, preset(strict=True))
+
+    def test_a_first_convolution_of_ones_own_names_zbox(self):
+        """``F.conv2d`` with a module's own weight as the first layer under EpsilonGammaBox: warned of naming z^B, the
+        first layer's rule (before: γ, the later convolutions')."""
+
+        class OwnConv(nn.Module):
+            def __init__(self, conv: nn.Conv2d) -> None:
+                super().__init__()
+                self.weight, self.bias = conv.weight, conv.bias
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return nn.functional.conv2d(x, self.weight, self.bias, padding=1)
+
+        torch.manual_seed(0)
+        net = nn.Sequential(OwnConv(nn.Conv2d(3, 4, 3)), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 3)).to(F64)
+        with pytest.warns(UserWarning, match=r"module '0' \(OwnConv\) .* reaches first gets ZBoxRule"):
+            _relevance(net, torch.randn(2, 3, 6, 6, dtype=F64), EpsilonGammaBox(-3.0, 3.0))
+
+    def test_a_users_rule_for_linear_layers_wins_as_on_a_first_layer(self):
+        """A user's rule for nn.Linear wins over the first-layer rule (as BaseRuleMapper.rules decides): ε = 0 there
+        is LRP-0, which the module's plain gradient is: no warning."""
+        own, _, x = self._first_own()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _relevance(own, x, EpsilonPlusFlat(rule_mapper={nn.Linear: EpsilonRule(0.0)}))
+
+    def test_a_later_call_is_judged_by_the_later_layers_rule(self):
+        """An F.linear module behind a layer (a head, a tied decoder reading the first layer's weight) is no first
+        layer: EpsilonPlusFlat's ε = 1e-6 there, no warning."""
+
+        class Tied(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.stem, self.mid = nn.Linear(5, 16), nn.Linear(16, 16)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return nn.functional.linear(self.mid(self.stem(x).relu()).relu(), self.stem.weight.t())
+
+        own, _, x = _nets()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _relevance(own, x, EpsilonPlusFlat())
+            _relevance(Tied().to(F64), x, EpsilonPlusFlat())
+
+    def test_a_first_layer_rule_given_by_the_user_is_judged_by_the_place_of_the_call(self):
+        own, _, x = self._first_own()
+        rule = FirstLayerRule(FlatRule(), EpsilonRule(0.0))
+        with pytest.warns(UserWarning, match=r"module '0' \(OwnLinear\) .* reaches first gets FlatRule"):
+            _relevance(own, x, {nn.Linear: rule})
+        own, _, x = _nets()  # the F.linear module is last: ε = 0 there
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _relevance(own, x, {nn.Linear: rule})
 
 
 def test_report_names_the_linear_layer_and_its_rule():

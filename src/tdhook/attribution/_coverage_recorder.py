@@ -66,7 +66,9 @@ class CoverageRecorder:
         strict = bool(getattr(mapper, "strict", False))
         try:
             plain = report_plain_gradient(calls.found(targets), modules, strict)
-            self._plain_gradient = plain + report_unmapped_layers(calls.found_layers(targets), modules, mapper, strict)
+            first = calls.found_first_layers(targets)
+            layers = report_unmapped_layers(calls.found_layers(targets), modules, mapper, strict, first=first)
+            self._plain_gradient = plain + layers
         except ValueError:
             self._pending = True  # a strict error: the next call checks again
             raise

@@ -13,7 +13,10 @@ all of it.
 So the first call of a wrapper, which runs in the watch of
 :mod:`~tdhook.attribution._nonlinear_calls` anyway, runs in ``HeldGates`` too,
 and its relevance is right; later calls run in it only if that first call held a
-gate. The decision is the wrapper's (one model), not the mapper's, which may
+gate, or gave a clipping call the model's outputs depend on the pass rule
+(``torch.clamp`` in a module's own forward: the rule ``nn.Hardtanh`` gets; a clip
+inside an ``nn.Hardtanh``, whose own rule takes the gradient past it, is no
+reason). The decision is the wrapper's (one model), not the mapper's, which may
 serve several models.
 
 Examples:
@@ -39,7 +42,9 @@ from typing import Any
 import torch
 
 from tdhook.attribution.mappers.base import BaseRuleMapper
+from tdhook.attribution.rules._autograd import relevance_pass_edges
 from tdhook.attribution.rules.gates import HeldGates
+from tdhook.attribution.targets import resolve_target_key
 
 __all__ = ["FunctionGates"]
 
@@ -71,10 +76,15 @@ class FunctionGates:
         were found, or no forward pass has completed yet."""
         return isinstance(mapper, BaseRuleMapper) and self.found is not False
 
-    def settle(self) -> None:
-        """After a forward pass that completed: whether it held a gate decides the later calls."""
+    def settle(self, outputs: object = None, lrp: Any = None) -> None:
+        """After a forward pass that completed: whether it held a gate, or gave a clipping call whose output the
+        explained outputs depend on the pass rule, decides the later calls. ``outputs``: what the model returned;
+        ``lrp``: the wrapper, whose targets are the explained outputs (every tensor of ``outputs`` without it). A
+        clip inside a module with a rule of its own (``nn.Hardtanh``) is not reached: the module's rule takes the
+        gradient past it; nor is one only an output that is not explained reads (a policy's scale, for its loc)."""
         if self._probe is not None:
-            self.found, self._probe = self._probe.held, None
+            probe, self._probe = self._probe, None
+            self.found = probe.held or (bool(probe.clips) and _reaches(_explained(outputs, lrp), set(probe.clips)))
 
 
 def _covers_gates(modes: Sequence[Any]) -> bool:
@@ -82,3 +92,37 @@ def _covers_gates(modes: Sequence[Any]) -> bool:
     return any(
         isinstance(mode, HeldGates) or (hasattr(mode, "covers") and mode.covers(torch.sigmoid, ())) for mode in modes
     )
+
+
+def _explained(outputs: object, lrp: Any) -> object:
+    """The outputs ``lrp`` explains in the TensorDict ``outputs`` (all of it where they cannot be told)."""
+    if lrp is None or not hasattr(outputs, "get"):
+        return outputs
+    try:
+        keys = [resolve_target_key(outputs, *lrp.targets[name], lrp._candidates.of(lrp, name)) for name in lrp.targets]
+    except Exception:  # noqa: BLE001 (the call reports a target it cannot find itself, right after)
+        return outputs
+    return [outputs.get(key) for key in keys]
+
+
+def _reaches(outputs: object, nodes: set) -> bool:
+    """Whether the relevance pass from the tensors in ``outputs`` (a tensor, a TensorDict or a tuple of them) reaches
+    one of ``nodes``."""
+    if isinstance(outputs, torch.Tensor):
+        tensors = [outputs]
+    elif isinstance(outputs, (tuple, list)):
+        tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
+    elif hasattr(outputs, "values"):
+        tensors = [t for t in outputs.values(True, True) if isinstance(t, torch.Tensor)]
+    else:
+        return True  # nothing to walk from: as if reached
+    stack, seen = [t.grad_fn for t in tensors if t.requires_grad and t.grad_fn is not None], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        if node in nodes:
+            return True
+        seen.add(node)
+        stack.extend(relevance_pass_edges(node))
+    return False

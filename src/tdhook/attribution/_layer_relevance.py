@@ -203,6 +203,7 @@ def add_check_hooks(
                 # even when the input also feeds other modules (a residual branch).
                 alias = args[0].view_as(args[0])
                 alias._tdhook_alias_of = args[0]
+                watch(alias)  # a first-layer rule leaves there the relevance it sets that no gradient carries
                 return (alias,)
         return None
 
@@ -218,7 +219,11 @@ def add_check_hooks(
                 if probing():
                     return  # a pass reading the glue's Jacobian, not the relevance pass
                 if relevance_pass is None or relevance_pass.is_running:  # not a later pass through a kept graph
-                    check(name, module, x.detach() * grad + records_for(x), out.total())
+                    # What a first-layer rule set at its input beyond the gradient: on the input, or as records on
+                    # the explained inputs up the glue (a normaliser before the layer), which the input is not.
+                    set_there = pop_set_relevance(x, grad)
+                    rest = set_there if set_there is not None else records_for(x)
+                    check(name, module, x.detach() * grad + rest, out.total())
 
             x.register_hook(run_check)
 

@@ -50,6 +50,7 @@ from tdhook.attribution.rules._autograd import (
     unwrapped,
 )
 from tdhook.attribution.rules._caller import warn_at_caller
+from tdhook.attribution.rules.base import _reaches_model_input
 
 __all__ = ["NonlinearCalls", "function_kind", "report_plain_gradient"]
 
@@ -70,10 +71,12 @@ _PIECEWISE_LINEAR = frozenset(
     "avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d dropout "
     "dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout interpolate upsample upsample_nearest "
     "upsample_bilinear pixel_shuffle pixel_unshuffle channel_shuffle native_channel_shuffle unfold "
-    "fold diagonal diag diag_embed tril triu as_strided nan_to_num round floor ceil trunc sign heaviside "
+    "fold diagonal diag diag_embed tril triu as_strided nan_to_num "
     "embedding one_hot detach batch_norm broadcast_tensors atleast_1d atleast_2d atleast_3d pack_padded_sequence "
     "pad_packed_sequence pack_sequence pad_sequence view_as_complex view_as_real real imag".split()
 )
+# Calls that are piecewise constant in their activation: their gradient is zero, and no relevance passes back.
+_PIECEWISE_CONSTANT = frozenset("round floor ceil trunc fix sign sgn heaviside".split())
 # Products and maps that are linear in each factor: piecewise linear as long as at most one factor is an activation.
 _PRODUCTS = frozenset(
     "mul rmul matmul rmatmul mm bmm einsum bilinear tensordot kron outer dot vdot inner mv addcmul baddbmm addbmm "
@@ -90,7 +93,7 @@ _OPERATORS = frozenset({"add", "sub", "mul", "matmul", "truediv", "floordiv", "d
 
 def function_kind(func: Any) -> tuple[str, str]:
     """The name of a torch function and its kind: ``"linear"``, ``"product"``, ``"division"``,
-    ``"reflected division"`` or ``"nonlinear"``.
+    ``"reflected division"``, ``"constant"`` (piecewise constant: a zero gradient) or ``"nonlinear"``.
 
     Examples:
         >>> function_kind(torch.Tensor.__iadd__), function_kind(torch.sin), function_kind(torch.Tensor.__rtruediv__)
@@ -124,6 +127,8 @@ def _classify(func: Any) -> tuple[str, str]:
         return name, "product"
     if name in _PIECEWISE_LINEAR:
         return name, "linear"
+    if name in _PIECEWISE_CONSTANT:
+        return name, "constant"
     return name, "nonlinear"
 
 
@@ -212,6 +217,7 @@ class NonlinearCalls(TorchFunctionMode):
         self._covering = [mode for mode in modes if hasattr(mode, "covers")]
         self._calls: list[tuple[str, str, Any]] = []
         self._layer_calls: list[tuple[str, str, Any]] = []  # convolutions and linear maps outside layers
+        self._first_layer_calls: list[tuple[str, str, Any]] = []  # those of them the model's input reaches first
         self._stack: list[str] = []
         self._ruled_depth = 0
         # Per module call: its name, the autograd sequence numbers of the nodes it created (from, to), and
@@ -234,7 +240,10 @@ class NonlinearCalls(TorchFunctionMode):
         if name is not None and not any(mode.covers(func, args) for mode in self._covering):
             self._calls.append((self._stack[-1] if self._stack else "", name, _grad_fn(result)))
         elif name is None and (layer := _is_layer_call(func, args)) is not None:
-            self._layer_calls.append((self._stack[-1] if self._stack else "", layer, _grad_fn(result)))
+            call = (self._stack[-1] if self._stack else "", layer, _grad_fn(result))
+            self._layer_calls.append(call)
+            if _reaches_model_input(args[0]):  # as the first-layer rule decides it for a layer: at this call
+                self._first_layer_calls.append(call)
 
     def found(self, targets: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, int]]:
         """Module name → function name → number of calls (the model itself is ``""``).
@@ -251,6 +260,12 @@ class NonlinearCalls(TorchFunctionMode):
         computed from parameters, in modules without a rule (see :mod:`~tdhook.attribution._unmapped_layers`);
         ``targets`` as for :meth:`found`."""
         return _count(self._layer_calls, None if targets is None else _graph_nodes(targets))
+
+    def found_first_layers(self, targets: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, int]]:
+        """Those of :meth:`found_layers` whose activation the model's input reaches through no layer: calls in the
+        first layer's place, where a preset puts its first-layer rule (Flat, z^B); ``targets`` as for
+        :meth:`found`."""
+        return _count(self._first_layer_calls, None if targets is None else _graph_nodes(targets))
 
     def _function_calls(self, nodes: Iterable[Any]) -> list[tuple[str, str, Any]]:
         """The nodes of custom autograd Functions among ``nodes`` that a module outside every rule applied: their
@@ -357,13 +372,25 @@ def report_plain_gradient(
         module = modules.get(name)
         where = f"module {name!r}" if name else "the model itself"
         kind = f" ({type(module).__name__})" if module is not None else ""
-        message = (
-            f"LRP: {where}{kind} computes {', '.join(functions)} in its own forward, which is not piecewise "
-            "linear, and no rule covers it: its plain gradient is used. Map the module in rule_mapper (for example "
-            "PassRule for an element-wise activation, UniformRule or IgnoreRule), or use a preset whose function "
-            "rules cover it (AttnLRP, CPLRP); lrp.coverage() lists every such call"
-        )
-        if strict:
-            raise ValueError(message)
-        warn_at_caller(message)
+        constant = [f for f in functions if f in _PIECEWISE_CONSTANT]
+        curved = [f for f in functions if f not in _PIECEWISE_CONSTANT]
+        messages = []
+        if curved:
+            messages.append(
+                f"LRP: {where}{kind} computes {', '.join(curved)} in its own forward, which is not piecewise "
+                "linear, and no rule covers it: its plain gradient is used. Map the module in rule_mapper (for "
+                "example PassRule for an element-wise activation, UniformRule or IgnoreRule), or use a preset whose "
+                "function rules cover it (AttnLRP, CPLRP); lrp.coverage() lists every such call"
+            )
+        if constant:
+            messages.append(
+                f"LRP: {where}{kind} computes {', '.join(constant)} in its own forward, which is piecewise constant: "
+                "its gradient is zero, so no relevance passes back through it and what it reads gets none. Map the "
+                "module in rule_mapper (for example PassRule for an element-wise rounding, as a straight-through "
+                "estimator passes it, or IgnoreRule to keep the zero); lrp.coverage() lists every such call"
+            )
+        for message in messages:
+            if strict:
+                raise ValueError(message)
+            warn_at_caller(message)
     return calls

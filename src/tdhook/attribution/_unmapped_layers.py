@@ -9,7 +9,9 @@ to say about it. The watch notes such calls (a convolution or linear map of an a
 parameters, in a module without a rule), and :func:`report_unmapped_layers` warns of those whose module the mapper
 would give a rule that is not (near) the plain gradient, were it such a layer: a user's mapper or a preset that
 leaves these layers LRP-0 (the transformer presets), or gives them an ε no larger than the presets' default
-(``1e-6``, which changes the relevance by ε over the layer's outputs), hears nothing.
+(``1e-6``, which changes the relevance by ε over the layer's outputs), hears nothing. A call the model's input
+reaches through no layer stands in the first layer's place, and is judged by the rule a first layer gets: a preset's
+Flat or z^B there (``EpsilonPlusFlat``), which a later call of the same module (a tied head) would not get.
 
 Examples:
     >>> from tdhook.attribution import EpsilonPlus
@@ -20,6 +22,14 @@ Examples:
     ValueError: LRP: module 'conv' (Identity) computes conv2d with its own weight, but is no convolution layer to ...
     >>> report_unmapped_layers(found, modules, None, strict=True)  # no mapper: LRP-0 everywhere
     ()
+    >>> from tdhook.attribution import EpsilonPlusFlat
+    >>> found, modules = {"stem": {"linear": 1}}, {"stem": nn.Identity()}
+    >>> report_unmapped_layers(found, modules, EpsilonPlusFlat(), strict=False)  # a later layer: ε = 1e-6
+    ()
+    >>> report_unmapped_layers(found, modules, EpsilonPlusFlat(), strict=True, first=found)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: LRP: module 'stem' (Identity) computes ... where a Linear the model's input reaches first gets ...
 """
 
 from __future__ import annotations
@@ -30,8 +40,10 @@ from typing import Any
 from torch import nn
 
 from tdhook.attribution.coverage import PlainGradientCall
+from tdhook.attribution.mappers.base import BaseRuleMapper
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule
+from tdhook.attribution.rules.input_layer import FirstLayerRule
 
 __all__ = ["LAYER_FUNCTIONS", "NEGLIGIBLE_EPSILON", "report_unmapped_layers"]
 
@@ -55,9 +67,12 @@ def report_unmapped_layers(
     modules: Mapping[str, nn.Module],
     mapper: Callable[[str, nn.Module], Any] | None,
     strict: bool,
+    first: Mapping[str, Mapping[str, int]] | None = None,
 ) -> tuple[PlainGradientCall, ...]:
     """Warn of (or, ``strict``, refuse) the modules in ``found`` (module name → function → calls) whose calls a
     layer of the function's type would get another rule than the plain gradient from ``mapper``; those calls.
+    ``first`` holds those of them made in the first layer's place (the model's input reaching them through no
+    layer), judged by the rule a first layer gets.
 
     Raises:
         ValueError: ``strict``, and such a module.
@@ -66,7 +81,8 @@ def report_unmapped_layers(
     for name, functions in found.items():
         module = modules.get(name)
         for function, count in functions.items():
-            rule = _layer_rule(mapper, name, LAYER_FUNCTIONS[function])
+            is_first = function in (first or {}).get(name, {})
+            rule = _layer_rule(mapper, name, LAYER_FUNCTIONS[function], is_first)
             if rule is None:
                 continue
             kind = type(module).__name__ if module is not None else "?"
@@ -74,9 +90,10 @@ def report_unmapped_layers(
             what = "Linear layer" if layer == "Linear" else "convolution layer"
             calls.append(PlainGradientCall(name, kind, f"{function} (a {what}'s product outside a layer)", count))
             where = f"module {name!r}" if name else "the model itself"
+            place = f"a {layer} the model's input reaches first" if is_first else f"a {layer}"
             message = (
                 f"LRP: {where} ({kind}) computes {function} with its own weight, but is no {what} to the "
-                f"rule mapper, which gives rules by module type: it keeps its plain gradient (LRP-0) where a {layer} "
+                f"rule mapper, which gives rules by module type: it keeps its plain gradient (LRP-0) where {place} "
                 f"gets {type(rule).__name__}. Make it a subclass of nn.{layer}, or map it in rule_mapper; "
                 "lrp.coverage() lists every such call"
             )
@@ -86,12 +103,23 @@ def report_unmapped_layers(
     return tuple(calls)
 
 
-def _layer_rule(mapper: Callable[[str, nn.Module], Any] | None, name: str, layer: type[nn.Module]) -> Any:
-    """The rule ``mapper`` gives a layer of type ``layer`` named ``name``, where it is not (near) the plain gradient."""
+def _layer_rule(
+    mapper: Callable[[str, nn.Module], Any] | None, name: str, layer: type[nn.Module], first: bool = False
+) -> Any:
+    """The rule ``mapper`` gives a layer of type ``layer`` named ``name`` (in the first layer's place where
+    ``first``), where it is not (near) the plain gradient."""
     if mapper is None:
         return None
     shape = (1, 1) if layer is nn.Linear else (1, 1, 1)
-    rule = mapper(name, layer(*shape, device="meta"))
+    module = layer(*shape, device="meta")
+    rule = mapper(name, module)
+    if first and isinstance(mapper, BaseRuleMapper):
+        # As BaseRuleMapper.rules decides: a rule of the user's mapper wins, else the preset's first-layer rule.
+        users = mapper.rule_mapper(name, module) if mapper.rule_mapper is not None else None
+        if users is None:
+            rule = mapper.first_layer_rule(name, module) or rule
+    if isinstance(rule, FirstLayerRule):
+        rule = rule.first if first else rule.other
     plain = rule is None or isinstance(rule, IgnoreRule)
     if type(rule) is EpsilonRule and rule.epsilon <= NEGLIGIBLE_EPSILON:
         plain = True

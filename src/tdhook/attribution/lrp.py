@@ -418,7 +418,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
                 )
                 try:
                     result, calls = (planned.run(work), None) if planned else run_model(self, work, leaves, fed)
-                    self._function_gates.settle()
+                    self._function_gates.settle(work if result is None else result, self)
                 except Exception as err:
                     self._tokens.raise_for_unembedded(leaves, err)
                     error = run_error(err, tensordict, self.explained_keys, self.named_explained_modules())

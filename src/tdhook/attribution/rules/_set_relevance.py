@@ -78,14 +78,19 @@ def watched_tensors() -> list[torch.Tensor]:
 
 
 def note_set_relevance(x: torch.Tensor, whole: torch.Tensor, carried: torch.Tensor | None = None) -> None:
-    """Leave on ``x`` (or the tensor it is an alias of), if it is watched, the relevance ``whole`` a rule set at it
-    less what its gradient carries (``carried``, ``x · grad``; none where ``None``), added to what is there."""
+    """Leave on ``x`` and on the tensor it is an alias of, each if it is watched, the relevance ``whole`` a rule set at
+    it less what its gradient carries (``carried``, ``x · grad``; none where ``None``), added to what is there. (A
+    relevance check watches the alias of its module's input, ``layers`` the module output it is made from: each reads
+    its own.)"""
     source = getattr(x, "_tdhook_alias_of", x)
-    if not getattr(source, _WATCHED, False):
-        return
-    rest = whole if carried is None else whole - carried
-    prior = source.__dict__.get(_SET)
-    setattr(source, _SET, rest if prior is None else prior + rest)
+    rest = None
+    for tensor in (x, source) if source is not x else (x,):
+        if not getattr(tensor, _WATCHED, False):
+            continue
+        if rest is None:
+            rest = whole if carried is None else whole - carried
+        prior = tensor.__dict__.get(_SET)
+        setattr(tensor, _SET, rest if prior is None else prior + rest)
 
 
 def pop_set_relevance(tensor: torch.Tensor, grad: torch.Tensor | None = None) -> torch.Tensor | None:

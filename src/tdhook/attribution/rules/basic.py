@@ -371,6 +371,14 @@ def _recomputed_clamp(node: Any, x: torch.Tensor) -> torch.Tensor:
     return torch.clamp(x, node._saved_min, node._saved_max)
 
 
+def _recomputed_clamp_min(node: Any, x: torch.Tensor) -> torch.Tensor:
+    return torch.clamp_min(x, node._saved_min)
+
+
+def _recomputed_clamp_max(node: Any, x: torch.Tensor) -> torch.Tensor:
+    return torch.clamp_max(x, node._saved_max)
+
+
 def _recomputed_hardtanh(node: Any, x: torch.Tensor) -> torch.Tensor:
     return nn.functional.hardtanh(x, node._saved_min_val, node._saved_max_val)
 
@@ -383,10 +391,12 @@ RULED_ON_NODE = "_tdhook_pass_rule_on_node"
 # saved input.
 _SAVING_THEIR_INPUT = {"GeluBackward0": _recomputed_gelu, "SiluBackward0": _recomputed_silu}
 
-# Clipping calls' nodes (``clamp`` and ``clip`` with bounds that are numbers, ``F.hardtanh``, ``F.relu6``, in place
-# too), which save their input as well (in place, a copy of it as it was): the function mode puts the pass rule on
-# them (see ``FunctionalRules``), a module's rule does not (see :func:`pass_rule_on_node`).
+# Clipping calls' nodes (``clamp``, ``clamp_min``, ``clamp_max`` and ``clip`` with bounds that are numbers,
+# ``F.hardtanh``, ``F.relu6``, in place too), which save their input as well (in place, a copy of it as it was): the
+# function mode puts the pass rule on them (see ``FunctionalRules``), a module's rule does not (see
+# :func:`pass_rule_on_node`).
 _CLIPPING = {"ClampBackward1": _recomputed_clamp, "HardtanhBackward0": _recomputed_hardtanh}
+_CLIPPING |= {"ClampMinBackward0": _recomputed_clamp_min, "ClampMaxBackward0": _recomputed_clamp_max}
 _RECOMPUTED = _SAVING_THEIR_INPUT | _CLIPPING
 
 

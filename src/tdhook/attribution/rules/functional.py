@@ -37,6 +37,14 @@ from tdhook.attribution.rules._autograd import (
     scale_gradient,
 )
 from tdhook.attribution.rules._caller import warn_at_caller
+from tdhook.attribution.rules._clips import (
+    CLIPS,
+    CLIPS_IN_PLACE,
+    clip_bounds,
+    clip_passing,
+    clips_a_signal,
+    clips_in_place,
+)
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint, saved_tensors_hooked
 from tdhook.attribution.rules.basic import (
@@ -77,11 +85,6 @@ _ACTIVATION_FUNCTIONS = frozenset(
     {F.gelu, F.silu, F.mish, F.elu, F.selu, F.celu, F.softplus, F.sigmoid, F.tanh, F.hardswish, F.leaky_relu}
     | {torch.tanh, torch.sigmoid, torch.Tensor.tanh, torch.Tensor.sigmoid}
 )
-
-# Clipping calls: element-wise, piecewise linear but not homogeneous, as ``nn.Hardtanh`` and ``nn.ReLU6`` are (a
-# unit clipped at a bound other than zero has a value but no gradient); those in place change their first argument.
-_CLIPS = frozenset({torch.clamp, torch.Tensor.clamp, torch.clip, torch.Tensor.clip, F.hardtanh, F.relu6})
-_CLIPS_IN_PLACE = frozenset({torch.clamp_, torch.Tensor.clamp_, torch.clip_, torch.Tensor.clip_})
 
 # Dropout as a function (attention dropout in eager attention): its keyword that says whether it drops, by function.
 _DROPOUTS = {F.dropout: "training", F.dropout1d: "training", F.dropout2d: "training", F.dropout3d: "training"}
@@ -155,8 +158,8 @@ _HANDLED = frozenset(
     | set(_DROPOUTS)
     | {torch.baddbmm, torch.einsum, F.scaled_dot_product_attention, F.layer_norm, F.rms_norm}
     | {F.multi_head_attention_forward}
-    | _CLIPS
-    | _CLIPS_IN_PLACE
+    | CLIPS
+    | set(CLIPS_IN_PLACE)
     | {F.glu}
 )
 
@@ -198,7 +201,9 @@ class FunctionalRules(TorchFunctionMode):
       ``softmax(q · kᵀ) · v``; with a non-zero softmax ε, or in a call that keeps the
       relevance's graph (the fused kernels have no second derivative), it is computed unfused;
     * functional activations (``F.gelu``, ``F.silu``, ``torch.tanh``, …) and clipping calls (``clamp``,
-      ``clip``, ``F.hardtanh``, ``F.relu6``, in place too): ``activation`` (a :class:`PseudoIdentityRule`);
+      ``clamp_min``, ``clamp_max``, ``clip``, ``F.hardtanh``, ``F.relu6``, in place too): ``activation`` (a
+      :class:`PseudoIdentityRule`); a clip of a statistic that normalises (``norm.clamp_min(eps)``, a divisor's
+      guard) keeps its plain gradient (see :mod:`~tdhook.attribution.rules._statistics`);
     * ``F.glu`` (``a · sigmoid(b)``): its gate held constant, ``a`` gets all the relevance;
     * ``F.layer_norm`` and ``F.rms_norm``: :class:`LayerNormRule`.
 
@@ -348,8 +353,9 @@ class FunctionalRules(TorchFunctionMode):
                     return mark_gate(output, args[0])
             result = self.activation.apply(output, args[0])
             return mark_gate(result, args[0], sigmoid=True) if func in GATE_FUNCTIONS else result
-        if (func in _CLIPS or func in _CLIPS_IN_PLACE) and is_activation(args[0]):
-            return self._clip(func, args, kwargs, recording)
+        if func in CLIPS or func in CLIPS_IN_PLACE:
+            # Of a statistic, a divisor's guard (``norm.clamp_min(eps)``): its plain gradient.
+            return self._clip(func, args, kwargs, recording) if clips_a_signal(func, args) else _NO_RULE
         if func is F.glu and is_activation(args[0]):
             return _glu(args[0], call_argument(args, kwargs, 1, "dim", -1))
         if func is F.layer_norm and is_activation(args[0]):
@@ -368,31 +374,20 @@ class FunctionalRules(TorchFunctionMode):
         return _NO_RULE
 
     def _clip(self, func: Callable, args: tuple, kwargs: dict, recording: Recording | None = None):
-        """A clipping call on an activation (``clamp``, ``clip``, ``F.hardtanh``, ``F.relu6``, in place or not): the
-        identity rule, as ``nn.Hardtanh`` and ``nn.ReLU6`` get it, so that a unit clipped at a bound other than zero
-        passes its relevance on (its gradient is zero). Bounds that are activations (``torch.clamp(x, min=y)``: a
-        maximum of two signals) keep the plain gradient. In place, the rule's output is copied into the argument.
-        In a recording call, the rule goes on the call's own node where it can (see :meth:`_clip_on_node`)."""
+        """A clipping call on an activation (``clamp``, ``clamp_min``, ``clamp_max``, ``clip``, ``F.hardtanh``,
+        ``F.relu6``, in place or not): the identity rule, as ``nn.Hardtanh`` and ``nn.ReLU6`` get it, so that a unit
+        clipped at a bound other than zero passes its relevance on (its gradient is zero). Bounds that are activations
+        (``torch.clamp(x, min=y)``: a maximum of two signals) keep the plain gradient. In place, the rule's output is
+        copied into the argument. In a recording call, the rule goes on the call's own node where it can (see
+        :meth:`_clip_on_node`)."""
         x = args[0]
-        bounds = [*args[1:], *(value for key, value in kwargs.items() if key != "inplace")]
+        bounds = clip_bounds(args, kwargs)
         if any(is_activation(bound) for bound in bounds):
             return mark_parameter_derived(args, func(*args, **kwargs))
-        in_place = func in _CLIPS_IN_PLACE or (
-            func in (F.hardtanh, F.relu6) and call_argument(args, kwargs, 3 if func is F.hardtanh else 1, "inplace")
-        )
+        in_place = clips_in_place(func, args, kwargs)
         if recording is not None and self._clips_on_node(x, bounds, in_place, recording):
             return self._clip_on_node(func, args, kwargs, in_place, recording)
-        if not in_place:
-            return self.activation.apply(func(*args, **kwargs), x)
-        source = x.clone()  # the clipped values from a copy: the rule keeps the input as it was
-        if func in _CLIPS_IN_PLACE:
-            clipped = torch.clamp(source, *args[1:], **kwargs)
-        elif func is F.hardtanh:
-            bounds = call_argument(args, kwargs, 1, "min_val", -1.0), call_argument(args, kwargs, 2, "max_val", 1.0)
-            clipped = F.hardtanh(source, *bounds)
-        else:
-            clipped = F.relu6(source)
-        return x.copy_(self.activation.apply(clipped, source))
+        return clip_passing(func, args, kwargs, self.activation.apply)
 
     def _clips_on_node(self, x: torch.Tensor, bounds: list, in_place: bool, recording: Recording) -> bool:
         """Whether a clipping call of ``x`` in a recording call can get the identity rule on its own node, which

@@ -35,6 +35,7 @@ from tdhook.attribution.rules._autograd import (
     mark_parameter_derived,
     raise_for_transformed_call,
 )
+from tdhook.attribution.rules._clips import CLIPS, CLIPS_IN_PLACE, clip_passing, clips_a_signal
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, rules_apply
@@ -204,11 +205,18 @@ class GateRule(PassRule):
         return mark_gate(output if result is None else result, inputs[0], sigmoid=True)
 
 
+# The pass rule of clipping calls under HeldGates: the presets' on ``nn.Hardtanh`` and ``nn.ReLU6`` modules.
+_PASS_CLIPS = PassRule()
+
+
 class HeldGates(TorchFunctionMode):
-    """Hold gates constant in element-wise products during a forward pass; mark sigmoid outputs as gates.
+    """Hold gates constant in element-wise products during a forward pass; mark sigmoid outputs as gates; give
+    clipping calls (``torch.clamp``, ``clip``, ``F.hardtanh``, ``F.relu6``, in place too) the pass rule that
+    ``nn.Hardtanh`` and ``nn.ReLU6`` modules get (see :mod:`~tdhook.attribution.rules._clips`).
 
     The rule mappers for CNNs run the forward pass in this mode. It is cheap enough to stay on inside modules
-    that have a rule of their own (``pause_in_ruled_modules`` is false).
+    that have a rule of their own (``pause_in_ruled_modules`` is false): a module's rule takes the gradient of its
+    output past the calls inside it.
 
     Examples:
         >>> x = torch.tensor([1.0, -2.0], requires_grad=True)
@@ -226,6 +234,7 @@ class HeldGates(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.held = False  # whether a gate was held in a product (what the wrapper's first call asks)
+        self.clips: list = []  # the nodes of the clipping calls given the pass rule (in a first call)
 
     def covers(self, func: Any, args: tuple) -> bool:
         """Whether this mode gives ``func`` a rule: a product whose gate it holds. A sigmoid is not covered here:
@@ -242,6 +251,12 @@ class HeldGates(TorchFunctionMode):
                 self.held = True
                 return held
             return mark_parameter_derived(args, func(*args, **kwargs))
+        if func in CLIPS or func in CLIPS_IN_PLACE:
+            raise_for_transformed_call("the pass rule on clipping calls", args[:1])
+            if clips_a_signal(func, args):
+                result = clip_passing(func, args, kwargs, _PASS_CLIPS.apply)
+                self.clips.append(result.grad_fn)
+                return result
         if func in GATE_FUNCTIONS:  # a gate computed under torch.vmap is neither seen nor held
             raise_for_transformed_call("gates held constant in products", args[:1])
         result = mark_parameter_derived(args, func(*args, **kwargs))

@@ -1,0 +1,81 @@
+"""Clipping calls (``clamp``, ``clip``, ``F.hardtanh``, ``F.relu6``, …) on activations: relevance passes through them.
+
+A clip is element-wise and piecewise linear but not homogeneous: a unit clipped at a bound other than zero has a
+value but no gradient, so its plain gradient drops that unit's relevance. ``nn.Hardtanh`` and ``nn.ReLU6`` modules
+get the pass rule (the identity rule under AttnLRP and CP-LRP), and so does the same clip called as a function, in a
+module's own forward, whichever spelling: the function modes of the presets hand such calls to
+:func:`clip_passing`. Bounds that are activations (``torch.clamp(x, min=y)``, a maximum of two signals) keep the
+plain gradient, and so does a clip of a statistic that normalises, a divisor's guard (see
+:mod:`~tdhook.attribution.rules._statistics`).
+
+Examples:
+    >>> from tdhook.attribution.rules.basic import PassRule
+    >>> x = torch.tensor([-3.0, 0.5, 2.0], requires_grad=True)
+    >>> h = x * 1
+    >>> z = clip_passing(torch.clamp, (h, -1.0, 1.0), {}, PassRule().apply)
+    >>> x.detach() * torch.autograd.grad(z.sum(), x)[0]  # each unit's relevance is its clipped value
+    tensor([-1.0000,  0.5000,  1.0000])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tdhook.attribution.rules._autograd import call_argument, is_activation, mark_parameter_derived
+from tdhook.attribution.rules._statistics import clips_a_statistic
+
+__all__ = ["CLIPS", "CLIPS_IN_PLACE", "clips_a_signal", "clip_bounds", "clips_in_place", "clip_passing"]
+
+CLIPS = frozenset({torch.clamp, torch.Tensor.clamp, torch.clip, torch.Tensor.clip, F.hardtanh, F.relu6})
+CLIPS |= {torch.clamp_min, torch.Tensor.clamp_min, torch.clamp_max, torch.Tensor.clamp_max}
+# In place, and the call each clips a copy with.
+CLIPS_IN_PLACE = dict.fromkeys((torch.clamp_, torch.Tensor.clamp_, torch.clip_, torch.Tensor.clip_), torch.clamp)
+CLIPS_IN_PLACE |= dict.fromkeys((torch.clamp_min_, torch.Tensor.clamp_min_), torch.clamp_min)
+CLIPS_IN_PLACE |= dict.fromkeys((torch.clamp_max_, torch.Tensor.clamp_max_), torch.clamp_max)
+
+
+def clips_a_signal(func: Callable, args: tuple) -> bool:
+    """Whether this call clips an activation that is no statistic (a divisor's guard): one relevance passes
+    through."""
+    return (
+        (func in CLIPS or func in CLIPS_IN_PLACE)
+        and bool(args)
+        and is_activation(args[0])
+        and not clips_a_statistic(args[0])
+    )
+
+
+def clip_bounds(args: tuple, kwargs: dict) -> list:
+    """The bounds a clipping call is given (``inplace`` aside)."""
+    return [*args[1:], *(value for key, value in kwargs.items() if key != "inplace")]
+
+
+def clips_in_place(func: Callable, args: tuple, kwargs: dict) -> bool:
+    """Whether a clipping call changes its first argument."""
+    return func in CLIPS_IN_PLACE or bool(
+        func in (F.hardtanh, F.relu6) and call_argument(args, kwargs, 3 if func is F.hardtanh else 1, "inplace")
+    )
+
+
+def clip_passing(
+    func: Callable, args: tuple, kwargs: dict, apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """The clipping call, with ``apply(output, x)`` (the pass or identity rule) on its activation ``x``; with bounds
+    that are activations, the plain call. In place, the rule's output is copied into the argument."""
+    x = args[0]
+    if any(is_activation(bound) for bound in clip_bounds(args, kwargs)):
+        return mark_parameter_derived(args, func(*args, **kwargs))
+    if not clips_in_place(func, args, kwargs):
+        return apply(func(*args, **kwargs), x)
+    source = x.clone()  # the clipped values from a copy: the rule keeps the input as it was
+    if func in CLIPS_IN_PLACE:
+        clipped = CLIPS_IN_PLACE[func](source, *args[1:], **kwargs)
+    elif func is F.hardtanh:
+        bounds = call_argument(args, kwargs, 1, "min_val", -1.0), call_argument(args, kwargs, 2, "max_val", 1.0)
+        clipped = F.hardtanh(source, *bounds)
+    else:
+        clipped = F.relu6(source)
+    return x.copy_(apply(clipped, source))

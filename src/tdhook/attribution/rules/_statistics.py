@@ -1,0 +1,86 @@
+"""Clips that guard a divisor: a clamp of a statistic (a norm, a root mean square, a variance) keeps its gradient.
+
+A norm written by hand divides by a statistic kept away from zero, ``h / h.norm(dim=-1, keepdim=True).clamp_min(eps)``
+(as ``F.normalize`` computes it). The clamp is no activation's clip: where the statistic is below the bound, the
+quotient is ``h / eps``, linear in ``h``, and its plain gradient is LRP-0. The identity rule on the clamp would pass
+that gradient on into the statistic's path as if the clamp were not there; the unclamped quotient is invariant to the
+scale of ``h``, so the statistic's path would take back what the numerator gets (99 % of the relevance lost on inputs
+whose statistic is below ``eps``). The function mode's clipping rule leaves such clamps alone.
+
+Examples:
+    >>> h = torch.randn(2, 3, requires_grad=True) * 1
+    >>> clips_a_statistic(h.norm(dim=-1, keepdim=True)), clips_a_statistic((h.pow(2).mean(-1) + 1e-6).sqrt())
+    (True, True)
+    >>> clips_a_statistic(h), clips_a_statistic(h.sum(-1)), clips_a_statistic(h.abs())
+    (False, False, False)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["clips_a_statistic"]
+
+# Autograd nodes of statistics that normalise: norms, roots, variances and deviations.
+_STATISTICS = (
+    "LinalgVectorNormBackward",
+    "NormBackward",
+    "SqrtBackward",
+    "RsqrtBackward",
+    "VarBackward",
+    "StdBackward",
+    "VarMeanBackward",
+    "StdMeanBackward",
+)
+# Reductions, which make a statistic of magnitudes (a sum or mean of squares, a maximum of absolute values).
+_REDUCTIONS = ("SumBackward", "MeanBackward", "MaxBackward", "AmaxBackward", "NansumBackward")
+# Nodes that only reshape or copy; with one input that requires grad, sums and products by constants (``var + eps``,
+# ``norm * scale``) are passed through as well.
+_PASSED = frozenset(
+    "ViewBackward0 UnsafeViewBackward0 ReshapeAliasBackward0 UnsqueezeBackward0 SqueezeBackward0 SqueezeBackward1 "
+    "SqueezeBackward2 SqueezeBackward3 ExpandBackward0 CloneBackward0 ToCopyBackward0 TransposeBackward0 "
+    "PermuteBackward0 TBackward0 AddBackward0 AddBackward1 SubBackward0 SubBackward1 MulBackward0 MulBackward1 "
+    "DivBackward0 DivBackward1".split()
+)
+_DEPTH = 16  # nodes walked back at most
+
+
+def clips_a_statistic(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a statistic that normalises (a norm, a root, a variance, a sum or mean of squares, or a
+    negative power of one), up to reshapes and sums or products by constants: a clip of it guards a divisor."""
+    node = x.grad_fn
+    for _ in range(_DEPTH):
+        if node is None:
+            return False
+        name = type(node).__name__
+        edges = [edge for edge, _ in node.next_functions if edge is not None]
+        if name.startswith(_STATISTICS) or (name == "PowBackward0" and _is_root(node)):
+            return True
+        if name.startswith(_REDUCTIONS):
+            return len(edges) == 1 and _is_magnitude(edges[0])
+        if name not in _PASSED or len(edges) != 1:
+            return False
+        node = edges[0]
+    return False
+
+
+def _is_root(node: Any) -> bool:
+    """A power with an exponent that is negative or no integer (``pow(0.5)``, ``pow(-0.5)``)."""
+    exponent = getattr(node, "_saved_exponent", None)
+    return isinstance(exponent, (int, float)) and (exponent < 0 or not float(exponent).is_integer())
+
+
+def _is_magnitude(node: Any) -> bool:
+    """An absolute value, an even power, or a product of a tensor by itself (``h * h``)."""
+    name = type(node).__name__
+    if name == "AbsBackward0":
+        return True
+    if name == "PowBackward0":
+        exponent = getattr(node, "_saved_exponent", None)
+        return isinstance(exponent, (int, float)) and exponent > 0 and float(exponent) % 2 == 0
+    if name == "MulBackward0":
+        (a, _), (b, _) = node.next_functions
+        return a is not None and a is b
+    return False
