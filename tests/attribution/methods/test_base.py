@@ -321,6 +321,28 @@ class TestRefusals:
         with pytest.raises(TypeError, match=f"{name} needs in_keys and out_keys"):
             make(name, nn.Linear(2, 2), in_keys=["x"])
 
+    def test_a_weight_on_the_meta_device_is_named(self, name):
+        """torch computes a linear layer from a weight on the meta device and a bias on the CPU, and returns what
+        the memory held (attributions up to 1e35, or NaN, before): refused as LRP refuses it, naming the module."""
+        net = random_mlp(9)
+        net[2].weight = nn.Parameter(torch.empty_like(net[2].weight, device="meta"))
+        hooks = [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in net.modules()]
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        expected = rf"^{name}: the module '2' \(Linear\) holds its parameter 'weight' on the meta device, .* on cpu"
+        with pytest.raises(ValueError, match=expected):
+            make(name, net, in_keys=["x"], out_keys=["y"])(td)
+        assert [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in net.modules()] == hooks
+        assert list(td.keys()) == ["x"] and net[2].weight.is_meta
+
+    def test_a_meta_tensor_held_but_not_computed_with_is_no_error(self, name):
+        """A template's tensor that the model holds on the meta device and never reads leaves the call as it is."""
+        net = random_mlp(9)
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        expected = make(name, net, in_keys=["x"], out_keys=["y"])(td.clone())["attribution", "x"]
+        net.register_buffer("template", torch.empty(3, device="meta"))
+        result = make(name, net, in_keys=["x"], out_keys=["y"])(td.clone())["attribution", "x"]
+        torch.testing.assert_close(result, expected, rtol=0, atol=0)
+
 
 class TestTorchRL:
     def test_q_value_actor_default_target_and_action_values(self):

@@ -50,6 +50,7 @@ from tdhook.attribution.methods._batch_statistics import (
 from tdhook.attribution.methods._call_keys import keys_explained_in_call, narrowed
 from tdhook.attribution.methods._options import MISSING
 from tdhook.attribution.methods._sampled_targets import sampled_target
+from tdhook.attribution.rules._meta_tensors import meta_tensors_refused
 from tdhook.attribution.targets import (
     EveryUnit,
     Target,
@@ -242,7 +243,8 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         self._check_batch(tensordict)
         self._warn_for_random_modules(tensordict)
         with buffers_restored_on_error(self.module) as before:  # up to the write: a call that fails moves none
-            with self._model_context():
+            # A module computing from a parameter on the meta device returns whatever the memory held: refused.
+            with meta_tensors_refused(self.module), self._model_context():
                 call = self._first_pass(tensordict)
                 call.buffers_before = before
                 self._warn_for_sampled_target(call)
@@ -312,7 +314,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         try:
             result = call_plain(self.module, work) if self._plain else self.module(work)
         except Exception as err:
-            error = run_error(err, work, self.explained_keys, dict(self.module.named_modules()), name)
+            error = run_error(err, work, self.explained_keys, self.named_explained_modules(), name)
             if error is err:
                 raise
             raise error from err
