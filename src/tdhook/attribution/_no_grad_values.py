@@ -7,8 +7,12 @@ CPU, and the fast path of ``nn.TransformerEncoderLayer``, ``nn.TransformerEncode
 and ``nn.MultiheadAttention``. Their values then differ from the plain call's in
 the last bits, enough to change a recurrent policy's states and, now and then,
 its action. While the caller's mode is ``no_grad``, the outermost such module
-(:func:`caller_values`) runs once more without gradient and rules, and its
-output takes those values, its gradient still flowing through the ruled pass.
+(:func:`caller_values`) runs its forward once more without gradient and rules,
+and its output takes those values, its gradient still flowing through the ruled
+pass. The caller's forward hooks on that module act once, on those values; the
+hooks of the modules inside it run in both passes, as the values are computed
+through them (the extra run cannot be avoided: no single pass gives both the
+values of the kernels without gradient and a graph).
 Where the kernels cannot differ it is not run again: on CPU, ``nn.GRU`` (one
 kernel in either mode) and ``nn.LSTM`` on float64 inputs (its other kernel,
 oneDNN's, takes only float32, bfloat16 and float16).
@@ -132,17 +136,35 @@ def _caller_values_hook(module: nn.Module, args: tuple, kwargs: dict, output: An
         return None
     if _draws_dropout(module):  # the values written are those of the pass explained (random either way)
         return None
-    # No rules, and no function modes (a mode active keeps the transformer layers off their fast path).
+    # No rules, and no function modes (a mode active keeps the transformer layers off their fast path). The module's
+    # forward alone: its own hooks act once, on the routed output (see caller_values); ``args`` are those its
+    # pre-hooks gave.
     with torch.no_grad(), plain_calls(), torch._C.DisableTorchFunction():
-        values = module(*args, **kwargs)
+        values = module.forward(*args, **kwargs)
     return tree_map(_route, values, output)
 
 
 def caller_values(modules: Mapping[str, nn.Module]) -> list[RemovableHandle]:
     """Make the outermost modules among ``modules`` whose kernels depend on the grad mode give, when the wrapper
-    was called without gradient, the values of that mode; the returned hook handles end it."""
+    was called without gradient, the values of that mode; the returned hook handles end it.
+
+    The hook runs after the wrapper's own hooks on the module and before the caller's (those put there before the
+    context, moved behind it in their order, and those put there later), so that the caller's hooks act once, on
+    the values written."""
     found = {name: m for name, m in modules.items() if _differs_by_grad_mode(m)}
     outermost = [
         m for name, m in found.items() if not any(name.startswith(f"{o}.") or o == "" for o in found if o != name)
     ]
-    return [m.register_forward_hook(_caller_values_hook, with_kwargs=True) for m in outermost]
+    handles = []
+    for module in outermost:
+        handle = module.register_forward_hook(_caller_values_hook, with_kwargs=True)
+        handles.append(handle)
+        hooks = module._forward_hooks
+        for key in [key for key in hooks if key != handle.id and not _ours(hooks[key])]:
+            hooks.move_to_end(key)  # the caller's, in their order, after ours
+    return handles
+
+
+def _ours(hook: Any) -> bool:
+    """Whether ``hook`` is one of this package's (a rule's, the wrapper's), by the module defining it."""
+    return getattr(hook, "__module__", "").startswith("tdhook.")
