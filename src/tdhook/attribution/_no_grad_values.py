@@ -36,8 +36,9 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ from torch.utils.hooks import RemovableHandle
 from tdhook.attribution.rules._wrapper_calls import wrapper_call
 from tdhook.attribution.rules.base import plain_calls
 
-__all__ = ["called_in_grad_mode", "caller_grad_enabled", "caller_values"]
+__all__ = ["called_in_grad_mode", "caller_grad_enabled", "caller_values", "caller_values_in"]
 
 # torch's own modules whose kernels differ with and without gradient (subclasses with their own forward, such as
 # torchrl's Python LSTM, compute the same either way).
@@ -168,3 +169,35 @@ def caller_values(modules: Mapping[str, nn.Module]) -> list[RemovableHandle]:
 def _ours(hook: Any) -> bool:
     """Whether ``hook`` is one of this package's (a rule's, the wrapper's), by the module defining it."""
     return getattr(hook, "__module__", "").startswith("tdhook.")
+
+
+@contextlib.contextmanager
+def caller_values_in(modules: Mapping[str, nn.Module]) -> Iterator[None]:
+    """For a wrapper without rules (the methods other than LRP) that runs the model with gradient: inside the block,
+    entered in the caller's grad mode, :func:`caller_values` for ``modules`` where that mode is ``no_grad``, so that
+    the outputs it writes are those of the plain call in that mode. Nothing where the caller records gradients.
+
+    Unlike :class:`called_in_grad_mode`, it does not mark a wrapper's call: the rules of an LRP context open on the
+    same model do not act in it.
+
+    Examples:
+        >>> lstm, x = nn.LSTM(3, 4), torch.randn(5, 2, 3)
+        >>> with torch.no_grad():
+        ...     plain = lstm(x)[0]
+        >>> with torch.no_grad(), caller_values_in({"": lstm}), torch.enable_grad():
+        ...     y = lstm(x.requires_grad_())[0]
+        >>> torch.equal(y, plain), y.requires_grad
+        (True, True)
+    """
+    if torch.is_grad_enabled():
+        yield
+        return
+    handles = caller_values(modules)
+    previous = getattr(_LOCAL, "enabled", True)
+    _LOCAL.enabled = False
+    try:
+        yield
+    finally:
+        _LOCAL.enabled = previous
+        for handle in handles:
+            handle.remove()

@@ -104,6 +104,25 @@ class TestKeysAndShapes:
         assert not any(v.requires_grad for v in td.values(include_nested=True, leaves_only=True))
         assert td["attribution", "obs"].abs().sum() > 0
 
+    def test_under_no_grad_an_lstm_policy_writes_the_plain_calls_outputs(self, name):
+        """torch's float32 LSTM on CPU takes another kernel without gradient: the outputs written under the caller's
+        no_grad are the plain call's in that mode, bit for bit, as LRP's (the gradient methods wrote those of the
+        call with gradient, 1.5e-8 off), and the attribution is that of a call with gradient."""
+        torch.manual_seed(0)
+        lstm, head = nn.LSTM(2, 8, num_layers=2, batch_first=True), nn.Linear(8, 3)
+        net = nn.Sequential(lstm, _FirstOutput(), head).eval()
+        td = TensorDict(x=torch.randn(4, 3, 2), batch_size=[4])
+        with torch.no_grad():
+            plain = net(td["x"])
+        options = {"GradientShap": {"baselines": torch.zeros(2, 3, 2)}, "Occlusion": {"sliding_window_shapes": (1, 2)}}
+        method = make(name, net, in_keys=["x"], out_keys=["y"], **options.get(name, {}))
+        with_grad = method(td.clone())
+        with torch.no_grad():
+            out = method(td.clone())
+        assert torch.equal(out["y"], plain)
+        torch.testing.assert_close(out["attribution", "x"], with_grad["attribution", "x"], rtol=1e-5, atol=1e-7)
+        assert not any(m._forward_hooks for m in net.modules())
+
     def test_another_default_device_changes_nothing(self, name):
         """Built and called under another default device (``torch.set_default_device("cuda")``; ``"meta"`` here), a
         method computes what it does without one: its draws and quadrature are made on the CPU, as documented
@@ -197,6 +216,13 @@ class TestTargets:
             TensorDict(x=x, batch_size=[6])
         )
         assert torch.equal(default["attribution", "x"], chosen["attribution", "x"])
+
+
+class _FirstOutput(nn.Module):
+    """The last step of an LSTM's output sequence."""
+
+    def forward(self, out: tuple) -> torch.Tensor:
+        return out[0][:, -1]
 
 
 class ScalesItsInputs(nn.Module):

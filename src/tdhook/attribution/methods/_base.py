@@ -35,6 +35,7 @@ from torch import nn
 from tdhook.attribution._chosen_values import chosen_action
 from tdhook.attribution._inputs import describe, feed_inputs, optional_inputs, validate_inputs
 from tdhook.attribution._keys import check_free, check_writable, read_not_written, relevance_keys
+from tdhook.attribution._no_grad_values import caller_values_in
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
@@ -63,6 +64,8 @@ from tdhook.attribution.targets import (
 from tdhook.attribution.tunables import ModelTunable
 
 __all__ = ["AttributionMethod", "Call", "hooks_removed"]
+
+_NOTHING = contextlib.nullcontext()
 
 
 @dataclass
@@ -245,7 +248,9 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         with buffers_restored_on_error(self.module) as before:  # up to the write: a call that fails moves none
             # A module computing from a parameter on the meta device returns whatever the memory held: refused.
             with meta_tensors_refused(self.module), self._model_context():
-                call = self._first_pass(tensordict)
+                # Under the caller's no_grad, the outputs written are the plain call's (LSTM, transformer kernels).
+                with caller_values_in(self.named_explained_modules()) if self._gradient_at_input else _NOTHING:
+                    call = self._first_pass(tensordict)
                 call.buffers_before = before
                 self._warn_for_sampled_target(call)
                 cut = returned_tensordict(tensordict, call.result, name)
