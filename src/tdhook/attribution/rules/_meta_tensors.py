@@ -7,7 +7,11 @@ is not refused before its call, since a network may swap the real tensors in for
 the call (torchrl's multi-agent networks call their template network so): the
 call that returns an output off the meta device is refused.
 
-LRP checks each ruled module's call in its rule's forward hook; the other
+LRP checks each ruled module's call in its rule's forward hook, and, where a
+layer holds such a tensor when its context opens, the layer's calls in a hook
+of :func:`meta_tensor_hooks` (a layer whose rule registers no hook, such as the
+plain gradient's in the transformer presets, or one a later call runs without
+its hooks); the other
 methods and the metrics, which register no rules, run the model under
 :func:`meta_tensors_refused`, which watches the torch functions only where the
 model holds such a tensor when the call starts (none, on the common path).
@@ -16,15 +20,16 @@ model holds such a tensor when the call starts (none, on the common path).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
 
-__all__ = ["holds_meta_tensors", "meta_tensors_refused", "raise_for_meta_tensors"]
+__all__ = ["holds_meta_tensors", "meta_tensor_hooks", "meta_tensors_refused", "raise_for_meta_tensors"]
 
 
 def raise_for_meta_tensors(module: nn.Module, output: torch.Tensor) -> None:
@@ -84,6 +89,27 @@ def meta_tensors_refused(model: nn.Module) -> Iterator[None]:
         yield
 
 
+def meta_tensor_hooks(modules: Mapping[str, nn.Module]) -> list[RemovableHandle]:
+    """A forward hook refusing, as :func:`raise_for_meta_tensors` does, a call that computes an output off the meta
+    device, on each module of ``modules`` without children that holds a parameter or buffer there (none, on the
+    common path); the handles remove them.
+
+    Examples:
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        >>> net[1].weight = nn.Parameter(torch.empty(1, 2, device="meta"))
+        >>> hooks = meta_tensor_hooks(dict(net.named_modules()))
+        >>> len(hooks), len(net[1]._forward_hooks)
+        (1, 1)
+        >>> for hook in hooks:
+        ...     hook.remove()
+    """
+    return [
+        module.register_forward_hook(_refuse_meta)
+        for module in modules.values()
+        if not module._modules and holds_meta_tensors(module)
+    ]
+
+
 def holds_meta_tensors(module: nn.Module) -> bool:
     """Whether ``module`` itself (not its children) holds a parameter or buffer on the meta device.
 
@@ -115,3 +141,10 @@ class _MetaRefusal(TorchFunctionMode):
             if first is not None:
                 raise_for_meta_tensors(held[0], first)
         return out
+
+
+def _refuse_meta(module: nn.Module, args: tuple, output: Any) -> None:
+    """A forward hook: :func:`raise_for_meta_tensors` on the first tensor of ``output``."""
+    first = next((leaf for leaf in tree_leaves(output) if isinstance(leaf, torch.Tensor)), None)
+    if first is not None:
+        raise_for_meta_tensors(module, first)
