@@ -249,7 +249,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             # A module computing from a parameter on the meta device returns whatever the memory held: refused.
             with meta_tensors_refused(self.module), self._model_context():
                 # Under the caller's no_grad, the outputs written are the plain call's (LSTM, transformer kernels).
-                with caller_values_in(self.named_explained_modules()) if self._gradient_at_input else _NOTHING:
+                with caller_values_in(self.named_explained_modules()) if self._no_grad_values() else _NOTHING:
                     call = self._first_pass(tensordict)
                 call.buffers_before = before
                 self._warn_for_sampled_target(call)
@@ -266,6 +266,10 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             updates.update(extra)
             set_all_or_nothing(tensordict, updates)
             return tensordict
+
+    def _no_grad_values(self) -> bool:
+        """Whether the call gives the outputs of the caller's ``no_grad`` (a pass with gradient, called without)."""
+        return self._gradient_at_input and not torch.is_grad_enabled()
 
     def named_explained_modules(self) -> dict[str, nn.Module]:
         """The wrapped model's modules by name, relative to the object passed as ``module`` (as LRP names them)."""

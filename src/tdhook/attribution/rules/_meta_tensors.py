@@ -75,13 +75,14 @@ def meta_tensors_refused(model: nn.Module) -> Iterator[None]:
         ...
         ValueError: Linear holds its parameter 'weight' on the meta device, ... output on cpu from it
     """
-    owners = {
-        id(tensor): module
-        for module in model.modules()
-        for tensors in (module._parameters, module._buffers)
-        for tensor in tensors.values()
-        if tensor is not None and tensor.is_meta
-    }
+    owners = {}
+    for module in model.modules():  # a plain loop: the common path pays one pass over the tensors
+        for tensor in module._parameters.values():
+            if tensor is not None and tensor.is_meta:
+                owners[id(tensor)] = module
+        for tensor in module._buffers.values():
+            if tensor is not None and tensor.is_meta:
+                owners[id(tensor)] = module
     if not owners:
         yield
         return
