@@ -469,3 +469,21 @@ def test_an_activation_set_in_place_inside_the_context_keeps_its_input(path, act
         results = [lrp(td.clone()) for _ in range(2)]
     for result in results:
         assert_same_call(result, expected)
+
+
+@pytest.mark.parametrize("tensor", ["weight", "bias"])
+def test_a_tensor_set_on_the_meta_device_inside_the_context_is_named(tensor):
+    """The plan computes a linear layer from a weight on the meta device as torch does, from whatever the memory
+    held (relevance up to 1e35 before): refused as the general path refuses it, naming the module and the tensor."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    lrp = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    td = TensorDict(x=torch.randn(1, 3), batch_size=[1])
+    with lrp:
+        lrp(td.clone())
+        assert lrp._plan is not None
+        setattr(net[2], tensor, nn.Parameter(torch.empty_like(getattr(net[2], tensor), device="meta")))
+        expected = rf"^LRP: the module '2' \(Linear\) holds its parameter '{tensor}' on the meta device"
+        with pytest.raises(ValueError, match=expected):
+            lrp(td)
+    assert list(td.keys()) == ["x"]

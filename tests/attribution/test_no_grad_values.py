@@ -3,6 +3,8 @@ fast paths compute other bits then), and the relevance of the call with gradient
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -79,10 +81,12 @@ def test_a_recurrent_module_runs_again_without_gradient_only_where_its_kernel_ca
         plain = model(td.clone())["y"]
     with_grad = LRP(model, EpsilonPlus())(td.clone())
     runs = []
-    model.module.lstm.register_forward_pre_hook(lambda module, args: runs.append(module))
+    kernel = "lstm" if model_class is Recurrent else "gru"
+    recurrence = getattr(torch._VF, kernel)
     lrp = LRP(model, EpsilonPlus())
-    with torch.no_grad(), lrp:
-        outs = [lrp(td.clone()), lrp(td.clone())]
+    with mock.patch.object(torch._VF, kernel, lambda *a, **k: runs.append(1) or recurrence(*a, **k)):
+        with torch.no_grad(), lrp:
+            outs = [lrp(td.clone()), lrp(td.clone())]
     assert len(runs) == (4 if runs_again else 2)
     for out in outs:
         assert torch.equal(out["y"], plain) and not out["y"].requires_grad
@@ -109,3 +113,52 @@ def test_a_module_dropping_in_training_mode_writes_the_values_of_the_pass_explai
         out = LRP(model, mapper())(td.clone())
     assert torch.equal(out["y"], explained["y"])
     torch.testing.assert_close(out["relevance", "x"], explained["relevance", "x"], rtol=0, atol=0)
+
+
+class Hooked:
+    """A forward hook that counts its calls and, with ``shift``, adds it to the module's (first) output."""
+
+    def __init__(self, shift: float = 0.0) -> None:
+        self.calls, self.shift = 0, shift
+
+    def __call__(self, module: nn.Module, args: tuple, output):
+        self.calls += 1
+        if not self.shift:
+            return None
+        return output + self.shift if isinstance(output, torch.Tensor) else (output[0] + self.shift, *output[1:])
+
+
+@pytest.mark.parametrize("when", ["before", "in the context"])
+@pytest.mark.parametrize("kind", MODELS)
+def test_the_callers_hooks_on_the_module_run_again_act_once(kind, when):
+    """The module whose kernels depend on the grad mode runs once more without gradient; the caller's forward hooks
+    on it act once per call, as in the plain call: a counter counts 1 (2 before), and a hook put there inside an
+    open context that shifts the output by 1 shifts the written output once (1.28 off the plain call's before)."""
+    model_class, features, mapper = MODELS[kind]
+    torch.manual_seed(0)
+    net = model_class().eval()
+    module = net.lstm if kind == "lstm" else net.encoder
+    td = TensorDict(x=torch.randn(3, 5, features), batch_size=[3])
+    counter, shifting = Hooked(), Hooked(1.0)
+    handles = [module.register_forward_hook(counter)]
+    if kind == "transformer":  # the recurrent rule refuses a hook changing the LSTM's output
+        handles.append(module.register_forward_hook(shifting))
+    with torch.no_grad():
+        plain = net(td["x"])
+    counter.calls = 0
+    lrp = LRP(net, mapper(), in_keys=["x"], out_keys=["y"])
+    if when == "before":
+        with torch.no_grad():
+            out = lrp(td.clone())
+    else:
+        for handle in handles:
+            handle.remove()
+        with lrp:
+            handles = [module.register_forward_hook(counter)]
+            if kind == "transformer":
+                handles.append(module.register_forward_hook(shifting))
+            with torch.no_grad():
+                out = lrp(td.clone())
+    assert counter.calls == 1
+    assert torch.equal(out["y"], plain)
+    assert list(module._forward_hooks) == [handle.id for handle in handles]  # the caller's, in their order

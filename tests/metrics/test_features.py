@@ -134,3 +134,16 @@ def test_a_per_sample_baseline_goes_to_each_sample():
         for i in range(3):
             perturbed[i, order[i, :k]] = low[i, 0]
         torch.testing.assert_close(curve[:, k], net(perturbed).gather(1, target).squeeze(1).detach())
+
+
+def test_an_attribution_per_unit_is_read_with_its_unit_dimension_and_named_otherwise():
+    """A method with ``target="all"`` writes ``batch + [units] + input``: the metrics that compare explanations read
+    it so; the others refuse it, saying what the extra dimension is."""
+    x, a = torch.randn(2, 3), torch.randn(2, 4, 3)
+    td = TensorDict(x=x, attribution=TensorDict(x=a, batch_size=[2]), batch_size=[2])
+    assert Features.read(td, ["x"], "attribution", unit_dims=1).attributions[0] is not None
+    with pytest.raises(ValueError, match=r"of shape \[2, 4, 3\] .* or 1 \(one dimension more than the input: .*"):
+        Features.read(td, ["x"], "attribution")
+    td["attribution", "x"] = torch.randn(2, 3)
+    with pytest.raises(ValueError, match=r"expected the batch \[2\] and the explained units' dimensions followed"):
+        Features.read(td, ["x"], "attribution", unit_dims=1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -47,6 +49,36 @@ def test_equals_quantus_mprt_layer_by_layer(abs_, similarity):
     assert list(ours) == list(expected) == ["3", "0"]
     for name in ours:
         torch.testing.assert_close(ours[name], expected[name], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("similarity", ["spearman", "pearson"])
+def test_target_all_compares_every_units_attributions(similarity):
+    """``target="all"`` gives each sample an attribution per output unit: the similarity runs over all of them
+    together, the cascade as Quantus' MPRT runs it (each layer reset after ``manual_seed(seed + 1)``), with
+    captum's gradient x input per unit and scipy's correlations as the oracle. A broadcast error before."""
+    from captum.attr import InputXGradient as CaptumInputXGradient
+    from scipy import stats
+
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+
+    def every_unit(model):
+        return torch.stack([CaptumInputXGradient(model).attribute(x, target=u) for u in range(3)], 1).flatten(1)
+
+    copied = copy.deepcopy(net)
+    original, expected = every_unit(copied).abs().detach(), {}
+    correlation = stats.spearmanr if similarity == "spearman" else stats.pearsonr
+    for name in ["2", "0"]:
+        torch.manual_seed(43)
+        copied[int(name)].reset_parameters()
+        changed = every_unit(copied).abs().detach()
+        expected[name] = torch.tensor([correlation(a, b)[0] for a, b in zip(original, changed, strict=True)])
+    method = InputXGradient(net, in_keys=["x"], out_keys=["y"], target="all")
+    ours = randomisation_check(method, TensorDict(x=x, batch_size=[5]), similarity=similarity)
+    assert list(ours) == ["2", "0"]
+    for name in ours:
+        torch.testing.assert_close(ours[name], expected[name].to(ours[name].dtype), rtol=0, atol=1e-6, equal_nan=True)
 
 
 def test_leaves_the_model_the_method_and_the_global_rng_untouched():

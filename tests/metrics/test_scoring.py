@@ -447,3 +447,18 @@ def test_stochastic_depth_in_training_mode_is_refused_by_name():
         pixel_flipping(net, td, in_keys=["x"], out_keys=["y"])
     net.eval()
     pixel_flipping(net, td, in_keys=["x"], out_keys=["y"])
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_a_weight_on_the_meta_device_is_named(layer):
+    """torch computes a linear layer from a weight on the meta device and returns what the memory held (a curve
+    running to 86 for outputs below 1, or a flat one, before): refused as the methods refuse it, naming the
+    module, whether the curve runs through the leading layer's sums or the model's own passes."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    net[layer].weight = nn.Parameter(torch.empty_like(net[layer].weight, device="meta"))
+    td = TensorDict(x=torch.randn(5, 3), attribution=TensorDict(x=torch.randn(5, 3), batch_size=[5]), batch_size=[5])
+    expected = rf"^metrics: the module '{layer}' \(Linear\) holds its parameter 'weight' on the meta device"
+    with pytest.raises(ValueError, match=expected):
+        pixel_flipping(net, td, in_keys=["x"], out_keys=["y"])
+    assert not any(m._forward_hooks for m in net.modules())

@@ -51,6 +51,7 @@ from tdhook.attribution._inputs import feed_inputs
 from tdhook.attribution._keys import as_tuple
 from tdhook.attribution._policy_targets import sequential_steps
 from tdhook.attribution._writes import model_updates
+from tdhook.attribution.rules._meta_tensors import raise_for_meta_tensors
 from tdhook.attribution.rules._numerics import stabilize
 from tdhook.attribution.rules._scopes import closing_scopes
 from tdhook.attribution.rules.base import Rule
@@ -200,13 +201,18 @@ class ChainPlan:
         with torch.no_grad():
             for layer, rule in self.layers:
                 if type(layer) is nn.Linear:
-                    x = torch.nn.functional.linear(x, layer.weight, layer.bias)
+                    weight, bias = layer.weight, layer.bias
+                    x = torch.nn.functional.linear(x, weight, bias)
+                    if weight.is_meta or (bias is not None and bias.is_meta):  # set there since the plan was made
+                        raise_for_meta_tensors(layer, x)
                     factors.append(None if rule is None else rule._scale_of(x, 1))  # x has no history: no detach
                 elif type(layer) is nn.ReLU:
                     x = torch.relu(x)
                     factors.append(x)
                 else:  # PassRule's scale, output over stabilized input
                     output = layer.forward(x)  # its class's own code (checked), without the rules' hooks
+                    if layer._parameters:  # PReLU's weight
+                        raise_for_meta_tensors(layer, output)
                     factors.append(output / _stabilized(x, rule.stabilizer))
                     x = output
         return x, factors

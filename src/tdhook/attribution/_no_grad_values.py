@@ -7,8 +7,12 @@ CPU, and the fast path of ``nn.TransformerEncoderLayer``, ``nn.TransformerEncode
 and ``nn.MultiheadAttention``. Their values then differ from the plain call's in
 the last bits, enough to change a recurrent policy's states and, now and then,
 its action. While the caller's mode is ``no_grad``, the outermost such module
-(:func:`caller_values`) runs once more without gradient and rules, and its
-output takes those values, its gradient still flowing through the ruled pass.
+(:func:`caller_values`) runs its forward once more without gradient and rules,
+and its output takes those values, its gradient still flowing through the ruled
+pass. The caller's forward hooks on that module act once, on those values; the
+hooks of the modules inside it run in both passes, as the values are computed
+through them (the extra run cannot be avoided: no single pass gives both the
+values of the kernels without gradient and a graph).
 Where the kernels cannot differ it is not run again: on CPU, ``nn.GRU`` (one
 kernel in either mode) and ``nn.LSTM`` on float64 inputs (its other kernel,
 oneDNN's, takes only float32, bfloat16 and float16).
@@ -32,8 +36,9 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -45,7 +50,7 @@ from torch.utils.hooks import RemovableHandle
 from tdhook.attribution.rules._wrapper_calls import wrapper_call
 from tdhook.attribution.rules.base import plain_calls
 
-__all__ = ["called_in_grad_mode", "caller_grad_enabled", "caller_values"]
+__all__ = ["called_in_grad_mode", "caller_grad_enabled", "caller_values", "caller_values_in"]
 
 # torch's own modules whose kernels differ with and without gradient (subclasses with their own forward, such as
 # torchrl's Python LSTM, compute the same either way).
@@ -132,17 +137,67 @@ def _caller_values_hook(module: nn.Module, args: tuple, kwargs: dict, output: An
         return None
     if _draws_dropout(module):  # the values written are those of the pass explained (random either way)
         return None
-    # No rules, and no function modes (a mode active keeps the transformer layers off their fast path).
+    # No rules, and no function modes (a mode active keeps the transformer layers off their fast path). The module's
+    # forward alone: its own hooks act once, on the routed output (see caller_values); ``args`` are those its
+    # pre-hooks gave.
     with torch.no_grad(), plain_calls(), torch._C.DisableTorchFunction():
-        values = module(*args, **kwargs)
+        values = module.forward(*args, **kwargs)
     return tree_map(_route, values, output)
 
 
 def caller_values(modules: Mapping[str, nn.Module]) -> list[RemovableHandle]:
     """Make the outermost modules among ``modules`` whose kernels depend on the grad mode give, when the wrapper
-    was called without gradient, the values of that mode; the returned hook handles end it."""
+    was called without gradient, the values of that mode; the returned hook handles end it.
+
+    The hook runs after the wrapper's own hooks on the module and before the caller's (those put there before the
+    context, moved behind it in their order, and those put there later), so that the caller's hooks act once, on
+    the values written."""
     found = {name: m for name, m in modules.items() if _differs_by_grad_mode(m)}
     outermost = [
         m for name, m in found.items() if not any(name.startswith(f"{o}.") or o == "" for o in found if o != name)
     ]
-    return [m.register_forward_hook(_caller_values_hook, with_kwargs=True) for m in outermost]
+    handles = []
+    for module in outermost:
+        handle = module.register_forward_hook(_caller_values_hook, with_kwargs=True)
+        handles.append(handle)
+        hooks = module._forward_hooks
+        for key in [key for key in hooks if key != handle.id and not _ours(hooks[key])]:
+            hooks.move_to_end(key)  # the caller's, in their order, after ours
+    return handles
+
+
+def _ours(hook: Any) -> bool:
+    """Whether ``hook`` is one of this package's (a rule's, the wrapper's), by the module defining it."""
+    return getattr(hook, "__module__", "").startswith("tdhook.")
+
+
+@contextlib.contextmanager
+def caller_values_in(modules: Mapping[str, nn.Module]) -> Iterator[None]:
+    """For a wrapper without rules (the methods other than LRP) that runs the model with gradient: inside the block,
+    entered in the caller's grad mode, :func:`caller_values` for ``modules`` where that mode is ``no_grad``, so that
+    the outputs it writes are those of the plain call in that mode. Nothing where the caller records gradients.
+
+    Unlike :class:`called_in_grad_mode`, it does not mark a wrapper's call: the rules of an LRP context open on the
+    same model do not act in it.
+
+    Examples:
+        >>> lstm, x = nn.LSTM(3, 4), torch.randn(5, 2, 3)
+        >>> with torch.no_grad():
+        ...     plain = lstm(x)[0]
+        >>> with torch.no_grad(), caller_values_in({"": lstm}), torch.enable_grad():
+        ...     y = lstm(x.requires_grad_())[0]
+        >>> torch.equal(y, plain), y.requires_grad
+        (True, True)
+    """
+    if torch.is_grad_enabled():
+        yield
+        return
+    handles = caller_values(modules)
+    previous = getattr(_LOCAL, "enabled", True)
+    _LOCAL.enabled = False
+    try:
+        yield
+    finally:
+        _LOCAL.enabled = previous
+        for handle in handles:
+            handle.remove()

@@ -111,8 +111,14 @@ class Features:
     prefix: tuple[str, ...] = ("attribution",)
 
     @classmethod
-    def read(cls, td: TensorDictBase, in_keys: Sequence[NestedKey], relevance_key: NestedKey) -> Features:
+    def read(
+        cls, td: TensorDictBase, in_keys: Sequence[NestedKey], relevance_key: NestedKey, unit_dims: int = 0
+    ) -> Features:
         """Read the inputs at ``in_keys`` and their attributions at ``(relevance_key, *key)``.
+
+        ``unit_dims`` dimensions of an attribution between the batch's and the input's hold one attribution per
+        explained unit (a method with ``target="all"``, LRP with ``split_dim``); a metric that compares explanations
+        with each other reads them so, the others read one attribution per sample.
 
         Raises:
             KeyError: an input or its attribution is missing.
@@ -135,12 +141,22 @@ class Features:
                 )
             if not isinstance(a, torch.Tensor) or not a.is_floating_point():
                 raise TypeError(f"metrics: attribution {a_key!r} must be a floating-point tensor, got {_describe(a)}")
-            fits = a.dim() == x.dim() and all(s in (1, t) for s, t in zip(a.shape, x.shape, strict=True))
-            if not fits or a.shape[: len(batch)] != batch:
+            n = len(batch)
+            per_unit = a.shape[n + unit_dims :] if a.dim() >= n + unit_dims else None
+            fits = per_unit is not None and len(per_unit) == x.dim() - n
+            fits = fits and all(s in (1, t) for s, t in zip(per_unit, x.shape[n:], strict=True))
+            if not fits or a.shape[:n] != batch:
+                units = " and the explained units' dimensions" if unit_dims else ""
+                hint = (
+                    " (one dimension more than the input: an attribution per output unit, target='all', or per "
+                    "position of LRP's split_dim, which this metric does not score: explain one target)"
+                    if not unit_dims and a.dim() == x.dim() + 1 and a.shape[:n] == batch
+                    else ""
+                )
                 raise ValueError(
                     f"metrics: attribution {a_key!r} of shape {list(a.shape)} does not broadcast to input {key!r} "
-                    f"of shape {list(x.shape)}; expected the batch {list(batch)} followed by each dimension of the "
-                    "input or 1"
+                    f"of shape {list(x.shape)}; expected the batch {list(batch)}{units} followed by each dimension "
+                    f"of the input or 1{hint}"
                 )
             inputs.append(x.detach())  # scores carry no graph of the caller's
             attributions.append(a.detach())

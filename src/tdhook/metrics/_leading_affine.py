@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_globals
 
+from tdhook.attribution.rules._meta_tensors import holds_meta_tensors
 from tdhook.metrics._batch_statistics import statistics_kept
 from tdhook.metrics._features import stacked_batch
 from tdhook.metrics._transposed_weights import transposed
@@ -89,6 +90,8 @@ class LeadingAffine:
         first = layers[1 if flatten else 0 : 2 if flatten else 1]
         if not first or type(first[0]) is not nn.Linear or _hooked(first[0]):
             return None
+        if any(holds_meta_tensors(module) for module in model.modules()):
+            return None  # the model's own passes name the module computing from a tensor that holds no values
         return cls(flatten, first[0], layers[2 if flatten else 1 :])
 
     def fits(self, x: torch.Tensor, batch_dims: int, baseline: torch.Tensor) -> bool:

@@ -44,6 +44,7 @@ __all__ = [
     "original_target",
     "repeat_target",
     "target_set",
+    "unit_dims",
 ]
 
 
@@ -99,6 +100,23 @@ def method_keys(
         flags = explained_in_call(td, keys, True, optional_inputs(module))
         keys = [key for key, explained in zip(keys, flags, strict=True) if explained]
     return keys
+
+
+def unit_dims(method: TensorDictModuleBase) -> int:
+    """The dimensions the method's attributions hold between the batch's and the input's: one for
+    ``target="all"`` (every output unit), one for LRP's ``split_dim`` (every position of that dimension).
+
+    Examples:
+        >>> from tdhook.attribution import Saliency
+        >>> net = torch.nn.Linear(3, 2)
+        >>> unit_dims(Saliency(net, in_keys=["x"], out_keys=["y"])), unit_dims(
+        ...     Saliency(net, in_keys=["x"], out_keys=["y"], target="all")
+        ... )
+        (0, 1)
+    """
+    wrapper = attribution_wrapper(method)
+    target = getattr(wrapper, "target", None)
+    return int(isinstance(target, str) and target == "all") + int(getattr(wrapper, "split_dim", None) is not None)
 
 
 def method_prefix(method: TensorDictModuleBase, relevance_key: NestedKey | None) -> NestedKey:

@@ -36,6 +36,8 @@ from tdhook.attribution._inputs import explained_in_call, module_in_recurrent_mo
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action, allowed_mask
 from tdhook.attribution._random_modules import drop_probability, random_modules
+from tdhook.attribution._run_errors import run_error
+from tdhook.attribution.rules._meta_tensors import meta_tensors_refused
 from tdhook.attribution.targets import (
     Target,
     initial_gradient,
@@ -296,8 +298,17 @@ class Scorer:
         return self._index
 
     def _run(self, work: TensorDictBase) -> TensorDictBase:
-        with torch.no_grad(), statistics_kept(self.module):  # every pass from the caller's running statistics
-            result = call_plain(self.module, work) if self._plain else self.module(work)
+        try:
+            # Every pass from the caller's running statistics; a module computing from a parameter on the meta
+            # device returns whatever the memory held: refused, naming it.
+            with torch.no_grad(), statistics_kept(self.module), meta_tensors_refused(self.module):
+                result = call_plain(self.module, work) if self._plain else self.module(work)
+        except Exception as err:
+            modules = dict((self.module.module if self._plain else self.module).named_modules())
+            error = run_error(err, work, self.keys, modules, "metrics")
+            if error is err:
+                raise
+            raise error from err
         return work if result is None else result
 
     def _output(self, result: TensorDictBase) -> torch.Tensor:

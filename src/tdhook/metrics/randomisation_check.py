@@ -19,7 +19,15 @@ from torch import nn
 from tdhook.metrics._batch_statistics import statistics_kept
 from tdhook.metrics._features import Features
 from tdhook.metrics._layer_reset import refuse_hooked_weights, reset_layer
-from tdhook.metrics._methods import check_method, explain, method_keys, method_prefix, original_target, target_set
+from tdhook.metrics._methods import (
+    check_method,
+    explain,
+    method_keys,
+    method_prefix,
+    original_target,
+    target_set,
+    unit_dims,
+)
 from tdhook.metrics._random import cuda_devices
 from tdhook.metrics._scoring import progress_bar
 from tdhook.metrics._similarity import pearson, spearman
@@ -99,6 +107,7 @@ def randomisation_check(
     compare = spearman if similarity == "spearman" else pearson
     keys = method_keys(method, in_keys, td)
     prefix = method_prefix(method, relevance_key)
+    units = unit_dims(method)  # target="all": every unit's attribution, compared together
     batch_dims = td.batch_dims
     refuse_hooked_weights(_named_modules(method), "randomisation_check")
     copied = copy.deepcopy(method)
@@ -109,9 +118,9 @@ def randomisation_check(
         result = explain(copied, td)
     target = original_target(copied, result, batch_dims, td)
     try:
-        stored = Features.read(td, keys, prefix).attributions
+        stored = Features.read(td, keys, prefix, units).attributions
     except KeyError:
-        stored = Features.read(result, keys, prefix).attributions
+        stored = Features.read(result, keys, prefix, units).attributions
 
     def flat(attributions: Sequence[torch.Tensor]) -> torch.Tensor:
         values = torch.cat([a.flatten(batch_dims) for a in attributions], dim=-1)
@@ -125,7 +134,7 @@ def randomisation_check(
             torch.manual_seed(seed + 1)
             reset_layer(name, layer)
             with statistics_kept(copied):
-                changed = Features.read(explain(copied, td), keys, prefix).attributions
+                changed = Features.read(explain(copied, td), keys, prefix, units).attributions
             scores[name] = compare(original, flat(changed))
             update(1)
     update(0)

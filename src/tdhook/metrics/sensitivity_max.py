@@ -20,6 +20,7 @@ from tdhook.metrics._methods import (
     original_target,
     repeat_target,
     target_set,
+    unit_dims,
 )
 from tdhook.metrics._random import generator, keeps_global_rng
 from tdhook.metrics.infidelity import check_perturbed, repeated
@@ -90,12 +91,13 @@ def sensitivity_max(
     for key in keys:  # the keys perturbed: inputs the TensorDict holds
         inputs_value(td, key)
     prefix = method_prefix(method, relevance_key)
+    units = unit_dims(method)  # target="all": every unit's attribution, compared together
     batch, n = td.batch_size, n_perturb_samples
     rng = generator(seed) if perturb_fn is None else None
     with torch.no_grad():
         with statistics_kept(method):  # every call of the method from the caller's running statistics
             result = explain(method, td)
-        reference = _flat(Features.read(result, keys, prefix).attributions, len(batch))
+        reference = _flat(Features.read(result, keys, prefix, units).attributions, len(batch))
         expanded = repeated(td, keys, n)
         if perturb_fn is None:
             perturbed = expanded.apply(
@@ -117,15 +119,14 @@ def sensitivity_max(
             copies = []
             for i in range(n):
                 with statistics_kept(method):
-                    copies.append(Features.read(explain(method, work[i]), keys, prefix).attributions)
+                    copies.append(Features.read(explain(method, work[i]), keys, prefix, units).attributions)
         attributions = [torch.stack(parts) for parts in zip(*copies, strict=True)]
     else:
         held = target_set(method, repeat_target(target, batch, n))
         with held, options_repeated(method, td, n), torch.no_grad(), statistics_kept(method):
             explained = explain(method, work.reshape(*stacked))
-        attributions = [
-            a.reshape(n, *batch, *a.shape[len(stacked) :]) for a in Features.read(explained, keys, prefix).attributions
-        ]
+        read = Features.read(explained, keys, prefix, units).attributions
+        attributions = [a.reshape(n, *batch, *a.shape[len(stacked) :]) for a in read]
     changed = _flat(attributions, len(batch) + 1).movedim(0, -2)
     norm = reference.norm(dim=-1, keepdim=True)
     norm = torch.where(norm == 0, torch.ones_like(norm), norm)

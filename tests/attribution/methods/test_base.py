@@ -104,6 +104,25 @@ class TestKeysAndShapes:
         assert not any(v.requires_grad for v in td.values(include_nested=True, leaves_only=True))
         assert td["attribution", "obs"].abs().sum() > 0
 
+    def test_under_no_grad_an_lstm_policy_writes_the_plain_calls_outputs(self, name):
+        """torch's float32 LSTM on CPU takes another kernel without gradient: the outputs written under the caller's
+        no_grad are the plain call's in that mode, bit for bit, as LRP's (the gradient methods wrote those of the
+        call with gradient, 1.5e-8 off), and the attribution is that of a call with gradient."""
+        torch.manual_seed(0)
+        lstm, head = nn.LSTM(2, 8, num_layers=2, batch_first=True), nn.Linear(8, 3)
+        net = nn.Sequential(lstm, _FirstOutput(), head).eval()
+        td = TensorDict(x=torch.randn(4, 3, 2), batch_size=[4])
+        with torch.no_grad():
+            plain = net(td["x"])
+        options = {"GradientShap": {"baselines": torch.zeros(2, 3, 2)}, "Occlusion": {"sliding_window_shapes": (1, 2)}}
+        method = make(name, net, in_keys=["x"], out_keys=["y"], **options.get(name, {}))
+        with_grad = method(td.clone())
+        with torch.no_grad():
+            out = method(td.clone())
+        assert torch.equal(out["y"], plain)
+        torch.testing.assert_close(out["attribution", "x"], with_grad["attribution", "x"], rtol=1e-5, atol=1e-7)
+        assert not any(m._forward_hooks for m in net.modules())
+
     def test_another_default_device_changes_nothing(self, name):
         """Built and called under another default device (``torch.set_default_device("cuda")``; ``"meta"`` here), a
         method computes what it does without one: its draws and quadrature are made on the CPU, as documented
@@ -197,6 +216,13 @@ class TestTargets:
             TensorDict(x=x, batch_size=[6])
         )
         assert torch.equal(default["attribution", "x"], chosen["attribution", "x"])
+
+
+class _FirstOutput(nn.Module):
+    """The last step of an LSTM's output sequence."""
+
+    def forward(self, out: tuple) -> torch.Tensor:
+        return out[0][:, -1]
 
 
 class ScalesItsInputs(nn.Module):
@@ -320,6 +346,28 @@ class TestRefusals:
     def test_plain_module_needs_keys(self, name):
         with pytest.raises(TypeError, match=f"{name} needs in_keys and out_keys"):
             make(name, nn.Linear(2, 2), in_keys=["x"])
+
+    def test_a_weight_on_the_meta_device_is_named(self, name):
+        """torch computes a linear layer from a weight on the meta device and a bias on the CPU, and returns what
+        the memory held (attributions up to 1e35, or NaN, before): refused as LRP refuses it, naming the module."""
+        net = random_mlp(9)
+        net[2].weight = nn.Parameter(torch.empty_like(net[2].weight, device="meta"))
+        hooks = [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in net.modules()]
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        expected = rf"^{name}: the module '2' \(Linear\) holds its parameter 'weight' on the meta device, .* on cpu"
+        with pytest.raises(ValueError, match=expected):
+            make(name, net, in_keys=["x"], out_keys=["y"])(td)
+        assert [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in net.modules()] == hooks
+        assert list(td.keys()) == ["x"] and net[2].weight.is_meta
+
+    def test_a_meta_tensor_held_but_not_computed_with_is_no_error(self, name):
+        """A template's tensor that the model holds on the meta device and never reads leaves the call as it is."""
+        net = random_mlp(9)
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        expected = make(name, net, in_keys=["x"], out_keys=["y"])(td.clone())["attribution", "x"]
+        net.register_buffer("template", torch.empty(3, device="meta"))
+        result = make(name, net, in_keys=["x"], out_keys=["y"])(td.clone())["attribution", "x"]
+        torch.testing.assert_close(result, expected, rtol=0, atol=0)
 
 
 class TestTorchRL:

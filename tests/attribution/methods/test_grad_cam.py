@@ -174,3 +174,31 @@ class TestRefusals:
         with pytest.raises(ValueError, match="layer 'lstm' must return one tensor .*, it returned tuple"):
             GradCAM(Recurrent().double(), layer="lstm", in_keys=["x"], out_keys=["y"])(td)
         assert list(td.keys()) == ["x"]
+
+
+class _Attending(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x)[:, -1])
+
+
+@pytest.mark.parametrize("layer", ["encoder", "encoder.layers.0", "encoder.layers.1.linear2"])
+def test_under_no_grad_a_layer_in_a_transformer_encoder_writes_the_plain_outputs(layer):
+    """Under the caller's no_grad the encoder runs once more without gradient for the values of that mode's kernels
+    (as LRP's): the layer's map is that of the pass with gradient, and the outputs those of the plain call."""
+    torch.manual_seed(0)
+    net = _Attending().eval()
+    td = TensorDict(x=torch.randn(4, 5, 8), batch_size=[4])
+    with torch.no_grad():
+        plain = net(td["x"])
+    cam = GradCAM(net, layer=layer, in_keys=["x"], out_keys=["y"])
+    with_grad = cam(td.clone())
+    with torch.no_grad():
+        out = cam(td.clone())
+    assert torch.equal(out["y"], plain)
+    torch.testing.assert_close(out["attribution", layer], with_grad["attribution", layer], rtol=1e-5, atol=1e-7)

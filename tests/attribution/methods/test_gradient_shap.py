@@ -15,13 +15,14 @@ pytestmark = pytest.mark.filterwarnings("ignore:Input Tensor .* did not already 
 
 
 def reference(forward, inputs, references, stdevs, n_samples, seed, target):
-    """Reproduce the documented draws, then average captum's gradient at each point times (noisy input − reference)."""
+    """Reproduce the documented draws (with a seed, one per copy that every sample of the batch shares), then average
+    captum's gradient at each point times (noisy input − reference)."""
     generator = torch.Generator().manual_seed(seed)
     batch = inputs[0].shape[0]
-    indices = torch.randint(references[0].shape[0], (n_samples, batch), generator=generator)
-    alphas = torch.rand((n_samples, batch), generator=generator, dtype=torch.float64)
+    indices = torch.randint(references[0].shape[0], (n_samples, 1), generator=generator).expand(n_samples, batch)
+    alphas = torch.rand((n_samples, 1), generator=generator, dtype=torch.float64).expand(n_samples, batch)
     noisy = [
-        x + s * torch.randn((n_samples, *x.shape), generator=generator, dtype=x.dtype)
+        x + s * torch.randn((n_samples, 1, *x.shape[1:]), generator=generator, dtype=x.dtype)
         for x, s in zip(inputs, stdevs, strict=True)
     ]
     totals = [torch.zeros_like(x) for x in inputs]
@@ -60,9 +61,9 @@ class TestLinearModels:
             net, in_keys=["x"], out_keys=["y"], baselines=refs, target=0, n_samples=8, stdevs=0.3, seed=4
         )(TensorDict(x=x, batch_size=[3]))
         generator = torch.Generator().manual_seed(4)
-        indices = torch.randint(5, (8, 3), generator=generator)
-        torch.rand((8, 3), generator=generator, dtype=torch.float64)
-        noisy = x + 0.3 * torch.randn((8, 3, 4), generator=generator, dtype=torch.float64)
+        indices = torch.randint(5, (8, 1), generator=generator)
+        torch.rand((8, 1), generator=generator, dtype=torch.float64)
+        noisy = x + 0.3 * torch.randn((8, 1, 4), generator=generator, dtype=torch.float64)
         expected = (net.weight[0].detach() * (noisy - refs[indices])).mean(0)
         assert relative_error(td["attribution", "x"], expected) <= 1e-12
 

@@ -35,6 +35,7 @@ from torch import nn
 from tdhook.attribution._chosen_values import chosen_action
 from tdhook.attribution._inputs import describe, feed_inputs, optional_inputs, validate_inputs
 from tdhook.attribution._keys import check_free, check_writable, read_not_written, relevance_keys
+from tdhook.attribution._no_grad_values import caller_values_in
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
@@ -50,6 +51,7 @@ from tdhook.attribution.methods._batch_statistics import (
 from tdhook.attribution.methods._call_keys import keys_explained_in_call, narrowed
 from tdhook.attribution.methods._options import MISSING
 from tdhook.attribution.methods._sampled_targets import sampled_target
+from tdhook.attribution.rules._meta_tensors import meta_tensors_refused
 from tdhook.attribution.targets import (
     EveryUnit,
     Target,
@@ -62,6 +64,8 @@ from tdhook.attribution.targets import (
 from tdhook.attribution.tunables import ModelTunable
 
 __all__ = ["AttributionMethod", "Call", "hooks_removed"]
+
+_NOTHING = contextlib.nullcontext()
 
 
 @dataclass
@@ -242,8 +246,11 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         self._check_batch(tensordict)
         self._warn_for_random_modules(tensordict)
         with buffers_restored_on_error(self.module) as before:  # up to the write: a call that fails moves none
-            with self._model_context():
-                call = self._first_pass(tensordict)
+            # A module computing from a parameter on the meta device returns whatever the memory held: refused.
+            with meta_tensors_refused(self.module), self._model_context():
+                # Under the caller's no_grad, the outputs written are the plain call's (LSTM, transformer kernels).
+                with caller_values_in(self.named_explained_modules()) if self._no_grad_values() else _NOTHING:
+                    call = self._first_pass(tensordict)
                 call.buffers_before = before
                 self._warn_for_sampled_target(call)
                 cut = returned_tensordict(tensordict, call.result, name)
@@ -259,6 +266,10 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             updates.update(extra)
             set_all_or_nothing(tensordict, updates)
             return tensordict
+
+    def _no_grad_values(self) -> bool:
+        """Whether the call gives the outputs of the caller's ``no_grad`` (a pass with gradient, called without)."""
+        return self._gradient_at_input and not torch.is_grad_enabled()
 
     def named_explained_modules(self) -> dict[str, nn.Module]:
         """The wrapped model's modules by name, relative to the object passed as ``module`` (as LRP names them)."""
@@ -312,7 +323,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         try:
             result = call_plain(self.module, work) if self._plain else self.module(work)
         except Exception as err:
-            error = run_error(err, work, self.explained_keys, dict(self.module.named_modules()), name)
+            error = run_error(err, work, self.explained_keys, self.named_explained_modules(), name)
             if error is err:
                 raise
             raise error from err

@@ -159,6 +159,21 @@ def seeded_generator(seed: int | None) -> torch.Generator:
     return generator
 
 
+def draws_shape(shape: Sequence[int], n_samples: int, batch_dims: int, seed: int | None) -> tuple[int, ...]:
+    """The shape of ``n_samples`` random draws for each element of a tensor of ``shape`` (the batch's, then a
+    sample's): with a seed, one set shared by every
+    sample of the batch (size 1 along its ``batch_dims`` dimensions, broadcast), so that a sample's draws do not
+    depend on the batch it comes in; without one (fresh draws every call), one set per sample.
+
+    Examples:
+        >>> draws_shape((4, 2, 3), 5, 2, seed=0), draws_shape((4, 2, 3), 5, 2, seed=None)
+        ((5, 1, 1, 3), (5, 4, 2, 3))
+    """
+    if seed is None:
+        return (n_samples, *shape)
+    return (n_samples, *[1] * batch_dims, *shape[batch_dims:])
+
+
 def steps_per_pass(n_steps: int, rows_per_step: int, internal_batch_size: int | None, owner: str = "") -> int:
     """How many perturbed copies (points of a path, noisy samples) one forward pass evaluates.
 

@@ -103,6 +103,8 @@ class GradCAM(AttributionMethod):
         self._activations = []
 
         def record(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+            if not torch.is_grad_enabled():  # a run for the values of the caller's no_grad (see _no_grad_values)
+                return None
             self._activations.append(output)
             # The model goes on with a copy: an in-place operation after the layer (a ReLU(inplace=True)) must
             # not overwrite the activation the map is made of.

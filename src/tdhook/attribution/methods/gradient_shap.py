@@ -13,7 +13,14 @@ from torch import nn
 
 from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.methods._base import AttributionMethod, Call
-from tdhook.attribution.methods._options import MISSING, checked_batch_size, per_key, seeded_generator, steps_per_pass
+from tdhook.attribution.methods._options import (
+    MISSING,
+    checked_batch_size,
+    draws_shape,
+    per_key,
+    seeded_generator,
+    steps_per_pass,
+)
 from tdhook.attribution.targets import Target
 
 __all__ = ["GradientShap", "shap_draws"]
@@ -36,6 +43,11 @@ def shap_draws(
     3. key after key, ``torch.randn((n_samples, *x.shape), dtype=x.dtype)`` times the key's ``stdev``:
        the noise added to the input.
 
+    With a seed, every sample of the batch takes the same draws (each drawn with size 1 along the batch
+    dimensions, then broadcast: see :func:`~tdhook.attribution.methods._options.draws_shape`), so that a sample's
+    attribution does not depend on the batch it comes in (alone, in a batch, or stacked with perturbed copies by a
+    metric such as :func:`~tdhook.metrics.sensitivity_max`).
+
     Args:
         inputs: the inputs, one per explained key.
         references: per key, ``[R, *sample_shape]``.
@@ -55,12 +67,14 @@ def shap_draws(
     """
     generator = seeded_generator(seed)
     batch = inputs[0].shape[:batch_dims]
-    indices = torch.randint(references[0].shape[0], (n_samples, *batch), generator=generator, device="cpu")
-    alphas = torch.rand((n_samples, *batch), generator=generator, dtype=torch.float64, device="cpu")
+    shape = draws_shape(batch, n_samples, batch_dims, seed)
+    indices = torch.randint(references[0].shape[0], shape, generator=generator, device="cpu").expand(n_samples, *batch)
+    alphas = torch.rand(shape, generator=generator, dtype=torch.float64, device="cpu").expand(n_samples, *batch)
     noisy = []
     for x, stdev in zip(inputs, stdevs, strict=True):
-        noise = torch.randn((n_samples, *x.shape), generator=generator, dtype=x.dtype, device="cpu").to(x.device)
-        noisy.append(x.unsqueeze(0) + stdev * noise)
+        shape = draws_shape(x.shape, n_samples, batch_dims, seed)
+        noise = torch.randn(shape, generator=generator, dtype=x.dtype, device="cpu")
+        noisy.append(x.unsqueeze(0) + stdev * noise.to(x.device))
     return indices, alphas, noisy
 
 

@@ -13,7 +13,14 @@ from torch import nn
 
 from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.methods._base import AttributionMethod, Call
-from tdhook.attribution.methods._options import MISSING, checked_batch_size, per_key, seeded_generator, steps_per_pass
+from tdhook.attribution.methods._options import (
+    MISSING,
+    checked_batch_size,
+    draws_shape,
+    per_key,
+    seeded_generator,
+    steps_per_pass,
+)
 from tdhook.attribution.targets import Target
 
 __all__ = ["SmoothGrad", "noisy_copies"]
@@ -22,35 +29,42 @@ NT_TYPES = ("smoothgrad", "smoothgrad_sq", "vargrad")
 
 
 def noisy_copies(
-    inputs: Sequence[torch.Tensor], stdevs: Sequence[float], n_samples: int, seed: int | None
+    inputs: Sequence[torch.Tensor], stdevs: Sequence[float], n_samples: int, seed: int | None, batch_dims: int = 0
 ) -> list[torch.Tensor]:
     """``n_samples`` copies of each input with ``N(0, stdev²)`` noise added, drawn from a generator of their own.
 
-    The noise is drawn on the CPU from a ``torch.Generator`` seeded with
-    ``seed``, key after key, as ``torch.randn(n_samples, *x.shape, dtype=x.dtype)``,
-    then scaled by the key's ``stdev`` and moved to the input's device; the
-    global random state is not touched.
+    The noise is drawn on the CPU from a ``torch.Generator`` seeded with ``seed``, key after key, then scaled by
+    the key's ``stdev`` and moved to the input's device; the global random state is not touched. With a seed,
+    every sample of the batch (the first ``batch_dims`` dimensions) takes the same draws,
+    ``torch.randn(n_samples, *[1] * batch_dims, *sample_shape, dtype=x.dtype)``: a sample's copies do not depend on
+    the batch it comes in (alone, in a batch, or stacked with perturbed copies by a metric such as
+    :func:`~tdhook.metrics.sensitivity_max`). Without one, each sample draws its own,
+    ``torch.randn(n_samples, *x.shape)``.
 
     Args:
         inputs: the inputs, one per explained key.
         stdevs: the noise's standard deviation per key.
         n_samples: the number of copies.
         seed: the generator's seed (``None`` for a nondeterministic one).
+        batch_dims: the number of batch dimensions of the inputs.
 
     Returns:
         Per key, ``[n_samples, *x.shape]``.
 
     Examples:
         >>> x = torch.zeros(2, 3)
-        >>> a, = noisy_copies([x], [0.5], 4, seed=0)
-        >>> a.shape, torch.equal(a, noisy_copies([x], [0.5], 4, seed=0)[0])
+        >>> a, = noisy_copies([x], [0.5], 4, seed=0, batch_dims=1)
+        >>> a.shape, torch.equal(a, noisy_copies([x], [0.5], 4, seed=0, batch_dims=1)[0])
         (torch.Size([4, 2, 3]), True)
+        >>> torch.equal(a[:, 1], noisy_copies([x[1:]], [0.5], 4, seed=0, batch_dims=1)[0][:, 0])  # as it is alone
+        True
     """
     generator = seeded_generator(seed)
     copies = []
     for x, stdev in zip(inputs, stdevs, strict=True):
-        noise = torch.randn((n_samples, *x.shape), generator=generator, dtype=x.dtype, device="cpu").to(x.device)
-        copies.append(x.unsqueeze(0) + stdev * noise)
+        shape = draws_shape(x.shape, n_samples, batch_dims, seed)
+        noise = torch.randn(shape, generator=generator, dtype=x.dtype, device="cpu")
+        copies.append(x.unsqueeze(0) + stdev * noise.to(x.device))
     return copies
 
 
@@ -75,7 +89,9 @@ class SmoothGrad(AttributionMethod):
         relevance_key: the prefix of the attribution keys.
         n_samples: the number of noisy copies.
         stdev: the noise's standard deviation, one number or a dict keyed by in_key.
-        seed: the seed of the noise (drawn as :func:`noisy_copies` says); ``None`` for fresh noise every call.
+        seed: the seed of the noise (drawn as :func:`noisy_copies` says: every sample takes the same draws, so that
+            a sample's attribution does not depend on the batch it comes in); ``None`` for fresh noise every call,
+            each sample its own.
         nt_type: ``"smoothgrad"``, ``"smoothgrad_sq"`` or ``"vargrad"``.
         abs: whether the saliency is the gradient's absolute value.
         internal_batch_size: the most rows (copies × samples) per forward pass; ``None`` for all at once. A pass
@@ -139,7 +155,7 @@ class SmoothGrad(AttributionMethod):
         self.internal_batch_size = checked_batch_size(internal_batch_size, "SmoothGrad")
 
     def _attribute(self, call: Call) -> list[torch.Tensor]:
-        copies = noisy_copies(call.inputs, self.stdevs, self.n_samples, self.seed)
+        copies = noisy_copies(call.inputs, self.stdevs, self.n_samples, self.seed, call.batch_dims)
         units = call.seeds.shape[0]
         # Summed over the copies in float32 at least (see accumulation_dtype), rounded once to the input's dtype.
         sums = [x.new_zeros(units, *x.shape, dtype=accumulation_dtype(x.dtype)) for x in call.inputs]
