@@ -22,8 +22,9 @@ from torch import nn
 
 from tdhook.attribution import LRP
 from tdhook.attribution.lrp_helpers.rules import AttnLRP, EpsilonGammaBox, EpsilonPlus, EpsilonRule
-from tdhook.attribution.rules import _graph_calls
+from tdhook.attribution.rules import _graph_calls, base
 from tdhook.attribution.rules._first_pass import first_pass
+from tdhook.attribution.rules._wrapper_calls import in_a_wrapper_call
 from tests.attribution._interrupts import Interrupt, every_line
 
 F64 = torch.float64
@@ -43,6 +44,10 @@ def global_state() -> tuple:
         _graph_calls.planned(),
         # The first pass's checks (rules warn once per context there): none between calls.
         first_pass(),
+        # No wrapper's call in progress, no block of plain calls: the model's own calls in an open context stay
+        # plain, and the wrapper's take the rules.
+        in_a_wrapper_call(),
+        getattr(base._PLAIN, "depth", 0),
     )
 
 
@@ -226,4 +231,7 @@ def test_a_pipeline_call_interrupted_anywhere_writes_nothing():
         with Interrupt(at) as interrupt:
             lrp(td)
         assert_all_or_nothing(td, {"x": x}, expected, interrupt.where)
+        # An interrupt as the call's block ends (in its __exit__ too) leaves no wrapper's call marked on the thread:
+        # the model's own calls in an open context would take the rules' gradient from then on.
+        assert not in_a_wrapper_call(), interrupt.where
     torch.testing.assert_close(lrp(TensorDict(x=x, batch_size=[4]))["relevance", "x"], expected, rtol=0, atol=0)

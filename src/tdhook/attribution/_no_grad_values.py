@@ -25,8 +25,8 @@ Examples:
     >>> lstm, x = nn.LSTM(3, 4, num_layers=2, batch_first=True), torch.randn(2, 5, 3)
     >>> with torch.no_grad():
     ...     plain = lstm(x)[0]
-    >>> hooks = caller_values({"": lstm})
-    >>> with torch.no_grad(), called_in_grad_mode(torch.is_grad_enabled()), torch.enable_grad():
+    >>> hooks, lock = caller_values({"": lstm}), threading.RLock()  # the lock a wrapper holds for its call
+    >>> with torch.no_grad(), lock, called_in_grad_mode(torch.is_grad_enabled(), lock), torch.enable_grad():
     ...     y = lstm(x.requires_grad_())[0]
     >>> torch.equal(y, plain), y.requires_grad
     (True, True)
@@ -57,26 +57,27 @@ __all__ = ["called_in_grad_mode", "caller_grad_enabled", "caller_values", "calle
 _BY_GRAD_MODE = (nn.LSTM, nn.GRU, nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
 
 _LOCAL = threading.local()
-_CALLS = wrapper_call()
 
 
 class called_in_grad_mode:  # a class, not a generator: it costs less per call
     """Record, for this thread and the ``with`` block, the grad mode the wrapper was called in, and that a wrapper's
-    call is in progress."""
+    call is in progress, marked with ``lock``, the wrapper's lock, held for the call (see
+    :class:`~tdhook.attribution.rules._wrapper_calls.wrapper_call`)."""
 
-    __slots__ = ("_enabled", "_previous")
+    __slots__ = ("_call", "_enabled", "_previous")
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, lock: Any) -> None:
         self._enabled = enabled
+        self._call = wrapper_call(lock)
 
     def __enter__(self) -> None:
         self._previous = getattr(_LOCAL, "enabled", True)
         _LOCAL.enabled = self._enabled
-        _CALLS.__enter__()  # the wrapper's call: its rules act in the block (see rules._wrapper_calls)
+        self._call.__enter__()  # the wrapper's call: its rules act in the block (see rules._wrapper_calls)
 
     def __exit__(self, *exc_info: object) -> None:
         _LOCAL.enabled = self._previous
-        _CALLS.__exit__()
+        self._call.__exit__()
 
 
 def caller_grad_enabled() -> bool:

@@ -393,7 +393,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             entering = self._handles is None and not self._inactive
             _set_state(self, "_call_enters", entering)
             # A context entered here is left before the write, and so is the record of the caller's grad mode.
-            with called_in_grad_mode(torch.is_grad_enabled()), self if entering else _NO_CONTEXT:
+            with called_in_grad_mode(torch.is_grad_enabled(), self._lock), self if entering else _NO_CONTEXT:
                 out, write = self._explain(tensordict)
             write()  # a call whose context fails to close writes nothing
             return out

@@ -9,6 +9,11 @@ gradient 2 % off, under ``EpsilonPlusFlat`` none at all). The wrapper marks its 
 :func:`context_closed`); a rule applies inside a wrapper's call, and outside one on a module that no open context
 holds (a rule registered by hand on another model), or where no context is open.
 
+A wrapper's call is marked with the lock the wrapper holds for it, and a mark counts only while this thread holds
+that lock: an interrupt (``KeyboardInterrupt``) arriving as the call's ``with`` block ends, before the mark is taken
+off, leaves a mark that no longer counts, rather than a thread on which the model's own calls take the rules'
+gradient from then on.
+
 Examples:
     >>> class Wrapper:
     ...     pass
@@ -19,9 +24,14 @@ Examples:
     >>> context_opened(owner, [held])
     >>> rules_act_here(held), rules_act_here(other)  # calls of the modules themselves while the context is open
     (False, True)
-    >>> with wrapper_call():  # a wrapper's call
+    >>> lock = threading.RLock()
+    >>> with lock, wrapper_call(lock):  # a wrapper's call, which holds its lock
     ...     rules_act_here(held)
     True
+    >>> mark = wrapper_call(lock)
+    >>> mark.__enter__()  # an interrupt kept the mark's end from running ...
+    >>> rules_act_here(held)  # ... but the lock is not held: no wrapper's call is in progress
+    False
     >>> context_closed(owner, [held])
     >>> rules_act_here(held)
     True
@@ -32,6 +42,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -41,24 +52,42 @@ __all__ = ["context_closed", "context_opened", "in_a_wrapper_call", "rules_act_h
 
 
 class _Calls(threading.local):
-    depth = 0
+    def __init__(self) -> None:
+        self.locks: list = []  # the locks of this thread's wrapper calls in progress, innermost last
 
 
-_CALLS = _Calls()  # this thread's wrapper calls in progress
+_CALLS = _Calls()
 _OPEN: weakref.WeakSet = weakref.WeakSet()  # wrappers whose context is open (any thread)
 _HELD: IdentityWeakKeyDict = IdentityWeakKeyDict()  # the modules those contexts hold
 
 
 class wrapper_call:  # a class, not a generator: it costs less per call
-    """Mark the ``with`` block as a wrapper's call, for this thread."""
+    """Mark the ``with`` block as a wrapper's call, for this thread; ``lock`` is the ``threading.RLock`` the
+    wrapper holds for the call (the mark counts while this thread holds it)."""
 
-    __slots__ = ()
+    __slots__ = ("_lock",)
+
+    def __init__(self, lock: Any) -> None:
+        self._lock = lock
 
     def __enter__(self) -> None:
-        _CALLS.depth += 1
+        _CALLS.locks.append(self._lock)
 
     def __exit__(self, *exc_info: object) -> None:
-        _CALLS.depth -= 1
+        locks = _CALLS.locks
+        if locks and locks[-1] is self._lock:
+            locks.pop()
+
+
+def _in_call() -> bool:
+    """Whether a wrapper's call is in progress on this thread: a mark whose lock this thread holds. Marks an
+    interrupt left behind (their lock released since) are dropped."""
+    locks = _CALLS.locks
+    while locks:
+        if locks[-1]._is_owned():
+            return True
+        locks.pop()
+    return False
 
 
 def context_opened(owner: object, modules: Iterable[torch.nn.Module] = ()) -> None:
@@ -77,12 +106,12 @@ def context_closed(owner: object, modules: Iterable[torch.nn.Module] = ()) -> No
 
 def in_a_wrapper_call() -> bool:
     """Whether a wrapper's call is in progress on this thread."""
-    return _CALLS.depth > 0
+    return _in_call()
 
 
 def rules_act_here(module: torch.nn.Module | None = None) -> bool:
     """Whether rules act on ``module`` called now: inside a wrapper's call, where no wrapper's context is open, or
     on a module no open context holds (``None``: any module, as held)."""
-    if _CALLS.depth > 0 or not _OPEN:
+    if not _OPEN or _in_call():
         return True
     return module is not None and module not in _HELD
