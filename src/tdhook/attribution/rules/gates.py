@@ -241,10 +241,10 @@ class HeldGates(TorchFunctionMode):
                 raise_for_checkpoint("gates held constant in products")
                 self.held = True
                 return held
-            return mark_parameter_derived(args, func(*args, **kwargs))
+            return mark_parameter_derived(args, func(*args, **kwargs), func)
         if func in GATE_FUNCTIONS:  # a gate computed under torch.vmap is neither seen nor held
             raise_for_transformed_call("gates held constant in products", args[:1])
-        result = mark_parameter_derived(args, func(*args, **kwargs))
+        result = mark_parameter_derived(args, func(*args, **kwargs), func)
         if func in GATE_FUNCTIONS and args and is_activation(args[0]) and isinstance(result, torch.Tensor):
             return mark_gate(result, args[0], sigmoid=True)
         return keep_gate_mark(func, args, result, kwargs)
