@@ -76,8 +76,9 @@ PRESETS: dict[str, Callable[[], BaseRuleMapper]] = {
 # The presets a user would pick, by kind of model: relevance must be conserved under them.
 # * rectified: the convolutions see rectified inputs (after the first), every CNN preset conserves;
 # * narrow: the same, but some convolutions see so few live inputs (groups of 4-16 channels in ResNeXts and RegNets,
-#   SqueezeNet's 16-channel squeeze, at these small sizes) that an output may have no negative contribution: α2β1
-#   then passes on α = 2 times its relevance, by design (zennit's EpsilonAlpha2Beta1 gives the same on SqueezeNet);
+#   SqueezeNet's 16-channel squeeze, the 1×1 branch of RepVGG's stem on the 3 colour channels, at these small sizes)
+#   that an output may have no negative contribution: α2β1 then passes on α = 2 times its relevance, by design
+#   (zennit's EpsilonAlpha2Beta1 gives the same on SqueezeNet);
 # * depthwise: depthwise convolutions on unrectified inputs (linear bottlenecks, ConvNeXt's blocks): z⁺ loses the
 #   relevance of outputs with no positive contribution, by design; EpsilonGammaBox conserves;
 # * attention: CP-LRP conserves (AttnLRP's softmax rule absorbs relevance by design).
@@ -162,7 +163,21 @@ TORCHVISION_SIZES = {
     "vgg": 32,
 }
 # resnetv2_50d_frn: at 16 pixels its last filter response norms normalise 1×1 maps, where they are piecewise constant.
-TIMM_SIZES = {"densenet": 32, "convnext": 32, "maxvit": 64, "coatnet": 64, "ghostnetv2": 48, "resnetv2_50d_frn": 64}
+TIMM_SIZES = {
+    "densenet": 32,
+    "convnext": 32,
+    "maxvit": 64,
+    "coatnet": 64,
+    "ghostnetv2": 48,
+    "resnetv2_50d_frn": 64,
+    "cait": 32,
+    "pvt_v2": 32,
+    "nest": 32,
+    "hiera": 32,
+    "swinv2_cr": 32,
+    "volo": 32,
+    "mobilevit": 32,
+}
 
 
 def smallest_size(name: str, sizes: dict[str, int]) -> int:
@@ -273,8 +288,17 @@ TIMM_MODELS = {
         "poolformerv2_s12",
         "resnetv2_50d_evos",
         "resnetv2_50d_frn",
+        "darknet17",
     ],
-    NARROW: ["seresnext26d_32x4d", "cspresnext50", "regnetx_002", "regnetx_004", "regnety_002", "regnety_004"],
+    NARROW: [
+        "seresnext26d_32x4d",
+        "cspresnext50",
+        "regnetx_002",
+        "regnetx_004",
+        "regnety_002",
+        "regnety_004",
+        "repvgg_a0",
+    ],
     DEPTHWISE: [
         "convnext_atto",
         "convnext_femto",
@@ -293,6 +317,12 @@ TIMM_MODELS = {
         "tf_mobilenetv3_small_minimal_100",
         "lcnet_050",
         "ghostnetv2_100",
+        "mobileone_s0",
+        "repvit_m0_9",
+        "hgnetv2_b0",
+        "rexnet_100",
+        "mobilenetv4_conv_small_035",
+        "starnet_s050",
     ],
     ATTENTION: [
         "vit_tiny_patch16_224",
@@ -304,6 +334,13 @@ TIMM_MODELS = {
         "maxvit_pico_rw_256",
         "maxvit_rmlp_pico_rw_256",
         "coatnet_pico_rw_224",
+        "eva02_tiny_patch14_224",
+        "cait_xxs24_224",
+        "nest_tiny",
+        "hiera_tiny_224",
+        "swinv2_cr_tiny_224",
+        "volo_d1_224",
+        "mobilevit_xxs",
     ],
 }
 

@@ -226,7 +226,7 @@ class NonlinearCalls(TorchFunctionMode):
         self._open: list[list] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        result = mark_parameter_derived(args, func(*args, **(kwargs or {})))
+        result = mark_parameter_derived(args, func(*args, **(kwargs or {})), func)
         if torch._C._are_functorch_transforms_active():  # under torch.vmap: the tensors the graph holds
             self._record(func, _unwrapped_all(args), _unwrapped_all(result))
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from tdhook.attribution.rules.input_layer import FlatRule
 from tests.attribution.rules._helpers import make_layer
@@ -164,3 +165,48 @@ class TestCallsUnderTorchFuncTransforms:
         out = model(x)
         expected = x * torch.autograd.grad(out.max(-1).values.sum(), x)[0]  # LRP-0: gradient x input
         torch.testing.assert_close(relevance, expected.detach(), rtol=1e-10, atol=1e-12)
+
+
+class TestParameterDerivedThroughTemplates:
+    """A scalar computed from parameters and cast to an activation's dtype (``lam.type_as(q)``, as timm's
+    ``DiffAttention`` does) is still a parameter: a product with it is a linear map, not a product of two
+    activations. Before, the cast's template argument (an activation) made it one: CP-LRP then split ``attn @ v``
+    uniformly, and the attention half was lost, 0.5 of the logit with no warning."""
+
+    def test_a_parameter_scalar_cast_to_an_activations_dtype_stays_a_parameter(self):
+        from tdhook.attribution.rules._autograd import is_activation, mark_parameter_derived
+
+        weights = nn.Parameter(torch.tensor([0.3, 0.4], dtype=torch.float64))
+        lam = mark_parameter_derived((weights,), weights.sum().float())
+        assert not is_activation(lam)
+        q = torch.ones(2, dtype=torch.float64, requires_grad=True) * 1
+        assert not is_activation(mark_parameter_derived((lam, q), lam.type_as(q), torch.Tensor.type_as))
+        assert is_activation(mark_parameter_derived((lam, q), lam * q, torch.Tensor.__mul__))
+
+    @pytest.mark.parametrize("fused", [True, False], ids=["sdpa", "softmax"])
+    def test_cplrp_conserves_on_a_differential_attention(self, fused: bool):
+        from tensordict import TensorDict
+
+        from tdhook.attribution import CPLRP, LRP
+
+        diff_attention = pytest.importorskip("timm.layers.diff_attention")
+
+        class Head(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.attn = diff_attention.DiffAttention(16, num_heads=2, depth=1, proj_bias=False)
+                self.attn.fused_attn = fused
+                self.head = nn.Linear(16 * 5, 1, bias=False)
+
+            def forward(self, x):
+                return self.head(self.attn(x).flatten(1))
+
+        torch.manual_seed(0)
+        model = Head().double().eval()
+        with torch.no_grad():
+            for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+                getattr(model.attn, name).normal_(0, 0.5)
+        x = torch.randn(2, 5, 16, dtype=torch.float64)
+        td = LRP(model, CPLRP(), in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[2]))
+        ratios = td["relevance", "x"].flatten(1).sum(1) / td["y"].squeeze(-1)
+        torch.testing.assert_close(ratios, torch.ones(2, dtype=torch.float64), rtol=0, atol=1e-10)

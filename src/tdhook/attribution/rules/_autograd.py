@@ -60,6 +60,7 @@ __all__ = [
     "times_saved",
     "is_activation",
     "mark_parameter_derived",
+    "TEMPLATED",
     "call_argument",
     "raise_for_vmap",
     "raise_for_transformed_call",
@@ -430,7 +431,14 @@ def _from_parameters_alone(tensor: torch.Tensor) -> bool:
     return True
 
 
-def mark_parameter_derived(args: tuple, result: Any) -> Any:
+# Methods whose tensor arguments after the first give only a shape, dtype or device (``w.type_as(x)``): what they
+# return is made of the first alone.
+TEMPLATED = frozenset(
+    {torch.Tensor.type_as, torch.Tensor.to, torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.expand_as}
+)
+
+
+def mark_parameter_derived(args: tuple, result: Any, func: Any = None) -> Any:
     """``result``, marked as computed from parameters alone where every tensor in ``args`` that requires grad is
     an ``nn.Parameter`` or already so marked.
 
@@ -450,7 +458,16 @@ def mark_parameter_derived(args: tuple, result: Any) -> Any:
         False
         >>> [is_activation(piece) for piece in mark_parameter_derived((gamma, 3), gamma.chunk(3))]  # pieces
         [False, False, False]
+
+    ``func``, where given, is the call that made ``result``: for one of :data:`TEMPLATED` (``lam.type_as(q)``, a
+    parameter-derived scalar cast to an activation's dtype) only its first argument counts.
+
+        >>> lam = mark_parameter_derived((gamma,), gamma.sum().double())
+        >>> is_activation(mark_parameter_derived((lam, x), lam.type_as(x), torch.Tensor.type_as))
+        False
     """
+    if func in TEMPLATED:
+        args = args[:1]
     if isinstance(result, torch.Tensor):
         if not result.requires_grad:
             return result

@@ -68,7 +68,7 @@ class StabilizedAdditions(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _ADDITIONS and len(args) == 2:
             raise_for_transformed_call("stabilised additions", args, needs=2)
-        result = mark_parameter_derived(args, func(*args, **kwargs))
+        result = mark_parameter_derived(args, func(*args, **kwargs), func)
         if (
             func in _ADDITIONS
             and not kwargs

@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._autograd import (
     PARAMETER_DERIVED,
+    TEMPLATED,
     call_argument,
     first_input_is,
     hold,
@@ -115,11 +116,6 @@ _VALUE_READS = frozenset(
 )
 # Marks a tensor without gradient computed from the explained inputs' values (``x.sum() > 0``), in a recording call.
 _INPUT_VALUES = "_tdhook_input_values"
-# Methods whose tensor arguments after the first give only a shape, dtype or device (``w.type_as(x)``): what they
-# return is made of the first alone.
-_TEMPLATED = frozenset(
-    {torch.Tensor.type_as, torch.Tensor.to, torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.expand_as}
-)
 
 
 def _from_inputs(value: object) -> bool:
@@ -245,7 +241,7 @@ class FunctionalRules(TorchFunctionMode):
         if self.recording is not None and self.recording.follows:  # tensors held in the graph exist: follow them
             return _follow_held(self, func, types, args, kwargs, self.recording)
         if func not in _HANDLED:  # most calls: run, and mark what the rules read later (no rule of their own)
-            result = mark_parameter_derived(args, func(*args, **kwargs))
+            result = mark_parameter_derived(args, func(*args, **kwargs), func)
             if self.recording is not None:
                 _watch_values(self.recording, func, args, result)
             return keep_gate_mark(func, args, result, kwargs) if func in GATE_PRESERVING else result
@@ -305,14 +301,14 @@ class FunctionalRules(TorchFunctionMode):
             _warn_random(p)
             if recording is not None and p:  # random: every later call runs in the mode, and warns
                 recording.other_rule()
-            return mark_parameter_derived(args, func(*args, **kwargs))
+            return mark_parameter_derived(args, func(*args, **kwargs), func)
         if func is F.scaled_dot_product_attention and recording is not None:
             attended = self._attention_in_graph(args, kwargs, recording)
             if attended is not None:
                 return attended
         result = self._other_rules(func, args, kwargs, recording)
         if result is _NO_RULE:
-            return mark_parameter_derived(args, func(*args, **kwargs))
+            return mark_parameter_derived(args, func(*args, **kwargs), func)
         if recording is not None and not _ruled_on_own_node(recording, result):
             recording.other_rule()
         return result
@@ -383,7 +379,7 @@ class FunctionalRules(TorchFunctionMode):
         x = args[0]
         bounds = clip_bounds(args, kwargs)
         if any(is_activation(bound) for bound in bounds):
-            return mark_parameter_derived(args, func(*args, **kwargs))
+            return mark_parameter_derived(args, func(*args, **kwargs), func)
         in_place = clips_in_place(func, args, kwargs)
         if recording is not None and self._clips_on_node(x, bounds, in_place, recording):
             return self._clip_on_node(func, args, kwargs, in_place, recording)
@@ -592,7 +588,7 @@ def _follow_held(
     first = args[0] if args and isinstance(args[0], torch.Tensor) else None
     # What an in-place call may change: the first argument and, for a view, the tensor it views.
     targets = [] if first is None else [first] if first._base is None else [first, first._base]
-    inputs = [first] if func in _TEMPLATED and first is not None else _tensors_in((*args, *kwargs.values()))
+    inputs = [first] if func in TEMPLATED and first is not None else _tensors_in((*args, *kwargs.values()))
     followed, alone = recording.followed, recording.held_alone
     recording.follows = False  # the call itself runs as in any other call
     try:

@@ -250,7 +250,7 @@ class HeldGates(TorchFunctionMode):
                 raise_for_checkpoint("gates held constant in products")
                 self.held = True
                 return held
-            return mark_parameter_derived(args, func(*args, **kwargs))
+            return mark_parameter_derived(args, func(*args, **kwargs), func)
         if func in CLIPS or func in CLIPS_IN_PLACE:
             raise_for_transformed_call("the pass rule on clipping calls", args[:1])
             if clips_a_signal(func, args):
@@ -259,7 +259,7 @@ class HeldGates(TorchFunctionMode):
                 return result
         if func in GATE_FUNCTIONS:  # a gate computed under torch.vmap is neither seen nor held
             raise_for_transformed_call("gates held constant in products", args[:1])
-        result = mark_parameter_derived(args, func(*args, **kwargs))
+        result = mark_parameter_derived(args, func(*args, **kwargs), func)
         if func in GATE_FUNCTIONS and args and is_activation(args[0]) and isinstance(result, torch.Tensor):
             return mark_gate(result, args[0], sigmoid=True)
         return keep_gate_mark(func, args, result, kwargs)
