@@ -1,5 +1,5 @@
 """Clipping calls pass relevance on as ``nn.Hardtanh`` and ``nn.ReLU6`` modules do, whichever the spelling, under the
-CNN presets too (the transformer presets: ``test_functional.py``)."""
+CNN presets too (the transformer presets: ``test_functional.py``; a maximum or minimum at a constant: both)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from tdhook.attribution import LRP, EpsilonAlpha2Beta1, EpsilonPlus, EpsilonPlusFlat, UniformEpsilon
+from tests.attribution.rules.test_functional import OneSided
 from tests.conftest import relative_error
 
 F64 = torch.float64
@@ -99,3 +100,104 @@ def test_a_clip_that_guards_a_divisor_keeps_its_plain_gradient():
     with pytest.warns(UserWarning, match="plain gradient is used"):  # the norm and the division
         relevance = lrp(TensorDict(x=x.clone(), batch_size=[5]))["relevance", "x"]
     assert relative_error(relevance, x * grad) <= 1e-9
+
+
+def _lower(h: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(-1.0, dtype=h.dtype)
+
+
+BOUNDS = {  # a maximum or minimum of an activation and a constant: a clip at the constant (min: -1, max: 1)
+    "torch.maximum": (lambda h: torch.maximum(h, _lower(h)), "min"),
+    "torch.maximum, bound first": (lambda h: torch.maximum(_lower(h), h), "min"),
+    "Tensor.maximum": (lambda h: h.maximum(_lower(h)), "min"),
+    "Tensor.maximum, bound's method": (lambda h: _lower(h).maximum(h), "min"),
+    "torch.maximum, other=": (lambda h: torch.maximum(h, other=_lower(h)), "min"),
+    "torch.maximum, a full bound": (lambda h: torch.maximum(h, torch.full_like(h.detach(), -1.0)), "min"),
+    "torch.fmax": (lambda h: torch.fmax(h, _lower(h)), "min"),
+    "Tensor.fmax": (lambda h: h.fmax(_lower(h)), "min"),
+    "torch.minimum": (lambda h: torch.minimum(h, -_lower(h)), "max"),
+    "Tensor.minimum": (lambda h: h.minimum(-_lower(h)), "max"),
+    "torch.fmin": (lambda h: torch.fmin(-_lower(h), h), "max"),
+    "Tensor.fmin": (lambda h: h.fmin(-_lower(h)), "max"),
+}
+
+
+@pytest.mark.parametrize("preset", ["AttnLRP", "CPLRP", "EpsilonPlus", "UniformEpsilon"])
+@pytest.mark.parametrize("bound", sorted(BOUNDS))
+def test_a_maximum_or_minimum_at_a_constant_passes_relevance_on_as_clamp_does(bound: str, preset: str):
+    """``torch.maximum(h, c)`` (``minimum``, ``fmax``, ``fmin``, either order, as methods) with a constant ``c`` kept
+    its plain gradient, where ``h.clamp(min=c)`` gets the identity (pass) rule: a unit clipped at a bound other than
+    zero lost its relevance, with no warning (under AttnLRP and CP-LRP the explained logit's relevance off by up to
+    1.55 times the logit at a bound of -1, 0.18 at a bound of 1). It gets the rule of ``clamp`` with the same bound,
+    to the last bit, in every call of a context; under the transformer presets it conserves."""
+    from tdhook.attribution import CPLRP, AttnLRP
+
+    call, side = BOUNDS[bound]
+    torch.manual_seed(0)
+    model = OneSided(call).to(F64)
+    reference = OneSided(lambda h: torch.clamp(h, **{side: -1.0 if side == "min" else 1.0})).to(F64)
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(5, 4, dtype=F64) * 3
+    assert (model.first(x).abs() > 1).float().mean() > 0.3  # many units clipped
+    presets = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, **PRESETS}
+    relevances = []
+    for module in (model, reference):
+        lrp = LRP(module, presets[preset](), in_keys=["x"], out_keys=["y"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with lrp:
+                relevances += [lrp(TensorDict(x=x.clone(), batch_size=[5]))["relevance", "x"] for _ in range(3)]
+    assert all(torch.equal(relevance, relevances[-1]) for relevance in relevances)
+    if preset in ("AttnLRP", "CPLRP"):
+        logit = reference(x).max(1).values
+        assert ((relevances[0].sum(1) - logit).abs() / logit.abs()).max() <= 1e-9
+
+
+@pytest.mark.parametrize("preset", ["AttnLRP", "CPLRP", "EpsilonPlus"])
+def test_a_maximum_of_two_activations_keeps_its_plain_gradient(preset: str):
+    """A maximum of two signals is no clip (as ``torch.clamp(x, min=y)`` with an activation bound): its plain
+    gradient, LRP-0 here (gradient × input), in and out of a ``torch.utils.checkpoint`` region, where it is not
+    refused; nor is a maximum of two constants."""
+    from torch.utils.checkpoint import checkpoint
+
+    from tdhook.attribution import CPLRP, AttnLRP
+
+    def both(h: torch.Tensor) -> torch.Tensor:
+        constant = torch.maximum(torch.zeros(()), torch.ones(())).to(h.dtype)
+        return torch.maximum(h[..., :3], h[..., 3:] - constant)
+
+    class Two(OneSided):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.first(x)
+            return self.second(torch.cat([both(h), checkpoint(both, h, use_reentrant=False)], -1))
+
+    torch.manual_seed(0)
+    model, x = Two(lambda h: h).to(F64), torch.randn(5, 4, dtype=F64) * 3
+    leaf = x.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(model(leaf).max(-1).values.sum(), leaf)
+    presets = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, **PRESETS}
+    lrp = LRP(
+        model,
+        presets[preset](epsilon=0.0) if preset == "EpsilonPlus" else presets[preset](),
+        in_keys=["x"],
+        out_keys=["y"],
+    )
+    with lrp:
+        for _ in range(2):
+            relevance = lrp(TensorDict(x=x.clone(), batch_size=[5]))["relevance", "x"]
+            assert relative_error(relevance, x * grad) <= 1e-9
+
+
+def test_a_maximum_at_a_constant_under_vmap_is_refused_as_clamp_is():
+    """Under ``torch.vmap`` tensors report no gradient: a maximum at a constant would silently keep its plain gradient
+    (it ran), where ``clamp`` is refused. It is refused as ``clamp`` is; a maximum of two activations still runs."""
+    from tdhook.attribution.rules.functional import FunctionalRules
+    from tdhook.attribution.rules.transformer import PseudoIdentityRule, SoftmaxEpsilonRule
+
+    mode = FunctionalRules(SoftmaxEpsilonRule(), PseudoIdentityRule())
+    h, bound = torch.randn(3, 4, requires_grad=True) * 1, torch.tensor(-1.0)
+    for call in (lambda t: t.clamp(min=-1.0), lambda t: torch.maximum(t, bound), lambda t: bound.fmin(t)):
+        with pytest.raises(RuntimeError, match="runs under torch.vmap"), mode:
+            torch.vmap(call)(h)
+    with mode:
+        assert torch.equal(torch.vmap(lambda t: torch.maximum(t, t - 1.0))(h), h)

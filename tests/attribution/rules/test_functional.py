@@ -362,6 +362,8 @@ class DividedByNorm(nn.Module):
             return self.second(h / h.norm(dim=-1, keepdim=True).clamp_min(1e-6))
         if self.form == "norm.clamp(min)":
             return self.second(h / torch.clamp(h.norm(dim=-1, keepdim=True), min=1e-6))
+        if self.form == "torch.maximum(norm, eps)":
+            return self.second(h / torch.maximum(h.norm(dim=-1, keepdim=True), torch.tensor(1e-6, dtype=h.dtype)))
         if self.form == "mean square.clamp_min_":
             return self.second(h / (h.pow(2).mean(-1, keepdim=True) + 1e-14).clamp_min_(1e-12).sqrt())
         return self.second(h / h.square().sum(-1, keepdim=True).clamp_min(1e-12).sqrt())  # "sum of squares.clamp_min"
@@ -369,7 +371,15 @@ class DividedByNorm(nn.Module):
 
 @pytest.mark.parametrize("preset", ["AttnLRP", "CPLRP"])
 @pytest.mark.parametrize(
-    "form", ["F.normalize", "norm.clamp_min", "norm.clamp(min)", "mean square.clamp_min_", "sum of squares.clamp_min"]
+    "form",
+    [
+        "F.normalize",
+        "norm.clamp_min",
+        "norm.clamp(min)",
+        "torch.maximum(norm, eps)",
+        "mean square.clamp_min_",
+        "sum of squares.clamp_min",
+    ],
 )
 def test_a_clip_that_guards_a_divisor_keeps_its_plain_gradient(form: str, preset: str):
     """A norm's clamp away from zero is no activation's clip: where the norm is below the bound, ``h / eps`` is linear

@@ -4,9 +4,10 @@ A clip is element-wise and piecewise linear but not homogeneous: a unit clipped 
 value but no gradient, so its plain gradient drops that unit's relevance. ``nn.Hardtanh`` and ``nn.ReLU6`` modules
 get the pass rule (the identity rule under AttnLRP and CP-LRP), and so does the same clip called as a function, in a
 module's own forward, whichever spelling: the function modes of the presets hand such calls to
-:func:`clip_passing`. Bounds that are activations (``torch.clamp(x, min=y)``, a maximum of two signals) keep the
-plain gradient, and so does a clip of a statistic that normalises, a divisor's guard (see
-:mod:`~tdhook.attribution.rules._statistics`).
+:func:`clip_passing`; an element-wise maximum or minimum of an activation and a constant (``torch.maximum(h, c)``,
+``minimum``, ``fmax``, ``fmin``) is such a clip, and gets it from :func:`bound_passing`. Bounds that are
+activations (``torch.clamp(x, min=y)``, a maximum of two signals) keep the plain gradient, and so does a clip of a
+statistic that normalises, a divisor's guard (see :mod:`~tdhook.attribution.rules._statistics`).
 
 Examples:
     >>> from tdhook.attribution.rules.basic import PassRule
@@ -23,11 +24,28 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn import Parameter
 
-from tdhook.attribution.rules._autograd import call_argument, is_activation, mark_parameter_derived
+from tdhook.attribution.rules._autograd import (
+    PARAMETER_DERIVED,
+    call_argument,
+    is_activation,
+    mark_parameter_derived,
+    unwrapped,
+)
 from tdhook.attribution.rules._statistics import clips_a_statistic
 
-__all__ = ["CLIPS", "CLIPS_IN_PLACE", "clips_a_signal", "clip_bounds", "clips_in_place", "clip_passing"]
+__all__ = [
+    "BOUNDS",
+    "CLIPS",
+    "CLIPS_IN_PLACE",
+    "bound_passing",
+    "bounded_signal",
+    "clips_a_signal",
+    "clip_bounds",
+    "clips_in_place",
+    "clip_passing",
+]
 
 CLIPS = frozenset({torch.clamp, torch.Tensor.clamp, torch.clip, torch.Tensor.clip, F.hardtanh, F.relu6})
 CLIPS |= {torch.clamp_min, torch.Tensor.clamp_min, torch.clamp_max, torch.Tensor.clamp_max}
@@ -35,6 +53,9 @@ CLIPS |= {torch.clamp_min, torch.Tensor.clamp_min, torch.clamp_max, torch.Tensor
 CLIPS_IN_PLACE = dict.fromkeys((torch.clamp_, torch.Tensor.clamp_, torch.clip_, torch.Tensor.clip_), torch.clamp)
 CLIPS_IN_PLACE |= dict.fromkeys((torch.clamp_min_, torch.Tensor.clamp_min_), torch.clamp_min)
 CLIPS_IN_PLACE |= dict.fromkeys((torch.clamp_max_, torch.Tensor.clamp_max_), torch.clamp_max)
+# Element-wise maxima and minima of two tensors: a clip where one is an activation and the other a constant bound.
+BOUNDS = frozenset({torch.maximum, torch.Tensor.maximum, torch.minimum, torch.Tensor.minimum})
+BOUNDS |= {torch.fmax, torch.Tensor.fmax, torch.fmin, torch.Tensor.fmin}
 
 
 def clips_a_signal(func: Callable, args: tuple) -> bool:
@@ -46,6 +67,56 @@ def clips_a_signal(func: Callable, args: tuple) -> bool:
         and is_activation(args[0])
         and not clips_a_statistic(args[0])
     )
+
+
+def _constant(value: object) -> bool:
+    """Whether ``value`` is a tensor that is a constant to the rules: without gradient, a parameter, or computed
+    from parameters alone (an input leaf, whose relevance is explained, is none)."""
+    value = unwrapped(value)
+    return isinstance(value, torch.Tensor) and (
+        not value.requires_grad or isinstance(value, Parameter) or getattr(value, PARAMETER_DERIVED, False)
+    )
+
+
+def bounded_signal(func: Callable, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """For a maximum or minimum of two tensors (``torch.maximum(h, c)``, ``h.fmin(c)``, in either order): the
+    activation it clips at a constant bound, which no statistic is (a divisor's guard); else ``None`` (two
+    activations, no activation: the plain gradient). Under ``torch.vmap``, the tensors the transform wraps.
+
+    Examples:
+        >>> h, c = torch.randn(3, requires_grad=True) * 1, torch.tensor(-1.0)
+        >>> bounded_signal(torch.maximum, (c, h), {}) is h, bounded_signal(torch.maximum, (h, h), {})
+        (True, None)
+    """
+    if func not in BOUNDS or not args:
+        return None
+    first, second = args[0], call_argument(args, kwargs, 1, "other")
+    for signal, bound in ((first, second), (second, first)):
+        if is_activation(unwrapped(signal)) and _constant(bound):
+            return None if clips_a_statistic(unwrapped(signal)) else signal
+    return None
+
+
+def bound_passing(
+    func: Callable,
+    args: tuple,
+    kwargs: dict,
+    signal: torch.Tensor,
+    apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """A maximum or minimum of the activation ``signal`` and a constant bound (see :func:`bounded_signal`), with
+    ``apply(output, x)`` (the pass or identity rule) on ``signal``, broadcast to the output's shape.
+
+    Examples:
+        >>> from tdhook.attribution.rules.basic import PassRule
+        >>> x = torch.tensor([-3.0, 0.5, 2.0], requires_grad=True)
+        >>> h, c = x * 1, torch.tensor(-1.0)
+        >>> z = bound_passing(torch.maximum, (h, c), {}, h, PassRule().apply)
+        >>> x.detach() * torch.autograd.grad(z.sum(), x)[0]  # each unit's relevance is its clipped value
+        tensor([-1.0000,  0.5000,  2.0000])
+    """
+    output = func(*args, **kwargs)
+    return apply(output, signal if signal.shape == output.shape else signal.expand(output.shape))
 
 
 def clip_bounds(args: tuple, kwargs: dict) -> list:

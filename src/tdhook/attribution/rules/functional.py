@@ -39,8 +39,11 @@ from tdhook.attribution.rules._autograd import (
 )
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._clips import (
+    BOUNDS,
     CLIPS,
     CLIPS_IN_PLACE,
+    bound_passing,
+    bounded_signal,
     clip_bounds,
     clip_passing,
     clips_a_signal,
@@ -156,6 +159,7 @@ _HANDLED = frozenset(
     | {F.multi_head_attention_forward}
     | CLIPS
     | set(CLIPS_IN_PLACE)
+    | BOUNDS
     | {F.glu}
 )
 
@@ -197,7 +201,8 @@ class FunctionalRules(TorchFunctionMode):
       ``softmax(q · kᵀ) · v``; with a non-zero softmax ε, or in a call that keeps the
       relevance's graph (the fused kernels have no second derivative), it is computed unfused;
     * functional activations (``F.gelu``, ``F.silu``, ``torch.tanh``, …) and clipping calls (``clamp``,
-      ``clamp_min``, ``clamp_max``, ``clip``, ``F.hardtanh``, ``F.relu6``, in place too): ``activation`` (a
+      ``clamp_min``, ``clamp_max``, ``clip``, ``F.hardtanh``, ``F.relu6``, in place too; ``torch.maximum``,
+      ``minimum``, ``fmax``, ``fmin`` of an activation and a constant): ``activation`` (a
       :class:`PseudoIdentityRule`); a clip of a statistic that normalises (``norm.clamp_min(eps)``, a divisor's
       guard) keeps its plain gradient (see :mod:`~tdhook.attribution.rules._statistics`);
     * ``F.glu`` (``a · sigmoid(b)``): its gate held constant, ``a`` gets all the relevance;
@@ -240,7 +245,9 @@ class FunctionalRules(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.recording is not None and self.recording.follows:  # tensors held in the graph exist: follow them
             return _follow_held(self, func, types, args, kwargs, self.recording)
-        if func not in _HANDLED:  # most calls: run, and mark what the rules read later (no rule of their own)
+        # Most calls, and a maximum or minimum that clips no activation at a constant: run, and mark what the rules
+        # read later (no rule of their own).
+        if func not in _HANDLED or (func in BOUNDS and bounded_signal(func, args, kwargs) is None):
             result = mark_parameter_derived(args, func(*args, **kwargs), func)
             if self.recording is not None:
                 _watch_values(self.recording, func, args, result)
@@ -352,6 +359,8 @@ class FunctionalRules(TorchFunctionMode):
         if func in CLIPS or func in CLIPS_IN_PLACE:
             # Of a statistic, a divisor's guard (``norm.clamp_min(eps)``): its plain gradient.
             return self._clip(func, args, kwargs, recording) if clips_a_signal(func, args) else _NO_RULE
+        if func in BOUNDS:  # ``torch.maximum(h, c)`` with a constant ``c``: a clip (two activations: not here)
+            return bound_passing(func, args, kwargs, bounded_signal(func, args, kwargs), self.activation.apply)
         if func is F.glu and is_activation(args[0]):
             return _glu(args[0], call_argument(args, kwargs, 1, "dim", -1))
         if func is F.layer_norm and is_activation(args[0]):

@@ -35,7 +35,15 @@ from tdhook.attribution.rules._autograd import (
     mark_parameter_derived,
     raise_for_transformed_call,
 )
-from tdhook.attribution.rules._clips import CLIPS, CLIPS_IN_PLACE, clip_passing, clips_a_signal
+from tdhook.attribution.rules._clips import (
+    BOUNDS,
+    CLIPS,
+    CLIPS_IN_PLACE,
+    bound_passing,
+    bounded_signal,
+    clip_passing,
+    clips_a_signal,
+)
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, rules_apply
@@ -211,7 +219,8 @@ _PASS_CLIPS = PassRule()
 
 class HeldGates(TorchFunctionMode):
     """Hold gates constant in element-wise products during a forward pass; mark sigmoid outputs as gates; give
-    clipping calls (``torch.clamp``, ``clip``, ``F.hardtanh``, ``F.relu6``, in place too) the pass rule that
+    clipping calls (``torch.clamp``, ``clip``, ``F.hardtanh``, ``F.relu6``, in place too, and ``torch.maximum``,
+    ``minimum``, ``fmax``, ``fmin`` of an activation and a constant) the pass rule that
     ``nn.Hardtanh`` and ``nn.ReLU6`` modules get (see :mod:`~tdhook.attribution.rules._clips`).
 
     The rule mappers for CNNs run the forward pass in this mode. It is cheap enough to stay on inside modules
@@ -255,6 +264,13 @@ class HeldGates(TorchFunctionMode):
             raise_for_transformed_call("the pass rule on clipping calls", args[:1])
             if clips_a_signal(func, args):
                 result = clip_passing(func, args, kwargs, _PASS_CLIPS.apply)
+                self.clips.append(result.grad_fn)
+                return result
+        if func in BOUNDS:  # ``torch.maximum(h, c)`` with a constant ``c``: a clip
+            signal = bounded_signal(func, args, kwargs)
+            if signal is not None:
+                raise_for_transformed_call("the pass rule on clipping calls", (signal,))
+                result = bound_passing(func, args, kwargs, signal, _PASS_CLIPS.apply)
                 self.clips.append(result.grad_fn)
                 return result
         if func in GATE_FUNCTIONS:  # a gate computed under torch.vmap is neither seen nor held
