@@ -119,13 +119,21 @@ BOUNDS = {  # a maximum or minimum of an activation and a constant: a clip at th
     "Tensor.minimum": (lambda h: h.minimum(-_lower(h)), "max"),
     "torch.fmin": (lambda h: torch.fmin(-_lower(h), h), "max"),
     "Tensor.fmin": (lambda h: h.fmin(-_lower(h)), "max"),
+    "torch.max of two": (lambda h: torch.max(h, _lower(h)), "min"),
+    "Tensor.max of two": (lambda h: h.max(_lower(h)), "min"),
+    "torch.min of two": (lambda h: torch.min(-_lower(h), h), "max"),
+    "Tensor.min of two": (lambda h: h.min(other=-_lower(h)), "max"),
+    # A bound that broadcasts the output beyond the activation's shape (the mean takes it back).
+    "torch.maximum, a wider bound": (lambda h: torch.maximum(h, torch.full((2, *h.shape), -1.0)).mean(0), "min"),
+    "torch.clamp, a wider bound": (lambda h: torch.clamp(h, min=torch.full((2, *h.shape), -1.0)).mean(0), "min"),
 }
 
 
 @pytest.mark.parametrize("preset", ["AttnLRP", "CPLRP", "EpsilonPlus", "UniformEpsilon"])
 @pytest.mark.parametrize("bound", sorted(BOUNDS))
 def test_a_maximum_or_minimum_at_a_constant_passes_relevance_on_as_clamp_does(bound: str, preset: str):
-    """``torch.maximum(h, c)`` (``minimum``, ``fmax``, ``fmin``, either order, as methods) with a constant ``c`` kept
+    """``torch.maximum(h, c)`` (``minimum``, ``fmax``, ``fmin``, ``max``, ``min``, either order, as methods) with a
+    constant ``c`` (or a clamp with a tensor bound that broadcasts the output beyond ``h``'s shape) kept
     its plain gradient, where ``h.clamp(min=c)`` gets the identity (pass) rule: a unit clipped at a bound other than
     zero lost its relevance, with no warning (under AttnLRP and CP-LRP the explained logit's relevance off by up to
     1.55 times the logit at a bound of -1, 0.18 at a bound of 1). It gets the rule of ``clamp`` with the same bound,

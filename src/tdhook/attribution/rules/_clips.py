@@ -56,6 +56,9 @@ CLIPS_IN_PLACE |= dict.fromkeys((torch.clamp_max_, torch.Tensor.clamp_max_), tor
 # Element-wise maxima and minima of two tensors: a clip where one is an activation and the other a constant bound.
 BOUNDS = frozenset({torch.maximum, torch.Tensor.maximum, torch.minimum, torch.Tensor.minimum})
 BOUNDS |= {torch.fmax, torch.Tensor.fmax, torch.fmin, torch.Tensor.fmin}
+# ``torch.max(h, c)`` and ``torch.min(h, c)`` of two tensors are the same (of one tensor, or over a dimension: no
+# tensor ``other``, so no bound).
+BOUNDS |= {torch.max, torch.Tensor.max, torch.min, torch.Tensor.min}
 
 
 def clips_a_signal(func: Callable, args: tuple) -> bool:
@@ -79,7 +82,8 @@ def _constant(value: object) -> bool:
 
 
 def bounded_signal(func: Callable, args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """For a maximum or minimum of two tensors (``torch.maximum(h, c)``, ``h.fmin(c)``, in either order): the
+    """For a maximum or minimum of two tensors (``torch.maximum(h, c)``, ``h.fmin(c)``, ``torch.max(h, c)``, in
+    either order): the
     activation it clips at a constant bound, which no statistic is (a divisor's guard); else ``None`` (two
     activations, no activation: the plain gradient). Under ``torch.vmap``, the tensors the transform wraps.
 
@@ -139,8 +143,9 @@ def clip_passing(
     x = args[0]
     if any(is_activation(bound) for bound in clip_bounds(args, kwargs)):
         return mark_parameter_derived(args, func(*args, **kwargs))
-    if not clips_in_place(func, args, kwargs):
-        return apply(func(*args, **kwargs), x)
+    if not clips_in_place(func, args, kwargs):  # a tensor bound may broadcast the output beyond ``x``'s shape
+        output = func(*args, **kwargs)
+        return apply(output, x if x.shape == output.shape else x.expand(output.shape))
     source = x.clone()  # the clipped values from a copy: the rule keeps the input as it was
     if func in CLIPS_IN_PLACE:
         clipped = CLIPS_IN_PLACE[func](source, *args[1:], **kwargs)
