@@ -1,4 +1,5 @@
-"""What the tests of the LRP wrapper and of its targets share: a small MLP, a call, and the model's state."""
+"""What the tests of the LRP wrapper and of its targets share: a small MLP, a small transformer encoder, a call, and
+the model's state."""
 
 from __future__ import annotations
 
@@ -16,6 +17,20 @@ def mlp(bias: bool = True) -> nn.Module:
     return nn.Sequential(
         nn.Linear(5, 16, bias=bias), nn.ReLU(), nn.Linear(16, 8, bias=bias), nn.ReLU(), nn.Linear(8, 3, bias=bias)
     ).double()
+
+
+class Attending(nn.Module):
+    """Two layers of torch's ``TransformerEncoder`` (its fast path runs without gradient) and a head on the last
+    position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x)[:, -1])
 
 
 def explain(net: nn.Module, x: torch.Tensor, **kwargs) -> TensorDict:

@@ -17,6 +17,7 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP, EpsilonPlus, Saliency
+from tests.attribution._helpers import Attending
 
 
 def on_meta(where: str) -> nn.Sequential:
@@ -85,24 +86,13 @@ def test_an_error_not_about_meta_is_left_as_it_is():
     assert any("raised while running the wrapped module" in note for note in info.value.__notes__)
 
 
-class _Attending(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(x)[:, -1])
-
-
 @pytest.mark.parametrize("mapper", [AttnLRP, CPLRP])
 @pytest.mark.parametrize("where", ["head", "encoder.layers.1.linear2"])
 def test_a_layer_whose_rule_puts_no_hook_is_named_too(mapper, where):
     """The transformer presets give linear layers the plain gradient, whose rule puts no hook: a weight on the meta
     device there gave relevance of up to 2.4e20 (or NaN) with no error. Refused as a ruled layer's is."""
     torch.manual_seed(0)
-    model = _Attending().eval()
+    model = Attending().eval()
     layer = model.get_submodule(where)
     layer.weight = nn.Parameter(torch.empty_like(layer.weight, device="meta"))
     td = TensorDict(x=torch.randn(2, 5, 8), batch_size=[2])

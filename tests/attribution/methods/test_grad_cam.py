@@ -10,7 +10,7 @@ from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
 
 from tdhook.attribution import GradCAM
-from tests.attribution._helpers import assert_unchanged, state_snapshot
+from tests.attribution._helpers import Attending, assert_unchanged, state_snapshot
 from tests.attribution.methods._models import random_mlp, small_cnn, two_key_policy
 from tests.conftest import relative_error
 
@@ -176,23 +176,12 @@ class TestRefusals:
         assert list(td.keys()) == ["x"]
 
 
-class _Attending(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(x)[:, -1])
-
-
 @pytest.mark.parametrize("layer", ["encoder", "encoder.layers.0", "encoder.layers.1.linear2"])
 def test_under_no_grad_a_layer_in_a_transformer_encoder_writes_the_plain_outputs(layer):
     """Under the caller's no_grad the encoder runs once more without gradient for the values of that mode's kernels
     (as LRP's): the layer's map is that of the pass with gradient, and the outputs those of the plain call."""
     torch.manual_seed(0)
-    net = _Attending().eval()
+    net = Attending().eval()
     td = TensorDict(x=torch.randn(4, 5, 8), batch_size=[4])
     with torch.no_grad():
         plain = net(td["x"])
