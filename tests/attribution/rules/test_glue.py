@@ -172,3 +172,83 @@ class TestZeroedByTheGlue:
         with Gradient(model=net, composite=zcomposites.EpsilonPlusFlat()) as attributor:
             _, expected = attributor(x.clone(), torch.zeros_like(out).index_fill_(1, torch.tensor([0]), 1.0) * out)
         assert relative_error(actual, expected) <= 1e-6
+
+
+class _Clipped(nn.Module):
+    """A clip in the forward before the first layer, as preprocessing is often written."""
+
+    def __init__(self, clip, rest: nn.Module) -> None:
+        super().__init__()
+        self.clip, self.rest = clip, rest
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rest(self.clip(x))
+
+
+class TestPassRuleInTheGlue:
+    """A pass-rule activation before a first layer hands the relevance the layer's rule sets at each of its inputs to
+    the input at its position, exact zeros included (where the rule's factor ``f(0) / stabilize(0)`` is 0): zennit's
+    Pass, float64, is the oracle. The inputs hold exact zeros, whose relevance was dropped silently before (up to all
+    of a sample's relevance on the functional clips)."""
+
+    @staticmethod
+    def _layers(glue: bool) -> list[nn.Module]:
+        torch.manual_seed(0)
+        reshape = [nn.Flatten(2), nn.Unflatten(2, (4, 4))] if glue else []
+        return [*reshape, nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(48, 3)]
+
+    @staticmethod
+    def _inputs() -> torch.Tensor:
+        torch.manual_seed(1)
+        x = 1.5 * torch.randn(4, 2, 4, 4, dtype=torch.float64)
+        return torch.where(x.abs() < 0.6, 0.0, x)  # a third of the entries exactly 0
+
+    @staticmethod
+    def _compare(net: nn.Module, oracle: nn.Module, preset: str, x: torch.Tensor) -> None:
+        import warnings
+
+        from tensordict import TensorDict
+        from zennit import composites as zcomposites
+        from zennit.attribution import Gradient
+
+        from tdhook.attribution import LRP
+        from tdhook.attribution.lrp_helpers import rules
+        from tests.conftest import relative_error
+
+        options = {"low": -4.0, "high": 4.0} if preset == "EpsilonGammaBox" else {}
+        with torch.no_grad():
+            out = oracle(x)
+        target = out.argmax(1)
+        with Gradient(model=oracle, composite=getattr(zcomposites, preset)(**options)) as attributor:
+            _, expected = attributor(x.clone(), torch.eye(3, dtype=x.dtype)[target] * out)
+        lrp = LRP(net, rule_mapper=getattr(rules, preset)(**options), in_keys=["x"], out_keys=["y"], target=target)
+        with warnings.catch_warnings(), lrp:
+            warnings.simplefilter("error")
+            for _ in range(3):  # the call that records the rules' places, and the planned calls after it
+                actual = lrp(TensorDict(x=x, batch_size=[x.shape[0]]))["relevance", "x"]
+                assert relative_error(actual, expected) <= 1e-10
+
+    @pytest.mark.parametrize("preset", ["EpsilonPlusFlat", "EpsilonGammaBox", "EpsilonAlpha2Beta1Flat"])
+    @pytest.mark.parametrize("glue", [False, True], ids=["alone", "reshaped"])
+    @pytest.mark.parametrize(
+        "activation",
+        [nn.Tanh, nn.GELU, nn.SiLU, nn.ELU, nn.LeakyReLU, nn.Hardtanh, nn.ReLU6, nn.Hardswish],
+        ids=lambda a: a.__name__,
+    )
+    def test_an_activation_module_passes_the_zeros_relevance(self, activation, glue: bool, preset: str):
+        net = nn.Sequential(activation(), *self._layers(glue)).double().eval()
+        self._compare(net, net, preset, self._inputs())
+
+    @pytest.mark.parametrize("preset", ["EpsilonPlusFlat", "EpsilonGammaBox"])
+    @pytest.mark.parametrize(
+        "clip, module",
+        [
+            (lambda x: x.clamp(-0.5, 0.5), nn.Hardtanh(-0.5, 0.5)),
+            (F.hardtanh, nn.Hardtanh()),
+            (F.relu6, nn.ReLU6()),
+        ],
+        ids=["clamp", "hardtanh", "relu6"],
+    )
+    def test_a_functional_clip_passes_them_as_its_module_does(self, clip, module: nn.Module, preset: str):
+        rest = nn.Sequential(*self._layers(glue=False)).double().eval()
+        self._compare(_Clipped(clip, rest), nn.Sequential(module, rest), preset, self._inputs())

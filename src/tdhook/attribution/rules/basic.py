@@ -28,6 +28,7 @@ from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import LINEAR_LAYERS, bias_view
 from tdhook.attribution.rules._numerics import PIECE, in_pieces_, stabilize
 from tdhook.attribution.rules._recomputed import saved_tensors_hooked
+from tdhook.attribution.rules._set_relevance import probing
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, _single_input, output_seen_by_rule_alone
 from tdhook.attribution.tunables import EPSILON
 
@@ -303,9 +304,9 @@ class PassRule(Rule):
             return output
         if graph_kept() is not None:  # the scale from the output and the input, with their history
             z, stabilizer = output.clone(), self.stabilizer
-            return redirect(output, [x], lambda grad: [grad * pass_factor(z, x, stabilizer)])
+            return redirect(output, [x], lambda grad: [grad if probing() else grad * pass_factor(z, x, stabilizer)])
         scale = pass_factor(output.detach(), x.detach(), self.stabilizer)
-        return redirect(output, [x], lambda grad: [grad * scale])
+        return redirect(output, [x], lambda grad: [times_pass_factor(scale, grad)])
 
     # The apply whose gradient :func:`hook_pass_rule` puts on an activation's node: a subclass with an apply of its
     # own keeps it (the rule's gradient then comes from its apply in every call).
@@ -506,9 +507,27 @@ def _hook_pass_rule_paused(stabilizer: float, node: Any) -> None:
         hook_pass_rule(stabilizer, node)
 
 
+def times_pass_factor(scale: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad · scale``, the pass rule's gradient; in a probe of the glue before a first layer (see
+    :func:`~tdhook.attribution.rules._set_relevance.glue_probe`) ``grad`` itself: the rule hands each output's
+    relevance to the input at its position whole, an input of 0 included, where its factor ``f(0) / stabilize(0)``
+    is 0 and the probe would find that position owned by no input (zennit's pass rule hands it on).
+
+    Examples:
+        >>> from tdhook.attribution.rules._set_relevance import glue_probe
+        >>> scale, grad = torch.tensor([0.0, 0.5]), torch.tensor([2.0, 2.0])
+        >>> times_pass_factor(scale, grad)
+        tensor([0., 1.])
+        >>> with glue_probe():
+        ...     times_pass_factor(scale, grad)
+        tensor([2., 2.])
+    """
+    return grad if probing() else grad * scale
+
+
 def _input_gradient_times(scale: torch.Tensor, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
     grad = grad_outputs[0]
-    return (None if grad is None else grad * scale,)
+    return (None if grad is None else times_pass_factor(scale, grad),)
 
 
 def _scales_each_channel(layer: nn.Module) -> bool:
