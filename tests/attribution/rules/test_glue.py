@@ -189,7 +189,8 @@ class TestPassRuleInTheGlue:
     """A pass-rule activation before a first layer hands the relevance the layer's rule sets at each of its inputs to
     the input at its position, exact zeros included (where the rule's factor ``f(0) / stabilize(0)`` is 0): zennit's
     Pass, float64, is the oracle. The inputs hold exact zeros, whose relevance was dropped silently before (up to all
-    of a sample's relevance on the functional clips)."""
+    of a sample's relevance on the functional clips). No warning: none is lost, also where ``f(0) != 0`` (Sigmoid,
+    Softplus), whose outputs at exact zeros lose their relevance under the pass rule elsewhere."""
 
     @staticmethod
     def _layers(glue: bool) -> list[nn.Module]:
@@ -232,7 +233,7 @@ class TestPassRuleInTheGlue:
     @pytest.mark.parametrize("glue", [False, True], ids=["alone", "reshaped"])
     @pytest.mark.parametrize(
         "activation",
-        [nn.Tanh, nn.GELU, nn.SiLU, nn.ELU, nn.LeakyReLU, nn.Hardtanh, nn.ReLU6, nn.Hardswish],
+        [nn.Tanh, nn.GELU, nn.SiLU, nn.ELU, nn.LeakyReLU, nn.Hardtanh, nn.ReLU6, nn.Hardswish, nn.Sigmoid, nn.Softplus],
         ids=lambda a: a.__name__,
     )
     def test_an_activation_module_passes_the_zeros_relevance(self, activation, glue: bool, preset: str):

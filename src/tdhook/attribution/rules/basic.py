@@ -269,9 +269,21 @@ class PassRule(Rule):
         if not x.requires_grad:
             return None
         warned = first_pass()  # checked in a context's first pass only
+        at_zero = None
         if warned is not None and (_ZERO_INPUTS, id(module)) not in warned:
             warned.add((_ZERO_INPUTS, id(module)))
-            warn_if_zero_inputs_drop(self, module, x, output)
+            with torch.no_grad():
+                at_zero = (x == 0) & (output != 0)
+        result = self._rewritten(module, output, x)
+        if at_zero is not None and result.requires_grad and bool(at_zero.any()):
+            # Whether relevance reaches those outputs is known in the backward pass: none does where a first
+            # layer's rule after this module hands what it sets at them to the model input (see ``_glue``).
+            checked: list = []
+            result.register_hook(functools.partial(_check_zero_inputs, self, module, at_zero, checked))
+        return result
+
+    def _rewritten(self, module: nn.Module, output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``output`` with the rule's gradient, on its node or through :meth:`apply`."""
         record = recording()
         if record is None:
             if runs_plain(module) and pass_rule_on_node(output, x):
@@ -317,23 +329,25 @@ class PassRule(Rule):
 _ZERO_INPUTS = "pass rule at zero inputs"
 
 
-def warn_if_zero_inputs_drop(rule: Rule, module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> bool:
-    """Warn, naming ``module``, where ``output = f(x)`` is nonzero at an input of exactly 0: the relevance of those
-    outputs is lost, since the pass rule's gradient ``f(x) / stabilize(x)`` times ``x = 0`` is 0 (zennit's pass rule
-    hands it on to the layer before). Returns whether it warned.
+def warn_if_zero_inputs_drop(rule: Rule, module: nn.Module, at_zero: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Warn, naming ``module``, where the gradient ``grad`` of an output ``f(x)`` is nonzero at ``at_zero``, the
+    outputs that are nonzero at an input of exactly 0: their relevance is lost, since the pass rule's gradient
+    ``f(x) / stabilize(x)`` times ``x = 0`` is 0 (zennit's pass rule hands it on to the layer before). Returns
+    whether it warned.
 
     Examples:
         >>> import warnings
+        >>> x = torch.tensor([0.0, 1.0])
+        >>> at_zero = (x == 0) & (torch.sigmoid(x) != 0)
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")
-        ...     x = torch.tensor([0.0, 1.0])
-        ...     warn_if_zero_inputs_drop(PassRule(), nn.Sigmoid(), x, torch.sigmoid(x))
+        ...     warn_if_zero_inputs_drop(PassRule(), nn.Sigmoid(), at_zero, torch.ones(2))
         True
-        >>> warn_if_zero_inputs_drop(PassRule(), nn.Tanh(), x, torch.tanh(x))
+        >>> warn_if_zero_inputs_drop(PassRule(), nn.Sigmoid(), at_zero, torch.tensor([0.0, 1.0]))  # none reaches it
         False
     """
     with torch.no_grad():
-        lost = int(((x == 0) & (output != 0)).sum())
+        lost = int((at_zero & (grad != 0)).sum())
     if lost:
         name = type(module).__name__
         warn_at_caller(
@@ -343,6 +357,14 @@ def warn_if_zero_inputs_drop(rule: Rule, module: nn.Module, x: torch.Tensor, out
             f"the {name} to another rule (EpsilonRule, IgnoreRule), or explain at its input (the pre-activation)"
         )
     return bool(lost)
+
+
+def _check_zero_inputs(rule: Rule, module: nn.Module, at_zero: torch.Tensor, checked: list, grad: torch.Tensor):
+    """A hook on the output of a module under the pass rule: :func:`warn_if_zero_inputs_drop` in the first backward
+    pass through it (the relevance pass), not in later ones (a loss's on a relevance kept in the graph)."""
+    if not checked and not probing():
+        checked.append(True)
+        warn_if_zero_inputs_drop(rule, module, at_zero, grad)
 
 
 def pass_factor(output: torch.Tensor, x: torch.Tensor, stabilizer: float) -> torch.Tensor:
