@@ -11,7 +11,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from tdhook.attribution import LRP, AttnLRP, EpsilonPlus
+from tdhook.attribution import CPLRP, LRP, AttnLRP, EpsilonPlus
 
 
 class Recurrent(nn.Module):
@@ -162,3 +162,60 @@ def test_the_callers_hooks_on_the_module_run_again_act_once(kind, when):
     assert counter.calls == 1
     assert torch.equal(out["y"], plain)
     assert list(module._forward_hooks) == [handle.id for handle in handles]  # the caller's, in their order
+
+
+class PaddedSequences(nn.Module):
+    """torch's ``TransformerEncoder`` with its default ``enable_nested_tensor=True`` and a key padding mask: without
+    gradient it runs on nested tensors and gives the padded positions zeros (its final norm's output for zeros),
+    where the pass with gradient computes values there; a head reads every position. ``as_nested`` writes that pass
+    out as the pass with gradient: the padded positions set to zeros before the final norm."""
+
+    def __init__(self, final_norm: bool) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(8) if final_norm else None)
+        self.head = nn.Linear(5 * 8, 3)
+        self.as_nested = False
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        if not self.as_nested:
+            return self.head(self.encoder(x, src_key_padding_mask=padding).flatten(1))
+        for layer in self.encoder.layers:
+            x = layer(x, src_key_padding_mask=padding)
+        x = x.masked_fill((padding != 0).unsqueeze(-1), 0.0)
+        return self.head((x if self.encoder.norm is None else self.encoder.norm(x)).flatten(1))
+
+
+@pytest.mark.parametrize("final_norm", [False, True], ids=["no-final-norm", "final-norm"])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32], ids=["bool-mask", "float-mask"])
+def test_padded_positions_that_run_on_nested_tensors_without_gradient_are_explained_as_the_constants_written(
+    final_norm, mask_dtype
+):
+    """Under no_grad the written outputs are the nested pass's, and the relevance explains them: it equals the
+    relevance of that pass written out with gradient, leaves the padded positions none (0.38 there before) and, with
+    zero biases, CP-LRP conserves the written target (one sample's relevance summed to 2.76 times it before)."""
+    torch.manual_seed(0)
+    net = PaddedSequences(final_norm).eval()
+    with torch.no_grad():
+        for name, parameter in net.named_parameters():
+            if name.endswith("bias"):
+                parameter.zero_() if not name.startswith("encoder.norm") else parameter.normal_()
+    padded = torch.zeros(3, 5, dtype=torch.bool)
+    padded[0, -2:], padded[2, -1] = True, True
+    padding = padded if mask_dtype == torch.bool else torch.zeros(3, 5).masked_fill(padded, float("-inf"))
+    td = TensorDict(x=torch.randn(3, 5, 8), padding=padding, batch_size=[3])
+    model = TensorDictModule(net, in_keys=["x", "padding"], out_keys=["y"])
+    with torch.no_grad():
+        plain = model(td.clone())["y"]
+        out = LRP(model, CPLRP(), in_keys=["x"])(td.clone())
+    assert (model(td.clone())["y"].detach() - plain).abs().max() > 0.1  # with gradient the padded values differ
+    net.as_nested = True
+    written_out = LRP(model, CPLRP(), in_keys=["x"])(td.clone())
+    torch.testing.assert_close(written_out["y"], plain, rtol=1e-5, atol=1e-6)
+
+    assert torch.equal(out["y"], plain)
+    relevance = out["relevance", "x"]
+    torch.testing.assert_close(relevance, written_out["relevance", "x"], rtol=1e-5, atol=1e-6)
+    assert relevance[padded].abs().max() == 0
+    if not final_norm:  # the final norm's bias takes a share
+        torch.testing.assert_close(relevance.flatten(1).sum(1), plain.max(-1).values, rtol=1e-5, atol=1e-6)

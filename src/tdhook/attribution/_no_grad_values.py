@@ -143,7 +143,35 @@ def _caller_values_hook(module: nn.Module, args: tuple, kwargs: dict, output: An
     # pre-hooks gave.
     with torch.no_grad(), plain_calls(), torch._C.DisableTorchFunction():
         values = module.forward(*args, **kwargs)
+        padded = _padded_constants(module, args, kwargs, values)
+    if padded is not None and isinstance(output, torch.Tensor):
+        output = output.masked_fill(padded.unsqueeze(-1), 0.0)  # constants there: no gradient reaches the inputs
     return tree_map(_route, values, output)
+
+
+def _padded_constants(module: nn.Module, args: tuple, kwargs: dict, values: Any) -> torch.Tensor | None:
+    """The padded positions of an ``nn.TransformerEncoder`` that ran on nested tensors without gradient, or ``None``.
+
+    Given a key padding mask (its default ``enable_nested_tensor=True``, ``batch_first``, eval mode), the encoder
+    runs without gradient on the unpadded positions only and writes zeros at the padded ones (its final norm's output
+    for zeros, if it has one), where the pass with gradient computes values there from the other positions. Those
+    written values are constants of the call: the gradient routed to them must be zero, or the relevance would
+    explain values that were not written. Found by the values themselves: every padded position holds that constant.
+    """
+    if not isinstance(module, nn.TransformerEncoder) or not isinstance(values, torch.Tensor) or values.dim() != 3:
+        return None
+    padding = kwargs.get("src_key_padding_mask", args[2] if len(args) > 2 else None)
+    if not isinstance(padding, torch.Tensor) or padding.shape != values.shape[:2] or values.is_nested:
+        return None
+    if not module.layers[0].self_attn.batch_first:
+        return None
+    padded = padding if padding.dtype == torch.bool else padding != 0  # a float mask pads where it is not 0
+    if not padded.any():
+        return None
+    constant = values.new_zeros(1, values.shape[-1])
+    if module.norm is not None:
+        constant = module.norm.forward(constant)
+    return padded if torch.equal(values[padded], constant.expand(int(padded.sum()), -1)) else None
 
 
 def caller_values(modules: Mapping[str, nn.Module]) -> list[RemovableHandle]:
