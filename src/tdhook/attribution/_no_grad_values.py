@@ -9,8 +9,10 @@ the last bits, enough to change a recurrent policy's states and, now and then,
 its action. While the caller's mode is ``no_grad``, the outermost such module
 (:func:`caller_values`) runs its forward once more without gradient and rules,
 and its output takes those values, its gradient still flowing through the ruled
-pass. The caller's forward hooks on that module act once, on those values; the
-hooks of the modules inside it run in both passes, as the values are computed
+pass. The rules' hooks on its parts are set aside for that run (torch's encoder
+layers take their fused kernel only where no module of theirs has a hook). The
+caller's forward hooks on that module act once, on those values; the caller's
+hooks on the modules inside it run in both passes, as the values are computed
 through them (the extra run cannot be avoided: no single pass gives both the
 values of the kernels without gradient and a graph).
 Where the kernels cannot differ it is not run again: on CPU, ``nn.GRU`` (one
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -141,12 +144,45 @@ def _caller_values_hook(module: nn.Module, args: tuple, kwargs: dict, output: An
     # No rules, and no function modes (a mode active keeps the transformer layers off their fast path). The module's
     # forward alone: its own hooks act once, on the routed output (see caller_values); ``args`` are those its
     # pre-hooks gave.
-    with torch.no_grad(), plain_calls(), torch._C.DisableTorchFunction():
+    with torch.no_grad(), plain_calls(), torch._C.DisableTorchFunction(), _hooks_set_aside(module):
         values = module.forward(*args, **kwargs)
         padded = _padded_constants(module, args, kwargs, values)
     if padded is not None and isinstance(output, torch.Tensor):
         output = output.masked_fill(padded.unsqueeze(-1), 0.0)  # constants there: no gradient reaches the inputs
     return tree_map(_route, values, output)
+
+
+@contextlib.contextmanager
+def _hooks_set_aside(module: nn.Module) -> Iterator[None]:
+    """Inside the block, the forward hooks and pre-hooks of this package on ``module``'s parts are set aside, the
+    caller's kept. torch's ``nn.TransformerEncoderLayer`` takes its fused kernel without gradient only where none of
+    its modules has a hook: the rules' hooks, which do nothing in a run without gradient, would keep it off the
+    kernel the plain call takes. A hook of the caller's keeps the plain call off it too, and stays.
+
+    ``module`` itself is left as it is: its forward alone runs, and its own hooks are not called."""
+    set_aside: list[tuple[nn.Module, str, OrderedDict]] = []
+    try:
+        for part in module.modules():
+            if part is module:
+                continue
+            for attribute in ("_forward_hooks", "_forward_pre_hooks"):
+                hooks = getattr(part, attribute)
+                if any(_ours(hook) for hook in hooks.values()):
+                    set_aside.append((part, attribute, hooks))
+                    setattr(part, attribute, OrderedDict((k, h) for k, h in hooks.items() if not _ours(h)))
+        yield
+    finally:
+        try:
+            _put_back(set_aside)
+        finally:
+            _put_back(set_aside)  # what an interrupt of the first pass left
+
+
+def _put_back(set_aside: list[tuple[nn.Module, str, OrderedDict]]) -> None:
+    while set_aside:
+        part, attribute, hooks = set_aside[-1]
+        setattr(part, attribute, hooks)
+        set_aside.pop()
 
 
 def _padded_constants(module: nn.Module, args: tuple, kwargs: dict, values: Any) -> torch.Tensor | None:
