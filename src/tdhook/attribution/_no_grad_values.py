@@ -157,14 +157,11 @@ def _hooks_set_aside(module: nn.Module) -> Iterator[None]:
     """Inside the block, the forward hooks and pre-hooks of this package on ``module``'s parts are set aside, the
     caller's kept. torch's ``nn.TransformerEncoderLayer`` takes its fused kernel without gradient only where none of
     its modules has a hook: the rules' hooks, which do nothing in a run without gradient, would keep it off the
-    kernel the plain call takes. A hook of the caller's keeps the plain call off it too, and stays.
-
-    ``module`` itself is left as it is: its forward alone runs, and its own hooks are not called."""
+    kernel the plain call takes (a layer run by itself looks at its own hooks too, though its forward alone runs
+    here). A hook of the caller's keeps the plain call off it too, and stays."""
     set_aside: list[tuple[nn.Module, str, OrderedDict]] = []
     try:
         for part in module.modules():
-            if part is module:
-                continue
             for attribute in ("_forward_hooks", "_forward_pre_hooks"):
                 hooks = getattr(part, attribute)
                 if any(_ours(hook) for hook in hooks.values()):
