@@ -235,6 +235,18 @@ class Masked(nn.Module):
         return self.head(self.encoder(x, src_key_padding_mask=padding)[:, 0])
 
 
+def _padded_call(net: nn.Module, padded: bool) -> tuple[TensorDict, TensorDictModule, torch.Tensor, TensorDict]:
+    """A batch whose second sequence ends in two padded positions (if ``padded``), the model reading it, its plain
+    outputs under no_grad and an AttnLRP call with gradient."""
+    padding = torch.zeros(3, 5, dtype=torch.bool)
+    padding[1, -2:] = padded
+    td = TensorDict(x=torch.randn(3, 5, 8), padding=padding, batch_size=[3])
+    model = TensorDictModule(net, in_keys=["x", "padding"], out_keys=["y"])
+    with torch.no_grad():
+        plain = model(td.clone())["y"]
+    return td, model, plain, LRP(model, AttnLRP(), in_keys=["x"])(td.clone())
+
+
 @pytest.mark.parametrize("callers_hook", [False, True], ids=["rules-only", "callers-hook-inside"])
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post-norm", "pre-norm"])
 def test_encoder_layers_given_a_padding_mask_write_the_fused_kernels_values(norm_first, callers_hook):
@@ -246,13 +258,7 @@ def test_encoder_layers_given_a_padding_mask_write_the_fused_kernels_values(norm
     calls = []
     if callers_hook:
         net.encoder.layers[0].linear1.register_forward_hook(lambda *args: calls.append(1))
-    padding = torch.zeros(3, 5, dtype=torch.bool)
-    padding[1, -2:] = True
-    td = TensorDict(x=torch.randn(3, 5, 8), padding=padding, batch_size=[3])
-    model = TensorDictModule(net, in_keys=["x", "padding"], out_keys=["y"])
-    with torch.no_grad():
-        plain = model(td.clone())["y"]
-    with_grad = LRP(model, AttnLRP(), in_keys=["x"])(td.clone())
+    td, model, plain, with_grad = _padded_call(net, padded=True)
     lrp = LRP(model, AttnLRP(), in_keys=["x"])
     with torch.no_grad(), lrp:
         outs = [lrp(td.clone()) for _ in range(2)]
@@ -283,13 +289,7 @@ def test_a_layer_run_by_itself_writes_the_fused_kernels_values(padded):
     and 2.4e-7 off the plain call's, with or without padding)."""
     torch.manual_seed(0)
     net = BareLayer().eval()
-    padding = torch.zeros(3, 5, dtype=torch.bool)
-    padding[1, -2:] = padded
-    td = TensorDict(x=torch.randn(3, 5, 8), padding=padding, batch_size=[3])
-    model = TensorDictModule(net, in_keys=["x", "padding"], out_keys=["y"])
-    with torch.no_grad():
-        plain = model(td.clone())["y"]
-    with_grad = LRP(model, AttnLRP(), in_keys=["x"])(td.clone())
+    td, model, plain, with_grad = _padded_call(net, padded)
     assert not torch.equal(with_grad["y"], plain)  # the kernels differ: otherwise this test proves nothing
     with torch.no_grad():
         out = LRP(model, AttnLRP(), in_keys=["x"])(td.clone())
