@@ -240,6 +240,42 @@ class TestUnreachedInputs(ExpectsARefusal):
         with pytest.raises(ValueError, match=r"target 'y' does not depend on the explained input 'x'"):
             LRP(module)(td)
 
+    def test_a_query_cp_lrp_holds_constant_is_refused_saying_so(self):
+        """A cross-attention's query reaches its output only through the attention weights, which CP-LRP holds
+        constant: the refusal says so (it named only a model that does not read the key or detaches it)."""
+        from tdhook.attribution import CPLRP
+
+        class CrossAttention(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.attention = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+            def forward(self, query: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+                return self.attention(query, memory, memory)[0].sum(1)
+
+        module = TensorDictModule(CrossAttention().eval(), in_keys=["query", "memory"], out_keys=["y"])
+        td = TensorDict(query=torch.randn(2, 3, 8), memory=torch.randn(2, 4, 8), batch_size=[2])
+        with pytest.raises(ValueError, match=r"explained input 'query'.*a rule holds constant.*CP-LRP's attention"):
+            LRP(module, CPLRP())(td)
+        assert "relevance" not in td.keys()
+
+    def test_per_sample_weights_beside_explained_tokens_are_refused_saying_so(self):
+        """An ``nn.EmbeddingBag`` whose tokens are explained holds its per-sample weights constant (the tokens take
+        the relevance): the refusal says so."""
+
+        class Bag(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.bag, self.head = torch.nn.EmbeddingBag(10, 4, mode="sum"), torch.nn.Linear(4, 2)
+
+            def forward(self, tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+                return self.head(self.bag(tokens, per_sample_weights=weights))
+
+        module = TensorDictModule(Bag(), in_keys=["tokens", "weights"], out_keys=["y"])
+        td = TensorDict(tokens=torch.randint(0, 10, (2, 3)), weights=torch.rand(2, 3), batch_size=[2])
+        with pytest.raises(ValueError, match=r"explained input 'weights'.*per_sample_weights"):
+            LRP(module, EpsilonPlus())(td)
+
 
 def test_target_all_holds_the_result_once():
     """Each unit's relevance is written into its place in the result: memory is the result and one unit, not the

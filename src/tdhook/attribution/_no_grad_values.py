@@ -9,8 +9,10 @@ the last bits, enough to change a recurrent policy's states and, now and then,
 its action. While the caller's mode is ``no_grad``, the outermost such module
 (:func:`caller_values`) runs its forward once more without gradient and rules,
 and its output takes those values, its gradient still flowing through the ruled
-pass. The caller's forward hooks on that module act once, on those values; the
-hooks of the modules inside it run in both passes, as the values are computed
+pass. The rules' hooks on its parts are set aside for that run (torch's encoder
+layers take their fused kernel only where no module of theirs has a hook). The
+caller's forward hooks on that module act once, on those values; the caller's
+hooks on the modules inside it run in both passes, as the values are computed
 through them (the extra run cannot be avoided: no single pass gives both the
 values of the kernels without gradient and a graph).
 Where the kernels cannot differ it is not run again: on CPU, ``nn.GRU`` (one
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -141,9 +144,67 @@ def _caller_values_hook(module: nn.Module, args: tuple, kwargs: dict, output: An
     # No rules, and no function modes (a mode active keeps the transformer layers off their fast path). The module's
     # forward alone: its own hooks act once, on the routed output (see caller_values); ``args`` are those its
     # pre-hooks gave.
-    with torch.no_grad(), plain_calls(), torch._C.DisableTorchFunction():
+    with torch.no_grad(), plain_calls(), torch._C.DisableTorchFunction(), _hooks_set_aside(module):
         values = module.forward(*args, **kwargs)
+        padded = _padded_constants(module, args, kwargs, values)
+    if padded is not None and isinstance(output, torch.Tensor):
+        output = output.masked_fill(padded.unsqueeze(-1), 0.0)  # constants there: no gradient reaches the inputs
     return tree_map(_route, values, output)
+
+
+@contextlib.contextmanager
+def _hooks_set_aside(module: nn.Module) -> Iterator[None]:
+    """Inside the block, the forward hooks and pre-hooks of this package on ``module``'s parts are set aside, the
+    caller's kept. torch's ``nn.TransformerEncoderLayer`` takes its fused kernel without gradient only where none of
+    its modules has a hook: the rules' hooks, which do nothing in a run without gradient, would keep it off the
+    kernel the plain call takes (a layer run by itself looks at its own hooks too, though its forward alone runs
+    here). A hook of the caller's keeps the plain call off it too, and stays."""
+    set_aside: list[tuple[nn.Module, str, OrderedDict]] = []
+    try:
+        for part in module.modules():
+            for attribute in ("_forward_hooks", "_forward_pre_hooks"):
+                hooks = getattr(part, attribute)
+                if any(_ours(hook) for hook in hooks.values()):
+                    set_aside.append((part, attribute, hooks))
+                    setattr(part, attribute, OrderedDict((k, h) for k, h in hooks.items() if not _ours(h)))
+        yield
+    finally:
+        try:
+            _put_back(set_aside)
+        finally:
+            _put_back(set_aside)  # what an interrupt of the first pass left
+
+
+def _put_back(set_aside: list[tuple[nn.Module, str, OrderedDict]]) -> None:
+    while set_aside:
+        part, attribute, hooks = set_aside[-1]
+        setattr(part, attribute, hooks)
+        set_aside.pop()
+
+
+def _padded_constants(module: nn.Module, args: tuple, kwargs: dict, values: Any) -> torch.Tensor | None:
+    """The padded positions of an ``nn.TransformerEncoder`` that ran on nested tensors without gradient, or ``None``.
+
+    Given a key padding mask (its default ``enable_nested_tensor=True``, ``batch_first``, eval mode), the encoder
+    runs without gradient on the unpadded positions only and writes zeros at the padded ones (its final norm's output
+    for zeros, if it has one), where the pass with gradient computes values there from the other positions. Those
+    written values are constants of the call: the gradient routed to them must be zero, or the relevance would
+    explain values that were not written. Found by the values themselves: every padded position holds that constant.
+    """
+    if not isinstance(module, nn.TransformerEncoder) or not isinstance(values, torch.Tensor) or values.dim() != 3:
+        return None
+    padding = kwargs.get("src_key_padding_mask", args[2] if len(args) > 2 else None)
+    if not isinstance(padding, torch.Tensor) or padding.shape != values.shape[:2] or values.is_nested:
+        return None
+    if not module.layers[0].self_attn.batch_first:
+        return None
+    padded = padding if padding.dtype == torch.bool else padding != 0  # a float mask pads where it is not 0
+    if not padded.any():
+        return None
+    constant = values.new_zeros(1, values.shape[-1])
+    if module.norm is not None:
+        constant = module.norm.forward(constant)
+    return padded if torch.equal(values[padded], constant.expand(int(padded.sum()), -1)) else None
 
 
 def caller_values(modules: Mapping[str, nn.Module]) -> list[RemovableHandle]:

@@ -281,8 +281,11 @@ def raise_for_unreached(key: NestedKey, keys: list[NestedKey], reached: list[boo
             raise ValueError(
                 f"LRP: target {key!r} does not depend on the explained input {input_key!r} through its gradient "
                 "(the model does not read it for this output, or detaches it, as torchrl's CrossGroupCritic does "
-                "with the groups in detach_groups); its relevance would be zero everywhere: leave it out of in_keys, "
-                "or explain an output that reads it"
+                "with the groups in detach_groups; or it reaches the output only through what a rule holds constant: "
+                "CP-LRP's attention weights, all that a cross-attention's query reaches where no residual adds it, "
+                "or an nn.EmbeddingBag's per_sample_weights where the tokens it weights are explained, which take the "
+                "relevance); its relevance would be zero everywhere: leave it out of in_keys, or explain an output "
+                "that reads it"
             )
 
 

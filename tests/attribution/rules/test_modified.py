@@ -260,28 +260,33 @@ class TestLayerConfigurations:
 
 
 class _UpsampledTo(nn.Module):
-    """A transposed convolution called with ``output_size`` (a U-Net's decoder matching its skip connection)."""
+    """A transposed convolution called with ``output_size`` (a U-Net's decoder matching its skip connection), by
+    keyword or as the second argument."""
 
-    def __init__(self, layer: nn.Module, *sizes: tuple[int, ...]) -> None:
+    def __init__(self, layer: nn.Module, *sizes: tuple[int, ...], positional: bool = False) -> None:
         super().__init__()
-        self.layer, self.sizes = layer, sizes
+        self.layer, self.sizes, self.positional = layer, sizes, positional
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.positional:
+            return torch.cat([self.layer(x, size).flatten(1) for size in self.sizes], dim=1)
         return torch.cat([self.layer(x, output_size=size).flatten(1) for size in self.sizes], dim=1)
 
 
 class TestTransposedConvolutionCalledWithAnOutputSize:
-    """``layer(x, output_size=...)`` chooses the output padding per call: the modified passes must use it."""
+    """``layer(x, output_size=...)`` chooses the output padding per call: the modified passes must use it. Given as
+    the second argument (``layer(x, size)``), it was refused as a second input ("expects one tensor input")."""
 
+    @pytest.mark.parametrize("positional", [False, True], ids=["keyword", "positional"])
     @pytest.mark.parametrize("rule_name", sorted(ALL_RULE_PAIRS))
-    def test_matches_zennit_on_the_layer_with_that_output_padding(self, rule_name: str):
+    def test_matches_zennit_on_the_layer_with_that_output_padding(self, rule_name: str, positional: bool):
         ours, theirs = ALL_RULE_PAIRS[rule_name]
         layer = nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1).double()
         with torch.no_grad():
             layer.bias.normal_()
         x = torch.randn(2, 3, 4, 4, dtype=torch.float64).clamp(-2.4, 2.4)  # inside the ZBox bounds
         # Output sizes 7×7 (the default), 8×8 and 7×8: output paddings (0, 0), (1, 1) and (0, 1).
-        model = _UpsampledTo(layer, (7, 7), (8, 8), (7, 8))
+        model = _UpsampledTo(layer, (7, 7), (8, 8), (7, 8), positional=positional)
         r_out = output_relevance(model, x)
         rule_mapper = {nn.ConvTranspose2d: ours()}
         lrp = LRP(model, rule_mapper=rule_mapper, in_keys=["x"], out_keys=["y"], target=lambda y: r_out)

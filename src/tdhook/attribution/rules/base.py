@@ -679,10 +679,13 @@ class Rule(Tunable):
 def _call_arguments(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
     """The arguments of a call of ``module``: the positional ones, then those given by keyword (``layer(input=x)``
     is ``layer(x)``, and a keyword the rule's modified pass would leave out is refused as a second argument is), but
-    a transposed convolution's ``output_size``: its rules take the shape of its output."""
+    a transposed convolution's ``output_size``, by keyword or as its second argument (``forward(input,
+    output_size)``): its rules take the shape of its output."""
+    transposed = isinstance(module, tuple(TRANSPOSED_FORWARDS))
+    if transposed and len(args) == 2:
+        args = args[:1]
     if not kwargs:
         return args
-    transposed = isinstance(module, tuple(TRANSPOSED_FORWARDS))
     return (*args, *(value for name, value in kwargs.items() if not (transposed and name == "output_size")))
 
 
