@@ -14,6 +14,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP
+from tdhook.attribution.rules import basic
 from tdhook.attribution.rules.basic import PassRule
 from tdhook.attribution.rules.functional import FunctionalRules
 from tdhook.attribution.rules.transformer import PseudoIdentityRule, SoftmaxEpsilonRule
@@ -394,3 +395,65 @@ def test_a_function_mode_stays_paused_in_an_activation_module_in_later_calls(app
         assert torch.equal(result["y"], expected["y"])
         assert torch.equal(result["relevance", "x"], expected["relevance", "x"])
     assert relative_error(expected["relevance", "x"], activated_by_hand(model, x)) <= 1e-9  # the exact GELU's
+
+
+@pytest.fixture
+def recomputed(monkeypatch) -> list[str]:
+    """The activations' nodes whose input the identity rule's hook ran the activation on again, one entry a node."""
+    seen: list[str] = []
+    for name, compute in list(basic._RECOMPUTED.items()):
+
+        def watched(node, x, name=name, compute=compute):
+            seen.append(name)
+            return compute(node, x)
+
+        monkeypatch.setitem(basic._RECOMPUTED, name, watched)
+    return seen
+
+
+class ChangedAfter(ActivatedProduct):
+    """``ActivatedProduct`` whose activation's output is changed in place after the module returned it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        activated = self.activation(self.q(x))
+        activated.mul_(1.0)
+        return self.out(activated * self.k(x))
+
+
+@pytest.mark.parametrize("activation", [nn.GELU, nn.SiLU])
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
+def test_later_calls_take_an_activation_modules_factor_from_its_output(applied, recomputed, preset, activation):
+    """A later call that runs a GELU or SiLU module without its hooks keeps its output, from which the identity
+    rule's factor is computed: the activation is not run again on its node's saved input, and the relevance is the
+    mode's to the last bit."""
+    torch.manual_seed(0)
+    model, x = ActivatedProduct(activation()).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(4)]
+        recomputed.clear()
+        relevances.append(call(lrp, x))
+        assert recomputed == []
+        assert not lrp._function_rule_plan.quiet.taken_outputs()  # the call's outputs are not held after it
+    assert applied[-3:] == [True, True, True]
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)
+
+
+def test_an_activation_output_changed_in_place_after_its_module_gives_the_factor_from_the_saved_input(
+    applied, recomputed
+):
+    torch.manual_seed(0)
+    model, x = ChangedAfter(nn.GELU()).to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    in_mode = call(lrp, x)
+    with lrp:
+        relevances = [call(lrp, x) for _ in range(4)]
+        recomputed.clear()
+        relevances.append(call(lrp, x))
+    assert applied[-3:] == [True, True, True]
+    assert recomputed == ["GeluBackward0"]  # the kept output is no longer the node's as it returned it
+    for relevance in relevances:
+        assert torch.equal(relevance, in_mode)
+    assert relative_error(in_mode, activated_by_hand(model, x)) <= 1e-9

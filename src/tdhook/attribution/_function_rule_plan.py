@@ -53,7 +53,8 @@ and ``clip`` with bounds that are numbers, ``F.hardtanh``, ``F.relu6``; in place
 it was: OLMo's and DBRX's ``clip_qkv``). So do GELU and SiLU modules
 under the pass rule: their rule's hook puts it on the node in a recording call, and leaves it to the plan in a later
 one, which runs the module without its hooks where they have nothing else to do (see
-:mod:`~tdhook.attribution._quiet_modules`). The backward of such a node, and
+:mod:`~tdhook.attribution._quiet_modules`) and takes the factor's ``f(x)`` from the output the module returned,
+unchanged in place since, instead of computing it again from the saved input. The backward of such a node, and
 of a fused layer norm's, runs in a later call, never in the mode: a later call whose tensors they saved were changed
 in place since (a branch the recording call did not take) runs in the mode. A sigmoid-like gate called as a
 function (a mixture of experts' shared-expert gate) is left without its rule in a recording call: where every
@@ -116,7 +117,7 @@ from tdhook.attribution._kept_outputs import OutputKeepers
 from tdhook.attribution._quiet_modules import QuietModules
 from tdhook.attribution.rules._autograd import first_input_is, pass_no_relevance
 from tdhook.attribution.rules._graph_calls import KeptOutputs
-from tdhook.attribution.rules.basic import hook_pass_rule_given
+from tdhook.attribution.rules.basic import PassRuleOnNode, hook_pass_rule_given
 
 __all__ = ["FunctionRulePlan", "Recording"]
 
@@ -396,11 +397,18 @@ class _Plan:
         self.plain = frozenset(id(module) for module in plain)
 
     def apply(
-        self, result: TensorDictBase, start: int, end: int, norm_outputs: list, kept: KeptOutputs | None = None
+        self,
+        result: TensorDictBase,
+        start: int,
+        end: int,
+        norm_outputs: list,
+        kept: KeptOutputs | None = None,
+        activation_outputs: Sequence[tuple[torch.Tensor, int]] = (),
     ) -> bool:
         """Put the hooks on the nodes of the products, held scales and held tensors of a call that created nodes
         ``start`` to ``end``, returned ``result`` and whose norms returned tensors of the nodes ``norm_outputs``,
-        the modules of ``self.kept`` their outputs in ``kept``; ``False``, and no hook set, where the graph is not
+        the modules of ``self.kept`` their outputs in ``kept``, the activations run without their hooks theirs in
+        ``activation_outputs`` (with their versions then); ``False``, and no hook set, where the graph is not
         the recorded one (a norm's scale on the recorded node, but no norm's call around it: a forward called
         directly, which the mode leaves its plain gradient; an activation's input that is not the kept output)."""
         if end - start != self.nodes or len(norm_outputs) != self.norm_outputs:
@@ -422,6 +430,8 @@ class _Plan:
                         attach = attach.hook.given(node, kept)
                         if attach is None:
                             return False
+                    elif activation_outputs and type(attach) is _OnNode and type(attach.hook) is PassRuleOnNode:
+                        attach = attach.hook.given(node, activation_outputs)
                     hooked.append((node, attach))
                 nexts.append(node.next_functions if expand else None)
         except (IndexError, AttributeError):  # fewer outputs or next functions than recorded

@@ -67,7 +67,10 @@ def run_model(
             quiet = lrp._function_rule_plan.quiet.running(plan.quiet, plan.noting)
             with closing_scopes(), graph_call(plain=plan.plain, outputs=norm_outputs, kept=kept), quiet:
                 result = _call(lrp, work)
-            if plan.apply(work if result is None else result, start, sequence_number(), norm_outputs, kept):
+            activations = lrp._function_rule_plan.quiet.taken_outputs()  # their rule's factor takes them
+            if plan.apply(
+                work if result is None else result, start, sequence_number(), norm_outputs, kept, activations
+            ):
                 return result, None
             # Not the recorded graph: the call runs again in the mode, from the same inputs, and records anew.
             lrp._function_rule_plan.forget(key)

@@ -54,21 +54,27 @@ _function_modes = torch._C._is_torch_function_mode_enabled
 
 class QuietCall:
     """What a call of ``module`` runs while it is quiet: its forward, or torch's way with its hooks where a function
-    mode is entered; with ``notes``, the forward's output is noted where its rule's hooks would note it (a norm's).
-    A copy of the module made meanwhile leaves it out (see :mod:`~tdhook.attribution._copies`)."""
+    mode is entered; with ``notes``, the forward's output is noted where its rule's hooks would note it (a norm's);
+    else (an activation's, whose rule the plan puts on its output's node) the output and its version are appended
+    to ``outputs``, where the rule's factor takes the output instead of computing it again (see
+    :meth:`~tdhook.attribution.rules.basic.PassRuleOnNode.given`). A copy of the module made meanwhile leaves it out
+    (see :mod:`~tdhook.attribution._copies`)."""
 
-    __slots__ = ("_call_impl", "_forward", "_module", "_notes")
+    __slots__ = ("_call_impl", "_forward", "_module", "_notes", "_outputs")
 
-    def __init__(self, module: nn.Module, notes: bool = False) -> None:
+    def __init__(self, module: nn.Module, notes: bool = False, outputs: list | None = None) -> None:
         self._module, self._forward, self._call_impl = module, module.forward, type(module)._call_impl
-        self._notes = notes
+        self._notes, self._outputs = notes, outputs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _function_modes():
             return self._call_impl(self._module, *args, **kwargs)
         output = self._forward(*args, **kwargs)
-        if self._notes and rules_apply():
-            note_output(output)
+        if self._notes:
+            if rules_apply():
+                note_output(output)
+        elif self._outputs is not None and type(output) is torch.Tensor:
+            self._outputs.append((output, output._version))
         return output
 
 
@@ -84,6 +90,7 @@ class QuietModules:
         self._quieted: list[nn.Module] = []  # the modules running without hooks now
         self._modules: Sequence[nn.Module] = ()
         self._noting: Collection[int] = ()
+        self._outputs: list[tuple[torch.Tensor, int]] = []  # the quiet activations' outputs in the running block
 
     def running(self, modules: Sequence[nn.Module], noting: Collection[int] = ()) -> QuietModules:
         """A ``with`` block in which each of ``modules`` whose hooks are all the wrapper's own runs straight to its
@@ -92,21 +99,31 @@ class QuietModules:
         self._modules, self._noting = modules, noting
         return self
 
+    def taken_outputs(self) -> list[tuple[torch.Tensor, int]]:
+        """The outputs of the activations the last block ran quiet (not the norms), each with its version when the
+        module returned it, in the order of their calls; the block's list is handed over (not kept here, where it
+        would hold the call's graph until the next one)."""
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
     def __enter__(self) -> None:
         self.remove()  # what an interrupt in the last block's end left
+        self._outputs = outputs = []
         modules, quieted, noting = self._modules, self._quieted, self._noting
         try:
             if modules and not any(_GLOBAL_HOOKS) and not torch._C._get_tracing_state():
                 for module in modules:
                     if self._quiet_possible(module):
                         quieted.append(module)  # listed first: an interrupt after it leaves nothing unlisted
-                        module.__dict__["_call_impl"] = QuietCall(module, id(module) in noting)
+                        module.__dict__["_call_impl"] = QuietCall(module, id(module) in noting, outputs)
         except BaseException:  # an interrupt: no block to end
             self.remove()
             raise
 
     def __exit__(self, *exc_info: object) -> None:
-        self.remove()
+        self._put_back()
+        if exc_info[0] is not None:  # no plan follows the call: nothing holds its outputs
+            self._outputs = []
 
     def _quiet_possible(self, module: nn.Module) -> bool:
         own = self._own
@@ -120,6 +137,10 @@ class QuietModules:
 
     def remove(self) -> None:
         """Put every module run without its hooks back on torch's way (idempotent)."""
+        self._outputs = []
+        self._put_back()
+
+    def _put_back(self) -> None:
         quieted = self._quieted
         while quieted:
             quieted[-1].__dict__.pop("_call_impl", None)
