@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from tdhook.attribution.rules._autograd import is_activation, redirect
 from tdhook.attribution.rules._statistics import is_statistic
+from tdhook.attribution.rules.gates import ELEMENTWISE_PRODUCTS
 from tdhook.attribution.rules.normalization import NormRule
 
 __all__ = [
@@ -47,9 +48,8 @@ DIVISIONS = frozenset(
     {torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.true_divide, torch.Tensor.true_divide}
     | {torch.divide, torch.Tensor.divide}
 )
-
-# Element-wise products (as :mod:`~tdhook.attribution.rules.gates` holds gates in; that module's mode holds statistics).
-_ELEMENTWISE = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
+# Calls that return a statistic and a mean from one autograd node.
+STATISTICS_AND_MEANS = frozenset({torch.var_mean, torch.std_mean})
 
 # The norm rule of these calls, as a norm module gets it (ε of an instance norm's running statistics: the presets').
 _RULE = NormRule()
@@ -60,7 +60,7 @@ NORM_CALLS[F.instance_norm] = NormRule.functions[F.instance_norm]
 def statistic_factors(func: Callable, args: tuple) -> list[bool] | None:
     """Which factors of an element-wise product of two activations are statistics to hold constant, or ``None``
     where none is (a ``matmul`` takes no scale)."""
-    if func not in _ELEMENTWISE or len(args) != 2:
+    if func not in ELEMENTWISE_PRODUCTS or len(args) != 2:
         return None
     held = [is_statistic(arg) for arg in args]
     return held if any(held) else None
@@ -79,10 +79,6 @@ def norm_call(func: Callable, args: tuple, kwargs: dict) -> Any:
     return NORM_CALLS[func](_RULE, None, func(*args, **kwargs), args, kwargs)
 
 
-# Calls that return a statistic and a mean from one autograd node.
-STATISTICS_AND_MEANS = frozenset({torch.var_mean, torch.std_mean})
-
-
 def mean_apart(func: Callable, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.var_mean`` or ``torch.std_mean`` of an activation, its values unchanged, with the mean's gradient
     passed on by a mean's own node: the centring by the mean is linear, and the wrapper's warning names the call
@@ -91,7 +87,7 @@ def mean_apart(func: Callable, args: tuple, kwargs: dict) -> tuple[torch.Tensor,
     Examples:
         >>> h = torch.randn(2, 3, requires_grad=True) * 1
         >>> var, mean = mean_apart(torch.var_mean, (h, -1), {"keepdim": True})
-        >>> torch.equal(mean, h.mean(-1, keepdim=True)), type(var.grad_fn).__name__
+        >>> torch.allclose(mean, h.mean(-1, keepdim=True)), type(var.grad_fn).__name__
         (True, 'VarMeanBackward0')
     """
     statistic, mean = func(*args, **kwargs)

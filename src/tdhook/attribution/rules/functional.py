@@ -218,7 +218,10 @@ class FunctionalRules(TorchFunctionMode):
       :class:`PseudoIdentityRule`); a clip of a statistic that normalises (``norm.clamp_min(eps)``, a divisor's
       guard) keeps its plain gradient (see :mod:`~tdhook.attribution.rules._statistics`);
     * ``F.glu`` (``a · sigmoid(b)``): its gate held constant, ``a`` gets all the relevance;
-    * ``F.layer_norm`` and ``F.rms_norm``: :class:`LayerNormRule`.
+    * ``F.layer_norm`` and ``F.rms_norm``: :class:`LayerNormRule`; ``F.normalize``, ``F.group_norm``,
+      ``F.instance_norm`` and ``F.local_response_norm``: the norm rule; a statistic that normalises (a norm written
+      out, ``h * rsqrt(mean(h * h) + ε)``, ``h / h.norm(...)``) where it scales an activation, as a factor of an
+      element-wise product or a divisor: held constant (see :mod:`~tdhook.attribution.rules._held_statistics`).
 
     Args:
         softmax: the rule for softmax and attention weights.
