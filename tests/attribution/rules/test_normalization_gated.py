@@ -66,3 +66,15 @@ def test_a_gated_norms_product_gets_the_function_rules(preset: str):
     assert relative_error(later, first) <= 1e-12
     logit = model(x).max(1).values
     assert ((first.sum(1) - logit).abs() / logit.abs()).max() <= 1e-6
+
+
+def test_a_gated_norms_product_no_function_rule_covers_is_named():
+    """Under a CNN preset no function rule covers the gate's product: its plain gradient (2.3 to 4.1 times the
+    logit's relevance), which the wrapper named outside the norm and not inside it. The norm's rule names it."""
+    from tdhook.attribution import EpsilonPlus
+
+    torch.manual_seed(0)
+    model, x = GatedMixer(gated=True).to(F64), randn(5, 4)
+    lrp = LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    with pytest.warns(UserWarning, match=r"on MambaRMSNormGated: its forward computes silu, mul on activations"):
+        lrp(TensorDict(x=x.clone(), batch_size=[len(x)]))
