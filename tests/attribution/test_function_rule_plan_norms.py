@@ -40,6 +40,8 @@ class HandNorm(nn.Module):
             h = y * self.scale(x, torch.rsqrt)
             y.add_(0.0)
             return self.weight * h
+        if self.variant == "scale times weight":  # a statistic no longer once scaled by a parameter
+            return x * (self.scale(x, torch.rsqrt) * self.weight)
         return self.weight * (x * self.scale(x, torch.rsqrt))
 
 
@@ -125,11 +127,13 @@ def test_a_norm_whose_plain_backward_would_read_tensors_changed_in_place_keeps_i
 
 class BypassedNorm(NormedProduct):
     """``out(norm(a * b))``, or with ``bypassed`` the norm's forward called directly (``norm.forward(a * b)``): the
-    same graph, node for node, but without the norm's rule."""
+    same graph, node for node, but without the norm's rule. Its scale is multiplied by the weight before it scales
+    the product: no statistic the function mode holds in its own right."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bypassed = False
+        self.norm.variant = "scale times weight"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         product = self.q(x) * self.k(x)

@@ -7,12 +7,19 @@ that gradient on into the statistic's path as if the clamp were not there; the u
 scale of ``h``, so the statistic's path would take back what the numerator gets (99 % of the relevance lost on inputs
 whose statistic is below ``eps``). The function mode's clipping rule leaves such clamps alone.
 
+A norm written out in a forward that is no norm module's (``h * rsqrt((h * h).mean(-1, keepdim=True) + eps)``,
+``h / h.norm(dim=-1, keepdim=True)``, a query normalised before attention) is told by :func:`is_statistic`: the
+function modes hold such a statistic constant where it scales an activation (a factor of a product, a divisor), as
+the norm rule holds a norm module's scale (see :mod:`~tdhook.attribution.rules._held_statistics`).
+
 Examples:
     >>> h = torch.randn(2, 3, requires_grad=True) * 1
     >>> clips_a_statistic(h.norm(dim=-1, keepdim=True)), clips_a_statistic((h.pow(2).mean(-1) + 1e-6).sqrt())
     (True, True)
     >>> clips_a_statistic(h), clips_a_statistic(h.sum(-1)), clips_a_statistic(h.abs())
     (False, False, False)
+    >>> is_statistic(torch.rsqrt((h * h).mean(-1, keepdim=True) + 1e-6)), is_statistic(torch.sqrt(h * h))
+    (True, False)
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["clips_a_statistic"]
+__all__ = ["clips_a_statistic", "is_statistic"]
 
 # Autograd nodes of statistics that normalise: norms, roots, variances and deviations.
 _STATISTICS = (
@@ -72,9 +79,19 @@ def _is_root(node: Any) -> bool:
     return isinstance(exponent, (int, float)) and (exponent < 0 or not float(exponent).is_integer())
 
 
+# The function modes' own nodes that scale a product's gradient (AttnLRP's uniform rule on ``h * h``).
+_SCALINGS = frozenset({"_ScaledGradientBackward", "_GraphKeepingScaledGradientBackward"})
+
+
 def _is_magnitude(node: Any) -> bool:
-    """An absolute value, an even power, or a product of a tensor by itself (``h * h``)."""
+    """An absolute value, an even power, or a product of a tensor by itself (``h * h``, with its gradient scaled by
+    the uniform rule or not)."""
     name = type(node).__name__
+    if name in _SCALINGS:
+        edges = [edge for edge, _ in node.next_functions if edge is not None]
+        if len(edges) != 1:
+            return False
+        node, name = edges[0], type(edges[0]).__name__
     if name == "AbsBackward0":
         return True
     if name == "PowBackward0":
@@ -84,3 +101,43 @@ def _is_magnitude(node: Any) -> bool:
         (a, _), (b, _) = node.next_functions
         return a is not None and a is b
     return False
+
+
+# Nodes a statistic stays one through: its guards away from zero (a clamp, a maximum with a constant), roots and
+# powers of it, and, where every input is a statistic, sums, products and quotients of them.
+_KEPT = _PASSED | frozenset(
+    "ClampMinBackward0 ClampBackward1 MaximumBackward0 FmaxBackward0 SqrtBackward0 RsqrtBackward0 PowBackward0 "
+    "PowBackward1 ReciprocalBackward0".split()
+)
+# Statistics of their own: norms, variances and deviations.
+_OWN = ("LinalgVectorNormBackward", "NormBackward", "VarBackward", "StdBackward", "VarMeanBackward", "StdMeanBackward")
+
+
+def is_statistic(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a statistic that normalises: a norm, a variance or deviation, a sum, mean or maximum of
+    magnitudes (absolute values, even powers, ``h * h``) or of statistics, and roots, powers, guards (``clamp_min``),
+    reshapes, sums, products and quotients of statistics and constants (``rsqrt(mean(h²) + ε)``). An element-wise
+    root with no reduction under it (``sqrt(h * h)``) is none.
+
+    Examples:
+        >>> h = torch.randn(2, 3, requires_grad=True) * 1
+        >>> is_statistic(h.norm(dim=-1, keepdim=True).clamp_min(1e-6)), is_statistic(1 / h.var(-1).sqrt())
+        (True, True)
+        >>> is_statistic(h.sum(-1)), is_statistic(h.pow(2)), is_statistic(h.norm(dim=-1) * h.sum(-1))
+        (False, False, False)
+    """
+    return x.grad_fn is not None and _statistic(x.grad_fn, [_DEPTH])
+
+
+def _statistic(node: Any, budget: list[int]) -> bool:
+    """Whether ``node`` makes a statistic (see :func:`is_statistic`), visiting at most ``budget[0]`` nodes."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        return False
+    name = type(node).__name__
+    if name.startswith(_OWN):
+        return True
+    edges = [edge for edge, _ in node.next_functions if edge is not None]
+    if name.startswith(_REDUCTIONS):
+        return len(edges) == 1 and (_is_magnitude(edges[0]) or _statistic(edges[0], budget))
+    return name in _KEPT and bool(edges) and all(_statistic(edge, budget) for edge in edges)

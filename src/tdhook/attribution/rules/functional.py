@@ -49,6 +49,15 @@ from tdhook.attribution.rules._clips import (
     clips_a_signal,
     clips_in_place,
 )
+from tdhook.attribution.rules._held_statistics import (
+    DIVISIONS,
+    NORM_CALLS,
+    STATISTICS_AND_MEANS,
+    divides_by_statistic,
+    mean_apart,
+    norm_call,
+    statistic_factors,
+)
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint, saved_tensors_hooked
 from tdhook.attribution.rules.basic import (
@@ -161,6 +170,9 @@ _HANDLED = frozenset(
     | set(CLIPS_IN_PLACE)
     | BOUNDS
     | {F.glu}
+    | DIVISIONS
+    | set(NORM_CALLS)
+    | STATISTICS_AND_MEANS
 )
 
 
@@ -206,7 +218,10 @@ class FunctionalRules(TorchFunctionMode):
       :class:`PseudoIdentityRule`); a clip of a statistic that normalises (``norm.clamp_min(eps)``, a divisor's
       guard) keeps its plain gradient (see :mod:`~tdhook.attribution.rules._statistics`);
     * ``F.glu`` (``a · sigmoid(b)``): its gate held constant, ``a`` gets all the relevance;
-    * ``F.layer_norm`` and ``F.rms_norm``: :class:`LayerNormRule`.
+    * ``F.layer_norm`` and ``F.rms_norm``: :class:`LayerNormRule`; ``F.normalize``, ``F.group_norm``,
+      ``F.instance_norm`` and ``F.local_response_norm``: the norm rule; a statistic that normalises (a norm written
+      out, ``h * rsqrt(mean(h * h) + ε)``, ``h / h.norm(...)``) where it scales an activation, as a factor of an
+      element-wise product or a divisor: held constant (see :mod:`~tdhook.attribution.rules._held_statistics`).
 
     Args:
         softmax: the rule for softmax and attention weights.
@@ -247,7 +262,11 @@ class FunctionalRules(TorchFunctionMode):
             return _follow_held(self, func, types, args, kwargs, self.recording)
         # Most calls, and a maximum or minimum that clips no activation at a constant: run, and mark what the rules
         # read later (no rule of their own).
-        if func not in _HANDLED or (func in BOUNDS and bounded_signal(func, args, kwargs) is None):
+        if (
+            func not in _HANDLED
+            or (func in BOUNDS and bounded_signal(func, args, kwargs) is None)
+            or (func in DIVISIONS and not divides_by_statistic(args, kwargs))
+        ):
             result = mark_parameter_derived(args, func(*args, **kwargs), func)
             if self.recording is not None:
                 _watch_values(self.recording, func, args, result)
@@ -267,8 +286,11 @@ class FunctionalRules(TorchFunctionMode):
     def _ruled(self, func, args: tuple, kwargs: dict, recording: Recording | None = None):
         """A call of a function the mode has rules for (products, softmax, attention, activations, norms); what
         the rule did, told to ``recording`` (a call whose rules a later call may apply without the mode)."""
+        if func in DIVISIONS:  # by a statistic (``h / h.norm(...)``): held constant, as a norm's scale
+            return _held_product(func, args, kwargs, [False, True], recording)
         if func in _PRODUCTS and len(args) == 2 and is_activation(args[0]) and is_activation(args[1]):
-            gates = held_factors(args, any_gate=self.hold_gates)
+            # A statistic (a norm written out: ``h * rsqrt(mean(h²) + ε)``) held constant, as a norm's scale; a gate.
+            gates = statistic_factors(func, args) or held_factors(args, any_gate=self.hold_gates)
             if gates is not None:
                 return _held_product(func, args, kwargs, gates, recording)
             # Halving the product's gradient halves both factors' gradients: the uniform rule, in one step.
@@ -373,6 +395,10 @@ class FunctionalRules(TorchFunctionMode):
             weight = call_argument(args, kwargs, 2, "weight")
             eps = call_argument(args, kwargs, 3, "eps")
             return LayerNormRule.rms_norm(func(*args, **kwargs), args[0], len(shape), weight, eps)
+        if func in NORM_CALLS and is_activation(args[0]):
+            return norm_call(func, args, kwargs)
+        if func in STATISTICS_AND_MEANS and is_activation(args[0]):
+            return mean_apart(func, args, kwargs)
         if func in _COMPOSITES:
             with self:
                 return _COMPOSITES[func](*args, **kwargs)
@@ -436,6 +462,10 @@ class FunctionalRules(TorchFunctionMode):
     def covers(self, func: Callable, args: tuple) -> bool:
         """Whether this mode gives ``func`` a rule (products, softmax, attention, activations, norms); an
         ``einsum`` of more than two operands has none."""
+        if func in DIVISIONS:
+            return divides_by_statistic(args)
+        if func in STATISTICS_AND_MEANS:  # its statistic keeps its plain gradient where it scales no activation
+            return False
         return func in _HANDLED and (func is not torch.einsum or len(_einsum_operands(args)) == 2)
 
     def _einsum(self, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -643,12 +673,14 @@ def _tensors_in(values: tuple) -> list[torch.Tensor]:
 def _held_product(func: Callable, args: tuple, kwargs: dict, gates: list[bool], recording: Recording | None):
     """A product of two activations with the factor ``gates`` marks held constant (signal-take-all). In a recording
     call an element-wise product keeps the gate attached and its node passes the gate no gradient, as later calls
-    without the mode do (see :mod:`~tdhook.attribution._function_rule_plan`)."""
-    if recording is not None and func in ELEMENTWISE_PRODUCTS:
+    without the mode do (see :mod:`~tdhook.attribution._function_rule_plan`). A division by a statistic holds it as
+    a product holds its gate; two statistics are both held (a product of scales is a constant)."""
+    one = not all(gates)
+    if recording is not None and one and (func in ELEMENTWISE_PRODUCTS or func in DIVISIONS):
         product = func(*args, **kwargs)
         if recording.held_factor(product, args[gates.index(True)]):
             return product
-    elif recording is not None and graph_kept() is None:  # a matmul: the gate's place in the nodes it makes
+    elif recording is not None and one and graph_kept() is None:  # a matmul: the gate's place in the nodes it makes
         start = torch._C._autograd._get_sequence_nr()
         product = func(*args, **kwargs)
         if recording.held_in_call(product, args[gates.index(True)], start):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from typing import Any
 
 import torch
@@ -38,13 +39,16 @@ from tdhook.attribution.rules._autograd import (
     call_argument,
     first_input_is,
     hold,
+    is_activation,
     is_held,
+    mark_parameter_derived,
     pass_no_relevance,
     raise_for_transformed_call,
     raise_for_vmap,
     redirect,
     times_saved,
 )
+from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._graph_calls import note_output, planned, recording, runs_plain
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layer_norm_gradient import layer_norm_rule_gradient
@@ -64,6 +68,17 @@ _SCALES = frozenset(
 _SCALE_AND_MEAN = frozenset({torch.var_mean, torch.std_mean})
 # A negative power is a normalising scale too (Gemma 3n's ``x * torch.pow(mean(x²) + ε, -0.5)``).
 _POWERS = frozenset({torch.pow, torch.Tensor.pow, torch.Tensor.__pow__})
+# Calls in a norm's forward that its rule leaves to the mapper's function modes (AttnLRP's, CP-LRP's): activations,
+# and products of two activations (a gated norm's ``h * silu(gate)``, Mamba 2's): the rule holds only the scales.
+_SIGNAL_CALLS = frozenset(
+    {F.silu, F.gelu, F.mish, F.softplus, F.elu, F.sigmoid, F.hardsigmoid, F.hardswish, F.tanh}
+    | {torch.sigmoid, torch.Tensor.sigmoid, torch.tanh, torch.Tensor.tanh}
+)
+_PRODUCTS = frozenset(
+    {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.matmul, torch.Tensor.matmul}
+    | {torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
+)
+_FRAMES = 64  # Python frames walked up at most, to the innermost module call
 # Names in a forward's code that make it a norm: fused norms, and rsqrt, the scale of a norm written by hand.
 _NORM_CALLS = frozenset({"layer_norm", "rms_norm", "group_norm", "rsqrt"})
 # timm's FilterResponseNormTlu2d (a filter response norm, then a thresholded linear unit) is named after the unit;
@@ -229,10 +244,20 @@ class _ConstantScale(TorchFunctionMode):
         self.record = record
         self.pending: dict[int, tuple[torch.Tensor, Any]] = {}  # held scales no call has taken yet, by id
         self.kept = False  # whether the forward does more than hold scales: later calls keep the mode
+        self.unruled: list[str] = []  # activations and products no function mode below rules (see _signal_call)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        with torch._C.DisableTorchFunction():  # the mapper's function rules have nothing to change in here
+        if _signal_call(func, args):  # the modes below give it its rule (a gate's product, an activation)
+            self.kept = True  # later calls keep this mode: such a call runs in it as in the modes' plain graph
+            # No mode below rules it: its plain gradient, named (not in a child, an activation module, with a rule).
+            if not planned() and not _covered(func, args) and _in_own_forward(self.module):
+                self.unruled.append(getattr(func, "__name__", str(func)))
+            result = func(*args, **kwargs)
+            if self.pending:
+                self._taken(args, kwargs, result)
+            return result
+        with torch._C.DisableTorchFunction():  # the mapper's function rules have nothing else to change in here
             handler = self.rule.functions.get(func)
             x = args[0] if args else None
             if handler is not None:
@@ -259,7 +284,8 @@ class _ConstantScale(TorchFunctionMode):
                 return hold(result[0]), result[1]
             if self.pending:
                 self._taken(args, kwargs, result)
-            return result
+            # Marked as the function modes mark it: a weight written ``1 + w`` (Gemma's) is no activation to a product.
+            return mark_parameter_derived(args, result, func)
 
     def _taken(self, args: tuple, kwargs: dict, result: Any) -> None:
         """Tell the recording which held scales this call took: the result's node has no edge where a held scale
@@ -275,6 +301,41 @@ class _ConstantScale(TorchFunctionMode):
                 self.record.held(self.module, entry[1], inputs, node, free[0])
             else:  # taken by a call whose result is a constant, or where the scale's place is not one
                 self.kept = True
+
+
+def _signal_call(func: Any, args: tuple) -> bool:
+    """Whether a call in a norm's forward is an activation of an activation, or a product of two activations (a
+    gated norm's ``h * silu(gate)``): no scale of the norm's, and the function modes' to rule (the plain gradient of
+    the gate's product created 2.3 to 4.1 times the logit's relevance)."""
+    if func in _SIGNAL_CALLS:
+        return bool(args) and is_activation(args[0])
+    # A square (``h * h``, a mean square's) is the scale's: held with it.
+    two = len(args) == 2 and args[0] is not args[1]
+    return func in _PRODUCTS and two and is_activation(args[0]) and is_activation(args[1])
+
+
+_CALL = nn.Module._call_impl.__code__
+
+
+def _in_own_forward(module: nn.Module) -> bool:
+    """Whether the call in progress runs in ``module``'s own forward, not in a child's (timm's ``BatchNormAct2d``
+    calls its activation module, whose rule takes its gradient): the innermost module call on the Python stack."""
+    frame = sys._getframe(1)
+    for _ in range(_FRAMES):
+        if frame is None:
+            return False
+        if frame.f_code is _CALL:
+            return frame.f_locals.get("self") is module
+        frame = frame.f_back
+    return False
+
+
+def _covered(func: Any, args: tuple) -> bool:
+    """Whether a function mode below a norm's (on the stack) gives this call a rule (``mode.covers``)."""
+    return any(
+        getattr(mode, "covers", None) is not None and mode.covers(func, args)
+        for mode in torch.overrides._get_current_function_mode_stack()
+    )
 
 
 def _negative_exponent(args: tuple, kwargs: dict) -> bool:
@@ -343,6 +404,13 @@ class NormRule(Rule):
                     "knows (F.layer_norm, F.rms_norm, F.group_norm, F.instance_norm, F.batch_norm, F.normalize, "
                     "F.local_response_norm, or a scale from rsqrt, sqrt, var, std, a norm or a negative power); map "
                     "the module to another rule"
+                )
+            if mode.unruled and isinstance(output, torch.Tensor) and output.requires_grad:
+                warn_at_caller(
+                    f"LRP: {type(self).__name__} on {type(mod).__name__}: its forward computes "
+                    f"{', '.join(dict.fromkeys(mode.unruled))} on activations (a gate's product or an activation "
+                    "inside the norm), which the norm's rule does not cover and no function rule of the mapper "
+                    "does: its plain gradient is used. Use a preset whose function rules cover it (AttnLRP, CPLRP)"
                 )
             if mode.record is not None:  # the recording of a call: whether later calls may run this forward plainly
                 mode.record.norm_done(mod, plain=not (mode.kept or mode.pending))
