@@ -108,6 +108,25 @@ class TestStraightThrough:
             lrp, _, _ = _explain(model, AttnLRP(strict=True))
         assert lrp.coverage().plain_gradient == ()
 
+    def test_no_mark_outlives_the_watched_call(self):
+        """The marks the first call's watch puts on tensors come off with it: an output the model returns keeps no
+        reference to the activations it was computed from."""
+
+        class Difference(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.a = nn.Linear(4, 3, bias=False)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                h = self.a(x)
+                return h - h.detach().mean()
+
+        model, returned = Difference().double(), []
+        model.register_forward_hook(lambda module, args, output: returned.append(output))
+        lrp, _, _ = _explain(model, AttnLRP())
+        assert lrp.coverage().plain_gradient == ()
+        assert [output.__dict__ for output in returned] == [{}]
+
     def test_a_transformer_is_not_named(self):
         """AttnLRP's own detaches (held attention, norms) are no estimator."""
         torch.manual_seed(0)

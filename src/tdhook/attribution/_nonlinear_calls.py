@@ -338,6 +338,7 @@ class NonlinearCalls(TorchFunctionMode):
             self._stack.clear()
             self._open.clear()
             self._ruled_depth = 0
+            self._straight_through.forget()
 
 
 def _count(calls: Iterable[tuple[str, str, Any]], reached: set | None) -> dict[str, dict[str, int]]:

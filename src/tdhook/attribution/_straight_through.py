@@ -30,10 +30,14 @@ Examples:
     True
     >>> found.note(torch.Tensor.__add__, (x, x.detach()), 2 * x)  # a detached copy added as a constant: not one
     False
+    >>> found.forget()  # the end of the watched call: the marks come off
+    >>> detached.__dict__
+    {}
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -66,14 +70,6 @@ def _terms(value: Any) -> list[tuple[torch.Tensor, int]]:
     return own + getattr(value, _TERMS, [])
 
 
-def _mark(result: Any, terms: list[tuple[torch.Tensor, int]]) -> None:
-    """Mark ``result`` with the first few ``terms`` (a chain of differences keeps a short list), but itself (in
-    place: no tensor that refers to itself)."""
-    terms = [(t, s) for t, s in terms if t is not result][:_MOST_TERMS]
-    if terms and isinstance(result, torch.Tensor):
-        setattr(result, _TERMS, terms)
-
-
 def _cancels(x: Any, constant: Any, sign: int) -> bool:
     """Whether ``x + sign * constant`` adds back to ``x`` a detached tensor that holds ``-x``: a value other than
     ``x``'s, with ``x``'s gradient."""
@@ -85,17 +81,40 @@ def _cancels(x: Any, constant: Any, sign: int) -> bool:
 
 
 class StraightThrough:
-    """Finds, among the calls it is told of, the sums that add back to an activation a detached difference of it."""
+    """Finds, among the calls it is told of, the sums that add back to an activation a detached difference of it.
+
+    The marks it puts on tensors last until :meth:`forget` (the end of the watched call): no tensor the model returns
+    keeps them, nor the activations they refer to.
+    """
+
+    def __init__(self) -> None:
+        self._marked: list[weakref.ref] = []
+
+    def _mark(self, result: Any, terms: list[tuple[torch.Tensor, int]]) -> None:
+        """Mark ``result`` with the first few ``terms`` (a chain of differences keeps a short list), but itself (in
+        place: no tensor that refers to itself)."""
+        terms = [(t, s) for t, s in terms if t is not result][:_MOST_TERMS]
+        if terms and isinstance(result, torch.Tensor):
+            setattr(result, _TERMS, terms)
+            self._marked.append(weakref.ref(result))
+
+    def forget(self) -> None:
+        """Take the marks off the tensors that are still alive."""
+        for ref in self._marked:
+            tensor = ref()
+            if tensor is not None:
+                tensor.__dict__.pop(_TERMS, None)
+        self._marked.clear()
 
     def note(self, func: Any, args: tuple, result: Any, kwargs: dict | None = None) -> bool:
         """Mark ``result`` with the terms it holds; whether the call adds a detached ``y - x`` back to ``x``."""
         if func not in _WATCHED or not args or kwargs:  # ``alpha=``: another sum, not followed
             return False
         if func in _DETACHES:
-            _mark(result, _terms(args[0]))
+            self._mark(result, _terms(args[0]))
             return False
         if func in _NEGATIONS:
-            _mark(result, [(t, -s) for t, s in _terms(args[0])])
+            self._mark(result, [(t, -s) for t, s in _terms(args[0])])
             return False
         if len(args) != 2:
             return False
@@ -103,6 +122,6 @@ class StraightThrough:
         if func in _SUBTRACTIONS:
             if _cancels(a, b, -1):
                 return True
-            _mark(result, _terms(a) + [(t, -s) for t, s in _terms(b)])
+            self._mark(result, _terms(a) + [(t, -s) for t, s in _terms(b)])
             return False
         return _cancels(a, b, 1) or _cancels(b, a, 1)
