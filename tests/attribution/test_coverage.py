@@ -414,6 +414,8 @@ class TestCoverage:
         (torch.Tensor.__rtruediv__, ("truediv", "reflected division")),
         (torch.nn.functional.relu, ("relu", "linear")),
         (torch.nn.functional.gelu, ("gelu", "nonlinear")),
+        (torch.nn.functional.hardshrink, ("hardshrink", "linear")),  # x where |x| > λ, else 0
+        (torch.Tensor.hardshrink, ("hardshrink", "linear")),
         (torch.exp, ("exp", "nonlinear")),
         (torch.Tensor.T.__get__, ("T", "linear")),
         (torch.Tensor.add_, ("add", "linear")),
@@ -426,6 +428,40 @@ class TestCoverage:
 )
 def test_function_kinds(func, expected):
     assert function_kind(func) == expected
+
+
+class Shrunk(nn.Module):
+    """A Linear layer, a function of its output in the module's own forward, then a head."""
+
+    def __init__(self, function) -> None:
+        super().__init__()
+        self.inner, self.head, self.function = nn.Linear(4, 6, bias=False), nn.Linear(6, 3, bias=False), function
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.function(self.inner(x)))
+
+
+HARD_SHRINKS = {
+    "F.hardshrink": lambda h: torch.nn.functional.hardshrink(h, 0.3),
+    "Tensor.hardshrink": lambda h: h.hardshrink(0.3),
+    "nn.Hardshrink": nn.Hardshrink(0.3),  # a module: PassRule, whose y / x is the gradient (1 or 0)
+}
+
+
+@pytest.mark.parametrize("name", sorted(HARD_SHRINKS))
+def test_hardshrink_is_piecewise_linear(name: str):
+    """hardshrink (x where |x| > λ, else 0) was warned of as not piecewise linear under LRP-0, though its plain
+    gradient is exact LRP-0: no warning, nothing in coverage(), and the relevance is gradient × input."""
+    torch.manual_seed(0)
+    model, x = Shrunk(HARD_SHRINKS[name]).double(), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, BaseRuleMapper(strict=True), in_keys=["x"], out_keys=["y"], target=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        relevance = lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"]
+    assert lrp.coverage().plain_gradient == ()
+    x = x.clone().requires_grad_(True)
+    expected = x * torch.autograd.grad(model(x)[:, 0].sum(), x)[0]
+    torch.testing.assert_close(relevance, expected.detach(), rtol=1e-12, atol=1e-12)
 
 
 class Rounded(nn.Module):
@@ -470,13 +506,14 @@ class TestPiecewiseConstantCalls:
             with pytest.raises(ValueError, match=rf"computes {function} .* its gradient is zero"):
                 LRP(model, EpsilonPlus(strict=True), in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[5]))
 
-    def test_a_detached_rounding_is_not_named(self):
+    def test_a_detached_rounding_is_named_a_straight_through_estimator(self):
         """A straight-through estimator, ``h + (round(h) - h).detach()``: the explained output does not depend on the
-        rounding's gradient."""
+        rounding's gradient, so the rounding is not named; the estimator is, since the head reads round(h) but the
+        relevance passes through h (see tests/attribution/test_straight_through.py)."""
         torch.manual_seed(0)
         model = Rounded(lambda h: (h.round() - h).detach()).double()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
+        with pytest.warns(UserWarning, match=r"\(Rounded\) adds a detached difference") as caught:
             LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(
                 TensorDict(x=torch.randn(5, 4, dtype=F64), batch_size=[5])
             )
+        assert not any("computes round" in str(w.message) for w in caught)

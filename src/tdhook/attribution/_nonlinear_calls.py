@@ -40,6 +40,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.nn.modules._functions import BackwardHookFunction
 from torch.overrides import TorchFunctionMode, resolve_name
 
+from tdhook.attribution._straight_through import STRAIGHT_THROUGH, StraightThrough
 from tdhook.attribution._unmapped_layers import LAYER_FUNCTIONS
 from tdhook.attribution.coverage import PlainGradientCall
 from tdhook.attribution.rules._autograd import (
@@ -63,8 +64,8 @@ _PIECEWISE_LINEAR = frozenset(
     "index_select gather take take_along_dim masked_select masked_fill masked_scatter index_put index_add "
     "index_copy index_fill scatter scatter_add scatter_reduce where getitem setitem contiguous clone to type "
     "type_as float double half bfloat16 cpu cuda copy fill zero pad constant_pad_nd relu relu6 leaky_relu "
-    "hardtanh threshold prelu rrelu clamp clip clamp_min clamp_max abs max min amax amin maximum minimum fmax "
-    "fmin sort topk max_pool1d max_pool2d max_pool3d max_pool1d_with_indices max_pool2d_with_indices "
+    "hardtanh hardshrink threshold prelu rrelu clamp clip clamp_min clamp_max abs max min amax amin maximum "
+    "minimum fmax fmin sort topk max_pool1d max_pool2d max_pool3d max_pool1d_with_indices max_pool2d_with_indices "
     "max_pool3d_with_indices max_unpool1d max_unpool2d max_unpool3d adaptive_max_pool1d adaptive_max_pool2d "
     "adaptive_max_pool3d "
     "adaptive_max_pool1d_with_indices adaptive_max_pool2d_with_indices adaptive_max_pool3d_with_indices "
@@ -216,6 +217,7 @@ class NonlinearCalls(TorchFunctionMode):
         super().__init__()
         self._covering = [mode for mode in modes if hasattr(mode, "covers")]
         self._calls: list[tuple[str, str, Any]] = []
+        self._straight_through = StraightThrough()  # sums that add a detached ``y - x`` back to ``x``
         self._layer_calls: list[tuple[str, str, Any]] = []  # convolutions and linear maps outside layers
         self._first_layer_calls: list[tuple[str, str, Any]] = []  # those of them the model's input reaches first
         self._stack: list[str] = []
@@ -228,13 +230,18 @@ class NonlinearCalls(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = mark_parameter_derived(args, func(*args, **(kwargs or {})), func)
         if torch._C._are_functorch_transforms_active():  # under torch.vmap: the tensors the graph holds
-            self._record(func, _unwrapped_all(args), _unwrapped_all(result))
+            self._record(func, _unwrapped_all(args), _unwrapped_all(result), kwargs)
         else:
-            self._record(func, args, result)
+            self._record(func, args, result, kwargs)
         return result
 
-    def _record(self, func: Any, args: tuple, result: Any) -> None:
-        if self._ruled_depth or not _is_activation_result(result):
+    def _record(self, func: Any, args: tuple, result: Any, kwargs: dict | None = None) -> None:
+        if self._ruled_depth:
+            return
+        if self._straight_through.note(func, args, result, kwargs):
+            self._calls.append((self._stack[-1] if self._stack else "", STRAIGHT_THROUGH, _grad_fn(result)))
+            return
+        if not _is_activation_result(result):
             return
         name = _is_nonlinear_call(func, args)
         if name is not None and not any(mode.covers(func, args) for mode in self._covering):
@@ -331,6 +338,7 @@ class NonlinearCalls(TorchFunctionMode):
             self._stack.clear()
             self._open.clear()
             self._ruled_depth = 0
+            self._straight_through.forget()
 
 
 def _count(calls: Iterable[tuple[str, str, Any]], reached: set | None) -> dict[str, dict[str, int]]:
@@ -373,8 +381,17 @@ def report_plain_gradient(
         where = f"module {name!r}" if name else "the model itself"
         kind = f" ({type(module).__name__})" if module is not None else ""
         constant = [f for f in functions if f in _PIECEWISE_CONSTANT]
-        curved = [f for f in functions if f not in _PIECEWISE_CONSTANT]
+        curved = [f for f in functions if f not in _PIECEWISE_CONSTANT and f != STRAIGHT_THROUGH]
         messages = []
+        if STRAIGHT_THROUGH in functions:
+            messages.append(
+                f"LRP: {where}{kind} adds a detached difference back to an activation in its own forward (a "
+                "straight-through estimator, x + (y - x).detach(): a vector-quantised code, a one-hot sample): the "
+                "next layers read y, but the gradient passes through x alone, so the relevance passed back is that of "
+                "the activation x, not of the value y, and its sum is not the explained output's. Map the module in "
+                "rule_mapper to a rule of your own that passes relevance as the estimator should, or explain the "
+                "model up to the estimator; lrp.coverage() lists every such call"
+            )
         if curved:
             messages.append(
                 f"LRP: {where}{kind} computes {', '.join(curved)} in its own forward, which is not piecewise "

@@ -1,0 +1,138 @@
+"""Straight-through estimators (``x + (y - x).detach()``) are named: the relevance follows x, not the value y."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict
+from torch import nn
+
+from tdhook.attribution import CPLRP, LRP, AttnLRP, EpsilonPlus
+
+F64 = torch.float64
+
+
+def _onehot(p: torch.Tensor) -> torch.Tensor:
+    return F.one_hot(p.argmax(-1), p.shape[-1]).to(p.dtype)
+
+
+def _in_place(p: torch.Tensor) -> torch.Tensor:
+    p += (_onehot(p) - p).detach()
+    return p
+
+
+# The estimators as models write them: ``p`` the soft activation, the value the next layer reads is the hard one.
+ESTIMATORS = {
+    "p + (onehot - p).detach()": lambda p: p + (_onehot(p) - p).detach(),
+    "(onehot - p).detach() + p": lambda p: (_onehot(p) - p).detach() + p,
+    "p - (p - onehot).detach()": lambda p: p - (p - _onehot(p)).detach(),
+    "onehot - p.detach() + p": lambda p: _onehot(p) - p.detach() + p,  # F.gumbel_softmax(hard=True) as written
+    "torch.add(p, (onehot - p).detach())": lambda p: torch.add(p, torch.sub(_onehot(p), p).detach()),
+    "p += (onehot - p).detach()": lambda p: _in_place(p.clone()),
+}
+
+
+class StraightThrough(nn.Module):
+    """A discrete latent: a softmax, its one-hot passed on with the softmax's gradient, then a head."""
+
+    def __init__(self, estimator) -> None:
+        super().__init__()
+        self.a, self.b, self.estimator = nn.Linear(4, 6, bias=False), nn.Linear(6, 3, bias=False), estimator
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.estimator(self.a(x).softmax(-1)))
+
+
+class Quantised(nn.Module):
+    """A vector-quantised code: the nearest codebook entry, passed on with the encoder's gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.decoder = nn.Linear(4, 3, bias=False), nn.Linear(3, 2, bias=False)
+        self.codebook = nn.Parameter(torch.randn(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.encoder(x)
+        q = self.codebook[torch.cdist(z, self.codebook).argmin(-1)]
+        return self.decoder(z + (q - z).detach())
+
+
+def _explain(model: nn.Module, mapper) -> tuple[LRP, torch.Tensor, TensorDict]:
+    torch.manual_seed(1)
+    td = TensorDict(x=torch.randn(5, 4, dtype=F64), batch_size=[5])
+    lrp = LRP(model, mapper, in_keys=["x"], out_keys=["y"])
+    return lrp, td["x"], lrp(td)
+
+
+class TestStraightThrough:
+    @pytest.mark.parametrize("name", sorted(ESTIMATORS))
+    def test_a_straight_through_estimator_is_named(self, name: str):
+        """``p + (onehot - p).detach()`` passed AttnLRP's relevance through p, not the one-hot the head reads: the
+        input relevance summed to -0.088 where the explained logits summed to -0.42, with no word. The first call
+        warns, naming the module; coverage() lists it, and a strict mapper refuses it."""
+        torch.manual_seed(0)
+        model = StraightThrough(ESTIMATORS[name]).double()
+        with pytest.warns(UserWarning, match=r"the model itself \(StraightThrough\) adds a detached difference"):
+            lrp, _, _ = _explain(model, AttnLRP())
+        assert [c.function for c in lrp.coverage().plain_gradient] == [
+            "a straight-through estimator (x + (y - x).detach())"
+        ]
+        with pytest.raises(ValueError, match=r"straight-through estimator.*relevance passed back is that of"):
+            _explain(model, AttnLRP(strict=True))
+
+    @pytest.mark.parametrize("preset", [EpsilonPlus, AttnLRP, CPLRP], ids=lambda p: p.__name__)
+    def test_a_quantised_code_is_named(self, preset):
+        torch.manual_seed(0)
+        with pytest.warns(UserWarning, match=r"\(Quantised\) adds a detached difference back to an activation"):
+            _explain(Quantised().double(), preset())
+
+    DETACHED_BUT_NO_ESTIMATOR = {
+        "a detached branch as a bias: h + f(h).detach()": lambda h: h + torch.relu(h).detach(),
+        "a detached copy: h + h.detach()": lambda h: h + h.detach(),
+        "statistics detached for a norm": lambda h: (
+            (h - h.mean(-1, keepdim=True).detach()) / h.std(-1, keepdim=True).detach()
+        ),
+        "a difference without a detach: h + (relu(h) - h)": lambda h: h + (torch.relu(h) - h),
+        "another activation's difference: h + (relu(h) - g).detach()": lambda h: h + (torch.relu(h) - 2 * h).detach(),
+    }
+
+    @pytest.mark.parametrize("name", sorted(DETACHED_BUT_NO_ESTIMATOR))
+    def test_a_detach_that_is_no_estimator_is_not_named(self, name: str):
+        torch.manual_seed(0)
+        model = StraightThrough(self.DETACHED_BUT_NO_ESTIMATOR[name]).double()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            lrp, _, _ = _explain(model, AttnLRP(strict=True))
+        assert lrp.coverage().plain_gradient == ()
+
+    def test_no_mark_outlives_the_watched_call(self):
+        """The marks the first call's watch puts on tensors come off with it: an output the model returns keeps no
+        reference to the activations it was computed from."""
+
+        class Difference(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.a = nn.Linear(4, 3, bias=False)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                h = self.a(x)
+                return h - h.detach().mean()
+
+        model, returned = Difference().double(), []
+        model.register_forward_hook(lambda module, args, output: returned.append(output))
+        lrp, _, _ = _explain(model, AttnLRP())
+        assert lrp.coverage().plain_gradient == ()
+        assert [output.__dict__ for output in returned] == [{}]
+
+    def test_a_transformer_is_not_named(self):
+        """AttnLRP's own detaches (held attention, norms) are no estimator."""
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0, batch_first=True).double().eval()
+        td = TensorDict(x=torch.randn(2, 3, 4, dtype=F64), batch_size=[2])
+        for preset in (AttnLRP, CPLRP):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                LRP(layer, preset(strict=True), in_keys=["x"], out_keys=["y"])(td.clone())
