@@ -226,3 +226,43 @@ def test_a_wrapper_dropped_with_its_context_open_gives_the_model_back(mapper):
     again = LRP(model, mapper(), in_keys=["x"], out_keys=["y"])
     with again:
         torch.testing.assert_close(again(TensorDict(x=x, batch_size=[3]))["relevance", "x"], expected, rtol=0, atol=0)
+
+
+class TestIgnoreRuleAsked:
+    """A module the caller maps to IgnoreRule gets its plain gradient under the presets that run function modes:
+    the modes (AttnLRP's identity rule on a GELU, the norm rule on a layer norm's call) no longer act inside it,
+    where they kept the preset's rule against the caller's mapping (the same relevance as without the mapping)."""
+
+    @staticmethod
+    def _net() -> nn.Sequential:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8, bias=False), nn.LayerNorm(8, bias=False), nn.GELU(), nn.Linear(8, 3))
+        return net.double().eval()
+
+    @staticmethod
+    def _oracle(net: nn.Sequential, x: torch.Tensor, plain_norm: bool, plain_gelu: bool) -> torch.Tensor:
+        """Gradient x input of the model with the rules written out: the norm's deviation held constant, the GELU's
+        factor ``gelu(h) / h`` held constant (the identity rule), unless plain."""
+        x = x.clone().requires_grad_(True)
+        h = net[0](x)
+        if plain_norm:
+            h = net[1](h)
+        else:
+            centred = h - h.mean(-1, keepdim=True)
+            h = centred / torch.sqrt(centred.detach().pow(2).mean(-1, keepdim=True) + net[1].eps) * net[1].weight
+        h = net[2](h) if plain_gelu else h * (net[2](h) / h).detach()
+        (grad,) = torch.autograd.grad(net[3](h)[:, 0].sum(), x)
+        return x.detach() * grad
+
+    @pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
+    @pytest.mark.parametrize("ignored", [(nn.LayerNorm,), (nn.GELU,), (nn.LayerNorm, nn.GELU)], ids=str)
+    def test_it_gets_its_plain_gradient_and_the_others_their_rules(self, ignored, preset):
+        net, x = self._net(), torch.randn(5, 4, dtype=torch.float64)
+        expected = self._oracle(net, x, nn.LayerNorm in ignored, nn.GELU in ignored)
+        lrp = LRP(
+            net, preset(rule_mapper=dict.fromkeys(ignored, IgnoreRule())), in_keys=["x"], out_keys=["y"], target=0
+        )
+        with lrp:
+            for _ in range(3):  # the call that records, and the planned ones after it
+                relevance = lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"]
+                torch.testing.assert_close(relevance, expected, rtol=1e-6, atol=1e-9)  # the GELU rule's ε: 1e-10

@@ -37,7 +37,13 @@ from torch.utils.hooks import RemovableHandle
 from tdhook.attribution._model_changes import forget_modules, record_modules
 from tdhook.attribution._scripted_modules import refuse_scripted_modules
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
-from tdhook.attribution.rules._layers import LINEAR_LAYERS, _has_plain_forward
+from tdhook.attribution.rules._layers import (
+    GRADIENT_ROUTED,
+    GRADIENT_ROUTED_NAMES,
+    GRADIENT_ROUTED_SUFFIXES,
+    LINEAR_LAYERS,
+    _has_plain_forward,
+)
 from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules._wrapper_calls import context_closed, context_opened
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
@@ -205,6 +211,9 @@ def suspend_function_modes_in(handles: Sequence[RemovableRuleHandle]) -> list[Re
 
     def pausing(handle: RemovableRuleHandle) -> bool:
         module, rule = handle.module, handle.rule
+        if module is not None and isinstance(rule, IgnoreRule) and not rule.is_registered(module):
+            # The plain gradient asked for by the caller: the modes must not act inside.
+            return rule._plain_inside and _computes_in_forward(module)
         if module is None or not rule.is_registered(module) or rule.acts_in_forward:
             return False
         if not rule.pauses_function_modes:  # a rule that lets the rules inside act (the Taylor rule)
@@ -214,6 +223,21 @@ def suspend_function_modes_in(handles: Sequence[RemovableRuleHandle]) -> list[Re
         return not (detached and isinstance(module, LINEAR_LAYERS) and _has_plain_forward(module))
 
     return hooks_around((handle.module for handle in handles if pausing(handle)), suspend, resume)
+
+
+def _computes_in_forward(module: nn.Module) -> bool:
+    """Whether ``module``, mapped to :class:`~tdhook.attribution.rules.basic.IgnoreRule`, may compute what the
+    function modes give a rule (a norm, an activation, attention): any module but those whose gradient routes the
+    relevance by itself (pooling, dropout, reshapes, padding), which the presets map to that rule by default and
+    whose calls no mode changes.
+
+    Examples:
+        >>> _computes_in_forward(nn.LayerNorm(2)), _computes_in_forward(nn.Dropout())
+        (True, False)
+    """
+    name = type(module).__name__
+    routed = name in GRADIENT_ROUTED_NAMES or name.endswith(GRADIENT_ROUTED_SUFFIXES)
+    return not (routed or isinstance(module, GRADIENT_ROUTED))
 
 
 def hooks_around(modules: Iterable[nn.Module], start: Callable, end: Callable) -> list[RemovableHandle]:

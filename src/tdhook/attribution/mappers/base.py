@@ -185,6 +185,7 @@ class BaseRuleMapper(Tunable):
         self._recurrent = RecurrentRule(epsilon=stabilizer)
         self._norm = EpsilonRule(epsilon=stabilizer)
         self._ignore = IgnoreRule()
+        self._ignore._plain_inside = False  # modules nothing inside which a function mode changes
         self._merge_batch_norm = MergeBatchNormRule(epsilon=stabilizer)
         self._norm_rule: NormRule = NormRule(epsilon=stabilizer)
         self._batch_renorm = BatchRenormRule(epsilon=stabilizer)

@@ -70,6 +70,10 @@ class IgnoreRule(Rule):
     merges_batch_norm = True
     differentiable = True
     only_marks = True
+    # Whether the mapper's function modes pause inside a module this rule registers nothing on, so that all it
+    # computes keeps its plain gradient (a layer norm or a GELU mapped here by the caller); the presets' own instance
+    # for the modules whose gradient routes relevance (pooling, dropout, reshapes) leaves them running.
+    _plain_inside = True
 
     def register(self, module: nn.Module) -> RemovableRuleHandle:
         if isinstance(module, LINEAR_LAYERS):
