@@ -506,11 +506,11 @@ def hook_pass_rule_given(stabilizer: float, x: torch.Tensor, node: Any) -> None:
     node.register_hook(functools.partial(_input_gradient_times, scale))
 
 
-def hook_pass_rule(stabilizer: float, node: Any) -> None:
+def hook_pass_rule(stabilizer: float, node: Any, output: torch.Tensor | None = None) -> None:
     """Put the pass rule (stabiliser ``stabilizer``) on an activation's node that saved its input (see
     :func:`pass_rule_on_node`, :func:`clipped_on_node`): a hook that passes ``grad · f(x) / stabilize(x)`` to
-    ``x``, the node's own gradient dropped; ``f(x)`` is recomputed from the saved input (the output's values, bit for
-    bit).
+    ``x``, the node's own gradient dropped; ``f(x)`` is the node's ``output`` where it is given, else recomputed from
+    the saved input (the output's values, bit for bit).
 
     Examples:
         >>> x = torch.tensor([-1.0, 0.5, 2.0], requires_grad=True)
@@ -521,8 +521,8 @@ def hook_pass_rule(stabilizer: float, node: Any) -> None:
         True
     """
     x = node._saved_self.detach()
-    scale = pass_factor(_RECOMPUTED[type(node).__name__](node, x), x, stabilizer)
-    node.register_hook(functools.partial(_input_gradient_times, scale))
+    f_x = _RECOMPUTED[type(node).__name__](node, x) if output is None else output.detach()
+    node.register_hook(functools.partial(_input_gradient_times, pass_factor(f_x, x, stabilizer)))
 
 
 def _hook_pass_rule_paused(stabilizer: float, node: Any, output: torch.Tensor | None = None) -> None:
@@ -530,18 +530,10 @@ def _hook_pass_rule_paused(stabilizer: float, node: Any, output: torch.Tensor | 
     modes are paused (a caller's mode too), whether it runs there (a recording call) or from a plan after the call;
     from the node's ``output`` where it is given (see :meth:`PassRuleOnNode.given`)."""
     if not torch._C._is_torch_function_mode_enabled():
-        _hook_pass_rule_from(stabilizer, node, output)
+        hook_pass_rule(stabilizer, node, output)
         return
     with torch._C.DisableTorchFunction():
-        _hook_pass_rule_from(stabilizer, node, output)
-
-
-def _hook_pass_rule_from(stabilizer: float, node: Any, output: torch.Tensor | None) -> None:
-    if output is None:
-        hook_pass_rule(stabilizer, node)
-        return
-    scale = pass_factor(output.detach(), node._saved_self.detach(), stabilizer)
-    node.register_hook(functools.partial(_input_gradient_times, scale))
+        hook_pass_rule(stabilizer, node, output)
 
 
 class PassRuleOnNode(NamedTuple):
