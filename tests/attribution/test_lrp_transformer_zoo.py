@@ -328,6 +328,23 @@ ZOO = {
         ),
         inputs="waveform",
     ),
+    # Wav2Vec2-Conformer: relative position scores computed from the queries, which the sdpa attention takes as
+    # its mask; gated linear units and a depth-wise convolution in its convolution module.
+    "wav2vec2_conformer": Architecture(
+        "Wav2Vec2ConformerConfig",
+        "Wav2Vec2ConformerForSequenceClassification",
+        dict(
+            conv_dim=(8, 8),
+            conv_stride=(2, 2),
+            conv_kernel=(3, 3),
+            num_conv_pos_embeddings=4,
+            num_conv_pos_embedding_groups=2,
+            classifier_proj_size=8,
+            position_embeddings_type="relative",
+            conv_depthwise_kernel_size=3,
+        ),
+        inputs="waveform",
+    ),
     "swin": Architecture(
         "SwinConfig",
         "SwinForImageClassification",

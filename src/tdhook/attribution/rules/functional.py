@@ -485,13 +485,19 @@ class FunctionalRules(TorchFunctionMode):
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
         attention = F.scaled_dot_product_attention
         _warn_random(dropout_p)
+        # A mask computed from activations (a position bias conditioned on the hidden states) is a summand of the
+        # scores, as the query-key product is: CP-LRP holds it, AttnLRP passes it the weights' share of the output.
+        mask_activation = is_activation(attn_mask)
         if isinstance(self.softmax, AHQKVRule) and graph_kept() is None:
             query, key = hold(query), hold(key)
+            if mask_activation:  # held; still asking for a gradient, so that torch picks the plain call's kernel
+                attn_mask = hold(attn_mask).requires_grad_()
             return attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
         if self.softmax.epsilon != 0 or graph_kept() is not None:  # the fused kernels have no second derivative
             return self._unfused_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, **kwargs)
-        qk, _, v = _attention_factors(query, key, value)
+        qk, _, v = _attention_factors(query, key, value, attn_mask)
         query, key, value = scale_gradient(query, qk), scale_gradient(key, qk), scale_gradient(value, v)
+        attn_mask = scale_gradient(attn_mask, v) if mask_activation else attn_mask  # the weights' share, as v's
         return attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
 
     def _attention_in_graph(self, args: tuple, kwargs: dict, recording: Recording) -> torch.Tensor | None:
@@ -499,6 +505,8 @@ class FunctionalRules(TorchFunctionMode):
         gradients its node passes to the query, key and value (see :meth:`_attention`); ``None`` where the
         call needs more (dropout, an ε or a kept graph: the unfused rules) or its node is not the fused call's."""
         query, key, value = (call_argument(args, kwargs, i, name) for i, name in enumerate(("query", "key", "value")))
+        if is_activation(call_argument(args, kwargs, 3, "attn_mask")):
+            return None  # a mask computed from activations takes a rule too: the mode's (see _attention)
         if isinstance(self.softmax, AHQKVRule) and (not value.requires_grad or id(value) in recording.held_alone):
             # Held query and key, and values made of held tensors alone: a constant, as a detached call's output.
             recording.other_rule()
@@ -597,11 +605,22 @@ def _taking_nodes(output: torch.Tensor, inputs: tuple, mask: object) -> list[tup
     return [places[0] for places in found] if all(len(places) == 1 for places in found) else None
 
 
-def _attention_factors(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[float, float, float]:
+def _attention_factors(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: object = None
+) -> tuple[float, float, float]:
     """The uniform rule on ``q · kᵀ`` and on ``attention · v`` as factors of a fused attention's gradients to the
-    query, key and value: a half for each product of two activations the gradient passes through."""
+    query, key and value: a half for each product of two activations the gradient passes through. The weights are
+    an activation where the query, the key or the mask (a position bias computed from activations) is one; the
+    mask, a summand of the scores, takes the value's factor (the weights' half of ``attention · v``).
+
+    Examples:
+        >>> q, k, v, bias = (torch.randn(1, 2, 3, 4, requires_grad=True) * 1 for _ in range(4))
+        >>> _attention_factors(q, k, v), _attention_factors(q.detach(), k.detach(), v, bias[..., :3])
+        ((0.25, 0.25, 0.5), (0.5, 0.5, 0.5))
+    """
     scores_product = is_activation(query) and is_activation(key)
-    value_product = (is_activation(query) or is_activation(key)) and is_activation(value)
+    weights_activation = is_activation(query) or is_activation(key) or is_activation(attn_mask)
+    value_product = weights_activation and is_activation(value)
     qk = (0.5 if scores_product else 1.0) * (0.5 if value_product else 1.0)
     return qk, qk, 0.5 if value_product else 1.0
 
