@@ -182,6 +182,22 @@ ZOO = {
     "gemma": Architecture("GemmaConfig", "GemmaForCausalLM"),
     "gemma2": Architecture("Gemma2Config", "Gemma2ForCausalLM", sdpa=False),
     "gemma3": Architecture("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    # Gemma 3n: AltUp (its modality router's coefficients mix the stacked streams: held as routing weights, the
+    # `+ 1.0` of the correction's coefficients included), LAuReL, per-layer inputs gated by the hidden states;
+    # no activation sparsity (its Gaussian top-k computes `erfinv`, which a warning names).
+    "gemma3n": Architecture(
+        "Gemma3nTextConfig",
+        "Gemma3nForCausalLM",
+        dict(
+            layer_types=["sliding_attention", "full_attention"],
+            num_kv_shared_layers=0,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=64,
+            laurel_rank=8,
+            altup_num_inputs=2,
+            activation_sparsity_pattern=[0.0, 0.0],
+        ),
+    ),
     "bert": Architecture("BertConfig", "BertForSequenceClassification"),
     "roberta": Architecture("RobertaConfig", "RobertaForSequenceClassification", dict(pad_token_id=1)),
     "distilbert": Architecture(

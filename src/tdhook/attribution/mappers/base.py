@@ -31,7 +31,7 @@ from tdhook.attribution.rules.base import Rule
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule
 from tdhook.attribution.rules.batch_norm import MergeBatchNormRule, is_batch_norm
 from tdhook.attribution.rules.elementwise import ElementwiseRule, may_be_elementwise
-from tdhook.attribution.rules.gates import GateRule, HeldGates, RouterRule, is_router
+from tdhook.attribution.rules.gates import GateRule, HeldGates, RouterRule, is_router, is_router_layer
 from tdhook.attribution.rules.input_layer import FirstLayerRule
 from tdhook.attribution.rules.normalization import BatchRenormRule, NormRule, is_norm
 from tdhook.attribution.rules.quantized import QuantizedLinearRule, holds_packed_weights, is_quantized_linear
@@ -275,13 +275,16 @@ class BaseRuleMapper(Tunable):
         """
         rules: dict[str, Rule] = {}
         quantized: dict[str, Rule] = {}  # quantized Linear layers, and the first-layer rule they do not get
-        for name, module in model.named_modules():
+        modules = dict(model.named_modules())
+        for name, module in modules.items():
             if "parametrizations" in name.split("."):
                 continue  # a weight's parametrization (weight_norm, spectral_norm) computes a weight, not activations
             rule = None
             if self.rule_mapper is not None:
                 rule = self.rule_mapper(name, module)
-            if rule is None:
+            if rule is None and is_router_layer(name, module, modules.get(name.rpartition(".")[0])):
+                rule = self._router  # a Linear a Hugging Face class holds as its router (Gemma 3n's AltUp)
+            elif rule is None:
                 rule = self._own_rule(name, module)
                 is_layer = isinstance(module, LINEAR_LAYERS) and rule is not self._router
                 first = self.first_layer_rule(name, module) if is_layer else None

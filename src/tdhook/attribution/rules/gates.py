@@ -54,6 +54,7 @@ __all__ = [
     "HeldGates",
     "RouterRule",
     "is_router",
+    "is_router_layer",
     "mark_gate",
     "is_gate",
     "keep_gate_mark",
@@ -310,6 +311,29 @@ def is_router(module: nn.Module) -> bool:
     name = type(module).__name__
     named = name.endswith(_ROUTER_NAMES) or (selects and name.endswith(_GATE_NAMES))
     return named and type(module).__module__.startswith("transformers.") and layers <= 1  # its projection (DBRX's)
+
+
+def is_router_layer(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
+    """Whether ``module`` is a ``Linear`` layer that a Hugging Face class holds as its router (an attribute named
+    ``…router``, as Gemma 3n's AltUp holds ``modality_router``, whose outputs mix its inputs with coefficients, as
+    routing weights mix experts); a class that is a router itself (see :func:`is_router`) holds its projection.
+
+    Examples:
+        >>> class AltUp(nn.Module):  # a Hugging Face class in transformers' package
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.modality_router = nn.Linear(8, 2)
+        >>> AltUp.__module__ = "transformers.models.gemma3n.modeling_gemma3n"
+        >>> is_router_layer("altup.modality_router", AltUp().modality_router, AltUp())
+        True
+        >>> AltUp.__module__ = "my_model"  # a user's module named a router may be a branch of the signal
+        >>> is_router_layer("altup.modality_router", AltUp().modality_router, AltUp())
+        False
+    """
+    if parent is None or not isinstance(module, nn.Linear) or is_router(parent):
+        return False
+    named = name.rpartition(".")[2].lower().endswith("router")
+    return named and type(parent).__module__.startswith("transformers.")
 
 
 class RouterRule(Rule):
