@@ -169,6 +169,19 @@ def _is_layer_call(func: Any, args: tuple) -> str | None:
     return name if isinstance(weight, torch.Tensor) and weight.requires_grad and not is_activation(weight) else None
 
 
+# An ``F.batch_norm`` call in training mode outside a BatchNorm module with a rule: its plain gradient runs through
+# the batch's statistics, where a BatchNorm module's rule holds them constant.
+_TRAINING_NORM = "batch_norm (in training mode, normalising by the batch's own statistics)"
+
+
+def _batch_statistics(args: tuple, kwargs: dict | None) -> bool:
+    """Whether an ``F.batch_norm(input, running_mean, running_var, weight, bias, training, ...)`` call normalises by
+    the batch's statistics: in training mode, or without running statistics."""
+    training = (kwargs or {}).get("training", args[5] if len(args) > 5 else False)
+    running_mean = (kwargs or {}).get("running_mean", args[1] if len(args) > 1 else None)
+    return bool(training) or running_mean is None
+
+
 def _next_sequence_number() -> int:
     """The sequence number autograd gives the next node it creates in this thread (nodes are numbered in order)."""
     return torch._C._autograd._get_sequence_nr()
@@ -249,11 +262,16 @@ class NonlinearCalls(TorchFunctionMode):
             return
         if not _is_activation_result(result):
             return
-        if self._layer_outputs and (layer := self._unmerged_layer(func, args, kwargs)) is not None:
-            name, rule = layer
-            function = f"batch_norm on the output of layer {name!r} ({type(rule).__name__})"
-            self._unmerged_norms.append((self._stack[-1] if self._stack else "", function, _grad_fn(result)))
-            return
+        if func is F.batch_norm:
+            if _batch_statistics(args, kwargs):  # normalised by the batch's own statistics: not linear in the input
+                if not any(mode.covers(func, args) for mode in self._covering):
+                    self._calls.append((self._stack[-1] if self._stack else "", _TRAINING_NORM, _grad_fn(result)))
+                return
+            if (layer := self._layer_outputs.get(getattr(args[0], "grad_fn", None) if args else None)) is not None:
+                name, rule = layer
+                function = f"batch_norm on the output of layer {name!r} ({type(rule).__name__})"
+                self._unmerged_norms.append((self._stack[-1] if self._stack else "", function, _grad_fn(result)))
+                return
         name = _is_nonlinear_call(func, args)
         if name is not None and not any(mode.covers(func, args) for mode in self._covering):
             self._calls.append((self._stack[-1] if self._stack else "", name, _grad_fn(result)))
@@ -262,13 +280,6 @@ class NonlinearCalls(TorchFunctionMode):
             self._layer_calls.append(call)
             if _reaches_model_input(args[0]):  # as the first-layer rule decides it for a layer: at this call
                 self._first_layer_calls.append(call)
-
-    def _unmerged_layer(self, func: Any, args: tuple, kwargs: dict | None) -> tuple[str, Any] | None:
-        """The layer (name, rule) whose output this eval-mode ``F.batch_norm`` call normalises, else ``None``."""
-        if func is not F.batch_norm or not args or not isinstance(args[0], torch.Tensor):
-            return None
-        training = (kwargs or {}).get("training", args[5] if len(args) > 5 else False)
-        return None if training else self._layer_outputs.get(args[0].grad_fn)
 
     def found_unmerged_norms(self, targets: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, int]]:
         """Module name → ``"batch_norm on the output of layer '<name>' (<rule>)"`` → number of calls: eval-mode
