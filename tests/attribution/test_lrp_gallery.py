@@ -165,6 +165,9 @@ TORCHVISION_SIZES = {
 # resnetv2_50d_frn: at 16 pixels its last filter response norms normalise 1×1 maps, where they are piecewise constant.
 TIMM_SIZES = {
     "densenet": 32,
+    "dla": 64,
+    "hrnet": 64,
+    "sequencer": 32,
     "convnext": 32,
     "maxvit": 64,
     "coatnet": 64,
@@ -260,6 +263,8 @@ FAMILIES = [
             ("resnetv2_50x1_bit", RECTIFIED),
             ("convnext_atto", DEPTHWISE),
             ("poolformerv2_s12", RECTIFIED),
+            ("dla46_c", RECTIFIED),
+            ("resnest14d", RECTIFIED),
         )
     ),
     timm_case("vit_tiny_patch16_224", ATTENTION, depth=2),
@@ -289,6 +294,11 @@ TIMM_MODELS = {
         "resnetv2_50d_evos",
         "resnetv2_50d_frn",
         "darknet17",
+        "dla46_c",
+        "hrnet_w18_small",
+        "res2net50_14w_8s",
+        "selecsls42b",
+        "resnest14d",
     ],
     NARROW: [
         "seresnext26d_32x4d",
@@ -323,6 +333,7 @@ TIMM_MODELS = {
         "rexnet_100",
         "mobilenetv4_conv_small_035",
         "starnet_s050",
+        "cpubone_nano",
     ],
     ATTENTION: [
         "vit_tiny_patch16_224",
@@ -341,6 +352,7 @@ TIMM_MODELS = {
         "swinv2_cr_tiny_224",
         "volo_d1_224",
         "mobilevit_xxs",
+        "sequencer2d_s",
     ],
 }
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from tdhook.attribution._nonlinear_calls import NonlinearCalls, report_plain_gradient
 from tdhook.attribution._unmapped_layers import report_unmapped_layers
+from tdhook.attribution._unmerged_norms import layer_rules_merging, report_unmerged_norms
 from tdhook.attribution.coverage import Coverage, PlainGradientCall, reached_share
 from tdhook.attribution.rules.base import RemovableRuleHandle
 from tdhook.attribution.targets import EveryUnit
@@ -55,20 +56,23 @@ class CoverageRecorder:
             for h in handles
             if h.module is not None and h.rule.decides_every_call and h.rule.is_registered(h.module)
         }
-        return modes.enter_context(NonlinearCalls(rule_modes).watch(modules, ruled))
+        merging = layer_rules_merging(h for h in handles if h.module is not None and id(h.module) in ruled)
+        return modes.enter_context(NonlinearCalls(rule_modes).watch(modules, ruled, merging))
 
     def report(
         self, calls: NonlinearCalls, targets: list[torch.Tensor], modules: Mapping[str, nn.Module], mapper: Any
     ) -> None:
         """Warn about (or, with a ``strict`` mapper, refuse) the watched calls the targets depend on: nonlinear calls
-        without a rule, and convolutions or linear maps outside layers that ``mapper`` would give another rule."""
+        without a rule, convolutions or linear maps outside layers that ``mapper`` would give another rule, and
+        batch norms computed outside a BatchNorm module on a layer's output, which no rule merges into the layer."""
         self._pending = False
         strict = bool(getattr(mapper, "strict", False))
         try:
             plain = report_plain_gradient(calls.found(targets), modules, strict)
             first = calls.found_first_layers(targets)
             layers = report_unmapped_layers(calls.found_layers(targets), modules, mapper, strict, first=first)
-            self._plain_gradient = plain + layers
+            norms = report_unmerged_norms(calls.found_unmerged_norms(targets), modules, strict)
+            self._plain_gradient = plain + layers + norms
         except ValueError:
             self._pending = True  # a strict error: the next call checks again
             raise

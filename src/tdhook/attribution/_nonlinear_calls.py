@@ -35,6 +35,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import BackwardCFunction
 from torch.nn.modules._functions import BackwardHookFunction
@@ -42,6 +43,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from tdhook.attribution._straight_through import STRAIGHT_THROUGH, StraightThrough
 from tdhook.attribution._unmapped_layers import LAYER_FUNCTIONS
+from tdhook.attribution._unmerged_norms import merging_rule
 from tdhook.attribution.coverage import PlainGradientCall
 from tdhook.attribution.rules._autograd import (
     is_activation,
@@ -167,6 +169,19 @@ def _is_layer_call(func: Any, args: tuple) -> str | None:
     return name if isinstance(weight, torch.Tensor) and weight.requires_grad and not is_activation(weight) else None
 
 
+# An ``F.batch_norm`` call in training mode outside a BatchNorm module with a rule: its plain gradient runs through
+# the batch's statistics, where a BatchNorm module's rule holds them constant.
+_TRAINING_NORM = "batch_norm (in training mode, normalising by the batch's own statistics)"
+
+
+def _batch_statistics(args: tuple, kwargs: dict | None) -> bool:
+    """Whether an ``F.batch_norm(input, running_mean, running_var, weight, bias, training, ...)`` call normalises by
+    the batch's statistics: in training mode, or without running statistics."""
+    training = (kwargs or {}).get("training", args[5] if len(args) > 5 else False)
+    running_mean = (kwargs or {}).get("running_mean", args[1] if len(args) > 1 else None)
+    return bool(training) or running_mean is None
+
+
 def _next_sequence_number() -> int:
     """The sequence number autograd gives the next node it creates in this thread (nodes are numbered in order)."""
     return torch._C._autograd._get_sequence_nr()
@@ -219,6 +234,10 @@ class NonlinearCalls(TorchFunctionMode):
         self._calls: list[tuple[str, str, Any]] = []
         self._straight_through = StraightThrough()  # sums that add a detached ``y - x`` back to ``x``
         self._layer_calls: list[tuple[str, str, Any]] = []  # convolutions and linear maps outside layers
+        # The outputs of layers whose rule merges a BatchNorm (by autograd node: the layer's name and rule), and the
+        # ``F.batch_norm`` calls on them outside a BatchNorm module, which no rule merges.
+        self._layer_outputs: dict[Any, tuple[str, Any]] = {}
+        self._unmerged_norms: list[tuple[str, str, Any]] = []
         self._first_layer_calls: list[tuple[str, str, Any]] = []  # those of them the model's input reaches first
         self._stack: list[str] = []
         self._ruled_depth = 0
@@ -243,6 +262,16 @@ class NonlinearCalls(TorchFunctionMode):
             return
         if not _is_activation_result(result):
             return
+        if func is F.batch_norm:
+            if _batch_statistics(args, kwargs):  # normalised by the batch's own statistics: not linear in the input
+                if not any(mode.covers(func, args) for mode in self._covering):
+                    self._calls.append((self._stack[-1] if self._stack else "", _TRAINING_NORM, _grad_fn(result)))
+                return
+            if (layer := self._layer_outputs.get(getattr(args[0], "grad_fn", None) if args else None)) is not None:
+                name, rule = layer
+                function = f"batch_norm on the output of layer {name!r} ({type(rule).__name__})"
+                self._unmerged_norms.append((self._stack[-1] if self._stack else "", function, _grad_fn(result)))
+                return
         name = _is_nonlinear_call(func, args)
         if name is not None and not any(mode.covers(func, args) for mode in self._covering):
             self._calls.append((self._stack[-1] if self._stack else "", name, _grad_fn(result)))
@@ -251,6 +280,12 @@ class NonlinearCalls(TorchFunctionMode):
             self._layer_calls.append(call)
             if _reaches_model_input(args[0]):  # as the first-layer rule decides it for a layer: at this call
                 self._first_layer_calls.append(call)
+
+    def found_unmerged_norms(self, targets: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, int]]:
+        """Module name → ``"batch_norm on the output of layer '<name>' (<rule>)"`` → number of calls: eval-mode
+        ``F.batch_norm`` calls outside a BatchNorm module on the output of a layer whose rule would merge a
+        BatchNorm module there (see :mod:`~tdhook.attribution._unmerged_norms`); ``targets`` as for :meth:`found`."""
+        return _count(self._unmerged_norms, None if targets is None else _graph_nodes(targets))
 
     def found(self, targets: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, int]]:
         """Module name → function name → number of calls (the model itself is ``""``).
@@ -294,13 +329,18 @@ class NonlinearCalls(TorchFunctionMode):
         return calls
 
     @contextlib.contextmanager
-    def watch(self, modules: Mapping[str, nn.Module], ruled: set[int]) -> Iterator[NonlinearCalls]:
+    def watch(
+        self, modules: Mapping[str, nn.Module], ruled: set[int], layer_rules: Mapping[int, Any] | None = None
+    ) -> Iterator[NonlinearCalls]:
         """Run the block in this mode, knowing which module runs each call.
 
         Args:
             modules: the model's modules by name.
             ruled: ``id`` of every module that has a rule of its own (calls inside it are not watched).
+            layer_rules: ``id`` of a Linear or convolution layer → its rule, for the layers whose rule would merge
+                a BatchNorm module that follows them into the layer (see :meth:`found_unmerged_norms`).
         """
+        layer_rules = layer_rules or {}
         hooks = []
 
         def enter(name: str, has_rule: bool):
@@ -315,8 +355,14 @@ class NonlinearCalls(TorchFunctionMode):
 
             return hook
 
-        def leave(has_rule: bool):
+        def leave(name: str, has_rule: bool):
+            rule = layer_rules.get(id(modules[name]))
+
             def hook(module: nn.Module, args: tuple, output: Any) -> None:
+                if rule is not None and isinstance(output, torch.Tensor) and output.grad_fn is not None:
+                    acting = merging_rule(rule, args)
+                    if acting is not None:
+                        self._layer_outputs[output.grad_fn] = (name, acting)
                 if self._stack:
                     self._stack.pop()
                 self._ruled_depth -= has_rule
@@ -329,7 +375,7 @@ class NonlinearCalls(TorchFunctionMode):
             for name, module in modules.items():
                 has_rule = id(module) in ruled
                 hooks.append(module.register_forward_pre_hook(enter(name, has_rule)))
-                hooks.append(module.register_forward_hook(leave(has_rule), always_call=True))
+                hooks.append(module.register_forward_hook(leave(name, has_rule), always_call=True))
             with self:
                 yield self
         finally:
@@ -339,6 +385,7 @@ class NonlinearCalls(TorchFunctionMode):
             self._open.clear()
             self._ruled_depth = 0
             self._straight_through.forget()
+            self._layer_outputs.clear()
 
 
 def _count(calls: Iterable[tuple[str, str, Any]], reached: set | None) -> dict[str, dict[str, int]]:
