@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 from torchrl.modules import MultiAgentConvNet, MultiAgentMLP
 
-from tdhook.attribution import LRP, AttnLRP, BaseRuleMapper, EpsilonGammaBox, EpsilonPlus
+from tdhook.attribution import LRP, AttnLRP, BaseRuleMapper, EpsilonGammaBox, EpsilonPlus, EpsilonRule
 
 F64 = torch.float64
 AGENTS, BATCH = 3, 4
@@ -239,6 +240,58 @@ def test_a_module_run_under_vmap_by_the_model_itself_is_refused_by_name():
         LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(td)
     assert any("'inner." in note for note in caught.value.__notes__)
     assert set(td.keys()) == {"x"}
+
+
+def agents_with_dropout(share_params: bool) -> MultiAgentMLP:
+    """Agents whose layers drop units in training mode (``dropout=0.5``), with their biases zeroed: the relevance of
+    each agent's chosen action then sums to that action's value."""
+    net = multi_agent_mlp(False, share_params, nn.ReLU, {"dropout": 0.5})
+    with torch.no_grad():
+        for key, value in net.params.items(include_nested=True, leaves_only=True):
+            if key[-1] == "bias":
+                value.zero_()
+    return net.train()
+
+
+def test_agents_with_their_own_parameters_that_draw_are_refused_naming_the_dropout():
+    """The agents run one by one for the rules, and their dropout drew other units than the network's own vmapped
+    call, whose values were the outputs: the relevance explained another pass than the outputs (its sums missed the
+    chosen action values by 1.03, relative L2, with zero biases), and the outputs were not the plain call's under
+    the same seed. Shared parameters run no vmap and are explained, conserving; so are the agents in eval mode."""
+    net, td = agents_with_dropout(share_params=False), agents_td((3,))
+    before, state = td.clone(), {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.warns(UserWarning, match="training mode"):
+        with pytest.raises(ValueError, match=r"'module._empty_net.1' \(Dropout, p=0.5\) draws in training mode"):
+            LRP(wrapped(net), BaseRuleMapper())(td)
+    assert (td == before).all() and set(td.keys(True, True)) == set(before.keys(True, True))
+    assert all(torch.equal(v, state[k]) for k, v in net.state_dict().items())
+    mapper = BaseRuleMapper(stabilizer=1e-12, rule_mapper={nn.Linear: EpsilonRule(0.0)})
+    for network in (agents_with_dropout(share_params=True), net.eval()):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the dropout of the shared agents draws: a random explanation
+            out = LRP(wrapped(network), mapper)(td.clone())
+        chosen = out["agents", "action_value"].max(-1).values
+        torch.testing.assert_close(out["relevance", "agents", "observation"].sum(-1), chosen, rtol=1e-9, atol=1e-12)
+
+
+def test_the_networks_own_calls_in_an_open_context_run_its_vmapped_call():
+    """A training step inside ``with lrp:`` calls the network itself: it ran the agents' loop for the gradient and
+    the vmapped call for the values, so with dropout the gradient followed other units than the values (2.7 off,
+    relative, on the parameters; the values 1.8 off the plain call's under the same seed); it is now the plain
+    call's, bit for bit, values and gradient."""
+    net = agents_with_dropout(share_params=False)
+    x = agents_td((3,))["agents", "observation"]
+
+    def training_step() -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        torch.manual_seed(1)
+        value = net(x)
+        return value.detach(), torch.autograd.grad(value.square().sum(), list(net.parameters()))
+
+    plain_value, plain_grads = training_step()
+    with LRP(wrapped(net), EpsilonPlus()):
+        value, grads = training_step()
+    assert torch.equal(value, plain_value)
+    assert all(torch.equal(grad, plain) for grad, plain in zip(grads, plain_grads, strict=True))
 
 
 def only_agent(agent: int) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -190,6 +190,33 @@ class TestActorCritic:
         named = LRP(wrapper, EpsilonPlus(), target_key={"value": "state_value"})(td.clone())
         assert list(named["relevance"].keys()) == ["value"]
 
+    def test_a_critic_reading_another_key_than_the_actor_explains_each_head_on_its_own_keys(self):
+        """An asymmetric actor-critic (the critic reads a state the actor does not see, as MAPPO's centralised
+        critic does): each head's relevance is that of the head alone, and zero on the key it does not read. Every
+        call was refused, the actor not depending on the critic's state, and leaving that key out of in_keys
+        refused the critic in turn. An input that no head reads is still refused, naming both targets."""
+
+        def relu_mlp(out_features: int, in_features: int) -> nn.Module:
+            return MLP(in_features=in_features, out_features=out_features, num_cells=[8], activation_class=nn.ReLU)
+
+        head = TensorDictModule(relu_mlp(3, 4).to(F64), in_keys=["observation"], out_keys=["logits"])
+        actor = ProbabilisticActor(head, in_keys=["logits"], distribution_class=OneHotCategorical)
+        critic = ValueOperator(relu_mlp(1, 3).to(F64), in_keys=["state"])
+        wrapper = ActorCriticWrapper(actor, critic)
+        td = observations().set("state", torch.randn(6, 3, dtype=F64))
+        out = LRP(wrapper, BaseRuleMapper(stabilizer=1e-12))(td.clone())
+        for head, key, target_key, module in (
+            ("actor", "observation", "logits", actor),
+            ("critic", "state", "state_value", critic),
+        ):
+            expected, _ = gradient_times_input(module, td.select(key), target_key)
+            torch.testing.assert_close(out["relevance", head, key], expected[key], rtol=1e-10, atol=1e-12)
+        assert not out["relevance", "actor", "state"].any() and not out["relevance", "critic", "observation"].any()
+        unread = td.clone().set("unread", torch.randn(6, 2, dtype=F64))
+        with pytest.raises(ValueError, match=r"\['logits', 'state_value'\] depends on the explained input 'unread'"):
+            LRP(wrapper, BaseRuleMapper(), in_keys=["observation", "state", "unread"])(unread)
+        assert "relevance" not in unread.keys()
+
 
 class TestRollouts:
     def test_cartpole_rollout_takes_the_same_actions_and_records_relevance(self):

@@ -9,7 +9,10 @@ context is open, such a network maps its template over the agents one by one
 instead (:func:`agent_by_agent`); the rules then run on each agent's call with
 that agent's parameters. The values are those of the network's own vmapped
 call, run once more without gradient: a loop rounds differently, and a policy's
-outputs must not change under LRP.
+outputs must not change under LRP. The model's own calls in an open context (a loss module's training step) and
+calls without gradient run the vmapped call alone, as the network does. A template that draws in training mode
+(dropout) is refused in a wrapper's call: the loop's draws are not those of the vmapped call, so the relevance
+would explain other dropped units than the outputs hold.
 
 Examples:
     >>> import torch
@@ -34,8 +37,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from tdhook.attribution._context import hooks_around
+from tdhook.attribution._random_modules import drop_probability
 from tdhook.attribution.rules._autograd import redirect
-from tdhook.attribution.rules.base import plain_calls
+from tdhook.attribution.rules.base import plain_calls, rules_apply
 
 __all__ = ["agent_by_agent"]
 
@@ -43,16 +47,21 @@ __all__ = ["agent_by_agent"]
 _MAP_METHOD = "vmap_func_module"
 
 
-def _map_by_loop(vmapped: Callable) -> Callable:
+def _map_by_loop(vmapped: Callable, net: nn.Module, name: str) -> Callable:
     """A replacement for the network's ``vmap_func_module(module, in_dims, out_dims, ...)``: the agents' calls run
     one by one (over the first dimension of their parameters), so that the rules see each; the values are those of
-    ``vmapped``, the network's own vmapped call, run without gradient (a loop rounds differently)."""
+    ``vmapped``, the network's own vmapped call, run without gradient (a loop rounds differently). Calls the rules
+    do not act on (the model's own in an open context, or without gradient) run ``vmapped`` alone. ``net`` is the
+    multi-agent network, ``name`` its name in the model."""
 
     def map_over_agents(module: nn.Module, in_dims: Any = 0, out_dims: Any = 0, **kwargs: Any) -> Callable:
         input_dims = in_dims[1:] if isinstance(in_dims, tuple) else (in_dims,)
         out_dim = out_dims[0] if isinstance(out_dims, tuple) else out_dims
 
         def call(params: Any, *inputs: torch.Tensor) -> torch.Tensor:
+            if not rules_apply():  # as the network runs it: a training step's gradient is that of its own draws
+                return vmapped(module, in_dims, out_dims, **kwargs)(params, *inputs)
+            _raise_for_draws(net, name, module)
             lazy = _has_lazy_parameters(params)
             if lazy:  # lazy layers take their shapes from the network's own vmapped call (which moves the statistics)
                 with torch.no_grad(), plain_calls():
@@ -84,6 +93,22 @@ def _map_by_loop(vmapped: Callable) -> Callable:
     return map_over_agents
 
 
+def _raise_for_draws(net: nn.Module, name: str, template: nn.Module) -> None:
+    """Refuse a template with a module that draws in this call (a dropout in training mode), naming it: the loop
+    would draw other units than the network's own vmapped call, whose values the outputs are."""
+    for inner, module in template.named_modules():
+        if module.training and drop_probability(module) > 0:
+            child = next((n for n, c in net.named_children() if c is template), "")
+            path = ".".join(part for part in (name, child, inner) if part)
+            raise ValueError(
+                f"LRP: {type(net).__name__} {name!r} runs its agents with their own parameters under torch.vmap, "
+                f"and {path!r} ({type(module).__name__}, p={drop_probability(module)}) draws in training mode: the "
+                "rules see the agents only when they run one by one, whose draws are not those of the network's own "
+                "vmapped call, so the relevance would explain other units than the outputs keep. Call .eval() on "
+                "the model, or share the agents' parameters (share_params=True)"
+            )
+
+
 def _put_back(buffers: list[torch.Tensor], values: list[torch.Tensor]) -> None:
     """Write ``values`` back into the ``buffers`` a call changed (only those: an unchanged one keeps its version)."""
     with torch.no_grad():
@@ -108,8 +133,10 @@ def agent_by_agent(modules: Mapping[str, nn.Module]) -> list[RemovableHandle]:
     """Make every multi-agent network among ``modules`` that maps its agents with ``torch.vmap`` map them one by
     one during its forward pass; the returned hook handles end it."""
 
+    names = {id(module): name for name, module in modules.items()}
+
     def start(net: nn.Module, args: tuple) -> None:
-        net.__dict__[_MAP_METHOD] = _map_by_loop(getattr(type(net), _MAP_METHOD))
+        net.__dict__[_MAP_METHOD] = _map_by_loop(getattr(type(net), _MAP_METHOD), net, names.get(id(net), ""))
 
     def end(net: nn.Module, args: tuple, output: Any) -> None:
         net.__dict__.pop(_MAP_METHOD, None)

@@ -27,6 +27,7 @@ from tdhook.attribution.targets import EveryUnit, raise_for_unreached
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
+    "InputsReached",
     "backward_passes",
     "check_memory_budget",
     "check_split_dim",
@@ -196,6 +197,37 @@ def _allocate(
     return like.new_empty(shape)
 
 
+class InputsReached:
+    """Which explained inputs the targets of one call reached, checked after the last target.
+
+    A target (or, with several, every one: the actor and the critic of an actor-critic) must depend on each
+    explained input. With several targets, each head may read inputs of its own (a critic reading a state its
+    actor does not see): a head gets zero relevance on an input it does not read, and only an input that no head
+    reads is refused.
+
+    Args:
+        keys: the explained inputs.
+        targets: how many targets the call explains.
+
+    Examples:
+        >>> reach = InputsReached(["obs", "state"], targets=2)
+        >>> reach.record("logits", [True, False])  # the actor reads the observation alone
+        >>> reach.record("value", [False, True])  # the critic the state: every input is read by a head
+    """
+
+    def __init__(self, keys: list[NestedKey], targets: int = 1) -> None:
+        self.keys, self.left = keys, targets
+        self.reached, self.targets = [False] * len(keys), []
+
+    def record(self, key: NestedKey, reached: list[bool]) -> None:
+        """Record which inputs target ``key`` reached; after the last target, raise for an input none reached."""
+        self.reached = [a or b for a, b in zip(self.reached, reached, strict=True)]
+        self.targets.append(key)
+        self.left -= 1
+        if self.left == 0:
+            raise_for_unreached(self.targets[0] if len(self.targets) == 1 else self.targets, self.keys, self.reached)
+
+
 def target_relevance(
     one_pass: Callable[[list, bool], tuple[list, list[bool]]],
     output: torch.Tensor,
@@ -204,13 +236,14 @@ def target_relevance(
     key: NestedKey,
     split_dim: int | None,
     retain: bool,
-    explained_keys: list[NestedKey],
+    reach: InputsReached,
     leaves: list[torch.Tensor | None],
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> list[torch.Tensor | None]:
     """Every relevance of one target: :func:`backward_passes` over ``one_pass``, which takes the seeds
     ``[(output, seed), *extra]`` and whether to keep the graph, and returns the relevances and which leaves it
-    reached. Raises where an explained input is reached by no pass (see ``raise_for_unreached``)."""
+    reached, recorded in ``reach`` (which raises, after the call's last target, where an explained input is
+    reached by no target's pass)."""
     if extra and split_dim is not None:
         raise ValueError(
             f"LRP: target {key!r}: split_dim cannot split relevance a callable target puts on outputs that are "
@@ -224,5 +257,5 @@ def target_relevance(
         return relevances
 
     stacked = backward_passes(relevance_of, output, grad_outputs, split_dim, retain, memory_budget)
-    raise_for_unreached(key, explained_keys, reached)
+    reach.record(key, reached)
     return stacked

@@ -17,6 +17,7 @@ from torch import nn
 from tdhook.attribution._backward import leaf_relevance
 from tdhook.attribution._backward_passes import (
     DEFAULT_MEMORY_BUDGET,
+    InputsReached,
     check_memory_budget,
     check_split_dim,
     target_relevance,
@@ -430,7 +431,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
                 out = returned_tensordict(tensordict, result)  # the caller's, unless the module cut the batch
                 relevances, outputs = [], []
                 names = list(self.targets)
-                seeds = []
+                seeds, reach = [], InputsReached(self.explained_keys, len(names))
                 for position, name in enumerate(names):
                     target_key = resolve_target_key(result, *self.targets[name], self._candidates.of(self, name))
                     output = explained_output(result, target_key, self.explained_keys, self.targets[name][1])
@@ -447,7 +448,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
                     one_pass = functools.partial(
                         planned.one_pass if planned else self._one_pass, leaves=leaves, fed=fed, graph=graph
                     )
-                    passes = (output, grad_outputs, extra, target_key, self._split_dim, retain, self.explained_keys)
+                    passes = (output, grad_outputs, extra, target_key, self._split_dim, retain, reach)
                     relevances += target_relevance(one_pass, *passes, leaves, self.memory_budget)
                     seeds.append((name, output.detach(), grad_outputs))
         finally:

@@ -267,19 +267,25 @@ def zero_entries(rest: torch.Tensor, key: NestedKey) -> str:
     )
 
 
-def raise_for_unreached(key: NestedKey, keys: list[NestedKey], reached: list[bool]) -> None:
-    """Raise when the target ``key`` does not depend on some explained input.
+def raise_for_unreached(key: NestedKey | list[NestedKey], keys: list[NestedKey], reached: list[bool]) -> None:
+    """Raise when the target ``key`` (or every target of a list: the heads of an actor-critic) does not depend on
+    some explained input.
 
     Examples:
         >>> raise_for_unreached("q", ["obs", "mask"], [True, False])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         ValueError: LRP: target 'q' does not depend on the explained input 'mask' through its gradient ...
+        >>> raise_for_unreached(["logits", "value"], ["obs"], [False])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: LRP: none of the targets ['logits', 'value'] depends on the explained input 'obs' through ...
     """
+    targets = f"none of the targets {key!r} depends" if isinstance(key, list) else f"target {key!r} does not depend"
     for input_key, was_reached in zip(keys, reached, strict=True):
         if not was_reached:
             raise ValueError(
-                f"LRP: target {key!r} does not depend on the explained input {input_key!r} through its gradient "
+                f"LRP: {targets} on the explained input {input_key!r} through its gradient "
                 "(the model does not read it for this output, or detaches it, as torchrl's CrossGroupCritic does "
                 "with the groups in detach_groups; or it reaches the output only through what a rule holds constant: "
                 "CP-LRP's attention weights, all that a cross-attention's query reaches where no residual adds it, "
