@@ -57,6 +57,15 @@ COMMON = dict(
 VISION = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 UNSET = {key: None for key in ("num_key_value_heads", "head_dim")}  # configs without them
 MOE = dict(num_experts=4, num_experts_per_tok=2, experts_implementation="eager")
+# A wav2vec 2.0 feature encoder for 64 samples: two strided convolutions, a small convolutional position embedding.
+WAV2VEC2 = dict(
+    conv_dim=(8, 8),
+    conv_stride=(2, 2),
+    conv_kernel=(3, 3),
+    num_conv_pos_embeddings=4,
+    num_conv_pos_embedding_groups=2,
+    classifier_proj_size=8,
+)
 # The explained input of each kind of model: the keyword it is fed by and its shape.
 INPUTS = {
     "text": ("inputs_embeds", (BATCH, TOKENS, HIDDEN)),
@@ -334,14 +343,7 @@ ZOO = {
     "wav2vec2": Architecture(
         "Wav2Vec2Config",
         "Wav2Vec2ForSequenceClassification",
-        dict(
-            conv_dim=(8, 8),
-            conv_stride=(2, 2),
-            conv_kernel=(3, 3),
-            num_conv_pos_embeddings=4,
-            num_conv_pos_embedding_groups=2,
-            classifier_proj_size=8,
-        ),
+        WAV2VEC2,
         inputs="waveform",
     ),
     # Wav2Vec2-Conformer: relative position scores computed from the queries, which the sdpa attention takes as
@@ -349,16 +351,7 @@ ZOO = {
     "wav2vec2_conformer": Architecture(
         "Wav2Vec2ConformerConfig",
         "Wav2Vec2ConformerForSequenceClassification",
-        dict(
-            conv_dim=(8, 8),
-            conv_stride=(2, 2),
-            conv_kernel=(3, 3),
-            num_conv_pos_embeddings=4,
-            num_conv_pos_embedding_groups=2,
-            classifier_proj_size=8,
-            position_embeddings_type="relative",
-            conv_depthwise_kernel_size=3,
-        ),
+        dict(WAV2VEC2, position_embeddings_type="relative", conv_depthwise_kernel_size=3),
         inputs="waveform",
     ),
     "swin": Architecture(

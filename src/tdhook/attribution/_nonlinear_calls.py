@@ -41,6 +41,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.nn.modules._functions import BackwardHookFunction
 from torch.overrides import TorchFunctionMode, resolve_name
 
+from tdhook.attribution._offset_products import OFFSET_PRODUCT, OffsetProducts
 from tdhook.attribution._straight_through import STRAIGHT_THROUGH, StraightThrough
 from tdhook.attribution._unmapped_layers import LAYER_FUNCTIONS
 from tdhook.attribution._unmerged_norms import merging_rule
@@ -233,6 +234,7 @@ class NonlinearCalls(TorchFunctionMode):
         self._covering = [mode for mode in modes if hasattr(mode, "covers")]
         self._calls: list[tuple[str, str, Any]] = []
         self._straight_through = StraightThrough()  # sums that add a detached ``y - x`` back to ``x``
+        self._offsets = OffsetProducts()  # products with a factor that adds a number (``(up + 1) * glu``)
         self._layer_calls: list[tuple[str, str, Any]] = []  # convolutions and linear maps outside layers
         # The outputs of layers whose rule merges a BatchNorm (by autograd node: the layer's name and rule), and the
         # ``F.batch_norm`` calls on them outside a BatchNorm module, which no rule merges.
@@ -262,6 +264,7 @@ class NonlinearCalls(TorchFunctionMode):
             return
         if not _is_activation_result(result):
             return
+        self._offsets.note(function_kind(func)[0], args, result)
         if func is F.batch_norm:
             if _batch_statistics(args, kwargs):  # normalised by the batch's own statistics: not linear in the input
                 if not any(mode.covers(func, args) for mode in self._covering):
@@ -275,6 +278,8 @@ class NonlinearCalls(TorchFunctionMode):
         name = _is_nonlinear_call(func, args)
         if name is not None and not any(mode.covers(func, args) for mode in self._covering):
             self._calls.append((self._stack[-1] if self._stack else "", name, _grad_fn(result)))
+        elif name is not None and self._offset_product(name, args):
+            self._calls.append((self._stack[-1] if self._stack else "", OFFSET_PRODUCT, _grad_fn(result)))
         elif name is None and (layer := _is_layer_call(func, args)) is not None:
             call = (self._stack[-1] if self._stack else "", layer, _grad_fn(result))
             self._layer_calls.append(call)
@@ -286,6 +291,14 @@ class NonlinearCalls(TorchFunctionMode):
         ``F.batch_norm`` calls outside a BatchNorm module on the output of a layer whose rule would merge a
         BatchNorm module there (see :mod:`~tdhook.attribution._unmerged_norms`); ``targets`` as for :meth:`found`."""
         return _count(self._unmerged_norms, None if targets is None else _graph_nodes(targets))
+
+    def _offset_product(self, name: str, args: tuple) -> bool:
+        """Whether this product, which a mode's rule covers, has a factor that adds a number to an activation and
+        that the rule does not hold (see :mod:`~tdhook.attribution._offset_products`)."""
+        if name not in _PRODUCTS:
+            return False
+        factors = tuple(arg for arg in args[_FACTORS.get(name, slice(None))] if is_activation(arg))
+        return self._offsets.unheld(factors, any(getattr(mode, "hold_gates", False) for mode in self._covering))
 
     def found(self, targets: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, int]]:
         """Module name → function name → number of calls (the model itself is ``""``).
@@ -386,6 +399,7 @@ class NonlinearCalls(TorchFunctionMode):
             self._ruled_depth = 0
             self._straight_through.forget()
             self._layer_outputs.clear()
+            self._offsets.forget()
 
 
 def _count(calls: Iterable[tuple[str, str, Any]], reached: set | None) -> dict[str, dict[str, int]]:
@@ -428,7 +442,7 @@ def report_plain_gradient(
         where = f"module {name!r}" if name else "the model itself"
         kind = f" ({type(module).__name__})" if module is not None else ""
         constant = [f for f in functions if f in _PIECEWISE_CONSTANT]
-        curved = [f for f in functions if f not in _PIECEWISE_CONSTANT and f != STRAIGHT_THROUGH]
+        curved = [f for f in functions if f not in _PIECEWISE_CONSTANT and f not in (STRAIGHT_THROUGH, OFFSET_PRODUCT)]
         messages = []
         if STRAIGHT_THROUGH in functions:
             messages.append(
@@ -438,6 +452,14 @@ def report_plain_gradient(
                 "the activation x, not of the value y, and its sum is not the explained output's. Map the module in "
                 "rule_mapper to a rule of your own that passes relevance as the estimator should, or explain the "
                 "model up to the estimator; lrp.coverage() lists every such call"
+            )
+        if OFFSET_PRODUCT in functions:
+            messages.append(
+                f"LRP: {where}{kind} multiplies activations where a factor adds a constant to an activation in its "
+                "own forward ((up + 1) * glu, x * (1 + scale)): the product's rule hands that factor its share of the "
+                "relevance, and the constant takes a part of it, as a bias does, so the relevance is not conserved "
+                "there (and, unlike a bias, the constant cannot be zeroed). Map the module in rule_mapper to a rule "
+                "of your own, or hold the factor constant (a gate); lrp.coverage() lists every such call"
             )
         if curved:
             messages.append(
