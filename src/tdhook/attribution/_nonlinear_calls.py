@@ -241,6 +241,7 @@ class NonlinearCalls(TorchFunctionMode):
         self._layer_outputs: dict[Any, tuple[str, Any]] = {}
         self._unmerged_norms: list[tuple[str, str, Any]] = []
         self._first_layer_calls: list[tuple[str, str, Any]] = []  # those of them the model's input reaches first
+        self._first_recurrent: list[tuple[str, str, Any]] = []  # recurrent layers the model's input reaches first
         self._stack: list[str] = []
         self._ruled_depth = 0
         # Per module call: its name, the autograd sequence numbers of the nodes it created (from, to), and
@@ -322,6 +323,13 @@ class NonlinearCalls(TorchFunctionMode):
         :meth:`found`."""
         return _count(self._first_layer_calls, None if targets is None else _graph_nodes(targets))
 
+    def found_first_recurrent(self, targets: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, int]]:
+        """Module name → its class name → number of calls: recurrent layers with a rule (LSTM, GRU, their cells) whose
+        input the model's input reaches through no layer, where a preset's first-layer rule (Flat, z^B)
+        has no form (see :func:`~tdhook.attribution._unmapped_layers.report_recurrent_first_layers`); ``targets``
+        as for :meth:`found`."""
+        return _count(self._first_recurrent, None if targets is None else _graph_nodes(targets))
+
     def _function_calls(self, nodes: Iterable[Any]) -> list[tuple[str, str, Any]]:
         """The nodes of custom autograd Functions among ``nodes`` that a module outside every rule applied: their
         backward is the plain gradient, and the mode cannot see into their forward (it runs without gradients)."""
@@ -370,12 +378,15 @@ class NonlinearCalls(TorchFunctionMode):
 
         def leave(name: str, has_rule: bool):
             rule = layer_rules.get(id(modules[name]))
+            is_recurrent = has_rule and isinstance(modules[name], (nn.RNNBase, nn.RNNCellBase))
 
             def hook(module: nn.Module, args: tuple, output: Any) -> None:
                 if rule is not None and isinstance(output, torch.Tensor) and output.grad_fn is not None:
                     acting = merging_rule(rule, args)
                     if acting is not None:
                         self._layer_outputs[output.grad_fn] = (name, acting)
+                if is_recurrent and args and isinstance(args[0], torch.Tensor) and _reaches_model_input(args[0]):
+                    self._first_recurrent.append((name, type(module).__name__, _grad_fn(output)))
                 if self._stack:
                     self._stack.pop()
                 self._ruled_depth -= has_rule

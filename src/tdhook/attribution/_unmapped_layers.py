@@ -45,7 +45,7 @@ from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule
 from tdhook.attribution.rules.input_layer import FirstLayerRule
 
-__all__ = ["LAYER_FUNCTIONS", "NEGLIGIBLE_EPSILON", "report_unmapped_layers"]
+__all__ = ["LAYER_FUNCTIONS", "NEGLIGIBLE_EPSILON", "report_recurrent_first_layers", "report_unmapped_layers"]
 
 # An ε-rule with an ε up to this (the presets' default) is the plain gradient but where a layer's output is as small.
 NEGLIGIBLE_EPSILON = 1e-6
@@ -101,6 +101,46 @@ def report_unmapped_layers(
                 raise ValueError(message)
             warn_at_caller(message)
     return tuple(calls)
+
+
+def report_recurrent_first_layers(
+    found: Mapping[str, Mapping[str, int]], mapper: Callable[[str, nn.Module], Any] | None, strict: bool
+) -> None:
+    """Warn of (or, ``strict``, refuse) the recurrent layers in ``found`` (module name → class name → calls) that
+    the model's input reaches through no layer, where ``mapper`` is a preset with a first-layer rule (Flat, z^B):
+    that rule has no form for a recurrent layer, which keeps its own rule, so no layer gets it. A module the user's
+    mapper names keeps the user's rule, and hears nothing.
+
+    Examples:
+        >>> from tdhook.attribution import EpsilonPlus, EpsilonPlusFlat
+        >>> report_recurrent_first_layers({"rnn": {"LSTM": 1}}, EpsilonPlus(), strict=True)  # no first-layer rule
+        >>> report_recurrent_first_layers({"rnn": {"LSTM": 1}}, EpsilonPlusFlat(), strict=True)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: LRP: module 'rnn' (LSTM) is the first layer the model's input reaches, and EpsilonPlusFlat's ...
+
+    Raises:
+        ValueError: ``strict``, and such a layer.
+    """
+    if not isinstance(mapper, BaseRuleMapper):
+        return
+    for name, kinds in found.items():
+        if mapper.rule_mapper is not None and mapper.rule_mapper(name, nn.Linear(1, 1, device="meta")) is not None:
+            continue  # the user's rule for layers of this name wins over the first-layer rule
+        first = mapper.first_layer_rule(name, nn.Linear(1, 1, device="meta"))
+        if first is None:
+            continue
+        for kind in kinds:
+            message = (
+                f"LRP: module {name!r} ({kind}) is the first layer the model's input reaches, and "
+                f"{type(mapper).__name__}'s first-layer rule ({type(first).__name__}) has no form for a recurrent "
+                "layer: it keeps its RecurrentRule, so no layer gets the first-layer rule and the relevance is that "
+                "of the same preset without it. Put a Linear encoder before it to "
+                "have the first-layer rule there, or use the preset without a first-layer rule"
+            )
+            if strict:
+                raise ValueError(message)
+            warn_at_caller(message)
 
 
 def _layer_rule(

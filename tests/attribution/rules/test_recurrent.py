@@ -8,6 +8,8 @@ must give the same relevance for the inputs and the given initial states.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -17,7 +19,7 @@ from torchrl.modules.tensordict_module.rnn import GRU as TorchrlGRU
 from torchrl.modules.tensordict_module.rnn import LSTM as TorchrlLSTM
 
 from tdhook.attribution import LRP
-from tdhook.attribution.mappers.presets import EpsilonPlus, EpsilonPlusFlat
+from tdhook.attribution.mappers.presets import EpsilonAlpha2Beta1Flat, EpsilonPlus, EpsilonPlusFlat
 from tdhook.attribution.mappers.transformer import CPLRP, AttnLRP
 from tdhook.attribution.rules._glue import GlueError
 from tdhook.attribution.rules.input_layer import FlatRule
@@ -473,11 +475,18 @@ def test_the_layers_after_a_recurrent_layer_are_not_first_layers(kind: str, cell
     encoded = RecurrentPolicy(kind, cell, encoder=True).double().eval()
     flat_encoder = EpsilonPlus(rule_mapper={"encoder": FlatRule()})
     expected = relevance(encoded, flat_encoder)["relevance", "x"]
-    assert rel_err(relevance(encoded, EpsilonPlusFlat())["relevance", "x"], expected) < TOL
-    # The recurrent layer reads the model's input (through a ReLU): no layer gets Flat.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the encoder takes Flat: nothing to say
+        assert rel_err(relevance(encoded, EpsilonPlusFlat())["relevance", "x"], expected) < TOL
+    # The recurrent layer reads the model's input (through a ReLU): no layer gets Flat, and the preset says so,
+    # naming the layer (the relevance was EpsilonPlus's without a word), or refuses it when strict.
     bare = RecurrentPolicy(kind, cell, encoder=False).double().eval()
     expected = relevance(bare, EpsilonPlus())["relevance", "x"]
-    assert rel_err(relevance(bare, EpsilonPlusFlat())["relevance", "x"], expected) < TOL
+    recurrent = type(bare.rnn).__name__
+    with pytest.warns(UserWarning, match=rf"module 'rnn' \({recurrent}\) is the first layer .* \(FlatRule\)"):
+        assert rel_err(relevance(bare, EpsilonPlusFlat())["relevance", "x"], expected) < TOL
+    with pytest.raises(ValueError, match=r"EpsilonAlpha2Beta1Flat's first-layer rule \(FlatRule\) has no form"):
+        relevance(bare, EpsilonAlpha2Beta1Flat(strict=True))
     # Flat on the head, asked for by name, is refused as on any layer after another one, naming it.
     with pytest.raises(GlueError, match="output of another Linear, convolution or recurrent layer") as refused:
         relevance(bare, EpsilonPlus(rule_mapper={"fc": FlatRule()}))
