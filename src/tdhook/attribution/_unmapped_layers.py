@@ -108,7 +108,8 @@ def report_recurrent_first_layers(
 ) -> None:
     """Warn of (or, ``strict``, refuse) the recurrent layers in ``found`` (module name → class name → calls) that
     the model's input reaches through no layer, where ``mapper`` is a preset with a first-layer rule (Flat, z^B):
-    that rule has no form for a recurrent layer, which keeps its own rule, so no layer gets it. A module the user's
+    that rule has no form for a recurrent layer, which keeps its own rule (where no other layer reads the input, no
+    layer gets it). A module the user's
     mapper names keeps the user's rule, and hears nothing.
 
     Examples:
@@ -134,9 +135,9 @@ def report_recurrent_first_layers(
             message = (
                 f"LRP: module {name!r} ({kind}) is the first layer the model's input reaches, and "
                 f"{type(mapper).__name__}'s first-layer rule ({type(first).__name__}) has no form for a recurrent "
-                "layer: it keeps its RecurrentRule, so no layer gets the first-layer rule and the relevance is that "
-                "of the same preset without it. Put a Linear encoder before it to "
-                "have the first-layer rule there, or use the preset without a first-layer rule"
+                "layer: it keeps its RecurrentRule, and where no other layer reads the input, no layer gets the "
+                "first-layer rule and the relevance is that of the same preset without it. Put a Linear encoder "
+                "before it to have the first-layer rule there, or use the preset without a first-layer rule"
             )
             if strict:
                 raise ValueError(message)
