@@ -123,12 +123,13 @@ def report_recurrent_first_layers(
     Raises:
         ValueError: ``strict``, and such a layer.
     """
-    if not isinstance(mapper, BaseRuleMapper):
+    if not isinstance(mapper, BaseRuleMapper) or not found:
         return
+    layer = nn.Linear(1, 1, device="meta")  # what the mapper's first-layer rule is looked up for
     for name, kinds in found.items():
-        if mapper.rule_mapper is not None and mapper.rule_mapper(name, nn.Linear(1, 1, device="meta")) is not None:
+        if mapper.rule_mapper is not None and mapper.rule_mapper(name, layer) is not None:
             continue  # the user's rule for layers of this name wins over the first-layer rule
-        first = mapper.first_layer_rule(name, nn.Linear(1, 1, device="meta"))
+        first = mapper.first_layer_rule(name, layer)
         if first is None:
             continue
         for kind in kinds:
