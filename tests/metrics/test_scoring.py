@@ -315,6 +315,26 @@ def test_a_policy_in_recurrent_mode_over_steps_is_refused_naming_its_recurrent_m
     assert 0 <= action_fidelity(policy, explained, k=1, progress=False)["relevant"] <= 1
 
 
+def test_rrelu_in_training_mode_is_refused_by_name():
+    """nn.RReLU in training mode draws each negative slope anew at every forward pass: each perturbed input's score
+    carried its own slopes (pixel flipping's curve moved by 0.26, half its range, with the global seed), without
+    a word. In eval mode (a fixed slope), or with lower == upper, it is scored."""
+    net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.RReLU(0.1, 0.9), torch.nn.Linear(16, 3))
+    x = torch.randn(4, 6)
+    td = TensorDict(x=x, attribution=TensorDict(x=x), batch_size=[4])
+    expected = r"metrics: module '1' \(RReLU, negative slopes drawn from \[0.1, 0.9\]\) is in training mode"
+    with pytest.raises(ValueError, match=expected):
+        pixel_flipping(net, td, in_keys=["x"], out_keys=["y"])
+    net.eval()
+    torch.manual_seed(0)
+    first = pixel_flipping(net, td, in_keys=["x"], out_keys=["y"])
+    torch.manual_seed(1)
+    torch.testing.assert_close(pixel_flipping(net, td, in_keys=["x"], out_keys=["y"]), first, rtol=0, atol=0)
+    net.train()
+    net[1].upper = 0.1
+    assert pixel_flipping(net, td, in_keys=["x"], out_keys=["y"]).shape == (4, 7)
+
+
 @pytest.mark.parametrize("as_module", [False, True])
 def test_dropout_in_training_mode_is_refused_by_name(as_module):
     """Each perturbed input drew its own dropout mask: two runs of a curve differed by 0.6, and the global random

@@ -1,6 +1,7 @@
 """Modules that draw anew at every forward pass in training mode (dropout, and stochastic depth: timm's ``DropPath``
-and ``DropBlock2d``, torchvision's ``StochasticDepth``; timm's ``PatchDropout`` of tokens): an explanation of such a
-model is random from call to call, and the user is told once. A torchrl ``ConsistentDropoutModule`` whose mask the
+and ``DropBlock2d``, torchvision's ``StochasticDepth``; timm's ``PatchDropout`` of tokens; ``nn.RReLU``, whose
+negative slopes are drawn per element): an explanation of such a model is random from call to call, and the user is
+told once. A torchrl ``ConsistentDropoutModule`` whose mask the
 call's TensorDict holds drops the same units at every call: it draws nothing, and is no reason to warn.
 
 Examples:
@@ -25,7 +26,7 @@ from torchrl.modules import ConsistentDropoutModule
 
 from tdhook.attribution.rules._caller import warn_at_caller
 
-__all__ = ["drop_probability", "random_modules", "warn_for_random_modules"]
+__all__ = ["draw", "drop_probability", "random_modules", "warn_for_random_modules"]
 
 # Stochastic depth of timm and torchvision, and timm's dropout of tokens (not dependencies of tdhook), by class name
 # (and by its end, for the models that prefix their own: SwinDropPath): the attribute holding the probability of a drop.
@@ -51,11 +52,26 @@ def drop_probability(module: nn.Module) -> float:
     return float(probability) if isinstance(probability, (int, float)) else 0.0
 
 
+def draw(module: nn.Module) -> str | None:
+    """What ``module`` draws at every forward pass in training mode, for a message (``"p=0.5"`` for a dropout or
+    stochastic depth, the range of an ``nn.RReLU``'s negative slopes); ``None`` where it draws nothing.
+
+    Examples:
+        >>> draw(nn.Dropout(0.25)), draw(nn.RReLU(0.1, 0.3)), draw(nn.RReLU(0.2, 0.2)), draw(nn.ReLU())
+        ('p=0.25', 'negative slopes drawn from [0.1, 0.3]', None, None)
+    """
+    if isinstance(module, nn.RReLU):  # lower == upper draws one value only: a fixed LeakyReLU
+        return f"negative slopes drawn from [{module.lower}, {module.upper}]" if module.lower != module.upper else None
+    probability = drop_probability(module)
+    return f"p={probability}" if probability > 0 else None
+
+
 def random_modules(modules: Mapping[str, nn.Module]) -> list[tuple[str, nn.Module, NestedKey | None]]:
-    """The dropout and stochastic-depth modules among ``modules`` that drop anything (``p > 0``), by name, each with
-    the key its mask is read from where a torchrl ``ConsistentDropoutModule`` runs it (``None`` for the others)."""
+    """The modules among ``modules`` that draw in training mode (see :func:`draw`: a dropout or stochastic depth
+    that drops anything, ``p > 0``; an ``nn.RReLU``), by name, each with the key its mask is read from where a
+    torchrl ``ConsistentDropoutModule`` runs it (``None`` for the others)."""
     masks = {id(m.consistent_dropout): m.in_keys[1] for m in modules.values() if isinstance(m, ConsistentDropoutModule)}
-    return [(n, m, masks.get(id(m))) for n, m in modules.items() if drop_probability(m) > 0]
+    return [(n, m, masks.get(id(m))) for n, m in modules.items() if draw(m) is not None]
 
 
 def warn_for_random_modules(who: str, candidates: list[tuple], tensordict: TensorDictBase | None = None) -> list[tuple]:
@@ -65,9 +81,14 @@ def warn_for_random_modules(who: str, candidates: list[tuple], tensordict: Tenso
         given = mask is not None and tensordict is not None and tensordict.get(mask, None) is not None
         if module.training and not given:
             warn_at_caller(
-                f"{who}: module {name!r} ({type(module).__name__}, p={drop_probability(module)}) is in training "
-                "mode, so each forward pass drops other units and the explanation is random from call to call; call "
-                ".eval() on the model for a deterministic one"
+                f"{who}: module {name!r} ({type(module).__name__}, {draw(module)}) is in training mode, so each "
+                f"forward pass {_draws_anew(module)} and the explanation is random from call to call; call .eval() "
+                "on the model for a deterministic one"
             )
             return []
     return candidates
+
+
+def _draws_anew(module: nn.Module) -> str:
+    """What each forward pass of ``module`` in training mode does, for a message."""
+    return "draws other negative slopes" if isinstance(module, nn.RReLU) else "drops other units"

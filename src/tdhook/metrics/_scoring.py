@@ -35,7 +35,7 @@ from tdhook.attribution._chosen_values import chosen_action
 from tdhook.attribution._inputs import explained_in_call, module_in_recurrent_mode, optional_inputs
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action, allowed_mask
-from tdhook.attribution._random_modules import drop_probability, random_modules
+from tdhook.attribution._random_modules import draw, random_modules
 from tdhook.attribution._run_errors import run_error
 from tdhook.attribution.rules._meta_tensors import meta_tensors_refused
 from tdhook.attribution.targets import (
@@ -78,15 +78,16 @@ def _refuse_steps_read_together(module: TensorDictModuleBase, td: TensorDictBase
 
 
 def _refuse_random_modules(modules: Mapping[str, nn.Module], td: TensorDictBase) -> None:
-    """A dropout module in training mode (among the model's ``modules``, by name) drops other units at every forward
-    pass: each perturbed input's score would carry its own dropout noise (and the draws would come from the global
-    random state)."""
+    """A module that draws in training mode (among the model's ``modules``, by name: a dropout, stochastic depth, an
+    ``nn.RReLU``'s slopes) draws anew at every forward pass: each perturbed input's score would carry its own noise
+    (and the draws would come from the global random state)."""
     for name, found, mask in random_modules(modules):
         if found.training and (mask is None or td.get(mask, None) is None):
+            what = "draw other negative slopes" if isinstance(found, nn.RReLU) else "drop other units"
             raise ValueError(
-                f"metrics: module {name!r} ({type(found).__name__}, p={drop_probability(found)}) is in training "
-                "mode: each forward pass of the perturbed inputs would drop other units, and the scores would mix the "
-                "perturbation with dropout noise; call .eval() on the model"
+                f"metrics: module {name!r} ({type(found).__name__}, {draw(found)}) is in training mode: each "
+                f"forward pass of the perturbed inputs would {what}, and the scores would mix the perturbation with "
+                "that noise; call .eval() on the model"
             )
 
 

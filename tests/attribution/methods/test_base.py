@@ -319,6 +319,19 @@ class TestRefusals:
             warnings.simplefilter("error")
             method(td.clone())
 
+    def test_rrelu_in_training_mode_warns_once(self, name):
+        """nn.RReLU in training mode draws its negative slopes anew at every pass: Occlusion's attribution moved by
+        0.28 (its range 0.34) from call to call, without a word."""
+        net = nn.Sequential(nn.Linear(5, 8), nn.RReLU(0.1, 0.9), nn.Linear(8, 3)).double()
+        method = make(name, net, in_keys=["x"], out_keys=["y"])
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        with pytest.warns(UserWarning, match=f"{name}: module '1' \\(RReLU, negative slopes drawn from \\[0.1, 0.9\\]"):
+            method(td.clone())
+        net.eval()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            method(td.clone())
+
     def test_a_key_the_module_does_not_read_or_fills_itself(self, name):
         """Its attribution would be zero whatever the model does (LRP refuses it too): refused, naming the key."""
         first = TensorDictModule(nn.Linear(5, 6).double(), in_keys=["x"], out_keys=["hidden"])
