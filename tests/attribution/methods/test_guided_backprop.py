@@ -5,6 +5,7 @@ from __future__ import annotations
 import captum.attr
 import pytest
 import torch
+import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
 
@@ -44,6 +45,40 @@ class TestAgainstCaptum:
         td = GuidedBackprop(net, in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[7]))
         expected = captum.attr.GuidedBackprop(net).attribute(x.clone(), target=net(x).argmax(-1))
         assert relative_error(td["attribution", "x"], expected) <= 1e-8
+
+    @pytest.mark.parametrize("call", ["F.relu", "torch.relu", "Tensor.relu", "Tensor.relu_", "F.relu inplace"])
+    def test_relus_called_as_functions(self, call):
+        """A ReLU called as a function kept its plain gradient: the attribution was off by a relative L2 error of 4.2
+        from that of the same model with nn.ReLU modules. Every ReLU call is guided now, in place or not."""
+        relu = {
+            "F.relu": F.relu,
+            "torch.relu": torch.relu,
+            "Tensor.relu": torch.Tensor.relu,
+            "Tensor.relu_": torch.Tensor.relu_,
+            "F.relu inplace": lambda h: F.relu(h, inplace=True),
+        }[call]
+
+        class Functional(nn.Module):
+            def __init__(self, layers: nn.Sequential) -> None:
+                super().__init__()
+                self.layers = layers
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                first, _, second, _, last = self.layers
+                h = first(x)
+                out = relu(h)
+                h = h if call in ("Tensor.relu_", "F.relu inplace") else out  # in place: read as the input tensor
+                return last(relu(second(h)))
+
+        torch.manual_seed(2)
+        modules = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+        x = torch.randn(7, 5, dtype=torch.float64)
+        net = Functional(modules)
+        td = GuidedBackprop(net, in_keys=["x"], out_keys=["y"], target=1)(TensorDict(x=x, batch_size=[7]))
+        torch.testing.assert_close(td["y"], modules(x), rtol=0, atol=0)
+        expected = captum.attr.GuidedBackprop(modules).attribute(x.clone(), target=1)
+        assert relative_error(td["attribution", "x"], expected) <= 1e-8
+        assert relative_error(torch.func.grad(lambda v: modules(v)[:, 1].sum())(x), expected) > 0.1
 
     def test_an_in_place_operation_on_a_relus_output(self):
         """A model adding to a ReLU's output in place (after ``ReLU(inplace=True)`` too) raised torch's error about a

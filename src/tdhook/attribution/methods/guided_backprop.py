@@ -1,4 +1,4 @@
-"""Guided backpropagation: the input gradient with only positive gradients passed back through each ReLU module."""
+"""Guided backpropagation: the input gradient with only positive gradients passed back through each ReLU."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution._scripted_modules import refuse_unreachable_relus
-from tdhook.attribution.methods._base import AttributionMethod, Call, hooks_removed
+from tdhook.attribution.methods._base import AttributionMethod, Call
 
 __all__ = ["GuidedBackprop"]
 
@@ -30,20 +31,40 @@ class _PositiveGradient(torch.autograd.Function):
         return grad.clamp(min=0)
 
 
-def _guide(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-    return _PositiveGradient.apply(output)
+# The ReLU calls of torch, out of place and in place: ``nn.ReLU`` calls ``F.relu``, which a model may call itself, as it
+# may ``torch.relu``, ``Tensor.relu`` and their in-place forms (``F.relu(x, inplace=True)``, ``x.relu_()``).
+_RELUS = {F.relu, torch.relu, torch.Tensor.relu}
+_RELUS_IN_PLACE = {torch.relu_, torch.Tensor.relu_}
+
+
+class _GuidedReLUs(TorchFunctionMode):
+    """Every ReLU call of the forward passes, module or function, returns its output through
+    :class:`_PositiveGradient`; an in-place call writes that output into its input, whose later readers then pass
+    back through it. Calls without gradient run as they are."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        kwargs = kwargs or {}
+        in_place = func in _RELUS_IN_PLACE or (func is F.relu and bool(kwargs.get("inplace", args[1:2] == (True,))))
+        if func not in _RELUS and not in_place:
+            return func(*args, **kwargs)
+        x = args[0] if args else kwargs.get("input")
+        if not (torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad):
+            return func(*args, **kwargs)
+        guided = _PositiveGradient.apply(torch.relu(x))
+        return x.copy_(guided) if in_place else guided
 
 
 class GuidedBackprop(AttributionMethod):
-    """The gradient of the explained output, with every ``nn.ReLU`` module passing back only positive gradients.
+    """The gradient of the explained output, with every ReLU passing back only positive gradients.
 
-    During the call each ``nn.ReLU`` module of the model gets a forward hook
-    whose output passes back the positive part of its gradient, so the ReLU's
-    gradient becomes ``max(g, 0) * 1[x > 0]``; the hooks are removed when the
-    call ends, by error or not. ReLUs called as functions keep their plain
-    gradient; a model that runs its ReLUs as TorchScript or ATen operators
-    (``torch.jit``, ``torch.export``), where no hook reaches, is refused by
-    name. Takes the arguments of
+    During the call every ReLU of the model's forward passes, an ``nn.ReLU``
+    module or a call of ``F.relu``, ``torch.relu``, ``Tensor.relu`` or their
+    in-place forms (a ``TorchFunctionMode`` sees them all), gives an output
+    that passes back the positive part of its gradient, so the ReLU's gradient
+    becomes ``max(g, 0) * 1[x > 0]``; the mode ends with the call, by error or
+    not. A model that runs its ReLUs as TorchScript or ATen operators
+    (``torch.jit``, ``torch.export``), which the mode does not see, is refused
+    by name. Takes the arguments of
     :class:`~tdhook.attribution.methods._base.AttributionMethod`.
 
     Examples:
@@ -66,10 +87,7 @@ class GuidedBackprop(AttributionMethod):
     @contextlib.contextmanager
     def _model_context(self) -> Iterator[None]:
         refuse_unreachable_relus(self.named_explained_modules(), "GuidedBackprop")
-        with hooks_removed([]) as handles:
-            for sub in self.module.modules():
-                if isinstance(sub, nn.ReLU):
-                    handles.append(sub.register_forward_hook(_guide))
+        with _GuidedReLUs():
             yield
 
     def _attribute(self, call: Call) -> list[torch.Tensor]:
