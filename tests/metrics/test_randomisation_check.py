@@ -215,3 +215,46 @@ def test_a_float16_model_is_compared_without_overflow():
     scores = randomisation_check(method, TensorDict(x=torch.randn(4, 200).half(), batch_size=[4]))
     assert list(scores) == ["2", "0"]
     assert all(score.dtype == torch.float16 and bool(score.isfinite().all()) for score in scores.values())
+
+
+class AttentionWithScale(nn.Module):
+    """An attention block, then a learnt scale held by the model itself (no module of its own resets it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.att = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.scale = nn.Parameter(torch.randn(8))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.att(x, x, x, need_weights=False)
+        return self.head((h * self.scale).mean(1))
+
+
+def test_an_attentions_input_projection_is_reset_and_parameters_no_layer_resets_are_named():
+    """nn.MultiheadAttention draws its input projection (three quarters of its weights) in ``_reset_parameters``,
+    not ``reset_parameters``: the cascade left it, and a parameter of the model's own, trained, without a word (the
+    last layer reset was the attention's output projection). It is now a layer of the cascade, reset as torch
+    initialises it, and the parameters no layer resets are named in a warning. The oracle: the cascade written out."""
+    from tdhook.attribution import Saliency
+    from tdhook.metrics._similarity import spearman
+
+    torch.manual_seed(0)
+    net = AttentionWithScale().double().eval()
+    td = TensorDict(x=torch.randn(3, 4, 8, dtype=torch.float64), batch_size=[3])
+    saliency = Saliency(net, in_keys=["x"], out_keys=["y"])
+    with pytest.warns(UserWarning, match=r"re-initialises the parameters 'scale': they keep their trained values"):
+        scores = randomisation_check(saliency, td, seed=7)
+    assert list(scores) == ["head", "att.out_proj", "att"]
+    copied = copy.deepcopy(net)
+    original = saliency(td.clone())["attribution", "x"].flatten(1).abs()
+    target = net(td["x"]).argmax(-1)
+    with torch.random.fork_rng():
+        for name in ["head", "att.out_proj", "att"]:
+            torch.manual_seed(8)
+            layer = copied.get_submodule(name)
+            with torch.no_grad():
+                layer.reset_parameters() if name != "att" else layer._reset_parameters()
+            method = Saliency(copied, in_keys=["x"], out_keys=["y"], target=target)
+            changed = method(td.clone())["attribution", "x"].flatten(1).abs()
+            torch.testing.assert_close(scores[name], spearman(original, changed), rtol=1e-12, atol=1e-12)

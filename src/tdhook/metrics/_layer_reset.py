@@ -34,7 +34,7 @@ from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-__all__ = ["refuse_hooked_weights", "reset_layer"]
+__all__ = ["refuse_hooked_weights", "resettable", "reset_layer"]
 
 _WEIGHT_HOOKS = (WeightNorm, SpectralNorm, BasePruningMethod)
 
@@ -61,13 +61,33 @@ def refuse_hooked_weights(modules: Iterable[tuple[str, nn.Module]], name: str) -
                 )
 
 
+def resettable(module: nn.Module) -> bool:
+    """Whether ``module`` re-initialises its parameters: it has ``reset_parameters``, or it is an
+    ``nn.MultiheadAttention``, whose ``_reset_parameters`` draws its input projection (torch's initialisation for it;
+    its output projection, an ``nn.Linear``, is a layer of its own).
+
+    Examples:
+        >>> resettable(nn.Linear(2, 2)), resettable(nn.MultiheadAttention(4, 2)), resettable(nn.ReLU())
+        (True, True, False)
+    """
+    return callable(getattr(module, "reset_parameters", None)) or isinstance(module, nn.MultiheadAttention)
+
+
+def _reset(module: nn.Module) -> None:
+    """Draw ``module``'s parameters anew (see :func:`resettable`)."""
+    if callable(getattr(module, "reset_parameters", None)):
+        module.reset_parameters()
+    else:
+        module._reset_parameters()
+
+
 def reset_layer(name: str, layer: nn.Module) -> None:
-    """``layer.reset_parameters()`` under ``no_grad``, with parametrized tensors of ``layer`` and of its submodules
-    set to the fresh values through their parametrizations.
+    """``layer.reset_parameters()`` (see :func:`resettable`) under ``no_grad``, with parametrized tensors of ``layer``
+    and of its submodules set to the fresh values through their parametrizations.
 
     Args:
         name: the layer's name, for errors.
-        layer: a module with ``reset_parameters``.
+        layer: a module that :func:`resettable` accepts.
 
     Raises:
         ValueError: a parametrization cannot take the fresh values (it has no ``right_inverse``, or refuses them).
@@ -75,7 +95,7 @@ def reset_layer(name: str, layer: nn.Module) -> None:
     parametrized = [m for m in layer.modules() if parametrize.is_parametrized(m)]
     with torch.no_grad():
         if not parametrized:
-            layer.reset_parameters()
+            _reset(layer)
             return
         twin = copy.deepcopy(layer)
         for module in list(twin.modules()):  # listed first: a removal changes the module's class and children
@@ -83,7 +103,7 @@ def reset_layer(name: str, layer: nn.Module) -> None:
                 for tensor in list(module.parametrizations):
                     parametrize.remove_parametrizations(module, tensor, leave_parametrized=True)
         before = {key: value.clone() for key, value in _tensors(twin)}
-        twin.reset_parameters()  # the draws of the plain layer
+        _reset(twin)  # the draws of the plain layer
         for key, value in _tensors(twin):
             if torch.equal(value, before[key]):
                 continue

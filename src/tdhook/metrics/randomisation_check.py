@@ -15,10 +15,12 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import nn
+from torch.nn.utils import parametrize
 
+from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.metrics._batch_statistics import statistics_kept
 from tdhook.metrics._features import Features
-from tdhook.metrics._layer_reset import refuse_hooked_weights, reset_layer
+from tdhook.metrics._layer_reset import refuse_hooked_weights, reset_layer, resettable
 from tdhook.metrics._methods import (
     check_method,
     explain,
@@ -44,7 +46,46 @@ def _named_modules(method: TensorDictModuleBase) -> list[tuple[str, nn.Module]]:
 
 def _named_layers(method: TensorDictModuleBase) -> list[tuple[str, nn.Module]]:
     """The modules of the method's model that can be re-initialised, by the names the method gives them."""
-    return [(name, m) for name, m in _named_modules(method) if callable(getattr(m, "reset_parameters", None))]
+    return [(name, m) for name, m in _named_modules(method) if resettable(m)]
+
+
+def _written(parameter: nn.Parameter) -> tuple[int, int]:
+    """What an in-place write into ``parameter`` changes: its version counter, or its storage."""
+    return parameter._version, parameter.data_ptr()
+
+
+def _reset_by_layers(modules: Sequence[tuple[str, nn.Module]]) -> set[int]:
+    """The ``id`` of every parameter that the reset of a layer (:func:`resettable`) among ``modules`` draws: the
+    layer's own, and the originals of its parametrized tensors."""
+    reached = set()
+    for _, module in modules:
+        if resettable(module):
+            reached.update(id(p) for p in module.parameters(recurse=False))
+            if parametrize.is_parametrized(module):
+                reached.update(id(p) for p in module.parametrizations.parameters())
+    return reached
+
+
+def _warn_for_parameters_kept(modules: Sequence[tuple[str, nn.Module]], versions: dict[int, tuple[int, int]]) -> None:
+    """Warn, naming them, of the parameters of the method's model (its ``modules`` by name) that no layer's reset
+    draws (see :func:`_reset_by_layers`) and nothing wrote to during the cascade (see :func:`_written`; ``versions``
+    by ``id`` before it): a parameter held by a module without ``reset_parameters`` (a class token, a learnt scale of
+    the model's own, torchrl's ``BatchRenorm1d``), which keeps its trained values through the whole cascade."""
+    reached, kept, seen = _reset_by_layers(modules), [], set()
+    for prefix, module in modules:
+        for name, parameter in module.named_parameters(recurse=False):
+            if id(parameter) in seen or id(parameter) in reached:
+                continue
+            seen.add(id(parameter))
+            if _written(parameter) == versions.get(id(parameter)):
+                kept.append(f"{prefix}.{name}" if prefix else name)
+    if kept:
+        shown = ", ".join(repr(name) for name in kept[:8]) + (f" and {len(kept) - 8} more" if len(kept) > 8 else "")
+        warn_at_caller(
+            f"randomisation_check: no layer's reset_parameters re-initialises the parameters {shown}: they keep their "
+            "trained values through the whole cascade, so the last similarity is not that of a randomised model "
+            "(give their module a reset_parameters that draws them)"
+        )
 
 
 def randomisation_check(
@@ -60,13 +101,15 @@ def randomisation_check(
 ) -> dict[str, torch.Tensor]:
     """The similarity of the original explanation to those of ever more randomised copies of the model.
 
-    The method is deep-copied with its model. Every module of the copy that has ``reset_parameters`` is
-    re-initialised in turn, from the last (top) layer to the first, each after ``torch.manual_seed(seed + 1)``,
-    keeping the layers already reset (the cascade; a parametrized tensor takes the plain layer's fresh values
+    The method is deep-copied with its model. Every module of the copy that has ``reset_parameters`` (and every
+    ``nn.MultiheadAttention``, whose input projection only its ``_reset_parameters`` draws) is re-initialised in
+    turn, from the last (top) layer to the first, each after ``torch.manual_seed(seed + 1)``, keeping the layers
+    already reset (the cascade; a parametrized tensor takes the plain layer's fresh values
     through its parametrization); after each, the copy explains ``td`` for the original targets
     (``target=None`` is held at the original argmax, a callable at the weights it gave the original output) and the
     attributions of all explained keys together are compared with the original ones, per sample. The caller's
-    method, model and global random state are left as they were.
+    method, model and global random state are left as they were. Parameters that no layer's reset re-initialises
+    (held by a module without ``reset_parameters``) are named in a warning: they keep their trained values.
 
     The original explanation is read from ``td`` at ``(relevance_key, *key)`` where every key is there, and
     computed by the method otherwise.
@@ -129,6 +172,7 @@ def randomisation_check(
     original = flat(stored)
     scores: dict[str, torch.Tensor] = {}
     update = progress_bar(len(layers), "randomisation check", progress)
+    versions = {id(p): _written(p) for _, m in _named_modules(copied) for p in m.parameters(recurse=False)}
     with torch.random.fork_rng(devices=cuda_devices(copied)), target_set(copied, target):
         for name, layer in layers:
             torch.manual_seed(seed + 1)
@@ -138,4 +182,5 @@ def randomisation_check(
             scores[name] = compare(original, flat(changed))
             update(1)
     update(0)
+    _warn_for_parameters_kept(_named_modules(copied), versions)
     return scores
