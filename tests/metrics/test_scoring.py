@@ -482,3 +482,37 @@ def test_a_weight_on_the_meta_device_is_named(layer):
     with pytest.raises(ValueError, match=expected):
         pixel_flipping(net, td, in_keys=["x"], out_keys=["y"])
     assert not any(m._forward_hooks for m in net.modules())
+
+
+class Trajectory(nn.Module):
+    """A GRU over its input's first dimension: a ``[6, 3]`` input is one trajectory of 6 steps (unbatched)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn, self.head = nn.GRU(3, 5), nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0])
+
+
+def test_a_trajectory_read_as_time_scores_one_step_per_pass():
+    """A TensorDict of one trajectory ``[6]`` fed to a plain GRU, which reads the batch's dimension as time: the
+    stacked steps of a curve ran as one sequence, each starting from the state the step before it left (pixel
+    flipping off by 0.0072 here, by 0.066 for random attributions where its scores reach 0.32; faithfulness
+    correlation by 0.88). The first stack shows it, and the steps then run one per pass: the definition."""
+    from tdhook.metrics import faithfulness_correlation
+
+    net = Trajectory().double()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    ranked = torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64).expand(6, 3)  # the features in index order
+    td = TensorDict(x=x, attribution=TensorDict(x=ranked), batch_size=[6])
+    keys = {"in_keys": ["x"], "out_keys": ["y"], "target": 0}
+    with torch.no_grad():  # the definition: one pass per step
+        expected = torch.stack([net(torch.where(torch.arange(3) < k, 0.0, x))[:, 0] for k in range(4)], -1)
+    torch.testing.assert_close(pixel_flipping(net, td, **keys), expected, rtol=0, atol=1e-12)
+    td["attribution", "x"] = torch.randn(6, 3, dtype=torch.float64)
+    correlation = {"n_runs": 10, "subset_size": 2, "seed": 0, **keys}
+    expected = faithfulness_correlation(net, td, steps_per_forward=1, **correlation)
+    torch.testing.assert_close(faithfulness_correlation(net, td, **correlation), expected, rtol=0, atol=1e-12)
+    assert not net.rnn._forward_pre_hooks

@@ -250,3 +250,35 @@ def test_a_tensordict_of_per_sample_baselines_with_nested_keys_is_repeated_for_t
     got = sensitivity_max(IntegratedGradients(module, baselines=nested, n_steps=5), td, seed=0)
     expected = sensitivity_max(IntegratedGradients(module, baselines={("o", "x"): b}, n_steps=5), td, seed=0)
     assert got.shape == (2, 3) and torch.equal(got, expected)
+
+
+def test_a_trajectory_read_as_time_is_explained_one_copy_per_call():
+    """A TensorDict of one trajectory ``[6]`` fed to a plain GRU, which reads the batch's dimension as time: the
+    perturbed copies, stacked in one call of the method, ran as one sequence (each copy from the state the one
+    before it left): 0.018 off, 22% relative. The stacked call's time lengths show it, and each copy is explained
+    in a call of its own: the definition, written out."""
+    from torch import nn
+
+    from tdhook.attribution import IntegratedGradients
+    from tdhook.metrics._random import generator
+
+    class Trajectory(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.rnn, self.head = nn.GRU(3, 5), nn.Linear(5, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.rnn(x)[0])
+
+    net = Trajectory().double()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    method = IntegratedGradients(net, in_keys=["x"], out_keys=["y"], target=0, n_steps=8)
+    got = sensitivity_max(method, TensorDict(x=x, batch_size=[6]), seed=0, n_perturb_samples=4, perturb_radius=0.2)
+    noise = torch.rand(6, 4, 3, generator=generator(0), dtype=torch.float64) * 2 - 1  # the default noise's draws
+    original = method(TensorDict(x=x, batch_size=[6]))["attribution", "x"]
+    changes = []
+    for i in range(4):
+        perturbed = method(TensorDict(x=x + 0.2 * noise[:, i], batch_size=[6]))["attribution", "x"]
+        changes.append((perturbed - original).norm(dim=-1) / original.norm(dim=-1))
+    torch.testing.assert_close(got, torch.stack(changes, -1).amax(-1), rtol=0, atol=1e-12)

@@ -37,6 +37,7 @@ from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action, allowed_mask
 from tdhook.attribution._random_modules import draw, random_modules
 from tdhook.attribution._run_errors import run_error
+from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurrent_layers, time_lengths
 from tdhook.attribution.rules._meta_tensors import meta_tensors_refused
 from tdhook.attribution.targets import (
     Target,
@@ -193,6 +194,9 @@ class Scorer:
                 "leave steps_per_forward at None (one step per pass) or call .eval() on the model"
             )
         self.steps_per_forward = 1 if self._alone is not None else steps_per_forward
+        # Recurrent layers, and the time lengths they see in the unperturbed pass: a stack of steps that gives them
+        # others ran as one sequence, and runs again one step per pass (see tdhook.attribution.methods._time_reads).
+        self._recurrent, self._lengths = recurrent_layers(modules), set()
         self._batch = td.batch_size
         self._base = td.select(*self.module.in_keys, strict=False)
         named = named_targets(self.module, target_key)
@@ -224,7 +228,8 @@ class Scorer:
             return
         td, target = self._pending
         if output is None:
-            result = self._run(self._base.clone())  # copies: a model may change its inputs in place
+            with time_lengths(self._recurrent) as self._lengths:
+                result = self._run(self._base.clone())  # copies: a model may change its inputs in place
         else:  # what the wrapped plain module's pass writes: its inputs and its one output
             result = self._base.clone(recurse=False)
             result.set(self.module.out_keys[0], output.reshape(*self._batch, *output.shape[1:]))
@@ -352,6 +357,8 @@ class Scorer:
             return None
         if "forward" in vars(module):  # a forward set on the instance runs in place of the class's
             return None
+        if self._recurrent:  # whether the steps may share a pass is found in the passes (see outputs)
+            return None
         key = self._key if self._key is not None or len(module.out_keys) != 1 else module.out_keys[0]
         if list(module.in_keys) != self.keys or list(module.out_keys) != [key] or self._operator is not module:
             return None
@@ -370,6 +377,18 @@ class Scorer:
             return torch.cat(
                 [self.outputs({key: value[i : i + 1] for key, value in perturbed.items()}) for i in range(n_steps)]
             )
+        if n_steps > 1 and self._recurrent:
+            with time_lengths(self._recurrent) as lengths:
+                output = self._stacked_outputs(perturbed, n_steps)
+            if not read_as_one_sequence(self._lengths, lengths):
+                return output
+            name = next(name for name, _ in sorted(lengths - self._lengths, key=str))
+            self._alone = f"{name} ({type(self._recurrent[name]).__name__})"  # read the steps as one sequence
+            return self.outputs(perturbed)
+        return self._stacked_outputs(perturbed, n_steps)
+
+    def _stacked_outputs(self, perturbed: Mapping[NestedKey, torch.Tensor], n_steps: int) -> torch.Tensor:
+        """:meth:`outputs`, the steps stacked in one pass."""
         if self._plain and self._key in self.module.out_keys:
             return self._plain_outputs(perturbed, n_steps)
         if n_steps == 1:  # the other inputs copied (stacked, they are copies already)

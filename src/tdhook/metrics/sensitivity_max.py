@@ -9,6 +9,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
+from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurrent_layers, time_lengths
 from tdhook.metrics._batch_statistics import batch_normalising_module, keeps_running_statistics, statistics_kept
 from tdhook.metrics._features import Features, inputs_value, stacked_batch
 from tdhook.metrics._methods import (
@@ -53,7 +54,8 @@ def sensitivity_max(
     output ``y`` at ``x``). All perturbed inputs run in one call of the method, stacked along the batch's first
     dimension (``[n_perturb_samples * B, ...]``, with the method's per-sample baselines and feature masks repeated
     alike), or one call each where the model normalises over the batch (a BatchNorm in training mode or without
-    running statistics).
+    running statistics) or a recurrent layer reads the batch's first dimension as time (it saw other time lengths
+    in the stacked call than in the method's own call).
 
     Args:
         method: the attribution wrapper (:class:`~tdhook.attribution.LRP` or another method); it is called, and
@@ -94,8 +96,11 @@ def sensitivity_max(
     units = unit_dims(method)  # target="all": every unit's attribution, compared together
     batch, n = td.batch_size, n_perturb_samples
     rng = generator(seed) if perturb_fn is None else None
+    # A recurrent layer that reads the batch's first dimension as time would read the stacked copies as one
+    # sequence: the time lengths of the method's own call tell (see tdhook.attribution.methods._time_reads).
+    recurrent = recurrent_layers(dict(method.named_modules()))
     with torch.no_grad():
-        with statistics_kept(method):  # every call of the method from the caller's running statistics
+        with statistics_kept(method), time_lengths(recurrent) as own:  # from the caller's running statistics
             result = explain(method, td)
         reference = _flat(Features.read(result, keys, prefix, units).attributions, len(batch))
         expanded = repeated(td, keys, n)
@@ -114,19 +119,22 @@ def sensitivity_max(
     for key in keys:
         work.set(key, perturbed.get(key).movedim(len(batch), 0))
     target = original_target(method, result, len(batch), td)
-    if batch_normalising_module(method) is not None:
+    attributions = None
+    if batch_normalising_module(method) is None:
+        held = target_set(method, repeat_target(target, batch, n))
+        with held, options_repeated(method, td, n), torch.no_grad(), statistics_kept(method):
+            with time_lengths(recurrent) as lengths:
+                explained = explain(method, work.reshape(*stacked))
+        if not read_as_one_sequence(own, lengths):
+            read = Features.read(explained, keys, prefix, units).attributions
+            attributions = [a.reshape(n, *batch, *a.shape[len(stacked) :]) for a in read]
+    if attributions is None:  # one call per copy
         with target_set(method, target), torch.no_grad():
             copies = []
             for i in range(n):
                 with statistics_kept(method):
                     copies.append(Features.read(explain(method, work[i]), keys, prefix, units).attributions)
         attributions = [torch.stack(parts) for parts in zip(*copies, strict=True)]
-    else:
-        held = target_set(method, repeat_target(target, batch, n))
-        with held, options_repeated(method, td, n), torch.no_grad(), statistics_kept(method):
-            explained = explain(method, work.reshape(*stacked))
-        read = Features.read(explained, keys, prefix, units).attributions
-        attributions = [a.reshape(n, *batch, *a.shape[len(stacked) :]) for a in read]
     changed = _flat(attributions, len(batch) + 1).movedim(0, -2)
     norm = reference.norm(dim=-1, keepdim=True)
     norm = torch.where(norm == 0, torch.ones_like(norm), norm)

@@ -51,6 +51,7 @@ from tdhook.attribution.methods._batch_statistics import (
 from tdhook.attribution.methods._call_keys import keys_explained_in_call, narrowed
 from tdhook.attribution.methods._options import MISSING
 from tdhook.attribution.methods._sampled_targets import sampled_target
+from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurrent_layers, time_lengths
 from tdhook.attribution.rules._meta_tensors import meta_tensors_refused
 from tdhook.attribution.targets import (
     EveryUnit,
@@ -77,7 +78,10 @@ class Call:
     output times a row, summed over the output's non-batch dimensions.
     ``buffers_before`` holds the buffers of the modules in training mode as the
     caller left them, before the unperturbed pass moved them: every perturbed
-    pass starts from them.
+    pass starts from them. ``recurrent`` holds the model's recurrent layers
+    (of a method that evaluates copies) and ``time_lengths`` the time lengths
+    they saw in the unperturbed pass (see
+    :mod:`~tdhook.attribution.methods._time_reads`).
     """
 
     tensordict: TensorDictBase
@@ -92,6 +96,8 @@ class Call:
     leaves: list[torch.Tensor] = field(default_factory=list)
     separate_copies: bool = False
     buffers_before: BufferValues | None = None
+    recurrent: dict[str, nn.Module] = field(default_factory=dict)
+    time_lengths: set = field(default_factory=set)
 
     @property
     def batch_shape(self) -> torch.Size:
@@ -337,7 +343,8 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         base = tensordict.select(*self.module.in_keys, strict=False).exclude(*self.explained_keys)
         if self._evaluates_copies:  # as the caller gave them: the model may scale an input in place (obs /= 255)
             base = base.clone()
-        with torch.enable_grad() if grad else torch.no_grad():
+        recurrent = recurrent_layers(self.named_explained_modules()) if self._evaluates_copies else {}
+        with torch.enable_grad() if grad else torch.no_grad(), time_lengths(recurrent) as lengths:
             leaves, fed = feed_inputs(work, self.explained_keys, TokenInputs(self.explained_keys))
             result = self._run(work)
         try:
@@ -384,6 +391,8 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             fed=fed,
             leaves=leaves if grad else [],
             separate_copies=self._evaluates_copies and bool(batch_normalisers(self.named_explained_modules())),
+            recurrent=recurrent,
+            time_lengths=lengths,
         )
 
     # ------------------------------------------------------------------ evaluations
@@ -406,7 +415,9 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         """The explained quantity at ``copies`` perturbed inputs, in one forward pass.
 
         A model that normalises over the batch (BatchNorm in training mode) runs one copy per pass instead, so
-        that each copy is normalised with its own statistics, as the model on one batch is.
+        that each copy is normalised with its own statistics, as the model on one batch is; so does, from the first
+        stacked pass that shows it on, a model whose recurrent layer reads the batch's first dimension as time (see
+        :mod:`~tdhook.attribution.methods._time_reads`).
 
         Args:
             call: the call.
@@ -419,19 +430,23 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         copies = perturbed[0].shape[0]
         leaves = [x.detach().requires_grad_(True) for x in perturbed] if grad else []
         inputs = leaves if grad else perturbed
-        per_pass = 1 if call.separate_copies else copies
+        parts, start = [], 0
         with torch.enable_grad() if grad else torch.no_grad():
-            objective = torch.cat(
-                [self._run_copies(call, [x[s : s + per_pass] for x in inputs]) for s in range(0, copies, per_pass)],
-                dim=1,
-            )
+            while start < copies:
+                stop = start + 1 if call.separate_copies else copies
+                part = self._run_copies(call, [x[start:stop] for x in inputs])
+                if part is not None:  # None: the copies ran as one sequence, and run again one per pass
+                    parts.append(part)
+                    start = stop
+            objective = torch.cat(parts, dim=1)
         if grad and not objective.requires_grad:
             raise ValueError(f"{type(self).__name__}: target {call.target_key!r} does not depend on the inputs")
         return objective, leaves
 
-    def _run_copies(self, call: Call, perturbed: Sequence[torch.Tensor]) -> torch.Tensor:
+    def _run_copies(self, call: Call, perturbed: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """The explained quantity at perturbed copies of the batch, stacked in one forward pass: ``[units, copies,
-        *batch]``."""
+        *batch]``; ``None`` where a recurrent layer read the copies as one sequence (``call.separate_copies`` is then
+        set)."""
         copies = perturbed[0].shape[0]
         batch = call.batch_shape
         shape = (copies * batch[0], *batch[1:]) if call.batch_dims else (copies,)
@@ -439,8 +454,12 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         work = call.base.unsqueeze(0).expand(copies, *batch).clone().reshape(shape)
         for key, x in zip(self.explained_keys, perturbed, strict=True):
             work.set(key, x.reshape(*shape, *x.shape[1 + call.batch_dims :]).clone())
-        with buffers_kept(self.module, call.buffers_before):  # each pass starts from the caller's statistics
+        layers = call.recurrent if copies > 1 else {}
+        with buffers_kept(self.module, call.buffers_before), time_lengths(layers) as lengths:  # the caller's statistics
             output = target_output(self._run(work), call.target_key, self._target[1])
+        if read_as_one_sequence(call.time_lengths, lengths):
+            call.separate_copies = True
+            return None
         return self._contract(call, output, copies)
 
     @staticmethod
