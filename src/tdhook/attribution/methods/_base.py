@@ -343,7 +343,8 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         base = tensordict.select(*self.module.in_keys, strict=False).exclude(*self.explained_keys)
         if self._evaluates_copies:  # as the caller gave them: the model may scale an input in place (obs /= 255)
             base = base.clone()
-        recurrent = recurrent_layers(self.named_explained_modules()) if self._evaluates_copies else {}
+        modules = self.named_explained_modules() if self._evaluates_copies else {}
+        recurrent = recurrent_layers(modules)
         with torch.enable_grad() if grad else torch.no_grad(), time_lengths(recurrent) as lengths:
             leaves, fed = feed_inputs(work, self.explained_keys, TokenInputs(self.explained_keys))
             result = self._run(work)
@@ -390,7 +391,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             all_units=all_units,
             fed=fed,
             leaves=leaves if grad else [],
-            separate_copies=self._evaluates_copies and bool(batch_normalisers(self.named_explained_modules())),
+            separate_copies=bool(batch_normalisers(modules)),
             recurrent=recurrent,
             time_lengths=lengths,
         )
