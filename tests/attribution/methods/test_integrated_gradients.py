@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
+from torch import nn
 
 from tdhook.attribution import IntegratedGradients
 from tdhook.attribution.methods._quadrature import quadrature
@@ -240,3 +241,23 @@ def test_a_tensordict_of_baselines_with_nested_keys_gives_each_key_its_leaf():
     expected = IntegratedGradients(policy, target=1, baselines=by_key, n_steps=8)(td.clone())
     for key in [("o", "obs"), ("o", "goal")]:
         assert torch.equal(got["attribution", *key], expected["attribution", *key])
+
+
+@pytest.mark.parametrize("change", [{"n_steps": 20}, {"n_steps": 80}, {"method": "riemann_left"}])
+def test_steps_and_method_set_as_attributes_are_used(change):
+    """The quadrature points were drawn once, in the constructor: ``ig.n_steps = 20`` on a wrapper built with 50
+    integrated over the first 20 of its 50 Gauss-Legendre points (off by 0.18, the attributions up to 0.29), 80
+    stayed at 50 points, and ``ig.method = ...`` was ignored, without a word. They follow the attributes now, as
+    set_kwargs's do."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    td = TensorDict(x=torch.randn(3, 4, dtype=torch.float64), batch_size=[3])
+    ig = IntegratedGradients(net, in_keys=["x"], out_keys=["y"], target=1, n_steps=50)
+    ig(td.clone())
+    for name, value in change.items():
+        setattr(ig, name, value)
+    expected = IntegratedGradients(net, in_keys=["x"], out_keys=["y"], target=1, **{"n_steps": 50, **change})
+    torch.testing.assert_close(ig(td.clone())["attribution", "x"], expected(td.clone())["attribution", "x"])
+    ig.n_steps = 0
+    with pytest.raises(ValueError, match="IntegratedGradients: n_steps must be an int of at least 1, got 0"):
+        ig(td.clone())

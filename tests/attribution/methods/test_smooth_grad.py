@@ -6,6 +6,7 @@ import captum.attr
 import pytest
 import torch
 from tensordict import TensorDict
+from torch import nn
 
 from tdhook.attribution import Saliency, SmoothGrad
 from tests.attribution.methods._models import bfloat16_linear, random_mlp, small_cnn, two_key_policy
@@ -145,3 +146,20 @@ def test_with_a_seed_a_samples_attribution_does_not_depend_on_its_batch(name, ba
     larger = method(TensorDict(x=torch.cat([x, x.flip(0)]), batch_size=[2 * batch[0], *batch[1:]]))
     torch.testing.assert_close(alone, whole[(0,) * len(batch)], rtol=0, atol=1e-12)
     torch.testing.assert_close(larger["attribution", "x"][: batch[0]], whole, rtol=0, atol=1e-12)
+
+
+def test_a_stdev_set_as_an_attribute_is_used():
+    """``stdev`` is the constructor's name (and the tunable's), but the noise was drawn from ``stdevs``, per key,
+    fixed in the constructor: ``smooth.stdev = 0.5`` on a wrapper built with 0.1 was ignored (off by 0.022, the
+    attributions up to 0.27), without a word. The attribute now sets the noise of the next call."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    td = TensorDict(x=torch.randn(4, 3, dtype=torch.float64), batch_size=[4])
+    smooth = SmoothGrad(net, in_keys=["x"], out_keys=["y"], n_samples=8, stdev=0.1, seed=0)
+    smooth.stdev = 0.5
+    expected = SmoothGrad(net, in_keys=["x"], out_keys=["y"], n_samples=8, stdev=0.5, seed=0)(td.clone())
+    torch.testing.assert_close(smooth(td.clone())["attribution", "x"], expected["attribution", "x"], rtol=0, atol=0)
+    assert smooth.stdev == 0.5 and smooth.stdevs == [0.5]
+    with pytest.raises(ValueError, match="SmoothGrad: the stdev of input key 'x' must be a number >= 0, got -1"):
+        smooth.stdev = -1
+    assert smooth.stdevs == [0.5]

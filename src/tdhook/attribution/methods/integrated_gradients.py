@@ -85,14 +85,23 @@ class IntegratedGradients(AttributionMethod):
             target=target,
             relevance_key=relevance_key,
         )
-        try:
-            self._alphas, self._weights = quadrature(method, n_steps)
-        except ValueError as err:
-            raise ValueError(f"IntegratedGradients: {err}") from None
         self.baselines = baselines
         self.n_steps = n_steps
         self.method = method
+        self._points: tuple | None = None
+        self._quadrature()  # checked here, and found again where the attributes change
         self.internal_batch_size = checked_batch_size(internal_batch_size, "IntegratedGradients")
+
+    def _quadrature(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The points and weights of ``method`` with ``n_steps`` points (as the attributes are at the call: set
+        directly, they hold as set_kwargs's), kept while they stay the same."""
+        key = (self.method, self.n_steps)
+        if self._points is None or self._points[0] != key:
+            try:
+                self._points = (key, *quadrature(*key))
+            except ValueError as err:
+                raise ValueError(f"IntegratedGradients: {err}") from None
+        return self._points[1], self._points[2]
 
     def _attribute(self, call: Call) -> list[torch.Tensor]:
         baselines = baseline_tensors(
@@ -101,10 +110,11 @@ class IntegratedGradients(AttributionMethod):
         differences = [x - b for x, b in zip(call.inputs, baselines, strict=True)]
         # Summed over the points in float32 at least (see accumulation_dtype), rounded once to the input's dtype.
         totals = [x.new_zeros(call.seeds.shape[0], *x.shape, dtype=accumulation_dtype(x.dtype)) for x in call.inputs]
+        points, weights_of_points = self._quadrature()
         chunk = steps_per_pass(self.n_steps, call.batch_shape.numel(), self.internal_batch_size, "IntegratedGradients")
         for start in range(0, self.n_steps, chunk):
-            alphas = self._alphas[start : start + chunk]
-            weights = self._weights[start : start + chunk]
+            alphas = points[start : start + chunk]
+            weights = weights_of_points[start : start + chunk]
             perturbed = []
             for b, d in zip(baselines, differences, strict=True):
                 a = alphas.to(dtype=d.dtype, device=d.device).view(-1, *[1] * d.dim())

@@ -144,15 +144,26 @@ class SmoothGrad(AttributionMethod):
             raise ValueError(f"SmoothGrad: n_samples must be a positive int, got {n_samples!r}")
         if nt_type not in NT_TYPES:
             raise ValueError(f"SmoothGrad: nt_type must be one of {NT_TYPES}, got {nt_type!r}")
-        self.stdevs = per_key(stdev, self.explained_keys, "stdev", "SmoothGrad", partial=self._defaulted_inputs)
-        for key, value in zip(self.explained_keys, self.stdevs, strict=True):
-            if value is not MISSING and (isinstance(value, bool) or not isinstance(value, Real) or not value >= 0):
-                raise ValueError(f"SmoothGrad: the stdev of input key {key!r} must be a number >= 0, got {value!r}")
+        self.stdev = stdev
         self.n_samples = n_samples
         self.seed = seed
         self.nt_type = nt_type
         self.abs = abs
         self.internal_batch_size = checked_batch_size(internal_batch_size, "SmoothGrad")
+
+    @property
+    def stdev(self) -> Union[float, Mapping[NestedKey, float]]:
+        """The noise's standard deviation as given (``stdevs`` holds it per explained key); set, it holds for the
+        next call, as ``set_kwargs(stdev=...)`` does."""
+        return self._stdev
+
+    @stdev.setter
+    def stdev(self, stdev: Union[float, Mapping[NestedKey, float]]) -> None:
+        stdevs = per_key(stdev, self.explained_keys, "stdev", "SmoothGrad", partial=self._defaulted_inputs)
+        for key, value in zip(self.explained_keys, stdevs, strict=True):
+            if value is not MISSING and (isinstance(value, bool) or not isinstance(value, Real) or not value >= 0):
+                raise ValueError(f"SmoothGrad: the stdev of input key {key!r} must be a number >= 0, got {value!r}")
+        self._stdev, self.stdevs = stdev, stdevs
 
     def _attribute(self, call: Call) -> list[torch.Tensor]:
         copies = noisy_copies(call.inputs, self.stdevs, self.n_samples, self.seed, call.batch_dims)
