@@ -191,3 +191,29 @@ def test_under_no_grad_a_layer_in_a_transformer_encoder_writes_the_plain_outputs
         out = cam(td.clone())
     assert torch.equal(out["y"], plain)
     torch.testing.assert_close(out["attribution", layer], with_grad["attribution", layer], rtol=1e-5, atol=1e-7)
+
+
+def test_a_layer_set_as_an_attribute_writes_its_map_at_its_own_key():
+    """``cam.layer = "3"`` on a wrapper built for layer "1" hooked the new layer but wrote its map at the old
+    layer's key, ``("attribution", "1")``, without a word. The key (and out_keys) follow the layer now."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(144, 2),
+    ).double()
+    x = torch.randn(5, 3, 6, 6, dtype=torch.float64)
+    cam = GradCAM(net, layer="1", in_keys=["image"], out_keys=["logits"], target=1)
+    cam.layer = "3"
+    td = cam(TensorDict(image=x, batch_size=[5]))
+    assert set(td["attribution"].keys()) == {"3"} and cam.out_keys == ["logits", ("attribution", "3")]
+    expected = GradCAM(net, layer="3", in_keys=["image"], out_keys=["logits"], target=1)
+    torch.testing.assert_close(
+        td["attribution", "3"], expected(TensorDict(image=x, batch_size=[5]))["attribution", "3"]
+    )
+    with pytest.raises(KeyError, match="GradCAM: layer is"):
+        cam.layer = "9"
+    assert cam.layer == "3"

@@ -82,21 +82,31 @@ class GradCAM(AttributionMethod):
             target=target,
             relevance_key=relevance_key,
         )
+        self.relu = relu
+        self.upsample = upsample
+        if not upsample:
+            self.relevance_keys = []
+        self.layer = layer
+        self._activations: list[torch.Tensor] = []
+        self._cam: torch.Tensor | None = None
+
+    @property
+    def layer(self) -> str:
+        """The inner module's name; set, the map of the new layer is written at its own key (``layer_key``, and
+        ``out_keys`` with it)."""
+        return self._layer
+
+    @layer.setter
+    def layer(self, layer: str) -> None:
         if not isinstance(layer, str):
             raise TypeError(f"GradCAM: layer must be a module name (a string), got {type(layer).__name__}")
         try:
             keys = layer_keys([layer], self.named_explained_modules(), self.explained_keys)
         except (KeyError, ValueError) as err:
             raise type(err)(str(err.args[0]).replace("LRP: layers names", "GradCAM: layer is", 1)) from None
-        self.layer = layer
-        self.layer_key = (relevance_key, *keys[layer])
-        self.relu = relu
-        self.upsample = upsample
-        if not upsample:
-            self.relevance_keys = []
+        self._layer = layer
+        self.layer_key = (self.relevance_key, *keys[layer])
         self.out_keys = [*self.module.out_keys, self.layer_key, *self.relevance_keys]
-        self._activations: list[torch.Tensor] = []
-        self._cam: torch.Tensor | None = None
 
     @contextlib.contextmanager
     def _model_context(self) -> Iterator[None]:
