@@ -62,3 +62,15 @@ def mlp_net(channels: int = 3, size: int = 6, classes: int = 5, hidden: int = 16
         .double()
         .eval()
     )
+
+
+class Trajectory(nn.Module):
+    """A GRU over its input's first dimension: a ``[6, 3]`` input is one trajectory of 6 steps (unbatched)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn, self.head = nn.GRU(3, 5), nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0])

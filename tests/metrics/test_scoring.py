@@ -16,6 +16,7 @@ from tdhook.attribution.targets import initial_gradient
 from tdhook.metrics import pixel_flipping
 from tdhook.metrics._leading_affine import LeadingAffine
 from tdhook.metrics._scoring import Scorer, chunks
+from tests.metrics._models import Trajectory
 
 
 def test_the_argmax_is_fixed_on_the_unperturbed_input():
@@ -482,18 +483,6 @@ def test_a_weight_on_the_meta_device_is_named(layer):
     with pytest.raises(ValueError, match=expected):
         pixel_flipping(net, td, in_keys=["x"], out_keys=["y"])
     assert not any(m._forward_hooks for m in net.modules())
-
-
-class Trajectory(nn.Module):
-    """A GRU over its input's first dimension: a ``[6, 3]`` input is one trajectory of 6 steps (unbatched)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.rnn, self.head = nn.GRU(3, 5), nn.Linear(5, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.rnn(x)[0])
 
 
 def test_a_trajectory_read_as_time_scores_one_step_per_pass():

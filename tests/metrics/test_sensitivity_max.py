@@ -11,7 +11,7 @@ from tensordict import TensorDict
 from tdhook.attribution import LRP, GradientShap, SmoothGrad
 from tdhook.attribution import InputXGradient as tdhook_input_x_gradient
 from tdhook.metrics import sensitivity_max
-from tests.metrics._models import TwoKeys, conv_net, images
+from tests.metrics._models import Trajectory, TwoKeys, conv_net, images
 
 
 @pytest.mark.parametrize(("batch", "n"), [(1, 4), (5, 6)])
@@ -258,19 +258,8 @@ def test_a_trajectory_read_as_time_is_explained_one_copy_per_call(wrapper):
     perturbed copies, stacked in one call of the method, ran as one sequence (each copy from the state the one
     before it left): IntegratedGradients' 0.018 off (22% relative), LRP's 2.3 (of 2.5). The stacked call's time
     lengths show it, and each copy is explained in a call of its own: the definition, written out."""
-    from torch import nn
-
     from tdhook.attribution import IntegratedGradients
     from tdhook.metrics._random import generator
-
-    class Trajectory(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.rnn, self.head = nn.GRU(3, 5), nn.Linear(5, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.rnn(x)[0])
 
     net = Trajectory().double()
     x = torch.randn(6, 3, dtype=torch.float64)
