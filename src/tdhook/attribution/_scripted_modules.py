@@ -89,8 +89,9 @@ def _is_aten(target: object) -> bool:
 
 
 def refuse_unreachable_relus(modules: Mapping[str, nn.Module], owner: str) -> None:
-    """Raise where one of ``modules`` computes ReLU as TorchScript or as an ATen operator, where no forward hook on
-    an ``nn.ReLU`` reaches (a method that guides each ReLU module's gradient would leave it plain).
+    """Raise where one of ``modules`` computes ReLU as TorchScript or as an ATen operator, which neither a forward
+    hook on an ``nn.ReLU`` nor a ``TorchFunctionMode`` over Python's ReLU calls reaches (a method that guides each
+    ReLU's gradient would leave it plain).
 
     Args:
         modules: the model's modules by name.
@@ -118,6 +119,6 @@ def refuse_unreachable_relus(modules: Mapping[str, nn.Module], owner: str) -> No
         if computes:
             raise TypeError(
                 f"{owner}: module {name or 'the model itself'!r} ({kind}) computes ReLU as TorchScript or an ATen "
-                "operator, where no forward hook on an nn.ReLU reaches: its ReLUs would keep their plain gradient. "
-                "Explain the module as it was before torch.jit or torch.export."
+                "operator, which neither a hook on an nn.ReLU nor a ReLU call in Python reaches: its ReLUs would keep "
+                "their plain gradient. Explain the module as it was before torch.jit or torch.export."
             )
