@@ -505,3 +505,27 @@ def test_a_trajectory_read_as_time_scores_one_step_per_pass():
     expected = faithfulness_correlation(net, td, steps_per_forward=1, **correlation)
     torch.testing.assert_close(faithfulness_correlation(net, td, **correlation), expected, rtol=0, atol=1e-12)
     assert not net.rnn._forward_pre_hooks
+
+
+def test_a_trajectory_read_as_time_after_a_leading_linear_layer_scores_one_step_per_pass():
+    """The same GRU after a leading nn.Linear, whose output the curve updates from step to step: the layers after it
+    ran the stacked steps as one sequence (pixel flipping off by 0.21, in its unperturbed score too). A model with a recurrent layer takes the
+    stacked passes, which see it; the scores are those of one pass per step."""
+
+    class Recurrent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.GRU(5, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.rnn(x)[0]
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 5), Recurrent(), nn.Linear(4, 2)).double()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    ranked = torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64).expand(6, 3)  # the features in index order
+    td = TensorDict(x=x, attribution=TensorDict(x=ranked), batch_size=[6])
+    with torch.no_grad():  # the definition: one pass per step
+        expected = torch.stack([net(torch.where(torch.arange(3) < k, 0.0, x))[:, 0] for k in range(4)], -1)
+    got = pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], target=0)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
