@@ -509,8 +509,8 @@ def test_a_trajectory_read_as_time_scores_one_step_per_pass():
 
 def test_a_trajectory_read_as_time_after_a_leading_linear_layer_scores_one_step_per_pass():
     """The same GRU after a leading nn.Linear, whose output the curve updates from step to step: the layers after it
-    ran the stacked steps as one sequence (pixel flipping off by 0.21, in its unperturbed score too). A model with a recurrent layer takes the
-    stacked passes, which see it; the scores are those of one pass per step."""
+    ran the stacked steps as one sequence (pixel flipping off by 0.21, in its unperturbed score too). A model with a
+    recurrent layer takes the stacked passes, which see it; the scores are those of one pass per step."""
 
     class Recurrent(nn.Module):
         def __init__(self) -> None:

@@ -96,9 +96,10 @@ class LeadingAffine:
 
     def fits(self, x: torch.Tensor, batch_dims: int, baseline: torch.Tensor) -> bool:
         """Whether the linear layer reads each sample of ``x`` (``batch + shape``, not empty) whole (after a flatten, on
-        a batch of one dimension), in float32 or
-        float64, and ``x`` and ``baseline`` are finite (an infinite or NaN input would stay in the summed outputs after
-        it went to the baseline; such a baseline would be in the outputs before it came)."""
+        a batch of one dimension), in float32 or float64 and outside autocast (which runs the layer's own pass in a
+        lower precision than the sums here), and ``x`` and ``baseline`` are finite (an infinite or NaN input would stay
+        in the summed outputs after it went to the baseline; such a baseline would be in the outputs before it
+        came)."""
         shape, weight = x.shape[batch_dims:], self.linear.weight
         # nn.Flatten() flattens every dimension after the first: a sample's own on a batch of one dimension only.
         flat = batch_dims == 1 if self.flatten else len(shape) == 1
@@ -106,7 +107,7 @@ class LeadingAffine:
         small = weight.numel() <= _LARGEST_LAYER  # its transposed copy stays small
         typed = x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float64)
         same = typed and x.device == weight.device and x.device.type != "mps"  # MPS: no float64
-        if not (whole and small and same):
+        if not (whole and small and same) or torch.is_autocast_enabled(x.device.type):
             return False
         # A sum is finite only where every element is (one that overflows takes the stacked passes, as a non-finite
         # element does): a reduction instead of a mask of each tensor and its reduction.
