@@ -133,4 +133,5 @@ def _plan_key(lrp: Any, rule_modes: list, work: TensorDictBase) -> tuple | None:
 
 
 def _call(lrp: Any, work: TensorDictBase) -> TensorDictBase | None:
-    return call_plain(lrp.module, work) if lrp._name_prefix else lrp.module(work)
+    with lrp._tokens.tracking():  # token ids copied or shifted from explained ones, refused where embedded
+        return call_plain(lrp.module, work) if lrp._name_prefix else lrp.module(work)
