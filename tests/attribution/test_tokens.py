@@ -201,3 +201,28 @@ def test_positions_computed_from_explained_tokens_are_no_tokens():
     td = LRP(model, in_keys=["tokens"], out_keys=["y"])(TensorDict(tokens=tokens, batch_size=[2]))
     logit = td["y"].max(-1).values
     torch.testing.assert_close(td["relevance", "tokens"].sum(1), logit)
+
+
+class CopyingEmbedding(nn.Embedding):
+    """An embedding that looks the tokens up through an inner one, on a copy with out-of-range ids set to 0 (as
+    Idefics' decoupled embedding does): the outer embedding's output stands for the tokens."""
+
+    def __init__(self) -> None:
+        super().__init__(11, 4, dtype=torch.float64)
+        self.inner = nn.Embedding(11, 4, dtype=torch.float64)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        copy = tokens.clone()
+        copy[copy >= 11] = 0
+        return self.inner(copy)
+
+
+def test_a_copy_looked_up_inside_the_embedding_of_the_tokens_is_theirs():
+    torch.manual_seed(0)
+    model = nn.Sequential(CopyingEmbedding(), nn.Flatten(), nn.Linear(20, 3, dtype=torch.float64))
+    tokens = torch.randint(0, 11, (2, 5))
+    td = LRP(model, in_keys=["tokens"], out_keys=["y"])(TensorDict(tokens=tokens, batch_size=[2]))
+    embedded = model[0](tokens).detach().requires_grad_(True)
+    out = model[2](model[1](embedded))
+    out.gather(1, out.argmax(1, keepdim=True)).sum().backward()
+    torch.testing.assert_close(td["relevance", "tokens"], (embedded * embedded.grad).sum(-1))

@@ -70,6 +70,7 @@ class TokenInputs:
         self._ids: dict[int, torch.Tensor] = {}
         self._leaves: list[torch.Tensor | None] = []
         self._fed: list[torch.Tensor | None] = []
+        self._derived: list[tuple[int, str, str]] = []  # lookups of ids computed from a key: key, module, class
 
     @property
     def feeding(self) -> bool:
@@ -79,7 +80,7 @@ class TokenInputs:
     def clear(self) -> None:
         """Forget the tokens of the last call."""
         self._ids = {}
-        self._leaves, self._fed = [], []
+        self._leaves, self._fed, self._derived = [], [], []
 
     def feed(
         self,
@@ -149,16 +150,25 @@ class TokenInputs:
         if derived is not None:
             with torch._C.DisableTorchFunction():
                 looks_up = not isinstance(module, nn.Embedding) or _looks_up(module, args[0], output)
-            if looks_up:
-                raise ValueError(
-                    f"LRP: input key {self.keys[derived]!r} reaches {name!r} ({type(module).__name__}) through "
-                    "token ids computed from it (sliced, shifted or copied, as an encoder-decoder makes its "
-                    "decoder's input from its input when it is given no decoder input): the relevance of that "
-                    "lookup would be lost without a word; give those token ids as an input of their own (for "
-                    "example decoder_input_ids, as an input key), or explain the embeddings (inputs_embeds and "
-                    "decoder_inputs_embeds)"
-                )
+            if looks_up:  # judged after the call: inside the embedding of the ids themselves, it is theirs
+                self._derived.append((derived, name, type(module).__name__))
         return None
+
+    def _raise_for_derived(self) -> None:
+        """Refuse a lookup of token ids computed from explained ones (see :meth:`tracking`), but where it is
+        part of the embedding that looked up the ids themselves (a module inside it)."""
+        for index, name, kind in self._derived:
+            leaf = self._leaves[index] if index < len(self._leaves) else None
+            outer = getattr(leaf, "_tdhook_embedding_of", None)
+            if outer is not None and name.startswith(f"{outer}." if outer else ""):
+                continue
+            raise ValueError(
+                f"LRP: input key {self.keys[index]!r} reaches {name!r} ({kind}) through token ids computed from "
+                "it (sliced, shifted or copied, as an encoder-decoder makes its decoder's input from its input "
+                "when it is given no decoder input): the relevance of that lookup would be lost without a word; "
+                "give those token ids as an input of their own (for example decoder_input_ids, as an input key), "
+                "or explain the embeddings (inputs_embeds and decoder_inputs_embeds)"
+            )
 
     def tracking(self) -> contextlib.AbstractContextManager:
         """A context, for the model's call, that marks the integer tensors computed from the fed token ids by the
@@ -255,8 +265,11 @@ class TokenInputs:
                 simply not explained (their leaf stays ``None``), unless no input at all is left to explain.
 
         Raises:
+            ValueError: token ids computed from an input were looked up outside the embedding of the input itself.
             TypeError: an input's leaf is still ``None``.
         """
+        if cause is None:
+            self._raise_for_derived()
         if optional and cause is None and any(leaf is not None for leaf in leaves):
             return
         for i in self._ids:
