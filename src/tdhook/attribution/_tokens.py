@@ -27,7 +27,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +71,7 @@ class TokenInputs:
         self._leaves: list[torch.Tensor | None] = []
         self._fed: list[torch.Tensor | None] = []
         self._derived: list[tuple[int, str, str]] = []  # lookups of ids computed from a key: key, module, class
+        self._clean: set = set()  # signatures of this context's calls that looked up no such ids
 
     @property
     def feeding(self) -> bool:
@@ -119,6 +120,7 @@ class TokenInputs:
             The hooks' handles.
         """
         handles = []
+        self._clean = set()  # a new context: its model may have changed
         for name, module in modules.items():
             if isinstance(module, nn.Embedding):
                 handles.append(module.register_forward_hook(self.embedding_hook(name), prepend=True, with_kwargs=True))
@@ -170,13 +172,18 @@ class TokenInputs:
                 "or explain the embeddings (inputs_embeds and decoder_inputs_embeds)"
             )
 
-    def tracking(self) -> contextlib.AbstractContextManager:
+    def tracking(self, signature: Hashable | None = None) -> contextlib.AbstractContextManager:
         """A context, for the model's call, that marks the integer tensors computed from the fed token ids by the
         operations that carry token values on (indexing, copies, concatenation, shifts, in-place writes): an
         embedding that looks them up is refused by name, as its relevance could not reach the tokens.
 
+        Args:
+            signature: what the call's inputs are (their keys, types and shapes). A call of a context whose
+                signature an earlier call of the context ran with, and looked up no such ids, is not tracked
+                again: the model computes the same from inputs of the same kind.
+
         Returns:
-            The context (a no-op where the call feeds no token ids).
+            The context (a no-op where the call feeds no token ids, or its signature was found clean).
 
         Examples:
             >>> tokens = TokenInputs(["input_ids"])
@@ -189,7 +196,16 @@ class TokenInputs:
             (0, None)
             >>> tokens.clear()
         """
-        return _DerivedTokens(self._ids) if self._ids else contextlib.nullcontext()
+        if not self._ids or (signature is not None and signature in self._clean):
+            return contextlib.nullcontext()
+        return self._tracked(signature)
+
+    @contextlib.contextmanager
+    def _tracked(self, signature: Hashable | None) -> Iterator[None]:
+        with _DerivedTokens(self._ids):
+            yield
+        if signature is not None and not self._derived:  # the call ran, and no lookup of derived ids was found
+            self._clean.add(signature)
 
     def embedding_hook(self, name: str) -> Callable[[nn.Module, tuple, dict, torch.Tensor], torch.Tensor | None]:
         """A forward hook for ``nn.Embedding`` ``name`` that takes its output as the tokens' leaf.
