@@ -330,8 +330,9 @@ _CARRYING = frozenset(
         "tensor_split", "movedim", "pad",
     }
 )  # fmt: skip
-# In-place writes of token values into their first argument: ``out[:, 1:] = ids[:, :-1]``, ``out.copy_(ids)``.
-_WRITING = frozenset({"__setitem__", "copy_", "index_copy_", "scatter_", "masked_scatter_"})
+# In-place writes of token values into their first argument (``out[:, 1:] = ids[:, :-1]``, ``out.copy_(ids)``): the
+# position of the values written among the arguments (an index is no value).
+_WRITING = {"__setitem__": 2, "copy_": 1, "index_copy_": 3, "scatter_": 3, "masked_scatter_": 2}
 
 
 class _DerivedTokens(TorchFunctionMode):
@@ -363,7 +364,7 @@ class _DerivedTokens(TorchFunctionMode):
             return out
         with torch._C.DisableTorchFunction():  # looking at tensors is no call of the model: out of the modes' sight
             if name in _WRITING and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
-                index = self._source(iter(args[1:]))
+                index = self._source(iter(args[_WRITING[name] : _WRITING[name] + 1]))
                 if index is not None:
                     _mark(args[0], index)
             elif name in _CARRYING:
