@@ -31,24 +31,13 @@ from tensordict import TensorDict
 from torch import nn
 
 from tdhook.attribution import LRP
-from tests.attribution.test_lrp_transformer_zoo import ADDITIVE, HIDDEN, PRESETS
+from tests.attribution.test_lrp_transformer_zoo import ADDITIVE, COMMON, HIDDEN, PRESETS, VISION, scaled_up
 from tests.conftest import relative_error
 
 F64 = torch.float64
 IMAGE_TOKEN = 60
-VISION = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 VIT = dict(VISION, image_size=16, patch_size=4)  # 16 patches
-LLAMA = dict(
-    model_type="llama",
-    vocab_size=64,
-    hidden_size=HIDDEN,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=64,
-    max_position_embeddings=64,
-    head_dim=8,
-)
+LLAMA = dict(COMMON, model_type="llama")
 SEQ2SEQ = dict(vocab_size=64, d_model=HIDDEN, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4)
 SEQ2SEQ |= dict(decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)
 T5 = dict(vocab_size=64, d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)
@@ -159,13 +148,7 @@ class Model:
         torch.manual_seed(0)
         model = self.build()
         model.set_attn_implementation(implementation)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if param.dim() > 1 and "embed" not in name:
-                    param.mul_(10.0)
-                elif param.dim() == 1 and name.endswith("weight"):
-                    param.add_(0.3 * torch.randn_like(param))
-        return model.to(F64).eval()
+        return scaled_up(model.eval(), 10.0).to(F64)
 
     def implementations(self) -> tuple[str, ...]:
         return ("eager", "sdpa") if self.sdpa else ("eager",)
