@@ -339,3 +339,45 @@ def test_an_embedding_that_reads_the_ids_without_looking_them_up_does_not_embed_
     torch.testing.assert_close(relevance["relevance", "tokens"], relevance["relevance", "words"].sum(-1))
     with pytest.raises(ValueError, match="'tokens' is embedded twice .again by 'positions'"):
         LRP(TokensAndPositions(shape_reading=False), in_keys=["tokens"], out_keys=["y"])(td)  # two lookups
+
+
+def classifier(name: str) -> Architecture:
+    """The sequence classifier of an encoder-decoder of SEQ2SEQ, its inputs ending with the end-of-sequence token."""
+    architecture = SEQ2SEQ[name]
+    values = dict(architecture.values, pad_token_id=0, eos_token_id=2)
+    return Architecture(
+        architecture.config, architecture.model.replace("ConditionalGeneration", "SequenceClassification"), values
+    )
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted(SEQ2SEQ))
+def test_a_decoder_input_shifted_from_the_explained_tokens_is_refused_naming_the_embedding(name: str, preset: str):
+    """BART's and T5's sequence classifiers make the decoder's input by shifting their ``input_ids``: the decoder's
+    embedding of the shifted ids took no relevance to the tokens, and CP-LRP's relevance summed to 3.4 (BART) and
+    -5.6 (T5) times the logit without a word. The call is refused, naming the key and the decoder's embedding; the
+    decoder's input given as a key of its own is explained."""
+    model = classifier(name).build("sdpa")
+    zero_additive(model)
+    tokens = torch.randint(3, 64, (BATCH, TOKENS), generator=torch.Generator().manual_seed(0))
+    tokens[:, -1] = 2
+    td = TensorDict({"source": tokens}, batch_size=[BATCH])
+    lrp = LRP(
+        Called(model, lambda m, ids: m(input_ids=ids).logits), PRESETS[preset](), in_keys=["source"], out_keys=["y"]
+    )
+    with pytest.raises(ValueError, match=r"'source' reaches 'model\.[.\w]*decoder\.embed_tokens' .*through token"):
+        lrp(td)
+    assert set(td.keys()) == {"source"}
+    shifted = model._shift_right(tokens) if name == "t5" else transformers_shift(tokens, model.config)
+    call = lambda m, ids, decoder_ids: m(input_ids=ids, decoder_input_ids=decoder_ids).logits  # noqa: E731
+    both = LRP(Called(model, call), PRESETS[preset](), in_keys=["source", "target"], out_keys=["y"])(
+        TensorDict({"source": tokens, "target": shifted}, batch_size=[BATCH])
+    )
+    torch.testing.assert_close(both["y"], model(input_ids=tokens).logits)
+    assert both["relevance", "source"].abs().sum() > 0 and both["relevance", "target"][:, 1:].abs().sum() > 0
+
+
+def transformers_shift(tokens: torch.Tensor, config) -> torch.Tensor:
+    from transformers.models.bart.modeling_bart import shift_tokens_right
+
+    return shift_tokens_right(tokens, config.pad_token_id, config.decoder_start_token_id)

@@ -92,17 +92,22 @@ class Architecture:
         config._attn_implementation = implementation
         config.num_labels = 3
         torch.manual_seed(0)
-        model = getattr(transformers, self.model)(config).eval()
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if param.dim() > 1 and "embed" not in name:
-                    param.mul_(scale)  # attention far from uniform: every rule matters
-                elif param.dim() == 1 and name.endswith("weight"):
-                    param.add_(0.3 * torch.randn_like(param))  # norm scales (Gemma's start at zero)
-        return model.to(dtype)
+        return scaled_up(getattr(transformers, self.model)(config).eval(), scale).to(dtype)
 
     def implementations(self) -> tuple[str, ...]:
         return ("eager", "sdpa") if self.sdpa else ("eager",)
+
+
+def scaled_up(model: nn.Module, scale: float) -> nn.Module:
+    """``model`` with its matrices scaled by ``scale`` (attention far from uniform: every rule matters) and its
+    one-dimensional scales randomised (Gemma's norms start at zero)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() > 1 and "embed" not in name:
+                param.mul_(scale)
+            elif param.dim() == 1 and name.endswith("weight"):
+                param.add_(0.3 * torch.randn_like(param))
+    return model
 
 
 ZOO = {

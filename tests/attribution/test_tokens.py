@@ -136,3 +136,95 @@ def test_tokens_given_by_keyword_get_the_relevance_of_tokens_given_by_position(b
     tokens = torch.randint(0, 11, (4, 5))
     expected = explain(by_position, tokens)["relevance", "tokens"]
     torch.testing.assert_close(explain(by_keyword, tokens)["relevance", "tokens"], expected, rtol=0, atol=0)
+
+
+def shifted_right(tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """An encoder-decoder's decoder input made from its input (BART's ``shift_tokens_right``, T5's
+    ``_shift_right``): a new tensor the tokens are written into."""
+    shifted = tokens.new_zeros(tokens.shape)
+    shifted[:, 1:] = tokens[:, :-1].clone()
+    shifted[:, 0] = start
+    return shifted
+
+
+class ReadsTokensTwice(nn.Module):
+    """Tokens embedded as given and again as computed from them (shifted, sliced, copied), or positions computed
+    from them (RoBERTa's: ``ne``, ``cumsum``), which carry no token's value."""
+
+    def __init__(self, again: str) -> None:
+        super().__init__()
+        self.words = nn.Embedding(11, 4, dtype=torch.float64)
+        self.decoder_words = nn.Embedding(11, 4, dtype=torch.float64)
+        self.positions = nn.Embedding(16, 4, dtype=torch.float64)
+        self.head = nn.Linear(4, 3, dtype=torch.float64)
+        self.again = again
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.words(tokens)
+        if self.again == "positions":
+            mask = tokens.ne(1).long()
+            hidden = hidden + self.positions(mask.cumsum(1) * mask + 1)
+        elif self.again == "shifted":
+            hidden = hidden + self.decoder_words(shifted_right(tokens))
+        elif self.again == "sliced":
+            hidden = hidden[:, 1:] + self.decoder_words(tokens[:, :-1])
+        elif self.again == "copied":
+            hidden = hidden + self.decoder_words(torch.cat([tokens[:, :1], tokens.clone()[:, 1:]], 1))
+        return self.head(hidden).sum(1)
+
+
+@pytest.mark.parametrize("again", ["shifted", "sliced", "copied"])
+def test_token_ids_computed_from_explained_ones_and_embedded_are_refused_by_name(again: str):
+    """A lookup of token ids computed from an explained input (an encoder-decoder's decoder input shifted from its
+    input, as BART's and T5's sequence classifiers make it) took no relevance to the tokens: the relevance of that
+    lookup was lost without a word (CP-LRP on a tiny BartForSequenceClassification explained from its input_ids
+    summed to 3.4 times the logit, on T5ForSequenceClassification to -5.6 times). It is refused, naming the key and
+    the embedding, and leaves the caller's TensorDict as it was."""
+    torch.manual_seed(0)
+    tokens = torch.randint(2, 11, (2, 5))
+    td = TensorDict(tokens=tokens, batch_size=[2])
+    lrp = LRP(ReadsTokensTwice(again), in_keys=["tokens"], out_keys=["y"])
+    with lrp:
+        for _ in range(2):  # every call of a context
+            with pytest.raises(ValueError, match=r"'tokens' reaches 'decoder_words' \(Embedding\) through token ids"):
+                lrp(td)
+    assert set(td.keys()) == {"tokens"}
+
+
+def test_positions_computed_from_explained_tokens_are_no_tokens():
+    """Positions computed from the tokens (RoBERTa's) are looked up as positions: explained as before, the
+    relevance of the words' embeddings and positions' lookups conserved to the logit with the positions zeroed."""
+    torch.manual_seed(0)
+    model = ReadsTokensTwice("positions")
+    with torch.no_grad():
+        model.positions.weight.zero_()
+        model.head.bias.zero_()
+    tokens = torch.randint(1, 11, (2, 5))
+    td = LRP(model, in_keys=["tokens"], out_keys=["y"])(TensorDict(tokens=tokens, batch_size=[2]))
+    logit = td["y"].max(-1).values
+    torch.testing.assert_close(td["relevance", "tokens"].sum(1), logit)
+
+
+class CopyingEmbedding(nn.Embedding):
+    """An embedding that looks the tokens up through an inner one, on a copy with out-of-range ids set to 0 (as
+    Idefics' decoupled embedding does): the outer embedding's output stands for the tokens."""
+
+    def __init__(self) -> None:
+        super().__init__(11, 4, dtype=torch.float64)
+        self.inner = nn.Embedding(11, 4, dtype=torch.float64)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        copy = tokens.clone()
+        copy[copy >= 11] = 0
+        return self.inner(copy)
+
+
+def test_a_copy_looked_up_inside_the_embedding_of_the_tokens_is_theirs():
+    torch.manual_seed(0)
+    model = nn.Sequential(CopyingEmbedding(), nn.Flatten(), nn.Linear(20, 3, dtype=torch.float64))
+    tokens = torch.randint(0, 11, (2, 5))
+    td = LRP(model, in_keys=["tokens"], out_keys=["y"])(TensorDict(tokens=tokens, batch_size=[2]))
+    embedded = model[0](tokens).detach().requires_grad_(True)
+    out = model[2](model[1](embedded))
+    out.gather(1, out.argmax(1, keepdim=True)).sum().backward()
+    torch.testing.assert_close(td["relevance", "tokens"], (embedded * embedded.grad).sum(-1))

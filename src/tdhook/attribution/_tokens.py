@@ -26,12 +26,14 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from tensordict.utils import NestedKey
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from tdhook.attribution.rules._keeping_graph import graph_kept
@@ -68,6 +70,8 @@ class TokenInputs:
         self._ids: dict[int, torch.Tensor] = {}
         self._leaves: list[torch.Tensor | None] = []
         self._fed: list[torch.Tensor | None] = []
+        self._derived: list[tuple[int, str, str]] = []  # lookups of ids computed from a key: key, module, class
+        self._clean: set = set()  # signatures of this context's calls that looked up no such ids
 
     @property
     def feeding(self) -> bool:
@@ -77,7 +81,7 @@ class TokenInputs:
     def clear(self) -> None:
         """Forget the tokens of the last call."""
         self._ids = {}
-        self._leaves, self._fed = [], []
+        self._leaves, self._fed, self._derived = [], [], []
 
     def feed(
         self,
@@ -116,6 +120,7 @@ class TokenInputs:
             The hooks' handles.
         """
         handles = []
+        self._clean = set()  # a new context: its model may have changed
         for name, module in modules.items():
             if isinstance(module, nn.Embedding):
                 handles.append(module.register_forward_hook(self.embedding_hook(name), prepend=True, with_kwargs=True))
@@ -143,7 +148,64 @@ class TokenInputs:
                     "its token relevance would be ambiguous"
                 )
             return i
+        derived = getattr(args[0], _DERIVED, None)
+        if derived is not None:
+            with torch._C.DisableTorchFunction():
+                looks_up = not isinstance(module, nn.Embedding) or _looks_up(module, args[0], output)
+            if looks_up:  # judged after the call: inside the embedding of the ids themselves, it is theirs
+                self._derived.append((derived, name, type(module).__name__))
         return None
+
+    def _raise_for_derived(self) -> None:
+        """Refuse a lookup of token ids computed from explained ones (see :meth:`tracking`), but where it is
+        part of the embedding that looked up the ids themselves (a module inside it)."""
+        for index, name, kind in self._derived:
+            leaf = self._leaves[index] if index < len(self._leaves) else None
+            outer = getattr(leaf, "_tdhook_embedding_of", None)
+            if outer is not None and name.startswith(f"{outer}." if outer else ""):
+                continue
+            raise ValueError(
+                f"LRP: input key {self.keys[index]!r} reaches {name!r} ({kind}) through token ids computed from "
+                "it (sliced, shifted or copied, as an encoder-decoder makes its decoder's input from its input "
+                "when it is given no decoder input): the relevance of that lookup would be lost without a word; "
+                "give those token ids as an input of their own (for example decoder_input_ids, as an input key), "
+                "or explain the embeddings (inputs_embeds and decoder_inputs_embeds)"
+            )
+
+    def tracking(self, signature: Hashable | None = None) -> contextlib.AbstractContextManager:
+        """A context, for the model's call, that marks the integer tensors computed from the fed token ids by the
+        operations that carry token values on (indexing, copies, concatenation, shifts, in-place writes): an
+        embedding that looks them up is refused by name, as its relevance could not reach the tokens.
+
+        Args:
+            signature: what the call's inputs are (their keys, types and shapes). A call of a context whose
+                signature an earlier call of the context ran with, and looked up no such ids, is not tracked
+                again: the model computes the same from inputs of the same kind.
+
+        Returns:
+            The context (a no-op where the call feeds no token ids, or its signature was found clean).
+
+        Examples:
+            >>> tokens = TokenInputs(["input_ids"])
+            >>> ids = tokens.feed(0, torch.tensor([[5, 6, 7]]), [], [])
+            >>> with tokens.tracking():
+            ...     shifted = ids.new_zeros(ids.shape)
+            ...     shifted[:, 1:] = ids[:, :-1]
+            ...     positions = ids.ne(0).cumsum(1)
+            >>> getattr(shifted, "_tdhook_tokens_of", None), getattr(positions, "_tdhook_tokens_of", None)
+            (0, None)
+            >>> tokens.clear()
+        """
+        if not self._ids or (signature is not None and signature in self._clean):
+            return contextlib.nullcontext()
+        return self._tracked(signature)
+
+    @contextlib.contextmanager
+    def _tracked(self, signature: Hashable | None) -> Iterator[None]:
+        with _DerivedTokens(self._ids):
+            yield
+        if signature is not None and not self._derived:  # the call ran, and no lookup of derived ids was found
+            self._clean.add(signature)
 
     def embedding_hook(self, name: str) -> Callable[[nn.Module, tuple, dict, torch.Tensor], torch.Tensor | None]:
         """A forward hook for ``nn.Embedding`` ``name`` that takes its output as the tokens' leaf.
@@ -219,8 +281,11 @@ class TokenInputs:
                 simply not explained (their leaf stays ``None``), unless no input at all is left to explain.
 
         Raises:
+            ValueError: token ids computed from an input were looked up outside the embedding of the input itself.
             TypeError: an input's leaf is still ``None``.
         """
+        if cause is None:
+            self._raise_for_derived()
         if optional and cause is None and any(leaf is not None for leaf in leaves):
             return
         for i in self._ids:
@@ -251,6 +316,71 @@ class TokenInputs:
             ``relevance`` summed over its last dimension, shaped like the token ids.
         """
         return relevance.sum(-1).reshape(self._ids[index].shape)
+
+
+_DERIVED = "_tdhook_tokens_of"
+# Operations whose integer output holds token values of an integer input (not positions or counts computed from
+# them, as RoBERTa's positions are: ``ne``, ``cumsum`` and products are not among them).
+_CARRYING = frozenset(
+    {
+        "__getitem__", "clone", "contiguous", "detach", "to", "long", "int", "cat", "concat", "concatenate",
+        "stack", "hstack", "vstack", "roll", "flip", "narrow", "select", "index_select", "gather", "take",
+        "masked_fill", "where", "repeat", "repeat_interleave", "expand", "tile", "unsqueeze", "squeeze",
+        "transpose", "permute", "t", "flatten", "unflatten", "view", "reshape", "split", "chunk", "unbind",
+        "tensor_split", "movedim", "pad",
+    }
+)  # fmt: skip
+# In-place writes of token values into their first argument (``out[:, 1:] = ids[:, :-1]``, ``out.copy_(ids)``): the
+# position of the values written among the arguments (an index is no value).
+_WRITING = {"__setitem__": 2, "copy_": 1, "index_copy_": 3, "scatter_": 3, "masked_scatter_": 2}
+
+
+class _DerivedTokens(TorchFunctionMode):
+    """Marks the integer tensors that carry the values of fed token ids (see :meth:`TokenInputs.tracking`)."""
+
+    def __init__(self, ids: Mapping[int, torch.Tensor]) -> None:
+        super().__init__()
+        self._fed = {id(tokens): index for index, tokens in ids.items()}
+
+    def _source(self, values: Iterator[object]) -> int | None:
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                index = self._fed.get(id(value), getattr(value, _DERIVED, None))
+                if index is None and value._base is not None:
+                    index = self._fed.get(id(value._base), getattr(value._base, _DERIVED, None))
+                if index is not None:
+                    return index
+            elif isinstance(value, (list, tuple)):
+                index = self._source(iter(value))
+                if index is not None:
+                    return index
+        return None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name not in _WRITING and name not in _CARRYING:
+            return out
+        with torch._C.DisableTorchFunction():  # looking at tensors is no call of the model: out of the modes' sight
+            if name in _WRITING and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
+                index = self._source(iter(args[_WRITING[name] : _WRITING[name] + 1]))
+                if index is not None:
+                    _mark(args[0], index)
+            elif name in _CARRYING:
+                index = self._source(iter((*args, *kwargs.values())))
+                if index is not None:
+                    for tensor in out if isinstance(out, (list, tuple)) else (out,):
+                        _mark(tensor, index)
+        return out
+
+
+def _mark(tensor: object, index: int) -> None:
+    """Mark an integer tensor (not a boolean mask) as carrying the token values of explained input ``index``."""
+    if isinstance(tensor, torch.Tensor) and tensor.dtype in (torch.int8, torch.int16, torch.int32, torch.int64):
+        setattr(tensor, _DERIVED, index)
+        if tensor._base is not None:  # a write into a view writes into its base
+            setattr(tensor._base, _DERIVED, index)
 
 
 def _with_input(args: tuple, kwargs: dict) -> tuple:
