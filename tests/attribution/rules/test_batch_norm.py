@@ -368,27 +368,48 @@ class TestConcatenatedLayersIntoTheBatchNorm:
         assert relative_error(relevance(model), relevance(merged)) <= 1e-10
         assert all(torch.equal(value, model.state_dict()[key]) for key, value in state.items())
 
-    def test_a_concatenation_with_another_tensor_is_not_merged(self):
-        # One part of the concatenation is the input itself, no layer's output: the BatchNorm gets the ε-rule of its
-        # affine map, as zennit's Epsilon on it.
+    def test_a_concatenation_with_one_other_tensor_is_merged_into_the_layers(self):
+        # One part of the concatenation is the input itself, no layer's output (InceptionNeXt passes most channels
+        # through so): the BatchNorm's channels of the convolution are merged into it, the others get the ε-rule of
+        # their affine map, as zennit's on the block with the convolution's channels folded by hand.
         from zennit import rules as zrules
 
-        from tests.attribution.test_lrp_layers import lrp_relevance, randomise_batch_norm, zennit_composite_relevance
+        from tests.attribution.test_lrp_layers import (
+            lrp_relevance,
+            merged_by_hand,
+            randomise_batch_norm,
+            zennit_composite_relevance,
+        )
+
+        def channels_of(norm: nn.BatchNorm2d, channels: slice) -> nn.BatchNorm2d:
+            part = nn.BatchNorm2d(channels.stop - channels.start).double().eval()
+            part.eps = norm.eps
+            for name in ("weight", "bias", "running_mean", "running_var"):
+                getattr(part, name).data.copy_(getattr(norm, name)[channels])
+            return part
 
         class WithInput(nn.Module):
-            def __init__(self) -> None:
+            def __init__(self, conv: nn.Module, norm: nn.Module, other: nn.Module | None = None) -> None:
                 super().__init__()
-                self.conv, self.bn = nn.Conv2d(2, 3, 3, padding=1), randomise_batch_norm(nn.BatchNorm2d(5).double())
+                self.conv, self.bn, self.other = conv, norm, other
 
             def forward(self, x: torch.Tensor) -> torch.Tensor:
+                if self.other is not None:  # the BatchNorm folded: into the convolution, and on the input alone
+                    return torch.cat([self.conv(x), self.other(x)], dim=1)
                 return self.bn(torch.cat([self.conv(x), x], dim=1))
 
         torch.manual_seed(0)
-        model = WithInput().double().eval()
+        conv = nn.Conv2d(2, 3, 3, padding=1).double()
+        norm = randomise_batch_norm(nn.BatchNorm2d(5).double()).eval()
+        model = WithInput(conv, norm).eval()
+        folded = WithInput(merged_by_hand(conv, channels_of(norm, slice(0, 3))), None, channels_of(norm, slice(3, 5)))
         x = torch.randn(2, 2, 4, 4, dtype=torch.float64)
+        with torch.no_grad():
+            torch.testing.assert_close(folded(x), model(x), rtol=1e-12, atol=1e-12)
         r_out = torch.randn(2, 5, 4, 4, dtype=torch.float64)
         actual = lrp_relevance(model, x, r_out, rule_mapper={nn.Conv2d: GammaRule(0.25)})
-        expected = zennit_composite_relevance(
-            model, x, r_out, [(nn.Conv2d, zrules.Gamma(0.25)), (nn.BatchNorm2d, zrules.Epsilon(1e-6))]
-        )
+        layer_map = [(nn.Conv2d, zrules.Gamma(0.25)), (nn.BatchNorm2d, zrules.Epsilon(1e-6))]
+        expected = zennit_composite_relevance(folded.eval(), x, r_out, layer_map)
         assert relative_error(actual, expected) <= 1e-6
+        unmerged = zennit_composite_relevance(model, x, r_out, layer_map)
+        assert relative_error(unmerged, expected) > 1e-3  # the comparison can tell merged from not

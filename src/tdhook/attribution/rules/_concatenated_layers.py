@@ -28,7 +28,8 @@ __all__ = ["concatenated_layer_calls"]
 
 def concatenated_layer_calls(tensor: Any) -> list | None:
     """The ``LayerCall`` of each part of ``tensor``, in order, where ``tensor`` is a concatenation along dimension 1
-    of two or more layers' unmodified outputs, each once; else ``None``."""
+    of layers' unmodified outputs (each once) and, at most, one other tensor (``None`` in its place); else ``None``.
+    At least one part is a layer's."""
     if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2:
         return None
     node = tensor.grad_fn
@@ -37,7 +38,8 @@ def concatenated_layer_calls(tensor: Any) -> list | None:
     calls = []
     for part, _ in node.next_functions:
         call = None if part is None else part.metadata.get(LAYER_CALL)
-        if call is None or any(call.raw.data_ptr() == seen.raw.data_ptr() for seen in calls):
+        if call is not None and any(seen is not None and call.raw.data_ptr() == seen.raw.data_ptr() for seen in calls):
             return None
         calls.append(call)
-    return calls if len(calls) > 1 else None
+    others = calls.count(None)
+    return calls if others <= 1 and len(calls) - others >= 1 and len(calls) > 1 else None

@@ -137,8 +137,10 @@ class MergeBatchNormRule(NormRule):
     def batch_norm(self, module: nn.Module, output: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         call = layer_call_of(args[0])
         parts = concatenated_layer_calls(args[0]) if call is None else None
-        if parts is not None and _can_merge_parts(parts, module):
-            return self._merge_parts(module, output, parts)
+        if parts is not None and _can_merge_parts(parts, module, output.shape[1]):
+            if None in parts:
+                self._refuse_unmerged(module)
+            return self._merge_parts(module, output, args, kwargs, parts)
         flattened = call is None and (call := _flattened_layer_call(args[0])) is not None
         if call is None or not _can_merge(call, module, flattened):
             self._refuse_unmerged(module)
@@ -157,12 +159,18 @@ class MergeBatchNormRule(NormRule):
         result = self._rewrite(module, call, seen, slice(None))
         return result.view(output.shape) if flattened else result
 
-    def _merge_parts(self, module: nn.Module, output: torch.Tensor, parts: list[LayerCall]) -> torch.Tensor:
-        """The BatchNorm over the concatenation of the layers' outputs ``parts``, merged into each layer."""
+    def _merge_parts(
+        self, module: nn.Module, output: torch.Tensor, args: tuple, kwargs: dict, parts: list[LayerCall | None]
+    ) -> torch.Tensor:
+        """The BatchNorm over the concatenation of the layers' outputs ``parts``, merged into each layer; on the
+        channels of the one other part (``None``), if any, the ε-rule of its affine map."""
+        other = output.shape[1] - sum(call.raw.shape[1] for call in parts if call is not None)
+        plain = super().batch_norm(module, output, args, kwargs) if None in parts else None
         results, start = [], 0
         for call in parts:
-            channels = slice(start, start + call.raw.shape[1])
-            results.append(self._rewrite(module, call, output[:, channels], channels))
+            channels = slice(start, start + (other if call is None else call.raw.shape[1]))
+            seen = output[:, channels]
+            results.append(plain[:, channels] if call is None else self._rewrite(module, call, seen, channels))
             start = channels.stop
         return torch.cat(results, dim=1)
 
@@ -206,11 +214,16 @@ def _flattened_layer_call(x: torch.Tensor) -> LayerCall | None:
     return call if rows_in_order and x.data_ptr() == base.data_ptr() else None
 
 
-def _can_merge_parts(parts: list[LayerCall], norm: nn.Module) -> bool:
-    """Whether the BatchNorm ``norm`` over the concatenated outputs of the layers ``parts`` merges into each."""
-    if norm.running_mean is None or sum(call.raw.shape[1] for call in parts) != norm.running_mean.numel():
+def _can_merge_parts(parts: list[LayerCall | None], norm: nn.Module, features: int) -> bool:
+    """Whether the BatchNorm ``norm`` over the concatenated outputs of the layers ``parts`` (and of one other tensor,
+    ``None``) merges into each layer."""
+    layers = [call for call in parts if call is not None]
+    width = sum(call.raw.shape[1] for call in layers)
+    if norm.running_mean is None or norm.running_mean.numel() != features or width > features - (None in parts):
         return False
-    return all(call.rule.merges_batch_norm and _can_merge(call, norm, features=call.raw.shape[1]) for call in parts)
+    if None not in parts and width != features:
+        return False
+    return all(call.rule.merges_batch_norm and _can_merge(call, norm, features=call.raw.shape[1]) for call in layers)
 
 
 def _can_merge(call: LayerCall, norm: nn.Module, flattened: bool = False, features: int | None = None) -> bool:
