@@ -368,6 +368,16 @@ class TestConcatenatedLayersIntoTheBatchNorm:
         assert relative_error(relevance(model), relevance(merged)) <= 1e-10
         assert all(torch.equal(value, model.state_dict()[key]) for key, value in state.items())
 
+    def test_create_graph_matches_finite_differences(self):
+        # Merged from the live parameters in such a call: the relevance's derivative along random directions of the
+        # input and of every parameter (the BatchNorm's too) equals central finite differences.
+        from tdhook.attribution import EpsilonPlus
+        from tests.attribution.test_lrp_differentiable_rules import assert_exact, directional_errors
+
+        model, _, _, _ = mixed_conv_model()
+        x = torch.randn(2, 5, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        assert_exact(directional_errors(model, lambda: EpsilonPlus(epsilon=0.1), x))
+
     def test_a_concatenation_with_one_other_tensor_is_merged_into_the_layers(self):
         # One part of the concatenation is the input itself, no layer's output (InceptionNeXt passes most channels
         # through so): the BatchNorm's channels of the convolution are merged into it, the others get the ε-rule of
