@@ -180,7 +180,38 @@ TIMM_SIZES = {
     "swinv2_cr": 32,
     "volo": 32,
     "mobilevit": 32,
+    "vovnet": 32,
+    "ese_vovnet": 32,
+    "inception_v4": 75,
+    "inception_resnet": 75,
+    "convmixer": 32,
+    "cs3darknet": 32,
+    "regnetz": 32,
+    "regnetv": 32,
+    "resnetrs": 32,
+    "fasternet": 32,
+    "test_byobnet": 32,
+    "tresnet": 32,
+    "inception_next": 32,
+    "lcnetv2": 32,
+    "cspnext": 32,
+    "hgnet_": 32,
+    "xception": 32,
+    "fastvit": 32,
+    "ghostnetv3": 64,
+    "rdnet": 32,
+    "repghostnet": 32,
+    "nextvit": 32,
+    "focalnet": 32,
+    "caformer": 32,
+    "coatnext": 64,
+    "maxxvit": 64,
+    "swiftformer": 64,
+    "botnet": 64,
+    "convit": 32,
 }
+# Attention models built at their default size, which take any input size but no ``img_size``.
+NO_IMG_SIZE = ("pvt_v2", "nextvit", "focalnet", "caformer")
 
 
 def smallest_size(name: str, sizes: dict[str, int]) -> int:
@@ -217,7 +248,7 @@ def timm_case(name: str, kind: str, depth: int | None = None) -> Case:
         size = kwargs["img_size"] = 2 * int(patch.group(1))
     else:
         size = smallest_size(name, TIMM_SIZES)
-        if kind == ATTENTION:
+        if kind == ATTENTION and not name.startswith(NO_IMG_SIZE):
             kwargs["img_size"] = size  # MaxViT and CoAtNet: windows of 2×2 tokens in the last stage
     if depth is not None:
         label, kwargs["depth"] = f"{label} ({depth} blocks)", depth
@@ -265,6 +296,8 @@ FAMILIES = [
             ("poolformerv2_s12", RECTIFIED),
             ("dla46_c", RECTIFIED),
             ("resnest14d", RECTIFIED),
+            ("fasternet_t0", RECTIFIED),
+            ("inception_next_atto", DEPTHWISE),
         )
     ),
     timm_case("vit_tiny_patch16_224", ATTENTION, depth=2),
@@ -299,6 +332,16 @@ TIMM_MODELS = {
         "res2net50_14w_8s",
         "selecsls42b",
         "resnest14d",
+        "vovnet39a",
+        "inception_v4",
+        "inception_resnet_v2",
+        "cs3darknet_s",
+        "regnetz_b16",
+        "regnetv_040",
+        "resnetrs50",
+        "fasternet_t0",
+        "test_byobnet",
+        "tresnet_m",
     ],
     NARROW: [
         "seresnext26d_32x4d",
@@ -308,6 +351,8 @@ TIMM_MODELS = {
         "regnety_002",
         "regnety_004",
         "repvgg_a0",
+        "gernet_s",
+        "dpn48b",
     ],
     DEPTHWISE: [
         "convnext_atto",
@@ -334,6 +379,22 @@ TIMM_MODELS = {
         "mobilenetv4_conv_small_035",
         "starnet_s050",
         "cpubone_nano",
+        "convmixer_768_32",
+        "inception_next_atto",
+        "hardcorenas_a",
+        "fbnetv3_b",
+        "lcnetv2_small",
+        "cspnext_tiny",
+        "hgnet_tiny",
+        "tinynet_e",
+        "spnasnet_100",
+        "ese_vovnet19b_dw",
+        "xception41",
+        "fastvit_t8",
+        "ghostnet_050",
+        "ghostnetv3_050",
+        "repghostnet_050",
+        "rdnet_tiny",
     ],
     ATTENTION: [
         "vit_tiny_patch16_224",
@@ -353,8 +414,32 @@ TIMM_MODELS = {
         "volo_d1_224",
         "mobilevit_xxs",
         "sequencer2d_s",
+        "deit3_small_patch16_224",
+        "convit_tiny",
+        "pvt_v2_b0",
+        "nextvit_small",
+        "focalnet_tiny_srf",
+        "caformer_s18",
+        "swiftformer_xs",
+        "botnet26t_256",
+        "coatnext_nano_rw_224",
+        "maxxvit_rmlp_nano_rw_256",
     ],
 }
+
+# Vision encoders of timm's newest families, cut to two blocks (and 64 channels, where they are wide).
+SMALL_ENCODERS = dict(embed_dim=64, depth=2, num_heads=2)
+TIMM_CASES = [
+    Case("timm/qwen3_vit_88m (2 blocks, 64 wide)", tm("qwen3_vit_88m", img_size=64, **SMALL_ENCODERS), 64, ATTENTION),
+    Case(
+        "timm/deepseek_vit_412m (2 blocks, 64 wide)",
+        tm("deepseek_vit_412m", img_size=84, **SMALL_ENCODERS),
+        84,
+        ATTENTION,
+    ),
+    timm_case("beit_base_patch16_224", ATTENTION, depth=2),
+    timm_case("naflexvit_base_patch16_gap", ATTENTION, depth=2),
+]
 
 
 # Models that do not fit a 24 GiB machine in float64 at batch 2: regnet_y_128gf takes 5.7 GiB, 9.7 GiB at its peak
@@ -365,7 +450,8 @@ TOO_BIG = frozenset({"regnet_y_128gf"})
 
 def gallery_cases() -> list[Case]:
     names = [n for n in torchvision.models.list_models(module=torchvision.models) if n not in TOO_BIG]
-    return [torchvision_case(n) for n in names] + [timm_case(n, k) for k, ns in TIMM_MODELS.items() for n in ns]
+    timm_models = [timm_case(n, k) for k, ns in TIMM_MODELS.items() for n in ns]
+    return [torchvision_case(n) for n in names] + timm_models + TIMM_CASES
 
 
 GALLERY = gallery_cases()
@@ -529,7 +615,8 @@ def fingerprint(model: nn.Module, bits: bool = True) -> dict:
         },
         "parameters": {k: id(v) for k, v in model.named_parameters()},
         "hooks": {name: tuple(len(getattr(m, h)) for h in HOOKS) for name, m in model.named_modules()},
-        "patched": sorted(name for name, m in model.named_modules() if "forward" in vars(m)),
+        # Instance-level forwards: some models set their own (timm's FasterNet picks one per module when built).
+        "patched": {name: vars(m)["forward"] for name, m in model.named_modules() if "forward" in vars(m)},
         "classes": {name: type(m) for name, m in model.named_modules()},
         "global": (len(nn.modules.module._global_forward_hooks), len(nn.modules.module._global_backward_hooks)),
     }
@@ -548,8 +635,9 @@ def changes(before: dict, after: dict) -> str | None:
         )
         if differing:
             return f"{part} changed: {differing[:3]}"
-    if after["patched"]:
-        return f"forward patched on {after['patched'][:3]}"
+    patched = sorted(k for k, v in after["patched"].items() if before["patched"].get(k) is not v)
+    if patched or before["patched"].keys() != after["patched"].keys():
+        return f"forward patched on {(patched or sorted(before['patched'].keys() ^ after['patched'].keys()))[:3]}"
     if before["global"] != after["global"]:
         return "global module hooks left"
     return None

@@ -10,6 +10,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from tdhook.attribution import LRP
+from tdhook.attribution.rules.basic import EpsilonRule
 from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
 from tdhook.attribution.rules.modified import GammaRule
 from tests.attribution.rules._helpers import CNN_PRESETS, make_layer
@@ -283,3 +284,142 @@ class TestChangedInAnOpenContext:
             actual = call(lrp)
         expected = call(LRP(model, CNN_PRESETS[preset](), in_keys=["x"], out_keys=["y"]))
         assert relative_error(actual, expected) <= 1e-12
+
+
+class MixedConv(nn.Module):
+    """Convolutions of different kernel sizes on groups of channels, their outputs concatenated along the channels
+    (timm's ``MixedConv2d``, in MixNet), then a BatchNorm over the concatenation."""
+
+    def __init__(self, convs: list[nn.Conv2d], norm: nn.BatchNorm2d, splits: list[int]) -> None:
+        super().__init__()
+        self.convs, self.bn, self.splits = nn.ModuleList(convs), norm, splits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = torch.split(x, self.splits, dim=1)
+        return self.bn(torch.cat([conv(part) for conv, part in zip(self.convs, parts, strict=True)], dim=1))
+
+
+def mixed_conv_model() -> tuple[nn.Module, nn.Module, list[nn.Conv2d], nn.BatchNorm2d]:
+    """A MixedConv model, and the same model with the BatchNorm's channels folded into the convolutions by hand."""
+    from tests.attribution.test_lrp_layers import merged_by_hand, randomise_batch_norm
+
+    torch.manual_seed(0)
+    convs = [nn.Conv2d(2, 3, 3, padding=1), nn.Conv2d(3, 2, 5, padding=2)]
+    norm = randomise_batch_norm(nn.BatchNorm2d(5).double()).eval()
+    head = [nn.ReLU(), nn.Flatten(), nn.Linear(5 * 16, 3)]
+    model = nn.Sequential(MixedConv(convs, norm, [2, 3]), *head).double().eval()
+    folded = []
+    for conv, channels in zip(convs, (slice(0, 3), slice(3, 5)), strict=True):
+        part = nn.BatchNorm2d(conv.out_channels).double().eval()
+        part.eps = norm.eps
+        for name in ("weight", "bias", "running_mean", "running_var"):
+            getattr(part, name).data.copy_(getattr(norm, name)[channels])
+        folded.append(merged_by_hand(conv.double(), part))
+
+    class Folded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.convs = nn.ModuleList(folded)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            parts = torch.split(x, [2, 3], dim=1)
+            return torch.cat([conv(part) for conv, part in zip(self.convs, parts, strict=True)], dim=1)
+
+    merged = nn.Sequential(Folded(), *copy.deepcopy(head)).double().eval()
+    return model, merged, convs, norm
+
+
+class TestConcatenatedLayersIntoTheBatchNorm:
+    """A BatchNorm over the channel-wise concatenation of several layers' outputs (timm's ``MixedConv2d`` in
+    MixNet) is merged into each layer, channel by channel: each rule equals zennit's on the model with the
+    BatchNorm folded into the layers by hand. Left unmerged, the BatchNorm got the ε-rule of its affine map and the
+    layers' rules acted on the layers alone, with no warning: on ``mixnet_s`` with BatchNorm scales of both signs,
+    EpsilonPlus was 103 % and EpsilonGammaBox 30 % away from the folded model's relevance."""
+
+    @pytest.mark.parametrize("rule_name", ["alpha2beta1", "gamma", "zbox"])
+    def test_equals_zennit_on_the_merged_layers(self, rule_name: str):
+        from zennit import rules as zrules
+
+        from tests.attribution.test_lrp_layers import MERGE_RULES, lrp_relevance, zennit_composite_relevance
+
+        ours, theirs = MERGE_RULES[rule_name]
+        model, merged, _, _ = mixed_conv_model()
+        x = torch.randn(2, 5, 4, 4, dtype=torch.float64).clamp(-2.9, 2.9)
+        with torch.no_grad():
+            torch.testing.assert_close(merged(x), model(x), rtol=1e-12, atol=1e-12)
+        r_out = torch.randn(2, 3, dtype=torch.float64)
+        actual = lrp_relevance(model, x, r_out, rule_mapper={nn.Conv2d: ours(), nn.Linear: EpsilonRule(1e-6)})
+        layer_map = [(nn.Conv2d, theirs()), (nn.Linear, zrules.Epsilon(1e-6)), (nn.ReLU, zrules.Pass())]
+        expected = zennit_composite_relevance(merged, x, r_out, layer_map)
+        assert relative_error(actual, expected) <= 1e-6
+        unmerged = zennit_composite_relevance(model, x, r_out, [*layer_map, (nn.BatchNorm2d, zrules.Epsilon(1e-6))])
+        assert relative_error(unmerged, expected) > 1e-3  # the comparison can tell merged from not
+
+    @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
+    def test_presets_equal_the_folded_model(self, preset: str):
+        model, merged, _, _ = mixed_conv_model()
+        x = torch.randn(2, 5, 4, 4, dtype=torch.float64).clamp(-2.9, 2.9)
+
+        def relevance(net: nn.Module) -> torch.Tensor:
+            lrp = LRP(net, CNN_PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+            return lrp(TensorDict(x=x.clone(), batch_size=[2]))["relevance", "x"]
+
+        state = copy.deepcopy(model.state_dict())
+        assert relative_error(relevance(model), relevance(merged)) <= 1e-10
+        assert all(torch.equal(value, model.state_dict()[key]) for key, value in state.items())
+
+    def test_create_graph_matches_finite_differences(self):
+        # Merged from the live parameters in such a call: the relevance's derivative along random directions of the
+        # input and of every parameter (the BatchNorm's too) equals central finite differences.
+        from tdhook.attribution import EpsilonPlus
+        from tests.attribution.test_lrp_differentiable_rules import assert_exact, directional_errors
+
+        model, _, _, _ = mixed_conv_model()
+        x = torch.randn(2, 5, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        assert_exact(directional_errors(model, lambda: EpsilonPlus(epsilon=0.1), x))
+
+    def test_a_concatenation_with_one_other_tensor_is_merged_into_the_layers(self):
+        # One part of the concatenation is the input itself, no layer's output (InceptionNeXt passes most channels
+        # through so): the BatchNorm's channels of the convolution are merged into it, the others get the ε-rule of
+        # their affine map, as zennit's on the block with the convolution's channels folded by hand.
+        from zennit import rules as zrules
+
+        from tests.attribution.test_lrp_layers import (
+            lrp_relevance,
+            merged_by_hand,
+            randomise_batch_norm,
+            zennit_composite_relevance,
+        )
+
+        def channels_of(norm: nn.BatchNorm2d, channels: slice) -> nn.BatchNorm2d:
+            part = nn.BatchNorm2d(channels.stop - channels.start).double().eval()
+            part.eps = norm.eps
+            for name in ("weight", "bias", "running_mean", "running_var"):
+                getattr(part, name).data.copy_(getattr(norm, name)[channels])
+            return part
+
+        class WithInput(nn.Module):
+            def __init__(self, conv: nn.Module, norm: nn.Module, other: nn.Module | None = None) -> None:
+                super().__init__()
+                self.conv, self.bn, self.other = conv, norm, other
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                if self.other is not None:  # the BatchNorm folded: into the convolution, and on the input alone
+                    return torch.cat([self.conv(x), self.other(x)], dim=1)
+                return self.bn(torch.cat([self.conv(x), x], dim=1))
+
+        torch.manual_seed(0)
+        conv = nn.Conv2d(2, 3, 3, padding=1).double()
+        norm = randomise_batch_norm(nn.BatchNorm2d(5).double()).eval()
+        model = WithInput(conv, norm).eval()
+        folded = WithInput(merged_by_hand(conv, channels_of(norm, slice(0, 3))), None, channels_of(norm, slice(3, 5)))
+        x = torch.randn(2, 2, 4, 4, dtype=torch.float64)
+        with torch.no_grad():
+            torch.testing.assert_close(folded(x), model(x), rtol=1e-12, atol=1e-12)
+        r_out = torch.randn(2, 5, 4, 4, dtype=torch.float64)
+        actual = lrp_relevance(model, x, r_out, rule_mapper={nn.Conv2d: GammaRule(0.25)})
+        layer_map = [(nn.Conv2d, zrules.Gamma(0.25)), (nn.BatchNorm2d, zrules.Epsilon(1e-6))]
+        expected = zennit_composite_relevance(folded.eval(), x, r_out, layer_map)
+        assert relative_error(actual, expected) <= 1e-6
+        unmerged = zennit_composite_relevance(model, x, r_out, layer_map)
+        assert relative_error(unmerged, expected) > 1e-3  # the comparison can tell merged from not

@@ -712,7 +712,8 @@ class TestConservation:
 
 
 class AfterConcatenation(nn.Module):
-    """Two convolutions concatenated, then a BatchNorm: nothing to merge it into."""
+    """Two rectified convolutions' outputs concatenated, then a BatchNorm: nothing to merge it into (over convolutions'
+    outputs, and at most one other tensor, it is merged into each, see tests/attribution/rules/test_batch_norm.py)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -721,7 +722,7 @@ class AfterConcatenation(nn.Module):
         self.head = nn.Sequential(nn.ReLU(), nn.Conv2d(4, 3, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(torch.cat([self.left(x), self.right(x)], dim=1)))
+        return self.head(self.norm(torch.cat([self.left(x).relu(), self.right(x).relu()], dim=1)))
 
 
 def unmerged_net(where: str) -> tuple[nn.Module, torch.Tensor]:

@@ -20,9 +20,11 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["LAYER_MARK", "is_layer_node"]
+__all__ = ["LAYER_CALL", "LAYER_MARK", "is_layer_node"]
 
 LAYER_MARK = "tdhook_layer"  # the autograd metadata key set on the outputs of layers with a rule
+# The autograd metadata key under which a layer's output node holds its LayerCall (see rules/_concatenated_layers.py).
+LAYER_CALL = "tdhook_layer_call"
 
 # The autograd nodes of products of an activation by a weight (matrix products, convolutions, bilinear maps and
 # fused recurrent kernels): a layer's, where one factor is computed from parameters alone.

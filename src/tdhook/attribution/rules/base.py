@@ -20,7 +20,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ from tdhook.attribution.rules._earlier_hooks import raise_if_an_earlier_hook_cha
 from tdhook.attribution.rules._graph_calls import recording
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._keeping_graph import graph_kept
-from tdhook.attribution.rules._layer_nodes import LAYER_MARK, is_layer_node
+from tdhook.attribution.rules._layer_nodes import LAYER_CALL, LAYER_MARK, is_layer_node
 from tdhook.attribution.rules._layers import (
     LINEAR_LAYERS,
     TRANSPOSED_FORWARDS,
@@ -730,6 +730,8 @@ def _mark(tensor: torch.Tensor, call: LayerCall) -> None:
     setattr(tensor, _LAYER_CALL, call)
     if tensor.grad_fn is not None:
         tensor.grad_fn.metadata[_LAYER_MARK] = True
+        # For a BatchNorm over a concatenation of layers' outputs; ``raw`` detached, so that the node holds no cycle.
+        tensor.grad_fn.metadata[LAYER_CALL] = replace(call, raw=call.raw.detach())
 
 
 def output_seen_by_rule_alone(module: nn.Module, registration: Registration, output: torch.Tensor) -> bool:

@@ -10,6 +10,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._caller import warn_at_caller
+from tdhook.attribution.rules._concatenated_layers import concatenated_layer_calls
 from tdhook.attribution.rules._graph_calls import note_output, recording
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import BATCH_NORMS, TRANSPOSED_FORWARDS, effective_parameters
@@ -135,6 +136,11 @@ class MergeBatchNormRule(NormRule):
 
     def batch_norm(self, module: nn.Module, output: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         call = layer_call_of(args[0])
+        parts = concatenated_layer_calls(args[0]) if call is None else None
+        if parts is not None and _can_merge_parts(parts, module, output.shape[1]):
+            if None in parts:
+                self._refuse_unmerged(module)
+            return self._merge_parts(module, output, args, kwargs, parts)
         flattened = call is None and (call := _flattened_layer_call(args[0])) is not None
         if call is None or not _can_merge(call, module, flattened):
             self._refuse_unmerged(module)
@@ -148,28 +154,49 @@ class MergeBatchNormRule(NormRule):
                 )
             self._refuse_unmerged(module)
             return super().batch_norm(module, output, args, kwargs)
+        # A flattened layer output is merged in the layer's own shape, and the result flattened as the input was.
+        seen = output.view(call.raw.shape) if flattened else output
+        result = self._rewrite(module, call, seen, slice(None))
+        return result.view(output.shape) if flattened else result
+
+    def _merge_parts(
+        self, module: nn.Module, output: torch.Tensor, args: tuple, kwargs: dict, parts: list[LayerCall | None]
+    ) -> torch.Tensor:
+        """The BatchNorm over the concatenation of the layers' outputs ``parts``, merged into each layer; on the
+        channels of the one other part (``None``), if any, the ε-rule of its affine map."""
+        other = output.shape[1] - sum(call.raw.shape[1] for call in parts if call is not None)
+        plain = super().batch_norm(module, output, args, kwargs) if None in parts else None
+        results, start = [], 0
+        for call in parts:
+            channels = slice(start, start + (other if call is None else call.raw.shape[1]))
+            seen = output[:, channels]
+            results.append(plain[:, channels] if call is None else self._rewrite(module, call, seen, channels))
+            start = channels.stop
+        return torch.cat(results, dim=1)
+
+    def _rewrite(self, module: nn.Module, call: LayerCall, seen: torch.Tensor, channels: slice) -> torch.Tensor:
+        """The output ``seen`` of the BatchNorm's ``channels``, from ``call``'s layer merged with them."""
         if graph_kept() is not None:  # from the live parameters, every call: the kept merge is detached
-            merged = _merge_batch_norm(call.module, module)
+            merged = _merge_batch_norm(call.module, module, channels)
         else:
             registration = self._registrations[module]
             if registration.state is _UNPREPARED:  # a lazy BatchNorm: no parameters when the rule was registered
                 self.prepared_state(module, registration)
             state = registration.state
-            merged = state.get(call.module)
+            key = call.module if channels == slice(None) else (call.module, channels.start, channels.stop)
+            merged = state.get(key)
             # Rebuilt when the layer's or the BatchNorm's parameters or statistics changed (an optimizer step).
             fingerprint = parameter_fingerprint(call.module) + parameter_fingerprint(module)
             if merged is None or merged.fingerprint != fingerprint:
-                merged = state[call.module] = _merge_batch_norm(call.module, module)
+                merged = state[key] = _merge_batch_norm(call.module, module, channels)
                 merged.fingerprint = fingerprint
-        # A flattened layer output is merged in the layer's own shape, and the result flattened as the input was.
-        seen = output.view(call.raw.shape) if flattened else output
         result = call.rule.rewrite_merged(call, seen, merged)
         if result is not None and result.grad_fn is not None:
             result.grad_fn.metadata[_LAYER_MARK] = True  # the merged layer's output is a layer boundary
         result = seen if result is None else result
         for observe in call.observers:
             observe(result)
-        return result.view(output.shape) if flattened else result
+        return result
 
 
 def _flattened_layer_call(x: torch.Tensor) -> LayerCall | None:
@@ -187,13 +214,26 @@ def _flattened_layer_call(x: torch.Tensor) -> LayerCall | None:
     return call if rows_in_order and x.data_ptr() == base.data_ptr() else None
 
 
-def _can_merge(call: LayerCall, norm: nn.Module, flattened: bool = False) -> bool:
+def _can_merge_parts(parts: list[LayerCall | None], norm: nn.Module, features: int) -> bool:
+    """Whether the BatchNorm ``norm`` over the concatenated outputs of the layers ``parts`` (and of one other tensor,
+    ``None``) merges into each layer."""
+    layers = [call for call in parts if call is not None]
+    width = sum(call.raw.shape[1] for call in layers)
+    if norm.running_mean is None or norm.running_mean.numel() != features or width > features - (None in parts):
+        return False
+    if None not in parts and width != features:
+        return False
+    return all(call.rule.merges_batch_norm and _can_merge(call, norm, features=call.raw.shape[1]) for call in layers)
+
+
+def _can_merge(call: LayerCall, norm: nn.Module, flattened: bool = False, features: int | None = None) -> bool:
     if norm.running_mean is None or norm.running_var is None:
         return False
     if norm.training and not is_frozen_batch_norm(norm):  # a frozen one normalises by its buffers in either mode
         return False
     raw = call.raw
-    features = norm.running_mean.numel()  # torchvision's FrozenBatchNorm2d has no num_features
+    if features is None:
+        features = norm.running_mean.numel()  # torchvision's FrozenBatchNorm2d has no num_features
     if flattened:
         return raw.shape[-1] == features
     if isinstance(call.module, nn.Linear):
@@ -204,19 +244,21 @@ def _can_merge(call: LayerCall, norm: nn.Module, flattened: bool = False) -> boo
     return raw.shape[1] == features
 
 
-def _merge_batch_norm(layer: nn.Module, norm: nn.Module) -> MergedLayer:
+def _merge_batch_norm(layer: nn.Module, norm: nn.Module, channels: slice = slice(None)) -> MergedLayer:
+    """``layer`` with the BatchNorm's ``channels`` (as many as the layer's outputs) folded in."""
     # Detached, except in a call that keeps the graph: there the merged parameters are functions of the live ones.
     keep = graph_kept() is not None
     with torch.enable_grad() if keep else torch.no_grad():
-        scale = (norm.running_var + norm.eps).rsqrt()
+        mean = norm.running_mean[channels]
+        scale = (norm.running_var[channels] + norm.eps).rsqrt()
         shift = torch.zeros_like(scale)
         if norm.weight is not None:
-            scale = scale * norm.weight
+            scale = scale * norm.weight[channels]
         if norm.bias is not None:
-            shift = norm.bias if keep else norm.bias.detach()
+            shift = (norm.bias if keep else norm.bias.detach())[channels]
         params = effective_parameters(layer)
         weight = params["weight"]
-        bias = params["bias"] if "bias" in params else torch.zeros_like(norm.running_mean)
+        bias = params["bias"] if "bias" in params else torch.zeros_like(mean)
         if isinstance(layer, tuple(TRANSPOSED_FORWARDS)):
             # (in, out / groups, *kernel): output channel g * out / groups + j sits at [group g's inputs, j].
             groups = layer.groups
@@ -225,7 +267,7 @@ def _merge_batch_norm(layer: nn.Module, norm: nn.Module) -> MergedLayer:
             weight = (grouped * per_group).reshape(weight.shape)
         else:
             weight = weight * scale.view(-1, *[1] * (weight.dim() - 1))
-        bias = (bias - norm.running_mean) * scale + shift
+        bias = (bias - mean) * scale + shift
     return MergedLayer({"weight": weight, "bias": bias}, scale)
 
 
