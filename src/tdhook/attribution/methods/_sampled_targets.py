@@ -1,9 +1,13 @@
-"""Targets drawn at random: a probabilistic module (a torchrl ``ProbabilisticActor``) sampling its action.
+"""Targets drawn at random: a probabilistic module (a torchrl ``ProbabilisticActor``) sampling its action, or a
+torchrl exploration step (``AdditiveGaussianModule``, ``OrnsteinUhlenbeckProcessModule``, ``EGreedyModule``) that
+perturbs it.
 
 A method that runs the model again on perturbed copies compares outputs of
 separate forward passes. Where the explained output is drawn at random (the
 sampled action under ``InteractionType.RANDOM``, as in a collector, its
-log-probability, or anything computed from them), every pass draws anew, and
+log-probability, or anything computed from them; the action an exploration
+step perturbs while exploration is random or unset, as in ``env.rollout``),
+every pass draws anew, and
 the differences are those of independent draws rather than of the
 perturbation; the user is told once.
 
@@ -28,6 +32,7 @@ from tensordict.nn import InteractionType, ProbabilisticTensorDictModule, Tensor
 from tensordict.nn.probabilistic import interaction_type
 from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 from torch import nn
+from torchrl.modules import AdditiveGaussianModule, EGreedyModule, OrnsteinUhlenbeckProcessModule
 
 __all__ = ["sampled_target"]
 
@@ -36,11 +41,17 @@ def _draws_at_random(module: ProbabilisticTensorDictModule) -> bool:
     return (interaction_type() or module.default_interaction_type) == InteractionType.RANDOM
 
 
+#: torchrl's exploration steps: each perturbs the action it reads with a draw of its own while exploration is random
+#: or unset (their ``forward`` tests ``exploration_type() in (RANDOM, None)``).
+_EXPLORATION_STEPS = (AdditiveGaussianModule, OrnsteinUhlenbeckProcessModule, EGreedyModule)
+
+
 def sampled_target(root: nn.Module, target_key: NestedKey) -> str | None:
     """Where ``target_key`` is drawn at random in the modules of ``root`` (in the order they run), or ``None``.
 
     A key is drawn at random when a probabilistic module sampling at random now
-    writes it (the sample or its log-probability), or when a later module reads
+    writes it (the sample or its log-probability), or an exploration step that
+    draws now (exploration random or unset) writes it, or when a later module reads
     a key drawn at random and writes it.
 
     Args:
@@ -54,6 +65,10 @@ def sampled_target(root: nn.Module, target_key: NestedKey) -> str | None:
     for name, module in root.named_modules():
         if isinstance(module, ProbabilisticTensorDictModule):
             if _draws_at_random(module):
+                for key in unravel_key_list(list(module.out_keys)):
+                    drawn[key] = f"module {name!r} ({type(module).__name__}) draws {key!r} at random"
+        elif isinstance(module, _EXPLORATION_STEPS):
+            if interaction_type() in (InteractionType.RANDOM, None):
                 for key in unravel_key_list(list(module.out_keys)):
                     drawn[key] = f"module {name!r} ({type(module).__name__}) draws {key!r} at random"
         elif isinstance(module, TensorDictModuleBase):  # a container too: what it writes may come from the draw
