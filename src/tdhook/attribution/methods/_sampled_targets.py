@@ -34,7 +34,7 @@ from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 from torch import nn
 from torchrl.modules import AdditiveGaussianModule, EGreedyModule, OrnsteinUhlenbeckProcessModule
 
-__all__ = ["sampled_target"]
+__all__ = ["exploration_draws", "sampled_target"]
 
 
 def _draws_at_random(module: ProbabilisticTensorDictModule) -> bool:
@@ -44,6 +44,23 @@ def _draws_at_random(module: ProbabilisticTensorDictModule) -> bool:
 #: torchrl's exploration steps: each perturbs the action it reads with a draw of its own while exploration is random
 #: or unset (their ``forward`` tests ``exploration_type() in (RANDOM, None)``).
 _EXPLORATION_STEPS = (AdditiveGaussianModule, OrnsteinUhlenbeckProcessModule, EGreedyModule)
+
+
+def exploration_draws(module: nn.Module) -> bool:
+    """Whether ``module`` is a torchrl exploration step that perturbs the action it writes with a draw now.
+
+    Examples:
+        >>> from torchrl.data import Bounded
+        >>> from torchrl.envs.utils import ExplorationType, set_exploration_type
+        >>> from torchrl.modules import AdditiveGaussianModule
+        >>> noise = AdditiveGaussianModule(spec=Bounded(-1.0, 1.0, (1,)))
+        >>> exploration_draws(noise)
+        True
+        >>> with set_exploration_type(ExplorationType.DETERMINISTIC):
+        ...     exploration_draws(noise)
+        False
+    """
+    return isinstance(module, _EXPLORATION_STEPS) and interaction_type() in (InteractionType.RANDOM, None)
 
 
 def sampled_target(root: nn.Module, target_key: NestedKey) -> str | None:
@@ -68,7 +85,7 @@ def sampled_target(root: nn.Module, target_key: NestedKey) -> str | None:
                 for key in unravel_key_list(list(module.out_keys)):
                     drawn[key] = f"module {name!r} ({type(module).__name__}) draws {key!r} at random"
         elif isinstance(module, _EXPLORATION_STEPS):
-            if interaction_type() in (InteractionType.RANDOM, None):
+            if exploration_draws(module):
                 for key in unravel_key_list(list(module.out_keys)):
                     drawn[key] = f"module {name!r} ({type(module).__name__}) draws {key!r} at random"
         elif isinstance(module, TensorDictModuleBase):  # a container too: what it writes may come from the draw
