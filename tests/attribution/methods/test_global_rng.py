@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tensordict.nn import TensorDictModule, TensorDictSequential
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule, TensorDictModuleBase, TensorDictSequential
 
 from tdhook.attribution.methods._global_rng import global_rng_kept
 from tests.attribution.methods.test_base import METHODS, make
@@ -82,3 +83,28 @@ def test_a_sampling_policy_takes_the_bare_policys_actions(name, policy):
     assert torch.equal(explained["next", "observation"], plain["next", "observation"])
     attribution = explained["attribution", "observation"]
     assert torch.isfinite(attribution).all() and not attribution.requires_grad
+
+
+class Cut(TensorDictModuleBase):
+    """One output per row of a ``[B, T]`` context (as torchrl's DecisionTransformerInferenceWrapper), with a draw."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_keys, self.out_keys = ["x"], ["y"]
+        self.linear = torch.nn.Linear(3, 2).double()
+
+    def forward(self, td):
+        y = self.linear(td["x"].sum(1)) + 0.1 * torch.rand(td.shape[0], 1, dtype=torch.float64)
+        return TensorDict(x=td["x"], y=y, batch_size=td.shape[:1])
+
+
+@pytest.mark.parametrize("name", ["Saliency", "FeatureAblation"])
+def test_a_module_returning_fewer_batch_dims_draws_as_one_plain_call(name):
+    """Such a call runs the model again in the module's batch: from the random state the first run started from."""
+    module, x = Cut(), torch.randn(2, 4, 3, dtype=torch.float64)
+    torch.manual_seed(1)
+    module(TensorDict(x=x, batch_size=[2, 4]))
+    expected = torch.rand(3)
+    torch.manual_seed(1)
+    out = make(name, module, target_key="y")(TensorDict(x=x, batch_size=[2, 4]))
+    assert out.batch_size == (2,) and torch.equal(torch.rand(3), expected)
