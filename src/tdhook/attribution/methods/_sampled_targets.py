@@ -32,18 +32,14 @@ from tensordict.nn import InteractionType, ProbabilisticTensorDictModule, Tensor
 from tensordict.nn.probabilistic import interaction_type
 from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 from torch import nn
-from torchrl.modules import AdditiveGaussianModule, EGreedyModule, OrnsteinUhlenbeckProcessModule
+
+from tdhook.attribution._policy_targets import EXPLORATION_MODULES
 
 __all__ = ["exploration_draws", "sampled_target"]
 
 
 def _draws_at_random(module: ProbabilisticTensorDictModule) -> bool:
     return (interaction_type() or module.default_interaction_type) == InteractionType.RANDOM
-
-
-#: torchrl's exploration steps: each perturbs the action it reads with a draw of its own while exploration is random
-#: or unset (their ``forward`` tests ``exploration_type() in (RANDOM, None)``).
-_EXPLORATION_STEPS = (AdditiveGaussianModule, OrnsteinUhlenbeckProcessModule, EGreedyModule)
 
 
 def exploration_draws(module: nn.Module) -> bool:
@@ -60,7 +56,8 @@ def exploration_draws(module: nn.Module) -> bool:
         ...     exploration_draws(noise)
         False
     """
-    return isinstance(module, _EXPLORATION_STEPS) and interaction_type() in (InteractionType.RANDOM, None)
+    # torchrl's exploration steps draw while exploration is random or unset (``exploration_type() in (RANDOM, None)``).
+    return isinstance(module, EXPLORATION_MODULES) and interaction_type() in (InteractionType.RANDOM, None)
 
 
 def sampled_target(root: nn.Module, target_key: NestedKey) -> str | None:
@@ -84,7 +81,7 @@ def sampled_target(root: nn.Module, target_key: NestedKey) -> str | None:
             if _draws_at_random(module):
                 for key in unravel_key_list(list(module.out_keys)):
                     drawn[key] = f"module {name!r} ({type(module).__name__}) draws {key!r} at random"
-        elif isinstance(module, _EXPLORATION_STEPS):
+        elif isinstance(module, EXPLORATION_MODULES):
             if exploration_draws(module):
                 for key in unravel_key_list(list(module.out_keys)):
                     drawn[key] = f"module {name!r} ({type(module).__name__}) draws {key!r} at random"
