@@ -529,3 +529,35 @@ def test_a_trajectory_read_as_time_after_a_leading_linear_layer_scores_one_step_
         expected = torch.stack([net(torch.where(torch.arange(3) < k, 0.0, x))[:, 0] for k in range(4)], -1)
     got = pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], target=0)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("step", ["AdditiveGaussianModule", "OrnsteinUhlenbeckProcessModule"])
+def test_an_action_an_exploration_step_perturbs_is_refused_by_name(step):
+    """An exploration step after the actor drew new noise at every pass while exploration is random or unset (as in
+    env.rollout): the pixel-flipping curve of the noisy action was 1.3 off the actor's action's, without a word."""
+    import torchrl.modules
+    from torchrl.data import Bounded
+    from torchrl.envs.utils import ExplorationType, set_exploration_type
+    from torchrl.modules import Actor
+
+    torch.manual_seed(0)
+    spec = Bounded(-2.0, 2.0, (1,), dtype=torch.float64)
+    actor = Actor(nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).double(), ["observation"], spec=spec)
+    policy = TensorDictSequential(actor, getattr(torchrl.modules, step)(spec=spec))
+    x = torch.randn(4, 3, dtype=torch.float64)
+    td = TensorDict(
+        observation=x,
+        is_init=torch.zeros(4, 1, dtype=torch.bool),
+        attribution=TensorDict(observation=x),
+        batch_size=[4],
+    )
+    for mode in (None, ExplorationType.RANDOM):
+        with (
+            set_exploration_type(mode),
+            pytest.raises(ValueError, match=f"target 'action' is perturbed by module 'module.1' \\({step}\\)"),
+        ):
+            pixel_flipping(policy, td, target_key="action", in_keys=["observation"])
+    expected = pixel_flipping(actor, td, target_key="action", in_keys=["observation"])
+    with set_exploration_type(ExplorationType.DETERMINISTIC):  # the step adds nothing
+        got = pixel_flipping(policy, td, target_key="action", in_keys=["observation"])
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -18,6 +18,8 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from tdhook.attribution.methods._global_rng import cuda_devices
+
 __all__ = ["cuda_devices", "generator", "keeps_global_rng"]
 
 Metric = TypeVar("Metric", bound=Callable)
@@ -37,13 +39,6 @@ def generator(seed: int | None) -> torch.Generator:
     else:
         raise TypeError(f"metrics: seed must be an int or None, got {type(seed).__name__}")
     return g
-
-
-def cuda_devices(model: nn.Module) -> list[int]:
-    """The CUDA devices that hold ``model``'s parameters or buffers."""
-    if not torch.cuda.is_initialized():  # a tensor on a CUDA device starts CUDA: none yet, no walk of the model
-        return []
-    return sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.device.type == "cuda"})
 
 
 def keeps_global_rng(metric: Metric) -> Metric:

@@ -37,6 +37,7 @@ from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action, allowed_mask
 from tdhook.attribution._random_modules import draw, random_modules
 from tdhook.attribution._run_errors import run_error
+from tdhook.attribution.methods._sampled_targets import exploration_draws
 from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurrent_layers, time_lengths
 from tdhook.attribution.rules._meta_tensors import meta_tensors_refused
 from tdhook.attribution.targets import (
@@ -96,6 +97,13 @@ def _refuse_sampled_target(module: nn.Module, key: NestedKey) -> None:
     """A target sampled from a distribution under random interaction is drawn anew at every forward pass: a curve
     of it would be noise."""
     for name, sub in module.named_modules():
+        if exploration_draws(sub) and key in unravel_key_list(list(sub.out_keys)):
+            raise ValueError(
+                f"metrics: target {key!r} is perturbed by module {name!r} ({type(sub).__name__}) with noise drawn "
+                "anew at every forward pass while exploration is random or unset: the scores would mix the "
+                "perturbation with that noise. Score the action before the exploration step (a model without it) "
+                "or call the metric under torchrl's set_exploration_type(ExplorationType.DETERMINISTIC)"
+            )
         if isinstance(sub, ProbabilisticTensorDictModule) and key in unravel_key_list(list(sub.out_keys)):
             mode = interaction_type() or sub.default_interaction_type
             if mode == InteractionType.RANDOM:

@@ -69,3 +69,37 @@ def test_a_key_computed_from_the_draw_is_drawn_at_random():
         )
         assert sampled_target(pipeline, "loc") is None
     assert sampled_target(pipeline, "value") is None
+
+
+def noisy_actor(step: str) -> TensorDictSequential:
+    from torchrl.data import Bounded
+    from torchrl.modules import Actor, AdditiveGaussianModule, OrnsteinUhlenbeckProcessModule
+
+    torch.manual_seed(0)
+    spec = Bounded(-2.0, 2.0, (1,), dtype=torch.float64)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1), nn.Tanh()).double()
+    noise = (
+        AdditiveGaussianModule(spec=spec, sigma_init=0.5)
+        if step == "gaussian"
+        else OrnsteinUhlenbeckProcessModule(spec=spec)
+    )
+    return TensorDictSequential(Actor(net, in_keys=["observation"], spec=spec), noise)
+
+
+@pytest.mark.parametrize("step", ["gaussian", "ou"])
+def test_an_action_an_exploration_step_perturbs_is_warned(step):
+    """An exploration step in the explained model draws new noise in every perturbed pass while exploration is random
+    or unset (as in env.rollout and collectors): FeatureAblation of the noisy action was 1.4 off that of the actor's
+    action (AdditiveGaussianModule, sigma 0.5), and nothing said so."""
+    policy = noisy_actor(step)
+    td = observations().set("is_init", torch.zeros(5, 1, dtype=torch.bool))
+    for interaction in (InteractionType.RANDOM, None):
+        found = caught(FeatureAblation(policy, target_key="action"), td.clone(), interaction)
+        messages = [m for m in found if m.startswith("FeatureAblation")]  # not torchrl's own on its copies' is_init
+        assert len(messages) == 1, messages
+        name = "AdditiveGaussianModule" if step == "gaussian" else "OrnsteinUhlenbeckProcessModule"
+        expected = f"FeatureAblation: the target 'action' is drawn at random (module 'module.1' ({name})"
+        assert messages[0].startswith(expected)
+    assert caught(FeatureAblation(policy, target_key="action"), td.clone(), InteractionType.DETERMINISTIC) == []
+    with set_interaction_type(InteractionType.RANDOM):  # the actor's output before the step is not drawn
+        assert sampled_target(TensorDictSequential(policy[0]), "action") is None

@@ -49,6 +49,7 @@ from tdhook.attribution.methods._batch_statistics import (
     buffers_restored_on_error,
 )
 from tdhook.attribution.methods._call_keys import keys_explained_in_call, narrowed
+from tdhook.attribution.methods._global_rng import global_rng_kept
 from tdhook.attribution.methods._options import MISSING
 from tdhook.attribution.methods._sampled_targets import sampled_target
 from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurrent_layers, time_lengths
@@ -251,6 +252,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
                 raise TypeError(f"{name}: input key {key!r} must be a floating-point tensor, got {describe(value)}")
         self._check_batch(tensordict)
         self._warn_for_random_modules(tensordict)
+        rng_before = torch.get_rng_state()
         with buffers_restored_on_error(self.module) as before:  # up to the write: a call that fails moves none
             # A module computing from a parameter on the meta device returns whatever the memory held: refused.
             with meta_tensors_refused(self.module), self._model_context():
@@ -261,10 +263,13 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
                 self._warn_for_sampled_target(call)
                 cut = returned_tensordict(tensordict, call.result, name)
                 if cut is tensordict:
-                    attributions = self._attribute(call)
-                    extra = self._extra_updates(call)
+                    # The perturbed passes draw on a fork: the caller's random state moves as one plain call moves it.
+                    with global_rng_kept(self.module):
+                        attributions = self._attribute(call)
+                        extra = self._extra_updates(call)
             if cut is not tensordict:  # the module returned fewer batch dimensions: explain in its batch, as LRP does
-                before.restore()  # that call runs the model's own pass again
+                before.restore()  # that call runs the model's own pass again, from the random state of this one
+                torch.set_rng_state(rng_before)
                 return self.forward(cut)
             updates = model_updates(tensordict, call.result, self.explained_keys, call.fed)
             for key, attribution in zip(self.relevance_keys, attributions, strict=True):
