@@ -23,7 +23,7 @@ OFFSET = {
     "(1 + sigmoid(a)) * b": lambda a, b: (1 + torch.sigmoid(a)) * b,  # no gate: sigmoid(a) is, 1 + sigmoid(a) not
     "(a + 1) * sigmoid(b)": lambda a, b: (a + 1) * torch.sigmoid(b),  # the gate held: all of it to a + 1
     "relu(a + 1) * b": lambda a, b: torch.relu(a + 1) * b,  # the number behind a clip: it takes its share all the same
-    "b * (leaky_relu(a - 1) / 2)": lambda a, b: b * (nn.functional.leaky_relu(a - 1) / 2),
+    "b * (relu(a + 1) / 2)": lambda a, b: b * (torch.relu(a + 1) / 2),
 }
 NO_OFFSET = {
     "a * b": lambda a, b: a * b,
