@@ -67,6 +67,15 @@ def _relevance(model: nn.Module, x: torch.Tensor, mapper) -> tuple[torch.Tensor,
     return lrp(TensorDict(x=x.clone(), batch_size=[x.shape[0]]))["relevance", "x"], lrp
 
 
+def _assert_quiet_and_equal(own: nn.Module, plain: nn.Module, x: torch.Tensor, mapper) -> None:
+    """``own`` is explained without a warning, with the relevance of ``plain`` (to the effect of an ε of 1e-6)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        actual, _ = _relevance(own, x, mapper())
+    expected, _ = _relevance(plain, x, mapper())
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-8)
+
+
 class TestLinearWrittenWithFLinear:
     def test_is_warned_of_naming_the_module(self):
         """A module of one's own calling F.linear with its weight is no nn.Linear to the mappers (rules go by module
@@ -114,11 +123,7 @@ class TestLinearWrittenWithFLinear:
             "none": lambda: None,
         }
         own, plain, x = _nets()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            actual, _ = _relevance(own, x, mappers[preset]())
-        expected, _ = _relevance(plain, x, mappers[preset]())
-        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-8)
+        _assert_quiet_and_equal(own, plain, x, mappers[preset])
 
     def test_a_fixed_projection_in_a_buffer_is_not_warned_of(self):
         """A projection held in a buffer is no layer's weight: no warning."""
@@ -279,11 +284,7 @@ class TestLinearWrittenAsAMatrixProduct:
         own, plain, x = _nets()
         for product in MATRIX_PRODUCTS.values():
             own[2] = OwnProduct(plain[2], product)
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")
-                actual, _ = _relevance(own, x, mappers[preset]())
-            expected, _ = _relevance(plain, x, mappers[preset]())
-            torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-8)
+            _assert_quiet_and_equal(own, plain, x, mappers[preset])
 
     def test_a_product_of_two_activations_or_by_a_buffer_is_no_layer(self):
         """Attention scores (``q @ k.T``) and a fixed projection held in a buffer are no layer: not named as one."""
