@@ -327,3 +327,20 @@ class TestLinearWrittenAsAMatrixProduct:
         with pytest.warns(UserWarning, match=match):
             actual, _ = _relevance(own, x, EpsilonPlus())
         assert relative_error(actual, expected) > 0.5
+
+
+@pytest.mark.parametrize("name", ["F.linear", "x @ w.T + b", "torch.addmm"])
+def test_a_frozen_first_layer_of_ones_own_is_warned_of_and_takes_no_rule_of_another(name):
+    """``model.requires_grad_(False)`` before explaining: the weight of a first layer of one's own is then a constant
+    to autograd, like a buffer. Its call was not named, and the first-layer walks went through it, so EpsilonPlusFlat
+    put Flat on the next Linear (0.95 off the same model with trainable weights, with no word of it). A parameter
+    (or a view of one) is a weight, frozen or not: warned of, and the relevance is the trainable model's."""
+    own, plain, x = TestFirstLayerWrittenWithFLinear._first_own()
+    if name != "F.linear":
+        own[0] = OwnProduct(plain[0], MATRIX_PRODUCTS[name])
+    with pytest.warns(UserWarning, match=r"module '0' \(Own\w+\) computes \w+ with its own weight.* gets Flat"):
+        expected, _ = _relevance(own, x, EpsilonPlusFlat())
+    own.requires_grad_(False)
+    with pytest.warns(UserWarning, match=r"module '0' \(Own\w+\) computes \w+ with its own weight.* gets Flat"):
+        actual, _ = _relevance(own, x, EpsilonPlusFlat())
+    assert relative_error(actual, expected) <= 1e-12

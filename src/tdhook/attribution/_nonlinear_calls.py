@@ -43,7 +43,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from tdhook.attribution._offset_products import OFFSET_PRODUCT, OffsetProducts
 from tdhook.attribution._straight_through import STRAIGHT_THROUGH, StraightThrough
-from tdhook.attribution._unmapped_layers import LAYER_FUNCTIONS, MATRIX_PRODUCTS, matrix_product_layer
+from tdhook.attribution._unmapped_layers import LAYER_FUNCTIONS, MATRIX_PRODUCTS, is_weight, matrix_product_layer
 from tdhook.attribution._unmerged_norms import merging_rule
 from tdhook.attribution.coverage import PlainGradientCall
 from tdhook.attribution.rules._autograd import (
@@ -172,9 +172,7 @@ def _is_layer_call(func: Any, args: tuple) -> tuple[str, torch.Tensor] | None:
         return matrix_product_layer(name, args)
     if name not in LAYER_FUNCTIONS or len(args) < 2 or not is_activation(args[0]):
         return None
-    weight = args[1]
-    layer = isinstance(weight, torch.Tensor) and weight.requires_grad and not is_activation(weight)
-    return (name, args[0]) if layer else None
+    return (name, args[0]) if is_weight(args[1]) else None
 
 
 # An ``F.batch_norm`` call in training mode outside a BatchNorm module with a rule: its plain gradient runs through

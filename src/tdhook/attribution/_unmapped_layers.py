@@ -52,6 +52,7 @@ __all__ = [
     "MATRIX_PRODUCTS",
     "NEGLIGIBLE_EPSILON",
     "layer_of",
+    "is_weight",
     "matrix_product_layer",
     "report_recurrent_first_layers",
     "report_unmapped_layers",
@@ -121,9 +122,23 @@ def matrix_product_layer(name: str, args: tuple) -> tuple[str, torch.Tensor] | N
         factors = tuple(factors[0])
     tensors = [factor for factor in factors if isinstance(factor, torch.Tensor)]
     activations = [tensor for tensor in tensors if is_activation(tensor)]
-    if len(activations) != 1 or not any(t.requires_grad and not is_activation(t) for t in tensors):
+    if len(activations) != 1 or not any(is_weight(t) for t in tensors):
         return None
     return name + _patches(activations[0]), activations[0]
+
+
+def is_weight(value: Any) -> bool:
+    """Whether ``value`` is a weight: a tensor computed from parameters alone, or a parameter (or a view of one, as
+    ``self.weight.T``) that does not require grad (a frozen model's, ``model.requires_grad_(False)``); a buffer is not.
+
+    Examples:
+        >>> frozen = nn.Parameter(torch.randn(3, 4), requires_grad=False)
+        >>> is_weight(frozen.T), is_weight(torch.randn(3, 4)), is_weight(nn.Parameter(torch.randn(2)))
+        (True, False, True)
+    """
+    if not isinstance(value, torch.Tensor) or is_activation(value):
+        return False
+    return value.requires_grad or isinstance(value, nn.Parameter) or isinstance(value._base, nn.Parameter)
 
 
 def _patches(activation: torch.Tensor) -> str:
