@@ -22,6 +22,8 @@ OFFSET = {
     "(a + 1) @ b": lambda a, b: ((a + 1).unsqueeze(-1) @ b.unsqueeze(-2)).sum(-1),
     "(1 + sigmoid(a)) * b": lambda a, b: (1 + torch.sigmoid(a)) * b,  # no gate: sigmoid(a) is, 1 + sigmoid(a) not
     "(a + 1) * sigmoid(b)": lambda a, b: (a + 1) * torch.sigmoid(b),  # the gate held: all of it to a + 1
+    "relu(a + 1) * b": lambda a, b: torch.relu(a + 1) * b,  # the number behind a clip: it takes its share all the same
+    "b * (relu(a + 1) / 2)": lambda a, b: b * (torch.relu(a + 1) / 2),
 }
 NO_OFFSET = {
     "a * b": lambda a, b: a * b,
@@ -78,3 +80,21 @@ def test_a_product_without_a_number_in_a_factor_is_not_named(name: str, preset):
     if "+ 1" not in name and "1 +" not in name:  # bias-free and split or held: conserved
         logit = plain.max(-1).values
         assert ((td["relevance", "x"].flatten(1).sum(1) - logit).abs() / logit.abs()).max() <= 1e-10
+
+
+@pytest.mark.parametrize("name", ["b * relu6(b + 3) / 6", "b * clamp(b + 3, 0, 6) / 6"])
+def test_a_hard_swish_written_out_is_named_where_its_clip_is_no_held_gate(name: str):
+    """A hard swish written out (``x * relu6(x + 3) / 6``, MobileNetV3's): AttnLRP splits the product between
+    ``x`` and the clip, whose number takes a share (0.45 of the logit lost, bias-free, with no word): warned of.
+    CP-LRP holds the clip as a gate, giving all of it to ``x``: conserved, and nothing to say."""
+    clip = {"b * relu6(b + 3) / 6": nn.functional.relu6, "b * clamp(b + 3, 0, 6) / 6": lambda t: t.clamp(0, 6)}[name]
+    product = lambda a, b: b * clip(b + 3) / 6  # noqa: E731
+    with pytest.warns(UserWarning, match=r"the model itself \(Offset\) multiplies activations where a factor adds"):
+        lrp, plain, td = _explain(product, AttnLRP())
+    logit = plain.max(-1).values
+    assert ((td["relevance", "x"].flatten(1).sum(1) - logit).abs() / logit.abs()).max() > 0.1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lrp, plain, td = _explain(product, CPLRP(strict=True))
+    logit = plain.max(-1).values
+    assert ((td["relevance", "x"].flatten(1).sum(1) - logit).abs() / logit.abs()).max() <= 1e-10

@@ -67,6 +67,15 @@ def _relevance(model: nn.Module, x: torch.Tensor, mapper) -> tuple[torch.Tensor,
     return lrp(TensorDict(x=x.clone(), batch_size=[x.shape[0]]))["relevance", "x"], lrp
 
 
+def _assert_quiet_and_equal(own: nn.Module, plain: nn.Module, x: torch.Tensor, mapper) -> None:
+    """``own`` is explained without a warning, with the relevance of ``plain`` (to the effect of an ε of 1e-6)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        actual, _ = _relevance(own, x, mapper())
+    expected, _ = _relevance(plain, x, mapper())
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-8)
+
+
 class TestLinearWrittenWithFLinear:
     def test_is_warned_of_naming_the_module(self):
         """A module of one's own calling F.linear with its weight is no nn.Linear to the mappers (rules go by module
@@ -114,11 +123,7 @@ class TestLinearWrittenWithFLinear:
             "none": lambda: None,
         }
         own, plain, x = _nets()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            actual, _ = _relevance(own, x, mappers[preset]())
-        expected, _ = _relevance(plain, x, mappers[preset]())
-        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-8)
+        _assert_quiet_and_equal(own, plain, x, mappers[preset])
 
     def test_a_fixed_projection_in_a_buffer_is_not_warned_of(self):
         """A projection held in a buffer is no layer's weight: no warning."""
@@ -229,3 +234,113 @@ def test_a_tiny_epsilon_on_convolutions_is_near_lrp0_too():
     assert report_unmapped_layers(found, modules, lambda name, module: EpsilonRule(1e-6), strict=False) == ()
     with pytest.warns(UserWarning, match=r"no convolution layer .* where a Conv2d gets EpsilonRule"):
         report_unmapped_layers(found, modules, lambda name, module: EpsilonRule(1e-3), strict=False)
+
+
+# A Linear layer's map written as a matrix product with a module's own weight ``w`` (out × in) and bias ``b``.
+MATRIX_PRODUCTS = {
+    "x @ w.T + b": lambda x, w, b: x @ w.T + b,
+    "(w @ x.T).T + b": lambda x, w, b: (w @ x.T).T + b,
+    "torch.einsum": lambda x, w, b: torch.einsum("bi,oi->bo", x, w) + b,
+    "torch.addmm": lambda x, w, b: torch.addmm(b, x, w.T),
+    "torch.mm": lambda x, w, b: torch.mm(x, w.t()) + b,
+    "torch.bmm": lambda x, w, b: torch.bmm(x.unsqueeze(1), w.T.expand(len(x), -1, -1)).squeeze(1) + b,
+    "torch.tensordot": lambda x, w, b: torch.tensordot(x, w, dims=([1], [1])) + b,
+}
+
+
+class OwnProduct(nn.Module):
+    """A Linear layer of one's own: an ``nn.Linear``'s weight and bias, applied by a matrix product."""
+
+    def __init__(self, layer: nn.Linear, product) -> None:
+        super().__init__()
+        self.weight, self.bias, self.product = layer.weight, layer.bias, product
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x, self.weight, self.bias)
+
+
+class TestLinearWrittenAsAMatrixProduct:
+    """``x @ self.W`` (or einsum, addmm, mm, bmm, tensordot) with a module's own weight is a Linear layer's map that
+    no mapper sees: as the first layer under EpsilonPlusFlat it kept LRP-0 where nn.Linear gets Flat, 2.01 times the
+    relevance off (relative L2), with no word."""
+
+    @pytest.mark.parametrize("name", sorted(MATRIX_PRODUCTS))
+    def test_a_first_layer_of_ones_own_is_warned_of_naming_flat(self, name):
+        own, plain, x = TestFirstLayerWrittenWithFLinear._first_own()
+        own[0] = OwnProduct(plain[0], MATRIX_PRODUCTS[name])
+        expected, _ = _relevance(plain, x, EpsilonPlusFlat())
+        with pytest.warns(UserWarning, match=r"module '0' \(OwnProduct\) computes \w+ with its own weight.* gets Flat"):
+            actual, lrp = _relevance(own, x, EpsilonPlusFlat())
+        assert relative_error(actual, expected) > 1.0  # 1.5: the plain gradient there
+        assert [(c.module, c.module_type) for c in lrp.coverage().plain_gradient] == [("0", "OwnProduct")]
+        with pytest.raises(ValueError, match=r"module '0' \(OwnProduct\) computes .* FlatRule"):
+            _relevance(own, x, EpsilonPlusFlat(strict=True))
+
+    @pytest.mark.parametrize("preset", ["EpsilonPlus", "AttnLRP", "CPLRP", "none"])
+    def test_a_later_layer_near_lrp0_is_not_warned_of(self, preset):
+        """Behind the first layer a Linear gets ε = 1e-6 or LRP-0: nothing to say, ``torch.mm`` included (it was
+        named ``spmm``, a function no rule covers, under the CNN presets)."""
+        mappers = {"EpsilonPlus": EpsilonPlus, "AttnLRP": AttnLRP, "CPLRP": CPLRP, "none": lambda: None}
+        own, plain, x = _nets()
+        for product in MATRIX_PRODUCTS.values():
+            own[2] = OwnProduct(plain[2], product)
+            _assert_quiet_and_equal(own, plain, x, mappers[preset])
+
+    def test_a_product_of_two_activations_or_by_a_buffer_is_no_layer(self):
+        """Attention scores (``q @ k.T``) and a fixed projection held in a buffer are no layer: not named as one."""
+
+        class Scores(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.q, self.k = nn.Linear(5, 4), nn.Linear(5, 4)
+                self.register_buffer("basis", torch.eye(4)[:3])
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return (self.q(x) @ self.k(x).T) @ (self.q(x) @ self.basis.T)
+
+        torch.manual_seed(0)
+        _, lrp = _relevance(Scores().to(F64), torch.randn(4, 5, dtype=F64), CPLRP())
+        assert lrp.coverage().plain_gradient == ()
+
+    def test_a_convolution_written_with_unfold_and_matmul_is_warned_of_naming_zplus(self):
+        """``w.view(out, -1) @ F.unfold(x, k)``, a convolution written out: it kept LRP-0 where EpsilonPlus gives
+        a convolution z⁺, 2.1 times the relevance off, with no word. Warned of as a convolution, naming z⁺."""
+
+        class UnfoldConv(nn.Module):
+            def __init__(self, conv: nn.Conv2d) -> None:
+                super().__init__()
+                self.weight, self.bias = conv.weight, conv.bias
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                patches = nn.functional.unfold(x, 3, padding=1)
+                out = self.weight.view(len(self.weight), -1) @ patches + self.bias.view(1, -1, 1)
+                return out.view(len(x), -1, *x.shape[2:])
+
+        torch.manual_seed(0)
+        plain = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.ReLU())
+        plain = nn.Sequential(*plain, nn.Flatten(), nn.Linear(4 * 25, 3)).to(F64)
+        own = nn.Sequential(*plain)
+        own[2] = UnfoldConv(plain[2])
+        x = torch.randn(3, 2, 5, 5, dtype=F64)
+        expected, _ = _relevance(plain, x, EpsilonPlus())
+        match = r"module '2' \(UnfoldConv\) computes matmul of F.unfold patches .* no convolution layer .* AlphaBeta"
+        with pytest.warns(UserWarning, match=match):
+            actual, _ = _relevance(own, x, EpsilonPlus())
+        assert relative_error(actual, expected) > 0.5
+
+
+@pytest.mark.parametrize("name", ["F.linear", "x @ w.T + b", "torch.addmm"])
+def test_a_frozen_first_layer_of_ones_own_is_warned_of_and_takes_no_rule_of_another(name):
+    """``model.requires_grad_(False)`` before explaining: the weight of a first layer of one's own is then a constant
+    to autograd, like a buffer. Its call was not named, and the first-layer walks went through it, so EpsilonPlusFlat
+    put Flat on the next Linear (0.95 off the same model with trainable weights, with no word of it). A parameter
+    (or a view of one) is a weight, frozen or not: warned of, and the relevance is the trainable model's."""
+    own, plain, x = TestFirstLayerWrittenWithFLinear._first_own()
+    if name != "F.linear":
+        own[0] = OwnProduct(plain[0], MATRIX_PRODUCTS[name])
+    with pytest.warns(UserWarning, match=r"module '0' \(Own\w+\) computes \w+ with its own weight.* gets Flat"):
+        expected, _ = _relevance(own, x, EpsilonPlusFlat())
+    own.requires_grad_(False)
+    with pytest.warns(UserWarning, match=r"module '0' \(Own\w+\) computes \w+ with its own weight.* gets Flat"):
+        actual, _ = _relevance(own, x, EpsilonPlusFlat())
+    assert relative_error(actual, expected) <= 1e-12

@@ -43,7 +43,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from tdhook.attribution._offset_products import OFFSET_PRODUCT, OffsetProducts
 from tdhook.attribution._straight_through import STRAIGHT_THROUGH, StraightThrough
-from tdhook.attribution._unmapped_layers import LAYER_FUNCTIONS
+from tdhook.attribution._unmapped_layers import LAYER_FUNCTIONS, MATRIX_PRODUCTS, is_weight, matrix_product_layer
 from tdhook.attribution._unmerged_norms import merging_rule
 from tdhook.attribution.coverage import PlainGradientCall
 from tdhook.attribution.rules._autograd import (
@@ -93,6 +93,8 @@ _FACTORS |= {"addcmul": slice(1, 3)}
 _DIVISIONS = frozenset({"div", "divide", "true_divide", "truediv", "floor_divide", "floordiv"})
 # The in-place and reflected forms of Python's operators (``__iadd__``, ``__rmul__``): the same function.
 _OPERATORS = frozenset({"add", "sub", "mul", "matmul", "truediv", "floordiv", "div", "pow", "mod"})
+# Functions torch names otherwise than users call them: ``torch.mm`` resolves to ``torch.spmm``.
+_ALIASES = {"spmm": "mm"}
 
 
 def function_kind(func: Any) -> tuple[str, str]:
@@ -119,6 +121,7 @@ def _classify(func: Any) -> tuple[str, str]:
         full = getattr(func, "__name__", repr(func))
     parts = full.split(".")
     name = parts[-2] if parts[-1] == "__get__" and len(parts) > 1 else parts[-1]
+    name = _ALIASES.get(name, name)
     reflected = False
     if name.startswith("__") and name.endswith("__"):
         name = name.strip("_")
@@ -160,14 +163,16 @@ def _is_nonlinear_call(func: Any, args: tuple) -> str | None:
     return name
 
 
-def _is_layer_call(func: Any, args: tuple) -> str | None:
-    """The function's name when this call is a convolution or linear map of an activation by a weight computed from
-    parameters (what a convolution or Linear layer computes), else ``None``."""
+def _is_layer_call(func: Any, args: tuple) -> tuple[str, torch.Tensor] | None:
+    """The name to record this call by, and its activation, when it is a convolution or linear map of an activation
+    by a weight computed from parameters (what a convolution or Linear layer computes: ``F.conv2d``, ``F.linear``,
+    or a matrix product such as ``x @ self.W``), else ``None``."""
     name = function_kind(func)[0]
+    if name in MATRIX_PRODUCTS:
+        return matrix_product_layer(name, args)
     if name not in LAYER_FUNCTIONS or len(args) < 2 or not is_activation(args[0]):
         return None
-    weight = args[1]
-    return name if isinstance(weight, torch.Tensor) and weight.requires_grad and not is_activation(weight) else None
+    return (name, args[0]) if is_weight(args[1]) else None
 
 
 # An ``F.batch_norm`` call in training mode outside a BatchNorm module with a rule: its plain gradient runs through
@@ -282,9 +287,9 @@ class NonlinearCalls(TorchFunctionMode):
         elif name is not None and self._offset_product(name, args):
             self._calls.append((self._stack[-1] if self._stack else "", OFFSET_PRODUCT, _grad_fn(result)))
         elif name is None and (layer := _is_layer_call(func, args)) is not None:
-            call = (self._stack[-1] if self._stack else "", layer, _grad_fn(result))
+            call = (self._stack[-1] if self._stack else "", layer[0], _grad_fn(result))
             self._layer_calls.append(call)
-            if _reaches_model_input(args[0]):  # as the first-layer rule decides it for a layer: at this call
+            if _reaches_model_input(layer[1]):  # as the first-layer rule decides it for a layer: at this call
                 self._first_layer_calls.append(call)
 
     def found_unmerged_norms(self, targets: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, int]]:

@@ -44,6 +44,14 @@ _PASSED = frozenset(
     "SqueezeBackward2 ExpandBackward0 CloneBackward0 ToCopyBackward0 TransposeBackward0 PermuteBackward0 TBackward0 "
     "SliceBackward0 SelectBackward0 RepeatBackward0 IndexBackward0".split()
 )
+# Nodes that scale by a number (``(a + 3) / 6``) or clip element-wise, piecewise linearly (``relu6(a + 3)`` in a
+# hand-written hard swish, ``relu(a + 1)``): the number still takes its share of what passes back through them. A
+# clip the rules hold as a gate (CP-LRP holds any activation's output) takes no relevance, and is no reason. A clip
+# under the pass rule (AttnLRP's on ``F.relu6``) is the rule's node, with the sum as its one edge.
+_PASSED |= frozenset(
+    "_RedirectBackward MulBackward0 DivBackward0 ReluBackward0 HardtanhBackward0 ClampBackward1 ClampMinBackward0 "
+    "ClampMaxBackward0 LeakyReluBackward0 ThresholdBackward0".split()
+)
 _DEPTH = 8  # nodes walked back at most
 
 

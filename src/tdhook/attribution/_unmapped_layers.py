@@ -37,15 +37,26 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from tdhook.attribution.coverage import PlainGradientCall
 from tdhook.attribution.mappers.base import BaseRuleMapper
+from tdhook.attribution.rules._autograd import is_activation
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule
 from tdhook.attribution.rules.input_layer import FirstLayerRule
 
-__all__ = ["LAYER_FUNCTIONS", "NEGLIGIBLE_EPSILON", "report_recurrent_first_layers", "report_unmapped_layers"]
+__all__ = [
+    "LAYER_FUNCTIONS",
+    "MATRIX_PRODUCTS",
+    "NEGLIGIBLE_EPSILON",
+    "layer_of",
+    "is_weight",
+    "matrix_product_layer",
+    "report_recurrent_first_layers",
+    "report_unmapped_layers",
+]
 
 # An ε-rule with an ε up to this (the presets' default) is the plain gradient but where a layer's output is as small.
 NEGLIGIBLE_EPSILON = 1e-6
@@ -60,6 +71,88 @@ LAYER_FUNCTIONS: dict[str, type[nn.Module]] = {
     "conv_transpose2d": nn.ConvTranspose2d,
     "conv_transpose3d": nn.ConvTranspose3d,
 }
+
+# Matrix products that compute a Linear layer's map where one factor is an activation and the others are weights
+# computed from parameters (``x @ self.W``, ``torch.einsum``, ``torch.addmm(b, x, W)``); taken over the patches of
+# ``F.unfold`` (or the windows of ``Tensor.unfold``), a convolution's.
+MATRIX_PRODUCTS = frozenset("matmul mm bmm einsum tensordot addmm baddbmm addbmm mv addmv".split())
+# Where a product's factors are: an added term (addmm's input) or an equation (einsum's) is not a factor.
+_PRODUCT_FACTORS = {name: slice(1, 3) for name in ("addmm", "addmv", "baddbmm", "addbmm")} | {"einsum": slice(1, None)}
+# The nodes that make patches of an activation, and the convolution a product over them stands for.
+_PATCHES = {
+    "Im2ColBackward0": (" of F.unfold patches", nn.Conv2d),
+    "UnfoldBackward0": (" of unfold windows", nn.Conv1d),
+}
+_PATCH_LAYERS = dict(_PATCHES.values())
+# Nodes that only reshape, select or copy, between the patches and the product.
+_REARRANGING = frozenset(
+    "ViewBackward0 UnsafeViewBackward0 ReshapeAliasBackward0 UnsqueezeBackward0 SqueezeBackward0 SqueezeBackward1 "
+    "ExpandBackward0 CloneBackward0 TransposeBackward0 PermuteBackward0 TBackward0 SliceBackward0 "
+    "ContiguousBackward0".split()
+)
+
+
+def layer_of(function: str) -> type[nn.Module]:
+    """The layer type a call recorded as ``function`` stands for to a rule mapper.
+
+    Examples:
+        >>> layer_of("conv2d").__name__, layer_of("matmul").__name__, layer_of("matmul of F.unfold patches").__name__
+        ('Conv2d', 'Linear', 'Conv2d')
+    """
+    if function in LAYER_FUNCTIONS:
+        return LAYER_FUNCTIONS[function]
+    return next((layer for suffix, layer in _PATCH_LAYERS.items() if function.endswith(suffix)), nn.Linear)
+
+
+def matrix_product_layer(name: str, args: tuple) -> tuple[str, torch.Tensor] | None:
+    """Where the matrix product ``name`` (one of :data:`MATRIX_PRODUCTS`) called with ``args`` maps one activation by
+    weights computed from parameters (what a Linear layer computes): the name to record it by (that of a
+    convolution where the activation is made of unfolded patches) and the activation; else ``None``.
+
+    Examples:
+        >>> x, weight = torch.randn(2, 3, requires_grad=True) * 1, nn.Parameter(torch.randn(3, 4))
+        >>> matrix_product_layer("matmul", (x, weight))[0], matrix_product_layer("matmul", (x, x.T))
+        ('matmul', None)
+        >>> patches = nn.functional.unfold(torch.randn(1, 2, 4, 4, requires_grad=True) * 1, 3)
+        >>> matrix_product_layer("matmul", (nn.Parameter(torch.randn(5, 18)), patches))[0]
+        'matmul of F.unfold patches'
+    """
+    factors = args[_PRODUCT_FACTORS.get(name, slice(None))]
+    if name == "einsum" and len(factors) == 1 and isinstance(factors[0], (list, tuple)):
+        factors = tuple(factors[0])
+    tensors = [factor for factor in factors if isinstance(factor, torch.Tensor)]
+    activations = [tensor for tensor in tensors if is_activation(tensor)]
+    if len(activations) != 1 or not any(is_weight(t) for t in tensors):
+        return None
+    return name + _patches(activations[0]), activations[0]
+
+
+def is_weight(value: Any) -> bool:
+    """Whether ``value`` is a weight: a tensor computed from parameters alone, or a parameter (or a view of one, as
+    ``self.weight.T``) that does not require grad (a frozen model's, ``model.requires_grad_(False)``); a buffer is not.
+
+    Examples:
+        >>> frozen = nn.Parameter(torch.randn(3, 4), requires_grad=False)
+        >>> is_weight(frozen.T), is_weight(torch.randn(3, 4)), is_weight(nn.Parameter(torch.randn(2)))
+        (True, False, True)
+    """
+    if not isinstance(value, torch.Tensor) or is_activation(value):
+        return False
+    return value.requires_grad or isinstance(value, nn.Parameter) or isinstance(value._base, nn.Parameter)
+
+
+def _patches(activation: torch.Tensor) -> str:
+    """What to add to a product's name where ``activation`` is made of unfolded patches (up to reshapes)."""
+    node = activation.grad_fn
+    while node is not None:
+        kind = type(node).__name__
+        if kind in _PATCHES:
+            return _PATCHES[kind][0]
+        edges = [edge for edge, _ in node.next_functions if edge is not None]
+        if kind not in _REARRANGING or len(edges) != 1:
+            return ""
+        node = edges[0]
+    return ""
 
 
 def report_unmapped_layers(
@@ -82,11 +175,11 @@ def report_unmapped_layers(
         module = modules.get(name)
         for function, count in functions.items():
             is_first = function in (first or {}).get(name, {})
-            rule = _layer_rule(mapper, name, LAYER_FUNCTIONS[function], is_first)
+            rule = _layer_rule(mapper, name, layer_of(function), is_first)
             if rule is None:
                 continue
             kind = type(module).__name__ if module is not None else "?"
-            layer = LAYER_FUNCTIONS[function].__name__
+            layer = layer_of(function).__name__
             what = "Linear layer" if layer == "Linear" else "convolution layer"
             calls.append(PlainGradientCall(name, kind, f"{function} (a {what}'s product outside a layer)", count))
             where = f"module {name!r}" if name else "the model itself"

@@ -348,6 +348,44 @@ class TestGateComplements:
         assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-6), ratio
 
 
+class HardSigmoidExcite(nn.Module):
+    """Squeeze-excite with a hard-sigmoid gate (MobileNetV3's): ``nn.Hardsigmoid``, or written out."""
+
+    def __init__(self, written_out: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.squeeze = nn.Conv2d(2, 4, 3, padding=1, bias=False), nn.Linear(4, 4, bias=False)
+        self.gate, self.head, self.written_out = nn.Hardsigmoid(), nn.Linear(4, 3, bias=False), written_out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.conv(x))
+        s = self.squeeze(h.mean((2, 3)))
+        gate = F.relu6(s + 3) / 6 if self.written_out else self.gate(s)
+        return self.head((h * gate[:, :, None, None]).mean((2, 3)))
+
+
+def test_a_hard_sigmoid_gate_written_out_is_held_as_the_module_is():
+    """``relu6(s + 3) / 6``: CP-LRP holds the clip's output as a gate, and the gate divided by a number is still one.
+    Before, the division made it an activation: the product was split, the number 3 took a share, and the relevance
+    was 0.50 off that of the same net with ``nn.Hardsigmoid`` (summing to half the logit), with no word."""
+    x = randn(3, 2, 5, 5)
+    module, written = HardSigmoidExcite(False).double(), HardSigmoidExcite(True).double()
+    logits = module(x).detach()
+    relevance_out = torch.zeros_like(logits)
+    relevance_out[:, 0] = logits[:, 0]
+    expected = lrp_relevance(module, x, relevance_out, CPLRP())
+    actual = lrp_relevance(written, x, relevance_out, CPLRP(strict=True))
+    assert relative_error(actual, expected) <= 1e-10
+    assert torch.allclose(actual.flatten(1).sum(1), logits[:, 0], rtol=1e-10, atol=0)
+
+
+def test_a_gate_divided_by_a_number_is_a_gate():
+    x = randn(3, 4).requires_grad_(True)
+    with HeldGates():
+        gate, negated = torch.sigmoid(x * 1) / 2, torch.sigmoid(x * 1) / -2
+    assert is_gate(gate) and not is_gate(negated)
+
+
 def test_a_gate_times_a_reshaped_parameter_passes_relevance_to_the_gate():
     # sigmoid(x) * scale.view(...) is a gate times a parameter, not a gated signal: the gate is the signal here.
     scale = nn.Parameter(torch.tensor([2.0, 3.0], dtype=torch.float64))

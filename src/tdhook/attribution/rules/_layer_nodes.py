@@ -12,6 +12,9 @@ Examples:
     >>> x, weight = torch.randn(2, 3, requires_grad=True), nn.Parameter(torch.randn(3, 2))
     >>> is_layer_node((x @ weight).grad_fn), is_layer_node((x @ x.T).grad_fn), is_layer_node((x * 2).grad_fn)
     (True, False, False)
+    >>> frozen, basis = nn.Parameter(torch.randn(2, 3), requires_grad=False), torch.randn(2, 3)
+    >>> is_layer_node((x @ frozen.T).grad_fn), is_layer_node((x @ basis.T).grad_fn)  # a frozen weight, a buffer's
+    (True, False)
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ _WEIGHT_PRODUCTS = frozenset(
     "ConvolutionBackward0 TrilinearBackward0 CudnnRnnBackward0 MiopenRnnBackward0 MkldnnRnnLayerBackward0".split()
 )
 _FROM_PARAMETERS = "tdhook_from_parameters"  # a node's cached answer to _from_parameters
+# The operands a product's node saves, where a frozen weight is found.
+_SAVED_OPERANDS = ("_saved_mat2", "_saved_self", "_saved_mat1", "_saved_weight", "_saved_vec", "_saved_batch1")
+_SAVED_OPERANDS += ("_saved_batch2",)
 
 
 def is_layer_node(node: Any) -> bool:
@@ -43,7 +49,22 @@ def is_layer_node(node: Any) -> bool:
     if type(node).__name__ not in _WEIGHT_PRODUCTS:
         return False
     sources = [_from_parameters(n) for n, _ in node.next_functions if n is not None]
-    return any(sources) and not all(sources)
+    if any(sources):
+        return not all(sources)
+    return bool(sources) and _frozen_weight(node)
+
+
+def _frozen_weight(node: Any) -> bool:
+    """Whether one of the tensors the product ``node`` saved is a parameter that does not require grad, or a view of
+    one (a frozen model's weight, ``model.requires_grad_(False)``: no edge of the graph leads to it)."""
+    for name in _SAVED_OPERANDS:
+        try:
+            saved = getattr(node, name, None)
+        except RuntimeError:  # freed by a backward pass
+            return False
+        if isinstance(saved, nn.Parameter) or isinstance(getattr(saved, "_base", None), nn.Parameter):
+            return True
+    return False
 
 
 def _from_parameters(node: Any) -> bool:

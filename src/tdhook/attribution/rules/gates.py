@@ -66,6 +66,7 @@ __all__ = [
     "GATE_PRESERVING",
     "GATE_RESIZES",
     "GATE_SPLITS",
+    "GATE_SCALINGS",
     "GATE_FUNCTIONS",
 ]
 
@@ -94,7 +95,12 @@ GATE_SPLITS = frozenset(
     | {torch.Tensor.tensor_split, torch.tensor_split}
 )
 _CONVEX_RESIZE_MODES = frozenset({"nearest", "nearest-exact", "linear", "bilinear", "trilinear", "area"})
-GATE_PRESERVING = SAME_VALUES | GATE_COMPLEMENTS | GATE_RESIZES | GATE_SPLITS
+# Dividing a gate by a positive number keeps it a gate (a hard sigmoid written out, ``relu6(s + 3) / 6``).
+GATE_SCALINGS = frozenset(
+    {torch.Tensor.__truediv__, torch.Tensor.div, torch.div, torch.Tensor.true_divide, torch.true_divide}
+    | {torch.Tensor.divide, torch.divide}
+)
+GATE_PRESERVING = SAME_VALUES | GATE_COMPLEMENTS | GATE_RESIZES | GATE_SPLITS | GATE_SCALINGS
 # Class names of routers whose forward selects experts without ``topk`` (by ``max`` in a helper, as PhiMoE).
 _ROUTER_NAMES = ("Router",)
 # Class names of routers that hold their projection and select by ``topk`` (JetMoE's ``TopKGating``, HunYuan's gate).
@@ -143,6 +149,9 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
     elif func in GATE_COMPLEMENTS and len(args) == 2 and _is_one(args[1]) and getattr(args[0], SIGMOID_MARK, False):
         if isinstance(result, torch.Tensor):  # 1 - sigmoid(s) = sigmoid(-s): a gate in [0, 1] as well
             mark_gate(result, getattr(args[0], GATE_MARK), sigmoid=True)
+    elif func in GATE_SCALINGS and len(args) == 2 and is_gate(args[0]) and _is_positive(args[1]):
+        if isinstance(result, torch.Tensor):  # relu6(s + 3) / 6: a gate divided by a positive number
+            mark_gate(result, getattr(args[0], GATE_MARK), sigmoid=getattr(args[0], SIGMOID_MARK, False))
     return result
 
 
@@ -154,6 +163,10 @@ def _convex_resize(args: tuple, kwargs: dict) -> bool:
 
 def _is_one(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 1
+
+
+def _is_positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def held_gate_product(func: Any, args: tuple, kwargs: dict, any_gate: bool = True) -> torch.Tensor | None:
