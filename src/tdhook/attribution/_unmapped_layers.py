@@ -138,7 +138,8 @@ def is_weight(value: Any) -> bool:
     """
     if not isinstance(value, torch.Tensor) or is_activation(value):
         return False
-    return value.requires_grad or isinstance(value, nn.Parameter) or isinstance(value._base, nn.Parameter)
+    with torch._C.DisableTorchFunction():  # an inspection, which a function mode of the call must not see
+        return value.requires_grad or isinstance(value, nn.Parameter) or isinstance(value._base, nn.Parameter)
 
 
 def _patches(activation: torch.Tensor) -> str:

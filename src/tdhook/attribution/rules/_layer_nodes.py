@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 __all__ = ["LAYER_CALL", "LAYER_MARK", "is_layer_node"]
@@ -57,13 +58,14 @@ def is_layer_node(node: Any) -> bool:
 def _frozen_weight(node: Any) -> bool:
     """Whether one of the tensors the product ``node`` saved is a parameter that does not require grad, or a view of
     one (a frozen model's weight, ``model.requires_grad_(False)``: no edge of the graph leads to it)."""
-    for name in _SAVED_OPERANDS:
-        try:
-            saved = getattr(node, name, None)
-        except RuntimeError:  # freed by a backward pass
-            return False
-        if isinstance(saved, nn.Parameter) or isinstance(getattr(saved, "_base", None), nn.Parameter):
-            return True
+    with torch._C.DisableTorchFunction():  # an inspection, which a function mode of the call must not see
+        for name in _SAVED_OPERANDS:
+            try:
+                saved = getattr(node, name, None)
+            except RuntimeError:  # freed by a backward pass
+                return False
+            if isinstance(saved, nn.Parameter) or isinstance(getattr(saved, "_base", None), nn.Parameter):
+                return True
     return False
 
 
