@@ -41,6 +41,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.nn.modules._functions import BackwardHookFunction
 from torch.overrides import TorchFunctionMode, resolve_name
 
+from tdhook.attribution._broadcast_products import BROADCAST_PRODUCT, BroadcastProducts
 from tdhook.attribution._offset_products import OFFSET_PRODUCT, OffsetProducts
 from tdhook.attribution._straight_through import STRAIGHT_THROUGH, StraightThrough
 from tdhook.attribution._unmapped_layers import LAYER_FUNCTIONS, MATRIX_PRODUCTS, is_weight, matrix_product_layer
@@ -54,6 +55,7 @@ from tdhook.attribution.rules._autograd import (
     unwrapped,
 )
 from tdhook.attribution.rules._caller import warn_at_caller
+from tdhook.attribution.rules._layer_nodes import LAYER_MARK
 from tdhook.attribution.rules.base import _reaches_model_input
 
 __all__ = ["NonlinearCalls", "function_kind", "report_plain_gradient"]
@@ -240,6 +242,7 @@ class NonlinearCalls(TorchFunctionMode):
         self._calls: list[tuple[str, str, Any]] = []
         self._straight_through = StraightThrough()  # sums that add a detached ``y - x`` back to ``x``
         self._offsets = OffsetProducts()  # products with a factor that adds a number (``(up + 1) * glu``)
+        self._broadcasts = BroadcastProducts()  # Linear layers written ``(x.unsqueeze(-2) * self.W).sum(-1)``
         self._layer_calls: list[tuple[str, str, Any]] = []  # convolutions and linear maps outside layers
         # The outputs of layers whose rule merges a BatchNorm (by autograd node: the layer's name and rule), and the
         # ``F.batch_norm`` calls on them outside a BatchNorm module, which no rule merges.
@@ -271,6 +274,7 @@ class NonlinearCalls(TorchFunctionMode):
         if not _is_activation_result(result):
             return
         self._offsets.note(function_kind(func)[0], args, result)
+        self._broadcasts.note(function_kind(func)[0], args, result)
         if func is F.batch_norm:
             if _batch_statistics(args, kwargs):  # normalised by the batch's own statistics: not linear in the input
                 if not any(mode.covers(func, args) for mode in self._covering):
@@ -286,11 +290,19 @@ class NonlinearCalls(TorchFunctionMode):
             self._calls.append((self._stack[-1] if self._stack else "", name, _grad_fn(result)))
         elif name is not None and self._offset_product(name, args):
             self._calls.append((self._stack[-1] if self._stack else "", OFFSET_PRODUCT, _grad_fn(result)))
-        elif name is None and (layer := _is_layer_call(func, args)) is not None:
+        elif name is None and (layer := self._layer_call(func, args, kwargs)) is not None:
             call = (self._stack[-1] if self._stack else "", layer[0], _grad_fn(result))
             self._layer_calls.append(call)
+            if layer[0] == BROADCAST_PRODUCT and call[2] is not None:  # its sum is a layer's output, as x @ W's is
+                call[2].metadata[LAYER_MARK] = True
             if _reaches_model_input(layer[1]):  # as the first-layer rule decides it for a layer: at this call
                 self._first_layer_calls.append(call)
+
+    def _layer_call(self, func: Any, args: tuple, kwargs: dict | None) -> tuple[str, torch.Tensor] | None:
+        """As :func:`_is_layer_call`, and a sum of a broadcast product of an activation by a weight that computes a
+        Linear layer's map (see :mod:`~tdhook.attribution._broadcast_products`)."""
+        activation = self._broadcasts.layer(function_kind(func)[0], args, kwargs)
+        return (BROADCAST_PRODUCT, activation) if activation is not None else _is_layer_call(func, args)
 
     def found_unmerged_norms(self, targets: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, int]]:
         """Module name → ``"batch_norm on the output of layer '<name>' (<rule>)"`` → number of calls: eval-mode
@@ -416,6 +428,7 @@ class NonlinearCalls(TorchFunctionMode):
             self._straight_through.forget()
             self._layer_outputs.clear()
             self._offsets.forget()
+            self._broadcasts.forget()
 
 
 def _count(calls: Iterable[tuple[str, str, Any]], reached: set | None) -> dict[str, dict[str, int]]:
