@@ -69,7 +69,7 @@ _PIECEWISE_LINEAR = frozenset(
     "index_select gather take take_along_dim masked_select masked_fill masked_scatter index_put index_add "
     "index_copy index_fill scatter scatter_add scatter_reduce where getitem setitem contiguous clone to type "
     "type_as float double half bfloat16 cpu cuda copy fill zero pad constant_pad_nd relu relu6 leaky_relu "
-    "hardtanh hardshrink threshold prelu rrelu clamp clip clamp_min clamp_max abs max min amax amin maximum "
+    "hardtanh hardshrink softshrink threshold prelu rrelu clamp clip clamp_min clamp_max abs max min amax amin maximum "
     "minimum fmax fmin sort topk max_pool1d max_pool2d max_pool3d max_pool1d_with_indices max_pool2d_with_indices "
     "max_pool3d_with_indices max_unpool1d max_unpool2d max_unpool3d adaptive_max_pool1d adaptive_max_pool2d "
     "adaptive_max_pool3d "
@@ -81,6 +81,14 @@ _PIECEWISE_LINEAR = frozenset(
     "embedding one_hot detach batch_norm broadcast_tensors atleast_1d atleast_2d atleast_3d pack_padded_sequence "
     "pad_packed_sequence pack_sequence pad_sequence view_as_complex view_as_real real imag".split()
 )
+# The discrete Fourier transforms (``torch.fft``): linear maps, as a global filter's ``irfft(rfft(x) * w)``.
+_FOURIER = frozenset(
+    "fft ifft fft2 ifft2 fftn ifftn rfft irfft rfft2 irfft2 rfftn irfftn hfft ihfft hfft2 ihfft2 hfftn ihfftn "
+    "fftshift ifftshift".split()
+)
+_PIECEWISE_LINEAR |= _FOURIER
+# Calls piecewise linear on real activations only: the magnitude of a complex one (``rfft(x).abs()``) is curved.
+_REAL_ONLY = frozenset({"abs"})
 # Calls that are piecewise constant in their activation: their gradient is zero, and no relevance passes back.
 _PIECEWISE_CONSTANT = frozenset("round floor ceil trunc fix sign sgn heaviside".split())
 # Products and maps that are linear in each factor: piecewise linear as long as at most one factor is an activation.
@@ -154,6 +162,8 @@ def _activations(args: Sequence[Any]) -> int:
 def _is_nonlinear_call(func: Any, args: tuple) -> str | None:
     """The function's name when this call on activations is not piecewise linear, else ``None``."""
     name, kind = function_kind(func)
+    if name in _REAL_ONLY and args and is_activation(args[0]) and args[0].is_complex():
+        return f"{name} (of a complex tensor)"
     if kind == "linear" or not _activations(args):
         return None
     if kind == "product":
