@@ -353,6 +353,7 @@ BROADCAST_PRODUCTS = {
     "(x[..., None, :] * w).sum(-1)": lambda x, w, b: (x[..., None, :] * w).sum(-1) + b,
     "torch.sum(x.unsqueeze(1) * w, dim=-1)": lambda x, w, b: torch.sum(x.unsqueeze(1) * w, dim=-1) + b,
     "(w.T * x.unsqueeze(-1)).sum(1)": lambda x, w, b: (w.T * x.unsqueeze(-1)).sum(1) + b,
+    "(x.unsqueeze(-2) * w).mean(-1)": lambda x, w, b: (x.unsqueeze(-2) * w).mean(-1) * w.shape[1] + b,
 }
 
 

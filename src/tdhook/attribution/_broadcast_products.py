@@ -6,7 +6,7 @@ along the output dimension, then summed over the input dimension) calls ``mul`` 
 calls that no watch named: a first layer so written kept LRP-0 where ``EpsilonPlusFlat`` gives a Linear Flat.
 :class:`BroadcastProducts` follows the calls of one watched forward pass (see
 :class:`~tdhook.attribution._nonlinear_calls.NonlinearCalls`): it notes the products of one activation by a weight
-that broadcast the activation along a dimension of the weight, and finds the sums of such a product over a
+that broadcast the activation along a dimension of the weight, and finds the sums (or means) of such a product over a
 dimension that the activation and the weight share (the input dimension) but not over every dimension the
 activation was broadcast along (the outputs). A layer scale (``x * gamma``) broadcasts no activation, and a product
 of two activations has no weight: neither is noted.
@@ -41,7 +41,7 @@ __all__ = ["BROADCAST_PRODUCT", "BroadcastProducts"]
 BROADCAST_PRODUCT = "sum of a broadcast product"
 
 _PRODUCTS = frozenset({"mul", "rmul", "multiply"})
-_SUMS = frozenset({"sum", "nansum"})
+_SUMS = frozenset({"sum", "nansum", "mean"})  # a mean: a sum scaled by a number
 
 
 class BroadcastProducts:
