@@ -448,12 +448,21 @@ HARD_SHRINKS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(HARD_SHRINKS))
-def test_hardshrink_is_piecewise_linear(name: str):
-    """hardshrink (x where |x| > λ, else 0) was warned of as not piecewise linear under LRP-0, though its plain
-    gradient is exact LRP-0: no warning, nothing in coverage(), and the relevance is gradient × input."""
+_FILTER = torch.randn(4, dtype=torch.complex128, generator=torch.Generator().manual_seed(1))
+PIECEWISE_LINEAR_CALLS = HARD_SHRINKS | {
+    "F.softshrink": lambda h: torch.nn.functional.softshrink(h, 0.3),  # x ∓ λ where |x| > λ, else 0
+    "irfft(rfft(h) * w)": lambda h: torch.fft.irfft(torch.fft.rfft(h) * _FILTER, n=6),  # a global filter
+    "fft(h).real": lambda h: torch.fft.fft(h.to(torch.complex128)).real,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PIECEWISE_LINEAR_CALLS))
+def test_shrinks_and_fourier_transforms_are_piecewise_linear(name: str):
+    """hardshrink (x where |x| > λ, else 0) and softshrink were warned of as not piecewise linear under LRP-0, and
+    torch.fft's transforms as nonlinear, though their plain gradient is exact LRP-0: no warning, nothing in
+    coverage(), and the relevance is gradient × input."""
     torch.manual_seed(0)
-    model, x = Shrunk(HARD_SHRINKS[name]).double(), torch.randn(5, 4, dtype=F64)
+    model, x = Shrunk(PIECEWISE_LINEAR_CALLS[name]).double(), torch.randn(5, 4, dtype=F64)
     lrp = LRP(model, BaseRuleMapper(strict=True), in_keys=["x"], out_keys=["y"], target=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -462,6 +471,16 @@ def test_hardshrink_is_piecewise_linear(name: str):
     x = x.clone().requires_grad_(True)
     expected = x * torch.autograd.grad(model(x)[:, 0].sum(), x)[0]
     torch.testing.assert_close(relevance, expected.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_the_magnitude_of_a_fourier_transform_is_named():
+    """``rfft(h).abs()`` (a spectrum's magnitude) is not piecewise linear, though ``abs`` of a real tensor is."""
+    torch.manual_seed(0)
+    model = Shrunk(lambda h: torch.fft.rfft(h).abs().repeat(1, 2)[:, :6]).double()
+    lrp = LRP(model, BaseRuleMapper(), in_keys=["x"], out_keys=["y"], target=0)
+    with pytest.warns(UserWarning, match=r"computes abs \(of a complex tensor\) in its own forward"):
+        lrp(TensorDict(x=torch.randn(5, 4, dtype=F64), batch_size=[5]))
+    assert [c.function for c in lrp.coverage().plain_gradient] == ["abs (of a complex tensor)"]
 
 
 class Rounded(nn.Module):

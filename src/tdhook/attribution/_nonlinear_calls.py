@@ -41,6 +41,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.nn.modules._functions import BackwardHookFunction
 from torch.overrides import TorchFunctionMode, resolve_name
 
+from tdhook.attribution._broadcast_products import BROADCAST_PRODUCT, BroadcastProducts
 from tdhook.attribution._offset_products import OFFSET_PRODUCT, OffsetProducts
 from tdhook.attribution._straight_through import STRAIGHT_THROUGH, StraightThrough
 from tdhook.attribution._unmapped_layers import LAYER_FUNCTIONS, MATRIX_PRODUCTS, is_weight, matrix_product_layer
@@ -54,6 +55,7 @@ from tdhook.attribution.rules._autograd import (
     unwrapped,
 )
 from tdhook.attribution.rules._caller import warn_at_caller
+from tdhook.attribution.rules._layer_nodes import LAYER_MARK
 from tdhook.attribution.rules.base import _reaches_model_input
 
 __all__ = ["NonlinearCalls", "function_kind", "report_plain_gradient"]
@@ -67,7 +69,7 @@ _PIECEWISE_LINEAR = frozenset(
     "index_select gather take take_along_dim masked_select masked_fill masked_scatter index_put index_add "
     "index_copy index_fill scatter scatter_add scatter_reduce where getitem setitem contiguous clone to type "
     "type_as float double half bfloat16 cpu cuda copy fill zero pad constant_pad_nd relu relu6 leaky_relu "
-    "hardtanh hardshrink threshold prelu rrelu clamp clip clamp_min clamp_max abs max min amax amin maximum "
+    "hardtanh hardshrink softshrink threshold prelu rrelu clamp clip clamp_min clamp_max abs max min amax amin maximum "
     "minimum fmax fmin sort topk max_pool1d max_pool2d max_pool3d max_pool1d_with_indices max_pool2d_with_indices "
     "max_pool3d_with_indices max_unpool1d max_unpool2d max_unpool3d adaptive_max_pool1d adaptive_max_pool2d "
     "adaptive_max_pool3d "
@@ -79,6 +81,14 @@ _PIECEWISE_LINEAR = frozenset(
     "embedding one_hot detach batch_norm broadcast_tensors atleast_1d atleast_2d atleast_3d pack_padded_sequence "
     "pad_packed_sequence pack_sequence pad_sequence view_as_complex view_as_real real imag".split()
 )
+# The discrete Fourier transforms (``torch.fft``): linear maps, as a global filter's ``irfft(rfft(x) * w)``.
+_FOURIER = frozenset(
+    "fft ifft fft2 ifft2 fftn ifftn rfft irfft rfft2 irfft2 rfftn irfftn hfft ihfft hfft2 ihfft2 hfftn ihfftn "
+    "fftshift ifftshift".split()
+)
+_PIECEWISE_LINEAR |= _FOURIER
+# Calls piecewise linear on real activations only: the magnitude of a complex one (``rfft(x).abs()``) is curved.
+_REAL_ONLY = frozenset({"abs"})
 # Calls that are piecewise constant in their activation: their gradient is zero, and no relevance passes back.
 _PIECEWISE_CONSTANT = frozenset("round floor ceil trunc fix sign sgn heaviside".split())
 # Products and maps that are linear in each factor: piecewise linear as long as at most one factor is an activation.
@@ -152,6 +162,8 @@ def _activations(args: Sequence[Any]) -> int:
 def _is_nonlinear_call(func: Any, args: tuple) -> str | None:
     """The function's name when this call on activations is not piecewise linear, else ``None``."""
     name, kind = function_kind(func)
+    if name in _REAL_ONLY and args and is_activation(args[0]) and args[0].is_complex():
+        return f"{name} (of a complex tensor)"
     if kind == "linear" or not _activations(args):
         return None
     if kind == "product":
@@ -240,6 +252,7 @@ class NonlinearCalls(TorchFunctionMode):
         self._calls: list[tuple[str, str, Any]] = []
         self._straight_through = StraightThrough()  # sums that add a detached ``y - x`` back to ``x``
         self._offsets = OffsetProducts()  # products with a factor that adds a number (``(up + 1) * glu``)
+        self._broadcasts = BroadcastProducts()  # Linear layers written ``(x.unsqueeze(-2) * self.W).sum(-1)``
         self._layer_calls: list[tuple[str, str, Any]] = []  # convolutions and linear maps outside layers
         # The outputs of layers whose rule merges a BatchNorm (by autograd node: the layer's name and rule), and the
         # ``F.batch_norm`` calls on them outside a BatchNorm module, which no rule merges.
@@ -271,6 +284,7 @@ class NonlinearCalls(TorchFunctionMode):
         if not _is_activation_result(result):
             return
         self._offsets.note(function_kind(func)[0], args, result)
+        self._broadcasts.note(function_kind(func)[0], args, result)
         if func is F.batch_norm:
             if _batch_statistics(args, kwargs):  # normalised by the batch's own statistics: not linear in the input
                 if not any(mode.covers(func, args) for mode in self._covering):
@@ -286,11 +300,19 @@ class NonlinearCalls(TorchFunctionMode):
             self._calls.append((self._stack[-1] if self._stack else "", name, _grad_fn(result)))
         elif name is not None and self._offset_product(name, args):
             self._calls.append((self._stack[-1] if self._stack else "", OFFSET_PRODUCT, _grad_fn(result)))
-        elif name is None and (layer := _is_layer_call(func, args)) is not None:
+        elif name is None and (layer := self._layer_call(func, args, kwargs)) is not None:
             call = (self._stack[-1] if self._stack else "", layer[0], _grad_fn(result))
             self._layer_calls.append(call)
+            if layer[0] == BROADCAST_PRODUCT and call[2] is not None:  # its sum is a layer's output, as x @ W's is
+                call[2].metadata[LAYER_MARK] = True
             if _reaches_model_input(layer[1]):  # as the first-layer rule decides it for a layer: at this call
                 self._first_layer_calls.append(call)
+
+    def _layer_call(self, func: Any, args: tuple, kwargs: dict | None) -> tuple[str, torch.Tensor] | None:
+        """As :func:`_is_layer_call`, and a sum of a broadcast product of an activation by a weight that computes a
+        Linear layer's map (see :mod:`~tdhook.attribution._broadcast_products`)."""
+        activation = self._broadcasts.layer(function_kind(func)[0], args, kwargs)
+        return (BROADCAST_PRODUCT, activation) if activation is not None else _is_layer_call(func, args)
 
     def found_unmerged_norms(self, targets: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, int]]:
         """Module name → ``"batch_norm on the output of layer '<name>' (<rule>)"`` → number of calls: eval-mode
@@ -416,6 +438,7 @@ class NonlinearCalls(TorchFunctionMode):
             self._straight_through.forget()
             self._layer_outputs.clear()
             self._offsets.forget()
+            self._broadcasts.forget()
 
 
 def _count(calls: Iterable[tuple[str, str, Any]], reached: set | None) -> dict[str, dict[str, int]]:

@@ -70,6 +70,7 @@ from tdhook.attribution.rules.basic import (
 from tdhook.attribution.rules.gates import (
     ELEMENTWISE_PRODUCTS,
     GATE_FUNCTIONS,
+    GATE_MULTIPLICATIONS,
     GATE_PRESERVING,
     held_factors,
     held_gate_product,
@@ -337,7 +338,8 @@ class FunctionalRules(TorchFunctionMode):
                 return attended
         result = self._other_rules(func, args, kwargs, recording)
         if result is _NO_RULE:
-            return mark_parameter_derived(args, func(*args, **kwargs), func)
+            result = mark_parameter_derived(args, func(*args, **kwargs), func)
+            return keep_gate_mark(func, args, result, kwargs) if func in GATE_MULTIPLICATIONS else result
         if recording is not None and not _ruled_on_own_node(recording, result):
             recording.other_rule()
         return result

@@ -67,6 +67,7 @@ __all__ = [
     "GATE_RESIZES",
     "GATE_SPLITS",
     "GATE_SCALINGS",
+    "GATE_MULTIPLICATIONS",
     "GATE_FUNCTIONS",
 ]
 
@@ -100,7 +101,11 @@ GATE_SCALINGS = frozenset(
     {torch.Tensor.__truediv__, torch.Tensor.div, torch.div, torch.Tensor.true_divide, torch.true_divide}
     | {torch.Tensor.divide, torch.divide}
 )
-GATE_PRESERVING = SAME_VALUES | GATE_COMPLEMENTS | GATE_RESIZES | GATE_SPLITS | GATE_SCALINGS
+# Multiplying a gate by a positive number keeps it a gate too (``2 * torch.sigmoid(s)``, ``sigmoid(s) * gain``).
+GATE_MULTIPLICATIONS = frozenset(
+    {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.multiply, torch.Tensor.multiply}
+)
+GATE_PRESERVING = SAME_VALUES | GATE_COMPLEMENTS | GATE_RESIZES | GATE_SPLITS | GATE_SCALINGS | GATE_MULTIPLICATIONS
 # Class names of routers whose forward selects experts without ``topk`` (by ``max`` in a helper, as PhiMoE).
 _ROUTER_NAMES = ("Router",)
 # Class names of routers that hold their projection and select by ``topk`` (JetMoE's ``TopKGating``, HunYuan's gate).
@@ -152,6 +157,10 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
     elif func in GATE_SCALINGS and len(args) == 2 and is_gate(args[0]) and _is_positive(args[1]):
         if isinstance(result, torch.Tensor):  # relu6(s + 3) / 6: a gate divided by a positive number
             mark_gate(result, getattr(args[0], GATE_MARK), sigmoid=getattr(args[0], SIGMOID_MARK, False))
+    elif func in GATE_MULTIPLICATIONS and len(args) == 2 and isinstance(result, torch.Tensor):
+        gate, factor = args if is_gate(args[0]) else args[::-1]
+        if is_gate(gate) and not is_gate(factor) and _is_positive_constant(factor):  # 2 * sigmoid(s)
+            mark_gate(result, getattr(gate, GATE_MARK), sigmoid=getattr(gate, SIGMOID_MARK, False))
     return result
 
 
@@ -167,6 +176,20 @@ def _is_one(value: Any) -> bool:
 
 def _is_positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _is_positive_constant(value: Any) -> bool:
+    """Whether ``value`` is a positive number, or a tensor of one positive number that no gradient reaches (not a
+    learned gain: a parameter, or an activation)."""
+    if not isinstance(value, torch.Tensor):
+        return _is_positive(value)
+    with torch._C.DisableTorchFunction():  # an inspection, which a function mode of the call must not see
+        if value.requires_grad or value.numel() != 1 or value.is_complex() or value.device.type == "meta":
+            return False
+        try:
+            return bool(value.detach().reshape(()) > 0)
+        except RuntimeError:  # a tensor a transform wraps (torch.vmap): its value is not to be read
+            return False
 
 
 def held_gate_product(func: Any, args: tuple, kwargs: dict, any_gate: bool = True) -> torch.Tensor | None:
@@ -273,7 +296,7 @@ class HeldGates(TorchFunctionMode):
                 raise_for_checkpoint("gates held constant in products")
                 self.held = True
                 return held
-            return mark_parameter_derived(args, func(*args, **kwargs), func)
+            return keep_gate_mark(func, args, mark_parameter_derived(args, func(*args, **kwargs), func), kwargs)
         if func in CLIPS or func in CLIPS_IN_PLACE:
             raise_for_transformed_call("the pass rule on clipping calls", args[:1])
             if clips_a_signal(func, args):
