@@ -540,3 +540,106 @@ def test_the_other_methods_explain_the_allowed_action_of_a_masked_policy_as_lrp(
     allowed = out["logits"].masked_fill(~td["action_mask"], float("-inf")).argmax(-1)
     expected = wrapper(actor, in_keys=["observation"], target_key="logits", target=allowed, **kwargs)(td.clone())
     torch.testing.assert_close(out["attribution", "observation"], expected["attribution", "observation"])
+
+
+def distributional_actor(action_space: str = "categorical", atoms: int = 5, actions: int = 3):
+    """torchrl's distributional DQN policy: an MLP of ReLUs whose output is read as ``atoms x actions`` logits,
+    log-softmaxed over the atoms."""
+    from torchrl.modules import MLP, DistributionalQValueActor
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = MLP(in_features=4, out_features=atoms * actions, num_cells=[16], activation_class=nn.ReLU)
+
+        def forward(self, observation: torch.Tensor) -> torch.Tensor:
+            return self.mlp(observation).unflatten(-1, (atoms, actions))
+
+    torch.manual_seed(0)
+    net = TensorDictModule(Net(), in_keys=["observation"], out_keys=["action_value"])
+    support = torch.linspace(-1.0, 1.0, atoms, dtype=F64)
+    return DistributionalQValueActor(net, support=support, action_space=action_space).to(F64)
+
+
+def greedy_distributional(out: TensorDict, support: torch.Tensor) -> torch.Tensor:
+    """The action whose expected return over the support is highest, at every atom."""
+    expected = (out["action_value"].exp() * support[:, None]).sum(-2)
+    return expected.argmax(-1, keepdim=True).expand(out["action_value"].shape[:-1])
+
+
+@pytest.mark.filterwarnings("ignore:LRP. module .* computes log_softmax")
+def test_a_distributional_q_actor_explains_its_greedy_action_at_every_atom():
+    """The action values are ``[batch, atoms, actions]``: the argmax of the last dimension took at each atom the
+    action most likely there (a mix of actions; 1.6 off, relative, on this batch); the greedy action, whose expected
+    return is highest, is explained at every atom, as a ``QValueActor`` explains its chosen action."""
+    actor = distributional_actor()
+    observation = torch.randn(16, 4, dtype=F64, generator=torch.Generator().manual_seed(1))
+    td = TensorDict(observation=observation, batch_size=[16])
+    out = LRP(actor, BaseRuleMapper(stabilizer=1e-12), target_key="action_value")(td.clone())
+    greedy = greedy_distributional(out, actor.support)
+    assert (out["action_value"].argmax(-1) != greedy).any()  # the per-atom argmax mixes in other actions
+    assert torch.equal(greedy[:, 0], out["action"])  # the action the actor takes
+    # LRP-0 on ReLUs (the log-softmax keeps its plain gradient): gradient × input of the greedy action's values.
+    x = td["observation"].clone().requires_grad_()
+    values = actor.module[0](TensorDict(observation=x, batch_size=[16]))["action_value"]
+    log_probs = torch.log_softmax(values, -2)
+    seed = torch.zeros_like(log_probs).scatter_(-1, greedy.unsqueeze(-1), 1.0)
+    expected = x.detach() * torch.autograd.grad(log_probs, x, seed)[0]
+    torch.testing.assert_close(out["relevance", "observation"], expected, rtol=1e-10, atol=1e-12)
+    by_index = LRP(actor, BaseRuleMapper(stabilizer=1e-12), target_key="action_value", target=greedy)(td.clone())
+    torch.testing.assert_close(out["relevance", "observation"], by_index["relevance", "observation"])
+
+
+@pytest.mark.filterwarnings("ignore:LRP. module .* computes log_softmax")
+@pytest.mark.parametrize("method", ["Saliency", "IntegratedGradients", "Occlusion"])
+def test_the_other_methods_explain_a_distributional_q_actors_greedy_action(method):
+    import tdhook.attribution as attribution
+
+    actor = distributional_actor()
+    observation = torch.randn(8, 4, dtype=F64, generator=torch.Generator().manual_seed(2))
+    td = TensorDict(observation=observation, batch_size=[8])
+    kwargs = {"sliding_window_shapes": {"observation": (1,)}} if method == "Occlusion" else {}
+    wrapper = getattr(attribution, method)
+    out = wrapper(actor, target_key="action_value", **kwargs)(td.clone())
+    greedy = greedy_distributional(out, actor.support)
+    assert (out["action_value"].argmax(-1) != greedy).any()
+    expected = wrapper(actor, target_key="action_value", target=greedy, **kwargs)(td.clone())
+    torch.testing.assert_close(out["attribution", "observation"], expected["attribution", "observation"])
+
+
+@pytest.mark.filterwarnings("ignore:LRP. module .* computes log_softmax")
+def test_a_distributional_q_actor_in_a_cartpole_rollout_explains_the_action_of_each_step():
+    """Run by torchrl's env.rollout on CartPole, each step explains the action it takes, at every atom."""
+    from torchrl.envs import GymEnv
+
+    env = GymEnv("CartPole-v1", categorical_action_encoding=True)
+    env.set_seed(0)
+    actor = distributional_actor(atoms=5, actions=2).to(torch.float32)
+    rollout = env.rollout(12, LRP(actor, target_key="action_value"), break_when_any_done=False)
+    greedy = rollout["action"][:, None].expand(rollout["action_value"].shape[:-1])
+    assert (rollout["action_value"].argmax(-1) != greedy).any()  # the per-atom argmax differs somewhere
+    steps = rollout.exclude("relevance", "next")
+    expected = LRP(actor, target_key="action_value", target=greedy)(steps)["relevance", "observation"]
+    torch.testing.assert_close(rollout["relevance", "observation"], expected)
+
+
+def test_a_distributional_q_actor_with_several_one_hot_actions_is_refused_naming_the_module():
+    """Its action is several units of each row: no per-row index names it, so a target is asked for."""
+    from torchrl.modules import MLP, DistributionalQValueActor
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = MLP(in_features=4, out_features=3 * 5, num_cells=[8])
+
+        def forward(self, observation: torch.Tensor) -> torch.Tensor:
+            return self.mlp(observation).unflatten(-1, (3, 5))
+
+    support = torch.linspace(-1.0, 1.0, 3)
+    actor = DistributionalQValueActor(
+        Net(), in_keys=["observation"], support=support, action_space="mult_one_hot", var_nums=[2, 3]
+    )
+    td = TensorDict(observation=torch.randn(2, 4), batch_size=[2])
+    with pytest.raises(ValueError, match=r"DistributionalQValueModule with action space 'mult_one_hot'.*pass a target"):
+        LRP(actor, target_key="action_value")(td.clone())
+    assert set(td.keys()) == {"observation"}

@@ -561,3 +561,22 @@ def test_an_action_an_exploration_step_perturbs_is_refused_by_name(step):
     with set_exploration_type(ExplorationType.DETERMINISTIC):  # the step adds nothing
         got = pixel_flipping(policy, td, target_key="action", in_keys=["observation"])
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:LRP. module .* computes log_softmax")
+def test_a_distributional_q_actor_is_scored_at_its_greedy_action_at_every_atom():
+    """Its action values are ``[batch, atoms, actions]``: the curve scored the action most likely at each atom (a mix
+    of actions; the curve was up to 1.27 off on this batch), where the methods explain the greedy action."""
+    from tdhook.attribution import Saliency
+    from tests.attribution.test_policy_targets import distributional_actor, greedy_distributional
+
+    actor = distributional_actor()
+    td = TensorDict(
+        observation=torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1)), batch_size=[6]
+    )
+    explained = Saliency(actor, target_key="action_value")(td.clone())
+    greedy = greedy_distributional(explained, actor.support)
+    assert (explained["action_value"].argmax(-1) != greedy).any()
+    curve = pixel_flipping(actor, explained, target_key="action_value")
+    expected = pixel_flipping(actor, explained, target_key="action_value", target=greedy)
+    torch.testing.assert_close(curve, expected)

@@ -12,6 +12,14 @@ step a decision transformer acts on, and the action an exploring policy takes.
   logit. The plain argmax could be a forbidden action. A live step of
   torchrl's ``env.rollout`` or of a collector holds the previous step's action
   and no ``"next"``: that action is not the one this step takes.
+* A ``DistributionalQValueActor`` writes action values of shape
+  ``[*batch, atoms, actions]`` (the log-probabilities of each action's return
+  falling in each atom of the support). Explained (``target_key`` its action
+  values), its default target is the greedy action, the one whose expected
+  return over the support is highest, at every atom: the log-probabilities of
+  the chosen action's return distribution. The argmax of the last dimension
+  would take at each atom the action most likely there, a mix of actions none
+  of which need be the chosen one.
 * torchrl's ``DecisionTransformerInferenceWrapper`` runs its actor on a
   context of T steps and outputs the action of the last one. It explains what
   its actor explains by default (``param`` of a ``DTActor``, ``loc`` of an
@@ -42,6 +50,9 @@ Examples:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase, TensorDictSequential
@@ -59,12 +70,14 @@ from torchrl.modules import (
     ValueOperator,
 )
 from torchrl.modules.distributions import MaskedCategorical, MaskedOneHotCategorical
+from torchrl.modules.tensordict_module.actors import DistributionalQValueModule
 
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 
 __all__ = [
     "actor_and_critic",
     "allowed_action",
+    "distributional_action",
     "allowed_mask",
     "holds_transition",
     "masked_action_keys",
@@ -113,17 +126,22 @@ def _chooses(module: object) -> bool:
     return isinstance(module, (ProbabilisticTensorDictModule, Actor))
 
 
-# The masked sampler found for each operator and key: looked up once, not at every call of a policy.
-_SAMPLERS: IdentityWeakKeyDict[TensorDictModuleBase, dict] = IdentityWeakKeyDict()
+# The module found for each operator, key and kind of search (a masked sampler, a distributional Q-value module):
+# looked up once, not at every call of a policy.
+_FOUND: IdentityWeakKeyDict[TensorDictModuleBase, dict] = IdentityWeakKeyDict()
+
+
+def _found_once(operator: TensorDictModuleBase, target_key: NestedKey, find: Callable) -> Any:
+    found = _FOUND.get(operator)
+    if found is None:
+        found = _FOUND[operator] = {}
+    if (find, target_key) not in found:
+        found[find, target_key] = find(operator, target_key)
+    return found[find, target_key]
 
 
 def _masked_sampler(operator: TensorDictModuleBase, target_key: NestedKey) -> ProbabilisticTensorDictModule | None:
-    found = _SAMPLERS.get(operator)
-    if found is None:
-        found = _SAMPLERS[operator] = {}
-    if target_key not in found:
-        found[target_key] = _find_masked_sampler(operator, target_key)
-    return found[target_key]
+    return _found_once(operator, target_key, _find_masked_sampler)
 
 
 def _find_masked_sampler(operator: TensorDictModuleBase, target_key: NestedKey) -> ProbabilisticTensorDictModule | None:
@@ -144,8 +162,9 @@ def _distribution_keys(sampler: ProbabilisticTensorDictModule) -> dict[str, Nest
 def allowed_action(
     operator: TensorDictModuleBase, target_key: NestedKey, result: TensorDictBase, tensordict: TensorDictBase
 ) -> torch.Tensor | None:
-    """The per-sample action to explain where ``target_key`` holds the logits of a masked distribution, else
-    ``None`` (the default target applies).
+    """The per-sample action to explain where ``target_key`` holds the logits of a masked distribution, or the
+    action values of a distributional Q-value actor (see :func:`distributional_action`), else ``None`` (the
+    default target applies).
 
     Args:
         operator: the module whose output is explained.
@@ -154,6 +173,9 @@ def allowed_action(
         tensordict: the caller's TensorDict; an action it holds is the one explained where it holds a transition
             (see :func:`holds_transition`).
     """
+    greedy = distributional_action(operator, target_key, result)
+    if greedy is not None:
+        return greedy
     sampler = _masked_sampler(operator, target_key)
     if sampler is None:
         return None
@@ -174,6 +196,65 @@ def allowed_action(
         return action
     mask = allowed_mask(operator, target_key, result)
     return logits.argmax(-1) if mask is None else logits.masked_fill(~mask, float("-inf")).argmax(-1)
+
+
+def _distributional_module(operator: TensorDictModuleBase, target_key: NestedKey) -> DistributionalQValueModule | None:
+    return _found_once(operator, target_key, _find_distributional_module)
+
+
+def _find_distributional_module(
+    operator: TensorDictModuleBase, target_key: NestedKey
+) -> DistributionalQValueModule | None:
+    key = unravel_key(target_key)
+    for sub in operator.modules():
+        if isinstance(sub, DistributionalQValueModule):
+            if key in {unravel_key(k) for k in (sub.action_value_key, *sub.out_keys[1:2])}:
+                return sub
+    return None
+
+
+def distributional_action(
+    operator: TensorDictModuleBase, target_key: NestedKey, result: TensorDictBase
+) -> torch.Tensor | None:
+    """The greedy action at every atom where ``target_key`` holds the action values of torchrl's
+    ``DistributionalQValueModule`` (log-probabilities ``[*batch, atoms, actions]``), else ``None``.
+
+    The greedy action is the one whose expected return over the module's support is highest, computed as the
+    module computes it (from the values it wrote, masked where it reads a mask), not read from the action key: an
+    exploration step after the actor (``EGreedyModule``) may have replaced it.
+
+    Raises:
+        ValueError: the module's action space is ``"mult_one_hot"``: its actions are several units of each row,
+            which no per-row index can name; pass a target.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> from torchrl.modules import DistributionalQValueActor
+        >>> support = torch.tensor([-1.0, 0.0, 1.0])
+        >>> actor = DistributionalQValueActor(
+        ...     nn.Identity(), in_keys=["observation"], support=support, action_space="categorical")
+        >>> values = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.2, 0.7], [0.2, 0.6, 0.2]]).log()  # atoms x actions
+        >>> result = actor(TensorDict(observation=values[None], batch_size=[1]))
+        >>> values.argmax(-1)  # the action most likely at each atom: 0, 2 and 1
+        tensor([0, 2, 1])
+        >>> distributional_action(actor, "action_value", result)  # action 1: the highest expected return
+        tensor([[1, 1, 1]])
+    """
+    module = _distributional_module(operator, target_key)
+    if module is None:
+        return None
+    if module.action_space not in ("one_hot", "categorical"):
+        raise ValueError(
+            f"LRP: {target_key!r} holds the action values of {type(module).__name__} with action space "
+            f"{module.action_space!r}, whose action is several units of each row: pass a target (a callable "
+            "weighting the chosen units)"
+        )
+    written = module.out_keys[1] if len(module.out_keys) > 1 else module.action_value_key
+    values = result.get(written, None)
+    values = result.get(target_key) if values is None else values
+    values = values.detach()
+    greedy = module._support_expected(values).argmax(-1)
+    return greedy.unsqueeze(-1).expand(values.shape[:-1])
 
 
 def holds_transition(tensordict: TensorDictBase) -> bool:
