@@ -19,7 +19,7 @@ from torch import nn
 from tdhook.attribution import LRP
 from tdhook.attribution.mappers.base import BaseRuleMapper
 from tdhook.attribution.mappers.transformer import CPLRP, AttnLRP
-from tdhook.attribution.rules.basic import IgnoreRule, PassRule
+from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule
 from tdhook.attribution.rules.gates import GateRule, HeldGates, RouterRule, is_gate, is_router
 from tests.attribution.rules._helpers import CNN_PRESETS, F64, randn
 from tests.attribution.test_lrp_layers import lrp_relevance
@@ -741,3 +741,97 @@ def test_a_gate_cast_or_reshaped_before_its_product_is_held(cast: str, mapper: s
     expected = lrp_relevance(model, x, relevance_out, make())
     model.held = False
     assert relative_error(lrp_relevance(model, x, relevance_out, make()), expected) <= 1e-12
+
+
+class GatedPolicy(nn.Module):
+    """A goal-conditioned policy with a gated linear unit: the observation's and the goal's features mixed, then
+    ``a · sigmoid(b)`` of the mix's halves, by ``nn.GLU``, ``F.glu``, written out, or with the gate detached."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.obs, self.goal = nn.Linear(4, 6), nn.Linear(3, 6)
+        self.mix, self.head, self.glu, self.how = nn.Linear(12, 8), nn.Linear(4, 2), nn.GLU(-1), how
+
+    def forward(self, observation: torch.Tensor, goal: torch.Tensor) -> torch.Tensor:
+        z = self.mix(torch.cat([F.relu(self.obs(observation)), F.relu(self.goal(goal))], -1))
+        if self.how == "nn.GLU":
+            h = self.glu(z)
+        elif self.how == "F.glu":
+            h = F.glu(z, dim=-1)
+        else:
+            a, b = z.chunk(2, -1)
+            gate = torch.sigmoid(b)
+            h = a * (gate.detach() if self.how == "detached" else gate)
+        return self.head(h)
+
+
+def gated_relevance(how: str, mapper, zero_biases: bool = False, **kwargs) -> tuple[TensorDict, TensorDict]:
+    from tensordict.nn import TensorDictModule
+
+    policy = GatedPolicy(how).double()
+    if zero_biases:
+        with torch.no_grad():
+            for layer in (policy.obs, policy.goal, policy.mix, policy.head):
+                layer.bias.zero_()
+    td = TensorDict(observation=randn(5, 4), goal=randn(5, 3), batch_size=[5])
+    module = TensorDictModule(policy, in_keys=["observation", "goal"], out_keys=["action_value"])
+    return LRP(module, mapper, **kwargs)(td.clone()), td
+
+
+@pytest.mark.parametrize("mapper", list(MAPPERS))
+@pytest.mark.parametrize("how", ["nn.GLU", "F.glu"])
+def test_a_gated_linear_unit_holds_its_gate_as_the_product_written_out(how, mapper):
+    """``F.glu`` and ``nn.GLU`` compute ``a · sigmoid(b)``: the CNN presets held the gate of the product written out
+    but named the unit as not piecewise linear and kept its plain gradient (refused with ``strict=True``), where
+    AttnLRP and CP-LRP hold it. Its gate is held now, under every preset, as in the product written out."""
+    out, _ = gated_relevance(how, MAPPERS[mapper](strict=True))
+    expected, _ = gated_relevance("written", MAPPERS[mapper](strict=True))
+    assert torch.equal(out["action_value"], expected["action_value"])
+    for key in ("observation", "goal"):
+        assert relative_error(out["relevance", key], expected["relevance", key]) <= 1e-10
+
+
+@pytest.mark.parametrize("how", ["nn.GLU", "F.glu"])
+def test_a_gated_linear_unit_under_lrp0_is_the_gate_detached_and_conserves(how):
+    """Signal-take-all: LRP-0 is gradient × input of the same network with the gate detached, and with every bias
+    zeroed the relevance of both inputs adds up to the explained value."""
+    out, td = gated_relevance(how, BaseRuleMapper(stabilizer=1e-12), target=lambda y: y)
+    detached = GatedPolicy("detached").double()
+    leaves = [td[key].clone().requires_grad_() for key in ("observation", "goal")]
+    grads = torch.autograd.grad(detached(*leaves).sum(), leaves)
+    for key, leaf, grad in zip(("observation", "goal"), leaves, grads, strict=True):
+        assert relative_error(out["relevance", key], leaf.detach() * grad) <= 1e-10
+    mapper = BaseRuleMapper(stabilizer=1e-12, rule_mapper={nn.Linear: EpsilonRule(0.0)})
+    out, _ = gated_relevance(how, mapper, zero_biases=True, target=lambda y: y)
+    total = out["relevance", "observation"].sum(-1) + out["relevance", "goal"].sum(-1)
+    torch.testing.assert_close(total, out["action_value"].sum(-1), rtol=1e-10, atol=1e-12)
+
+
+def test_a_gated_linear_unit_keeps_the_derivative_of_its_relevance():
+    """With ``create_graph=True`` the relevance is an ordinary call's, and its derivative with respect to the
+    observation (the gate's own dependence on it included) is within 1e-6 of central finite differences."""
+    from tensordict.nn import TensorDictModule
+
+    module = TensorDictModule(GatedPolicy("F.glu").double(), in_keys=["observation", "goal"], out_keys=["y"])
+    td = TensorDict(observation=randn(2, 4), goal=randn(2, 3), batch_size=[2])
+    lrp = LRP(module, BaseRuleMapper(stabilizer=1e-12), target=0, create_graph=True)
+    weights = randn(2, 4)
+
+    def relevance(observation: torch.Tensor) -> torch.Tensor:
+        return lrp(td.clone().set("observation", observation))["relevance", "observation"]
+
+    leaf = td["observation"].clone().requires_grad_()
+    kept = relevance(leaf)
+    plain = LRP(module, BaseRuleMapper(stabilizer=1e-12), target=0)(td.clone())["relevance", "observation"]
+    assert relative_error(kept.detach(), plain) <= 1e-12
+    (derivative,) = torch.autograd.grad((kept * weights).sum(), leaf)
+    step, numeric = 1e-6, torch.zeros_like(derivative)
+    for index in range(leaf.numel()):
+        shift = torch.zeros(leaf.numel(), dtype=F64)
+        shift[index] = step
+        shift = shift.view_as(leaf)
+        up = (relevance(td["observation"] + shift) * weights).sum()
+        down = (relevance(td["observation"] - shift) * weights).sum()
+        numeric.view(-1)[index] = (up - down).detach() / (2 * step)
+    assert relative_error(derivative, numeric) <= 1e-6

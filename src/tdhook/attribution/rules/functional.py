@@ -74,6 +74,7 @@ from tdhook.attribution.rules.gates import (
     GATE_PRESERVING,
     held_factors,
     held_gate_product,
+    held_glu,
     keep_gate_mark,
     mark_gate,
 )
@@ -386,7 +387,7 @@ class FunctionalRules(TorchFunctionMode):
         if func in BOUNDS:  # ``torch.maximum(h, c)`` with a constant ``c``: a clip (two activations: not here)
             return bound_passing(func, args, kwargs, bounded_signal(func, args, kwargs), self.activation.apply)
         if func is F.glu and is_activation(args[0]):
-            return _glu(args[0], call_argument(args, kwargs, 1, "dim", -1))
+            return held_glu(args[0], call_argument(args, kwargs, 1, "dim", -1))
         if func is F.layer_norm and is_activation(args[0]):
             shape = call_argument(args, kwargs, 1, "normalized_shape")
             weight = call_argument(args, kwargs, 2, "weight")
@@ -709,27 +710,6 @@ def _held_product(func: Callable, args: tuple, kwargs: dict, gates: list[bool], 
     if recording is not None:
         recording.other_rule()
     return func(*(hold(a) if gate else a for a, gate in zip(args, gates, strict=True)), **kwargs)
-
-
-def _glu(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """``F.glu(x, dim)``, ``a · sigmoid(b)`` of ``x``'s halves ``a`` and ``b``, with its sigmoid gate held constant
-    (as a squeeze-excite gate is, under both presets): ``a`` gets all the relevance, ``b`` none.
-
-    Examples:
-        >>> x = torch.tensor([[1.0, -2.0, 0.5, 3.0]], requires_grad=True)
-        >>> y = _glu(x * 1, -1)
-        >>> torch.equal(y, F.glu(x, -1))
-        True
-        >>> relevance = x * torch.autograd.grad(y.sum(), x)[0]
-        >>> torch.allclose(relevance, torch.cat([y, torch.zeros(1, 2)], -1))
-        True
-    """
-    gate = hold(torch.sigmoid(x.chunk(2, dim)[1]))
-
-    def backward(grad: torch.Tensor) -> list[torch.Tensor]:
-        return [torch.cat([grad * gate, torch.zeros_like(grad)], dim)]
-
-    return redirect(F.glu(x, dim), [x], backward)
 
 
 def _einsum_operands(args: tuple) -> tuple:

@@ -10,7 +10,9 @@ CP-LRP's gates constant in :class:`~tdhook.attribution.rules.functional.Function
 
 A gate is the output of a sigmoid-like module under :class:`GateRule` or of a
 sigmoid function seen by :class:`HeldGates`; it is marked, and a product of a
-marked gate with an activation detaches the gate. A sigmoid whose output is not
+marked gate with an activation detaches the gate. A gated linear unit
+(``F.glu``, ``nn.GLU``: ``a · sigmoid(b)`` of its input's halves) holds its gate
+in the same way (see :func:`held_glu`). A sigmoid whose output is not
 multiplied by an activation (a last layer, an activation in an MLP) passes
 relevance on as any activation does.
 
@@ -30,10 +32,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._autograd import (
+    call_argument,
     hold,
     is_activation,
     mark_parameter_derived,
     raise_for_transformed_call,
+    redirect,
 )
 from tdhook.attribution.rules._clips import (
     BOUNDS,
@@ -60,6 +64,7 @@ __all__ = [
     "keep_gate_mark",
     "held_gate_product",
     "held_factors",
+    "held_glu",
     "ELEMENTWISE_PRODUCTS",
     "SAME_VALUES",
     "GATE_COMPLEMENTS",
@@ -230,6 +235,28 @@ def held_factors(args: tuple, any_gate: bool = True) -> list[bool] | None:
     return None if gates[0] == gates[1] else gates
 
 
+def held_glu(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``F.glu(x, dim)``, ``a · sigmoid(b)`` of ``x``'s halves ``a`` and ``b``, with its sigmoid gate held constant
+    (as a squeeze-excite gate is, under every preset): ``a`` gets all the relevance, ``b`` none. The values are
+    ``F.glu``'s own.
+
+    Examples:
+        >>> x = torch.tensor([[1.0, -2.0, 0.5, 3.0]], requires_grad=True)
+        >>> y = held_glu(x * 1, -1)
+        >>> torch.equal(y, F.glu(x, -1))
+        True
+        >>> relevance = x * torch.autograd.grad(y.sum(), x)[0]
+        >>> torch.allclose(relevance, torch.cat([y, torch.zeros(1, 2)], -1))
+        True
+    """
+    gate = hold(torch.sigmoid(x.chunk(2, dim)[1]))
+
+    def backward(grad: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.cat([grad * gate, torch.zeros_like(grad)], dim)]
+
+    return redirect(F.glu(x, dim), [x], backward)
+
+
 class GateRule(PassRule):
     """A sigmoid-like module: relevance passes through it as through any activation (:class:`PassRule`), and its
     output is marked as a gate, held constant where it multiplies an activation (see :class:`HeldGates`).
@@ -255,7 +282,8 @@ _PASS_CLIPS = PassRule()
 
 
 class HeldGates(TorchFunctionMode):
-    """Hold gates constant in element-wise products during a forward pass; mark sigmoid outputs as gates; give
+    """Hold gates constant in element-wise products and in gated linear units (``F.glu``, ``nn.GLU``) during a
+    forward pass; mark sigmoid outputs as gates; give
     clipping calls (``torch.clamp``, ``clip``, ``F.hardtanh``, ``F.relu6``, in place too, and ``torch.maximum``,
     ``minimum``, ``fmax``, ``fmin`` of an activation and a constant) the pass rule that
     ``nn.Hardtanh`` and ``nn.ReLU6`` modules get (see :mod:`~tdhook.attribution.rules._clips`).
@@ -286,6 +314,8 @@ class HeldGates(TorchFunctionMode):
         """Whether this mode gives ``func`` a rule: a product whose gate it holds. A sigmoid is not covered here:
         held, its output is cut from the explained output's graph, and one that gates nothing keeps its plain
         gradient (the coverage report names it)."""
+        if func is F.glu:
+            return bool(args) and is_activation(args[0])
         return func in ELEMENTWISE_PRODUCTS and held_factors(args) is not None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -297,6 +327,11 @@ class HeldGates(TorchFunctionMode):
                 self.held = True
                 return held
             return keep_gate_mark(func, args, mark_parameter_derived(args, func(*args, **kwargs), func), kwargs)
+        if func is F.glu and args and is_activation(args[0]):  # a · sigmoid(b): its gate held as any other
+            raise_for_transformed_call("gates held constant in products", args[:1])
+            raise_for_checkpoint("gates held constant in products")
+            self.held = True
+            return held_glu(args[0], call_argument(args, kwargs, 1, "dim", -1))
         if func in CLIPS or func in CLIPS_IN_PLACE:
             raise_for_transformed_call("the pass rule on clipping calls", args[:1])
             if clips_a_signal(func, args):
