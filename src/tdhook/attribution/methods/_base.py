@@ -51,6 +51,7 @@ from tdhook.attribution.methods._batch_statistics import (
 from tdhook.attribution.methods._call_keys import keys_explained_in_call, narrowed
 from tdhook.attribution.methods._global_rng import global_rng_kept
 from tdhook.attribution.methods._options import MISSING
+from tdhook.attribution.methods._random_draws import RandomDraws, random_states
 from tdhook.attribution.methods._sampled_targets import sampled_target
 from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurrent_layers, time_lengths
 from tdhook.attribution.rules._meta_tensors import meta_tensors_refused
@@ -217,6 +218,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         self.out_keys = [*unravel_key_list(module.out_keys), *self.relevance_keys]
         self._warned = False
         self._warned_sampled = False
+        self._draws = RandomDraws()  # shared by the narrowed copies of a call
 
     # ------------------------------------------------------------------ call
 
@@ -252,7 +254,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
                 raise TypeError(f"{name}: input key {key!r} must be a floating-point tensor, got {describe(value)}")
         self._check_batch(tensordict)
         self._warn_for_random_modules(tensordict)
-        rng_before = torch.get_rng_state()
+        rng_before, states_before = torch.get_rng_state(), random_states(self.module)
         with buffers_restored_on_error(self.module) as before:  # up to the write: a call that fails moves none
             # A module computing from a parameter on the meta device returns whatever the memory held: refused.
             with meta_tensors_refused(self.module), self._model_context():
@@ -265,6 +267,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
                 if cut is tensordict:
                     # The perturbed passes draw on a fork: the caller's random state moves as one plain call moves it.
                     with global_rng_kept(self.module):
+                        self._draws.check(self, call, states_before)
                         attributions = self._attribute(call)
                         extra = self._extra_updates(call)
             if cut is not tensordict:  # the module returned fewer batch dimensions: explain in its batch, as LRP does
