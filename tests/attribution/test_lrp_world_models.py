@@ -14,6 +14,7 @@ from torchrl.data import Unbounded
 from torchrl.modules import DreamerActor, ObsDecoder, QMixer, RSSMPosterior, RSSMPrior, RSSMRollout
 
 from tdhook.attribution import LRP, AttnLRP, BaseRuleMapper, EpsilonPlus, EpsilonRule
+from tests.attribution.methods.test_random_draws import inputs as step
 
 F64 = torch.float64
 # The ε-rule with ε = 0 on every layer: with zero biases, relevance is conserved through Linear layers, the pass rule
@@ -34,16 +35,6 @@ def prior_and_posterior() -> tuple[RSSMPrior, RSSMPosterior]:
     prior = RSSMPrior(Unbounded(2), hidden_dim=6, rnn_hidden_dim=6, state_dim=4, action_dim=2, scale_lb=0.0)
     posterior = RSSMPosterior(hidden_dim=8, state_dim=4, rnn_hidden_dim=6, obs_embed_dim=5, scale_lb=0.0)
     return zero_biases(prior), zero_biases(posterior)
-
-
-def step() -> TensorDict:
-    generator = torch.Generator().manual_seed(1)
-    return TensorDict(
-        state=torch.randn(3, 4, generator=generator),
-        belief=torch.randn(3, 6, generator=generator),
-        action=torch.randn(3, 2, generator=generator),
-        batch_size=[3],
-    )
 
 
 def conserved(out: TensorDict, key) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from unittest import mock
 
@@ -580,3 +581,58 @@ def test_a_distributional_q_actor_is_scored_at_its_greedy_action_at_every_atom()
     curve = pixel_flipping(actor, explained, target_key="action_value")
     expected = pixel_flipping(actor, explained, target_key="action_value", target=greedy)
     torch.testing.assert_close(curve, expected)
+
+
+@pytest.mark.parametrize("metric", ["pixel_flipping", "faithfulness_correlation"])
+def test_a_target_the_model_draws_in_its_own_forward_is_refused_naming_the_module(metric):
+    """torchrl's RSSMPrior samples its state (``mean + torch.randn_like(std) * std``): a curve of it mixed the
+    perturbation with new draws (with the baseline equal to the input, where the curve is flat, it moved by up to 1.8
+    where the score is at most 0.78, with no word). Its mean, computed before the draw, is scored as before; the
+    caller's TensorDict is left as it was."""
+    import tdhook.metrics
+    from tdhook.attribution import Saliency
+    from tests.attribution.methods.test_random_draws import PRIOR_MEAN, STATE, inputs, rssm_prior
+
+    prior = rssm_prior()
+    options = {"subset_size": 4, "n_runs": 4} if metric == "faithfulness_correlation" else {}
+    score = functools.partial(getattr(tdhook.metrics, metric), **options)
+    explained = Saliency(prior, target_key=STATE, target=0)(inputs())
+    before = explained.clone()
+    with pytest.raises(
+        ValueError,
+        match=r"target \('next', 'state'\) differs between two forward passes on the same "
+        r"input .*module 'module' \(RSSMPrior\) drew at random in its own forward",
+    ):
+        score(prior, explained, target_key=STATE, target=0)
+    assert (explained == before).all()
+    mean = Saliency(prior, target_key=PRIOR_MEAN, target=0)(inputs())
+    assert torch.isfinite(score(prior, mean, target_key=PRIOR_MEAN, target=0)).all()
+
+
+@pytest.mark.parametrize("steps_per_forward", [None, 1])
+def test_a_drawn_target_is_refused_where_the_curve_runs_through_the_leading_linear_layer(steps_per_forward):
+    """A model that starts with a linear layer scores step 0 with the other steps (``steps_per_forward=None``): the
+    draws of that pass are checked as those of a pass of its own; a model that draws nothing runs no extra pass."""
+
+    class Noisy(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.randn_like(x)
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)]
+    x = torch.randn(5, 4, dtype=torch.float64)
+    td = TensorDict(
+        x=x, attribution=TensorDict(x=torch.randn(5, 4, dtype=torch.float64), batch_size=[5]), batch_size=[5]
+    )
+    noisy = nn.Sequential(*layers, Noisy()).double()
+    with pytest.raises(ValueError, match=r"target 'y' differs between two forward passes.*module '3' \(Noisy\) drew"):
+        pixel_flipping(noisy, td, in_keys=["x"], out_keys=["y"], target=0, steps_per_forward=steps_per_forward)
+    plain, passes = nn.Sequential(*layers).double(), []
+    plain.register_forward_hook(lambda *_: passes.append(1))
+    pixel_flipping(plain, td, in_keys=["x"], out_keys=["y"], target=0, steps_per_forward=steps_per_forward)
+    expected = []
+    bare = nn.Sequential(*layers).double()
+    bare.register_forward_hook(lambda *_: expected.append(1))
+    with mock.patch("tdhook.metrics._scoring.redrawn", return_value=None):
+        pixel_flipping(bare, td, in_keys=["x"], out_keys=["y"], target=0, steps_per_forward=steps_per_forward)
+    assert len(passes) == len(expected)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from tdhook.attribution.methods._random_draws import random_states
 from tdhook.metrics._features import Baseline, Features, positions_of
 from tdhook.metrics._scoring import Scorer, chunks, progress_bar
 
@@ -72,6 +73,7 @@ def perturbation_curve(
         folded = scorer.pending and scorer.steps_per_forward != 1
         if scorer.pending and not folded:
             scorer.resolve()
+        before = random_states(scorer.module) if folded else None  # the draws of the pass that gives step 0
         stacks = affine.outputs(
             x.reshape(n, *sample),
             baselines[0].expand_as(x).reshape(n, *sample),
@@ -89,7 +91,7 @@ def perturbation_curve(
             update(1)
         steps = torch.cat([outputs[start] for start in sorted(outputs)]) if len(outputs) > 1 else output
         if folded:  # the scores of step 0 and of the others at once
-            scorer.resolve(steps[0])
+            scorer.resolve(steps[0], before)
             update(0)
             return scorer.scores_of(steps).movedim(0, -1)
         columns = [scorer.reference.unsqueeze(0), scorer.scores_of(steps)]

@@ -22,6 +22,7 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -37,6 +38,7 @@ from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action, allowed_mask
 from tdhook.attribution._random_modules import draw, random_modules
 from tdhook.attribution._run_errors import run_error
+from tdhook.attribution.methods._random_draws import random_states, redrawn
 from tdhook.attribution.methods._sampled_targets import exploration_draws
 from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurrent_layers, time_lengths
 from tdhook.attribution.rules._meta_tensors import meta_tensors_refused
@@ -113,6 +115,22 @@ def _refuse_sampled_target(module: nn.Module, key: NestedKey) -> None:
                     "it anew. Score a parameter of the distribution (target_key='loc', 'logits', ...) or call the "
                     "metric under torchrl's set_exploration_type(ExplorationType.DETERMINISTIC)"
                 )
+
+
+def _refuse_redrawn(scorer: Scorer, before: list[torch.Tensor]) -> None:
+    """A target that differs between two passes on the same input (a model drawing in its own forward, as torchrl's
+    RSSMPrior samples its state): a curve of it would be noise (see
+    :mod:`~tdhook.attribution.methods._random_draws`). ``before``: the random states before the scorer's pass."""
+    modules = dict((scorer.module.module if scorer._plain else scorer.module).named_modules())
+    run = functools.partial(scorer._output_of, scorer._base)
+    found = redrawn(scorer.module, modules, before, scorer.reference_output, run)
+    if found is not None:
+        raise ValueError(
+            f"metrics: target {scorer._key!r} differs between two forward passes on the same input (by up to "
+            f"{found[0]:.3g}): {found[1]} drew at random in its own forward, so each perturbed input's score would "
+            "mix the perturbation with new draws; score an output computed before the draw, or make the draw an "
+            "input of the model (torchrl's RSSMPrior and RSSMPosterior take their noise as an argument)"
+        )
 
 
 class Scorer:
@@ -225,16 +243,19 @@ class Scorer:
         """Whether the unperturbed output is still to come (see :meth:`resolve`)."""
         return self._pending is not None
 
-    def resolve(self, output: torch.Tensor | None = None) -> None:
+    def resolve(self, output: torch.Tensor | None = None, before: list[torch.Tensor] | None = None) -> None:
         """Fix the target on the unperturbed output: ``output`` (``[N, ...]``, the target output of the batch
         flattened, as a curve through the model's leading linear layer finds it at step 0), or one pass of the model.
 
         A scorer made with ``defer=True`` for a model that starts with a linear layer waits for this call; any other
-        has made it already, and a second call does nothing.
+        has made it already, and a second call does nothing. ``before``: the random states before the pass that
+        gave ``output``; where the model drew in it, a target that another pass on the same input changes is refused
+        (the scorer's own pass is checked so too).
         """
         if self._pending is None:
             return
         td, target = self._pending
+        before = random_states(self.module) if output is None else before
         if output is None:
             with time_lengths(self._recurrent) as self._lengths:
                 result = self._run(self._base.clone())  # copies: a model may change its inputs in place
@@ -243,6 +264,8 @@ class Scorer:
             result.set(self.module.out_keys[0], output.reshape(*self._batch, *output.shape[1:]))
         self._pending = None
         self._resolve(result, td, target)
+        if before is not None:  # a target the model draws in its own forward: each perturbed input's score draws anew
+            _refuse_redrawn(self, before)
 
     def _resolve(self, result: TensorDictBase, td: TensorDictBase, target: Target) -> None:
         operator = self._operator
@@ -324,6 +347,10 @@ class Scorer:
                 raise
             raise error from err
         return work if result is None else result
+
+    def _output_of(self, td: TensorDictBase) -> torch.Tensor:
+        """The target output of one pass on a copy of ``td``."""
+        return self._output(self._run(td.clone()))
 
     def _output(self, result: TensorDictBase) -> torch.Tensor:
         output = target_output(result, self._key, self._operator)

@@ -35,7 +35,7 @@ from torch import nn
 from tdhook.attribution.methods._global_rng import cuda_devices
 from tdhook.attribution.rules._caller import warn_at_caller
 
-__all__ = ["RandomDraws", "drawing_modules", "random_states"]
+__all__ = ["RandomDraws", "drawing_modules", "random_states", "redrawn"]
 
 
 def random_states(model: nn.Module) -> list[torch.Tensor]:
@@ -94,6 +94,41 @@ def drawing_modules(modules: Mapping[str, nn.Module], run: Callable[[], Any]) ->
     return result, innermost
 
 
+def redrawn(
+    model: nn.Module,
+    modules: Mapping[str, nn.Module],
+    before: list[torch.Tensor],
+    first: torch.Tensor,
+    run: Callable[[], torch.Tensor],
+) -> tuple[float, str] | None:
+    """Where the pass of ``model`` that gave ``first`` drew at random (the random states moved from ``before``): run
+    ``run`` (a pass on the same inputs) once more, on a fork of the random state, and, where its result differs from
+    ``first`` beyond rounding, give the largest difference and the modules (among ``modules``, by name) that drew;
+    else ``None``.
+
+    Examples:
+        >>> class Noisy(nn.Module):
+        ...     def forward(self, x):
+        ...         return x + torch.randn_like(x)
+        >>> net, x = Noisy(), torch.zeros(3)
+        >>> before = random_states(net)
+        >>> redrawn(net, dict(net.named_modules()), before, net(x), lambda: net(x))[1]
+        'the model (Noisy)'
+        >>> before = random_states(net)
+        >>> redrawn(net, dict(net.named_modules()), before, x * 2, lambda: x * 2) is None
+        True
+    """
+    if not _moved(before, random_states(model)):
+        return None
+    with torch.random.fork_rng(devices=cuda_devices(model)):
+        again, drawers = drawing_modules(modules, run)
+    scale = float(first.abs().max()) if first.numel() else 0.0
+    if torch.allclose(again, first, rtol=1e-6, atol=1e-9 * max(scale, 1.0)):
+        return None
+    named = ", ".join(_described(name, modules[name]) for name in drawers) or "the model"
+    return float((again - first).abs().max()), named
+
+
 def _described(name: str, module: nn.Module) -> str:
     return f"module {name!r} ({type(module).__name__})" if name else f"the model ({type(module).__name__})"
 
@@ -120,18 +155,19 @@ class RandomDraws:
         self.checked = True
         if method._warned or method._warned_sampled:  # a dropout module or a sampled target: told already
             return
-        modules = method.named_explained_modules()
-        again, drawers = drawing_modules(
-            modules, lambda: method._evaluate(call, [x.unsqueeze(0) for x in call.inputs])[0].squeeze(1)
+        found = redrawn(
+            method.module,
+            method.named_explained_modules(),
+            before,
+            method._contract(call, call.output.detach(), None),
+            lambda: method._evaluate(call, [x.unsqueeze(0) for x in call.inputs])[0].squeeze(1),
         )
-        first = method._contract(call, call.output.detach(), None)
-        scale = float(first.abs().max()) if first.numel() else 0.0
-        if torch.allclose(again, first, rtol=1e-6, atol=1e-9 * max(scale, 1.0)):
+        if found is None:
             return
-        named = ", ".join(_described(name, modules[name]) for name in drawers)
+        difference, named = found
         warn_at_caller(
             f"{type(method).__name__}: the target {call.target_key!r} differs between two forward passes on the same "
-            f"input (by up to {float((again - first).abs().max()):.3g}): {named or 'the model'} drew at random in its "
+            f"input (by up to {difference:.3g}): {named} drew at random in its "
             "own forward, so each perturbed pass draws anew and the explanation compares independent draws; explain an "
             "output computed before the draw, or make the draw an input of the model (torchrl's RSSMPrior and "
             "RSSMPosterior take their noise as an argument)"
