@@ -37,6 +37,7 @@ from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action, allowed_mask
 from tdhook.attribution._random_modules import draw, random_modules
 from tdhook.attribution._run_errors import run_error
+from tdhook.attribution.methods._cross_sample_outputs import scored_across_copies
 from tdhook.attribution.methods._sampled_targets import exploration_draws
 from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurrent_layers, time_lengths
 from tdhook.attribution.rules._meta_tensors import meta_tensors_refused
@@ -388,15 +389,26 @@ class Scorer:
         if n_steps > 1 and self._recurrent:
             with time_lengths(self._recurrent) as lengths:
                 output = self._stacked_outputs(perturbed, n_steps)
-            if not read_as_one_sequence(self._lengths, lengths):
-                return output
+            if output is None or not read_as_one_sequence(self._lengths, lengths):
+                return self.outputs(perturbed) if output is None else output
             name = next(name for name, _ in sorted(lengths - self._lengths, key=str))
             self._alone = f"{name} ({type(self._recurrent[name]).__name__})"  # read the steps as one sequence
             return self.outputs(perturbed)
-        return self._stacked_outputs(perturbed, n_steps)
+        output = self._stacked_outputs(perturbed, n_steps)
+        return self.outputs(perturbed) if output is None else output
 
-    def _stacked_outputs(self, perturbed: Mapping[NestedKey, torch.Tensor], n_steps: int) -> torch.Tensor:
-        """:meth:`outputs`, the steps stacked in one pass."""
+    def _scored_across_steps(self, output: torch.Tensor, stacked_dims: int) -> bool:
+        """Whether the target output of stacked steps scores them against each other (see
+        :mod:`~tdhook.attribution.methods._cross_sample_outputs`); the steps then run one per pass."""
+        if self._pending is not None or not scored_across_copies(
+            output, stacked_dims, self.reference_output, len(self._batch)
+        ):
+            return False
+        self._alone = f"the target {self._key!r}, which scores the samples of its batch against each other"
+        return True
+
+    def _stacked_outputs(self, perturbed: Mapping[NestedKey, torch.Tensor], n_steps: int) -> torch.Tensor | None:
+        """:meth:`outputs`, the steps stacked in one pass; ``None`` where the target scored them against each other."""
         if self._plain and self._key in self.module.out_keys:
             return self._plain_outputs(perturbed, n_steps)
         if n_steps == 1:  # the other inputs copied (stacked, they are copies already)
@@ -409,10 +421,13 @@ class Scorer:
             work.set(key, value)
         stacked = stacked_batch(n_steps, self._batch)
         output = self._output(self._run(work.reshape(*stacked)))
+        if self._scored_across_steps(output, len(stacked)):
+            return None
         return output.reshape(n_steps, *self._batch, *output.shape[len(stacked) :])
 
-    def _plain_outputs(self, perturbed: Mapping[NestedKey, torch.Tensor], n_steps: int) -> torch.Tensor:
-        """:meth:`outputs` for a plain module: its positional inputs built directly, without a TensorDict."""
+    def _plain_outputs(self, perturbed: Mapping[NestedKey, torch.Tensor], n_steps: int) -> torch.Tensor | None:
+        """:meth:`outputs` for a plain module: its positional inputs built directly, without a TensorDict; ``None``
+        where the target scored the stacked steps against each other."""
         batch_dims = len(self._batch)
         args = []
         for key in self.module.in_keys:
@@ -437,6 +452,8 @@ class Scorer:
             )
         if n_steps == 1:
             return output.unsqueeze(0)
+        if self._scored_across_steps(output, max(batch_dims, 1)):
+            return None
         return output.reshape(n_steps, *self._batch, *output.shape[max(batch_dims, 1) :])
 
     def chunk_size(self, inputs: Sequence[torch.Tensor]) -> int:
