@@ -16,7 +16,7 @@ from tdhook.attribution.targets import initial_gradient
 from tdhook.metrics import infidelity, pixel_flipping
 from tdhook.metrics._leading_affine import LeadingAffine
 from tdhook.metrics._scoring import Scorer, chunks
-from tests.attribution.methods._transformers import image_pairs, similarity
+from tests.attribution.methods._transformers import image_pairs, next_token, next_token_td, similarity
 from tests.metrics._models import Trajectory
 
 
@@ -595,3 +595,19 @@ def test_similarities_scored_across_stacked_steps_score_one_step_per_pass(metric
             alone.append(infidelity(module, td, perturb_fn=one, n_perturb_samples=1))
         expected = torch.stack(alone).mean(0)
     torch.testing.assert_close(found, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_attention_dropout_in_training_mode_is_refused(implementation):
+    """A Llama with attention dropout holds no Dropout module: its attention calls ``F.dropout`` (eager) or passes
+    ``dropout_p`` to the fused attention (sdpa). In training mode every perturbed input was scored with its own
+    dropout, without a word (the curve 0.13 off that of the model in eval mode, whose largest score is 0.37), as a
+    Dropout module's is refused. A model in eval mode is scored."""
+    module, td = next_token(implementation, attention_dropout=0.3), next_token_td()
+    td["attribution", "embeds"] = torch.randn(3, 6, 1, generator=torch.Generator().manual_seed(2))
+    rng = torch.get_rng_state()
+    with pytest.raises(ValueError, match=r"metrics: the forward pass calls dropout \(p=0.3\) in training mode"):
+        pixel_flipping(module.train(), td, in_keys=["embeds"])
+    assert torch.equal(torch.get_rng_state(), rng)
+    curve = pixel_flipping(module.eval(), td, in_keys=["embeds"])
+    torch.testing.assert_close(pixel_flipping(module, td, in_keys=["embeds"]), curve, rtol=0, atol=0)

@@ -22,6 +22,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -40,6 +41,7 @@ from tdhook.attribution._run_errors import run_error
 from tdhook.attribution.methods._cross_sample_outputs import scored_across_copies
 from tdhook.attribution.methods._sampled_targets import exploration_draws
 from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurrent_layers, time_lengths
+from tdhook.attribution.rules._dropout_calls import DropoutCalls
 from tdhook.attribution.rules._meta_tensors import meta_tensors_refused
 from tdhook.attribution.targets import (
     Target,
@@ -195,6 +197,8 @@ class Scorer:
         if not self._tensordict_free:
             _refuse_steps_read_together(self.module, td)
         _refuse_random_modules(modules, td)
+        # Dropout called as a function (attention dropout) follows its module's mode: watched for in the first pass.
+        self._watch = any(sub.training for sub in modules.values())
         self._alone = batch_normalising_module(module, modules)
         if self._alone is not None and steps_per_forward not in (None, 1):
             raise ValueError(
@@ -317,14 +321,32 @@ class Scorer:
             # Every pass from the caller's running statistics; a module computing from a parameter on the meta
             # device returns whatever the memory held: refused, naming it.
             with torch.no_grad(), statistics_kept(self.module), meta_tensors_refused(self.module):
-                result = call_plain(self.module, work) if self._plain else self.module(work)
+                with self._dropout_watch() as watch:
+                    result = call_plain(self.module, work) if self._plain else self.module(work)
         except Exception as err:
             modules = dict((self.module.module if self._plain else self.module).named_modules())
             error = run_error(err, work, self.keys, modules, "metrics")
             if error is err:
                 raise
             raise error from err
+        self._refuse_dropout_calls(watch)
         return work if result is None else result
+
+    def _dropout_watch(self) -> contextlib.AbstractContextManager[DropoutCalls | None]:
+        """A watch for dropout called as a function over the first pass of a model with a module in training mode."""
+        return DropoutCalls() if self._watch else contextlib.nullcontext()
+
+    def _refuse_dropout_calls(self, watch: DropoutCalls | None) -> None:
+        """Raise where the pass called dropout that drops; a pass without stops the watch (a model's own calls)."""
+        if watch is None:
+            return
+        self._watch = False
+        if watch.found:
+            raise ValueError(
+                f"metrics: the forward pass calls dropout (p={watch.found}) in training mode, outside any Dropout "
+                "module (attention dropout, mostly): each forward pass of the perturbed inputs would drop other "
+                "units, and the scores would mix the perturbation with that noise; call .eval() on the model"
+            )
 
     def _output(self, result: TensorDictBase) -> torch.Tensor:
         output = target_output(result, self._key, self._operator)
@@ -436,8 +458,9 @@ class Scorer:
                 value = self._base.get(key)
                 value = value.clone().unsqueeze(0) if n_steps == 1 else value.expand(n_steps, *value.shape)
             args.append(value[0] if n_steps == 1 else value.flatten(0, 1) if batch_dims else value)  # [S * B, ...]
-        with torch.no_grad(), statistics_kept(self.module):
+        with torch.no_grad(), statistics_kept(self.module), self._dropout_watch() as watch:
             outputs = self.module.module(*args)
+        self._refuse_dropout_calls(watch)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         if len(outputs) != len(self.module.out_keys):
             raise RuntimeError(

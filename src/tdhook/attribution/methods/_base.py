@@ -54,6 +54,8 @@ from tdhook.attribution.methods._global_rng import global_rng_kept
 from tdhook.attribution.methods._options import MISSING
 from tdhook.attribution.methods._sampled_targets import sampled_target
 from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurrent_layers, time_lengths
+from tdhook.attribution.rules._caller import warn_at_caller
+from tdhook.attribution.rules._dropout_calls import dropout_watch
 from tdhook.attribution.rules._meta_tensors import meta_tensors_refused
 from tdhook.attribution.targets import (
     EveryUnit,
@@ -351,9 +353,19 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             base = base.clone()
         modules = self.named_explained_modules() if self._evaluates_copies else {}
         recurrent = recurrent_layers(modules)
+        # Dropout called as a function (attention dropout) draws anew in every pass, as a Dropout module does.
+        watch = _NOTHING if self._warned else dropout_watch(self.named_explained_modules().values())
         with torch.enable_grad() if grad else torch.no_grad(), time_lengths(recurrent) as lengths:
             leaves, fed = feed_inputs(work, self.explained_keys, TokenInputs(self.explained_keys))
-            result = self._run(work)
+            with watch as dropping:
+                result = self._run(work)
+        if dropping is not None and dropping.found:
+            self._warned = True
+            warn_at_caller(
+                f"{name}: the forward pass calls dropout (p={dropping.found}) in training mode, outside any Dropout "
+                "module (attention dropout, mostly), so each forward pass drops other units and the attribution is "
+                "random from call to call; call .eval() on the model for a deterministic one"
+            )
         try:
             target_key = resolve_target_key(result, *self._target)
         except KeyError as err:
