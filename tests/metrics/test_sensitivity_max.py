@@ -10,7 +10,9 @@ from tensordict import TensorDict
 
 from tdhook.attribution import LRP, GradientShap, SmoothGrad
 from tdhook.attribution import InputXGradient as tdhook_input_x_gradient
+from tdhook.attribution import Saliency as tdhook_saliency
 from tdhook.metrics import sensitivity_max
+from tests.attribution.methods._transformers import image_pairs, similarity
 from tests.metrics._models import Trajectory, TwoKeys, conv_net, images
 
 
@@ -275,3 +277,28 @@ def test_a_trajectory_read_as_time_is_explained_one_copy_per_call(wrapper):
         perturbed = method(TensorDict(x=x + 0.2 * noise[:, i], batch_size=[6]))[key, "x"]
         changes.append((perturbed - original).norm(dim=-1) / original.norm(dim=-1))
     torch.testing.assert_close(got, torch.stack(changes, -1).amax(-1), rtol=0, atol=1e-12)
+
+
+def test_similarities_scored_across_stacked_copies_explain_each_copy_alone():
+    """A model returning the ``[B, B]`` similarities of two batches of images (as CLIP's ``logits_per_image``) returns
+    ``[n * B, n * B]`` for ``n`` stacked copies, and the explained target (each image's best match, held at the
+    original index) picked the first copy's images for every copy: 2.79 where each copy alone gives 0.050. The
+    stacked call shows it, and each copy is explained alone, as the definition has it."""
+    module, td = similarity(), image_pairs()
+    draws = torch.Generator().manual_seed(3)
+    noise = {key: (torch.rand(3, 4, 3, 8, 8, dtype=torch.float64, generator=draws) * 2 - 1) * 0.1 for key in "ab"}
+    saliency = tdhook_saliency(module, in_keys=["a", "b"])
+    added = TensorDict(noise, batch_size=[3, 4])
+    found = sensitivity_max(saliency, td, perturb_fn=lambda repeated, radius: repeated + added, n_perturb_samples=4)
+
+    def flat(result):
+        return torch.cat([result["attribution", key].flatten(1) for key in "ab"], 1)
+
+    reference = flat(saliency(td.clone()))
+    saliency.target = module(td.clone())["similarity"].argmax(-1)
+    expected = torch.zeros(3, dtype=torch.float64)
+    for k in range(4):
+        copy = TensorDict({key: td[key] + noise[key][:, k] for key in "ab"}, batch_size=[3])
+        change = (flat(saliency(copy)) - reference).norm(dim=-1) / reference.norm(dim=-1)
+        expected = torch.maximum(expected, change)
+    torch.testing.assert_close(found, expected, rtol=1e-12, atol=1e-12)

@@ -38,6 +38,7 @@ __all__ = [
     "attribution_wrapper",
     "check_method",
     "explain",
+    "explained_output",
     "method_keys",
     "method_prefix",
     "options_repeated",
@@ -173,12 +174,7 @@ def original_target(
     target = getattr(method, "target", None)
     if target is not None and not callable(target):
         return target
-    target_key = getattr(method, "target_key", None)
-    if isinstance(target_key, Mapping):
-        raise TypeError("metrics: the method explains several outputs (a dict target_key); give it one")
-    operator = getattr(method, "module", None)
-    operator = operator if isinstance(operator, TensorDictModuleBase) else method
-    key = resolve_target_key(result, target_key, operator)
+    key, operator = _target_of(method, result)
     if target is None and chosen_value_module(operator, key) is not None:
         raise ValueError(
             f"metrics: the method explains {key!r}, the value of the greedy action, which another input may change: "
@@ -199,6 +195,38 @@ def original_target(
         allowed = allowed_action(operator, key, result, result if td is None else td)
         return output.argmax(-1) if allowed is None else allowed
     return None
+
+
+def _target_of(method: TensorDictModuleBase, result: TensorDictBase) -> tuple[NestedKey, TensorDictModuleBase]:
+    """The key of the output the method (its :func:`attribution_wrapper`) explains in ``result``, and the module
+    that writes it.
+
+    Raises:
+        TypeError: the method explains several outputs at once (a dict ``target_key``).
+    """
+    target_key = getattr(method, "target_key", None)
+    if isinstance(target_key, Mapping):
+        raise TypeError("metrics: the method explains several outputs (a dict target_key); give it one")
+    operator = getattr(method, "module", None)
+    operator = operator if isinstance(operator, TensorDictModuleBase) else method
+    return resolve_target_key(result, target_key, operator), operator
+
+
+def explained_output(method: TensorDictModuleBase, result: TensorDictBase) -> torch.Tensor:
+    """The output the method explains, as the ``result`` of one of its calls holds it.
+
+    Raises:
+        TypeError: the method explains several outputs at once (a dict ``target_key``).
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> from tdhook.attribution import Saliency
+        >>> saliency = Saliency(torch.nn.Linear(3, 2), in_keys=["x"], out_keys=["y"])
+        >>> explained_output(saliency, explain(saliency, TensorDict(x=torch.ones(4, 3), batch_size=[4]))).shape
+        torch.Size([4, 2])
+    """
+    key, operator = _target_of(attribution_wrapper(method), result)
+    return target_output(result, key, operator)
 
 
 def repeat_target(target: object, batch_size: torch.Size, n: int) -> object:

@@ -22,6 +22,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -38,9 +39,11 @@ from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action, allowed_mask
 from tdhook.attribution._random_modules import draw, random_modules
 from tdhook.attribution._run_errors import run_error
+from tdhook.attribution.methods._cross_sample_outputs import scored_across_copies
 from tdhook.attribution.methods._random_draws import random_states, redrawn
 from tdhook.attribution.methods._sampled_targets import exploration_draws
 from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurrent_layers, time_lengths
+from tdhook.attribution.rules._dropout_calls import DropoutCalls
 from tdhook.attribution.rules._meta_tensors import meta_tensors_refused
 from tdhook.attribution.targets import (
     Target,
@@ -212,6 +215,8 @@ class Scorer:
         if not self._tensordict_free:
             _refuse_steps_read_together(self.module, td)
         _refuse_random_modules(modules, td)
+        # Dropout called as a function (attention dropout) follows its module's mode: watched for in the first pass.
+        self._watch = any(sub.training for sub in modules.values())
         self._alone = batch_normalising_module(module, modules)
         if self._alone is not None and steps_per_forward not in (None, 1):
             raise ValueError(
@@ -339,18 +344,36 @@ class Scorer:
             # Every pass from the caller's running statistics; a module computing from a parameter on the meta
             # device returns whatever the memory held: refused, naming it.
             with torch.no_grad(), statistics_kept(self.module), meta_tensors_refused(self.module):
-                result = call_plain(self.module, work) if self._plain else self.module(work)
+                with self._dropout_watch() as watch:
+                    result = call_plain(self.module, work) if self._plain else self.module(work)
         except Exception as err:
             modules = dict((self.module.module if self._plain else self.module).named_modules())
             error = run_error(err, work, self.keys, modules, "metrics")
             if error is err:
                 raise
             raise error from err
+        self._refuse_dropout_calls(watch)
         return work if result is None else result
 
     def _output_of(self, td: TensorDictBase) -> torch.Tensor:
         """The target output of one pass on a copy of ``td``."""
         return self._output(self._run(td.clone()))
+
+    def _dropout_watch(self) -> contextlib.AbstractContextManager[DropoutCalls | None]:
+        """A watch for dropout called as a function over the first pass of a model with a module in training mode."""
+        return DropoutCalls() if self._watch else contextlib.nullcontext()
+
+    def _refuse_dropout_calls(self, watch: DropoutCalls | None) -> None:
+        """Raise where the pass called dropout that drops; a pass without stops the watch (a model's own calls)."""
+        if watch is None:
+            return
+        self._watch = False
+        if watch.found:
+            raise ValueError(
+                f"metrics: the forward pass calls dropout (p={watch.found}) in training mode, outside any Dropout "
+                "module (attention dropout, mostly): each forward pass of the perturbed inputs would drop other "
+                "units, and the scores would mix the perturbation with that noise; call .eval() on the model"
+            )
 
     def _output(self, result: TensorDictBase) -> torch.Tensor:
         output = target_output(result, self._key, self._operator)
@@ -415,15 +438,26 @@ class Scorer:
         if n_steps > 1 and self._recurrent:
             with time_lengths(self._recurrent) as lengths:
                 output = self._stacked_outputs(perturbed, n_steps)
-            if not read_as_one_sequence(self._lengths, lengths):
-                return output
+            if output is None or not read_as_one_sequence(self._lengths, lengths):
+                return self.outputs(perturbed) if output is None else output
             name = next(name for name, _ in sorted(lengths - self._lengths, key=str))
             self._alone = f"{name} ({type(self._recurrent[name]).__name__})"  # read the steps as one sequence
             return self.outputs(perturbed)
-        return self._stacked_outputs(perturbed, n_steps)
+        output = self._stacked_outputs(perturbed, n_steps)
+        return self.outputs(perturbed) if output is None else output
 
-    def _stacked_outputs(self, perturbed: Mapping[NestedKey, torch.Tensor], n_steps: int) -> torch.Tensor:
-        """:meth:`outputs`, the steps stacked in one pass."""
+    def _scored_across_steps(self, output: torch.Tensor, stacked_dims: int) -> bool:
+        """Whether the target output of stacked steps scores them against each other (see
+        :mod:`~tdhook.attribution.methods._cross_sample_outputs`); the steps then run one per pass."""
+        if self._pending is not None or not scored_across_copies(
+            output, stacked_dims, self.reference_output, len(self._batch)
+        ):
+            return False
+        self._alone = f"the target {self._key!r}, which scores the samples of its batch against each other"
+        return True
+
+    def _stacked_outputs(self, perturbed: Mapping[NestedKey, torch.Tensor], n_steps: int) -> torch.Tensor | None:
+        """:meth:`outputs`, the steps stacked in one pass; ``None`` where the target scored them against each other."""
         if self._plain and self._key in self.module.out_keys:
             return self._plain_outputs(perturbed, n_steps)
         if n_steps == 1:  # the other inputs copied (stacked, they are copies already)
@@ -436,10 +470,13 @@ class Scorer:
             work.set(key, value)
         stacked = stacked_batch(n_steps, self._batch)
         output = self._output(self._run(work.reshape(*stacked)))
+        if self._scored_across_steps(output, len(stacked)):
+            return None
         return output.reshape(n_steps, *self._batch, *output.shape[len(stacked) :])
 
-    def _plain_outputs(self, perturbed: Mapping[NestedKey, torch.Tensor], n_steps: int) -> torch.Tensor:
-        """:meth:`outputs` for a plain module: its positional inputs built directly, without a TensorDict."""
+    def _plain_outputs(self, perturbed: Mapping[NestedKey, torch.Tensor], n_steps: int) -> torch.Tensor | None:
+        """:meth:`outputs` for a plain module: its positional inputs built directly, without a TensorDict; ``None``
+        where the target scored the stacked steps against each other."""
         batch_dims = len(self._batch)
         args = []
         for key in self.module.in_keys:
@@ -448,8 +485,9 @@ class Scorer:
                 value = self._base.get(key)
                 value = value.clone().unsqueeze(0) if n_steps == 1 else value.expand(n_steps, *value.shape)
             args.append(value[0] if n_steps == 1 else value.flatten(0, 1) if batch_dims else value)  # [S * B, ...]
-        with torch.no_grad(), statistics_kept(self.module):
+        with torch.no_grad(), statistics_kept(self.module), self._dropout_watch() as watch:
             outputs = self.module.module(*args)
+        self._refuse_dropout_calls(watch)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         if len(outputs) != len(self.module.out_keys):
             raise RuntimeError(
@@ -464,6 +502,8 @@ class Scorer:
             )
         if n_steps == 1:
             return output.unsqueeze(0)
+        if self._scored_across_steps(output, max(batch_dims, 1)):
+            return None
         return output.reshape(n_steps, *self._batch, *output.shape[max(batch_dims, 1) :])
 
     def chunk_size(self, inputs: Sequence[torch.Tensor]) -> int:

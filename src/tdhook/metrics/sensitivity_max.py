@@ -9,12 +9,14 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
+from tdhook.attribution.methods._cross_sample_outputs import scored_across_copies
 from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurrent_layers, time_lengths
 from tdhook.metrics._batch_statistics import batch_normalising_module, keeps_running_statistics, statistics_kept
 from tdhook.metrics._features import Features, inputs_value, stacked_batch
 from tdhook.metrics._methods import (
     check_method,
     explain,
+    explained_output,
     method_keys,
     method_prefix,
     options_repeated,
@@ -54,8 +56,9 @@ def sensitivity_max(
     output ``y`` at ``x``). All perturbed inputs run in one call of the method, stacked along the batch's first
     dimension (``[n_perturb_samples * B, ...]``, with the method's per-sample baselines and feature masks repeated
     alike), or one call each where the model normalises over the batch (a BatchNorm in training mode or without
-    running statistics) or a recurrent layer reads the batch's first dimension as time (it saw other time lengths
-    in the stacked call than in the method's own call).
+    running statistics), a recurrent layer reads the batch's first dimension as time (it saw other time lengths
+    in the stacked call than in the method's own call), or the explained output scores the samples of its batch
+    against each other (CLIP's ``logits_per_image``: its dimensions after the batch grow with it).
 
     Args:
         method: the attribution wrapper (:class:`~tdhook.attribution.LRP` or another method); it is called, and
@@ -125,7 +128,12 @@ def sensitivity_max(
         with held, options_repeated(method, td, n), torch.no_grad(), statistics_kept(method):
             with time_lengths(recurrent) as lengths:
                 explained = explain(method, work.reshape(*stacked))
-        if not read_as_one_sequence(own, lengths):
+        # A target that scores the samples of its batch against each other scored the copies so, and each sample
+        # against the first copy's (see tdhook.attribution.methods._cross_sample_outputs).
+        across = scored_across_copies(
+            explained_output(method, explained), len(stacked), explained_output(method, result), len(batch)
+        )
+        if not (across or read_as_one_sequence(own, lengths)):
             read = Features.read(explained, keys, prefix, units).attributions
             attributions = [a.reshape(n, *batch, *a.shape[len(stacked) :]) for a in read]
     if attributions is None:  # one call per copy

@@ -49,11 +49,14 @@ from tdhook.attribution.methods._batch_statistics import (
     buffers_restored_on_error,
 )
 from tdhook.attribution.methods._call_keys import keys_explained_in_call, narrowed
+from tdhook.attribution.methods._cross_sample_outputs import scored_across_copies
 from tdhook.attribution.methods._global_rng import global_rng_kept
 from tdhook.attribution.methods._options import MISSING
 from tdhook.attribution.methods._random_draws import RandomDraws, random_states
 from tdhook.attribution.methods._sampled_targets import sampled_target
 from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurrent_layers, time_lengths
+from tdhook.attribution.rules._caller import warn_at_caller
+from tdhook.attribution.rules._dropout_calls import dropout_watch
 from tdhook.attribution.rules._meta_tensors import meta_tensors_refused
 from tdhook.attribution.targets import (
     EveryUnit,
@@ -353,9 +356,19 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             base = base.clone()
         modules = self.named_explained_modules() if self._evaluates_copies else {}
         recurrent = recurrent_layers(modules)
+        # Dropout called as a function (attention dropout) draws anew in every pass, as a Dropout module does.
+        watch = _NOTHING if self._warned else dropout_watch(self.named_explained_modules().values())
         with torch.enable_grad() if grad else torch.no_grad(), time_lengths(recurrent) as lengths:
             leaves, fed = feed_inputs(work, self.explained_keys, TokenInputs(self.explained_keys))
-            result = self._run(work)
+            with watch as dropping:
+                result = self._run(work)
+        if dropping is not None and dropping.found:
+            self._warned = True
+            warn_at_caller(
+                f"{name}: the forward pass calls dropout (p={dropping.found}) in training mode, outside any Dropout "
+                "module (attention dropout, mostly), so each forward pass drops other units and the attribution is "
+                "random from call to call; call .eval() on the model for a deterministic one"
+            )
         try:
             target_key = resolve_target_key(result, *self._target)
         except KeyError as err:
@@ -426,7 +439,8 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         A model that normalises over the batch (BatchNorm in training mode) runs one copy per pass instead, so
         that each copy is normalised with its own statistics, as the model on one batch is; so does, from the first
         stacked pass that shows it on, a model whose recurrent layer reads the batch's first dimension as time (see
-        :mod:`~tdhook.attribution.methods._time_reads`).
+        :mod:`~tdhook.attribution.methods._time_reads`), or whose target scores the samples of its batch against each
+        other (see :mod:`~tdhook.attribution.methods._cross_sample_outputs`).
 
         Args:
             call: the call.
@@ -454,8 +468,8 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
 
     def _run_copies(self, call: Call, perturbed: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """The explained quantity at perturbed copies of the batch, stacked in one forward pass: ``[units, copies,
-        *batch]``; ``None`` where a recurrent layer read the copies as one sequence (``call.separate_copies`` is then
-        set)."""
+        *batch]``; ``None`` where a recurrent layer read the copies as one sequence, or the target scored them against
+        each other (``call.separate_copies`` is then set)."""
         copies = perturbed[0].shape[0]
         batch = call.batch_shape
         shape = (copies * batch[0], *batch[1:]) if call.batch_dims else (copies,)
@@ -466,7 +480,9 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         layers = call.recurrent if copies > 1 else {}
         with buffers_kept(self.module, call.buffers_before), time_lengths(layers) as lengths:  # the caller's statistics
             output = target_output(self._run(work), call.target_key, self._target[1])
-        if read_as_one_sequence(call.time_lengths, lengths):
+        if read_as_one_sequence(call.time_lengths, lengths) or (
+            copies > 1 and scored_across_copies(output, len(shape), call.output, call.batch_dims)
+        ):
             call.separate_copies = True
             return None
         return self._contract(call, output, copies)

@@ -49,6 +49,7 @@ from tdhook.attribution.rules._clips import (
     clips_a_signal,
     clips_in_place,
 )
+from tdhook.attribution.rules._dropout_calls import DROPOUTS, dropout_probability
 from tdhook.attribution.rules._held_statistics import (
     DIVISIONS,
     NORM_CALLS,
@@ -100,10 +101,6 @@ _ACTIVATION_FUNCTIONS = frozenset(
     {F.gelu, F.silu, F.mish, F.elu, F.selu, F.celu, F.softplus, F.sigmoid, F.tanh, F.hardswish, F.leaky_relu}
     | {torch.tanh, torch.sigmoid, torch.Tensor.tanh, torch.Tensor.sigmoid}
 )
-
-# Dropout as a function (attention dropout in eager attention): its keyword that says whether it drops, by function.
-_DROPOUTS = {F.dropout: "training", F.dropout1d: "training", F.dropout2d: "training", F.dropout3d: "training"}
-_DROPOUTS |= {F.alpha_dropout: "training", F.feature_alpha_dropout: "training", torch.dropout: "train"}
 
 
 # Attention weights of up to this many elements are held without a detach in a call that records its rules' places
@@ -165,7 +162,7 @@ _HANDLED = frozenset(
     _PRODUCTS
     | _SOFTMAX
     | _ACTIVATION_FUNCTIONS
-    | set(_DROPOUTS)
+    | set(DROPOUTS)
     | {torch.baddbmm, torch.einsum, F.scaled_dot_product_attention, F.layer_norm, F.rms_norm}
     | {F.multi_head_attention_forward}
     | CLIPS
@@ -326,9 +323,8 @@ class FunctionalRules(TorchFunctionMode):
             if recording is not None and ruled is not output:  # but for ε = 0 (the plain gradient)
                 recording.other_rule()
             return ruled
-        if func in _DROPOUTS:
-            dropping = call_argument(args, kwargs, 2, _DROPOUTS[func], func is not torch.dropout)
-            p = call_argument(args, kwargs, 1, "p", 0.5) if dropping else 0.0
+        if func in DROPOUTS:
+            p = dropout_probability(func, args, kwargs)
             _warn_random(p)
             if recording is not None and p:  # random: every later call runs in the mode, and warns
                 recording.other_rule()

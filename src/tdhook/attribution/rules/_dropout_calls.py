@@ -1,0 +1,90 @@
+"""Dropout called as a function (attention dropout, mostly): whether a call drops, and a watch over a forward pass.
+
+A Dropout module in training mode is found among a model's modules. Dropout called as a function is seen only in a
+forward pass: transformers' eager attention calls ``F.dropout(weights, p, training=module.training)`` and its
+sdpa attention passes ``dropout_p`` to ``F.scaled_dot_product_attention``, with no module of its own (a Llama
+with ``attention_dropout`` holds no ``nn.Dropout``). :class:`DropoutCalls` watches a pass for such calls that
+drop.
+
+Examples:
+    >>> import torch
+    >>> import torch.nn.functional as F
+    >>> with DropoutCalls() as watch:
+    ...     _ = F.dropout(torch.ones(3), 0.0) + F.dropout(torch.ones(3), 0.25, training=False)
+    >>> watch.found
+    0.0
+    >>> with DropoutCalls() as watch:
+    ...     _ = F.scaled_dot_product_attention(*torch.ones(3, 1, 2, 4), dropout_p=0.1)
+    >>> watch.found
+    0.1
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from tdhook.attribution.rules._autograd import call_argument
+
+__all__ = ["DROPOUTS", "DropoutCalls", "dropout_probability", "dropout_watch"]
+
+# Dropout as a function: its keyword that says whether it drops, by function.
+DROPOUTS = {F.dropout: "training", F.dropout1d: "training", F.dropout2d: "training", F.dropout3d: "training"}
+DROPOUTS |= {F.alpha_dropout: "training", F.feature_alpha_dropout: "training", torch.dropout: "train"}
+
+
+def dropout_probability(func: Callable, args: tuple, kwargs: dict) -> float:
+    """The probability with which a call of ``func`` drops a unit: its ``p`` (``dropout_p`` for the fused attention)
+    where it drops, ``0`` where it does not (``training=False``) or is no dropout.
+
+    Examples:
+        >>> x = torch.ones(2)
+        >>> dropout_probability(F.dropout, (x, 0.3), {}), dropout_probability(F.dropout, (x, 0.3), {"training": False})
+        (0.3, 0.0)
+        >>> dropout_probability(torch.dropout, (x, 0.3, True), {}), dropout_probability(torch.relu, (x,), {})
+        (0.3, 0.0)
+    """
+    if func in DROPOUTS:
+        dropping = call_argument(args, kwargs, 2, DROPOUTS[func], func is not torch.dropout)
+        return float(call_argument(args, kwargs, 1, "p", 0.5)) if dropping else 0.0
+    if func is F.scaled_dot_product_attention:
+        return float(call_argument(args, kwargs, 4, "dropout_p", 0.0))
+    return 0.0
+
+
+class DropoutCalls(TorchFunctionMode):
+    """A function mode that watches the block for dropout calls that drop; it changes no call.
+
+    Attributes:
+        found: the probability of the first such call, ``0`` while there is none.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found = 0.0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.found:
+            self.found = dropout_probability(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def dropout_watch(modules: Iterable[nn.Module]) -> contextlib.AbstractContextManager[DropoutCalls | None]:
+    """A :class:`DropoutCalls` where one of ``modules`` is in training mode (a model in eval mode passes its mode to
+    the dropout it calls, and runs its passes without the watch's cost); else a block that yields ``None``.
+
+    Examples:
+        >>> with dropout_watch(nn.Linear(2, 2).eval().modules()) as watch:
+        ...     pass
+        >>> watch is None
+        True
+    """
+    if any(module.training for module in modules):
+        return DropoutCalls()
+    return contextlib.nullcontext()
