@@ -57,6 +57,7 @@ COMMON = dict(
 )
 VISION = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 UNSET = {key: None for key in ("num_key_value_heads", "head_dim")}  # configs without them
+T5 = dict(d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
 MOE = dict(num_experts=4, num_experts_per_tok=2, experts_implementation="eager")
 # A wav2vec 2.0 feature encoder for 64 samples: two strided convolutions, a small convolutional position embedding.
 WAV2VEC2 = dict(
@@ -306,22 +307,10 @@ ZOO = {
     "switch": Architecture(
         "SwitchTransformersConfig",
         "SwitchTransformersEncoderModel",
-        dict(
-            UNSET,
-            d_model=HIDDEN,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            num_experts=4,
-            expert_capacity=64,
-            num_sparse_encoder_layers=2,
-        ),
+        dict(UNSET, **T5, num_experts=4, expert_capacity=64, num_sparse_encoder_layers=2),
         sdpa=False,
     ),
-    "t5_encoder": Architecture(
-        "T5Config", "T5EncoderModel", dict(d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
-    ),
+    "t5_encoder": Architecture("T5Config", "T5EncoderModel", T5),
     "vit": Architecture("ViTConfig", "ViTForImageClassification", dict(image_size=IMAGE, patch_size=4), inputs="image"),
     "deit": Architecture(
         "DeiTConfig", "DeiTForImageClassification", dict(image_size=IMAGE, patch_size=4), inputs="image"
