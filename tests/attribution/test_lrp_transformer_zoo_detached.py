@@ -38,11 +38,14 @@ def held_ratio(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 class Detached(TorchFunctionMode):
     """Softmax outputs detached, a layer norm's standard deviation and an RMS norm's ``rsqrt`` detached, and the
-    ratio ``f(x) / x`` of element-wise activations detached."""
+    ratio ``f(x) / x`` of element-wise activations detached; the outputs of the functions in ``held`` (a class
+    attribute a test may set) detached too."""
+
+    held: tuple = ()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in SOFTMAX or func in (torch.rsqrt, torch.Tensor.rsqrt):
+        if func in SOFTMAX or func in (torch.rsqrt, torch.Tensor.rsqrt) or func in self.held:
             return func(*args, **kwargs).detach()
         if func is F.layer_norm:
             x, shape, weight, bias, eps = (list(args) + [kwargs.get(k) for k in ("weight", "bias", "eps")])[:5]

@@ -29,6 +29,7 @@ from torch import nn
 
 from tdhook.attribution import LRP
 from tests.attribution.test_lrp_transformer_zoo import PRESETS, scaled_up, zero_additive
+from tests.conftest import relative_error
 
 BATCH, CONTEXT, HORIZON, LAGS = 2, 8, 4, (1, 2)
 TIME_SERIES = dict(prediction_length=HORIZON, context_length=CONTEXT, lags_sequence=list(LAGS), num_time_features=1)
@@ -153,3 +154,73 @@ def test_a_scaler_by_the_series_own_statistics_is_named(scaling: str, named: str
     assert any(re.search(named, message) for message in caught), caught
     with pytest.raises(ValueError, match=named):
         explain(forecaster, model, PRESETS[preset](strict=True))
+
+
+def timesfm(implementation: str) -> nn.Module:
+    """TimesFM: patches of the series standardised by the mean and standard deviation of its first patch, a
+    decoder-only transformer, its forecast scaled back (``forecast · σ + μ``). Without positional embeddings (a
+    sinusoidal table, added), its frequency embedding zeroed."""
+    config = transformers.TimesFmConfig(
+        patch_length=4,
+        context_length=16,
+        horizon_length=4,
+        hidden_size=32,
+        intermediate_size=64,
+        head_dim=8,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        use_positional_embedding=False,
+    )
+    config._attn_implementation = implementation
+    torch.manual_seed(0)
+    model = scaled_up(transformers.TimesFmModelForPrediction(config).eval(), 3.0).double()
+    zero_additive(model)
+    with torch.no_grad():
+        model.decoder.freq_emb.weight.zero_()
+    return model
+
+
+class Forecasts(nn.Module):
+    """TimesFM's mean forecast of the next steps."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, past: torch.Tensor) -> torch.Tensor:
+        return self.model(past_values=past, freq=torch.zeros(past.shape[0], dtype=torch.long)).mean_predictions
+
+
+@pytest.mark.filterwarnings("ignore:To copy construct from a tensor")  # transformers' own torch.tensor(tensor)
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_timesfm_holds_its_standardisation_as_a_norm(preset: str):
+    """TimesFM standardises the series by its first patch's statistics, ``(x − μ) / σ``, and scales the forecast
+    back: the standard deviation is held constant at both places, as a norm's scale is, and the mean keeps its plain
+    (linear) gradient. No warning; CP-LRP conserves; eager and sdpa agree; under CP-LRP the relevance is the gradient
+    × input of the model with its attention weights, norms' scales and activations' ratios, and σ, detached."""
+    from tests.attribution.test_lrp_transformer_zoo_detached import Detached, detached_gradient_times_input
+
+    past = torch.randn(BATCH, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64) + 3.0
+    relevance, explained = {}, {}
+    for implementation in ("eager", "sdpa"):
+        explained[implementation] = Forecasts(timesfm(implementation))
+        plain = explained[implementation](past).detach()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            td = LRP(explained[implementation], PRESETS[preset](), in_keys=["x"], out_keys=["y"])(
+                TensorDict(x=past.clone(), batch_size=[BATCH])
+            )
+        assert [str(w.message) for w in caught if str(w.message).startswith("LRP")] == []
+        assert torch.equal(td["y"], plain)
+        relevance[implementation] = td["relevance", "x"]
+        if preset == "cplrp":
+            explained_unit = plain.max(-1).values
+            assert ((relevance[implementation].sum(1) - explained_unit).abs() / explained_unit.abs()).max() <= 1e-6
+    assert relative_error(relevance["sdpa"], relevance["eager"]) <= 1e-6
+    if preset == "cplrp":
+        Detached.held = (torch.sqrt,)  # σ = sqrt(variance); the eager model, whose softmax the mode sees
+        try:
+            (expected,) = detached_gradient_times_input(explained["eager"], (past,), td["y"].argmax(-1))
+        finally:
+            Detached.held = ()
+        assert relative_error(relevance["eager"], expected) <= 1e-8
