@@ -21,6 +21,7 @@ from tdhook.attribution import (
     PassRule,
 )
 from tdhook.attribution._nonlinear_calls import function_kind
+from tests.conftest import relative_error
 
 F64 = torch.float64
 
@@ -453,6 +454,8 @@ PIECEWISE_LINEAR_CALLS = HARD_SHRINKS | {
     "F.softshrink": lambda h: torch.nn.functional.softshrink(h, 0.3),  # x ∓ λ where |x| > λ, else 0
     "irfft(rfft(h) * w)": lambda h: torch.fft.irfft(torch.fft.rfft(h) * _FILTER, n=6),  # a global filter
     "fft(h).real": lambda h: torch.fft.fft(h.to(torch.complex128)).real,
+    "irfft(rfft(h).conj() * w)": lambda h: torch.fft.irfft(torch.fft.rfft(h).conj() * _FILTER, n=6),
+    "fft(h).conj().imag": lambda h: torch.fft.fft(h.to(torch.complex128)).conj().imag,
 }
 
 
@@ -471,6 +474,53 @@ def test_shrinks_and_fourier_transforms_are_piecewise_linear(name: str):
     x = x.clone().requires_grad_(True)
     expected = x * torch.autograd.grad(model(x)[:, 0].sum(), x)[0]
     torch.testing.assert_close(relevance, expected.detach(), rtol=1e-12, atol=1e-12)
+
+
+class AutoCorrelation(nn.Module):
+    """Autoformer's attention, in short: the correlation of queries and keys at every lag, a softmax over the lags
+    (their mean over channels), and the values rolled by each lag weighed by it. ``fourier`` computes the
+    correlation as Autoformer does, ``irfft(rfft(q) · conj(rfft(k)))``; otherwise as a sum of products of the
+    queries and the rolled keys (the oracle: real products, whose rules are tested elsewhere)."""
+
+    def __init__(self, fourier: bool) -> None:
+        super().__init__()
+        self.fourier = fourier
+        self.q, self.k, self.v, self.head = (nn.Linear(4, 4, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        length = x.shape[1]
+        if self.fourier:
+            products = torch.fft.rfft(q, dim=1) * torch.conj(torch.fft.rfft(k, dim=1))
+            correlation = torch.fft.irfft(products, n=length, dim=1)
+        else:
+            correlation = torch.stack([(q * torch.roll(k, lag, 1)).sum(1) for lag in range(length)], 1)
+        weights = torch.softmax(correlation.mean(-1), dim=1)
+        rolled = torch.stack([torch.roll(v, -lag, 1) for lag in range(length)], 1)
+        return self.head((weights[:, :, None, None] * rolled).sum(1)).flatten(1)
+
+
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
+def test_an_autocorrelation_by_fourier_transforms_is_the_one_by_products(preset):
+    """Autoformer's autocorrelation multiplies the queries' transform by the conjugate of the keys': ``conj`` was
+    warned of as nonlinear (an error under strict), though it is linear over the reals. The complex product takes
+    the rule of a product of two activations, as the real products of the same correlation do."""
+    torch.manual_seed(0)
+    fourier, products = AutoCorrelation(True).double(), AutoCorrelation(False).double()
+    products.load_state_dict(fourier.state_dict())
+    x = 3 * torch.randn(2, 6, 4, dtype=F64)
+    torch.testing.assert_close(fourier(x), products(x), rtol=1e-12, atol=1e-12)
+    relevance = {}
+    for name, model in (("fourier", fourier), ("products", products)):
+        lrp = LRP(model, preset(strict=True), in_keys=["x"], out_keys=["y"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            relevance[name] = lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
+    assert relative_error(relevance["fourier"], relevance["products"]) <= 1e-10
+    x = x.clone().requires_grad_(True)
+    y = fourier(x)
+    plain = x * torch.autograd.grad(y.gather(1, y.argmax(1, keepdim=True)).sum(), x)[0]
+    assert relative_error(relevance["fourier"], plain.detach()) > 0.01  # the rules matter here
 
 
 def test_the_magnitude_of_a_fourier_transform_is_named():

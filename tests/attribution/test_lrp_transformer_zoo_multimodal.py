@@ -154,6 +154,15 @@ class Model:
         return ("eager", "sdpa") if self.sdpa else ("eager",)
 
 
+def decision_transformer_call(model: nn.Module, states: torch.Tensor, returns: torch.Tensor) -> torch.Tensor:
+    """The next action's prediction from the states and returns-to-go of four steps, the actions taken zero."""
+    steps = states.shape[1]
+    actions = torch.zeros(1, steps, 3, dtype=states.dtype)
+    timesteps, mask = torch.arange(steps)[None], torch.ones(1, steps, dtype=torch.long)
+    out = model(states=states, actions=actions, returns_to_go=returns, timesteps=timesteps, attention_mask=mask)
+    return out.action_preds[:, -1]
+
+
 MODELS = {
     # T5 v1.1 (as mT5 and UMT5): gated-GELU feed-forward, untied head; a relative position bias shared by layers.
     "t5_v1_1": Model(
@@ -270,6 +279,25 @@ MODELS = {
         image_and_text,
         additive=("query_tokens",),
         tolerance=1e-6,
+    ),
+    # Decision Transformer: a GPT-2 over interleaved returns-to-go, states and actions, a tanh action head; the
+    # states and the returns explained together (its learned timestep embedding zeroed, additive).
+    "decision_transformer": Model(
+        with_config(
+            "DecisionTransformerConfig",
+            "DecisionTransformerModel",
+            state_dim=5,
+            act_dim=3,
+            hidden_size=HIDDEN,
+            n_layer=2,
+            n_head=4,
+            n_inner=64,
+            max_ep_len=16,
+            n_positions=64,
+        ),
+        lambda: (torch.randn(1, 4, 5, generator=_generator(), dtype=F64), decoder_embeds()[..., :1]),
+        decision_transformer_call,
+        additive=("embed_timestep",),
     ),
     # Mllama: a tiled vision tower with gated positions, cross-attention layers gated by tanh.
     "mllama": Model(

@@ -87,6 +87,9 @@ _FOURIER = frozenset(
     "fftshift ifftshift".split()
 )
 _PIECEWISE_LINEAR |= _FOURIER
+# The complex conjugate (``Q * K.conj()`` of an autocorrelation): linear over the reals, as the real and imaginary
+# parts are.
+_PIECEWISE_LINEAR |= frozenset("conj conj_physical resolve_conj resolve_neg adjoint".split())
 # Calls piecewise linear on real activations only: the magnitude of a complex one (``rfft(x).abs()``) is curved.
 _REAL_ONLY = frozenset({"abs"})
 # Calls that are piecewise constant in their activation: their gradient is zero, and no relevance passes back.
