@@ -336,6 +336,25 @@ def test_rrelu_in_training_mode_is_refused_by_name():
     assert pixel_flipping(net, td, in_keys=["x"], out_keys=["y"]).shape == (4, 7)
 
 
+def test_fractional_max_pooling_is_refused_by_name_in_eval_mode_too():
+    """nn.FractionalMaxPool2d draws its pooling regions at every forward pass, in eval mode too: each perturbed
+    input's score carried its own regions (pixel flipping's curve moved by 0.62 of its norm from seed to seed),
+    without a word. With its regions fixed by ``_random_samples`` it is scored, the same for any seed."""
+    pool = torch.nn.FractionalMaxPool2d(2, output_size=2)
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3, padding=1), pool, torch.nn.Flatten(), torch.nn.Linear(8, 3))
+    net = net.double().eval()
+    x = torch.randn(4, 1, 4, 4, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=x), batch_size=[4])
+    expected = r"metrics: module '1' \(FractionalMaxPool2d, pooling regions drawn at random\) draws in eval mode too"
+    with pytest.raises(ValueError, match=expected):
+        pixel_flipping(net, td, in_keys=["x"], out_keys=["y"])
+    pool._random_samples = torch.rand(4096, 2, 2, dtype=torch.float64)  # rows for every stack of perturbed inputs
+    torch.manual_seed(0)
+    first = pixel_flipping(net, td, in_keys=["x"], out_keys=["y"])
+    torch.manual_seed(1)
+    torch.testing.assert_close(pixel_flipping(net, td, in_keys=["x"], out_keys=["y"]), first, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("as_module", [False, True])
 def test_dropout_in_training_mode_is_refused_by_name(as_module):
     """Each perturbed input drew its own dropout mask: two runs of a curve differed by 0.6, and the global random

@@ -329,6 +329,27 @@ class TestRefusals:
             warnings.simplefilter("error")
             method(td.clone())
 
+    def test_a_fractional_max_pooling_warns_in_eval_mode_too(self, name):
+        """nn.FractionalMaxPool2d draws its pooling regions at every forward pass, in eval mode too: the methods that
+        make several passes mixed those draws into the attribution without a word (Occlusion's moved by 1.02 of its
+        norm from seed to seed). Regions fixed with ``_random_samples`` draw nothing."""
+        pool = nn.FractionalMaxPool2d(2, output_size=2)
+        net = nn.Sequential(nn.Linear(5, 32), nn.Unflatten(1, (2, 4, 4)), pool, nn.Flatten(), nn.Linear(8, 3))
+        net = net.double().eval()
+        method = make(name, net, in_keys=["x"], out_keys=["y"])
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        expected = rf"{name}: module '2' \(FractionalMaxPool2d, pooling regions drawn at random\) draws in eval mode"
+        with pytest.warns(UserWarning, match=expected):
+            method(td.clone())
+        pool._random_samples = torch.rand(4096, 2, 2, dtype=torch.float64)  # rows for every pass's batch
+        attributions = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for seed in (0, 1):
+                torch.manual_seed(seed)
+                attributions.append(make(name, net, in_keys=["x"], out_keys=["y"])(td.clone())["attribution", "x"])
+        torch.testing.assert_close(attributions[0], attributions[1], rtol=0, atol=0)
+
     def test_a_key_the_module_does_not_read_or_fills_itself(self, name):
         """Its attribution would be zero whatever the model does (LRP refuses it too): refused, naming the key."""
         first = TensorDictModule(nn.Linear(5, 6).double(), in_keys=["x"], out_keys=["hidden"])
