@@ -44,7 +44,13 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from tdhook.attribution._broadcast_products import BROADCAST_PRODUCT, BroadcastProducts
 from tdhook.attribution._offset_products import OFFSET_PRODUCT, OffsetProducts
 from tdhook.attribution._straight_through import STRAIGHT_THROUGH, StraightThrough
-from tdhook.attribution._unmapped_layers import LAYER_FUNCTIONS, MATRIX_PRODUCTS, is_weight, matrix_product_layer
+from tdhook.attribution._unmapped_layers import (
+    LAYER_FUNCTIONS,
+    MATRIX_PRODUCTS,
+    bilinear_layer,
+    is_weight,
+    matrix_product_layer,
+)
 from tdhook.attribution._unmerged_norms import merging_rule
 from tdhook.attribution.coverage import PlainGradientCall
 from tdhook.attribution.rules._autograd import (
@@ -179,10 +185,12 @@ def _is_nonlinear_call(func: Any, args: tuple) -> str | None:
 def _is_layer_call(func: Any, args: tuple) -> tuple[str, torch.Tensor] | None:
     """The name to record this call by, and its activation, when it is a convolution or linear map of an activation
     by a weight computed from parameters (what a convolution or Linear layer computes: ``F.conv2d``, ``F.linear``,
-    or a matrix product such as ``x @ self.W``), else ``None``."""
+    a matrix product such as ``x @ self.W``, ``F.bilinear`` of one activation and a constant), else ``None``."""
     name = function_kind(func)[0]
     if name in MATRIX_PRODUCTS:
         return matrix_product_layer(name, args)
+    if name == "bilinear":
+        return bilinear_layer(args)
     if name not in LAYER_FUNCTIONS or len(args) < 2 or not is_activation(args[0]):
         return None
     return (name, args[0]) if is_weight(args[1]) else None
