@@ -142,7 +142,7 @@ CASES: dict[str, tuple[str, str, Callable[[], nn.Module]]] = {
     "PairwiseDistance": (WARNS, "vec", lambda: Pair(nn.PairwiseDistance())),
     "Bilinear": (WARNS, "vec", lambda: Pair(nn.Bilinear(6, 6, 5), unsqueeze=False)),
     "LPPool1d": (WARNS, "c1", lambda: nn.LPPool1d(2, 2)),
-    "LPPool2d": (WARNS, "c2", lambda: nn.LPPool2d(3, 2)),
+    "LPPool2d": (WARNS, "c2", lambda: nn.LPPool2d(4, 2)),
     "LPPool3d": (WARNS, "c3", lambda: nn.LPPool3d(2, 2)),
     "CrossMapLRN2d": (WARNS, "c2", lambda: nn.CrossMapLRN2d(3)),
     # Pooling: the maximum routes the gradient, the average is linear (the plain gradient here, ε by default).

@@ -336,6 +336,26 @@ def test_rrelu_in_training_mode_is_refused_by_name():
     assert pixel_flipping(net, td, in_keys=["x"], out_keys=["y"]).shape == (4, 7)
 
 
+@pytest.mark.parametrize("kind", ["MultiheadAttention", "LSTM"])
+def test_a_layer_with_a_dropout_probability_of_its_own_is_refused_by_name_in_training_mode(kind):
+    """nn.MultiheadAttention's attention dropout and an nn.LSTM's dropout between its layers are no Dropout module:
+    in training mode each perturbed input's score carried its own draws (pixel flipping's curve moved by 0.65 and
+    0.23 of its norm from seed to seed), without a word."""
+    from tests.attribution.methods.test_base import SequenceNet
+
+    net = SequenceNet(kind).double().train()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=x), batch_size=[4])
+    what = "attention dropout p=0.5" if kind == "MultiheadAttention" else "dropout p=0.5 between layers"
+    with pytest.raises(ValueError, match=rf"metrics: module 'layer' \({kind}, {what}\) is in training mode"):
+        pixel_flipping(net, td, in_keys=["x"], out_keys=["y"])
+    net.eval()
+    torch.manual_seed(0)
+    first = pixel_flipping(net, td, in_keys=["x"], out_keys=["y"])
+    torch.manual_seed(1)
+    torch.testing.assert_close(pixel_flipping(net, td, in_keys=["x"], out_keys=["y"]), first, rtol=0, atol=0)
+
+
 def test_fractional_max_pooling_is_refused_by_name_in_eval_mode_too():
     """nn.FractionalMaxPool2d draws its pooling regions at every forward pass, in eval mode too: each perturbed
     input's score carried its own regions (pixel flipping's curve moved by 0.62 of its norm from seed to seed),

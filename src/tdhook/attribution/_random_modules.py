@@ -1,9 +1,10 @@
 """Modules that draw anew at every forward pass in training mode (dropout, and stochastic depth: timm's ``DropPath``
 and ``DropBlock2d``, torchvision's ``StochasticDepth``; timm's ``PatchDropout`` of tokens; ``nn.RReLU``, whose
-negative slopes are drawn per element), or in any mode (``nn.FractionalMaxPool2d`` and ``3d``, whose pooling regions
-are drawn at every call unless fixed by ``_random_samples``): an explanation of such a model is random from call to
-call, and the user is told once. A torchrl ``ConsistentDropoutModule`` whose mask the
-call's TensorDict holds drops the same units at every call: it draws nothing, and is no reason to warn.
+negative slopes are drawn per element; ``nn.MultiheadAttention`` and ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` of
+several layers with a dropout probability of their own), or in any mode (``nn.FractionalMaxPool2d`` and ``3d``, whose
+pooling regions are drawn at every call unless fixed by ``_random_samples``): an explanation of such a model is random
+from call to call, and the user is told once. A torchrl ``ConsistentDropoutModule`` whose mask the call's TensorDict
+holds drops the same units at every call: it draws nothing, and is no reason to warn.
 
 Examples:
     >>> import warnings
@@ -67,16 +68,23 @@ def drop_probability(module: nn.Module) -> float:
 def draw(module: nn.Module) -> str | None:
     """What ``module`` draws at every forward pass in training mode (in any mode where :func:`draws_now` says so), for
     a message (``"p=0.5"`` for a dropout or stochastic depth, the range of an ``nn.RReLU``'s negative slopes, a
-    fractional max pooling's regions); ``None`` where it draws nothing.
+    fractional max pooling's regions, the dropout an ``nn.MultiheadAttention`` or a recurrent layer of several layers
+    applies with a probability of its own); ``None`` where it draws nothing.
 
     Examples:
         >>> draw(nn.Dropout(0.25)), draw(nn.RReLU(0.1, 0.3)), draw(nn.RReLU(0.2, 0.2)), draw(nn.ReLU())
         ('p=0.25', 'negative slopes drawn from [0.1, 0.3]', None, None)
         >>> draw(nn.FractionalMaxPool2d(2, output_size=3))
         'pooling regions drawn at random'
+        >>> draw(nn.MultiheadAttention(4, 2, dropout=0.1)), draw(nn.LSTM(2, 3, num_layers=2, dropout=0.2))
+        ('attention dropout p=0.1', 'dropout p=0.2 between layers')
     """
     if isinstance(module, _RANDOM_REGIONS):  # regions given in _random_samples are fixed
         return "pooling regions drawn at random" if module._random_samples is None else None
+    if isinstance(module, nn.MultiheadAttention):  # a probability of its own, no Dropout module
+        return f"attention dropout p={module.dropout}" if module.dropout > 0 else None
+    if isinstance(module, nn.RNNBase):  # dropout on the outputs of each layer but the last
+        return f"dropout p={module.dropout} between layers" if module.dropout > 0 and module.num_layers > 1 else None
     if isinstance(module, nn.RReLU):  # lower == upper draws one value only: a fixed LeakyReLU
         return f"negative slopes drawn from [{module.lower}, {module.upper}]" if module.lower != module.upper else None
     probability = drop_probability(module)
