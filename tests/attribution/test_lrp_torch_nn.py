@@ -219,8 +219,8 @@ CASES: dict[str, tuple[str, str, Callable[[], nn.Module]]] = {
     "Embedding": (CONSERVES, "tokens", lambda: nn.Embedding(10, 6, max_norm=1.0)),
     "EmbeddingBag": (CONSERVES, "tokens", lambda: nn.EmbeddingBag(10, 6, mode="mean")),
     # Recurrent layers and attention.
-    "LSTM": (CONSERVES, "seq", lambda: First(nn.LSTM(6, 5, batch_first=True))),
-    "GRU": (CONSERVES, "seq", lambda: First(nn.GRU(6, 5, batch_first=True))),
+    "LSTM": (CONSERVES, "seq", lambda: First(nn.LSTM(6, 5, num_layers=2, bidirectional=True, batch_first=True))),
+    "GRU": (CONSERVES, "seq", lambda: First(nn.GRU(6, 5, num_layers=2, bidirectional=True, batch_first=True))),
     "LSTMCell": (CONSERVES, "seq", lambda: Loop(nn.LSTMCell(6, 5))),
     "GRUCell": (CONSERVES, "seq", lambda: Loop(nn.GRUCell(6, 5))),
     "RNN": (WARNS, "seq", lambda: First(nn.RNN(6, 5, batch_first=True))),
@@ -282,9 +282,7 @@ def _model(kind: str, module: nn.Module) -> tuple[nn.Sequential, torch.Tensor]:
     with torch.no_grad():
         model.train()(x)  # lazy modules take their shapes, norms their running statistics
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if name.rpartition(".")[2] in ("bias", "running_mean", "bias_ih", "bias_hh"):
-                tensor.zero_()
-            if name.endswith(("in_proj_bias", "bias_ih_l0", "bias_hh_l0")):
+            if "bias" in name.rpartition(".")[2] or name.endswith("running_mean"):  # bias_ih_l1_reverse, in_proj_bias
                 tensor.zero_()
     return model.eval(), x
 
