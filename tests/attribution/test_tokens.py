@@ -40,8 +40,8 @@ class BagNet(nn.Module):
         return self.head(self.bag(tokens, per_sample_weights=self.weights(tokens)))
 
 
-def expected_token_relevance(net: BagNet, tokens: torch.Tensor) -> torch.Tensor:
-    """LRP-0 of the head with the gathered rows as inputs, summed over the features."""
+def bagged_rows(net: BagNet, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows the bag gathers for ``tokens`` (a leaf), and the bag's output computed from them."""
     rows = net.bag.weight.detach()[tokens].requires_grad_(True)
     index = torch.arange(tokens.numel()).view_as(tokens)
     if net.bag.padding_idx is not None:
@@ -49,6 +49,12 @@ def expected_token_relevance(net: BagNet, tokens: torch.Tensor) -> torch.Tensor:
     table = torch.cat([rows.reshape(-1, rows.shape[-1]), rows.new_zeros(1, rows.shape[-1])])
     weights = net.weights(tokens)
     bagged = F.embedding_bag(index, table, mode=net.bag.mode, per_sample_weights=weights, padding_idx=tokens.numel())
+    return rows, bagged
+
+
+def expected_token_relevance(net: BagNet, tokens: torch.Tensor) -> torch.Tensor:
+    """LRP-0 of the head with the gathered rows as inputs, summed over the features."""
+    rows, bagged = bagged_rows(net, tokens)
     out = net.head(bagged)
     one_hot = torch.zeros_like(out).scatter_(-1, out.argmax(-1, keepdim=True), 1.0)
     (grad,) = torch.autograd.grad(out, rows, one_hot)
@@ -115,13 +121,7 @@ class TestEmbeddingBag:
 def bag_rows_relevance(net: BagNet, tokens: torch.Tensor, relevance_out: torch.Tensor) -> torch.Tensor:
     """The relevance ``relevance_out`` at the bag's output handed to its tokens by LRP-0 through the reduction (each
     row its share ``row · ∂out/∂row · R / out``), summed over the features."""
-    rows = net.bag.weight.detach()[tokens].requires_grad_(True)
-    index = torch.arange(tokens.numel()).view_as(tokens)
-    if net.bag.padding_idx is not None:
-        index = torch.where(tokens == net.bag.padding_idx, tokens.numel(), index)
-    table = torch.cat([rows.reshape(-1, rows.shape[-1]), rows.new_zeros(1, rows.shape[-1])])
-    weights = net.weights(tokens)
-    bagged = F.embedding_bag(index, table, mode=net.bag.mode, per_sample_weights=weights, padding_idx=tokens.numel())
+    rows, bagged = bagged_rows(net, tokens)
     ratio = torch.where(bagged != 0, relevance_out / bagged.detach().where(bagged != 0, 1.0), 0.0)
     (grad,) = torch.autograd.grad(bagged, rows, ratio)
     return (rows.detach() * grad).sum(-1)
