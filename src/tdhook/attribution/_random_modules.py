@@ -21,14 +21,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torch import nn
 from torchrl.modules import ConsistentDropoutModule
 
+from tdhook.attribution.rules._autograd import call_argument
 from tdhook.attribution.rules._caller import warn_at_caller
+from tdhook.attribution.rules.functional import DROPOUT_CALLS
 
 __all__ = [
+    "called_dropout",
     "deterministic",
     "draw",
     "draws_anew",
@@ -65,7 +69,7 @@ def drop_probability(module: nn.Module) -> float:
     return float(probability) if isinstance(probability, (int, float)) else 0.0
 
 
-def draw(module: nn.Module) -> str | None:
+def draw(module: nn.Module | None) -> str | None:
     """What ``module`` draws at every forward pass in training mode (in any mode where :func:`draws_now` says so), for
     a message (``"p=0.5"`` for a dropout or stochastic depth, the range of an ``nn.RReLU``'s negative slopes, a
     fractional max pooling's regions, the dropout an ``nn.MultiheadAttention`` or a recurrent layer of several layers
@@ -162,3 +166,23 @@ def deterministic(module: nn.Module) -> str:
             "nn.MaxPool or nn.AdaptiveMaxPool"
         )
     return "call .eval() on the model for a deterministic one"
+
+
+def called_dropout(func: object, args: tuple, kwargs: dict | None) -> float:
+    """The probability with which a call of ``func`` drops units: that of a dropout function (``F.dropout``,
+    ``torch.dropout`` and the like) called in training mode; ``0`` for any other call.
+
+    Examples:
+        >>> import torch
+        >>> x = torch.randn(2, 3)
+        >>> called_dropout(nn.functional.dropout, (x, 0.2, True), {}), called_dropout(nn.functional.dropout, (x,), {})
+        (0.2, 0.5)
+        >>> called_dropout(nn.functional.dropout, (x, 0.2), {"training": False}), called_dropout(torch.relu, (x,), {})
+        (0.0, 0.0)
+    """
+    if func not in DROPOUT_CALLS:
+        return 0.0
+    kwargs = kwargs or {}
+    if not call_argument(args, kwargs, 2, DROPOUT_CALLS[func], func is not torch.dropout):
+        return 0.0
+    return float(call_argument(args, kwargs, 1, "p", 0.5))

@@ -88,7 +88,7 @@ from tdhook.attribution.rules.transformer import (
 if TYPE_CHECKING:
     from tdhook.attribution._function_rule_plan import Recording
 
-__all__ = ["FunctionalRules"]
+__all__ = ["DROPOUT_CALLS", "FunctionalRules"]
 
 _PRODUCTS = frozenset(
     {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm, torch.mm, torch.Tensor.mm}
@@ -103,6 +103,7 @@ _ACTIVATION_FUNCTIONS = frozenset(
 # Dropout as a function (attention dropout in eager attention): its keyword that says whether it drops, by function.
 _DROPOUTS = {F.dropout: "training", F.dropout1d: "training", F.dropout2d: "training", F.dropout3d: "training"}
 _DROPOUTS |= {F.alpha_dropout: "training", F.feature_alpha_dropout: "training", torch.dropout: "train"}
+DROPOUT_CALLS = _DROPOUTS
 
 
 # Attention weights of up to this many elements are held without a detach in a call that records its rules' places
