@@ -40,8 +40,8 @@ class BagNet(nn.Module):
         return self.head(self.bag(tokens, per_sample_weights=self.weights(tokens)))
 
 
-def expected_token_relevance(net: BagNet, tokens: torch.Tensor) -> torch.Tensor:
-    """LRP-0 of the head with the gathered rows as inputs, summed over the features."""
+def bagged_rows(net: BagNet, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows the bag gathers for ``tokens`` (a leaf), and the bag's output computed from them."""
     rows = net.bag.weight.detach()[tokens].requires_grad_(True)
     index = torch.arange(tokens.numel()).view_as(tokens)
     if net.bag.padding_idx is not None:
@@ -49,6 +49,12 @@ def expected_token_relevance(net: BagNet, tokens: torch.Tensor) -> torch.Tensor:
     table = torch.cat([rows.reshape(-1, rows.shape[-1]), rows.new_zeros(1, rows.shape[-1])])
     weights = net.weights(tokens)
     bagged = F.embedding_bag(index, table, mode=net.bag.mode, per_sample_weights=weights, padding_idx=tokens.numel())
+    return rows, bagged
+
+
+def expected_token_relevance(net: BagNet, tokens: torch.Tensor) -> torch.Tensor:
+    """LRP-0 of the head with the gathered rows as inputs, summed over the features."""
+    rows, bagged = bagged_rows(net, tokens)
     out = net.head(bagged)
     one_hot = torch.zeros_like(out).scatter_(-1, out.argmax(-1, keepdim=True), 1.0)
     (grad,) = torch.autograd.grad(out, rows, one_hot)
@@ -110,6 +116,47 @@ class TestEmbeddingBag:
         relevance = explain(net, tokens)["relevance", "tokens"]
         assert relevance.shape == tokens.shape
         assert relative_error(relevance, expected_token_relevance(net, tokens)) <= 1e-12
+
+
+def bag_rows_relevance(net: BagNet, tokens: torch.Tensor, relevance_out: torch.Tensor) -> torch.Tensor:
+    """The relevance ``relevance_out`` at the bag's output handed to its tokens by LRP-0 through the reduction (each
+    row its share ``row · ∂out/∂row · R / out``), summed over the features."""
+    rows, bagged = bagged_rows(net, tokens)
+    ratio = torch.where(bagged != 0, relevance_out / bagged.detach().where(bagged != 0, 1.0), 0.0)
+    (grad,) = torch.autograd.grad(bagged, rows, ratio)
+    return (rows.detach() * grad).sum(-1)
+
+
+@pytest.mark.parametrize(
+    ("mode", "padding_idx", "weighted"),
+    [("sum", None, False), ("mean", None, False), ("max", None, False), ("sum", None, True), ("mean", 0, False)],
+    ids=["sum", "mean", "max", "sum-weighted", "mean-padding"],
+)
+def test_a_first_layer_rule_after_the_bag_equals_zennits_passed_to_the_tokens(mode, padding_idx, weighted):
+    """EpsilonPlusFlat puts Flat on the Linear layer after the bag, whose relevance is carried back to the tokens
+    through the bag by differentiating its backward again: torch's ``_embedding_bag_backward`` has no derivative, and
+    every call raised its ``NotImplementedError``. The tokens get zennit's EpsilonPlusFlat relevance at the bag's
+    output, shared by LRP-0 through the reduction; the model's outputs are the bag's, bit for bit."""
+    from zennit.composites import EpsilonPlusFlat as ZennitEpsilonPlusFlat
+
+    from tdhook.attribution import EpsilonPlusFlat
+
+    torch.manual_seed(0)
+    net = BagNet(mode, padding_idx, weighted).double().eval()
+    tokens = torch.randint(0, 11, (4, 5))
+    tokens[:, -1] = 0
+    lrp = LRP(TensorDictModule(net, in_keys=["tokens"], out_keys=["logits"]), rule_mapper=EpsilonPlusFlat())
+    td = lrp(TensorDict(tokens=tokens, batch_size=[4]))
+    assert torch.equal(td["logits"], net(tokens))
+    with torch.no_grad():
+        bagged = net.bag(tokens, per_sample_weights=net.weights(tokens))
+    leaf = bagged.clone().requires_grad_(True)
+    with ZennitEpsilonPlusFlat().context(net.head) as head:
+        out = head(leaf)
+        start = torch.zeros_like(out).scatter_(-1, out.argmax(-1, keepdim=True), 1.0) * out.detach()
+        (at_bag,) = torch.autograd.grad(out, leaf, start)
+    expected = bag_rows_relevance(net, tokens, at_bag)
+    assert relative_error(td["relevance", "tokens"], expected) <= 1e-10
 
 
 class ByKeyword(nn.Module):

@@ -412,3 +412,72 @@ class TestLinearWrittenAsABroadcastProduct:
             _, lrp = _relevance(model, x, EpsilonPlusFlat())
         assert [str(w.message) for w in caught if "broadcast" in str(w.message)] == []
         assert [c for c in lrp.coverage().plain_gradient if "broadcast" in c.function] == []  # two activations: mul
+
+
+class Conditioned(nn.Module):
+    """``f(relu(bilinear(x, c)))`` with ``c`` a buffer: ``nn.Bilinear`` is then a linear map of ``x``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bilinear, self.head = nn.Bilinear(6, 3, 5), nn.Linear(5, 3)
+        self.register_buffer("context", torch.randn(1, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bilinear(x, self.context.expand(x.shape[0], 3))))
+
+    def as_linear(self) -> nn.Sequential:
+        """The same function with the bilinear map written as the ``nn.Linear`` it is for this context."""
+        layer = nn.Linear(6, 5).to(self.head.weight.dtype)
+        with torch.no_grad():
+            layer.weight.copy_(torch.einsum("oij,j->oi", self.bilinear.weight, self.context[0]))
+            layer.bias.copy_(self.bilinear.bias)
+        return nn.Sequential(layer, nn.ReLU(), self.head)
+
+
+class Paired(Conditioned):
+    """``f(relu(bilinear(x, x[:, :3])))``: both inputs of the bilinear map are activations."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bilinear(x, x[:, :3])))
+
+
+class TestBilinearOfOneActivation:
+    """``nn.Bilinear(x, c)`` with ``c`` no activation (a buffer, an input that is not explained) is a Linear layer's
+    map of ``x``: where a Linear gets another rule than LRP-0 (Flat in the first layer's place, a user's ε), it kept
+    its plain gradient without a word (EpsilonPlusFlat's relevance 6.7 off that of the same model written with an
+    ``nn.Linear``, relative, an ε of 0.25 on Linear layers' 0.41), where ``F.linear`` with a module's own weight is
+    warned of."""
+
+    @pytest.mark.parametrize(
+        "mapper, rule",
+        [(EpsilonPlusFlat, "FlatRule"), (lambda: {nn.Linear: EpsilonRule(0.25)}, "EpsilonRule")],
+        ids=["first layer", "users epsilon"],
+    )
+    def test_is_warned_of_naming_the_module_and_the_rule(self, mapper, rule):
+        torch.manual_seed(0)
+        model, x = Conditioned().to(F64).eval(), torch.randn(4, 6, dtype=F64)
+        expected = rf"module 'bilinear' \(Bilinear\) computes bilinear of one activation and a constant .* gets {rule}"
+        with pytest.warns(UserWarning, match=expected):
+            _relevance(model, x, mapper())
+        with pytest.raises(ValueError, match=expected.replace(rule, "FlatRule")):
+            _relevance(model, x, EpsilonPlusFlat(strict=True))
+
+    def test_mapped_to_the_epsilon_rule_it_is_that_linear_maps_epsilon_rule(self):
+        torch.manual_seed(0)
+        model, x = Conditioned().to(F64).eval(), torch.randn(4, 6, dtype=F64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            mapped, _ = _relevance(model, x, {"bilinear": EpsilonRule(0.25)})
+        expected, _ = _relevance(model.as_linear(), x, {"0": EpsilonRule(0.25)})
+        assert relative_error(mapped, expected) < 1e-12
+
+    @pytest.mark.parametrize("preset", [EpsilonPlus, EpsilonGammaBox], ids=["EpsilonPlus", "EpsilonGammaBox"])
+    def test_not_warned_of_where_a_linear_layer_would_be_near_lrp0_or_of_two_activations(self, preset):
+        torch.manual_seed(0)
+        model, x = Conditioned().to(F64).eval(), torch.randn(4, 6, dtype=F64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _relevance(model, x, preset(-3.0, 3.0) if preset is EpsilonGammaBox else preset())
+        paired = Paired().to(F64).eval()  # both inputs activations: a product of two signals, warned of as not linear
+        with pytest.warns(UserWarning, match=r"module 'bilinear' \(Bilinear\) computes bilinear in its own forward"):
+            _relevance(paired, x, EpsilonPlusFlat())

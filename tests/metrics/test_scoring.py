@@ -318,6 +318,14 @@ def test_a_policy_in_recurrent_mode_over_steps_is_refused_naming_its_recurrent_m
     assert 0 <= action_fidelity(policy, explained, k=1, progress=False)["relevant"] <= 1
 
 
+def assert_scored_alike_for_any_seed(net: torch.nn.Module, td: TensorDict) -> None:
+    """Pixel flipping gives ``net`` the same curve whatever the global random state."""
+    torch.manual_seed(0)
+    first = pixel_flipping(net, td, in_keys=["x"], out_keys=["y"])
+    torch.manual_seed(1)
+    torch.testing.assert_close(pixel_flipping(net, td, in_keys=["x"], out_keys=["y"]), first, rtol=0, atol=0)
+
+
 def test_rrelu_in_training_mode_is_refused_by_name():
     """nn.RReLU in training mode draws each negative slope anew at every forward pass: each perturbed input's score
     carried its own slopes (pixel flipping's curve moved by 0.26, half its range, with the global seed), without
@@ -329,13 +337,43 @@ def test_rrelu_in_training_mode_is_refused_by_name():
     with pytest.raises(ValueError, match=expected):
         pixel_flipping(net, td, in_keys=["x"], out_keys=["y"])
     net.eval()
-    torch.manual_seed(0)
-    first = pixel_flipping(net, td, in_keys=["x"], out_keys=["y"])
-    torch.manual_seed(1)
-    torch.testing.assert_close(pixel_flipping(net, td, in_keys=["x"], out_keys=["y"]), first, rtol=0, atol=0)
+    assert_scored_alike_for_any_seed(net, td)
     net.train()
     net[1].upper = 0.1
     assert pixel_flipping(net, td, in_keys=["x"], out_keys=["y"]).shape == (4, 7)
+
+
+@pytest.mark.parametrize("kind", ["MultiheadAttention", "LSTM"])
+def test_a_layer_with_a_dropout_probability_of_its_own_is_refused_by_name_in_training_mode(kind):
+    """nn.MultiheadAttention's attention dropout and an nn.LSTM's dropout between its layers are no Dropout module:
+    in training mode each perturbed input's score carried its own draws (pixel flipping's curve moved by 0.65 and
+    0.23 of its norm from seed to seed), without a word."""
+    from tests.attribution.methods.test_base import SequenceNet
+
+    net = SequenceNet(kind).double().train()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=x), batch_size=[4])
+    what = "attention dropout p=0.5" if kind == "MultiheadAttention" else "dropout p=0.5 between layers"
+    with pytest.raises(ValueError, match=rf"metrics: module 'layer' \({kind}, {what}\) is in training mode"):
+        pixel_flipping(net, td, in_keys=["x"], out_keys=["y"])
+    net.eval()
+    assert_scored_alike_for_any_seed(net, td)
+
+
+def test_fractional_max_pooling_is_refused_by_name_in_eval_mode_too():
+    """nn.FractionalMaxPool2d draws its pooling regions at every forward pass, in eval mode too: each perturbed
+    input's score carried its own regions (pixel flipping's curve moved by 0.62 of its norm from seed to seed),
+    without a word. With its regions fixed by ``_random_samples`` it is scored, the same for any seed."""
+    pool = torch.nn.FractionalMaxPool2d(2, output_size=2)
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3, padding=1), pool, torch.nn.Flatten(), torch.nn.Linear(8, 3))
+    net = net.double().eval()
+    x = torch.randn(4, 1, 4, 4, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=x), batch_size=[4])
+    expected = r"metrics: module '1' \(FractionalMaxPool2d, pooling regions drawn at random\) draws in eval mode too"
+    with pytest.raises(ValueError, match=expected):
+        pixel_flipping(net, td, in_keys=["x"], out_keys=["y"])
+    pool._random_samples = torch.rand(4096, 2, 2, dtype=torch.float64)  # rows for every stack of perturbed inputs
+    assert_scored_alike_for_any_seed(net, td)
 
 
 @pytest.mark.parametrize("as_module", [False, True])

@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from tdhook.attribution._context import hooks_around
-from tdhook.attribution._random_modules import draw
+from tdhook.attribution._random_modules import draw, draws_now
 from tdhook.attribution.rules._autograd import redirect
 from tdhook.attribution.rules.base import plain_calls, rules_apply
 
@@ -94,15 +94,17 @@ def _map_by_loop(vmapped: Callable, net: nn.Module, name: str) -> Callable:
 
 
 def _raise_for_draws(net: nn.Module, name: str, template: nn.Module) -> None:
-    """Refuse a template with a module that draws in this call (a dropout or an ``nn.RReLU`` in training mode),
+    """Refuse a template with a module that draws in this call (a dropout or an ``nn.RReLU`` in training mode, a
+    fractional max pooling),
     naming it: the loop would draw other units than the network's own vmapped call, whose values the outputs are."""
     for inner, module in template.named_modules():
-        if module.training and draw(module) is not None:
+        if draws_now(module):
             child = next((n for n, c in net.named_children() if c is template), "")
             path = ".".join(part for part in (name, child, inner) if part)
+            when = "training mode" if module.training else "eval mode too"
             raise ValueError(
                 f"LRP: {type(net).__name__} {name!r} runs its agents with their own parameters under torch.vmap, "
-                f"and {path!r} ({type(module).__name__}, {draw(module)}) draws in training mode: the "
+                f"and {path!r} ({type(module).__name__}, {draw(module)}) draws in {when}: the "
                 "rules see the agents only when they run one by one, whose draws are not those of the network's own "
                 "vmapped call, so the relevance would explain other units than the outputs keep. Call .eval() on "
                 "the model, or share the agents' parameters (share_params=True)"

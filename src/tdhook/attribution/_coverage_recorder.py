@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tdhook.attribution._nonlinear_calls import NonlinearCalls, report_plain_gradient
+from tdhook.attribution._nonlinear_calls import NonlinearCalls, report_dropout_calls, report_plain_gradient
 from tdhook.attribution._unmapped_layers import report_recurrent_first_layers, report_unmapped_layers
 from tdhook.attribution._unmerged_norms import layer_rules_merging, report_unmerged_norms
 from tdhook.attribution.coverage import Coverage, PlainGradientCall, reached_share
@@ -73,6 +73,7 @@ class CoverageRecorder:
             layers = report_unmapped_layers(calls.found_layers(targets), modules, mapper, strict, first=first)
             norms = report_unmerged_norms(calls.found_unmerged_norms(targets), modules, strict)
             report_recurrent_first_layers(calls.found_first_recurrent(targets), mapper, strict)
+            report_dropout_calls(calls.found_dropouts(targets), modules)
             self._plain_gradient = plain + layers + norms
         except ValueError:
             self._pending = True  # a strict error: the next call checks again

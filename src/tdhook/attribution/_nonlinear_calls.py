@@ -43,8 +43,15 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from tdhook.attribution._broadcast_products import BROADCAST_PRODUCT, BroadcastProducts
 from tdhook.attribution._offset_products import OFFSET_PRODUCT, OffsetProducts
+from tdhook.attribution._random_modules import draw
 from tdhook.attribution._straight_through import STRAIGHT_THROUGH, StraightThrough
-from tdhook.attribution._unmapped_layers import LAYER_FUNCTIONS, MATRIX_PRODUCTS, is_weight, matrix_product_layer
+from tdhook.attribution._unmapped_layers import (
+    LAYER_FUNCTIONS,
+    MATRIX_PRODUCTS,
+    bilinear_layer,
+    is_weight,
+    matrix_product_layer,
+)
 from tdhook.attribution._unmerged_norms import merging_rule
 from tdhook.attribution.coverage import PlainGradientCall
 from tdhook.attribution.rules._autograd import (
@@ -55,10 +62,11 @@ from tdhook.attribution.rules._autograd import (
     unwrapped,
 )
 from tdhook.attribution.rules._caller import warn_at_caller
+from tdhook.attribution.rules._dropout_calls import dropout_probability
 from tdhook.attribution.rules._layer_nodes import LAYER_MARK
 from tdhook.attribution.rules.base import _reaches_model_input
 
-__all__ = ["NonlinearCalls", "function_kind", "report_plain_gradient"]
+__all__ = ["NonlinearCalls", "function_kind", "report_dropout_calls", "report_plain_gradient"]
 
 # Calls that are linear or piecewise linear in each activation argument: their plain gradient is exact LRP-0.
 _PIECEWISE_LINEAR = frozenset(
@@ -72,7 +80,8 @@ _PIECEWISE_LINEAR = frozenset(
     "hardtanh hardshrink softshrink threshold prelu rrelu clamp clip clamp_min clamp_max abs max min amax amin maximum "
     "minimum fmax fmin sort topk max_pool1d max_pool2d max_pool3d max_pool1d_with_indices max_pool2d_with_indices "
     "max_pool3d_with_indices max_unpool1d max_unpool2d max_unpool3d adaptive_max_pool1d adaptive_max_pool2d "
-    "adaptive_max_pool3d "
+    "adaptive_max_pool3d fractional_max_pool2d fractional_max_pool3d fractional_max_pool2d_with_indices "
+    "fractional_max_pool3d_with_indices "
     "adaptive_max_pool1d_with_indices adaptive_max_pool2d_with_indices adaptive_max_pool3d_with_indices "
     "avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d dropout "
     "dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout interpolate upsample upsample_nearest "
@@ -181,10 +190,12 @@ def _is_nonlinear_call(func: Any, args: tuple) -> str | None:
 def _is_layer_call(func: Any, args: tuple) -> tuple[str, torch.Tensor] | None:
     """The name to record this call by, and its activation, when it is a convolution or linear map of an activation
     by a weight computed from parameters (what a convolution or Linear layer computes: ``F.conv2d``, ``F.linear``,
-    or a matrix product such as ``x @ self.W``), else ``None``."""
+    a matrix product such as ``x @ self.W``, ``F.bilinear`` of one activation and a constant), else ``None``."""
     name = function_kind(func)[0]
     if name in MATRIX_PRODUCTS:
         return matrix_product_layer(name, args)
+    if name == "bilinear":
+        return bilinear_layer(args)
     if name not in LAYER_FUNCTIONS or len(args) < 2 or not is_activation(args[0]):
         return None
     return (name, args[0]) if is_weight(args[1]) else None
@@ -263,6 +274,8 @@ class NonlinearCalls(TorchFunctionMode):
         self._unmerged_norms: list[tuple[str, str, Any]] = []
         self._first_layer_calls: list[tuple[str, str, Any]] = []  # those of them the model's input reaches first
         self._first_recurrent: list[tuple[str, str, Any]] = []  # recurrent layers the model's input reaches first
+        self._dropouts: list[tuple[str, str, Any]] = []  # dropout functions that drop, outside Dropout modules
+        self._modules: Mapping[str, nn.Module] = {}
         self._stack: list[str] = []
         self._ruled_depth = 0
         # Per module call: its name, the autograd sequence numbers of the nodes it created (from, to), and
@@ -285,6 +298,12 @@ class NonlinearCalls(TorchFunctionMode):
             self._calls.append((self._stack[-1] if self._stack else "", STRAIGHT_THROUGH, _grad_fn(result)))
             return
         if not _is_activation_result(result):
+            return
+        p = dropout_probability(func, args, kwargs or {})
+        if p and not any(mode.covers(func, args) for mode in self._covering):
+            where = self._stack[-1] if self._stack else ""
+            if draw(self._modules.get(where)) is None:  # a Dropout module (or one that draws) is warned of by name
+                self._dropouts.append((where, f"dropout (p={p})", _grad_fn(result)))
             return
         self._offsets.note(function_kind(func)[0], args, result)
         self._broadcasts.note(function_kind(func)[0], args, result)
@@ -353,6 +372,11 @@ class NonlinearCalls(TorchFunctionMode):
         :meth:`found`."""
         return _count(self._first_layer_calls, None if targets is None else _graph_nodes(targets))
 
+    def found_dropouts(self, targets: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, int]]:
+        """Module name → ``"dropout (p=…)"`` → number of calls: dropout functions that drop (training mode, ``p > 0``)
+        in a module's own forward, outside any Dropout module and any mode's rule; ``targets`` as for :meth:`found`."""
+        return _count(self._dropouts, None if targets is None else _graph_nodes(targets))
+
     def found_first_recurrent(self, targets: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, int]]:
         """Module name → its class name → number of calls: recurrent layers with a rule (LSTM, GRU, their cells) whose
         input the model's input reaches through no layer, where a preset's first-layer rule (Flat, z^B)
@@ -392,6 +416,7 @@ class NonlinearCalls(TorchFunctionMode):
                 a BatchNorm module that follows them into the layer (see :meth:`found_unmerged_norms`).
         """
         layer_rules = layer_rules or {}
+        self._modules = modules
         hooks = []
 
         def enter(name: str, has_rule: bool):
@@ -436,6 +461,7 @@ class NonlinearCalls(TorchFunctionMode):
             for hook in hooks:
                 hook.remove()
             self._stack.clear()
+            self._modules = {}
             self._open.clear()
             self._ruled_depth = 0
             self._straight_through.forget()
@@ -522,3 +548,26 @@ def report_plain_gradient(
                 raise ValueError(message)
             warn_at_caller(message)
     return calls
+
+
+def report_dropout_calls(found: Mapping[str, Mapping[str, int]], modules: Mapping[str, nn.Module]) -> None:
+    """Warn, per module, of the dropout functions :meth:`NonlinearCalls.found_dropouts` found: each forward pass drops
+    other units, and the explanation is random from call to call, as with a Dropout module in training mode.
+
+    Examples:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     report_dropout_calls({"body": {"dropout (p=0.5)": 1}}, {"body": nn.Identity()})
+        >>> str(caught[0].message)[:60]
+        "LRP: module 'body' (Identity) calls dropout (p=0.5) in its o"
+    """
+    for name, functions in found.items():
+        module = modules.get(name)
+        where = f"module {name!r}" if name else "the model itself"
+        kind = f" ({type(module).__name__})" if module is not None else ""
+        warn_at_caller(
+            f"LRP: {where}{kind} calls {', '.join(functions)} in its own forward in training mode, outside any "
+            "Dropout module, so each forward pass drops other units and the explanation is random from call to call; "
+            "call .eval() on the model for a deterministic one"
+        )

@@ -30,12 +30,12 @@ import contextlib
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 from tensordict.utils import NestedKey
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from tdhook.attribution._bag_rows import bag_of_rows
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._linked_inputs import linked_input
 
@@ -264,7 +264,7 @@ class TokenInputs:
                 leaf = rows = module.weight.detach()[ids].requires_grad_(True)
             leaf._tdhook_embedding_of = name
             self._leaves[i], self._fed[i] = leaf, rows
-            return _bag_of_rows(module, ids, rows, offsets, None if weights is None else weights.detach())
+            return bag_of_rows(module, ids, rows, offsets, None if weights is None else weights.detach())
 
         return hook
 
@@ -386,33 +386,6 @@ def _mark(tensor: object, index: int) -> None:
 def _with_input(args: tuple, kwargs: dict) -> tuple:
     """A call's positional arguments, with its input first where it was given by keyword (``embedding(input=ids)``)."""
     return args if args or "input" not in kwargs else (kwargs["input"],)
-
-
-def _bag_of_rows(
-    bag: nn.EmbeddingBag,
-    ids: torch.Tensor,
-    rows: torch.Tensor,
-    offsets: torch.Tensor | None,
-    weights: torch.Tensor | None,
-) -> torch.Tensor:
-    """What ``bag`` computed for the token ``ids``, from ``rows``, their gathered embeddings (``ids.shape + (D,)``):
-    the bag over a table of those rows, each token reading its own, and a row of zeros for the padding tokens."""
-    count = ids.numel()
-    index = torch.arange(count, device=ids.device).view_as(ids)
-    table = rows.reshape(count, rows.shape[-1])
-    padding = None
-    if bag.padding_idx is not None:
-        index = torch.where(ids == bag.padding_idx, count, index)
-        table, padding = torch.cat([table, table.new_zeros(1, table.shape[-1])]), count
-    return F.embedding_bag(
-        index,
-        table,
-        offsets,
-        mode=bag.mode,
-        per_sample_weights=weights,
-        include_last_offset=bag.include_last_offset,
-        padding_idx=padding,
-    )
 
 
 def _reads(arg: object, tokens: torch.Tensor) -> bool:

@@ -51,6 +51,7 @@ __all__ = [
     "LAYER_FUNCTIONS",
     "MATRIX_PRODUCTS",
     "NEGLIGIBLE_EPSILON",
+    "bilinear_layer",
     "layer_of",
     "is_weight",
     "matrix_product_layer",
@@ -127,6 +128,22 @@ def matrix_product_layer(name: str, args: tuple) -> tuple[str, torch.Tensor] | N
     return name + _patches(activations[0]), activations[0]
 
 
+def bilinear_layer(args: tuple) -> tuple[str, torch.Tensor] | None:
+    """Where ``F.bilinear(x1, x2, weight, bias)`` called with ``args`` maps one activation by a weight computed from
+    parameters, the other input a constant (an ``nn.Bilinear`` conditioned on an input that is not explained, a
+    buffer): a Linear layer's map of that activation. The name to record it by and the activation; else ``None``.
+
+    Examples:
+        >>> x, weight = torch.randn(2, 3, requires_grad=True) * 1, nn.Parameter(torch.randn(4, 3, 2))
+        >>> bilinear_layer((x, torch.randn(2, 2), weight))[0], bilinear_layer((x, x[:, :2], weight))
+        ('bilinear', None)
+    """
+    if len(args) < 3 or not is_weight(args[2]):
+        return None
+    activations = [a for a in args[:2] if isinstance(a, torch.Tensor) and is_activation(a)]
+    return ("bilinear", activations[0]) if len(activations) == 1 else None
+
+
 def is_weight(value: Any) -> bool:
     """Whether ``value`` is a weight: a tensor computed from parameters alone, or a parameter (or a view of one, as
     ``self.weight.T``) that does not require grad (a frozen model's, ``model.requires_grad_(False)``); a buffer is not.
@@ -185,11 +202,14 @@ def report_unmapped_layers(
             calls.append(PlainGradientCall(name, kind, f"{function} (a {what}'s product outside a layer)", count))
             where = f"module {name!r}" if name else "the model itself"
             place = f"a {layer} the model's input reaches first" if is_first else f"a {layer}"
+            remedy = f"Make it a subclass of nn.{layer}, or map it in rule_mapper"
+            if function == "bilinear":  # a linear map of one input where the other is a constant
+                function = "bilinear of one activation and a constant"
+                remedy = "Map it in rule_mapper (EpsilonRule gives it the ε-rule of that map)"
             message = (
                 f"LRP: {where} ({kind}) computes {function} with its own weight, but is no {what} to the "
                 f"rule mapper, which gives rules by module type: it keeps its plain gradient (LRP-0) where {place} "
-                f"gets {type(rule).__name__}. Make it a subclass of nn.{layer}, or map it in rule_mapper; "
-                "lrp.coverage() lists every such call"
+                f"gets {type(rule).__name__}. {remedy}; lrp.coverage() lists every such call"
             )
             if strict:
                 raise ValueError(message)

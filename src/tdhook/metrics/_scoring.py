@@ -37,7 +37,7 @@ from tdhook.attribution._chosen_values import chosen_action
 from tdhook.attribution._inputs import explained_in_call, module_in_recurrent_mode, optional_inputs
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action, allowed_mask
-from tdhook.attribution._random_modules import draw, random_modules
+from tdhook.attribution._random_modules import deterministic, draw, draws_anew, draws_now, in_mode, random_modules
 from tdhook.attribution._run_errors import run_error
 from tdhook.attribution.methods._cross_sample_outputs import scored_across_copies
 from tdhook.attribution.methods._random_draws import random_states, redrawn
@@ -86,15 +86,14 @@ def _refuse_steps_read_together(module: TensorDictModuleBase, td: TensorDictBase
 
 def _refuse_random_modules(modules: Mapping[str, nn.Module], td: TensorDictBase) -> None:
     """A module that draws in training mode (among the model's ``modules``, by name: a dropout, stochastic depth, an
-    ``nn.RReLU``'s slopes) draws anew at every forward pass: each perturbed input's score would carry its own noise
-    (and the draws would come from the global random state)."""
+    ``nn.RReLU``'s slopes), or in any mode (a fractional max pooling's regions), draws anew at every forward pass:
+    each perturbed input's score would carry its own noise (and the draws would come from the global random state)."""
     for name, found, mask in random_modules(modules):
-        if found.training and (mask is None or td.get(mask, None) is None):
-            what = "draw other negative slopes" if isinstance(found, nn.RReLU) else "drop other units"
+        if draws_now(found) and (mask is None or td.get(mask, None) is None):
             raise ValueError(
-                f"metrics: module {name!r} ({type(found).__name__}, {draw(found)}) is in training mode: each "
-                f"forward pass of the perturbed inputs would {what}, and the scores would mix the perturbation with "
-                "that noise; call .eval() on the model"
+                f"metrics: module {name!r} ({type(found).__name__}, {draw(found)}) {in_mode(found)}: each "
+                f"forward pass of the perturbed inputs {draws_anew(found)}, and the scores would mix the perturbation "
+                f"with that noise; {deterministic(found)}"
             )
 
 
