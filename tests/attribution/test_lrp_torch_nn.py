@@ -132,8 +132,9 @@ CASES: dict[str, tuple[str, str, Callable[[], nn.Module]]] = {
     },
     "Hardtanh": (CONSERVES, "vec", lambda: nn.Hardtanh(-0.2, 0.5)),
     "Threshold": (CONSERVES, "vec", lambda: nn.Threshold(0.1, -2.0)),
+    # A sigmoid gate is held (signal-take-all): the half it multiplies takes the relevance.
+    "GLU": (CONSERVES, "vec", nn.GLU),
     # Functions of several units that no CNN rule covers.
-    "GLU": (WARNS, "vec", nn.GLU),
     "Softmax": (WARNS, "vec", lambda: nn.Softmax(-1)),
     "Softmin": (WARNS, "vec", lambda: nn.Softmin(-1)),
     "LogSoftmax": (WARNS, "vec", lambda: nn.LogSoftmax(-1)),
