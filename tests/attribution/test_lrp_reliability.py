@@ -328,6 +328,29 @@ class TestClearErrors:
             warnings.simplefilter("error")
             LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(td.clone())
 
+    @pytest.mark.parametrize("preset", ["AttnLRP", "CPLRP"])
+    def test_attention_dropout_of_a_multihead_attention_is_warned_of_once_by_name(self, preset: str):
+        """nn.MultiheadAttention with a dropout of its own in training mode was warned of twice under the transformer
+        presets: by name, and again by the function rules as dropout "outside any Dropout module". Once, by name."""
+        from tdhook.attribution.mappers import CPLRP
+
+        class Attending(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.a, self.h = nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True), nn.Linear(8, 2)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.h(self.a(x, x, x)[0].mean(1))
+
+        net = TensorDictModule(Attending().train(), ["x"], ["y"])
+        td = TensorDict(x=torch.randn(3, 4, 8), batch_size=[3])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            LRP(net, AttnLRP() if preset == "AttnLRP" else CPLRP())(td)
+        messages = [str(w.message) for w in caught]
+        assert len(messages) == 1, messages
+        assert "module 'module.a' (MultiheadAttention, attention dropout p=0.5) is in training mode" in messages[0]
+
     def test_dropout_between_the_layers_of_an_rnn_in_training_mode_warns_with_its_name(self):
         """nn.RNN of two layers with dropout drops other units between them at every pass in training mode: its
         relevance moved by 2.3 of its norm from seed to seed, and the only word was that the RNN computes rnn_tanh.

@@ -22,6 +22,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterable
 
 import torch
@@ -31,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._autograd import call_argument
 
-__all__ = ["DROPOUTS", "DropoutCalls", "dropout_probability", "dropout_watch"]
+__all__ = ["DROPOUTS", "DropoutCalls", "dropout_probability", "dropout_watch", "named_by_module"]
 
 # Dropout as a function: its keyword that says whether it drops, by function.
 DROPOUTS = {F.dropout: "training", F.dropout1d: "training", F.dropout2d: "training", F.dropout3d: "training"}
@@ -88,3 +89,33 @@ def dropout_watch(modules: Iterable[nn.Module]) -> contextlib.AbstractContextMan
     if any(module.training for module in modules):
         return DropoutCalls()
     return contextlib.nullcontext()
+
+
+def named_by_module(p: float) -> bool:
+    """Whether a dropout call that drops with probability ``p`` runs in the forward of a module the wrappers name
+    when it draws (see :func:`~tdhook.attribution._random_modules.draw`): an ``nn.MultiheadAttention`` with a
+    dropout of its own, or a module whose child drops with ``p`` (an attention passing its ``attn_drop.p`` to the
+    fused attention). The nearest module on the call stack decides; a function called outside any module's forward
+    is named by none.
+
+    Examples:
+        >>> class Attention(nn.Module):
+        ...     def __init__(self) -> None:
+        ...         super().__init__()
+        ...         self.attn_drop = nn.Dropout(0.5)
+        ...
+        ...     def forward(self, p: float) -> bool:
+        ...         return named_by_module(p)
+        >>> attention = Attention()
+        >>> attention(0.5), attention(0.25), attention.eval()(0.5), named_by_module(0.5)
+        (True, False, False, False)
+    """
+    from tdhook.attribution._random_modules import draws_now, drop_probability  # imports the rules
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_locals.get("self")
+        if isinstance(module, nn.Module):
+            return draws_now(module) or any(draws_now(c) and drop_probability(c) == p for c in module.children())
+        frame = frame.f_back
+    return False

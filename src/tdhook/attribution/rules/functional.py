@@ -49,7 +49,7 @@ from tdhook.attribution.rules._clips import (
     clips_a_signal,
     clips_in_place,
 )
-from tdhook.attribution.rules._dropout_calls import DROPOUTS, dropout_probability
+from tdhook.attribution.rules._dropout_calls import DROPOUTS, dropout_probability, named_by_module
 from tdhook.attribution.rules._held_statistics import (
     DIVISIONS,
     NORM_CALLS,
@@ -729,8 +729,9 @@ def _ruled_on_own_node(recording: Recording, result: object) -> bool:
 def _warn_random(p: float) -> None:
     """Warn that a dropout call drops (``p > 0``): the explanation is random from call to call, as for a
     ``Dropout`` module in training mode (under CP-LRP the dropped attention weights are held constant, but they
-    still differ from call to call)."""
-    if p:
+    still differ from call to call). A call in the forward of a module the wrapper names when it draws (an
+    ``nn.MultiheadAttention``'s attention dropout) is left to that warning."""
+    if p and not named_by_module(p):
         warn_at_caller(
             f"LRP: the forward pass calls dropout (p={p}) in training mode, outside any Dropout module (attention "
             "dropout, mostly), so each forward pass drops other units and the explanation is random from call to "
