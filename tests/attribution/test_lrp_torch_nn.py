@@ -226,6 +226,13 @@ CASES: dict[str, tuple[str, str, Callable[[], nn.Module]]] = {
     "GRUCell": (CONSERVES, "seq", lambda: Loop(nn.GRUCell(6, 5))),
     "RNN": (WARNS, "seq", lambda: First(nn.RNN(6, 5, batch_first=True))),
     "RNNCell": (WARNS, "seq", lambda: Loop(nn.RNNCell(6, 5))),
+    # A ReLU recurrence of linear maps: piecewise linear, its plain gradient is LRP-0.
+    "RNN (relu)": (
+        LRP0,
+        "seq",
+        lambda: First(nn.RNN(6, 5, num_layers=2, nonlinearity="relu", bidirectional=True, batch_first=True)),
+    ),
+    "RNNCell (relu)": (LRP0, "seq", lambda: Loop(nn.RNNCell(6, 5, nonlinearity="relu"))),
     "MultiheadAttention": (
         WARNS,
         "seq",
@@ -261,7 +268,7 @@ def test_every_public_module_class_is_listed():
     """A module class of a newer torch enters LRP unchecked: look at it in a model, and list it in CASES."""
     unlisted = [name for name in _public_module_classes() if name not in CASES and name not in NOT_IN_A_MODEL]
     assert unlisted == [], f"torch.nn module classes not checked under LRP: {unlisted}; check each and list it"
-    stale = [name for name in CASES if not hasattr(nn, name)]
+    stale = [name for name in CASES if not hasattr(nn, name.split(" ")[0])]  # "RNN (relu)": a variant of nn.RNN
     assert stale == [], f"listed but not in this torch: {stale}"
 
 
@@ -336,3 +343,28 @@ def test_each_module_class_in_a_model(name: str):
         assert relative_error(relevance, gradient_times_input) < 1e-10
     else:
         assert relative_error(relevance.flatten(1).sum(1), logit) < 1e-10
+
+
+@pytest.mark.parametrize("cell", [False, True], ids=["layer", "cell"])
+def test_a_relu_rnn_as_first_layer_is_named_by_a_preset_with_a_first_layer_rule(cell: bool):
+    """A ReLU RNN (LRP-0 by its plain gradient) that reads the model's input gets no first-layer rule (Flat has no
+    form for it), as an LSTM or GRU there: EpsilonPlusFlat says so, naming it, and its relevance is EpsilonPlus's."""
+    from tdhook.attribution import EpsilonPlus, EpsilonPlusFlat
+
+    rnn = Loop(nn.RNNCell(4, 5, nonlinearity="relu")) if cell else First(nn.RNN(4, 5, nonlinearity="relu"))
+    torch.manual_seed(0)
+    model = nn.Sequential(rnn, nn.Flatten(), nn.LazyLinear(3)).to(F64)
+    x = torch.randn(2, 3, 4, dtype=F64)
+    model(x)
+    name, kind = ("0.cell", "RNNCell") if cell else ("0.module", "RNN")
+
+    def explain(mapper):
+        lrp = LRP(model, mapper, in_keys=["x"], out_keys=["y"])
+        return lrp(TensorDict(x=x.clone(), batch_size=[2]))["relevance", "x"]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        expected = explain(EpsilonPlus())
+    message = rf"module '{name}' \({kind}\) is the first layer .* \(FlatRule\) .* keeps its plain gradient \(LRP-0\)"
+    with pytest.warns(UserWarning, match=message):
+        assert relative_error(explain(EpsilonPlusFlat()), expected) < 1e-12

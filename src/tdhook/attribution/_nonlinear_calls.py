@@ -112,6 +112,10 @@ _PRODUCTS = frozenset(
 # Where a product's factors are: an added term (addmm's input) is not a factor.
 _FACTORS = {"addmm": slice(1, 3), "addmv": slice(1, 3), "baddbmm": slice(1, 3), "addbmm": slice(1, 3)}
 _FACTORS |= {"addcmul": slice(1, 3)}
+# A recurrence of linear maps through a ReLU (``nn.RNN`` and ``nn.RNNCell`` with ``nonlinearity="relu"``): piecewise
+# linear in its input and hidden state together, as long as no weight is an activation. Where its weights are: the
+# layer's list of parameters, the cell's arguments after the hidden state.
+_RELU_RECURRENCES = {"rnn_relu": "list", "rnn_relu_cell": slice(2, None)}
 _DIVISIONS = frozenset({"div", "divide", "true_divide", "truediv", "floor_divide", "floordiv"})
 # The in-place and reflected forms of Python's operators (``__iadd__``, ``__rmul__``): the same function.
 _OPERATORS = frozenset({"add", "sub", "mul", "matmul", "truediv", "floordiv", "div", "pow", "mod"})
@@ -178,6 +182,10 @@ def _is_nonlinear_call(func: Any, args: tuple) -> str | None:
         return f"{name} (of a complex tensor)"
     if kind == "linear" or not _activations(args):
         return None
+    if name in _RELU_RECURRENCES:
+        weights = _RELU_RECURRENCES[name]
+        weights = args[weights] if isinstance(weights, slice) else [a for a in args if isinstance(a, (list, tuple))]
+        return name if _activations(weights) else None
     if kind == "product":
         return name if _activations(args[_FACTORS.get(name, slice(None))]) > 1 else None
     if kind == "division":
@@ -378,10 +386,11 @@ class NonlinearCalls(TorchFunctionMode):
         return _count(self._dropouts, None if targets is None else _graph_nodes(targets))
 
     def found_first_recurrent(self, targets: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, int]]:
-        """Module name → its class name → number of calls: recurrent layers with a rule (LSTM, GRU, their cells) whose
-        input the model's input reaches through no layer, where a preset's first-layer rule (Flat, z^B)
-        has no form (see :func:`~tdhook.attribution._unmapped_layers.report_recurrent_first_layers`); ``targets``
-        as for :meth:`found`."""
+        """Module name → its class name → number of calls: recurrent layers with a rule (LSTM, GRU, their cells) and
+        ReLU RNNs (their plain gradient) whose input the model's input reaches through no layer, where a preset's
+        first-layer rule (Flat, z^B) has no form (see
+        :func:`~tdhook.attribution._unmapped_layers.report_recurrent_first_layers`); ``targets`` as for
+        :meth:`found`."""
         return _count(self._first_recurrent, None if targets is None else _graph_nodes(targets))
 
     def _function_calls(self, nodes: Iterable[Any]) -> list[tuple[str, str, Any]]:
@@ -433,7 +442,10 @@ class NonlinearCalls(TorchFunctionMode):
 
         def leave(name: str, has_rule: bool):
             rule = layer_rules.get(id(modules[name]))
-            is_recurrent = has_rule and isinstance(modules[name], (nn.RNNBase, nn.RNNCellBase))
+            # A recurrent layer with a rule, or a ReLU RNN (LRP-0 by its plain gradient): no first-layer rule.
+            is_recurrent = isinstance(modules[name], (nn.RNNBase, nn.RNNCellBase)) and (
+                has_rule or getattr(modules[name], "nonlinearity", None) == "relu"
+            )
 
             def hook(module: nn.Module, args: tuple, output: Any) -> None:
                 if rule is not None and isinstance(output, torch.Tensor) and output.grad_fn is not None:

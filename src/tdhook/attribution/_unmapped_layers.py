@@ -250,13 +250,19 @@ def report_recurrent_first_layers(
             message = (
                 f"LRP: module {name!r} ({kind}) is the first layer the model's input reaches, and "
                 f"{type(mapper).__name__}'s first-layer rule ({type(first).__name__}) has no form for a recurrent "
-                "layer: it keeps its RecurrentRule, and where no other layer reads the input, no layer gets the "
+                f"layer: it keeps {_recurrent_rule(kind)}, and where no other layer reads the input, no layer gets the "
                 "first-layer rule and the relevance is that of the same preset without it. Put a Linear encoder "
                 "before it to have the first-layer rule there, or use the preset without a first-layer rule"
             )
             if strict:
                 raise ValueError(message)
             warn_at_caller(message)
+
+
+def _recurrent_rule(kind: str) -> str:
+    """The rule a recurrent layer of class ``kind`` keeps, for a message: an ``nn.RNN`` or ``nn.RNNCell`` (with a
+    ReLU: one with a tanh is warned of as not piecewise linear) has none, and keeps its plain gradient."""
+    return "its plain gradient (LRP-0)" if kind in ("RNN", "RNNCell") else "its RecurrentRule"
 
 
 def _layer_rule(
