@@ -275,3 +275,46 @@ def test_a_copy_looked_up_inside_the_embedding_of_the_tokens_is_theirs():
     out = model[2](model[1](embedded))
     out.gather(1, out.argmax(1, keepdim=True)).sum().backward()
     torch.testing.assert_close(td["relevance", "tokens"], (embedded * embedded.grad).sum(-1))
+
+
+class TaskTable(nn.Module):
+    """A policy gated per task by a row of a table: ``table[task]`` (a parameter indexed by an integer input)."""
+
+    def __init__(self, lookup: str) -> None:
+        super().__init__()
+        self.enc, self.head, self.lookup = nn.Linear(4, 6), nn.Linear(6, 2), lookup
+        self.table = nn.Parameter(torch.randn(3, 6))
+
+    def forward(self, obs: torch.Tensor, task: torch.Tensor) -> torch.Tensor:
+        if self.lookup == "getitem":
+            rows = self.table[task]
+        elif self.lookup == "index_select":
+            rows = self.table.index_select(0, task.long())
+        else:
+            rows = F.embedding(task, self.table)
+        return self.head(torch.relu(self.enc(obs)) * rows)
+
+
+@pytest.mark.parametrize("lookup", ["getitem", "index_select", "embedding"])
+def test_integer_input_indexing_a_parameter_directly_is_refused_by_name_with_default_keys(lookup: str):
+    """``self.table[task]`` is an embedding lookup outside an nn.Embedding: with the default keys, ("relevance",
+    "task") was listed among the wrapper's relevance keys and never written, with no word. Refused, naming the key and
+    the parameter, leaving the TensorDict as it was; without the key in in_keys, its rows are held constant."""
+    torch.manual_seed(0)
+    net = TaskTable(lookup).to(F64)
+    td = TensorDict(obs=torch.randn(5, 4, dtype=F64), task=torch.tensor([0, 1, 2, 1, 0]), batch_size=[5])
+    module = TensorDictModule(net, ["obs", "task"], ["out"])
+    lrp = LRP(module, BaseRuleMapper(stabilizer=0.0))
+    assert ("relevance", "task") in lrp.out_keys
+    with pytest.raises(TypeError, match=r"input key 'task' holds integers \(torch.int64\) that index parameter "
+                       r"'module.table' \(shape \(3, 6\)\) directly, outside an nn.Embedding"):  # fmt: skip
+        lrp(td)
+    assert sorted(td.keys()) == ["obs", "task"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = LRP(module, BaseRuleMapper(stabilizer=0.0), in_keys=["obs"])(td.clone())
+    obs = td["obs"].clone().requires_grad_(True)
+    logits = net(obs, td["task"])
+    start = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    (gradient,) = torch.autograd.grad(logits, obs, start)
+    assert relative_error(out["relevance", "obs"], obs.detach() * gradient) < 1e-10  # LRP-0, the rows held constant

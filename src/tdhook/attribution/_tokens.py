@@ -71,6 +71,8 @@ class TokenInputs:
         self._leaves: list[torch.Tensor | None] = []
         self._fed: list[torch.Tensor | None] = []
         self._derived: list[tuple[int, str, str]] = []  # lookups of ids computed from a key: key, module, class
+        self._tables: list[tuple[int, torch.Tensor]] = []  # parameters indexed by the ids outside an embedding
+        self._modules: Mapping[str, nn.Module] = {}
         self._clean: set = set()  # signatures of this context's calls that looked up no such ids
 
     @property
@@ -81,7 +83,7 @@ class TokenInputs:
     def clear(self) -> None:
         """Forget the tokens of the last call."""
         self._ids = {}
-        self._leaves, self._fed, self._derived = [], [], []
+        self._leaves, self._fed, self._derived, self._tables = [], [], [], []
 
     def feed(
         self,
@@ -121,6 +123,7 @@ class TokenInputs:
         """
         handles = []
         self._clean = set()  # a new context: its model may have changed
+        self._modules = modules
         for name, module in modules.items():
             if isinstance(module, nn.Embedding):
                 handles.append(module.register_forward_hook(self.embedding_hook(name), prepend=True, with_kwargs=True))
@@ -202,9 +205,10 @@ class TokenInputs:
 
     @contextlib.contextmanager
     def _tracked(self, signature: Hashable | None) -> Iterator[None]:
-        with _DerivedTokens(self._ids):
+        with _DerivedTokens(self._ids, self._tables):
             yield
-        if signature is not None and not self._derived:  # the call ran, and no lookup of derived ids was found
+        # The call ran, and no lookup of derived ids, nor of a parameter's rows by the ids, was found.
+        if signature is not None and not self._derived and not self._tables:
             self._clean.add(signature)
 
     def embedding_hook(self, name: str) -> Callable[[nn.Module, tuple, dict, torch.Tensor], torch.Tensor | None]:
@@ -287,6 +291,7 @@ class TokenInputs:
         if cause is None:
             self._raise_for_derived()
         if optional and cause is None and any(leaf is not None for leaf in leaves):
+            self._raise_for_tables(leaves)
             return
         for i in self._ids:
             if leaves[i] is None:
@@ -304,6 +309,25 @@ class TokenInputs:
                     "inputs: to feed it an input that is not explained, such as an attention mask, wrap it in a "
                     "TensorDictModule with every input key and give the wrapper in_keys of the explained ones)"
                 ) from cause
+
+    def _raise_for_tables(self, leaves: list[torch.Tensor | None]) -> None:
+        """Refuse an input left out of the explanation (no embedding read it) whose ids index a parameter directly
+        (``self.table[task]``): an embedding lookup in all but name, whose key the wrapper lists among its relevance
+        keys and would not write."""
+        for index, table in self._tables:
+            if leaves[index] is not None:
+                continue
+            names = [f"{m}.{p}" if m else p for m, module in self._modules.items() for p, value in
+                     module.named_parameters(recurse=False) if value is table]  # fmt: skip
+            what = f"parameter {names[0]!r}" if names else "a parameter"
+            key, dtype = self.keys[index], self._ids[index].dtype
+            raise TypeError(
+                f"LRP: input key {key!r} holds integers ({dtype}) that index {what} (shape {tuple(table.shape)}) "
+                "directly, outside an nn.Embedding: a lookup whose rows would be held constant, so the key would get "
+                f"no relevance and ('relevance', {key!r}) would not be written; hold the table in an nn.Embedding (or "
+                "nn.EmbeddingBag) for the key to receive relevance, or pass in_keys without it to explain the other "
+                "inputs with its rows held constant"
+            )
 
     def per_token(self, index: int, relevance: torch.Tensor) -> torch.Tensor:
         """The relevance of each token of input ``index``, from that of its embeddings.
@@ -330,6 +354,8 @@ _CARRYING = frozenset(
         "tensor_split", "movedim", "pad",
     }
 )  # fmt: skip
+# Lookups of rows of a table by integer ids: the position of the table among the arguments.
+_LOOKUPS = {"__getitem__": 0, "index_select": 0, "take": 0, "embedding": 1}
 # In-place writes of token values into their first argument (``out[:, 1:] = ids[:, :-1]``, ``out.copy_(ids)``): the
 # position of the values written among the arguments (an index is no value).
 _WRITING = {"__setitem__": 2, "copy_": 1, "index_copy_": 3, "scatter_": 3, "masked_scatter_": 2}
@@ -338,9 +364,10 @@ _WRITING = {"__setitem__": 2, "copy_": 1, "index_copy_": 3, "scatter_": 3, "mask
 class _DerivedTokens(TorchFunctionMode):
     """Marks the integer tensors that carry the values of fed token ids (see :meth:`TokenInputs.tracking`)."""
 
-    def __init__(self, ids: Mapping[int, torch.Tensor]) -> None:
+    def __init__(self, ids: Mapping[int, torch.Tensor], tables: list[tuple[int, torch.Tensor]]) -> None:
         super().__init__()
         self._fed = {id(tokens): index for index, tokens in ids.items()}
+        self._tables = tables  # (input, parameter) of each parameter indexed by the ids (or ids carried on)
 
     def _source(self, values: Iterator[object]) -> int | None:
         for value in values:
@@ -360,6 +387,12 @@ class _DerivedTokens(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
+        position = _LOOKUPS.get(name)
+        if position is not None and len(args) > position and isinstance(args[position], nn.Parameter):
+            with torch._C.DisableTorchFunction():
+                index = self._source(iter(a for i, a in enumerate(args) if i != position))
+            if index is not None:
+                self._tables.append((index, args[position]))
         if name not in _WRITING and name not in _CARRYING:
             return out
         with torch._C.DisableTorchFunction():  # looking at tensors is no call of the model: out of the modes' sight

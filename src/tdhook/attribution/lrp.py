@@ -127,10 +127,10 @@ class LRP(TensorDictModuleBase, MapperTunable):
             those of ``module.named_modules()`` for the object passed as
             ``module`` (a plain ``nn.Module``'s own names).
         in_keys: for a plain module, its input keys; for a TensorDict module,
-            the input keys to explain. By default its in_keys, leaving out in
-            each call those that hold booleans (``is_init``, an action mask),
-            integers no ``nn.Embedding`` or ``nn.EmbeddingBag`` reads, and the recurrent states of a
-            torchrl ``LSTMModule``/``GRUModule`` the TensorDict does not hold.
+            the input keys to explain. By default its in_keys, leaving out in each call those that hold booleans
+            (``is_init``, an action mask), integers no ``nn.Embedding`` or ``nn.EmbeddingBag`` reads (but those that
+            index a parameter, ``self.table[task]``, are refused by name), and the recurrent states of a torchrl
+            ``LSTMModule``/``GRUModule`` the TensorDict does not hold.
         out_keys: the output keys of a plain module.
         target_key: the output to explain. Defaults to the first
             floating-point out key that no module of the pipeline reads,
