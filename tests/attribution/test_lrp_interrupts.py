@@ -84,8 +84,10 @@ def assert_all_or_nothing(td: TensorDict, entries: dict, expected: torch.Tensor,
     now = dict(td.items(include_nested=True, leaves_only=True))
     if now.keys() != entries.keys():  # a call that ended, or was interrupted at ``return out`` or after it
         returning = where is not None and where.startswith("lrp.py") and where.endswith("(forward)")
-        # The guard of the running statistics around the whole call is left after ``return out``.
-        leaving = where is not None and where.startswith("_batch_statistics.py") and where.endswith("(__exit__)")
+        # The guards of the running statistics and of the parameters' .grad around the whole call are left after
+        # ``return out``.
+        guards = ("_batch_statistics.py", "_kept_grads.py")
+        leaving = where is not None and where.startswith(guards) and where.endswith("(__exit__)")
         assert where is None or returning or leaving, where
         torch.testing.assert_close(td["relevance", "x"], expected, rtol=0, atol=0, msg=where)
     assert all(now[key] is value for key, value in entries.items()), where

@@ -52,6 +52,7 @@ from tdhook.attribution._inputs import (
     optional_inputs,
     validate_inputs,
 )
+from tdhook.attribution._kept_grads import KeptGrads
 from tdhook.attribution._keys import check_free, check_writable, layer_keys, read_not_written, relevance_keys
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
 from tdhook.attribution._model_changes import follow_model_changes
@@ -266,7 +267,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._layers = LayerRelevance()
         self._tokens = TokenInputs(self.explained_keys)
         self._stochastic, self._checkpointing = [], []  # dropout to warn of, checkpointing to refuse, at each call
-        self._compiled, self._rule_use = False, RuleUse()
+        self._compiled, self._rule_use, self._grads = False, RuleUse(), KeptGrads(module)  # .grad kept
         # The first call watches which nonlinear functions keep their plain gradient (see coverage()).
         self._coverage = CoverageRecorder()
         self._function_gates, self._function_rule_plan = FunctionGates(), FunctionRulePlan()  # found by calls
@@ -390,7 +391,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
     @_uncompiled_dispatch
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         # One call at a time (docs/guarantees.md); one that fails leaves the running statistics as they were.
-        with self._lock, buffers_restored_on_error(self.module, self._buffer_holders):
+        with self._lock, buffers_restored_on_error(self.module, self._buffer_holders), self._grads.kept(self._handles):
             entering = self._handles is None and not self._inactive
             _set_state(self, "_call_enters", entering)
             # A context entered here is left before the write, and so is the record of the caller's grad mode.

@@ -34,6 +34,7 @@ from torch import nn
 
 from tdhook.attribution._chosen_values import chosen_action
 from tdhook.attribution._inputs import describe, feed_inputs, optional_inputs, validate_inputs
+from tdhook.attribution._kept_grads import KeptGrads
 from tdhook.attribution._keys import check_free, check_writable, read_not_written, relevance_keys
 from tdhook.attribution._no_grad_values import caller_values_in
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
@@ -260,7 +261,9 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         rng_before, states_before = torch.get_rng_state(), random_states(self.module)
         with buffers_restored_on_error(self.module) as before:  # up to the write: a call that fails moves none
             # A module computing from a parameter on the meta device returns whatever the memory held: refused.
-            with meta_tensors_refused(self.module), self._model_context():
+            # A model's own backward may write the parameters' .grad (Reformer's reversible layers): put back.
+            kept = KeptGrads(self.module).kept(None) if self._needs_gradients else _NOTHING
+            with meta_tensors_refused(self.module), self._model_context(), kept:
                 # Under the caller's no_grad, the outputs written are the plain call's (LSTM, transformer kernels).
                 with caller_values_in(self.named_explained_modules()) if self._no_grad_values() else _NOTHING:
                     call = self._first_pass(tensordict)
