@@ -67,6 +67,13 @@ class KeptGrads:
             return _NOTHING
         return _SetAside(self, self._module, context)
 
+    def __getstate__(self) -> dict:
+        # A copy or a pickle of the wrapper has no open context: its first call checks again.
+        return {"_module": self._module}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["_module"])
+
     def _settle(self, context: object, wrote: bool) -> None:
         if context is None:
             return
