@@ -99,9 +99,8 @@ def draws_now(module: nn.Module) -> bool:
         >>> draws_now(nn.Dropout(0.5).eval()), draws_now(nn.FractionalMaxPool2d(2, output_size=3).eval())
         (False, True)
     """
-    if draw(module) is None:
-        return False
-    return module.training or isinstance(module, _RANDOM_REGIONS)
+    # The mode first: a model in eval mode, checked at every call of a context, builds no message.
+    return (module.training or isinstance(module, _RANDOM_REGIONS)) and draw(module) is not None
 
 
 def random_modules(modules: Mapping[str, nn.Module]) -> list[tuple[str, nn.Module, NestedKey | None]]:
