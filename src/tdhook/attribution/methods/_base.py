@@ -258,7 +258,9 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
                 raise TypeError(f"{name}: input key {key!r} must be a floating-point tensor, got {describe(value)}")
         self._check_batch(tensordict)
         self._warn_for_random_modules(tensordict)
-        rng_before, states_before = torch.get_rng_state(), random_states(self.module)
+        # The random states a first pass may move (see RandomDraws), read until the check has run; the CPU's is one.
+        states_before = None if self._draws.checked else random_states(self.module)
+        rng_before = torch.get_rng_state() if states_before is None else states_before[0]
         with buffers_restored_on_error(self.module) as before:  # up to the write: a call that fails moves none
             # A module computing from a parameter on the meta device returns whatever the memory held: refused.
             # A model's own backward may write the parameters' .grad (Reformer's reversible layers): put back.

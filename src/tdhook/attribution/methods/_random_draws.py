@@ -140,7 +140,7 @@ class RandomDraws:
     def __init__(self) -> None:
         self.checked = False
 
-    def check(self, method: Any, call: Any, before: list[torch.Tensor]) -> None:
+    def check(self, method: Any, call: Any, before: list[torch.Tensor] | None) -> None:
         """After the caller's pass (which started from the random states ``before``), on the method's fork of the
         random state: if that pass drew, run the model once more on the same inputs and warn if the explained
         quantity differs. Nothing where the method compares no passes, or a warning named the draw already.
@@ -148,7 +148,7 @@ class RandomDraws:
         Args:
             method: the attribution method (an ``AttributionMethod``) making the call.
             call: the call (a ``Call``), after the caller's pass.
-            before: :func:`random_states` before the caller's pass.
+            before: :func:`random_states` before the caller's pass (``None`` once checked).
         """
         if self.checked or not method._evaluates_copies or not _moved(before, random_states(method.module)):
             return
