@@ -57,7 +57,12 @@ class CoverageRecorder:
             if h.module is not None and h.rule.decides_every_call and h.rule.is_registered(h.module)
         }
         merging = layer_rules_merging(h for h in handles if h.module is not None and id(h.module) in ruled)
-        return modes.enter_context(NonlinearCalls(rule_modes).watch(modules, ruled, merging))
+        return modes.enter_context(NonlinearCalls(rule_modes, self._watch_again).watch(modules, ruled, merging))
+
+    def _watch_again(self) -> None:
+        """The watched call was refused in its backward pass (a hook of the caller's changed a gradient): the next
+        call is watched too."""
+        self._pending = True
 
     def report(
         self, calls: NonlinearCalls, targets: list[torch.Tensor], modules: Mapping[str, nn.Module], mapper: Any

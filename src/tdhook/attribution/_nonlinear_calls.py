@@ -31,7 +31,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ from torch.nn.modules._functions import BackwardHookFunction
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from tdhook.attribution._broadcast_products import BROADCAST_PRODUCT, BroadcastProducts
+from tdhook.attribution._gradient_hooks import backward_hooks_checked, is_ours, tensor_hook_checked
 from tdhook.attribution._offset_products import OFFSET_PRODUCT, OffsetProducts
 from tdhook.attribution._random_modules import draw
 from tdhook.attribution._straight_through import STRAIGHT_THROUGH, StraightThrough
@@ -121,6 +122,9 @@ _DIVISIONS = frozenset({"div", "divide", "true_divide", "truediv", "floor_divide
 _OPERATORS = frozenset({"add", "sub", "mul", "matmul", "truediv", "floordiv", "div", "pow", "mod"})
 # Functions torch names otherwise than users call them: ``torch.mm`` resolves to ``torch.spmm``.
 _ALIASES = {"spmm": "mm"}
+
+
+_REGISTER_HOOK = torch.Tensor.register_hook
 
 
 def function_kind(func: Any) -> tuple[str, str]:
@@ -265,11 +269,14 @@ class NonlinearCalls(TorchFunctionMode):
 
     Args:
         modes: the rule mapper's function modes; a call one of them covers (``mode.covers(func, args)``) has a rule.
+        refused: called where a hook of the caller's that changes a gradient is refused in the backward pass (see
+            :mod:`~tdhook.attribution._gradient_hooks`), after the watch has ended.
 
     """
 
-    def __init__(self, modes: Sequence[Any] = ()) -> None:
+    def __init__(self, modes: Sequence[Any] = (), refused: Callable[[], None] = lambda: None) -> None:
         super().__init__()
+        self._refused = refused
         self._covering = [mode for mode in modes if hasattr(mode, "covers")]
         self._calls: list[tuple[str, str, Any]] = []
         self._straight_through = StraightThrough()  # sums that add a detached ``y - x`` back to ``x``
@@ -292,6 +299,9 @@ class NonlinearCalls(TorchFunctionMode):
         self._open: list[list] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is _REGISTER_HOOK and len(args) == 2 and is_activation(args[0]) and not is_ours(args[1]):
+            where = self._stack[-1] if self._stack else ""  # a gradient clip or scale: refused where it changes one
+            args = (args[0], tensor_hook_checked(args[1], where, self._modules.get(where), self._refused))
         result = mark_parameter_derived(args, func(*args, **(kwargs or {})), func)
         if torch._C._are_functorch_transforms_active():  # under torch.vmap: the tensors the graph holds
             self._record(func, _unwrapped_all(args), _unwrapped_all(result), kwargs)
@@ -467,7 +477,7 @@ class NonlinearCalls(TorchFunctionMode):
                 has_rule = id(module) in ruled
                 hooks.append(module.register_forward_pre_hook(enter(name, has_rule)))
                 hooks.append(module.register_forward_hook(leave(name, has_rule), always_call=True))
-            with self:
+            with self, backward_hooks_checked(modules, self._refused):
                 yield self
         finally:
             for hook in hooks:
