@@ -1,4 +1,5 @@
-"""Straight-through estimators (``x + (y - x).detach()``) are named: the relevance follows x, not the value y."""
+"""Straight-through estimators (``x + (y - x).detach()``) are named: the relevance follows x, not the value y; and
+so are gradient scalings (``x * s + x.detach() * (1 - s)``): the relevance is s times the model's without it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
 
-from tdhook.attribution import CPLRP, LRP, AttnLRP, EpsilonPlus
+from tdhook.attribution import CPLRP, LRP, AttnLRP, BaseRuleMapper, EpsilonPlus
 
 F64 = torch.float64
 
@@ -97,6 +98,7 @@ class TestStraightThrough:
         ),
         "a difference without a detach: h + (relu(h) - h)": lambda h: h + (torch.relu(h) - h),
         "another activation's difference: h + (relu(h) - g).detach()": lambda h: h + (torch.relu(h) - 2 * h).detach(),
+        "a scaled detached copy: h * 0.5 + h.detach()": lambda h: h * 0.5 + h.detach(),
     }
 
     @pytest.mark.parametrize("name", sorted(DETACHED_BUT_NO_ESTIMATOR))
@@ -136,3 +138,48 @@ class TestStraightThrough:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 LRP(layer, preset(strict=True), in_keys=["x"], out_keys=["y"])(td.clone())
+
+
+# MuZero's scale_gradient as world models write it (``s`` a number or a one-element tensor): the value x, the gradient
+# s times x's.
+SCALINGS = {
+    "x * s + x.detach() * (1 - s)": lambda x: x * 0.25 + x.detach() * (1 - 0.25),
+    "s * x + (1 - s) * x.detach()": lambda x: 0.25 * x + (1 - 0.25) * x.detach(),
+    "x.detach() * (1 - s) + x * s, s a tensor": lambda x: (
+        x.detach() * (1 - torch.tensor(0.25)) + x * torch.tensor(0.25)
+    ),
+    "x * s + x.detach() - x.detach() * s": lambda x: x * 0.25 + x.detach() - x.detach() * 0.25,
+    "x.div(4) + x.detach().mul(0.75)": lambda x: x.div(4) + x.detach().mul(0.75),
+}
+
+
+class Dynamics(nn.Module):
+    """A world model's step: an encoder, the gradient of its state scaled, and a head."""
+
+    def __init__(self, scaling) -> None:
+        super().__init__()
+        self.encoder, self.head, self.scaling = nn.Linear(4, 6, bias=False), nn.Linear(6, 3, bias=False), scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.scaling(torch.relu(self.encoder(x))))
+
+
+class TestGradientScaling:
+    @pytest.mark.parametrize("name", sorted(SCALINGS))
+    def test_a_gradient_scaling_is_named(self, name: str):
+        """``x * s + x.detach() * (1 - s)`` with s = 0.25 passed a quarter of the relevance back (LRP-0 and
+        EpsilonPlus 0.75 off, relative L2, the model without it), with no word. The first call warns, naming the
+        module and the scaling; coverage() lists it, and a strict mapper refuses it."""
+        torch.manual_seed(0)
+        model = Dynamics(SCALINGS[name]).double()
+        with pytest.warns(UserWarning, match=r"the model itself \(Dynamics\) scales the gradient through an activat"):
+            lrp, _, scaled = _explain(model, BaseRuleMapper())
+        assert [c.function for c in lrp.coverage().plain_gradient] == [
+            "a gradient scaling (x * s + x.detach() * (1 - s))"
+        ]
+        model.scaling = lambda x: x
+        _, _, plain = _explain(model, BaseRuleMapper())
+        torch.testing.assert_close(scaled["relevance", "x"], 0.25 * plain["relevance", "x"])  # what the warning says
+        model.scaling = SCALINGS[name]
+        with pytest.raises(ValueError, match=r"scales the gradient through an activation"):
+            _explain(model, AttnLRP(strict=True))

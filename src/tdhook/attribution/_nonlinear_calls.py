@@ -45,7 +45,7 @@ from tdhook.attribution._broadcast_products import BROADCAST_PRODUCT, BroadcastP
 from tdhook.attribution._gradient_hooks import backward_hooks_checked, is_ours, tensor_hook_checked
 from tdhook.attribution._offset_products import OFFSET_PRODUCT, OffsetProducts
 from tdhook.attribution._random_modules import draw
-from tdhook.attribution._straight_through import STRAIGHT_THROUGH, StraightThrough
+from tdhook.attribution._straight_through import GRADIENT_SCALING, STRAIGHT_THROUGH, StraightThrough
 from tdhook.attribution._unmapped_layers import (
     LAYER_FUNCTIONS,
     MATRIX_PRODUCTS,
@@ -279,7 +279,7 @@ class NonlinearCalls(TorchFunctionMode):
         self._refused = refused
         self._covering = [mode for mode in modes if hasattr(mode, "covers")]
         self._calls: list[tuple[str, str, Any]] = []
-        self._straight_through = StraightThrough()  # sums that add a detached ``y - x`` back to ``x``
+        self._straight_through = StraightThrough()  # sums that part value and gradient with a detached term
         self._offsets = OffsetProducts()  # products with a factor that adds a number (``(up + 1) * glu``)
         self._broadcasts = BroadcastProducts()  # Linear layers written ``(x.unsqueeze(-2) * self.W).sum(-1)``
         self._layer_calls: list[tuple[str, str, Any]] = []  # convolutions and linear maps outside layers
@@ -312,8 +312,8 @@ class NonlinearCalls(TorchFunctionMode):
     def _record(self, func: Any, args: tuple, result: Any, kwargs: dict | None = None) -> None:
         if self._ruled_depth:
             return
-        if self._straight_through.note(func, args, result, kwargs):
-            self._calls.append((self._stack[-1] if self._stack else "", STRAIGHT_THROUGH, _grad_fn(result)))
+        if (detached_sum := self._straight_through.note(func, args, result, kwargs)) is not None:
+            self._calls.append((self._stack[-1] if self._stack else "", detached_sum, _grad_fn(result)))
             return
         if not _is_activation_result(result):
             return
@@ -503,6 +503,10 @@ def _count(calls: Iterable[tuple[str, str, Any]], reached: set | None) -> dict[s
     return found
 
 
+# Calls reported by a message of their own, not as curved functions.
+_NAMED_APART = frozenset({STRAIGHT_THROUGH, GRADIENT_SCALING, OFFSET_PRODUCT})
+
+
 def report_plain_gradient(
     found: Mapping[str, Mapping[str, int]], modules: Mapping[str, nn.Module], strict: bool
 ) -> tuple[PlainGradientCall, ...]:
@@ -532,7 +536,7 @@ def report_plain_gradient(
         where = f"module {name!r}" if name else "the model itself"
         kind = f" ({type(module).__name__})" if module is not None else ""
         constant = [f for f in functions if f in _PIECEWISE_CONSTANT]
-        curved = [f for f in functions if f not in _PIECEWISE_CONSTANT and f not in (STRAIGHT_THROUGH, OFFSET_PRODUCT)]
+        curved = [f for f in functions if f not in _PIECEWISE_CONSTANT and f not in _NAMED_APART]
         messages = []
         if STRAIGHT_THROUGH in functions:
             messages.append(
@@ -542,6 +546,14 @@ def report_plain_gradient(
                 "the activation x, not of the value y, and its sum is not the explained output's. Map the module in "
                 "rule_mapper to a rule of your own that passes relevance as the estimator should, or explain the "
                 "model up to the estimator; lrp.coverage() lists every such call"
+            )
+        if GRADIENT_SCALING in functions:
+            messages.append(
+                f"LRP: {where}{kind} scales the gradient through an activation in its own forward (x * s + "
+                "x.detach() * (1 - s), MuZero's scale_gradient): its value is x, but the gradient, and with it the "
+                "relevance, passes through it times s, so what it reads gets s times the relevance of the same model "
+                "without the scaling. Scale the gradient in training only (if self.training: ...), or map the module "
+                "in rule_mapper to a rule of your own; lrp.coverage() lists every such call"
             )
         if OFFSET_PRODUCT in functions:
             messages.append(
