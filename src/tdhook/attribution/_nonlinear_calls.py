@@ -64,6 +64,7 @@ from tdhook.attribution.rules._autograd import (
 )
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._dropout_calls import dropout_probability
+from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layer_nodes import LAYER_MARK
 from tdhook.attribution.rules.base import _reaches_model_input
 
@@ -125,6 +126,10 @@ _ALIASES = {"spmm": "mm"}
 
 
 _REGISTER_HOOK = torch.Tensor.register_hook
+# The calls that take a gradient: a model's forward taking one (a Hamiltonian's vector field, an energy's gradient)
+# goes through the rules' backward, in a call that does not keep the graph.
+_GRADIENT_CALLS = {torch.autograd.grad: "torch.autograd.grad", torch.autograd.backward: "torch.autograd.backward"}
+_GRADIENT_CALLS |= {torch.Tensor.backward: "Tensor.backward"}
 
 
 def function_kind(func: Any) -> tuple[str, str]:
@@ -250,6 +255,39 @@ def _graph_nodes(outputs: Sequence[torch.Tensor]) -> set:
     return seen
 
 
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors that require grad in ``value`` (a tensor, or a sequence of them)."""
+    values = value if isinstance(value, (tuple, list)) else [value]
+    return [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
+
+
+def _nodes_between(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor] | None) -> set:
+    """The autograd nodes a backward pass from ``outputs`` to ``inputs`` runs: those on a path from one to the
+    other, the inputs' own nodes left out (every node behind ``outputs`` where ``inputs`` is ``None``)."""
+    if inputs is None:
+        return _graph_nodes(outputs)
+    stops = {torch.autograd.graph.get_gradient_edge(t).node for t in inputs}
+    parents: dict[Any, list] = {}
+    seen: set = set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen or node in stops:
+            continue
+        seen.add(node)
+        for child in relevance_pass_edges(node):
+            parents.setdefault(child, []).append(node)
+            stack.append(child)
+    between: set = set()
+    stack = [parent for stop in stops for parent in parents.get(stop, ())]
+    while stack:
+        node = stack.pop()
+        if node not in between:
+            between.add(node)
+            stack.extend(parents.get(node, ()))
+    return between
+
+
 def _unwrapped_all(value: Any) -> Any:
     """``value`` without the wrappers of ``torch.func`` transforms: a tensor, or the tensors of a tuple or list
     (a list of the same length), and of the tuples or lists in it (``torch.cat``'s)."""
@@ -302,12 +340,44 @@ class NonlinearCalls(TorchFunctionMode):
         if func is _REGISTER_HOOK and len(args) == 2 and is_activation(args[0]) and not is_ours(args[1]):
             where = self._stack[-1] if self._stack else ""  # a gradient clip or scale: refused where it changes one
             args = (args[0], tensor_hook_checked(args[1], where, self._modules.get(where), self._refused))
+        elif func in _GRADIENT_CALLS and not self._ruled_depth and graph_kept() is None:
+            kwargs = kwargs or {}
+            outputs = args[0] if args else kwargs.get("outputs", kwargs.get("tensors"))
+            inputs = args[1] if func is torch.autograd.grad and len(args) > 1 else kwargs.get("inputs")
+            self._raise_for_rules_in(func, outputs, inputs)
         result = mark_parameter_derived(args, func(*args, **(kwargs or {})), func)
         if torch._C._are_functorch_transforms_active():  # under torch.vmap: the tensors the graph holds
             self._record(func, _unwrapped_all(args), _unwrapped_all(result), kwargs)
         else:
             self._record(func, args, result, kwargs)
         return result
+
+    def _raise_for_rules_in(self, func: Any, outputs: Any, inputs: Any) -> None:
+        """Raise where the model's forward takes a gradient (``func``) of ``outputs`` (with respect to ``inputs``,
+        or to the leaves where ``None``) through a rule's nodes: the rule would change it, and with it the values
+        the model computes from it."""
+        now = _next_sequence_number()
+        spans = [(s[0], s[1], now if any(s is o for o in self._open) else s[2]) for s in self._spans if s[3]]
+        ruled, changed = [], False
+        for node in _nodes_between(_tensors(outputs), None if inputs is None else _tensors(inputs)):
+            function = getattr(node, "_forward_cls", None) if isinstance(node, BackwardCFunction) else None
+            changed |= function is not None and function.__module__.startswith("tdhook.")
+            number = node._sequence_nr()
+            ruled += [span for span in spans if span[1] <= number < span[2] and span not in ruled]
+        if not (ruled or changed):
+            return
+        where = self._stack[-1] if self._stack else ""
+        place = f"module {where!r}" if where else "the model itself"
+        kind = f" ({type(self._modules[where]).__name__})" if where in self._modules else ""
+        names = sorted(ruled, key=lambda span: span[1])
+        plural = "s" if len(names) > 1 else ""
+        through = f" through module{plural} {', '.join(repr(name) for name, _, _ in names)}" if names else ""
+        raise ValueError(
+            f"LRP: {place}{kind} calls {_GRADIENT_CALLS[func]} in its own forward{through}, whose rules change the "
+            "gradient: the values the model computes from that gradient would not be its own. Call LRP with "
+            "create_graph=True (the rules then act in the relevance pass only), or map the modules the gradient is "
+            "taken through to no rule"
+        )
 
     def _record(self, func: Any, args: tuple, result: Any, kwargs: dict | None = None) -> None:
         if self._ruled_depth:
