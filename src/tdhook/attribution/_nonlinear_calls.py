@@ -31,6 +31,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -255,6 +256,18 @@ def _graph_nodes(outputs: Sequence[torch.Tensor]) -> set:
     return seen
 
 
+def _ours_calling() -> bool:
+    """Whether the code that called the torch function being handled is this package's (a rule probing a module's
+    gradient in its hook), not the model's: the first frame outside torch and this module."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name != __name__ and name.partition(".")[0] != "torch":
+            return name.startswith("tdhook.")
+        frame = frame.f_back
+    return False
+
+
 def _tensors(value: Any) -> list[torch.Tensor]:
     """The tensors that require grad in ``value`` (a tensor, or a sequence of them)."""
     values = value if isinstance(value, (tuple, list)) else [value]
@@ -340,7 +353,7 @@ class NonlinearCalls(TorchFunctionMode):
         if func is _REGISTER_HOOK and len(args) == 2 and is_activation(args[0]) and not is_ours(args[1]):
             where = self._stack[-1] if self._stack else ""  # a gradient clip or scale: refused where it changes one
             args = (args[0], tensor_hook_checked(args[1], where, self._modules.get(where), self._refused))
-        elif func in _GRADIENT_CALLS and not self._ruled_depth and graph_kept() is None:
+        elif func in _GRADIENT_CALLS and not self._ruled_depth and graph_kept() is None and not _ours_calling():
             kwargs = kwargs or {}
             outputs = args[0] if args else kwargs.get("outputs", kwargs.get("tensors"))
             inputs = args[1] if func is torch.autograd.grad and len(args) > 1 else kwargs.get("inputs")
