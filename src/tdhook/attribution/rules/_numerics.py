@@ -10,6 +10,7 @@ __all__ = [
     "stabilize",
     "signed_shift",
     "safe_divide",
+    "carrying_gradient",
     "PIECE",
     "pieces",
     "in_pieces_",
@@ -59,6 +60,25 @@ def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Ten
     """
     nonzero = denominator != 0
     return torch.where(nonzero, numerator / torch.where(nonzero, denominator, 1), 0)
+
+
+def carrying_gradient(relevance: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The gradient ``relevance / x`` by which ``x · grad`` carries a relevance set at ``x``, and ``0`` where it
+    cannot: where ``x`` is zero, and where the quotient overflows (``x`` subnormal, or in float16, whose largest
+    value is 65504, below about ``1.5e-5 · |relevance|``), whose ``x · inf`` would be NaN. The caller records
+    ``relevance - x · grad``, which is the whole relevance there. NaN propagates as in a plain division.
+
+    Examples:
+        >>> carrying_gradient(torch.tensor([1.0, 2.0, 1.0]), torch.tensor([0.0, 4.0, 1e-40]))
+        tensor([0.0000, 0.5000, 0.0000])
+    """
+    with torch.no_grad():
+        quotient = relevance / x
+        uncarried = quotient.isinf().logical_or_(x == 0)
+    if not (relevance.requires_grad or x.requires_grad):
+        return quotient.masked_fill_(uncarried, 0)
+    carried = uncarried.logical_not_()  # with the history of both (create_graph): no 0 · inf in the backward
+    return torch.where(carried, relevance / torch.where(carried, x, 1), 0)
 
 
 # Elements per piece of :func:`pieces`: 4 MiB in float32. Much larger temporaries would be fresh
