@@ -171,8 +171,9 @@ class EpsilonRule(Rule):
         return redirect(output, [output], lambda grad: [times_saved(grad, scale)])
 
     def zero_output_seeds(self, call, relevance):
-        """``R / stabilize(0, ε) = R / ε`` through the layer's own gradient (its output before the rule), as
-        zennit's ε-rule sends it; none for LRP-0 (``R / 0``).
+        """``R / stabilize(z, ε)`` through the layer's own gradient (its output ``z`` before the rule), as zennit's
+        ε-rule sends it: ``R / ε`` at ``z = 0``, ``±R / ε`` at a ``z`` of that sign too small for ``R / z`` (1e-310);
+        none for LRP-0 (``R / 0``).
 
         Examples:
             >>> from tdhook.attribution.rules.base import layer_call_of
@@ -187,7 +188,7 @@ class EpsilonRule(Rule):
         """
         if self.epsilon == 0 or call.raw.shape != relevance.shape:
             return None
-        return [(call.raw, relevance / self.epsilon)]
+        return [(call.raw, relevance / stabilize(call.raw.detach(), self.epsilon))]
 
     def rewrite_merged(self, call, output, merged):
         # The merged layer's weights are the layer's times the channel scale: the
