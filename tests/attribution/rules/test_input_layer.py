@@ -61,15 +61,7 @@ class TestAgainstZennit:
         x.view(len(x), -1)[:, ::2] *= 1e-310
         r_out = output_relevance(layer, x)
         expected = zennit_relevance(theirs(), layer, x, r_out)
-        lrp = LRP(
-            layer,
-            rule_mapper=lambda name, module: ours() if module is layer else None,
-            in_keys=["x"],
-            out_keys=["y"],
-            target=lambda y: r_out,
-            create_graph=create_graph,
-        )
-        actual = lrp(TensorDict(x=x, batch_size=[len(x)]))["relevance", "x"].detach()
+        actual = tdhook_relevance(ours(), layer, x, r_out, create_graph=create_graph).detach()
         assert relative_error(actual, expected) <= TOL
 
     @pytest.mark.parametrize("rule_name", ["flat", "zbox"])
