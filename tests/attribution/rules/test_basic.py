@@ -48,6 +48,27 @@ class TestAgainstZennit:
         assert relative_error(actual, expected) <= TOL
 
 
+@pytest.mark.parametrize("create_graph", [False, True], ids=["plain", "create_graph"])
+@pytest.mark.parametrize("epsilon", [1e-9, 1e-12])
+def test_an_epsilon_below_float16s_smallest_step_gives_zero_outputs_no_relevance(epsilon: float, create_graph: bool):
+    # z / stabilize(z, ε) is 0 at z = 0; in float16, whose smallest step is 6e-8, such an ε rounded to 0 and the
+    # factor was 0 / 0: the relevance of a sample of zeros was NaN (and of the others, float32's cast).
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8, bias=False), nn.ReLU(), nn.Linear(8, 3))
+    x = torch.randn(3, 4)
+    x[1] = 0.0
+    mapper = {nn.Linear: EpsilonRule(epsilon)}
+
+    def relevance(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        lrp = LRP(model, mapper, in_keys=["x"], out_keys=["y"], create_graph=create_graph)
+        return lrp(TensorDict(x=x, batch_size=[3]))["relevance", "x"].detach()
+
+    expected = relevance(net, x)
+    actual = relevance(net.half(), x.half())
+    assert torch.equal(actual[1], torch.zeros(4, dtype=torch.float16))
+    torch.testing.assert_close(actual.float(), expected, rtol=2e-2, atol=2e-3)
+
+
 class TestFastPaths:
     """The paths that skip autograd or a product, each checked against zennit and shown to be taken."""
 

@@ -9,6 +9,8 @@ import torch
 __all__ = [
     "stabilize",
     "signed_shift",
+    "FLOAT16_STEP",
+    "epsilon_factor",
     "safe_divide",
     "carrying_gradient",
     "PIECE",
@@ -49,6 +51,23 @@ def signed_shift(tensor: torch.Tensor, epsilon: float) -> torch.Tensor:
     # tensor's dtype (no float32 rounding of epsilon). Twice as fast as a comparison and a conversion, and several
     # times faster than torch.where on CPU.
     return torch.sign(tensor).add_(0.5).sign_().mul_(epsilon)
+
+
+# float16's smallest positive value (2^-24, about 6e-8): a stabiliser below it rounds to 0 in float16.
+FLOAT16_STEP = 2.0**-24
+
+
+def epsilon_factor(z: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """``z / stabilize(z, epsilon)``, the ε-rule's factor, differentiable; in float32 for a float16 ``z`` and an
+    ``epsilon`` below :data:`FLOAT16_STEP` (it would round to 0 there, and ``0 / 0`` is NaN), returned in ``z``'s dtype.
+
+    Examples:
+        >>> epsilon_factor(torch.tensor([0.0, 1.0], dtype=torch.float16), 1e-9)
+        tensor([0., 1.], dtype=torch.float16)
+    """
+    if z.dtype is torch.float16 and epsilon < FLOAT16_STEP:
+        return (z.float() / stabilize(z.float(), epsilon)).to(z.dtype)
+    return z / stabilize(z, epsilon)
 
 
 def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
