@@ -220,6 +220,24 @@ class TestClosedForms:
         torch.testing.assert_close(ra, expected)
         torch.testing.assert_close(rb, expected)
 
+    def test_uniform_rule_gives_a_subnormal_input_its_half(self):
+        # The half the rule sets at each input reaches it through the gradient R / x, which overflowed at a
+        # subnormal input (1e-320): its relevance was NaN; it is now recorded whole, as at a zero input.
+        class Add(nn.Module):
+            def forward(self, a, b):
+                return a + b
+
+        a = torch.tensor([[1e-320, 0.0, -1.0]], dtype=torch.float64, requires_grad=True)
+        b = torch.tensor([[3.0, 0.5, 4.0]], dtype=torch.float64, requires_grad=True)
+        add, r_out = Add(), torch.tensor([[1.0, -2.0, 3.0]], dtype=torch.float64)
+        with UniformRule().register(add) as handle:
+            z = add(a, b)
+            ga, gb = torch.autograd.grad(z, (a, b), r_out / z.detach())
+            records = handle.pop_records()
+        extra = {id(t): rest for t, rest in records}
+        torch.testing.assert_close(a.detach() * ga + extra[id(a)], r_out / 2)
+        torch.testing.assert_close(b.detach() * gb + extra.get(id(b), 0), r_out / 2)
+
     def test_uniform_epsilon_halves_the_product_rule(self):
         class Mul(nn.Module):
             def forward(self, a, b):
