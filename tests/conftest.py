@@ -28,14 +28,17 @@ def zennit_relevance(hook, layer: torch.nn.Module, x: torch.Tensor, relevance_ou
     return relevance
 
 
-def tdhook_relevance(rule, layer: torch.nn.Module, x: torch.Tensor, relevance_out: torch.Tensor) -> torch.Tensor:
-    """Input relevance of ``layer`` under tdhook's ``rule``, through the LRP wrapper."""
+def tdhook_relevance(
+    rule, layer: torch.nn.Module, x: torch.Tensor, relevance_out: torch.Tensor, **options
+) -> torch.Tensor:
+    """Input relevance of ``layer`` under tdhook's ``rule``, through the LRP wrapper (given further ``options``)."""
     lrp = LRP(
         layer,
         rule_mapper=lambda name, module: rule if module is layer else None,
         in_keys=["x"],
         out_keys=["y"],
         target=lambda y: relevance_out,
+        **options,
     )
     td = lrp(TensorDict(x=x.detach().clone(), batch_size=[x.shape[0]]))
     return td["relevance", "x"]

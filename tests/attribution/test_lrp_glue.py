@@ -143,6 +143,18 @@ def test_glue_that_sums_inputs_before_the_first_layer_raises_naming_the_layer():
     assert any("'1'" in note for note in info.value.__notes__)
 
 
+def test_glue_that_sums_inputs_into_a_subnormal_before_the_first_layer_raises_as_a_zero_does():
+    # R / x overflows at a layer input of 1e-320 as at 0: x · grad cannot carry the relevance set there, which
+    # came out non-finite (-inf) where a zero raises.
+    net = network()
+    u = torch.randn(4, 6, dtype=F64)
+    u[:, 0], u[:, 1] = 0.0, 1e-320  # the layer input u + roll(u) is subnormal at position 1
+    model = nn.Sequential(Glue(lambda u: u + u.roll(1, -1)), *net)
+    lrp = LRP(model, EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"])
+    with pytest.raises(GlueError, match=r"FlatRule on Linear.*several input positions"):
+        lrp(TensorDict(x=u, batch_size=[len(u)]))
+
+
 def test_a_float32_image_normaliser_before_a_convolution_gives_each_pixel_its_normalised_relevance():
     # The usual (image - mean) / std per channel in float32: its roundings once made the positions look mixed, and
     # the relevance went through the shift's gradient instead (a sum 16x the layer's, 1e2 relative error).

@@ -169,6 +169,27 @@ class TestCallableTargets:
         assert_zero_outputs_relevance_is_zennits(net, torch.nn.Linear, rule, x, start, create_graph)
 
     @pytest.mark.parametrize("rule", ["zplus", "alpha2beta1", "epsilon"])
+    @pytest.mark.parametrize("create_graph", [False, True])
+    def test_relevance_on_outputs_too_small_to_divide_by_flows_as_zennits_rule_sends_it(self, rule, create_graph):
+        # Outputs of ±1e-310: relevance / output overflows, and the relevance of every sample was inf or NaN
+        # where zennit's is finite; such outputs now go as outputs of 0 do (Rule.zero_output_seeds).
+        net = self.signed_zero_output_net()
+        with torch.no_grad():
+            net[1].weight[0] *= 1e-310
+            net[1].bias.zero_()
+        x = torch.tensor([[2.0, 1.0], [-1.0, 3.0], [3.0, -1.0]], dtype=torch.float64)
+        y = net(x).detach()
+        assert (y[:, 0] != 0).all() and (y[:, 0].abs() < 1e-300).all() and (y[:, 0] < 0).any() and (y[:, 0] > 0).any()
+        start = torch.tensor([[1.0, 0.5], [-2.0, 0.25], [0.5, 1.0]], dtype=torch.float64)
+        ours, theirs = (make() for make in ZERO_OUTPUT_RULES[rule])
+        relevance = explain(net, x, rule_mapper={torch.nn.Linear: ours}, target=lambda y: start.clone(),
+                            create_graph=create_graph)["relevance", "x"].detach()  # fmt: skip
+        leaf = x.clone().requires_grad_(True)
+        with LayerMapComposite([(torch.nn.Linear, theirs)]).context(net):
+            (expected,) = torch.autograd.grad(net(leaf), leaf, start)
+        torch.testing.assert_close(relevance, expected, rtol=1e-10, atol=1e-10)
+
+    @pytest.mark.parametrize("rule", ["zplus", "alpha2beta1", "epsilon"])
     def test_relevance_on_zero_outputs_of_a_convolution_flows_as_zennits_rule_sends_it(self, rule):
         torch.manual_seed(0)
         net = torch.nn.Sequential(

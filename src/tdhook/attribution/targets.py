@@ -39,7 +39,7 @@ from tdhook.attribution._policy_targets import (
     sequential_steps,
 )
 from tdhook.attribution.rules._keeping_graph import graph_kept
-from tdhook.attribution.rules._numerics import safe_divide
+from tdhook.attribution.rules._numerics import carrying_gradient
 from tdhook.attribution.rules.base import layer_call_of
 
 __all__ = [
@@ -180,7 +180,8 @@ def initial_gradient(output: torch.Tensor, target: Target, key: NestedKey, batch
 def initial_relevance(
     output: torch.Tensor, target: Target, key: NestedKey, batch_dims: int
 ) -> tuple[torch.Tensor | EveryUnit, torch.Tensor | None]:
-    """:func:`initial_gradient`, and the relevance a callable target put on outputs that are exactly zero.
+    """:func:`initial_gradient`, and the relevance a callable target put on outputs that are exactly zero (or so
+    close to it that relevance / output overflows).
 
     ``output * g`` cannot carry relevance where ``output`` is zero; that part is returned separately
     (``None`` when there is none) for :func:`zero_output_seeds`.
@@ -214,11 +215,13 @@ def initial_relevance(
             f"LRP: the callable target {_name(target)} returned {relevance[where].item()} at {where} for output "
             f"{key!r}, where the output is {out[where].item()}; a target's relevance must be finite"
         )
-    at_zero = (out == 0) & (relevance != 0)
+    # Where relevance / output is infinite (an output of 0, or one so small that the quotient overflows: 1e-310 in
+    # float64, below about 1.5e-5 · |relevance| in float16), ``output × gradient`` cannot carry the relevance.
+    at_zero = (relevance / out).isinf()
     rest = torch.where(at_zero, relevance, 0) if bool(at_zero.any()) else None
     if keep:
-        return safe_divide(given.to(out.dtype), output), rest
-    return safe_divide(relevance, out).to(out.dtype), rest
+        return carrying_gradient(given.to(out.dtype), output), rest
+    return carrying_gradient(relevance, out).to(out.dtype), rest
 
 
 def _name(target: Callable) -> str:
@@ -228,12 +231,13 @@ def _name(target: Callable) -> str:
 def zero_output_seeds(
     output: torch.Tensor, rest: torch.Tensor, key: NestedKey
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Where the backward pass starts for relevance ``rest`` put on outputs that are exactly zero.
+    """Where the backward pass starts for relevance ``rest`` put on outputs that are exactly zero (or so close to it
+    that relevance / output overflows).
 
     ``output × gradient`` cannot carry relevance from a zero output: the rule of the Linear or convolution
     layer that made the output says where its explicit form sends it (:meth:`Rule.zero_output_seeds
-    <tdhook.attribution.rules.base.Rule.zero_output_seeds>`): the ε-rule (ε > 0) sends ``R / ε`` through the
-    layer's gradient, z⁺, αβ, Flat and w² share ``R`` by their modified outputs.
+    <tdhook.attribution.rules.base.Rule.zero_output_seeds>`): the ε-rule (ε > 0) sends ``R / stabilize(z, ε)``
+    (``R / ε`` at 0) through the layer's gradient, z⁺, αβ, Flat and w² share ``R`` by their modified outputs.
 
     Raises:
         ValueError: no rule carries it (an activation, a norm or another operation made the output, or the
@@ -246,25 +250,30 @@ def zero_output_seeds(
         return seeds
     made_by = f"{type(call.module).__name__} with {type(call.rule).__name__}" if call is not None else "its producer"
     raise ValueError(
-        f"LRP: the callable target puts relevance {float(rest.sum()):.4g} on {zero_entries(rest, key)}; {made_by} "
+        f"LRP: the callable target puts relevance {float(rest.sum()):.4g} on {zero_entries(rest, key, output)}; "
+        f"{made_by} "
         "cannot carry relevance from a zero output (a Linear or convolution layer with the ε-rule, ε > 0, z⁺, αβ, "
-        "Flat or w² can): put no relevance there (multiply the target's relevance by output != 0), or explain an "
+        "Flat or w² can): put no relevance there (multiply the target's relevance by a mask of the outputs to "
+        "explain, output != 0 for the zeros), or explain an "
         "output such a layer makes"
     )
 
 
-def zero_entries(rest: torch.Tensor, key: NestedKey) -> str:
-    """Where a callable target put relevance on outputs that are exactly 0, in words (the first four entries).
+def zero_entries(rest: torch.Tensor, key: NestedKey, output: torch.Tensor | None = None) -> str:
+    """Where a callable target put relevance on outputs that are exactly 0, in words (the first four entries);
+    given the ``output``, those that are not 0 are said to be too small to divide by.
 
     Examples:
         >>> zero_entries(torch.tensor([[0.0, 1.0], [2.0, 0.0]]), "q")
         "2 entries of output 'q' that are exactly 0 (at (0, 1), (1, 0))"
+        >>> zero_entries(torch.tensor([[0.0, 1.0]]), "q", torch.tensor([[3.0, 1e-44]]))
+        "1 entries of output 'q' that are exactly 0 or so small that relevance / output overflows (at (0, 1))"
     """
     entries = rest.nonzero()
     where = ", ".join(str(tuple(int(i) for i in entry)) for entry in entries[:4])
-    return (
-        f"{len(entries)} entries of output {key!r} that are exactly 0 (at {where}{', ...' if len(entries) > 4 else ''})"
-    )
+    tiny = output is not None and bool((output.detach()[rest != 0] != 0).any())
+    what = "exactly 0 or so small that relevance / output overflows" if tiny else "exactly 0"
+    return f"{len(entries)} entries of output {key!r} that are {what} (at {where}{', ...' if len(entries) > 4 else ''})"
 
 
 def raise_for_unreached(key: NestedKey | list[NestedKey], keys: list[NestedKey], reached: list[bool]) -> None:

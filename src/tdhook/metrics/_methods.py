@@ -186,8 +186,8 @@ def original_target(
         weights, at_zero = initial_relevance(output.detach(), target, key, batch_dims)
         if at_zero is not None:  # LRP seeds it at the zero outputs; held weights on other outputs cannot
             raise ValueError(
-                f"metrics: the method's callable target puts relevance on {zero_entries(at_zero, key)}; weights "
-                "relevance / output held for other inputs cannot carry it: return the output times the weights "
+                f"metrics: the method's callable target puts relevance on {zero_entries(at_zero, key, output)}; "
+                "weights relevance / output held for other inputs cannot carry it: return the output times the weights "
                 "(lambda y: y * w)"
             )
         return HeldWeights(weights)

@@ -301,9 +301,9 @@ class Scorer:
                 raise _metrics_error(err) from err
             if at_zero is not None:  # y * relevance / y cannot score it: the curve would start below sum(target(y))
                 raise ValueError(
-                    f"metrics: the callable target puts relevance on {zero_entries(at_zero, self._key)}; a perturbed "
-                    "output y' scores sum(y' * relevance / y), which cannot carry it: return the output times the "
-                    "weights (lambda y: y * w)"
+                    f"metrics: the callable target puts relevance on {zero_entries(at_zero, self._key, output)}; a "
+                    "perturbed output y' scores sum(y' * relevance / y), which cannot carry it: return the output "
+                    "times the weights (lambda y: y * w)"
                 )
         elif output.dim() > len(self._batch) and (target is not None or output.shape[-1] > 1):
             try:

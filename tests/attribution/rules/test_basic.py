@@ -48,6 +48,27 @@ class TestAgainstZennit:
         assert relative_error(actual, expected) <= TOL
 
 
+@pytest.mark.parametrize("create_graph", [False, True], ids=["plain", "create_graph"])
+@pytest.mark.parametrize("epsilon", [1e-9, 1e-12])
+def test_an_epsilon_below_float16s_smallest_step_gives_zero_outputs_no_relevance(epsilon: float, create_graph: bool):
+    # z / stabilize(z, ε) is 0 at z = 0; in float16, whose smallest step is 6e-8, such an ε rounded to 0 and the
+    # factor was 0 / 0: the relevance of a sample of zeros was NaN (and of the others, float32's cast).
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8, bias=False), nn.ReLU(), nn.Linear(8, 3))
+    x = torch.randn(3, 4)
+    x[1] = 0.0
+    mapper = {nn.Linear: EpsilonRule(epsilon)}
+
+    def relevance(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        lrp = LRP(model, mapper, in_keys=["x"], out_keys=["y"], create_graph=create_graph)
+        return lrp(TensorDict(x=x, batch_size=[3]))["relevance", "x"].detach()
+
+    expected = relevance(net, x)
+    actual = relevance(net.half(), x.half())
+    assert torch.equal(actual[1], torch.zeros(4, dtype=torch.float16))
+    torch.testing.assert_close(actual.float(), expected, rtol=2e-2, atol=2e-3)
+
+
 class TestFastPaths:
     """The paths that skip autograd or a product, each checked against zennit and shown to be taken."""
 
@@ -198,6 +219,24 @@ class TestClosedForms:
         expected = torch.tensor([[0.0, -1.0, 1.5]], dtype=torch.float64)
         torch.testing.assert_close(ra, expected)
         torch.testing.assert_close(rb, expected)
+
+    def test_uniform_rule_gives_a_subnormal_input_its_half(self):
+        # The half the rule sets at each input reaches it through the gradient R / x, which overflowed at a
+        # subnormal input (1e-320): its relevance was NaN; it is now recorded whole, as at a zero input.
+        class Add(nn.Module):
+            def forward(self, a, b):
+                return a + b
+
+        a = torch.tensor([[1e-320, 0.0, -1.0]], dtype=torch.float64, requires_grad=True)
+        b = torch.tensor([[3.0, 0.5, 4.0]], dtype=torch.float64, requires_grad=True)
+        add, r_out = Add(), torch.tensor([[1.0, -2.0, 3.0]], dtype=torch.float64)
+        with UniformRule().register(add) as handle:
+            z = add(a, b)
+            ga, gb = torch.autograd.grad(z, (a, b), r_out / z.detach())
+            records = handle.pop_records()
+        extra = {id(t): rest for t, rest in records}
+        torch.testing.assert_close(a.detach() * ga + extra[id(a)], r_out / 2)
+        torch.testing.assert_close(b.detach() * gb + extra.get(id(b), 0), r_out / 2)
 
     def test_uniform_epsilon_halves_the_product_rule(self):
         class Mul(nn.Module):

@@ -77,3 +77,18 @@ def test_a_hook_put_first_that_only_looks_changes_nothing():
         got = lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
     handle.remove()
     assert seen and torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_global_hook_that_only_looks_is_not_taken_for_a_change_by_a_non_finite_sample(bad: float):
+    # The layer's output was compared with its own by a tolerance over the whole batch, which a NaN or inf sample
+    # made NaN: every call with such a sample was refused, naming a hook that changed nothing.
+    net, x = cnn(), torch.randn(3, 3, 8, 8, dtype=F64)
+    x[1, 0, 2, 2] = bad
+    expected = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(TensorDict(x=x[[0, 2]], batch_size=[2]))
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, output: None)
+    try:
+        got = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[3]))
+    finally:
+        handle.remove()
+    assert relative_error(got["relevance", "x"][[0, 2]], expected["relevance", "x"]) <= 1e-12

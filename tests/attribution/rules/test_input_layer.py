@@ -50,6 +50,31 @@ class TestAgainstZennit:
         assert expected[:, :2].abs().sum() > 0
         assert relative_error(actual, expected) <= TOL
 
+    @pytest.mark.parametrize("create_graph", [False, True], ids=["plain", "create_graph"])
+    @pytest.mark.parametrize("kind", ["linear", "conv2d"])
+    @pytest.mark.parametrize("rule_name", sorted(RULE_PAIRS))
+    def test_subnormal_inputs_get_their_relevance(self, rule_name: str, kind: str, create_graph: bool):
+        # The relevance these rules set at x reaches x through the gradient R / x, which overflows where x is
+        # subnormal (1e-310): x · inf made it NaN, where zennit's relevance is finite.
+        ours, theirs = RULE_PAIRS[rule_name]
+        layer, x = make_layer(kind)
+        x.view(len(x), -1)[:, ::2] *= 1e-310
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(theirs(), layer, x, r_out)
+        actual = tdhook_relevance(ours(), layer, x, r_out, create_graph=create_graph).detach()
+        assert relative_error(actual, expected) <= TOL
+
+    @pytest.mark.parametrize("rule_name", ["flat", "zbox"])
+    def test_small_inputs_in_float16_get_their_relevance(self, rule_name: str):
+        # float16's largest value is 65504: R / x overflowed for |x| below about 1.5e-5 · |R| (x = 1e-7 here).
+        ours, _ = RULE_PAIRS[rule_name]
+        layer, x = make_layer("linear")
+        x[:, 1] = 1e-7
+        r_out = output_relevance(layer, x)
+        expected = tdhook_relevance(ours(), layer, x, r_out)
+        actual = tdhook_relevance(ours(), layer.half(), x.half(), r_out.half())
+        assert relative_error(actual.double(), expected) <= 2e-2
+
 
 class TestFastPaths:
     """The paths that skip autograd or a product, each checked against zennit and shown to be taken."""

@@ -442,6 +442,21 @@ def test_every_preset_applies_the_rule_alone_inside_the_module(kind, preset):
     assert rel_err(td["relevance", "x"], expected) < TOL
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_non_finite_sample_leaves_the_other_samples_relevance_alone(kind, bad):
+    # The check that the step-by-step re-computation reproduces the module's output compared NaN with NaN as
+    # different: every batch with a NaN sample was refused, saying the module is not torch's recurrence.
+    torch.manual_seed(8)
+    net = LastStepHead(kind)
+    x = torch.randn(3, 6, 3, dtype=F64)
+    bad_x = x.clone()
+    bad_x[1, 2, 0] = bad
+    expected = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(TensorDict(x=x[[0, 2]], batch_size=[2]))
+    td = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(TensorDict(x=bad_x, batch_size=[3]))
+    assert rel_err(td["relevance", "x"][[0, 2]], expected["relevance", "x"]) < TOL
+
+
 class RecurrentPolicy(nn.Module):
     """An optional encoder Linear, a recurrent layer or cell, and a head of two Linear layers on its last state."""
 

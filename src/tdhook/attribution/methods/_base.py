@@ -399,8 +399,8 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             raise _rename(err, name) from None
         if at_zero is not None:
             raise ValueError(
-                f"{name}: the callable target puts relevance on {zero_entries(at_zero, target_key)}; the output is "
-                "weighted by relevance / output, which cannot carry it: return the output times the weights "
+                f"{name}: the callable target puts relevance on {zero_entries(at_zero, target_key, output)}; the "
+                "output is weighted by relevance / output, which cannot carry it: return the output times the weights "
                 "(lambda y: y * w)"
             )
         if isinstance(seeds, EveryUnit):

@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn import Parameter
 
 from tdhook.attribution.rules._keeping_graph import RelevancePass, graph_kept
-from tdhook.attribution.rules._numerics import safe_divide
+from tdhook.attribution.rules._numerics import carrying_gradient
 from tdhook.attribution.rules._recomputed import error_in_running_module
 
 __all__ = [
@@ -288,7 +288,7 @@ class _RelevanceProxy(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         (x,) = ctx.saved_tensors
         relevance = ctx.relevance_fn(grads)
-        grad_x = safe_divide(relevance, x)
+        grad_x = carrying_gradient(relevance, x)
         ctx.record_fn(relevance - x * grad_x)
         return (None, None, grad_x, *(None for _ in grads))
 
@@ -304,8 +304,9 @@ def relevance_proxy(
     The returned tensors have the values of ``stand_ins`` and are connected to
     ``x``. In the backward pass, ``relevance_fn`` turns their gradients into the
     relevance ``R`` of ``x``; ``x`` receives the gradient ``R / x`` (zero where
-    ``x`` is zero), and ``record_fn`` receives ``R - x * (R / x)``, the relevance
-    that the gradient cannot carry. The LRP wrapper adds it back when ``x`` is
+    ``x`` is zero or the quotient overflows, see :func:`carrying_gradient`), and
+    ``record_fn`` receives ``R - x * (R / x)``, the relevance that the gradient
+    cannot carry. The LRP wrapper adds it back when ``x`` is
     one of its input keys.
 
     Args:

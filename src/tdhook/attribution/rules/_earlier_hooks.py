@@ -56,7 +56,7 @@ def raise_if_an_earlier_hook_changed(
     with torch.no_grad():
         own = forward_with(module, effective_parameters(module), inputs[0], busy)
     seen = output.detach()
-    if own.shape == seen.shape and bool(((own - seen).abs() <= 1e-6 * own.abs().amax() + 1e-30).all()):
+    if own.shape == seen.shape and _same(own, seen):
         return
     kind = type(module).__name__
     if global_hook:
@@ -76,3 +76,17 @@ def raise_if_an_earlier_hook_changed(
     )
     error.module = module  # the wrapper names the module's path
     raise error
+
+
+def _same(own: torch.Tensor, seen: torch.Tensor) -> bool:
+    """Whether ``seen`` is ``own`` up to rounding, entry by entry; the tolerance is taken from the finite entries, and
+    non-finite ones (a sample holding NaN or inf) must be equal or both NaN.
+
+    Examples:
+        >>> own = torch.tensor([1.0, float("nan"), float("inf")])
+        >>> _same(own, own.clone()), _same(own, torch.tensor([1.5, float("nan"), float("inf")]))
+        (True, False)
+    """
+    tolerance = 1e-6 * own.abs().where(own.isfinite(), 0).amax() + 1e-30
+    close = ((own - seen).abs() <= tolerance) | (own == seen) | (own.isnan() & seen.isnan())
+    return bool(close.all())

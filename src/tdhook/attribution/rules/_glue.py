@@ -234,14 +234,20 @@ def _copied_leaf(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def rest_records(
-    rule: object, module: nn.Module, x: torch.Tensor, rest: torch.Tensor, registration: object | None = None
+    rule: object,
+    module: nn.Module,
+    x: torch.Tensor,
+    rest: torch.Tensor,
+    registration: object | None = None,
+    uncarried: torch.Tensor | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The records of the relevance ``rest`` that ``x * grad`` did not carry at ``module``'s input ``x``.
 
     A model input (a leaf, a copy of a leaf as the wrapper feeds the model, or an alias of one) keeps all of it,
-    rounding included; an input computed by glue gives what lies at its zero entries to the model inputs through
-    :func:`carry_back`. In the first call for ``registration`` (the rule's on ``module``), relevance that an activation
-    in the glue zeroed is warned about (see :func:`warn_if_zeroed_by_glue`).
+    rounding included; an input computed by glue gives what lies at the entries ``x * grad`` does not carry
+    (``uncarried``; by default its zero entries) to the model inputs through :func:`carry_back`. In the first call
+    for ``registration`` (the rule's on ``module``), relevance that an activation in the glue zeroed is warned about
+    (see :func:`warn_if_zeroed_by_glue`).
 
     Examples:
         >>> u = torch.tensor([0.0, 2.0], requires_grad=True)
@@ -254,7 +260,7 @@ def rest_records(
     copied = _copied_leaf(source)
     if copied is not None:
         return [(copied, rest)]
-    at_zero = torch.where(x.detach() == 0, rest, 0)
+    at_zero = torch.where(x.detach() == 0 if uncarried is None else uncarried, rest, 0)
     who = f"{type(rule).__name__} on {type(module).__name__}"
     dropped = _unchecked(registration)
     try:

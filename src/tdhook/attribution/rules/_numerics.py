@@ -9,7 +9,10 @@ import torch
 __all__ = [
     "stabilize",
     "signed_shift",
+    "FLOAT16_STEP",
+    "epsilon_factor",
     "safe_divide",
+    "carrying_gradient",
     "PIECE",
     "pieces",
     "in_pieces_",
@@ -50,6 +53,23 @@ def signed_shift(tensor: torch.Tensor, epsilon: float) -> torch.Tensor:
     return torch.sign(tensor).add_(0.5).sign_().mul_(epsilon)
 
 
+# float16's smallest positive value (2^-24, about 6e-8): a stabiliser below it rounds to 0 in float16.
+FLOAT16_STEP = 2.0**-24
+
+
+def epsilon_factor(z: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """``z / stabilize(z, epsilon)``, the ε-rule's factor, differentiable; in float32 for a float16 ``z`` and an
+    ``epsilon`` below :data:`FLOAT16_STEP` (it would round to 0 there, and ``0 / 0`` is NaN), returned in ``z``'s dtype.
+
+    Examples:
+        >>> epsilon_factor(torch.tensor([0.0, 1.0], dtype=torch.float16), 1e-9)
+        tensor([0., 1.], dtype=torch.float16)
+    """
+    if z.dtype is torch.float16 and epsilon < FLOAT16_STEP:
+        return (z.float() / stabilize(z.float(), epsilon)).to(z.dtype)
+    return z / stabilize(z, epsilon)
+
+
 def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
     """``numerator / denominator`` where the denominator is non-zero, and ``0`` where it is zero.
 
@@ -59,6 +79,25 @@ def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Ten
     """
     nonzero = denominator != 0
     return torch.where(nonzero, numerator / torch.where(nonzero, denominator, 1), 0)
+
+
+def carrying_gradient(relevance: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The gradient ``relevance / x`` by which ``x · grad`` carries a relevance set at ``x``, and ``0`` where it
+    cannot: where ``x`` is zero, and where the quotient overflows (``x`` subnormal, or in float16, whose largest
+    value is 65504, below about ``1.5e-5 · |relevance|``), whose ``x · inf`` would be NaN. The caller records
+    ``relevance - x · grad``, which is the whole relevance there. NaN propagates as in a plain division.
+
+    Examples:
+        >>> carrying_gradient(torch.tensor([1.0, 2.0, 1.0]), torch.tensor([0.0, 4.0, 1e-40]))
+        tensor([0.0000, 0.5000, 0.0000])
+    """
+    with torch.no_grad():
+        quotient = relevance / x
+        uncarried = quotient.isinf().logical_or_(x == 0)
+    if not (relevance.requires_grad or x.requires_grad):
+        return quotient.masked_fill_(uncarried, 0)
+    carried = uncarried.logical_not_()  # with the history of both (create_graph): no 0 · inf in the backward
+    return torch.where(carried, relevance / torch.where(carried, x, 1), 0)
 
 
 # Elements per piece of :func:`pieces`: 4 MiB in float32. Much larger temporaries would be fresh

@@ -27,7 +27,7 @@ from tdhook.attribution.rules._first_pass import first_pass
 from tdhook.attribution.rules._graph_calls import recording, runs_plain
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import LINEAR_LAYERS, bias_view
-from tdhook.attribution.rules._numerics import PIECE, in_pieces_, stabilize
+from tdhook.attribution.rules._numerics import FLOAT16_STEP, PIECE, epsilon_factor, in_pieces_, stabilize
 from tdhook.attribution.rules._recomputed import saved_tensors_hooked
 from tdhook.attribution.rules._set_relevance import probing
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, _single_input, output_seen_by_rule_alone
@@ -143,6 +143,8 @@ class EpsilonRule(Rule):
         epsilon = self.epsilon
         if epsilon == 0:
             scale = (z != 0).to(z.dtype)
+        elif z.dtype is torch.float16 and epsilon < FLOAT16_STEP:  # ε rounds to 0 in float16: 0 / 0 at z = 0
+            scale = epsilon_factor(z, epsilon)
         elif z.numel() <= PIECE:  # small enough to stay in cache whole (in_pieces_ without its call)
             # z / stabilize(z, ε) is |z| / (|z| + ε) exactly (a sign flip is exact), in three passes.
             scale = z.abs()
@@ -156,7 +158,7 @@ class EpsilonRule(Rule):
         z, epsilon = output.clone(), self.epsilon  # a copy: later in-place operations must not reach it
 
         def backward(grad: torch.Tensor) -> list[torch.Tensor]:
-            scale = (z != 0).to(z.dtype) if epsilon == 0 else z / stabilize(z, epsilon)
+            scale = (z != 0).to(z.dtype) if epsilon == 0 else epsilon_factor(z, epsilon)
             return [grad * scale if n_inputs == 1 else grad * scale / n_inputs]
 
         return redirect(output, [output], backward)
@@ -171,8 +173,9 @@ class EpsilonRule(Rule):
         return redirect(output, [output], lambda grad: [times_saved(grad, scale)])
 
     def zero_output_seeds(self, call, relevance):
-        """``R / stabilize(0, ε) = R / ε`` through the layer's own gradient (its output before the rule), as
-        zennit's ε-rule sends it; none for LRP-0 (``R / 0``).
+        """``R / stabilize(z, ε)`` through the layer's own gradient (its output ``z`` before the rule), as zennit's
+        ε-rule sends it: ``R / ε`` at ``z = 0``, ``±R / ε`` at a ``z`` of that sign too small for ``R / z`` (1e-310);
+        none for LRP-0 (``R / 0``).
 
         Examples:
             >>> from tdhook.attribution.rules.base import layer_call_of
@@ -187,7 +190,7 @@ class EpsilonRule(Rule):
         """
         if self.epsilon == 0 or call.raw.shape != relevance.shape:
             return None
-        return [(call.raw, relevance / self.epsilon)]
+        return [(call.raw, relevance / stabilize(call.raw.detach(), self.epsilon))]
 
     def rewrite_merged(self, call, output, merged):
         # The merged layer's weights are the layer's times the channel scale: the
@@ -197,7 +200,7 @@ class EpsilonRule(Rule):
             z, epsilon = output.clone(), self.epsilon
 
             def backward(grad: torch.Tensor) -> list[torch.Tensor]:
-                scale = (z != 0).to(z.dtype) if epsilon == 0 else z / stabilize(z, epsilon)
+                scale = (z != 0).to(z.dtype) if epsilon == 0 else epsilon_factor(z, epsilon)
                 return [grad * scale * channel]
 
             return redirect(output, [call.raw], backward)

@@ -73,6 +73,12 @@ def is_diagonal(output: torch.Tensor, x: torch.Tensor) -> bool:
     if ju is None or jv is None:
         return False
     left, right = ju * v, jv * u
+    # A sample that is not finite (NaN, ±inf) says nothing about the function: the other entries decide (a NaN in
+    # one sample made every module non-diagonal, and the batch's other samples lost the pass rule).
+    finite = left.isfinite() & right.isfinite()
+    if not bool(finite.any()):
+        return False
+    left, right = left.where(finite, 0), right.where(finite, 0)
     scale = left.abs().max().clamp_min(torch.finfo(left.dtype).tiny)
     return bool(((left - right).abs().max() / scale) <= 64 * torch.finfo(left.dtype).eps)
 
@@ -106,7 +112,8 @@ def is_curved(module: nn.Module, x: torch.Tensor) -> bool:
             (curvature,) = torch.autograd.grad(slope, probe, ones, allow_unused=True)
     except RuntimeError:  # not twice differentiable here: not a plain affine map
         return True
-    return curvature is not None and bool(curvature.abs().max() > 0)
+    # Any non-zero entry, NaN aside (a sample that is not finite), an infinite one included.
+    return curvature is not None and bool((curvature.abs() > 0).any())
 
 
 class ElementwiseRule(Rule):

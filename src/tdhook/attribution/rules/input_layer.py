@@ -24,7 +24,7 @@ from tdhook.attribution.rules._input_gradients import (
     has_direct_input_gradient,
 )
 from tdhook.attribution.rules._layers import bias_view, check_layer_forward
-from tdhook.attribution.rules._numerics import pieces, safe_divide, signed_shift, stabilize
+from tdhook.attribution.rules._numerics import carrying_gradient, pieces, signed_shift, stabilize
 from tdhook.attribution.rules.base import (
     _UNPREPARED,
     _ZERO_BIAS,
@@ -131,7 +131,7 @@ class _DirectInputRule(_ModifiedForwardRule):
         if whole is not None:  # computed by glue position by position, as in input_gradient
             records, relevance = whole
             registration.records.extend(records)
-        grad_x = safe_divide(relevance, x)
+        grad_x = carrying_gradient(relevance, x)
         registration.records.append((x, relevance - x * grad_x))
         note_up_the_glue(self, module, x, set_at_x, carried=x * grad_x)
         return grad_x
@@ -146,10 +146,10 @@ class _DirectInputRule(_ModifiedForwardRule):
             if not bool(relevance.any()):
                 note_up_the_glue(self, module, x, set_at_x)  # for the relevance of modules named in ``layers``
                 return torch.zeros_like(value)
-        with torch.no_grad():
-            grad_x = safe_divide(relevance, value)
-        # The gradient carries R = x * grad_x; what it cannot carry (where x = 0) is recorded.
-        registration.records.extend(rest_records(self, module, x, relevance - value * grad_x, registration))
+        grad_x = carrying_gradient(relevance, value)
+        # The gradient carries R = x * grad_x; what it cannot carry (where x = 0, or R / x overflows) is recorded.
+        rest = relevance - value * grad_x
+        registration.records.extend(rest_records(self, module, x, rest, registration, uncarried=grad_x == 0))
         note_up_the_glue(self, module, x, set_at_x, carried=value * grad_x)
         return grad_x
 

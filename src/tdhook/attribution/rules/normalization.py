@@ -53,7 +53,7 @@ from tdhook.attribution.rules._graph_calls import note_output, planned, recordin
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layer_norm_gradient import layer_norm_rule_gradient
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
-from tdhook.attribution.rules._numerics import in_pieces_, stabilize
+from tdhook.attribution.rules._numerics import FLOAT16_STEP, epsilon_factor, in_pieces_
 from tdhook.attribution.rules._recomputed import saved_tensors_hooked
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.tunables import EPSILON
@@ -493,13 +493,16 @@ class NormRule(Rule):
             return output
         if graph_kept() is not None:  # the factor from the output's copy, with its history
             z = output.clone()
-            factor = z / stabilize(z, self.epsilon)
+            factor = epsilon_factor(z, self.epsilon)
             if scale is None:
                 return redirect(output, [output], lambda grad: [grad * factor])
             factor = factor * _channel_view(scale, z)
             return redirect(output, [x], lambda grad: [grad * factor])
         z = output.detach()
-        factor = in_pieces_(z.abs(), lambda piece: piece.div_(piece + self.epsilon))  # z / stabilize(z, ε)
+        if z.dtype is torch.float16 and self.epsilon < FLOAT16_STEP:  # ε rounds to 0 in float16: 0 / 0 at z = 0
+            factor = epsilon_factor(z, self.epsilon)
+        else:
+            factor = in_pieces_(z.abs(), lambda piece: piece.div_(piece + self.epsilon))  # z / stabilize(z, ε)
         if scale is None:
             return redirect(output, [output], lambda grad: [times_saved(grad, factor)])
         factor.mul_(_channel_view(scale, z))

@@ -228,7 +228,9 @@ def run_layer_stack(
 
 def _check_close(module: nn.Module, recomputed: torch.Tensor, output: torch.Tensor) -> None:
     tolerance = 1e-6 if output.dtype == torch.float64 else 1e-2
-    if output.shape != recomputed.shape or not torch.allclose(recomputed, output, rtol=tolerance, atol=tolerance):
+    # NaN where the output is NaN (a sample that is not finite) is a reproduction too.
+    same = output.shape == recomputed.shape
+    if not same or not torch.allclose(recomputed, output, rtol=tolerance, atol=tolerance, equal_nan=True):
         error = RuntimeError(
             f"RecurrentRule on {type(module).__name__}: the step-by-step re-computation from the module's weights "
             f"does not reproduce its output (shape {tuple(output.shape)}); the module computes something other than "
