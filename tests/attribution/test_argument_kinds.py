@@ -192,9 +192,6 @@ def test_a_fixed_grid_samples_linearly():
 
 
 SECOND_FACTORS = {
-    "torch.mul(a, other=b)": lambda h: torch.mul(h[:, :3], other=h[:, 3:]),
-    "a.mul(other=b)": lambda h: h[:, :3].mul(other=h[:, 3:]),
-    "torch.matmul(a, other=b)": lambda h: torch.matmul(h[:, None, :3], other=h[:, 3:, None]).expand(-1, 3, 1)[..., 0],
     "torch.div(a, other=b)": lambda h: torch.div(h[:, :3], other=h[:, 3:]),
     "F.prelu(a, b)": lambda h: F.prelu(h[:, :3], F.relu(h[0, 3:])),
     "torch.lerp(a, b, c)": lambda h: torch.lerp(h[:, :3], h[:, 3:], h[:, :3]),
@@ -204,12 +201,11 @@ SECOND_FACTORS = {
 
 @pytest.mark.parametrize("preset", [BaseRuleMapper, AttnLRP])
 @pytest.mark.parametrize("name", sorted(SECOND_FACTORS))
-def test_a_product_whose_second_factor_is_an_activation_is_named(name: str, preset):
-    """A product or division with its second factor given by keyword (``torch.mul(a, other=b)``), or a slope or a
-    weight computed from activations (PReLU, batch_norm), was taken for piecewise linear, and the function rules
-    did not see a factor given by keyword: the relevance summed to twice the output (a division's to none of it,
-    PReLU's to 0.67 of it, 4.9 under AttnLRP) with no warning. lerp by a weight computed from activations stays
-    named."""
+def test_a_call_whose_second_factor_is_an_activation_is_named(name: str, preset):
+    """A division by an activation given by keyword (``torch.div(a, other=b)``), or a slope or a weight computed
+    from activations (PReLU, batch_norm) was taken for piecewise linear: the relevance summed to none of the output
+    (the division), to 0.67 of it (PReLU; 4.9 under AttnLRP), to twice it (batch_norm), with no warning. lerp by a
+    weight computed from activations stays named."""
     torch.manual_seed(0)
     _, _, messages, _ = explain(Between(SECOND_FACTORS[name]), preset(), batch=1)  # batch 1: PReLU's slope is shared
     function = name.split("(")[0].split(".")[-1]

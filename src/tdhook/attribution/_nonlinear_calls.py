@@ -65,6 +65,7 @@ from tdhook.attribution.rules._autograd import (
 )
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._dropout_calls import dropout_probability
+from tdhook.attribution.rules._keyword_factors import FACTOR_KEYWORDS, positional_factors
 from tdhook.attribution.rules._layer_nodes import LAYER_MARK
 from tdhook.attribution.rules.base import _reaches_model_input
 
@@ -326,6 +327,10 @@ class NonlinearCalls(TorchFunctionMode):
     def _record(self, func: Any, args: tuple, result: Any, kwargs: dict | None = None) -> None:
         if self._ruled_depth:
             return
+        if (
+            kwargs and func in FACTOR_KEYWORDS
+        ):  # a product's factors given by keyword, where the function modes read them
+            args, kwargs = positional_factors(func, args, kwargs)
         if self._straight_through.note(func, args, result, kwargs):
             self._calls.append((self._stack[-1] if self._stack else "", STRAIGHT_THROUGH, _grad_fn(result)))
             return
@@ -364,8 +369,9 @@ class NonlinearCalls(TorchFunctionMode):
 
     def _covers(self, func: Any, args: tuple, kwargs: dict | None) -> bool:
         """Whether a mode's rule covers this call, which is not piecewise linear: the rules read a product's factors
-        and a division's divisor where they are given by position, so that one given by keyword
-        (``torch.mul(a, other=b)``) keeps its plain gradient."""
+        and a division's divisor by position (or by the keywords :mod:`~tdhook.attribution.rules._keyword_factors`
+        puts in place), so that another one given by keyword (``torch.addcmul(h, tensor1=a, tensor2=b)``) keeps its
+        plain gradient."""
         if kwargs and function_kind(func)[1] in ("product", "division") and _activations(kwargs.values()):
             return False
         return any(mode.covers(func, args) for mode in self._covering)

@@ -48,6 +48,7 @@ from tdhook.attribution.rules._clips import (
     clip_passing,
     clips_a_signal,
 )
+from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, rules_apply
@@ -321,6 +322,7 @@ class HeldGates(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in ELEMENTWISE_PRODUCTS:
+            args, kwargs = positional_factors(func, args, kwargs) if kwargs else (args, kwargs)  # mul(a, other=g)
             held = held_gate_product(func, args, kwargs)
             if held is not None:
                 raise_for_checkpoint("gates held constant in products")
