@@ -14,6 +14,22 @@ from tdhook.attribution import CPLRP, LRP, AttnLRP, BaseRuleMapper, EpsilonPlus
 from tests.attribution.test_argument_kinds import F64, Between, explain
 from tests.conftest import relative_error
 
+
+def keyword_and_position(keyword: Between, positional: Between, preset, x: torch.Tensor) -> torch.Tensor:
+    """The relevance of ``keyword`` under ``preset``, with no warning, checked equal to that of ``positional`` with
+    the same weights."""
+    positional = positional.double()
+    positional.load_state_dict(keyword.state_dict())
+    relevance = []
+    for model in (keyword, positional):
+        lrp = LRP(model, preset, in_keys=["x"], out_keys=["y"], target=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            relevance.append(lrp(TensorDict(x=x, batch_size=[len(x)]))["relevance", "x"])
+    torch.testing.assert_close(relevance[0], relevance[1], rtol=1e-12, atol=1e-12)
+    return relevance[0]
+
+
 # Products given their second factor by keyword, and the same products by position.
 KEYWORD_PRODUCTS = {
     "torch.mul(a, other=b)": (
@@ -46,19 +62,11 @@ def test_a_product_given_its_factors_by_keyword_is_named_or_ruled_as_by_position
     _, _, messages, _ = explain(model, BaseRuleMapper())
     function = "baddbmm" if "baddbmm" in name else name.split("(")[0].split(".")[-1]
     assert len(messages) == 1 and f"computes {function} in its own forward" in messages[0], messages
-    by_position = Between(positional, width).double()
-    by_position.load_state_dict(model.state_dict())
     x = torch.randn(3, 4, dtype=F64)
     for preset in (AttnLRP, CPLRP):
-        relevance = {}
-        for kind, explained in (("keyword", model), ("position", by_position)):
-            lrp = LRP(explained, preset(), in_keys=["x"], out_keys=["y"], target=0)
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")
-                relevance[kind] = lrp(TensorDict(x=x, batch_size=[3]))["relevance", "x"]
-        torch.testing.assert_close(relevance["keyword"], relevance["position"], rtol=1e-12, atol=1e-12)
+        relevance = keyword_and_position(model, Between(positional, width), preset(), x)
         # the uniform rule: half to each factor, and the relevance is conserved
-        torch.testing.assert_close(relevance["keyword"].sum(-1), model(x)[:, 0].detach(), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(relevance.sum(-1), model(x)[:, 0].detach(), rtol=1e-10, atol=1e-12)
 
 
 def test_bloom_under_attnlrp_is_its_relevance_with_the_factors_by_position():
@@ -84,13 +92,5 @@ def test_a_gate_given_by_keyword_is_held_as_by_position():
     sigmoid alone."""
     torch.manual_seed(0)
     keyword = Between(lambda h: h[:, :3].mul(other=torch.sigmoid(h[:, 3:]))).double()
-    positional = Between(lambda h: h[:, :3].mul(torch.sigmoid(h[:, 3:]))).double()
-    positional.load_state_dict(keyword.state_dict())
-    x = torch.randn(3, 4, dtype=F64)
-    relevance = {}
-    for kind, model in (("keyword", keyword), ("position", positional)):
-        lrp = LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"], target=0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            relevance[kind] = lrp(TensorDict(x=x, batch_size=[3]))["relevance", "x"]
-    torch.testing.assert_close(relevance["keyword"], relevance["position"], rtol=1e-12, atol=1e-12)
+    positional = Between(lambda h: h[:, :3].mul(torch.sigmoid(h[:, 3:])))
+    keyword_and_position(keyword, positional, EpsilonPlus(), torch.randn(3, 4, dtype=F64))
