@@ -65,7 +65,7 @@ from tdhook.attribution.rules._autograd import (
 )
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._dropout_calls import dropout_probability
-from tdhook.attribution.rules._keyword_factors import FACTOR_KEYWORDS, positional_factors
+from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layer_nodes import LAYER_MARK
 from tdhook.attribution.rules.base import _reaches_model_input
 
@@ -327,9 +327,7 @@ class NonlinearCalls(TorchFunctionMode):
     def _record(self, func: Any, args: tuple, result: Any, kwargs: dict | None = None) -> None:
         if self._ruled_depth:
             return
-        if (
-            kwargs and func in FACTOR_KEYWORDS
-        ):  # a product's factors given by keyword, where the function modes read them
+        if kwargs:  # a product's factors, a function's input, given by keyword: where the function modes read them
             args, kwargs = positional_factors(func, args, kwargs)
         if self._straight_through.note(func, args, result, kwargs):
             self._calls.append((self._stack[-1] if self._stack else "", STRAIGHT_THROUGH, _grad_fn(result)))

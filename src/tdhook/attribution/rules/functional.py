@@ -60,7 +60,7 @@ from tdhook.attribution.rules._held_statistics import (
     statistic_factors,
 )
 from tdhook.attribution.rules._keeping_graph import graph_kept
-from tdhook.attribution.rules._keyword_factors import FACTOR_KEYWORDS, positional_factors
+from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint, saved_tensors_hooked
 from tdhook.attribution.rules.basic import (
     RULED_ON_NODE,
@@ -259,7 +259,7 @@ class FunctionalRules(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if kwargs and func in FACTOR_KEYWORDS:  # ``alibi.baddbmm(batch1=q, batch2=k)``: the rules read positions
+        if kwargs and func in _HANDLED:  # ``alibi.baddbmm(batch1=q, batch2=k)``, ``gelu(input=h)``: read by position
             args, kwargs = positional_factors(func, args, kwargs)
         if self.recording is not None and self.recording.follows:  # tensors held in the graph exist: follow them
             return _follow_held(self, func, types, args, kwargs, self.recording)
