@@ -423,8 +423,8 @@ class TestCoverage:
         (torch._grouped_mm, ("grouped_mm", "product")),  # mixture-of-experts kernels: linear in the activation
         (torch.view_as_complex, ("view_as_complex", "linear")),  # rotary embeddings as complex products
         (torch.view_as_real, ("view_as_real", "linear")),
-        # linear in the sampled input and in the grid, each alone: a product where both are activations
-        (torch.nn.functional.grid_sample, ("grid_sample", "product")),
+        # linear in the sampled input, not in the grid: decided by which argument is an activation
+        (torch.nn.functional.grid_sample, ("grid_sample", "by arguments")),
     ],
 )
 def test_function_kinds(func, expected):

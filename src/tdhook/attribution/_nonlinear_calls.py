@@ -42,6 +42,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.nn.modules._functions import BackwardHookFunction
 from torch.overrides import TorchFunctionMode, resolve_name
 
+from tdhook.attribution._argument_kinds import BY_ARGUMENTS, nonlinear_by_arguments
 from tdhook.attribution._broadcast_products import BROADCAST_PRODUCT, BroadcastProducts
 from tdhook.attribution._gradient_hooks import backward_hooks_checked, is_ours, tensor_hook_checked
 from tdhook.attribution._offset_products import OFFSET_PRODUCT, OffsetProducts
@@ -57,6 +58,7 @@ from tdhook.attribution._unmapped_layers import (
 from tdhook.attribution._unmerged_norms import merging_rule
 from tdhook.attribution.coverage import PlainGradientCall
 from tdhook.attribution.rules._autograd import (
+    call_argument,
     is_activation,
     mark_parameter_derived,
     mark_parameter_slots,
@@ -66,6 +68,7 @@ from tdhook.attribution.rules._autograd import (
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._dropout_calls import dropout_probability
 from tdhook.attribution.rules._keeping_graph import graph_kept
+from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layer_nodes import LAYER_MARK
 from tdhook.attribution.rules.base import _reaches_model_input
 
@@ -78,9 +81,9 @@ _PIECEWISE_LINEAR = frozenset(
     "unflatten squeeze unsqueeze permute transpose swapaxes swapdims movedim moveaxis t T mT H mH expand "
     "expand_as broadcast_to repeat repeat_interleave tile roll flip fliplr flipud rot90 narrow select "
     "index_select gather take take_along_dim masked_select masked_fill masked_scatter index_put index_add "
-    "index_copy index_fill scatter scatter_add scatter_reduce where getitem setitem contiguous clone to type "
+    "index_copy index_fill scatter scatter_add where getitem setitem contiguous clone to type "
     "type_as float double half bfloat16 cpu cuda copy fill zero pad constant_pad_nd relu relu6 leaky_relu "
-    "hardtanh hardshrink softshrink threshold prelu rrelu clamp clip clamp_min clamp_max abs max min amax amin maximum "
+    "hardtanh hardshrink softshrink threshold rrelu clamp clip clamp_min clamp_max abs max min amax amin maximum "
     "minimum fmax fmin sort topk max_pool1d max_pool2d max_pool3d max_pool1d_with_indices max_pool2d_with_indices "
     "max_pool3d_with_indices max_unpool1d max_unpool2d max_unpool3d adaptive_max_pool1d adaptive_max_pool2d "
     "adaptive_max_pool3d fractional_max_pool2d fractional_max_pool3d fractional_max_pool2d_with_indices "
@@ -90,9 +93,12 @@ _PIECEWISE_LINEAR = frozenset(
     "dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout interpolate upsample upsample_nearest "
     "upsample_bilinear pixel_shuffle pixel_unshuffle channel_shuffle native_channel_shuffle unfold "
     "fold diagonal diag diag_embed tril triu as_strided nan_to_num "
-    "embedding one_hot detach batch_norm broadcast_tensors atleast_1d atleast_2d atleast_3d pack_padded_sequence "
+    "embedding one_hot detach broadcast_tensors atleast_1d atleast_2d atleast_3d pack_padded_sequence "
     "pad_packed_sequence pack_sequence pad_sequence view_as_complex view_as_real real imag".split()
 )
+# Selections of one element (an order statistic, a running maximum) or of a fixed mix of two (a quantile between
+# two order statistics), an affine grid's positions (linear in its matrix), ``put``'s writes.
+_PIECEWISE_LINEAR |= frozenset("kthvalue median nanmedian quantile nanquantile cummax cummin affine_grid put".split())
 # The discrete Fourier transforms (``torch.fft``): linear maps, as a global filter's ``irfft(rfft(x) * w)``.
 _FOURIER = frozenset(
     "fft ifft fft2 ifft2 fftn ifftn rfft irfft rfft2 irfft2 rfftn irfftn hfft ihfft hfft2 ihfft2 hfftn ihfftn "
@@ -110,11 +116,13 @@ _PIECEWISE_CONSTANT = frozenset("round floor ceil trunc fix sign sgn heaviside".
 _PRODUCTS = frozenset(
     "mul rmul matmul rmatmul mm bmm einsum bilinear tensordot kron outer dot vdot inner mv addcmul baddbmm addbmm "
     "addmm addmv linear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d conv_tbc grouped_mm "
-    "scaled_mm scaled_grouped_mm grid_sample grid_sampler grid_sampler_2d grid_sampler_3d embedding_bag".split()
+    "scaled_mm scaled_grouped_mm embedding_bag".split()
 )
 # Where a product's factors are: an added term (addmm's input) is not a factor.
 _FACTORS = {"addmm": slice(1, 3), "addmv": slice(1, 3), "baddbmm": slice(1, 3), "addbmm": slice(1, 3)}
 _FACTORS |= {"addcmul": slice(1, 3)}
+# Arguments passed by keyword that are no factor of a product: an added term, a bias, an output buffer.
+_NOT_FACTORS = frozenset({"bias", "out"})
 # A recurrence of linear maps through a ReLU (``nn.RNN`` and ``nn.RNNCell`` with ``nonlinearity="relu"``): piecewise
 # linear in its input and hidden state together, as long as no weight is an activation. Where its weights are: the
 # layer's list of parameters, the cell's arguments after the hidden state.
@@ -135,7 +143,9 @@ _GRADIENT_CALLS |= {torch.Tensor.backward: "Tensor.backward"}
 
 def function_kind(func: Any) -> tuple[str, str]:
     """The name of a torch function and its kind: ``"linear"``, ``"product"``, ``"division"``,
-    ``"reflected division"``, ``"constant"`` (piecewise constant: a zero gradient) or ``"nonlinear"``.
+    ``"reflected division"``, ``"constant"`` (piecewise constant: a zero gradient), ``"nonlinear"`` or
+    ``"by arguments"`` (a reduction's kind, the tensor an argument names: see
+    :mod:`~tdhook.attribution._argument_kinds`).
 
     Examples:
         >>> function_kind(torch.Tensor.__iadd__), function_kind(torch.sin), function_kind(torch.Tensor.__rtruediv__)
@@ -166,6 +176,8 @@ def _classify(func: Any) -> tuple[str, str]:
     name = name.rstrip("_") if name.endswith("_") and not name.startswith("_") else name.strip("_")
     if name in _DIVISIONS:
         return name, "reflected division" if reflected else "division"
+    if name in BY_ARGUMENTS:
+        return name, "by arguments"
     if name in _PRODUCTS:
         return name, "product"
     if name in _PIECEWISE_LINEAR:
@@ -185,21 +197,34 @@ def _activations(args: Sequence[Any]) -> int:
     return count
 
 
-def _is_nonlinear_call(func: Any, args: tuple) -> str | None:
+def _keyword_factors(name: str, kwargs: dict) -> int:
+    """How many activations a call passes by keyword as factors of a product (``torch.mul(a, other=b)``)."""
+    added = "input" if name in _FACTORS else None
+    return _activations([v for k, v in kwargs.items() if k not in _NOT_FACTORS and k != added])
+
+
+def _is_nonlinear_call(func: Any, args: tuple, kwargs: dict | None = None) -> str | None:
     """The function's name when this call on activations is not piecewise linear, else ``None``."""
     name, kind = function_kind(func)
     if name in _REAL_ONLY and args and is_activation(args[0]) and args[0].is_complex():
         return f"{name} (of a complex tensor)"
-    if kind == "linear" or not _activations(args):
+    if kind == "linear":
+        return None
+    if kind == "by arguments":
+        return nonlinear_by_arguments(name, func, args, kwargs or {})
+    if not _activations(args) and not (kwargs and _activations(kwargs.values())):
         return None
     if name in _RELU_RECURRENCES:
         weights = _RELU_RECURRENCES[name]
         weights = args[weights] if isinstance(weights, slice) else [a for a in args if isinstance(a, (list, tuple))]
         return name if _activations(weights) else None
     if kind == "product":
-        return name if _activations(args[_FACTORS.get(name, slice(None))]) > 1 else None
+        factors = _activations(args[_FACTORS.get(name, slice(None))]) + (
+            _keyword_factors(name, kwargs) if kwargs else 0
+        )
+        return name if factors > 1 else None
     if kind == "division":
-        return name if len(args) > 1 and is_activation(args[1]) else None
+        return name if is_activation(call_argument(args, kwargs or {}, 1, "other")) else None
     if kind == "reflected division":
         return name if is_activation(args[0]) else None
     return name
@@ -395,6 +420,8 @@ class NonlinearCalls(TorchFunctionMode):
     def _record(self, func: Any, args: tuple, result: Any, kwargs: dict | None = None) -> None:
         if self._ruled_depth:
             return
+        if kwargs:  # a product's factors, a function's input, given by keyword: where the function modes read them
+            args, kwargs = positional_factors(func, args, kwargs)
         if (detached_sum := self._straight_through.note(func, args, result, kwargs)) is not None:
             self._calls.append((self._stack[-1] if self._stack else "", detached_sum, _grad_fn(result)))
             return
@@ -418,8 +445,8 @@ class NonlinearCalls(TorchFunctionMode):
                 function = f"batch_norm on the output of layer {name!r} ({type(rule).__name__})"
                 self._unmerged_norms.append((self._stack[-1] if self._stack else "", function, _grad_fn(result)))
                 return
-        name = _is_nonlinear_call(func, args)
-        if name is not None and not any(mode.covers(func, args) for mode in self._covering):
+        name = _is_nonlinear_call(func, args, kwargs)
+        if name is not None and not self._covers(func, args, kwargs):
             self._calls.append((self._stack[-1] if self._stack else "", name, _grad_fn(result)))
         elif name is not None and self._offset_product(name, args):
             self._calls.append((self._stack[-1] if self._stack else "", OFFSET_PRODUCT, _grad_fn(result)))
@@ -430,6 +457,15 @@ class NonlinearCalls(TorchFunctionMode):
                 call[2].metadata[LAYER_MARK] = True
             if _reaches_model_input(layer[1]):  # as the first-layer rule decides it for a layer: at this call
                 self._first_layer_calls.append(call)
+
+    def _covers(self, func: Any, args: tuple, kwargs: dict | None) -> bool:
+        """Whether a mode's rule covers this call, which is not piecewise linear: the rules read a product's factors
+        and a division's divisor by position (or by the keywords :mod:`~tdhook.attribution.rules._keyword_factors`
+        puts in place), so that another one given by keyword (``torch.addcmul(h, tensor1=a, tensor2=b)``) keeps its
+        plain gradient."""
+        if kwargs and function_kind(func)[1] in ("product", "division") and _activations(kwargs.values()):
+            return False
+        return any(mode.covers(func, args) for mode in self._covering)
 
     def _layer_call(self, func: Any, args: tuple, kwargs: dict | None) -> tuple[str, torch.Tensor] | None:
         """As :func:`_is_layer_call`, and a sum of a broadcast product of an activation by a weight that computes a

@@ -60,6 +60,7 @@ from tdhook.attribution.rules._held_statistics import (
     statistic_factors,
 )
 from tdhook.attribution.rules._keeping_graph import graph_kept
+from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint, saved_tensors_hooked
 from tdhook.attribution.rules.basic import (
     RULED_ON_NODE,
@@ -155,6 +156,7 @@ def _watch_values(recording: Recording, func: Callable, args: tuple, result: obj
             setattr(piece, _INPUT_VALUES, True)
 
 
+_BADDBMM = frozenset({torch.baddbmm, torch.Tensor.baddbmm})
 # What :meth:`FunctionalRules._other_rules` returns for a call none of them changes.
 _NO_RULE = object()
 
@@ -163,7 +165,7 @@ _HANDLED = frozenset(
     | _SOFTMAX
     | _ACTIVATION_FUNCTIONS
     | set(DROPOUTS)
-    | {torch.baddbmm, torch.einsum, F.scaled_dot_product_attention, F.layer_norm, F.rms_norm}
+    | {torch.baddbmm, torch.Tensor.baddbmm, torch.einsum, F.scaled_dot_product_attention, F.layer_norm, F.rms_norm}
     | {F.multi_head_attention_forward}
     | CLIPS
     | set(CLIPS_IN_PLACE)
@@ -257,6 +259,8 @@ class FunctionalRules(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if kwargs and func in _HANDLED:  # ``alibi.baddbmm(batch1=q, batch2=k)``, ``gelu(input=h)``: read by position
+            args, kwargs = positional_factors(func, args, kwargs)
         if self.recording is not None and self.recording.follows:  # tensors held in the graph exist: follow them
             return _follow_held(self, func, types, args, kwargs, self.recording)
         # Most calls, and a maximum or minimum that clips no activation at a constant: run, and mark what the rules
@@ -349,7 +353,7 @@ class FunctionalRules(TorchFunctionMode):
             if len(operands) == 2 and all(is_activation(operand) for operand in operands):
                 return self._einsum(args, kwargs)
             return _NO_RULE
-        if func is torch.baddbmm and len(args) >= 3 and is_activation(args[1]) and is_activation(args[2]):
+        if func in _BADDBMM and len(args) >= 3 and is_activation(args[1]) and is_activation(args[2]):
             return func(args[0], *uniform_product(args[1], args[2]), *args[3:], **kwargs)
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)

@@ -48,6 +48,7 @@ from tdhook.attribution.rules._clips import (
     clip_passing,
     clips_a_signal,
 )
+from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, rules_apply
@@ -116,6 +117,8 @@ _ROUTER_NAMES = ("Router",)
 # Class names of routers that hold their projection and select by ``topk`` (JetMoE's ``TopKGating``, HunYuan's gate).
 _GATE_NAMES = ("Gate", "Gating")
 ELEMENTWISE_PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
+# The calls the gates' mode reads by position: products, gates, clips and bounds (see ``GateRules.__torch_function__``).
+_GATES_AND_CLIPS = ELEMENTWISE_PRODUCTS | GATE_FUNCTIONS | CLIPS | set(CLIPS_IN_PLACE) | BOUNDS | {F.glu}
 
 
 def mark_gate(tensor: torch.Tensor, source: torch.Tensor, sigmoid: bool = False) -> torch.Tensor:
@@ -320,6 +323,8 @@ class HeldGates(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if kwargs and func in _GATES_AND_CLIPS:  # ``h.mul(other=g)``, ``torch.sigmoid(input=h)``: read by position
+            args, kwargs = positional_factors(func, args, kwargs)
         if func in ELEMENTWISE_PRODUCTS:
             held = held_gate_product(func, args, kwargs)
             if held is not None:
