@@ -254,6 +254,26 @@ class TestClearErrors:
             with lrp:
                 lrp(td.clone())
 
+    def test_dropout_put_in_training_mode_inside_an_open_context_warns_at_the_next_call(self):
+        # The calls of a context on an eval-mode model check the modes in one pass; a train() between two calls, or
+        # a pooling that draws in eval mode, is still found at the next call.
+        net = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.5), nn.ReLU(), nn.Linear(8, 3)).to(F64).eval()
+        lrp = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+        td = TensorDict(x=torch.randn(2, 5, dtype=F64), batch_size=[2])
+        with lrp:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                lrp(td.clone())
+                lrp(td.clone())
+            net[1].train()
+            with pytest.warns(UserWarning, match=r"module '1' \(Dropout, p=0.5\) is in training mode"):
+                lrp(td.clone())
+        pool = nn.Sequential(nn.Conv2d(1, 2, 3), nn.FractionalMaxPool2d(2, output_size=3), nn.Flatten()).eval()
+        lrp = LRP(pool, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+        with pytest.warns(UserWarning, match=r"module '1' \(FractionalMaxPool2d.*draws in eval mode too"):
+            with lrp:
+                lrp(TensorDict(x=torch.randn(2, 1, 8, 8), batch_size=[2]))
+
     @pytest.mark.parametrize("kind", ["DropPath", "StochasticDepth", "DropBlock2d"])
     def test_stochastic_depth_in_training_mode_warns_with_its_name(self, kind: str):
         # timm's DropPath and DropBlock2d, torchvision's StochasticDepth drop whole residual branches or blocks in

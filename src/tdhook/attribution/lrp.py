@@ -14,7 +14,7 @@ from tensordict.nn import TensorDictModuleBase, dispatch
 from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
-from tdhook.attribution._backward import leaf_relevance
+from tdhook.attribution._backward import drop_records, leaf_relevance
 from tdhook.attribution._backward_passes import (
     DEFAULT_MEMORY_BUDGET,
     InputsReached,
@@ -455,8 +455,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         finally:
             self._layers.clear()
             self._tokens.clear()
-            for handle in self._handles or []:
-                handle.pop_records()
+            drop_records(self._handles or [])
 
         def write() -> None:  # the last step of a call: all of its results, or none
             self._coverage.keep(out.batch_dims, seeds, relevances)
