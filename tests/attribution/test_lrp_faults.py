@@ -98,6 +98,8 @@ def change_parameters(model: nn.Module, how: str) -> None:
             if isinstance(module, (nn.Conv2d, nn.Linear)):
                 module.weight.data.copy_(module.weight.detach().flip(0))
         model[1].running_var.data.mul_(3.0)
+    elif how == "BatchNorm through .data":  # the layer before it unchanged: only the merge changes
+        model[1].weight.data.mul_(-3.0)
     elif how in ("soft update", "weight sync"):
         # torchrl's SoftUpdate (``target.data.lerp_(source.data, 1 - eps)``) and its weight sync schemes
         # (``destination.data.update_(weights.data)``) write the parameters through ``.data`` too.
@@ -117,7 +119,18 @@ def _reset(module: nn.Module) -> None:
 
 
 @pytest.mark.parametrize(
-    "how", ["sgd", "adam", "in place", "replaced", "data", "written through .data", "soft update", "weight sync"]
+    "how",
+    [
+        "sgd",
+        "adam",
+        "in place",
+        "replaced",
+        "data",
+        "written through .data",
+        "BatchNorm through .data",
+        "soft update",
+        "weight sync",
+    ],
 )
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_rules_follow_parameters_changed_inside_the_context(preset: str, how: str):

@@ -259,7 +259,8 @@ class MergedLayer:
     params: dict[str, torch.Tensor]
     channel_scale: torch.Tensor
     cache: dict = field(default_factory=dict)
-    held: HeldParameters | None = None  # the layer's and the BatchNorm's parameters it was built from
+    held: HeldParameters | None = None  # the BatchNorm's parameters it was built from, and the layer's unless ``layer``
+    layer: HeldParameters | None = None  # the layer's rule's record of the layer's parameters, where it keeps one
 
 
 _LAYER_CALL = "_tdhook_layer_call"

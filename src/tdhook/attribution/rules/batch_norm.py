@@ -186,9 +186,13 @@ class MergeBatchNormRule(NormRule):
             key = call.module if channels == slice(None) else (call.module, channels.start, channels.stop)
             merged = state.get(key)
             # Rebuilt when the layer's or the BatchNorm's parameters or statistics changed (an optimizer step).
-            if merged is None or not merged.held.unchanged(call.module, module):
+            # The layer's own rule, where it derives a state, checked the layer at this call (a new record where
+            # it changed): the merge then holds the BatchNorm alone, with no second copy of the layer's values.
+            layer = call.registration.held
+            held = (module,) if layer is not None else (call.module, module)
+            if merged is None or merged.layer is not layer or not merged.held.unchanged(*held):
                 merged = state[key] = _merge_batch_norm(call.module, module, channels)
-                merged.held = HeldParameters(call.module, module)
+                merged.held, merged.layer = HeldParameters(*held), layer
         result = call.rule.rewrite_merged(call, seen, merged)
         if result is not None and result.grad_fn is not None:
             result.grad_fn.metadata[_LAYER_MARK] = True  # the merged layer's output is a layer boundary
