@@ -69,3 +69,31 @@ def test_the_prepared_state_follows_a_write_through_data_and_is_kept_while_nothi
         lin.weight.data.copy_(-lin.weight.detach())
         positive = rule.prepared_state(lin, registration)["pos"]["weight"]
     torch.testing.assert_close(positive, lin.weight.detach().clamp(min=0), rtol=0, atol=0)
+
+
+def test_tensors_set_in_the_modules_dict_are_held():
+    """tensordict's ``to_module(..., preserve_module_state=False)`` leaves no parameter in the module: the tensors the
+    forward reads are in its ``__dict__``, one set per agent or ensemble member."""
+    template = nn.Linear(3, 2)
+    members = TensorDict.from_modules(nn.Linear(3, 2), nn.Linear(3, 2)).data
+    with members[0].to_module(template, preserve_module_state=False):
+        assert not template._parameters
+        held = HeldParameters(template)
+        assert held.unchanged(template)
+    with members[1].to_module(template, preserve_module_state=False):
+        assert not held.unchanged(template)
+
+
+def test_a_weight_a_hook_computes_at_each_call_is_held_through_what_it_is_computed_from():
+    """``torch.nn.utils.prune`` sets ``weight`` (the original times the mask) before each call: the record follows the
+    original and the mask, and is not made anew at every call."""
+    lin, rule = nn.utils.prune.l1_unstructured(nn.Linear(3, 2), "weight", amount=0.5), AlphaBetaRule(1.0, 0.0)
+    x = torch.randn(4, 3, requires_grad=True)
+    with rule.register(lin):
+        lin(x)
+        first = rule._registrations[lin].state
+        lin(x)
+        assert rule._registrations[lin].state is first
+        lin.weight_orig.data.mul_(-1.0)
+        lin(x)
+        assert rule._registrations[lin].state is not first

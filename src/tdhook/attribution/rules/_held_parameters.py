@@ -6,7 +6,8 @@ merged into the layer before it) and builds it anew only when they change. Ident
 ``.data``. A write *through* ``.data`` (``weight.data.copy_(...)``) goes to the same storage without raising the
 parameter's version counter: torchrl's target updates (``SoftUpdate``, ``HardUpdate``), its weight sync schemes and
 tensordict's ``TensorDict.data`` write so, as layers' own initialisations do. :class:`HeldParameters` also keeps a
-copy of the values, compared with the live ones while the fingerprint is unchanged.
+copy of the values, compared with the live ones while the fingerprint is unchanged. The tensors a forward reads from
+the module's ``__dict__`` count as its parameters: torchrl's multi-agent networks put each agent's there for its call.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import itertools
 import torch
 from torch import nn
 
-from tdhook.attribution.rules._layers import _has_weight_property
+from tdhook.attribution.rules._layers import _WEIGHT_HOOKS, _computed_name, _has_weight_property
 
 __all__ = ["HeldParameters", "parameter_fingerprint"]
 
@@ -25,12 +26,21 @@ _NUMBERS = frozenset({bool, int, float})  # the attribute types a fingerprint ho
 
 
 def _tensors(module: nn.Module) -> list[torch.Tensor]:
-    """The parameters and buffers of ``module`` and its children (a lazy one's placeholders left out)."""
-    if module._modules:
-        tensors = [*module.parameters(), *module.buffers()]
-    else:
-        tensors = [*module._parameters.values(), *module._buffers.values()]
-    return [t for t in tensors if t is not None and not nn.parameter.is_lazy(t)]
+    """The parameters and buffers of ``module`` and its children (a lazy one's placeholders left out), and the
+    tensors set in their ``__dict__``, which the forward reads before any parameter of the same name: tensordict's
+    ``to_module(..., preserve_module_state=False)`` puts an agent's or an ensemble member's parameters there, with
+    no parameter left in the module (those a weight hook computes at each call from parameters listed here, as
+    ``torch.nn.utils.prune`` does, are left out)."""
+    modules = list(module.modules()) if module._modules else [module]
+    tensors = []
+    for sub in modules:
+        tensors += (t for t in (*sub._parameters.values(), *sub._buffers.values()) if t is not None)
+        set_here = [(name, value) for name, value in sub.__dict__.items() if isinstance(value, torch.Tensor)]
+        if set_here:
+            hooks = sub._forward_pre_hooks.values()
+            computed = {_computed_name(hook) for hook in hooks if isinstance(hook, _WEIGHT_HOOKS)}
+            tensors += (value for name, value in set_here if name not in computed)
+    return [t for t in tensors if not nn.parameter.is_lazy(t)]
 
 
 def parameter_fingerprint(module: nn.Module, tensors: list[torch.Tensor] | None = None) -> tuple:
