@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from torch import nn
 from torchrl.modules import MultiAgentConvNet, MultiAgentMLP
 
 from tdhook.attribution import LRP, AttnLRP, BaseRuleMapper, EpsilonGammaBox, EpsilonPlus, EpsilonRule
+from tdhook.attribution.rules import AlphaBetaRule, GammaRule
 
 F64 = torch.float64
 AGENTS, BATCH = 3, 4
@@ -77,6 +79,9 @@ MAPPERS = {
     "LRP-0": BaseRuleMapper,
     "EpsilonPlus": EpsilonPlus,
     "EpsilonGammaBox": lambda: EpsilonGammaBox(low=-3.0, high=3.0),
+    # Rules that build modified weights from each agent's parameters (the presets give Linear layers ε):
+    "Gamma": lambda: BaseRuleMapper(rule_mapper={nn.Linear: GammaRule(0.5)}),
+    "AlphaBeta": lambda: BaseRuleMapper(rule_mapper={nn.Linear: AlphaBetaRule(2.0, 1.0)}),
 }
 
 
@@ -174,6 +179,22 @@ def test_convolutional_agents(share_params):
     torch.testing.assert_close(relevance, expected, rtol=1e-10, atol=1e-12)
     eps = LRP(wrapped(net), EpsilonPlus())(td.clone())["relevance", "agents", "observation"]
     assert not torch.allclose(eps, relevance)  # the rules ran (z+ on the convolutions) under every layout
+
+
+def test_convolutional_agents_with_their_own_parameters_get_the_relevance_of_their_unrolled_networks():
+    """Each agent's parameters are put in the template's ``__dict__`` for its call (tensordict's ``to_module`` without
+    preserving the module's state), where the rules' record of the parameters did not look: every agent's z⁺ weights
+    were agent 0's under EpsilonPlus (137 % off, relative L2; agent 2 alone 218 %)."""
+    net, td = conv_agents(share_params=False)
+    relevance = LRP(wrapped(net), EpsilonPlus())(td.clone())["relevance", "agents", "observation"]
+    expected = []
+    for agent in range(AGENTS):
+        single = copy.deepcopy(net._empty_net)
+        net.params[agent].data.clone().to_module(single)
+        x = td["agents", "observation"][:, agent]
+        lrp = LRP(single, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+        expected.append(lrp(TensorDict(x=x, batch_size=x.shape[:1]))["relevance", "x"])
+    torch.testing.assert_close(relevance, torch.stack(expected, 1), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("kind", ["mlp", "conv"])

@@ -93,9 +93,45 @@ def change_parameters(model: nn.Module, how: str) -> None:
         for module in model:
             if isinstance(module, (nn.Conv2d, nn.Linear)):
                 module.weight.data = module.weight.detach().flip(0).clone()
+    elif how == "written through .data":  # in place, where no version counter sees it (the layers' own init does so)
+        for module in model:
+            if isinstance(module, (nn.Conv2d, nn.Linear)):
+                module.weight.data.copy_(module.weight.detach().flip(0))
+        model[1].running_var.data.mul_(3.0)
+    elif how == "BatchNorm through .data":  # the layer before it unchanged: only the merge changes
+        model[1].weight.data.mul_(-3.0)
+    elif how in ("soft update", "weight sync"):
+        # torchrl's SoftUpdate (``target.data.lerp_(source.data, 1 - eps)``) and its weight sync schemes
+        # (``destination.data.update_(weights.data)``) write the parameters through ``.data`` too.
+        torch.manual_seed(1)
+        counter = ("1", "num_batches_tracked")  # an integer buffer, left out of the update
+        source = TensorDict.from_module(small_cnn().apply(_reset)).data.exclude(counter)
+        target = TensorDict.from_module(model).data.exclude(counter)
+        target.lerp_(source, 0.5) if how == "soft update" else target.update_(source)
 
 
-@pytest.mark.parametrize("how", ["sgd", "adam", "in place", "replaced", "data"])
+def _reset(module: nn.Module) -> None:
+    if isinstance(module, (nn.Conv2d, nn.Linear, nn.BatchNorm2d)):
+        module.reset_parameters()
+        if isinstance(module, nn.BatchNorm2d):
+            with torch.no_grad():
+                module.weight.uniform_(0.5, 2.0), module.bias.normal_(), module.running_var.uniform_(0.5, 2.0)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "sgd",
+        "adam",
+        "in place",
+        "replaced",
+        "data",
+        "written through .data",
+        "BatchNorm through .data",
+        "soft update",
+        "weight sync",
+    ],
+)
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_rules_follow_parameters_changed_inside_the_context(preset: str, how: str):
     model = small_cnn()

@@ -601,6 +601,40 @@ def test_q_networks_run_with_a_loss_modules_parameters_are_explained_without_a_f
             torch.testing.assert_close(out["relevance", key], value.detach() * grad, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("update", ["SoftUpdate", "HardUpdate"])
+def test_a_target_network_updated_in_an_open_context_is_explained_with_its_new_parameters(update: str):
+    """torchrl's target updates write the target parameters through ``.data`` (``lerp_``, ``copy_``), which no
+    version counter sees: a target Q-network explained in an open context kept the modified weights of the first
+    call (6.4 times off after a SoftUpdate, relative L2, 2.4 times after a HardUpdate, under EpsilonGammaBox)."""
+    import copy
+
+    from torchrl.objectives import DQNLoss, HardUpdate, SoftUpdate
+
+    from tdhook.attribution import EpsilonGammaBox
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(16, 3))
+    loss = DQNLoss(
+        QValueActor(net.to(F64), in_keys=["pixels"], action_space="one-hot"), action_space="one-hot", delay_value=True
+    )
+    updater = SoftUpdate(loss, eps=0.5) if update == "SoftUpdate" else HardUpdate(loss, value_network_update_interval=0)
+    with torch.no_grad():
+        loss.value_network_params.apply_(lambda p: p.mul_(-1.5))  # the online network moves away from the target
+    td = TensorDict(pixels=torch.randn(5, 2, 6, 6, dtype=F64), batch_size=[5])
+    lrp = LRP(loss.value_network, EpsilonGammaBox(-3.0, 3.0))
+    with lrp:
+        with loss.target_value_network_params.to_module(loss.value_network):
+            before = lrp(td.clone())["relevance", "pixels"]
+        updater.step()
+        with loss.target_value_network_params.to_module(loss.value_network):
+            after = lrp(td.clone())["relevance", "pixels"]
+    target = copy.deepcopy(loss.value_network)
+    loss.target_value_network_params.to_module(target)
+    expected = LRP(target, EpsilonGammaBox(-3.0, 3.0))(td.clone())["relevance", "pixels"]
+    assert not torch.allclose(before, expected)  # the update matters
+    torch.testing.assert_close(after, expected, rtol=1e-10, atol=1e-12)
+
+
 def test_a_critic_reading_uint8_pixels_is_refused_by_key():
     """A network that casts uint8 pixels itself leaves nothing that can take relevance: the error names the key."""
 

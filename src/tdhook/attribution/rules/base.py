@@ -10,12 +10,11 @@ A rule is registered on a module with :meth:`Rule.register`, which returns a
 :class:`RemovableRuleHandle`. Registration adds forward hooks only and never
 writes a parameter: the modified parameters a rule needs are computed when it
 is registered, again only when the module's parameters change (see
-:func:`parameter_fingerprint`), and passed to its own forward passes.
+:class:`~tdhook.attribution.rules._held_parameters.HeldParameters`), and passed to its own forward passes.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,6 +33,7 @@ from tdhook.attribution.rules._autograd import (
 )
 from tdhook.attribution.rules._earlier_hooks import raise_if_an_earlier_hook_changed
 from tdhook.attribution.rules._graph_calls import recording
+from tdhook.attribution.rules._held_parameters import HeldParameters, parameter_fingerprint
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layer_nodes import LAYER_CALL, LAYER_MARK, is_layer_node
@@ -41,7 +41,6 @@ from tdhook.attribution.rules._layers import (
     LINEAR_LAYERS,
     TRANSPOSED_FORWARDS,
     _has_plain_forward,
-    _has_weight_property,
 )
 from tdhook.attribution.rules._meta_tensors import raise_for_meta_tensors
 from tdhook.attribution.rules._scopes import pop, push
@@ -214,56 +213,6 @@ def rules_apply(module: nn.Module | None = None) -> bool:
     return torch.is_grad_enabled() and not getattr(_PLAIN, "depth", 0) and rules_act_here(module)
 
 
-_NEVER_THE_SAME = itertools.count()
-_NUMBERS = frozenset({bool, int, float})  # the attribute types a fingerprint holds the values of
-
-
-def parameter_fingerprint(module: nn.Module) -> tuple:
-    """What tells whether ``module``'s parameters and buffers (its children's included) still hold the values seen.
-
-    For each tensor: its identity, its version counter (raised by every in-place
-    write: ``optimizer.step()``, ``weight.mul_(2)``) and its storage (new after
-    ``weight.data = ...``). A parameter replaced by another changes the identity,
-    and a switch between training and eval mode changes the fingerprint; a layer
-    whose weight is a property has a new fingerprint at every call. The number
-    attributes of the module and its children are part of it too: what is derived
-    from the parameters may read them (a BatchNorm's ``eps``, timm's
-    ``ScaledStdConv2d.scale``). Cheap enough to check at every call of a ruled layer.
-
-    Examples:
-        >>> lin = nn.Linear(2, 2)
-        >>> before = parameter_fingerprint(lin)
-        >>> before == parameter_fingerprint(lin)
-        True
-        >>> with torch.no_grad():
-        ...     _ = lin.weight.mul_(2)
-        >>> before == parameter_fingerprint(lin)
-        False
-        >>> norm = nn.BatchNorm1d(2)
-        >>> before = parameter_fingerprint(norm)
-        >>> norm.eps = 0.5
-        >>> before == parameter_fingerprint(norm)
-        False
-    """
-    if module._modules:
-        tensors = [*module.parameters(), *module.buffers()]
-        modules = list(module.modules())
-    else:
-        tensors = [*module._parameters.values(), *module._buffers.values()]
-        modules = [module]
-    # The mode and the number attributes too (a layer's weight may depend on them: ``training``, ``eps``); a weight
-    # computed by a property on each access (torchrl's NoisyLinear: noise or not by training mode or by the global
-    # exploration type) is never the same.
-    fingerprint: list = [value for sub in modules for value in sub.__dict__.values() if type(value) in _NUMBERS]
-    fingerprint.append(len(fingerprint))  # where the numbers end and the tensors begin
-    if _has_weight_property(module):
-        fingerprint.append(next(_NEVER_THE_SAME))
-    for tensor in tensors:
-        if tensor is not None and not nn.parameter.is_lazy(tensor):
-            fingerprint += (id(tensor), tensor._version, tensor.data_ptr())
-    return tuple(fingerprint)
-
-
 @dataclass
 class Registration:
     """What a rule keeps for one module it is registered on."""
@@ -274,7 +223,7 @@ class Registration:
     records: list = field(default_factory=list)
     busy: list = field(default_factory=list)
     merged_by_norm: bool = False  # a BatchNorm took over the module's last call (see MergeBatchNormRule)
-    fingerprint: tuple = ()  # the parameters ``state`` was prepared from (see parameter_fingerprint)
+    held: HeldParameters | None = None  # the parameters ``state`` was prepared from
     marks: bool = True  # whether a Linear or convolution layer's output gets its LayerCall (see Rule.reads_layer_marks)
     plain_layer: type | None = None  # the class of a Linear or convolution layer with torch's own forward, else None
 
@@ -310,7 +259,8 @@ class MergedLayer:
     params: dict[str, torch.Tensor]
     channel_scale: torch.Tensor
     cache: dict = field(default_factory=dict)
-    fingerprint: tuple = ()  # the layer's and the BatchNorm's parameters it was built from
+    held: HeldParameters | None = None  # the BatchNorm's parameters it was built from, and the layer's unless ``layer``
+    layer: HeldParameters | None = None  # the layer's rule's record of the layer's parameters, where it keeps one
 
 
 _LAYER_CALL = "_tdhook_layer_call"
@@ -481,9 +431,11 @@ class Rule(Tunable):
         """``registration.state``, prepared anew when ``module``'s parameters changed since it was prepared.
 
         An ``optimizer.step()`` or an in-place write between two calls inside one
-        context, or a parameter replaced by another, is seen through
-        :func:`parameter_fingerprint`: the modified parameters always follow the
-        live ones, and are not rebuilt while nothing changes. In a call that keeps
+        context (one through ``.data`` included, as torchrl's target updates and
+        weight syncs write), or a parameter replaced by another, is seen through
+        :class:`~tdhook.attribution.rules._held_parameters.HeldParameters`: the
+        modified parameters always follow the live ones, and are not rebuilt while
+        nothing changes. In a call that keeps
         the graph (``LRP(..., create_graph=True)``), the state is built from the
         live parameters inside the autograd graph, once per call, and
         ``registration.state`` is left as it is.
@@ -505,10 +457,9 @@ class Rule(Tunable):
         relevance_pass = graph_kept()
         if relevance_pass is not None:  # built from the live parameters, once per call: never the detached cache
             return relevance_pass.state(self, module, lambda: self.prepare(module))
-        fingerprint = parameter_fingerprint(module)
-        if registration.state is _UNPREPARED or registration.fingerprint != fingerprint:
+        if registration.state is _UNPREPARED or not registration.held.unchanged(module):
             registration.state = self.prepare(module)
-            registration.fingerprint = fingerprint
+            registration.held = HeldParameters(module)
         return registration.state
 
     def rewrite(

@@ -12,6 +12,7 @@ from torch.overrides import TorchFunctionMode
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._concatenated_layers import concatenated_layer_calls
 from tdhook.attribution.rules._graph_calls import note_output, recording
+from tdhook.attribution.rules._held_parameters import HeldParameters
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import BATCH_NORMS, TRANSPOSED_FORWARDS, effective_parameters
 from tdhook.attribution.rules.base import (
@@ -21,7 +22,6 @@ from tdhook.attribution.rules.base import (
     MergedLayer,
     RemovableRuleHandle,
     layer_call_of,
-    parameter_fingerprint,
 )
 from tdhook.attribution.rules.normalization import NormRule
 
@@ -186,10 +186,13 @@ class MergeBatchNormRule(NormRule):
             key = call.module if channels == slice(None) else (call.module, channels.start, channels.stop)
             merged = state.get(key)
             # Rebuilt when the layer's or the BatchNorm's parameters or statistics changed (an optimizer step).
-            fingerprint = parameter_fingerprint(call.module) + parameter_fingerprint(module)
-            if merged is None or merged.fingerprint != fingerprint:
+            # The layer's own rule, where it derives a state, checked the layer at this call (a new record where
+            # it changed): the merge then holds the BatchNorm alone, with no second copy of the layer's values.
+            layer = call.registration.held
+            held = (module,) if layer is not None else (call.module, module)
+            if merged is None or merged.layer is not layer or not merged.held.unchanged(*held):
                 merged = state[key] = _merge_batch_norm(call.module, module, channels)
-                merged.fingerprint = fingerprint
+                merged.held, merged.layer = HeldParameters(*held), layer
         result = call.rule.rewrite_merged(call, seen, merged)
         if result is not None and result.grad_fn is not None:
             result.grad_fn.metadata[_LAYER_MARK] = True  # the merged layer's output is a layer boundary
