@@ -97,3 +97,37 @@ def test_a_weight_a_hook_computes_at_each_call_is_held_through_what_it_is_comput
         lin.weight_orig.data.mul_(-1.0)
         lin(x)
         assert rule._registrations[lin].state is not first
+
+
+def test_activations_a_hook_keeps_on_a_torch_layer_make_no_new_record_at_each_call():
+    """A forward hook that keeps a layer's input and output on it (``module.input0 = ...``, as BackPACK and
+    curvature estimators do) sets new tensors in the layer's ``__dict__`` at every call, which torch's forward never
+    reads: the prepared state is kept, and the kept activations are not copied."""
+    torch.manual_seed(0)
+    lin, rule = nn.Linear(3, 2).to(F64), AlphaBetaRule(1.0, 0.0)
+    lin.register_forward_hook(lambda m, args, out: m.__dict__.update(input0=args[0], output=out))
+    x = torch.randn(4, 3, dtype=F64, requires_grad=True)
+    with rule.register(lin):
+        lin(x)
+        first = rule._registrations[lin].state
+        for _ in range(3):
+            lin(x * 1.0)
+        assert rule._registrations[lin].state is first
+        assert all(t.shape != (4, 2) for t in rule._registrations[lin].held.values[0])  # no copy of the output
+        lin.weight.data.mul_(-1.0)
+        lin(x)
+        assert rule._registrations[lin].state is not first
+
+
+def test_a_tensor_a_layers_own_forward_reads_from_its_dict_is_held_whatever_its_name():
+    """A layer with a forward of its own may read any tensor set on it (a weight a hypernetwork sets per call)."""
+
+    class Dynamic(nn.Linear):
+        def forward(self, x):
+            return nn.functional.linear(x, self.weight * self.scale, self.bias)
+
+    lin = Dynamic(3, 2)
+    lin.scale = torch.ones(2, 1)
+    held = HeldParameters(lin)
+    lin.scale = torch.full((2, 1), 2.0)
+    assert not held.unchanged(lin)

@@ -25,12 +25,27 @@ _NEVER_THE_SAME = itertools.count()
 _NUMBERS = frozenset({bool, int, float})  # the attribute types a fingerprint holds the values of
 
 
+# The tensors torch's own forwards of layers and norms read by name: a tensor set in such a module's ``__dict__``
+# under another name (an activation a hook keeps on the layer, as BackPACK's ``input0`` and ``output``) is never read.
+_READ_BY_TORCH = frozenset({"weight", "bias", "running_mean", "running_var", "num_batches_tracked"})
+
+
+def _read_by_forward(module: nn.Module, name: str) -> bool:
+    """Whether ``module``'s forward may read the tensor set in its ``__dict__`` under ``name``: any name for a
+    forward of one's own; for torch's own, the names of its parameters and buffers."""
+    forward = getattr(type(module), "forward", None)
+    if "forward" in module.__dict__ or not getattr(forward, "__module__", "").startswith("torch.nn.modules."):
+        return True
+    return name in _READ_BY_TORCH or name in module._parameters or name in module._buffers
+
+
 def _tensors(module: nn.Module) -> list[torch.Tensor]:
     """The parameters and buffers of ``module`` and its children (a lazy one's placeholders left out), and the
-    tensors set in their ``__dict__``, which the forward reads before any parameter of the same name: tensordict's
+    tensors set in their ``__dict__`` that the forward may read, before any parameter of the same name: tensordict's
     ``to_module(..., preserve_module_state=False)`` puts an agent's or an ensemble member's parameters there, with
     no parameter left in the module (those a weight hook computes at each call from parameters listed here, as
-    ``torch.nn.utils.prune`` does, are left out)."""
+    ``torch.nn.utils.prune`` does, are left out, and so are activations a hook keeps on a layer of torch's: new
+    tensors at every call, which would make the state anew at each)."""
     modules = list(module.modules()) if module._modules else [module]
     tensors = []
     for sub in modules:
@@ -39,7 +54,7 @@ def _tensors(module: nn.Module) -> list[torch.Tensor]:
         if set_here:
             hooks = sub._forward_pre_hooks.values()
             computed = {_computed_name(hook) for hook in hooks if isinstance(hook, _WEIGHT_HOOKS)}
-            tensors += (value for name, value in set_here if name not in computed)
+            tensors += (v for name, v in set_here if name not in computed and _read_by_forward(sub, name))
     return [t for t in tensors if not nn.parameter.is_lazy(t)]
 
 
