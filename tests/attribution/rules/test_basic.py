@@ -69,6 +69,26 @@ def test_an_epsilon_below_float16s_smallest_step_gives_zero_outputs_no_relevance
     torch.testing.assert_close(actual.float(), expected, rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.parametrize("epsilon", [1e-9, 2e-8])
+def test_a_targets_relevance_on_a_zero_output_goes_as_in_float32_where_epsilon_is_below_float16s_step(epsilon: float):
+    # zennit's ε-rule sends R / stabilize(0, ε) = R / ε from an output of 0; in float16, where ε rounds to 0, it was
+    # R / 0 (inf) at the target's outputs and 0 / 0 (NaN) at the other zero outputs: inf and NaN relevance.
+    lin = nn.Linear(3, 2, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor([[1.0, -1.0, 0.0], [1.0, 2.0, 3.0]]))
+    x = torch.tensor([[0.5, 0.5, 0.25], [1.0, 1.0, 0.5]])  # output 0 is exactly 0 in both samples
+    mask = torch.tensor([1.0, 0.0])
+
+    def relevance(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        target = lambda y: 2.0**-20 * mask.to(y).expand_as(y)  # noqa: E731
+        lrp = LRP(model, {nn.Linear: EpsilonRule(epsilon)}, in_keys=["x"], out_keys=["y"], target=target)
+        return lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
+
+    expected = x * lin.weight[0].detach() * (2.0**-20 / epsilon)  # R / ε (R exact in float16), by the weights
+    torch.testing.assert_close(relevance(lin.double(), x.double()), expected.double(), rtol=1e-9, atol=0)
+    torch.testing.assert_close(relevance(lin.half(), x.half()).float(), expected, rtol=2e-3, atol=0)
+
+
 class TestFastPaths:
     """The paths that skip autograd or a product, each checked against zennit and shown to be taken."""
 

@@ -190,7 +190,10 @@ class EpsilonRule(Rule):
         """
         if self.epsilon == 0 or call.raw.shape != relevance.shape:
             return None
-        return [(call.raw, relevance / stabilize(call.raw.detach(), self.epsilon))]
+        z = call.raw.detach()
+        if z.dtype is torch.float16 and self.epsilon < FLOAT16_STEP:  # ε rounds to 0 in float16: R / 0 at z = 0
+            return [(call.raw, (relevance.float() / stabilize(z.float(), self.epsilon)).to(z.dtype))]
+        return [(call.raw, relevance / stabilize(z, self.epsilon))]
 
     def rewrite_merged(self, call, output, merged):
         # The merged layer's weights are the layer's times the channel scale: the
