@@ -34,6 +34,7 @@ from torchrl.envs.utils import ExplorationType, set_exploration_type
 
 from tdhook.attribution import LRP, BaseRuleMapper, EpsilonRule
 from tdhook.attribution._keys import as_tuple
+from tests.attribution.test_lrp_torch_nn import Loop
 from tests.attribution.test_lrp_torchrl import network
 from tests.attribution.test_lrp_world_models import qmixer, zero_biases
 
@@ -215,20 +216,7 @@ def _recurrent(kind: str) -> Built:
     if kind in ("GRU", "LSTM"):
         net = First((GRU if kind == "GRU" else LSTM)(4, 6, batch_first=True))
     else:
-        cell = (GRUCell if kind == "GRUCell" else LSTMCell)(4, 6)
-
-        class Loop(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.cell = cell
-
-            def forward(self, x: torch.Tensor) -> torch.Tensor:
-                state = None
-                for t in range(x.shape[1]):
-                    state = self.cell(x[:, t], state)
-                return state[0] if isinstance(state, tuple) else state
-
-        net = Loop()
+        net = Loop((GRUCell if kind == "GRUCell" else LSTMCell)(4, 6))
     x = TensorDict(observation=torch.randn(3, 4, 4, dtype=F64), batch_size=[3])
     return TensorDictModule(nn.Sequential(net, nn.Flatten(), nn.LazyLinear(3)), ["observation"], ["out"]), x, "out"
 
