@@ -772,6 +772,7 @@ def test_each_module_class(name: str):
         linear = {(nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d): EpsilonRule(0.0)}
         out, messages = _explain(module, td, key, BaseRuleMapper(stabilizer=1e-12, rule_mapper=linear), case.in_keys)
         assert messages == []
+        assert torch.equal(out[key], module(td.clone())[key]), f"{key} left out of LRP's result"
         total = sum(r.sum() for r in out["relevance"].values(True, True))
         _, explained = _gradient_times_input(module, td, key)
         torch.testing.assert_close(total.item(), explained, **tolerance)
