@@ -150,3 +150,37 @@ def test_a_layer_whose_output_folds_the_batch_is_refused_naming_it_and_the_shape
     assert list(td.keys()) == ["x"] and torch.equal(td["x"], before["x"])
     written = LRP(_Unfolded(), in_keys=["x"], out_keys=["y"], layers=["conv"])(td.clone())
     assert written["relevance", "conv"].shape == (3, 3, 2, 2)
+
+
+@pytest.mark.parametrize("method", ["LRP", "Saliency"])
+def test_a_tensorclass_output_next_to_non_tensor_data_is_written(method):
+    """A model that writes its output as a tensorclass (torchrl's VLA policies write a ``VLAAction``) into a
+    TensorDict that also holds non-tensor data (a ``NonTensorStack``: their language instructions): the output was
+    left out of the result, no error, as the non-tensor stack made the write compare entries one stacked TensorDict
+    at a time and a tensorclass was taken for a leaf that is not there."""
+    from tensordict import tensorclass
+    from tensordict.nn import TensorDictModuleBase
+
+    import tdhook.attribution as attribution
+
+    @tensorclass(shadow=True)
+    class Action:
+        chunk: torch.Tensor
+
+    class Policy(TensorDictModuleBase):
+        in_keys, out_keys = ["x", "instruction"], ["action"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(3, 2).double()
+
+        def forward(self, td: TensorDict) -> TensorDict:
+            return td.set("action", Action(chunk=self.layer(td["x"]), batch_size=td.batch_size))
+
+    torch.manual_seed(0)
+    policy = Policy()
+    td = TensorDict(x=torch.randn(4, 3, dtype=torch.float64), instruction=["a", "b", "c", "d"], batch_size=[4])
+    keys = {"in_keys": ["x"], "target_key": ("action", "chunk")}
+    wrapper = getattr(attribution, method)(policy, **keys)
+    out = wrapper(td.clone())
+    torch.testing.assert_close(out["action", "chunk"], policy(td.clone())["action"].chunk, rtol=0, atol=0)

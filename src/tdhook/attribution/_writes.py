@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from tensordict import LazyStackedTensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDictBase, is_tensorclass
 from tensordict.utils import NestedKey
 
 from tdhook.attribution._keys import as_tuple
@@ -127,7 +127,7 @@ def _stacked_leaves(tensordict: Any, key: tuple) -> list | None:
                 return None
             leaves += found
         return leaves
-    if not isinstance(tensordict, TensorDictBase):
+    if not isinstance(tensordict, TensorDictBase) and not is_tensorclass(tensordict):  # a tensorclass: a branch
         return None
     value = _get_or_none(tensordict, key[0])
     if len(key) == 1:
