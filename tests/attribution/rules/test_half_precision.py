@@ -66,9 +66,12 @@ def mapper(name: str):
     return lambda path, module: (first() if path == "0" else EpsilonRule(1e-6)) if isinstance(module, LAYERS) else None
 
 
-def relevance(model: nn.Module, x: torch.Tensor, name: str, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def relevance(
+    model: nn.Module, x: torch.Tensor, name: str, out: torch.Tensor, dtype: torch.dtype, create_graph: bool = False
+) -> torch.Tensor:
     target = lambda y: out.to(dtype)  # noqa: E731
-    lrp = LRP(copy.deepcopy(model).to(dtype), mapper(name), in_keys=["x"], out_keys=["y"], target=target)
+    model = copy.deepcopy(model).to(dtype)
+    lrp = LRP(model, mapper(name), in_keys=["x"], out_keys=["y"], target=target, create_graph=create_graph)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # SiLU without a rule, and the like: the same in every dtype
         return lrp(TensorDict(x=x.to(dtype), batch_size=x.shape[:1]))["relevance", "x"]
@@ -79,7 +82,8 @@ def relative_errors(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tenso
     return difference / expected.flatten(1).norm(dim=1).clamp_min(1e-300)
 
 
-def test_alpha_beta_on_a_grouped_conv1d_in_float16_gives_finite_relevance():
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_alpha_beta_on_a_grouped_conv1d_in_float16_gives_finite_relevance(create_graph: bool):
     # R / stabilize(z⁺) near 4e4, times α = 2, overflowed float16: 4 of 16 entries were NaN.
     layer = build_model(1)[0][0]  # Conv1d(2, 4, 2, groups=2, padding="same", padding_mode="replicate")
     _, x = build_model(1)
@@ -87,7 +91,7 @@ def test_alpha_beta_on_a_grouped_conv1d_in_float16_gives_finite_relevance():
     out = torch.randn_like(layer(x)) * 0.03
     expected = relevance(layer, x, "alpha2beta1", out, F64)
     for dtype in (torch.float16, torch.bfloat16):
-        actual = relevance(layer, x, "alpha2beta1", out, dtype)
+        actual = relevance(layer, x, "alpha2beta1", out, dtype, create_graph)
         assert actual.dtype == dtype and torch.isfinite(actual).all(), actual
         assert relative_errors(actual, expected).max() <= 16 * UNIT_ROUNDOFF[dtype]
 

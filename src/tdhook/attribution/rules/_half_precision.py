@@ -14,7 +14,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_half_precision", "float32_params", "without_autocast"]
+__all__ = ["HALF_PRECISIONS", "is_half_precision", "float32_params", "without_autocast"]
+
+#: The dtypes whose rules' factors are computed in float32.
+HALF_PRECISIONS = frozenset({torch.float16, torch.bfloat16})
 
 # The key under which a rule's prepared parameters keep their float32 copy (a per-context cache).
 _FLOAT32 = "float32"
@@ -29,7 +32,7 @@ def is_half_precision(x: torch.Tensor) -> bool:
         >>> is_half_precision(torch.ones(1, dtype=torch.bfloat16)), is_half_precision(torch.ones(1))
         (True, False)
     """
-    return x.dtype is torch.float16 or x.dtype is torch.bfloat16
+    return x.dtype in HALF_PRECISIONS
 
 
 def without_autocast(x: torch.Tensor) -> torch.autocast:
