@@ -44,6 +44,9 @@ LAYERS = (nn.Linear, nn.modules.conv._ConvNd)
 # Rules on every layer, the input-layer rules on the first one (ε elsewhere), and the presets.
 RULES = {
     "alpha2beta1": lambda: AlphaBetaRule(2.0, 1.0),
+    # a stabiliser below float16's smallest step (6e-8): it rounded to 0 there, and 0 / 0 was NaN
+    "alpha2beta1-1e-9": lambda: AlphaBetaRule(2.0, 1.0, stabilizer=1e-9),
+    "gamma-1e-9": lambda: GammaRule(0.25, stabilizer=1e-9),
     "zplus": lambda: AlphaBetaRule(1.0, 0.0),
     "gamma": lambda: GammaRule(0.25),
 }
