@@ -43,6 +43,21 @@ def test_softmax_rule_closed_form(epsilon: float, how: str):
     assert relative_error(relevance, expected) <= 1e-12
 
 
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_softmax_rule_in_float16_with_an_epsilon_below_its_smallest_step_is_finite_at_a_zero_logit(create_graph):
+    # float16's smallest step is 6e-8: stabilize(0, 1e-9) rounded to 0, and x · (…) / stabilize(x) was 0 / 0 there,
+    # NaN at every input (the sum over the softmax dimension spreads it).
+    x, relevance_out = randn(3, 5), randn(3, 5)
+    x[:, 2] = 0.0
+    expected = x * (relevance_out - torch.softmax(x, -1) * relevance_out.sum(-1, keepdim=True))
+    target = lambda y: relevance_out.half()  # noqa: E731
+    mapper = AttnLRP(softmax_epsilon=1e-9)
+    lrp = LRP(Softmax(), mapper, in_keys=["x"], out_keys=["y"], target=target, create_graph=create_graph)
+    relevance = lrp(TensorDict(x=x.half(), batch_size=[3]))["relevance", "x"]
+    assert relevance.dtype == torch.float16 and torch.isfinite(relevance).all(), relevance
+    torch.testing.assert_close(relevance.double(), expected, rtol=1e-2, atol=2e-3)
+
+
 def test_softmax_rule_gives_masked_logits_no_relevance():
     x = randn(2, 5).masked_fill(torch.tensor([False, True, False, False, True]), float("-inf"))
     x.requires_grad_(True)

@@ -10,6 +10,7 @@ computed from it (see :func:`~tdhook.attribution.rules._glue.whole_records`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from tdhook.attribution.rules._arguments import bounds
 from tdhook.attribution.rules._autograd import is_plain_gradient, may_overwrite
 from tdhook.attribution.rules._glue import note_up_the_glue, rest_records, whole_records
+from tdhook.attribution.rules._half_precision import float32_params, is_half_precision, without_autocast
 from tdhook.attribution.rules._input_gradients import (
     direct_input_gradient,
     direct_input_gradients,
@@ -72,6 +74,8 @@ class _DirectInputRule(_ModifiedForwardRule):
     """
 
     reads_layer_marks = True  # glue and the first layer: walks that stop at layer outputs
+    # The relevance is computed in float32 for a half-precision input, and set at the input itself.
+    computes_half_precision_in_float32 = True
 
     def stand_ins(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [torch.ones_like(x)]
@@ -122,11 +126,15 @@ class _DirectInputRule(_ModifiedForwardRule):
     def input_gradient_keeping_graph(self, module, registration, params, x, z, grad):
         """The relevance ``R`` of ``x`` through autograd, kept in the graph: ``x`` receives ``R / x`` and the
         rest (``R - x · R / x``, where ``x = 0``) is recorded."""
-        stand_ins = [s if s is x else s.detach().requires_grad_(True) for s in self.stand_ins(x)]
-        z_mod = self.modified_output(module, registration, params, stand_ins, z.shape)
-        start = grad * z / stabilize(z_mod, self.stabilizer)
-        grads = torch.autograd.grad(z_mod, stand_ins, start, create_graph=True, allow_unused=True)
-        relevance = set_at_x = self.relevance(stand_ins, grads)
+        half = is_half_precision(x)  # in float32 (see _half_precision), set at the input in its dtype
+        with without_autocast(x) if half else contextlib.nullcontext():
+            wide, params = (x.float(), float32_params(params, keep=False)) if half else (x, params)
+            z, grad = (z.float(), grad.float()) if half else (z, grad)
+            stand_ins = [s if s is wide else s.detach().requires_grad_(True) for s in self.stand_ins(wide)]
+            z_mod = self.modified_output(module, registration, params, stand_ins, z.shape)
+            start = grad * z / stabilize(z_mod, self.stabilizer)
+            grads = torch.autograd.grad(z_mod, stand_ins, start, create_graph=True, allow_unused=True)
+            relevance = set_at_x = self.relevance(stand_ins, grads).to(x.dtype)
         whole = whole_records(self, module, x, relevance, registration)
         if whole is not None:  # computed by glue position by position, as in input_gradient
             records, relevance = whole
@@ -138,7 +146,13 @@ class _DirectInputRule(_ModifiedForwardRule):
 
     def input_gradient(self, module, registration, params, x, z, grad):
         value = x.detach()
-        relevance = set_at_x = self.direct_relevance(module, registration, params, value, z, grad)
+        if is_half_precision(value):  # in float32 (see _half_precision), set at the input in its dtype
+            with without_autocast(value):
+                wide = (float32_params(params), value.float(), z.float(), grad.float())
+                relevance = self.direct_relevance(module, registration, *wide).to(value.dtype)
+        else:
+            relevance = self.direct_relevance(module, registration, params, value, z, grad)
+        set_at_x = relevance
         whole = whole_records(self, module, x, relevance, registration)
         if whole is not None:  # computed by glue position by position: each input position gets its relevance
             records, relevance = whole  # what is left: that of positions mixing several inputs, to the gradient

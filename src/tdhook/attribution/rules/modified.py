@@ -20,6 +20,12 @@ from torch import nn
 
 from tdhook.attribution.rules._arguments import finite_number, nonnegative
 from tdhook.attribution.rules._autograd import is_plain_gradient, may_overwrite, redirect
+from tdhook.attribution.rules._half_precision import (
+    HALF_PRECISIONS,
+    float32_params,
+    is_half_precision,
+    without_autocast,
+)
 from tdhook.attribution.rules._input_gradients import (
     direct_input_gradient,
     direct_input_gradients,
@@ -112,8 +118,8 @@ class _ModifiedForwardRule(Rule):
         params = self.prepared_state(call.module, call.registration)
         shares = (call.module, call.registration, params, call.x, torch.ones_like(relevance), relevance)
         if graph_kept() is not None:
-            return [(call.x, self.input_gradient_keeping_graph(*shares))]
-        return [(call.x, self.input_gradient(*shares))]
+            return [(call.x, self._gradient(*shares, keeping_graph=True))]
+        return [(call.x, self._gradient(*shares))]
 
     def input_gradient_keeping_graph(
         self,
@@ -128,13 +134,29 @@ class _ModifiedForwardRule(Rule):
         differentiate: no detached tensor, no in-place write (a call with ``create_graph=True``)."""
         raise NotImplementedError
 
+    #: whether :meth:`input_gradient` itself computes in float32 for half-precision inputs (the input-layer
+    #: rules, which record relevance at the input tensor itself); otherwise :meth:`_gradient` does.
+    computes_half_precision_in_float32: bool = False
+
+    def _gradient(self, module, registration, params, x, z, grad, keeping_graph: bool = False) -> torch.Tensor:
+        """:meth:`input_gradient` (or :meth:`input_gradient_keeping_graph`), in float32 for a float16 or bfloat16
+        input, rounded to its dtype at the end (see :mod:`~tdhook.attribution.rules._half_precision`)."""
+        gradient = self.input_gradient_keeping_graph if keeping_graph else self.input_gradient
+        if not is_half_precision(x) or self.computes_half_precision_in_float32:
+            return gradient(module, registration, params, x, z, grad)
+        with without_autocast(x):
+            with torch.enable_grad() if keeping_graph else torch.no_grad():
+                wide = [t.float() for t in (x, z, grad)]
+            result = gradient(module, registration, float32_params(params, keep=not keeping_graph), *wide)
+            return result.to(x.dtype)
+
     def _redirect_keeping_graph(self, module, registration, params, x, output):
         version, z = x._version, output.clone()  # a copy: later in-place operations must not reach it
 
         def backward(grad: torch.Tensor) -> list[torch.Tensor]:
             self._check_unchanged(module, x, version)
             with torch.enable_grad():
-                return [self.input_gradient_keeping_graph(module, registration, params, x, z, grad)]
+                return [self._gradient(module, registration, params, x, z, grad, keeping_graph=True)]
 
         return redirect(output, [x], backward)
 
@@ -185,6 +207,8 @@ class _ModifiedForwardRule(Rule):
                         else self._forward(module, registration, params["plain"], x, z.shape)
                     )
             with torch.enable_grad():
+                if x.dtype in HALF_PRECISIONS:  # the one test float32 and float64 layers pay
+                    return [self._gradient(module, registration, params, x, z_now, grad)]
                 return [self.input_gradient(module, registration, params, x, z_now, grad)]
 
         return redirect(output, [x], backward)

@@ -32,7 +32,7 @@ import torch
 from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._autograd import hold, redirect, scale_gradient
 from tdhook.attribution.rules._keeping_graph import graph_kept
-from tdhook.attribution.rules._numerics import stabilize
+from tdhook.attribution.rules._numerics import epsilon_factor
 from tdhook.attribution.rules.base import Rule, _single_input
 from tdhook.attribution.rules.basic import RULED_ON_NODE, PassRule
 from tdhook.attribution.rules.gates import GATE_MARK, mark_gate
@@ -110,8 +110,8 @@ class SoftmaxEpsilonRule(Rule):
 
         def backward(grad: torch.Tensor) -> list[torch.Tensor]:
             relevance = s * grad
-            relevance_in = logits * (relevance - s * relevance.sum(dim, keepdim=True))
-            grad_in = relevance_in / stabilize(logits, self.epsilon)
+            # x · (…) / stabilize(x, ε) as factor · (…): in float32 for float16 logits and an ε below its step
+            grad_in = epsilon_factor(logits, self.epsilon) * (relevance - s * relevance.sum(dim, keepdim=True))
             return [torch.where(masked, 0, grad_in).to(grad.dtype)]
 
         return redirect(output, [x], backward)
@@ -127,8 +127,8 @@ class SoftmaxEpsilonRule(Rule):
 
         def backward(grad: torch.Tensor) -> list[torch.Tensor]:
             relevance = s * grad
-            relevance_in = logits * (relevance - s * relevance.sum(dim, keepdim=True))
-            return [torch.where(masked, 0, relevance_in / stabilize(logits, epsilon)).to(grad.dtype)]
+            grad_in = epsilon_factor(logits, epsilon) * (relevance - s * relevance.sum(dim, keepdim=True))
+            return [torch.where(masked, 0, grad_in).to(grad.dtype)]
 
         return redirect(output, [x], backward)
 
