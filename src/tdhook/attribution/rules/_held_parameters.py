@@ -137,8 +137,9 @@ class HeldParameters:
         scans = [_scan(module) for module in modules]
         self.fingerprint = [fingerprint for fingerprint, _ in scans]
         # Which tensors have values (a tensor seen keeps its device while the fingerprint holds: a new ``.data``
-        # changes its storage), and a copy of those values.
-        self.live = [[not t.is_meta for t in tensors] for _, tensors in scans]
+        # changes its storage; ``None``: all of them), and a copy of those values.
+        live = [[not t.is_meta for t in tensors] for _, tensors in scans]
+        self.live = [None if all(row) else row for row in live]
         self.values = [[t.detach().clone() for t in tensors if not t.is_meta] for _, tensors in scans]
 
     def unchanged(self, *modules: nn.Module) -> bool:
@@ -147,7 +148,8 @@ class HeldParameters:
             now, tensors = _scan(module)
             if now != fingerprint:
                 return False
-            tensors = list(itertools.compress(tensors, live))
+            if live is not None:
+                tensors = list(itertools.compress(tensors, live))
             if not all(map(torch.equal, tensors, values)) and not all(map(_same_values, tensors, values)):
                 return False
         return True
