@@ -131,3 +131,26 @@ def test_a_tensor_a_layers_own_forward_reads_from_its_dict_is_held_whatever_its_
     held = HeldParameters(lin)
     lin.scale = torch.full((2, 1), 2.0)
     assert not held.unchanged(lin)
+
+
+def test_meta_tensors_are_skipped_and_the_others_compared():
+    """A module partly on the meta device: its real tensors are compared, the meta ones (no values) are not."""
+    lin = nn.Linear(2, 2)
+    lin.weight = nn.Parameter(torch.empty(2, 2, device="meta"))  # listed before the bias
+    held = HeldParameters(lin)
+    assert held.unchanged(lin)
+    lin.bias.data.add_(1.0)
+    assert not held.unchanged(lin)
+
+
+def test_tensor_subclasses_set_in_the_modules_dict_are_held():
+    """Attribute types are classified once per type: a subclass of ``torch.Tensor`` set in ``__dict__`` is held."""
+
+    class Marked(torch.Tensor):
+        pass
+
+    lin = nn.Linear(2, 2)
+    lin.__dict__["weight"] = torch.zeros(2, 2).as_subclass(Marked)
+    held = HeldParameters(lin)
+    lin.__dict__["weight"].data.add_(1.0)
+    assert not held.unchanged(lin)

@@ -22,7 +22,23 @@ from tdhook.attribution.rules._layers import _WEIGHT_HOOKS, _computed_name, _has
 __all__ = ["HeldParameters", "parameter_fingerprint"]
 
 _NEVER_THE_SAME = itertools.count()
-_NUMBERS = frozenset({bool, int, float})  # the attribute types a fingerprint holds the values of
+_OTHER, _NUMBER, _TENSOR = range(3)
+
+
+class _Kinds(dict):
+    """What each type of attribute value is to a fingerprint: a number it holds the value of (``bool``, ``int``,
+    ``float``), a tensor, or neither; learnt once per type (``isinstance(value, torch.Tensor)`` costs ~0.2 µs, and
+    a layer's ``__dict__`` holds some 25 values, read at every call)."""
+
+    def __missing__(self, cls: type) -> int:
+        kind = _NUMBER if cls in (bool, int, float) else _TENSOR if issubclass(cls, torch.Tensor) else _OTHER
+        if len(self) < 4096:  # classes made on the fly are not all kept alive
+            self[cls] = kind
+        return kind
+
+
+_KINDS = _Kinds()
+_LAZY = nn.parameter.UninitializedTensorMixin  # a lazy module's placeholders: no values yet
 
 
 # The tensors torch's own forwards of layers and norms read by name: a tensor set in such a module's ``__dict__``
@@ -46,21 +62,44 @@ def _tensors(module: nn.Module) -> list[torch.Tensor]:
     no parameter left in the module (those a weight hook computes at each call from parameters listed here, as
     ``torch.nn.utils.prune`` does, are left out, and so are activations a hook keeps on a layer of torch's: new
     tensors at every call, which would make the state anew at each)."""
-    modules = list(module.modules()) if module._modules else [module]
-    tensors = []
+    return _scan(module)[1]
+
+
+def _scan(module: nn.Module) -> tuple[tuple, list[torch.Tensor]]:
+    """:func:`parameter_fingerprint` and :func:`_tensors` of ``module``, in one pass over its modules' ``__dict__``
+    (checked at every call of a ruled layer)."""
+    modules = list(module.modules()) if module._modules else (module,)
+    # The mode and the number attributes too (a layer's weight may depend on them: ``training``, ``eps``).
+    numbers: list = []
+    tensors: list = []
     for sub in modules:
-        tensors += (t for t in (*sub._parameters.values(), *sub._buffers.values()) if t is not None)
-        set_here = [(name, value) for name, value in sub.__dict__.items() if isinstance(value, torch.Tensor)]
+        set_here = []
+        for name, value in sub.__dict__.items():
+            kind = _KINDS[type(value)]
+            if kind == _NUMBER:
+                numbers.append(value)
+            elif kind == _TENSOR:
+                set_here.append((name, value))
+        tensors += sub._parameters.values()
+        tensors += sub._buffers.values()
         if set_here:
             hooks = sub._forward_pre_hooks.values()
             computed = {_computed_name(hook) for hook in hooks if isinstance(hook, _WEIGHT_HOOKS)}
             tensors += (v for name, v in set_here if name not in computed and _read_by_forward(sub, name))
-    return [t for t in tensors if not nn.parameter.is_lazy(t)]
+    tensors = [t for t in tensors if t is not None and not isinstance(t, _LAZY)]
+    numbers.append(len(numbers))  # where the numbers end and the tensors begin
+    # A weight computed by a property on each access (torchrl's NoisyLinear: noise or not by training mode or by
+    # the global exploration type) is never the same.
+    if _has_weight_property(module):
+        numbers.append(next(_NEVER_THE_SAME))
+    for tensor in tensors:
+        numbers += (id(tensor), tensor._version, tensor.data_ptr())
+    return tuple(numbers), tensors
 
 
-def parameter_fingerprint(module: nn.Module, tensors: list[torch.Tensor] | None = None) -> tuple:
+def parameter_fingerprint(module: nn.Module) -> tuple:
     """What tells whether ``module``'s parameters and buffers (its children's included) are the tensors seen, with
-    no write that their version counter saw (``tensors``: those of :func:`_tensors`, if already listed).
+    no write that their version counter saw.
 
     For each tensor: its identity, its version counter (raised by every in-place
     write: ``optimizer.step()``, ``weight.mul_(2)``) and its storage (new after
@@ -87,17 +126,7 @@ def parameter_fingerprint(module: nn.Module, tensors: list[torch.Tensor] | None 
         >>> before == parameter_fingerprint(norm)
         False
     """
-    modules = list(module.modules()) if module._modules else [module]
-    # The mode and the number attributes too (a layer's weight may depend on them: ``training``, ``eps``); a weight
-    # computed by a property on each access (torchrl's NoisyLinear: noise or not by training mode or by the global
-    # exploration type) is never the same.
-    fingerprint: list = [value for sub in modules for value in sub.__dict__.values() if type(value) in _NUMBERS]
-    fingerprint.append(len(fingerprint))  # where the numbers end and the tensors begin
-    if _has_weight_property(module):
-        fingerprint.append(next(_NEVER_THE_SAME))
-    for tensor in _tensors(module) if tensors is None else tensors:
-        fingerprint += (id(tensor), tensor._version, tensor.data_ptr())
-    return tuple(fingerprint)
+    return _scan(module)[0]
 
 
 class HeldParameters:
@@ -117,20 +146,26 @@ class HeldParameters:
         (False, True)
     """
 
-    __slots__ = ("fingerprint", "values")
+    __slots__ = ("fingerprint", "values", "live")
 
     def __init__(self, *modules: nn.Module) -> None:
-        tensors = [_tensors(module) for module in modules]
-        self.fingerprint = [parameter_fingerprint(m, t) for m, t in zip(modules, tensors, strict=True)]
-        self.values = [[t.detach().clone() for t in row if not t.is_meta] for row in tensors]
+        scans = [_scan(module) for module in modules]
+        self.fingerprint = [fingerprint for fingerprint, _ in scans]
+        # Which tensors have values (a tensor seen keeps its device while the fingerprint holds: a new ``.data``
+        # changes its storage; ``None``: all of them), and a copy of those values.
+        live = [[not t.is_meta for t in tensors] for _, tensors in scans]
+        self.live = [None if all(row) else row for row in live]
+        self.values = [[t.detach().clone() for t in tensors if not t.is_meta] for _, tensors in scans]
 
     def unchanged(self, *modules: nn.Module) -> bool:
         """Whether ``modules`` (those the record was made of, in the same order) hold the tensors and values seen."""
-        for module, fingerprint, values in zip(modules, self.fingerprint, self.values, strict=True):
-            tensors = _tensors(module)
-            if parameter_fingerprint(module, tensors) != fingerprint:
+        for module, fingerprint, live, values in zip(modules, self.fingerprint, self.live, self.values, strict=True):
+            now, tensors = _scan(module)
+            if now != fingerprint:
                 return False
-            if not all(map(_same_values, [t for t in tensors if not t.is_meta], values)):
+            if live is not None:
+                tensors = list(itertools.compress(tensors, live))
+            if not all(map(torch.equal, tensors, values)) and not all(map(_same_values, tensors, values)):
                 return False
         return True
 
