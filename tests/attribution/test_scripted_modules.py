@@ -106,7 +106,9 @@ class CallsACustomOperator(nn.Module):
         return self.net(torch.ops.tdhook_tests.twice(x))
 
 
-@pytest.mark.filterwarnings("ignore:LRP.*computes twice:UserWarning")  # the custom operator keeps its gradient
+@pytest.mark.filterwarnings(
+    "ignore:LRP.*computes tdhook_tests.twice:UserWarning"
+)  # the custom operator keeps its gradient
 def test_a_traced_graph_calling_a_custom_operator_is_explained_as_its_eager_form():
     # A custom operator of torch.library is called alike by the eager model and its graph: not refused as ATen.
     model = CallsACustomOperator()

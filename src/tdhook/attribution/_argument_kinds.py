@@ -48,8 +48,11 @@ _PRODUCT_REDUCTIONS = frozenset({"prod"})
 _GRIDS = {name: (1, "grid") for name in ("grid_sample", "grid_sampler", "grid_sampler_2d", "grid_sampler_3d")}
 _GRID_MESSAGE = "at a grid computed from activations"
 # ``torch.batch_norm(input, weight, bias, running_mean, running_var, ...)``: another order than ``F.batch_norm``'s
-# ``(input, running_mean, running_var, weight, bias, ...)``.
-_NORM_ARGUMENTS = {torch.batch_norm: ((1, "weight"), (4, "running_var"))}
+# ``(input, running_mean, running_var, weight, bias, ...)``; the ATen operator's is ``torch.batch_norm``'s.
+_NORM_ARGUMENTS = dict.fromkeys(
+    (torch.batch_norm, torch.ops.aten.batch_norm, torch.ops.aten.batch_norm.default),
+    ((1, "weight"), (4, "running_var")),
+)
 _FUNCTIONAL_NORM_ARGUMENTS = ((3, "weight"), (2, "running_var"))
 
 #: the names (as :func:`~tdhook.attribution._nonlinear_calls.function_kind` gives them) whose kind

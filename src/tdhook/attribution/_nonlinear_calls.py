@@ -46,6 +46,7 @@ from tdhook.attribution._argument_kinds import BY_ARGUMENTS, nonlinear_by_argume
 from tdhook.attribution._broadcast_products import BROADCAST_PRODUCT, BroadcastProducts
 from tdhook.attribution._gradient_hooks import backward_hooks_checked, is_ours, tensor_hook_checked
 from tdhook.attribution._offset_products import OFFSET_PRODUCT, OffsetProducts
+from tdhook.attribution._operator_calls import OPERATOR_FORM, aten_function, is_operator, operator_name, unruled_clip
 from tdhook.attribution._random_modules import draw
 from tdhook.attribution._straight_through import GRADIENT_SCALING, STRAIGHT_THROUGH, StraightThrough
 from tdhook.attribution._unmapped_layers import (
@@ -99,6 +100,9 @@ _PIECEWISE_LINEAR = frozenset(
 # Selections of one element (an order statistic, a running maximum) or of a fixed mix of two (a quantile between
 # two order statistics), an affine grid's positions (linear in its matrix), ``put``'s writes.
 _PIECEWISE_LINEAR |= frozenset("kthvalue median nanmedian quantile nanquantile cummax cummin affine_grid put".split())
+# ATen's own names of views, copies and indexing, for operators called through ``torch.ops`` (``aten.slice.Tensor``
+# is ``h[:, 1:]``, ``aten.index.Tensor`` an advanced index, ``aten._to_copy`` a ``.to``).
+_PIECEWISE_LINEAR |= frozenset("slice slice_scatter select_scatter unsafe_view to_copy alias index".split())
 # The discrete Fourier transforms (``torch.fft``): linear maps, as a global filter's ``irfft(rfft(x) * w)``.
 _FOURIER = frozenset(
     "fft ifft fft2 ifft2 fftn ifftn rfft irfft rfft2 irfft2 rfftn irfftn hfft ihfft hfft2 ihfft2 hfftn ihfftn "
@@ -161,10 +165,15 @@ _KINDS: dict[Any, tuple[str, str]] = {}
 
 
 def _classify(func: Any) -> tuple[str, str]:
-    try:
-        full = resolve_name(func) or getattr(func, "__name__", repr(func))
-    except Exception:  # noqa: BLE001 (a callable torch cannot name: judged by its own name)
-        full = getattr(func, "__name__", repr(func))
+    if is_operator(func):  # through ``torch.ops``: an ATen operator is the function it computes, a custom one curved
+        full = aten_function(func)
+        if full is None:
+            return operator_name(func), "nonlinear"
+    else:
+        try:
+            full = resolve_name(func) or getattr(func, "__name__", repr(func))
+        except Exception:  # noqa: BLE001 (a callable torch cannot name: judged by its own name)
+            full = getattr(func, "__name__", repr(func))
     parts = full.split(".")
     name = parts[-2] if parts[-1] == "__get__" and len(parts) > 1 else parts[-1]
     name = _ALIASES.get(name, name)
@@ -204,7 +213,17 @@ def _keyword_factors(name: str, kwargs: dict) -> int:
 
 
 def _is_nonlinear_call(func: Any, args: tuple, kwargs: dict | None = None) -> str | None:
-    """The function's name when this call on activations is not piecewise linear, else ``None``."""
+    """The function's name when this call on activations is not piecewise linear, else ``None``; an operator called
+    through ``torch.ops`` by its full name (``aten.sin.default``)."""
+    found = _nonlinear_name(func, args, kwargs)
+    full = operator_name(func)
+    if found is None or full is None:
+        return found
+    name = function_kind(func)[0]
+    return full + found[len(name) :] if found.startswith(name) else full
+
+
+def _nonlinear_name(func: Any, args: tuple, kwargs: dict | None = None) -> str | None:
     name, kind = function_kind(func)
     if name in _REAL_ONLY and args and is_activation(args[0]) and args[0].is_complex():
         return f"{name} (of a complex tensor)"
@@ -249,11 +268,23 @@ def _is_layer_call(func: Any, args: tuple) -> tuple[str, torch.Tensor] | None:
 _TRAINING_NORM = "batch_norm (in training mode, normalising by the batch's own statistics)"
 
 
-def _batch_statistics(args: tuple, kwargs: dict | None) -> bool:
-    """Whether an ``F.batch_norm(input, running_mean, running_var, weight, bias, training, ...)`` call normalises by
-    the batch's statistics: in training mode, or without running statistics."""
+# The batch norm functions, and where their running mean is: ``F.batch_norm(input, running_mean, running_var, weight,
+# bias, training, ...)``; ``torch.batch_norm`` and the ATen operator take ``(input, weight, bias, running_mean,
+# running_var, training, ...)``.
+_BATCH_NORMS = {
+    F.batch_norm: 1,
+    torch.batch_norm: 3,
+    torch.ops.aten.batch_norm: 3,
+    torch.ops.aten.batch_norm.default: 3,
+}
+
+
+def _batch_statistics(func: Any, args: tuple, kwargs: dict | None) -> bool:
+    """Whether a batch norm call (one of ``_BATCH_NORMS``) normalises by the batch's statistics: in training mode,
+    or without running statistics."""
     training = (kwargs or {}).get("training", args[5] if len(args) > 5 else False)
-    running_mean = (kwargs or {}).get("running_mean", args[1] if len(args) > 1 else None)
+    position = _BATCH_NORMS[func]
+    running_mean = (kwargs or {}).get("running_mean", args[position] if len(args) > position else None)
     return bool(training) or running_mean is None
 
 
@@ -354,6 +385,8 @@ class NonlinearCalls(TorchFunctionMode):
         super().__init__()
         self._refused = refused
         self._covering = [mode for mode in modes if hasattr(mode, "covers")]
+        # Whether a mode passes relevance through clips: the ATen operators that clip keep their plain gradient.
+        self._passes_clips = any(getattr(mode, "passes_clips", False) for mode in modes)
         self._calls: list[tuple[str, str, Any]] = []
         self._straight_through = StraightThrough()  # sums that part value and gradient with a detached term
         self._offsets = OffsetProducts()  # products with a factor that adds a number (``(up + 1) * glu``)
@@ -435,10 +468,17 @@ class NonlinearCalls(TorchFunctionMode):
             return
         self._offsets.note(function_kind(func)[0], args, result)
         self._broadcasts.note(function_kind(func)[0], args, result)
-        if func is F.batch_norm:
-            if _batch_statistics(args, kwargs):  # normalised by the batch's own statistics: not linear in the input
+        if func in _BATCH_NORMS:
+            if _batch_statistics(
+                func, args, kwargs
+            ):  # normalised by the batch's own statistics: not linear in the input
                 if not any(mode.covers(func, args) for mode in self._covering):
-                    self._calls.append((self._stack[-1] if self._stack else "", _TRAINING_NORM, _grad_fn(result)))
+                    norm = (
+                        operator_name(func) + _TRAINING_NORM[len("batch_norm") :]
+                        if is_operator(func)
+                        else _TRAINING_NORM
+                    )
+                    self._calls.append((self._stack[-1] if self._stack else "", norm, _grad_fn(result)))
                 return
             if (layer := self._layer_outputs.get(getattr(args[0], "grad_fn", None) if args else None)) is not None:
                 name, rule = layer
@@ -448,6 +488,9 @@ class NonlinearCalls(TorchFunctionMode):
         name = _is_nonlinear_call(func, args, kwargs)
         if name is not None and not self._covers(func, args, kwargs):
             self._calls.append((self._stack[-1] if self._stack else "", name, _grad_fn(result)))
+        elif name is None and self._passes_clips and (clip := unruled_clip(func, args, kwargs or {})) is not None:
+            call = f"{operator_name(func)} ({OPERATOR_FORM} {clip})"
+            self._calls.append((self._stack[-1] if self._stack else "", call, _grad_fn(result)))
         elif name is not None and self._offset_product(name, args):
             self._calls.append((self._stack[-1] if self._stack else "", OFFSET_PRODUCT, _grad_fn(result)))
         elif name is None and (layer := self._layer_call(func, args, kwargs)) is not None:
@@ -655,7 +698,8 @@ def report_plain_gradient(
         where = f"module {name!r}" if name else "the model itself"
         kind = f" ({type(module).__name__})" if module is not None else ""
         constant = [f for f in functions if f in _PIECEWISE_CONSTANT]
-        curved = [f for f in functions if f not in _PIECEWISE_CONSTANT and f not in _NAMED_APART]
+        operators = [f for f in functions if f" ({OPERATOR_FORM} " in f]
+        curved = [f for f in functions if f not in _PIECEWISE_CONSTANT and f not in _NAMED_APART and f not in operators]
         messages = []
         if STRAIGHT_THROUGH in functions:
             messages.append(
@@ -688,6 +732,14 @@ def report_plain_gradient(
                 "linear, and no rule covers it: its plain gradient is used. Map the module in rule_mapper (for "
                 "example PassRule for an element-wise activation, UniformRule or IgnoreRule), or use a preset whose "
                 "function rules cover it (AttnLRP, CPLRP); lrp.coverage() lists every such call"
+            )
+        if operators:
+            messages.append(
+                f"LRP: {where}{kind} calls {', '.join(operators)} through torch.ops in its own forward: the rules pass "
+                "relevance through such a clip where a torch function makes it (as through nn.Hardtanh), but see no "
+                "ATen operator, so its plain gradient is used, and a unit clipped at a bound other than zero loses "
+                "its relevance. Call the torch function instead, or map the module in rule_mapper; lrp.coverage() "
+                "lists every such call"
             )
         if constant:
             messages.append(

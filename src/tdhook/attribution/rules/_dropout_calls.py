@@ -37,6 +37,14 @@ __all__ = ["DROPOUTS", "DropoutCalls", "dropout_probability", "dropout_watch", "
 # Dropout as a function: its keyword that says whether it drops, by function.
 DROPOUTS = {F.dropout: "training", F.dropout1d: "training", F.dropout2d: "training", F.dropout3d: "training"}
 DROPOUTS |= {F.alpha_dropout: "training", F.feature_alpha_dropout: "training", torch.dropout: "train"}
+# The ATen operators, called through ``torch.ops`` (``(input, p, train)``; ``native_dropout``'s ``train`` may be
+# ``None``: it drops). No rule acts on them: they are only watched for.
+_ATEN = torch.ops.aten
+_OPERATOR_DROPOUTS = frozenset(
+    op
+    for packet in (_ATEN.dropout, _ATEN.feature_dropout, _ATEN.alpha_dropout, _ATEN.feature_alpha_dropout)
+    for op in (packet, packet.default)
+) | {_ATEN.native_dropout, _ATEN.native_dropout.default}
 
 
 def dropout_probability(func: Callable, args: tuple, kwargs: dict) -> float:
@@ -53,6 +61,9 @@ def dropout_probability(func: Callable, args: tuple, kwargs: dict) -> float:
     if func in DROPOUTS:
         dropping = call_argument(args, kwargs, 2, DROPOUTS[func], func is not torch.dropout)
         return float(call_argument(args, kwargs, 1, "p", 0.5)) if dropping else 0.0
+    if func in _OPERATOR_DROPOUTS:
+        dropping = call_argument(args, kwargs, 2, "train", None)
+        return float(call_argument(args, kwargs, 1, "p", 0.5)) if dropping is None or dropping else 0.0
     if func is F.scaled_dot_product_attention:
         return float(call_argument(args, kwargs, 4, "dropout_p", 0.0))
     return 0.0

@@ -244,6 +244,8 @@ class FunctionalRules(TorchFunctionMode):
 
     #: the rules keep the graph in a call that asks for it (``LRP(..., create_graph=True)``)
     differentiable = True
+    #: clipping calls get the identity rule (the watch of nonlinear calls names those made by ATen operators)
+    passes_clips = True
 
     def __init__(self, softmax: SoftmaxEpsilonRule, activation: PseudoIdentityRule, hold_gates: bool = False) -> None:
         expected = (("softmax", softmax, SoftmaxEpsilonRule), ("activation", activation, PseudoIdentityRule))

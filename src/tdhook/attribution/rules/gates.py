@@ -305,6 +305,8 @@ class HeldGates(TorchFunctionMode):
     """
 
     pause_in_ruled_modules = False
+    #: clipping calls get the pass rule (the watch of nonlinear calls names those made by ATen operators)
+    passes_clips = True
     #: the held gates keep the graph in a call that asks for it (see :func:`~tdhook.attribution.rules._autograd.hold`)
     differentiable = True
 
