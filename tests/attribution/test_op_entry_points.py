@@ -260,3 +260,24 @@ def test_a_dropout_operator_in_training_mode_is_named(call: Callable):
     # torch.ops.aten.dropout was judged linear by name and went unnamed.
     _, messages = explained(call, EpsilonPlus(), model_input())
     assert len(messages) == 1 and "module 'body' (Body) calls dropout (p=0.5) in its own forward" in messages[0]
+
+
+@pytest.mark.parametrize(
+    ("call", "named"),
+    [
+        (lambda m, h, g: torch.div(h, 0.5, rounding_mode="floor") + g, "div (rounding_mode='floor')"),
+        (lambda m, h, g: h.div(0.5, rounding_mode="trunc") + g, "div (rounding_mode='trunc')"),
+        (lambda m, h, g: ATEN.div.Tensor_mode(h, 0.5, rounding_mode="floor") + g, "aten.div.Tensor_mode"),
+    ],
+)
+def test_a_division_rounded_to_whole_numbers_is_named_as_piecewise_constant(call: Callable, named: str):
+    # torch.floor(h / 0.5) was named as piecewise constant (a zero gradient: what it reads gets no relevance);
+    # torch.div(h, 0.5, rounding_mode="floor"), the same function, was taken as a division by a constant (linear),
+    # and h's whole share of the relevance was lost without a word.
+    x = model_input()
+    relevance, messages = explained(call, None, x)
+    assert len(messages) == 1, messages
+    assert f"computes {named}" in messages[0] and "which is piecewise constant" in messages[0], messages
+    torch.testing.assert_close(relevance, gradient_times_input(call, x))  # the zero gradient through h, as announced
+    torch_floor, _ = explained(lambda m, h, g: torch.floor(h / 0.5) + g, None, x)
+    torch.testing.assert_close(relevance, torch_floor)

@@ -116,6 +116,8 @@ _PIECEWISE_LINEAR |= frozenset("conj conj_physical resolve_conj resolve_neg adjo
 _REAL_ONLY = frozenset({"abs"})
 # Calls that are piecewise constant in their activation: their gradient is zero, and no relevance passes back.
 _PIECEWISE_CONSTANT = frozenset("round floor ceil trunc fix sign sgn heaviside".split())
+# A division given a rounding mode (``torch.div(h, 2, rounding_mode="floor")``) is piecewise constant, as ``floor``.
+_ROUNDING = "rounding_mode="
 # Products and maps that are linear in each factor: piecewise linear as long as at most one factor is an activation.
 _PRODUCTS = frozenset(
     "mul rmul matmul rmatmul mm bmm einsum bilinear tensordot kron outer dot vdot inner mv addcmul baddbmm addbmm "
@@ -242,6 +244,8 @@ def _nonlinear_name(func: Any, args: tuple, kwargs: dict | None = None) -> str |
             _keyword_factors(name, kwargs) if kwargs else 0
         )
         return name if factors > 1 else None
+    if kind == "division" and (mode := call_argument(args, kwargs or {}, 2, "rounding_mode")) is not None:
+        return f"{name} ({_ROUNDING}{mode!r})"  # rounded to a whole number: piecewise constant in the dividend too
     if kind == "division":
         return name if is_activation(call_argument(args, kwargs or {}, 1, "other")) else None
     if kind == "reflected division":
@@ -697,9 +701,9 @@ def report_plain_gradient(
         module = modules.get(name)
         where = f"module {name!r}" if name else "the model itself"
         kind = f" ({type(module).__name__})" if module is not None else ""
-        constant = [f for f in functions if f in _PIECEWISE_CONSTANT]
+        constant = [f for f in functions if f in _PIECEWISE_CONSTANT or f" ({_ROUNDING}" in f]
         operators = [f for f in functions if f" ({OPERATOR_FORM} " in f]
-        curved = [f for f in functions if f not in _PIECEWISE_CONSTANT and f not in _NAMED_APART and f not in operators]
+        curved = [f for f in functions if f not in constant and f not in _NAMED_APART and f not in operators]
         messages = []
         if STRAIGHT_THROUGH in functions:
             messages.append(
