@@ -281,3 +281,19 @@ def test_a_division_rounded_to_whole_numbers_is_named_as_piecewise_constant(call
     torch.testing.assert_close(relevance, gradient_times_input(call, x))  # the zero gradient through h, as announced
     torch_floor, _ = explained(lambda m, h, g: torch.floor(h / 0.5) + g, None, x)
     torch.testing.assert_close(relevance, torch_floor)
+
+
+@pytest.mark.parametrize("preset", ["EpsilonPlus", "AttnLRP"])
+def test_a_residual_sum_by_an_aten_operator_is_named_where_additions_are_stabilised(preset: str):
+    # With stabilize_additions, h + g has its gradient rescaled by (h + g) / stabilize(h + g), as zennit's Sum under
+    # Norm; torch.ops.aten.add.Tensor(h, g) is no torch.add to the mode and kept the exact split.
+    x = model_input()
+    torch_form, _ = explained(lambda m, h, g: h + g, PRESETS[preset](stabilize_additions=True, stabilizer=0.5), x)
+    call = lambda m, h, g: ATEN.add.Tensor(h, g)  # noqa: E731
+    got, messages = explained(call, PRESETS[preset](stabilize_additions=True, stabilizer=0.5), x)
+    assert relative_error(got, torch_form) > 0.01  # the warning is needed
+    assert len(messages) == 1, messages
+    assert "calls aten.add.Tensor (the ATen form of torch.add) through torch.ops" in messages[0]
+    plain, messages = explained(call, PRESETS[preset](stabilizer=0.5), x)  # no stabilised sums: nothing to name
+    assert messages == []
+    torch.testing.assert_close(got, plain)

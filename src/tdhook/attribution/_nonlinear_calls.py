@@ -46,7 +46,14 @@ from tdhook.attribution._argument_kinds import BY_ARGUMENTS, nonlinear_by_argume
 from tdhook.attribution._broadcast_products import BROADCAST_PRODUCT, BroadcastProducts
 from tdhook.attribution._gradient_hooks import backward_hooks_checked, is_ours, tensor_hook_checked
 from tdhook.attribution._offset_products import OFFSET_PRODUCT, OffsetProducts
-from tdhook.attribution._operator_calls import OPERATOR_FORM, aten_function, is_operator, operator_name, unruled_clip
+from tdhook.attribution._operator_calls import (
+    OPERATOR_FORM,
+    aten_function,
+    is_operator,
+    operator_name,
+    unruled_clip,
+    unruled_sum,
+)
 from tdhook.attribution._random_modules import draw
 from tdhook.attribution._straight_through import GRADIENT_SCALING, STRAIGHT_THROUGH, StraightThrough
 from tdhook.attribution._unmapped_layers import (
@@ -391,6 +398,7 @@ class NonlinearCalls(TorchFunctionMode):
         self._covering = [mode for mode in modes if hasattr(mode, "covers")]
         # Whether a mode passes relevance through clips: the ATen operators that clip keep their plain gradient.
         self._passes_clips = any(getattr(mode, "passes_clips", False) for mode in modes)
+        self._stabilizes_sums = any(getattr(mode, "stabilizes_sums", False) for mode in modes)
         self._calls: list[tuple[str, str, Any]] = []
         self._straight_through = StraightThrough()  # sums that part value and gradient with a detached term
         self._offsets = OffsetProducts()  # products with a factor that adds a number (``(up + 1) * glu``)
@@ -492,8 +500,8 @@ class NonlinearCalls(TorchFunctionMode):
         name = _is_nonlinear_call(func, args, kwargs)
         if name is not None and not self._covers(func, args, kwargs):
             self._calls.append((self._stack[-1] if self._stack else "", name, _grad_fn(result)))
-        elif name is None and self._passes_clips and (clip := unruled_clip(func, args, kwargs or {})) is not None:
-            call = f"{operator_name(func)} ({OPERATOR_FORM} {clip})"
+        elif name is None and (form := self._unruled_form(func, args, kwargs or {})) is not None:
+            call = f"{operator_name(func)} ({OPERATOR_FORM} {form})"
             self._calls.append((self._stack[-1] if self._stack else "", call, _grad_fn(result)))
         elif name is not None and self._offset_product(name, args):
             self._calls.append((self._stack[-1] if self._stack else "", OFFSET_PRODUCT, _grad_fn(result)))
@@ -504,6 +512,13 @@ class NonlinearCalls(TorchFunctionMode):
                 call[2].metadata[LAYER_MARK] = True
             if _reaches_model_input(layer[1]):  # as the first-layer rule decides it for a layer: at this call
                 self._first_layer_calls.append(call)
+
+    def _unruled_form(self, func: Any, args: tuple, kwargs: dict) -> str | None:
+        """For an ATen operator whose torch form a mode gives a rule (a clip, a residual sum): that torch form."""
+        if not is_operator(func):
+            return None
+        clip = unruled_clip(func, args, kwargs) if self._passes_clips else None
+        return clip if clip is not None or not self._stabilizes_sums else unruled_sum(func, args, kwargs)
 
     def _covers(self, func: Any, args: tuple, kwargs: dict | None) -> bool:
         """Whether a mode's rule covers this call, which is not piecewise linear: the rules read a product's factors
@@ -739,11 +754,11 @@ def report_plain_gradient(
             )
         if operators:
             messages.append(
-                f"LRP: {where}{kind} calls {', '.join(operators)} through torch.ops in its own forward: the rules pass "
-                "relevance through such a clip where a torch function makes it (as through nn.Hardtanh), but see no "
-                "ATen operator, so its plain gradient is used, and a unit clipped at a bound other than zero loses "
-                "its relevance. Call the torch function instead, or map the module in rule_mapper; lrp.coverage() "
-                "lists every such call"
+                f"LRP: {where}{kind} calls {', '.join(operators)} through torch.ops in its own forward: the rules act "
+                "on the torch function (relevance passes through a clip as through nn.Hardtanh, where a unit clipped "
+                "at a bound other than zero keeps its relevance; a residual sum is stabilised), but see no ATen "
+                "operator, so its plain gradient is used. Call the torch function instead, or map the module in "
+                "rule_mapper; lrp.coverage() lists every such call"
             )
         if constant:
             messages.append(

@@ -12,7 +12,8 @@ A clip (``clamp``, ``clip``, ``hardtanh``, ``relu6``, a maximum or minimum of an
 piecewise linear, so its plain gradient is no error of its own, but the presets pass relevance through it where a
 ``torch.*`` call makes it (the rule ``nn.Hardtanh`` gets: a unit clipped at a bound other than zero keeps its
 relevance, where its gradient is zero). :func:`unruled_clip` finds the ATen operators that make such a clip, which
-no rule sees.
+no rule sees; :func:`unruled_sum` those that add two activations, which ``stabilize_additions`` stabilises in their
+torch form.
 
 Examples:
     >>> import torch
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 from tdhook.attribution.rules._autograd import is_activation
 from tdhook.attribution.rules._clips import bounded_signal, clip_bounds, clips_a_signal
 
-__all__ = ["OPERATOR_FORM", "aten_function", "is_operator", "operator_name", "unruled_clip"]
+__all__ = ["OPERATOR_FORM", "aten_function", "is_operator", "operator_name", "unruled_clip", "unruled_sum"]
 
 #: what the coverage report puts between an ATen clip's name and its torch form's (``aten.clamp.default (the ATen
 #: form of torch.clamp)``)
@@ -77,6 +78,15 @@ def aten_function(func: Any) -> str | None:
     if name is None or not name.startswith("aten."):
         return None
     return name.split(".")[1]
+
+
+def unruled_sum(func: Any, args: tuple, kwargs: dict) -> str | None:
+    """Where an ATen operator adds two activations of the same shape, as a residual sum that ``stabilize_additions``
+    stabilises would (``a + b``): ``"torch.add"``; else ``None``."""
+    if aten_function(func) not in ("add", "add_") or kwargs or len(args) != 2:
+        return None
+    a, b = args
+    return "torch.add" if is_activation(a) and is_activation(b) and a.shape == b.shape else None
 
 
 def unruled_clip(func: Any, args: tuple, kwargs: dict) -> str | None:

@@ -58,6 +58,8 @@ class StabilizedAdditions(TorchFunctionMode):
 
     #: the rescaling keeps the graph in a call that asks for it (``LRP(..., create_graph=True)``)
     differentiable = True
+    #: sums of two activations are stabilised (the watch of nonlinear calls names those made by ATen operators)
+    stabilizes_sums = True
 
     def __init__(self, epsilon: float = 1e-6) -> None:
         nonnegative(type(self).__name__, "epsilon", epsilon)
