@@ -111,6 +111,21 @@ GATE_SCALINGS = frozenset(
 GATE_MULTIPLICATIONS = frozenset(
     {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.multiply, torch.Tensor.multiply}
 )
+
+
+def _aten(*names: str) -> frozenset:
+    """The ATen operators ``torch.ops.aten.<name>``, as packets and as each of their overloads."""
+    packets = [getattr(torch.ops.aten, name) for name in names]
+    return frozenset(op for packet in packets for op in (packet, *(getattr(packet, o) for o in packet.overloads())))
+
+
+# The same operations called through ``torch.ops`` (``torch.ops.aten.view.default(gate, shape)``): a gate stays one.
+SAME_VALUES |= _aten("view", "_unsafe_view", "reshape", "expand", "unsqueeze", "squeeze", "permute", "transpose", "t")
+SAME_VALUES |= _aten("flatten", "clone", "_to_copy", "alias", "slice", "select", "contiguous")
+GATE_COMPLEMENTS |= _aten("rsub")
+GATE_SPLITS |= _aten("chunk", "split", "split_with_sizes", "unbind", "tensor_split")
+GATE_SCALINGS |= _aten("div", "true_divide", "divide")
+GATE_MULTIPLICATIONS |= _aten("mul", "multiply")
 GATE_PRESERVING = SAME_VALUES | GATE_COMPLEMENTS | GATE_RESIZES | GATE_SPLITS | GATE_SCALINGS | GATE_MULTIPLICATIONS
 # Class names of routers whose forward selects experts without ``topk`` (by ``max`` in a helper, as PhiMoE).
 _ROUTER_NAMES = ("Router",)
