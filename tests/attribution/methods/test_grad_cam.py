@@ -8,6 +8,7 @@ import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
+from torchrl.modules import MultiAgentMLP
 
 from tdhook.attribution import GradCAM
 from tests.attribution._helpers import Attending, assert_unchanged, state_snapshot
@@ -217,3 +218,28 @@ def test_a_layer_set_as_an_attribute_writes_its_map_at_its_own_key():
     with pytest.raises(KeyError, match="GradCAM: layer is"):
         cam.layer = "9"
     assert cam.layer == "3"
+
+
+def test_a_layer_inside_vmapped_agents_is_refused_by_name():
+    """torchrl's ``MultiAgentMLP`` with ``share_params=False`` runs its agents' network under ``torch.vmap``: a layer
+    there was recorded as a vmapped value that no gradient reaches, and the call failed in autograd with "One of the
+    differentiated Tensors does not require grad", naming neither the layer nor the cause."""
+    torch.manual_seed(0)
+    net = MultiAgentMLP(4, 2, n_agents=3, centralized=False, share_params=False, depth=1, num_cells=6).double()
+    policy = TensorDictModule(net, in_keys=["obs"], out_keys=["q"])
+    td = TensorDict(obs=torch.randn(5, 3, 4, dtype=torch.float64), batch_size=[5])
+    snapshot = state_snapshot(net)
+    with pytest.raises(ValueError, match=r"GradCAM: layer 'module._empty_net.1' runs under torch.vmap"):
+        GradCAM(policy, layer="module._empty_net.1")(td)
+    assert_unchanged(net, snapshot)
+    assert list(td.keys()) == ["obs"]
+    shared = MultiAgentMLP(4, 2, n_agents=3, centralized=False, share_params=True, depth=1, num_cells=6).double()
+    x = td["obs"]
+    got = GradCAM(shared, layer="_empty_net.1", in_keys=["obs"], out_keys=["q"], relu=False)(
+        TensorDict(obs=x, batch_size=[5])
+    )["attribution", "_empty_net.1"]
+    chosen = nn.functional.one_hot(shared(x).argmax(-1), 2).to(x.dtype)  # each agent's argmax, summed over agents
+    expected = captum.attr.LayerGradCam(lambda v: (shared(v) * chosen).sum((1, 2)), shared._empty_net[1]).attribute(
+        x.clone(), relu_attributions=False
+    )
+    assert relative_error(got, expected.squeeze(1)) <= 1e-8
