@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import captum.attr
 import pytest
 import torch
@@ -243,3 +245,25 @@ def test_a_layer_inside_vmapped_agents_is_refused_by_name():
         x.clone(), relu_attributions=False
     )
     assert relative_error(got, expected.squeeze(1)) <= 1e-8
+
+
+@pytest.mark.parametrize("how", ["wrapped", "in place"])
+def test_a_compiled_model_equals_captum_on_the_plain_one(how: str):
+    """A model compiled by torch.compile runs a graph that does not pass through the output the hook gives back: the
+    map was refused with "target 'y' does not depend on the output of layer", a layer on the target's way. Compiled
+    parts run as written during the call, as under LRP."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)).double()
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    net = copy.deepcopy(plain)
+    if how == "wrapped":
+        net, layer = torch.compile(net, backend="aot_eager"), "_orig_mod.1"
+    else:
+        net.compile(backend="aot_eager")
+        layer = "1"
+    net(x)  # compiled on a first call, as a trained model is
+    cam = GradCAM(net, layer=layer, in_keys=["x"], out_keys=["y"], target=2, relu=False)
+    td = cam(TensorDict(x=x, batch_size=[2]))
+    expected = captum.attr.LayerGradCam(plain, plain[1]).attribute(x.clone(), target=2, relu_attributions=False)
+    assert relative_error(td[cam.layer_key], expected.squeeze(1)) <= 1e-8
+    assert expected.abs().max() > 1e-3  # not a comparison of zeros

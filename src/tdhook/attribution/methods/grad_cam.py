@@ -18,6 +18,7 @@ from tdhook.attribution.targets import Target
 __all__ = ["GradCAM"]
 
 _MODES = {1: "linear", 2: "bilinear", 3: "trilinear"}
+_NOTHING = contextlib.nullcontext()
 _VMAPPED = object()  # recorded in place of a layer's output computed under torch.vmap
 
 
@@ -126,8 +127,14 @@ class GradCAM(AttributionMethod):
             # not overwrite the activation the map is made of.
             return output.clone() if isinstance(output, torch.Tensor) else None
 
+        from tdhook.attribution.lrp import _compiled  # lrp imports the methods' package
+
+        modules = self.named_explained_modules()
+        # A compiled graph does not pass through the output the hook gives back (the map would not be reached from
+        # the target): parts compiled by torch.compile run as written, as they do under LRP.
+        eager = torch.compiler.set_stance("force_eager") if any(map(_compiled, modules.values())) else _NOTHING
         try:
-            with hooks_removed([self.named_explained_modules()[self.layer].register_forward_hook(record)]):
+            with eager, hooks_removed([modules[self.layer].register_forward_hook(record)]):
                 yield
         finally:
             self._activations = []
