@@ -10,9 +10,11 @@ import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModuleBase
 from torch import nn
+from torchrl.modules import MultiAgentMLP
 
 from tdhook.attribution import LRP, InputXGradient
 from tdhook.metrics import randomisation_check
+from tdhook.metrics._agent_templates import reset_in_template
 from tests.metrics._models import conv_net, for_quantus, gradient_times_input, images
 
 quantus = pytest.importorskip("quantus")
@@ -258,3 +260,47 @@ def test_an_attentions_input_projection_is_reset_and_parameters_no_layer_resets_
             method = Saliency(copied, in_keys=["x"], out_keys=["y"], target=target)
             changed = method(td.clone())["attribution", "x"].flatten(1).abs()
             torch.testing.assert_close(scores[name], spearman(original, changed), rtol=1e-12, atol=1e-12)
+
+
+def _agents(share_params: bool) -> MultiAgentMLP:
+    torch.manual_seed(0)
+    return MultiAgentMLP(
+        4, 2, n_agents=3, centralized=False, share_params=share_params, depth=2, num_cells=6, activation_class=nn.Tanh
+    ).double()
+
+
+def test_layers_of_a_multi_agent_template_with_shared_parameters_equal_the_plain_network():
+    """torchrl's ``MultiAgentMLP`` keeps its values in ``params`` and its template layers on the meta device: their
+    reset drew meta tensors and left the network as it was, so every template layer scored 1 (explanations equal),
+    as if the method ignored the weights. With shared parameters the network is the plain MLP applied to every agent:
+    the scores equal that MLP's, layer by layer, under the same seeds."""
+    net = _agents(share_params=True)
+    plain = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+    plain.load_state_dict(dict(net.params.flatten_keys(".").items()))
+    td = TensorDict(obs=torch.randn(5, 3, 4, dtype=torch.float64), batch_size=[5])
+    kwargs = dict(in_keys=["obs"], out_keys=["q"], target=lambda y: y)
+    scores = randomisation_check(InputXGradient(net, **kwargs), td, similarity="pearson")
+    expected = randomisation_check(InputXGradient(plain, **kwargs), td, similarity="pearson")
+    for layer in ["4", "2", "0"]:
+        torch.testing.assert_close(scores[f"_empty_net.{layer}"], expected[layer], rtol=0, atol=1e-12)
+        assert (scores[f"_empty_net.{layer}"] < 0.99).all()
+
+
+def test_layers_of_a_multi_agent_template_reach_every_agents_values():
+    """With ``share_params=False`` each agent draws its own values (as the network's own ``reset_parameters``): the
+    reset of a template layer changes that layer of every agent, and no other layer."""
+    net = _agents(share_params=False)
+    td = TensorDict(obs=torch.randn(5, 3, 4, dtype=torch.float64), batch_size=[5])
+    method = InputXGradient(net, in_keys=["obs"], out_keys=["q"], target=lambda y: y)
+    before = net.params.detach().clone()
+    scores = randomisation_check(method, td, similarity="pearson")
+    assert list(scores) == ["_empty_net.4", "_empty_net.2", "_empty_net.0", ""]
+    for layer in ["_empty_net.4", "_empty_net.2", "_empty_net.0"]:
+        assert (scores[layer] < 0.99).all(), layer
+    assert (net.params.detach() == before).all()  # the caller's network is left alone
+    copied = copy.deepcopy(net)
+    reset_in_template(copied, copied._empty_net[4].reset_parameters)
+    for layer in ["0", "2", "4"]:
+        changed = (copied.params[layer, "weight"] != before[layer, "weight"]).flatten(1).all(1)
+        assert changed.tolist() == [layer == "4"] * 3, layer
+    assert not torch.equal(copied.params["4", "weight"][0], copied.params["4", "weight"][1])  # drawn per agent

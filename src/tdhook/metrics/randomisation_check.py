@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from tdhook.attribution.rules._caller import warn_at_caller
+from tdhook.metrics._agent_templates import reset_in_template, template_owner
 from tdhook.metrics._batch_statistics import statistics_kept
 from tdhook.metrics._features import Features
 from tdhook.metrics._layer_reset import refuse_hooked_weights, reset_layer, resettable
@@ -172,11 +173,16 @@ def randomisation_check(
     original = flat(stored)
     scores: dict[str, torch.Tensor] = {}
     update = progress_bar(len(layers), "randomisation check", progress)
+    modules = _named_modules(copied)
     versions = {id(p): _written(p) for _, m in _named_modules(copied) for p in m.parameters(recurse=False)}
     with torch.random.fork_rng(devices=cuda_devices(copied)), target_set(copied, target):
         for name, layer in layers:
             torch.manual_seed(seed + 1)
-            reset_layer(name, layer)
+            owner = template_owner(modules, layer)
+            if owner is None:
+                reset_layer(name, layer)
+            else:  # a layer of a torchrl multi-agent network's template: its values are the network's
+                reset_in_template(owner, lambda name=name, layer=layer: reset_layer(name, layer))
             with statistics_kept(copied):
                 changed = Features.read(explain(copied, td), keys, prefix, units).attributions
             scores[name] = compare(original, flat(changed))

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import captum.attr
 import pytest
 import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
+from torchrl.modules import MultiAgentMLP
 
 from tdhook.attribution import GradCAM
 from tests.attribution._helpers import Attending, assert_unchanged, state_snapshot
@@ -217,3 +220,50 @@ def test_a_layer_set_as_an_attribute_writes_its_map_at_its_own_key():
     with pytest.raises(KeyError, match="GradCAM: layer is"):
         cam.layer = "9"
     assert cam.layer == "3"
+
+
+def test_a_layer_inside_vmapped_agents_is_refused_by_name():
+    """torchrl's ``MultiAgentMLP`` with ``share_params=False`` runs its agents' network under ``torch.vmap``: a layer
+    there was recorded as a vmapped value that no gradient reaches, and the call failed in autograd with "One of the
+    differentiated Tensors does not require grad", naming neither the layer nor the cause."""
+    torch.manual_seed(0)
+    net = MultiAgentMLP(4, 2, n_agents=3, centralized=False, share_params=False, depth=1, num_cells=6).double()
+    policy = TensorDictModule(net, in_keys=["obs"], out_keys=["q"])
+    td = TensorDict(obs=torch.randn(5, 3, 4, dtype=torch.float64), batch_size=[5])
+    snapshot = state_snapshot(net)
+    with pytest.raises(ValueError, match=r"GradCAM: layer 'module._empty_net.1' runs under torch.vmap"):
+        GradCAM(policy, layer="module._empty_net.1")(td)
+    assert_unchanged(net, snapshot)
+    assert list(td.keys()) == ["obs"]
+    shared = MultiAgentMLP(4, 2, n_agents=3, centralized=False, share_params=True, depth=1, num_cells=6).double()
+    x = td["obs"]
+    got = GradCAM(shared, layer="_empty_net.1", in_keys=["obs"], out_keys=["q"], relu=False)(
+        TensorDict(obs=x, batch_size=[5])
+    )["attribution", "_empty_net.1"]
+    chosen = nn.functional.one_hot(shared(x).argmax(-1), 2).to(x.dtype)  # each agent's argmax, summed over agents
+    expected = captum.attr.LayerGradCam(lambda v: (shared(v) * chosen).sum((1, 2)), shared._empty_net[1]).attribute(
+        x.clone(), relu_attributions=False
+    )
+    assert relative_error(got, expected.squeeze(1)) <= 1e-8
+
+
+@pytest.mark.parametrize("how", ["wrapped", "in place"])
+def test_a_compiled_model_equals_captum_on_the_plain_one(how: str):
+    """A model compiled by torch.compile runs a graph that does not pass through the output the hook gives back: the
+    map was refused with "target 'y' does not depend on the output of layer", a layer on the target's way. Compiled
+    parts run as written during the call, as under LRP."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)).double()
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    net = copy.deepcopy(plain)
+    if how == "wrapped":
+        net, layer = torch.compile(net, backend="aot_eager"), "_orig_mod.1"
+    else:
+        net.compile(backend="aot_eager")
+        layer = "1"
+    net(x)  # compiled on a first call, as a trained model is
+    cam = GradCAM(net, layer=layer, in_keys=["x"], out_keys=["y"], target=2, relu=False)
+    td = cam(TensorDict(x=x, batch_size=[2]))
+    expected = captum.attr.LayerGradCam(plain, plain[1]).attribute(x.clone(), target=2, relu_attributions=False)
+    assert relative_error(td[cam.layer_key], expected.squeeze(1)) <= 1e-8
+    assert expected.abs().max() > 1e-3  # not a comparison of zeros

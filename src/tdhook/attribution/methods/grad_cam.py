@@ -18,6 +18,8 @@ from tdhook.attribution.targets import Target
 __all__ = ["GradCAM"]
 
 _MODES = {1: "linear", 2: "bilinear", 3: "trilinear"}
+_NOTHING = contextlib.nullcontext()
+_VMAPPED = object()  # recorded in place of a layer's output computed under torch.vmap
 
 
 class GradCAM(AttributionMethod):
@@ -115,18 +117,35 @@ class GradCAM(AttributionMethod):
         def record(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
             if not torch.is_grad_enabled():  # a run for the values of the caller's no_grad (see _no_grad_values)
                 return None
+            if isinstance(output, torch.Tensor) and torch._C._functorch.is_batchedtensor(output):
+                # Under torch.vmap (the agents of a torchrl multi-agent network with share_params=False): a value of
+                # one vmapped call, which no gradient outside it reaches.
+                self._activations.append(_VMAPPED)
+                return None
             self._activations.append(output)
             # The model goes on with a copy: an in-place operation after the layer (a ReLU(inplace=True)) must
             # not overwrite the activation the map is made of.
             return output.clone() if isinstance(output, torch.Tensor) else None
 
+        from tdhook.attribution.lrp import _compiled  # lrp imports the methods' package
+
+        modules = self.named_explained_modules()
+        # A compiled graph does not pass through the output the hook gives back (the map would not be reached from
+        # the target): parts compiled by torch.compile run as written, as they do under LRP.
+        eager = torch.compiler.set_stance("force_eager") if any(map(_compiled, modules.values())) else _NOTHING
         try:
-            with hooks_removed([self.named_explained_modules()[self.layer].register_forward_hook(record)]):
+            with eager, hooks_removed([modules[self.layer].register_forward_hook(record)]):
                 yield
         finally:
             self._activations = []
 
     def _attribute(self, call: Call) -> list[torch.Tensor]:
+        if _VMAPPED in self._activations:
+            raise ValueError(
+                f"GradCAM: layer {self.layer!r} runs under torch.vmap (the agents of a torchrl MultiAgentMLP or "
+                "MultiAgentConvNet with share_params=False run so), where its output has no gradient of the explained "
+                "output; pass a layer outside the vmapped network, or build it with share_params=True"
+            )
         if len(self._activations) != 1 or not isinstance(self._activations[0], torch.Tensor):
             got = (
                 f"it returned {type(self._activations[0]).__name__}"

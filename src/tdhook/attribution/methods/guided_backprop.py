@@ -19,12 +19,19 @@ class _PositiveGradient(torch.autograd.Function):
     """The identity forward; backward passes the positive part of the incoming gradient.
 
     The forward returns a copy, not a view: a model may change a ReLU's output in place (``x += 1``, after
-    ``ReLU(inplace=True)`` too), which autograd forbids on a view made inside a custom Function.
+    ``ReLU(inplace=True)`` too), which autograd forbids on a view made inside a custom Function. It runs under
+    ``torch.vmap`` too (the agents of torchrl's multi-agent networks), with the rule vmap derives from it.
     """
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:  # noqa: D102
+        pass
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: D102
@@ -35,6 +42,15 @@ class _PositiveGradient(torch.autograd.Function):
 # may ``torch.relu``, ``Tensor.relu`` and their in-place forms (``F.relu(x, inplace=True)``, ``x.relu_()``).
 _RELUS = {F.relu, torch.relu, torch.Tensor.relu}
 _RELUS_IN_PLACE = {torch.relu_, torch.Tensor.relu_}
+
+
+def _requires_grad(x: torch.Tensor) -> bool:
+    """Whether ``x`` is recorded by autograd, under ``torch.vmap`` too: a tensor batched by vmap (torchrl's
+    ``MultiAgentMLP`` and ``MultiAgentConvNet`` with ``share_params=False`` run their agents so) reports no gradient
+    of its own; the tensor it wraps does."""
+    while torch._C._functorch.is_batchedtensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    return x.requires_grad
 
 
 class _GuidedReLUs(TorchFunctionMode):
@@ -48,7 +64,7 @@ class _GuidedReLUs(TorchFunctionMode):
         if func not in _RELUS and not in_place:
             return func(*args, **kwargs)
         x = args[0] if args else kwargs.get("input")
-        if not (torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad):
+        if not (torch.is_grad_enabled() and isinstance(x, torch.Tensor) and _requires_grad(x)):
             return func(*args, **kwargs)
         guided = _PositiveGradient.apply(torch.relu(x))
         return x.copy_(guided) if in_place else guided
