@@ -70,19 +70,17 @@ class CoverageRecorder:
         """Warn about (or, with a ``strict`` mapper, refuse) the watched calls the targets depend on: nonlinear calls
         without a rule, convolutions or linear maps outside layers that ``mapper`` would give another rule, and
         batch norms computed outside a BatchNorm module on a layer's output, which no rule merges into the layer."""
-        self._pending = False
         strict = bool(getattr(mapper, "strict", False))
-        try:
-            plain = report_plain_gradient(calls.found(targets), modules, strict)
-            first = calls.found_first_layers(targets)
-            layers = report_unmapped_layers(calls.found_layers(targets), modules, mapper, strict, first=first)
-            norms = report_unmerged_norms(calls.found_unmerged_norms(targets), modules, strict)
-            report_recurrent_first_layers(calls.found_first_recurrent(targets), mapper, strict)
-            report_dropout_calls(calls.found_dropouts(targets), modules)
-            self._plain_gradient = plain + layers + norms
-        except ValueError:
-            self._pending = True  # a strict error: the next call checks again
-            raise
+        # Watched only once the whole report is out: after a strict error, or a warning that the caller's filter
+        # turned into one (warnings.simplefilter("error")), the next call checks and warns again.
+        plain = report_plain_gradient(calls.found(targets), modules, strict)
+        first = calls.found_first_layers(targets)
+        layers = report_unmapped_layers(calls.found_layers(targets), modules, mapper, strict, first=first)
+        norms = report_unmerged_norms(calls.found_unmerged_norms(targets), modules, strict)
+        report_recurrent_first_layers(calls.found_first_recurrent(targets), mapper, strict)
+        report_dropout_calls(calls.found_dropouts(targets), modules)
+        self._plain_gradient = plain + layers + norms
+        self._pending = False
 
     def keep(self, batch_dims: int, seeds: list, relevances: list[torch.Tensor]) -> None:
         """Keep a call's ``(target name, output, initial gradient)`` seeds and relevances."""

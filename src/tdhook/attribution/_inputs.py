@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 from tensordict import TensorDictBase, is_tensorclass
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
@@ -113,12 +114,14 @@ def explained_in_call(
     return flags if any(flags) else [True] * len(keys)
 
 
-def validate_inputs(tensordict: TensorDictBase, keys: Sequence[NestedKey]) -> None:
+def validate_inputs(tensordict: TensorDictBase, keys: Sequence[NestedKey], differentiable: bool = False) -> None:
     """Check that every explained input is there and can receive relevance.
 
     Args:
         tensordict: the caller's TensorDict.
         keys: the explained input keys.
+        differentiable: the call keeps its results differentiable (``create_graph=True``): an input that carries a
+            forward-mode tangent is refused, since the results would carry none.
 
     Raises:
         KeyError: an input is missing.
@@ -127,6 +130,7 @@ def validate_inputs(tensordict: TensorDictBase, keys: Sequence[NestedKey]) -> No
         RuntimeError: ``torch.inference_mode()`` is active: no gradient, so no relevance.
         NotImplementedError: the call runs under a ``torch.func`` transform (``grad``, ``vmap``, ...).
         ValueError: an input is on the meta device (no values to explain).
+        NotImplementedError: ``differentiable`` and an input is a forward-mode dual tensor.
     """
     if torch._C._are_functorch_transforms_active():
         raise NotImplementedError(
@@ -170,6 +174,13 @@ def validate_inputs(tensordict: TensorDictBase, keys: Sequence[NestedKey]) -> No
             raise ValueError(
                 f"LRP: input key {key!r} is on the meta device, which holds shapes but no values: there is no "
                 "relevance to compute from it; pass the input (and the model) on a real device"
+            )
+        if differentiable and forward_ad.unpack_dual(value).tangent is not None:
+            raise NotImplementedError(
+                f"LRP: input key {key!r} is a forward-mode dual tensor (torch.autograd.forward_ad.make_dual); the "
+                "rules work through the reverse-mode backward pass, so neither the outputs nor the relevance would "
+                "carry its tangent: pass its primal (forward_ad.unpack_dual(x).primal) with requires_grad=True and "
+                "take the relevance's derivative with torch.autograd.grad"
             )
 
 

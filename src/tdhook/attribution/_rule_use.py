@@ -97,7 +97,6 @@ class RuleUse:
                 mine.pop()
         # Raised before the pass counts as watched: every later call is refused alike.
         refuse_rescaling_over_ruled_modules(handles, modules, ran)
-        self._pending = False  # a pass that failed or was interrupted is watched again at the next call
         names = {id(module): name for name, module in modules.items()}
         for handle in handles:
             module = handle.module
@@ -117,3 +116,6 @@ class RuleUse:
                 "out_proj), so that computation keeps its plain gradient; map the parent to a rule, or use a "
                 "preset that handles it (AttnLRP, CPLRP)"
             )
+        # Watched once its warnings are out: a pass that failed or was interrupted, or a warning that the caller's
+        # filter turned into an error (warnings.simplefilter("error")), is watched again at the next call.
+        self._pending = False

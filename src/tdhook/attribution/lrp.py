@@ -404,7 +404,8 @@ class LRP(TensorDictModuleBase, MapperTunable):
         follow_model_changes(self)  # a module put in since the context was entered gets its rule
         _set_state(self, "_marks_read", self._marks_read or marks_for_target(self._handles or [], self.target))
         explained = explained_in_call(tensordict, self.explained_keys, self._defaulted_inputs, self._optional_inputs)
-        validate_inputs(tensordict, [key for key, e in zip(self.explained_keys, explained, strict=True) if e])
+        explained_now = [key for key, e in zip(self.explained_keys, explained, strict=True) if e]
+        validate_inputs(tensordict, explained_now, differentiable=self.create_graph)
         check_writable(tensordict, self.relevance_keys, self.token_relevance_keys)
         if self._stochastic:
             self._stochastic = warn_for_random_modules("LRP", self._stochastic, tensordict)  # once per context
