@@ -36,7 +36,7 @@ from torch import nn
 
 from tdhook.attribution import LRP, BaseRuleMapper, EpsilonRule
 from tdhook.attribution._keys import as_tuple
-from tdhook.attribution.lrp_helpers.rules import EpsilonAlpha2Beta1, EpsilonPlus
+from tdhook.attribution.lrp_helpers.rules import EpsilonAlpha2Beta1, EpsilonPlus, EpsilonPlusFlat
 from tests.attribution.test_lrp_world_models import zero_biases
 
 F64 = torch.float64
@@ -426,6 +426,24 @@ def test_vec_norm_moves_its_statistics_once_and_holds_them(mapper, target):
         expected, _ = _gradient_times_input(frozen, td, "logits")
         assert out["relevance", "observation"].shape == td["observation"].shape
         torch.testing.assert_close(out["relevance", "observation"], expected["observation"], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "mapper",
+    [EpsilonPlus(epsilon=1e-12), EpsilonPlusFlat(epsilon=1e-12), EpsilonAlpha2Beta1(epsilon=1e-12)],
+    ids=["EpsilonPlus", "EpsilonPlusFlat", "a2b1"],
+)
+def test_vec_norm_conserves_each_sample_with_no_shift(mapper):
+    """With the biases zeroed, running sums of zero and a batch whose features sum to zero (so the moved mean, the
+    normalisation's shift, is zero), each sample's relevance sums to its own explained value."""
+    module = zero_biases(_vec_norm_policy())
+    module[0]._td["observation_sum"].zero_()
+    x = torch.randn(3, 4, dtype=F64)
+    out, messages = _explain(module, TensorDict(observation=x - x.mean(0), batch_size=[3]), "logits", mapper)
+    assert messages == []
+    torch.testing.assert_close(
+        out["relevance", "observation"].sum(-1), out["logits"].max(-1).values, rtol=1e-6, atol=1e-8
+    )
 
 
 def test_vec_norm_frozen_is_lrp0():
