@@ -484,3 +484,22 @@ def test_rollout_with_the_environment_transforms_in_the_policy():
     assert explained["relevance", "observation"].shape == plain["observation"].shape
     for k, v in norm._td.items():
         assert torch.equal(v, plain_policy[1]._td[k]) and not v.requires_grad, k
+
+
+@pytest.mark.parametrize("method", ["IntegratedGradients", "Saliency", "Occlusion"])
+def test_the_other_methods_refuse_a_live_vec_norm_by_name(method):
+    """The gradient and perturbation methods run the model on copies of the batch: a VecNorm that is not frozen would
+    move its statistics at every pass (fifty times for integrated gradients) and be differentiated through them.
+    Refused by name; frozen, it is a fixed affine map, explained with its statistics left as they were."""
+    from tests.attribution.methods.test_base import make
+
+    td = TensorDict(observation=torch.randn(3, 4, dtype=F64), batch_size=[3])
+    module = _vec_norm_policy()
+    before = _statistics(module)
+    with pytest.raises(ValueError, match=r"module 'module.0' \(VecNorm\) is not frozen"):
+        make(method, module, target_key="logits")(td.clone())
+    module[0].freeze()
+    out = make(method, module, target_key="logits")(td.clone())
+    assert out["attribution", "observation"].shape == td["observation"].shape
+    for k, v in _statistics(module).items():
+        assert torch.equal(v, before[k]) and not v.requires_grad, k

@@ -43,7 +43,7 @@ from torchrl.envs.transforms import VecNorm
 
 from tdhook.attribution.rules._wrapper_calls import rules_act_here
 
-__all__ = ["statistics_held_constant"]
+__all__ = ["refuse_moving_statistics", "statistics_held_constant"]
 
 
 def _tensordict(args: tuple, kwargs: dict) -> TensorDictBase | None:
@@ -103,3 +103,26 @@ def statistics_held_constant(modules: Mapping[str, nn.Module]) -> list[Removable
         hooks.append(module.register_forward_pre_hook(before, with_kwargs=True))
         hooks.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
     return hooks
+
+
+def refuse_moving_statistics(who: str, modules: Mapping[str, nn.Module]) -> None:
+    """Refuse a ``VecNorm`` that is not frozen among ``modules`` (the model's modules by name), for a method that
+    runs the model on interpolated or perturbed copies of the batch: every pass would move its statistics again
+    (fifty times for fifty steps of integrated gradients) and differentiate through them.
+
+    Examples:
+        >>> norm = VecNorm(in_keys=["observation"])
+        >>> refuse_moving_statistics("Saliency", {"0": norm})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Saliency: module '0' (VecNorm) is not frozen: ...
+        >>> refuse_moving_statistics("Saliency", {"0": norm.freeze()})
+    """
+    for name, module in modules.items():
+        if isinstance(module, VecNorm) and not module.frozen:
+            raise ValueError(
+                f"{who}: module {name!r} (VecNorm) is not frozen: it moves its running statistics with every forward "
+                "pass, which this method's passes would move again and differentiate through; freeze it "
+                "(norm.freeze(), or a norm.frozen_copy() in its place), or explain with LRP, which moves them once, as "
+                "the plain call does, and holds them constant"
+            )
