@@ -106,9 +106,9 @@ def statistics_held_constant(modules: Mapping[str, nn.Module]) -> list[Removable
 
 
 def refuse_moving_statistics(who: str, modules: Mapping[str, nn.Module]) -> None:
-    """Refuse a ``VecNorm`` that is not frozen among ``modules`` (the model's modules by name), for a method that
-    runs the model on interpolated or perturbed copies of the batch: every pass would move its statistics again
-    (fifty times for fifty steps of integrated gradients) and differentiate through them.
+    """Refuse a ``VecNorm`` that is not frozen among ``modules`` (the model's modules by name), for a method or a
+    metric that runs the model on interpolated or perturbed copies of the batch: every pass would move its
+    statistics again (fifty times for fifty steps of integrated gradients), each normalising by other statistics.
 
     Examples:
         >>> norm = VecNorm(in_keys=["observation"])
@@ -122,7 +122,7 @@ def refuse_moving_statistics(who: str, modules: Mapping[str, nn.Module]) -> None
         if isinstance(module, VecNorm) and not module.frozen:
             raise ValueError(
                 f"{who}: module {name!r} (VecNorm) is not frozen: it moves its running statistics with every forward "
-                "pass, which this method's passes would move again and differentiate through; freeze it "
-                "(norm.freeze(), or a norm.frozen_copy() in its place), or explain with LRP, which moves them once, as "
-                "the plain call does, and holds them constant"
+                f"pass, which the passes of {who} over copies of the batch would move again, each from the last; "
+                "freeze it (norm.freeze(), or a norm.frozen_copy() in its place); LRP alone moves them once, as the "
+                "plain call does, and holds them constant"
             )
