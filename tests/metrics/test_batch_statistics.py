@@ -108,3 +108,38 @@ def test_randomisation_check_explains_every_layer_from_the_callers_running_stati
             changed = method(td.clone())["attribution", "x"].flatten(1).abs()
             torch.testing.assert_close(scores[name], spearman(original, changed), rtol=1e-12, atol=1e-12)
     assert list(scores) == ["5", "2"]
+
+
+def vec_norm_net(frozen: bool) -> nn.Module:
+    """A torchrl ``VecNorm`` before a small head, its statistics taken from a first batch; its statistics are no
+    buffers, so no copy keeps them."""
+    import warnings
+
+    from tensordict.nn import TensorDictModule, TensorDictSequential
+    from torchrl.envs.transforms import VecNorm
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        norm = VecNorm(in_keys=["x"], decay=0.9)
+    norm(TensorDict(x=torch.randn(10, 3, 4, 4, dtype=torch.float64), batch_size=[10]))
+    head = nn.Sequential(nn.Flatten(), nn.Linear(48, 3)).double()
+    net = TensorDictSequential(norm.freeze() if frozen else norm, TensorDictModule(head, ["x"], ["y"]))
+    return net
+
+
+@pytest.mark.parametrize("metric", list(METRICS))
+def test_a_vec_norm_that_is_not_frozen_is_refused_by_name(metric):
+    """Every pass of a VecNorm that is not frozen moves its statistics (kept by no copy, being no buffers): a curve's
+    passes would each normalise by other statistics and leave them moved many times. Refused by name; frozen, the
+    metric runs and leaves them as they were."""
+    td = TensorDict(x=torch.randn(4, 3, 4, 4, dtype=torch.float64), batch_size=[4])
+    td["attribution", "x"] = torch.randn(4, 3, 4, 4, dtype=torch.float64)
+    kwargs = {"in_keys": ["x"], "target_key": "y"}
+    net = vec_norm_net(frozen=False)
+    with pytest.raises(ValueError, match=r"module '[\w.]*0' \(VecNorm\) is not frozen"):
+        METRICS[metric](net, td, kwargs)
+    net = vec_norm_net(frozen=True)
+    before = {k: v.clone() for k, v in net[0]._td.items()}
+    METRICS[metric](net, td, kwargs)
+    assert all(torch.equal(v, before[k]) for k, v in net[0]._td.items())

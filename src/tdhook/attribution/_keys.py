@@ -21,9 +21,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from tensordict import TensorDictBase
-from tensordict.nn import TensorDictModuleBase
+from tensordict.nn import TensorDictModuleBase, TensorDictSequential
 from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 from torch import nn
+from torchrl.envs.transforms import Compose
 from torchrl.modules import ConsistentDropoutModule
 
 __all__ = ["as_tuple", "check_free", "check_writable", "layer_keys", "read_not_written", "relevance_keys"]
@@ -229,12 +230,42 @@ def read_not_written(module: TensorDictModuleBase) -> list[NestedKey]:
         >>> normalise = TensorDictModule(lambda obs: obs / 2, in_keys=["obs"], out_keys=["obs"])  # in place
         >>> read_not_written(normalise)
         ['obs']
+
+    A torchrl ``Compose`` of transforms (an environment's ``env.transform``) declares no keys of its own: its
+    transforms' are read, in their order, as a sequence's are.
+
+        >>> from torchrl.envs.transforms import CatTensors, Compose
+        >>> joined = Compose(CatTensors(["obs", "velocity"], out_key="vector"))
+        >>> read_not_written(TensorDictSequential(joined, TensorDictModule(nn.Linear(5, 2), ["vector"], ["out"])))
+        ['obs', 'velocity']
     """
-    written = [as_tuple(key) for key in module.out_keys]
+    in_keys, out_keys = _keys_through_compose(module)
+    written = [as_tuple(key) for key in out_keys]
     masks = {unravel_key(sub.in_keys[1]) for sub in module.modules() if isinstance(sub, ConsistentDropoutModule)}
     return [
         key
-        for key in unravel_key_list(list(module.in_keys))
+        for key in unravel_key_list(list(in_keys))
         if not any(len(out) > len(as_tuple(key)) and out[: len(as_tuple(key))] == as_tuple(key) for out in written)
         and key not in masks
     ]
+
+
+def _keys_through_compose(module: nn.Module) -> tuple[list[NestedKey], list[NestedKey]]:
+    """``module``'s in_keys and out_keys, with those of the transforms of every torchrl ``Compose`` in a
+    ``TensorDictSequential`` (or itself) in place of the Compose's own (none): the keys read before any step
+    writes them, and the keys written."""
+    if not any(isinstance(sub, Compose) for sub in module.modules()):
+        return list(module.in_keys), list(module.out_keys)
+    if isinstance(module, Compose):
+        steps = list(module.transforms)
+    elif isinstance(module, TensorDictSequential):
+        steps = list(module.module)
+    else:
+        return list(module.in_keys), list(module.out_keys)
+    read: list[NestedKey] = []
+    written: list[NestedKey] = []
+    for step in steps:
+        step_in, step_out = _keys_through_compose(step)
+        read += [key for key in unravel_key_list(step_in) if key not in written and key not in read]
+        written += [key for key in unravel_key_list(step_out) if key not in written]
+    return read, written

@@ -4,6 +4,8 @@
 * exploration steps after an actor perturb the action by a constant of the call (:mod:`._exploration`);
 * under a caller's ``no_grad``, modules whose kernels depend on the grad mode give that mode's values
   (:mod:`._no_grad_values`);
+* torchrl's ``VecNorm`` that is not frozen moves its statistics once, from the detached input, and normalises with
+  them held constant (:mod:`._running_statistics`);
 * recurrent modules whose backend bypasses their ``nn.LSTM``/``nn.GRU`` are refused (:mod:`._recurrent_backends`);
 * layers holding a parameter or buffer on the meta device when the context opens refuse a call computing an output
   off it, whether or not their rule puts a hook there (:mod:`.rules._meta_tensors`).
@@ -28,6 +30,7 @@ from tdhook.attribution._agents import agent_by_agent
 from tdhook.attribution._exploration import perturbation_held_constant
 from tdhook.attribution._no_grad_values import caller_values
 from tdhook.attribution._recurrent_backends import refuse_bypassing_backends
+from tdhook.attribution._running_statistics import statistics_held_constant
 from tdhook.attribution.rules._meta_tensors import meta_tensor_hooks
 
 __all__ = ["module_hooks"]
@@ -38,6 +41,7 @@ def module_hooks(modules: Mapping[str, nn.Module]) -> list[RemovableHandle]:
     return [
         *agent_by_agent(modules),
         *perturbation_held_constant(modules),
+        *statistics_held_constant(modules),
         *caller_values(modules),
         *refuse_bypassing_backends(modules),
         *meta_tensor_hooks(modules),

@@ -29,6 +29,7 @@ from typing import TypeVar
 
 from torch import nn
 
+from tdhook.attribution._running_statistics import refuse_moving_statistics
 from tdhook.attribution.methods._batch_statistics import batch_normalisers, buffers_kept
 
 __all__ = ["batch_normalising_module", "keeps_running_statistics", "statistics_kept"]
@@ -75,7 +76,8 @@ def statistics_kept(model: nn.Module) -> contextlib.AbstractContextManager:
 def keeps_running_statistics(metric: Metric) -> Metric:
     """``metric`` leaving the buffers of its model (its first argument) as they were, even on failure: the passes of
     modules in training mode update copies of them (see
-    :func:`~tdhook.attribution.methods._batch_statistics.buffers_kept`)."""
+    :func:`~tdhook.attribution.methods._batch_statistics.buffers_kept`). A torchrl ``VecNorm`` that is not frozen,
+    whose statistics are no buffers, is refused by name."""
     first = next(iter(inspect.signature(metric).parameters))
 
     @functools.wraps(metric)
@@ -83,6 +85,7 @@ def keeps_running_statistics(metric: Metric) -> Metric:
         model = args[0] if args else kwargs.get(first)
         if not isinstance(model, nn.Module):
             return metric(*args, **kwargs)
+        refuse_moving_statistics(metric.__name__, dict(model.named_modules()))  # not buffers: kept by no copy
         with buffers_kept(model):
             return metric(*args, **kwargs)
 

@@ -269,3 +269,28 @@ def test_a_model_without_buffers_in_training_mode_shares_one_context_that_keeps_
             net(torch.randn(4, 2))
             raise RuntimeError("a later step failed")
     assert int(net[1].num_batches_tracked) == 0
+
+
+@pytest.mark.parametrize("name", ["LRP", *(name for name in METHODS if name != "GradientShap")])  # its baselines: 'obs'
+def test_a_buffer_not_yet_initialised_is_passed_over(name):
+    """A lazy BatchNorm in training mode before its first call holds uninitialised buffers, which hold no value to
+    keep: the first call runs, gives the plain model's output, and leaves the statistics one plain pass leaves."""
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 6), nn.LazyBatchNorm1d(), nn.ReLU(), nn.Linear(6, 2)).double()
+
+    x = torch.randn(5, 4, dtype=torch.float64)
+    plain = model()
+    expected = plain(x)
+    if name == "LRP":
+        from tdhook.attribution import LRP, EpsilonPlus
+
+        explainer = LRP(model(), EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    else:
+        explainer = make(name, model(), in_keys=["x"], out_keys=["y"])
+    out = explainer(TensorDict(x=x, batch_size=[5]))
+    torch.testing.assert_close(out["y"], expected.detach(), rtol=0, atol=0)
+    relevance = out["relevance" if name == "LRP" else "attribution", "x"]
+    assert relevance.shape == x.shape and bool(relevance.isfinite().all())
+    torch.testing.assert_close(explainer.module.module[1].running_mean, plain[1].running_mean, rtol=0, atol=0)

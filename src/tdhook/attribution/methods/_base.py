@@ -41,6 +41,7 @@ from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
 from tdhook.attribution._run_errors import run_error
+from tdhook.attribution._running_statistics import refuse_moving_statistics
 from tdhook.attribution._tokens import TokenInputs
 from tdhook.attribution._writes import model_updates, returned_tensordict, set_all_or_nothing
 from tdhook.attribution.methods._batch_statistics import (
@@ -257,6 +258,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             if not value.is_floating_point():
                 raise TypeError(f"{name}: input key {key!r} must be a floating-point tensor, got {describe(value)}")
         self._check_batch(tensordict)
+        refuse_moving_statistics(name, self.named_explained_modules())
         self._warn_for_random_modules(tensordict)
         # The random states a first pass may move (see RandomDraws), read until the check has run; the CPU's is one.
         states_before = None if self._draws.checked else random_states(self.module)

@@ -30,6 +30,7 @@ from types import TracebackType
 
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedTensorMixin
 from torchrl.modules import BatchRenorm1d
 
 __all__ = ["BufferHolders", "BufferValues", "batch_normalisers", "buffers_kept", "buffers_restored_on_error"]
@@ -124,13 +125,14 @@ def _training_buffers(
     model: nn.Module, holders: BufferHolders | None = None
 ) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """The buffers of ``model``'s modules in training mode, the only ones a forward pass updates (found by
-    ``holders`` where given)."""
+    ``holders`` where given); not those still uninitialized (a lazy module's, torchrl's ``CatFrames``' frame buffer,
+    which its offline forward never fills): they hold no value to keep."""
     return [
         (module, name, buffer)
         for module in (model.modules() if holders is None else holders.of(model))
         if module.training
         for name, buffer in module._buffers.items()
-        if isinstance(buffer, torch.Tensor)
+        if isinstance(buffer, torch.Tensor) and not isinstance(buffer, UninitializedTensorMixin)
     ]
 
 
