@@ -7,7 +7,10 @@ of AttnLRP and CP-LRP would split its products as if they joined two signals (CP
 then misses conservation by 7.6e-2 on Bloom). What the module computes says it:
 its output has its input's shape, each output element depends on the input
 element at the same place only (the Jacobian is diagonal), and it is curved (a
-module computing ``x / 2`` or ``(x - m) / s`` is glue whose plain gradient is exact).
+module computing ``x / 2`` or ``(x - m) / s`` is glue whose plain gradient is exact). Curved means curved at
+the call's input or at fixed probe points spanning ±16, so that the decision does not hang on the samples of
+the first call: an ELU (or ``elu(x) + 1``) whose first inputs all fall in its linear part is an activation
+still, and gets the pass rule in the context's later calls, as a fresh context gives it.
 
 :class:`ElementwiseRule` is registered on every module without parameters or
 children that no other rule claims (:func:`may_be_elementwise`). At its first call in
@@ -35,6 +38,8 @@ from tdhook.attribution.rules.basic import PassRule
 __all__ = ["ElementwiseRule", "may_be_elementwise", "is_diagonal", "is_curved"]
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+# Where an element-wise module's curvature is looked for besides the call's own input: both signs, from 1/8 to 16.
+_PROBE_POINTS = tuple(sign * 2.0**power for power in range(-3, 5) for sign in (-1.0, 1.0))
 
 
 def may_be_elementwise(module: nn.Module) -> bool:
@@ -84,11 +89,14 @@ def is_diagonal(output: torch.Tensor, x: torch.Tensor) -> bool:
 
 
 def is_curved(module: nn.Module, x: torch.Tensor) -> bool:
-    """Whether the element-wise ``module`` is curved at ``x`` (a non-zero second derivative somewhere): an affine
-    or piecewise-linear one (``x / 2``, ``(x - m) / s``, ``relu``) is not, and its plain gradient is exact.
+    """Whether the element-wise ``module`` is curved (a non-zero second derivative somewhere) at ``x`` or at fixed
+    probe points spanning ±16: an affine or piecewise-linear one (``x / 2``, ``(x - m) / s``, ``relu``) is not,
+    and its plain gradient is exact. The probe points make the answer the same whatever samples ``x`` holds: an
+    ELU is curved though every entry of ``x`` is positive.
 
-    The module's own forward runs once more on a copy of ``x``, without its hooks and without any function
-    mode (a mode holding a gate constant would hide the curve).
+    The module's own forward runs once more on a copy of ``x`` (and, where ``x`` shows no curvature, on tensors of
+    ``x``'s shape holding the probe points), without its hooks and without any function mode (a mode holding a
+    gate constant would hide the curve). A probe that fails (a module that refuses negative inputs) says nothing.
 
     Examples:
         >>> class Swish(nn.Module):
@@ -97,10 +105,25 @@ def is_curved(module: nn.Module, x: torch.Tensor) -> bool:
         >>> class Scale(nn.Module):
         ...     def forward(self, x):
         ...         return (x - 1) / 2
+        >>> class ELU(nn.Module):
+        ...     def forward(self, x):
+        ...         return torch.where(x > 0, x, torch.expm1(x.clamp(max=0)))
         >>> x = torch.randn(3, 4)
-        >>> is_curved(Swish(), x), is_curved(Scale(), x), is_curved(nn.ReLU(), x)
-        (True, False, False)
+        >>> is_curved(Swish(), x), is_curved(Scale(), x), is_curved(nn.ReLU(), x), is_curved(ELU(), x.abs() + 1)
+        (True, False, False, True)
     """
+    curved = _curvature_at(module, x)
+    if curved is not False:
+        return curved is not None
+    for probe in _probes(x):
+        if _curvature_at(module, probe, failing=False):
+            return True
+    return False
+
+
+def _curvature_at(module: nn.Module, x: torch.Tensor, failing: bool = True) -> bool | None:
+    """Whether ``module`` is curved at ``x``: ``None`` where its slope does not depend on its input (affine
+    everywhere), ``failing`` where it is not twice differentiable there."""
     probe = x.detach().requires_grad_(True)
     try:
         with torch.enable_grad(), torch._C.DisableTorchFunction():
@@ -108,12 +131,27 @@ def is_curved(module: nn.Module, x: torch.Tensor) -> bool:
             ones = torch.ones_like(output)
             (slope,) = torch.autograd.grad(output, probe, ones, create_graph=True)
             if not slope.requires_grad:
-                return False  # the slope does not depend on x: affine
+                return None  # the slope does not depend on x: affine
             (curvature,) = torch.autograd.grad(slope, probe, ones, allow_unused=True)
     except RuntimeError:  # not twice differentiable here: not a plain affine map
-        return True
+        return failing
+    except Exception:  # a probe the module refuses (not the call's input, whose errors are the model's own)
+        if failing:
+            raise
+        return False
     # Any non-zero entry, NaN aside (a sample that is not finite), an infinite one included.
     return curvature is not None and bool((curvature.abs() > 0).any())
+
+
+def _probes(x: torch.Tensor) -> list[torch.Tensor]:
+    """Tensors of ``x``'s shape, dtype and device that together hold every probe point (several where ``x`` has
+    fewer entries than there are points)."""
+    count = x.numel()
+    if count == 0:
+        return []
+    points = torch.tensor(_PROBE_POINTS, dtype=x.dtype, device=x.device)
+    chunks = points.split(count)
+    return [chunk.repeat(-(-count // len(chunk)))[:count].reshape(x.shape) for chunk in chunks]
 
 
 class ElementwiseRule(Rule):
