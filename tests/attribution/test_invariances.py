@@ -125,3 +125,62 @@ def test_a_sample_in_the_linear_part_gets_the_same_relevance_alone_and_in_a_batc
     batched = explain(net, torch.cat([small, large]), PRESETS[preset]())[:1]
     assert relative_error(alone, expected) <= TOLERANCE
     assert relative_error(batched, expected) <= TOLERANCE
+
+
+# ----------------------------------------------------------------------------- keys explained together or alone
+
+
+class FiLM(nn.Module):
+    """A goal-conditioned policy: the observation's features scaled and shifted by the goal's (FiLM)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.gamma, self.beta = nn.Linear(4, 8), nn.Linear(3, 8), nn.Linear(3, 8)
+        self.head = nn.Sequential(nn.ReLU(), nn.Linear(8, 3))
+
+    def forward(self, obs: torch.Tensor, goal: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gamma(goal) * self.enc(obs) + self.beta(goal))
+
+
+class WithGoal(nn.Module):
+    """The FiLM policy with the goal held as a buffer: the oracle for a call that does not explain ``goal``."""
+
+    def __init__(self, film: FiLM, goal: torch.Tensor) -> None:
+        super().__init__()
+        self.film = film
+        self.register_buffer("goal", goal)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.film(obs, self.goal)
+
+
+def film_inputs() -> tuple[TensorDictModule, TensorDict]:
+    torch.manual_seed(0)
+    policy = TensorDictModule(FiLM().to(F64).eval(), in_keys=["obs", "goal"], out_keys=["action_value"])
+    generator = torch.Generator().manual_seed(9)
+    obs, goal = (torch.randn(5, n, generator=generator, dtype=F64) for n in (4, 3))
+    return policy, TensorDict(obs=obs, goal=goal, batch_size=[5])
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_a_key_left_out_of_in_keys_is_a_constant_of_the_model(preset: str):
+    """``in_keys=["obs"]`` explains ``obs`` with ``goal`` a constant of the model, as the same model holding ``goal``
+    as a buffer; the caller's entries stay its own, and only ``obs`` gets a relevance key."""
+    policy, td = film_inputs()
+    given = td["goal"]
+    out = LRP(policy, PRESETS[preset](), in_keys=["obs"])(td)
+    held = TensorDictModule(WithGoal(policy.module, given.clone()), in_keys=["obs"], out_keys=["action_value"])
+    expected = LRP(held, PRESETS[preset]())(TensorDict(obs=td["obs"], batch_size=[5]))
+    assert relative_error(out["relevance", "obs"], expected["relevance", "obs"]) <= TOLERANCE
+    assert set(out["relevance"].keys()) == {"obs"} and out["goal"] is given and not given.requires_grad
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_the_order_of_the_explained_keys_changes_nothing(preset: str):
+    policy, td = film_inputs()
+    forward = LRP(policy, PRESETS[preset](), in_keys=["obs", "goal"])(td.clone())["relevance"]
+    backward = LRP(policy, PRESETS[preset](), in_keys=["goal", "obs"])(td.clone())["relevance"]
+    default = LRP(policy, PRESETS[preset]())(td.clone())["relevance"]
+    for key in ("obs", "goal"):
+        assert relative_error(backward[key], forward[key]) <= TOLERANCE
+        assert relative_error(default[key], forward[key]) <= TOLERANCE
