@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 from tensordict import TensorDict
-from tensordict.nn import TensorDictModule
+from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
 
 from tdhook.attribution import (
@@ -184,3 +184,137 @@ def test_the_order_of_the_explained_keys_changes_nothing(preset: str):
     for key in ("obs", "goal"):
         assert relative_error(backward[key], forward[key]) <= TOLERANCE
         assert relative_error(default[key], forward[key]) <= TOLERANCE
+
+
+# ----------------------------------------------------------------------------- samples, batch shapes, targets, calls
+
+
+def mlp_policy() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).to(F64).eval()
+
+
+def cnn_policy() -> nn.Module:
+    """A CNN with BatchNorm in eval mode, its statistics calibrated on random batches."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(4, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16, 5),
+    ).to(F64)
+    with torch.no_grad():
+        for _ in range(3):
+            net(torch.randn(8, 3, 6, 6, dtype=F64))
+    return net.eval()
+
+
+MODELS = {"mlp": (mlp_policy, (6,)), "cnn": (cnn_policy, (3, 6, 6))}
+# Every preset on the MLP; on the CNN those whose convolution rules differ (z+, gamma with z^B, alpha-beta with Flat).
+CASES = [("mlp", name) for name in sorted(PRESETS)]
+CASES += [("cnn", name) for name in ("EpsilonPlus", "EpsilonGammaBox", "EpsilonAlpha2Beta1Flat")]
+
+
+def batch_of(shape: tuple[int, ...], n: int = 6, seed: int = 1) -> torch.Tensor:
+    # within EpsilonGammaBox's bounds (-3, 3)
+    return torch.randn(n, *shape, generator=torch.Generator().manual_seed(seed), dtype=F64).clamp(-2.9, 2.9)
+
+
+@pytest.mark.parametrize(("model", "preset"), CASES)
+def test_a_samples_relevance_is_its_own(model: str, preset: str):
+    """Alone, permuted, duplicated, beside an extreme, a zero and a NaN sample: the same relevance."""
+    make, shape = MODELS[model]
+    net, x = make(), batch_of(shape)
+    mapper = PRESETS[preset]
+    expected = explain(net, x, mapper())
+    chosen = net(x).argmax(-1)
+    for i in (0, 4):
+        alone = explain(net, x[i : i + 1], mapper(), target=int(chosen[i]))
+        assert relative_error(alone[0], expected[i]) <= TOLERANCE
+    order = torch.tensor([3, 1, 5, 0, 2, 4])
+    assert relative_error(explain(net, x[order], mapper())[order.argsort()], expected) <= TOLERANCE
+    assert relative_error(explain(net, torch.cat([x, x]), mapper())[6:], expected) <= TOLERANCE
+    odd = torch.stack([torch.full(shape, 1e4, dtype=F64), torch.zeros(shape, dtype=F64), torch.full(shape, torch.nan)])
+    assert relative_error(explain(net, torch.cat([odd, x]), mapper())[3:], expected) <= TOLERANCE
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_batch_shapes_and_target_spellings_agree(preset: str):
+    """``[6]``, ``[2, 3]``, ``[1, 6]`` and unbatched samples; the target as None, an int, a LongTensor, a callable and
+    ``"all"``: the same relevance, in the shapes documented."""
+    net, x = mlp_policy(), batch_of((6,))
+    mapper = PRESETS[preset]
+    module = TensorDictModule(net, in_keys=["x"], out_keys=["y"])
+
+    def call(inputs: torch.Tensor, batch: list[int], **kwargs) -> torch.Tensor:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return LRP(module, mapper(), **kwargs)(TensorDict(x=inputs, batch_size=batch))["relevance", "x"]
+
+    expected = call(x, [6])
+    assert relative_error(call(x.reshape(2, 3, 6), [2, 3]).reshape(6, 6), expected) <= TOLERANCE
+    assert relative_error(call(x.reshape(1, 6, 6), [1, 6]).reshape(6, 6), expected) <= TOLERANCE
+    for i in range(6):
+        assert relative_error(call(x[i], []), expected[i]) <= TOLERANCE
+    chosen = net(x).argmax(-1)
+    assert relative_error(call(x, [6], target=chosen), expected) <= TOLERANCE
+    for unit in chosen.unique().tolist():
+        assert relative_error(call(x, [6], target=unit)[chosen == unit], expected[chosen == unit]) <= TOLERANCE
+    one_hot = lambda y: y * nn.functional.one_hot(y.argmax(-1), y.shape[-1])  # noqa: E731
+    assert relative_error(call(x, [6], target=one_hot), expected) <= TOLERANCE
+    every = call(x.reshape(2, 3, 6), [2, 3], target="all")
+    assert every.shape == (2, 3, 4, 6)
+    assert relative_error(every.reshape(6, 4, 6)[torch.arange(6), chosen], expected) <= TOLERANCE
+
+
+@pytest.mark.parametrize(("model", "preset"), CASES)
+def test_later_calls_of_a_context_equal_a_fresh_call(model: str, preset: str):
+    """The first and later calls of one context, after inputs of another batch size, image size, and zeros."""
+    make, shape = MODELS[model]
+    net, x = make(), batch_of(shape)
+    other = batch_of(shape if model == "mlp" else (3, 10, 10), n=3, seed=2)
+    expected = explain(net, x, PRESETS[preset]())
+    lrp = LRP(net, PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        for inputs in (x, x, other, x[:1], torch.zeros_like(x[:2]), x):
+            relevance = explain(net, inputs, None, lrp)
+            if inputs is x:
+                assert relative_error(relevance, expected) <= TOLERANCE
+
+
+@pytest.mark.parametrize("pair", [("EpsilonPlus", "EpsilonGammaBox"), ("EpsilonAlpha2Beta1Flat", "CPLRP")])
+def test_one_module_under_two_wrappers_used_alternately_and_in_one_pipeline(pair: tuple[str, str]):
+    net, x = cnn_policy(), batch_of((3, 6, 6))
+    module = TensorDictModule(net, in_keys=["x"], out_keys=["y"])
+    expected = [explain(net, x, PRESETS[name]()) for name in pair]
+    first, second = (LRP(module, PRESETS[name](), relevance_key=f"r{i}") for i, name in enumerate(pair))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):  # first, second, first, second
+            for i, lrp in enumerate((first, second)):
+                assert relative_error(lrp(TensorDict(x=x, batch_size=[6]))[f"r{i}", "x"], expected[i]) <= TOLERANCE
+        both = TensorDictSequential(first, second)(TensorDict(x=x, batch_size=[6]))
+    for i in range(2):
+        assert relative_error(both[f"r{i}", "x"], expected[i]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("preset", ["EpsilonPlusFlat", "CPLRP"])
+def test_renamed_nested_keys_and_a_call_with_tensors(preset: str):
+    net, x = mlp_policy(), batch_of((6,))
+    expected = explain(net, x, PRESETS[preset]())
+    nested = TensorDictModule(net, in_keys=[("agents", "observation")], out_keys=[("agents", "action_value")])
+    td = TensorDict({"agents": TensorDict(observation=x, batch_size=[6])}, batch_size=[6])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = LRP(nested, PRESETS[preset]())(td)
+        _, relevance = LRP(TensorDictModule(net, in_keys=["observation"], out_keys=["q"]), PRESETS[preset]())(
+            observation=x
+        )
+    assert relative_error(out["relevance", "agents", "observation"], expected) <= TOLERANCE
+    assert relative_error(relevance, expected) <= TOLERANCE
