@@ -17,8 +17,9 @@ children that no other rule claims (:func:`may_be_elementwise`). At its first ca
 a context on inputs of a shape (a module may mix what a dimension of size 1 kept apart: the tokens of a
 longer sequence) it tests the Jacobian on the call's own autograd graph: for two random
 output gradients ``u`` and ``v``, a diagonal Jacobian ``J`` gives
-``(Jᵀu) ⊙ v = (Jᵀv) ⊙ u``, and any other almost surely does not. An element-wise
-module then gets the pass rule it wraps (:class:`PassRule`, or AttnLRP's
+``(Jᵀu) ⊙ v = (Jᵀv) ⊙ u``, and any other almost surely does not; the same test runs at the probe points
+above (a module mixing its entries has a zero, diagonal, Jacobian at zeros: a first call on zeros says
+nothing). An element-wise module then gets the pass rule it wraps (:class:`PassRule`, or AttnLRP's
 :class:`~tdhook.attribution.rules.transformer.PseudoIdentityRule`) on every call,
 the first one included; any other module keeps the gradient it had without the rule,
 with the function rules acting inside it.
@@ -35,7 +36,7 @@ from torch import nn
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, rules_apply
 from tdhook.attribution.rules.basic import PassRule
 
-__all__ = ["ElementwiseRule", "may_be_elementwise", "is_diagonal", "is_curved"]
+__all__ = ["ElementwiseRule", "may_be_elementwise", "is_diagonal", "diagonal_at_probes", "is_curved"]
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 # Where an element-wise module's curvature is looked for besides the call's own input: both signs, from 1/8 to 16.
@@ -69,23 +70,60 @@ def is_diagonal(output: torch.Tensor, x: torch.Tensor) -> bool:
     """
     if output.shape != x.shape or not (output.requires_grad and x.requires_grad) or output.numel() == 0:
         return False
+    return bool(_diagonal(output, x))
+
+
+def _diagonal(output: torch.Tensor, x: torch.Tensor) -> bool | None:
+    """Whether two vector-Jacobian products from ``output`` to ``x`` say the Jacobian is diagonal; ``None`` where they
+    say nothing (no differentiable path, nothing finite)."""
     generator = torch.Generator(device=output.device).manual_seed(0)
     u, v = (torch.rand(output.shape, generator=generator, device=output.device, dtype=output.dtype) + 0.5 for _ in "uv")
     try:
         ju, jv = (torch.autograd.grad(output, x, w, retain_graph=True, allow_unused=True)[0] for w in (u, v))
     except RuntimeError:  # no differentiable path (an integer step, a detached result)
-        return False
+        return None
     if ju is None or jv is None:
-        return False
+        return None
     left, right = ju * v, jv * u
     # A sample that is not finite (NaN, ±inf) says nothing about the function: the other entries decide (a NaN in
     # one sample made every module non-diagonal, and the batch's other samples lost the pass rule).
     finite = left.isfinite() & right.isfinite()
     if not bool(finite.any()):
-        return False
+        return None
     left, right = left.where(finite, 0), right.where(finite, 0)
     scale = left.abs().max().clamp_min(torch.finfo(left.dtype).tiny)
     return bool(((left - right).abs().max() / scale) <= 64 * torch.finfo(left.dtype).eps)
+
+
+def diagonal_at_probes(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the module's Jacobian is diagonal at the probe points too (tensors of ``x``'s shape holding the points
+    :func:`is_curved` probes): :func:`is_diagonal` at the call's own input may not see a module mix its entries
+    (``x * x.roll(1, -1)`` on zeros has a zero Jacobian, diagonal). A probe that fails or gives nothing finite says
+    nothing; the module's forward runs on each probe without its hooks and without any function mode.
+
+    Examples:
+        >>> class Pairs(nn.Module):
+        ...     def forward(self, x):
+        ...         return x * x.roll(1, -1)
+        >>> class Swish(nn.Module):
+        ...     def forward(self, x):
+        ...         return x * torch.sigmoid(x)
+        >>> zeros = torch.zeros(2, 4, requires_grad=True)
+        >>> is_diagonal(Pairs()(zeros), zeros), diagonal_at_probes(Pairs(), zeros), diagonal_at_probes(Swish(), zeros)
+        (True, False, True)
+    """
+    for point in _probes(x):
+        probe = point.requires_grad_(True)
+        try:
+            with torch.enable_grad(), torch._C.DisableTorchFunction():
+                output = module.forward(probe)
+        except Exception:  # noqa: BLE001 (a probe the module refuses says nothing)
+            continue
+        if not isinstance(output, torch.Tensor) or output.shape != probe.shape or not output.requires_grad:
+            continue
+        if _diagonal(output, probe) is False:
+            return False
+    return True
 
 
 def is_curved(module: nn.Module, x: torch.Tensor) -> bool:
@@ -230,5 +268,5 @@ class ElementwiseRule(Rule):
             decided.setdefault(x.shape, False)  # a view or an in-place change of the input: its plain gradient is exact
             return None
         if x.shape not in decided:  # element-wise and curved: an activation; affine glue keeps its exact gradient
-            decided[x.shape] = is_diagonal(output, x) and is_curved(module, x)
+            decided[x.shape] = is_diagonal(output, x) and diagonal_at_probes(module, x) and is_curved(module, x)
         return self.rule.apply(output, x) if decided[x.shape] else None
