@@ -150,6 +150,28 @@ def test_a_first_call_on_zeros_does_not_make_a_mixing_module_element_wise(preset
     assert relative_error(later, expected) <= TOLERANCE
 
 
+class HandDropout(nn.Module):
+    """A dropout written by hand: it draws from the global random state."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (torch.rand_like(x) > 0.3) / 0.7
+
+
+def test_deciding_a_module_that_draws_leaves_the_models_draws_as_in_a_plain_call():
+    """Deciding whether a module is element-wise runs its forward again; a module that draws drew once more there, so
+    the modules after it drew other masks than in a plain call under the same seed (other outputs, other actions)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), HandDropout(), nn.ReLU(), nn.Linear(6, 6), HandDropout(), nn.Linear(6, 3))
+    net, x = net.to(F64), torch.randn(3, 4, dtype=F64)
+    torch.manual_seed(1)
+    plain = net(x)
+    torch.manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[3]))
+    assert torch.equal(out["y"], plain)
+
+
 # ----------------------------------------------------------------------------- keys explained together or alone
 
 

@@ -268,5 +268,8 @@ class ElementwiseRule(Rule):
             decided.setdefault(x.shape, False)  # a view or an in-place change of the input: its plain gradient is exact
             return None
         if x.shape not in decided:  # element-wise and curved: an activation; affine glue keeps its exact gradient
-            decided[x.shape] = is_diagonal(output, x) and diagonal_at_probes(module, x) and is_curved(module, x)
+            # The module's forward runs again on probes: on a fork of the global random state (a module that draws,
+            # a dropout written by hand, leaves the draws of the model's later modules as in a plain call).
+            with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+                decided[x.shape] = is_diagonal(output, x) and diagonal_at_probes(module, x) and is_curved(module, x)
         return self.rule.apply(output, x) if decided[x.shape] else None
