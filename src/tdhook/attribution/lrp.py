@@ -128,7 +128,10 @@ class LRP(TensorDictModuleBase, MapperTunable):
             those of ``module.named_modules()`` for the object passed as
             ``module`` (a plain ``nn.Module``'s own names).
         in_keys: for a plain module, its input keys; for a TensorDict module,
-            the input keys to explain. By default its in_keys, leaving out in each call those that hold booleans
+            the input keys to explain. The module's other inputs are constants of the call, as if the model held
+            them: under AttnLRP and CP-LRP a product of an explained input with one of them is linear in it and
+            kept whole, where explaining both splits it. By default its in_keys, leaving out in each call those
+            that hold booleans
             (``is_init``, an action mask), integers no ``nn.Embedding`` or ``nn.EmbeddingBag`` reads (but those that
             index a parameter, ``self.table[task]``, are refused by name), and the recurrent states of a torchrl
             ``LSTMModule``/``GRUModule`` the TensorDict does not hold.

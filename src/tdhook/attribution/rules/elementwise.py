@@ -7,15 +7,19 @@ of AttnLRP and CP-LRP would split its products as if they joined two signals (CP
 then misses conservation by 7.6e-2 on Bloom). What the module computes says it:
 its output has its input's shape, each output element depends on the input
 element at the same place only (the Jacobian is diagonal), and it is curved (a
-module computing ``x / 2`` or ``(x - m) / s`` is glue whose plain gradient is exact).
+module computing ``x / 2`` or ``(x - m) / s`` is glue whose plain gradient is exact). Curved means curved at
+the call's input or at fixed probe points spanning ±16, so that the decision does not hang on the samples of
+the first call: an ELU (or ``elu(x) + 1``) whose first inputs all fall in its linear part is an activation
+still, and gets the pass rule in the context's later calls, as a fresh context gives it.
 
 :class:`ElementwiseRule` is registered on every module without parameters or
 children that no other rule claims (:func:`may_be_elementwise`). At its first call in
 a context on inputs of a shape (a module may mix what a dimension of size 1 kept apart: the tokens of a
 longer sequence) it tests the Jacobian on the call's own autograd graph: for two random
 output gradients ``u`` and ``v``, a diagonal Jacobian ``J`` gives
-``(Jᵀu) ⊙ v = (Jᵀv) ⊙ u``, and any other almost surely does not. An element-wise
-module then gets the pass rule it wraps (:class:`PassRule`, or AttnLRP's
+``(Jᵀu) ⊙ v = (Jᵀv) ⊙ u``, and any other almost surely does not; the same test runs at the probe points
+above (a module mixing its entries has a zero, diagonal, Jacobian at zeros: a first call on zeros says
+nothing). An element-wise module then gets the pass rule it wraps (:class:`PassRule`, or AttnLRP's
 :class:`~tdhook.attribution.rules.transformer.PseudoIdentityRule`) on every call,
 the first one included; any other module keeps the gradient it had without the rule,
 with the function rules acting inside it.
@@ -32,9 +36,11 @@ from torch import nn
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, rules_apply
 from tdhook.attribution.rules.basic import PassRule
 
-__all__ = ["ElementwiseRule", "may_be_elementwise", "is_diagonal", "is_curved"]
+__all__ = ["ElementwiseRule", "may_be_elementwise", "is_diagonal", "diagonal_at_probes", "is_curved"]
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+# Where an element-wise module's curvature is looked for besides the call's own input: both signs, from 1/8 to 16.
+_PROBE_POINTS = tuple(sign * 2.0**power for power in range(-3, 5) for sign in (-1.0, 1.0))
 
 
 def may_be_elementwise(module: nn.Module) -> bool:
@@ -64,31 +70,71 @@ def is_diagonal(output: torch.Tensor, x: torch.Tensor) -> bool:
     """
     if output.shape != x.shape or not (output.requires_grad and x.requires_grad) or output.numel() == 0:
         return False
+    return bool(_diagonal(output, x))
+
+
+def _diagonal(output: torch.Tensor, x: torch.Tensor) -> bool | None:
+    """Whether two vector-Jacobian products from ``output`` to ``x`` say the Jacobian is diagonal; ``None`` where they
+    say nothing (no differentiable path, nothing finite)."""
     generator = torch.Generator(device=output.device).manual_seed(0)
     u, v = (torch.rand(output.shape, generator=generator, device=output.device, dtype=output.dtype) + 0.5 for _ in "uv")
     try:
         ju, jv = (torch.autograd.grad(output, x, w, retain_graph=True, allow_unused=True)[0] for w in (u, v))
     except RuntimeError:  # no differentiable path (an integer step, a detached result)
-        return False
+        return None
     if ju is None or jv is None:
-        return False
+        return None
     left, right = ju * v, jv * u
     # A sample that is not finite (NaN, ±inf) says nothing about the function: the other entries decide (a NaN in
     # one sample made every module non-diagonal, and the batch's other samples lost the pass rule).
     finite = left.isfinite() & right.isfinite()
     if not bool(finite.any()):
-        return False
+        return None
     left, right = left.where(finite, 0), right.where(finite, 0)
     scale = left.abs().max().clamp_min(torch.finfo(left.dtype).tiny)
     return bool(((left - right).abs().max() / scale) <= 64 * torch.finfo(left.dtype).eps)
 
 
-def is_curved(module: nn.Module, x: torch.Tensor) -> bool:
-    """Whether the element-wise ``module`` is curved at ``x`` (a non-zero second derivative somewhere): an affine
-    or piecewise-linear one (``x / 2``, ``(x - m) / s``, ``relu``) is not, and its plain gradient is exact.
+def diagonal_at_probes(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the module's Jacobian is diagonal at the probe points too (tensors of ``x``'s shape holding the points
+    :func:`is_curved` probes): :func:`is_diagonal` at the call's own input may not see a module mix its entries
+    (``x * x.roll(1, -1)`` on zeros has a zero Jacobian, diagonal). A probe that fails or gives nothing finite says
+    nothing; the module's forward runs on each probe without its hooks and without any function mode.
 
-    The module's own forward runs once more on a copy of ``x``, without its hooks and without any function
-    mode (a mode holding a gate constant would hide the curve).
+    Examples:
+        >>> class Pairs(nn.Module):
+        ...     def forward(self, x):
+        ...         return x * x.roll(1, -1)
+        >>> class Swish(nn.Module):
+        ...     def forward(self, x):
+        ...         return x * torch.sigmoid(x)
+        >>> zeros = torch.zeros(2, 4, requires_grad=True)
+        >>> is_diagonal(Pairs()(zeros), zeros), diagonal_at_probes(Pairs(), zeros), diagonal_at_probes(Swish(), zeros)
+        (True, False, True)
+    """
+    for point in _probes(x):
+        probe = point.requires_grad_(True)
+        try:
+            with torch.enable_grad(), torch._C.DisableTorchFunction():
+                output = module.forward(probe)
+        except Exception:  # noqa: BLE001 (a probe the module refuses says nothing)
+            continue
+        if not isinstance(output, torch.Tensor) or output.shape != probe.shape or not output.requires_grad:
+            continue
+        if _diagonal(output, probe) is False:
+            return False
+    return True
+
+
+def is_curved(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the element-wise ``module`` is curved (a non-zero second derivative somewhere) at ``x`` or at fixed
+    probe points spanning ±16: an affine or piecewise-linear one (``x / 2``, ``(x - m) / s``, ``relu``) is not,
+    and its plain gradient is exact. The probe points make the answer the same whatever samples ``x`` holds: an
+    ELU is curved though every entry of ``x`` is positive.
+
+    The module's own forward runs once more on a copy of ``x`` (and, where ``x`` shows no curvature, on tensors of
+    ``x``'s shape holding the probe points), without its hooks and without any function mode (a mode holding a
+    gate constant would hide the curve). A probe that fails (a module that refuses negative inputs) says nothing.
 
     Examples:
         >>> class Swish(nn.Module):
@@ -97,10 +143,25 @@ def is_curved(module: nn.Module, x: torch.Tensor) -> bool:
         >>> class Scale(nn.Module):
         ...     def forward(self, x):
         ...         return (x - 1) / 2
+        >>> class ELU(nn.Module):
+        ...     def forward(self, x):
+        ...         return torch.where(x > 0, x, torch.expm1(x.clamp(max=0)))
         >>> x = torch.randn(3, 4)
-        >>> is_curved(Swish(), x), is_curved(Scale(), x), is_curved(nn.ReLU(), x)
-        (True, False, False)
+        >>> is_curved(Swish(), x), is_curved(Scale(), x), is_curved(nn.ReLU(), x), is_curved(ELU(), x.abs() + 1)
+        (True, False, False, True)
     """
+    curved = _curvature_at(module, x)
+    if curved is not False:
+        return curved is not None
+    for probe in _probes(x):
+        if _curvature_at(module, probe, failing=False):
+            return True
+    return False
+
+
+def _curvature_at(module: nn.Module, x: torch.Tensor, failing: bool = True) -> bool | None:
+    """Whether ``module`` is curved at ``x``: ``None`` where its slope does not depend on its input (affine
+    everywhere), ``failing`` where it is not twice differentiable there."""
     probe = x.detach().requires_grad_(True)
     try:
         with torch.enable_grad(), torch._C.DisableTorchFunction():
@@ -108,12 +169,27 @@ def is_curved(module: nn.Module, x: torch.Tensor) -> bool:
             ones = torch.ones_like(output)
             (slope,) = torch.autograd.grad(output, probe, ones, create_graph=True)
             if not slope.requires_grad:
-                return False  # the slope does not depend on x: affine
+                return None  # the slope does not depend on x: affine
             (curvature,) = torch.autograd.grad(slope, probe, ones, allow_unused=True)
     except RuntimeError:  # not twice differentiable here: not a plain affine map
-        return True
+        return failing
+    except Exception:  # a probe the module refuses (not the call's input, whose errors are the model's own)
+        if failing:
+            raise
+        return False
     # Any non-zero entry, NaN aside (a sample that is not finite), an infinite one included.
     return curvature is not None and bool((curvature.abs() > 0).any())
+
+
+def _probes(x: torch.Tensor) -> list[torch.Tensor]:
+    """Tensors of ``x``'s shape, dtype and device that together hold every probe point (several where ``x`` has
+    fewer entries than there are points)."""
+    count = x.numel()
+    if count == 0:
+        return []
+    points = torch.tensor(_PROBE_POINTS, dtype=x.dtype, device=x.device)
+    chunks = points.split(count)
+    return [chunk.repeat(-(-count // len(chunk)))[:count].reshape(x.shape) for chunk in chunks]
 
 
 class ElementwiseRule(Rule):
@@ -192,5 +268,8 @@ class ElementwiseRule(Rule):
             decided.setdefault(x.shape, False)  # a view or an in-place change of the input: its plain gradient is exact
             return None
         if x.shape not in decided:  # element-wise and curved: an activation; affine glue keeps its exact gradient
-            decided[x.shape] = is_diagonal(output, x) and is_curved(module, x)
+            # The module's forward runs again on probes: on a fork of the global random state (a module that draws,
+            # a dropout written by hand, leaves the draws of the model's later modules as in a plain call).
+            with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+                decided[x.shape] = is_diagonal(output, x) and diagonal_at_probes(module, x) and is_curved(module, x)
         return self.rule.apply(output, x) if decided[x.shape] else None
