@@ -68,6 +68,7 @@ from tdhook.attribution._run_errors import run_error
 from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
 from tdhook.attribution._writes import relevance_updates, returned_tensordict, set_all_or_nothing
 from tdhook.attribution.coverage import Coverage
+from tdhook.attribution.mappers.aliases import module_aliases, user_rule
 from tdhook.attribution.mappers.base import RuleMapper
 from tdhook.attribution.mappers.given import as_rule_mapper, checked_rules
 from tdhook.attribution.methods._batch_statistics import BufferHolders, buffers_restored_on_error
@@ -230,7 +231,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._name_prefix = "module." if plain else ""
         self.module = module
         self.rule_mapper = as_rule_mapper(rule_mapper)
-        warn_for_unmatched_names(self.rule_mapper, self.named_explained_modules())
+        warn_for_unmatched_names(self.rule_mapper, self._every_module_name())
         self.explained_keys = unravel_key_list(list(in_keys)) if in_keys is not None else read_not_written(module)
         # Keys taken from the module's in_keys: those holding booleans or integers no embedding reads, and the
         # recurrent states a torchrl LSTMModule/GRUModule does without, are not explained (see explained_in_call).
@@ -289,14 +290,19 @@ class LRP(TensorDictModuleBase, MapperTunable):
         root = self.module.module if prefix else self.module
         return dict(root.named_modules())
 
+    def _every_module_name(self) -> dict[str, nn.Module]:
+        """The wrapped model's modules by every name they have (a module registered twice, under both)."""
+        root = self.module.module if self._name_prefix else self.module
+        return dict(root.named_modules(remove_duplicate=False))
+
     def _rules(self) -> dict[str, Rule]:
         mapper = self.rule_mapper
         modules = self.named_explained_modules()
         if hasattr(mapper, "rules"):
             return checked_rules(mapper.rules(modules[""]), modules)
-        rules = {}
+        rules, aliases = {}, module_aliases(modules[""])
         for name, sub in modules.items():
-            rule = mapper(name, sub)
+            rule = user_rule(mapper, name, sub, aliases)  # a module of several names is asked under each
             if rule is not None:
                 rules[name] = rule
         return checked_rules(rules, modules)
