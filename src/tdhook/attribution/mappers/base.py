@@ -100,6 +100,7 @@ def rule_mapper_from_dict(mapping: Mapping[type | tuple[type, ...] | str, Rule])
         return None if match is None else match[1]
 
     mapper.entry_of = entry_of  # the entry's position too: a module of several names takes the first entry of any
+    mapper.entries = tuple(entries)  # checked by the wrapper: an entry every module of which an earlier one takes
     mapper.name_patterns = tuple(key for key, _ in entries if isinstance(key, str))  # checked by the wrapper
     return mapper
 
