@@ -28,7 +28,13 @@ from torch import nn
 
 from tdhook.attribution.rules._caller import warn_at_caller
 
-__all__ = ["shadowed_entries", "unmatched_names", "warn_for_unmatched_names", "warn_for_shadowed_entries"]
+__all__ = [
+    "shadowed_entries",
+    "unmatched_names",
+    "warn_for_shadowed_entries",
+    "warn_for_unmatched_names",
+    "warn_for_unused_keys",
+]
 
 _SHOWN = 12  # module names an error lists
 
@@ -163,3 +169,17 @@ def warn_for_shadowed_entries(mapper: Any, modules: Mapping[str, nn.Module]) -> 
             f"matches the earlier entry {_key_text(earlier)}, and the first matching entry in the dict's order wins. "
             f"Put {_key_text(key)} before {_key_text(earlier)}"
         )
+
+
+def warn_for_unused_keys(mapper: Any, model: nn.Module) -> None:
+    """Warn where a key of ``mapper`` keys a rule no module of ``model`` gets: a name or pattern that matches none
+    of its modules' names (every name of a module registered twice included), or a dict entry an earlier entry takes
+    every module of.
+
+    Args:
+        mapper: the rule mapper.
+        model: the model, whose module names the mapper sees.
+    """
+    modules = dict(model.named_modules(remove_duplicate=False))
+    warn_for_unmatched_names(mapper, modules)
+    warn_for_shadowed_entries(mapper, modules)

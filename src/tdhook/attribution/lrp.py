@@ -62,7 +62,7 @@ from tdhook.attribution._no_grad_values import called_in_grad_mode
 from tdhook.attribution._plain_modules import as_tensordict_module
 from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
-from tdhook.attribution._rule_names import warn_for_shadowed_entries, warn_for_unmatched_names
+from tdhook.attribution._rule_names import warn_for_unused_keys
 from tdhook.attribution._rule_use import RuleUse
 from tdhook.attribution._run_errors import run_error
 from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
@@ -231,9 +231,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._name_prefix = "module." if plain else ""
         self.module = module
         self.rule_mapper = as_rule_mapper(rule_mapper)
-        every_name = self._every_module_name()
-        warn_for_unmatched_names(self.rule_mapper, every_name)
-        warn_for_shadowed_entries(self.rule_mapper, every_name)  # an entry an earlier one takes every module of
+        warn_for_unused_keys(self.rule_mapper, self.named_explained_modules()[""])
         self.explained_keys = unravel_key_list(list(in_keys)) if in_keys is not None else read_not_written(module)
         # Keys taken from the module's in_keys: those holding booleans or integers no embedding reads, and the
         # recurrent states a torchrl LSTMModule/GRUModule does without, are not explained (see explained_in_call).
@@ -291,11 +289,6 @@ class LRP(TensorDictModuleBase, MapperTunable):
         prefix = self._name_prefix
         root = self.module.module if prefix else self.module
         return dict(root.named_modules())
-
-    def _every_module_name(self) -> dict[str, nn.Module]:
-        """The wrapped model's modules by every name they have (a module registered twice, under both)."""
-        root = self.module.module if self._name_prefix else self.module
-        return dict(root.named_modules(remove_duplicate=False))
 
     def _rules(self) -> dict[str, Rule]:
         mapper = self.rule_mapper
