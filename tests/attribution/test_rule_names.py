@@ -91,3 +91,15 @@ class TestShadowedEntries:
         net = nn.Sequential(OwnLinear(4, 3))
         with pytest.warns(UserWarning, match=r"the entry OwnLinear is never used.*earlier entry \(Linear, Conv2d\)"):
             LRP(net, {(nn.Linear, nn.Conv2d): EpsilonRule(), OwnLinear: GammaRule(0.25)}, in_keys=["x"], out_keys=["y"])
+
+
+def test_the_empty_name_keys_the_model_itself_and_is_not_warned_of():
+    # The mapper is asked for the model's own rule under "": a rule keyed by it is used (the ε-rule of the whole
+    # model, here one Linear: that of the layer), so the warning that it matched no module was wrong.
+    net, x = nn.Sequential(nn.Linear(3, 2)).double(), torch.randn(4, 3, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lrp = LRP(net, {"": EpsilonRule(0.5)}, in_keys=["x"], out_keys=["y"])
+    whole = lrp(TensorDict(x=x, batch_size=[4]))["relevance", "x"]
+    layer = LRP(net, {"0": EpsilonRule(0.5)}, in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[4]))
+    assert relative_error(whole, layer["relevance", "x"]) < 1e-12

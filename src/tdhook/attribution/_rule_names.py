@@ -60,8 +60,8 @@ def unmatched_names(mapper: Any, modules: Mapping[str, nn.Module]) -> list[str]:
     Returns:
         The keys that match no module, in the mapper's order.
     """
-    names = [name for name in modules if name]
-    return [key for key in _name_patterns(mapper) if not any(fnmatchcase(name, key) for name in names)]
+    # The model itself is among them, at "": the mapper is asked for its rule too.
+    return [key for key in _name_patterns(mapper) if not any(fnmatchcase(name, key) for name in modules)]
 
 
 def warn_for_unmatched_names(mapper: Any, modules: Mapping[str, nn.Module]) -> None:
@@ -134,9 +134,8 @@ def shadowed_entries(mapper: Any, modules: Mapping[str, nn.Module]) -> list[tupl
         return []
     keys = [key for key, _ in found.entries]
     by_module: dict[int, tuple[nn.Module, list[str]]] = {}
-    for name, module in modules.items():
-        if name:
-            by_module.setdefault(id(module), (module, []))[1].append(name)
+    for name, module in modules.items():  # the model itself included, at ""
+        by_module.setdefault(id(module), (module, []))[1].append(name)
     taken: dict[int, int] = {}  # each module's entry: the first one any of its names matches
     for key_id, (module, names) in by_module.items():
         matches = [match[0] for name in names if (match := found.entry_of(name, module)) is not None]
