@@ -3,13 +3,15 @@ keep the plain gradient it is the ε-rule of the block as one layer."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from tdhook.attribution import LRP, AlphaBetaRule, EpsilonPlus, EpsilonRule, TaylorDecompositionRule
+from tdhook.attribution import LRP, AlphaBetaRule, EpsilonPlus, EpsilonRule, IgnoreRule, TaylorDecompositionRule
 from tests.attribution._helpers import assert_unchanged, state_snapshot
 from tests.conftest import relative_error
 
@@ -75,3 +77,23 @@ def test_a_block_rule_that_replaces_the_inner_rules_is_kept():
     with_inner = explain(net, x, {"module.0": taylor, nn.Linear: EpsilonRule(0.5)})
     alone = explain(net, x, {"module.0": taylor, "module.2": EpsilonRule(0.5)})
     torch.testing.assert_close(with_inner, alone, rtol=1e-12, atol=0)
+
+
+def test_the_plain_gradient_asked_for_a_container_of_ruled_layers_is_warned_of():
+    # IgnoreRule on an nn.Sequential changes nothing (the container computes nothing itself) while its layers keep
+    # their z⁺: before, the relevance was that of z⁺ everywhere with no word, though the block was asked to keep its
+    # plain gradient (on this net, 0.5 and more off it, relative L2).
+    net, x = block_net(), torch.randn(3, 4, dtype=torch.float64)
+    zplus = AlphaBetaRule(1.0, 0.0)
+    with pytest.warns(UserWarning, match=r"IgnoreRule\(\) on module 'module.0' \(Sequential\) changes nothing.*'m"):
+        asked = explain(net, x, {"module.0": IgnoreRule(), nn.Linear: zplus})
+    torch.testing.assert_close(asked, explain(net, x, {nn.Linear: zplus}), rtol=1e-12, atol=0)
+    # The modules inside mapped too: gradient × input through the block, and no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain_block = explain(net, x, {"module.0*": IgnoreRule(), "module.2": IgnoreRule()})
+    x_var = x.clone().requires_grad_()
+    y = net(x_var)
+    (grad,) = torch.autograd.grad(y.gather(1, y.argmax(1, keepdim=True)).sum(), x_var)
+    assert relative_error(plain_block, x * grad) < 1e-12
+    assert relative_error(asked, x * grad) > 0.1

@@ -1,4 +1,5 @@
-"""The ε-rule on a module whose inner modules change the gradient with rules of their own: refused.
+"""The ε-rule on a module whose inner modules change the gradient with rules of their own: refused; the plain
+gradient asked for a container of such modules: warned of.
 
 :class:`~tdhook.attribution.rules.basic.EpsilonRule` rescales a module's output
 gradient and lets the module's own backward do the rest. On a container (an
@@ -11,6 +12,13 @@ naming both modules, where the inner module ran. Inner rules that keep the plain
 gradient (``IgnoreRule``, LRP-0, a pass rule that registers nothing on ``nn.ReLU``), and
 those of modules the block does not call (``nn.MultiheadAttention`` computes
 with ``out_proj.weight`` directly), leave the block's ε-rule exact.
+
+:class:`~tdhook.attribution.rules.basic.IgnoreRule` on a module gives the plain gradient of what the module's own
+forward computes; the modules inside it keep their rules. On a container that computes nothing of its own (an
+``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict``, a ``TensorDictModule`` or ``TensorDictSequential``) it
+changes nothing at all, and where modules inside it ran with rules that change the gradient, the block's relevance
+is theirs, not its plain gradient: the wrapper warns at the first call of a context, naming the container and
+them (:func:`warn_for_plain_gradient_over_ruled_modules`).
 
 Examples:
     >>> from torch import nn
@@ -31,12 +39,17 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
+from tensordict.nn import TensorDictModuleBase
 from torch import nn
 
+from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules.base import RemovableRuleHandle
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule
 
-__all__ = ["refuse_rescaling_over_ruled_modules"]
+__all__ = ["refuse_rescaling_over_ruled_modules", "warn_for_plain_gradient_over_ruled_modules"]
+
+# Modules whose forward only calls their children: the plain gradient of what they compute themselves is nothing.
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, TensorDictModuleBase)
 
 _SHOWN = 3  # inner modules an error names
 
@@ -70,11 +83,7 @@ def refuse_rescaling_over_ruled_modules(
     ruled = {id(h.module): h.rule for h in handles if id(h.module) in ran and _changes_gradient(h)}
     for handle in rescaling:
         outer = handle.module
-        inner = [
-            (name, module)
-            for name, module in outer.named_modules(remove_duplicate=False)
-            if module is not outer and id(module) in ruled
-        ]
+        inner = _ruled_inside(outer, ruled)
         if not inner:
             continue
         path = names.get(id(outer), "?")
@@ -89,4 +98,66 @@ def refuse_rescaling_over_ruled_modules(
             f"top of the rules of the modules inside it ({shown}{more}): its own backward runs through theirs. Map "
             f"the rule to the layers inside instead (a pattern such as {pattern!r}, or their types), map those "
             "modules to IgnoreRule() to treat the block as one ε-layer, or use TaylorDecompositionRule for a block"
+        )
+
+
+def _ruled_inside(outer: nn.Module, ruled: Mapping[int, object]) -> list[tuple[str, nn.Module]]:
+    """The modules inside ``outer`` (by their names in it) among ``ruled``."""
+    return [
+        (name, module)
+        for name, module in outer.named_modules(remove_duplicate=False)
+        if module is not outer and id(module) in ruled
+    ]
+
+
+def warn_for_plain_gradient_over_ruled_modules(
+    handles: Sequence[RemovableRuleHandle], modules: Mapping[str, nn.Module], ran: Collection[int]
+) -> None:
+    """Warn where :class:`~tdhook.attribution.rules.basic.IgnoreRule`, asked for by the caller, is on a container
+    some of whose inner modules ran with rules that change their gradient: it changes nothing there.
+
+    Args:
+        handles: the handles of the context's rules.
+        modules: the model's modules by name.
+        ran: the ``id`` of each module that ran in the call watched.
+
+    Examples:
+        >>> import warnings
+        >>> from tdhook.attribution.rules import AlphaBetaRule
+        >>> net = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), nn.Linear(2, 1))
+        >>> modules = dict(net.named_modules())
+        >>> handles = [IgnoreRule().register(modules["0"]), AlphaBetaRule(1.0, 0.0).register(modules["0.0"])]
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_for_plain_gradient_over_ruled_modules(handles, modules, ran={id(m) for m in net.modules()})
+        >>> str(caught[0].message).split(":")[1]
+        " IgnoreRule() on module '0' (Sequential) changes nothing"
+        >>> for handle in handles:
+        ...     handle.remove()
+    """
+    plain = [
+        h
+        for h in handles
+        if isinstance(h.rule, IgnoreRule) and h.rule._plain_inside and isinstance(h.module, _CONTAINERS)
+    ]
+    if not plain:
+        return
+    names = {id(module): name for name, module in modules.items()}
+    ruled = {id(h.module): h.rule for h in handles if id(h.module) in ran and _changes_gradient(h)}
+    for handle in plain:
+        inner = _ruled_inside(handle.module, ruled)
+        if not inner:
+            continue
+        path = names.get(id(handle.module), "?")
+        shown = ", ".join(
+            f"{names.get(id(module), name)!r} ({type(module).__name__}): {ruled[id(module)]!r}"
+            for name, module in inner[:_SHOWN]
+        )
+        more = f" and {len(inner) - _SHOWN} more" if len(inner) > _SHOWN else ""
+        pattern = f"{path}.*" if path else "*"
+        warn_at_caller(
+            f"LRP: {handle.rule!r} on module {path or 'the model itself'!r} ({type(handle.module).__name__}) changes "
+            f"nothing: the container computes nothing of its own, and the modules inside it keep their rules "
+            f"({shown}{more}), so the block's relevance is not its plain gradient. Map the modules inside to "
+            f"IgnoreRule() (a pattern such as {pattern!r}) for that, or leave the container out of the mapping"
         )

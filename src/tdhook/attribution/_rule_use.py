@@ -31,7 +31,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from torch import nn
 
-from tdhook.attribution._nested_rules import refuse_rescaling_over_ruled_modules
+from tdhook.attribution._nested_rules import (
+    refuse_rescaling_over_ruled_modules,
+    warn_for_plain_gradient_over_ruled_modules,
+)
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._first_pass import watching_first_pass
 from tdhook.attribution.rules.base import RemovableRuleHandle
@@ -97,6 +100,7 @@ class RuleUse:
                 mine.pop()
         # Raised before the pass counts as watched: every later call is refused alike.
         refuse_rescaling_over_ruled_modules(handles, modules, ran)
+        warn_for_plain_gradient_over_ruled_modules(handles, modules, ran)
         names = {id(module): name for name, module in modules.items()}
         for handle in handles:
             module = handle.module

@@ -62,12 +62,13 @@ from tdhook.attribution._no_grad_values import called_in_grad_mode
 from tdhook.attribution._plain_modules import as_tensordict_module
 from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
-from tdhook.attribution._rule_names import warn_for_unmatched_names
+from tdhook.attribution._rule_names import warn_for_unused_keys
 from tdhook.attribution._rule_use import RuleUse
 from tdhook.attribution._run_errors import run_error
 from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
 from tdhook.attribution._writes import relevance_updates, returned_tensordict, set_all_or_nothing
 from tdhook.attribution.coverage import Coverage
+from tdhook.attribution.mappers.aliases import module_aliases, user_rule
 from tdhook.attribution.mappers.base import RuleMapper
 from tdhook.attribution.mappers.given import as_rule_mapper, checked_rules
 from tdhook.attribution.methods._batch_statistics import BufferHolders, buffers_restored_on_error
@@ -233,7 +234,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._name_prefix = "module." if plain else ""
         self.module = module
         self.rule_mapper = as_rule_mapper(rule_mapper)
-        warn_for_unmatched_names(self.rule_mapper, self.named_explained_modules())
+        warn_for_unused_keys(self.rule_mapper, self.named_explained_modules()[""])
         self.explained_keys = unravel_key_list(list(in_keys)) if in_keys is not None else read_not_written(module)
         # Keys taken from the module's in_keys: those holding booleans or integers no embedding reads, and the
         # recurrent states a torchrl LSTMModule/GRUModule does without, are not explained (see explained_in_call).
@@ -297,9 +298,9 @@ class LRP(TensorDictModuleBase, MapperTunable):
         modules = self.named_explained_modules()
         if hasattr(mapper, "rules"):
             return checked_rules(mapper.rules(modules[""]), modules)
-        rules = {}
+        rules, aliases = {}, module_aliases(modules[""])
         for name, sub in modules.items():
-            rule = mapper(name, sub)
+            rule = user_rule(mapper, name, sub, aliases)  # a module of several names is asked under each
             if rule is not None:
                 rules[name] = rule
         return checked_rules(rules, modules)

@@ -14,6 +14,7 @@ from typing import Protocol, TypedDict
 from torch import nn
 from torchrl.modules import BatchRenorm1d, TanhModule
 
+from tdhook.attribution.mappers.aliases import module_aliases, user_rule
 from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._layers import (
@@ -73,7 +74,9 @@ def rule_mapper_from_dict(mapping: Mapping[type | tuple[type, ...] | str, Rule])
 
     String keys match module names with shell-style wildcards (``"features.*"``);
     type keys match with ``isinstance``. The first matching entry, in the
-    dict's order, wins.
+    dict's order, wins. A module the model holds under several names
+    (``self.a = self.b = layer``, a layer shared by two blocks) matches a
+    string key by any of them.
 
     Examples:
         >>> from tdhook.attribution.rules import EpsilonRule, StopRule
@@ -86,14 +89,18 @@ def rule_mapper_from_dict(mapping: Mapping[type | tuple[type, ...] | str, Rule])
         if not isinstance(rule, Rule):
             raise TypeError(f"rule mapping entry {key!r} must map to a Rule, got {type(rule).__name__}")
 
-    def mapper(name: str, module: nn.Module) -> Rule | None:
-        for key, rule in entries:
-            if isinstance(key, str) and fnmatchcase(name, key):
-                return rule
-            if not isinstance(key, str) and isinstance(module, key):
-                return rule
+    def entry_of(name: str, module: nn.Module) -> tuple[int, Rule] | None:
+        for index, (key, rule) in enumerate(entries):
+            if fnmatchcase(name, key) if isinstance(key, str) else isinstance(module, key):
+                return index, rule
         return None
 
+    def mapper(name: str, module: nn.Module) -> Rule | None:
+        match = entry_of(name, module)
+        return None if match is None else match[1]
+
+    mapper.entry_of = entry_of  # the entry's position too: a module of several names takes the first entry of any
+    mapper.entries = tuple(entries)  # checked by the wrapper: an entry every module of which an earlier one takes
     mapper.name_patterns = tuple(key for key, _ in entries if isinstance(key, str))  # checked by the wrapper
     return mapper
 
@@ -276,12 +283,13 @@ class BaseRuleMapper(Tunable):
         rules: dict[str, Rule] = {}
         quantized: dict[str, Rule] = {}  # quantized Linear layers, and the first-layer rule they do not get
         modules = dict(model.named_modules())
+        aliases = module_aliases(model) if self.rule_mapper is not None else {}
         for name, module in modules.items():
             if "parametrizations" in name.split("."):
                 continue  # a weight's parametrization (weight_norm, spectral_norm) computes a weight, not activations
             rule = None
             if self.rule_mapper is not None:
-                rule = self.rule_mapper(name, module)
+                rule = user_rule(self.rule_mapper, name, module, aliases)  # asked under each of its names
             if rule is None and is_router_layer(name, module, modules.get(name.rpartition(".")[0])):
                 rule = self._router  # a Linear a Hugging Face class holds as its router (Gemma 3n's AltUp)
             elif rule is None:
