@@ -52,7 +52,7 @@ _GRID_MESSAGE = "at a grid computed from activations"
 _NORM_ARGUMENTS = {torch.batch_norm: ((1, "weight"), (4, "running_var"))}
 _FUNCTIONAL_NORM_ARGUMENTS = ((3, "weight"), (2, "running_var"))
 
-#: the names (as :func:`~tdhook.attribution._nonlinear_calls.function_kind` gives them) whose kind
+#: the names (as :func:`~tdhook.attribution._function_kinds.function_kind` gives them) whose kind
 #: :func:`nonlinear_by_arguments` decides
 BY_ARGUMENTS = frozenset(_REDUCTIONS) | frozenset(_GRIDS) | {"prelu", "lerp", "batch_norm"}
 
