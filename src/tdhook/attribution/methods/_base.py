@@ -310,7 +310,6 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         if self._evaluates_copies and not self._warned_sampled:
             found = sampled_target(self.module, call.target_key)
             if found is not None:
-                self._warned_sampled = True
                 warnings.warn(
                     f"{type(self).__name__}: the target {call.target_key!r} is drawn at random ({found}), so each "
                     "forward pass draws anew and the explanation compares independent draws; explain the "
@@ -318,6 +317,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
                     "(tensordict.nn.set_interaction_type('deterministic'))",
                     stacklevel=4,
                 )
+                self._warned_sampled = True  # once the warning is out: made an error, it is given again
 
     def _check_batch(self, tensordict: TensorDictBase) -> None:
         """Refuse, before the model runs, a batch the method cannot explain (none by default)."""
@@ -368,12 +368,12 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             with watch as dropping:
                 result = self._run(work)
         if dropping is not None and dropping.found:
-            self._warned = True
             warn_at_caller(
                 f"{name}: the forward pass calls dropout (p={dropping.found}) in training mode, outside any Dropout "
                 "module (attention dropout, mostly), so each forward pass drops other units and the attribution is "
                 "random from call to call; call .eval() on the model for a deterministic one"
             )
+            self._warned = True  # once the warning is out: made an error, it is given again
         try:
             target_key = resolve_target_key(result, *self._target)
         except KeyError as err:
