@@ -80,8 +80,8 @@ class CoverageRecorder:
             report_recurrent_first_layers(calls.found_first_recurrent(targets), mapper, strict)
             report_dropout_calls(calls.found_dropouts(targets), modules)
             self._plain_gradient = plain + layers + norms
-        except ValueError:
-            self._pending = True  # a strict error: the next call checks again
+        except Exception:  # a strict error, or a warning a caller's filter made an error: the next call checks again
+            self._pending = True
             raise
 
     def keep(self, batch_dims: int, seeds: list, relevances: list[torch.Tensor]) -> None:
