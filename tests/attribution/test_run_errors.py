@@ -168,3 +168,16 @@ def test_the_advised_rewrite_with_create_graph_is_explained():
     jacobians = torch.func.vmap(torch.func.jacrev(torch.func.grad(field.energy)))(x)  # [4, 3 outputs, 3 inputs]
     expected = x * jacobians[torch.arange(4), chosen]
     torch.testing.assert_close(relevance.detach(), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_an_error_not_about_torch_func_transforms_is_left_to_the_usual_notes():
+    from tdhook.attribution._function_transforms import transform_refusal
+
+    class Failing(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.func.grad(lambda t: (_ for _ in ()).throw(RuntimeError("the model's own error")))(x)
+
+    model = Failing()
+    with pytest.raises(RuntimeError, match="the model's own error") as caught:
+        model(torch.randn(3))
+    assert transform_refusal(caught.value, dict(model.named_modules()), "LRP", lambda frame: True) is None

@@ -24,6 +24,9 @@ Examples:
     ...     @staticmethod
     ...     def forward(ctx, x):
     ...         return x
+    ...     @staticmethod
+    ...     def backward(ctx, grad):
+    ...         return grad
     >>> field = Field()
     >>> hook = field.energy.register_forward_hook(lambda m, args, out: Refusing.apply(out))
     >>> try:
@@ -77,6 +80,18 @@ def _frames(err: BaseException) -> list[FrameType]:
     return frames
 
 
+def _about_transforms(err: BaseException | None) -> bool:
+    """Whether ``err``, or an error it was raised from, is torch's refusal of an autograd Function (or hook) under
+    a ``torch.func`` transform (its message names functorch)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if "functorch" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
 def transform_refusal(
     err: BaseException,
     modules: Mapping[str, nn.Module],
@@ -96,6 +111,8 @@ def transform_refusal(
         A ``NotImplementedError`` naming the module that takes the transform, the transform and the first module
         with a rule it runs through; ``None`` where no transform ran between the model's forward and a rule.
     """
+    if not _about_transforms(err):
+        return None
     names = {id(module): name for name, module in modules.items()}
     caller: str | None = None
     transforms: list[str] = []
