@@ -174,10 +174,18 @@ def test_an_error_not_about_torch_func_transforms_is_left_to_the_usual_notes():
     from tdhook.attribution._function_transforms import transform_refusal
 
     class Failing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(3, 1)
+
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.func.grad(lambda t: (_ for _ in ()).throw(RuntimeError("the model's own error")))(x)
+            return torch.func.grad(lambda t: self.linear(t).sum())(x)
+
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        raise RuntimeError("the model's own error")  # under the transform, in a module inside it
 
     model = Failing()
+    model.linear.register_forward_hook(hook)
     with pytest.raises(RuntimeError, match="the model's own error") as caught:
         model(torch.randn(3))
     assert transform_refusal(caught.value, dict(model.named_modules()), "LRP", lambda frame: True) is None
