@@ -652,3 +652,27 @@ class TestGradientsTakenInTheForward:
         (grad,) = torch.autograd.grad(y.max(-1).values.sum(), leaf)
         torch.testing.assert_close(td["y"], y.detach(), rtol=0, atol=0)
         torch.testing.assert_close(td["relevance", "x"], grad * x)
+
+
+def test_a_plain_gradient_warning_made_an_error_is_given_at_every_call():
+    """A caller's filter that makes the warning of a call without a rule an error raises it at every call, not only
+    the first (the next call was no longer checked); once given, the warning is not repeated, and the relevance of a
+    call after the errors is that of a fresh wrapper."""
+    torch.manual_seed(0)
+    model = nn.Sequential(SineBlock()).double()
+    lrp = LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    x = torch.randn(3, 4, dtype=F64)
+    for _ in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(UserWarning, match=r"module '0' \(SineBlock\) computes sin"):
+                lrp(TensorDict(x=x, batch_size=[3]))
+    with pytest.warns(UserWarning, match="computes sin"):
+        after = lrp(TensorDict(x=x, batch_size=[3]))["relevance", "x"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lrp(TensorDict(x=x, batch_size=[3]))  # given once: not again
+    with pytest.warns(UserWarning, match="computes sin"):
+        fresh = LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[3]))
+    torch.testing.assert_close(after, fresh["relevance", "x"], rtol=1e-12, atol=1e-14)
+    assert "sin" in str(lrp.coverage())

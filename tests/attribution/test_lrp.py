@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from tensordict import TensorDict, tensorclass
@@ -244,6 +246,21 @@ class TestBadInput(ExpectsARefusal):
         # "Tensor.item() cannot be called on meta tensors" from inside a rule.
         td = TensorDict(x=torch.randn(2, 5, device="meta"), batch_size=[2])
         self.run_and_expect(td, ValueError, "input key 'x' is on the meta device, which holds shapes but no values")
+
+    @pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=["jagged", "strided"])
+    def test_a_nested_tensor_input_is_named(self, layout):
+        # Before, a bare "aten.scatter_.value" (jagged) or "NestedTensorImpl doesn't support sizes" (strided).
+        samples = [torch.randn(3, 5, dtype=torch.float64), torch.randn(1, 5, dtype=torch.float64)]
+        td = TensorDict(x=torch.nested.nested_tensor(samples, layout=layout), batch_size=[2])
+        self.run_and_expect(td, TypeError, "input key 'x' holds a nested tensor .* pad the samples to one length")
+
+    def test_a_masked_tensor_input_is_named(self):
+        # Before, a bare "Multiple dispatch failed for 'torch._ops.aten.addmm.default'".
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch's note that MaskedTensor is a prototype
+            x = torch.masked.masked_tensor(torch.randn(2, 5, dtype=torch.float64), torch.rand(2, 5) > 0.5)
+            td = TensorDict(x=x, batch_size=[2])
+            self.run_and_expect(td, TypeError, "input key 'x' holds a torch.masked.MaskedTensor, .*get_mask")
 
     def test_inputs_made_in_inference_mode_are_explained(self):
         with torch.inference_mode():

@@ -102,3 +102,90 @@ def test_a_layer_whose_rule_puts_no_hook_is_named_too(mapper, where):
         LRP(model, mapper(), in_keys=["x"], out_keys=["y"])(td)
     assert_same(before, state(model))
     assert set(td.keys()) == {"x"}
+
+
+class _Energy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).sum(-1)
+
+
+class _VectorField(nn.Module):
+    """The gradient of an energy, taken in the forward by a torch.func transform (a Hamiltonian's vector field)."""
+
+    def __init__(self, transform: str) -> None:
+        super().__init__()
+        self.energy, self.transform = _Energy(), transform
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.transform == "grad":
+            return torch.vmap(torch.func.grad(self.energy))(x)
+        energy, pull_back = torch.func.vjp(self.energy, x)
+        return pull_back(torch.ones_like(energy))[0]
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp"])
+@pytest.mark.parametrize("preset", [None, "EpsilonPlus"])
+def test_a_torch_func_transform_in_the_forward_is_refused_naming_it_and_the_modules(transform, preset):
+    # Before, torch's "In order to use an autograd.Function with functorch transforms ... must override the
+    # setup_context staticmethod", naming neither the transform nor a module.
+    torch.manual_seed(0)
+    field = _VectorField(transform).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    expected = torch.func.vmap(torch.func.grad(field.energy))(x)
+    torch.testing.assert_close(field(x), expected)  # the model runs on its own
+    lrp = LRP(TensorDictModule(field, ["x"], ["y"]), rule_mapper=None if preset is None else EpsilonPlus())
+    ruled = r"module 'module.energy.net.1' \(Tanh\)" if preset is None else r"module 'module.energy.net.0' \(Linear\)"
+    named = "torch.func.vmap, torch.func.grad" if transform == "grad" else "torch.func.vjp"
+    with pytest.raises(
+        NotImplementedError,
+        match=rf"module 'module' \(_VectorField\) calls {named} in its own forward "
+        rf"through {ruled}, whose rule works through autograd hooks",
+    ):
+        lrp(TensorDict(x=x, batch_size=[4]))
+
+
+def test_the_advised_rewrite_with_create_graph_is_explained():
+    """As the refusal says: the gradient taken by torch.autograd.grad(..., create_graph=True), explained by LRP with
+    create_graph=True; with no rule on the model, that is gradient x input of the chosen output."""
+    from tdhook.attribution.mappers.base import rule_mapper_from_dict
+
+    class Advised(_VectorField):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x if x.requires_grad else x.requires_grad_(True)
+            return torch.autograd.grad(self.energy(x).sum(), x, create_graph=True)[0]
+
+    torch.manual_seed(0)
+    field = Advised("grad").double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    lrp = LRP(TensorDictModule(field, ["x"], ["y"]), rule_mapper=rule_mapper_from_dict({}), create_graph=True)
+    relevance = lrp(TensorDict(x=x, batch_size=[4]))["relevance", "x"]
+    y = torch.func.vmap(torch.func.grad(field.energy))(x)
+    chosen = y.argmax(-1)
+    jacobians = torch.func.vmap(torch.func.jacrev(torch.func.grad(field.energy)))(x)  # [4, 3 outputs, 3 inputs]
+    expected = x * jacobians[torch.arange(4), chosen]
+    torch.testing.assert_close(relevance.detach(), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_an_error_not_about_torch_func_transforms_is_left_to_the_usual_notes():
+    from tdhook.attribution._function_transforms import transform_refusal
+
+    class Failing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(3, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.func.grad(lambda t: self.linear(t).sum())(x)
+
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        raise RuntimeError("the model's own error")  # under the transform, in a module inside it
+
+    model = Failing()
+    model.linear.register_forward_hook(hook)
+    with pytest.raises(RuntimeError, match="the model's own error") as caught:
+        model(torch.randn(3))
+    assert transform_refusal(caught.value, dict(model.named_modules()), "LRP", lambda frame: True) is None

@@ -318,3 +318,43 @@ def test_integer_input_indexing_a_parameter_directly_is_refused_by_name_with_def
     start = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     (gradient,) = torch.autograd.grad(logits, obs, start)
     assert relative_error(out["relevance", "obs"], obs.detach() * gradient) < 1e-10  # LRP-0, the rows held constant
+
+
+class TestUint8PixelsAdvice:
+    """uint8 pixels no embedding reads: the advice says to convert them before the model, or, where the model's own
+    ToTensorImage converts them (no gradient reaches the integers), to apply that transform first."""
+
+    @staticmethod
+    def policy(with_transform: bool):
+        from tensordict.nn import TensorDictSequential
+        from torchrl.envs.transforms import ToTensorImage
+
+        torch.manual_seed(0)
+        net = TensorDictModule(nn.Sequential(nn.Flatten(-3), nn.Linear(3 * 4 * 4, 2)).double(), ["pixels"], ["y"])
+        if not with_transform:
+            cast = TensorDictModule(lambda p: p.permute(0, 3, 1, 2).double() / 255, ["pixels"], ["pixels"])
+            return TensorDictSequential(cast, net), net, None
+        transform = ToTensorImage(in_keys=["pixels"], dtype=torch.float64)
+        return TensorDictSequential(transform, net), net, transform
+
+    def test_the_models_own_to_tensor_image_is_named(self):
+        policy, net, transform = self.policy(with_transform=True)
+        td = TensorDict(pixels=torch.randint(0, 256, (2, 4, 4, 3), dtype=torch.uint8), batch_size=[2])
+        with pytest.raises(TypeError, match="uint8") as caught:
+            LRP(policy, in_keys=["pixels"])(td.clone())
+        message = str(caught.value)
+        assert "the model's ToTensorImage 'module.0' converts" in message and "apply that transform" in message
+        assert "convert them to floating point before the model" not in message
+        # As the message says: the transform applied first, the rest explained (LRP-0 of a linear map: grad x input).
+        converted = transform(td.clone())
+        relevance = LRP(net)(converted.clone())["relevance", "pixels"]
+        y = net.module(converted["pixels"])
+        unit = y.argmax(-1)
+        expected = converted["pixels"] * net.module[1].weight.detach()[unit].view(2, 3, 4, 4)
+        torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12)
+
+    def test_without_one_the_advice_is_to_convert_before_the_model(self):
+        policy, _, _ = self.policy(with_transform=False)
+        td = TensorDict(pixels=torch.randint(0, 256, (2, 4, 4, 3), dtype=torch.uint8), batch_size=[2])
+        with pytest.raises(TypeError, match="uint8 pixels: convert them to floating point before the model"):
+            LRP(policy, in_keys=["pixels"])(td)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tensordict import TensorDict
-from tensordict.nn import EnsembleModule, TensorDictModule
+from tensordict.nn import EnsembleModule, TensorDictModule, TensorDictSequential
 from torch import nn
 
 from tdhook.attribution._writes import set_all_or_nothing
@@ -184,3 +184,39 @@ def test_a_tensorclass_output_next_to_non_tensor_data_is_written(method):
     wrapper = getattr(attribution, method)(policy, **keys)
     out = wrapper(td.clone())
     torch.testing.assert_close(out["action", "chunk"], policy(td.clone())["action"].chunk, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", ["LRP", "Saliency"])
+def test_a_step_that_cuts_the_batch_is_named_without_the_ensemble_hint(method):
+    """torchrl's RandomCropTensorDict in a pipeline returns a TensorDict cut along its time dimension: the refusal
+    names that step, and says nothing of an EnsembleModule where the model has none."""
+    from torchrl.envs.transforms import RandomCropTensorDict
+
+    import tdhook.attribution as attribution
+
+    torch.manual_seed(0)
+    critic = TensorDictModule(nn.Linear(3, 1).double(), ["observation"], ["q"])
+    policy = TensorDictSequential(RandomCropTensorDict(sub_seq_len=3, sample_dim=-1), critic)
+    td = TensorDict(observation=torch.randn(2, 5, 3, dtype=torch.float64), batch_size=[2, 5])
+    with pytest.raises(ValueError, match=r"batch size \[2, 3\] for one of batch size \[2, 5\]") as caught:
+        getattr(attribution, method)(policy)(td)
+    assert "'module.0' (RandomCropTensorDict)" in str(caught.value)
+    assert "EnsembleModule" not in str(caught.value)
+    assert list(td.keys()) == ["observation"]
+    # As the message says: the crop applied first, the rest explained; LRP-0 of a linear critic is gradient x input.
+    cropped = RandomCropTensorDict(sub_seq_len=3, sample_dim=-1)(td.clone())
+    if method == "LRP":
+        explained = attribution.LRP(critic)(cropped.clone())
+        expected = cropped["observation"] * critic.module.weight.detach()[0]
+        torch.testing.assert_close(explained["relevance", "observation"], expected, rtol=1e-12, atol=1e-12)
+
+
+def test_an_ensemble_keeps_its_hint():
+    import tdhook.attribution as attribution
+
+    critic = TensorDictModule(nn.Linear(3, 1), ["observation"], ["q"])
+    policy = TensorDictSequential(
+        TensorDictModule(nn.Identity(), ["observation"], ["observation"]), EnsembleModule(critic, num_copies=2)
+    )
+    with pytest.raises(ValueError, match=r"an EnsembleModule puts its members' dimension in front of the batch"):
+        attribution.LRP(policy, target_key="q")(TensorDict(observation=torch.randn(5, 3), batch_size=[5]))

@@ -55,7 +55,7 @@ _NORM_ARGUMENTS = dict.fromkeys(
 )
 _FUNCTIONAL_NORM_ARGUMENTS = ((3, "weight"), (2, "running_var"))
 
-#: the names (as :func:`~tdhook.attribution._nonlinear_calls.function_kind` gives them) whose kind
+#: the names (as :func:`~tdhook.attribution._function_kinds.function_kind` gives them) whose kind
 #: :func:`nonlinear_by_arguments` decides
 BY_ARGUMENTS = frozenset(_REDUCTIONS) | frozenset(_GRIDS) | {"prelu", "lerp", "batch_norm"}
 

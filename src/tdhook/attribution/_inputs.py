@@ -28,6 +28,7 @@ from tensordict import TensorDictBase, is_tensorclass
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import nn
+from torch.masked import MaskedTensor
 from torchrl.modules import GRUModule, LSTMModule
 
 from tdhook.attribution._keys import as_tuple
@@ -126,7 +127,8 @@ def validate_inputs(tensordict: TensorDictBase, keys: Sequence[NestedKey], diffe
     Raises:
         KeyError: an input is missing.
         TypeError: an input is not a floating-point or integer tensor (a tensorclass or TensorDict is named
-            with its entries' keys), or the TensorDict is a tensorclass (its fields cannot take the results).
+            with its entries' keys), is a nested tensor (jagged or strided) or a ``MaskedTensor``, or the
+            TensorDict is a tensorclass (its fields cannot take the results).
         RuntimeError: ``torch.inference_mode()`` is active: no gradient, so no relevance.
         NotImplementedError: the call runs under a ``torch.func`` transform (``grad``, ``vmap``, ...).
         ValueError: an input is on the meta device (no values to explain).
@@ -169,6 +171,19 @@ def validate_inputs(tensordict: TensorDictBase, keys: Sequence[NestedKey], diffe
                 f"LRP: input key {key!r} must be a floating-point tensor (or integer tokens read by an "
                 f"nn.Embedding or nn.EmbeddingBag) to receive relevance, got {dtype}; pass in_keys=[...] to explain "
                 "only those inputs"
+            )
+        if value.is_nested:
+            layout = "jagged" if value.layout == torch.jagged else "strided"
+            raise TypeError(
+                f"LRP: input key {key!r} holds a nested tensor ({layout} layout, one length per sample), which the "
+                "relevance's gradient and the target's selection cannot take; pad the samples to one length "
+                "(torch.nested.to_padded_tensor, with a mask key the model reads) or explain them one sample at a time"
+            )
+        if isinstance(value, MaskedTensor):
+            raise TypeError(
+                f"LRP: input key {key!r} holds a torch.masked.MaskedTensor, which the relevance's gradient cannot "
+                "take; pass its data (value.get_data()) with the masked entries filled, and the mask "
+                "(value.get_mask()) under a key of its own that the model reads"
             )
         if value.is_meta:
             raise ValueError(

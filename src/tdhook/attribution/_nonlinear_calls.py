@@ -40,15 +40,23 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import BackwardCFunction
 from torch.nn.modules._functions import BackwardHookFunction
-from torch.overrides import TorchFunctionMode, resolve_name
+from torch.overrides import TorchFunctionMode
 
-from tdhook.attribution._argument_kinds import BY_ARGUMENTS, nonlinear_by_arguments
+from tdhook.attribution._argument_kinds import nonlinear_by_arguments
 from tdhook.attribution._broadcast_products import BROADCAST_PRODUCT, BroadcastProducts
+from tdhook.attribution._function_kinds import (
+    NOT_FACTORS,
+    PIECEWISE_CONSTANT,
+    PRODUCT_FACTORS,
+    PRODUCTS,
+    REAL_ONLY,
+    RELU_RECURRENCES,
+    function_kind,
+)
 from tdhook.attribution._gradient_hooks import backward_hooks_checked, is_ours, tensor_hook_checked
 from tdhook.attribution._offset_products import OFFSET_PRODUCT, OffsetProducts
 from tdhook.attribution._operator_calls import (
     OPERATOR_FORM,
-    aten_function,
     is_operator,
     operator_name,
     unruled_clip,
@@ -82,69 +90,8 @@ from tdhook.attribution.rules.base import _reaches_model_input
 
 __all__ = ["NonlinearCalls", "function_kind", "report_dropout_calls", "report_plain_gradient"]
 
-# Calls that are linear or piecewise linear in each activation argument: their plain gradient is exact LRP-0.
-_PIECEWISE_LINEAR = frozenset(
-    "add sub rsub neg negative positive sum mean nansum cumsum diff trace cat concat concatenate stack hstack "
-    "vstack dstack split split_with_sizes chunk unbind tensor_split view view_as reshape reshape_as flatten "
-    "unflatten squeeze unsqueeze permute transpose swapaxes swapdims movedim moveaxis t T mT H mH expand "
-    "expand_as broadcast_to repeat repeat_interleave tile roll flip fliplr flipud rot90 narrow select "
-    "index_select gather take take_along_dim masked_select masked_fill masked_scatter index_put index_add "
-    "index_copy index_fill scatter scatter_add where getitem setitem contiguous clone to type "
-    "type_as float double half bfloat16 cpu cuda copy fill zero pad constant_pad_nd relu relu6 leaky_relu "
-    "hardtanh hardshrink softshrink threshold rrelu clamp clip clamp_min clamp_max abs max min amax amin maximum "
-    "minimum fmax fmin sort topk max_pool1d max_pool2d max_pool3d max_pool1d_with_indices max_pool2d_with_indices "
-    "max_pool3d_with_indices max_unpool1d max_unpool2d max_unpool3d adaptive_max_pool1d adaptive_max_pool2d "
-    "adaptive_max_pool3d fractional_max_pool2d fractional_max_pool3d fractional_max_pool2d_with_indices "
-    "fractional_max_pool3d_with_indices "
-    "adaptive_max_pool1d_with_indices adaptive_max_pool2d_with_indices adaptive_max_pool3d_with_indices "
-    "avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d dropout "
-    "dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout interpolate upsample upsample_nearest "
-    "upsample_bilinear pixel_shuffle pixel_unshuffle channel_shuffle native_channel_shuffle unfold "
-    "fold diagonal diag diag_embed tril triu as_strided nan_to_num "
-    "embedding one_hot detach broadcast_tensors atleast_1d atleast_2d atleast_3d pack_padded_sequence "
-    "pad_packed_sequence pack_sequence pad_sequence view_as_complex view_as_real real imag".split()
-)
-# Selections of one element (an order statistic, a running maximum) or of a fixed mix of two (a quantile between
-# two order statistics), an affine grid's positions (linear in its matrix), ``put``'s writes.
-_PIECEWISE_LINEAR |= frozenset("kthvalue median nanmedian quantile nanquantile cummax cummin affine_grid put".split())
-# ATen's own names of views, copies and indexing, for operators called through ``torch.ops`` (``aten.slice.Tensor``
-# is ``h[:, 1:]``, ``aten.index.Tensor`` an advanced index, ``aten._to_copy`` a ``.to``).
-_PIECEWISE_LINEAR |= frozenset("slice slice_scatter select_scatter unsafe_view to_copy alias index".split())
-# The discrete Fourier transforms (``torch.fft``): linear maps, as a global filter's ``irfft(rfft(x) * w)``.
-_FOURIER = frozenset(
-    "fft ifft fft2 ifft2 fftn ifftn rfft irfft rfft2 irfft2 rfftn irfftn hfft ihfft hfft2 ihfft2 hfftn ihfftn "
-    "fftshift ifftshift".split()
-)
-_PIECEWISE_LINEAR |= _FOURIER
-# The complex conjugate (``Q * K.conj()`` of an autocorrelation): linear over the reals, as the real and imaginary
-# parts are.
-_PIECEWISE_LINEAR |= frozenset("conj conj_physical resolve_conj resolve_neg adjoint".split())
-# Calls piecewise linear on real activations only: the magnitude of a complex one (``rfft(x).abs()``) is curved.
-_REAL_ONLY = frozenset({"abs"})
-# Calls that are piecewise constant in their activation: their gradient is zero, and no relevance passes back.
-_PIECEWISE_CONSTANT = frozenset("round floor ceil trunc fix sign sgn heaviside".split())
 # A division given a rounding mode (``torch.div(h, 2, rounding_mode="floor")``) is piecewise constant, as ``floor``.
 _ROUNDING = "rounding_mode="
-# Products and maps that are linear in each factor: piecewise linear as long as at most one factor is an activation.
-_PRODUCTS = frozenset(
-    "mul rmul matmul rmatmul mm bmm einsum bilinear tensordot kron outer dot vdot inner mv addcmul baddbmm addbmm "
-    "addmm addmv linear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d conv_tbc grouped_mm "
-    "scaled_mm scaled_grouped_mm embedding_bag".split()
-)
-# Where a product's factors are: an added term (addmm's input) is not a factor.
-_FACTORS = {"addmm": slice(1, 3), "addmv": slice(1, 3), "baddbmm": slice(1, 3), "addbmm": slice(1, 3)}
-_FACTORS |= {"addcmul": slice(1, 3)}
-# Arguments passed by keyword that are no factor of a product: an added term, a bias, an output buffer.
-_NOT_FACTORS = frozenset({"bias", "out"})
-# A recurrence of linear maps through a ReLU (``nn.RNN`` and ``nn.RNNCell`` with ``nonlinearity="relu"``): piecewise
-# linear in its input and hidden state together, as long as no weight is an activation. Where its weights are: the
-# layer's list of parameters, the cell's arguments after the hidden state.
-_RELU_RECURRENCES = {"rnn_relu": "list", "rnn_relu_cell": slice(2, None)}
-_DIVISIONS = frozenset({"div", "divide", "true_divide", "truediv", "floor_divide", "floordiv"})
-# The in-place and reflected forms of Python's operators (``__iadd__``, ``__rmul__``): the same function.
-_OPERATORS = frozenset({"add", "sub", "mul", "matmul", "truediv", "floordiv", "div", "pow", "mod"})
-# Functions torch names otherwise than users call them: ``torch.mm`` resolves to ``torch.spmm``.
-_ALIASES = {"spmm": "mm"}
 
 
 _REGISTER_HOOK = torch.Tensor.register_hook
@@ -152,57 +99,6 @@ _REGISTER_HOOK = torch.Tensor.register_hook
 # goes through the rules' backward, in a call that does not keep the graph.
 _GRADIENT_CALLS = {torch.autograd.grad: "torch.autograd.grad", torch.autograd.backward: "torch.autograd.backward"}
 _GRADIENT_CALLS |= {torch.Tensor.backward: "Tensor.backward"}
-
-
-def function_kind(func: Any) -> tuple[str, str]:
-    """The name of a torch function and its kind: ``"linear"``, ``"product"``, ``"division"``,
-    ``"reflected division"``, ``"constant"`` (piecewise constant: a zero gradient), ``"nonlinear"`` or
-    ``"by arguments"`` (a reduction's kind, the tensor an argument names: see
-    :mod:`~tdhook.attribution._argument_kinds`).
-
-    Examples:
-        >>> function_kind(torch.Tensor.__iadd__), function_kind(torch.sin), function_kind(torch.Tensor.__rtruediv__)
-        (('add', 'linear'), ('sin', 'nonlinear'), ('truediv', 'reflected division'))
-    """
-    kind = _KINDS.get(func)
-    if kind is None:
-        kind = _KINDS[func] = _classify(func)
-    return kind
-
-
-_KINDS: dict[Any, tuple[str, str]] = {}
-
-
-def _classify(func: Any) -> tuple[str, str]:
-    if is_operator(func):  # through ``torch.ops``: an ATen operator is the function it computes, a custom one curved
-        full = aten_function(func)
-        if full is None:
-            return operator_name(func), "nonlinear"
-    else:
-        try:
-            full = resolve_name(func) or getattr(func, "__name__", repr(func))
-        except Exception:  # noqa: BLE001 (a callable torch cannot name: judged by its own name)
-            full = getattr(func, "__name__", repr(func))
-    parts = full.split(".")
-    name = parts[-2] if parts[-1] == "__get__" and len(parts) > 1 else parts[-1]
-    name = _ALIASES.get(name, name)
-    reflected = False
-    if name.startswith("__") and name.endswith("__"):
-        name = name.strip("_")
-        if name[:1] in "ri" and name[1:] in _OPERATORS:
-            reflected, name = name[0] == "r", name[1:]
-    name = name.rstrip("_") if name.endswith("_") and not name.startswith("_") else name.strip("_")
-    if name in _DIVISIONS:
-        return name, "reflected division" if reflected else "division"
-    if name in BY_ARGUMENTS:
-        return name, "by arguments"
-    if name in _PRODUCTS:
-        return name, "product"
-    if name in _PIECEWISE_LINEAR:
-        return name, "linear"
-    if name in _PIECEWISE_CONSTANT:
-        return name, "constant"
-    return name, "nonlinear"
 
 
 def _activations(args: Sequence[Any]) -> int:
@@ -217,8 +113,8 @@ def _activations(args: Sequence[Any]) -> int:
 
 def _keyword_factors(name: str, kwargs: dict) -> int:
     """How many activations a call passes by keyword as factors of a product (``torch.mul(a, other=b)``)."""
-    added = "input" if name in _FACTORS else None
-    return _activations([v for k, v in kwargs.items() if k not in _NOT_FACTORS and k != added])
+    added = "input" if name in PRODUCT_FACTORS else None
+    return _activations([v for k, v in kwargs.items() if k not in NOT_FACTORS and k != added])
 
 
 def _is_nonlinear_call(func: Any, args: tuple, kwargs: dict | None = None) -> str | None:
@@ -234,7 +130,7 @@ def _is_nonlinear_call(func: Any, args: tuple, kwargs: dict | None = None) -> st
 
 def _nonlinear_name(func: Any, args: tuple, kwargs: dict | None = None) -> str | None:
     name, kind = function_kind(func)
-    if name in _REAL_ONLY and args and is_activation(args[0]) and args[0].is_complex():
+    if name in REAL_ONLY and args and is_activation(args[0]) and args[0].is_complex():
         return f"{name} (of a complex tensor)"
     if kind == "linear":
         return None
@@ -242,12 +138,12 @@ def _nonlinear_name(func: Any, args: tuple, kwargs: dict | None = None) -> str |
         return nonlinear_by_arguments(name, func, args, kwargs or {})
     if not _activations(args) and not (kwargs and _activations(kwargs.values())):
         return None
-    if name in _RELU_RECURRENCES:
-        weights = _RELU_RECURRENCES[name]
+    if name in RELU_RECURRENCES:
+        weights = RELU_RECURRENCES[name]
         weights = args[weights] if isinstance(weights, slice) else [a for a in args if isinstance(a, (list, tuple))]
         return name if _activations(weights) else None
     if kind == "product":
-        factors = _activations(args[_FACTORS.get(name, slice(None))]) + (
+        factors = _activations(args[PRODUCT_FACTORS.get(name, slice(None))]) + (
             _keyword_factors(name, kwargs) if kwargs else 0
         )
         return name if factors > 1 else None
@@ -544,9 +440,9 @@ class NonlinearCalls(TorchFunctionMode):
     def _offset_product(self, name: str, args: tuple) -> bool:
         """Whether this product, which a mode's rule covers, has a factor that adds a number to an activation and
         that the rule does not hold (see :mod:`~tdhook.attribution._offset_products`)."""
-        if name not in _PRODUCTS:
+        if name not in PRODUCTS:
             return False
-        factors = tuple(arg for arg in args[_FACTORS.get(name, slice(None))] if is_activation(arg))
+        factors = tuple(arg for arg in args[PRODUCT_FACTORS.get(name, slice(None))] if is_activation(arg))
         return self._offsets.unheld(factors, any(getattr(mode, "hold_gates", False) for mode in self._covering))
 
     def found(self, targets: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, int]]:
@@ -716,7 +612,7 @@ def report_plain_gradient(
         module = modules.get(name)
         where = f"module {name!r}" if name else "the model itself"
         kind = f" ({type(module).__name__})" if module is not None else ""
-        constant = [f for f in functions if f in _PIECEWISE_CONSTANT or f" ({_ROUNDING}" in f]
+        constant = [f for f in functions if f in PIECEWISE_CONSTANT or f" ({_ROUNDING}" in f]
         operators = [f for f in functions if f" ({OPERATOR_FORM} " in f]
         curved = [f for f in functions if f not in constant and f not in _NAMED_APART and f not in operators]
         messages = []

@@ -36,7 +36,7 @@ __all__ = ["OFFSET_PRODUCT", "OffsetProducts"]
 #: the name under which a module's products with an offset factor are counted (see :mod:`~tdhook.attribution.coverage`)
 OFFSET_PRODUCT = "a product whose factor adds a number ((a + 1) * b)"
 
-# Sums and differences, as :func:`~tdhook.attribution._nonlinear_calls.function_kind` names them.
+# Sums and differences, as :func:`~tdhook.attribution._function_kinds.function_kind` names them.
 _SUMS = frozenset({"add", "sub", "rsub"})
 # Nodes that only reshape, select or copy: the offset may be made before them (AltUp permutes its coefficients).
 _PASSED = frozenset(

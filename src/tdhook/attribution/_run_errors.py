@@ -20,6 +20,7 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torch import nn
 
+from tdhook.attribution._function_transforms import transform_refusal
 from tdhook.attribution._inputs import describe, dtype_mismatch
 
 __all__ = ["run_error"]
@@ -37,7 +38,9 @@ def run_error(
     ``err`` with its notes added (the module that raised it, the inputs, a dtype
     the inputs do not share with the parameters), or, where it is about the
     ``meta`` device and a module holds a tensor there, a ``ValueError`` naming
-    that module and tensor, with ``err`` as its cause.
+    that module and tensor, with ``err`` as its cause; where the model's forward
+    took a ``torch.func`` transform through a module with a rule, a
+    ``NotImplementedError`` naming both (:mod:`._function_transforms`).
 
     Args:
         err: the error of the model's run.
@@ -59,6 +62,10 @@ def run_error(
         values, while the inputs are on cpu: its parameters and buffers are expected on cpu (load them, for example
         model.to_empty(device='cpu') then model.load_state_dict(...))
     """
+    refused = transform_refusal(err, modules, owner)  # a torch.func transform in the forward, through a rule
+    if refused is not None:
+        refused.__cause__ = err
+        return refused
     path = [name for name, module in modules.items() if module is getattr(err, "module", None)]
     if path:
         err.add_note(f"{owner}: the module is {path[0] or 'the model itself'!r}")

@@ -34,6 +34,7 @@ from tensordict.utils import NestedKey
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
+from torchrl.envs.transforms import ToTensorImage
 
 from tdhook.attribution._bag_rows import bag_of_rows
 from tdhook.attribution.rules._keeping_graph import graph_kept
@@ -296,12 +297,7 @@ class TokenInputs:
         for i in self._ids:
             if leaves[i] is None:
                 key, dtype = self.keys[i], self._ids[i].dtype
-                pixels = (
-                    " (uint8 pixels: convert them to floating point before the model, for example with torchrl's "
-                    "ToTensorImage transform, so that the pixels themselves receive relevance)"
-                    if dtype == torch.uint8
-                    else ""
-                )
+                pixels = self._pixels_advice(key) if dtype == torch.uint8 else ""
                 raise TypeError(
                     f"LRP: input key {key!r} holds integer tokens ({dtype}), which receive relevance only through "
                     f"an nn.Embedding or nn.EmbeddingBag that reads them directly, and none did{pixels}; pass "
@@ -309,6 +305,21 @@ class TokenInputs:
                     "inputs: to feed it an input that is not explained, such as an attention mask, wrap it in a "
                     "TensorDictModule with every input key and give the wrapper in_keys of the explained ones)"
                 ) from cause
+
+    def _pixels_advice(self, key: NestedKey) -> str:
+        """What to do with uint8 pixels at ``key``: convert them before the model; where the model converts them
+        itself with torchrl's ``ToTensorImage`` (no gradient reaches integers), apply that transform first."""
+        converters = [f"{name!r}" for name, module in self._modules.items() if _converts_pixels_at(module, key)]
+        if converters:
+            return (
+                f" (uint8 pixels, which the model's ToTensorImage {', '.join(converters)} converts to floating point "
+                "inside the model, where no gradient reaches the integers: apply that transform to the TensorDict "
+                "before the call and explain the rest of the model, so that the pixels it writes receive relevance)"
+            )
+        return (
+            " (uint8 pixels: convert them to floating point before the model, for example with torchrl's "
+            "ToTensorImage transform applied to the TensorDict, so that the pixels themselves receive relevance)"
+        )
 
     def _raise_for_tables(self, leaves: list[torch.Tensor | None]) -> None:
         """Refuse an input left out of the explanation (no embedding read it) whose ids index a parameter directly
@@ -442,3 +453,16 @@ def _looks_up(embedding: nn.Module, ids: torch.Tensor, output: torch.Tensor) -> 
             return False
         scale = (rows * output).sum() / (rows * rows).sum().clamp_min(torch.finfo(rows.dtype).tiny)
         return bool(torch.allclose(output, scale * rows))
+
+
+def _converts_pixels_at(module: nn.Module, key: NestedKey) -> bool:
+    """Whether ``module`` is torchrl's ``ToTensorImage`` reading ``key``.
+
+    Examples:
+        >>> _converts_pixels_at(ToTensorImage(in_keys=["pixels"]), "pixels"), _converts_pixels_at(nn.ReLU(), "pixels")
+        (True, False)
+    """
+    if not isinstance(module, ToTensorImage):
+        return False
+    wanted = key if isinstance(key, tuple) else (key,)
+    return any((k if isinstance(k, tuple) else (k,)) == wanted for k in getattr(module, "in_keys", ()))

@@ -17,26 +17,43 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase, is_tensorclass
+from tensordict.nn import EnsembleModule, ProbabilisticTensorDictModule, TensorDictModule, TensorDictSequential
 from tensordict.utils import NestedKey
+from torch import nn
 
 from tdhook.attribution._keys import as_tuple
 
-__all__ = ["has_lazy_stack", "model_updates", "relevance_updates", "returned_tensordict", "set_all_or_nothing"]
+__all__ = [
+    "batch_changing_steps",
+    "has_lazy_stack",
+    "model_updates",
+    "relevance_updates",
+    "returned_tensordict",
+    "set_all_or_nothing",
+]
 
 
-def returned_tensordict(tensordict: TensorDictBase, result: TensorDictBase, name: str = "LRP") -> TensorDictBase:
+def returned_tensordict(
+    tensordict: TensorDictBase,
+    result: TensorDictBase,
+    name: str = "LRP",
+    modules: Callable[[], Mapping[str, nn.Module]] | None = None,
+) -> TensorDictBase:
     """Where a call writes its results: the caller's TensorDict, or, where the module returned fewer batch
     dimensions than it was given, a shallow copy of it with the module's batch size.
 
     torchrl's ``DecisionTransformerInferenceWrapper``, called on a ``[B, T]`` context, returns a ``[B]``
     TensorDict (one action per context) and leaves the caller's as it was; LRP does the same. Any other batch
-    size (tensordict's ``EnsembleModule`` puts its members' dimension in front of the batch) is refused with a
-    ``ValueError`` naming both sizes, before anything is written (``name`` begins the message).
+    size (tensordict's ``EnsembleModule`` puts its members' dimension in front of the batch, torchrl's
+    ``RandomCropTensorDict`` in a pipeline cuts its time dimension) is refused with a ``ValueError`` naming both
+    sizes, before anything is written (``name`` begins the message). Given ``modules``, a callable returning the
+    model's modules by name (called only then), the message names the steps that can change the batch size
+    (see :func:`batch_changing_steps`).
 
     Examples:
         >>> from tensordict import TensorDict
@@ -57,13 +74,62 @@ def returned_tensordict(tensordict: TensorDictBase, result: TensorDictBase, name
         returned.batch_size = size
         return returned
     if size != given:
-        raise ValueError(
+        named = {} if modules is None else modules()
+        steps = batch_changing_steps(named)
+        message = (
             f"{name}: the module returned a TensorDict of batch size {list(size)} for one of batch size "
-            f"{list(given)}; the results are written next to the inputs, in the batch they were given with (an "
-            "EnsembleModule puts its members' dimension in front of the batch: explain one member at a time, "
-            "with its parameters put in the module it copies, params_td[i].to_module(ensemble.module))"
+            f"{list(given)}; the results are written next to the inputs, in the batch they were given with"
         )
+        ensembles = [step for step in steps if isinstance(named[step], EnsembleModule)]
+        others = [step for step in steps if step not in ensembles]
+        if others:
+            steps_named = ", ".join(f"{step!r} ({type(named[step]).__name__})" for step in others)
+            message += (
+                f". {steps_named} returns a TensorDict of its own, which can have another batch size: apply it to the "
+                "TensorDict before the call and explain the rest of the pipeline"
+            )
+        if ensembles or not steps:
+            message += (
+                " (an EnsembleModule puts its members' dimension in front of the batch: explain one member at a "
+                "time, with its parameters put in the module it copies, params_td[i].to_module(ensemble.module))"
+                if ensembles
+                else "; apply the step that changes the batch size to the TensorDict before the call and explain the "
+                "rest of the model"
+            )
+        raise ValueError(message)
     return tensordict
+
+
+# Steps that write keys into the TensorDict they are given and return it: they cannot change its batch size.
+_KEY_WRITERS = (TensorDictModule, TensorDictSequential, ProbabilisticTensorDictModule)
+
+
+def batch_changing_steps(modules: Mapping[str, nn.Module]) -> list[str]:
+    """The names of the modules that can return a TensorDict of another batch size than they were given: every
+    ``EnsembleModule``, and every step of a ``TensorDictSequential`` that is no module writing keys into the
+    TensorDict it is given (a torchrl transform such as ``RandomCropTensorDict``, a ``TensorDictModuleBase`` of
+    one's own).
+
+    Args:
+        modules: the model's modules by name.
+
+    Examples:
+        >>> from tensordict.nn import TensorDictModule, TensorDictSequential
+        >>> from torchrl.envs.transforms import RandomCropTensorDict
+        >>> policy = TensorDictSequential(RandomCropTensorDict(3), TensorDictModule(nn.Linear(3, 2), ["x"], ["y"]))
+        >>> batch_changing_steps(dict(policy.named_modules()))
+        ['module.0']
+    """
+    found = [name for name, module in modules.items() if isinstance(module, EnsembleModule)]
+    for name, module in modules.items():
+        if isinstance(module, TensorDictSequential):
+            prefix = f"{name}.module." if name else "module."
+            found += [
+                f"{prefix}{i}"
+                for i, step in enumerate(module.module)
+                if not isinstance(step, (*_KEY_WRITERS, EnsembleModule)) and f"{prefix}{i}" in modules
+            ]
+    return found
 
 
 def model_updates(

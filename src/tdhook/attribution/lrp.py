@@ -434,7 +434,8 @@ class LRP(TensorDictModuleBase, MapperTunable):
                     raise error from err
                 self._tokens.raise_for_unembedded(leaves, optional=self._defaulted_inputs)
                 result = work if result is None else result
-                out = returned_tensordict(tensordict, result)  # the caller's, unless the module cut the batch
+                # The caller's TensorDict, unless the module cut the batch.
+                out = returned_tensordict(tensordict, result, "LRP", self.named_explained_modules)
                 relevances, outputs = [], []
                 names = list(self.targets)
                 seeds, reach = [], InputsReached(self.explained_keys, len(names))

@@ -742,3 +742,32 @@ def test_options_by_key_name_the_keys_a_call_explains_by_default(name):
     incomplete = {option: {"obs": value["obs"]} for option, value in options.items()}
     with pytest.raises(KeyError, match="'goal'"):
         make(name, module, **incomplete)(td.clone())
+
+
+class _DropsInItsForward(nn.Module):
+    """Dropout called as a function in training mode, outside any Dropout module (attention dropout, mostly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(nn.functional.dropout(x, 0.3, training=self.training))
+
+
+def test_a_dropout_call_warning_made_an_error_is_given_at_every_call():
+    """A caller's filter that makes the warning of a dropout call an error raises it at every call, not only the
+    first: the warning is counted as given once it is out."""
+    torch.manual_seed(0)
+    method = Saliency(TensorDictModule(_DropsInItsForward().double().train(), ["x"], ["y"]))
+    td = TensorDict(x=torch.randn(3, 4, dtype=torch.float64), batch_size=[3])
+    for _ in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(UserWarning, match=r"Saliency: the forward pass calls dropout \(p=0.3\)"):
+                method(td.clone())
+    with pytest.warns(UserWarning, match="calls dropout"):
+        method(td.clone())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        method(td.clone())  # once given, not again

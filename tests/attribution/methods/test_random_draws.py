@@ -120,3 +120,16 @@ def test_the_innermost_modules_that_draw_are_named():
     assert drawers == ["1.1", "2"]
     _, drawers = drawing_modules(dict(net[0].named_modules()), lambda: net[0](torch.randn(3, 2)))
     assert drawers == []
+
+
+def test_a_draw_warning_made_an_error_is_given_at_every_call():
+    """A caller's filter that makes the warning an error raises it at every call, not only the first (the next calls
+    were no longer checked); once given, it is not repeated."""
+    method = attribution.FeatureAblation(rssm_prior(), target_key=STATE, target=0)
+    for _ in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(UserWarning, match=r"FeatureAblation: the target \('next', 'state'\) differs between"):
+                method(inputs())
+    assert len(caught(method, inputs())) == 1
+    assert caught(method, inputs()) == []

@@ -103,3 +103,16 @@ def test_an_action_an_exploration_step_perturbs_is_warned(step):
     assert caught(FeatureAblation(policy, target_key="action"), td.clone(), InteractionType.DETERMINISTIC) == []
     with set_interaction_type(InteractionType.RANDOM):  # the actor's output before the step is not drawn
         assert sampled_target(TensorDictSequential(policy[0]), "action") is None
+
+
+def test_a_sampled_action_warning_made_an_error_is_given_at_every_call():
+    """A caller's filter that makes the warning an error raises it at every call, not only the first: the warning is
+    counted as given once it is out."""
+    method = FeatureAblation(actor(), target_key="action")
+    for _ in range(2):
+        with warnings.catch_warnings(), set_interaction_type(InteractionType.RANDOM):
+            warnings.simplefilter("error")
+            with pytest.raises(UserWarning, match="FeatureAblation: the target 'action' is drawn at random"):
+                method(observations())
+    assert len(caught(method, observations(), InteractionType.RANDOM)) == 1
+    assert caught(method, observations(), InteractionType.RANDOM) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -423,3 +424,36 @@ class TestConcatenatedLayersIntoTheBatchNorm:
         assert relative_error(actual, expected) <= 1e-6
         unmerged = zennit_composite_relevance(model, x, r_out, layer_map)
         assert relative_error(unmerged, expected) > 1e-3  # the comparison can tell merged from not
+
+
+class TestUnmergedWarning:
+    """The warning that a layer's rule cannot merge the BatchNorm after it is given once per rule type, and counted
+    as given only once it is out."""
+
+    def test_a_warning_turned_into_an_error_is_given_again_next_call(self):
+        from tensordict.nn import TensorDictModule
+
+        from tdhook.attribution.mappers.base import rule_mapper_from_dict
+
+        class NotMerging(EpsilonRule):
+            merges_batch_norm = False
+
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2)).double().eval()
+        mapper = rule_mapper_from_dict(
+            {"module.0": NotMerging(0.0), nn.BatchNorm1d: MergeBatchNormRule(), nn.Linear: EpsilonRule(0.0)}
+        )
+        lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), rule_mapper=mapper)
+        x = torch.randn(5, 3, dtype=torch.float64)
+        for _ in range(2):  # the caller's filter makes the warning an error: each call raises it
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                with pytest.raises(UserWarning, match="NotMerging on Linear cannot be merged with the BatchNorm1d"):
+                    lrp(TensorDict(x=x, batch_size=[5]))
+        with pytest.warns(UserWarning, match="cannot be merged") as caught:
+            first = lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # told once the warning went out: no warning again
+            second = lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"]
+        assert len([w for w in caught if "cannot be merged" in str(w.message)]) == 1
+        torch.testing.assert_close(second, first, rtol=1e-12, atol=1e-14)

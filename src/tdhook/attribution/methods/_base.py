@@ -273,7 +273,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
                     call = self._first_pass(tensordict)
                 call.buffers_before = before
                 self._warn_for_sampled_target(call)
-                cut = returned_tensordict(tensordict, call.result, name)
+                cut = returned_tensordict(tensordict, call.result, name, self.named_explained_modules)
                 if cut is tensordict:
                     # The perturbed passes draw on a fork: the caller's random state moves as one plain call moves it.
                     with global_rng_kept(self.module):

@@ -152,8 +152,8 @@ class RandomDraws:
         """
         if self.checked or not method._evaluates_copies or not _moved(before, random_states(method.module)):
             return
-        self.checked = True
         if method._warned or method._warned_sampled:  # a dropout module or a sampled target: told already
+            self.checked = True
             return
         found = redrawn(
             method.module,
@@ -163,6 +163,7 @@ class RandomDraws:
             lambda: method._evaluate(call, [x.unsqueeze(0) for x in call.inputs])[0].squeeze(1),
         )
         if found is None:
+            self.checked = True
             return
         difference, named = found
         warn_at_caller(
@@ -172,3 +173,4 @@ class RandomDraws:
             "output computed before the draw, or make the draw an input of the model (torchrl's RSSMPrior and "
             "RSSMPosterior take their noise as an argument)"
         )
+        self.checked = True  # once the warning is out: made an error, the next call checks again

@@ -147,11 +147,12 @@ class MergeBatchNormRule(NormRule):
             return super().batch_norm(module, output, args, kwargs)
         if not call.rule.merges_batch_norm:
             if type(call.rule) not in self._warned:
-                self._warned.add(type(call.rule))
                 warn_at_caller(
                     f"{type(call.rule).__name__} on {type(call.module).__name__} cannot be merged with the "
                     f"{type(module).__name__} that follows it; the {type(module).__name__} gets the ε-rule"
                 )
+                # Recorded once the warning is out: a warning filter that makes it an error warns again next call.
+                self._warned.add(type(call.rule))
             self._refuse_unmerged(module)
             return super().batch_norm(module, output, args, kwargs)
         # A flattened layer output is merged in the layer's own shape, and the result flattened as the input was.
