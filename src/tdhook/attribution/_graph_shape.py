@@ -30,7 +30,7 @@ import torch
 
 __all__ = ["graph_shape"]
 
-_LEAF = "AccumulateGrad"
+_LEAF = torch._C._functions.AccumulateGrad
 
 
 def graph_shape(roots: Sequence[Any], factors: dict[int, Any] | None = None, scales: dict | None = None) -> tuple:
@@ -42,34 +42,46 @@ def graph_shape(roots: Sequence[Any], factors: dict[int, Any] | None = None, sca
     mode's own to the product's node it follows, ``scales`` (by the id of a node, then by place) gives the node of a
     scale the mode detached where the node took it.
     """
-    factors = factors or {}
-    scales = scales or {}
-    places: dict[int, int] = {}
+    places: dict[Any, int] = {}  # by node (autograd gives a node the same Python object while it lives)
     nodes: list[Any] = []
     shape: list[Any] = []
+    mapped = bool(factors or scales)
+    factors, scales = factors or {}, scales or {}
     for root in roots:
-        shape.append(_place(factors.get(id(root), root), places, nodes))
+        root = factors.get(id(root), root)
+        shape.append(-1 if root is None else _place(root, places, nodes))
     for node in nodes:  # grows while it is read
-        held = scales.get(id(node), {})
-        inputs = tuple(
-            _place(held.get(index) if child is None else factors.get(id(child), child), places, nodes)
-            for index, (child, _) in enumerate(node.next_functions)
-        )
-        kind = type(node)
-        if kind.__name__ == _LEAF:
-            variable = node.variable
-            shape.append((kind, inputs, id(variable) if isinstance(variable, torch.nn.Parameter) else None))
+        if mapped:
+            held = scales.get(id(node), {})
+            children = [
+                held.get(index) if child is None else factors.get(id(child), child)
+                for index, (child, _) in enumerate(node.next_functions)
+            ]
         else:
-            shape.append((kind, inputs))
+            children = [child for child, _ in node.next_functions]
+        inputs = []
+        for child in children:
+            if child is None:
+                inputs.append(-1)
+                continue
+            place = places.get(child)
+            if place is None:
+                place = places[child] = len(nodes)
+                nodes.append(child)
+            inputs.append(place)
+        kind = type(node)
+        if kind is _LEAF:
+            variable = node.variable
+            shape.append((kind, *inputs, id(variable) if isinstance(variable, torch.nn.Parameter) else None))
+        else:
+            shape.append((kind, *inputs))
     return tuple(shape)
 
 
-def _place(node: Any, places: dict[int, int], nodes: list) -> int:
-    """The place of ``node`` in the walk (a new one at the end where it is first reached); -1 for no node."""
-    if node is None:
-        return -1
-    place = places.get(id(node))
+def _place(node: Any, places: dict[Any, int], nodes: list) -> int:
+    """The place of ``node`` in the walk (a new one at the end where it is first reached)."""
+    place = places.get(node)
     if place is None:
-        place = places[id(node)] = len(nodes)
+        place = places[node] = len(nodes)
         nodes.append(node)
     return place
