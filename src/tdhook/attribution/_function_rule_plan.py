@@ -77,10 +77,11 @@ element-wise one or a ``matmul``), every later call on inputs of that signature 
 where the forward reads values computed from the explained inputs into Python (``if x.sum() > 0``, ``.item()``,
 ``int(...)``; held attention weights' values are the inputs' too): on other inputs of the same shapes it may take
 another branch whose graph has the same nodes, with a product of two activations on one and of an activation and a
-constant (which the uniform rule leaves whole) on the other. Values of inputs that are not explained (masks, token
-ids) are not followed: a branch on them that changes which products are of two activations, and nothing else in the
-graph, is not seen. So do calls that keep the relevance's graph, that ask for inner layers' relevance or token
-relevance, and models run with other function modes. The marks the mode leaves on tensors (computed from parameters
+constant (which the uniform rule leaves whole) on the other. So do calls that keep the relevance's graph, that ask
+for inner layers' relevance or token relevance, and models run with other function modes. Values of inputs that are
+not explained (masks, token ids) and the model's own flags are not followed: a branch on them that changes which
+products are of two activations is seen in the shape of the graph, which a later call compares with the recorded
+one (see :mod:`~tdhook.attribution._graph_shape`). The marks the mode leaves on tensors (computed from parameters
 alone; gates) are read by the function modes only, to decide which products are of two activations: the recording
 holds those decisions.
 
@@ -113,6 +114,7 @@ import torch
 from tensordict import TensorDictBase
 
 from tdhook.attribution._graph_inputs import chain_of, computed_again
+from tdhook.attribution._graph_shape import graph_shape
 from tdhook.attribution._kept_outputs import OutputKeepers
 from tdhook.attribution._quiet_modules import QuietModules
 from tdhook.attribution.rules._autograd import first_input_is, pass_no_relevance
@@ -385,6 +387,7 @@ class _Plan:
         quiet: tuple = (),
         noting: frozenset = frozenset(),
         kept: tuple = (),
+        shape: tuple | None = None,
     ) -> None:
         self.keys = keys  # the keys of the outputs the paths start from
         self.kept = frozenset(id(module) for module in kept)  # modules whose outputs a call keeps (see _GivenInput)
@@ -395,6 +398,7 @@ class _Plan:
         self.nodes = nodes  # how many nodes the call creates
         self.modules = plain  # the modules themselves, kept alive while their ids stand for them
         self.plain = frozenset(id(module) for module in plain)
+        self.shape = shape  # the graph's shape (see graph_shape): the same nodes may be another graph
 
     def apply(
         self,
@@ -436,6 +440,8 @@ class _Plan:
                 nexts.append(node.next_functions if expand else None)
         except (IndexError, AttributeError):  # fewer outputs or next functions than recorded
             return False
+        if self.shape is not None and graph_shape(roots) != self.shape:
+            return False  # a branch fed a product a constant, or a held gate to a product that does not hold it
         for node, attach in hooked:
             attach(node)
         return True
@@ -645,7 +651,13 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
     on_node = tuple(recording.on_node.values())
     plain = (*norms.values(), *on_node)
     quiet = (*(module for key, module in norms.items() if key not in kept), *quiet)
-    return _Plan(keys, len(recording.outputs), steps, nodes, plain, quiet, frozenset(norms), tuple(kept.values()))
+    # The shape of the graph a plain call leaves: the scales of the norms that run plainly are their consumers' inputs.
+    scales: dict[int, dict[int, Any]] = {}
+    for cut in cuts:
+        scales.setdefault(id(cut.consumer), {})[cut.index] = cut.node
+    shape = graph_shape([output.grad_fn for output in outputs] + recording.outputs, factors, scales)
+    kept_modules = tuple(kept.values())
+    return _Plan(keys, len(recording.outputs), steps, nodes, plain, quiet, frozenset(norms), kept_modules, shape)
 
 
 class _OnNode(NamedTuple):

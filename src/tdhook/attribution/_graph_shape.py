@@ -1,0 +1,87 @@
+"""The shape of a call's autograd graph: which node takes its inputs from which, for the plans' check.
+
+A plan (see :mod:`~tdhook.attribution._function_rule_plan`) follows the paths to its products' nodes and counts the
+nodes a call creates. A later call can create as many nodes, with the same types on those paths, and still be
+another graph: a branch the forward takes on a value the mode does not follow (a flag, a mask) that feeds a product
+a detached factor, a buffer or a tensor computed from parameters alone instead of an activation, or that feeds a
+gate held in every product to one product more that does not hold it. The mode's rules would differ there (no
+uniform rule on the product; the gate's own rule), and the plan's hooks would not. So a recording call keeps the
+shape of its graph as a plain call would leave it, and a later call compares its own: every node reached from the
+outputs, in the order a breadth-first walk reaches them, with its type and the places of the nodes it takes its
+inputs from; a leaf's parameter, or none for an input's. A walk costs far less than the call it checks (a few
+hundred nodes in a small transformer: a fraction of a percent of its call).
+
+Examples:
+    >>> import torch
+    >>> x, w = torch.randn(3, requires_grad=True), torch.nn.Parameter(torch.randn(3))
+    >>> a = x * 2
+    >>> graph_shape([(a * (x * 3)).grad_fn]) == graph_shape([(a * (w * 3)).grad_fn])  # the same nodes
+    False
+    >>> graph_shape([(a * (x * 3)).grad_fn]) == graph_shape([(a * (x * 4)).grad_fn])
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["graph_shape"]
+
+_LEAF = torch._C._functions.AccumulateGrad
+
+
+def graph_shape(roots: Sequence[Any], factors: dict[int, Any] | None = None, scales: dict | None = None) -> tuple:
+    """The shape of the graph reached from the nodes ``roots``: per node, in the order a breadth-first walk reaches
+    them, its type, the places of its inputs' nodes (-1 for an input without one) and, for a leaf, the id of its
+    parameter (``None`` for a tensor that is no parameter: an input).
+
+    In a recording call the function mode's graph stands for a plain call's: ``factors`` (by id) maps a node of the
+    mode's own to the product's node it follows, ``scales`` (by the id of a node, then by place) gives the node of a
+    scale the mode detached where the node took it.
+    """
+    places: dict[Any, int] = {}  # by node (autograd gives a node the same Python object while it lives)
+    nodes: list[Any] = []
+    shape: list[Any] = []
+    mapped = bool(factors or scales)
+    factors, scales = factors or {}, scales or {}
+    for root in roots:
+        root = factors.get(id(root), root)
+        shape.append(-1 if root is None else _place(root, places, nodes))
+    for node in nodes:  # grows while it is read
+        if mapped:
+            held = scales.get(id(node), {})
+            children = [
+                held.get(index) if child is None else factors.get(id(child), child)
+                for index, (child, _) in enumerate(node.next_functions)
+            ]
+        else:
+            children = [child for child, _ in node.next_functions]
+        inputs = []
+        for child in children:
+            if child is None:
+                inputs.append(-1)
+                continue
+            place = places.get(child)
+            if place is None:
+                place = places[child] = len(nodes)
+                nodes.append(child)
+            inputs.append(place)
+        kind = type(node)
+        if kind is _LEAF:
+            variable = node.variable
+            shape.append((kind, *inputs, id(variable) if isinstance(variable, torch.nn.Parameter) else None))
+        else:
+            shape.append((kind, *inputs))
+    return tuple(shape)
+
+
+def _place(node: Any, places: dict[Any, int], nodes: list) -> int:
+    """The place of ``node`` in the walk (a new one at the end where it is first reached)."""
+    place = places.get(node)
+    if place is None:
+        place = places[node] = len(nodes)
+        nodes.append(node)
+    return place
