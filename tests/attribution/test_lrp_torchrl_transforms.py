@@ -37,6 +37,7 @@ from torch import nn
 from tdhook.attribution import LRP, BaseRuleMapper, EpsilonRule
 from tdhook.attribution._keys import as_tuple
 from tdhook.attribution.lrp_helpers.rules import EpsilonAlpha2Beta1, EpsilonPlus, EpsilonPlusFlat
+from tests.attribution.test_lrp_torchrl_catalogue import _gradient_times_input
 from tests.attribution.test_lrp_world_models import zero_biases
 
 F64 = torch.float64
@@ -280,20 +281,6 @@ def test_every_transform_class_is_listed():
     assert unlisted == [], f"torchrl.envs.transforms classes not checked under LRP: {unlisted}; check each and list it"
     stale = [name for name in CASES if not hasattr(T, name)]
     assert stale == [], f"listed but not in this torchrl: {stale}"
-
-
-def _gradient_times_input(module: TensorDictModuleBase, td: TensorDict, key: NestedKey) -> tuple[dict, float]:
-    """The oracle: each floating-point input times the gradient of the largest output unit of each row; and the
-    total value of those units."""
-    x = td.clone()
-    leaves = {
-        k: v.requires_grad_() for k, v in x.items(True, True) if isinstance(v, torch.Tensor) and v.is_floating_point()
-    }
-    output = module(x).get(key)
-    seed = (output.detach() == output.detach().max(-1, keepdim=True).values).to(output.dtype)
-    grads = torch.autograd.grad(output, list(leaves.values()), seed, allow_unused=True)
-    relevance = {k: leaf.detach() * g for (k, leaf), g in zip(leaves.items(), grads, strict=True) if g is not None}
-    return relevance, (output * seed).sum().item()
 
 
 def _explain(
