@@ -7,6 +7,7 @@ the same computation written inline in the parent's forward).
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -262,3 +263,39 @@ def test_a_call_on_inputs_of_another_shape_is_decided_anew(preset: str):
     assert relative_error(actual, expected) <= 1e-12
     first = LRP(net, PRESETS[preset](), in_keys=["x"], out_keys=["y"], target=0)
     assert relative_error(again, first(TensorDict(x=short, batch_size=[2]))["relevance", "x"]) <= 1e-12
+
+
+class CountedSquash(nn.Module):
+    """A hand-written activation that keeps a running mean of its inputs (a buffer) and counts its calls (a plain
+    attribute): its state is what its calls made of it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(width, dtype=torch.float64))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        with torch.no_grad():
+            self.mean += (x.mean(0) - self.mean) / self.calls
+        return torch.tanh(x - self.mean)
+
+
+@pytest.mark.parametrize("preset", ["EpsilonPlus", "CPLRP"])
+def test_the_decision_leaves_the_module_state_as_the_plain_calls_do(preset: str):
+    """The decision runs the module's forward again (on the call's input, then on probe points): a module that keeps a
+    running mean took those in (the probes' ±16 among them) and counted them as calls."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), CountedSquash(4), nn.Linear(4, 2)).double()
+    plain = copy.deepcopy(model)
+    inputs = [torch.randn(5, 4, dtype=torch.float64) for _ in range(3)]
+    for x in inputs:
+        plain(x)
+    lrp = LRP(model, {"EpsilonPlus": EpsilonPlus, "CPLRP": CPLRP}[preset](), in_keys=["x"], out_keys=["y"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with lrp:
+            for x in inputs:
+                lrp(TensorDict(x=x, batch_size=[5]))
+    assert model[1].calls == plain[1].calls == 3
+    torch.testing.assert_close(model[1].mean, plain[1].mean, rtol=1e-12, atol=1e-12)

@@ -27,6 +27,8 @@ with the function rules acting inside it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -36,7 +38,7 @@ from torch import nn
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, rules_apply
 from tdhook.attribution.rules.basic import PassRule
 
-__all__ = ["ElementwiseRule", "may_be_elementwise", "is_diagonal", "diagonal_at_probes", "is_curved"]
+__all__ = ["ElementwiseRule", "may_be_elementwise", "is_diagonal", "diagonal_at_probes", "is_curved", "state_kept"]
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 # Where an element-wise module's curvature is looked for besides the call's own input: both signs, from 1/8 to 16.
@@ -181,6 +183,46 @@ def _curvature_at(module: nn.Module, x: torch.Tensor, failing: bool = True) -> b
     return curvature is not None and bool((curvature.abs() > 0).any())
 
 
+@contextlib.contextmanager
+def state_kept(module: nn.Module) -> Iterator[None]:
+    """Run the block with ``module``'s own state put back after it: its buffers (the same tensors, with the values
+    they had) and its plain attributes. The probes of :func:`is_curved` and :func:`diagonal_at_probes` run the
+    module's forward again, which would otherwise count as calls of a module that keeps a count or a running mean.
+
+    Examples:
+        >>> class Counted(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.register_buffer("mean", torch.zeros(3))
+        ...         self.calls = 0
+        ...     def forward(self, x):
+        ...         self.calls += 1
+        ...         self.mean.add_(x.detach().mean(0))
+        ...         return torch.tanh(x - self.mean)
+        >>> counted = Counted()
+        >>> _ = counted(torch.ones(2, 3))
+        >>> with state_kept(counted):
+        ...     _ = counted(torch.full((2, 3), 5.0))
+        >>> counted.calls, counted.mean.tolist()
+        (1, [1.0, 1.0, 1.0])
+    """
+    attributes = dict(module.__dict__)
+    buffers = dict(module._buffers)
+    values = {name: buffer.clone() for name, buffer in buffers.items() if buffer is not None}
+    try:
+        yield
+    finally:
+        for name in [name for name in module.__dict__ if name not in attributes]:
+            del module.__dict__[name]
+        module.__dict__.update(attributes)
+        module._buffers.clear()
+        module._buffers.update(buffers)
+        with torch.no_grad():
+            for name, value in values.items():
+                if not torch.equal(buffers[name], value):  # left alone where the probes changed nothing
+                    buffers[name].copy_(value)
+
+
 def _probes(x: torch.Tensor) -> list[torch.Tensor]:
     """Tensors of ``x``'s shape, dtype and device that together hold every probe point (several where ``x`` has
     fewer entries than there are points)."""
@@ -270,6 +312,8 @@ class ElementwiseRule(Rule):
         if x.shape not in decided:  # element-wise and curved: an activation; affine glue keeps its exact gradient
             # The module's forward runs again on probes: on a fork of the global random state (a module that draws,
             # a dropout written by hand, leaves the draws of the model's later modules as in a plain call).
-            with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+            # Its buffers and attributes come back as the call left them (a module that counts its calls or keeps a
+            # running mean would take the probes in).
+            with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), state_kept(module):
                 decided[x.shape] = is_diagonal(output, x) and diagonal_at_probes(module, x) and is_curved(module, x)
         return self.rule.apply(output, x) if decided[x.shape] else None
