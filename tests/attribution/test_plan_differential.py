@@ -143,3 +143,35 @@ def test_calls_on_other_inputs_and_masks_of_the_same_shapes_follow_the_plan(appl
     assert applied == [True, True, True]
     for relevance, oracle in zip(in_context, in_mode, strict=True):
         assert relative_error(relevance, oracle) <= 1e-10
+
+
+class NormedProduct(nn.Module):
+    """A BatchNorm (in training mode) on one factor of a product whose other factor a flag detaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+        g = self.b(x)
+        return self.out(self.norm(self.a(x)) * (g.detach() if bool(flag.any()) else g))
+
+
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
+def test_a_call_run_again_moves_running_statistics_once(preset):
+    """A call whose graph is not the plan's runs the model again: the run let go must not move a BatchNorm's running
+    statistics (it moved them twice: ``num_batches_tracked`` one ahead of the plain calls' per such call)."""
+    torch.manual_seed(0)
+    model = NormedProduct().to(F64).train()
+    plain = NormedProduct().to(F64).train()
+    plain.load_state_dict(model.state_dict())
+    lrp = LRP(TensorDictModule(model, in_keys=["x", "flag"], out_keys=["y"]), preset(), in_keys=["x"])
+    with lrp:
+        for i in range(6):
+            x, flag = torch.randn(3, 4, dtype=F64), torch.tensor([i % 2 == 1]).expand(3)
+            lrp(TensorDict(x=x, flag=flag, batch_size=[3]))
+            plain(x, flag)
+    assert int(model.norm.num_batches_tracked) == int(plain.norm.num_batches_tracked) == 6
+    torch.testing.assert_close(model.norm.running_mean, plain.norm.running_mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model.norm.running_var, plain.norm.running_var, rtol=1e-12, atol=1e-12)
