@@ -175,3 +175,28 @@ def test_a_call_run_again_moves_running_statistics_once(preset):
     assert int(model.norm.num_batches_tracked) == int(plain.norm.num_batches_tracked) == 6
     torch.testing.assert_close(model.norm.running_mean, plain.norm.running_mean, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(model.norm.running_var, plain.norm.running_var, rtol=1e-12, atol=1e-12)
+
+
+class LazyNormedProduct(nn.Module):
+    """A lazy BatchNorm (in training mode) on one factor of a product: its statistics hold no values before its first
+    run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+        self.norm = nn.LazyBatchNorm1d()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.a(x)) * self.b(x))
+
+
+def test_a_lazy_norm_not_yet_run_is_explained_and_moves_once_a_call():
+    """Keeping the running statistics of a first call that may run again copied a lazy norm's uninitialised ones,
+    which raised before the model ran."""
+    torch.manual_seed(0)
+    model = LazyNormedProduct().to(F64).train()
+    lrp = LRP(model, CPLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        for _ in range(3):
+            lrp(TensorDict(x=torch.randn(3, 4, dtype=F64), batch_size=[3]))
+    assert int(model.norm.num_batches_tracked) == 3

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.parameter import is_lazy
 
 __all__ = ["moving_norms", "put_back", "training_statistics"]
 
@@ -35,13 +36,14 @@ def moving_norms(model: nn.Module) -> list[nn.Module]:
 
 
 def training_statistics(norms: Iterable[nn.Module]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each running statistic of the ``norms`` in training mode, with a copy of its values now."""
+    """Each running statistic of the ``norms`` in training mode, with a copy of its values now (none of a lazy norm
+    not yet run, whose statistics hold no values)."""
     return [
         (buffer, buffer.clone())
         for norm in norms
         if norm.training
         for buffer in (norm.running_mean, norm.running_var, norm.num_batches_tracked)
-        if buffer is not None
+        if buffer is not None and not is_lazy(buffer)
     ]
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, rules_apply
 from tdhook.attribution.rules.basic import PassRule
@@ -208,7 +209,7 @@ def state_kept(module: nn.Module) -> Iterator[None]:
     """
     attributes = dict(module.__dict__)
     buffers = dict(module._buffers)
-    values = {name: buffer.clone() for name, buffer in buffers.items() if buffer is not None}
+    values = {name: buffer.clone() for name, buffer in buffers.items() if buffer is not None and not is_lazy(buffer)}
     try:
         yield
     finally:
