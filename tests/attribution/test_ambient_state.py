@@ -26,6 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP, BaseRuleMapper, EpsilonAlpha2Beta1, EpsilonPlus, EpsilonRule
 from tests.attribution._helpers import assert_unchanged, state_snapshot
+from tests.attribution.test_rule_use import Attending
 from tests.conftest import relative_error
 
 F64 = torch.float64
@@ -250,18 +251,6 @@ class Curved(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(x)
         return self.b(torch.sin(h) + torch.relu(h))
-
-
-class Attending(nn.Module):
-    """An encoder layer: its attention computes with ``out_proj.weight`` directly, never calling ``out_proj``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.layer(x).mean(1))
 
 
 class TestWarningsTurnedIntoErrors:
