@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
 from torch import nn
 
 from tdhook.attribution import LRP
@@ -106,3 +107,37 @@ def test_wrong_numbers_are_refused_at_construction(make, match: str):
     with pytest.raises(ValueError, match=match):
         make()
     assert SoftmaxEpsilonRule(epsilon=0.0).epsilon == 0.0 and PseudoIdentityRule(0.0).stabilizer == 0.0
+
+
+class _SoftmaxBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.softmax = nn.Linear(4, 4, dtype=F64), nn.Softmax(dim=-1)
+
+    def forward(self, x):
+        return self.softmax(self.lin(x))
+
+
+@pytest.mark.parametrize("make_rule", [lambda: SoftmaxEpsilonRule(0.1), AHQKVRule])
+@pytest.mark.parametrize(
+    ("name", "kind"), [("module.1", "_SoftmaxBlock"), ("module", "Sequential"), ("module.1.lin", "Linear")]
+)
+@pytest.mark.parametrize("by", ["dict", "callable"])
+def test_softmax_rules_on_a_module_that_is_no_softmax_are_refused_naming_it(make_rule, name: str, kind: str, by: str):
+    # They read the module's softmax dimension: on a container or a layer that was a bare AttributeError ('dim').
+    net = nn.Sequential(nn.Linear(4, 4, dtype=F64), _SoftmaxBlock(), nn.Linear(4, 2, dtype=F64))
+    rule = make_rule()
+    mapper = {name: rule} if by == "dict" else (lambda module_name, module: rule if module_name == name else None)
+    lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), mapper)
+    match = rf"module '{name}' \({kind}\): {type(rule).__name__} expects an nn.Softmax module"
+    with pytest.raises(TypeError, match=match):
+        lrp(TensorDict(x=randn(3, 4), batch_size=[3]))
+    assert not net[1].lin._forward_hooks and not net._forward_hooks  # nothing left registered
+
+
+@pytest.mark.parametrize("module", [nn.LogSoftmax(dim=-1), nn.Softmin(dim=-1)])
+def test_softmax_rule_refuses_a_module_that_computes_another_function_along_a_dimension(module: nn.Module):
+    # These have a `dim` too: the softmax rule's gradient on them would be silently wrong.
+    match = f"SoftmaxEpsilonRule expects an nn.Softmax module.*got {type(module).__name__}"
+    with pytest.raises(TypeError, match=match):
+        SoftmaxEpsilonRule(0.1).register(module)

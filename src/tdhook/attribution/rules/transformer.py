@@ -28,12 +28,13 @@ without changing the model's code or classes.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._autograd import hold, redirect, scale_gradient
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._numerics import epsilon_factor
-from tdhook.attribution.rules.base import Rule, _single_input
+from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, _single_input
 from tdhook.attribution.rules.basic import RULED_ON_NODE, PassRule
 from tdhook.attribution.rules.gates import GATE_MARK, mark_gate
 from tdhook.attribution.rules.normalization import LayerNormRule
@@ -131,6 +132,21 @@ class SoftmaxEpsilonRule(Rule):
             return [torch.where(masked, 0, grad_in).to(grad.dtype)]
 
         return redirect(output, [x], backward)
+
+    def register(self, module: nn.Module) -> RemovableRuleHandle:
+        """Attach the rule to an ``nn.Softmax`` module; any other module is refused, naming its class.
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.Softmax`` (a container, a layer, ``nn.LogSoftmax``, ...): the
+                rule rewrites the module's output as ``softmax(input, module.dim)``, which only a softmax computes.
+        """
+        if not isinstance(module, nn.Softmax):
+            raise TypeError(
+                f"{type(self).__name__} expects an nn.Softmax module (it treats the module's output as "
+                f"softmax(input, dim=module.dim)), got {type(module).__name__}; softmax calls inside other modules "
+                "are covered by the function rules of the AttnLRP and CPLRP presets"
+            )
+        return super().register(module)
 
     def rewrite(self, module, registration, inputs, output):
         return self.apply(output, _single_input(self, module, inputs), module.dim)
