@@ -27,6 +27,8 @@ from torch import nn
 from torchrl.envs.transforms import Compose
 from torchrl.modules import ConsistentDropoutModule
 
+from tdhook.attribution.mappers.aliases import every_named_module
+
 __all__ = ["as_tuple", "check_free", "check_writable", "layer_keys", "read_not_written", "relevance_keys"]
 
 
@@ -57,7 +59,8 @@ def layer_keys(
     Args:
         layers: see :class:`~tdhook.attribution.LRP`: module names, a dict
             ``name -> key``, or ``None`` for none.
-        modules: the wrapped model's modules by name.
+        modules: the wrapped model's modules by name (the model itself at ``""``); a module the model holds
+            under several names is found under any of them.
         explained_keys: the explained input keys, whose relevance keys the
             layers' must not take.
 
@@ -84,6 +87,7 @@ def layer_keys(
     if isinstance(layers, str):
         raise TypeError(f"LRP: layers must be a list or dict of module names, got the string {layers!r}")
     named = layers if isinstance(layers, Mapping) else {name: name for name in layers}
+    modules = every_named_module(modules[""]) if "" in modules else modules
     keys = {}
     for name, key in named.items():
         if name not in modules:

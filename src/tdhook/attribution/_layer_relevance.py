@@ -21,13 +21,14 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from tdhook.attribution.mappers.aliases import every_named_module
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._set_relevance import forget_watched, pop_set_relevance, probing, watch
 from tdhook.attribution.rules.base import RemovableRuleHandle, layer_call_of, rules_apply
@@ -139,6 +140,20 @@ class LayerRelevance:
             self._cells.setdefault(name, []).append(OutputRelevance.watch(output))
 
         return hook
+
+    def register(self, modules: Mapping[str, nn.Module], names: Iterable[str]) -> list[RemovableHandle]:
+        """Watch the modules ``names`` (:meth:`hook`), each found under any name the model holds it under.
+
+        Args:
+            modules: the model's modules by name (the model itself at ``""``).
+            names: the names ``layers`` gives, in order.
+
+        Returns:
+            The hooks' handles.
+        """
+        names = list(names)
+        every = every_named_module(modules[""]) if names else {}
+        return [every[name].register_forward_hook(self.hook(name)) for name in names]
 
     def clear(self) -> None:
         """Forget every watched output, before and after a call."""

@@ -73,6 +73,7 @@ from tdhook.attribution._unmapped_layers import (
 )
 from tdhook.attribution._unmerged_norms import merging_rule
 from tdhook.attribution.coverage import PlainGradientCall
+from tdhook.attribution.mappers.aliases import module_place
 from tdhook.attribution.rules._autograd import (
     call_argument,
     is_activation,
@@ -610,7 +611,7 @@ def report_plain_gradient(
     )
     for name, functions in found.items():
         module = modules.get(name)
-        where = f"module {name!r}" if name else "the model itself"
+        where = module_place(name, modules)
         kind = f" ({type(module).__name__})" if module is not None else ""
         constant = [f for f in functions if f in PIECEWISE_CONSTANT or f" ({_ROUNDING}" in f]
         operators = [f for f in functions if f" ({OPERATOR_FORM} " in f]
@@ -684,7 +685,7 @@ def report_dropout_calls(found: Mapping[str, Mapping[str, int]], modules: Mappin
     """
     for name, functions in found.items():
         module = modules.get(name)
-        where = f"module {name!r}" if name else "the model itself"
+        where = module_place(name, modules)
         kind = f" ({type(module).__name__})" if module is not None else ""
         warn_at_caller(
             f"LRP: {where}{kind} calls {', '.join(functions)} in its own forward in training mode, outside any "

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from tdhook.attribution.coverage import PlainGradientCall
+from tdhook.attribution.mappers.aliases import module_place
 from tdhook.attribution.mappers.base import BaseRuleMapper
 from tdhook.attribution.rules._autograd import is_activation
 from tdhook.attribution.rules._caller import warn_at_caller
@@ -200,7 +201,7 @@ def report_unmapped_layers(
             layer = layer_of(function).__name__
             what = "Linear layer" if layer == "Linear" else "convolution layer"
             calls.append(PlainGradientCall(name, kind, f"{function} (a {what}'s product outside a layer)", count))
-            where = f"module {name!r}" if name else "the model itself"
+            where = module_place(name, modules)
             place = f"a {layer} the model's input reaches first" if is_first else f"a {layer}"
             remedy = f"Make it a subclass of nn.{layer}, or map it in rule_mapper"
             if function == "bilinear":  # a linear map of one input where the other is a constant

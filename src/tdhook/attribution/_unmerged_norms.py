@@ -33,6 +33,7 @@ from torch import nn
 
 from tdhook.attribution._unmapped_layers import NEGLIGIBLE_EPSILON
 from tdhook.attribution.coverage import PlainGradientCall
+from tdhook.attribution.mappers.aliases import module_place
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules.base import RemovableRuleHandle, _reaches_model_input
@@ -90,7 +91,7 @@ def report_unmerged_norms(
     for name, functions in found.items():
         module = modules.get(name)
         kind = type(module).__name__ if module is not None else "?"
-        where = f"module {name!r}" if name else "the model itself"
+        where = module_place(name, modules)
         calls += [PlainGradientCall(name, kind, function, count) for function, count in functions.items()]
         layers = " and of ".join(function.split(" of ", 1)[1] for function in functions)
         message = (

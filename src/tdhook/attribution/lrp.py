@@ -163,7 +163,8 @@ class LRP(TensorDictModuleBase, MapperTunable):
         relevance_key: the prefix of the relevance keys.
         layers: inner modules whose output relevance is written too: a list
             of module names (written at ``(relevance_key, name)``) or a dict
-            ``name -> key`` (written at ``(relevance_key, *key)``). A Linear or
+            ``name -> key`` (written at ``(relevance_key, *key)``). A module the
+            model holds under several names is asked for by any of them. A Linear or
             convolution layer merged with its BatchNorm reports the merged
             output's relevance.
         relevance_check: optional ``(name, module, relevance_in, relevance_out)``
@@ -333,8 +334,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             pausing = []
             if any(getattr(mode, "pause_in_ruled_modules", True) for mode in modes):
                 self._hooks += (pausing := suspend_function_modes_in(handles))  # one line: listed as made
-            for name in self.layer_keys:
-                self._hooks.append(modules[name].register_forward_hook(self._layers.hook(name)))
+            self._hooks += self._layers.register(modules, self.layer_keys)  # by any name of each module
             self._hooks += self._tokens.register(modules)  # on each nn.Embedding and nn.EmbeddingBag
             self._hooks += module_hooks(modules)  # torchrl's modules and the caller's grad mode (see _module_hooks)
             # Copies of the model made inside the context (deepcopy, pickle) leave every hook of the context out.

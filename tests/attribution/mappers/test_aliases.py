@@ -124,3 +124,75 @@ def test_a_layer_shared_by_two_blocks_takes_the_rule_keyed_by_the_second_block()
     expected = zennit_by_name(model, x, [(outer, Epsilon(epsilon=1e-6)), (["first.2"], Epsilon(epsilon=0.5))])
     actual = relevance(model, {"second.0": EpsilonRule(0.5), **dict.fromkeys(outer, EpsilonRule(1e-6))}, x)
     assert relative_error(actual, expected) < 1e-9
+
+
+def lrp0_layer_relevance(model: Aliased, x: torch.Tensor) -> torch.Tensor:
+    """Closed form of LRP-0 at the hidden layer's output: h ⊙ ∂y_target/∂h (gradient × activation)."""
+    h = model.body[:3](x).detach().requires_grad_(True)
+    y = model.head(model.body[3](h))
+    target = y.gather(-1, y.argmax(-1, keepdim=True))
+    (grad,) = torch.autograd.grad(target.sum(), h)
+    return h.detach() * grad
+
+
+@pytest.mark.parametrize(("layers", "key"), [(["hidden"], "hidden"), ({"hidden": "h"}, "h"), (["body.2"], "body.2")])
+def test_layer_relevance_is_asked_by_any_name_of_the_module(model_and_input, layers, key):
+    # The second name was refused as "not a module of the model", in a list of first names only.
+    model, x = model_and_input
+    lrp = LRP(model, in_keys=["x"], out_keys=["y"], layers=layers)
+    td = lrp(TensorDict(x=x.clone(), batch_size=[5]))
+    assert relative_error(td["relevance", key], lrp0_layer_relevance(model, x)) < 1e-12
+    assert set(td["relevance"].keys()) == {"x", key}
+
+
+def test_both_names_of_one_module_in_layers_give_the_same_relevance(model_and_input):
+    model, x = model_and_input
+    td = LRP(model, in_keys=["x"], out_keys=["y"], layers=["body.2", "hidden"])(TensorDict(x=x, batch_size=[5]))
+    expected = lrp0_layer_relevance(model, x)
+    assert relative_error(td["relevance", "body.2"], expected) < 1e-12
+    assert relative_error(td["relevance", "hidden"], expected) < 1e-12
+
+
+def test_an_unknown_layer_name_lists_every_name_of_the_modules(model_and_input):
+    model, _ = model_and_input
+    with pytest.raises(KeyError, match=r"LRP: layers names 'hiden', which is not a module.*'body.2'.*'hidden'"):
+        LRP(model, in_keys=["x"], out_keys=["y"], layers=["hiden"])
+
+
+def test_grad_cam_takes_the_layer_by_its_second_name(model_and_input):
+    from tdhook.attribution import GradCAM
+
+    model, x = model_and_input
+    by_first = GradCAM(model, layer="body.2", in_keys=["x"], out_keys=["y"])(TensorDict(x=x.clone(), batch_size=[5]))
+    by_second = GradCAM(model, layer="hidden", in_keys=["x"], out_keys=["y"])(TensorDict(x=x.clone(), batch_size=[5]))
+    assert by_first["attribution", "body.2"].abs().sum() > 0
+    torch.testing.assert_close(by_second["attribution", "hidden"], by_first["attribution", "body.2"])
+
+
+class AliasedOwnLinear(nn.Module):
+    """A module computing F.linear with its own weight (no nn.Linear to a mapper), held as ``own`` and ``alias``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(6, 8)
+        self.own = OwnLinear()
+        self.alias = self.own
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.alias(torch.relu(self.first(x)))))
+
+
+class OwnLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight)
+
+
+def test_warnings_about_a_module_name_every_name_it_is_held_under():
+    model, x = AliasedOwnLinear().double(), torch.randn(4, 6, dtype=torch.float64)
+    with pytest.warns(UserWarning, match=r"module 'own' \(also named 'alias'\) \(OwnLinear\) computes linear"):
+        relevance(model, EpsilonPlus(epsilon=0.25), x)

@@ -31,7 +31,7 @@ from torch import nn
 
 from tdhook.attribution.rules.base import Rule
 
-__all__ = ["module_aliases", "user_rule"]
+__all__ = ["every_named_module", "module_aliases", "module_place", "user_rule"]
 
 
 def module_aliases(model: nn.Module) -> dict[int, tuple[str, ...]]:
@@ -47,6 +47,48 @@ def module_aliases(model: nn.Module) -> dict[int, tuple[str, ...]]:
     for name, module in model.named_modules(remove_duplicate=False):
         names.setdefault(id(module), []).append(name)
     return {key: tuple(dict.fromkeys(found)) for key, found in names.items() if len(set(found)) > 1}
+
+
+def every_named_module(model: nn.Module) -> dict[str, nn.Module]:
+    """``model``'s modules under every name they have: a module held under several names is listed under each.
+
+    Args:
+        model: the model.
+
+    Returns:
+        ``name -> module``, in the order of ``named_modules(remove_duplicate=False)``.
+
+    Examples:
+        >>> layer = nn.Linear(2, 2)
+        >>> list(every_named_module(nn.Sequential(layer, nn.ReLU(), layer)))
+        ['', '0', '1', '2']
+    """
+    return dict(model.named_modules(remove_duplicate=False))
+
+
+def module_place(name: str, modules: Mapping[str, nn.Module]) -> str:
+    """How a message names the module ``name`` of ``modules`` (the model's, by name, the model at ``""``): by that
+    name, followed by the other names the model holds it under, if any.
+
+    Args:
+        name: the module's name.
+        modules: the model's modules by name; without the model itself (``""``) no other name is found.
+
+    Returns:
+        ``"module 'name'"``, ``"module 'name' (also named 'other')"``, or ``"the model itself"`` for ``""``.
+
+    Examples:
+        >>> layer = nn.Linear(2, 2)
+        >>> modules = dict(nn.Sequential(layer, nn.ReLU(), layer).named_modules())
+        >>> module_place("0", modules), module_place("1", modules), module_place("", modules)
+        ("module '0' (also named '2')", "module '1'", 'the model itself')
+    """
+    if not name:
+        return "the model itself"
+    module, model = modules.get(name), modules.get("")
+    names = module_aliases(model).get(id(module), ()) if module is not None and model is not None else ()
+    others = [alias for alias in names if alias != name]
+    return f"module {name!r}" + (f" (also named {', '.join(map(repr, others))})" if others else "")
 
 
 def user_rule(

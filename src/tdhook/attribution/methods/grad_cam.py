@@ -12,6 +12,7 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from tdhook.attribution._keys import layer_keys
+from tdhook.attribution.mappers.aliases import every_named_module
 from tdhook.attribution.methods._base import AttributionMethod, Call, hooks_removed
 from tdhook.attribution.targets import Target
 
@@ -134,7 +135,8 @@ class GradCAM(AttributionMethod):
         # the target): parts compiled by torch.compile run as written, as they do under LRP.
         eager = torch.compiler.set_stance("force_eager") if any(map(_compiled, modules.values())) else _NOTHING
         try:
-            with eager, hooks_removed([modules[self.layer].register_forward_hook(record)]):
+            layer = every_named_module(modules[""])[self.layer]  # by any of its names
+            with eager, hooks_removed([layer.register_forward_hook(record)]):
                 yield
         finally:
             self._activations = []
