@@ -457,3 +457,15 @@ class TestUnmergedWarning:
             second = lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"]
         assert len([w for w in caught if "cannot be merged" in str(w.message)]) == 1
         torch.testing.assert_close(second, first, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("why", ["training", "no running statistics"])
+def test_an_unmerged_batch_norm_refused_under_create_graph_is_named_by_its_path(why: str):
+    # The refusal said "this BatchNorm1d" only: with several BatchNorms, which one was left to guess.
+    norm = nn.BatchNorm1d(4, track_running_stats=why == "training")
+    net = nn.Sequential(nn.Linear(3, 4), nn.Sequential(norm), nn.ReLU(), nn.Linear(4, 2)).double()
+    net.train(why == "training")
+    lrp = LRP(net, CNN_PRESETS["EpsilonPlus"](), in_keys=["x"], out_keys=["y"], create_graph=True)
+    with pytest.raises(NotImplementedError, match="cannot be merged into the layer before it") as caught:
+        lrp(TensorDict(x=torch.randn(5, 3, dtype=torch.float64), batch_size=[5]))
+    assert "LRP: the module is '1.0'" in getattr(caught.value, "__notes__", [])

@@ -128,11 +128,13 @@ class MergeBatchNormRule(NormRule):
 
     def _refuse_unmerged(self, module: nn.Module) -> None:
         if graph_kept() is not None:
-            raise NotImplementedError(
+            error = NotImplementedError(
                 f"LRP(create_graph=True): this {type(module).__name__} cannot be merged into the layer before it "
                 "(training mode, no running statistics, another producer or a rule that cannot merge), and its "
                 "ε-rule cannot keep the relevance's graph"
             )
+            error.module = module  # type: ignore[attr-defined]  # the wrapper names the module's path
+            raise error
 
     def batch_norm(self, module: nn.Module, output: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         call = layer_call_of(args[0])
