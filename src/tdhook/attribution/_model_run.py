@@ -26,7 +26,7 @@ from tdhook.attribution._function_rule_plan import FunctionRulePlan
 from tdhook.attribution._given_inputs import given_inputs, restore_inputs
 from tdhook.attribution._nonlinear_calls import NonlinearCalls
 from tdhook.attribution._plain_modules import call_plain
-from tdhook.attribution._rerun_state import moving_norms, put_back, training_statistics
+from tdhook.attribution._rerun_state import ModelBuffers
 from tdhook.attribution._rule_use import RuleUse
 from tdhook.attribution._writes import has_lazy_stack
 from tdhook.attribution.rules._graph_calls import KeptOutputs, graph_call
@@ -62,7 +62,8 @@ def run_model(
             # What the call may overwrite in ``work`` (a step may write the key it reads): its leaves, a list being
             # several times cheaper than a copy of the TensorDict.
             inputs = given_inputs(work)
-            statistics = training_statistics(_moving_norms(lrp))  # none, unless a BatchNorm is in training mode
+            buffers = _model_buffers(lrp)
+            statistics = buffers.keep()  # what a run may write: a BatchNorm's statistics in training mode, a counter
             start = sequence_number()
             norm_outputs: list = []
             kept = KeptOutputs(plan.kept) if plan.kept else None  # activations' inputs (a tanh's)
@@ -74,17 +75,19 @@ def run_model(
             if plan.apply(
                 work if result is None else result, start, sequence_number(), norm_outputs, kept, activations
             ):
+                buffers.note(statistics)
                 return result, None
             # Not the recorded graph: the call runs again in the mode, from the same inputs, and records anew.
             lrp._function_rule_plan.forget(key)
             for handle in handles:
                 handle.pop_records()
             restore_inputs(work, inputs, leaves, fed)
-            put_back(statistics)  # the run that was let go moved them: as the plain call, once
+            buffers.put_back(statistics)  # the run that was let go moved them: as the plain call, once
         recording = rule_modes[0].recording = lrp._function_rule_plan.recorder(key)
         if recording is not None:  # a recording call may run again (see below): the leaves it may overwrite
             inputs = given_inputs(work)
-            statistics = training_statistics(_moving_norms(lrp))
+            buffers = _model_buffers(lrp)
+            statistics = buffers.keep(every=True)  # once per signature: every buffer's values
     if not (rule_modes or lrp._compiled or lrp._coverage.watching or watch is not RuleUse.NOTHING):
         with closing_scopes():  # nothing to enter but the scopes (every call of a context after its first, mostly)
             return _call(lrp, work), None
@@ -114,22 +117,24 @@ def run_model(
             for handle in handles:
                 handle.pop_records()
             restore_inputs(work, inputs, leaves, fed)
-            put_back(statistics)
+            buffers.put_back(statistics)
             result = _call(lrp, work)
+        elif recording is not None:
+            buffers.note(statistics)
         return result, calls
 
 
-# By wrapper: the id of its rule handles when they were found (a context's), and the norms; a stale list only leaves
-# some norm's statistics moved twice, as before. Nothing here is taken by a copy or a pickle of the wrapper.
-_MOVING_NORMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# By wrapper: the id of its rule handles when they were found (a context's), and the model's buffers; a stale list
+# only leaves some buffer moved twice, as before. Nothing here is taken by a copy or a pickle of the wrapper.
+_MODEL_BUFFERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _moving_norms(lrp: Any) -> list:
-    """The norms of ``lrp``'s model that keep running statistics, found once per context (its rule handles mark
+def _model_buffers(lrp: Any) -> ModelBuffers:
+    """The buffers of ``lrp``'s model, and those its forward writes, found once per context (its rule handles mark
     it)."""
-    found = _MOVING_NORMS.get(lrp)
+    found = _MODEL_BUFFERS.get(lrp)
     if found is None or found[0] != id(lrp._handles):
-        found = _MOVING_NORMS[lrp] = (id(lrp._handles), moving_norms(lrp.module))
+        found = _MODEL_BUFFERS[lrp] = (id(lrp._handles), ModelBuffers(lrp.module))
     return found[1]
 
 
