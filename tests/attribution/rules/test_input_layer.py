@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -288,3 +290,50 @@ class TestArguments:
             FlatRule(stabilizer=-1e-6)
         with pytest.raises(TypeError, match="FirstLayerRule: other must be a Rule, got float"):
             FirstLayerRule(FlatRule(), 0.5)
+
+
+class TestBoundsAlongTheLastDimension:
+    """Bounds broadcast against one sample, aligned on the input's last dimension: for an image whose width equals its
+    channel count, per-channel bounds given as a 1-D tensor are silently per column; the rule warns. zennit aligns
+    bounds on the batch dimension instead (a 1-D tensor of length C fails there): its oracle takes them with the
+    batch dimension, ``[1, 1, 1, W]`` for columns and ``[1, C, 1, 1]`` for channels."""
+
+    @staticmethod
+    def image_case(width: int) -> tuple[nn.Conv2d, torch.Tensor, torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        layer = nn.Conv2d(3, 4, 3, padding=1).double()
+        x = torch.rand(2, 3, 5, width, dtype=torch.float64)
+        return layer, x, torch.tensor([-1.0, -2.0, -3.0], dtype=torch.float64), torch.tensor([1.0, 2.0, 3.0]).double()
+
+    def test_one_dimensional_bounds_of_the_channel_count_on_as_wide_an_image_warn_and_bound_columns(self):
+        layer, x, low, high = self.image_case(width=3)
+        r_out = output_relevance(layer, x)
+        with pytest.warns(UserWarning, match=r"'low' is a 1-D tensor of length 3.*the shape \[3, 1, 1\]"):
+            actual = tdhook_relevance(ZBoxRule(low, high), layer, x, r_out)
+        columns = zennit_relevance(zrules.ZBox(low.view(1, 1, 1, 3), high.view(1, 1, 1, 3)), layer, x, r_out)
+        assert relative_error(actual, columns) <= TOL  # the broadcasting kept: per column
+        channels = zennit_relevance(zrules.ZBox(low.view(1, 3, 1, 1), high.view(1, 3, 1, 1)), layer, x, r_out)
+        assert relative_error(actual, channels) > 1e-2  # per channel would have differed
+
+    @pytest.mark.parametrize(
+        ("shape", "zennit_shape"), [((3, 1, 1), (1, 3, 1, 1)), ((1, 3), (1, 1, 1, 3))], ids=["channels", "columns"]
+    )
+    def test_bounds_shaped_for_channels_or_columns_do_not_warn(self, shape, zennit_shape):
+        layer, x, low, high = self.image_case(width=3)
+        r_out = output_relevance(layer, x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            actual = tdhook_relevance(ZBoxRule(low.view(shape), high.view(shape)), layer, x, r_out)
+        expected = zennit_relevance(zrules.ZBox(low.view(zennit_shape), high.view(zennit_shape)), layer, x, r_out)
+        assert relative_error(actual, expected) <= TOL
+
+    def test_bounds_of_a_linear_layers_features_do_not_warn(self):
+        torch.manual_seed(0)
+        layer, x = nn.Linear(3, 2).double(), torch.rand(2, 3, 3, dtype=torch.float64)  # [B, T, features]
+        low, high = -torch.arange(1.0, 4.0, dtype=torch.float64), torch.arange(1.0, 4.0, dtype=torch.float64)
+        r_out = output_relevance(layer, x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            actual = tdhook_relevance(ZBoxRule(low, high), layer, x, r_out)
+        expected = zennit_relevance(zrules.ZBox(low.view(1, 1, 3), high.view(1, 1, 3)), layer, x, r_out)
+        assert relative_error(actual, expected) <= TOL

@@ -158,7 +158,10 @@ class EpsilonGammaBox(Preset):
     """z^B on the first convolution, γ on the others, ε on dense layers (zennit's ``EpsilonGammaBox``).
 
     Args:
-        low: lowest input value (float or tensor broadcastable to one sample).
+        low: lowest input value (float or tensor broadcastable to one sample, aligned on its last dimension:
+            per-channel bounds of an image are of shape ``[C, 1, 1]``; a 1-D tensor bounds the last dimension, and
+            a convolution whose input is as wide as it has channels warns of one of length ``C``; see
+            :class:`~tdhook.attribution.rules.input_layer.ZBoxRule`).
         high: highest input value.
         epsilon: ε of the dense layers.
         gamma: γ of the convolutions.

@@ -18,6 +18,7 @@ from torch import nn
 
 from tdhook.attribution.rules._arguments import bounds
 from tdhook.attribution.rules._autograd import is_plain_gradient, may_overwrite
+from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._glue import note_up_the_glue, rest_records, whole_records
 from tdhook.attribution.rules._half_precision import float32_params, is_half_precision, without_autocast
 from tdhook.attribution.rules._input_gradients import (
@@ -215,9 +216,18 @@ class ZBoxRule(_DirectInputRule):
         low: lowest input value, a float or a tensor broadcastable to one sample.
         high: highest input value, likewise.
 
+    Bounds broadcast against one sample as torch broadcasts, aligned on the input's *last* dimension: a 1-D
+    tensor of length ``n`` bounds the last dimension. For an image ``[B, C, H, W]`` per-channel bounds are of shape
+    ``[C, 1, 1]`` (or zennit's ``[1, C, 1, 1]``, with the batch dimension); a 1-D tensor of length ``C`` is taken
+    per column, and where ``W == C`` nothing else tells, so a convolution given such bounds warns (shape them
+    ``[C, 1, 1]`` for channels, or ``[1, W]`` for columns). zennit aligns bounds on the batch dimension instead,
+    and refuses a 1-D tensor there.
+
     Examples:
         >>> ZBoxRule(low=-1.0, high=1.0).low
         -1.0
+        >>> mean, std = torch.tensor([0.5, 0.4, 0.3]), torch.tensor([0.2, 0.2, 0.2])
+        >>> per_channel = ZBoxRule(low=((0 - mean) / std).view(3, 1, 1), high=((1 - mean) / std).view(3, 1, 1))
     """
 
     def __init__(
@@ -234,6 +244,14 @@ class ZBoxRule(_DirectInputRule):
 
     def modifiers(self):
         return {"orig": ParamModifier(), "pos": _clamp(min=0.0), "neg": _clamp(max=0.0)}
+
+    def input_gradient(self, module, registration, params, x, z, grad):
+        _warn_for_bounds_along_columns(self, module, x)
+        return super().input_gradient(module, registration, params, x, z, grad)
+
+    def input_gradient_keeping_graph(self, module, registration, params, x, z, grad):
+        _warn_for_bounds_along_columns(self, module, x)
+        return super().input_gradient_keeping_graph(module, registration, params, x, z, grad)
 
     def stand_ins(self, x):
         low = torch.as_tensor(self.low, dtype=x.dtype, device=x.device).expand_as(x)
@@ -341,3 +359,22 @@ class FirstLayerRule(Rule):
         rule, inner = self._pair[index], registration.state[index]
         rule.prepared_state(module, inner)
         return rule, inner
+
+
+def _warn_for_bounds_along_columns(rule: ZBoxRule, module: nn.Module, x: torch.Tensor) -> None:
+    """Warn, once per rule, where a convolution's input ``[B, C, ...]`` gets a 1-D bound of length ``C`` that
+    broadcasting lays along its last dimension, of the same length: per-channel bounds taken per column."""
+    if getattr(rule, "_warned_columns", False) or x.dim() < 3 or not isinstance(module, nn.modules.conv._ConvNd):
+        return
+    channels, last = x.shape[1], x.shape[-1]
+    for name in ("low", "high"):
+        bound = getattr(rule, name)
+        if isinstance(bound, torch.Tensor) and bound.dim() == 1 and bound.numel() == channels == last > 1:
+            rule._warned_columns = True
+            warn_at_caller(
+                f"ZBoxRule: the bound {name!r} is a 1-D tensor of length {channels}, the input's channel count, but "
+                f"broadcasting lays it along the input's last dimension (its width, also {last}): it bounds columns, "
+                f"not channels. Give it the shape [{channels}{', 1' * (x.dim() - 2)}] for per-channel bounds, or "
+                f"[1, {last}] to mean columns"
+            )
+            return
