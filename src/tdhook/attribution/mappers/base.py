@@ -126,7 +126,10 @@ class BaseRuleMapper(Tunable):
     sigmoid-like modules → :class:`~tdhook.attribution.rules.gates.GateRule`
     (held constant where they gate a signal); other activations → :class:`PassRule`; torchrl's ``TanhModule`` →
     :class:`~tdhook.attribution.rules.activation_calls.TanhCallsRule` (the pass rule on its ``tanh``);
-    average pooling → :class:`EpsilonRule` with ``stabilizer`` (zennit's ``Norm``);
+    average pooling modules → :class:`EpsilonRule` with ``stabilizer`` (zennit's ``Norm``; an average pool
+    called as a function, ``F.avg_pool2d`` or ``F.adaptive_avg_pool2d``, keeps its plain gradient, LRP-0, as in
+    zennit, which finds no module there: the two forms differ by about ``stabilizer / |z|`` at a pooled output
+    ``z``);
     BatchNorm (and frozen ones, torchvision's ``FrozenBatchNorm2d``) → :class:`MergeBatchNormRule`
     (merged into the layer before it, else the ε-rule of its affine map); torchrl's BatchRenorm1d →
     :class:`~tdhook.attribution.rules.normalization.BatchRenormRule` (the ε-rule of its affine map); other
