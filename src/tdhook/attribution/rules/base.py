@@ -151,14 +151,32 @@ class ParamModifier:
             return {n: self.modify_fn(n, p.detach()) for n, p in params.items() if self.select_fn(n, p)}
 
     def state_dicts(self, module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """The selected parameters of ``module`` (not of its children), as they are and as modified."""
-        original = {n: p for n, p in module.named_parameters(recurse=False) if self.select_fn(n, p)}
+        """The selected parameters of ``module`` (not of its children), as they are and as modified.
+
+        A parameter the module holds under several names is selected under each of them; a tensor that a
+        parametrization computes (``weight_norm``, ``orthogonal``) is read as the module's forward reads it.
+        """
+        own = dict(module.named_parameters(recurse=False, remove_duplicate=False))
+        if nn.utils.parametrize.is_parametrized(module):
+            own.update((name, getattr(module, name)) for name in module.parametrizations)
+        original = {n: p for n, p in own.items() if self.select_fn(n, p)}
         return original, self.modify(original)
 
     @contextmanager
     def __call__(self, module: nn.Module) -> Iterator[nn.Module]:
-        """Swap in the modified parameters for the ``with`` block; restore the originals after it."""
+        """Swap in the modified parameters for the ``with`` block; restore the originals after it.
+
+        Raises:
+            ValueError: a selected tensor is computed by a parametrization: it has no slot to swap.
+        """
         original, modified = self.state_dicts(module)
+        computed = [n for n in original if nn.utils.parametrize.is_parametrized(module, n)]
+        if computed:
+            raise ValueError(
+                f"ParamModifier: {type(module).__name__}'s {', '.join(map(repr, computed))} is computed by a "
+                "parametrization (torch.nn.utils.parametrize), which would keep computing it unmodified in the "
+                "with block; compute with the tensors of state_dicts() instead"
+            )
         try:
             for name, value in modified.items():
                 module._parameters[name] = value
