@@ -263,6 +263,9 @@ class LayerCall:
     raw: torch.Tensor
     version: int
     observers: list = field(default_factory=list)
+    # The weight and bias the call read, for a layer with torch's own forward: a call with other parameters than
+    # the layer holds (``torch.func.functional_call``) has them back once it returns, before a BatchNorm merges.
+    read: tuple | None = None
 
 
 @dataclass(eq=False)
@@ -455,8 +458,8 @@ class Rule(Tunable):
         modified parameters always follow the live ones, and are not rebuilt while
         nothing changes. In a call that keeps
         the graph (``LRP(..., create_graph=True)``), the state is built from the
-        live parameters inside the autograd graph, once per call, and
-        ``registration.state`` is left as it is.
+        live parameters inside the autograd graph, once per call and set of
+        parameters the module runs with, and ``registration.state`` is left as it is.
 
         Examples:
             >>> from tdhook.attribution.rules import AlphaBetaRule
@@ -473,8 +476,8 @@ class Rule(Tunable):
                 registration.state = None
             return registration.state
         relevance_pass = graph_kept()
-        if relevance_pass is not None:  # built from the live parameters, once per call: never the detached cache
-            return relevance_pass.state(self, module, lambda: self.prepare(module))
+        if relevance_pass is not None:  # from the live parameters, once per call and parameter set: never the cache
+            return relevance_pass.state(self, module, lambda: self.prepare(module), parameter_fingerprint(module))
         if registration.state is _UNPREPARED or not registration.held.unchanged(module):
             registration.state = self.prepare(module)
             registration.held = HeldParameters(module)
@@ -639,7 +642,9 @@ class Rule(Tunable):
                 parameters = (inputs[0], *module.parameters(recurse=False))
                 mark_parameter_derived(parameters, output if result is None else result)
             if one_input and registration.marks:
-                _mark(result if result is not None else output, LayerCall(module, rule, reg, inputs[0], output, 0))
+                read = (module.weight, module.bias) if type(module) is registration.plain_layer else None
+                call = LayerCall(module, rule, reg, inputs[0], output, 0, read=read)
+                _mark(result if result is not None else output, call)
             return result
 
         return hook
