@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
@@ -84,6 +85,53 @@ class TestRegistration:
             with ParamModifier(lambda n, p: p * 0)(layer):
                 raise RuntimeError("boom")
         assert layer.weight is weight
+
+
+class HeldTwice(nn.Module):
+    """One weight registered under two names; the forward reads the second (``x @ w2ᵀ``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, 4, dtype=F64))
+        self.register_parameter("w2", self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w2.T
+
+
+class TestParamModifierOnSharedParameters:
+    positive = ParamModifier(lambda n, p: p.clamp(min=0))
+
+    def test_a_parameter_held_under_two_names_is_swapped_under_both(self):
+        """Only the first name was swapped: a forward reading the second computed with the plain weight."""
+        module, x = HeldTwice(), torch.randn(3, 4, dtype=F64)
+        weight, version = module.weight, module.weight._version
+        with self.positive(module):
+            out = module(x)
+        torch.testing.assert_close(out, x @ weight.detach().clamp(min=0).T, rtol=0, atol=0)
+        assert module.weight is weight and module.w2 is weight and weight._version == version
+
+    def test_a_parametrized_weight_is_refused_by_the_swap_and_read_by_state_dicts(self):
+        """A weight_norm weight lives in no parameter slot of the layer: the swap modified the bias alone, and
+        state_dicts left the weight out."""
+        layer = nn.utils.parametrizations.weight_norm(nn.Linear(4, 2)).to(F64)
+        with pytest.raises(ValueError, match=r"'weight' is computed by a parametrization"):
+            with self.positive(layer):
+                pass
+        assert isinstance(layer.bias, nn.Parameter) and nn.utils.parametrize.is_parametrized(layer, "weight")
+        _, modified = self.positive.state_dicts(layer)
+        torch.testing.assert_close(modified["weight"], layer.weight.detach().clamp(min=0), rtol=0, atol=0)
+
+    def test_a_weight_tied_to_another_layer_is_modified_for_the_swapped_layer_only(self):
+        first, second = nn.Linear(4, 4).to(F64), nn.Linear(4, 4).to(F64)
+        second.weight = first.weight
+        first.weight.grad = torch.ones_like(first.weight)
+        weight, version, x = first.weight, first.weight._version, torch.randn(3, 4, dtype=F64)
+        with self.positive(first):
+            torch.testing.assert_close(second(x), F.linear(x, weight, second.bias), rtol=0, atol=0)
+            torch.testing.assert_close(first(x), F.linear(x, weight.clamp(min=0), first.bias.clamp(min=0)))
+        assert first.weight is weight and second.weight is weight and weight._version == version
+        assert weight.requires_grad and torch.equal(weight.grad, torch.ones_like(weight))
 
 
 # ----------------------------------------------------------------------------- forward hooks of the user's

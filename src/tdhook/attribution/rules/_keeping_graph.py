@@ -49,7 +49,7 @@ class RelevancePass:
 
     def __init__(self) -> None:
         self.is_running = False
-        self.states: dict[tuple[int, int], tuple[object, object, Any]] = {}
+        self.states: dict[tuple[int, int, tuple], tuple[object, object, Any]] = {}
 
     @contextmanager
     def running(self) -> Iterator[None]:
@@ -60,16 +60,21 @@ class RelevancePass:
         finally:
             self.is_running = False
 
-    def state(self, rule: object, module: object, prepare: Callable[[], Any]) -> Any:
-        """``prepare()``, computed once per call for ``rule`` on ``module`` (a module called twice reuses it).
+    def state(self, rule: object, module: object, prepare: Callable[[], Any], parameters: tuple = ()) -> Any:
+        """``prepare()``, computed once per call for ``rule`` on ``module`` with the parameters told by
+        ``parameters`` (a fingerprint of them): a module called twice with the same parameters reuses it; one run
+        with another set in one of its calls (``torch.func.functional_call``, ``TensorDict.to_module``: an ensemble
+        through one module) has it prepared from that set.
 
         Examples:
             >>> calls, relevance_pass = [], RelevancePass()
             >>> rule, module = object(), object()
             >>> [relevance_pass.state(rule, module, lambda: calls.append(1) or len(calls)) for _ in range(2)]
             [1, 1]
+            >>> relevance_pass.state(rule, module, lambda: calls.append(1) or len(calls), parameters=(7,))
+            2
         """
-        key = (id(rule), id(module))
+        key = (id(rule), id(module), parameters)
         kept = self.states.get(key)
         if kept is None or kept[0] is not rule or kept[1] is not module:
             kept = self.states[key] = (rule, module, prepare())

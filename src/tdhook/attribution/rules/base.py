@@ -151,14 +151,32 @@ class ParamModifier:
             return {n: self.modify_fn(n, p.detach()) for n, p in params.items() if self.select_fn(n, p)}
 
     def state_dicts(self, module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """The selected parameters of ``module`` (not of its children), as they are and as modified."""
-        original = {n: p for n, p in module.named_parameters(recurse=False) if self.select_fn(n, p)}
+        """The selected parameters of ``module`` (not of its children), as they are and as modified.
+
+        A parameter the module holds under several names is selected under each of them; a tensor that a
+        parametrization computes (``weight_norm``, ``orthogonal``) is read as the module's forward reads it.
+        """
+        own = dict(module.named_parameters(recurse=False, remove_duplicate=False))
+        if nn.utils.parametrize.is_parametrized(module):
+            own.update((name, getattr(module, name)) for name in module.parametrizations)
+        original = {n: p for n, p in own.items() if self.select_fn(n, p)}
         return original, self.modify(original)
 
     @contextmanager
     def __call__(self, module: nn.Module) -> Iterator[nn.Module]:
-        """Swap in the modified parameters for the ``with`` block; restore the originals after it."""
+        """Swap in the modified parameters for the ``with`` block; restore the originals after it.
+
+        Raises:
+            ValueError: a selected tensor is computed by a parametrization: it has no slot to swap.
+        """
         original, modified = self.state_dicts(module)
+        computed = [n for n in original if nn.utils.parametrize.is_parametrized(module, n)]
+        if computed:
+            raise ValueError(
+                f"ParamModifier: {type(module).__name__}'s {', '.join(map(repr, computed))} is computed by a "
+                "parametrization (torch.nn.utils.parametrize), which would keep computing it unmodified in the "
+                "with block; compute with the tensors of state_dicts() instead"
+            )
         try:
             for name, value in modified.items():
                 module._parameters[name] = value
@@ -245,6 +263,9 @@ class LayerCall:
     raw: torch.Tensor
     version: int
     observers: list = field(default_factory=list)
+    # The weight and bias the call read, for a layer with torch's own forward: a call with other parameters than
+    # the layer holds (``torch.func.functional_call``) has them back once it returns, before a BatchNorm merges.
+    read: tuple | None = None
 
 
 @dataclass(eq=False)
@@ -437,8 +458,8 @@ class Rule(Tunable):
         modified parameters always follow the live ones, and are not rebuilt while
         nothing changes. In a call that keeps
         the graph (``LRP(..., create_graph=True)``), the state is built from the
-        live parameters inside the autograd graph, once per call, and
-        ``registration.state`` is left as it is.
+        live parameters inside the autograd graph, once per call and set of
+        parameters the module runs with, and ``registration.state`` is left as it is.
 
         Examples:
             >>> from tdhook.attribution.rules import AlphaBetaRule
@@ -455,8 +476,8 @@ class Rule(Tunable):
                 registration.state = None
             return registration.state
         relevance_pass = graph_kept()
-        if relevance_pass is not None:  # built from the live parameters, once per call: never the detached cache
-            return relevance_pass.state(self, module, lambda: self.prepare(module))
+        if relevance_pass is not None:  # from the live parameters, once per call and parameter set: never the cache
+            return relevance_pass.state(self, module, lambda: self.prepare(module), parameter_fingerprint(module))
         if registration.state is _UNPREPARED or not registration.held.unchanged(module):
             registration.state = self.prepare(module)
             registration.held = HeldParameters(module)
@@ -621,7 +642,9 @@ class Rule(Tunable):
                 parameters = (inputs[0], *module.parameters(recurse=False))
                 mark_parameter_derived(parameters, output if result is None else result)
             if one_input and registration.marks:
-                _mark(result if result is not None else output, LayerCall(module, rule, reg, inputs[0], output, 0))
+                read = (module.weight, module.bias) if type(module) is registration.plain_layer else None
+                call = LayerCall(module, rule, reg, inputs[0], output, 0, read=read)
+                _mark(result if result is not None else output, call)
             return result
 
         return hook

@@ -180,7 +180,11 @@ class MergeBatchNormRule(NormRule):
     def _rewrite(self, module: nn.Module, call: LayerCall, seen: torch.Tensor, channels: slice) -> torch.Tensor:
         """The output ``seen`` of the BatchNorm's ``channels``, from ``call``'s layer merged with them."""
         if graph_kept() is not None:  # from the live parameters, every call: the kept merge is detached
-            merged = _merge_batch_norm(call.module, module, channels)
+            merged = _merge_batch_norm(call.module, module, channels, call.read)
+        elif call.read is not None and not _holds_what_it_read(call):
+            # The layer ran with other parameters than it holds now (torch.func.functional_call: an ensemble
+            # through one layer): merged from those, and not kept.
+            merged = _merge_batch_norm(call.module, module, channels, call.read)
         else:
             registration = self._registrations[module]
             if registration.state is _UNPREPARED:  # a lazy BatchNorm: no parameters when the rule was registered
@@ -250,8 +254,17 @@ def _can_merge(call: LayerCall, norm: nn.Module, flattened: bool = False, featur
     return raw.shape[1] == features
 
 
-def _merge_batch_norm(layer: nn.Module, norm: nn.Module, channels: slice = slice(None)) -> MergedLayer:
-    """``layer`` with the BatchNorm's ``channels`` (as many as the layer's outputs) folded in."""
+def _holds_what_it_read(call: LayerCall) -> bool:
+    """Whether ``call``'s layer holds the weight and bias its call read (``call.read``)."""
+    weight, bias = call.read
+    return call.module.weight is weight and call.module.bias is bias
+
+
+def _merge_batch_norm(
+    layer: nn.Module, norm: nn.Module, channels: slice = slice(None), read: tuple | None = None
+) -> MergedLayer:
+    """``layer`` with the BatchNorm's ``channels`` (as many as the layer's outputs) folded in; with the weight and
+    bias of ``read`` where given (those a call of the layer read), else with the layer's own."""
     # Detached, except in a call that keeps the graph: there the merged parameters are functions of the live ones.
     keep = graph_kept() is not None
     with torch.enable_grad() if keep else torch.no_grad():
@@ -262,7 +275,11 @@ def _merge_batch_norm(layer: nn.Module, norm: nn.Module, channels: slice = slice
             scale = scale * norm.weight[channels]
         if norm.bias is not None:
             shift = (norm.bias if keep else norm.bias.detach())[channels]
-        params = effective_parameters(layer)
+        if read is None:
+            params = effective_parameters(layer)
+        else:
+            given = {"weight": read[0], "bias": read[1]}
+            params = {name: t if keep else t.detach() for name, t in given.items() if t is not None}
         weight = params["weight"]
         bias = params["bias"] if "bias" in params else torch.zeros_like(mean)
         if isinstance(layer, tuple(TRANSPOSED_FORWARDS)):
