@@ -6,7 +6,8 @@ mixer below in pure torch here (no ``mamba_ssm`` or ``causal_conv1d`` kernels).
 
 1. LFM2's family mixes tokens by gated short convolutions (``C · conv(B · x)``, products of activations) beside
    attention: explained, as any transformer of the zoo (no warning, output and ``state_dict`` unchanged, CP-LRP
-   conserving within 1e-6, eager and sdpa agreeing).
+   conserving within 1e-6, eager and sdpa agreeing), and after a cached prefix its new tokens get the relevance the
+   whole sequence gives them.
 2. The selective scans (Mamba 2, FalconMamba, and the Mamba layers of Jamba, Bamba, Zamba, Zamba 2, Granite 4,
    Falcon-H1 and Nemotron-H), RecurrentGemma's RG-LRU, RWKV's time mixing (and its squared-ReLU channel mixing),
    xLSTM's mLSTM, and the gated delta rules of OLMo-Hybrid, Kimi Linear and Bailing compute ``exp`` of activations
@@ -22,6 +23,7 @@ mixer below in pure torch here (no ``mamba_ssm`` or ``causal_conv1d`` kernels).
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 from dataclasses import dataclass
@@ -296,6 +298,67 @@ def test_gated_short_convolutions_are_explained(name: str, preset: str):
         check_explained(outcome, f"{name} {preset} {implementation}", preset)
     error = relative_error(outcomes["sdpa"].relevance, outcomes["eager"].relevance)
     assert error <= IMPLEMENTATION_TOLERANCE, (name, preset, error)
+
+
+class CachedStep(nn.Module):
+    """The next-token logits of the tokens after a cached prefix."""
+
+    def __init__(self, model: nn.Module, cache) -> None:
+        super().__init__()
+        self.model, self.cache = model, cache
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(inputs_embeds=x, use_cache=True, past_key_values=self.cache).logits[:, -1]
+
+
+class WholeSequence(nn.Module):
+    """The next-token logits of the prefix and the tokens after it, without a cache."""
+
+    def __init__(self, model: nn.Module, prefix: torch.Tensor) -> None:
+        super().__init__()
+        self.model, self.prefix = model, prefix
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(inputs_embeds=torch.cat([self.prefix, x], 1), use_cache=False).logits[:, -1]
+
+
+def cache_tensors(cache) -> list[torch.Tensor]:
+    """Every tensor a cache holds: the convolutions' states, the attention's keys and values."""
+    found = []
+    for layer in cache.layers:
+        for value in vars(layer).values():
+            values = value.values() if isinstance(value, dict) else [value]
+            found += [tensor for tensor in values if isinstance(tensor, torch.Tensor)]
+    return found
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("new_tokens", [1, 2])
+def test_a_convolution_cache_is_a_constant_of_the_step(new_tokens: int, preset: str):
+    """LFM2 explained on tokens after a cached prefix (its convolutions' states and the attention's keys and values,
+    written in place by each call; one new token takes the single-step path): the new tokens get the relevance that
+    the whole sequence gives them, the output is the plain call's and the cache ends as the plain call leaves it."""
+    model = CONVOLUTIONAL["lfm2"].build("eager")
+    zero_additive(model)
+    generator = torch.Generator().manual_seed(4)
+    prefix = torch.randn(BATCH, TOKENS - new_tokens, HIDDEN, generator=generator, dtype=F64)
+    x = torch.randn(BATCH, new_tokens, HIDDEN, generator=generator, dtype=F64)
+    with torch.no_grad():
+        cache = model(inputs_embeds=prefix, use_cache=True).past_key_values
+    plain_cache, explained_cache = copy.deepcopy(cache), copy.deepcopy(cache)
+    plain = CachedStep(model, plain_cache)(x)
+    relevance = {}
+    for key, module in (("step", CachedStep(model, explained_cache)), ("whole", WholeSequence(model, prefix))):
+        lrp = LRP(module, PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+        td = lrp(TensorDict(x=x.clone(), batch_size=[BATCH]))
+        relevance[key] = td["relevance", "x"]
+        if key == "step":
+            assert torch.equal(td["y"], plain)
+    assert relative_error(relevance["step"], relevance["whole"]) <= 1e-10
+    after, expected = cache_tensors(explained_cache), cache_tensors(plain_cache)
+    assert len(after) == len(expected) == 3  # one convolution's state, one attention's keys and values
+    assert all(torch.equal(a, b) for a, b in zip(after, expected, strict=True))
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
