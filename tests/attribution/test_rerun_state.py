@@ -84,6 +84,7 @@ class StepsOnFlag(CountingProduct):
 def test_a_buffer_no_earlier_call_wrote_is_named_where_the_run_let_go_writes_it():
     torch.manual_seed(0)
     model = StepsOnFlag().to(F64)
-    with pytest.warns(UserWarning, match=r"run let go wrote the buffers 'module.steps' in place, which no earlier call"):
+    warned = r"run let go wrote the buffers 'module.steps' in place, which no earlier call"
+    with pytest.warns(UserWarning, match=warned):
         _, plain = explained_and_plain(model, AttnLRP, calls_of([False, False, True]))
     assert int(model.steps) == int(plain.steps) + 1 == 2  # moved twice in the call warned of, not silently
