@@ -100,9 +100,9 @@ def test_a_generation_loop_keeping_its_cache_in_one_context_explains_each_step_a
 ):
     """A later call of a context may run the model twice (its graph is not the recorded one): each run appended the
     new token's keys and values to the loop's cache, so the second run saw the token twice. From the second step on
-    the logits were off by up to 3.3 and the relevance by 0.13 to 10 times its norm (tiny Llama, GPT-2, T5), without a word, and the cache
-    grew by three tokens a step. Each step now gives the logits and the relevance that the whole sequence gives the
-    new token, and the cache grows by one token a step."""
+    the logits were off by up to 3.3 and the relevance by 0.13 to 10 times its norm (tiny Llama, GPT-2, T5), without a
+    word, and the cache grew by three tokens a step. Each step now gives the logits and the relevance that the whole
+    sequence gives the new token, and the cache grows by one token a step."""
     model, encoder = decoder_model(name, implementation)
     x = torch.randn(BATCH, TOKENS, HIDDEN, dtype=F64, generator=torch.Generator().manual_seed(1))
     keyword = "decoder_inputs_embeds" if encoder else "inputs_embeds"

@@ -48,8 +48,9 @@ def run_model(
     A call that runs the model again (its graph was not the recorded one) starts from the inputs it was given:
     ``work``'s entries, and the values of the explained inputs' copies ``fed``, taken again from ``leaves`` where
     the model changed them in place. Running statistics of norms in training mode, and the key-value caches
-    handed to the model (a generation loop's), are put back as they were before the first run. An input that is not explained and that the model changed in place is the
-    caller's tensor, which nothing can put back: such a call raises a ``RuntimeError`` naming its key."""
+    handed to the model (a generation loop's), are put back as they were before the first run. An input that is not
+    explained and that the model changed in place is the caller's tensor, which nothing can put back: such a call
+    raises a ``RuntimeError`` naming its key."""
     raise_for_checkpointing("LRP", [] if lrp._inactive else lrp._checkpointing)  # before the model runs
     lrp._function_rule_plan.quiet.remove()  # modules a plan ran without hooks, if an interrupt left them so
     handles = lrp._handles or []
