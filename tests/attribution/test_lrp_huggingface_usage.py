@@ -31,6 +31,7 @@ from tests.attribution.test_lrp_transformer_zoo import (
     TOKENS,
     ZOO,
     scaled_up,
+    zero_additive,
 )
 from tests.conftest import relative_error
 
@@ -219,3 +220,97 @@ def test_a_right_padded_batch_of_token_ids_is_explained_as_each_sequence_alone(n
     assert relative_error(padded["relevance", "x"][1, :PREFIX], alone["relevance", "x"][0]) <= 1e-10
     assert torch.equal(padded["relevance", "x"][1, PREFIX:], torch.zeros(TOKENS - PREFIX, dtype=F64))
     assert padded["relevance", "x"][1, :PREFIX].abs().min() > 0
+
+
+LABELS = torch.randint(0, 64, (BATCH, TOKENS), generator=torch.Generator().manual_seed(4))
+RETURNING_MORE = {  # the same logits, the model returning more or in another form
+    "use_cache": lambda m, x: m(inputs_embeds=x, use_cache=True).logits[:, -1],
+    "output_hidden_states": lambda m, x: m(inputs_embeds=x, output_hidden_states=True).logits[:, -1],
+    "output_attentions": lambda m, x: m(inputs_embeds=x, output_attentions=True).logits[:, -1],
+    "return_dict": lambda m, x: m(inputs_embeds=x, return_dict=False)[0][:, -1],
+    "labels": lambda m, x: m(inputs_embeds=x, labels=LABELS).logits[:, -1],
+}
+
+
+@pytest.mark.parametrize("implementation, preset", [("eager", "cplrp"), ("sdpa", "attnlrp")])
+def test_returning_more_or_as_a_tuple_changes_no_relevance(implementation: str, preset: str):
+    """A cache built on the full call, the hidden states and attention weights returned, a tuple instead of an
+    output object, a loss computed from given labels, a call under ``torch.no_grad()``: the logits' relevance is the
+    plain call's."""
+    model, x = ZOO["llama"].build(implementation), torch.randn(BATCH, TOKENS, HIDDEN, dtype=F64)
+    plain = explain(Called(model, lambda m, e: m(inputs_embeds=e, use_cache=False).logits[:, -1]), preset, x)
+    for name, call in RETURNING_MORE.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            returned = explain(Called(model, call), preset, x)
+        assert not [w for w in caught if "LRP" in str(w.message)], name
+        torch.testing.assert_close(returned["y"], plain["y"], rtol=0, atol=1e-12)
+        assert relative_error(returned["relevance", "x"], plain["relevance", "x"]) <= 1e-12, name
+    with torch.no_grad():
+        in_no_grad = explain(Called(model, RETURNING_MORE["use_cache"]), preset, x)
+    assert relative_error(in_no_grad["relevance", "x"], plain["relevance", "x"]) <= 1e-12
+    assert not in_no_grad["relevance", "x"].requires_grad
+
+
+def test_explaining_the_loss_computed_inside_the_model_is_named_and_inference_mode_refused():
+    """The loss a model computes from ``labels`` goes through a cross-entropy that no rule covers: the warning names
+    the model and the function. Inference mode keeps the gradients relevance is made of: refused, saying so."""
+    model, x = ZOO["gpt2"].build("sdpa"), torch.randn(BATCH, TOKENS, HIDDEN, dtype=F64)
+    loss = Called(model, lambda m, e: m(inputs_embeds=e, labels=LABELS).loss.expand(e.shape[0])[:, None])
+    with pytest.warns(UserWarning, match=r"module '(module\.)?model' \(GPT2LMHeadModel\) computes cross_entropy"):
+        explain(loss, "cplrp", x)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
+        explain(Called(model, next_token), "cplrp", x)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_generate_inside_an_open_context_gives_the_plain_tokens(preset: str):
+    """``generate`` called while a context is open on the model (its rules on, its own cache, its own
+    ``no_grad``) picks the tokens the plain model picks, and the context explains as before afterwards."""
+    model = ZOO["llama"].build("sdpa")
+    model.generation_config.pad_token_id = 0
+    ids = torch.randint(3, 64, (BATCH, 4), generator=torch.Generator().manual_seed(5))
+    tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
+    x = model.get_input_embeddings()(ids).detach()
+    lrp = LRP(Called(model, next_token), PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        before = lrp(TensorDict(x=x, batch_size=[BATCH]))["relevance", "x"]
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), tokens)
+        after = lrp(TensorDict(x=x, batch_size=[BATCH]))["relevance", "x"]
+    assert torch.equal(before, after)
+    assert relative_error(before, explain(Called(model, next_token), preset, x)["relevance", "x"]) <= 1e-12
+
+
+HEADS = {  # a task head and the logit explained
+    "bert-token": ("BertConfig", "BertForTokenClassification", NO_GQA, lambda out: out.logits[:, 2]),
+    "bert-start": ("BertConfig", "BertForQuestionAnswering", NO_GQA, lambda out: out.start_logits),
+    "bert-end": ("BertConfig", "BertForQuestionAnswering", NO_GQA, lambda out: out.end_logits),
+    "bert-masked": ("BertConfig", "BertForMaskedLM", NO_GQA, lambda out: out.logits[:, 3]),
+    "llama-start": ("LlamaConfig", "LlamaForQuestionAnswering", {}, lambda out: out.start_logits),
+    "gpt2-token": ("GPT2Config", "GPT2ForTokenClassification", GPT2, lambda out: out.logits[:, PREFIX - 1]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_task_heads_conserve_under_cplrp_through_token_ids(name: str):
+    """Token classification, question answering (start and end logits) and masked language modelling (BERT's
+    decoder tied to its input embedding, whose ``padding_idx`` row a padded token looks up), explained from token
+    ids with an attention mask: with biases and additive embeddings zeroed, CP-LRP's token relevance sums to the
+    logit, the padding gets none, and the ids get the relevance their embeddings get."""
+    config, model_class, values, logit = HEADS[name]
+    model = build(config, model_class, "sdpa", **values)
+    zero_additive(model)
+    ids = torch.randint(3, 64, (BATCH, TOKENS), generator=torch.Generator().manual_seed(6))
+    ids[1, PREFIX:] = model.config.pad_token_id
+    mask = (ids != model.config.pad_token_id).long()
+    from_ids = explain(
+        Called(model, lambda m, i, a: logit(m(input_ids=i, attention_mask=a))), "cplrp", ids, {"a": mask}
+    )
+    explained = from_ids["y"].gather(1, from_ids["y"].argmax(1, keepdim=True)).squeeze(1)
+    assert relative_error(from_ids["relevance", "x"].sum(1), explained) <= 1e-6
+    assert torch.equal(from_ids["relevance", "x"][1, PREFIX:], torch.zeros(TOKENS - PREFIX, dtype=F64))
+    embeds = model.get_input_embeddings()(ids).detach()
+    from_embeds = explain(
+        Called(model, lambda m, e, a: logit(m(inputs_embeds=e, attention_mask=a))), "cplrp", embeds, {"a": mask}
+    )
+    assert relative_error(from_ids["relevance", "x"], from_embeds["relevance", "x"].sum(-1)) <= 1e-12
