@@ -124,6 +124,27 @@ def test_a_generation_loop_keeping_its_cache_in_one_context_explains_each_step_a
             assert relative_error(td["relevance", "x"], whole[t]["relevance", "x"][:, t:]) <= 1e-10
 
 
+def test_a_static_cache_written_in_place_in_a_call_that_runs_again_is_refused_naming_it():
+    """A static cache writes the new keys into its own tensors: a call that runs the model again cannot put them
+    back (autograd refused the second run's graph with an in-place error that named no cache). The error names the
+    cache and what to do; a step explained in a call of its own is explained as the whole sequence."""
+    model = ZOO["llama"].build("sdpa")
+    x = torch.randn(BATCH, TOKENS, HIDDEN, dtype=F64, generator=torch.Generator().manual_seed(1))
+    cache = transformers.StaticCache(config=model.config, max_cache_len=TOKENS)
+    with torch.no_grad():
+        model(inputs_embeds=x[:, :PREFIX], past_key_values=cache)
+    step = GenerationStep(model, cache)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        alone = explain(step, "cplrp", x[:, PREFIX : PREFIX + 1])  # a call of its own
+        whole = explain(Called(model, next_token), "cplrp", x[:, : PREFIX + 1])
+        assert relative_error(alone["relevance", "x"], whole["relevance", "x"][:, PREFIX:]) <= 1e-10
+        lrp = LRP(step, PRESETS["cplrp"](), in_keys=["x"], out_keys=["y"])
+        with lrp, pytest.raises(RuntimeError, match=r"key-value cache .*\(StaticCache\) in place.*outside `with lrp:`"):
+            for t in range(PREFIX + 1, TOKENS):
+                lrp(TensorDict(x=x[:, t : t + 1].clone(), batch_size=[BATCH]))
+
+
 @pytest.mark.parametrize("name, implementation, preset", [("gpt2", "eager", "cplrp"), ("qwen2", "sdpa", "attnlrp")])
 def test_a_left_padded_generation_step_after_a_cache(name: str, implementation: str, preset: str):
     """Batched generation: the first prompt left-padded, its position ids taken from the mask, the prefix given as a

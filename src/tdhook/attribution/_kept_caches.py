@@ -10,8 +10,9 @@ handed it in a run, and :meth:`KeptCaches.put_back` restores it before the run t
 
 A cache's state is its attributes and those of the objects it holds (its layers): a run that replaces a tensor
 (``torch.cat`` of a dynamic cache) or a count is undone by putting the attributes back, and a small tensor written
-in place (a static cache's length) by copying its values back. A static cache's large tensors are written at the
-positions that its length gives: the second run writes the same positions again.
+in place (a static cache's length) by copying its values back. A large tensor written in place (a static cache's
+keys, a recurrent state copied into its slot) cannot be put back without a copy of every cache at every call: such a
+call raises an error naming the cache.
 
 Examples:
     >>> import torch
@@ -79,17 +80,21 @@ def cache_receivers(model: nn.Module) -> list[nn.Module]:
 
 
 class _State:
-    """One object's attributes, with the items of its lists and dicts and its small tensors' values."""
+    """One object's attributes, with the items of its lists and dicts and its tensors' versions (the values of the
+    small ones)."""
 
-    def __init__(self, obj: Any) -> None:
+    def __init__(self, obj: Any, cache: str) -> None:
         self.obj = obj
+        self.cache = cache
         self.attributes = dict(vars(obj))
         self.lists = {name: list(value) for name, value in self.attributes.items() if isinstance(value, list)}
         self.dicts = {name: dict(value) for name, value in self.attributes.items() if isinstance(value, dict)}
+        held = [*self.attributes.values(), *(i for v in self.lists.values() for i in v)]
+        held += [item for entries in self.dicts.values() for item in entries.values()]
         self.tensors = [
-            (value, _version(value), value.detach().clone())
-            for value in self.attributes.values()
-            if isinstance(value, torch.Tensor) and value.numel() <= SMALL_TENSOR
+            (value, _version(value), value.detach().clone() if value.numel() <= SMALL_TENSOR else None)
+            for value in held
+            if isinstance(value, torch.Tensor)
         ]
 
     def put_back(self) -> None:
@@ -102,8 +107,16 @@ class _State:
         vars(self.obj).update(self.attributes)
         with torch.no_grad():
             for tensor, version, values in self.tensors:
-                if _version(tensor) != version:
-                    tensor.copy_(values)
+                if _version(tensor) == version:
+                    continue
+                if values is None:
+                    raise RuntimeError(
+                        f"LRP: the model wrote the key-value cache it was handed ({self.cache}) in place, in a call "
+                        "that runs the model again (its graph is not the one recorded), and its values cannot be "
+                        "put back: explain such steps each in a call of its own (outside `with lrp:`), or use a "
+                        "cache that appends (DynamicCache)"
+                    )
+                tensor.copy_(values)
 
 
 def _version(tensor: torch.Tensor) -> int | None:
@@ -148,7 +161,8 @@ class KeptCaches:
     def _note(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         for value in (*args, *kwargs.values()):
             if id(value) not in self.states and is_cache(value):
-                self.states[id(value)] = [_State(obj) for obj in _held_objects(value, _DEPTH, set())]
+                name = type(value).__name__
+                self.states[id(value)] = [_State(obj, name) for obj in _held_objects(value, _DEPTH, set())]
 
     def put_back(self) -> None:
         """Restore every noted cache to its state when noted."""
