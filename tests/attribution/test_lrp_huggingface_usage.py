@@ -82,10 +82,19 @@ class GenerationStep(nn.Module):
         return out.logits[:, -1]
 
 
+class InnerGenerationStep(GenerationStep):
+    """A step that runs the causal model's inner model on the cache, then its head on the last hidden state."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.model.model(inputs_embeds=x, past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        return self.model.lm_head(out.last_hidden_state[:, -1])
+
+
 def decoder_model(name: str, implementation: str) -> tuple[nn.Module, dict]:
     """A causal model of the zoo, or T5 given a fixed source (its encoder's output then a constant of each step)."""
     if name != "t5":
-        return ZOO[name].build(implementation), {}
+        return ZOO[name.removesuffix("-inner")].build(implementation), {}
     model = SEQ2SEQ[name].build(implementation)
     source = torch.randn(BATCH, TOKENS, HIDDEN, dtype=F64, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -94,7 +103,12 @@ def decoder_model(name: str, implementation: str) -> tuple[nn.Module, dict]:
 
 @pytest.mark.parametrize(
     "name, implementation, preset",
-    [("llama", "sdpa", "cplrp"), ("gpt2", "eager", "attnlrp"), ("t5", "sdpa", "attnlrp")],
+    [
+        ("llama", "sdpa", "cplrp"),
+        ("llama-inner", "sdpa", "attnlrp"),
+        ("gpt2", "eager", "attnlrp"),
+        ("t5", "sdpa", "attnlrp"),
+    ],
 )
 def test_a_generation_loop_keeping_its_cache_in_one_context_explains_each_step_as_the_whole_sequence(
     name: str, implementation: str, preset: str
@@ -113,7 +127,7 @@ def test_a_generation_loop_keeping_its_cache_in_one_context_explains_each_step_a
     }
     with torch.no_grad():
         cache = model(**{keyword: x[:, :PREFIX]}, **encoder, use_cache=True).past_key_values
-    step = GenerationStep(model, cache, **encoder)
+    step = (InnerGenerationStep if name.endswith("-inner") else GenerationStep)(model, cache, **encoder)
     lrp = LRP(step, PRESETS[preset](), in_keys=["x"], out_keys=["y"])
     with lrp, warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers renames past_key_values

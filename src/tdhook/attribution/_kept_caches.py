@@ -62,19 +62,15 @@ def is_cache(value: Any) -> bool:
 
 
 def cache_receivers(model: nn.Module) -> list[nn.Module]:
-    """The outermost modules of ``model`` whose ``forward`` takes a cache argument by name (those that see a cache
-    handed to the model first)."""
-    found: list[str] = []
+    """The modules of ``model`` whose ``forward`` takes a cache argument by name: the model's own, its layers' (a
+    forward may hand the cache to an inner model, as a user's step calling ``model.model`` does)."""
     receivers = []
-    for name, module in model.named_modules():
-        if any(name.startswith(outer + ".") or outer == "" for outer in found):
-            continue
+    for module in model.modules():
         try:
             parameters = inspect.signature(module.forward).parameters
         except (TypeError, ValueError):  # a builtin forward
             continue
         if CACHE_ARGUMENTS.intersection(parameters):
-            found.append(name)
             receivers.append(module)
     return receivers
 

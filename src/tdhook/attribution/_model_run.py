@@ -147,7 +147,7 @@ _CACHE_RECEIVERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _cache_receivers(lrp: Any) -> list:
-    """The outermost modules of ``lrp``'s model that take a key-value cache argument, found once per context."""
+    """The modules of ``lrp``'s model that take a key-value cache argument, found once per context."""
     found = _CACHE_RECEIVERS.get(lrp)
     if found is None or found[0] != id(lrp._handles):
         found = _CACHE_RECEIVERS[lrp] = (id(lrp._handles), cache_receivers(lrp.module))
