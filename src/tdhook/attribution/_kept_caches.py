@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,24 +56,47 @@ _DEPTH = 3  # a cache, its layers, and what they hold
 
 def is_cache(value: Any) -> bool:
     """Whether ``value`` is a ``transformers`` cache (a subclass of its ``Cache``), told by its classes' names
-    (``transformers`` is not imported)."""
-    return any(
-        cls.__name__ == "Cache" and cls.__module__.startswith("transformers") for cls in type(value).__mro__[:-1]
-    )
+    (``transformers`` is not imported); decided once per type."""
+    kind = type(value)
+    found = _CACHE_TYPES.get(kind)
+    if found is None:
+        found = _CACHE_TYPES[kind] = any(
+            cls.__name__ == "Cache" and cls.__module__.startswith("transformers") for cls in kind.__mro__[:-1]
+        )
+    return found
+
+
+# Whether each type met is a cache's: the argument values of a receiver's call are checked at every call.
+_CACHE_TYPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def cache_receivers(model: nn.Module) -> list[nn.Module]:
-    """The modules of ``model`` whose ``forward`` takes a cache argument by name: the model's own, its layers' (a
-    forward may hand the cache to an inner model, as a user's step calling ``model.model`` does)."""
-    receivers = []
+    """The modules of ``model`` whose ``forward`` takes a cache argument by name and that a caller may hand a cache:
+    the outermost such modules and the ``transformers`` models below them (a step may hand the cache to an inner
+    model, as one calling ``model.model`` does). The layers and attention modules of a model take the cache from
+    it, which notes it first: they are left out, so that their calls keep ``nn.Module``'s way without hooks."""
+    receivers: list[nn.Module] = []
+    covered: set[int] = set()  # modules below a receiver
     for module in model.modules():
-        try:
-            parameters = inspect.signature(module.forward).parameters
-        except (TypeError, ValueError):  # a builtin forward
-            continue
-        if CACHE_ARGUMENTS.intersection(parameters):
+        if _takes_cache(module) and (id(module) not in covered or _is_pretrained_model(module)):
             receivers.append(module)
+            covered.update(id(child) for child in module.modules() if child is not module)
     return receivers
+
+
+def _takes_cache(module: nn.Module) -> bool:
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):  # a builtin forward
+        return False
+    return bool(CACHE_ARGUMENTS.intersection(parameters))
+
+
+def _is_pretrained_model(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``transformers`` ``PreTrainedModel``, told by its classes' names."""
+    return any(
+        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers") for cls in type(module).__mro__
+    )
 
 
 class _State:
