@@ -24,6 +24,7 @@ from tensordict import TensorDictBase
 from tdhook.attribution._checkpointing import raise_for_checkpointing
 from tdhook.attribution._function_rule_plan import FunctionRulePlan
 from tdhook.attribution._given_inputs import given_inputs, restore_inputs
+from tdhook.attribution._kept_caches import KeptCaches, cache_receivers
 from tdhook.attribution._nonlinear_calls import NonlinearCalls
 from tdhook.attribution._plain_modules import call_plain
 from tdhook.attribution._rerun_state import ModelBuffers
@@ -46,8 +47,10 @@ def run_model(
 
     A call that runs the model again (its graph was not the recorded one) starts from the inputs it was given:
     ``work``'s entries, and the values of the explained inputs' copies ``fed``, taken again from ``leaves`` where
-    the model changed them in place. An input that is not explained and that the model changed in place is the
-    caller's tensor, which nothing can put back: such a call raises a ``RuntimeError`` naming its key."""
+    the model changed them in place. Running statistics of norms in training mode, and the key-value caches
+    handed to the model (a generation loop's), are put back as they were before the first run. An input that is not
+    explained and that the model changed in place is the caller's tensor, which nothing can put back: such a call
+    raises a ``RuntimeError`` naming its key."""
     raise_for_checkpointing("LRP", [] if lrp._inactive else lrp._checkpointing)  # before the model runs
     lrp._function_rule_plan.quiet.remove()  # modules a plan ran without hooks, if an interrupt left them so
     handles = lrp._handles or []
@@ -64,13 +67,15 @@ def run_model(
             inputs = given_inputs(work)
             buffers = _model_buffers(lrp)
             statistics = buffers.keep()  # what a run may write: a BatchNorm's statistics in training mode, a counter
+            caches = KeptCaches(_cache_receivers(lrp))  # a KV cache handed in: the run appends to it
             start = sequence_number()
             norm_outputs: list = []
             kept = KeptOutputs(plan.kept) if plan.kept else None  # activations' inputs (a tanh's)
             # Modules whose rules the plan puts, without their hooks (the norms note their outputs all the same).
             quiet = lrp._function_rule_plan.quiet.running(plan.quiet, plan.noting)
             with closing_scopes(), graph_call(plain=plan.plain, outputs=norm_outputs, kept=kept), quiet:
-                result = _call(lrp, work)
+                with caches.watching():
+                    result = _call(lrp, work)
             activations = lrp._function_rule_plan.quiet.taken_outputs()  # their rule's factor takes them
             if plan.apply(
                 work if result is None else result, start, sequence_number(), norm_outputs, kept, activations
@@ -83,11 +88,13 @@ def run_model(
                 handle.pop_records()
             restore_inputs(work, inputs, leaves, fed)
             buffers.put_back(statistics)  # the run that was let go moved them: as the plain call, once
+            caches.put_back()  # and appended to the caches: the next run appends once more
         recording = rule_modes[0].recording = lrp._function_rule_plan.recorder(key)
         if recording is not None:  # a recording call may run again (see below): the leaves it may overwrite
             inputs = given_inputs(work)
             buffers = _model_buffers(lrp)
             statistics = buffers.keep(every=True)  # once per signature: every buffer's values
+            caches = KeptCaches(_cache_receivers(lrp))
     if not (rule_modes or lrp._compiled or lrp._coverage.watching or watch is not RuleUse.NOTHING):
         with closing_scopes():  # nothing to enter but the scopes (every call of a context after its first, mostly)
             return _call(lrp, work), None
@@ -102,6 +109,7 @@ def run_model(
             modes.enter_context(graph_call(recording, outputs=recording.outputs, kept=recording.kept))
             if recording.kept is not None:  # every module's output, where an activation's input may be one
                 modes.enter_context(lrp._function_rule_plan.keepers.every(lrp.named_explained_modules().values()))
+            modes.enter_context(caches.watching())
         # Innermost: what ruled modules entered and an interrupt kept them from leaving ends first.
         modes.enter_context(closing_scopes())
         start = sequence_number()
@@ -118,6 +126,7 @@ def run_model(
                 handle.pop_records()
             restore_inputs(work, inputs, leaves, fed)
             buffers.put_back(statistics)
+            caches.put_back()
             result = _call(lrp, work)
         elif recording is not None:
             buffers.note(statistics)
@@ -135,6 +144,18 @@ def _model_buffers(lrp: Any) -> ModelBuffers:
     found = _MODEL_BUFFERS.get(lrp)
     if found is None or found[0] != id(lrp._handles):
         found = _MODEL_BUFFERS[lrp] = (id(lrp._handles), ModelBuffers(lrp.module))
+    return found[1]
+
+
+# By wrapper: the id of its rule handles when they were found (a context's), and the modules taking a cache.
+_CACHE_RECEIVERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _cache_receivers(lrp: Any) -> list:
+    """The modules of ``lrp``'s model that take a key-value cache argument, found once per context."""
+    found = _CACHE_RECEIVERS.get(lrp)
+    if found is None or found[0] != id(lrp._handles):
+        found = _CACHE_RECEIVERS[lrp] = (id(lrp._handles), cache_receivers(lrp.module))
     return found[1]
 
 
