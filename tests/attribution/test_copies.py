@@ -332,3 +332,31 @@ def test_a_serial_env_rollout_writes_the_relevance_of_a_direct_call():
         env.close()
     assert rollout["relevance", "observation"].shape == (2, 6, 4)
     assert_relevance_of_a_direct_call(rollout, net)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+@pytest.mark.parametrize("opened", [False, True], ids=["no context", "in a context"])
+def test_a_wrapper_copied_inside_inactive_has_its_rules_on(opened: bool, how: str):
+    """``inactive()`` switches the original's rules off for its block. A copy made in the block took the switch
+    along for good: each of its calls wrote gradient × input (145 % off EpsilonGammaBox's relevance, relative L2,
+    here), with no word."""
+    net = conv_net()
+    x = torch.randn(5, 2, 5, dtype=F64)
+    lrp = LRP(net, EpsilonGammaBox(-3.0, 3.0), in_keys=["x"], out_keys=["y"])
+    expected = relevance(lrp, x)
+    _, lrp0 = gradient_x_input(conv_net(), x, unit=0)
+    if opened:
+        lrp.__enter__()
+    try:
+        with lrp.inactive():
+            copied = copies_of(lrp, how)
+            zero = LRP(net, {}, in_keys=["x"], out_keys=["y"], target=0)
+            torch.testing.assert_close(relevance(copies_of(zero, how), x), lrp0, rtol=1e-12, atol=1e-12)
+    finally:
+        if opened:
+            lrp.__exit__(None, None, None)
+    torch.testing.assert_close(relevance(copied, x), expected, rtol=1e-12, atol=1e-12)
+    with copied:
+        torch.testing.assert_close(relevance(copied, x), expected, rtol=1e-12, atol=1e-12)
+        with copied.inactive():  # the copy's own block switches its rules off
+            torch.testing.assert_close(relevance(copied, x), relevance(LRP(net, {}, in_keys=["x"], out_keys=["y"]), x))

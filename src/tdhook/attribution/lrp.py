@@ -372,7 +372,10 @@ class LRP(TensorDictModuleBase, MapperTunable):
     def __getstate__(self) -> dict:
         if self._handles is not None:
             raise RuntimeError("LRP: leave the wrapper's context before copying or pickling it")
-        return {k: v for k, v in super().__getstate__().items() if k != "_lock"}
+        state = {k: v for k, v in super().__getstate__().items() if k != "_lock"}
+        # An inactive() block is the original's: a copy made in it is outside it, with its rules on.
+        state["_inactive"] = False
+        return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
