@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import threading
 
 import pytest
 import torch
@@ -360,3 +361,64 @@ def test_a_wrapper_copied_inside_inactive_has_its_rules_on(opened: bool, how: st
         torch.testing.assert_close(relevance(copied, x), expected, rtol=1e-12, atol=1e-12)
         with copied.inactive():  # the copy's own block switches its rules off
             torch.testing.assert_close(relevance(copied, x), relevance(LRP(net, {}, in_keys=["x"], out_keys=["y"]), x))
+
+
+# Events of the model below, kept outside it: a copy of the model (which copies its attributes) must not block.
+_GATES: dict[str, threading.Event] = {}
+
+
+class HeldNet(nn.Module):
+    """An MLP whose forward, while ``_GATES`` holds events, says it has started and waits to be let go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).to(F64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _GATES:
+            _GATES["started"].set()
+            _GATES["go"].wait(timeout=30)
+        return self.body(x)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save", "copy()"])
+def test_a_wrapper_copied_while_another_thread_calls_it_waits_for_the_call(how: str):
+    """A call enters a context for its length: a copy made meanwhile in another thread (a worker getting a wrapper
+    of its own while the first explains) raised "leave the wrapper's context before copying or pickling it", in
+    299 of 300 tries against a thread calling in a loop, where no context was ever opened."""
+    net = HeldNet()
+    x = torch.randn(4, 5, dtype=F64)
+    lrp = LRP(net, {nn.Linear: EpsilonRule(0.5)}, in_keys=["x"], out_keys=["y"])
+    expected = relevance(lrp, x)
+    _GATES.update(started=threading.Event(), go=threading.Event())
+    results: dict[str, object] = {}
+
+    def call() -> None:
+        results["call"] = relevance(lrp, x)
+
+    def copy_it() -> None:
+        try:
+            results["copy"] = lrp.copy() if how == "copy()" else copies_of(lrp, how)
+        except Exception as err:  # reported below
+            results["copy"] = err
+
+    caller = threading.Thread(target=call)
+    try:
+        caller.start()
+        assert _GATES["started"].wait(timeout=30)
+        copier = threading.Thread(target=copy_it)
+        copier.start()
+        copier.join(timeout=0.3)  # the copy waits for the call in flight
+        assert "copy" not in results, results["copy"]
+        _GATES["go"].set()
+        caller.join(timeout=30)
+        copier.join(timeout=30)
+    finally:
+        _GATES["go"].set()
+        _GATES.clear()
+    copied = results["copy"]
+    assert isinstance(copied, LRP), copied
+    torch.testing.assert_close(results["call"], expected, rtol=0, atol=0)
+    torch.testing.assert_close(relevance(copied, x), expected, rtol=1e-12, atol=1e-12)
+    assert_hooks_as_in(copied.module.module, HeldNet())

@@ -28,6 +28,7 @@ Examples:
 
 from __future__ import annotations
 
+import copy
 import copyreg
 import weakref
 from collections.abc import Callable, Iterable
@@ -37,7 +38,7 @@ from torch import nn
 
 from tdhook.attribution._quiet_modules import QuietCall
 
-__all__ = ["hide_from_copies"]
+__all__ = ["hide_from_copies", "wrapper_copy", "wrapper_state"]
 
 _GETSTATE = "__getstate__"
 
@@ -155,3 +156,55 @@ def hide_from_copies(modules: Iterable[nn.Module], hook_ids: set[int]) -> Hidden
         What undoes it, with a ``remove()`` method like a hook handle's.
     """
     return HiddenFromCopies(modules, hook_ids)
+
+
+def wrapper_state(wrapper: Any, module_state: Callable[[], dict]) -> dict:
+    """The state a copy or a pickle of an LRP ``wrapper`` gets (its ``__getstate__``): ``module_state()`` without the
+    lock, taken once a call of another thread (which enters a context for its length) has ended; and with the rules
+    on, since an ``inactive()`` block is the original's.
+
+    Args:
+        wrapper: the LRP wrapper.
+        module_state: its ``nn.Module`` state.
+
+    Raises:
+        RuntimeError: the wrapper's context is open.
+
+    Examples:
+        >>> import threading
+        >>> class Wrapper:
+        ...     _lock, _handles = threading.RLock(), None
+        >>> wrapper_state(Wrapper(), lambda: {"_lock": None, "_inactive": True, "module": "net"})
+        {'_inactive': False, 'module': 'net'}
+    """
+    with wrapper._lock:
+        if wrapper._handles is not None:
+            raise RuntimeError("LRP: leave the wrapper's context before copying or pickling it")
+        state = {name: value for name, value in module_state().items() if name != "_lock"}
+    state["_inactive"] = False
+    return state
+
+
+def wrapper_copy(wrapper: Any, memo: dict) -> Any:
+    """A deep copy of an LRP ``wrapper`` (its ``__deepcopy__``), made holding its lock: a call of another thread
+    ends first, and none starts while the model is copied.
+
+    Examples:
+        >>> import threading
+        >>> class Wrapper:
+        ...     _lock, _handles = threading.RLock(), None
+        ...     def __getstate__(self):
+        ...         return {"weights": [1.0]}
+        ...     def __setstate__(self, state):
+        ...         self.__dict__.update(state)
+        >>> wrapper = Wrapper()
+        >>> copied = wrapper_copy(wrapper, {})
+        >>> type(copied).__name__, copied.weights
+        ('Wrapper', [1.0])
+    """
+    with wrapper._lock:
+        state = wrapper.__getstate__()
+        copied = type(wrapper).__new__(type(wrapper))
+        memo[id(wrapper)] = copied
+        copied.__setstate__(copy.deepcopy(state, memo))
+        return copied
