@@ -42,7 +42,7 @@ from tdhook.attribution._context import (
     stop_marks,
     suspend_function_modes_in,
 )
-from tdhook.attribution._copies import hide_from_copies
+from tdhook.attribution._copies import hide_from_copies, wrapper_copy, wrapper_state
 from tdhook.attribution._coverage_recorder import CoverageRecorder
 from tdhook.attribution._differentiable import check_differentiable, relevance_graph, rules_off
 from tdhook.attribution._function_gates import FunctionGates
@@ -370,9 +370,9 @@ class LRP(TensorDictModuleBase, MapperTunable):
             release(self)
 
     def __getstate__(self) -> dict:
-        if self._handles is not None:
-            raise RuntimeError("LRP: leave the wrapper's context before copying or pickling it")
-        return {k: v for k, v in super().__getstate__().items() if k != "_lock"}
+        return wrapper_state(self, super().__getstate__)
+
+    __deepcopy__ = wrapper_copy  # holding the lock
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)

@@ -25,6 +25,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -204,15 +205,25 @@ class MapperTunable(ModelTunable):
 
     def set_kwargs(self, **values: Any) -> Self:
         """Set the rule mapper's tunable parameters (see :meth:`Tunable.set_kwargs`) and return the wrapper."""
-        self._refuse_in_context("setting its parameters")
-        setter = getattr(self.rule_mapper, "set_kwargs", None)
-        if setter is None:
-            unknown = ", ".join(values)
-            raise ValueError(f"{type(self).__name__}: {unknown} is not a tunable parameter; the rule mapper has none")
-        setter(**values)
-        return self
+        with self._calls_ended():
+            self._refuse_in_context("setting its parameters")
+            setter = getattr(self.rule_mapper, "set_kwargs", None)
+            if setter is None:
+                unknown = ", ".join(values)
+                raise ValueError(
+                    f"{type(self).__name__}: {unknown} is not a tunable parameter; the rule mapper has none"
+                )
+            setter(**values)
+            return self
 
     def copy(self) -> Self:
         """An independent copy of the wrapper and its rule mapper, explaining the same model."""
-        self._refuse_in_context("copying it")
-        return super().copy()
+        with self._calls_ended():
+            self._refuse_in_context("copying it")
+            return super().copy()
+
+    def _calls_ended(self) -> Any:
+        """The wrapper's lock, held for the block: a call of another thread, which enters a context for its length,
+        ends first, and none starts in the block."""
+        lock = self.__dict__.get("_lock")
+        return contextlib.nullcontext() if lock is None else lock

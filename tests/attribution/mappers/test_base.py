@@ -65,6 +65,31 @@ class TestMappers:
         # Flat spreads each unit's relevance evenly over the 4 inputs: all four columns are equal.
         torch.testing.assert_close(flat, flat[:, :1].expand_as(flat))
 
+    @pytest.mark.parametrize("form", ["dict", "preset with a dict"])
+    def test_a_wrapper_with_a_dict_mapper_pickles_and_explains_as_before(self, form: str):
+        """A dict made the mapper a closure, which pickle refuses: ``torch.save`` of such a wrapper, or a
+        collector sending it to worker processes, raised ``Can't pickle local object
+        'rule_mapper_from_dict.<locals>.mapper'``."""
+        import pickle
+
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).double()
+        td = TensorDict(x=torch.randn(3, 4, dtype=torch.float64), batch_size=[3])
+        rules = {"0": FlatRule(), nn.Linear: EpsilonRule(0.5)}
+        mapper = rules if form == "dict" else EpsilonPlusFlat(rule_mapper=rules)
+        lrp = LRP(net, mapper, in_keys=["x"], out_keys=["y"])
+        expected = lrp(td.clone())["relevance", "x"]
+        copied = pickle.loads(pickle.dumps(lrp))
+        torch.testing.assert_close(copied(td.clone())["relevance", "x"], expected, rtol=0, atol=0)
+        # The copy keeps the entries' order and name patterns: a rule for a name the model lacks is still named.
+        with pytest.warns(UserWarning, match="'head' matches no module of the model"):
+            LRP(
+                net,
+                pickle.loads(pickle.dumps(rule_mapper_from_dict({"head": StopRule()}))),
+                in_keys=["x"],
+                out_keys=["y"],
+            )
+
     def test_first_layer_rule_stays_on_the_first_layer_when_the_user_maps_it(self):
         model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 4), nn.Linear(4, 1)).double()
         epsilon = EpsilonRule()

@@ -84,25 +84,32 @@ def rule_mapper_from_dict(mapping: Mapping[type | tuple[type, ...] | str, Rule])
         >>> mapper("head", nn.Linear(2, 2)), mapper("body.0", nn.Linear(2, 2)), mapper("act", nn.Tanh())
         (StopRule(), EpsilonRule(epsilon=0.25), None)
     """
-    entries = list(mapping.items())
-    for key, rule in entries:
-        if not isinstance(rule, Rule):
-            raise TypeError(f"rule mapping entry {key!r} must map to a Rule, got {type(rule).__name__}")
+    return _DictRuleMapper(mapping)
 
-    def entry_of(name: str, module: nn.Module) -> tuple[int, Rule] | None:
-        for index, (key, rule) in enumerate(entries):
+
+class _DictRuleMapper:
+    """The mapper :func:`rule_mapper_from_dict` makes: a class, not a closure, so that a wrapper holding it pickles
+    (``torch.save``, a collector's worker processes)."""
+
+    def __init__(self, mapping: Mapping[type | tuple[type, ...] | str, Rule]) -> None:
+        entries = list(mapping.items())
+        for key, rule in entries:
+            if not isinstance(rule, Rule):
+                raise TypeError(f"rule mapping entry {key!r} must map to a Rule, got {type(rule).__name__}")
+        self.entries = tuple(entries)  # checked by the wrapper: an entry every module of which an earlier one takes
+        self.name_patterns = tuple(key for key, _ in entries if isinstance(key, str))  # checked by the wrapper
+
+    def entry_of(self, name: str, module: nn.Module) -> tuple[int, Rule] | None:
+        """The first entry matching the module, with its position (a module of several names takes the first entry
+        of any)."""
+        for index, (key, rule) in enumerate(self.entries):
             if fnmatchcase(name, key) if isinstance(key, str) else isinstance(module, key):
                 return index, rule
         return None
 
-    def mapper(name: str, module: nn.Module) -> Rule | None:
-        match = entry_of(name, module)
+    def __call__(self, name: str, module: nn.Module) -> Rule | None:
+        match = self.entry_of(name, module)
         return None if match is None else match[1]
-
-    mapper.entry_of = entry_of  # the entry's position too: a module of several names takes the first entry of any
-    mapper.entries = tuple(entries)  # checked by the wrapper: an entry every module of which an earlier one takes
-    mapper.name_patterns = tuple(key for key, _ in entries if isinstance(key, str))  # checked by the wrapper
-    return mapper
 
 
 class PresetOptions(TypedDict, total=False):

@@ -33,17 +33,24 @@ def raise_for_unconserved_rel_factory(
 
     for name, value in (("atol", atol), ("rtol", rtol)):
         nonnegative("raise_for_unconserved_rel_factory", name, value)
+    return _ConservationCheck(atol, rtol)
 
-    def check(name: str, module: nn.Module, relevance_in: torch.Tensor, relevance_out: torch.Tensor) -> None:
+
+class _ConservationCheck:
+    """The check :func:`raise_for_unconserved_rel_factory` makes: a class, not a closure, so that a wrapper holding
+    it pickles (``torch.save``, a collector's worker processes)."""
+
+    def __init__(self, atol: float, rtol: float) -> None:
+        self.atol, self.rtol = atol, rtol
+
+    def __call__(self, name: str, module: nn.Module, relevance_in: torch.Tensor, relevance_out: torch.Tensor) -> None:
         kind = type(module).__name__
         for label, rel in (("input", relevance_in), ("output", relevance_out)):
             if not torch.isfinite(rel).all():
                 raise ValueError(f"{label} relevance of module {name!r} ({kind}) has NaN or inf values")
         total_in, total_out = relevance_in.sum().item(), relevance_out.sum().item()
-        if abs(total_in - total_out) > atol + rtol * abs(total_out):
+        if abs(total_in - total_out) > self.atol + self.rtol * abs(total_out):
             raise ValueError(
                 f"relevance is not conserved at module {name!r} ({kind}): "
                 f"input sum {total_in:.6g}, output sum {total_out:.6g}"
             )
-
-    return check
