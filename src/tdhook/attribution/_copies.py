@@ -11,7 +11,10 @@ copies itself by a protocol of its own, which reads ``__dict__`` and not
 ``__getstate__`` (a parametrized module's ``__deepcopy__``, as
 ``weight_norm`` and ``spectral_norm`` make it; a traced ``GraphModule``'s
 ``__reduce__``), also gets a ``__deepcopy__`` or ``__reduce_ex__`` of its own
-that runs the class's protocol on a stand-in holding that state.
+that runs the class's protocol on a stand-in holding that state. Every module
+gets the ``__deepcopy__``, which looks at the class when a copy is made: a
+parametrization registered while the context is open gives the module a class
+with a ``__deepcopy__`` of its own.
 
 Examples:
     >>> import copy
@@ -22,8 +25,8 @@ Examples:
     >>> len(copy.deepcopy(layer)._forward_hooks), len(layer._forward_hooks)
     (0, 1)
     >>> hidden.remove()
-    >>> len(copy.deepcopy(layer)._forward_hooks), "__getstate__" in vars(layer)
-    (1, False)
+    >>> len(copy.deepcopy(layer)._forward_hooks), "__getstate__" in vars(layer), "__deepcopy__" in vars(layer)
+    (1, False, False)
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ class _StateWithoutHooks:
 class _StandInCopies:
     """The class's own ``__deepcopy__`` or ``__reduce_ex__`` of a module, run on a stand-in: an instance of the
     module's class whose ``__dict__`` is the module's without the context's entries (its children are the module's
-    own, copied by their own ``__getstate__``)."""
+    own, copied by their own ``__getstate__``). A ``__deepcopy__`` of a module whose class has none (now) copies the
+    module as ``copy.deepcopy`` does, through its ``__getstate__``."""
 
     def __init__(self, module: nn.Module, hook_ids: set[int], method: str) -> None:
         self._module = weakref.ref(module)
@@ -93,6 +97,10 @@ class _StandInCopies:
         return stand_in
 
     def __call__(self, argument: Any) -> Any:
+        if self._method == _DEEPCOPY and _DEEPCOPY not in _own_protocols(self._module()):
+            # No ``__deepcopy__`` of the class (now): ``copy.deepcopy``'s way, which reads ``__getstate__``.
+            module, memo = self._module(), {} if argument is None else argument
+            return copy._reconstruct(module, memo, *module.__reduce_ex__(4))  # type: ignore[attr-defined]
         stand_in = self._stand_in()
         if self._method == _DEEPCOPY:
             memo = {} if argument is None else argument
@@ -126,7 +134,9 @@ class HiddenFromCopies:
         try:
             for module in modules:  # each listed before it is installed, so that remove() finds it
                 methods = {_GETSTATE: _StateWithoutHooks(module, hook_ids)}
-                methods.update({name: _StandInCopies(module, hook_ids, name) for name in _own_protocols(module)})
+                # Every module's __deepcopy__: a parametrization registered later gives the class one of its own.
+                protocols = {_DEEPCOPY, *_own_protocols(module)}
+                methods.update({name: _StandInCopies(module, hook_ids, name) for name in sorted(protocols)})
                 for name, method in methods.items():
                     self._installed.append((weakref.ref(module), name, method))
                     module.__dict__[name] = method
