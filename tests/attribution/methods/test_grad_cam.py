@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 
 import captum.attr
 import pytest
@@ -267,3 +268,43 @@ def test_a_compiled_model_equals_captum_on_the_plain_one(how: str):
     expected = captum.attr.LayerGradCam(plain, plain[1]).attribute(x.clone(), target=2, relu_attributions=False)
     assert relative_error(td[cam.layer_key], expected.squeeze(1)) <= 1e-8
     assert expected.abs().max() > 1e-3  # not a comparison of zeros
+
+
+class WithTeacher(nn.Module):
+    """On its first forward, a frozen copy of its features is made (an EMA teacher); both run from then on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU())
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(3 * 5 * 5, 2))
+        self.teacher: nn.Module | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.teacher is None:
+            self.teacher = copy.deepcopy(self.features).requires_grad_(False)
+        return self.head(self.features(x) + 0.5 * self.teacher(x))
+
+
+def with_teacher(made: bool) -> WithTeacher:
+    torch.manual_seed(0)
+    net = WithTeacher().double()
+    if made:
+        net.teacher = copy.deepcopy(net.features).requires_grad_(False)
+    return net
+
+
+def test_a_copy_of_the_layer_made_during_a_call_does_not_record():
+    """A copy of the layer made during a call (the model's forward deep-copying its features into a teacher) copied
+    the call's hook: every call from then on found the layer called twice and refused, the teacher run outside calls
+    kept its outputs in the method, and the model could not be pickled."""
+    net, twin = with_teacher(made=False), with_teacher(made=True)
+    x = torch.randn(4, 2, 5, 5, dtype=torch.float64)
+    cam = GradCAM(net, layer="features.0", in_keys=["x"], out_keys=["y"], target=0, relu=False)
+    expected = captum.attr.LayerGradCam(twin, twin.features[0]).attribute(x.clone(), target=0)
+    for _ in range(2):
+        td = cam(TensorDict(x=x.clone(), batch_size=[4]))
+        assert relative_error(td["attribution", "features.0"], expected.squeeze(1)) <= 1e-8
+        net.teacher(x.clone().requires_grad_(True))  # a run outside the calls
+        assert cam._activations == []
+    copied = pickle.loads(pickle.dumps(net))
+    torch.testing.assert_close(copied(x), twin(x), rtol=0, atol=0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,57 @@ __all__ = ["GradCAM"]
 _MODES = {1: "linear", 2: "bilinear", 3: "trilinear"}
 _NOTHING = contextlib.nullcontext()
 _VMAPPED = object()  # recorded in place of a layer's output computed under torch.vmap
+
+
+def _record_nothing(module: nn.Module, args: tuple, output: object) -> None:
+    """The forward hook a copy of the layer made during a call has in place of the recorder."""
+
+
+def _nothing_recorded() -> Callable[[nn.Module, tuple, object], None]:
+    return _record_nothing
+
+
+class _Recorder:
+    """The forward hook on the layer for one call: records the layer's output in ``activations`` and has the model
+    go on with a copy of it (an in-place operation after the layer, a ``ReLU(inplace=True)``, must not overwrite the
+    activation the map is made of).
+
+    A copy of the layer made during the call, by the model's forward (an EMA teacher) or by another thread, copies its
+    hooks: it gets :func:`_record_nothing` (deep copy, pickle), or shares this hook, which records the layer alone
+    (shallow copy). Otherwise the copy run in a later call made the layer seem called twice, a copy run outside calls
+    kept its outputs and their graphs in the method, and the copy could not be pickled.
+
+    Examples:
+        >>> import copy
+        >>> layer, activations = nn.Linear(2, 2), []
+        >>> handle = layer.register_forward_hook(_Recorder(activations, layer))
+        >>> twin = copy.deepcopy(layer)
+        >>> _, _ = layer(torch.ones(1, 2)), twin(torch.ones(1, 2))
+        >>> len(activations), list(twin._forward_hooks.values()) == [_record_nothing]
+        (1, True)
+    """
+
+    def __init__(self, activations: list, layer: nn.Module) -> None:
+        self._activations = activations
+        self._layer = layer
+
+    def __call__(self, module: nn.Module, args: tuple, output: object) -> torch.Tensor | None:
+        # Under no_grad: a run for the values of the caller's no_grad (see _no_grad_values).
+        if module is not self._layer or not torch.is_grad_enabled():
+            return None
+        if isinstance(output, torch.Tensor) and torch._C._functorch.is_batchedtensor(output):
+            # Under torch.vmap (the agents of a torchrl multi-agent network with share_params=False): a value of
+            # one vmapped call, which no gradient outside it reaches.
+            self._activations.append(_VMAPPED)
+            return None
+        self._activations.append(output)
+        return output.clone() if isinstance(output, torch.Tensor) else None
+
+    def __deepcopy__(self, memo: dict) -> Callable[[nn.Module, tuple, object], None]:
+        return _record_nothing
+
+    def __reduce__(self) -> tuple:
+        return _nothing_recorded, ()
 
 
 class GradCAM(AttributionMethod):
@@ -114,20 +165,6 @@ class GradCAM(AttributionMethod):
     @contextlib.contextmanager
     def _model_context(self) -> Iterator[None]:
         self._activations = []
-
-        def record(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-            if not torch.is_grad_enabled():  # a run for the values of the caller's no_grad (see _no_grad_values)
-                return None
-            if isinstance(output, torch.Tensor) and torch._C._functorch.is_batchedtensor(output):
-                # Under torch.vmap (the agents of a torchrl multi-agent network with share_params=False): a value of
-                # one vmapped call, which no gradient outside it reaches.
-                self._activations.append(_VMAPPED)
-                return None
-            self._activations.append(output)
-            # The model goes on with a copy: an in-place operation after the layer (a ReLU(inplace=True)) must
-            # not overwrite the activation the map is made of.
-            return output.clone() if isinstance(output, torch.Tensor) else None
-
         from tdhook.attribution.lrp import _compiled  # lrp imports the methods' package
 
         modules = self.named_explained_modules()
@@ -136,7 +173,7 @@ class GradCAM(AttributionMethod):
         eager = torch.compiler.set_stance("force_eager") if any(map(_compiled, modules.values())) else _NOTHING
         try:
             layer = every_named_module(modules[""])[self.layer]  # by any of its names
-            with eager, hooks_removed([layer.register_forward_hook(record)]):
+            with eager, hooks_removed([layer.register_forward_hook(_Recorder(self._activations, layer))]):
                 yield
         finally:
             self._activations = []
