@@ -151,6 +151,7 @@ class ChangingStep(GenerationStep):
         return logits if self.calls == 1 else torch.cat([logits[:, :1] * 2, logits[:, 1:]], 1)
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers renames past_key_values
 def test_a_static_cache_written_in_place_in_a_call_that_runs_again_is_refused_naming_it():
     """A static cache writes the new keys into its own tensors: a call that runs the model again (a step whose graph
     changed) cannot put them back (autograd refused the second run's graph with an in-place error that named no
