@@ -11,6 +11,7 @@ additive embeddings zeroed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -33,6 +34,7 @@ from tests.attribution.test_lrp_transformer_zoo import (
     scaled_up,
     zero_additive,
 )
+from tests.attribution.test_lrp_transformer_zoo_recurrent import RECURRENT
 from tests.conftest import relative_error
 
 F64 = torch.float64
@@ -138,24 +140,46 @@ def test_a_generation_loop_keeping_its_cache_in_one_context_explains_each_step_a
             assert relative_error(td["relevance", "x"], whole[t]["relevance", "x"][:, t:]) <= 1e-10
 
 
+class ChangingStep(GenerationStep):
+    """A generation step whose graph changes after its first call (its first logit doubled)."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        logits = super().forward(x)
+        return logits if self.calls == 1 else torch.cat([logits[:, :1] * 2, logits[:, 1:]], 1)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers renames past_key_values
 def test_a_static_cache_written_in_place_in_a_call_that_runs_again_is_refused_naming_it():
-    """A static cache writes the new keys into its own tensors: a call that runs the model again cannot put them
-    back (autograd refused the second run's graph with an in-place error that named no cache). The error names the
-    cache and what to do; a step explained in a call of its own is explained as the whole sequence."""
+    """A static cache writes the new keys into its own tensors: a call that runs the model again (a step whose graph
+    changed) cannot put them back (autograd refused the second run's graph with an in-place error that named no
+    cache). The error names the cache and what to do. A step explained in a call of its own, and a loop in one
+    context whose steps keep one graph, are explained as the whole sequence (such a loop was refused too, from its
+    first call after an explained one: the cache held that call's graph, freed, and each call ran again)."""
     model = ZOO["llama"].build("sdpa")
-    x = torch.randn(BATCH, TOKENS, HIDDEN, dtype=F64, generator=torch.Generator().manual_seed(1))
-    cache = transformers.StaticCache(config=model.config, max_cache_len=TOKENS)
+    steps = TOKENS + 2
+    x = torch.randn(BATCH, steps, HIDDEN, dtype=F64, generator=torch.Generator().manual_seed(1))
+    whole = {t: explain(Called(model, next_token), "cplrp", x[:, : t + 1]) for t in range(PREFIX, steps)}
+    caches = [transformers.StaticCache(config=model.config, max_cache_len=steps) for _ in range(2)]
     with torch.no_grad():
-        model(inputs_embeds=x[:, :PREFIX], past_key_values=cache)
-    step = GenerationStep(model, cache)
+        for cache in caches:
+            model(inputs_embeds=x[:, :PREFIX], past_key_values=cache)
+    step = GenerationStep(model, caches[0])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         alone = explain(step, "cplrp", x[:, PREFIX : PREFIX + 1])  # a call of its own
-        whole = explain(Called(model, next_token), "cplrp", x[:, : PREFIX + 1])
-        assert relative_error(alone["relevance", "x"], whole["relevance", "x"][:, PREFIX:]) <= 1e-10
+        assert relative_error(alone["relevance", "x"], whole[PREFIX]["relevance", "x"][:, PREFIX:]) <= 1e-10
         lrp = LRP(step, PRESETS["cplrp"](), in_keys=["x"], out_keys=["y"])
+        with lrp:
+            for t in range(PREFIX + 1, steps):
+                td = lrp(TensorDict(x=x[:, t : t + 1].clone(), batch_size=[BATCH]))
+                torch.testing.assert_close(td["y"], whole[t]["y"])
+                assert relative_error(td["relevance", "x"], whole[t]["relevance", "x"][:, t:]) <= 1e-10
+        lrp = LRP(ChangingStep(model, caches[1]), PRESETS["cplrp"](), in_keys=["x"], out_keys=["y"])
         with lrp, pytest.raises(RuntimeError, match=r"key-value cache .*\(StaticCache\) in place.*outside `with lrp:`"):
-            for t in range(PREFIX + 1, TOKENS):
+            for t in range(PREFIX, steps):
                 lrp(TensorDict(x=x[:, t : t + 1].clone(), batch_size=[BATCH]))
 
 
@@ -348,3 +372,106 @@ def test_task_heads_conserve_under_cplrp_through_token_ids(name: str):
         Called(model, lambda m, e, a: logit(m(inputs_embeds=e, attention_mask=a))), "cplrp", embeds, {"a": mask}
     )
     assert relative_error(from_ids["relevance", "x"], from_embeds["relevance", "x"].sum(-1)) <= 1e-12
+
+
+class CacheStep(GenerationStep):
+    """A generation step handing the model its cache as ``cache``, the name every model takes (a state-space
+    model's included), and keeping the one it returns."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        embeds = "decoder_inputs_embeds" if self.encoder else "inputs_embeds"
+        out = self.model(**{embeds: x}, **self.encoder, cache=self.cache, use_cache=True)
+        self.cache = out.cache if "cache" in out else out.past_key_values
+        return out.logits[:, -1]
+
+
+def held_tensors(cache) -> list[torch.Tensor]:
+    """Every tensor a cache holds: in its layers (keys and values, convolutions' and recurrent states) and, for an
+    encoder-decoder, in its self- and cross-attention caches' layers."""
+    found, objects = [], [cache]
+    while objects:
+        obj = objects.pop(0)
+        for value in vars(obj).values():
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else [value]
+            for item in items:
+                if isinstance(item, torch.Tensor):
+                    found.append(item)
+                elif type(item).__module__.startswith("transformers"):
+                    objects.append(item)
+    return found
+
+
+def cached_model(name: str) -> tuple[nn.Module, dict]:
+    """A causal model of the zoo, FalconMamba (its convolutions' and scan's states cached), or an encoder-decoder
+    given a fixed source."""
+    if name == "falcon_mamba":
+        return RECURRENT[name].architecture.build("eager"), {}
+    if name not in SEQ2SEQ:
+        return ZOO[name].build("sdpa"), {}
+    model = SEQ2SEQ[name].build("sdpa")
+    source = torch.randn(BATCH, TOKENS, HIDDEN, dtype=F64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        return model, {"encoder_outputs": model.get_encoder()(inputs_embeds=source)}
+
+
+@pytest.mark.filterwarnings("ignore")  # transformers renames the cache argument; the scan's exp is named
+@pytest.mark.parametrize("grad_mode", [False, True])
+@pytest.mark.parametrize("name", ["llama", "t5", "bart", "falcon_mamba"])
+def test_an_explained_step_leaves_its_cache_as_a_plain_step_does_without_a_graph(name: str, grad_mode: bool):
+    """The keys and values (a state-space model's states) a step writes into the cache it is handed come from a
+    forward pass run with grad: they required grad and held that step's graph, so a generation loop's cache kept
+    every explained step's graph alive (about 97 autograd nodes more each step on a tiny Llama), whatever the
+    caller's grad mode. As the wrapper's outputs, the cache now ends detached, with the plain step's values, and
+    each step's relevance is that of the step explained alone on the plain loop's cache. FalconMamba writes its
+    states in place: its steps are explained each in a call of its own."""
+    model, encoder = cached_model(name)
+    x = torch.randn(BATCH, TOKENS, HIDDEN, dtype=F64, generator=torch.Generator().manual_seed(1))
+    keyword = "decoder_inputs_embeds" if encoder else "inputs_embeds"
+    with torch.no_grad():
+        out = model(**{keyword: x[:, :PREFIX]}, **encoder, use_cache=True)
+    plain = CacheStep(model, out.cache if "cache" in out else out.past_key_values, **encoder)
+    step = CacheStep(model, copy.deepcopy(plain.cache), **encoder)
+    alone, expected = {}, {}  # each step explained on a copy of the plain loop's cache; the plain loop's cache after it
+    for t in range(PREFIX, TOKENS):
+        alone[t] = explain(CacheStep(model, copy.deepcopy(plain.cache), **encoder), "attnlrp", x[:, t : t + 1])
+        with torch.no_grad():
+            plain(x[:, t : t + 1])
+        expected[t] = [tensor.clone() for tensor in held_tensors(plain.cache)]  # a state written in place
+    lrp = LRP(step, PRESETS["attnlrp"](), in_keys=["x"], out_keys=["y"])
+    with contextlib.nullcontext() if name == "falcon_mamba" else lrp, torch.set_grad_enabled(grad_mode):
+        for t in range(PREFIX, TOKENS):
+            td = lrp(TensorDict(x=x[:, t : t + 1].clone(), batch_size=[BATCH]))
+            held = held_tensors(step.cache)
+            assert [tensor.shape for tensor in held if tensor.requires_grad] == []
+            assert [tensor.shape for tensor in held] == [tensor.shape for tensor in expected[t]]
+            for tensor, value in zip(held, expected[t], strict=True):
+                torch.testing.assert_close(tensor, value, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(td["y"], alone[t]["y"], rtol=1e-12, atol=1e-12)
+            assert relative_error(td["relevance", "x"], alone[t]["relevance", "x"]) <= 1e-10
+
+
+@pytest.mark.filterwarnings("ignore")  # transformers renames the cache argument
+def test_a_cache_the_model_makes_ends_detached_and_a_differentiable_wrapper_keeps_its_graph():
+    """A first step handed no cache returns the one the model made: it ends detached too, with the plain step's
+    values. With ``create_graph=True`` the wrapper keeps the graph of what it writes, the cache's included: a loss
+    on the cache reaches the parameters as after a plain call with grad (its gradient the plain call's)."""
+    model = ZOO["llama"].build("sdpa")
+    x = torch.randn(BATCH, 1, HIDDEN, dtype=F64, generator=torch.Generator().manual_seed(1))
+    plain = CacheStep(model, None)
+    with torch.no_grad():
+        plain(x)
+    made = CacheStep(model, None)
+    LRP(made, PRESETS["cplrp"](), in_keys=["x"], out_keys=["y"])(TensorDict(x=x.clone(), batch_size=[BATCH]))
+    held = held_tensors(made.cache)
+    assert held and not any(tensor.requires_grad for tensor in held)
+    for tensor, value in zip(held, held_tensors(plain.cache), strict=True):
+        torch.testing.assert_close(tensor, value, rtol=1e-12, atol=1e-12)
+    weight = model.model.layers[0].self_attn.k_proj.weight
+    plain = CacheStep(model, None)
+    plain(x)
+    expected = torch.autograd.grad(sum(tensor.square().sum() for tensor in held_tensors(plain.cache)), weight)[0]
+    kept = CacheStep(model, None)
+    lrp = LRP(kept, PRESETS["cplrp"](), in_keys=["x"], out_keys=["y"], create_graph=True)
+    lrp(TensorDict(x=x.clone(), batch_size=[BATCH]))
+    loss = sum(tensor.square().sum() for tensor in held_tensors(kept.cache))
+    assert relative_error(torch.autograd.grad(loss, weight)[0], expected) <= 1e-10

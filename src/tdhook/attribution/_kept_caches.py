@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CACHE_ARGUMENTS", "KeptCaches", "cache_receivers", "is_cache"]
+__all__ = ["CACHE_ARGUMENTS", "KeptCaches", "cache_receivers", "held_objects", "is_cache"]
 
 # The names under which Hugging Face modules take a key-value (or recurrent) cache.
 CACHE_ARGUMENTS = frozenset({"past_key_values", "past_key_value", "cache", "layer_past", "cache_params", "past"})
@@ -85,6 +85,22 @@ def cache_receivers(model: nn.Module) -> list[nn.Module]:
 
 
 def _takes_cache(module: nn.Module) -> bool:
+    """Whether ``module``'s ``forward`` takes a cache argument; decided once per type, unless the module has a
+    ``forward`` of its own."""
+    if "forward" in vars(module):
+        return _forward_takes_cache(module)
+    kind = type(module)
+    found = _TAKES_CACHE.get(kind)
+    if found is None:
+        found = _TAKES_CACHE[kind] = _forward_takes_cache(module)
+    return found
+
+
+# Whether each module type's forward takes a cache: the receivers are found at every call that enters a context.
+_TAKES_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _forward_takes_cache(module: nn.Module) -> bool:
     try:
         parameters = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):  # a builtin forward
@@ -146,8 +162,9 @@ def _version(tensor: torch.Tensor) -> int | None:
         return None
 
 
-def _held_objects(obj: Any, depth: int, seen: set[int]) -> Iterator[Any]:
+def held_objects(obj: Any, depth: int = _DEPTH, seen: set[int] | None = None) -> Iterator[Any]:
     """``obj`` and the ``transformers`` objects it holds (directly or in a list, a tuple or a dict), depth first."""
+    seen = set() if seen is None else seen
     if id(obj) in seen or not hasattr(obj, "__dict__") or isinstance(obj, (nn.Module, torch.Tensor)):
         return
     seen.add(id(obj))
@@ -158,7 +175,7 @@ def _held_objects(obj: Any, depth: int, seen: set[int]) -> Iterator[Any]:
         items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
         for item in items:
             if type(item).__module__.startswith("transformers"):
-                yield from _held_objects(item, depth - 1, seen)
+                yield from held_objects(item, depth - 1, seen)
 
 
 class KeptCaches:
@@ -182,7 +199,7 @@ class KeptCaches:
         for value in (*args, *kwargs.values()):
             if id(value) not in self.states and is_cache(value):
                 name = type(value).__name__
-                self.states[id(value)] = [_State(obj, name) for obj in _held_objects(value, _DEPTH, set())]
+                self.states[id(value)] = [_State(obj, name) for obj in held_objects(value)]
 
     def put_back(self) -> None:
         """Restore every noted cache to its state when noted."""

@@ -34,7 +34,7 @@ from tdhook.attribution.rules._graph_calls import KeptOutputs, graph_call
 from tdhook.attribution.rules._scopes import closing_scopes
 from tdhook.attribution.rules.functional import FunctionalRules
 
-__all__ = ["run_model"]
+__all__ = ["cache_receivers_of", "run_model"]
 
 sequence_number = FunctionRulePlan.sequence_number
 
@@ -67,7 +67,7 @@ def run_model(
             inputs = given_inputs(work)
             buffers = _model_buffers(lrp)
             statistics = buffers.keep()  # what a run may write: a BatchNorm's statistics in training mode, a counter
-            caches = KeptCaches(_cache_receivers(lrp))  # a KV cache handed in: the run appends to it
+            caches = KeptCaches(cache_receivers_of(lrp))  # a KV cache handed in: the run appends to it
             start = sequence_number()
             norm_outputs: list = []
             kept = KeptOutputs(plan.kept) if plan.kept else None  # activations' inputs (a tanh's)
@@ -94,7 +94,7 @@ def run_model(
             inputs = given_inputs(work)
             buffers = _model_buffers(lrp)
             statistics = buffers.keep(every=True)  # once per signature: every buffer's values
-            caches = KeptCaches(_cache_receivers(lrp))
+            caches = KeptCaches(cache_receivers_of(lrp))
     if not (rule_modes or lrp._compiled or lrp._coverage.watching or watch is not RuleUse.NOTHING):
         with closing_scopes():  # nothing to enter but the scopes (every call of a context after its first, mostly)
             return _call(lrp, work), None
@@ -151,7 +151,7 @@ def _model_buffers(lrp: Any) -> ModelBuffers:
 _CACHE_RECEIVERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _cache_receivers(lrp: Any) -> list:
+def cache_receivers_of(lrp: Any) -> list:
     """The modules of ``lrp``'s model that take a key-value cache argument, found once per context."""
     found = _CACHE_RECEIVERS.get(lrp)
     if found is None or found[0] != id(lrp._handles):

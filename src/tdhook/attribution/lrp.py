@@ -6,7 +6,7 @@ import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from tensordict import TensorDictBase
@@ -44,6 +44,7 @@ from tdhook.attribution._context import (
 )
 from tdhook.attribution._copies import hide_from_copies, wrapper_copy, wrapper_state
 from tdhook.attribution._coverage_recorder import CoverageRecorder
+from tdhook.attribution._detached_caches import caches_detached
 from tdhook.attribution._differentiable import check_differentiable, relevance_graph, rules_off
 from tdhook.attribution._function_gates import FunctionGates
 from tdhook.attribution._function_rule_plan import FunctionRulePlan
@@ -56,7 +57,7 @@ from tdhook.attribution._kept_grads import KeptGrads
 from tdhook.attribution._keys import check_free, check_writable, layer_keys, read_not_written, relevance_keys
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
 from tdhook.attribution._model_changes import follow_model_changes
-from tdhook.attribution._model_run import run_model
+from tdhook.attribution._model_run import cache_receivers_of, run_model
 from tdhook.attribution._module_hooks import module_hooks
 from tdhook.attribution._no_grad_values import called_in_grad_mode
 from tdhook.attribution._plain_modules import as_tensordict_module
@@ -104,6 +105,16 @@ def _compiled(module: nn.Module) -> bool:
     """Whether ``module`` is compiled by torch.compile: wrapped (``_orig_mod``), or in place by
     ``module.compile()`` (its call replaced on the instance)."""
     return hasattr(module, "_orig_mod") or vars(module).get("_compiled_call_impl") is not None
+
+
+@contextlib.contextmanager
+def _explaining(lrp: LRP) -> Iterator[RelevancePass | None]:
+    """Grad on for a call's forward and backward passes, with the graph of differentiable relevance; the caches
+    handed to the model (a generation loop's) then detached, as the outputs are written (``create_graph`` keeps
+    both graphs)."""
+    with caches_detached(cache_receivers_of(lrp), keep_graph=lrp.create_graph), torch.enable_grad():
+        with relevance_graph(lrp.create_graph and not lrp._inactive, lrp._handles) as graph:
+            yield graph
 
 
 class LRP(TensorDictModuleBase, MapperTunable):
@@ -417,7 +428,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._layers.clear()
         self._tokens.clear()
         try:
-            with torch.enable_grad(), relevance_graph(self.create_graph and not self._inactive, self._handles) as graph:
+            with _explaining(self) as graph:
                 planned = planned_call(self, explained, work)  # a chain of layers: no hooks, modes or autograd
                 # Integer tokens are fed to TokenInputs: the relevance of their embeddings stands for them.
                 leaves, fed = planned_feed(
