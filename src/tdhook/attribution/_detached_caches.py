@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tdhook.attribution._kept_caches import held_objects, is_cache
+from tdhook.attribution._kept_caches import ACTIVE_WATCH, held_objects, is_cache
 
 __all__ = ["caches_detached", "detach_cache"]
 
@@ -60,15 +60,21 @@ def caches_detached(receivers: list[nn.Module], keep_graph: bool = False) -> Ite
 
     def handed(module: nn.Module, args: tuple, kwargs: dict) -> None:
         note((*args, *kwargs.values()))
+        kept = getattr(ACTIVE_WATCH, "kept", None)  # a run that may be let go: the caches' state before it
+        if kept is not None and threading.get_ident() == thread:
+            kept._note(module, args, kwargs)
 
     def returned(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         note(output.values() if isinstance(output, dict) else output if isinstance(output, tuple) else (output,))
 
     handles = [module.register_forward_pre_hook(handed, with_kwargs=True) for module in receivers]
     handles += [module.register_forward_hook(returned, with_kwargs=True) for module in receivers]
+    outer = getattr(ACTIVE_WATCH, "notes", None), getattr(ACTIVE_WATCH, "kept", None)  # a wrapper in the model
+    ACTIVE_WATCH.notes, ACTIVE_WATCH.kept = caches, None
     try:
         yield
     finally:
+        ACTIVE_WATCH.notes, ACTIVE_WATCH.kept = outer
         for handle in handles:
             handle.remove()
         for cache in caches.values():

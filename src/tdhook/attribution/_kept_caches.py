@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -45,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CACHE_ARGUMENTS", "KeptCaches", "cache_receivers", "held_objects", "is_cache"]
+__all__ = ["ACTIVE_WATCH", "CACHE_ARGUMENTS", "KeptCaches", "cache_receivers", "held_objects", "is_cache"]
 
 # The names under which Hugging Face modules take a key-value (or recurrent) cache.
 CACHE_ARGUMENTS = frozenset({"past_key_values", "past_key_value", "cache", "layer_past", "cache_params", "past"})
@@ -66,22 +67,49 @@ def is_cache(value: Any) -> bool:
     return found
 
 
+# The call's watch of the caches in this thread, where one is on: its ``notes`` (the caches handed) and the
+# :class:`KeptCaches` that a run which may be let go keeps (``kept``), so that one set of hooks serves both.
+ACTIVE_WATCH = threading.local()
+
 # Whether each type met is a cache's: the argument values of a receiver's call are checked at every call.
 _CACHE_TYPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def cache_receivers(model: nn.Module) -> list[nn.Module]:
-    """The modules of ``model`` whose ``forward`` takes a cache argument by name and that a caller may hand a cache:
-    the outermost such modules and the ``transformers`` models below them (a step may hand the cache to an inner
-    model, as one calling ``model.model`` does). The layers and attention modules of a model take the cache from
-    it, which notes it first: they are left out, so that their calls keep ``nn.Module``'s way without hooks."""
-    receivers: list[nn.Module] = []
-    covered: set[int] = set()  # modules below a receiver
+    """The modules of ``model`` that watching the caches handed to the model needs: of those whose ``forward``
+    takes a cache argument by name and that a caller may hand a cache (the outermost such modules, and the
+    ``transformers`` models below them: a step may hand the cache to an inner model, as one calling ``model.model``
+    does), the innermost. A ``transformers`` model hands its cache on to its base model, which makes and returns
+    one where none is handed: hooks on the base model see every cache, and the outer model, the layers and the
+    attention modules keep ``nn.Module``'s way without hooks.
+
+    Examples:
+        >>> from torch import nn
+        >>> class Step(nn.Module):
+        ...     def forward(self, x, past_key_values=None):
+        ...         return x
+        >>> class Outer(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.step = Step()
+        ...     def forward(self, x, cache=None):
+        ...         return self.step(x, past_key_values=cache)
+        >>> [type(module).__name__ for module in cache_receivers(Outer())]
+        ['Outer']
+    """
+    candidates: list[nn.Module] = []
+    covered: set[int] = set()  # modules below a candidate
     for module in model.modules():
         if _takes_cache(module) and (id(module) not in covered or _is_pretrained_model(module)):
-            receivers.append(module)
+            candidates.append(module)
             covered.update(id(child) for child in module.modules() if child is not module)
-    return receivers
+    below = {id(child) for module in candidates for child in module.modules() if child is not module}
+    inner = {id(module) for module in candidates if id(module) in below}
+    return [
+        module
+        for module in candidates
+        if not any(id(child) in inner for child in module.modules() if child is not module)
+    ]
 
 
 def _takes_cache(module: nn.Module) -> bool:
@@ -187,7 +215,17 @@ class KeptCaches:
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
-        """Note each cache when a receiver is first handed it, for the length of the block."""
+        """Note each cache when a receiver is first handed it, for the length of the block: by the hooks of the
+        call's watch where one is on in this thread (see :func:`~tdhook.attribution._detached_caches.caches_detached`),
+        else by hooks of its own."""
+        watch = getattr(ACTIVE_WATCH, "notes", None)
+        if watch is not None:
+            outer, ACTIVE_WATCH.kept = getattr(ACTIVE_WATCH, "kept", None), self
+            try:
+                yield
+            finally:
+                ACTIVE_WATCH.kept = outer
+            return
         handles = [module.register_forward_pre_hook(self._note, with_kwargs=True) for module in self.receivers]
         try:
             yield
