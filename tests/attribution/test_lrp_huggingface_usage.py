@@ -23,7 +23,7 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 
 from tdhook.attribution import LRP
-from tests.attribution.test_lrp_transformer_calls import SEQ2SEQ
+from tests.attribution.test_lrp_transformer_calls import SEQ2SEQ, Called
 from tests.attribution.test_lrp_transformer_zoo import (
     BATCH,
     COMMON,
@@ -40,18 +40,6 @@ from tests.conftest import relative_error
 F64 = torch.float64
 PREFIX = 5  # tokens given as a cache before the explained steps (and a padded sample's tokens)
 PADDED = 3  # left padding of the first sample
-
-
-class Called(nn.Module):
-    """A model called on the explained inputs (and the inputs fed along) by ``call(model, *inputs)``."""
-
-    def __init__(self, model: nn.Module, call) -> None:
-        super().__init__()
-        self.model = model
-        self.call = call
-
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self.call(self.model, *inputs)
 
 
 def next_token(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

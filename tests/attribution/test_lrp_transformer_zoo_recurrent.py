@@ -48,6 +48,7 @@ from tests.attribution.test_lrp_transformer_zoo import (
     model_input,
     zero_additive,
 )
+from tests.attribution.test_lrp_transformer_zoo import Outcome as ZooOutcome
 from tests.conftest import relative_error
 
 NO_ATTENTION = {key: None for key in ("num_attention_heads", "num_key_value_heads", "head_dim")}
@@ -229,20 +230,8 @@ RECURRENT = {
 NAMED = re.compile(r"module '([^']+)' \((\w+)\) computes ([^']*?) in its own forward")
 
 
-@dataclass
-class Outcome:
-    """What one explained call gave."""
-
-    relevance: torch.Tensor
-    output: torch.Tensor
-    plain: torch.Tensor
-    state_unchanged: bool
-    warnings: list[str]
-
-    def conservation_error(self) -> float:
-        """The largest ``|Σ relevance − logit| / |logit|`` over the batch."""
-        logit = self.plain.gather(1, self.plain.argmax(1, keepdim=True)).squeeze(1)
-        return ((self.relevance.flatten(1).sum(1) - logit).abs() / logit.abs()).max().item()
+class Outcome(ZooOutcome):
+    """What one explained call gave, with the modules its warnings name."""
 
     def named(self) -> set[tuple[str, str]]:
         """The modules that the warnings name, with their classes."""
