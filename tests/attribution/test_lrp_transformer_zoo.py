@@ -483,7 +483,12 @@ def explain(name: str, preset: str, implementation: str, zeroed: bool | None = N
     model = architecture.build(implementation)
     if preset == "cplrp" if zeroed is None else zeroed:
         zero_additive(model)
-    explained, x = Explained(model, architecture.inputs), model_input(architecture)
+    return outcome_of(Explained(model, architecture.inputs), model, model_input(architecture), preset)
+
+
+def outcome_of(explained: nn.Module, model: nn.Module, x: torch.Tensor, preset: str) -> Outcome:
+    """One call of the wrapper on ``explained`` (``model`` called on ``x``), with the warnings it gave and whether
+    ``model``'s state is unchanged."""
     plain = explained(x)
     state = {key: value.clone() for key, value in model.state_dict().items()}
     with warnings.catch_warnings(record=True) as caught:

@@ -45,10 +45,11 @@ from tests.attribution.test_lrp_transformer_zoo import (
     TOKENS,
     Architecture,
     Explained,
+    Outcome,
     model_input,
+    outcome_of,
     zero_additive,
 )
-from tests.attribution.test_lrp_transformer_zoo import Outcome as ZooOutcome
 from tests.conftest import relative_error
 
 NO_ATTENTION = {key: None for key in ("num_attention_heads", "num_key_value_heads", "head_dim")}
@@ -230,12 +231,9 @@ RECURRENT = {
 NAMED = re.compile(r"module '([^']+)' \((\w+)\) computes ([^']*?) in its own forward")
 
 
-class Outcome(ZooOutcome):
-    """What one explained call gave, with the modules its warnings name."""
-
-    def named(self) -> set[tuple[str, str]]:
-        """The modules that the warnings name, with their classes."""
-        return {match.groups()[:2] for message in self.warnings for match in NAMED.finditer(message)}
+def named(outcome: Outcome) -> set[tuple[str, str]]:
+    """The modules that ``outcome``'s warnings name, with their classes."""
+    return {match.groups()[:2] for message in outcome.warnings for match in NAMED.finditer(message)}
 
 
 def silence(explained: nn.Module, mixers: tuple[tuple[str, str, str], ...]) -> None:
@@ -257,19 +255,11 @@ def explain(
     explained, x = Explained(model), model_input(architecture)
     if mixers is not None:
         silence(explained, mixers)
-    plain = explained(x)
-    state = {key: value.clone() for key, value in model.state_dict().items()}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        lrp = LRP(explained, PRESETS[preset](), in_keys=["x"], out_keys=["y"])
-        td = lrp(TensorDict(x=x.clone(), batch_size=[BATCH]))
-    after = model.state_dict()
-    unchanged = state.keys() == after.keys() and all(torch.equal(state[k], after[k]) for k in state)
-    return Outcome(td["relevance", "x"], td["y"], plain, unchanged, [str(w.message) for w in caught])
+    return outcome_of(explained, model, x, preset)
 
 
 def check_explained(outcome: Outcome, where: str, preset: str, warned: set[tuple[str, str]] = frozenset()) -> None:
-    assert outcome.named() == set(warned), (where, outcome.warnings)
+    assert named(outcome) == set(warned), (where, outcome.warnings)
     assert len(outcome.warnings) == len(warned), (where, outcome.warnings)
     assert torch.equal(outcome.output, outcome.plain), where
     assert outcome.state_unchanged, where
@@ -359,7 +349,7 @@ def test_a_recurrent_mixer_is_named_and_strict_refuses_it(name: str, preset: str
     recurrent = RECURRENT[name]
     outcome = explain(recurrent.architecture, preset)
     expected = {(path, mixer) for path, mixer, _ in recurrent.mixers}
-    assert outcome.named() == expected, outcome.warnings
+    assert named(outcome) == expected, outcome.warnings
     assert len(outcome.warnings) == len(expected), outcome.warnings
     computed = {match.group(1): match.group(3) for message in outcome.warnings for match in NAMED.finditer(message)}
     for path, mixer, _ in recurrent.mixers:
