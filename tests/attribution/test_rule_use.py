@@ -9,7 +9,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from tdhook.attribution import LRP, BaseRuleMapper, EpsilonPlus, EpsilonRule
+from tdhook.attribution import LRP, BaseRuleMapper, EpsilonPlus, EpsilonRule, GammaRule
 
 
 class Attending(nn.Module):
@@ -84,3 +84,32 @@ def test_a_watch_that_cannot_hook_a_module_leaves_no_hook_on_the_others():
     with pytest.raises(RuntimeError, match="not supported here"):
         lrp(TensorDict(x=torch.randn(2, 8, dtype=torch.float64), batch_size=[2]))
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+class Spare(nn.Module):
+    """A model holding a layer it never calls (a head of another task, a configuration's spare)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.spare = nn.Linear(8, 3), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).mean(1)
+
+
+def test_a_layer_that_nothing_computes_with_is_not_named():
+    # Neither the layer nor its parent reads its parameters: no relevance passes it by, and the rule is not needed.
+    assert unused_rule_warnings(EpsilonPlus(), Spare()) == []
+
+
+@pytest.mark.parametrize("rule", [EpsilonRule(0.1), GammaRule(0.25)])
+def test_a_layer_whose_parameters_the_parent_reads_is_named_whatever_its_rule(rule):
+    messages = unused_rule_warnings(BaseRuleMapper(rule_mapper={nn.Linear: rule}), Attending())
+    assert len(messages) == 1 and "'layer.self_attn.out_proj'" in messages[0]
+
+
+def test_a_frozen_layer_the_parent_never_calls_is_named():
+    # Parameters that do not require grad leave no trace in the graph: whether the parent reads them is unknown.
+    model = Attending().requires_grad_(False)
+    messages = unused_rule_warnings(BaseRuleMapper(rule_mapper={nn.Linear: EpsilonRule(0.1)}), model)
+    assert len(messages) == 1 and "'layer.self_attn.out_proj'" in messages[0]

@@ -118,6 +118,8 @@ def run_model(
         finally:
             if recording is not None:
                 rule_modes[0].recording = None
+        if watch is not RuleUse.NOTHING:  # the first pass of a context: which parameters its graph reaches
+            lrp._rule_use.saw(work if result is None else result)
         if recording is not None and not lrp._function_rule_plan.settle(
             recording, work if result is None else result, start
         ):

@@ -5,7 +5,10 @@ a block whose inner modules ran with rules of their own, refused (see :mod:`~tdh
 directly, never calling ``out_proj``; swin's attention does the same with its
 ``qkv`` and ``proj``. A rule registered on such a module has no effect, and the
 parent's computation keeps its plain gradient. The first call in an LRP context
-watches which modules run and warns, naming each such module.
+watches which modules run and warns, naming each such module. A module whose
+parameters the graph of the call's outputs does not reach is unused, not
+bypassed, and is not named (one whose parameters do not require grad leaves no
+trace there, and is named all the same).
 
 Examples:
     >>> import warnings
@@ -28,7 +31,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
+import torch
+from tensordict import TensorDictBase
 from torch import nn
 
 from tdhook.attribution._nested_rules import (
@@ -51,10 +57,17 @@ class RuleUse:
 
     def __init__(self) -> None:
         self._pending = True
+        self._outputs: list[torch.Tensor] = []  # what the watched pass returned (see :meth:`saw`)
 
     def reset(self) -> None:
         """Watch the next forward pass (called when a context opens)."""
         self._pending = True
+
+    def saw(self, outputs: TensorDictBase) -> None:
+        """Note what the watched pass returned: a module none of whose parameters its graph reaches is unused, and
+        its rule is not named."""
+        if self._pending:
+            self._outputs = [value for value in outputs.values(True, True) if isinstance(value, torch.Tensor)]
 
     def watches(self, handles: Sequence[RemovableRuleHandle]) -> bool:
         """Whether the next forward pass with the rules of ``handles`` is watched."""
@@ -102,6 +115,8 @@ class RuleUse:
         refuse_rescaling_over_ruled_modules(handles, modules, ran)
         warn_for_plain_gradient_over_ruled_modules(handles, modules, ran)
         names = {id(module): name for name, module in modules.items()}
+        outputs, self._outputs = self._outputs, []
+        reached: set[int] | None = None
         for handle in handles:
             module = handle.module
             if module is None or id(module) in ran or isinstance(handle.rule, IgnoreRule):
@@ -113,6 +128,10 @@ class RuleUse:
             parent = modules.get(parent_name)
             if parent is None or parent is module or id(parent) not in ran:
                 continue
+            if outputs and all(p.requires_grad for p in module.parameters()):
+                reached = _parameters_reached(outputs) if reached is None else reached
+                if not any(id(p) in reached for p in module.parameters()):
+                    continue  # unused: nothing computes with its parameters, so no relevance passes them by
             warn_at_caller(
                 f"LRP: {handle.rule!r} on module {name!r} ({type(module).__name__}) has no effect: the module did "
                 f"not run, although its parent {parent_name or 'the model'!r} ({type(parent).__name__}) did. The "
@@ -123,3 +142,25 @@ class RuleUse:
         # Watched once its warnings are out: a pass that failed or was interrupted, or a warning that the caller's
         # filter turned into an error (warnings.simplefilter("error")), is watched again at the next call.
         self._pending = False
+
+
+def _parameters_reached(outputs: Sequence[torch.Tensor]) -> set[int]:
+    """The ids of the leaves that require grad (the parameters, mostly) which the graphs of ``outputs`` reach.
+
+    >>> layer = nn.Linear(2, 1)
+    >>> id(layer.weight) in _parameters_reached([layer(torch.ones(2))])
+    True
+    """
+    reached: set[int] = set()
+    seen: set[Any] = set()
+    nodes = [value.grad_fn for value in outputs if value.grad_fn is not None]
+    while nodes:
+        node = nodes.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if variable is not None:
+            reached.add(id(variable))
+        nodes.extend(following for following, _ in node.next_functions if following is not None)
+    return reached
