@@ -42,6 +42,8 @@ EVERY_PRESET = {"LRP-0": lambda: BaseRuleMapper(stabilizer=0.0), **CNN_PRESETS, 
 # α2β1 gives 2R where an output has no negative part (a layer after a ReLU whose live inputs all have positive
 # weights), as zennit does: it conserves only where both parts are present, so the conservation checks leave it out.
 CONSERVING = {name: preset for name, preset in EVERY_PRESET.items() if name != "EpsilonAlpha2Beta1"}
+# Where a function is named, the CNN presets name it alike: one of them stands for all.
+NAMING = {name: EVERY_PRESET[name] for name in ("LRP-0", "EpsilonPlus", "AttnLRP", "CPLRP")}
 
 
 def zero_biases(model: nn.Module) -> nn.Module:
@@ -186,10 +188,10 @@ def test_a_decoder_explained_at_its_latent_is_gradient_times_input_and_conserves
     assert_conserved(relevance, model(z["z"])[:, 2])
 
 
-@pytest.mark.parametrize("preset", sorted(EVERY_PRESET))
+@pytest.mark.parametrize("preset", sorted(NAMING))
 def test_the_reparameterisations_exponential_is_named(preset: str):
     torch.manual_seed(0)
-    _, caught, functions = explain(VAE().double(), {"x": torch.randn(B, 6, dtype=F64)}, EVERY_PRESET[preset](), 0)
+    _, caught, functions = explain(VAE().double(), {"x": torch.randn(B, 6, dtype=F64)}, NAMING[preset](), 0)
     assert functions == ["exp"] and any("(VAE) computes exp" in message for message in caught)
 
 
@@ -396,3 +398,302 @@ def test_attention_under_a_cnn_preset_is_refused_naming_the_module(preset: str):
     torch.manual_seed(0)
     with pytest.raises(ValueError, match="'induced.attention' \\(MultiheadAttention\\)"):
         explain(SetTransformer().double(), set_transformer_inputs(), CNN_PRESETS[preset](), 0)
+
+
+# ------------------------------------------------------------------------------- generated weights and kernels
+
+
+class HyperNetwork(nn.Module):
+    """Ha et al.: a network computes another's weight from a task input ``z``. ``einsum`` gives each sample its
+    own weight; ``F.linear`` one weight shared by the batch; ``F.conv2d`` grouped by sample gives each its own
+    kernel (a dynamic convolution)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        shape = (4, 2, 3, 3) if how == "conv2d" else (5, 4)
+        self.shape = shape
+        self.generator = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, math.prod(shape)))
+        self.head = nn.Linear(shape[0], 3)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if self.how == "einsum":
+            h = torch.einsum("boi,bi->bo", self.generator(z).view(-1, *self.shape), x)
+        elif self.how == "linear":
+            h = F.linear(x, self.generator(z[:1]).view(self.shape))
+        else:
+            batch, channels, height, width = x.shape
+            kernels = self.generator(z).view(batch * self.shape[0], *self.shape[1:])
+            h = F.conv2d(x.reshape(1, batch * channels, height, width), kernels, padding=1, groups=batch)
+            h = h.view(batch, self.shape[0], height, width).mean((2, 3))
+        return self.head(F.relu(h))
+
+
+def task_inputs(how: str) -> dict[str, torch.Tensor]:
+    x = torch.randn(B, 2, 5, 5, dtype=F64) if how == "conv2d" else torch.randn(B, 4, dtype=F64)
+    return {"x": x, "z": torch.randn(B, 2, dtype=F64)}
+
+
+@pytest.mark.parametrize("preset", sorted(NAMING))
+@pytest.mark.parametrize("how", ["einsum", "linear", "conv2d"])
+def test_a_weight_computed_from_an_input_is_split_or_named(how: str, preset: str):
+    """A product of the input and a weight computed from another input: the transformer presets' product rule
+    splits an ``einsum`` between its factors and conserves; a ``F.linear`` or ``F.conv2d`` by such a weight is
+    named under every preset (gradient × input gives it twice its relevance)."""
+    torch.manual_seed(0)
+    model, x = zero_biases(HyperNetwork(how).double()), task_inputs(how)
+    relevance, caught, functions = explain(model, x, NAMING[preset](), 0)
+    if how == "einsum" and preset in TRANSFORMER_PRESETS:
+        assert caught == [] and functions == []
+        assert_conserved(relevance, model(*x.values())[:, 0])
+    else:
+        assert functions == [how] and any(f"(HyperNetwork) computes {how}" in message for message in caught)
+
+
+class StandardisedConv2d(nn.Conv2d):
+    """Weight standardisation (Qiao et al.): the layer convolves with its weight standardised per output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x, standardised(self.weight), self.bias, self.stride, self.padding)
+
+
+def standardised(weight: torch.Tensor) -> torch.Tensor:
+    return (weight - weight.mean((1, 2, 3), keepdim=True)) / (weight.std((1, 2, 3), keepdim=True) + 1e-5)
+
+
+@pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
+def test_a_convolution_with_a_standardised_weight_is_the_layer_with_that_weight(preset: str):
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), StandardisedConv2d(4, 4, 3, padding=1), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Flatten(), nn.Linear(100, 3)).double()
+    plain = copy.deepcopy(model)
+    plain[2] = nn.Conv2d(4, 4, 3, padding=1).double()
+    plain[2].load_state_dict({"weight": standardised(model[2].weight).detach(), "bias": model[2].bias.detach()})
+    x = {"x": torch.randn(B, 2, 5, 5, dtype=F64)}
+    relevance, caught, functions = explain(model, x, CNN_PRESETS[preset](), 0)
+    assert caught == [] and functions == []
+    torch.testing.assert_close(relevance["x"], explain(plain, x, CNN_PRESETS[preset](), 0)[0]["x"])
+
+
+# ---------------------------------------------------------------------------------------------------- capsules
+
+
+def squash(s: torch.Tensor) -> torch.Tensor:
+    squared = (s * s).sum(-1, keepdim=True)
+    return squared / (1 + squared) * s / torch.sqrt(squared + 1e-12)
+
+
+class Capsules(nn.Module):
+    """Sabour et al.: primary capsules, predictions by a weight per capsule pair, three iterations of routing by
+    agreement (a softmax over the coupling logits, the squash non-linearity), lengths as the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.primary = nn.Linear(6, 4 * 3)
+        self.weight = nn.Parameter(torch.randn(4, 2, 5, 3) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        predictions = torch.einsum("ijdk,bik->bijd", self.weight, squash(self.primary(x).view(-1, 4, 3)))
+        logits = x.new_zeros(x.shape[0], 4, 2)
+        for _ in range(3):
+            capsules = squash((torch.softmax(logits, 2).unsqueeze(-1) * predictions).sum(1))
+            logits = logits + (predictions * capsules.unsqueeze(1)).sum(-1)
+        return capsules.norm(dim=-1)
+
+
+@pytest.mark.parametrize("preset", sorted(EVERY_PRESET))
+def test_capsule_routing_conserves_under_cplrp_and_names_what_no_rule_covers(preset: str):
+    """CP-LRP holds the coupling coefficients (a softmax weighing the predictions) and the squash's scale (a
+    norm), and conserves; the capsules' lengths are named under every preset (AttnLRP's product rule splits the
+    agreement, its softmax rule does not conserve)."""
+    torch.manual_seed(0)
+    model, x = zero_biases(Capsules().double()), {"x": torch.randn(B, 6, dtype=F64)}
+    relevance, caught, functions = explain(model, x, EVERY_PRESET[preset](), 0)
+    assert "norm" in functions and any("(Capsules) computes" in message for message in caught)
+    if preset in TRANSFORMER_PRESETS:
+        assert functions == ["norm"]
+    if preset == "CPLRP":
+        assert_conserved(relevance, model(x["x"])[:, 0])
+
+
+# ---------------------------------------------------------------------- periodic activations and encodings, KAN
+
+
+class Siren(nn.Module):
+    """Sitzmann et al.: sine activations, the first scaled by ω₀ = 30."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(2, 8), nn.Linear(8, 8), nn.Linear(8, 3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[2](torch.sin(self.layers[1](torch.sin(30 * self.layers[0](x)))))
+
+
+class Encoded(nn.Module):
+    """An MLP on NeRF's positional encoding (sines and cosines of ``2^k π x``) or on random Fourier features
+    (Tancik et al.: of ``2π x B`` for a fixed Gaussian ``B``)."""
+
+    def __init__(self, fourier: bool) -> None:
+        super().__init__()
+        self.fourier = fourier
+        self.register_buffer("frequencies", torch.randn(3, 6) * 2)
+        self.mlp = nn.Sequential(nn.Linear(12 if fourier else 21, 8), nn.ReLU(), nn.Linear(8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fourier:
+            phase = 2 * math.pi * x @ self.frequencies
+            return self.mlp(torch.cat([torch.sin(phase), torch.cos(phase)], -1))
+        bands = [f((2.0**k) * math.pi * x) for k in range(3) for f in (torch.sin, torch.cos)]
+        return self.mlp(torch.cat([x, *bands], -1))
+
+
+class KolmogorovArnold(nn.Module):
+    """Liu et al.'s KAN layer: cubic B-splines of each input (Cox–de Boor from comparisons with the knots) with
+    learned coefficients, plus a SiLU base branch."""
+
+    def __init__(self, inputs: int = 3, outputs: int = 2, grid: int = 5, order: int = 3) -> None:
+        super().__init__()
+        self.order = order
+        self.register_buffer("knots", torch.arange(-order, grid + order + 1) * (2.0 / grid) - 1.0)
+        self.coefficients = nn.Parameter(torch.randn(outputs, inputs, grid + order) * 0.3)
+        self.base = nn.Parameter(torch.randn(outputs, inputs) * 0.5)
+        self.head = nn.Linear(outputs, 2)
+
+    def bases(self, x: torch.Tensor) -> torch.Tensor:
+        t, x = self.knots, x.unsqueeze(-1)
+        b = ((x >= t[:-1]) & (x < t[1:])).to(x.dtype)
+        for p in range(1, self.order + 1):
+            left = (x - t[: -(p + 1)]) / (t[p:-1] - t[: -(p + 1)]) * b[..., :-1]
+            b = left + (t[p + 1 :] - x) / (t[p + 1 :] - t[1:-p]) * b[..., 1:]
+        return b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        splines = torch.einsum("bis,ois->bo", self.bases(x), self.coefficients)
+        return self.head(splines + F.linear(F.silu(x), self.base))
+
+
+PERIODIC = {"SIREN": (Siren, 2, ["sin"]), "NeRF": (lambda: Encoded(False), 3, ["sin", "cos"])}
+PERIODIC |= {"Fourier features": (lambda: Encoded(True), 3, ["sin", "cos"])}
+
+
+@pytest.mark.parametrize("preset", sorted(NAMING))
+@pytest.mark.parametrize("name", sorted(PERIODIC))
+def test_sines_and_cosines_are_named_under_every_preset(name: str, preset: str):
+    """No preset has a rule for a periodic function (its relevance is no share of its output): named, and the
+    gradient through it kept, so LRP-0 is gradient × input."""
+    torch.manual_seed(0)
+    make, width, named = PERIODIC[name]
+    model, x = make().double(), {"x": torch.randn(B, width, dtype=F64)}
+    relevance, caught, functions = explain(model, x, NAMING[preset](), 0)
+    assert functions == named and any(f"computes {', '.join(named)}" in message for message in caught)
+    if preset == "LRP-0":
+        torch.testing.assert_close(relevance["x"], gradient_times_input(model, x, first_unit)["x"])
+
+
+@pytest.mark.parametrize("preset", sorted(NAMING))
+def test_a_kan_layers_splines_and_silu_are_named_or_ruled(preset: str):
+    """The CNN presets name the splines' products and the SiLU; the transformer presets split the products and
+    pass relevance through the SiLU, naming nothing. LRP-0 is gradient × input."""
+    torch.manual_seed(0)
+    model, x = KolmogorovArnold().double(), {"x": torch.rand(B, 3, dtype=F64) * 1.6 - 0.8}
+    relevance, caught, functions = explain(model, x, NAMING[preset](), 0)
+    assert functions == ([] if preset in TRANSFORMER_PRESETS else ["mul", "silu"])
+    assert (caught == []) == (preset in TRANSFORMER_PRESETS)
+    if preset == "LRP-0":
+        torch.testing.assert_close(relevance["x"], gradient_times_input(model, x, first_unit)["x"])
+
+
+# ---------------------------------------------------------- mixture density head, neural ODE, Siamese network
+
+
+class MixtureDensity(nn.Module):
+    """Bishop's mixture density head: mixture weights (softmax), means, scales (exp), concatenated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        self.weights, self.means, self.scales = nn.Linear(8, 3), nn.Linear(8, 6), nn.Linear(8, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        return torch.cat([torch.softmax(self.weights(h), -1), self.means(h), torch.exp(self.scales(h))], -1)
+
+
+@pytest.mark.parametrize("preset", sorted(CONSERVING))
+def test_a_mixture_density_heads_mean_conserves_and_its_scale_is_named(preset: str):
+    torch.manual_seed(0)
+    model, x = zero_biases(MixtureDensity().double()), {"x": torch.randn(B, 4, dtype=F64)}
+    relevance, caught, functions = explain(model, x, CONSERVING[preset](), 4)
+    assert "exp" in functions and any("(MixtureDensity) computes" in message for message in caught)
+    assert_conserved(relevance, model(x["x"])[:, 4])
+    if preset == "LRP-0":
+        torch.testing.assert_close(relevance["x"], gradient_times_input(model, x, lambda y: y[:, 4])["x"])
+
+
+class NeuralODE(nn.Module):
+    """Chen et al., fixed-step Euler: ``h ← h + ½ f(h)`` three times, one module ``f`` (or copies of it). The
+    presets with modified weights (γ, αβ) keep them for each call of ``f``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.head = nn.Conv2d(2, 4, 3, padding=1), nn.Linear(4, 3)
+        field = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))
+        self.fields = nn.ModuleList([field] * 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.stem(x))
+        for field in self.fields:
+            h = h + 0.5 * field(h)
+        return self.head(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("preset", ["LRP-0", "EpsilonGammaBox", "EpsilonAlpha2Beta1"])
+def test_a_neural_ode_reusing_its_field_equals_the_loop_unrolled_into_copies(preset: str):
+    torch.manual_seed(0)
+    model, x = zero_biases(NeuralODE().double()), {"x": torch.randn(B, 2, 5, 5, dtype=F64)}
+    unrolled = copy.deepcopy(model)
+    unrolled.fields = nn.ModuleList([copy.deepcopy(field) for field in model.fields])
+    relevance, caught, _ = explain(model, x, EVERY_PRESET[preset](), 0)
+    assert caught == []
+    torch.testing.assert_close(relevance["x"], explain(unrolled, x, EVERY_PRESET[preset](), 0)[0]["x"])
+    if preset in CONSERVING:
+        assert_conserved(relevance, model(x["x"])[:, 0])
+
+
+class Siamese(nn.Module):
+    """One encoder on two inputs compared by cosine similarity (``F.cosine_similarity``, or ``F.normalize`` and
+    a dot product), a dot product, or a distance."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.encoder = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 6))
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a, b = self.encoder(a), self.encoder(b)
+        if self.how == "cosine_similarity":
+            return F.cosine_similarity(a, b, dim=-1).unsqueeze(-1)
+        if self.how == "normalize":
+            return (F.normalize(a, dim=-1) * F.normalize(b, dim=-1)).sum(-1, keepdim=True)
+        if self.how == "dot":
+            return (a * b).sum(-1, keepdim=True)
+        return -torch.norm(a - b, dim=-1, keepdim=True)
+
+
+@pytest.mark.parametrize("preset", sorted(NAMING))
+@pytest.mark.parametrize("how", ["cosine_similarity", "normalize", "dot", "norm"])
+def test_a_siamese_similarity_conserves_or_is_named(how: str, preset: str):
+    """The transformer presets hold F.normalize's scale and split the product: the similarity is conserved.
+    ``F.cosine_similarity`` and a distance have no rule under any preset, and the product of the two encodings
+    none under a CNN preset: named."""
+    torch.manual_seed(0)
+    model = zero_biases(Siamese(how).double())
+    x = {"a": torch.randn(B, 5, dtype=F64), "b": torch.randn(B, 5, dtype=F64)}
+    relevance, caught, functions = explain(model, x, NAMING[preset](), None)
+    if how in ("normalize", "dot") and preset in TRANSFORMER_PRESETS:
+        assert caught == [] and functions == []
+        assert_conserved(relevance, model(*x.values()))
+    else:
+        assert how in functions or "mul" in functions
+        assert any("(Siamese) computes" in message for message in caught)
