@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
 from torch import nn
 
 from tdhook.attribution import (
@@ -391,6 +392,39 @@ def test_a_sequence_first_cross_attention_module_equals_it_written_out(preset: s
     by_hand, _, _ = explain(written, x, TRANSFORMER_PRESETS[preset](), 0)
     for key in x:
         torch.testing.assert_close(module[key], by_hand[key], rtol=1e-9, atol=1e-12)
+
+
+class MaskedSetPooling(nn.Module):
+    """Sets padded to one size: a seed attends to the elements with a ``key_padding_mask``, beside the mean of the
+    elements the mask keeps (the mask a constant of the call, not explained)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(4, 8), nn.Linear(8, 3)
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor, seed: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        attended = self.attention(seed, h, h, key_padding_mask=padding)[0][:, 0]
+        kept = (~padding).unsqueeze(-1).to(x.dtype)
+        return self.head(seed[:, 0] + attended + (h * kept).sum(1) / kept.sum(1))
+
+
+def test_padded_set_elements_get_no_relevance_and_the_rest_conserves_under_cplrp():
+    torch.manual_seed(0)
+    model = zero_biases(MaskedSetPooling().double())
+    x, seed = torch.randn(B, 6, 4, dtype=F64), torch.randn(B, 1, 8, dtype=F64)
+    padding = torch.zeros(B, 6, dtype=torch.bool)
+    padding[0, 4:], padding[1, 2:] = True, True
+    module = TensorDictModule(model, in_keys=["x", "seed", "padding"], out_keys=["y"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = LRP(module, CPLRP(), in_keys=["x", "seed"], target=0)(
+            TensorDict(x=x, seed=seed, padding=padding, batch_size=[B])
+        )
+    assert not out["relevance", "x"][padding].any() and out["relevance", "x"][~padding].any()
+    relevance = {key: out["relevance", key] for key in ("x", "seed")}
+    assert_conserved(relevance, model(x, seed, padding)[:, 0])
 
 
 @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
