@@ -20,7 +20,6 @@ from tdhook.attribution._backward_passes import (
     InputsReached,
     check_memory_budget,
     check_split_dim,
-    target_relevance,
 )
 from tdhook.attribution._chain_plan import (
     ChainPlan,
@@ -48,6 +47,7 @@ from tdhook.attribution._detached_caches import caches_detached
 from tdhook.attribution._differentiable import check_differentiable, relevance_graph, rules_off
 from tdhook.attribution._function_gates import FunctionGates
 from tdhook.attribution._function_rule_plan import FunctionRulePlan
+from tdhook.attribution._held_softmax_targets import checked_relevance
 from tdhook.attribution._inputs import (
     explained_in_call,
     optional_inputs,
@@ -467,7 +467,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
                         planned.one_pass if planned else self._one_pass, leaves=leaves, fed=fed, graph=graph
                     )
                     passes = (output, grad_outputs, extra, target_key, self._split_dim, retain, reach)
-                    relevances += target_relevance(one_pass, *passes, leaves, self.memory_budget)
+                    relevances += checked_relevance(self.rule_mapper, one_pass, *passes, leaves, self.memory_budget)
                     seeds.append((name, output.detach(), grad_outputs))
         finally:
             self._layers.clear()

@@ -1,0 +1,61 @@
+"""CP-LRP holds every softmax output constant: a target unit computed from a softmax, in an output tensor it shares
+with units that are not (a mixture density head, probabilities concatenated with a value), gets no relevance, and
+is warned of; the other units, and AttnLRP, are not."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from tdhook.attribution import CPLRP, LRP, AttnLRP, EpsilonPlus
+
+F64 = torch.float64
+
+
+class MixtureDensity(nn.Module):
+    """Mixture weights (a softmax), means and scales, concatenated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        self.weights, self.means, self.scales = nn.Linear(8, 3), nn.Linear(8, 2), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        return torch.cat(
+            [torch.softmax(self.weights(h), -1), self.means(h), nn.functional.softplus(self.scales(h))], -1
+        )
+
+
+def explained(preset, target) -> tuple[torch.Tensor, list[str]]:
+    torch.manual_seed(0)
+    lrp = LRP(MixtureDensity().double(), preset, in_keys=["x"], out_keys=["y"], target=target)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        relevance = lrp(TensorDict(x=torch.randn(3, 4, dtype=F64), batch_size=[3]))["relevance", "x"]
+    return relevance, [str(w.message) for w in caught if "gets no relevance" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    "target", [0, 2, torch.tensor([0, 1, 2]), "callable"], ids=["0", "2", "per sample", "callable"]
+)
+def test_a_mixture_weight_under_cplrp_is_warned_of(target):
+    """Its relevance is zero everywhere, where the weight it explains is about a third (before: with no word)."""
+    if isinstance(target, str):
+        target = lambda y: y * torch.tensor([1.0, 1, 1, 0, 0, 0, 0], dtype=F64)  # noqa: E731 the mixture weights alone
+    relevance, caught = explained(CPLRP(), target)
+    assert not relevance.any()
+    assert len(caught) == 1 and "target 'y' gets no relevance at any explained input" in caught[0]
+    assert "CP-LRP holds every softmax output constant" in caught[0]
+
+
+@pytest.mark.parametrize("preset, target", [(CPLRP, 3), (AttnLRP, 0), (EpsilonPlus, 0)], ids=["mean", "AttnLRP", "CNN"])
+def test_a_target_that_gets_relevance_is_not_warned_of(preset, target):
+    """A mean under CP-LRP, and the mixture weights under AttnLRP's softmax rule or a CNN preset (which name the
+    softmax as no rule of theirs)."""
+    relevance, caught = explained(preset(), target)
+    assert relevance.any() and caught == []
