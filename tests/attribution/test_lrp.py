@@ -138,6 +138,19 @@ class TestContract:
         assert not any(v.requires_grad for v in out.values(include_nested=True, leaves_only=True))
         assert lrp.out_keys == ["y", ("relevance", "x")] and lrp.in_keys == ["x"]
 
+    def test_a_key_named_twice_in_in_keys_is_explained_once_as_gradient_times_input(self):
+        """``in_keys=["x", ("x",)]`` names one key: explained once, as the other methods do (it was fed twice, and
+        the first copy's relevance was refused as unreached)."""
+        net = mlp()
+        x = torch.randn(4, 5, dtype=torch.float64)
+        lrp = LRP(TensorDictModule(net, ["x"], ["y"]), lrp0_mapper(), in_keys=["x", ("x",)])
+        out = lrp(TensorDict(x=x, batch_size=[4]))
+        leaf = x.clone().requires_grad_(True)
+        y = net(leaf)
+        (grad,) = torch.autograd.grad(y.gather(-1, y.argmax(-1, keepdim=True)).sum(), leaf)
+        torch.testing.assert_close(out["relevance", "x"], grad * x)
+        assert lrp.relevance_keys == [("relevance", "x")] and lrp.in_keys == ["x"]
+
     def test_plain_module_with_keys_and_keyword_call(self):
         net = mlp()
         lrp = LRP(net, rule_mapper=EpsilonPlus(), in_keys=["x"], out_keys=["y"])

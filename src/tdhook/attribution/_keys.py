@@ -29,7 +29,15 @@ from torchrl.modules import ConsistentDropoutModule
 
 from tdhook.attribution.mappers.aliases import every_named_module
 
-__all__ = ["as_tuple", "check_free", "check_writable", "layer_keys", "read_not_written", "relevance_keys"]
+__all__ = [
+    "as_tuple",
+    "check_free",
+    "check_writable",
+    "layer_keys",
+    "read_not_written",
+    "relevance_keys",
+    "unique_keys",
+]
 
 
 def as_tuple(key: NestedKey) -> tuple[str, ...]:
@@ -47,6 +55,17 @@ def as_tuple(key: NestedKey) -> tuple[str, ...]:
     """
     key = unravel_key(key)
     return key if isinstance(key, tuple) else (key,)
+
+
+def unique_keys(keys: Sequence[NestedKey]) -> list[NestedKey]:
+    """``keys`` unravelled, each once, in the order of their first appearance: a key named twice (``"obs"`` and
+    ``("obs",)``) is explained once.
+
+    Examples:
+        >>> unique_keys(["obs", ("obs",), ("agent", ("x",)), ("agent", "x")])
+        ['obs', ('agent', 'x')]
+    """
+    return list(dict.fromkeys(unravel_key_list(list(keys))))
 
 
 def layer_keys(

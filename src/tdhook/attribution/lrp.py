@@ -55,7 +55,14 @@ from tdhook.attribution._inputs import (
     validate_inputs,
 )
 from tdhook.attribution._kept_grads import KeptGrads
-from tdhook.attribution._keys import check_free, check_writable, layer_keys, read_not_written, relevance_keys
+from tdhook.attribution._keys import (
+    check_free,
+    check_writable,
+    layer_keys,
+    read_not_written,
+    relevance_keys,
+    unique_keys,
+)
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
 from tdhook.attribution._model_changes import follow_model_changes
 from tdhook.attribution._model_run import cache_receivers_of, run_model
@@ -248,7 +255,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self.module = module
         self.rule_mapper = as_rule_mapper(rule_mapper)
         warn_for_unused_keys(self.rule_mapper, self.named_explained_modules()[""])
-        self.explained_keys = unravel_key_list(list(in_keys)) if in_keys is not None else read_not_written(module)
+        self.explained_keys = unique_keys(in_keys) if in_keys is not None else read_not_written(module)
         # Keys taken from the module's in_keys: those holding booleans or integers no embedding reads, and the
         # recurrent states a torchrl LSTMModule/GRUModule does without, are not explained (see explained_in_call).
         self._defaulted_inputs = in_keys is None
