@@ -133,7 +133,22 @@ def relevance_keys(
     Returns:
         ``(relevance_key, name, *key)`` (without ``name`` for ``None``) for
         every name, then every key.
+
+    Raises:
+        TypeError: ``relevance_key`` is not a string (a nested key, which the checks of the keys and the writes
+            would take for one entry).
+
+    Examples:
+        >>> relevance_keys(("relevance", "lrp"), [None], ["obs"])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: relevance_key must be a string, the first entry of every relevance key, got the tuple ...
     """
+    if not isinstance(relevance_key, str):
+        raise TypeError(
+            f"relevance_key must be a string, the first entry of every relevance key, got the "
+            f"{type(relevance_key).__name__} {relevance_key!r}; pass one name (relevance_key='relevance_lrp')"
+        )
     return [
         (relevance_key, *prefix, *as_tuple(k))
         for name in target_names
