@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -137,6 +138,32 @@ class TestContract:
         assert out["x"] is x
         assert not any(v.requires_grad for v in out.values(include_nested=True, leaves_only=True))
         assert lrp.out_keys == ["y", ("relevance", "x")] and lrp.in_keys == ["x"]
+
+    def test_a_key_named_twice_in_in_keys_is_explained_once_as_gradient_times_input(self):
+        """``in_keys=["x", ("x",)]`` names one key: explained once, as the other methods do (it was fed twice, and
+        the first copy's relevance was refused as unreached)."""
+        net = mlp()
+        x = torch.randn(4, 5, dtype=torch.float64)
+        lrp = LRP(TensorDictModule(net, ["x"], ["y"]), lrp0_mapper(), in_keys=["x", ("x",)])
+        out = lrp(TensorDict(x=x, batch_size=[4]))
+        leaf = x.clone().requires_grad_(True)
+        y = net(leaf)
+        (grad,) = torch.autograd.grad(y.gather(-1, y.argmax(-1, keepdim=True)).sum(), leaf)
+        torch.testing.assert_close(out["relevance", "x"], grad * x)
+        assert lrp.relevance_keys == [("relevance", "x")] and lrp.in_keys == ["x"]
+
+    @pytest.mark.parametrize("method", ["LRP", "Saliency"])
+    def test_a_nested_relevance_key_is_refused_at_construction_naming_it(self, method):
+        """A tuple prefix passed the checks of the keys and met tensordict's own errors in the call (a
+        ``TypeError`` on nested membership, or a ``KeyError`` once the model had run)."""
+        import tdhook.attribution as attribution
+
+        module = TensorDictModule(mlp(), in_keys=["x"], out_keys=["y"])
+        for key in [("relevance", "lrp"), ("y",)]:
+            with pytest.raises(
+                TypeError, match=r"relevance_key must be a string.*got the tuple " + re.escape(repr(key))
+            ):
+                getattr(attribution, method)(module, relevance_key=key)
 
     def test_plain_module_with_keys_and_keyword_call(self):
         net = mlp()

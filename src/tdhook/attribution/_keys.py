@@ -29,7 +29,15 @@ from torchrl.modules import ConsistentDropoutModule
 
 from tdhook.attribution.mappers.aliases import every_named_module
 
-__all__ = ["as_tuple", "check_free", "check_writable", "layer_keys", "read_not_written", "relevance_keys"]
+__all__ = [
+    "as_tuple",
+    "check_free",
+    "check_writable",
+    "layer_keys",
+    "read_not_written",
+    "relevance_keys",
+    "unique_keys",
+]
 
 
 def as_tuple(key: NestedKey) -> tuple[str, ...]:
@@ -47,6 +55,17 @@ def as_tuple(key: NestedKey) -> tuple[str, ...]:
     """
     key = unravel_key(key)
     return key if isinstance(key, tuple) else (key,)
+
+
+def unique_keys(keys: Sequence[NestedKey]) -> list[NestedKey]:
+    """``keys`` unravelled, each once, in the order of their first appearance: a key named twice (``"obs"`` and
+    ``("obs",)``) is explained once.
+
+    Examples:
+        >>> unique_keys(["obs", ("obs",), ("agent", ("x",)), ("agent", "x")])
+        ['obs', ('agent', 'x')]
+    """
+    return list(dict.fromkeys(unravel_key_list(list(keys))))
 
 
 def layer_keys(
@@ -114,7 +133,22 @@ def relevance_keys(
     Returns:
         ``(relevance_key, name, *key)`` (without ``name`` for ``None``) for
         every name, then every key.
+
+    Raises:
+        TypeError: ``relevance_key`` is not a string (a nested key, which the checks of the keys and the writes
+            would take for one entry).
+
+    Examples:
+        >>> relevance_keys(("relevance", "lrp"), [None], ["obs"])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: relevance_key must be a string, the first entry of every relevance key, got the tuple ...
     """
+    if not isinstance(relevance_key, str):
+        raise TypeError(
+            f"relevance_key must be a string, the first entry of every relevance key, got the "
+            f"{type(relevance_key).__name__} {relevance_key!r}; pass one name (relevance_key='relevance_lrp')"
+        )
     return [
         (relevance_key, *prefix, *as_tuple(k))
         for name in target_names

@@ -14,6 +14,7 @@ from tensordict.nn import TensorDictModuleBase, dispatch
 from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
+from tdhook.attribution._aliased_inputs import checked_after_run
 from tdhook.attribution._backward import drop_records, leaf_relevance
 from tdhook.attribution._backward_passes import (
     DEFAULT_MEMORY_BUDGET,
@@ -54,7 +55,14 @@ from tdhook.attribution._inputs import (
     validate_inputs,
 )
 from tdhook.attribution._kept_grads import KeptGrads
-from tdhook.attribution._keys import check_free, check_writable, layer_keys, read_not_written, relevance_keys
+from tdhook.attribution._keys import (
+    check_free,
+    check_writable,
+    layer_keys,
+    read_not_written,
+    relevance_keys,
+    unique_keys,
+)
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
 from tdhook.attribution._model_changes import follow_model_changes
 from tdhook.attribution._model_run import cache_receivers_of, run_model
@@ -247,7 +255,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self.module = module
         self.rule_mapper = as_rule_mapper(rule_mapper)
         warn_for_unused_keys(self.rule_mapper, self.named_explained_modules()[""])
-        self.explained_keys = unravel_key_list(list(in_keys)) if in_keys is not None else read_not_written(module)
+        self.explained_keys = unique_keys(in_keys) if in_keys is not None else read_not_written(module)
         # Keys taken from the module's in_keys: those holding booleans or integers no embedding reads, and the
         # recurrent states a torchrl LSTMModule/GRUModule does without, are not explained (see explained_in_call).
         self._defaulted_inputs = in_keys is None
@@ -430,19 +438,19 @@ class LRP(TensorDictModuleBase, MapperTunable):
         try:
             with _explaining(self) as graph:
                 planned = planned_call(self, explained, work)  # a chain of layers: no hooks, modes or autograd
-                # Integer tokens are fed to TokenInputs: the relevance of their embeddings stands for them.
-                leaves, fed = planned_feed(
+                leaves, fed = planned_feed(  # integer tokens go to TokenInputs: their embeddings' relevance is theirs
                     planned, work, self.explained_keys, self._tokens, explained, self.create_graph
                 )
-                try:
-                    result, calls = (planned.run(work), None) if planned else run_model(self, work, leaves, fed)
-                    self._function_gates.settle(work if result is None else result, self)
-                except Exception as err:
-                    self._tokens.raise_for_unembedded(leaves, err)
-                    error = run_error(err, tensordict, self.explained_keys, self.named_explained_modules())
-                    if error is err:
-                        raise
-                    raise error from err
+                with checked_after_run("LRP", tensordict, self.explained_keys, fed, self.in_keys):
+                    try:
+                        result, calls = (planned.run(work), None) if planned else run_model(self, work, leaves, fed)
+                        self._function_gates.settle(work if result is None else result, self)
+                    except Exception as err:
+                        self._tokens.raise_for_unembedded(leaves, err)
+                        error = run_error(err, tensordict, self.explained_keys, self.named_explained_modules())
+                        if error is err:
+                            raise
+                        raise error from err
                 self._tokens.raise_for_unembedded(leaves, optional=self._defaulted_inputs)
                 result = work if result is None else result
                 # The caller's TensorDict, unless the module cut the batch.

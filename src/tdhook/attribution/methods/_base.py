@@ -32,6 +32,7 @@ from tensordict.nn import TensorDictModuleBase, dispatch
 from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
+from tdhook.attribution._aliased_inputs import checked_after_run
 from tdhook.attribution._chosen_values import chosen_action
 from tdhook.attribution._inputs import describe, feed_inputs, optional_inputs, validate_inputs
 from tdhook.attribution._kept_grads import KeptGrads
@@ -367,7 +368,8 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         watch = _NOTHING if self._warned else dropout_watch(self.named_explained_modules().values())
         with torch.enable_grad() if grad else torch.no_grad(), time_lengths(recurrent) as lengths:
             leaves, fed = feed_inputs(work, self.explained_keys, TokenInputs(self.explained_keys))
-            with watch as dropping:
+            # A write into memory an explained input shares with another input is refused after the run.
+            with checked_after_run(name, tensordict, self.explained_keys, fed, self.in_keys), watch as dropping:
                 result = self._run(work)
         if dropping is not None and dropping.found:
             warn_at_caller(
