@@ -159,11 +159,12 @@ class TestContract:
         import tdhook.attribution as attribution
 
         module = TensorDictModule(mlp(), in_keys=["x"], out_keys=["y"])
-        for key in [("relevance", "lrp"), ("y",)]:
-            with pytest.raises(
-                TypeError, match=r"relevance_key must be a string.*got the tuple " + re.escape(repr(key))
-            ):
-                getattr(attribution, method)(module, relevance_key=key)
+        key = ("relevance", "lrp")
+        with pytest.raises(TypeError, match=rf"{method}: relevance_key must be one key name.*" + re.escape(repr(key))):
+            getattr(attribution, method)(module, relevance_key=key)
+        # A key of one name is that name: on a key of the model, it is refused as the name is.
+        with pytest.raises(ValueError, match="'y'"):
+            getattr(attribution, method)(module, relevance_key=("y",))
 
     def test_plain_module_with_keys_and_keyword_call(self):
         net = mlp()

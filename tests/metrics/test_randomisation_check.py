@@ -304,3 +304,14 @@ def test_layers_of_a_multi_agent_template_reach_every_agents_values():
         changed = (copied.params[layer, "weight"] != before[layer, "weight"]).flatten(1).all(1)
         assert changed.tolist() == [layer == "4"] * 3, layer
     assert not torch.equal(copied.params["4", "weight"][0], copied.params["4", "weight"][1])  # drawn per agent
+
+
+@pytest.mark.parametrize("stored", [(2, 1, 6, 6), (2, 3, 1, 1)])
+def test_a_stored_attribution_of_another_shape_than_the_methods_is_refused_by_name(stored):
+    """A stored pixel map broadcasts to its input, but the explanations of the randomised models, of the input's shape,
+    are compared with it element by element: torch's broadcasting error named neither the key nor the shapes."""
+    net = conv_net()
+    td = TensorDict(x=images(2), attribution=TensorDict(x=torch.randn(stored, dtype=torch.float64)), batch_size=[2])
+    expected = rf"stored attribution \('attribution', 'x'\) has shape {list(stored)}".replace("[", r"\[")
+    with pytest.raises(ValueError, match=expected + r", but the method writes \[2, 3, 6, 6\]"):
+        randomisation_check(InputXGradient(net, in_keys=["x"], out_keys=["y"]), td)

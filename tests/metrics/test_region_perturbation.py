@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
+from torch import nn
 
 from tdhook.metrics import region_perturbation
 from tdhook.metrics.region_perturbation import patch_grid
@@ -114,3 +117,96 @@ def test_a_patch_summing_to_nan_is_refused_by_name():
     perturbed[..., 2:, 2:] = 0.0
     target = net(td["x"]).argmax(-1)
     torch.testing.assert_close(morf[:, 1], net(perturbed)[0, target], rtol=0, atol=1e-12)
+
+
+def by_definition(net, x, a, patch_size, order, n_regions, baseline):
+    """One sample at a time: the patches of :func:`patch_grid` ranked by their attribution summed over the channels,
+    ties to the lower patch, set to the baseline one after the other."""
+    grid = patch_grid(*x.shape[-2:], patch_size)
+    n_patches = int(grid.max()) + 1
+    full = a.expand_as(x)
+    output = net(x)
+    rows = []
+    for xi, ai, yi, ti in zip(x, full, output, output.argmax(-1), strict=True):
+        sums = [ai[:, grid == p].sum().item() for p in range(n_patches)]
+        ranked = sorted(range(n_patches), key=lambda p: (-sums[p] if order == "morf" else sums[p], p))
+        current, row = xi.clone(), [yi[ti]]
+        for p in ranked[:n_regions]:
+            current[:, grid == p] = baseline
+            row.append(net(current[None])[0, ti])
+        rows.append(torch.stack(row))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize(("height", "width", "patch_size"), [(5, 7, 2), (6, 9, 4), (7, 5, 3), (4, 9, 5), (5, 5, 7)])
+@pytest.mark.parametrize("attribution", ["full", "pixel map", "ties"])
+@pytest.mark.parametrize("model", ["conv", "mlp"])
+def test_planes_that_are_not_square_with_patches_that_do_not_divide(height, width, patch_size, attribution, model):
+    """Against Quantus where the ranking has no ties (its unstable argsort orders tied patches its own way), and
+    against the definition always; the mlp takes the path that updates its first layer step by step."""
+    torch.manual_seed(height * width + patch_size)
+    if model == "conv":
+        layers = [nn.Conv2d(3, 2, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(2 * height * width, 5)]
+    else:
+        layers = [nn.Flatten(), nn.Linear(3 * height * width, 6), nn.ReLU(), nn.Linear(6, 5)]
+    net = nn.Sequential(*layers).double().eval()
+    x = torch.randn(3, 3, height, width).double()  # exact in float32, which Quantus feeds the model
+    a = {
+        "full": torch.randn(3, 3, height, width).double(),
+        "pixel map": torch.randn(3, 1, height, width).double(),
+        "ties": torch.randint(0, 2, (3, 3, height, width)).double(),
+    }[attribution]
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[3])
+    n_patches = -(-height // patch_size) * -(-width // patch_size)
+    n_regions = min(n_patches, 4)
+    for order in ("morf", "lerf"):
+        curve = region_perturbation(
+            net,
+            td,
+            patch_size=patch_size,
+            order=order,
+            n_regions=n_regions,
+            in_keys=["x"],
+            out_keys=["y"],
+            baseline=0.0,
+        )
+        expected = by_definition(net, x, a, patch_size, order, n_regions, 0.0)
+        torch.testing.assert_close(curve, expected, rtol=0, atol=1e-12)
+        if attribution != "ties":
+            quantus_drops = quantus_region_perturbation(net, x, a, net(x).argmax(-1), patch_size, order, n_regions)
+            torch.testing.assert_close(curve[..., :1] - curve[..., 1:], quantus_drops, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("order", ["morf", "lerf"])
+def test_two_keys_of_other_planes_on_a_batch_of_two_dimensions(order):
+    """Patches of a ``[2, 5, 3]`` and a ``[1, 3, 7]`` key ranked together, pixel maps for both, a ``[2, 3]`` batch and
+    an index target, against the definition sample by sample."""
+
+    def model(p, q):
+        return torch.stack(
+            [(p**2).sum((-1, -2, -3)) + torch.sin(q).sum((-1, -2, -3)), p.sum((-1, -2, -3)) * q.mean((-1, -2, -3))], -1
+        )
+
+    torch.manual_seed(4)
+    module = TensorDictModule(model, in_keys=["p", "q"], out_keys=["y"])
+    p, q = torch.randn(2, 3, 2, 5, 3, dtype=torch.float64), torch.randn(2, 3, 1, 3, 7, dtype=torch.float64)
+    ap, aq = torch.randn(2, 3, 1, 5, 3, dtype=torch.float64), torch.randn(2, 3, 1, 3, 7, dtype=torch.float64)
+    attributions = TensorDict(p=ap, q=aq, batch_size=[2, 3])
+    td = TensorDict(p=p, q=q, attribution=attributions, batch_size=[2, 3])
+    curve = region_perturbation(module, td, patch_size=2, order=order, n_regions=7, target=1, baseline=0.25)
+    grids = {"p": patch_grid(5, 3, 2), "q": patch_grid(3, 7, 2)}
+    patches = [("p", k) for k in range(int(grids["p"].max()) + 1)] + [
+        ("q", k) for k in range(int(grids["q"].max()) + 1)
+    ]
+    expected = torch.zeros(2, 3, 8, dtype=torch.float64)
+    for i, j in itertools.product(range(2), range(3)):
+        inputs = {"p": p[i, j].clone(), "q": q[i, j].clone()}
+        maps = {"p": ap[i, j].expand_as(inputs["p"]), "q": aq[i, j]}
+        sums = [maps[key][:, grids[key] == k].sum().item() for key, k in patches]
+        ranked = sorted(range(len(patches)), key=lambda n: (-sums[n] if order == "morf" else sums[n], n))
+        expected[i, j, 0] = model(**inputs)[1]
+        for step, n in enumerate(ranked[:7]):
+            key, k = patches[n]
+            inputs[key][:, grids[key] == k] = 0.25
+            expected[i, j, step + 1] = model(**inputs)[1]
+    torch.testing.assert_close(curve, expected, rtol=0, atol=1e-12)

@@ -302,3 +302,35 @@ def test_similarities_scored_across_stacked_copies_explain_each_copy_alone():
         change = (flat(saliency(copy)) - reference).norm(dim=-1) / reference.norm(dim=-1)
         expected = torch.maximum(expected, change)
     torch.testing.assert_close(found, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["IntegratedGradients", "Occlusion", "FeatureAblation"])
+@pytest.mark.parametrize("shape", [(2, 1, 5), (2, 1, 1)])
+def test_per_sample_options_broadcast_along_the_second_batch_dimension_go_with_each_perturbed_copy(name, shape):
+    """A baseline (or feature mask) of one value per row of a ``[2, 3]`` batch, ``[2, 1, ...]``, broadcasts to the
+    input as the method reads it. The stacked call of the perturbed copies, ``[n * 2, 3, ...]``, left it unrepeated,
+    and the method refused it there (a shape the caller never gave) though it explains the batch itself."""
+    from tdhook import attribution
+
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Softplus(), torch.nn.Linear(7, 3)).double()
+    x = torch.randn(2, 3, 5, dtype=torch.float64)
+    per_row = torch.randn(*shape, dtype=torch.float64)
+    options = {
+        "IntegratedGradients": {"baselines": per_row, "n_steps": 6},
+        "Occlusion": {"sliding_window_shapes": (2,), "strides": 2, "baselines": per_row},
+        "FeatureAblation": {"feature_masks": torch.randint(-2, 3, shape), "baselines": per_row.flip(0)},
+    }[name]
+    method = getattr(attribution, name)(net, in_keys=["x"], out_keys=["y"], **options)
+    td = TensorDict(x=x, batch_size=[2, 3])
+    noise = torch.rand(2, 3, 4, 5, dtype=torch.float64) * 0.1 - 0.05
+    perturb = lambda repeated, radius: repeated.apply(lambda v: v + noise)  # noqa: E731
+    ours = sensitivity_max(method, td, perturb_fn=perturb, n_perturb_samples=4)
+    reference = method(td.clone())["attribution", "x"]
+    method.target = net(x).argmax(-1)  # the original targets, held for the perturbed inputs
+    changes = [
+        (method(TensorDict(x=x + noise[:, :, i], batch_size=[2, 3]))["attribution", "x"] - reference).norm(dim=-1)
+        for i in range(4)
+    ]
+    expected = torch.stack(changes, -1).amax(-1) / reference.norm(dim=-1)
+    torch.testing.assert_close(ours, expected, rtol=1e-10, atol=0)

@@ -32,6 +32,7 @@ from tdhook.attribution.mappers.aliases import every_named_module
 __all__ = [
     "as_tuple",
     "check_free",
+    "check_prefix",
     "check_writable",
     "layer_keys",
     "read_not_written",
@@ -119,8 +120,31 @@ def layer_keys(
     return keys
 
 
+def check_prefix(relevance_key: object, owner: str) -> None:
+    """Refuse a ``relevance_key`` that is not one key name: the relevance keys are ``(relevance_key, *key)``.
+
+    Raises:
+        TypeError: ``relevance_key`` is neither a string nor a tuple of one (a nested prefix such as
+            ``("explanations", "lrp")``, or a number).
+
+    Examples:
+        >>> check_prefix("relevance", "LRP"), check_prefix(("relevance",), "LRP")
+        (None, None)
+        >>> check_prefix(("explanations", "lrp"), "LRP")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: LRP: relevance_key must be one key name (a str), ... got ('explanations', 'lrp')
+    """
+    name = relevance_key[0] if isinstance(relevance_key, tuple) and len(relevance_key) == 1 else relevance_key
+    if not isinstance(name, str):
+        raise TypeError(
+            f"{owner}: relevance_key must be one key name (a str), the prefix of the keys (relevance_key, "
+            f"*in_key); got {relevance_key!r}"
+        )
+
+
 def relevance_keys(
-    relevance_key: str, target_names: Iterable[str | None], keys: Sequence[NestedKey]
+    relevance_key: str, target_names: Iterable[str | None], keys: Sequence[NestedKey], owner: str = "LRP"
 ) -> list[tuple[str, ...]]:
     """The relevance key of each of ``keys``, target by target.
 
@@ -129,30 +153,21 @@ def relevance_keys(
         target_names: the names of the explained targets; ``None`` for a
             single unnamed one.
         keys: the explained input keys, then the inner layers' keys.
+        owner: the wrapper, named in the error of a bad ``relevance_key``.
 
     Returns:
         ``(relevance_key, name, *key)`` (without ``name`` for ``None``) for
         every name, then every key.
 
     Raises:
-        TypeError: ``relevance_key`` is not a string (a nested key, which the checks of the keys and the writes
-            would take for one entry).
-
-    Examples:
-        >>> relevance_keys(("relevance", "lrp"), [None], ["obs"])  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        TypeError: relevance_key must be a string, the first entry of every relevance key, got the tuple ...
+        TypeError: ``relevance_key`` is not one key name (see :func:`check_prefix`).
     """
-    if not isinstance(relevance_key, str):
-        raise TypeError(
-            f"relevance_key must be a string, the first entry of every relevance key, got the "
-            f"{type(relevance_key).__name__} {relevance_key!r}; pass one name (relevance_key='relevance_lrp')"
-        )
+    check_prefix(relevance_key, owner)
+    name = relevance_key[0] if isinstance(relevance_key, tuple) else relevance_key  # ``("rel",)`` is ``"rel"``
     return [
-        (relevance_key, *prefix, *as_tuple(k))
-        for name in target_names
-        for prefix in [(name,) if name is not None else ()]
+        (name, *prefix, *as_tuple(k))
+        for target in target_names
+        for prefix in [(target,) if target is not None else ()]
         for k in keys
     ]
 

@@ -254,8 +254,9 @@ def _stacked_copies(value: torch.Tensor, batch_size: torch.Size, n: int) -> torc
 @contextlib.contextmanager
 def options_repeated(method: TensorDictModuleBase, td: TensorDictBase, n: int) -> Iterator[None]:
     """The method's options that hold one value per sample of ``td`` (a baseline or a feature mask with the batch's
-    shape before a sample's: ``_per_call_options`` of the methods) repeated for ``n`` copies of the batch stacked
-    along its first dimension (see :func:`~tdhook.metrics._features.stacked_batch`), restored afterwards.
+    shape before a sample's, or 1 along its dimensions after the first: ``_per_call_options`` of the methods)
+    repeated for ``n`` copies of the batch stacked along its first dimension (see
+    :func:`~tdhook.metrics._features.stacked_batch`), restored afterwards.
 
     Examples:
         >>> from tensordict import TensorDict
@@ -274,15 +275,24 @@ def options_repeated(method: TensorDictModuleBase, td: TensorDictBase, n: int) -
     inputs = {key: x for key, x in inputs.items() if x.is_floating_point()}
 
     def per_sample(value: object, keys: Sequence[NestedKey]) -> bool:
+        # One value per sample along the batch's first dimension: the input's number of dimensions, that dimension's
+        # size, and, along the other batch dimensions, theirs or 1 (a [B1, 1, F] baseline for a [B1, B2] batch).
         return (
             isinstance(value, torch.Tensor)
             and len(batch) > 0
             and bool(keys)
-            and all(value.dim() == inputs[key].dim() and value.shape[: len(batch)] == batch for key in keys)
+            and all(
+                value.dim() == inputs[key].dim()
+                and value.shape[0] == batch[0]
+                and all(v in (1, b) for v, b in zip(value.shape[1 : len(batch)], batch[1:], strict=True))
+                for key in keys
+            )
         )
 
     def repeated(value: object, keys: Sequence[NestedKey]) -> object:
-        return _stacked_copies(value, batch, n) if per_sample(value, keys) else value
+        if not per_sample(value, keys):
+            return value
+        return value.expand(n, *value.shape).reshape(n * value.shape[0], *value.shape[1:])
 
     previous = {name: getattr(method, name) for name in getattr(method, "_per_call_options", ())}
     try:

@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
-from tensordict.utils import NestedKey
+from tensordict.utils import NestedKey, unravel_key
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -161,10 +161,19 @@ def randomisation_check(
     with statistics_kept(copied):  # every explanation from the caller's running statistics
         result = explain(copied, td)
     target = original_target(copied, result, batch_dims, td)
+    own = Features.read(result, keys, prefix, units).attributions
     try:
         stored = Features.read(td, keys, prefix, units).attributions
     except KeyError:
-        stored = Features.read(result, keys, prefix, units).attributions
+        stored = own
+    for key, kept, fresh in zip(keys, stored, own, strict=True):
+        if kept.shape != fresh.shape:  # compared element by element with the method's explanations
+            a_key = unravel_key((prefix, key))
+            raise ValueError(
+                f"randomisation_check: the stored attribution {a_key!r} has shape {list(kept.shape)}, but the method "
+                f"writes {list(fresh.shape)} there, which the explanations of the randomised models are compared with "
+                "element by element; store the method's own output (or drop the stored one to have it computed)"
+            )
 
     def flat(attributions: Sequence[torch.Tensor]) -> torch.Tensor:
         values = torch.cat([a.flatten(batch_dims) for a in attributions], dim=-1)

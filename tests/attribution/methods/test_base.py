@@ -771,3 +771,20 @@ def test_a_dropout_call_warning_made_an_error_is_given_at_every_call():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         method(td.clone())  # once given, not again
+
+
+@pytest.mark.parametrize("name", ["LRP", "Saliency", "Occlusion"])
+def test_a_relevance_key_that_is_not_one_key_name_is_refused_by_name(name):
+    """The relevance keys are ``(relevance_key, *in_key)``: a nested prefix, or a number, was taken, and the first
+    call failed in tensordict with a message about membership checks that named neither the option nor the method."""
+    from tdhook.attribution import LRP
+
+    method, options = {"LRP": (LRP, {}), **METHODS}[name]
+    net = random_mlp(0)
+    for bad in [("explanations", "lrp"), 3, ("a", 1)]:
+        with pytest.raises(TypeError, match=rf"{name}: relevance_key must be one key name \(a str\)"):
+            method(net, in_keys=["x"], out_keys=["y"], relevance_key=bad, **options)
+    x = torch.randn(4, 5, dtype=torch.float64)
+    one = method(net, in_keys=["x"], out_keys=["y"], relevance_key=("rel",), **options)(TensorDict(x=x, batch_size=[4]))
+    plain = method(net, in_keys=["x"], out_keys=["y"], relevance_key="rel", **options)(TensorDict(x=x, batch_size=[4]))
+    torch.testing.assert_close(one["rel", "x"], plain["rel", "x"], rtol=0, atol=0)

@@ -215,7 +215,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         self.target_key = self._target[0]
         self.target = target
         self.relevance_key = relevance_key
-        self.relevance_keys = relevance_keys(relevance_key, [None], self.explained_keys)
+        self.relevance_keys = relevance_keys(relevance_key, [None], self.explained_keys, name)
         try:
             check_free(module, self.relevance_keys)
         except ValueError as err:
