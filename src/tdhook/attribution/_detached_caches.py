@@ -41,44 +41,89 @@ from torch import nn
 
 from tdhook.attribution._kept_caches import ACTIVE_WATCH, held_objects, is_cache
 
-__all__ = ["caches_detached", "detach_cache"]
+__all__ = ["CacheWatch", "caches_detached", "detach_cache"]
+
+
+class CacheWatch:
+    """Hooks on ``receivers`` that note the caches handed to them (or returned by them) in a call of
+    :func:`caches_detached` given this watch, in the call's thread: registered once for a context, so that its calls
+    register none. Its ``handles`` are removed with the context's other hooks."""
+
+    def __init__(self, receivers: list[nn.Module]) -> None:
+        self.receivers = receivers
+        self._call = threading.local()  # ``caches``: those of this thread's call, where one is on
+        self.handles = [module.register_forward_pre_hook(self._handed, with_kwargs=True) for module in receivers]
+        self.handles += [module.register_forward_hook(self._returned, with_kwargs=True) for module in receivers]
+
+    def _handed(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        caches = getattr(self._call, "caches", None)
+        if caches is not None:
+            _note(caches, (*args, *kwargs.values()))
+            kept = getattr(ACTIVE_WATCH, "kept", None)  # a run that may be let go: the caches' state before it
+            if kept is not None:
+                kept._note(module, args, kwargs)
+
+    def _returned(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        caches = getattr(self._call, "caches", None)
+        if caches is not None:
+            _note(caches, _returned_values(output))
+
+
+def _note(caches: dict[int, Any], values: Iterable[Any]) -> None:
+    caches.update((id(value), value) for value in values if is_cache(value))
+
+
+def _returned_values(output: Any) -> Iterable[Any]:
+    return output.values() if isinstance(output, dict) else output if isinstance(output, tuple) else (output,)
 
 
 @contextlib.contextmanager
-def caches_detached(receivers: list[nn.Module], keep_graph: bool = False) -> Iterator[None]:
+def caches_detached(
+    receivers: list[nn.Module], watch: CacheWatch | None = None, keep_graph: bool = False
+) -> Iterator[None]:
     """Detach, when the block ends, the tensors of every cache handed to ``receivers`` (or returned by them) in
-    the block's thread; with ``keep_graph``, leave them as they are."""
+    the block's thread; with ``keep_graph``, leave them as they are. A ``watch`` registered on these ``receivers``
+    notes them with its hooks; else the block registers hooks of its own."""
     if keep_graph or not receivers:
         yield
         return
     caches: dict[int, Any] = {}
-    thread = threading.get_ident()  # another thread's calls of the model (without rules) keep their caches
-
-    def note(values: Iterable[Any]) -> None:
-        if threading.get_ident() == thread:
-            caches.update((id(value), value) for value in values if is_cache(value))
-
-    def handed(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        note((*args, *kwargs.values()))
-        kept = getattr(ACTIVE_WATCH, "kept", None)  # a run that may be let go: the caches' state before it
-        if kept is not None and threading.get_ident() == thread:
-            kept._note(module, args, kwargs)
-
-    def returned(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        note(output.values() if isinstance(output, dict) else output if isinstance(output, tuple) else (output,))
-
-    handles = [module.register_forward_pre_hook(handed, with_kwargs=True) for module in receivers]
-    handles += [module.register_forward_hook(returned, with_kwargs=True) for module in receivers]
     outer = getattr(ACTIVE_WATCH, "notes", None), getattr(ACTIVE_WATCH, "kept", None)  # a wrapper in the model
+    if watch is not None and watch.receivers is receivers:
+        handles = []
+        outer_call, watch._call.caches = getattr(watch._call, "caches", None), caches
+    else:
+        handles, outer_call, watch = _own_hooks(receivers, caches), None, None
     ACTIVE_WATCH.notes, ACTIVE_WATCH.kept = caches, None
     try:
         yield
     finally:
         ACTIVE_WATCH.notes, ACTIVE_WATCH.kept = outer
+        if watch is not None:
+            watch._call.caches = outer_call
         for handle in handles:
             handle.remove()
         for cache in caches.values():
             detach_cache(cache)
+
+
+def _own_hooks(receivers: list[nn.Module], caches: dict[int, Any]) -> list:
+    """Hooks on ``receivers`` noting in ``caches`` what this thread's calls hand them or they return."""
+    thread = threading.get_ident()  # another thread's calls of the model (without rules) keep their caches
+
+    def handed(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if threading.get_ident() == thread:
+            _note(caches, (*args, *kwargs.values()))
+            kept = getattr(ACTIVE_WATCH, "kept", None)  # a run that may be let go: the caches' state before it
+            if kept is not None:
+                kept._note(module, args, kwargs)
+
+    def returned(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if threading.get_ident() == thread:
+            _note(caches, _returned_values(output))
+
+    handles = [module.register_forward_pre_hook(handed, with_kwargs=True) for module in receivers]
+    return handles + [module.register_forward_hook(returned, with_kwargs=True) for module in receivers]
 
 
 def detach_cache(cache: Any) -> None:

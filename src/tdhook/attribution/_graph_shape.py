@@ -31,6 +31,8 @@ import torch
 __all__ = ["graph_shape"]
 
 _LEAF = torch._C._functions.AccumulateGrad
+_PARAMETER = torch.nn.Parameter
+_NONE_HELD: dict = {}  # read only
 
 
 def graph_shape(roots: Sequence[Any], factors: dict[int, Any] | None = None, scales: dict | None = None) -> tuple:
@@ -51,30 +53,26 @@ def graph_shape(roots: Sequence[Any], factors: dict[int, Any] | None = None, sca
         root = factors.get(id(root), root)
         shape.append(-1 if root is None else _place(root, places, nodes))
     for node in nodes:  # grows while it is read
-        if mapped:
-            held = scales.get(id(node), {})
-            children = [
-                held.get(index) if child is None else factors.get(id(child), child)
-                for index, (child, _) in enumerate(node.next_functions)
-            ]
-        else:
-            children = [child for child, _ in node.next_functions]
-        inputs = []
-        for child in children:
+        # One loop over the next functions, without a list of them (a comprehension is a call of its own).
+        held = scales.get(id(node), _NONE_HELD) if mapped else _NONE_HELD
+        entry = [type(node)]
+        for index, (child, _) in enumerate(node.next_functions):
+            if mapped:
+                child = held.get(index) if child is None else factors.get(id(child), child)
             if child is None:
-                inputs.append(-1)
+                entry.append(-1)
                 continue
             place = places.get(child)
             if place is None:
                 place = places[child] = len(nodes)
                 nodes.append(child)
-            inputs.append(place)
-        kind = type(node)
-        if kind is _LEAF:
+            entry.append(place)
+        if entry[0] is _LEAF:
             variable = node.variable
-            shape.append((kind, *inputs, id(variable) if isinstance(variable, torch.nn.Parameter) else None))
-        else:
-            shape.append((kind, *inputs))
+            # isinstance(variable, Parameter), without Parameter's own (slower) check for a parameter itself
+            is_parameter = type(variable) is _PARAMETER or isinstance(variable, _PARAMETER)
+            entry.append(id(variable) if is_parameter else None)
+        shape.append(tuple(entry))
     return tuple(shape)
 
 

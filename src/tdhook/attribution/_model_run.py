@@ -22,6 +22,7 @@ import torch
 from tensordict import TensorDictBase
 
 from tdhook.attribution._checkpointing import raise_for_checkpointing
+from tdhook.attribution._detached_caches import CacheWatch
 from tdhook.attribution._function_rule_plan import FunctionRulePlan
 from tdhook.attribution._given_inputs import given_inputs, restore_inputs
 from tdhook.attribution._kept_caches import KeptCaches, cache_receivers
@@ -34,7 +35,7 @@ from tdhook.attribution.rules._graph_calls import KeptOutputs, graph_call
 from tdhook.attribution.rules._scopes import closing_scopes
 from tdhook.attribution.rules.functional import FunctionalRules
 
-__all__ = ["cache_receivers_of", "run_model"]
+__all__ = ["cache_receivers_of", "cache_watch_of", "context_cache_watch", "run_model"]
 
 sequence_number = FunctionRulePlan.sequence_number
 
@@ -149,16 +150,40 @@ def _model_buffers(lrp: Any) -> ModelBuffers:
     return found[1]
 
 
-# By wrapper: the id of its rule handles when they were found (a context's), and the modules taking a cache.
+# By wrapper: the id of its rule handles when they were found (a context's), the modules taking a cache, and the
+# context's hooks on them that note the caches handed to the model (see CacheWatch), where it has some.
 _CACHE_RECEIVERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def cache_receivers_of(lrp: Any) -> list:
-    """The modules of ``lrp``'s model that take a key-value cache argument, found once per context."""
+def cache_receivers_of(lrp: Any, handles: list | None = None) -> list:
+    """The modules of ``lrp``'s model that take a key-value cache argument, found once per context (that of its
+    rule ``handles``, by default its own)."""
+    return _cache_entry(lrp, lrp._handles if handles is None else handles)[1]
+
+
+def cache_watch_of(lrp: Any) -> tuple[list, CacheWatch | None]:
+    """The modules of ``lrp``'s model that take a key-value cache argument, and the hooks its open context
+    registered on them to note the caches handed in (``None`` where it registered none)."""
+    found = _cache_entry(lrp, lrp._handles)
+    return found[1], found[2]
+
+
+def context_cache_watch(lrp: Any, handles: list) -> list:
+    """Register, for the context of ``lrp``'s rule ``handles``, the hooks noting the caches handed to its model in
+    each call (none where no module takes a cache, or the caches keep their graph); their handles."""
+    receivers = cache_receivers_of(lrp, handles)
+    if not receivers or lrp.create_graph:
+        return []
+    watch = CacheWatch(receivers)
+    _CACHE_RECEIVERS[lrp] = (id(handles), receivers, watch)
+    return watch.handles
+
+
+def _cache_entry(lrp: Any, handles: list | None) -> tuple:
     found = _CACHE_RECEIVERS.get(lrp)
-    if found is None or found[0] != id(lrp._handles):
-        found = _CACHE_RECEIVERS[lrp] = (id(lrp._handles), cache_receivers(lrp.module))
-    return found[1]
+    if found is None or found[0] != id(handles):
+        found = _CACHE_RECEIVERS[lrp] = (id(handles), cache_receivers(lrp.module), None)
+    return found
 
 
 def _plan_key(lrp: Any, rule_modes: list, work: TensorDictBase) -> tuple | None:

@@ -65,7 +65,7 @@ from tdhook.attribution._keys import (
 )
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
 from tdhook.attribution._model_changes import follow_model_changes
-from tdhook.attribution._model_run import cache_receivers_of, run_model
+from tdhook.attribution._model_run import cache_watch_of, context_cache_watch, run_model
 from tdhook.attribution._module_hooks import module_hooks
 from tdhook.attribution._no_grad_values import called_in_grad_mode
 from tdhook.attribution._plain_modules import as_tensordict_module
@@ -120,7 +120,7 @@ def _explaining(lrp: LRP) -> Iterator[RelevancePass | None]:
     """Grad on for a call's forward and backward passes, with the graph of differentiable relevance; the caches
     handed to the model (a generation loop's) then detached, as the outputs are written (``create_graph`` keeps
     both graphs)."""
-    with caches_detached(cache_receivers_of(lrp), keep_graph=lrp.create_graph), torch.enable_grad():
+    with caches_detached(*cache_watch_of(lrp), keep_graph=lrp.create_graph), torch.enable_grad():
         with relevance_graph(lrp.create_graph and not lrp._inactive, lrp._handles) as graph:
             yield graph
 
@@ -147,14 +147,13 @@ class LRP(TensorDictModuleBase, MapperTunable):
             eval-mode BatchNorm merged into the layer before it. Names are
             those of ``module.named_modules()`` for the object passed as
             ``module`` (a plain ``nn.Module``'s own names).
-        in_keys: for a plain module, its input keys; for a TensorDict module,
-            the input keys to explain. The module's other inputs are constants of the call, as if the model held
-            them: under AttnLRP and CP-LRP a product of an explained input with one of them is linear in it and
-            kept whole, where explaining both splits it. By default its in_keys, leaving out in each call those
-            that hold booleans
-            (``is_init``, an action mask), integers no ``nn.Embedding`` or ``nn.EmbeddingBag`` reads (but those that
-            index a parameter, ``self.table[task]``, are refused by name), and the recurrent states of a torchrl
-            ``LSTMModule``/``GRUModule`` the TensorDict does not hold.
+        in_keys: for a plain module, its input keys; for a TensorDict module, the input keys to explain. The module's
+            other inputs are constants of the call, as if the model held them: under AttnLRP and CP-LRP a product of an
+            explained input with one of them is linear in it and kept whole, where explaining both splits it. By default
+            its in_keys, leaving out in each call those that hold booleans (``is_init``, an action mask), integers no
+            ``nn.Embedding`` or ``nn.EmbeddingBag`` reads (but those that index a parameter, ``self.table[task]``, are
+            refused by name), and the recurrent states of a torchrl ``LSTMModule``/``GRUModule`` the TensorDict does not
+            hold.
         out_keys: the output keys of a plain module.
         target_key: the output to explain. Defaults to the first
             floating-point out key that no module of the pipeline reads,
@@ -356,6 +355,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             self._hooks += self._layers.register(modules, self.layer_keys)  # by any name of each module
             self._hooks += self._tokens.register(modules)  # on each nn.Embedding and nn.EmbeddingBag
             self._hooks += module_hooks(modules)  # torchrl's modules and the caller's grad mode (see _module_hooks)
+            self._hooks += context_cache_watch(self, handles)  # what notes the caches handed to the model
             # Copies of the model made inside the context (deepcopy, pickle) leave every hook of the context out.
             ours = {h.id for handle in handles for h in handle.hook_handles()}
             self._hooks.append(hide_from_copies(modules.values(), ours | {hook.id for hook in self._hooks}))
