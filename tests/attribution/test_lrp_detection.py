@@ -473,6 +473,19 @@ class TestSmall(Checks):
             assert relative_error(held.relevance[preset], plain.relevance[preset]) <= 1e-10, preset
 
 
+def test_roi_align_is_linear_in_the_features():
+    """``MultiScaleRoIAlign`` calls torchvision's ``roi_align`` through ``torch.ops``, with the backward torchvision
+    registers: bilinear samples of the features at boxes that get no gradient, a linear map whose plain gradient is
+    LRP-0. It was taken for a curved function: every preset warned, and a strict mapper refused the R-CNNs."""
+    case = SMALL[0]
+    model = build(case)
+    x = image(case.pixels)
+    relevance, _, messages = explain(model, x, BaseRuleMapper(stabilizer=1e-12, strict=True))
+    assert messages == []
+    assert relative_error(relevance, gradient_times_input(model, x)) <= LRP0_TOLERANCE
+    assert report(case).warned == []
+
+
 @pytest.mark.gallery
 @pytest.mark.parametrize("case", ALL, ids=str)
 class TestAll(Checks):
