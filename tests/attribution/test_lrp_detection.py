@@ -436,7 +436,7 @@ def report(case: Case, freeze: bool = False) -> Report:
 # --- The tests -----------------------------------------------------------------------------------------------------
 
 
-WARNING_NAMES_A_MODULE = re.compile(r"module 'module\.model\.[\w.]+' \(\w+\)")
+WARNING_NAMES_A_MODULE = re.compile(r"module 'module\.model(\.[\w.]+)?' \(\w+\)")
 
 
 class Checks:
