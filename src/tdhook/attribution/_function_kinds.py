@@ -22,6 +22,7 @@ from tdhook.attribution._argument_kinds import BY_ARGUMENTS
 from tdhook.attribution._operator_calls import aten_function, is_operator, operator_name
 
 __all__ = [
+    "LINEAR_OPERATORS",
     "NOT_FACTORS",
     "PIECEWISE_CONSTANT",
     "PRODUCTS",
@@ -29,6 +30,7 @@ __all__ = [
     "REAL_ONLY",
     "RELU_RECURRENCES",
     "function_kind",
+    "is_linear_operator_function",
 ]
 
 # Calls that are linear or piecewise linear in each activation argument: their plain gradient is exact LRP-0.
@@ -90,6 +92,11 @@ RELU_RECURRENCES = {"rnn_relu": "list", "rnn_relu_cell": slice(2, None)}
 _DIVISIONS = frozenset({"div", "divide", "true_divide", "truediv", "floor_divide", "floordiv"})
 # The in-place and reflected forms of Python's operators (``__iadd__``, ``__rmul__``): the same function.
 _OPERATORS = frozenset({"add", "sub", "mul", "matmul", "truediv", "floordiv", "div", "pow", "mod"})
+# Custom operators (called through ``torch.ops``) that are linear or piecewise linear in their features: torchvision's
+# pooling of boxes, RoIAlign and RoIPool and their position-sensitive forms (``MultiScaleRoIAlign`` in the R-CNN
+# detectors). Each output is a bilinear sample or a maximum of the features at fixed positions: the boxes get no
+# gradient from the backward torchvision registers.
+LINEAR_OPERATORS = frozenset(f"torchvision.{name}" for name in ("roi_align", "ps_roi_align", "roi_pool", "ps_roi_pool"))
 # Functions torch names otherwise than users call them: ``torch.mm`` resolves to ``torch.spmm``.
 _ALIASES = {"spmm": "mm"}
 
@@ -118,7 +125,8 @@ def _classify(func: Any) -> tuple[str, str]:
     if is_operator(func):  # through ``torch.ops``: an ATen operator is the function it computes, a custom one curved
         full = aten_function(func)
         if full is None:
-            return operator_name(func), "nonlinear"
+            name = operator_name(func)
+            return name, "linear" if ".".join(name.split(".")[:2]) in LINEAR_OPERATORS else "nonlinear"
     else:
         try:
             full = resolve_name(func) or getattr(func, "__name__", repr(func))
@@ -144,3 +152,21 @@ def _classify(func: Any) -> tuple[str, str]:
     if name in PIECEWISE_CONSTANT:
         return name, "constant"
     return name, "nonlinear"
+
+
+def is_linear_operator_function(function: type) -> bool:
+    """Whether a custom autograd Function is the one ``torch.library.register_autograd`` makes for an operator of
+    :data:`LINEAR_OPERATORS` (``GeneratedBackwardFor_torchvision_roi_align_default``): its backward is the plain
+    gradient of a linear map.
+
+    Examples:
+        >>> import torch
+        >>> class GeneratedBackwardFor_torchvision_roi_align_default(torch.autograd.Function):
+        ...     pass
+        >>> is_linear_operator_function(GeneratedBackwardFor_torchvision_roi_align_default)
+        True
+        >>> is_linear_operator_function(torch.autograd.Function)
+        False
+    """
+    name = function.__name__
+    return any(name.startswith(f"GeneratedBackwardFor_{op.replace('.', '_')}_") for op in LINEAR_OPERATORS)

@@ -52,6 +52,7 @@ from tdhook.attribution._function_kinds import (
     REAL_ONLY,
     RELU_RECURRENCES,
     function_kind,
+    is_linear_operator_function,
 )
 from tdhook.attribution._gradient_hooks import backward_hooks_checked, is_ours, tensor_hook_checked
 from tdhook.attribution._offset_products import OFFSET_PRODUCT, OffsetProducts
@@ -489,6 +490,8 @@ class NonlinearCalls(TorchFunctionMode):
             function = getattr(node, "_forward_cls", None) if isinstance(node, BackwardCFunction) else None
             if function is None or function.__module__.startswith("tdhook.") or function is BackwardHookFunction:
                 continue  # not a custom Function, one of the rules' own, or the identity of full backward hooks
+            if is_linear_operator_function(function):
+                continue  # a linear custom operator's (torchvision's RoIAlign): its plain gradient is LRP-0
             number = node._sequence_nr()
             # The innermost module call whose span holds the node: the one that started last among them, and of
             # those that started with the same number (a module whose first node is its first child's), the one
