@@ -115,3 +115,34 @@ def test_keys_sharing_memory_are_each_explained_as_gradient_times_input_and_cons
     torch.testing.assert_close(out["av"].gather(-1, out["av"].argmax(-1, keepdim=True)).squeeze(-1), chosen)
     total = out["relevance", "x"].sum(-1) + out["relevance", "y"].sum(-1)
     torch.testing.assert_close(total, chosen)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_consolidated_tensordict_whose_counter_the_model_increments_is_explained(method):
+    """``consolidate()`` puts every entry in one storage, at places apart: a counter (int32) the model increments in
+    place shares no memory with the explained observations (float64), and the call is explained as on the TensorDict
+    before consolidation (it was refused, the entries' dtypes being taken to share)."""
+    net = _net()
+
+    def count(step: torch.Tensor) -> torch.Tensor:
+        return step.add_(1)
+
+    model = TensorDictSequential(
+        TensorDictModule(count, in_keys=["step"], out_keys=["step"]), TensorDictModule(net, ["x"], ["av"])
+    )
+    x = torch.randn(4, 3, dtype=torch.float64)
+    td = TensorDict(x=x, step=torch.zeros(4, 1, dtype=torch.int32), batch_size=[4]).consolidate().unlock_()
+    assert td["x"].untyped_storage().data_ptr() == td["step"].untyped_storage().data_ptr()
+    out = getattr(attribution, method)(model, in_keys=["x"], target_key="av")(td)
+    relevance_key = "relevance" if method == "LRP" else "attribution"
+    expected = _gradient_times_input(net, x)[0][0]
+    if method == "Saliency":
+        expected = (expected / x).abs()
+    elif method == "IntegratedGradients":
+        expected = None  # the path integral: compared with its own call on the plain TensorDict below
+    plain = TensorDict(x=x.clone(), step=torch.zeros(4, 1, dtype=torch.int32), batch_size=[4])
+    again = getattr(attribution, method)(model, in_keys=["x"], target_key="av")(plain)
+    torch.testing.assert_close(out[relevance_key, "x"], again[relevance_key, "x"], rtol=1e-12, atol=1e-12)
+    if expected is not None:
+        torch.testing.assert_close(out[relevance_key, "x"], expected, rtol=1e-10, atol=1e-12)
+    assert torch.equal(out["step"], torch.ones(4, 1, dtype=torch.int32))

@@ -187,11 +187,11 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     (two column slices of one matrix interleave without one: ``m[:, :3]`` and ``m[:, 4:]``)."""
     if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
-    if a.element_size() != b.element_size():
-        return True  # views of one storage as different dtypes: taken as sharing
     (a_start, a_end), (b_start, b_end) = _span(a), _span(b)
-    if a_start >= b_end or b_start >= a_end:
-        return False
+    if a_start * a.element_size() >= b_end * b.element_size() or b_start * b.element_size() >= a_end * a.element_size():
+        return False  # apart in the storage's bytes (the entries of a consolidated TensorDict, whatever their dtypes)
+    if a.element_size() != b.element_size():
+        return True  # views of one storage as different dtypes that meet: taken as sharing
     if a.is_contiguous() and b.is_contiguous():
         return True
     low = min(a_start, b_start)
