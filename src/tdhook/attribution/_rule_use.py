@@ -67,7 +67,7 @@ class RuleUse:
         """Note what the watched pass returned: a module none of whose parameters its graph reaches is unused, and
         its rule is not named."""
         if self._pending:
-            self._outputs = [value for value in outputs.values(True, True) if isinstance(value, torch.Tensor)]
+            self._outputs = list(_tensors_of(outputs))
 
     def watches(self, handles: Sequence[RemovableRuleHandle]) -> bool:
         """Whether the next forward pass with the rules of ``handles`` is watched."""
@@ -142,6 +142,23 @@ class RuleUse:
         # Watched once its warnings are out: a pass that failed or was interrupted, or a warning that the caller's
         # filter turned into an error (warnings.simplefilter("error")), is watched again at the next call.
         self._pending = False
+
+
+def _tensors_of(value: object) -> Iterator[torch.Tensor]:
+    """The tensors ``value`` holds: itself, or a TensorDict's entries at every level, a lazy stack's by its
+    TensorDicts (whose entries may not stack).
+
+    >>> from tensordict import TensorDict, lazy_stack
+    >>> stack = lazy_stack([TensorDict(x=torch.zeros(1)), TensorDict(x=torch.zeros(2))])
+    >>> [t.shape for t in _tensors_of(TensorDict(a=torch.ones(3), s=stack))]
+    [torch.Size([3]), torch.Size([1]), torch.Size([2])]
+    """
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, TensorDictBase):
+        parts = getattr(value, "tensordicts", None)  # a lazy stack's
+        for part in parts if parts is not None else value.values():
+            yield from _tensors_of(part)
 
 
 def _parameters_reached(outputs: Sequence[torch.Tensor]) -> set[int]:
