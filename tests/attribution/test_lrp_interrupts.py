@@ -238,3 +238,37 @@ def test_a_pipeline_call_interrupted_anywhere_writes_nothing():
         # the model's own calls in an open context would take the rules' gradient from then on.
         assert not in_a_wrapper_call(), interrupt.where
     torch.testing.assert_close(lrp(TensorDict(x=x, batch_size=[4]))["relevance", "x"], expected, rtol=0, atol=0)
+
+
+class Locating(Interrupt):
+    """Counts line events as :class:`Interrupt` does, noting the file of each."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.files: list[str] = []
+
+    def _local(self, frame, event, arg):
+        count = self.count
+        result = super()._local(frame, event, arg)
+        if self.count != count:
+            self.files.append(frame.f_code.co_filename.rpartition("/")[2])
+        return result
+
+
+def test_an_interrupt_at_any_line_of_the_first_pass_leaves_no_pass_behind():
+    """Every line of the first pass's entry and exit (each call of a wrapper outside a context opens one): an
+    interrupt as it ends, before the thread's state was put back, left the pass on, and later calls took its
+    checks and its record of what was warned about for theirs."""
+    torch.manual_seed(0)
+    lrp = LRP(TensorDictModule(nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 3)).to(F64), ["x"], ["y"]))
+    x = torch.randn(4, 5, dtype=F64)
+    lrp(TensorDict(x=x, batch_size=[4]))  # the wrapper's first call watches more than the later ones
+    with Locating() as locating:
+        lrp(TensorDict(x=x, batch_size=[4]))
+    lines = [at for at, name in enumerate(locating.files, start=1) if name == "_first_pass.py"]
+    assert len(lines) >= 3  # entering (two lines) and leaving, at least
+    for at in lines:
+        with Interrupt(at) as interrupt:
+            lrp(TensorDict(x=x, batch_size=[4]))
+        assert interrupt.where is not None and "_first_pass.py" in interrupt.where
+        assert first_pass() is None, interrupt.where

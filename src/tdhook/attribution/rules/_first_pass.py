@@ -4,6 +4,10 @@ The wrapper watches the first pass of each context (see :mod:`tdhook.attribution
 :func:`first_pass` to check its call's input then only, and notes in the set it returns what it warned about, so that
 a module called several times in that pass warns once.
 
+The pass belongs to the wrapper's call it started in (see
+:func:`~tdhook.attribution.rules._wrapper_calls.current_call`): an interrupt (``KeyboardInterrupt``) arriving as it
+ends, before the thread's state is put back, leaves a pass that no later call takes for its own.
+
 Examples:
     >>> first_pass() is None
     True
@@ -19,6 +23,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from tdhook.attribution.rules._wrapper_calls import current_call
+
 __all__ = ["first_pass", "watching_first_pass"]
 
 _LOCAL = threading.local()
@@ -26,7 +32,8 @@ _LOCAL = threading.local()
 
 def first_pass() -> set[Any] | None:
     """In the first forward pass of a context on this thread, the set of what was warned about in it, else ``None``."""
-    return getattr(_LOCAL, "warned", None)
+    found = getattr(_LOCAL, "first", None)  # (what was warned about, the wrapper call's mark)
+    return found[0] if found is not None and found[1] is current_call() else None
 
 
 class watching_first_pass:  # noqa: N801 (used as a function: ``with watching_first_pass():``)
@@ -37,8 +44,8 @@ class watching_first_pass:  # noqa: N801 (used as a function: ``with watching_fi
     """
 
     def __enter__(self) -> None:
-        self._previous = getattr(_LOCAL, "warned", None)
-        _LOCAL.warned = set()
+        self._previous = getattr(_LOCAL, "first", None)
+        _LOCAL.first = set(), current_call()
 
     def __exit__(self, *exc_info: object) -> None:
-        _LOCAL.warned = self._previous
+        _LOCAL.first = self._previous

@@ -48,12 +48,19 @@ import torch
 
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 
-__all__ = ["context_closed", "context_opened", "in_a_wrapper_call", "rules_act_here", "wrapper_call"]
+__all__ = [
+    "context_closed",
+    "context_opened",
+    "current_call",
+    "in_a_wrapper_call",
+    "rules_act_here",
+    "wrapper_call",
+]
 
 
 class _Calls(threading.local):
     def __init__(self) -> None:
-        self.locks: list = []  # the locks of this thread's wrapper calls in progress, innermost last
+        self.marks: list = []  # the marks of this thread's wrapper calls in progress, innermost last
 
 
 _CALLS = _Calls()
@@ -71,23 +78,28 @@ class wrapper_call:  # a class, not a generator: it costs less per call
         self._lock = lock
 
     def __enter__(self) -> None:
-        _CALLS.locks.append(self._lock)
+        _CALLS.marks.append(self)
 
     def __exit__(self, *exc_info: object) -> None:
-        locks = _CALLS.locks
-        if locks and locks[-1] is self._lock:
-            locks.pop()
+        marks = _CALLS.marks
+        if marks and marks[-1] is self:
+            marks.pop()
+
+
+def current_call() -> wrapper_call | None:
+    """The mark of the innermost wrapper's call in progress on this thread (one whose lock this thread holds), or
+    ``None``. Marks an interrupt left behind (their lock released since) are dropped."""
+    marks = _CALLS.marks
+    while marks:
+        if marks[-1]._lock._is_owned():
+            return marks[-1]
+        marks.pop()
+    return None
 
 
 def _in_call() -> bool:
-    """Whether a wrapper's call is in progress on this thread: a mark whose lock this thread holds. Marks an
-    interrupt left behind (their lock released since) are dropped."""
-    locks = _CALLS.locks
-    while locks:
-        if locks[-1]._is_owned():
-            return True
-        locks.pop()
-    return False
+    """Whether a wrapper's call is in progress on this thread."""
+    return current_call() is not None
 
 
 def context_opened(owner: object, modules: Iterable[torch.nn.Module] = ()) -> None:
