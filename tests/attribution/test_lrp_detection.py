@@ -51,6 +51,7 @@ from tests.attribution.test_lrp_gallery import (
     LRP0_TOLERANCE,
     PRESETS,
     RECTIFIED,
+    calibrate,
     changes,
     conserves,
     fingerprint,
@@ -299,24 +300,9 @@ ALL = [
 # --- Building, freezing, zeroing -----------------------------------------------------------------------------------
 
 
-def calibrate(model: nn.Module, size: int, batches: int = 2) -> nn.Module:
-    """BatchNorm running statistics of a few random images (only the BatchNorms in training mode)."""
-    model.eval()
-    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    for norm in norms:
-        norm.reset_running_stats()
-        norm.momentum = None
-        norm.train()
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for _ in range(batches):
-            model(torch.rand(4, 3, size, size, generator=generator, dtype=F64))
-    return model.eval()
-
-
 def build(case: Case) -> nn.Module:
     torch.manual_seed(0)
-    return calibrate(case.wrap(case.build(case.size)).to(F64), case.pixels)
+    return calibrate(case.wrap(case.build(case.size)).to(F64), case.pixels, sample=torch.rand)
 
 
 def frozen(model: nn.Module) -> nn.Module:

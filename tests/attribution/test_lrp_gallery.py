@@ -490,8 +490,9 @@ def randomise_zero_initialised(model: nn.Module) -> None:
                 parameter.fill_(1.0)
 
 
-def calibrate(model: nn.Module, size: int, batches: int = 2) -> nn.Module:
-    """BatchNorm running statistics of a few random batches, so that activations keep their scale with depth.
+def calibrate(model: nn.Module, size: int, batches: int = 2, sample: Callable = torch.randn) -> nn.Module:
+    """BatchNorm running statistics of a few random batches (``sample``'s: detectors take images in [0, 1], given
+    ``torch.rand``), so that activations keep their scale with depth.
 
     Only the BatchNorms are in training mode meanwhile: no auxiliary heads, dropout or stochastic depth."""
     model.eval()
@@ -504,7 +505,7 @@ def calibrate(model: nn.Module, size: int, batches: int = 2) -> nn.Module:
         generator = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for _ in range(batches):
-                model(torch.randn(4, 3, size, size, generator=generator, dtype=F64))
+                model(sample(4, 3, size, size, generator=generator, dtype=F64))
     return model.eval()
 
 
