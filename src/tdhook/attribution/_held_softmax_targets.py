@@ -51,11 +51,13 @@ def warn_for_a_held_softmax_target(
         >>> "target 'y' gets no relevance" in str(caught[0].message)
         True
     """
+    if not holds_softmax(mapper):  # first: the checks below read every relevance, a pass over the input's size
+        return
     explained = [r for r in relevances if r is not None]
     if not explained or any(bool(r.detach().any()) for r in explained):
         return
     initial = output.detach() if isinstance(grad_outputs, EveryUnit) else output.detach() * grad_outputs.detach()
-    if not bool(initial.any()) or not holds_softmax(mapper):
+    if not bool(initial.any()):
         return
     warnings.warn(
         f"LRP: target {key!r} gets no relevance at any explained input, though its initial relevance is not 0: "
