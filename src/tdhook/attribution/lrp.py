@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from tensordict import TensorDictBase
@@ -14,20 +13,13 @@ from tensordict.nn import TensorDictModuleBase, dispatch
 from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
-from tdhook.attribution._aliased_inputs import checked_after_run
-from tdhook.attribution._backward import drop_records, leaf_relevance
 from tdhook.attribution._backward_passes import (
     DEFAULT_MEMORY_BUDGET,
-    InputsReached,
     check_memory_budget,
-    check_split_dim,
 )
 from tdhook.attribution._chain_plan import (
     ChainPlan,
     context_plan,
-    planned_call,
-    planned_feed,
-    planned_updates,
 )
 from tdhook.attribution._checkpointing import checkpointing_modules
 from tdhook.attribution._context import (
@@ -35,7 +27,6 @@ from tdhook.attribution._context import (
     claim,
     leave_out_unread_marks,
     marks_are_read,
-    marks_for_target,
     register_rule,
     release,
     remove_listed,
@@ -44,53 +35,40 @@ from tdhook.attribution._context import (
 )
 from tdhook.attribution._copies import hide_from_copies, wrapper_copy, wrapper_state
 from tdhook.attribution._coverage_recorder import CoverageRecorder
-from tdhook.attribution._detached_caches import caches_detached
-from tdhook.attribution._differentiable import check_differentiable, relevance_graph, rules_off
+from tdhook.attribution._differentiable import check_differentiable, rules_off
+from tdhook.attribution._explained_call import explain
 from tdhook.attribution._function_gates import FunctionGates
 from tdhook.attribution._function_rule_plan import FunctionRulePlan
-from tdhook.attribution._held_softmax_targets import checked_relevance
 from tdhook.attribution._inputs import (
-    explained_in_call,
     optional_inputs,
-    validate_inputs,
 )
 from tdhook.attribution._kept_grads import KeptGrads
 from tdhook.attribution._keys import (
     check_free,
-    check_writable,
     layer_keys,
     read_not_written,
     relevance_keys,
     unique_keys,
 )
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
-from tdhook.attribution._model_changes import follow_model_changes
-from tdhook.attribution._model_run import cache_watch_of, context_cache_watch, run_model
+from tdhook.attribution._model_run import context_cache_watch
 from tdhook.attribution._module_hooks import module_hooks
 from tdhook.attribution._no_grad_values import called_in_grad_mode
 from tdhook.attribution._plain_modules import as_tensordict_module
-from tdhook.attribution._policy_targets import allowed_action
-from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
+from tdhook.attribution._random_modules import random_modules
 from tdhook.attribution._rule_names import warn_for_unused_keys
 from tdhook.attribution._rule_use import RuleUse
-from tdhook.attribution._run_errors import run_error
-from tdhook.attribution._tokens import TokenInputs, is_embedding_leaf
-from tdhook.attribution._writes import relevance_updates, returned_tensordict, set_all_or_nothing
+from tdhook.attribution._tokens import TokenInputs
 from tdhook.attribution.coverage import Coverage
 from tdhook.attribution.mappers.aliases import module_aliases, user_rule
 from tdhook.attribution.mappers.base import RuleMapper
 from tdhook.attribution.mappers.given import as_rule_mapper, checked_rules
 from tdhook.attribution.methods._batch_statistics import BufferHolders, buffers_restored_on_error
-from tdhook.attribution.rules._keeping_graph import RelevancePass
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.targets import (
     DefaultTargets,
     Target,
-    explained_output,
-    initial_relevance,
     named_targets,
-    resolve_target_key,
-    zero_output_seeds,
 )
 from tdhook.attribution.tunables import MapperTunable
 
@@ -113,16 +91,6 @@ def _compiled(module: nn.Module) -> bool:
     """Whether ``module`` is compiled by torch.compile: wrapped (``_orig_mod``), or in place by
     ``module.compile()`` (its call replaced on the instance)."""
     return hasattr(module, "_orig_mod") or vars(module).get("_compiled_call_impl") is not None
-
-
-@contextlib.contextmanager
-def _explaining(lrp: LRP) -> Iterator[RelevancePass | None]:
-    """Grad on for a call's forward and backward passes, with the graph of differentiable relevance; the caches
-    handed to the model (a generation loop's) then detached, as the outputs are written (``create_graph`` keeps
-    both graphs)."""
-    with caches_detached(*cache_watch_of(lrp), keep_graph=lrp.create_graph), torch.enable_grad():
-        with relevance_graph(lrp.create_graph and not lrp._inactive, lrp._handles) as graph:
-            yield graph
 
 
 class LRP(TensorDictModuleBase, MapperTunable):
@@ -419,77 +387,9 @@ class LRP(TensorDictModuleBase, MapperTunable):
             _set_state(self, "_call_enters", entering)
             # A context entered here is left before the write, and so is the record of the caller's grad mode.
             with called_in_grad_mode(torch.is_grad_enabled(), self._lock), self if entering else _NO_CONTEXT:
-                out, write = self._explain(tensordict)
+                out, write = explain(self, tensordict)
             write()  # a call whose context fails to close writes nothing
             return out
-
-    def _explain(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, Callable[[], None]]:
-        follow_model_changes(self)  # a module put in since the context was entered gets its rule
-        _set_state(self, "_marks_read", self._marks_read or marks_for_target(self._handles or [], self.target))
-        explained = explained_in_call(tensordict, self.explained_keys, self._defaulted_inputs, self._optional_inputs)
-        explained_now = [key for key, e in zip(self.explained_keys, explained, strict=True) if e]
-        validate_inputs(tensordict, explained_now, differentiable=self.create_graph)
-        check_writable(tensordict, self.relevance_keys, self.token_relevance_keys)
-        if self._stochastic:
-            self._stochastic = warn_for_random_modules("LRP", self._stochastic, tensordict)  # once per context
-        work = tensordict.copy()
-        self._layers.clear()
-        self._tokens.clear()
-        try:
-            with _explaining(self) as graph:
-                planned = planned_call(self, explained, work)  # a chain of layers: no hooks, modes or autograd
-                leaves, fed = planned_feed(  # integer tokens go to TokenInputs: their embeddings' relevance is theirs
-                    planned, work, self.explained_keys, self._tokens, explained, self.create_graph
-                )
-                with checked_after_run("LRP", tensordict, self.explained_keys, fed, self.in_keys):
-                    try:
-                        result, calls = (planned.run(work), None) if planned else run_model(self, work, leaves, fed)
-                        self._function_gates.settle(work if result is None else result, self)
-                    except Exception as err:
-                        self._tokens.raise_for_unembedded(leaves, err)
-                        error = run_error(err, tensordict, self.explained_keys, self.named_explained_modules())
-                        if error is err:
-                            raise
-                        raise error from err
-                self._tokens.raise_for_unembedded(leaves, optional=self._defaulted_inputs)
-                result = work if result is None else result
-                # The caller's TensorDict, unless the module cut the batch.
-                out = returned_tensordict(tensordict, result, "LRP", self.named_explained_modules)
-                relevances, outputs = [], []
-                names = list(self.targets)
-                seeds, reach = [], InputsReached(self.explained_keys, len(names))
-                for position, name in enumerate(names):
-                    target_key = resolve_target_key(result, *self.targets[name], self._candidates.of(self, name))
-                    output = explained_output(result, target_key, self.explained_keys, self.targets[name][1])
-                    target = self.target
-                    if target is None:  # a masked policy explains an allowed action
-                        target = allowed_action(self.targets[name][1], target_key, result, tensordict)
-                    grad_outputs, at_zero = initial_relevance(output, target, target_key, out.batch_dims)
-                    extra = zero_output_seeds(output, at_zero, target_key) if at_zero is not None else []
-                    _set_state(self, "_split_dim", check_split_dim(self.split_dim, output, target_key, out.batch_dims))
-                    outputs.append(output)
-                    if calls is not None and position == len(names) - 1:
-                        self._coverage.report(calls, outputs, self.named_explained_modules(), self.rule_mapper)
-                    retain = position < len(names) - 1  # the next target reuses this forward pass
-                    one_pass = functools.partial(
-                        planned.one_pass if planned else self._one_pass, leaves=leaves, fed=fed, graph=graph
-                    )
-                    passes = (output, grad_outputs, extra, target_key, self._split_dim, retain, reach)
-                    relevances += checked_relevance(self.rule_mapper, one_pass, *passes, leaves, self.memory_budget)
-                    seeds.append((name, output.detach(), grad_outputs))
-        finally:
-            self._layers.clear()
-            self._tokens.clear()
-            drop_records(self._handles or [])
-
-        def write() -> None:  # the last step of a call: all of its results, or none
-            self._coverage.keep(out.batch_dims, seeds, relevances)
-            updates = planned_updates(planned, out, result, self.explained_keys, fed, detach=not self.create_graph)
-            keys = (self.relevance_keys, self.token_relevance_keys, self._relevance_sources)
-            updates.update(relevance_updates(out, relevances, *keys))
-            set_all_or_nothing(out, updates)
-
-        return out, write
 
     def coverage(self) -> Coverage:
         """What this wrapper's calls left to the plain gradient, and how much relevance reached the inputs.
@@ -511,17 +411,3 @@ class LRP(TensorDictModuleBase, MapperTunable):
             ((), torch.float64, True)
         """
         return self._coverage.coverage(len(self.explained_keys), len(self.layer_keys), self._split_dim)
-
-    def _one_pass(self, seeds: list, keep: bool, leaves: list, fed: list, graph: RelevancePass | None) -> tuple:
-        relevances, used = leaf_relevance(
-            seeds, leaves, fed, self._handles or [], self.named_explained_modules, keep, self.create_graph, graph
-        )
-        return self._finish(relevances, leaves), used
-
-    def _finish(self, relevances: list[torch.Tensor | None], leaves: list[torch.Tensor | None]) -> list:
-        # Token relevance: the relevance of each token's embedding vector, summed over its features.
-        for i, leaf in enumerate(leaves):
-            if leaf is not None and is_embedding_leaf(leaf):
-                relevances[i] = self._tokens.per_token(i, relevances[i])
-        like = next(leaf for leaf in leaves if leaf is not None)
-        return relevances + [self._layers.pop(name, like) for name in self.layer_keys]
