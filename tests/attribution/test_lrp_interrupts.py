@@ -21,6 +21,7 @@ from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
 
 from tdhook.attribution import LRP
+from tdhook.attribution._no_grad_values import caller_grad_enabled
 from tdhook.attribution.lrp_helpers.rules import AttnLRP, EpsilonGammaBox, EpsilonPlus, EpsilonRule
 from tdhook.attribution.rules import _graph_calls, base
 from tdhook.attribution.rules._first_pass import first_pass
@@ -272,3 +273,24 @@ def test_an_interrupt_at_any_line_of_the_first_pass_leaves_no_pass_behind():
             lrp(TensorDict(x=x, batch_size=[4]))
         assert interrupt.where is not None and "_first_pass.py" in interrupt.where
         assert first_pass() is None, interrupt.where
+
+
+def test_an_interrupt_at_any_line_of_the_grad_mode_record_leaves_no_mode_behind():
+    """Every line of the record of the caller's grad mode (each call of a wrapper keeps one): an interrupt as it
+    ended, before the thread's state was put back, left a call under ``no_grad`` recorded, and the model's own calls
+    in an open context, with gradient, took the values of a run without gradient from then on."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 3)).to(F64)
+    lrp = LRP(TensorDictModule(net, ["x"], ["y"]))
+    x = torch.randn(4, 5, dtype=F64)
+    with torch.no_grad():
+        lrp(TensorDict(x=x, batch_size=[4]))
+        with Locating() as locating:
+            lrp(TensorDict(x=x, batch_size=[4]))
+    lines = [at for at, name in enumerate(locating.files, start=1) if name == "_no_grad_values.py"]
+    assert len(lines) >= 3  # entering and leaving, at least
+    for at in lines:
+        with torch.no_grad(), Interrupt(at) as interrupt:
+            lrp(TensorDict(x=x, batch_size=[4]))
+        assert interrupt.where is not None and "_no_grad_values.py" in interrupt.where
+        assert caller_grad_enabled(), interrupt.where

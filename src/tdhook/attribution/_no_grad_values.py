@@ -50,7 +50,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
-from tdhook.attribution.rules._wrapper_calls import wrapper_call
+from tdhook.attribution.rules._wrapper_calls import current_call, wrapper_call
 from tdhook.attribution.rules.base import plain_calls
 
 __all__ = ["called_in_grad_mode", "caller_grad_enabled", "caller_values", "caller_values_in"]
@@ -65,7 +65,10 @@ _LOCAL = threading.local()
 class called_in_grad_mode:  # a class, not a generator: it costs less per call
     """Record, for this thread and the ``with`` block, the grad mode the wrapper was called in, and that a wrapper's
     call is in progress, marked with ``lock``, the wrapper's lock, held for the call (see
-    :class:`~tdhook.attribution.rules._wrapper_calls.wrapper_call`)."""
+    :class:`~tdhook.attribution.rules._wrapper_calls.wrapper_call`).
+
+    The mode recorded belongs to that call (see :func:`caller_grad_enabled`): an interrupt (``KeyboardInterrupt``)
+    arriving before the thread's state is put back leaves a record that no later call takes for its own."""
 
     __slots__ = ("_call", "_enabled", "_previous")
 
@@ -74,9 +77,9 @@ class called_in_grad_mode:  # a class, not a generator: it costs less per call
         self._call = wrapper_call(lock)
 
     def __enter__(self) -> None:
-        self._previous = getattr(_LOCAL, "enabled", True)
-        _LOCAL.enabled = self._enabled
+        self._previous = getattr(_LOCAL, "enabled", None)
         self._call.__enter__()  # the wrapper's call: its rules act in the block (see rules._wrapper_calls)
+        _LOCAL.enabled = self._enabled, self._call
 
     def __exit__(self, *exc_info: object) -> None:
         _LOCAL.enabled = self._previous
@@ -84,8 +87,12 @@ class called_in_grad_mode:  # a class, not a generator: it costs less per call
 
 
 def caller_grad_enabled() -> bool:
-    """Whether the wrapper running now was called with gradient enabled (True outside any wrapper call)."""
-    return getattr(_LOCAL, "enabled", True)
+    """Whether the wrapper running now was called with gradient enabled (True outside any wrapper call).
+
+    A record counts while the wrapper's call it was made in (for :func:`caller_values_in`, the call in progress
+    then, or none) is the innermost in progress on the thread: one an interrupt left behind does not."""
+    found = getattr(_LOCAL, "enabled", None)  # (the grad mode, the wrapper call's mark)
+    return True if found is None or found[1] is not current_call() else found[0]
 
 
 def _differs_by_grad_mode(module: nn.Module) -> bool:
@@ -255,8 +262,8 @@ def caller_values_in(modules: Mapping[str, nn.Module]) -> Iterator[None]:
         yield
         return
     handles = caller_values(modules)
-    previous = getattr(_LOCAL, "enabled", True)
-    _LOCAL.enabled = False
+    previous = getattr(_LOCAL, "enabled", None)
+    _LOCAL.enabled = False, current_call()
     try:
         yield
     finally:
