@@ -427,6 +427,16 @@ class TestFirstAttempts(ExpectsARefusal):
         with pytest.raises(ValueError, match=f"relevance key \\('{key}', 'x'\\) .* the model's key '{key}'"):
             LRP(TensorDictModule(mlp(), in_keys=["x"], out_keys=["y"]), relevance_key=key)
 
+    @pytest.mark.parametrize("key", ["hidden", "extra"])
+    def test_a_key_the_module_fills_itself_or_does_not_read_is_refused_when_built(self, key):
+        """Its relevance would be zero whatever the model does: refused when built, naming the key, as the methods
+        refuse it (before, only when called)."""
+        first = TensorDictModule(nn.Linear(5, 6).double(), in_keys=["x"], out_keys=["hidden"])
+        second = TensorDictModule(nn.Linear(6, 3).double(), in_keys=["hidden"], out_keys=["y"])
+        expected = rf"LRP: input key '{key}' is not an input of the module \(it reads \['x'\]"
+        with pytest.raises(ValueError, match=expected):
+            LRP(TensorDictSequential(first, second), in_keys=["x", key])
+
     def test_an_input_of_another_dtype_than_the_model_is_named(self):
         td = TensorDict(x=torch.randn(2, 5), batch_size=[2])  # mlp() is float64
         self.run_and_expect(td, RuntimeError, r"'x' is torch.float32, the model's parameters torch.float64")

@@ -33,6 +33,7 @@ __all__ = [
     "as_tuple",
     "check_free",
     "check_prefix",
+    "check_read",
     "check_writable",
     "layer_keys",
     "read_not_written",
@@ -301,6 +302,29 @@ def read_not_written(module: TensorDictModuleBase) -> list[NestedKey]:
         if not any(len(out) > len(as_tuple(key)) and out[: len(as_tuple(key))] == as_tuple(key) for out in written)
         and key not in masks
     ]
+
+
+def check_read(name: str, given: Sequence[NestedKey], keys: Sequence[NestedKey], fields: bool = False) -> None:
+    """Refuse an explained input key that is not among ``given``, the keys the module reads without filling them
+    itself (see :func:`read_not_written`): a key it writes in the call (an intermediate key of a sequence), or one it
+    does not read, would get a relevance of zero whatever the model does. ``name`` names the wrapper in the message;
+    with ``fields``, a key inside a given one is accepted (a field of a tensorclass the module reads whole).
+
+    Examples:
+        >>> check_read("LRP", ["obs"], ["obs"])
+        >>> check_read("LRP", ["obs"], [("obs", "position")], fields=True)
+        >>> check_read("LRP", ["obs"], ["obs", "hidden"])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: LRP: input key 'hidden' is not an input of the module (it reads ['obs'], ...); leave it ...
+    """
+    for key in keys:
+        inside = fields and any(as_tuple(key)[: len(as_tuple(read))] == as_tuple(read) for read in given)
+        if key not in given and not inside:
+            raise ValueError(
+                f"{name}: input key {key!r} is not an input of the module (it reads {list(given)}, besides the keys "
+                "it fills itself); leave it out of in_keys"
+            )
 
 
 def _keys_through_compose(module: nn.Module) -> tuple[list[NestedKey], list[NestedKey]]:

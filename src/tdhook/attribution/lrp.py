@@ -45,6 +45,7 @@ from tdhook.attribution._inputs import (
 from tdhook.attribution._kept_grads import KeptGrads
 from tdhook.attribution._keys import (
     check_free,
+    check_read,
     layer_keys,
     read_not_written,
     relevance_keys,
@@ -222,7 +223,9 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self.module = module
         self.rule_mapper = as_rule_mapper(rule_mapper)
         warn_for_unused_keys(self.rule_mapper, self.named_explained_modules()[""])
-        self.explained_keys = unique_keys(in_keys) if in_keys is not None else read_not_written(module)
+        given = read_not_written(module)
+        self.explained_keys = unique_keys(in_keys) if in_keys is not None else given
+        check_read("LRP", given, self.explained_keys, fields=True)  # one the module writes or does not read: zero
         # Keys taken from the module's in_keys: those holding booleans or integers no embedding reads, and the
         # recurrent states a torchrl LSTMModule/GRUModule does without, are not explained (see explained_in_call).
         self._defaulted_inputs = in_keys is None

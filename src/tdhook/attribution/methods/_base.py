@@ -36,7 +36,7 @@ from tdhook.attribution._aliased_inputs import checked_after_run
 from tdhook.attribution._chosen_values import chosen_action
 from tdhook.attribution._inputs import describe, feed_inputs, optional_inputs, validate_inputs
 from tdhook.attribution._kept_grads import KeptGrads
-from tdhook.attribution._keys import check_free, check_writable, read_not_written, relevance_keys
+from tdhook.attribution._keys import check_free, check_read, check_writable, read_not_written, relevance_keys
 from tdhook.attribution._no_grad_values import caller_values_in
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action
@@ -199,12 +199,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         self._optional_inputs = optional_inputs(module)
         if not self.explained_keys:
             raise ValueError(f"{name}: no input key to explain; pass in_keys=[...]")
-        for key in self.explained_keys:
-            if key not in given:  # its attribution would be zero whatever the model does
-                raise ValueError(
-                    f"{name}: input key {key!r} is not an input of the module (it reads {given}, besides the keys it "
-                    "fills itself); leave it out of in_keys"
-                )
+        check_read(name, given, self.explained_keys)  # its attribution would be zero whatever the model does
         targets = named_targets(module, target_key)
         if set(targets) != {None}:
             raise ValueError(
