@@ -146,6 +146,29 @@ class TestZeroedByTheGlue:
             self._explain(net, x)
         assert sum("zeroed" in str(w.message) for w in caught) == 1
 
+    def test_calls_outside_a_context_warn_once(self):
+        """Each call outside a context enters one of its own: the warning came again at every call (a rollout
+        heard it at every step), where the wrapper's other warnings about its model come once. The relevance stays
+        zennit's LRP with the zeroed entries' share dropped: the same in every call."""
+        import warnings
+
+        from tensordict import TensorDict
+
+        from tdhook.attribution import LRP, EpsilonPlusFlat
+
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.ReLU(), nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+        x = torch.randn(5, 3, dtype=torch.float64)
+        lrp = LRP(net, rule_mapper=EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            relevances = [lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"] for _ in range(3)]
+            with lrp:
+                relevances.append(lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"])
+        assert sum("zeroed" in str(w.message) for w in caught) == 1
+        for relevance in relevances[1:]:
+            torch.testing.assert_close(relevance, relevances[0])
+
     @pytest.mark.parametrize(
         "glue", [nn.Identity(), nn.ReLU(), nn.Tanh(), nn.ZeroPad1d(1)], ids=["none", "relu-on-positive", "tanh", "pad"]
     )

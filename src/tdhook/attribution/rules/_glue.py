@@ -30,12 +30,14 @@ but not its hash).
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import nn
 
 from tdhook.attribution.rules._autograd import relevance_pass_edges
 from tdhook.attribution.rules._caller import warn_at_caller
+from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._layer_nodes import is_layer_node
 from tdhook.attribution.rules._linked_inputs import is_linked_copy
 from tdhook.attribution.rules._set_relevance import glue_probe, note_set_relevance, watched_tensors
@@ -327,6 +329,9 @@ _ZEROING = frozenset(
 
 # Set on a rule's registration once its first call was checked by :func:`warn_if_zeroed_by_glue`.
 _ZEROED_BY_GLUE = "_tdhook_zeroed_by_glue_checked"
+# The rules warned of, per module: once warned, a rule on a module is not warned of again, in any later context (each
+# call of a wrapper outside its context enters one of its own), as the wrapper's other warnings about its model.
+_WARNED: IdentityWeakKeyDict = IdentityWeakKeyDict()
 
 
 def _unchecked(registration: object | None) -> list[torch.Tensor] | None:
@@ -344,16 +349,19 @@ def warn_if_zeroed_by_glue(
     """Warn, naming ``module``, where relevance the rule set at its input ``x`` was
     dropped (``dropped``, from :func:`carry_back`) at positions an activation in the glue zeroed (a ReLU before the
     first layer): no gradient reaches the model input there, while zennit's pass rule hands the relevance on to it.
-    Returns whether it warned.
+    Returns whether it warned. A rule is warned of once per module (later calls, and later contexts, stay quiet).
 
     Examples:
         >>> import warnings
         >>> u = torch.tensor([-1.0, 2.0], requires_grad=True)
+        >>> layer = nn.Linear(2, 1)
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")
-        ...     warn_if_zeroed_by_glue(object(), nn.Linear(2, 1), u.relu(), [torch.tensor([True, False])])
-        ...     warn_if_zeroed_by_glue(object(), nn.Linear(2, 1), u * 2, [torch.tensor([True, False])])
+        ...     warn_if_zeroed_by_glue(layer, layer, u.relu(), [torch.tensor([True, False])])
+        ...     warn_if_zeroed_by_glue(layer, nn.Linear(2, 1), u * 2, [torch.tensor([True, False])])
+        ...     warn_if_zeroed_by_glue(layer, layer, u.relu(), [torch.tensor([True, False])])  # warned already
         True
+        False
         False
     """
     if not dropped or not bool(dropped[0].any()):
@@ -362,6 +370,9 @@ def warn_if_zeroed_by_glue(
     zeroing = sorted(name.rpartition("Backward")[0] for name in names & _ZEROING)
     if not zeroing:
         return False  # a constant (padding) keeps its relevance, as a bias does
+    warned = _WARNED.get(module, [])
+    if any(ref() is rule for ref in warned):
+        return False
     name = type(module).__name__
     warn_at_caller(
         f"{type(rule).__name__} on {name}: the relevance it sets at {int(dropped[0].sum())} entries of its input "
@@ -369,6 +380,8 @@ def warn_if_zeroed_by_glue(
         f"gradient is 0 there: it is dropped, where zennit's pass rule hands it to the model input. Explain at the "
         f"{name}'s input, or map the {name} to another rule (EpsilonRule)"
     )
+    # Recorded once the warning is out: a filter that makes it an error warns again in the next context.
+    _WARNED[module] = [*(ref for ref in warned if ref() is not None), weakref.ref(rule)]
     return True
 
 
