@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 from tdhook.attribution._keys import layer_keys
 from tdhook.attribution.mappers.aliases import every_named_module
 from tdhook.attribution.methods._base import AttributionMethod, Call, hooks_removed
+from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.targets import Target
 
 __all__ = ["GradCAM"]
@@ -41,6 +43,9 @@ class _Recorder:
     (shallow copy). Otherwise the copy run in a later call made the layer seem called twice, a copy run outside calls
     kept its outputs and their graphs in the method, and the copy could not be pickled.
 
+    It acts in the calls of the thread it was made in only: another thread's call of the model meanwhile (an LRP
+    wrapper's, whose rules read the layer's own output; another GradCAM's) runs as it would without it.
+
     Examples:
         >>> import copy
         >>> layer, activations = nn.Linear(2, 2), []
@@ -54,10 +59,11 @@ class _Recorder:
     def __init__(self, activations: list, layer: nn.Module) -> None:
         self._activations = activations
         self._layer = layer
+        self._thread = threading.get_ident()
 
     def __call__(self, module: nn.Module, args: tuple, output: object) -> torch.Tensor | None:
         # Under no_grad: a run for the values of the caller's no_grad (see _no_grad_values).
-        if module is not self._layer or not torch.is_grad_enabled():
+        if module is not self._layer or not torch.is_grad_enabled() or threading.get_ident() != self._thread:
             return None
         if isinstance(output, torch.Tensor) and torch._C._functorch.is_batchedtensor(output):
             # Under torch.vmap (the agents of a torchrl multi-agent network with share_params=False): a value of
@@ -72,6 +78,19 @@ class _Recorder:
 
     def __reduce__(self) -> tuple:
         return _nothing_recorded, ()
+
+
+_LOCKS: IdentityWeakKeyDict = IdentityWeakKeyDict()  # per GradCAM: the lock its calls hold (none to copy or pickle)
+_MAKING = threading.Lock()
+
+
+def _call_lock(method: GradCAM) -> threading.RLock:
+    """The lock that ``method``'s calls hold from its model's run to the write of the map."""
+    with _MAKING:
+        lock = _LOCKS.get(method)
+        if lock is None:
+            lock = _LOCKS[method] = threading.RLock()
+        return lock
 
 
 class GradCAM(AttributionMethod):
@@ -164,6 +183,11 @@ class GradCAM(AttributionMethod):
 
     @contextlib.contextmanager
     def _model_context(self) -> Iterator[None]:
+        # One call at a time: a call's activations and map stay the call's until its attributions are made.
+        with _call_lock(self):
+            yield from self._recording()
+
+    def _recording(self) -> Iterator[None]:
         self._activations = []
         from tdhook.attribution.lrp import _compiled  # lrp imports the methods' package
 
