@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.autograd.forward_ad as forward_ad
 from tensordict import TensorDictBase, is_tensorclass
-from tensordict.nn import TensorDictModuleBase
-from tensordict.utils import NestedKey
+from tensordict.nn import TensorDictModuleBase, TensorDictSequential
+from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 from torch.masked import MaskedTensor
 from torchrl.modules import GRUModule, LSTMModule
@@ -48,17 +48,24 @@ __all__ = [
 
 def optional_inputs(module: TensorDictModuleBase) -> set[NestedKey]:
     """The input keys ``module`` reads but does without: the recurrent states of torchrl's ``LSTMModule`` and
-    ``GRUModule`` (zeros when the TensorDict has none).
+    ``GRUModule`` (zeros when the TensorDict has none), and the input keys of a ``TensorDictSequential`` built with
+    ``partial_tolerant=True`` (it runs the modules whose inputs the TensorDict holds, and skips the others).
 
     Examples:
         >>> from torchrl.modules import LSTMModule
         >>> sorted(optional_inputs(LSTMModule(input_size=3, hidden_size=4, in_key="obs", out_key="h")))
         ['recurrent_state_c', 'recurrent_state_h']
+        >>> from tensordict.nn import TensorDictModule, TensorDictSequential
+        >>> heads = [TensorDictModule(torch.nn.Linear(3, 1), [key], [f"{key}_value"]) for key in ("obs", "goal")]
+        >>> sorted(optional_inputs(TensorDictSequential(*heads, partial_tolerant=True)))
+        ['goal', 'obs']
     """
     keys: set[NestedKey] = set()
     for sub in module.modules():
         if isinstance(sub, (LSTMModule, GRUModule)):
             keys.update(k for k in sub.in_keys[1:] if k != "is_init")
+        elif isinstance(sub, TensorDictSequential) and sub.partial_tolerant:
+            keys.update(unravel_key_list(list(sub.in_keys)))
     return keys
 
 

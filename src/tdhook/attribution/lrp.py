@@ -121,8 +121,9 @@ class LRP(TensorDictModuleBase, MapperTunable):
             explained input with one of them is linear in it and kept whole, where explaining both splits it. By default
             its in_keys, leaving out in each call those that hold booleans (``is_init``, an action mask), integers no
             ``nn.Embedding`` or ``nn.EmbeddingBag`` reads (but those that index a parameter, ``self.table[task]``, are
-            refused by name), and the recurrent states of a torchrl ``LSTMModule``/``GRUModule`` the TensorDict does not
-            hold.
+            refused by name), the recurrent states of a torchrl ``LSTMModule``/``GRUModule`` the TensorDict does not
+            hold, and the inputs of a ``TensorDictSequential(partial_tolerant=True)`` it does not hold (the sequence
+            skips the modules that read them).
         out_keys: the output keys of a plain module.
         target_key: the output to explain. Defaults to the first
             floating-point out key that no module of the pipeline reads,
@@ -227,7 +228,8 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self.explained_keys = unique_keys(in_keys) if in_keys is not None else given
         check_read("LRP", given, self.explained_keys, fields=True)  # one the module writes or does not read: zero
         # Keys taken from the module's in_keys: those holding booleans or integers no embedding reads, and the
-        # recurrent states a torchrl LSTMModule/GRUModule does without, are not explained (see explained_in_call).
+        # recurrent states a torchrl LSTMModule/GRUModule does without, and the inputs a partial_tolerant sequence does
+        # without, are not explained when absent (see explained_in_call).
         self._defaulted_inputs = in_keys is None
         self._optional_inputs = optional_inputs(module)
         self.targets = named_targets(module, target_key)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase, TensorDictSequential
-from tensordict.utils import NestedKey, unravel_key
+from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 
 from tdhook.attribution._inputs import describe
 from tdhook.attribution._policy_targets import (
@@ -422,7 +422,9 @@ def resolve_target_key(
     """
     if target_key is not None:
         if target_key not in result.keys(include_nested=True):
-            raise KeyError(f"LRP: target key {target_key!r} was not written by the wrapped module")
+            raise KeyError(
+                f"LRP: target key {target_key!r} was not written by the wrapped module{_skipped(result, operator)}"
+            )
         return target_key
     if candidates is None:
         candidates = default_target_candidates(operator)
@@ -435,6 +437,25 @@ def resolve_target_key(
     raise KeyError(
         f"LRP: none of the module's outputs {candidates} is a floating-point tensor in its result ({found}); "
         "pass target_key"
+    )
+
+
+def _skipped(result: TensorDictBase, operator: TensorDictModuleBase) -> str:
+    """Why a ``TensorDictSequential`` with ``partial_tolerant=True`` in ``operator`` may have written nothing: the
+    input keys of its that ``result`` lacks (its modules that read them were skipped), or ``""``."""
+    present = set(result.keys(include_nested=True))
+    missing = {
+        key: None
+        for sub in operator.modules()
+        if isinstance(sub, TensorDictSequential) and sub.partial_tolerant
+        for key in unravel_key_list(list(sub.in_keys))
+        if key not in present
+    }
+    if not missing:
+        return ""
+    return (
+        f" (a TensorDictSequential with partial_tolerant=True skips the modules whose inputs are missing, and the "
+        f"TensorDict lacks {list(missing)})"
     )
 
 

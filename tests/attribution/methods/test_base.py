@@ -788,3 +788,34 @@ def test_a_relevance_key_that_is_not_one_key_name_is_refused_by_name(name):
     one = method(net, in_keys=["x"], out_keys=["y"], relevance_key=("rel",), **options)(TensorDict(x=x, batch_size=[4]))
     plain = method(net, in_keys=["x"], out_keys=["y"], relevance_key="rel", **options)(TensorDict(x=x, batch_size=[4]))
     torch.testing.assert_close(one["rel", "x"], plain["rel", "x"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["LRP", *METHODS])
+def test_a_partial_tolerant_sequence_explains_the_modules_whose_inputs_are_given(name):
+    """tensordict's ``TensorDictSequential(partial_tolerant=True)`` runs the modules whose inputs the TensorDict
+    holds and skips the others. With default keys, a call on a TensorDict without a head's input was refused as
+    missing that key: it now explains the heads that ran, as the sequence alone on its keys (and, for LRP-0, the
+    closed form ``x * W[target]``); a target whose head was skipped is refused, naming the missing key."""
+    from tdhook.attribution import LRP
+
+    method, options = {"LRP": (LRP, {}), **METHODS}[name]
+    torch.manual_seed(0)
+    head = TensorDictModule(nn.Linear(5, 3).double(), in_keys=["x"], out_keys=["y"])
+    other = TensorDictModule(nn.Linear(2, 1).double(), in_keys=["extra"], out_keys=["value"])
+    sequence = TensorDictSequential(head, other, partial_tolerant=True)
+    if name == "GradientShap":
+        options = {**options, "baselines": {"x": REFERENCES["x"], "extra": REFERENCES["extra"]}}
+    td = TensorDict(x=torch.randn(4, 5, dtype=torch.float64), batch_size=[4])
+    key = "relevance" if name == "LRP" else "attribution"
+    actual = method(sequence, target_key="y", **options)(td.clone())
+    assert set(actual[key].keys()) == {"x"} and "value" not in actual.keys()
+    alone_options = {**options, "baselines": {"x": REFERENCES["x"]}} if name == "GradientShap" else options
+    expected = method(head, **alone_options)(td.clone())[key, "x"]
+    torch.testing.assert_close(actual[key, "x"], expected, rtol=1e-12, atol=1e-12)
+    if name in ("LRP", "InputXGradient"):
+        units = head.module(td["x"]).argmax(-1)
+        torch.testing.assert_close(actual[key, "x"], td["x"] * head.module.weight[units].detach())
+    with pytest.raises(
+        KeyError, match=r"target key 'value' was not written .*partial_tolerant=True.* lacks \['extra'\]"
+    ):
+        method(sequence, target_key="value", **options)(td.clone())

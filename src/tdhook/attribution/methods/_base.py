@@ -147,7 +147,9 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             ``in_keys`` and ``out_keys``.
         in_keys: for a plain module, its input keys; for a TensorDict
             module, the floating-point inputs to explain (all of its in_keys
-            by default). Keys not explained stay fixed.
+            by default, leaving out those the TensorDict lacks where the module
+            does without them, as for :class:`~tdhook.attribution.LRP`). Keys
+            not explained stay fixed.
         out_keys: the output keys of a plain module.
         target_key: the output to explain (the pipeline's final output by
             default, as for :class:`~tdhook.attribution.LRP`).
@@ -194,7 +196,8 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         # As LRP: by default the module's in_keys it does not fill itself (a composite actor's "params").
         given = read_not_written(module)
         self.explained_keys = unravel_key_list(list(in_keys)) if in_keys is not None else given
-        # Default keys: a call leaves out those holding booleans, and recurrent states the TensorDict lacks.
+        # Default keys: a call leaves out those holding booleans, and the recurrent states and the inputs of a
+        # partial_tolerant sequence that the TensorDict lacks.
         self._defaulted_inputs = in_keys is None
         self._optional_inputs = optional_inputs(module)
         if not self.explained_keys:
