@@ -29,7 +29,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from tdhook.attribution import LRP
-from tdhook.attribution.lrp_helpers.rules import CPLRP, BaseRuleMapper
+from tdhook.attribution.lrp_helpers.rules import CPLRP, BaseRuleMapper, EpsilonPlus
 from tests.conftest import relative_error
 
 F64 = torch.float64
@@ -180,7 +180,7 @@ def without_shifts(model: nn.Module) -> nn.Module:
     return model
 
 
-PROPERTY = settings(max_examples=25, deadline=None, derandomize=True)
+PROPERTY = settings(max_examples=30, deadline=None, derandomize=True)
 
 
 @PROPERTY
@@ -202,11 +202,11 @@ def test_cplrp_conserves_without_shifts(model):
     torch.testing.assert_close(td["relevance", "x"].sum(-1), td["y"].max(-1).values, rtol=1e-7, atol=1e-10)
 
 
-@pytest.mark.filterwarnings("ignore:LRP. the model itself")  # LRP-0 keeps the plain gradient of the curved calls
+@pytest.mark.filterwarnings("ignore:LRP. the model itself")  # LRP-0 and EpsilonPlus: plain gradient of curved calls
 @PROPERTY
-@given(graphs(CONSERVING), st.sampled_from(["LRP-0", "CPLRP"]))
+@given(graphs(CONSERVING), st.sampled_from(["LRP-0", "CPLRP", "EpsilonPlus"]))
 def test_later_calls_and_batch_shapes_match_a_fresh_flat_call(model, preset):
-    mapper = {"LRP-0": lambda: BaseRuleMapper(stabilizer=0.0), "CPLRP": lambda: CPLRP(stabilizer=1e-15)}[preset]
+    mapper = {"LRP-0": lambda: BaseRuleMapper(stabilizer=0.0), "CPLRP": CPLRP, "EpsilonPlus": EpsilonPlus}[preset]
     x, other = torch.randn(2, 4, WIDTH, dtype=F64).unbind(0)
     lrp = wrapped(model, mapper())
     with lrp:
