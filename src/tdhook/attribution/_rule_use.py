@@ -87,9 +87,17 @@ class RuleUse:
             hooks: where the watch's hooks are listed while they are on the model (the context's hooks, which
                 leaving the context removes: one left by an interrupt is removed then).
         """
-        if not self._pending or not handles:
+        if not self._pending:
             return RuleUse.NOTHING  # every later call: nothing to set up
+        if not handles:  # no module rule to watch; the function modes' rules still check their calls in this pass
+            return self._first_pass_only()
         return self._watching(named_modules, handles, [] if hooks is None else hooks)
+
+    @contextlib.contextmanager
+    def _first_pass_only(self) -> Iterator[None]:
+        with watching_first_pass():
+            yield
+        self._pending = False  # as after a watched pass: a failed one is the first pass again at the next call
 
     @contextlib.contextmanager
     def _watching(

@@ -147,6 +147,38 @@ class TestTokensFlattenedIntoTheBatchNorm:
         )
         assert relative_error(unmerged, expected) > 1e-3  # the comparison can tell merged from not
 
+    @pytest.mark.parametrize("rule_name", ["epsilon", "alpha2beta1", "gamma"])
+    @pytest.mark.parametrize("shape", [(8, 6), (2, 4, 6)], ids=["same-shape", "tokens"])
+    def test_a_reshape_to_rows_is_merged_whatever_the_batch_shape(self, rule_name: str, shape: tuple[int, ...]):
+        # ``bn(z.reshape(-1, C)).reshape_as(z)``, as code written for any batch shape does: a flat batch makes it a
+        # view of the same shape, which was left unmerged (γ 0.36 off the merged layer; only [B, T] merged).
+        from zennit import rules as zrules
+
+        from tests.attribution.test_lrp_layers import (
+            MERGE_RULES,
+            lrp_relevance,
+            merged_by_hand,
+            randomise_batch_norm,
+            zennit_composite_relevance,
+        )
+
+        class RowsReshaped(TokensFlattened):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                z = self.linear(x)
+                return self.bn(z.reshape(-1, z.shape[-1])).reshape_as(z)
+
+        ours, theirs = MERGE_RULES[rule_name]
+        torch.manual_seed(0)
+        layer = nn.Linear(6, 5).double()
+        norm = randomise_batch_norm(nn.BatchNorm1d(5).double()).eval()
+        model = nn.Sequential(RowsReshaped(layer, norm), nn.ReLU(), nn.Linear(5, 3).double()).eval()
+        merged = nn.Sequential(merged_by_hand(layer, norm), nn.ReLU(), copy.deepcopy(model[2]))
+        x = torch.randn(*shape, dtype=torch.float64)
+        r_out = torch.randn(*shape[:-1], 3, dtype=torch.float64)
+        actual = lrp_relevance(model, x, r_out, rule_mapper={nn.Linear: ours()})
+        expected = zennit_composite_relevance(merged, x, r_out, [(nn.Linear, theirs()), (nn.ReLU, zrules.Pass())])
+        assert relative_error(actual, expected) <= 1e-6
+
     def test_a_view_of_part_of_the_tokens_is_not_merged(self):
         # The BatchNorm sees the first token of each sample only (a view of part of the layer's rows):
         # no merge, and the BatchNorm gets the ε-rule of its affine map, as zennit's Epsilon on it.

@@ -211,13 +211,14 @@ class MergeBatchNormRule(NormRule):
 
 def _flattened_layer_call(x: torch.Tensor) -> LayerCall | None:
     """The call of the Linear layer whose output ``(..., C)`` the BatchNorm's input ``x`` holds flattened to
-    ``(M, C)`` (a view of the same memory, rows in order: timm's ``LinearNorm`` normalises a token sequence so),
+    ``(M, C)`` (a view of the same memory, rows in order: timm's ``LinearNorm`` normalises a token sequence so; code
+    written for any batch shape, ``z.reshape(-1, C)``, makes a view of the same shape of a flat batch's output),
     else ``None``."""
     if not x._is_view() or x.dim() != 2:
         return None
     base = x._base
     call = layer_call_of(base)
-    if call is None or not isinstance(call.module, nn.Linear) or base.dim() < 3 or not base.is_contiguous():
+    if call is None or not isinstance(call.module, nn.Linear) or base.dim() < 2 or not base.is_contiguous():
         return None
     features = base.shape[-1]
     rows_in_order = x.shape == (base.numel() // features, features) and x.stride() == (features, 1)

@@ -62,6 +62,7 @@ from tdhook.attribution.rules._held_statistics import (
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint, saved_tensors_hooked
+from tdhook.attribution.rules._zero_input_calls import watch_zero_inputs
 from tdhook.attribution.rules.basic import (
     RULED_ON_NODE,
     clipped_on_node,
@@ -371,6 +372,7 @@ class FunctionalRules(TorchFunctionMode):
                 stabilizer = self.activation.stabilizer
                 if recording.hooked(output.grad_fn, functools.partial(hook_pass_rule, stabilizer)):
                     setattr(output, RULED_ON_NODE, stabilizer)
+                    watch_zero_inputs(self.activation, func, args[0], output, output)
                     return mark_gate(output, args[0])  # marked as the rule marks its output (see PseudoIdentityRule)
             # A node that saved its output (tanh): the input is a module's output, which later calls keep for it;
             # or else the nodes below it compute the input again (Gemma 2's softcapping).
@@ -380,8 +382,10 @@ class FunctionalRules(TorchFunctionMode):
                     output.grad_fn, args[0], stabilizer
                 ):
                     setattr(output, RULED_ON_NODE, self.activation.stabilizer)
+                    watch_zero_inputs(self.activation, func, args[0], output, output)
                     return mark_gate(output, args[0])
             result = self.activation.apply(output, args[0])
+            watch_zero_inputs(self.activation, func, args[0], output, result)
             return mark_gate(result, args[0], sigmoid=True) if func in GATE_FUNCTIONS else result
         if func in CLIPS or func in CLIPS_IN_PLACE:
             # Of a statistic, a divisor's guard (``norm.clamp_min(eps)``): its plain gradient.
