@@ -266,3 +266,38 @@ def test_a_rule_on_a_module_called_twice_gets_each_call():
         r_a = a * ((r_out / stabilize(out, 0.5)) @ layer.weight)
         expected = x * ((r_a / stabilize(h, 0.5)) @ layer.weight)
     torch.testing.assert_close(relevance, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_a_rule_on_a_module_with_two_inputs_redirects_to_both():
+    """``x @ A.T + y @ B.T`` with the ε-rule (ε = 0.1) split over its two inputs, written out per input key."""
+
+    class TwoInputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(3, 2))
+
+        def forward(self, x, y):
+            return x @ self.a.T + y @ self.b.T
+
+    def epsilon_to_inputs(module, inputs, output):
+        (x, y), z = inputs, output.detach()
+
+        def backward(g):
+            s = g * z / stabilize(z, 0.1)
+            return [s @ module.a, s @ module.b]
+
+        return redirect(output, [x, y], backward)
+
+    torch.manual_seed(0)
+    net = TwoInputs().double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    mapper = {TwoInputs: Authored(epsilon_to_inputs)}
+    lrp = LRP(net, rule_mapper=mapper, in_keys=["x", "y"], out_keys=["out"], target=0)
+    td = lrp(TensorDict(x=x, y=y, batch_size=[5]))
+    with torch.no_grad():
+        z = net(x, y)
+        r_out = torch.zeros_like(z)
+        r_out[:, 0] = z[:, 0]
+        s = r_out / stabilize(z, 0.1)
+    torch.testing.assert_close(td["relevance", "x"], x * (s @ net.a), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(td["relevance", "y"], y * (s @ net.b), rtol=1e-10, atol=1e-12)

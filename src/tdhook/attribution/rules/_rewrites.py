@@ -28,6 +28,7 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -118,7 +119,12 @@ def is_own_rewrite(rule: Any) -> bool:
         >>> is_own_rewrite(EpsilonRule()), is_own_rewrite(Mine()), is_own_rewrite(Tuned())
         (False, True, False)
     """
-    owner = next(cls for cls in type(rule).__mro__ if "rewrite" in vars(cls))
+    return _rewrite_outside_tdhook(type(rule))
+
+
+@functools.cache
+def _rewrite_outside_tdhook(kind: type) -> bool:
+    owner = next(cls for cls in kind.__mro__ if "rewrite" in vars(cls))
     return not owner.__module__.startswith("tdhook.")
 
 
