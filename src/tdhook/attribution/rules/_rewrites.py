@@ -36,8 +36,7 @@ import torch
 from torch import nn
 
 __all__ = [
-    "enter_rewrite",
-    "leave_rewrite",
+    "rewriting_stack",
     "running_rewrite",
     "rewrites",
     "is_own_rewrite",
@@ -50,35 +49,33 @@ __all__ = [
 _RUNNING = threading.local()
 
 
-def enter_rewrite(rule: Any, module: nn.Module) -> Any:
-    """Note that ``rule``'s rewrite of ``module`` runs on this thread; return what ran before (for
-    :func:`leave_rewrite`)."""
-    previous = getattr(_RUNNING, "where", None)
-    _RUNNING.where = (rule, module)
-    return previous
-
-
-def leave_rewrite(previous: Any) -> None:
-    """Undo :func:`enter_rewrite`."""
-    _RUNNING.where = previous
+def rewriting_stack() -> list:
+    """The rewrites running on this thread, innermost last, as ``(rule, module)``: a rule's forward hook pushes its
+    rewrite with :func:`~tdhook.attribution.rules._scopes.push` and pops it when the rewrite returns (or, where an
+    interrupt skips that, the wrapper's call pops it as it ends)."""
+    stack = getattr(_RUNNING, "stack", None)
+    if stack is None:
+        stack = _RUNNING.stack = []
+    return stack
 
 
 def running_rewrite() -> tuple[type, type] | None:
-    """The classes of the rule and the module whose rewrite runs on this thread, or ``None``.
+    """The classes of the rule and the module whose rewrite runs innermost on this thread, or ``None``.
 
     Examples:
+        >>> from tdhook.attribution.rules._scopes import pop, push
         >>> running_rewrite() is None
         True
-        >>> layer = nn.Linear(1, 1)
-        >>> previous = enter_rewrite("rule", layer)
+        >>> push(rewriting_stack(), ("rule", nn.Linear(1, 1)))
         >>> running_rewrite() == (str, nn.Linear)
         True
-        >>> leave_rewrite(previous)
+        >>> _ = pop(rewriting_stack())
     """
-    where = getattr(_RUNNING, "where", None)
-    return (
-        None if where is None else (type(where[0]), type(where[1]))
-    )  # the classes: a graph holds them, not the module
+    stack = getattr(_RUNNING, "stack", None)
+    if not stack:
+        return None
+    rule, module = stack[-1]
+    return type(rule), type(module)  # the classes: a graph holds them, not the module
 
 
 def rewrites(module: nn.Module) -> bool:
@@ -86,14 +83,15 @@ def rewrites(module: nn.Module) -> bool:
     pass through ``torch.func.functional_call(module, ...)``) is then a plain call, not one more for the rule.
 
     Examples:
+        >>> from tdhook.attribution.rules._scopes import pop, push
         >>> layer = nn.Linear(1, 1)
-        >>> previous = enter_rewrite("rule", layer)
+        >>> push(rewriting_stack(), ("rule", layer))
         >>> rewrites(layer), rewrites(nn.Linear(1, 1))
         (True, False)
-        >>> leave_rewrite(previous)
+        >>> _ = pop(rewriting_stack())
     """
-    where = getattr(_RUNNING, "where", None)
-    return where is not None and where[1] is module
+    stack = getattr(_RUNNING, "stack", None)
+    return bool(stack) and any(entry[1] is module for entry in stack)
 
 
 def _named(where: tuple[type, type] | None) -> str:

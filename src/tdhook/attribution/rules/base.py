@@ -44,13 +44,12 @@ from tdhook.attribution.rules._layers import (
 )
 from tdhook.attribution.rules._meta_tensors import raise_for_meta_tensors
 from tdhook.attribution.rules._rewrites import (
-    enter_rewrite,
     given_inputs,
     is_own_rewrite,
-    leave_rewrite,
     note_overwritten,
     raise_for_rewritten,
     rewrites,
+    rewriting_stack,
 )
 from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules._wrapper_calls import rules_act_here
@@ -644,14 +643,15 @@ class Rule(Tunable):
             self.prepared_state(module, registration)
             rule, reg = self.resolve(module, registration, inputs)
             given = given_inputs(rule, module, inputs, output)  # not an input a module overwrote, to an own rule
-            previous = enter_rewrite(rule, module)  # named by redirect's backward, should it get wrong gradients
+            rewriting = rewriting_stack()  # named by redirect's backward, should it get wrong gradients
+            push(rewriting, (rule, module))
             try:
                 result = rule.rewrite(module, reg, given, output)
             except Exception as err:
                 note_overwritten(err, rule, module, given, inputs)
                 raise
             finally:
-                leave_rewrite(previous)
+                pop(rewriting)
             if result is not None and is_own_rewrite(rule):  # a rule of one's own: the output's value, or an error
                 raise_for_rewritten(rule, module, output, result)
             one_input = isinstance(module, LINEAR_LAYERS) and len(inputs) == 1 and isinstance(inputs[0], torch.Tensor)
