@@ -95,7 +95,13 @@ class _DictRuleMapper:
         entries = list(mapping.items())
         for key, rule in entries:
             if not isinstance(rule, Rule):
-                raise TypeError(f"rule mapping entry {key!r} must map to a Rule, got {type(rule).__name__}")
+                given = f"the class {rule.__name__}" if isinstance(rule, type) else type(rule).__name__
+                hint = (
+                    f"; pass an instance, {rule.__name__}()"
+                    if isinstance(rule, type) and issubclass(rule, Rule)
+                    else ""
+                )
+                raise TypeError(f"rule mapping entry {key!r} must map to a Rule, got {given}{hint}")
         self.entries = tuple(entries)  # checked by the wrapper: an entry every module of which an earlier one takes
         self.name_patterns = tuple(key for key, _ in entries if isinstance(key, str))  # checked by the wrapper
 

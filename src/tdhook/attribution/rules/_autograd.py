@@ -41,6 +41,7 @@ from torch.nn import Parameter
 from tdhook.attribution.rules._keeping_graph import RelevancePass, graph_kept
 from tdhook.attribution.rules._numerics import carrying_gradient
 from tdhook.attribution.rules._recomputed import error_in_running_module
+from tdhook.attribution.rules._rewrites import raise_for_gradients, running_rewrite
 
 __all__ = [
     "redirect",
@@ -134,7 +135,8 @@ class _Redirect(torch.autograd.Function):
         # in-place operations (ReLU(inplace=True), ``out += identity``) stay legal.
         ctx.mark_dirty(output)
         ctx.backward_fn = backward_fn
-        ctx.n_inputs = len(inputs)
+        ctx.shapes = tuple(t.shape for t in inputs)
+        ctx.where = running_rewrite()
         # A saved tensor makes a second backward pass over a freed graph raise torch's own error: rules may
         # have written into what they kept for the first one (see backward_keeps_graph).
         ctx.save_for_backward(_FREED_GRAPH_GUARD)
@@ -143,9 +145,7 @@ class _Redirect(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         ctx.saved_tensors  # noqa: B018 (raises once the graph is freed)
-        grads = tuple(ctx.backward_fn(grad))
-        if len(grads) != ctx.n_inputs:
-            raise RuntimeError(f"a rule's backward returned {len(grads)} gradients for {ctx.n_inputs} inputs")
+        grads = _checked_gradients(ctx, ctx.backward_fn(grad))
         return (None, None, *grads)
 
 
@@ -171,16 +171,30 @@ class _GraphKeepingRedirect(torch.autograd.Function):
         ctx.backward_fn = backward_fn
         ctx.relevance_pass = relevance_pass
         ctx.n_inputs = len(inputs)
+        ctx.shapes = tuple(t.shape for t in inputs)
+        ctx.where = running_rewrite()
         return output
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if not ctx.relevance_pass.is_running:
             return (None, None, None, grad, *(None for _ in range(ctx.n_inputs)))
-        grads = tuple(ctx.backward_fn(grad))
-        if len(grads) != ctx.n_inputs:
-            raise RuntimeError(f"a rule's backward returned {len(grads)} gradients for {ctx.n_inputs} inputs")
+        grads = _checked_gradients(ctx, ctx.backward_fn(grad))
         return (None, None, None, None, *grads)
+
+
+def _checked_gradients(ctx: Any, returned: Any) -> tuple:
+    """What a rule's backward returned, as a tuple; an error naming the rule and the module where it gives other
+    gradients than its redirect's tensors take (see :func:`~tdhook.attribution.rules._rewrites.raise_for_gradients`).
+    """
+    shapes = ctx.shapes
+    # A tensor for one tensor is its gradient (not a sequence of its rows); for several, a stack of their gradients.
+    grads = (returned,) if len(shapes) == 1 and isinstance(returned, torch.Tensor) else tuple(returned)
+    if len(grads) != len(shapes) or not all(
+        g is None or (isinstance(g, torch.Tensor) and g.shape == s) for g, s in zip(grads, shapes, strict=True)
+    ):
+        raise_for_gradients(ctx.where, shapes, grads)
+    return grads
 
 
 def redirect(output: torch.Tensor, inputs: Sequence[torch.Tensor], backward_fn: BackwardFn) -> torch.Tensor:

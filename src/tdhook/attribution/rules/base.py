@@ -43,6 +43,14 @@ from tdhook.attribution.rules._layers import (
     _has_plain_forward,
 )
 from tdhook.attribution.rules._meta_tensors import raise_for_meta_tensors
+from tdhook.attribution.rules._rewrites import (
+    given_inputs,
+    is_own_rewrite,
+    note_overwritten,
+    raise_for_rewritten,
+    rewrites,
+    rewriting_stack,
+)
 from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules._wrapper_calls import rules_act_here
 from tdhook.attribution.tunables import Tunable
@@ -620,11 +628,12 @@ class Rule(Tunable):
     def _forward_hook(self, registration: Registration) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             inputs = pop(registration.snapshots) if registration.snapshots else _call_arguments(module, args, kwargs)
-            if registration.busy or not rules_apply(module):
+            if registration.busy or not rules_apply(module) or rewrites(module):  # a call its rule's rewrite makes
                 return _ruled_in_forward(module)
             raise_for_vmap(module, output)
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
-                if self.one_output_only and not isinstance(output, torch.Tensor):
+                # A rule of one's own rewrites one tensor: skipped, it would leave the module its plain gradient.
+                if (self.one_output_only or is_own_rewrite(self)) and not isinstance(output, torch.Tensor):
                     _raise_for_several_outputs(self, module, output)
                 return _ruled_in_forward(module)
             raise_for_meta_tensors(module, output)
@@ -633,7 +642,18 @@ class Rule(Tunable):
                 raise_if_an_earlier_hook_changed(module, registration.busy, inputs, output, not earlier)
             self.prepared_state(module, registration)
             rule, reg = self.resolve(module, registration, inputs)
-            result = rule.rewrite(module, reg, inputs, output)
+            given = given_inputs(rule, module, inputs, output)  # not an input a module overwrote, to an own rule
+            rewriting = rewriting_stack()  # named by redirect's backward, should it get wrong gradients
+            push(rewriting, (rule, module))
+            try:
+                result = rule.rewrite(module, reg, given, output)
+            except Exception as err:
+                note_overwritten(err, rule, module, given, inputs)
+                raise
+            finally:
+                pop(rewriting)
+            if result is not None and is_own_rewrite(rule):  # a rule of one's own: the output's value, or an error
+                raise_for_rewritten(rule, module, output, result)
             one_input = isinstance(module, LINEAR_LAYERS) and len(inputs) == 1 and isinstance(inputs[0], torch.Tensor)
             if one_input and not is_activation(inputs[0]) and _has_plain_forward(module):
                 # A layer of a constant (a buffer, a learned query) computes from parameters alone, whether its
@@ -677,11 +697,13 @@ def _raise_for_several_outputs(rule: Rule, module: nn.Module, output: Any) -> No
     grad."""
     values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else ()
     if any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
-        raise ValueError(
+        error = ValueError(
             f"{type(rule).__name__} on {type(module).__name__}: the rule explains a module with one output tensor, "
             f"and this one returns a {type(output).__name__}; map the modules inside it, or a module that "
             "returns one tensor"
         )
+        error.module = module  # type: ignore[attr-defined]  # the wrapper names its path
+        raise error
 
 
 def _has_uninitialized_parameters(module: nn.Module) -> bool:

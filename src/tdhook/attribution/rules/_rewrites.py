@@ -1,0 +1,258 @@
+"""What a rule's :meth:`~tdhook.attribution.rules.base.Rule.rewrite` must return, and what the backward it hands
+to :func:`~tdhook.attribution.rules.redirect` must give, checked with errors that name the rule and the module.
+
+A rule changes the gradient through a module and never its value: the tensor its ``rewrite`` returns replaces
+the module's output in the model, so another value (``2 * output``, ``redirect(output + 1, ...)``) would change
+the model's output and every relevance after it without a word. For the rules written outside tdhook (a rule of
+one's own), the returned tensor is checked against the module's output: a tensor, of the same shape, dtype and
+device, and the same value up to rounding. The rules of :mod:`tdhook.attribution.rules` are tested against their
+references and are not checked on every call.
+
+A backward handed to ``redirect`` gives one gradient (or ``None``) per tensor it sends gradient to, each of that
+tensor's shape (or one that torch sums down to it, as it does for broadcasting); where it does not, the error
+names the rule and the module whose ``rewrite`` called ``redirect``.
+
+Examples:
+    >>> import torch
+    >>> from torch import nn
+    >>> from tdhook.attribution.rules import EpsilonRule
+    >>> layer = nn.Linear(2, 2)
+    >>> output = layer(torch.ones(1, 2))
+    >>> raise_for_rewritten(EpsilonRule(), layer, output, output.detach().clone())  # the same value: nothing to say
+    >>> try:
+    ...     raise_for_rewritten(EpsilonRule(), layer, output, 2 * output)
+    ... except ValueError as err:
+    ...     print(str(err)[:84])
+    EpsilonRule on Linear: rewrite returned a tensor whose value differs from the module
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "rewriting_stack",
+    "running_rewrite",
+    "rewrites",
+    "is_own_rewrite",
+    "given_inputs",
+    "note_overwritten",
+    "raise_for_rewritten",
+    "raise_for_gradients",
+]
+
+_RUNNING = threading.local()
+
+
+def rewriting_stack() -> list:
+    """The rewrites running on this thread, innermost last, as ``(rule, module)``: a rule's forward hook pushes its
+    rewrite with :func:`~tdhook.attribution.rules._scopes.push` and pops it when the rewrite returns (or, where an
+    interrupt skips that, the wrapper's call pops it as it ends)."""
+    stack = getattr(_RUNNING, "stack", None)
+    if stack is None:
+        stack = _RUNNING.stack = []
+    return stack
+
+
+def running_rewrite() -> tuple[type, type] | None:
+    """The classes of the rule and the module whose rewrite runs innermost on this thread, or ``None``.
+
+    Examples:
+        >>> from tdhook.attribution.rules._scopes import pop, push
+        >>> running_rewrite() is None
+        True
+        >>> push(rewriting_stack(), ("rule", nn.Linear(1, 1)))
+        >>> running_rewrite() == (str, nn.Linear)
+        True
+        >>> _ = pop(rewriting_stack())
+    """
+    stack = getattr(_RUNNING, "stack", None)
+    if not stack:
+        return None
+    rule, module = stack[-1]
+    return type(rule), type(module)  # the classes: a graph holds them, not the module
+
+
+def rewrites(module: nn.Module) -> bool:
+    """Whether a rule's rewrite of ``module`` runs on this thread: a call of ``module`` that it makes (a modified
+    pass through ``torch.func.functional_call(module, ...)``) is then a plain call, not one more for the rule.
+
+    Examples:
+        >>> from tdhook.attribution.rules._scopes import pop, push
+        >>> layer = nn.Linear(1, 1)
+        >>> push(rewriting_stack(), ("rule", layer))
+        >>> rewrites(layer), rewrites(nn.Linear(1, 1))
+        (True, False)
+        >>> _ = pop(rewriting_stack())
+    """
+    stack = getattr(_RUNNING, "stack", None)
+    return bool(stack) and any(entry[1] is module for entry in stack)
+
+
+def _named(where: tuple[type, type] | None) -> str:
+    if where is None:
+        return "a rule"
+    rule, module = where
+    return f"{rule.__name__} on {module.__name__}"
+
+
+def is_own_rewrite(rule: Any) -> bool:
+    """Whether ``rule``'s ``rewrite`` is written outside tdhook (a rule of one's own): the class that defines it
+    is not one of tdhook's.
+
+    Examples:
+        >>> from tdhook.attribution.rules import EpsilonRule
+        >>> class Mine(EpsilonRule):
+        ...     __module__ = "my_rules"
+        ...
+        ...     def rewrite(self, module, registration, inputs, output):
+        ...         return None
+        >>> class Tuned(EpsilonRule):
+        ...     __module__ = "my_rules"
+        >>> is_own_rewrite(EpsilonRule()), is_own_rewrite(Mine()), is_own_rewrite(Tuned())
+        (False, True, False)
+    """
+    return _rewrite_outside_tdhook(type(rule))
+
+
+@functools.cache
+def _rewrite_outside_tdhook(kind: type) -> bool:
+    owner = next(cls for cls in kind.__mro__ if "rewrite" in vars(cls))
+    return not owner.__module__.startswith("tdhook.")
+
+
+def given_inputs(rule: Any, module: nn.Module, inputs: tuple, output: Any) -> tuple:
+    """The inputs handed to ``rule``'s rewrite of ``module``: ``inputs``, but where a rule of one's own declares
+    ``uses_input = False`` and the module ran in place (its input is its output, overwritten), ``None`` for that
+    input, so that a rule reading it fails (see :func:`note_overwritten`) rather than read the output's values.
+
+    Examples:
+        >>> from tdhook.attribution.rules import Rule
+        >>> class OutputOnly(Rule):
+        ...     __module__ = "my_rules"
+        ...     uses_input = False
+        ...
+        ...     def rewrite(self, module, registration, inputs, output):
+        ...         return None
+        >>> relu, x = nn.ReLU(inplace=True), torch.tensor([-1.0, 2.0])
+        >>> out = relu(x)
+        >>> given_inputs(OutputOnly(), relu, (x,), out)
+        (None,)
+    """
+    if rule.uses_input or not getattr(module, "inplace", False) or not inputs or inputs[0] is not output:
+        return inputs
+    if not is_own_rewrite(rule):
+        return inputs
+    return (None, *inputs[1:])
+
+
+def note_overwritten(error: BaseException, rule: Any, module: nn.Module, given: tuple, inputs: tuple) -> None:
+    """Add a note to ``error``, raised by ``rule``'s rewrite, where :func:`given_inputs` held back an input."""
+    if given is not inputs:
+        if getattr(error, "module", None) is None:
+            error.module = module  # type: ignore[attr-defined]  # the wrapper names its path
+        error.add_note(
+            f"{type(rule).__name__} on {type(module).__name__}: the module ran in place, so its input holds its "
+            "output's values, and the rule declares uses_input = False: its rewrite gets None for that input. A rule "
+            "that reads the input sets uses_input = True (the input is then kept before the module overwrites it)"
+        )
+
+
+def raise_for_rewritten(rule: Any, module: nn.Module, output: torch.Tensor, result: Any) -> None:
+    """Raise where ``result``, what ``rule``'s rewrite of ``module`` returned, is not ``output``'s value.
+
+    The same storage is the same value; otherwise the values are compared with a tolerance of the dtype's
+    ``sqrt(eps)``, relative to each value and to the largest magnitude of ``output`` (a rule may compute the output
+    again, in another order of rounding). The error carries the module (``err.module``), so that the LRP wrapper
+    names its path.
+
+    Raises:
+        TypeError: ``result`` is not a tensor.
+        ValueError: its shape, dtype, device or value is not the output's.
+    """
+    what = f"{type(rule).__name__} on {type(module).__name__}: rewrite returned"
+    expected = f"expected the module's output ({_describe(output)}) or None"
+    fix = "a rule changes the gradient only: return redirect(output, tensors, backward) or output itself"
+    error: Exception | None = None
+    if not isinstance(result, torch.Tensor):
+        error = TypeError(f"{what} an object of type {type(result).__name__}, {expected}")
+    elif result.shape != output.shape or result.dtype != output.dtype or result.device != output.device:
+        error = ValueError(f"{what} a tensor ({_describe(result)}), {expected}; {fix}")
+    elif not _same_value(result, output):
+        with torch.no_grad():
+            off = (result - output).abs().nan_to_num(nan=float("inf")).max().item()
+        error = ValueError(
+            f"{what} a tensor whose value differs from the module's output (by up to {off:.3g}), which would change "
+            f"the model's output; {fix}"
+        )
+    if error is not None:
+        error.module = module  # type: ignore[attr-defined]
+        raise error
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"shape {list(tensor.shape)}, {tensor.dtype}, {tensor.device}"
+
+
+def _same_value(result: torch.Tensor, output: torch.Tensor) -> bool:
+    if (
+        result.data_ptr() == output.data_ptr()
+        and result.stride() == output.stride()
+        and result.storage_offset() == output.storage_offset()
+    ):
+        return True
+    if not output.is_floating_point() and not output.is_complex():
+        return torch.equal(result, output)
+    with torch.no_grad():
+        tolerance = torch.finfo(output.dtype).eps ** 0.5
+        scale = output.detach().abs().nan_to_num(posinf=0.0, neginf=0.0).max().item() if output.numel() else 0.0
+        return torch.allclose(result.detach(), output.detach(), rtol=tolerance, atol=tolerance * scale, equal_nan=True)
+
+
+def raise_for_gradients(where: tuple[type, type] | None, shapes: tuple[torch.Size, ...], grads: tuple) -> None:
+    """Raise where ``grads``, what a rule's backward gave for tensors of ``shapes``, is not one gradient (or
+    ``None``) per tensor, each of that tensor's shape or one torch sums down to it. ``where`` holds the classes
+    of the rule and the module whose rewrite called ``redirect`` (:func:`running_rewrite`), named in the error.
+
+    Examples:
+        >>> from tdhook.attribution.rules import EpsilonRule
+        >>> where = (EpsilonRule, nn.Linear)
+        >>> raise_for_gradients(where, (torch.Size([1, 3]),), (torch.ones(2, 3),))  # summed down by torch
+        >>> try:
+        ...     raise_for_gradients(where, (torch.Size([2, 3]),), (torch.ones(2, 1),))
+        ... except ValueError as err:
+        ...     print(err)  # doctest: +NORMALIZE_WHITESPACE
+        EpsilonRule on Linear: the backward given to redirect returned a gradient of shape [2, 1] for tensor 0 of the
+        redirect, which has shape [2, 3]
+    """
+    name = _named(where)
+    if len(grads) != len(shapes):
+        raise RuntimeError(
+            f"{name}: the backward given to redirect returned {len(grads)} gradients for the {len(shapes)} tensors "
+            "it sends gradient to (one gradient or None each, in their order)"
+        )
+    for i, (grad, shape) in enumerate(zip(grads, shapes, strict=True)):
+        if grad is None:
+            continue
+        if not isinstance(grad, torch.Tensor):
+            raise TypeError(
+                f"{name}: the backward given to redirect returned an object of type {type(grad).__name__} for "
+                f"tensor {i} of the redirect, expected a tensor or None"
+            )
+        if grad.shape != shape and not _sums_down(grad.shape, shape):
+            raise ValueError(
+                f"{name}: the backward given to redirect returned a gradient of shape {list(grad.shape)} for tensor "
+                f"{i} of the redirect, which has shape {list(shape)}"
+            )
+
+
+def _sums_down(grad_shape: torch.Size, shape: torch.Size) -> bool:
+    """Whether torch sums a gradient of ``grad_shape`` down to ``shape`` (``shape`` broadcasts to it)."""
+    if len(shape) > len(grad_shape):
+        return False
+    return all(s == g or s == 1 for s, g in zip(reversed(shape), reversed(grad_shape), strict=False))
