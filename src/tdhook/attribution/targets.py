@@ -377,11 +377,34 @@ def named_targets(
     if isinstance(target_key, Mapping):
         if not target_key:
             raise ValueError("LRP: target_key is an empty dict; name at least one output to explain")
-        return {name: (unravel_key(key), module) for name, key in target_key.items()}
+        return {name: (_output_key(key), module) for name, key in target_key.items()}
     heads = actor_and_critic(module) if target_key is None else None
     if heads is not None:
         return {name: (None, operator) for name, operator in heads.items()}
-    return {None: (unravel_key(target_key) if target_key is not None else None, module)}
+    return {None: (_output_key(target_key) if target_key is not None else None, module)}
+
+
+def _is_key(key: object) -> bool:
+    return isinstance(key, str) or (isinstance(key, tuple) and bool(key) and all(map(_is_key, key)))
+
+
+def _output_key(key: object) -> NestedKey:
+    """``key`` unravelled (``("y",)`` is ``"y"``).
+
+    Raises:
+        TypeError: ``key`` is no key: tensordict would refuse a list, and drop a number inside a tuple.
+
+    Examples:
+        >>> _output_key(("next", ("y",)))
+        ('next', 'y')
+        >>> _output_key(("y", 0))
+        Traceback (most recent call last):
+        ...
+        TypeError: LRP: target_key must be a key (a str or a tuple of str), or a dict of them, got ('y', 0)
+    """
+    if not _is_key(key):
+        raise TypeError(f"LRP: target_key must be a key (a str or a tuple of str), or a dict of them, got {key!r}")
+    return unravel_key(key)
 
 
 def resolve_target_key(

@@ -205,7 +205,10 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
                     f"{name}: input key {key!r} is not an input of the module (it reads {given}, besides the keys it "
                     "fills itself); leave it out of in_keys"
                 )
-        targets = named_targets(module, target_key)
+        try:
+            targets = named_targets(module, target_key)
+        except (TypeError, ValueError) as err:
+            raise _rename(err, name) from None
         if set(targets) != {None}:
             raise ValueError(
                 f"{name}: explains one output; pass target_key=<key> (the module has several defaults: "
