@@ -242,6 +242,7 @@ class Registration:
     busy: list = field(default_factory=list)
     merged_by_norm: bool = False  # a BatchNorm took over the module's last call (see MergeBatchNormRule)
     held: HeldParameters | None = None  # the parameters ``state`` was prepared from
+    settings: int = -1  # the rule's settings count ``state`` was prepared with (see Rule.__setattr__)
     marks: bool = True  # whether a Linear or convolution layer's output gets its LayerCall (see Rule.reads_layer_marks)
     plain_layer: type | None = None  # the class of a Linear or convolution layer with torch's own forward, else None
 
@@ -416,6 +417,11 @@ class Rule(Tunable):
     def __init__(self) -> None:
         self._registrations: IdentityWeakKeyDict[nn.Module, Registration] = IdentityWeakKeyDict()
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if not name.startswith("_"):  # a setting (rule.gamma = 0.5): what prepare derived from it is prepared again
+            super().__setattr__("_settings", self.__dict__.get("_settings", 0) + 1)
+
     def __getstate__(self) -> dict:
         if len(self._registrations):
             raise RuntimeError(
@@ -478,9 +484,15 @@ class Rule(Tunable):
         relevance_pass = graph_kept()
         if relevance_pass is not None:  # from the live parameters, once per call and parameter set: never the cache
             return relevance_pass.state(self, module, lambda: self.prepare(module), parameter_fingerprint(module))
-        if registration.state is _UNPREPARED or not registration.held.unchanged(module):
+        settings = self.__dict__.get("_settings", 0)
+        if (
+            registration.state is _UNPREPARED
+            or registration.settings != settings
+            or not registration.held.unchanged(module)
+        ):
             registration.state = self.prepare(module)
             registration.held = HeldParameters(module)
+            registration.settings = settings
         return registration.state
 
     def rewrite(
