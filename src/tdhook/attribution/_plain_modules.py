@@ -53,7 +53,7 @@ def as_tensordict_module(
             )
         return TensorDictModule(module, in_keys=in_keys, out_keys=out_keys), True
     if out_keys is not None:
-        raise TypeError("out_keys is only for a plain nn.Module: a TensorDict module declares its own")
+        raise TypeError("LRP: out_keys is only for a plain nn.Module: a TensorDict module declares its own")
     return module, False
 
 
