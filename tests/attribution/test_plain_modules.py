@@ -39,3 +39,22 @@ def test_out_keys_given_to_a_tensordict_module_are_named(call, owner):
         call(module, out_keys=["z"])
     td = TensorDict(x=torch.ones(2, 4), batch_size=[2])
     assert module(td)["y"].shape == (2, 2) and module.out_keys == ["y"]
+
+
+@pytest.mark.parametrize(("call", "owner"), [(lrp, "LRP"), (saliency, "Saliency"), (metric, "metrics")])
+@pytest.mark.parametrize("in_keys", [[("x", 0)], [["x"]], [3]], ids=["tuple-with-int", "list", "int"])
+def test_in_keys_that_are_no_keys_are_named(call, owner, in_keys):
+    """``("x", 0)`` was read as ``"x"`` (tensordict drops a number inside a tuple), and a list failed with
+    tensordict's ``key should be a Sequence<NestedKey>``."""
+    module = TensorDictModule(nn.Linear(4, 2), in_keys=["x"], out_keys=["y"])
+    with pytest.raises(TypeError, match=rf"^{owner}: in_keys must hold keys \(a str or a tuple of str\), got "):
+        call(module, in_keys=in_keys)
+
+
+@pytest.mark.parametrize("in_keys", ["x", ["x"], [("x",)], [(("x",),)]], ids=["str", "list", "tuple", "nested-tuple"])
+def test_in_keys_written_in_any_form_of_one_key_explain_it(in_keys):
+    torch.manual_seed(0)
+    module = TensorDictModule(nn.Linear(4, 2).double(), in_keys=["x"], out_keys=["y"])
+    td = TensorDict(x=torch.randn(3, 4, dtype=torch.float64), batch_size=[3])
+    expected = LRP(module)(td.clone())["relevance", "x"]
+    assert torch.equal(LRP(module, in_keys=in_keys)(td.clone())["relevance", "x"], expected)

@@ -31,6 +31,7 @@ from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase, T
 from tensordict.utils import NestedKey, unravel_key
 
 from tdhook.attribution._inputs import describe
+from tdhook.attribution._keys import is_key
 from tdhook.attribution._policy_targets import (
     EXPLORATION_MODULES,
     acted_step,
@@ -384,10 +385,6 @@ def named_targets(
     return {None: (_output_key(target_key) if target_key is not None else None, module)}
 
 
-def _is_key(key: object) -> bool:
-    return isinstance(key, str) or (isinstance(key, tuple) and bool(key) and all(map(_is_key, key)))
-
-
 def _output_key(key: object) -> NestedKey:
     """``key`` unravelled (``("y",)`` is ``"y"``).
 
@@ -402,7 +399,7 @@ def _output_key(key: object) -> NestedKey:
         ...
         TypeError: LRP: target_key must be a key (a str or a tuple of str), or a dict of them, got ('y', 0)
     """
-    if not _is_key(key):
+    if not is_key(key):
         raise TypeError(f"LRP: target_key must be a key (a str or a tuple of str), or a dict of them, got {key!r}")
     return unravel_key(key)
 
