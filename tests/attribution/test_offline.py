@@ -307,3 +307,25 @@ def test_relevance_that_keeps_its_graph_is_stored_without_it(tmp_path):
         expected = lrp(source.clone())["relevance", "observation"]
     assert expected.requires_grad and not out["relevance", "observation"].requires_grad
     torch.testing.assert_close(out["relevance", "observation"].clone(), expected.detach(), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    ("source", "options", "error", "match"),
+    [
+        (torch.ones(4, 4), {}, TypeError, "explain_offline reads a TensorDict or a torchrl ReplayBuffer, got Tensor"),
+        (TensorDict(observation=torch.ones(4)), {}, ValueError, r"at least one batch dimension, got batch_size \[\]"),
+        (data(8), {"batch_size": 0}, ValueError, "explain_offline: batch_size must be positive, got 0"),
+    ],
+    ids=["tensor", "no-batch-dimension", "batch-size-0"],
+)
+def test_a_source_or_batch_size_it_cannot_read_is_named_before_anything_is_written(
+    tmp_path, source, options, error, match
+):
+    lrp = LRP(q_actor(), EpsilonPlus())
+    with pytest.raises(error, match=match):
+        explain_offline(lrp, source, tmp_path / "out", **options)
+    assert not any(tmp_path.iterdir())
+    rows = data(8)
+    expected = lrp(rows.clone())["relevance", "observation"]
+    written = explain_offline(lrp, rows, tmp_path / "out", batch_size=3)
+    assert torch.allclose(written["relevance", "observation"], expected, rtol=1e-12, atol=1e-14)

@@ -80,3 +80,10 @@ def test_an_actor_critic_pipeline_gets_the_shares_of_each_target_within_that_tar
         a_total, b_total = (td["relevance", target, key].abs().sum(-1) for key in ("a", "b"))
         torch.testing.assert_close(shares["a"], a_total / (a_total + b_total))
         torch.testing.assert_close(shares["a"] + shares["b"], torch.ones(5))
+
+
+def test_a_relevance_entry_without_keys_is_named():
+    td = TensorDict(x=torch.ones(2), relevance=TensorDict(batch_size=[2]), batch_size=[2])
+    with pytest.raises(KeyError, match="relevance_shares: 'relevance' holds no relevance keys"):
+        relevance_shares(td)
+    assert list(td.keys(True, True)) == ["x"]

@@ -76,6 +76,31 @@ class TestDefaultTargetKey:
         assert resolve_target_key(result, None, alone) == ("next", "recurrent_state")
 
 
+class TestTargetKeyArgument:
+    """A ``target_key`` that is no key is refused by name at construction: a list (``["y"]``) failed with
+    tensordict's ``key should be a Sequence<NestedKey>``, and a tuple holding a number (``("y", 0)``) was read as
+    ``"y"``, the number dropped."""
+
+    @pytest.mark.parametrize("owner", [LRP, Saliency], ids=["LRP", "Saliency"])
+    @pytest.mark.parametrize(
+        "target_key",
+        [["y"], 3, b"y", ("y", 0), ("y", ["z"]), {"a": ["y"]}, {"a": ("y", 1)}],
+        ids=["list", "int", "bytes", "tuple-with-int", "tuple-with-list", "dict-of-list", "dict-of-tuple-with-int"],
+    )
+    def test_a_target_key_that_is_no_key_is_named(self, owner, target_key):
+        policy = TensorDictModule(mlp(), in_keys=["x"], out_keys=["y"])
+        with pytest.raises(TypeError, match=rf"{owner.__name__}: target_key must be a key \(a str or a tuple of str"):
+            owner(policy, target_key=target_key)
+
+    @pytest.mark.parametrize("target_key", ["y", ("y",), (("y",),)])
+    def test_keys_written_as_nested_tuples_are_the_same_key(self, target_key):
+        policy = TensorDictModule(mlp(), in_keys=["x"], out_keys=["y"])
+        x = torch.randn(4, 5, dtype=torch.float64)
+        got = LRP(policy, target_key=target_key)(TensorDict(x=x, batch_size=[4]))["relevance", "x"]
+        expected = LRP(policy)(TensorDict(x=x, batch_size=[4]))["relevance", "x"]
+        assert torch.equal(got, expected)
+
+
 def explicit_epsilon_lrp(layers: list[torch.nn.Module], x: torch.Tensor, relevance: torch.Tensor, eps: float):
     """ε-LRP written out layer by layer (zennit's formula): R_in = a · Wᵀ (R / stabilize(z, ε))."""
     activations = [x]

@@ -132,6 +132,17 @@ class TestArguments:
         with pytest.raises(ValueError, match=named):
             tune(LRP(policy(), rule_mapper=UniformEpsilon()), observations(), lrp_aopc, progress=False, **kwargs)
 
+    def test_a_metric_that_is_never_finite_is_named_and_leaves_the_explainer(self):
+        explainer, td = LRP(policy(), rule_mapper=UniformEpsilon(epsilon=0.25)), observations()
+        before = {k: v.clone() for k, v in explainer.module.state_dict().items()}
+        with pytest.raises(ValueError, match="tune: the metric was not finite in any trial"):
+            tune(explainer, td, lambda m, td: torch.tensor(float("nan")), n_trials=3, progress=False)
+        assert explainer.tunable_values() == {"epsilon": 0.25}
+        assert all(torch.equal(explainer.module.state_dict()[k], v) for k, v in before.items())
+        assert list(td.keys()) == ["observation"]
+        fresh = LRP(policy(), rule_mapper=UniformEpsilon(epsilon=0.25))(td.clone())["relevance", "observation"]
+        assert torch.equal(explainer(td.clone())["relevance", "observation"], fresh)
+
     def test_an_explainer_without_tunables(self):
         with pytest.raises(ValueError, match="no tunable parameters"):
             tune(InputXGradient(policy()), observations(), attribution_aopc, progress=False)

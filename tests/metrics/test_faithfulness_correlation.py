@@ -132,3 +132,10 @@ def test_a_nan_attribution_is_refused_by_name():
     td = TensorDict(x=images(2), attribution=TensorDict(x=a), batch_size=[2])
     with pytest.raises(ValueError, match=r"faithfulness_correlation: attribution \('attribution', 'x'\) holds NaN"):
         faithfulness_correlation(net, td, n_runs=4, subset_size=5, seed=0, in_keys=["x"], out_keys=["y"])
+
+
+def test_fewer_than_two_runs_are_refused_by_name():
+    net = conv_net()
+    td = TensorDict(x=images(2), attribution=TensorDict(x=torch.randn(2, 3, 6, 6)), batch_size=[2])
+    with pytest.raises(ValueError, match="faithfulness_correlation: n_runs must be an int of at least 2, got 1"):
+        faithfulness_correlation(net, td, n_runs=1, subset_size=3, in_keys=["x"], out_keys=["y"])

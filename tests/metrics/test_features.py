@@ -6,6 +6,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from tdhook.metrics import pixel_flipping
 from tdhook.metrics._features import Features, explained_keys, sort_positions
 
 
@@ -147,3 +148,15 @@ def test_an_attribution_per_unit_is_read_with_its_unit_dimension_and_named_other
     td["attribution", "x"] = torch.randn(2, 3)
     with pytest.raises(ValueError, match=r"expected the batch \[2\] and the explained units' dimensions followed"):
         Features.read(td, ["x"], "attribution", unit_dims=1)
+
+
+@pytest.mark.parametrize(
+    "relevance_key", [("attribution", 0), ["attribution"], 3], ids=["tuple-with-int", "list", "int"]
+)
+def test_a_relevance_key_that_is_no_key_is_named(relevance_key):
+    """``("attribution", 0)`` was read as ``"attribution"`` (tensordict drops a number inside a tuple)."""
+    net = torch.nn.Linear(6, 3).double()
+    td = TensorDict(x=torch.randn(4, 6, dtype=torch.float64), batch_size=[4])
+    td["attribution"] = TensorDict(x=torch.randn(4, 6, dtype=torch.float64), batch_size=[4])
+    with pytest.raises(TypeError, match=r"^metrics: relevance_key must be a key \(a str or a tuple of str\)"):
+        pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], relevance_key=relevance_key)

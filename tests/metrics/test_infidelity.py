@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from captum.metrics import infidelity as captum_infidelity
@@ -100,3 +102,51 @@ def test_a_float16_model_over_many_draws_sums_in_float32():
     )
     assert gaps.dtype == torch.float16
     assert bool((gaps.abs() < 1e-3).all())
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        (
+            {"perturb_fn": lambda r: (1, r)},
+            TypeError,
+            "infidelity: perturb_fn must return perturbation as a TensorDict, got int",
+        ),
+        (
+            {"perturb_fn": lambda r: (TensorDict(batch_size=r.batch_size), r)},
+            KeyError,
+            "infidelity: the perturbation returned by perturb_fn has no key 'x'",
+        ),
+        (
+            {"perturb_fn": lambda r: (r, r), "n_perturb_samples": 0},
+            ValueError,
+            "n_perturb_samples must be a positive int, got 0",
+        ),
+    ],
+    ids=["not-a-tensordict", "missing-key", "no-samples"],
+)
+def test_a_failed_call_leaves_model_data_and_random_state_as_they_were(options, error, match):
+    """On a model normalising over the batch (BatchNorm in training mode): the statistics, the caller's TensorDict
+    and the global random state are as before, and the next call is a fresh model's."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    net = net.double().train()
+    twin = copy.deepcopy(net)
+    td = TensorDict(x=torch.randn(4, 6, dtype=torch.float64), batch_size=[4])
+    td["attribution"] = TensorDict(x=torch.randn(4, 6, dtype=torch.float64), batch_size=[4])
+    entries = {k: v for k, v in td.items(True, True)}
+    buffers, rng = {k: b.clone() for k, b in net.named_buffers()}, torch.get_rng_state()
+    with pytest.raises(error, match=match):
+        infidelity(net, td, in_keys=["x"], out_keys=["y"], **options)
+    assert all(torch.equal(net.get_buffer(k), b) for k, b in buffers.items())
+    assert torch.equal(torch.get_rng_state(), rng) and net.training
+    assert dict(td.items(True, True)).keys() == entries.keys() and all(td.get(k) is v for k, v in entries.items())
+
+    def perturb(repeated):
+        noise = torch.randn(repeated.batch_size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        noise = TensorDict(x=noise.unsqueeze(-1).expand(*repeated.batch_size, 6), batch_size=repeated.batch_size)
+        return noise, repeated - noise
+
+    score = infidelity(net, td, perturb_fn=perturb, n_perturb_samples=3, in_keys=["x"], out_keys=["y"])
+    expected = infidelity(twin, td, perturb_fn=perturb, n_perturb_samples=3, in_keys=["x"], out_keys=["y"])
+    torch.testing.assert_close(score, expected, rtol=1e-12, atol=0)

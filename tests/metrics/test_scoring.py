@@ -724,3 +724,16 @@ def test_attention_dropout_in_training_mode_is_refused(implementation):
     assert torch.equal(torch.get_rng_state(), rng)
     curve = pixel_flipping(module.eval(), td, in_keys=["embeds"])
     torch.testing.assert_close(pixel_flipping(module, td, in_keys=["embeds"]), curve, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("target_key", [["y"], ("y", 0)], ids=["list", "tuple-with-int"])
+def test_a_target_key_that_is_no_key_is_named_as_the_metrics(target_key):
+    """The check is the wrapper's; its message named LRP where a metric was called."""
+    net = nn.Linear(6, 3).double()
+    td = TensorDict(x=torch.randn(4, 6, dtype=torch.float64), batch_size=[4])
+    td["attribution"] = TensorDict(x=torch.randn(4, 6, dtype=torch.float64), batch_size=[4])
+    before = {k: v for k, v in td.items(True, True)}
+    with pytest.raises(TypeError, match=r"^metrics: target_key must be a key \(a str or a tuple of str\)"):
+        pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], target_key=target_key)
+    assert {k: v for k, v in td.items(True, True)}.keys() == before.keys()
+    assert all(td.get(k) is v for k, v in before.items())

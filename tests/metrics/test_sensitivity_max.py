@@ -334,3 +334,9 @@ def test_per_sample_options_broadcast_along_the_second_batch_dimension_go_with_e
     ]
     expected = torch.stack(changes, -1).amax(-1) / reference.norm(dim=-1)
     torch.testing.assert_close(ours, expected, rtol=1e-10, atol=0)
+
+
+def test_no_perturbed_samples_are_refused_by_name():
+    method = tdhook_saliency(conv_net(), in_keys=["x"], out_keys=["y"])
+    with pytest.raises(ValueError, match="sensitivity_max: n_perturb_samples must be a positive int, got 0"):
+        sensitivity_max(method, TensorDict(x=images(2), batch_size=[2]), n_perturb_samples=0)

@@ -59,6 +59,17 @@ def as_tuple(key: NestedKey) -> tuple[str, ...]:
     return key if isinstance(key, tuple) else (key,)
 
 
+def is_key(key: object) -> bool:
+    """Whether ``key`` is a TensorDict key: a str, or a non-empty tuple of keys (tensordict's own check drops a
+    number inside a tuple, reading ``("x", 0)`` as ``"x"``).
+
+    Examples:
+        >>> is_key("x"), is_key(("next", ("x",))), is_key(("x", 0)), is_key(["x"])
+        (True, True, False, False)
+    """
+    return isinstance(key, str) or (isinstance(key, tuple) and bool(key) and all(map(is_key, key)))
+
+
 def unique_keys(keys: Sequence[NestedKey]) -> list[NestedKey]:
     """``keys`` unravelled, each once, in the order of their first appearance: a key named twice (``"obs"`` and
     ``("obs",)``) is explained once.

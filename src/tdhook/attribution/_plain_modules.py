@@ -20,6 +20,8 @@ from tensordict.nn import TensorDictModule, TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import nn
 
+from tdhook.attribution._keys import is_key
+
 __all__ = ["as_tensordict_module", "call_plain"]
 
 
@@ -40,8 +42,11 @@ def as_tensordict_module(
         The TensorDict module, and whether ``module`` was a plain one.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``, or the keys do not fit its kind.
+        TypeError: ``module`` is not an ``nn.Module``, an input key is no key, or the keys do not fit its kind.
     """
+    for key in [in_keys] if isinstance(in_keys, str) else in_keys or ():
+        if not is_key(key):
+            raise TypeError(f"LRP: in_keys must hold keys (a str or a tuple of str), got {key!r} in {in_keys!r}")
     if not isinstance(module, TensorDictModuleBase):
         if not isinstance(module, nn.Module):
             raise TypeError(f"LRP wraps a TensorDictModuleBase or an nn.Module, got {type(module).__name__}")
@@ -53,7 +58,7 @@ def as_tensordict_module(
             )
         return TensorDictModule(module, in_keys=in_keys, out_keys=out_keys), True
     if out_keys is not None:
-        raise TypeError("out_keys is only for a plain nn.Module: a TensorDict module declares its own")
+        raise TypeError("LRP: out_keys is only for a plain nn.Module: a TensorDict module declares its own")
     return module, False
 
 

@@ -19,6 +19,7 @@ See the "Offline attribution at scale" page of the documentation.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ DONE_KEY = "explained"
 
 def _storage(source):
     storage = getattr(source, "storage", None)
-    if storage is None:
+    if storage is None or inspect.isroutine(storage):  # a tensor's storage() is a method, not a replay buffer's
         raise TypeError(f"explain_offline reads a TensorDict or a torchrl ReplayBuffer, got {type(source).__name__}")
     return storage
 

@@ -31,6 +31,7 @@ from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase, T
 from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 
 from tdhook.attribution._inputs import describe
+from tdhook.attribution._keys import is_key
 from tdhook.attribution._policy_targets import (
     EXPLORATION_MODULES,
     acted_step,
@@ -377,11 +378,30 @@ def named_targets(
     if isinstance(target_key, Mapping):
         if not target_key:
             raise ValueError("LRP: target_key is an empty dict; name at least one output to explain")
-        return {name: (unravel_key(key), module) for name, key in target_key.items()}
+        return {name: (_output_key(key), module) for name, key in target_key.items()}
     heads = actor_and_critic(module) if target_key is None else None
     if heads is not None:
         return {name: (None, operator) for name, operator in heads.items()}
-    return {None: (unravel_key(target_key) if target_key is not None else None, module)}
+    return {None: (_output_key(target_key) if target_key is not None else None, module)}
+
+
+def _output_key(key: object) -> NestedKey:
+    """``key`` unravelled (``("y",)`` is ``"y"``).
+
+    Raises:
+        TypeError: ``key`` is no key: tensordict would refuse a list, and drop a number inside a tuple.
+
+    Examples:
+        >>> _output_key(("next", ("y",)))
+        ('next', 'y')
+        >>> _output_key(("y", 0))
+        Traceback (most recent call last):
+        ...
+        TypeError: LRP: target_key must be a key (a str or a tuple of str), or a dict of them, got ('y', 0)
+    """
+    if not is_key(key):
+        raise TypeError(f"LRP: target_key must be a key (a str or a tuple of str), or a dict of them, got {key!r}")
+    return unravel_key(key)
 
 
 def resolve_target_key(

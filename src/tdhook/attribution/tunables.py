@@ -29,7 +29,7 @@ import contextlib
 import copy
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Self
 
 from tdhook.attribution.rules._arguments import finite_number
@@ -73,12 +73,20 @@ def check_tunable(owner: str, name: str, value: Any, space: Space) -> Any:
     return number
 
 
+def _read_once(value: Any) -> Any:
+    """``value``, an iterator read into a tuple (it can then be read again)."""
+    return tuple(value) if isinstance(value, Iterator) else value
+
+
 def _recording(init: Callable) -> Callable:
     """``init``, recording the arguments of the outermost call (the class the object is) on the object."""
     signature = inspect.signature(init)
 
     @functools.wraps(init)
     def wrapper(self, *args: Any, **kwargs: Any) -> None:
+        # An iterator is read once: recorded as it is, the object built anew by set_kwargs would find it empty.
+        args = tuple(_read_once(value) for value in args)
+        kwargs = {name: _read_once(value) for name, value in kwargs.items()}
         if _ARGUMENTS not in self.__dict__:
             try:
                 bound = signature.bind(self, *args, **kwargs)

@@ -29,6 +29,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 
+from tdhook.attribution._keys import is_key
 from tdhook.attribution.methods._options import entries
 from tdhook.metrics._stable_order import stable_order
 
@@ -121,9 +122,15 @@ class Features:
         with each other reads them so, the others read one attribution per sample.
 
         Raises:
+            TypeError: ``relevance_key`` is no key.
             KeyError: an input or its attribution is missing.
             ValueError: an attribution does not broadcast to its input.
         """
+        if not is_key(relevance_key):  # tensordict would read ("attribution", 0) as "attribution"
+            raise TypeError(
+                "metrics: relevance_key must be a key (a str or a tuple of str), the prefix of the attribution keys, "
+                f"got {relevance_key!r}"
+            )
         batch = td.batch_size
         inputs, attributions = [], []
         prefix = unravel_key(relevance_key)

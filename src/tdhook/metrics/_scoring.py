@@ -229,7 +229,10 @@ class Scorer:
         self._recurrent, self._lengths = recurrent_layers(modules), set()
         self._batch = td.batch_size
         self._base = td.select(*self.module.in_keys, strict=False)
-        named = named_targets(self.module, target_key)
+        try:
+            named = named_targets(self.module, target_key)
+        except TypeError as err:
+            raise _metrics_error(err) from None
         if None not in named:
             raise ValueError(
                 f"metrics: {type(self.module).__name__} has several outputs to score by default ({sorted(named)}); "

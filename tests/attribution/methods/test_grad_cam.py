@@ -123,6 +123,25 @@ class TestRefusals:
         with pytest.raises(KeyError, match="GradCAM: layer is 'conv9', which is not a module of the model"):
             GradCAM(small_cnn(), layer="conv9", in_keys=["image"], out_keys=["logits"])
 
+    def test_a_layer_given_as_the_module_itself_is_refused_by_name(self):
+        """A module given for ``layer`` (``layer=net[3]``) was taken by ``nn.Module`` as a child of the wrapper,
+        past the check of the name: the wrapper then failed at its call with ``KeyError: Conv2d(...)``. It is
+        refused at once, and the wrapper it was set on keeps its layer, its keys and its map."""
+        net, x = small_cnn(), torch.randn(5, 3, 8, 8, dtype=torch.float64)
+        snapshot = state_snapshot(net)
+        with pytest.raises(TypeError, match="GradCAM: layer must be a module name \\(a string\\), got Conv2d"):
+            GradCAM(net, layer=net[3], in_keys=["image"], out_keys=["logits"])
+        cam = GradCAM(net, layer="1", in_keys=["image"], out_keys=["logits"])
+        with pytest.raises(TypeError, match="GradCAM: layer must be a module name \\(a string\\), got Conv2d"):
+            cam.layer = net[3]
+        assert cam.layer == "1" and "layer" not in cam._modules and cam.out_keys == ["logits", ("attribution", "1")]
+        assert_unchanged(net, snapshot)
+        expected = captum.attr.LayerGradCam(net, net[1]).attribute(
+            x.clone(), target=net(x).argmax(-1), relu_attributions=True
+        )
+        td = cam(TensorDict(image=x, batch_size=[5]))
+        assert relative_error(td["attribution", "1"], expected.squeeze(1)) <= 1e-8
+
     def test_layer_called_twice(self):
         class Twice(nn.Module):
             def __init__(self) -> None:

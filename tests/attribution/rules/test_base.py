@@ -16,7 +16,8 @@ from tdhook.attribution import LRP
 from tdhook.attribution.mappers.presets import EpsilonPlus
 from tdhook.attribution.rules.base import ParamModifier
 from tdhook.attribution.rules.basic import EpsilonRule
-from tdhook.attribution.rules.modified import GammaRule
+from tdhook.attribution.rules.input_layer import ZBoxRule
+from tdhook.attribution.rules.modified import AlphaBetaRule, GammaRule
 from tdhook.attribution.rules.normalization import NormRule
 from tests.attribution.rules._helpers import CNN_PRESETS, F64, make_layer
 from tests.attribution.test_lrp_layers import lrp_relevance, randomise_batch_norm
@@ -362,3 +363,44 @@ class TestInterruptedRegistration:
             assert _rule_hooks(module) == {}, interrupt.where
             assert len(rule._registrations) == 0, interrupt.where
             torch.testing.assert_close(gradient(module), plain, rtol=0, atol=0, msg=interrupt.where)
+
+
+class TestSettingsChangedInAnOpenContext:
+    """A rule's setting assigned while its context is open (``rule.gamma = 0.9``) is used by the next call, as by a
+    fresh wrapper with that setting. The modified weights (γ, αβ, z^B) were kept from the old setting: γ changed
+    from 0.1 to 0.9 on a Linear layer gave the relevance of 0.1, without a word."""
+
+    @pytest.mark.parametrize("batch_norm", [False, True], ids=["linear", "linear-batchnorm"])
+    @pytest.mark.parametrize(
+        ("make", "change", "make_changed"),
+        [
+            (lambda: GammaRule(gamma=0.1), {"gamma": 0.9}, lambda: GammaRule(gamma=0.9)),
+            (lambda: GammaRule(gamma=0.1), {"stabilizer": 0.5}, lambda: GammaRule(gamma=0.1, stabilizer=0.5)),
+            (lambda: AlphaBetaRule(2.0, 1.0), {"alpha": 3.0, "beta": 2.0}, lambda: AlphaBetaRule(3.0, 2.0)),
+            (lambda: ZBoxRule(low=-1.0, high=1.0), {"low": -3.0}, lambda: ZBoxRule(low=-3.0, high=1.0)),
+        ],
+        ids=["gamma", "stabilizer", "alpha-beta", "zbox-low"],
+    )
+    def test_the_next_call_uses_the_new_setting(self, batch_norm: bool, make, change: dict, make_changed):
+        torch.manual_seed(0)
+        norm = [randomise_batch_norm(nn.BatchNorm1d(8))] if batch_norm else []
+        net = nn.Sequential(nn.Linear(6, 8), *norm, nn.ReLU(), nn.Linear(8, 3)).to(F64).eval()
+        policy = TensorDictModule(net, in_keys=["x"], out_keys=["y"])
+        x = torch.randn(4, 6, dtype=F64)
+
+        def relevance(lrp: LRP) -> torch.Tensor:
+            return lrp(TensorDict(x=x, batch_size=[4]))["relevance", "x"]
+
+        def mapper(rule) -> dict:
+            return {"module.0": rule, nn.Linear: EpsilonRule()}
+
+        rule = make()
+        lrp = LRP(policy, rule_mapper=mapper(rule))
+        with lrp:
+            before = relevance(lrp)
+            for name, value in change.items():
+                setattr(rule, name, value)
+            after = relevance(lrp)
+        assert relative_error(before, relevance(LRP(policy, rule_mapper=mapper(make())))) <= 1e-12
+        assert relative_error(after, relevance(LRP(policy, rule_mapper=mapper(make_changed())))) <= 1e-12
+        assert relative_error(after, before) > 1e-3

@@ -252,6 +252,11 @@ class TestArguments:
             (torch.zeros(3, 1, 1), torch.ones(4, 1, 1), r"low and high must broadcast .*\(3, 1, 1\) and \(4, 1, 1\)"),
             (float("-inf"), 1.0, "ZBoxRule: low must be a finite number"),
             (torch.tensor([0.0, float("nan")]), 1.0, "low and high must be finite"),
+            (
+                0.0,
+                torch.ones(3, dtype=torch.complex128),
+                "ZBoxRule: high must hold real numbers, got a torch.complex128",
+            ),
         ],
     )
     def test_wrong_bounds_are_refused_at_construction(self, low, high, match: str):

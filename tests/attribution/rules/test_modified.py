@@ -379,3 +379,42 @@ def test_a_preset_without_stabilizer_gives_finite_relevance(preset: str, create_
         return lrp(TensorDict(x=x.clone(), batch_size=[2]))["relevance", "x"].detach()
 
     assert relative_error(relevance(0.0), relevance(1e-30)) <= 1e-10
+
+
+class TestZeroParamsGivenOnce:
+    """``zero_params`` given as an iterator (a generator expression, ``iter([...])``) zeroes what it names, as the
+    same names in a tuple do: at construction and in a copy built anew by ``set_kwargs``. An argument that is no
+    sequence of names is refused by name."""
+
+    @pytest.mark.parametrize("kind", ["linear", "conv2d"])
+    @pytest.mark.parametrize(
+        ("ours", "theirs", "tuned"),
+        [
+            (
+                lambda names: GammaRule(0.25, zero_params=names),
+                lambda: zrules.Gamma(0.25, zero_params="bias"),
+                {"gamma": 0.25},
+            ),
+            (
+                lambda names: AlphaBetaRule(2.0, 1.0, zero_params=names),
+                lambda: zrules.AlphaBeta(2.0, 1.0, zero_params="bias"),
+                {"alpha": 2.0},
+            ),
+        ],
+        ids=["gamma", "alpha2beta1"],
+    )
+    def test_an_iterator_of_names_zeroes_them(self, kind: str, ours, theirs, tuned: dict):
+        layer, x = make_layer(kind)
+        with torch.no_grad():
+            layer.bias.normal_()
+        r_out = output_relevance(layer, x)
+        expected = zennit_relevance(theirs(), layer, x, r_out)
+        built = ours(name for name in ["bias"])
+        assert relative_error(tdhook_relevance(built, layer, x, r_out), expected) <= TOL
+        rebuilt = ours(iter(["bias"])).set_kwargs(**tuned)
+        assert relative_error(tdhook_relevance(rebuilt, layer, x, r_out), expected) <= TOL
+
+    @pytest.mark.parametrize("value", [3, None, 1.5])
+    def test_a_value_that_is_no_sequence_of_names_is_named(self, value):
+        with pytest.raises(ValueError, match="GammaRule: zero_params must be a sequence of parameter names, got "):
+            GammaRule(zero_params=value)

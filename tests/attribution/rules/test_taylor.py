@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from collections.abc import Callable
@@ -275,6 +276,38 @@ class TestRefused:
         with TaylorDecompositionRule(ref=0.1).register(pair):
             with pytest.raises(ValueError, match=r"TaylorDecompositionRule on Pair: .*tuple"):
                 pair(x)
+
+    @pytest.mark.parametrize("in_context", [False, True], ids=["one-call", "in-context"])
+    def test_distribute_bias_returning_a_relevance_too_many_is_named_and_leaves_all_as_it_was(self, in_context):
+        torch.manual_seed(3)
+        net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(F64)
+        net[0].weight.grad = torch.ones_like(net[0].weight)
+        faults = [True]
+
+        def spread(inputs, relevances):  # one relevance too many on its first call only
+            if faults:
+                faults.pop()
+                return [*relevances, relevances[0]]
+            return list(relevances)
+
+        def wrapper(distribute_bias) -> LRP:
+            rule = TaylorDecompositionRule(ref=0.1, bias=True, distribute_bias=distribute_bias)
+            return LRP(TensorDictModule(net, ["x"], ["y"]), rule_mapper={"module.1": rule, nn.Linear: EpsilonRule()})
+
+        lrp, x = wrapper(spread), torch.randn(5, 4, dtype=F64)
+        state = {k: v.clone() for k, v in net.state_dict().items()}
+        grad, hooks = net[0].weight.grad, [(dict(m._forward_hooks), dict(m._forward_pre_hooks)) for m in net.modules()]
+        td = TensorDict(x=x, batch_size=[5])
+        with lrp if in_context else contextlib.nullcontext():
+            with pytest.raises(ValueError, match=r"TaylorDecompositionRule on Tanh: distribute_bias returned 2 "):
+                lrp(td)
+            assert list(td.keys(True, True)) == ["x"] and td["x"] is x
+            after = lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"]
+        assert all(torch.equal(net.state_dict()[k], v) for k, v in state.items())
+        assert net[0].weight.grad is grad and bool((grad == 1).all()) and net.training
+        assert [(dict(m._forward_hooks), dict(m._forward_pre_hooks)) for m in net.modules()] == hooks
+        expected = wrapper(lambda inputs, relevances: list(relevances))(TensorDict(x=x, batch_size=[5]))
+        assert relative_error(after, expected["relevance", "x"]) <= TOL
 
     def test_a_module_without_forward_mode_derivatives_is_named_with_bias_false(self):
         class Distances(nn.Module):  # torch.cdist has no forward-mode derivative

@@ -203,7 +203,10 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         if not self.explained_keys:
             raise ValueError(f"{name}: no input key to explain; pass in_keys=[...]")
         check_read(name, given, self.explained_keys)  # its attribution would be zero whatever the model does
-        targets = named_targets(module, target_key)
+        try:
+            targets = named_targets(module, target_key)
+        except (TypeError, ValueError) as err:
+            raise _rename(err, name) from None
         if set(targets) != {None}:
             raise ValueError(
                 f"{name}: explains one output; pass target_key=<key> (the module has several defaults: "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -162,6 +163,12 @@ class GradCAM(AttributionMethod):
         self.layer = layer
         self._activations: list[torch.Tensor] = []
         self._cam: torch.Tensor | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "layer":  # nn.Module's would take a module given for it as a child, past the property's check
+            object.__setattr__(self, name, value)
+            return
+        super().__setattr__(name, value)
 
     @property
     def layer(self) -> str:

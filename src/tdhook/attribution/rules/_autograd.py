@@ -135,8 +135,9 @@ class _Redirect(torch.autograd.Function):
         # in-place operations (ReLU(inplace=True), ``out += identity``) stay legal.
         ctx.mark_dirty(output)
         ctx.backward_fn = backward_fn
-        ctx.shapes = tuple(t.shape for t in inputs)
-        ctx.where = running_rewrite()
+        ctx.n_inputs = len(inputs)
+        ctx.where = where = running_rewrite()  # a rule of one's own: its backward's gradients are checked
+        ctx.shapes = None if where is None else tuple(t.shape for t in inputs)
         # A saved tensor makes a second backward pass over a freed graph raise torch's own error: rules may
         # have written into what they kept for the first one (see backward_keeps_graph).
         ctx.save_for_backward(_FREED_GRAPH_GUARD)
@@ -171,8 +172,8 @@ class _GraphKeepingRedirect(torch.autograd.Function):
         ctx.backward_fn = backward_fn
         ctx.relevance_pass = relevance_pass
         ctx.n_inputs = len(inputs)
-        ctx.shapes = tuple(t.shape for t in inputs)
-        ctx.where = running_rewrite()
+        ctx.where = where = running_rewrite()
+        ctx.shapes = None if where is None else tuple(t.shape for t in inputs)
         return output
 
     @staticmethod
@@ -188,6 +189,11 @@ def _checked_gradients(ctx: Any, returned: Any) -> tuple:
     gradients than its redirect's tensors take (see :func:`~tdhook.attribution.rules._rewrites.raise_for_gradients`).
     """
     shapes = ctx.shapes
+    if shapes is None:  # tdhook's own rules, tested against their references
+        grads = tuple(returned)
+        if len(grads) != ctx.n_inputs:
+            raise RuntimeError(f"a rule's backward returned {len(grads)} gradients for {ctx.n_inputs} inputs")
+        return grads
     # A tensor for one tensor is its gradient (not a sequence of its rows); for several, a stack of their gradients.
     grads = (returned,) if len(shapes) == 1 and isinstance(returned, torch.Tensor) else tuple(returned)
     if len(grads) != len(shapes) or not all(

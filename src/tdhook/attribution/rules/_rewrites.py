@@ -15,6 +15,8 @@ names the rule and the module whose ``rewrite`` called ``redirect``.
 Examples:
     >>> import torch
     >>> from torch import nn
+
+from tdhook.attribution.rules._scopes import pop, push
     >>> from tdhook.attribution.rules import EpsilonRule
     >>> layer = nn.Linear(2, 2)
     >>> output = layer(torch.ones(1, 2))
@@ -36,6 +38,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "checked_rewrite",
     "rewriting_stack",
     "running_rewrite",
     "rewrites",
@@ -161,6 +164,42 @@ def note_overwritten(error: BaseException, rule: Any, module: nn.Module, given: 
             "output's values, and the rule declares uses_input = False: its rewrite gets None for that input. A rule "
             "that reads the input sets uses_input = True (the input is then kept before the module overwrites it)"
         )
+
+
+def checked_rewrite(rule: Any, module: nn.Module, registration: Any, inputs: tuple, output: torch.Tensor) -> Any:
+    """``rule.rewrite(module, registration, inputs, output)`` for a rule of one's own (see :func:`is_own_rewrite`),
+    checked: an input the module overwrote in place is held back where the rule declares it does not read it
+    (:func:`given_inputs`, :func:`note_overwritten`), the rewrite is named to the backward it hands to ``redirect``
+    (:func:`running_rewrite`), and what it returns must be the output's value (:func:`raise_for_rewritten`).
+
+    Examples:
+        >>> from tdhook.attribution.rules import Rule
+        >>> class Doubling(Rule):
+        ...     __module__ = "my_rules"
+        ...
+        ...     def rewrite(self, module, registration, inputs, output):
+        ...         return 2 * output
+        >>> layer = nn.Linear(2, 2)
+        >>> x = torch.ones(1, 2)
+        >>> try:
+        ...     checked_rewrite(Doubling(), layer, None, (x,), layer(x))
+        ... except ValueError as err:
+        ...     print(str(err)[:70])
+        Doubling on Linear: rewrite returned a tensor whose value differs from
+    """
+    given = given_inputs(rule, module, inputs, output)
+    rewriting = rewriting_stack()
+    push(rewriting, (rule, module))
+    try:
+        result = rule.rewrite(module, registration, given, output)
+    except Exception as err:
+        note_overwritten(err, rule, module, given, inputs)
+        raise
+    finally:
+        pop(rewriting)
+    if result is not None:
+        raise_for_rewritten(rule, module, output, result)
+    return result
 
 
 def raise_for_rewritten(rule: Any, module: nn.Module, output: torch.Tensor, result: Any) -> None:

@@ -43,14 +43,7 @@ from tdhook.attribution.rules._layers import (
     _has_plain_forward,
 )
 from tdhook.attribution.rules._meta_tensors import raise_for_meta_tensors
-from tdhook.attribution.rules._rewrites import (
-    given_inputs,
-    is_own_rewrite,
-    note_overwritten,
-    raise_for_rewritten,
-    rewrites,
-    rewriting_stack,
-)
+from tdhook.attribution.rules._rewrites import checked_rewrite, is_own_rewrite, rewrites
 from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules._wrapper_calls import rules_act_here
 from tdhook.attribution.tunables import Tunable
@@ -250,6 +243,7 @@ class Registration:
     busy: list = field(default_factory=list)
     merged_by_norm: bool = False  # a BatchNorm took over the module's last call (see MergeBatchNormRule)
     held: HeldParameters | None = None  # the parameters ``state`` was prepared from
+    settings: int = -1  # the rule's settings count ``state`` was prepared with (see Rule.__setattr__)
     marks: bool = True  # whether a Linear or convolution layer's output gets its LayerCall (see Rule.reads_layer_marks)
     plain_layer: type | None = None  # the class of a Linear or convolution layer with torch's own forward, else None
 
@@ -424,6 +418,11 @@ class Rule(Tunable):
     def __init__(self) -> None:
         self._registrations: IdentityWeakKeyDict[nn.Module, Registration] = IdentityWeakKeyDict()
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if not name.startswith("_"):  # a setting (rule.gamma = 0.5): what prepare derived from it is prepared again
+            super().__setattr__("_settings", self.__dict__.get("_settings", 0) + 1)
+
     def __getstate__(self) -> dict:
         if len(self._registrations):
             raise RuntimeError(
@@ -486,9 +485,15 @@ class Rule(Tunable):
         relevance_pass = graph_kept()
         if relevance_pass is not None:  # from the live parameters, once per call and parameter set: never the cache
             return relevance_pass.state(self, module, lambda: self.prepare(module), parameter_fingerprint(module))
-        if registration.state is _UNPREPARED or not registration.held.unchanged(module):
+        settings = self.__dict__.get("_settings", 0)
+        if (
+            registration.state is _UNPREPARED
+            or registration.settings != settings
+            or not registration.held.unchanged(module)
+        ):
             registration.state = self.prepare(module)
             registration.held = HeldParameters(module)
+            registration.settings = settings
         return registration.state
 
     def rewrite(
@@ -642,18 +647,10 @@ class Rule(Tunable):
                 raise_if_an_earlier_hook_changed(module, registration.busy, inputs, output, not earlier)
             self.prepared_state(module, registration)
             rule, reg = self.resolve(module, registration, inputs)
-            given = given_inputs(rule, module, inputs, output)  # not an input a module overwrote, to an own rule
-            rewriting = rewriting_stack()  # named by redirect's backward, should it get wrong gradients
-            push(rewriting, (rule, module))
-            try:
-                result = rule.rewrite(module, reg, given, output)
-            except Exception as err:
-                note_overwritten(err, rule, module, given, inputs)
-                raise
-            finally:
-                pop(rewriting)
-            if result is not None and is_own_rewrite(rule):  # a rule of one's own: the output's value, or an error
-                raise_for_rewritten(rule, module, output, result)
+            if is_own_rewrite(rule):  # a rule of one's own: what it returns and what its backward gives are checked
+                result = checked_rewrite(rule, module, reg, inputs, output)
+            else:
+                result = rule.rewrite(module, reg, inputs, output)
             one_input = isinstance(module, LINEAR_LAYERS) and len(inputs) == 1 and isinstance(inputs[0], torch.Tensor)
             if one_input and not is_activation(inputs[0]) and _has_plain_forward(module):
                 # A layer of a constant (a buffer, a learned query) computes from parameters alone, whether its

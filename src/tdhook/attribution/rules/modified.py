@@ -13,7 +13,7 @@ live ones and every rule computes its gradient with autograd alone
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -57,13 +57,15 @@ class _ModifiedForwardRule(Rule):
 
     def __init__(self, stabilizer: float = 1e-6, zero_params: Sequence[str] = ()) -> None:
         nonnegative(type(self).__name__, "stabilizer", stabilizer)
-        if isinstance(zero_params, str) or not all(isinstance(name, str) for name in zero_params):
+        # Read once: an iterator checked first and read again would be empty, zeroing nothing.
+        names = tuple(zero_params) if isinstance(zero_params, Iterable) and not isinstance(zero_params, str) else None
+        if names is None or not all(isinstance(name, str) for name in names):
             raise ValueError(
                 f"{type(self).__name__}: zero_params must be a sequence of parameter names, got {zero_params!r}"
             )
         super().__init__()
         self.stabilizer = stabilizer
-        self.zero_params = tuple(zero_params)
+        self.zero_params = names
 
     def modifiers(self) -> dict[str, ParamModifier]:
         raise NotImplementedError

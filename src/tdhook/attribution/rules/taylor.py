@@ -155,7 +155,8 @@ class TaylorDecompositionRule(Rule):
             relevances = list(self.distribute_bias(tuple(xs), relevances))
             if len(relevances) != len(xs):
                 raise ValueError(
-                    f"{type(self).__name__}: distribute_bias returned {len(relevances)} relevances for {len(xs)} inputs"
+                    f"{type(self).__name__} on {type(module).__name__}: distribute_bias returned {len(relevances)} "
+                    f"relevances for its {len(xs)} inputs (one per floating input that needs a gradient)"
                 )
             grads = []
             for x, target, relevance in zip(xs, targets, relevances, strict=True):
