@@ -15,8 +15,6 @@ names the rule and the module whose ``rewrite`` called ``redirect``.
 Examples:
     >>> import torch
     >>> from torch import nn
-
-from tdhook.attribution.rules._scopes import pop, push
     >>> from tdhook.attribution.rules import EpsilonRule
     >>> layer = nn.Linear(2, 2)
     >>> output = layer(torch.ones(1, 2))
@@ -36,6 +34,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from tdhook.attribution.rules._scopes import pop, push
 
 __all__ = [
     "checked_rewrite",
