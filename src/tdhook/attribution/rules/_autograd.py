@@ -41,7 +41,7 @@ from torch.nn import Parameter
 from tdhook.attribution.rules._keeping_graph import RelevancePass, graph_kept
 from tdhook.attribution.rules._numerics import carrying_gradient
 from tdhook.attribution.rules._recomputed import error_in_running_module
-from tdhook.attribution.rules._rewrites import raise_for_gradients, running_rewrite
+from tdhook.attribution.rules._rewrites import RUNNING, raise_for_gradients, running_rewrite
 
 __all__ = [
     "redirect",
@@ -136,7 +136,7 @@ class _Redirect(torch.autograd.Function):
         ctx.mark_dirty(output)
         ctx.backward_fn = backward_fn
         ctx.n_inputs = len(inputs)
-        ctx.where = where = running_rewrite()  # a rule of one's own: its backward's gradients are checked
+        ctx.where = where = running_rewrite() if RUNNING.stack else None  # a rule of one's own: checked
         ctx.shapes = None if where is None else tuple(t.shape for t in inputs)
         # A saved tensor makes a second backward pass over a freed graph raise torch's own error: rules may
         # have written into what they kept for the first one (see backward_keeps_graph).
@@ -146,7 +146,9 @@ class _Redirect(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         ctx.saved_tensors  # noqa: B018 (raises once the graph is freed)
-        grads = _checked_gradients(ctx, ctx.backward_fn(grad))
+        grads = tuple(ctx.backward_fn(grad)) if ctx.shapes is None else _checked_gradients(ctx, ctx.backward_fn(grad))
+        if len(grads) != ctx.n_inputs:  # tdhook's own rules (tested against their references): the count only
+            raise RuntimeError(f"a rule's backward returned {len(grads)} gradients for {ctx.n_inputs} inputs")
         return (None, None, *grads)
 
 
@@ -172,7 +174,7 @@ class _GraphKeepingRedirect(torch.autograd.Function):
         ctx.backward_fn = backward_fn
         ctx.relevance_pass = relevance_pass
         ctx.n_inputs = len(inputs)
-        ctx.where = where = running_rewrite()
+        ctx.where = where = running_rewrite() if RUNNING.stack else None
         ctx.shapes = None if where is None else tuple(t.shape for t in inputs)
         return output
 
@@ -180,7 +182,9 @@ class _GraphKeepingRedirect(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         if not ctx.relevance_pass.is_running:
             return (None, None, None, grad, *(None for _ in range(ctx.n_inputs)))
-        grads = _checked_gradients(ctx, ctx.backward_fn(grad))
+        grads = tuple(ctx.backward_fn(grad)) if ctx.shapes is None else _checked_gradients(ctx, ctx.backward_fn(grad))
+        if len(grads) != ctx.n_inputs:  # tdhook's own rules (tested against their references): the count only
+            raise RuntimeError(f"a rule's backward returned {len(grads)} gradients for {ctx.n_inputs} inputs")
         return (None, None, None, None, *grads)
 
 
@@ -189,11 +193,6 @@ def _checked_gradients(ctx: Any, returned: Any) -> tuple:
     gradients than its redirect's tensors take (see :func:`~tdhook.attribution.rules._rewrites.raise_for_gradients`).
     """
     shapes = ctx.shapes
-    if shapes is None:  # tdhook's own rules, tested against their references
-        grads = tuple(returned)
-        if len(grads) != ctx.n_inputs:
-            raise RuntimeError(f"a rule's backward returned {len(grads)} gradients for {ctx.n_inputs} inputs")
-        return grads
     # A tensor for one tensor is its gradient (not a sequence of its rows); for several, a stack of their gradients.
     grads = (returned,) if len(shapes) == 1 and isinstance(returned, torch.Tensor) else tuple(returned)
     if len(grads) != len(shapes) or not all(

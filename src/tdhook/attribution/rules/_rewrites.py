@@ -38,6 +38,7 @@ from torch import nn
 from tdhook.attribution.rules._scopes import pop, push
 
 __all__ = [
+    "RUNNING",
     "checked_rewrite",
     "rewriting_stack",
     "running_rewrite",
@@ -49,17 +50,22 @@ __all__ = [
     "raise_for_gradients",
 ]
 
-_RUNNING = threading.local()
+
+class _Running(threading.local):
+    """The rewrites of rules of one's own running on this thread, innermost last (empty, and falsy, for all others)."""
+
+    def __init__(self) -> None:
+        self.stack: list = []
+
+
+RUNNING = _Running()  # ``RUNNING.stack``: read directly on the hot paths, where it is empty
 
 
 def rewriting_stack() -> list:
     """The rewrites running on this thread, innermost last, as ``(rule, module)``: a rule's forward hook pushes its
     rewrite with :func:`~tdhook.attribution.rules._scopes.push` and pops it when the rewrite returns (or, where an
     interrupt skips that, the wrapper's call pops it as it ends)."""
-    stack = getattr(_RUNNING, "stack", None)
-    if stack is None:
-        stack = _RUNNING.stack = []
-    return stack
+    return RUNNING.stack
 
 
 def running_rewrite() -> tuple[type, type] | None:
@@ -74,7 +80,7 @@ def running_rewrite() -> tuple[type, type] | None:
         True
         >>> _ = pop(rewriting_stack())
     """
-    stack = getattr(_RUNNING, "stack", None)
+    stack = RUNNING.stack
     if not stack:
         return None
     rule, module = stack[-1]
@@ -93,7 +99,7 @@ def rewrites(module: nn.Module) -> bool:
         (True, False)
         >>> _ = pop(rewriting_stack())
     """
-    stack = getattr(_RUNNING, "stack", None)
+    stack = RUNNING.stack
     return bool(stack) and any(entry[1] is module for entry in stack)
 
 
@@ -105,8 +111,8 @@ def _named(where: tuple[type, type] | None) -> str:
 
 
 def is_own_rewrite(rule: Any) -> bool:
-    """Whether ``rule``'s ``rewrite`` is written outside tdhook (a rule of one's own): the class that defines it
-    is not one of tdhook's.
+    """Whether the ``rewrite`` of ``rule`` (a rule or a rule class) is written outside tdhook (a rule of one's own):
+    the class that defines it is not one of tdhook's.
 
     Examples:
         >>> from tdhook.attribution.rules import EpsilonRule
@@ -117,10 +123,10 @@ def is_own_rewrite(rule: Any) -> bool:
         ...         return None
         >>> class Tuned(EpsilonRule):
         ...     __module__ = "my_rules"
-        >>> is_own_rewrite(EpsilonRule()), is_own_rewrite(Mine()), is_own_rewrite(Tuned())
-        (False, True, False)
+        >>> is_own_rewrite(EpsilonRule()), is_own_rewrite(Mine()), is_own_rewrite(Tuned()), Mine.own_rewrite
+        (False, True, False, True)
     """
-    return _rewrite_outside_tdhook(type(rule))
+    return _rewrite_outside_tdhook(rule if isinstance(rule, type) else type(rule))
 
 
 @functools.cache

@@ -43,7 +43,7 @@ from tdhook.attribution.rules._layers import (
     _has_plain_forward,
 )
 from tdhook.attribution.rules._meta_tensors import raise_for_meta_tensors
-from tdhook.attribution.rules._rewrites import checked_rewrite, is_own_rewrite, rewrites
+from tdhook.attribution.rules._rewrites import RUNNING, checked_rewrite, is_own_rewrite, rewrites
 from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules._wrapper_calls import rules_act_here
 from tdhook.attribution.tunables import Tunable
@@ -414,6 +414,12 @@ class Rule(Tunable):
     reads_layer_marks: bool = False
     #: whether the rule's only effect is the :class:`LayerCall` mark (the plain gradient otherwise).
     only_marks: bool = False
+    # Whether the class's rewrite is written outside tdhook, a rule of one's own: its calls are checked (see _rewrites).
+    own_rewrite: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.own_rewrite = is_own_rewrite(cls)
 
     def __init__(self) -> None:
         self._registrations: IdentityWeakKeyDict[nn.Module, Registration] = IdentityWeakKeyDict()
@@ -633,12 +639,13 @@ class Rule(Tunable):
     def _forward_hook(self, registration: Registration) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             inputs = pop(registration.snapshots) if registration.snapshots else _call_arguments(module, args, kwargs)
-            if registration.busy or not rules_apply(module) or rewrites(module):  # a call its rule's rewrite makes
+            # Not for a call of the module that its own rule's rewrite makes (RUNNING.stack is empty for all others).
+            if registration.busy or not rules_apply(module) or (RUNNING.stack and rewrites(module)):
                 return _ruled_in_forward(module)
             raise_for_vmap(module, output)
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 # A rule of one's own rewrites one tensor: skipped, it would leave the module its plain gradient.
-                if (self.one_output_only or is_own_rewrite(self)) and not isinstance(output, torch.Tensor):
+                if (self.one_output_only or self.own_rewrite) and not isinstance(output, torch.Tensor):
                     _raise_for_several_outputs(self, module, output)
                 return _ruled_in_forward(module)
             raise_for_meta_tensors(module, output)
@@ -647,7 +654,7 @@ class Rule(Tunable):
                 raise_if_an_earlier_hook_changed(module, registration.busy, inputs, output, not earlier)
             self.prepared_state(module, registration)
             rule, reg = self.resolve(module, registration, inputs)
-            if is_own_rewrite(rule):  # a rule of one's own: what it returns and what its backward gives are checked
+            if rule.own_rewrite:  # a rule of one's own: what it returns and what its backward gives are checked
                 result = checked_rewrite(rule, module, reg, inputs, output)
             else:
                 result = rule.rewrite(module, reg, inputs, output)
