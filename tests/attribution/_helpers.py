@@ -70,3 +70,12 @@ class ExpectsARefusal:
         assert_unchanged(net, snapshot)
         after = {k: v for k, v in td.items(include_nested=True, leaves_only=True)}
         assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+
+
+def gradient_times_input(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Gradient × input of each sample's largest output (LRP-0's relevance of the default target)."""
+    leaf = x.clone().requires_grad_(True)
+    out = model(leaf)
+    start = torch.zeros_like(out).scatter_(-1, out.argmax(-1, keepdim=True), 1.0)
+    (grad,) = torch.autograd.grad(out, leaf, start)
+    return x * grad

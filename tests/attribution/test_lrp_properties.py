@@ -35,6 +35,7 @@ from tdhook.attribution.lrp_helpers.rules import (
     EpsilonPlusFlat,
     IgnoreRule,
 )
+from tests.attribution._helpers import gradient_times_input
 from tests.attribution.test_lrp_faults import global_state, module_state
 from tests.attribution.test_lrp_reliability import assert_model_unchanged, model_snapshot
 from tests.conftest import relative_error
@@ -109,14 +110,6 @@ def explain(model: nn.Module, x: torch.Tensor, mapper, batch_dims: int = 1) -> T
 def lrp0() -> BaseRuleMapper:
     # LRP-0 everywhere: the default mapper, with average pooling's ε stabilizer replaced by the plain gradient.
     return BaseRuleMapper(rule_mapper={nn.AvgPool2d: IgnoreRule(), nn.AdaptiveAvgPool2d: IgnoreRule()})
-
-
-def gradient_times_input(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    leaf = x.clone().requires_grad_(True)
-    out = model(leaf)
-    start = torch.zeros_like(out).scatter_(-1, out.argmax(-1, keepdim=True), 1.0)
-    (grad,) = torch.autograd.grad(out, leaf, start)
-    return x * grad
 
 
 def without_shift(model: nn.Module) -> nn.Module:

@@ -30,6 +30,7 @@ from torch import nn
 
 from tdhook.attribution import LRP
 from tdhook.attribution.lrp_helpers.rules import CPLRP, BaseRuleMapper, EpsilonPlus
+from tests.attribution._helpers import gradient_times_input
 from tests.conftest import relative_error
 
 F64 = torch.float64
@@ -160,14 +161,6 @@ def explain(lrp: LRP, x: torch.Tensor) -> TensorDict:
 
 def wrapped(model: nn.Module, mapper) -> LRP:
     return LRP(model, mapper, in_keys=["x"], out_keys=["y"])
-
-
-def gradient_times_input(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    leaf = x.clone().requires_grad_(True)
-    out = model(leaf)
-    start = torch.zeros_like(out).scatter_(-1, out.argmax(-1, keepdim=True), 1.0)
-    (grad,) = torch.autograd.grad(out, leaf, start)
-    return x * grad
 
 
 def without_shifts(model: nn.Module) -> nn.Module:
