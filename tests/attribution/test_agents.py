@@ -362,6 +362,28 @@ def test_the_networks_own_calls_in_an_open_context_run_its_vmapped_call():
     assert all(torch.equal(grad, plain) for grad, plain in zip(grads, plain_grads, strict=True))
 
 
+@pytest.mark.parametrize("centralized", [False, True], ids=["local", "centralized"])
+def test_outputs_kept_differentiable_carry_the_networks_gradient(centralized):
+    """With ``create_graph=True`` the outputs keep their graph: a loss on them gives the parameters and the
+    observation the gradient of the plain network. Agents with their own parameters gave both a zero gradient (the
+    outputs carried the gradient of the vmapped values, computed without one), so a policy trained with such a
+    wrapper inside did not learn."""
+    net = multi_agent_mlp(centralized, share_params=False, activation=nn.Tanh)
+    observation = agents_td((3,))["agents", "observation"]
+
+    def gradients(module: nn.Module) -> list[torch.Tensor]:
+        x = observation.clone().requires_grad_()
+        td = TensorDict({"agents": TensorDict(observation=x, batch_size=[BATCH, AGENTS])}, batch_size=[BATCH])
+        loss = module(td)["agents", "action_value"].square().sum()
+        return list(torch.autograd.grad(loss, [x, *net.parameters()]))
+
+    plain = gradients(wrapped(net))
+    kept = gradients(LRP(wrapped(net), EpsilonPlus(), create_graph=True))
+    for grad, expected in zip(kept, plain, strict=True):
+        assert expected.any()
+        torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-14)
+
+
 def only_agent(agent: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """A callable target: the chosen (argmax) action value of ``agent`` alone, zero for the other agents."""
 

@@ -9,7 +9,9 @@ context is open, such a network maps its template over the agents one by one
 instead (:func:`agent_by_agent`); the rules then run on each agent's call with
 that agent's parameters. The values are those of the network's own vmapped
 call, run once more without gradient: a loop rounds differently, and a policy's
-outputs must not change under LRP. The model's own calls in an open context (a loss module's training step) and
+outputs must not change under LRP. In a call that keeps the graph (``create_graph=True``), every later backward
+pass (a loss on the outputs, on the relevance) takes the gradient of the loop too: the rules inside it send each
+pass where it belongs. The model's own calls in an open context (a loss module's training step) and
 calls without gradient run the vmapped call alone, as the network does. A template that draws in training mode
 (dropout) is refused in a wrapper's call: the loop's draws are not those of the vmapped call, so the relevance
 would explain other dropped units than the outputs hold.
@@ -39,6 +41,7 @@ from torch.utils.hooks import RemovableHandle
 from tdhook.attribution._context import hooks_around
 from tdhook.attribution._random_modules import draw, draws_now
 from tdhook.attribution.rules._autograd import redirect
+from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules.base import plain_calls, rules_apply
 
 __all__ = ["agent_by_agent"]
@@ -86,11 +89,28 @@ def _map_by_loop(vmapped: Callable, net: nn.Module, name: str) -> Callable:
                 value = vmapped(module, in_dims, out_dims, **kwargs)(params.detach(), *_detached(inputs))
                 if lazy:
                     _put_back(buffers, before)
-            return redirect(value, [looped], lambda grad: [grad])
+            if graph_kept() is None:
+                return redirect(value, [looped], lambda grad: [grad])
+            # Not redirect: the plain passes after the call would reach the vmapped value, which has no graph.
+            return _LoopGradient.apply(value, looped)
 
         return call
 
     return map_over_agents
+
+
+class _LoopGradient(torch.autograd.Function):
+    """The network's own ``value`` with the gradient of ``looped`` (the same values, computed agent by agent) in
+    every backward pass: the wrapper's relevance pass, and in a call that keeps the graph the plain passes after it.
+    The backward is the identity, so a pass that records it (``create_graph``) can be differentiated again."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, looped: torch.Tensor) -> torch.Tensor:
+        return value.clone()  # the vmapped call may return a view made without gradient
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, grad
 
 
 def _raise_for_draws(net: nn.Module, name: str, template: nn.Module) -> None:
