@@ -398,6 +398,42 @@ def test_an_exploring_policy_whose_noise_reaches_the_bounds_still_explains_the_a
     torch.testing.assert_close(out["relevance", "observation"], expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("exploration", ["OrnsteinUhlenbeck", "AdditiveGaussian"])
+def test_an_exploring_policy_kept_differentiable_gives_its_action_the_plain_gradient(exploration):
+    """With ``create_graph=True`` the action taken keeps its graph: a loss on it gives the actor's parameters and
+    the observation the plain gradient, the projection into the spec included (zero at a bound), while the relevance
+    still holds the perturbation constant. Before, the action taken carried no gradient but the relevance pass's: a
+    loss on it gave every parameter a zero gradient."""
+    torch.manual_seed(0)
+    spec = Bounded(-1.0, 1.0, (2,), dtype=F64)
+    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    actor = Actor(net, in_keys=["observation"], spec=spec)
+    if exploration == "OrnsteinUhlenbeck":
+        noise = OrnsteinUhlenbeckProcessModule(spec=spec, sigma=5.0, theta=0.0)
+    else:
+        noise = AdditiveGaussianModule(spec=spec, sigma_init=5.0, sigma_end=5.0)
+    policy = TensorDictSequential(actor, noise)
+    observation = torch.randn(16, 3, dtype=F64)
+
+    def run(module: nn.Module) -> tuple[TensorDict, list[torch.Tensor]]:
+        x = observation.clone().requires_grad_()
+        td = TensorDict(observation=x, is_init=torch.ones(16, 1, dtype=torch.bool), batch_size=[16])
+        with set_exploration_type(ExplorationType.RANDOM):
+            torch.manual_seed(1)
+            out = module(td)
+        return out, list(torch.autograd.grad(out["action"].square().sum(), [x, *net.parameters()]))
+
+    plain, expected = run(policy)
+    out, grads = run(LRP(policy, EpsilonPlus(), target_key="action", target="all", create_graph=True))
+    assert torch.equal(out["action"].detach(), plain["action"])
+    assert (plain["action"].abs() == 1).any() and (plain["action"].abs() < 1).any()  # some steps hit the bounds
+    for grad, reference in zip(grads, expected, strict=True):
+        assert reference.any()
+        torch.testing.assert_close(grad, reference, rtol=1e-12, atol=1e-14)
+    alone = LRP(actor, EpsilonPlus(), target="all")(TensorDict(observation=observation.clone(), batch_size=[16]))
+    torch.testing.assert_close(out["relevance", "observation"].detach(), alone["relevance", "observation"])
+
+
 @pytest.mark.parametrize("distribution", [MaskedCategorical, MaskedOneHotCategorical], ids=lambda d: d.__name__)
 @pytest.mark.parametrize("held", [False, True], ids=["best-allowed", "held-action"])
 def test_masked_agents_explain_each_agents_allowed_or_held_action(distribution, held):

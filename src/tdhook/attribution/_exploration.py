@@ -73,7 +73,7 @@ def perturbation_held_constant(modules: Mapping[str, nn.Module]) -> list[Removab
                 return
             taken = output.get(step.in_keys[0], None)
             if isinstance(taken, torch.Tensor) and taken is not action and taken.shape == action.shape:
-                output.set(step.in_keys[0], redirect(taken.detach(), [action], lambda grad: [grad]))
+                output.set(step.in_keys[0], redirect(taken, [action], lambda grad: [grad]))
 
         hooks.append(module.register_forward_pre_hook(before, with_kwargs=True))
         hooks.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
