@@ -5,18 +5,20 @@ rolled out step by step with the wrapper in the policy, then explained in recurr
 trained with ``DQNLoss`` over sequences. Multi-agent PPO: a ``MultiAgentMLP`` actor and a centralised critic on a
 small environment with per-agent nested keys, trained with ``ClipPPOLoss`` and GAE. The oracles are plain autograd
 (LRP-0 with the recurrence and the activations keeping their plain gradient is gradient × input), the same loop
-without the wrapper, and a fresh wrapper on a copy of the network.
+without the wrapper, and a fresh wrapper on a copy of the network. Heterogeneous agents, lazily stacked, get their
+relevance per agent or are refused by key.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import re
 
 import pytest
 import torch
-from tensordict import TensorDict
-from tensordict.nn import NormalParamExtractor, TensorDictModule, TensorDictSequential
+from tensordict import LazyStackedTensorDict, TensorDict
+from tensordict.nn import NormalParamExtractor, TensorDictModule, TensorDictModuleBase, TensorDictSequential
 from torch import nn
 from torchrl.data import Bounded, Categorical, Composite, Unbounded
 from torchrl.envs import Compose, EnvBase, GymEnv, InitTracker, TransformedEnv
@@ -440,3 +442,64 @@ def test_a_centralised_actor_in_a_rollout_explains_each_agents_action_on_every_a
     relevance = rollouts["explained"]["relevance", "agents", "observation"]
     assert relevance.shape == (6, N_AGENTS, N_AGENTS, 3)
     torch.testing.assert_close(relevance, expected, rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------ heterogeneous agents
+
+
+class HeterogeneousAgents(TensorDictModuleBase):
+    """One ReLU network per agent, each reading its own entry of the lazily stacked ``"agents"`` (observations of
+    ``sizes``) and writing its action values (``actions`` of them) there."""
+
+    in_keys = [("agents", "observation")]
+    out_keys = [("agents", "action_value")]
+
+    def __init__(self, sizes: list[int], actions: list[int]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.nets = nn.ModuleList(
+            nn.Sequential(nn.Linear(size, 8), nn.ReLU(), nn.Linear(8, n)).to(F64)
+            for size, n in zip(sizes, actions, strict=True)
+        )
+
+    def forward(self, td: TensorDict) -> TensorDict:
+        for net, agent in zip(self.nets, td["agents"].tensordicts, strict=True):
+            agent["action_value"] = net(agent["observation"])
+        return td
+
+
+def heterogeneous(sizes: list[int], goal: bool = False) -> TensorDict:
+    """A batch of 4 with the agents' entries lazily stacked; ``goal``: the first agent holds a key of its own."""
+    torch.manual_seed(1)
+    agents = [TensorDict(observation=torch.randn(4, size, dtype=F64), batch_size=[4]) for size in sizes]
+    if goal:
+        agents[0]["goal"] = torch.randn(4, 2, dtype=F64)
+    return TensorDict(agents=LazyStackedTensorDict.lazy_stack(agents, dim=1), batch_size=[4])
+
+
+def test_lazily_stacked_agents_of_one_shape_get_each_their_gradient_times_input():
+    """Agents stacked lazily, one of them with a key of its own, each read by its own network: the relevance of each
+    agent's chosen action value on its observation is gradient × input (LRP-0)."""
+    module, td = HeterogeneousAgents([3, 3], [2, 2]), heterogeneous([3, 3], goal=True)
+    relevance = LRP(module, BaseRuleMapper(stabilizer=0))(td.clone())["relevance", "agents", "observation"]
+    assert relevance.shape == (4, 2, 3)
+    for index, (net, agent) in enumerate(zip(module.nets, td["agents"].tensordicts, strict=True)):
+        x = agent["observation"].clone().requires_grad_()
+        values = net(x)
+        (grad,) = torch.autograd.grad(values.gather(-1, values.argmax(-1, keepdim=True)).sum(), x)
+        torch.testing.assert_close(relevance[:, index], x.detach() * grad, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "sizes, actions, key",
+    [([3, 5], [2, 2], "input ('agents', 'observation')"), ([3, 3], [2, 4], "output ('agents', 'action_value')")],
+    ids=["observations", "action values"],
+)
+def test_lazily_stacked_agents_of_different_shapes_are_refused_naming_the_key(sizes, actions, key):
+    """An input or target whose agents' entries differ in shape reads as no one tensor: tensordict's error named no
+    key; the wrapper names the key and the entries' shapes, and leaves the caller's TensorDict as it was."""
+    td = heterogeneous(sizes)
+    before = set(td.keys(True, True))
+    with pytest.raises(ValueError, match=rf"LRP: the {re.escape(key)}: entries of shapes \[\(4, \d\), \(4, \d\)\]"):
+        LRP(HeterogeneousAgents(sizes, actions), BaseRuleMapper(stabilizer=0))(td)
+    assert set(td.keys(True, True)) == before

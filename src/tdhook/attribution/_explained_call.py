@@ -24,6 +24,7 @@ from tdhook.attribution._keys import check_writable
 from tdhook.attribution._model_changes import follow_model_changes
 from tdhook.attribution._model_run import cache_watch_of, run_model
 from tdhook.attribution._policy_targets import allowed_action
+from tdhook.attribution._ragged_stacks import raise_for_ragged
 from tdhook.attribution._random_modules import warn_for_random_modules
 from tdhook.attribution._run_errors import run_error
 from tdhook.attribution._tokens import is_embedding_leaf
@@ -66,9 +67,13 @@ def explain(lrp: Any, tensordict: TensorDictBase) -> tuple[TensorDictBase, Calla
     """
     follow_model_changes(lrp)  # a module put in since the context was entered gets its rule
     _set_state(lrp, "_marks_read", lrp._marks_read or marks_for_target(lrp._handles or [], lrp.target))
-    explained = explained_in_call(tensordict, lrp.explained_keys, lrp._defaulted_inputs, lrp._optional_inputs)
-    explained_now = [key for key, e in zip(lrp.explained_keys, explained, strict=True) if e]
-    validate_inputs(tensordict, explained_now, differentiable=lrp.create_graph)
+    try:
+        explained = explained_in_call(tensordict, lrp.explained_keys, lrp._defaulted_inputs, lrp._optional_inputs)
+        explained_now = [key for key, e in zip(lrp.explained_keys, explained, strict=True) if e]
+        validate_inputs(tensordict, explained_now, differentiable=lrp.create_graph)
+    except RuntimeError as err:  # a lazy stack of entries of different shapes is named
+        raise_for_ragged(tensordict, lrp.explained_keys, "input", err)
+        raise
     check_writable(tensordict, lrp.relevance_keys, lrp.token_relevance_keys)
     if lrp._stochastic:
         lrp._stochastic = warn_for_random_modules("LRP", lrp._stochastic, tensordict)  # once per context
@@ -99,8 +104,12 @@ def explain(lrp: Any, tensordict: TensorDictBase) -> tuple[TensorDictBase, Calla
             names = list(lrp.targets)
             seeds, reach = [], InputsReached(lrp.explained_keys, len(names))
             for position, name in enumerate(names):
-                target_key = resolve_target_key(result, *lrp.targets[name], lrp._candidates.of(lrp, name))
-                output = explained_output(result, target_key, lrp.explained_keys, lrp.targets[name][1])
+                try:
+                    target_key = resolve_target_key(result, *lrp.targets[name], lrp._candidates.of(lrp, name))
+                    output = explained_output(result, target_key, lrp.explained_keys, lrp.targets[name][1])
+                except RuntimeError as err:
+                    raise_for_ragged(result, [key for key in [lrp.targets[name][0]] if key is not None], "output", err)
+                    raise
                 target = lrp.target
                 if target is None:  # a masked policy explains an allowed action
                     target = allowed_action(lrp.targets[name][1], target_key, result, tensordict)
