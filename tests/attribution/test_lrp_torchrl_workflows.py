@@ -134,6 +134,33 @@ def test_the_rollout_in_recurrent_mode_explains_each_step_on_every_earlier_obser
         assert relevance[t, start : t + 1].abs().sum(-1).gt(0).all(), t
 
 
+@pytest.mark.filterwarnings("ignore:LRP. module .*computes (lstm|gru):UserWarning")
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_slices_sampled_mid_trajectory_explain_the_stored_states_they_start_from(kind: str):
+    """Slices of a replay buffer start inside a trajectory (no ``is_init`` at their first step), from the recurrent
+    states stored there, and may hold a reset: in recurrent mode with ``split_dim`` over time, the relevance of each
+    step's action on the observations and on the stored states is gradient × input through the unrolled recurrence."""
+    core, _ = recurrent_q(kind)
+    core = core.double()
+    td = sequences(kind).select("observation", "is_init", *state_keys(kind))
+    td["is_init"][:, 0] = False
+    keys = ["observation", *state_keys(kind)]
+    with set_recurrent_mode(True):
+        out = LRP(core, plain_recurrence(), split_dim=1)(td.clone())
+        leaves = {key: td[key].clone().requires_grad_() for key in keys}
+        values = core(td.clone(False).update(leaves))["action_value"]
+    chosen = values.gather(-1, values.argmax(-1, keepdim=True)).squeeze(-1)
+    for key, leaf in leaves.items():
+        grads = [torch.autograd.grad(chosen[:, t].sum(), leaf, retain_graph=True)[0] for t in range(chosen.shape[1])]
+        expected = leaf.detach().unsqueeze(1) * torch.stack(grads, 1)
+        torch.testing.assert_close(out["relevance", key], expected, rtol=1e-10, atol=1e-12, msg=key)
+        if key != "observation":  # read where each row's trajectories start: its first step and its resets
+            starts = td["is_init"].squeeze(-1).clone()
+            starts[:, 0] = True
+            read = starts.unsqueeze(1).expand(-1, chosen.shape[1], -1)
+            assert out["relevance", key][:, :, 0].abs().sum() > 0 and not out["relevance", key][~read].any()
+
+
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
 def test_a_context_open_across_a_rollout_and_a_recurrent_mode_call_explains_both_as_fresh_wrappers(kind: str):
     """Under the recurrent rule, with one context open across the step-by-step rollout and a recurrent-mode call
