@@ -50,6 +50,7 @@ from tdhook.attribution.rules._clips import (
     clips_in_place,
 )
 from tdhook.attribution.rules._dropout_calls import DROPOUTS, dropout_probability, named_by_module
+from tdhook.attribution.rules._first_pass import first_pass
 from tdhook.attribution.rules._held_statistics import (
     DIVISIONS,
     NORM_CALLS,
@@ -391,7 +392,8 @@ class FunctionalRules(TorchFunctionMode):
             # Of a statistic, a divisor's guard (``norm.clamp_min(eps)``): its plain gradient.
             return self._clip(func, args, kwargs, recording) if clips_a_signal(func, args) else _NO_RULE
         if func in BOUNDS:  # ``torch.maximum(h, c)`` with a constant ``c``: a clip (two activations: not here)
-            return bound_passing(func, args, kwargs, bounded_signal(func, args, kwargs), self.activation.apply)
+            signal = bounded_signal(func, args, kwargs)
+            return bound_passing(func, args, kwargs, signal, self.activation.apply, self.activation)
         if func is F.glu and is_activation(args[0]):
             return held_glu(args[0], call_argument(args, kwargs, 1, "dim", -1))
         if func is F.layer_norm and is_activation(args[0]):
@@ -427,7 +429,7 @@ class FunctionalRules(TorchFunctionMode):
         in_place = clips_in_place(func, args, kwargs)
         if recording is not None and self._clips_on_node(x, bounds, in_place, recording):
             return self._clip_on_node(func, args, kwargs, in_place, recording)
-        return clip_passing(func, args, kwargs, self.activation.apply)
+        return clip_passing(func, args, kwargs, self.activation.apply, self.activation)
 
     def _clips_on_node(self, x: torch.Tensor, bounds: list, in_place: bool, recording: Recording) -> bool:
         """Whether a clipping call of ``x`` in a recording call can get the identity rule on its own node, which
@@ -454,6 +456,7 @@ class FunctionalRules(TorchFunctionMode):
         was. Not in place, a node of another kind gets the rule as :meth:`_clip` gives it."""
         x = args[0]
         edge = (x.grad_fn, x.output_nr)
+        before = x.detach().clone() if in_place and first_pass() is not None else x  # watched for units at 0
         output = func(*args, **kwargs)
         node = output.grad_fn
         stabilizer = self.activation.stabilizer
@@ -461,11 +464,15 @@ class FunctionalRules(TorchFunctionMode):
             if clipped_on_node(node) and not output._is_view() and not output.__dict__ and first_input_is(node, x):
                 recording.hooked(node, functools.partial(hook_pass_rule, stabilizer))
                 setattr(output, RULED_ON_NODE, stabilizer)
+                watch_zero_inputs(self.activation, func, x, output, output)
                 return mark_gate(output, x)
-            return self.activation.apply(output, x)
+            result = self.activation.apply(output, x)
+            watch_zero_inputs(self.activation, func, x, output, result)
+            return result
         if not clipped_on_node(node) or node.next_functions[0] != edge:  # not reached: bounds that are numbers
             raise RuntimeError(f"FunctionalRules: {func.__name__} in place made a {type(node).__name__} node")
         recording.hooked(node, functools.partial(hook_pass_rule, stabilizer))
+        watch_zero_inputs(self.activation, func, before, output, output)
         return output
 
     def covers(self, func: Callable, args: tuple) -> bool:
