@@ -60,6 +60,7 @@ from tdhook.attribution.rules._held_statistics import (
     norm_call,
     statistic_factors,
 )
+from tdhook.attribution.rules._in_place_activations import activation_in_place, calls_in_place
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint, saved_tensors_hooked
@@ -101,7 +102,8 @@ _PRODUCTS = frozenset(
 )
 _SOFTMAX = frozenset({F.softmax, torch.softmax, torch.Tensor.softmax})
 _ACTIVATION_FUNCTIONS = frozenset(
-    {F.gelu, F.silu, F.mish, F.elu, F.selu, F.celu, F.softplus, F.sigmoid, F.tanh, F.hardswish, F.leaky_relu}
+    {F.gelu, F.silu, F.mish, F.elu, F.selu, F.celu, F.softplus, F.sigmoid, F.hardsigmoid, F.tanh, F.hardswish}
+    | {F.leaky_relu}
     | {torch.tanh, torch.sigmoid, torch.Tensor.tanh, torch.Tensor.sigmoid}
 )
 
@@ -362,6 +364,9 @@ class FunctionalRules(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)
         if func in _ACTIVATION_FUNCTIONS and args and is_activation(args[0]):
+            if calls_in_place(func, args, kwargs):  # the rule on a copy of the input: the call overwrites it
+                result, source = activation_in_place(func, args, kwargs, self.activation.apply, self.activation)
+                return mark_gate(result, source, sigmoid=True) if func in GATE_FUNCTIONS else result
             output = func(*args, **kwargs)
             if recording is not None and func in GATE_FUNCTIONS and graph_kept() is None and output.grad_fn is not None:
                 # A sigmoid-like gate, held where a product takes it: its own rule would change nothing there.
