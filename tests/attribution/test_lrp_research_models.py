@@ -472,12 +472,13 @@ def task_inputs(how: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("how", ["einsum", "linear", "conv2d"])
 def test_a_weight_computed_from_an_input_is_split_or_named(how: str, preset: str):
     """A product of the input and a weight computed from another input: the transformer presets' product rule
-    splits an ``einsum`` between its factors and conserves; a ``F.linear`` or ``F.conv2d`` by such a weight is
-    named under every preset (gradient × input gives it twice its relevance)."""
+    splits an ``einsum`` and a ``F.linear`` (the matrix product ``x @ W.T`` it is) between their factors and
+    conserves; a ``F.conv2d`` by such a weight is named under every preset, and a ``F.linear`` under the CNN presets
+    (gradient × input gives it twice its relevance)."""
     torch.manual_seed(0)
     model, x = zero_biases(HyperNetwork(how).double()), task_inputs(how)
     relevance, caught, functions = explain(model, x, NAMING[preset](), 0)
-    if how == "einsum" and preset in TRANSFORMER_PRESETS:
+    if how in ("einsum", "linear") and preset in TRANSFORMER_PRESETS:
         assert caught == [] and functions == []
         assert_conserved(relevance, model(*x.values())[:, 0])
     else:

@@ -51,6 +51,7 @@ from tdhook.attribution.rules._clips import (
 )
 from tdhook.attribution.rules._dropout_calls import DROPOUTS, dropout_probability, named_by_module
 from tdhook.attribution.rules._first_pass import first_pass
+from tdhook.attribution.rules._generated_linear import generated_linear, linear_as_product
 from tdhook.attribution.rules._held_statistics import (
     DIVISIONS,
     NORM_CALLS,
@@ -202,7 +203,8 @@ class FunctionalRules(TorchFunctionMode):
     """Apply AttnLRP's (or CP-LRP's) rules to functional calls during a forward pass.
 
     * products of two activations (``a * b``, ``a @ b``, ``torch.multiply``, ``mm``, ``torch.bmm``,
-      ``torch.baddbmm``, an ``einsum`` of two operands): the uniform rule, half of the relevance to each factor;
+      ``torch.baddbmm``, an ``einsum`` of two operands, ``F.linear`` by a weight computed from activations): the
+      uniform rule, half of the relevance to each factor;
       with ``hold_gates``, a factor that is an activation function's output
       (a gate) is held constant instead and the other factor gets it all;
     * a sigmoid-like gate (the output of a sigmoid or hard sigmoid, a module under
@@ -272,7 +274,7 @@ class FunctionalRules(TorchFunctionMode):
         # Most calls, and a maximum or minimum that clips no activation at a constant: run, and mark what the rules
         # read later (no rule of their own).
         if (
-            func not in _HANDLED
+            (func not in _HANDLED and not generated_linear(func, args, kwargs))
             or (func in BOUNDS and bounded_signal(func, args, kwargs) is None)
             or (func in DIVISIONS and not divides_by_statistic(args, kwargs))
         ):
@@ -418,6 +420,9 @@ class FunctionalRules(TorchFunctionMode):
         if func in _COMPOSITES:
             with self:
                 return _COMPOSITES[func](*args, **kwargs)
+        if func is F.linear:  # by a weight computed from activations: the product of two activations it is
+            with self:
+                return linear_as_product(*args, **kwargs)
         return _NO_RULE
 
     def _clip(self, func: Callable, args: tuple, kwargs: dict, recording: Recording | None = None):
@@ -487,6 +492,8 @@ class FunctionalRules(TorchFunctionMode):
             return divides_by_statistic(args)
         if func in STATISTICS_AND_MEANS:  # its statistic keeps its plain gradient where it scales no activation
             return False
+        if func is F.linear:
+            return generated_linear(func, args, {})
         return func in _HANDLED and (func is not torch.einsum or len(_einsum_operands(args)) == 2)
 
     def _einsum(self, args: tuple, kwargs: dict) -> torch.Tensor:
