@@ -179,6 +179,60 @@ class TestTokensFlattenedIntoTheBatchNorm:
         expected = zennit_composite_relevance(merged, x, r_out, [(nn.Linear, theirs()), (nn.ReLU, zrules.Pass())])
         assert relative_error(actual, expected) <= 1e-6
 
+    @pytest.mark.parametrize("preset", ["CPLRP", "AttnLRP", *CNN_PRESETS])
+    @pytest.mark.parametrize("batch", [[2], [2, 4]], ids=["B", "BT"])
+    def test_tokens_of_a_linear_with_bias_merge_under_every_preset(self, preset: str, batch: list[int]):
+        # F.linear with a bias on (N, L, C) tokens returns a view of its (N·L, C) product, and the tokens
+        # reshaped to rows are a view of that product, not of the layer's output: where the layer's rule leaves
+        # its output as it is (LRP-0 in CP-LRP and AttnLRP), the BatchNorm was not merged and got the ε-rule of
+        # its affine map at the default stabilizer (3.4e-5 relative off the merged layer, with no warning).
+        from tdhook.attribution import CPLRP, AttnLRP
+        from tests.attribution.test_lrp_layers import merged_by_hand, randomise_batch_norm
+
+        class RowsReshaped(TokensFlattened):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                z = self.linear(x)
+                return self.bn(z.reshape(-1, z.shape[-1])).reshape(z.shape)
+
+        presets = {"CPLRP": CPLRP, "AttnLRP": AttnLRP, **CNN_PRESETS}
+        torch.manual_seed(0)
+        layer, norm = nn.Linear(6, 5).double(), randomise_batch_norm(nn.BatchNorm1d(5).double()).eval()
+        norm.eps = 1e-5
+        with torch.no_grad():
+            layer.bias.normal_()
+        model = nn.Sequential(RowsReshaped(layer, norm), nn.ReLU(), nn.Linear(5, 3).double()).eval()
+        merged = nn.Sequential(merged_by_hand(layer, norm), nn.ReLU(), copy.deepcopy(model[2])).eval()
+        x = torch.randn(2, 4, 6, dtype=torch.float64)
+
+        def relevance(net: nn.Module) -> torch.Tensor:
+            lrp = LRP(net, rule_mapper=presets[preset](), in_keys=["x"], out_keys=["y"])
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                return lrp(TensorDict(x=x.clone(), batch_size=batch))["relevance", "x"]
+
+        assert relative_error(relevance(model), relevance(merged)) <= 1e-10
+
+    def test_tokens_of_a_linear_with_bias_conserve_under_cplrp(self):
+        # With every shift zeroed, CP-LRP's LRP-0 on the merged layer conserves the explained logit exactly; the
+        # BatchNorm's ε-rule left unmerged lost 5e-7 of it.
+        from tdhook.attribution import CPLRP
+
+        class RowsReshaped(TokensFlattened):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                z = self.linear(x)
+                return self.bn(z.flatten(0, 1)).reshape(z.shape)
+
+        torch.manual_seed(0)
+        layer, norm = nn.Linear(6, 5).double(), nn.BatchNorm1d(5).double().eval()
+        with torch.no_grad():
+            layer.bias.zero_()  # still a bias: F.linear computes addmm and views its product
+            norm.running_var.uniform_(1e-4, 1e-3)  # a small variance: the BatchNorm's output far from its input
+            norm.weight.uniform_(0.5, 1.5)
+        model = nn.Sequential(RowsReshaped(layer, norm), nn.ReLU(), nn.Linear(5, 3, bias=False).double()).eval()
+        x = torch.randn(2, 4, 6, dtype=torch.float64)
+        td = LRP(model, rule_mapper=CPLRP(), in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[2, 4]))
+        torch.testing.assert_close(td["relevance", "x"].sum(-1), td["y"].max(-1).values, rtol=1e-10, atol=1e-12)
+
     def test_a_view_of_part_of_the_tokens_is_not_merged(self):
         # The BatchNorm sees the first token of each sample only (a view of part of the layer's rows):
         # no merge, and the BatchNorm gets the ε-rule of its affine map, as zennit's Epsilon on it.

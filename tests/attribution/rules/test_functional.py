@@ -436,3 +436,54 @@ def test_a_gated_linear_unit_holds_its_gate_as_the_written_out_product_does(form
     model, reference = Gated(form).double(), Gated("written out").double()
     reference.load_state_dict(model.state_dict())
     assert_explained_as(model, reference, randn(5, 4) * 3, preset)
+
+
+class GeneratedLinear(nn.Module):
+    """A hypernetwork's layer: ``F.linear(x, W, b)`` by a weight (and bias) computed from the task input ``z``, or
+    the same map written out as the matrix product it is (``written``)."""
+
+    def __init__(self, written: bool, bias: bool) -> None:
+        super().__init__()
+        self.weights, self.biases = nn.Linear(2, 20, bias=False), nn.Linear(2, 5, bias=False)
+        self.head = nn.Linear(5, 3, bias=False)
+        self.written, self.bias = written, bias
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        weight = torch.relu(self.weights(z[:1])).view(5, 4)
+        bias = self.biases(z[0]) if self.bias else None
+        if self.written:
+            h = x @ weight.T if bias is None else x @ weight.T + bias
+        else:
+            h = F.linear(x, weight, bias)
+        return self.head(F.relu(h))
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "generated-bias"])
+@pytest.mark.parametrize("preset", ["AttnLRP", "CPLRP"])
+def test_a_linear_map_by_a_generated_weight_is_the_product_written_out(preset: str, bias: bool):
+    # F.linear by a weight computed from another input multiplies two activations: it gets the uniform rule of the
+    # written-out ``x @ W.T + b`` (it kept its plain gradient with a warning, which gives both factors all of the
+    # product's relevance), and without a bias the relevance of both inputs sums to the logit.
+    from tensordict import TensorDict
+
+    from tdhook.attribution import CPLRP, LRP, AttnLRP
+
+    mapper = {"AttnLRP": AttnLRP, "CPLRP": CPLRP}[preset]
+    inputs = {"x": randn(3, 4), "z": randn(3, 2)}
+
+    def explain(written: bool) -> TensorDict:
+        torch.manual_seed(0)
+        model = GeneratedLinear(written, bias).double()
+        lrp = LRP(model, mapper(stabilizer=1e-15), in_keys=["x", "z"], out_keys=["y"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with lrp:
+                return [lrp(TensorDict(inputs, batch_size=[3])) for _ in range(2)]
+
+    expected = explain(written=True)[0]
+    for td in explain(written=False):
+        for key in ("x", "z"):
+            assert relative_error(td["relevance", key], expected["relevance", key]) <= 1e-12
+    if not bias:
+        total = expected["relevance", "x"].sum() + expected["relevance", "z"].sum()
+        torch.testing.assert_close(total, expected["y"].max(-1).values.sum(), rtol=1e-9, atol=1e-12)

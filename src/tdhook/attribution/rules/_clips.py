@@ -21,6 +21,7 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,7 @@ from tdhook.attribution.rules._autograd import (
     unwrapped,
 )
 from tdhook.attribution.rules._statistics import clips_a_statistic
+from tdhook.attribution.rules._zero_input_calls import watch_zero_inputs
 
 __all__ = [
     "BOUNDS",
@@ -107,9 +109,13 @@ def bound_passing(
     kwargs: dict,
     signal: torch.Tensor,
     apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    rule: Any = None,
 ) -> torch.Tensor:
     """A maximum or minimum of the activation ``signal`` and a constant bound (see :func:`bounded_signal`), with
-    ``apply(output, x)`` (the pass or identity rule) on ``signal``, broadcast to the output's shape.
+    ``apply(output, x)`` (the pass or identity rule) on ``signal``, broadcast to the output's shape. Where ``rule``
+    (the rule ``apply`` is of) is given, a unit whose signal is exactly 0 and whose output is not is watched for in
+    a context's first pass (see :func:`~tdhook.attribution.rules._zero_input_calls.watch_zero_inputs`): its
+    relevance is lost, and the rule warns of it as it does on a module.
 
     Examples:
         >>> from tdhook.attribution.rules.basic import PassRule
@@ -120,7 +126,16 @@ def bound_passing(
         tensor([-1.0000,  0.5000,  2.0000])
     """
     output = func(*args, **kwargs)
-    return apply(output, signal if signal.shape == output.shape else signal.expand(output.shape))
+    x = signal if signal.shape == output.shape else signal.expand(output.shape)
+    return _watched(rule, func, x, output, apply(output, x))
+
+
+def _watched(rule: Any, func: Callable, x: torch.Tensor, output: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """``result``, the clip's ``output`` of ``x`` under ``rule``: watched for units of ``x`` at 0 whose output is
+    not (their relevance is lost), where ``rule`` is given."""
+    if rule is not None:
+        watch_zero_inputs(rule, func, x, output, result)
+    return result
 
 
 def clip_bounds(args: tuple, kwargs: dict) -> list:
@@ -136,16 +151,23 @@ def clips_in_place(func: Callable, args: tuple, kwargs: dict) -> bool:
 
 
 def clip_passing(
-    func: Callable, args: tuple, kwargs: dict, apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    func: Callable,
+    args: tuple,
+    kwargs: dict,
+    apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    rule: Any = None,
 ) -> torch.Tensor:
     """The clipping call, with ``apply(output, x)`` (the pass or identity rule) on its activation ``x``; with bounds
-    that are activations, the plain call. In place, the rule's output is copied into the argument."""
+    that are activations, the plain call. In place, the rule's output is copied into the argument. Where ``rule``
+    (the rule ``apply`` is of) is given, a unit of ``x`` at exactly 0 whose output is not (a clip to bounds that
+    exclude 0) is watched for, as :func:`bound_passing` does."""
     x = args[0]
     if any(is_activation(bound) for bound in clip_bounds(args, kwargs)):
         return mark_parameter_derived(args, func(*args, **kwargs))
     if not clips_in_place(func, args, kwargs):  # a tensor bound may broadcast the output beyond ``x``'s shape
         output = func(*args, **kwargs)
-        return apply(output, x if x.shape == output.shape else x.expand(output.shape))
+        x = x if x.shape == output.shape else x.expand(output.shape)
+        return _watched(rule, func, x, output, apply(output, x))
     source = x.clone()  # the clipped values from a copy: the rule keeps the input as it was
     if func in CLIPS_IN_PLACE:
         clipped = CLIPS_IN_PLACE[func](source, *args[1:], **kwargs)
@@ -154,4 +176,4 @@ def clip_passing(
         clipped = F.hardtanh(source, *bounds)
     else:
         clipped = F.relu6(source)
-    return x.copy_(apply(clipped, source))
+    return _watched(rule, func, source, clipped, x.copy_(apply(clipped, source)))

@@ -728,6 +728,9 @@ def _mark(tensor: torch.Tensor, call: LayerCall) -> None:
     """Attach ``call`` to the layer's output and mark its autograd node as a layer boundary."""
     call.version = tensor._version
     setattr(tensor, _LAYER_CALL, call)
+    base = tensor._base  # F.linear's (..., out) view of its (M, out) product: marked too, for its other views
+    if base is not None and tensor.numel() == base.numel() and tensor.is_contiguous() and base.is_contiguous():
+        setattr(base, _LAYER_CALL, call)
     if tensor.grad_fn is not None:
         tensor.grad_fn.metadata[_LAYER_MARK] = True
         # For a BatchNorm over a concatenation of layers' outputs; ``raw`` detached, so that the node holds no cycle.

@@ -50,6 +50,8 @@ from tdhook.attribution.rules._clips import (
     clips_in_place,
 )
 from tdhook.attribution.rules._dropout_calls import DROPOUTS, dropout_probability, named_by_module
+from tdhook.attribution.rules._first_pass import first_pass
+from tdhook.attribution.rules._generated_linear import generated_linear, linear_as_product
 from tdhook.attribution.rules._held_statistics import (
     DIVISIONS,
     NORM_CALLS,
@@ -59,6 +61,7 @@ from tdhook.attribution.rules._held_statistics import (
     norm_call,
     statistic_factors,
 )
+from tdhook.attribution.rules._in_place_activations import activation_in_place, calls_in_place
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint, saved_tensors_hooked
@@ -100,7 +103,8 @@ _PRODUCTS = frozenset(
 )
 _SOFTMAX = frozenset({F.softmax, torch.softmax, torch.Tensor.softmax})
 _ACTIVATION_FUNCTIONS = frozenset(
-    {F.gelu, F.silu, F.mish, F.elu, F.selu, F.celu, F.softplus, F.sigmoid, F.tanh, F.hardswish, F.leaky_relu}
+    {F.gelu, F.silu, F.mish, F.elu, F.selu, F.celu, F.softplus, F.sigmoid, F.hardsigmoid, F.tanh, F.hardswish}
+    | {F.leaky_relu}
     | {torch.tanh, torch.sigmoid, torch.Tensor.tanh, torch.Tensor.sigmoid}
 )
 
@@ -199,7 +203,8 @@ class FunctionalRules(TorchFunctionMode):
     """Apply AttnLRP's (or CP-LRP's) rules to functional calls during a forward pass.
 
     * products of two activations (``a * b``, ``a @ b``, ``torch.multiply``, ``mm``, ``torch.bmm``,
-      ``torch.baddbmm``, an ``einsum`` of two operands): the uniform rule, half of the relevance to each factor;
+      ``torch.baddbmm``, an ``einsum`` of two operands, ``F.linear`` by a weight computed from activations): the
+      uniform rule, half of the relevance to each factor;
       with ``hold_gates``, a factor that is an activation function's output
       (a gate) is held constant instead and the other factor gets it all;
     * a sigmoid-like gate (the output of a sigmoid or hard sigmoid, a module under
@@ -269,7 +274,7 @@ class FunctionalRules(TorchFunctionMode):
         # Most calls, and a maximum or minimum that clips no activation at a constant: run, and mark what the rules
         # read later (no rule of their own).
         if (
-            func not in _HANDLED
+            (func not in _HANDLED and not generated_linear(func, args, kwargs))
             or (func in BOUNDS and bounded_signal(func, args, kwargs) is None)
             or (func in DIVISIONS and not divides_by_statistic(args, kwargs))
         ):
@@ -361,6 +366,9 @@ class FunctionalRules(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)
         if func in _ACTIVATION_FUNCTIONS and args and is_activation(args[0]):
+            if calls_in_place(func, args, kwargs):  # the rule on a copy of the input: the call overwrites it
+                result, source = activation_in_place(func, args, kwargs, self.activation.apply, self.activation)
+                return mark_gate(result, source, sigmoid=True) if func in GATE_FUNCTIONS else result
             output = func(*args, **kwargs)
             if recording is not None and func in GATE_FUNCTIONS and graph_kept() is None and output.grad_fn is not None:
                 # A sigmoid-like gate, held where a product takes it: its own rule would change nothing there.
@@ -391,7 +399,8 @@ class FunctionalRules(TorchFunctionMode):
             # Of a statistic, a divisor's guard (``norm.clamp_min(eps)``): its plain gradient.
             return self._clip(func, args, kwargs, recording) if clips_a_signal(func, args) else _NO_RULE
         if func in BOUNDS:  # ``torch.maximum(h, c)`` with a constant ``c``: a clip (two activations: not here)
-            return bound_passing(func, args, kwargs, bounded_signal(func, args, kwargs), self.activation.apply)
+            signal = bounded_signal(func, args, kwargs)
+            return bound_passing(func, args, kwargs, signal, self.activation.apply, self.activation)
         if func is F.glu and is_activation(args[0]):
             return held_glu(args[0], call_argument(args, kwargs, 1, "dim", -1))
         if func is F.layer_norm and is_activation(args[0]):
@@ -411,6 +420,9 @@ class FunctionalRules(TorchFunctionMode):
         if func in _COMPOSITES:
             with self:
                 return _COMPOSITES[func](*args, **kwargs)
+        if func is F.linear:  # by a weight computed from activations: the product of two activations it is
+            with self:
+                return linear_as_product(*args, **kwargs)
         return _NO_RULE
 
     def _clip(self, func: Callable, args: tuple, kwargs: dict, recording: Recording | None = None):
@@ -427,7 +439,7 @@ class FunctionalRules(TorchFunctionMode):
         in_place = clips_in_place(func, args, kwargs)
         if recording is not None and self._clips_on_node(x, bounds, in_place, recording):
             return self._clip_on_node(func, args, kwargs, in_place, recording)
-        return clip_passing(func, args, kwargs, self.activation.apply)
+        return clip_passing(func, args, kwargs, self.activation.apply, self.activation)
 
     def _clips_on_node(self, x: torch.Tensor, bounds: list, in_place: bool, recording: Recording) -> bool:
         """Whether a clipping call of ``x`` in a recording call can get the identity rule on its own node, which
@@ -454,6 +466,7 @@ class FunctionalRules(TorchFunctionMode):
         was. Not in place, a node of another kind gets the rule as :meth:`_clip` gives it."""
         x = args[0]
         edge = (x.grad_fn, x.output_nr)
+        before = x.detach().clone() if in_place and first_pass() is not None else x  # watched for units at 0
         output = func(*args, **kwargs)
         node = output.grad_fn
         stabilizer = self.activation.stabilizer
@@ -461,11 +474,15 @@ class FunctionalRules(TorchFunctionMode):
             if clipped_on_node(node) and not output._is_view() and not output.__dict__ and first_input_is(node, x):
                 recording.hooked(node, functools.partial(hook_pass_rule, stabilizer))
                 setattr(output, RULED_ON_NODE, stabilizer)
+                watch_zero_inputs(self.activation, func, x, output, output)
                 return mark_gate(output, x)
-            return self.activation.apply(output, x)
+            result = self.activation.apply(output, x)
+            watch_zero_inputs(self.activation, func, x, output, result)
+            return result
         if not clipped_on_node(node) or node.next_functions[0] != edge:  # not reached: bounds that are numbers
             raise RuntimeError(f"FunctionalRules: {func.__name__} in place made a {type(node).__name__} node")
         recording.hooked(node, functools.partial(hook_pass_rule, stabilizer))
+        watch_zero_inputs(self.activation, func, before, output, output)
         return output
 
     def covers(self, func: Callable, args: tuple) -> bool:
@@ -475,6 +492,8 @@ class FunctionalRules(TorchFunctionMode):
             return divides_by_statistic(args)
         if func in STATISTICS_AND_MEANS:  # its statistic keeps its plain gradient where it scales no activation
             return False
+        if func is F.linear:
+            return generated_linear(func, args, {})
         return func in _HANDLED and (func is not torch.einsum or len(_einsum_operands(args)) == 2)
 
     def _einsum(self, args: tuple, kwargs: dict) -> torch.Tensor:

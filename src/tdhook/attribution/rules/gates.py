@@ -357,14 +357,14 @@ class HeldGates(TorchFunctionMode):
         if func in CLIPS or func in CLIPS_IN_PLACE:
             raise_for_transformed_call("the pass rule on clipping calls", args[:1])
             if clips_a_signal(func, args):
-                result = clip_passing(func, args, kwargs, _PASS_CLIPS.apply)
+                result = clip_passing(func, args, kwargs, _PASS_CLIPS.apply, _PASS_CLIPS)
                 self.clips.append(result.grad_fn)
                 return result
         if func in BOUNDS:  # ``torch.maximum(h, c)`` with a constant ``c``: a clip
             signal = bounded_signal(func, args, kwargs)
             if signal is not None:
                 raise_for_transformed_call("the pass rule on clipping calls", (signal,))
-                result = bound_passing(func, args, kwargs, signal, _PASS_CLIPS.apply)
+                result = bound_passing(func, args, kwargs, signal, _PASS_CLIPS.apply, _PASS_CLIPS)
                 self.clips.append(result.grad_fn)
                 return result
         if func in GATE_FUNCTIONS:  # a gate computed under torch.vmap is neither seen nor held
