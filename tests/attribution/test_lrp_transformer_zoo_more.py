@@ -1,14 +1,14 @@
 """More Hugging Face architectures under AttnLRP and CP-LRP, from tiny random configs, against an oracle.
 
-The companion of ``test_lrp_transformer_zoo.py`` (hidden size 32, two layers, float64, matrices scaled up tenfold,
-norm scales randomised), for architectures its tables do not hold: language models (GPT-J, CodeGen, StarCoder 2,
-Granite, StableLM, Persimmon, OLMo 2, GLM-4, Nemotron, Cohere 2, BioGPT, Arcee, SmolLM3, GPT-Neo), text encoders
-(Nomic BERT, XLM, LUKE, SqueezeBERT and the encoders of Pegasus and Marian), speech encoders (HuBERT,
+The companion of ``test_lrp_transformer_zoo.py`` (hidden size 32, two layers, float64, matrices scaled up tenfold, norm
+scales randomised), for architectures its tables do not hold: language models (GPT-J, CodeGen, StarCoder 2, Granite,
+StableLM, Persimmon, OLMo 2, GLM-4, Nemotron, Cohere 2, BioGPT, Arcee, SmolLM3, GPT-Neo, MusicGen's decoder), text
+encoders (Nomic BERT, XLM, LUKE, SqueezeBERT and the encoders of Pegasus and Marian), speech encoders (HuBERT,
 Data2Vec-Audio, SEW, the Audio Spectrogram Transformer, SpeechT5's, SeamlessM4T's and SeamlessM4T v2's conformers,
-CLAP's audio Swin) and vision encoders (DINOv2 with a layer scale and with registers, DINOv3, PVTv2, AIMv2, BiT, and
-the pooled outputs of SigLIP and SigLIP 2, whose attention-pooling head is torch's ``nn.MultiheadAttention``).
-For each architecture, preset and attention implementation (``"eager"`` and ``"sdpa"``, where transformers has
-both):
+CLAP's audio Swin) and vision models (DINOv2 with a layer scale and with registers, DINOv3, PVTv2, AIMv2, BiT, DETR,
+SAM's image encoder, ViTDet, and the pooled outputs of SigLIP and SigLIP 2, whose attention-pooling head is torch's
+``nn.MultiheadAttention``). For each architecture, preset and attention implementation (``"eager"`` and ``"sdpa"``,
+where transformers has both):
 
 1. the wrapper changes neither the output (bit for bit) nor the ``state_dict``, and raises no warning;
 2. every relevance is finite;
@@ -54,7 +54,7 @@ SPEECH_TO_TEXT |= dict(unit_hifi_gan_vocab_size=8, t2u_encoder_layers=1, t2u_dec
 # Learned additive parameters beside the zoo's (zeroed for conservation): registers, SpeechT5's scaled positional
 # encoding (``x + alpha * table``) and its relative position embeddings.
 ADDITIVE = ("register_tokens", "alpha", "pe_k")
-ADDITIVE_BUFFERS = ("sinusoidal",)  # SpeechT5's sinusoidal table, a buffer
+ADDITIVE_BUFFERS = ("sinusoidal", "embed_positions")  # sinusoidal tables held as buffers (SpeechT5, MusicGen)
 # Where a gated feed-forward network holds its activation: the module that has one of these layers, its child.
 GATE_LAYERS, GATE_ACTIVATIONS = ("gate_proj", "gate_up_proj"), ("act_fn", "activation_fn")
 
@@ -161,6 +161,11 @@ CASES = {
         num_heads=4,
         attention_types=[[["global", "local"], 1]],
         window_size=4,
+    ),
+    # MusicGen's decoder: two codebooks' embeddings summed, a sinusoidal table (zeroed); the first codebook's logits.
+    "musicgen_decoder": Case(
+        Architecture("MusicgenDecoderConfig", "MusicgenForCausalLM", dict(UNSET, ffn_dim=64, num_codebooks=2)),
+        call=lambda model, x: model(inputs_embeds=x).logits.reshape(BATCH, 2, x.shape[1], -1)[:, 0, -1],
     ),
     # Text encoders; the classifier's logits explained.
     "nomic_bert": text("NomicBertConfig", "NomicBertForSequenceClassification", **UNSET),
@@ -306,6 +311,48 @@ CASES = {
         depths=[1, 1],
         layer_type="preactivation",
         num_groups=8,
+    ),
+    # DETR: a ResNet backbone (frozen BatchNorms), sine position embeddings added to queries and keys, learned object
+    # queries (zeroed, additive); the first query's class logits.
+    "detr": Case(
+        Architecture(
+            "DetrConfig",
+            "DetrForObjectDetection",
+            dict(NO_VISION, use_timm_backbone=False, use_pretrained_backbone=False, d_model=HIDDEN, num_queries=4)
+            | dict(encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4)
+            | dict(encoder_ffn_dim=64, decoder_ffn_dim=64)
+            | dict(backbone_config=dict(model_type="resnet", embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1])),
+            inputs="image",
+            sdpa=False,
+        ),
+        shape=(BATCH, 3, 32, 32),
+        call=lambda model, x: model(pixel_values=x).logits[:, 0],
+    ),
+    # SAM's image encoder and ViTDet: windowed and global attention with decomposed relative positions; SAM's neck
+    # (convolutions, channel-wise LayerNorms). A few units of the output feature map explained.
+    "sam_vision": Case(
+        Architecture(
+            "SamVisionConfig",
+            "SamVisionModel",
+            dict(image_size=32, patch_size=8, output_channels=8, window_size=2, global_attn_indexes=[1], mlp_dim=64)
+            | dict(num_pos_feats=8),
+            inputs="image",
+            sdpa=False,
+        ),
+        shape=(BATCH, 3, 32, 32),
+        call=lambda model, x: model(pixel_values=x).last_hidden_state.flatten(1)[:, :6],
+    ),
+    "vitdet": Case(
+        Architecture(
+            "VitDetConfig",
+            "VitDetModel",
+            dict(mlp_ratio=2, image_size=32, pretrain_image_size=32, patch_size=8, window_size=2)
+            | dict(window_block_indices=[0], use_relative_position_embeddings=True),
+            inputs="image",
+            sdpa=False,
+        ),
+        shape=(BATCH, 3, 32, 32),
+        call=lambda model, x: model(pixel_values=x).last_hidden_state.flatten(1)[:, :6],
     ),
     # SigLIP's pooled output: a learned probe (zeroed) attending over the patches through nn.MultiheadAttention.
     "siglip_pooled": Case(
