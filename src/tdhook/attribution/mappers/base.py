@@ -120,7 +120,15 @@ class _DictRuleMapper:
 
 class PresetOptions(TypedDict, total=False):
     """The keyword options every preset shares with :class:`BaseRuleMapper` (its arguments after ``stabilizer``
-    are described there)."""
+    are described there).
+
+    Examples:
+        >>> from tdhook.attribution import EpsilonPlus
+        >>> options: PresetOptions = {"stabilizer": 1e-9, "strict": True}
+        >>> preset = EpsilonPlus(**options)
+        >>> preset.stabilizer, preset.strict
+        (1e-09, True)
+    """
 
     stabilizer: float
     rule_mapper: RuleMapper | Mapping | None

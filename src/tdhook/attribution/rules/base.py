@@ -234,7 +234,25 @@ def rules_apply(module: nn.Module | None = None) -> bool:
 
 @dataclass
 class Registration:
-    """What a rule keeps for one module it is registered on."""
+    """What a rule keeps for one module it is registered on.
+
+    :meth:`Rule.rewrite` receives it with each call of the module; ``state`` holds what :meth:`Rule.prepare`
+    returned (modified parameters, for example).
+
+    Examples:
+        >>> from tdhook.attribution.rules import Rule
+        >>> class KeepsPlainGradient(Rule):
+        ...     def prepare(self, module):
+        ...         return module.weight.detach().clamp(min=0)
+        ...     def rewrite(self, module, registration, inputs, output):
+        ...         seen.append(registration.state.shape)
+        ...         return None  # the plain gradient
+        >>> seen, lin = [], nn.Linear(3, 2)
+        >>> with KeepsPlainGradient().register(lin):
+        ...     _ = lin(torch.randn(1, 3))
+        >>> seen
+        [torch.Size([2, 3])]
+    """
 
     state: Any
     hooks: list = field(default_factory=list)
@@ -256,6 +274,14 @@ class LayerCall:
     :class:`MergeBatchNormRule`). ``observers`` are called with the merged
     layer's output when that happens, so that checks and inner-layer relevance
     see the output of the merged layer.
+
+    Examples:
+        >>> from tdhook.attribution.rules import EpsilonRule
+        >>> lin, x = nn.Linear(3, 2), torch.randn(1, 3)
+        >>> with EpsilonRule().register(lin):
+        ...     call = layer_call_of(lin(x))
+        >>> call.module is lin, torch.equal(call.x, x)
+        (True, True)
     """
 
     module: nn.Module
@@ -277,6 +303,12 @@ class MergedLayer:
     ``params`` holds ``weight`` and ``bias`` of the merged layer, ``channel_scale``
     the BatchNorm's ``γ / sqrt(var + eps)`` per channel, and ``cache`` whatever a
     rule derives from them (computed once per context, and again when the parameters change).
+    :meth:`Rule.rewrite_merged` receives it.
+
+    Examples:
+        >>> merged = MergedLayer({"weight": torch.ones(2, 3), "bias": torch.zeros(2)}, torch.full((2,), 0.5))
+        >>> merged.params["weight"].shape, merged.channel_scale.tolist()
+        (torch.Size([2, 3]), [0.5, 0.5])
     """
 
     params: dict[str, torch.Tensor]
@@ -295,6 +327,15 @@ def layer_call_of(tensor: Any) -> LayerCall | None:
 
     Layers leave these marks only in a context where some rule reads them: a rule of one's own that calls this
     sets :attr:`Rule.reads_layer_marks` to ``True``, or it gets ``None``.
+
+    Examples:
+        >>> from tdhook.attribution.rules import EpsilonRule
+        >>> lin = nn.Linear(3, 2)
+        >>> with EpsilonRule().register(lin):
+        ...     z = lin(torch.randn(1, 3))
+        ...     marked, after_relu = layer_call_of(z), layer_call_of(z.relu())
+        >>> marked.module is lin, after_relu
+        (True, None)
     """
     call = getattr(tensor, _LAYER_CALL, None)
     if call is None and _through_backward_hook(tensor):
@@ -384,6 +425,21 @@ class Rule(Tunable):
     A rule rewrites a module's output into a tensor of the same value whose
     gradient is the rule's. Subclasses implement :meth:`rewrite` and, when they
     need modified parameters, :meth:`prepare` (called at registration, and again when the parameters change).
+    ``docs/custom_rules.md`` writes a rule step by step.
+
+    Examples:
+        >>> from tdhook.attribution.rules import redirect
+        >>> class HalfRule(Rule):
+        ...     # half of the relevance of the module's output reaches its input
+        ...     uses_input = False
+        ...     def rewrite(self, module, registration, inputs, output):
+        ...         return redirect(output, [output], lambda grad: [grad / 2])
+        >>> lin = nn.Linear(3, 1, bias=False)
+        >>> x = torch.randn(2, 3, requires_grad=True)
+        >>> with HalfRule().register(lin):
+        ...     lin(x).sum().backward()
+        >>> torch.allclose(x.grad, lin.weight.detach().expand(2, 3) / 2)
+        True
     """
 
     #: whether :meth:`rewrite` reads the module's input (in-place modules then keep a copy of it).
