@@ -344,6 +344,12 @@ def _initial_gradient(out: torch.Tensor, target: Target, key: NestedKey, batch_d
                 f"got values from {int(index.min())} to {int(index.max())}"
             )
         return _one_hot(out, index.long())
+    if isinstance(target, torch.Tensor):
+        raise TypeError(
+            f"LRP: target for output {key!r} must be None, an int, a LongTensor of unit indices, a callable or 'all', "
+            f"got a {target.dtype} tensor; to start from a tensor of initial relevance shaped like the output, pass "
+            "target=lambda output: relevance"
+        )
     raise TypeError(f"LRP: target must be None, an int, a LongTensor, a callable or 'all', got {type(target).__name__}")
 
 
