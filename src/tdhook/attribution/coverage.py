@@ -60,7 +60,8 @@ class Coverage:
 
     Attributes:
         plain_gradient: every call that kept its plain gradient although it is not piecewise linear, from the
-            first forward pass the wrapper watched (empty: every nonlinear call had a rule).
+            first forward pass the wrapper watched (empty: every nonlinear call had a rule, or, with ``reached``
+            ``None``, no call was watched yet).
         reached: for the last call, the explained inputs' relevance summed per sample, as a share of the target's
             relevance (1 where relevance is conserved; below 1 where biases or stabilisers absorbed some). One
             tensor of the batch's shape, or one per named target; ``None`` before the first call.
@@ -71,7 +72,10 @@ class Coverage:
 
     def __str__(self) -> str:
         lines = ["LRP coverage"]
-        if self.plain_gradient:
+        if self.reached is None and not self.plain_gradient:
+            # Nothing watched yet: "every call has a rule" would vouch for a forward pass no one has run.
+            lines.append("no call yet: the wrapper watches its first call's forward pass, call it first")
+        elif self.plain_gradient:
             lines.append("plain gradient on calls that are not piecewise linear:")
             for call in self.plain_gradient:
                 where = repr(call.module) if call.module else "the model itself"
