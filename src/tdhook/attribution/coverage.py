@@ -46,6 +46,13 @@ class PlainGradientCall:
         module_type: the module's class name.
         function: the torch function (``"sin"``, ``"softmax"``, ``"mul"`` for a product of two activations).
         calls: how many times the watched forward pass called it there.
+
+    Examples:
+        >>> call = PlainGradientCall(module="1", module_type="SineBlock", function="sin", calls=1)
+        >>> print(Coverage(plain_gradient=(call,), reached=None))
+        LRP coverage
+        plain gradient on calls that are not piecewise linear:
+          '1' (SineBlock): sin x1
     """
 
     module: str
@@ -65,6 +72,15 @@ class Coverage:
         reached: for the last call, the explained inputs' relevance summed per sample, as a share of the target's
             relevance (1 where relevance is conserved; below 1 where biases or stabilisers absorbed some). One
             tensor of the batch's shape, or one per named target; ``None`` before the first call.
+
+    Examples:
+        >>> print(Coverage(plain_gradient=(), reached=torch.tensor([1.0, 0.5])))
+        LRP coverage
+        every call that is not piecewise linear has a rule
+        relevance reaching the inputs (target): mean 0.75, min 0.5, max 1 of the target's
+        >>> print(Coverage(plain_gradient=(), reached=None))
+        LRP coverage
+        no call yet: the wrapper watches its first call's forward pass, call it first
     """
 
     plain_gradient: tuple[PlainGradientCall, ...]

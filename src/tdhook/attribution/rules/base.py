@@ -231,7 +231,15 @@ def plain_calls() -> Iterator[None]:
 def rules_apply(module: nn.Module | None = None) -> bool:
     """Whether a rule's hooks apply it to a call of ``module`` made now: with gradients, outside
     :func:`plain_calls`, and, on a module an open wrapper's context holds, in a wrapper's call
-    (:mod:`._wrapper_calls`; ``None``: any module, as held)."""
+    (:mod:`._wrapper_calls`; ``None``: any module, as held).
+
+    Examples:
+        >>> rules_apply()
+        True
+        >>> with torch.no_grad():
+        ...     rules_apply()
+        False
+    """
     return torch.is_grad_enabled() and not getattr(_PLAIN, "depth", 0) and rules_act_here(module)
 
 
