@@ -24,21 +24,26 @@ PUBLIC_MODULES = (tdhook.attribution, tdhook.attribution.lrp_helpers.rules, tdho
 DIRECTIVE = re.compile(r"^\.\. (automodule|autoclass|autofunction|autoexception):: (\S+)\n((?:   :.*\n)*)", re.M)
 
 
-def documented_objects(page: str) -> set[int]:
-    """The ids of the objects the page's autodoc directives document."""
-    found: set[int] = set()
+def documented_members(page: str) -> list[tuple[str, str]]:
+    """``(module, name)`` of every object the page's autodoc directives document."""
+    found = []
     for kind, target, options in DIRECTIVE.findall(page):
         if kind != "automodule":
             module_name, _, name = target.rpartition(".")
-            found.add(id(getattr(importlib.import_module(module_name), name)))
+            found.append((module_name, name))
             continue
         members = re.search(r":members:(.*)", options)
         if members is None:
             continue
         module = importlib.import_module(target)
         names = [n.strip() for n in members.group(1).split(",") if n.strip()] or getattr(module, "__all__", [])
-        found.update(id(getattr(module, name)) for name in names)
+        found.extend((target, name) for name in names)
     return found
+
+
+def documented_objects(page: str) -> set[int]:
+    """The ids of the objects the page's autodoc directives document."""
+    return {id(getattr(importlib.import_module(module), name)) for module, name in documented_members(page)}
 
 
 def public_names() -> list[tuple[str, str]]:
@@ -64,3 +69,10 @@ def test_every_public_name_is_in_the_api_reference(module, name):
 def test_every_public_name_has_a_runnable_example(module, name):
     obj = getattr(importlib.import_module(module), name)
     assert ">>>" in (inspect.getdoc(obj) or ""), f"{module}.{name} has no >>> example in its docstring"
+
+
+@pytest.mark.parametrize(("module", "name"), documented_members(API_PAGE.read_text()))
+def test_every_class_and_function_of_the_api_reference_has_a_runnable_example(module, name):
+    obj = getattr(importlib.import_module(module), name)
+    if inspect.isclass(obj) or inspect.isfunction(obj):
+        assert ">>>" in (inspect.getdoc(obj) or ""), f"{module}.{name} has no >>> example in its docstring"
