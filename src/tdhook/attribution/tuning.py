@@ -178,6 +178,11 @@ def tune(
         raise ValueError(f"tune: direction must be 'maximize' or 'minimize', got {direction!r}")
     if not isinstance(n_trials, int) or isinstance(n_trials, bool) or n_trials < 1:
         raise ValueError(f"tune: n_trials must be an integer >= 1, got {n_trials!r}")
+    if not callable(metric):
+        raise ValueError(
+            f"tune: metric must be a callable (module, explained_td) -> tensor whose mean is the objective, such as "
+            f"lambda m, td: aopc(pixel_flipping(m, td, relevance_key='relevance')); got {type(metric).__name__}"
+        )
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"tune: seed must be an integer (the same seed gives the same result), got {seed!r}")
     if timeout is not None and (
