@@ -377,6 +377,18 @@ class TestCoverage:
         assert found == {("0", "SineBlock", "sin", 1), ("2", "Bilinear", "mul", 1)}
         assert "'0' (SineBlock): sin x1" in str(lrp.coverage())
 
+    def test_a_report_before_any_call_vouches_for_nothing(self):
+        """Asked before the first call, the report said "every call that is not piecewise linear has a rule" of a
+        model whose sine no call had watched yet."""
+        lrp = LRP(nn.Sequential(SineBlock(), nn.ReLU()), EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+        report = lrp.coverage()
+        assert report.plain_gradient == () and report.reached is None
+        assert "has a rule" not in str(report) and "no call yet" in str(report)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the call warns of the sine
+            lrp(TensorDict(x=torch.randn(2, 4), batch_size=[2]))
+        assert "'0' (SineBlock): sin x1" in str(lrp.coverage())
+
     def test_reached_is_one_where_relevance_is_conserved_and_below_where_biases_absorb(self):
         net = nn.Sequential(nn.Linear(4, 8, bias=False), nn.ReLU(), nn.Linear(8, 3, bias=False))
         lrp, td, _ = call(net, BaseRuleMapper(), batch=5)  # LRP-0 conserves without biases

@@ -415,6 +415,15 @@ class TestFirstAttempts(ExpectsARefusal):
         with pytest.raises(TypeError, match=r"plain Sequential; give both, .* \(in_keys=\['x'\], out_keys=\['y'\]"):
             LRP(mlp(), EpsilonPlus())
 
+    def test_a_dict_given_as_the_calls_argument_is_pointed_to_a_tensordict_or_keywords(self):
+        """tensordict's dispatch puts a positional dict at the first in_key: the error spoke only of nested keys,
+        ``in_keys=[('x', 'x')]``, not of the dict the caller passed."""
+        lrp = LRP(TensorDictModule(mlp(), in_keys=["x"], out_keys=["y"]))
+        with pytest.raises(
+            TypeError, match=r"input key 'x' holds a TensorDict.*lrp\(TensorDict\(.*lrp\(observation=obs\)"
+        ):
+            lrp({"x": torch.randn(2, 5, dtype=torch.float64)})
+
     def test_a_tensor_in_the_way_of_the_relevance_keys_is_named(self):
         td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), relevance=torch.zeros(2), batch_size=[2])
         expected = r"holds a Tensor at 'relevance', where the relevance key \('relevance', 'x'\)"

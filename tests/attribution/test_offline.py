@@ -10,7 +10,7 @@ from torch import nn
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
 from torchrl.modules import MLP, GRUModule, LSTMModule, QValueActor, set_recurrent_mode
 
-from tdhook.attribution import LRP, explain_offline
+from tdhook.attribution import LRP, Saliency, explain_offline
 from tdhook.attribution._offline_shards import shard_runs
 from tdhook.attribution.lrp_helpers.rules import EpsilonPlus
 from tdhook.attribution.offline import _missing_runs
@@ -307,6 +307,20 @@ def test_relevance_that_keeps_its_graph_is_stored_without_it(tmp_path):
         expected = lrp(source.clone())["relevance", "observation"]
     assert expected.requires_grad and not out["relevance", "observation"].requires_grad
     torch.testing.assert_close(out["relevance", "observation"].clone(), expected.detach(), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "explainer",
+    [lambda: q_actor(), lambda: nn.Linear(4, 2), lambda: Saliency(q_actor())],
+    ids=["policy", "plain-module", "saliency"],
+)
+def test_an_explainer_other_than_lrp_is_named_before_anything_is_written(tmp_path, explainer):
+    """The policy itself, or another method, was refused by Python's ``with`` ("does not support the context
+    manager protocol"), naming neither explain_offline nor what it takes."""
+    explainer = explainer()
+    with pytest.raises(TypeError, match=rf"explain_offline runs an LRP wrapper .* got {type(explainer).__name__}$"):
+        explain_offline(explainer, data(8), tmp_path / "out", progress=False)
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize(

@@ -407,6 +407,20 @@ def test_a_numpy_array_of_floats_is_no_target():
         LRP(policy, target=np.array([0.5, 1.0]))(TensorDict(observation=torch.randn(2, 3), batch_size=[2]))
 
 
+@pytest.mark.parametrize("method", [LRP, Saliency])
+@pytest.mark.parametrize(
+    ("target", "dtype"),
+    [(torch.tensor([0.0, 1.0]), "torch.float32"), (torch.tensor([True, False]), "torch.bool")],
+    ids=["float", "bool"],
+)
+def test_a_tensor_of_floats_or_bools_as_target_is_named_with_its_dtype_and_output(method, target, dtype):
+    """A one-hot or weight tensor from captum's habits is not a tensor of unit indices: the refusal said only
+    ``got Tensor``, with neither the dtype nor the output key."""
+    policy = TensorDictModule(torch.nn.Linear(3, 4), in_keys=["observation"], out_keys=["action_value"])
+    with pytest.raises(TypeError, match=rf"target for output 'action_value' .* got a {dtype} tensor.*target=lambda"):
+        method(policy, target=target)(TensorDict(observation=torch.randn(2, 3), batch_size=[2]))
+
+
 def test_a_default_target_left_out_of_the_pipelines_result_is_named_absent():
     """``selected_out_keys`` can leave the pipeline's final output out of its result: the error said it was not a
     floating-point tensor."""

@@ -126,11 +126,15 @@ class TestArguments:
             ({"seed": 1.5}, "seed"),
             ({"timeout": "10"}, "timeout"),
             ({"timeout": float("nan")}, "timeout"),
+            ({"metric": None}, r"metric must be a callable .* got NoneType"),  # was "'NoneType' is not callable"
+            ({"metric": "aopc"}, r"metric must be a callable .* got str"),
         ],
     )
     def test_bad_arguments_are_named(self, kwargs, named):
+        kwargs = dict(kwargs)
+        metric = kwargs.pop("metric", lrp_aopc)
         with pytest.raises(ValueError, match=named):
-            tune(LRP(policy(), rule_mapper=UniformEpsilon()), observations(), lrp_aopc, progress=False, **kwargs)
+            tune(LRP(policy(), rule_mapper=UniformEpsilon()), observations(), metric, progress=False, **kwargs)
 
     def test_a_metric_that_is_never_finite_is_named_and_leaves_the_explainer(self):
         explainer, td = LRP(policy(), rule_mapper=UniformEpsilon(epsilon=0.25)), observations()

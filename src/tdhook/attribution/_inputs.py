@@ -168,9 +168,17 @@ def validate_inputs(tensordict: TensorDictBase, keys: Sequence[NestedKey], diffe
             )
         if is_tensorclass(value) or isinstance(value, TensorDictBase):
             fields = sorted(map(str, value.keys(include_nested=True, leaves_only=True)))[:4]
+            # A dict given positionally, lrp({"observation": obs}), is put by tensordict's dispatch at the first
+            # in_key, where it holds the in_keys themselves.
+            positional = (
+                "; a dict given as the call's argument lands at the first in_key: pass a TensorDict, "
+                "lrp(TensorDict(..., batch_size=[B])), or keyword tensors, lrp(observation=obs)"
+                if isinstance(key, str) and key in value.keys()
+                else ""
+            )
             raise TypeError(
                 f"LRP: input key {key!r} holds a {type(value).__name__}, not a tensor; explain its floating-point "
-                f"entries by their nested keys, for example in_keys={[(key, f) for f in fields]!r}"
+                f"entries by their nested keys, for example in_keys={[(key, f) for f in fields]!r}{positional}"
             )
         if not isinstance(value, torch.Tensor) or value.dtype == torch.bool or value.is_complex():
             dtype = getattr(value, "dtype", type(value).__name__)

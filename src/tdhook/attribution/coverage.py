@@ -46,6 +46,13 @@ class PlainGradientCall:
         module_type: the module's class name.
         function: the torch function (``"sin"``, ``"softmax"``, ``"mul"`` for a product of two activations).
         calls: how many times the watched forward pass called it there.
+
+    Examples:
+        >>> call = PlainGradientCall(module="1", module_type="SineBlock", function="sin", calls=1)
+        >>> print(Coverage(plain_gradient=(call,), reached=None))
+        LRP coverage
+        plain gradient on calls that are not piecewise linear:
+          '1' (SineBlock): sin x1
     """
 
     module: str
@@ -60,10 +67,20 @@ class Coverage:
 
     Attributes:
         plain_gradient: every call that kept its plain gradient although it is not piecewise linear, from the
-            first forward pass the wrapper watched (empty: every nonlinear call had a rule).
+            first forward pass the wrapper watched (empty: every nonlinear call had a rule, or, with ``reached``
+            ``None``, no call was watched yet).
         reached: for the last call, the explained inputs' relevance summed per sample, as a share of the target's
             relevance (1 where relevance is conserved; below 1 where biases or stabilisers absorbed some). One
             tensor of the batch's shape, or one per named target; ``None`` before the first call.
+
+    Examples:
+        >>> print(Coverage(plain_gradient=(), reached=torch.tensor([1.0, 0.5])))
+        LRP coverage
+        every call that is not piecewise linear has a rule
+        relevance reaching the inputs (target): mean 0.75, min 0.5, max 1 of the target's
+        >>> print(Coverage(plain_gradient=(), reached=None))
+        LRP coverage
+        no call yet: the wrapper watches its first call's forward pass, call it first
     """
 
     plain_gradient: tuple[PlainGradientCall, ...]
@@ -71,7 +88,10 @@ class Coverage:
 
     def __str__(self) -> str:
         lines = ["LRP coverage"]
-        if self.plain_gradient:
+        if self.reached is None and not self.plain_gradient:
+            # Nothing watched yet: "every call has a rule" would vouch for a forward pass no one has run.
+            lines.append("no call yet: the wrapper watches its first call's forward pass, call it first")
+        elif self.plain_gradient:
             lines.append("plain gradient on calls that are not piecewise linear:")
             for call in self.plain_gradient:
                 where = repr(call.module) if call.module else "the model itself"

@@ -171,6 +171,11 @@ def explain_offline(
         ...     out.is_memmap(), out["relevance", "observation"].shape, bool(out["explained"].all())
         (True, torch.Size([10, 3]), True)
     """
+    if not isinstance(lrp, LRP):
+        raise TypeError(
+            "explain_offline runs an LRP wrapper over the rows, LRP(policy, rule_mapper), whose context it holds "
+            f"open for the whole pass; got {type(lrp).__name__}"
+        )
     _refuse_time_read_as_rows(lrp, source)
     length = _source_length(source)
     stop = length if stop is None else stop

@@ -244,6 +244,14 @@ def zero_output_seeds(
         ValueError: no rule carries it (an activation, a norm or another operation made the output, or the
             layer's rule is LRP-0 or γ, which give a zero output nothing to pass on, or z^B), naming the output
             and the entries.
+
+    Examples:
+        An output no layer's rule made (here a plain tensor) carries nothing:
+
+        >>> zero_output_seeds(torch.zeros(1, 2), torch.tensor([[1.0, 0.0]]), "y")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: LRP: the callable target puts relevance 1 on 1 entries of output 'y' that are exactly 0 ...
     """
     call = layer_call_of(output)
     seeds = call.rule.zero_output_seeds(call, rest) if call is not None else None
@@ -344,6 +352,12 @@ def _initial_gradient(out: torch.Tensor, target: Target, key: NestedKey, batch_d
                 f"got values from {int(index.min())} to {int(index.max())}"
             )
         return _one_hot(out, index.long())
+    if isinstance(target, torch.Tensor):
+        raise TypeError(
+            f"LRP: target for output {key!r} must be None, an int, a LongTensor of unit indices, a callable or 'all', "
+            f"got a {target.dtype} tensor; to start from a tensor of initial relevance shaped like the output, pass "
+            "target=lambda output: relevance"
+        )
     raise TypeError(f"LRP: target must be None, an int, a LongTensor, a callable or 'all', got {type(target).__name__}")
 
 

@@ -182,11 +182,21 @@ class ModelTunable(Tunable):
 
     The model is what is explained, not a parameter of the explanation, so a
     copy explains the same model (its weights are not copied).
+
+    Examples:
+        >>> from torch import nn
+        >>> from tdhook.attribution import IntegratedGradients
+        >>> ig = IntegratedGradients(nn.Linear(3, 2), in_keys=["x"], out_keys=["y"], n_steps=8)
+        >>> more = ig.copy().set_kwargs(n_steps=16)
+        >>> more.n_steps, ig.n_steps, next(more.parameters()) is next(ig.parameters())  # the same weights
+        (16, 8, True)
     """
 
     def _shared_in_copies(self) -> dict[int, Any]:
-        module = self.__dict__.get("_modules", {}).get("module")
-        return {} if module is None else {id(module): module}
+        # The module as given is shared too: a plain nn.Module is wrapped in a TensorDictModule, and set_kwargs builds
+        # the copy anew from the arguments it was given, which would otherwise hold a copy of the model's weights.
+        given = (self.__dict__.get("_modules", {}).get("module"), self.__dict__.get(_ARGUMENTS, {}).get("module"))
+        return {id(module): module for module in given if module is not None}
 
 
 class MapperTunable(ModelTunable):
@@ -194,6 +204,18 @@ class MapperTunable(ModelTunable):
 
     Setting them, or copying the wrapper, needs its context closed: the rules
     registered in it were made from the values of the moment.
+
+    Examples:
+        >>> from torch import nn
+        >>> from tdhook.attribution import LRP, UniformEpsilon
+        >>> lrp = LRP(nn.Linear(3, 2), UniformEpsilon(), in_keys=["x"], out_keys=["y"])
+        >>> lrp.set_kwargs(epsilon=0.5).tunable_values()
+        {'epsilon': 0.5}
+        >>> with lrp:
+        ...     lrp.set_kwargs(epsilon=0.1)
+        Traceback (most recent call last):
+        ...
+        RuntimeError: LRP: leave the wrapper's context before setting its parameters
     """
 
     def _open_context(self) -> bool:

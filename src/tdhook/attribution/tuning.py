@@ -36,6 +36,23 @@ class TuneResult:
         best_value: the objective of the best trial (the metric's mean).
         explainer: a copy of the explainer with ``best_params`` set.
         study: the optuna study, with every trial.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule
+        >>> from tdhook.attribution import LRP, UniformEpsilon
+        >>> from tdhook.metrics import aopc, pixel_flipping
+        >>> net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        >>> policy = TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"])
+        >>> td = TensorDict(observation=torch.randn(8, 6), batch_size=[8])
+        >>> result = tune(LRP(policy, UniformEpsilon()), td,
+        ...               lambda m, td: aopc(pixel_flipping(m, td, relevance_key="relevance")), n_trials=2,
+        ...               progress=False)
+        >>> len(result.study.trials), result.best_value == result.study.best_value
+        (2, True)
+        >>> result.explainer.rule_mapper.epsilon == result.best_params["epsilon"]
+        True
     """
 
     best_params: dict[str, Any]
@@ -161,6 +178,11 @@ def tune(
         raise ValueError(f"tune: direction must be 'maximize' or 'minimize', got {direction!r}")
     if not isinstance(n_trials, int) or isinstance(n_trials, bool) or n_trials < 1:
         raise ValueError(f"tune: n_trials must be an integer >= 1, got {n_trials!r}")
+    if not callable(metric):
+        raise ValueError(
+            f"tune: metric must be a callable (module, explained_td) -> tensor whose mean is the objective, such as "
+            f"lambda m, td: aopc(pixel_flipping(m, td, relevance_key='relevance')); got {type(metric).__name__}"
+        )
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"tune: seed must be an integer (the same seed gives the same result), got {seed!r}")
     if timeout is not None and (

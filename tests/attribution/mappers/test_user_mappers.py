@@ -78,7 +78,9 @@ def test_a_name_pattern_overrides_the_preset_for_the_layers_it_names():
 def test_a_dict_mapping_a_rule_class_says_to_pass_an_instance():
     net = small_cnn()
     x = torch.randn(1, 2, 6, 6, dtype=torch.float64)
-    with pytest.raises(TypeError, match=r"got the class UserEpsilon; pass an instance, UserEpsilon\(\)"):
+    with pytest.raises(
+        TypeError, match=r"maps to the class UserEpsilon, not a tdhook Rule; pass an instance, UserEpsilon\(\)"
+    ):
         _relevance(net, x, {nn.Linear: UserEpsilon})
     with pytest.raises(TypeError, match=r"the class UserEpsilon, not a tdhook Rule; pass an instance"):
         _relevance(net, x, lambda name, module: UserEpsilon if isinstance(module, nn.Linear) else None)

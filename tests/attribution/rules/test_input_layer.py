@@ -276,6 +276,19 @@ class TestArguments:
         rule = ZBoxRule(low=low, high=high)
         assert rule.low is low and rule.high is high
 
+    @pytest.mark.parametrize("differentiable", [False, True], ids=["plain", "create_graph"])
+    @pytest.mark.parametrize("name", ["low", "high"])
+    def test_a_bound_that_does_not_fit_the_layers_input_is_named_with_both_shapes(self, name, differentiable):
+        """Five channel bounds for a three-channel image: torch's broadcast error named neither the rule, the layer
+        nor the bound."""
+        net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 8 * 8, 2))
+        bounds = {"low": -torch.ones(5, 1, 1), "high": torch.ones(5, 1, 1)}
+        bounds = {key: value if key == name else float(value[0]) for key, value in bounds.items()}
+        lrp = LRP(net, {"0": ZBoxRule(**bounds)}, in_keys=["x"], out_keys=["y"], create_graph=differentiable)
+        match = rf"ZBoxRule on Conv2d: the bound '{name}' of shape \[5, 1, 1\] .* input of shape \[2, 3, 8, 8\]"
+        with pytest.raises(ValueError, match=match):
+            lrp(TensorDict(x=torch.rand(2, 3, 8, 8), batch_size=[2]))
+
     def test_number_bounds_are_checked_on_the_cpu_whatever_the_default_device(self):
         """Built under ``torch.device("meta")`` (where models are built empty), the numbers are checked as numbers
         (the check tried to copy a meta tensor to the CPU) and the rule gives the relevance it gives elsewhere."""

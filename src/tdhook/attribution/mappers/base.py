@@ -15,6 +15,7 @@ from torch import nn
 from torchrl.modules import BatchRenorm1d, TanhModule
 
 from tdhook.attribution.mappers.aliases import module_aliases, user_rule
+from tdhook.attribution.mappers.foreign_rules import not_a_rule
 from tdhook.attribution.rules._arguments import nonnegative
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._layers import (
@@ -95,13 +96,7 @@ class _DictRuleMapper:
         entries = list(mapping.items())
         for key, rule in entries:
             if not isinstance(rule, Rule):
-                given = f"the class {rule.__name__}" if isinstance(rule, type) else type(rule).__name__
-                hint = (
-                    f"; pass an instance, {rule.__name__}()"
-                    if isinstance(rule, type) and issubclass(rule, Rule)
-                    else ""
-                )
-                raise TypeError(f"rule mapping entry {key!r} must map to a Rule, got {given}{hint}")
+                raise TypeError(f"rule mapping entry {key!r} must map to a Rule; it maps to {not_a_rule(rule)}")
         self.entries = tuple(entries)  # checked by the wrapper: an entry every module of which an earlier one takes
         self.name_patterns = tuple(key for key, _ in entries if isinstance(key, str))  # checked by the wrapper
 
@@ -120,7 +115,15 @@ class _DictRuleMapper:
 
 class PresetOptions(TypedDict, total=False):
     """The keyword options every preset shares with :class:`BaseRuleMapper` (its arguments after ``stabilizer``
-    are described there)."""
+    are described there).
+
+    Examples:
+        >>> from tdhook.attribution import EpsilonPlus
+        >>> options: PresetOptions = {"stabilizer": 1e-9, "strict": True}
+        >>> preset = EpsilonPlus(**options)
+        >>> preset.stabilizer, preset.strict
+        (1e-09, True)
+    """
 
     stabilizer: float
     rule_mapper: RuleMapper | Mapping | None

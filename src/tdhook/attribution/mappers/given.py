@@ -17,7 +17,7 @@ from typing import Any
 
 from tdhook.attribution.mappers import presets, transformer
 from tdhook.attribution.mappers.base import BaseRuleMapper, RuleMapper
-from tdhook.attribution.rules import __all__ as _RULE_NAMES
+from tdhook.attribution.mappers.foreign_rules import not_a_rule
 from tdhook.attribution.rules.base import Rule
 
 __all__ = ["as_rule_mapper", "checked_rules"]
@@ -93,21 +93,5 @@ def checked_rules(rules: Mapping[str, Any], modules: Mapping[str, Any]) -> dict[
         if isinstance(rule, Rule):
             continue
         module = f"module {name!r} ({type(modules[name]).__name__})" if name in modules else f"module {name!r}"
-        if isinstance(rule, type):
-            given = f"the class {rule.__name__}"
-            hint = f"pass an instance, {rule.__name__}()" if issubclass(rule, Rule) else _ANY_RULE
-        else:
-            kind = type(rule)
-            given = f"a {kind.__module__}.{kind.__name__}"
-            hint = _ANY_RULE
-            if kind.__module__.split(".")[0] == "zennit":
-                ours = _ZENNIT_RULES.get(kind.__name__, f"{kind.__name__}Rule")
-                if ours.split("(")[0] in _RULE_NAMES:
-                    hint = f"use tdhook.attribution.{ours} in its place"
-        raise TypeError(f"LRP: rule_mapper gave {module} {given}, not a tdhook Rule; {hint}")
+        raise TypeError(f"LRP: rule_mapper gave {module} {not_a_rule(rule)}")
     return dict(rules)
-
-
-_ANY_RULE = "map it to one of tdhook.attribution's rules (EpsilonRule, AlphaBetaRule, ...) or to None"
-# zennit's rules whose tdhook counterpart is not named by adding "Rule".
-_ZENNIT_RULES = {"ZPlus": "AlphaBetaRule(1.0, 0.0)", "Norm": "EpsilonRule"}

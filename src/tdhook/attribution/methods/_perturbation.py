@@ -64,6 +64,14 @@ def feature_groups(
     Raises:
         TypeError: a mask is not an integer tensor.
         ValueError: a mask does not broadcast to its input's shape.
+
+    Examples:
+        >>> masks, ids = feature_groups(None, ["a", "b"], [torch.ones(2, 3), torch.ones(2, 2)], 1, "FeatureAblation")
+        >>> [mask[0].tolist() for mask in masks], ids  # one group per key
+        ([[0, 0, 0], [1, 1]], [0, 1])
+        >>> masks, ids = feature_groups({"a": torch.tensor([0, 0, 5])}, ["a"], [torch.ones(2, 3)], 1, "Occlusion")
+        >>> masks[0][0].tolist(), ids
+        ([0, 0, 5], [0, 5])
     """
     given = per_key(feature_masks, keys, "feature_masks", owner)
     masks: list[torch.Tensor | None] = []

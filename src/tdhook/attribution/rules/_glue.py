@@ -49,6 +49,23 @@ class GlueError(ValueError):
     """Relevance at a layer's input that cannot be given to the explained inputs position by position.
 
     ``module`` is the layer whose rule set the relevance.
+
+    Examples:
+        A Flat rule's relevance at a position of the layer's input that sums two explained positions:
+
+        >>> from tensordict import TensorDict
+        >>> from tdhook.attribution import LRP, FlatRule
+        >>> class Mixed(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.layer = nn.Linear(3, 2)
+        ...     def forward(self, u):
+        ...         return self.layer(u + u.roll(1, -1))
+        >>> lrp = LRP(Mixed(), {"layer": FlatRule()}, in_keys=["u"], out_keys=["y"])
+        >>> lrp(TensorDict(u=torch.tensor([[1.0, -1.0, 2.0]]), batch_size=[1]))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        tdhook.attribution.rules._glue.GlueError: FlatRule on Linear: the layer's input at position (0, 1) depends ...
     """
 
     def __init__(self, message: str, module: nn.Module | None = None) -> None:

@@ -19,7 +19,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -46,7 +46,10 @@ from tdhook.attribution.rules._meta_tensors import raise_for_meta_tensors
 from tdhook.attribution.rules._rewrites import RUNNING, checked_rewrite, is_own_rewrite, rewrites
 from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules._wrapper_calls import rules_act_here
+from tdhook.attribution.rules.records import _LAYER_CALL, LayerCall, MergedLayer, Registration, layer_call_of
 from tdhook.attribution.tunables import Tunable
+
+_LAYER_MARK = LAYER_MARK
 
 __all__ = [
     "ParamModifier",
@@ -228,92 +231,16 @@ def plain_calls() -> Iterator[None]:
 def rules_apply(module: nn.Module | None = None) -> bool:
     """Whether a rule's hooks apply it to a call of ``module`` made now: with gradients, outside
     :func:`plain_calls`, and, on a module an open wrapper's context holds, in a wrapper's call
-    (:mod:`._wrapper_calls`; ``None``: any module, as held)."""
+    (:mod:`._wrapper_calls`; ``None``: any module, as held).
+
+    Examples:
+        >>> rules_apply()
+        True
+        >>> with torch.no_grad():
+        ...     rules_apply()
+        False
+    """
     return torch.is_grad_enabled() and not getattr(_PLAIN, "depth", 0) and rules_act_here(module)
-
-
-@dataclass
-class Registration:
-    """What a rule keeps for one module it is registered on."""
-
-    state: Any
-    hooks: list = field(default_factory=list)
-    snapshots: list = field(default_factory=list)
-    records: list = field(default_factory=list)
-    busy: list = field(default_factory=list)
-    merged_by_norm: bool = False  # a BatchNorm took over the module's last call (see MergeBatchNormRule)
-    held: HeldParameters | None = None  # the parameters ``state`` was prepared from
-    settings: int = -1  # the rule's settings count ``state`` was prepared with (see Rule.__setattr__)
-    marks: bool = True  # whether a Linear or convolution layer's output gets its LayerCall (see Rule.reads_layer_marks)
-    plain_layer: type | None = None  # the class of a Linear or convolution layer with torch's own forward, else None
-
-
-@dataclass(eq=False)
-class LayerCall:
-    """One call of a Linear or convolution layer, attached to the tensor its rule returned.
-
-    A BatchNorm that reads this tensor merges itself into the layer (see
-    :class:`MergeBatchNormRule`). ``observers`` are called with the merged
-    layer's output when that happens, so that checks and inner-layer relevance
-    see the output of the merged layer.
-    """
-
-    module: nn.Module
-    rule: Rule
-    registration: Registration
-    x: torch.Tensor
-    raw: torch.Tensor
-    version: int
-    observers: list = field(default_factory=list)
-    # The weight and bias the call read, for a layer with torch's own forward: a call with other parameters than
-    # the layer holds (``torch.func.functional_call``) has them back once it returns, before a BatchNorm merges.
-    read: tuple | None = None
-
-
-@dataclass(eq=False)
-class MergedLayer:
-    """A Linear or convolution layer with the following BatchNorm folded in.
-
-    ``params`` holds ``weight`` and ``bias`` of the merged layer, ``channel_scale``
-    the BatchNorm's ``γ / sqrt(var + eps)`` per channel, and ``cache`` whatever a
-    rule derives from them (computed once per context, and again when the parameters change).
-    """
-
-    params: dict[str, torch.Tensor]
-    channel_scale: torch.Tensor
-    cache: dict = field(default_factory=dict)
-    held: HeldParameters | None = None  # the BatchNorm's parameters it was built from, and the layer's unless ``layer``
-    layer: HeldParameters | None = None  # the layer's rule's record of the layer's parameters, where it keeps one
-
-
-_LAYER_CALL = "_tdhook_layer_call"
-_LAYER_MARK = LAYER_MARK
-
-
-def layer_call_of(tensor: Any) -> LayerCall | None:
-    """The :class:`LayerCall` that produced ``tensor``, if it is still unmodified.
-
-    Layers leave these marks only in a context where some rule reads them: a rule of one's own that calls this
-    sets :attr:`Rule.reads_layer_marks` to ``True``, or it gets ``None``.
-    """
-    call = getattr(tensor, _LAYER_CALL, None)
-    if call is None and _through_backward_hook(tensor):
-        # A full backward hook of the layer, or of the module it feeds, hands on a view of the layer's output.
-        tensor = tensor._base
-        call = getattr(tensor, _LAYER_CALL, None)
-    if call is None or call.version != tensor._version:
-        return None
-    return call
-
-
-def _through_backward_hook(tensor: Any) -> bool:
-    """Whether ``tensor`` is the view of a module's output or input that torch makes for the module's full
-    backward hooks (``register_full_backward_hook``, ``register_full_backward_pre_hook``): the same values."""
-    return (
-        isinstance(tensor, torch.Tensor)
-        and tensor._is_view()
-        and type(tensor.grad_fn).__name__ == "BackwardHookFunctionBackward"
-    )
 
 
 class RemovableRuleHandle:
@@ -384,6 +311,21 @@ class Rule(Tunable):
     A rule rewrites a module's output into a tensor of the same value whose
     gradient is the rule's. Subclasses implement :meth:`rewrite` and, when they
     need modified parameters, :meth:`prepare` (called at registration, and again when the parameters change).
+    ``docs/custom_rules.md`` writes a rule step by step.
+
+    Examples:
+        >>> from tdhook.attribution.rules import redirect
+        >>> class HalfRule(Rule):
+        ...     # half of the relevance of the module's output reaches its input
+        ...     uses_input = False
+        ...     def rewrite(self, module, registration, inputs, output):
+        ...         return redirect(output, [output], lambda grad: [grad / 2])
+        >>> lin = nn.Linear(3, 1, bias=False)
+        >>> x = torch.randn(2, 3, requires_grad=True)
+        >>> with HalfRule().register(lin):
+        ...     lin(x).sum().backward()
+        >>> torch.allclose(x.grad, lin.weight.detach().expand(2, 3) / 2)
+        True
     """
 
     #: whether :meth:`rewrite` reads the module's input (in-place modules then keep a copy of it).

@@ -246,10 +246,12 @@ class ZBoxRule(_DirectInputRule):
         return {"orig": ParamModifier(), "pos": _clamp(min=0.0), "neg": _clamp(max=0.0)}
 
     def input_gradient(self, module, registration, params, x, z, grad):
+        _refuse_bounds_that_do_not_fit(self, module, x)
         _warn_for_bounds_along_columns(self, module, x)
         return super().input_gradient(module, registration, params, x, z, grad)
 
     def input_gradient_keeping_graph(self, module, registration, params, x, z, grad):
+        _refuse_bounds_that_do_not_fit(self, module, x)
         _warn_for_bounds_along_columns(self, module, x)
         return super().input_gradient_keeping_graph(module, registration, params, x, z, grad)
 
@@ -359,6 +361,26 @@ class FirstLayerRule(Rule):
         rule, inner = self._pair[index], registration.state[index]
         rule.prepared_state(module, inner)
         return rule, inner
+
+
+def _refuse_bounds_that_do_not_fit(rule: ZBoxRule, module: nn.Module, x: torch.Tensor) -> None:
+    """Refuse a tensor bound that does not broadcast to the layer's input, naming the layer and both shapes (torch's
+    own error named neither the rule nor the bound)."""
+    for name in ("low", "high"):
+        bound = getattr(rule, name)
+        if not isinstance(bound, torch.Tensor):
+            continue
+        try:
+            fits = torch.broadcast_shapes(bound.shape, x.shape) == x.shape
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(
+                f"ZBoxRule on {type(module).__name__}: the bound {name!r} of shape {list(bound.shape)} does not "
+                f"broadcast to the layer's input of shape {list(x.shape)}; give a float, or a tensor shaped like one "
+                f"sample {list(x.shape[1:])} or broadcastable to it (per channel: [{x.shape[1]}"
+                f"{', 1' * (x.dim() - 2)}])"
+            )
 
 
 def _warn_for_bounds_along_columns(rule: ZBoxRule, module: nn.Module, x: torch.Tensor) -> None:
