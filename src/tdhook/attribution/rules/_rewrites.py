@@ -40,7 +40,6 @@ from tdhook.attribution.rules._scopes import pop, push
 __all__ = [
     "RUNNING",
     "checked_rewrite",
-    "rewriting_stack",
     "running_rewrite",
     "rewrites",
     "is_own_rewrite",
@@ -52,20 +51,16 @@ __all__ = [
 
 
 class _Running(threading.local):
-    """The rewrites of rules of one's own running on this thread, innermost last (empty, and falsy, for all others)."""
+    """The rewrites of rules of one's own running on this thread, innermost last, as ``(rule, module)`` (empty, and
+    falsy, for all others): :func:`checked_rewrite` pushes a rewrite with
+    :func:`~tdhook.attribution.rules._scopes.push` and pops it when the rewrite returns (or, where an interrupt skips
+    that, the wrapper's call pops it as it ends)."""
 
     def __init__(self) -> None:
         self.stack: list = []
 
 
 RUNNING = _Running()  # ``RUNNING.stack``: read directly on the hot paths, where it is empty
-
-
-def rewriting_stack() -> list:
-    """The rewrites running on this thread, innermost last, as ``(rule, module)``: a rule's forward hook pushes its
-    rewrite with :func:`~tdhook.attribution.rules._scopes.push` and pops it when the rewrite returns (or, where an
-    interrupt skips that, the wrapper's call pops it as it ends)."""
-    return RUNNING.stack
 
 
 def running_rewrite() -> tuple[type, type] | None:
@@ -75,10 +70,10 @@ def running_rewrite() -> tuple[type, type] | None:
         >>> from tdhook.attribution.rules._scopes import pop, push
         >>> running_rewrite() is None
         True
-        >>> push(rewriting_stack(), ("rule", nn.Linear(1, 1)))
+        >>> push(RUNNING.stack, ("rule", nn.Linear(1, 1)))
         >>> running_rewrite() == (str, nn.Linear)
         True
-        >>> _ = pop(rewriting_stack())
+        >>> _ = pop(RUNNING.stack)
     """
     stack = RUNNING.stack
     if not stack:
@@ -94,10 +89,10 @@ def rewrites(module: nn.Module) -> bool:
     Examples:
         >>> from tdhook.attribution.rules._scopes import pop, push
         >>> layer = nn.Linear(1, 1)
-        >>> push(rewriting_stack(), ("rule", layer))
+        >>> push(RUNNING.stack, ("rule", layer))
         >>> rewrites(layer), rewrites(nn.Linear(1, 1))
         (True, False)
-        >>> _ = pop(rewriting_stack())
+        >>> _ = pop(RUNNING.stack)
     """
     stack = RUNNING.stack
     return bool(stack) and any(entry[1] is module for entry in stack)
@@ -136,9 +131,10 @@ def _rewrite_outside_tdhook(kind: type) -> bool:
 
 
 def given_inputs(rule: Any, module: nn.Module, inputs: tuple, output: Any) -> tuple:
-    """The inputs handed to ``rule``'s rewrite of ``module``: ``inputs``, but where a rule of one's own declares
-    ``uses_input = False`` and the module ran in place (its input is its output, overwritten), ``None`` for that
-    input, so that a rule reading it fails (see :func:`note_overwritten`) rather than read the output's values.
+    """The inputs handed to ``rule``'s rewrite of ``module`` (a rule of one's own, from :func:`checked_rewrite`):
+    ``inputs``, but where the rule declares ``uses_input = False`` and the module ran in place (its input is its
+    output, overwritten), ``None`` for that input, so that a rule reading it fails (see :func:`note_overwritten`)
+    rather than read the output's values.
 
     Examples:
         >>> from tdhook.attribution.rules import Rule
@@ -154,8 +150,6 @@ def given_inputs(rule: Any, module: nn.Module, inputs: tuple, output: Any) -> tu
         (None,)
     """
     if rule.uses_input or not getattr(module, "inplace", False) or not inputs or inputs[0] is not output:
-        return inputs
-    if not is_own_rewrite(rule):
         return inputs
     return (None, *inputs[1:])
 
@@ -194,7 +188,7 @@ def checked_rewrite(rule: Any, module: nn.Module, registration: Any, inputs: tup
         Doubling on Linear: rewrite returned a tensor whose value differs from
     """
     given = given_inputs(rule, module, inputs, output)
-    rewriting = rewriting_stack()
+    rewriting = RUNNING.stack
     push(rewriting, (rule, module))
     try:
         result = rule.rewrite(module, registration, given, output)
