@@ -82,3 +82,19 @@ def test_a_ppo_loss_whose_actor_holds_a_wrapper_without_create_graph_is_refused(
     )
     with pytest.raises(RuntimeError, match=r"LRP: called by torchrl's ClipPPOLoss .*create_graph=True"):
         loss(batch)
+
+
+def test_dqn_loss_with_another_method_inside_is_refused_naming_it():
+    """The methods write their outputs detached too, and have no create_graph: refused alike."""
+    from torchrl.objectives import DQNLoss
+
+    from tdhook.attribution import Saliency
+
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to(F64)
+    saliency = Saliency(TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"]))
+    loss = DQNLoss(QValueActor(saliency, in_keys=["observation"], action_space="one-hot"), action_space="one-hot")
+    with pytest.raises(RuntimeError, match=r"Saliency: called by torchrl's DQNLoss .*beside it(?!, or build)"):
+        loss(transitions())
+    assert Saliency(TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"]))(
+        transitions().select("observation")
+    )["attribution", "observation"].shape == (5, 4)  # called by the caller: explained

@@ -1,4 +1,5 @@
-"""A wrapper without ``create_graph`` called by a torchrl loss module: refused, naming the wrapper and the loss.
+"""A wrapper without ``create_graph`` (LRP's option; the other methods have none) called by a torchrl loss module:
+refused, naming the wrapper and the loss.
 
 A call without ``create_graph`` writes its outputs detached, as it writes the relevance (see
 docs/differentiable.md). A torchrl loss module (``DQNLoss``, ``ClipPPOLoss``, ``SACLoss``, ``DDPGLoss``) given a
@@ -52,13 +53,14 @@ def calling_loss_module() -> Any | None:
     return caller if isinstance(caller, common.LossModule) else None
 
 
-def refuse_loss_module_caller(name: str, module: Any, create_graph: bool) -> None:
+def refuse_loss_module_caller(name: str, module: Any, create_graph: bool | None) -> None:
     """Raise where a torchrl loss module calls a wrapper without ``create_graph`` with gradient enabled.
 
     Args:
         name: the wrapper's name, for the message.
         module: the module the wrapper explains, named in the message.
-        create_graph: whether the wrapper keeps the graph of its outputs (then the loss trains through them).
+        create_graph: whether the wrapper keeps the graph of its outputs (then the loss trains through them);
+            ``None`` for a wrapper that has no such option (the methods other than LRP).
 
     Raises:
         RuntimeError: naming the wrapper, the loss module, and what to do instead.
@@ -68,11 +70,12 @@ def refuse_loss_module_caller(name: str, module: Any, create_graph: bool) -> Non
     loss = calling_loss_module()
     if loss is None:
         return
+    flag = "a call without create_graph writes" if create_graph is not None else "the wrapper writes"
+    option = ", or build the wrapper with create_graph=True, whose outputs keep the plain gradient"
     raise RuntimeError(
         f"{name}: called by torchrl's {type(loss).__name__} as one of its networks (the wrapper around "
-        f"{type(module).__name__}): a call without create_graph writes its outputs detached, so the loss would have "
-        "no gradient through the network (torch's 'does not require grad' error at backward, or, where another term "
-        "carries one, the network left untrained without a word). Give the loss module the plain network and "
-        f"explain with the wrapper beside it, or build the wrapper with create_graph=True, whose outputs keep the "
-        "plain gradient"
+        f"{type(module).__name__}): {flag} its outputs detached, so the loss would have no gradient through the "
+        "network (torch's 'does not require grad' error at backward, or, where another term carries one, the network "
+        "left untrained without a word). Give the loss module the plain network and explain with the wrapper beside "
+        f"it{option if create_graph is not None else ''}"
     )
