@@ -12,6 +12,7 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 
 from tdhook.attribution import LRP, AlphaBetaRule, EpsilonPlus, EpsilonRule, IgnoreRule, TaylorDecompositionRule
+from tdhook.attribution.rules import Rule, redirect, stabilize
 from tests.attribution._helpers import assert_unchanged, state_snapshot
 from tests.conftest import relative_error
 
@@ -57,6 +58,11 @@ def test_the_epsilon_rule_on_a_block_of_plain_layers_is_the_epsilon_rule_of_its_
     # relevance at the block's output.
     net, x, epsilon = block_net(), torch.randn(3, 4, dtype=torch.float64), 0.5
     actual = explain(net, x, {"module.0": EpsilonRule(epsilon), **inner})
+    assert relative_error(actual, block_epsilon(net, x, epsilon)) < 1e-12
+
+
+def block_epsilon(net: nn.Module, x: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """The ε-rule on ``block_net``'s block as one layer, its head plain, for the largest output: written out."""
     block, head = net[0], net[2]
     z = block(x)
     y = head(torch.relu(z))
@@ -67,7 +73,43 @@ def test_the_epsilon_rule_on_a_block_of_plain_layers_is_the_epsilon_rule_of_its_
     stabilized = z.detach() + epsilon * torch.where(z.detach() >= 0, 1.0, -1.0)
     x_var = x.clone().requires_grad_()
     (grad_x,) = torch.autograd.grad(block(x_var), x_var, relevance_z / stabilized)
-    assert relative_error(actual, x * grad_x) < 1e-12
+    return x * grad_x
+
+
+class BlockEpsilon(Rule):
+    """The ε-rule written as a rule of one's own: the output gradient rescaled by ``z / stabilize(z, ε)``."""
+
+    def __init__(self, epsilon: float) -> None:
+        super().__init__()
+        self.epsilon = epsilon
+
+    def rewrite(self, module, registration, inputs, output):
+        z = output.detach()
+        return redirect(output, [output], lambda grad: [grad * z / stabilize(z, self.epsilon)])
+
+
+def test_a_rule_of_ones_own_over_inner_rules_is_refused_by_name():
+    # Before, the rule of one's own on the block stacked with its layers' ε-rules without a word (the relevance's sum
+    # 0.0007 where the block's rule alone gives 0.015, on the net of the script that showed it).
+    net = block_net()
+    snapshot = state_snapshot(net)
+    td = TensorDict(x=torch.randn(2, 4, dtype=torch.float64), batch_size=[2])
+    lrp = LRP(
+        TensorDictModule(net, in_keys=["x"], out_keys=["y"]),
+        rule_mapper={"module.0": BlockEpsilon(0.5), nn.Linear: EpsilonRule(0.5)},
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"BlockEpsilon\(epsilon=0.5\) on module 'module.0' \(Sequential\) would act on top of "
+        r"the rules of the modules inside it \('module.0.0' \(Linear\): EpsilonRule.*'module.0.\*'",
+    ):
+        lrp(td)
+    assert_unchanged(net, snapshot)
+    assert list(td.keys()) == ["x"]
+    # The modules inside mapped to IgnoreRule: the block's rule alone, the ε-rule of its Jacobian.
+    x = td["x"]
+    alone = explain(net, x, {"module.0": BlockEpsilon(0.5), "module.0.*": IgnoreRule()})
+    assert relative_error(alone, block_epsilon(net, x, 0.5)) < 1e-12
 
 
 def test_a_block_rule_that_replaces_the_inner_rules_is_kept():

@@ -323,3 +323,26 @@ def test_an_interrupt_in_the_run_without_gradient_gives_the_rules_hooks_back():
         after = lrp(td.clone())
     assert torch.equal(after["y"], before["y"])
     assert torch.equal(after["relevance", "x"], before["relevance", "x"])
+
+
+def test_an_interrupt_at_any_line_of_a_methods_no_grad_record_leaves_no_record_and_no_hook_behind():
+    """Every line of ``caller_values_in`` (the methods' record of the caller's ``no_grad``): an interrupt before its
+    ``try`` left the hook on the LSTM and the thread recorded as under ``no_grad``, so that the model's own calls
+    with gradient, outside any wrapper, took the values of a run without gradient from then on."""
+    from tdhook.attribution import Saliency
+    from tdhook.attribution._no_grad_values import _caller_values_hook, caller_grad_enabled
+    from tests.attribution.test_lrp_interrupts import InterruptIn
+
+    torch.manual_seed(0)
+    net = Recurrent()
+    saliency = Saliency(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), target=0)
+    td = TensorDict(x=torch.randn(2, 5, 4), batch_size=[2])
+    with torch.no_grad(), InterruptIn(None, "_no_grad_values.py") as counting:
+        saliency(td.clone())
+    assert counting.count >= 3
+    for at in range(1, counting.count + 1):
+        with torch.no_grad(), InterruptIn(at, "_no_grad_values.py") as interrupt:
+            saliency(td.clone())
+        assert interrupt.where is not None, at
+        assert caller_grad_enabled(), interrupt.where
+        assert all(hook is not _caller_values_hook for hook in net.lstm._forward_hooks.values()), interrupt.where

@@ -27,6 +27,27 @@ class TestInitialRelevance:
         expected = td["y"].gather(-1, index.unsqueeze(-1)).squeeze(-1)
         torch.testing.assert_close(td["relevance", "x"].sum(-1), expected, rtol=1e-9, atol=1e-12)
 
+    @pytest.mark.parametrize("method", ["LRP", "Saliency"])
+    def test_negative_indices_count_from_the_last_unit_for_an_int_and_a_tensor_alike(self, method):
+        # Before, an int -1 was the last unit while a LongTensor holding -1 was refused.
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(5, 3, bias=False).double()
+        x = torch.randn(4, 5, dtype=torch.float64)
+        module = TensorDictModule(layer, in_keys=["x"], out_keys=["y"])
+        wrapper = {"LRP": lambda t: LRP(module, target=t), "Saliency": lambda t: Saliency(module, target=t)}[method]
+        key = "relevance" if method == "LRP" else "attribution"
+        # Gradient × input of one Linear (LRP-0) is x ⊙ W[unit]; the gradient alone, W[unit] (Saliency's absolute
+        # value of it).
+        oracle = {"LRP": lambda unit: x * layer.weight[unit], "Saliency": lambda unit: layer.weight[unit].abs()}[method]
+        units = torch.tensor([-1, -3, 0, -2])
+        for target, unit in [
+            (-1, torch.full((4,), 2)),
+            (torch.full((4,), -1), torch.full((4,), 2)),
+            (units, units % 3),
+        ]:
+            actual = wrapper(target)(TensorDict(x=x, batch_size=[4]))[key, "x"]
+            torch.testing.assert_close(actual, oracle(unit).detach().expand_as(x), rtol=1e-12, atol=1e-14)
+
     def test_callable_target_sets_initial_relevance(self):
         net = mlp(bias=False)
         td = explain(
@@ -52,7 +73,8 @@ class TestBadTarget(ExpectsARefusal):
 
     def test_target_indices_out_of_range(self):
         td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
-        self.run_and_expect(td, IndexError, r"\[0, 3\) for output 'y'", target=torch.tensor([0, 3]))
+        self.run_and_expect(td, IndexError, r"\[-3, 3\) for output 'y'", target=torch.tensor([0, 3]))
+        self.run_and_expect(td, IndexError, r"\[-3, 3\) for output 'y'.*from -4 to 0", target=torch.tensor([0, -4]))
 
 
 class TestDefaultTargetKey:

@@ -13,6 +13,11 @@ gradient (``IgnoreRule``, LRP-0, a pass rule that registers nothing on ``nn.ReLU
 those of modules the block does not call (``nn.MultiheadAttention`` computes
 with ``out_proj.weight`` directly), leave the block's ε-rule exact.
 
+A rule of one's own (see :func:`~tdhook.attribution.rules._rewrites.is_own_rewrite`) on a module with modules
+inside is refused alike: where its redirect goes to the block's output, or to a pass of the block's own modules,
+the gradient runs through their rules too, and the two stack without a word (zennit's composites map leaf layers
+only). With the modules inside mapped to ``IgnoreRule``, the block's rule alone decides its relevance.
+
 :class:`~tdhook.attribution.rules.basic.IgnoreRule` on a module gives the plain gradient of what the module's own
 forward computes; the modules inside it keep their rules. On a container that computes nothing of its own (an
 ``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict``, a ``TensorDictModule`` or ``TensorDictSequential``) it
@@ -65,7 +70,8 @@ def _changes_gradient(handle: RemovableRuleHandle) -> bool:
 def refuse_rescaling_over_ruled_modules(
     handles: Sequence[RemovableRuleHandle], modules: Mapping[str, nn.Module], ran: Collection[int]
 ) -> None:
-    """Raise where an ε-rule is on a module some of whose inner modules ran with rules that change their gradient.
+    """Raise where an ε-rule, or a rule of one's own, is on a module some of whose inner modules ran with rules that
+    change their gradient.
 
     Args:
         handles: the handles of the context's rules.
@@ -73,10 +79,14 @@ def refuse_rescaling_over_ruled_modules(
         ran: the ``id`` of each module that ran in the call watched.
 
     Raises:
-        ValueError: naming the module with the ε-rule, the rule, and the first inner modules with rules of their own,
-            and what to map instead.
+        ValueError: naming the module with the ε-rule (or the rule of one's own), the rule, and the first inner
+            modules with rules of their own, and what to map instead.
     """
-    rescaling = [h for h in handles if isinstance(h.rule, EpsilonRule) and h.module is not None and h.module._modules]
+    rescaling = [
+        h
+        for h in handles
+        if (isinstance(h.rule, EpsilonRule) or h.rule.own_rewrite) and h.module is not None and h.module._modules
+    ]
     if not rescaling:
         return
     names = {id(module): name for name, module in modules.items()}
@@ -93,11 +103,20 @@ def refuse_rescaling_over_ruled_modules(
         )
         more = f" and {len(inner) - _SHOWN} more" if len(inner) > _SHOWN else ""
         pattern = f"{path}.*" if path else "*"
+        where = f"LRP: {handle.rule!r} on module {path or 'the model itself'!r} ({type(outer).__name__})"
+        if handle.rule.own_rewrite and not isinstance(handle.rule, EpsilonRule):
+            raise ValueError(
+                f"{where} would act on top of the rules of the modules inside it ({shown}{more}): a rule of one's own "
+                "on a module with modules inside stacks with theirs, as the gradient it hands to the block's output "
+                f"(or to a pass of its modules) runs through their rules too. Map the modules inside to IgnoreRule() "
+                f"(a pattern such as {pattern!r}) so that the block's rule alone decides its relevance, or map the "
+                "rule to the layers inside instead"
+            )
         raise ValueError(
-            f"LRP: {handle.rule!r} on module {path or 'the model itself'!r} ({type(outer).__name__}) would act on "
-            f"top of the rules of the modules inside it ({shown}{more}): its own backward runs through theirs. Map "
-            f"the rule to the layers inside instead (a pattern such as {pattern!r}, or their types), map those "
-            "modules to IgnoreRule() to treat the block as one ε-layer, or use TaylorDecompositionRule for a block"
+            f"{where} would act on top of the rules of the modules inside it ({shown}{more}): its own backward runs "
+            f"through theirs. Map the rule to the layers inside instead (a pattern such as {pattern!r}, or their "
+            "types), map those modules to IgnoreRule() to treat the block as one ε-layer, or use "
+            "TaylorDecompositionRule for a block"
         )
 
 

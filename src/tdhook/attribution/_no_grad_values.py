@@ -79,7 +79,7 @@ class called_in_grad_mode:  # a class, not a generator: it costs less per call
     def __enter__(self) -> None:
         self._previous = getattr(_LOCAL, "enabled", None)
         self._call.__enter__()  # the wrapper's call: its rules act in the block (see rules._wrapper_calls)
-        _LOCAL.enabled = self._enabled, self._call
+        _LOCAL.enabled = self._enabled, self._call, None
 
     def __exit__(self, *exc_info: object) -> None:
         _LOCAL.enabled = self._previous
@@ -90,9 +90,12 @@ def caller_grad_enabled() -> bool:
     """Whether the wrapper running now was called with gradient enabled (True outside any wrapper call).
 
     A record counts while the wrapper's call it was made in (for :func:`caller_values_in`, the call in progress
-    then, or none) is the innermost in progress on the thread: one an interrupt left behind does not."""
-    found = getattr(_LOCAL, "enabled", None)  # (the grad mode, the wrapper call's mark)
-    return True if found is None or found[1] is not current_call() else found[0]
+    then, or none) is the innermost in progress on the thread, and, for :func:`caller_values_in`, while its block
+    holds the lock it took: one an interrupt left behind does not."""
+    found = getattr(_LOCAL, "enabled", None)  # (the grad mode, the wrapper call's mark, caller_values_in's lock)
+    if found is None or found[1] is not current_call():
+        return True
+    return found[0] if found[2] is None or found[2]._is_owned() else True
 
 
 def _differs_by_grad_mode(module: nn.Module) -> bool:
@@ -214,9 +217,11 @@ def _padded_constants(module: nn.Module, args: tuple, kwargs: dict, values: Any)
     return padded if torch.equal(values[padded], constant.expand(int(padded.sum()), -1)) else None
 
 
-def caller_values(modules: Mapping[str, nn.Module]) -> list[RemovableHandle]:
+def caller_values(modules: Mapping[str, nn.Module], into: list | None = None) -> list[RemovableHandle]:
     """Make the outermost modules among ``modules`` whose kernels depend on the grad mode give, when the wrapper
-    was called without gradient, the values of that mode; the returned hook handles end it.
+    was called without gradient, the values of that mode; the returned hook handles end it. With ``into``, each
+    handle is appended to it as soon as its hook is registered (an interrupt then leaves none unlisted), and
+    ``into`` is returned.
 
     The hook runs after the wrapper's own hooks on the module and before the caller's (those put there before the
     context, moved behind it in their order, and those put there later), so that the caller's hooks act once, on
@@ -225,10 +230,10 @@ def caller_values(modules: Mapping[str, nn.Module]) -> list[RemovableHandle]:
     outermost = [
         m for name, m in found.items() if not any(name.startswith(f"{o}.") or o == "" for o in found if o != name)
     ]
-    handles = []
+    handles = [] if into is None else into
     for module in outermost:
-        handle = module.register_forward_hook(_caller_values_hook, with_kwargs=True)
-        handles.append(handle)
+        handles.append(module.register_forward_hook(_caller_values_hook, with_kwargs=True))
+        handle = handles[-1]
         hooks = module._forward_hooks
         for key in [key for key in hooks if key != handle.id and not _ours(hooks[key])]:
             hooks.move_to_end(key)  # the caller's, in their order, after ours
@@ -261,12 +266,24 @@ def caller_values_in(modules: Mapping[str, nn.Module]) -> Iterator[None]:
     if torch.is_grad_enabled():
         yield
         return
-    handles = caller_values(modules)
-    previous = getattr(_LOCAL, "enabled", None)
-    _LOCAL.enabled = False, current_call()
-    try:
-        yield
-    finally:
-        _LOCAL.enabled = previous
-        for handle in handles:
-            handle.remove()
+    # The record counts while this block holds ``held`` (see caller_grad_enabled), and each hook is listed as soon
+    # as it is registered: an interrupt anywhere leaves no record that counts and no hook on the model.
+    held, handles = threading.RLock(), []
+    with held:
+        previous = getattr(_LOCAL, "enabled", None)
+        try:
+            caller_values(modules, handles)
+            _LOCAL.enabled = False, current_call(), held
+            yield
+        finally:
+            try:
+                _end_caller_values(previous, handles)
+            finally:
+                _end_caller_values(previous, handles)  # what an interrupt of the first pass left
+
+
+def _end_caller_values(previous: Any, handles: list[RemovableHandle]) -> None:
+    _LOCAL.enabled = previous
+    while handles:  # each listed until it is removed (removing again does nothing)
+        handles[-1].remove()
+        handles.pop()

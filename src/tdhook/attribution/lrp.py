@@ -52,6 +52,7 @@ from tdhook.attribution._keys import (
     unique_keys,
 )
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
+from tdhook.attribution._loss_callers import refuse_loss_module_caller
 from tdhook.attribution._model_run import context_cache_watch
 from tdhook.attribution._module_hooks import module_hooks
 from tdhook.attribution._no_grad_values import called_in_grad_mode
@@ -386,6 +387,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
 
     @_uncompiled_dispatch
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        refuse_loss_module_caller("LRP", self.module, self.create_graph)  # its outputs would give no gradient
         # One call at a time (docs/guarantees.md); one that fails leaves the running statistics as they were.
         with self._lock, buffers_restored_on_error(self.module, self._buffer_holders), self._grads.kept(self._handles):
             entering = self._handles is None and not self._inactive

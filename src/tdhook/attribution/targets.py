@@ -166,9 +166,9 @@ def initial_gradient(output: torch.Tensor, target: Target, key: NestedKey, batch
         >>> initial_gradient(out, None, "q", 1)
         tensor([[0., 1.],
                 [1., 0.]])
-        >>> initial_gradient(out, torch.tensor([0, 0]), "q", 1)
+        >>> initial_gradient(out, torch.tensor([0, -1]), "q", 1)  # -1: the last unit, as for an int
         tensor([[1., 0.],
-                [1., 0.]])
+                [0., 1.]])
         >>> initial_gradient(out, 2, "q", 1)
         Traceback (most recent call last):
         ...
@@ -346,12 +346,13 @@ def _initial_gradient(out: torch.Tensor, target: Target, key: NestedKey, batch_d
                 f"LRP: target indices of shape {tuple(target.shape)} do not match output {key!r} "
                 f"of shape {tuple(out.shape)}; expected {tuple(out.shape[:-1])}"
             )
-        if ((index < 0) | (index >= n_units)).any():
+        if ((index < -n_units) | (index >= n_units)).any():
             raise IndexError(
-                f"LRP: target indices must lie in [0, {n_units}) for output {key!r}, "
+                f"LRP: target indices must lie in [{-n_units}, {n_units}) for output {key!r}, "
                 f"got values from {int(index.min())} to {int(index.max())}"
             )
-        return _one_hot(out, index.long())
+        # Negative indices count from the last unit, as an int target does and as torch's indexing does.
+        return _one_hot(out, index.long() % n_units)
     if isinstance(target, torch.Tensor):
         raise TypeError(
             f"LRP: target for output {key!r} must be None, an int, a LongTensor of unit indices, a callable or 'all', "

@@ -294,3 +294,29 @@ def test_a_buffer_not_yet_initialised_is_passed_over(name):
     relevance = out["relevance" if name == "LRP" else "attribution", "x"]
     assert relevance.shape == x.shape and bool(relevance.isfinite().all())
     torch.testing.assert_close(explainer.module.module[1].running_mean, plain[1].running_mean, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("wrapper", ["LRP", "Saliency"])
+def test_a_call_refused_before_the_model_runs_leaves_the_buffers_version_counters_as_they_were(wrapper):
+    """A locked TensorDict is refused before the model runs: the buffers of a BatchNorm in training mode were
+    written back all the same (their values unchanged, their version counters moved, which a tensor saved for a
+    backward pass of the caller's checks); a call that fails after the model ran gives the values back."""
+    from tensordict.nn import TensorDictModule
+
+    from tdhook.attribution import LRP, Saliency
+
+    torch.manual_seed(0)
+    net = batch_norm_mlp(nn.BatchNorm1d(6)).train()
+    module = TensorDictModule(net, in_keys=["x"], out_keys=["y"])
+    make_wrapper = {"LRP": LRP, "Saliency": Saliency}[wrapper]
+    buffers = dict(net.named_buffers())
+    before = {name: (buffer.clone(), buffer._version) for name, buffer in buffers.items()}
+    td = TensorDict(x=torch.randn(5, 5, dtype=torch.float64), batch_size=[5]).lock_()
+    with pytest.raises(RuntimeError, match="locked"):
+        make_wrapper(module, target=0)(td)
+    for name, buffer in buffers.items():
+        assert torch.equal(buffer, before[name][0]) and buffer._version == before[name][1], name
+    with pytest.raises(IndexError, match="target 7 is out of range"):
+        make_wrapper(module, target=7)(td.unlock_())
+    for name, buffer in buffers.items():
+        assert torch.equal(buffer, before[name][0]), name

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
 from torch import nn
 
 from tdhook.attribution import LRP
@@ -301,3 +302,131 @@ def test_a_rule_on_a_module_with_two_inputs_redirects_to_both():
         s = r_out / stabilize(z, 0.1)
     torch.testing.assert_close(td["relevance", "x"], x * (s @ net.a), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(td["relevance", "y"], y * (s @ net.b), rtol=1e-10, atol=1e-12)
+
+
+class _Residual(nn.Module):
+    """``b(x + a(x))``: the branch through ``a`` is half of what reaches ``b``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.b(x + self.a(x))
+
+
+def _epsilon_to(tensors):
+    """A rewrite with the ε-rule (ε = 1e-6) whose redirect goes to ``tensors(module, x, output)``."""
+
+    def rewrite(module, inputs, output):
+        z = output.detach()
+        return redirect(output, tensors(module, inputs[0], output), lambda g: [g * z / stabilize(z, 1e-6)])
+
+    return rewrite
+
+
+def _under_no_grad(module, x, output):
+    with torch.no_grad():
+        return [F.linear(x, module.weight, module.bias)]
+
+
+DETACHED_REDIRECTS = {
+    "detached input": _epsilon_to(lambda m, x, o: [F.linear(x.detach(), m.weight, m.bias)]),  # the weights only
+    "all detached": _epsilon_to(lambda m, x, o: [o.detach()]),
+    "under no_grad": _epsilon_to(_under_no_grad),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DETACHED_REDIRECTS))
+def test_a_redirect_to_tensors_that_do_not_lead_back_to_the_input_is_refused(case):
+    """The gradient would reach no input: the branch through ``a`` would lose its relevance without a word (0.29
+    off on this net, as the other branch still reaches the input)."""
+    torch.manual_seed(0)
+    net = _Residual().double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    before = net(x).detach()
+    td = TensorDict(x=x, batch_size=[5])
+    mapper = {"a": Authored(DETACHED_REDIRECTS[case]), nn.Linear: EpsilonRule(1e-6)}
+    lrp = LRP(net, rule_mapper=mapper, in_keys=["x"], out_keys=["y"], target=0)
+    with pytest.raises(
+        ValueError, match="Authored on Linear: redirect was given tensors none of which leads back"
+    ) as i:
+        lrp(td)
+    assert any("the module is 'a'" in note for note in getattr(i.value, "__notes__", []))
+    assert list(td.keys(True)) == ["x"]
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in net.modules())
+    torch.testing.assert_close(net(x), before, rtol=0, atol=0)
+
+
+def test_a_gradient_for_a_detached_alias_of_the_input_is_refused():
+    """Half the relevance sent to ``x.detach()``: torch drops it (LRP-ε gave half the relevance, 0.096 off)."""
+
+    def halves(module, inputs, output):
+        (x,), z = inputs, output.detach()
+
+        def backward(g):
+            s = g * z / stabilize(z, 1e-6) / 2
+            return [s, s @ module.weight]
+
+        return redirect(output, [output, x.detach()], backward)
+
+    net = _net()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    with pytest.raises(
+        ValueError, match="Authored on Linear: .* for tensor 1 of the redirect, which does not lead back"
+    ):
+        _explain(net, Authored(halves), x)
+
+
+def test_a_gradient_of_another_dtype_is_refused():
+    """A float32 gradient for a float64 tensor, which torch casts without a word (9e-9 off LRP-ε in float64)."""
+
+    def in_float32(module, inputs, output):
+        z = output.detach()
+        return redirect(output, [output], lambda g: [(g * z / stabilize(z, 1e-6)).float()])
+
+    net = _net()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"Authored on Linear: .* dtype torch.float32 for tensor 0 .* torch.float64"):
+        _explain(net, Authored(in_float32), x)
+
+
+def test_a_gradient_for_an_input_left_unexplained_and_a_cut_branch_are_accepted():
+    """What goes nowhere on purpose: a gradient for a module input that does not require grad (``y`` left out of
+    in_keys), and an empty redirect (the branch cut). LRP-ε for ``x`` and gradient × input of ``b`` alone, written
+    out."""
+
+    class TwoInputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(3, 2))
+
+        def forward(self, x, y):
+            return x @ self.a.T + y @ self.b.T
+
+    def epsilon_to_inputs(module, inputs, output):
+        (x, y), z = inputs, output.detach()
+
+        def backward(g):
+            s = g * z / stabilize(z, 0.1)
+            return [s @ module.a, s @ module.b]
+
+        return redirect(output, [x, y.clamp(min=0)], backward)
+
+    torch.manual_seed(0)
+    net = TwoInputs().double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    module = TensorDictModule(net, in_keys=["x", "y"], out_keys=["out"])
+    lrp = LRP(module, rule_mapper={TwoInputs: Authored(epsilon_to_inputs)}, in_keys=["x"], target=0)
+    relevance = lrp(TensorDict(x=x, y=y, batch_size=[5]))["relevance", "x"]
+    with torch.no_grad():
+        z = net(x, y)
+        r_out = torch.zeros_like(z)
+        r_out[:, 0] = z[:, 0]
+    torch.testing.assert_close(relevance, x * ((r_out / stabilize(z, 0.1)) @ net.a), rtol=1e-10, atol=1e-12)
+
+    residual = _Residual().double()
+    cut = Authored(lambda m, i, o: redirect(o, [], lambda g: []))
+    lrp = LRP(residual, rule_mapper={"a": cut}, in_keys=["x"], out_keys=["y"], target=0)
+    relevance = lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"]
+    torch.testing.assert_close(relevance, x * residual.b.weight[0], rtol=1e-10, atol=1e-12)

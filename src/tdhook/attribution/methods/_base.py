@@ -37,6 +37,7 @@ from tdhook.attribution._chosen_values import chosen_action
 from tdhook.attribution._inputs import describe, feed_inputs, optional_inputs, validate_inputs
 from tdhook.attribution._kept_grads import KeptGrads
 from tdhook.attribution._keys import check_free, check_read, check_writable, read_not_written, relevance_keys
+from tdhook.attribution._loss_callers import refuse_loss_module_caller
 from tdhook.attribution._no_grad_values import caller_values_in
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action
@@ -232,6 +233,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
     @dispatch(auto_batch_size=False)
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         name = type(self).__name__
+        refuse_loss_module_caller(name, self.module, None)  # its detached outputs would give a loss no gradient
         flags = keys_explained_in_call(self, tensordict)
         if not all(flags):  # default keys: as LRP, not the flags and masks, nor recurrent states left out
             method = narrowed(self, flags)

@@ -162,11 +162,14 @@ class BufferValues:
 
     def restore(self) -> None:
         """Give every kept buffer its value back, in its own place in its module (where a :func:`buffers_kept`
-        was stopped before it put it back)."""
+        was stopped before it put it back). A buffer that holds its value still (a call that failed before the model
+        ran) is left as it is, version counter included (torch's batch norm moves its running statistics without
+        moving their version counters: the values are compared)."""
         with torch.no_grad():
             for (module, name), (buffer, value) in self._kept.items():
                 module._buffers[name] = buffer
-                buffer.copy_(value)
+                if not torch.equal(buffer, value):
+                    buffer.copy_(value)
 
 
 class _RestoredOnError:

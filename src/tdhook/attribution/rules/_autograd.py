@@ -41,7 +41,12 @@ from torch.nn import Parameter
 from tdhook.attribution.rules._keeping_graph import RelevancePass, graph_kept
 from tdhook.attribution.rules._numerics import carrying_gradient
 from tdhook.attribution.rules._recomputed import error_in_running_module
-from tdhook.attribution.rules._rewrites import RUNNING, raise_for_gradients, running_rewrite
+from tdhook.attribution.rules._rewrites import (
+    RUNNING,
+    raise_for_detached,
+    raise_for_gradients,
+    running_rewrite,
+)
 
 __all__ = [
     "redirect",
@@ -129,7 +134,9 @@ _HELD = "_tdhook_held"
 
 class _Redirect(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, backward_fn: BackwardFn, output: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx, backward_fn: BackwardFn, kept: tuple[bool, ...] | None, output: torch.Tensor, *inputs: torch.Tensor
+    ) -> torch.Tensor:
         # ``output`` is a detached alias of the module's output: marking it dirty
         # returns the very same storage with this node as its history, so later
         # in-place operations (ReLU(inplace=True), ``out += identity``) stay legal.
@@ -137,7 +144,7 @@ class _Redirect(torch.autograd.Function):
         ctx.backward_fn = backward_fn
         ctx.n_inputs = len(inputs)
         ctx.where = where = running_rewrite() if RUNNING.stack else None  # a rule of one's own: checked
-        ctx.shapes = None if where is None else tuple(t.shape for t in inputs)
+        ctx.shapes = None if where is None else _described(ctx, inputs, kept)
         # A saved tensor makes a second backward pass over a freed graph raise torch's own error: rules may
         # have written into what they kept for the first one (see backward_keeps_graph).
         ctx.save_for_backward(_FREED_GRAPH_GUARD)
@@ -149,7 +156,7 @@ class _Redirect(torch.autograd.Function):
         grads = tuple(ctx.backward_fn(grad)) if ctx.shapes is None else _checked_gradients(ctx, ctx.backward_fn(grad))
         if len(grads) != ctx.n_inputs:  # tdhook's own rules (tested against their references): the count only
             raise RuntimeError(f"a rule's backward returned {len(grads)} gradients for {ctx.n_inputs} inputs")
-        return (None, None, *grads)
+        return (None, None, None, *grads)
 
 
 class _GraphKeepingRedirect(torch.autograd.Function):
@@ -165,6 +172,7 @@ class _GraphKeepingRedirect(torch.autograd.Function):
     def forward(
         ctx,
         backward_fn: BackwardFn,
+        kept: tuple[bool, ...] | None,
         relevance_pass: RelevancePass,
         output: torch.Tensor,
         plain: torch.Tensor,
@@ -175,30 +183,41 @@ class _GraphKeepingRedirect(torch.autograd.Function):
         ctx.relevance_pass = relevance_pass
         ctx.n_inputs = len(inputs)
         ctx.where = where = running_rewrite() if RUNNING.stack else None
-        ctx.shapes = None if where is None else tuple(t.shape for t in inputs)
+        ctx.shapes = None if where is None else _described(ctx, inputs, kept)
         return output
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if not ctx.relevance_pass.is_running:
-            return (None, None, None, grad, *(None for _ in range(ctx.n_inputs)))
+            return (None, None, None, None, grad, *(None for _ in range(ctx.n_inputs)))
         grads = tuple(ctx.backward_fn(grad)) if ctx.shapes is None else _checked_gradients(ctx, ctx.backward_fn(grad))
         if len(grads) != ctx.n_inputs:  # tdhook's own rules (tested against their references): the count only
             raise RuntimeError(f"a rule's backward returned {len(grads)} gradients for {ctx.n_inputs} inputs")
-        return (None, None, None, None, *grads)
+        return (None, None, None, None, None, *grads)
+
+
+def _described(ctx: Any, inputs: tuple, kept: tuple[bool, ...] | None) -> tuple[torch.Size, ...]:
+    """The shapes of a checked redirect's ``inputs``; their dtypes and whether each leads back to the module's input
+    (``kept``) are kept on ``ctx`` for :func:`_checked_gradients`."""
+    ctx.dtypes = tuple(t.dtype for t in inputs)
+    ctx.kept = kept  # a gradient for a tensor that does not lead back to the input is relevance lost
+    return tuple(t.shape for t in inputs)
 
 
 def _checked_gradients(ctx: Any, returned: Any) -> tuple:
     """What a rule's backward returned, as a tuple; an error naming the rule and the module where it gives other
-    gradients than its redirect's tensors take (see :func:`~tdhook.attribution.rules._rewrites.raise_for_gradients`).
+    gradients than its redirect's tensors take: another count, shape or dtype, or a gradient for a tensor without
+    history (see :func:`~tdhook.attribution.rules._rewrites.raise_for_gradients`).
     """
-    shapes = ctx.shapes
+    shapes, dtypes, kept = ctx.shapes, ctx.dtypes, ctx.kept
     # A tensor for one tensor is its gradient (not a sequence of its rows); for several, a stack of their gradients.
     grads = (returned,) if len(shapes) == 1 and isinstance(returned, torch.Tensor) else tuple(returned)
     if len(grads) != len(shapes) or not all(
-        g is None or (isinstance(g, torch.Tensor) and g.shape == s) for g, s in zip(grads, shapes, strict=True)
+        g is None
+        or (isinstance(g, torch.Tensor) and g.shape == shapes[i] and g.dtype == dtypes[i] and (kept is None or kept[i]))
+        for i, g in enumerate(grads)
     ):
-        raise_for_gradients(ctx.where, shapes, grads)
+        raise_for_gradients(ctx.where, shapes, grads, dtypes, kept)
     return grads
 
 
@@ -215,9 +234,11 @@ def redirect(output: torch.Tensor, inputs: Sequence[torch.Tensor], backward_fn: 
 
     Args:
         output: the module's output.
-        inputs: tensors that receive gradient (they must require grad to be reached).
+        inputs: tensors that receive gradient (they must require grad to be reached). For a rule of one's own,
+            whose module's input requires grad, tensors none of which leads back to that input are refused, and so
+            is a gradient for one that does not: the relevance it carries would be lost.
         backward_fn: maps the gradient of the output to one gradient (or ``None``)
-            per tensor in ``inputs``.
+            per tensor in ``inputs``, of that tensor's dtype.
 
     Returns:
         A tensor equal to ``output`` whose gradient flows as ``backward_fn`` says.
@@ -231,11 +252,16 @@ def redirect(output: torch.Tensor, inputs: Sequence[torch.Tensor], backward_fn: 
         >>> torch.autograd.grad(y.sum(), x)[0]
         tensor([3., 3.])
     """
+    kept = None
+    if RUNNING.stack:  # a rule of one's own: tensors none of which leads back to the module's input lose the relevance
+        kept = raise_for_detached(inputs)
     relevance_pass = graph_kept()
     if relevance_pass is not None:
         # A copy: rebasing an alias would raise the version of the module's own output, which its backward (a
         # softmax's, a tanh's) may have saved for the plain passes.
-        result = _GraphKeepingRedirect.apply(backward_fn, relevance_pass, output.detach().clone(), output, *inputs)
+        result = _GraphKeepingRedirect.apply(
+            backward_fn, kept, relevance_pass, output.detach().clone(), output, *inputs
+        )
         result.grad_fn.metadata[_PLAIN_EDGES] = (1,)  # after the copy (no edge): the module's own output
         return result
     value = output.detach()
@@ -243,7 +269,7 @@ def redirect(output: torch.Tensor, inputs: Sequence[torch.Tensor], backward_fn: 
         # The gradient goes on to the output's own node, which saved the output (a tanh's, a softmax's): marking an
         # alias of it dirty would raise the version that node checks.
         value = value.clone()
-    return _Redirect.apply(backward_fn, value, *inputs)
+    return _Redirect.apply(backward_fn, kept, value, *inputs)
 
 
 def scale_at_node(output: torch.Tensor, scale: torch.Tensor) -> None:

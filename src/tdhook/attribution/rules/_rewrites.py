@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -40,8 +41,8 @@ from tdhook.attribution.rules._scopes import pop, push
 __all__ = [
     "RUNNING",
     "checked_rewrite",
-    "rewriting_stack",
     "running_rewrite",
+    "raise_for_detached",
     "rewrites",
     "is_own_rewrite",
     "given_inputs",
@@ -52,20 +53,16 @@ __all__ = [
 
 
 class _Running(threading.local):
-    """The rewrites of rules of one's own running on this thread, innermost last (empty, and falsy, for all others)."""
+    """The rewrites of rules of one's own running on this thread, innermost last, as ``(rule, module, inputs)``
+    (empty, and falsy, for all others): :func:`checked_rewrite` pushes a rewrite with
+    :func:`~tdhook.attribution.rules._scopes.push` and pops it when the rewrite returns (or, where an interrupt skips
+    that, the wrapper's call pops it as it ends)."""
 
     def __init__(self) -> None:
         self.stack: list = []
 
 
 RUNNING = _Running()  # ``RUNNING.stack``: read directly on the hot paths, where it is empty
-
-
-def rewriting_stack() -> list:
-    """The rewrites running on this thread, innermost last, as ``(rule, module)``: a rule's forward hook pushes its
-    rewrite with :func:`~tdhook.attribution.rules._scopes.push` and pops it when the rewrite returns (or, where an
-    interrupt skips that, the wrapper's call pops it as it ends)."""
-    return RUNNING.stack
 
 
 def running_rewrite() -> tuple[type, type] | None:
@@ -75,15 +72,15 @@ def running_rewrite() -> tuple[type, type] | None:
         >>> from tdhook.attribution.rules._scopes import pop, push
         >>> running_rewrite() is None
         True
-        >>> push(rewriting_stack(), ("rule", nn.Linear(1, 1)))
+        >>> push(RUNNING.stack, ("rule", nn.Linear(1, 1), ()))
         >>> running_rewrite() == (str, nn.Linear)
         True
-        >>> _ = pop(rewriting_stack())
+        >>> _ = pop(RUNNING.stack)
     """
     stack = RUNNING.stack
     if not stack:
         return None
-    rule, module = stack[-1]
+    rule, module, _ = stack[-1]
     return type(rule), type(module)  # the classes: a graph holds them, not the module
 
 
@@ -94,13 +91,102 @@ def rewrites(module: nn.Module) -> bool:
     Examples:
         >>> from tdhook.attribution.rules._scopes import pop, push
         >>> layer = nn.Linear(1, 1)
-        >>> push(rewriting_stack(), ("rule", layer))
+        >>> push(RUNNING.stack, ("rule", layer, ()))
         >>> rewrites(layer), rewrites(nn.Linear(1, 1))
         (True, False)
-        >>> _ = pop(rewriting_stack())
+        >>> _ = pop(RUNNING.stack)
     """
     stack = RUNNING.stack
     return bool(stack) and any(entry[1] is module for entry in stack)
+
+
+def raise_for_detached(tensors: Sequence[Any]) -> tuple[bool, ...] | None:
+    """Check ``tensors``, those a rule of one's own hands to ``redirect``, against the input of the module of the
+    innermost running rewrite, and return whether a gradient for each of them is kept (``None`` where that module
+    read no tensor that requires grad: a module of constants, nothing to check).
+
+    A tensor leads back to the input where its autograd history reaches a module input that requires grad. Raise
+    where none of ``tensors`` does (an empty list, a rule that cuts the branch, excepted): the redirect's gradient
+    would reach no input, and the relevance through the module would be lost without a word (the input was
+    detached, or the tensors computed under ``torch.no_grad()``). The error carries the module (``err.module``), so
+    that the LRP wrapper names its path. A gradient for a tensor that does not lead back is lost too: it is kept
+    (see :func:`raise_for_gradients`) only where the module also read a tensor that does not require grad (a mask,
+    an input left unexplained, whose share of the relevance goes nowhere) and the tensor is no detached alias of
+    an input that requires grad (``x.detach()``, a view of it).
+
+    Examples:
+        >>> from tdhook.attribution.rules import EpsilonRule
+        >>> from tdhook.attribution.rules._scopes import pop, push
+        >>> layer, x = nn.Linear(2, 2), torch.ones(1, 2, requires_grad=True)
+        >>> push(RUNNING.stack, (EpsilonRule(), layer, (x,)))
+        >>> raise_for_detached([layer(x), layer(x.detach()), torch.ones(2)])  # the second reaches the weight only
+        (True, False, False)
+        >>> try:
+        ...     raise_for_detached([layer(x.detach())])
+        ... except ValueError as err:
+        ...     print(str(err)[:80])
+        EpsilonRule on Linear: redirect was given tensors none of which leads back to th
+        >>> _ = pop(RUNNING.stack)
+    """
+    stack = RUNNING.stack
+    if not stack:
+        return None
+    rule, module, inputs = stack[-1]
+    tensor_inputs = [t for t in inputs if isinstance(t, torch.Tensor)]
+    read = tuple(t for t in tensor_inputs if t.requires_grad)
+    if not read:
+        return None
+    leads = tuple(_reaches(t, read) for t in tensors)
+    if tensors and not any(leads):
+        error = ValueError(
+            f"{type(rule).__name__} on {type(module).__name__}: redirect was given tensors none of which leads back "
+            "to the module's input (they do not require grad, or only through parameters: the input was detached, "
+            "or they were computed under torch.no_grad()), while the input requires grad: the gradient the redirect "
+            "sends would reach no input, and the relevance through the module would be lost. Build them from the "
+            "input without detaching it (detach the weights or the output instead)"
+        )
+        error.module = module  # type: ignore[attr-defined]  # the wrapper names its path
+        raise error
+    if len(read) == len(tensor_inputs):  # every input requires grad: what does not lead back is relevance lost
+        return leads
+    return tuple(lead or not _aliases(t, read) for lead, t in zip(leads, tensors, strict=True))
+
+
+def _aliases(tensor: Any, inputs: tuple[torch.Tensor, ...]) -> bool:
+    """Whether ``tensor`` shares the memory of one of ``inputs`` (``x.detach()``, a view of it)."""
+    if not isinstance(tensor, torch.Tensor):
+        return False
+    try:
+        pointer = tensor.untyped_storage().data_ptr()
+        return any(t.untyped_storage().data_ptr() == pointer for t in inputs)
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (a functorch wrapper)
+        return False
+
+
+# The most autograd nodes walked from one redirected tensor to the module's input; a longer history (a rule that
+# redirects to the output of a whole block) is taken to reach it.
+_WALK_LIMIT = 10_000
+
+
+def _reaches(tensor: Any, inputs: tuple[torch.Tensor, ...]) -> bool:
+    if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
+        return False
+    if any(tensor is t for t in inputs):
+        return True
+    nodes = {t.grad_fn for t in inputs if t.grad_fn is not None}
+    leaves = [t for t in inputs if t.grad_fn is None]
+    pending, seen = [tensor.grad_fn], set()
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen:
+            continue
+        if node in nodes or any(getattr(node, "variable", None) is t for t in leaves):
+            return True
+        seen.add(node)
+        if len(seen) > _WALK_LIMIT:
+            return True
+        pending.extend(child for child, _ in node.next_functions)
+    return False
 
 
 def _named(where: tuple[type, type] | None) -> str:
@@ -136,9 +222,10 @@ def _rewrite_outside_tdhook(kind: type) -> bool:
 
 
 def given_inputs(rule: Any, module: nn.Module, inputs: tuple, output: Any) -> tuple:
-    """The inputs handed to ``rule``'s rewrite of ``module``: ``inputs``, but where a rule of one's own declares
-    ``uses_input = False`` and the module ran in place (its input is its output, overwritten), ``None`` for that
-    input, so that a rule reading it fails (see :func:`note_overwritten`) rather than read the output's values.
+    """The inputs handed to ``rule``'s rewrite of ``module`` (a rule of one's own, from :func:`checked_rewrite`):
+    ``inputs``, but where the rule declares ``uses_input = False`` and the module ran in place (its input is its
+    output, overwritten), ``None`` for that input, so that a rule reading it fails (see :func:`note_overwritten`)
+    rather than read the output's values.
 
     Examples:
         >>> from tdhook.attribution.rules import Rule
@@ -154,8 +241,6 @@ def given_inputs(rule: Any, module: nn.Module, inputs: tuple, output: Any) -> tu
         (None,)
     """
     if rule.uses_input or not getattr(module, "inplace", False) or not inputs or inputs[0] is not output:
-        return inputs
-    if not is_own_rewrite(rule):
         return inputs
     return (None, *inputs[1:])
 
@@ -194,8 +279,8 @@ def checked_rewrite(rule: Any, module: nn.Module, registration: Any, inputs: tup
         Doubling on Linear: rewrite returned a tensor whose value differs from
     """
     given = given_inputs(rule, module, inputs, output)
-    rewriting = rewriting_stack()
-    push(rewriting, (rule, module))
+    rewriting = RUNNING.stack
+    push(rewriting, (rule, module, inputs))
     try:
         result = rule.rewrite(module, registration, given, output)
     except Exception as err:
@@ -259,10 +344,22 @@ def _same_value(result: torch.Tensor, output: torch.Tensor) -> bool:
         return torch.allclose(result.detach(), output.detach(), rtol=tolerance, atol=tolerance * scale, equal_nan=True)
 
 
-def raise_for_gradients(where: tuple[type, type] | None, shapes: tuple[torch.Size, ...], grads: tuple) -> None:
+def raise_for_gradients(
+    where: tuple[type, type] | None,
+    shapes: tuple[torch.Size, ...],
+    grads: tuple,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    kept: tuple[bool, ...] | None = None,
+) -> None:
     """Raise where ``grads``, what a rule's backward gave for tensors of ``shapes``, is not one gradient (or
     ``None``) per tensor, each of that tensor's shape or one torch sums down to it. ``where`` holds the classes
     of the rule and the module whose rewrite called ``redirect`` (:func:`running_rewrite`), named in the error.
+
+    With ``dtypes`` (the tensors' dtypes), a gradient of another dtype is refused: torch would cast it without a
+    word (a float32 gradient for a float64 tensor carries float32's precision only). With ``kept`` (whether each
+    tensor's gradient is kept, see :func:`raise_for_detached`), a gradient for a tensor that does not lead back to
+    the module's input is refused: torch drops it, or hands it to the parameters only, and the relevance it carries
+    is lost.
 
     Examples:
         >>> from tdhook.attribution.rules import EpsilonRule
@@ -274,6 +371,11 @@ def raise_for_gradients(where: tuple[type, type] | None, shapes: tuple[torch.Siz
         ...     print(err)  # doctest: +NORMALIZE_WHITESPACE
         EpsilonRule on Linear: the backward given to redirect returned a gradient of shape [2, 1] for tensor 0 of the
         redirect, which has shape [2, 3]
+        >>> try:
+        ...     raise_for_gradients(where, (torch.Size([2]),), (torch.ones(2),), kept=(False,))
+        ... except ValueError as err:
+        ...     print(str(err)[:103])
+        EpsilonRule on Linear: the backward given to redirect returned a gradient for tensor 0 of the redirect,
     """
     name = _named(where)
     if len(grads) != len(shapes):
@@ -293,6 +395,20 @@ def raise_for_gradients(where: tuple[type, type] | None, shapes: tuple[torch.Siz
             raise ValueError(
                 f"{name}: the backward given to redirect returned a gradient of shape {list(grad.shape)} for tensor "
                 f"{i} of the redirect, which has shape {list(shape)}"
+            )
+        if dtypes is not None and grad.dtype != dtypes[i]:
+            raise ValueError(
+                f"{name}: the backward given to redirect returned a gradient of dtype {grad.dtype} for tensor {i} of "
+                f"the redirect, which has dtype {dtypes[i]}: torch would cast it without a word, and the relevance "
+                "would carry the precision of the gradient's dtype; compute it in the tensor's dtype"
+            )
+        if kept is not None and not kept[i]:
+            raise ValueError(
+                f"{name}: the backward given to redirect returned a gradient for tensor {i} of the redirect, which "
+                "does not lead back to the module's input (it does not require grad, or only through parameters: "
+                "the input was detached, or it was computed under torch.no_grad()): the gradient and the relevance "
+                "it carries would be lost. Build the tensor from the module's input without detaching it, or "
+                "return None for it"
             )
 
 

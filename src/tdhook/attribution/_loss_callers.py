@@ -1,0 +1,81 @@
+"""A wrapper without ``create_graph`` (LRP's option; the other methods have none) called by a torchrl loss module:
+refused, naming the wrapper and the loss.
+
+A call without ``create_graph`` writes its outputs detached, as it writes the relevance (see
+docs/differentiable.md). A torchrl loss module (``DQNLoss``, ``ClipPPOLoss``, ``SACLoss``, ``DDPGLoss``) given a
+network with the wrapper inside computes its loss from those outputs: the loss then has no gradient through the
+network, and either its ``backward`` fails with torch's own error, which names no module (``DQNLoss``: "element 0
+of tensors does not require grad"), or, where another term of the loss carries a gradient (the critic's), the
+network's parameters are left untrained without a word. The wrapper finds such a caller where the call comes
+(through torch's, tensordict's and tdhook's own frames) from the code of ``torchrl.objectives`` with a
+``LossModule`` as ``self``, with gradient enabled, and refuses it. The value estimators (``GAE``, ``TD0``), which
+compute their targets without gradient, and a loss's target networks (called from its value estimator) are not
+refused.
+
+Examples:
+    >>> calling_loss_module() is None  # called from here, not by a loss module
+    True
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import tensordict
+import torch
+
+import tdhook
+
+__all__ = ["calling_loss_module", "refuse_loss_module_caller"]
+
+# The packages whose frames lie between a loss module's code and the wrapper's forward.
+_PASSED = tuple(os.path.dirname(package.__file__) + os.sep for package in (torch, tensordict, tdhook))
+_OBJECTIVES = f"{os.sep}torchrl{os.sep}objectives{os.sep}"
+_DEPTH = 40  # frames looked at, at most
+
+
+def calling_loss_module() -> Any | None:
+    """The torchrl ``LossModule`` whose code called the running wrapper, or ``None`` (torchrl not imported, or
+    another caller): the first frame outside torch, tensordict and tdhook is that loss module's code."""
+    common = sys.modules.get("torchrl.objectives.common")
+    if common is None:
+        return None
+    frame = sys._getframe(1)
+    for _ in range(_DEPTH):
+        if frame is None or not frame.f_code.co_filename.startswith(_PASSED):
+            break
+        frame = frame.f_back
+    if frame is None or _OBJECTIVES not in frame.f_code.co_filename:
+        return None
+    caller = frame.f_locals.get("self")
+    return caller if isinstance(caller, common.LossModule) else None
+
+
+def refuse_loss_module_caller(name: str, module: Any, create_graph: bool | None) -> None:
+    """Raise where a torchrl loss module calls a wrapper without ``create_graph`` with gradient enabled.
+
+    Args:
+        name: the wrapper's name, for the message.
+        module: the module the wrapper explains, named in the message.
+        create_graph: whether the wrapper keeps the graph of its outputs (then the loss trains through them);
+            ``None`` for a wrapper that has no such option (the methods other than LRP).
+
+    Raises:
+        RuntimeError: naming the wrapper, the loss module, and what to do instead.
+    """
+    if create_graph or not torch.is_grad_enabled():
+        return
+    loss = calling_loss_module()
+    if loss is None:
+        return
+    flag = "a call without create_graph writes" if create_graph is not None else "the wrapper writes"
+    option = ", or build the wrapper with create_graph=True, whose outputs keep the plain gradient"
+    raise RuntimeError(
+        f"{name}: called by torchrl's {type(loss).__name__} as one of its networks (the wrapper around "
+        f"{type(module).__name__}): {flag} its outputs detached, so the loss would have no gradient through the "
+        "network (torch's 'does not require grad' error at backward, or, where another term carries one, the network "
+        "left untrained without a word). Give the loss module the plain network and explain with the wrapper beside "
+        f"it{option if create_graph is not None else ''}"
+    )

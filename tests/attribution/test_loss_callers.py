@@ -1,0 +1,100 @@
+"""A wrapper without ``create_graph`` inside a torchrl loss module is refused by name; with it the loss trains."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+from torchrl.modules import QValueActor
+
+from tdhook.attribution import LRP, EpsilonPlus
+
+F64 = torch.float64
+
+
+def transitions(batch: int = 5) -> TensorDict:
+    torch.manual_seed(1)
+    done = torch.zeros(batch, 1, dtype=torch.bool)
+    return TensorDict(
+        observation=torch.randn(batch, 4, dtype=F64),
+        action=nn.functional.one_hot(torch.randint(2, (batch,)), 2),
+        next=TensorDict(
+            observation=torch.randn(batch, 4, dtype=F64),
+            reward=torch.randn(batch, 1, dtype=F64),
+            done=done,
+            terminated=done.clone(),
+        ),
+        batch_size=[batch],
+    )
+
+
+def dqn_gradients(wrapper: dict | None) -> list[torch.Tensor]:
+    """The gradients of ``DQNLoss`` for a Q-network, plain or with an LRP wrapper (``wrapper``: its keywords)."""
+    from torchrl.objectives import DQNLoss
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to(F64)
+    core = TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"])
+    network = core if wrapper is None else LRP(core, EpsilonPlus(), **wrapper)
+    loss = DQNLoss(QValueActor(network, in_keys=["observation"], action_space="one-hot"), action_space="one-hot")
+    loss(transitions())["loss"].backward()
+    return [p.grad.clone() for p in net.parameters()]
+
+
+def test_dqn_loss_with_a_wrapper_without_create_graph_is_refused_naming_it():
+    # Before, torch's own error at backward ("element 0 of tensors does not require grad"), naming no module.
+    with pytest.raises(RuntimeError, match=r"LRP: called by torchrl's DQNLoss .*around "):
+        dqn_gradients({})
+
+
+def test_dqn_loss_with_a_create_graph_wrapper_gives_the_plain_gradients():
+    plain = dqn_gradients(None)
+    for grad, expected in zip(dqn_gradients({"create_graph": True}), plain, strict=True):
+        torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-14)
+
+
+def test_a_ppo_loss_whose_actor_holds_a_wrapper_without_create_graph_is_refused():
+    """Before, the critic's term carried a gradient, and the actor's network was left untrained without a word."""
+    from tensordict.nn import NormalParamExtractor
+    from torchrl.modules import ProbabilisticActor, TanhNormal, ValueOperator
+    from torchrl.objectives import ClipPPOLoss
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2), NormalParamExtractor()).to(F64)
+    core = TensorDictModule(net, in_keys=["observation"], out_keys=["loc", "scale"])
+    actor = ProbabilisticActor(
+        LRP(core, EpsilonPlus(), target_key="loc"),
+        in_keys=["loc", "scale"],
+        distribution_class=TanhNormal,
+        return_log_prob=True,
+    )
+    critic = ValueOperator(nn.Linear(3, 1).to(F64), in_keys=["observation"])
+    loss = ClipPPOLoss(actor, critic)
+    batch = TensorDict(
+        observation=torch.randn(6, 3, dtype=F64),
+        action=torch.rand(6, 1, dtype=F64) * 1.8 - 0.9,
+        action_log_prob=torch.zeros(6, dtype=F64),
+        advantage=torch.randn(6, 1, dtype=F64),
+        value_target=torch.randn(6, 1, dtype=F64),
+        batch_size=[6],
+    )
+    with pytest.raises(RuntimeError, match=r"LRP: called by torchrl's ClipPPOLoss .*create_graph=True"):
+        loss(batch)
+
+
+def test_dqn_loss_with_another_method_inside_is_refused_naming_it():
+    """The methods write their outputs detached too, and have no create_graph: refused alike."""
+    from torchrl.objectives import DQNLoss
+
+    from tdhook.attribution import Saliency
+
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to(F64)
+    saliency = Saliency(TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"]))
+    loss = DQNLoss(QValueActor(saliency, in_keys=["observation"], action_space="one-hot"), action_space="one-hot")
+    with pytest.raises(RuntimeError, match=r"Saliency: called by torchrl's DQNLoss .*beside it(?!, or build)"):
+        loss(transitions())
+    assert Saliency(TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"]))(
+        transitions().select("observation")
+    )["attribution", "observation"].shape == (5, 4)  # called by the caller: explained
