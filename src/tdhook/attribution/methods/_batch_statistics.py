@@ -168,7 +168,7 @@ class BufferValues:
         with torch.no_grad():
             for (module, name), (buffer, value) in self._kept.items():
                 module._buffers[name] = buffer
-                if not torch.equal(buffer, value):
+                if buffer.is_meta or not torch.equal(buffer, value):  # a meta tensor holds no value to compare
                     buffer.copy_(value)
 
 
