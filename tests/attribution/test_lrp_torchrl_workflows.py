@@ -81,7 +81,7 @@ def float64(td: TensorDict) -> TensorDict:
     return td.apply(lambda t: t.double() if t.is_floating_point() else t)
 
 
-@pytest.mark.filterwarnings("ignore:LRP. module .*computes (lstm|gru):UserWarning")
+@pytest.mark.filterwarnings("error:LRP. module .*computes (lstm|gru):UserWarning")
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
 def test_a_recurrent_q_policy_in_a_rollout_acts_as_without_lrp_and_each_step_is_gradient_times_input(kind: str):
     """The wrapper in the policy takes the same actions and writes the same next states, bit for bit, through the
@@ -108,7 +108,7 @@ def test_a_recurrent_q_policy_in_a_rollout_acts_as_without_lrp_and_each_step_is_
             )
 
 
-@pytest.mark.filterwarnings("ignore:LRP. module .*computes (lstm|gru):UserWarning")
+@pytest.mark.filterwarnings("error:LRP. module .*computes (lstm|gru):UserWarning")
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
 def test_the_rollout_in_recurrent_mode_explains_each_step_on_every_earlier_observation(kind: str):
     """The rollout as one ``[1, T]`` sequence (trajectories split by ``is_init``), in recurrent mode with
@@ -134,7 +134,7 @@ def test_the_rollout_in_recurrent_mode_explains_each_step_on_every_earlier_obser
         assert relevance[t, start : t + 1].abs().sum(-1).gt(0).all(), t
 
 
-@pytest.mark.filterwarnings("ignore:LRP. module .*computes (lstm|gru):UserWarning")
+@pytest.mark.filterwarnings("error:LRP. module .*computes (lstm|gru):UserWarning")
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])
 def test_slices_sampled_mid_trajectory_explain_the_stored_states_they_start_from(kind: str):
     """Slices of a replay buffer start inside a trajectory (no ``is_init`` at their first step), from the recurrent

@@ -21,6 +21,7 @@ from tdhook.attribution._unmapped_layers import report_recurrent_first_layers, r
 from tdhook.attribution._unmerged_norms import layer_rules_merging, report_unmerged_norms
 from tdhook.attribution.coverage import Coverage, PlainGradientCall, reached_share
 from tdhook.attribution.rules.base import RemovableRuleHandle
+from tdhook.attribution.rules.basic import IgnoreRule
 from tdhook.attribution.targets import EveryUnit
 
 __all__ = ["CoverageRecorder"]
@@ -57,7 +58,10 @@ class CoverageRecorder:
             if h.module is not None and h.rule.decides_every_call and h.rule.is_registered(h.module)
         }
         merging = layer_rules_merging(h for h in handles if h.module is not None and id(h.module) in ruled)
-        return modes.enter_context(NonlinearCalls(rule_modes, self._watch_again).watch(modules, ruled, merging))
+        # Modules the caller mapped to IgnoreRule (a recurrent layer, a block): their plain gradient is asked for.
+        plain = {id(h.module) for h in handles if h.module is not None and _asks_plain_gradient(h.rule)}
+        watch = NonlinearCalls(rule_modes, self._watch_again).watch(modules, ruled, merging, plain)
+        return modes.enter_context(watch)
 
     def _watch_again(self) -> None:
         """The watched call was refused in its backward pass (a hook of the caller's changed a gradient): the next
@@ -112,3 +116,9 @@ class CoverageRecorder:
 
 def _detached(value: object) -> object:
     return value.detach() if isinstance(value, torch.Tensor) and value.requires_grad else value
+
+
+def _asks_plain_gradient(rule: Any) -> bool:
+    """Whether ``rule`` is an :class:`~tdhook.attribution.rules.basic.IgnoreRule` the caller mapped a module to (the
+    plain gradient of all it computes), not the presets' own for modules whose gradient routes relevance."""
+    return isinstance(rule, IgnoreRule) and rule._plain_inside

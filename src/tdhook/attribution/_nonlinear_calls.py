@@ -312,8 +312,10 @@ class NonlinearCalls(TorchFunctionMode):
         self._modules: Mapping[str, nn.Module] = {}
         self._stack: list[str] = []
         self._ruled_depth = 0
-        # Per module call: its name, the autograd sequence numbers of the nodes it created (from, to), and
-        # whether a rule covers it. An autograd Function's node is found in the graph, and its module from these.
+        self._plain_depth = 0  # inside modules the caller mapped to IgnoreRule: their plain gradient is asked for
+        # Per module call: its name, the autograd sequence numbers of the nodes it created (from, to), whether a
+        # rule covers it, and whether the caller asked for its plain gradient. An autograd Function's node is found
+        # in the graph, and its module from these.
         self._spans: list[list] = []
         self._open: list[list] = []
 
@@ -365,7 +367,8 @@ class NonlinearCalls(TorchFunctionMode):
             return
         if kwargs:  # a product's factors, a function's input, given by keyword: where the function modes read them
             args, kwargs = positional_factors(func, args, kwargs)
-        if (detached_sum := self._straight_through.note(func, args, result, kwargs)) is not None:
+        plain = self._plain_depth > 0
+        if not plain and (detached_sum := self._straight_through.note(func, args, result, kwargs)) is not None:
             self._calls.append((self._stack[-1] if self._stack else "", detached_sum, _grad_fn(result)))
             return
         if not _is_activation_result(result):
@@ -375,6 +378,8 @@ class NonlinearCalls(TorchFunctionMode):
             where = self._stack[-1] if self._stack else ""
             if draw(self._modules.get(where)) is None:  # a Dropout module (or one that draws) is warned of by name
                 self._dropouts.append((where, f"dropout (p={p})", _grad_fn(result)))
+            return
+        if plain:  # in a module the caller mapped to IgnoreRule: the plain gradient it asked for, no call to report
             return
         self._offsets.note(function_kind(func)[0], args, result)
         self._broadcasts.note(function_kind(func)[0], args, result)
@@ -498,14 +503,18 @@ class NonlinearCalls(TorchFunctionMode):
             # called last (the spans are in the order of the calls).
             spans = [span for span in self._spans if span[1] <= number < span[2]]
             if spans:
-                name, _, _, ruled = max(reversed(spans), key=lambda span: span[1])
-                if not ruled:
+                name, _, _, ruled, plain = max(reversed(spans), key=lambda span: span[1])
+                if not (ruled or plain):
                     calls.append((name, f"{function.__name__} (an autograd.Function with its own backward)", node))
         return calls
 
     @contextlib.contextmanager
     def watch(
-        self, modules: Mapping[str, nn.Module], ruled: set[int], layer_rules: Mapping[int, Any] | None = None
+        self,
+        modules: Mapping[str, nn.Module],
+        ruled: set[int],
+        layer_rules: Mapping[int, Any] | None = None,
+        plain: set[int] | frozenset[int] = frozenset(),
     ) -> Iterator[NonlinearCalls]:
         """Run the block in this mode, knowing which module runs each call.
 
@@ -514,24 +523,28 @@ class NonlinearCalls(TorchFunctionMode):
             ruled: ``id`` of every module that has a rule of its own (calls inside it are not watched).
             layer_rules: ``id`` of a Linear or convolution layer → its rule, for the layers whose rule would merge
                 a BatchNorm module that follows them into the layer (see :meth:`found_unmerged_norms`).
+            plain: ``id`` of every module the caller mapped to the plain gradient (an
+                :class:`~tdhook.attribution.rules.basic.IgnoreRule` of its own): the nonlinear calls inside it are
+                what was asked for, and are not reported.
         """
         layer_rules = layer_rules or {}
         self._modules = modules
         hooks = []
 
-        def enter(name: str, has_rule: bool):
+        def enter(name: str, has_rule: bool, is_plain: bool):
             def hook(module: nn.Module, args: tuple) -> None:
                 mark_parameter_slots(module)  # parameters put in by ``to_module`` are parameters, not activations
                 self._stack.append(name)
                 self._ruled_depth += has_rule
+                self._plain_depth += is_plain
                 number = _next_sequence_number()
-                span = [name, number, number, self._ruled_depth > 0]
+                span = [name, number, number, self._ruled_depth > 0, self._plain_depth > 0]
                 self._spans.append(span)
                 self._open.append(span)
 
             return hook
 
-        def leave(name: str, has_rule: bool):
+        def leave(name: str, has_rule: bool, is_plain: bool):
             rule = layer_rules.get(id(modules[name]))
             # A recurrent layer with a rule, or a ReLU RNN (LRP-0 by its plain gradient): no first-layer rule.
             is_recurrent = isinstance(modules[name], (nn.RNNBase, nn.RNNCellBase)) and (
@@ -548,6 +561,7 @@ class NonlinearCalls(TorchFunctionMode):
                 if self._stack:
                     self._stack.pop()
                 self._ruled_depth -= has_rule
+                self._plain_depth -= is_plain
                 if self._open:
                     self._open.pop()[2] = _next_sequence_number()
 
@@ -555,9 +569,9 @@ class NonlinearCalls(TorchFunctionMode):
 
         try:
             for name, module in modules.items():
-                has_rule = id(module) in ruled
-                hooks.append(module.register_forward_pre_hook(enter(name, has_rule)))
-                hooks.append(module.register_forward_hook(leave(name, has_rule), always_call=True))
+                has_rule, is_plain = id(module) in ruled, id(module) in plain
+                hooks.append(module.register_forward_pre_hook(enter(name, has_rule, is_plain)))
+                hooks.append(module.register_forward_hook(leave(name, has_rule, is_plain), always_call=True))
             with self, backward_hooks_checked(modules, self._refused):
                 yield self
         finally:
@@ -566,7 +580,7 @@ class NonlinearCalls(TorchFunctionMode):
             self._stack.clear()
             self._modules = {}
             self._open.clear()
-            self._ruled_depth = 0
+            self._ruled_depth = self._plain_depth = 0
             self._straight_through.forget()
             self._layer_outputs.clear()
             self._offsets.forget()

@@ -44,7 +44,9 @@ def ragged_entries(tensordict: TensorDictBase, prefix: tuple = ()) -> dict[tuple
     return found
 
 
-def raise_for_ragged(tensordict: TensorDictBase, keys: Sequence[NestedKey], what: str, error: Exception) -> None:
+def raise_for_ragged(
+    tensordict: TensorDictBase, keys: Sequence[NestedKey], what: str, error: Exception, owner: str = "LRP"
+) -> None:
     """Raise a ``ValueError`` naming the ragged keys of ``tensordict`` among ``keys`` (or every ragged key, where
     none of ``keys`` is) when ``error`` came from reading one; return where ``tensordict`` holds none.
 
@@ -53,6 +55,7 @@ def raise_for_ragged(tensordict: TensorDictBase, keys: Sequence[NestedKey], what
         keys: the keys read (``"input"`` or ``"output"``, as ``what`` says).
         what: what the keys are, for the message.
         error: the error the read raised, chained to the one raised here.
+        owner: the wrapper that read them (``"LRP"``, ``"Saliency"``, ...), at the head of the message.
     """
     ragged = ragged_entries(tensordict)
     if not ragged:
@@ -61,7 +64,7 @@ def raise_for_ragged(tensordict: TensorDictBase, keys: Sequence[NestedKey], what
     named = {key: shapes for key, shapes in ragged.items() if unravel_key(key) in wanted} or ragged
     listed = "; ".join(f"{key!r}: entries of shapes {shapes}" for key, shapes in named.items())
     raise ValueError(
-        f"LRP: the {what} {listed} is held by a lazily stacked TensorDict whose entries differ in shape (agents "
+        f"{owner}: the {what} {listed} is held by a lazily stacked TensorDict whose entries differ in shape (agents "
         "with observations or actions of different sizes), which reads as no one tensor, so it cannot be explained "
         "or take a relevance of its shape; put the agents of each shape in a group of their own (torchrl's "
         "group_map) and explain each group's keys, or pad the entries to one shape"

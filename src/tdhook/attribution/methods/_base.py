@@ -25,6 +25,7 @@ import contextlib
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tensordict import TensorDictBase
@@ -41,6 +42,7 @@ from tdhook.attribution._loss_callers import refuse_loss_module_caller
 from tdhook.attribution._no_grad_values import caller_values_in
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action
+from tdhook.attribution._ragged_stacks import raise_for_ragged
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
 from tdhook.attribution._run_errors import run_error
 from tdhook.attribution._running_statistics import refuse_moving_statistics
@@ -234,7 +236,11 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         name = type(self).__name__
         refuse_loss_module_caller(name, self.module, None)  # its detached outputs would give a loss no gradient
-        flags = keys_explained_in_call(self, tensordict)
+        try:
+            flags = keys_explained_in_call(self, tensordict)
+        except RuntimeError as err:  # a lazy stack of entries of different shapes is named, as LRP names it
+            raise_for_ragged(tensordict, self.explained_keys, "input", err, name)
+            raise
         if not all(flags):  # default keys: as LRP, not the flags and masks, nor recurrent states left out
             method = narrowed(self, flags)
             try:
@@ -256,6 +262,8 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
                 validate_inputs(tensordict, self.explained_keys)
                 check_writable(tensordict, self.relevance_keys)
         except (KeyError, TypeError, RuntimeError) as err:
+            if isinstance(err, RuntimeError):
+                raise_for_ragged(tensordict, self.explained_keys, "input", err, name)
             raise _rename(err, name) from None
         for key in self.explained_keys:
             value = tensordict.get(key)
@@ -381,17 +389,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
                 "random from call to call; call .eval() on the model for a deterministic one"
             )
             self._warned = True  # once warned: a warning the caller's filter made an error is given again
-        try:
-            target_key = resolve_target_key(result, *self._target)
-        except KeyError as err:
-            raise _rename(err, name) from None
-        target = self.target
-        # A chosen action's value follows the greedy action of each perturbed input: the methods that evaluate such
-        # inputs explain the value of the action chosen here (the action values at that action), as LRP does.
-        chosen = chosen_action(self.module, target_key, result) if target is None and self._evaluates_copies else None
-        if chosen is not None:
-            target_key, target = chosen
-        output = target_output(result, target_key, self._target[1])
+        target_key, target, output = _read_target(self, result)
         if not isinstance(output, torch.Tensor) or not output.is_floating_point():
             raise TypeError(
                 f"{name}: target {target_key!r} is {describe(output)}; pass target_key=<a floating-point output>"
@@ -525,6 +523,28 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         with torch.enable_grad():
             objective = self._contract(call, call.output, None)
             return self._gradients(objective, call.leaves)
+
+
+def _read_target(method: AttributionMethod, result: TensorDictBase) -> tuple[NestedKey, Any, Any]:
+    """The target's key, the target and the output ``method`` explains, read from its first pass's ``result``; a
+    target held by a lazy stack of entries of different shapes is refused by name, as LRP refuses it."""
+    name = type(method).__name__
+    try:
+        try:
+            target_key = resolve_target_key(result, *method._target)
+        except KeyError as err:
+            raise _rename(err, name) from None
+        target = method.target
+        # A chosen action's value follows the greedy action of each perturbed input: the methods that evaluate such
+        # inputs explain the value of the action chosen here (the action values at that action), as LRP does.
+        evaluates = target is None and method._evaluates_copies
+        chosen = chosen_action(method.module, target_key, result) if evaluates else None
+        if chosen is not None:
+            target_key, target = chosen
+        return target_key, target, target_output(result, target_key, method._target[1])
+    except RuntimeError as err:
+        raise_for_ragged(result, [key for key in [method._target[0]] if key is not None], "output", err, name)
+        raise
 
 
 @contextlib.contextmanager

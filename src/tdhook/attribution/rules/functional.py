@@ -61,7 +61,12 @@ from tdhook.attribution.rules._held_statistics import (
     norm_call,
     statistic_factors,
 )
-from tdhook.attribution.rules._in_place_activations import activation_in_place, calls_in_place
+from tdhook.attribution.rules._in_place_activations import (
+    IN_PLACE_FORMS,
+    activation_in_place,
+    calls_in_place,
+    out_of_place,
+)
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint, saved_tensors_hooked
@@ -106,6 +111,7 @@ _ACTIVATION_FUNCTIONS = frozenset(
     {F.gelu, F.silu, F.mish, F.elu, F.selu, F.celu, F.softplus, F.sigmoid, F.hardsigmoid, F.tanh, F.hardswish}
     | {F.leaky_relu}
     | {torch.tanh, torch.sigmoid, torch.Tensor.tanh, torch.Tensor.sigmoid}
+    | set(IN_PLACE_FORMS)
 )
 
 
@@ -219,8 +225,9 @@ class FunctionalRules(TorchFunctionMode):
     * ``F.scaled_dot_product_attention``: the same rules as the unfused
       ``softmax(q · kᵀ) · v``; with a non-zero softmax ε, or in a call that keeps the
       relevance's graph (the fused kernels have no second derivative), it is computed unfused;
-    * functional activations (``F.gelu``, ``F.silu``, ``torch.tanh``, …) and clipping calls (``clamp``,
-      ``clamp_min``, ``clamp_max``, ``clip``, ``F.hardtanh``, ``F.relu6``, in place too; ``torch.maximum``,
+    * functional activations (``F.gelu``, ``F.silu``, ``torch.tanh``, …, in place too: ``h.sigmoid_()``,
+      ``F.elu_``) and clipping calls (``clamp``, ``clamp_min``, ``clamp_max``, ``clip``, ``F.hardtanh``,
+      ``F.relu6``, in place too; ``torch.maximum``,
       ``minimum``, ``fmax``, ``fmin`` of an activation and a constant): ``activation`` (a
       :class:`PseudoIdentityRule`); a clip of a statistic that normalises (``norm.clamp_min(eps)``, a divisor's
       guard) keeps its plain gradient (see :mod:`~tdhook.attribution.rules._statistics`);
@@ -368,7 +375,7 @@ class FunctionalRules(TorchFunctionMode):
         if func in _ACTIVATION_FUNCTIONS and args and is_activation(args[0]):
             if calls_in_place(func, args, kwargs):  # the rule on a copy of the input: the call overwrites it
                 result, source = activation_in_place(func, args, kwargs, self.activation.apply, self.activation)
-                return mark_gate(result, source, sigmoid=True) if func in GATE_FUNCTIONS else result
+                return mark_gate(result, source, sigmoid=True) if out_of_place(func) in GATE_FUNCTIONS else result
             output = func(*args, **kwargs)
             if recording is not None and func in GATE_FUNCTIONS and graph_kept() is None and output.grad_fn is not None:
                 # A sigmoid-like gate, held where a product takes it: its own rule would change nothing there.

@@ -82,6 +82,8 @@ GATE_MARK = "_tdhook_activation_of"
 # The attribute that marks a sigmoid-like gate, a value in [0, 1]: held first where both factors are marked.
 SIGMOID_MARK = "_tdhook_sigmoid_gate"
 GATE_FUNCTIONS = frozenset({torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, F.hardsigmoid})
+# The sigmoid computed in place (``h.sigmoid_()``): a gate as well, held where a product takes it.
+_GATES_IN_PLACE = frozenset({torch.sigmoid_, torch.Tensor.sigmoid_})
 # Operations that rearrange, copy or cast values: a gate stays a gate through them.
 SAME_VALUES = frozenset(
     {torch.Tensor.view, torch.Tensor.view_as, torch.Tensor.reshape, torch.reshape, torch.Tensor.expand}
@@ -367,10 +369,11 @@ class HeldGates(TorchFunctionMode):
                 result = bound_passing(func, args, kwargs, signal, _PASS_CLIPS.apply, _PASS_CLIPS)
                 self.clips.append(result.grad_fn)
                 return result
-        if func in GATE_FUNCTIONS:  # a gate computed under torch.vmap is neither seen nor held
+        gate = func in GATE_FUNCTIONS or func in _GATES_IN_PLACE
+        if gate:  # a gate computed under torch.vmap is neither seen nor held
             raise_for_transformed_call("gates held constant in products", args[:1])
         result = mark_parameter_derived(args, func(*args, **kwargs), func)
-        if func in GATE_FUNCTIONS and args and is_activation(args[0]) and isinstance(result, torch.Tensor):
+        if gate and args and is_activation(args[0]) and isinstance(result, torch.Tensor):
             return mark_gate(result, args[0], sigmoid=True)
         return keep_gate_mark(func, args, result, kwargs)
 
