@@ -13,35 +13,13 @@ import re
 import pytest
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict
-from tensordict.nn import TensorDictModuleBase
-from torch import nn
 
 from tdhook.attribution import InputXGradient
 from tests.attribution._helpers import assert_unchanged, state_snapshot
 from tests.attribution.methods.test_base import METHODS
+from tests.attribution.test_lrp_torchrl_workflows import HeterogeneousAgents as Agents
 
 F64 = torch.float64
-
-
-class Agents(TensorDictModuleBase):
-    """One network per agent, each reading its own entry of the lazily stacked ``"agents"`` (observations of
-    ``sizes``) and writing its action values (``actions`` of them) there."""
-
-    in_keys = [("agents", "observation")]
-    out_keys = [("agents", "action_value")]
-
-    def __init__(self, sizes: list[int], actions: list[int]) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.nets = nn.ModuleList(
-            nn.Sequential(nn.Linear(size, 5), nn.Tanh(), nn.Linear(5, n)).to(F64)
-            for size, n in zip(sizes, actions, strict=True)
-        )
-
-    def forward(self, td: TensorDict) -> TensorDict:
-        for net, agent in zip(self.nets, td["agents"].tensordicts, strict=True):
-            agent["action_value"] = net(agent["observation"])
-        return td
 
 
 def agents(sizes: list[int]) -> TensorDict:
