@@ -34,12 +34,13 @@ __all__ = ["calling_loss_module", "refuse_loss_module_caller"]
 _PASSED = tuple(os.path.dirname(package.__file__) + os.sep for package in (torch, tensordict, tdhook))
 _OBJECTIVES = f"{os.sep}torchrl{os.sep}objectives{os.sep}"
 _DEPTH = 40  # frames looked at, at most
+_COMMON = "torchrl.objectives.common"  # imported with any of torchrl's loss modules
 
 
 def calling_loss_module() -> Any | None:
     """The torchrl ``LossModule`` whose code called the running wrapper, or ``None`` (torchrl not imported, or
     another caller): the first frame outside torch, tensordict and tdhook is that loss module's code."""
-    common = sys.modules.get("torchrl.objectives.common")
+    common = sys.modules.get(_COMMON)
     if common is None:
         return None
     frame = sys._getframe(1)
@@ -53,19 +54,20 @@ def calling_loss_module() -> Any | None:
     return caller if isinstance(caller, common.LossModule) else None
 
 
-def refuse_loss_module_caller(name: str, module: Any, create_graph: bool | None) -> None:
+def refuse_loss_module_caller(name: str, wrapper: Any, create_graph: bool | None) -> None:
     """Raise where a torchrl loss module calls a wrapper without ``create_graph`` with gradient enabled.
 
     Args:
         name: the wrapper's name, for the message.
-        module: the module the wrapper explains, named in the message.
+        wrapper: the wrapper; the class of the module it explains is named in the message.
         create_graph: whether the wrapper keeps the graph of its outputs (then the loss trains through them);
             ``None`` for a wrapper that has no such option (the methods other than LRP).
 
     Raises:
         RuntimeError: naming the wrapper, the loss module, and what to do instead.
     """
-    if create_graph or not torch.is_grad_enabled():
+    # Every call passes here: the cheap tests first (torchrl's losses not imported, no gradient), no frame walked.
+    if create_graph or _COMMON not in sys.modules or not torch.is_grad_enabled():
         return
     loss = calling_loss_module()
     if loss is None:
@@ -74,8 +76,8 @@ def refuse_loss_module_caller(name: str, module: Any, create_graph: bool | None)
     option = ", or build the wrapper with create_graph=True, whose outputs keep the plain gradient"
     raise RuntimeError(
         f"{name}: called by torchrl's {type(loss).__name__} as one of its networks (the wrapper around "
-        f"{type(module).__name__}): {flag} its outputs detached, so the loss would have no gradient through the "
-        "network (torch's 'does not require grad' error at backward, or, where another term carries one, the network "
-        "left untrained without a word). Give the loss module the plain network and explain with the wrapper beside "
-        f"it{option if create_graph is not None else ''}"
+        f"{type(wrapper.module).__name__}): {flag} its outputs detached, so the loss would have no gradient through "
+        "the network (torch's 'does not require grad' error at backward, or, where another term carries one, the "
+        "network left untrained without a word). Give the loss module the plain network and explain with the wrapper "
+        f"beside it{option if create_graph is not None else ''}"
     )

@@ -387,7 +387,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
 
     @_uncompiled_dispatch
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        refuse_loss_module_caller("LRP", self.module, self.create_graph)  # its outputs would give no gradient
+        refuse_loss_module_caller("LRP", self, self.create_graph)  # its outputs would give no gradient
         # One call at a time (docs/guarantees.md); one that fails leaves the running statistics as they were.
         with self._lock, buffers_restored_on_error(self.module, self._buffer_holders), self._grads.kept(self._handles):
             entering = self._handles is None and not self._inactive

@@ -235,7 +235,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
     @dispatch(auto_batch_size=False)
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         name = type(self).__name__
-        refuse_loss_module_caller(name, self.module, None)  # its detached outputs would give a loss no gradient
+        refuse_loss_module_caller(name, self, None)  # its detached outputs would give a loss no gradient
         try:
             flags = keys_explained_in_call(self, tensordict)
         except RuntimeError as err:  # a lazy stack of entries of different shapes is named, as LRP names it
