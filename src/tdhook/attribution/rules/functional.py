@@ -281,7 +281,7 @@ class FunctionalRules(TorchFunctionMode):
         # Most calls, and a maximum or minimum that clips no activation at a constant: run, and mark what the rules
         # read later (no rule of their own).
         if (
-            (func not in _HANDLED and not generated_linear(func, args, kwargs))
+            (func not in _HANDLED and not (func is F.linear and generated_linear(func, args, kwargs)))
             or (func in BOUNDS and bounded_signal(func, args, kwargs) is None)
             or (func in DIVISIONS and not divides_by_statistic(args, kwargs))
         ):
