@@ -10,7 +10,7 @@ from zennit import rules as zrules
 
 from tdhook.attribution import LRP, AttnLRP
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule, StopRule, UniformEpsilonRule, UniformRule
-from tests.attribution.rules._helpers import LAYERS, TOL, make_layer, output_relevance
+from tests.attribution.rules._helpers import LAYERS, TOL, assert_rule_matches_zennit, make_layer, output_relevance
 from tests.attribution.rules._helpers import RULE_PAIRS as ALL_RULE_PAIRS
 from tests.conftest import relative_error, tdhook_relevance, zennit_relevance
 
@@ -21,13 +21,7 @@ class TestAgainstZennit:
     @pytest.mark.parametrize("kind", LAYERS)
     @pytest.mark.parametrize("rule_name", sorted(RULE_PAIRS))
     def test_rule_matches_zennit(self, rule_name: str, kind: str):
-        ours, theirs = RULE_PAIRS[rule_name]
-        layer, x = make_layer(kind)
-        r_out = output_relevance(layer, x)
-        expected = zennit_relevance(theirs(), layer, x, r_out)
-        actual = tdhook_relevance(ours(), layer, x, r_out)
-        assert actual.shape == x.shape
-        assert relative_error(actual, expected) <= TOL
+        assert_rule_matches_zennit(rule_name, kind)
 
     @pytest.mark.parametrize("activation", [nn.Tanh(), nn.ELU(), nn.Sigmoid(), nn.SiLU(), nn.ReLU(), nn.GELU()])
     def test_pass_matches_zennit(self, activation: nn.Module):

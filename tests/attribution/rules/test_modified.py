@@ -9,9 +9,20 @@ from torch import nn
 from zennit import rules as zrules
 
 from tdhook.attribution import LRP
-from tdhook.attribution.rules.basic import EpsilonRule
 from tdhook.attribution.rules.modified import AlphaBetaRule, GammaRule
-from tests.attribution.rules._helpers import LAYERS, TOL, make_layer, output_relevance, spy
+from tests.attribution.rules._helpers import (
+    LAYERS,
+    TOL,
+    assert_an_expanded_output_gradient_gives_the_contiguous_result,
+    assert_an_unbatched_input_gives_the_batched_result,
+    assert_repeated_backward_over_one_forward_gives_the_same_gradient,
+    assert_rule_matches_zennit,
+    assert_transposed_convolution_with_output_padding_past_the_stride_matches_zennit,
+    assert_vectorized_jacobian_equals_the_unit_by_unit_one,
+    make_layer,
+    output_relevance,
+    spy,
+)
 from tests.attribution.rules._helpers import RULE_PAIRS as ALL_RULE_PAIRS
 from tests.conftest import relative_error, tdhook_relevance, zennit_relevance
 
@@ -22,13 +33,7 @@ class TestAgainstZennit:
     @pytest.mark.parametrize("kind", LAYERS)
     @pytest.mark.parametrize("rule_name", sorted(RULE_PAIRS))
     def test_rule_matches_zennit(self, rule_name: str, kind: str):
-        ours, theirs = RULE_PAIRS[rule_name]
-        layer, x = make_layer(kind)
-        r_out = output_relevance(layer, x)
-        expected = zennit_relevance(theirs(), layer, x, r_out)
-        actual = tdhook_relevance(ours(), layer, x, r_out)
-        assert actual.shape == x.shape
-        assert relative_error(actual, expected) <= TOL
+        assert_rule_matches_zennit(rule_name, kind)
 
     @pytest.mark.parametrize("kind", LAYERS)
     @pytest.mark.parametrize("rule_name", ["gamma", "gamma-nobias", "zplus", "alpha2beta1"])
@@ -146,79 +151,24 @@ class TestFastPaths:
 
     @pytest.mark.parametrize("rule_name", ["zplus", "gamma"])
     def test_an_expanded_output_gradient_gives_the_contiguous_result(self, rule_name):
-        # out.sum() sends back an expanded gradient: the element-wise work then runs on whole tensors.
-        layer, x = make_layer("conv2d")
-        x = x.clamp(min=0)
-
-        def relevance(expanded: bool) -> torch.Tensor:
-            rule, leaf = RULE_PAIRS[rule_name][0](), x.clone().requires_grad_(True)
-            with rule.register(layer) as handle:
-                out = layer(leaf)
-                grad_out = torch.ones(()).double().expand_as(out) if expanded else torch.ones_like(out)
-                assert grad_out.is_contiguous() != expanded
-                grad = torch.autograd.grad(out, leaf, grad_out)[0]
-                return leaf.detach() * grad + sum(rest for _, rest in handle.pop_records())
-
-        torch.testing.assert_close(relevance(expanded=True), relevance(expanded=False), rtol=1e-12, atol=1e-14)
+        assert_an_expanded_output_gradient_gives_the_contiguous_result(rule_name)
 
     @pytest.mark.parametrize("rule_name", ["zplus", "gamma"])
     @pytest.mark.parametrize("kind", ["linear", "conv2d"])
     def test_an_unbatched_input_gives_the_batched_result(self, rule_name, kind):
-        layer, x = make_layer(kind)
-        x = x.clamp(min=0)  # the z⁺ and γ paths without a forward pass for x⁻
-        sample = x[1] if kind == "conv2d" else x[1, :]
-        r_out = output_relevance(layer, x)
-        batched = tdhook_relevance(RULE_PAIRS[rule_name][0](), layer, x, r_out)
-        rule = RULE_PAIRS[rule_name][0]()
-        lrp = LRP(
-            layer,
-            rule_mapper=lambda n, m: rule if m is layer else None,
-            in_keys=["x"],
-            out_keys=["y"],
-            target=lambda y: r_out[1],
-        )
-        single = lrp(TensorDict(x=sample.clone()))["relevance", "x"]
-        assert relative_error(single, batched[1]) <= 1e-12
+        assert_an_unbatched_input_gives_the_batched_result(rule_name, kind)
 
     @pytest.mark.parametrize("rule_name", ["zplus", "gamma", "gamma-positive-outputs"])
     def test_repeated_backward_over_one_forward_gives_the_same_gradient(self, rule_name):
-        # A backward that frees the graph may write into what the rule saved; one that keeps it must not.
-        rule = RULE_PAIRS[rule_name.removesuffix("-positive-outputs")][0]()
-        layer, x = make_layer("conv2d")
-        x = x.clamp(min=0).requires_grad_(True)
-        with rule.register(layer):
-            out = layer(x)
-            grad = torch.randn_like(out)
-            if rule_name.endswith("-positive-outputs"):
-                grad = grad * (out > 0)
-            first = torch.autograd.grad(out, x, grad, retain_graph=True)[0]
-            second = torch.autograd.grad(out, x, grad, retain_graph=True)[0]
-            last = torch.autograd.grad(out, x, grad)[0]
-        assert torch.equal(first, second)
-        assert torch.equal(first, last)
+        assert_repeated_backward_over_one_forward_gives_the_same_gradient(rule_name)
 
     @pytest.mark.parametrize("rule_name", ["zplus", "alpha2beta1", "gamma-after-relu"])
     def test_vectorized_jacobian_equals_the_unit_by_unit_one(self, rule_name):
-        # Batched gradients (is_grads_batched) must not be written into the rule's saved tensors.
-        net = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)).double()
-        x = torch.randn(2, 4, dtype=torch.float64)
-        rule, second = RULE_PAIRS[rule_name.removesuffix("-after-relu")][0](), EpsilonRule()
-        if rule_name.endswith("-after-relu"):  # the γ paths for inputs x ≥ 0
-            rule, second = second, rule
-        with rule.register(net[0]), second.register(net[2]):
-            vectorized = torch.autograd.functional.jacobian(net, x, vectorize=True)
-            unit_by_unit = torch.autograd.functional.jacobian(net, x)
-        assert torch.allclose(vectorized, unit_by_unit, rtol=1e-12, atol=1e-14)
+        assert_vectorized_jacobian_equals_the_unit_by_unit_one(rule_name)
 
     @pytest.mark.parametrize("rule_name", ["zplus", "gamma"])
     def test_transposed_convolution_with_output_padding_past_the_stride_matches_zennit(self, rule_name):
-        # Its transposed product runs past the input's end; the direct paths keep the input's positions.
-        layer = nn.ConvTranspose1d(2, 3, 3, stride=1, dilation=2, output_padding=1).double()
-        x = torch.randn(2, 2, 6, dtype=torch.float64).abs()
-        ours, theirs = RULE_PAIRS[rule_name]
-        r_out = output_relevance(layer, x)
-        expected = zennit_relevance(theirs(), layer, x, r_out)
-        assert relative_error(tdhook_relevance(ours(), layer, x, r_out), expected) <= TOL
+        assert_transposed_convolution_with_output_padding_past_the_stride_matches_zennit(rule_name)
 
 
 # Layer options users set that change which inputs an output reads: groups, dilation, strides past the kernel,
