@@ -47,6 +47,13 @@ def _epsilon_relevance(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return x * ((r_hidden / stabilize(h, 1e-6)) @ net[0].weight)
 
 
+def _assert_left_as_it_was(net: nn.Module, td: TensorDict, x: torch.Tensor, before: torch.Tensor) -> None:
+    """A refused call wrote nothing into ``td``, left no hook on ``net``, and ``net(x)`` still gives ``before``."""
+    assert list(td.keys(True)) == ["x"]  # nothing written
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in net.modules())
+    torch.testing.assert_close(net(x), before, rtol=0, atol=0)
+
+
 WRONG_OUTPUTS = {
     "scaled": (lambda m, i, o: 2 * o, ValueError, "value differs from the module's output"),
     "shifted redirect": (
@@ -71,9 +78,7 @@ def test_a_rewrite_with_another_output_is_refused(case):
     with pytest.raises(kind, match=f"Authored on Linear: rewrite returned .*{message}") as info:
         lrp(td)
     assert any("the module is '0'" in note for note in getattr(info.value, "__notes__", []))
-    assert list(td.keys(True)) == ["x"]  # nothing written
-    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in net.modules())
-    torch.testing.assert_close(net(x), before, rtol=0, atol=0)
+    _assert_left_as_it_was(net, td, x, before)
 
 
 def test_a_rewrite_that_recomputes_the_output_with_other_rounding_is_accepted():
@@ -269,37 +274,51 @@ def test_a_rule_on_a_module_called_twice_gets_each_call():
     torch.testing.assert_close(relevance, expected, rtol=1e-10, atol=1e-12)
 
 
-def test_a_rule_on_a_module_with_two_inputs_redirects_to_both():
-    """``x @ A.T + y @ B.T`` with the ε-rule (ε = 0.1) split over its two inputs, written out per input key."""
+class _TwoInputs(nn.Module):
+    """``x @ A.T + y @ B.T``."""
 
-    class TwoInputs(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(3, 2))
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(3, 2))
 
-        def forward(self, x, y):
-            return x @ self.a.T + y @ self.b.T
+    def forward(self, x, y):
+        return x @ self.a.T + y @ self.b.T
 
-    def epsilon_to_inputs(module, inputs, output):
+
+def _epsilon_to_inputs(second=lambda y: y):
+    """A rewrite of :class:`_TwoInputs` with the ε-rule (ε = 0.1) split over its two inputs, whose redirect goes to
+    ``x`` and ``second(y)``."""
+
+    def rewrite(module, inputs, output):
         (x, y), z = inputs, output.detach()
 
         def backward(g):
             s = g * z / stabilize(z, 0.1)
             return [s @ module.a, s @ module.b]
 
-        return redirect(output, [x, y], backward)
+        return redirect(output, [x, second(y)], backward)
 
+    return rewrite
+
+
+def _two_inputs_and_shares() -> tuple[_TwoInputs, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A :class:`_TwoInputs` in float64, its inputs, and ``R / stabilize(z, 0.1)`` for ``R`` its output 0 alone."""
     torch.manual_seed(0)
-    net = TwoInputs().double()
+    net = _TwoInputs().double()
     x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
-    mapper = {TwoInputs: Authored(epsilon_to_inputs)}
-    lrp = LRP(net, rule_mapper=mapper, in_keys=["x", "y"], out_keys=["out"], target=0)
-    td = lrp(TensorDict(x=x, y=y, batch_size=[5]))
     with torch.no_grad():
         z = net(x, y)
         r_out = torch.zeros_like(z)
         r_out[:, 0] = z[:, 0]
-        s = r_out / stabilize(z, 0.1)
+        return net, x, y, r_out / stabilize(z, 0.1)
+
+
+def test_a_rule_on_a_module_with_two_inputs_redirects_to_both():
+    """``x @ A.T + y @ B.T`` with the ε-rule (ε = 0.1) split over its two inputs, written out per input key."""
+    net, x, y, s = _two_inputs_and_shares()
+    mapper = {_TwoInputs: Authored(_epsilon_to_inputs())}
+    lrp = LRP(net, rule_mapper=mapper, in_keys=["x", "y"], out_keys=["out"], target=0)
+    td = lrp(TensorDict(x=x, y=y, batch_size=[5]))
     torch.testing.assert_close(td["relevance", "x"], x * (s @ net.a), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(td["relevance", "y"], y * (s @ net.b), rtol=1e-10, atol=1e-12)
 
@@ -353,9 +372,7 @@ def test_a_redirect_to_tensors_that_do_not_lead_back_to_the_input_is_refused(cas
     ) as i:
         lrp(td)
     assert any("the module is 'a'" in note for note in getattr(i.value, "__notes__", []))
-    assert list(td.keys(True)) == ["x"]
-    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in net.modules())
-    torch.testing.assert_close(net(x), before, rtol=0, atol=0)
+    _assert_left_as_it_was(net, td, x, before)
 
 
 def test_a_gradient_for_a_detached_alias_of_the_input_is_refused():
@@ -395,35 +412,12 @@ def test_a_gradient_for_an_input_left_unexplained_and_a_cut_branch_are_accepted(
     """What goes nowhere on purpose: a gradient for a module input that does not require grad (``y`` left out of
     in_keys), and an empty redirect (the branch cut). LRP-ε for ``x`` and gradient × input of ``b`` alone, written
     out."""
-
-    class TwoInputs(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(3, 2))
-
-        def forward(self, x, y):
-            return x @ self.a.T + y @ self.b.T
-
-    def epsilon_to_inputs(module, inputs, output):
-        (x, y), z = inputs, output.detach()
-
-        def backward(g):
-            s = g * z / stabilize(z, 0.1)
-            return [s @ module.a, s @ module.b]
-
-        return redirect(output, [x, y.clamp(min=0)], backward)
-
-    torch.manual_seed(0)
-    net = TwoInputs().double()
-    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    net, x, y, s = _two_inputs_and_shares()
     module = TensorDictModule(net, in_keys=["x", "y"], out_keys=["out"])
-    lrp = LRP(module, rule_mapper={TwoInputs: Authored(epsilon_to_inputs)}, in_keys=["x"], target=0)
+    rule = Authored(_epsilon_to_inputs(lambda y: y.clamp(min=0)))
+    lrp = LRP(module, rule_mapper={_TwoInputs: rule}, in_keys=["x"], target=0)
     relevance = lrp(TensorDict(x=x, y=y, batch_size=[5]))["relevance", "x"]
-    with torch.no_grad():
-        z = net(x, y)
-        r_out = torch.zeros_like(z)
-        r_out[:, 0] = z[:, 0]
-    torch.testing.assert_close(relevance, x * ((r_out / stabilize(z, 0.1)) @ net.a), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(relevance, x * (s @ net.a), rtol=1e-10, atol=1e-12)
 
     residual = _Residual().double()
     cut = Authored(lambda m, i, o: redirect(o, [], lambda g: []))
