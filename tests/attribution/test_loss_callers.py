@@ -10,24 +10,14 @@ from torch import nn
 from torchrl.modules import QValueActor
 
 from tdhook.attribution import LRP, EpsilonPlus
+from tests.attribution.test_lrp_torchrl_training import transitions
 
 F64 = torch.float64
 
 
-def transitions(batch: int = 5) -> TensorDict:
-    torch.manual_seed(1)
-    done = torch.zeros(batch, 1, dtype=torch.bool)
-    return TensorDict(
-        observation=torch.randn(batch, 4, dtype=F64),
-        action=nn.functional.one_hot(torch.randint(2, (batch,)), 2),
-        next=TensorDict(
-            observation=torch.randn(batch, 4, dtype=F64),
-            reward=torch.randn(batch, 1, dtype=F64),
-            done=done,
-            terminated=done.clone(),
-        ),
-        batch_size=[batch],
-    )
+def one_hot_transitions() -> TensorDict:
+    """Five transitions of a four-observation, two-action task, their actions one-hot."""
+    return transitions(nn.functional.one_hot(torch.randint(2, (5,)), 2))
 
 
 def dqn_gradients(wrapper: dict | None) -> list[torch.Tensor]:
@@ -39,7 +29,7 @@ def dqn_gradients(wrapper: dict | None) -> list[torch.Tensor]:
     core = TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"])
     network = core if wrapper is None else LRP(core, EpsilonPlus(), **wrapper)
     loss = DQNLoss(QValueActor(network, in_keys=["observation"], action_space="one-hot"), action_space="one-hot")
-    loss(transitions())["loss"].backward()
+    loss(one_hot_transitions())["loss"].backward()
     return [p.grad.clone() for p in net.parameters()]
 
 
@@ -94,7 +84,7 @@ def test_dqn_loss_with_another_method_inside_is_refused_naming_it():
     saliency = Saliency(TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"]))
     loss = DQNLoss(QValueActor(saliency, in_keys=["observation"], action_space="one-hot"), action_space="one-hot")
     with pytest.raises(RuntimeError, match=r"Saliency: called by torchrl's DQNLoss .*beside it(?!, or build)"):
-        loss(transitions())
+        loss(one_hot_transitions())
     assert Saliency(TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"]))(
-        transitions().select("observation")
+        one_hot_transitions().select("observation")
     )["attribution", "observation"].shape == (5, 4)  # called by the caller: explained
