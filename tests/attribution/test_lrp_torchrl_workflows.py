@@ -305,6 +305,40 @@ class Agents(EnvBase):
         return out
 
 
+def agents_core(net: nn.Module) -> TensorDictModule:
+    """``net`` in float64, its outputs split into the agents' ``loc`` and ``scale``."""
+    return TensorDictModule(
+        nn.Sequential(net.to(F64), NormalParamExtractor()),
+        in_keys=[("agents", "observation")],
+        out_keys=[("agents", "loc"), ("agents", "scale")],
+    )
+
+
+def agents_actor(inner: TensorDictModuleBase, **kwargs) -> ProbabilisticActor:
+    """A ``TanhNormal`` actor on the agents' ``loc`` and ``scale`` that ``inner`` writes, its action in
+    ``("agents", "action")``; ``kwargs``: ``ProbabilisticActor``'s other keywords."""
+    return ProbabilisticActor(
+        inner,
+        in_keys=[("agents", "loc"), ("agents", "scale")],
+        out_keys=[("agents", "action")],
+        spec=Agents().action_spec,
+        distribution_class=TanhNormal,
+        **kwargs,
+    )
+
+
+def per_agent_gradient_times_input(outputs: torch.Tensor, observation: torch.Tensor) -> torch.Tensor:
+    """The gradient × input of each agent's output ``outputs[:, i]`` (summed over the batch) on ``observation``,
+    stacked on dimension 1."""
+    return torch.stack(
+        [
+            observation.detach() * torch.autograd.grad(outputs[:, i].sum(), observation, retain_graph=True)[0]
+            for i in range(N_AGENTS)
+        ],
+        1,
+    )
+
+
 def mappo(share_params: bool, wrapped: bool = False) -> tuple:
     """The actor and the centralised critic of torchrl's multi-agent PPO tutorial, small, and their ``ClipPPOLoss``
     with keys set for the nested per-agent entries and GAE; ``wrapped`` puts a wrapper of ``create_graph=True``
@@ -312,22 +346,11 @@ def mappo(share_params: bool, wrapped: bool = False) -> tuple:
     from torchrl.objectives import ClipPPOLoss, ValueEstimators
 
     torch.manual_seed(0)
-    policy_net = MultiAgentMLP(3, 4, N_AGENTS, centralized=False, share_params=share_params, depth=2, num_cells=8)
-    core = TensorDictModule(
-        nn.Sequential(policy_net.to(F64), NormalParamExtractor()),
-        in_keys=[("agents", "observation")],
-        out_keys=[("agents", "loc"), ("agents", "scale")],
+    core = agents_core(
+        MultiAgentMLP(3, 4, N_AGENTS, centralized=False, share_params=share_params, depth=2, num_cells=8)
     )
     inner = LRP(core, EpsilonPlus(), target_key=("agents", "loc"), create_graph=True) if wrapped else core
-    actor = ProbabilisticActor(
-        inner,
-        in_keys=[("agents", "loc"), ("agents", "scale")],
-        out_keys=[("agents", "action")],
-        spec=Agents().action_spec,
-        distribution_class=TanhNormal,
-        return_log_prob=True,
-        log_prob_key=("agents", "sample_log_prob"),
-    )
+    actor = agents_actor(inner, return_log_prob=True, log_prob_key=("agents", "sample_log_prob"))
     critic_net = MultiAgentMLP(
         3, 1, N_AGENTS, centralized=True, share_params=share_params, depth=2, num_cells=8, activation_class=nn.ReLU
     )
@@ -409,14 +432,7 @@ def test_multi_agent_ppo_explained_between_steps_gives_each_agent_pair(agents_ba
     observation = agents_batch["agents", "observation"].clone().requires_grad_()
     others = ~torch.eye(N_AGENTS, dtype=torch.bool)
     for index, (actor_relevance, core, critic_relevance, critic) in enumerate(explained):
-        values = critic.module(observation)
-        expected = torch.stack(
-            [
-                observation.detach() * torch.autograd.grad(values[:, i].sum(), observation, retain_graph=True)[0]
-                for i in range(N_AGENTS)
-            ],
-            1,
-        )
+        expected = per_agent_gradient_times_input(critic.module(observation), observation)
         assert critic_relevance.shape == (8, N_AGENTS, N_AGENTS, 3)
         assert critic_relevance[:, others].abs().sum(-1).gt(0).all()  # centralised: every agent on every agent
         torch.testing.assert_close(critic_relevance, expected, rtol=1e-10, atol=1e-12, msg=f"critic, call {index}")
@@ -435,23 +451,13 @@ def test_a_centralised_actor_in_a_rollout_explains_each_agents_action_on_every_a
     net = MultiAgentMLP(
         3, 4, N_AGENTS, centralized=True, share_params=share_params, depth=2, num_cells=8, activation_class=nn.ReLU
     )
-    core = TensorDictModule(
-        nn.Sequential(net.to(F64), NormalParamExtractor()),
-        in_keys=[("agents", "observation")],
-        out_keys=[("agents", "loc"), ("agents", "scale")],
-    )
+    core = agents_core(net)
     rollouts = {}
     for name, inner in [
         ("plain", core),
         ("explained", LRP(core, BaseRuleMapper(stabilizer=0), target_key=("agents", "loc"), split_dim=-2)),
     ]:
-        actor = ProbabilisticActor(
-            inner,
-            in_keys=[("agents", "loc"), ("agents", "scale")],
-            out_keys=[("agents", "action")],
-            spec=Agents().action_spec,
-            distribution_class=TanhNormal,
-        )
+        actor = agents_actor(inner)
         torch.manual_seed(5)
         with torch.no_grad():
             rollouts[name] = Agents().rollout(6, actor)
@@ -459,13 +465,7 @@ def test_a_centralised_actor_in_a_rollout_explains_each_agents_action_on_every_a
     observation = rollouts["plain"]["agents", "observation"].clone().requires_grad_()
     loc = net(observation)[..., :2]
     chosen = loc.gather(-1, loc.argmax(-1, keepdim=True)).squeeze(-1)
-    expected = torch.stack(
-        [
-            observation.detach() * torch.autograd.grad(chosen[:, i].sum(), observation, retain_graph=True)[0]
-            for i in range(N_AGENTS)
-        ],
-        1,
-    )
+    expected = per_agent_gradient_times_input(chosen, observation)
     relevance = rollouts["explained"]["relevance", "agents", "observation"]
     assert relevance.shape == (6, N_AGENTS, N_AGENTS, 3)
     torch.testing.assert_close(relevance, expected, rtol=1e-10, atol=1e-12)
