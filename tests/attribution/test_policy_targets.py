@@ -368,21 +368,27 @@ def test_an_exploring_policy_explains_the_action_it_takes(exploration):
     torch.testing.assert_close(out["relevance", "observation"], alone["relevance", "observation"])
 
 
+def exploring_to_the_bounds(exploration: str, activation: nn.Module) -> tuple[nn.Module, Actor, TensorDictSequential]:
+    """An actor of two actions bound to [-1, 1] (its network: two Linear layers around ``activation``) and its
+    exploring policy, whose noise (σ = 5) often reaches the bounds: the network, the actor and the policy."""
+    torch.manual_seed(0)
+    spec = Bounded(-1.0, 1.0, (2,), dtype=F64)
+    net = nn.Sequential(nn.Linear(3, 8), activation, nn.Linear(8, 2)).double()
+    actor = Actor(net, in_keys=["observation"], spec=spec)
+    if exploration == "OrnsteinUhlenbeck":
+        noise = OrnsteinUhlenbeckProcessModule(spec=spec, sigma=5.0, theta=0.0)
+    else:
+        noise = AdditiveGaussianModule(spec=spec, sigma_init=5.0, sigma_end=5.0)
+    return net, actor, TensorDictSequential(actor, noise)
+
+
 @pytest.mark.parametrize("exploration", ["OrnsteinUhlenbeck", "AdditiveGaussian"])
 @pytest.mark.parametrize("calls", [1, 3], ids=["one-call", "three-calls-in-a-context"])
 def test_an_exploring_policy_whose_noise_reaches_the_bounds_still_explains_the_actor(exploration, calls):
     """The exploration step projects the noisy action into the spec (a clamp). That projection is part of the
     perturbation, a constant of the call like the noise: a clamped step keeps the actor's relevance instead of
     getting none."""
-    torch.manual_seed(0)
-    spec = Bounded(-1.0, 1.0, (2,), dtype=F64)
-    net = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2)).double()
-    actor = Actor(net, in_keys=["observation"], spec=spec)
-    if exploration == "OrnsteinUhlenbeck":
-        noise = OrnsteinUhlenbeckProcessModule(spec=spec, sigma=5.0, theta=0.0)
-    else:
-        noise = AdditiveGaussianModule(spec=spec, sigma_init=5.0, sigma_end=5.0)
-    policy = TensorDictSequential(actor, noise)
+    net, _, policy = exploring_to_the_bounds(exploration, nn.ReLU())
     td = TensorDict(
         observation=torch.randn(16, 3, dtype=F64), is_init=torch.ones(16, 1, dtype=torch.bool), batch_size=[16]
     )
@@ -406,15 +412,7 @@ def test_an_exploring_policy_kept_differentiable_gives_its_action_the_plain_grad
     the observation the plain gradient, the projection into the spec included (zero at a bound), while the relevance
     still holds the perturbation constant. Before, the action taken carried no gradient but the relevance pass's: a
     loss on it gave every parameter a zero gradient."""
-    torch.manual_seed(0)
-    spec = Bounded(-1.0, 1.0, (2,), dtype=F64)
-    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)).double()
-    actor = Actor(net, in_keys=["observation"], spec=spec)
-    if exploration == "OrnsteinUhlenbeck":
-        noise = OrnsteinUhlenbeckProcessModule(spec=spec, sigma=5.0, theta=0.0)
-    else:
-        noise = AdditiveGaussianModule(spec=spec, sigma_init=5.0, sigma_end=5.0)
-    policy = TensorDictSequential(actor, noise)
+    net, actor, policy = exploring_to_the_bounds(exploration, nn.Tanh())
     observation = torch.randn(16, 3, dtype=F64)
 
     def run(module: nn.Module) -> tuple[TensorDict, list[torch.Tensor]]:
