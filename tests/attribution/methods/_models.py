@@ -5,8 +5,11 @@ from __future__ import annotations
 import copy
 
 import torch
+from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
+
+from tests.conftest import relative_error
 
 
 def small_cnn(seed: int = 0) -> nn.Module:
@@ -74,3 +77,25 @@ def bfloat16_linear(features: int, seed: int = 0) -> tuple[nn.Module, torch.Tens
     torch.manual_seed(seed)
     net = nn.Linear(features, 3).to(torch.bfloat16)
     return net, net.weight[0].detach().double()
+
+
+def assert_two_key_policy_matches(ours: type, theirs: type, target: int, tolerance: float = 1e-8, **options) -> None:
+    """The method ``ours`` on :func:`two_key_policy`'s output ``target`` gives the attribution of both its keys that
+    captum's ``theirs`` gives, both with ``options``."""
+    policy = two_key_policy()
+    obs, goal = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    td = ours(policy, target=target, **options)(TensorDict(obs=obs, goal=goal, batch_size=[5]))
+    expected = theirs(policy.module).attribute((obs.clone(), goal.clone()), target=target, **options)
+    assert relative_error(td["attribution", "obs"], expected[0]) <= tolerance
+    assert relative_error(td["attribution", "goal"], expected[1]) <= tolerance
+
+
+def assert_random_mlp_matches(ours: type, theirs: type, seed: int, batch: tuple[int, ...], **options) -> None:
+    """The method ``ours`` (with ``options``) on :func:`random_mlp` ``seed`` over a batch of shape ``batch`` gives
+    captum's ``theirs`` attribution of each sample's largest output."""
+    net = random_mlp(seed)
+    x = torch.randn(*batch, 5, dtype=torch.float64)
+    td = ours(net, in_keys=["x"], out_keys=["y"], **options)(TensorDict(x=x, batch_size=batch))
+    fx = flat(x, len(batch))
+    expected = theirs(net).attribute(fx.clone(), target=net(fx).argmax(-1))
+    assert relative_error(td["attribution", "x"].reshape(fx.shape), expected) <= 1e-8

@@ -8,7 +8,12 @@ import torch
 from tensordict import TensorDict
 
 from tdhook.attribution import FeatureAblation
-from tests.attribution.methods._models import flat, random_mlp, small_cnn, two_key_policy
+from tests.attribution.methods._models import (
+    assert_random_mlp_matches,
+    random_mlp,
+    small_cnn,
+    two_key_policy,
+)
 from tests.conftest import relative_error
 
 
@@ -58,14 +63,9 @@ class TestAgainstCaptum:
 
     @pytest.mark.parametrize("seed", range(3))
     def test_random_mlps_every_element_its_group(self, seed):
-        net = random_mlp(seed)
-        x = torch.randn(2, 3, 5, dtype=torch.float64)
-        td = FeatureAblation(net, in_keys=["x"], out_keys=["y"], feature_masks=torch.arange(5))(
-            TensorDict(x=x, batch_size=[2, 3])
+        assert_random_mlp_matches(
+            FeatureAblation, captum.attr.FeatureAblation, seed, (2, 3), feature_masks=torch.arange(5)
         )
-        fx = flat(x, 2)
-        expected = captum.attr.FeatureAblation(net).attribute(fx.clone(), target=net(fx).argmax(-1))
-        assert relative_error(td["attribution", "x"].reshape(fx.shape), expected) <= 1e-8
 
     def test_masks_that_differ_per_sample(self):
         net = random_mlp(4)

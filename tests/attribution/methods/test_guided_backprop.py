@@ -14,7 +14,11 @@ from torchrl.modules import MultiAgentMLP
 
 from tdhook.attribution import GuidedBackprop, Saliency
 from tests.attribution._helpers import assert_unchanged, state_snapshot
-from tests.attribution.methods._models import flat, random_mlp, small_cnn, two_key_policy
+from tests.attribution.methods._models import (
+    assert_random_mlp_matches,
+    assert_two_key_policy_matches,
+    small_cnn,
+)
 from tests.conftest import relative_error
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*(require gradients|backward hooks on ReLU).*:UserWarning")
@@ -117,21 +121,11 @@ class TestAgainstCaptum:
         assert td["attribution", "x"].abs().max() > 0.1  # not a comparison of zeros
 
     def test_two_key_policy(self):
-        policy = two_key_policy()
-        obs, goal = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
-        td = GuidedBackprop(policy, target=2)(TensorDict(obs=obs, goal=goal, batch_size=[5]))
-        expected = captum.attr.GuidedBackprop(policy.module).attribute((obs.clone(), goal.clone()), target=2)
-        assert relative_error(td["attribution", "obs"], expected[0]) <= 1e-8
-        assert relative_error(td["attribution", "goal"], expected[1]) <= 1e-8
+        assert_two_key_policy_matches(GuidedBackprop, captum.attr.GuidedBackprop, target=2)
 
     @pytest.mark.parametrize("seed", range(4))
     def test_random_mlps(self, seed):
-        net = random_mlp(seed)
-        x = torch.randn(2, 3, 5, dtype=torch.float64)
-        td = GuidedBackprop(net, in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[2, 3]))
-        fx = flat(x, 2)
-        expected = captum.attr.GuidedBackprop(net).attribute(fx.clone(), target=net(fx).argmax(-1))
-        assert relative_error(td["attribution", "x"].reshape(fx.shape), expected) <= 1e-8
+        assert_random_mlp_matches(GuidedBackprop, captum.attr.GuidedBackprop, seed, (2, 3))
 
     def test_hooks_removed_after_a_failure(self):
         net = small_cnn()

@@ -11,7 +11,14 @@ from torch import nn
 
 from tdhook.attribution import IntegratedGradients
 from tdhook.attribution.methods._quadrature import quadrature
-from tests.attribution.methods._models import bfloat16_linear, flat, random_mlp, small_cnn, two_key_policy
+from tests.attribution.methods._models import (
+    assert_two_key_policy_matches,
+    bfloat16_linear,
+    flat,
+    random_mlp,
+    small_cnn,
+    two_key_policy,
+)
 from tests.conftest import relative_error
 
 METHODS = ["gausslegendre", "riemann_trapezoid", "riemann_left", "riemann_right", "riemann_middle"]
@@ -175,14 +182,9 @@ class TestAgainstCaptum:
         assert relative_error(td["attribution", "image"], expected) <= 1e-6
 
     def test_two_key_policy(self):
-        policy = two_key_policy()
-        obs, goal = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
-        td = IntegratedGradients(policy, target=1, n_steps=20)(TensorDict(obs=obs, goal=goal, batch_size=[5]))
-        expected = captum.attr.IntegratedGradients(policy.module).attribute(
-            (obs.clone(), goal.clone()), target=1, n_steps=20
+        assert_two_key_policy_matches(
+            IntegratedGradients, captum.attr.IntegratedGradients, target=1, tolerance=1e-6, n_steps=20
         )
-        assert relative_error(td["attribution", "obs"], expected[0]) <= 1e-6
-        assert relative_error(td["attribution", "goal"], expected[1]) <= 1e-6
 
 
 class TestRefusals:

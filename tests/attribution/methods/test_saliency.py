@@ -8,7 +8,12 @@ import torch
 from tensordict import TensorDict
 
 from tdhook.attribution import Saliency
-from tests.attribution.methods._models import flat, random_mlp, small_cnn, two_key_policy
+from tests.attribution.methods._models import (
+    assert_random_mlp_matches,
+    assert_two_key_policy_matches,
+    random_mlp,
+    small_cnn,
+)
 from tests.conftest import relative_error
 
 pytestmark = pytest.mark.filterwarnings("ignore:Input Tensor .* did not already require gradients:UserWarning")
@@ -30,22 +35,12 @@ class TestAgainstCaptum:
         assert relative_error(td["attribution", "image"], expected) <= 1e-8
 
     def test_two_key_policy(self):
-        policy = two_key_policy()
-        obs, goal = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
-        td = Saliency(policy, target=1, abs=False)(TensorDict(obs=obs, goal=goal, batch_size=[5]))
-        expected = captum.attr.Saliency(policy.module).attribute((obs.clone(), goal.clone()), target=1, abs=False)
-        assert relative_error(td["attribution", "obs"], expected[0]) <= 1e-8
-        assert relative_error(td["attribution", "goal"], expected[1]) <= 1e-8
+        assert_two_key_policy_matches(Saliency, captum.attr.Saliency, target=1, abs=False)
 
     @pytest.mark.parametrize("seed", range(4))
     @pytest.mark.parametrize("batch", [(5,), (2, 3)])
     def test_random_mlps(self, seed, batch):
-        net = random_mlp(seed)
-        x = torch.randn(*batch, 5, dtype=torch.float64)
-        td = Saliency(net, in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=batch))
-        fx = flat(x, len(batch))
-        expected = captum.attr.Saliency(net).attribute(fx.clone(), target=net(fx).argmax(-1))
-        assert relative_error(td["attribution", "x"].reshape(fx.shape), expected) <= 1e-8
+        assert_random_mlp_matches(Saliency, captum.attr.Saliency, seed, batch)
 
     def test_abs_changes_the_result(self):
         net = random_mlp(0)
