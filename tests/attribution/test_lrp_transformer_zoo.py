@@ -500,22 +500,46 @@ def outcome_of(explained: nn.Module, model: nn.Module, x: torch.Tensor, preset: 
     return Outcome(td["relevance", "x"], td["y"], plain, unchanged, [str(w.message) for w in caught])
 
 
-@pytest.mark.parametrize("preset", sorted(PRESETS))
-@pytest.mark.parametrize("name", sorted(ZOO))
-def test_zoo(name: str, preset: str):
-    outcomes = {impl: explain(name, preset, impl) for impl in ZOO[name].implementations()}
+def check_outcome(outcome: Outcome, where: str, preset: str, conservation: float = CONSERVATION_TOLERANCE) -> None:
+    """The call left the output (bit for bit) and the model's state as they were, and gave a finite relevance, not all
+    zero, that under CP-LRP sums to the explained logit within ``conservation`` of it."""
+    assert torch.equal(outcome.output, outcome.plain), where
+    assert outcome.state_unchanged, where
+    assert torch.isfinite(outcome.relevance).all(), where
+    assert outcome.relevance.abs().sum() > 0, where
+    if preset == "cplrp":
+        error = outcome.conservation_error()
+        assert error <= conservation, (where, error)
+
+
+def check_implementations_agree(
+    outcomes: dict[str, Outcome], where: str, tolerance: float = IMPLEMENTATION_TOLERANCE
+) -> None:
+    """Eager and sdpa attention, where both ran, gave the same relevance within ``tolerance``."""
+    if len(outcomes) == 2:
+        error = relative_error(outcomes["sdpa"].relevance, outcomes["eager"].relevance)
+        assert error <= tolerance, (where, error)
+
+
+def check_zoo_outcomes(
+    outcomes: dict[str, Outcome],
+    name: str,
+    preset: str,
+    conservation: float = CONSERVATION_TOLERANCE,
+    tolerance: float = IMPLEMENTATION_TOLERANCE,
+) -> None:
+    """Every implementation's call raised no warning and passed :func:`check_outcome`; the implementations agree."""
     for implementation, outcome in outcomes.items():
         where = f"{name} {preset} {implementation}"
         assert outcome.warnings == [], where
-        assert torch.equal(outcome.output, outcome.plain), where
-        assert outcome.state_unchanged, where
-        assert torch.isfinite(outcome.relevance).all(), where
-        assert outcome.relevance.abs().sum() > 0, where
-        if preset == "cplrp":
-            assert outcome.conservation_error() <= CONSERVATION_TOLERANCE, (where, outcome.conservation_error())
-    if len(outcomes) == 2:
-        error = relative_error(outcomes["sdpa"].relevance, outcomes["eager"].relevance)
-        assert error <= IMPLEMENTATION_TOLERANCE, (name, preset, error)
+        check_outcome(outcome, where, preset, conservation)
+    check_implementations_agree(outcomes, f"{name} {preset}", tolerance)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo(name: str, preset: str):
+    check_zoo_outcomes({impl: explain(name, preset, impl) for impl in ZOO[name].implementations()}, name, preset)
 
 
 def cosine_per_sample(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -391,21 +391,9 @@ def explain(name: str, preset: str, implementation: str) -> zoo.Outcome:
 @pytest.mark.parametrize("preset", sorted(zoo.PRESETS))
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_more_architectures(name: str, preset: str):
-    implementations = CASES[name].architecture.implementations()
-    outcomes = {implementation: explain(name, preset, implementation) for implementation in implementations}
-    for implementation, outcome in outcomes.items():
-        where = f"{name} {preset} {implementation}"
-        assert outcome.warnings == [], where
-        assert torch.equal(outcome.output, outcome.plain), where
-        assert outcome.state_unchanged, where
-        assert torch.isfinite(outcome.relevance).all(), where
-        assert outcome.relevance.abs().sum() > 0, where
-        if preset == "cplrp":
-            error = outcome.conservation_error()
-            assert error <= CASES[name].conservation, (where, error)
-    if len(outcomes) == 2:
-        error = relative_error(outcomes["sdpa"].relevance, outcomes["eager"].relevance)
-        assert error <= CASES[name].tolerance, (name, preset, error)
+    case = CASES[name]
+    outcomes = {impl: explain(name, preset, impl) for impl in case.architecture.implementations()}
+    zoo.check_zoo_outcomes(outcomes, name, preset, case.conservation, case.tolerance)
 
 
 class DetachedMore(Detached):

@@ -36,16 +36,16 @@ from torch import nn
 from tdhook.attribution import LRP
 from tests.attribution.test_lrp_transformer_zoo import (
     BATCH,
-    CONSERVATION_TOLERANCE,
     F64,
     HIDDEN,
-    IMPLEMENTATION_TOLERANCE,
     MOE,
     PRESETS,
     TOKENS,
     Architecture,
     Explained,
     Outcome,
+    check_implementations_agree,
+    check_outcome,
     model_input,
     outcome_of,
     zero_additive,
@@ -261,12 +261,7 @@ def explain(
 def check_explained(outcome: Outcome, where: str, preset: str, warned: set[tuple[str, str]] = frozenset()) -> None:
     assert named(outcome) == set(warned), (where, outcome.warnings)
     assert len(outcome.warnings) == len(warned), (where, outcome.warnings)
-    assert torch.equal(outcome.output, outcome.plain), where
-    assert outcome.state_unchanged, where
-    assert torch.isfinite(outcome.relevance).all(), where
-    assert outcome.relevance.abs().sum() > 0, where
-    if preset == "cplrp":
-        assert outcome.conservation_error() <= CONSERVATION_TOLERANCE, (where, outcome.conservation_error())
+    check_outcome(outcome, where, preset)
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -275,8 +270,7 @@ def test_gated_short_convolutions_are_explained(name: str, preset: str):
     outcomes = {impl: explain(CONVOLUTIONAL[name], preset, impl) for impl in ("eager", "sdpa")}
     for implementation, outcome in outcomes.items():
         check_explained(outcome, f"{name} {preset} {implementation}", preset)
-    error = relative_error(outcomes["sdpa"].relevance, outcomes["eager"].relevance)
-    assert error <= IMPLEMENTATION_TOLERANCE, (name, preset, error)
+    check_implementations_agree(outcomes, f"{name} {preset}")
 
 
 class CachedStep(nn.Module):
@@ -378,9 +372,7 @@ def test_the_rest_of_a_recurrent_model_conserves(name: str):
     outcomes = {impl: explain(recurrent.architecture, "cplrp", impl, recurrent.mixers) for impl in implementations}
     for implementation, outcome in outcomes.items():
         check_explained(outcome, f"{name} {implementation}", "cplrp", expected)
-    if len(outcomes) == 2:
-        error = relative_error(outcomes["sdpa"].relevance, outcomes["eager"].relevance)
-        assert error <= IMPLEMENTATION_TOLERANCE, (name, error)
+    check_implementations_agree(outcomes, name)
 
 
 # Gated RMS norms: the model, the norm's path, whether its gate is a SiLU (else a sigmoid).
