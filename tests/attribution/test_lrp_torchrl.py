@@ -11,7 +11,7 @@ from tensordict import TensorDict
 from tensordict.nn import NormalParamExtractor, TensorDictModule, TensorDictModuleBase, TensorDictSequential
 from tensordict.utils import NestedKey
 from torch import nn
-from torchrl.envs import Compose, GymEnv, InitTracker, TransformedEnv
+from torchrl.envs import Compose, EnvBase, GymEnv, InitTracker, TransformedEnv
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 from torchrl.modules import (
     MLP,
@@ -34,6 +34,7 @@ from torchrl.modules import (
 from tdhook.attribution import LRP, BaseRuleMapper, EpsilonRule, InputXGradient
 from tdhook.attribution._keys import as_tuple
 from tdhook.attribution.lrp_helpers.rules import AlphaBetaRule, EpsilonPlus, FirstLayerRule, WSquareRule
+from tests.attribution._cartpole import collected, q_value_actor
 
 F64 = torch.float64
 
@@ -216,15 +217,26 @@ class TestActorCritic:
             LRP(wrapper, BaseRuleMapper(), in_keys=["observation", "state", "unread"])
 
 
+def plain_and_explained_rollouts(
+    env: EnvBase, actor: TensorDictModuleBase, steps: int
+) -> tuple[TensorDict, TensorDict]:
+    """Two rollouts of ``steps`` steps from seed 0, by ``actor`` and by an LRP wrapper of it; ``env`` closed after."""
+    try:
+        env.set_seed(0)
+        plain = env.rollout(steps, actor, break_when_any_done=False)
+        env.set_seed(0)
+        explained = env.rollout(steps, LRP(actor, EpsilonPlus()), break_when_any_done=False)
+    finally:
+        env.close()
+    return plain, explained
+
+
 class TestRollouts:
     def test_cartpole_rollout_takes_the_same_actions_and_records_relevance(self):
         env = GymEnv("CartPole-v1")
         net = MLP(in_features=4, out_features=2, num_cells=[16])
         actor = QValueActor(net, in_keys=["observation"], spec=env.action_spec)
-        env.set_seed(0)
-        plain = env.rollout(25, actor, break_when_any_done=False)
-        env.set_seed(0)
-        explained = env.rollout(25, LRP(actor, EpsilonPlus()), break_when_any_done=False)
+        plain, explained = plain_and_explained_rollouts(env, actor, 25)
         assert torch.equal(explained["action"], plain["action"])
         assert torch.equal(explained["next", "observation"], plain["next", "observation"])
         relevance = explained["relevance", "observation"]
@@ -235,15 +247,8 @@ class TestRollouts:
         from torchrl.envs import SerialEnv
 
         env = SerialEnv(2, lambda: GymEnv("CartPole-v1"))
-        net = MLP(in_features=4, out_features=2, num_cells=[16])
-        actor = QValueActor(net, in_keys=["observation"], spec=GymEnv("CartPole-v1").action_spec)
-        try:
-            env.set_seed(0)
-            plain = env.rollout(10, actor, break_when_any_done=False)
-            env.set_seed(0)
-            explained = env.rollout(10, LRP(actor, EpsilonPlus()), break_when_any_done=False)
-        finally:
-            env.close()
+        actor = q_value_actor()
+        plain, explained = plain_and_explained_rollouts(env, actor, 10)
         assert torch.equal(explained["action"], plain["action"])
         relevance = explained["relevance", "observation"]
         assert relevance.shape == (2, 10, 4)
@@ -254,16 +259,9 @@ class TestRollouts:
     def test_parallel_env_rollout_takes_the_same_actions(self):
         from torchrl.envs import ParallelEnv
 
-        net = MLP(in_features=4, out_features=2, num_cells=[16])
-        actor = QValueActor(net, in_keys=["observation"], spec=GymEnv("CartPole-v1").action_spec)
+        actor = q_value_actor()
         env = ParallelEnv(2, functools.partial(GymEnv, "CartPole-v1"))
-        try:
-            env.set_seed(0)
-            plain = env.rollout(8, actor, break_when_any_done=False)
-            env.set_seed(0)
-            explained = env.rollout(8, LRP(actor, EpsilonPlus()), break_when_any_done=False)
-        finally:
-            env.close()
+        plain, explained = plain_and_explained_rollouts(env, actor, 8)
         assert torch.equal(explained["action"], plain["action"])
         assert torch.equal(explained["next", "observation"], plain["next", "observation"])
         relevance = explained["relevance", "observation"]
@@ -291,21 +289,7 @@ class TestRollouts:
         assert runs["explained"]["relevance", "observation"].shape == (20, 3)
 
     def test_collector_runs_the_wrapped_policy_under_no_grad(self):
-        from torchrl.collectors import Collector
-
-        net = MLP(in_features=4, out_features=2, num_cells=[16])
-        actor = QValueActor(net, in_keys=["observation"], spec=GymEnv("CartPole-v1").action_spec)
-        collector = Collector(
-            lambda: GymEnv("CartPole-v1"),
-            LRP(actor, EpsilonPlus()),
-            frames_per_batch=16,
-            total_frames=32,
-            auto_register_policy_transforms=False,  # a policy with no recurrent state: the env stays as it is
-        )
-        try:
-            batches = list(collector)
-        finally:
-            collector.shutdown()
+        batches = collected(LRP(q_value_actor(), EpsilonPlus()))
         assert len(batches) == 2
         for batch in batches:
             assert not batch["relevance", "observation"].requires_grad

@@ -493,27 +493,10 @@ class TestTorchRL:
         assert attribution.shape == (20, 4) and torch.isfinite(attribution).all() and attribution.abs().sum() > 0
 
     def test_collector_under_no_grad(self):
-        from torchrl.collectors import Collector
-        from torchrl.envs import GymEnv
-        from torchrl.modules import MLP, QValueActor
+        from tests.attribution._cartpole import collected, q_value_actor
 
-        actor = QValueActor(
-            MLP(in_features=4, out_features=2, num_cells=[16]),
-            in_keys=["observation"],
-            spec=GymEnv("CartPole-v1").action_spec,
-        )
-        policy = SmoothGrad(actor, target_key="action_value", n_samples=3, stdev=0.1, seed=0)
-        collector = Collector(
-            lambda: GymEnv("CartPole-v1"),
-            policy,
-            frames_per_batch=16,
-            total_frames=32,
-            auto_register_policy_transforms=False,  # a policy with no recurrent state: the env stays as it is
-        )
-        try:
-            batches = list(collector)
-        finally:
-            collector.shutdown()
+        policy = SmoothGrad(q_value_actor(), target_key="action_value", n_samples=3, stdev=0.1, seed=0)
+        batches = collected(policy)
         assert len(batches) == 2
         for batch in batches:
             attribution = batch["attribution", "observation"]
