@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -32,6 +33,17 @@ def for_quantus(model: nn.Module) -> nn.Module:
     copied = copy.deepcopy(model)
     copied.register_forward_pre_hook(lambda module, args: (args[0].double(),))
     return copied
+
+
+def quantus_scores(
+    metric, net: nn.Module, x: torch.Tensor, a: torch.Tensor, y: torch.Tensor, **options
+) -> torch.Tensor:
+    """The scores of the Quantus ``metric`` (built) for ``net`` on the images ``x`` with the attributions ``a`` of the
+    classes ``y``, without softmax, as a tensor; ``options``: the call's other keywords."""
+    scores = metric(
+        model=for_quantus(net), x_batch=x.numpy(), y_batch=y.numpy(), a_batch=a.numpy(), softmax=False, **options
+    )
+    return torch.tensor(np.array(scores))
 
 
 class TwoKeys(nn.Module):

@@ -9,7 +9,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 
 from tdhook.metrics import faithfulness_correlation
-from tests.metrics._models import TwoKeys, conv_net, for_quantus, images
+from tests.metrics._models import TwoKeys, conv_net, images, quantus_scores
 
 quantus = pytest.importorskip("quantus")
 
@@ -37,9 +37,7 @@ def quantus_correlation(net, x, a, seed, n_runs, subset_size, baseline):
         disable_warnings=True,
         display_progressbar=False,
     )
-    y = net(x).argmax(-1).numpy()
-    scores = metric(model=for_quantus(net), x_batch=x.numpy(), y_batch=y, a_batch=a.numpy(), softmax=False)
-    return torch.tensor(np.array(scores))
+    return quantus_scores(metric, net, x, a, net(x).argmax(-1))
 
 
 @pytest.mark.parametrize(("batch", "n_runs", "subset_size"), [(1, 5, 10), (4, 12, 20), (3, 30, 35)])

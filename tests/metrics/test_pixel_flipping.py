@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -10,7 +9,7 @@ from tensordict.nn import TensorDictModule
 
 from tdhook.attribution import LRP
 from tdhook.metrics import pixel_flipping, region_perturbation
-from tests.metrics._models import TwoKeys, conv_net, for_quantus, images
+from tests.metrics._models import TwoKeys, conv_net, images, quantus_scores
 
 quantus = pytest.importorskip("quantus")
 
@@ -24,10 +23,7 @@ def quantus_pixel_flipping(net, x, a, y, features_per_step, baseline=0.0):
         disable_warnings=True,
         display_progressbar=False,
     )
-    scores = metric(
-        model=for_quantus(net), x_batch=x.numpy(), y_batch=y.numpy(), a_batch=a.numpy(), softmax=False, device="cpu"
-    )
-    return torch.tensor(np.array(scores))
+    return quantus_scores(metric, net, x, a, y, device="cpu")
 
 
 def by_definition(net, x, a, target, features_per_step, baseline=0.0):

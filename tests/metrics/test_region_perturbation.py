@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -13,7 +12,7 @@ from torch import nn
 
 from tdhook.metrics import region_perturbation
 from tdhook.metrics.region_perturbation import patch_grid
-from tests.metrics._models import conv_net, for_quantus, images
+from tests.metrics._models import conv_net, images, quantus_scores
 
 quantus = pytest.importorskip("quantus")
 
@@ -29,10 +28,7 @@ def quantus_region_perturbation(net, x, a, y, patch_size, order, n_regions):
         disable_warnings=True,
         display_progressbar=False,
     )
-    scores = metric(
-        model=for_quantus(net), x_batch=x.numpy(), y_batch=y.numpy(), a_batch=a.numpy(), softmax=False, device="cpu"
-    )
-    return torch.tensor(np.array(scores))
+    return quantus_scores(metric, net, x, a, y, device="cpu")
 
 
 @pytest.mark.parametrize("order", ["morf", "lerf"])
