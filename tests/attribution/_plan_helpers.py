@@ -1,7 +1,9 @@
 """What the tests of the function rules' plans share: a model with one product, the uniform rule written by
-hand, a watch of the plans' applications, and a call of a wrapper."""
+hand, a watch of the plans' applications, a wrapped model and a call of a wrapper."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from tensordict import TensorDict
@@ -62,6 +64,16 @@ def product_model() -> Product:
 
 def plans(lrp: LRP) -> list:
     return [plan for plan in lrp._function_rule_plan._plans.values() if plan is not None]
+
+
+def wrapped_on_a_batch(
+    make: Callable[[], nn.Module], mapper: Callable[[], object]
+) -> tuple[nn.Module, torch.Tensor, LRP]:
+    """``make()`` in float64 and a batch of 5 × 4 inputs, both drawn after seeding 0, and a wrapper of the model under
+    ``mapper()`` (input ``x``, output ``y``)."""
+    torch.manual_seed(0)
+    model, x = make().to(F64), torch.randn(5, 4, dtype=F64)
+    return model, x, LRP(model, mapper(), in_keys=["x"], out_keys=["y"])
 
 
 def in_mode_and_in_context(lrp: LRP, x: torch.Tensor, calls: int = 3) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -18,7 +18,7 @@ from tdhook.attribution.rules import basic
 from tdhook.attribution.rules.basic import PassRule
 from tdhook.attribution.rules.functional import FunctionalRules
 from tdhook.attribution.rules.transformer import PseudoIdentityRule, SoftmaxEpsilonRule
-from tests.attribution._plan_helpers import F64, Product, call, halved, plans
+from tests.attribution._plan_helpers import F64, Product, call, halved, plans, wrapped_on_a_batch
 from tests.conftest import relative_error
 
 
@@ -50,9 +50,7 @@ def activated_by_hand(model: ActivatedProduct, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("activation", [F.gelu, F.silu], ids=["gelu", "silu"])
 def test_later_calls_put_a_functional_activations_rule_on_its_node(applied, activation):
-    torch.manual_seed(0)
-    model, x = ActivatedProduct(activation).to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(lambda: ActivatedProduct(activation), AttnLRP)
     in_mode = call(lrp, x)  # a call that enters its context runs in the mode
     with lrp:
         first, *later = (call(lrp, x) for _ in range(3))
@@ -68,9 +66,7 @@ def test_later_calls_put_a_functional_activations_rule_on_its_node(applied, acti
 
 
 def test_a_functional_activation_whose_input_is_changed_in_place_after_it_keeps_its_mode(applied):
-    torch.manual_seed(0)
-    model, x = ActivatedProduct(F.gelu, in_place=True).to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(lambda: ActivatedProduct(F.gelu, in_place=True), AttnLRP)
     with lrp:
         first, *later = (call(lrp, x) for _ in range(3))
     assert applied == []  # every call in the mode: the recording call ran again there
@@ -96,9 +92,7 @@ class SigmoidGated(Product):
 @pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
 @pytest.mark.parametrize("reused", [False, True], ids=["held", "reused"])
 def test_a_functional_sigmoid_gate_needs_no_rule_where_every_product_holds_it(applied, preset, reused: bool):
-    torch.manual_seed(0)
-    model, x = SigmoidGated(reused).to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(lambda: SigmoidGated(reused), preset)
     in_mode = call(lrp, x)  # a call that enters its context runs in the mode
     with lrp:
         relevances = [call(lrp, x) for _ in range(3)]
@@ -135,9 +129,7 @@ class PlainActivationsLRP(AttnLRP):
 
 
 def test_an_identity_rule_of_ones_own_keeps_its_gradient_on_functional_activations(applied):
-    torch.manual_seed(0)
-    model, x = ActivatedProduct(F.gelu).to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, PlainActivationsLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(lambda: ActivatedProduct(F.gelu), PlainActivationsLRP)
     in_mode = call(lrp, x)
     with lrp:
         relevances = [call(lrp, x) for _ in range(3)]
@@ -167,9 +159,7 @@ def test_a_later_call_that_changes_a_ruled_nodes_saved_input_runs_in_the_mode(ap
     """A branch the recording call did not take changes the input of an activation (or fused layer norm) whose node
     holds the rule in place, in a graph of the recorded shape: the node's own backward, which the mode never runs,
     could not read it. The call runs in the mode instead of raising."""
-    torch.manual_seed(0)
-    model, x = ChangedAfterActivation(activation).to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(lambda: ChangedAfterActivation(activation), AttnLRP)
     model.in_place = True
     in_mode = call(lrp, x)
     model.in_place = False
@@ -201,9 +191,7 @@ class FunctionalGelu(nn.Module):
 def test_a_hand_written_activation_calling_gelu_takes_the_graphs_way(applied, preset):
     """The module's rule meets the activation whose node holds the rule in a recording call, and a plain activation
     in a later call: it puts the rule on both alike, so that the later call finds the recorded graph."""
-    torch.manual_seed(0)
-    model, x = ActivatedProduct(FunctionalGelu()).to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(lambda: ActivatedProduct(FunctionalGelu()), preset)
     in_mode = call(lrp, x)
     with lrp:
         relevances = [call(lrp, x) for _ in range(4)]
@@ -236,9 +224,7 @@ def test_later_calls_run_an_activation_module_without_its_hooks(applied, rewrite
     """The identity rule of a GELU or SiLU module goes on its node, from the plan: a later call runs the module
     straight to its forward (its hooks, the rule's and those pausing the function modes, stay off), and the relevance
     is the mode's to the last bit."""
-    torch.manual_seed(0)
-    model, x = ActivatedProduct(activation()).to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(lambda: ActivatedProduct(activation()), preset)
     in_mode = call(lrp, x)
     with lrp:
         rewrites.clear()
@@ -274,9 +260,7 @@ class TwiceActivated(ActivatedProduct):
     ids=["tanh", "called twice"],
 )
 def test_an_activation_module_whose_rule_is_not_on_its_node_keeps_its_hooks(applied, rewrites, make):
-    torch.manual_seed(0)
-    model, x = make().to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(make, AttnLRP)
     in_mode = call(lrp, x)
     with lrp:
         rewrites.clear()
@@ -290,9 +274,7 @@ def test_an_activation_module_whose_rule_is_not_on_its_node_keeps_its_hooks(appl
 
 def test_an_activation_module_with_a_hook_of_the_callers_keeps_its_hooks(applied):
     """A module with a hook that is not the wrapper's runs torch's way: the caller's hook runs in every call."""
-    torch.manual_seed(0)
-    model, x = ActivatedProduct(nn.GELU()).to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(lambda: ActivatedProduct(nn.GELU()), AttnLRP)
     in_mode = call(lrp, x)
     seen = []
     hook = model.activation.register_forward_hook(lambda module, args, output: seen.append(output.shape))
@@ -313,9 +295,9 @@ class OwnPass(PassRule):
 
 
 def test_a_pass_rule_with_an_apply_of_its_own_keeps_it_in_every_call(rewrites):
-    torch.manual_seed(0)
-    model, x = ActivatedProduct(nn.GELU()).to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(rule_mapper={"activation": OwnPass()}), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(
+        lambda: ActivatedProduct(nn.GELU()), lambda: AttnLRP(rule_mapper={"activation": OwnPass()})
+    )
     with lrp:
         relevances = [call(lrp, x) for _ in range(4)]
     assert rewrites.count(model.activation) == len(relevances)
@@ -337,9 +319,7 @@ class PartlyCheckpointed(ActivatedProduct):
 
 
 def test_an_activation_module_ruled_on_its_node_in_one_call_and_in_its_forward_in_another(applied, rewrites):
-    torch.manual_seed(0)
-    model, x = PartlyCheckpointed(nn.GELU()).to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(lambda: PartlyCheckpointed(nn.GELU()), AttnLRP)
     in_mode = call(lrp, x)
     with lrp:
         relevances = [call(lrp, x) for _ in range(4)]
@@ -426,9 +406,7 @@ def test_later_calls_take_an_activation_modules_factor_from_its_output(applied, 
     """A later call that runs a GELU or SiLU module without its hooks keeps its output, from which the identity
     rule's factor is computed: the activation is not run again on its node's saved input, and the relevance is the
     mode's to the last bit."""
-    torch.manual_seed(0)
-    model, x = ActivatedProduct(activation()).to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(lambda: ActivatedProduct(activation()), preset)
     in_mode = call(lrp, x)
     with lrp:
         relevances = [call(lrp, x) for _ in range(4)]
@@ -444,9 +422,7 @@ def test_later_calls_take_an_activation_modules_factor_from_its_output(applied, 
 def test_an_activation_output_changed_in_place_after_its_module_gives_the_factor_from_the_saved_input(
     applied, recomputed
 ):
-    torch.manual_seed(0)
-    model, x = ChangedAfter(nn.GELU()).to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(lambda: ChangedAfter(nn.GELU()), AttnLRP)
     in_mode = call(lrp, x)
     with lrp:
         relevances = [call(lrp, x) for _ in range(4)]

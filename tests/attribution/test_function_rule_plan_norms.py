@@ -10,7 +10,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tdhook.attribution import LRP, AttnLRP
-from tests.attribution._plan_helpers import F64, Product, call, halved, plans
+from tests.attribution._plan_helpers import F64, Product, call, halved, plans, wrapped_on_a_batch
 from tests.conftest import relative_error
 
 
@@ -144,9 +144,7 @@ def test_a_later_call_that_bypasses_a_norm_the_plan_runs_plainly_runs_again_in_t
     """The plan cuts a scale that a norm's rule held: a later call whose graph is the same, but whose scale no norm's
     rule holds (a forward called directly), runs again in the mode, which keeps its scale's gradient. The norms a
     later call runs without their hooks still note their outputs, as their hooks did, where the paths start."""
-    torch.manual_seed(0)
-    model, x = BypassedNorm().to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(BypassedNorm, AttnLRP)
     with lrp:
         call(lrp, x)
         call(lrp, x)  # by the plan: the norm run without its hooks, its scale cut
@@ -197,9 +195,7 @@ def layer_norm_by_hand(model: LayerNormedProduct, x: torch.Tensor) -> torch.Tens
 
 @pytest.mark.parametrize("functional", [False, True], ids=["module", "function"])
 def test_later_calls_run_a_fused_layer_norm_plainly_with_the_rule_on_its_node(applied, functional: bool):
-    torch.manual_seed(0)
-    model, x = LayerNormedProduct(functional).to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(lambda: LayerNormedProduct(functional), AttnLRP)
     in_mode = call(lrp, x)  # a call that enters its context runs in the mode
     with lrp:
         first, *later = (call(lrp, x) for _ in range(3))
@@ -271,9 +267,7 @@ def conditioned_by_hand(model: ConditionedNorm, x: torch.Tensor, constant: bool 
 def test_a_fused_layer_norms_weight_and_bias_computed_from_the_input_get_no_relevance(applied, functional: bool):
     """The mode's rule passes the norm's input alone a gradient; the hook on the norm's node passes its weight and
     bias none either, though the node computes theirs."""
-    torch.manual_seed(0)
-    model, x = ConditionedNorm(functional).to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(lambda: ConditionedNorm(functional), AttnLRP)
     in_mode = call(lrp, x)
     with lrp:
         first, *later = (call(lrp, x) for _ in range(3))
@@ -354,9 +348,7 @@ class RenormalisedProduct(Product):
 def test_a_norm_that_keeps_its_mode_leaves_its_fused_layer_norm_to_the_plan(applied):
     """The recording call puts the rule on the fused layer norm's node, inside a norm whose mode holds more: in a
     later call the norm's mode leaves that node plain, and the plan puts the same hook on it."""
-    torch.manual_seed(0)
-    model, x = RenormalisedProduct().to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(RenormalisedProduct, AttnLRP)
     in_mode = call(lrp, x)
     with lrp:
         first, *later = (call(lrp, x) for _ in range(3))
@@ -394,9 +386,7 @@ def test_a_fused_layer_norm_in_a_checkpoint_region_computes_its_own_scale(applie
     """The scale its node saved would be read through the region's saved-tensor hooks, which run the region's
     forward again to give it: the rule computes the scale itself, and the region runs once in each forward and
     once in each backward pass."""
-    torch.manual_seed(0)
-    model, x = CheckpointedLayerNorm().to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(CheckpointedLayerNorm, AttnLRP)
     in_mode = call(lrp, x)
     with lrp:
         relevances = [call(lrp, x) for _ in range(3)]
@@ -422,9 +412,7 @@ def test_a_written_out_norm_in_a_checkpoint_region_gives_the_modes_relevance_in_
     """The backward pass runs the region's forward again, after the call: with the norm's rule, which holds its
     scale. A later call that ran the norm plainly saved more tensors in its forward than that run does (torch raised
     a CheckpointError); such a call runs in the mode."""
-    torch.manual_seed(0)
-    model, x = CheckpointedNorm().to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(CheckpointedNorm, AttnLRP)
     in_mode = call(lrp, x)
     with lrp:
         relevances = [call(lrp, x) for _ in range(3)]
