@@ -67,12 +67,12 @@ def plans(lrp: LRP) -> list:
 
 
 def wrapped_on_a_batch(
-    make: Callable[[], nn.Module], mapper: Callable[[], object]
+    make: Callable[[], nn.Module], mapper: Callable[[], object], shape: tuple[int, ...] = (5, 4)
 ) -> tuple[nn.Module, torch.Tensor, LRP]:
-    """``make()`` in float64 and a batch of 5 × 4 inputs, both drawn after seeding 0, and a wrapper of the model under
-    ``mapper()`` (input ``x``, output ``y``)."""
+    """``make()`` in float64 and a batch of inputs of ``shape``, both drawn after seeding 0, and a wrapper of the model
+    under ``mapper()`` (input ``x``, output ``y``)."""
     torch.manual_seed(0)
-    model, x = make().to(F64), torch.randn(5, 4, dtype=F64)
+    model, x = make().to(F64), torch.randn(shape, dtype=F64)
     return model, x, LRP(model, mapper(), in_keys=["x"], out_keys=["y"])
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP, _function_rule_plan
 from tdhook.attribution.rules.normalization import is_norm
-from tests.attribution._plan_helpers import F64, Product, by_hand, call, plans, product_model
+from tests.attribution._plan_helpers import F64, Product, by_hand, call, plans, product_model, wrapped_on_a_batch
 from tests.attribution.test_lrp_huggingface import LastLogits, build
 from tests.attribution.test_lrp_transformer_zoo import ZOO, Explained, model_input
 from tests.conftest import relative_error
@@ -100,9 +100,7 @@ def test_a_rule_other_than_the_uniform_product_keeps_the_mode(applied):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2), dim=-1) @ x
 
-    torch.manual_seed(0)
-    model, x = Attention().to(F64), torch.randn(2, 3, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(softmax_epsilon=0.1), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(Attention, lambda: AttnLRP(softmax_epsilon=0.1), (2, 3, 4))
     with lrp:
         first, second = call(lrp, x), call(lrp, x)
     assert applied == []  # the softmax's ε changes its gradient: every call runs in the mode

@@ -20,6 +20,7 @@ from tests.attribution._plan_helpers import (
     in_mode_and_in_context,
     plans,
     product_model,
+    wrapped_on_a_batch,
     zoo_calls,
 )
 from tests.attribution.test_lrp_huggingface import LastLogits, build
@@ -40,9 +41,7 @@ class BiasedAttention(Product):
 
 @pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
 def test_a_fused_attention_computed_by_several_nodes_takes_the_graph_s_way(applied, preset):
-    torch.manual_seed(0)
-    model, x = BiasedAttention().to(F64), torch.randn(3, 5, 4, dtype=F64)
-    lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(BiasedAttention, preset, (3, 5, 4))
     in_mode, relevances = in_mode_and_in_context(lrp, x, 3)
     assert applied == [True, True]
     for relevance in relevances:
@@ -78,9 +77,7 @@ def test_a_fused_attention_with_a_mask_computed_from_activations_is_the_attentio
     lost up to 32 % of the logit on a tiny Wav2Vec2-Conformer with sdpa attention); AttnLRP gives it the weights'
     half of ``attention · v``, as the written-out attention does. So in a call that enters its context and in
     later calls of one context, with the output as the plain call's, bit for bit."""
-    torch.manual_seed(0)
-    model, x = ConditionedBiasAttention().to(F64), torch.randn(3, 5, 4, dtype=F64)
-    lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(ConditionedBiasAttention, preset, (3, 5, 4))
     in_mode, relevances = in_mode_and_in_context(lrp, x, 3)
     for relevance in relevances:
         assert torch.equal(relevance, in_mode)
@@ -201,9 +198,7 @@ def test_what_a_held_tensor_is_computed_from_is_not_reported_as_explained():
 def test_large_attention_weights_are_detached_and_every_call_runs_in_the_mode(applied):
     """Past 2**14 elements, the gradient a plain call would compute for the weights (and drop) costs more than the
     mode: the weights are detached, as in a call that records nothing."""
-    torch.manual_seed(0)
-    model, x = HeldAttention().to(F64), torch.randn(2, 100, 4, dtype=F64)  # weights of 2 × 100 × 100 elements
-    lrp = LRP(model, CPLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(HeldAttention, CPLRP, (2, 100, 4))  # weights of 2 × 100 × 100 elements
     with lrp:
         relevances = [call(lrp, x) for _ in range(2)]
         assert plans(lrp) == []
@@ -390,9 +385,7 @@ class GatedMatmul(Product):
 def test_later_calls_hold_cplrps_gate_in_a_matmul_in_the_graph(applied):
     """A gate held in a ``matmul`` kept every call of MiniMax in the function mode under CP-LRP (1.5x a gradient pass
     at the tiny size, AttnLRP 1.2x): the node that takes it in the ``matmul``'s own graph passes it no gradient."""
-    torch.manual_seed(0)
-    model, x = GatedMatmul().to(F64), torch.randn(5, 2, 4, dtype=F64)
-    lrp = LRP(model, CPLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(GatedMatmul, CPLRP, (5, 2, 4))
     in_mode, relevances = in_mode_and_in_context(lrp, x, 3)
     assert applied == [True, True]
     for relevance in relevances:

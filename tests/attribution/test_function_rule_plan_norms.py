@@ -304,9 +304,7 @@ def switched_by_hand(model: SwitchedLayerNorm, x: torch.Tensor) -> torch.Tensor:
 def test_a_fused_layer_norm_takes_its_normalised_dimensions_from_its_node(applied):
     """A norm whose normalised dimensions change between calls on inputs of one shape (a module's attribute): the
     graph's nodes are the recorded ones, and the rule's hook centres over the dimensions the node normalised."""
-    torch.manual_seed(0)
-    model, x = SwitchedLayerNorm().to(F64), torch.randn(5, 2, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(SwitchedLayerNorm, AttnLRP, (5, 2, 4))
     with lrp:
         for shape in [(6,), (2, 6)]:
             model.shape = shape

@@ -10,7 +10,7 @@ from torch import nn
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP
 from tdhook.attribution._graph_inputs import chain_of, computed_again
-from tests.attribution._plan_helpers import F64, Product, halved, in_mode_and_in_context, zoo_calls
+from tests.attribution._plan_helpers import F64, Product, halved, in_mode_and_in_context, wrapped_on_a_batch, zoo_calls
 from tests.conftest import relative_error
 
 
@@ -81,9 +81,7 @@ def test_later_calls_put_a_softcapping_tanhs_rule_on_its_node(applied, preset):
 
 
 def test_a_tanh_whose_input_no_chain_computes_keeps_the_mode(applied):
-    torch.manual_seed(0)
-    model, x = Softcapped(summed=True).to(F64), torch.randn(5, 4, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(lambda: Softcapped(summed=True), AttnLRP, (5, 4, 4))
     in_mode, relevances = in_mode_and_in_context(lrp, x, 4)
     assert applied == []
     for relevance in relevances:
@@ -93,9 +91,7 @@ def test_a_tanh_whose_input_no_chain_computes_keeps_the_mode(applied):
 def test_a_large_tanh_input_keeps_the_mode(applied):
     """Attention logits of more than 2¹⁴ elements (5 × 64 × 64 here) are not computed again: at a realistic size the
     extra ``bmm`` costs more than the mode (see ``_graph_inputs._LARGEST``)."""
-    torch.manual_seed(0)
-    model, x = Softcapped().to(F64), torch.randn(5, 64, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(Softcapped, AttnLRP, (5, 64, 4))
     in_mode, relevances = in_mode_and_in_context(lrp, x, 4)
     assert applied == []
     for relevance in relevances:
@@ -129,9 +125,7 @@ class ScaledTanh(Product):
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["computed", "in place"])
 def test_a_tanh_of_a_modules_output_times_a_number_takes_the_graphs_way(applied, in_place: bool):
-    torch.manual_seed(0)
-    model, x = ScaledTanh(in_place).to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(lambda: ScaledTanh(in_place), AttnLRP)
     in_mode, relevances = in_mode_and_in_context(lrp, x, 4)
     assert applied == [True, True]
     for relevance in relevances:

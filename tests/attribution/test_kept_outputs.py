@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDict
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP
-from tests.attribution._plan_helpers import F64, Product, call, halved
+from tests.attribution._plan_helpers import F64, Product, call, halved, wrapped_on_a_batch
 from tests.conftest import relative_error
 
 
@@ -49,9 +49,7 @@ def tanh_by_hand(model: TanhProduct, x: torch.Tensor) -> torch.Tensor:
 
 
 def test_later_calls_put_tanhs_rule_on_its_node_from_the_modules_kept_output(applied):
-    torch.manual_seed(0)
-    model, x = TanhProduct().to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(TanhProduct, AttnLRP)
     in_mode = call(lrp, x)  # a call that enters its context runs in the mode
     with lrp:
         relevances = [call(lrp, x) for _ in range(4)]
@@ -75,9 +73,7 @@ def test_later_calls_put_tanhs_rule_on_its_node_from_the_modules_kept_output(app
 def test_a_tanh_whose_input_is_no_kept_output_keeps_its_mode(applied, where: str):
     """An input changed in place after its module returned it, computed after it, or a module called again after the
     ``tanh`` took its first output: no later call could find the input, and every call runs in the mode."""
-    torch.manual_seed(0)
-    model, x = TanhProduct(where).to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(lambda: TanhProduct(where), AttnLRP)
     with lrp:
         relevances = [call(lrp, x) for _ in range(4)]
     assert applied == []
@@ -98,9 +94,7 @@ def test_a_tanh_input_changed_in_place_in_a_later_call_runs_it_in_the_mode(appli
                 h.mul_(2.0)
             return self.out(activated * self.k(x))
 
-    torch.manual_seed(0)
-    model, x = Late().to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(Late, AttnLRP)
     with lrp:
         planned = [call(lrp, x) for _ in range(3)]
         model.where = "late"
@@ -121,9 +115,7 @@ class EinsumProduct(Product):
 
 
 def test_later_calls_halve_an_einsum_of_two_activations_on_its_node(applied):
-    torch.manual_seed(0)
-    model, x = EinsumProduct().to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(EinsumProduct, AttnLRP)
     in_mode = call(lrp, x)
     with lrp:
         relevances = [call(lrp, x) for _ in range(3)]
@@ -159,9 +151,7 @@ def test_zoo_models_with_a_tanh_head_run_later_calls_without_the_mode(applied, n
 
 def test_keepers_of_a_wrapper_whose_plan_is_dropped_go_with_the_context():
     """A context left with a plan that keeps outputs removes the hooks; the next context starts without any."""
-    torch.manual_seed(0)
-    model, x = TanhProduct().to(F64), torch.randn(5, 4, dtype=F64)
-    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    model, x, lrp = wrapped_on_a_batch(TanhProduct, AttnLRP)
     for _ in range(2):
         with lrp:
             assert not any(hook for hook in model.q._forward_hooks.values())
