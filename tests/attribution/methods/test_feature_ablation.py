@@ -8,12 +8,7 @@ import torch
 from tensordict import TensorDict
 
 from tdhook.attribution import FeatureAblation
-from tests.attribution.methods._models import (
-    assert_random_mlp_matches,
-    random_mlp,
-    small_cnn,
-    two_key_policy,
-)
+from tests.attribution.methods._models import assert_random_mlp_matches, random_mlp, small_cnn, two_key_policy
 from tests.conftest import relative_error
 
 

@@ -14,11 +14,7 @@ from torchrl.modules import MultiAgentMLP
 
 from tdhook.attribution import GuidedBackprop, Saliency
 from tests.attribution._helpers import assert_unchanged, state_snapshot
-from tests.attribution.methods._models import (
-    assert_random_mlp_matches,
-    assert_two_key_policy_matches,
-    small_cnn,
-)
+from tests.attribution.methods._models import assert_random_mlp_matches, assert_two_key_policy_matches, small_cnn
 from tests.conftest import relative_error
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*(require gradients|backward hooks on ReLU).*:UserWarning")

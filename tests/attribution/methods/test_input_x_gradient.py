@@ -8,11 +8,7 @@ import torch
 from tensordict import TensorDict
 
 from tdhook.attribution import InputXGradient
-from tests.attribution.methods._models import (
-    assert_random_mlp_matches,
-    assert_two_key_policy_matches,
-    small_cnn,
-)
+from tests.attribution.methods._models import assert_random_mlp_matches, assert_two_key_policy_matches, small_cnn
 from tests.conftest import relative_error
 
 pytestmark = pytest.mark.filterwarnings("ignore:Input Tensor .* did not already require gradients:UserWarning")

@@ -10,7 +10,8 @@ from zennit import rules as zrules
 
 from tdhook.attribution import LRP, AttnLRP
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule, StopRule, UniformEpsilonRule, UniformRule
-from tests.attribution.rules._helpers import LAYERS, TOL, assert_rule_matches_zennit, make_layer, output_relevance
+from tests.attribution.rules import _helpers as rule_checks
+from tests.attribution.rules._helpers import LAYERS, TOL, make_layer, output_relevance
 from tests.attribution.rules._helpers import RULE_PAIRS as ALL_RULE_PAIRS
 from tests.conftest import relative_error, tdhook_relevance, zennit_relevance
 
@@ -21,7 +22,7 @@ class TestAgainstZennit:
     @pytest.mark.parametrize("kind", LAYERS)
     @pytest.mark.parametrize("rule_name", sorted(RULE_PAIRS))
     def test_rule_matches_zennit(self, rule_name: str, kind: str):
-        assert_rule_matches_zennit(rule_name, kind)
+        rule_checks.assert_rule_matches_zennit(rule_name, kind)
 
     @pytest.mark.parametrize("activation", [nn.Tanh(), nn.ELU(), nn.Sigmoid(), nn.SiLU(), nn.ReLU(), nn.GELU()])
     def test_pass_matches_zennit(self, activation: nn.Module):

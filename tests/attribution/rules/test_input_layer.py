@@ -15,19 +15,8 @@ from tdhook.attribution import LRP
 from tdhook.attribution.mappers.presets import EpsilonPlusFlat
 from tdhook.attribution.rules.basic import EpsilonRule
 from tdhook.attribution.rules.input_layer import FirstLayerRule, FlatRule, ZBoxRule
-from tests.attribution.rules._helpers import (
-    LAYERS,
-    TOL,
-    assert_an_expanded_output_gradient_gives_the_contiguous_result,
-    assert_an_unbatched_input_gives_the_batched_result,
-    assert_repeated_backward_over_one_forward_gives_the_same_gradient,
-    assert_rule_matches_zennit,
-    assert_transposed_convolution_with_output_padding_past_the_stride_matches_zennit,
-    assert_vectorized_jacobian_equals_the_unit_by_unit_one,
-    make_layer,
-    output_relevance,
-    spy,
-)
+from tests.attribution.rules import _helpers as rule_checks
+from tests.attribution.rules._helpers import LAYERS, TOL, make_layer, output_relevance, spy
 from tests.attribution.rules._helpers import RULE_PAIRS as ALL_RULE_PAIRS
 from tests.conftest import relative_error, tdhook_relevance, zennit_relevance
 
@@ -38,7 +27,7 @@ class TestAgainstZennit:
     @pytest.mark.parametrize("kind", LAYERS)
     @pytest.mark.parametrize("rule_name", sorted(RULE_PAIRS))
     def test_rule_matches_zennit(self, rule_name: str, kind: str):
-        assert_rule_matches_zennit(rule_name, kind)
+        rule_checks.assert_rule_matches_zennit(rule_name, kind)
 
     def test_zbox_with_tensor_bounds(self):
         layer, x = make_layer("conv2d")
@@ -89,7 +78,7 @@ class TestFastPaths:
 
     @pytest.mark.parametrize("rule_name", ["flat", "zbox"])
     def test_an_expanded_output_gradient_gives_the_contiguous_result(self, rule_name):
-        assert_an_expanded_output_gradient_gives_the_contiguous_result(rule_name)
+        rule_checks.assert_an_expanded_output_gradient_gives_the_contiguous_result(rule_name)
 
     def test_zbox_with_bounds_per_sample_matches_zennit(self, monkeypatch):
         # Bounds that differ between samples cannot be computed for one sample: the autograd path runs.
@@ -116,19 +105,19 @@ class TestFastPaths:
     @pytest.mark.parametrize("rule_name", ["flat", "wsquare", "zbox"])
     @pytest.mark.parametrize("kind", ["linear", "conv2d"])
     def test_an_unbatched_input_gives_the_batched_result(self, rule_name, kind):
-        assert_an_unbatched_input_gives_the_batched_result(rule_name, kind)
+        rule_checks.assert_an_unbatched_input_gives_the_batched_result(rule_name, kind)
 
     @pytest.mark.parametrize("rule_name", ["flat", "wsquare", "zbox"])
     def test_repeated_backward_over_one_forward_gives_the_same_gradient(self, rule_name):
-        assert_repeated_backward_over_one_forward_gives_the_same_gradient(rule_name)
+        rule_checks.assert_repeated_backward_over_one_forward_gives_the_same_gradient(rule_name)
 
     @pytest.mark.parametrize("rule_name", ["flat", "zbox"])
     def test_vectorized_jacobian_equals_the_unit_by_unit_one(self, rule_name):
-        assert_vectorized_jacobian_equals_the_unit_by_unit_one(rule_name)
+        rule_checks.assert_vectorized_jacobian_equals_the_unit_by_unit_one(rule_name)
 
     @pytest.mark.parametrize("rule_name", ["flat", "wsquare", "zbox"])
     def test_transposed_convolution_with_output_padding_past_the_stride_matches_zennit(self, rule_name):
-        assert_transposed_convolution_with_output_padding_past_the_stride_matches_zennit(rule_name)
+        rule_checks.assert_transposed_convolution_with_output_padding_past_the_stride_matches_zennit(rule_name)
 
     def test_zbox_on_a_linear_subclass_matches_zennit(self):
         class SubclassedLinear(nn.Linear):

@@ -10,19 +10,8 @@ from zennit import rules as zrules
 
 from tdhook.attribution import LRP
 from tdhook.attribution.rules.modified import AlphaBetaRule, GammaRule
-from tests.attribution.rules._helpers import (
-    LAYERS,
-    TOL,
-    assert_an_expanded_output_gradient_gives_the_contiguous_result,
-    assert_an_unbatched_input_gives_the_batched_result,
-    assert_repeated_backward_over_one_forward_gives_the_same_gradient,
-    assert_rule_matches_zennit,
-    assert_transposed_convolution_with_output_padding_past_the_stride_matches_zennit,
-    assert_vectorized_jacobian_equals_the_unit_by_unit_one,
-    make_layer,
-    output_relevance,
-    spy,
-)
+from tests.attribution.rules import _helpers as rule_checks
+from tests.attribution.rules._helpers import LAYERS, TOL, make_layer, output_relevance, spy
 from tests.attribution.rules._helpers import RULE_PAIRS as ALL_RULE_PAIRS
 from tests.conftest import relative_error, tdhook_relevance, zennit_relevance
 
@@ -33,7 +22,7 @@ class TestAgainstZennit:
     @pytest.mark.parametrize("kind", LAYERS)
     @pytest.mark.parametrize("rule_name", sorted(RULE_PAIRS))
     def test_rule_matches_zennit(self, rule_name: str, kind: str):
-        assert_rule_matches_zennit(rule_name, kind)
+        rule_checks.assert_rule_matches_zennit(rule_name, kind)
 
     @pytest.mark.parametrize("kind", LAYERS)
     @pytest.mark.parametrize("rule_name", ["gamma", "gamma-nobias", "zplus", "alpha2beta1"])
@@ -151,24 +140,24 @@ class TestFastPaths:
 
     @pytest.mark.parametrize("rule_name", ["zplus", "gamma"])
     def test_an_expanded_output_gradient_gives_the_contiguous_result(self, rule_name):
-        assert_an_expanded_output_gradient_gives_the_contiguous_result(rule_name)
+        rule_checks.assert_an_expanded_output_gradient_gives_the_contiguous_result(rule_name)
 
     @pytest.mark.parametrize("rule_name", ["zplus", "gamma"])
     @pytest.mark.parametrize("kind", ["linear", "conv2d"])
     def test_an_unbatched_input_gives_the_batched_result(self, rule_name, kind):
-        assert_an_unbatched_input_gives_the_batched_result(rule_name, kind)
+        rule_checks.assert_an_unbatched_input_gives_the_batched_result(rule_name, kind)
 
     @pytest.mark.parametrize("rule_name", ["zplus", "gamma", "gamma-positive-outputs"])
     def test_repeated_backward_over_one_forward_gives_the_same_gradient(self, rule_name):
-        assert_repeated_backward_over_one_forward_gives_the_same_gradient(rule_name)
+        rule_checks.assert_repeated_backward_over_one_forward_gives_the_same_gradient(rule_name)
 
     @pytest.mark.parametrize("rule_name", ["zplus", "alpha2beta1", "gamma-after-relu"])
     def test_vectorized_jacobian_equals_the_unit_by_unit_one(self, rule_name):
-        assert_vectorized_jacobian_equals_the_unit_by_unit_one(rule_name)
+        rule_checks.assert_vectorized_jacobian_equals_the_unit_by_unit_one(rule_name)
 
     @pytest.mark.parametrize("rule_name", ["zplus", "gamma"])
     def test_transposed_convolution_with_output_padding_past_the_stride_matches_zennit(self, rule_name):
-        assert_transposed_convolution_with_output_padding_past_the_stride_matches_zennit(rule_name)
+        rule_checks.assert_transposed_convolution_with_output_padding_past_the_stride_matches_zennit(rule_name)
 
 
 # Layer options users set that change which inputs an output reads: groups, dilation, strides past the kernel,
