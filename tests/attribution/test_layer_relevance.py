@@ -8,6 +8,10 @@ tensor as its input, gives too.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import weakref
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -206,3 +210,43 @@ def test_layers_and_a_relevance_check_each_read_their_own(preset: str):
     assert relative_error(td["relevance", "0"], expected) <= 1e-12
     assert relative_error(td["relevance", "1"], expected.flatten(1)) <= 1e-12
     assert abs(checks["2"][0] - expected.sum()) <= 1e-12 * expected.abs().sum()
+
+
+class Recorded(nn.Module):
+    """The identity, through a product of its own, keeping a weak reference to each output (an intermediate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 1.0
+        self.outputs.append(weakref.ref(y))
+        return y
+
+
+@pytest.mark.parametrize("in_context", [False, True])
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_layers_hold_no_output_nor_input_of_a_call_once_its_results_are_dropped(create_graph, in_context):
+    # The hook recording a layer's relevance held the layer's output from inside its graph, out of the garbage
+    # collector's reach: every call left its output, and with create_graph its whole graph and input, alive.
+    recorded = Recorded()
+    net = nn.Sequential(nn.Linear(3, 4), recorded, nn.ReLU(), nn.Linear(4, 2)).to(F64)
+    lrp = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"], layers=["1"], create_graph=create_graph)
+    reference = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"], layers=["1"])
+    inputs = [torch.randn(5, 3, dtype=F64) for _ in range(3)]
+    expected = [reference(TensorDict(x=x.clone(), batch_size=[5]))["relevance", "1"] for x in inputs]
+    recorded.outputs.clear()
+    leaves, found = [], []
+    with lrp if in_context else contextlib.nullcontext():
+        for x in inputs:
+            leaf = x.clone().requires_grad_(True)
+            leaves.append(weakref.ref(leaf))
+            td = lrp(TensorDict(x=leaf, batch_size=[5]))
+            found.append(td["relevance", "1"].detach())
+            del td, leaf
+        gc.collect()
+        assert [ref() for ref in leaves] == [None] * len(inputs)
+        assert [ref() for ref in recorded.outputs] == [None] * len(recorded.outputs)
+    for value, want in zip(found, expected, strict=True):
+        torch.testing.assert_close(value, want, rtol=1e-12, atol=1e-14)
