@@ -21,6 +21,7 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -54,6 +55,7 @@ class OutputRelevance:
         self.merged = False
         self.shape: torch.Size | None = None
         self.handles: list[RemovableHandle] = []
+        self.observed: list[tuple[list, Callable]] = []  # (a layer call's observers, the one this cell added)
 
     @classmethod
     def watch(cls, output: torch.Tensor) -> OutputRelevance:
@@ -70,7 +72,9 @@ class OutputRelevance:
         cell._hook(output, merged=False)
         call = layer_call_of(output)
         if call is not None:
-            call.observers.append(lambda merged_output: cell._hook(merged_output, merged=True))
+            observer = functools.partial(cell._hook, merged=True)
+            call.observers.append(observer)
+            cell.observed.append((call.observers, observer))
         return cell
 
     def _hook(self, tensor: torch.Tensor, merged: bool) -> None:
@@ -95,10 +99,15 @@ class OutputRelevance:
         self.handles.append(tensor.register_hook(record))
 
     def release(self) -> None:
-        """Remove the gradient hooks this cell put on the outputs it watches (the call is over)."""
+        """Remove the gradient hooks this cell put on the outputs it watches, and its observer of the layer call
+        that made them (the call is over): the layer call lives in the graph, and would hold the cell from there."""
         for handle in self.handles:
             handle.remove()
+        for observers, observer in self.observed:
+            if observer in observers:
+                observers.remove(observer)
         self.handles.clear()
+        self.observed.clear()
 
     def total(self) -> torch.Tensor:
         """The relevance recorded so far, or a zero scalar if none."""
