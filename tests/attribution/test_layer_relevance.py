@@ -8,6 +8,10 @@ tensor as its input, gives too.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import weakref
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -206,3 +210,68 @@ def test_layers_and_a_relevance_check_each_read_their_own(preset: str):
     assert relative_error(td["relevance", "0"], expected) <= 1e-12
     assert relative_error(td["relevance", "1"], expected.flatten(1)) <= 1e-12
     assert abs(checks["2"][0] - expected.sum()) <= 1e-12 * expected.abs().sum()
+
+
+class Recorded(nn.Module):
+    """The identity, through a product of its own, keeping a weak reference to each output (an intermediate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 1.0
+        self.outputs.append(weakref.ref(y))
+        return y
+
+
+def _relevance_seen(seen: list):
+    """A relevance check that keeps each module's relevance out, detached."""
+
+    def check(name: str, module: nn.Module, relevance_in: torch.Tensor, relevance_out: torch.Tensor) -> None:
+        seen.append(relevance_out.detach())
+
+    return check
+
+
+# What reads relevance inside the model: a module that computes no layer, a ruled Linear (a layer call whose merged
+# outputs are watched too), a relevance check on every ruled module.
+WATCHERS = {
+    "layers-inner": lambda seen: {"layers": ["1"]},
+    "layers-ruled": lambda seen: {"layers": ["0"]},
+    "relevance-check": lambda seen: {"relevance_check": _relevance_seen(seen)},
+}
+
+
+@pytest.mark.parametrize("in_context", [False, True])
+@pytest.mark.parametrize("create_graph", [False, True])
+@pytest.mark.parametrize("watcher", list(WATCHERS))
+def test_a_call_holds_no_output_nor_input_once_its_results_are_dropped(watcher, create_graph, in_context):
+    # The gradient hooks reading a module's relevance held its output from inside the output's graph, out of the
+    # garbage collector's reach: every call left the output, and with create_graph its whole graph and the input,
+    # alive.
+    recorded = Recorded()
+    net = nn.Sequential(nn.Linear(3, 4), recorded, nn.ReLU(), nn.Linear(4, 2)).to(F64)
+    seen, seen_plainly = [], []
+    lrp = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"], create_graph=create_graph, **WATCHERS[watcher](seen))
+    reference = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"], **WATCHERS[watcher](seen_plainly))
+    keys = [key for key in reference.out_keys if key[0] == "relevance"]
+    inputs = [torch.randn(5, 3, dtype=F64) for _ in range(3)]
+    expected = [reference(TensorDict(x=x.clone(), batch_size=[5])).select(*keys) for x in inputs]
+    recorded.outputs.clear()
+    leaves, found = [], []
+    with lrp if in_context else contextlib.nullcontext():
+        for x in inputs:
+            leaf = x.clone().requires_grad_(True)
+            leaves.append(weakref.ref(leaf))
+            found.append(lrp(TensorDict(x=leaf, batch_size=[5])).select(*keys).detach())
+            del leaf
+        gc.collect()
+        assert [ref() for ref in leaves] == [None] * len(inputs)
+        assert [ref() for ref in recorded.outputs] == [None] * len(recorded.outputs)
+    for value, want in zip(found, expected, strict=True):
+        for key in keys:
+            torch.testing.assert_close(value[key], want[key], rtol=1e-12, atol=1e-14)
+    assert len(seen) == len(seen_plainly)
+    for value, want in zip(seen, seen_plainly, strict=True):
+        torch.testing.assert_close(value, want, rtol=1e-12, atol=1e-14)

@@ -7,6 +7,9 @@ along one random direction per tensor (second order).
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -319,3 +322,43 @@ def test_a_caller_without_gradient_gets_the_same_derivative(kind):
         grads.append(torch.autograd.grad(loss, list(model.parameters())))
     for got, expected in zip(*grads, strict=True):
         assert relative_error(got, expected) < 1e-5
+
+
+class _Recorded(nn.Module):
+    """The identity, through a product of its own, keeping a weak reference to each output (an intermediate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 1.0
+        self.outputs.append(weakref.ref(y))
+        return y
+
+
+@pytest.mark.parametrize("in_context", [False, True])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_calls_under_no_grad_keep_their_graph_on_their_results_only(preset, in_context):
+    """Under a collector's ``torch.no_grad()`` the results keep their graph (as documented), with the ordinary
+    call's relevance; once the caller drops them, nothing of the call (input, intermediates) is held."""
+    recorded = _Recorded()
+    net = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), recorded, nn.Linear(7, 3)).double()
+    lrp = LRP(net, PRESETS[preset](), in_keys=["x"], out_keys=["y"], create_graph=True)
+    plain = LRP(net, PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+    inputs = [torch.randn(4, 5, dtype=torch.float64) for _ in range(3)]
+    expected = [plain(TensorDict(x=x.clone(), batch_size=[4]))["relevance", "x"] for x in inputs]
+    recorded.outputs.clear()
+    leaves = []
+    with lrp if in_context else contextlib.nullcontext():
+        for x, want in zip(inputs, expected, strict=True):
+            leaf = x.clone().requires_grad_(True)
+            leaves.append(weakref.ref(leaf))
+            with torch.no_grad():
+                td = lrp(TensorDict(x=leaf, batch_size=[4]))
+            assert td["relevance", "x"].requires_grad and td["y"].requires_grad
+            assert relative_error(td["relevance", "x"].detach(), want) < 1e-12
+            del td, leaf
+        gc.collect()
+        assert [ref() for ref in leaves] == [None] * len(inputs)
+        assert [ref() for ref in recorded.outputs] == [None] * len(recorded.outputs)

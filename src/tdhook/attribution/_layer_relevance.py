@@ -21,6 +21,7 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -43,13 +44,18 @@ class OutputRelevance:
     """The relevance ``z * grad(z)`` of one module output, as the backward pass reaches it.
 
     When the module is a layer merged with the BatchNorm after it, the merged
-    output's relevance takes precedence over the layer's own output.
+    output's relevance takes precedence over the layer's own output. The
+    gradient hooks it puts on the output hold the output (and, in a call that
+    keeps the graph, a copy with its history): :meth:`release` removes them
+    once the call is over, or the output would keep itself, and its graph, alive.
     """
 
     def __init__(self) -> None:
         self.value: torch.Tensor | None = None
         self.merged = False
         self.shape: torch.Size | None = None
+        self.handles: list[RemovableHandle] = []
+        self.observed: list[tuple[list, Callable]] = []  # (a layer call's observers, the one this cell added)
 
     @classmethod
     def watch(cls, output: torch.Tensor) -> OutputRelevance:
@@ -66,7 +72,9 @@ class OutputRelevance:
         cell._hook(output, merged=False)
         call = layer_call_of(output)
         if call is not None:
-            call.observers.append(lambda merged_output: cell._hook(merged_output, merged=True))
+            observer = functools.partial(cell._hook, merged=True)
+            call.observers.append(observer)
+            cell.observed.append((call.observers, observer))
         return cell
 
     def _hook(self, tensor: torch.Tensor, merged: bool) -> None:
@@ -88,7 +96,18 @@ class OutputRelevance:
                 if set_there is not None:
                     self.value = self.value + set_there
 
-        tensor.register_hook(record)
+        self.handles.append(tensor.register_hook(record))
+
+    def release(self) -> None:
+        """Remove the gradient hooks this cell put on the outputs it watches, and its observer of the layer call
+        that made them (the call is over): the layer call lives in the graph, and would hold the cell from there."""
+        for handle in self.handles:
+            handle.remove()
+        for observers, observer in self.observed:
+            if observer in observers:
+                observers.remove(observer)
+        self.handles.clear()
+        self.observed.clear()
 
     def total(self) -> torch.Tensor:
         """The relevance recorded so far, or a zero scalar if none."""
@@ -117,6 +136,11 @@ class LayerRelevance:
 
     def __init__(self) -> None:
         self._cells: dict[str, list[OutputRelevance]] = {}
+        self._held: list[OutputRelevance | RemovableHandle] = []
+
+    def hold(self, *hooks: OutputRelevance | RemovableHandle) -> None:
+        """Keep the gradient hooks of this call (cells, or handles of tensor hooks) for :meth:`clear` to remove."""
+        self._held.extend(hooks)
 
     def hook(self, name: str) -> Callable[[nn.Module, tuple, Any], None]:
         """A forward hook that watches the output of module ``name``.
@@ -156,8 +180,14 @@ class LayerRelevance:
         return [every[name].register_forward_hook(self.hook(name)) for name in names]
 
     def clear(self) -> None:
-        """Forget every watched output, before and after a call."""
-        self._cells = {}
+        """Forget every watched output, before and after a call, and remove the gradient hooks put on them: a hook
+        holds its tensor, and with it the tensor's graph, from inside that graph, beyond the reach of garbage
+        collection."""
+        for cell in (cell for cells in self._cells.values() for cell in cells):
+            cell.release()
+        for hook in self._held:
+            hook.release() if isinstance(hook, OutputRelevance) else hook.remove()
+        self._cells, self._held = {}, []
         forget_watched()
 
     def pop(self, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -188,7 +218,10 @@ class LayerRelevance:
 
 
 def add_check_hooks(
-    handles: Sequence[RemovableRuleHandle], modules: dict[str, nn.Module], check: RelevanceCheck
+    handles: Sequence[RemovableRuleHandle],
+    modules: dict[str, nn.Module],
+    check: RelevanceCheck,
+    layers: LayerRelevance | None = None,
 ) -> list[RemovableHandle]:
     """Hooks that run ``check(name, module, relevance_in, relevance_out)`` on every module with a rule.
 
@@ -202,6 +235,7 @@ def add_check_hooks(
             the relevance in.
         modules: the wrapped model's modules by name.
         check: the relevance check.
+        layers: where the gradient hooks each call puts are held, for its :meth:`LayerRelevance.clear` to remove.
 
     Returns:
         The handles of the hooks registered, for removal.
@@ -240,7 +274,9 @@ def add_check_hooks(
                     rest = set_there if set_there is not None else records_for(x)
                     check(name, module, x.detach() * grad + rest, out.total())
 
-            x.register_hook(run_check)
+            handle = x.register_hook(run_check)
+            if layers is not None:
+                layers.hold(out, handle)
 
         return forward_hook
 

@@ -321,7 +321,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
                 stop_marks(handles)
             self._marks_read = read
             if self.relevance_check is not None:
-                self._hooks += add_check_hooks(handles, modules, self.relevance_check)
+                self._hooks += add_check_hooks(handles, modules, self.relevance_check, self._layers)
             modes = getattr(self.rule_mapper, "function_modes", list)()
             pausing = []
             if any(getattr(mode, "pause_in_ruled_modules", True) for mode in modes):

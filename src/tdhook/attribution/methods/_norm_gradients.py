@@ -1,0 +1,86 @@
+"""The gradient that reaches a BatchNorm or InstanceNorm, laid out in memory as the norm's output is.
+
+PyTorch's CPU kernel for the backward of ``batch_norm`` (which ``instance_norm``
+calls) reads the incoming gradient in the wrong order when the input and that
+gradient are laid out differently and a spatial size of 1 makes the layout
+ambiguous: a ``[N, C, H, 1]`` output followed by a transpose or a permute gets
+an input gradient about 1.3 off (relative L2), in eval and in training mode
+alike, with no error. The methods that differentiate the model would pass it on
+to their attributions. While :func:`norm_gradients_laid_out` is active, the
+gradient of every such module's output is copied into the output's own strides
+before the module's backward reads it (only where the strides differ); the
+hooks are gone on the way out.
+
+Examples:
+    >>> import torch
+    >>> bn = torch.nn.BatchNorm2d(3).eval()
+    >>> x = torch.randn(4, 3, 5, 1, requires_grad=True)
+    >>> with norm_gradients_laid_out(bn):
+    ...     y = bn(x)
+    >>> grad = torch.randn(4, 5, 1, 3).permute(0, 3, 1, 2)  # laid out channels-last, unlike y
+    >>> (gx,) = torch.autograd.grad(y, x, grad)
+    >>> scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
+    >>> torch.allclose(gx, grad * scale.view(1, 3, 1, 1))
+    True
+    >>> len(bn._forward_hooks)
+    0
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["norm_gradients_laid_out"]
+
+# The modules whose forward calls the batch_norm kernel: BatchNorm1d/2d/3d, SyncBatchNorm and the lazy ones,
+# InstanceNorm1d/2d/3d, and their subclasses.
+_BATCH_NORM_KERNEL_USERS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+def _laid_out_as(size: torch.Size, strides: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A gradient hook copying a gradient of ``size`` into ``strides`` where it is laid out otherwise."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if grad.stride() == strides or grad.shape != size:
+            return grad
+        return torch.empty_strided(size, strides, dtype=grad.dtype, device=grad.device).copy_(grad)
+
+    return hook
+
+
+def _output_hook(module: nn.Module, args: Any, output: Any) -> None:
+    if isinstance(output, torch.Tensor) and output.requires_grad:
+        # The size and strides only: a hook holding the output would hold it, and the graph, from the graph itself.
+        output.register_hook(_laid_out_as(output.shape, output.stride()))
+
+
+@contextlib.contextmanager
+def norm_gradients_laid_out(model: nn.Module) -> Iterator[None]:
+    """Within the block, the gradient reaching every BatchNorm and InstanceNorm of ``model`` is laid out as its output.
+
+    Args:
+        model: the model whose modules are hooked (itself included); TorchScript modules, which take no hooks, are
+            left as they are.
+
+    Examples:
+        >>> net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 1), torch.nn.BatchNorm2d(2))
+        >>> with norm_gradients_laid_out(net):
+        ...     len(net[1]._forward_hooks)
+        1
+        >>> len(net[1]._forward_hooks)
+        0
+    """
+    handles = []
+    try:
+        for module in model.modules():
+            if isinstance(module, _BATCH_NORM_KERNEL_USERS) and not isinstance(module, torch.jit.ScriptModule):
+                handles.append(module.register_forward_hook(_output_hook))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
