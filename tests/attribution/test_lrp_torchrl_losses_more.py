@@ -22,7 +22,7 @@ from torch import nn
 from torchrl.data import Bounded, Composite, Unbounded
 from torchrl.modules import MLP, OneHotCategorical, ProbabilisticActor, QValueActor, TanhNormal
 
-from tdhook.attribution import LRP, EpsilonPlus
+from tdhook.attribution import LRP, BaseRuleMapper, EpsilonGammaBox, EpsilonPlus
 
 os.environ.setdefault("RL_WARNINGS", "0")  # the losses built without a target updater warn at each build
 
@@ -472,3 +472,137 @@ def test_a_create_graph_prior_wrapper_inside_rssm_rollout_gives_the_plain_gradie
     assert got.keys() == expected.keys() and all(g is not None for g in expected.values())
     for name, grad in got.items():
         torch.testing.assert_close(grad, expected[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+# ----------------------------------------------------------------------------- collectors and replay buffers
+
+# torchrl advises its contiguous layout over split_trajs' padded one: the padded layout is the case under test.
+SPLIT_TRAJS = pytest.mark.filterwarnings("ignore:split_trajs=True:UserWarning")
+
+
+def cartpole():
+    """CartPole-v1 with float64 observations."""
+    from torchrl.envs import DTypeCastTransform, GymEnv, TransformedEnv
+
+    return TransformedEnv(GymEnv("CartPole-v1"), DTypeCastTransform(torch.float32, F64, in_keys=["observation"]))
+
+
+def chosen_gradient_times_input(network: nn.Module, observation: torch.Tensor) -> torch.Tensor:
+    """LRP-0's oracle on a ReLU Q-network: gradient × input of the chosen (largest) action value."""
+    observation = observation.clone().requires_grad_()
+    values = network(observation)
+    (grad,) = torch.autograd.grad(values.max(-1).values.sum(), observation)
+    return observation.detach() * grad
+
+
+def collect(mapper: Callable, batches: int = 3, replay_buffers: dict | None = None):
+    """An in-process ``Collector`` with ``split_trajs=True`` running a wrapper on a Q-network, with its context open
+    across the collection; after each batch, an Adam step on a copy of the wrapper (the learner's) and
+    ``update_policy_weights_`` from it. Returns each batch with a copy of the network that collected it; each batch's
+    valid steps go into ``replay_buffers`` with their batch's number."""
+    from torchrl.collectors import Collector
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).to(F64)
+    policy = LRP(QValueActor(net, in_keys=["observation"], spec=cartpole().action_spec), mapper())
+    learner = copy.deepcopy(policy)
+    optimizer = torch.optim.Adam(learner.parameters(), lr=0.1)
+    collector = Collector(
+        cartpole, policy, frames_per_batch=40, total_frames=40 * batches, split_trajs=True,
+        auto_register_policy_transforms=False,
+    )  # fmt: skip
+    collector.set_seed(0)
+    collected = []
+    try:
+        with policy:
+            for index, batch in enumerate(collector):
+                collected.append((batch, copy.deepcopy(net)))
+                valid = batch[batch["collector", "mask"]]
+                valid["batch"] = torch.full(valid.shape, index)
+                valid["priority"] = torch.rand(valid.shape)  # float32: the priorities' type
+                for buffer in (replay_buffers or {}).values():
+                    buffer.extend(valid)
+                values = learner.module.module[0](valid["observation"])  # the learner's Q-network
+                optimizer.zero_grad()
+                (values - valid["next", "reward"]).pow(2).mean().backward()
+                optimizer.step()
+                collector.update_policy_weights_(TensorDict.from_module(learner))
+    finally:
+        collector.shutdown()
+    return collected
+
+
+@SPLIT_TRAJS
+def test_a_split_trajs_collector_with_weight_updates_writes_the_relevance_of_the_weights_that_acted():
+    """LRP-0 on the ReLU Q-network: each valid step's relevance is gradient × input of the network as it was when it
+    collected that batch (updated from the learner through ``update_policy_weights_`` in an open context), the
+    padding is zero, and the network of another batch gives another relevance."""
+    collected = collect(lambda: BaseRuleMapper(stabilizer=0))
+    for index, (batch, network) in enumerate(collected):
+        mask = batch["collector", "mask"]
+        relevance = batch["relevance", "observation"]
+        assert relevance.dtype == F64 and not relevance.requires_grad and (relevance[~mask] == 0).all()
+        expected = chosen_gradient_times_input(network, batch["observation"][mask])
+        torch.testing.assert_close(relevance[mask], expected, rtol=1e-10, atol=1e-12, msg=f"batch {index}")
+        chosen = network(batch["observation"][mask]).argmax(-1)
+        assert torch.equal(batch["action"][mask].argmax(-1), chosen)
+        if index:
+            stale = chosen_gradient_times_input(collected[index - 1][1], batch["observation"][mask])
+            assert not torch.allclose(relevance[mask], stale, rtol=1e-3)
+
+
+@SPLIT_TRAJS
+def test_a_split_trajs_collector_with_weight_updates_explains_as_a_fresh_wrapper_under_the_gamma_rule():
+    """EpsilonGammaBox keeps its modified weights across calls of an open context: ``update_policy_weights_``
+    writes the new weights through their storage, and each batch equals a fresh wrapper on the weights that acted."""
+    collected = collect(lambda: EpsilonGammaBox(-3.0, 3.0))
+    for batch, network in collected:
+        mask = batch["collector", "mask"]
+        fresh = LRP(network, EpsilonGammaBox(-3.0, 3.0), in_keys=["observation"], out_keys=["values"])
+        expected = fresh(TensorDict(observation=batch["observation"][mask], batch_size=[int(mask.sum())]))
+        relevance = batch["relevance", "observation"][mask]
+        torch.testing.assert_close(relevance, expected["relevance", "observation"], rtol=1e-10, atol=1e-12)
+
+
+@SPLIT_TRAJS
+@pytest.mark.parametrize("storage", ["LazyTensorStorage", "LazyMemmapStorage"])
+def test_replay_buffers_give_back_the_relevance_they_stored(storage: str, tmp_path):
+    """Uniform, prioritized (with priorities updated) and slice sampling of the collected steps: each sampled step's
+    relevance is gradient × input of the network that collected it."""
+    from torchrl.data import (
+        LazyMemmapStorage,
+        LazyTensorStorage,
+        TensorDictPrioritizedReplayBuffer,
+        TensorDictReplayBuffer,
+    )
+    from torchrl.data.replay_buffers import SliceSampler
+
+    def make_storage(name: str):
+        if storage == "LazyMemmapStorage":
+            return LazyMemmapStorage(200, scratch_dir=tmp_path / name)
+        return LazyTensorStorage(200)
+
+    buffers = {
+        "uniform": TensorDictReplayBuffer(storage=make_storage("uniform"), batch_size=24),
+        "prioritized": TensorDictPrioritizedReplayBuffer(
+            alpha=0.7, beta=0.5, storage=make_storage("prioritized"), batch_size=24, priority_key="priority"
+        ),
+        "slices": TensorDictReplayBuffer(
+            storage=make_storage("slices"),
+            sampler=SliceSampler(slice_len=4, traj_key=("collector", "traj_ids")),
+            batch_size=24,
+        ),
+    }
+    networks = [network for _, network in collect(lambda: BaseRuleMapper(stabilizer=0), replay_buffers=buffers)]
+    torch.manual_seed(3)
+    for name, buffer in buffers.items():
+        for draw in range(3):
+            sample = buffer.sample()
+            if name == "prioritized":
+                buffer.update_tensordict_priority(sample.set("priority", torch.rand(sample.shape)))
+            relevance = sample["relevance", "observation"]
+            assert relevance.dtype == F64 and not relevance.requires_grad
+            for index, network in enumerate(networks):
+                rows = sample["batch"] == index
+                expected = chosen_gradient_times_input(network, sample["observation"][rows])
+                torch.testing.assert_close(relevance[rows], expected, rtol=1e-10, atol=1e-12, msg=f"{name} {draw}")
