@@ -7,11 +7,12 @@ network with the wrapper inside computes its loss from those outputs: the loss t
 network, and either its ``backward`` fails with torch's own error, which names no module (``DQNLoss``: "element 0
 of tensors does not require grad"), or, where another term of the loss carries a gradient (the critic's), the
 network's parameters are left untrained without a word. The wrapper finds such a caller where the call comes
-(through torch's, tensordict's and tdhook's own frames, and torchrl's outside ``torchrl.objectives``: the
-environments and modules a loss runs its networks through, as ``DreamerActorLoss`` rolls its actor out in its
-model-based environment) from the code of ``torchrl.objectives`` with a ``LossModule`` as ``self``, with gradient
-enabled, and refuses it. The value estimators (``GAE``, ``TD0``), which compute their targets without gradient, and
-a loss's target networks (called from its value estimator) are not refused.
+(through torch's, tensordict's and tdhook's own frames, and torchrl's outside its losses: the environments and
+modules a loss runs its networks through, as ``DreamerActorLoss`` rolls its actor out in its model-based
+environment, and the losses' helpers, through which ``SACLoss(deactivate_vmap=True)`` calls its Q-networks) from
+the code of ``torchrl.objectives`` with a ``LossModule`` as ``self``, with gradient enabled, and refuses it. The
+value estimators (``GAE``, ``TD0``), which compute their targets without gradient, and a loss's target networks
+(called from its value estimator) are not refused.
 
 Examples:
     >>> calling_loss_module() is None  # called from here, not by a loss module
@@ -41,19 +42,22 @@ _COMMON = "torchrl.objectives.common"  # imported with any of torchrl's loss mod
 
 
 @functools.cache
-def _torchrl_directories() -> tuple[str, str]:
-    """torchrl's directory and that of its losses (``torchrl.objectives``), once torchrl's losses are imported."""
+def _torchrl_paths() -> tuple[str, str, str]:
+    """torchrl's directory, that of its losses (``torchrl.objectives``) and the file of their helpers
+    (``torchrl.objectives.utils``), once torchrl's losses are imported."""
     torchrl = os.path.dirname(sys.modules["torchrl"].__file__) + os.sep
-    return torchrl, torchrl + "objectives" + os.sep
+    objectives = torchrl + "objectives" + os.sep
+    return torchrl, objectives, objectives + "utils.py"
 
 
 def _passed(filename: str) -> bool:
     """Whether a frame of this file lies between a loss module's code and the wrapper: torch's, tensordict's,
-    tdhook's, and torchrl's but for its losses' (``torchrl.objectives``)."""
+    tdhook's, and torchrl's but for its losses' (``torchrl.objectives``); the losses' helpers are passed too (their
+    ``_vmap_func``, which with ``deactivate_vmap=True`` calls the Q-networks in a Python loop)."""
     if filename.startswith(_PASSED):
         return True
-    torchrl, objectives = _torchrl_directories()
-    return filename.startswith(torchrl) and not filename.startswith(objectives)
+    torchrl, objectives, helpers = _torchrl_paths()
+    return filename.startswith(torchrl) and (not filename.startswith(objectives) or filename == helpers)
 
 
 def calling_loss_module() -> Any | None:
