@@ -3,8 +3,10 @@ discrete SAC, CQL and IQL, A2C, REINFORCE, and Dreamer's model-based losses; and
 
 A wrapper with ``create_graph=True`` inside a loss's network trains it as the plain network: the losses and every
 parameter's gradient, over Adam steps and target updates, equal those of the same loss on the unwrapped networks
-(same seeds, same batches). A wrapper without it is refused, naming the wrapper and the loss, wherever the loss
-calls it from (its own code, an imagined rollout in a model-based environment, a torchrl module's loop).
+(same seeds, same batches), wherever the loss runs it but under ``torch.func.vmap`` (there it is refused). A wrapper
+without it is refused, naming the wrapper and the loss, wherever the loss calls it from (its own code, the loop of
+its helpers with ``deactivate_vmap=True``, an imagined rollout in a model-based environment, a torchrl module's
+loop).
 """
 
 from __future__ import annotations
@@ -180,6 +182,30 @@ LOSSES: dict[str, tuple[Callable, bool, str]] = {
         for name in NO_VMAP
     },
 }
+
+
+def with_estimator_in_a_loop(loss, estimator: str, **hyperparameters):
+    """``loss`` with a value estimator that calls the critic in a Python loop (``deactivate_vmap=True``)."""
+    from torchrl.objectives import ValueEstimators
+
+    loss.make_value_estimator(getattr(ValueEstimators, estimator), deactivate_vmap=True, **hyperparameters)
+    return loss
+
+
+LOSSES["A2CLoss, deactivate_vmap"] = (
+    lambda a, c: with_estimator_in_a_loop(
+        _objectives().A2CLoss(gaussian_actor(a), state_value(c)), "GAE", gamma=0.9, lmbda=0.9
+    ),
+    True,
+    "loss",
+)
+LOSSES["ClipPPOLoss(clip_value), deactivate_vmap"] = (
+    lambda a, c: with_estimator_in_a_loop(
+        _objectives().ClipPPOLoss(gaussian_actor(a), state_value(c), clip_value=0.05), "TDLambda", gamma=0.9, lmbda=0.9
+    ),
+    True,
+    "loss",
+)
 WITH_ACTOR = [name for name in LOSSES if name not in ("DQNLoss", "DiscreteCQLLoss")]
 # REDQ runs its actor under torch.func.vmap too (its sampled actions for every Q-network at once).
 ACTOR_IN_LOSS_CODE = [name for name in WITH_ACTOR if name != "REDQLoss"]
