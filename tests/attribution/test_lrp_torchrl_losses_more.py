@@ -336,6 +336,25 @@ def test_a_wrapper_in_a_critic_run_under_vmap_is_refused(name: str, wrap: Wrap):
     assert wrap is detached or raised.type is NotImplementedError
 
 
+def test_a_wrapper_without_create_graph_nested_deep_in_the_actor_is_refused_naming_the_loss():
+    """Each ``TensorDictSequential`` around the wrapper puts some six frames of tensordict's between the loss's code
+    and the wrapper. Before, from six levels on, the check looked no further than 40 frames: no error, and PPO's actor
+    was left untrained (no gradient at all) while the critic's term trained, without a word."""
+    from torchrl.objectives import ClipPPOLoss
+
+    torch.manual_seed(0)
+    network = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2), NormalParamExtractor()).to(F64)
+    nested = detached(TensorDictModule(network, in_keys=["observation"], out_keys=["loc", "scale"]), "loc")
+    for _ in range(8):
+        nested = TensorDictSequential(nested)
+    actor = ProbabilisticActor(nested, in_keys=["loc", "scale"], distribution_class=TanhNormal, return_log_prob=True)
+    loss = ClipPPOLoss(actor, state_value(plain))
+    batch = transitions(0, continuous=True).set("advantage", torch.randn(6, 1, dtype=F64))
+    batch.set("value_target", torch.randn(6, 1, dtype=F64))
+    with pytest.raises(RuntimeError, match=r"^LRP: called by torchrl's ClipPPOLoss as one of its networks"):
+        loss(batch)
+
+
 @pytest.mark.parametrize(
     "name",
     ["TD3Loss", "SACLoss(v1)", "IQLLoss", "CQLLoss", "REDQLoss", "DiscreteSACLoss", "SACLoss(v1), deactivate_vmap"],

@@ -37,7 +37,7 @@ __all__ = ["calling_loss_module", "refuse_loss_module_caller"]
 # there too (an environment's rollout, a module of torchrl's calling its parts), but for those of its losses.
 _PASSED = tuple(os.path.dirname(package.__file__) + os.sep for package in (torch, tensordict, tdhook))
 _OBJECTIVES = f"{os.sep}torchrl{os.sep}objectives{os.sep}"
-_DEPTH = 40  # frames looked at, at most
+_DEPTH = 200  # frames looked at, at most (some six per TensorDictSequential around the wrapper)
 _COMMON = "torchrl.objectives.common"  # imported with any of torchrl's loss modules
 
 
