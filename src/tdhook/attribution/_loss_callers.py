@@ -50,26 +50,23 @@ def _torchrl_paths() -> tuple[str, str, str]:
     return torchrl, objectives, objectives + "utils.py"
 
 
-def _passed(filename: str) -> bool:
-    """Whether a frame of this file lies between a loss module's code and the wrapper: torch's, tensordict's,
-    tdhook's, and torchrl's but for its losses' (``torchrl.objectives``); the losses' helpers are passed too (their
-    ``_vmap_func``, which with ``deactivate_vmap=True`` calls the Q-networks in a Python loop)."""
-    if filename.startswith(_PASSED):
-        return True
-    torchrl, objectives, helpers = _torchrl_paths()
-    return filename.startswith(torchrl) and (not filename.startswith(objectives) or filename == helpers)
-
-
 def calling_loss_module() -> Any | None:
     """The torchrl ``LossModule`` whose code called the running wrapper, or ``None`` (torchrl not imported, or
-    another caller): the first frame outside torch, tensordict, tdhook and torchrl's frames outside its losses is
-    that loss module's code."""
+    another caller): the first frame outside torch, tensordict, tdhook and torchrl's frames outside its losses (the
+    losses' helpers, ``torchrl.objectives.utils``, passed too: their ``_vmap_func``, which with
+    ``deactivate_vmap=True`` calls the Q-networks in a Python loop) is that loss module's code."""
     common = sys.modules.get(_COMMON)
     if common is None:
         return None
+    torchrl, objectives, helpers = _torchrl_paths()
     frame = sys._getframe(1)
     for _ in range(_DEPTH):
-        if frame is None or not _passed(frame.f_code.co_filename):
+        if frame is None:
+            break
+        name = frame.f_code.co_filename
+        if not name.startswith(_PASSED) and (
+            not name.startswith(torchrl) or (name.startswith(objectives) and name != helpers)
+        ):
             break
         frame = frame.f_back
     if frame is None or _OBJECTIVES not in frame.f_code.co_filename:
