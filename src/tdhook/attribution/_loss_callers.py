@@ -21,7 +21,6 @@ Examples:
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from typing import Any
@@ -41,13 +40,17 @@ _DEPTH = 200  # frames looked at, at most (some six per TensorDictSequential aro
 _COMMON = "torchrl.objectives.common"  # imported with any of torchrl's loss modules
 
 
-@functools.cache
+_TORCHRL_PATHS: list[tuple[str, str, str]] = []  # torchrl's directory, its losses', their helpers' file, once
+
+
 def _torchrl_paths() -> tuple[str, str, str]:
     """torchrl's directory, that of its losses (``torchrl.objectives``) and the file of their helpers
-    (``torchrl.objectives.utils``), once torchrl's losses are imported."""
-    torchrl = os.path.dirname(sys.modules["torchrl"].__file__) + os.sep
-    objectives = torchrl + "objectives" + os.sep
-    return torchrl, objectives, objectives + "utils.py"
+    (``torchrl.objectives.utils``), read once torchrl's losses are imported."""
+    if not _TORCHRL_PATHS:
+        torchrl = os.path.dirname(sys.modules["torchrl"].__file__) + os.sep
+        objectives = torchrl + "objectives" + os.sep
+        _TORCHRL_PATHS.append((torchrl, objectives, objectives + "utils.py"))
+    return _TORCHRL_PATHS[0]
 
 
 def calling_loss_module() -> Any | None:
@@ -58,7 +61,7 @@ def calling_loss_module() -> Any | None:
     common = sys.modules.get(_COMMON)
     if common is None:
         return None
-    torchrl, objectives, helpers = _torchrl_paths()
+    torchrl, objectives, helpers = _TORCHRL_PATHS[0] if _TORCHRL_PATHS else _torchrl_paths()
     frame = sys._getframe(1)
     for _ in range(_DEPTH):
         if frame is None:
