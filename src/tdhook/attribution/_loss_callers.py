@@ -7,10 +7,12 @@ network with the wrapper inside computes its loss from those outputs: the loss t
 network, and either its ``backward`` fails with torch's own error, which names no module (``DQNLoss``: "element 0
 of tensors does not require grad"), or, where another term of the loss carries a gradient (the critic's), the
 network's parameters are left untrained without a word. The wrapper finds such a caller where the call comes
-(through torch's, tensordict's and tdhook's own frames) from the code of ``torchrl.objectives`` with a
-``LossModule`` as ``self``, with gradient enabled, and refuses it. The value estimators (``GAE``, ``TD0``), which
-compute their targets without gradient, and a loss's target networks (called from its value estimator) are not
-refused.
+(through torch's, tensordict's and tdhook's own frames, and torchrl's outside its losses: the environments and
+modules a loss runs its networks through, as ``DreamerActorLoss`` rolls its actor out in its model-based
+environment, and the losses' helpers, through which ``SACLoss(deactivate_vmap=True)`` calls its Q-networks) from
+the code of ``torchrl.objectives`` with a ``LossModule`` as ``self``, with gradient enabled, and refuses it. The
+value estimators (``GAE``, ``TD0``), which compute their targets without gradient, and a loss's target networks
+(called from its value estimator) are not refused.
 
 Examples:
     >>> calling_loss_module() is None  # called from here, not by a loss module
@@ -30,22 +32,44 @@ import tdhook
 
 __all__ = ["calling_loss_module", "refuse_loss_module_caller"]
 
-# The packages whose frames lie between a loss module's code and the wrapper's forward.
+# The packages whose frames lie between a loss module's code and the wrapper's forward; torchrl's own frames lie
+# there too (an environment's rollout, a module of torchrl's calling its parts), but for those of its losses.
 _PASSED = tuple(os.path.dirname(package.__file__) + os.sep for package in (torch, tensordict, tdhook))
 _OBJECTIVES = f"{os.sep}torchrl{os.sep}objectives{os.sep}"
-_DEPTH = 40  # frames looked at, at most
+_DEPTH = 200  # frames looked at, at most (some six per TensorDictSequential around the wrapper)
 _COMMON = "torchrl.objectives.common"  # imported with any of torchrl's loss modules
+
+
+_TORCHRL_PATHS: list[tuple[str, str, str]] = []  # torchrl's directory, its losses', their helpers' file, once
+
+
+def _torchrl_paths() -> tuple[str, str, str]:
+    """torchrl's directory, that of its losses (``torchrl.objectives``) and the file of their helpers
+    (``torchrl.objectives.utils``), read once torchrl's losses are imported."""
+    if not _TORCHRL_PATHS:
+        torchrl = os.path.dirname(sys.modules["torchrl"].__file__) + os.sep
+        objectives = torchrl + "objectives" + os.sep
+        _TORCHRL_PATHS.append((torchrl, objectives, objectives + "utils.py"))
+    return _TORCHRL_PATHS[0]
 
 
 def calling_loss_module() -> Any | None:
     """The torchrl ``LossModule`` whose code called the running wrapper, or ``None`` (torchrl not imported, or
-    another caller): the first frame outside torch, tensordict and tdhook is that loss module's code."""
+    another caller): the first frame outside torch, tensordict, tdhook and torchrl's frames outside its losses (the
+    losses' helpers, ``torchrl.objectives.utils``, passed too: their ``_vmap_func``, which with
+    ``deactivate_vmap=True`` calls the Q-networks in a Python loop) is that loss module's code."""
     common = sys.modules.get(_COMMON)
     if common is None:
         return None
+    torchrl, objectives, helpers = _TORCHRL_PATHS[0] if _TORCHRL_PATHS else _torchrl_paths()
     frame = sys._getframe(1)
     for _ in range(_DEPTH):
-        if frame is None or not frame.f_code.co_filename.startswith(_PASSED):
+        if frame is None:
+            break
+        name = frame.f_code.co_filename
+        if not name.startswith(_PASSED) and (
+            not name.startswith(torchrl) or (name.startswith(objectives) and name != helpers)
+        ):
             break
         frame = frame.f_back
     if frame is None or _OBJECTIVES not in frame.f_code.co_filename:
