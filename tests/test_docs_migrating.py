@@ -30,6 +30,7 @@ PEERS = ("zennit", "captum", "lxt")
 # case -> (peer, {result name: relative tolerance the page states})
 CASES = {
     "composite": ("zennit", {"relevance": 1e-10}),
+    "layer_map_option": ("zennit", {"relevance": 1e-10}),
     "resnet": ("zennit", {"relevance": 1e-10}),
     "layer_map": ("zennit", {"relevance": 1e-10}),
     "name_map": ("zennit", {"relevance": 1e-10}),
@@ -180,6 +181,12 @@ def test_the_comparisons_can_fail(namespace: dict):
 
     assert 0.2 < relative_error(ours, by_name()) < 0.3
     assert relative_error(ours, by_name(LayerMapComposite([(AvgPool, Norm())]))) <= 1e-10
+    # A rule_mapper entry for the convolutions takes the first one from z^B too: as far as the result's own size.
+    ours_code, theirs_code = case_blocks("layer_map_option")
+    expected = run(theirs_code, namespace, ["relevance"])["relevance"]
+    mapped = ours_code.replace("gamma=0.5)", "rule_mapper={nn.Conv2d: GammaRule(gamma=0.5)})")
+    assert "rule_mapper" in mapped
+    assert 0.8 < relative_error(run(mapped, namespace, ["relevance"])["relevance"], expected) < 1.2
     # The residual sums split exactly (no stabilize_additions): about 1e-5 from zennit's ResNet canonizer.
     ours_code, theirs_code = case_blocks("resnet")
     expected = run(theirs_code, namespace, ["relevance"])["relevance"]
