@@ -221,14 +221,14 @@ def captum_gamma_against_tdhook(namespace: dict, layer: str, zero_bias: bool) ->
 
 
 LXT_RUNNER = """
-import sys, tempfile
+import sys
 import torch, transformers
 case = torch.load(sys.argv[1])
 torch.set_default_dtype(torch.float64)
 config = transformers.LlamaConfig(**case["config"])
 model = transformers.LlamaForCausalLM(config)
 model.load_state_dict(case["state_dict"])
-path = tempfile.mkdtemp()
+path = sys.argv[3]
 model.save_pretrained(path)  # before LXT patches the modeling module
 namespace = {"torch": torch, "path": path, "ids": case["ids"], "token": case["token"]}
 exec(case["code"], namespace)
@@ -245,10 +245,19 @@ def test_attnlrp_gives_lxts_result(namespace: dict, lxt_pythonpath: str, tmp_pat
     torch.save(case, tmp_path / "case.pt")
     (tmp_path / "runner.py").write_text(LXT_RUNNER)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([lxt_pythonpath, os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, str(tmp_path / "runner.py"), str(tmp_path / "case.pt"), str(tmp_path / "result.pt")]
+    command = [
+        sys.executable,
+        str(tmp_path / "runner.py"),
+        *(str(tmp_path / name) for name in ("case.pt", "result.pt", "llama")),
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     result = torch.load(tmp_path / "result.pt")
     assert result["version"].startswith("4."), result["version"]
     assert result["relevance"].dtype == actual.dtype == torch.float64
     assert relative_error(actual, result["relevance"]) <= CASES["attnlrp"][1]["relevance"]
+    # The plain gradient × input is measurably different: the comparison can fail.
+    embeds = namespace["llm"].get_input_embeddings()(namespace["ids"]).detach().requires_grad_(True)
+    logits = namespace["llm"](inputs_embeds=embeds).logits[:, -1]
+    (grad,) = torch.autograd.grad(logits.gather(1, namespace["token"][:, None]).sum(), embeds)
+    assert relative_error(embeds.detach() * grad, result["relevance"]) > 1e-2
