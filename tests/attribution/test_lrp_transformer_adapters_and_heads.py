@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import peft
 import pytest
 import torch
 import torch.nn.functional as F
@@ -126,6 +127,47 @@ def test_lora_adapters_are_explained_as_the_merged_model(name: str, implementati
     assert relative_error(unmerged["relevance", "x"], reference["relevance", "x"]) <= 1e-10
     if preset == "cplrp":
         assert conservation_error(unmerged, ["x"], chosen(unmerged["y"])) <= CONSERVATION_TOLERANCE
+
+
+OTHER_ADAPTERS = {  # peft's other adapters of Linear layers, on a Llama's attention and MLP
+    "oft": lambda: peft.OFTConfig(r=0, oft_block_size=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+    "ia3": lambda: peft.IA3Config(target_modules=["q_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
+    "lokr": lambda: peft.LoKrConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+    "vera": lambda: peft.VeraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+}
+
+
+@pytest.mark.parametrize(
+    "kind, preset", [("oft", "cplrp"), ("oft", "attnlrp"), ("ia3", "attnlrp"), ("lokr", "cplrp"), ("vera", "cplrp")]
+)
+def test_other_adapters_are_explained_as_the_merged_model(kind: str, preset: str):
+    """OFT rotates a layer's input by a block-diagonal orthogonal matrix that it builds in place from its
+    parameters (``torch.zeros(...)[rows, cols] = vec``, then ``add_``): the rotation was taken for an activation, so
+    its product with the signal got the uniform rule of two activations, and the relevance was 0.69 (CP-LRP) and
+    0.52 (AttnLRP) away from the merged model's, without a word (CP-LRP kept a third of the logit). IA³ scales
+    activations by learned vectors, LoKr adds a Kronecker product of small matrices and VeRA shared random
+    projections with learned scales: all are explained as the model with the adapters merged."""
+    base = ZOO["llama"].build("sdpa")
+    zero_additive(base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers renames is_gradient_checkpointing, which peft asks
+        model = get_peft_model(base, OTHER_ADAPTERS[kind]())
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.requires_grad:  # the adapters' (the base model is frozen): as trained, not as initialised
+                parameter.add_(torch.randn(parameter.shape, generator=generator, dtype=F64) * 0.3)
+    model.eval()
+    merged = copy.deepcopy(model).merge_and_unload()
+    x = torch.randn(BATCH, TOKENS, HIDDEN, dtype=F64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), model.disable_adapter():
+        assert (logits(model, x) - logits(merged, x)).abs().max() > 0.1  # the adapters change the logits
+    adapted = explain(Called(model, logits), preset, {"x": x})
+    reference = explain(Called(merged, logits), preset, {"x": x})
+    torch.testing.assert_close(adapted["y"], reference["y"], rtol=1e-10, atol=1e-10)
+    assert relative_error(adapted["relevance", "x"], reference["relevance", "x"]) <= 1e-10
+    if preset == "cplrp":
+        assert conservation_error(adapted, ["x"], chosen(adapted["y"])) <= CONSERVATION_TOLERANCE
 
 
 def adapted_embedding() -> tuple[nn.Module, nn.Module]:

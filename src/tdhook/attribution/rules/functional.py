@@ -28,11 +28,13 @@ from torch.overrides import TorchFunctionMode
 from tdhook.attribution.rules._autograd import (
     PARAMETER_DERIVED,
     TEMPLATED,
+    WRITES_IN_PLACE,
     call_argument,
     first_input_is,
     hold,
     is_activation,
     mark_parameter_derived,
+    mark_written_in_place,
     raise_for_transformed_call,
     redirect,
     scale_gradient,
@@ -285,7 +287,10 @@ class FunctionalRules(TorchFunctionMode):
             or (func in BOUNDS and bounded_signal(func, args, kwargs) is None)
             or (func in DIVISIONS and not divides_by_statistic(args, kwargs))
         ):
-            result = mark_parameter_derived(args, func(*args, **kwargs), func)
+            if func in WRITES_IN_PLACE:  # a weight built in place from parameters stays a weight
+                result = mark_written_in_place(func, args, kwargs)
+            else:
+                result = mark_parameter_derived(args, func(*args, **kwargs), func)
             if self.recording is not None:
                 _watch_values(self.recording, func, args, result)
             return keep_gate_mark(func, args, result, kwargs) if func in GATE_PRESERVING else result
