@@ -28,13 +28,11 @@ from torch.overrides import TorchFunctionMode
 from tdhook.attribution.rules._autograd import (
     PARAMETER_DERIVED,
     TEMPLATED,
-    WRITES_IN_PLACE,
     call_argument,
     first_input_is,
     hold,
     is_activation,
     mark_parameter_derived,
-    mark_written_in_place,
     raise_for_transformed_call,
     redirect,
     scale_gradient,
@@ -69,6 +67,7 @@ from tdhook.attribution.rules._in_place_activations import (
     calls_in_place,
     out_of_place,
 )
+from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_written_in_place
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint, saved_tensors_hooked
