@@ -356,3 +356,25 @@ def test_sentence_similarity_gives_each_sentence_half_of_the_cosine_under_cplrp(
         shares = td["relevance", key].flatten(1).sum(1) / td["y"][:, 0]
         torch.testing.assert_close(shares, torch.full_like(shares, 0.5), rtol=0, atol=CONSERVATION_TOLERANCE)
     assert torch.equal(td["relevance", "b"][1, TOKENS - PADDED :], torch.zeros(PADDED, HIDDEN, dtype=F64))
+
+
+def test_cosine_similarity_called_as_one_function_is_named_in_a_warning():
+    """``F.cosine_similarity`` is one call no rule covers: the wrapper names it, and its plain gradient gives each
+    sentence relevance summing to zero under CP-LRP (the score is unchanged by the scale of either input), where the
+    written-out cosine gives each half of the score."""
+    model = ENCODERS["bert"].build("sdpa")
+    zero_additive(model)
+    generator = torch.Generator().manual_seed(1)
+    a, b = (torch.randn(BATCH, TOKENS, HIDDEN, dtype=F64, generator=generator) for _ in range(2))
+    mask = torch.ones(BATCH, TOKENS, dtype=torch.long)
+
+    def cosine(m: nn.Module, x: torch.Tensor, y: torch.Tensor, mx: torch.Tensor, my: torch.Tensor) -> torch.Tensor:
+        return F.cosine_similarity(mean_pooled(m, x, mx), mean_pooled(m, y, my), dim=-1)[:, None]
+
+    wrapped = TensorDictModule(Called(model, cosine), in_keys=["a", "b", "ma", "mb"], out_keys=["y"])
+    lrp = LRP(wrapped, PRESETS["cplrp"](), in_keys=["a", "b"])
+    with pytest.warns(UserWarning, match="computes cosine_similarity in its own forward"):
+        td = lrp(TensorDict(a=a, b=b, ma=mask, mb=mask, batch_size=[BATCH]))
+    for key in ("a", "b"):
+        shares = td["relevance", key].flatten(1).sum(1) / td["y"][:, 0]
+        assert shares.abs().max() <= 1e-6
