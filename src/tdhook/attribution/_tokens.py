@@ -37,6 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from torchrl.envs.transforms import ToTensorImage
 
 from tdhook.attribution._bag_rows import bag_of_rows
+from tdhook.attribution.rules._autograd import from_parameters_alone
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._linked_inputs import linked_input
 
@@ -72,7 +73,7 @@ class TokenInputs:
         self._leaves: list[torch.Tensor | None] = []
         self._fed: list[torch.Tensor | None] = []
         self._derived: list[tuple[int, str, str]] = []  # lookups of ids computed from a key: key, module, class
-        self._tables: list[tuple[int, torch.Tensor]] = []  # parameters indexed by the ids outside an embedding
+        self._tables: list[tuple[int, torch.Tensor]] = []  # weights indexed by the ids (an embedding's own included)
         self._modules: Mapping[str, nn.Module] = {}
         self._clean: set = set()  # signatures of this context's calls that looked up no such ids
 
@@ -291,6 +292,7 @@ class TokenInputs:
         """
         if cause is None:
             self._raise_for_derived()
+            self._raise_for_lookups_beside(leaves)
         if optional and cause is None and any(leaf is not None for leaf in leaves):
             self._raise_for_tables(leaves)
             return
@@ -321,6 +323,33 @@ class TokenInputs:
             "ToTensorImage transform applied to the TensorDict, so that the pixels themselves receive relevance)"
         )
 
+    def _raise_for_lookups_beside(self, leaves: list[torch.Tensor | None]) -> None:
+        """Refuse an input that an ``nn.Embedding`` embeds and that is also looked up in a weight of another kind
+        (``F.embedding(ids, self.lora_A.T)``, ``self.table[ids]``): the relevance of that lookup would be lost, as its
+        rows are held constant, while the tokens' relevance is taken from the embedding alone (a low-rank adapter on
+        the embedding, peft's LoRA, adds such a lookup to the embedding's)."""
+        own = {id(module.weight) for module in self._modules.values() if isinstance(module, _EMBEDDINGS)}
+        for index, table in self._tables:
+            leaf = leaves[index] if index < len(leaves) else None
+            if leaf is None or _made_of(table, own):
+                continue
+            raise ValueError(
+                f"LRP: input key {self.keys[index]!r} is embedded by {leaf._tdhook_embedding_of!r} and also indexes "
+                f"{self._table_name(table)} (shape {tuple(table.shape)}) outside an nn.Embedding: the relevance of "
+                "that lookup would be lost, as its rows are held constant (a low-rank adapter on the embedding adds "
+                "such a lookup: merge it into the embedding first, for example with peft's merge_and_unload(), or "
+                "explain the embeddings the model computes, as inputs_embeds)"
+            )
+
+    def _table_name(self, table: torch.Tensor) -> str:
+        """``table`` in words: the parameter it is (or a view or function of), by name where one is found."""
+        for module_name, module in self._modules.items():
+            for name, value in module.named_parameters(recurse=False):
+                if value is table or value is table._base:
+                    full = f"{module_name}.{name}" if module_name else name
+                    return f"parameter {full!r}" if value is table else f"a view of parameter {full!r}"
+        return "a parameter" if isinstance(table, nn.Parameter) else "a tensor computed from parameters"
+
     def _raise_for_tables(self, leaves: list[torch.Tensor | None]) -> None:
         """Refuse an input left out of the explanation (no embedding read it) whose ids index a parameter directly
         (``self.table[task]``): an embedding lookup in all but name, whose key the wrapper lists among its relevance
@@ -328,9 +357,7 @@ class TokenInputs:
         for index, table in self._tables:
             if leaves[index] is not None:
                 continue
-            names = [f"{m}.{p}" if m else p for m, module in self._modules.items() for p, value in
-                     module.named_parameters(recurse=False) if value is table]  # fmt: skip
-            what = f"parameter {names[0]!r}" if names else "a parameter"
+            what = self._table_name(table)
             key, dtype = self.keys[index], self._ids[index].dtype
             raise TypeError(
                 f"LRP: input key {key!r} holds integers ({dtype}) that index {what} (shape {tuple(table.shape)}) "
@@ -399,10 +426,11 @@ class _DerivedTokens(TorchFunctionMode):
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         position = _LOOKUPS.get(name)
-        if position is not None and len(args) > position and isinstance(args[position], nn.Parameter):
+        if position is not None and len(args) > position and isinstance(args[position], torch.Tensor):
             with torch._C.DisableTorchFunction():
                 index = self._source(iter(a for i, a in enumerate(args) if i != position))
-            if index is not None:
+            # Whether the table is a weight is asked only of lookups by the ids: it may walk the table's history.
+            if index is not None and _is_weight_table(args[position]):
                 self._tables.append((index, args[position]))
         if name not in _WRITING and name not in _CARRYING:
             return out
@@ -417,6 +445,56 @@ class _DerivedTokens(TorchFunctionMode):
                     for tensor in out if isinstance(out, (list, tuple)) else (out,):
                         _mark(tensor, index)
         return out
+
+
+_EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+
+
+def _is_weight_table(table: object) -> bool:
+    """Whether ``table``, indexed by token ids, is a weight: a floating-point parameter, a view of one
+    (``self.lora_A.T``), or a tensor computed from parameters alone; an activation indexed by the ids (the logits of
+    the given tokens) is none.
+
+    Examples:
+        >>> weight = nn.Parameter(torch.randn(3, 4))
+        >>> _is_weight_table(weight), _is_weight_table(weight.T), _is_weight_table(weight * 2)
+        (True, True, True)
+        >>> _is_weight_table(weight.detach()), _is_weight_table(torch.randn(3, 4, requires_grad=True) * 2)
+        (False, False)
+    """
+    if not isinstance(table, torch.Tensor) or not table.is_floating_point():
+        return False
+    with torch._C.DisableTorchFunction():  # an inspection, which a function mode of the call must not see
+        if isinstance(table, nn.Parameter) or isinstance(table._base, nn.Parameter):
+            return True
+        return table.grad_fn is not None and from_parameters_alone(table)
+
+
+def _made_of(table: torch.Tensor, weights: set[int]) -> bool:
+    """Whether ``table`` is one of ``weights`` (by ``id``), a view of one, or computed from one: an embedding's own
+    table, which an ``nn.Embedding`` subclass may scale or view before its lookup.
+
+    Examples:
+        >>> embedding = nn.Embedding(5, 3)
+        >>> own = {id(embedding.weight)}
+        >>> _made_of(embedding.weight, own), _made_of(embedding.weight.T, own), _made_of(2 * embedding.weight, own)
+        (True, True, True)
+        >>> _made_of(nn.Parameter(torch.ones(5, 3)).T, own)
+        False
+    """
+    if id(table) in weights or id(table._base) in weights:
+        return True
+    pending, seen = [table.grad_fn], set()
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf itself
+        if variable is not None and id(variable) in weights:
+            return True
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return False
 
 
 def _mark(tensor: object, index: int) -> None:

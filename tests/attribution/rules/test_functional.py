@@ -146,6 +146,48 @@ def test_a_parameter_reshaped_or_shifted_is_not_an_activation(hold_gates: bool, 
     torch.testing.assert_close(x * grad, y.detach())
 
 
+def _skew_rotation(vec: torch.Tensor) -> torch.Tensor:
+    """``I + 2Q + 2Q²``, ``Q`` skew-symmetric from ``vec``, built in place as peft's OFT builds its rotation."""
+    rows, cols = torch.triu_indices(4, 4, 1)
+    skew = torch.zeros(4, 4, dtype=F64)
+    skew[rows, cols] = vec
+    skew = skew - skew.T
+    rotation = torch.eye(4, dtype=F64)
+    rotation.add_(skew, alpha=2.0)
+    rotation += 2.0 * (skew @ skew)
+    return rotation
+
+
+@pytest.mark.parametrize("hold_gates", [False, True])
+@pytest.mark.parametrize("build", ["setitem_and_add_", "copy_", "index_put_"])
+def test_a_weight_built_in_place_from_parameters_is_not_an_activation(hold_gates: bool, build: str):
+    """A weight written into a fresh constant tensor (``torch.zeros(...)[rows, cols] = vec``, ``copy_``,
+    ``index_put_``) has autograd history after the write and was taken for an activation: its product with the
+    signal got the uniform rule of two activations, halving the relevance (peft's OFT adapters: 0.69 of a tiny
+    Llama's relevance, relative L2, away from the merged model's under CP-LRP). The product is linear in ``x`` and
+    keeps all of its relevance. An activation written into it makes it one."""
+    vec = nn.Parameter(randn(6))
+    x = randn(3, 4).requires_grad_(True)
+    with FunctionalRules(SoftmaxEpsilonRule(), PseudoIdentityRule(), hold_gates=hold_gates):
+        if build == "setitem_and_add_":
+            weight = _skew_rotation(vec)
+        elif build == "copy_":
+            weight = torch.zeros(4, 4, dtype=F64)
+            weight[:, 1:3].copy_(vec.view(3, 2).repeat(2, 1)[:4])
+        else:
+            weight = torch.zeros(4, 4, dtype=F64).index_put_((torch.arange(4), torch.arange(4)), vec[:4])
+        y = (x * 1) @ weight
+        (grad,) = torch.autograd.grad(y.sum(), x)
+        h = x * 1
+        table = torch.zeros(3, 4, dtype=F64)
+        table[:, :2] = h[:, :2]  # an activation written in: the table is one, its product with h gets the rule
+        (grad_of_square,) = torch.autograd.grad((h * table).sum(), x)
+    (plain,) = torch.autograd.grad((x @ weight.detach()).sum(), x)  # the product is linear in x: LRP-0
+    assert weight.abs().sum() > 0
+    torch.testing.assert_close(x * grad, x * plain)
+    torch.testing.assert_close(grad_of_square[:, :2], x.detach()[:, :2])  # half of 2x: the uniform rule of x · x
+
+
 def test_rules_of_the_wrong_kind_are_refused():
     with pytest.raises(TypeError, match="FunctionalRules: softmax must be a SoftmaxEpsilonRule, got float"):
         FunctionalRules(0.1, PseudoIdentityRule())

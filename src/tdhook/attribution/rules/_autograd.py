@@ -59,6 +59,7 @@ __all__ = [
     "relevance_pass_edges",
     "pass_no_relevance",
     "mark_parameter_slots",
+    "from_parameters_alone",
     "backward_keeps_graph",
     "is_batched_gradient",
     "is_plain_gradient",
@@ -456,12 +457,18 @@ def mark_parameter_slots(module: nn.Module) -> None:
     """
     for value in module._parameters.values():
         if isinstance(value, torch.Tensor) and value.requires_grad and not value.is_leaf:
-            if _from_parameters_alone(value):
+            if from_parameters_alone(value):
                 setattr(value, PARAMETER_DERIVED, True)
 
 
-def _from_parameters_alone(tensor: torch.Tensor) -> bool:
-    """Whether every leaf of ``tensor``'s autograd history that requires grad is an ``nn.Parameter``."""
+def from_parameters_alone(tensor: torch.Tensor) -> bool:
+    """Whether every leaf of ``tensor``'s autograd history that requires grad is an ``nn.Parameter``.
+
+    Examples:
+        >>> weight = Parameter(torch.ones(2, 3))
+        >>> from_parameters_alone(weight.T * 2), from_parameters_alone(weight * torch.ones(3, requires_grad=True))
+        (True, False)
+    """
     pending, seen = [tensor.grad_fn], set()
     while pending:
         node = pending.pop()

@@ -67,6 +67,7 @@ from tdhook.attribution.rules._in_place_activations import (
     calls_in_place,
     out_of_place,
 )
+from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_written_in_place
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint, saved_tensors_hooked
@@ -285,7 +286,10 @@ class FunctionalRules(TorchFunctionMode):
             or (func in BOUNDS and bounded_signal(func, args, kwargs) is None)
             or (func in DIVISIONS and not divides_by_statistic(args, kwargs))
         ):
-            result = mark_parameter_derived(args, func(*args, **kwargs), func)
+            if func in WRITES_IN_PLACE:  # a weight built in place from parameters stays a weight
+                result = mark_written_in_place(func, args, kwargs)
+            else:
+                result = mark_parameter_derived(args, func(*args, **kwargs), func)
             if self.recording is not None:
                 _watch_values(self.recording, func, args, result)
             return keep_gate_mark(func, args, result, kwargs) if func in GATE_PRESERVING else result

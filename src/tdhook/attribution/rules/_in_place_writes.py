@@ -1,0 +1,70 @@
+"""In-place writes seen by the function modes: a weight built in place from parameters stays a weight.
+
+A tensor written into (``torch.zeros(...)[rows, cols] = vec``, ``r.add_(q, alpha=2)``, as peft's OFT builds the
+rotation it applies to a layer's input) has autograd history after the write, and the plain test of
+:func:`~tdhook.attribution.rules._autograd.mark_parameter_derived`, made after the call, would take it for an
+activation: a product with it would then get the uniform rule of two activations, halving its relevance.
+:func:`mark_written_in_place` judges the tensor written into by what it was before the write and by what is written.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tdhook.attribution.rules._autograd import PARAMETER_DERIVED, is_activation
+
+__all__ = ["WRITES_IN_PLACE", "mark_written_in_place"]
+
+# In-place writes into their first argument (``table[:, rows, cols] = vec``, ``r.add_(q, alpha=2)``).
+WRITES_IN_PLACE = frozenset(
+    getattr(torch.Tensor, name)
+    for name in (
+        "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "add_", "sub_", "mul_", "div_", "copy_",
+        "index_put_", "index_copy_", "index_add_", "index_fill_", "masked_fill_", "masked_scatter_", "scatter_",
+        "scatter_add_", "fill_", "zero_", "addcmul_", "addcdiv_", "addmm_", "lerp_",
+    )
+    if hasattr(torch.Tensor, name)
+)  # fmt: skip
+
+
+def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)``, an in-place write into ``args[0]``, with ``args[0]`` marked as computed from
+    parameters alone where it was a constant or so marked before and what is written into it is too (a weight built
+    in place from its parameters: ``torch.zeros(...)`` filled with a parameter's values), and unmarked where an
+    activation is written into it.
+
+    After the write, the tensor has autograd history, and the plain test of
+    :func:`~tdhook.attribution.rules._autograd.mark_parameter_derived` would take it for an activation (a product
+    with it then got the uniform rule of two activations, halving its relevance).
+
+    Examples:
+        >>> vec = torch.nn.Parameter(torch.ones(3))
+        >>> table = torch.zeros(2, 3)
+        >>> _ = mark_written_in_place(torch.Tensor.__setitem__, (table, 0, vec), {})
+        >>> is_activation(table), table.requires_grad
+        (False, True)
+        >>> _ = mark_written_in_place(torch.Tensor.add_, (table, torch.ones(3, requires_grad=True) * 2), {})
+        >>> is_activation(table)
+        True
+    """
+    target = args[0] if args else None
+    if not isinstance(target, torch.Tensor):
+        return func(*args, **kwargs)
+    # The tensor written into and, for a view (``weight[:, 1:3].copy_(...)``), the tensor it views: constant before?
+    targets = [tensor for tensor in (target, target._base) if tensor is not None]
+    constant = [not tensor.requires_grad or bool(getattr(tensor, PARAMETER_DERIVED, False)) for tensor in targets]
+    result = func(*args, **kwargs)
+    if any(constant):
+        written = [
+            tensor
+            for arg in (*args[1:], *kwargs.values())
+            for tensor in (arg if isinstance(arg, (list, tuple)) else (arg,))
+            if isinstance(tensor, torch.Tensor) and tensor is not target
+        ]
+        derived = not any(is_activation(tensor) for tensor in written)
+        for tensor, was_constant in zip(targets, constant, strict=True):
+            if was_constant and tensor.requires_grad and not tensor.is_leaf:
+                setattr(tensor, PARAMETER_DERIVED, derived)
+    return result
