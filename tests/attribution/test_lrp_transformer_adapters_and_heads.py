@@ -358,23 +358,36 @@ def test_sentence_similarity_gives_each_sentence_half_of_the_cosine_under_cplrp(
     assert torch.equal(td["relevance", "b"][1, TOKENS - PADDED :], torch.zeros(PADDED, HIDDEN, dtype=F64))
 
 
-def test_cosine_similarity_called_as_one_function_is_named_in_a_warning():
-    """``F.cosine_similarity`` is one call no rule covers: the wrapper names it, and its plain gradient gives each
-    sentence relevance summing to zero under CP-LRP (the score is unchanged by the scale of either input), where the
-    written-out cosine gives each half of the score."""
+COSINE_CALLS = {  # the cosine similarity of two pooled embeddings called as one function
+    "function": lambda a, b: F.cosine_similarity(a, b, dim=-1)[:, None],
+    "module": lambda a, b: nn.CosineSimilarity(dim=1)(a, b)[:, None],
+}
+
+
+@pytest.mark.parametrize("preset, call", [("cplrp", "function"), ("attnlrp", "module")])
+def test_cosine_similarity_called_as_one_function_gets_the_relevance_of_the_cosine_written_out(preset, call):
+    """``F.cosine_similarity`` (and ``nn.CosineSimilarity``, which calls it) is computed as the cosine written out,
+    its norms held and its product under the preset's rule: the relevance of ``normalize(a) · normalize(b)`` summed,
+    with no warning, and under CP-LRP each sentence half of the score (its plain gradient gave each a relevance
+    summing to zero, the score being unchanged by the scale of either input)."""
     model = ENCODERS["bert"].build("sdpa")
     zero_additive(model)
     generator = torch.Generator().manual_seed(1)
     a, b = (torch.randn(BATCH, TOKENS, HIDDEN, dtype=F64, generator=generator) for _ in range(2))
     mask = torch.ones(BATCH, TOKENS, dtype=torch.long)
 
-    def cosine(m: nn.Module, x: torch.Tensor, y: torch.Tensor, mx: torch.Tensor, my: torch.Tensor) -> torch.Tensor:
-        return F.cosine_similarity(mean_pooled(m, x, mx), mean_pooled(m, y, my), dim=-1)[:, None]
+    def similarity(how):
+        def cosine(m: nn.Module, x: torch.Tensor, y: torch.Tensor, mx: torch.Tensor, my: torch.Tensor):
+            return how(mean_pooled(m, x, mx), mean_pooled(m, y, my))
 
-    wrapped = TensorDictModule(Called(model, cosine), in_keys=["a", "b", "ma", "mb"], out_keys=["y"])
-    lrp = LRP(wrapped, PRESETS["cplrp"](), in_keys=["a", "b"])
-    with pytest.warns(UserWarning, match="computes cosine_similarity in its own forward"):
-        td = lrp(TensorDict(a=a, b=b, ma=mask, mb=mask, batch_size=[BATCH]))
+        return Called(model, cosine)
+
+    fed = {"ma": mask, "mb": mask}
+    td = explain(similarity(COSINE_CALLS[call]), preset, {"a": a, "b": b}, fed)
+    written = explain(similarity(SIMILARITIES["normalize"]), preset, {"a": a, "b": b}, fed)
     for key in ("a", "b"):
-        shares = td["relevance", key].flatten(1).sum(1) / td["y"][:, 0]
-        assert shares.abs().max() <= 1e-6
+        assert relative_error(td["relevance", key], written["relevance", key]) <= 1e-10
+    if preset == "cplrp":
+        for key in ("a", "b"):
+            shares = td["relevance", key].flatten(1).sum(1) / td["y"][:, 0]
+            torch.testing.assert_close(shares, torch.full_like(shares, 0.5), rtol=0, atol=CONSERVATION_TOLERANCE)

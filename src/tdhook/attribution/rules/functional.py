@@ -49,6 +49,7 @@ from tdhook.attribution.rules._clips import (
     clips_a_signal,
     clips_in_place,
 )
+from tdhook.attribution.rules._cosine_similarity import COSINE_SIMILARITY, cosine_as_products
 from tdhook.attribution.rules._dropout_calls import DROPOUTS, dropout_probability, named_by_module
 from tdhook.attribution.rules._first_pass import first_pass
 from tdhook.attribution.rules._generated_linear import generated_linear, linear_as_product
@@ -186,6 +187,7 @@ _HANDLED = frozenset(
     | DIVISIONS
     | set(NORM_CALLS)
     | STATISTICS_AND_MEANS
+    | {COSINE_SIMILARITY}
 )
 
 
@@ -204,6 +206,8 @@ def _body_of(func: Callable) -> Callable:
 
 # Python functions made of other torch calls: the mode runs their bodies, whose calls it then sees.
 _COMPOSITES = {F.multi_head_attention_forward: _body_of(F.multi_head_attention_forward)}
+# ``F.cosine_similarity``: its value, written out (``normalize(x1) · normalize(x2)`` summed), whose calls get the rules.
+_COMPOSITES[COSINE_SIMILARITY] = cosine_as_products
 
 
 class FunctionalRules(TorchFunctionMode):
@@ -236,7 +240,8 @@ class FunctionalRules(TorchFunctionMode):
     * ``F.layer_norm`` and ``F.rms_norm``: :class:`LayerNormRule`; ``F.normalize``, ``F.group_norm``,
       ``F.instance_norm`` and ``F.local_response_norm``: the norm rule; a statistic that normalises (a norm written
       out, ``h * rsqrt(mean(h * h) + ε)``, ``h / h.norm(...)``) where it scales an activation, as a factor of an
-      element-wise product or a divisor: held constant (see :mod:`~tdhook.attribution.rules._held_statistics`).
+      element-wise product or a divisor: held constant (see :mod:`~tdhook.attribution.rules._held_statistics`);
+      ``F.cosine_similarity`` as it is written out (:mod:`~tdhook.attribution.rules._cosine_similarity`).
 
     Args:
         softmax: the rule for softmax and attention weights.
