@@ -210,3 +210,41 @@ class TestParameterDerivedThroughTemplates:
         td = LRP(model, CPLRP(), in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[2]))
         ratios = td["relevance", "x"].flatten(1).sum(1) / td["y"].squeeze(-1)
         torch.testing.assert_close(ratios, torch.ones(2, dtype=torch.float64), rtol=0, atol=1e-10)
+
+
+class TestParameterDerivedThroughBroadcasts:
+    """``torch.broadcast_tensors(h, w)`` (and ``torch.atleast_2d(h, w)``) of an activation and a parameter returns
+    each made of its own argument: the parameter broadcast is still a parameter, and ``h * w`` a linear map of
+    ``h``. Before, the activation among the arguments made both activations: AttnLRP and CP-LRP split the product
+    uniformly, and half of the logit was lost, with no warning."""
+
+    @pytest.mark.parametrize("preset", ["AttnLRP", "CPLRP"])
+    @pytest.mark.parametrize("how", ["broadcast_tensors", "atleast_2d"])
+    def test_a_product_with_a_broadcast_parameter_is_gradient_times_input(self, how: str, preset: str):
+        from tensordict import TensorDict
+
+        import tdhook.attribution as attribution
+
+        class Weighted(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.encoder = nn.Sequential(nn.Linear(5, 6, bias=False), nn.ReLU())
+                self.w = nn.Parameter(torch.randn(6))
+
+            def forward(self, x):
+                h = self.encoder(x)
+                if how == "broadcast_tensors":
+                    h, w = torch.broadcast_tensors(h, self.w)
+                else:
+                    h, w = torch.atleast_2d(h, self.w)
+                return (h * w).sum(-1, keepdim=True)
+
+        torch.manual_seed(0)
+        model = Weighted().double()
+        x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+        lrp = attribution.LRP(model, getattr(attribution, preset)(), in_keys=["x"], out_keys=["y"])
+        with lrp:  # the first call, and later ones (which may run without the function mode)
+            results = [lrp(TensorDict(x=x.detach(), batch_size=[3]))["relevance", "x"] for _ in range(2)]
+        expected = x * torch.autograd.grad(model(x).sum(), x)[0]  # linear in x past the ReLU: gradient x input
+        for relevance in results:
+            torch.testing.assert_close(relevance, expected.detach(), rtol=1e-10, atol=1e-12)

@@ -490,6 +490,12 @@ TEMPLATED = frozenset(
     {torch.Tensor.type_as, torch.Tensor.to, torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.expand_as}
 )
 
+# Functions that return one tensor per tensor argument, each made of its own argument alone
+# (``torch.broadcast_tensors(h, w)``: ``w`` expanded stays a parameter).
+PER_ARGUMENT = frozenset(
+    {torch.broadcast_tensors, torch.functional.atleast_1d, torch.functional.atleast_2d, torch.functional.atleast_3d}
+)
+
 
 def mark_parameter_derived(args: tuple, result: Any, func: Any = None) -> Any:
     """``result``, marked as computed from parameters alone where every tensor in ``args`` that requires grad is
@@ -518,9 +524,19 @@ def mark_parameter_derived(args: tuple, result: Any, func: Any = None) -> Any:
         >>> lam = mark_parameter_derived((gamma,), gamma.sum().double())
         >>> is_activation(mark_parameter_derived((lam, x), lam.type_as(x), torch.Tensor.type_as))
         False
+
+    For one of :data:`PER_ARGUMENT`, each output counts its own argument alone.
+
+        >>> pieces = mark_parameter_derived((x, gamma), torch.broadcast_tensors(x, gamma), torch.broadcast_tensors)
+        >>> [is_activation(piece) for piece in pieces]
+        [True, False]
     """
     if func in TEMPLATED:
         args = args[:1]
+    if func in PER_ARGUMENT and isinstance(result, (tuple, list)) and len(result) == len(args) > 1:
+        for arg, piece in zip(args, result, strict=True):
+            mark_parameter_derived((arg,), piece)
+        return result
     if isinstance(result, torch.Tensor):
         if not result.requires_grad:
             return result
