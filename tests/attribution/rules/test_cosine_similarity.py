@@ -167,3 +167,24 @@ def test_a_cnn_preset_names_the_call():
     model, _ = models("dim=1")
     _, caught = explain(model, EpsilonPlus(), inputs())
     assert any("computes cosine_similarity in its own forward" in message for message in caught)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_the_cosine_written_with_a_product_of_norms_keeps_its_graph_without_a_warning(preset: str):
+    """Dividing by the product of the two norms in a call that keeps the relevance's graph: the product of the two
+    held norms is a constant, so the division is a linear map that no warning names (it was named, its relevance
+    right); the relevance is a fresh call's and its derivative that of the cosine written with ``F.normalize``."""
+    _, written = models("dim=1")
+    normalized = Siamese(lambda a, b: (F.normalize(a, dim=1) * F.normalize(b, dim=1)).sum(1)).double()
+    normalized.load_state_dict(written.state_dict())
+    first, _ = explain(written, PRESETS[preset](), inputs())
+    derivatives = []
+    for model in (written, normalized):
+        td = inputs()
+        td["a"].requires_grad_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            kept = LRP(model, PRESETS[preset](), in_keys=["a", "b"], out_keys=["y"], create_graph=True)(td.clone())
+        assert relative_error(kept["relevance", "a"].detach(), first["relevance", "a"]) <= 1e-10
+        derivatives.append(torch.autograd.grad(kept["relevance", "b"].pow(2).sum(), td["a"])[0])
+    assert relative_error(*derivatives) <= 1e-10

@@ -750,7 +750,8 @@ def _held_product(func: Callable, args: tuple, kwargs: dict, gates: list[bool], 
             return product
     if recording is not None:
         recording.other_rule()
-    return func(*(hold(a) if gate else a for a, gate in zip(args, gates, strict=True)), **kwargs)
+    factors = tuple(hold(a) if gate else a for a, gate in zip(args, gates, strict=True))
+    return mark_parameter_derived(factors, func(*factors, **kwargs))  # of held factors alone: a constant
 
 
 def _einsum_operands(args: tuple) -> tuple:
