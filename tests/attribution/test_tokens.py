@@ -460,3 +460,31 @@ def test_an_embedding_looking_up_its_own_scaled_table_is_explained_as_one_lookup
     out = net[2](net[1](embedded))
     (gradient,) = torch.autograd.grad(out.gather(1, out.argmax(1, keepdim=True)).sum(), embedded)
     assert relative_error(td["relevance", "tokens"], (embedded * gradient).sum(-1).detach()) <= 1e-12
+
+
+class DoubledTable(nn.Module):
+    """A parametrization that doubles the table it is given."""
+
+    def forward(self, table: torch.Tensor) -> torch.Tensor:
+        return 2.0 * table
+
+
+@pytest.mark.parametrize("parametrization", ["weight_norm", "custom"])
+def test_an_embedding_with_a_parametrized_table_is_explained_as_one_lookup(parametrization: str):
+    """An ``nn.Embedding`` whose weight is parametrized (weight norm, or any ``register_parametrization``) looks up a
+    table computed from its ``original`` parameters: that lookup is the embedding's own. It was refused as a lookup
+    beside the embedding; the ids get the relevance LRP-0 gives the embedding's output (gradient × input)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(11, 6), nn.Flatten(), nn.Linear(30, 3)).to(F64)
+    if parametrization == "weight_norm":
+        nn.utils.parametrizations.weight_norm(net[0])
+    else:
+        nn.utils.parametrize.register_parametrization(net[0], "weight", DoubledTable())
+    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
+    td = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["tokens"], out_keys=["y"])(
+        TensorDict(tokens=tokens, batch_size=[4])
+    )
+    embedded = net[0](tokens).detach().requires_grad_(True)
+    out = net[2](net[1](embedded))
+    (gradient,) = torch.autograd.grad(out.gather(1, out.argmax(1, keepdim=True)).sum(), embedded)
+    assert relative_error(td["relevance", "tokens"], (embedded * gradient).sum(-1).detach()) <= 1e-12

@@ -328,7 +328,7 @@ class TokenInputs:
         (``F.embedding(ids, self.lora_A.T)``, ``self.table[ids]``): the relevance of that lookup would be lost, as its
         rows are held constant, while the tokens' relevance is taken from the embedding alone (a low-rank adapter on
         the embedding, peft's LoRA, adds such a lookup to the embedding's)."""
-        own = {id(module.weight) for module in self._modules.values() if isinstance(module, _EMBEDDINGS)}
+        own = {id(weight) for module in self._modules.values() for weight in _own_tables(module)}
         for index, table in self._tables:
             leaf = leaves[index] if index < len(leaves) else None
             if leaf is None or _made_of(table, own):
@@ -468,6 +468,28 @@ def _is_weight_table(table: object) -> bool:
         if isinstance(table, nn.Parameter) or isinstance(table._base, nn.Parameter):
             return True
         return table.grad_fn is not None and from_parameters_alone(table)
+
+
+def _own_tables(module: nn.Module) -> list[torch.Tensor]:
+    """The tensors an ``nn.Embedding`` or ``nn.EmbeddingBag`` builds its table from: its weight, or, where the weight
+    is parametrized (weight norm), the parameters it is computed from, as the table it looks up is a fresh tensor on
+    each access; none for another module.
+
+    Examples:
+        >>> embedding = nn.Embedding(5, 3)
+        >>> [tuple(table.shape) for table in _own_tables(embedding)]
+        [(5, 3)]
+        >>> _ = nn.utils.parametrizations.weight_norm(embedding)
+        >>> sorted(tuple(table.shape) for table in _own_tables(embedding))
+        [(5, 1), (5, 3)]
+        >>> _own_tables(nn.Linear(2, 2))
+        []
+    """
+    if not isinstance(module, _EMBEDDINGS):
+        return []
+    if nn.utils.parametrize.is_parametrized(module, "weight"):
+        return list(module.parametrizations.weight.parameters())
+    return [module.weight]
 
 
 def _made_of(table: torch.Tensor, weights: set[int]) -> bool:
