@@ -209,9 +209,25 @@ class TokenInputs:
     def _tracked(self, signature: Hashable | None) -> Iterator[None]:
         with _DerivedTokens(self._ids, self._tables):
             yield
-        # The call ran, and no lookup of derived ids, nor of a parameter's rows by the ids, was found.
-        if signature is not None and not self._derived and not self._tables:
+        # The call ran, and no lookup of derived ids, nor of a weight's rows by the ids but an embedding's own lookup
+        # of ids it embeds, was found.
+        if signature is not None and not self._derived and self._only_embedded_lookups():
             self._clean.add(signature)
+
+    def _only_embedded_lookups(self) -> bool:
+        """Whether every lookup of a weight's rows by the ids was an embedding's own, of an input it embedded: the
+        lookups that neither :meth:`_raise_for_lookups_beside` nor :meth:`_raise_for_tables` refuses."""
+        if not self._tables:
+            return True
+        own = self._own_tables()
+        leaves = self._leaves
+        return all(
+            index < len(leaves) and leaves[index] is not None and _made_of(table, own) for index, table in self._tables
+        )
+
+    def _own_tables(self) -> set[int]:
+        """The ``id`` of each tensor the model's embeddings build their tables from (see :func:`_own_tables`)."""
+        return {id(weight) for module in self._modules.values() for weight in _own_tables(module)}
 
     def embedding_hook(self, name: str) -> Callable[[nn.Module, tuple, dict, torch.Tensor], torch.Tensor | None]:
         """A forward hook for ``nn.Embedding`` ``name`` that takes its output as the tokens' leaf.
@@ -328,7 +344,7 @@ class TokenInputs:
         (``F.embedding(ids, self.lora_A.T)``, ``self.table[ids]``): the relevance of that lookup would be lost, as its
         rows are held constant, while the tokens' relevance is taken from the embedding alone (a low-rank adapter on
         the embedding, peft's LoRA, adds such a lookup to the embedding's)."""
-        own = {id(weight) for module in self._modules.values() for weight in _own_tables(module)}
+        own = self._own_tables()
         for index, table in self._tables:
             leaf = leaves[index] if index < len(leaves) else None
             if leaf is None or _made_of(table, own):
