@@ -556,3 +556,27 @@ def test_an_input_indexing_an_embeddings_weight_outside_it_is_refused_on_every_c
                 TypeError, match=r"input key 'task' holds integers \(torch.int64\) that index parameter"
             ):
                 lrp(td)
+
+
+class TwoTables(nn.Module):
+    """Token ids embedded by one ``nn.Embedding``, and looked up again in a second embedding's weight directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.offsets, self.head = nn.Embedding(11, 6), nn.Embedding(11, 6), nn.Linear(6, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head((self.embedding(tokens) + self.offsets.weight[tokens]).sum(1))
+
+
+def test_token_ids_also_looked_up_in_another_embeddings_weight_are_refused_naming_it():
+    """The second lookup, in another ``nn.Embedding``'s weight outside that embedding, had its rows held constant,
+    and its share of the relevance was lost without a word: any embedding's weight was taken for the one that
+    embedded the ids. Refused, naming the key, the embedding and the weight."""
+    torch.manual_seed(0)
+    net = TwoTables().to(F64)
+    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
+    lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["tokens"], out_keys=["y"])
+    match = r"input key 'tokens' is embedded by 'embedding' and also indexes parameter 'offsets.weight' \(shape"
+    with pytest.raises(ValueError, match=match):
+        lrp(TensorDict(tokens=tokens, batch_size=[4]))

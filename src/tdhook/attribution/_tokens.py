@@ -217,17 +217,24 @@ class TokenInputs:
     def _only_embedded_lookups(self) -> bool:
         """Whether every lookup of a weight's rows by the ids was an embedding's own, of an input it embedded: the
         lookups that neither :meth:`_raise_for_lookups_beside` nor :meth:`_raise_for_tables` refuses."""
-        if not self._tables:
-            return True
-        own = self._own_tables()
         leaves = self._leaves
-        return all(
-            index < len(leaves) and leaves[index] is not None and _made_of(table, own) for index, table in self._tables
-        )
+        return all(self._looked_up_by_its_embedding(index, table, leaves) for index, table in self._tables)
 
-    def _own_tables(self) -> set[int]:
-        """The ``id`` of each tensor the model's embeddings build their tables from (see :func:`_own_tables`)."""
-        return {id(weight) for module in self._modules.values() for weight in _own_tables(module)}
+    def _looked_up_by_its_embedding(self, index: int, table: torch.Tensor, leaves: list[torch.Tensor | None]) -> bool:
+        """Whether ``table``, indexed by the ids of input ``index``, is the table of the embedding that embedded the
+        input (its weight, a view of it or a tensor computed from it): that embedding's own lookup. Another
+        embedding's weight indexed directly (``self.other.weight[ids]``) is a lookup beside it."""
+        leaf = leaves[index] if index < len(leaves) else None
+        if leaf is None:
+            return False
+        name = leaf._tdhook_embedding_of
+        own = {
+            id(weight)
+            for module_name, module in self._modules.items()
+            if module_name == name or module_name.startswith(f"{name}." if name else "")
+            for weight in _own_tables(module)
+        }
+        return _made_of(table, own)
 
     def embedding_hook(self, name: str) -> Callable[[nn.Module, tuple, dict, torch.Tensor], torch.Tensor | None]:
         """A forward hook for ``nn.Embedding`` ``name`` that takes its output as the tokens' leaf.
@@ -344,10 +351,9 @@ class TokenInputs:
         (``F.embedding(ids, self.lora_A.T)``, ``self.table[ids]``): the relevance of that lookup would be lost, as its
         rows are held constant, while the tokens' relevance is taken from the embedding alone (a low-rank adapter on
         the embedding, peft's LoRA, adds such a lookup to the embedding's)."""
-        own = self._own_tables()
         for index, table in self._tables:
             leaf = leaves[index] if index < len(leaves) else None
-            if leaf is None or _made_of(table, own):
+            if leaf is None or self._looked_up_by_its_embedding(index, table, leaves):
                 continue
             raise ValueError(
                 f"LRP: input key {self.keys[index]!r} is embedded by {leaf._tdhook_embedding_of!r} and also indexes "
