@@ -460,3 +460,123 @@ def test_an_embedding_looking_up_its_own_scaled_table_is_explained_as_one_lookup
     out = net[2](net[1](embedded))
     (gradient,) = torch.autograd.grad(out.gather(1, out.argmax(1, keepdim=True)).sum(), embedded)
     assert relative_error(td["relevance", "tokens"], (embedded * gradient).sum(-1).detach()) <= 1e-12
+
+
+class DoubledTable(nn.Module):
+    """A parametrization that doubles the table it is given."""
+
+    def forward(self, table: torch.Tensor) -> torch.Tensor:
+        return 2.0 * table
+
+
+@pytest.mark.parametrize("parametrization", ["weight_norm", "custom"])
+def test_an_embedding_with_a_parametrized_table_is_explained_as_one_lookup(parametrization: str):
+    """An ``nn.Embedding`` whose weight is parametrized (weight norm, or any ``register_parametrization``) looks up a
+    table computed from its ``original`` parameters: that lookup is the embedding's own. It was refused as a lookup
+    beside the embedding; the ids get the relevance LRP-0 gives the embedding's output (gradient × input)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(11, 6), nn.Flatten(), nn.Linear(30, 3)).to(F64)
+    if parametrization == "weight_norm":
+        nn.utils.parametrizations.weight_norm(net[0])
+    else:
+        nn.utils.parametrize.register_parametrization(net[0], "weight", DoubledTable())
+    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
+    td = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["tokens"], out_keys=["y"])(
+        TensorDict(tokens=tokens, batch_size=[4])
+    )
+    embedded = net[0](tokens).detach().requires_grad_(True)
+    out = net[2](net[1](embedded))
+    (gradient,) = torch.autograd.grad(out.gather(1, out.argmax(1, keepdim=True)).sum(), embedded)
+    assert relative_error(td["relevance", "tokens"], (embedded * gradient).sum(-1).detach()) <= 1e-12
+
+
+def test_calls_of_a_context_whose_ids_only_their_embedding_looks_up_are_tracked_once(monkeypatch):
+    """The token ids are tracked through the model (a function mode seeing every torch call, about half the time of
+    a tiny BERT's call) until a call of the context with the same inputs' signature found no lookup to refuse. The
+    embedding's own lookup of the ids counted as one, so every call was tracked. The later calls are not, and
+    still get LRP-0 (gradient × input of the embedding's output)."""
+    from tdhook.attribution import _tokens
+
+    seen = []
+    tracked = _tokens._DerivedTokens.__torch_function__
+    monkeypatch.setattr(
+        _tokens._DerivedTokens, "__torch_function__", lambda *a, **k: seen.append(1) or tracked(*a, **k)
+    )
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(11, 6), nn.Flatten(), nn.Linear(30, 3)).to(F64)
+    lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["tokens"], out_keys=["y"])
+    counts = []
+    with lrp:
+        for seed in range(3):
+            tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(seed))
+            before = len(seen)
+            td = lrp(TensorDict(tokens=tokens, batch_size=[4]))
+            counts.append(len(seen) - before)
+            embedded = net[0](tokens).detach().requires_grad_(True)
+            out = net[2](net[1](embedded))
+            (gradient,) = torch.autograd.grad(out.gather(1, out.argmax(1, keepdim=True)).sum(), embedded)
+            assert relative_error(td["relevance", "tokens"], (embedded * gradient).sum(-1).detach()) <= 1e-12
+    assert counts[0] > 0 and counts[1:] == [0, 0]
+
+
+@pytest.mark.parametrize("lookup", ["low_rank", "table"])
+def test_a_lookup_beside_the_embedding_is_refused_on_every_call_of_a_context(lookup: str):
+    """A call refused for a lookup beside the embedding leaves its signature tracked: the next call is refused too."""
+    torch.manual_seed(0)
+    net = TokenNet(lookup).to(F64)
+    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
+    lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["tokens"], out_keys=["y"])
+    with lrp:
+        for _ in range(2):
+            with pytest.raises(ValueError, match="input key 'tokens' is embedded by 'embedding' and also indexes"):
+                lrp(TensorDict(tokens=tokens, batch_size=[4]))
+
+
+class SharedTable(nn.Module):
+    """Token ids embedded by an ``nn.Embedding``, and a task id that indexes the same embedding's weight directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.head = nn.Embedding(11, 6), nn.Linear(6, 3)
+
+    def forward(self, tokens: torch.Tensor, task: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(tokens).sum(1) + self.embedding.weight[task])
+
+
+def test_an_input_indexing_an_embeddings_weight_outside_it_is_refused_on_every_call_of_a_context():
+    """The task id indexes the embedding's own weight, but no embedding reads it: refused on each call of a context,
+    its signature never taken for one whose lookups are all embedded."""
+    torch.manual_seed(0)
+    net = SharedTable().to(F64)
+    td = TensorDict(tokens=torch.randint(0, 11, (4, 5)), task=torch.tensor([0, 1, 2, 1]), batch_size=[4])
+    lrp = LRP(TensorDictModule(net, ["tokens", "task"], ["y"]), BaseRuleMapper(stabilizer=0.0))
+    with lrp:
+        for _ in range(2):
+            with pytest.raises(
+                TypeError, match=r"input key 'task' holds integers \(torch.int64\) that index parameter"
+            ):
+                lrp(td)
+
+
+class TwoTables(nn.Module):
+    """Token ids embedded by one ``nn.Embedding``, and looked up again in a second embedding's weight directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.offsets, self.head = nn.Embedding(11, 6), nn.Embedding(11, 6), nn.Linear(6, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head((self.embedding(tokens) + self.offsets.weight[tokens]).sum(1))
+
+
+def test_token_ids_also_looked_up_in_another_embeddings_weight_are_refused_naming_it():
+    """The second lookup, in another ``nn.Embedding``'s weight outside that embedding, had its rows held constant,
+    and its share of the relevance was lost without a word: any embedding's weight was taken for the one that
+    embedded the ids. Refused, naming the key, the embedding and the weight."""
+    torch.manual_seed(0)
+    net = TwoTables().to(F64)
+    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
+    lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["tokens"], out_keys=["y"])
+    match = r"input key 'tokens' is embedded by 'embedding' and also indexes parameter 'offsets.weight' \(shape"
+    with pytest.raises(ValueError, match=match):
+        lrp(TensorDict(tokens=tokens, batch_size=[4]))

@@ -209,9 +209,32 @@ class TokenInputs:
     def _tracked(self, signature: Hashable | None) -> Iterator[None]:
         with _DerivedTokens(self._ids, self._tables):
             yield
-        # The call ran, and no lookup of derived ids, nor of a parameter's rows by the ids, was found.
-        if signature is not None and not self._derived and not self._tables:
+        # The call ran, and no lookup of derived ids, nor of a weight's rows by the ids but an embedding's own lookup
+        # of ids it embeds, was found.
+        if signature is not None and not self._derived and self._only_embedded_lookups():
             self._clean.add(signature)
+
+    def _only_embedded_lookups(self) -> bool:
+        """Whether every lookup of a weight's rows by the ids was an embedding's own, of an input it embedded: the
+        lookups that neither :meth:`_raise_for_lookups_beside` nor :meth:`_raise_for_tables` refuses."""
+        leaves = self._leaves
+        return all(self._looked_up_by_its_embedding(index, table, leaves) for index, table in self._tables)
+
+    def _looked_up_by_its_embedding(self, index: int, table: torch.Tensor, leaves: list[torch.Tensor | None]) -> bool:
+        """Whether ``table``, indexed by the ids of input ``index``, is the table of the embedding that embedded the
+        input (its weight, a view of it or a tensor computed from it): that embedding's own lookup. Another
+        embedding's weight indexed directly (``self.other.weight[ids]``) is a lookup beside it."""
+        leaf = leaves[index] if index < len(leaves) else None
+        if leaf is None:
+            return False
+        name = leaf._tdhook_embedding_of
+        own = {
+            id(weight)
+            for module_name, module in self._modules.items()
+            if module_name == name or module_name.startswith(f"{name}." if name else "")
+            for weight in _own_tables(module)
+        }
+        return _made_of(table, own)
 
     def embedding_hook(self, name: str) -> Callable[[nn.Module, tuple, dict, torch.Tensor], torch.Tensor | None]:
         """A forward hook for ``nn.Embedding`` ``name`` that takes its output as the tokens' leaf.
@@ -328,10 +351,9 @@ class TokenInputs:
         (``F.embedding(ids, self.lora_A.T)``, ``self.table[ids]``): the relevance of that lookup would be lost, as its
         rows are held constant, while the tokens' relevance is taken from the embedding alone (a low-rank adapter on
         the embedding, peft's LoRA, adds such a lookup to the embedding's)."""
-        own = {id(module.weight) for module in self._modules.values() if isinstance(module, _EMBEDDINGS)}
         for index, table in self._tables:
             leaf = leaves[index] if index < len(leaves) else None
-            if leaf is None or _made_of(table, own):
+            if leaf is None or self._looked_up_by_its_embedding(index, table, leaves):
                 continue
             raise ValueError(
                 f"LRP: input key {self.keys[index]!r} is embedded by {leaf._tdhook_embedding_of!r} and also indexes "
@@ -468,6 +490,28 @@ def _is_weight_table(table: object) -> bool:
         if isinstance(table, nn.Parameter) or isinstance(table._base, nn.Parameter):
             return True
         return table.grad_fn is not None and from_parameters_alone(table)
+
+
+def _own_tables(module: nn.Module) -> list[torch.Tensor]:
+    """The tensors an ``nn.Embedding`` or ``nn.EmbeddingBag`` builds its table from: its weight, or, where the weight
+    is parametrized (weight norm), the parameters it is computed from, as the table it looks up is a fresh tensor on
+    each access; none for another module.
+
+    Examples:
+        >>> embedding = nn.Embedding(5, 3)
+        >>> [tuple(table.shape) for table in _own_tables(embedding)]
+        [(5, 3)]
+        >>> _ = nn.utils.parametrizations.weight_norm(embedding)
+        >>> sorted(tuple(table.shape) for table in _own_tables(embedding))
+        [(5, 1), (5, 3)]
+        >>> _own_tables(nn.Linear(2, 2))
+        []
+    """
+    if not isinstance(module, _EMBEDDINGS):
+        return []
+    if nn.utils.parametrize.is_parametrized(module, "weight"):
+        return list(module.parametrizations.weight.parameters())
+    return [module.weight]
 
 
 def _made_of(table: torch.Tensor, weights: set[int]) -> bool:

@@ -188,6 +188,43 @@ def test_a_weight_built_in_place_from_parameters_is_not_an_activation(hold_gates
     torch.testing.assert_close(grad_of_square[:, :2], x.detach()[:, :2])  # half of 2x: the uniform rule of x · x
 
 
+@pytest.mark.parametrize("write", ["add_", "addr_", "baddbmm_", "addmv_"])
+def test_an_activation_written_in_place_into_a_weight_makes_it_one(write: str):
+    """A weight computed from a parameter (``2 * W``) into which an activation is written in place is an activation,
+    as the same sum written out of place is: its product with the signal gets the rule of two activations. Written
+    by an in-place call outside a short list (``addr_``, ``baddbmm_``, ``addmv_``), it stayed a weight, and the
+    product gave the signal all of its relevance (0.5 off the out-of-place form, relative L2, here)."""
+    weight, constant, matrix = nn.Parameter(randn(4, 4)), randn(4), randn(4, 4)
+    x = randn(3, 4).requires_grad_(True)
+
+    def written(h: torch.Tensor, in_place: bool) -> torch.Tensor:
+        u = h[0]  # the activation written in, times constants only (a product no rule sees either way)
+        w = weight * 2.0
+        if write == "addmv_":
+            column = w[:, 0]  # a view: the write reaches the weight it views
+            if not in_place:
+                return torch.cat([(column + matrix @ u)[:, None], w[:, 1:]], 1)
+            column.addmv_(matrix, u)
+            return w
+        if not in_place:
+            return w + torch.outer(u, constant)
+        if write == "add_":
+            return w.add_(torch.outer(u, constant))
+        if write == "addr_":
+            return w.addr_(u, constant)
+        w = w.unsqueeze(0)
+        w.baddbmm_(u.view(1, 4, 1), constant.view(1, 1, 4))
+        return w[0]
+
+    grads = []
+    for in_place in (False, True):
+        with FunctionalRules(SoftmaxEpsilonRule(), PseudoIdentityRule()):
+            h = x * 1
+            y = (h @ written(h, in_place)).sum()
+        grads.append(torch.autograd.grad(y, x)[0])
+    assert relative_error(x * grads[0], x * grads[1]) <= 1e-12
+
+
 def test_rules_of_the_wrong_kind_are_refused():
     with pytest.raises(TypeError, match="FunctionalRules: softmax must be a SoftmaxEpsilonRule, got float"):
         FunctionalRules(0.1, PseudoIdentityRule())

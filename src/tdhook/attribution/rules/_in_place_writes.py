@@ -17,16 +17,34 @@ from tdhook.attribution.rules._autograd import PARAMETER_DERIVED, is_activation
 
 __all__ = ["WRITES_IN_PLACE", "mark_written_in_place"]
 
-# In-place writes into their first argument (``table[:, rows, cols] = vec``, ``r.add_(q, alpha=2)``).
+# The operators of the augmented assignments (``+=``, ``*=``, ``**=``, ...).
+_AUGMENTED = {
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "truediv",
+    "floordiv",
+    "mod",
+    "pow",
+    "matmul",
+    "and",
+    "or",
+    "xor",
+    "lshift",
+    "rshift",
+}
+
+# In-place writes into their first argument (``table[:, rows, cols] = vec``, ``r.add_(q, alpha=2)``,
+# ``w.baddbmm_(u, v)``): every in-place method of a tensor (its name ends with one underscore) and every augmented
+# assignment. One left out kept a weight it wrote an activation into for a weight, as it was before the write.
 WRITES_IN_PLACE = frozenset(
     getattr(torch.Tensor, name)
-    for name in (
-        "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "add_", "sub_", "mul_", "div_", "copy_",
-        "index_put_", "index_copy_", "index_add_", "index_fill_", "masked_fill_", "masked_scatter_", "scatter_",
-        "scatter_add_", "fill_", "zero_", "addcmul_", "addcdiv_", "addmm_", "lerp_",
-    )
-    if hasattr(torch.Tensor, name)
-)  # fmt: skip
+    for name in dir(torch.Tensor)
+    if (name.endswith("_") and not name.startswith("_"))
+    or name == "__setitem__"
+    or (name.startswith("__i") and name.endswith("__") and name[3:-2] in _AUGMENTED)
+)
 
 
 def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
