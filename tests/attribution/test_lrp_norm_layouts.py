@@ -196,6 +196,23 @@ def test_lrp0_keeping_the_graph_is_gradient_times_input(kind, head):
     torch.testing.assert_close(relevance, gradient_times_input(twin, x), rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.parametrize(
+    ("kind", "head", "relu"), [("batch", "transpose", True), ("instance running", "permute", False)]
+)
+def test_lrp0_of_every_output_unit_is_gradient_times_input(kind, head, relu):
+    # target="all": the units' gradients run batched, and the norm rule's factor multiplies them out of place.
+    model, twin = normed_models(kind, head, relu=relu)
+    x = torch.randn(4, 2, 5, 2, dtype=F64)
+    lrp = LRP(model, rule_mapper=BaseRuleMapper(stabilizer=0.0), in_keys=["x"], out_keys=["y"], target="all")
+    relevance = lrp(TensorDict(x=x.clone(), batch_size=[4]))["relevance", "x"]
+    expected = []
+    for unit in range(relevance.shape[1]):
+        leaf = x.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(twin(leaf)[:, unit].sum(), leaf)
+        expected.append(x * grad)
+    torch.testing.assert_close(relevance, torch.stack(expected, 1), rtol=1e-8, atol=1e-10)
+
+
 @pytest.mark.parametrize("rule", [IgnoreRule, lambda: EpsilonRule(0.0)], ids=["IgnoreRule", "EpsilonRule"])
 @pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("kind", NORMS)
