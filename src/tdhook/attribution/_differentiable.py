@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
+from tdhook.attribution.methods._norm_gradients import norm_gradients_laid_out
 from tdhook.attribution.rules._keeping_graph import RelevancePass, keeping_graph
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 
@@ -94,7 +95,8 @@ def rules_off(wrapper: Any) -> Iterator[None]:
         wrapper.__exit__(None, None, None)
     wrapper._inactive = True
     try:
-        yield
+        with norm_gradients_laid_out(wrapper.module):  # the plain backward: PyTorch's CPU BatchNorm needs it laid out
+            yield
     finally:
         wrapper._inactive = False
         if was_open:

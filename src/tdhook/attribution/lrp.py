@@ -66,7 +66,9 @@ from tdhook.attribution.mappers.aliases import module_aliases, user_rule
 from tdhook.attribution.mappers.base import RuleMapper
 from tdhook.attribution.mappers.given import as_rule_mapper, checked_rules
 from tdhook.attribution.methods._batch_statistics import BufferHolders, buffers_restored_on_error
+from tdhook.attribution.rules._norm_gradient_layout import norm_gradient_hooks
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
+from tdhook.attribution.rules.normalization import NormRule
 from tdhook.attribution.targets import (
     DefaultTargets,
     Target,
@@ -319,6 +321,10 @@ class LRP(TensorDictModuleBase, MapperTunable):
                 handles.append(register_rule(rule, name, modules[name]))
             if not read:
                 stop_marks(handles)
+            # A norm's own backward runs where its rule is not a norm rule (IgnoreRule, EpsilonRule) or it has none:
+            # PyTorch's CPU batch_norm backward needs the gradient laid out as the norm's output.
+            normed = {id(modules[name]) for name, rule in rules.items() if isinstance(rule, NormRule)}
+            self._hooks += norm_gradient_hooks(modules.values(), normed)
             self._marks_read = read
             if self.relevance_check is not None:
                 self._hooks += add_check_hooks(handles, modules, self.relevance_check, self._layers)

@@ -29,34 +29,13 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
-import torch
 from torch import nn
 
+from tdhook.attribution.rules._norm_gradient_layout import norm_gradient_hooks
+
 __all__ = ["norm_gradients_laid_out"]
-
-# The modules whose forward calls the batch_norm kernel: BatchNorm1d/2d/3d, SyncBatchNorm and the lazy ones,
-# InstanceNorm1d/2d/3d, and their subclasses.
-_BATCH_NORM_KERNEL_USERS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
-
-
-def _laid_out_as(size: torch.Size, strides: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A gradient hook copying a gradient of ``size`` into ``strides`` where it is laid out otherwise."""
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        if grad.stride() == strides or grad.shape != size:
-            return grad
-        return torch.empty_strided(size, strides, dtype=grad.dtype, device=grad.device).copy_(grad)
-
-    return hook
-
-
-def _output_hook(module: nn.Module, args: Any, output: Any) -> None:
-    if isinstance(output, torch.Tensor) and output.requires_grad:
-        # The size and strides only: a hook holding the output would hold it, and the graph, from the graph itself.
-        output.register_hook(_laid_out_as(output.shape, output.stride()))
 
 
 @contextlib.contextmanager
@@ -68,6 +47,7 @@ def norm_gradients_laid_out(model: nn.Module) -> Iterator[None]:
             left as they are.
 
     Examples:
+        >>> import torch
         >>> net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 1), torch.nn.BatchNorm2d(2))
         >>> with norm_gradients_laid_out(net):
         ...     len(net[1]._forward_hooks)
@@ -77,9 +57,7 @@ def norm_gradients_laid_out(model: nn.Module) -> Iterator[None]:
     """
     handles = []
     try:
-        for module in model.modules():
-            if isinstance(module, _BATCH_NORM_KERNEL_USERS) and not isinstance(module, torch.jit.ScriptModule):
-                handles.append(module.register_forward_hook(_output_hook))
+        handles = norm_gradient_hooks(model.modules())
         yield
     finally:
         for handle in handles:

@@ -15,6 +15,7 @@ from tdhook.attribution.rules._graph_calls import note_output, recording
 from tdhook.attribution.rules._held_parameters import HeldParameters
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import BATCH_NORMS, TRANSPOSED_FORWARDS, effective_parameters
+from tdhook.attribution.rules._norm_gradient_layout import lay_out_gradient
 from tdhook.attribution.rules.base import (
     _LAYER_MARK,
     _UNPREPARED,
@@ -160,6 +161,8 @@ class MergeBatchNormRule(NormRule):
         # A flattened layer output is merged in the layer's own shape, and the result flattened as the input was.
         seen = output.view(call.raw.shape) if flattened else output
         result = self._rewrite(module, call, seen, slice(None))
+        if result is seen:  # the layer's rule keeps the plain gradient: the BatchNorm's own backward runs
+            lay_out_gradient(output)
         return result.view(output.shape) if flattened else result
 
     def _merge_parts(

@@ -48,6 +48,7 @@ from tdhook.attribution.rules._clips import (
     clip_passing,
     clips_a_signal,
 )
+from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_written_in_place
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint
@@ -372,7 +373,10 @@ class HeldGates(TorchFunctionMode):
         gate = func in GATE_FUNCTIONS or func in _GATES_IN_PLACE
         if gate:  # a gate computed under torch.vmap is neither seen nor held
             raise_for_transformed_call("gates held constant in products", args[:1])
-        result = mark_parameter_derived(args, func(*args, **kwargs), func)
+        if func in WRITES_IN_PLACE:  # a weight built in place from parameters stays a weight (peft's OFT rotation)
+            result = mark_written_in_place(func, args, kwargs)
+        else:
+            result = mark_parameter_derived(args, func(*args, **kwargs), func)
         if gate and args and is_activation(args[0]) and isinstance(result, torch.Tensor):
             return mark_gate(result, args[0], sigmoid=True)
         return keep_gate_mark(func, args, result, kwargs)

@@ -53,6 +53,7 @@ from tdhook.attribution.rules._graph_calls import note_output, planned, recordin
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layer_norm_gradient import layer_norm_rule_gradient
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
+from tdhook.attribution.rules._norm_gradient_layout import lay_out_gradient
 from tdhook.attribution.rules._numerics import FLOAT16_STEP, epsilon_factor, in_pieces_
 from tdhook.attribution.rules._recomputed import saved_tensors_hooked
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
@@ -491,6 +492,8 @@ class NormRule(Rule):
         """
         if not x.requires_grad:
             return output
+        if scale is None:  # the output's own backward runs: PyTorch's CPU batch_norm backward needs it laid out
+            lay_out_gradient(output)
         if graph_kept() is not None:  # the factor from the output's copy, with its history
             z = output.clone()
             factor = epsilon_factor(z, self.epsilon)

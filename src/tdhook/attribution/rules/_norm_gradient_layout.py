@@ -1,0 +1,114 @@
+"""The gradient that reaches a BatchNorm's or InstanceNorm's own backward, laid out in memory as the norm's output is.
+
+PyTorch's CPU kernel for the backward of ``batch_norm`` (which ``instance_norm`` calls) reads the incoming gradient
+in the wrong order when the input and that gradient are laid out differently and a spatial size of 1 makes the
+layout ambiguous: a ``[N, C, H, 1]`` output followed by a transpose or a permute gets an input gradient about 1.3
+off (relative L2), with no error. :func:`lay_out_gradient` puts a hook on such an output that copies the gradient
+into the output's own strides (only where they differ) before the norm's backward reads it. The rules that leave a
+norm's own backward to run (an unmerged BatchNorm, an InstanceNorm with running statistics) and the gradient
+methods call it.
+
+Examples:
+    >>> import torch
+    >>> bn = torch.nn.BatchNorm2d(3).eval()
+    >>> x = torch.randn(4, 3, 5, 1, requires_grad=True)
+    >>> y = bn(x)
+    >>> lay_out_gradient(y)
+    >>> grad = torch.randn(4, 5, 1, 3).permute(0, 3, 1, 2)  # laid out channels-last, unlike y
+    >>> (gx,) = torch.autograd.grad(y, x, grad)
+    >>> scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
+    >>> torch.allclose(gx, grad * scale.view(1, 3, 1, 1))
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = [
+    "BATCH_NORM_KERNEL_USERS",
+    "lay_out_gradient",
+    "laid_out_as",
+    "norm_gradient_hooks",
+    "output_gradient_laid_out",
+]
+
+# The modules whose forward calls the batch_norm kernel: BatchNorm1d/2d/3d, SyncBatchNorm and the lazy ones,
+# InstanceNorm1d/2d/3d, and their subclasses.
+BATCH_NORM_KERNEL_USERS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+def laid_out_as(size: torch.Size, strides: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A gradient hook copying a gradient of ``size`` into ``strides`` where it is laid out otherwise.
+
+    Examples:
+        >>> grad = torch.ones(2, 3).t()
+        >>> laid_out_as(torch.Size([3, 2]), (2, 1))(grad).stride()
+        (2, 1)
+    """
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if grad.stride() == strides or grad.shape != size:
+            return grad
+        return torch.empty_strided(size, strides, dtype=grad.dtype, device=grad.device).copy_(grad)
+
+    return hook
+
+
+def lay_out_gradient(output: torch.Tensor) -> None:
+    """Copy the gradient that reaches ``output`` (a norm's output, whose own backward will read it) into
+    ``output``'s strides, where it is laid out otherwise (see the module docstring).
+
+    Examples:
+        >>> y = torch.ones(2, 3, requires_grad=True) * 2
+        >>> lay_out_gradient(y)
+        >>> len(y._backward_hooks)
+        1
+    """
+    if output.requires_grad:
+        # The size and strides only: a hook holding the output would hold it, and the graph, from the graph itself.
+        output.register_hook(laid_out_as(output.shape, output.stride()))
+
+
+def output_gradient_laid_out(module: nn.Module, args: Any, output: Any) -> None:
+    """A forward hook: :func:`lay_out_gradient` on the module's output, where it is a tensor.
+
+    Examples:
+        >>> bn = torch.nn.BatchNorm1d(2)
+        >>> handle = bn.register_forward_hook(output_gradient_laid_out)
+        >>> bn(torch.ones(3, 2, requires_grad=True)).shape
+        torch.Size([3, 2])
+        >>> handle.remove()
+    """
+    if isinstance(output, torch.Tensor):
+        lay_out_gradient(output)
+
+
+def norm_gradient_hooks(modules: Iterable[nn.Module], skip: Collection[int] = ()) -> list[RemovableHandle]:
+    """Put :func:`output_gradient_laid_out` on each BatchNorm and InstanceNorm among ``modules`` but those whose ids
+    are in ``skip`` (once per module, and first among its forward hooks: it sees the output the norm's own forward
+    computed, before a rule replaces it); TorchScript modules, which take no hooks, are left as they are.
+
+    Examples:
+        >>> net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 1), torch.nn.BatchNorm2d(2))
+        >>> handles = norm_gradient_hooks(net.modules())
+        >>> len(handles), len(net[1]._forward_hooks)
+        (1, 1)
+        >>> for handle in handles:
+        ...     handle.remove()
+        >>> norm_gradient_hooks(net.modules(), skip={id(net[1])})
+        []
+    """
+    handles: list[RemovableHandle] = []
+    hooked: set[int] = set()
+    for module in modules:
+        if isinstance(module, BATCH_NORM_KERNEL_USERS) and id(module) not in skip and id(module) not in hooked:
+            hooked.add(id(module))
+            if not isinstance(module, torch.jit.ScriptModule):
+                handles.append(module.register_forward_hook(output_gradient_laid_out, prepend=True))
+    return handles
