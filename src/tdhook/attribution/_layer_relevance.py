@@ -183,11 +183,12 @@ class LayerRelevance:
         """Forget every watched output, before and after a call, and remove the gradient hooks put on them: a hook
         holds its tensor, and with it the tensor's graph, from inside that graph, beyond the reach of garbage
         collection."""
-        for cell in (cell for cells in self._cells.values() for cell in cells):
-            cell.release()
-        for hook in self._held:
-            hook.release() if isinstance(hook, OutputRelevance) else hook.remove()
-        self._cells, self._held = {}, []
+        if self._cells or self._held:  # most calls watch nothing: no generator built for them
+            for cell in (cell for cells in self._cells.values() for cell in cells):
+                cell.release()
+            for hook in self._held:
+                hook.release() if isinstance(hook, OutputRelevance) else hook.remove()
+            self._cells, self._held = {}, []
         forget_watched()
 
     def pop(self, name: str, like: torch.Tensor) -> torch.Tensor:

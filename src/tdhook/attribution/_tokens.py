@@ -315,7 +315,8 @@ class TokenInputs:
         """
         if cause is None:
             self._raise_for_derived()
-            self._raise_for_lookups_beside(leaves)
+            if self._tables:  # most calls looked up no weight by the ids: no call for them
+                self._raise_for_lookups_beside(leaves)
         if optional and cause is None and any(leaf is not None for leaf in leaves):
             self._raise_for_tables(leaves)
             return
