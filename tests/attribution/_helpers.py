@@ -3,6 +3,8 @@ the model's state."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -79,3 +81,16 @@ def gradient_times_input(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     start = torch.zeros_like(out).scatter_(-1, out.argmax(-1, keepdim=True), 1.0)
     (grad,) = torch.autograd.grad(out, leaf, start)
     return x * grad
+
+
+class Recorded(nn.Module):
+    """The identity, through a product of its own, keeping a weak reference to each output (an intermediate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 1.0
+        self.outputs.append(weakref.ref(y))
+        return y

@@ -20,6 +20,7 @@ from torch import nn
 from tdhook.attribution import LRP
 from tdhook.attribution.lrp_helpers.rules import EpsilonGammaBox, EpsilonPlus, EpsilonPlusFlat, WSquareRule
 from tdhook.attribution.rules.checks import raise_for_unconserved_rel_factory
+from tests.attribution._helpers import Recorded
 from tests.conftest import relative_error
 
 F64 = torch.float64
@@ -210,19 +211,6 @@ def test_layers_and_a_relevance_check_each_read_their_own(preset: str):
     assert relative_error(td["relevance", "0"], expected) <= 1e-12
     assert relative_error(td["relevance", "1"], expected.flatten(1)) <= 1e-12
     assert abs(checks["2"][0] - expected.sum()) <= 1e-12 * expected.abs().sum()
-
-
-class Recorded(nn.Module):
-    """The identity, through a product of its own, keeping a weak reference to each output (an intermediate)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.outputs: list = []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x * 1.0
-        self.outputs.append(weakref.ref(y))
-        return y
 
 
 def _relevance_seen(seen: list):

@@ -21,6 +21,7 @@ from torch import nn
 from tdhook.attribution import CPLRP, LRP
 from tdhook.attribution.mappers.presets import EpsilonGammaBox, EpsilonPlus, EpsilonPlusFlat
 from tdhook.attribution.rules import EpsilonRule, TaylorDecompositionRule
+from tests.attribution._helpers import Recorded
 from tests.conftest import relative_error
 
 PRESETS = {
@@ -324,25 +325,12 @@ def test_a_caller_without_gradient_gets_the_same_derivative(kind):
         assert relative_error(got, expected) < 1e-5
 
 
-class _Recorded(nn.Module):
-    """The identity, through a product of its own, keeping a weak reference to each output (an intermediate)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.outputs: list = []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x * 1.0
-        self.outputs.append(weakref.ref(y))
-        return y
-
-
 @pytest.mark.parametrize("in_context", [False, True])
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_calls_under_no_grad_keep_their_graph_on_their_results_only(preset, in_context):
     """Under a collector's ``torch.no_grad()`` the results keep their graph (as documented), with the ordinary
     call's relevance; once the caller drops them, nothing of the call (input, intermediates) is held."""
-    recorded = _Recorded()
+    recorded = Recorded()
     net = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), recorded, nn.Linear(7, 3)).double()
     lrp = LRP(net, PRESETS[preset](), in_keys=["x"], out_keys=["y"], create_graph=True)
     plain = LRP(net, PRESETS[preset](), in_keys=["x"], out_keys=["y"])
