@@ -102,7 +102,7 @@ def test_cosine_similarity_gets_the_relevance_of_the_cosine_written_out(case: st
     expected, expected_caught = explain(oracle, PRESETS[preset](), inputs())
     assert caught == [] and expected_caught == []
     with torch.no_grad():
-        assert torch.equal(td["y"], model(*inputs().values()))
+        assert relative_error(td["y"], model(*inputs().values())) <= 1e-12  # the same operations, maybe other kernels
     for key in ("a", "b"):
         assert relative_error(td["relevance", key], expected["relevance", key]) <= 1e-10
         share = td["relevance", key].flatten(1).sum(1) / td["y"].amax(-1)

@@ -15,7 +15,7 @@ Examples:
     >>> import torch
     >>> import torch.nn.functional as F
     >>> a, b = torch.randn(2, 3), torch.randn(1, 3)
-    >>> torch.equal(cosine_as_products(a, b, dim=-1), F.cosine_similarity(a, b, dim=-1))
+    >>> torch.allclose(cosine_as_products(a, b, dim=-1), F.cosine_similarity(a, b, dim=-1))
     True
 """
 
