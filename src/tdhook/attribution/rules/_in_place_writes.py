@@ -5,6 +5,8 @@ rotation it applies to a layer's input) has autograd history after the write, an
 :func:`~tdhook.attribution.rules._autograd.mark_parameter_derived`, made after the call, would take it for an
 activation: a product with it would then get the uniform rule of two activations, halving its relevance.
 :func:`mark_written_in_place` judges the tensor written into by what it was before the write and by what is written.
+A write that replaces every element (``buf.copy_(w)``, ``buf[...] = w``, ``buf.fill_(0)``) leaves the tensor what
+the values written are, whatever it was before: an activation buffer overwritten with a weight is a weight.
 """
 
 from __future__ import annotations
@@ -47,11 +49,28 @@ WRITES_IN_PLACE = frozenset(
 )
 
 
+# In-place writes that replace every element of the tensor written into, whatever their arguments.
+_WHOLE_WRITES = frozenset({torch.Tensor.copy_, torch.Tensor.fill_, torch.Tensor.zero_})
+
+
+def _writes_every_element(func: Any, args: tuple) -> bool:
+    """Whether ``func(*args)`` replaces every element of ``args[0]``: ``copy_``, ``fill_``, ``zero_``, or an
+    assignment to the whole tensor (``t[...] = v``, ``t[:] = v``, ``t[:, :] = v``)."""
+    if func in _WHOLE_WRITES:
+        return True
+    if func is not torch.Tensor.__setitem__ or len(args) < 2:
+        return False
+    keys = args[1] if isinstance(args[1], tuple) else (args[1],)
+    return all(key is Ellipsis or (isinstance(key, slice) and key == slice(None)) for key in keys)
+
+
 def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     """``func(*args, **kwargs)``, an in-place write into ``args[0]``, with ``args[0]`` marked as computed from
     parameters alone where it was a constant or so marked before and what is written into it is too (a weight built
     in place from its parameters: ``torch.zeros(...)`` filled with a parameter's values), and unmarked where an
-    activation is written into it.
+    activation is written into it. A write that replaces every element of ``args[0]`` (``copy_``, ``fill_``,
+    ``zero_``, ``t[...] = v``) marks it by what is written alone: an activation overwritten with a weight's values is
+    a weight, as the weight itself is out of place.
 
     After the write, the tensor has autograd history, and the plain test of
     :func:`~tdhook.attribution.rules._autograd.mark_parameter_derived` would take it for an activation (a product
@@ -66,6 +85,10 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
         >>> _ = mark_written_in_place(torch.Tensor.add_, (table, torch.ones(3, requires_grad=True) * 2), {})
         >>> is_activation(table)
         True
+        >>> buffer = torch.ones(2, 3, requires_grad=True) * 2  # an activation
+        >>> _ = mark_written_in_place(torch.Tensor.copy_, (buffer, vec), {})  # overwritten by a weight
+        >>> is_activation(buffer)
+        False
     """
     target = args[0] if args else None
     if not isinstance(target, torch.Tensor):
@@ -73,6 +96,9 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     # The tensor written into and, for a view (``weight[:, 1:3].copy_(...)``), the tensor it views: constant before?
     targets = [tensor for tensor in (target, target._base) if tensor is not None]
     constant = [not tensor.requires_grad or bool(getattr(tensor, PARAMETER_DERIVED, False)) for tensor in targets]
+    # Every element replaced: the tensor (and a base it views whole) is what is written, whatever it was before.
+    if not all(constant) and _writes_every_element(func, args):
+        constant = [was or tensor.numel() == target.numel() for tensor, was in zip(targets, constant, strict=True)]
     result = func(*args, **kwargs)
     if any(constant):
         written = [

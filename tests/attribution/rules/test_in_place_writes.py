@@ -1,0 +1,130 @@
+"""An activation buffer overwritten in place with a weight's values, under AttnLRP and CP-LRP (float64).
+
+``buf.copy_(w)``, ``buf[...] = w`` or ``buf.zero_().add_(w)`` replace every element of an activation ``buf`` with a
+tensor computed from parameters alone: ``buf`` then is that weight, and its product with the signal is linear in the
+signal, which keeps all of its relevance. Taken for the activation it was before the write, the product got the
+uniform rule of two activations, and half of its relevance went to the overwritten values, whose gradient is zero
+(the relevance of the explained input halved). A write into part of the buffer leaves it an activation, as the same
+tensor built out of place (``torch.cat``) is. Oracles: the same model with the weight out of place, and with it
+stored whole as a parameter.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from tdhook.attribution import LRP
+from tdhook.attribution.mappers.base import BaseRuleMapper
+from tdhook.attribution.mappers.presets import EpsilonPlus
+from tdhook.attribution.mappers.transformer import CPLRP, AttnLRP
+
+F64 = torch.float64
+
+WHOLE_WRITES = ["copy_", "copy_ broadcast", "setitem ...", "setitem :", "zero_ add_", "copy_ into a view of all"]
+
+
+class OverwrittenBuffer(nn.Module):
+    """``lin2(buf * lin1(x))`` (``lin2(buf * sigmoid(lin1(x)))`` where ``gated``) where ``buf`` starts as the
+    activation ``lin0(x)`` and is overwritten, in place or not, with ``2 * vec`` (``build``); ``part`` overwrites its
+    first three columns only."""
+
+    def __init__(self, build: str, gated: bool = False) -> None:
+        super().__init__()
+        self.gated = gated
+        self.lin0, self.lin1, self.lin2 = nn.Linear(4, 6), nn.Linear(4, 6), nn.Linear(6, 3)
+        self.vec = nn.Parameter(torch.randn(6))
+        self.stored = nn.Parameter(torch.zeros(6))
+        self.build = build
+
+    def buffer(self, x: torch.Tensor) -> torch.Tensor:
+        buf = self.lin0(x) * 1.0
+        weight = (2.0 * self.vec).expand_as(buf)
+        build = self.build
+        if build == "stored":
+            return self.stored.expand_as(buf)
+        if build == "out of place":
+            return weight
+        if build == "part out of place":
+            return torch.cat([weight[:, :3], buf[:, 3:]], 1)
+        if build == "part":
+            buf[:, :3] = weight[:, :3]
+        elif build == "copy_":
+            buf.copy_(weight)
+        elif build == "copy_ broadcast":
+            buf.copy_(2.0 * self.vec)
+        elif build == "setitem ...":
+            buf[...] = 2.0 * self.vec
+        elif build == "setitem :":
+            buf[:] = weight
+        elif build == "zero_ add_":
+            buf.zero_().add_(weight)
+        elif build == "copy_ into a view of all":
+            buf.view(-1).copy_(weight.reshape(-1))
+        return buf
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        signal = self.lin1(x)
+        return self.lin2(self.buffer(x) * (torch.sigmoid(signal) if self.gated else signal))
+
+
+def model(build: str, gated: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    net = OverwrittenBuffer(build, gated).to(F64)
+    with torch.no_grad():
+        net.stored.copy_(2.0 * net.vec)
+    return net
+
+
+def relevance(net: nn.Module, mapper, x: torch.Tensor, calls: int = 2) -> torch.Tensor:
+    lrp = LRP(net, rule_mapper=mapper, in_keys=["x"], out_keys=["y"])
+    with warnings.catch_warnings(), lrp:
+        warnings.simplefilter("ignore")
+        for _ in range(calls):  # the first call records the rules' places, later ones follow them
+            result = lrp(TensorDict(x=x.clone(), batch_size=[x.shape[0]]))["relevance", "x"]
+    return result
+
+
+MAPPERS = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, "AttnLRP, stabilised sums": lambda: AttnLRP(stabilize_additions=True)}
+
+
+@pytest.mark.parametrize("mapper", list(MAPPERS))
+@pytest.mark.parametrize("build", WHOLE_WRITES)
+def test_an_activation_overwritten_with_a_weight_is_a_weight(build: str, mapper: str):
+    x = torch.randn(5, 4, dtype=F64)
+    expected = relevance(model("out of place"), MAPPERS[mapper](), x)
+    torch.testing.assert_close(relevance(model("stored"), MAPPERS[mapper](), x), expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(relevance(model(build), MAPPERS[mapper](), x), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("mapper", list(MAPPERS))
+def test_an_activation_overwritten_in_part_stays_an_activation(mapper: str):
+    x = torch.randn(5, 4, dtype=F64)
+    expected = relevance(model("part out of place"), MAPPERS[mapper](), x)
+    weight_only = relevance(model("out of place"), MAPPERS[mapper](), x)
+    assert (expected - weight_only).abs().max() > 1e-3  # the uniform rule on the columns still an activation
+    torch.testing.assert_close(relevance(model("part"), MAPPERS[mapper](), x), expected, rtol=1e-10, atol=1e-12)
+
+
+GATE_MAPPERS = {"EpsilonPlus": EpsilonPlus, "LRP-0": lambda: BaseRuleMapper(stabilizer=0.0)}
+
+
+@pytest.mark.parametrize("mapper", list(GATE_MAPPERS))
+@pytest.mark.parametrize("build", ["copy_", "setitem :", "zero_ add_"])
+def test_a_weight_overwriting_an_activation_gates_as_a_weight_under_the_cnn_presets(build: str, mapper: str):
+    """The CNN presets hold a sigmoid gate where it multiplies an activation; times a weight, the gate is not held
+    and passes relevance on. An activation overwritten with a weight's values is that weight: its gate is not held,
+    and the relevance through the gate reaches the input (as LRP-0's gradient x input says)."""
+    x = torch.randn(5, 4, dtype=F64)
+    expected = relevance(model("out of place", gated=True), GATE_MAPPERS[mapper](), x)
+    ours = relevance(model(build, gated=True), GATE_MAPPERS[mapper](), x)
+    torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-12)
+    if mapper == "LRP-0":
+        net, leaf = model(build, gated=True), x.clone().requires_grad_(True)
+        out = net(leaf)
+        (grad,) = torch.autograd.grad(out.gather(1, out.argmax(1, keepdim=True)).sum(), leaf)
+        torch.testing.assert_close(ours, x * grad, rtol=1e-10, atol=1e-12)
