@@ -85,3 +85,60 @@ def test_a_negative_epsilon_is_refused_at_construction():
     with pytest.raises(ValueError, match="StabilizedAdditions: epsilon must be a finite number >= 0, got -1"):
         StabilizedAdditions(epsilon=-1)
     assert StabilizedAdditions(epsilon=0.0).epsilon == 0.0
+
+
+def _summands(x: torch.Tensor, vec: torch.Tensor, build: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two activations ``h1``, ``h2`` of ``x`` and a sum built from them in place or not (``build``): the sum of
+    ``h1`` and ``h2`` accumulated into zeros (``accumulated``), the weight ``2 * vec`` plus ``h1`` plus ``h2``
+    (``weight``), or the weight plus ``h2`` where the weight overwrites the activation ``h1`` (``overwritten``)."""
+    h1, h2 = x * 2.0, x * x
+    weight = (2.0 * vec).expand_as(h1)
+    if build.startswith("accumulated"):
+        total = torch.zeros_like(x.detach())
+        if build.endswith("in place"):
+            total += h1
+            total += h2
+            return h1, h2, total
+        return h1, h2, (total + h1) + h2
+    if build.startswith("weight"):
+        if build.endswith("in place"):
+            total = weight.clone()
+            total += h1
+            total.add_(h2)
+            return h1, h2, total
+        return h1, h2, (weight + h1) + h2
+    if build.endswith("in place"):
+        total = h1 * 1.0
+        total.copy_(weight)
+        total += h2
+        return h1, h2, total
+    return h1, h2, weight + h2
+
+
+@pytest.mark.parametrize("build", ["accumulated", "weight", "overwritten"])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_sums_built_in_place_are_stabilised_as_out_of_place(build: str, in_place: bool):
+    """A sum is stabilised where both of its terms are activations before the call: ``acc += h1`` into zeros (or a
+    weight's values) is no sum of two activations, as ``acc + h1`` is none; a weight an activation was added to in
+    place is an activation, as the sum out of place is; an activation overwritten with a weight's values is that
+    weight. The sum judged after the call (a constant given autograd history by the write itself), or by the marks
+    of the tensor written into before the write, was stabilised where the same sum out of place is not, or not
+    where it is. Closed form: the ε-rule
+    on the one sum of two activations, ``R_i = h_i · R / stabilize(h1 + h2 [+ w])``, the plain split elsewhere."""
+    epsilon = 0.5
+    x = torch.randn(4, 5, dtype=torch.float64).abs().add(0.1).requires_grad_(True)
+    vec = nn.Parameter(torch.randn(5, dtype=torch.float64))
+    with StabilizedAdditions(epsilon=epsilon):
+        h1, h2, total = _summands(x, vec, f"{build}, {'in place' if in_place else 'out of place'}")
+    grads = torch.autograd.grad(total.sum(), [h1, h2], allow_unused=True)  # h1 overwritten out of place: unused
+    grad_h1, grad_h2 = (torch.zeros_like(x) if grad is None else grad for grad in grads)
+    scale = (total / stabilize(total, epsilon)).detach()
+    if build == "accumulated":  # zeros + h1 is no sum of two activations, (zeros + h1) + h2 is
+        expected_h1 = expected_h2 = scale
+    elif build == "weight":  # w + h1 is a bias added, (w + h1) + h2 a sum of two activations
+        expected_h1 = expected_h2 = scale
+    else:  # w + h2: a bias added; h1 overwritten passes nothing
+        expected_h1, expected_h2 = torch.zeros_like(scale), torch.ones_like(scale)
+    assert (scale - 1).abs().max() > 1e-2  # the stabilizer changes something
+    torch.testing.assert_close(grad_h1, expected_h1, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad_h2, expected_h2, rtol=1e-12, atol=1e-14)

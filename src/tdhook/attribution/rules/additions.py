@@ -25,6 +25,7 @@ from tdhook.attribution.rules._autograd import (
     raise_for_transformed_call,
     scale_gradient,
 )
+from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_written_in_place
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._numerics import stabilize
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint
@@ -68,17 +69,16 @@ class StabilizedAdditions(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        summed = False
         if func in _ADDITIONS and len(args) == 2:
             raise_for_transformed_call("stabilised additions", args, needs=2)
-        result = mark_parameter_derived(args, func(*args, **kwargs), func)
-        if (
-            func in _ADDITIONS
-            and not kwargs
-            and len(args) == 2
-            and is_activation(args[0])
-            and is_activation(args[1])
-            and args[0].shape == args[1].shape
-        ):
+            # Judged before the call: ``a += b`` gives a constant ``a`` autograd history, but adds no activation to b.
+            summed = not kwargs and is_activation(args[0]) and is_activation(args[1]) and args[0].shape == args[1].shape
+        if func in WRITES_IN_PLACE:  # a weight an activation is written into is one, as the out-of-place sum is
+            result = mark_written_in_place(func, args, kwargs)
+        else:
+            result = mark_parameter_derived(args, func(*args, **kwargs), func)
+        if summed:
             raise_for_checkpoint("stabilised additions")
             if graph_kept() is not None:  # from a copy of the sum, with its history
                 total = result.clone()
