@@ -85,6 +85,7 @@ from tdhook.attribution.rules._autograd import (
 )
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._dropout_calls import dropout_probability
+from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_written_in_place
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layer_nodes import LAYER_MARK
@@ -280,6 +281,19 @@ def _is_activation_result(result: Any) -> bool:
     return isinstance(result, torch.Tensor) and result.requires_grad
 
 
+def _written_in_place(func: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple]:
+    """``func(*args, **kwargs)``, an in-place write into ``args[0]``, marked as the function modes mark it (an
+    activation written into a weight makes it one; see :mod:`~tdhook.attribution.rules._in_place_writes`), and the
+    arguments to judge the call by: ``args[0]`` as it was before the write, a constant where it was no activation
+    (``torch.ones(...).mul_(h)`` is a product of a constant and ``h``, as ``torch.ones(...) * h`` is)."""
+    target = args[0] if args else None
+    if not isinstance(target, torch.Tensor) or is_activation(target):
+        return mark_written_in_place(func, args, kwargs), args
+    before = target.detach()  # no activation, with the marks the watch reads (a detached term's)
+    before.__dict__.update(target.__dict__)
+    return mark_written_in_place(func, args, kwargs), (before, *args[1:])
+
+
 class NonlinearCalls(TorchFunctionMode):
     """Records, per module, the calls of one forward pass that are not piecewise linear and that no rule covers.
 
@@ -328,7 +342,10 @@ class NonlinearCalls(TorchFunctionMode):
             outputs = args[0] if args else kwargs.get("outputs", kwargs.get("tensors"))
             inputs = args[1] if func is torch.autograd.grad and len(args) > 1 else kwargs.get("inputs")
             self._raise_for_rules_in(func, outputs, inputs)
-        result = mark_parameter_derived(args, func(*args, **(kwargs or {})), func)
+        if func in WRITES_IN_PLACE:
+            result, args = _written_in_place(func, args, kwargs or {})
+        else:
+            result = mark_parameter_derived(args, func(*args, **(kwargs or {})), func)
         if torch._C._are_functorch_transforms_active():  # under torch.vmap: the tensors the graph holds
             self._record(func, _unwrapped_all(args), _unwrapped_all(result), kwargs)
         else:

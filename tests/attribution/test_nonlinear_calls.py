@@ -1,0 +1,121 @@
+"""The watch of a call's nonlinear calls on models that write in place (float64).
+
+The watch names the calls on activations that no rule covers (a product of two activations, a sine). It judges an
+in-place write as the function modes do (see ``rules/_in_place_writes.py``) and by its arguments before the write:
+
+* a weight an activation is added to in place (``w += h``) is an activation, as ``w + h`` is: its product with
+  another activation, or its sine, is named. With a rule mapper that runs no function mode, the weight kept its
+  mark, and the call was silently left out;
+* a constant or a weight multiplied in place by an activation (``torch.ones(...).mul_(h)``, ``w.mul_(h)``) is a
+  product of one activation, linear as ``torch.ones(...) * h`` is. Judged after the write, which gives the tensor
+  written into autograd history, it was named a product of two activations.
+
+Oracles: the same model written out of place (its warnings, its relevance) and LRP-0's gradient x input.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from tdhook.attribution import LRP
+from tdhook.attribution.mappers.presets import EpsilonPlus
+from tdhook.attribution.mappers.transformer import AttnLRP
+from tdhook.attribution.rules.basic import EpsilonRule
+
+F64 = torch.float64
+
+
+class WrittenWeight(nn.Module):
+    """``lin2(f(w, h1, h2))`` with ``w = 2 * vec`` and ``h1``, ``h2`` linear maps of ``x``; ``f`` in place or not."""
+
+    def __init__(self, form: str, in_place: bool) -> None:
+        super().__init__()
+        self.lin0, self.lin1, self.lin2 = nn.Linear(4, 6), nn.Linear(4, 6), nn.Linear(6, 3)
+        self.vec = nn.Parameter(torch.randn(6))
+        self.form, self.in_place = form, in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h1, h2 = self.lin0(x), self.lin1(x)
+        w = (2.0 * self.vec).expand_as(h1).clone()
+        if self.form in ("sum times", "sum sine"):
+            if self.in_place:
+                w += h1
+            else:
+                w = w + h1
+            z = w * h2 if self.form == "sum times" else torch.sin(w)
+        elif self.form == "constant times":
+            ones = torch.ones_like(h1.detach())
+            z = (ones.mul_(h2) if self.in_place else ones * h2) * w
+        else:  # weight times
+            z = w.mul_(h2) if self.in_place else w * h2
+        return self.lin2(z)
+
+
+def model(form: str, in_place: bool) -> nn.Module:
+    torch.manual_seed(0)
+    return WrittenWeight(form, in_place).to(F64)
+
+
+def explain(net: nn.Module, mapper, x: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+    """The relevance of ``x`` and the warnings of the first call (the watched one)."""
+    lrp = LRP(net, rule_mapper=mapper, in_keys=["x"], out_keys=["y"])
+    with warnings.catch_warnings(record=True) as caught, lrp:
+        warnings.simplefilter("always")
+        result = lrp(TensorDict(x=x.clone(), batch_size=[x.shape[0]]))["relevance", "x"]
+    return result, [str(warning.message) for warning in caught if "no rule covers" in str(warning.message)]
+
+
+def linear_epsilon(name: str, module: nn.Module) -> EpsilonRule | None:
+    """A rule mapper that is a plain function (it runs no function mode): ε on Linear layers, nothing else."""
+    return EpsilonRule(epsilon=0.0) if isinstance(module, nn.Linear) else None
+
+
+MAPPERS = {"a function": lambda: linear_epsilon, "EpsilonPlus": EpsilonPlus, "AttnLRP": AttnLRP}
+
+
+@pytest.mark.parametrize("mapper", list(MAPPERS))
+@pytest.mark.parametrize("form", ["sum times", "sum sine", "constant times", "weight times"])
+def test_in_place_writes_are_named_as_the_same_calls_out_of_place(form: str, mapper: str):
+    x = torch.randn(5, 4, dtype=F64)
+    expected, expected_warnings = explain(model(form, in_place=False), MAPPERS[mapper](), x)
+    ours, our_warnings = explain(model(form, in_place=True), MAPPERS[mapper](), x)
+    assert our_warnings == expected_warnings
+    torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-12)
+    if mapper == "a function":  # no rule but ε = 0: gradient x input, and a warning where the model is not linear
+        assert bool(expected_warnings) == form.startswith("sum")
+        leaf = x.clone().requires_grad_(True)
+        out = model(form, in_place=True)(leaf)
+        (grad,) = torch.autograd.grad(out.gather(1, out.argmax(1, keepdim=True)).sum(), leaf)
+        torch.testing.assert_close(ours, x * grad, rtol=1e-10, atol=1e-12)
+
+
+def test_a_detached_difference_added_in_place_to_an_activation_is_named():
+    """``d = (y - h).detach(); d += h`` is the straight-through estimator ``h + (y - h).detach()``: the watch reads
+    the detached difference's marks from the tensor written into as it was before the write."""
+
+    class Rounded(nn.Module):
+        def __init__(self, in_place: bool) -> None:
+            super().__init__()
+            self.lin0, self.lin1, self.in_place = nn.Linear(4, 6), nn.Linear(6, 3), in_place
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin0(x)
+            if self.in_place:
+                z = (torch.round(h) - h).detach()
+                z += h
+            else:
+                z = h + (torch.round(h) - h).detach()
+            return self.lin1(z)
+
+    x = torch.randn(5, 4, dtype=F64)
+    for in_place in (False, True):
+        lrp = LRP(Rounded(in_place).to(F64), rule_mapper=EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+        with warnings.catch_warnings(record=True) as caught, lrp:
+            warnings.simplefilter("always")
+            lrp(TensorDict(x=x.clone(), batch_size=[5]))
+        assert any("straight-through estimator" in str(warning.message) for warning in caught), in_place
