@@ -53,12 +53,9 @@ WRITES_IN_PLACE = frozenset(
 _WHOLE_WRITES = frozenset({torch.Tensor.copy_, torch.Tensor.fill_, torch.Tensor.zero_})
 
 
-def _writes_every_element(func: Any, args: tuple) -> bool:
-    """Whether ``func(*args)`` replaces every element of ``args[0]``: ``copy_``, ``fill_``, ``zero_``, or an
-    assignment to the whole tensor (``t[...] = v``, ``t[:] = v``, ``t[:, :] = v``)."""
-    if func in _WHOLE_WRITES:
-        return True
-    if func is not torch.Tensor.__setitem__ or len(args) < 2:
+def _whole_key(args: tuple) -> bool:
+    """Whether the key of ``t[key] = v`` (``args[1]``) selects every element: ``...``, ``:``, ``:, :``."""
+    if len(args) < 2:
         return False
     keys = args[1] if isinstance(args[1], tuple) else (args[1],)
     return all(key is Ellipsis or (isinstance(key, slice) and key == slice(None)) for key in keys)
@@ -93,14 +90,34 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     target = args[0] if args else None
     if not isinstance(target, torch.Tensor):
         return func(*args, **kwargs)
+    # Each property read once: under another function mode, every read of one is a call of that mode.
+    base, requires_grad = target._base, target.requires_grad
+    marked = bool(getattr(target, PARAMETER_DERIVED, False))
+    if (
+        base is None
+        and requires_grad
+        and not marked
+        and func not in _WHOLE_WRITES
+        and func is not torch.Tensor.__setitem__
+    ):  # an activation written into in part (``relu_``, ``out += identity``): it stays one, nothing to mark
+        return func(*args, **kwargs)
     # The tensor written into and, for a view (``weight[:, 1:3].copy_(...)``), the tensor it views: constant before?
-    targets = [tensor for tensor in (target, target._base) if tensor is not None]
-    constant = [not tensor.requires_grad or bool(getattr(tensor, PARAMETER_DERIVED, False)) for tensor in targets]
+    targets, constant = [target], [not requires_grad or marked]
+    if base is not None:
+        targets.append(base)
+        constant.append(not base.requires_grad or bool(getattr(base, PARAMETER_DERIVED, False)))
     # Every element replaced: the tensor (and a base it views whole) is what is written, whatever it was before.
-    if not all(constant) and _writes_every_element(func, args):
+    # (The cheap tests first: most writes are an activation's, ``relu_``, ``out += identity``.)
+    if (func in _WHOLE_WRITES or (func is torch.Tensor.__setitem__ and _whole_key(args))) and not all(constant):
         constant = [was or tensor.numel() == target.numel() for tensor, was in zip(targets, constant, strict=True)]
     result = func(*args, **kwargs)
-    if any(constant):
+    # Those with autograd history now (a constant written into without gradient, in a rule's own work, has none).
+    judged = [
+        tensor
+        for tensor, was_constant in zip(targets, constant, strict=True)
+        if was_constant and tensor.requires_grad and not tensor.is_leaf
+    ]
+    if judged:
         written = [
             tensor
             for arg in (*args[1:], *kwargs.values())
@@ -108,7 +125,6 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
             if isinstance(tensor, torch.Tensor) and tensor is not target
         ]
         derived = not any(is_activation(tensor) for tensor in written)
-        for tensor, was_constant in zip(targets, constant, strict=True):
-            if was_constant and tensor.requires_grad and not tensor.is_leaf:
-                setattr(tensor, PARAMETER_DERIVED, derived)
+        for tensor in judged:
+            setattr(tensor, PARAMETER_DERIVED, derived)
     return result
