@@ -135,6 +135,8 @@ _ROUTER_NAMES = ("Router",)
 # Class names of routers that hold their projection and select by ``topk`` (JetMoE's ``TopKGating``, HunYuan's gate).
 _GATE_NAMES = ("Gate", "Gating")
 ELEMENTWISE_PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
+# A signal multiplied by a gate in place (``h.mul_(g)``, ``h *= g``): the gate is held, as in ``h * g``.
+_PRODUCTS_IN_PLACE = frozenset({torch.Tensor.mul_, torch.Tensor.__imul__})
 # The calls the gates' mode reads by position: products, gates, clips and bounds (see ``GateRules.__torch_function__``).
 _GATES_AND_CLIPS = ELEMENTWISE_PRODUCTS | GATE_FUNCTIONS | CLIPS | set(CLIPS_IN_PLACE) | BOUNDS | {F.glu}
 
@@ -303,8 +305,8 @@ _PASS_CLIPS = PassRule()
 
 
 class HeldGates(TorchFunctionMode):
-    """Hold gates constant in element-wise products and in gated linear units (``F.glu``, ``nn.GLU``) during a
-    forward pass; mark sigmoid outputs as gates; give
+    """Hold gates constant in element-wise products (in place too: ``h.mul_(g)``, ``h *= g``) and in gated linear
+    units (``F.glu``, ``nn.GLU``) during a forward pass; mark sigmoid outputs as gates; give
     clipping calls (``torch.clamp``, ``clip``, ``F.hardtanh``, ``F.relu6``, in place too, and ``torch.maximum``,
     ``minimum``, ``fmax``, ``fmin`` of an activation and a constant) the pass rule that
     ``nn.Hardtanh`` and ``nn.ReLU6`` modules get (see :mod:`~tdhook.attribution.rules._clips`).
@@ -339,6 +341,8 @@ class HeldGates(TorchFunctionMode):
         gradient (the coverage report names it)."""
         if func is F.glu:
             return bool(args) and is_activation(args[0])
+        if func in _PRODUCTS_IN_PLACE:
+            return held_factors(args) == [False, True]
         return func in ELEMENTWISE_PRODUCTS and held_factors(args) is not None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -352,6 +356,12 @@ class HeldGates(TorchFunctionMode):
                 self.held = True
                 return held
             return keep_gate_mark(func, args, mark_parameter_derived(args, func(*args, **kwargs), func), kwargs)
+        if func in _PRODUCTS_IN_PLACE and not kwargs and held_factors(args) == [False, True]:
+            # ``h.mul_(g)``, ``h *= g``: the signal written into by the gate held, as ``h * g`` holds it. (A gate
+            # written into by the signal, ``g.mul_(h)``, keeps its plain gradient: the coverage report names it.)
+            raise_for_checkpoint("gates held constant in products")
+            self.held = True
+            return func(args[0], hold(args[1]))
         if func is F.glu and args and is_activation(args[0]):  # a · sigmoid(b): its gate held as any other
             raise_for_transformed_call("gates held constant in products", args[:1])
             raise_for_checkpoint("gates held constant in products")
