@@ -27,7 +27,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from tensordict.utils import NestedKey
@@ -75,7 +75,6 @@ class TokenInputs:
         self._derived: list[tuple[int, str, str]] = []  # lookups of ids computed from a key: key, module, class
         self._tables: list[tuple[int, torch.Tensor]] = []  # weights indexed by the ids (an embedding's own included)
         self._modules: Mapping[str, nn.Module] = {}
-        self._clean: set = set()  # signatures of this context's calls that looked up no such ids
 
     @property
     def feeding(self) -> bool:
@@ -124,7 +123,6 @@ class TokenInputs:
             The hooks' handles.
         """
         handles = []
-        self._clean = set()  # a new context: its model may have changed
         self._modules = modules
         for name, module in modules.items():
             if isinstance(module, nn.Embedding):
@@ -177,18 +175,18 @@ class TokenInputs:
                 "or explain the embeddings (inputs_embeds and decoder_inputs_embeds)"
             )
 
-    def tracking(self, signature: Hashable | None = None) -> contextlib.AbstractContextManager:
+    def tracking(self) -> contextlib.AbstractContextManager:
         """A context, for the model's call, that marks the integer tensors computed from the fed token ids by the
         operations that carry token values on (indexing, copies, concatenation, shifts, in-place writes): an
-        embedding that looks them up is refused by name, as its relevance could not reach the tokens.
+        embedding that looks them up is refused by name, as its relevance could not reach the tokens. It also notes
+        each weight the ids index, so that a lookup beside the embedding is refused.
 
-        Args:
-            signature: what the call's inputs are (their keys, types and shapes). A call of a context whose
-                signature an earlier call of the context ran with, and looked up no such ids, is not tracked
-                again: the model computes the same from inputs of the same kind.
+        Every call that feeds token ids is tracked, in a context too: a call whose inputs have the kinds and shapes
+        of an earlier one may still look up the ids elsewhere (the model changed between the calls, as an adapter
+        switched on with peft's ``disable_adapter()`` left, or it branches on the ids' values).
 
         Returns:
-            The context (a no-op where the call feeds no token ids, or its signature was found clean).
+            The context (a no-op where the call feeds no token ids).
 
         Examples:
             >>> tokens = TokenInputs(["input_ids"])
@@ -201,24 +199,9 @@ class TokenInputs:
             (0, None)
             >>> tokens.clear()
         """
-        if not self._ids or (signature is not None and signature in self._clean):
+        if not self._ids:
             return contextlib.nullcontext()
-        return self._tracked(signature)
-
-    @contextlib.contextmanager
-    def _tracked(self, signature: Hashable | None) -> Iterator[None]:
-        with _DerivedTokens(self._ids, self._tables):
-            yield
-        # The call ran, and no lookup of derived ids, nor of a weight's rows by the ids but an embedding's own lookup
-        # of ids it embeds, was found.
-        if signature is not None and not self._derived and self._only_embedded_lookups():
-            self._clean.add(signature)
-
-    def _only_embedded_lookups(self) -> bool:
-        """Whether every lookup of a weight's rows by the ids was an embedding's own, of an input it embedded: the
-        lookups that neither :meth:`_raise_for_lookups_beside` nor :meth:`_raise_for_tables` refuses."""
-        leaves = self._leaves
-        return all(self._looked_up_by_its_embedding(index, table, leaves) for index, table in self._tables)
+        return _DerivedTokens(self._ids, self._tables)
 
     def _looked_up_by_its_embedding(self, index: int, table: torch.Tensor, leaves: list[torch.Tensor | None]) -> bool:
         """Whether ``table``, indexed by the ids of input ``index``, is the table of the embedding that embedded the
