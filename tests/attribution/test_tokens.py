@@ -573,6 +573,30 @@ def test_a_peft_adapter_on_the_embedding_enabled_after_a_call_without_it_is_refu
             lrp(TensorDict(tokens=tokens, batch_size=[4]))
 
 
+class OwnTableBeside(nn.Module):
+    """Token ids embedded by an ``nn.Embedding``, and the same embedding's weight indexed by them again outside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.head = nn.Embedding(11, 6), nn.Linear(6, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(tokens).sum(1) + self.embedding.weight[tokens].pow(2).sum(1))
+
+
+def test_the_embeddings_own_weight_indexed_by_its_ids_outside_it_is_refused():
+    """The embedding's weight indexed by the ids in the model's forward, outside the embedding: a second lookup,
+    whose rows are held constant (its share of the relevance was lost without a word, as it was taken for the
+    embedding's own lookup). Refused, naming the weight; the lookups inside an embedding (its own, of a table scaled
+    or parametrized) stay its own (see the tests above)."""
+    torch.manual_seed(0)
+    net = OwnTableBeside().to(F64)
+    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
+    lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["tokens"], out_keys=["y"])
+    with pytest.raises(ValueError, match=r"embedded by 'embedding' and also indexes parameter 'embedding.weight'"):
+        lrp(TensorDict(tokens=tokens, batch_size=[4]))
+
+
 class SharedTable(nn.Module):
     """Token ids embedded by an ``nn.Embedding``, and a task id that indexes the same embedding's weight directly."""
 
