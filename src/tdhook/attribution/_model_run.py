@@ -206,13 +206,5 @@ def _plan_key(lrp: Any, rule_modes: list, work: TensorDictBase) -> tuple | None:
 
 
 def _call(lrp: Any, work: TensorDictBase) -> TensorDictBase | None:
-    signature = _inputs_signature(work) if lrp._tokens.feeding else None
-    with lrp._tokens.tracking(signature):  # token ids copied or shifted from explained ones, refused where embedded
+    with lrp._tokens.tracking():  # token ids copied or shifted from explained ones, refused where embedded
         return call_plain(lrp.module, work) if lrp._name_prefix else lrp.module(work)
-
-
-def _inputs_signature(work: TensorDictBase) -> tuple:
-    """The keys, types and shapes of a call's inputs."""
-    return tuple(
-        (key, value.dtype, value.shape) for key, value in work.items(True, True) if isinstance(value, torch.Tensor)
-    )

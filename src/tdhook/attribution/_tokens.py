@@ -27,7 +27,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from tensordict.utils import NestedKey
@@ -73,9 +73,10 @@ class TokenInputs:
         self._leaves: list[torch.Tensor | None] = []
         self._fed: list[torch.Tensor | None] = []
         self._derived: list[tuple[int, str, str]] = []  # lookups of ids computed from a key: key, module, class
-        self._tables: list[tuple[int, torch.Tensor]] = []  # weights indexed by the ids (an embedding's own included)
+        # Weights indexed by the ids (an embedding's own included), with the embeddings whose forward was running.
+        self._tables: list[tuple[int, torch.Tensor, tuple[str, ...]]] = []
+        self._inside: list[str] = []  # the embeddings whose forward is running, by name
         self._modules: Mapping[str, nn.Module] = {}
-        self._clean: set = set()  # signatures of this context's calls that looked up no such ids
 
     @property
     def feeding(self) -> bool:
@@ -85,7 +86,7 @@ class TokenInputs:
     def clear(self) -> None:
         """Forget the tokens of the last call."""
         self._ids = {}
-        self._leaves, self._fed, self._derived, self._tables = [], [], [], []
+        self._leaves, self._fed, self._derived, self._tables, self._inside = [], [], [], [], []
 
     def feed(
         self,
@@ -124,13 +125,15 @@ class TokenInputs:
             The hooks' handles.
         """
         handles = []
-        self._clean = set()  # a new context: its model may have changed
         self._modules = modules
         for name, module in modules.items():
             if isinstance(module, nn.Embedding):
                 handles.append(module.register_forward_hook(self.embedding_hook(name), prepend=True, with_kwargs=True))
             elif isinstance(module, nn.EmbeddingBag):
                 handles.append(module.register_forward_hook(self.bag_hook(name), prepend=True, with_kwargs=True))
+            else:
+                continue
+            handles.append(module.register_forward_pre_hook(self._entering(name), prepend=True))
         return handles
 
     def _reader_of(self, module: nn.Module, args: tuple, output: torch.Tensor, name: str) -> int | None:
@@ -177,18 +180,18 @@ class TokenInputs:
                 "or explain the embeddings (inputs_embeds and decoder_inputs_embeds)"
             )
 
-    def tracking(self, signature: Hashable | None = None) -> contextlib.AbstractContextManager:
+    def tracking(self) -> contextlib.AbstractContextManager:
         """A context, for the model's call, that marks the integer tensors computed from the fed token ids by the
         operations that carry token values on (indexing, copies, concatenation, shifts, in-place writes): an
-        embedding that looks them up is refused by name, as its relevance could not reach the tokens.
+        embedding that looks them up is refused by name, as its relevance could not reach the tokens. It also notes
+        each weight the ids index, so that a lookup beside the embedding is refused.
 
-        Args:
-            signature: what the call's inputs are (their keys, types and shapes). A call of a context whose
-                signature an earlier call of the context ran with, and looked up no such ids, is not tracked
-                again: the model computes the same from inputs of the same kind.
+        Every call that feeds token ids is tracked, in a context too: a call whose inputs have the kinds and shapes
+        of an earlier one may still look up the ids elsewhere (the model changed between the calls, as an adapter
+        switched on with peft's ``disable_adapter()`` left, or it branches on the ids' values).
 
         Returns:
-            The context (a no-op where the call feeds no token ids, or its signature was found clean).
+            The context (a no-op where the call feeds no token ids).
 
         Examples:
             >>> tokens = TokenInputs(["input_ids"])
@@ -201,33 +204,39 @@ class TokenInputs:
             (0, None)
             >>> tokens.clear()
         """
-        if not self._ids or (signature is not None and signature in self._clean):
+        if not self._ids:
             return contextlib.nullcontext()
-        return self._tracked(signature)
+        return _DerivedTokens(self._ids, self._tables, self._inside)
 
-    @contextlib.contextmanager
-    def _tracked(self, signature: Hashable | None) -> Iterator[None]:
-        with _DerivedTokens(self._ids, self._tables):
-            yield
-        # The call ran, and no lookup of derived ids, nor of a weight's rows by the ids but an embedding's own lookup
-        # of ids it embeds, was found.
-        if signature is not None and not self._derived and self._only_embedded_lookups():
-            self._clean.add(signature)
+    def _entering(self, name: str) -> Callable[[nn.Module, tuple], None]:
+        """A forward pre-hook for embedding ``name``: its forward runs (its hook, :meth:`_left`, ends it), and a lookup
+        of its own table by the ids in the meantime is its own."""
 
-    def _only_embedded_lookups(self) -> bool:
-        """Whether every lookup of a weight's rows by the ids was an embedding's own, of an input it embedded: the
-        lookups that neither :meth:`_raise_for_lookups_beside` nor :meth:`_raise_for_tables` refuses."""
-        leaves = self._leaves
-        return all(self._looked_up_by_its_embedding(index, table, leaves) for index, table in self._tables)
+        def pre_hook(module: nn.Module, args: tuple) -> None:
+            self._inside.append(name)
 
-    def _looked_up_by_its_embedding(self, index: int, table: torch.Tensor, leaves: list[torch.Tensor | None]) -> bool:
-        """Whether ``table``, indexed by the ids of input ``index``, is the table of the embedding that embedded the
-        input (its weight, a view of it or a tensor computed from it): that embedding's own lookup. Another
-        embedding's weight indexed directly (``self.other.weight[ids]``) is a lookup beside it."""
+        return pre_hook
+
+    def _left(self, name: str) -> None:
+        """The forward of embedding ``name`` (its last run) ended."""
+        for position in range(len(self._inside) - 1, -1, -1):
+            if self._inside[position] == name:
+                del self._inside[position]
+                return
+
+    def _looked_up_by_its_embedding(
+        self, index: int, table: torch.Tensor, inside: tuple[str, ...], leaves: list[torch.Tensor | None]
+    ) -> bool:
+        """Whether ``table``, indexed by the ids of input ``index`` while the embeddings ``inside`` ran their forward,
+        is the table of the embedding that embedded the input (its weight, a view of it or a tensor computed from it),
+        looked up inside that embedding: its own lookup. Another embedding's weight indexed directly
+        (``self.other.weight[ids]``), or the embedding's own weight indexed outside it, is a lookup beside it."""
         leaf = leaves[index] if index < len(leaves) else None
         if leaf is None:
             return False
         name = leaf._tdhook_embedding_of
+        if name not in inside:
+            return False
         own = {
             id(weight)
             for module_name, module in self._modules.items()
@@ -248,7 +257,7 @@ class TokenInputs:
             it returns a copy of the detached output, whose leaf is recorded.
         """
 
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
+        def embedded(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
             i = self._reader_of(module, _with_input(args, kwargs), output, name)
             if i is None:
                 return None
@@ -260,6 +269,12 @@ class TokenInputs:
             leaf._tdhook_embedding_of = name
             self._leaves[i], self._fed[i] = leaf, fed
             return fed
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
+            try:
+                return embedded(module, args, kwargs, output)
+            finally:
+                self._left(name)
 
         return hook
 
@@ -278,7 +293,7 @@ class TokenInputs:
             The hook, for ``register_forward_hook(..., prepend=True, with_kwargs=True)``.
         """
 
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
+        def bag(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
             args = _with_input(args, kwargs)
             i = self._reader_of(module, args, output, name)
             if i is None:
@@ -294,6 +309,12 @@ class TokenInputs:
             leaf._tdhook_embedding_of = name
             self._leaves[i], self._fed[i] = leaf, rows
             return bag_of_rows(module, ids, rows, offsets, None if weights is None else weights.detach())
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
+            try:  # the rows it reads here, from its own weight, are its own lookup
+                return bag(module, args, kwargs, output)
+            finally:
+                self._left(name)
 
         return hook
 
@@ -352,9 +373,9 @@ class TokenInputs:
         (``F.embedding(ids, self.lora_A.T)``, ``self.table[ids]``): the relevance of that lookup would be lost, as its
         rows are held constant, while the tokens' relevance is taken from the embedding alone (a low-rank adapter on
         the embedding, peft's LoRA, adds such a lookup to the embedding's)."""
-        for index, table in self._tables:
+        for index, table, inside in self._tables:
             leaf = leaves[index] if index < len(leaves) else None
-            if leaf is None or self._looked_up_by_its_embedding(index, table, leaves):
+            if leaf is None or self._looked_up_by_its_embedding(index, table, inside, leaves):
                 continue
             raise ValueError(
                 f"LRP: input key {self.keys[index]!r} is embedded by {leaf._tdhook_embedding_of!r} and also indexes "
@@ -377,7 +398,7 @@ class TokenInputs:
         """Refuse an input left out of the explanation (no embedding read it) whose ids index a parameter directly
         (``self.table[task]``): an embedding lookup in all but name, whose key the wrapper lists among its relevance
         keys and would not write."""
-        for index, table in self._tables:
+        for index, table, _ in self._tables:
             if leaves[index] is not None:
                 continue
             what = self._table_name(table)
@@ -425,10 +446,17 @@ _WRITING = {"__setitem__": 2, "copy_": 1, "index_copy_": 3, "scatter_": 3, "mask
 class _DerivedTokens(TorchFunctionMode):
     """Marks the integer tensors that carry the values of fed token ids (see :meth:`TokenInputs.tracking`)."""
 
-    def __init__(self, ids: Mapping[int, torch.Tensor], tables: list[tuple[int, torch.Tensor]]) -> None:
+    def __init__(
+        self,
+        ids: Mapping[int, torch.Tensor],
+        tables: list[tuple[int, torch.Tensor, tuple[str, ...]]],
+        inside: list[str] | None = None,
+    ) -> None:
         super().__init__()
         self._fed = {id(tokens): index for index, tokens in ids.items()}
-        self._tables = tables  # (input, parameter) of each parameter indexed by the ids (or ids carried on)
+        # (input, parameter, embeddings running) of each parameter indexed by the ids (or ids carried on)
+        self._tables = tables
+        self._inside = [] if inside is None else inside
 
     def _source(self, values: Iterator[object]) -> int | None:
         for value in values:
@@ -454,7 +482,7 @@ class _DerivedTokens(TorchFunctionMode):
                 index = self._source(iter(a for i, a in enumerate(args) if i != position))
             # Whether the table is a weight is asked only of lookups by the ids: it may walk the table's history.
             if index is not None and _is_weight_table(args[position]):
-                self._tables.append((index, args[position]))
+                self._tables.append((index, args[position], tuple(self._inside)))
         if name not in _WRITING and name not in _CARRYING:
             return out
         with torch._C.DisableTorchFunction():  # looking at tensors is no call of the model: out of the modes' sight

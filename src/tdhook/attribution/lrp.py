@@ -324,7 +324,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             # A norm's own backward runs where its rule is not a norm rule (IgnoreRule, EpsilonRule) or it has none:
             # PyTorch's CPU batch_norm backward needs the gradient laid out as the norm's output.
             normed = {id(modules[name]) for name, rule in rules.items() if isinstance(rule, NormRule)}
-            self._hooks += norm_gradient_hooks(modules.values(), normed)
+            norm_gradient_hooks(modules.values(), normed, self._hooks)  # listed as made
             self._marks_read = read
             if self.relevance_check is not None:
                 self._hooks += add_check_hooks(handles, modules, self.relevance_check, self._layers)

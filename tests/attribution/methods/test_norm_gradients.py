@@ -159,3 +159,17 @@ def test_gradient_laid_out_unlike_the_output_reaches_the_norm_as_the_output():
     (gx,) = torch.autograd.grad(out, x, grad)
     scale = (norm.weight / torch.sqrt(norm.running_var + norm.eps)).view(1, 3, 1, 1, 1)
     torch.testing.assert_close(gx, grad * scale, rtol=1e-12, atol=1e-14)
+
+
+def test_an_interrupt_while_the_hooks_are_put_leaves_none_on_the_model(monkeypatch):
+    """An interrupt as the second norm takes its hook: the first norm's hook is removed all the same (it was left on
+    the model, laying out every later gradient that reaches it)."""
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.Linear(3, 3), nn.BatchNorm1d(3))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model[2], "register_forward_hook", interrupted)
+    with pytest.raises(KeyboardInterrupt), norm_gradients_laid_out(model):
+        pass
+    assert not model[0]._forward_hooks

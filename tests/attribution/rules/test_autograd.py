@@ -213,13 +213,15 @@ class TestParameterDerivedThroughTemplates:
 
 
 class TestParameterDerivedThroughBroadcasts:
-    """``torch.broadcast_tensors(h, w)`` (and ``torch.atleast_2d(h, w)``) of an activation and a parameter returns
-    each made of its own argument: the parameter broadcast is still a parameter, and ``h * w`` a linear map of
-    ``h``. Before, the activation among the arguments made both activations: AttnLRP and CP-LRP split the product
-    uniformly, and half of the logit was lost, with no warning."""
+    """``torch.broadcast_tensors(h, w)`` (and ``torch.atleast_2d(h, w)``, or of the tuple or list ``(h, w)``) of an
+    activation and a parameter returns each made of its own argument: the parameter broadcast is still a parameter,
+    and ``h * w`` a linear map of ``h``. Before, the activation among the arguments made both activations: AttnLRP
+    and CP-LRP split the product uniformly, and half of the logit was lost, with no warning."""
 
     @pytest.mark.parametrize("preset", ["AttnLRP", "CPLRP"])
-    @pytest.mark.parametrize("how", ["broadcast_tensors", "atleast_2d"])
+    @pytest.mark.parametrize(
+        "how", ["broadcast_tensors", "atleast_2d", "atleast_2d of a tuple", "atleast_3d of a list"]
+    )
     def test_a_product_with_a_broadcast_parameter_is_gradient_times_input(self, how: str, preset: str):
         from tensordict import TensorDict
 
@@ -235,8 +237,12 @@ class TestParameterDerivedThroughBroadcasts:
                 h = self.encoder(x)
                 if how == "broadcast_tensors":
                     h, w = torch.broadcast_tensors(h, self.w)
-                else:
+                elif how == "atleast_2d":
                     h, w = torch.atleast_2d(h, self.w)
+                elif how == "atleast_2d of a tuple":
+                    h, w = torch.atleast_2d((h, self.w))
+                else:
+                    h, w = torch.atleast_3d([h, self.w])
                 return (h * w).sum(-1, keepdim=True)
 
         torch.manual_seed(0)

@@ -530,9 +530,14 @@ def mark_parameter_derived(args: tuple, result: Any, func: Any = None) -> Any:
         >>> pieces = mark_parameter_derived((x, gamma), torch.broadcast_tensors(x, gamma), torch.broadcast_tensors)
         >>> [is_activation(piece) for piece in pieces]
         [True, False]
+        >>> pieces = mark_parameter_derived(([x, gamma],), torch.atleast_2d([x, gamma]), torch.atleast_2d)
+        >>> [is_activation(piece) for piece in pieces]
+        [True, False]
     """
     if func in TEMPLATED:
         args = args[:1]
+    if func in PER_ARGUMENT and len(args) == 1 and isinstance(args[0], (tuple, list)):
+        args = tuple(args[0])  # ``torch.atleast_2d((h, w))``: the tensors of one sequence
     if func in PER_ARGUMENT and isinstance(result, (tuple, list)) and len(result) == len(args) > 1:
         for arg, piece in zip(args, result, strict=True):
             mark_parameter_derived((arg,), piece)

@@ -89,10 +89,13 @@ def output_gradient_laid_out(module: nn.Module, args: Any, output: Any) -> None:
         lay_out_gradient(output)
 
 
-def norm_gradient_hooks(modules: Iterable[nn.Module], skip: Collection[int] = ()) -> list[RemovableHandle]:
+def norm_gradient_hooks(
+    modules: Iterable[nn.Module], skip: Collection[int] = (), handles: list[RemovableHandle] | None = None
+) -> list[RemovableHandle]:
     """Put :func:`output_gradient_laid_out` on each BatchNorm and InstanceNorm among ``modules`` but those whose ids
     are in ``skip`` (once per module, and first among its forward hooks: it sees the output the norm's own forward
-    computed, before a rule replaces it); TorchScript modules, which take no hooks, are left as they are.
+    computed, before a rule replaces it); TorchScript modules, which take no hooks, are left as they are. Each
+    handle goes into ``handles`` (a new list by default) as it is made, so that an interrupt leaves none unlisted.
 
     Examples:
         >>> net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 1), torch.nn.BatchNorm2d(2))
@@ -104,7 +107,7 @@ def norm_gradient_hooks(modules: Iterable[nn.Module], skip: Collection[int] = ()
         >>> norm_gradient_hooks(net.modules(), skip={id(net[1])})
         []
     """
-    handles: list[RemovableHandle] = []
+    handles = [] if handles is None else handles
     hooked: set[int] = set()
     for module in modules:
         if isinstance(module, BATCH_NORM_KERNEL_USERS) and id(module) not in skip and id(module) not in hooked:
