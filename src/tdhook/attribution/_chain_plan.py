@@ -394,6 +394,7 @@ def planned_call(lrp: Any, explained: list[bool], work: TensorDictBase) -> Plann
         return None
     if (
         lrp._coverage.watching
+        or lrp._norm_calls.found is not False  # F.batch_norm and the like called as functions: laid out in a mode
         or lrp._rule_use.watches(lrp._handles)
         or lrp._function_gates.may_hold(lrp.rule_mapper)  # a gate the model computes with functions, held
         or callable(lrp.target)

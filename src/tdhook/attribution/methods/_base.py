@@ -58,6 +58,7 @@ from tdhook.attribution.methods._call_keys import keys_explained_in_call, narrow
 from tdhook.attribution.methods._cross_sample_outputs import scored_across_copies
 from tdhook.attribution.methods._global_rng import global_rng_kept
 from tdhook.attribution.methods._norm_gradients import norm_gradients_laid_out
+from tdhook.attribution.rules._norm_function_layout import NormFunctionCalls
 from tdhook.attribution.methods._options import MISSING
 from tdhook.attribution.methods._random_draws import RandomDraws, random_states
 from tdhook.attribution.methods._sampled_targets import sampled_target
@@ -230,6 +231,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         self._warned = False
         self._warned_sampled = False
         self._draws = RandomDraws()  # shared by the narrowed copies of a call
+        self._norm_calls = NormFunctionCalls()  # whether the model calls F.batch_norm and the like (first call)
 
     # ------------------------------------------------------------------ call
 
@@ -281,7 +283,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             # A model's own backward may write the parameters' .grad (Reformer's reversible layers): put back.
             kept = KeptGrads(self.module).kept(None) if self._needs_gradients else _NOTHING
             # PyTorch's CPU BatchNorm backward misreads a gradient laid out unlike the norm's output: laid out again.
-            laid_out = norm_gradients_laid_out(self.module) if self._needs_gradients else _NOTHING
+            laid_out = norm_gradients_laid_out(self.module, self._norm_calls) if self._needs_gradients else _NOTHING
             with meta_tensors_refused(self.module), self._model_context(), kept, laid_out:
                 # Under the caller's no_grad, the outputs written are the plain call's (LSTM, transformer kernels).
                 with caller_values_in(self.named_explained_modules()) if self._no_grad_values() else _NOTHING:
