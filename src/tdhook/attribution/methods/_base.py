@@ -58,7 +58,6 @@ from tdhook.attribution.methods._call_keys import keys_explained_in_call, narrow
 from tdhook.attribution.methods._cross_sample_outputs import scored_across_copies
 from tdhook.attribution.methods._global_rng import global_rng_kept
 from tdhook.attribution.methods._norm_gradients import norm_gradients_laid_out
-from tdhook.attribution.rules._norm_function_layout import NormFunctionCalls
 from tdhook.attribution.methods._options import MISSING
 from tdhook.attribution.methods._random_draws import RandomDraws, random_states
 from tdhook.attribution.methods._sampled_targets import sampled_target
@@ -66,6 +65,7 @@ from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurre
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._dropout_calls import dropout_watch
 from tdhook.attribution.rules._meta_tensors import meta_tensors_refused
+from tdhook.attribution.rules._norm_function_layout import NormFunctionCalls
 from tdhook.attribution.targets import (
     EveryUnit,
     Target,
