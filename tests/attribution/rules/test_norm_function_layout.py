@@ -23,9 +23,11 @@ from tdhook.attribution import (
     LRP,
     AttnLRP,
     EpsilonPlus,
+    GradCAM,
     InputXGradient,
     IntegratedGradients,
     Saliency,
+    SmoothGrad,
     _model_run,
 )
 from tdhook.attribution.mappers.base import BaseRuleMapper
@@ -178,6 +180,8 @@ def test_saliency_is_the_finite_difference_gradient(kind, head):
 METHODS = {
     "InputXGradient": lambda m: InputXGradient(m, in_keys=["x"], out_keys=["y"], target=UNIT),
     "IntegratedGradients": lambda m: IntegratedGradients(m, in_keys=["x"], out_keys=["y"], target=UNIT, n_steps=5),
+    "SmoothGrad": lambda m: SmoothGrad(m, in_keys=["x"], out_keys=["y"], target=UNIT, n_samples=3, seed=0),
+    "GradCAM": lambda m: GradCAM(m, layer="conv", in_keys=["x"], out_keys=["y"], target=UNIT, relu=False),
 }
 
 
@@ -186,10 +190,13 @@ METHODS = {
 def test_methods_match_the_norm_written_out(kind, name):
     model, twin = models(kind, "transpose" if "batch" in kind or "subclass" in kind else "permute")
     ours, theirs = METHODS[name](model), METHODS[name](twin)
+    key = "conv" if name == "GradCAM" else "x"
+    expected = []
     for seed in range(2):
         x = torch.randn(2, 2, 5, 2, dtype=F64, generator=torch.Generator().manual_seed(seed))
-        expected = theirs(td(x))["attribution", "x"]
-        torch.testing.assert_close(ours(td(x))["attribution", "x"], expected, rtol=1e-9, atol=1e-12)
+        expected.append(theirs(td(x))["attribution", key])
+        torch.testing.assert_close(ours(td(x))["attribution", key], expected[-1], rtol=1e-9, atol=1e-12)
+    assert max(e.abs().max() for e in expected) > 1e-3
 
 
 @pytest.mark.parametrize("head", HEADS)
