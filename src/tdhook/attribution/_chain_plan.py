@@ -383,10 +383,12 @@ def _calls_its_module(wrapper: TensorDictModule) -> bool:
 def planned_call(lrp: Any, explained: list[bool], work: TensorDictBase) -> PlannedCall | None:
     """The planned run of this call of ``lrp`` on ``work``, or ``None`` where it takes the hooks and autograd:
     outside a context or inside ``inactive()``, ``create_graph`` (switched on in the context), the first call of a
-    context (it watches the rules and the functions the model calls), a model computing gates with functions
-    (held), a callable or ``"all"`` target, ``split_dim``, an input missing or not floating-point, a hook added
-    since the context was entered, or a model that runs other code than when the plan was made (see
-    :meth:`ChainPlan.applies`; another chain, call step or ``method`` in the wrapped ``TensorDictModule``)."""
+    context (it watches the rules and the functions the model calls), a model calling ``F.batch_norm`` or the like
+    as a function (its gradient laid out in a mode; not known before the wrapper's first call), a model computing
+    gates with functions (held), a callable or ``"all"`` target, ``split_dim``, an input missing or not
+    floating-point, a hook added since the context was entered, or a model that runs other code than when the plan
+    was made (see :meth:`ChainPlan.applies`; another chain, call step or ``method`` in the wrapped
+    ``TensorDictModule``)."""
     plan = lrp._plan
     if plan is None or lrp._handles is None or lrp._inactive or not all(explained) or lrp.split_dim is not None:
         return None
@@ -394,6 +396,7 @@ def planned_call(lrp: Any, explained: list[bool], work: TensorDictBase) -> Plann
         return None
     if (
         lrp._coverage.watching
+        or lrp._norm_calls.found is not False  # F.batch_norm and the like called as functions: laid out in a mode
         or lrp._rule_use.watches(lrp._handles)
         or lrp._function_gates.may_hold(lrp.rule_mapper)  # a gate the model computes with functions, held
         or callable(lrp.target)

@@ -32,6 +32,7 @@ from tdhook.attribution._rerun_state import ModelBuffers
 from tdhook.attribution._rule_use import RuleUse
 from tdhook.attribution._writes import has_lazy_stack
 from tdhook.attribution.rules._graph_calls import KeptOutputs, graph_call
+from tdhook.attribution.rules._norm_function_layout import NormFunctionLayouts
 from tdhook.attribution.rules._scopes import closing_scopes
 from tdhook.attribution.rules.functional import FunctionalRules
 
@@ -76,7 +77,7 @@ def run_model(
             quiet = lrp._function_rule_plan.quiet.running(plan.quiet, plan.noting)
             with closing_scopes(), graph_call(plain=plan.plain, outputs=norm_outputs, kept=kept), quiet:
                 with caches.watching():
-                    result = _call(lrp, work)
+                    result = _call(lrp, work) if lrp._norm_calls.found is False else _laid_out_call(lrp, work)
             activations = lrp._function_rule_plan.quiet.taken_outputs()  # their rule's factor takes them
             if plan.apply(
                 work if result is None else result, start, sequence_number(), norm_outputs, kept, activations
@@ -98,8 +99,10 @@ def run_model(
             caches = KeptCaches(cache_receivers_of(lrp))
     if not (rule_modes or lrp._compiled or lrp._coverage.watching or watch is not RuleUse.NOTHING):
         with closing_scopes():  # nothing to enter but the scopes (every call of a context after its first, mostly)
-            return _call(lrp, work), None
+            return (_call(lrp, work) if lrp._norm_calls.found is False else _laid_out_call(lrp, work)), None
     with contextlib.ExitStack() as modes:
+        if lrp._norm_calls.found is not False:  # first, under every other mode: it sees the calls as the model makes
+            modes.enter_context(NormFunctionLayouts(lrp._norm_calls))
         modes.enter_context(watch)
         for mode in rule_modes:
             modes.enter_context(mode)
@@ -208,3 +211,10 @@ def _plan_key(lrp: Any, rule_modes: list, work: TensorDictBase) -> tuple | None:
 def _call(lrp: Any, work: TensorDictBase) -> TensorDictBase | None:
     with lrp._tokens.tracking():  # token ids copied or shifted from explained ones, refused where embedded
         return call_plain(lrp.module, work) if lrp._name_prefix else lrp.module(work)
+
+
+def _laid_out_call(lrp: Any, work: TensorDictBase) -> TensorDictBase | None:
+    """:func:`_call` where the model may call ``F.batch_norm`` and the like as functions: their gradients laid out
+    (see :mod:`~tdhook.attribution.rules._norm_function_layout`)."""
+    with NormFunctionLayouts(lrp._norm_calls):
+        return _call(lrp, work)

@@ -66,6 +66,7 @@ from tdhook.attribution.mappers.aliases import module_aliases, user_rule
 from tdhook.attribution.mappers.base import RuleMapper
 from tdhook.attribution.mappers.given import as_rule_mapper, checked_rules
 from tdhook.attribution.methods._batch_statistics import BufferHolders, buffers_restored_on_error
+from tdhook.attribution.rules._norm_function_layout import NormFunctionCalls
 from tdhook.attribution.rules._norm_gradient_layout import norm_gradient_hooks
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.rules.normalization import NormRule
@@ -269,6 +270,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._compiled, self._rule_use, self._grads = False, RuleUse(), KeptGrads(module)  # .grad kept
         # The first call watches which nonlinear functions keep their plain gradient (see coverage()).
         self._coverage = CoverageRecorder()
+        self._norm_calls = NormFunctionCalls()  # whether the model calls F.batch_norm and the like (first call)
         self._function_gates, self._function_rule_plan = FunctionGates(), FunctionRulePlan()  # found by calls
         self._call_enters = False  # whether the call in flight entered the context it leaves when it ends
         self.split_dim = split_dim

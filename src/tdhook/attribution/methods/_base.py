@@ -65,6 +65,7 @@ from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurre
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._dropout_calls import dropout_watch
 from tdhook.attribution.rules._meta_tensors import meta_tensors_refused
+from tdhook.attribution.rules._norm_function_layout import NormFunctionCalls
 from tdhook.attribution.targets import (
     EveryUnit,
     Target,
@@ -230,6 +231,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         self._warned = False
         self._warned_sampled = False
         self._draws = RandomDraws()  # shared by the narrowed copies of a call
+        self._norm_calls = NormFunctionCalls()  # whether the model calls F.batch_norm and the like (first call)
 
     # ------------------------------------------------------------------ call
 
@@ -281,7 +283,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             # A model's own backward may write the parameters' .grad (Reformer's reversible layers): put back.
             kept = KeptGrads(self.module).kept(None) if self._needs_gradients else _NOTHING
             # PyTorch's CPU BatchNorm backward misreads a gradient laid out unlike the norm's output: laid out again.
-            laid_out = norm_gradients_laid_out(self.module) if self._needs_gradients else _NOTHING
+            laid_out = norm_gradients_laid_out(self.module, self._norm_calls) if self._needs_gradients else _NOTHING
             with meta_tensors_refused(self.module), self._model_context(), kept, laid_out:
                 # Under the caller's no_grad, the outputs written are the plain call's (LSTM, transformer kernels).
                 with caller_values_in(self.named_explained_modules()) if self._no_grad_values() else _NOTHING:

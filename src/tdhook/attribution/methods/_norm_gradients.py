@@ -9,7 +9,10 @@ alike, with no error. The methods that differentiate the model would pass it on
 to their attributions. While :func:`norm_gradients_laid_out` is active, the
 gradient of every such module's output is copied into the output's own strides
 before the module's backward reads it (only where the strides differ); the
-hooks are gone on the way out.
+hooks are gone on the way out. Given a wrapper's :class:`NormFunctionCalls`, the gradient reaching
+``F.batch_norm``, ``F.instance_norm`` and the like called as functions is laid out as well: on the first call, which
+finds whether the model makes such calls outside the modules hooked, and on later calls where it does (see
+:mod:`~tdhook.attribution.rules._norm_function_layout`).
 
 Examples:
     >>> import torch
@@ -33,18 +36,21 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from tdhook.attribution.rules._norm_function_layout import NormFunctionCalls, NormFunctionLayouts
 from tdhook.attribution.rules._norm_gradient_layout import norm_gradient_hooks
 
 __all__ = ["norm_gradients_laid_out"]
 
 
 @contextlib.contextmanager
-def norm_gradients_laid_out(model: nn.Module) -> Iterator[None]:
+def norm_gradients_laid_out(model: nn.Module, calls: NormFunctionCalls | None = None) -> Iterator[None]:
     """Within the block, the gradient reaching every BatchNorm and InstanceNorm of ``model`` is laid out as its output.
 
     Args:
         model: the model whose modules are hooked (itself included); TorchScript modules, which take no hooks, are
             left as they are.
+        calls: what the wrapper knows of the model's norms called as functions: where it does not know yet, or knows
+            of some, the block runs in a :class:`NormFunctionLayouts` mode that lays out their gradient too.
 
     Examples:
         >>> import torch
@@ -58,7 +64,11 @@ def norm_gradients_laid_out(model: nn.Module) -> Iterator[None]:
     handles = []
     try:
         norm_gradient_hooks(model.modules(), handles=handles)  # listed as made: an interrupt leaves none
-        yield
+        if calls is None or calls.found is False:
+            yield
+        else:
+            with NormFunctionLayouts(calls):
+                yield
     finally:
         for handle in handles:
             handle.remove()

@@ -1,0 +1,307 @@
+"""Batch and instance norms called as functions, their ``[N, C, H, 1]`` output transposed or permuted before the head
+(float64, against central finite differences and the model with the norm written out element-wise).
+
+PyTorch's CPU ``batch_norm`` backward (``instance_norm`` calls it) misreads a gradient laid out unlike the norm's
+output; the hooks on BatchNorm and InstanceNorm modules lay it out, but ``F.batch_norm``, ``torch.batch_norm``,
+``F.instance_norm``, ``torch.instance_norm`` and the ATen operators called by the model itself took the faulty
+backward: LRP-0 and the gradient methods 1.0 to 3.5 off, with no warning. The group, layer and local response norms
+do not use that kernel and were right (checked here too).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict
+from torch import nn
+
+from tdhook.attribution import (
+    CPLRP,
+    LRP,
+    AttnLRP,
+    EpsilonPlus,
+    GradCAM,
+    InputXGradient,
+    IntegratedGradients,
+    Saliency,
+    SmoothGrad,
+    _model_run,
+)
+from tdhook.attribution.mappers.base import BaseRuleMapper
+from tdhook.attribution.methods import _norm_gradients
+from tdhook.attribution.rules._norm_function_layout import NormFunctionLayouts
+
+F64 = torch.float64
+EPS = 1e-5
+
+
+class BatchNormOwnForward(nn.BatchNorm2d):
+    """A BatchNorm subclass whose forward calls ``F.batch_norm`` on its input read channels-first from a
+    channels-last layout and gives the result back channels-last: its output is no call's output."""
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        z = z.permute(0, 3, 1, 2)
+        out = F.batch_norm(z, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        return out.permute(0, 2, 3, 1)
+
+
+class FunctionalNorm(nn.Module):
+    """Conv2d to ``[N, 3, 5, 1]``, a ReLU, a norm called as a function (``kind``) or written out element-wise
+    (``written_out``), then a Linear reads the channels last (``transpose``) or the rows first (``permute``)."""
+
+    def __init__(self, kind: str, head: str, written_out: bool = False) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, (1, 2))
+        self.lin = nn.Linear(3, 4)
+        self.weight = nn.Parameter(torch.rand(3) + 0.5)
+        self.bias = nn.Parameter(torch.rand(3) - 0.5)
+        self.register_buffer("mean", torch.rand(3) - 0.5)
+        self.register_buffer("var", torch.rand(3) + 0.5)
+        self.own = BatchNormOwnForward(3) if kind == "subclass forward" else None
+        self.kind, self.head, self.written_out = kind, head, written_out
+
+    def _statistics(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kind in ("F.instance_norm", "torch.instance_norm"):  # per sample and channel
+            return z.mean((2, 3), keepdim=True), z.var((2, 3), unbiased=False, keepdim=True)
+        if self.kind == "F.batch_norm training":  # per channel over the batch
+            return z.mean((0, 2, 3), keepdim=True), z.var((0, 2, 3), unbiased=False, keepdim=True)
+        return self.mean.view(1, -1, 1, 1), self.var.view(1, -1, 1, 1)
+
+    def norm(self, z: torch.Tensor) -> torch.Tensor:
+        w, b, m, v = self.weight, self.bias, self.mean, self.var
+        if self.written_out:
+            mean, var = self._statistics(z)
+            return (z - mean) / torch.sqrt(var + EPS) * w.view(1, -1, 1, 1) + b.view(1, -1, 1, 1)
+        if self.kind == "F.batch_norm":
+            return F.batch_norm(z, m, v, w, b, False, 0.0, EPS)
+        if self.kind == "F.batch_norm training":
+            return F.batch_norm(z, None, None, w, b, True, 0.0, EPS)
+        if self.kind == "torch.batch_norm":
+            return torch.batch_norm(z, w, b, m, v, False, 0.0, EPS, False)
+        if self.kind == "aten.native_batch_norm":
+            return torch.ops.aten.native_batch_norm(z, w, b, m, v, False, 0.0, EPS)[0]
+        if self.kind == "F.instance_norm":
+            return F.instance_norm(z, weight=w, bias=b, eps=EPS)
+        if self.kind == "F.instance_norm running":
+            return F.instance_norm(z, m, v, w, b, use_input_stats=False, eps=EPS)
+        if self.kind == "torch.instance_norm":
+            return torch.instance_norm(z, w, b, None, None, True, 0.0, EPS, False)
+        if self.kind == "torch.instance_norm running":
+            return torch.instance_norm(z, w, b, m, v, False, 0.0, EPS, False)
+        own = self.own
+        return own(z.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # "subclass forward"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.norm(self.conv(x).relu())  # [N, 3, 5, 1]
+        if self.head == "transpose":
+            return self.lin(z.transpose(1, 2).squeeze(-1)).flatten(1)
+        return self.lin(z.permute(2, 0, 1, 3).squeeze(-1)).transpose(0, 1).flatten(1)
+
+
+def models(kind: str, head: str) -> tuple[nn.Module, nn.Module]:
+    """The model and its twin with the norm written out (same parameters), in eval mode."""
+    torch.manual_seed(0)
+    model = FunctionalNorm(kind, head).to(F64).eval()
+    if model.own is not None:  # the subclass's statistics and affine map are the model's own
+        model.own.load_state_dict(
+            {
+                "weight": model.weight,
+                "bias": model.bias,
+                "running_mean": model.mean,
+                "running_var": model.var,
+                "num_batches_tracked": torch.tensor(0),
+            }
+        )
+        model.own.eps = EPS
+    twin = FunctionalNorm(kind, head, written_out=True).to(F64).eval()
+    twin.load_state_dict(model.state_dict(), strict=False)
+    return model, twin
+
+
+def finite_difference_gradient(model: nn.Module, x: torch.Tensor, unit: int, h: float = 1e-6) -> torch.Tensor:
+    grad = torch.zeros_like(x)
+    with torch.no_grad():
+        for i in range(x.numel()):
+            step = torch.zeros_like(x).view(-1)
+            step[i] = h
+            step = step.view_as(x)
+            grad.view(-1)[i] = (model(x + step)[:, unit].sum() - model(x - step)[:, unit].sum()) / (2 * h)
+    return grad
+
+
+KINDS = [
+    "F.batch_norm",
+    "F.batch_norm training",
+    "torch.batch_norm",
+    "aten.native_batch_norm",
+    "F.instance_norm",
+    "F.instance_norm running",
+    "torch.instance_norm",
+    "torch.instance_norm running",
+    "subclass forward",
+]
+# The norms that are affine maps (running statistics): every preset's rules are those of the model written out.
+AFFINE = [kind for kind in KINDS if "instance" not in kind or "running" in kind]
+AFFINE.remove("F.batch_norm training")
+HEADS = ["transpose", "permute"]
+UNIT = 1
+
+
+def td(x: torch.Tensor) -> TensorDict:
+    return TensorDict(x=x.clone(), batch_size=[x.shape[0]])
+
+
+def lrp_relevances(model: nn.Module, mapper, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The relevance of each input, in one context (the first call finds the calls, the later ones lay them out)."""
+    lrp = LRP(model, rule_mapper=mapper, in_keys=["x"], out_keys=["y"], target=UNIT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the norms the watch names (instance_norm, batch_norm in training mode)
+        with lrp:
+            return [lrp(td(x))["relevance", "x"] for x in xs]
+
+
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_saliency_is_the_finite_difference_gradient(kind, head):
+    model, twin = models(kind, head)
+    saliency = Saliency(model, in_keys=["x"], out_keys=["y"], target=UNIT, abs=False)
+    for seed in range(2):  # the first call, and a later one
+        x = torch.randn(2, 2, 5, 2, dtype=F64, generator=torch.Generator().manual_seed(seed))
+        expected = finite_difference_gradient(model, x, UNIT)
+        leaf = x.clone().requires_grad_(True)
+        (twin_grad,) = torch.autograd.grad(twin(leaf)[:, UNIT].sum(), leaf)
+        torch.testing.assert_close(twin_grad, expected, rtol=1e-6, atol=1e-8)  # the twin: the other tests' oracle
+        torch.testing.assert_close(saliency(td(x))["attribution", "x"], expected, rtol=1e-6, atol=1e-8)
+
+
+METHODS = {
+    "InputXGradient": lambda m: InputXGradient(m, in_keys=["x"], out_keys=["y"], target=UNIT),
+    "IntegratedGradients": lambda m: IntegratedGradients(m, in_keys=["x"], out_keys=["y"], target=UNIT, n_steps=5),
+    "SmoothGrad": lambda m: SmoothGrad(m, in_keys=["x"], out_keys=["y"], target=UNIT, n_samples=3, seed=0),
+    "GradCAM": lambda m: GradCAM(m, layer="conv", in_keys=["x"], out_keys=["y"], target=UNIT, relu=False),
+}
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("kind", KINDS)
+def test_methods_match_the_norm_written_out(kind, name):
+    model, twin = models(kind, "transpose" if "batch" in kind or "subclass" in kind else "permute")
+    ours, theirs = METHODS[name](model), METHODS[name](twin)
+    key = "conv" if name == "GradCAM" else "x"
+    expected = []
+    for seed in range(2):
+        x = torch.randn(2, 2, 5, 2, dtype=F64, generator=torch.Generator().manual_seed(seed))
+        expected.append(theirs(td(x))["attribution", key])
+        torch.testing.assert_close(ours(td(x))["attribution", key], expected[-1], rtol=1e-9, atol=1e-12)
+    assert max(e.abs().max() for e in expected) > 1e-3
+
+
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_lrp0_is_gradient_times_input(kind, head):
+    # Every module on its plain gradient (an instance norm's or a training batch norm's included, as the watch says).
+    model, _ = models(kind, head)
+    xs = [torch.randn(2, 2, 5, 2, dtype=F64, generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
+    relevances = lrp_relevances(model, BaseRuleMapper(stabilizer=0.0), xs)
+    for x, relevance in zip(xs, relevances, strict=True):
+        expected = x * finite_difference_gradient(model, x, UNIT)
+        torch.testing.assert_close(relevance, expected, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("preset", [EpsilonPlus, AttnLRP, CPLRP], ids=["EpsilonPlus", "AttnLRP", "CPLRP"])
+@pytest.mark.parametrize("kind", AFFINE)
+def test_presets_match_the_norm_written_out(kind, preset):
+    model, twin = models(kind, "transpose" if "batch" in kind or "subclass" in kind else "permute")
+    xs = [torch.randn(2, 2, 5, 2, dtype=F64, generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
+    expected = lrp_relevances(twin, preset(), xs)
+    assert max(theirs.abs().max() for theirs in expected) > 1e-3
+    # The BatchNorm subclass, and F.instance_norm in the function modes, get the norm rule: the ε-rule (ε = 1e-6) of
+    # their affine map, about 1e-5 off the plain gradient of the norm written out (the misread gradient was more than
+    # its own size off).
+    ruled = kind == "subclass forward" or (kind == "F.instance_norm running" and preset is not EpsilonPlus)
+    tolerance = {"rtol": 1e-4, "atol": 1e-8} if ruled else {"rtol": 1e-9, "atol": 1e-12}
+    for relevance, theirs in zip(lrp_relevances(model, preset(), xs), expected, strict=True):
+        torch.testing.assert_close(relevance, theirs, **tolerance)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda z, w, b: F.group_norm(z, 3, w, b),
+        lambda z, w, b: F.layer_norm(z, z.shape[1:]),
+        lambda z, w, b: F.local_response_norm(z, 2),
+    ],
+    ids=["F.group_norm", "F.layer_norm", "F.local_response_norm"],
+)
+@pytest.mark.parametrize("head", HEADS)
+def test_other_norms_called_as_functions_were_right(call, head):
+    # Their kernels read a gradient in any layout: Saliency is the finite-difference gradient (on main too).
+    class Other(FunctionalNorm):
+        def norm(self, z):
+            return call(z, self.weight, self.bias)
+
+    torch.manual_seed(0)
+    model = Other("F.batch_norm", head).to(F64).eval()
+    x = torch.randn(2, 2, 5, 2, dtype=F64)
+    saliency = Saliency(model, in_keys=["x"], out_keys=["y"], target=UNIT, abs=False)
+    expected = finite_difference_gradient(model, x, UNIT)
+    torch.testing.assert_close(saliency(td(x))["attribution", "x"], expected, rtol=1e-6, atol=1e-8)
+    assert saliency._norm_calls.found is False
+
+
+class ModuleNorms(nn.Module):
+    """A small CNN whose BatchNorm and InstanceNorm are modules (the hooks cover them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, (1, 2))
+        self.bn = nn.BatchNorm2d(3)
+        self.inorm = nn.InstanceNorm2d(3, affine=True)
+        self.lin = nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.inorm(self.bn(self.conv(x))).transpose(1, 2).squeeze(-1)).flatten(1)
+
+
+def counting(made: list):
+    """A stand-in for :class:`NormFunctionLayouts` that counts the modes made."""
+
+    def make(calls):
+        made.append(calls)
+        return NormFunctionLayouts(calls)
+
+    return make
+
+
+def test_a_model_without_norms_called_as_functions_runs_no_mode_after_its_first_call(monkeypatch):
+    made: list = []
+    monkeypatch.setattr(_model_run, "NormFunctionLayouts", counting(made))
+    monkeypatch.setattr(_norm_gradients, "NormFunctionLayouts", counting(made))
+    model = ModuleNorms().to(F64).eval()
+    x = torch.randn(3, 2, 5, 2, dtype=F64)
+    lrp = LRP(model, rule_mapper=BaseRuleMapper(stabilizer=0.0), in_keys=["x"], out_keys=["y"])
+    saliency = Saliency(model, in_keys=["x"], out_keys=["y"], target=UNIT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the instance norm the watch names
+        with lrp:
+            for _ in range(3):
+                lrp(td(x))
+    for _ in range(3):
+        saliency(td(x))
+    assert lrp._norm_calls.found is False and saliency._norm_calls.found is False
+    assert made == [lrp._norm_calls, saliency._norm_calls]  # the first calls' watches only
+
+
+def test_a_model_calling_them_runs_the_mode_on_every_call(monkeypatch):
+    made: list = []
+    monkeypatch.setattr(_model_run, "NormFunctionLayouts", counting(made))
+    model, _ = models("F.batch_norm", "transpose")
+    lrp = LRP(model, rule_mapper=EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        for _ in range(3):
+            lrp(td(torch.randn(2, 2, 5, 2, dtype=F64)))
+    assert lrp._norm_calls.found is True
+    assert len(made) == 3
