@@ -3,8 +3,8 @@
 A squeeze-excite block written ``h.mul_(g)`` or ``h *= g`` computes ``h * g``: the gate is held constant and the
 signal takes all of the product's relevance, as in the block written out of place. In place, the product kept its
 plain gradient (with a warning), which passes part of the relevance through the gate's own input (0.04-0.07 off,
-max abs, on relevance sums near 0.7 here). Oracles: the block written out of place, and the relevance of the held product in
-closed form (the signal's relevance is the product's: ``h * g * grad``).
+max abs, on relevance sums near 0.7 here). Oracles: the block written out of place, and the relevance of the held
+product in closed form (the signal's relevance is the product's: ``h * g * grad``).
 """
 
 from __future__ import annotations
