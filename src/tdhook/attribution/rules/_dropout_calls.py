@@ -31,8 +31,16 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._autograd import call_argument
+from tdhook.attribution.rules._caller import warn_at_caller
 
-__all__ = ["DROPOUTS", "DropoutCalls", "dropout_probability", "dropout_watch", "named_by_module"]
+__all__ = [
+    "DROPOUTS",
+    "DropoutCalls",
+    "dropout_probability",
+    "dropout_watch",
+    "named_by_module",
+    "warn_random_dropout",
+]
 
 # Dropout as a function: its keyword that says whether it drops, by function.
 DROPOUTS = {F.dropout: "training", F.dropout1d: "training", F.dropout2d: "training", F.dropout3d: "training"}
@@ -130,3 +138,20 @@ def named_by_module(p: float) -> bool:
             return draws_now(module) or any(draws_now(c) and drop_probability(c) == p for c in module.children())
         frame = frame.f_back
     return False
+
+
+def warn_random_dropout(p: float) -> None:
+    """Warn that a dropout call drops (``p > 0``): the explanation is random from call to call, as for a
+    ``Dropout`` module in training mode (under CP-LRP the dropped attention weights are held constant, but they
+    still differ from call to call). A call in the forward of a module the wrapper names when it draws (an
+    ``nn.MultiheadAttention``'s attention dropout) is left to that warning.
+
+    Examples:
+        >>> warn_random_dropout(0.0)  # no dropout: nothing to say
+    """
+    if p and not named_by_module(p):
+        warn_at_caller(
+            f"LRP: the forward pass calls dropout (p={p}) in training mode, outside any Dropout module (attention "
+            "dropout, mostly), so each forward pass drops other units and the explanation is random from call to "
+            "call; call .eval() on the model for a deterministic one"
+        )

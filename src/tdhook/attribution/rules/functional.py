@@ -15,29 +15,25 @@ opposed to parameters, buffers and constants.
 from __future__ import annotations
 
 import functools
-import math
 import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch.nn import Parameter
 from torch.overrides import TorchFunctionMode
 
+from tdhook.attribution.rules._attention_calls import attention, attention_in_graph, held_in_graph
 from tdhook.attribution.rules._autograd import (
     PARAMETER_DERIVED,
-    TEMPLATED,
     call_argument,
     first_input_is,
     hold,
     is_activation,
     mark_parameter_derived,
     raise_for_transformed_call,
-    redirect,
     scale_gradient,
 )
-from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._clips import (
     BOUNDS,
     CLIPS,
@@ -50,9 +46,10 @@ from tdhook.attribution.rules._clips import (
     clips_in_place,
 )
 from tdhook.attribution.rules._cosine_similarity import COSINE_SIMILARITY, cosine_as_products
-from tdhook.attribution.rules._dropout_calls import DROPOUTS, dropout_probability, named_by_module
+from tdhook.attribution.rules._dropout_calls import DROPOUTS, dropout_probability, warn_random_dropout
 from tdhook.attribution.rules._first_pass import first_pass
 from tdhook.attribution.rules._generated_linear import generated_linear, linear_as_product
+from tdhook.attribution.rules._held_following import follow_held
 from tdhook.attribution.rules._held_statistics import (
     DIVISIONS,
     NORM_CALLS,
@@ -69,6 +66,7 @@ from tdhook.attribution.rules._in_place_activations import (
     out_of_place,
 )
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_written_in_place
+from tdhook.attribution.rules._input_values import INPUT_VALUES, watch_values
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint, saved_tensors_hooked
@@ -117,57 +115,11 @@ _ACTIVATION_FUNCTIONS = frozenset(
 )
 
 
-# Attention weights of up to this many elements are held without a detach in a call that records its rules' places
-# (later calls then run without the mode); larger ones are detached, and every call runs in the mode: a plain call
-# computes their gradient and then drops it, which on one CPU thread costs what the mode saves at about 32k elements
-# (a Llama of 2 layers, 2 × 64 tokens, 4 heads) and more beyond.
-_LARGEST_GRAPH_HOLD = 2**14
-
 # Clipping calls on up to this many elements get their rule on their node in a recording call; larger ones keep the
 # mode's rule (and every call its mode): at a realistic size (an OLMo of hidden size 256, 4 layers, 4 × 128 tokens,
 # 131k elements in each clipped projection) AttnLRP took 1.20-1.24x a gradient pass with the rule on the nodes,
 # 1.12-1.17x in the mode (one CPU thread); at the tiny size (448 elements) 1.38-1.50x against 1.79-1.98x.
 _LARGEST_CLIP_ON_NODE = 2**14
-
-# Calls that hand a tensor's values to Python (a branch, an index): a forward that reads the explained inputs' values
-# may take another way on other inputs of the same shapes, with the same graph and other rules (a product of two
-# activations on one branch, of an activation and a constant on the other), so a recording call that sees one read
-# them makes no plan (see :mod:`tdhook.attribution._function_rule_plan`).
-_VALUE_READS = frozenset(
-    {torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
-    | {torch.Tensor.__complex__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__}
-    | {torch.equal, torch.Tensor.equal, torch.allclose, torch.Tensor.allclose, torch.is_nonzero}
-    | {torch.Tensor.is_nonzero}
-)
-# Marks a tensor without gradient computed from the explained inputs' values (``x.sum() > 0``), in a recording call.
-_INPUT_VALUES = "_tdhook_input_values"
-
-
-def _from_inputs(value: object) -> bool:
-    """Whether ``value`` is a tensor computed from the explained inputs: an activation, an input (a leaf with a
-    gradient that is no parameter), or a tensor marked as computed from them (without gradient, or from tensors
-    held without a detach: constants to the rules, but not in value)."""
-    if not isinstance(value, torch.Tensor):
-        return False
-    if value.requires_grad and (is_activation(value) or (value.is_leaf and not isinstance(value, Parameter))):
-        return True
-    return getattr(value, _INPUT_VALUES, False)
-
-
-def _watch_values(recording: Recording, func: Callable, args: tuple, result: object) -> None:
-    """In a recording call: tell ``recording`` where the forward reads the explained inputs' values into Python, and
-    mark the tensors without gradient computed from them, whose values it may read later."""
-    if func in _VALUE_READS:
-        if args and _from_inputs(args[0]):
-            recording.read_values()
-        return
-    # The tensors a call returns: one, or several (the indices of sort, topk and max over a dimension).
-    pieces = result if isinstance(result, (tuple, list)) else (result,)
-    constants = [piece for piece in pieces if isinstance(piece, torch.Tensor) and not piece.requires_grad]
-    if constants and any(_from_inputs(a) for a in args):
-        for piece in constants:
-            setattr(piece, _INPUT_VALUES, True)
-
 
 _BADDBMM = frozenset({torch.baddbmm, torch.Tensor.baddbmm})
 # What :meth:`FunctionalRules._other_rules` returns for a call none of them changes.
@@ -283,7 +235,7 @@ class FunctionalRules(TorchFunctionMode):
         if kwargs and func in _HANDLED:  # ``alibi.baddbmm(batch1=q, batch2=k)``, ``gelu(input=h)``: read by position
             args, kwargs = positional_factors(func, args, kwargs)
         if self.recording is not None and self.recording.follows:  # tensors held in the graph exist: follow them
-            return _follow_held(self, func, types, args, kwargs, self.recording)
+            return follow_held(self, func, types, args, kwargs, self.recording)
         # Most calls, and a maximum or minimum that clips no activation at a constant: run, and mark what the rules
         # read later (no rule of their own).
         if (
@@ -296,7 +248,7 @@ class FunctionalRules(TorchFunctionMode):
             else:
                 result = mark_parameter_derived(args, func(*args, **kwargs), func)
             if self.recording is not None:
-                _watch_values(self.recording, func, args, result)
+                watch_values(self.recording, func, args, result)
             return keep_gate_mark(func, args, result, kwargs) if func in GATE_PRESERVING else result
         what = "the transformer rules on products, softmax, attention, activations and norms"
         raise_for_checkpoint(what)
@@ -341,11 +293,11 @@ class FunctionalRules(TorchFunctionMode):
         if func in _SOFTMAX and args and is_activation(args[0]):
             dim = call_argument(args, kwargs, 1, "dim")
             output = func(*args, **kwargs)
-            if recording is not None and isinstance(self.softmax, AHQKVRule) and _held_in_graph(output):
+            if recording is not None and isinstance(self.softmax, AHQKVRule) and held_in_graph(output):
                 # Held whole without a detach (see _function_rule_plan): a constant to the rules, as a parameter is.
                 recording.held_output(output)
                 setattr(output, PARAMETER_DERIVED, True)
-                setattr(output, _INPUT_VALUES, True)  # a constant to the rules, but its values are the inputs'
+                setattr(output, INPUT_VALUES, True)  # a constant to the rules, but its values are the inputs'
                 return output
             ruled = self.softmax.apply(output, args[0], dim)
             if recording is not None and ruled is not output:  # but for ε = 0 (the plain gradient)
@@ -353,12 +305,12 @@ class FunctionalRules(TorchFunctionMode):
             return ruled
         if func in DROPOUTS:
             p = dropout_probability(func, args, kwargs)
-            _warn_random(p)
+            warn_random_dropout(p)
             if recording is not None and p:  # random: every later call runs in the mode, and warns
                 recording.other_rule()
             return mark_parameter_derived(args, func(*args, **kwargs), func)
         if func is F.scaled_dot_product_attention and recording is not None:
-            attended = self._attention_in_graph(args, kwargs, recording)
+            attended = attention_in_graph(self, args, kwargs, recording)
             if attended is not None:
                 return attended
         result = self._other_rules(func, args, kwargs, recording)
@@ -380,7 +332,7 @@ class FunctionalRules(TorchFunctionMode):
         if func in _BADDBMM and len(args) >= 3 and is_activation(args[1]) and is_activation(args[2]):
             return func(args[0], *uniform_product(args[1], args[2]), *args[3:], **kwargs)
         if func is F.scaled_dot_product_attention:
-            return self._attention(*args, **kwargs)
+            return attention(self, *args, **kwargs)
         if func in _ACTIVATION_FUNCTIONS and args and is_activation(args[0]):
             if calls_in_place(func, args, kwargs):  # the rule on a copy of the input: the call overwrites it
                 result, source = activation_in_place(func, args, kwargs, self.activation.apply, self.activation)
@@ -526,212 +478,6 @@ class FunctionalRules(TorchFunctionMode):
         held = held_gate_product(product, tuple(operands), {}, any_gate=self.hold_gates)
         return held if held is not None else scale_gradient(product(*operands), 0.5, in_place=True)
 
-    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
-        attention = F.scaled_dot_product_attention
-        _warn_random(dropout_p)
-        # A mask computed from activations (a position bias conditioned on the hidden states) is a summand of the
-        # scores, as the query-key product is: CP-LRP holds it, AttnLRP passes it the weights' share of the output.
-        mask_activation = is_activation(attn_mask)
-        if isinstance(self.softmax, AHQKVRule) and graph_kept() is None:
-            query, key = hold(query), hold(key)
-            if mask_activation:  # held; still asking for a gradient, so that torch picks the plain call's kernel
-                attn_mask = hold(attn_mask).requires_grad_()
-            return attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
-        if self.softmax.epsilon != 0 or graph_kept() is not None:  # the fused kernels have no second derivative
-            return self._unfused_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, **kwargs)
-        qk, _, v = _attention_factors(query, key, value, attn_mask)
-        query, key, value = scale_gradient(query, qk), scale_gradient(key, qk), scale_gradient(value, v)
-        attn_mask = scale_gradient(attn_mask, v) if mask_activation else attn_mask  # the weights' share, as v's
-        return attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
-
-    def _attention_in_graph(self, args: tuple, kwargs: dict, recording: Recording) -> torch.Tensor | None:
-        """A fused attention in a recording call, as a plain call computes it, with the rules' factors on the
-        gradients its node passes to the query, key and value (see :meth:`_attention`); ``None`` where the
-        call needs more (dropout, an ε or a kept graph: the unfused rules) or its node is not the fused call's."""
-        query, key, value = (call_argument(args, kwargs, i, name) for i, name in enumerate(("query", "key", "value")))
-        if is_activation(call_argument(args, kwargs, 3, "attn_mask")):
-            return None  # a mask computed from activations takes a rule too: the mode's (see _attention)
-        if isinstance(self.softmax, AHQKVRule) and (not value.requires_grad or id(value) in recording.held_alone):
-            # Held query and key, and values made of held tensors alone: a constant, as a detached call's output.
-            recording.other_rule()
-            output = self._attention(*args, **kwargs)
-            if output.requires_grad:
-                setattr(output, PARAMETER_DERIVED, True)
-                recording.made_of_held(output, alone=True)
-            return output
-        if call_argument(args, kwargs, 4, "dropout_p", 0.0) or graph_kept() is not None or self.softmax.epsilon:
-            return None
-        if isinstance(self.softmax, AHQKVRule):  # held weights: no gradient to the query and the key
-            weights = query.shape[:-1].numel() * key.shape[-2]
-            if weights > _LARGEST_GRAPH_HOLD:
-                return None
-            factors = (0.0, 0.0, None)
-        else:
-            factors = _attention_factors(query, key, value)
-        output = F.scaled_dot_product_attention(*args, **kwargs)
-        if recording.scaled_inputs(output, (query, key, value), factors, (0, 1, 2)):
-            return output
-        # Computed by several nodes (torch's math path: a mask that requires grad, as a learned position bias):
-        # the factors on the nodes that take the query, key and value.
-        places = _taking_nodes(output, (query, key, value), call_argument(args, kwargs, 3, "attn_mask"))
-        if places is None:
-            return None
-        scaled = [
-            (node, place, tensor, factor)
-            for (node, place), tensor, factor in zip(places, (query, key, value), factors, strict=True)
-        ]
-        return output if recording.scaled_at(scaled) else None
-
-    def _unfused_attention(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa=False):
-        if dropout_p:
-            raise ValueError("LRP: attention dropout must be off (call the model in eval mode)")
-        plain = None
-        if graph_kept() is None:  # the fused call's values, bit for bit; the unfused rules give the gradient
-            with torch.no_grad():
-                plain = F.scaled_dot_product_attention(
-                    query, key, value, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa
-                )
-        if enable_gqa and key.shape[-3] != query.shape[-3]:
-            repeats = query.shape[-3] // key.shape[-3]
-            key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
-        with self:
-            scores = query @ key.transpose(-2, -1) * (1 / math.sqrt(query.shape[-1]) if scale is None else scale)
-            length, source = query.shape[-2], key.shape[-2]
-            if is_causal:
-                keep = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
-                scores = scores.masked_fill(~keep, float("-inf"))
-            if attn_mask is not None:
-                if attn_mask.dtype == torch.bool:
-                    scores = scores.masked_fill(~attn_mask, float("-inf"))
-                else:
-                    scores = scores + attn_mask
-            # A query that sees no key (left padding) gets zeros, as from the fused kernels: its softmax is NaN.
-            unseen = torch.isneginf(scores.detach()).all(-1, keepdim=True)
-            out = torch.softmax(scores, dim=-1).masked_fill(unseen, 0.0) @ value
-        return out if plain is None or not out.requires_grad else redirect(plain, [out], lambda grad: [grad])
-
-
-# The most nodes a fused attention computed by several nodes may take (torch's math path takes about twenty).
-_MOST_ATTENTION_NODES = 64
-
-
-def _taking_nodes(output: torch.Tensor, inputs: tuple, mask: object) -> list[tuple[object, int]] | None:
-    """For each of ``inputs``, the one node of ``output``'s graph that takes it and its place there, walking from
-    ``output``'s node down to the inputs and ``mask``; ``None`` where an input is taken by none or by more than one
-    node, or where the walk goes past ``_MOST_ATTENTION_NODES`` nodes (not an attention computed from these alone).
-
-    Examples:
-        >>> q, k, v, bias = (torch.randn(1, 2, 3, 4, requires_grad=True) * 1 for _ in range(4))
-        >>> out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[..., :3])
-        >>> [type(node).__name__ for node, _ in _taking_nodes(out, (q, k, v), bias[..., :3])]
-        ['MulBackward1', 'TransposeBackward0', 'ExpandBackward0']
-    """
-    edges = {(t.grad_fn, t.output_nr): i for i, t in enumerate(inputs) if t.grad_fn is not None}
-    if len(edges) != len(inputs):
-        return None
-    stops = set(edges)
-    if isinstance(mask, torch.Tensor) and mask.grad_fn is not None:
-        stops.add((mask.grad_fn, mask.output_nr))
-    found: list[list[tuple[object, int]]] = [[] for _ in inputs]
-    queue, seen = [output.grad_fn], set()
-    while queue:
-        node = queue.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if len(seen) > _MOST_ATTENTION_NODES:
-            return None
-        for place, edge in enumerate(node.next_functions):
-            if edge in edges:
-                found[edges[edge]].append((node, place))
-            elif edge not in stops:
-                queue.append(edge[0])
-    return [places[0] for places in found] if all(len(places) == 1 for places in found) else None
-
-
-def _attention_factors(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: object = None
-) -> tuple[float, float, float]:
-    """The uniform rule on ``q · kᵀ`` and on ``attention · v`` as factors of a fused attention's gradients to the
-    query, key and value: a half for each product of two activations the gradient passes through. The weights are
-    an activation where the query, the key or the mask (a position bias computed from activations) is one; the
-    mask, a summand of the scores, takes the value's factor (the weights' half of ``attention · v``).
-
-    Examples:
-        >>> q, k, v, bias = (torch.randn(1, 2, 3, 4, requires_grad=True) * 1 for _ in range(4))
-        >>> _attention_factors(q, k, v), _attention_factors(q.detach(), k.detach(), v, bias[..., :3])
-        ((0.25, 0.25, 0.5), (0.5, 0.5, 0.5))
-    """
-    scores_product = is_activation(query) and is_activation(key)
-    weights_activation = is_activation(query) or is_activation(key) or is_activation(attn_mask)
-    value_product = weights_activation and is_activation(value)
-    qk = (0.5 if scores_product else 1.0) * (0.5 if value_product else 1.0)
-    return qk, qk, 0.5 if value_product else 1.0
-
-
-def _held_in_graph(weights: torch.Tensor) -> bool:
-    """Whether a recording call holds CP-LRP's attention ``weights`` without a detach, so that later calls may run
-    without the mode (see :mod:`~tdhook.attribution._function_rule_plan`): up to ``_LARGEST_GRAPH_HOLD`` elements."""
-    return weights.grad_fn is not None and weights.numel() <= _LARGEST_GRAPH_HOLD
-
-
-def _follow_held(
-    mode: FunctionalRules, func: Callable, types: tuple, args: tuple, kwargs: dict, recording: Recording
-) -> object:
-    """``func``'s call in the mode, in a recording call that holds tensors without detaching them: what is made of
-    held tensors alone (a stack of attention weights, a buffer they are copied into) is a constant to the rules, as
-    what is made of detached tensors (which needs no gradient) is; a held tensor that takes other values in place
-    tells ``recording`` that the call strayed from a detached one's (it must run again, detached). Whatever is made
-    of held tensors has the explained inputs' values (a branch on them is one on the inputs).
-
-    The inputs are the tensors among ``args`` and ``kwargs`` and in the lists and tuples there (the first alone where
-    the others give only a shape, dtype or device: ``w.type_as(x)``); the first argument counts as it was before the
-    call (an in-place call changes it)."""
-    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    # What an in-place call may change: the first argument and, for a view, the tensor it views.
-    targets = [] if first is None else [first] if first._base is None else [first, first._base]
-    inputs = [first] if func in TEMPLATED and first is not None else _tensors_in((*args, *kwargs.values()))
-    followed, alone = recording.followed, recording.held_alone
-    recording.follows = False  # the call itself runs as in any other call
-    try:
-        if not any(id(tensor) in followed for tensor in (*inputs, *targets)):
-            return mode.__torch_function__(func, types, args, kwargs)  # most calls: no held tensor in them
-        before = {id(t): (t.requires_grad, id(t) in alone, t._version) for t in targets}
-        result = mode.__torch_function__(func, types, args, kwargs)
-    finally:
-        recording.follows = True
-    needing = [
-        before[id(tensor)][1] if tensor is first else id(tensor) in alone
-        for tensor in inputs
-        if (before[id(tensor)][0] if tensor is first else tensor.requires_grad)
-    ]
-    held = bool(needing) and all(needing)  # every input that needs a gradient is held
-    changed = [target for target in targets if target._version != before[id(target)][2]]  # in place
-    for output in {id(tensor): tensor for tensor in [*_tensors_in((result,)), *changed]}.values():
-        setattr(output, _INPUT_VALUES, True)
-        was = before.get(id(output))
-        if not output.requires_grad:
-            recording.made_of_held(output, alone=False)
-        elif held and (was is None or was[1] or not was[0]):  # made of held tensors alone (an activation stays one)
-            setattr(output, PARAMETER_DERIVED, True)
-            recording.made_of_held(output, alone=True)
-        elif not held and was is not None and was[1]:  # a held tensor that took other values in place
-            recording.strayed = True
-        else:
-            recording.made_of_held(output, alone=False)
-    return result
-
-
-def _tensors_in(values: tuple) -> list[torch.Tensor]:
-    """The tensors among ``values`` and in the lists and tuples there (one level)."""
-    found: list[torch.Tensor] = []
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            found.extend(item for item in value if isinstance(item, torch.Tensor))
-    return found
-
 
 def _held_product(func: Callable, args: tuple, kwargs: dict, gates: list[bool], recording: Recording | None):
     """A product of two activations with the factor ``gates`` marks held constant (signal-take-all). In a recording
@@ -770,16 +516,3 @@ def _ruled_on_own_node(recording: Recording, result: object) -> bool:
     return (bool(recording.holds) and recording.holds[-1].node is node) or (
         bool(recording.unruled) and recording.unruled[-1] is node
     )
-
-
-def _warn_random(p: float) -> None:
-    """Warn that a dropout call drops (``p > 0``): the explanation is random from call to call, as for a
-    ``Dropout`` module in training mode (under CP-LRP the dropped attention weights are held constant, but they
-    still differ from call to call). A call in the forward of a module the wrapper names when it draws (an
-    ``nn.MultiheadAttention``'s attention dropout) is left to that warning."""
-    if p and not named_by_module(p):
-        warn_at_caller(
-            f"LRP: the forward pass calls dropout (p={p}) in training mode, outside any Dropout module (attention "
-            "dropout, mostly), so each forward pass drops other units and the explanation is random from call to "
-            "call; call .eval() on the model for a deterministic one"
-        )
