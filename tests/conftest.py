@@ -9,6 +9,7 @@ import torch
 from tensordict import TensorDict
 
 from tdhook.attribution import LRP
+from tests._memory import release_freed_memory
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -67,6 +68,14 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _release_freed_memory():
+    """After each test, the heap pages its freed tensors left are given back: without it a worker's resident set
+    grows to the sum of the largest tests it ran (see ``tests/_memory.py``)."""
+    yield
+    release_freed_memory()
 
 
 def pytest_collection_modifyitems(config, items):

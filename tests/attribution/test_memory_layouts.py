@@ -11,7 +11,6 @@ check that the caller's tensors are left as they were.
 from __future__ import annotations
 
 import copy
-import functools
 from collections.abc import Callable
 
 import pytest
@@ -234,26 +233,17 @@ SAMPLE_SHAPES = {
 }
 
 
-@functools.cache
-def _calibrated_model(name: str) -> tuple[nn.Module, Callable[[], object]]:
+def _model(name: str) -> tuple[nn.Module, Callable[[], object]]:
+    """The calibrated model ``name`` (the same values at every call: built from one seed), and its zennit canonizer.
+
+    Built for each test rather than kept for the file and copied: vgg11_bn holds 1 GiB of float64 parameters, which
+    a kept copy doubles at the peak of its test."""
     torch.manual_seed(0)
     if name == "resnet18":
         return calibrated(torchvision.models.resnet18(weights=None, num_classes=10)), ResNetCanonizer
     if name == "vgg11_bn":
         return calibrated(torchvision.models.vgg11_bn(weights=None, num_classes=10)), VGGCanonizer
     return calibrated(SmallVolumeNet()), SequentialMergeBatchNorm
-
-
-def _model(name: str) -> tuple[nn.Module, Callable[[], object]]:
-    """A fresh copy of the calibrated model ``name``, built once per session, and its zennit canonizer."""
-    model, canonizer = _calibrated_model(name)
-    return copy.deepcopy(model), canonizer
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _free_models_after_this_file():
-    yield
-    _calibrated_model.cache_clear()
 
 
 @pytest.mark.parametrize(

@@ -579,6 +579,11 @@ class Rule(Tunable):
         return hook
 
     def _forward_hook(self, registration: Registration) -> Callable:
+        # The hook knows itself through a weak reference: one to itself in its closure would make a reference cycle,
+        # which would keep the registration (the prepared state: copies of the layer's weights) after the rule is
+        # removed, until the garbage collector's next full pass.
+        itself: Callable[[], Callable | None]
+
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             inputs = pop(registration.snapshots) if registration.snapshots else _call_arguments(module, args, kwargs)
             # Not for a call of the module that its own rule's rewrite makes (RUNNING.stack is empty for all others).
@@ -591,7 +596,7 @@ class Rule(Tunable):
                     _raise_for_several_outputs(self, module, output)
                 return _ruled_in_forward(module)
             raise_for_meta_tensors(module, output)
-            earlier = next(iter(module._forward_hooks.values())) is not hook  # prepended in the open context
+            earlier = next(iter(module._forward_hooks.values())) is not itself()  # prepended in the open context
             if (_GLOBAL_FORWARD_HOOKS or earlier) and isinstance(module, LINEAR_LAYERS):
                 raise_if_an_earlier_hook_changed(module, registration.busy, inputs, output, not earlier)
             self.prepared_state(module, registration)
@@ -613,6 +618,7 @@ class Rule(Tunable):
                 _mark(result if result is not None else output, call)
             return result
 
+        itself = weakref.ref(hook)
         return hook
 
 
