@@ -21,6 +21,7 @@ Examples:
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from typing import Any
@@ -30,7 +31,7 @@ import torch
 
 import tdhook
 
-__all__ = ["calling_loss_module", "refuse_loss_module_caller"]
+__all__ = ["calling_loss_module", "loss_module_transform_advice", "refuse_loss_module_caller"]
 
 # The packages whose frames lie between a loss module's code and the wrapper's forward; torchrl's own frames lie
 # there too (an environment's rollout, a module of torchrl's calling its parts), but for those of its losses.
@@ -105,3 +106,55 @@ def refuse_loss_module_caller(name: str, wrapper: Any, create_graph: bool | None
         "network left untrained without a word). Give the loss module the plain network and explain with the wrapper "
         f"beside it{option if create_graph is not None else ''}"
     )
+
+
+def loss_module_transform_advice() -> str:
+    """What to tell a caller whose wrapper runs under a ``torch.func`` transform (refused, as no hook runs there)
+    inside a torchrl loss module, which runs its networks under ``torch.func.vmap`` over stacked parameters (the
+    Q-networks of ``SACLoss``, ``TD3Loss``, the critic of ``A2CLoss`` through its value estimator): the loss's class,
+    its estimator's, and the option that calls the networks in a loop, where they have one; ``""`` where no loss
+    module is on the stack. Asked on that error's path only: it walks every frame.
+
+    Examples:
+        >>> loss_module_transform_advice()  # called from here, not by a loss module
+        ''
+    """
+    common = sys.modules.get(_COMMON)
+    if common is None:
+        return ""
+    estimators = sys.modules.get("torchrl.objectives.value")
+    estimator_type = getattr(estimators, "ValueEstimatorBase", ())
+    frame, estimator = sys._getframe(1), None
+    while frame is not None:
+        caller = frame.f_locals.get("self")
+        if estimator is None and estimator_type and isinstance(caller, estimator_type):
+            estimator = caller
+        if isinstance(caller, common.LossModule):
+            break
+        frame = frame.f_back
+    if frame is None:
+        return ""
+    loss = type(caller).__name__
+    if estimator is not None and _has_option(type(estimator), "deactivate_vmap"):
+        return (
+            f"; it is called by torchrl's {loss} through its value estimator ({type(estimator).__name__}), which runs "
+            "the network under torch.func.vmap: make the estimator with loss.make_value_estimator(..., "
+            "deactivate_vmap=True), which calls it in a loop"
+        )
+    if estimator is None and _has_option(type(caller), "deactivate_vmap"):
+        return (
+            f"; it is called by torchrl's {loss}, which runs its networks under torch.func.vmap: build the loss with "
+            "deactivate_vmap=True, which calls them in a loop"
+        )
+    return (
+        f"; it is called by torchrl's {loss}, which runs its networks under torch.func.vmap: give the loss the plain "
+        "network and explain with the wrapper beside it"
+    )
+
+
+def _has_option(kind: type, option: str) -> bool:
+    """Whether ``kind``'s constructor takes ``option``."""
+    try:
+        return option in inspect.signature(kind.__init__).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False
