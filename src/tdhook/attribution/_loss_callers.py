@@ -10,7 +10,8 @@ network's parameters are left untrained without a word. The wrapper finds such a
 (through torch's, tensordict's and tdhook's own frames, and torchrl's outside its losses: the environments and
 modules a loss runs its networks through, as ``DreamerActorLoss`` rolls its actor out in its model-based
 environment, and the losses' helpers, through which ``SACLoss(deactivate_vmap=True)`` calls its Q-networks) from
-the code of ``torchrl.objectives`` with a ``LossModule`` as ``self``, with gradient enabled, and refuses it. The
+the code of ``torchrl.objectives`` with a ``LossModule`` as ``self``, or from a method of a ``LossModule`` subclass
+of one's own (a loss written outside torchrl), with gradient enabled, and refuses it. The
 value estimators (``GAE``, ``TD0``), which compute their targets without gradient, and a loss's target networks
 (called from its value estimator) are not refused.
 
@@ -58,7 +59,8 @@ def calling_loss_module() -> Any | None:
     """The torchrl ``LossModule`` whose code called the running wrapper, or ``None`` (torchrl not imported, or
     another caller): the first frame outside torch, tensordict, tdhook and torchrl's frames outside its losses (the
     losses' helpers, ``torchrl.objectives.utils``, passed too: their ``_vmap_func``, which with
-    ``deactivate_vmap=True`` calls the Q-networks in a Python loop) is that loss module's code."""
+    ``deactivate_vmap=True`` calls the Q-networks in a Python loop) is that loss module's code: one of torchrl's
+    losses, or a ``LossModule`` subclass of one's own, in a method of its own (or a closure in one)."""
     common = sys.modules.get(_COMMON)
     if common is None:
         return None
@@ -73,10 +75,21 @@ def calling_loss_module() -> Any | None:
         ):
             break
         frame = frame.f_back
-    if frame is None or _OBJECTIVES not in frame.f_code.co_filename:
+    if frame is None:
         return None
-    caller = frame.f_locals.get("self")
-    return caller if isinstance(caller, common.LossModule) else None
+    code = frame.f_code
+    if _OBJECTIVES in code.co_filename:
+        caller = frame.f_locals.get("self")
+        return caller if isinstance(caller, common.LossModule) else None
+    # A loss of one's own (a LossModule subclass outside torchrl), calling from one of its methods or a closure in one:
+    # a frame with no ``self`` (most callers of a wrapper) is passed by attribute reads alone, without a call.
+    if not (code.co_argcount and code.co_varnames[0] == "self") and "self" not in code.co_freevars:
+        return None
+    try:
+        caller = frame.f_locals["self"]  # read without a call, as the class's MRO next: a method of another class
+    except KeyError:  # ``del self`` before the call
+        return None
+    return caller if common.LossModule in type(caller).__mro__ else None
 
 
 def refuse_loss_module_caller(name: str, wrapper: Any, create_graph: bool | None) -> None:
@@ -99,8 +112,10 @@ def refuse_loss_module_caller(name: str, wrapper: Any, create_graph: bool | None
         return
     flag = "a call without create_graph writes" if create_graph is not None else "the wrapper writes"
     option = ", or build the wrapper with create_graph=True, whose outputs keep the plain gradient"
+    kind = type(loss)
+    owner = "torchrl's" if kind.__module__.startswith("torchrl.") else "the torchrl LossModule"
     raise RuntimeError(
-        f"{name}: called by torchrl's {type(loss).__name__} as one of its networks (the wrapper around "
+        f"{name}: called by {owner} {kind.__name__} as one of its networks (the wrapper around "
         f"{type(wrapper.module).__name__}): {flag} its outputs detached, so the loss would have no gradient through "
         "the network (torch's 'does not require grad' error at backward, or, where another term carries one, the "
         "network left untrained without a word). Give the loss module the plain network and explain with the wrapper "
