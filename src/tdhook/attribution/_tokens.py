@@ -479,7 +479,9 @@ class _DerivedTokens(TorchFunctionMode):
                 index = self._source(iter(a for i, a in enumerate(args) if i != position))
             # Whether the table is a weight is asked only of lookups by the ids: it may walk the table's history.
             if index is not None and _is_weight_table(args[position]):
-                self._tables.append((index, args[position], _picks_rows(name, args, kwargs)))
+                with torch._C.DisableTorchFunction():  # an inspection, which a function mode of the call must not see
+                    rows = _picks_rows(name, args, kwargs)
+                self._tables.append((index, args[position], rows))
         if name not in _WRITING and name not in _CARRYING:
             return out
         with torch._C.DisableTorchFunction():  # looking at tensors is no call of the model: out of the modes' sight
