@@ -88,3 +88,70 @@ def test_dqn_loss_with_another_method_inside_is_refused_naming_it():
     assert Saliency(TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"]))(
         one_hot_transitions().select("observation")
     )["attribution", "observation"].shape == (5, 4)  # called by the caller: explained
+
+
+def own_loss(how: str):
+    """A loss of one's own, a ``LossModule`` subclass defined here, outside torchrl: an actor regressed to 1, plus a
+    critic term that carries a gradient of its own; the actor called from ``forward``, from a helper method, or from
+    a closure in ``forward``."""
+    from torchrl.objectives import LossModule
+
+    class RegressionLoss(LossModule):
+        def __init__(self, actor: nn.Module, critic: nn.Module) -> None:
+            super().__init__()
+            self.actor, self.critic = actor, critic
+
+        def actor_output(self, td: TensorDict) -> torch.Tensor:
+            return self.actor(td.clone())["y"]
+
+        def forward(self, td: TensorDict) -> TensorDict:
+            if how == "forward":
+                y = self.actor(td.clone())["y"]
+            elif how == "helper":
+                y = self.actor_output(td)
+            else:
+                y = (lambda: self.actor(td.clone())["y"])()
+            return TensorDict(loss=((y - 1.0) ** 2).mean() + (self.critic(td.clone())["v"] ** 2).mean())
+
+    return RegressionLoss
+
+
+def own_loss_gradients(how: str, wrapper: dict | None) -> list[torch.Tensor]:
+    """The gradients of the actor's network under :func:`own_loss`, plain or with an LRP wrapper (its keywords)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2)).to(F64)
+    critic = TensorDictModule(nn.Linear(3, 1).to(F64), in_keys=["x"], out_keys=["v"])
+    actor = TensorDictModule(net, in_keys=["x"], out_keys=["y"])
+    loss = own_loss(how)(actor if wrapper is None else LRP(actor, EpsilonPlus(), **wrapper), critic)
+    loss(TensorDict(x=torch.randn(5, 3, dtype=F64), batch_size=[5]))["loss"].backward()
+    return [p.grad for p in net.parameters()]
+
+
+@pytest.mark.parametrize("how", ["forward", "helper", "closure"])
+def test_a_loss_module_of_ones_own_with_a_wrapper_without_create_graph_is_refused_naming_it(how: str):
+    """Only losses in torchrl's code were looked for: a ``LossModule`` subclass written outside it trained the critic
+    and left the actor's network without any gradient (every ``.grad`` None), without a word."""
+    assert all(grad is not None and grad.abs().sum() > 0 for grad in own_loss_gradients(how, None))
+    with pytest.raises(RuntimeError, match=r"^LRP: called by the torchrl LossModule RegressionLoss as one of its"):
+        own_loss_gradients(how, {})
+
+
+@pytest.mark.parametrize("how", ["forward", "closure"])
+def test_a_loss_module_of_ones_own_with_a_create_graph_wrapper_gives_the_plain_gradients(how: str):
+    plain = own_loss_gradients(how, None)
+    for grad, expected in zip(own_loss_gradients(how, {"create_graph": True}), plain, strict=True):
+        torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-14)
+
+
+def test_a_method_of_another_class_calling_a_wrapper_is_not_taken_for_a_loss():
+    """A caller's method (``self`` not a loss module) explains as a call from a function does."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2)).to(F64)
+    lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), EpsilonPlus())
+    td = TensorDict(x=torch.randn(5, 3, dtype=F64), batch_size=[5])
+
+    class Explainer:
+        def explain(self, td: TensorDict) -> torch.Tensor:
+            return lrp(td.clone())["relevance", "x"]
+
+    torch.testing.assert_close(Explainer().explain(td), lrp(td.clone())["relevance", "x"], rtol=0, atol=0)

@@ -9,6 +9,9 @@ input; and, for LRP-0 on a ReLU network, autograd's double backward of
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -419,6 +422,32 @@ class TestInactive:
             with lrp.inactive(), lrp.inactive():
                 pass
             assert lrp._handles is not None and not lrp._inactive
+
+    @pytest.mark.parametrize("entered", [False, True])
+    def test_a_first_call_without_rules_is_not_watched_and_the_first_with_rules_warns(self, entered: bool):
+        """A first call in ``inactive()`` was watched for calls no rule covers, with no rule on: it warned that the
+        softmax and even the convolutions kept their plain gradient, though every module does there as asked, and
+        the next call with the rules on, the one whose warning means something, was not watched and said nothing.
+        The block's calls now warn nothing and write gradient × input; the first call with the rules on warns."""
+        torch.manual_seed(0)
+        net = nn.Sequential(
+            nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.Linear(48, 4), nn.Softmax(-1)
+        )
+        net = net.double().eval()
+        x = torch.randn(3, 2, 6, 6, dtype=torch.float64)
+        lrp = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+        with lrp if entered else contextlib.nullcontext():
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                with lrp.inactive():
+                    plain = relevance(lrp, x)
+            with pytest.warns(UserWarning, match=r"'5' \(Softmax\) computes softmax"):
+                relevance(lrp, x)
+        assert [call.module for call in lrp.coverage().plain_gradient] == ["5"]
+        point = x.clone().requires_grad_(True)
+        y = net(point)
+        onehot = torch.zeros_like(y).scatter_(1, y.argmax(1, keepdim=True), 1.0)
+        assert relative_error(plain, x * torch.autograd.grad(y, point, onehot)[0]) <= 1e-12
 
 
 class Normalise(nn.Module):

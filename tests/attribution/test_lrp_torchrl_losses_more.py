@@ -329,11 +329,25 @@ def test_a_wrapper_without_create_graph_in_the_critic_is_refused_naming_the_loss
 def test_a_wrapper_in_a_critic_run_under_vmap_is_refused(name: str, wrap: Wrap):
     """These losses (or the value estimators they run) call the critic under ``torch.func.vmap`` over stacked
     parameters, which runs no hook: refused by the wrapper, never a wrong gradient (a call without ``create_graph``
-    that the loss makes with gradient enabled is refused naming the loss first)."""
+    that the loss makes with gradient enabled is refused naming the loss first). The error for the transform names
+    the loss (it named none), its value estimator where that runs the vmap, and the option that calls the critic in
+    a loop where they have one."""
     message = rf"^LRP: (called by torchrl's {loss_class(name)} as one|the call runs under a torch\.func transform)"
     with pytest.raises((RuntimeError, NotImplementedError), match=message) as raised:
         train(name, plain, wrap, steps=1)
     assert wrap is detached or raised.type is NotImplementedError
+    if raised.type is NotImplementedError:
+        called = f"; it is called by torchrl's {loss_class(name)}"
+        if LOSSES[name][2] == "estimator":
+            advice = f"{called} through its value estimator (GAE), which runs the network under torch.func.vmap: make"
+            advice += " the estimator with loss.make_value_estimator(..., deactivate_vmap=True)"
+        elif name in NO_VMAP:
+            advice = (
+                f"{called}, which runs its networks under torch.func.vmap: build the loss with deactivate_vmap=True"
+            )
+        else:
+            advice = f"{called}, which runs its networks under torch.func.vmap: give the loss the plain network"
+        assert advice in str(raised.value)
 
 
 def test_a_wrapper_without_create_graph_nested_deep_in_the_actor_is_refused_naming_the_loss():

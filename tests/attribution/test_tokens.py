@@ -645,3 +645,65 @@ def test_token_ids_also_looked_up_in_another_embeddings_weight_are_refused_namin
     match = r"input key 'tokens' is embedded by 'embedding' and also indexes parameter 'offsets.weight' \(shape"
     with pytest.raises(ValueError, match=match):
         lrp(TensorDict(tokens=tokens, batch_size=[4]))
+
+
+class HeadRowsScore(nn.Module):
+    """A log-likelihood-like score of each next token, read from the rows of the language-model head ``out`` that the
+    next tokens' ids pick (``lookup``): ``(h[:, :-1] * out.weight[ids[:, 1:]]).sum(-1) + out.bias[ids[:, 1:]]``, by
+    indexing, ``F.embedding`` or ``index_select``; ``"logits"`` computes the same as ``F.linear(h, out.weight,
+    out.bias)`` gathered at the next tokens; ``"columns"`` indexes the head's input units by the ids instead, a
+    lookup of an input beside the embedding."""
+
+    def __init__(self, lookup: str) -> None:
+        super().__init__()
+        self.lookup = lookup
+        self.embedding = nn.Embedding(11, 6)
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 6))
+        self.out, self.mix = nn.Linear(6, 11), nn.Linear(11, 6)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        embedded = self.embedding(ids)
+        if self.lookup == "columns":
+            embedded = embedded + self.mix.weight[:, ids].movedim(0, -1)
+        h, following = self.body(embedded)[:, :-1], ids[:, 1:]
+        if self.lookup in ("logits", "columns"):
+            return F.linear(h, self.out.weight, self.out.bias).gather(-1, following[..., None]).squeeze(-1)
+        if self.lookup == "indexing":
+            rows = self.out.weight[following]
+        elif self.lookup == "embedding":
+            rows = F.embedding(following, self.out.weight)
+        else:
+            rows = self.out.weight.index_select(0, following.flatten()).view(*following.shape, -1)
+        return (h * rows).sum(-1) + self.out.bias[following]
+
+
+@pytest.mark.parametrize("lookup", ["indexing", "embedding", "index_select"])
+def test_a_score_read_from_the_rows_of_a_linear_head_by_the_next_ids_is_explained_as_its_gathered_logits(lookup):
+    """The rows of an ``nn.Linear``'s weight that the ids pick are its output units: the score is the head's logits
+    gathered at the next tokens, and the ids only choose what is explained. It was refused as a lookup beside the
+    embedding; the ids get the relevance LRP-0 gives their embeddings in the same model written with ``F.linear``
+    then a gather (gradient × input), on every call of a context (the calls after the first are not tracked)."""
+    torch.manual_seed(0)
+    net = HeadRowsScore(lookup).to(F64)
+    start = torch.rand(4, 4, dtype=F64, generator=torch.Generator().manual_seed(2))
+    lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["ids"], out_keys=["y"], target=lambda y: start * y)
+    with lrp:
+        for seed in range(2):
+            ids = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(seed))
+            td = lrp(TensorDict(ids=ids, batch_size=[4]))
+            embedded = net.embedding(ids).detach().requires_grad_(True)
+            h = net.body(embedded)[:, :-1]
+            out = F.linear(h, net.out.weight, net.out.bias).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            (gradient,) = torch.autograd.grad(out, embedded, start)
+            assert relative_error(td["relevance", "ids"], (embedded * gradient).sum(-1).detach()) <= 1e-12
+
+
+def test_token_ids_indexing_the_input_units_of_a_linear_beside_their_embedding_are_refused_naming_it():
+    """Columns of an ``nn.Linear``'s weight picked by the ids are no output units of it, but an input added beside
+    the embedding: still refused, naming the weight."""
+    torch.manual_seed(0)
+    net = HeadRowsScore("columns").to(F64)
+    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
+    lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["ids"], out_keys=["y"])
+    with pytest.raises(ValueError, match=r"input key 'ids' is embedded by 'embedding' and also indexes parameter 'mix"):
+        lrp(TensorDict(ids=tokens, batch_size=[4]))

@@ -32,6 +32,7 @@ from torch.masked import MaskedTensor
 from torchrl.modules import GRUModule, LSTMModule
 
 from tdhook.attribution._keys import as_tuple
+from tdhook.attribution._loss_callers import loss_module_transform_advice
 from tdhook.attribution._tokens import TokenInputs
 from tdhook.attribution.rules._linked_inputs import linked_input
 
@@ -146,7 +147,7 @@ def validate_inputs(tensordict: TensorDictBase, keys: Sequence[NestedKey], diffe
             "LRP: the call runs under a torch.func transform (grad, vjp, jacrev, jvp, vmap), which does not run "
             "the autograd backward pass and hooks the rules work through; call the wrapper outside it, and take "
             "the relevance's derivative with LRP(..., create_graph=True) and torch.autograd.grad "
-            "(torch.func.functional_call is fine)"
+            f"(torch.func.functional_call is fine){loss_module_transform_advice()}"
         )
     if torch.is_inference_mode_enabled():
         raise RuntimeError(

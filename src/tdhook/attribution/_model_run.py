@@ -45,7 +45,8 @@ def run_model(
     lrp: Any, work: TensorDictBase, leaves: Sequence[torch.Tensor | None] = (), fed: Sequence[torch.Tensor | None] = ()
 ) -> tuple[TensorDictBase | None, NonlinearCalls | None]:
     """Run ``lrp``'s model on ``work`` under the function modes of its rules; what the model returned, and the
-    watch of the nonlinear calls that no rule covers (the first call of a wrapper only, else ``None``).
+    watch of the nonlinear calls that no rule covers (the first call of a wrapper with its rules on only, else
+    ``None``).
 
     A call that runs the model again (its graph was not the recorded one) starts from the inputs it was given:
     ``work``'s entries, and the values of the explained inputs' copies ``fed``, taken again from ``leaves`` where
@@ -59,11 +60,14 @@ def run_model(
     watch = lrp._rule_use.watch(lrp.named_explained_modules, handles, lrp._hooks)
     rule_modes = [] if lrp._inactive else list(getattr(lrp.rule_mapper, "function_modes", list)())
     rule_modes += [] if lrp._inactive else lrp._function_gates.modes(lrp.rule_mapper, rule_modes)
+    # The first call with the rules on is watched for calls no rule covers: with the rules off (``inactive()``), every
+    # call takes the plain gradient as asked, and has nothing to report.
+    watching = lrp._coverage.watching and not lrp._inactive
     key = _plan_key(lrp, rule_modes, work)
     recording = None
     if key is not None:
         plan = lrp._function_rule_plan.usable(key)
-        if plan is not None and watch is RuleUse.NOTHING and not lrp._coverage.watching:
+        if plan is not None and watch is RuleUse.NOTHING and not watching:
             # What the call may overwrite in ``work`` (a step may write the key it reads): its leaves, a list being
             # several times cheaper than a copy of the TensorDict.
             inputs = given_inputs(work)
@@ -97,7 +101,7 @@ def run_model(
             buffers = _model_buffers(lrp)
             statistics = buffers.keep(every=True)  # once per signature: every buffer's values
             caches = KeptCaches(cache_receivers_of(lrp))
-    if not (rule_modes or lrp._compiled or lrp._coverage.watching or watch is not RuleUse.NOTHING):
+    if not (rule_modes or lrp._compiled or watching or watch is not RuleUse.NOTHING):
         with closing_scopes():  # nothing to enter but the scopes (every call of a context after its first, mostly)
             return (_call(lrp, work) if lrp._norm_calls.found is False else _laid_out_call(lrp, work)), None
     with contextlib.ExitStack() as modes:
@@ -106,7 +110,7 @@ def run_model(
         modes.enter_context(watch)
         for mode in rule_modes:
             modes.enter_context(mode)
-        calls = lrp._coverage.watch(modes, rule_modes, lrp.named_explained_modules, handles)
+        calls = lrp._coverage.watch(modes, rule_modes, lrp.named_explained_modules, handles) if watching else None
         if lrp._compiled:  # parts compiled by torch.compile run as written: every rule applies
             modes.enter_context(torch.compiler.set_stance("force_eager"))
         if recording is not None:  # norms tell where the scales they hold are, and their outputs

@@ -73,8 +73,9 @@ class TokenInputs:
         self._leaves: list[torch.Tensor | None] = []
         self._fed: list[torch.Tensor | None] = []
         self._derived: list[tuple[int, str, str]] = []  # lookups of ids computed from a key: key, module, class
-        # Weights indexed by the ids (an embedding's own included), with the embeddings whose forward was running.
-        self._tables: list[tuple[int, torch.Tensor, tuple[str, ...]]] = []
+        # Weights indexed by the ids (an embedding's own included), with the embeddings whose forward was running and
+        # whether the lookup picked their rows.
+        self._tables: list[tuple[int, torch.Tensor, tuple[str, ...], bool]] = []
         self._inside: list[str] = []  # the embeddings whose forward is running, by name
         self._modules: Mapping[str, nn.Module] = {}
 
@@ -223,6 +224,29 @@ class TokenInputs:
             if self._inside[position] == name:
                 del self._inside[position]
                 return
+
+    def _looked_up_rightly(
+        self, index: int, table: torch.Tensor, inside: tuple[str, ...], rows: bool, leaves: list[torch.Tensor | None]
+    ) -> bool:
+        """Whether a lookup of ``table`` by the ids of embedded input ``index`` loses no relevance: the lookup of
+        the embedding that embedded the input, inside its forward, or a choice of output units of a linear layer
+        (:meth:`_output_units`)."""
+        return self._looked_up_by_its_embedding(index, table, inside, leaves) or (
+            index < len(leaves) and leaves[index] is not None and rows and self._output_units(table)
+        )
+
+    def _output_units(self, table: torch.Tensor) -> bool:
+        """Whether ``table`` is the weight or the bias of an ``nn.Linear`` of the model, whose rows (looked up by
+        the ids) are that layer's output units: ``(h * head.weight[ids]).sum(-1)`` is ``head(h)`` without its bias,
+        gathered at ``ids``, which chooses the units explained (a target), not an input of the model, as in a
+        sequence's likelihood computed from the rows of its language-model head. The relevance reaches ``h``
+        through the product, and no share of it is held by the rows."""
+        return any(
+            value is table
+            for module in self._modules.values()
+            if isinstance(module, nn.Linear)
+            for value in module._parameters.values()
+        )
 
     def _looked_up_by_its_embedding(
         self, index: int, table: torch.Tensor, inside: tuple[str, ...], leaves: list[torch.Tensor | None]
@@ -373,9 +397,9 @@ class TokenInputs:
         (``F.embedding(ids, self.lora_A.T)``, ``self.table[ids]``): the relevance of that lookup would be lost, as its
         rows are held constant, while the tokens' relevance is taken from the embedding alone (a low-rank adapter on
         the embedding, peft's LoRA, adds such a lookup to the embedding's)."""
-        for index, table, inside in self._tables:
+        for index, table, inside, rows in self._tables:
             leaf = leaves[index] if index < len(leaves) else None
-            if leaf is None or self._looked_up_by_its_embedding(index, table, inside, leaves):
+            if leaf is None or self._looked_up_rightly(index, table, inside, rows, leaves):
                 continue
             raise ValueError(
                 f"LRP: input key {self.keys[index]!r} is embedded by {leaf._tdhook_embedding_of!r} and also indexes "
@@ -398,7 +422,7 @@ class TokenInputs:
         """Refuse an input left out of the explanation (no embedding read it) whose ids index a parameter directly
         (``self.table[task]``): an embedding lookup in all but name, whose key the wrapper lists among its relevance
         keys and would not write."""
-        for index, table, _ in self._tables:
+        for index, table, *_ in self._tables:
             if leaves[index] is not None:
                 continue
             what = self._table_name(table)
@@ -449,12 +473,13 @@ class _DerivedTokens(TorchFunctionMode):
     def __init__(
         self,
         ids: Mapping[int, torch.Tensor],
-        tables: list[tuple[int, torch.Tensor, tuple[str, ...]]],
+        tables: list[tuple[int, torch.Tensor, tuple[str, ...], bool]],
         inside: list[str] | None = None,
     ) -> None:
         super().__init__()
         self._fed = {id(tokens): index for index, tokens in ids.items()}
-        # (input, parameter, embeddings running) of each parameter indexed by the ids (or ids carried on)
+        # (input, parameter, embeddings running, rows) of each parameter indexed by the ids (or ids carried on), rows
+        # where the lookup picked whole rows of it (its first dimension)
         self._tables = tables
         self._inside = [] if inside is None else inside
 
@@ -482,7 +507,9 @@ class _DerivedTokens(TorchFunctionMode):
                 index = self._source(iter(a for i, a in enumerate(args) if i != position))
             # Whether the table is a weight is asked only of lookups by the ids: it may walk the table's history.
             if index is not None and _is_weight_table(args[position]):
-                self._tables.append((index, args[position], tuple(self._inside)))
+                with torch._C.DisableTorchFunction():  # an inspection, which a function mode of the call must not see
+                    rows = _picks_rows(name, args, kwargs)
+                self._tables.append((index, args[position], tuple(self._inside), rows))
         if name not in _WRITING and name not in _CARRYING:
             return out
         with torch._C.DisableTorchFunction():  # looking at tensors is no call of the model: out of the modes' sight
@@ -519,6 +546,31 @@ def _is_weight_table(table: object) -> bool:
         if isinstance(table, nn.Parameter) or isinstance(table._base, nn.Parameter):
             return True
         return table.grad_fn is not None and from_parameters_alone(table)
+
+
+def _picks_rows(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a lookup (a function of ``_LOOKUPS``, with its table and ids in ``args``) picks rows of its table by
+    the ids, the indices of its first dimension: ``table[ids]``, ``table[ids, :k]``, ``F.embedding(ids, table)``,
+    ``table.index_select(0, ids)``, or ``torch.take`` of a one-dimensional table; not ``table[:, ids]``.
+
+    Examples:
+        >>> table, ids = torch.randn(5, 3), torch.tensor([1, 4])
+        >>> _picks_rows("__getitem__", (table, ids), {}), _picks_rows("__getitem__", (table, (slice(None), ids)), {})
+        (True, False)
+        >>> _picks_rows("embedding", (ids, table), {}), _picks_rows("index_select", (table, 1, ids), {})
+        (True, False)
+    """
+    if name == "embedding":
+        return True
+    table = args[0]
+    if name == "__getitem__":
+        index = args[1] if len(args) > 1 else None
+        first = index[0] if isinstance(index, tuple) and index else index
+        return isinstance(first, torch.Tensor) and not first.is_floating_point() and first.dtype != torch.bool
+    if name == "index_select":
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        return isinstance(dim, int) and dim % max(table.dim(), 1) == 0
+    return name == "take" and table.dim() == 1
 
 
 def _own_tables(module: nn.Module) -> list[torch.Tensor]:
