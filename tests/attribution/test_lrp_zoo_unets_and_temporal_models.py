@@ -33,7 +33,7 @@ from tensordict import TensorDict
 from torch import nn
 from torch.nn.utils import parametrizations
 
-from tdhook.attribution import CPLRP, LRP
+from tdhook.attribution import CPLRP, LRP, AttnLRP
 from tdhook.attribution.lrp_helpers.rules import EpsilonAlpha2Beta1, EpsilonPlus
 from tdhook.attribution.mappers.base import BaseRuleMapper
 from tests.conftest import relative_error, zennit_model_relevance
@@ -415,3 +415,41 @@ def test_a_tanh_rnn_in_a_cnn_is_named():
     relevance, _, caught = explain(conv_recurrent("RNN"), recurrent_input(), EpsilonPlus())
     assert torch.isfinite(relevance).all()
     assert any("module 'rnn' (RNN) computes rnn_tanh" in message for message in caught), caught
+
+
+# --- 4. Conditioning computed from constants ---------------------------------------------------------------------
+
+
+class FiLMConditioned(nn.Module):
+    """``conv(x) · scale + shift`` (``· (1 + scale)`` with ``plus_one``), ``scale`` and ``shift`` from a time
+    embedding ``linear(act(linear(sinusoid(t))))`` of a fixed time step (a buffer): a constant of the explained input,
+    computed from parameters alone, as diffusion U-Nets condition their blocks. ``act`` an activation module."""
+
+    def __init__(self, act: nn.Module, plus_one: bool, tdim: int = 8) -> None:
+        super().__init__()
+        self.tdim, self.plus_one = tdim, plus_one
+        self.register_buffer("t", torch.tensor([3.0, 40.0]))
+        self.embed, self.act, self.project = nn.Linear(tdim, tdim), act, nn.Linear(tdim, 8)
+        self.conv_in, self.conv_out = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        temb = self.embed(timestep_embedding(self.t.to(x.dtype), self.tdim))
+        scale, shift = self.project(self.act(temb))[:, :, None, None].chunk(2, 1)
+        h = self.conv_in(x)
+        h = h * (1 + scale) + shift if self.plus_one else h * scale + shift
+        return self.conv_out(h).flatten(1)
+
+
+@pytest.mark.parametrize("plus_one", [False, True], ids=["scale", "one_plus_scale"])
+@pytest.mark.parametrize("act", [nn.SiLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.ReLU, nn.PReLU])
+@pytest.mark.parametrize("preset", [CPLRP, AttnLRP], ids=lambda preset: preset.__name__)
+def test_a_scale_computed_from_constants_through_an_activation_module_is_a_constant(preset, act, plus_one: bool):
+    """The product ``h · scale`` is a linear map of ``h``: all of its relevance goes to ``h``, and relevance is the
+    gradient × input (the model is linear in ``x``), whatever activation module the embedding goes through. (An
+    activation module's output lost the mark of a tensor computed from parameters alone, and the product's rule
+    gave the scale half of the relevance: it was halved, with no warning.)"""
+    torch.manual_seed(0)
+    model, x = FiLMConditioned(act(), plus_one).to(F64).eval(), unet_input()[:, :, :5, :5]
+    relevance, output, caught = explain(model, x, preset())
+    assert caught == []
+    assert relative_error(relevance, gradient_times_input(model, x, output.argmax(-1))) <= 1e-10
