@@ -423,7 +423,8 @@ def test_a_tanh_rnn_in_a_cnn_is_named():
 class FiLMConditioned(nn.Module):
     """``conv(x) · scale + shift`` (``· (1 + scale)`` with ``plus_one``), ``scale`` and ``shift`` from a time
     embedding ``linear(act(linear(sinusoid(t))))`` of a fixed time step (a buffer): a constant of the explained input,
-    computed from parameters alone, as diffusion U-Nets condition their blocks. ``act`` an activation module."""
+    computed from parameters alone, as diffusion U-Nets condition their blocks. ``act`` an activation or norm
+    module."""
 
     def __init__(self, act: nn.Module, plus_one: bool, tdim: int = 8) -> None:
         super().__init__()
@@ -440,16 +441,38 @@ class FiLMConditioned(nn.Module):
         return self.conv_out(h).flatten(1)
 
 
+class Swish(nn.Module):
+    """An activation written by hand."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(x)
+
+
+ACTIVATIONS_OF_A_CONSTANT = {
+    "SiLU": nn.SiLU,
+    "GELU": nn.GELU,
+    "Tanh": nn.Tanh,
+    "Sigmoid": nn.Sigmoid,
+    "ReLU": nn.ReLU,
+    "PReLU": nn.PReLU,
+    "Swish": Swish,
+    "LayerNorm": lambda: nn.LayerNorm(8),
+    "BatchNorm1d": lambda: nn.BatchNorm1d(8),
+    "SiLU, LayerNorm": lambda: nn.Sequential(nn.SiLU(), nn.LayerNorm(8)),
+}
+
+
 @pytest.mark.parametrize("plus_one", [False, True], ids=["scale", "one_plus_scale"])
-@pytest.mark.parametrize("act", [nn.SiLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.ReLU, nn.PReLU])
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS_OF_A_CONSTANT))
 @pytest.mark.parametrize("preset", [CPLRP, AttnLRP], ids=lambda preset: preset.__name__)
-def test_a_scale_computed_from_constants_through_an_activation_module_is_a_constant(preset, act, plus_one: bool):
+def test_a_scale_computed_from_constants_through_an_activation_module_is_a_constant(preset, act: str, plus_one: bool):
     """The product ``h · scale`` is a linear map of ``h``: all of its relevance goes to ``h``, and relevance is the
-    gradient × input (the model is linear in ``x``), whatever activation module the embedding goes through. (An
-    activation module's output lost the mark of a tensor computed from parameters alone, and the product's rule
-    gave the scale half of the relevance: it was halved, with no warning.)"""
+    gradient × input (the model is linear in ``x``), whatever activation or norm module the embedding goes through.
+    (Such a module's output lost the mark of a tensor computed from parameters alone, and the product's rule gave the
+    scale half of the relevance: it was halved, with no warning.)"""
     torch.manual_seed(0)
-    model, x = FiLMConditioned(act(), plus_one).to(F64).eval(), unet_input()[:, :, :5, :5]
+    model = FiLMConditioned(ACTIVATIONS_OF_A_CONSTANT[act](), plus_one).to(F64).eval()
+    x = unet_input()[:, :, :5, :5]
     relevance, output, caught = explain(model, x, preset())
     assert caught == []
     assert relative_error(relevance, gradient_times_input(model, x, output.argmax(-1))) <= 1e-10

@@ -27,6 +27,7 @@ from torch import nn
 
 from tdhook.attribution.rules._autograd import (
     is_activation,
+    mark_module_of_parameters_alone,
     mark_parameter_derived,
     raise_for_vmap,
     relevance_pass_edges,
@@ -38,7 +39,6 @@ from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layer_nodes import LAYER_CALL, LAYER_MARK, is_layer_node
 from tdhook.attribution.rules._layers import (
-    ACTIVATIONS,
     LINEAR_LAYERS,
     TRANSPOSED_FORWARDS,
     _has_plain_forward,
@@ -608,11 +608,10 @@ class Rule(Tunable):
                 # input is all it reads.
                 parameters = (inputs[0], *module.parameters(recurse=False))
                 mark_parameter_derived(parameters, output if result is None else result)
-            elif _activation_of_a_constant(module, inputs):
-                # So does torch's activation module of one (a time embedding's SiLU): the modes do not see into
-                # a module with a rule, and a product with what it computes would take it for an activation.
-                parameters = (inputs[0], *module.parameters(recurse=False))
-                mark_parameter_derived(parameters, output if result is None else result)
+            else:
+                # So does any other module of one (a time embedding's SiLU): the modes do not see into a module
+                # with a rule, and a product with what it computes would take it for an activation.
+                mark_module_of_parameters_alone(inputs, output if result is None else result)
             if one_input and registration.marks:
                 read = (module.weight, module.bias) if type(module) is registration.plain_layer else None
                 call = LayerCall(module, rule, reg, inputs[0], output, 0, read=read)
@@ -633,18 +632,6 @@ def _call_arguments(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
     if not kwargs:
         return args
     return (*args, *(value for name, value in kwargs.items() if not (transposed and name == "output_size")))
-
-
-def _activation_of_a_constant(module: nn.Module, inputs: tuple) -> bool:
-    """Whether ``module`` is one of torch's activation modules, called on one tensor that is no activation (computed
-    from parameters alone, or a constant): what it returns is computed from parameters alone too (or is a constant)."""
-    return (
-        isinstance(module, ACTIVATIONS)
-        and type(module).__module__.startswith("torch.nn.")
-        and len(inputs) == 1
-        and isinstance(inputs[0], torch.Tensor)
-        and not is_activation(inputs[0])
-    )
 
 
 def _ruled_in_forward(module: nn.Module) -> None:
