@@ -60,6 +60,7 @@ __all__ = [
     "pass_no_relevance",
     "mark_parameter_slots",
     "from_parameters_alone",
+    "mark_module_of_parameters_alone",
     "backward_keeps_graph",
     "is_batched_gradient",
     "is_plain_gradient",
@@ -482,6 +483,25 @@ def from_parameters_alone(tensor: torch.Tensor) -> bool:
             continue
         pending.extend(next_node for next_node, _ in node.next_functions)
     return True
+
+
+def mark_module_of_parameters_alone(args: tuple, output: Any) -> None:
+    """Mark ``output`` as computed from parameters alone where a module called on one tensor that is no activation
+    returned one whose history holds parameters alone (a time embedding's SiLU, a norm of a learned query: the
+    function modes do not see into them). A module that reads an activation beside its arguments returns one.
+
+    Examples:
+        >>> gamma, x = Parameter(torch.ones(3)), torch.ones(3, requires_grad=True)
+        >>> doubled = mark_parameter_derived((gamma,), gamma * 2)
+        >>> scale, y = torch.sigmoid(doubled), torch.sigmoid(x)
+        >>> mark_module_of_parameters_alone((doubled,), scale), mark_module_of_parameters_alone((x,), y)
+        (None, None)
+        >>> is_activation(scale), is_activation(y)  # y: of the explained input x, no parameter
+        (False, True)
+    """
+    one = len(args) == 1 and isinstance(args[0], torch.Tensor) and not is_activation(args[0])
+    if one and is_activation(output) and from_parameters_alone(output):
+        setattr(output, PARAMETER_DERIVED, True)
 
 
 # Methods whose tensor arguments after the first give only a shape, dtype or device (``w.type_as(x)``): what they

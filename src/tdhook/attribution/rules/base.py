@@ -26,7 +26,9 @@ import torch
 from torch import nn
 
 from tdhook.attribution.rules._autograd import (
+    PARAMETER_DERIVED,
     is_activation,
+    mark_module_of_parameters_alone,
     mark_parameter_derived,
     raise_for_vmap,
     relevance_pass_edges,
@@ -612,6 +614,15 @@ class Rule(Tunable):
                 # input is all it reads.
                 parameters = (inputs[0], *module.parameters(recurse=False))
                 mark_parameter_derived(parameters, output if result is None else result)
+            elif (
+                len(inputs) == 1
+                and isinstance(first := inputs[0], torch.Tensor)
+                and (not first.requires_grad or first.is_leaf or getattr(first, PARAMETER_DERIVED, False))
+            ):
+                # So does any other module of one constant (a time embedding's SiLU): the modes do not see into a
+                # module with a rule, and a product with what it computes would take it for an activation. (Asked
+                # here, not in a call: the input of most modules is an activation, which then costs no call.)
+                mark_module_of_parameters_alone(inputs, output if result is None else result)
             if one_input and registration.marks:
                 read = (module.weight, module.bias) if type(module) is registration.plain_layer else None
                 call = LayerCall(module, rule, reg, inputs[0], output, 0, read=read)

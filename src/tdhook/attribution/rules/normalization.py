@@ -41,6 +41,7 @@ from tdhook.attribution.rules._autograd import (
     hold,
     is_activation,
     is_held,
+    mark_module_of_parameters_alone,
     mark_parameter_derived,
     pass_no_relevance,
     raise_for_transformed_call,
@@ -396,6 +397,7 @@ class NormRule(Rule):
 
     def register(self, module: nn.Module) -> RemovableRuleHandle:
         def leave(mod: nn.Module, args: tuple, output: Any, mode: _ConstantScale | _PlainRun) -> None:
+            mark_module_of_parameters_alone(args, output)  # a norm of a constant (a time embedding's)
             if mode is _PLAIN_RUN:  # a later call, by the plan of a recorded one
                 note_output(output)
                 return
