@@ -19,7 +19,6 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -686,14 +685,21 @@ def _has_meta_weight(module: nn.Module) -> bool:
 def _mark(tensor: torch.Tensor, call: LayerCall) -> None:
     """Attach ``call`` to the layer's output and mark its autograd node as a layer boundary."""
     call.version = tensor._version
-    setattr(tensor, _LAYER_CALL, call)
     base = tensor._base  # F.linear's (..., out) view of its (M, out) product: marked too, for its other views
+    raw = call.raw
+    if tensor is raw or (base is not None and (base is raw or base is raw._base)):
+        # The tensor (or its base) holds the call, and would be held back by it: a cycle, which kept the layer's
+        # output and the graph behind it after the call. Whoever reads the call holds the tensor, and so ``raw``.
+        call.held_by_raw()
+    setattr(tensor, _LAYER_CALL, call)
     if base is not None and tensor.numel() == base.numel() and tensor.is_contiguous() and base.is_contiguous():
+        if tensor is raw:  # the base may outlive the view it holds the call for (see layer_call_of)
+            call.shape = tensor.shape
         setattr(base, _LAYER_CALL, call)
     if tensor.grad_fn is not None:
         tensor.grad_fn.metadata[_LAYER_MARK] = True
         # For a BatchNorm over a concatenation of layers' outputs; ``raw`` detached, so that the node holds no cycle.
-        tensor.grad_fn.metadata[LAYER_CALL] = replace(call, raw=call.raw.detach())
+        tensor.grad_fn.metadata[LAYER_CALL] = call.copy(raw=raw.detach())
 
 
 def output_seen_by_rule_alone(module: nn.Module, registration: Registration, output: torch.Tensor) -> bool:

@@ -10,6 +10,7 @@ Examples:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +56,6 @@ class Registration:
     plain_layer: type | None = None  # the class of a Linear or convolution layer with torch's own forward, else None
 
 
-@dataclass(eq=False)
 class LayerCall:
     """One call of a Linear or convolution layer, attached to the tensor its rule returned.
 
@@ -63,6 +63,11 @@ class LayerCall:
     :class:`MergeBatchNormRule`). ``observers`` are called with the merged
     layer's output when that happens, so that checks and inner-layer relevance
     see the output of the merged layer.
+
+    ``raw`` is the layer's output before its rule. Where the rule kept the plain gradient, the call is attached to
+    ``raw`` itself and holds it through a weak reference (see :meth:`held_by_raw`): a reference back to the tensor
+    that holds the call would make a cycle, which kept each layer's output and the autograd graph behind it alive
+    after the call, until the garbage collector's next full pass (or for good, through the base of a view).
 
     Examples:
         >>> from tdhook.attribution.rules import EpsilonRule
@@ -73,16 +78,78 @@ class LayerCall:
         (True, True)
     """
 
-    module: nn.Module
-    rule: Any  # the Rule whose rewrite returned the tensor (tdhook.attribution.rules.base imports this module)
-    registration: Registration
-    x: torch.Tensor
-    raw: torch.Tensor
-    version: int
-    observers: list = field(default_factory=list)
-    # The weight and bias the call read, for a layer with torch's own forward: a call with other parameters than
-    # the layer holds (``torch.func.functional_call``) has them back once it returns, before a BatchNorm merges.
-    read: tuple | None = None
+    __slots__ = ("module", "rule", "registration", "x", "_raw", "version", "observers", "read", "shape")
+
+    def __init__(
+        self,
+        module: nn.Module,
+        rule: Any,  # the Rule whose rewrite returned the tensor (tdhook.attribution.rules.base imports this module)
+        registration: Registration,
+        x: torch.Tensor,
+        raw: torch.Tensor,
+        version: int,
+        observers: list | None = None,
+        # The weight and bias the call read, for a layer with torch's own forward: a call with other parameters
+        # than the layer holds (``torch.func.functional_call``) has them back once it returns, before a BatchNorm
+        # merges.
+        read: tuple | None = None,
+    ) -> None:
+        self.module, self.rule, self.registration, self.x, self._raw = module, rule, registration, x, raw
+        self.version = version
+        self.observers = [] if observers is None else observers
+        self.read = read
+        # The shape of ``raw``, kept where the call is attached to the base of ``raw`` (a view): the base may
+        # outlive it.
+        self.shape: torch.Size | None = None
+
+    @property
+    def raw(self) -> torch.Tensor | None:
+        """The layer's output before its rule (``None`` once a weakly held one is gone)."""
+        raw = self._raw
+        return raw() if type(raw) is weakref.ref else raw
+
+    @raw.setter
+    def raw(self, value: torch.Tensor) -> None:
+        self._raw = value
+
+    def held_by_raw(self) -> LayerCall:
+        """This call, holding ``raw`` through a weak reference: for attaching to ``raw`` (or to its base), which
+        then keeps both alive.
+
+        Examples:
+            >>> call = LayerCall(nn.Linear(3, 2), None, Registration(None), torch.ones(1, 3), torch.ones(1, 2), 0)
+            >>> call.held_by_raw() is call, call.raw is None  # nothing else held that output
+            (True, True)
+        """
+        raw = self._raw
+        if type(raw) is not weakref.ref:
+            self._raw = weakref.ref(raw)
+        return self
+
+    def copy(self, **changes: Any) -> LayerCall:
+        """A copy with ``changes`` (``raw=...``), sharing ``observers``.
+
+        Examples:
+            >>> call = LayerCall(nn.Linear(3, 2), None, Registration(None), torch.ones(1, 3), torch.ones(1, 2), 0)
+            >>> other = call.copy(raw=torch.zeros(1, 2))
+            >>> other.observers is call.observers, other.raw.sum().item()
+            (True, 0.0)
+        """
+        raw = changes.pop("raw") if "raw" in changes else self.raw
+        copied = LayerCall(
+            self.module, self.rule, self.registration, self.x, raw, self.version, self.observers, self.read
+        )
+        copied.shape = self.shape
+        for name, value in changes.items():
+            setattr(copied, name, value)
+        return copied
+
+    def __repr__(self) -> str:
+        raw = self.raw
+        return (
+            f"LayerCall(module={self.module!r}, rule={self.rule!r}, x={tuple(self.x.shape)}, "
+            f"raw={None if raw is None else tuple(raw.shape)}, version={self.version})"
+        )
 
 
 @dataclass(eq=False)
@@ -132,6 +199,11 @@ def layer_call_of(tensor: Any) -> LayerCall | None:
         call = getattr(tensor, _LAYER_CALL, None)
     if call is None or call.version != tensor._version:
         return None
+    if call.raw is None:
+        # Attached to the base of the layer's output, a view that is gone since (``lin(x).reshape(-1, C)``): the same
+        # memory, unmodified, in that output's shape.
+        shape = call.shape
+        return call.copy(raw=tensor.view(shape)) if shape is not None and tensor.numel() == shape.numel() else None
     return call
 
 
