@@ -486,9 +486,8 @@ def from_parameters_alone(tensor: torch.Tensor) -> bool:
 
 
 def mark_module_of_parameters_alone(args: tuple, output: Any) -> None:
-    """Mark ``output`` as computed from parameters alone where a module called on one tensor that is no activation
-    returned one whose history holds parameters alone (a time embedding's SiLU, a norm of a learned query: the
-    function modes do not see into them). A module that reads an activation beside its arguments returns one.
+    """Mark ``output`` computed from parameters alone where a module called on one tensor that is no activation (a
+    time embedding's SiLU, a norm of a learned query: modes do not see into them) returned one of parameters alone.
 
     Examples:
         >>> gamma, x = Parameter(torch.ones(3)), torch.ones(3, requires_grad=True)
