@@ -707,3 +707,55 @@ def test_token_ids_indexing_the_input_units_of_a_linear_beside_their_embedding_a
     lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["ids"], out_keys=["y"])
     with pytest.raises(ValueError, match=r"input key 'ids' is embedded by 'embedding' and also indexes parameter 'mix"):
         lrp(TensorDict(ids=tokens, batch_size=[4]))
+
+
+class HeadRowsAdded(nn.Module):
+    """Rows of an ``nn.Linear``'s weight (``adapter``, of as many output units as there are tokens) picked by the
+    ids and added to their embedding (``how="added"``): an input of the model beside the embedding, as an adapter
+    on the embedding written with a linear layer adds, not output units; ``how="bias"``: the rows of its bias alone,
+    added to a score; ``how="scaled"``: the rows multiply the embedding, a constant factor of each token's signal."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.embedding = nn.Embedding(11, 6)
+        self.adapter = nn.Linear(6, 11)
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        embedded = self.embedding(ids)
+        if self.how == "added":
+            embedded = embedded + self.adapter.weight[ids]
+        elif self.how == "scaled":
+            embedded = embedded * self.adapter.weight[ids]
+        score = self.body(embedded).squeeze(-1)
+        return score + self.adapter.bias[ids] if self.how == "bias" else score
+
+
+@pytest.mark.parametrize("how", ["added", "bias"])
+def test_rows_of_a_linear_picked_by_the_ids_and_added_beside_the_embedding_are_refused_naming_them(how):
+    """Rows of an ``nn.Linear``'s weight or bias picked by the ids count as the layer's output units only where they
+    multiply a signal (a head's score): added to the embedding or the score, they are an input beside the embedding,
+    whose relevance was lost with no error (the ids' relevance summed up to 0.15 off the score, LRP-0)."""
+    torch.manual_seed(0)
+    net = HeadRowsAdded(how).to(F64)
+    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
+    lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["ids"], out_keys=["y"])
+    with pytest.raises(
+        ValueError, match=r"input key 'ids' is embedded by 'embedding' and also indexes parameter 'adapt"
+    ):
+        lrp(TensorDict(ids=tokens, batch_size=[4]))
+
+
+def test_rows_of_a_linear_picked_by_the_ids_that_scale_the_embedding_are_a_constant_factor_of_its_signal():
+    """Rows that multiply the embedding hold no relevance (a constant factor of a linear map): the ids get that of
+    their embeddings, gradient x input of the embedding output (LRP-0)."""
+    torch.manual_seed(0)
+    net = HeadRowsAdded("scaled").to(F64)
+    ids = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
+    lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["ids"], out_keys=["y"], target=lambda y: y)
+    td = lrp(TensorDict(ids=ids, batch_size=[4]))
+    embedded = net.embedding(ids).detach().requires_grad_(True)
+    out = net.body(embedded * net.adapter.weight[ids]).squeeze(-1)
+    (gradient,) = torch.autograd.grad(out, embedded, torch.ones_like(out))
+    assert relative_error(td["relevance", "ids"], (embedded * gradient).sum(-1).detach()) <= 1e-12

@@ -208,6 +208,14 @@ def _grad_fn(result: Any) -> Any:
     return next((t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
 
 
+def _viewed_node(result: Any) -> Any:
+    """For an in-place write into a view (``z[:, :3].mul_(h)``), the node of the tensor viewed, which records the
+    write (``CopySlices``): the model reads on from that tensor, and the relevance pass reaches that node, not the
+    view's own. ``None`` for a write into a tensor that is no view."""
+    base = result._base if isinstance(result, torch.Tensor) else None
+    return None if base is None else base.grad_fn
+
+
 def _graph_nodes(outputs: Sequence[torch.Tensor]) -> set:
     """Every autograd node the ``outputs`` depend on in the relevance pass (see
     :func:`~tdhook.attribution.rules._autograd.relevance_pass_edges`)."""
@@ -342,14 +350,16 @@ class NonlinearCalls(TorchFunctionMode):
             outputs = args[0] if args else kwargs.get("outputs", kwargs.get("tensors"))
             inputs = args[1] if func is torch.autograd.grad and len(args) > 1 else kwargs.get("inputs")
             self._raise_for_rules_in(func, outputs, inputs)
+        node = None
         if func in WRITES_IN_PLACE:
             result, args = _written_in_place(func, args, kwargs or {})
+            node = _viewed_node(result)
         else:
             result = mark_parameter_derived(args, func(*args, **(kwargs or {})), func)
         if torch._C._are_functorch_transforms_active():  # under torch.vmap: the tensors the graph holds
             self._record(func, _unwrapped_all(args), _unwrapped_all(result), kwargs)
         else:
-            self._record(func, args, result, kwargs)
+            self._record(func, args, result, kwargs, node)
         return result
 
     def _raise_for_rules_in(self, func: Any, outputs: Any, inputs: Any) -> None:
@@ -379,14 +389,17 @@ class NonlinearCalls(TorchFunctionMode):
             "taken through to no rule"
         )
 
-    def _record(self, func: Any, args: tuple, result: Any, kwargs: dict | None = None) -> None:
+    def _record(self, func: Any, args: tuple, result: Any, kwargs: dict | None = None, node: Any = None) -> None:
+        """Note the call ``func(*args, **kwargs)`` that returned ``result``, by the autograd node ``node`` (the
+        result's own by default) that tells whether the relevance pass reaches it."""
         if self._ruled_depth:
             return
+        node = _grad_fn(result) if node is None else node
         if kwargs:  # a product's factors, a function's input, given by keyword: where the function modes read them
             args, kwargs = positional_factors(func, args, kwargs)
         plain = self._plain_depth > 0
         if not plain and (detached_sum := self._straight_through.note(func, args, result, kwargs)) is not None:
-            self._calls.append((self._stack[-1] if self._stack else "", detached_sum, _grad_fn(result)))
+            self._calls.append((self._stack[-1] if self._stack else "", detached_sum, node))
             return
         if not _is_activation_result(result):
             return
@@ -394,7 +407,7 @@ class NonlinearCalls(TorchFunctionMode):
         if p and not any(mode.covers(func, args) for mode in self._covering):
             where = self._stack[-1] if self._stack else ""
             if draw(self._modules.get(where)) is None:  # a Dropout module (or one that draws) is warned of by name
-                self._dropouts.append((where, f"dropout (p={p})", _grad_fn(result)))
+                self._dropouts.append((where, f"dropout (p={p})", node))
             return
         if plain:  # in a module the caller mapped to IgnoreRule: the plain gradient it asked for, no call to report
             return
@@ -410,23 +423,23 @@ class NonlinearCalls(TorchFunctionMode):
                         if is_operator(func)
                         else _TRAINING_NORM
                     )
-                    self._calls.append((self._stack[-1] if self._stack else "", norm, _grad_fn(result)))
+                    self._calls.append((self._stack[-1] if self._stack else "", norm, node))
                 return
             if (layer := self._layer_outputs.get(getattr(args[0], "grad_fn", None) if args else None)) is not None:
                 name, rule = layer
                 function = f"batch_norm on the output of layer {name!r} ({type(rule).__name__})"
-                self._unmerged_norms.append((self._stack[-1] if self._stack else "", function, _grad_fn(result)))
+                self._unmerged_norms.append((self._stack[-1] if self._stack else "", function, node))
                 return
         name = _is_nonlinear_call(func, args, kwargs)
         if name is not None and not self._covers(func, args, kwargs):
-            self._calls.append((self._stack[-1] if self._stack else "", name, _grad_fn(result)))
+            self._calls.append((self._stack[-1] if self._stack else "", name, node))
         elif name is None and (form := self._unruled_form(func, args, kwargs or {})) is not None:
             call = f"{operator_name(func)} ({OPERATOR_FORM} {form})"
-            self._calls.append((self._stack[-1] if self._stack else "", call, _grad_fn(result)))
+            self._calls.append((self._stack[-1] if self._stack else "", call, node))
         elif name is not None and self._offset_product(name, args):
-            self._calls.append((self._stack[-1] if self._stack else "", OFFSET_PRODUCT, _grad_fn(result)))
+            self._calls.append((self._stack[-1] if self._stack else "", OFFSET_PRODUCT, node))
         elif name is None and (layer := self._layer_call(func, args, kwargs)) is not None:
-            call = (self._stack[-1] if self._stack else "", layer[0], _grad_fn(result))
+            call = (self._stack[-1] if self._stack else "", layer[0], node)
             self._layer_calls.append(call)
             if layer[0] == BROADCAST_PRODUCT and call[2] is not None:  # its sum is a layer's output, as x @ W's is
                 call[2].metadata[LAYER_MARK] = True

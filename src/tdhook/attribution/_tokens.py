@@ -37,6 +37,13 @@ from torch.utils.hooks import RemovableHandle
 from torchrl.envs.transforms import ToTensorImage
 
 from tdhook.attribution._bag_rows import bag_of_rows
+from tdhook.attribution._unit_rows import (
+    RowUse,
+    linear_parameters,
+    note_row_uses,
+    rows_of_output_units,
+    watch_rows,
+)
 from tdhook.attribution.rules._autograd import from_parameters_alone
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._linked_inputs import linked_input
@@ -73,9 +80,10 @@ class TokenInputs:
         self._leaves: list[torch.Tensor | None] = []
         self._fed: list[torch.Tensor | None] = []
         self._derived: list[tuple[int, str, str]] = []  # lookups of ids computed from a key: key, module, class
-        # Weights indexed by the ids (an embedding's own included), with the embeddings whose forward was running and
-        # whether the lookup picked their rows.
-        self._tables: list[tuple[int, torch.Tensor, tuple[str, ...], bool]] = []
+        # Weights indexed by the ids (an embedding's own included), with the embeddings whose forward was running and,
+        # where the lookup picked rows of a linear layer's weight or bias, how the forward used them.
+        self._tables: list[tuple[int, torch.Tensor, tuple[str, ...], RowUse | None]] = []
+        self._linear: frozenset[int] = frozenset()  # the ids of the parameters of the model's nn.Linear layers
         self._inside: list[str] = []  # the embeddings whose forward is running, by name
         self._modules: Mapping[str, nn.Module] = {}
 
@@ -127,6 +135,7 @@ class TokenInputs:
         """
         handles = []
         self._modules = modules
+        self._linear = linear_parameters(modules)
         for name, module in modules.items():
             if isinstance(module, nn.Embedding):
                 handles.append(module.register_forward_hook(self.embedding_hook(name), prepend=True, with_kwargs=True))
@@ -207,7 +216,7 @@ class TokenInputs:
         """
         if not self._ids:
             return contextlib.nullcontext()
-        return _DerivedTokens(self._ids, self._tables, self._inside)
+        return _DerivedTokens(self._ids, self._tables, self._inside, self._linear)
 
     def _entering(self, name: str) -> Callable[[nn.Module, tuple], None]:
         """A forward pre-hook for embedding ``name``: its forward runs (its hook, :meth:`_left`, ends it), and a lookup
@@ -226,27 +235,25 @@ class TokenInputs:
                 return
 
     def _looked_up_rightly(
-        self, index: int, table: torch.Tensor, inside: tuple[str, ...], rows: bool, leaves: list[torch.Tensor | None]
+        self,
+        index: int,
+        table: torch.Tensor,
+        inside: tuple[str, ...],
+        rows: RowUse | None,
+        leaves: list[torch.Tensor | None],
     ) -> bool:
         """Whether a lookup of ``table`` by the ids of embedded input ``index`` loses no relevance: the lookup of
         the embedding that embedded the input, inside its forward, or a choice of output units of a linear layer
         (:meth:`_output_units`)."""
         return self._looked_up_by_its_embedding(index, table, inside, leaves) or (
-            index < len(leaves) and leaves[index] is not None and rows and self._output_units(table)
+            index < len(leaves) and leaves[index] is not None and rows is not None and self._output_units(index, table)
         )
 
-    def _output_units(self, table: torch.Tensor) -> bool:
+    def _output_units(self, index: int, table: torch.Tensor) -> bool:
         """Whether ``table`` is the weight or the bias of an ``nn.Linear`` of the model, whose rows (looked up by
-        the ids) are that layer's output units: ``(h * head.weight[ids]).sum(-1)`` is ``head(h)`` without its bias,
-        gathered at ``ids``, which chooses the units explained (a target), not an input of the model, as in a
-        sequence's likelihood computed from the rows of its language-model head. The relevance reaches ``h``
-        through the product, and no share of it is held by the rows."""
-        return any(
-            value is table
-            for module in self._modules.values()
-            if isinstance(module, nn.Linear)
-            for value in module._parameters.values()
-        )
+        the ids) are that layer's output units, each use of them a factor of a signal (see
+        :func:`~tdhook.attribution._unit_rows.rows_of_output_units`)."""
+        return rows_of_output_units(index, table, self._modules, self._tables)
 
     def _looked_up_by_its_embedding(
         self, index: int, table: torch.Tensor, inside: tuple[str, ...], leaves: list[torch.Tensor | None]
@@ -473,15 +480,18 @@ class _DerivedTokens(TorchFunctionMode):
     def __init__(
         self,
         ids: Mapping[int, torch.Tensor],
-        tables: list[tuple[int, torch.Tensor, tuple[str, ...], bool]],
+        tables: list[tuple[int, torch.Tensor, tuple[str, ...], RowUse | None]],
         inside: list[str] | None = None,
+        linear: frozenset[int] = frozenset(),
     ) -> None:
         super().__init__()
         self._fed = {id(tokens): index for index, tokens in ids.items()}
         # (input, parameter, embeddings running, rows) of each parameter indexed by the ids (or ids carried on), rows
-        # where the lookup picked whole rows of it (its first dimension)
+        # (their uses) where the lookup picked whole rows (its first dimension) of a parameter of an nn.Linear
         self._tables = tables
         self._inside = [] if inside is None else inside
+        self._linear = linear  # the ids of the nn.Linear layers' parameters
+        self._watching = False  # whether rows of such a parameter were picked: their uses are then recorded
 
     def _source(self, values: Iterator[object]) -> int | None:
         for value in values:
@@ -501,14 +511,20 @@ class _DerivedTokens(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
+        if self._watching:
+            note_row_uses(name, args, kwargs, out)
         position = _LOOKUPS.get(name)
         if position is not None and len(args) > position and isinstance(args[position], torch.Tensor):
             with torch._C.DisableTorchFunction():
                 index = self._source(iter(a for i, a in enumerate(args) if i != position))
             # Whether the table is a weight is asked only of lookups by the ids: it may walk the table's history.
             if index is not None and _is_weight_table(args[position]):
+                rows = None
                 with torch._C.DisableTorchFunction():  # an inspection, which a function mode of the call must not see
-                    rows = _picks_rows(name, args, kwargs)
+                    if id(args[position]) in self._linear and _picks_rows(name, args, kwargs):
+                        rows = RowUse()
+                        watch_rows(out, rows)
+                        self._watching = True
                 self._tables.append((index, args[position], tuple(self._inside), rows))
         if name not in _WRITING and name not in _CARRYING:
             return out

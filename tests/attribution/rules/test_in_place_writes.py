@@ -128,3 +128,39 @@ def test_a_weight_overwriting_an_activation_gates_as_a_weight_under_the_cnn_pres
         out = net(leaf)
         (grad,) = torch.autograd.grad(out.gather(1, out.argmax(1, keepdim=True)).sum(), leaf)
         torch.testing.assert_close(ours, x * grad, rtol=1e-10, atol=1e-12)
+
+
+class ViewOfAWrittenBuffer(nn.Module):
+    """``lin2(row * h1[:, :3])`` with ``row`` the first three columns of a buffer: in place, ``row`` (a view of the
+    activation ``buf``) is overwritten whole with a weight, then ``buf += h1`` writes an activation into it, ``row``
+    included; out of place, ``row = w + h1[:, :3]``, an activation."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.lin0, self.lin1, self.lin2 = nn.Linear(4, 6), nn.Linear(4, 6), nn.Linear(3, 2)
+        self.vec = nn.Parameter(torch.randn(3))
+        self.in_place = in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h0, h1 = self.lin0(x), self.lin1(x)
+        if self.in_place:
+            buf = h0.clone()
+            row = buf[:, :3]
+            row.copy_(self.vec.expand_as(row))
+            buf.add_(h1)
+        else:
+            row = self.vec + h1[:, :3]
+        return self.lin2(row * h1[:, :3])
+
+
+@pytest.mark.parametrize("mapper", ["AttnLRP", "CPLRP"])  # (buf += h1 is a sum of two activations: stabilised)
+def test_a_view_overwritten_whole_stays_what_its_tensor_becomes(mapper: str):
+    """A view overwritten whole with a weight's values (``buf[:, :3].copy_(w)``) is part of its tensor, which later
+    writes reach: marked a weight, it kept that mark after ``buf += h1`` made it an activation, and its product with
+    ``h1`` was taken for a linear map (all of the relevance to one factor, 2x that of the same model out of place)."""
+    x = torch.randn(5, 4, dtype=F64)
+    torch.manual_seed(0)
+    expected = relevance(ViewOfAWrittenBuffer(in_place=False).to(F64), MAPPERS[mapper](), x)
+    torch.manual_seed(0)
+    ours = relevance(ViewOfAWrittenBuffer(in_place=True).to(F64), MAPPERS[mapper](), x)
+    torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-12)

@@ -305,3 +305,62 @@ def test_a_model_calling_them_runs_the_mode_on_every_call(monkeypatch):
             lrp(td(torch.randn(2, 2, 5, 2, dtype=F64)))
     assert lrp._norm_calls.found is True
     assert len(made) == 3
+
+
+class OwnForwardNorm(nn.Module):
+    """A norm of one's own (no BatchNorm) that calls ``F.batch_norm`` with ``norm``'s parameters and statistics."""
+
+    def __init__(self, norm: nn.BatchNorm2d) -> None:
+        super().__init__()
+        self.weight, self.bias, self.eps = norm.weight, norm.bias, norm.eps
+        self.register_buffer("running_mean", norm.running_mean.clone())
+        self.register_buffer("running_var", norm.running_var.clone())
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return F.batch_norm(z, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+
+
+class SwappedNorm(FunctionalNorm):
+    """:class:`FunctionalNorm` whose norm is the module ``bn``: torch's ``nn.BatchNorm2d`` (laid out by the module
+    hooks) until it is swapped for an :class:`OwnForwardNorm`."""
+
+    def __init__(self, head: str) -> None:
+        super().__init__("module", head)
+        self.bn = nn.BatchNorm2d(3, eps=EPS)
+
+    def norm(self, z: torch.Tensor) -> torch.Tensor:
+        return self.bn(z)
+
+    def swap(self) -> None:
+        self.bn = OwnForwardNorm(self.bn)
+
+
+@pytest.mark.parametrize("when", ["in the open context", "between contexts"])
+def test_a_norm_swapped_for_one_calling_them_after_the_first_call_gets_them_laid_out(when):
+    """The first call finds whether the model calls the norms as functions; a model whose norm is swapped for one
+    that calls ``F.batch_norm`` itself after that call (in the open context, between two, or between two calls of a
+    gradient method) is explained as a fresh wrapper explains it: LRP-0 is gradient x input, Saliency the gradient
+    (before: the later calls ran without the mode, 1.0 off, relative)."""
+    torch.manual_seed(0)
+    model = SwappedNorm("transpose").to(F64).eval()
+    model.bn.load_state_dict(
+        {"weight": model.weight, "bias": model.bias, "running_mean": model.mean, "running_var": model.var},
+        strict=False,
+    )
+    x = torch.randn(2, 2, 5, 2, dtype=F64, generator=torch.Generator().manual_seed(0))
+    lrp = LRP(model, rule_mapper=BaseRuleMapper(stabilizer=0.0), in_keys=["x"], out_keys=["y"], target=UNIT)
+    saliency = Saliency(model, in_keys=["x"], out_keys=["y"], target=UNIT, abs=False)
+    saliency(td(x))
+    with lrp:
+        lrp(td(x))
+        if when == "in the open context":
+            model.swap()
+            relevance = lrp(td(x))["relevance", "x"]
+    if when == "between contexts":
+        model.swap()
+        with lrp:
+            relevance = lrp(td(x))["relevance", "x"]
+    expected = finite_difference_gradient(model, x, UNIT)
+    assert expected.abs().max() > 1e-2
+    torch.testing.assert_close(relevance, x * expected, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(saliency(td(x))["attribution", "x"], expected, rtol=1e-6, atol=1e-8)

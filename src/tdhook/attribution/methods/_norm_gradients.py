@@ -63,7 +63,10 @@ def norm_gradients_laid_out(model: nn.Module, calls: NormFunctionCalls | None = 
     """
     handles = []
     try:
-        norm_gradient_hooks(model.modules(), handles=handles)  # listed as made: an interrupt leaves none
+        modules = list(model.modules())
+        if calls is not None:  # what the first call found holds for the same modules only
+            calls.follow(modules)
+        norm_gradient_hooks(modules, handles=handles)  # listed as made: an interrupt leaves none
         if calls is None or calls.found is False:
             yield
         else:

@@ -67,7 +67,8 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     in place from its parameters: ``torch.zeros(...)`` filled with a parameter's values), and unmarked where an
     activation is written into it. A write that replaces every element of ``args[0]`` (``copy_``, ``fill_``,
     ``zero_``, ``t[...] = v``) marks it by what is written alone: an activation overwritten with a weight's values is
-    a weight, as the weight itself is out of place.
+    a weight, as the weight itself is out of place; a view so written (``buf[:, :3].copy_(w)``) stays unmarked, as
+    later writes into the tensor it views reach it.
 
     After the write, the tensor has autograd history, and the plain test of
     :func:`~tdhook.attribution.rules._autograd.mark_parameter_derived` would take it for an activation (a product
@@ -106,10 +107,14 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     if base is not None:
         targets.append(base)
         constant.append(not base.requires_grad or bool(getattr(base, PARAMETER_DERIVED, False)))
-    # Every element replaced: the tensor (and a base it views whole) is what is written, whatever it was before.
-    # (The cheap tests first: most writes are an activation's, ``relu_``, ``out += identity``.)
+    # Every element replaced: the tensor, and a base it views whole, is what is written, whatever it was before. Not a
+    # view (``buf[:, :3].copy_(w)``): it shows its base, which later writes reach (``buf += h``) and the mark would not
+    # follow. (The cheap tests first: most writes are an activation's, ``relu_``, ``out += identity``.)
     if (func in _WHOLE_WRITES or (func is torch.Tensor.__setitem__ and _whole_key(args))) and not all(constant):
-        constant = [was or tensor.numel() == target.numel() for tensor, was in zip(targets, constant, strict=True)]
+        constant = [
+            was or (tensor._base is None and tensor.numel() == target.numel())
+            for tensor, was in zip(targets, constant, strict=True)
+        ]
     result = func(*args, **kwargs)
     # Those with autograd history now (a constant written into without gradient, in a rule's own work, has none).
     judged = [

@@ -116,6 +116,24 @@ class NormFunctionCalls:
 
     def __init__(self) -> None:
         self.found: bool | None = None
+        self._modules: tuple = ()
+
+    def follow(self, modules: list[nn.Module]) -> None:
+        """Forget what was found where the model's ``modules`` are not those of the call that found it (a norm
+        replaced by one that calls ``F.batch_norm`` itself): the next call finds it again.
+
+        Examples:
+            >>> calls, norm = NormFunctionCalls(), nn.BatchNorm2d(3)
+            >>> calls.follow([norm])
+            >>> calls.found = False
+            >>> calls.follow([norm]), calls.found
+            (None, False)
+            >>> calls.follow([nn.BatchNorm2d(3)]), calls.found
+            (None, None)
+        """
+        seen = tuple((id(module), type(module)) for module in modules)
+        if seen != self._modules:
+            self.found, self._modules = None, seen
 
 
 class NormFunctionLayouts(TorchFunctionMode):

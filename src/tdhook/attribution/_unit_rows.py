@@ -1,0 +1,177 @@
+"""Rows of a linear layer's weight picked by token ids: output units where they multiply a signal, an input otherwise.
+
+``(h * head.weight[ids]).sum(-1)`` is ``head(h)`` without its bias, gathered at ``ids``: the ids choose the units
+explained, and the rows, a constant factor of the signal ``h``, hold no relevance. The same rows added to an
+embedding (``embedding(ids) + adapter.weight[ids]``) are an input of the model beside the embedding, whose relevance
+would be lost. :class:`RowUse` records, for one lookup, how the forward used the rows it picked: as a factor of a
+signal, or otherwise; :func:`note_row_uses`, called by a function mode on every call, fills it in.
+
+Examples:
+    >>> weight, h = torch.nn.Parameter(torch.randn(5, 3)), torch.randn(2, 3, requires_grad=True) * 1
+    >>> use = RowUse()
+    >>> rows = weight[torch.tensor([1, 4])]
+    >>> watch_rows(rows, use)
+    >>> note_row_uses("__mul__", (h, rows), {}, h * rows)
+    >>> use.as_factor
+    True
+    >>> note_row_uses("__add__", (h, rows), {}, h + rows)
+    >>> use.as_factor
+    False
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from tdhook.attribution.rules._autograd import from_parameters_alone
+
+__all__ = ["RowUse", "linear_parameters", "note_row_uses", "rows_of_output_units", "watch_rows"]
+
+_ROWS = "_tdhook_rows_of_units"  # the RowUse of the rows a tensor is (a view or copy of)
+
+# Calls that give the rows another shape, layout or dtype (their first argument): what they return is the rows still.
+_SHAPING = frozenset(
+    {
+        "view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "flatten", "unflatten", "transpose",
+        "permute", "movedim", "t", "__get__", "to", "type_as", "contiguous", "clone", "detach", "__getitem__",
+        "narrow", "select", "view_as", "reshape_as", "float", "double", "half", "bfloat16",
+    }
+)  # fmt: skip
+# Products: the rows, one factor, multiply the other (a signal, where it is one).
+_PRODUCTS = frozenset(
+    {"mul", "__mul__", "__rmul__", "matmul", "__matmul__", "__rmatmul__", "bmm", "mm", "mv", "einsum", "linear"}
+)
+
+
+class RowUse:
+    """How a forward used the rows one lookup picked: ``factor``, whether a use multiplied a signal by them;
+    ``other``, whether another use read them (an addition, a layer's input).
+
+    Examples:
+        >>> RowUse().as_factor  # not used yet
+        False
+    """
+
+    def __init__(self) -> None:
+        self.factor = False
+        self.other = False
+
+    @property
+    def as_factor(self) -> bool:
+        """Whether the rows were used, and every use multiplied a signal by them."""
+        return self.factor and not self.other
+
+
+def watch_rows(rows: object, use: RowUse) -> None:
+    """Mark ``rows``, what a lookup returned, so that :func:`note_row_uses` records its uses in ``use``.
+
+    Examples:
+        >>> rows = torch.ones(2, 3)
+        >>> watch_rows(rows, RowUse())
+    """
+    if isinstance(rows, torch.Tensor):
+        setattr(rows, _ROWS, use)
+
+
+def _tensors(values: Iterator[object]) -> Iterator[torch.Tensor]:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _tensors(iter(value))
+
+
+def _is_signal(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is computed from the inputs: it requires grad, and is neither a parameter nor computed from
+    parameters alone."""
+    if not tensor.requires_grad:
+        return False
+    if tensor.grad_fn is None:
+        return not isinstance(tensor, nn.Parameter)
+    return not from_parameters_alone(tensor)
+
+
+def note_row_uses(name: str, args: tuple, kwargs: dict, out: object) -> None:
+    """Record, for a call of the function ``name`` on ``args`` and ``kwargs`` that returned ``out``, how it used the
+    rows watched (see :func:`watch_rows`) among its arguments: reshaped (``out`` is the rows still), a factor of a
+    signal, or another use. A call of a watched tensor as a template only (``h.expand_as(rows)``) is no use.
+
+    Examples:
+        >>> use, rows = RowUse(), torch.ones(2, 3)
+        >>> watch_rows(rows, use)
+        >>> note_row_uses("view", (rows, 6), {}, rows.view(6))
+        >>> use.factor, use.other
+        (False, False)
+    """
+    tensors = list(_tensors(iter((*args, *kwargs.values()))))
+    uses = [(tensor, getattr(tensor, _ROWS)) for tensor in tensors if hasattr(tensor, _ROWS)]
+    if not uses:
+        return
+    with torch._C.DisableTorchFunction():  # an inspection, which a function mode of the call must not see
+        if name in _SHAPING:
+            first = args[0] if args else None
+            use = getattr(first, _ROWS, None) if isinstance(first, torch.Tensor) else None
+            for result in out if isinstance(out, (list, tuple)) else (out,):
+                if use is not None:
+                    watch_rows(result, use)
+            return
+        signal = name in _PRODUCTS and any(_is_signal(t) for t in tensors if not hasattr(t, _ROWS))
+        for _, use in uses:
+            if signal:
+                use.factor = True
+            else:
+                use.other = True
+
+
+def linear_parameters(modules: Mapping[str, nn.Module]) -> frozenset[int]:
+    """The ids of the parameters of the ``nn.Linear`` layers among ``modules``: the tables whose rows' uses a lookup
+    by token ids watches.
+
+    Examples:
+        >>> layer = nn.Linear(2, 3)
+        >>> id(layer.weight) in linear_parameters({"head": layer, "embedding": nn.Embedding(4, 2)})
+        True
+    """
+    return frozenset(
+        id(value)
+        for module in modules.values()
+        if isinstance(module, nn.Linear)
+        for value in module._parameters.values()
+        if value is not None
+    )
+
+
+def rows_of_output_units(
+    index: int,
+    table: torch.Tensor,
+    modules: Mapping[str, nn.Module],
+    tables: Sequence[tuple[int, torch.Tensor, tuple[str, ...], RowUse | None]],
+) -> bool:
+    """Whether ``table``, looked up by the ids of input ``index``, is the weight or the bias of an ``nn.Linear`` among
+    ``modules`` whose rows are that layer's output units: ``(h * head.weight[ids]).sum(-1)`` is ``head(h)`` without
+    its bias, gathered at ``ids``, which chooses the units explained (a target), not an input of the model, as in a
+    sequence's likelihood computed from the rows of its language-model head. The relevance reaches ``h`` through the
+    product, and no share of it is held by the rows. So only where every lookup of the weight's rows by the ids
+    (``tables``: input, table, embeddings running, the rows' uses) had each use multiply a signal by them; the bias
+    counts with its weight. Rows added to the embedding or to a score (``embedding(ids) + adapter.weight[ids]``)
+    are an input beside the embedding, whose relevance would be lost.
+
+    Examples:
+        >>> head, use = nn.Linear(3, 5), RowUse()
+        >>> use.factor = True
+        >>> rows_of_output_units(0, head.bias, {"head": head}, [(0, head.weight, (), use)])
+        True
+        >>> use.other = True  # also added somewhere
+        >>> rows_of_output_units(0, head.bias, {"head": head}, [(0, head.weight, (), use)])
+        False
+    """
+    for module in modules.values():
+        if not isinstance(module, nn.Linear):
+            continue
+        if table is module.weight or table is module.bias:
+            uses = [rows for i, looked_up, _, rows in tables if i == index and looked_up is module.weight]
+            return bool(uses) and all(rows is not None and rows.as_factor for rows in uses)
+    return False
