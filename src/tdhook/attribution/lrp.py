@@ -343,7 +343,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             self._hooks.append(hide_from_copies(modules.values(), ours | {hook.id for hook in self._hooks}))
             # Plans for this context's rules; a module whose hooks are all its rule's and pausing ones may skip them.
             self._function_rule_plan = FunctionRulePlan(ours | {hook.id for hook in pausing}, self._hooks[-1].hook_ids)
-            self._norm_calls = NormFunctionCalls()  # found again by this context's first call: the model may differ
+            self._norm_calls.follow(list(modules.values()))  # found again where the model's modules changed
             self._hooks.append(self._function_rule_plan)  # puts back what an interrupt left without hooks, and more
             self._handles = handles
             self._candidates.clear()
