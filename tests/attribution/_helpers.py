@@ -15,6 +15,35 @@ from tdhook.attribution import LRP
 from tdhook.attribution.mappers.presets import EpsilonPlus
 
 
+def with_statistics(model: nn.Module) -> nn.Module:
+    """``model`` in float64 and eval mode, its BatchNorms given running statistics and affine parameters of their own
+    (merged, they then change the layer they fold into)."""
+    model = model.to(torch.float64)
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            with torch.no_grad():
+                module.running_mean.uniform_(-0.5, 0.5)
+                module.running_var.uniform_(0.5, 2.0)
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.uniform_(-0.5, 0.5)
+    return model.eval()
+
+
+def small_bn_cnn() -> nn.Module:
+    """Convolutions, one followed by a BatchNorm with statistics, and a Linear head, in float64 (seeded)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.Conv2d(6, 4, 3, stride=2),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 3 * 3, 5),
+    )
+    return with_statistics(model)
+
+
 def mlp(bias: bool = True) -> nn.Module:
     return nn.Sequential(
         nn.Linear(5, 16, bias=bias), nn.ReLU(), nn.Linear(16, 8, bias=bias), nn.ReLU(), nn.Linear(8, 3, bias=bias)

@@ -22,6 +22,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP, EpsilonPlus
+from tests.attribution._helpers import small_bn_cnn, with_statistics
 from tests.conftest import relative_error
 
 F64 = torch.float64
@@ -45,36 +46,9 @@ class LinearNorm(nn.Module):
         return self.head(flat.reshape(x.shape[0], -1, 3).relu())
 
 
-def small_cnn() -> nn.Module:
-    """Convolutions, one merged with a BatchNorm, and a Linear head, in float64."""
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 6, 3, padding=1),
-        nn.BatchNorm2d(6),
-        nn.ReLU(),
-        nn.Conv2d(6, 4, 3, stride=2),
-        nn.ReLU(),
-        nn.Flatten(),
-        nn.Linear(4 * 3 * 3, 5),
-    )
-    return _with_statistics(model)
-
-
 def linear_norm(keep_output: bool) -> nn.Module:
     torch.manual_seed(0)
-    return _with_statistics(LinearNorm(keep_output))
-
-
-def _with_statistics(model: nn.Module) -> nn.Module:
-    model = model.to(F64)
-    for module in model.modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            with torch.no_grad():
-                module.running_mean.uniform_(-0.5, 0.5)
-                module.running_var.uniform_(0.5, 2.0)
-                module.weight.uniform_(0.5, 1.5)
-                module.bias.uniform_(-0.5, 0.5)
-    return model.eval()
+    return with_statistics(LinearNorm(keep_output))
 
 
 @pytest.fixture
@@ -113,7 +87,7 @@ def gradient_times_input(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
-    "cnn": (small_cnn, (2, 3, 8, 8)),
+    "cnn": (small_bn_cnn, (2, 3, 8, 8)),
     "linear-norm": (lambda: linear_norm(keep_output=True), (2, 5, 4)),
     "linear-norm-temporary": (lambda: linear_norm(keep_output=False), (2, 5, 4)),
 }

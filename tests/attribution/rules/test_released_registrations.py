@@ -21,27 +21,10 @@ from torch import nn
 
 from tdhook.attribution import LRP, EpsilonAlpha2Beta1, EpsilonGammaBox, EpsilonPlus, EpsilonPlusFlat
 from tdhook.attribution.rules import AlphaBetaRule, GammaRule, Rule
+from tests.attribution._helpers import small_bn_cnn
 from tests.conftest import relative_error
 
 F64 = torch.float64
-
-
-def small_cnn() -> nn.Module:
-    """Convolutions, one merged with a BatchNorm, and a Linear head, in float64."""
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 6, 3, padding=1),
-        nn.BatchNorm2d(6),
-        nn.ReLU(),
-        nn.Conv2d(6, 4, 3, stride=2),
-        nn.ReLU(),
-        nn.Flatten(),
-        nn.Linear(4 * 3 * 3, 5),
-    ).to(F64)
-    with torch.no_grad():
-        model[1].running_mean.uniform_(-0.5, 0.5)
-        model[1].running_var.uniform_(0.5, 2.0)
-    return model.eval()
 
 
 def tensors_held_by(registration: object) -> list[torch.Tensor]:
@@ -113,7 +96,7 @@ MAPPERS: dict[str, tuple[Callable[[], object], int]] = {
 @pytest.mark.parametrize("mapper", sorted(MAPPERS))
 def test_a_context_frees_what_its_rules_held_when_it_exits(kept, mapper: str, create_graph: bool):
     make, copies = MAPPERS[mapper]
-    model = small_cnn()
+    model = small_bn_cnn()
     x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1), dtype=F64)
     with LRP(model, rule_mapper=make(), in_keys=["x"], out_keys=["y"], create_graph=create_graph) as lrp:
         first = lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"].detach()
@@ -127,7 +110,7 @@ def test_a_context_frees_what_its_rules_held_when_it_exits(kept, mapper: str, cr
 @pytest.mark.parametrize("mapper", sorted(MAPPERS))
 def test_a_call_outside_a_context_frees_what_its_rules_held(kept, mapper: str, monkeypatch):
     make, copies = MAPPERS[mapper]
-    model = small_cnn()
+    model = small_bn_cnn()
     x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1), dtype=F64)
     refs: list[tuple[weakref.ref, bool]] = []
     exit_context = LRP.__exit__
