@@ -652,14 +652,17 @@ class HeadRowsScore(nn.Module):
     next tokens' ids pick (``lookup``): ``(h[:, :-1] * out.weight[ids[:, 1:]]).sum(-1) + out.bias[ids[:, 1:]]``, by
     indexing, ``F.embedding`` or ``index_select``; ``"logits"`` computes the same as ``F.linear(h, out.weight,
     out.bias)`` gathered at the next tokens; ``"columns"`` indexes the head's input units by the ids instead, a
-    lookup of an input beside the embedding."""
+    lookup of an input beside the embedding. With ``tied=True`` the head's weight is the embedding's (weight tying,
+    as GPT-2 and most language models have it)."""
 
-    def __init__(self, lookup: str) -> None:
+    def __init__(self, lookup: str, tied: bool = False) -> None:
         super().__init__()
         self.lookup = lookup
         self.embedding = nn.Embedding(11, 6)
         self.body = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 6))
         self.out, self.mix = nn.Linear(6, 11), nn.Linear(11, 6)
+        if tied:
+            self.out.weight = self.embedding.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         embedded = self.embedding(ids)
@@ -677,14 +680,17 @@ class HeadRowsScore(nn.Module):
         return (h * rows).sum(-1) + self.out.bias[following]
 
 
+@pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("lookup", ["indexing", "embedding", "index_select"])
-def test_a_score_read_from_the_rows_of_a_linear_head_by_the_next_ids_is_explained_as_its_gathered_logits(lookup):
+def test_a_score_read_from_the_rows_of_a_linear_head_by_the_next_ids_is_explained_as_its_gathered_logits(lookup, tied):
     """The rows of an ``nn.Linear``'s weight that the ids pick are its output units: the score is the head's logits
     gathered at the next tokens, and the ids only choose what is explained. It was refused as a lookup beside the
     embedding; the ids get the relevance LRP-0 gives their embeddings in the same model written with ``F.linear``
-    then a gather (gradient × input), on every call of a context (the calls after the first are not tracked)."""
+    then a gather (gradient × input), on every call of a context (the calls after the first are not tracked).
+    With the head's weight tied to the embedding's, the embedding's own lookup of that weight (inside its forward,
+    its rows the model's input) is no use of the head's rows: the score was refused as a lookup beside it."""
     torch.manual_seed(0)
-    net = HeadRowsScore(lookup).to(F64)
+    net = HeadRowsScore(lookup, tied).to(F64)
     start = torch.rand(4, 4, dtype=F64, generator=torch.Generator().manual_seed(2))
     lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["ids"], out_keys=["y"], target=lambda y: start * y)
     with lrp:
@@ -713,13 +719,16 @@ class HeadRowsAdded(nn.Module):
     """Rows of an ``nn.Linear``'s weight (``adapter``, of as many output units as there are tokens) picked by the
     ids and added to their embedding (``how="added"``): an input of the model beside the embedding, as an adapter
     on the embedding written with a linear layer adds, not output units; ``how="bias"``: the rows of its bias alone,
-    added to a score; ``how="scaled"``: the rows multiply the embedding, a constant factor of each token's signal."""
+    added to a score; ``how="scaled"``: the rows multiply the embedding, a constant factor of each token's signal.
+    With ``tied=True`` the adapter's weight is the embedding's."""
 
-    def __init__(self, how: str) -> None:
+    def __init__(self, how: str, tied: bool = False) -> None:
         super().__init__()
         self.how = how
         self.embedding = nn.Embedding(11, 6)
         self.adapter = nn.Linear(6, 11)
+        if tied:
+            self.adapter.weight = self.embedding.weight
         self.body = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -732,26 +741,31 @@ class HeadRowsAdded(nn.Module):
         return score + self.adapter.bias[ids] if self.how == "bias" else score
 
 
+@pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("how", ["added", "bias"])
-def test_rows_of_a_linear_picked_by_the_ids_and_added_beside_the_embedding_are_refused_naming_them(how):
+def test_rows_of_a_linear_picked_by_the_ids_and_added_beside_the_embedding_are_refused_naming_them(how, tied):
     """Rows of an ``nn.Linear``'s weight or bias picked by the ids count as the layer's output units only where they
     multiply a signal (a head's score): added to the embedding or the score, they are an input beside the embedding,
-    whose relevance was lost with no error (the ids' relevance summed up to 0.15 off the score, LRP-0)."""
+    whose relevance was lost with no error (the ids' relevance summed up to 0.15 off the score, LRP-0). So with the
+    weight tied to the embedding's too: the embedding's own lookup of it does not make the others its own."""
     torch.manual_seed(0)
-    net = HeadRowsAdded(how).to(F64)
+    net = HeadRowsAdded(how, tied).to(F64)
     tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
     lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["ids"], out_keys=["y"])
+    weight = "embedding.weight" if tied and how == "added" else "adapter."
     with pytest.raises(
-        ValueError, match=r"input key 'ids' is embedded by 'embedding' and also indexes parameter 'adapt"
+        ValueError, match=rf"input key 'ids' is embedded by 'embedding' and also indexes parameter '{weight}"
     ):
         lrp(TensorDict(ids=tokens, batch_size=[4]))
 
 
-def test_rows_of_a_linear_picked_by_the_ids_that_scale_the_embedding_are_a_constant_factor_of_its_signal():
+@pytest.mark.parametrize("tied", [False, True])
+def test_rows_of_a_linear_picked_by_the_ids_that_scale_the_embedding_are_a_constant_factor_of_its_signal(tied):
     """Rows that multiply the embedding hold no relevance (a constant factor of a linear map): the ids get that of
-    their embeddings, gradient x input of the embedding output (LRP-0)."""
+    their embeddings, gradient x input of the embedding output (LRP-0). With the weight tied to the embedding's, the
+    embedding's output was taken for more rows of it, no signal, and the product refused."""
     torch.manual_seed(0)
-    net = HeadRowsAdded("scaled").to(F64)
+    net = HeadRowsAdded("scaled", tied).to(F64)
     ids = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
     lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["ids"], out_keys=["y"], target=lambda y: y)
     td = lrp(TensorDict(ids=ids, batch_size=[4]))

@@ -84,6 +84,7 @@ class TokenInputs:
         # where the lookup picked rows of a linear layer's weight or bias, how the forward used them.
         self._tables: list[tuple[int, torch.Tensor, tuple[str, ...], RowUse | None]] = []
         self._linear: frozenset[int] = frozenset()  # the ids of the parameters of the model's nn.Linear layers
+        self._embedded: frozenset[int] = frozenset()  # the ids of the embeddings' own weights
         self._inside: list[str] = []  # the embeddings whose forward is running, by name
         self._modules: Mapping[str, nn.Module] = {}
 
@@ -136,6 +137,7 @@ class TokenInputs:
         handles = []
         self._modules = modules
         self._linear = linear_parameters(modules)
+        self._embedded = _embedding_weights(modules)
         for name, module in modules.items():
             if isinstance(module, nn.Embedding):
                 handles.append(module.register_forward_hook(self.embedding_hook(name), prepend=True, with_kwargs=True))
@@ -216,7 +218,7 @@ class TokenInputs:
         """
         if not self._ids:
             return contextlib.nullcontext()
-        return _DerivedTokens(self._ids, self._tables, self._inside, self._linear)
+        return _DerivedTokens(self._ids, self._tables, self._inside, self._linear, self._embedded)
 
     def _entering(self, name: str) -> Callable[[nn.Module, tuple], None]:
         """A forward pre-hook for embedding ``name``: its forward runs (its hook, :meth:`_left`, ends it), and a lookup
@@ -246,14 +248,18 @@ class TokenInputs:
         the embedding that embedded the input, inside its forward, or a choice of output units of a linear layer
         (:meth:`_output_units`)."""
         return self._looked_up_by_its_embedding(index, table, inside, leaves) or (
-            index < len(leaves) and leaves[index] is not None and rows is not None and self._output_units(index, table)
+            rows is not None and self._output_units(index, table, leaves)
         )
 
-    def _output_units(self, index: int, table: torch.Tensor) -> bool:
+    def _output_units(self, index: int, table: torch.Tensor, leaves: list[torch.Tensor | None]) -> bool:
         """Whether ``table`` is the weight or the bias of an ``nn.Linear`` of the model, whose rows (looked up by
         the ids) are that layer's output units, each use of them a factor of a signal (see
-        :func:`~tdhook.attribution._unit_rows.rows_of_output_units`)."""
-        return rows_of_output_units(index, table, self._modules, self._tables)
+        :func:`~tdhook.attribution._unit_rows.rows_of_output_units`); not the embedding's own lookup of a weight tied
+        to the layer's (a language model's head sharing the embedding's table), which is no use of the layer's rows."""
+        if index >= len(leaves) or leaves[index] is None:
+            return False
+        lookups = [entry for entry in self._tables if not self._looked_up_by_its_embedding(*entry[:3], leaves)]
+        return rows_of_output_units(index, table, self._modules, lookups)
 
     def _looked_up_by_its_embedding(
         self, index: int, table: torch.Tensor, inside: tuple[str, ...], leaves: list[torch.Tensor | None]
@@ -483,6 +489,7 @@ class _DerivedTokens(TorchFunctionMode):
         tables: list[tuple[int, torch.Tensor, tuple[str, ...], RowUse | None]],
         inside: list[str] | None = None,
         linear: frozenset[int] = frozenset(),
+        embedded: frozenset[int] = frozenset(),
     ) -> None:
         super().__init__()
         self._fed = {id(tokens): index for index, tokens in ids.items()}
@@ -491,6 +498,9 @@ class _DerivedTokens(TorchFunctionMode):
         self._tables = tables
         self._inside = [] if inside is None else inside
         self._linear = linear  # the ids of the nn.Linear layers' parameters
+        # The ids of the embeddings' weights: one tied to a Linear's (a language model's head) and looked up inside an
+        # embedding is that embedding's lookup, whose rows are the model's input, not the layer's output units.
+        self._embedded = embedded
         self._watching = False  # whether rows of such a parameter were picked: their uses are then recorded
 
     def _source(self, values: Iterator[object]) -> int | None:
@@ -521,7 +531,9 @@ class _DerivedTokens(TorchFunctionMode):
             if index is not None and _is_weight_table(args[position]):
                 rows = None
                 with torch._C.DisableTorchFunction():  # an inspection, which a function mode of the call must not see
-                    if id(args[position]) in self._linear and _picks_rows(name, args, kwargs):
+                    table = id(args[position])
+                    own = self._inside and table in self._embedded
+                    if table in self._linear and not own and _picks_rows(name, args, kwargs):
                         rows = RowUse()
                         watch_rows(out, rows)
                         self._watching = True
@@ -562,6 +574,19 @@ def _is_weight_table(table: object) -> bool:
         if isinstance(table, nn.Parameter) or isinstance(table._base, nn.Parameter):
             return True
         return table.grad_fn is not None and from_parameters_alone(table)
+
+
+def _embedding_weights(modules: Mapping[str, nn.Module]) -> frozenset[int]:
+    """The ids of the weights of the ``nn.Embedding`` and ``nn.EmbeddingBag`` layers among ``modules``.
+
+    Examples:
+        >>> embedding = nn.Embedding(4, 2)
+        >>> id(embedding.weight) in _embedding_weights({"embedding": embedding, "head": nn.Linear(2, 4)})
+        True
+    """
+    return frozenset(
+        id(module.weight) for module in modules.values() if isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+    )
 
 
 def _picks_rows(name: str, args: tuple, kwargs: dict) -> bool:
