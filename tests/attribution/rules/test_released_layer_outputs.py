@@ -22,6 +22,9 @@ from tensordict import TensorDict
 from torch import nn
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP, EpsilonPlus
+from tdhook.attribution.mappers.base import BaseRuleMapper
+from tdhook.attribution.rules import EpsilonRule
+from tdhook.attribution.rules._autograd import scale_gradient
 from tests.attribution._helpers import small_bn_cnn, with_statistics
 from tests.conftest import relative_error
 
@@ -149,3 +152,27 @@ def test_a_norm_merges_into_a_layer_whose_output_is_gone(mapper):
         )
     assert relative_error(results[1], results[0]) <= 1e-12
     assert relative_error(results[1], gradient_times_input(model, x)) <= 1e-12
+
+
+class ViewEpsilonRule(EpsilonRule):
+    """The ε-rule of a rule of one's own that returns its output rescaled through :func:`scale_gradient`: a view of
+    the layer's output, which over tokens is itself a view of the layer's product (a sibling view of one base)."""
+
+    def rewrite(self, module, registration, inputs, output):
+        return scale_gradient(output, self._scale(output, 1))
+
+
+@pytest.mark.parametrize("keep_output", [True, False], ids=["kept", "temporary"])
+def test_a_norm_merges_into_a_layer_whose_rule_returns_a_view_of_its_output(keep_output):
+    """A layer's rule of one's own that returns a view of the layer's output over tokens (``scale_gradient``) left its
+    record holding that output weakly, attached to the view and the base neither of which holds it: once the output
+    was gone, the BatchNorm after it found no layer to merge into and took its own ε-rule (0.72 off the same rule
+    returning a fresh tensor, relative L2, ε = 0.5). It merges as with the built-in ε-rule."""
+    x = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(1), dtype=F64)
+    results = []
+    for rule in (EpsilonRule(epsilon=0.5), ViewEpsilonRule(epsilon=0.5)):
+        model = linear_norm(keep_output)
+        mapper = BaseRuleMapper(rule_mapper={nn.Linear: rule}, stabilizer=0.5)
+        results.append(explain(model, LRP(model, rule_mapper=mapper, in_keys=["x"], out_keys=["y"], target=0), x))
+    assert relative_error(results[1], results[0]) <= 1e-12
+    assert relative_error(results[0], gradient_times_input(linear_norm(keep_output), x)) > 1e-3  # the ε-rule tells

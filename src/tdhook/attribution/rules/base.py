@@ -693,8 +693,10 @@ def _mark(tensor: torch.Tensor, call: LayerCall) -> None:
         call.held_by_raw()
     setattr(tensor, _LAYER_CALL, call)
     if base is not None and tensor.numel() == base.numel() and tensor.is_contiguous() and base.is_contiguous():
-        if tensor is raw:  # the base may outlive the view it holds the call for (see layer_call_of)
-            call.shape = tensor.shape
+        if tensor is raw or (base is raw._base and raw.is_contiguous() and raw.numel() == base.numel()):
+            # The base may outlive ``raw``, a view of it: so may the tensor, a view of that base too (the view a
+            # rule's ``scale_gradient`` returns), which does not hold ``raw`` (see layer_call_of).
+            call.shape = raw.shape
         setattr(base, _LAYER_CALL, call)
     if tensor.grad_fn is not None:
         tensor.grad_fn.metadata[_LAYER_MARK] = True

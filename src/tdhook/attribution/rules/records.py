@@ -200,10 +200,11 @@ def layer_call_of(tensor: Any) -> LayerCall | None:
     if call is None or call.version != tensor._version:
         return None
     if call.raw is None:
-        # Attached to the base of the layer's output, a view that is gone since (``lin(x).reshape(-1, C)``): the same
-        # memory, unmodified, in that output's shape.
-        shape = call.shape
-        return call.copy(raw=tensor.view(shape)) if shape is not None and tensor.numel() == shape.numel() else None
+        # Attached to the base of the layer's output, a view that is gone since (``lin(x).reshape(-1, C)``), or to a
+        # view of that base that the rule returned: the same memory, unmodified, read from the base (the layer's own
+        # history, not the rule's) in that output's shape.
+        shape, base = call.shape, tensor if tensor._base is None else tensor._base
+        return call.copy(raw=base.view(shape)) if shape is not None and base.numel() == shape.numel() else None
     return call
 
 
