@@ -364,3 +364,35 @@ def test_a_norm_swapped_for_one_calling_them_after_the_first_call_gets_them_laid
     assert expected.abs().max() > 1e-2
     torch.testing.assert_close(relevance, x * expected, rtol=1e-6, atol=1e-8)
     torch.testing.assert_close(saliency(td(x))["attribution", "x"], expected, rtol=1e-6, atol=1e-8)
+
+
+class UnregisteredNorm(FunctionalNorm):
+    """:class:`FunctionalNorm` whose norm is torch's ``nn.BatchNorm2d`` kept out of the model's modules (in its
+    ``__dict__``, as a frozen network is kept out of the state dict): no module hook of a wrapper reaches it."""
+
+    def __init__(self, head: str) -> None:
+        super().__init__("module", head)
+        self.__dict__["bn"] = nn.BatchNorm2d(3, eps=EPS)
+
+    def norm(self, z: torch.Tensor) -> torch.Tensor:
+        return self.__dict__["bn"](z)
+
+
+def test_a_torch_norm_that_is_no_module_of_the_model_gets_its_gradient_laid_out_on_every_call():
+    """A torch ``BatchNorm2d`` outside the model's modules carries no layout hook: its kernel call is one of the
+    model's own, laid out by the mode on every call. It was taken for a norm module the hooks cover, so the first call
+    (which runs the mode) was right and the later ones misread (LRP-0 and Saliency 1.0 off, relative)."""
+    torch.manual_seed(0)
+    model = UnregisteredNorm("transpose").to(F64).eval()
+    model.__dict__["bn"].to(F64).eval().load_state_dict(
+        {"weight": model.weight, "bias": model.bias, "running_mean": model.mean, "running_var": model.var},
+        strict=False,
+    )
+    x = torch.randn(2, 2, 5, 2, dtype=F64, generator=torch.Generator().manual_seed(0))
+    expected = finite_difference_gradient(model, x, UNIT)
+    assert expected.abs().max() > 1e-2
+    saliency = Saliency(model, in_keys=["x"], out_keys=["y"], target=UNIT, abs=False)
+    relevances = lrp_relevances(model, BaseRuleMapper(stabilizer=0.0), [x, x])
+    for call in range(2):
+        torch.testing.assert_close(saliency(td(x))["attribution", "x"], expected, rtol=1e-6, atol=1e-8)
+        torch.testing.assert_close(relevances[call], x * expected, rtol=1e-6, atol=1e-8)

@@ -74,16 +74,20 @@ _FRAMES = 64  # Python frames walked up at most, to the innermost module call
 
 
 def _in_torch_norm_module() -> bool:
-    """Whether the call in progress runs in the forward of a BatchNorm or InstanceNorm whose forward is torch's own:
-    the innermost module call on the Python stack. Its output is the call's, and the module hooks lay it out."""
+    """Whether the call in progress runs in the forward of a BatchNorm or InstanceNorm whose forward is torch's own
+    (the innermost module call on the Python stack), and that has forward hooks: its output is the call's, and the
+    module hooks lay it out. A norm that is no module of the model (held in a list, or kept out of its state dict)
+    has none of them."""
     frame = sys._getframe(1)
     for _ in range(_FRAMES):
         if frame is None:
             return False
         if frame.f_code is _CALL:
             module = frame.f_locals.get("self")
-            return isinstance(module, BATCH_NORM_KERNEL_USERS) and type(module).forward.__module__.startswith(
-                "torch.nn."
+            return (
+                isinstance(module, BATCH_NORM_KERNEL_USERS)
+                and type(module).forward.__module__.startswith("torch.nn.")
+                and bool(module._forward_hooks)
             )
         frame = frame.f_back
     return False
