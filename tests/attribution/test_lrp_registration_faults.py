@@ -91,14 +91,14 @@ class Checked(nn.Module):
         return None
 
 
-def cnn_case() -> tuple[nn.Module, Callable[[], LRP], Callable[[], TensorDict], str]:
+def cnn_case() -> tuple[nn.Module, Callable[[], LRP], Callable[[], TensorDict]]:
     model = small_bn_cnn()
     x = torch.randn(2, 3, 8, 8, dtype=F64, generator=torch.Generator().manual_seed(1))
 
     def wrapper() -> LRP:
         return LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"], layers=["0", "3"], relevance_check=Checked())
 
-    return model, wrapper, lambda: TensorDict(x=x.clone(), batch_size=[2]), "x"
+    return model, wrapper, lambda: TensorDict(x=x.clone(), batch_size=[2])
 
 
 class TokenClassifier(nn.Module):
@@ -124,7 +124,7 @@ class TokenClassifier(nn.Module):
         return self.model(input_ids=ids, attention_mask=mask).logits
 
 
-def bert_case() -> tuple[nn.Module, Callable[[], LRP], Callable[[], TensorDict], str]:
+def bert_case() -> tuple[nn.Module, Callable[[], LRP], Callable[[], TensorDict]]:
     model = TokenClassifier()
     ids = torch.randint(1, 32, (2, 5), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 5, dtype=torch.long)
@@ -134,10 +134,10 @@ def bert_case() -> tuple[nn.Module, Callable[[], LRP], Callable[[], TensorDict],
     def wrapper() -> LRP:
         return LRP(policy, AttnLRP(), in_keys=["ids"])
 
-    return model, wrapper, lambda: TensorDict(ids=ids.clone(), mask=mask.clone(), batch_size=[2]), "ids"
+    return model, wrapper, lambda: TensorDict(ids=ids.clone(), mask=mask.clone(), batch_size=[2])
 
 
-def actor_case() -> tuple[nn.Module, Callable[[], LRP], Callable[[], TensorDict], str]:
+def actor_case() -> tuple[nn.Module, Callable[[], LRP], Callable[[], TensorDict]]:
     torchrl = pytest.importorskip("torchrl")
     from torchrl.data import Bounded
 
@@ -156,7 +156,7 @@ def actor_case() -> tuple[nn.Module, Callable[[], LRP], Callable[[], TensorDict]
         torch.manual_seed(2)  # each call draws the same noise
         return TensorDict(observation=observation.clone(), batch_size=[3])
 
-    return policy, wrapper, inputs, "observation"
+    return policy, wrapper, inputs
 
 
 class CachedStep(nn.Module):
@@ -171,7 +171,7 @@ class CachedStep(nn.Module):
         return self.step(x, past_key_values=self.cache)
 
 
-def cache_case() -> tuple[nn.Module, Callable[[], LRP], Callable[[], TensorDict], str]:
+def cache_case() -> tuple[nn.Module, Callable[[], LRP], Callable[[], TensorDict]]:
     model = CachedStep()
     x = torch.randn(2, 3, dtype=F64, generator=torch.Generator().manual_seed(1))
 
@@ -179,7 +179,7 @@ def cache_case() -> tuple[nn.Module, Callable[[], LRP], Callable[[], TensorDict]
         model.cache.keys = torch.zeros(2, 0, dtype=F64)  # each call is handed an empty cache
         return TensorDict(x=x.clone(), batch_size=[2])
 
-    return model, lambda: LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"]), inputs, "x"
+    return model, lambda: LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"]), inputs
 
 
 CASES = {
@@ -220,7 +220,7 @@ def assert_same_tensordict(before: dict, td: TensorDictBase, where: str | None) 
 @pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_failing_registration_while_entering_leaves_no_hook_and_the_next_context_works(case: str, error: type):
-    model, wrapper, inputs, _ = CASES[case]()
+    model, wrapper, inputs = CASES[case]()
     expected = relevance(wrapper()(inputs()))  # a fresh wrapper's relevance
     lrp = wrapper()
     before, before_global = module_state(model), global_state()
@@ -271,7 +271,7 @@ CALLS = [
 
 @pytest.mark.parametrize("case, mode", CALLS)
 def test_a_failing_registration_during_a_call_leaves_model_and_tensordict_as_before(case: str, mode: str):
-    model, wrapper, inputs, _ = CASES[case]()
+    model, wrapper, inputs = CASES[case]()
     expected = expected_relevance(wrapper, inputs, mode)
     lrp = wrapper()
     before_global = global_state()
@@ -366,7 +366,7 @@ def test_a_call_failing_in_the_model_or_its_backward_writes_nothing_and_the_next
     """The model raising in the forward pass (at its k-th module call), or a hook raising in the backward pass (at
     its k-th run), in an open context: the caller's TensorDict is as it was, and the context's next call gives the
     relevance of a fresh wrapper."""
-    model, wrapper, inputs, _ = CASES[case]()
+    model, wrapper, inputs = CASES[case]()
     expected = relevance(wrapper()(inputs()))
     lrp = wrapper()
     before_global, (injected, error) = global_state(), FAILURES[failure]
