@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -52,8 +52,7 @@ class CacheWatch:
     def __init__(self, receivers: list[nn.Module]) -> None:
         self.receivers = receivers
         self._call = threading.local()  # ``caches``: those of this thread's call, where one is on
-        self.handles = [module.register_forward_pre_hook(self._handed, with_kwargs=True) for module in receivers]
-        self.handles += [module.register_forward_hook(self._returned, with_kwargs=True) for module in receivers]
+        self.handles = _noting_hooks(receivers, self._handed, self._returned)
 
     def _handed(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         caches = getattr(self._call, "caches", None)
@@ -89,13 +88,15 @@ def caches_detached(
         return
     caches: dict[int, Any] = {}
     outer = getattr(ACTIVE_WATCH, "notes", None), getattr(ACTIVE_WATCH, "kept", None)  # a wrapper in the model
+    handles: list = []
     if watch is not None and watch.receivers is receivers:
-        handles = []
         outer_call, watch._call.caches = getattr(watch._call, "caches", None), caches
     else:
-        handles, outer_call, watch = _own_hooks(receivers, caches), None, None
-    ACTIVE_WATCH.notes, ACTIVE_WATCH.kept = caches, None
+        outer_call, watch = None, None
     try:
+        if watch is None:
+            handles += _own_hooks(receivers, caches)  # one line: all of them, or none where a registration fails
+        ACTIVE_WATCH.notes, ACTIVE_WATCH.kept = caches, None
         yield
     finally:
         ACTIVE_WATCH.notes, ACTIVE_WATCH.kept = outer
@@ -122,8 +123,24 @@ def _own_hooks(receivers: list[nn.Module], caches: dict[int, Any]) -> list:
         if threading.get_ident() == thread:
             _note(caches, _returned_values(output))
 
-    handles = [module.register_forward_pre_hook(handed, with_kwargs=True) for module in receivers]
-    return handles + [module.register_forward_hook(returned, with_kwargs=True) for module in receivers]
+    return _noting_hooks(receivers, handed, returned)
+
+
+def _noting_hooks(receivers: list[nn.Module], handed: Callable, returned: Callable) -> list:
+    """A forward pre-hook ``handed`` and a forward hook ``returned`` (both given the keyword arguments) on each of
+    ``receivers``: all of them, or none where a registration fails (an error, an interrupt)."""
+    handles: list = []
+    try:
+        for module in receivers:
+            handles.append(module.register_forward_pre_hook(handed, with_kwargs=True))
+        for module in receivers:
+            handles.append(module.register_forward_hook(returned, with_kwargs=True))
+        return handles  # inside the try: an interrupt before the return leaves no hook
+    except BaseException:
+        while handles:  # each listed until it is removed (removing again does nothing)
+            handles[-1].remove()
+            handles.pop()
+        raise
 
 
 def detach_cache(cache: Any) -> None:

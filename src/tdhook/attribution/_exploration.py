@@ -49,10 +49,11 @@ def _tensordict(args: tuple, kwargs: dict) -> TensorDictBase | None:
     return found if isinstance(found, TensorDictBase) else None
 
 
-def perturbation_held_constant(modules: Mapping[str, nn.Module]) -> list[RemovableHandle]:
+def perturbation_held_constant(modules: Mapping[str, nn.Module], into: list | None = None) -> list[RemovableHandle]:
     """Make every perturbing exploration step among ``modules`` write its action with the gradient of the action
-    it read; the returned hook handles end it."""
-    hooks: list[RemovableHandle] = []
+    it read; the returned hook handles end it. With ``into``, each handle is appended to it as soon as its hook is
+    registered (a registration that fails then leaves none unlisted), and ``into`` is returned."""
+    hooks: list[RemovableHandle] = [] if into is None else into
     for module in modules.values():
         if not isinstance(module, _PERTURBING):
             continue

@@ -226,8 +226,10 @@ class KeptCaches:
             finally:
                 ACTIVE_WATCH.kept = outer
             return
-        handles = [module.register_forward_pre_hook(self._note, with_kwargs=True) for module in self.receivers]
+        handles = []
         try:
+            for module in self.receivers:  # each listed as it is made: a registration that fails leaves none
+                handles.append(module.register_forward_pre_hook(self._note, with_kwargs=True))
             yield
         finally:
             for handle in handles:

@@ -165,19 +165,26 @@ class LayerRelevance:
 
         return hook
 
-    def register(self, modules: Mapping[str, nn.Module], names: Iterable[str]) -> list[RemovableHandle]:
+    def register(
+        self, modules: Mapping[str, nn.Module], names: Iterable[str], into: list | None = None
+    ) -> list[RemovableHandle]:
         """Watch the modules ``names`` (:meth:`hook`), each found under any name the model holds it under.
 
         Args:
             modules: the model's modules by name (the model itself at ``""``).
             names: the names ``layers`` gives, in order.
+            into: where each handle goes as soon as its hook is registered (a new list by default), so that a
+                registration that fails (an error, an interrupt) leaves none unlisted.
 
         Returns:
-            The hooks' handles.
+            The hooks' handles: ``into``.
         """
+        handles = [] if into is None else into
         names = list(names)
         every = every_named_module(modules[""]) if names else {}
-        return [every[name].register_forward_hook(self.hook(name)) for name in names]
+        for name in names:
+            handles.append(every[name].register_forward_hook(self.hook(name)))
+        return handles
 
     def clear(self) -> None:
         """Forget every watched output, before and after a call, and remove the gradient hooks put on them: a hook

@@ -36,13 +36,15 @@ from tdhook.attribution.rules._meta_tensors import meta_tensor_hooks
 __all__ = ["module_hooks"]
 
 
-def module_hooks(modules: Mapping[str, nn.Module]) -> list[RemovableHandle]:
-    """Every hook of the module docstring that applies to ``modules`` (the model's modules by name)."""
-    return [
-        *agent_by_agent(modules),
-        *perturbation_held_constant(modules),
-        *statistics_held_constant(modules),
-        *caller_values(modules),
-        *refuse_bypassing_backends(modules),
-        *meta_tensor_hooks(modules),
-    ]
+def module_hooks(modules: Mapping[str, nn.Module], into: list | None = None) -> list[RemovableHandle]:
+    """Every hook of the module docstring that applies to ``modules`` (the model's modules by name), each handle
+    appended to ``into`` (a new list by default) as soon as its hook is registered: a registration that fails (an
+    error, an interrupt) leaves none unlisted. Returns ``into``."""
+    handles = [] if into is None else into
+    handles += agent_by_agent(modules)  # one line: all of them, or none where a registration fails
+    perturbation_held_constant(modules, handles)
+    statistics_held_constant(modules, handles)
+    caller_values(modules, handles)
+    refuse_bypassing_backends(modules, handles)
+    meta_tensor_hooks(modules, handles)
+    return handles

@@ -57,11 +57,12 @@ def _refuse(name: str):
     return hook
 
 
-def refuse_bypassing_backends(modules: Mapping[str, nn.Module]) -> list[RemovableHandle]:
+def refuse_bypassing_backends(modules: Mapping[str, nn.Module], into: list | None = None) -> list[RemovableHandle]:
     """Make every torchrl ``LSTMModule``/``GRUModule`` among ``modules`` refuse to run in recurrent mode with a
-    backend other than ``"pad"``; the returned hook handles end it."""
-    return [
-        module.register_forward_pre_hook(_refuse(name))
-        for name, module in modules.items()
-        if isinstance(module, (LSTMModule, GRUModule))
-    ]
+    backend other than ``"pad"``; the returned hook handles end it. With ``into``, each handle is appended to it as
+    soon as its hook is registered (a registration that fails then leaves none unlisted), and ``into`` is returned."""
+    handles = [] if into is None else into
+    for name, module in modules.items():
+        if isinstance(module, (LSTMModule, GRUModule)):
+            handles.append(module.register_forward_pre_hook(_refuse(name)))
+    return handles

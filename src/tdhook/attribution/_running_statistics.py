@@ -62,11 +62,12 @@ def _normalised_by_held_statistics(norm: VecNorm, read: dict, batch_size: torch.
         norm.frozen, norm.lock = frozen, lock
 
 
-def statistics_held_constant(modules: Mapping[str, nn.Module]) -> list[RemovableHandle]:
+def statistics_held_constant(modules: Mapping[str, nn.Module], into: list | None = None) -> list[RemovableHandle]:
     """Make every ``VecNorm`` among ``modules`` that is not frozen update its statistics from the detached input
     and write its output with the gradient of a normalisation by those statistics held constant; the returned hook
-    handles end it."""
-    hooks: list[RemovableHandle] = []
+    handles end it. With ``into``, each handle is appended to it as soon as its hook is registered (a registration
+    that fails then leaves none unlisted), and ``into`` is returned."""
+    hooks: list[RemovableHandle] = [] if into is None else into
     for module in modules.values():
         if not isinstance(module, VecNorm):
             continue

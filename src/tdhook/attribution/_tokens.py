@@ -124,17 +124,19 @@ class TokenInputs:
         fed.append(None)
         return self._ids[index]
 
-    def register(self, modules: Mapping[str, nn.Module]) -> list[RemovableHandle]:
+    def register(self, modules: Mapping[str, nn.Module], into: list | None = None) -> list[RemovableHandle]:
         """Hook each ``nn.Embedding`` (:meth:`embedding_hook`) and ``nn.EmbeddingBag`` (:meth:`bag_hook`) of
         ``modules``, so that the tokens they read get the relevance of their embeddings.
 
         Args:
             modules: the explained model's modules, by name (the names go into error messages).
+            into: where each handle goes as soon as its hook is registered (a new list by default), so that a
+                registration that fails (an error, an interrupt) leaves none unlisted.
 
         Returns:
-            The hooks' handles.
+            The hooks' handles: ``into``.
         """
-        handles = []
+        handles = [] if into is None else into
         self._modules = modules
         self._linear = linear_parameters(modules)
         self._embedded = _embedding_weights(modules)

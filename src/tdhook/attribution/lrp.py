@@ -334,9 +334,11 @@ class LRP(TensorDictModuleBase, MapperTunable):
             pausing = []
             if any(getattr(mode, "pause_in_ruled_modules", True) for mode in modes):
                 self._hooks += (pausing := suspend_function_modes_in(handles))  # one line: listed as made
-            self._hooks += self._layers.register(modules, self.layer_keys)  # by any name of each module
-            self._hooks += self._tokens.register(modules)  # on each nn.Embedding and nn.EmbeddingBag
-            self._hooks += module_hooks(modules)  # torchrl's modules and the caller's grad mode (see _module_hooks)
+            # Each of these lists its hooks in self._hooks as it makes them: a registration that fails (an error, an
+            # interrupt) leaves none of the others made so far on the model.
+            self._layers.register(modules, self.layer_keys, self._hooks)  # by any name of each module
+            self._tokens.register(modules, self._hooks)  # on each nn.Embedding and nn.EmbeddingBag
+            module_hooks(modules, self._hooks)  # torchrl's modules and the caller's grad mode (see _module_hooks)
             self._hooks += context_cache_watch(self, handles)  # what notes the caches handed to the model
             # Copies of the model made inside the context (deepcopy, pickle) leave every hook of the context out.
             ours = {h.id for handle in handles for h in handle.hook_handles()}

@@ -10,6 +10,7 @@ from torch import nn
 from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurrent_layers, time_lengths
 from tests.attribution.methods.test_base import make
 from tests.attribution.methods.test_batch_statistics import STACKED
+from tests.attribution.test_lrp_registration_faults import FailingRegistration
 from tests.conftest import relative_error
 
 
@@ -93,3 +94,18 @@ def test_time_lengths_of_packed_and_batch_first_inputs():
     assert own == {("gru", 7), ("gru", 5), ("lstm", 9), ("lstm", 4)}
     assert not gru._forward_pre_hooks and not lstm._forward_pre_hooks
     assert not read_as_one_sequence(own, {("gru", 7)}) and read_as_one_sequence(own, {("gru", 14)})
+
+
+def test_a_registration_that_fails_leaves_no_hook_on_the_layers_before_it():
+    """The hook on a second recurrent layer failing to register (an interrupt, a layer whose
+    ``register_forward_pre_hook`` raises): the first layer's was left on the model for good."""
+    net = nn.Sequential(nn.GRU(3, 4), nn.GRU(4, 2))
+    layers = recurrent_layers(dict(net.named_modules()))
+    with FailingRegistration(2) as failing:
+        with time_lengths(layers):
+            pass
+    assert failing.where == "Module.register_forward_pre_hook"
+    assert [len(layer._forward_pre_hooks) for layer in net] == [0, 0]
+    with time_lengths(layers) as lengths:
+        net[1](net[0](torch.randn(6, 3))[0])
+    assert sorted(lengths) == [("0", 6), ("1", 6)] and [len(layer._forward_pre_hooks) for layer in net] == [0, 0]

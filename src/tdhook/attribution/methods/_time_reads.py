@@ -60,11 +60,10 @@ def time_lengths(layers: Mapping[str, nn.Module]) -> Iterator[set[tuple[str, int
     """The ``(name, time length)`` of every input the recurrent ``layers`` get in the block, gathered in the set
     yielded (forward pre-hooks, removed on the way out, by error or not; nothing where ``layers`` is empty)."""
     seen: set[tuple[str, int | None]] = set()
-    handles = [
-        layer.register_forward_pre_hook(functools.partial(_record, seen, name), with_kwargs=True)
-        for name, layer in layers.items()
-    ]
+    handles = []
     try:
+        for name, layer in layers.items():  # each listed as it is made: a registration that fails leaves none
+            handles.append(layer.register_forward_pre_hook(functools.partial(_record, seen, name), with_kwargs=True))
         yield seen
     finally:
         for handle in handles:

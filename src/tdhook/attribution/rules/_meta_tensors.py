@@ -90,10 +90,11 @@ def meta_tensors_refused(model: nn.Module) -> Iterator[None]:
         yield
 
 
-def meta_tensor_hooks(modules: Mapping[str, nn.Module]) -> list[RemovableHandle]:
+def meta_tensor_hooks(modules: Mapping[str, nn.Module], into: list | None = None) -> list[RemovableHandle]:
     """A forward hook refusing, as :func:`raise_for_meta_tensors` does, a call that computes an output off the meta
     device, on each module of ``modules`` without children that holds a parameter or buffer there (none, on the
-    common path); the handles remove them.
+    common path); the handles remove them. With ``into``, each handle is appended to it as soon as its hook is
+    registered (a registration that fails then leaves none unlisted), and ``into`` is returned.
 
     Examples:
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
@@ -104,11 +105,11 @@ def meta_tensor_hooks(modules: Mapping[str, nn.Module]) -> list[RemovableHandle]
         >>> for hook in hooks:
         ...     hook.remove()
     """
-    return [
-        module.register_forward_hook(_refuse_meta)
-        for module in modules.values()
-        if not module._modules and holds_meta_tensors(module)
-    ]
+    handles = [] if into is None else into
+    for module in modules.values():
+        if not module._modules and holds_meta_tensors(module):
+            handles.append(module.register_forward_hook(_refuse_meta))
+    return handles
 
 
 def holds_meta_tensors(module: nn.Module) -> bool:
