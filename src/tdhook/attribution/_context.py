@@ -38,6 +38,8 @@ from tdhook.attribution._model_changes import forget_modules, record_modules
 from tdhook.attribution._scripted_modules import refuse_scripted_modules
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._layers import (
+    ACTIVATIONS,
+    GATES,
     GRADIENT_ROUTED,
     GRADIENT_ROUTED_NAMES,
     GRADIENT_ROUTED_SUFFIXES,
@@ -184,7 +186,9 @@ def remove_listed(hooks: list) -> None:
 _DETACHED_HOOKS = (EpsilonRule, IgnoreRule)
 
 
-def suspend_function_modes_in(handles: Sequence[RemovableRuleHandle]) -> list[RemovableHandle]:
+def suspend_function_modes_in(
+    handles: Sequence[RemovableRuleHandle], plain_only: bool = False
+) -> list[RemovableHandle]:
     """Run modules that have a rule of their own without the mapper's function modes.
 
     A module rule decides the module's gradient as a whole, so the function
@@ -196,6 +200,10 @@ def suspend_function_modes_in(handles: Sequence[RemovableRuleHandle]) -> list[Re
 
     Args:
         handles: the handles of the registered rules.
+        plain_only: pause only in the modules the caller mapped to ``IgnoreRule`` that compute more than a layer or
+            an activation (a block, a norm written in a module's forward), whose plain gradient inside the caller
+            asked for: for modes that stay on inside modules with rules (the CNN presets' gate mode, which holds the
+            norms of ``F.normalize`` and ``F.cosine_similarity``).
 
     Returns:
         The handles of the forward hooks that pause and resume the modes, for removal.
@@ -213,7 +221,11 @@ def suspend_function_modes_in(handles: Sequence[RemovableRuleHandle]) -> list[Re
         module, rule = handle.module, handle.rule
         if module is not None and isinstance(rule, IgnoreRule) and not rule.is_registered(module):
             # The plain gradient asked for by the caller: the modes must not act inside.
+            if plain_only and isinstance(module, (*LINEAR_LAYERS, *ACTIVATIONS, *GATES)):
+                return False  # a layer or an activation: what the gate mode does there is no call inside it
             return rule._plain_inside and _computes_in_forward(module)
+        if plain_only:
+            return False
         if module is None or not rule.is_registered(module) or rule.acts_in_forward:
             return False
         if not rule.pauses_function_modes:  # a rule that lets the rules inside act (the Taylor rule)

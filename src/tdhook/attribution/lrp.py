@@ -331,9 +331,9 @@ class LRP(TensorDictModuleBase, MapperTunable):
             if self.relevance_check is not None:
                 self._hooks += add_check_hooks(handles, modules, self.relevance_check, self._layers)
             modes = getattr(self.rule_mapper, "function_modes", list)()
-            pausing = []
-            if any(getattr(mode, "pause_in_ruled_modules", True) for mode in modes):
-                self._hooks += (pausing := suspend_function_modes_in(handles))  # one line: listed as made
+            # Modes that stay on in ruled modules (the CNN presets') pause in those the caller mapped to IgnoreRule.
+            plain_only = not any(getattr(mode, "pause_in_ruled_modules", True) for mode in modes)
+            self._hooks += (pausing := suspend_function_modes_in(handles, plain_only))  # one line: listed as made
             self._hooks += self._layers.register(modules, self.layer_keys)  # by any name of each module
             self._hooks += self._tokens.register(modules)  # on each nn.Embedding and nn.EmbeddingBag
             self._hooks += module_hooks(modules)  # torchrl's modules and the caller's grad mode (see _module_hooks)

@@ -48,6 +48,7 @@ from tdhook.attribution.rules._clips import (
     clip_passing,
     clips_a_signal,
 )
+from tdhook.attribution.rules._held_norm_calls import NORMALIZING_CALLS, held_norm_call, normalized_inputs
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_written_in_place
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
@@ -309,7 +310,9 @@ class HeldGates(TorchFunctionMode):
     units (``F.glu``, ``nn.GLU``) during a forward pass; mark sigmoid outputs as gates; give
     clipping calls (``torch.clamp``, ``clip``, ``F.hardtanh``, ``F.relu6``, in place too, and ``torch.maximum``,
     ``minimum``, ``fmax``, ``fmin`` of an activation and a constant) the pass rule that
-    ``nn.Hardtanh`` and ``nn.ReLU6`` modules get (see :mod:`~tdhook.attribution.rules._clips`).
+    ``nn.Hardtanh`` and ``nn.ReLU6`` modules get (see :mod:`~tdhook.attribution.rules._clips`); hold the norms of
+    ``F.normalize`` and ``F.cosine_similarity`` (``nn.CosineSimilarity``) constant, the cosine's product of two
+    activations shared (see :mod:`~tdhook.attribution.rules._held_norm_calls`).
 
     The rule mappers for CNNs run the forward pass in this mode. It is cheap enough to stay on inside modules
     that have a rule of their own (``pause_in_ruled_modules`` is false): a module's rule takes the gradient of its
@@ -334,6 +337,7 @@ class HeldGates(TorchFunctionMode):
         super().__init__()
         self.held = False  # whether a gate was held in a product (what the wrapper's first call asks)
         self.clips: list = []  # the nodes of the clipping calls given the pass rule (in a first call)
+        self.norms: list = []  # the nodes of the F.normalize and F.cosine_similarity calls given their rule
 
     def covers(self, func: Any, args: tuple) -> bool:
         """Whether this mode gives ``func`` a rule: a product whose gate it holds. A sigmoid is not covered here:
@@ -343,6 +347,8 @@ class HeldGates(TorchFunctionMode):
             return bool(args) and is_activation(args[0])
         if func in _PRODUCTS_IN_PLACE:
             return held_factors(args) == [False, True]
+        if func in NORMALIZING_CALLS:
+            return any(is_activation(x) for x in normalized_inputs(func, args, {}))
         return func in ELEMENTWISE_PRODUCTS and held_factors(args) is not None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -367,6 +373,15 @@ class HeldGates(TorchFunctionMode):
             raise_for_checkpoint("gates held constant in products")
             self.held = True
             return held_glu(args[0], call_argument(args, kwargs, 1, "dim", -1))
+        if func in NORMALIZING_CALLS:  # F.normalize, F.cosine_similarity: their norms held
+            what = f"the norms of {func.__name__} held constant"
+            inputs = normalized_inputs(func, args, kwargs)
+            raise_for_transformed_call(what, inputs)
+            if any(is_activation(x) for x in inputs):
+                raise_for_checkpoint(what)
+                held = held_norm_call(func, args, kwargs)
+                self.norms.append(held.grad_fn)
+                return held
         if func in CLIPS or func in CLIPS_IN_PLACE:
             raise_for_transformed_call("the pass rule on clipping calls", args[:1])
             if clips_a_signal(func, args):
