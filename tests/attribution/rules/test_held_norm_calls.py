@@ -4,7 +4,8 @@ Oracles: conservation with the biases zeroed (the explained score's relevance su
 embedding is linear in the features, and the cosine bilinear in its two inputs, each half of the score), and LRP-0
 (ε = 0 on every layer) equal to gradient × input of the same model written with each norm detached (the closed form:
 half of it for each input of a cosine of two activations, the uniform rule on the product). The explained output
-keeps the model's value. The AttnLRP rules give the cosine of a Linear encoder the same relevance.
+keeps the model's value. The AttnLRP rules give the cosine of a Linear encoder the same relevance, and zennit's
+composites the encoder of a normalised embedding the same relevance from the normalised unit's value.
 """
 
 from __future__ import annotations
@@ -310,3 +311,34 @@ def test_a_module_mapped_to_ignore_rule_keeps_the_plain_gradient_of_its_normaliz
     else:  # z⁺ on the convolutions: the plain gradient of the normalize sums to about zero
         for td in calls:
             assert td["relevance", "x"].flatten(1).sum(1).abs().max() <= 1e-6 * score.abs().max()
+
+
+ZENNIT = {
+    "EpsilonPlus": (EpsilonPlus, lambda zc: zc.EpsilonPlus()),
+    "EpsilonPlusFlat": (EpsilonPlusFlat, lambda zc: zc.EpsilonPlusFlat()),
+    "EpsilonAlpha2Beta1": (EpsilonAlpha2Beta1, lambda zc: zc.EpsilonAlpha2Beta1()),
+    "EpsilonGammaBox": (lambda: EpsilonGammaBox(-4.0, 4.0), lambda zc: zc.EpsilonGammaBox(low=-4.0, high=4.0)),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(ZENNIT))
+def test_an_embedding_ending_in_normalize_gets_zennits_relevance_of_the_encoder(preset: str):
+    """The held norm passes each unit its own relevance (``h_k · ∂y_k/∂h_k = y_k``): the preset's relevance is
+    zennit's composite's (its defaults on both sides) on the encoder alone, from the normalised unit's value at the
+    encoder's unit (zennit has no rule for ``F.normalize``, and reads the gradient a call that is no module passes
+    on as relevance)."""
+    from zennit import composites
+    from zennit.attribution import Gradient
+
+    model = seeded(Embedding)
+    ours, theirs = ZENNIT[preset]
+    td, caught = explain(model, ours(), images("x"))
+    assert caught == []
+    x = images("x")["x"]
+    with torch.no_grad():
+        y = model(x)
+    unit = y.argmax(1, keepdim=True)
+    start = torch.zeros_like(y).scatter_(1, unit, y.gather(1, unit))
+    with Gradient(model=model.encoder, composite=theirs(composites)) as attributor:
+        _, expected = attributor(x.clone(), start)
+    assert relative_error(td["relevance", "x"], expected) <= 1e-6
