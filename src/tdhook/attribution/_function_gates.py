@@ -86,7 +86,10 @@ class FunctionGates:
         gradient past it; nor is one only an output that is not explained reads (a policy's scale, for its loc)."""
         if self._probe is not None:
             probe, self._probe = self._probe, None
-            ruled = [*probe.clips, *probe.norms]  # calls whose rule the explained outputs may not reach
+            ruled = [
+                *probe.clips,
+                *probe.norm_calls.held_nodes(),
+            ]  # calls whose rule the explained outputs may not reach
             self.found = probe.held or (bool(ruled) and _reaches(_explained(outputs, lrp), set(ruled)))
 
 

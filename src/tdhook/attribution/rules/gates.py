@@ -48,7 +48,7 @@ from tdhook.attribution.rules._clips import (
     clip_passing,
     clips_a_signal,
 )
-from tdhook.attribution.rules._held_norm_calls import NORMALIZING_CALLS, held_norm_call, normalized_inputs
+from tdhook.attribution.rules._held_norm_calls import NORMALIZING_CALLS, HeldNormCalls, normalized_inputs
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_written_in_place
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
@@ -301,6 +301,8 @@ class GateRule(PassRule):
         return mark_gate(output if result is None else result, inputs[0], sigmoid=True)
 
 
+# No F.normalize or F.cosine_similarity call yet (never given one: each mode makes its own at its first).
+_NO_NORM_CALLS = HeldNormCalls()
 # The pass rule of clipping calls under HeldGates: the presets' on ``nn.Hardtanh`` and ``nn.ReLU6`` modules.
 _PASS_CLIPS = PassRule()
 
@@ -337,7 +339,14 @@ class HeldGates(TorchFunctionMode):
         super().__init__()
         self.held = False  # whether a gate was held in a product (what the wrapper's first call asks)
         self.clips: list = []  # the nodes of the clipping calls given the pass rule (in a first call)
-        self.norms: list = []  # the nodes of the F.normalize and F.cosine_similarity calls given their rule
+        # The F.normalize and F.cosine_similarity calls given their rule: made at the first (a call costs nothing).
+        self.norm_calls = _NO_NORM_CALLS
+
+    def gave_back(self, node: Any) -> bool:
+        """Whether the call whose output's autograd node is ``node`` is an ``F.normalize`` or
+        ``F.cosine_similarity`` call this mode covered, then gave back its plain gradient (see
+        :meth:`~tdhook.attribution.rules._held_norm_calls.HeldNormCalls.gave_back`)."""
+        return self.norm_calls.gave_back(node)
 
     def covers(self, func: Any, args: tuple) -> bool:
         """Whether this mode gives ``func`` a rule: a product whose gate it holds. A sigmoid is not covered here:
@@ -361,6 +370,8 @@ class HeldGates(TorchFunctionMode):
                 raise_for_checkpoint("gates held constant in products")
                 self.held = True
                 return held
+            if self.norm_calls.held:  # a product of two activations, which has no rule here: see _held_norm_calls
+                self.norm_calls.release_reached(func, args, kwargs)
             return keep_gate_mark(func, args, mark_parameter_derived(args, func(*args, **kwargs), func), kwargs)
         if func in _PRODUCTS_IN_PLACE and not kwargs and held_factors(args) == [False, True]:
             # ``h.mul_(g)``, ``h *= g``: the signal written into by the gate held, as ``h * g`` holds it. (A gate
@@ -379,9 +390,9 @@ class HeldGates(TorchFunctionMode):
             raise_for_transformed_call(what, inputs)
             if any(is_activation(x) for x in inputs):
                 raise_for_checkpoint(what)
-                held = held_norm_call(func, args, kwargs)
-                self.norms.append(held.grad_fn)
-                return held
+                if self.norm_calls is _NO_NORM_CALLS:
+                    self.norm_calls = HeldNormCalls()
+                return self.norm_calls.call(func, args, kwargs)
         if func in CLIPS or func in CLIPS_IN_PLACE:
             raise_for_transformed_call("the pass rule on clipping calls", args[:1])
             if clips_a_signal(func, args):
@@ -398,6 +409,8 @@ class HeldGates(TorchFunctionMode):
         gate = func in GATE_FUNCTIONS or func in _GATES_IN_PLACE
         if gate:  # a gate computed under torch.vmap is neither seen nor held
             raise_for_transformed_call("gates held constant in products", args[:1])
+        if self.norm_calls.held:  # a product of two activations, which has no rule here: see _held_norm_calls
+            self.norm_calls.release_reached(func, args, kwargs)
         if func in WRITES_IN_PLACE:  # a weight built in place from parameters stays a weight (peft's OFT rotation)
             result = mark_written_in_place(func, args, kwargs)
         else:
