@@ -50,6 +50,7 @@ from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules._wrapper_calls import context_closed, context_opened
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule
+from tdhook.attribution.rules.gates import give_back_norms_entering
 
 __all__ = [
     "abandon",
@@ -203,7 +204,8 @@ def suspend_function_modes_in(
         plain_only: pause only in the modules the caller mapped to ``IgnoreRule`` that compute more than a layer or
             an activation (a block, a norm written in a module's forward), whose plain gradient inside the caller
             asked for: for modes that stay on inside modules with rules (the CNN presets' gate mode, which holds the
-            norms of ``F.normalize`` and ``F.cosine_similarity``).
+            norms of ``F.normalize`` and ``F.cosine_similarity``, and gives them back their plain gradient where what
+            they computed enters such a module: the mode does not see its products).
 
     Returns:
         The handles of the forward hooks that pause and resume the modes, for removal.
@@ -211,7 +213,10 @@ def suspend_function_modes_in(
     guards: list = []
 
     def suspend(module: nn.Module, args: tuple) -> None:
-        guard = torch._C.DisableTorchFunction() if torch._C._is_torch_function_mode_enabled() else None
+        enabled = torch._C._is_torch_function_mode_enabled()
+        if enabled and plain_only:  # norms held upstream: the modes do not see the products inside
+            give_back_norms_entering(args)
+        guard = torch._C.DisableTorchFunction() if enabled else None
         push(guards, guard, enter=True)  # left by resume, or by closing_scopes if the forward never returns
 
     def resume(module: nn.Module, args: tuple, output: Any) -> None:

@@ -22,7 +22,15 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
 
-from tdhook.attribution import LRP, EpsilonAlpha2Beta1, EpsilonGammaBox, EpsilonPlus, EpsilonPlusFlat, UniformEpsilon
+from tdhook.attribution import (
+    LRP,
+    EpsilonAlpha2Beta1,
+    EpsilonGammaBox,
+    EpsilonPlus,
+    EpsilonPlusFlat,
+    IgnoreRule,
+    UniformEpsilon,
+)
 from tests.conftest import relative_error
 
 F64 = torch.float64
@@ -173,3 +181,38 @@ def test_a_norm_whose_product_is_linear_in_it_stays_held(by: str):
     expected = x * torch.autograd.grad(score.sum(), x)[0]
     for out in calls:
         assert relative_error(out["relevance", "x"], expected) <= 1e-10
+
+
+class SelfAttend(nn.Module):
+    """Attention of its input with itself, ``softmax(τ e e^T) e``: products of two activations."""
+
+    def forward(self, e: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(4.0 * e @ e.transpose(-2, -1), -1) @ e
+
+
+class NormalisedTokens(nn.Module):
+    """Tokens normalised, then attended by :class:`SelfAttend`, pooled and read by a head; bias-free."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Sequential(nn.Linear(6, 8, bias=False), nn.ReLU())
+        self.attend = SelfAttend()
+        self.head = nn.Linear(8, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attend(F.normalize(self.tokens(x), dim=-1)).mean(1))
+
+
+def test_a_norm_entering_a_module_mapped_to_ignore_rule_gets_its_plain_gradient_back():
+    """The caller maps the attending module to IgnoreRule: its products, run with the modes paused, are not seen,
+    so the norm that enters it keeps its plain gradient, named in the warning; LRP-0 is gradient × input of the
+    model as written, in later calls of a context too."""
+    model = seeded(NormalisedTokens)
+    calls, caught = explain_twice(
+        model, UniformEpsilon(epsilon=0.0, stabilizer=0.0, rule_mapper={"attend": IgnoreRule()})
+    )
+    assert any("computes normalize" in message for message in caught), caught
+    x = tokens()["x"].requires_grad_()
+    expected = x * torch.autograd.grad(target_score(model(x)).sum(), x)[0]
+    for td in calls:
+        assert relative_error(td["relevance", "x"], expected) <= 1e-10

@@ -199,9 +199,21 @@ class HeldNormCalls:
         args, kwargs = positional_factors(func, args, kwargs)  # ``torch.matmul(input=a, other=b)``: by position
         factors = [x for x in _tensors(args[_FACTORS.get(func, slice(None))]) if is_activation(x)]
         factors += [x for k, x in kwargs.items() if k not in _NOT_FACTORS and is_activation(x)]
-        if len(factors) < 2:
-            return
-        stack = [x.grad_fn for x in factors]
+        if len(factors) >= 2:
+            self.release_from(factors)
+
+    def release_from(self, values: Iterable) -> None:
+        """Give the plain gradient back to every held call that an activation among ``values`` (or in a list or
+        tuple among them) is computed from.
+
+        Examples:
+            >>> calls = HeldNormCalls()
+            >>> q = calls.call(F.normalize, (torch.randn(2, 3, requires_grad=True) * 1,), {"dim": 1})
+            >>> calls.release_from([q + 1])
+            >>> calls.held
+            0
+        """
+        stack = [x.grad_fn for x in _tensors(values) if is_activation(x)]
         while stack and self.held:
             node = stack.pop()
             if node is None or node in self._seen:

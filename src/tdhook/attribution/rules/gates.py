@@ -59,6 +59,7 @@ from tdhook.attribution.rules.basic import PassRule
 __all__ = [
     "GateRule",
     "HeldGates",
+    "give_back_norms_entering",
     "RouterRule",
     "is_router",
     "is_router_layer",
@@ -418,6 +419,24 @@ class HeldGates(TorchFunctionMode):
         if gate and args and is_activation(args[0]) and isinstance(result, torch.Tensor):
             return mark_gate(result, args[0], sigmoid=True)
         return keep_gate_mark(func, args, result, kwargs)
+
+
+def give_back_norms_entering(args: tuple) -> None:
+    """Give the plain gradient back to the norm calls held by the open :class:`HeldGates` modes that the
+    activations in ``args`` are computed from: they enter a module run with the modes paused (one the caller maps
+    to ``IgnoreRule``), whose products of two activations the modes do not see.
+
+    Examples:
+        >>> x = torch.randn(2, 3, requires_grad=True)
+        >>> with HeldGates() as mode:
+        ...     e = F.normalize(x * 1, dim=1)
+        ...     give_back_norms_entering((e,))
+        >>> mode.norm_calls.held
+        0
+    """
+    for mode in torch.overrides._get_current_function_mode_stack():
+        if isinstance(mode, HeldGates) and mode.norm_calls.held:
+            mode.norm_calls.release_from(args)
 
 
 def is_router(module: nn.Module) -> bool:
