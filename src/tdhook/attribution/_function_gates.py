@@ -17,7 +17,8 @@ gate, or gave a clipping call the model's outputs depend on the pass rule
 (``torch.clamp`` in a module's own forward: the rule ``nn.Hardtanh`` gets; a clip
 inside an ``nn.Hardtanh``, whose own rule takes the gradient past it, is no
 reason), or held the norms of an ``F.normalize`` or ``F.cosine_similarity`` call
-they depend on (an embedding network's last call, a siamese network's score).
+they depend on (an embedding network's last call, a siamese network's score) and
+did not give them back their plain gradient (a cosine attention's).
 The decision is the wrapper's (one model), not the mapper's, which may serve
 several models.
 
