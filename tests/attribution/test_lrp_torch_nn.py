@@ -39,15 +39,15 @@ NOT_IN_A_MODEL = frozenset(
 
 
 class Pair(nn.Module):
-    """A module of two inputs, called on an activation and its flip (with a trailing unit dimension where the module
-    reduces the last one)."""
+    """A module of two inputs, called on an activation and its flip shifted by ``offset`` (with a trailing unit
+    dimension where the module reduces the last one)."""
 
-    def __init__(self, module: nn.Module, unsqueeze: bool = True) -> None:
+    def __init__(self, module: nn.Module, unsqueeze: bool = True, offset: float = 0.5) -> None:
         super().__init__()
-        self.module, self.unsqueeze = module, unsqueeze
+        self.module, self.unsqueeze, self.offset = module, unsqueeze, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.module(x, x.flip(-1) + 0.5)
+        out = self.module(x, x.flip(-1) + self.offset)
         return out.unsqueeze(-1) if self.unsqueeze else out
 
 
@@ -139,7 +139,8 @@ CASES: dict[str, tuple[str, str, Callable[[], nn.Module]]] = {
     "Softmin": (WARNS, "vec", lambda: nn.Softmin(-1)),
     "LogSoftmax": (WARNS, "vec", lambda: nn.LogSoftmax(-1)),
     "Softmax2d": (WARNS, "c2", nn.Softmax2d),
-    "CosineSimilarity": (WARNS, "vec", lambda: Pair(nn.CosineSimilarity(1))),
+    # Its norms held, its product shared: bilinear in its inputs (unshifted: a shift is a bias).
+    "CosineSimilarity": (CONSERVES, "vec", lambda: Pair(nn.CosineSimilarity(1), offset=0.0)),
     "PairwiseDistance": (WARNS, "vec", lambda: Pair(nn.PairwiseDistance())),
     "Bilinear": (WARNS, "vec", lambda: Pair(nn.Bilinear(6, 6, 5), unsqueeze=False)),
     "LPPool1d": (WARNS, "c1", lambda: nn.LPPool1d(2, 2)),

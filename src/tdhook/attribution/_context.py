@@ -38,6 +38,8 @@ from tdhook.attribution._model_changes import forget_modules, record_modules
 from tdhook.attribution._scripted_modules import refuse_scripted_modules
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._layers import (
+    ACTIVATIONS,
+    GATES,
     GRADIENT_ROUTED,
     GRADIENT_ROUTED_NAMES,
     GRADIENT_ROUTED_SUFFIXES,
@@ -48,6 +50,7 @@ from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules._wrapper_calls import context_closed, context_opened
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule
+from tdhook.attribution.rules.gates import give_back_norms_entering
 
 __all__ = [
     "abandon",
@@ -184,7 +187,9 @@ def remove_listed(hooks: list) -> None:
 _DETACHED_HOOKS = (EpsilonRule, IgnoreRule)
 
 
-def suspend_function_modes_in(handles: Sequence[RemovableRuleHandle]) -> list[RemovableHandle]:
+def suspend_function_modes_in(
+    handles: Sequence[RemovableRuleHandle], plain_only: bool = False
+) -> list[RemovableHandle]:
     """Run modules that have a rule of their own without the mapper's function modes.
 
     A module rule decides the module's gradient as a whole, so the function
@@ -196,6 +201,11 @@ def suspend_function_modes_in(handles: Sequence[RemovableRuleHandle]) -> list[Re
 
     Args:
         handles: the handles of the registered rules.
+        plain_only: pause only in the modules the caller mapped to ``IgnoreRule`` that compute more than a layer or
+            an activation (a block, a norm written in a module's forward), whose plain gradient inside the caller
+            asked for: for modes that stay on inside modules with rules (the CNN presets' gate mode, which holds the
+            norms of ``F.normalize`` and ``F.cosine_similarity``, and gives them back their plain gradient where what
+            they computed enters such a module: the mode does not see its products).
 
     Returns:
         The handles of the forward hooks that pause and resume the modes, for removal.
@@ -203,7 +213,10 @@ def suspend_function_modes_in(handles: Sequence[RemovableRuleHandle]) -> list[Re
     guards: list = []
 
     def suspend(module: nn.Module, args: tuple) -> None:
-        guard = torch._C.DisableTorchFunction() if torch._C._is_torch_function_mode_enabled() else None
+        enabled = torch._C._is_torch_function_mode_enabled()
+        if enabled and plain_only:  # norms held upstream: the modes do not see the products inside
+            give_back_norms_entering(args)
+        guard = torch._C.DisableTorchFunction() if enabled else None
         push(guards, guard, enter=True)  # left by resume, or by closing_scopes if the forward never returns
 
     def resume(module: nn.Module, args: tuple, output: Any) -> None:
@@ -213,7 +226,11 @@ def suspend_function_modes_in(handles: Sequence[RemovableRuleHandle]) -> list[Re
         module, rule = handle.module, handle.rule
         if module is not None and isinstance(rule, IgnoreRule) and not rule.is_registered(module):
             # The plain gradient asked for by the caller: the modes must not act inside.
+            if plain_only and isinstance(module, (*LINEAR_LAYERS, *ACTIVATIONS, *GATES)):
+                return False  # a layer or an activation: what the gate mode does there is no call inside it
             return rule._plain_inside and _computes_in_forward(module)
+        if plain_only:
+            return False
         if module is None or not rule.is_registered(module) or rule.acts_in_forward:
             return False
         if not rule.pauses_function_modes:  # a rule that lets the rules inside act (the Taylor rule)

@@ -16,8 +16,11 @@ and its relevance is right; later calls run in it only if that first call held a
 gate, or gave a clipping call the model's outputs depend on the pass rule
 (``torch.clamp`` in a module's own forward: the rule ``nn.Hardtanh`` gets; a clip
 inside an ``nn.Hardtanh``, whose own rule takes the gradient past it, is no
-reason). The decision is the wrapper's (one model), not the mapper's, which may
-serve several models.
+reason), or held the norms of an ``F.normalize`` or ``F.cosine_similarity`` call
+they depend on (an embedding network's last call, a siamese network's score) and
+did not give them back their plain gradient (a cosine attention's).
+The decision is the wrapper's (one model), not the mapper's, which may serve
+several models.
 
 Examples:
     >>> import torch
@@ -84,7 +87,11 @@ class FunctionGates:
         gradient past it; nor is one only an output that is not explained reads (a policy's scale, for its loc)."""
         if self._probe is not None:
             probe, self._probe = self._probe, None
-            self.found = probe.held or (bool(probe.clips) and _reaches(_explained(outputs, lrp), set(probe.clips)))
+            ruled = [
+                *probe.clips,
+                *probe.norm_calls.held_nodes(),
+            ]  # calls whose rule the explained outputs may not reach
+            self.found = probe.held or (bool(ruled) and _reaches(_explained(outputs, lrp), set(ruled)))
 
 
 def _covers_gates(modes: Sequence[Any]) -> bool:

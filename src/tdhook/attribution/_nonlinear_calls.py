@@ -320,6 +320,10 @@ class NonlinearCalls(TorchFunctionMode):
         self._passes_clips = any(getattr(mode, "passes_clips", False) for mode in modes)
         self._stabilizes_sums = any(getattr(mode, "stabilizes_sums", False) for mode in modes)
         self._calls: list[tuple[str, str, Any]] = []
+        # Calls a mode covers that it may give back their plain gradient later in the pass (the CNN presets' held
+        # norms, where a product of two activations takes their output): named if it does.
+        self._giving_back = [mode for mode in self._covering if hasattr(mode, "gave_back")]
+        self._covered_for_now: list[tuple[str, str, Any]] = []
         self._straight_through = StraightThrough()  # sums that part value and gradient with a detached term
         self._offsets = OffsetProducts()  # products with a factor that adds a number (``(up + 1) * glu``)
         self._broadcasts = BroadcastProducts()  # Linear layers written ``(x.unsqueeze(-2) * self.W).sum(-1)``
@@ -433,6 +437,8 @@ class NonlinearCalls(TorchFunctionMode):
         name = _is_nonlinear_call(func, args, kwargs)
         if name is not None and not self._covers(func, args, kwargs):
             self._calls.append((self._stack[-1] if self._stack else "", name, node))
+        elif name is not None and self._giving_back and node is not None:
+            self._covered_for_now.append((self._stack[-1] if self._stack else "", name, node))
         elif name is None and (form := self._unruled_form(func, args, kwargs or {})) is not None:
             call = f"{operator_name(func)} ({OPERATOR_FORM} {form})"
             self._calls.append((self._stack[-1] if self._stack else "", call, node))
@@ -490,7 +496,8 @@ class NonlinearCalls(TorchFunctionMode):
                 distribution built from the logits after them is not explained); ``None``: every call.
         """
         reached = None if targets is None else _graph_nodes(targets)
-        return _count([*self._calls, *self._function_calls(reached or ())], reached)
+        given_back = [c for c in self._covered_for_now if any(m.gave_back(c[2]) for m in self._giving_back)]
+        return _count([*self._calls, *given_back, *self._function_calls(reached or ())], reached)
 
     def found_layers(self, targets: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, int]]:
         """Module name → layer function → number of calls: convolutions and linear maps of activations by weights

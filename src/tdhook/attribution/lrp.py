@@ -331,9 +331,9 @@ class LRP(TensorDictModuleBase, MapperTunable):
             if self.relevance_check is not None:
                 self._hooks += add_check_hooks(handles, modules, self.relevance_check, self._layers)
             modes = getattr(self.rule_mapper, "function_modes", list)()
-            pausing = []
-            if any(getattr(mode, "pause_in_ruled_modules", True) for mode in modes):
-                self._hooks += (pausing := suspend_function_modes_in(handles))  # one line: listed as made
+            # Modes that stay on in ruled modules (the CNN presets') pause in those the caller mapped to IgnoreRule.
+            plain_only = not any(getattr(mode, "pause_in_ruled_modules", True) for mode in modes)
+            self._hooks += (pausing := suspend_function_modes_in(handles, plain_only))  # one line: listed as made
             # Each of these lists its hooks in self._hooks as it makes them: a registration that fails (an error, an
             # interrupt) leaves none of the others made so far on the model.
             self._layers.register(modules, self.layer_keys, self._hooks)  # by any name of each module

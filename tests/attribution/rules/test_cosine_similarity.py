@@ -4,7 +4,7 @@ Oracle: the same model with the cosine written out by hand, ``(a · b) summed / 
 (a spelling other than the rule's own ``normalize(a) · normalize(b)``), which the presets give its norms held and its
 product shared; and conservation with the biases zeroed (the held cosine is bilinear in its two inputs, each half of
 the score, or all of it for the one input where the other is a constant). The explained output keeps the value of
-torch's own kernel. The CNN presets have no rule for a product of two activations: the call is named.
+torch's own kernel. The CNN presets: ``test_held_norm_calls.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
 
-from tdhook.attribution import CPLRP, LRP, AttnLRP, EpsilonPlus
+from tdhook.attribution import CPLRP, LRP, AttnLRP
 from tests.conftest import relative_error
 
 F64 = torch.float64
@@ -160,13 +160,6 @@ def test_later_calls_of_a_context_and_a_kept_graph_give_the_first_calls_relevanc
     derivative = torch.autograd.grad(kept["relevance", "b"].pow(2).sum(), td["a"])[0]
     oracle_derivative = torch.autograd.grad(expected["relevance", "b"].pow(2).sum(), expected_td["a"])[0]
     assert relative_error(derivative, oracle_derivative) <= 1e-10
-
-
-def test_a_cnn_preset_names_the_call():
-    """EpsilonPlus has no rule for a product of two activations: the call keeps its plain gradient and is named."""
-    model, _ = models("dim=1")
-    _, caught = explain(model, EpsilonPlus(), inputs())
-    assert any("computes cosine_similarity in its own forward" in message for message in caught)
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))

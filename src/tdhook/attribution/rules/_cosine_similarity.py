@@ -8,8 +8,8 @@ of two activations between its factors: the cosine written out (``F.normalize`` 
 summed) gets those rules, and each input half of each element's relevance. Under those presets the call is computed
 as that written-out form (the same operations as torch's kernel, and the same value), in their function mode, so it
 gets the same rules and the same relevance as the cosine written by hand; where one input is a constant (a learned
-prototype), the other gets all of it. The CNN presets have no rule for a product of two activations and keep naming
-the call.
+prototype), the other gets all of it. The CNN presets give the call the same rules in their own mode (see
+:mod:`~tdhook.attribution.rules._held_norm_calls`).
 
 Examples:
     >>> import torch
@@ -24,17 +24,28 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["COSINE_SIMILARITY", "cosine_as_products"]
+__all__ = ["COSINE_SIMILARITY", "cosine_as_products", "cosine_inputs"]
 
 #: ``F.cosine_similarity`` (the same object as ``torch.cosine_similarity``)
 COSINE_SIMILARITY = torch.cosine_similarity
+
+
+def cosine_inputs(x1: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inputs of ``F.cosine_similarity(x1, x2)`` brought to one dtype and broadcast to one shape, each expanded
+    on its own (a constant, a learned prototype, stays one).
+
+    Examples:
+        >>> [tuple(x.shape) for x in cosine_inputs(torch.ones(2, 3), torch.ones(1, 3, dtype=torch.float64))]
+        [(2, 3), (2, 3)]
+    """
+    dtype, shape = torch.result_type(x1, x2), torch.broadcast_shapes(x1.shape, x2.shape)
+    a, b = (x.to(dtype) if x.shape == shape else x.to(dtype).expand(shape) for x in (x1, x2))
+    return a, b
 
 
 def cosine_as_products(x1: torch.Tensor, x2: torch.Tensor, dim: int = 1, eps: float = 1e-8) -> torch.Tensor:
     """``F.cosine_similarity(x1, x2, dim, eps)`` written out: the inputs brought to one dtype and broadcast to one
     shape, each divided by its norm over ``dim`` clamped at ``eps`` (``F.normalize``), the product summed over
     ``dim``. In a function mode, the norms and the product get the mode's rules."""
-    dtype, shape = torch.result_type(x1, x2), torch.broadcast_shapes(x1.shape, x2.shape)
-    # Each expanded on its own: a constant (a learned prototype) stays one.
-    a, b = (x.to(dtype) if x.shape == shape else x.to(dtype).expand(shape) for x in (x1, x2))
+    a, b = cosine_inputs(x1, x2)
     return (F.normalize(a, 2.0, dim, eps) * F.normalize(b, 2.0, dim, eps)).sum(dim)

@@ -34,6 +34,8 @@ FACTOR_KEYWORDS: dict[Callable, tuple[str, ...]] = {
     for owner, first in ((torch, "input"), (torch.Tensor, "self"))
 }
 FACTOR_KEYWORDS |= {torch.baddbmm: ("input", "batch1", "batch2"), torch.Tensor.baddbmm: ("self", "batch1", "batch2")}
+# ``F.cosine_similarity(x1=a, x2=b)``: a product of its two normalised inputs.
+FACTOR_KEYWORDS[torch.cosine_similarity] = ("x1", "x2")
 # Any other function: its input alone (the first argument of the functions the rules cover).
 _INPUT = ("input",)
 

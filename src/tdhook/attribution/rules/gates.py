@@ -48,6 +48,7 @@ from tdhook.attribution.rules._clips import (
     clip_passing,
     clips_a_signal,
 )
+from tdhook.attribution.rules._held_norm_calls import NORMALIZING_CALLS, HeldNormCalls, normalized_inputs
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_written_in_place
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
@@ -58,6 +59,7 @@ from tdhook.attribution.rules.basic import PassRule
 __all__ = [
     "GateRule",
     "HeldGates",
+    "give_back_norms_entering",
     "RouterRule",
     "is_router",
     "is_router_layer",
@@ -300,6 +302,8 @@ class GateRule(PassRule):
         return mark_gate(output if result is None else result, inputs[0], sigmoid=True)
 
 
+# No F.normalize or F.cosine_similarity call yet (never given one: each mode makes its own at its first).
+_NO_NORM_CALLS = HeldNormCalls()
 # The pass rule of clipping calls under HeldGates: the presets' on ``nn.Hardtanh`` and ``nn.ReLU6`` modules.
 _PASS_CLIPS = PassRule()
 
@@ -309,7 +313,9 @@ class HeldGates(TorchFunctionMode):
     units (``F.glu``, ``nn.GLU``) during a forward pass; mark sigmoid outputs as gates; give
     clipping calls (``torch.clamp``, ``clip``, ``F.hardtanh``, ``F.relu6``, in place too, and ``torch.maximum``,
     ``minimum``, ``fmax``, ``fmin`` of an activation and a constant) the pass rule that
-    ``nn.Hardtanh`` and ``nn.ReLU6`` modules get (see :mod:`~tdhook.attribution.rules._clips`).
+    ``nn.Hardtanh`` and ``nn.ReLU6`` modules get (see :mod:`~tdhook.attribution.rules._clips`); hold the norms of
+    ``F.normalize`` and ``F.cosine_similarity`` (``nn.CosineSimilarity``) constant, the cosine's product of two
+    activations shared (see :mod:`~tdhook.attribution.rules._held_norm_calls`).
 
     The rule mappers for CNNs run the forward pass in this mode. It is cheap enough to stay on inside modules
     that have a rule of their own (``pause_in_ruled_modules`` is false): a module's rule takes the gradient of its
@@ -334,6 +340,14 @@ class HeldGates(TorchFunctionMode):
         super().__init__()
         self.held = False  # whether a gate was held in a product (what the wrapper's first call asks)
         self.clips: list = []  # the nodes of the clipping calls given the pass rule (in a first call)
+        # The F.normalize and F.cosine_similarity calls given their rule: made at the first (a call costs nothing).
+        self.norm_calls = _NO_NORM_CALLS
+
+    def gave_back(self, node: Any) -> bool:
+        """Whether the call whose output's autograd node is ``node`` is an ``F.normalize`` or
+        ``F.cosine_similarity`` call this mode covered, then gave back its plain gradient (see
+        :meth:`~tdhook.attribution.rules._held_norm_calls.HeldNormCalls.gave_back`)."""
+        return self.norm_calls.gave_back(node)
 
     def covers(self, func: Any, args: tuple) -> bool:
         """Whether this mode gives ``func`` a rule: a product whose gate it holds. A sigmoid is not covered here:
@@ -343,6 +357,8 @@ class HeldGates(TorchFunctionMode):
             return bool(args) and is_activation(args[0])
         if func in _PRODUCTS_IN_PLACE:
             return held_factors(args) == [False, True]
+        if func in NORMALIZING_CALLS:
+            return any(is_activation(x) for x in normalized_inputs(func, args, {}))
         return func in ELEMENTWISE_PRODUCTS and held_factors(args) is not None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -355,6 +371,8 @@ class HeldGates(TorchFunctionMode):
                 raise_for_checkpoint("gates held constant in products")
                 self.held = True
                 return held
+            if self.norm_calls.held:  # a product of two activations, which has no rule here: see _held_norm_calls
+                self.norm_calls.release_reached(func, args, kwargs)
             return keep_gate_mark(func, args, mark_parameter_derived(args, func(*args, **kwargs), func), kwargs)
         if func in _PRODUCTS_IN_PLACE and not kwargs and held_factors(args) == [False, True]:
             # ``h.mul_(g)``, ``h *= g``: the signal written into by the gate held, as ``h * g`` holds it. (A gate
@@ -367,6 +385,15 @@ class HeldGates(TorchFunctionMode):
             raise_for_checkpoint("gates held constant in products")
             self.held = True
             return held_glu(args[0], call_argument(args, kwargs, 1, "dim", -1))
+        if func in NORMALIZING_CALLS:  # F.normalize, F.cosine_similarity: their norms held
+            what = f"the norms of {func.__name__} held constant"
+            inputs = normalized_inputs(func, args, kwargs)
+            raise_for_transformed_call(what, inputs)
+            if any(is_activation(x) for x in inputs):
+                raise_for_checkpoint(what)
+                if self.norm_calls is _NO_NORM_CALLS:
+                    self.norm_calls = HeldNormCalls()
+                return self.norm_calls.call(func, args, kwargs)
         if func in CLIPS or func in CLIPS_IN_PLACE:
             raise_for_transformed_call("the pass rule on clipping calls", args[:1])
             if clips_a_signal(func, args):
@@ -383,6 +410,8 @@ class HeldGates(TorchFunctionMode):
         gate = func in GATE_FUNCTIONS or func in _GATES_IN_PLACE
         if gate:  # a gate computed under torch.vmap is neither seen nor held
             raise_for_transformed_call("gates held constant in products", args[:1])
+        if self.norm_calls.held:  # a product of two activations, which has no rule here: see _held_norm_calls
+            self.norm_calls.release_reached(func, args, kwargs)
         if func in WRITES_IN_PLACE:  # a weight built in place from parameters stays a weight (peft's OFT rotation)
             result = mark_written_in_place(func, args, kwargs)
         else:
@@ -390,6 +419,24 @@ class HeldGates(TorchFunctionMode):
         if gate and args and is_activation(args[0]) and isinstance(result, torch.Tensor):
             return mark_gate(result, args[0], sigmoid=True)
         return keep_gate_mark(func, args, result, kwargs)
+
+
+def give_back_norms_entering(args: tuple) -> None:
+    """Give the plain gradient back to the norm calls held by the open :class:`HeldGates` modes that the
+    activations in ``args`` are computed from: they enter a module run with the modes paused (one the caller maps
+    to ``IgnoreRule``), whose products of two activations the modes do not see.
+
+    Examples:
+        >>> x = torch.randn(2, 3, requires_grad=True)
+        >>> with HeldGates() as mode:
+        ...     e = F.normalize(x * 1, dim=1)
+        ...     give_back_norms_entering((e,))
+        >>> mode.norm_calls.held
+        0
+    """
+    for mode in torch.overrides._get_current_function_mode_stack():
+        if isinstance(mode, HeldGates) and mode.norm_calls.held:
+            mode.norm_calls.release_from(args)
 
 
 def is_router(module: nn.Module) -> bool:
