@@ -12,6 +12,7 @@ view that shows one of them, which is then an activation whatever its mark.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -43,7 +44,9 @@ def note_activation_written(target: torch.Tensor, key: Any = None) -> None:
         >>> is_activation(row), is_activation(other)  # the row written shows an activation, the other does not
         (True, False)
     """
-    with torch._C.DisableTorchFunction():  # bookkeeping, which a function mode of the call must not see
+    # Bookkeeping, which a function mode of the call must not see. A tensor without a storage to read (one a
+    # transform wraps, under torch.vmap) is not noted: its views keep their marks.
+    with torch._C.DisableTorchFunction(), contextlib.suppress(RuntimeError, NotImplementedError):
         root = target if target._base is None else target._base
         if key is not None:
             with torch.no_grad():
@@ -68,4 +71,7 @@ def overwritten_by_activation(value: torch.Tensor) -> bool:
             return False
         if value.element_size() != root.element_size():  # a view as another dtype: its elements are not the mask's
             return True
-        return bool(mask.as_strided(value.shape, value.stride(), value.storage_offset()).any())
+        try:
+            return bool(mask.as_strided(value.shape, value.stride(), value.storage_offset()).any())
+        except (RuntimeError, NotImplementedError):  # a mask on the meta device: no values to read
+            return False
