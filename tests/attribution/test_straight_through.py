@@ -183,3 +183,84 @@ class TestGradientScaling:
         model.scaling = SCALINGS[name]
         with pytest.raises(ValueError, match=r"scales the gradient through an activation"):
             _explain(model, AttnLRP(strict=True))
+
+
+def _written_into_a_copy(z: torch.Tensor, q: torch.Tensor, write) -> torch.Tensor:
+    y = z.clone()
+    write(y)
+    return y
+
+
+def _negated_copy(z: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    y = torch.clone(z)
+    y.neg_()  # a write the marks do not follow: ``y`` no longer holds ``z``
+    y += (q - z).detach()
+    return y
+
+
+# A codebook's straight-through estimator written into a copy of the code, each with the out-of-place form it computes.
+IN_PLACE_FORMS = {
+    "y = z.clone(); y += (q - z).detach()": (
+        lambda z, q: _written_into_a_copy(z, q, lambda y: y.__iadd__((q - z).detach())),
+        lambda z, q: z + (q - z).detach(),
+    ),
+    "y = z.clone(); y.add_((q - z).detach())": (
+        lambda z, q: _written_into_a_copy(z, q, lambda y: y.add_((q - z).detach())),
+        lambda z, q: z + (q - z).detach(),
+    ),
+    "y = torch.clone(z); y.sub_((z - q).detach())": (
+        lambda z, q: _written_into_a_copy(torch.clone(z), q, lambda y: y.sub_((z - q).detach())),
+        lambda z, q: z - (z - q).detach(),
+    ),
+    "y = z.clone(memory_format=...); y -= (z - q).detach()": (
+        lambda z, q: _written_into_a_copy(
+            z.clone(memory_format=torch.contiguous_format), q, lambda y: y.__isub__((z - q).detach())
+        ),
+        lambda z, q: z - (z - q).detach(),
+    ),
+    "y = z.clone(); y.neg_(); y += (q - z).detach() (no estimator)": (
+        _negated_copy,
+        lambda z, q: torch.neg(z) + (q - z).detach(),
+    ),
+}
+
+
+class Coded(nn.Module):
+    """A vector-quantised code behind a tanh, the estimator given as a function of the code and its codebook entry."""
+
+    def __init__(self, estimator) -> None:
+        super().__init__()
+        self.encoder, self.decoder = nn.Linear(4, 3, bias=False), nn.Linear(3, 2, bias=False)
+        self.codebook = nn.Parameter(torch.randn(8, 3))
+        self.estimator = estimator
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = torch.tanh(self.encoder(x))
+        return self.decoder(self.estimator(z, self.codebook[torch.cdist(z, self.codebook).argmin(-1)]))
+
+
+class TestWrittenInPlace:
+    @pytest.mark.parametrize("preset", [EpsilonPlus, AttnLRP, CPLRP], ids=lambda p: p.__name__)
+    @pytest.mark.parametrize("name", sorted(IN_PLACE_FORMS))
+    def test_an_estimator_written_into_a_copy_is_named_as_its_out_of_place_form(self, name: str, preset):
+        """``y = z.clone(); y += (q - z).detach()`` went unnamed where ``z + (q - z).detach()`` was named (the same
+        relevance, through ``z`` alone, with no word): the copy holds what ``z`` holds. A write the marks do not follow
+        (``y.neg_()``) leaves the copy no estimator, as ``torch.neg(z) + (q - z).detach()`` is none."""
+        in_place, out_of_place = IN_PLACE_FORMS[name]
+        found = {}
+        for form, estimator in (("in place", in_place), ("out of place", out_of_place)):
+            torch.manual_seed(0)
+            model = Coded(estimator).double()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                lrp, _, explained = _explain(model, preset())
+            found[form] = (
+                [c.function for c in lrp.coverage().plain_gradient],
+                sorted(str(w.message) for w in caught),
+                explained["relevance", "x"],
+            )
+        calls, messages, relevance = found["in place"]
+        assert (calls, messages) == found["out of place"][:2]
+        torch.testing.assert_close(relevance, found["out of place"][2], rtol=1e-12, atol=1e-12)
+        estimator = "a straight-through estimator (x + (y - x).detach())"
+        assert (estimator in calls) == ("no estimator" not in name)

@@ -14,7 +14,8 @@ what it reads is ``s`` times the model's without it.
 :class:`~tdhook.attribution._nonlinear_calls.NonlinearCalls`): it marks each
 tensor that holds an activation ``x`` among its terms with two coefficients,
 of ``x`` in its value and in its gradient (through differences, negations,
-products by a number and detached copies), and finds the sums where ``x``
+products by a number, copies and detached copies; a write in place that it does not follow takes a tensor's marks
+off), and finds the sums where ``x``
 keeps a gradient but leaves the value (a straight-through estimator) or keeps
 its value but not its gradient (a gradient scaling). A detached branch added
 as a constant (``h + f(h).detach()``, ``h + h.detach()``, a bias) or
@@ -52,6 +53,8 @@ from typing import Any
 
 import torch
 
+from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE
+
 __all__ = ["GRADIENT_SCALING", "STRAIGHT_THROUGH", "StraightThrough"]
 
 #: the name under which a module's straight-through sums are counted (see :class:`~tdhook.attribution.coverage`)
@@ -75,7 +78,9 @@ _PRODUCTS = frozenset({torch.mul, torch.multiply, _T.mul, _T.multiply, _T.__mul_
 # a / b, with the arguments (a, b)
 _DIVISIONS = frozenset({torch.div, torch.divide, torch.true_divide, _T.div, _T.divide, _T.__truediv__, _T.div_})
 _DIVISIONS |= {_T.__itruediv__}
-_WATCHED = _DETACHES | _NEGATIONS | _SUBTRACTIONS | _ADDITIONS | _PRODUCTS | _DIVISIONS
+# A copy holds what its source holds: ``y = x.clone(); y += (q - x).detach()`` is ``x + (q - x).detach()``.
+_COPIES = frozenset({torch.clone, _T.clone})
+_WATCHED = _DETACHES | _NEGATIONS | _SUBTRACTIONS | _ADDITIONS | _PRODUCTS | _DIVISIONS | _COPIES
 
 Terms = list[tuple[torch.Tensor, float, float]]
 
@@ -154,7 +159,19 @@ class StraightThrough:
 
     def note(self, func: Any, args: tuple, result: Any, kwargs: dict | None = None) -> str | None:
         """Mark ``result`` with the terms it holds; :data:`STRAIGHT_THROUGH` or :data:`GRADIENT_SCALING` where the
-        call is such a sum, else ``None``."""
+        call is such a sum, else ``None``. A write in place whose result is not marked anew (``y.relu_()``,
+        ``y.mul_(g)``) takes the written tensor's marks off: they hold what it was before the write."""
+        written = args[0] if func in WRITES_IN_PLACE and args and isinstance(args[0], torch.Tensor) else None
+        marks = getattr(written, _TERMS, None)
+        kind = self._note(func, args, result, kwargs)
+        if marks is not None and getattr(written, _TERMS, None) is marks:
+            written.__dict__.pop(_TERMS, None)
+        return kind
+
+    def _note(self, func: Any, args: tuple, result: Any, kwargs: dict | None) -> str | None:
+        if func in _COPIES and args and set(kwargs or ()) <= {"memory_format"}:
+            self._mark(result, _terms(args[0]))
+            return None
         if func not in _WATCHED or not args or kwargs:  # ``alpha=``: another sum, not followed
             return None
         if func in _DETACHES:

@@ -347,6 +347,71 @@ class TestFrozenBatchNorm:
         assert all(torch.equal(value, frozen.state_dict()[key]) for key, value in state.items())
 
 
+def _frozen_in_place(norm: nn.BatchNorm2d, form: str) -> nn.Module:
+    """``norm`` frozen as torchvision's ``FrozenBatchNorm2d``, with its shift added (or its scale multiplied) in place
+    in its forward, as some frozen BatchNorms of detection code write it."""
+    from torchvision.ops.misc import FrozenBatchNorm2d
+
+    class FrozenBatchNorm2dInPlace(FrozenBatchNorm2d):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            scale = self.weight * (self.running_var + self.eps).rsqrt()
+            shift = (self.bias - self.running_mean * scale).reshape(1, -1, 1, 1)
+            scale = scale.reshape(1, -1, 1, 1)
+            if form == "out *= scale":
+                out = x.clone()
+                out *= scale
+                return out + shift
+            out = x * scale
+            if form == "out += shift":
+                out += shift
+            else:
+                out.add_(shift)
+            return out
+
+    frozen = FrozenBatchNorm2dInPlace(norm.num_features).double()
+    frozen.eps = norm.eps
+    for name in ("weight", "bias", "running_mean", "running_var"):
+        getattr(frozen, name).copy_(getattr(norm, name).detach())
+    return frozen
+
+
+class TestFrozenBatchNormWrittenInPlace:
+    """A frozen BatchNorm whose forward adds its shift in place (``out += shift``, ``out.add_(shift)``) was refused
+    (its ``x * scale + shift`` not found): it is merged into the layer before it as one written out of place is.
+    One that multiplies its scale in place is refused, naming the module and what to do."""
+
+    @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
+    @pytest.mark.parametrize("form", ["out += shift", "out.add_(shift)"])
+    def test_equals_the_batch_norm_it_freezes(self, preset: str, form: str):
+        from tests.attribution.test_lrp_layers import randomise_batch_norm
+
+        torch.manual_seed(0)
+        norm = randomise_batch_norm(nn.BatchNorm2d(4).double()).eval()
+        plain = nn.Sequential(nn.Conv2d(3, 4, 3), norm, nn.ReLU(), nn.Flatten(), nn.Linear(64, 3)).double().eval()
+        frozen = copy.deepcopy(plain)
+        frozen[1] = _frozen_in_place(norm, form)
+        x = torch.randn(2, 3, 6, 6, dtype=torch.float64).clamp(-2.9, 2.9)
+        with torch.no_grad():
+            torch.testing.assert_close(frozen(x), plain(x), rtol=1e-12, atol=1e-12)
+
+        def relevance(net: nn.Module) -> torch.Tensor:
+            lrp = LRP(net, CNN_PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+            return lrp(TensorDict(x=x.clone(), batch_size=[2]))["relevance", "x"]
+
+        assert relative_error(relevance(frozen), relevance(plain)) <= 1e-10
+
+    def test_a_scale_multiplied_in_place_is_refused_with_what_to_do(self):
+        from tests.attribution.test_lrp_layers import randomise_batch_norm
+
+        torch.manual_seed(0)
+        norm = randomise_batch_norm(nn.BatchNorm2d(4).double()).eval()
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), _frozen_in_place(norm, "out *= scale"), nn.Flatten()).double()
+        x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+        lrp = LRP(model, CNN_PRESETS[sorted(CNN_PRESETS)[0]](), in_keys=["x"], out_keys=["y"])
+        with pytest.raises(ValueError, match=r"FrozenBatchNorm2dInPlace.*out \*= scale.*IgnoreRule"):
+            lrp(TensorDict(x=x, batch_size=[2]))
+
+
 class TestChangedInAnOpenContext:
     """The merged layer follows the BatchNorm's ``eps`` set between two calls of one context, as it follows its
     statistics: it was kept from the first call (6 % to 17 % off under the CNN presets)."""

@@ -466,6 +466,23 @@ class TestUnknownNorm:
             lrp(TensorDict(x=randn(2, 3), batch_size=[2]))
         assert "LRP: the module is '1.0'" in caught.value.__notes__
 
+    @pytest.mark.parametrize("preset", [AttnLRP, CPLRP], ids=lambda p: p.__name__)
+    def test_a_scale_computed_in_place_is_refused_with_what_to_do(self, preset):
+        """``variance.add_(eps).rsqrt_()``: the scale written in place is not followed (holding it would take holding
+        the tensor the forward goes on with); the error names the module and the out-of-place form to write."""
+
+        class InPlaceRMSNorm(LlamaRMSNorm):
+            def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+                variance = hidden_states.pow(2).mean(-1, keepdim=True)
+                variance.add_(self.variance_epsilon).rsqrt_()
+                return self.weight * (hidden_states * variance)
+
+        net = nn.Sequential(nn.Linear(3, 3, dtype=F64), InPlaceRMSNorm(3))
+        lrp = LRP(net, preset(), in_keys=["x"], out_keys=["y"])
+        with pytest.raises(ValueError, match=r"InPlaceRMSNorm.*v\.rsqrt_\(\).*torch\.rsqrt\(v\)") as caught:
+            lrp(TensorDict(x=randn(2, 3), batch_size=[2]))
+        assert "LRP: the module is '1'" in caught.value.__notes__
+
     def test_module_without_gradient_does_not_raise(self):
         module = NotANorm()
         with NormRule().register(module), torch.no_grad():

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.nn import Parameter
 
+from tdhook.attribution.rules._activation_writes import overwritten_by_activation
 from tdhook.attribution.rules._keeping_graph import RelevancePass, graph_kept
 from tdhook.attribution.rules._numerics import carrying_gradient
 from tdhook.attribution.rules._recomputed import error_in_running_module
@@ -425,12 +426,9 @@ def is_activation(value: Any) -> bool:
         (False, True, False)
     """
     # requires_grad and not a leaf: the same as having a grad_fn, and cheaper to ask.
-    return (
-        isinstance(value, torch.Tensor)
-        and value.requires_grad
-        and not value.is_leaf
-        and not getattr(value, PARAMETER_DERIVED, False)
-    )
+    if not (isinstance(value, torch.Tensor) and value.requires_grad and not value.is_leaf):
+        return False
+    return not getattr(value, PARAMETER_DERIVED, False) or overwritten_by_activation(value)
 
 
 def mark_parameter_slots(module: nn.Module) -> None:

@@ -119,7 +119,10 @@ class MergeBatchNormRule(NormRule):
             if not mode.applied and isinstance(output, torch.Tensor) and output.requires_grad:
                 raise ValueError(
                     f"{type(self).__name__} on {type(mod).__name__}: its forward computed no x * scale + shift (nor "
-                    "F.batch_norm) from its input; map the module to another rule"
+                    "F.batch_norm) from its input, which the rule merges into the layer before it (a shift added in "
+                    "place, out += shift, is followed; a scale multiplied in place, out *= scale, or another "
+                    "computation is not). Write it x * scale + shift, or map the module to another rule (IgnoreRule: "
+                    "the plain gradient of what it computes, unmerged)"
                 )
             if mode.record is not None:  # the BatchNorm keeps its mode in later calls, as a merged one does
                 mode.record.norm_done(mod, plain=False)
@@ -301,6 +304,23 @@ def _merge_batch_norm(
 # How a frozen BatchNorm's forward scales its input and adds the shift (``x * scale + shift``).
 _PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
 _SUMS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__})
+# ``out += shift``, ``out.add_(shift)`` (a function mode sees the first as the second): the forward goes on with
+# ``out`` itself, which takes the rule's output's history (see :class:`_Rebased`).
+_SUMS_IN_PLACE = frozenset({torch.Tensor.add_, torch.Tensor.__iadd__})
+
+
+class _Rebased(torch.autograd.Function):
+    """``written`` (a frozen BatchNorm's ``x * scale`` with its shift added in place) rebased in place onto the
+    history of ``ruled``, the rule's output of the same values: the gradient goes to ``ruled`` alone."""
+
+    @staticmethod
+    def forward(ctx, written: torch.Tensor, ruled: torch.Tensor) -> torch.Tensor:
+        ctx.mark_dirty(written)
+        return written
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, grad
 
 
 class _FrozenAffine(TorchFunctionMode):
@@ -333,4 +353,10 @@ class _FrozenAffine(TorchFunctionMode):
                 m = self.module
                 statistics = (m.running_mean, m.running_var, m.weight, m.bias, False, 0.0, m.eps)
                 return self.rule.batch_norm(m, result, (self.scaled[0], *statistics), {})
+            elif self.scaled is not None and func in _SUMS_IN_PLACE and args and args[0] is self.scaled[1]:
+                self.applied = True  # ``out += shift``: ``out`` itself takes the rule's output's history
+                m = self.module
+                statistics = (m.running_mean, m.running_var, m.weight, m.bias, False, 0.0, m.eps)
+                ruled = self.rule.batch_norm(m, result, (self.scaled[0], *statistics), {})
+                return result if ruled is result else _Rebased.apply(result, ruled)
             return result

@@ -65,6 +65,7 @@ from tdhook.attribution.rules._in_place_activations import (
     calls_in_place,
     out_of_place,
 )
+from tdhook.attribution.rules._in_place_products import PRODUCTS_IN_PLACE, product_in_place, two_activations_in_place
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_written_in_place
 from tdhook.attribution.rules._input_values import INPUT_VALUES, watch_values
 from tdhook.attribution.rules._keeping_graph import graph_kept
@@ -239,7 +240,11 @@ class FunctionalRules(TorchFunctionMode):
         # Most calls, and a maximum or minimum that clips no activation at a constant: run, and mark what the rules
         # read later (no rule of their own).
         if (
-            (func not in _HANDLED and not (func is F.linear and generated_linear(func, args, kwargs)))
+            (
+                func not in _HANDLED
+                and not (func is F.linear and generated_linear(func, args, kwargs))
+                and not two_activations_in_place(func, args, kwargs)
+            )
             or (func in BOUNDS and bounded_signal(func, args, kwargs) is None)
             or (func in DIVISIONS and not divides_by_statistic(args, kwargs))
         ):
@@ -252,7 +257,7 @@ class FunctionalRules(TorchFunctionMode):
             return keep_gate_mark(func, args, result, kwargs) if func in GATE_PRESERVING else result
         what = "the transformer rules on products, softmax, attention, activations and norms"
         raise_for_checkpoint(what)
-        raise_for_transformed_call(what, args, needs=2 if func in _PRODUCTS else 1)
+        raise_for_transformed_call(what, args, needs=2 if func in _PRODUCTS or func in PRODUCTS_IN_PLACE else 1)
         recording = self.recording
         if recording is None:
             return self._ruled(func, args, kwargs)
@@ -267,6 +272,8 @@ class FunctionalRules(TorchFunctionMode):
         the rule did, told to ``recording`` (a call whose rules a later call may apply without the mode)."""
         if func in DIVISIONS:  # by a statistic (``h / h.norm(...)``): held constant, as a norm's scale
             return _held_product(func, args, kwargs, [False, True], recording)
+        if func in PRODUCTS_IN_PLACE:  # ``a.mul_(b)``, ``a *= b``: the rule of ``a * b``
+            return product_in_place(func, *args, hold_gates=self.hold_gates, recording=recording)
         if func in _PRODUCTS and len(args) == 2 and is_activation(args[0]) and is_activation(args[1]):
             # A statistic (a norm written out: ``h * rsqrt(mean(h²) + ε)``) held constant, as a norm's scale; a gate.
             gates = statistic_factors(func, args) or held_factors(args, any_gate=self.hold_gates)
@@ -462,6 +469,8 @@ class FunctionalRules(TorchFunctionMode):
             return False
         if func is F.linear:
             return generated_linear(func, args, {})
+        if func in PRODUCTS_IN_PLACE:
+            return two_activations_in_place(func, args, {})
         return func in _HANDLED and (func is not torch.einsum or len(_einsum_operands(args)) == 2)
 
     def _einsum(self, args: tuple, kwargs: dict) -> torch.Tensor:

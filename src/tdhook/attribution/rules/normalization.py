@@ -405,8 +405,9 @@ class NormRule(Rule):
                 raise ValueError(
                     f"{type(self).__name__} on {type(mod).__name__}: its forward ran no normalisation the rule "
                     "knows (F.layer_norm, F.rms_norm, F.group_norm, F.instance_norm, F.batch_norm, F.normalize, "
-                    "F.local_response_norm, or a scale from rsqrt, sqrt, var, std, a norm or a negative power); map "
-                    "the module to another rule"
+                    "F.local_response_norm, or a scale from rsqrt, sqrt, var, std, a norm or a negative power, "
+                    "computed out of place: one computed in place, v.rsqrt_() or v.sqrt_(), is not followed). Write "
+                    "the scale torch.rsqrt(v), or map the module to another rule"
                 )
             if mode.unruled and isinstance(output, torch.Tensor) and output.requires_grad:
                 warn_at_caller(

@@ -1,0 +1,112 @@
+"""Views of a tensor computed from parameters alone, taken before an activation is written into it (float64).
+
+``c = s * torch.ones(...)`` is a constant to the rules (a product with it is linear), and so is a view of it. After
+``c.copy_(h)`` (or a write through another view) the view shows an activation: a product ``v * g`` of it and a
+sigmoid gate is a product of two activations, as out of place. The view kept its mark: AttnLRP and CP-LRP passed all
+of the product's relevance to the gate (1.4 off, max abs, on sums near 2), the CNN presets let the gate keep its plain
+gradient (0.08 off, the sigmoid named as if it gated nothing). Oracle: the same model written out of place
+(``torch.cat``), its coverage record too. A view of elements no activation was written into stays a constant.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from tdhook.attribution import CPLRP, LRP, AttnLRP, EpsilonAlpha2Beta1, EpsilonPlus
+
+F64 = torch.float64
+
+
+def _viewed_then_copied(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = s * torch.ones_like(h)
+    v = c.view(h.shape)
+    c.copy_(h)
+    return v * g
+
+
+def _viewed_then_written_through_another_view(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = s * torch.ones_like(h)
+    v = c[:, :3]
+    c[:, 1:4].copy_(h[:, 1:4])
+    return v * g[:, :3]
+
+
+def _viewed_then_set(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = s * torch.ones_like(h)
+    v = c.T
+    c[:, :2] = h[:, :2]
+    return v.T * g
+
+
+def _part_not_written(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = s * torch.ones_like(h)
+    v = c[:, 3:]
+    c[:, :3] = h[:, :3]
+    return v * g[:, 3:]
+
+
+def _added(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = s * torch.ones_like(h)
+    v = c.view(h.shape)
+    c.add_(h)
+    return v * g
+
+
+# Each form, with the same computation out of place (``s`` a learned scalar, ``h`` an activation, ``g`` a gate).
+FORMS = {
+    "v = c.view(...); c.copy_(h)": (_viewed_then_copied, lambda s, h, g: h * g),
+    "v = c[:, :3]; c[:, 1:4].copy_(h[:, 1:4])": (
+        _viewed_then_written_through_another_view,
+        lambda s, h, g: torch.cat([s * torch.ones_like(h[:, :1]), h[:, 1:3]], 1) * g[:, :3],
+    ),
+    "v = c.T; c[:, :2] = h[:, :2]": (
+        _viewed_then_set,
+        lambda s, h, g: torch.cat([h[:, :2], s * torch.ones_like(h[:, 2:])], 1) * g,
+    ),
+    "v = c.view(...); c.add_(h)": (_added, lambda s, h, g: (s * torch.ones_like(h) + h) * g),
+    "v = c[:, 3:]; c[:, :3] = h[:, :3] (v not written)": (
+        _part_not_written,
+        lambda s, h, g: (s * torch.ones_like(h[:, 3:])) * g[:, 3:],
+    ),
+}
+
+
+class Gated(nn.Module):
+    """``out(form(s, p(x), sigmoid(q(x))))``."""
+
+    def __init__(self, form) -> None:
+        super().__init__()
+        self.p, self.q = nn.Linear(4, 6), nn.Linear(4, 6)
+        self.out = nn.LazyLinear(3)
+        self.s = nn.Parameter(torch.tensor(0.7))
+        self.form = form
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.form(self.s, self.p(x), torch.sigmoid(self.q(x))))
+
+
+def _explained(form, preset) -> tuple[torch.Tensor, list[str]]:
+    torch.manual_seed(0)
+    model = Gated(form).to(F64)
+    x = torch.randn(5, 4, dtype=F64)
+    model(x)  # the lazy layer's shape
+    lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        relevance = lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"]
+    return relevance, [c.function for c in lrp.coverage().plain_gradient]
+
+
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP, EpsilonPlus, EpsilonAlpha2Beta1], ids=lambda p: p.__name__)
+@pytest.mark.parametrize("name", sorted(FORMS))
+def test_a_view_taken_before_an_activation_is_written_shows_an_activation(name: str, preset):
+    in_place, out_of_place = FORMS[name]
+    relevance, calls = _explained(in_place, preset)
+    expected, expected_calls = _explained(out_of_place, preset)
+    assert calls == expected_calls
+    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12)
