@@ -87,8 +87,7 @@ class TokenInputs:
         self._inside: list[str] = []  # the embeddings whose forward is running, by name
         self._watched: list[RowUse] = []  # the rows picked from a linear layer's weight whose uses are recorded
         self._modules: Mapping[str, nn.Module] = {}
-        # By embedding name, the embeddings of the context's model at or under it (found at the first lookup asked)
-        self._embeddings_under: dict[str, list[nn.Module]] = {}
+        self._embeddings_under: dict[str, list[nn.Module]] = {}  # by embedding name, those at or under it
 
     @property
     def feeding(self) -> bool:
@@ -255,19 +254,11 @@ class TokenInputs:
         )
 
     def _unwatch_own_lookups(self, index: int) -> None:
-        """Stop recording the uses of the rows that the embedding of input ``index``, which has just embedded it,
-        picked in its own lookup: their output is replaced by the tokens' leaf, and no later use of them can change
-        what :meth:`_raise_for_lookups_beside` finds, as that lookup is the embedding's own (a table tied to a
-        language-model head's weight, GPT-2's, is the weight of an ``nn.Linear``). The other calls of the model's
-        forward then go without that record, one call each."""
-        for looked_up, table, inside, rows in self._tables:
-            if (
-                rows is not None
-                and looked_up == index
-                and any(rows is watched for watched in self._watched)
-                and self._looked_up_by_its_embedding(index, table, inside, self._leaves)
-            ):
-                self._watched[:] = [watched for watched in self._watched if watched is not rows]
+        """Stop recording the uses of the rows picked by the own lookup of the embedding that has just embedded input
+        ``index`` (its table tied to a linear layer's weight, GPT-2's): that lookup is its own whatever their uses."""
+        for i, table, inside, use in self._tables:
+            if i == index and use is not None and self._looked_up_by_its_embedding(i, table, inside, self._leaves):
+                self._watched[:] = [watched for watched in self._watched if watched is not use]
 
     def _output_units(self, index: int, table: torch.Tensor) -> bool:
         """Whether ``table`` is the weight or the bias of an ``nn.Linear`` of the model, whose rows (looked up by
@@ -288,17 +279,10 @@ class TokenInputs:
         name = leaf._tdhook_embedding_of
         if name not in inside:
             return False
-        # A context's modules are fixed (a change enters the context again): the embeddings under ``name`` are found
-        # once per context; their tables are read at each call (a parametrization may come or go in between).
-        under = self._embeddings_under.get(name)
-        if under is None:
-            prefix = f"{name}." if name else ""
-            under = self._embeddings_under[name] = [
-                module
-                for module_name, module in self._modules.items()
-                if (module_name == name or module_name.startswith(prefix)) and isinstance(module, _EMBEDDINGS)
-            ]
-        return _made_of(table, {id(weight) for module in under for weight in _own_tables(module)})
+        if name not in self._embeddings_under:  # once per context: a change of its modules enters it again
+            self._embeddings_under[name] = _embeddings_at_or_under(self._modules, name)
+        own = {id(weight) for module in self._embeddings_under[name] for weight in _own_tables(module)}
+        return _made_of(table, own)
 
     def embedding_hook(self, name: str) -> Callable[[nn.Module, tuple, dict, torch.Tensor], torch.Tensor | None]:
         """A forward hook for ``nn.Embedding`` ``name`` that takes its output as the tokens' leaf.
@@ -654,6 +638,23 @@ def _picks_rows(name: str, args: tuple, kwargs: dict) -> bool:
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         return isinstance(dim, int) and dim % max(table.dim(), 1) == 0
     return name == "take" and table.dim() == 1
+
+
+def _embeddings_at_or_under(modules: Mapping[str, nn.Module], name: str) -> list[nn.Module]:
+    """The ``nn.Embedding`` and ``nn.EmbeddingBag`` modules of ``modules`` (by name) at ``name`` or inside it.
+
+    Examples:
+        >>> words, inner, other = nn.Embedding(3, 2), nn.Embedding(3, 2), nn.Embedding(3, 2)
+        >>> found = _embeddings_at_or_under({"words": words, "words.inner": inner, "wordsmith": other}, "words")
+        >>> [module is words for module in found], [module is inner for module in found]
+        ([True, False], [False, True])
+    """
+    prefix = f"{name}." if name else ""
+    return [
+        module
+        for module_name, module in modules.items()
+        if (module_name == name or module_name.startswith(prefix)) and isinstance(module, _EMBEDDINGS)
+    ]
 
 
 def _own_tables(module: nn.Module) -> list[torch.Tensor]:
