@@ -31,6 +31,7 @@ COMMANDS = {
         *("--hidden", "16", "--layers", "1", "--repeats", "1"),
     ],
     "transformer zoo": ["bench_transformer_zoo.py", "gpt2", "llama", "--repeats", "1"],
+    "transformer zoo fed ids": ["bench_transformer_zoo.py", "bert", "--ids", "--repeats", "1"],
     "profile": ["profile_vision.py", "--model", "resnet18", "--batch", "1", "--size", "32"],
     "metrics": [
         *("bench_metrics.py", "--model", "linear", "cnn", "--batch", "2"),
@@ -146,6 +147,14 @@ def test_transformer_zoo_benchmark_runs_on_the_architectures_asked_for(printed):
     stdout = stdout_of(printed, "transformer zoo")
     rows = [line.split() for line in stdout.splitlines()[2:] if not line.startswith("[")]
     assert [row[:2] for row in rows] == [["gpt2", "eager"], ["gpt2", "sdpa"], ["llama", "eager"], ["llama", "sdpa"]]
+    assert all(float(value) > 0 for row in rows for value in row[2:])
+
+
+def test_transformer_zoo_benchmark_feeds_token_ids_when_asked(printed):
+    stdout = stdout_of(printed, "transformer zoo fed ids")
+    assert "fed token ids" in stdout.splitlines()[0]
+    rows = [line.split() for line in stdout.splitlines()[2:] if not line.startswith("[")]
+    assert [row[:2] for row in rows] == [["bert", "eager"], ["bert", "sdpa"]]
     assert all(float(value) > 0 for row in rows for value in row[2:])
 
 

@@ -86,7 +86,9 @@ class TokenInputs:
         self._linear: frozenset[int] = frozenset()  # the ids of the parameters of the model's nn.Linear layers
         self._embedded: frozenset[int] = frozenset()  # the ids of the embeddings' own weights
         self._inside: list[str] = []  # the embeddings whose forward is running, by name
+        self._watched: list[RowUse] = []  # the rows picked from a linear layer's weight whose uses are recorded
         self._modules: Mapping[str, nn.Module] = {}
+        self._embeddings_under: dict[str, list[nn.Module]] = {}  # by embedding name, those at or under it
 
     @property
     def feeding(self) -> bool:
@@ -97,6 +99,7 @@ class TokenInputs:
         """Forget the tokens of the last call."""
         self._ids = {}
         self._leaves, self._fed, self._derived, self._tables, self._inside = [], [], [], [], []
+        self._watched = []
 
     def feed(
         self,
@@ -138,6 +141,7 @@ class TokenInputs:
         """
         handles = [] if into is None else into
         self._modules = modules
+        self._embeddings_under = {}
         self._linear = linear_parameters(modules)
         self._embedded = _embedding_weights(modules)
         for name, module in modules.items():
@@ -220,7 +224,7 @@ class TokenInputs:
         """
         if not self._ids:
             return contextlib.nullcontext()
-        return _DerivedTokens(self._ids, self._tables, self._inside, self._linear, self._embedded)
+        return _DerivedTokens(self._ids, self._tables, self._inside, self._linear, self._embedded, self._watched)
 
     def _entering(self, name: str) -> Callable[[nn.Module, tuple], None]:
         """A forward pre-hook for embedding ``name``: its forward runs (its hook, :meth:`_left`, ends it), and a lookup
@@ -276,12 +280,9 @@ class TokenInputs:
         name = leaf._tdhook_embedding_of
         if name not in inside:
             return False
-        own = {
-            id(weight)
-            for module_name, module in self._modules.items()
-            if module_name == name or module_name.startswith(f"{name}." if name else "")
-            for weight in _own_tables(module)
-        }
+        if name not in self._embeddings_under:  # once per context: a change of its modules enters it again
+            self._embeddings_under[name] = _embeddings_at_or_under(self._modules, name)
+        own = {id(weight) for module in self._embeddings_under[name] for weight in _own_tables(module)}
         return _made_of(table, own)
 
     def embedding_hook(self, name: str) -> Callable[[nn.Module, tuple, dict, torch.Tensor], torch.Tensor | None]:
@@ -492,6 +493,7 @@ class _DerivedTokens(TorchFunctionMode):
         inside: list[str] | None = None,
         linear: frozenset[int] = frozenset(),
         embedded: frozenset[int] = frozenset(),
+        watched: list[RowUse] | None = None,
     ) -> None:
         super().__init__()
         self._fed = {id(tokens): index for index, tokens in ids.items()}
@@ -503,7 +505,8 @@ class _DerivedTokens(TorchFunctionMode):
         # The ids of the embeddings' weights: one tied to a Linear's (a language model's head) and looked up inside an
         # embedding is that embedding's lookup, whose rows are the model's input, not the layer's output units.
         self._embedded = embedded
-        self._watching = False  # whether rows of such a parameter were picked: their uses are then recorded
+        # The uses of the rows picked from such a parameter, while their uses are recorded: none, mostly.
+        self._watched = [] if watched is None else watched
 
     def _source(self, values: Iterator[object]) -> int | None:
         for value in values:
@@ -522,13 +525,36 @@ class _DerivedTokens(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        name = getattr(func, "__name__", "")
-        if self._watching:
+        try:  # read as an attribute: a call of getattr on each of the model's torch calls costs more
+            name = func.__name__
+        except AttributeError:
+            name = ""
+        if self._watched:
             note_row_uses(name, args, kwargs, out)
+        if name not in _KINDS:  # most calls do none of these: back at once
+            return out
+        if _KINDS[name] is _LOOKS:  # a lookup of rows by integers, or a write (rare: looked at in a call of its own)
+            self._looked_up_or_written(name, args, kwargs, out)
+            if name not in _CARRYING:
+                return out
+        with torch._C.DisableTorchFunction():  # looking at tensors is no call of the model: out of the modes' sight
+            # Only an integer output is marked: a floating-point one (most of a model's reshapes) needs no search of
+            # the arguments for token ids.
+            if out.dtype in _INTEGERS if isinstance(out, torch.Tensor) else _has_integers(out):
+                index = self._source(iter((*args, *kwargs.values())))
+                if index is not None:
+                    for tensor in out if isinstance(out, (list, tuple)) else (out,):
+                        _mark(tensor, index)
+        return out
+
+    def _looked_up_or_written(self, name: str, args: tuple, kwargs: dict, out: object) -> None:
+        """Note a weight's rows looked up by the token ids (a function of ``_LOOKUPS``), or mark an integer tensor
+        written token values in place (a function of ``_WRITING``)."""
         position = _LOOKUPS.get(name)
         if position is not None and len(args) > position and isinstance(args[position], torch.Tensor):
+            others = args[1:] if position == 0 else (*args[:position], *args[position + 1 :])  # all but the table
             with torch._C.DisableTorchFunction():
-                index = self._source(iter(a for i, a in enumerate(args) if i != position))
+                index = self._source(iter(others))
             # Whether the table is a weight is asked only of lookups by the ids: it may walk the table's history.
             if index is not None and _is_weight_table(args[position]):
                 rows = None
@@ -538,24 +564,40 @@ class _DerivedTokens(TorchFunctionMode):
                     if table in self._linear and not own and _picks_rows(name, args, kwargs):
                         rows = RowUse()
                         watch_rows(out, rows)
-                        self._watching = True
+                        self._watched.append(rows)
                 self._tables.append((index, args[position], tuple(self._inside), rows))
-        if name not in _WRITING and name not in _CARRYING:
-            return out
-        with torch._C.DisableTorchFunction():  # looking at tensors is no call of the model: out of the modes' sight
-            if name in _WRITING and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
-                index = self._source(iter(args[_WRITING[name] : _WRITING[name] + 1]))
-                if index is not None:
-                    _mark(args[0], index)
-            elif name in _CARRYING:
-                index = self._source(iter((*args, *kwargs.values())))
-                if index is not None:
-                    for tensor in out if isinstance(out, (list, tuple)) else (out,):
-                        _mark(tensor, index)
-        return out
+        elif name in _WRITING:
+            with torch._C.DisableTorchFunction():  # looking at tensors is no call of the model: out of the modes' sight
+                if args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
+                    index = self._source(iter(args[_WRITING[name] : _WRITING[name] + 1]))
+                    if index is not None:
+                        _mark(args[0], index)
 
 
 _EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+_INTEGERS = frozenset({torch.int8, torch.int16, torch.int32, torch.int64})  # the dtypes of marked token ids
+# What the mode does after a call, by the function's name: a lookup or a write (looked at on its own), or a carrying
+# of token values only; most of a model's calls are none of these.
+_LOOKS = object()
+_CARRIES = object()
+_KINDS = {name: _LOOKS for name in (*_LOOKUPS, *_WRITING)} | {
+    name: _CARRIES for name in _CARRYING if name not in _LOOKUPS and name not in _WRITING
+}
+
+
+def _has_integers(out: object) -> bool:
+    """Whether ``out``, what a call returned, is (or holds) a tensor of integers that :func:`_mark` marks; to be
+    asked with the function modes off (a tensor's dtype is read through them).
+
+    Examples:
+        >>> _has_integers(torch.tensor([1, 2])), _has_integers(torch.ones(2)), _has_integers(torch.ones(2) > 0)
+        (True, False, False)
+        >>> _has_integers(torch.tensor([1, 2, 3]).split(2)), _has_integers(3)
+        (True, False)
+    """
+    if isinstance(out, (list, tuple)):
+        return any(isinstance(tensor, torch.Tensor) and tensor.dtype in _INTEGERS for tensor in out)
+    return isinstance(out, torch.Tensor) and out.dtype in _INTEGERS
 
 
 def _is_weight_table(table: object) -> bool:
@@ -616,6 +658,23 @@ def _picks_rows(name: str, args: tuple, kwargs: dict) -> bool:
     return name == "take" and table.dim() == 1
 
 
+def _embeddings_at_or_under(modules: Mapping[str, nn.Module], name: str) -> list[nn.Module]:
+    """The ``nn.Embedding`` and ``nn.EmbeddingBag`` modules of ``modules`` (by name) at ``name`` or inside it.
+
+    Examples:
+        >>> words, inner, other = nn.Embedding(3, 2), nn.Embedding(3, 2), nn.Embedding(3, 2)
+        >>> found = _embeddings_at_or_under({"words": words, "words.inner": inner, "wordsmith": other}, "words")
+        >>> [module is words for module in found], [module is inner for module in found]
+        ([True, False], [False, True])
+    """
+    prefix = f"{name}." if name else ""
+    return [
+        module
+        for module_name, module in modules.items()
+        if (module_name == name or module_name.startswith(prefix)) and isinstance(module, _EMBEDDINGS)
+    ]
+
+
 def _own_tables(module: nn.Module) -> list[torch.Tensor]:
     """The tensors an ``nn.Embedding`` or ``nn.EmbeddingBag`` builds its table from: its weight, or, where the weight
     is parametrized (weight norm), the parameters it is computed from, as the table it looks up is a fresh tensor on
@@ -667,7 +726,7 @@ def _made_of(table: torch.Tensor, weights: set[int]) -> bool:
 
 def _mark(tensor: object, index: int) -> None:
     """Mark an integer tensor (not a boolean mask) as carrying the token values of explained input ``index``."""
-    if isinstance(tensor, torch.Tensor) and tensor.dtype in (torch.int8, torch.int16, torch.int32, torch.int64):
+    if isinstance(tensor, torch.Tensor) and tensor.dtype in _INTEGERS:
         setattr(tensor, _DERIVED, index)
         if tensor._base is not None:  # a write into a view writes into its base
             setattr(tensor._base, _DERIVED, index)
