@@ -10,9 +10,12 @@ layer's dtype once, at the end. float32 and float64 layers pay one dtype test.
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
+
+from tdhook.attribution.rules._parameter_sets import ParameterSets
 
 __all__ = ["HALF_PRECISIONS", "is_half_precision", "float32_params", "without_autocast"]
 
@@ -46,7 +49,7 @@ def without_autocast(x: torch.Tensor) -> torch.autocast:
     return torch.autocast(x.device.type, enabled=False)
 
 
-def float32_params(params: dict[str, Any], keep: bool = True) -> dict[str, Any]:
+def float32_params(params: MutableMapping[str, Any], keep: bool = True) -> MutableMapping[str, Any]:
     """A rule's prepared parameters (parameter sets by name, and flags) with their tensors in float32.
 
     With ``keep``, the copy is kept in ``params`` (which live as long as the context, or until the layer's
@@ -62,6 +65,11 @@ def float32_params(params: dict[str, Any], keep: bool = True) -> dict[str, Any]:
     kept = params.get(_FLOAT32) if keep else None
     if kept is not None:
         return kept
+    if isinstance(params, ParameterSets):  # each set copied at its first read, shared tensors once
+        copy = params.converted(_float32, skip=_NOT_COPIED)
+        if keep:
+            params[_FLOAT32] = copy
+        return copy
     copy = {
         key: {name: _float32(value) for name, value in entry.items()} if isinstance(entry, dict) else _float32(entry)
         for key, entry in params.items()

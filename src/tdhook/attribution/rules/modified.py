@@ -12,8 +12,10 @@ live ones and every rule computes its gradient with autograd alone
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,6 +36,7 @@ from tdhook.attribution.rules._input_gradients import (
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import effective_parameters, forward_with, has_weight
 from tdhook.attribution.rules._numerics import has_negative, nonzero_where_negative, pieces, signed_shift, stabilize
+from tdhook.attribution.rules._parameter_sets import ParameterSets
 from tdhook.attribution.rules.base import _ZERO_BIAS, ParamModifier, Registration, Rule, _single_input, _zeroing
 from tdhook.attribution.tunables import GAMMA
 
@@ -67,7 +70,8 @@ class _ModifiedForwardRule(Rule):
         self.stabilizer = stabilizer
         self.zero_params = names
 
-    def modifiers(self) -> dict[str, ParamModifier]:
+    def modifiers(self) -> dict[str, ParamModifier | BiasZeroed]:
+        """The rule's parameter sets by name: each a modifier of the layer's parameters, or a :class:`BiasZeroed`."""
         raise NotImplementedError
 
     def _denominator(self, modified: torch.Tensor) -> torch.Tensor:
@@ -85,17 +89,39 @@ class _ModifiedForwardRule(Rule):
             return denominator.add_(self.stabilizer)
         return denominator.masked_fill_(denominator == 0, 1)
 
-    def modified_params(self, params: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-        """The modified parameter sets of the rule, by name, built from ``params``."""
-        zero = _zeroing(self.zero_params)
-        modified = {key: ParamModifier.from_modifiers([zero, m]).modify(params) for key, m in self.modifiers().items()}
-        modified["plain"] = dict(params)  # the layer's own (or BatchNorm-merged) weight and bias
-        return modified
+    def modified_params(self, params: Mapping[str, torch.Tensor]) -> MutableMapping[str, Any]:
+        """The modified parameter sets of the rule, by name, built from ``params``.
 
-    def prepare(self, module: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+        Each set is built at its first read (:class:`~tdhook.attribution.rules._parameter_sets.ParameterSets`):
+        a call reads only those its path needs, and a layer merged with its BatchNorm none of its own. A set with
+        its bias zeroed (:class:`BiasZeroed`) holds the weight tensor of the set without it. In a call that keeps
+        the graph, every set is built at once, as a function of the live parameters.
+        """
+        zero = _zeroing(self.zero_params)
+        modifiers = self.modifiers()
+        if graph_kept() is not None:
+            chains = {key: _chain(zero, m) for key, m in modifiers.items()}
+            modified: MutableMapping[str, Any] = {key: m.modify(params) for key, m in chains.items()}
+            modified["plain"] = dict(params)
+            return modified
+        builders: dict[str, Callable[[MutableMapping[str, Any]], Any]] = {}
+        for key, m in modifiers.items():
+            of = next((k for k, other in modifiers.items() if isinstance(m, BiasZeroed) and other is m.modifier), None)
+            if of is not None:  # the same weight as ``of``'s: shared, not built twice
+                builders[key] = functools.partial(_bias_zeroed, of=of, params=params)
+            else:
+                builders[key] = functools.partial(_built, _chain(zero, m), params)
+        builders["plain"] = lambda sets: dict(params)  # the layer's own (or BatchNorm-merged) weight and bias
+        sources = [t for t in params.values() if isinstance(t, torch.Tensor)]
+        return ParameterSets(builders, sources, owner=type(self).__name__)
+
+    def prepare(self, module: nn.Module) -> MutableMapping[str, Any]:
         if not has_weight(module):
             raise ValueError(f"{type(self).__name__} needs a module with a weight; {type(module).__name__} has none")
-        return self.modified_params(effective_parameters(module))
+        sets = self.modified_params(effective_parameters(module))
+        if isinstance(sets, ParameterSets):
+            sets.owner = f"{type(self).__name__} on {type(module).__name__}"
+        return sets
 
     def input_gradient(
         self,
@@ -243,6 +269,54 @@ def _clamp(min: float | None = None, max: float | None = None) -> ParamModifier:
     return ParamModifier(lambda n, p: p.clamp(min=min, max=max))
 
 
+class BiasZeroed:
+    """A parameter set in :meth:`_ModifiedForwardRule.modifiers`: ``modifier``'s, with the bias zeroed.
+
+    Where another set of the rule is ``modifier``'s itself (the same object), the two hold one weight tensor
+    (``up`` and ``up_nobias`` of γ); otherwise the set is built on its own, as
+    ``ParamModifier.from_modifiers([modifier, zero_bias])`` would build it.
+
+    Examples:
+        >>> positive = ParamModifier(lambda n, p: p.clamp(min=0))
+        >>> rule = AlphaBetaRule()
+        >>> rule.modifiers = lambda: {"pos": positive, "pos_nobias": BiasZeroed(positive)}
+        >>> sets = rule.modified_params({"weight": torch.tensor([[-1.0, 2.0]]), "bias": torch.tensor([3.0])})
+        >>> sets["pos_nobias"]["weight"] is sets["pos"]["weight"], sets["pos_nobias"]["bias"]
+        (True, tensor([0.]))
+    """
+
+    __slots__ = ("modifier",)
+
+    def __init__(self, modifier: ParamModifier) -> None:
+        self.modifier = modifier
+
+
+def _chain(zero: ParamModifier, modifier: ParamModifier | BiasZeroed) -> ParamModifier:
+    """``modifier`` after the zeroing of the rule's ``zero_params``; the bias zeroed last for :class:`BiasZeroed`."""
+    if isinstance(modifier, BiasZeroed):
+        return ParamModifier.from_modifiers([zero, modifier.modifier, _ZERO_BIAS])
+    return ParamModifier.from_modifiers([zero, modifier])
+
+
+def _built(modifier: ParamModifier, params: Mapping[str, torch.Tensor], sets: MutableMapping[str, Any]) -> dict:
+    """``modifier.modify(params)`` outside a call that keeps the graph: detached (built at the set's first read,
+    which may come in the relevance pass)."""
+    with torch.no_grad():
+        return {n: modifier.modify_fn(n, p.detach()) for n, p in params.items() if modifier.select_fn(n, p)}
+
+
+def _bias_zeroed(sets: MutableMapping[str, Any], of: str, params: Mapping[str, torch.Tensor]) -> dict:
+    """The set ``of`` with its bias zeroed: its own weight tensor, the bias as :data:`_ZERO_BIAS` makes it."""
+    base = sets[of]
+    zeroed = {}
+    for name, param in params.items():
+        if name == "bias":
+            zeroed[name] = torch.zeros_like(base.get(name, param)).detach()
+        elif name in base:
+            zeroed[name] = base[name]
+    return zeroed
+
+
 class AlphaBetaRule(_ModifiedForwardRule):
     """LRP-αβ: positive and negative contributions weighted by ``α`` and ``β`` (``α - β = 1``).
 
@@ -283,10 +357,10 @@ class AlphaBetaRule(_ModifiedForwardRule):
 
     def modifiers(self):
         positive, negative = _clamp(min=0.0), _clamp(max=0.0)
-        mods = {"pos": positive, "neg_nobias": ParamModifier.from_modifiers([negative, _ZERO_BIAS])}
+        mods = {"pos": positive, "neg_nobias": BiasZeroed(negative)}
         if self.beta:
             mods["neg"] = negative
-            mods["pos_nobias"] = ParamModifier.from_modifiers([positive, _ZERO_BIAS])
+            mods["pos_nobias"] = BiasZeroed(positive)
         return mods
 
     def input_gradient(self, module, registration, params, x, z, grad):
@@ -380,24 +454,39 @@ class GammaRule(_ModifiedForwardRule):
         return {
             "up": up,
             "down": down,
-            "up_nobias": ParamModifier.from_modifiers([up, _ZERO_BIAS]),
-            "down_nobias": ParamModifier.from_modifiers([down, _ZERO_BIAS]),
+            "up_nobias": BiasZeroed(up),
+            "down_nobias": BiasZeroed(down),
         }
 
     def modified_params(self, params):
         modified = super().modified_params(params)
-        if set(self.zero_params) <= {"bias"} and graph_kept() is None:  # the fast paths' parameters
-            # z^↑ = z + D with D = γ W⁺x + (b^γ⁺ − b): the shift's parameters, for inputs x ≥ 0.
-            weight, bias, bias_up = params["weight"], params.get("bias"), modified["up"].get("bias")
-            shift = {"weight": weight.detach().clamp(min=0).mul_(self.gamma)}
-            if bias is not None or bias_up is not None:
-                shift["bias"] = (0 if bias_up is None else bias_up) - (0 if bias is None else bias.detach())
-            modified["shift"] = shift
-            # D ≥ 0 when its bias is (the default: b^γ⁺ − b = γ b⁺): then z > 0 gives z^↑ > 0 and z < 0 gives z^↓ < 0.
-            modified["shift_is_nonnegative"] = "bias" not in shift or bool((shift["bias"] >= 0).all())
-            # z^↓ = (1 + γ) z − D needs b^γ⁻ = (2 + γ) b − b^γ⁺, which the γ-modified biases satisfy; zeroed ones
-            # only where the layer's own bias is zero.
-            modified["down_mirrors_up"] = "bias" not in self.zero_params or bias is None or not bool(bias.any())
+        if set(self.zero_params) <= {"bias"} and isinstance(modified, ParameterSets):  # the fast paths' parameters
+            gamma, zeroed_bias = self.gamma, "bias" in self.zero_params
+
+            def shift(sets: MutableMapping[str, Any]) -> dict[str, torch.Tensor]:
+                # z^↑ = z + D with D = γ W⁺x + (b^γ⁺ − b): the shift's parameters, for inputs x ≥ 0.
+                bias = params.get("bias")
+                bias_up = sets["up"].get("bias") if "bias" in params else None
+                with torch.no_grad():
+                    built = {"weight": params["weight"].detach().clamp(min=0).mul_(gamma)}
+                    if bias is not None or bias_up is not None:
+                        built["bias"] = (0 if bias_up is None else bias_up) - (0 if bias is None else bias.detach())
+                return built
+
+            def shift_is_nonnegative(sets: MutableMapping[str, Any]) -> bool:
+                # D ≥ 0 when its bias is (the default: b^γ⁺ − b = γ b⁺): then z > 0 gives z^↑ > 0 and z < 0 gives
+                # z^↓ < 0.
+                return "bias" not in sets["shift"] or bool((sets["shift"]["bias"] >= 0).all())
+
+            def down_mirrors_up(sets: MutableMapping[str, Any]) -> bool:
+                # z^↓ = (1 + γ) z − D needs b^γ⁻ = (2 + γ) b − b^γ⁺, which the γ-modified biases satisfy; zeroed
+                # ones only where the layer's own bias is zero.
+                bias = params.get("bias")
+                return not zeroed_bias or bias is None or not bool(bias.any())
+
+            modified.define("shift", shift)
+            modified.define("shift_is_nonnegative", shift_is_nonnegative)
+            modified.define("down_mirrors_up", down_mirrors_up)
         return modified
 
     def input_gradient(self, module, registration, params, x, z, grad):
