@@ -30,6 +30,7 @@ from tdhook.attribution._run_errors import run_error
 from tdhook.attribution._tokens import is_embedding_leaf
 from tdhook.attribution._writes import relevance_updates, returned_tensordict, set_all_or_nothing
 from tdhook.attribution.rules._keeping_graph import RelevancePass
+from tdhook.attribution.rules._norm_function_layout import late_norm_nodes_laid_out
 from tdhook.attribution.targets import explained_output, initial_relevance, resolve_target_key, zero_output_seeds
 
 __all__ = ["explain"]
@@ -115,6 +116,8 @@ def explain(lrp: Any, tensordict: TensorDictBase) -> tuple[TensorDictBase, Calla
                     target = allowed_action(lrp.targets[name][1], target_key, result, tensordict)
                 grad_outputs, at_zero = initial_relevance(output, target, target_key, out.batch_dims)
                 extra = zero_output_seeds(output, at_zero, target_key) if at_zero is not None else []
+                if lrp._norm_calls.found is False and not planned:  # a norm function the first call did not make
+                    late_norm_nodes_laid_out(output, *([seed for seed, _ in extra] if extra else ()))
                 _set_state(lrp, "_split_dim", check_split_dim(lrp.split_dim, output, target_key, out.batch_dims))
                 outputs.append(output)
                 if calls is not None and position == len(names) - 1:

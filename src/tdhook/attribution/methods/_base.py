@@ -65,7 +65,7 @@ from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurre
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._dropout_calls import dropout_watch
 from tdhook.attribution.rules._meta_tensors import meta_tensors_refused
-from tdhook.attribution.rules._norm_function_layout import NormFunctionCalls
+from tdhook.attribution.rules._norm_function_layout import NormFunctionCalls, late_norm_nodes_laid_out
 from tdhook.attribution.targets import (
     EveryUnit,
     Target,
@@ -502,15 +502,16 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             return None
         return self._contract(call, output, copies)
 
-    @staticmethod
     def _gradients(
-        objective: torch.Tensor, leaves: Sequence[torch.Tensor], unreached: list[bool] | None = None
+        self, objective: torch.Tensor, leaves: Sequence[torch.Tensor], unreached: list[bool] | None = None
     ) -> list[torch.Tensor]:
         """Per leaf, the gradient of each unit's explained quantity: ``[units, *leaf.shape]``.
 
         Zero where a unit does not depend on the leaf; ``unreached``, when given, is filled with whether no unit
         depends on each leaf (no path to it in the graph).
         """
+        if self._norm_calls.found is False:  # a norm called as a function that the first call did not make
+            late_norm_nodes_laid_out(objective)
         units = objective.shape[0]
         per_unit = []
         reached = [False] * len(leaves)

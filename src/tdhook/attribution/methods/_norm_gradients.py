@@ -11,8 +11,9 @@ gradient of every such module's output is copied into the output's own strides
 before the module's backward reads it (only where the strides differ); the
 hooks are gone on the way out. Given a wrapper's :class:`NormFunctionCalls`, the gradient reaching
 ``F.batch_norm``, ``F.instance_norm`` and the like called as functions is laid out as well: on the first call, which
-finds whether the model makes such calls outside the modules hooked, and on later calls where it does (see
-:mod:`~tdhook.attribution.rules._norm_function_layout`).
+finds whether the model makes such calls outside the modules hooked, and on later calls where it does; where it
+found none, a later call lays out the gradient reaching such a call that the first did not make (a branch, a flag)
+before its backward (see :mod:`~tdhook.attribution.rules._norm_function_layout`).
 
 Examples:
     >>> import torch

@@ -31,7 +31,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 __all__ = [
+    "BATCH_NORM_KERNEL_NODES",
     "BATCH_NORM_KERNEL_USERS",
+    "LAID_OUT",
     "lay_out_gradient",
     "laid_out_as",
     "norm_gradient_hooks",
@@ -41,6 +43,25 @@ __all__ = [
 # The modules whose forward calls the batch_norm kernel: BatchNorm1d/2d/3d, SyncBatchNorm and the lazy ones,
 # InstanceNorm1d/2d/3d, and their subclasses.
 BATCH_NORM_KERNEL_USERS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+# The autograd nodes whose backward is that kernel's (``batch_norm``, ``instance_norm`` and their ATen forms make one
+# of these; ``instance_norm`` makes it behind a view of its output), by type: a walk tests every node of a graph.
+BATCH_NORM_KERNEL_NODES = frozenset(
+    getattr(torch._C._functions, name)
+    for name in (
+        "NativeBatchNormBackward0",
+        "NativeBatchNormLegitBackward0",
+        "NativeBatchNormLegitBackward1",
+        "NativeBatchNormLegitNoTrainingBackward0",
+        "BatchNormWithUpdateBackward0",
+        "BatchNormNoUpdateBackward0",
+    )
+    if hasattr(torch._C._functions, name)
+)
+_VIEW_NODE = getattr(torch._C._functions, "ViewBackward0", None)
+
+# The key of a node's ``metadata`` marking a norm's node whose incoming gradient is laid out already.
+LAID_OUT = "tdhook.norm_gradient_laid_out"
 
 
 def laid_out_as(size: torch.Size, strides: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -73,6 +94,13 @@ def lay_out_gradient(output: torch.Tensor) -> None:
     if output.requires_grad:
         # The size and strides only: a hook holding the output would hold it, and the graph, from the graph itself.
         output.register_hook(laid_out_as(output.shape, output.stride()))
+        node = output.grad_fn
+        if node is not None:  # marked, for the walk that finds the norms no hook lays out (inline: once per norm call)
+            node.metadata[LAID_OUT] = True
+            if type(node) is _VIEW_NODE and node.next_functions:  # instance_norm's output
+                inner = node.next_functions[0][0]
+                if type(inner) in BATCH_NORM_KERNEL_NODES:
+                    inner.metadata[LAID_OUT] = True
 
 
 def output_gradient_laid_out(module: nn.Module, args: Any, output: Any) -> None:
