@@ -24,24 +24,13 @@ from torch import nn
 
 from tdhook.attribution import (
     LRP,
-    EpsilonAlpha2Beta1,
-    EpsilonGammaBox,
-    EpsilonPlus,
-    EpsilonPlusFlat,
     IgnoreRule,
     UniformEpsilon,
 )
+from tests.attribution.rules.test_held_norm_calls import PRESETS
 from tests.conftest import relative_error
 
 F64 = torch.float64
-TINY = {"epsilon": 1e-12, "stabilizer": 1e-12}
-PRESETS = {
-    "EpsilonPlus": lambda: EpsilonPlus(**TINY),
-    "EpsilonPlusFlat": lambda: EpsilonPlusFlat(**TINY),
-    "EpsilonGammaBox": lambda: EpsilonGammaBox(-4.0, 4.0, **TINY),
-    "EpsilonAlpha2Beta1": lambda: EpsilonAlpha2Beta1(**TINY),
-    "UniformEpsilon": lambda: UniformEpsilon(**TINY),
-}
 
 
 def scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, form: str) -> torch.Tensor:

@@ -279,10 +279,9 @@ def counting(made: list):
     return make
 
 
-def test_a_model_without_norms_called_as_functions_runs_no_mode_after_its_first_call(monkeypatch):
-    made: list = []
-    monkeypatch.setattr(_model_run, "NormFunctionLayouts", counting(made))
-    monkeypatch.setattr(_norm_gradients, "NormFunctionLayouts", counting(made))
+def three_calls_of_module_norms() -> tuple[LRP, Saliency, torch.Tensor]:
+    """LRP-0 (three calls in one context) and Saliency (three calls) of a model whose norms are all modules, and
+    their input."""
     model = ModuleNorms().to(F64).eval()
     x = torch.randn(3, 2, 5, 2, dtype=F64)
     lrp = LRP(model, rule_mapper=BaseRuleMapper(stabilizer=0.0), in_keys=["x"], out_keys=["y"])
@@ -294,6 +293,14 @@ def test_a_model_without_norms_called_as_functions_runs_no_mode_after_its_first_
                 lrp(td(x))
     for _ in range(3):
         saliency(td(x))
+    return lrp, saliency, x
+
+
+def test_a_model_without_norms_called_as_functions_runs_no_mode_after_its_first_call(monkeypatch):
+    made: list = []
+    monkeypatch.setattr(_model_run, "NormFunctionLayouts", counting(made))
+    monkeypatch.setattr(_norm_gradients, "NormFunctionLayouts", counting(made))
+    lrp, saliency, x = three_calls_of_module_norms()
     assert lrp._norm_calls.found is False and saliency._norm_calls.found is False
     assert made == [lrp._norm_calls, saliency._norm_calls]  # the first calls' watches only
 
@@ -543,17 +550,7 @@ def test_the_walk_hooks_no_norm_that_a_hook_lays_out(monkeypatch):
         return original(node)
 
     monkeypatch.setattr(_norm_function_layout, "_input_layout_hooked", counted)
-    model = ModuleNorms().to(F64).eval()
-    x = torch.randn(3, 2, 5, 2, dtype=F64)
-    lrp = LRP(model, rule_mapper=BaseRuleMapper(stabilizer=0.0), in_keys=["x"], out_keys=["y"])
-    saliency = Saliency(model, in_keys=["x"], out_keys=["y"], target=UNIT)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the instance norm the watch names
-        with lrp:
-            for _ in range(3):
-                lrp(td(x))
-    for _ in range(3):
-        saliency(td(x))
+    lrp, saliency, x = three_calls_of_module_norms()
     assert hooked == []
     late, _ = late_models("F.batch_norm", "transpose", "flag")
     saliency = Saliency(late, in_keys=["x"], out_keys=["y"], target=UNIT)
