@@ -169,6 +169,29 @@ class HeldParameters:
                 return False
         return True
 
+    def copies_of(self, sources: list[torch.Tensor], module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(source, copy)`` for each of ``sources`` that views a tensor of ``module`` (the record made of it
+        alone) in full: the copy of its values seen.
+
+        Examples:
+            >>> lin = nn.Linear(2, 2)
+            >>> held = HeldParameters(lin)
+            >>> pairs = held.copies_of([lin.weight.detach(), torch.zeros(2)], lin)
+            >>> len(pairs), torch.equal(pairs[0][1], lin.weight)
+            (1, True)
+        """
+        (live,), (values,) = self.live, self.values
+        _, tensors = _scan(module)
+        if live is not None:
+            tensors = list(itertools.compress(tensors, live))
+        by_place = {(t.data_ptr(), t.shape, t.stride()): value for t, value in zip(tensors, values, strict=True)}
+        pairs = []
+        for source in sources:
+            copy = None if source.is_meta else by_place.get((source.data_ptr(), source.shape, source.stride()))
+            if copy is not None:
+                pairs.append((source, copy))
+        return pairs
+
 
 def _same_values(live: torch.Tensor, held: torch.Tensor) -> bool:
     """Bit for bit, NaN included (``torch.equal`` calls NaN unequal to itself: a NaN weight would rebuild at every

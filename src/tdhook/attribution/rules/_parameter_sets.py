@@ -8,7 +8,9 @@ keeps it while the context lasts, so a context holds the sets its calls used, no
 
 The sets are built from the tensors the rule was prepared from. Where those are the layer's own parameters (no
 copy), a set built later than the call that needs it would read values written in between; the tensors' version
-counters tell, and such a build raises instead of returning sets of other weights than the call ran with.
+counters tell, and such a build raises instead of returning sets of other weights than the call ran with. A write
+through ``.data`` leaves the counters as they were: where copies of the sources' values are given
+(:meth:`ParameterSets.hold`, the copies a rule keeps to see such writes between calls), they tell.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class ParameterSets(MutableMapping):
         RuntimeError: z+ on Linear: the layer's parameters were written in place after the layer ran ...
     """
 
-    __slots__ = ("_builders", "_built", "_sources", "owner")
+    __slots__ = ("_builders", "_built", "_sources", "_held", "owner")
 
     def __init__(
         self,
@@ -56,6 +58,7 @@ class ParameterSets(MutableMapping):
         self._builders = dict(builders)
         self._built: dict[str, Any] = {}
         self._sources = [(t, t._version) for t in sources]
+        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.owner = owner
 
     def __getitem__(self, name: str) -> Any:
@@ -63,12 +66,13 @@ class ParameterSets(MutableMapping):
         if name in built:
             return built[name]
         builder = self._builders[name]  # KeyError for a name it has no builder for
-        for tensor, version in self._sources:
-            if tensor._version != version:
-                raise RuntimeError(
-                    f"{self.owner}: the layer's parameters were written in place after the layer ran and before "
-                    "its relevance was computed; write them outside the call, or out of place"
-                )
+        if any(t._version != version for t, version in self._sources) or not all(
+            _same_values(t, copy) for t, copy in self._held
+        ):
+            raise RuntimeError(
+                f"{self.owner}: the layer's parameters were written in place after the layer ran and before "
+                "its relevance was computed; write them outside the call, or out of place"
+            )
         value = built[name] = builder(self)
         return value
 
@@ -89,6 +93,26 @@ class ParameterSets(MutableMapping):
 
     def __len__(self) -> int:
         return len(self._builders) + sum(name not in self._builders for name in self._built)
+
+    def sources(self) -> list[torch.Tensor]:
+        """The tensors the builders read."""
+        return [t for t, _ in self._sources]
+
+    def hold(self, copies: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``(source, copy)`` pairs: building while a source's values differ from its copy's (a write through
+        ``.data``, which no version counter sees) raises as an in-place write does.
+
+        Examples:
+            >>> w = torch.tensor([1.0, -2.0])
+            >>> sets = ParameterSets({"pos": lambda s: w.clamp(min=0)}, sources=[w], owner="z+ on Linear")
+            >>> sets.hold([(w, w.clone())])
+            >>> _ = w.data.mul_(2)
+            >>> sets["pos"]  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            RuntimeError: z+ on Linear: the layer's parameters were written in place after the layer ran ...
+        """
+        self._held = list(copies)
 
     def define(self, name: str, builder: Callable[[ParameterSets], Any]) -> None:
         """Build the set ``name`` with ``builder`` at its first read."""
@@ -130,3 +154,12 @@ class ParameterSets(MutableMapping):
 
         skipped = set(skip)
         return ParameterSets({name: builder(name) for name in self if name not in skipped})
+
+
+def _same_values(live: torch.Tensor, copy: torch.Tensor) -> bool:
+    """Bit for bit, NaN equal to NaN."""
+    if live.shape != copy.shape:
+        return False
+    if torch.equal(live, copy):
+        return True
+    return live.is_floating_point() and bool(((live == copy) | (live.isnan() & copy.isnan())).all())

@@ -44,6 +44,7 @@ from tdhook.attribution.rules._layers import (
     _has_plain_forward,
 )
 from tdhook.attribution.rules._meta_tensors import raise_for_meta_tensors
+from tdhook.attribution.rules._parameter_sets import ParameterSets
 from tdhook.attribution.rules._rewrites import RUNNING, checked_rewrite, is_own_rewrite, rewrites
 from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules._wrapper_calls import rules_act_here
@@ -442,6 +443,8 @@ class Rule(Tunable):
         ):
             registration.state = self.prepare(module)
             registration.held = HeldParameters(module)
+            if isinstance(registration.state, ParameterSets):  # a write through ``.data`` before a set is built
+                registration.state.hold(registration.held.copies_of(registration.state.sources(), module))
             registration.settings = settings
         return registration.state
 
