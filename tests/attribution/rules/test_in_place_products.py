@@ -47,6 +47,11 @@ def _scale(a: torch.Tensor) -> torch.Tensor:
 FORMS = {
     "a.mul_(b)": (lambda a, b: a.mul_(b), lambda a, b: a * b),
     "a *= b": (_multiplied_by_assignment, lambda a, b: a * b),
+    "a.multiply_(b)": (lambda a, b: a.multiply_(b), lambda a, b: torch.multiply(a, b)),
+    "a.multiply_(sigmoid(b)), a gate": (
+        lambda a, b: a.multiply_(torch.sigmoid(b)),
+        lambda a, b: a.multiply(torch.sigmoid(b)),
+    ),
     "b.mul_(a)": (lambda a, b: b.mul_(a), lambda a, b: b * a),
     "a[:, :3].mul_(b[:, :3])": (_into_a_view, lambda a, b: torch.cat([a[:, :3] * b[:, :3], a[:, 3:]], 1)),
     "a[:, :3] *= b[:, :3]": (_into_a_view_by_assignment, lambda a, b: torch.cat([a[:, :3] * b[:, :3], a[:, 3:]], 1)),

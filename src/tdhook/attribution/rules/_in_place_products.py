@@ -1,4 +1,4 @@
-"""Products of two activations written in place (``a.mul_(b)``, ``a *= b``): the rules of ``a * b``.
+"""Products of two activations written in place (``a.mul_(b)``, ``a *= b``, ``a.multiply_(b)``): the rules of ``a * b``.
 
 Under AttnLRP and CP-LRP a product of two activations gets the uniform rule (each factor half of the product's
 relevance), or holds one factor constant where it is a gate or a statistic (a norm's scale): see
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["PRODUCTS_IN_PLACE", "product_in_place", "two_activations_in_place"]
 
 #: the in-place products of two tensors that get the rules of ``a * b``
-PRODUCTS_IN_PLACE = frozenset({torch.Tensor.mul_, torch.Tensor.__imul__})
+PRODUCTS_IN_PLACE = frozenset({torch.Tensor.mul_, torch.Tensor.__imul__, torch.Tensor.multiply_})
 
 
 def two_activations_in_place(func: Any, args: tuple, kwargs: dict | None) -> bool:
