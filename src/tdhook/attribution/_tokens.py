@@ -575,7 +575,10 @@ class _DerivedTokens(TorchFunctionMode):
 
 
 _EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
-_INTEGERS = frozenset({torch.int8, torch.int16, torch.int32, torch.int64})  # the dtypes of marked token ids
+# The dtypes of marked token ids, the unsigned ones included (ids stored as ``uint8`` or ``uint16`` to save memory).
+_INTEGERS = frozenset(
+    {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64}
+)
 # What the mode does after a call, by the function's name: a lookup or a write (looked at on its own), or a carrying
 # of token values only; most of a model's calls are none of these.
 _LOOKS = object()
