@@ -5,7 +5,9 @@
 sigmoid gate is a product of two activations, as out of place. The view kept its mark: AttnLRP and CP-LRP passed all
 of the product's relevance to the gate (1.4 off, max abs, on sums near 2), the CNN presets let the gate keep its plain
 gradient (0.08 off, the sigmoid named as if it gated nothing). Oracle: the same model written out of place
-(``torch.cat``), its coverage record too. A view of elements no activation was written into stays a constant.
+(``torch.cat``), its coverage record too. A view of elements no activation was written into stays a constant, and
+so does one whose elements a weight's values replaced after the activation (it was taken for an activation: half of
+the gate's relevance lost under AttnLRP, 0.5 off in relative L2).
 """
 
 from __future__ import annotations
@@ -57,6 +59,22 @@ def _added(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return v * g
 
 
+def _written_then_weight_again(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = s * torch.ones_like(h)
+    v = c.view(h.shape)
+    c.copy_(h)
+    c.copy_(3 * s * torch.ones_like(h))  # every element a weight's again
+    return v * g
+
+
+def _written_then_set_to_a_weight(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = s * torch.ones_like(h)
+    v = c[:, :3]
+    c.copy_(h)
+    c[...] = 3 * s * torch.ones_like(h)
+    return v * g[:, :3]
+
+
 # Each form, with the same computation out of place (``s`` a learned scalar, ``h`` an activation, ``g`` a gate).
 FORMS = {
     "v = c.view(...); c.copy_(h)": (_viewed_then_copied, lambda s, h, g: h * g),
@@ -69,6 +87,14 @@ FORMS = {
         lambda s, h, g: torch.cat([h[:, :2], s * torch.ones_like(h[:, 2:])], 1) * g,
     ),
     "v = c.view(...); c.add_(h)": (_added, lambda s, h, g: (s * torch.ones_like(h) + h) * g),
+    "v = c.view(...); c.copy_(h); c.copy_(3s) (a weight again)": (
+        _written_then_weight_again,
+        lambda s, h, g: (3 * s * torch.ones_like(h)) * g,
+    ),
+    "v = c[:, :3]; c.copy_(h); c[...] = 3s (a weight again)": (
+        _written_then_set_to_a_weight,
+        lambda s, h, g: (3 * s * torch.ones_like(h[:, :3])) * g[:, :3],
+    ),
     "v = c[:, 3:]; c[:, :3] = h[:, :3] (v not written)": (
         _part_not_written,
         lambda s, h, g: (s * torch.ones_like(h[:, 3:])) * g[:, 3:],

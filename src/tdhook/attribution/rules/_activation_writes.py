@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ACTIVATION_WRITTEN", "note_activation_written", "overwritten_by_activation"]
+__all__ = ["ACTIVATION_WRITTEN", "note_activation_written", "note_weight_written", "overwritten_by_activation"]
 
 
 # On a tensor computed from parameters alone that an activation was then written into: a mask of its storage's
@@ -58,6 +58,38 @@ def note_activation_written(target: torch.Tensor, key: Any = None) -> None:
             mask = torch.zeros(size, dtype=torch.bool, device=root.device)
             setattr(root, ACTIVATION_WRITTEN, mask)
         mask.as_strided(target.shape, target.stride(), target.storage_offset()).fill_(True)
+
+
+def note_weight_written(target: torch.Tensor, key: Any = None) -> None:
+    """Note that values computed from parameters alone replaced elements of ``target`` (``copy_``, ``fill_``,
+    ``target[key] = w``): views marked as computed from parameters alone that show only such elements show a weight
+    again, whatever activation was written there before (see :func:`note_activation_written`). ``key`` as there; one
+    that selects no view notes nothing (the elements replaced are not known).
+
+    Examples:
+        >>> from tdhook.attribution.rules._autograd import is_activation, mark_parameter_derived
+        >>> weight = torch.nn.Parameter(torch.ones(2, 3))
+        >>> table = mark_parameter_derived((weight,), weight * 2)
+        >>> row = mark_parameter_derived((table,), table[0])
+        >>> note_activation_written(table)  # an activation written over all of it
+        >>> is_activation(row)
+        True
+        >>> note_weight_written(table, 0)  # the row overwritten with a weight's values
+        >>> is_activation(row)
+        False
+    """
+    with torch._C.DisableTorchFunction(), contextlib.suppress(RuntimeError, NotImplementedError):
+        root = target if target._base is None else target._base
+        mask = root.__dict__.get(ACTIVATION_WRITTEN)
+        if mask is None:
+            return
+        if key is not None:
+            with torch.no_grad():
+                part = target[key]
+            if part.untyped_storage().data_ptr() != root.untyped_storage().data_ptr():
+                return
+            target = part
+        mask.as_strided(target.shape, target.stride(), target.storage_offset()).fill_(False)
 
 
 def overwritten_by_activation(value: torch.Tensor) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tdhook.attribution.rules._activation_writes import note_activation_written
+from tdhook.attribution.rules._activation_writes import note_activation_written, note_weight_written
 from tdhook.attribution.rules._autograd import PARAMETER_DERIVED, is_activation
 
 __all__ = ["WRITES_IN_PLACE", "mark_written_in_place"]
@@ -135,4 +135,6 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
             setattr(tensor, PARAMETER_DERIVED, derived)
         if not derived:  # views of it marked before the write show an activation where it went
             note_activation_written(target, args[1] if func is torch.Tensor.__setitem__ and len(args) > 1 else None)
+        elif func in _WHOLE_WRITES or func is torch.Tensor.__setitem__:  # a weight replaced what was written there
+            note_weight_written(target, args[1] if func is torch.Tensor.__setitem__ and len(args) > 1 else None)
     return result
