@@ -119,6 +119,7 @@ from tdhook.attribution._kept_outputs import OutputKeepers
 from tdhook.attribution._quiet_modules import QuietModules
 from tdhook.attribution.rules._autograd import first_input_is, pass_no_relevance
 from tdhook.attribution.rules._graph_calls import KeptOutputs
+from tdhook.attribution.rules._norm_gradient_layout import BATCH_NORM_KERNEL_NODES, NO_NORM_KERNEL_BELOW
 from tdhook.attribution.rules.basic import PassRuleOnNode, hook_pass_rule_given
 
 __all__ = ["FunctionRulePlan", "Recording"]
@@ -399,6 +400,11 @@ class _Plan:
         self.modules = plain  # the modules themselves, kept alive while their ids stand for them
         self.plain = frozenset(id(module) for module in plain)
         self.shape = shape  # the graph's shape (see graph_shape): the same nodes may be another graph
+        # Whether the recorded graph holds no node of the batch_norm kernel: one of the same shape holds none either,
+        # and a later call's look for such nodes (see late_norm_nodes_laid_out) need not walk it.
+        self.without_norm_kernels = shape is not None and not any(
+            type(entry) is tuple and entry[0] in BATCH_NORM_KERNEL_NODES for entry in shape
+        )
 
     def apply(
         self,
@@ -444,6 +450,10 @@ class _Plan:
             return False  # a branch fed a product a constant, or a held gate to a product that does not hold it
         for node, attach in hooked:
             attach(node)
+        if self.without_norm_kernels:
+            for root in roots[: len(self.keys)]:
+                if root is not None:
+                    root.metadata[NO_NORM_KERNEL_BELOW] = True
         return True
 
 

@@ -30,12 +30,14 @@ from tdhook.attribution import (
     IntegratedGradients,
     Saliency,
     SmoothGrad,
+    _explained_call,
     _model_run,
 )
 from tdhook.attribution.mappers.base import BaseRuleMapper
 from tdhook.attribution.methods import _norm_gradients
 from tdhook.attribution.rules import _norm_function_layout
-from tdhook.attribution.rules._norm_function_layout import NormFunctionLayouts
+from tdhook.attribution.rules._norm_function_layout import NormFunctionLayouts, late_norm_nodes_laid_out
+from tdhook.attribution.rules._norm_gradient_layout import NO_NORM_KERNEL_BELOW
 
 F64 = torch.float64
 EPS = 1e-5
@@ -558,3 +560,62 @@ def test_the_walk_hooks_no_norm_that_a_hook_lays_out(monkeypatch):
     late.normed = True
     saliency(td(x))
     assert hooked == ["NativeBatchNormBackward0"]
+
+
+class TimesProjection(nn.Module):
+    """``h * proj(h)`` of a model's output ``h``: a product of two activations, which AttnLRP and CP-LRP plan."""
+
+    def __init__(self, model: nn.Module, proj: nn.Linear) -> None:
+        super().__init__()
+        self.model, self.proj = model, proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.model(x)
+        return h * self.proj(h)
+
+
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP], ids=["AttnLRP", "CPLRP"])
+def test_planned_calls_skip_the_walk_until_a_norm_appears_and_then_lay_it_out(monkeypatch, preset):
+    """A planned call whose graph has the recorded shape, without a node of the batch_norm kernel, marks its output,
+    and the later calls' walk does not start there; a call whose forward makes a norm has another shape, is not
+    planned, is walked, and equals the norm written out."""
+    marked: list = []
+    original = _explained_call.late_norm_nodes_laid_out
+
+    def noted(*outputs):
+        marked.append(all(NO_NORM_KERNEL_BELOW in output.grad_fn.metadata for output in outputs))
+        return original(*outputs)
+
+    monkeypatch.setattr(_explained_call, "late_norm_nodes_laid_out", noted)
+    model, twin = late_models("F.batch_norm", "transpose", "flag")
+    first, later = first_and_later_inputs("flag")
+    product = nn.Linear(20, 20).to(F64)
+    twin_product = nn.Linear(20, 20).to(F64)
+    twin_product.load_state_dict(product.state_dict())
+    ours = LRP(TimesProjection(model, product), rule_mapper=preset(), in_keys=["x"], out_keys=["y"], target=UNIT)
+    theirs = LRP(TimesProjection(twin, twin_product), rule_mapper=preset(), in_keys=["x"], out_keys=["y"], target=UNIT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with ours:
+            for _ in range(3):  # the first call finds no norm; the plan recorded, then used
+                ours(td(first))
+            assert marked == [False, True, True]  # the planned calls: not walked
+            model.normed = True
+            relevances = [ours(td(x))["relevance", "x"] for x in later]
+        # The first call after the norm appeared is walked (its shape is not the recorded one); the misread head
+        # makes the norm's gradient wrong wherever that walk is skipped.
+        assert marked[3] is False
+        with theirs:
+            theirs(td(first))
+            twin.normed = True
+            expected = [theirs(td(x))["relevance", "x"] for x in later]
+    for relevance, other in zip(relevances, expected, strict=True):
+        torch.testing.assert_close(relevance, other, rtol=1e-9, atol=1e-12)
+
+
+def test_an_output_marked_without_norm_kernels_below_is_not_walked():
+    x = torch.randn(4, 3, 5, 1, dtype=F64, requires_grad=True)
+    stats = torch.zeros(3, dtype=F64), torch.ones(3, dtype=F64)
+    y, z = (F.batch_norm(x, *stats) * 2 for _ in range(2))
+    y.grad_fn.metadata[NO_NORM_KERNEL_BELOW] = True
+    assert late_norm_nodes_laid_out(y) == 0 and late_norm_nodes_laid_out(z) == 1

@@ -43,6 +43,7 @@ from tdhook.attribution.rules._norm_gradient_layout import (
     BATCH_NORM_KERNEL_NODES,
     BATCH_NORM_KERNEL_USERS,
     LAID_OUT,
+    NO_NORM_KERNEL_BELOW,
     laid_out_as,
     lay_out_gradient,
 )
@@ -208,7 +209,8 @@ def late_norm_nodes_laid_out(*outputs: torch.Tensor) -> int:
     nodes: list = []
     for output in outputs:
         node = output.grad_fn
-        if node is not None and node not in seen:
+        # A planned call's output whose graph has the recorded shape, which holds no such node, is not walked.
+        if node is not None and node not in seen and NO_NORM_KERNEL_BELOW not in node.metadata:
             seen[node] = None
             nodes += (node,)
     hooked = 0

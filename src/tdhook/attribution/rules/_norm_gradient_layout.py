@@ -34,6 +34,7 @@ __all__ = [
     "BATCH_NORM_KERNEL_NODES",
     "BATCH_NORM_KERNEL_USERS",
     "LAID_OUT",
+    "NO_NORM_KERNEL_BELOW",
     "lay_out_gradient",
     "laid_out_as",
     "norm_gradient_hooks",
@@ -62,6 +63,9 @@ _VIEW_NODE = getattr(torch._C._functions, "ViewBackward0", None)
 
 # The key of a node's ``metadata`` marking a norm's node whose incoming gradient is laid out already.
 LAID_OUT = "tdhook.norm_gradient_laid_out"
+# The key of a node's ``metadata`` marking an output's node with no node of the batch_norm kernel behind it (a planned
+# call whose graph has the recorded shape, which holds none): a walk for such nodes need not start there.
+NO_NORM_KERNEL_BELOW = "tdhook.no_norm_kernel_below"
 
 
 def laid_out_as(size: torch.Size, strides: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
