@@ -50,19 +50,23 @@ def conv_bn_net() -> nn.Sequential:
 
 def weight_storages(net: nn.Module) -> dict[str, set[int]]:
     """For each convolution, the storages of live float64 tensors shaped like its weight, the weight's own left out.
-    Tensors without a storage to read (the fake tensors of a trace another test left alive) are no copies."""
+    Tensors without a shape or a storage to read (the fake tensors of a trace, the uninitialised parameters of a lazy
+    layer, that another test of the process left alive) are no copies."""
     gc.collect()
     own = {p.untyped_storage().data_ptr() for p in net.parameters()}
     shapes = {tuple(m.weight.shape): name for name, m in net.named_modules() if isinstance(m, nn.Conv2d)}
     storages: dict[str, set[int]] = {name: set() for name in shapes.values()}
     for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor) and not obj.is_meta and tuple(obj.shape) in shapes and obj.dtype == F64:
-            try:
-                ptr = obj.untyped_storage().data_ptr()
-            except RuntimeError:
+        if not issubclass(type(obj), torch.Tensor):
+            continue
+        try:
+            if obj.is_meta or tuple(obj.shape) not in shapes or obj.dtype != F64:
                 continue
-            if ptr not in own:
-                storages[shapes[tuple(obj.shape)]].add(ptr)
+            ptr = obj.untyped_storage().data_ptr()
+        except (RuntimeError, ValueError, NotImplementedError):
+            continue
+        if ptr not in own:
+            storages[shapes[tuple(obj.shape)]].add(ptr)
     return storages
 
 
