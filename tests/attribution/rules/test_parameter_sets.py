@@ -18,6 +18,7 @@ from zennit.canonizers import SequentialMergeBatchNorm
 from tdhook.attribution import LRP
 from tdhook.attribution.mappers.presets import EpsilonAlpha2Beta1, EpsilonGammaBox
 from tdhook.attribution.rules.modified import AlphaBetaRule, GammaRule
+from tests.attribution._helpers import with_statistics
 from tests.conftest import relative_error, zennit_model_relevance
 
 F64 = torch.float64
@@ -38,14 +39,8 @@ def conv_bn_net() -> nn.Sequential:
         nn.ReLU(),
         nn.Flatten(),
         nn.Linear(5 * 3 * 3, 3),
-    ).to(F64)
-    norm = net[3]
-    with torch.no_grad():
-        norm.running_mean.uniform_(-0.5, 0.5)
-        norm.running_var.uniform_(0.5, 2.0)
-        norm.weight.uniform_(0.5, 1.5)
-        norm.bias.uniform_(-0.5, 0.5)
-    return net.eval()
+    )
+    return with_statistics(net)
 
 
 def weight_storages(net: nn.Module) -> dict[str, set[int]]:
