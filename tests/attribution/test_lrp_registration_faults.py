@@ -42,12 +42,14 @@ NODE_METHODS = ("register_hook", "register_prehook")
 
 
 class FailingRegistration:
-    """Raise ``error`` at the ``at``-th hook registration inside the block, before it registers anything (never, with
-    ``at=None``: then :attr:`count` is the number of registrations), and catch it; :attr:`where` names the method
-    (``None``: the block made fewer registrations)."""
+    """Raise ``error`` at the ``at``-th hook registration inside the block (never, with ``at=None``: then
+    :attr:`count` is the number of registrations), and catch it; :attr:`where` names the method (``None``: the block
+    made fewer registrations). With ``after=False`` the registration raises before it registers anything; with
+    ``after=True``, once torch has put the hook into the dict, before its handle is returned (as a registration that
+    fails after its insertion does, or an interrupt that arrives before the handle is listed)."""
 
-    def __init__(self, at: int | None, error: type[BaseException] = KeyboardInterrupt) -> None:
-        self.at, self.error, self.count, self.where = at, error, 0, None
+    def __init__(self, at: int | None, error: type[BaseException] = KeyboardInterrupt, after: bool = False) -> None:
+        self.at, self.error, self.after, self.count, self.where = at, error, after, 0, None
 
     def _registering(self, what: str) -> None:
         self.count += 1
@@ -56,7 +58,7 @@ class FailingRegistration:
             raise self.error(f"registration {self.count} ({what}) failed")
 
     def _profile(self, frame, event: str, arg: object) -> None:
-        if event == "c_call" and getattr(arg, "__name__", None) in NODE_METHODS:
+        if event == ("c_return" if self.after else "c_call") and getattr(arg, "__name__", None) in NODE_METHODS:
             if isinstance(getattr(arg, "__self__", None), torch.autograd.graph.Node):
                 self._registering(f"Node.{arg.__name__}")
 
@@ -64,8 +66,12 @@ class FailingRegistration:
         original = owner.__dict__[name]
 
         def method(*args, **kwargs):
+            if not self.after:
+                self._registering(f"{owner.__name__}.{name}")
+                return original(*args, **kwargs)
+            handle = original(*args, **kwargs)
             self._registering(f"{owner.__name__}.{name}")
-            return original(*args, **kwargs)
+            return handle
 
         return method
 
@@ -217,9 +223,12 @@ def assert_same_tensordict(before: dict, td: TensorDictBase, where: str | None) 
         assert now[3] == requires_grad and now[4] is grad and not now[5] and not hooks, (where, key)
 
 
+@pytest.mark.parametrize("after", [False, True], ids=["before insertion", "after insertion"])
 @pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_a_failing_registration_while_entering_leaves_no_hook_and_the_next_context_works(case: str, error: type):
+def test_a_failing_registration_while_entering_leaves_no_hook_and_the_next_context_works(
+    case: str, error: type, after: bool
+):
     model, wrapper, inputs = CASES[case]()
     expected = relevance(wrapper()(inputs()))  # a fresh wrapper's relevance
     lrp = wrapper()
@@ -229,7 +238,7 @@ def test_a_failing_registration_while_entering_leaves_no_hook_and_the_next_conte
     lrp.__exit__(None, None, None)
     assert counting.count > 0
     for at in range(1, counting.count + 1):
-        with FailingRegistration(at, error) as failing:
+        with FailingRegistration(at, error, after) as failing:
             lrp.__enter__()
         assert failing.where is not None, at  # entering makes the same registrations each time
         assert global_state() == before_global, failing.where
@@ -269,8 +278,9 @@ CALLS = [
 ]
 
 
+@pytest.mark.parametrize("after", [False, True], ids=["before insertion", "after insertion"])
 @pytest.mark.parametrize("case, mode", CALLS)
-def test_a_failing_registration_during_a_call_leaves_model_and_tensordict_as_before(case: str, mode: str):
+def test_a_failing_registration_during_a_call_leaves_model_and_tensordict_as_before(case: str, mode: str, after: bool):
     model, wrapper, inputs = CASES[case]()
     expected = expected_relevance(wrapper, inputs, mode)
     lrp = wrapper()
@@ -284,7 +294,7 @@ def test_a_failing_registration_during_a_call_leaves_model_and_tensordict_as_bef
         for at in range(1, counting.count + 1):
             td = inputs()
             entries = tensordict_state(td)
-            with FailingRegistration(at) as failing:
+            with FailingRegistration(at, after=after) as failing:
                 lrp(td)
             where = f"{at}: {failing.where}"
             assert failing.where is not None, at

@@ -56,6 +56,7 @@ from tdhook.attribution._loss_callers import refuse_loss_module_caller
 from tdhook.attribution._model_run import context_cache_watch
 from tdhook.attribution._module_hooks import module_hooks
 from tdhook.attribution._no_grad_values import called_in_grad_mode
+from tdhook.attribution._orphan_hooks import listed_hook_ids, next_hook_id, remove_orphans
 from tdhook.attribution._plain_modules import as_tensordict_module
 from tdhook.attribution._random_modules import random_modules
 from tdhook.attribution._rule_names import warn_for_unused_keys
@@ -313,6 +314,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         modules = self.named_explained_modules()
         claim(self, modules)
         handles: list[RemovableRuleHandle] = []
+        since = next_hook_id()  # a hook made from here on whose handle a failure lost is found by its id
         try:
             self._abandoned = weakref.finalize(self, abandon, self._hooks, handles)  # collected, never left
             rules = self._rules()
@@ -355,7 +357,10 @@ class LRP(TensorDictModuleBase, MapperTunable):
             self._plan = context_plan(self, rules, modules, ours)
             return self  # inside the try: an interrupt before the return leaves the context as if never entered
         except BaseException:
-            self._leave(handles)
+            try:
+                self._leave(handles)
+            finally:  # and the hooks put in a module's dict whose registration failed before giving their handle
+                remove_orphans([*modules.values(), self.module], since)
             raise
 
     def __exit__(self, *exc_info: object) -> None:
@@ -400,14 +405,22 @@ class LRP(TensorDictModuleBase, MapperTunable):
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         refuse_loss_module_caller("LRP", self, self.create_graph)  # its outputs would give no gradient
         # One call at a time (docs/guarantees.md); one that fails leaves the running statistics as they were.
-        with self._lock, buffers_restored_on_error(self.module, self._buffer_holders), self._grads.kept(self._handles):
-            entering = self._handles is None and not self._inactive
-            _set_state(self, "_call_enters", entering)
-            # A context entered here is left before the write, and so is the record of the caller's grad mode.
-            with called_in_grad_mode(torch.is_grad_enabled(), self._lock), self if entering else _NO_CONTEXT:
-                out, write = explain(self, tensordict)
-            write()  # a call whose context fails to close writes nothing
-            return out
+        with self._lock:
+            since = next_hook_id()
+            try:
+                with buffers_restored_on_error(self.module, self._buffer_holders), self._grads.kept(self._handles):
+                    entering = self._handles is None and not self._inactive
+                    _set_state(self, "_call_enters", entering)
+                    # A context entered here is left before the write, and so is the record of the caller's grad
+                    # mode.
+                    with called_in_grad_mode(torch.is_grad_enabled(), self._lock), self if entering else _NO_CONTEXT:
+                        out, write = explain(self, tensordict)
+                    write()  # a call whose context fails to close writes nothing
+                    return out
+            except BaseException:  # a hook of the call whose registration failed before giving its handle
+                listed = listed_hook_ids([*self._hooks, *(self._handles or [])])  # the open context's, kept
+                remove_orphans([*self.named_explained_modules().values(), self.module], since, listed)
+                raise
 
     def coverage(self) -> Coverage:
         """What this wrapper's calls left to the plain gradient, and how much relevance reached the inputs.
