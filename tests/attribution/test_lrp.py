@@ -260,7 +260,9 @@ class TestBadInput(ExpectsARefusal):
 
     def test_non_floating_input(self):
         td = TensorDict(x=torch.ones(2, 5, dtype=torch.long), batch_size=[2])
-        self.run_and_expect(td, TypeError, "'x' holds integer tokens .torch.int64., which receive relevance")
+        # The model's own error first (a Linear cannot read integers), with a note naming the key.
+        expected = "(?s)mat1 and mat2 must have the same dtype.*'x' holds integer tokens .torch.int64., which receive"
+        self.run_and_expect(td, RuntimeError, expected)
         td = TensorDict(x=torch.ones(2, 5, dtype=torch.bool), batch_size=[2])
         self.run_and_expect(td, TypeError, "'x' must be a floating-point tensor .or integer tokens")
 

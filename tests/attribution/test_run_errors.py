@@ -189,3 +189,36 @@ def test_an_error_not_about_torch_func_transforms_is_left_to_the_usual_notes():
     with pytest.raises(RuntimeError, match="the model's own error") as caught:
         model(torch.randn(3))
     assert transform_refusal(caught.value, dict(model.named_modules()), "LRP", lambda frame: True) is None
+
+
+class CheckedTokens(nn.Module):
+    """Embeds token ids after checking the mask that comes with them, which raises before the embedding runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(7, 4), nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if mask.shape != ids.shape:
+            raise ValueError(f"mask of shape {tuple(mask.shape)} for ids of shape {tuple(ids.shape)}")
+        return self.head(self.embed(ids) * mask.unsqueeze(-1)).sum(1)
+
+
+def test_a_model_error_before_the_embedding_is_raised_as_the_model_raised_it():
+    """The model's own error is raised, with its type and message: that no embedding read the ids is a note, not the
+    error (the error used to be a TypeError saying so, the model's error only its cause)."""
+    model = CheckedTokens().double()
+    policy = TensorDictModule(model, in_keys=["ids", "mask"], out_keys=["y"])
+    ids = torch.randint(0, 7, (3, 5))
+    td = TensorDict(ids=ids, mask=torch.ones(3, 4, dtype=torch.long), batch_size=[3])
+    before = state(model)
+    with pytest.raises(ValueError, match=re.escape("mask of shape (3, 4) for ids of shape (3, 5)")) as info:
+        LRP(policy, in_keys=["ids"])(td)
+    assert str(info.value) == "mask of shape (3, 4) for ids of shape (3, 5)"
+    assert any("'ids' holds integer tokens" in note and "before this error" in note for note in info.value.__notes__)
+    assert_same(before, state(model))
+    assert set(td.keys()) == {"ids", "mask"}
+    # With a mask of the right shape, the tokens are explained.
+    td = TensorDict(ids=ids, mask=torch.ones(3, 5, dtype=torch.long), batch_size=[3])
+    assert LRP(policy, in_keys=["ids"])(td)["relevance", "ids"].shape == (3, 5)

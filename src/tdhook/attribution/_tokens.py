@@ -365,14 +365,15 @@ class TokenInputs:
 
         Args:
             leaves: the tensors the relevance is taken for.
-            cause: the exception the model raised, if any, chained to this one.
+            cause: the exception the model raised, if any: it is the error to see (it may come before any embedding
+                runs), and gets, instead of an error raised here, a note naming the inputs no embedding read.
             optional: the inputs were taken from the module's ``in_keys``, not named by the caller: after a
                 forward pass that succeeded, integers no embedding read (an action mask, a step count) are
                 simply not explained (their leaf stays ``None``), unless no input at all is left to explain.
 
         Raises:
             ValueError: token ids computed from an input were looked up outside the embedding of the input itself.
-            TypeError: an input's leaf is still ``None``.
+            TypeError: an input's leaf is still ``None`` after a forward pass that succeeded.
         """
         if cause is None:
             self._raise_for_derived()
@@ -385,13 +386,10 @@ class TokenInputs:
             if leaves[i] is None:
                 key, dtype = self.keys[i], self._ids[i].dtype
                 pixels = self._pixels_advice(key) if dtype == torch.uint8 else ""
-                raise TypeError(
-                    f"LRP: input key {key!r} holds integer tokens ({dtype}), which receive relevance only through "
-                    f"an nn.Embedding or nn.EmbeddingBag that reads them directly, and none did{pixels}; pass "
-                    "in_keys=[...] to explain only the floating-point inputs (a plain nn.Module's in_keys are also its "
-                    "inputs: to feed it an input that is not explained, such as an attention mask, wrap it in a "
-                    "TensorDictModule with every input key and give the wrapper in_keys of the explained ones)"
-                ) from cause
+                message = _unembedded(key, dtype, pixels, " before this error" if cause is not None else "")
+                if cause is None:
+                    raise TypeError(message)
+                cause.add_note(message)
 
     def _pixels_advice(self, key: NestedKey) -> str:
         """What to do with uint8 pixels at ``key``: convert them before the model; where the model converts them
@@ -586,6 +584,17 @@ _CARRIES = object()
 _KINDS = {name: _LOOKS for name in (*_LOOKUPS, *_WRITING)} | {
     name: _CARRIES for name in _CARRYING if name not in _LOOKUPS and name not in _WRITING
 }
+
+
+def _unembedded(key: NestedKey, dtype: torch.dtype, pixels: str, when: str) -> str:
+    """What an input of integer tokens that no embedding read (``when``: before the model's error) needs."""
+    return (
+        f"LRP: input key {key!r} holds integer tokens ({dtype}), which receive relevance only through an "
+        f"nn.Embedding or nn.EmbeddingBag that reads them directly, and none did{when}{pixels}; pass in_keys=[...] to "
+        "explain only the floating-point inputs (a plain nn.Module's in_keys are also its inputs: to feed it an input "
+        "that is not explained, such as an attention mask, wrap it in a TensorDictModule with every input key and give "
+        "the wrapper in_keys of the explained ones)"
+    )
 
 
 def _has_integers(out: object) -> bool:
