@@ -503,12 +503,18 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         return self._contract(call, output, copies)
 
     def _gradients(
-        self, objective: torch.Tensor, leaves: Sequence[torch.Tensor], unreached: list[bool] | None = None
+        self,
+        objective: torch.Tensor,
+        leaves: Sequence[torch.Tensor],
+        unreached: list[bool] | None = None,
+        target_key: NestedKey | None = None,
     ) -> list[torch.Tensor]:
         """Per leaf, the gradient of each unit's explained quantity: ``[units, *leaf.shape]``.
 
         Zero where a unit does not depend on the leaf; ``unreached``, when given, is filled with whether no unit
-        depends on each leaf (no path to it in the graph).
+        depends on each leaf (no path to it in the graph). Without it, the leaves are the explained inputs', in
+        order, and one that no unit depends on is refused by name, as LRP refuses it
+        (:func:`raise_for_unreached_input`), ``target_key`` naming the output.
         """
         if self._norm_calls.found is False:  # a norm called as a function that the first call did not make
             late_norm_nodes_laid_out(objective)
@@ -522,13 +528,40 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
                 per_unit.append([torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads, strict=True)])
         if unreached is not None:
             unreached[:] = [not r for r in reached]
+        else:
+            raise_for_unreached_input(type(self).__name__, target_key, self.explained_keys, reached)
         return [torch.stack([unit[i] for unit in per_unit]) for i in range(len(leaves))]
 
     def _input_gradients(self, call: Call) -> list[torch.Tensor]:
         """The gradients at the unperturbed input (needs ``_gradient_at_input``): ``[units, *input.shape]``."""
         with torch.enable_grad():
             objective = self._contract(call, call.output, None)
-            return self._gradients(objective, call.leaves)
+            return self._gradients(objective, call.leaves, target_key=call.target_key)
+
+
+def raise_for_unreached_input(
+    name: str, target_key: NestedKey | None, keys: Sequence[NestedKey], reached: Sequence[bool]
+) -> None:
+    """Refuse an explained input that the target does not reach through its gradient: its gradient, and so the
+    attribution of every gradient method, would be zero everywhere, whatever the input's effect on the output.
+
+    Examples:
+        >>> raise_for_unreached_input("Saliency", "y", ["x", "z"], [True, False])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Saliency: target 'y' does not depend on the explained input 'z' through its gradient ...
+    """
+    if len(keys) != len(reached):  # leaves that are not one per explained input: nothing to name
+        return
+    for key, was_reached in zip(keys, reached, strict=True):
+        if not was_reached:
+            raise ValueError(
+                f"{name}: target {target_key!r} does not depend on the explained input {key!r} through its gradient "
+                "(the model does not read it for this output, or cuts its path: detach(), .item(), a conversion to "
+                "integers, a comparison); its attribution would be zero everywhere, whatever its effect on the output: "
+                "leave it out of in_keys, or use a perturbation method (Occlusion, FeatureAblation, "
+                "ShapleyValueSampling), which sees paths that the gradient does not"
+            )
 
 
 def _read_target(method: AttributionMethod, result: TensorDictBase) -> tuple[NestedKey, Any, Any]:

@@ -202,6 +202,8 @@ class GradientShap(AttributionMethod):
                 a = alphas[start:stop].to(dtype=diff.dtype, device=diff.device)
                 points.append(d + a.view(*a.shape, *[1] * (diff.dim() - a.dim())) * diff)
             objective, leaves = self._evaluate(call, points, grad=True)
-            for total, grad, diff in zip(totals, self._gradients(objective, leaves), differences, strict=True):
+            for total, grad, diff in zip(
+                totals, self._gradients(objective, leaves, target_key=call.target_key), differences, strict=True
+            ):
                 total += (grad.to(total.dtype) * diff.unsqueeze(0).to(total.dtype)).sum(1)
         return [(total / self.n_samples).to(x.dtype) for total, x in zip(totals, call.inputs, strict=True)]

@@ -120,7 +120,7 @@ class IntegratedGradients(AttributionMethod):
                 a = alphas.to(dtype=d.dtype, device=d.device).view(-1, *[1] * d.dim())
                 perturbed.append(b.unsqueeze(0) + a * d.unsqueeze(0))
             objective, leaves = self._evaluate(call, perturbed, grad=True)
-            for total, grad in zip(totals, self._gradients(objective, leaves), strict=True):
+            for total, grad in zip(totals, self._gradients(objective, leaves, target_key=call.target_key), strict=True):
                 w = weights.to(dtype=total.dtype, device=grad.device).view(1, -1, *[1] * (grad.dim() - 2))
                 total += (grad.to(total.dtype) * w).sum(1)
         return [

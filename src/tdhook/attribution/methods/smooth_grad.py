@@ -174,7 +174,9 @@ class SmoothGrad(AttributionMethod):
         chunk = steps_per_pass(self.n_samples, call.batch_shape.numel(), self.internal_batch_size, "SmoothGrad")
         for start in range(0, self.n_samples, chunk):
             objective, leaves = self._evaluate(call, [c[start : start + chunk] for c in copies], grad=True)
-            for total, square, grad in zip(sums, squares, self._gradients(objective, leaves), strict=True):
+            for total, square, grad in zip(
+                sums, squares, self._gradients(objective, leaves, target_key=call.target_key), strict=True
+            ):
                 saliency = (grad.abs() if self.abs else grad).to(total.dtype)
                 total += saliency.sum(1)
                 square += (saliency * saliency).sum(1)
