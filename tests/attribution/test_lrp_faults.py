@@ -430,10 +430,11 @@ FAILING_CALLS = {
 @pytest.mark.parametrize("case", sorted(FAILING_CALLS))
 def test_a_call_that_fails_after_the_forward_pass_leaves_the_running_statistics(case: str, in_context: bool):
     """A BatchNorm in training mode moves its running statistics in the forward pass: a call that failed after it
-    (a target, an input found unexplainable) left them moved and ``num_batches_tracked`` counted one up."""
+    (a target, an input found unexplainable) left them moved and ``num_batches_tracked`` counted one up. Their version
+    counters are as before too (a graph of the caller's that saved them checks them in its backward pass)."""
     model = Normalised().train()
     pipeline = TensorDictModule(model, in_keys=["x", "n"], out_keys=["out"])
-    before = {name: (buffer, buffer.clone()) for name, buffer in model.named_buffers()}
+    before = {name: (buffer, buffer.clone(), buffer._version) for name, buffer in model.named_buffers()}
     td = TensorDict(x=torch.randn(5, 3), n=torch.arange(5), batch_size=[5])
     kwargs = {"in_keys": ["x"], **FAILING_CALLS[case]}
     lrp = LRP(pipeline, EpsilonPlus(), **kwargs)
@@ -445,6 +446,7 @@ def test_a_call_that_fails_after_the_forward_pass_leaves_the_running_statistics(
             lrp(td)
     for name, buffer in model.named_buffers():
         assert buffer is before[name][0] and torch.equal(buffer, before[name][1]), name
+        assert buffer._version == before[name][2], name
     assert model.training
 
 

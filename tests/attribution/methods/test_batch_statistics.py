@@ -11,7 +11,7 @@ from tensordict.nn import TensorDictModuleBase
 from torch import nn
 from torchrl.modules import BatchRenorm1d
 
-from tdhook.attribution import IntegratedGradients
+from tdhook.attribution import LRP, EpsilonPlus, IntegratedGradients, Saliency
 from tdhook.attribution.methods._batch_statistics import (
     BufferHolders,
     BufferValues,
@@ -320,3 +320,32 @@ def test_a_call_refused_before_the_model_runs_leaves_the_buffers_version_counter
         make_wrapper(module, target=7)(td.unlock_())
     for name, buffer in buffers.items():
         assert torch.equal(buffer, before[name][0]), name
+
+
+@pytest.mark.parametrize("wrapper", ["LRP", "Saliency"])
+def test_a_call_failing_after_the_forward_leaves_the_callers_graph_able_to_run_backward(wrapper: str):
+    """A graph of the caller's through a BatchNorm in training mode saves its running statistics, and torch checks
+    their version counters in the backward pass. A call that fails once the model has run (a target out of range)
+    gives the buffers their values and their version counters back: the caller's backward pass runs, with the
+    gradient of a copy of the model that no call touched (putting the values back with ``copy_`` moved the counters,
+    and the caller's backward pass raised that a saved tensor had been modified in place)."""
+    model = batch_norm_mlp(nn.BatchNorm1d(6))
+    untouched = copy.deepcopy(model)
+    x = torch.randn(8, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    leaf, twin = x.clone().requires_grad_(), x.clone().requires_grad_()
+    loss, expected = model(leaf).square().sum(), untouched(twin).square().sum()
+    buffers = {name: (buffer.clone(), buffer._version) for name, buffer in model.named_buffers()}
+    bad = (
+        LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"], target=10)
+        if wrapper == "LRP"
+        else Saliency(model, in_keys=["x"], out_keys=["y"], target=10)
+    )
+    with pytest.raises(IndexError, match="target 10 is out of range"):
+        bad(TensorDict(x=x, batch_size=[8]))
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, buffers[name][0]) and buffer._version == buffers[name][1], name
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(leaf.grad, twin.grad, rtol=1e-12, atol=1e-12)
+    for (name, parameter), other in zip(model.named_parameters(), untouched.parameters(), strict=True):
+        torch.testing.assert_close(parameter.grad, other.grad, rtol=1e-12, atol=1e-12, msg=name)

@@ -153,7 +153,7 @@ class BufferValues:
 
     def __init__(self, model: nn.Module, holders: BufferHolders | None = None) -> None:
         kept = _training_buffers(model, holders)
-        self._kept = {(module, name): (buffer, buffer.clone()) for module, name, buffer in kept}
+        self._kept = {(module, name): (buffer, buffer.clone(), _version(buffer)) for module, name, buffer in kept}
 
     def value(self, module: nn.Module, name: str, default: torch.Tensor) -> torch.Tensor:
         """The value the buffer ``name`` of ``module`` had (``default`` for one that was not kept)."""
@@ -162,14 +162,24 @@ class BufferValues:
 
     def restore(self) -> None:
         """Give every kept buffer its value back, in its own place in its module (where a :func:`buffers_kept`
-        was stopped before it put it back). A buffer that holds its value still (a call that failed before the model
-        ran) is left as it is, version counter included (torch's batch norm moves its running statistics without
-        moving their version counters: the values are compared)."""
+        was stopped before it put it back), and its version counter: a graph of the caller's that saved the buffer
+        (batch norm's backward in training mode saves the running statistics) checks it when it runs backward, and
+        the buffer then holds the values it saved. The values are written through ``.data``, which moves no version
+        counter (as torch's batch norm moves its running statistics), and a counter the model's own in-place writes
+        moved (a batch counter's ``+= 1``) is set back. A buffer that holds its value still (a call that failed
+        before the model ran) is left as it is."""
         with torch.no_grad():
-            for (module, name), (buffer, value) in self._kept.items():
+            for (module, name), (buffer, value, version) in self._kept.items():
                 module._buffers[name] = buffer
                 if buffer.is_meta or not torch.equal(buffer, value):  # a meta tensor holds no value to compare
-                    buffer.copy_(value)
+                    buffer.data.copy_(value)
+                if version is not None and buffer._version != version:
+                    torch._C._autograd._unsafe_set_version_counter((buffer,), (version,))
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The version counter of ``tensor`` (``None`` for an inference tensor, which has none)."""
+    return None if tensor.is_inference() else tensor._version
 
 
 class _RestoredOnError:
