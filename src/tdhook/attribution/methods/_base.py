@@ -40,6 +40,7 @@ from tdhook.attribution._kept_grads import KeptGrads
 from tdhook.attribution._keys import check_free, check_read, check_writable, read_not_written, relevance_keys
 from tdhook.attribution._loss_callers import refuse_loss_module_caller
 from tdhook.attribution._no_grad_values import caller_values_in
+from tdhook.attribution._orphan_hooks import orphans_removed
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._ragged_stacks import raise_for_ragged
@@ -278,7 +279,9 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         # The random states a first pass may move (see RandomDraws), read until the check has run; the CPU's is one.
         states_before = None if self._draws.checked else random_states(self.module)
         rng_before = torch.get_rng_state() if states_before is None else states_before[0]
-        with buffers_restored_on_error(self.module) as before:  # up to the write: a call that fails moves none
+        # A hook of the call whose registration failed before giving back its handle is removed where the call fails.
+        swept = orphans_removed(lambda: [*self.named_explained_modules().values(), self.module], tuple)
+        with buffers_restored_on_error(self.module) as before, swept:  # up to the write: a call that fails moves none
             # A module computing from a parameter on the meta device returns whatever the memory held: refused.
             # A model's own backward may write the parameters' .grad (Reformer's reversible layers): put back.
             kept = KeptGrads(self.module).kept(None) if self._needs_gradients else _NOTHING
