@@ -288,20 +288,37 @@ def test_a_failing_registration_during_a_call_leaves_model_and_tensordict_as_bef
     with calls_in(lrp, mode):
         lrp(inputs())  # the first call (of the wrapper, of the context) watches more than the later ones
         before = module_state(model)
-        with FailingRegistration(None) as counting:
-            lrp(inputs())
-        assert counting.count > 0
-        for at in range(1, counting.count + 1):
-            td = inputs()
-            entries = tensordict_state(td)
-            with FailingRegistration(at, after=after) as failing:
-                lrp(td)
-            where = f"{at}: {failing.where}"
-            assert failing.where is not None, at
-            assert_same_tensordict(entries, td, where)
-            assert global_state() == before_global, where
-            assert_same_state(before, module_state(model), where)
-            assert_same_relevance(relevance(lrp(inputs())), expected, where)
+        next_call = lambda where: assert_same_relevance(relevance(lrp(inputs())), expected, where)  # noqa: E731
+        fail_each_registration(lrp, model, inputs, (before, before_global), next_call, KeyboardInterrupt, after)
+
+
+def fail_each_registration(
+    call: Callable[[TensorDict], object],
+    model: nn.Module,
+    inputs: Callable[[], TensorDict],
+    states: tuple[list, tuple],
+    next_call: Callable[[str], None],
+    error: type[BaseException],
+    after: bool,
+) -> None:
+    """Make ``call`` fail at each of its hook registrations in turn (``error``, ``after`` the insertion or not), and
+    check each time that the TensorDict it was given, torch's global state and the model are as before (``states``:
+    the model's and the global state) and that ``next_call(where)`` passes."""
+    before, before_global = states
+    with FailingRegistration(None) as counting:
+        call(inputs())
+    assert counting.count > 0
+    for at in range(1, counting.count + 1):
+        td = inputs()
+        entries = tensordict_state(td)
+        with FailingRegistration(at, error, after) as failing:
+            call(td)
+        where = f"{at}: {failing.where}"
+        assert failing.where is not None, where
+        assert_same_tensordict(entries, td, where)
+        assert global_state() == before_global, where
+        assert_same_state(before, module_state(model), where)
+        next_call(where)
 
 
 def raised_from(raised: BaseException | None, error: type[BaseException]) -> bool:

@@ -17,12 +17,8 @@ from torch import nn
 
 from tdhook.attribution import GradCAM, GuidedBackprop, IntegratedGradients, Saliency
 from tests.attribution._helpers import small_bn_cnn
-from tests.attribution.test_lrp_interrupts import assert_same_state, global_state, module_state
-from tests.attribution.test_lrp_registration_faults import (
-    FailingRegistration,
-    assert_same_tensordict,
-    tensordict_state,
-)
+from tests.attribution.test_lrp_interrupts import global_state, module_state
+from tests.attribution.test_lrp_registration_faults import fail_each_registration
 
 F64 = torch.float64
 
@@ -54,20 +50,11 @@ def test_a_failing_registration_during_a_call_leaves_model_and_tensordict_as_bef
     method = METHODS[name](model)
     method(inputs())  # a wrapper's first call checks more than the later ones
     before, before_global = module_state(model), global_state()
-    with FailingRegistration(None) as counting:
-        method(inputs())
-    assert counting.count > 0
-    for at in range(1, counting.count + 1):
-        td = inputs()
-        entries = tensordict_state(td)
-        with FailingRegistration(at, error, after) as failing:
-            method(td)
-        where = f"{at}: {failing.where}"
-        assert failing.where is not None, where
-        assert_same_tensordict(entries, td, where)
-        assert global_state() == before_global, where
-        assert_same_state(before, module_state(model), where)
+
+    def next_call(where: str) -> None:
         actual = attribution(method(inputs()))
         assert actual.keys() == expected.keys(), where
         for key, value in expected.items():
             torch.testing.assert_close(actual[key], value, rtol=1e-10, atol=1e-12, msg=lambda m: f"{where} {key}: {m}")
+
+    fail_each_registration(method, model, inputs, (before, before_global), next_call, error, after)

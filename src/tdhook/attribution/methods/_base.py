@@ -554,17 +554,16 @@ def raise_for_unreached_input(
         ...
         ValueError: Saliency: target 'y' does not depend on the explained input 'z' through its gradient ...
     """
-    if len(keys) != len(reached):  # leaves that are not one per explained input: nothing to name
-        return
-    for key, was_reached in zip(keys, reached, strict=True):
-        if not was_reached:
-            raise ValueError(
-                f"{name}: target {target_key!r} does not depend on the explained input {key!r} through its gradient "
-                "(the model does not read it for this output, or cuts its path: detach(), .item(), a conversion to "
-                "integers, a comparison); its attribution would be zero everywhere, whatever its effect on the output: "
-                "leave it out of in_keys, or use a perturbation method (Occlusion, FeatureAblation, "
-                "ShapleyValueSampling), which sees paths that the gradient does not"
-            )
+    # Leaves that are not one per explained input have no key to name.
+    unreached = [key for key, was in zip(keys, reached, strict=True) if not was] if len(keys) == len(reached) else []
+    if unreached:
+        raise ValueError(
+            f"{name}: target {target_key!r} does not depend on the explained input {unreached[0]!r} through its "
+            "gradient (the model does not read it for this output, or cuts its path: detach(), .item(), a conversion "
+            "to integers, a comparison); its attribution would be zero everywhere, whatever its effect on the output: "
+            "leave it out of in_keys, or use a perturbation method (Occlusion, FeatureAblation, "
+            "ShapleyValueSampling), which sees paths that the gradient does not"
+        )
 
 
 def _read_target(method: AttributionMethod, result: TensorDictBase) -> tuple[NestedKey, Any, Any]:
