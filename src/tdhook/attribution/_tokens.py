@@ -47,6 +47,8 @@ from tdhook.attribution._token_values import (
 )
 from tdhook.attribution._unit_rows import (
     RowUse,
+    gate_error,
+    gated_inputs,
     linear_parameters,
     note_row_uses,
     rows_of_output_units,
@@ -416,12 +418,13 @@ class TokenInputs:
         )
 
     def _raise_for_lookups_beside(self, leaves: list[torch.Tensor | None]) -> None:
-        """Refuse an input that an ``nn.Embedding`` embeds and that is also looked up in a weight of another kind
-        (``F.embedding(ids, self.lora_A.T)``, ``self.table[ids]``): the relevance of that lookup would be lost, as its
-        rows are held constant, while the tokens' relevance is taken from the embedding alone (a low-rank adapter on
-        the embedding, peft's LoRA, adds such a lookup to the embedding's)."""
+        """Refuse an input embedded by an ``nn.Embedding`` and also looked up in a weight of another kind (peft's LoRA
+        on the embedding: ``F.embedding(ids, self.lora_A.T)``), or picking rows of a Linear that gate another input
+        (:func:`gated_inputs`): the relevance of that lookup would be lost, its rows held constant."""
         for index, table, inside, rows in self._tables:
             leaf = leaves[index] if index < len(leaves) else None
+            if leaf is not None and rows is not None and (others := gated_inputs(rows, index, self._fed)):
+                raise gate_error(self.keys[index], self._table_name(table), [self.keys[i] for i in others])
             if leaf is None or self._looked_up_rightly(index, table, inside, rows, leaves):
                 continue
             raise ValueError(
