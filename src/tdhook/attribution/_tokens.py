@@ -562,8 +562,8 @@ class _DerivedTokens(TorchFunctionMode):
             if name not in _CARRYING:
                 return out
         with torch._C.DisableTorchFunction():  # looking at tensors is no call of the model: out of the modes' sight
-            # Only an integer output is marked: a floating-point one (most of a model's reshapes) needs no search of
-            # the arguments for token ids.
+            # An integer output is searched for among its arguments' token ids; a floating-point one (most of a
+            # model's reshapes) only where it may hold them (below).
             if out.dtype in _INTEGERS if isinstance(out, torch.Tensor) else _has_integers(out):
                 index = self._source(iter((*args, *kwargs.values())))
                 if index is not None:
