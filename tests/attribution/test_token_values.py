@@ -19,6 +19,14 @@ from tdhook.attribution.mappers.base import BaseRuleMapper
 
 F64 = torch.float64
 
+
+def explain_tokens(net: nn.Module, target=None) -> TensorDict:
+    """``net`` (float64, its seed 0) explained from 4 x 5 random token ids under LRP-0."""
+    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
+    lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["tokens"], out_keys=["y"], target=target)
+    return lrp(TensorDict(tokens=tokens, batch_size=[4]))
+
+
 LOOKUPS = {
     "plus-zero": lambda ids, table: table[ids + 0],
     "times-one": lambda ids, table: table[1 * ids],
@@ -52,12 +60,9 @@ def test_values_computed_from_token_ids_and_looked_up_beside_their_embedding_are
     with a weight, ``F.embedding_bag``: each lost the lookup's share of the relevance without a word. Refused,
     naming the key, the embedding and the parameter."""
     torch.manual_seed(0)
-    net = TableBeside(lookup).to(F64)
-    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
-    lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["tokens"], out_keys=["y"])
     match = r"input key 'tokens' is embedded by 'embedding' and also indexes (a view of )?parameter 'table'"
     with pytest.raises(ValueError, match=match):
-        lrp(TensorDict(tokens=tokens, batch_size=[4]))
+        explain_tokens(TableBeside(lookup).to(F64))
 
 
 class SecondEmbedding(nn.Module):
@@ -76,11 +81,8 @@ def test_ids_hashed_from_token_ids_into_a_second_embedding_are_refused_naming_it
     """A second ``nn.Embedding`` of ids hashed from the explained ones held the relevance of its lookup, lost
     without a word; refused as the lookups of shifted or copied ids are."""
     torch.manual_seed(0)
-    net = SecondEmbedding().to(F64)
-    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
-    lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["tokens"], out_keys=["y"])
     with pytest.raises(ValueError, match=r"input key 'tokens' reaches 'buckets' \(Embedding\) through token ids"):
-        lrp(TensorDict(tokens=tokens, batch_size=[4]))
+        explain_tokens(SecondEmbedding().to(F64))
 
 
 class OffsetOwnTable(nn.Embedding):
@@ -111,9 +113,7 @@ def test_values_computed_from_the_ids_inside_their_embedding_and_positions_are_n
     of the embedding's output (the positions' share, an additive embedding, is theirs)."""
     torch.manual_seed(0)
     net = OwnTableNet().to(F64)
-    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
-    lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["tokens"], out_keys=["y"], target=lambda y: y)
-    td = lrp(TensorDict(tokens=tokens, batch_size=[4]))
-    embedded = net.embedding(tokens).detach()
+    td = explain_tokens(net, target=lambda y: y)
+    embedded = net.embedding(td["tokens"]).detach()
     expected = (net.head(embedded * 2).sum(-1)).detach()  # linear in the embedding: its share of each output
     torch.testing.assert_close(td["relevance", "tokens"], expected, rtol=1e-10, atol=1e-12)
