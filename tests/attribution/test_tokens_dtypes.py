@@ -113,3 +113,29 @@ def test_token_ids_converted_to_floating_point_for_a_mask_are_explained_through_
     lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["tokens"], out_keys=["y"], target=lambda y: y)
     td = lrp(TensorDict(tokens=tokens, batch_size=[4]))
     torch.testing.assert_close(td["relevance", "tokens"].sum(1), net(tokens).sum(1), rtol=1e-10, atol=1e-12)
+
+
+class TableThroughDevice(TableThroughUnsigned):
+    """Token ids embedded by an ``nn.Embedding``, and looked up again in a parameter after a move to a CUDA device and
+    back (``move``: by ``cuda()`` and ``cpu()``, or by ``to``)."""
+
+    def __init__(self, move: str) -> None:
+        super().__init__(torch.int64)
+        self.move = move
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        moved = tokens.cuda().cpu() if self.move == "cuda" else tokens.to("cuda").to("cpu")
+        return self.head(self.embedding(tokens) + self.table[moved]).sum(1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="moves the ids to a CUDA device and back")
+@pytest.mark.parametrize("move", ["cuda", "to"])
+def test_token_ids_moved_to_another_device_and_back_looked_up_beside_their_embedding_are_refused(move):
+    """Ids moved to a GPU and back (``ids.cuda().cpu()``) are new tensors holding the token values: their second
+    lookup was not refused, as ``cuda`` and ``cpu`` did not carry the mark. Refused, naming the table."""
+    torch.manual_seed(0)
+    net = TableThroughDevice(move).to(F64)
+    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
+    lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["tokens"], out_keys=["y"])
+    with pytest.raises(ValueError, match=r"embedded by 'embedding' and also indexes parameter 'table'"):
+        lrp(TensorDict(tokens=tokens, batch_size=[4]))

@@ -483,7 +483,7 @@ _CARRYING = frozenset(
         "stack", "hstack", "vstack", "roll", "flip", "narrow", "select", "index_select", "gather", "take",
         "masked_fill", "where", "repeat", "repeat_interleave", "expand", "tile", "unsqueeze", "squeeze",
         "transpose", "permute", "t", "flatten", "unflatten", "view", "reshape", "split", "chunk", "unbind",
-        "tensor_split", "movedim", "pad",
+        "tensor_split", "movedim", "pad", "cpu", "cuda",
     }
 )  # fmt: skip
 # Lookups of rows of a table by integer ids: the position of the table among the arguments.
