@@ -38,6 +38,13 @@ LOOKUPS = {
     "one-hot-linear": lambda ids, table: F.linear(F.one_hot(ids, table.shape[0]).to(table.dtype), table.T),
     "as-numbers": lambda ids, table: ids.double()[..., None] * table[0],
     "embedding-bag": lambda ids, table: F.embedding_bag(ids, table, mode="sum")[:, None],
+    "torch.embedding": lambda ids, table: torch.embedding(table, ids),
+    "sort": lambda ids, table: table[ids.sort(-1).values],
+    "searchsorted": lambda ids, table: table[torch.searchsorted(torch.arange(11), ids)],
+    "scatter": lambda ids, table: table[torch.zeros_like(ids).scatter(1, torch.arange(5).expand(4, 5), ids)],
+    "max": lambda ids, table: table[ids.max(-1, keepdim=True).values.expand_as(ids)],
+    "cumsum": lambda ids, table: table[ids.cumsum(-1) % table.shape[0]],
+    "new-tensor": lambda ids, table: table[ids.new_tensor(ids)],
 }
 
 
@@ -54,6 +61,7 @@ class TableBeside(nn.Module):
         return self.head(self.embedding(tokens) + LOOKUPS[self.lookup](tokens, self.table)).sum(1)
 
 
+@pytest.mark.filterwarnings("ignore:To copy construct from a tensor")  # torch's advice on new_tensor
 @pytest.mark.parametrize("lookup", list(LOOKUPS))
 def test_values_computed_from_token_ids_and_looked_up_beside_their_embedding_are_refused_naming_the_table(lookup):
     """``table[ids + 0]``, ``table[ids % n]``, ``gather``, a one-hot code times the table, the ids used as numbers
@@ -86,8 +94,8 @@ def test_ids_hashed_from_token_ids_into_a_second_embedding_are_refused_naming_it
 
 
 class OffsetOwnTable(nn.Embedding):
-    """An ``nn.Embedding`` that looks its own table up at ids it computes (an offset of zero, a one-hot code), and a
-    position embedding numbered from the padding (``ids.ne(0).cumsum(1)``): all one lookup of the ids, and positions."""
+    """An ``nn.Embedding`` that looks its own table up at ids it computes (an offset of zero, a one-hot code): one
+    lookup of the ids."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = (
@@ -97,14 +105,18 @@ class OffsetOwnTable(nn.Embedding):
 
 
 class OwnTableNet(nn.Module):
+    """The ids embedded by :class:`OffsetOwnTable`, with positions numbered from the padding (``ids.ne(0).cumsum(1)``)
+    and steps shaped like the ids (``arange(n).expand_as(ids).type_as(ids)``), each in an embedding of its own."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.embedding, self.positions = OffsetOwnTable(11, 6), nn.Embedding(8, 6)
+        self.embedding, self.positions, self.steps = OffsetOwnTable(11, 6), nn.Embedding(8, 6), nn.Embedding(8, 6)
         self.head = nn.Linear(6, 3, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = tokens.ne(0).long().cumsum(1)
-        return self.head(self.embedding(tokens) * 2 + self.positions(positions)).sum(1)
+        steps = torch.arange(tokens.shape[1]).expand_as(tokens).type_as(tokens)  # shaped like the ids, no values
+        return self.head(self.embedding(tokens) * 2 + self.positions(positions) + self.steps(steps)).sum(1)
 
 
 def test_values_computed_from_the_ids_inside_their_embedding_and_positions_are_no_lookup_beside_it():

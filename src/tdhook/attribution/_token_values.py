@@ -33,13 +33,14 @@ from torch import nn
 
 from tdhook.attribution.rules._autograd import from_parameters_alone
 
-__all__ = ["COMPUTED", "PRODUCTS", "is_weight_table", "mark_values", "marked_operand", "weight_met"]
+__all__ = ["COMPUTED", "PRODUCTS", "is_weight_table", "mark_values", "marked_operand", "taken_values", "weight_met"]
 
 _DERIVED = "_tdhook_tokens_of"  # the attribute that marks a tensor holding the token values of an explained input
 
 # Calls whose result, computed from token ids, still holds their values in some form: element-wise arithmetic, a
-# conversion to another dtype (and back), rounding, a one-hot code. Comparisons (``ids.ne(pad)``) and reductions
-# (``cumsum``, ``argmax``) are not among them: positions and lengths computed from the ids are no token values.
+# conversion to another dtype (and back), rounding, a one-hot code, sorting, writes into a new tensor, reductions of
+# the values. Comparisons (``ids.ne(pad)``, a boolean mask: positions and lengths counted from it are no token values)
+# and the positions of values (``argmax``, ``argsort``, ``nonzero``) are not among them.
 COMPUTED = frozenset(
     {
         "add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__", "__isub__", "sub_", "subtract",
@@ -48,9 +49,18 @@ COMPUTED = frozenset(
         "abs", "__abs__", "clamp", "clip", "clamp_min", "clamp_max", "minimum", "maximum", "bitwise_and", "__and__",
         "bitwise_or", "__or__", "bitwise_xor", "__xor__", "__lshift__", "__rshift__", "bitwise_left_shift",
         "bitwise_right_shift", "float", "double", "half", "bfloat16", "short", "char", "byte", "type", "type_as",
-        "round", "floor", "ceil", "trunc", "fix", "one_hot",
+        "round", "floor", "ceil", "trunc", "fix", "one_hot", "lerp", "sign", "new_tensor", "sort", "msort", "unique",
+        "unique_consecutive", "bucketize", "searchsorted", "scatter", "scatter_add", "scatter_reduce", "index_fill",
+        "index_add", "index_copy", "index_put", "masked_scatter", "put", "diag_embed", "diag", "diagonal", "triu",
+        "tril", "sum", "max", "min", "amax", "amin", "cumsum", "cumprod", "cummax", "cummin", "topk", "kthvalue",
+        "mode", "median", "take_along_dim", "unfold", "expand_as", "view_as", "reshape_as", "broadcast_to",
     }
 )  # fmt: skip
+# Calls of ``COMPUTED`` with a template among their arguments, whose values they do not take: ``x.type_as(ids)``,
+# ``torch.arange(n).expand_as(ids)`` (positions shaped like the ids), ``ids.new_tensor(data)``; the positions of the
+# arguments that hold the values taken.
+_TAKEN = {name: slice(0, 1) for name in ("type_as", "expand_as", "view_as", "reshape_as")}
+_TAKEN["new_tensor"] = slice(1, None)
 # Products in which a floating-point tensor holding token values, met with a weight, looks the weight up by the ids
 # (``F.one_hot(ids, n).float() @ table``) or uses the ids as numbers (``F.linear(ids.float()[..., None], w)``).
 PRODUCTS = frozenset(
@@ -85,6 +95,21 @@ def marked_operand(args: tuple, fed: Mapping[int, int]) -> int | None:
     return None
 
 
+def taken_values(name: str, args: tuple, kwargs: dict) -> tuple:
+    """The arguments of a call of ``name`` (one of ``COMPUTED``) whose values its result takes: all of them, but for a
+    call with a template (``x.type_as(ids)``, ``positions.expand_as(ids)``, ``ids.new_tensor(data)``).
+
+    Examples:
+        >>> ids, positions = torch.tensor([4, 2]), torch.arange(2)
+        >>> len(taken_values("expand_as", (positions, ids), {})), len(taken_values("add", (ids, 1), {"alpha": 2}))
+        (1, 3)
+    """
+    taken = _TAKEN.get(name)
+    if taken is not None:
+        return args[taken]
+    return (*args, *kwargs.values()) if kwargs else args
+
+
 def mark_values(out: object, index: int) -> bool:
     """Mark ``out``, a result computed from the token values of explained input ``index``, where it holds them: an
     integer or a floating-point tensor that requires no grad, not a boolean mask; to be called with the function
@@ -97,6 +122,8 @@ def mark_values(out: object, index: int) -> bool:
         >>> mark_values(torch.tensor([1, 2]), 0), mark_values(torch.ones(2), 0), mark_values(3, 0)
         (False, True, False)
     """
+    if isinstance(out, (list, tuple)):  # values and indices (``sort``, ``max(dim)``): both marked, as a split's parts
+        return any([mark_values(part, index) for part in out])
     if not isinstance(out, torch.Tensor) or out.dtype not in _VALUES or out.requires_grad:
         return False  # a signal (``h * ids``) holds no token values: it is computed from an input
     setattr(out, _DERIVED, index)

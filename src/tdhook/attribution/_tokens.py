@@ -43,6 +43,7 @@ from tdhook.attribution._token_values import (
     is_weight_table,
     mark_values,
     marked_operand,
+    taken_values,
     weight_met,
 )
 from tdhook.attribution._unit_rows import (
@@ -550,9 +551,7 @@ class _DerivedTokens(TorchFunctionMode):
         if kind is None:  # most calls do none of these: back at once
             return out
         if kind is _COMPUTES:  # arithmetic or a conversion: looked at only where an operand holds token values
-            index = marked_operand(args, self._fed)
-            if index is None and kwargs:
-                index = marked_operand(tuple(kwargs.values()), self._fed)
+            index = marked_operand(taken_values(name, args, kwargs), self._fed)
             if index is not None:
                 with torch._C.DisableTorchFunction():  # a dtype is read through the function modes
                     self._floats |= mark_values(out, index)
@@ -581,6 +580,9 @@ class _DerivedTokens(TorchFunctionMode):
         """Note a weight's rows looked up by the token ids (a function of ``_LOOKUPS``), or mark an integer tensor
         written token values in place (a function of ``_WRITING``)."""
         position = _LOOKUPS.get(name)
+        if name == "embedding" and args and isinstance(args[0], torch.Tensor):  # torch.embedding(table, ids)
+            with torch._C.DisableTorchFunction():
+                position = 0 if args[0].is_floating_point() else position
         if position is not None and len(args) > position and isinstance(args[position], torch.Tensor):
             others = args[1:] if position == 0 else (*args[:position], *args[position + 1 :])  # all but the table
             with torch._C.DisableTorchFunction():
