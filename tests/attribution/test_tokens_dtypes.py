@@ -18,6 +18,13 @@ from tdhook.attribution.mappers.base import BaseRuleMapper
 F64 = torch.float64
 
 
+def explained(net: nn.Module, target=None) -> TensorDict:
+    """``net`` explained from 4 x 5 random token ids under LRP-0."""
+    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
+    lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["tokens"], out_keys=["y"], target=target)
+    return lrp(TensorDict(tokens=tokens, batch_size=[4]))
+
+
 class TableThroughUnsigned(nn.Module):
     """Token ids embedded by an ``nn.Embedding``, and looked up again in a parameter after a round trip through an
     unsigned integer dtype (ids stored compactly)."""
@@ -39,10 +46,8 @@ def test_token_ids_through_an_unsigned_dtype_looked_up_beside_their_embedding_ar
     lookup of the ids themselves is."""
     torch.manual_seed(0)
     net = TableThroughUnsigned(dtype).to(F64)
-    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
-    lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["tokens"], out_keys=["y"])
     with pytest.raises(ValueError, match=r"embedded by 'embedding' and also indexes parameter 'table'"):
-        lrp(TensorDict(tokens=tokens, batch_size=[4]))
+        explained(net)
 
 
 ROUND_TRIPS = {
@@ -84,11 +89,9 @@ def test_token_ids_through_a_round_trip_of_dtypes_looked_up_beside_their_embeddi
     table, or the second embedding, as the lookup of the ids themselves is."""
     torch.manual_seed(0)
     net = TableThroughRoundTrip(trip, how).to(F64)
-    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
-    lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["tokens"], out_keys=["y"])
     match = r"also indexes parameter 'table'" if how == "table" else r"reaches 'other' \(Embedding\) through token ids"
     with pytest.raises(ValueError, match=match):
-        lrp(TensorDict(tokens=tokens, batch_size=[4]))
+        explained(net)
 
 
 class FloatIdsAsMask(nn.Module):
@@ -109,10 +112,8 @@ def test_token_ids_converted_to_floating_point_for_a_mask_are_explained_through_
     embeddings, which conserves the explained output (no biases, LRP-0)."""
     torch.manual_seed(0)
     net = FloatIdsAsMask().to(F64)
-    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
-    lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["tokens"], out_keys=["y"], target=lambda y: y)
-    td = lrp(TensorDict(tokens=tokens, batch_size=[4]))
-    torch.testing.assert_close(td["relevance", "tokens"].sum(1), net(tokens).sum(1), rtol=1e-10, atol=1e-12)
+    td = explained(net, target=lambda y: y)
+    torch.testing.assert_close(td["relevance", "tokens"].sum(1), net(td["tokens"]).sum(1), rtol=1e-10, atol=1e-12)
 
 
 class TableThroughDevice(TableThroughUnsigned):
@@ -135,7 +136,5 @@ def test_token_ids_moved_to_another_device_and_back_looked_up_beside_their_embed
     lookup was not refused, as ``cuda`` and ``cpu`` did not carry the mark. Refused, naming the table."""
     torch.manual_seed(0)
     net = TableThroughDevice(move).to(F64)
-    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
-    lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["tokens"], out_keys=["y"])
     with pytest.raises(ValueError, match=r"embedded by 'embedding' and also indexes parameter 'table'"):
-        lrp(TensorDict(tokens=tokens, batch_size=[4]))
+        explained(net)
