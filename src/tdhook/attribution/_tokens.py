@@ -37,14 +37,24 @@ from torch.utils.hooks import RemovableHandle
 from torchrl.envs.transforms import ToTensorImage
 
 from tdhook.attribution._bag_rows import bag_of_rows
+from tdhook.attribution._token_values import (
+    COMPUTED,
+    PRODUCTS,
+    is_weight_table,
+    mark_values,
+    marked_operand,
+    taken_values,
+    weight_met,
+)
 from tdhook.attribution._unit_rows import (
     RowUse,
+    gate_error,
+    gated_inputs,
     linear_parameters,
     note_row_uses,
     rows_of_output_units,
     watch_rows,
 )
-from tdhook.attribution.rules._autograd import from_parameters_alone
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._linked_inputs import linked_input
 
@@ -407,12 +417,13 @@ class TokenInputs:
         )
 
     def _raise_for_lookups_beside(self, leaves: list[torch.Tensor | None]) -> None:
-        """Refuse an input that an ``nn.Embedding`` embeds and that is also looked up in a weight of another kind
-        (``F.embedding(ids, self.lora_A.T)``, ``self.table[ids]``): the relevance of that lookup would be lost, as its
-        rows are held constant, while the tokens' relevance is taken from the embedding alone (a low-rank adapter on
-        the embedding, peft's LoRA, adds such a lookup to the embedding's)."""
+        """Refuse an input embedded by an ``nn.Embedding`` and also looked up in a weight of another kind (peft's LoRA
+        on the embedding: ``F.embedding(ids, self.lora_A.T)``), or picking rows of a Linear that gate another input
+        (:func:`gated_inputs`): the relevance of that lookup would be lost, its rows held constant."""
         for index, table, inside, rows in self._tables:
             leaf = leaves[index] if index < len(leaves) else None
+            if leaf is not None and rows is not None and (others := gated_inputs(rows, index, self._fed)):
+                raise gate_error(self.keys[index], self._table_name(table), [self.keys[i] for i in others])
             if leaf is None or self._looked_up_rightly(index, table, inside, rows, leaves):
                 continue
             raise ValueError(
@@ -471,11 +482,11 @@ _CARRYING = frozenset(
         "stack", "hstack", "vstack", "roll", "flip", "narrow", "select", "index_select", "gather", "take",
         "masked_fill", "where", "repeat", "repeat_interleave", "expand", "tile", "unsqueeze", "squeeze",
         "transpose", "permute", "t", "flatten", "unflatten", "view", "reshape", "split", "chunk", "unbind",
-        "tensor_split", "movedim", "pad",
+        "tensor_split", "movedim", "pad", "cpu", "cuda",
     }
 )  # fmt: skip
 # Lookups of rows of a table by integer ids: the position of the table among the arguments.
-_LOOKUPS = {"__getitem__": 0, "index_select": 0, "take": 0, "embedding": 1}
+_LOOKUPS = {"__getitem__": 0, "index_select": 0, "take": 0, "gather": 0, "embedding": 1, "embedding_bag": 1}
 # In-place writes of token values into their first argument (``out[:, 1:] = ids[:, :-1]``, ``out.copy_(ids)``): the
 # position of the values written among the arguments (an index is no value).
 _WRITING = {"__setitem__": 2, "copy_": 1, "index_copy_": 3, "scatter_": 3, "masked_scatter_": 2}
@@ -505,6 +516,7 @@ class _DerivedTokens(TorchFunctionMode):
         self._embedded = embedded
         # The uses of the rows picked from such a parameter, while their uses are recorded: none, mostly.
         self._watched = [] if watched is None else watched
+        self._floats = False  # whether a floating-point tensor holds token values (``ids.double()``): none, mostly
 
     def _source(self, values: Iterator[object]) -> int | None:
         for value in values:
@@ -529,32 +541,52 @@ class _DerivedTokens(TorchFunctionMode):
             name = ""
         if self._watched:
             note_row_uses(name, args, kwargs, out)
-        if name not in _KINDS:  # most calls do none of these: back at once
+        kind = _KINDS.get(name)
+        if self._floats and name in PRODUCTS:  # token values as numbers met with a weight: a lookup of the weight
+            met = weight_met(args, kwargs, self._fed)
+            if met is not None:
+                self._tables.append((*met, tuple(self._inside), None))
+        if kind is None:  # most calls do none of these: back at once
             return out
-        if _KINDS[name] is _LOOKS:  # a lookup of rows by integers, or a write (rare: looked at in a call of its own)
+        if kind is _COMPUTES:  # arithmetic or a conversion: looked at only where an operand holds token values
+            index = marked_operand(taken_values(name, args, kwargs), self._fed)
+            if index is not None:
+                with torch._C.DisableTorchFunction():  # a dtype is read through the function modes
+                    self._floats |= mark_values(out, index)
+            return out
+        if kind is _LOOKS:  # a lookup of rows by integers, or a write (rare: looked at in a call of its own)
             self._looked_up_or_written(name, args, kwargs, out)
             if name not in _CARRYING:
                 return out
         with torch._C.DisableTorchFunction():  # looking at tensors is no call of the model: out of the modes' sight
-            # Only an integer output is marked: a floating-point one (most of a model's reshapes) needs no search of
-            # the arguments for token ids.
+            # An integer output is searched for among its arguments' token ids; a floating-point one (most of a
+            # model's reshapes) only where it may hold them (below).
             if out.dtype in _INTEGERS if isinstance(out, torch.Tensor) else _has_integers(out):
                 index = self._source(iter((*args, *kwargs.values())))
                 if index is not None:
                     for tensor in out if isinstance(out, (list, tuple)) else (out,):
                         _mark(tensor, index)
+            # A floating-point output holds token values where ids were converted (``ids.to(torch.float64)``), or
+            # where it is carried on from one that holds them (only then are the model's reshapes looked at).
+            elif (self._floats or name == "to") and isinstance(out, torch.Tensor) and out.is_floating_point():
+                index = marked_operand(args if self._floats else args[:1], self._fed)
+                if index is not None:
+                    self._floats |= mark_values(out, index)
         return out
 
     def _looked_up_or_written(self, name: str, args: tuple, kwargs: dict, out: object) -> None:
         """Note a weight's rows looked up by the token ids (a function of ``_LOOKUPS``), or mark an integer tensor
         written token values in place (a function of ``_WRITING``)."""
         position = _LOOKUPS.get(name)
+        if name == "embedding" and args and isinstance(args[0], torch.Tensor):  # torch.embedding(table, ids)
+            with torch._C.DisableTorchFunction():
+                position = 0 if args[0].is_floating_point() else position
         if position is not None and len(args) > position and isinstance(args[position], torch.Tensor):
             others = args[1:] if position == 0 else (*args[:position], *args[position + 1 :])  # all but the table
             with torch._C.DisableTorchFunction():
                 index = self._source(iter(others))
             # Whether the table is a weight is asked only of lookups by the ids: it may walk the table's history.
-            if index is not None and _is_weight_table(args[position]):
+            if index is not None and is_weight_table(args[position]):
                 rows = None
                 with torch._C.DisableTorchFunction():  # an inspection, which a function mode of the call must not see
                     table = id(args[position])
@@ -566,10 +598,12 @@ class _DerivedTokens(TorchFunctionMode):
                 self._tables.append((index, args[position], tuple(self._inside), rows))
         elif name in _WRITING:
             with torch._C.DisableTorchFunction():  # looking at tensors is no call of the model: out of the modes' sight
-                if args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
+                if args and isinstance(args[0], torch.Tensor):
                     index = self._source(iter(args[_WRITING[name] : _WRITING[name] + 1]))
-                    if index is not None:
+                    if index is not None and not args[0].is_floating_point():
                         _mark(args[0], index)
+                    elif index is not None:  # token values written into a floating-point tensor (not a signal)
+                        self._floats |= mark_values(args[0], index)
 
 
 _EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
@@ -581,9 +615,12 @@ _INTEGERS = frozenset(
 # of token values only; most of a model's calls are none of these.
 _LOOKS = object()
 _CARRIES = object()
-_KINDS = {name: _LOOKS for name in (*_LOOKUPS, *_WRITING)} | {
-    name: _CARRIES for name in _CARRYING if name not in _LOOKUPS and name not in _WRITING
-}
+_COMPUTES = object()  # arithmetic and conversions: most of them a model makes on activations, looked at cheaply
+_KINDS = (
+    {name: _COMPUTES for name in COMPUTED}
+    | {name: _CARRIES for name in _CARRYING}
+    | {name: _LOOKS for name in (*_LOOKUPS, *_WRITING)}
+)
 
 
 def _unembedded(key: NestedKey, dtype: torch.dtype, pixels: str, when: str) -> str:
@@ -610,26 +647,6 @@ def _has_integers(out: object) -> bool:
     if isinstance(out, (list, tuple)):
         return any(isinstance(tensor, torch.Tensor) and tensor.dtype in _INTEGERS for tensor in out)
     return isinstance(out, torch.Tensor) and out.dtype in _INTEGERS
-
-
-def _is_weight_table(table: object) -> bool:
-    """Whether ``table``, indexed by token ids, is a weight: a floating-point parameter, a view of one
-    (``self.lora_A.T``), or a tensor computed from parameters alone; an activation indexed by the ids (the logits of
-    the given tokens) is none.
-
-    Examples:
-        >>> weight = nn.Parameter(torch.randn(3, 4))
-        >>> _is_weight_table(weight), _is_weight_table(weight.T), _is_weight_table(weight * 2)
-        (True, True, True)
-        >>> _is_weight_table(weight.detach()), _is_weight_table(torch.randn(3, 4, requires_grad=True) * 2)
-        (False, False)
-    """
-    if not isinstance(table, torch.Tensor) or not table.is_floating_point():
-        return False
-    with torch._C.DisableTorchFunction():  # an inspection, which a function mode of the call must not see
-        if isinstance(table, nn.Parameter) or isinstance(table._base, nn.Parameter):
-            return True
-        return table.grad_fn is not None and from_parameters_alone(table)
 
 
 def _embedding_weights(modules: Mapping[str, nn.Module]) -> frozenset[int]:

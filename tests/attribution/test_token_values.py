@@ -1,0 +1,131 @@
+"""Token values computed from token ids (float64): arithmetic, one-hot codes and lookups by ``gather`` beside their
+embedding are refused by name, as the lookup of the ids themselves is.
+
+The ids' relevance is that of their ``nn.Embedding``'s output; a second lookup of the ids (or of values computed from
+them) in a parameter has its rows held constant, and its share of the relevance is lost. These ways to it lost it
+without a word: the ids' relevance summed to another number than the explained output with biases zeroed (LRP-0).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict
+from torch import nn
+
+from tdhook.attribution import LRP
+from tdhook.attribution.mappers.base import BaseRuleMapper
+
+F64 = torch.float64
+
+
+def explain_tokens(net: nn.Module, target=None) -> TensorDict:
+    """``net`` (float64, its seed 0) explained from 4 x 5 random token ids under LRP-0."""
+    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
+    lrp = LRP(net, BaseRuleMapper(stabilizer=0.0), in_keys=["tokens"], out_keys=["y"], target=target)
+    return lrp(TensorDict(tokens=tokens, batch_size=[4]))
+
+
+LOOKUPS = {
+    "plus-zero": lambda ids, table: table[ids + 0],
+    "times-one": lambda ids, table: table[1 * ids],
+    "remainder": lambda ids, table: table[ids % table.shape[0]],
+    "clamp": lambda ids, table: table[ids.clamp(0, table.shape[0] - 1)],
+    "offset": lambda ids, table: table[torch.where(ids > 0, ids - 1, 0)],
+    "gather": lambda ids, table: table.expand(ids.shape[0], -1, -1).gather(1, ids[..., None].expand(-1, -1, 6)),
+    "one-hot": lambda ids, table: F.one_hot(ids, table.shape[0]).to(table.dtype) @ table,
+    "one-hot-linear": lambda ids, table: F.linear(F.one_hot(ids, table.shape[0]).to(table.dtype), table.T),
+    "as-numbers": lambda ids, table: ids.double()[..., None] * table[0],
+    "embedding-bag": lambda ids, table: F.embedding_bag(ids, table, mode="sum")[:, None],
+    "torch.embedding": lambda ids, table: torch.embedding(table, ids),
+    "sort": lambda ids, table: table[ids.sort(-1).values],
+    "searchsorted": lambda ids, table: table[torch.searchsorted(torch.arange(11), ids)],
+    "scatter": lambda ids, table: table[torch.zeros_like(ids).scatter(1, torch.arange(5).expand(4, 5), ids)],
+    "max": lambda ids, table: table[ids.max(-1, keepdim=True).values.expand_as(ids)],
+    "cumsum": lambda ids, table: table[ids.cumsum(-1) % table.shape[0]],
+    "new-tensor": lambda ids, table: table[ids.new_tensor(ids)],
+}
+
+
+class TableBeside(nn.Module):
+    """Token ids embedded by an ``nn.Embedding``, with values computed from them looked up in a parameter too."""
+
+    def __init__(self, lookup: str) -> None:
+        super().__init__()
+        self.lookup = lookup
+        self.embedding, self.head = nn.Embedding(11, 6), nn.Linear(6, 3, bias=False)
+        self.table = nn.Parameter(torch.randn(11, 6))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(tokens) + LOOKUPS[self.lookup](tokens, self.table)).sum(1)
+
+
+@pytest.mark.filterwarnings("ignore:To copy construct from a tensor")  # torch's advice on new_tensor
+@pytest.mark.parametrize("lookup", list(LOOKUPS))
+def test_values_computed_from_token_ids_and_looked_up_beside_their_embedding_are_refused_naming_the_table(lookup):
+    """``table[ids + 0]``, ``table[ids % n]``, ``gather``, a one-hot code times the table, the ids used as numbers
+    with a weight, ``F.embedding_bag``: each lost the lookup's share of the relevance without a word. Refused,
+    naming the key, the embedding and the parameter."""
+    torch.manual_seed(0)
+    match = r"input key 'tokens' is embedded by 'embedding' and also indexes (a view of )?parameter 'table'"
+    with pytest.raises(ValueError, match=match):
+        explain_tokens(TableBeside(lookup).to(F64))
+
+
+class SecondEmbedding(nn.Module):
+    """Token ids embedded by an ``nn.Embedding``, and ids computed from them (hashed into buckets, as hash embeddings
+    do) embedded by a second one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.buckets, self.head = nn.Embedding(11, 6), nn.Embedding(5, 6), nn.Linear(6, 3, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(tokens) + self.buckets((tokens * 7 + 3) % 5)).sum(1)
+
+
+def test_ids_hashed_from_token_ids_into_a_second_embedding_are_refused_naming_it():
+    """A second ``nn.Embedding`` of ids hashed from the explained ones held the relevance of its lookup, lost
+    without a word; refused as the lookups of shifted or copied ids are."""
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"input key 'tokens' reaches 'buckets' \(Embedding\) through token ids"):
+        explain_tokens(SecondEmbedding().to(F64))
+
+
+class OffsetOwnTable(nn.Embedding):
+    """An ``nn.Embedding`` that looks its own table up at ids it computes (an offset of zero, a one-hot code): one
+    lookup of the ids."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = (
+            F.embedding(ids - 0, self.weight) + F.one_hot(ids, self.num_embeddings).to(self.weight.dtype) @ self.weight
+        )
+        return rows / 2
+
+
+class OwnTableNet(nn.Module):
+    """The ids embedded by :class:`OffsetOwnTable`, with positions numbered from the padding (``ids.ne(0).cumsum(1)``)
+    and steps shaped like the ids (``arange(n).expand_as(ids).type_as(ids)``), each in an embedding of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.positions, self.steps = OffsetOwnTable(11, 6), nn.Embedding(8, 6), nn.Embedding(8, 6)
+        self.head = nn.Linear(6, 3, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = tokens.ne(0).long().cumsum(1)
+        steps = torch.arange(tokens.shape[1]).expand_as(tokens).type_as(tokens)  # shaped like the ids, no values
+        return self.head(self.embedding(tokens) * 2 + self.positions(positions) + self.steps(steps)).sum(1)
+
+
+def test_values_computed_from_the_ids_inside_their_embedding_and_positions_are_no_lookup_beside_it():
+    """Arithmetic and one-hot codes of the ids inside their own embedding, on its own table, are its lookup; positions
+    counted from the ids are no token values: the ids get the relevance of their embedding, LRP-0 as gradient x input
+    of the embedding's output (the positions' share, an additive embedding, is theirs)."""
+    torch.manual_seed(0)
+    net = OwnTableNet().to(F64)
+    td = explain_tokens(net, target=lambda y: y)
+    embedded = net.embedding(td["tokens"]).detach()
+    expected = (net.head(embedded * 2).sum(-1)).detach()  # linear in the embedding: its share of each output
+    torch.testing.assert_close(td["relevance", "tokens"], expected, rtol=1e-10, atol=1e-12)
