@@ -381,6 +381,21 @@ def test_a_tanh_delta_actor_explains_its_param_as_gradient_times_input():
     assert_lrp0_and_conservation(tanh_delta_actor(-2.0, 2.0), td, "param")
 
 
+@pytest.mark.parametrize("explained", ["action", "state_action_value"])
+def test_a_tanh_delta_actor_explained_on_its_action_conserves_it(explained: str):
+    """The action the TanhDelta squashes onto the bounds (its tanh a custom autograd Function of torchrl's), alone
+    and in DDPG's actor loss Q(s, π(s)): the tanh gets the pass rule, so with the biases zeroed the relevance sums
+    to the action (bounds symmetric about zero) and to the value, with no warning. Its plain gradient was used, with
+    a warning naming the module, and the sum was off by the tanh's curvature."""
+    torch.manual_seed(0)
+    td = TensorDict(observation=torch.randn(6, 3, dtype=F64) * 2, batch_size=[6])
+    actor = tanh_delta_actor(-2.0, 2.0)
+    if explained == "action":
+        assert_lrp0_and_conservation(actor, td, "action", lrp0=False)
+    else:
+        assert_lrp0_and_conservation(TensorDictSequential(actor, ddpg_critic(F64)), td, explained, lrp0=False)
+
+
 # ----------------------------------------------------------------------------- recurrent DQN in a collector
 
 
