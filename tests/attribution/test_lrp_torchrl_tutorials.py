@@ -63,6 +63,7 @@ from torchrl.objectives.value import GAE
 from tdhook.attribution import LRP, BaseRuleMapper, EpsilonRule
 from tdhook.attribution._keys import as_tuple
 from tdhook.attribution.mappers import EpsilonAlpha2Beta1, EpsilonGammaBox, EpsilonPlus, EpsilonPlusFlat
+from tests.attribution.test_lrp_world_models import zero_biases
 
 F64 = torch.float64
 RELU = {"activation_class": nn.ReLU}
@@ -121,14 +122,6 @@ def gradient_times_input(
     grads = torch.autograd.grad(output, list(leaves.values()), weights, allow_unused=True)
     relevance = {k: leaf.detach() * g for (k, leaf), g in zip(leaves.items(), grads, strict=True) if g is not None}
     return relevance, (output * weights).sum().item()
-
-
-def zero_biases(module: nn.Module) -> nn.Module:
-    with torch.no_grad():
-        for name, parameter in module.named_parameters():
-            if name.rsplit(".", 1)[-1].endswith("bias"):
-                parameter.zero_()
-    return module
 
 
 def assert_lrp0_and_conservation(

@@ -202,7 +202,7 @@ def _write_passed(module: nn.Module, args: tuple, output: Any, mode: _PassSafeTa
     return None
 
 
-class SafeTanhCallsRule(Rule):
+class SafeTanhCallsRule(TanhCallsRule):
     """The pass rule on the tanh of torchrl's tanh-squashed distributions (``TanhNormal``, ``TanhDelta``), which a
     probabilistic module computes in a custom autograd Function (``safetanh``).
 
@@ -215,26 +215,20 @@ class SafeTanhCallsRule(Rule):
         >>> from tensordict import TensorDict
         >>> from tensordict.nn import ProbabilisticTensorDictModule
         >>> from torchrl.envs.utils import ExplorationType, set_exploration_type
-        >>> from torchrl.modules import TanhDelta
-        >>> head = ProbabilisticTensorDictModule(in_keys=["param"], out_keys=["action"], distribution_class=TanhDelta)
-        >>> param = torch.tensor([[-1.0, 0.5]], requires_grad=True)
-        >>> with SafeTanhCallsRule().register(head), set_exploration_type(ExplorationType.DETERMINISTIC):
-        ...     action = head(TensorDict(param=param, batch_size=[1]))["action"]
-        >>> relevance = param * torch.autograd.grad(action, param, torch.ones(1, 2))[0]
-        >>> torch.allclose(relevance, action)
+        >>> from torchrl.modules import TanhNormal
+        >>> sampler = ProbabilisticTensorDictModule(
+        ...     in_keys=["loc", "scale"], out_keys=["action"], distribution_class=TanhNormal
+        ... )
+        >>> loc = torch.tensor([[2.0, -0.3]], requires_grad=True)
+        >>> inputs = TensorDict(loc=loc, scale=torch.ones(1, 2), batch_size=[1])
+        >>> with SafeTanhCallsRule().register(sampler), set_exploration_type(ExplorationType.DETERMINISTIC):
+        ...     mean_action = sampler(inputs)["action"]  # tanh(loc), acting deterministically
+        ...     (gradient,) = torch.autograd.grad(mean_action.sum(), loc)
+        >>> torch.allclose(loc * gradient, mean_action)  # the relevance of loc: the action, whole
         True
     """
 
-    uses_input = False
-    acts_in_forward = True
-    differentiable = True
     decides_every_call = False  # the module's other calls (a log-probability's) are watched as without a rule
-
-    def __init__(self, stabilizer: float = 1e-12) -> None:
-        nonnegative(type(self).__name__, "stabilizer", stabilizer)
-        super().__init__()
-        self.stabilizer = stabilizer
-        self._pass = PassRule(stabilizer)
 
     def register(self, module: nn.Module) -> RemovableRuleHandle:
         return self._register_in_forward(module, lambda mod: _PassSafeTanh(self._pass), _write_passed)
