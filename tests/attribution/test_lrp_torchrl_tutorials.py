@@ -5,7 +5,8 @@ PPO on Pendulum-v1 (an MLP, ``NormalParamExtractor``, a ``TanhNormal`` actor exp
 ``scale``; a ``ValueOperator``; GAE and ``ClipPPOLoss``); DQN on CartPole-v1 and Acrobot-v1 (``DuelingMlpDQNet``, an
 MLP of ``NoisyLinear`` layers, ``EGreedyModule`` in the policy; ``DQNLoss``); DDPG and TD3 on Pendulum-v1 (an
 ``Actor`` squashed by a ``TanhModule`` or a ``TanhDelta`` distribution, ``AdditiveGaussianModule`` and
-``OrnsteinUhlenbeckProcessModule`` exploration, a Q-value operator of the observation and the action); a recurrent
+``OrnsteinUhlenbeckProcessModule`` exploration, a Q-value operator of the observation and the action); SAC's
+``TanhNormal`` actor explained on the action it samples and in its actor loss Q(s, π(s)); a recurrent
 DQN (``GRUModule`` with its primer) in a collector; MADDPG's centralised critic (``MultiAgentMLP`` after a
 ``torch.cat`` in a lambda) on nested per-agent keys; an Atari-style ``ConvNet`` DQN on pixels.
 
@@ -387,6 +388,36 @@ def test_a_tanh_delta_actor_explained_on_its_action_conserves_it(explained: str)
         assert_lrp0_and_conservation(actor, td, "action", lrp0=False)
     else:
         assert_lrp0_and_conservation(TensorDictSequential(actor, ddpg_critic(F64)), td, explained, lrp0=False)
+
+
+@pytest.mark.parametrize("explained", ["action", "state_action_value"])
+@pytest.mark.parametrize("mode", [ExplorationType.RANDOM, ExplorationType.DETERMINISTIC])
+def test_a_sac_actor_conserves_the_action_it_samples_and_its_value(mode: ExplorationType, explained: str):
+    """SAC's TanhNormal actor, sampling (loc + scale × noise, the noise a constant of the call) or acting
+    deterministically, alone and in SAC's actor loss Q(s, π(s)): the action the bare actor takes under the same
+    seed, and with the biases zeroed the relevance sums to it (the scale's biased softplus and the tanh get the pass
+    rule), and to its value."""
+    torch.manual_seed(0)
+    net = nn.Sequential(MLP(in_features=3, out_features=2, num_cells=[16], **RELU), NormalParamExtractor()).double()
+    actor = ProbabilisticActor(
+        TensorDictModule(net, ["observation"], ["loc", "scale"]),
+        in_keys=["loc", "scale"],
+        spec=Bounded(-2.0, 2.0, (1,), dtype=F64),
+        distribution_class=TanhNormal,
+        distribution_kwargs={"low": -2.0, "high": 2.0},
+        return_log_prob=True,
+    )
+    module = zero_biases(actor if explained == "action" else TensorDictSequential(actor, ddpg_critic(F64)))
+    td = TensorDict(observation=torch.randn(6, 3, dtype=F64), batch_size=[6])
+    with set_exploration_type(mode), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.manual_seed(3)
+        plain = module(td.clone())
+        torch.manual_seed(3)
+        out = LRP(module, LINEAR_EPSILON_ZERO, target_key=explained)(td.clone())
+    assert torch.equal(out["action"], plain["action"])
+    total = out[RELEVANCE].sum(-1)
+    torch.testing.assert_close(total, out[explained].squeeze(-1), rtol=1e-8, atol=1e-9)
 
 
 # ----------------------------------------------------------------------------- recurrent DQN in a collector
