@@ -343,9 +343,10 @@ class TestCustomAutogradFunctions:
         with pytest.raises(ValueError, match=r"module '0' \(CubeBlock\) computes Cube"):
             call(nn.Sequential(CubeBlock(), nn.Linear(4, 2)), EpsilonPlus(strict=True))
 
-    def test_a_tanh_normal_actors_deterministic_action_is_reported(self):
-        """torchrl's TanhNormal computes its action's tanh in a custom Function (``safetanh``): explaining the
-        action rather than ``loc`` keeps that tanh's plain gradient, which the report says."""
+    def test_a_tanh_normal_actors_deterministic_action_is_covered_and_its_log_probability_reported(self):
+        """torchrl's TanhNormal computes its action's tanh in a custom Function (``safetanh``), which gets the pass
+        rule (SafeTanhCallsRule): explaining the action reports nothing. Its log-probability keeps the plain
+        gradient of its softplus and logarithm, which the report says."""
         from tensordict.nn import NormalParamExtractor, TensorDictModule
         from torchrl.envs.utils import ExplorationType, set_exploration_type
         from torchrl.modules import ProbabilisticActor, TanhNormal
@@ -356,15 +357,19 @@ class TestCustomAutogradFunctions:
             TensorDictModule(net, in_keys=["observation"], out_keys=["loc", "scale"]),
             in_keys=["loc", "scale"],
             distribution_class=TanhNormal,
+            return_log_prob=True,
         )
         td = TensorDict(observation=torch.randn(4, 3, dtype=F64), batch_size=[4])
         with set_exploration_type(ExplorationType.DETERMINISTIC):
             lrp = LRP(actor, EpsilonPlus(), target_key="action")
-            with pytest.warns(UserWarning, match="SafeTanh"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
                 lrp(td.clone())
-            assert [c.function for c in lrp.coverage().plain_gradient] == [
-                "_SafeTanhNoEps (an autograd.Function with its own backward)"
-            ]
+            assert lrp.coverage().plain_gradient == ()
+            by_log_prob = LRP(actor, EpsilonPlus(), target_key="action_log_prob")
+            with pytest.warns(UserWarning, match=r"module 'module.1' \(SafeProbabilisticModule\) computes .*softplus"):
+                by_log_prob(td.clone())
+            assert by_log_prob.coverage().plain_gradient != ()
             by_loc = LRP(actor, EpsilonPlus())
             by_loc(td.clone())
             assert by_loc.coverage().plain_gradient == ()  # the tanh comes after the explained loc

@@ -86,3 +86,29 @@ def test_a_module_the_caller_did_not_map_still_warns(cell, call: str):
     lrp = LRP(model, BaseRuleMapper(stabilizer=0), in_keys=["x"], out_keys=["y"])
     with pytest.warns(UserWarning, match=rf"module 'rnn' \({cell.__name__}\) computes {call}"):
         lrp(TensorDict(x=torch.randn(5, 6, 3, dtype=F64), batch_size=[5]))
+
+
+@pytest.mark.parametrize("batch", [(5,), (2, 3)])
+def test_the_share_of_an_output_of_the_batchs_shape_alone_is_per_sample(batch: tuple[int, ...]):
+    """A value written with no unit dimension (``[B]``: a squeezed state value, a log-probability) raised an
+    IndexError in ``coverage()``: its per-sample total flattened a dimension it does not have. With no bias and the
+    ε-rule with ε = 0, the whole value reaches the input: a share of 1 per sample."""
+    from tensordict.nn import TensorDictModule
+
+    from tdhook.attribution import EpsilonRule
+
+    class Value(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 1, bias=False, dtype=F64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x).squeeze(-1)
+
+    mapper = BaseRuleMapper(stabilizer=1e-12, rule_mapper={nn.Linear: EpsilonRule(0.0)})
+    lrp = LRP(TensorDictModule(Value(), ["x"], ["value"]), mapper)
+    out = lrp(TensorDict(x=torch.randn(*batch, 3, dtype=F64), batch_size=batch))
+    assert out["value"].shape == batch
+    share = lrp.coverage().reached
+    assert share.shape == batch
+    torch.testing.assert_close(share, torch.ones(batch, dtype=F64), rtol=1e-10, atol=1e-12)

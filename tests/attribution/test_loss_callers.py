@@ -155,3 +155,32 @@ def test_a_method_of_another_class_calling_a_wrapper_is_not_taken_for_a_loss():
             return lrp(td.clone())["relevance", "x"]
 
     torch.testing.assert_close(Explainer().explain(td), lrp(td.clone())["relevance", "x"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("estimator", ["GAE", "TD0Estimator", "TDLambdaEstimator"])
+def test_a_value_estimator_running_a_wrapped_critic_under_vmap_is_named_with_its_option(estimator: str):
+    """The PPO tutorial's GAE, given the wrapper as its value network, runs it under torch.func.vmap: refused, as
+    before, and the message now names the estimator and its ``deactivate_vmap`` option (it named neither)."""
+    from torchrl.modules import ValueOperator
+    from torchrl.objectives import value
+
+    torch.manual_seed(0)
+    critic = ValueOperator(nn.Linear(3, 1), in_keys=["observation"])
+    data = TensorDict(
+        observation=torch.randn(5, 3),
+        next=TensorDict(
+            observation=torch.randn(5, 3),
+            reward=torch.randn(5, 1),
+            done=torch.zeros(5, 1, dtype=torch.bool),
+            terminated=torch.zeros(5, 1, dtype=torch.bool),
+            batch_size=[5],
+        ),
+        batch_size=[5],
+    )
+    kind = getattr(value, estimator)
+    options = {} if estimator == "TD0Estimator" else {"lmbda": 0.9}
+    with pytest.raises(NotImplementedError, match=f"value estimator {estimator}, .*deactivate_vmap=True"):
+        kind(gamma=0.9, value_network=LRP(critic, EpsilonPlus()), **options)(data.clone())
+    looped = kind(gamma=0.9, value_network=LRP(critic, EpsilonPlus()), deactivate_vmap=True, **options)(data.clone())
+    plain = kind(gamma=0.9, value_network=critic, **options)(data.clone())
+    torch.testing.assert_close(looped["advantage"], plain["advantage"])

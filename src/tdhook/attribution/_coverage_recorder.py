@@ -109,7 +109,9 @@ class CoverageRecorder:
             if per_unit:  # [*batch, units], each unit's relevance at [*batch, unit, ...]
                 target = grad_output.totals(output)
             else:
-                target = (output.detach() * grad_output).double().flatten(batch_dims).sum(-1)
+                # per sample; an output of the batch's shape alone (a value written as [B]) has one unit per sample
+                product = (output.detach() * grad_output).double()
+                target = product.reshape(*product.shape[:batch_dims], -1).sum(-1)
             shares[name] = reached_share(batch_dims, target, inputs)
         return Coverage(self._plain_gradient, shares if None not in shares else shares[None])
 

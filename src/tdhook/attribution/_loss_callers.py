@@ -126,9 +126,10 @@ def refuse_loss_module_caller(name: str, wrapper: Any, create_graph: bool | None
 def loss_module_transform_advice() -> str:
     """What to tell a caller whose wrapper runs under a ``torch.func`` transform (refused, as no hook runs there)
     inside a torchrl loss module, which runs its networks under ``torch.func.vmap`` over stacked parameters (the
-    Q-networks of ``SACLoss``, ``TD3Loss``, the critic of ``A2CLoss`` through its value estimator): the loss's class,
-    its estimator's, and the option that calls the networks in a loop, where they have one; ``""`` where no loss
-    module is on the stack. Asked on that error's path only: it walks every frame.
+    Q-networks of ``SACLoss``, ``TD3Loss``, the critic of ``A2CLoss`` through its value estimator), or inside a value
+    estimator called on its own (``GAE``, ``TD0Estimator``, which vmap the value network over the step and the
+    next): the loss's class, its estimator's, and the option that calls the networks in a loop, where they have one;
+    ``""`` where neither is on the stack. Asked on that error's path only: it walks every frame.
 
     Examples:
         >>> loss_module_transform_advice()  # called from here, not by a loss module
@@ -147,7 +148,14 @@ def loss_module_transform_advice() -> str:
         if isinstance(caller, common.LossModule):
             break
         frame = frame.f_back
-    if frame is None:
+    if frame is None:  # a value estimator called on its own (the PPO tutorial's GAE), or none
+        if estimator is not None and _has_option(type(estimator), "deactivate_vmap"):
+            return (
+                f"; it is called by torchrl's value estimator {type(estimator).__name__}, which runs the value "
+                "network under torch.func.vmap: build the estimator with deactivate_vmap=True, which calls it in a "
+                "loop (the estimator keeps the value keys of the call, not the relevance: explain with the wrapper "
+                "beside it)"
+            )
         return ""
     loss = type(caller).__name__
     if estimator is not None and _has_option(type(estimator), "deactivate_vmap"):

@@ -27,7 +27,7 @@ from tdhook.attribution.rules._layers import (
     GRADIENT_ROUTED_SUFFIXES,
     LINEAR_LAYERS,
 )
-from tdhook.attribution.rules.activation_calls import TanhCallsRule
+from tdhook.attribution.rules.activation_calls import SafeTanhCallsRule, TanhCallsRule, samples_a_safe_tanh
 from tdhook.attribution.rules.additions import StabilizedAdditions
 from tdhook.attribution.rules.base import Rule
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule
@@ -141,7 +141,9 @@ class BaseRuleMapper(Tunable):
     :class:`~tdhook.attribution.rules.recurrent.RecurrentRule` (signal-take-all, with ``stabilizer`` as ε);
     sigmoid-like modules → :class:`~tdhook.attribution.rules.gates.GateRule`
     (held constant where they gate a signal); other activations → :class:`PassRule`; torchrl's ``TanhModule`` →
-    :class:`~tdhook.attribution.rules.activation_calls.TanhCallsRule` (the pass rule on its ``tanh``);
+    :class:`~tdhook.attribution.rules.activation_calls.TanhCallsRule` (the pass rule on its ``tanh``); a
+    probabilistic module sampling from a ``TanhNormal`` or a ``TanhDelta`` →
+    :class:`~tdhook.attribution.rules.activation_calls.SafeTanhCallsRule` (the pass rule on their ``safetanh``);
     average pooling modules → :class:`EpsilonRule` with ``stabilizer`` (zennit's ``Norm``; an average pool
     called as a function, ``F.avg_pool2d`` or ``F.adaptive_avg_pool2d``, keeps its plain gradient, LRP-0, as in
     zennit, which finds no module there: the two forms differ by about ``stabilizer / |z|`` at a pooled output
@@ -206,6 +208,7 @@ class BaseRuleMapper(Tunable):
         self._elementwise = ElementwiseRule(self._pass)
         self._gate = GateRule()
         self._tanh_calls = TanhCallsRule()
+        self._safe_tanh_calls = SafeTanhCallsRule()
         self._router = RouterRule()
         self._quantized_linear = QuantizedLinearRule(epsilon=stabilizer)
         self._recurrent = RecurrentRule(epsilon=stabilizer)
@@ -263,6 +266,8 @@ class BaseRuleMapper(Tunable):
             return self._pass
         if isinstance(module, TanhModule):
             return self._tanh_calls
+        if samples_a_safe_tanh(module):
+            return self._safe_tanh_calls
         if is_batch_norm(module):  # a frozen one (torchvision's FrozenBatchNorm2d) included
             return self._merge_batch_norm
         if isinstance(module, BatchRenorm1d):

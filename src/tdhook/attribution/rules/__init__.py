@@ -19,7 +19,7 @@ custom rules).
 from tdhook.attribution.rules._autograd import hold, redirect, relevance_proxy, scale_gradient
 from tdhook.attribution.rules._glue import GlueError
 from tdhook.attribution.rules._numerics import stabilize
-from tdhook.attribution.rules.activation_calls import TanhCallsRule
+from tdhook.attribution.rules.activation_calls import SafeTanhCallsRule, TanhCallsRule
 from tdhook.attribution.rules.additions import StabilizedAdditions
 from tdhook.attribution.rules.base import (
     LayerCall,
@@ -77,6 +77,7 @@ __all__ = [
     "PassRule",
     "ElementwiseRule",
     "TanhCallsRule",
+    "SafeTanhCallsRule",
     "IgnoreRule",
     "StopRule",
     "UniformRule",
