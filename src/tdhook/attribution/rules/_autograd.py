@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.nn import Parameter
 
-from tdhook.attribution.rules._activation_writes import overwritten_by_activation
+from tdhook.attribution.rules._activation_writes import MASKS_MADE, activation_shown
 from tdhook.attribution.rules._keeping_graph import RelevancePass, graph_kept
 from tdhook.attribution.rules._numerics import carrying_gradient
 from tdhook.attribution.rules._recomputed import error_in_running_module
@@ -428,7 +428,8 @@ def is_activation(value: Any) -> bool:
     # requires_grad and not a leaf: the same as having a grad_fn, and cheaper to ask.
     if not (isinstance(value, torch.Tensor) and value.requires_grad and not value.is_leaf):
         return False
-    return not getattr(value, PARAMETER_DERIVED, False) or overwritten_by_activation(value)
+    shown = activation_shown(value) if MASKS_MADE else None  # a view of a tensor written into in place: what it shows
+    return not getattr(value, PARAMETER_DERIVED, False) if shown is None else shown
 
 
 def mark_parameter_slots(module: nn.Module) -> None:
