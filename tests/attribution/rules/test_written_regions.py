@@ -128,13 +128,16 @@ CALLS = {
     torch.Tensor.scatter_: lambda t: (1, torch.tensor([[2], [0], [1], [1]]), t.new_ones(4, 1)),
     torch.Tensor.put_: lambda t: (torch.tensor([0, 11, 5]), t.new_ones(3)),
     torch.Tensor.fill_diagonal_: lambda t: (1.0,),
+    torch.fill_: lambda t: (1.0,),
+    torch.zero_: lambda t: (),
+    torch.index_put_: lambda t: ((torch.tensor([3]),), t.new_ones(())),
 }
 
 
-@pytest.mark.parametrize("func", list(REPLACING), ids=lambda f: f.__name__)
+@pytest.mark.parametrize("func", list(REPLACING), ids=lambda f: f.__qualname__)
 def test_the_region_replaced_is_where_the_values_changed(func):
     assert set(CALLS) == set(REPLACING)
-    target = torch.zeros(4, 3, dtype=F64) if func is not torch.Tensor.zero_ else torch.ones(4, 3, dtype=F64)
+    target = torch.ones(4, 3, dtype=F64) if func in (torch.Tensor.zero_, torch.zero_) else torch.zeros(4, 3, dtype=F64)
     args = (target, *CALLS[func](target))
     region = replaced_region(func, args, {})
     before = target.clone()

@@ -21,14 +21,21 @@ import contextlib
 
 import torch
 
-__all__ = ["ACTIVATION_WRITTEN", "MASKS_MADE", "activation_shown", "note_activation_written", "note_weight_written"]
+__all__ = [
+    "ACTIVATION_WRITTEN",
+    "MASKS_MADE",
+    "SHOWN",
+    "activation_shown",
+    "note_activation_written",
+    "note_weight_written",
+]
 
 
 # On a tensor some of whose elements an in-place write made activations or weights: a mask of its storage's
 # elements, true where an activation is (see :func:`note_activation_written`).
 ACTIVATION_WRITTEN = "_tdhook_activation_written"
 # On a view whose class was read from such a mask: the mask, its version then, and the answer.
-_SHOWN = "_tdhook_activation_shown"
+SHOWN = "_tdhook_activation_shown"
 #: Not empty once any mask was made: views pay for the look-up only then.
 MASKS_MADE: list[bool] = []
 
@@ -145,14 +152,14 @@ def activation_shown(value: torch.Tensor) -> bool | None:
         if mask is None:
             return None
         version = mask._version
-        seen = value.__dict__.get(_SHOWN)
+        seen = value.__dict__.get(SHOWN)
         if seen is not None and seen[0] is mask and seen[1] == version:
             return seen[2]
         try:
             shown = bool(_shown_mask(mask, root, value).any())
         except (RuntimeError, NotImplementedError):  # a mask on the meta device: no values to read
             return None
-        setattr(value, _SHOWN, (mask, version, shown))
+        setattr(value, SHOWN, (mask, version, shown))
         return shown
 
 

@@ -58,7 +58,8 @@ def _true(region: torch.Tensor) -> torch.Tensor:
     return torch.ones((), dtype=torch.bool, device=region.device)
 
 
-#: in-place writes that replace elements of their first argument → how to mark those elements in a mask of it
+#: in-place writes that replace elements of their first argument (methods, and the functions of the same writes) →
+#: how to mark those elements in a mask of it
 REPLACING: dict[Any, Callable[[torch.Tensor, tuple, dict], None]] = {
     torch.Tensor.copy_: _whole,
     torch.Tensor.fill_: _whole,
@@ -72,6 +73,9 @@ REPLACING: dict[Any, Callable[[torch.Tensor, tuple, dict], None]] = {
     torch.Tensor.scatter_: _scatter,
     torch.Tensor.put_: _put,
     torch.Tensor.fill_diagonal_: _diagonal,
+    torch.fill_: _whole,
+    torch.zero_: _whole,
+    torch.index_put_: _index_put,
 }
 
 # Options under which a write of :data:`REPLACING` combines what it writes with the elements instead.
@@ -79,6 +83,7 @@ _COMBINING = {
     torch.Tensor.index_put_: (3, "accumulate"),
     torch.Tensor.put_: (3, "accumulate"),
     torch.Tensor.scatter_: (4, "reduce"),
+    torch.index_put_: (3, "accumulate"),
 }
 
 
