@@ -141,6 +141,20 @@ def _real_view_of_a_complex_activation(s: torch.Tensor, h: torch.Tensor, g: torc
     return v.flatten(1) * g[:, :2]
 
 
+def _computed_from_a_view_of_an_activation(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    v = c[:, :2]
+    c.copy_(3 * s * torch.ones_like(h))
+    return (v * 2) * g[:, :2]  # computed from what v shows: a weight
+
+
+def _computed_from_a_view_of_a_weight(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = s * torch.ones_like(h)
+    v = c[:, :2]
+    c.copy_(h)
+    return torch.cat([v * 2, v.reshape(10).reshape(5, 2)], 1) * g[:, :4]  # from what v shows: an activation
+
+
 # Each form, with the same computation out of place (``s`` a learned scalar, ``h`` an activation, ``g`` a gate).
 FORMS = {
     "v = c.view(...); c.copy_(h)": (_viewed_then_copied, lambda s, h, g: h * g),
@@ -199,6 +213,14 @@ FORMS = {
     "v = view_as_real(c)[:, :1]; c.copy_(3s) (c complex)": (
         _real_view_of_a_complex_activation,
         lambda s, h, g: (3 * s * torch.ones_like(h[:, :2])) * g[:, :2],
+    ),
+    "v = h.clone()[:, :2]; c.copy_(3s); v * 2": (
+        _computed_from_a_view_of_an_activation,
+        lambda s, h, g: (3 * s * torch.ones_like(h[:, :2]) * 2) * g[:, :2],
+    ),
+    "v = c[:, :2]; c.copy_(h); cat([v * 2, v.reshape()])": (
+        _computed_from_a_view_of_a_weight,
+        lambda s, h, g: torch.cat([h[:, :2] * 2, h[:, :2]], 1) * g[:, :4],
     ),
     "v = c[:, 3:]; c[:, :3] = h[:, :3] (v not written)": (
         _part_not_written,

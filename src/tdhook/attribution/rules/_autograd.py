@@ -62,6 +62,7 @@ __all__ = [
     "mark_parameter_slots",
     "from_parameters_alone",
     "mark_module_of_parameters_alone",
+    "marked_parameter_derived",
     "backward_keeps_graph",
     "is_batched_gradient",
     "is_plain_gradient",
@@ -428,8 +429,22 @@ def is_activation(value: Any) -> bool:
     # requires_grad and not a leaf: the same as having a grad_fn, and cheaper to ask.
     if not (isinstance(value, torch.Tensor) and value.requires_grad and not value.is_leaf):
         return False
+    return not marked_parameter_derived(value)
+
+
+def marked_parameter_derived(value: torch.Tensor) -> bool:
+    """Whether ``value``, a tensor with autograd history, is marked as computed from parameters alone (see
+    :func:`mark_parameter_derived`): for a view of a tensor written into in place, whether it shows no activation,
+    whatever its mark said before the write (see :mod:`~tdhook.attribution.rules._activation_writes`).
+
+    Examples:
+        >>> weight = torch.nn.Parameter(torch.ones(3))
+        >>> doubled = mark_parameter_derived((weight,), weight * 2)
+        >>> marked_parameter_derived(doubled), marked_parameter_derived(weight * 1)
+        (True, False)
+    """
     shown = activation_shown(value) if MASKS_MADE else None  # a view of a tensor written into in place: what it shows
-    return not getattr(value, PARAMETER_DERIVED, False) if shown is None else shown
+    return getattr(value, PARAMETER_DERIVED, False) if shown is None else not shown
 
 
 def mark_parameter_slots(module: nn.Module) -> None:
@@ -578,7 +593,7 @@ def mark_parameter_derived(args: tuple, result: Any, func: Any = None) -> Any:
                 # An activation (the common case) ends the loop at the first attribute test; a leaf that requires
                 # grad is a parameter or an input, and only leaves pay for the (Python-level) Parameter test.
                 leaf = tensor.is_leaf
-                if not (getattr(tensor, PARAMETER_DERIVED, False) if not leaf else isinstance(tensor, Parameter)):
+                if not (marked_parameter_derived(tensor) if not leaf else isinstance(tensor, Parameter)):
                     return result
                 derived = True
     if derived:
