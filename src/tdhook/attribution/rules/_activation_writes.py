@@ -24,8 +24,10 @@ import torch
 __all__ = [
     "ACTIVATION_WRITTEN",
     "MASKS_MADE",
+    "PARAMETER_DERIVED",
     "SHOWN",
     "activation_shown",
+    "marked_parameter_derived",
     "note_activation_written",
     "note_weight_written",
 ]
@@ -38,6 +40,8 @@ ACTIVATION_WRITTEN = "_tdhook_activation_written"
 SHOWN = "_tdhook_activation_shown"
 #: Not empty once any mask was made: views pay for the look-up only then.
 MASKS_MADE: list[bool] = []
+# The attribute that marks a tensor computed from parameters alone (``gamma.reshape(...)``, ``1 + weight``).
+PARAMETER_DERIVED = "_tdhook_parameter_derived"
 
 
 def _mask(root: torch.Tensor, fill: bool) -> torch.Tensor:
@@ -171,3 +175,19 @@ def _shown_mask(mask: torch.Tensor, root: torch.Tensor, value: torch.Tensor) -> 
         return mask.as_strided(value.shape, value.stride(), value.storage_offset())
     strides = (*(stride * size for stride in value.stride()), 1)
     return mask.repeat_interleave(own).as_strided((*value.shape, size), strides, value.storage_offset() * size)
+
+
+def marked_parameter_derived(value: torch.Tensor) -> bool:
+    """Whether ``value``, a tensor with autograd history, is marked as computed from parameters alone (see
+    :func:`~tdhook.attribution.rules._autograd.mark_parameter_derived`): for a view of a tensor written into in
+    place, whether it shows no activation, whatever its mark said before the write (see :func:`activation_shown`).
+
+    Examples:
+        >>> from tdhook.attribution.rules._autograd import mark_parameter_derived
+        >>> weight = torch.nn.Parameter(torch.ones(3))
+        >>> doubled = mark_parameter_derived((weight,), weight * 2)
+        >>> marked_parameter_derived(doubled), marked_parameter_derived(weight * 1)
+        (True, False)
+    """
+    shown = activation_shown(value) if MASKS_MADE else None  # a view of a tensor written into in place: what it shows
+    return getattr(value, PARAMETER_DERIVED, False) if shown is None else not shown

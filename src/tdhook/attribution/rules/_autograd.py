@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.nn import Parameter
 
-from tdhook.attribution.rules._activation_writes import MASKS_MADE, activation_shown
+from tdhook.attribution.rules._activation_writes import PARAMETER_DERIVED, marked_parameter_derived
 from tdhook.attribution.rules._keeping_graph import RelevancePass, graph_kept
 from tdhook.attribution.rules._numerics import carrying_gradient
 from tdhook.attribution.rules._recomputed import error_in_running_module
@@ -412,10 +412,6 @@ def times_saved(grad: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
     return saved.mul_(grad) if may_overwrite(grad, saved) else grad * saved
 
 
-# The attribute that marks a tensor computed from parameters alone (``gamma.reshape(...)``, ``1 + weight``).
-PARAMETER_DERIVED = "_tdhook_parameter_derived"
-
-
 def is_activation(value: Any) -> bool:
     """Whether ``value`` is a tensor computed with autograd history (an activation), as opposed to a parameter,
     a buffer, a constant or a tensor marked as computed from parameters alone (see
@@ -430,21 +426,6 @@ def is_activation(value: Any) -> bool:
     if not (isinstance(value, torch.Tensor) and value.requires_grad and not value.is_leaf):
         return False
     return not marked_parameter_derived(value)
-
-
-def marked_parameter_derived(value: torch.Tensor) -> bool:
-    """Whether ``value``, a tensor with autograd history, is marked as computed from parameters alone (see
-    :func:`mark_parameter_derived`): for a view of a tensor written into in place, whether it shows no activation,
-    whatever its mark said before the write (see :mod:`~tdhook.attribution.rules._activation_writes`).
-
-    Examples:
-        >>> weight = torch.nn.Parameter(torch.ones(3))
-        >>> doubled = mark_parameter_derived((weight,), weight * 2)
-        >>> marked_parameter_derived(doubled), marked_parameter_derived(weight * 1)
-        (True, False)
-    """
-    shown = activation_shown(value) if MASKS_MADE else None  # a view of a tensor written into in place: what it shows
-    return getattr(value, PARAMETER_DERIVED, False) if shown is None else not shown
 
 
 def mark_parameter_slots(module: nn.Module) -> None:
