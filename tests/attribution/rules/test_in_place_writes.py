@@ -22,7 +22,7 @@ from tdhook.attribution import LRP
 from tdhook.attribution.mappers.base import BaseRuleMapper
 from tdhook.attribution.mappers.presets import EpsilonPlus
 from tdhook.attribution.mappers.transformer import CPLRP, AttnLRP
-from tests.attribution.rules.test_activation_writes import _explained
+from tests.attribution.rules.test_activation_writes import assert_explained_as_out_of_place
 
 F64 = torch.float64
 
@@ -207,8 +207,4 @@ def _viewed_after(c: torch.Tensor, columns: int, write) -> torch.Tensor:
 @pytest.mark.parametrize("preset", [AttnLRP, CPLRP], ids=lambda p: p.__name__)
 @pytest.mark.parametrize("name", sorted(FUNCTION_WRITES))
 def test_the_functions_of_in_place_writes_are_writes(name: str, preset):
-    in_place, out_of_place = FUNCTION_WRITES[name]
-    relevance, calls = _explained(in_place, preset)
-    expected, expected_calls = _explained(out_of_place, preset)
-    assert calls == expected_calls
-    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12)
+    assert_explained_as_out_of_place(*FUNCTION_WRITES[name], preset)

@@ -16,7 +16,7 @@ import torch
 
 from tdhook.attribution import CPLRP, AttnLRP, EpsilonPlus
 from tdhook.attribution.rules._written_regions import REPLACING, replaced_region
-from tests.attribution.rules.test_activation_writes import _explained
+from tests.attribution.rules.test_activation_writes import _explained, assert_explained_as_out_of_place
 
 F64 = torch.float64
 ROWS = torch.arange(5)
@@ -61,10 +61,7 @@ def test_a_weight_written_over_an_activation_makes_its_views_weights(write: str,
         WEIGHT_OVER_ACTIVATION[write](c, _weight(s, h))
         return v * g[:, :2]
 
-    relevance, calls = _explained(in_place, preset)
-    expected, expected_calls = _explained(lambda s, h, g: _weight(s, h[:, :2]) * g[:, :2], preset)
-    assert calls == expected_calls
-    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12)
+    assert_explained_as_out_of_place(in_place, lambda s, h, g: _weight(s, h[:, :2]) * g[:, :2], preset)
 
 
 @pytest.mark.parametrize("preset", [AttnLRP, CPLRP], ids=lambda p: p.__name__)
@@ -79,10 +76,7 @@ def test_an_activation_written_over_part_of_a_weight_leaves_views_of_the_rest_we
     def out_of_place(s, h, g):
         return torch.cat([(s * torch.ones_like(h[:, 3:])) * g[:, 3:], h[:, 1:3] * g[:, 1:3]], 1)
 
-    relevance, calls = _explained(in_place, preset)
-    expected, expected_calls = _explained(out_of_place, preset)
-    assert calls == expected_calls
-    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12)
+    assert_explained_as_out_of_place(in_place, out_of_place, preset)
 
 
 def test_a_masked_fill_makes_the_elements_filled_constants():
