@@ -165,7 +165,10 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     if not viewed:  # no view shows the elements written: the marks tell
         return result
     # What views of the tensor show now: an activation where it went, a weight where one replaced what was there.
-    region = replaced_region(func, args, kwargs)
+    try:
+        region = replaced_region(func, args, kwargs)
+    except (RuntimeError, NotImplementedError, IndexError, TypeError, ValueError):  # indices a transform wraps
+        region, replacing = None, False  # an activation's reach taken whole; a weight's unknown, not noted
     if not derived:
         holds = note_activation_written(target, region, made=bool(judged))
     elif replacing:
