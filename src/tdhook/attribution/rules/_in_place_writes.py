@@ -70,6 +70,34 @@ WRITES_IN_PLACE = frozenset(
 _WHOLE_WRITES = frozenset({torch.Tensor.copy_, torch.Tensor.fill_, torch.Tensor.zero_, torch.fill_, torch.zero_})
 
 
+# The attributes of a gate's marks (``GATE_MARK`` and ``SIGMOID_MARK`` of :mod:`~tdhook.attribution.rules.gates`,
+# which imports this module): the first marks every gate.
+GATE_MARKS = ("_tdhook_activation_of", "_tdhook_sigmoid_gate")
+# Writes that scale a gate by a positive number (``g.mul_(2)``, ``g /= 6``): a gate still, as ``2 * g`` is.
+_SCALINGS_IN_PLACE = frozenset(
+    {torch.Tensor.mul_, torch.Tensor.__imul__, torch.Tensor.multiply_, torch.Tensor.div_, torch.Tensor.__itruediv__}
+    | {torch.Tensor.divide_, torch.Tensor.true_divide_}
+)
+
+
+def _gate_written(func: Any, args: tuple, whole: bool, tensors: list[torch.Tensor]) -> None:
+    """Give ``tensors`` (the tensor written into, and the tensor it views) the gate marks of what the write made of
+    them: none after a write into a gate (``g.copy_(h)``, ``g.add_(h)``; it kept its marks, and a product held it
+    constant: 1.0 off, relative L2, under AttnLRP), but a scaling by a positive number; a gate's, where one replaced
+    every element (``c.copy_(g)``), on each tensor it covers whole."""
+    value = args[2] if func is torch.Tensor.__setitem__ else args[1] if len(args) > 1 else None
+    positive = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    if func in _SCALINGS_IN_PLACE and positive and len(args) == 2:
+        return
+    marks = value.__dict__ if whole and isinstance(value, torch.Tensor) and GATE_MARKS[0] in value.__dict__ else {}
+    for tensor in tensors:
+        covered = tensor is tensors[0] or tensor.numel() == tensors[0].numel()
+        for mark in GATE_MARKS:
+            tensor.__dict__.pop(mark, None)
+            if mark in marks and covered:
+                setattr(tensor, mark, marks[mark])
+
+
 def _whole_key(args: tuple) -> bool:
     """Whether the key of ``t[key] = v`` (``args[1]``) selects every element: ``...``, ``:``, ``:, :``."""
     if len(args) < 2:
@@ -121,7 +149,8 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     marked = bool(getattr(target, PARAMETER_DERIVED, False))
     root = target if base is None else base
     masked = bool(MASKS_MADE) and ACTIVATION_WRITTEN in root.__dict__
-    if base is None and requires_grad and not marked and func not in REPLACING and not masked:
+    gated = GATE_MARKS[0] in target.__dict__ or (base is not None and GATE_MARKS[0] in base.__dict__)
+    if base is None and requires_grad and not marked and func not in REPLACING and not masked and not gated:
         # an activation written into in part (``relu_``, ``out += identity``): it stays one, nothing to mark
         return func(*args, **kwargs)
     replacing = replaces(func, args, kwargs)
@@ -137,7 +166,8 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     # Every element replaced: the tensor, and a base it views whole, is what is written, whatever it was before. Not a
     # view (``buf[:, :3].copy_(w)``): it shows its base, which later writes reach (``buf += h``) and the mark would not
     # follow. (The cheap tests first: most writes are an activation's, ``relu_``, ``out += identity``.)
-    if (func in _WHOLE_WRITES or (func is torch.Tensor.__setitem__ and _whole_key(args))) and not all(constant):
+    whole = func in _WHOLE_WRITES or (func is torch.Tensor.__setitem__ and _whole_key(args))
+    if whole and not all(constant):
         constant = [
             was or (tensor._base is None and tensor.numel() == target.numel())
             for tensor, was in zip(targets, constant, strict=True)
@@ -145,6 +175,8 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     # Views of the tensor may exist (``v = c[:, :2]``), which a write into part of it reaches.
     viewed = masked or base is not None or ((any(constant) or (replacing and root_activation)) and _maybe_viewed(root))
     result = func(*args, **kwargs)
+    if gated or whole:
+        _gate_written(func, args, whole, targets)
     # Those with autograd history now (a constant written into without gradient, in a rule's own work, has none).
     judged = [
         tensor
