@@ -22,6 +22,8 @@ from tdhook.attribution import LRP
 from tdhook.attribution.mappers.base import BaseRuleMapper
 from tdhook.attribution.mappers.presets import EpsilonPlus
 from tdhook.attribution.mappers.transformer import CPLRP, AttnLRP
+from tdhook.attribution.rules._in_place_writes import GATE_MARKS
+from tdhook.attribution.rules.gates import GATE_MARK, SIGMOID_MARK
 from tests.attribution.rules.test_activation_writes import _explained, assert_explained_as_out_of_place
 
 F64 = torch.float64
@@ -250,3 +252,7 @@ def test_a_gate_written_into_is_what_the_write_made_of_it(name: str, preset):
     relevance, _ = _explained(in_place, preset)
     expected, _ = _explained(out_of_place, preset)
     torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_the_gate_marks_read_by_writes_are_the_gates_own():
+    assert GATE_MARKS == (GATE_MARK, SIGMOID_MARK)
