@@ -19,6 +19,7 @@ from tdhook.attribution.rules._written_regions import REPLACING, replaced_region
 from tests.attribution.rules.test_activation_writes import _explained, assert_explained_as_out_of_place
 
 F64 = torch.float64
+pytestmark = pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")  # torch's note on the call itself
 ROWS = torch.arange(5)
 
 
@@ -39,6 +40,10 @@ WEIGHT_OVER_ACTIVATION = {
     "masked_scatter_": lambda c, w: c.masked_scatter_(torch.ones_like(c, dtype=torch.bool), w),
     "scatter_": lambda c, w: c.scatter_(1, torch.arange(6).expand(5, 6), w),
     "put_": lambda c, w: c.put_(torch.arange(30), w.reshape(-1)),
+    "scatter_reduce_ without self": lambda c, w: c.scatter_reduce_(
+        1, torch.arange(6).expand(5, 6), w, "sum", include_self=False
+    ),
+    "index_reduce_ without self": lambda c, w: c.index_reduce_(1, torch.arange(6), w, "amax", include_self=False),
     "setitem of a list of rows": lambda c, w: c.__setitem__([0, 1, 2, 3, 4], w),
 }
 
@@ -94,6 +99,20 @@ def test_a_masked_fill_makes_the_elements_filled_constants():
         torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12)
 
 
+def test_a_reduction_with_the_elements_keeps_a_view_an_activation():
+    """``scatter_reduce_(..., include_self=True)`` reduces a weight with the activation: the view shows one."""
+
+    def in_place(s, h, g):
+        c = h.clone()
+        v = c[:, :2]
+        c.scatter_reduce_(1, torch.arange(6).expand(5, 6), _weight(s, h), "sum")
+        return v * g[:, :2]
+
+    relevance, _ = _explained(in_place, AttnLRP)
+    expected, _ = _explained(lambda s, h, g: (h[:, :2] + _weight(s, h[:, :2])) * g[:, :2], AttnLRP)
+    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12)
+
+
 def test_an_accumulating_write_keeps_a_view_an_activation():
     """``index_put_(..., accumulate=True)`` adds a weight to the activation: the view still shows an activation."""
 
@@ -125,7 +144,11 @@ CALLS = {
     torch.fill_: lambda t: (1.0,),
     torch.zero_: lambda t: (),
     torch.index_put_: lambda t: ((torch.tensor([3]),), t.new_ones(())),
+    torch.Tensor.scatter_reduce_: lambda t: (1, torch.tensor([[2], [0], [1], [1]]), t.new_ones(4, 1), "sum"),
+    torch.Tensor.index_reduce_: lambda t: (0, torch.tensor([3]), t.new_ones(1, 3), "prod"),
 }
+# Keyword arguments of the calls above that make them replace.
+KEYWORDS = {torch.Tensor.scatter_reduce_: {"include_self": False}, torch.Tensor.index_reduce_: {"include_self": False}}
 
 
 @pytest.mark.parametrize("func", list(REPLACING), ids=lambda f: f.__qualname__)
@@ -133,7 +156,8 @@ def test_the_region_replaced_is_where_the_values_changed(func):
     assert set(CALLS) == set(REPLACING)
     target = torch.ones(4, 3, dtype=F64) if func in (torch.Tensor.zero_, torch.zero_) else torch.zeros(4, 3, dtype=F64)
     args = (target, *CALLS[func](target))
-    region = replaced_region(func, args, {})
+    kwargs = KEYWORDS.get(func, {})
+    region = replaced_region(func, args, kwargs)
     before = target.clone()
-    func(*args)
+    func(*args, **kwargs)
     assert torch.equal(region, target != before)

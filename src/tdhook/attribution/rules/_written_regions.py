@@ -76,7 +76,12 @@ REPLACING: dict[Any, Callable[[torch.Tensor, tuple, dict], None]] = {
     torch.fill_: _whole,
     torch.zero_: _whole,
     torch.index_put_: _index_put,
+    torch.Tensor.scatter_reduce_: _scatter,
+    torch.Tensor.index_reduce_: _index_fill,
 }
+# Writes of :data:`REPLACING` that replace only without ``include_self=True`` (their default): a reduction of what
+# is written alone, else one with the elements.
+_WITHOUT_SELF = frozenset({torch.Tensor.scatter_reduce_, torch.Tensor.index_reduce_})
 
 # Options under which a write of :data:`REPLACING` combines what it writes with the elements instead.
 _COMBINING = {
@@ -100,6 +105,8 @@ def replaces(func: Any, args: tuple, kwargs: dict) -> bool:
     """
     if func not in REPLACING:
         return False
+    if func in _WITHOUT_SELF:
+        return not kwargs.get("include_self", True)
     combining = _COMBINING.get(func)
     return combining is None or not call_argument(args, kwargs, *combining)
 
