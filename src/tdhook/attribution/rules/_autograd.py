@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.nn import Parameter
 
-from tdhook.attribution.rules._activation_writes import overwritten_by_activation
+from tdhook.attribution.rules._activation_writes import MASKS_MADE, PARAMETER_DERIVED, marked_parameter_derived
 from tdhook.attribution.rules._keeping_graph import RelevancePass, graph_kept
 from tdhook.attribution.rules._numerics import carrying_gradient
 from tdhook.attribution.rules._recomputed import error_in_running_module
@@ -62,6 +62,7 @@ __all__ = [
     "mark_parameter_slots",
     "from_parameters_alone",
     "mark_module_of_parameters_alone",
+    "marked_parameter_derived",
     "backward_keeps_graph",
     "is_batched_gradient",
     "is_plain_gradient",
@@ -411,10 +412,6 @@ def times_saved(grad: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
     return saved.mul_(grad) if may_overwrite(grad, saved) else grad * saved
 
 
-# The attribute that marks a tensor computed from parameters alone (``gamma.reshape(...)``, ``1 + weight``).
-PARAMETER_DERIVED = "_tdhook_parameter_derived"
-
-
 def is_activation(value: Any) -> bool:
     """Whether ``value`` is a tensor computed with autograd history (an activation), as opposed to a parameter,
     a buffer, a constant or a tensor marked as computed from parameters alone (see
@@ -428,7 +425,8 @@ def is_activation(value: Any) -> bool:
     # requires_grad and not a leaf: the same as having a grad_fn, and cheaper to ask.
     if not (isinstance(value, torch.Tensor) and value.requires_grad and not value.is_leaf):
         return False
-    return not getattr(value, PARAMETER_DERIVED, False) or overwritten_by_activation(value)
+    # (The mark read inline where no write mask exists: this runs on every argument of every call.)
+    return not (marked_parameter_derived(value) if MASKS_MADE else getattr(value, PARAMETER_DERIVED, False))
 
 
 def mark_parameter_slots(module: nn.Module) -> None:
@@ -576,8 +574,8 @@ def mark_parameter_derived(args: tuple, result: Any, func: Any = None) -> Any:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 # An activation (the common case) ends the loop at the first attribute test; a leaf that requires
                 # grad is a parameter or an input, and only leaves pay for the (Python-level) Parameter test.
-                leaf = tensor.is_leaf
-                if not (getattr(tensor, PARAMETER_DERIVED, False) if not leaf else isinstance(tensor, Parameter)):
+                marked = marked_parameter_derived(tensor) if MASKS_MADE else getattr(tensor, PARAMETER_DERIVED, False)
+                if not (marked if not tensor.is_leaf else isinstance(tensor, Parameter)):
                     return result
                 derived = True
     if derived:

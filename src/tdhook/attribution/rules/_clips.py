@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from torch.nn import Parameter
 
 from tdhook.attribution.rules._autograd import (
-    PARAMETER_DERIVED,
     call_argument,
     is_activation,
     mark_parameter_derived,
+    marked_parameter_derived,
     unwrapped,
 )
 from tdhook.attribution.rules._statistics import clips_a_statistic
@@ -79,7 +79,7 @@ def _constant(value: object) -> bool:
     from parameters alone (an input leaf, whose relevance is explained, is none)."""
     value = unwrapped(value)
     return isinstance(value, torch.Tensor) and (
-        not value.requires_grad or isinstance(value, Parameter) or getattr(value, PARAMETER_DERIVED, False)
+        not value.requires_grad or isinstance(value, Parameter) or marked_parameter_derived(value)
     )
 
 

@@ -6,7 +6,10 @@ rotation it applies to a layer's input) has autograd history after the write, an
 activation: a product with it would then get the uniform rule of two activations, halving its relevance.
 :func:`mark_written_in_place` judges the tensor written into by what it was before the write and by what is written.
 A write that replaces every element (``buf.copy_(w)``, ``buf[...] = w``, ``buf.fill_(0)``) leaves the tensor what
-the values written are, whatever it was before: an activation buffer overwritten with a weight is a weight.
+the values written are, whatever it was before: an activation buffer overwritten with a weight is a weight. Where
+views of the tensor may exist, the elements a write replaces (see
+:mod:`~tdhook.attribution.rules._written_regions`) or reaches are noted on it (see
+:mod:`~tdhook.attribution.rules._activation_writes`): each view then shows what its elements are now.
 """
 
 from __future__ import annotations
@@ -15,8 +18,15 @@ from typing import Any
 
 import torch
 
-from tdhook.attribution.rules._activation_writes import note_activation_written, note_weight_written
+from tdhook.attribution.rules._activation_writes import (
+    ACTIVATION_WRITTEN,
+    MASKS_MADE,
+    SHOWN,
+    note_activation_written,
+    note_weight_written,
+)
 from tdhook.attribution.rules._autograd import PARAMETER_DERIVED, is_activation
+from tdhook.attribution.rules._written_regions import REPLACING, replaced_region, replaces
 
 __all__ = ["WRITES_IN_PLACE", "mark_written_in_place"]
 
@@ -39,19 +49,53 @@ _AUGMENTED = {
 }
 
 # In-place writes into their first argument (``table[:, rows, cols] = vec``, ``r.add_(q, alpha=2)``,
-# ``w.baddbmm_(u, v)``): every in-place method of a tensor (its name ends with one underscore) and every augmented
-# assignment. One left out kept a weight it wrote an activation into for a weight, as it was before the write.
+# ``w.baddbmm_(u, v)``): every in-place method of a tensor (its name ends with one underscore), every augmented
+# assignment, and the functions of the same writes (``torch.index_put_(c, i, w)``, ``torch.addmv_(c, m, h)``,
+# ``torch.fill_(c, w)``). One left out kept a weight it wrote an activation into for a weight, as it was before the
+# write, and an activation a weight's values replaced for an activation (5.8 and 1.0 off, relative L2, under AttnLRP).
 WRITES_IN_PLACE = frozenset(
     getattr(torch.Tensor, name)
     for name in dir(torch.Tensor)
     if (name.endswith("_") and not name.startswith("_"))
     or name == "__setitem__"
     or (name.startswith("__i") and name.endswith("__") and name[3:-2] in _AUGMENTED)
+) | frozenset(
+    getattr(torch, name)
+    for name in dir(torch)
+    if name.endswith("_") and not name.startswith("_") and not name.endswith("__") and callable(getattr(torch, name))
 )
 
 
 # In-place writes that replace every element of the tensor written into, whatever their arguments.
-_WHOLE_WRITES = frozenset({torch.Tensor.copy_, torch.Tensor.fill_, torch.Tensor.zero_})
+_WHOLE_WRITES = frozenset({torch.Tensor.copy_, torch.Tensor.fill_, torch.Tensor.zero_, torch.fill_, torch.zero_})
+
+
+# The attributes of a gate's marks (``GATE_MARK`` and ``SIGMOID_MARK`` of :mod:`~tdhook.attribution.rules.gates`,
+# which imports this module): the first marks every gate.
+GATE_MARKS = ("_tdhook_activation_of", "_tdhook_sigmoid_gate")
+# Writes that scale a gate by a positive number (``g.mul_(2)``, ``g /= 6``): a gate still, as ``2 * g`` is.
+_SCALINGS_IN_PLACE = frozenset(
+    {torch.Tensor.mul_, torch.Tensor.__imul__, torch.Tensor.multiply_, torch.Tensor.div_, torch.Tensor.__itruediv__}
+    | {torch.Tensor.divide_, torch.Tensor.true_divide_}
+)
+
+
+def _gate_written(func: Any, args: tuple, whole: bool, tensors: list[torch.Tensor]) -> None:
+    """Give ``tensors`` (the tensor written into, and the tensor it views) the gate marks of what the write made of
+    them: none after a write into a gate (``g.copy_(h)``, ``g.add_(h)``; it kept its marks, and a product held it
+    constant: 1.0 off, relative L2, under AttnLRP), but a scaling by a positive number; a gate's, where one replaced
+    every element (``c.copy_(g)``), on each tensor it covers whole."""
+    value = args[2] if func is torch.Tensor.__setitem__ else args[1] if len(args) > 1 else None
+    positive = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    if func in _SCALINGS_IN_PLACE and positive and len(args) == 2:
+        return
+    marks = value.__dict__ if whole and isinstance(value, torch.Tensor) and GATE_MARKS[0] in value.__dict__ else {}
+    for tensor in tensors:
+        covered = tensor is tensors[0] or tensor.numel() == tensors[0].numel()
+        for mark in GATE_MARKS:
+            tensor.__dict__.pop(mark, None)
+            if mark in marks and covered:
+                setattr(tensor, mark, marks[mark])
 
 
 def _whole_key(args: tuple) -> bool:
@@ -68,8 +112,11 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     in place from its parameters: ``torch.zeros(...)`` filled with a parameter's values), and unmarked where an
     activation is written into it. A write that replaces every element of ``args[0]`` (``copy_``, ``fill_``,
     ``zero_``, ``t[...] = v``) marks it by what is written alone: an activation overwritten with a weight's values is
-    a weight, as the weight itself is out of place; a view so written (``buf[:, :3].copy_(w)``) stays unmarked, as
-    later writes into the tensor it views reach it.
+    a weight, as the weight itself is out of place. Where views of ``args[0]``'s tensor may exist (``args[0]`` is one,
+    or its storage has other owners), the elements written are noted on the tensor viewed: an activation where one
+    went, a weight where a weight's values replaced what was there (``c[:, :3] = w``, ``c.index_put_(i, w)``,
+    ``buf[:, :3].copy_(w)``); each view of it then shows what its elements are, whatever its mark, and the tensor
+    viewed is an activation while one element of it is.
 
     After the write, the tensor has autograd history, and the plain test of
     :func:`~tdhook.attribution.rules._autograd.mark_parameter_derived` would take it for an activation (a product
@@ -88,6 +135,11 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
         >>> _ = mark_written_in_place(torch.Tensor.copy_, (buffer, vec), {})  # overwritten by a weight
         >>> is_activation(buffer)
         False
+        >>> buffer = torch.ones(2, 3, requires_grad=True) * 2
+        >>> row = buffer[0]  # a view, taken before a weight's values replace the row
+        >>> _ = mark_written_in_place(torch.Tensor.__setitem__, (buffer, 0, vec), {})
+        >>> is_activation(row), is_activation(buffer[1]), is_activation(buffer)
+        (False, True, True)
     """
     target = args[0] if args else None
     if not isinstance(target, torch.Tensor):
@@ -95,46 +147,76 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     # Each property read once: under another function mode, every read of one is a call of that mode.
     base, requires_grad = target._base, target.requires_grad
     marked = bool(getattr(target, PARAMETER_DERIVED, False))
-    if (
-        base is None
-        and requires_grad
-        and not marked
-        and func not in _WHOLE_WRITES
-        and func is not torch.Tensor.__setitem__
-    ):  # an activation written into in part (``relu_``, ``out += identity``): it stays one, nothing to mark
+    root = target if base is None else base
+    masked = bool(MASKS_MADE) and ACTIVATION_WRITTEN in root.__dict__
+    gated = GATE_MARKS[0] in target.__dict__ or (base is not None and GATE_MARKS[0] in base.__dict__)
+    if base is None and requires_grad and not marked and func not in REPLACING and not masked and not gated:
+        # an activation written into in part (``relu_``, ``out += identity``): it stays one, nothing to mark
         return func(*args, **kwargs)
+    replacing = replaces(func, args, kwargs)
+    if MASKS_MADE:  # what the tensor showed, read before the write (``as_strided_`` changes what it shows)
+        target.__dict__.pop(SHOWN, None)
     # The tensor written into and, for a view (``weight[:, 1:3].copy_(...)``), the tensor it views: constant before?
     targets, constant = [target], [not requires_grad or marked]
     if base is not None:
         targets.append(base)
         constant.append(not base.requires_grad or bool(getattr(base, PARAMETER_DERIVED, False)))
+    # An activation before the write, every element of it where it has no mask.
+    root_activation = not constant[-1] and not root.is_leaf
     # Every element replaced: the tensor, and a base it views whole, is what is written, whatever it was before. Not a
     # view (``buf[:, :3].copy_(w)``): it shows its base, which later writes reach (``buf += h``) and the mark would not
     # follow. (The cheap tests first: most writes are an activation's, ``relu_``, ``out += identity``.)
-    if (func in _WHOLE_WRITES or (func is torch.Tensor.__setitem__ and _whole_key(args))) and not all(constant):
+    whole = func in _WHOLE_WRITES or (func is torch.Tensor.__setitem__ and _whole_key(args))
+    if whole and not all(constant):
         constant = [
             was or (tensor._base is None and tensor.numel() == target.numel())
             for tensor, was in zip(targets, constant, strict=True)
         ]
+    # Views of the tensor may exist (``v = c[:, :2]``), which a write into part of it reaches.
+    viewed = masked or base is not None or ((any(constant) or (replacing and root_activation)) and _maybe_viewed(root))
     result = func(*args, **kwargs)
+    if gated or whole:
+        _gate_written(func, args, whole, targets)
     # Those with autograd history now (a constant written into without gradient, in a rule's own work, has none).
     judged = [
         tensor
         for tensor, was_constant in zip(targets, constant, strict=True)
         if was_constant and tensor.requires_grad and not tensor.is_leaf
     ]
-    if judged:
-        written = [
-            tensor
-            for arg in (*args[1:], *kwargs.values())
-            for tensor in (arg if isinstance(arg, (list, tuple)) else (arg,))
-            if isinstance(tensor, torch.Tensor) and tensor is not target
-        ]
-        derived = not any(is_activation(tensor) for tensor in written)
-        for tensor in judged:
-            setattr(tensor, PARAMETER_DERIVED, derived)
-        if not derived:  # views of it marked before the write show an activation where it went
-            note_activation_written(target, args[1] if func is torch.Tensor.__setitem__ and len(args) > 1 else None)
-        elif func in _WHOLE_WRITES or func is torch.Tensor.__setitem__:  # a weight replaced what was written there
-            note_weight_written(target, args[1] if func is torch.Tensor.__setitem__ and len(args) > 1 else None)
+    if not (judged or masked or (replacing and root_activation and viewed)):
+        return result
+    written = [
+        tensor
+        for arg in (*args[1:], *kwargs.values())
+        for tensor in (arg if isinstance(arg, (list, tuple)) else (arg,))
+        if isinstance(tensor, torch.Tensor) and tensor is not target
+    ]
+    derived = not any(is_activation(tensor) for tensor in written)
+    for tensor in judged:
+        setattr(tensor, PARAMETER_DERIVED, derived)
+    if not viewed:  # no view shows the elements written: the marks tell
+        return result
+    # What views of the tensor show now: an activation where it went, a weight where one replaced what was there.
+    try:
+        region = replaced_region(func, args, kwargs)
+    except (RuntimeError, NotImplementedError, IndexError, TypeError, ValueError):  # indices a transform wraps
+        region, replacing = None, False  # an activation's reach taken whole; a weight's unknown, not noted
+    if not derived:
+        holds = note_activation_written(target, region, made=bool(judged))
+    elif replacing:
+        holds = note_weight_written(target, region, made=root_activation)
+    else:  # a weight combined with the elements (``c.add_(w)``): each stays what it was
+        return result
+    if holds is not None and root.requires_grad and not root.is_leaf:  # the tensor viewed is what its elements are
+        setattr(root, PARAMETER_DERIVED, not holds)
     return result
+
+
+def _maybe_viewed(tensor: torch.Tensor) -> bool:
+    """Whether another tensor may share ``tensor``'s storage (a view of it, or one autograd saved): its storage has
+    more owners than ``tensor`` and the storage object read for the count."""
+    with torch._C.DisableTorchFunction():
+        try:
+            return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) > 2
+        except (AttributeError, RuntimeError, NotImplementedError):  # no storage to read (under torch.vmap)
+            return True

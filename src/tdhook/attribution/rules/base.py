@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from tdhook.attribution.rules._autograd import (
-    PARAMETER_DERIVED,
     is_activation,
     mark_module_of_parameters_alone,
     mark_parameter_derived,
+    marked_parameter_derived,
     raise_for_vmap,
     relevance_pass_edges,
 )
@@ -619,7 +619,7 @@ class Rule(Tunable):
             elif (
                 len(inputs) == 1
                 and isinstance(first := inputs[0], torch.Tensor)
-                and (not first.requires_grad or first.is_leaf or getattr(first, PARAMETER_DERIVED, False))
+                and (not first.requires_grad or first.is_leaf or marked_parameter_derived(first))
             ):
                 # So does any other module of one constant (a time embedding's SiLU): the modes do not see into a
                 # module with a rule, and a product with what it computes would take it for an activation. (Asked
