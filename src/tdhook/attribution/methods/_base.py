@@ -535,6 +535,21 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             raise_for_unreached_input(type(self).__name__, target_key, self.explained_keys, reached)
         return [torch.stack([unit[i] for unit in per_unit]) for i in range(len(leaves))]
 
+    def _pass_gradients(self, objective: torch.Tensor, leaves: Sequence[torch.Tensor], reached: list[bool]) -> list:
+        """:meth:`_gradients` of one of several passes (the points of a path, noisy copies): ``reached`` (one flag per
+        leaf, empty at the first pass) notes whether any pass so far reached each leaf. A pass whose graph does not
+        reach an input (a branch of the model's own code taken at some points only) gives it zeros; the call refuses
+        only an input that no pass reaches (:meth:`_refuse_unreached`)."""
+        unreached: list[bool] = []
+        grads = self._gradients(objective, leaves, unreached)
+        before = reached or [False] * len(unreached)
+        reached[:] = [r or not u for r, u in zip(before, unreached, strict=True)]
+        return grads
+
+    def _refuse_unreached(self, call: Call, reached: Sequence[bool]) -> None:
+        """After the passes of :meth:`_pass_gradients`: refuse an explained input that none of them reached."""
+        raise_for_unreached_input(type(self).__name__, call.target_key, self.explained_keys, reached)
+
     def _input_gradients(self, call: Call) -> list[torch.Tensor]:
         """The gradients at the unperturbed input (needs ``_gradient_at_input``): ``[units, *input.shape]``."""
         with torch.enable_grad():
