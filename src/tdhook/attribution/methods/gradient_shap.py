@@ -12,7 +12,7 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from tdhook.attribution.methods._accumulation import accumulation_dtype
-from tdhook.attribution.methods._base import AttributionMethod, Call
+from tdhook.attribution.methods._base import AttributionMethod, Call, pass_gradients, refuse_unreached
 from tdhook.attribution.methods._options import (
     MISSING,
     checked_batch_size,
@@ -204,8 +204,8 @@ class GradientShap(AttributionMethod):
                 points.append(d + a.view(*a.shape, *[1] * (diff.dim() - a.dim())) * diff)
             objective, leaves = self._evaluate(call, points, grad=True)
             for total, grad, diff in zip(
-                totals, self._pass_gradients(objective, leaves, reached), differences, strict=True
+                totals, pass_gradients(self, objective, leaves, reached), differences, strict=True
             ):
                 total += (grad.to(total.dtype) * diff.unsqueeze(0).to(total.dtype)).sum(1)
-        self._refuse_unreached(call, reached)
+        refuse_unreached(self, call, reached)
         return [(total / self.n_samples).to(x.dtype) for total, x in zip(totals, call.inputs, strict=True)]

@@ -10,7 +10,7 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from tdhook.attribution.methods._accumulation import accumulation_dtype
-from tdhook.attribution.methods._base import AttributionMethod, Call
+from tdhook.attribution.methods._base import AttributionMethod, Call, pass_gradients, refuse_unreached
 from tdhook.attribution.methods._options import Baselines, baseline_tensors, checked_batch_size, steps_per_pass
 from tdhook.attribution.methods._quadrature import METHODS, quadrature
 from tdhook.attribution.targets import Target
@@ -121,10 +121,10 @@ class IntegratedGradients(AttributionMethod):
                 a = alphas.to(dtype=d.dtype, device=d.device).view(-1, *[1] * d.dim())
                 perturbed.append(b.unsqueeze(0) + a * d.unsqueeze(0))
             objective, leaves = self._evaluate(call, perturbed, grad=True)
-            for total, grad in zip(totals, self._pass_gradients(objective, leaves, reached), strict=True):
+            for total, grad in zip(totals, pass_gradients(self, objective, leaves, reached), strict=True):
                 w = weights.to(dtype=total.dtype, device=grad.device).view(1, -1, *[1] * (grad.dim() - 2))
                 total += (grad.to(total.dtype) * w).sum(1)
-        self._refuse_unreached(call, reached)
+        refuse_unreached(self, call, reached)
         return [
             (total * d.unsqueeze(0).to(total.dtype)).to(d.dtype) for total, d in zip(totals, differences, strict=True)
         ]
