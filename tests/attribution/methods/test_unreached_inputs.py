@@ -84,3 +84,53 @@ def test_a_perturbation_method_gives_the_effect_of_an_input_cut_from_the_gradien
     effect = (model.b.weight[target].detach() * td["z"]).sum(-1, keepdim=True).expand_as(td["z"])
     expected = effect if how == "detached" else torch.zeros_like(td["z"])
     torch.testing.assert_close(attribution, expected, rtol=1e-12, atol=1e-12)
+
+
+class GatedPath(nn.Module):
+    """``a(x)``, plus ``b(z)`` where the sum of the whole pass's ``x`` goes past ``threshold`` (a branch of the model's
+    own code): ``z`` reaches the output in some passes and not in others. ``taken`` counts the passes reading ``z``."""
+
+    def __init__(self, threshold: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.threshold, self.taken = nn.Linear(5, 3), nn.Linear(2, 3), threshold, 0
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if float(x.detach().sum()) > self.threshold:
+            self.taken += 1
+            return self.a(x) + self.b(z)
+        return self.a(x)
+
+
+def test_integrated_gradients_takes_an_input_reached_at_some_points_of_the_path_only():
+    """Baseline zero, one point per pass, ``z`` read where ``alpha * sum(x) > sum(x) / 2``: the points past the
+    middle, which carry half of Gauss-Legendre's weights for an even number of points. ``b`` is linear: the
+    attribution of ``z`` is ``b.weight[t] * z / 2``, and no pass's lack of a path refuses it."""
+    from tdhook.attribution import IntegratedGradients
+
+    td = inputs()
+    td["x"] = td["x"].abs()  # a positive sum
+    model = GatedPath(0.5 * float(td["x"].sum())).to(F64)
+    policy = TensorDictModule(model, in_keys=["x", "z"], out_keys=["y"])
+    method = IntegratedGradients(policy, target=1, n_steps=8, internal_batch_size=1)
+    attribution = method(td.clone())["attribution", "z"]
+    expected = model.b.weight[1].detach() * td["z"] / 2
+    torch.testing.assert_close(attribution, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_smooth_grad_takes_an_input_reached_in_some_noisy_copies_only():
+    """``x`` zero and noised, ``z`` not noised, one copy per pass; ``z`` read where the noisy ``x``'s sum goes past 0.5:
+    the gradient of the target in ``z`` is ``b.weight[t]`` in the passes that read it, zero in the others, so the
+    mean is ``b.weight[t]`` times the share of the copies that read it."""
+    from tdhook.attribution import SmoothGrad
+
+    td = inputs()
+    td["x"] = torch.zeros_like(td["x"])
+    model = GatedPath(0.5).to(F64)
+    policy = TensorDictModule(model, in_keys=["x", "z"], out_keys=["y"])
+    n = 16
+    method = SmoothGrad(policy, target=1, n_samples=n, stdev={"x": 1.0, "z": 0.0}, seed=0, internal_batch_size=1)
+    attribution = method(td.clone())["attribution", "z"]
+    assert 0 < model.taken < n  # some copies read z, some do not
+    expected = model.b.weight[1].detach().expand_as(td["z"]) * model.taken / n
+    torch.testing.assert_close(attribution, expected, rtol=1e-12, atol=1e-12)

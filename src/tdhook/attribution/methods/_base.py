@@ -542,6 +542,35 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             return self._gradients(objective, call.leaves, target_key=call.target_key)
 
 
+def pass_gradients(
+    method: AttributionMethod, objective: torch.Tensor, leaves: Sequence[torch.Tensor], reached: list[bool]
+) -> list[torch.Tensor]:
+    """The method's gradients of one of several passes (the points of a path, noisy copies); ``reached`` (one flag
+    per leaf, empty before the first pass) notes whether any pass so far reached each leaf. A pass whose graph does
+    not reach an input (a branch of the model's own code taken at some points only) gives it zeros; the call refuses
+    only an input that no pass reaches (:func:`refuse_unreached`).
+
+    Examples:
+        >>> from tensordict.nn import TensorDictModule
+        >>> from tdhook.attribution import Saliency
+        >>> method = Saliency(TensorDictModule(torch.nn.Linear(2, 1), ["x"], ["y"]))
+        >>> x, z, reached = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True), []
+        >>> grads = pass_gradients(method, (2 * x).sum().view(1), [x, z], reached)
+        >>> reached, grads[1].abs().sum().item()
+        ([True, False], 0.0)
+    """
+    unreached: list[bool] = []
+    grads = method._gradients(objective, leaves, unreached)
+    before = reached or [False] * len(unreached)
+    reached[:] = [r or not u for r, u in zip(before, unreached, strict=True)]
+    return grads
+
+
+def refuse_unreached(method: AttributionMethod, call: Call, reached: Sequence[bool]) -> None:
+    """After the passes of :func:`pass_gradients`: refuse an explained input that none of them reached."""
+    raise_for_unreached_input(type(method).__name__, call.target_key, method.explained_keys, reached)
+
+
 def raise_for_unreached_input(
     name: str, target_key: NestedKey | None, keys: Sequence[NestedKey], reached: Sequence[bool]
 ) -> None:

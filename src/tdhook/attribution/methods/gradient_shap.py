@@ -12,7 +12,7 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from tdhook.attribution.methods._accumulation import accumulation_dtype
-from tdhook.attribution.methods._base import AttributionMethod, Call
+from tdhook.attribution.methods._base import AttributionMethod, Call, pass_gradients, refuse_unreached
 from tdhook.attribution.methods._options import (
     MISSING,
     checked_batch_size,
@@ -193,6 +193,7 @@ class GradientShap(AttributionMethod):
         # Summed over the copies in float32 at least (see accumulation_dtype), rounded once to the input's dtype.
         totals = [x.new_zeros(units, *x.shape, dtype=accumulation_dtype(x.dtype)) for x in call.inputs]
         chunk = steps_per_pass(self.n_samples, call.batch_shape.numel(), self.internal_batch_size, "GradientShap")
+        reached: list[bool] = []  # whether any pass so far reached each input
         for start in range(0, self.n_samples, chunk):
             stop = start + chunk
             drawn = [r[indices[start:stop].to(r.device)] for r in references]  # [copies, *batch, *sample]
@@ -203,7 +204,8 @@ class GradientShap(AttributionMethod):
                 points.append(d + a.view(*a.shape, *[1] * (diff.dim() - a.dim())) * diff)
             objective, leaves = self._evaluate(call, points, grad=True)
             for total, grad, diff in zip(
-                totals, self._gradients(objective, leaves, target_key=call.target_key), differences, strict=True
+                totals, pass_gradients(self, objective, leaves, reached), differences, strict=True
             ):
                 total += (grad.to(total.dtype) * diff.unsqueeze(0).to(total.dtype)).sum(1)
+        refuse_unreached(self, call, reached)
         return [(total / self.n_samples).to(x.dtype) for total, x in zip(totals, call.inputs, strict=True)]

@@ -10,7 +10,7 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from tdhook.attribution.methods._accumulation import accumulation_dtype
-from tdhook.attribution.methods._base import AttributionMethod, Call
+from tdhook.attribution.methods._base import AttributionMethod, Call, pass_gradients, refuse_unreached
 from tdhook.attribution.methods._options import Baselines, baseline_tensors, checked_batch_size, steps_per_pass
 from tdhook.attribution.methods._quadrature import METHODS, quadrature
 from tdhook.attribution.targets import Target
@@ -112,6 +112,7 @@ class IntegratedGradients(AttributionMethod):
         totals = [x.new_zeros(call.seeds.shape[0], *x.shape, dtype=accumulation_dtype(x.dtype)) for x in call.inputs]
         points, weights_of_points = self._quadrature()
         chunk = steps_per_pass(self.n_steps, call.batch_shape.numel(), self.internal_batch_size, "IntegratedGradients")
+        reached: list[bool] = []  # whether any pass so far reached each input
         for start in range(0, self.n_steps, chunk):
             alphas = points[start : start + chunk]
             weights = weights_of_points[start : start + chunk]
@@ -120,9 +121,10 @@ class IntegratedGradients(AttributionMethod):
                 a = alphas.to(dtype=d.dtype, device=d.device).view(-1, *[1] * d.dim())
                 perturbed.append(b.unsqueeze(0) + a * d.unsqueeze(0))
             objective, leaves = self._evaluate(call, perturbed, grad=True)
-            for total, grad in zip(totals, self._gradients(objective, leaves, target_key=call.target_key), strict=True):
+            for total, grad in zip(totals, pass_gradients(self, objective, leaves, reached), strict=True):
                 w = weights.to(dtype=total.dtype, device=grad.device).view(1, -1, *[1] * (grad.dim() - 2))
                 total += (grad.to(total.dtype) * w).sum(1)
+        refuse_unreached(self, call, reached)
         return [
             (total * d.unsqueeze(0).to(total.dtype)).to(d.dtype) for total, d in zip(totals, differences, strict=True)
         ]

@@ -12,7 +12,7 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from tdhook.attribution.methods._accumulation import accumulation_dtype
-from tdhook.attribution.methods._base import AttributionMethod, Call
+from tdhook.attribution.methods._base import AttributionMethod, Call, pass_gradients, refuse_unreached
 from tdhook.attribution.methods._options import (
     MISSING,
     checked_batch_size,
@@ -172,14 +172,16 @@ class SmoothGrad(AttributionMethod):
         sums = [x.new_zeros(units, *x.shape, dtype=accumulation_dtype(x.dtype)) for x in call.inputs]
         squares = [torch.zeros_like(total) for total in sums]
         chunk = steps_per_pass(self.n_samples, call.batch_shape.numel(), self.internal_batch_size, "SmoothGrad")
+        reached: list[bool] = []  # whether any pass so far reached each input
         for start in range(0, self.n_samples, chunk):
             objective, leaves = self._evaluate(call, [c[start : start + chunk] for c in copies], grad=True)
             for total, square, grad in zip(
-                sums, squares, self._gradients(objective, leaves, target_key=call.target_key), strict=True
+                sums, squares, pass_gradients(self, objective, leaves, reached), strict=True
             ):
                 saliency = (grad.abs() if self.abs else grad).to(total.dtype)
                 total += saliency.sum(1)
                 square += (saliency * saliency).sum(1)
+        refuse_unreached(self, call, reached)
         means = [total / self.n_samples for total in sums]
         mean_squares = [square / self.n_samples for square in squares]
         if self.nt_type == "smoothgrad":
