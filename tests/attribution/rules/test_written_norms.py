@@ -258,6 +258,19 @@ def test_a_layer_norm_written_out_gets_the_relevance_of_a_layer_norm_module(form
     assert assert_same_relevance(model, oracle, PRESETS[preset], td) == []
 
 
+def test_a_norm_centred_over_the_batch_keeps_its_plain_gradient():
+    """``(h - h.mean(0)) / h.std(0)``, a batch norm written out: its centring passes gradient between samples, which
+    the norm rule of a batch norm holds as well; not held here, its plain gradient (LRP-0 is gradient × input of the
+    model as it is), and the warning names it."""
+    model = seeded(Standardised, lambda h: (h - h.mean(0, keepdim=True)) / (h.var(0, keepdim=True) + 1e-5).sqrt())
+    td = TensorDict({"x": torch.randn(3, 6, dtype=F64, generator=torch.Generator().manual_seed(1))}, [3])
+    (explained,), caught = explain_calls(model, lrp0(), td, calls=1)
+    assert any("div" in message for message in caught), caught
+    x = td["x"].clone().requires_grad_()
+    expected = x * torch.autograd.grad(target_score(model(x)).sum(), x)[0]
+    assert relative_error(explained["relevance", "x"], expected) <= 1e-10
+
+
 def test_a_kept_graph_gives_a_fresh_calls_relevance_and_the_true_derivative():
     """``create_graph=True``: the relevance of a call that does not keep the graph, and the statistic's path in the
     derivative (it equals that of the model written with ``F.normalize``)."""

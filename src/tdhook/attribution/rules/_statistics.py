@@ -205,12 +205,14 @@ _MEANS = ("MeanBackward", "VarMeanBackward", "StdMeanBackward")
 
 
 def _centred(edge: tuple[Any, int]) -> tuple[Any, int] | None:
-    """For an edge of ``h - h.mean(...)`` (up to rearrangements of ``h`` on either side): the edge of ``h``."""
+    """For an edge of ``h - h.mean(dim)`` (up to rearrangements of ``h`` on either side), with a mean over
+    dimensions other than the first (a sample's own features, not the batch's: a batch norm's rule holds its mean as
+    well): the edge of ``h``."""
     node = edge[0]
     if node is None or type(node).__name__ != "SubBackward0":
         return None
     (a, a_number), (mean, _) = node.next_functions
-    if a is None or mean is None or not type(mean).__name__.startswith(_MEANS):
+    if a is None or mean is None or not type(mean).__name__.startswith(_MEANS) or _over_first(mean):
         return None
     inputs = [e for e in mean.next_functions if e[0] is not None]
     source = _base((a, a_number))
@@ -228,3 +230,13 @@ def _base(edge: Any) -> tuple[Any, int]:
             break
         node, number = edges[0]
     return node, number
+
+
+def _over_first(mean: Any) -> bool:
+    """Whether the mean of the autograd node ``mean`` is taken over the first dimension (the batch's), or over all."""
+    dims = getattr(mean, "_saved_dim", None)
+    sizes = getattr(mean, "_saved_self_sym_sizes", None)
+    rank = len(sizes) if sizes is not None else getattr(getattr(mean, "_saved_self", None), "ndim", None)
+    if not dims or rank is None:
+        return True
+    return any((d - 2**64 if d >= 2**63 else d) % rank == 0 for d in dims)
