@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["clips_a_statistic", "is_statistic", "is_statistic_of"]
+__all__ = ["clips_a_statistic", "is_statistic", "is_statistic_of", "may_be_statistic"]
 
 # Autograd nodes of statistics that normalise: norms, roots, variances and deviations.
 _STATISTICS = (
@@ -167,6 +167,31 @@ _REARRANGED = frozenset(
     "SqueezeBackward2 SqueezeBackward3 CloneBackward0 ToCopyBackward0 TransposeBackward0 PermuteBackward0 "
     "TBackward0 MulBackward1 DivBackward1".split()
 )
+
+
+# Whether an autograd node's type may make a statistic, by type (a dictionary look-up per call after the first).
+_MAY_MAKE: dict[type, bool] = {}
+
+
+def may_be_statistic(x: torch.Tensor) -> bool:
+    """A quick test before :func:`is_statistic_of`: whether the node that made ``x`` is of a kind a statistic's last
+    node is (a norm, a reduction, a root, a guard, a reshape, a sum or product); a layer's output, an activation
+    function's, is not.
+
+    Examples:
+        >>> h = torch.randn(2, 3, requires_grad=True) * 1
+        >>> may_be_statistic(h.norm(dim=1)), may_be_statistic(torch.relu(h))
+        (True, False)
+    """
+    node = x.grad_fn
+    if node is None:
+        return False
+    kind = type(node)
+    known = _MAY_MAKE.get(kind)
+    if known is None:
+        name = kind.__name__
+        known = _MAY_MAKE[kind] = name.startswith(_OWN) or name.startswith(_REDUCTIONS) or name in _KEPT
+    return known
 
 
 def is_statistic_of(statistic: torch.Tensor, x: torch.Tensor) -> bool:

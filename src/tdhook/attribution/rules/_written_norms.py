@@ -40,7 +40,7 @@ import torch
 
 from tdhook.attribution.rules._autograd import is_activation, pass_no_relevance
 from tdhook.attribution.rules._keeping_graph import graph_kept
-from tdhook.attribution.rules._statistics import is_statistic_of
+from tdhook.attribution.rules._statistics import is_statistic_of, may_be_statistic
 
 __all__ = ["WRITTEN_NORM_CALLS", "HeldPlace", "held_written_norm", "statistic_place"]
 
@@ -64,16 +64,18 @@ def statistic_place(func: Callable, args: tuple, kwargs: dict) -> int | None:
     given by position) that normalises the other by a statistic of its own values: the divisor of a division, either
     factor of a product (the other factor's, or for ``x.mul_(s)`` the second); ``None`` where the call is no such
     norm (a rounding division, a statistic of another tensor, a constant)."""
-    if len(args) != 2 or kwargs.get("rounding_mode") is not None or kwargs.get("out") is not None:
+    if len(args) != 2 or (kwargs and (kwargs.get("rounding_mode") is not None or kwargs.get("out") is not None)):
         return None
     x, y = args
-    if not (is_activation(x) and is_activation(y)):
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
         return None
-    if func in _DIVISIONS or func in _IN_PLACE:
-        return 1 if is_statistic_of(y, x) else None
-    if is_statistic_of(y, x):
+    divisor_only = func in _DIVISIONS or func in _IN_PLACE
+    held_y, held_x = may_be_statistic(y), not divisor_only and may_be_statistic(x)  # most calls end here
+    if not (held_x or held_y) or not (is_activation(x) and is_activation(y)):
+        return None
+    if held_y and is_statistic_of(y, x):
         return 1
-    return 0 if is_statistic_of(x, y) else None
+    return 0 if held_x and is_statistic_of(x, y) else None
 
 
 class HeldPlace:
