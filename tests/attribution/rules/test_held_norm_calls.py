@@ -272,13 +272,14 @@ def test_a_kept_graph_gives_a_fresh_calls_relevance_and_its_finite_difference_de
 @pytest.mark.parametrize(
     ("written", "named"),
     [
-        (lambda a, b: (a / a.norm(dim=1, keepdim=True) * b).sum(1), "norm, div"),  # a norm written out
+        # a norm written out, held, then given back: its output reaches a product of two activations
+        (lambda a, b: (a / a.norm(dim=1, keepdim=True) * b).sum(1), "norm, mul, div"),
         (lambda a, b: (F.normalize(a, dim=1) * F.normalize(b, dim=1)).sum(1), "mul"),  # a product of two activations
     ],
 )
 def test_what_the_cnn_presets_have_no_rule_for_keeps_its_warning(written, named: str):
-    """A division by a norm written out (``h / h.norm(...)``) and a product of two activations (a cosine written
-    with ``F.normalize`` and ``*``) have no rule under the CNN presets: their plain gradient, named in the warning."""
+    """A product of two activations (a cosine written with ``F.normalize`` or a norm written out, and ``*``) has no
+    rule under the CNN presets: its plain gradient, and the norm's that reaches it, named in the warning."""
     model = seeded(Siamese, written)
     _, caught = explain(model, EpsilonPlus(), images("a", "b"))
     assert any(f"computes {named}" in message for message in caught), caught

@@ -50,6 +50,7 @@ from tdhook.attribution.rules._autograd import (
 )
 from tdhook.attribution.rules._cosine_similarity import COSINE_SIMILARITY, cosine_inputs
 from tdhook.attribution.rules._keyword_factors import positional_factors
+from tdhook.attribution.rules._written_norms import HeldPlace, held_written_norm
 from tdhook.attribution.rules.normalization import NormRule
 
 __all__ = ["NORMALIZING_CALLS", "TWO_FACTOR_CALLS", "HeldNormCalls", "held_norm_call", "normalized_inputs"]
@@ -147,6 +148,10 @@ class _Switch:
         """The gradient to the held call's output, or to the plain call's."""
         return [None, grad] if self.plain else [grad, None]
 
+    def release(self) -> None:
+        """Route the gradient to the plain call's output."""
+        self.plain = True
+
 
 class HeldNormCalls:
     """The ``F.normalize`` and ``F.cosine_similarity`` calls of one forward pass whose norms are held, each given
@@ -165,7 +170,8 @@ class HeldNormCalls:
     """
 
     def __init__(self) -> None:
-        self._switches: dict[Any, _Switch] = {}  # by the autograd node of each call's output
+        self._switches: dict[Any, _Switch | HeldPlace] = {}  # by the autograd node of each call's output
+        self._statistics: list[torch.Tensor] = []  # the statistics of the norms written out that are held
         self.held = 0  # how many of them hold their norms still (none: no product to look at)
         self._seen: set = set()  # the nodes walked from products: what they reach has been given back already
 
@@ -179,6 +185,31 @@ class HeldNormCalls:
         self._switches[result.grad_fn] = switch
         self.held += 1
         return result
+
+    def written(self, func: Callable, args: tuple, kwargs: dict, place: int) -> torch.Tensor:
+        """``func(*args, **kwargs)``, a norm written out (``h / h.norm(...)``, ``h * rsqrt(...)``) whose statistic
+        ``args[place]`` is held constant as :meth:`call` holds ``F.normalize``'s norm (see
+        :mod:`~tdhook.attribution.rules._written_norms`), unless :meth:`release_reached` gives it back.
+
+        Examples:
+            >>> calls = HeldNormCalls()
+            >>> h = torch.randn(2, 3, requires_grad=True) * 1
+            >>> n = h.norm(dim=1, keepdim=True)
+            >>> y = calls.written(torch.Tensor.__truediv__, (h, n), {}, 1)
+            >>> len(calls.held_nodes()), calls.holds_statistic((h, n))
+            (1, True)
+        """
+        result, held = held_written_norm(func, args, kwargs, place)
+        if held is not None:
+            self._switches[held.node] = held
+            self._statistics.append(args[place])
+            self.held += 1
+        return result
+
+    def holds_statistic(self, args: tuple) -> bool:
+        """Whether a tensor among ``args`` is the statistic of a norm written out that :meth:`written` held (the
+        coverage watch asks after the call, which may have written into its other argument in place)."""
+        return any(x is statistic for x in args for statistic in self._statistics)
 
     def held_nodes(self) -> list:
         """The autograd nodes of the calls that hold their norms still."""
@@ -221,7 +252,7 @@ class HeldNormCalls:
             self._seen.add(node)
             switch = self._switches.get(node)
             if switch is not None and not switch.plain:
-                switch.plain = True
+                switch.release()
                 self.held -= 1
             stack.extend(relevance_pass_edges(node))
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["clips_a_statistic", "is_statistic"]
+__all__ = ["clips_a_statistic", "is_statistic", "is_statistic_of", "may_be_statistic"]
 
 # Autograd nodes of statistics that normalise: norms, roots, variances and deviations.
 _STATISTICS = (
@@ -129,15 +129,139 @@ def is_statistic(x: torch.Tensor) -> bool:
     return x.grad_fn is not None and _statistic(x.grad_fn, [_DEPTH])
 
 
-def _statistic(node: Any, budget: list[int]) -> bool:
-    """Whether ``node`` makes a statistic (see :func:`is_statistic`), visiting at most ``budget[0]`` nodes."""
+def _statistic(node: Any, budget: list[int], sources: list | None = None) -> bool:
+    """Whether ``node`` makes a statistic (see :func:`is_statistic`), visiting at most ``budget[0]`` nodes; the edges
+    of the values it is computed from (a norm's input, the input of a magnitude that is reduced) appended to
+    ``sources``, where given."""
     budget[0] -= 1
     if budget[0] < 0:
         return False
     name = type(node).__name__
     if name.startswith(_OWN):
+        if sources is not None:
+            sources += [edge for edge in node.next_functions if edge[0] is not None]
         return True
     edges = [edge for edge, _ in node.next_functions if edge is not None]
     if name.startswith(_REDUCTIONS):
-        return len(edges) == 1 and (_is_magnitude(edges[0]) or _statistic(edges[0], budget))
-    return name in _KEPT and bool(edges) and all(_statistic(edge, budget) for edge in edges)
+        if len(edges) != 1:
+            return False
+        if _is_magnitude(edges[0]):
+            if sources is not None:
+                sources.append(_magnitude_input(edges[0]))
+            return True
+        return _statistic(edges[0], budget, sources)
+    return name in _KEPT and bool(edges) and all(_statistic(edge, budget, sources) for edge in edges)
+
+
+def _magnitude_input(node: Any) -> tuple[Any, int]:
+    """The edge of the values a magnitude (see :func:`_is_magnitude`) is computed from."""
+    if type(node).__name__ in _SCALINGS:
+        node = next(edge for edge, _ in node.next_functions if edge is not None)
+    return node.next_functions[0]
+
+
+# Nodes that rearrange, copy or scale by a number all of a tensor's values (no slice, no sum): a statistic of their
+# output is one of their input's values, up to that number.
+_REARRANGED = frozenset(
+    "ViewBackward0 UnsafeViewBackward0 ReshapeAliasBackward0 UnsqueezeBackward0 SqueezeBackward0 SqueezeBackward1 "
+    "SqueezeBackward2 SqueezeBackward3 CloneBackward0 ToCopyBackward0 TransposeBackward0 PermuteBackward0 "
+    "TBackward0 MulBackward1 DivBackward1".split()
+)
+
+
+# Whether an autograd node's type may make a statistic, by type (a dictionary look-up per call after the first).
+_MAY_MAKE: dict[type, bool] = {}
+
+
+def may_be_statistic(x: torch.Tensor) -> bool:
+    """A quick test before :func:`is_statistic_of`: whether the node that made ``x`` is of a kind a statistic's last
+    node is (a norm, a reduction, a root, a guard, a reshape, a sum or product); a layer's output, an activation
+    function's, is not.
+
+    Examples:
+        >>> h = torch.randn(2, 3, requires_grad=True) * 1
+        >>> may_be_statistic(h.norm(dim=1)), may_be_statistic(torch.relu(h))
+        (True, False)
+    """
+    node = x.grad_fn
+    if node is None:
+        return False
+    kind = type(node)
+    known = _MAY_MAKE.get(kind)
+    if known is None:
+        name = kind.__name__
+        known = _MAY_MAKE[kind] = name.startswith(_OWN) or name.startswith(_REDUCTIONS) or name in _KEPT
+    return known
+
+
+def is_statistic_of(statistic: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``statistic`` is a statistic that normalises (see :func:`is_statistic`) computed from the values of
+    ``x`` alone, up to reshapes, transposes, copies and multiples of it by numbers (``x / x.norm(dim=-1,
+    keepdim=True)``, ``x * rsqrt((x * x).mean(-1, keepdim=True) + ε)``, ``x / x.flatten(1).norm(dim=1).view(-1, 1,
+    1, 1)``), or where ``x`` is ``h - h.mean(...)``, of ``h``'s (``(h - m) / h.std(-1, keepdim=True)``); a statistic
+    of a slice of ``x``, of another tensor, or of both, is none.
+
+    Examples:
+        >>> h, g = torch.randn(2, 3, requires_grad=True) * 1, torch.randn(2, 3, requires_grad=True) * 1
+        >>> is_statistic_of(h.norm(dim=1, keepdim=True), h), is_statistic_of(h.T.pow(2).sum(0).rsqrt(), h)
+        (True, True)
+        >>> is_statistic_of(g.norm(dim=1, keepdim=True), h), is_statistic_of(h[:, :2].norm(dim=1), h)
+        (False, False)
+        >>> is_statistic_of(h.norm(dim=1) + g.norm(dim=1), h), is_statistic_of(h.sum(1), h)
+        (False, False)
+        >>> is_statistic_of(h.std(1, keepdim=True), h - h.mean(1, keepdim=True))
+        True
+    """
+    if statistic.grad_fn is None or not x.requires_grad:
+        return False
+    sources: list = []
+    if not _statistic(statistic.grad_fn, [_DEPTH], sources):
+        return False
+    edge = torch.autograd.graph.get_gradient_edge(x)
+    bases = {_base((edge.node, edge.output_nr))}
+    centred = _centred(next(iter(bases)))
+    if centred is not None:  # ``h - h.mean(...)`` over a statistic of ``h``: a layer norm written out
+        bases.add(centred)
+    return all(_base(source) in bases for source in sources)
+
+
+# Nodes of a mean (``torch.var_mean`` and ``torch.std_mean`` make it with the statistic).
+_MEANS = ("MeanBackward", "VarMeanBackward", "StdMeanBackward")
+
+
+def _centred(edge: tuple[Any, int]) -> tuple[Any, int] | None:
+    """For an edge of ``h - h.mean(dim)`` (up to rearrangements of ``h`` on either side), with a mean over
+    dimensions other than the first (a sample's own features, not the batch's: a batch norm's rule holds its mean as
+    well): the edge of ``h``."""
+    node = edge[0]
+    if node is None or type(node).__name__ != "SubBackward0":
+        return None
+    (a, a_number), (mean, _) = node.next_functions
+    if a is None or mean is None or not type(mean).__name__.startswith(_MEANS) or _over_first(mean):
+        return None
+    inputs = [e for e in mean.next_functions if e[0] is not None]
+    source = _base((a, a_number))
+    return source if len(inputs) == 1 and _base(inputs[0]) == source else None
+
+
+def _base(edge: Any) -> tuple[Any, int]:
+    """The edge ``(node, output number)`` below the nodes that only rearrange or copy the values at ``edge``."""
+    node, number = edge
+    for _ in range(_DEPTH):
+        if node is None or type(node).__name__ not in _REARRANGED:
+            break
+        edges = [e for e in node.next_functions if e[0] is not None]
+        if len(edges) != 1:
+            break
+        node, number = edges[0]
+    return node, number
+
+
+def _over_first(mean: Any) -> bool:
+    """Whether the mean of the autograd node ``mean`` is taken over the first dimension (the batch's), or over all."""
+    dims = getattr(mean, "_saved_dim", None)
+    sizes = getattr(mean, "_saved_self_sym_sizes", None)
+    rank = len(sizes) if sizes is not None else getattr(getattr(mean, "_saved_self", None), "ndim", None)
+    if not dims or rank is None:
+        return True
+    return any((d - 2**64 if d >= 2**63 else d) % rank == 0 for d in dims)

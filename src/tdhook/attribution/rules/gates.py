@@ -53,6 +53,7 @@ from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_writ
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint
+from tdhook.attribution.rules._written_norms import WRITTEN_NORM_CALLS, statistic_place
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, rules_apply
 from tdhook.attribution.rules.basic import PassRule
 
@@ -141,6 +142,7 @@ ELEMENTWISE_PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mu
 _PRODUCTS_IN_PLACE = frozenset({torch.Tensor.mul_, torch.Tensor.__imul__})
 # The calls the gates' mode reads by position: products, gates, clips and bounds (see ``GateRules.__torch_function__``).
 _GATES_AND_CLIPS = ELEMENTWISE_PRODUCTS | GATE_FUNCTIONS | CLIPS | set(CLIPS_IN_PLACE) | BOUNDS | {F.glu}
+_GATES_AND_CLIPS |= WRITTEN_NORM_CALLS
 
 
 def mark_gate(tensor: torch.Tensor, source: torch.Tensor, sigmoid: bool = False) -> torch.Tensor:
@@ -359,12 +361,22 @@ class HeldGates(TorchFunctionMode):
             return held_factors(args) == [False, True]
         if func in NORMALIZING_CALLS:
             return any(is_activation(x) for x in normalized_inputs(func, args, {}))
+        if func in WRITTEN_NORM_CALLS and self.norm_calls.holds_statistic(args):
+            return True
         return func in ELEMENTWISE_PRODUCTS and held_factors(args) is not None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if kwargs and func in _GATES_AND_CLIPS:  # ``h.mul(other=g)``, ``torch.sigmoid(input=h)``: read by position
             args, kwargs = positional_factors(func, args, kwargs)
+        if func in WRITTEN_NORM_CALLS and (place := statistic_place(func, args, kwargs)) is not None:
+            # ``h / h.norm(...)``, ``h * rsqrt(...)``: its statistic held, as F.normalize's norm (_written_norms)
+            what = "the norms written out held constant"
+            raise_for_transformed_call(what, args)
+            raise_for_checkpoint(what)
+            if self.norm_calls is _NO_NORM_CALLS:
+                self.norm_calls = HeldNormCalls()
+            return self.norm_calls.written(func, args, kwargs, place)
         if func in ELEMENTWISE_PRODUCTS:
             held = held_gate_product(func, args, kwargs)
             if held is not None:
