@@ -33,7 +33,16 @@ from torch import nn
 
 from tdhook.attribution.rules._autograd import from_parameters_alone
 
-__all__ = ["COMPUTED", "PRODUCTS", "is_weight_table", "mark_values", "marked_operand", "taken_values", "weight_met"]
+__all__ = [
+    "COMPUTED",
+    "PRODUCTS",
+    "TEMPLATES",
+    "is_weight_table",
+    "mark_values",
+    "marked_operand",
+    "taken_values",
+    "weight_met",
+]
 
 _DERIVED = "_tdhook_tokens_of"  # the attribute that marks a tensor holding the token values of an explained input
 
@@ -61,6 +70,10 @@ COMPUTED = frozenset(
 # arguments that hold the values taken.
 _TAKEN = {name: slice(0, 1) for name in ("type_as", "expand_as", "view_as", "reshape_as")}
 _TAKEN["new_tensor"] = slice(1, None)
+TEMPLATES = frozenset(_TAKEN)
+# Arguments that hold no token values, told by their class alone, and the classes of lists of arguments.
+_PLAIN = frozenset({int, float, bool, complex, type(None), str, torch.dtype, torch.device, torch.Size, slice})
+_SEQUENCES = (list, tuple)
 # Products in which a floating-point tensor holding token values, met with a weight, looks the weight up by the ids
 # (``F.one_hot(ids, n).float() @ table``) or uses the ids as numbers (``F.linear(ids.float()[..., None], w)``).
 PRODUCTS = frozenset(
@@ -78,18 +91,23 @@ def marked_operand(args: tuple, fed: Mapping[int, int]) -> int | None:
     """The explained input whose token values a tensor among ``args`` (and one level of lists) holds: one of the fed
     ids (``fed``, by ``id``) or a tensor marked; Python attributes only, no torch call.
 
+    It runs on most of a model's arithmetic: plain numbers are passed over by their class, and a list is told by its
+    class (``list`` or ``tuple``, not a subclass), with no call of ``isinstance``.
+
     Examples:
         >>> ids = torch.tensor([1, 2])
         >>> marked_operand((2, [torch.ones(1), ids]), {id(ids): 1})
         1
     """
     for value in args:
-        if isinstance(value, (list, tuple)):
-            index = marked_operand(value, fed) if value and not isinstance(value[0], (list, tuple)) else None
-        elif isinstance(value, torch.Tensor):
-            index = fed.get(id(value), getattr(value, _DERIVED, None))
-        else:
+        kind = value.__class__
+        if kind in _PLAIN:
             continue
+        if kind is list or kind is tuple:
+            index = marked_operand(value, fed) if value and value[0].__class__ not in _SEQUENCES else None
+        else:
+            key = id(value)
+            index = fed[key] if key in fed else getattr(value, _DERIVED, None)
         if index is not None:
             return index
     return None

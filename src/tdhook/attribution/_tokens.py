@@ -40,6 +40,7 @@ from tdhook.attribution._bag_rows import bag_of_rows
 from tdhook.attribution._token_values import (
     COMPUTED,
     PRODUCTS,
+    TEMPLATES,
     is_weight_table,
     mark_values,
     marked_operand,
@@ -543,15 +544,16 @@ class _DerivedTokens(TorchFunctionMode):
             name = ""
         if self._watched:
             note_row_uses(name, args, kwargs, out)
-        kind = _KINDS.get(name)
         if self._floats and name in PRODUCTS:  # token values as numbers met with a weight: a lookup of the weight
             met = weight_met(args, kwargs, self._fed)
             if met is not None:
                 self._tables.append((*met, tuple(self._inside), None))
-        if kind is None:  # most calls do none of these: back at once
+        if name not in _KINDS:  # most calls do none of these: back at once (``in`` and ``[]`` make no Python call)
             return out
+        kind = _KINDS[name]
         if kind is _COMPUTES:  # arithmetic or a conversion: looked at only where an operand holds token values
-            index = marked_operand(taken_values(name, args, kwargs), self._fed)
+            taken = args if not kwargs and name not in TEMPLATES else taken_values(name, args, kwargs)
+            index = marked_operand(taken, self._fed)
             if index is not None:
                 with torch._C.DisableTorchFunction():  # a dtype is read through the function modes
                     self._floats |= mark_values(out, index)
