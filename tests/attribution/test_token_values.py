@@ -47,7 +47,27 @@ LOOKUPS = {
     "max": lambda ids, table: table[ids.max(-1, keepdim=True).values.expand_as(ids)],
     "cumsum": lambda ids, table: table[ids.cumsum(-1) % table.shape[0]],
     "new-tensor": lambda ids, table: table[ids.new_tensor(ids)],
+    "power": lambda ids, table: table[ids**1],
+    "rsub": lambda ids, table: table[torch.rsub(ids, table.shape[0] - 1)],
+    "invert": lambda ids, table: table[~~ids],
+    "scatter-add-into": lambda ids, table: table[
+        torch.zeros_like(ids).scatter_add_(1, torch.arange(5).expand(4, 5), ids)
+    ],
+    "index-add-into": lambda ids, table: table[torch.zeros_like(ids).index_add_(1, torch.arange(5), ids)],
+    "index-put-into": lambda ids, table: table[torch.zeros_like(ids).index_put_((torch.arange(4),), ids)],
+    "rows-of-eye": lambda ids, table: torch.eye(table.shape[0], dtype=table.dtype)[ids] @ table,
+    "one-hot-scatter-into": lambda ids, table: one_hot_written(ids, table, scatter=True) @ table,
+    "one-hot-set-into": lambda ids, table: one_hot_written(ids, table, scatter=False) @ table,
 }
+
+
+def one_hot_written(ids: torch.Tensor, table: torch.Tensor, scatter: bool) -> torch.Tensor:
+    """A one-hot code of ``ids`` written into zeros at places given by them (``scatter_``, ``z[..., ids] = 1``)."""
+    codes = torch.zeros(*ids.shape, table.shape[0], dtype=table.dtype)
+    if scatter:
+        return codes.scatter_(-1, ids[..., None], 1.0)
+    codes[torch.arange(ids.shape[0])[:, None], torch.arange(ids.shape[1]), ids] = 1.0
+    return codes
 
 
 class TableBeside(nn.Module):

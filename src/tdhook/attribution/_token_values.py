@@ -34,6 +34,7 @@ from torch import nn
 from tdhook.attribution.rules._autograd import from_parameters_alone
 
 __all__ = [
+    "CODING",
     "COMPUTED",
     "PRODUCTS",
     "TEMPLATES",
@@ -63,6 +64,8 @@ COMPUTED = frozenset(
         "index_add", "index_copy", "index_put", "masked_scatter", "put", "diag_embed", "diag", "diagonal", "triu",
         "tril", "sum", "max", "min", "amax", "amin", "cumsum", "cumprod", "cummax", "cummin", "topk", "kthvalue",
         "mode", "median", "take_along_dim", "unfold", "expand_as", "view_as", "reshape_as", "broadcast_to",
+        "pow", "__pow__", "__rpow__", "square", "rsub", "true_divide", "bitwise_not", "__invert__", "scatter_add_",
+        "scatter_reduce_", "index_add_", "index_put_",
     }
 )  # fmt: skip
 # Calls of ``COMPUTED`` with a template among their arguments, whose values they do not take: ``x.type_as(ids)``,
@@ -71,6 +74,9 @@ COMPUTED = frozenset(
 _TAKEN = {name: slice(0, 1) for name in ("type_as", "expand_as", "view_as", "reshape_as")}
 _TAKEN["new_tensor"] = slice(1, None)
 TEMPLATES = frozenset(_TAKEN)
+# Writes into a floating-point tensor at places given by token ids (``z.scatter_(-1, ids[..., None], 1.0)``,
+# ``z[rows, ids] = 1``): a one-hot code of them; the position of the places among the arguments.
+CODING = {"__setitem__": 1, "scatter_": 2}
 # Arguments that hold no token values, told by their class alone, and the classes of lists of arguments.
 _PLAIN = frozenset({int, float, bool, complex, type(None), str, torch.dtype, torch.device, torch.Size, slice})
 _SEQUENCES = (list, tuple)
@@ -130,8 +136,8 @@ def taken_values(name: str, args: tuple, kwargs: dict) -> tuple:
 
 def mark_values(out: object, index: int) -> bool:
     """Mark ``out``, a result computed from the token values of explained input ``index``, where it holds them: an
-    integer or a floating-point tensor that requires no grad, not a boolean mask; to be called with the function
-    modes off (a dtype is read through them).
+    integer or a floating-point tensor that requires no grad, not a boolean mask (read with the function modes off,
+    which would see the reads of a dtype).
 
     Returns:
         Whether a floating-point tensor was marked (the products of such tensors are then looked at).
@@ -142,10 +148,11 @@ def mark_values(out: object, index: int) -> bool:
     """
     if isinstance(out, (list, tuple)):  # values and indices (``sort``, ``max(dim)``): both marked, as a split's parts
         return any([mark_values(part, index) for part in out])
-    if not isinstance(out, torch.Tensor) or out.dtype not in _VALUES or out.requires_grad:
-        return False  # a signal (``h * ids``) holds no token values: it is computed from an input
-    setattr(out, _DERIVED, index)
-    return out.is_floating_point()
+    with torch._C.DisableTorchFunction():
+        if not isinstance(out, torch.Tensor) or out.dtype not in _VALUES or out.requires_grad:
+            return False  # a signal (``h * ids``) holds no token values: it is computed from an input
+        setattr(out, _DERIVED, index)
+        return out.is_floating_point()
 
 
 def is_weight_table(table: object) -> bool:

@@ -38,6 +38,7 @@ from torchrl.envs.transforms import ToTensorImage
 
 from tdhook.attribution._bag_rows import bag_of_rows
 from tdhook.attribution._token_values import (
+    CODING,
     COMPUTED,
     PRODUCTS,
     TEMPLATES,
@@ -600,10 +601,14 @@ class _DerivedTokens(TorchFunctionMode):
                         watch_rows(out, rows)
                         self._watched.append(rows)
                 self._tables.append((index, args[position], tuple(self._inside), rows))
+            elif index is not None:  # a constant table's rows picked by the ids (``torch.eye(n)[ids]``): a code of them
+                self._floats |= mark_values(out, index)
         elif name in _WRITING:
             with torch._C.DisableTorchFunction():  # looking at tensors is no call of the model: out of the modes' sight
                 if args and isinstance(args[0], torch.Tensor):
                     index = self._source(iter(args[_WRITING[name] : _WRITING[name] + 1]))
+                    if index is None and name in CODING and args[0].is_floating_point():  # a one-hot code written
+                        index = self._source(iter(args[CODING[name] : CODING[name] + 1]))
                     if index is not None and not args[0].is_floating_point():
                         _mark(args[0], index)
                     elif index is not None:  # token values written into a floating-point tensor (not a signal)
