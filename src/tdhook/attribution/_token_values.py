@@ -33,7 +33,17 @@ from torch import nn
 
 from tdhook.attribution.rules._autograd import from_parameters_alone
 
-__all__ = ["COMPUTED", "PRODUCTS", "is_weight_table", "mark_values", "marked_operand", "taken_values", "weight_met"]
+__all__ = [
+    "CODING",
+    "COMPUTED",
+    "PRODUCTS",
+    "TEMPLATES",
+    "is_weight_table",
+    "mark_values",
+    "marked_operand",
+    "taken_values",
+    "weight_met",
+]
 
 _DERIVED = "_tdhook_tokens_of"  # the attribute that marks a tensor holding the token values of an explained input
 
@@ -54,6 +64,8 @@ COMPUTED = frozenset(
         "index_add", "index_copy", "index_put", "masked_scatter", "put", "diag_embed", "diag", "diagonal", "triu",
         "tril", "sum", "max", "min", "amax", "amin", "cumsum", "cumprod", "cummax", "cummin", "topk", "kthvalue",
         "mode", "median", "take_along_dim", "unfold", "expand_as", "view_as", "reshape_as", "broadcast_to",
+        "pow", "__pow__", "__rpow__", "square", "rsub", "true_divide", "bitwise_not", "__invert__", "scatter_add_",
+        "scatter_reduce_", "index_add_", "index_put_",
     }
 )  # fmt: skip
 # Calls of ``COMPUTED`` with a template among their arguments, whose values they do not take: ``x.type_as(ids)``,
@@ -61,6 +73,13 @@ COMPUTED = frozenset(
 # arguments that hold the values taken.
 _TAKEN = {name: slice(0, 1) for name in ("type_as", "expand_as", "view_as", "reshape_as")}
 _TAKEN["new_tensor"] = slice(1, None)
+TEMPLATES = frozenset(_TAKEN)
+# Writes into a floating-point tensor at places given by token ids (``z.scatter_(-1, ids[..., None], 1.0)``,
+# ``z[rows, ids] = 1``): a one-hot code of them; the position of the places among the arguments.
+CODING = {"__setitem__": 1, "scatter_": 2}
+# Arguments that hold no token values, told by their class alone, and the classes of lists of arguments.
+_PLAIN = frozenset({int, float, bool, complex, type(None), str, torch.dtype, torch.device, torch.Size, slice})
+_SEQUENCES = (list, tuple)
 # Products in which a floating-point tensor holding token values, met with a weight, looks the weight up by the ids
 # (``F.one_hot(ids, n).float() @ table``) or uses the ids as numbers (``F.linear(ids.float()[..., None], w)``).
 PRODUCTS = frozenset(
@@ -78,18 +97,23 @@ def marked_operand(args: tuple, fed: Mapping[int, int]) -> int | None:
     """The explained input whose token values a tensor among ``args`` (and one level of lists) holds: one of the fed
     ids (``fed``, by ``id``) or a tensor marked; Python attributes only, no torch call.
 
+    It runs on most of a model's arithmetic: plain numbers are passed over by their class, and a list is told by its
+    class (``list`` or ``tuple``, not a subclass), with no call of ``isinstance``.
+
     Examples:
         >>> ids = torch.tensor([1, 2])
         >>> marked_operand((2, [torch.ones(1), ids]), {id(ids): 1})
         1
     """
     for value in args:
-        if isinstance(value, (list, tuple)):
-            index = marked_operand(value, fed) if value and not isinstance(value[0], (list, tuple)) else None
-        elif isinstance(value, torch.Tensor):
-            index = fed.get(id(value), getattr(value, _DERIVED, None))
-        else:
+        kind = value.__class__
+        if kind in _PLAIN:
             continue
+        if kind is list or kind is tuple:
+            index = marked_operand(value, fed) if value and value[0].__class__ not in _SEQUENCES else None
+        else:
+            key = id(value)
+            index = fed[key] if key in fed else getattr(value, _DERIVED, None)
         if index is not None:
             return index
     return None
@@ -112,8 +136,8 @@ def taken_values(name: str, args: tuple, kwargs: dict) -> tuple:
 
 def mark_values(out: object, index: int) -> bool:
     """Mark ``out``, a result computed from the token values of explained input ``index``, where it holds them: an
-    integer or a floating-point tensor that requires no grad, not a boolean mask; to be called with the function
-    modes off (a dtype is read through them).
+    integer or a floating-point tensor that requires no grad, not a boolean mask (read with the function modes off,
+    which would see the reads of a dtype).
 
     Returns:
         Whether a floating-point tensor was marked (the products of such tensors are then looked at).
@@ -124,10 +148,11 @@ def mark_values(out: object, index: int) -> bool:
     """
     if isinstance(out, (list, tuple)):  # values and indices (``sort``, ``max(dim)``): both marked, as a split's parts
         return any([mark_values(part, index) for part in out])
-    if not isinstance(out, torch.Tensor) or out.dtype not in _VALUES or out.requires_grad:
-        return False  # a signal (``h * ids``) holds no token values: it is computed from an input
-    setattr(out, _DERIVED, index)
-    return out.is_floating_point()
+    with torch._C.DisableTorchFunction():
+        if not isinstance(out, torch.Tensor) or out.dtype not in _VALUES or out.requires_grad:
+            return False  # a signal (``h * ids``) holds no token values: it is computed from an input
+        setattr(out, _DERIVED, index)
+        return out.is_floating_point()
 
 
 def is_weight_table(table: object) -> bool:

@@ -38,8 +38,10 @@ from torchrl.envs.transforms import ToTensorImage
 
 from tdhook.attribution._bag_rows import bag_of_rows
 from tdhook.attribution._token_values import (
+    CODING,
     COMPUTED,
     PRODUCTS,
+    TEMPLATES,
     is_weight_table,
     mark_values,
     marked_operand,
@@ -541,15 +543,16 @@ class _DerivedTokens(TorchFunctionMode):
             name = ""
         if self._watched:
             note_row_uses(name, args, kwargs, out)
-        kind = _KINDS.get(name)
         if self._floats and name in PRODUCTS:  # token values as numbers met with a weight: a lookup of the weight
             met = weight_met(args, kwargs, self._fed)
             if met is not None:
                 self._tables.append((*met, tuple(self._inside), None))
-        if kind is None:  # most calls do none of these: back at once
+        if name not in _KINDS:  # most calls do none of these: back at once (``in`` and ``[]`` make no Python call)
             return out
+        kind = _KINDS[name]
         if kind is _COMPUTES:  # arithmetic or a conversion: looked at only where an operand holds token values
-            index = marked_operand(taken_values(name, args, kwargs), self._fed)
+            taken = args if not kwargs and name not in TEMPLATES else taken_values(name, args, kwargs)
+            index = marked_operand(taken, self._fed)
             if index is not None:
                 with torch._C.DisableTorchFunction():  # a dtype is read through the function modes
                     self._floats |= mark_values(out, index)
@@ -596,10 +599,14 @@ class _DerivedTokens(TorchFunctionMode):
                         watch_rows(out, rows)
                         self._watched.append(rows)
                 self._tables.append((index, args[position], tuple(self._inside), rows))
+            elif index is not None:  # a constant table's rows picked by the ids (``torch.eye(n)[ids]``): a code of them
+                self._floats |= mark_values(out, index)
         elif name in _WRITING:
             with torch._C.DisableTorchFunction():  # looking at tensors is no call of the model: out of the modes' sight
                 if args and isinstance(args[0], torch.Tensor):
                     index = self._source(iter(args[_WRITING[name] : _WRITING[name] + 1]))
+                    if index is None and name in CODING and args[0].is_floating_point():  # a one-hot code written
+                        index = self._source(iter(args[CODING[name] : CODING[name] + 1]))
                     if index is not None and not args[0].is_floating_point():
                         _mark(args[0], index)
                     elif index is not None:  # token values written into a floating-point tensor (not a signal)
