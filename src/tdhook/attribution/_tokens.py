@@ -37,6 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from torchrl.envs.transforms import ToTensorImage
 
 from tdhook.attribution._bag_rows import bag_of_rows
+from tdhook.attribution._embedding_tables import embedding_weights, embeddings_at_or_under, made_of, own_tables
 from tdhook.attribution._token_values import (
     CODING,
     COMPUTED,
@@ -155,7 +156,7 @@ class TokenInputs:
         self._modules = modules
         self._embeddings_under = {}
         self._linear = linear_parameters(modules)
-        self._embedded = _embedding_weights(modules)
+        self._embedded = embedding_weights(modules)
         for name, module in modules.items():
             if isinstance(module, nn.Embedding):
                 handles.append(module.register_forward_hook(self.embedding_hook(name), prepend=True, with_kwargs=True))
@@ -293,9 +294,9 @@ class TokenInputs:
         if name not in inside:
             return False
         if name not in self._embeddings_under:  # once per context: a change of its modules enters it again
-            self._embeddings_under[name] = _embeddings_at_or_under(self._modules, name)
-        own = {id(weight) for module in self._embeddings_under[name] for weight in _own_tables(module)}
-        return _made_of(table, own)
+            self._embeddings_under[name] = embeddings_at_or_under(self._modules, name)
+        own = {id(weight) for module in self._embeddings_under[name] for weight in own_tables(module)}
+        return made_of(table, own)
 
     def embedding_hook(self, name: str) -> Callable[[nn.Module, tuple, dict, torch.Tensor], torch.Tensor | None]:
         """A forward hook for ``nn.Embedding`` ``name`` that takes its output as the tokens' leaf.
@@ -613,7 +614,6 @@ class _DerivedTokens(TorchFunctionMode):
                         self._floats |= mark_values(args[0], index)
 
 
-_EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 # The dtypes of marked token ids, the unsigned ones included (ids stored as ``uint8`` or ``uint16`` to save memory).
 _INTEGERS = frozenset(
     {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64}
@@ -656,19 +656,6 @@ def _has_integers(out: object) -> bool:
     return isinstance(out, torch.Tensor) and out.dtype in _INTEGERS
 
 
-def _embedding_weights(modules: Mapping[str, nn.Module]) -> frozenset[int]:
-    """The ids of the weights of the ``nn.Embedding`` and ``nn.EmbeddingBag`` layers among ``modules``.
-
-    Examples:
-        >>> embedding = nn.Embedding(4, 2)
-        >>> id(embedding.weight) in _embedding_weights({"embedding": embedding, "head": nn.Linear(2, 4)})
-        True
-    """
-    return frozenset(
-        id(module.weight) for module in modules.values() if isinstance(module, (nn.Embedding, nn.EmbeddingBag))
-    )
-
-
 def _picks_rows(name: str, args: tuple, kwargs: dict) -> bool:
     """Whether a lookup (a function of ``_LOOKUPS``, with its table and ids in ``args``) picks rows of its table by
     the ids, the indices of its first dimension: ``table[ids]``, ``table[ids, :k]``, ``F.embedding(ids, table)``,
@@ -692,72 +679,6 @@ def _picks_rows(name: str, args: tuple, kwargs: dict) -> bool:
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         return isinstance(dim, int) and dim % max(table.dim(), 1) == 0
     return name == "take" and table.dim() == 1
-
-
-def _embeddings_at_or_under(modules: Mapping[str, nn.Module], name: str) -> list[nn.Module]:
-    """The ``nn.Embedding`` and ``nn.EmbeddingBag`` modules of ``modules`` (by name) at ``name`` or inside it.
-
-    Examples:
-        >>> words, inner, other = nn.Embedding(3, 2), nn.Embedding(3, 2), nn.Embedding(3, 2)
-        >>> found = _embeddings_at_or_under({"words": words, "words.inner": inner, "wordsmith": other}, "words")
-        >>> [module is words for module in found], [module is inner for module in found]
-        ([True, False], [False, True])
-    """
-    prefix = f"{name}." if name else ""
-    return [
-        module
-        for module_name, module in modules.items()
-        if (module_name == name or module_name.startswith(prefix)) and isinstance(module, _EMBEDDINGS)
-    ]
-
-
-def _own_tables(module: nn.Module) -> list[torch.Tensor]:
-    """The tensors an ``nn.Embedding`` or ``nn.EmbeddingBag`` builds its table from: its weight, or, where the weight
-    is parametrized (weight norm), the parameters it is computed from, as the table it looks up is a fresh tensor on
-    each access; none for another module.
-
-    Examples:
-        >>> embedding = nn.Embedding(5, 3)
-        >>> [tuple(table.shape) for table in _own_tables(embedding)]
-        [(5, 3)]
-        >>> _ = nn.utils.parametrizations.weight_norm(embedding)
-        >>> sorted(tuple(table.shape) for table in _own_tables(embedding))
-        [(5, 1), (5, 3)]
-        >>> _own_tables(nn.Linear(2, 2))
-        []
-    """
-    if not isinstance(module, _EMBEDDINGS):
-        return []
-    if nn.utils.parametrize.is_parametrized(module, "weight"):
-        return list(module.parametrizations.weight.parameters())
-    return [module.weight]
-
-
-def _made_of(table: torch.Tensor, weights: set[int]) -> bool:
-    """Whether ``table`` is one of ``weights`` (by ``id``), a view of one, or computed from one: an embedding's own
-    table, which an ``nn.Embedding`` subclass may scale or view before its lookup.
-
-    Examples:
-        >>> embedding = nn.Embedding(5, 3)
-        >>> own = {id(embedding.weight)}
-        >>> _made_of(embedding.weight, own), _made_of(embedding.weight.T, own), _made_of(2 * embedding.weight, own)
-        (True, True, True)
-        >>> _made_of(nn.Parameter(torch.ones(5, 3)).T, own)
-        False
-    """
-    if id(table) in weights or id(table._base) in weights:
-        return True
-    pending, seen = [table.grad_fn], set()
-    while pending:
-        node = pending.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf itself
-        if variable is not None and id(variable) in weights:
-            return True
-        pending.extend(next_node for next_node, _ in node.next_functions)
-    return False
 
 
 def _mark(tensor: object, index: int) -> None:
