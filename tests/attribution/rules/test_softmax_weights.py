@@ -2,7 +2,8 @@
 held constant under AttnLRP, as CP-LRP holds them: the branches they mix take all of the mixture's relevance.
 
 The oracle is the same network with the weights detached by hand; with no bias-like terms, relevance is conserved.
-Attention's matrix product with its weights keeps the uniform rule.
+Attention's matrix product with its weights keeps the uniform rule; over one key, the weights are the constant 1,
+and the value takes all of the output's relevance.
 """
 
 from __future__ import annotations
@@ -114,3 +115,39 @@ def test_weighing_factors_need_two_activations_one_of_them_weights():
     assert weighing_factors((weights, weights)) is None
     assert weighing_factors((x * 2, x * 3)) is None
     assert weighing_factors((x, weights)) is None  # a leaf is no activation
+
+
+class OneKey(nn.Module):
+    """Tokens attending to one key, their mean (a pooled query's attention): ``softmax(q · kᵀ)`` over one key is the
+    constant 1. ``fused``: ``F.scaled_dot_product_attention``; ``oracle``: the value itself, broadcast."""
+
+    def __init__(self, fused: bool = False, oracle: bool = False) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(4, 4, bias=False) for _ in range(3))
+        self.head = nn.Linear(12, 3, bias=False)
+        self.fused, self.oracle = fused, oracle
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = x.mean(1, keepdim=True)
+        q, k, v = self.q(torch.relu(x)), self.k(pooled), self.v(pooled)
+        if self.oracle:
+            out = v.expand(-1, 3, -1)
+        elif self.fused:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        else:
+            out = torch.softmax(q @ k.transpose(-2, -1), -1) @ v
+        return self.head(out.flatten(1))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["softmax", "scaled_dot_product_attention"])
+def test_attention_over_one_key_passes_all_relevance_to_the_value(fused: bool):
+    # The uniform rule gave the constant weights half of the output's relevance, which they passed to nothing: on
+    # iFormer at 16 pixels (one token per attention) AttnLRP summed to 1.05 and -14.4 times the logit (1.00 now).
+    torch.manual_seed(0)
+    model, oracle = OneKey(fused=fused).double(), OneKey(oracle=True).double()
+    oracle.load_state_dict(model.state_dict())
+    x = randn(2, 3, 4)
+    expected = relevances(oracle, x, AttnLRP(), calls=1)[0]
+    for relevance in relevances(model, x, AttnLRP()):
+        assert relative_error(relevance, expected) <= 1e-12
+        torch.testing.assert_close(relevance.flatten(1).sum(1), largest(model, x), rtol=1e-10, atol=0)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from tdhook.attribution.rules._arguments import nonnegative
-from tdhook.attribution.rules._autograd import hold, redirect, scale_gradient
+from tdhook.attribution.rules._autograd import PARAMETER_DERIVED, hold, redirect, scale_gradient
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._numerics import epsilon_factor
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, _single_input
@@ -101,7 +101,14 @@ class SoftmaxEpsilonRule(Rule):
 
     def apply(self, output: torch.Tensor, x: torch.Tensor, dim: int) -> torch.Tensor:
         """``output = softmax(x, dim)`` with the rule's gradient, marked as weights: held where it multiplies an
-        activation element by element (see :func:`~tdhook.attribution.rules.gates.weighing_factors`)."""
+        activation element by element (see :func:`~tdhook.attribution.rules.gates.weighing_factors`).
+
+        Over one element the softmax is the constant 1, whatever its input (its gradient is zero): a constant, as a
+        parameter is, so that a product with it (attention over one key) is a linear map of the other factor, which
+        takes all of its relevance. The uniform rule gave the constant half of it, which it passed to nothing."""
+        if isinstance(dim, int) and output.dim() > 0 and output.shape[dim] == 1:
+            setattr(output, PARAMETER_DERIVED, True)
+            return output
         if self.epsilon == 0 or not x.requires_grad:
             return mark_weights(output)
         if graph_kept() is not None:
