@@ -8,11 +8,11 @@ calibrated on a few random batches (random weights make activations vanish with 
    no hook, patched ``forward`` or changed class left;
 2. LRP-0 is gradient × input (relative L2 error ≤ 1e-6) where the model is piecewise linear and positively
    homogeneous, judged by the modules it holds (linear layers, BatchNorm, ReLU, LeakyReLU, pooling);
-3. with its bias-like parameters zeroed (biases, BatchNorm running means, position embeddings, class tokens,
-   relative position bias tables), relevance sums to the explained logit within 10 % per sample under the presets
-   a user would pick (``CONSERVING``): every CNN preset on nets whose convolutions see rectified inputs (α2β1 left
-   out on narrow ones), EpsilonGammaBox on depthwise nets whose blocks end unrectified (z⁺ loses relevance there by
-   design, as zennit's does), CP-LRP on attention models;
+3. with its bias-like parameters zeroed (biases, BatchNorm running means, position embeddings and Fourier position
+   encodings, class tokens, relative position bias tables), relevance sums to the explained logit within 10 % per
+   sample under the presets a user would pick (``CONSERVING``): every CNN preset on nets whose convolutions see
+   rectified inputs (α2β1 left out on narrow ones), EpsilonGammaBox on depthwise nets whose blocks end unrectified
+   (z⁺ loses relevance there by design, as zennit's does), CP-LRP on attention models;
 4. EpsilonPlus merely tried on an attention model either conserves within 10 % or raises an error naming the
    module;
 5. on gated models (squeeze-excite blocks: a sigmoid-like module) and attention models AttnLRP runs too, and
@@ -509,15 +509,28 @@ def calibrate(model: nn.Module, size: int, batches: int = 2, sample: Callable = 
     return model.eval()
 
 
-BIAS_LIKE = re.compile(r"(^|\.)(bias|pos_embed\w*|pos_embedding|cls_token|class_token|dist_token|reg_token)$")
+# Class tokens of each branch or stage (CrossViT's ``cls_token_0``, CoaT's ``cls_token1``), TNT's pixel and patch
+# positions and Gemma 4's position table are added to the tokens as position embeddings are.
+BIAS_LIKE = re.compile(
+    r"(^|\.)(bias|pos_embed\w*|pos_embedding|position_embedding_table|cls_token\w*|class_token|dist_token|reg_token"
+    r"|pixel_pos|patch_pos)$"
+)
+# Position encodings computed from the positions alone (XCiT's and EdgeNeXt's Fourier features, projected by a
+# convolution), added to the tokens: zeroed with their parameters.
+POSITION_ENCODINGS = frozenset({"PositionalEncodingFourier"})
 
 
 def zero_biases(model: nn.Module) -> nn.Module:
-    """Biases, BatchNorm running means, position embeddings, class tokens and relative position bias tables."""
+    """Biases, BatchNorm running means, position embeddings and encodings, class tokens and relative position bias
+    tables."""
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if BIAS_LIKE.search(name) or "relative_position_bias" in name:
                 parameter.zero_()
+        for module in model.modules():
+            if type(module).__name__ in POSITION_ENCODINGS:
+                for parameter in module.parameters():
+                    parameter.zero_()
         for module in model.modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.running_mean is not None:
                 module.running_mean.zero_()

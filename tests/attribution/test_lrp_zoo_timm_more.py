@@ -1,19 +1,21 @@
 """timm families the gallery leaves out, in float64 with random weights, each against an oracle.
 
 Each model is built as the gallery builds it (``pretrained=False``, float64, zero-initialised weights randomised,
-BatchNorm calibrated on random batches, eval mode), small: the smallest input it takes (32 or 64 pixels, 56 for
+BatchNorm calibrated on random batches, eval mode), small: the smallest input it takes (16 to 64 pixels, 56 for
 Swin), batch 2, attention models cut to one or two blocks a stage. The families: LeViT (Linear + BatchNorm on
 flattened tokens, attention biases), XCiT (cross-covariance attention of normalised queries and keys), PiT, Twins
 (SVT and PCPVT), TNT, CrossViT, DaViT, EfficientFormer v2, EfficientViT (MSRA), timm's Swin and Swin v2, ViT with
 relative positions and the hybrid ResNet-ViT, MambaOut, ResMLP (``Affine``), gMLP (spatial gating), LambdaNet,
-EdgeNeXt, the legacy SE-ResNet, SK-ResNet (a softmax over kernel branches) and the legacy Xception.
+iFormer (at 16 pixels: attention over one token), EdgeNeXt, the legacy SE-ResNet, SK-ResNet (a softmax over kernel
+branches), ResNeSt (split attention, a softmax over radix branches) and the legacy Xception.
 
 1. Under every preset tried the outputs are the model's own, and parameters, buffers and hooks are left as they
    were.
-2. With every bias-like parameter zeroed (biases, BatchNorm running means, position embeddings and tables, class
-   tokens, TNT's pixel and patch positions, XCiT and EdgeNeXt built without their Fourier position encodings),
-   CP-LRP conserves: relevance sums to the explained logit within 1e-6 per sample. AttnLRP creates none
-   (``|Σ R| ≤ 1.1 |logit|``).
+2. With every bias-like parameter zeroed (the gallery's zeroing: biases, BatchNorm running means, position
+   embeddings and tables, XCiT's and EdgeNeXt's Fourier position encodings, class tokens, CrossViT's class tokens
+   of each branch, TNT's pixel and patch positions), CP-LRP conserves: relevance sums to the explained logit within
+   1e-6 per sample. AttnLRP creates none (``|Σ R| ≤ 1.1 |logit|``), and conserves within 1e-6 where softmax
+   weights mix branches (SK-ResNet, ResNeSt: held, as gates are) or attend one token (iFormer at 16 pixels).
 3. The CNN presets (EpsilonPlus, EpsilonGammaBox) conserve within 10 %, or the call warns naming a module of the
    model (attention, selective kernels).
 4. LRP-0 is gradient × input on the piecewise-linear nets (SK-ResNet's softmax and LambdaNet's lambdas get their
@@ -27,7 +29,6 @@ EdgeNeXt, the legacy SE-ResNet, SK-ResNet (a softmax over kernel branches) and t
 from __future__ import annotations
 
 import copy
-import re
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -58,9 +59,6 @@ CNN_TOLERANCE = 0.1
 LRP0_TOLERANCE = 1e-6
 FOLDED_TOLERANCE = 1e-9
 
-# Bias-like parameters the gallery's zeroing leaves: CrossViT's class tokens of each branch, TNT's positions.
-MORE_BIAS_LIKE = re.compile(r"(^|\.)(cls_token_\d+|pixel_pos|patch_pos)$")
-
 
 def tm(name: str, **kwargs) -> Callable[[], nn.Module]:
     return partial(timm.create_model, name, pretrained=False, **kwargs)
@@ -69,9 +67,7 @@ def tm(name: str, **kwargs) -> Callable[[], nn.Module]:
 ONE_A_STAGE = {"depths": (1, 1, 1, 1)}
 ATTENTION = [
     Case("levit_128s", tm("levit_128s", img_size=64), 64, "attention"),
-    Case(
-        "xcit_nano_12_p16_224", tm("xcit_nano_12_p16_224", img_size=32, depth=2, use_pos_embed=False), 32, "attention"
-    ),
+    Case("xcit_nano_12_p16_224", tm("xcit_nano_12_p16_224", img_size=32, depth=2), 32, "attention"),
     Case("pit_ti_224", tm("pit_ti_224", img_size=64), 64, "attention"),
     Case("twins_svt_small", tm("twins_svt_small", img_size=64, **ONE_A_STAGE), 64, "attention"),
     Case("twins_pcpvt_small", tm("twins_pcpvt_small", img_size=64, **ONE_A_STAGE), 64, "attention"),
@@ -95,9 +91,11 @@ ATTENTION = [
     Case("resmlp_12_224", tm("resmlp_12_224", img_size=32), 32, "attention"),
     Case("gmlp_ti16_224", tm("gmlp_ti16_224", img_size=32), 32, "attention"),
     Case("lambda_resnet26t", tm("lambda_resnet26t", img_size=64), 64, "attention"),
+    Case("iformer_t", tm("iformer_t"), 16, "attention"),
 ]
 CNNS = [
-    Case("edgenext_xx_small", tm("edgenext_xx_small", use_pos_emb=(False,) * 4), 64, "cnn"),
+    Case("edgenext_xx_small", tm("edgenext_xx_small"), 64, "cnn"),
+    Case("resnest14d", tm("resnest14d"), 16, "cnn"),
     Case("legacy_seresnet18", tm("legacy_seresnet18"), 32, "cnn"),
     Case("skresnet18", tm("skresnet18"), 32, "cnn"),
     Case("legacy_xception", tm("legacy_xception"), 32, "cnn"),
@@ -144,22 +142,13 @@ def explain(model: nn.Module, x: torch.Tensor, mapper) -> tuple[torch.Tensor, to
     return td["relevance", "x"], td["y"], [str(w.message) for w in caught]
 
 
-def zero_all_biases(model: nn.Module) -> nn.Module:
-    zero_biases(model)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if MORE_BIAS_LIKE.search(name):
-                parameter.zero_()
-    return model
-
-
 _MODELS: dict[str, nn.Module] = {}
 
 
 def zero_bias_model(name: str) -> nn.Module:
     """The model with its bias-like parameters zeroed, built once per session."""
     if name not in _MODELS:
-        _MODELS[name] = zero_all_biases(build(CASES[name]))
+        _MODELS[name] = zero_biases(build(CASES[name]))
     return _MODELS[name]
 
 
@@ -213,6 +202,18 @@ def test_attnlrp_creates_no_relevance(name: str):
     model = zero_bias_model(name)
     relevance, output, _ = explain(model, inputs(CASES[name]), AttnLRP())
     assert all(abs(r) <= 1.0 + CNN_TOLERANCE for r in ratios(relevance, output)), ratios(relevance, output)
+
+
+# A softmax's weights mixing branches (SK-ResNet's selective kernels, ResNeSt's split attention) and attention over one
+# token (iFormer at 16 pixels): AttnLRP summed to 0.02-0.05, 0.11-0.15 and 1.05 / -14.4 times the logit there.
+ATTNLRP_CONSERVING = ["skresnet18", "resnest14d", "iformer_t"]
+
+
+@pytest.mark.parametrize("name", ATTNLRP_CONSERVING)
+def test_attnlrp_conserves_where_softmax_weights_mix_branches_or_attend_one_token(name: str):
+    model = zero_bias_model(name)
+    relevance, output, _ = explain(model, inputs(CASES[name]), AttnLRP())
+    assert all(abs(r - 1.0) <= CPLRP_TOLERANCE for r in ratios(relevance, output)), ratios(relevance, output)
 
 
 @pytest.mark.parametrize("name", marked(PIECEWISE_LINEAR))

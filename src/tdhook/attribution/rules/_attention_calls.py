@@ -194,9 +194,12 @@ def _attention_factors(
         >>> q, k, v, bias = (torch.randn(1, 2, 3, 4, requires_grad=True) * 1 for _ in range(4))
         >>> _attention_factors(q, k, v), _attention_factors(q.detach(), k.detach(), v, bias[..., :3])
         ((0.25, 0.25, 0.5), (0.5, 0.5, 0.5))
+        >>> _attention_factors(q, k[..., :1, :], v[..., :1, :])  # one key: weights of 1, a constant
+        (0.5, 0.5, 1.0)
     """
     scores_product = is_activation(query) and is_activation(key)
-    weights_activation = is_activation(query) or is_activation(key) or is_activation(attn_mask)
+    # Over one key the weights are the constant 1 (a softmax over one element): the value takes all of the output's.
+    weights_activation = key.shape[-2] != 1 and (is_activation(query) or is_activation(key) or is_activation(attn_mask))
     value_product = weights_activation and is_activation(value)
     qk = (0.5 if scores_product else 1.0) * (0.5 if value_product else 1.0)
     return qk, qk, 0.5 if value_product else 1.0

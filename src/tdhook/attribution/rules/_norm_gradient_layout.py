@@ -77,8 +77,9 @@ def laid_out_as(size: torch.Size, strides: tuple[int, ...]) -> Callable[[torch.T
         (2, 1)
     """
 
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        if grad.stride() == strides or grad.shape != size:
+    def hook(grad: torch.Tensor | None) -> torch.Tensor | None:
+        # None: no gradient reaches the norm (a branch that computes a gate held in a product, see rules.gates).
+        if grad is None or grad.stride() == strides or grad.shape != size:
             return grad
         return torch.empty_strided(size, strides, dtype=grad.dtype, device=grad.device).copy_(grad)
 

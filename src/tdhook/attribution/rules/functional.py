@@ -89,6 +89,7 @@ from tdhook.attribution.rules.gates import (
     held_glu,
     keep_gate_mark,
     mark_gate,
+    weighing_factors,
 )
 from tdhook.attribution.rules.transformer import (
     AHQKVRule,
@@ -277,6 +278,8 @@ class FunctionalRules(TorchFunctionMode):
         if func in _PRODUCTS and len(args) == 2 and is_activation(args[0]) and is_activation(args[1]):
             # A statistic (a norm written out: ``h * rsqrt(mean(h²) + ε)``) held constant, as a norm's scale; a gate.
             gates = statistic_factors(func, args) or held_factors(args, any_gate=self.hold_gates)
+            if gates is None and func in ELEMENTWISE_PRODUCTS:  # a softmax's weights mixing branches: held
+                gates = weighing_factors(args)
             if gates is not None:
                 return _held_product(func, args, kwargs, gates, recording)
             # Halving the product's gradient halves both factors' gradients: the uniform rule, in one step.

@@ -79,12 +79,17 @@ __all__ = [
     "GATE_SCALINGS",
     "GATE_MULTIPLICATIONS",
     "GATE_FUNCTIONS",
+    "mark_weights",
+    "weighing_factors",
 ]
 
 # The attribute that marks a gate, holding the tensor it was computed from (shared with PseudoIdentityRule).
 GATE_MARK = "_tdhook_activation_of"
 # The attribute that marks a sigmoid-like gate, a value in [0, 1]: held first where both factors are marked.
 SIGMOID_MARK = "_tdhook_sigmoid_gate"
+# The attribute that marks a softmax's output (weights in [0, 1] summing to 1): held where it multiplies an activation
+# element by element (see :func:`weighing_factors`); a matrix product with it is attention, and shares its relevance.
+WEIGHTS_MARK = "_tdhook_softmax_weights"
 GATE_FUNCTIONS = frozenset({torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, F.hardsigmoid})
 # The sigmoid computed in place (``h.sigmoid_()``): a gate as well, held where a product takes it.
 _GATES_IN_PLACE = frozenset({torch.sigmoid_, torch.Tensor.sigmoid_})
@@ -193,7 +198,48 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
         gate, factor = args if is_gate(args[0]) else args[::-1]
         if is_gate(gate) and not is_gate(factor) and _is_positive_constant(factor):  # 2 * sigmoid(s)
             mark_gate(result, getattr(gate, GATE_MARK), sigmoid=getattr(gate, SIGMOID_MARK, False))
+    if args and getattr(args[0], WEIGHTS_MARK, False) and (same_values or func in GATE_SPLITS):
+        for piece in result if isinstance(result, (tuple, list)) else (result,):  # a softmax's weights, reshaped
+            if isinstance(piece, torch.Tensor):
+                mark_weights(piece)
     return result
+
+
+def mark_weights(tensor: torch.Tensor) -> torch.Tensor:
+    """Mark ``tensor`` as a softmax's output, weights that mix what they multiply (see :func:`weighing_factors`), and
+    return it.
+
+    Examples:
+        >>> x = torch.ones(2, requires_grad=True) * 1
+        >>> weighing_factors((x * 2, mark_weights(torch.softmax(x, 0))))
+        [False, True]
+    """
+    setattr(tensor, WEIGHTS_MARK, True)
+    return tensor
+
+
+def weighing_factors(args: tuple) -> list[bool] | None:
+    """Which of an element-wise product's two factors is a softmax's weights to hold, or ``None`` where neither or
+    both are.
+
+    A softmax's output multiplied element by element with an activation weighs it: selective-kernel attention
+    (``(paths * softmax(s, dim=1)).sum(1)``, SK-ResNet) and split attention (ResNeSt) mix branches with weights
+    that sum to 1 across them, as a mixture of experts' routing weights mix experts (:class:`RouterRule` holds
+    those) and a sigmoid gate scales its signal (over two branches the softmax is ``sigmoid(a - b)`` and its
+    complement). Held constant (signal-take-all), the mixture passes all its relevance to the branches, which
+    sum to it. A matrix product with the weights (attention's ``weights @ v``) is not an element-wise product
+    and keeps its rule.
+
+    Examples:
+        >>> x = torch.tensor([[1.0, -2.0]], requires_grad=True)
+        >>> paths = torch.stack([x * 2, x * 3], 1)
+        >>> weighing_factors((paths, mark_weights(torch.softmax(paths * 1, 1)))), weighing_factors((paths, paths))
+        ([False, True], None)
+    """
+    if len(args) != 2 or not (is_activation(args[0]) and is_activation(args[1])):
+        return None
+    marks = [getattr(a, WEIGHTS_MARK, False) for a in args]
+    return None if marks[0] == marks[1] else marks
 
 
 def _convex_resize(args: tuple, kwargs: dict) -> bool:

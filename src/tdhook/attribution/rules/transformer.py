@@ -31,12 +31,12 @@ import torch
 from torch import nn
 
 from tdhook.attribution.rules._arguments import nonnegative
-from tdhook.attribution.rules._autograd import hold, redirect, scale_gradient
+from tdhook.attribution.rules._autograd import PARAMETER_DERIVED, hold, redirect, scale_gradient
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._numerics import epsilon_factor
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, _single_input
 from tdhook.attribution.rules.basic import RULED_ON_NODE, PassRule
-from tdhook.attribution.rules.gates import GATE_MARK, mark_gate
+from tdhook.attribution.rules.gates import GATE_MARK, mark_gate, mark_weights
 from tdhook.attribution.rules.normalization import LayerNormRule
 from tdhook.attribution.tunables import EPSILON
 
@@ -100,11 +100,23 @@ class SoftmaxEpsilonRule(Rule):
         self.epsilon = epsilon
 
     def apply(self, output: torch.Tensor, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """``output = softmax(x, dim)`` with the rule's gradient."""
-        if self.epsilon == 0 or not x.requires_grad:
+        """``output = softmax(x, dim)`` with the rule's gradient, marked as weights: held where it multiplies an
+        activation element by element (see :func:`~tdhook.attribution.rules.gates.weighing_factors`).
+
+        Over one element the softmax is the constant 1, whatever its input (its gradient is zero): a constant, as a
+        parameter is, so that a product with it (attention over one key) is a linear map of the other factor, which
+        takes all of its relevance. The uniform rule gave the constant half of it, which it passed to nothing."""
+        if isinstance(dim, int) and output.dim() > 0 and output.shape[dim] == 1:
+            setattr(output, PARAMETER_DERIVED, True)
             return output
+        if self.epsilon == 0 or not x.requires_grad:
+            return mark_weights(output)
         if graph_kept() is not None:
-            return self._redirect_keeping_graph(output, x, dim)
+            return mark_weights(self._redirect_keeping_graph(output, x, dim))
+        return mark_weights(self._redirect(output, x, dim))
+
+    def _redirect(self, output: torch.Tensor, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """``output`` with the rule's gradient to ``x``, from detached copies of the output and the logits."""
         s = output.detach()
         logits = x.detach()
         masked = logits <= torch.finfo(logits.dtype).min
