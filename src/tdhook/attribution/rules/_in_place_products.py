@@ -9,13 +9,14 @@ call writes:
 * the uniform rule: the in-place product, whose gradient is then halved on the tensor itself (rebased in place, a
   view of another tensor included, as the out-of-place product is);
 * the second factor held (a signal times its gate, ``h.mul_(g)``; a norm written in place,
-  ``h.mul_(torch.rsqrt(var + eps))``): the product by the factor held;
-* the first factor held (a gate written into by its signal, ``g.mul_(h)``): the product of the first factor's
-  values, held, and the second factor, copied into the first (the product's node keeps a copy of the old values,
-  which the write would change).
+  ``h.mul_(torch.rsqrt(var + eps))``; branches mixed by a softmax's weights, ``paths.mul_(weights)``): the product
+  by the factor held;
+* the first factor held (a gate or weights written into by its signal, ``g.mul_(h)``): the product of the first
+  factor's values, held, and the second factor, copied into the first (the product's node keeps a copy of the old
+  values, which the write would change).
 
-What is written into is no gate or statistic after the write, as the out-of-place product of two activations is
-none.
+What is written into is no gate, statistic or softmax's weights after the write, as the out-of-place product of two
+activations is none.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from tdhook.attribution.rules._autograd import PARAMETER_DERIVED, hold, is_activation, scale_gradient
 from tdhook.attribution.rules._held_statistics import statistic_factors
-from tdhook.attribution.rules.gates import GATE_MARK, SIGMOID_MARK, held_factors
+from tdhook.attribution.rules.gates import GATE_MARK, SIGMOID_MARK, WEIGHTS_MARK, held_factors, weighing_factors
 
 if TYPE_CHECKING:
     from tdhook.attribution._function_rule_plan import Recording
@@ -59,9 +60,9 @@ def product_in_place(
     func: Any, a: torch.Tensor, b: torch.Tensor, hold_gates: bool, recording: Recording | None = None
 ) -> torch.Tensor:
     """``func(a, b)``, a product of two activations written into ``a``, with the rule of ``a * b``: the uniform rule,
-    or the gate (any gate with ``hold_gates``, else a sigmoid-like one) or statistic held constant. ``recording``
-    (see :mod:`~tdhook.attribution._function_rule_plan`) is told what was done: the uniform rule on a tensor that is
-    no view, as the out-of-place product's; any other rule keeps the mode in later calls.
+    or the gate (any gate with ``hold_gates``, else a sigmoid-like one), statistic or softmax's weights held constant.
+    ``recording`` (see :mod:`~tdhook.attribution._function_rule_plan`) is told what was done: the uniform rule on a
+    tensor that is no view, as the out-of-place product's; any other rule keeps the mode in later calls.
 
     Examples:
         >>> x = torch.tensor([2.0, -1.0], requires_grad=True)
@@ -73,6 +74,8 @@ def product_in_place(
         [12.0, 3.0]
     """
     gates = statistic_factors(torch.mul, (a, b)) or held_factors((a, b), any_gate=hold_gates)
+    if gates is None:  # a softmax's weights mixing what they multiply (``h.mul_(weights)``): held, as in ``h * w``
+        gates = weighing_factors((a, b))
     view = a._base is not None
     if gates is None:  # the uniform rule: half of the product's gradient to each factor
         product = func(a, b)
@@ -95,7 +98,8 @@ def product_in_place(
 
 
 def _no_gate(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` without the marks of a gate: a product of two activations is none."""
+    """``tensor`` without the marks of a gate or a softmax's weights: a product of two activations is neither."""
     tensor.__dict__.pop(GATE_MARK, None)
     tensor.__dict__.pop(SIGMOID_MARK, None)
+    tensor.__dict__.pop(WEIGHTS_MARK, None)
     return tensor
