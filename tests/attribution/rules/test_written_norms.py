@@ -236,10 +236,23 @@ class Standardised(nn.Module):
         return self.head(self.norm(self.first(x)))
 
 
+def _var_mean_rsqrt(h: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    var, mean = torch.var_mean(h, dim, keepdim=True, unbiased=False)
+    return (h - mean) * torch.rsqrt(var + 1e-5)
+
+
+def _var_mean_sqrt(h: torch.Tensor) -> torch.Tensor:
+    var, mean = torch.var_mean(h, dim=-1, correction=0, keepdim=True)
+    return (h - mean) / (var + 1e-5).sqrt()
+
+
 LAYER_NORMS = {
     "var, sqrt": lambda h: (h - h.mean(-1, keepdim=True)) / (h.var(-1, keepdim=True, unbiased=False) + 1e-5).sqrt(),
     "rsqrt": lambda h: (h - h.mean(-1, keepdim=True)) * torch.rsqrt(h.var(-1, keepdim=True, unbiased=False) + 1e-5),
     "centred, pow": lambda h: (c := h - h.mean(-1, keepdim=True)) / (c.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt(),
+    # The mean and the variance from one call: no warning names it (its variance held, its mean linear).
+    "var_mean, rsqrt": _var_mean_rsqrt,
+    "var_mean, sqrt": _var_mean_sqrt,
 }
 
 
@@ -266,6 +279,33 @@ def test_a_norm_centred_over_the_batch_keeps_its_plain_gradient():
     td = TensorDict({"x": torch.randn(3, 6, dtype=F64, generator=torch.Generator().manual_seed(1))}, [3])
     (explained,), caught = explain_calls(model, lrp0(), td, calls=1)
     assert any("div" in message for message in caught), caught
+    x = td["x"].clone().requires_grad_()
+    expected = x * torch.autograd.grad(target_score(model(x)).sum(), x)[0]
+    assert relative_error(explained["relevance", "x"], expected) <= 1e-10
+
+
+def _variance_added(h: torch.Tensor) -> torch.Tensor:
+    var, mean = torch.var_mean(h, -1, keepdim=True)
+    return h - mean + var
+
+
+# ``torch.var_mean`` whose variance keeps its plain gradient: an output term, a norm centred over the batch, a layer
+# norm whose output reaches a product of two activations (its statistic given back, as F.normalize's).
+VARIANCES_NOT_HELD = {
+    "variance added": _variance_added,
+    "over the batch": lambda h: _var_mean_rsqrt(h, 0),
+    "output squared": lambda h: (n := _var_mean_rsqrt(h)) * n,
+}
+
+
+@pytest.mark.parametrize("form", sorted(VARIANCES_NOT_HELD))
+def test_a_var_mean_whose_variance_is_not_held_is_named_and_keeps_its_plain_gradient(form: str):
+    """The warning still names ``var_mean`` where its variance is not held (LRP-0 is then gradient × input of the
+    model as it is)."""
+    model = seeded(Standardised, VARIANCES_NOT_HELD[form])
+    td = TensorDict({"x": torch.randn(3, 6, dtype=F64, generator=torch.Generator().manual_seed(1))}, [3])
+    (explained,), caught = explain_calls(model, lrp0(), td, calls=1)
+    assert any("var_mean" in message for message in caught), caught
     x = td["x"].clone().requires_grad_()
     expected = x * torch.autograd.grad(target_score(model(x)).sum(), x)[0]
     assert relative_error(explained["relevance", "x"], expected) <= 1e-10

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tdhook.attribution.rules._autograd import is_activation, redirect
+from tdhook.attribution.rules._autograd import is_activation
+from tdhook.attribution.rules._means_apart import STATISTICS_AND_MEANS, mean_apart
 from tdhook.attribution.rules._statistics import is_statistic
 from tdhook.attribution.rules.gates import ELEMENTWISE_PRODUCTS
 from tdhook.attribution.rules.normalization import NormRule
@@ -48,8 +49,6 @@ DIVISIONS = frozenset(
     {torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.true_divide, torch.Tensor.true_divide}
     | {torch.divide, torch.Tensor.divide}
 )
-# Calls that return a statistic and a mean from one autograd node.
-STATISTICS_AND_MEANS = frozenset({torch.var_mean, torch.std_mean})
 
 # The norm rule of these calls, as a norm module gets it (ε of an instance norm's running statistics: the presets').
 _RULE = NormRule()
@@ -77,26 +76,3 @@ def norm_call(func: Callable, args: tuple, kwargs: dict) -> Any:
     """``func(*args, **kwargs)``, a norm called as a function on an activation, with the norm rule's gradient (its
     statistic held constant)."""
     return NORM_CALLS[func](_RULE, None, func(*args, **kwargs), args, kwargs)
-
-
-def mean_apart(func: Callable, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.var_mean`` or ``torch.std_mean`` of an activation, its values unchanged, with the mean's gradient
-    passed on by a mean's own node: the centring by the mean is linear, and the wrapper's warning names the call
-    only where its statistic keeps its gradient (one that scales an activation is held there).
-
-    Examples:
-        >>> h = torch.randn(2, 3, requires_grad=True) * 1
-        >>> var, mean = mean_apart(torch.var_mean, (h, -1), {"keepdim": True})
-        >>> torch.allclose(mean, h.mean(-1, keepdim=True)), type(var.grad_fn).__name__
-        (True, 'VarMeanBackward0')
-    """
-    statistic, mean = func(*args, **kwargs)
-    rest = list(args[1:])
-    dim, keepdim = kwargs.get("dim"), kwargs.get("keepdim", False)
-    if rest and not isinstance(rest[0], bool):  # (input, dim, unbiased, keepdim) or (input, unbiased)
-        dim = rest.pop(0)
-    if rest and isinstance(rest[0], bool):
-        rest.pop(0)
-    keepdim = rest[0] if rest else keepdim
-    plain = args[0].mean() if dim is None and not keepdim else args[0].mean(dim=dim, keepdim=keepdim)
-    return statistic, redirect(mean, [plain], lambda grad: [grad])

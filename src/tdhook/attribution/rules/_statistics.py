@@ -28,7 +28,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["clips_a_statistic", "is_statistic", "is_statistic_of", "may_be_statistic"]
+__all__ = ["MEAN_APART", "clips_a_statistic", "is_statistic", "is_statistic_of", "may_be_statistic"]
+
+#: the metadata key of the node that passes on the gradient of ``torch.var_mean``'s mean by a plain mean's node, the
+#: last of its inputs (see :mod:`~tdhook.attribution.rules._means_apart`)
+MEAN_APART = "tdhook_mean_apart"
 
 # Autograd nodes of statistics that normalise: norms, roots, variances and deviations.
 _STATISTICS = (
@@ -237,6 +241,8 @@ def _centred(edge: tuple[Any, int]) -> tuple[Any, int] | None:
     if node is None or type(node).__name__ != "SubBackward0":
         return None
     (a, a_number), (mean, _) = node.next_functions
+    if mean is not None and mean.metadata.get(MEAN_APART):  # ``torch.var_mean``'s mean, on a mean's node of its own
+        mean = [edge for edge in mean.next_functions if edge[0] is not None][-1][0]
     if a is None or mean is None or not type(mean).__name__.startswith(_MEANS) or _over_first(mean):
         return None
     inputs = [e for e in mean.next_functions if e[0] is not None]

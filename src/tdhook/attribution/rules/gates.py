@@ -52,7 +52,8 @@ from tdhook.attribution.rules._held_norm_calls import NORMALIZING_CALLS, HeldNor
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_written_in_place
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
-from tdhook.attribution.rules._recomputed import raise_for_checkpoint
+from tdhook.attribution.rules._means_apart import STATISTICS_AND_MEANS, mean_apart
+from tdhook.attribution.rules._recomputed import in_checkpoint, raise_for_checkpoint
 from tdhook.attribution.rules._written_norms import WRITTEN_NORM_CALLS, statistic_place
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, rules_apply
 from tdhook.attribution.rules.basic import PassRule
@@ -423,6 +424,10 @@ class HeldGates(TorchFunctionMode):
             if self.norm_calls is _NO_NORM_CALLS:
                 self.norm_calls = HeldNormCalls()
             return self.norm_calls.written(func, args, kwargs, place)
+        if func in STATISTICS_AND_MEANS and args and is_activation(args[0]) and not in_checkpoint():
+            # ``var, mean = torch.var_mean(h, ...)``: the mean on a node of its own, so that the call is reached (and
+            # named in the coverage report) only where its statistic keeps its gradient (see _means_apart)
+            return mean_apart(func, args, kwargs)
         if func in ELEMENTWISE_PRODUCTS:
             held = held_gate_product(func, args, kwargs)
             if held is not None:
