@@ -15,6 +15,8 @@ from tdhook.attribution._nonlinear_calls import function_kind as watched_kind
     [
         ((torch.add, torch.Tensor.add, torch.Tensor.add_, torch.Tensor.__iadd__, torch.Tensor.__radd__), "linear"),
         ((torch.mul, torch.Tensor.mul_, torch.Tensor.__imul__, torch.Tensor.__rmul__), "product"),
+        # ``mul``'s aliases: were classed nonlinear, so that ``torch.multiply(h, gamma)`` was named uncovered
+        ((torch.multiply, torch.Tensor.multiply, torch.Tensor.multiply_), "product"),
         ((torch.floor, torch.Tensor.floor_, torch.sign), "constant"),
         ((torch.sin, torch.Tensor.sin_, torch.exp), "nonlinear"),
         ((torch.div, torch.Tensor.__itruediv__), "division"),

@@ -76,9 +76,9 @@ REAL_ONLY = frozenset({"abs"})
 PIECEWISE_CONSTANT = frozenset("round floor ceil trunc fix sign sgn heaviside".split())
 # Products and maps that are linear in each factor: piecewise linear as long as at most one factor is an activation.
 PRODUCTS = frozenset(
-    "mul rmul matmul rmatmul mm bmm einsum bilinear tensordot kron outer dot vdot inner mv addcmul baddbmm addbmm "
-    "addmm addmv linear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d conv_tbc grouped_mm "
-    "scaled_mm scaled_grouped_mm embedding_bag".split()
+    "mul rmul multiply matmul rmatmul mm bmm einsum bilinear tensordot kron outer dot vdot inner mv addcmul baddbmm "
+    "addbmm addmm addmv linear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d conv_tbc "
+    "grouped_mm scaled_mm scaled_grouped_mm embedding_bag".split()
 )
 # Where a product's factors are: an added term (addmm's input) is not a factor.
 PRODUCT_FACTORS = {"addmm": slice(1, 3), "addmv": slice(1, 3), "baddbmm": slice(1, 3), "addbmm": slice(1, 3)}

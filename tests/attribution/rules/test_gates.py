@@ -247,6 +247,9 @@ PRODUCTS = {
     "gate * signal": lambda signal, gate: gate * signal,
     "torch.mul": lambda signal, gate: torch.mul(signal, gate),
     "Tensor.mul": lambda signal, gate: gate.mul(signal),
+    # ``mul``'s aliases: the gate kept its plain gradient (a different relevance from ``signal * gate``)
+    "torch.multiply": lambda signal, gate: torch.multiply(signal, gate),
+    "Tensor.multiply": lambda signal, gate: gate.multiply(signal),
 }
 
 

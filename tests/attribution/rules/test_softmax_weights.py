@@ -154,8 +154,8 @@ def test_attention_over_one_key_passes_all_relevance_to_the_value(fused: bool):
 
 
 class MixedInPlace(MixedPaths):
-    """:class:`MixedPaths` with the branches weighed by a product written in place (``form``), or out of place
-    (``"paths * weights"``, ``"weights * paths"``: the oracles)."""
+    """:class:`MixedPaths` with the branches weighed by a product spelled as ``form``: in place, with ``multiply``,
+    or as ``"paths * weights"`` and ``"weights * paths"`` (the oracles)."""
 
     def __init__(self, form: str) -> None:
         super().__init__()
@@ -174,6 +174,10 @@ class MixedInPlace(MixedPaths):
             mixed = paths
         elif self.form == "paths.multiply_(weights)":
             mixed = paths.multiply_(weights)
+        elif self.form == "torch.multiply(paths, weights)":
+            mixed = torch.multiply(paths, weights)
+        elif self.form == "paths.multiply(weights)":
+            mixed = paths.multiply(weights)
         else:  # the weights written into, a copy of them (the softmax's backward reads its own output)
             weights = weights.expand_as(paths).clone()
             mixed = weights * paths if self.form == "weights * paths" else weights.mul_(paths)
@@ -187,12 +191,14 @@ class MixedInPlace(MixedPaths):
         ("paths *= weights", "paths * weights"),
         ("paths.multiply_(weights)", "paths * weights"),
         ("weights.mul_(paths)", "weights * paths"),
+        ("torch.multiply(paths, weights)", "paths * weights"),
+        ("paths.multiply(weights)", "paths * weights"),
     ],
 )
 @pytest.mark.parametrize("mapper", [AttnLRP, CPLRP])
-def test_weights_mixing_paths_in_place_get_the_out_of_place_relevance(mapper, form: str, oracle: str):
-    # Written in place, the product of the weights and the branches got the uniform rule under AttnLRP: 0.49-0.50
-    # relative error against the out-of-place product's relevance.
+def test_weights_mixing_paths_in_any_spelling_get_the_relevance_of_paths_times_weights(mapper, form: str, oracle: str):
+    # Written in place, or with ``mul``'s alias ``multiply``, the product of the weights and the branches got the
+    # uniform rule under AttnLRP: 0.49-0.50 relative error against the relevance of ``paths * weights``.
     torch.manual_seed(0)
     model, reference = MixedInPlace(form).double(), MixedInPlace(oracle).double()
     reference.load_state_dict(model.state_dict())

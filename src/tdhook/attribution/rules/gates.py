@@ -144,6 +144,7 @@ _ROUTER_NAMES = ("Router",)
 # Class names of routers that hold their projection and select by ``topk`` (JetMoE's ``TopKGating``, HunYuan's gate).
 _GATE_NAMES = ("Gate", "Gating")
 ELEMENTWISE_PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
+ELEMENTWISE_PRODUCTS |= {torch.multiply, torch.Tensor.multiply}  # aliases of ``mul``
 # A signal multiplied by a gate in place (``h.mul_(g)``, ``h *= g``): the gate is held, as in ``h * g``.
 _PRODUCTS_IN_PLACE = frozenset({torch.Tensor.mul_, torch.Tensor.__imul__})
 # The calls the gates' mode reads by position: products, gates, clips and bounds (see ``GateRules.__torch_function__``).
