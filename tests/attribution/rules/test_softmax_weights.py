@@ -18,6 +18,7 @@ from torch import nn
 from tdhook.attribution import LRP
 from tdhook.attribution.mappers.transformer import CPLRP, AttnLRP
 from tdhook.attribution.rules import gates
+from tdhook.attribution.rules._in_place_products import product_in_place
 from tests.attribution._helpers import with_statistics
 from tests.attribution.rules._helpers import randn
 from tests.conftest import relative_error
@@ -207,3 +208,14 @@ def test_weights_mixing_paths_in_any_spelling_get_the_relevance_of_paths_times_w
     for relevance in relevances(model, x, mapper()):
         assert relative_error(relevance, expected) <= 1e-12
         torch.testing.assert_close(relevance.flatten(1).sum(1), largest(model, x), rtol=1e-10, atol=0)
+
+
+def test_weights_written_into_are_no_weights_after_the_write():
+    # The product of the weights and a signal mixes nothing further: a later product with it gets its own rule.
+    x = randn(2, 3).requires_grad_(True)
+    weights = gates.mark_weights(torch.softmax(x * 1, -1).clone())
+    held = weights.detach().clone()
+    written = product_in_place(torch.Tensor.mul_, weights, x * 2, hold_gates=False)
+    assert written is weights and not getattr(written, gates.WEIGHTS_MARK, False)
+    (grad,) = torch.autograd.grad(written.sum(), x)
+    torch.testing.assert_close(grad, 2 * held, rtol=1e-12, atol=0)  # the weights held: the signal's gradient alone
