@@ -60,18 +60,24 @@ def largest(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return model(x).max(-1).values
 
 
-@pytest.mark.parametrize("reshaped", [False, True], ids=["softmax over the paths", "flat, reshaped"])
-@pytest.mark.parametrize("mapper", [AttnLRP, CPLRP])
-def test_weights_mixing_paths_are_held_and_relevance_is_conserved(mapper, reshaped: bool):
-    # AttnLRP shared the product uniformly: on SK-ResNet18 it summed to 0.02-0.05 of the logit, on ResNeSt-14 0.1.
-    torch.manual_seed(0)
-    model, oracle = MixedPaths(reshaped=reshaped).double(), MixedPaths(held=True, reshaped=reshaped).double()
+def assert_relevance_of(model: nn.Module, oracle: nn.Module, mapper) -> None:
+    """``model``'s relevance, in each call of a context, is ``oracle``'s (given ``model``'s parameters) to 1e-12, and
+    sums to the largest output (no bias-like terms)."""
     oracle.load_state_dict(model.state_dict())
     x = randn(2, 3, 5, 5)
     expected = relevances(oracle, x, mapper(), calls=1)[0]
     for relevance in relevances(model, x, mapper()):
         assert relative_error(relevance, expected) <= 1e-12
         torch.testing.assert_close(relevance.flatten(1).sum(1), largest(model, x), rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("reshaped", [False, True], ids=["softmax over the paths", "flat, reshaped"])
+@pytest.mark.parametrize("mapper", [AttnLRP, CPLRP])
+def test_weights_mixing_paths_are_held_and_relevance_is_conserved(mapper, reshaped: bool):
+    # AttnLRP shared the product uniformly: on SK-ResNet18 it summed to 0.02-0.05 of the logit, on ResNeSt-14 0.1.
+    torch.manual_seed(0)
+    model, oracle = MixedPaths(reshaped=reshaped).double(), MixedPaths(held=True, reshaped=reshaped).double()
+    assert_relevance_of(model, oracle, mapper)
 
 
 def test_timm_selective_kernel_conserves_under_attnlrp():
@@ -201,13 +207,7 @@ def test_weights_mixing_paths_in_any_spelling_get_the_relevance_of_paths_times_w
     # Written in place, or with ``mul``'s alias ``multiply``, the product of the weights and the branches got the
     # uniform rule under AttnLRP: 0.49-0.50 relative error against the relevance of ``paths * weights``.
     torch.manual_seed(0)
-    model, reference = MixedInPlace(form).double(), MixedInPlace(oracle).double()
-    reference.load_state_dict(model.state_dict())
-    x = randn(2, 3, 5, 5)
-    expected = relevances(reference, x, mapper(), calls=1)[0]
-    for relevance in relevances(model, x, mapper()):
-        assert relative_error(relevance, expected) <= 1e-12
-        torch.testing.assert_close(relevance.flatten(1).sum(1), largest(model, x), rtol=1e-10, atol=0)
+    assert_relevance_of(MixedInPlace(form).double(), MixedInPlace(oracle).double(), mapper)
 
 
 def test_weights_written_into_are_no_weights_after_the_write():
