@@ -71,6 +71,14 @@ LOOKUPS = {
         )
         @ table
     ),
+    "one-hot-compared-transposed": lambda ids, table: (
+        (torch.arange(11)[:, None] == ids[:, None, :]).transpose(1, 2).double() @ table
+    ),
+    "one-hot-compared-sliced": lambda ids, table: (ids[..., None] == torch.arange(12))[..., :11].double() @ table,
+    "one-hot-compared-negated": lambda ids, table: (~(ids[..., None] != torch.arange(11))).double() @ table,
+    "one-hot-compared-masked": lambda ids, table: (
+        ((ids[..., None] == torch.arange(11)) & (ids > 0)[..., None]).double() @ table
+    ),
     "thermometer-compared": lambda ids, table: (ids[..., None] >= torch.arange(table.shape[0])).double() @ table,
     "bits-reinterpreted": lambda ids, table: table[ids.view(torch.float64).view(torch.int64)],
 }

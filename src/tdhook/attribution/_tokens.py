@@ -564,6 +564,7 @@ class _DerivedTokens(TorchFunctionMode):
             if index is not None:
                 with torch._C.DisableTorchFunction():  # a dtype is read through the function modes
                     self._floats |= mark_values(out, index)
+                    _carry_code(out, taken, index)  # ``~code``, ``code & mask``
             return out
         if kind is _LOOKS:  # a lookup of rows by integers, or a write (rare: looked at in a call of its own)
             self._looked_up_or_written(name, args, kwargs, out)
@@ -577,6 +578,10 @@ class _DerivedTokens(TorchFunctionMode):
                 if index is not None:
                     for tensor in out if isinstance(out, (list, tuple)) else (out,):
                         _mark(tensor, index)
+            elif isinstance(out, torch.Tensor) and out.dtype == torch.bool:  # a code reshaped: ``code.transpose(1, 2)``
+                index = marked_operand(args[:1], self._fed)
+                if index is not None:
+                    _carry_code(out, args[:1], index)
             # A floating-point output holds token values where ids were converted (``ids.to(torch.float64)``), or
             # where it is carried on from one that holds them (only then are the model's reshapes looked at).
             elif (self._floats or name in _CONVERTING) and isinstance(out, torch.Tensor) and out.is_floating_point():
@@ -725,6 +730,28 @@ def _mark_code(out: object, operands: tuple, index: int, fed: Mapping[int, int])
     ]
     if marked and all(out.numel() > value.numel() for value in marked):
         setattr(out, _DERIVED, index)
+
+
+def _carry_code(out: object, operands: tuple, index: int) -> None:
+    """Mark the boolean ``out`` computed from ``operands`` (or one level of lists of them) where one of them is a
+    marked code of token ids (see :func:`_mark_code`), of explained input ``index``: a code reshaped, sliced, negated
+    or masked; to be called with the function modes off (a dtype is read through them).
+
+    Examples:
+        >>> code = torch.tensor([[False, True]])
+        >>> code._tdhook_tokens_of = 0
+        >>> moved = code.t()
+        >>> _carry_code(moved, (code,), 0)
+        >>> getattr(moved, "_tdhook_tokens_of", None)
+        0
+    """
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+        return
+    for value in operands:
+        for tensor in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.bool and hasattr(tensor, _DERIVED):
+                setattr(out, _DERIVED, index)
+                return
 
 
 def _with_input(args: tuple, kwargs: dict) -> tuple:
