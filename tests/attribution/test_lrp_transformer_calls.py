@@ -381,3 +381,26 @@ def transformers_shift(tokens: torch.Tensor, config) -> torch.Tensor:
     from transformers.models.bart.modeling_bart import shift_tokens_right
 
     return shift_tokens_right(tokens, config.pad_token_id, config.decoder_start_token_id)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_funnel_fed_token_ids_is_explained_as_when_fed_their_embeddings(preset: str):
+    """Funnel's embeddings look the ids up in ``word_embeddings`` and normalise them, and its attention compares
+    token types (``token_type_ids[:, :, None] == token_type_ids[:, None]``): the ids are embedded once, and each
+    token's relevance is that of its embedding, as when the model is fed ``inputs_embeds``; under CP-LRP, with
+    biases and additive embeddings zeroed, it sums to the explained logit."""
+    model = ZOO["funnel"].build("eager")
+    zero_additive(model)
+    tokens = torch.randint(0, 64, (BATCH, TOKENS), generator=torch.Generator().manual_seed(0))
+    from_ids = LRP(
+        Called(model, lambda m, ids: m(input_ids=ids).logits), PRESETS[preset](), in_keys=["ids"], out_keys=["y"]
+    )(TensorDict(ids=tokens, batch_size=[BATCH]))
+    embeds = model.get_input_embeddings()(tokens).detach()
+    from_embeds = LRP(Explained(model), PRESETS[preset](), in_keys=["x"], out_keys=["y"])(
+        TensorDict(x=embeds, batch_size=[BATCH])
+    )
+    torch.testing.assert_close(from_ids["y"], from_embeds["y"])
+    assert relative_error(from_ids["relevance", "ids"], from_embeds["relevance", "x"].sum(-1)) <= 1e-12
+    if preset == "cplrp":
+        logit = from_ids["y"].max(-1).values
+        assert (from_ids["relevance", "ids"].sum(-1) - logit).abs().max() <= 1e-6 * logit.abs().max()

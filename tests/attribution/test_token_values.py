@@ -58,6 +58,29 @@ LOOKUPS = {
     "rows-of-eye": lambda ids, table: torch.eye(table.shape[0], dtype=table.dtype)[ids] @ table,
     "one-hot-scatter-into": lambda ids, table: one_hot_written(ids, table, scatter=True) @ table,
     "one-hot-set-into": lambda ids, table: one_hot_written(ids, table, scatter=False) @ table,
+    "one-hot-compared": lambda ids, table: (ids[..., None] == torch.arange(table.shape[0])).to(table.dtype) @ table,
+    "one-hot-torch.eq": lambda ids, table: torch.eq(torch.arange(table.shape[0]), ids.unsqueeze(-1)).double() @ table,
+    "one-hot-compared-linear": lambda ids, table: F.linear(
+        ids[..., None].eq(torch.arange(table.shape[0])).type(table.dtype), table.T
+    ),
+    "one-hot-compared-where": lambda ids, table: (
+        torch.where(
+            ids[..., None] == torch.arange(11),
+            torch.tensor(1.0, dtype=table.dtype),
+            torch.tensor(0.0, dtype=table.dtype),
+        )
+        @ table
+    ),
+    "one-hot-compared-transposed": lambda ids, table: (
+        (torch.arange(11)[:, None] == ids[:, None, :]).transpose(1, 2).double() @ table
+    ),
+    "one-hot-compared-sliced": lambda ids, table: (ids[..., None] == torch.arange(12))[..., :11].double() @ table,
+    "one-hot-compared-negated": lambda ids, table: (~(ids[..., None] != torch.arange(11))).double() @ table,
+    "one-hot-compared-masked": lambda ids, table: (
+        ((ids[..., None] == torch.arange(11)) & (ids > 0)[..., None]).double() @ table
+    ),
+    "thermometer-compared": lambda ids, table: (ids[..., None] >= torch.arange(table.shape[0])).double() @ table,
+    "bits-reinterpreted": lambda ids, table: table[ids.view(torch.float64).view(torch.int64)],
 }
 
 
@@ -151,6 +174,42 @@ def test_values_computed_from_the_ids_inside_their_embedding_and_positions_are_n
     embedded = net.embedding(td["tokens"]).detach()
     expected = (net.head(embedded * 2).sum(-1)).detach()  # linear in the embedding: its share of each output
     torch.testing.assert_close(td["relevance", "tokens"], expected, rtol=1e-10, atol=1e-12)
+
+
+class Masked(nn.Module):
+    """Token ids embedded, with what models compute from comparisons of them: a padding mask (``ids != 0``) and the
+    positions counted from it, a causal mask, a mask of special tokens (``(ids[..., None] == special).any(-1)``),
+    pairs of equal tokens, and the pooling at the last end-of-text token (``(ids == eos).int().argmax(-1)``, CLIP's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.positions, self.head = nn.Embedding(11, 6), nn.Embedding(6, 6), nn.Linear(6, 3, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        padding = tokens != 0
+        positions = padding.long().cumsum(1)
+        causal = torch.arange(tokens.shape[1])[:, None] >= torch.arange(tokens.shape[1])
+        special = (tokens[..., None] == torch.tensor([1, 2])).any(-1)
+        pairs = (tokens[:, :, None] == tokens[:, None, :]) & causal
+        h = (self.embedding(tokens) + self.positions(positions)) * (padding & ~special)[..., None].to(F64)
+        h = pairs.to(F64) @ h + causal.to(F64) @ h
+        last = (tokens == 10).int().argmax(-1)
+        return self.head(h[torch.arange(tokens.shape[0]), last])
+
+
+def test_masks_compared_from_token_ids_are_no_lookup_beside_their_embedding():
+    """Masks, positions and pooling from comparisons of the ids are not codes of them: the ids get the relevance of
+    their embedding, LRP-0 as gradient x input of the embedding's output (the model is linear in it)."""
+    torch.manual_seed(0)
+    net = Masked().to(F64)
+    td = explain_tokens(net, target=lambda y: y)
+    leaf = net.embedding(td["tokens"]).detach().requires_grad_()
+    handle = net.embedding.register_forward_hook(lambda module, args, out: leaf)
+    try:
+        (grad,) = torch.autograd.grad(net(td["tokens"]).sum(), leaf)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(td["relevance", "tokens"], (leaf * grad).sum(-1).detach(), rtol=1e-10, atol=1e-12)
 
 
 class Arithmetic(nn.Module):

@@ -4,9 +4,10 @@ The mark of token values (see :meth:`tdhook.attribution._tokens.TokenInputs.trac
 calls that keep their values (copies, views, concatenation); here are the others that still hold them in some form:
 element-wise arithmetic (``ids + 1``, ``ids % buckets``, ``ids.clamp(0, n)``), a round trip through a floating-point
 or another integer dtype (``ids.double().long()``, ``ids.float().round().long()``, ``ids.short()``), and a one-hot
-code (``F.one_hot(ids, n)``). A floating-point tensor that holds token values is marked too, so that its way back to
-integers keeps the mark, and a product of it with a weight (``F.one_hot(ids, n).float() @ table``, the ids fed to a
-layer as numbers) is a lookup of that weight by the ids.
+code (``F.one_hot(ids, n)``, or the ids compared with a set of values: ``ids[..., None] == torch.arange(n)``). A
+floating-point tensor that holds token values is marked too, so that its way back to integers keeps the mark, and a
+product of it with a weight (``F.one_hot(ids, n).float() @ table``, the ids fed to a layer as numbers) is a lookup of
+that weight by the ids.
 
 Looking for a marked operand reads Python attributes only: no torch call, which the model's function modes would
 see, and little cost on the many arithmetic calls of a model.
@@ -35,6 +36,7 @@ from tdhook.attribution.rules._autograd import from_parameters_alone
 
 __all__ = [
     "CODING",
+    "COMPARISONS",
     "COMPUTED",
     "PRODUCTS",
     "TEMPLATES",
@@ -66,6 +68,15 @@ COMPUTED = frozenset(
         "mode", "median", "take_along_dim", "unfold", "expand_as", "view_as", "reshape_as", "broadcast_to",
         "pow", "__pow__", "__rpow__", "square", "rsub", "true_divide", "bitwise_not", "__invert__", "scatter_add_",
         "scatter_reduce_", "index_add_", "index_put_",
+    }
+)  # fmt: skip
+# Comparisons, whose boolean result holds token values only as a code of them: the ids compared with a set of values
+# (``(ids[..., None] == torch.arange(n)).float() @ table``, a one-hot code); a mask of the ids' own places
+# (``ids != pad``, ``ids == eos``) holds none.
+COMPARISONS = frozenset(
+    {
+        "eq", "__eq__", "ne", "__ne__", "not_equal", "lt", "__lt__", "less", "le", "__le__", "less_equal", "gt",
+        "__gt__", "greater", "ge", "__ge__", "greater_equal",
     }
 )  # fmt: skip
 # Calls of ``COMPUTED`` with a template among their arguments, whose values they do not take: ``x.type_as(ids)``,

@@ -40,6 +40,7 @@ from tdhook.attribution._bag_rows import bag_of_rows
 from tdhook.attribution._embedding_tables import embedding_weights, embeddings_at_or_under, made_of, own_tables
 from tdhook.attribution._token_values import (
     CODING,
+    COMPARISONS,
     COMPUTED,
     PRODUCTS,
     TEMPLATES,
@@ -551,12 +552,19 @@ class _DerivedTokens(TorchFunctionMode):
         if name not in _KINDS:  # most calls do none of these: back at once (``in`` and ``[]`` make no Python call)
             return out
         kind = _KINDS[name]
+        if kind is _COMPARES:  # a code of the ids only where compared with a set of values (``ids[..., None] == r``)
+            index = marked_operand(args[:2], self._fed)
+            if index is not None:
+                with torch._C.DisableTorchFunction():  # a shape is read through the function modes
+                    _mark_code(out, args[:2], index, self._fed)
+            return out
         if kind is _COMPUTES:  # arithmetic or a conversion: looked at only where an operand holds token values
             taken = args if not kwargs and name not in TEMPLATES else taken_values(name, args, kwargs)
             index = marked_operand(taken, self._fed)
             if index is not None:
                 with torch._C.DisableTorchFunction():  # a dtype is read through the function modes
                     self._floats |= mark_values(out, index)
+                    _carry_code(out, taken, index)  # ``~code``, ``code & mask``
             return out
         if kind is _LOOKS:  # a lookup of rows by integers, or a write (rare: looked at in a call of its own)
             self._looked_up_or_written(name, args, kwargs, out)
@@ -570,9 +578,13 @@ class _DerivedTokens(TorchFunctionMode):
                 if index is not None:
                     for tensor in out if isinstance(out, (list, tuple)) else (out,):
                         _mark(tensor, index)
+            elif isinstance(out, torch.Tensor) and out.dtype == torch.bool:  # a code reshaped: ``code.transpose(1, 2)``
+                index = marked_operand(args[:1], self._fed)
+                if index is not None:
+                    _carry_code(out, args[:1], index)
             # A floating-point output holds token values where ids were converted (``ids.to(torch.float64)``), or
             # where it is carried on from one that holds them (only then are the model's reshapes looked at).
-            elif (self._floats or name == "to") and isinstance(out, torch.Tensor) and out.is_floating_point():
+            elif (self._floats or name in _CONVERTING) and isinstance(out, torch.Tensor) and out.is_floating_point():
                 index = marked_operand(args if self._floats else args[:1], self._fed)
                 if index is not None:
                     self._floats |= mark_values(out, index)
@@ -623,8 +635,13 @@ _INTEGERS = frozenset(
 _LOOKS = object()
 _CARRIES = object()
 _COMPUTES = object()  # arithmetic and conversions: most of them a model makes on activations, looked at cheaply
+_COMPARES = object()  # comparisons: a mask of the ids (``ids != pad``), or a code of them (see ``_mark_code``)
+# Carrying calls whose floating-point output, from the tensor they are called on, holds its token values: a conversion,
+# a bit reinterpretation (``ids.view(torch.float64)``), a choice by a code (``torch.where(code, 1.0, 0.0)``).
+_CONVERTING = frozenset({"to", "view", "where"})
 _KINDS = (
-    {name: _COMPUTES for name in COMPUTED}
+    {name: _COMPARES for name in COMPARISONS}
+    | {name: _COMPUTES for name in COMPUTED}
     | {name: _CARRIES for name in _CARRYING}
     | {name: _LOOKS for name in (*_LOOKUPS, *_WRITING)}
 )
@@ -687,6 +704,54 @@ def _mark(tensor: object, index: int) -> None:
         setattr(tensor, _DERIVED, index)
         if tensor._base is not None:  # a write into a view writes into its base
             setattr(tensor._base, _DERIVED, index)
+
+
+def _mark_code(out: object, operands: tuple, index: int, fed: Mapping[int, int]) -> None:
+    """Mark the boolean result ``out`` of a comparison of token values (among ``operands``, of explained input
+    ``index``) where it is a code of them: it spans more places than each marked operand, the ids compared with a
+    set of values (``ids[..., None] == torch.arange(n)``, a one-hot code). A mask of the same places as the ids
+    (``ids != pad``, ``ids == eos``) is none; to be called with the function modes off (a shape is read through them).
+
+    Examples:
+        >>> ids, values = torch.tensor([2, 0]), torch.arange(3)
+        >>> column = ids[:, None]
+        >>> code, mask, fed = column == values, ids != 0, {id(ids): 0, id(column): 0}
+        >>> _mark_code(code, (column, values), 0, fed)
+        >>> _mark_code(mask, (ids, 0), 0, fed)
+        >>> getattr(code, "_tdhook_tokens_of", None), getattr(mask, "_tdhook_tokens_of", None)
+        (0, None)
+    """
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+        return
+    marked = [
+        value
+        for value in operands
+        if isinstance(value, torch.Tensor) and (id(value) in fed or getattr(value, _DERIVED, None) is not None)
+    ]
+    if marked and all(out.numel() > value.numel() for value in marked):
+        setattr(out, _DERIVED, index)
+
+
+def _carry_code(out: object, operands: tuple, index: int) -> None:
+    """Mark the boolean ``out`` computed from ``operands`` (or one level of lists of them) where one of them is a
+    marked code of token ids (see :func:`_mark_code`), of explained input ``index``: a code reshaped, sliced, negated
+    or masked; to be called with the function modes off (a dtype is read through them).
+
+    Examples:
+        >>> code = torch.tensor([[False, True]])
+        >>> code._tdhook_tokens_of = 0
+        >>> moved = code.t()
+        >>> _carry_code(moved, (code,), 0)
+        >>> getattr(moved, "_tdhook_tokens_of", None)
+        0
+    """
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+        return
+    for value in operands:
+        for tensor in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.bool and hasattr(tensor, _DERIVED):
+                setattr(out, _DERIVED, index)
+                return
 
 
 def _with_input(args: tuple, kwargs: dict) -> tuple:
