@@ -178,7 +178,9 @@ def _mark(value: Any, name: str, default: Any = None) -> Any:
 def is_gate(value: Any) -> bool:
     """Whether ``value`` is a tensor marked as a gate (see :func:`mark_gate`); a view of a tensor written into in
     place, whether every element it shows is a gate now."""
-    return _mark(value, GATE_MARK) is not None
+    if GATE_MASKS_MADE:  # (no function call on the common path, where no in-place write changed a gate)
+        return _mark(value, GATE_MARK) is not None
+    return getattr(value, GATE_MARK, None) is not None
 
 
 def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = None) -> Any:
@@ -314,7 +316,7 @@ def held_factors(args: tuple, any_gate: bool = True) -> list[bool] | None:
     if len(args) != 2 or not (is_activation(args[0]) and is_activation(args[1])):
         return None
     # A sigmoid-like gate first (squeeze-excite: sigmoid(s) times an activation's output), then any gate.
-    gates = [_mark(a, SIGMOID_MARK, False) for a in args]
+    gates = [_mark(a, SIGMOID_MARK, False) if GATE_MASKS_MADE else getattr(a, SIGMOID_MARK, False) for a in args]
     if gates[0] == gates[1] and any_gate:
         gates = [is_gate(a) for a in args]
     return None if gates[0] == gates[1] else gates
