@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tdhook.attribution.rules._autograd import PARAMETER_DERIVED, hold, is_activation, scale_gradient
+from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN
 from tdhook.attribution.rules._held_statistics import statistic_factors
+from tdhook.attribution.rules._in_place_writes import note_gate_views
 from tdhook.attribution.rules.gates import GATE_MARK, SIGMOID_MARK, WEIGHTS_MARK, held_factors, weighing_factors
 
 if TYPE_CHECKING:
@@ -98,8 +100,19 @@ def product_in_place(
 
 
 def _no_gate(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` without the marks of a gate or a softmax's weights: a product of two activations is neither."""
-    tensor.__dict__.pop(GATE_MARK, None)
-    tensor.__dict__.pop(SIGMOID_MARK, None)
+    """``tensor`` without the marks of a gate or a softmax's weights, nor (a gate's) the tensor it views: a product of
+    two activations is none. Views of them taken before the product show none either (see :func:`~tdhook.attribution.rules._in_place_writes.
+    note_gate_views`; ``v = g[:, :2]``, then ``g.mul_(h)``, left ``v`` a gate, held in a product: 1.1 off, relative
+    L2, under AttnLRP)."""
     tensor.__dict__.pop(WEIGHTS_MARK, None)
+    root = tensor if tensor._base is None else tensor._base
+    if (
+        GATE_MARK in root.__dict__
+        or GATE_MARK in tensor.__dict__
+        or (GATE_MASKS_MADE and GATE_WRITTEN in root.__dict__)
+    ):
+        note_gate_views(tensor, None, None)
+        for written in (tensor, root):
+            written.__dict__.pop(GATE_MARK, None)
+            written.__dict__.pop(SIGMOID_MARK, None)
     return tensor

@@ -26,9 +26,11 @@ from tdhook.attribution.rules._activation_writes import (
     note_weight_written,
 )
 from tdhook.attribution.rules._autograd import PARAMETER_DERIVED, is_activation
+from tdhook.attribution.rules._detached_writes import DETACHED_FROM, raise_for_detached_write
+from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, gate_marks_shown, note_gate_written
 from tdhook.attribution.rules._written_regions import REPLACING, replaced_region, replaces
 
-__all__ = ["WRITES_IN_PLACE", "mark_written_in_place"]
+__all__ = ["WRITES_IN_PLACE", "gate_marks_of", "mark_written_in_place", "note_gate_views"]
 
 # The operators of the augmented assignments (``+=``, ``*=``, ``**=``, ...).
 _AUGMENTED = {
@@ -80,16 +82,66 @@ _SCALINGS_IN_PLACE = frozenset(
 )
 
 
-def _gate_written(func: Any, args: tuple, whole: bool, tensors: list[torch.Tensor]) -> None:
+def gate_marks_of(value: Any) -> dict:
+    """The gate marks of ``value`` (see :data:`GATE_MARKS`): for a view of a tensor an in-place write changed the
+    gate elements of, those of what it shows now (see :mod:`~tdhook.attribution.rules._gate_writes`), else its own.
+
+    Examples:
+        >>> gate_marks_of(torch.ones(2))
+        {}
+    """
+    if not isinstance(value, torch.Tensor):
+        return {}
+    shown = gate_marks_shown(value) if GATE_MASKS_MADE else None
+    if shown is not None:
+        return shown
+    own = value.__dict__
+    return {mark: own[mark] for mark in GATE_MARKS if mark in own} if GATE_MARKS[0] in own else {}
+
+
+def note_gate_views(target: torch.Tensor, region: torch.Tensor | None, marks: dict | None) -> None:
+    """Before an in-place write makes the elements ``region`` (a mask of ``target``'s shape; ``None``: all) of
+    ``target`` a gate with the marks ``marks`` (``None``: no gate), note it for the views of ``target``'s tensor, where
+    any may exist (see :func:`~tdhook.attribution.rules._gate_writes.note_gate_written`): a view taken before the write
+    then shows a gate where every element it shows is one, whatever its own marks.
+
+    Examples:
+        >>> x = torch.ones(2, 3, requires_grad=True)
+        >>> gate = torch.sigmoid(x) * 1
+        >>> gate.__dict__.update(_tdhook_activation_of=x, _tdhook_sigmoid_gate=True)
+        >>> row = gate[0]
+        >>> row.__dict__.update(_tdhook_activation_of=x, _tdhook_sigmoid_gate=True)  # a view of the gate
+        >>> note_gate_views(gate, torch.tensor([[True] * 3, [False] * 3]), None)  # an activation over row 0 next
+        >>> gate_marks_of(row), bool(gate_marks_of(gate[1]))
+        ({}, True)
+    """
+    base = target._base
+    root = target if base is None else base
+    if base is None and not (GATE_MASKS_MADE and GATE_WRITTEN in root.__dict__) and not _maybe_viewed(root):
+        return
+    own = root.__dict__
+    before = {mark: own[mark] for mark in GATE_MARKS if mark in own} if GATE_MARKS[0] in own else None
+    note_gate_written(target, region, marks, before)
+
+
+def _gate_written(func: Any, args: tuple, kwargs: dict, whole: bool, tensors: list[torch.Tensor]) -> None:
     """Give ``tensors`` (the tensor written into, and the tensor it views) the gate marks of what the write made of
     them: none after a write into a gate (``g.copy_(h)``, ``g.add_(h)``; it kept its marks, and a product held it
     constant: 1.0 off, relative L2, under AttnLRP), but a scaling by a positive number; a gate's, where one replaced
-    every element (``c.copy_(g)``), on each tensor it covers whole."""
+    every element (``c.copy_(g)``), on each tensor it covers whole. The views of them that may exist are noted (see
+    :func:`note_gate_views`): a gate where a gate's values replaced their elements, none where the write reached."""
     value = args[2] if func is torch.Tensor.__setitem__ else args[1] if len(args) > 1 else None
     positive = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
     if func in _SCALINGS_IN_PLACE and positive and len(args) == 2:
         return
-    marks = value.__dict__ if whole and isinstance(value, torch.Tensor) and GATE_MARKS[0] in value.__dict__ else {}
+    written = gate_marks_of(value)
+    replacing = replaces(func, args, kwargs)
+    try:
+        region = replaced_region(func, args, kwargs) if replacing and not whole else None
+    except (RuntimeError, NotImplementedError, IndexError, TypeError, ValueError):  # indices a transform wraps
+        region, written = None, {}  # no gate left where the write reaches
+    note_gate_views(tensors[0], region, written if written and (replacing or whole) else None)
+    marks = written if whole else {}
     for tensor in tensors:
         covered = tensor is tensors[0] or tensor.numel() == tensors[0].numel()
         for mark in GATE_MARKS:
@@ -149,10 +201,16 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     marked = bool(getattr(target, PARAMETER_DERIVED, False))
     root = target if base is None else base
     masked = bool(MASKS_MADE) and ACTIVATION_WRITTEN in root.__dict__
-    gated = GATE_MARKS[0] in target.__dict__ or (base is not None and GATE_MARKS[0] in base.__dict__)
+    gated = (
+        GATE_MARKS[0] in target.__dict__
+        or GATE_MARKS[0] in root.__dict__
+        or (bool(GATE_MASKS_MADE) and GATE_WRITTEN in root.__dict__)
+    )
     if base is None and requires_grad and not marked and func not in REPLACING and not masked and not gated:
         # an activation written into in part (``relu_``, ``out += identity``): it stays one, nothing to mark
         return func(*args, **kwargs)
+    if not requires_grad and DETACHED_FROM in root.__dict__:  # ``c.detach().copy_(w)``: autograd does not see it
+        raise_for_detached_write(func, args, kwargs, root.__dict__[DETACHED_FROM], is_activation)
     replacing = replaces(func, args, kwargs)
     if MASKS_MADE:  # what the tensor showed, read before the write (``as_strided_`` changes what it shows)
         target.__dict__.pop(SHOWN, None)
@@ -175,8 +233,9 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     # Views of the tensor may exist (``v = c[:, :2]``), which a write into part of it reaches.
     viewed = masked or base is not None or ((any(constant) or (replacing and root_activation)) and _maybe_viewed(root))
     result = func(*args, **kwargs)
-    if gated or whole:
-        _gate_written(func, args, whole, targets)
+    value = args[2] if func is torch.Tensor.__setitem__ else args[1] if len(args) > 1 else None
+    if gated or whole or (replacing and isinstance(value, torch.Tensor) and gate_marks_of(value)):
+        _gate_written(func, args, kwargs, whole, targets)  # a gate's elements written: its marks, its views'
     # Those with autograd history now (a constant written into without gradient, in a rule's own work, has none).
     judged = [
         tensor

@@ -48,8 +48,9 @@ from tdhook.attribution.rules._clips import (
     clip_passing,
     clips_a_signal,
 )
+from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, note_gate_written
 from tdhook.attribution.rules._held_norm_calls import NORMALIZING_CALLS, HeldNormCalls, normalized_inputs
-from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_written_in_place
+from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, gate_marks_of, mark_written_in_place
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._means_apart import STATISTICS_AND_MEANS, mean_apart
@@ -163,11 +164,24 @@ def mark_gate(tensor: torch.Tensor, source: torch.Tensor, sigmoid: bool = False)
     setattr(tensor, GATE_MARK, source)
     if sigmoid:
         setattr(tensor, SIGMOID_MARK, True)
+    if GATE_MASKS_MADE and tensor._base is not None:  # a view of a tensor written into: its elements a gate now
+        note_gate_written(tensor, None, {GATE_MARK: source, SIGMOID_MARK: True} if sigmoid else {GATE_MARK: source})
     return tensor
 
 
+def _mark(value: Any, name: str, default: Any = None) -> Any:
+    """The gate mark ``name`` of ``value``: for a view of a tensor an in-place write changed the gate elements of,
+    that of what it shows now (see :func:`~tdhook.attribution.rules._in_place_writes.gate_marks_of`)."""
+    if GATE_MASKS_MADE:
+        return gate_marks_of(value).get(name, default)
+    return getattr(value, name, default)
+
+
 def is_gate(value: Any) -> bool:
-    """Whether ``value`` is a tensor marked as a gate (see :func:`mark_gate`)."""
+    """Whether ``value`` is a tensor marked as a gate (see :func:`mark_gate`); a view of a tensor written into in
+    place, whether every element it shows is a gate now."""
+    if GATE_MASKS_MADE:  # (no function call on the common path, where no in-place write changed a gate)
+        return _mark(value, GATE_MARK) is not None
     return getattr(value, GATE_MARK, None) is not None
 
 
@@ -185,21 +199,21 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
     """
     same_values = func in SAME_VALUES or (func in GATE_RESIZES and _convex_resize(args, kwargs or {}))
     if same_values and args and is_gate(args[0]) and isinstance(result, torch.Tensor):
-        mark_gate(result, getattr(args[0], GATE_MARK), sigmoid=getattr(args[0], SIGMOID_MARK, False))
+        mark_gate(result, _mark(args[0], GATE_MARK), sigmoid=_mark(args[0], SIGMOID_MARK, False))
     elif func in GATE_SPLITS and args and is_gate(args[0]) and isinstance(result, (tuple, list)):
         for piece in result:
             if isinstance(piece, torch.Tensor):
-                mark_gate(piece, getattr(args[0], GATE_MARK), sigmoid=getattr(args[0], SIGMOID_MARK, False))
-    elif func in GATE_COMPLEMENTS and len(args) == 2 and _is_one(args[1]) and getattr(args[0], SIGMOID_MARK, False):
+                mark_gate(piece, _mark(args[0], GATE_MARK), sigmoid=_mark(args[0], SIGMOID_MARK, False))
+    elif func in GATE_COMPLEMENTS and len(args) == 2 and _is_one(args[1]) and _mark(args[0], SIGMOID_MARK, False):
         if isinstance(result, torch.Tensor):  # 1 - sigmoid(s) = sigmoid(-s): a gate in [0, 1] as well
-            mark_gate(result, getattr(args[0], GATE_MARK), sigmoid=True)
+            mark_gate(result, _mark(args[0], GATE_MARK), sigmoid=True)
     elif func in GATE_SCALINGS and len(args) == 2 and is_gate(args[0]) and _is_positive(args[1]):
         if isinstance(result, torch.Tensor):  # relu6(s + 3) / 6: a gate divided by a positive number
-            mark_gate(result, getattr(args[0], GATE_MARK), sigmoid=getattr(args[0], SIGMOID_MARK, False))
+            mark_gate(result, _mark(args[0], GATE_MARK), sigmoid=_mark(args[0], SIGMOID_MARK, False))
     elif func in GATE_MULTIPLICATIONS and len(args) == 2 and isinstance(result, torch.Tensor):
         gate, factor = args if is_gate(args[0]) else args[::-1]
         if is_gate(gate) and not is_gate(factor) and _is_positive_constant(factor):  # 2 * sigmoid(s)
-            mark_gate(result, getattr(gate, GATE_MARK), sigmoid=getattr(gate, SIGMOID_MARK, False))
+            mark_gate(result, _mark(gate, GATE_MARK), sigmoid=_mark(gate, SIGMOID_MARK, False))
     if args and getattr(args[0], WEIGHTS_MARK, False) and (same_values or func in GATE_SPLITS):
         for piece in result if isinstance(result, (tuple, list)) else (result,):  # a softmax's weights, reshaped
             if isinstance(piece, torch.Tensor):
@@ -304,7 +318,7 @@ def held_factors(args: tuple, any_gate: bool = True) -> list[bool] | None:
     if len(args) != 2 or not (is_activation(args[0]) and is_activation(args[1])):
         return None
     # A sigmoid-like gate first (squeeze-excite: sigmoid(s) times an activation's output), then any gate.
-    gates = [getattr(a, SIGMOID_MARK, False) for a in args]
+    gates = [_mark(a, SIGMOID_MARK, False) if GATE_MASKS_MADE else getattr(a, SIGMOID_MARK, False) for a in args]
     if gates[0] == gates[1] and any_gate:
         gates = [is_gate(a) for a in args]
     return None if gates[0] == gates[1] else gates

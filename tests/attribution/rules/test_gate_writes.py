@@ -1,0 +1,147 @@
+"""Views of a gate, or of a tensor a gate is written into, taken before an in-place write (float64).
+
+A view keeps the gate marks it had when it was taken; after the write it shows what the write made of its
+elements. ``v = c[:, :2]`` of a gate ``c``, then ``c.copy_(h)`` or ``c.mul_(h)``, is no gate (it stayed one, and a
+product held it constant: 1.0 and 1.1 off, relative L2, under AttnLRP); ``v`` of an activation, then a gate's values
+copied over it, is a gate (it was none: 15.3 off). Oracle: the same model written out of place.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tdhook.attribution import CPLRP, AttnLRP, EpsilonPlus
+from tdhook.attribution.rules._gate_writes import gate_marks_shown, note_gate_written
+from tdhook.attribution.rules._in_place_writes import gate_marks_of
+from tdhook.attribution.rules.gates import HeldGates, is_gate
+from tests.attribution.rules.test_activation_writes import _explained
+
+
+def _gate_viewed_then_copied_over(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = g.clone()
+    v = c[:, :2]
+    c.copy_(h * 1)  # every element an activation's: v shows no gate
+    return h[:, 2:4] * v
+
+
+def _activation_viewed_then_gate_copied(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    v = c[:, :2]
+    c.copy_(g)  # every element a gate's: v shows one
+    return h[:, 2:4] * v
+
+
+def _activation_viewed_then_gate_set_in_part(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    v, rest = c[:, :2], c[:, 2:4]
+    c[:, :2] = g[:, :2]  # v shows a gate, rest an activation still
+    return h[:, 2:4] * v + rest * g[:, 2:4]
+
+
+def _gate_viewed_then_set_in_part(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = g.clone()
+    v, rest = c[:, :2], c[:, 2:4]
+    c[:, :2] = h[:, :2] * 1  # v shows an activation, rest a gate still
+    return h[:, 2:4] * v + h[:, 4:6] * rest
+
+
+def _gate_viewed_then_multiplied(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = g.clone()
+    v = c[:, :2]
+    c.mul_(h)  # a product of two activations: no gate
+    return h[:, 2:4] * v
+
+
+def _gate_multiplied(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = g.clone()
+    c.mul_(h)
+    return h[:, 2:4] * c[:, :2]
+
+
+def _gate_viewed_then_multiplied_through_the_view(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = g.clone()
+    v, w = c[:, :2], c[:, :3]
+    v.mul_(h[:, :2])  # written through one view: the other shows it, and c is no gate
+    return (h[:, 2:5] * w).sum(1, keepdim=True) + c * h
+
+
+def _gate_viewed_then_scaled(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = g.clone()
+    v = c[:, :2]
+    c.mul_(2)  # a gate still
+    return h[:, 2:4] * v
+
+
+# Each form, with the same computation out of place (``s`` a learned scalar, ``h`` an activation, ``g`` a gate).
+FORMS = {
+    "v = g.clone()[:, :2]; c.copy_(h)": (_gate_viewed_then_copied_over, lambda s, h, g: h[:, 2:4] * (h[:, :2] * 1)),
+    "v = h.clone()[:, :2]; c.copy_(g)": (_activation_viewed_then_gate_copied, lambda s, h, g: h[:, 2:4] * g[:, :2]),
+    "v = h.clone()[:, :2]; c[:, :2] = g[:, :2]": (
+        _activation_viewed_then_gate_set_in_part,
+        lambda s, h, g: h[:, 2:4] * g[:, :2] + h[:, 2:4] * g[:, 2:4],
+    ),
+    "v = g.clone()[:, :2]; c[:, :2] = h[:, :2]": (
+        _gate_viewed_then_set_in_part,
+        lambda s, h, g: h[:, 2:4] * (h[:, :2] * 1) + h[:, 4:6] * g[:, 2:4],
+    ),
+    "v = g.clone()[:, :2]; c.mul_(2)": (_gate_viewed_then_scaled, lambda s, h, g: h[:, 2:4] * (2 * g)[:, :2]),
+}
+# Written by an in-place product: AttnLRP and CP-LRP give it the rule of ``g * h`` (see _in_place_products).
+PRODUCTS = {
+    "v = g.clone()[:, :2]; c.mul_(h)": (_gate_viewed_then_multiplied, lambda s, h, g: h[:, 2:4] * (g * h)[:, :2]),
+    "v = g.clone()[:, :2]; v.mul_(h[:, :2])": (
+        _gate_viewed_then_multiplied_through_the_view,
+        lambda s, h, g: (
+            (h[:, 2:5] * torch.cat([g[:, :2] * h[:, :2], g[:, 2:3]], 1)).sum(1, keepdim=True)
+            + torch.cat([g[:, :2] * h[:, :2], g[:, 2:]], 1) * h
+        ),
+    ),
+}
+
+
+def _assert_relevance_equal(in_place, out_of_place, preset) -> None:
+    """(The relevance only: under the CNN presets the coverage names the sigmoid of a gate overwritten whole, which
+    the graph still reaches, with a gradient of zero.)"""
+    relevance, _ = _explained(in_place, preset)
+    expected, _ = _explained(out_of_place, preset)
+    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP, EpsilonPlus], ids=lambda p: p.__name__)
+@pytest.mark.parametrize("name", sorted(FORMS))
+def test_a_view_shows_what_a_write_made_of_a_gate(name: str, preset):
+    _assert_relevance_equal(*FORMS[name], preset)
+
+
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP], ids=lambda p: p.__name__)
+@pytest.mark.parametrize("name", sorted(PRODUCTS))
+def test_a_view_of_a_gate_written_by_a_product_shows_no_gate(name: str, preset):
+    _assert_relevance_equal(*PRODUCTS[name], preset)
+
+
+def test_a_view_of_a_gate_written_by_a_product_as_the_gate_itself_under_the_cnn_presets():
+    """The CNN presets leave a gate written into by its signal (``g.mul_(h)``) its plain gradient: a view of it
+    taken before the write is explained as the tensor itself is after it."""
+    _assert_relevance_equal(_gate_viewed_then_multiplied, _gate_multiplied, EpsilonPlus)
+
+
+def test_the_marks_of_a_view_follow_the_writes_into_its_tensor():
+    x = torch.randn(2, 4, requires_grad=True)
+    with HeldGates():
+        c = torch.sigmoid(x * 1).clone()
+        left, right, row = c[:, :2], c[:, 2:], c[0]
+        assert is_gate(left) and is_gate(right) and is_gate(row)
+        c[:, :2] = x[:, :2] * 3
+        assert not is_gate(left) and is_gate(right) and not is_gate(row) and not is_gate(c)
+        c[:, :2] = torch.sigmoid(x[:, :2] * 1)
+        assert is_gate(left) and is_gate(right) and is_gate(row)
+
+
+def test_a_view_without_a_write_noted_keeps_its_own_marks():
+    x = torch.ones(2, 3, requires_grad=True)
+    c = x * 1
+    note_gate_written(c, None, {"_tdhook_activation_of": x, "_tdhook_sigmoid_gate": True})
+    assert gate_marks_shown(c) is None  # no view: its own marks tell
+    assert gate_marks_of(c[1:])["_tdhook_activation_of"] is x
+    assert gate_marks_shown((x * 2)[1:]) is None
