@@ -101,9 +101,9 @@ def product_in_place(
 
 def _no_gate(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` without the marks of a gate or a softmax's weights, nor (a gate's) the tensor it views: a product of
-    two activations is none. Views of them taken before the product show none either (see :func:`~tdhook.attribution.rules._in_place_writes.
-    note_gate_views`; ``v = g[:, :2]``, then ``g.mul_(h)``, left ``v`` a gate, held in a product: 1.1 off, relative
-    L2, under AttnLRP)."""
+    two activations is none. Views of them taken before the product show none either (see
+    :func:`~tdhook.attribution.rules._in_place_writes.note_gate_views`; ``v = g[:, :2]``, then ``g.mul_(h)``, left
+    ``v`` a gate, held in a product: 1.1 off, relative L2, under AttnLRP)."""
     tensor.__dict__.pop(WEIGHTS_MARK, None)
     root = tensor if tensor._base is None else tensor._base
     if (
