@@ -561,7 +561,7 @@ def mark_parameter_derived(args: tuple, result: Any, func: Any = None) -> Any:
     if isinstance(result, torch.Tensor):
         if not result.requires_grad:
             if func in DETACHING:  # ``c.detach()``, ``c.data``: an alias, whose writes autograd does not see
-                note_detached(args, result, is_activation)
+                note_detached(args, result)
             return result
         outputs = (result,)
     elif isinstance(result, (tuple, list)):  # the pieces of chunk, split or unbind, topk's values

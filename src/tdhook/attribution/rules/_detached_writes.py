@@ -19,8 +19,7 @@ __all__ = ["DETACHED_FROM", "DETACHING", "note_detached", "raise_for_detached_wr
 
 #: the calls that give a tensor's values without its autograd history: an alias of its storage
 DETACHING = frozenset({torch.Tensor.detach, torch.detach, torch.Tensor.data.__get__})
-# On such an alias of a tensor with autograd history: whether that tensor is an activation (not the tensor: the
-# alias would keep it alive).
+# On such an alias of a tensor with autograd history: that tensor.
 DETACHED_FROM = "_tdhook_detached_from"
 # In-place methods that write no values into the storage (its shape, strides, flags: ``requires_grad_``,
 # ``unsqueeze_``, ``as_strided_``; or another storage, ``set_``).
@@ -34,38 +33,36 @@ _NO_VALUES_WRITTEN = frozenset(
 )
 
 
-def note_detached(args: tuple, alias: torch.Tensor, is_activation: Callable[[Any], bool]) -> None:
+def note_detached(args: tuple, alias: torch.Tensor) -> None:
     """Mark ``alias``, the result of a call of :data:`DETACHING` on ``args[0]``, as an alias of it where ``args[0]``
-    has autograd history (a parameter's ``.data`` is not marked: it has none), with whether it is an activation
-    (``is_activation`` tells).
+    has autograd history (a parameter's ``.data`` is not marked: it has none).
 
     Examples:
         >>> c = torch.ones(2, requires_grad=True) * 2
         >>> alias = c.detach()
-        >>> note_detached((c,), alias, lambda tensor: True)
-        >>> getattr(alias, DETACHED_FROM)
+        >>> note_detached((c,), alias)
+        >>> getattr(alias, DETACHED_FROM) is c
         True
     """
     source = args[0] if args else None
     if isinstance(source, torch.Tensor) and source.grad_fn is not None:
-        setattr(alias, DETACHED_FROM, is_activation(source))
+        setattr(alias, DETACHED_FROM, source)
 
 
 def raise_for_detached_write(
-    func: Any, args: tuple, kwargs: dict, source_activation: bool, is_activation: Callable[[Any], bool]
+    func: Any, args: tuple, kwargs: dict, source: torch.Tensor, is_activation: Callable[[Any], bool]
 ) -> None:
-    """Raise for ``func(*args, **kwargs)``, an in-place write into an alias (see :func:`note_detached`), where it writes
-    values and the tensor aliased is an activation (``source_activation``) or an activation is written
-    (``is_activation`` tells). A
+    """Raise for ``func(*args, **kwargs)``, an in-place write into an alias of ``source`` (see :func:`note_detached`),
+    where it writes values and ``source`` is an activation or an activation is written (``is_activation`` tells). A
     weight's values written over a weight leave it one (``c.detach().mul_(2)``), and pass.
 
     Examples:
         >>> from tdhook.attribution.rules._autograd import is_activation, mark_parameter_derived
         >>> weight = torch.nn.Parameter(torch.ones(2))
         >>> c = mark_parameter_derived((weight,), weight * 2)  # a weight, to the rules
-        >>> raise_for_detached_write(torch.Tensor.mul_, (c.detach(), 2), {}, False, is_activation)  # passes
+        >>> raise_for_detached_write(torch.Tensor.mul_, (c.detach(), 2), {}, c, is_activation)  # passes
         >>> h = torch.ones(2, requires_grad=True) * 2  # an activation
-        >>> raise_for_detached_write(torch.Tensor.mul_, (h.detach(), 2), {}, True, is_activation)  # doctest: +ELLIPSIS
+        >>> raise_for_detached_write(torch.Tensor.mul_, (h.detach(), 2), {}, h, is_activation)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         RuntimeError: LRP: mul_ writes in place into a detached alias ...
@@ -78,7 +75,7 @@ def raise_for_detached_write(
         for tensor in (arg if isinstance(arg, (list, tuple)) else (arg,))
         if isinstance(tensor, torch.Tensor)
     ]
-    if source_activation or any(is_activation(tensor) for tensor in written):
+    if is_activation(source) or any(is_activation(tensor) for tensor in written):
         name = getattr(func, "__name__", repr(func))
         raise RuntimeError(
             f"LRP: {name} writes in place into a detached alias (`c.detach()`, `c.data`) of a tensor with autograd "
