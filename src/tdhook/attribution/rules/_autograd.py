@@ -39,7 +39,6 @@ from torch import nn
 from torch.nn import Parameter
 
 from tdhook.attribution.rules._activation_writes import MASKS_MADE, PARAMETER_DERIVED, marked_parameter_derived
-from tdhook.attribution.rules._detached_writes import DETACHING, note_detached
 from tdhook.attribution.rules._keeping_graph import RelevancePass, graph_kept
 from tdhook.attribution.rules._numerics import carrying_gradient
 from tdhook.attribution.rules._recomputed import error_in_running_module
@@ -560,8 +559,6 @@ def mark_parameter_derived(args: tuple, result: Any, func: Any = None) -> Any:
         return result
     if isinstance(result, torch.Tensor):
         if not result.requires_grad:
-            if func in DETACHING:  # ``c.detach()``, ``c.data``: an alias, whose writes autograd does not see
-                note_detached(args, result)
             return result
         outputs = (result,)
     elif isinstance(result, (tuple, list)):  # the pieces of chunk, split or unbind, topk's values

@@ -26,7 +26,6 @@ from tdhook.attribution.rules._activation_writes import (
     note_weight_written,
 )
 from tdhook.attribution.rules._autograd import PARAMETER_DERIVED, is_activation
-from tdhook.attribution.rules._detached_writes import DETACHED_FROM, raise_for_detached_write
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, gate_marks_shown, note_gate_written
 from tdhook.attribution.rules._written_regions import REPLACING, replaced_region, replaces
 
@@ -209,8 +208,6 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     if base is None and requires_grad and not marked and func not in REPLACING and not masked and not gated:
         # an activation written into in part (``relu_``, ``out += identity``): it stays one, nothing to mark
         return func(*args, **kwargs)
-    if not requires_grad and DETACHED_FROM in root.__dict__:  # ``c.detach().copy_(w)``: autograd does not see it
-        raise_for_detached_write(func, args, kwargs, root.__dict__[DETACHED_FROM], is_activation)
     replacing = replaces(func, args, kwargs)
     if MASKS_MADE:  # what the tensor showed, read before the write (``as_strided_`` changes what it shows)
         target.__dict__.pop(SHOWN, None)
