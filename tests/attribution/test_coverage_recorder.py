@@ -15,7 +15,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from tdhook.attribution import LRP, AttnLRP, BaseRuleMapper, EpsilonPlus, IgnoreRule
+from tdhook.attribution import CPLRP, LRP, AttnLRP, BaseRuleMapper, EpsilonPlus, IgnoreRule
 
 F64 = torch.float64
 
@@ -112,3 +112,31 @@ def test_the_share_of_an_output_of_the_batchs_shape_alone_is_per_sample(batch: t
     share = lrp.coverage().reached
     assert share.shape == batch
     torch.testing.assert_close(share, torch.ones(batch, dtype=F64), rtol=1e-10, atol=1e-12)
+
+
+class SineBlock(nn.Module):
+    """``head(sin(x @ W))`` with ``sin`` in the container's own forward: no rule of any preset covers it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 4))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.sin(x @ self.weight))
+
+
+@pytest.mark.parametrize(
+    ("mapper", "advised"), [(EpsilonPlus, True), (BaseRuleMapper, True), (AttnLRP, False), (CPLRP, False)]
+)
+def test_an_uncovered_call_advises_the_function_rule_presets_only_where_they_are_not_in_use(mapper, advised: bool):
+    # Under AttnLRP or CPLRP the advice "use a preset whose function rules cover it (AttnLRP, CPLRP)" named the
+    # preset already in use (seen on FunnelForPreTraining's inline tanh-GELU, whose pow no rule covers).
+    torch.manual_seed(0)
+    lrp = LRP(SineBlock().double(), mapper(), in_keys=["x"], out_keys=["y"])
+    with pytest.warns(UserWarning, match="computes sin in its own forward") as caught:
+        lrp(TensorDict(x=torch.randn(5, 3, dtype=F64), batch_size=[5]))
+    messages = [str(w.message) for w in caught if "computes sin" in str(w.message)]
+    assert len(messages) == 1
+    assert ("(AttnLRP, CPLRP)" in messages[0]) is advised
+    assert "lrp.coverage() lists every such call" in messages[0]

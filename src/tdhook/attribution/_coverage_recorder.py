@@ -22,6 +22,7 @@ from tdhook.attribution._unmerged_norms import layer_rules_merging, report_unmer
 from tdhook.attribution.coverage import Coverage, PlainGradientCall, reached_share
 from tdhook.attribution.rules.base import RemovableRuleHandle
 from tdhook.attribution.rules.basic import IgnoreRule
+from tdhook.attribution.rules.functional import FunctionalRules
 from tdhook.attribution.targets import EveryUnit
 
 __all__ = ["CoverageRecorder"]
@@ -34,6 +35,7 @@ class CoverageRecorder:
         self._pending = True
         self._plain_gradient: tuple[PlainGradientCall, ...] = ()
         self._last_call: tuple[int, list, list[torch.Tensor]] | None = None
+        self._function_rules = False
 
     @property
     def watching(self) -> bool:
@@ -60,6 +62,7 @@ class CoverageRecorder:
         merging = layer_rules_merging(h for h in handles if h.module is not None and id(h.module) in ruled)
         # Modules the caller mapped to IgnoreRule (a recurrent layer, a block): their plain gradient is asked for.
         plain = {id(h.module) for h in handles if h.module is not None and _asks_plain_gradient(h.rule)}
+        self._function_rules = any(isinstance(mode, FunctionalRules) for mode in rule_modes)
         watch = NonlinearCalls(rule_modes, self._watch_again).watch(modules, ruled, merging, plain)
         return modes.enter_context(watch)
 
@@ -77,7 +80,7 @@ class CoverageRecorder:
         strict = bool(getattr(mapper, "strict", False))
         # Watched only once the whole report is out: after a strict error, or a warning that the caller's filter
         # turned into one (warnings.simplefilter("error")), the next call checks and warns again.
-        plain = report_plain_gradient(calls.found(targets), modules, strict)
+        plain = report_plain_gradient(calls.found(targets), modules, strict, self._function_rules)
         first = calls.found_first_layers(targets)
         layers = report_unmapped_layers(calls.found_layers(targets), modules, mapper, strict, first=first)
         norms = report_unmerged_norms(calls.found_unmerged_norms(targets), modules, strict)

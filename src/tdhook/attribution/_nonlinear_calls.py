@@ -640,7 +640,10 @@ _NAMED_APART = frozenset({STRAIGHT_THROUGH, GRADIENT_SCALING, OFFSET_PRODUCT})
 
 
 def report_plain_gradient(
-    found: Mapping[str, Mapping[str, int]], modules: Mapping[str, nn.Module], strict: bool
+    found: Mapping[str, Mapping[str, int]],
+    modules: Mapping[str, nn.Module],
+    strict: bool,
+    function_rules: bool = False,
 ) -> tuple[PlainGradientCall, ...]:
     """The calls :class:`NonlinearCalls` found, as a report; a warning per module, or an error with ``strict``.
 
@@ -648,6 +651,7 @@ def report_plain_gradient(
         found: what :meth:`NonlinearCalls.found` returns.
         modules: the model's modules by name.
         strict: raise instead of warning.
+        function_rules: the mapper's function rules (AttnLRP's, CPLRP's) ran: no other preset is advised.
 
     Raises:
         ValueError: ``strict`` and a module computes a nonlinear function that no rule covers.
@@ -700,8 +704,9 @@ def report_plain_gradient(
             messages.append(
                 f"LRP: {where}{kind} computes {', '.join(curved)} in its own forward, which is not piecewise "
                 "linear, and no rule covers it: its plain gradient is used. Map the module in rule_mapper (for "
-                "example PassRule for an element-wise activation, UniformRule or IgnoreRule), or use a preset whose "
-                "function rules cover it (AttnLRP, CPLRP); lrp.coverage() lists every such call"
+                "example PassRule for an element-wise activation, UniformRule or IgnoreRule)"
+                + ("" if function_rules else ", or use a preset whose function rules cover it (AttnLRP, CPLRP)")
+                + "; lrp.coverage() lists every such call"
             )
         if operators:
             messages.append(
