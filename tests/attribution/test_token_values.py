@@ -74,6 +74,11 @@ LOOKUPS = {
     "one-hot-compared-transposed": lambda ids, table: (
         (torch.arange(11)[:, None] == ids[:, None, :]).transpose(1, 2).double() @ table
     ),
+    "one-hot-compared-mT": lambda ids, table: (torch.arange(11)[:, None] == ids[:, None, :]).mT.double() @ table,
+    "one-hot-compared-T": lambda ids, table: (torch.arange(11)[:, None, None] == ids.T[None]).T.double() @ table,
+    "ids-T": lambda ids, table: table[ids.T.T],
+    "ids-mT": lambda ids, table: table[ids.mT.mT],
+    "ids-data": lambda ids, table: table[ids.data + 0],
     "one-hot-compared-sliced": lambda ids, table: (ids[..., None] == torch.arange(12))[..., :11].double() @ table,
     "one-hot-compared-negated": lambda ids, table: (~(ids[..., None] != torch.arange(11))).double() @ table,
     "one-hot-compared-masked": lambda ids, table: (

@@ -479,14 +479,14 @@ class TokenInputs:
 
 _DERIVED = "_tdhook_tokens_of"
 # Operations whose integer output holds token values of an integer input (not positions or counts computed from
-# them, as RoBERTa's positions are: ``ne``, ``cumsum`` and products are not among them).
+# them, as RoBERTa's positions are: ``ne``, ``cumsum`` and products are not among them); ``__get__``: a property.
 _CARRYING = frozenset(
     {
         "__getitem__", "clone", "contiguous", "detach", "to", "long", "int", "cat", "concat", "concatenate",
         "stack", "hstack", "vstack", "roll", "flip", "narrow", "select", "index_select", "gather", "take",
         "masked_fill", "where", "repeat", "repeat_interleave", "expand", "tile", "unsqueeze", "squeeze",
         "transpose", "permute", "t", "flatten", "unflatten", "view", "reshape", "split", "chunk", "unbind",
-        "tensor_split", "movedim", "pad", "cpu", "cuda",
+        "tensor_split", "movedim", "pad", "cpu", "cuda", "__get__",
     }
 )  # fmt: skip
 # Lookups of rows of a table by integer ids: the position of the table among the arguments.
@@ -549,7 +549,9 @@ class _DerivedTokens(TorchFunctionMode):
             met = weight_met(args, kwargs, self._fed)
             if met is not None:
                 self._tables.append((*met, tuple(self._inside), None))
-        if name not in _KINDS:  # most calls do none of these: back at once (``in`` and ``[]`` make no Python call)
+        # Most calls do none of these: back at once (``in`` and ``[]`` make no Python call); of a property's
+        # ``__get__``, only a tensor (``code.mT``, ``ids.data``) carries the values.
+        if name not in _KINDS or (name == "__get__" and not isinstance(out, torch.Tensor)):
             return out
         kind = _KINDS[name]
         if kind is _COMPARES:  # a code of the ids only where compared with a set of values (``ids[..., None] == r``)
