@@ -2,8 +2,9 @@
 
 A callable target of 1 on the outputs of a model without biases whose input is near 1e-3 puts ``R / y`` near 1e4
 on the output, and the ε-rule sends ``R / ε`` (1e6) through the layer at outputs too small to carry it: float16
-(largest value 65504) overflowed, and the relevance of whole samples came out NaN. The wrapper runs such a pass again
-with the target's relevance scaled by a power of two and divides it back in float32.
+(largest value 65504) overflowed, and the relevance of whole samples came out NaN (under γ, which carries nothing
+from an output of 0, the call raised). The wrapper runs such a pass again with the target's relevance scaled by a
+power of two and divides it back in float32.
 
 Tolerance: the model and input are rounded to the half dtype first, so the half-precision run differs from the
 float64 one by its arithmetic alone. As in tests/attribution/rules/test_half_precision.py, a sample whose relevance
@@ -32,6 +33,7 @@ from tdhook.attribution import (
     EpsilonPlusFlat,
     EpsilonRule,
     FlatRule,
+    GammaRule,
     WSquareRule,
     ZBoxRule,
 )
@@ -47,6 +49,8 @@ def _first_layer(rule):
 MAPPERS = {
     "epsilon": lambda: lambda path, module: EpsilonRule(1e-6) if isinstance(module, LAYERS) else None,
     "EpsilonPlus": EpsilonPlus,
+    # γ gives an output of 0 nothing to pass on: R / y overflowing float16 at outputs near 1e-5 raised
+    "gamma": lambda: lambda path, module: GammaRule(0.25) if isinstance(module, LAYERS) else None,
     "EpsilonPlusFlat": EpsilonPlusFlat,
     "EpsilonGammaBox": lambda: EpsilonGammaBox(-1.0, 1.0),
     "flat": lambda: _first_layer(FlatRule),

@@ -27,7 +27,7 @@ from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._ragged_stacks import raise_for_ragged
 from tdhook.attribution._random_modules import warn_for_random_modules
 from tdhook.attribution._run_errors import run_error
-from tdhook.attribution._scaled_passes import UNRECORDED, scaled_target, scaled_when_overflowing
+from tdhook.attribution._scaled_passes import UNRECORDED, check_overflow, scaled_target, scaled_when_overflowing
 from tdhook.attribution._tokens import is_embedding_leaf
 from tdhook.attribution._writes import relevance_updates, returned_tensordict, set_all_or_nothing
 from tdhook.attribution.rules._keeping_graph import RelevancePass
@@ -131,7 +131,11 @@ def explain(lrp: Any, tensordict: TensorDictBase) -> tuple[TensorDictBase, Calla
                     if scale != 1 and not callable(target):
                         grad_outputs = grad_outputs * scale
                     first_seed.append(grad_outputs)
-                    extra = zero_output_seeds(output, at_zero, target_key) if at_zero is not None else []
+                    try:
+                        extra = zero_output_seeds(output, at_zero, target_key) if at_zero is not None else []
+                    except ValueError:  # no rule carries it: where R / output overflowed float16, a smaller scale
+                        check_overflow(output, at_zero, scale)
+                        raise
                     if lrp._norm_calls.found is False and not planned:  # a norm function the first call did not make
                         late_norm_nodes_laid_out(output, *([seed for seed, _ in extra] if extra else ()))
                     _set_state(lrp, "_split_dim", check_split_dim(lrp.split_dim, output, target_key, out.batch_dims))

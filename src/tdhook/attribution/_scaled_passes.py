@@ -19,7 +19,17 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["SCALES", "UNRECORDED", "relevance_product", "scaled_target", "scaled_when_overflowing"]
+from tdhook.attribution.rules._half_precision import in_scaled_pass, scaled_pass
+
+__all__ = [
+    "SCALES",
+    "UNRECORDED",
+    "Overflowing",
+    "check_overflow",
+    "relevance_product",
+    "scaled_target",
+    "scaled_when_overflowing",
+]
 
 #: The scales tried after a non-finite pass: float16 spans 2^40, from its smallest subnormal to its largest value.
 SCALES = (2.0**-8, 2.0**-16, 2.0**-24)
@@ -35,8 +45,29 @@ class _Unrecorded:
 #: The sink of :meth:`~tdhook.attribution._backward_passes.InputsReached.record` for passes at a smaller scale.
 UNRECORDED = _Unrecorded()
 
-# The scale of the pass running now (1 but in a pass at a smaller scale), read by relevance_product.
-_scale = [1.0]
+
+class Overflowing(Exception):
+    """A target's relevance over its output overflows float16 at a non-zero output: a smaller scale carries it."""
+
+
+def check_overflow(output: torch.Tensor, rest: torch.Tensor | None, scale: float) -> None:
+    """Raise :class:`Overflowing` where ``rest`` (the target's relevance that ``output × gradient`` cannot carry,
+    and no rule of the layers before the output can) sits on non-zero float16 outputs, whose ``R / output``
+    overflowed, and a smaller scale is left to try. At the smallest scale, or at outputs that are exactly 0, the
+    caller raises its own error, as in float32.
+
+    Examples:
+        >>> out = torch.tensor([1e-6, 0.0, 1.0], dtype=torch.float16)
+        >>> check_overflow(out, torch.tensor([0.0, 1.0, 0.0], dtype=torch.float16), 1.0)  # only at an output of 0
+        >>> check_overflow(out, torch.tensor([1.0, 0.0, 0.0], dtype=torch.float16), 1.0)
+        Traceback (most recent call last):
+        ...
+        tdhook.attribution._scaled_passes.Overflowing
+    """
+    if rest is None or output.dtype is not torch.float16 or scale <= SCALES[-1]:
+        return
+    if bool(rest.ne(0).logical_and_(output.detach().ne(0)).any()):
+        raise Overflowing
 
 
 def relevance_product(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -47,7 +78,7 @@ def relevance_product(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         >>> relevance_product(torch.tensor([2.0]), torch.tensor([3.0]))
         tensor([6.])
     """
-    if _scale[0] == 1:
+    if not in_scaled_pass():
         return x * grad
     return x.float() * grad.float()
 
@@ -95,17 +126,22 @@ def scaled_when_overflowing(
     """
     if output is None or output.dtype is not torch.float16:  # bfloat16 has float32's range
         return relevance_at(1.0, retain)
-    relevances = first = relevance_at(1.0, True)  # the graph kept for a pass at a smaller scale
-    if _finite(relevances) or not _finite([output.detach(), *(x.detach() for x in inputs if x is not None)]):
-        return relevances  # a non-finite output or input: the relevance follows it, as in float32
+    try:
+        relevances = relevance_at(1.0, True)  # the graph kept for a pass at a smaller scale
+        if _finite(relevances) or not _finite([output.detach(), *(x.detach() for x in inputs if x is not None)]):
+            return relevances  # a non-finite output or input: the relevance follows it, as in float32
+    except Overflowing:  # before the backward pass: the graph is whole
+        pass
     for i, scale in enumerate(SCALES):
         last = i == len(SCALES) - 1
-        _scale[0] = scale
         try:
-            scaled = relevance_at(scale, retain or not last)
-        finally:
-            _scale[0] = 1.0
-        dtypes = [None if r is None else r.dtype for r in first]  # a product in float32 back to its dtype
+            with scaled_pass(scale):
+                scaled = relevance_at(scale, retain or not last)
+        except Overflowing:
+            continue
+        # The inputs' relevance, a product in float32 (relevance_product), back to the input's dtype.
+        dtypes = [x.dtype if x is not None else None for x in inputs]
+        dtypes += [None] * (len(scaled) - len(dtypes))
         relevances = [
             None if r is None else (r.float() / scale).to(d or r.dtype) for r, d in zip(scaled, dtypes, strict=True)
         ]
