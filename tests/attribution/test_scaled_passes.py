@@ -37,6 +37,7 @@ from tdhook.attribution import (
     WSquareRule,
     ZBoxRule,
 )
+from tdhook.attribution._scaled_passes import SCALES, scaled_when_overflowing
 
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 LAYERS = (nn.Linear, nn.modules.conv._ConvNd)
@@ -102,3 +103,47 @@ def test_overflowing_half_precision_gradient_gives_finite_relevance_close_to_flo
     assert error <= 16 * amplification * UNIT_ROUNDOFF[dtype], (error, amplification)
     if dtype is torch.float16:
         assert error <= 16 * UNIT_ROUNDOFF[dtype], error
+
+
+class TestScaledWhenOverflowing:
+    """The retry itself, on passes that count their calls."""
+
+    @staticmethod
+    def passes(result: torch.Tensor) -> tuple[list, object]:
+        calls: list[tuple[float, bool]] = []
+
+        def relevance_at(scale: float, keep: bool) -> list[torch.Tensor]:
+            calls.append((scale, keep))
+            return [result.clone()]
+
+        return calls, relevance_at
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+    def test_other_dtypes_run_one_pass_as_asked(self, dtype: torch.dtype):
+        calls, relevance_at = self.passes(torch.tensor([float("nan")], dtype=dtype))
+        scaled_when_overflowing(relevance_at, torch.ones(1, dtype=dtype), False, "y")
+        assert calls == [(1.0, False)]
+
+    def test_a_finite_float16_pass_runs_once_keeping_the_graph(self):
+        calls, relevance_at = self.passes(torch.tensor([0.5], dtype=torch.float16))
+        result = scaled_when_overflowing(relevance_at, torch.ones(1, dtype=torch.float16), False, "y")
+        assert calls == [(1.0, True)] and result[0].item() == 0.5
+
+    def test_a_non_finite_input_gives_its_relevance_in_one_pass(self):
+        nan = torch.tensor([float("nan")], dtype=torch.float16)
+        calls, relevance_at = self.passes(nan)
+        result = scaled_when_overflowing(relevance_at, torch.ones(1, dtype=torch.float16), False, "y", [nan])
+        assert len(calls) == 1 and result[0].isnan().all()
+
+    def test_a_pass_that_stays_non_finite_raises_naming_the_target_and_dtype(self):
+        calls, relevance_at = self.passes(torch.tensor([float("inf")], dtype=torch.float16))
+        with pytest.raises(FloatingPointError, match=r"target 'y'.*torch\.float16"):
+            scaled_when_overflowing(relevance_at, torch.ones(1, dtype=torch.float16), False, "y")
+        assert [scale for scale, _ in calls] == [1.0, *SCALES]
+        assert [keep for _, keep in calls] == [True, True, True, False]  # the graph freed by the last pass
+
+    def test_a_target_of_every_unit_is_checked_not_scaled(self):
+        calls, relevance_at = self.passes(torch.tensor([float("inf")], dtype=torch.float16))
+        with pytest.raises(FloatingPointError, match="every unit"):
+            scaled_when_overflowing(relevance_at, torch.ones(1, dtype=torch.float16), False, "y", scalable=False)
+        assert calls == [(1.0, False)]

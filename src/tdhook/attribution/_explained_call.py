@@ -149,8 +149,7 @@ def explain(lrp: Any, tensordict: TensorDictBase) -> tuple[TensorDictBase, Calla
 
                 retain = position < len(names) - 1  # the next target reuses this forward pass
                 every_unit = isinstance(target, str)  # target="all": its units' passes are not scaled
-                scaled = None if every_unit else output
-                relevances += scaled_when_overflowing(relevance_at, scaled, retain, target_key, leaves)
+                relevances += scaled_when_overflowing(relevance_at, output, retain, target_key, leaves, not every_unit)
                 seeds.append((name, output.detach(), first_seed[0]))
     finally:
         lrp._layers.clear()

@@ -104,11 +104,13 @@ def scaled_when_overflowing(
     retain: bool,
     key: object = None,
     inputs: Sequence[torch.Tensor | None] = (),
+    scalable: bool = True,
 ) -> list[torch.Tensor | None]:
     """``relevance_at(1.0, retain)``, a target's relevances from its backward pass, or where a float16 ``output``
     gives non-finite relevance, ``relevance_at(scale, keep)`` with the target's relevance scaled by each of
     :data:`SCALES` in turn, divided back, until it is finite (``output`` ``None``: one pass, as in float32). Where
-    ``output`` or one of ``inputs`` is not finite, the relevance follows it in one pass, as in float32.
+    ``output`` or one of ``inputs`` is not finite, the relevance follows it in one pass, as in float32. A target
+    that is not ``scalable`` (``target="all"``, whose units are passed one by one) gets one pass, checked.
 
     Raises:
         FloatingPointError: the relevance is still not finite at the smallest scale, naming the target and dtype.
@@ -126,9 +128,18 @@ def scaled_when_overflowing(
     """
     if output is None or output.dtype is not torch.float16:  # bfloat16 has float32's range
         return relevance_at(1.0, retain)
+    if not scalable:
+        relevances = relevance_at(1.0, retain)
+        if _finite(relevances) or not _finite([output, *inputs]):
+            return relevances
+        raise FloatingPointError(
+            f"LRP: target {key!r}: the relevance in {output.dtype} is not finite: its gradient (relevance / "
+            f"activation) overflows {output.dtype} (a target of every unit is not scaled down); explain the model "
+            "in float32"
+        )
     try:
         relevances = relevance_at(1.0, True)  # the graph kept for a pass at a smaller scale
-        if _finite(relevances) or not _finite([output.detach(), *(x.detach() for x in inputs if x is not None)]):
+        if _finite(relevances) or not _finite([output, *inputs]):
             return relevances  # a non-finite output or input: the relevance follows it, as in float32
     except Overflowing:  # before the backward pass: the graph is whole
         pass
@@ -154,5 +165,5 @@ def scaled_when_overflowing(
     )
 
 
-def _finite(relevances: list) -> bool:
-    return all(r is None or bool(r.isfinite().all()) for r in relevances)
+def _finite(tensors: Sequence[torch.Tensor | None]) -> bool:
+    return all(t is None or bool(t.detach().isfinite().all()) for t in tensors)
