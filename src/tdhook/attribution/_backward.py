@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tdhook.attribution._checkpointing import reentrant_checkpoint_error
+from tdhook.attribution._scaled_passes import relevance_product
 from tdhook.attribution.rules._glue import GlueError
 from tdhook.attribution.rules._keeping_graph import RelevancePass
 from tdhook.attribution.rules._linked_inputs import linked_source
@@ -76,7 +77,7 @@ def leaf_relevance(
     relevances: list[torch.Tensor | None] = [
         None
         if leaf is None
-        else (linked_source(leaf) if create_graph else leaf.detach()) * g
+        else relevance_product(linked_source(leaf) if create_graph else leaf.detach(), g)
         if g is not None
         else torch.zeros_like(leaf)
         for leaf, g in zip(leaves, grads, strict=True)

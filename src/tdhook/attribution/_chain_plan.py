@@ -50,6 +50,7 @@ from torchrl.modules import MLP
 from tdhook.attribution._inputs import feed_inputs
 from tdhook.attribution._keys import as_tuple
 from tdhook.attribution._policy_targets import sequential_steps
+from tdhook.attribution._scaled_passes import relevance_product
 from tdhook.attribution._writes import model_updates
 from tdhook.attribution.rules._meta_tensors import raise_for_meta_tensors
 from tdhook.attribution.rules._numerics import stabilize
@@ -292,12 +293,12 @@ class PlannedCall:
         recorded."""
         if not self.tail:
             ((_, seed),) = seeds
-            return [leaves[0].detach() * self.plan.input_gradient(self.factors, seed)], [True]
+            return [relevance_product(leaves[0].detach(), self.plan.input_gradient(self.factors, seed))], [True]
         tensors, grads = zip(*seeds, strict=True)
         (grad,) = torch.autograd.grad(tensors, self.output, grads, retain_graph=keep, allow_unused=True)
         if grad is None:
             return [torch.zeros_like(leaves[0])], [False]
-        return [leaves[0].detach() * self.plan.input_gradient(self.factors, grad)], [True]
+        return [relevance_product(leaves[0].detach(), self.plan.input_gradient(self.factors, grad))], [True]
 
 
 def context_plan(

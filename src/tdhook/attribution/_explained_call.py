@@ -27,6 +27,7 @@ from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._ragged_stacks import raise_for_ragged
 from tdhook.attribution._random_modules import warn_for_random_modules
 from tdhook.attribution._run_errors import run_error
+from tdhook.attribution._scaled_passes import UNRECORDED, check_overflow, scaled_target, scaled_when_overflowing
 from tdhook.attribution._tokens import is_embedding_leaf
 from tdhook.attribution._writes import relevance_updates, returned_tensordict, set_all_or_nothing
 from tdhook.attribution.rules._keeping_graph import RelevancePass
@@ -114,24 +115,42 @@ def explain(lrp: Any, tensordict: TensorDictBase) -> tuple[TensorDictBase, Calla
                 target = lrp.target
                 if target is None:  # a masked policy explains an allowed action
                     target = allowed_action(lrp.targets[name][1], target_key, result, tensordict)
-                grad_outputs, at_zero = initial_relevance(output, target, target_key, out.batch_dims)
-                extra = zero_output_seeds(output, at_zero, target_key) if at_zero is not None else []
-                if lrp._norm_calls.found is False and not planned:  # a norm function the first call did not make
-                    late_norm_nodes_laid_out(output, *([seed for seed, _ in extra] if extra else ()))
-                _set_state(lrp, "_split_dim", check_split_dim(lrp.split_dim, output, target_key, out.batch_dims))
-                outputs.append(output)
-                if calls is not None and position == len(names) - 1:
-                    lrp._coverage.report(calls, outputs, lrp.named_explained_modules(), lrp.rule_mapper)
-                retain = position < len(names) - 1  # the next target reuses this forward pass
                 one_pass = functools.partial(
                     planned.one_pass if planned else functools.partial(_one_pass, lrp),
                     leaves=leaves,
                     fed=fed,
                     graph=graph,
                 )
-                passes = (output, grad_outputs, extra, target_key, lrp._split_dim, retain, reach)
-                relevances += checked_relevance(lrp.rule_mapper, one_pass, *passes, leaves, lrp.memory_budget)
-                seeds.append((name, output.detach(), grad_outputs))
+                first_seed: list = []
+
+                def relevance_at(scale: float, keep: bool) -> list:
+                    # The target's relevance scaled by ``scale`` (see _scaled_passes): 1 but where float16 overflows.
+                    grad_outputs, at_zero = initial_relevance(
+                        output, scaled_target(target, scale), target_key, out.batch_dims
+                    )
+                    if scale != 1 and not callable(target):
+                        grad_outputs = grad_outputs * scale
+                    first_seed.append(grad_outputs)
+                    try:
+                        extra = zero_output_seeds(output, at_zero, target_key) if at_zero is not None else []
+                    except ValueError:  # no rule carries it: where R / output overflowed float16, a smaller scale
+                        check_overflow(output, at_zero, scale)
+                        raise
+                    if lrp._norm_calls.found is False and not planned:  # a norm function the first call did not make
+                        late_norm_nodes_laid_out(output, *([seed for seed, _ in extra] if extra else ()))
+                    _set_state(lrp, "_split_dim", check_split_dim(lrp.split_dim, output, target_key, out.batch_dims))
+                    if len(first_seed) == 1:
+                        outputs.append(output)
+                        if calls is not None and position == len(names) - 1:
+                            lrp._coverage.report(calls, outputs, lrp.named_explained_modules(), lrp.rule_mapper)
+                    reached = reach if len(first_seed) == 1 else UNRECORDED  # the first pass's record stands
+                    passes = (output, grad_outputs, extra, target_key, lrp._split_dim, keep, reached)
+                    return checked_relevance(lrp.rule_mapper, one_pass, *passes, leaves, lrp.memory_budget)
+
+                retain = position < len(names) - 1  # the next target reuses this forward pass
+                every_unit = isinstance(target, str)  # target="all": its units' passes are not scaled
+                relevances += scaled_when_overflowing(relevance_at, output, retain, target_key, leaves, not every_unit)
+                seeds.append((name, output.detach(), first_seed[0]))
     finally:
         lrp._layers.clear()
         lrp._tokens.clear()

@@ -10,14 +10,22 @@ layer's dtype once, at the end. float32 and float64 layers pay one dtype test.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+import contextlib
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import torch
 
 from tdhook.attribution.rules._parameter_sets import ParameterSets
 
-__all__ = ["HALF_PRECISIONS", "is_half_precision", "float32_params", "without_autocast"]
+__all__ = [
+    "HALF_PRECISIONS",
+    "is_half_precision",
+    "float32_params",
+    "in_scaled_pass",
+    "scaled_pass",
+    "without_autocast",
+]
 
 #: The dtypes whose rules' factors are computed in float32.
 HALF_PRECISIONS = frozenset({torch.float16, torch.bfloat16})
@@ -26,6 +34,38 @@ HALF_PRECISIONS = frozenset({torch.float16, torch.bfloat16})
 _FLOAT32 = "float32"
 # Per-context caches of one sample's tensors, kept apart for each dtype (see _DirectInputRule._for_one_sample).
 _NOT_COPIED = frozenset({_FLOAT32, "one_sample"})
+
+
+# The scale of the float16 backward pass running now: 1 but in a pass whose target's relevance the wrapper scaled
+# down (see tdhook.attribution._scaled_passes), whose relevance is divided back in float32.
+_pass_scale = [1.0]
+
+
+def in_scaled_pass() -> bool:
+    """Whether a float16 backward pass at a scale below 1 runs now: relevance set directly (input-layer rules) is
+    then recorded in float32, where the scaled relevance does not round to 0.
+
+    Examples:
+        >>> in_scaled_pass()
+        False
+    """
+    return _pass_scale[0] != 1
+
+
+@contextlib.contextmanager
+def scaled_pass(scale: float) -> Iterator[None]:
+    """A backward pass whose target's relevance is scaled by ``scale`` runs in the block.
+
+    Examples:
+        >>> with scaled_pass(0.5):
+        ...     in_scaled_pass()
+        True
+    """
+    _pass_scale[0] = scale
+    try:
+        yield
+    finally:
+        _pass_scale[0] = 1.0
 
 
 def is_half_precision(x: torch.Tensor) -> bool:

@@ -20,7 +20,12 @@ from tdhook.attribution.rules._arguments import bounds
 from tdhook.attribution.rules._autograd import is_plain_gradient, may_overwrite
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._glue import note_up_the_glue, rest_records, whole_records
-from tdhook.attribution.rules._half_precision import float32_params, is_half_precision, without_autocast
+from tdhook.attribution.rules._half_precision import (
+    float32_params,
+    in_scaled_pass,
+    is_half_precision,
+    without_autocast,
+)
 from tdhook.attribution.rules._input_gradients import (
     direct_input_gradient,
     direct_input_gradients,
@@ -135,22 +140,27 @@ class _DirectInputRule(_ModifiedForwardRule):
             z_mod = self.modified_output(module, registration, params, stand_ins, z.shape)
             start = grad * z / stabilize(z_mod, self.stabilizer)
             grads = torch.autograd.grad(z_mod, stand_ins, start, create_graph=True, allow_unused=True)
-            relevance = set_at_x = self.relevance(stand_ins, grads).to(x.dtype)
+            wide_relevance = self.relevance(stand_ins, grads)
+            relevance = set_at_x = wide_relevance.to(x.dtype)
         whole = whole_records(self, module, x, relevance, registration)
         if whole is not None:  # computed by glue position by position, as in input_gradient
             records, relevance = whole
             registration.records.extend(records)
         grad_x = carrying_gradient(relevance, x)
-        registration.records.append((x, relevance - x * grad_x))
+        if half and whole is None and in_scaled_pass():  # scaled down: the rest kept in float32
+            registration.records.append((x, wide_relevance - x.float() * grad_x.float()))
+        else:
+            registration.records.append((x, relevance - x * grad_x))
         note_up_the_glue(self, module, x, set_at_x, carried=x * grad_x)
         return grad_x
 
     def input_gradient(self, module, registration, params, x, z, grad):
-        value = x.detach()
+        value, wide_relevance = x.detach(), None
         if is_half_precision(value):  # in float32 (see _half_precision), set at the input in its dtype
             with without_autocast(value):
                 wide = (float32_params(params), value.float(), z.float(), grad.float())
-                relevance = self.direct_relevance(module, registration, *wide).to(value.dtype)
+                wide_relevance = self.direct_relevance(module, registration, *wide)
+                relevance = wide_relevance.to(value.dtype)
         else:
             relevance = self.direct_relevance(module, registration, params, value, z, grad)
         set_at_x = relevance
@@ -164,6 +174,8 @@ class _DirectInputRule(_ModifiedForwardRule):
         grad_x = carrying_gradient(relevance, value)
         # The gradient carries R = x * grad_x; what it cannot carry (where x = 0, or R / x overflows) is recorded.
         rest = relevance - value * grad_x
+        if wide_relevance is not None and whole is None and in_scaled_pass():  # scaled down: kept in float32
+            rest = wide_relevance - value.float() * grad_x.float()
         registration.records.extend(rest_records(self, module, x, rest, registration, uncarried=grad_x == 0))
         note_up_the_glue(self, module, x, set_at_x, carried=value * grad_x)
         return grad_x

@@ -1,0 +1,149 @@
+"""float16 relevance where the gradient ``R / a`` overflows, against float64.
+
+A callable target of 1 on the outputs of a model without biases whose input is near 1e-3 puts ``R / y`` near 1e4
+on the output, and the ε-rule sends ``R / ε`` (1e6) through the layer at outputs too small to carry it: float16
+(largest value 65504) overflowed, and the relevance of whole samples came out NaN (under γ, which carries nothing
+from an output of 0, the call raised). The wrapper runs such a pass again with the target's relevance scaled by a
+power of two and divides it back in float32.
+
+Tolerance: the model and input are rounded to the half dtype first, so the half-precision run differs from the
+float64 one by its arithmetic alone. As in tests/attribution/rules/test_half_precision.py, a sample whose relevance
+cancels amplifies rounding in every dtype alike; the float32 run measures that, ``κ = max(1, err₃₂ / u₃₂)`` with
+``u`` the unit roundoff (2⁻²⁴ float32, 2⁻¹¹ float16, 2⁻⁸ bfloat16), and a run must be within ``16 · κ · u`` of
+float64 per sample (relative L2). float16, the dtype that overflowed, must also be within ``16 · u`` (a few
+roundings per layer of this three-layer model): measured at most 5.1e-3 (7.8e-3 allowed; NaN before). bfloat16
+(float32's range: one pass, as before) reaches 1.65 on a sample whose relevance sums to 13 % of the target's, which
+the float32 run's ``κ`` covers.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from tdhook.attribution import (
+    LRP,
+    EpsilonGammaBox,
+    EpsilonPlus,
+    EpsilonPlusFlat,
+    EpsilonRule,
+    FlatRule,
+    GammaRule,
+    WSquareRule,
+    ZBoxRule,
+)
+from tdhook.attribution._scaled_passes import SCALES, scaled_when_overflowing
+
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+LAYERS = (nn.Linear, nn.modules.conv._ConvNd)
+
+
+def _first_layer(rule):
+    return lambda path, module: (rule() if path == "0" else EpsilonRule(1e-6)) if isinstance(module, LAYERS) else None
+
+
+MAPPERS = {
+    "epsilon": lambda: lambda path, module: EpsilonRule(1e-6) if isinstance(module, LAYERS) else None,
+    "EpsilonPlus": EpsilonPlus,
+    # γ gives an output of 0 nothing to pass on: R / y overflowing float16 at outputs near 1e-5 raised
+    "gamma": lambda: lambda path, module: GammaRule(0.25) if isinstance(module, LAYERS) else None,
+    "EpsilonPlusFlat": EpsilonPlusFlat,
+    "EpsilonGammaBox": lambda: EpsilonGammaBox(-1.0, 1.0),
+    "flat": lambda: _first_layer(FlatRule),
+    "wsquare": lambda: _first_layer(WSquareRule),
+    "zbox": lambda: _first_layer(lambda: ZBoxRule(-1.0, 1.0)),
+}
+
+
+def one_hot(y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.one_hot(y.argmax(-1), y.shape[-1]).to(y.dtype)
+
+
+def model_and_input(seed: int, scale: float) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.zeros_(module.bias)
+    return model, torch.randn(4, 8, dtype=torch.float64) * scale
+
+
+def relevance(model: nn.Module, x: torch.Tensor, name: str, dtype: torch.dtype, half: torch.dtype, **kwargs):
+    model = copy.deepcopy(model).to(half).to(dtype)  # the weights and input of the half-precision run, in every run
+    lrp = LRP(model, MAPPERS[name](), in_keys=["x"], out_keys=["y"], target=one_hot, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return lrp(TensorDict(x=x.to(half).to(dtype), batch_size=x.shape[:1]))["relevance", "x"]
+
+
+def relative_errors(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    difference = (actual.double() - expected).flatten(1).norm(dim=1)
+    return difference / expected.flatten(1).norm(dim=1).clamp_min(1e-300)
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("name", sorted(MAPPERS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_overflowing_half_precision_gradient_gives_finite_relevance_close_to_float64(
+    dtype: torch.dtype, name: str, seed: int, create_graph: bool
+):
+    model, x = model_and_input(seed, 1e-3)
+    expected = relevance(model, x, name, torch.float64, dtype)
+    single = relative_errors(relevance(model, x, name, torch.float32, dtype), expected).max().item()
+    amplification = max(1.0, single / UNIT_ROUNDOFF[torch.float32])
+    actual = relevance(model, x, name, dtype, dtype, create_graph=create_graph)
+    assert actual.dtype == dtype and torch.isfinite(actual).all(), actual
+    error = relative_errors(actual, expected).max().item()
+    assert error <= 16 * amplification * UNIT_ROUNDOFF[dtype], (error, amplification)
+    if dtype is torch.float16:
+        assert error <= 16 * UNIT_ROUNDOFF[dtype], error
+
+
+class TestScaledWhenOverflowing:
+    """The retry itself, on passes that count their calls."""
+
+    @staticmethod
+    def passes(result: torch.Tensor) -> tuple[list, object]:
+        calls: list[tuple[float, bool]] = []
+
+        def relevance_at(scale: float, keep: bool) -> list[torch.Tensor]:
+            calls.append((scale, keep))
+            return [result.clone()]
+
+        return calls, relevance_at
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+    def test_other_dtypes_run_one_pass_as_asked(self, dtype: torch.dtype):
+        calls, relevance_at = self.passes(torch.tensor([float("nan")], dtype=dtype))
+        scaled_when_overflowing(relevance_at, torch.ones(1, dtype=dtype), False, "y")
+        assert calls == [(1.0, False)]
+
+    def test_a_finite_float16_pass_runs_once_keeping_the_graph(self):
+        calls, relevance_at = self.passes(torch.tensor([0.5], dtype=torch.float16))
+        result = scaled_when_overflowing(relevance_at, torch.ones(1, dtype=torch.float16), False, "y")
+        assert calls == [(1.0, True)] and result[0].item() == 0.5
+
+    def test_a_non_finite_input_gives_its_relevance_in_one_pass(self):
+        nan = torch.tensor([float("nan")], dtype=torch.float16)
+        calls, relevance_at = self.passes(nan)
+        result = scaled_when_overflowing(relevance_at, torch.ones(1, dtype=torch.float16), False, "y", [nan])
+        assert len(calls) == 1 and result[0].isnan().all()
+
+    def test_a_pass_that_stays_non_finite_raises_naming_the_target_and_dtype(self):
+        calls, relevance_at = self.passes(torch.tensor([float("inf")], dtype=torch.float16))
+        with pytest.raises(FloatingPointError, match=r"target 'y'.*torch\.float16"):
+            scaled_when_overflowing(relevance_at, torch.ones(1, dtype=torch.float16), False, "y")
+        assert [scale for scale, _ in calls] == [1.0, *SCALES]
+        assert [keep for _, keep in calls] == [True, True, True, False]  # the graph freed by the last pass
+
+    def test_a_target_of_every_unit_is_checked_not_scaled(self):
+        calls, relevance_at = self.passes(torch.tensor([float("inf")], dtype=torch.float16))
+        with pytest.raises(FloatingPointError, match="every unit"):
+            scaled_when_overflowing(relevance_at, torch.ones(1, dtype=torch.float16), False, "y", scalable=False)
+        assert calls == [(1.0, False)]
