@@ -48,7 +48,7 @@ from tdhook.attribution.rules._clips import (
     clip_passing,
     clips_a_signal,
 )
-from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, note_gate_written
+from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, note_gate_written
 from tdhook.attribution.rules._held_norm_calls import NORMALIZING_CALLS, HeldNormCalls, normalized_inputs
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, gate_marks_of, mark_written_in_place
 from tdhook.attribution.rules._keyword_factors import positional_factors
@@ -164,7 +164,11 @@ def mark_gate(tensor: torch.Tensor, source: torch.Tensor, sigmoid: bool = False)
     setattr(tensor, GATE_MARK, source)
     if sigmoid:
         setattr(tensor, SIGMOID_MARK, True)
-    if GATE_MASKS_MADE and tensor._base is not None:  # a view of a tensor written into: its elements a gate now
+    base = tensor._base
+    # A view of a tensor written into, or a gate made in a view of a tensor that is none (``c[:, :3].sigmoid_()``):
+    # its elements a gate now, noted on the tensor, whose later writes (``c[:, 3:] = g``) would else make the mask
+    # without them (a view of a gate, its tensor a gate with no mask, needs none: the tensor's marks tell then).
+    if base is not None and ((GATE_MASKS_MADE and GATE_WRITTEN in base.__dict__) or GATE_MARK not in base.__dict__):
         note_gate_written(tensor, None, {GATE_MARK: source, SIGMOID_MARK: True} if sigmoid else {GATE_MARK: source})
     return tensor
 
