@@ -100,6 +100,40 @@ PRODUCTS = {
 }
 
 
+def _columns(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The index of columns 0 and 1 of ``rows`` rows, as ``scatter_`` and ``put_`` take it (rows, flat)."""
+    index = torch.tensor([[0, 1]]).expand(rows, 2)
+    return index, index + torch.arange(rows)[:, None] * 6
+
+
+# A gate's first two columns written over an activation's by a write that takes its values elsewhere than second:
+# the view of those columns taken before shows a gate (it showed an activation: 15 off, relative L2, under AttnLRP).
+GATE_WRITES = {
+    "index_copy_": lambda c, g: c.index_copy_(1, torch.tensor([0, 1]), g[:, :2]),
+    "index_put_": lambda c, g: c.index_put_((torch.arange(len(c))[:, None], _columns(len(c))[0]), g[:, :2]),
+    "scatter_": lambda c, g: c.scatter_(1, _columns(len(c))[0], g[:, :2]),
+    "masked_scatter_": lambda c, g: c.masked_scatter_(torch.tensor([True, True, False, False, False, False]), g[:, :2]),
+    "put_": lambda c, g: c.put_(_columns(len(c))[1], g[:, :2]),
+}
+
+
+def _gate_written_by(write):
+    def form(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        c = h.clone()
+        v = c[:, :2]
+        write(c, g.contiguous())
+        return h[:, 2:4] * v
+
+    return form
+
+
+def _gate_sum_scattered(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    v = c[:, :1]
+    c.scatter_reduce_(1, torch.zeros(len(c), 2, dtype=torch.long), g[:, :2], "sum", include_self=False)
+    return h[:, 2:4] * v  # a sum of two gates' values: no gate
+
+
 def _gate_made_in_a_view_then_another_part_set(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     c = h.clone()
     v = c[:, :3]
@@ -207,3 +241,16 @@ def test_a_gate_marked_before_any_mask_keeps_its_mark_when_one_is_made(name: str
     where some mask had been made earlier in the process: the first mask made, at a write into another part of the
     tensor, left it none (2.3 and 0.92 off, relative L2, under AttnLRP)."""
     _assert_relevance_equal(*MARKED_BEFORE_A_MASK[name], preset)
+
+
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP, EpsilonPlus], ids=lambda p: p.__name__)
+@pytest.mark.parametrize("name", sorted(GATE_WRITES))
+def test_a_gate_written_by_index_shows_in_a_view_taken_before(name: str, preset):
+    """The values of ``index_copy_``, ``index_put_``, ``scatter_``, ``masked_scatter_`` and ``put_`` are not their
+    second argument: the gate written was read as none."""
+    _assert_relevance_equal(_gate_written_by(GATE_WRITES[name]), lambda s, h, g: h[:, 2:4] * g[:, :2], preset)
+
+
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP, EpsilonPlus], ids=lambda p: p.__name__)
+def test_a_reduction_of_a_gate_scattered_is_no_gate(preset):
+    _assert_relevance_equal(_gate_sum_scattered, lambda s, h, g: h[:, 2:4] * (g[:, :1] + g[:, 1:2]), preset)
