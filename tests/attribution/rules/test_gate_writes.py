@@ -73,6 +73,14 @@ def _gate_viewed_then_scaled(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) 
     return h[:, 2:4] * v
 
 
+def _gate_written_into_through_a_complex_view(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = g.clone()
+    pairs = torch.view_as_complex(c.view(len(c), 3, 2))  # a view as a dtype of another size
+    v = c[:, :2]
+    pairs[:, 2] = torch.view_as_complex((h * 1).reshape(len(c), 3, 2))[:, 2]  # columns 4 and 5 an activation's
+    return h[:, 2:4] * v + h[:, :2] * c[:, 2:4]  # v, and a view taken after, show a gate still
+
+
 # Each form, with the same computation out of place (``s`` a learned scalar, ``h`` an activation, ``g`` a gate).
 FORMS = {
     "v = g.clone()[:, :2]; c.copy_(h)": (_gate_viewed_then_copied_over, lambda s, h, g: h[:, 2:4] * (h[:, :2] * 1)),
@@ -86,6 +94,10 @@ FORMS = {
         lambda s, h, g: h[:, 2:4] * (h[:, :2] * 1) + h[:, 4:6] * g[:, 2:4],
     ),
     "v = g.clone()[:, :2]; c.mul_(2)": (_gate_viewed_then_scaled, lambda s, h, g: h[:, 2:4] * (2 * g)[:, :2]),
+    "v = g.clone()[:, :2]; view_as_complex(c)[:, 2] = h": (
+        _gate_written_into_through_a_complex_view,
+        lambda s, h, g: h[:, 2:4] * g[:, :2] + h[:, :2] * g[:, 2:4],
+    ),
 }
 # Written by an in-place product: AttnLRP and CP-LRP give it the rule of ``g * h`` (see _in_place_products).
 PRODUCTS = {

@@ -27,6 +27,7 @@ __all__ = [
     "PARAMETER_DERIVED",
     "SHOWN",
     "activation_shown",
+    "bytes_reached",
     "marked_parameter_derived",
     "note_activation_written",
     "note_weight_written",
@@ -85,6 +86,26 @@ def _note_bytes(
 ) -> None:
     """:func:`_note` for ``target``, a view of ``root`` as a dtype of another size (``torch.view_as_complex``): an
     activation makes every element of ``root`` it touches one, a weight those it covers whole."""
+    elements = bytes_reached(mask, root, target, region)
+    if activation:
+        mask |= elements.any(1)
+    else:
+        mask &= ~elements.all(1)
+
+
+def bytes_reached(
+    mask: torch.Tensor, root: torch.Tensor, target: torch.Tensor, region: torch.Tensor | None
+) -> torch.Tensor:
+    """Which bytes of each element of ``root``'s storage (``mask``'s elements, one row each) the elements ``region``
+    (a mask of ``target``'s shape; ``None``: all) of ``target`` reach, ``target`` a view of ``root`` as a dtype of
+    another size (``torch.view_as_complex``, ``torch.view_as_real``).
+
+    Examples:
+        >>> root = torch.zeros(4, dtype=torch.float64)
+        >>> target = torch.view_as_complex(root.view(2, 2))  # complex elements, each two of root's
+        >>> bytes_reached(torch.zeros(4, dtype=torch.bool), root, target, torch.tensor([False, True])).all(1).tolist()
+        [False, False, True, True]
+    """
     size, own = target.element_size(), root.element_size()
     touched = torch.zeros(mask.numel() * own, dtype=torch.bool, device=mask.device)
     strides = (*(stride * size for stride in target.stride()), 1)
@@ -93,11 +114,7 @@ def _note_bytes(
         part.fill_(True)
     else:
         part.masked_fill_(region.unsqueeze(-1), True)
-    elements = touched.view(-1, own)
-    if activation:
-        mask |= elements.any(1)
-    else:
-        mask &= ~elements.all(1)
+    return touched.view(-1, own)
 
 
 def note_activation_written(target: torch.Tensor, region: torch.Tensor | None = None, made: bool = True) -> bool | None:

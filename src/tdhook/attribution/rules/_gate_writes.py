@@ -18,6 +18,8 @@ import contextlib
 
 import torch
 
+from tdhook.attribution.rules._activation_writes import bytes_reached
+
 __all__ = ["GATE_MASKS_MADE", "GATE_WRITTEN", "gate_marks_shown", "note_gate_written"]
 
 # On a tensor an in-place write changed the gate elements of, where views of it may exist: a mask of its storage's
@@ -61,8 +63,8 @@ def note_gate_written(
         mask = record[0]
         if marks is not None:
             record[1] = dict(marks)
-        if target.element_size() != root.element_size():  # a view as a dtype of another size: no gate left in it
-            mask.fill_(False)
+        if target.element_size() != root.element_size():  # a view as a dtype of another size (view_as_complex):
+            mask &= ~bytes_reached(mask, root, target, region).any(1)  # no gate where it reaches, the rest as it was
             return
         shown = mask.as_strided(target.shape, target.stride(), target.storage_offset())
         if region is None:
