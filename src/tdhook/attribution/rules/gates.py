@@ -104,6 +104,15 @@ SAME_VALUES = frozenset(
     | {torch.Tensor.reshape_as, torch.Tensor.type_as, torch.Tensor.float, torch.Tensor.double, torch.Tensor.half}
     | {torch.Tensor.bfloat16}
 )
+# Transposes, reorders and other views and copies of a gate's values (``g.T * h.T``, ``g.unflatten(1, (3, 2))``,
+# ``g.movedim(1, -1)``, ``g.repeat(1, 2)``, ``g.flip(1)``): a gate too (it was none: the product of a gate
+# transposed with its signal got AttnLRP's uniform rule, 5.7 off, relative L2, against the product out of place).
+SAME_VALUES |= {torch.Tensor.T.__get__, torch.Tensor.mT.__get__, torch.Tensor.t, torch.t, torch.Tensor.adjoint}
+SAME_VALUES |= {torch.adjoint, torch.Tensor.unflatten, torch.unflatten, torch.Tensor.movedim, torch.movedim}
+SAME_VALUES |= {torch.Tensor.moveaxis, torch.moveaxis, torch.Tensor.swapaxes, torch.swapaxes, torch.Tensor.swapdims}
+SAME_VALUES |= {torch.swapdims, torch.Tensor.narrow, torch.narrow, torch.Tensor.select, torch.select}
+SAME_VALUES |= {torch.Tensor.broadcast_to, torch.broadcast_to, torch.Tensor.repeat, torch.Tensor.tile, torch.tile}
+SAME_VALUES |= {torch.Tensor.flip, torch.flip, torch.Tensor.roll, torch.roll}
 # ``1 - gate``: the complement of a sigmoid-like gate is one too (a GRU's ``(1 - z) * h``).
 GATE_COMPLEMENTS = frozenset({torch.Tensor.__rsub__, torch.rsub})
 # Resizing a gate to the signal's size (GhostNetV2's ``x * interpolate(sigmoid(s), size, mode="nearest")``) keeps
@@ -135,6 +144,7 @@ def _aten(*names: str) -> frozenset:
 # The same operations called through ``torch.ops`` (``torch.ops.aten.view.default(gate, shape)``): a gate stays one.
 SAME_VALUES |= _aten("view", "_unsafe_view", "reshape", "expand", "unsqueeze", "squeeze", "permute", "transpose", "t")
 SAME_VALUES |= _aten("flatten", "clone", "_to_copy", "alias", "slice", "select", "contiguous")
+SAME_VALUES |= _aten("numpy_T", "mT", "adjoint", "unflatten", "movedim", "swapaxes", "narrow", "repeat", "flip", "roll")
 GATE_COMPLEMENTS |= _aten("rsub")
 GATE_SPLITS |= _aten("chunk", "split", "split_with_sizes", "unbind", "tensor_split")
 GATE_SCALINGS |= _aten("div", "true_divide", "divide")
