@@ -8,6 +8,8 @@ copied over it, is a gate (it was none: 15.3 off). Oracle: the same model writte
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -189,14 +191,16 @@ MARKED_BEFORE_A_MASK = {
 }
 
 
-@pytest.fixture(params=[False, True], ids=["first masks", "masks made before"])
+@pytest.fixture(params=[False, True], ids=["first masks", "a mask alive"])
 def masks_made(request):
-    """The process's state: no gate mask made yet (a fresh process), or one made by an earlier call."""
-    saved = list(GATE_MASKS_MADE)
-    GATE_MASKS_MADE[:] = [True] if request.param else []
+    """The process's state: no gate mask alive (a fresh process), or one on a tensor that outlives the call."""
+    gc.collect()
+    GATE_MASKS_MADE.clear()  # (a mask of an earlier test, freed: its count gone)
+    kept = torch.zeros(2, 3)
+    if request.param:
+        note_gate_written(kept[:, :1], None, {"_tdhook_activation_of": kept, "_tdhook_sigmoid_gate": True})
+        assert GATE_MASKS_MADE
     yield request.param
-    if saved:
-        GATE_MASKS_MADE[:] = saved
 
 
 def _assert_relevance_equal(in_place, out_of_place, preset) -> None:
