@@ -146,10 +146,16 @@ def _gate_written(func: Any, args: tuple, kwargs: dict, whole: bool, tensors: li
     marks = written if whole else {}
     for tensor in tensors:
         covered = tensor is tensors[0] or tensor.numel() == tensors[0].numel()
+        own = tensor.__dict__
+        if written and (replacing or whole) and GATE_MARKS[0] in own and not (marks and covered):
+            # A gate's values over part of a gate (``g[:, :3] = torch.sigmoid(s)``): every element a gate still (it
+            # was none: 5.2 off, relative L2, under AttnLRP), marked as both are (a sigmoid's where both are).
+            new = {mark: own[mark] for mark in GATE_MARKS if mark in own and mark in written}
+        else:
+            new = marks if covered else {}
         for mark in GATE_MARKS:
-            tensor.__dict__.pop(mark, None)
-            if mark in marks and covered:
-                setattr(tensor, mark, marks[mark])
+            own.pop(mark, None)
+        own.update(new)
 
 
 def _whole_key(args: tuple) -> bool:
