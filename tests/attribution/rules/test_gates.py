@@ -752,6 +752,14 @@ GATE_CASTS = {
     "half, to": lambda gate, signal: gate.half().to(signal.dtype),
     "bfloat16, double": lambda gate, signal: gate.bfloat16().double(),
     "reshape_as": lambda gate, signal: gate.reshape_as(signal),
+    ".T, .mT": lambda gate, signal: gate.T.mT,
+    "t, adjoint": lambda gate, signal: gate.t().adjoint(),
+    "unflatten": lambda gate, signal: torch.unflatten(gate.unflatten(1, (2, 3)), 0, (1, -1)).flatten(0, 1).flatten(1),
+    "movedim, moveaxis": lambda gate, signal: gate.movedim(1, 0).moveaxis(0, 1),
+    "swapaxes, swapdims": lambda gate, signal: torch.swapaxes(gate, 0, 1).swapdims(0, 1),
+    "narrow, repeat": lambda gate, signal: gate.narrow(1, 0, 3).repeat(1, 2),
+    "select, broadcast_to": lambda gate, signal: gate.select(1, 2).unsqueeze(1).broadcast_to(signal.shape),
+    "tile, flip, roll": lambda gate, signal: torch.roll(gate.tile(1, 1).flip(1), 2, 1),
 }
 
 
@@ -771,8 +779,10 @@ class CastGate(nn.Module):
 @pytest.mark.parametrize("mapper", ["AttnLRP", "CPLRP", "BaseRuleMapper"])
 @pytest.mark.parametrize("cast", sorted(GATE_CASTS))
 def test_a_gate_cast_or_reshaped_before_its_product_is_held(cast: str, mapper: str):
-    """A cast (``gate.float().type_as(x)``, ``.double()``) or a ``reshape_as`` keeps a gate a gate: held in the
-    product as the gate detached by hand (its mark was lost, and the product's relevance shared with the gate)."""
+    """A cast (``gate.float().type_as(x)``, ``.double()``), a ``reshape_as``, a transpose (``.T``, ``.mT``,
+    ``movedim``), an ``unflatten``, a ``narrow`` or a copy of the gate's values (``repeat``, ``flip``, ``roll``) keeps a
+    gate a gate: held in the product as the gate detached by hand (its mark was lost, and the product's relevance
+    shared with the gate: 5.7 off, relative L2, for ``g.T * h.T`` under AttnLRP)."""
     torch.manual_seed(0)
     model, x, relevance_out = CastGate(cast).to(F64), randn(3, 4), randn(3, 3)
     make = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, **MAPPERS}[mapper]

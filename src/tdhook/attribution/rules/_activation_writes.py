@@ -21,6 +21,8 @@ import contextlib
 
 import torch
 
+from tdhook.attribution.rules._storage_masks import bytes_reached, count_mask, read_mask
+
 __all__ = [
     "ACTIVATION_WRITTEN",
     "MASKS_MADE",
@@ -36,9 +38,10 @@ __all__ = [
 # On a tensor some of whose elements an in-place write made activations or weights: a mask of its storage's
 # elements, true where an activation is (see :func:`note_activation_written`).
 ACTIVATION_WRITTEN = "_tdhook_activation_written"
-# On a view whose class was read from such a mask: the mask, its version then, and the answer.
+# On a view whose class was read from such a mask: the mask, its version then, None, and the answer.
 SHOWN = "_tdhook_activation_shown"
-#: Not empty once any mask was made: views pay for the look-up only then.
+#: One entry a mask alive (see :func:`~tdhook.attribution.rules._storage_masks.count_mask`): views pay for the
+#: look-up only while one is.
 MASKS_MADE: list[bool] = []
 # The attribute that marks a tensor computed from parameters alone (``gamma.reshape(...)``, ``1 + weight``).
 PARAMETER_DERIVED = "_tdhook_parameter_derived"
@@ -51,8 +54,7 @@ def _mask(root: torch.Tensor, fill: bool) -> torch.Tensor:
         size = root.untyped_storage().nbytes() // root.element_size()
         mask = torch.full((size,), fill, dtype=torch.bool, device=root.device)
         setattr(root, ACTIVATION_WRITTEN, mask)
-        if not MASKS_MADE:
-            MASKS_MADE.append(True)
+        count_mask(root, MASKS_MADE)
     return mask
 
 
@@ -85,15 +87,7 @@ def _note_bytes(
 ) -> None:
     """:func:`_note` for ``target``, a view of ``root`` as a dtype of another size (``torch.view_as_complex``): an
     activation makes every element of ``root`` it touches one, a weight those it covers whole."""
-    size, own = target.element_size(), root.element_size()
-    touched = torch.zeros(mask.numel() * own, dtype=torch.bool, device=mask.device)
-    strides = (*(stride * size for stride in target.stride()), 1)
-    part = touched.as_strided((*target.shape, size), strides, target.storage_offset() * size)
-    if region is None:
-        part.fill_(True)
-    else:
-        part.masked_fill_(region.unsqueeze(-1), True)
-    elements = touched.view(-1, own)
+    elements = bytes_reached(mask, root, target, region)
     if activation:
         mask |= elements.any(1)
     else:
@@ -148,23 +142,11 @@ def activation_shown(value: torch.Tensor) -> bool | None:
     """Whether ``value``, a view of a tensor written into in place, shows an element of it that is an activation (see
     :func:`note_activation_written`): ``None`` where ``value`` is no view, or the tensor it views has no mask (its
     mark then tells)."""
-    if not MASKS_MADE:
-        return None
-    with torch._C.DisableTorchFunction():  # an inspection, which a function mode of the call must not see
-        root = value._base
-        mask = None if root is None else root.__dict__.get(ACTIVATION_WRITTEN)
-        if mask is None:
-            return None
-        version = mask._version
-        seen = value.__dict__.get(SHOWN)
-        if seen is not None and seen[0] is mask and seen[1] == version:
-            return seen[2]
-        try:
-            shown = bool(_shown_mask(mask, root, value).any())
-        except (RuntimeError, NotImplementedError):  # a mask on the meta device: no values to read
-            return None
-        setattr(value, SHOWN, (mask, version, shown))
-        return shown
+    return read_mask(value, MASKS_MADE, ACTIVATION_WRITTEN, SHOWN, _shows_activation)
+
+
+def _shows_activation(mask: torch.Tensor, root: torch.Tensor, value: torch.Tensor) -> bool:
+    return bool(_shown_mask(mask, root, value).any())
 
 
 def _shown_mask(mask: torch.Tensor, root: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -18,14 +18,17 @@ import contextlib
 
 import torch
 
+from tdhook.attribution.rules._storage_masks import bytes_reached, count_mask, read_mask
+
 __all__ = ["GATE_MASKS_MADE", "GATE_WRITTEN", "gate_marks_shown", "note_gate_written"]
 
 # On a tensor an in-place write changed the gate elements of, where views of it may exist: a mask of its storage's
 # elements, true where a gate is, and the marks (``{GATE_MARK: source, SIGMOID_MARK: True}``) a gate there has.
 GATE_WRITTEN = "_tdhook_gate_written"
-# On a view whose marks were read from such a mask: the mask, its version then, and the marks.
+# On a view whose marks were read from such a mask: the mask, its version then, the gate's marks then, and the marks.
 _GATE_SHOWN = "_tdhook_gate_shown"
-#: Not empty once any mask was made: views pay for the look-up only then.
+#: One entry a mask alive (see :func:`~tdhook.attribution.rules._storage_masks.count_mask`): views pay for the
+#: look-up only while one is.
 GATE_MASKS_MADE: list[bool] = []
 
 
@@ -56,13 +59,12 @@ def note_gate_written(
             mask = torch.full((size,), before is not None, dtype=torch.bool, device=root.device)
             record = [mask, dict(before or {})]
             setattr(root, GATE_WRITTEN, record)
-            if not GATE_MASKS_MADE:
-                GATE_MASKS_MADE.append(True)
+            count_mask(root, GATE_MASKS_MADE)
         mask = record[0]
         if marks is not None:
             record[1] = dict(marks)
-        if target.element_size() != root.element_size():  # a view as a dtype of another size: no gate left in it
-            mask.fill_(False)
+        if target.element_size() != root.element_size():  # a view as a dtype of another size (view_as_complex):
+            mask &= ~bytes_reached(mask, root, target, region).any(1)  # no gate where it reaches, the rest as it was
             return
         shown = mask.as_strided(target.shape, target.stride(), target.storage_offset())
         if region is None:
@@ -80,24 +82,11 @@ def gate_marks_shown(value: torch.Tensor) -> dict | None:
         >>> gate_marks_shown(torch.ones(2)[:1]) is None  # no write noted
         True
     """
-    if not GATE_MASKS_MADE:
-        return None
-    with torch._C.DisableTorchFunction():  # an inspection, which a function mode of the call must not see
-        root = value._base
-        record = None if root is None else root.__dict__.get(GATE_WRITTEN)
-        if record is None:
-            return None
-        mask = record[0]
-        seen = value.__dict__.get(_GATE_SHOWN)
-        if seen is not None and seen[0] is mask and seen[1] == mask._version and seen[2] is record[1]:
-            return seen[3]
-        try:
-            if value.element_size() != root.element_size():
-                gate = False
-            else:
-                gate = bool(mask.as_strided(value.shape, value.stride(), value.storage_offset()).all())
-        except (RuntimeError, NotImplementedError):  # a mask on the meta device: no values to read
-            return None
-        marks = record[1] if gate else {}
-        setattr(value, _GATE_SHOWN, (mask, mask._version, record[1], marks))
-        return marks
+    return read_mask(value, GATE_MASKS_MADE, GATE_WRITTEN, _GATE_SHOWN, _shown_marks)
+
+
+def _shown_marks(record: list, root: torch.Tensor, value: torch.Tensor) -> dict:
+    """The marks of the gate in ``record`` (on ``root``) where every element ``value`` shows is one, else none."""
+    if value.element_size() != root.element_size():
+        return {}
+    return record[1] if bool(record[0].as_strided(value.shape, value.stride(), value.storage_offset()).all()) else {}

@@ -17,7 +17,7 @@ import torch
 
 from tdhook.attribution.rules._autograd import call_argument
 
-__all__ = ["REPLACING", "replaced_region"]
+__all__ = ["REPLACING", "replaced_region", "written_value"]
 
 
 def _whole(region: torch.Tensor, args: tuple, kwargs: dict) -> None:
@@ -90,6 +90,44 @@ _COMBINING = {
     torch.Tensor.scatter_: (4, "reduce"),
     torch.index_put_: (3, "accumulate"),
 }
+
+
+# Where the values an in-place write puts into its first argument are, for writes that take them elsewhere than
+# second (``t[key] = v``, ``t.index_copy_(dim, index, v)``, ``t.scatter_(dim, index, v)``): position and name.
+_VALUE_PLACES: dict[Any, tuple[int, str]] = {
+    torch.Tensor.__setitem__: (2, "value"),
+    torch.Tensor.index_put_: (2, "values"),
+    torch.index_put_: (2, "values"),
+    torch.Tensor.index_copy_: (3, "source"),
+    torch.Tensor.index_fill_: (3, "value"),
+    torch.Tensor.index_add_: (3, "source"),
+    torch.Tensor.index_reduce_: (3, "source"),
+    torch.Tensor.masked_fill_: (2, "value"),
+    torch.Tensor.masked_scatter_: (2, "source"),
+    torch.Tensor.scatter_: (3, "src"),
+    torch.Tensor.scatter_add_: (3, "src"),
+    torch.Tensor.scatter_reduce_: (3, "src"),
+    torch.Tensor.put_: (2, "source"),
+}
+
+
+def written_value(func: Any, args: tuple, kwargs: dict) -> Any:
+    """What the in-place write ``func(*args, **kwargs)`` puts into ``args[0]``: the values written (a tensor or a
+    number), or the other operand of a write that combines (``add_``, ``mul_``); ``None`` where there is none
+    (``zero_``, ``relu_``).
+
+    Examples:
+        >>> t, v = torch.zeros(2, 3), torch.ones(2, 1)
+        >>> written_value(torch.Tensor.index_copy_, (t, 1, torch.tensor([0]), v), {}) is v
+        True
+        >>> written_value(torch.Tensor.__setitem__, (t, 0, 2.0), {}), written_value(torch.Tensor.add_, (t, 3.0), {})
+        (2.0, 3.0)
+    """
+    position, name = _VALUE_PLACES.get(func, (1, "other"))
+    value = call_argument(args, kwargs, position, name)
+    if value is None and func is torch.Tensor.scatter_:  # ``t.scatter_(dim, index, value=2.0)``
+        value = kwargs.get("value")
+    return value
 
 
 def replaces(func: Any, args: tuple, kwargs: dict) -> bool:

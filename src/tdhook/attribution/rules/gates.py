@@ -48,7 +48,7 @@ from tdhook.attribution.rules._clips import (
     clip_passing,
     clips_a_signal,
 )
-from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, note_gate_written
+from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, note_gate_written
 from tdhook.attribution.rules._held_norm_calls import NORMALIZING_CALLS, HeldNormCalls, normalized_inputs
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, gate_marks_of, mark_written_in_place
 from tdhook.attribution.rules._keyword_factors import positional_factors
@@ -104,6 +104,15 @@ SAME_VALUES = frozenset(
     | {torch.Tensor.reshape_as, torch.Tensor.type_as, torch.Tensor.float, torch.Tensor.double, torch.Tensor.half}
     | {torch.Tensor.bfloat16}
 )
+# Transposes, reorders and other views and copies of a gate's values (``g.T * h.T``, ``g.unflatten(1, (3, 2))``,
+# ``g.movedim(1, -1)``, ``g.repeat(1, 2)``, ``g.flip(1)``): a gate too (it was none: the product of a gate
+# transposed with its signal got AttnLRP's uniform rule, 5.7 off, relative L2, against the product out of place).
+SAME_VALUES |= {torch.Tensor.T.__get__, torch.Tensor.mT.__get__, torch.Tensor.t, torch.t, torch.Tensor.adjoint}
+SAME_VALUES |= {torch.adjoint, torch.Tensor.unflatten, torch.unflatten, torch.Tensor.movedim, torch.movedim}
+SAME_VALUES |= {torch.Tensor.moveaxis, torch.moveaxis, torch.Tensor.swapaxes, torch.swapaxes, torch.Tensor.swapdims}
+SAME_VALUES |= {torch.swapdims, torch.Tensor.narrow, torch.narrow, torch.Tensor.select, torch.select}
+SAME_VALUES |= {torch.Tensor.broadcast_to, torch.broadcast_to, torch.Tensor.repeat, torch.Tensor.tile, torch.tile}
+SAME_VALUES |= {torch.Tensor.flip, torch.flip, torch.Tensor.roll, torch.roll}
 # ``1 - gate``: the complement of a sigmoid-like gate is one too (a GRU's ``(1 - z) * h``).
 GATE_COMPLEMENTS = frozenset({torch.Tensor.__rsub__, torch.rsub})
 # Resizing a gate to the signal's size (GhostNetV2's ``x * interpolate(sigmoid(s), size, mode="nearest")``) keeps
@@ -135,6 +144,7 @@ def _aten(*names: str) -> frozenset:
 # The same operations called through ``torch.ops`` (``torch.ops.aten.view.default(gate, shape)``): a gate stays one.
 SAME_VALUES |= _aten("view", "_unsafe_view", "reshape", "expand", "unsqueeze", "squeeze", "permute", "transpose", "t")
 SAME_VALUES |= _aten("flatten", "clone", "_to_copy", "alias", "slice", "select", "contiguous")
+SAME_VALUES |= _aten("numpy_T", "mT", "adjoint", "unflatten", "movedim", "swapaxes", "narrow", "repeat", "flip", "roll")
 GATE_COMPLEMENTS |= _aten("rsub")
 GATE_SPLITS |= _aten("chunk", "split", "split_with_sizes", "unbind", "tensor_split")
 GATE_SCALINGS |= _aten("div", "true_divide", "divide")
@@ -164,7 +174,11 @@ def mark_gate(tensor: torch.Tensor, source: torch.Tensor, sigmoid: bool = False)
     setattr(tensor, GATE_MARK, source)
     if sigmoid:
         setattr(tensor, SIGMOID_MARK, True)
-    if GATE_MASKS_MADE and tensor._base is not None:  # a view of a tensor written into: its elements a gate now
+    base = tensor._base
+    # A view of a tensor written into, or a gate made in a view of a tensor that is none (``c[:, :3].sigmoid_()``):
+    # its elements a gate now, noted on the tensor, whose later writes (``c[:, 3:] = g``) would else make the mask
+    # without them (a view of a gate, its tensor a gate with no mask, needs none: the tensor's marks tell then).
+    if base is not None and ((GATE_MASKS_MADE and GATE_WRITTEN in base.__dict__) or GATE_MARK not in base.__dict__):
         note_gate_written(tensor, None, {GATE_MARK: source, SIGMOID_MARK: True} if sigmoid else {GATE_MARK: source})
     return tensor
 
