@@ -38,6 +38,7 @@ _TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 _OPEN = threading.local()  # per thread: weak references to its open HooksMade (``records``)
 _NOTING = threading.Lock()  # installs the noting of ids once
 _torch_init: Callable | None = None  # torch's RemovableHandle.__init__, once the noting is installed
+_PRUNED_AT = 8  # records (open or collected) in a thread's list from which the collected ones are dropped
 
 
 def _noting_init(handle: RemovableHandle, *args: object, **kwargs: object) -> None:
@@ -74,6 +75,8 @@ class HooksMade:
         True
     """
 
+    __slots__ = ("__weakref__", "ids")
+
     def __init__(self) -> None:
         self.ids: set[int] = set()
 
@@ -84,7 +87,8 @@ class HooksMade:
         records = getattr(_OPEN, "records", None)
         if records is None:
             records = _OPEN.records = []
-        records[:] = [reference for reference in records if reference() is not None]  # the collected ones out
+        elif len(records) >= _PRUNED_AT:  # the collected ones out, now and then (a call's dies when it returns)
+            records[:] = [reference for reference in records if reference() is not None]
         records.append(weakref.ref(self))
         return self
 
