@@ -167,10 +167,12 @@ def register_rule(rule: Rule, name: str, module: nn.Module) -> RemovableRuleHand
     """
     before = {key: set(hooks) for key, hooks in vars(module).items() if "hooks" in key and isinstance(hooks, dict)}
     had = module in rule._registrations  # registered already (refused below): that registration is not ours
-    made = HooksMade()  # open until this returns
+    made = HooksMade()  # open until the registration ends
     try:
         made.open()
-        return rule.register(module)
+        handle = rule.register(module)
+        made.close()  # an interrupt in it undoes the registration as any failure does
+        return handle
     except BaseException as err:
         if not had:
             rule.unregister(module)

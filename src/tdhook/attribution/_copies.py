@@ -59,20 +59,20 @@ def _state_without(state: dict, hook_ids: set[int], since: int) -> dict:
         for name, value in state.items()
         if not isinstance(value, _OWN_METHODS) and not (name == "_call_impl" and isinstance(value, QuietCall))
     }
-    for name, value in state.items():
-        # _forward_hooks, _forward_pre_hooks and their companions (always-called, with-kwargs) share the ids.
-        if "hooks" in name and isinstance(value, dict) and any(_left_out(key, hook_ids, since) for key in value):
-            state[name] = type(value)(
-                (key, hook)
-                for key, hook in value.items()
-                if key not in hook_ids and not (isinstance(key, int) and key >= since and is_ours(value[key]))
-            )
+    dicts = [name for name, value in state.items() if "hooks" in name and isinstance(value, dict)]
+    # _forward_hooks, _forward_pre_hooks and their companions (always-called, with-kwargs: ``True`` under the hook's
+    # id) share the ids: a hook made since is left out where its callable is tdhook's, and so are its companions.
+    left_out = set(hook_ids)
+    for name in dicts:
+        left_out.update(
+            key
+            for key, hook in state[name].items()
+            if isinstance(key, int) and key >= since and key not in left_out and callable(hook) and is_ours(hook)
+        )
+    for name in dicts:
+        if any(key in left_out for key in state[name]):
+            state[name] = type(state[name])((key, hook) for key, hook in state[name].items() if key not in left_out)
     return state
-
-
-def _left_out(key: object, hook_ids: set[int], since: int) -> bool:
-    """Whether the hook dict entry ``key`` may be one a copy leaves out (its hook is tdhook's, for one made since)."""
-    return key in hook_ids or (isinstance(key, int) and key >= since)
 
 
 class _StateWithoutHooks:

@@ -4,7 +4,8 @@ torch puts a hook into the module's (or tensor's) dict before it returns the han
 writes its ``with_kwargs`` and ``always_call`` companions after the hook, and a subclass's registration may do more
 after torch's. An error or an interrupt between the insertion and the moment tdhook lists the handle leaves a hook
 that no list holds, and that removing the listed ones misses. A :class:`HooksMade` notes the id of every hook made in
-its thread while it is open (torch's ``RemovableHandle`` takes its id when the registration starts): after a failure,
+its thread while it is open (torch's ``RemovableHandle`` takes its id when the registration starts; its ``__init__`` is
+wrapped only while a record is open in some thread, and torch's own is back once the last one closes): after a failure,
 those whose callable is tdhook's own (a function, method, partial or callable object defined in ``tdhook``) and that
 no list of the context holds are taken out of every module's hook dicts and of its parameters' and buffers' tensor
 hooks. Hooks of the model's own or of other libraries are never touched, and neither are those another thread made
@@ -31,20 +32,24 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["HooksMade", "is_ours", "listed_hook_ids", "orphans_removed", "remove_orphans"]
+__all__ = ["HooksMade", "is_ours", "listed_hook_ids", "noting_installed", "orphans_removed", "remove_orphans"]
 
 _TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
 _OPEN = threading.local()  # per thread: weak references to its open HooksMade (``records``)
-_NOTING = threading.Lock()  # installs the noting of ids once
-_torch_init: Callable | None = None  # torch's RemovableHandle.__init__, once the noting is installed
+_LIVE: set[weakref.ref] = set()  # the open HooksMade of every thread: the noting is installed while there is one
+# Held to open and close a record (its install or restore of the noting with it); re-entrant: a record the garbage
+# collector takes while the lock is held in its thread closes there.
+_NOTING = threading.RLock()
+_inner: Callable = RemovableHandle.__init__  # what the noting calls: the ``__init__`` it replaced (torch's)
+_above: Callable | None = None  # an ``__init__`` put over the noting by someone else (it calls the noting)
 _PRUNED_AT = 8  # records (open or collected) in a thread's list from which the collected ones are dropped
 
 
 def _noting_init(handle: RemovableHandle, *args: object, **kwargs: object) -> None:
     """torch's ``RemovableHandle.__init__``, then the handle's id noted in each :class:`HooksMade` open in the thread
     (one attribute read where none is)."""
-    _torch_init(handle, *args, **kwargs)  # type: ignore[misc]
+    _inner(handle, *args, **kwargs)
     records = getattr(_OPEN, "records", None)
     if records:
         for reference in records:
@@ -54,17 +59,51 @@ def _noting_init(handle: RemovableHandle, *args: object, **kwargs: object) -> No
 
 
 def _install() -> None:
-    global _torch_init
+    """Put the noting in place of ``RemovableHandle.__init__`` (with :data:`_NOTING` held)."""
+    global _inner
+    current = RemovableHandle.__dict__["__init__"]
+    if current is not _noting_init and current is not _above:
+        _inner = current
+        RemovableHandle.__init__ = _noting_init  # type: ignore[method-assign]
+
+
+def _closed(reference: weakref.ref) -> None:
+    """A record closed or collected: the last one of the process puts back the ``__init__`` the noting replaced."""
+    global _above
     with _NOTING:
-        if _torch_init is None:
-            _torch_init = RemovableHandle.__init__
-            RemovableHandle.__init__ = _noting_init  # type: ignore[method-assign]
+        _LIVE.discard(reference)
+        if not _LIVE:
+            current = RemovableHandle.__dict__["__init__"]
+            if current is _noting_init:
+                RemovableHandle.__init__ = _inner  # type: ignore[method-assign]
+            elif current is not _inner:  # another wrapper put over the noting meanwhile calls it: left in place
+                _above = current
+
+
+def noting_installed() -> bool:
+    """Whether torch's ``RemovableHandle.__init__`` notes hook ids now (only while a :class:`HooksMade` is open).
+
+    Examples:
+        >>> noting_installed()
+        False
+        >>> with HooksMade():
+        ...     noting_installed()
+        True
+        >>> noting_installed()
+        False
+    """
+    return RemovableHandle.__dict__["__init__"] is _noting_init
 
 
 class HooksMade:
     """The ids of the hooks made in this thread while it is open: the hooks a failure there may have left without a
-    handle, and none of another thread's. It is open from :meth:`open` until :meth:`close` or until it is garbage
-    collected (the function holding it returns), so that no step after a success is left to fail (an interrupt).
+    handle, and none of another thread's. It is open from :meth:`open` until :meth:`close`, which its block calls
+    inside the part that a failure undoes (an interrupt in it is such a failure), or until it is garbage collected
+    (a close that was itself interrupted).
+
+    While one is open in any thread, torch's ``RemovableHandle.__init__`` is wrapped to note the ids (each handle
+    takes its id as the registration starts); the last one closed puts torch's back, so that outside tdhook's calls
+    and the entering of its contexts, torch's hooks are registered as torch registers them.
 
     Examples:
         >>> from torch import nn
@@ -75,27 +114,33 @@ class HooksMade:
         True
     """
 
-    __slots__ = ("__weakref__", "ids")
+    __slots__ = ("__weakref__", "_reference", "ids")
 
     def __init__(self) -> None:
         self.ids: set[int] = set()
+        self._reference: weakref.ref | None = None
 
     def open(self) -> HooksMade:
         """Start noting (returns ``self``)."""
-        if _torch_init is None:
+        reference = self._reference = weakref.ref(self, _closed)
+        with _NOTING:
+            _LIVE.add(reference)  # before the install: a record collected meanwhile leaves the noting in place
             _install()
         records = getattr(_OPEN, "records", None)
         if records is None:
             records = _OPEN.records = []
         elif len(records) >= _PRUNED_AT:  # the collected ones out, now and then (a call's dies when it returns)
             records[:] = [reference for reference in records if reference() is not None]
-        records.append(weakref.ref(self))
+        records.append(reference)
         return self
 
     def close(self) -> None:
         """Stop noting."""
         records = getattr(_OPEN, "records", [])
         records[:] = [reference for reference in records if reference() not in (self, None)]
+        reference, self._reference = self._reference, None  # no call back when it is collected
+        if reference is not None:
+            _closed(reference)
 
     def __enter__(self) -> HooksMade:
         return self.open()
@@ -185,10 +230,11 @@ def orphans_removed(modules: Callable[[], Iterable[nn.Module]], listed: Callable
         ...     len(layer._forward_pre_hooks)
         0
     """
-    made = HooksMade()  # open until the block ends (collected)
+    made = HooksMade()  # open until the block ends
     try:
         made.open()
         yield
+        made.close()
     except BaseException:
         remove_orphans(modules(), made.ids, listed_hook_ids(listed()))
         made.close()  # not left to the traceback, which holds it

@@ -316,7 +316,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         claim(self, modules)
         handles: list[RemovableRuleHandle] = []
         try:
-            made.open()  # until _enter returns
+            made.open()  # until _enter ends
             self._abandoned = weakref.finalize(self, abandon, self._hooks, handles)  # collected, never left
             rules = self._rules()
             if self.create_graph:
@@ -356,6 +356,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             self._stochastic, self._checkpointing = random_modules(modules), checkpointing_modules(modules)
             self._compiled = any(map(_compiled, modules.values()))
             self._plan = context_plan(self, rules, modules, ours)
+            made.close()  # inside the try, as all before: torch's RemovableHandle.__init__ back once none is open
             return self  # inside the try: an interrupt before the return leaves the context as if never entered
         except BaseException:
             try:
@@ -410,7 +411,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         with self._lock:
             made = HooksMade()
             try:
-                made.open()  # until the call returns
+                made.open()  # until the call's write
                 with buffers_restored_on_error(self.module, self._buffer_holders), self._grads.kept(self._handles):
                     entering = self._handles is None and not self._inactive
                     _set_state(self, "_call_enters", entering)
@@ -418,6 +419,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
                     # mode.
                     with called_in_grad_mode(torch.is_grad_enabled(), self._lock), self if entering else _NO_CONTEXT:
                         out, write = explain(self, tensordict)
+                    made.close()  # before the write: an interrupt in it writes nothing
                     write()  # a call whose context fails to close writes nothing
                     return out
             except BaseException:  # a hook of the call whose registration failed before giving its handle
