@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from tdhook.attribution import LRP
-from tdhook.attribution._context import leave_out_unread_marks, marks_are_read
+from tdhook.attribution._context import leave_out_unread_marks, marks_are_read, register_rule
 from tdhook.attribution.lrp_helpers.rules import CPLRP, AttnLRP, BaseRuleMapper, EpsilonPlus, EpsilonPlusFlat
 from tdhook.attribution.rules import EpsilonRule, IgnoreRule, MergeBatchNormRule, PassRule, layer_call_of
 
@@ -266,3 +267,28 @@ class TestIgnoreRuleAsked:
             for _ in range(3):  # the call that records, and the planned ones after it
                 relevance = lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"]
                 torch.testing.assert_close(relevance, expected, rtol=1e-6, atol=1e-9)  # the GELU rule's ε: 1e-10
+
+
+class _FailsAfterAnotherThreadsHook(EpsilonRule):
+    """Registers, lets another thread put a hook of its own on the module, then fails."""
+
+    def __init__(self, other: list) -> None:
+        super().__init__()
+        self.other = other
+
+    def register(self, module: nn.Module):
+        super().register(module)
+        thread = threading.Thread(target=lambda: self.other.append(module.register_forward_hook(lambda *a: None)))
+        thread.start()
+        thread.join()
+        raise RuntimeError("the registration failed")
+
+
+def test_a_failing_registration_keeps_the_hook_another_thread_put_on_the_module():
+    """A rule whose registration failed had every hook that appeared on its module meanwhile deleted: a hook of
+    another thread's (a user's, a GradCAM call's) went too, with its handle still held. Only this thread's go now."""
+    layer, other = nn.Linear(2, 2), []
+    with pytest.raises(RuntimeError, match="the registration failed"):
+        register_rule(_FailsAfterAnotherThreadsHook(other), "fc", layer)
+    assert list(layer._forward_hooks) == [other[0].id]
+    assert not layer._forward_pre_hooks

@@ -456,3 +456,56 @@ def test_a_wrapper_copied_while_another_thread_calls_it_waits_for_the_call(how: 
     torch.testing.assert_close(results["call"], expected, rtol=0, atol=0)
     torch.testing.assert_close(relevance(copied, x), expected, rtol=1e-12, atol=1e-12)
     assert_hooks_as_in(copied.module.module, HeldNet())
+
+
+_PAUSES: dict[int, tuple[threading.Event, threading.Event]] = {}  # thread id -> (entered, go), outside the model
+
+
+class _Pause(nn.Module):
+    """Identity; a thread listed in ``_PAUSES`` waits here (its events are kept outside: the model stays copyable)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pause = _PAUSES.get(threading.get_ident())
+        if pause is not None:
+            pause[0].set()
+            assert pause[1].wait(30)
+        return x
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_copy_of_the_model_made_while_another_thread_is_inside_a_call_has_no_hooks(how: str):
+    """A copy of the model made in one thread while another thread's call of the open context ran (its first call,
+    which watches every module with a hook of its own) kept those hooks: a deep copy carried one on each module,
+    holding the original wrapper's records, and a pickle failed on them. A copy leaves out every hook of tdhook's
+    made in the context now, and explains as the original does."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), _Pause(), nn.Linear(8, 3)).to(F64)
+    reference = copy.deepcopy(net)
+    lrp = LRP(net, EpsilonGammaBox(-3.0, 3.0), in_keys=["x"], out_keys=["y"])
+    x = torch.randn(4, 5, dtype=F64)
+    # On a copy: the wrapper's call in the thread is its first, which watches each module with an always-called
+    # hook (its companion entry, ``True`` under the hook's id, was kept in the copies).
+    expected = relevance(LRP(copy.deepcopy(net), EpsilonGammaBox(-3.0, 3.0), in_keys=["x"], out_keys=["y"]), x)
+    entered, go, out = threading.Event(), threading.Event(), []
+
+    def call() -> None:
+        _PAUSES[threading.get_ident()] = (entered, go)
+        try:
+            out.append(relevance(lrp, x))
+        finally:
+            del _PAUSES[threading.get_ident()]
+
+    thread = threading.Thread(target=call)
+    with lrp:
+        thread.start()
+        try:
+            assert entered.wait(30)
+            twin = copies_of(net, how)
+        finally:
+            go.set()
+            thread.join()
+    torch.testing.assert_close(out[0], expected, rtol=1e-12, atol=1e-12)
+    assert_hooks_as_in(twin, reference)
+    assert_hooks_as_in(net, reference)
+    twin_lrp = LRP(twin, EpsilonGammaBox(-3.0, 3.0), in_keys=["x"], out_keys=["y"])
+    torch.testing.assert_close(relevance(twin_lrp, x), expected, rtol=1e-12, atol=1e-12)

@@ -88,8 +88,10 @@ def assert_all_or_nothing(td: TensorDict, entries: dict, expected: torch.Tensor,
         # The guards of the running statistics and of the parameters' .grad around the whole call are left after
         # ``return out``.
         guards = ("_batch_statistics.py", "_kept_grads.py")
-        # (a comprehension of a guard's runs in a frame of its own: one in its __enter__ comes before any write)
-        leaving = where is not None and where.startswith(guards) and where.endswith(("(__exit__)", "(<listcomp>)"))
+        # (a comprehension of a guard's runs in a frame of its own: one in its __enter__ comes before any write;
+        # _settle is the .grad guard's __exit__'s last step)
+        leaving = where is not None and where.startswith(guards)
+        leaving = leaving and where.endswith(("(__exit__)", "(<listcomp>)", "(_settle)"))
         assert where is None or returning or leaving, where
         torch.testing.assert_close(td["relevance", "x"], expected, rtol=0, atol=0, msg=where)
     assert all(now[key] is value for key, value in entries.items()), where

@@ -26,6 +26,7 @@ Examples:
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -35,6 +36,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from tdhook.attribution._model_changes import forget_modules, record_modules
+from tdhook.attribution._orphan_hooks import HooksMade
 from tdhook.attribution._scripted_modules import refuse_scripted_modules
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._layers import (
@@ -69,6 +71,11 @@ __all__ = [
 # Every module inside an open LRP context, with (a weak reference to) the wrapper that owns it: two wrappers' rules
 # on one module would mix.
 _OWNERS: IdentityWeakKeyDict[nn.Module, weakref.ref] = IdentityWeakKeyDict()
+# The thread that opened each owner's context (named where another thread's wrapper asks for its modules).
+_OWNER_THREADS: IdentityWeakKeyDict[object, int] = IdentityWeakKeyDict()
+# Held for each claim (its check and its marks, at once) and release: two threads' wrappers entering on one model
+# at once would both pass the check, and a release walking the owners while another thread's changes them fails.
+_CLAIMS = threading.RLock()  # re-entrant: a finalizer run by the garbage collector inside
 
 
 def _owner(module: nn.Module) -> object | None:
@@ -86,23 +93,35 @@ def claim(owner: object, modules: Mapping[str, nn.Module]) -> None:
     Raises:
         TypeError: one of ``modules`` is a TorchScript module, which no rule reaches
             (:func:`~tdhook.attribution._scripted_modules.refuse_scripted_modules`).
-        RuntimeError: one of ``modules`` is inside another owner's context;
+        RuntimeError: one of ``modules`` is inside another owner's context (of this thread or another);
             then none is claimed.
     """
     refuse_scripted_modules(modules)
-    for name, module in modules.items():
-        current = _owner(module)
-        if current is not None and current is not owner:
-            path = name or "the model itself"
-            raise RuntimeError(
-                f"LRP: module {path!r} ({type(module).__name__}) is already inside another LRP wrapper's "
-                "context; leave that context first (the rules of two wrappers on one model would mix)"
-            )
-    reference = weakref.ref(owner)
-    for module in modules.values():
-        _OWNERS[module] = reference
+    with _CLAIMS:
+        for name, module in modules.items():
+            current = _owner(module)
+            if current is not None and current is not owner:
+                raise _claimed(name, module, current)
+        reference = weakref.ref(owner)
+        for module in modules.values():
+            _OWNERS[module] = reference
+        _OWNER_THREADS[owner] = threading.get_ident()
     record_modules(owner, modules)  # each call checks that the model still has these (see _model_changes)
     context_opened(owner, modules.values())
+
+
+def _claimed(name: str, module: nn.Module, current: object) -> RuntimeError:
+    """The error for a claim of ``module``, which ``current``'s context holds."""
+    path = name or "the model itself"
+    what = f"LRP: module {path!r} ({type(module).__name__}) is already inside another LRP wrapper's context"
+    if _OWNER_THREADS.get(current, threading.get_ident()) != threading.get_ident():
+        return RuntimeError(
+            f"{what}, opened in another thread: this model is being explained by another LRP context in another "
+            "thread; give each worker its own copy of the model (copy.deepcopy) and its own wrapper, or share one "
+            "wrapper between the threads (its calls run one at a time); the rules of two wrappers on one model "
+            "would mix"
+        )
+    return RuntimeError(f"{what}; leave that context first (the rules of two wrappers on one model would mix)")
 
 
 def release(owner: object) -> None:
@@ -111,11 +130,13 @@ def release(owner: object) -> None:
     Args:
         owner: the LRP wrapper leaving its context.
     """
-    held = [m for m, reference in _OWNERS.items() if reference() in (owner, None)]
-    context_closed(owner, held)
-    forget_modules(owner)
-    for module in held:
-        del _OWNERS[module]
+    with _CLAIMS:
+        held = [m for m, reference in _OWNERS.items() if reference() in (owner, None)]
+        _OWNER_THREADS.pop(owner, None)
+        context_closed(owner, held)
+        forget_modules(owner)
+        for module in held:
+            del _OWNERS[module]
 
 
 def abandon(hooks: list, handles: list[RemovableRuleHandle]) -> None:
@@ -133,6 +154,7 @@ def abandon(hooks: list, handles: list[RemovableRuleHandle]) -> None:
 def register_rule(rule: Rule, name: str, module: nn.Module) -> RemovableRuleHandle:
     """``rule.register(module)``, and where that fails (an error, an interrupt), the hooks it had added so far
     removed and its record of the module dropped: a rule half registered would act on later calls of the model.
+    Hooks that another thread put on the module meanwhile stay.
 
     Args:
         rule: the rule.
@@ -145,15 +167,20 @@ def register_rule(rule: Rule, name: str, module: nn.Module) -> RemovableRuleHand
     """
     before = {key: set(hooks) for key, hooks in vars(module).items() if "hooks" in key and isinstance(hooks, dict)}
     had = module in rule._registrations  # registered already (refused below): that registration is not ours
+    made = HooksMade()  # open until the registration ends
     try:
-        return rule.register(module)
+        made.open()
+        handle = rule.register(module)
+        made.close()  # an interrupt in it undoes the registration as any failure does
+        return handle
     except BaseException as err:
         if not had:
             rule.unregister(module)
         for key, hooks in vars(module).items():
             if key in before and isinstance(hooks, dict):
-                for hook_id in [hook_id for hook_id in hooks if hook_id not in before[key]]:
+                for hook_id in [hook_id for hook_id in hooks if hook_id not in before[key] and hook_id in made.ids]:
                     del hooks[hook_id]
+        made.close()  # not left to the traceback, which holds it
         if isinstance(err, Exception):
             raise type(err)(f"cannot register {rule!r} on module {name!r} ({type(module).__name__}): {err}") from err
         raise

@@ -5,8 +5,9 @@ Inside ``with lrp:`` the model's modules carry the rules' hooks. A
 those hooks along: the copy would run the rules of the original's context,
 with the original's modified weights, and write into its records. While the
 context is open, each module gets a ``__getstate__`` of its own that hands
-copies its state without the context's hooks; the module itself keeps them,
-and the ``__getstate__`` goes when the context closes. A module whose class
+copies its state without the context's hooks, nor any hook of tdhook's made
+since (those a call in flight in another thread has on the model); the module
+itself keeps them, and the ``__getstate__`` goes when the context closes. A module whose class
 copies itself by a protocol of its own, which reads ``__dict__`` and not
 ``__getstate__`` (a parametrized module's ``__deepcopy__``, as
 ``weight_norm`` and ``spectral_norm`` make it; a traced ``GraphModule``'s
@@ -38,7 +39,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
+from tdhook.attribution._orphan_hooks import is_ours
 from tdhook.attribution._quiet_modules import QuietCall
 
 __all__ = ["hide_from_copies", "wrapper_copy", "wrapper_state"]
@@ -46,33 +49,44 @@ __all__ = ["hide_from_copies", "wrapper_copy", "wrapper_state"]
 _GETSTATE = "__getstate__"
 
 
-def _state_without(state: dict, hook_ids: set[int]) -> dict:
+def _state_without(state: dict, hook_ids: set[int], since: int) -> dict:
     """``state``, a module's ``__dict__`` or ``__getstate__``, without the context's entries: the hooks with
-    ``hook_ids``, the copy methods :class:`HiddenFromCopies` sets, and the call step a plan's call sets on a quiet
-    module for the call (a copy made in it would keep it)."""
+    ``hook_ids`` and tdhook's hooks with an id from ``since`` on (a call's, made while it runs), the copy methods
+    :class:`HiddenFromCopies` sets, and the call step a plan's call sets on a quiet module for the call (a copy made
+    in it would keep it)."""
     state = {
         name: value
         for name, value in state.items()
         if not isinstance(value, _OWN_METHODS) and not (name == "_call_impl" and isinstance(value, QuietCall))
     }
-    for name, value in state.items():
-        # _forward_hooks, _forward_pre_hooks and their companions (always-called, with-kwargs) share the ids.
-        if "hooks" in name and isinstance(value, dict) and any(key in hook_ids for key in value):
-            state[name] = type(value)((key, hook) for key, hook in value.items() if key not in hook_ids)
+    dicts = [name for name, value in state.items() if "hooks" in name and isinstance(value, dict)]
+    # _forward_hooks, _forward_pre_hooks and their companions (always-called, with-kwargs: ``True`` under the hook's
+    # id) share the ids: a hook made since is left out where its callable is tdhook's, and so are its companions.
+    left_out = set(hook_ids)
+    for name in dicts:
+        left_out.update(
+            key
+            for key, hook in state[name].items()
+            if isinstance(key, int) and key >= since and key not in left_out and callable(hook) and is_ours(hook)
+        )
+    for name in dicts:
+        if any(key in left_out for key in state[name]):
+            state[name] = type(state[name])((key, hook) for key, hook in state[name].items() if key not in left_out)
     return state
 
 
 class _StateWithoutHooks:
     """A module's ``__getstate__`` that leaves out the hooks with the given ids."""
 
-    def __init__(self, module: nn.Module, hook_ids: set[int]) -> None:
+    def __init__(self, module: nn.Module, hook_ids: set[int], since: int) -> None:
         self._module = weakref.ref(module)
         self._hook_ids = hook_ids
+        self._since = since
 
     def __call__(self) -> Any:
         module = self._module()
         state = type(module).__getstate__(module)
-        return _state_without(state, self._hook_ids) if isinstance(state, dict) else state
+        return _state_without(state, self._hook_ids, self._since) if isinstance(state, dict) else state
 
 
 class _StandInCopies:
@@ -81,16 +95,17 @@ class _StandInCopies:
     own, copied by their own ``__getstate__``). A ``__deepcopy__`` of a module whose class has none (now) copies the
     module as ``copy.deepcopy`` does, through its ``__getstate__``."""
 
-    def __init__(self, module: nn.Module, hook_ids: set[int], method: str) -> None:
+    def __init__(self, module: nn.Module, hook_ids: set[int], since: int, method: str) -> None:
         self._module = weakref.ref(module)
         self._hook_ids = hook_ids
+        self._since = since
         self._method = method
 
     def _stand_in(self) -> nn.Module:
         module = self._module()
         cls = type(module)
         stand_in = cls.__new__(cls)
-        object.__setattr__(stand_in, "__dict__", _state_without(vars(module), self._hook_ids))
+        object.__setattr__(stand_in, "__dict__", _state_without(vars(module), self._hook_ids, self._since))
         for slot in copyreg._slotnames(cls):  # type: ignore[attr-defined]
             if hasattr(module, slot):
                 object.__setattr__(stand_in, slot, getattr(module, slot))
@@ -130,13 +145,14 @@ class HiddenFromCopies:
 
     def __init__(self, modules: Iterable[nn.Module], hook_ids: set[int]) -> None:
         self.hook_ids = hook_ids  # a hook of the context's added later is left out once its id is added here
+        since = RemovableHandle.next_id  # and so is every hook of tdhook's made from now on (a call's)
         self._installed: list[tuple[weakref.ref, str, Callable]] = []
         try:
             for module in modules:  # each listed before it is installed, so that remove() finds it
-                methods = {_GETSTATE: _StateWithoutHooks(module, hook_ids)}
+                methods = {_GETSTATE: _StateWithoutHooks(module, hook_ids, since)}
                 # Every module's __deepcopy__: a parametrization registered later gives the class one of its own.
                 protocols = {_DEEPCOPY, *_own_protocols(module)}
-                methods.update({name: _StandInCopies(module, hook_ids, name) for name in sorted(protocols)})
+                methods.update({name: _StandInCopies(module, hook_ids, since, name) for name in sorted(protocols)})
                 for name, method in methods.items():
                     self._installed.append((weakref.ref(module), name, method))
                     module.__dict__[name] = method
@@ -156,7 +172,8 @@ class HiddenFromCopies:
 
 
 def hide_from_copies(modules: Iterable[nn.Module], hook_ids: set[int]) -> HiddenFromCopies:
-    """Make copies (``copy.deepcopy``, ``copy.copy``, pickle) of ``modules`` leave out the hooks with ``hook_ids``.
+    """Make copies (``copy.deepcopy``, ``copy.copy``, pickle) of ``modules`` leave out the hooks with ``hook_ids``,
+    and the hooks of tdhook's made from now on (a call's, which a copy made while it runs in another thread sees).
 
     Args:
         modules: the model's modules.

@@ -56,7 +56,7 @@ from tdhook.attribution._loss_callers import refuse_loss_module_caller
 from tdhook.attribution._model_run import context_cache_watch
 from tdhook.attribution._module_hooks import module_hooks
 from tdhook.attribution._no_grad_values import called_in_grad_mode
-from tdhook.attribution._orphan_hooks import listed_hook_ids, next_hook_id, remove_orphans
+from tdhook.attribution._orphan_hooks import HooksMade, listed_hook_ids, remove_orphans
 from tdhook.attribution._plain_modules import as_tensordict_module
 from tdhook.attribution._random_modules import random_modules
 from tdhook.attribution._rule_names import warn_for_unused_keys
@@ -312,10 +312,11 @@ class LRP(TensorDictModuleBase, MapperTunable):
             raise RuntimeError("this LRP wrapper's context is already active; leave it before entering again")
         remove_listed(self._hooks)  # what a removal interrupted while leaving the last context left behind
         modules = self.named_explained_modules()
+        made = HooksMade()  # a hook made here (this thread) whose handle a failure lost is found by its id
         claim(self, modules)
         handles: list[RemovableRuleHandle] = []
-        since = next_hook_id()  # a hook made from here on whose handle a failure lost is found by its id
         try:
+            made.open()  # until _enter ends
             self._abandoned = weakref.finalize(self, abandon, self._hooks, handles)  # collected, never left
             rules = self._rules()
             if self.create_graph:
@@ -355,12 +356,14 @@ class LRP(TensorDictModuleBase, MapperTunable):
             self._stochastic, self._checkpointing = random_modules(modules), checkpointing_modules(modules)
             self._compiled = any(map(_compiled, modules.values()))
             self._plan = context_plan(self, rules, modules, ours)
+            made.close()  # inside the try, as all before: torch's RemovableHandle.__init__ back once none is open
             return self  # inside the try: an interrupt before the return leaves the context as if never entered
         except BaseException:
             try:
                 self._leave(handles)
             finally:  # and the hooks put in a module's dict whose registration failed before giving their handle
-                remove_orphans([*modules.values(), self.module], since)
+                remove_orphans([*modules.values(), self.module], made.ids)
+                made.close()  # not left to the traceback, which holds it
             raise
 
     def __exit__(self, *exc_info: object) -> None:
@@ -406,8 +409,9 @@ class LRP(TensorDictModuleBase, MapperTunable):
         refuse_loss_module_caller("LRP", self, self.create_graph)  # its outputs would give no gradient
         # One call at a time (docs/guarantees.md); one that fails leaves the running statistics as they were.
         with self._lock:
-            since = next_hook_id()
+            made = HooksMade()
             try:
+                made.open()  # until the call's write
                 with buffers_restored_on_error(self.module, self._buffer_holders), self._grads.kept(self._handles):
                     entering = self._handles is None and not self._inactive
                     _set_state(self, "_call_enters", entering)
@@ -415,11 +419,13 @@ class LRP(TensorDictModuleBase, MapperTunable):
                     # mode.
                     with called_in_grad_mode(torch.is_grad_enabled(), self._lock), self if entering else _NO_CONTEXT:
                         out, write = explain(self, tensordict)
+                    made.close()  # before the write: an interrupt in it writes nothing
                     write()  # a call whose context fails to close writes nothing
                     return out
             except BaseException:  # a hook of the call whose registration failed before giving its handle
                 listed = listed_hook_ids([*self._hooks, *(self._handles or [])])  # the open context's, kept
-                remove_orphans([*self.named_explained_modules().values(), self.module], since, listed)
+                remove_orphans([*self.named_explained_modules().values(), self.module], made.ids, listed)
+                made.close()  # not left to the traceback, which holds it
                 raise
 
     def coverage(self) -> Coverage:
