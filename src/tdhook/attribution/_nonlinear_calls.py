@@ -89,6 +89,7 @@ from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_writ
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layer_nodes import LAYER_MARK
+from tdhook.attribution.rules._unrecorded_writes import NOT_READ, UNRECORDED, read_unrecorded
 from tdhook.attribution.rules.base import _reaches_model_input
 
 __all__ = ["NonlinearCalls", "function_kind", "report_dropout_calls", "report_plain_gradient"]
@@ -346,6 +347,8 @@ class NonlinearCalls(TorchFunctionMode):
         self._open: list[list] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if UNRECORDED and (read := read_unrecorded(func, args, kwargs or {})) is not NOT_READ:  # _unrecorded_writes
+            return read
         if func is _REGISTER_HOOK and len(args) == 2 and is_activation(args[0]) and not is_ours(args[1]):
             where = self._stack[-1] if self._stack else ""  # a gradient clip or scale: refused where it changes one
             args = (args[0], tensor_hook_checked(args[1], where, self._modules.get(where), self._refused))

@@ -55,6 +55,7 @@ from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._means_apart import STATISTICS_AND_MEANS, mean_apart
 from tdhook.attribution.rules._recomputed import in_checkpoint, raise_for_checkpoint
+from tdhook.attribution.rules._unrecorded_writes import NOT_READ, UNRECORDED, read_unrecorded
 from tdhook.attribution.rules._written_norms import WRITTEN_NORM_CALLS, statistic_place
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, rules_apply
 from tdhook.attribution.rules.basic import PassRule
@@ -431,6 +432,8 @@ class HeldGates(TorchFunctionMode):
         kwargs = kwargs or {}
         if kwargs and func in _GATES_AND_CLIPS:  # ``h.mul(other=g)``, ``torch.sigmoid(input=h)``: read by position
             args, kwargs = positional_factors(func, args, kwargs)
+        if UNRECORDED and (read := read_unrecorded(func, args, kwargs)) is not NOT_READ:  # see _unrecorded_writes
+            return read
         if func in WRITTEN_NORM_CALLS and (place := statistic_place(func, args, kwargs)) is not None:
             # ``h / h.norm(...)``, ``h * rsqrt(...)``: its statistic held, as F.normalize's norm (_written_norms)
             what = "the norms written out held constant"
