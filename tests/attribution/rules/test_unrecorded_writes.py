@@ -150,7 +150,16 @@ def _read_without_gradient(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) ->
     return h * g + picked + total
 
 
+def _alias_reshaped(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    alias = c.detach()
+    alias.unsqueeze_(0)  # no values written
+    alias.requires_grad_(True)
+    return c * g
+
+
 ALLOWED = {
+    "c.detach() reshaped and made a leaf in place": (_alias_reshaped, lambda s, h, g: h * g),
     "z = (round(h) - h).detach(); z += h": (_straight_through, lambda s, h, g: (h + (torch.round(h) - h).detach()) * g),
     "an alias written, and only it read": (_alias_read_alone, lambda s, h, g: (2 * h).detach() * g + h),
     "a fresh buffer written through .detach(), .data, no_grad": (

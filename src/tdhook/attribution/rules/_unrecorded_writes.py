@@ -51,10 +51,18 @@ UNRECORDED: dict[int, tuple[weakref.ref, str]] = {}
 NOT_READ = object()
 
 # Calls that read no values, or give none with gradient: a tensor's base (the modes' own bookkeeping reads it), its
-# aliases, and in-place calls that write no values (its flags, its shape).
-_NOT_READS = DETACHING | frozenset(
-    {torch.Tensor._base.__get__, torch.Tensor.grad.__get__, _DATA_SET}
-    | {torch.Tensor.requires_grad_, torch.Tensor.detach_, torch.detach_}
+# aliases, and in-place calls that write no values (its flags, its shape, another storage: ``alias.unsqueeze_(0)``).
+_NOT_READS = (
+    DETACHING
+    | {torch.Tensor._base.__get__, torch.Tensor.grad.__get__, _DATA_SET, torch.detach_}
+    | frozenset(
+        getattr(torch.Tensor, name)
+        for name in (
+            *("requires_grad_", "detach_", "as_strided_", "squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_"),
+            *("swapaxes_", "resize_", "resize_as_", "share_memory_", "set_", "rename_", "refine_names_"),
+        )
+        if hasattr(torch.Tensor, name)
+    )
 )
 # Writes that replace every element of the tensor written into (``c.copy_(h)``): no read of it.
 _WHOLE_WRITES = frozenset({torch.Tensor.copy_, torch.Tensor.fill_, torch.Tensor.zero_, torch.fill_, torch.zero_})
