@@ -11,6 +11,7 @@ path, a tensor replaced whole with gradient enabled afterwards: each is explaine
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -41,6 +42,13 @@ def _no_grad_scaled(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.
     with torch.no_grad():
         c.mul_(2)
     return c * g
+
+
+def _no_grad_gated(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h * 1
+    with torch.no_grad():
+        c *= g  # a product with a gate: no rule holds it where autograd records nothing
+    return c
 
 
 def _data_set(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -98,6 +106,7 @@ UNRECORDED = {
     "v = c[:, :3], then c.detach().copy_(w)": (_view_taken_before, "mul", "copy_"),
     "no_grad: c.copy_(w)": (_no_grad_copy, "mul", "copy_ under torch.no_grad()"),
     "no_grad: c.mul_(2)": (_no_grad_scaled, "mul", "mul_ under torch.no_grad()"),
+    "no_grad: c *= g": (_no_grad_gated, "linear", "under torch.no_grad()"),
 }
 
 
@@ -184,31 +193,49 @@ def test_writes_whose_tensor_is_not_read_with_gradient_are_explained_as_out_of_p
     torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12)
 
 
-class _LaterWrite(nn.Module):
-    """A gated block whose first projection is overwritten through a detached alias once ``write`` is set, then read
-    by a LayerNorm (a module with a rule: the modes do not see its calls)."""
+def _overwritten(c: torch.Tensor, g: torch.Tensor, weight: torch.Tensor) -> None:
+    c.detach().copy_(weight[:, :1].T.expand_as(c))
 
-    def __init__(self) -> None:
+
+def _gated_without_gradient(c: torch.Tensor, g: torch.Tensor, weight: torch.Tensor) -> None:
+    with torch.no_grad():
+        c.mul_(g)
+
+
+class _LaterWrite(nn.Module):
+    """A gated block whose first projection ``write`` writes into once ``writes`` is set, then read by a LayerNorm (a
+    module with a rule: the modes do not see its calls)."""
+
+    def __init__(self, write) -> None:
         super().__init__()
         self.p, self.q = nn.Linear(4, 6), nn.Linear(4, 6)
         self.norm, self.out = nn.LayerNorm(6), nn.Linear(6, 3)
-        self.write = False
+        self.write, self.writes = write, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        c = self.p(x)
-        if self.write:
-            c.detach().copy_(self.q.weight[:, :1].T.expand_as(c))
-        return self.out(self.norm(c) * torch.sigmoid(self.q(x)))
+        c, g = self.p(x), torch.sigmoid(self.q(x))
+        if self.writes:
+            self.write(c, g, self.q.weight)
+        return self.out(self.norm(c) * g)
 
 
-@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.__name__)
-def test_a_read_by_a_module_with_a_rule_in_a_later_call_raises(preset):
+@pytest.mark.parametrize(
+    "preset, write, named",
+    [
+        *((preset, _overwritten, "copy_ through") for preset in PRESETS),
+        (EpsilonPlus, _gated_without_gradient, "mul_ under torch.no_grad()"),  # the gate mode runs on every call
+    ],
+    ids=lambda v: getattr(v, "__name__", str(v)),
+)
+def test_a_read_by_a_module_with_a_rule_in_a_later_call_raises(preset, write, named: str):
     torch.manual_seed(0)
-    model = _LaterWrite().to(F64)
+    model = _LaterWrite(write).to(F64)
     x = TensorDict(x=torch.randn(5, 4, dtype=F64), batch_size=[5])
     with warnings.catch_warnings(), LRP(model, preset(), in_keys=["x"], out_keys=["y"]) as lrp:
         warnings.simplefilter("ignore")
         lrp(x)  # the first call, watched, writes nothing
-        model.write = True
-        with pytest.raises(RuntimeError, match=r"LayerNorm \(a module with a rule\) reads a tensor .* copy_ through"):
+        model.writes = True
+        with pytest.raises(
+            RuntimeError, match=r"LayerNorm \(a module with a rule\) reads a tensor .*" + re.escape(named)
+        ):
             lrp(x)

@@ -43,7 +43,7 @@ _DATA_SET = torch.Tensor.data.__set__
 ALIASING = DETACHING | {_DATA_SET}
 # On an alias of a tensor with autograd history (see DETACHING): a weak reference to that tensor (the tensor a view
 # of it views). Weak: an alias must not keep a layer's output alive past the call.
-ALIAS_OF = "_tdhook_alias_of"
+ALIAS_OF = "_tdhook_unrecorded_alias_of"
 #: Per tensor whose values a write autograd did not record changed (by ``id``): a weak reference to it, and the
 #: write. Empty on the common path, where the modes' check is one test of it.
 UNRECORDED: dict[int, tuple[weakref.ref, str]] = {}

@@ -455,7 +455,12 @@ class HeldGates(TorchFunctionMode):
             if self.norm_calls.held:  # a product of two activations, which has no rule here: see _held_norm_calls
                 self.norm_calls.release_reached(func, args, kwargs)
             return keep_gate_mark(func, args, mark_parameter_derived(args, func(*args, **kwargs), func), kwargs)
-        if func in _PRODUCTS_IN_PLACE and not kwargs and held_factors(args) == [False, True]:
+        if (
+            func in _PRODUCTS_IN_PLACE
+            and not kwargs
+            and held_factors(args) == [False, True]
+            and torch.is_grad_enabled()
+        ):
             # ``h.mul_(g)``, ``h *= g``: the signal written into by the gate held, as ``h * g`` holds it. (A gate
             # written into by the signal, ``g.mul_(h)``, keeps its plain gradient: the coverage report names it.)
             raise_for_checkpoint("gates held constant in products")
