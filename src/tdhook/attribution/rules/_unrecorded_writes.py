@@ -14,7 +14,9 @@ The function modes note an alias as they make it (:func:`note_alias`), the tenso
 does not record changed (:func:`note_unrecorded_write`), and refuse a call that reads that tensor, or a view of it,
 into a result with gradient (:func:`read_unrecorded`, and :func:`raise_for_unrecorded_inputs` at the modules
 inside which the modes pause). A write that replaces the whole tensor with gradient enabled (``c.copy_(h)``) gives
-it a history of its values again.
+it a history of its values again. Writes no mode sees are not noted: those of a call run without the modes (a later
+call of AttnLRP or CP-LRP that its plan runs without them, a later call of a CNN preset on a model without gates;
+the first call of every context runs in them) or inside a module where they pause, and ``out=`` writes.
 """
 
 from __future__ import annotations
