@@ -57,6 +57,18 @@ def _data_set(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor
     return c * g
 
 
+def _weight_data_set(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = s * torch.ones_like(h)  # a weight, to the rules
+    c.data = h.detach().clone()  # an activation's values in its place
+    return c * g
+
+
+def _data_set_reshaped(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    c.data = _weight(s, h).detach()[:, :3]
+    return c[:, :3] * g[:, :3]
+
+
 def _through(alias, write, read=lambda c, g: c * g):
     """The form ``read(c, g)`` after ``write(alias(c), s, h)``, ``c`` a copy of ``h``."""
 
@@ -101,7 +113,8 @@ UNRECORDED = {
         "linear",
         "copy_",
     ),
-    "c.data = w": (_data_set, "mul", "`.data =`"),
+    "weight c, c.data = h": (_weight_data_set, "mul", "`.data =`"),
+    "c.data = w of another shape": (_data_set_reshaped, "__getitem__", "`.data =`"),
     "weight c, c.detach().copy_(h)": (_weight_through_alias, "mul", "copy_"),
     "v = c[:, :3], then c.detach().copy_(w)": (_view_taken_before, "mul", "copy_"),
     "no_grad: c.copy_(w)": (_no_grad_copy, "mul", "copy_ under torch.no_grad()"),
@@ -239,3 +252,80 @@ def test_a_read_by_a_module_with_a_rule_in_a_later_call_raises(preset, write, na
             RuntimeError, match=r"LayerNorm \(a module with a rule\) reads a tensor .*" + re.escape(named)
         ):
             lrp(x)
+
+
+def _binarized(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = torch.tanh(h)
+    c.data = torch.sign(c.data)  # a binarised network's activation
+    return c * g
+
+
+def _binarized_out_of_place(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = torch.tanh(h)
+    return (c + (torch.sign(c) - c).detach()) * g
+
+
+class _BinarizeLinear(nn.Linear):
+    """A linear layer that binarises its input in place, as binarised networks write it."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        input.data = torch.sign(input.data)
+        return nn.functional.linear(input, self.weight, self.bias)
+
+
+class _Binarized(nn.Module):
+    def __init__(self, binarize: bool) -> None:
+        super().__init__()
+        self.fc1, self.act = nn.Linear(4, 6), nn.Hardtanh()
+        self.fc2 = _BinarizeLinear(6, 3) if binarize else nn.Linear(6, 3)
+        self.binarize = binarize
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc1(x))
+        if self.binarize:
+            h.data = torch.sign(h.data)
+        else:
+            h = h + (torch.sign(h) - h).detach()
+        return self.fc2(h)
+
+
+def _data_set_out_of_place(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    return (c + (_weight(s, h) - c).detach()) * g
+
+
+ASSIGNED = {
+    "c = tanh(h); c.data = sign(c.data)": (_binarized, _binarized_out_of_place),
+    "c = h.clone(); c.data = w": (_data_set, _data_set_out_of_place),
+}
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.__name__)
+@pytest.mark.parametrize("name", sorted(ASSIGNED))
+def test_an_activation_assigned_through_data_is_explained_as_a_straight_through_estimator(name: str, preset):
+    """``h.data = y`` (y of h's shape) replaces h's storage, not the values autograd saved: it is
+    ``h + (y - h).detach()``, explained as that sum and named as one (it was refused)."""
+    in_place, out_of_place = ASSIGNED[name]
+    relevance, calls = _explained(in_place, preset)
+    expected, expected_calls = _explained(out_of_place, preset)
+    assert calls == expected_calls
+    assert "a straight-through estimator (x + (y - x).detach())" in calls
+    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.__name__)
+def test_a_binarised_network_assigning_data_in_and_around_a_layer_is_explained(preset):
+    """A binarised network's ``input.data = sign(input.data)``, in the model's forward and in a layer's with a rule,
+    against the same model written with out-of-place straight-through estimators (it was refused)."""
+    explained = []
+    for binarize in (True, False):
+        torch.manual_seed(0)
+        model = _Binarized(binarize).to(F64)
+        x = TensorDict(x=torch.randn(5, 4, dtype=F64), batch_size=[5])
+        lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            relevance = lrp(x)["relevance", "x"]
+        assert any("straight-through estimator" in str(w.message) for w in caught)
+        explained.append(relevance)
+    torch.testing.assert_close(explained[0], explained[1], rtol=1e-12, atol=1e-12)

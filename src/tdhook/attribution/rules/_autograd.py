@@ -551,7 +551,7 @@ def mark_parameter_derived(args: tuple, result: Any, func: Any = None) -> Any:
         [True, False]
     """
     if func in ALIASING:  # ``c.detach()``, ``c.data``: writes into them autograd does not record (_unrecorded_writes)
-        note_alias(func, args, result)
+        note_alias(func, args, result, bool(args) and is_activation(args[0]))
     if func in TEMPLATED:
         args = args[:1]
     if func in PER_ARGUMENT and len(args) == 1 and isinstance(args[0], (tuple, list)):

@@ -8,7 +8,10 @@ the gradient of the function computed: an activation overwritten that way with a
 the activation (1.0 off, relative L2, under AttnLRP), a weight overwritten with an activation's as the weight (11.4
 off). The write itself is no error: a straight-through estimator written in place
 (``z = (torch.round(h) - h).detach(); z += h``) writes through a detached alias and reads only the alias, whose own
-write autograd records.
+write autograd records. Nor is ``h.data = y`` for an activation ``h`` and a tensor ``y`` of its shape, dtype and
+device (a binarised network's ``input.data = sign(input.data)``): it replaces ``h``'s storage, leaving the tensors
+autograd saved as they were, so that it is the straight-through estimator ``h + (y - h).detach()``, explained and
+reported as one (see :func:`assigns_straight_through`).
 
 The function modes note an alias as they make it (:func:`note_alias`), the tensor whose values a write autograd
 does not record changed (:func:`note_unrecorded_write`), and refuse a call that reads that tensor, or a view of it,
@@ -32,6 +35,7 @@ __all__ = [
     "DETACHING",
     "NOT_READ",
     "UNRECORDED",
+    "assigns_straight_through",
     "note_alias",
     "note_unrecorded_write",
     "raise_for_unrecorded_inputs",
@@ -79,11 +83,39 @@ def _has_history(tensor: torch.Tensor) -> bool:
     return tensor.requires_grad and not tensor.is_leaf
 
 
-def note_alias(func: Any, args: tuple, result: Any) -> None:
+def assigns_straight_through(func: Any, args: tuple, activation: bool) -> bool:
+    """Whether ``func(*args)`` is ``args[0].data = args[1]`` for an activation ``args[0]`` (``activation``: not
+    computed from parameters alone) and a tensor ``args[1]`` of its shape, dtype and device: the storage replaced,
+    the tensors autograd saved left as they were, it is the straight-through estimator
+    ``args[0] + (args[1] - args[0]).detach()``, whose gradient passes through ``args[0]`` to what it was computed
+    from.
+
+    Examples:
+        >>> h = torch.ones(2, requires_grad=True) * 2
+        >>> assigns_straight_through(torch.Tensor.data.__set__, (h, torch.sign(h.detach())), True)
+        True
+        >>> assigns_straight_through(torch.Tensor.data.__set__, (h, torch.zeros(3)), True)  # another shape
+        False
+    """
+    if func != _DATA_SET or len(args) != 2 or not activation:
+        return False
+    h, y = args
+    if not (isinstance(h, torch.Tensor) and isinstance(y, torch.Tensor) and _has_history(h) and h._base is None):
+        return False
+    # What autograd took ``h`` for (the call may have run: ``h``'s own shape is then ``y``'s).
+    metadata = getattr(h.grad_fn, "_input_metadata", ())
+    if h.output_nr >= len(metadata):
+        return False
+    taken = metadata[h.output_nr]
+    return tuple(taken.shape) == tuple(y.shape) and taken.dtype == y.dtype and taken.device == y.device
+
+
+def note_alias(func: Any, args: tuple, result: Any, activation: bool = False) -> None:
     """Note on ``result``, that of a call ``func`` of :data:`DETACHING` on ``args[0]``, the tensor with autograd
     history whose storage it shares (``args[0]``'s base, or ``args[0]``; that of an alias of an alias too). For
     ``args[0].data = args[1]``, note ``args[0]``'s values changed where autograd does not see it (see
-    :func:`note_unrecorded_write`).
+    :func:`note_unrecorded_write`), but where it is a straight-through estimator (``activation``: ``args[0]`` is an
+    activation; see :func:`assigns_straight_through`).
 
     Examples:
         >>> c = torch.ones(2, requires_grad=True) * 2
@@ -91,7 +123,10 @@ def note_alias(func: Any, args: tuple, result: Any) -> None:
         >>> note_alias(torch.Tensor.detach, (c,), alias)
         >>> alias.__dict__[ALIAS_OF]() is c
         True
-        >>> note_alias(torch.Tensor.data.__set__, (c, torch.zeros(2)), None)
+        >>> note_alias(torch.Tensor.data.__set__, (c, torch.zeros(2)), None, activation=True)  # an estimator
+        >>> id(c) in UNRECORDED
+        False
+        >>> note_alias(torch.Tensor.data.__set__, (c, torch.zeros(2)), None)  # a weight's values: the rules' weight
         >>> id(c) in UNRECORDED
         True
         >>> UNRECORDED.clear()
@@ -100,7 +135,7 @@ def note_alias(func: Any, args: tuple, result: Any) -> None:
     if not isinstance(source, torch.Tensor):
         return
     if func == _DATA_SET:
-        if _has_history(source):
+        if _has_history(source) and not assigns_straight_through(func, args, activation):
             _poison(source, "a `.data =` assignment")
         return
     if not isinstance(result, torch.Tensor):
