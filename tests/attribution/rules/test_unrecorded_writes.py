@@ -313,6 +313,21 @@ def test_an_activation_assigned_through_data_is_explained_as_a_straight_through_
     torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12)
 
 
+def _gate_binarized(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    g.data = torch.round(g.data)
+    return h * g
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.__name__)
+def test_a_gate_assigned_through_data_is_held_with_its_new_values(preset):
+    """``g.data = round(g)`` for a sigmoid gate: the gate is held constant, with the values the model computes with
+    (as ``h * round(g).detach()``; it was refused)."""
+    relevance, calls = _explained(_gate_binarized, preset)
+    expected, expected_calls = _explained(lambda s, h, g: h * torch.round(g).detach(), preset)
+    assert calls == expected_calls
+    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.__name__)
 def test_a_binarised_network_assigning_data_in_and_around_a_layer_is_explained(preset):
     """A binarised network's ``input.data = sign(input.data)``, in the model's forward and in a layer's with a rule,
