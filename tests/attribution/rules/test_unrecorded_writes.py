@@ -69,6 +69,14 @@ def _data_set_reshaped(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> tor
     return c[:, :3] * g[:, :3]
 
 
+def _set_into(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    c.detach().copy_(_weight(s, h))
+    b = g * 1
+    b[...] = c  # c read into b by a call that gives no result
+    return b * g
+
+
 def _through(alias, write, read=lambda c, g: c * g):
     """The form ``read(c, g)`` after ``write(alias(c), s, h)``, ``c`` a copy of ``h``."""
 
@@ -117,6 +125,7 @@ UNRECORDED = {
     "c.data = w of another shape": (_data_set_reshaped, "__getitem__", "`.data =`"),
     "weight c, c.detach().copy_(h)": (_weight_through_alias, "mul", "copy_"),
     "v = c[:, :3], then c.detach().copy_(w)": (_view_taken_before, "mul", "copy_"),
+    "b = g * 1; b[...] = c after c.detach().copy_(w)": (_set_into, "__setitem__", "copy_"),
     "no_grad: c.copy_(w)": (_no_grad_copy, "mul", "copy_ under torch.no_grad()"),
     "no_grad: c.mul_(2)": (_no_grad_scaled, "mul", "mul_ under torch.no_grad()"),
     "no_grad: c *= g": (_no_grad_gated, "linear", "under torch.no_grad()"),

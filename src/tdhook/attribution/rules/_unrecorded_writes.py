@@ -70,6 +70,8 @@ _NOT_READS = (
         if hasattr(torch.Tensor, name)
     )
 )
+# Writes that give no result (``None``): what they read goes into the tensor written into.
+_SETTING_ITEMS = frozenset({torch.Tensor.__setitem__})
 # Writes that replace every element of the tensor written into (``c.copy_(h)``): no read of it.
 _WHOLE_WRITES = frozenset({torch.Tensor.copy_, torch.Tensor.fill_, torch.Tensor.zero_, torch.fill_, torch.zero_})
 
@@ -245,6 +247,8 @@ def read_unrecorded(func: Any, args: tuple, kwargs: dict) -> Any:
         return NOT_READ
     result = func(*args, **kwargs)
     outputs = result if isinstance(result, (list, tuple)) else (result,)
+    if func in _SETTING_ITEMS and read[0] is not args[0]:  # ``buf[...] = c``: gives nothing, reads ``c`` into ``buf``
+        outputs = args[:1]
     if any(isinstance(out, torch.Tensor) and out.requires_grad for out in outputs):
         _raise(getattr(func, "__name__", repr(func)), read[1])
     return result
