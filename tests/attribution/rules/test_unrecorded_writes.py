@@ -303,8 +303,23 @@ def _data_set_out_of_place(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) ->
     return (c + (_weight(s, h) - c).detach()) * g
 
 
+def _flattened_binarized(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = torch.tanh(h).unflatten(1, (2, 3)).flatten(1)  # a view, as a flattened feature map is
+    c.data = torch.sign(c.data)
+    return c * g
+
+
+def _flattened_binarized_out_of_place(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = torch.tanh(h).unflatten(1, (2, 3)).flatten(1)
+    return (c + (torch.sign(c) - c).detach()) * g
+
+
 ASSIGNED = {
     "c = tanh(h); c.data = sign(c.data)": (_binarized, _binarized_out_of_place),
+    "c = tanh(h).unflatten().flatten(); c.data = sign(c.data)": (
+        _flattened_binarized,
+        _flattened_binarized_out_of_place,
+    ),
     "c = h.clone(); c.data = w": (_data_set, _data_set_out_of_place),
 }
 

@@ -102,7 +102,7 @@ def assigns_straight_through(func: Any, args: tuple, activation: bool) -> bool:
     if func != _DATA_SET or len(args) != 2 or not activation:
         return False
     h, y = args
-    if not (isinstance(h, torch.Tensor) and isinstance(y, torch.Tensor) and _has_history(h) and h._base is None):
+    if not (isinstance(h, torch.Tensor) and isinstance(y, torch.Tensor) and _has_history(h)):
         return False
     # What autograd took ``h`` for (the call may have run: ``h``'s own shape is then ``y``'s).
     metadata = getattr(h.grad_fn, "_input_metadata", ())
