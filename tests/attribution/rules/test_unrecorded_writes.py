@@ -77,6 +77,12 @@ def _set_into(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor
     return b * g
 
 
+def _weight_view_data_set(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = (s * torch.ones_like(h))[:, :3]  # a view of a weight, to the rules
+    c.data = h.detach()[:, :3].clone()  # an activation's values in its place (the view's storage alone)
+    return c * g[:, :3]
+
+
 def _through(alias, write, read=lambda c, g: c * g):
     """The form ``read(c, g)`` after ``write(alias(c), s, h)``, ``c`` a copy of ``h``."""
 
@@ -122,6 +128,7 @@ UNRECORDED = {
         "copy_",
     ),
     "weight c, c.data = h": (_weight_data_set, "mul", "`.data =`"),
+    "weight view c, c.data = h": (_weight_view_data_set, "mul", "`.data =`"),
     "c.data = w of another shape": (_data_set_reshaped, "__getitem__", "`.data =`"),
     "weight c, c.detach().copy_(h)": (_weight_through_alias, "mul", "copy_"),
     "v = c[:, :3], then c.detach().copy_(w)": (_view_taken_before, "mul", "copy_"),

@@ -195,12 +195,13 @@ def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 def _written(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, str] | None:
-    """The first of ``tensors`` whose tensor (it, or the tensor it views) is noted, and the write that changed it."""
+    """The first of ``tensors`` whose tensor (it, or the tensor it views) is noted, and the write that changed it. (A
+    view is noted itself where ``view.data = w`` replaced its storage alone.)"""
     for tensor in tensors:
-        root = _root(tensor)
-        entry = UNRECORDED.get(id(root))
-        if entry is not None and entry[0]() is root:
-            return tensor, entry[1]
+        for noted in {id(t): t for t in (_root(tensor), tensor)}.values():
+            entry = UNRECORDED.get(id(noted))
+            if entry is not None and entry[0]() is noted:
+                return tensor, entry[1]
     return None
 
 
