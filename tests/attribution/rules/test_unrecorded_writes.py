@@ -21,6 +21,7 @@ from torch import nn
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP, EpsilonPlus
 from tests.attribution.rules.test_activation_writes import _explained
+from tests.attribution.test_coverage import CubeOfSum
 
 F64 = torch.float64
 PRESETS = [AttnLRP, CPLRP, EpsilonPlus]
@@ -375,3 +376,39 @@ def test_a_binarised_network_assigning_data_in_and_around_a_layer_is_explained(p
         assert any("straight-through estimator" in str(w.message) for w in caught)
         explained.append(relevance)
     torch.testing.assert_close(explained[0], explained[1], rtol=1e-12, atol=1e-12)
+
+
+_KEPT: list[torch.Tensor] = []
+
+
+def _written_and_kept(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    _KEPT.append(c)  # alive after the call, as a tensor held by a traceback or a cache is
+    c.detach().mul_(2)
+    return c * g
+
+
+def _function_explained() -> tuple[torch.Tensor, list[str]]:
+    """A model applying an autograd Function (named by the coverage report), and the calls the report names."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), CubeOfSum(), nn.Linear(4, 2)).to(F64)
+    lrp = LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        relevance = lrp(TensorDict(x=torch.randn(3, 4, dtype=F64), batch_size=[3]))["relevance", "x"]
+    return relevance, [c.function for c in lrp.coverage().plain_gradient]
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.__name__)
+def test_a_tensor_noted_and_kept_alive_changes_no_later_call(preset):
+    """A refused call's tensor kept alive: the next call, of another model, has each call's tensors looked up, and
+    the lookup of their bases (``_base``) was reported as a call of its own that no rule covers (strict: raised)."""
+    expected, expected_calls = _function_explained()
+    with pytest.raises(RuntimeError, match="a write autograd does not record"):
+        _explained(_written_and_kept, preset)
+    try:
+        relevance, calls = _function_explained()
+    finally:
+        _KEPT.clear()
+    assert calls == expected_calls
+    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12)

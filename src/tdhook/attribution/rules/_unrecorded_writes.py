@@ -77,7 +77,9 @@ _WHOLE_WRITES = frozenset({torch.Tensor.copy_, torch.Tensor.fill_, torch.Tensor.
 
 
 def _root(tensor: torch.Tensor) -> torch.Tensor:
-    base = tensor._base
+    # Without the modes: ``_base`` is a call they would see (and record as one of the model's own).
+    with torch._C.DisableTorchFunction():
+        base = tensor._base
     return tensor if base is None else base
 
 
@@ -240,7 +242,7 @@ def read_unrecorded(func: Any, args: tuple, kwargs: dict) -> Any:
     if func in _NOT_READS or not torch.is_grad_enabled():
         return NOT_READ
     tensors = _tensors(args, kwargs)
-    if func in _WHOLE_WRITES and tensors and tensors[0] is args[0] and args[0]._base is None:
+    if func in _WHOLE_WRITES and tensors and tensors[0] is args[0] and _root(args[0]) is args[0]:
         if _written(tensors[:1]) is not None:
             _forget(id(args[0]))  # every value replaced, with a history of its own
     read = _written(tensors)
