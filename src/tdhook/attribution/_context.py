@@ -49,6 +49,7 @@ from tdhook.attribution.rules._layers import (
     _has_plain_forward,
 )
 from tdhook.attribution.rules._scopes import pop, push
+from tdhook.attribution.rules._unrecorded_writes import UNRECORDED, raise_for_unrecorded_inputs
 from tdhook.attribution.rules._wrapper_calls import context_closed, context_opened
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule
@@ -243,6 +244,8 @@ def suspend_function_modes_in(
         enabled = torch._C._is_torch_function_mode_enabled()
         if enabled and plain_only:  # norms held upstream: the modes do not see the products inside
             give_back_norms_entering(args)
+        if enabled and UNRECORDED:  # a tensor whose values autograd did not see written: the modes see no read inside
+            raise_for_unrecorded_inputs(module, args)
         guard = torch._C.DisableTorchFunction() if enabled else None
         push(guards, guard, enter=True)  # left by resume, or by closing_scopes if the forward never returns
 

@@ -89,6 +89,12 @@ from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_writ
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layer_nodes import LAYER_MARK
+from tdhook.attribution.rules._unrecorded_writes import (
+    NOT_READ,
+    UNRECORDED,
+    assigns_straight_through,
+    read_unrecorded,
+)
 from tdhook.attribution.rules.base import _reaches_model_input
 
 __all__ = ["NonlinearCalls", "function_kind", "report_dropout_calls", "report_plain_gradient"]
@@ -346,6 +352,8 @@ class NonlinearCalls(TorchFunctionMode):
         self._open: list[list] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if UNRECORDED and (read := read_unrecorded(func, args, kwargs or {})) is not NOT_READ:  # _unrecorded_writes
+            return read
         if func is _REGISTER_HOOK and len(args) == 2 and is_activation(args[0]) and not is_ours(args[1]):
             where = self._stack[-1] if self._stack else ""  # a gradient clip or scale: refused where it changes one
             args = (args[0], tensor_hook_checked(args[1], where, self._modules.get(where), self._refused))
@@ -402,6 +410,10 @@ class NonlinearCalls(TorchFunctionMode):
         if kwargs:  # a product's factors, a function's input, given by keyword: where the function modes read them
             args, kwargs = positional_factors(func, args, kwargs)
         plain = self._plain_depth > 0
+        if func in _ASSIGNING and not plain and assigns_straight_through(func, args, is_activation(args[0])):
+            # ``h.data = y``: ``h + (y - h).detach()`` written in place (see _unrecorded_writes), named as that sum
+            self._calls.append((self._stack[-1] if self._stack else "", STRAIGHT_THROUGH, args[0].grad_fn))
+            return
         if not plain and (detached_sum := self._straight_through.note(func, args, result, kwargs)) is not None:
             self._calls.append((self._stack[-1] if self._stack else "", detached_sum, node))
             return
@@ -635,6 +647,8 @@ def _count(calls: Iterable[tuple[str, str, Any]], reached: set | None) -> dict[s
     return found
 
 
+# ``h.data = y``: a straight-through estimator where ``h`` is an activation (see _unrecorded_writes).
+_ASSIGNING = frozenset({torch.Tensor.data.__set__})
 # Calls reported by a message of their own, not as curved functions.
 _NAMED_APART = frozenset({STRAIGHT_THROUGH, GRADIENT_SCALING, OFFSET_PRODUCT})
 
@@ -678,7 +692,8 @@ def report_plain_gradient(
         if STRAIGHT_THROUGH in functions:
             messages.append(
                 f"LRP: {where}{kind} adds a detached difference back to an activation in its own forward (a "
-                "straight-through estimator, x + (y - x).detach(): a vector-quantised code, a one-hot sample): the "
+                "straight-through estimator, x + (y - x).detach() or x.data = y: a vector-quantised code, a one-hot "
+                "sample, a binarised activation): the "
                 "next layers read y, but the gradient passes through x alone, so the relevance passed back is that of "
                 "the activation x, not of the value y, and its sum is not the explained output's. Map the module in "
                 "rule_mapper to a rule of your own that passes relevance as the estimator should, or explain the "

@@ -48,6 +48,7 @@ from tdhook.attribution.rules._rewrites import (
     raise_for_gradients,
     running_rewrite,
 )
+from tdhook.attribution.rules._unrecorded_writes import ALIASING, note_alias
 
 __all__ = [
     "redirect",
@@ -549,6 +550,8 @@ def mark_parameter_derived(args: tuple, result: Any, func: Any = None) -> Any:
         >>> [is_activation(piece) for piece in pieces]
         [True, False]
     """
+    if func in ALIASING:  # ``c.detach()``, ``c.data``: writes into them autograd does not record (_unrecorded_writes)
+        note_alias(func, args, result, bool(args) and is_activation(args[0]))
     if func in TEMPLATED:
         args = args[:1]
     if func in PER_ARGUMENT and len(args) == 1 and isinstance(args[0], (tuple, list)):

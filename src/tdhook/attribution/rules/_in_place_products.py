@@ -28,7 +28,7 @@ import torch
 from tdhook.attribution.rules._autograd import PARAMETER_DERIVED, hold, is_activation, scale_gradient
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN
 from tdhook.attribution.rules._held_statistics import statistic_factors
-from tdhook.attribution.rules._in_place_writes import note_gate_views
+from tdhook.attribution.rules._in_place_writes import mark_written_in_place, note_gate_views
 from tdhook.attribution.rules.gates import GATE_MARK, SIGMOID_MARK, WEIGHTS_MARK, held_factors, weighing_factors
 
 if TYPE_CHECKING:
@@ -75,6 +75,8 @@ def product_in_place(
         >>> (x * torch.autograd.grad(y.sum(), x)[0]).tolist()  # each factor half of the product: all of it to x
         [12.0, 3.0]
     """
+    if not torch.is_grad_enabled():  # autograd records nothing: no rule, the write noted (see _unrecorded_writes)
+        return mark_written_in_place(func, (a, b), {})
     gates = statistic_factors(torch.mul, (a, b)) or held_factors((a, b), any_gate=hold_gates)
     if gates is None:  # a softmax's weights mixing what they multiply (``h.mul_(weights)``): held, as in ``h * w``
         gates = weighing_factors((a, b))

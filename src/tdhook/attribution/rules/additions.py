@@ -29,6 +29,7 @@ from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_writ
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._numerics import stabilize
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint
+from tdhook.attribution.rules._unrecorded_writes import NOT_READ, UNRECORDED, read_unrecorded
 
 __all__ = ["StabilizedAdditions"]
 
@@ -69,6 +70,8 @@ class StabilizedAdditions(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if UNRECORDED and (read := read_unrecorded(func, args, kwargs)) is not NOT_READ:  # see _unrecorded_writes
+            return read
         summed = False
         if func in _ADDITIONS and len(args) == 2:
             raise_for_transformed_call("stabilised additions", args, needs=2)

@@ -47,6 +47,7 @@ from tdhook.attribution.rules._meta_tensors import raise_for_meta_tensors
 from tdhook.attribution.rules._parameter_sets import ParameterSets
 from tdhook.attribution.rules._rewrites import RUNNING, checked_rewrite, is_own_rewrite, rewrites
 from tdhook.attribution.rules._scopes import pop, push
+from tdhook.attribution.rules._unrecorded_writes import UNRECORDED, raise_for_unrecorded_inputs
 from tdhook.attribution.rules._wrapper_calls import rules_act_here
 from tdhook.attribution.rules.records import _LAYER_CALL, LayerCall, MergedLayer, Registration, layer_call_of
 from tdhook.attribution.tunables import Tunable
@@ -524,6 +525,8 @@ class Rule(Tunable):
         modes: list = []
 
         def enter(mod: nn.Module, args: tuple) -> None:
+            if UNRECORDED:  # a tensor whose values autograd did not see written: the modes see no read inside
+                raise_for_unrecorded_inputs(mod, args)
             push(modes, make_mode(mod) if rules_apply(mod) else None, enter=True)
 
         def done(mod: nn.Module, args: tuple, output: Any) -> Any:
@@ -593,6 +596,8 @@ class Rule(Tunable):
             # Not for a call of the module that its own rule's rewrite makes (RUNNING.stack is empty for all others).
             if registration.busy or not rules_apply(module) or (RUNNING.stack and rewrites(module)):
                 return _ruled_in_forward(module)
+            if UNRECORDED:  # a tensor whose values autograd did not see written: the modes see no read inside
+                raise_for_unrecorded_inputs(module, inputs)
             raise_for_vmap(module, output)
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 # A rule of one's own rewrites one tensor: skipped, it would leave the module its plain gradient.

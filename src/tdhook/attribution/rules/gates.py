@@ -55,6 +55,7 @@ from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._means_apart import STATISTICS_AND_MEANS, mean_apart
 from tdhook.attribution.rules._recomputed import in_checkpoint, raise_for_checkpoint
+from tdhook.attribution.rules._unrecorded_writes import NOT_READ, UNRECORDED, read_unrecorded
 from tdhook.attribution.rules._written_norms import WRITTEN_NORM_CALLS, statistic_place
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, rules_apply
 from tdhook.attribution.rules.basic import PassRule
@@ -445,6 +446,8 @@ class HeldGates(TorchFunctionMode):
         kwargs = kwargs or {}
         if kwargs and func in _GATES_AND_CLIPS:  # ``h.mul(other=g)``, ``torch.sigmoid(input=h)``: read by position
             args, kwargs = positional_factors(func, args, kwargs)
+        if UNRECORDED and (read := read_unrecorded(func, args, kwargs)) is not NOT_READ:  # see _unrecorded_writes
+            return read
         if func in WRITTEN_NORM_CALLS and (place := statistic_place(func, args, kwargs)) is not None:
             # ``h / h.norm(...)``, ``h * rsqrt(...)``: its statistic held, as F.normalize's norm (_written_norms)
             what = "the norms written out held constant"
@@ -466,7 +469,12 @@ class HeldGates(TorchFunctionMode):
             if self.norm_calls.held:  # a product of two activations, which has no rule here: see _held_norm_calls
                 self.norm_calls.release_reached(func, args, kwargs)
             return keep_gate_mark(func, args, mark_parameter_derived(args, func(*args, **kwargs), func), kwargs)
-        if func in _PRODUCTS_IN_PLACE and not kwargs and held_factors(args) == [False, True]:
+        if (
+            func in _PRODUCTS_IN_PLACE
+            and not kwargs
+            and held_factors(args) == [False, True]
+            and torch.is_grad_enabled()
+        ):
             # ``h.mul_(g)``, ``h *= g``: the signal written into by the gate held, as ``h * g`` holds it. (A gate
             # written into by the signal, ``g.mul_(h)``, keeps its plain gradient: the coverage report names it.)
             raise_for_checkpoint("gates held constant in products")

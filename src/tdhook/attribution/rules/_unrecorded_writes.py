@@ -1,0 +1,271 @@
+"""Writes into a tensor with autograd history that autograd does not record, and the reads of that tensor after them.
+
+``c.detach().copy_(w)``, ``c.data.copy_(w)``, ``c.data[...] = w``, ``c.data = w`` and a write into ``c`` under
+``torch.no_grad()`` change ``c``'s values where autograd does not see it: ``c``'s gradient still reaches what its
+values were computed from before the write. A call that reads ``c`` afterwards with gradient enabled computes with
+the new values and passes its gradient to the old ones, so that not even LRP-0 (the gradient times the input) is
+the gradient of the function computed: an activation overwritten that way with a weight's values was explained as
+the activation (1.0 off, relative L2, under AttnLRP), a weight overwritten with an activation's as the weight (11.4
+off). The write itself is no error: a straight-through estimator written in place
+(``z = (torch.round(h) - h).detach(); z += h``) writes through a detached alias and reads only the alias, whose own
+write autograd records. Nor is ``h.data = y`` for an activation ``h`` and a tensor ``y`` of its shape, dtype and
+device (a binarised network's ``input.data = sign(input.data)``): it replaces ``h``'s storage, leaving the tensors
+autograd saved as they were, so that it is the straight-through estimator ``h + (y - h).detach()``, explained and
+reported as one (see :func:`assigns_straight_through`).
+
+The function modes note an alias as they make it (:func:`note_alias`), the tensor whose values a write autograd
+does not record changed (:func:`note_unrecorded_write`), and refuse a call that reads that tensor, or a view of it,
+into a result with gradient (:func:`read_unrecorded`, and :func:`raise_for_unrecorded_inputs` at the modules
+inside which the modes pause). A write that replaces the whole tensor with gradient enabled (``c.copy_(h)``) gives
+it a history of its values again. Writes no mode sees are not noted: those of a call run without the modes (a later
+call of AttnLRP or CP-LRP that its plan runs without them, a later call of a CNN preset on a model without gates;
+the first call of every context runs in them) or inside a module where they pause, and ``out=`` writes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ALIASING",
+    "ALIAS_OF",
+    "DETACHING",
+    "NOT_READ",
+    "UNRECORDED",
+    "assigns_straight_through",
+    "note_alias",
+    "note_unrecorded_write",
+    "raise_for_unrecorded_inputs",
+    "read_unrecorded",
+]
+
+#: the calls that give a tensor's values without its autograd history: an alias of its storage
+DETACHING = frozenset({torch.Tensor.detach, torch.detach, torch.Tensor.data.__get__})
+_DATA_SET = torch.Tensor.data.__set__
+#: the calls :func:`note_alias` notes: those of :data:`DETACHING`, and ``c.data = w``
+ALIASING = DETACHING | {_DATA_SET}
+# On an alias of a tensor with autograd history (see DETACHING): a weak reference to that tensor (the tensor a view
+# of it views). Weak: an alias must not keep a layer's output alive past the call.
+ALIAS_OF = "_tdhook_unrecorded_alias_of"
+#: Per tensor whose values a write autograd did not record changed (by ``id``): a weak reference to it, and the
+#: write. Empty on the common path, where the modes' check is one test of it.
+UNRECORDED: dict[int, tuple[weakref.ref, str]] = {}
+#: :func:`read_unrecorded`'s answer where the call is to run as the mode runs it
+NOT_READ = object()
+
+# Calls that read no values, or give none with gradient: a tensor's base (the modes' own bookkeeping reads it), its
+# aliases, and in-place calls that write no values (its flags, its shape, another storage: ``alias.unsqueeze_(0)``).
+_NOT_READS = (
+    DETACHING
+    | {torch.Tensor._base.__get__, torch.Tensor.grad.__get__, _DATA_SET, torch.detach_}
+    | frozenset(
+        getattr(torch.Tensor, name)
+        for name in (
+            *("requires_grad_", "detach_", "as_strided_", "squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_"),
+            *("swapaxes_", "resize_", "resize_as_", "share_memory_", "set_", "rename_", "refine_names_"),
+        )
+        if hasattr(torch.Tensor, name)
+    )
+)
+# Writes that give no result (``None``): what they read goes into the tensor written into.
+_SETTING_ITEMS = frozenset({torch.Tensor.__setitem__})
+# Writes that replace every element of the tensor written into (``c.copy_(h)``): no read of it.
+_WHOLE_WRITES = frozenset({torch.Tensor.copy_, torch.Tensor.fill_, torch.Tensor.zero_, torch.fill_, torch.zero_})
+
+
+def _root(tensor: torch.Tensor) -> torch.Tensor:
+    # Without the modes: ``_base`` is a call they would see (and record as one of the model's own).
+    with torch._C.DisableTorchFunction():
+        base = tensor._base
+    return tensor if base is None else base
+
+
+def _has_history(tensor: torch.Tensor) -> bool:
+    return tensor.requires_grad and not tensor.is_leaf
+
+
+def assigns_straight_through(func: Any, args: tuple, activation: bool) -> bool:
+    """Whether ``func(*args)`` is ``args[0].data = args[1]`` for an activation ``args[0]`` (``activation``: not
+    computed from parameters alone) and a tensor ``args[1]`` of its shape, dtype and device: the storage replaced,
+    the tensors autograd saved left as they were, it is the straight-through estimator
+    ``args[0] + (args[1] - args[0]).detach()``, whose gradient passes through ``args[0]`` to what it was computed
+    from.
+
+    Examples:
+        >>> h = torch.ones(2, requires_grad=True) * 2
+        >>> assigns_straight_through(torch.Tensor.data.__set__, (h, torch.sign(h.detach())), True)
+        True
+        >>> assigns_straight_through(torch.Tensor.data.__set__, (h, torch.zeros(3)), True)  # another shape
+        False
+    """
+    if func != _DATA_SET or len(args) != 2 or not activation:
+        return False
+    h, y = args
+    if not (isinstance(h, torch.Tensor) and isinstance(y, torch.Tensor) and _has_history(h)):
+        return False
+    # What autograd took ``h`` for (the call may have run: ``h``'s own shape is then ``y``'s).
+    metadata = getattr(h.grad_fn, "_input_metadata", ())
+    if h.output_nr >= len(metadata):
+        return False
+    taken = metadata[h.output_nr]
+    return tuple(taken.shape) == tuple(y.shape) and taken.dtype == y.dtype and taken.device == y.device
+
+
+def note_alias(func: Any, args: tuple, result: Any, activation: bool = False) -> None:
+    """Note on ``result``, that of a call ``func`` of :data:`DETACHING` on ``args[0]``, the tensor with autograd
+    history whose storage it shares (``args[0]``'s base, or ``args[0]``; that of an alias of an alias too). For
+    ``args[0].data = args[1]``, note ``args[0]``'s values changed where autograd does not see it (see
+    :func:`note_unrecorded_write`), but where it is a straight-through estimator (``activation``: ``args[0]`` is an
+    activation; see :func:`assigns_straight_through`).
+
+    Examples:
+        >>> c = torch.ones(2, requires_grad=True) * 2
+        >>> alias = c.detach()
+        >>> note_alias(torch.Tensor.detach, (c,), alias)
+        >>> alias.__dict__[ALIAS_OF]() is c
+        True
+        >>> note_alias(torch.Tensor.data.__set__, (c, torch.zeros(2)), None, activation=True)  # an estimator
+        >>> id(c) in UNRECORDED
+        False
+        >>> note_alias(torch.Tensor.data.__set__, (c, torch.zeros(2)), None)  # a weight's values: the rules' weight
+        >>> id(c) in UNRECORDED
+        True
+        >>> UNRECORDED.clear()
+    """
+    source = args[0] if args else None
+    if not isinstance(source, torch.Tensor):
+        return
+    if func == _DATA_SET:
+        if _has_history(source) and not assigns_straight_through(func, args, activation):
+            _poison(source, "a `.data =` assignment")
+        return
+    if not isinstance(result, torch.Tensor):
+        return
+    root = _root(source)
+    if _has_history(root):
+        setattr(result, ALIAS_OF, weakref.ref(root))
+    elif ALIAS_OF in root.__dict__:  # ``c.detach().detach()``, ``c.detach()[0].data``
+        setattr(result, ALIAS_OF, root.__dict__[ALIAS_OF])
+
+
+def _forget(key: int) -> None:
+    UNRECORDED.pop(key, None)
+
+
+def _poison(tensor: torch.Tensor, write: str) -> None:
+    key = id(tensor)
+    if key not in UNRECORDED:
+        UNRECORDED[key] = (weakref.ref(tensor, lambda _, key=key: _forget(key)), write)
+
+
+def note_unrecorded_write(func: Any, args: tuple, root: torch.Tensor) -> None:
+    """Note the tensor whose values ``func(*args)``, an in-place write into ``args[0]`` (a view of ``root``, or
+    ``root``), changes where autograd does not record it: the tensor ``root`` aliases (see :func:`note_alias`), or
+    ``root`` itself where it has autograd history and gradient is disabled. Called before the write, where gradient
+    is disabled or ``root`` is an alias.
+
+    Examples:
+        >>> c = torch.ones(2, requires_grad=True) * 2
+        >>> alias = c.detach()
+        >>> note_alias(torch.Tensor.detach, (c,), alias)
+        >>> note_unrecorded_write(torch.Tensor.copy_, (alias, torch.zeros(2)), alias)
+        >>> id(c) in UNRECORDED
+        True
+        >>> UNRECORDED.clear()
+    """
+    if func in _NOT_READS:
+        return
+    name = getattr(func, "__name__", repr(func))
+    link = root.__dict__.get(ALIAS_OF)
+    source = link() if link is not None else None
+    if source is not None:
+        _poison(source, f"{name} through a detached alias of it (`.detach()`, `.data`)")
+    elif not torch.is_grad_enabled() and _has_history(root):
+        _poison(root, f"{name} under torch.no_grad()")
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    return [
+        tensor
+        for arg in (*args, *kwargs.values())
+        for tensor in (arg if isinstance(arg, (list, tuple)) else (arg,))
+        if isinstance(tensor, torch.Tensor)
+    ]
+
+
+def _written(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, str] | None:
+    """The first of ``tensors`` whose tensor (it, or the tensor it views) is noted, and the write that changed it. (A
+    view is noted itself where ``view.data = w`` replaced its storage alone.)"""
+    for tensor in tensors:
+        for noted in {id(t): t for t in (_root(tensor), tensor)}.values():
+            entry = UNRECORDED.get(id(noted))
+            if entry is not None and entry[0]() is noted:
+                return tensor, entry[1]
+    return None
+
+
+def _raise(what: str, write: str) -> None:
+    raise RuntimeError(
+        f"LRP: {what} reads a tensor with autograd history whose values were changed by {write}, a write autograd "
+        "does not record: the tensor's gradient still reaches what its values were computed from before the write, "
+        "so relevance cannot follow it (not even the plain gradient is that of the function computed). Write the "
+        "new values out of place (`c = torch.where(...)`, `c = w.expand_as(c).clone()`), or into the tensor itself "
+        "with gradient enabled (`c.copy_(w)`)"
+    )
+
+
+def read_unrecorded(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)`` where it reads a tensor :func:`note_unrecorded_write` noted (or a view of it) and
+    gives a result without gradient (``c.argmax()``, any call under ``torch.no_grad()``: a constant of the new values);
+    :data:`NOT_READ` where it reads none (the mode runs it as it would). Raises where the result has gradient. A
+    write replacing the whole tensor with gradient enabled (``c.copy_(h)``) reads none of it, and ends the note.
+
+    Examples:
+        >>> c = torch.ones(2, requires_grad=True) * 2
+        >>> alias = c.detach()
+        >>> note_alias(torch.Tensor.detach, (c,), alias)
+        >>> note_unrecorded_write(torch.Tensor.copy_, (alias, torch.zeros(2)), alias)
+        >>> read_unrecorded(torch.Tensor.argmax, (c,), {})
+        tensor(0)
+        >>> read_unrecorded(torch.mul, (c, 3), {})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        RuntimeError: LRP: mul reads a tensor with autograd history whose values were changed by copy_ through ...
+        >>> read_unrecorded(torch.Tensor.copy_, (c, torch.ones(2)), {}) is NOT_READ  # replaced whole: a new history
+        True
+        >>> read_unrecorded(torch.mul, (c, 3), {}) is NOT_READ
+        True
+    """
+    if func in _NOT_READS or not torch.is_grad_enabled():
+        return NOT_READ
+    tensors = _tensors(args, kwargs)
+    if func in _WHOLE_WRITES and tensors and tensors[0] is args[0] and _root(args[0]) is args[0]:
+        if _written(tensors[:1]) is not None:
+            _forget(id(args[0]))  # every value replaced, with a history of its own
+    read = _written(tensors)
+    if read is None:
+        return NOT_READ
+    result = func(*args, **kwargs)
+    outputs = result if isinstance(result, (list, tuple)) else (result,)
+    if func in _SETTING_ITEMS and read[0] is not args[0]:  # ``buf[...] = c``: gives nothing, reads ``c`` into ``buf``
+        outputs = args[:1]
+    if any(isinstance(out, torch.Tensor) and out.requires_grad for out in outputs):
+        _raise(getattr(func, "__name__", repr(func)), read[1])
+    return result
+
+
+def raise_for_unrecorded_inputs(module: torch.nn.Module, args: tuple) -> None:
+    """Raise where ``module``, called with gradient enabled on ``args``, reads a tensor :func:`note_unrecorded_write`
+    noted (or a view of it): the modes pause inside it, and do not see its calls.
+
+    Examples:
+        >>> raise_for_unrecorded_inputs(torch.nn.Linear(2, 2), (torch.ones(2),))  # nothing noted
+    """
+    if not torch.is_grad_enabled():
+        return
+    read = _written(_tensors(args, {}))
+    if read is not None:
+        _raise(f"{type(module).__name__} (a module with a rule)", read[1])
