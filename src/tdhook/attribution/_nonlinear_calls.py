@@ -63,6 +63,7 @@ from tdhook.attribution._operator_calls import (
     unruled_clip,
     unruled_sum,
 )
+from tdhook.attribution._quantized_calls import CUT, QUANTIZING, quantizing_call, quantizing_message
 from tdhook.attribution._random_modules import draw
 from tdhook.attribution._straight_through import GRADIENT_SCALING, STRAIGHT_THROUGH, StraightThrough
 from tdhook.attribution._unmapped_layers import (
@@ -417,6 +418,9 @@ class NonlinearCalls(TorchFunctionMode):
         if not plain and (detached_sum := self._straight_through.note(func, args, result, kwargs)) is not None:
             self._calls.append((self._stack[-1] if self._stack else "", detached_sum, node))
             return
+        if not plain and (quantizing := quantizing_call(function_kind(func)[0], args, result)) is not None:
+            self._calls.append((self._stack[-1] if self._stack else "", quantizing, CUT))
+            return
         if not _is_activation_result(result):
             return
         p = dropout_probability(func, args, kwargs or {})
@@ -641,7 +645,7 @@ def _count(calls: Iterable[tuple[str, str, Any]], reached: set | None) -> dict[s
     (every call where it is ``None``)."""
     found: dict[str, dict[str, int]] = {}
     for module, name, node in calls:
-        if reached is None or node in reached:
+        if reached is None or node in reached or node is CUT:  # a cut branch: its node is never reached
             per_module = found.setdefault(module, {})
             per_module[name] = per_module.get(name, 0) + 1
     return found
@@ -687,7 +691,8 @@ def report_plain_gradient(
         kind = f" ({type(module).__name__})" if module is not None else ""
         constant = [f for f in functions if f in PIECEWISE_CONSTANT or f" ({_ROUNDING}" in f]
         operators = [f for f in functions if f" ({OPERATOR_FORM} " in f]
-        curved = [f for f in functions if f not in constant and f not in _NAMED_APART and f not in operators]
+        quantizing = [f for f in functions if f.endswith(QUANTIZING)]
+        curved = [f for f in functions if f not in (*constant, *operators, *quantizing) and f not in _NAMED_APART]
         messages = []
         if STRAIGHT_THROUGH in functions:
             messages.append(
@@ -731,6 +736,8 @@ def report_plain_gradient(
                 "operator, so its plain gradient is used. Call the torch function instead, or map the module in "
                 "rule_mapper; lrp.coverage() lists every such call"
             )
+        if quantizing:
+            messages.append(quantizing_message(where, kind, quantizing))
         if constant:
             messages.append(
                 f"LRP: {where}{kind} computes {', '.join(constant)} in its own forward, which is piecewise constant: "

@@ -39,6 +39,7 @@ from tdhook.attribution._policy_targets import (
     default_target_operator,
     sequential_steps,
 )
+from tdhook.attribution._quantized_calls import quantized_modules
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._numerics import carrying_gradient
 from tdhook.attribution.rules.base import layer_call_of
@@ -138,7 +139,15 @@ def explained_output(
             "output (logits, action values, a value estimate): pass target_key=<such a key>"
         )
     if not output.requires_grad:
-        raise ValueError(f"LRP: target {key!r} does not depend on the explained inputs {explained_keys}")
+        quantized = quantized_modules(operator)
+        why = (
+            f": the model computes it with statically quantized modules ({', '.join(quantized[:3])}"
+            f"{', ...' if len(quantized) > 3 else ''}), whose quantized tensors carry no gradient. Explain the float "
+            "model (torchvision's quantize=False, or the model before torch.ao.quantization.convert)"
+            if quantized
+            else ""
+        )
+        raise ValueError(f"LRP: target {key!r} does not depend on the explained inputs {explained_keys}{why}")
     return output
 
 
