@@ -28,18 +28,16 @@ each); ``pytest -m gallery`` adds the rest.
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Callable
 from functools import cache, partial
 
 import pytest
 import torch
 import torch.nn.functional as F
-from tensordict import TensorDict
-from tensordict.nn import TensorDictModule
 from torch import nn
 
-from tdhook.attribution import CPLRP, LRP, AttnLRP, EpsilonAlpha2Beta1, EpsilonGammaBox, EpsilonPlus
+from tdhook.attribution import CPLRP, AttnLRP, EpsilonAlpha2Beta1, EpsilonGammaBox, EpsilonPlus
+from tests.attribution.test_lrp_detection import explain
 from tests.attribution.test_lrp_gallery import Case, build, changes, fingerprint, zero_biases
 from tests.conftest import relative_error
 
@@ -62,14 +60,6 @@ BLOCK_CONSERVATION = 1e-9
 CPLRP_TOLERANCE = 1e-5
 CNN_TOLERANCE = 1e-4
 ATTENTION_TOLERANCE = 0.1
-
-
-def explain(model: nn.Module, x: torch.Tensor, mapper) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    lrp = LRP(TensorDictModule(model, in_keys=["x"], out_keys=["y"]), rule_mapper=mapper)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        td = lrp(TensorDict(x=x.clone(), batch_size=[x.shape[0]]))
-    return td["relevance", "x"], td["y"], [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
 
 
 # --- Research blocks -----------------------------------------------------------------------------------------------

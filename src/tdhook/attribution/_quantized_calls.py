@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 __all__ = ["CUT", "QUANTIZING", "quantized_modules", "quantizing_call", "quantizing_message"]
 
@@ -47,14 +48,9 @@ CUT = object()
 _STATIC = ("torch.ao.nn.quantized.modules", "torch.ao.nn.intrinsic.quantized.modules")
 
 
-def _tensors(values: Iterable[Any]) -> list[torch.Tensor]:
-    found = []
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, (tuple, list)):
-            found += [v for v in value if isinstance(v, torch.Tensor)]
-    return found
+def _tensors(values: Any) -> list[torch.Tensor]:
+    """The tensors in ``values``, nested in tuples and lists (``torch.cat``'s) included."""
+    return [leaf for leaf in tree_leaves(values) if isinstance(leaf, torch.Tensor)]
 
 
 def quantizing_call(name: str, args: tuple, result: Any) -> str | None:
@@ -68,7 +64,7 @@ def quantizing_call(name: str, args: tuple, result: Any) -> str | None:
         ...     torch.quint8)) is None  # a constant quantized: no relevance is lost
         True
     """
-    results = _tensors(result if isinstance(result, (tuple, list)) else (result,))
+    results = _tensors(result)
     if not any(r.is_quantized for r in results):
         return None
     if not any(t.requires_grad for t in _tensors(args)):
