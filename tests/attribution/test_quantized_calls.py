@@ -115,3 +115,21 @@ def test_a_dynamically_quantized_model_quantizes_nothing_the_watch_names():
     model = quantization.quantize_dynamic(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)), {nn.Linear})
     _, _, messages = explain(model, torch.randn(4, 3), EpsilonPlus())
     assert not any("quantizes an activation" in m for m in messages), messages
+
+
+def test_a_block_quantized_in_graph_mode_is_named_at_the_graph():
+    """``torch.ao``'s FX graph mode writes the quantization into the traced forward: the graph module is named."""
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    torch.manual_seed(0)
+    torch.backends.quantized.engine = ENGINE
+    model = FloatSkip().eval()
+    model.branch = model.branch.fc  # the block, a plain Linear, quantized by its name in the mapping
+    mapping = quantization.QConfigMapping().set_module_name("branch", quantization.get_default_qconfig(ENGINE))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = prepare_fx(model, mapping, example_inputs=(torch.randn(4, 3),))
+        prepared(torch.randn(32, 3, generator=torch.Generator().manual_seed(1)))
+        graph = convert_fx(prepared)
+    _, _, messages = explain(graph, torch.randn(4, 3), EpsilonPlus())
+    assert any("module 'module' (GraphModule) quantizes an activation" in m for m in messages), messages
