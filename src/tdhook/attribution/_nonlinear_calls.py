@@ -600,7 +600,9 @@ class NonlinearCalls(TorchFunctionMode):
                 has_rule or getattr(modules[name], "nonlinearity", None) == "relu"
             )
 
-            def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+                if kwargs and not args:  # the input by keyword (``layer(input=x)``, ``lstm(input=x)``)
+                    args = tuple(kwargs.values())
                 if rule is not None and isinstance(output, torch.Tensor) and output.grad_fn is not None:
                     acting = merging_rule(rule, args)
                     if acting is not None:
@@ -620,7 +622,9 @@ class NonlinearCalls(TorchFunctionMode):
             for name, module in modules.items():
                 has_rule, is_plain = id(module) in ruled, id(module) in plain
                 hooks.append(module.register_forward_pre_hook(enter(name, has_rule, is_plain)))
-                hooks.append(module.register_forward_hook(leave(name, has_rule, is_plain), always_call=True))
+                hooks.append(
+                    module.register_forward_hook(leave(name, has_rule, is_plain), with_kwargs=True, always_call=True)
+                )
             with self, backward_hooks_checked(modules, self._refused):
                 yield self
         finally:

@@ -271,6 +271,31 @@ def test_a_read_by_a_module_with_a_rule_in_a_later_call_raises(preset, write, na
             lrp(x)
 
 
+class _LaterWriteByKeyword(_LaterWrite):
+    """:class:`_LaterWrite` with its LayerNorm called with its input by keyword (``norm(input=c)``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c, g = self.p(x), torch.sigmoid(self.q(x))
+        if self.writes:
+            self.write(c, g, self.q.weight)
+        return self.out(self.norm(input=c) * g)
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.__name__)
+def test_a_read_by_keyword_by_a_module_with_a_rule_in_a_later_call_raises(preset):
+    """The norm's rule hooks saw positional arguments only: ``norm(input=c)`` after ``c.detach().copy_(w)`` was
+    explained without a word."""
+    torch.manual_seed(0)
+    model = _LaterWriteByKeyword(_overwritten).to(F64)
+    x = TensorDict(x=torch.randn(5, 4, dtype=F64), batch_size=[5])
+    with warnings.catch_warnings(), LRP(model, preset(), in_keys=["x"], out_keys=["y"]) as lrp:
+        warnings.simplefilter("ignore")
+        lrp(x)
+        model.writes = True
+        with pytest.raises(RuntimeError, match=r"LayerNorm \(a module with a rule\) reads a tensor .*copy_ through"):
+            lrp(x)
+
+
 def _binarized(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     c = torch.tanh(h)
     c.data = torch.sign(c.data)  # a binarised network's activation
