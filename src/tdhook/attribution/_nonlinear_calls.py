@@ -93,6 +93,7 @@ from tdhook.attribution.rules._unrecorded_writes import (
     NOT_READ,
     UNRECORDED,
     assigns_straight_through,
+    note_out_write,
     read_unrecorded,
 )
 from tdhook.attribution.rules.base import _reaches_model_input
@@ -352,6 +353,8 @@ class NonlinearCalls(TorchFunctionMode):
         self._open: list[list] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs and "out" in kwargs:  # an ``out=`` write into an alias, or under no_grad: see _unrecorded_writes
+            note_out_write(func, kwargs["out"])
         if UNRECORDED and (read := read_unrecorded(func, args, kwargs or {})) is not NOT_READ:  # _unrecorded_writes
             return read
         if func is _REGISTER_HOOK and len(args) == 2 and is_activation(args[0]) and not is_ours(args[1]):

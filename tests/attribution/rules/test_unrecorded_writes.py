@@ -7,6 +7,12 @@ under AttnLRP for an activation overwritten with a weight's values, 11.4 for the
 EpsilonPlus), and now raises at the read, naming the call and the write. The writes themselves stay allowed: a
 straight-through estimator written in place, an alias written and read alone, a fresh buffer written through any
 path, a tensor replaced whole with gradient enabled afterwards: each is explained as its out-of-place form.
+
+``out=`` writes into an alias (``torch.mul(w, 1, out=c.detach()[:, :3])``) or under ``torch.no_grad()``, and writes
+through a NumPy array sharing ``c``'s storage (``c.detach().numpy()[:, :3] = 5``), were not seen at all (against
+the same model with ``c`` taking the values out of place: 1.0 off under AttnLRP and CP-LRP and 0.78 under
+EpsilonPlus for ``c`` overwritten whole, 2.2 for three of its six columns); they are refused at the read as well. A
+NumPy array only read (a log of the values) refuses nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -108,8 +115,45 @@ def _view_taken_before(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> tor
     return v * g[:, :3]
 
 
+def _out_into_alias(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    torch.mul(_weight(s, h).detach()[:, :3], 1.0, out=c.detach()[:, :3])  # torch allows it: the alias has no grad
+    return c * g
+
+
+def _out_without_gradient(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    with torch.no_grad():
+        torch.add(_weight(s, h), 1.0, out=c)
+    return c * g
+
+
+def _numpy_written(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    c.detach().numpy()[:, :3] = 5.0  # no mode sees the write, nor the version counter
+    return c * g
+
+
+def _numpy_forced(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    np.asarray(c.numpy(force=True))[:, 1] = 0.0
+    return c * g
+
+
+def _numpy_of_view(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    v = c[:, 2:]
+    np.asarray(c.detach()[:, 2:])[...] = _weight(s, h).detach()[:, 2:].numpy()
+    return v * g[:, 2:]
+
+
 # name: (form, the call named, the write named)
 UNRECORDED = {
+    "torch.mul(w, 1, out=c.detach()[:, :3])": (_out_into_alias, "mul", "mul(out=...) through"),
+    "no_grad: torch.add(w, 1, out=c)": (_out_without_gradient, "mul", "add(out=...) under torch.no_grad()"),
+    "c.detach().numpy()[:, :3] = 5": (_numpy_written, "mul", "NumPy array"),
+    "np.asarray(c.numpy(force=True))[:, 1] = 0": (_numpy_forced, "mul", "NumPy array"),
+    "v = c[:, 2:], then np.asarray(c.detach()[:, 2:])[...] = w": (_numpy_of_view, "mul", "NumPy array"),
     "c.detach().copy_(w)": (_through(torch.Tensor.detach, lambda a, s, h: a.copy_(_weight(s, h))), "mul", "copy_"),
     "c.data.copy_(w)": (_through(lambda c: c.data, lambda a, s, h: a.copy_(_weight(s, h))), "mul", "copy_"),
     "c.data[:, :2] = w": (
@@ -197,7 +241,35 @@ def _alias_reshaped(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.
     return c * g
 
 
+def _numpy_read(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    total = float(c.detach().numpy().sum()) + float(np.asarray(c.detach()).max())  # read, as a log of it does
+    return c * g + total
+
+
+def _numpy_then_recorded(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    array = c.numpy(force=True)
+    shift = float(array[0, 0])
+    c += h  # recorded; the array's values change with c's
+    return c * g + shift + float(array[0, 0])
+
+
+def _out_into_fresh(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    buffer = torch.empty_like(h)
+    with torch.no_grad():
+        torch.mul(h, 2.0, out=buffer)  # a buffer without history: a constant of h's values
+    torch.add(h.detach(), 1.0, out=buffer.detach())
+    return buffer * g + h
+
+
 ALLOWED = {
+    "c.detach().numpy() read, then c": (_numpy_read, lambda s, h, g: h * g + (h.sum() + h.max()).item()),
+    "c.numpy(force=True), then c += h": (
+        _numpy_then_recorded,
+        lambda s, h, g: (2 * h) * g + h[0, 0].item() + 2 * h[0, 0].item(),
+    ),
+    "out= into a buffer without history": (_out_into_fresh, lambda s, h, g: (h.detach() + 1) * g + h),
     "c.detach() reshaped and made a leaf in place": (_alias_reshaped, lambda s, h, g: h * g),
     "z = (round(h) - h).detach(); z += h": (_straight_through, lambda s, h, g: (h + (torch.round(h) - h).detach()) * g),
     "an alias written, and only it read": (_alias_read_alone, lambda s, h, g: (2 * h).detach() * g + h),

@@ -27,7 +27,7 @@ from tdhook.attribution.rules._activation_writes import (
 )
 from tdhook.attribution.rules._autograd import PARAMETER_DERIVED, is_activation
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, gate_marks_shown, note_gate_written
-from tdhook.attribution.rules._unrecorded_writes import ALIAS_OF, note_unrecorded_write
+from tdhook.attribution.rules._unrecorded_writes import ALIAS_OF, UNRECORDED, note_unrecorded_write, settle_numpy_watch
 from tdhook.attribution.rules._written_regions import REPLACING, replaced_region, replaces, written_value
 
 __all__ = ["WRITES_IN_PLACE", "gate_marks_of", "mark_written_in_place", "note_gate_views"]
@@ -211,6 +211,8 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     base, requires_grad = target._base, target.requires_grad
     marked = bool(getattr(target, PARAMETER_DERIVED, False))
     root = target if base is None else base
+    if UNRECORDED:  # a NumPy array shares the storage: written through it before, or watched no more
+        settle_numpy_watch(root)
     if ALIAS_OF in root.__dict__ or not torch.is_grad_enabled():  # a write autograd may not record: the tensor noted
         note_unrecorded_write(func, args, root)
     masked = bool(MASKS_MADE) and ACTIVATION_WRITTEN in root.__dict__
