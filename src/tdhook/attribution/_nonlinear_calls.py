@@ -85,12 +85,17 @@ from tdhook.attribution.rules._autograd import (
 )
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._dropout_calls import dropout_probability
-from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_written_in_place
+from tdhook.attribution.rules._in_place_writes import (
+    WRITES_IN_PLACE,
+    mark_written_in_place,
+    unrecorded_straight_through,
+)
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layer_nodes import LAYER_MARK
 from tdhook.attribution.rules._unrecorded_writes import (
     NOT_READ,
+    STRAIGHT_THROUGH_WRITES,
     UNRECORDED,
     assigns_straight_through,
     note_out_write,
@@ -417,6 +422,11 @@ class NonlinearCalls(TorchFunctionMode):
             # ``h.data = y``: ``h + (y - h).detach()`` written in place (see _unrecorded_writes), named as that sum
             self._calls.append((self._stack[-1] if self._stack else "", STRAIGHT_THROUGH, args[0].grad_fn))
             return
+        if func in STRAIGHT_THROUGH_WRITES and not plain:
+            source = unrecorded_straight_through(func, args, kwargs or {})
+            if source is not None:  # ``c.clamp_(-1, 1)`` under no_grad: ``c + (clamp(c) - c).detach()`` in place
+                self._calls.append((self._stack[-1] if self._stack else "", STRAIGHT_THROUGH, source.grad_fn))
+                return
         if not plain and (detached_sum := self._straight_through.note(func, args, result, kwargs)) is not None:
             self._calls.append((self._stack[-1] if self._stack else "", detached_sum, node))
             return

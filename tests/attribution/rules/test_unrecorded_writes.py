@@ -442,6 +442,70 @@ def test_an_activation_assigned_through_data_is_explained_as_a_straight_through_
     torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12)
 
 
+def _clamped_without_gradient(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h + 0  # nothing saved for backward
+    with torch.no_grad():
+        c.clamp_(-0.3, 0.3)
+    return c * g
+
+
+def _rounded_through_data(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h * 2
+    c.data.round_()
+    return c * g
+
+
+def _floored_through_detach(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    c.detach().clamp_min_(0.1)
+    return c * g
+
+
+def _straight_through_of(f):
+    def form(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        c = h + 0
+        return (c + (f(c) - c).detach()) * g
+
+    return form
+
+
+WRITTEN_STRAIGHT_THROUGH = {
+    "no_grad: c.clamp_(-0.3, 0.3)": (_clamped_without_gradient, _straight_through_of(lambda c: c.clamp(-0.3, 0.3))),
+    "c.data.round_()": (_rounded_through_data, lambda s, h, g: (2 * h + (torch.round(2 * h) - 2 * h).detach()) * g),
+    "c.detach().clamp_min_(0.1)": (_floored_through_detach, _straight_through_of(lambda c: c.clamp_min(0.1))),
+}
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.__name__)
+@pytest.mark.parametrize("name", sorted(WRITTEN_STRAIGHT_THROUGH))
+def test_a_clamp_or_rounding_of_an_activation_autograd_does_not_record_is_a_straight_through_estimator(
+    name: str, preset
+):
+    """``c.clamp_(...)`` under no_grad, ``c.data.round_()``: the values ``f(c)``, the gradient passed to ``c``, as in
+    ``c + (f(c) - c).detach()``, explained and named as that sum (they were refused as any unrecorded write, though
+    the relevance equals the out-of-place estimator's, 0.0 off)."""
+    in_place, out_of_place = WRITTEN_STRAIGHT_THROUGH[name]
+    relevance, calls = _explained(in_place, preset)
+    expected, expected_calls = _explained(out_of_place, preset)
+    assert calls == expected_calls
+    assert "a straight-through estimator (x + (y - x).detach())" in calls
+    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12)
+
+
+def _saved_then_clamped(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = torch.exp(h)  # its node saves c
+    with torch.no_grad():
+        c.clamp_(max=1.5)
+    return c * g
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.__name__)
+def test_a_clamp_without_gradient_of_a_tensor_autograd_saved_is_refused_by_torch(preset):
+    """The version counter moved: the backward pass refuses it, as the model's own backward does."""
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _explained(_saved_then_clamped, preset)
+
+
 def _gate_binarized(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     g.data = torch.round(g.data)
     return h * g

@@ -11,7 +11,10 @@ off). The write itself is no error: a straight-through estimator written in plac
 write autograd records. Nor is ``h.data = y`` for an activation ``h`` and a tensor ``y`` of its shape, dtype and
 device (a binarised network's ``input.data = sign(input.data)``): it replaces ``h``'s storage, leaving the tensors
 autograd saved as they were, so that it is the straight-through estimator ``h + (y - h).detach()``, explained and
-reported as one (see :func:`assigns_straight_through`).
+reported as one (see :func:`assigns_straight_through`). Nor is a write of the activation's own values alone, clamped
+or rounded (``c.clamp_(-1, 1)`` under ``torch.no_grad()``, ``c.data.round_()``: :data:`STRAIGHT_THROUGH_WRITES`):
+it is the straight-through estimator ``c + (f(c) - c).detach()``, explained and reported as one too (a tensor
+autograd saved before it is refused by torch's backward pass, as in the model's own).
 
 The function modes note an alias as they make it (:func:`note_alias`), the tensor whose values a write autograd
 does not record changed (:func:`note_unrecorded_write`; an ``out=`` write into an alias, or under
@@ -42,10 +45,12 @@ __all__ = [
     "UNRECORDED",
     "assigns_straight_through",
     "NUMPY_VIEWS",
+    "STRAIGHT_THROUGH_WRITES",
     "note_alias",
     "note_out_write",
     "note_unrecorded_write",
     "settle_numpy_watch",
+    "unrecorded_source",
     "raise_for_unrecorded_inputs",
     "read_unrecorded",
 ]
@@ -53,6 +58,17 @@ __all__ = [
 #: the calls that give a tensor's values without its autograd history: an alias of its storage
 DETACHING = frozenset({torch.Tensor.detach, torch.detach, torch.Tensor.data.__get__})
 _DATA_SET = torch.Tensor.data.__set__
+#: In-place writes whose new values are an element-wise function of the tensor's own values (and numbers): into an
+#: activation, where autograd does not record them (``c.clamp_(-1, 1)`` under ``torch.no_grad()``,
+#: ``c.detach().round_()``), they are the straight-through estimator ``c + (f(c) - c).detach()``, not noted (see
+#: ``unrecorded_straight_through`` in :mod:`~tdhook.attribution.rules._in_place_writes`). A tensor autograd saved
+#: before the write is refused by torch itself at the backward pass (the version counter moved).
+STRAIGHT_THROUGH_WRITES = frozenset(
+    getattr(owner, name)
+    for owner in (torch.Tensor, torch)
+    for name in ("clamp_", "clip_", "clamp_min_", "clamp_max_", "round_", "sign_", "floor_", "ceil_", "trunc_", "fix_")
+    if hasattr(owner, name)
+)
 #: the calls that give a NumPy array sharing a tensor's storage, which writes autograd does not record go through
 NUMPY_VIEWS = frozenset({torch.Tensor.numpy, torch.Tensor.__array__})
 #: the calls :func:`note_alias` notes: those of :data:`DETACHING` and :data:`NUMPY_VIEWS`, and ``c.data = w``
@@ -226,6 +242,26 @@ def settle_numpy_watch(tensor: torch.Tensor) -> None:
         UNRECORDED[key] = entry[:2]
     else:
         _forget(key)
+
+
+def unrecorded_source(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor with autograd history whose values a write into ``tensor`` changes where autograd does not record
+    it: the tensor that ``tensor``'s base (or ``tensor``) aliases (see :func:`note_alias`), or that base itself under
+    ``torch.no_grad()``; ``None`` where there is none (the write is recorded, or the tensor has no history).
+
+    Examples:
+        >>> c = torch.ones(2, requires_grad=True) * 2
+        >>> with torch.no_grad():
+        ...     unrecorded_source(c) is c
+        True
+        >>> unrecorded_source(c) is None  # with gradient: recorded
+        True
+    """
+    root = _root(tensor)
+    link = root.__dict__.get(ALIAS_OF)
+    if link is not None:
+        return link()
+    return root if not torch.is_grad_enabled() and _has_history(root) else None
 
 
 def note_unrecorded_write(func: Any, args: tuple, root: torch.Tensor, name: str | None = None) -> None:
