@@ -429,17 +429,23 @@ ASSIGNED = {
 }
 
 
+def _assert_explained_as_straight_through(in_place, out_of_place, preset) -> None:
+    """The relevance and the calls left their plain gradient equal those of ``out_of_place``, which names a
+    straight-through estimator (float64, ≤ 1e-12)."""
+    relevance, calls = _explained(in_place, preset)
+    expected, expected_calls = _explained(out_of_place, preset)
+    assert calls == expected_calls
+    assert "a straight-through estimator (x + (y - x).detach())" in calls
+    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.__name__)
 @pytest.mark.parametrize("name", sorted(ASSIGNED))
 def test_an_activation_assigned_through_data_is_explained_as_a_straight_through_estimator(name: str, preset):
     """``h.data = y`` (y of h's shape) replaces h's storage, not the values autograd saved: it is
     ``h + (y - h).detach()``, explained as that sum and named as one (it was refused)."""
     in_place, out_of_place = ASSIGNED[name]
-    relevance, calls = _explained(in_place, preset)
-    expected, expected_calls = _explained(out_of_place, preset)
-    assert calls == expected_calls
-    assert "a straight-through estimator (x + (y - x).detach())" in calls
-    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12)
+    _assert_explained_as_straight_through(in_place, out_of_place, preset)
 
 
 def _clamped_without_gradient(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -485,11 +491,7 @@ def test_a_clamp_or_rounding_of_an_activation_autograd_does_not_record_is_a_stra
     ``c + (f(c) - c).detach()``, explained and named as that sum (they were refused as any unrecorded write, though
     the relevance equals the out-of-place estimator's, 0.0 off)."""
     in_place, out_of_place = WRITTEN_STRAIGHT_THROUGH[name]
-    relevance, calls = _explained(in_place, preset)
-    expected, expected_calls = _explained(out_of_place, preset)
-    assert calls == expected_calls
-    assert "a straight-through estimator (x + (y - x).detach())" in calls
-    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12)
+    _assert_explained_as_straight_through(in_place, out_of_place, preset)
 
 
 def _saved_then_clamped(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
