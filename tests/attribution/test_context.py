@@ -292,3 +292,35 @@ def test_a_failing_registration_keeps_the_hook_another_thread_put_on_the_module(
         register_rule(_FailsAfterAnotherThreadsHook(other), "fc", layer)
     assert list(layer._forward_hooks) == [other[0].id]
     assert not layer._forward_pre_hooks
+
+
+class _Squared(nn.Module):
+    """A block with a product of its input with itself: the caller maps it to its plain gradient."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * h.sum(-1, keepdim=True)
+
+
+class _WrittenIntoBlock(nn.Module):
+    """``c.detach().mul_(2)`` (a write autograd does not record), then ``c`` read by a block called by keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p, self.block, self.out = nn.Linear(4, 6), _Squared(), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.p(x)
+        c.detach().mul_(2)
+        return self.out(self.block(h=c))
+
+
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP, EpsilonPlus], ids=lambda p: p.__name__)
+def test_a_module_the_modes_pause_in_sees_its_input_given_by_keyword(preset):
+    """The modes pause inside a block mapped to IgnoreRule, and the hook that pauses them checks what enters it:
+    it read positional arguments only, and ``block(h=c)`` after a write autograd does not record was explained
+    without a word."""
+    torch.manual_seed(0)
+    model = _WrittenIntoBlock().double()
+    lrp = LRP(model, preset(rule_mapper={"block": IgnoreRule()}), in_keys=["x"], out_keys=["y"])
+    with pytest.raises(RuntimeError, match=r"_Squared \(a module with a rule\) reads a tensor .*mul_ through"):
+        lrp(TensorDict(x=torch.randn(5, 4, dtype=torch.float64), batch_size=[5]))

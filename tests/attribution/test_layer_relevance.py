@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -263,3 +264,40 @@ def test_a_call_holds_no_output_nor_input_once_its_results_are_dropped(watcher, 
     assert len(seen) == len(seen_plainly)
     for value, want in zip(seen, seen_plainly, strict=True):
         torch.testing.assert_close(value, want, rtol=1e-12, atol=1e-14)
+
+
+class _ByKeyword(nn.Module):
+    """A linear layer, a LayerNorm, a tanh and a head, each called with its input by keyword or by position."""
+
+    def __init__(self, keyword: bool) -> None:
+        super().__init__()
+        self.fc, self.norm, self.act, self.head = nn.Linear(4, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 3)
+        self.keyword = keyword
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.keyword:
+            return self.head(input=self.act(input=self.norm(input=self.fc(input=x))))
+        return self.head(self.act(self.norm(self.fc(x))))
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_a_relevance_check_sees_modules_called_with_their_input_by_keyword(preset: str):
+    """``layer(input=x)``: the check's hooks read positional inputs only, and skipped every such module without a
+    word (no module was checked). It sees each, with the relevance a positional call gives."""
+    x = torch.randn(5, 4, dtype=F64)
+    seen = []
+    for keyword in (True, False):
+        torch.manual_seed(0)
+        checks, check = summed_checks()
+        model = _ByKeyword(keyword).to(F64)
+        lrp = LRP(model, PRESETS[preset]("fc"), in_keys=["x"], out_keys=["y"], relevance_check=check)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the tanh's plain gradient under the CNN presets
+            relevance = lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"]
+        seen.append((checks, relevance))
+    (by_keyword, relevance), (by_position, expected) = seen
+    assert sorted(by_keyword) == sorted(by_position) == ["act", "fc", "head", "norm"]
+    for name, (into, out_of) in by_position.items():
+        assert abs(by_keyword[name][0] - into) <= 1e-12 * abs(into)
+        assert abs(by_keyword[name][1] - out_of) <= 1e-12 * abs(out_of)
+    assert relative_error(relevance, expected) <= 1e-12

@@ -157,3 +157,30 @@ def test_a_product_of_two_activations_written_in_place_into_a_view_is_named_as_o
     _, ours = explain(ViewProduct(form).to(F64), EpsilonPlus(), x)
     assert len(whole) == 1 and "computes mul" in whole[0]
     assert len(ours) == 1 and "computes mul" in ours[0]
+
+
+class _RecurrentByKeyword(nn.Module):
+    """An LSTM reading the model's input, called with it by keyword (``lstm(input=x)``), then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(4, 5, batch_first=True), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(input=x)[0][:, -1])
+
+
+def test_a_recurrent_first_layer_called_by_keyword_is_named():
+    """The watch read a layer's input from its positional arguments: ``lstm(input=x)`` on the model's input, which
+    no first-layer rule covers, was explained as EpsilonPlus's without a word (refused by name when strict)."""
+    from tdhook.attribution.mappers.presets import EpsilonPlusFlat
+
+    torch.manual_seed(0)
+    model = _RecurrentByKeyword().to(F64)
+    x = TensorDict(x=torch.randn(2, 3, 4, dtype=F64), batch_size=[2])
+    with pytest.warns(UserWarning, match=r"module 'rnn' \(LSTM\) is the first layer .* \(FlatRule\)"):
+        relevance = LRP(model, EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"])(x)["relevance", "x"]
+    expected = LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(x)["relevance", "x"]
+    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match=r"module 'rnn' \(LSTM\) is the first layer .* \(FlatRule\)"):
+        LRP(model, EpsilonPlusFlat(strict=True), in_keys=["x"], out_keys=["y"])(x)

@@ -240,8 +240,10 @@ def suspend_function_modes_in(
     """
     guards: list = []
 
-    def suspend(module: nn.Module, args: tuple) -> None:
+    def suspend(module: nn.Module, args: tuple, kwargs: dict) -> None:
         enabled = torch._C._is_torch_function_mode_enabled()
+        if enabled and kwargs:  # inputs given by keyword (``block(hidden_states=h)``) enter it as positional ones do
+            args = (*args, *kwargs.values())
         if enabled and plain_only:  # norms held upstream: the modes do not see the products inside
             give_back_norms_entering(args)
         if enabled and UNRECORDED:  # a tensor whose values autograd did not see written: the modes see no read inside
@@ -249,7 +251,7 @@ def suspend_function_modes_in(
         guard = torch._C.DisableTorchFunction() if enabled else None
         push(guards, guard, enter=True)  # left by resume, or by closing_scopes if the forward never returns
 
-    def resume(module: nn.Module, args: tuple, output: Any) -> None:
+    def resume(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         pop(guards)
 
     def pausing(handle: RemovableRuleHandle) -> bool:
@@ -269,7 +271,7 @@ def suspend_function_modes_in(
         # one F.linear or convolution call, which no mode changes: pausing costs more than it saves
         return not (detached and isinstance(module, LINEAR_LAYERS) and _has_plain_forward(module))
 
-    return hooks_around((handle.module for handle in handles if pausing(handle)), suspend, resume)
+    return hooks_around((handle.module for handle in handles if pausing(handle)), suspend, resume, with_kwargs=True)
 
 
 def _computes_in_forward(module: nn.Module) -> bool:
@@ -287,9 +289,12 @@ def _computes_in_forward(module: nn.Module) -> bool:
     return not (routed or isinstance(module, GRADIENT_ROUTED))
 
 
-def hooks_around(modules: Iterable[nn.Module], start: Callable, end: Callable) -> list[RemovableHandle]:
+def hooks_around(
+    modules: Iterable[nn.Module], start: Callable, end: Callable, with_kwargs: bool = False
+) -> list[RemovableHandle]:
     """A forward pre-hook ``start`` and a forward hook ``end`` (called when the forward raises too) on each of
-    ``modules``, or none if an interrupt stops the registration (the model is then left as it was).
+    ``modules``, or none if an interrupt stops the registration (the model is then left as it was). With
+    ``with_kwargs``, each hook also takes the call's keyword arguments (after its positional ones).
 
     Examples:
         >>> hooks = hooks_around([nn.Linear(2, 2), nn.ReLU()], lambda m, a: None, lambda m, a, o: None)
@@ -300,8 +305,8 @@ def hooks_around(modules: Iterable[nn.Module], start: Callable, end: Callable) -
     hooks: list[RemovableHandle] = []
     try:
         for module in modules:
-            hooks.append(module.register_forward_pre_hook(start))
-            hooks.append(module.register_forward_hook(end, always_call=True))
+            hooks.append(module.register_forward_pre_hook(start, with_kwargs=with_kwargs))
+            hooks.append(module.register_forward_hook(end, with_kwargs=with_kwargs, always_call=True))
         return hooks  # inside the try: an interrupt before the return leaves no hook
     except BaseException:  # an interrupt: leave the model as it was
         remove_listed(hooks)

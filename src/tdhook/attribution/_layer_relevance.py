@@ -253,24 +253,29 @@ def add_check_hooks(
     def records_for(x: torch.Tensor) -> torch.Tensor | int:
         return sum(r for h in handles for t, r in h.records if t is x)
 
-    def pre_hook(module: nn.Module, args: tuple) -> tuple | None:
-        if rules_apply() and len(args) == 1 and isinstance(args[0], torch.Tensor):
-            if args[0].requires_grad:
-                # A view of its own, so that the gradient seen is this module's share only,
-                # even when the input also feeds other modules (a residual branch).
-                alias = args[0].view_as(args[0])
-                alias._tdhook_alias_of = args[0]
-                watch(alias)  # a first-layer rule leaves there the relevance it sets that no gradient carries
-                return (alias,)
+    def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        key = _one_input(args, kwargs)
+        if key is None or not rules_apply():
+            return None
+        x = args[0] if key == 0 else kwargs[key]
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            # A view of its own, so that the gradient seen is this module's share only,
+            # even when the input also feeds other modules (a residual branch).
+            alias = x.view_as(x)
+            alias._tdhook_alias_of = x
+            watch(alias)  # a first-layer rule leaves there the relevance it sets that no gradient carries
+            return ((alias,), kwargs) if key == 0 else (args, {**kwargs, key: alias})
         return None
 
-    def forward_hook_for(name: str) -> Callable[[nn.Module, tuple, Any], None]:
-        def forward_hook(module: nn.Module, args: tuple, output: Any) -> None:
+    def forward_hook_for(name: str) -> Callable[[nn.Module, tuple, dict, Any], None]:
+        def forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if not (rules_apply() and isinstance(output, torch.Tensor) and output.requires_grad):
                 return
-            if len(args) != 1 or not hasattr(args[0], "_tdhook_alias_of"):
+            key = _one_input(args, kwargs)
+            x = None if key is None else args[0] if key == 0 else kwargs[key]
+            if not hasattr(x, "_tdhook_alias_of"):
                 return
-            x, out, relevance_pass = args[0], OutputRelevance.watch(output), graph_kept()
+            out, relevance_pass = OutputRelevance.watch(output), graph_kept()
 
             def run_check(grad: torch.Tensor) -> None:
                 if probing():
@@ -296,10 +301,26 @@ def add_check_hooks(
                 continue  # a merged BatchNorm is checked as part of the layer before it
             if not handle.rule.is_registered(module) or not handle.rule.decides_every_call:
                 continue
-            hooks.append(module.register_forward_pre_hook(pre_hook))
-            hooks.append(module.register_forward_hook(forward_hook_for(names[id(module)])))
+            hooks.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            hooks.append(module.register_forward_hook(forward_hook_for(names[id(module)]), with_kwargs=True))
     except BaseException:  # leave the model as it was
         for hook in hooks:
             hook.remove()
         raise
     return hooks
+
+
+def _one_input(args: tuple, kwargs: dict) -> int | str | None:
+    """Where a call's one input is: ``0`` for ``module(x)`` (keywords beside it, flags, are no input), its keyword for
+    ``module(input=x)``; ``None`` for a call with several tensors or none.
+
+    Examples:
+        >>> x = torch.ones(2)
+        >>> _one_input((x,), {}), _one_input((), {"input": x}), _one_input((), {"query": x, "key": x})
+        (0, 'input', None)
+    """
+    if len(args) == 1:
+        return 0
+    if not args and len(kwargs) == 1:
+        return next(iter(kwargs))
+    return None

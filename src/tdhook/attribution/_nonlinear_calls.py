@@ -86,14 +86,20 @@ from tdhook.attribution.rules._autograd import (
 )
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._dropout_calls import dropout_probability
-from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_written_in_place
+from tdhook.attribution.rules._in_place_writes import (
+    WRITES_IN_PLACE,
+    mark_written_in_place,
+    unrecorded_straight_through,
+)
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layer_nodes import LAYER_MARK
 from tdhook.attribution.rules._unrecorded_writes import (
     NOT_READ,
+    STRAIGHT_THROUGH_WRITES,
     UNRECORDED,
     assigns_straight_through,
+    note_out_write,
     read_unrecorded,
 )
 from tdhook.attribution.rules.base import _reaches_model_input
@@ -353,6 +359,8 @@ class NonlinearCalls(TorchFunctionMode):
         self._open: list[list] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs and "out" in kwargs:  # an ``out=`` write into an alias, or under no_grad: see _unrecorded_writes
+            note_out_write(func, kwargs["out"])
         if UNRECORDED and (read := read_unrecorded(func, args, kwargs or {})) is not NOT_READ:  # _unrecorded_writes
             return read
         if func is _REGISTER_HOOK and len(args) == 2 and is_activation(args[0]) and not is_ours(args[1]):
@@ -415,6 +423,11 @@ class NonlinearCalls(TorchFunctionMode):
             # ``h.data = y``: ``h + (y - h).detach()`` written in place (see _unrecorded_writes), named as that sum
             self._calls.append((self._stack[-1] if self._stack else "", STRAIGHT_THROUGH, args[0].grad_fn))
             return
+        if func in STRAIGHT_THROUGH_WRITES and not plain:
+            source = unrecorded_straight_through(func, args, kwargs or {})
+            if source is not None:  # ``c.clamp_(-1, 1)`` under no_grad: ``c + (clamp(c) - c).detach()`` in place
+                self._calls.append((self._stack[-1] if self._stack else "", STRAIGHT_THROUGH, source.grad_fn))
+                return
         if not plain and (detached_sum := self._straight_through.note(func, args, result, kwargs)) is not None:
             self._calls.append((self._stack[-1] if self._stack else "", detached_sum, node))
             return
@@ -604,7 +617,9 @@ class NonlinearCalls(TorchFunctionMode):
                 has_rule or getattr(modules[name], "nonlinearity", None) == "relu"
             )
 
-            def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+                if kwargs and not args:  # the input by keyword (``layer(input=x)``, ``lstm(input=x)``)
+                    args = tuple(kwargs.values())
                 if rule is not None and isinstance(output, torch.Tensor) and output.grad_fn is not None:
                     acting = merging_rule(rule, args)
                     if acting is not None:
@@ -624,7 +639,9 @@ class NonlinearCalls(TorchFunctionMode):
             for name, module in modules.items():
                 has_rule, is_plain = id(module) in ruled, id(module) in plain
                 hooks.append(module.register_forward_pre_hook(enter(name, has_rule, is_plain)))
-                hooks.append(module.register_forward_hook(leave(name, has_rule, is_plain), always_call=True))
+                hooks.append(
+                    module.register_forward_hook(leave(name, has_rule, is_plain), with_kwargs=True, always_call=True)
+                )
             with self, backward_hooks_checked(modules, self._refused):
                 yield self
         finally:

@@ -7,6 +7,12 @@ under AttnLRP for an activation overwritten with a weight's values, 11.4 for the
 EpsilonPlus), and now raises at the read, naming the call and the write. The writes themselves stay allowed: a
 straight-through estimator written in place, an alias written and read alone, a fresh buffer written through any
 path, a tensor replaced whole with gradient enabled afterwards: each is explained as its out-of-place form.
+
+``out=`` writes into an alias (``torch.mul(w, 1, out=c.detach()[:, :3])``) or under ``torch.no_grad()``, and writes
+through a NumPy array sharing ``c``'s storage (``c.detach().numpy()[:, :3] = 5``), were not seen at all (against
+the same model with ``c`` taking the values out of place: 1.0 off under AttnLRP and CP-LRP and 0.78 under
+EpsilonPlus for ``c`` overwritten whole, 2.2 for three of its six columns); they are refused at the read as well. A
+NumPy array only read (a log of the values) refuses nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -108,8 +115,45 @@ def _view_taken_before(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> tor
     return v * g[:, :3]
 
 
+def _out_into_alias(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    torch.mul(_weight(s, h).detach()[:, :3], 1.0, out=c.detach()[:, :3])  # torch allows it: the alias has no grad
+    return c * g
+
+
+def _out_without_gradient(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    with torch.no_grad():
+        torch.add(_weight(s, h), 1.0, out=c)
+    return c * g
+
+
+def _numpy_written(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    c.detach().numpy()[:, :3] = 5.0  # no mode sees the write, nor the version counter
+    return c * g
+
+
+def _numpy_forced(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    np.asarray(c.numpy(force=True))[:, 1] = 0.0
+    return c * g
+
+
+def _numpy_of_view(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    v = c[:, 2:]
+    np.asarray(c.detach()[:, 2:])[...] = _weight(s, h).detach()[:, 2:].numpy()
+    return v * g[:, 2:]
+
+
 # name: (form, the call named, the write named)
 UNRECORDED = {
+    "torch.mul(w, 1, out=c.detach()[:, :3])": (_out_into_alias, "mul", "mul(out=...) through"),
+    "no_grad: torch.add(w, 1, out=c)": (_out_without_gradient, "mul", "add(out=...) under torch.no_grad()"),
+    "c.detach().numpy()[:, :3] = 5": (_numpy_written, "mul", "NumPy array"),
+    "np.asarray(c.numpy(force=True))[:, 1] = 0": (_numpy_forced, "mul", "NumPy array"),
+    "v = c[:, 2:], then np.asarray(c.detach()[:, 2:])[...] = w": (_numpy_of_view, "mul", "NumPy array"),
     "c.detach().copy_(w)": (_through(torch.Tensor.detach, lambda a, s, h: a.copy_(_weight(s, h))), "mul", "copy_"),
     "c.data.copy_(w)": (_through(lambda c: c.data, lambda a, s, h: a.copy_(_weight(s, h))), "mul", "copy_"),
     "c.data[:, :2] = w": (
@@ -197,7 +241,35 @@ def _alias_reshaped(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.
     return c * g
 
 
+def _numpy_read(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    total = float(c.detach().numpy().sum()) + float(np.asarray(c.detach()).max())  # read, as a log of it does
+    return c * g + total
+
+
+def _numpy_then_recorded(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    array = c.numpy(force=True)
+    shift = float(array[0, 0])
+    c += h  # recorded; the array's values change with c's
+    return c * g + shift + float(array[0, 0])
+
+
+def _out_into_fresh(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    buffer = torch.empty_like(h)
+    with torch.no_grad():
+        torch.mul(h, 2.0, out=buffer)  # a buffer without history: a constant of h's values
+    torch.add(h.detach(), 1.0, out=buffer.detach())
+    return buffer * g + h
+
+
 ALLOWED = {
+    "c.detach().numpy() read, then c": (_numpy_read, lambda s, h, g: h * g + (h.sum() + h.max()).item()),
+    "c.numpy(force=True), then c += h": (
+        _numpy_then_recorded,
+        lambda s, h, g: (2 * h) * g + h[0, 0].item() + 2 * h[0, 0].item(),
+    ),
+    "out= into a buffer without history": (_out_into_fresh, lambda s, h, g: (h.detach() + 1) * g + h),
     "c.detach() reshaped and made a leaf in place": (_alias_reshaped, lambda s, h, g: h * g),
     "z = (round(h) - h).detach(); z += h": (_straight_through, lambda s, h, g: (h + (torch.round(h) - h).detach()) * g),
     "an alias written, and only it read": (_alias_read_alone, lambda s, h, g: (2 * h).detach() * g + h),
@@ -271,6 +343,31 @@ def test_a_read_by_a_module_with_a_rule_in_a_later_call_raises(preset, write, na
             lrp(x)
 
 
+class _LaterWriteByKeyword(_LaterWrite):
+    """:class:`_LaterWrite` with its LayerNorm called with its input by keyword (``norm(input=c)``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c, g = self.p(x), torch.sigmoid(self.q(x))
+        if self.writes:
+            self.write(c, g, self.q.weight)
+        return self.out(self.norm(input=c) * g)
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.__name__)
+def test_a_read_by_keyword_by_a_module_with_a_rule_in_a_later_call_raises(preset):
+    """The norm's rule hooks saw positional arguments only: ``norm(input=c)`` after ``c.detach().copy_(w)`` was
+    explained without a word."""
+    torch.manual_seed(0)
+    model = _LaterWriteByKeyword(_overwritten).to(F64)
+    x = TensorDict(x=torch.randn(5, 4, dtype=F64), batch_size=[5])
+    with warnings.catch_warnings(), LRP(model, preset(), in_keys=["x"], out_keys=["y"]) as lrp:
+        warnings.simplefilter("ignore")
+        lrp(x)
+        model.writes = True
+        with pytest.raises(RuntimeError, match=r"LayerNorm \(a module with a rule\) reads a tensor .*copy_ through"):
+            lrp(x)
+
+
 def _binarized(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     c = torch.tanh(h)
     c.data = torch.sign(c.data)  # a binarised network's activation
@@ -332,17 +429,83 @@ ASSIGNED = {
 }
 
 
+def _assert_explained_as_straight_through(in_place, out_of_place, preset) -> None:
+    """The relevance and the calls left their plain gradient equal those of ``out_of_place``, which names a
+    straight-through estimator (float64, ≤ 1e-12)."""
+    relevance, calls = _explained(in_place, preset)
+    expected, expected_calls = _explained(out_of_place, preset)
+    assert calls == expected_calls
+    assert "a straight-through estimator (x + (y - x).detach())" in calls
+    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.__name__)
 @pytest.mark.parametrize("name", sorted(ASSIGNED))
 def test_an_activation_assigned_through_data_is_explained_as_a_straight_through_estimator(name: str, preset):
     """``h.data = y`` (y of h's shape) replaces h's storage, not the values autograd saved: it is
     ``h + (y - h).detach()``, explained as that sum and named as one (it was refused)."""
     in_place, out_of_place = ASSIGNED[name]
-    relevance, calls = _explained(in_place, preset)
-    expected, expected_calls = _explained(out_of_place, preset)
-    assert calls == expected_calls
-    assert "a straight-through estimator (x + (y - x).detach())" in calls
-    torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12)
+    _assert_explained_as_straight_through(in_place, out_of_place, preset)
+
+
+def _clamped_without_gradient(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h + 0  # nothing saved for backward
+    with torch.no_grad():
+        c.clamp_(-0.3, 0.3)
+    return c * g
+
+
+def _rounded_through_data(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h * 2
+    c.data.round_()
+    return c * g
+
+
+def _floored_through_detach(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    c.detach().clamp_min_(0.1)
+    return c * g
+
+
+def _straight_through_of(f):
+    def form(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        c = h + 0
+        return (c + (f(c) - c).detach()) * g
+
+    return form
+
+
+WRITTEN_STRAIGHT_THROUGH = {
+    "no_grad: c.clamp_(-0.3, 0.3)": (_clamped_without_gradient, _straight_through_of(lambda c: c.clamp(-0.3, 0.3))),
+    "c.data.round_()": (_rounded_through_data, lambda s, h, g: (2 * h + (torch.round(2 * h) - 2 * h).detach()) * g),
+    "c.detach().clamp_min_(0.1)": (_floored_through_detach, _straight_through_of(lambda c: c.clamp_min(0.1))),
+}
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.__name__)
+@pytest.mark.parametrize("name", sorted(WRITTEN_STRAIGHT_THROUGH))
+def test_a_clamp_or_rounding_of_an_activation_autograd_does_not_record_is_a_straight_through_estimator(
+    name: str, preset
+):
+    """``c.clamp_(...)`` under no_grad, ``c.data.round_()``: the values ``f(c)``, the gradient passed to ``c``, as in
+    ``c + (f(c) - c).detach()``, explained and named as that sum (they were refused as any unrecorded write, though
+    the relevance equals the out-of-place estimator's, 0.0 off)."""
+    in_place, out_of_place = WRITTEN_STRAIGHT_THROUGH[name]
+    _assert_explained_as_straight_through(in_place, out_of_place, preset)
+
+
+def _saved_then_clamped(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = torch.exp(h)  # its node saves c
+    with torch.no_grad():
+        c.clamp_(max=1.5)
+    return c * g
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.__name__)
+def test_a_clamp_without_gradient_of_a_tensor_autograd_saved_is_refused_by_torch(preset):
+    """The version counter moved: the backward pass refuses it, as the model's own backward does."""
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _explained(_saved_then_clamped, preset)
 
 
 def _gate_binarized(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

@@ -27,10 +27,23 @@ from tdhook.attribution.rules._activation_writes import (
 )
 from tdhook.attribution.rules._autograd import PARAMETER_DERIVED, is_activation
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, gate_marks_shown, note_gate_written
-from tdhook.attribution.rules._unrecorded_writes import ALIAS_OF, note_unrecorded_write
+from tdhook.attribution.rules._unrecorded_writes import (
+    ALIAS_OF,
+    STRAIGHT_THROUGH_WRITES,
+    UNRECORDED,
+    note_unrecorded_write,
+    settle_numpy_watch,
+    unrecorded_source,
+)
 from tdhook.attribution.rules._written_regions import REPLACING, replaced_region, replaces, written_value
 
-__all__ = ["WRITES_IN_PLACE", "gate_marks_of", "mark_written_in_place", "note_gate_views"]
+__all__ = [
+    "WRITES_IN_PLACE",
+    "gate_marks_of",
+    "mark_written_in_place",
+    "note_gate_views",
+    "unrecorded_straight_through",
+]
 
 # The operators of the augmented assignments (``+=``, ``*=``, ``**=``, ...).
 _AUGMENTED = {
@@ -211,8 +224,11 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     base, requires_grad = target._base, target.requires_grad
     marked = bool(getattr(target, PARAMETER_DERIVED, False))
     root = target if base is None else base
+    if UNRECORDED:  # a NumPy array shares the storage: written through it before, or watched no more
+        settle_numpy_watch(root)
     if ALIAS_OF in root.__dict__ or not torch.is_grad_enabled():  # a write autograd may not record: the tensor noted
-        note_unrecorded_write(func, args, root)
+        if func not in STRAIGHT_THROUGH_WRITES or unrecorded_straight_through(func, args, kwargs) is None:
+            note_unrecorded_write(func, args, root)
     masked = bool(MASKS_MADE) and ACTIVATION_WRITTEN in root.__dict__
     gated = (
         GATE_MARKS[0] in target.__dict__
@@ -280,6 +296,30 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     if holds is not None and root.requires_grad and not root.is_leaf:  # the tensor viewed is what its elements are
         setattr(root, PARAMETER_DERIVED, not holds)
     return result
+
+
+def unrecorded_straight_through(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The activation whose straight-through estimator ``func(*args, **kwargs)`` is, if it is one: a write of
+    :data:`~tdhook.attribution.rules._unrecorded_writes.STRAIGHT_THROUGH_WRITES` with numbers alone
+    (``c.clamp_(-1, 1)``, ``c.round_()``) into an activation ``c`` (or a view of it) where autograd does not record
+    it (under ``torch.no_grad()``, or through a detached alias): the values are ``f(c)``, the gradient passes to
+    ``c``, as in ``c + (f(c) - c).detach()``. Judged before or after the write.
+
+    Examples:
+        >>> c = torch.ones(2, requires_grad=True) * 2
+        >>> with torch.no_grad():
+        ...     unrecorded_straight_through(torch.Tensor.clamp_, (c, -1.0, 1.0), {}) is c
+        True
+        >>> with torch.no_grad():  # a bound of another tensor's values
+        ...     unrecorded_straight_through(torch.Tensor.clamp_, (c, torch.zeros(2)), {}) is None
+        True
+    """
+    if func not in STRAIGHT_THROUGH_WRITES or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    if any(isinstance(value, torch.Tensor) for value in (*args[1:], *kwargs.values())):
+        return None
+    source = unrecorded_source(args[0])
+    return source if is_activation(source) else None
 
 
 def _maybe_viewed(tensor: torch.Tensor) -> bool:

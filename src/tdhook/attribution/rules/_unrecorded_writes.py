@@ -11,15 +11,23 @@ off). The write itself is no error: a straight-through estimator written in plac
 write autograd records. Nor is ``h.data = y`` for an activation ``h`` and a tensor ``y`` of its shape, dtype and
 device (a binarised network's ``input.data = sign(input.data)``): it replaces ``h``'s storage, leaving the tensors
 autograd saved as they were, so that it is the straight-through estimator ``h + (y - h).detach()``, explained and
-reported as one (see :func:`assigns_straight_through`).
+reported as one (see :func:`assigns_straight_through`). Nor is a write of the activation's own values alone, clamped
+or rounded (``c.clamp_(-1, 1)`` under ``torch.no_grad()``, ``c.data.round_()``: :data:`STRAIGHT_THROUGH_WRITES`):
+it is the straight-through estimator ``c + (f(c) - c).detach()``, explained and reported as one too (a tensor
+autograd saved before it is refused by torch's backward pass, as in the model's own).
 
 The function modes note an alias as they make it (:func:`note_alias`), the tensor whose values a write autograd
-does not record changed (:func:`note_unrecorded_write`), and refuse a call that reads that tensor, or a view of it,
+does not record changed (:func:`note_unrecorded_write`; an ``out=`` write into an alias, or under
+``torch.no_grad()``, too: :func:`note_out_write`), and refuse a call that reads that tensor, or a view of it,
 into a result with gradient (:func:`read_unrecorded`, and :func:`raise_for_unrecorded_inputs` at the modules
 inside which the modes pause). A write that replaces the whole tensor with gradient enabled (``c.copy_(h)``) gives
-it a history of its values again. Writes no mode sees are not noted: those of a call run without the modes (a later
-call of AttnLRP or CP-LRP that its plan runs without them, a later call of a CNN preset on a model without gates;
-the first call of every context runs in them) or inside a module where they pause, and ``out=`` writes.
+it a history of its values again. A NumPy array made of such a tensor's storage (``c.detach().numpy()``,
+``c.numpy(force=True)``, ``np.asarray(c.detach())``) is written where no mode sees it, nor the version counter: the
+tensor's values are kept when the array is made, and a read with gradient that finds them changed is refused as
+well (a write the modes see into the tensor itself first, ``c += h``, ends the watch: a NumPy write after it is not
+seen). Writes no mode sees are not noted: those of a call run without the modes (a later call of AttnLRP or CP-LRP
+that its plan runs without them, a later call of a CNN preset on a model without gates; the first call of every
+context runs in them) or inside a module where they pause.
 """
 
 from __future__ import annotations
@@ -36,8 +44,13 @@ __all__ = [
     "NOT_READ",
     "UNRECORDED",
     "assigns_straight_through",
+    "NUMPY_VIEWS",
+    "STRAIGHT_THROUGH_WRITES",
     "note_alias",
+    "note_out_write",
     "note_unrecorded_write",
+    "settle_numpy_watch",
+    "unrecorded_source",
     "raise_for_unrecorded_inputs",
     "read_unrecorded",
 ]
@@ -45,14 +58,29 @@ __all__ = [
 #: the calls that give a tensor's values without its autograd history: an alias of its storage
 DETACHING = frozenset({torch.Tensor.detach, torch.detach, torch.Tensor.data.__get__})
 _DATA_SET = torch.Tensor.data.__set__
-#: the calls :func:`note_alias` notes: those of :data:`DETACHING`, and ``c.data = w``
-ALIASING = DETACHING | {_DATA_SET}
+#: In-place writes whose new values are an element-wise function of the tensor's own values (and numbers): into an
+#: activation, where autograd does not record them (``c.clamp_(-1, 1)`` under ``torch.no_grad()``,
+#: ``c.detach().round_()``), they are the straight-through estimator ``c + (f(c) - c).detach()``, not noted (see
+#: ``unrecorded_straight_through`` in :mod:`~tdhook.attribution.rules._in_place_writes`). A tensor autograd saved
+#: before the write is refused by torch itself at the backward pass (the version counter moved).
+STRAIGHT_THROUGH_WRITES = frozenset(
+    getattr(owner, name)
+    for owner in (torch.Tensor, torch)
+    for name in ("clamp_", "clip_", "clamp_min_", "clamp_max_", "round_", "sign_", "floor_", "ceil_", "trunc_", "fix_")
+    if hasattr(owner, name)
+)
+#: the calls that give a NumPy array sharing a tensor's storage, which writes autograd does not record go through
+NUMPY_VIEWS = frozenset({torch.Tensor.numpy, torch.Tensor.__array__})
+#: the calls :func:`note_alias` notes: those of :data:`DETACHING` and :data:`NUMPY_VIEWS`, and ``c.data = w``
+ALIASING = DETACHING | NUMPY_VIEWS | {_DATA_SET}
 # On an alias of a tensor with autograd history (see DETACHING): a weak reference to that tensor (the tensor a view
 # of it views). Weak: an alias must not keep a layer's output alive past the call.
 ALIAS_OF = "_tdhook_unrecorded_alias_of"
 #: Per tensor whose values a write autograd did not record changed (by ``id``): a weak reference to it, and the
-#: write. Empty on the common path, where the modes' check is one test of it.
-UNRECORDED: dict[int, tuple[weakref.ref, str]] = {}
+#: write; for one a NumPy array shares the storage of, its values when the array was made too (changed, it is
+#: written). Empty on the common path, where the modes' check is one test of it.
+UNRECORDED: dict[int, tuple[Any, ...]] = {}
+_NUMPY_WRITE = "a write through a NumPy array sharing its storage (`.numpy()`, `np.asarray`)"
 #: :func:`read_unrecorded`'s answer where the call is to run as the mode runs it
 NOT_READ = object()
 
@@ -138,6 +166,9 @@ def note_alias(func: Any, args: tuple, result: Any, activation: bool = False) ->
     source = args[0] if args else None
     if not isinstance(source, torch.Tensor):
         return
+    if func in NUMPY_VIEWS:
+        _watch_numpy(source)
+        return
     if func == _DATA_SET:
         if _has_history(source) and not assigns_straight_through(func, args, activation):
             _poison(source, "a `.data =` assignment")
@@ -157,15 +188,87 @@ def _forget(key: int) -> None:
 
 def _poison(tensor: torch.Tensor, write: str) -> None:
     key = id(tensor)
-    if key not in UNRECORDED:
+    entry = UNRECORDED.get(key)
+    if entry is None or len(entry) > 2 or entry[0]() is not tensor:  # a NumPy watch: now written, by this write
         UNRECORDED[key] = (weakref.ref(tensor, lambda _, key=key: _forget(key)), write)
 
 
-def note_unrecorded_write(func: Any, args: tuple, root: torch.Tensor) -> None:
+def _watch_numpy(tensor: torch.Tensor) -> None:
+    """Keep the values of the tensor with autograd history whose storage ``tensor`` (made into a NumPy array) shares:
+    ``tensor`` itself (``c.numpy(force=True)``) or the tensor it aliases (``c.detach().numpy()``)."""
+    root = _root(tensor)
+    link = root.__dict__.get(ALIAS_OF)
+    source = root if _has_history(root) else link() if link is not None else None
+    if source is None or id(source) in UNRECORDED:
+        return
+    with torch._C.DisableTorchFunction(), torch.no_grad():
+        kept = source.detach().clone()
+    key = id(source)
+    UNRECORDED[key] = (weakref.ref(source, lambda _, key=key: _forget(key)), _NUMPY_WRITE, kept)
+
+
+def _changed(entry: tuple, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``, noted by ``entry``, was written: noted by a write, or watched and its values not those
+    kept (NaN where NaN was)."""
+    if len(entry) == 2:
+        return True
+    kept = entry[2]
+    with torch._C.DisableTorchFunction(), torch.no_grad():
+        if tensor.shape != kept.shape or tensor.dtype != kept.dtype:
+            return True
+        return not torch.allclose(tensor.detach(), kept, rtol=0.0, atol=0.0, equal_nan=True)
+
+
+def settle_numpy_watch(tensor: torch.Tensor) -> None:
+    """Before a write the modes see into ``tensor`` (a tensor's base, or a tensor no view of): where a NumPy array
+    shares its storage, note it written if its values changed since the array was made, else end the watch (the
+    write changes them; a NumPy write after it is not seen).
+
+    Examples:
+        >>> c = torch.ones(2, requires_grad=True) * 2
+        >>> array = c.numpy(force=True)
+        >>> note_alias(torch.Tensor.numpy, (c,), array)
+        >>> array[0] = 5.0
+        >>> settle_numpy_watch(c)
+        >>> UNRECORDED[id(c)][1]
+        'a write through a NumPy array sharing its storage (`.numpy()`, `np.asarray`)'
+        >>> UNRECORDED.clear()
+    """
+    key = id(tensor)
+    entry = UNRECORDED.get(key)
+    if entry is None or len(entry) == 2 or entry[0]() is not tensor:
+        return
+    if _changed(entry, tensor):
+        UNRECORDED[key] = entry[:2]
+    else:
+        _forget(key)
+
+
+def unrecorded_source(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor with autograd history whose values a write into ``tensor`` changes where autograd does not record
+    it: the tensor that ``tensor``'s base (or ``tensor``) aliases (see :func:`note_alias`), or that base itself under
+    ``torch.no_grad()``; ``None`` where there is none (the write is recorded, or the tensor has no history).
+
+    Examples:
+        >>> c = torch.ones(2, requires_grad=True) * 2
+        >>> with torch.no_grad():
+        ...     unrecorded_source(c) is c
+        True
+        >>> unrecorded_source(c) is None  # with gradient: recorded
+        True
+    """
+    root = _root(tensor)
+    link = root.__dict__.get(ALIAS_OF)
+    if link is not None:
+        return link()
+    return root if not torch.is_grad_enabled() and _has_history(root) else None
+
+
+def note_unrecorded_write(func: Any, args: tuple, root: torch.Tensor, name: str | None = None) -> None:
     """Note the tensor whose values ``func(*args)``, an in-place write into ``args[0]`` (a view of ``root``, or
     ``root``), changes where autograd does not record it: the tensor ``root`` aliases (see :func:`note_alias`), or
     ``root`` itself where it has autograd history and gradient is disabled. Called before the write, where gradient
-    is disabled or ``root`` is an alias.
+    is disabled or ``root`` is an alias. ``name`` names the write (``func``'s name by default).
 
     Examples:
         >>> c = torch.ones(2, requires_grad=True) * 2
@@ -178,13 +281,35 @@ def note_unrecorded_write(func: Any, args: tuple, root: torch.Tensor) -> None:
     """
     if func in _NOT_READS:
         return
-    name = getattr(func, "__name__", repr(func))
+    name = getattr(func, "__name__", repr(func)) if name is None else name
     link = root.__dict__.get(ALIAS_OF)
     source = link() if link is not None else None
     if source is not None:
         _poison(source, f"{name} through a detached alias of it (`.detach()`, `.data`)")
     elif not torch.is_grad_enabled() and _has_history(root):
         _poison(root, f"{name} under torch.no_grad()")
+
+
+def note_out_write(func: Any, out: Any) -> None:
+    """Note the tensor whose values ``func(..., out=out)`` changes where autograd does not record it: the tensor an
+    alias ``out`` (or a view of one) aliases, or one with autograd history written under ``torch.no_grad()`` (with
+    gradient enabled, torch refuses an ``out=`` write into a tensor that requires grad). Called before the write.
+
+    Examples:
+        >>> c = torch.ones(2, requires_grad=True) * 2
+        >>> alias = c.detach()
+        >>> note_alias(torch.Tensor.detach, (c,), alias)
+        >>> note_out_write(torch.add, alias)
+        >>> UNRECORDED[id(c)][1]
+        'add(out=...) through a detached alias of it (`.detach()`, `.data`)'
+        >>> UNRECORDED.clear()
+    """
+    name = f"{getattr(func, '__name__', repr(func))}(out=...)"
+    for tensor in out if isinstance(out, (list, tuple)) else (out,):
+        if isinstance(tensor, torch.Tensor):
+            root = _root(tensor)
+            if ALIAS_OF in root.__dict__ or not torch.is_grad_enabled():
+                note_unrecorded_write(func, (tensor,), root, name)
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -202,7 +327,7 @@ def _written(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, str] | None:
     for tensor in tensors:
         for noted in {id(t): t for t in (_root(tensor), tensor)}.values():
             entry = UNRECORDED.get(id(noted))
-            if entry is not None and entry[0]() is noted:
+            if entry is not None and entry[0]() is noted and _changed(entry, noted):
                 return tensor, entry[1]
     return None
 

@@ -71,7 +71,7 @@ from tdhook.attribution.rules._input_values import INPUT_VALUES, watch_values
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint, saved_tensors_hooked
-from tdhook.attribution.rules._unrecorded_writes import NOT_READ, UNRECORDED, read_unrecorded
+from tdhook.attribution.rules._unrecorded_writes import NOT_READ, UNRECORDED, note_out_write, read_unrecorded
 from tdhook.attribution.rules._zero_input_calls import watch_zero_inputs
 from tdhook.attribution.rules.basic import (
     RULED_ON_NODE,
@@ -237,6 +237,8 @@ class FunctionalRules(TorchFunctionMode):
         kwargs = kwargs or {}
         if kwargs and func in _HANDLED:  # ``alibi.baddbmm(batch1=q, batch2=k)``, ``gelu(input=h)``: read by position
             args, kwargs = positional_factors(func, args, kwargs)
+        if kwargs and "out" in kwargs:  # an ``out=`` write into an alias, or under no_grad: see _unrecorded_writes
+            note_out_write(func, kwargs["out"])
         if UNRECORDED and (read := read_unrecorded(func, args, kwargs)) is not NOT_READ:  # see _unrecorded_writes
             return read
         if self.recording is not None and self.recording.follows:  # tensors held in the graph exist: follow them
