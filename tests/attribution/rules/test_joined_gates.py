@@ -52,6 +52,8 @@ JOINS: dict[str, Callable[[torch.Tensor, Held], torch.Tensor]] = {
     "column_stack": lambda g, d: torch.column_stack([d(g[:, :3]), d(g[:, 3:])]),
     "aten.cat": lambda g, d: torch.ops.aten.cat.default([d(g[:, :3]), d(g[:, 3:])], 1),
     "aten.stack": lambda g, d: torch.ops.aten.stack([d(g[:, :3]), d(g[:, 3:])], 1).flatten(1),
+    # A constant joined with a gate (a gate of 1 for a unit): held or not, it passes no gradient.
+    "cat, a constant": lambda g, d: torch.cat([d(g[:, :5]), torch.ones(g.shape[0], 1, dtype=g.dtype)], 1),
 }
 
 
@@ -75,19 +77,19 @@ def assert_same_relevance(model: nn.Module, oracle: nn.Module, mapper: str) -> N
 
 class JoinedGate(nn.Module):
     """``out(relu(s(x)) * join(sigmoid(g(x))))``; ``held`` detaches each piece of the gate (the oracle); ``apart``
-    computes a sigmoid per piece (a gate per group) rather than one split."""
+    computes a sigmoid per piece (a gate per group, by an ``nn.Sigmoid`` module) rather than one split."""
 
     def __init__(self, join: str, held: bool = False, apart: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.s, self.g, self.out = nn.Linear(4, 6), nn.Linear(4, 6), nn.Linear(6, 3)
-        self.join, self.held, self.apart = JOINS[join], held, apart
+        self.join, self.held, self.apart, self.sigmoid = JOINS[join], held, apart, nn.Sigmoid()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         signal, held = torch.relu(self.s(x)), (lambda t: t.detach()) if self.held else (lambda t: t)
         if self.apart:
             logits = self.g(x)
-            gate = self.join(logits, lambda piece: held(torch.sigmoid(piece)))
+            gate = self.join(logits, lambda piece: held(self.sigmoid(piece)))
         else:
             gate = self.join(torch.sigmoid(self.g(x)), held)
         return self.out(signal * gate)
@@ -105,7 +107,8 @@ def test_a_gate_joined_from_its_pieces_is_held(join: str, mapper: str):
 @pytest.mark.parametrize("mapper", sorted(MAPPERS))
 @pytest.mark.parametrize("join", ["cat", "stack", "hstack"])
 def test_gates_computed_apart_and_joined_are_held(join: str, mapper: str):
-    # ``torch.cat([sigmoid(a), sigmoid(b)], 1)``: a gate per group (2.2 off under AttnLRP, 0.18 under EpsilonPlus).
+    # ``torch.cat([sigmoid(a), sigmoid(b)], 1)`` by an ``nn.Sigmoid`` module (``GateRule`` under the CNN presets): a
+    # gate per group (2.2 off under AttnLRP and CP-LRP, 4.1 under the CNN presets).
     model = JoinedGate(join, apart=True).double()
     assert_same_relevance(model, JoinedGate(join, held=True, apart=True).double(), mapper)
 
@@ -171,3 +174,17 @@ def test_a_join_with_no_gate_marks_nothing(mode: str):
     assert not is_gate(joined) and GATE_WRITTEN not in joined.__dict__ and GATE_WRITTEN not in both.__dict__
     assert not is_gate(mixed) and GATE_WRITTEN in mixed.__dict__
     assert [is_gate(piece) for piece in (*pieces, both)] == [False, True, True]
+
+
+def test_a_join_written_into_a_tensor_given_by_out_is_neither_marked_nor_changed():
+    # (torch refuses ``out=`` with pieces that need a gradient: under no_grad alone, and the values are the join's.)
+    x = torch.randn(2, 3, dtype=F64, requires_grad=True)
+    with HeldGates():
+        h = x * 1
+        gate = torch.sigmoid(h)
+        out = torch.zeros(2, 6, dtype=F64)
+        with torch.no_grad():
+            torch.cat([gate, h], 1, out=out)
+            torch.cat([gate, gate], 1, out=out[:, :6])
+    assert torch.equal(out, torch.cat([gate, gate], 1).detach())
+    assert not any(is_gate(view) for view in (out, out[:, :3])) and GATE_WRITTEN not in out.__dict__

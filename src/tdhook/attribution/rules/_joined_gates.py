@@ -12,6 +12,8 @@ the result (see :func:`~tdhook.attribution.rules._gate_writes.note_gate_written`
 ``split``, a slice) that shows only such elements is a gate. Gates of another kind (an activation's output, which
 CP-LRP holds as well, AttnLRP not) are not noted there: every activation's output under those presets is one, and a
 mask alive makes every later gate test of the call look it up. A join of them alone is one, as a view of one is.
+Constants joined with gates (``torch.cat([torch.ones(b, 1), gate], 1)``: a gate of 1 for a token) count as gates:
+held or not, they pass no gradient.
 
 The joins (:data:`GATE_JOINS`) are the calls that copy their pieces' values into a new tensor: ``cat``, ``concat``,
 ``concatenate``, ``stack``, ``hstack``, ``vstack``, ``row_stack``, ``dstack``, ``column_stack``, and the same through
@@ -68,16 +70,26 @@ def mark_joined_gate(func: Any, args: tuple, kwargs: dict, result: Any) -> None:
             return
     if not isinstance(result, torch.Tensor) or not isinstance(pieces, (list, tuple)) or not pieces:
         return
+    if kwargs.get("out") is not None:  # (under no_grad alone: a tensor written into, whose views this does not follow)
+        return
     marks = [gate_marks_of(piece) for piece in pieces]
-    sigmoid = [bool(mark.get(_SIGMOID, False)) for mark in marks]
-    if all(marks) and (all(sigmoid) or not any(sigmoid)):  # a gate, of one kind
-        result.__dict__.update({_GATE: marks[0][_GATE], _SIGMOID: True} if all(sigmoid) else {_GATE: marks[0][_GATE]})
+    with torch._C.DisableTorchFunction():  # (a property read is a call of another mode)
+        # Constants joined with gates (``torch.cat([torch.ones(b, 1), gate], 1)``): held or not, they are constants.
+        kept = [bool(mark) or not piece.requires_grad for piece, mark in zip(pieces, marks, strict=True)]
+    kinds = [bool(mark.get(_SIGMOID, False)) for mark in marks if mark]
+    if not kinds:
         return
-    if not any(sigmoid):  # (another activation's output beside others: held by CP-LRP alone, not noted)
+    source = next(mark[_GATE] for mark in marks if mark)
+    if all(kept) and (all(kinds) or not any(kinds)):  # a gate, of one kind
+        result.__dict__.update({_GATE: source, _SIGMOID: True} if all(kinds) else {_GATE: source})
         return
-    # Some elements are sigmoid-like gates: noted for the views of ``result``.
+    if not any(kinds):  # (another activation's output beside others: held by CP-LRP alone, not noted)
+        return
+    # Some elements are sigmoid-like gates (or constants): noted for the views of ``result``.
+    noted = [bool(mark.get(_SIGMOID, False)) or (keep and not mark) for mark, keep in zip(marks, kept, strict=True)]
     with torch._C.DisableTorchFunction(), torch.no_grad():  # bookkeeping, which a function mode must not see
-        flags = [torch.full(piece.shape, gate, dtype=torch.bool) for piece, gate in zip(pieces, sigmoid, strict=True)]
+        flags = [torch.full(piece.shape, note, dtype=torch.bool) for piece, note in zip(pieces, noted, strict=True)]
         region = func(flags, *args[1:], **{k: v for k, v in kwargs.items() if k != "tensors"})
     if region.shape == result.shape:
-        note_gate_written(result, region.to(result.device), {_GATE: marks[sigmoid.index(True)][_GATE], _SIGMOID: True})
+        sigmoid_source = next(mark[_GATE] for mark in marks if mark.get(_SIGMOID, False))
+        note_gate_written(result, region.to(result.device), {_GATE: sigmoid_source, _SIGMOID: True})
