@@ -44,3 +44,17 @@ def test_a_piecewise_linear_function_is_its_gradient_times_its_input(func):
     jacobian = torch.autograd.functional.jacobian(lambda t: func(t, *args), x)
     assert function_kind(func)[1] == "linear"
     torch.testing.assert_close(func(x, *args), jacobian @ x, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "join",
+    [torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack, torch.vstack, torch.row_stack]
+    + [torch.dstack, torch.column_stack],
+)
+def test_every_join_is_linear(join):
+    # ``column_stack`` and ``row_stack`` were classed nonlinear, and named uncovered in the model's forward.
+    pieces = [torch.randn(2, 3, dtype=torch.float64) for _ in range(2)]
+    jacobian = torch.autograd.functional.jacobian(lambda a, b: join([a, b]), tuple(pieces))
+    flat = torch.cat([part.reshape(join(pieces).numel(), -1) for part in jacobian], 1)
+    assert function_kind(join)[1] == "linear" and watched_kind(join)[1] == "linear"
+    torch.testing.assert_close(join(pieces).flatten(), flat @ torch.cat([p.flatten() for p in pieces]))

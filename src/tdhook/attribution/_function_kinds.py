@@ -70,6 +70,9 @@ _PIECEWISE_LINEAR |= _FOURIER
 # The complex conjugate (``Q * K.conj()`` of an autocorrelation): linear over the reals, as the real and imaginary
 # parts are.
 _PIECEWISE_LINEAR |= frozenset("conj conj_physical resolve_conj resolve_neg adjoint".split())
+# Joins the table left out (``column_stack``, and ``row_stack``, ``vstack``'s alias): copies of their pieces' values,
+# as ``cat`` and ``hstack`` are (they were named uncovered: a warning, a ValueError under strict=True).
+_PIECEWISE_LINEAR |= frozenset("column_stack row_stack".split())
 # Calls piecewise linear on real activations only: the magnitude of a complex one (``rfft(x).abs()``) is curved.
 REAL_ONLY = frozenset({"abs"})
 # Calls that are piecewise constant in their activation: their gradient is zero, and no relevance passes back.

@@ -51,6 +51,7 @@ from tdhook.attribution.rules._clips import (
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, note_gate_written
 from tdhook.attribution.rules._held_norm_calls import NORMALIZING_CALLS, HeldNormCalls, normalized_inputs
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, gate_marks_of, mark_written_in_place
+from tdhook.attribution.rules._joined_gates import GATE_JOINS, mark_joined_gate
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._means_apart import STATISTICS_AND_MEANS, mean_apart
@@ -81,6 +82,7 @@ __all__ = [
     "GATE_SPLITS",
     "GATE_SCALINGS",
     "GATE_MULTIPLICATIONS",
+    "GATE_JOINS",
     "GATE_FUNCTIONS",
     "mark_weights",
     "weighing_factors",
@@ -151,6 +153,9 @@ GATE_SPLITS |= _aten("chunk", "split", "split_with_sizes", "unbind", "tensor_spl
 GATE_SCALINGS |= _aten("div", "true_divide", "divide")
 GATE_MULTIPLICATIONS |= _aten("mul", "multiply")
 GATE_PRESERVING = SAME_VALUES | GATE_COMPLEMENTS | GATE_RESIZES | GATE_SPLITS | GATE_SCALINGS | GATE_MULTIPLICATIONS
+# Gates joined (``torch.cat([sigmoid(a), sigmoid(b)], 1)``, ``torch.stack``): a gate where every piece is one (see
+# :mod:`~tdhook.attribution.rules._joined_gates`).
+GATE_PRESERVING |= GATE_JOINS
 # Class names of routers whose forward selects experts without ``topk`` (by ``max`` in a helper, as PhiMoE).
 _ROUTER_NAMES = ("Router",)
 # Class names of routers that hold their projection and select by ``topk`` (JetMoE's ``TopKGating``, HunYuan's gate).
@@ -204,7 +209,9 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
     """``result`` marked as its input was, where ``func`` only rearranges, copies or casts values (a view, a reshape,
     an ``expand_as``: ECA and squeeze-excite reshape their gate before the product), or resizes them by copies
     or convex combinations (``F.interpolate`` but bicubic: GhostNetV2 upsamples its gate to the signal's size);
-    each piece of a gate split in pieces (``chunk``, ``split``, ``unbind``) marked as it was.
+    each piece of a gate split in pieces (``chunk``, ``split``, ``unbind``) marked as it was; gates joined
+    (``torch.cat``, ``torch.stack``, ``hstack``, ...) a gate, where every piece is one (see
+    :func:`~tdhook.attribution.rules._joined_gates.mark_joined_gate`).
 
     Examples:
         >>> x = torch.ones(2, requires_grad=True) * 1
@@ -212,6 +219,9 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
         >>> is_gate(keep_gate_mark(torch.Tensor.view, (gate, 2, 1), gate.view(2, 1)))
         True
     """
+    if func in GATE_JOINS:  # (first: a join of no gate, rotary embeddings' ``cat``, costs one call more)
+        mark_joined_gate(func, args, kwargs or {}, result)
+        return result
     same_values = func in SAME_VALUES or (func in GATE_RESIZES and _convex_resize(args, kwargs or {}))
     if same_values and args and is_gate(args[0]) and isinstance(result, torch.Tensor):
         mark_gate(result, _mark(args[0], GATE_MARK), sigmoid=_mark(args[0], SIGMOID_MARK, False))
