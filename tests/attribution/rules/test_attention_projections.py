@@ -18,7 +18,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from tdhook.attribution import CPLRP, LRP, AttnLRP
+from tdhook.attribution import CPLRP, LRP, AttnLRP, EpsilonRule
 from tests.conftest import relative_error
 
 F64 = torch.float64
@@ -142,6 +142,17 @@ def test_later_calls_in_an_open_context_keep_the_epsilon(preset):
                 warnings.simplefilter("ignore")
                 expected = written(td.clone())["relevance", "memory"]
             assert relative_error(fused(td.clone())["relevance", "memory"], expected) <= 1e-10
+
+
+def test_an_epsilon_mapped_to_linear_layers_under_a_transformer_preset_is_named_with_the_presets_epsilon():
+    """The projections take the preset's ε, not a rule the user maps to nn.Linear: out_proj's rule is named, and
+    the advice says where the ε goes (it advised the preset in use, AttnLRP, and nothing more)."""
+    model = Attend(nn.MultiheadAttention(8, 2, batch_first=True, dtype=F64).eval(), "cross", False)
+    td = TensorDict(query=torch.randn(3, 4, 8, dtype=F64), memory=torch.randn(3, 5, 8, dtype=F64), batch_size=[3])
+    module = TensorDictModule(model, ["query", "memory"], ["out"])
+    _, messages = explain(module, AttnLRP(rule_mapper={nn.Linear: EpsilonRule(0.5)}), td)
+    assert len(messages) == 1
+    assert "'module.mha.out_proj'" in messages[0] and "AttnLRP(epsilon=...)) rather than in rule_mapper" in messages[0]
 
 
 def test_a_kept_graph_gives_the_fused_attention_the_written_out_relevance_and_derivative():
