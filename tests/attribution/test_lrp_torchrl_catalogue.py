@@ -513,6 +513,31 @@ def _rollout(kind: str) -> Built:
     return module, td, key
 
 
+def _act_model() -> Built:
+    """torchrl's action chunking transformer (a robot policy) in inference mode: ``nn.TransformerDecoder`` layers
+    over the observation's token."""
+    from torchrl.modules.models import ACTModel
+
+    net = ACTModel(4, 2, 3, hidden_dim=8, nheads=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=8)
+    return TensorDictModule(net, ["observation"], ["action_pred", "mu", "log_var"]), obs(), "action_pred"
+
+
+def _gpt2_reward_model() -> Built:
+    """torchrl's GPT-2 reward model, on a GPT-2 of one small layer (the class builds GPT-2's default configuration
+    where no checkpoint is named): the reward of the last token before the padding, explained on the token ids."""
+    from unittest import mock
+
+    from torchrl.modules.models import GPT2RewardModel
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=8, n_positions=8, vocab_size=16, bos_token_id=1, eos_token_id=1)
+    with mock.patch.object(GPT2LMHeadModel, "config_class", lambda: config):
+        net = GPT2RewardModel(pad_token_id=0)
+    ids = torch.tensor([[3, 5, 7, 0], [2, 4, 6, 8]])
+    td = TensorDict(input_ids=ids, attention_mask=(ids != 0).long(), batch_size=[2])
+    return TensorDictModule(net, ["input_ids", "attention_mask"], ["rewards", "end_scores"]), td, "end_scores"
+
+
 BASE_CLASS = "a base class: its subclasses are listed"
 VALUE_TARGET = "transforms or normalises the value targets of a loss, no model's forward"
 
@@ -595,6 +620,12 @@ CASES: dict[str, Case] = {
     ),
     "EnsembleModule": Case(RAISES, _ensemble),
     "DistributionalDQNnet": Case(WARNS, lambda: _q_value_actor(True)),  # a log-softmax over the atoms
+    # Classes of torchrl.modules.models that torchrl.modules does not export.
+    "Conv2dNet": Case(LRP0, from_network("ConvNet")),  # ConvNet's other name
+    "DuelingMlpDQNet": Case(LRP0, from_network("DuelingMlpDQNet")),
+    # Attention under the CNN presets; under AttnLRP and CP-LRP: rules/test_attention_projections.py.
+    "ACTModel": Case(WARNS, _act_model),
+    "GPT2RewardModel": Case(WARNS, _gpt2_reward_model, in_keys=("input_ids",)),
     # QMIX's hypernetwork products and function-call ELU: test_lrp_world_models.py (conserves under AttnLRP).
     "QMixer": Case(WARNS, lambda: (*qmixer(), "q_total")),
     # GPT-2's attention and softmax under the CNN presets (under the transformer presets: test_policy_targets.py).
@@ -701,7 +732,11 @@ def _public_module_classes(package) -> list[str]:
     return names
 
 
-PACKAGES = {"torchrl.modules": torchrl.modules, "tensordict.nn": tensordict.nn}
+PACKAGES = {
+    "torchrl.modules": torchrl.modules,
+    "torchrl.modules.models": torchrl.modules.models,  # exports classes torchrl.modules does not (ACTModel)
+    "tensordict.nn": tensordict.nn,
+}
 
 
 def test_every_public_module_class_is_listed():

@@ -145,7 +145,8 @@ class RuleUse:
                 f"not run, although its parent {parent_name or 'the model'!r} ({type(parent).__name__}) did. The "
                 "parent computes with the module's parameters directly (as nn.MultiheadAttention does with "
                 "out_proj), so that computation keeps its plain gradient; map the parent to a rule, or use a "
-                "preset that handles it (AttnLRP, CPLRP)"
+                "preset that handles it (AttnLRP, CPLRP), with an ε for Linear layers given as the preset's epsilon "
+                "(AttnLRP(epsilon=...)) rather than in rule_mapper"
             )
         # Watched once its warnings are out: a pass that failed or was interrupted, or a warning that the caller's
         # filter turned into an error (warnings.simplefilter("error")), is watched again at the next call.

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._attention_calls import attention, attention_in_graph, held_in_graph
+from tdhook.attribution.rules._attention_projections import ATTENTION_BODIES, projected
 from tdhook.attribution.rules._autograd import (
     PARAMETER_DERIVED,
     call_argument,
@@ -102,6 +103,7 @@ from tdhook.attribution.rules.transformer import (
 
 if TYPE_CHECKING:
     from tdhook.attribution._function_rule_plan import Recording
+    from tdhook.attribution.rules.basic import EpsilonRule
 
 __all__ = ["FunctionalRules"]
 
@@ -203,6 +205,8 @@ class FunctionalRules(TorchFunctionMode):
         activation: the rule for element-wise activations.
         hold_gates: hold gates constant in products (CP-LRP) rather than
             sharing relevance uniformly (AttnLRP).
+        projection: the ε-rule of the dense layers, for the projections ``nn.MultiheadAttention`` computes with
+            its parameters by ``F.linear`` calls of its own (``None``: their plain gradient, LRP-0).
 
     Examples:
         >>> q = torch.randn(1, 2, 3, 4, requires_grad=True)
@@ -221,7 +225,13 @@ class FunctionalRules(TorchFunctionMode):
     #: clipping calls get the identity rule (the watch of nonlinear calls names those made by ATen operators)
     passes_clips = True
 
-    def __init__(self, softmax: SoftmaxEpsilonRule, activation: PseudoIdentityRule, hold_gates: bool = False) -> None:
+    def __init__(
+        self,
+        softmax: SoftmaxEpsilonRule,
+        activation: PseudoIdentityRule,
+        hold_gates: bool = False,
+        projection: EpsilonRule | None = None,
+    ) -> None:
         expected = (("softmax", softmax, SoftmaxEpsilonRule), ("activation", activation, PseudoIdentityRule))
         for name, value, kind in expected:
             if not isinstance(value, kind):
@@ -230,6 +240,9 @@ class FunctionalRules(TorchFunctionMode):
         self.softmax = softmax
         self.activation = activation
         self.hold_gates = hold_gates
+        #: the rule of the projections an attention module computes with its parameters (see _attention_projections)
+        self.projection = projection
+        self._in_attention = 0
         #: where a call records what the mode does (see :mod:`tdhook.attribution._function_rule_plan`)
         self.recording = None
 
@@ -243,6 +256,9 @@ class FunctionalRules(TorchFunctionMode):
             return read
         if self.recording is not None and self.recording.follows:  # tensors held in the graph exist: follow them
             return follow_held(self, func, types, args, kwargs, self.recording)
+        if func is F.linear and self._in_attention and self.projection is not None:
+            if not generated_linear(func, args, kwargs):  # by parameters: the projection's ε, as its layer's
+                return projected(self.projection, args, kwargs)
         # Most calls, and a maximum or minimum that clips no activation at a constant: run, and mark what the rules
         # read later (no rule of their own).
         if (
@@ -401,8 +417,12 @@ class FunctionalRules(TorchFunctionMode):
         if func in STATISTICS_AND_MEANS and is_activation(args[0]):
             return mean_apart(func, args, kwargs)
         if func in _COMPOSITES:
-            with self:
-                return _COMPOSITES[func](*args, **kwargs)
+            self._in_attention += func in ATTENTION_BODIES
+            try:
+                with self:
+                    return _COMPOSITES[func](*args, **kwargs)
+            finally:
+                self._in_attention -= func in ATTENTION_BODIES
         if func is F.linear:  # by a weight computed from activations: the product of two activations it is
             with self:
                 return linear_as_product(*args, **kwargs)
