@@ -579,18 +579,27 @@ def input_of(kind: str) -> torch.Tensor:
     return torch.randn(2, 3, dtype=F64) if kind == "Linear" else torch.randn(2, 3, 4, 4, dtype=F64)
 
 
+ACTIVATIONS_REFUSED = [(_tanh, "after"), (_tanh, "before"), (_cube, "after")]
+
+
 class TestActivationsInsideLayers:
     """A Linear or convolution subclass whose own forward runs an activation before or after its linear function:
     the layer's rule (ε, or a modified pass) would send the relevance through that activation's gradient, which no
     rule's relevance is. tanh, a cube or a clip inside gave silently other relevance than the same activation as a
     module beside the layer (in float64, relative L2: z⁺ 0.15 with tanh after, 2.0 with a cube after, 0.98 with a
     clip after; ε 0.098 with tanh after, 0.29 with tanh before); they are refused by name. A ReLU inside, and a gate
-    computed from the input (held by the CNN presets' function rules), are explained as the plain layers are."""
+    computed from the input and a clip in an ε-layer (held and passed by the CNN presets' function rules), are
+    explained as the plain layers are."""
 
+    # A clip after the linear function: refused by the modified passes (convolutions under the CNN presets), which
+    # run through it; the ε-rule's layers (Linear under the CNN presets) have it passed by the function rules.
     @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
-    @pytest.mark.parametrize("kind", ["Linear", "Conv2d"])
     @pytest.mark.parametrize(
-        ("activation", "where"), [(_tanh, "after"), (_tanh, "before"), (_cube, "after"), (_clip, "after")]
+        ("activation", "where", "kind"),
+        [
+            *[(activation, where, kind) for activation, where in ACTIVATIONS_REFUSED for kind in ("Linear", "Conv2d")],
+            (_clip, "after", "Conv2d"),
+        ],
     )
     def test_an_activation_not_piecewise_linear_through_0_is_refused_by_name(self, activation, where, kind, preset):
         torch.manual_seed(1)
@@ -646,4 +655,17 @@ class TestActivationsInsideLayers:
         x, relevance_out = input_of("Linear"), torch.randn(2, 3, dtype=F64)
         actual = lrp_relevance(model, x, relevance_out, CNN_PRESETS[preset]())
         # ε = 1e-6 on the layer's gated output against ε on the linear output alone: differences of that order.
+        assert relative_error(actual, lrp_relevance(reference, x, relevance_out, CNN_PRESETS[preset]())) <= 1e-5
+
+    @pytest.mark.parametrize("preset", ["EpsilonPlus", "EpsilonGammaBox"])
+    def test_a_clip_inside_a_linear_layer_is_passed_as_a_hardtanh_beside_it(self, preset: str):
+        torch.manual_seed(1)
+        layer = layer_with("Linear", _clip, "after").double()
+        plain = nn.Linear(4, 4).double()
+        plain.load_state_dict(layer.state_dict())
+        model = model_around(layer, "Linear")
+        reference = nn.Sequential(model[0], model[1], plain, nn.Hardtanh(-0.2, 0.2), *model[3:])
+        x, relevance_out = input_of("Linear"), torch.randn(2, 3, dtype=F64)
+        actual = lrp_relevance(model, x, relevance_out, CNN_PRESETS[preset]())
+        # ε = 1e-6 on the clipped output against ε on the linear output: differences of that order.
         assert relative_error(actual, lrp_relevance(reference, x, relevance_out, CNN_PRESETS[preset]())) <= 1e-5

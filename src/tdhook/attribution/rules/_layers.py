@@ -462,20 +462,22 @@ def check_layer_input(module: nn.Module) -> None:
     if recorder.params is None:
         return
     try:
-        bent = _rays_bent(module, recorder.params["weight"])
+        # The CNN presets' function rules pass a clip the layer's forward calls (its output, the ε-rule's z).
+        bent = _rays_bent(module, recorder.params["weight"], clips_ruled=True)
     except Exception:  # noqa: BLE001 (as above)
         return
     if bent:
         raise _bent_error(module)
 
 
-def _rays_bent(module: nn.Module, weight: torch.Tensor) -> bool:
+def _rays_bent(module: nn.Module, weight: torch.Tensor, clips_ruled: bool = False) -> bool:
     """Whether the layer's forward, with a random weight in its linear function and no bias, has another gradient
     with respect to its input at ``2x`` than at ``x`` (random inputs of sizes from 1e-3 to 1e3, a random output
     gradient): an activation inside it whose derivative changes along a ray (tanh, a clamp, a power, a gate
     computed from the input), before or after that function. A linear map, a ReLU and a straight-through estimator
     (the identity's gradient, as a binarised network's ``input.data = sign(input.data)``) give the same gradient at
-    both, exactly (a doubling rounds nothing)."""
+    both, exactly (a doubling rounds nothing). A call the function rules may cover is not this check's: a product
+    or division of two activations, a norm, and where ``clips_ruled`` a clip (the modified passes run through it)."""
     generator = torch.Generator().manual_seed(1)
     shape = (_RAY_PROBES, *_probe_input(module, weight).shape[1:])
     probe = torch.randn(shape, generator=generator, dtype=torch.float64)
@@ -490,7 +492,7 @@ def _rays_bent(module: nn.Module, weight: torch.Tensor) -> bool:
             for x in (probe, 2 * probe):
                 leaf = x.clone().requires_grad_(True)
                 # The substitution first: the calls noted are those of the random weight, which has no gradient.
-                with _FunctionRuled() as ruled, _SubstituteLayerCall(signed, None):
+                with _FunctionRuled(clips_ruled) as ruled, _SubstituteLayerCall(signed, None):
                     out = module.forward(leaf)
                 if ruled.found:  # a gate, a product or a norm: the function rules' to follow, not this check's
                     return False
@@ -520,13 +522,19 @@ _NORM_FUNCTIONS = frozenset(
 ) | frozenset({F.cosine_similarity})
 
 
+# Clips called as functions, which the CNN presets' function rules pass as nn.Hardtanh's rule does.
+_CLIP_FUNCTIONS = frozenset({torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip, F.hardtanh, F.relu6})
+
+
 class _FunctionRuled(TorchFunctionMode):
     """Note whether a forward pass calls a function of two activations other than a sum (a gate's product, a
-    division by a norm) or a norm: calls the function rules of a preset may give a rule inside a layer."""
+    division by a norm), a norm, or where ``clips`` a clip: calls the function rules of a preset may give a rule
+    inside a layer."""
 
-    def __init__(self) -> None:
+    def __init__(self, clips: bool = False) -> None:
         super().__init__()
         self.found = False
+        self._ruled = _NORM_FUNCTIONS | _CLIP_FUNCTIONS if clips else _NORM_FUNCTIONS
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -536,7 +544,7 @@ class _FunctionRuled(TorchFunctionMode):
             with_grad = sum(
                 isinstance(t, torch.Tensor) and t.requires_grad and not isinstance(t, nn.Parameter) for t in flat
             )
-            self.found = with_grad >= 2 or (func in _NORM_FUNCTIONS and with_grad >= 1)
+            self.found = with_grad >= 2 or (func in self._ruled and with_grad >= 1)
         return func(*args, **kwargs)
 
 
