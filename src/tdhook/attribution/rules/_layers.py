@@ -35,6 +35,7 @@ __all__ = [
     "bias_view",
     "effective_parameters",
     "check_layer_forward",
+    "check_layer_input",
 ]
 
 ACTIVATIONS = (
@@ -269,6 +270,10 @@ def _has_plain_forward(module: nn.Module) -> bool:
     return _has_torch_forward(module) and not nn.utils.parametrize.is_parametrized(module)
 
 
+# The inputs :func:`_rays_bent` tries at once, of sizes spread from 1e-3 to 1e3.
+_RAY_PROBES = 13
+
+
 def _probe_input(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     """The smallest batched input ``module`` accepts."""
     if isinstance(module, nn.Linear):
@@ -405,9 +410,154 @@ def _check_linear_after_layer_call(module: nn.Module, weight: torch.Tensor) -> N
         what = "adds a shift after its linear or convolution function (a BatchNorm inside it, as in torch.ao's QAT"
         what += " ConvBn2d): the modified passes would keep it unmodified"
     else:
+        # An odd activation (tanh, hardtanh, a cube) passes the test above: g(z) = -g(-z), g(0) = 0.
+        _check_homogeneous_input(module, weight)
         return
     raise ValueError(
         f"{type(module).__name__}: its forward {what}; map this layer to EpsilonRule in rule_mapper, or explain "
         "the model before such layers are fused (or after torch.ao's fuse_model in eval mode, which folds the "
         "BatchNorm into the convolution)"
+    )
+
+
+def check_layer_input(module: nn.Module) -> None:
+    """Raise where a Linear or convolution layer's own forward runs, before or after its linear function, an
+    activation whose derivative is not the same at ``2z`` as at ``z`` (tanh, a clamp, a power, a gate computed from
+    the input); nothing to check on a layer with torch's forward, a weight property, parameters not yet initialised
+    (a lazy layer) or on the meta device, or a forward that does not run on the layer's smallest input.
+
+    The check the ε-rule needs: its relevance is ``x · ∂z/∂x · R / z`` through the layer's forward, where an
+    activation inside the layer is passed as the rule passes a ReLU module only where its derivative is constant
+    along a ray (ReLU, leaky ReLU, a straight-through estimator). The rules with modified passes check it as part
+    of :func:`effective_parameters`.
+
+    Examples:
+        >>> class LinearTanh(nn.Linear):
+        ...     def forward(self, x):
+        ...         return super().forward(x).tanh()
+        >>> check_layer_input(nn.Linear(2, 3))
+        >>> try:
+        ...     check_layer_input(LinearTanh(2, 3))
+        ... except ValueError as error:
+        ...     print(str(error).split(" (")[0])
+        LinearTanh: its forward runs an activation that is not piecewise linear through 0
+    """
+    if not isinstance(module, LINEAR_LAYERS) or _has_torch_forward(module) or _has_weight_property(module):
+        return
+    tensors = [*module.parameters(), *module.buffers()]
+    if any(nn.parameter.is_lazy(t) or t.is_meta for t in tensors) or not any(t.is_floating_point() for t in tensors):
+        return
+    reference = next(t for t in tensors if t.is_floating_point())
+    recorder = _RecordLayerCall()
+    modes = {sub: sub.training for sub in module.modules()}
+    try:
+        module.eval()  # no state may change: spectral_norm's power iteration runs in training mode only
+        with torch.no_grad(), torch._C._EnableTorchFunction(), recorder:
+            module.forward(_probe_input(module, reference))
+    except Exception:  # noqa: BLE001 (a forward that needs more than the smallest input: not checked here)
+        return
+    finally:
+        for sub, training in modes.items():
+            sub.training = training
+    if recorder.params is None:
+        return
+    try:
+        # The CNN presets' function rules pass a clip the layer's forward calls (its output, the ε-rule's z).
+        bent = _rays_bent(module, recorder.params["weight"], clips_ruled=True)
+    except Exception:  # noqa: BLE001 (as above)
+        return
+    if bent:
+        raise _bent_error(module)
+
+
+def _rays_bent(module: nn.Module, weight: torch.Tensor, clips_ruled: bool = False) -> bool:
+    """Whether the layer's forward, with a random weight in its linear function and no bias, has another gradient
+    with respect to its input at ``2x`` than at ``x`` (random inputs of sizes from 1e-3 to 1e3, a random output
+    gradient): an activation inside it whose derivative changes along a ray (tanh, a clamp, a power, a gate
+    computed from the input), before or after that function. A linear map, a ReLU and a straight-through estimator
+    (the identity's gradient, as a binarised network's ``input.data = sign(input.data)``) give the same gradient at
+    both, exactly (a doubling rounds nothing). A call the function rules may cover is not this check's: a product
+    or division of two activations, a norm, and where ``clips_ruled`` a clip (the modified passes run through it)."""
+    generator = torch.Generator().manual_seed(1)
+    shape = (_RAY_PROBES, *_probe_input(module, weight).shape[1:])
+    probe = torch.randn(shape, generator=generator, dtype=torch.float64)
+    probe *= torch.logspace(-3, 3, _RAY_PROBES, dtype=torch.float64).view(-1, *[1] * (probe.dim() - 1))
+    probe = probe.to(weight.device, weight.dtype)
+    signed = torch.randn(weight.shape, generator=generator, dtype=weight.dtype).to(weight.device)
+    modes = {sub: sub.training for sub in module.modules()}
+    grads, seed = [], None
+    try:
+        module.eval()
+        with torch.enable_grad(), torch._C._EnableTorchFunction():
+            for x in (probe, 2 * probe):
+                leaf = x.clone().requires_grad_(True)
+                # The substitution first: the calls noted are those of the random weight, which has no gradient.
+                with _FunctionRuled(clips_ruled) as ruled, _SubstituteLayerCall(signed, None):
+                    out = module.forward(leaf)
+                if ruled.found:  # a gate, a product or a norm: the function rules' to follow, not this check's
+                    return False
+                if not isinstance(out, torch.Tensor) or not out.requires_grad:
+                    return False
+                if seed is None:
+                    seed = torch.randn(out.shape, generator=generator, dtype=out.dtype).to(out.device)
+                (grad,) = torch.autograd.grad(out, leaf, seed, allow_unused=True)
+                if grad is None:
+                    return False
+                grads.append(grad)
+    finally:
+        for sub, training in modes.items():
+            sub.training = training
+    one, two = grads
+    scale = one.flatten(1).abs().amax(1).clamp(min=torch.finfo(one.dtype).tiny)  # per probe: sizes differ
+    tolerance = max(1e-3, 16 * torch.finfo(one.dtype).eps)
+    return bool(((two - one).flatten(1).abs().amax(1) / scale > tolerance).any())
+
+
+# Calls of two activations that stay linear: sums and joins.
+_LINEAR_JOINS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__, torch.sub})
+_LINEAR_JOINS |= frozenset({torch.Tensor.sub, torch.Tensor.__sub__, torch.Tensor.__rsub__, torch.cat, torch.stack})
+# Norms called as functions, whose scales the presets' function rules may hold inside a layer.
+_NORM_FUNCTIONS = frozenset(
+    {F.layer_norm, F.group_norm, F.instance_norm, F.batch_norm, F.rms_norm, F.normalize, F.local_response_norm}
+) | frozenset({F.cosine_similarity})
+
+
+# Clips called as functions, which the CNN presets' function rules pass as nn.Hardtanh's rule does.
+_CLIP_FUNCTIONS = frozenset({torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip, F.hardtanh, F.relu6})
+
+
+class _FunctionRuled(TorchFunctionMode):
+    """Note whether a forward pass calls a function of two activations other than a sum (a gate's product, a
+    division by a norm), a norm, or where ``clips`` a clip: calls the function rules of a preset may give a rule
+    inside a layer."""
+
+    def __init__(self, clips: bool = False) -> None:
+        super().__init__()
+        self.found = False
+        self._ruled = _NORM_FUNCTIONS | _CLIP_FUNCTIONS if clips else _NORM_FUNCTIONS
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.found and func not in _LINEAR_JOINS:
+            flat = [*args, *kwargs.values()]
+            flat = [t for item in flat for t in (item if isinstance(item, (list, tuple)) else [item])]
+            with_grad = sum(
+                isinstance(t, torch.Tensor) and t.requires_grad and not isinstance(t, nn.Parameter) for t in flat
+            )
+            self.found = with_grad >= 2 or (func in self._ruled and with_grad >= 1)
+        return func(*args, **kwargs)
+
+
+def _check_homogeneous_input(module: nn.Module, weight: torch.Tensor) -> None:
+    """Raise where :func:`_rays_bent`."""
+    if _rays_bent(module, weight):
+        raise _bent_error(module)
+
+
+def _bent_error(module: nn.Module) -> ValueError:
+    return ValueError(
+        f"{type(module).__name__}: its forward runs an activation that is not piecewise linear through 0 (such as "
+        "tanh, a clamp, a power or a gate computed from its input) before or after its linear or convolution "
+        "function: a layer rule would send the relevance through that activation's gradient, which is no rule's "
+        "relevance; write the activation as a module of its own beside the layer"
     )

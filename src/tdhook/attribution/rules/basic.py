@@ -26,11 +26,12 @@ from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._first_pass import first_pass
 from tdhook.attribution.rules._graph_calls import recording, runs_plain
 from tdhook.attribution.rules._keeping_graph import graph_kept
-from tdhook.attribution.rules._layers import LINEAR_LAYERS, bias_view
+from tdhook.attribution.rules._layers import LINEAR_LAYERS, bias_view, check_layer_input
 from tdhook.attribution.rules._numerics import FLOAT16_STEP, PIECE, epsilon_factor, in_pieces_, stabilize
 from tdhook.attribution.rules._recomputed import saved_tensors_hooked
 from tdhook.attribution.rules._set_relevance import probing
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, _single_input, output_seen_by_rule_alone
+from tdhook.attribution.rules.records import Registration
 from tdhook.attribution.tunables import EPSILON
 
 __all__ = [
@@ -134,6 +135,12 @@ class EpsilonRule(Rule):
         nonnegative(type(self).__name__, "epsilon", epsilon)
         super().__init__()
         self.epsilon = epsilon
+
+    def _new_registration(self, module: nn.Module) -> Registration:
+        # A Linear or convolution layer whose own forward runs tanh or a clamp around its linear function: the
+        # rule's gradient would run through it, refused now so that the error names the layer.
+        check_layer_input(module)
+        return super()._new_registration(module)
 
     def _scale(self, output: torch.Tensor, n_inputs: int) -> torch.Tensor:
         return self._scale_of(output.detach(), n_inputs)
