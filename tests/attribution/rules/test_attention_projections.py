@@ -220,7 +220,11 @@ def test_an_out_proj_that_runs_as_a_module_keeps_the_epsilon(preset, layout):
         assert relative_error(fused["relevance", key], written["relevance", key]) <= 1e-10
 
 
-def test_a_kept_graph_gives_the_fused_attention_the_written_out_relevance_and_derivative():
+@pytest.mark.parametrize("in_keys", [["query", "memory"], ["memory"]], ids=["both", "memory alone"])
+def test_a_kept_graph_gives_the_fused_attention_the_written_out_relevance_and_derivative(in_keys):
+    """With the query not explained, its projection (of a constant and parameters) got the rule's node in a kept
+    graph, which made it an activation that the product with the keys shared relevance with: a relative L2 error of
+    0.16 on the memory's relevance, against none without a kept graph."""
     torch.manual_seed(0)
     model = Attend(nn.MultiheadAttention(8, 2, batch_first=True, dtype=F64).eval(), "cross", False)
     query, memory = torch.randn(2, 3, 8, dtype=F64), torch.randn(2, 4, 8, dtype=F64)
@@ -228,7 +232,12 @@ def test_a_kept_graph_gives_the_fused_attention_the_written_out_relevance_and_de
     for net in (model, written_out(model)):
         leaf = memory.clone().requires_grad_()
         td = TensorDict(query=query.clone(), memory=leaf, batch_size=[2])
-        lrp = LRP(TensorDictModule(net, ["query", "memory"], ["out"]), AttnLRP(epsilon=0.5), create_graph=True)
+        lrp = LRP(
+            TensorDictModule(net, ["query", "memory"], ["out"]),
+            AttnLRP(epsilon=0.5),
+            in_keys=in_keys,
+            create_graph=True,
+        )
         relevance = lrp(td)["relevance", "memory"]
         (derivative,) = torch.autograd.grad(relevance.pow(2).sum(), leaf)
         results.append((relevance.detach(), derivative))

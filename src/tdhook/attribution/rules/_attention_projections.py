@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from tdhook.attribution.rules._autograd import call_argument, mark_parameter_derived, scale_gradient
+from tdhook.attribution.rules._autograd import call_argument, is_activation, mark_parameter_derived, scale_gradient
 from tdhook.attribution.rules._first_pass import first_pass
 from tdhook.attribution.rules._keeping_graph import graph_kept
 
@@ -54,8 +54,8 @@ def projected(rule: EpsilonRule, args: tuple, kwargs: dict) -> torch.Tensor:
     noted = first_pass()
     if noted is not None:  # the weight got the rule here, whether or not its module runs (see projected_with)
         noted.add((_PROJECTED, id(call_argument(args, kwargs, 1, "weight")), id(rule)))
-    if output.grad_fn is None:  # of constants alone (the keys of a fixed memory): nothing to rescale
-        return output
+    if not is_activation(output):  # of constants and parameters alone (a query not explained): no relevance passes
+        return output  # (a rule there would make it an activation, which the products after it would share with)
     if graph_kept() is not None:  # the rule's factor from the output and its history, as the layer's rule takes it
         return rule._redirect_keeping_graph(output, 1)
     return scale_gradient(output, rule._scale_of(output.detach(), 1), in_place=True)
