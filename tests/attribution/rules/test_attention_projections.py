@@ -87,6 +87,19 @@ def explain(module: TensorDictModule, preset, td: TensorDict, **options) -> tupl
     return out, [str(w.message) for w in caught]
 
 
+def assert_as_written(model: nn.Module, oracle: nn.Module, preset, td: TensorDict, in_keys: list[str]) -> None:
+    """``model`` and its attention written out (``oracle``) give the same output and relevance, with no warning."""
+    results = []
+    for net in (model, oracle):
+        out, messages = explain(TensorDictModule(net, ["query", "memory"], ["out"]), preset, td, in_keys=in_keys)
+        assert messages == []
+        results.append(out)
+    fused, written = results
+    torch.testing.assert_close(fused["out"], written["out"], rtol=1e-12, atol=1e-12)
+    for key in in_keys:
+        assert relative_error(fused["relevance", key], written["relevance", key]) <= 1e-10
+
+
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 @pytest.mark.parametrize("kind", ["self", "cross", "cross kdim"])
 @pytest.mark.parametrize("need_weights", [False, True], ids=["fused", "weights"])
@@ -101,16 +114,7 @@ def test_a_fused_attention_gets_the_dense_epsilon_as_written_out(preset, kind, n
     model = Attend(mha, kind, need_weights)
     td = TensorDict(query=torch.randn(3, 4, 8, dtype=F64), memory=torch.randn(3, 5, kdim, dtype=F64), batch_size=[3])
     in_keys = ["query"] if kind == "self" else ["memory"] if preset == "CPLRP" else ["query", "memory"]
-    results = []
-    for net in (model, written_out(model)):
-        module = TensorDictModule(net, ["query", "memory"], ["out"])
-        out, messages = explain(module, PRESETS[preset](epsilon=epsilon), td, in_keys=in_keys)
-        assert messages == []
-        results.append(out)
-    fused, written = results
-    torch.testing.assert_close(fused["out"], written["out"], rtol=1e-12, atol=1e-12)
-    for key in in_keys:
-        assert relative_error(fused["relevance", key], written["relevance", key]) <= 1e-10
+    assert_as_written(model, written_out(model), PRESETS[preset](epsilon=epsilon), td, in_keys)
 
 
 def test_the_epsilon_changes_a_fused_attentions_relevance_as_it_does_the_written_out_one():
@@ -207,17 +211,7 @@ def test_an_out_proj_that_runs_as_a_module_keeps_the_epsilon(preset, layout):
         model, oracle = Attend(Quantizable(mha), "cross", False), written_out(Attend(mha, "cross", False))
     td = TensorDict(query=torch.randn(3, 4, 8, dtype=F64), memory=torch.randn(3, 5, 8, dtype=F64), batch_size=[3])
     in_keys = ["memory"] if preset == "CPLRP" else ["query", "memory"]
-    results = []
-    for net in (model, oracle):
-        out, messages = explain(
-            TensorDictModule(net, ["query", "memory"], ["out"]), PRESETS[preset](0.5), td, in_keys=in_keys
-        )
-        assert messages == []
-        results.append(out)
-    fused, written = results
-    torch.testing.assert_close(fused["out"], written["out"], rtol=1e-12, atol=1e-12)
-    for key in in_keys:
-        assert relative_error(fused["relevance", key], written["relevance", key]) <= 1e-10
+    assert_as_written(model, oracle, PRESETS[preset](epsilon=0.5), td, in_keys)
 
 
 @pytest.mark.parametrize("in_keys", [["query", "memory"], ["memory"]], ids=["both", "memory alone"])
