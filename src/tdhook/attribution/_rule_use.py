@@ -41,8 +41,9 @@ from tdhook.attribution._nested_rules import (
     refuse_rescaling_over_ruled_modules,
     warn_for_plain_gradient_over_ruled_modules,
 )
+from tdhook.attribution.rules._attention_projections import projected_with
 from tdhook.attribution.rules._caller import warn_at_caller
-from tdhook.attribution.rules._first_pass import watching_first_pass
+from tdhook.attribution.rules._first_pass import first_pass, watching_first_pass
 from tdhook.attribution.rules.base import RemovableRuleHandle
 from tdhook.attribution.rules.basic import IgnoreRule
 
@@ -107,11 +108,13 @@ class RuleUse:
         ran: set[int] = set()
         # A hook on each module of the model, not a global one: torch.compile warns about global module hooks.
         mine: list = []
+        noted: set | None = None
         try:
             for module in modules.values():  # each listed as it is registered
                 mine.append(module.register_forward_pre_hook(lambda m, args: ran.add(id(m))))
                 hooks.append(mine[-1])
             with watching_first_pass():  # rules check their calls' inputs in this pass only
+                noted = first_pass()  # what they noted: the projections an attention took with a module's rule
                 yield
         finally:
             while mine:  # each left listed in ``hooks`` until it is removed (removing again does nothing)
@@ -135,6 +138,8 @@ class RuleUse:
             parent_name = name.rpartition(".")[0]
             parent = modules.get(parent_name)
             if parent is None or parent is module or id(parent) not in ran:
+                continue
+            if projected_with(noted, module, handle.rule):  # nn.MultiheadAttention's out_proj under AttnLRP(epsilon)
                 continue
             if outputs and all(p.requires_grad for p in module.parameters()):
                 reached = _parameters_reached(outputs) if reached is None else reached

@@ -87,6 +87,19 @@ def explain(module: TensorDictModule, preset, td: TensorDict, **options) -> tupl
     return out, [str(w.message) for w in caught]
 
 
+def assert_as_written(model: nn.Module, oracle: nn.Module, preset, td: TensorDict, in_keys: list[str]) -> None:
+    """``model`` and its attention written out (``oracle``) give the same output and relevance, with no warning."""
+    results = []
+    for net in (model, oracle):
+        out, messages = explain(TensorDictModule(net, ["query", "memory"], ["out"]), preset, td, in_keys=in_keys)
+        assert messages == []
+        results.append(out)
+    fused, written = results
+    torch.testing.assert_close(fused["out"], written["out"], rtol=1e-12, atol=1e-12)
+    for key in in_keys:
+        assert relative_error(fused["relevance", key], written["relevance", key]) <= 1e-10
+
+
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 @pytest.mark.parametrize("kind", ["self", "cross", "cross kdim"])
 @pytest.mark.parametrize("need_weights", [False, True], ids=["fused", "weights"])
@@ -101,16 +114,7 @@ def test_a_fused_attention_gets_the_dense_epsilon_as_written_out(preset, kind, n
     model = Attend(mha, kind, need_weights)
     td = TensorDict(query=torch.randn(3, 4, 8, dtype=F64), memory=torch.randn(3, 5, kdim, dtype=F64), batch_size=[3])
     in_keys = ["query"] if kind == "self" else ["memory"] if preset == "CPLRP" else ["query", "memory"]
-    results = []
-    for net in (model, written_out(model)):
-        module = TensorDictModule(net, ["query", "memory"], ["out"])
-        out, messages = explain(module, PRESETS[preset](epsilon=epsilon), td, in_keys=in_keys)
-        assert messages == []
-        results.append(out)
-    fused, written = results
-    torch.testing.assert_close(fused["out"], written["out"], rtol=1e-12, atol=1e-12)
-    for key in in_keys:
-        assert relative_error(fused["relevance", key], written["relevance", key]) <= 1e-10
+    assert_as_written(model, written_out(model), PRESETS[preset](epsilon=epsilon), td, in_keys)
 
 
 def test_the_epsilon_changes_a_fused_attentions_relevance_as_it_does_the_written_out_one():
@@ -155,7 +159,66 @@ def test_an_epsilon_mapped_to_linear_layers_under_a_transformer_preset_is_named_
     assert "'module.mha.out_proj'" in messages[0] and "AttnLRP(epsilon=...)) rather than in rule_mapper" in messages[0]
 
 
-def test_a_kept_graph_gives_the_fused_attention_the_written_out_relevance_and_derivative():
+class AttendThenProject(nn.Module):
+    """Cross-attention whose output projection is also called as a module, on the attention's output."""
+
+    def __init__(self, mha: nn.Module) -> None:
+        super().__init__()
+        self.mha = mha
+
+    def forward(self, query: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        attended = self.mha(query, memory, memory, need_weights=False)[0]
+        projection = self.mha.out if isinstance(self.mha, WrittenAttention) else self.mha.out_proj
+        return projection(torch.relu(attended))
+
+
+class Quantizable(nn.Module):
+    """torch.ao's ``nn.MultiheadAttention`` subclass (not converted) with ``mha``'s weights, whose forward calls its
+    query, key, value and output projections as ``nn.Linear`` modules; sequence first (batch first, its heads' output
+    is laid out wrong), its batch-first inputs and output transposed here."""
+
+    def __init__(self, mha: nn.MultiheadAttention) -> None:
+        from torch.ao.nn.quantizable import MultiheadAttention
+
+        super().__init__()
+        self.attention = MultiheadAttention(mha.embed_dim, mha.num_heads).to(F64).eval()
+        e, layers = mha.embed_dim, (self.attention.linear_Q, self.attention.linear_K, self.attention.linear_V)
+        with torch.no_grad():
+            for layer, weight, bias in zip(layers, mha.in_proj_weight.split(e), mha.in_proj_bias.split(e), strict=True):
+                layer.weight.copy_(weight)
+                layer.bias.copy_(bias)
+            self.attention.out_proj.weight.copy_(mha.out_proj.weight)
+            self.attention.out_proj.bias.copy_(mha.out_proj.bias)
+
+    def forward(self, query, key, value, need_weights=True) -> tuple[torch.Tensor, None]:
+        output = self.attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), need_weights=False)
+        return output[0].transpose(0, 1), None
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("layout", ["out_proj called again", "quantizable subclass"])
+def test_an_out_proj_that_runs_as_a_module_keeps_the_epsilon(preset, layout):
+    """Where out_proj runs as a module (called by the user's code as well, or by torch.ao's quantizable subclass,
+    whose forward calls its four projections as modules), that call gets the ε as any Linear layer. With out_proj
+    mapped to the plain gradient (so that its rule was not named as without effect), that call lost the ε under a
+    warning calling it no Linear layer: a relative L2 error of 1.3 to 1.5 called again, 2.6 to 2.7 in the
+    quantizable subclass (0 before the projections got the ε there)."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True, dtype=F64).eval()
+    if layout == "out_proj called again":
+        model, oracle = AttendThenProject(mha), written_out(AttendThenProject(mha))
+    else:
+        model, oracle = Attend(Quantizable(mha), "cross", False), written_out(Attend(mha, "cross", False))
+    td = TensorDict(query=torch.randn(3, 4, 8, dtype=F64), memory=torch.randn(3, 5, 8, dtype=F64), batch_size=[3])
+    in_keys = ["memory"] if preset == "CPLRP" else ["query", "memory"]
+    assert_as_written(model, oracle, PRESETS[preset](epsilon=0.5), td, in_keys)
+
+
+@pytest.mark.parametrize("in_keys", [["query", "memory"], ["memory"]], ids=["both", "memory alone"])
+def test_a_kept_graph_gives_the_fused_attention_the_written_out_relevance_and_derivative(in_keys):
+    """With the query not explained, its projection (of a constant and parameters) got the rule's node in a kept
+    graph, which made it an activation that the product with the keys shared relevance with: a relative L2 error of
+    0.16 on the memory's relevance, against none without a kept graph."""
     torch.manual_seed(0)
     model = Attend(nn.MultiheadAttention(8, 2, batch_first=True, dtype=F64).eval(), "cross", False)
     query, memory = torch.randn(2, 3, 8, dtype=F64), torch.randn(2, 4, 8, dtype=F64)
@@ -163,7 +226,12 @@ def test_a_kept_graph_gives_the_fused_attention_the_written_out_relevance_and_de
     for net in (model, written_out(model)):
         leaf = memory.clone().requires_grad_()
         td = TensorDict(query=query.clone(), memory=leaf, batch_size=[2])
-        lrp = LRP(TensorDictModule(net, ["query", "memory"], ["out"]), AttnLRP(epsilon=0.5), create_graph=True)
+        lrp = LRP(
+            TensorDictModule(net, ["query", "memory"], ["out"]),
+            AttnLRP(epsilon=0.5),
+            in_keys=in_keys,
+            create_graph=True,
+        )
         relevance = lrp(td)["relevance", "memory"]
         (derivative,) = torch.autograd.grad(relevance.pow(2).sum(), leaf)
         results.append((relevance.detach(), derivative))

@@ -119,15 +119,7 @@ class AttnLRP(BaseRuleMapper):
         """The rule of every module of ``model`` (see :meth:`BaseRuleMapper.rules`), after checking that a
         Hugging Face model computes its attention in a way the function rules follow (eager or sdpa)."""
         _check_attention_implementation(model)
-        rules = super().rules(model)
-        for name, module in model.named_modules():
-            # nn.MultiheadAttention computes with out_proj's parameters, never calling it: the function mode gives
-            # that projection the dense layers' ε (see rules/_attention_projections.py), not the module's rule.
-            out_proj = f"{name}.out_proj" if name else "out_proj"
-            ruled = self._dense is not None and rules.get(out_proj) is self._dense
-            if ruled and isinstance(module, nn.MultiheadAttention):
-                rules[out_proj] = self._ignore
-        return rules
+        return super().rules(model)
 
     def function_modes(self) -> list:
         hold_gates = isinstance(self._softmax, AHQKVRule)
