@@ -14,7 +14,9 @@ autograd saved as they were, so that it is the straight-through estimator ``h + 
 reported as one (see :func:`assigns_straight_through`). Nor is a write of the activation's own values alone, clamped
 or rounded (``c.clamp_(-1, 1)`` under ``torch.no_grad()``, ``c.data.round_()``: :data:`STRAIGHT_THROUGH_WRITES`):
 it is the straight-through estimator ``c + (f(c) - c).detach()``, explained and reported as one too (a tensor
-autograd saved before it is refused by torch's backward pass, as in the model's own).
+autograd saved before it is refused by torch's backward pass, as in the model's own; a write through ``c.data``,
+whose version counter is its own, moves ``c``'s too). A sigmoid gate written through an alias is not: its marks
+follow writes into the gate alone.
 
 The function modes note an alias as they make it (:func:`note_alias`), the tensor whose values a write autograd
 does not record changed (:func:`note_unrecorded_write`; an ``out=`` write into an alias, or under
