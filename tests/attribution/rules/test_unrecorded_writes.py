@@ -23,6 +23,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
 
@@ -147,8 +148,33 @@ def _numpy_of_view(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.T
     return v * g[:, 2:]
 
 
+def _numpy_written_then_rectified(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    c.detach().numpy()[:, :3] = 5.0
+    F.relu(c, inplace=True)  # relu_ runs inside the call the modes see: it reads c
+    return c * g
+
+
+def _rectified_then_numpy_written(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    c = h.clone()
+    array = c.detach().numpy()
+    F.relu(c, inplace=True)  # autograd records it; no mode sees the write inside
+    array[:, :3] = 5.0
+    return c * g
+
+
 # name: (form, the call named, the write named)
 UNRECORDED = {
+    "c.detach().numpy()[:, :3] = 5, then F.relu(c, inplace=True)": (
+        _numpy_written_then_rectified,
+        "relu",
+        "NumPy array",
+    ),
+    "a = c.detach().numpy(), F.relu(c, inplace=True), then a[:, :3] = 5": (
+        _rectified_then_numpy_written,
+        "mul",
+        "NumPy array",
+    ),
     "torch.mul(w, 1, out=c.detach()[:, :3])": (_out_into_alias, "mul", "mul(out=...) through"),
     "no_grad: torch.add(w, 1, out=c)": (_out_without_gradient, "mul", "add(out=...) under torch.no_grad()"),
     "c.detach().numpy()[:, :3] = 5": (_numpy_written, "mul", "NumPy array"),
@@ -263,7 +289,38 @@ def _out_into_fresh(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.
     return buffer * g + h
 
 
+LOGGED: list = []
+
+
+def _numpy_logged_then(write):
+    """``c`` logged as a NumPy array (``c.detach().numpy()``, as a forward hook logs it), then ``write(c)``."""
+
+    def form(s: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        c = h + 0
+        LOGGED[:] = [c.detach().numpy()]  # the latest kept
+        c = write(c)
+        return c * g
+
+    return form
+
+
 ALLOWED = {
+    "c logged as NumPy, then F.relu(c, inplace=True)": (
+        _numpy_logged_then(lambda c: F.relu(c, inplace=True)),
+        lambda s, h, g: F.relu(h) * g,
+    ),
+    "c logged as NumPy, then nn.ReLU(inplace=True)(c)": (
+        _numpy_logged_then(nn.ReLU(inplace=True)),
+        lambda s, h, g: F.relu(h) * g,
+    ),
+    "c logged as NumPy, then F.hardtanh(c, -0.2, 0.2, inplace=True)": (
+        _numpy_logged_then(lambda c: F.hardtanh(c, -0.2, 0.2, inplace=True)),
+        lambda s, h, g: F.hardtanh(h, -0.2, 0.2) * g,
+    ),
+    "c logged as NumPy, then c.detach().clamp_(-0.3, 0.3)": (
+        _numpy_logged_then(lambda c: (c.detach().clamp_(-0.3, 0.3), c)[1]),
+        lambda s, h, g: (h + (h.clamp(-0.3, 0.3) - h).detach()) * g,
+    ),
     "c.detach().numpy() read, then c": (_numpy_read, lambda s, h, g: h * g + (h.sum() + h.max()).item()),
     "c.numpy(force=True), then c += h": (
         _numpy_then_recorded,
