@@ -327,6 +327,35 @@ class _ConstantNormGate(nn.Module):
         return self.head(self.fc(x) * scale)
 
 
+class _MaskedNorm(nn.LayerNorm):
+    """A LayerNorm whose output a mask given beside its input multiplies."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        y = super().forward(x)
+        return y if mask is None else y * mask
+
+
+class _MaskedConstantNormGate(nn.Module):
+    """A learned vector normalised by a :class:`_MaskedNorm`, its mask given by keyword, by position or applied after
+    the call (``how``), scaling an activation."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.query, self.norm = nn.Parameter(torch.randn(6)), _MaskedNorm(6)
+        self.fc, self.head = nn.Linear(4, 6), nn.Linear(6, 3)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.full((6,), 0.5, dtype=x.dtype)
+        calls = {
+            "norm(query, mask=m)": lambda: self.norm(self.query, mask=mask),
+            "norm(x=query, mask=m)": lambda: self.norm(x=self.query, mask=mask),
+            "norm(query, m)": lambda: self.norm(self.query, mask),
+            "norm(query) * m": lambda: self.norm(self.query) * mask,
+        }
+        return self.head(self.fc(x) * calls[self.how]())
+
+
 class TestRulesInTheForwardCalledByKeyword:
     """A rule that acts inside its module's forward (norms, torchrl's BatchRenorm1d, tanh) reads the module's input
     given by keyword (``norm(input=x)``) as it reads a positional one. Its hooks saw positional arguments only."""
@@ -365,6 +394,25 @@ class TestRulesInTheForwardCalledByKeyword:
                 relevance += [lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"] for _ in range(2)]
         for by_keyword, by_position in zip(relevance[:2], relevance[2:], strict=True):
             assert relative_error(by_keyword, by_position) <= 1e-12
+
+    @pytest.mark.parametrize("preset", ["AttnLRP", "CPLRP"])
+    @pytest.mark.parametrize("how", ["norm(query, mask=m)", "norm(x=query, mask=m)", "norm(query, m)"])
+    def test_a_norm_of_a_constant_with_a_mask_beside_it_stays_a_weight(self, how: str, preset: str):
+        """A constant mask read beside the learned vector (``norm(query, mask=m)``) left the norm's output unmarked:
+        taken for an activation, the product got the uniform rule of two (0.5 off, relative L2; by keyword it had no
+        positional input, and by position two)."""
+        import tdhook.attribution as attribution
+
+        x = torch.randn(5, 4, dtype=F64)
+        relevance = []
+        for called in (how, "norm(query) * m"):
+            torch.manual_seed(0)
+            model = _MaskedConstantNormGate(called).to(F64).eval()
+            lrp = LRP(model, getattr(attribution, preset)(), in_keys=["x"], out_keys=["y"])
+            with lrp:  # the first call, in the function modes, and a later one by its plan
+                relevance += [lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"] for _ in range(2)]
+        for masked, masked_after in zip(relevance[:2], relevance[2:], strict=True):
+            assert relative_error(masked, masked_after) <= 1e-12
 
 
 class TestGlobalForwardHooks:
