@@ -356,6 +356,32 @@ class _MaskedConstantNormGate(nn.Module):
         return self.head(self.fc(x) * calls[self.how]())
 
 
+def _masked_renorm(features: int) -> nn.Module:
+    """torchrl's BatchRenorm1d with a mask multiplying its output, given beside its input."""
+    from torchrl.modules import BatchRenorm1d
+
+    class MaskedRenorm(BatchRenorm1d):
+        def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+            y = super().forward(x)
+            return y if mask is None else y * mask
+
+    return MaskedRenorm(features, warmup_steps=0)
+
+
+class _MaskedRenormCall(nn.Module):
+    """A linear layer, a masked BatchRenorm1d called ``norm(mask=m, x=h)`` (``keyword``) or ``norm(h, m)``, a head."""
+
+    def __init__(self, keyword: bool) -> None:
+        super().__init__()
+        self.fc, self.norm, self.head = nn.Linear(4, 6), _masked_renorm(6), nn.Linear(6, 3)
+        self.keyword = keyword
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, mask = self.fc(x), torch.full((6,), 0.5, dtype=x.dtype)
+        h = self.norm(mask=mask, x=h) if self.keyword else self.norm(h, mask)
+        return self.head(h.relu())
+
+
 class TestRulesInTheForwardCalledByKeyword:
     """A rule that acts inside its module's forward (norms, torchrl's BatchRenorm1d, tanh) reads the module's input
     given by keyword (``norm(input=x)``) as it reads a positional one. Its hooks saw positional arguments only."""
@@ -413,6 +439,21 @@ class TestRulesInTheForwardCalledByKeyword:
                 relevance += [lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"] for _ in range(2)]
         for masked, masked_after in zip(relevance[:2], relevance[2:], strict=True):
             assert relative_error(masked, masked_after) <= 1e-12
+
+    def test_a_keyword_call_is_read_in_the_order_of_the_forward_parameters(self):
+        """``norm(mask=m, x=h)`` was read with the mask as the input, in the order the call named them: the ε-rule
+        of the affine map took the mask for ``h`` (2.6 off ``norm(h, m)``, relative L2, with ε = 0.5)."""
+        from tdhook.attribution.rules.normalization import BatchRenormRule
+
+        x = torch.randn(5, 4, dtype=F64)
+        relevance = []
+        for keyword in (True, False):
+            torch.manual_seed(0)
+            model = _MaskedRenormCall(keyword).to(F64).eval()
+            mapper = {"norm": BatchRenormRule(epsilon=0.5), nn.Linear: EpsilonRule(0.0)}
+            lrp = LRP(model, mapper, in_keys=["x"], out_keys=["y"])
+            relevance.append(lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"])
+        assert relative_error(relevance[0], relevance[1]) <= 1e-12
 
 
 class TestGlobalForwardHooks:
