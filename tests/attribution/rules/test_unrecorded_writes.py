@@ -680,3 +680,16 @@ def test_a_tensor_noted_and_kept_alive_changes_no_later_call(preset):
         _KEPT.clear()
     assert calls == expected_calls
     torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_an_array_of_a_tensor_not_in_cpu_memory_keeps_no_copy():
+    """``c.numpy(force=True)`` of a tensor on another device copies it to the CPU: no NumPy write reaches ``c``, and
+    a clone of ``c`` was kept (on its device) and compared at each read with gradient all the same."""
+    from tdhook.attribution.rules import _unrecorded_writes
+
+    c = torch.ones(3, device="meta", requires_grad=True) * 2  # the array of a CUDA tensor is a copy alike
+    _unrecorded_writes.note_alias(torch.Tensor.numpy, (c,), None)
+    try:
+        assert id(c) not in _unrecorded_writes.UNRECORDED
+    finally:
+        _unrecorded_writes.UNRECORDED.pop(id(c), None)

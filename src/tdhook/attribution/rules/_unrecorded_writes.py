@@ -199,7 +199,11 @@ def _poison(tensor: torch.Tensor, write: str) -> None:
 
 def _watch_numpy(tensor: torch.Tensor) -> None:
     """Keep the values of the tensor with autograd history whose storage ``tensor`` (made into a NumPy array) shares:
-    ``tensor`` itself (``c.numpy(force=True)``) or the tensor it aliases (``c.detach().numpy()``)."""
+    ``tensor`` itself (``c.numpy(force=True)``) or the tensor it aliases (``c.detach().numpy()``). None where it is
+    not in CPU memory: the array is a copy (``c.numpy(force=True)`` of a CUDA tensor), a clone kept would be waste."""
+    with torch._C.DisableTorchFunction():
+        if tensor.device.type != "cpu":
+            return
     root = _root(tensor)
     link = root.__dict__.get(ALIAS_OF)
     source = root if _has_history(root) else link() if link is not None else None
