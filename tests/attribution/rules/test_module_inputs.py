@@ -35,3 +35,28 @@ def test_values_that_are_no_tensor_are_left_out():
     inputs = inputs_in_forward(nn.LSTM(2, 3), (), {"hx": state, "input": x})
     assert len(inputs) == 1 and inputs[0] is x
     assert inputs_in_forward(nn.ReLU(), (x,), {"inplace": True}) == (x,)
+
+
+def test_a_forward_replaced_on_the_instance_gives_the_order():
+    module, x, mask = nn.Identity(), torch.ones(2), torch.zeros(2)
+    module.forward = lambda x, mask=None: x  # Identity's own forward takes ``input`` alone
+    inputs = inputs_in_forward(module, (), {"mask": mask, "x": x})
+    assert inputs[0] is x and inputs[1] is mask
+
+
+def test_a_forward_replaced_on_the_instance_is_not_kept():
+    """A dispatch hook's ``functools.partial(new_forward, module)`` holds the module: read, not cached with it."""
+    import functools
+    import gc
+    import weakref
+
+    def new_forward(module: nn.Module, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return x
+
+    module, x, mask = nn.Identity(), torch.ones(2), torch.zeros(2)
+    module.forward = functools.partial(new_forward, module)
+    assert inputs_in_forward(module, (), {"mask": mask, "x": x})[0] is x
+    ref = weakref.ref(module)
+    del module
+    gc.collect()
+    assert ref() is None

@@ -3,7 +3,7 @@
 The hooks around a module's forward get its positional arguments and its keyword ones apart. The rules acting inside
 the forward, the first call's watch and the modes' checks read the call's input as the first of them: a call that
 gives it by keyword (``norm(input=x)``, torchrl's ``BatchRenorm1d(x=h)``, ``lstm(hx=state, input=x)``) puts its
-tensors after the positional ones, in the order of the forward's parameters (read once per forward function), not
+tensors after the positional ones, in the order of the forward's parameters (read once per method), not
 in the order the call names them: ``lstm(hx=state, input=x)`` reads ``x`` first, as ``lstm(x, state)`` does.
 
 Examples:
@@ -48,16 +48,20 @@ def inputs_in_forward(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
         return args
     named = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor)]
     if len(named) > 1:
-        places = _parameter_places(type(module).forward)
+        forward = module.forward  # the instance's own where one replaced it (a dispatch hook's partial)
+        function = getattr(forward, "__func__", None)  # a method's function: kept, it holds no module
+        places = _parameter_places(function) if function is not None else _places(forward)
         named.sort(key=lambda name: places.get(name, len(places)))  # stable: unknown names keep the call's order
     return (*args, *(kwargs[name] for name in named))
 
 
-@functools.lru_cache(maxsize=256)
-def _parameter_places(forward: Callable) -> dict[str, int]:
+def _places(forward: Callable) -> dict[str, int]:
     """The place of each named parameter of ``forward`` (``{}`` where it has no signature to read)."""
     try:
         parameters = inspect.signature(forward).parameters
     except (TypeError, ValueError):
         return {}
     return {name: place for place, name in enumerate(parameters)}
+
+
+_parameter_places = functools.lru_cache(maxsize=256)(_places)
