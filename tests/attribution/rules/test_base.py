@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -382,6 +384,17 @@ class _MaskedRenormCall(nn.Module):
         return self.head(h.relu())
 
 
+def _first_and_later(make: Callable[[Any], nn.Module], how: Any, preset: str, x: torch.Tensor) -> list[torch.Tensor]:
+    """The relevance of ``make(how)`` (seeded, float64) under ``preset`` in the first call of a context, in the
+    function modes, and in a later one, by its plan."""
+    import tdhook.attribution as attribution
+
+    torch.manual_seed(0)
+    model = make(how).to(F64).eval()
+    with LRP(model, getattr(attribution, preset)(), in_keys=["x"], out_keys=["y"]) as lrp:
+        return [lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"] for _ in range(2)]
+
+
 class TestRulesInTheForwardCalledByKeyword:
     """A rule that acts inside its module's forward (norms, torchrl's BatchRenorm1d, tanh) reads the module's input
     given by keyword (``norm(input=x)``) as it reads a positional one. Its hooks saw positional arguments only."""
@@ -408,16 +421,8 @@ class TestRulesInTheForwardCalledByKeyword:
     def test_a_norm_of_a_constant_stays_a_weight(self, preset: str):
         """``LayerNorm(input=query)`` of a learned vector is a weight, as positionally: a product with it keeps its
         whole relevance (it was taken for an activation, the product got the uniform rule of two: 0.5 off)."""
-        import tdhook.attribution as attribution
-
         x = torch.randn(5, 4, dtype=F64)
-        relevance = []
-        for keyword in (True, False):
-            torch.manual_seed(0)
-            model = _ConstantNormGate(keyword).to(F64).eval()
-            lrp = LRP(model, getattr(attribution, preset)(), in_keys=["x"], out_keys=["y"])
-            with lrp:  # the first call, in the function modes, and a later one by its plan
-                relevance += [lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"] for _ in range(2)]
+        relevance = [r for keyword in (True, False) for r in _first_and_later(_ConstantNormGate, keyword, preset, x)]
         for by_keyword, by_position in zip(relevance[:2], relevance[2:], strict=True):
             assert relative_error(by_keyword, by_position) <= 1e-12
 
@@ -427,16 +432,9 @@ class TestRulesInTheForwardCalledByKeyword:
         """A constant mask read beside the learned vector (``norm(query, mask=m)``) left the norm's output unmarked:
         taken for an activation, the product got the uniform rule of two (0.5 off, relative L2; by keyword it had no
         positional input, and by position two)."""
-        import tdhook.attribution as attribution
-
         x = torch.randn(5, 4, dtype=F64)
-        relevance = []
-        for called in (how, "norm(query) * m"):
-            torch.manual_seed(0)
-            model = _MaskedConstantNormGate(called).to(F64).eval()
-            lrp = LRP(model, getattr(attribution, preset)(), in_keys=["x"], out_keys=["y"])
-            with lrp:  # the first call, in the function modes, and a later one by its plan
-                relevance += [lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"] for _ in range(2)]
+        calls = (how, "norm(query) * m")
+        relevance = [r for called in calls for r in _first_and_later(_MaskedConstantNormGate, called, preset, x)]
         for masked, masked_after in zip(relevance[:2], relevance[2:], strict=True):
             assert relative_error(masked, masked_after) <= 1e-12
 

@@ -165,16 +165,8 @@ def _rectified_then_numpy_written(s: torch.Tensor, h: torch.Tensor, g: torch.Ten
 
 # name: (form, the call named, the write named)
 UNRECORDED = {
-    "c.detach().numpy()[:, :3] = 5, then F.relu(c, inplace=True)": (
-        _numpy_written_then_rectified,
-        "relu",
-        "NumPy array",
-    ),
-    "a = c.detach().numpy(), F.relu(c, inplace=True), then a[:, :3] = 5": (
-        _rectified_then_numpy_written,
-        "mul",
-        "NumPy array",
-    ),
+    "NumPy write, then F.relu(c, inplace=True)": (_numpy_written_then_rectified, "relu", "NumPy array"),
+    "F.relu(c, inplace=True), then a NumPy write": (_rectified_then_numpy_written, "mul", "NumPy array"),
     "torch.mul(w, 1, out=c.detach()[:, :3])": (_out_into_alias, "mul", "mul(out=...) through"),
     "no_grad: torch.add(w, 1, out=c)": (_out_without_gradient, "mul", "add(out=...) under torch.no_grad()"),
     "c.detach().numpy()[:, :3] = 5": (_numpy_written, "mul", "NumPy array"),
