@@ -184,3 +184,27 @@ def test_a_recurrent_first_layer_called_by_keyword_is_named():
     torch.testing.assert_close(relevance, expected, rtol=1e-12, atol=0)
     with pytest.raises(ValueError, match=r"module 'rnn' \(LSTM\) is the first layer .* \(FlatRule\)"):
         LRP(model, EpsilonPlusFlat(strict=True), in_keys=["x"], out_keys=["y"])(x)
+
+
+class _RecurrentByKeywordWithState(nn.Module):
+    """An LSTM reading the model's input, called with its state named first (``lstm(hx=state, input=x)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(4, 5, batch_first=True), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = (x.new_zeros(1, x.shape[0], 5), x.new_zeros(1, x.shape[0], 5))
+        return self.head(self.rnn(hx=state, input=x)[0][:, -1])
+
+
+def test_a_recurrent_first_layer_called_with_its_state_named_first_is_named():
+    """The keyword values were read in the call's order: the state tuple came first, and the LSTM, which no
+    first-layer rule covers, was explained without a word."""
+    from tdhook.attribution.mappers.presets import EpsilonPlusFlat
+
+    torch.manual_seed(0)
+    model = _RecurrentByKeywordWithState().to(F64)
+    x = TensorDict(x=torch.randn(2, 3, 4, dtype=F64), batch_size=[2])
+    with pytest.raises(ValueError, match=r"module 'rnn' \(LSTM\) is the first layer .* \(FlatRule\)"):
+        LRP(model, EpsilonPlusFlat(strict=True), in_keys=["x"], out_keys=["y"])(x)

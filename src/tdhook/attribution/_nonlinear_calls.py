@@ -94,6 +94,7 @@ from tdhook.attribution.rules._in_place_writes import (
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layer_nodes import LAYER_MARK
+from tdhook.attribution.rules._module_inputs import inputs_in_forward
 from tdhook.attribution.rules._unrecorded_writes import (
     NOT_READ,
     STRAIGHT_THROUGH_WRITES,
@@ -618,8 +619,8 @@ class NonlinearCalls(TorchFunctionMode):
             )
 
             def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-                if kwargs and not args:  # the input by keyword (``layer(input=x)``, ``lstm(input=x)``)
-                    args = tuple(kwargs.values())
+                if kwargs and not args:  # the input by keyword (``layer(input=x)``, ``lstm(hx=state, input=x)``)
+                    args = inputs_in_forward(module, (), kwargs)
                 if rule is not None and isinstance(output, torch.Tensor) and output.grad_fn is not None:
                     acting = merging_rule(rule, args)
                     if acting is not None:

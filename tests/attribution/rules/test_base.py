@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -327,6 +329,72 @@ class _ConstantNormGate(nn.Module):
         return self.head(self.fc(x) * scale)
 
 
+class _MaskedNorm(nn.LayerNorm):
+    """A LayerNorm whose output a mask given beside its input multiplies."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        y = super().forward(x)
+        return y if mask is None else y * mask
+
+
+class _MaskedConstantNormGate(nn.Module):
+    """A learned vector normalised by a :class:`_MaskedNorm`, its mask given by keyword, by position or applied after
+    the call (``how``), scaling an activation."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.query, self.norm = nn.Parameter(torch.randn(6)), _MaskedNorm(6)
+        self.fc, self.head = nn.Linear(4, 6), nn.Linear(6, 3)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.full((6,), 0.5, dtype=x.dtype)
+        calls = {
+            "norm(query, mask=m)": lambda: self.norm(self.query, mask=mask),
+            "norm(x=query, mask=m)": lambda: self.norm(x=self.query, mask=mask),
+            "norm(query, m)": lambda: self.norm(self.query, mask),
+            "norm(query) * m": lambda: self.norm(self.query) * mask,
+        }
+        return self.head(self.fc(x) * calls[self.how]())
+
+
+def _masked_renorm(features: int) -> nn.Module:
+    """torchrl's BatchRenorm1d with a mask multiplying its output, given beside its input."""
+    from torchrl.modules import BatchRenorm1d
+
+    class MaskedRenorm(BatchRenorm1d):
+        def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+            y = super().forward(x)
+            return y if mask is None else y * mask
+
+    return MaskedRenorm(features, warmup_steps=0)
+
+
+class _MaskedRenormCall(nn.Module):
+    """A linear layer, a masked BatchRenorm1d called ``norm(mask=m, x=h)`` (``keyword``) or ``norm(h, m)``, a head."""
+
+    def __init__(self, keyword: bool) -> None:
+        super().__init__()
+        self.fc, self.norm, self.head = nn.Linear(4, 6), _masked_renorm(6), nn.Linear(6, 3)
+        self.keyword = keyword
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, mask = self.fc(x), torch.full((6,), 0.5, dtype=x.dtype)
+        h = self.norm(mask=mask, x=h) if self.keyword else self.norm(h, mask)
+        return self.head(h.relu())
+
+
+def _first_and_later(make: Callable[[Any], nn.Module], how: Any, preset: str, x: torch.Tensor) -> list[torch.Tensor]:
+    """The relevance of ``make(how)`` (seeded, float64) under ``preset`` in the first call of a context, in the
+    function modes, and in a later one, by its plan."""
+    import tdhook.attribution as attribution
+
+    torch.manual_seed(0)
+    model = make(how).to(F64).eval()
+    with LRP(model, getattr(attribution, preset)(), in_keys=["x"], out_keys=["y"]) as lrp:
+        return [lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"] for _ in range(2)]
+
+
 class TestRulesInTheForwardCalledByKeyword:
     """A rule that acts inside its module's forward (norms, torchrl's BatchRenorm1d, tanh) reads the module's input
     given by keyword (``norm(input=x)``) as it reads a positional one. Its hooks saw positional arguments only."""
@@ -353,18 +421,37 @@ class TestRulesInTheForwardCalledByKeyword:
     def test_a_norm_of_a_constant_stays_a_weight(self, preset: str):
         """``LayerNorm(input=query)`` of a learned vector is a weight, as positionally: a product with it keeps its
         whole relevance (it was taken for an activation, the product got the uniform rule of two: 0.5 off)."""
-        import tdhook.attribution as attribution
+        x = torch.randn(5, 4, dtype=F64)
+        relevance = [r for keyword in (True, False) for r in _first_and_later(_ConstantNormGate, keyword, preset, x)]
+        for by_keyword, by_position in zip(relevance[:2], relevance[2:], strict=True):
+            assert relative_error(by_keyword, by_position) <= 1e-12
+
+    @pytest.mark.parametrize("preset", ["AttnLRP", "CPLRP"])
+    @pytest.mark.parametrize("how", ["norm(query, mask=m)", "norm(x=query, mask=m)", "norm(query, m)"])
+    def test_a_norm_of_a_constant_with_a_mask_beside_it_stays_a_weight(self, how: str, preset: str):
+        """A constant mask read beside the learned vector (``norm(query, mask=m)``) left the norm's output unmarked:
+        taken for an activation, the product got the uniform rule of two (0.5 off, relative L2; by keyword it had no
+        positional input, and by position two)."""
+        x = torch.randn(5, 4, dtype=F64)
+        calls = (how, "norm(query) * m")
+        relevance = [r for called in calls for r in _first_and_later(_MaskedConstantNormGate, called, preset, x)]
+        for masked, masked_after in zip(relevance[:2], relevance[2:], strict=True):
+            assert relative_error(masked, masked_after) <= 1e-12
+
+    def test_a_keyword_call_is_read_in_the_order_of_the_forward_parameters(self):
+        """``norm(mask=m, x=h)`` was read with the mask as the input, in the order the call named them: the ε-rule
+        of the affine map took the mask for ``h`` (2.6 off ``norm(h, m)``, relative L2, with ε = 0.5)."""
+        from tdhook.attribution.rules.normalization import BatchRenormRule
 
         x = torch.randn(5, 4, dtype=F64)
         relevance = []
         for keyword in (True, False):
             torch.manual_seed(0)
-            model = _ConstantNormGate(keyword).to(F64).eval()
-            lrp = LRP(model, getattr(attribution, preset)(), in_keys=["x"], out_keys=["y"])
-            with lrp:  # the first call, in the function modes, and a later one by its plan
-                relevance += [lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"] for _ in range(2)]
-        for by_keyword, by_position in zip(relevance[:2], relevance[2:], strict=True):
-            assert relative_error(by_keyword, by_position) <= 1e-12
+            model = _MaskedRenormCall(keyword).to(F64).eval()
+            mapper = {"norm": BatchRenormRule(epsilon=0.5), nn.Linear: EpsilonRule(0.0)}
+            lrp = LRP(model, mapper, in_keys=["x"], out_keys=["y"])
+            relevance.append(lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"])
+        assert relative_error(relevance[0], relevance[1]) <= 1e-12
 
 
 class TestGlobalForwardHooks:

@@ -483,8 +483,8 @@ def from_parameters_alone(tensor: torch.Tensor) -> bool:
 
 
 def mark_module_of_parameters_alone(args: tuple, output: Any) -> None:
-    """Mark ``output`` computed from parameters alone where a module called on one tensor that is no activation (a
-    time embedding's SiLU, a norm of a learned query: modes do not see into them) returned one of parameters alone.
+    """Mark ``output`` computed from parameters alone where a module called on tensors that are no activation (a
+    time embedding's SiLU, a norm of a learned query, masked or not: modes do not see inside) returned one of those.
 
     Examples:
         >>> gamma, x = Parameter(torch.ones(3)), torch.ones(3, requires_grad=True)
@@ -495,8 +495,8 @@ def mark_module_of_parameters_alone(args: tuple, output: Any) -> None:
         >>> is_activation(scale), is_activation(y)  # y: of the explained input x, no parameter
         (False, True)
     """
-    one = len(args) == 1 and isinstance(args[0], torch.Tensor) and not is_activation(args[0])
-    if one and is_activation(output) and from_parameters_alone(output):
+    tensors = [arg for arg in args if isinstance(arg, torch.Tensor)]  # ``norm(query, mask=m)``: two constants
+    if tensors and not any(map(is_activation, tensors)) and is_activation(output) and from_parameters_alone(output):
         setattr(output, PARAMETER_DERIVED, True)
 
 

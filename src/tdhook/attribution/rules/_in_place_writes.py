@@ -227,8 +227,13 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     if UNRECORDED:  # a NumPy array shares the storage: written through it before, or watched no more
         settle_numpy_watch(root)
     if ALIAS_OF in root.__dict__ or not torch.is_grad_enabled():  # a write autograd may not record: the tensor noted
-        if func not in STRAIGHT_THROUGH_WRITES or unrecorded_straight_through(func, args, kwargs) is None:
+        source = unrecorded_straight_through(func, args, kwargs) if func in STRAIGHT_THROUGH_WRITES else None
+        if source is None:
             note_unrecorded_write(func, args, root)
+        elif ALIAS_OF in root.__dict__:
+            # ``c.data`` keeps a version counter of its own: moved, a tensor autograd saved of ``c`` (``exp``'s,
+            # ``sigmoid``'s output) is refused by the backward pass, as the write is under ``torch.no_grad()``
+            torch.autograd.graph.increment_version(source)
     masked = bool(MASKS_MADE) and ACTIVATION_WRITTEN in root.__dict__
     gated = (
         GATE_MARKS[0] in target.__dict__
@@ -302,8 +307,8 @@ def unrecorded_straight_through(func: Any, args: tuple, kwargs: dict) -> torch.T
     """The activation whose straight-through estimator ``func(*args, **kwargs)`` is, if it is one: a write of
     :data:`~tdhook.attribution.rules._unrecorded_writes.STRAIGHT_THROUGH_WRITES` with numbers alone
     (``c.clamp_(-1, 1)``, ``c.round_()``) into an activation ``c`` (or a view of it) where autograd does not record
-    it (under ``torch.no_grad()``, or through a detached alias): the values are ``f(c)``, the gradient passes to
-    ``c``, as in ``c + (f(c) - c).detach()``. Judged before or after the write.
+    it (under ``torch.no_grad()``, or through a detached alias, but for a sigmoid gate's): the values are ``f(c)``,
+    the gradient passes to ``c``, as in ``c + (f(c) - c).detach()``. Judged before or after the write.
 
     Examples:
         >>> c = torch.ones(2, requires_grad=True) * 2
@@ -319,7 +324,17 @@ def unrecorded_straight_through(func: Any, args: tuple, kwargs: dict) -> torch.T
     if any(isinstance(value, torch.Tensor) for value in (*args[1:], *kwargs.values())):
         return None
     source = unrecorded_source(args[0])
-    return source if is_activation(source) else None
+    if not is_activation(source):
+        return None
+    # A gate's marks follow a write into the gate itself, not one through an alias of it (``g.detach().clamp_()``:
+    # 2.3 off the estimator under AttnLRP): noted, and refused at a read, as any write through an alias
+    return None if GATE_MARKS[1] in source.__dict__ and ALIAS_OF in _root_of(args[0]).__dict__ else source
+
+
+def _root_of(tensor: torch.Tensor) -> torch.Tensor:
+    with torch._C.DisableTorchFunction():  # ``_base`` read where no mode sees it
+        base = tensor._base
+    return tensor if base is None else base
 
 
 def _maybe_viewed(tensor: torch.Tensor) -> bool:

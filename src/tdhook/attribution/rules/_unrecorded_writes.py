@@ -14,7 +14,9 @@ autograd saved as they were, so that it is the straight-through estimator ``h + 
 reported as one (see :func:`assigns_straight_through`). Nor is a write of the activation's own values alone, clamped
 or rounded (``c.clamp_(-1, 1)`` under ``torch.no_grad()``, ``c.data.round_()``: :data:`STRAIGHT_THROUGH_WRITES`):
 it is the straight-through estimator ``c + (f(c) - c).detach()``, explained and reported as one too (a tensor
-autograd saved before it is refused by torch's backward pass, as in the model's own).
+autograd saved before it is refused by torch's backward pass, as in the model's own; a write through ``c.data``,
+whose version counter is its own, moves ``c``'s too). A sigmoid gate written through an alias is not: its marks
+follow writes into the gate alone.
 
 The function modes note an alias as they make it (:func:`note_alias`), the tensor whose values a write autograd
 does not record changed (:func:`note_unrecorded_write`; an ``out=`` write into an alias, or under
@@ -24,10 +26,12 @@ inside which the modes pause). A write that replaces the whole tensor with gradi
 it a history of its values again. A NumPy array made of such a tensor's storage (``c.detach().numpy()``,
 ``c.numpy(force=True)``, ``np.asarray(c.detach())``) is written where no mode sees it, nor the version counter: the
 tensor's values are kept when the array is made, and a read with gradient that finds them changed is refused as
-well (a write the modes see into the tensor itself first, ``c += h``, ends the watch: a NumPy write after it is not
-seen). Writes no mode sees are not noted: those of a call run without the modes (a later call of AttnLRP or CP-LRP
-that its plan runs without them, a later call of a CNN preset on a model without gates; the first call of every
-context runs in them) or inside a module where they pause.
+well (a write the modes see into the tensor or an alias of it first, ``c += h``, ends the watch: a NumPy write
+after it is not seen; an in-place write autograd records inside a call the modes see, ``F.relu(c, inplace=True)``,
+moves the version counter, which a NumPy write does not: the values it wrote are kept in place of the first).
+Writes no mode sees are not noted: those of a call run without the modes (a later call of AttnLRP or CP-LRP that its
+plan runs without them, a later call of a CNN preset on a model without gates; the first call of every context runs
+in them) or inside a module where they pause.
 """
 
 from __future__ import annotations
@@ -195,34 +199,49 @@ def _poison(tensor: torch.Tensor, write: str) -> None:
 
 def _watch_numpy(tensor: torch.Tensor) -> None:
     """Keep the values of the tensor with autograd history whose storage ``tensor`` (made into a NumPy array) shares:
-    ``tensor`` itself (``c.numpy(force=True)``) or the tensor it aliases (``c.detach().numpy()``)."""
+    ``tensor`` itself (``c.numpy(force=True)``) or the tensor it aliases (``c.detach().numpy()``). None where it is
+    not in CPU memory: the array is a copy (``c.numpy(force=True)`` of a CUDA tensor), a clone kept would be waste."""
+    with torch._C.DisableTorchFunction():
+        if tensor.device.type != "cpu":
+            return
     root = _root(tensor)
     link = root.__dict__.get(ALIAS_OF)
     source = root if _has_history(root) else link() if link is not None else None
     if source is None or id(source) in UNRECORDED:
         return
+    _keep_values(source)
+
+
+def _keep_values(source: torch.Tensor) -> None:
+    """Watch ``source``: its values and its version counter, which a write through a NumPy array does not move."""
     with torch._C.DisableTorchFunction(), torch.no_grad():
-        kept = source.detach().clone()
+        kept, version = source.detach().clone(), source._version
     key = id(source)
-    UNRECORDED[key] = (weakref.ref(source, lambda _, key=key: _forget(key)), _NUMPY_WRITE, kept)
+    UNRECORDED[key] = (weakref.ref(source, lambda _, key=key: _forget(key)), _NUMPY_WRITE, kept, version)
 
 
 def _changed(entry: tuple, tensor: torch.Tensor) -> bool:
     """Whether ``tensor``, noted by ``entry``, was written: noted by a write, or watched and its values not those
-    kept (NaN where NaN was)."""
+    kept (NaN where NaN was) while its version counter stayed. A moved counter is an in-place write autograd saw
+    that no mode did (``F.relu(c, inplace=True)``, whose ``relu_`` runs inside the call the modes see): the values
+    it wrote are kept instead, and watched from there."""
     if len(entry) == 2:
         return True
-    kept = entry[2]
+    kept, version = entry[2], entry[3]
     with torch._C.DisableTorchFunction(), torch.no_grad():
+        if tensor._version != version:
+            _keep_values(tensor)
+            return False
         if tensor.shape != kept.shape or tensor.dtype != kept.dtype:
             return True
-        return not torch.allclose(tensor.detach(), kept, rtol=0.0, atol=0.0, equal_nan=True)
+        values = tensor.detach()  # equal (one pass, 6x cheaper than allclose) unless NaN are there
+        return not (torch.equal(values, kept) or torch.allclose(values, kept, rtol=0.0, atol=0.0, equal_nan=True))
 
 
 def settle_numpy_watch(tensor: torch.Tensor) -> None:
-    """Before a write the modes see into ``tensor`` (a tensor's base, or a tensor no view of): where a NumPy array
-    shares its storage, note it written if its values changed since the array was made, else end the watch (the
-    write changes them; a NumPy write after it is not seen).
+    """Before a write the modes see into ``tensor`` (a tensor's base, or a tensor no view of; or the tensor it
+    aliases): where a NumPy array shares its storage, note it written if its values changed since the array was
+    made, else end the watch (the write changes them; a NumPy write after it is not seen).
 
     Examples:
         >>> c = torch.ones(2, requires_grad=True) * 2
@@ -234,6 +253,8 @@ def settle_numpy_watch(tensor: torch.Tensor) -> None:
         'a write through a NumPy array sharing its storage (`.numpy()`, `np.asarray`)'
         >>> UNRECORDED.clear()
     """
+    link = tensor.__dict__.get(ALIAS_OF)  # a write into an alias (``c.detach().clamp_()``) writes the tensor it aliases
+    tensor = tensor if link is None or link() is None else link()
     key = id(tensor)
     entry = UNRECORDED.get(key)
     if entry is None or len(entry) == 2 or entry[0]() is not tensor:

@@ -44,6 +44,7 @@ from tdhook.attribution.rules._layers import (
     _has_plain_forward,
 )
 from tdhook.attribution.rules._meta_tensors import raise_for_meta_tensors
+from tdhook.attribution.rules._module_inputs import inputs_in_forward
 from tdhook.attribution.rules._parameter_sets import ParameterSets
 from tdhook.attribution.rules._rewrites import RUNNING, checked_rewrite, is_own_rewrite, rewrites
 from tdhook.attribution.rules._scopes import pop, push
@@ -520,7 +521,7 @@ class Rule(Tunable):
         """Attach a rule that acts inside ``module``'s forward: each call with gradients runs in ``make_mode(module)``
         (a ``TorchFunctionMode``), and ``leave(module, args, output, mode)``, if given, may replace the output.
         ``args`` holds the call's positional arguments, then the tensors it was given by keyword (``norm(input=x)``
-        is ``norm(x)``: see :func:`_inputs_in_forward`)."""
+        is ``norm(x)``: see :mod:`~tdhook.attribution.rules._module_inputs`)."""
         if module in self._registrations:
             raise ValueError(f"{self!r} is already registered on this {type(module).__name__}")
         registration = self._new_registration(module)
@@ -528,7 +529,7 @@ class Rule(Tunable):
 
         def enter(mod: nn.Module, args: tuple, kwargs: dict) -> None:
             if UNRECORDED:  # a tensor whose values autograd did not see written: the modes see no read inside
-                raise_for_unrecorded_inputs(mod, _inputs_in_forward(args, kwargs))
+                raise_for_unrecorded_inputs(mod, inputs_in_forward(mod, args, kwargs))
             push(modes, make_mode(mod) if rules_apply(mod) else None, enter=True)
 
         def done(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -536,7 +537,7 @@ class Rule(Tunable):
             if mode is None or leave is None:
                 return None
             try:
-                return leave(mod, _inputs_in_forward(args, kwargs), output, mode)
+                return leave(mod, inputs_in_forward(mod, args, kwargs), output, mode)
             except Exception as err:
                 if getattr(err, "module", None) is None:
                     err.module = mod  # the wrapper names its path
@@ -653,24 +654,6 @@ def _call_arguments(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
     if not kwargs:
         return args
     return (*args, *(value for name, value in kwargs.items() if not (transposed and name == "output_size")))
-
-
-def _inputs_in_forward(args: tuple, kwargs: dict) -> tuple:
-    """What a rule acting inside a module's forward reads of a call's arguments: the positional ones, then the tensors
-    given by keyword (``norm(input=x)``, torchrl's ``BatchRenorm1d(x=h)``: the input itself; ``norm(h, mask=m)``: a
-    tensor read as well). Other keyword values (flags, sizes) are no input of the norm or activation the rule
-    follows.
-
-    Examples:
-        >>> x = torch.ones(2)
-        >>> _inputs_in_forward((), {"input": x})[0] is x
-        True
-        >>> len(_inputs_in_forward((x,), {"inplace": True}))
-        1
-    """
-    if not kwargs:
-        return args
-    return (*args, *(value for value in kwargs.values() if isinstance(value, torch.Tensor)))
 
 
 def _ruled_in_forward(module: nn.Module) -> None:
