@@ -188,3 +188,45 @@ def test_a_join_written_into_a_tensor_given_by_out_is_neither_marked_nor_changed
             torch.cat([gate, gate], 1, out=out[:, :6])
     assert torch.equal(out, torch.cat([gate, gate], 1).detach())
     assert not any(is_gate(view) for view in (out, out[:, :3])) and GATE_WRITTEN not in out.__dict__
+
+
+class JoinedAgain(nn.Module):
+    """Joins of gates and other activations joined again: two cells' ``i, g, o`` (each joined as an LSTM cell's)
+    stacked and unbound (``"stacked cells"``), or each cell's join cut where a piece straddles gates and others and
+    joined again (``"straddling views"``); each cell then split by ``chunk``. ``held`` detaches the gates after the
+    split (the oracle)."""
+
+    def __init__(self, kind: str, held: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.out = nn.Linear(4, 18), nn.Linear(3, 3)
+        self.kind, self.held = kind, held
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.a(x)
+        cells = [
+            torch.cat(
+                [torch.sigmoid(z[:, k : k + 3]), torch.tanh(z[:, k + 3 : k + 6]), torch.sigmoid(z[:, k + 6 : k + 9])], 1
+            )
+            for k in (0, 9)
+        ]
+        if self.kind == "stacked cells":
+            cells = list(torch.stack(cells).unbind(0))
+        else:
+            cells = [torch.cat([cell[:, :4], cell[:, 4:]], 1) for cell in cells]
+        out = torch.zeros_like(z[:, :3])
+        for cell in cells:
+            i, g, o = cell.chunk(3, 1)
+            i, o = (i.detach(), o.detach()) if self.held else (i, o)
+            out = out + o * torch.tanh(i * g)
+        return self.out(out)
+
+
+@pytest.mark.parametrize("mapper", sorted(MAPPERS))
+@pytest.mark.parametrize("kind", ["stacked cells", "straddling views"])
+def test_the_gates_of_joins_joined_again_are_held(kind: str, mapper: str):
+    # A piece that shows gates and other activations (a join of them, or a view across its pieces) was taken for no
+    # gate, and none of its elements were noted: the gates split out of the second join were no gates (2.3 off,
+    # relative L2, under AttnLRP, 2.7 under CP-LRP, 0.84 under the CNN presets, in the first and in later calls).
+    model = JoinedAgain(kind).double()
+    assert_same_relevance(model, JoinedAgain(kind, held=True).double(), mapper)
