@@ -83,6 +83,7 @@ __all__ = [
     "GATE_SCALINGS",
     "GATE_MULTIPLICATIONS",
     "GATE_JOINS",
+    "GATE_PADS",
     "GATE_FUNCTIONS",
     "mark_weights",
     "weighing_factors",
@@ -156,6 +157,11 @@ GATE_PRESERVING = SAME_VALUES | GATE_COMPLEMENTS | GATE_RESIZES | GATE_SPLITS | 
 # Gates joined (``torch.cat([sigmoid(a), sigmoid(b)], 1)``, ``torch.stack``): a gate where every piece is one (see
 # :mod:`~tdhook.attribution.rules._joined_gates`).
 GATE_PRESERVING |= GATE_JOINS
+# A gate padded (``F.pad(g, (0, 1), value=1.0)``: a gate of 1 for a unit, as ``torch.cat([g, ones], 1)``; reflected,
+# replicated or circular padding copies its values): a gate, of its kind. (It was none: the product's relevance was
+# shared with the gate, 1.3-7.0 off, relative L2, under AttnLRP and CP-LRP, 0.16-0.27 under the CNN presets.)
+GATE_PADS = frozenset({F.pad, torch.constant_pad_nd})
+GATE_PRESERVING |= GATE_PADS
 # Class names of routers whose forward selects experts without ``topk`` (by ``max`` in a helper, as PhiMoE).
 _ROUTER_NAMES = ("Router",)
 # Class names of routers that hold their projection and select by ``topk`` (JetMoE's ``TopKGating``, HunYuan's gate).
@@ -208,7 +214,8 @@ def is_gate(value: Any) -> bool:
 def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = None) -> Any:
     """``result`` marked as its input was, where ``func`` only rearranges, copies or casts values (a view, a reshape,
     an ``expand_as``: ECA and squeeze-excite reshape their gate before the product), or resizes them by copies
-    or convex combinations (``F.interpolate`` but bicubic: GhostNetV2 upsamples its gate to the signal's size);
+    or convex combinations (``F.interpolate`` but bicubic: GhostNetV2 upsamples its gate to the signal's size), or
+    pads them (``F.pad``: constants, or copies of its values);
     each piece of a gate split in pieces (``chunk``, ``split``, ``unbind``) marked as it was; gates joined
     (``torch.cat``, ``torch.stack``, ``hstack``, ...) a gate, where every piece is one (see
     :func:`~tdhook.attribution.rules._joined_gates.mark_joined_gate`).
@@ -223,7 +230,7 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
         mark_joined_gate(func, args, kwargs or {}, result)
         return result
     same_values = func in SAME_VALUES or (func in GATE_RESIZES and _convex_resize(args, kwargs or {}))
-    if same_values and args and is_gate(args[0]) and isinstance(result, torch.Tensor):
+    if (same_values or func in GATE_PADS) and args and is_gate(args[0]) and isinstance(result, torch.Tensor):
         mark_gate(result, _mark(args[0], GATE_MARK), sigmoid=_mark(args[0], SIGMOID_MARK, False))
     elif func in GATE_SPLITS and args and is_gate(args[0]) and isinstance(result, (tuple, list)):
         for piece in result:
