@@ -23,6 +23,7 @@ from tdhook.attribution._inputs import explained_in_call, validate_inputs
 from tdhook.attribution._keys import check_writable
 from tdhook.attribution._model_changes import follow_model_changes
 from tdhook.attribution._model_run import cache_watch_of, run_model
+from tdhook.attribution._numeric_inputs import report_numeric_inputs
 from tdhook.attribution._policy_targets import allowed_action
 from tdhook.attribution._ragged_stacks import raise_for_ragged
 from tdhook.attribution._random_modules import warn_for_random_modules
@@ -98,6 +99,7 @@ def explain(lrp: Any, tensordict: TensorDictBase) -> tuple[TensorDictBase, Calla
                     if error is err:
                         raise
                     raise error from err
+            report_numeric_inputs(lrp, leaves)  # integers the first call saw computed with as numbers
             lrp._tokens.raise_for_unembedded(leaves, optional=lrp._defaulted_inputs)
             result = work if result is None else result
             # The caller's TensorDict, unless the module cut the batch.

@@ -27,6 +27,7 @@ from tdhook.attribution._function_rule_plan import FunctionRulePlan
 from tdhook.attribution._given_inputs import given_inputs, restore_inputs
 from tdhook.attribution._kept_caches import KeptCaches, cache_receivers
 from tdhook.attribution._nonlinear_calls import NonlinearCalls
+from tdhook.attribution._numeric_inputs import watch_numeric_inputs
 from tdhook.attribution._plain_modules import call_plain
 from tdhook.attribution._rerun_state import ModelBuffers
 from tdhook.attribution._rule_use import RuleUse
@@ -111,6 +112,9 @@ def run_model(
         for mode in rule_modes:
             modes.enter_context(mode)
         calls = lrp._coverage.watch(modes, rule_modes, lrp.named_explained_modules, handles) if watching else None
+        numeric = watch_numeric_inputs(lrp, work) if watching else None  # integers computed with as numbers
+        if numeric is not None:
+            modes.enter_context(numeric)
         if lrp._compiled:  # parts compiled by torch.compile run as written: every rule applies
             modes.enter_context(torch.compiler.set_stance("force_eager"))
         if recording is not None:  # norms tell where the scales they hold are, and their outputs
