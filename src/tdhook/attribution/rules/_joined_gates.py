@@ -31,6 +31,7 @@ import torch
 
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, note_gate_written
 from tdhook.attribution.rules._in_place_writes import GATE_MARKS, gate_marks_of
+from tdhook.attribution.rules._mixed_gate_products import OTHER_GATES
 
 __all__ = ["GATE_JOINS", "mark_joined_gate"]
 
@@ -102,6 +103,32 @@ def mark_joined_gate(func: Any, args: tuple, kwargs: dict, result: Any) -> None:
     if region.shape == result.shape:
         sources = [mark[_GATE] for mark in marks if mark.get(_SIGMOID, False)] + [part[1] for part in partly]
         note_gate_written(result, region, {_GATE: sources[0], _SIGMOID: True})
+        _note_other_gates(func, args, kwargs, pieces, kept, shown, result)
+
+
+def _note_other_gates(
+    func: Any, args: tuple, kwargs: dict, pieces: Any, kept: list[bool], shown: list, result: torch.Tensor
+) -> None:
+    """Note on ``result``, a join of gates and other activations, where a gate of any kind (or a constant) went (see
+    :mod:`~tdhook.attribution.rules._mixed_gate_products`): where every piece tells (a piece showing gates in part
+    tells where it was noted so, a join itself)."""
+    with torch._C.DisableTorchFunction(), torch.no_grad():  # bookkeeping, which a function mode must not see
+        flags = []
+        for piece, keep, part in zip(pieces, kept, shown, strict=True):
+            if part is None:
+                flags.append(torch.full(piece.shape, keep, dtype=torch.bool, device=result.device))
+                continue
+            root = piece if piece._base is None else piece._base
+            noted = root.__dict__.get(OTHER_GATES)
+            if noted is None or noted[1] != root._version or not root.is_contiguous():
+                return  # not known: a product that would hold them raises
+            flags.append(
+                noted[0]
+                .reshape(-1)
+                .as_strided(piece.shape, piece.stride(), piece.storage_offset() - root.storage_offset())
+            )
+        region = func(flags, *args[1:], **{k: v for k, v in kwargs.items() if k != "tensors"})
+    setattr(result, OTHER_GATES, (region, result._version))
 
 
 def _gates_shown(piece: torch.Tensor) -> tuple[torch.Tensor, Any] | None:

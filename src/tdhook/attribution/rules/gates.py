@@ -55,6 +55,7 @@ from tdhook.attribution.rules._joined_gates import GATE_JOINS, mark_joined_gate
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._means_apart import STATISTICS_AND_MEANS, mean_apart
+from tdhook.attribution.rules._mixed_gate_products import gate_elements, mixed_gate_product
 from tdhook.attribution.rules._recomputed import in_checkpoint, raise_for_checkpoint
 from tdhook.attribution.rules._unrecorded_writes import NOT_READ, UNRECORDED, note_out_write, read_unrecorded
 from tdhook.attribution.rules._written_norms import WRITTEN_NORM_CALLS, statistic_place
@@ -451,6 +452,12 @@ class HeldGates(TorchFunctionMode):
         gradient (the coverage report names it)."""
         if func is F.glu:
             return bool(args) and is_activation(args[0])
+        if GATE_MASKS_MADE and len(args) == 2 and (func in _PRODUCTS_IN_PLACE or func in ELEMENTWISE_PRODUCTS):
+            mixed = gate_elements(args[1]) is not None or (
+                func in ELEMENTWISE_PRODUCTS and gate_elements(args[0]) is not None
+            )
+            if mixed and is_activation(args[0]) and is_activation(args[1]):
+                return True
         if func in _PRODUCTS_IN_PLACE:
             return held_factors(args) == [False, True]
         if func in NORMALIZING_CALLS:
@@ -480,7 +487,11 @@ class HeldGates(TorchFunctionMode):
             # named in the coverage report) only where its statistic keeps its gradient (see _means_apart)
             return mean_apart(func, args, kwargs)
         if func in ELEMENTWISE_PRODUCTS:
-            held = held_gate_product(func, args, kwargs)
+            # A factor a gate in some elements only (a join of gates and other activations): element by element.
+            held = (
+                mixed_gate_product(func, args, kwargs, True, _plain_product(func, kwargs)) if GATE_MASKS_MADE else None
+            )
+            held = held_gate_product(func, args, kwargs) if held is None else held
             if held is not None:
                 raise_for_checkpoint("gates held constant in products")
                 self.held = True
@@ -488,6 +499,15 @@ class HeldGates(TorchFunctionMode):
             if self.norm_calls.held:  # a product of two activations, which has no rule here: see _held_norm_calls
                 self.norm_calls.release_reached(func, args, kwargs)
             return keep_gate_mark(func, args, mark_parameter_derived(args, func(*args, **kwargs), func), kwargs)
+        if func in _PRODUCTS_IN_PLACE and not kwargs and GATE_MASKS_MADE and torch.is_grad_enabled():
+            # The signal written into by a gate in some elements only: those held, the first factor never (below).
+            product = mixed_gate_product(
+                torch.mul, args, {}, True, _plain_product(torch.mul, {}), (args[0].clone(), args[1]), first=False
+            )
+            if product is not None:
+                raise_for_checkpoint("gates held constant in products")
+                self.held = True
+                return args[0].copy_(product)
         if (
             func in _PRODUCTS_IN_PLACE
             and not kwargs
@@ -538,6 +558,11 @@ class HeldGates(TorchFunctionMode):
         if gate and args and is_activation(args[0]) and isinstance(result, torch.Tensor):
             return mark_gate(result, args[0], sigmoid=True)
         return keep_gate_mark(func, args, result, kwargs)
+
+
+def _plain_product(func: Any, kwargs: dict) -> Any:
+    """The product ``func(*factors, **kwargs)`` of two factors with its plain gradient."""
+    return lambda factors: func(*factors, **kwargs)
 
 
 def give_back_norms_entering(args: tuple) -> None:
