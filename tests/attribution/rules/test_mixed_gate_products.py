@@ -51,7 +51,7 @@ class MixedProduct(nn.Module):
         return self.out(torch.cat([gate, other], 1))
 
 
-@pytest.mark.parametrize("mapper", ["AttnLRP", "CPLRP", "EpsilonPlus"])
+@pytest.mark.parametrize("mapper", sorted(MAPPERS))
 @pytest.mark.parametrize("product", sorted(PRODUCTS))
 def test_a_product_with_a_mixed_join_holds_its_gate_elements_alone(product: str, mapper: str):
     model, oracle = MixedProduct(product).double(), MixedProduct(product, apart=True).double()

@@ -452,12 +452,6 @@ class HeldGates(TorchFunctionMode):
         gradient (the coverage report names it)."""
         if func is F.glu:
             return bool(args) and is_activation(args[0])
-        if GATE_MASKS_MADE and len(args) == 2 and (func in _PRODUCTS_IN_PLACE or func in ELEMENTWISE_PRODUCTS):
-            mixed = gate_elements(args[1]) is not None or (
-                func in ELEMENTWISE_PRODUCTS and gate_elements(args[0]) is not None
-            )
-            if mixed and is_activation(args[0]) and is_activation(args[1]):
-                return True
         if func in _PRODUCTS_IN_PLACE:
             return held_factors(args) == [False, True]
         if func in NORMALIZING_CALLS:
@@ -499,8 +493,9 @@ class HeldGates(TorchFunctionMode):
             if self.norm_calls.held:  # a product of two activations, which has no rule here: see _held_norm_calls
                 self.norm_calls.release_reached(func, args, kwargs)
             return keep_gate_mark(func, args, mark_parameter_derived(args, func(*args, **kwargs), func), kwargs)
-        if func in _PRODUCTS_IN_PLACE and not kwargs and GATE_MASKS_MADE and torch.is_grad_enabled():
-            # The signal written into by a gate in some elements only: those held, the first factor never (below).
+        if func in _PRODUCTS_IN_PLACE and not kwargs and GATE_MASKS_MADE and _mixed_gate_in_place(args):
+            # A signal written into by a gate in some elements only (``h.mul_(m)``): those held, as ``h * m`` holds
+            # them. (One written into by its signal keeps its plain gradient, as below.)
             product = mixed_gate_product(
                 torch.mul, args, {}, True, _plain_product(torch.mul, {}), (args[0].clone(), args[1]), first=False
             )
@@ -558,6 +553,18 @@ class HeldGates(TorchFunctionMode):
         if gate and args and is_activation(args[0]) and isinstance(result, torch.Tensor):
             return mark_gate(result, args[0], sigmoid=True)
         return keep_gate_mark(func, args, result, kwargs)
+
+
+def _mixed_gate_in_place(args: tuple) -> bool:
+    """Whether ``args`` are a signal, no gate in any element, and a gate in some elements only (see
+    :func:`~tdhook.attribution.rules._mixed_gate_products.gate_elements`), in a call autograd records."""
+    return (
+        len(args) == 2
+        and torch.is_grad_enabled()
+        and gate_elements(args[1]) is not None
+        and not is_gate(args[0])
+        and gate_elements(args[0]) is None
+    )
 
 
 def _plain_product(func: Any, kwargs: dict) -> Any:
