@@ -26,15 +26,13 @@ from typing import Any
 import torch
 
 from tdhook.attribution.rules._autograd import hold, is_activation
-from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN
+from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE
 from tdhook.attribution.rules._in_place_writes import GATE_MARKS, gate_marks_of
+from tdhook.attribution.rules._joined_gates import _gates_shown, other_gates_shown
 
-__all__ = ["OTHER_GATES", "gate_elements", "mixed_gate_product"]
+__all__ = ["gate_elements", "mixed_gate_product"]
 
 _GATE, _SIGMOID = GATE_MARKS
-#: On a join of gates and other activations that joins gates of another kind (an activation's output): a mask of its
-#: shape, true where such a gate (or a sigmoid-like one, or a constant) went, and the join's version then.
-OTHER_GATES = "_tdhook_other_gates"
 
 
 def gate_elements(value: Any) -> tuple[torch.Tensor, Any] | None:
@@ -52,20 +50,14 @@ def gate_elements(value: Any) -> tuple[torch.Tensor, Any] | None:
         >>> gate_elements(mixed)[0].tolist(), gate_elements(mixed[:, :2])
         ([[True, True, False, False], [True, True, False, False]], None)
     """
-    if not GATE_MASKS_MADE or not isinstance(value, torch.Tensor):
+    shown = _gates_shown(value) if GATE_MASKS_MADE and isinstance(value, torch.Tensor) else None
+    if shown is None:
         return None
     with torch._C.DisableTorchFunction(), torch.no_grad():  # an inspection, which a function mode must not see
-        root = value if value._base is None else value._base
-        record = root.__dict__.get(GATE_WRITTEN)
-        if record is None or not record[1].get(_SIGMOID, False) or value.element_size() != root.element_size():
-            return None
         try:
-            mask = record[0].as_strided(value.shape, value.stride(), value.storage_offset())
-            if bool(mask.all()) or not bool(mask.any()):
-                return None
+            return None if bool(shown[0].all()) or not bool(shown[0].any()) else shown
         except (RuntimeError, NotImplementedError):  # a mask on the meta device: no values to read
             return None
-        return mask, record[1][_GATE]
 
 
 def mixed_gate_product(
@@ -142,20 +134,14 @@ def _whole(value: Any, mark: str) -> bool:
 
 def _other_gates(value: torch.Tensor) -> torch.Tensor:
     """Where ``value`` (a join of gates and other activations, or a view of one) is a gate of any kind."""
-    with torch._C.DisableTorchFunction(), torch.no_grad():  # an inspection, which a function mode must not see
-        root = value if value._base is None else value._base
-        noted = root.__dict__.get(OTHER_GATES)
-        if (
-            noted is None
-        ):  # gates written in place (``c[:, 2:] = g``): no join noted others, its sigmoid-like gates tell
-            return gate_elements(value)[0]
-        if noted[1] != root._version or not root.is_contiguous():
-            raise NotImplementedError(
-                f"a product of two activations, one a sigmoid-like gate in some of its elements only (shape "
-                f"{tuple(value.shape)}, a join of gates and other activations), under a rule that holds gates of any "
-                f"kind: where its other elements are such gates is not known after an in-place write into the join; "
-                f"multiply its pieces apart, or write into a copy"
-            )
-        return (
-            noted[0].reshape(-1).as_strided(value.shape, value.stride(), value.storage_offset() - root.storage_offset())
+    other = other_gates_shown(value)
+    if other is None:  # gates written in place (``c[:, 2:] = g``): no join noted others, its sigmoid-like gates tell
+        return gate_elements(value)[0]
+    if other is False:
+        raise NotImplementedError(
+            f"a product of two activations, one a sigmoid-like gate in some of its elements only (shape "
+            f"{tuple(value.shape)}, a join of gates and other activations), under a rule that holds gates of any "
+            f"kind: where its other elements are such gates is not known after an in-place write into the join; "
+            f"multiply its pieces apart, or write into a copy"
         )
+    return other
