@@ -29,6 +29,7 @@ from tdhook.attribution.rules._autograd import PARAMETER_DERIVED, hold, is_activ
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN
 from tdhook.attribution.rules._held_statistics import statistic_factors
 from tdhook.attribution.rules._in_place_writes import mark_written_in_place, note_gate_views
+from tdhook.attribution.rules._mixed_gate_products import mixed_gate_product
 from tdhook.attribution.rules.gates import GATE_MARK, SIGMOID_MARK, WEIGHTS_MARK, held_factors, weighing_factors
 
 if TYPE_CHECKING:
@@ -77,6 +78,12 @@ def product_in_place(
     """
     if not torch.is_grad_enabled():  # autograd records nothing: no rule, the write noted (see _unrecorded_writes)
         return mark_written_in_place(func, (a, b), {})
+    if GATE_MASKS_MADE:  # a factor a gate in some elements only (see _mixed_gate_products): ``a * b``'s rule, copied
+        product = mixed_gate_product(torch.mul, (a, b), {}, hold_gates, _uniform, (a.clone(), b))
+        if product is not None:
+            if recording is not None:
+                recording.other_rule()
+            return _no_gate(a.copy_(product))
     gates = statistic_factors(torch.mul, (a, b)) or held_factors((a, b), any_gate=hold_gates)
     if gates is None:  # a softmax's weights mixing what they multiply (``h.mul_(weights)``): held, as in ``h * w``
         gates = weighing_factors((a, b))
@@ -99,6 +106,11 @@ def product_in_place(
     if gates[1]:  # two statistics: a product of scales is a constant, as out of place
         setattr(written, PARAMETER_DERIVED, True)
     return written
+
+
+def _uniform(factors: tuple) -> torch.Tensor:
+    """The product of two factors under the uniform rule, half its gradient to each."""
+    return scale_gradient(torch.mul(*factors), 0.5)
 
 
 def _no_gate(tensor: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, note_gate_written
 from tdhook.attribution.rules._in_place_writes import GATE_MARKS, gate_marks_of
 
-__all__ = ["GATE_JOINS", "mark_joined_gate"]
+__all__ = ["GATE_JOINS", "OTHER_GATES", "mark_joined_gate", "other_gates_shown"]
 
 _JOIN_NAMES = ("cat", "concat", "concatenate", "stack", "hstack", "vstack", "row_stack", "dstack", "column_stack")
 _ATEN_JOINS = [getattr(torch.ops.aten, name) for name in _JOIN_NAMES]
@@ -42,6 +42,9 @@ GATE_JOINS = frozenset(
     | {op for packet in _ATEN_JOINS for op in (packet, *(getattr(packet, o) for o in packet.overloads()))}
 )
 _GATE, _SIGMOID = GATE_MARKS
+#: On a join of gates and other activations: a mask of its shape, true where a gate of any kind (or a constant) went,
+#: and the join's version then (see :mod:`~tdhook.attribution.rules._mixed_gate_products`).
+OTHER_GATES = "_tdhook_other_gates"
 
 
 def mark_joined_gate(func: Any, args: tuple, kwargs: dict, result: Any) -> None:
@@ -102,6 +105,53 @@ def mark_joined_gate(func: Any, args: tuple, kwargs: dict, result: Any) -> None:
     if region.shape == result.shape:
         sources = [mark[_GATE] for mark in marks if mark.get(_SIGMOID, False)] + [part[1] for part in partly]
         note_gate_written(result, region, {_GATE: sources[0], _SIGMOID: True})
+        _note_other_gates(func, args, kwargs, pieces, kept, shown, result)
+
+
+def _note_other_gates(
+    func: Any, args: tuple, kwargs: dict, pieces: Any, kept: list[bool], shown: list, result: torch.Tensor
+) -> None:
+    """Note on ``result``, a join of gates and other activations, where a gate of any kind (or a constant) went (see
+    :mod:`~tdhook.attribution.rules._mixed_gate_products`): where every piece tells (a piece showing gates in part
+    tells where it was noted so, a join itself)."""
+    with torch._C.DisableTorchFunction(), torch.no_grad():  # bookkeeping, which a function mode must not see
+        flags = []
+        for piece, keep, part in zip(pieces, kept, shown, strict=True):
+            if part is None:
+                flags.append(torch.full(piece.shape, keep, dtype=torch.bool, device=result.device))
+                continue
+            other = other_gates_shown(piece)
+            if other is None or other is False:
+                return  # not known: a product that would hold them raises
+            flags.append(other)
+        region = func(flags, *args[1:], **{k: v for k, v in kwargs.items() if k != "tensors"})
+    setattr(result, OTHER_GATES, (region, result._version))
+
+
+def other_gates_shown(piece: torch.Tensor) -> torch.Tensor | bool | None:
+    """Where ``piece``, a join of gates and other activations (or a view of one), is a gate of any kind (see
+    :data:`OTHER_GATES`): a mask of its shape; ``None`` where no join noted it, ``False`` where the join was written
+    into in place since (not known).
+
+    Examples:
+        >>> x = torch.ones(3, requires_grad=True)
+        >>> sigmoid, tanh, other = torch.sigmoid(x * 1), torch.tanh(x * 1), x * 2  # gates of two kinds, and none
+        >>> sigmoid.__dict__.update(_tdhook_activation_of=x, _tdhook_sigmoid_gate=True)
+        >>> tanh.__dict__.update(_tdhook_activation_of=x)
+        >>> mixed = torch.stack([sigmoid, tanh, other])
+        >>> mark_joined_gate(torch.stack, ([sigmoid, tanh, other],), {}, mixed)
+        >>> other_gates_shown(mixed[:, 0]).tolist()
+        [True, True, False]
+    """
+    with torch._C.DisableTorchFunction(), torch.no_grad():  # an inspection, which a function mode must not see
+        root = piece if piece._base is None else piece._base
+        noted = root.__dict__.get(OTHER_GATES)
+        if noted is None:
+            return None
+        if noted[1] != root._version or not root.is_contiguous():
+            return False
+        offset = piece.storage_offset() - root.storage_offset()
+        return noted[0].reshape(-1).as_strided(piece.shape, piece.stride(), offset)
 
 
 def _gates_shown(piece: torch.Tensor) -> tuple[torch.Tensor, Any] | None:

@@ -49,6 +49,7 @@ from tdhook.attribution.rules._clips import (
 from tdhook.attribution.rules._cosine_similarity import COSINE_SIMILARITY, cosine_as_products
 from tdhook.attribution.rules._dropout_calls import DROPOUTS, dropout_probability, warn_random_dropout
 from tdhook.attribution.rules._first_pass import first_pass
+from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE
 from tdhook.attribution.rules._generated_linear import generated_linear, linear_as_product
 from tdhook.attribution.rules._held_following import follow_held
 from tdhook.attribution.rules._held_statistics import (
@@ -71,6 +72,7 @@ from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_writ
 from tdhook.attribution.rules._input_values import INPUT_VALUES, watch_values
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._keyword_factors import positional_factors
+from tdhook.attribution.rules._mixed_gate_products import mixed_gate_product
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint, saved_tensors_hooked
 from tdhook.attribution.rules._unrecorded_writes import NOT_READ, UNRECORDED, note_out_write, read_unrecorded
 from tdhook.attribution.rules._zero_input_calls import watch_zero_inputs
@@ -298,7 +300,15 @@ class FunctionalRules(TorchFunctionMode):
             return product_in_place(func, *args, hold_gates=self.hold_gates, recording=recording)
         if func in _PRODUCTS and len(args) == 2 and is_activation(args[0]) and is_activation(args[1]):
             # A statistic (a norm written out: ``h * rsqrt(mean(h²) + ε)``) held constant, as a norm's scale; a gate.
-            gates = statistic_factors(func, args) or held_factors(args, any_gate=self.hold_gates)
+            statistics = statistic_factors(func, args)
+            if statistics is None and GATE_MASKS_MADE and func in ELEMENTWISE_PRODUCTS:
+                # A factor a gate in some elements only (a join of gates and other activations): element by element.
+                mixed = mixed_gate_product(func, args, kwargs, self.hold_gates, _uniform_product(func, kwargs))
+                if mixed is not None:
+                    if recording is not None:  # (a rule a later call does not plan: it runs in the mode)
+                        recording.other_rule()
+                    return mixed
+            gates = statistics or held_factors(args, any_gate=self.hold_gates)
             if gates is None and func in ELEMENTWISE_PRODUCTS:  # a softmax's weights mixing branches: held
                 gates = weighing_factors(args)
             if gates is not None:
@@ -535,6 +545,11 @@ def _held_product(func: Callable, args: tuple, kwargs: dict, gates: list[bool], 
         recording.other_rule()
     factors = tuple(hold(a) if gate else a for a, gate in zip(args, gates, strict=True))
     return mark_parameter_derived(factors, func(*factors, **kwargs))  # of held factors alone: a constant
+
+
+def _uniform_product(func: Callable, kwargs: dict) -> Callable[[tuple], torch.Tensor]:
+    """The product ``func(*factors, **kwargs)`` of two factors under the uniform rule, half its gradient to each."""
+    return lambda factors: scale_gradient(func(*factors, **kwargs), 0.5)
 
 
 def _einsum_operands(args: tuple) -> tuple:

@@ -55,6 +55,7 @@ from tdhook.attribution.rules._joined_gates import GATE_JOINS, mark_joined_gate
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._means_apart import STATISTICS_AND_MEANS, mean_apart
+from tdhook.attribution.rules._mixed_gate_products import gate_elements, mixed_gate_product
 from tdhook.attribution.rules._recomputed import in_checkpoint, raise_for_checkpoint
 from tdhook.attribution.rules._unrecorded_writes import NOT_READ, UNRECORDED, note_out_write, read_unrecorded
 from tdhook.attribution.rules._written_norms import WRITTEN_NORM_CALLS, statistic_place
@@ -480,7 +481,11 @@ class HeldGates(TorchFunctionMode):
             # named in the coverage report) only where its statistic keeps its gradient (see _means_apart)
             return mean_apart(func, args, kwargs)
         if func in ELEMENTWISE_PRODUCTS:
-            held = held_gate_product(func, args, kwargs)
+            # A factor a gate in some elements only (a join of gates and other activations): element by element.
+            held = (
+                mixed_gate_product(func, args, kwargs, True, _plain_product(func, kwargs)) if GATE_MASKS_MADE else None
+            )
+            held = held_gate_product(func, args, kwargs) if held is None else held
             if held is not None:
                 raise_for_checkpoint("gates held constant in products")
                 self.held = True
@@ -488,6 +493,16 @@ class HeldGates(TorchFunctionMode):
             if self.norm_calls.held:  # a product of two activations, which has no rule here: see _held_norm_calls
                 self.norm_calls.release_reached(func, args, kwargs)
             return keep_gate_mark(func, args, mark_parameter_derived(args, func(*args, **kwargs), func), kwargs)
+        if func in _PRODUCTS_IN_PLACE and not kwargs and GATE_MASKS_MADE and _mixed_gate_in_place(args):
+            # A signal written into by a gate in some elements only (``h.mul_(m)``): those held, as ``h * m`` holds
+            # them. (One written into by its signal keeps its plain gradient, as below.)
+            product = mixed_gate_product(
+                torch.mul, args, {}, True, _plain_product(torch.mul, {}), (args[0].clone(), args[1]), first=False
+            )
+            if product is not None:
+                raise_for_checkpoint("gates held constant in products")
+                self.held = True
+                return args[0].copy_(product)
         if (
             func in _PRODUCTS_IN_PLACE
             and not kwargs
@@ -538,6 +553,23 @@ class HeldGates(TorchFunctionMode):
         if gate and args and is_activation(args[0]) and isinstance(result, torch.Tensor):
             return mark_gate(result, args[0], sigmoid=True)
         return keep_gate_mark(func, args, result, kwargs)
+
+
+def _mixed_gate_in_place(args: tuple) -> bool:
+    """Whether ``args`` are a signal, no gate in any element, and a gate in some elements only (see
+    :func:`~tdhook.attribution.rules._mixed_gate_products.gate_elements`), in a call autograd records."""
+    return (
+        len(args) == 2
+        and torch.is_grad_enabled()
+        and gate_elements(args[1]) is not None
+        and not is_gate(args[0])
+        and gate_elements(args[0]) is None
+    )
+
+
+def _plain_product(func: Any, kwargs: dict) -> Any:
+    """The product ``func(*factors, **kwargs)`` of two factors with its plain gradient."""
+    return lambda factors: func(*factors, **kwargs)
 
 
 def give_back_norms_entering(args: tuple) -> None:
