@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -286,6 +287,28 @@ def _probe_input(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     return weight.new_zeros(1, module.in_channels, *extent)
 
 
+@contextmanager
+def _probed(module: nn.Module) -> Iterator[None]:
+    """Run probes of the layer's own forward, then put back what they set: the attributes, submodules, parameters
+    and buffers a forward assigns on the layer or its submodules (timm's ``Conv2dSameExport`` builds its padding
+    for the first input size it sees, which would be the probe's), and the random number generators' states (a
+    forward that draws noise)."""
+    saved = [(m, dict(m.__dict__), dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in module.modules()]
+    tensors = [*module.parameters(), *module.buffers()]
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            for m, attributes, modules, parameters, buffers in saved:
+                for table, kept in ((m._modules, modules), (m._parameters, parameters), (m._buffers, buffers)):
+                    table.clear()
+                    table.update(kept)
+                for name in [name for name in m.__dict__ if name not in attributes]:
+                    del m.__dict__[name]
+                m.__dict__.update(attributes)
+
+
 def _has_weight_property(module: nn.Module) -> bool:
     """Whether the layer's class computes ``weight`` in a property of its own (not a parametrization's)."""
     return isinstance(getattr(type(module), "weight", None), property) and not nn.utils.parametrize.is_parametrized(
@@ -337,7 +360,7 @@ def effective_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
                 hook(module, ())
             probe = _probe_input(module, module.weight)
             # Seen by the recorder even inside a rule's function mode, which runs with torch functions off.
-            with torch._C._EnableTorchFunction(), recorder:
+            with torch._C._EnableTorchFunction(), recorder, _probed(module):
                 module.forward(probe)
     finally:
         for sub, training in modes.items():
@@ -394,7 +417,7 @@ def _check_linear_after_layer_call(module: nn.Module, weight: torch.Tensor) -> N
     outputs = []
     try:
         module.eval()
-        with torch.no_grad(), torch._C._EnableTorchFunction():
+        with torch.no_grad(), torch._C._EnableTorchFunction(), _probed(module):
             for w in (signed, -signed, torch.zeros_like(signed)):
                 with _SubstituteLayerCall(w, None):
                     outputs.append(module.forward(probe))
@@ -452,7 +475,7 @@ def check_layer_input(module: nn.Module) -> None:
     modes = {sub: sub.training for sub in module.modules()}
     try:
         module.eval()  # no state may change: spectral_norm's power iteration runs in training mode only
-        with torch.no_grad(), torch._C._EnableTorchFunction(), recorder:
+        with torch.no_grad(), torch._C._EnableTorchFunction(), recorder, _probed(module):
             module.forward(_probe_input(module, reference))
     except Exception:  # noqa: BLE001 (a forward that needs more than the smallest input: not checked here)
         return
@@ -488,7 +511,7 @@ def _rays_bent(module: nn.Module, weight: torch.Tensor, clips_ruled: bool = Fals
     grads, seed = [], None
     try:
         module.eval()
-        with torch.enable_grad(), torch._C._EnableTorchFunction():
+        with torch.enable_grad(), torch._C._EnableTorchFunction(), _probed(module):
             for x in (probe, 2 * probe):
                 leaf = x.clone().requires_grad_(True)
                 # The substitution first: the calls noted are those of the random weight, which has no gradient.
