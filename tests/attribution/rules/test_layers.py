@@ -553,6 +553,10 @@ def _clip(z: torch.Tensor) -> torch.Tensor:
     return F.hardtanh(z, -0.2, 0.2)
 
 
+def _softmax(z: torch.Tensor) -> torch.Tensor:
+    return F.softmax(z, -1)
+
+
 def _relu(z: torch.Tensor) -> torch.Tensor:
     return torch.relu(z)
 
@@ -581,6 +585,13 @@ def input_of(kind: str) -> torch.Tensor:
 
 
 ACTIVATIONS_REFUSED = [(_tanh, "after"), (_tanh, "before"), (_cube, "after")]
+
+
+PROBING_PRESETS = {
+    **CNN_PRESETS,
+    "UniformEpsilon": lambda: UniformEpsilon(),
+    "AttnLRP": lambda: AttnLRP(epsilon=1e-6),
+}
 
 
 class TestActivationsInsideLayers:
@@ -671,6 +682,39 @@ class TestActivationsInsideLayers:
         # ε = 1e-6 on the clipped output against ε on the linear output: differences of that order.
         assert relative_error(actual, lrp_relevance(reference, x, relevance_out, CNN_PRESETS[preset]())) <= 1e-5
 
+    # A softmax after the linear function (a classifier or policy head written as one layer): the presets' softmax
+    # rules explain it as an nn.Softmax beside the layer; it was refused as an activation the ε-rule runs through.
+    @pytest.mark.parametrize("preset", ["EpsilonPlus", "EpsilonGammaBox", "AttnLRP"])
+    @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+    def test_a_softmax_inside_a_linear_layer_is_explained_as_one_beside_it(self, preset: str, log: bool):
+        class Head(nn.Linear):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                z = super().forward(x)
+                return F.log_softmax(z, -1) if log else F.softmax(z, -1)
+
+        torch.manual_seed(1)
+        layer = Head(4, 4).double()
+        plain = nn.Linear(4, 4).double()
+        plain.load_state_dict(layer.state_dict())
+        model = model_around(layer, "Linear")
+        softmax = nn.LogSoftmax(-1) if log else nn.Softmax(-1)
+        reference = nn.Sequential(model[0], model[1], plain, softmax, *model[3:])
+        x, relevance_out = input_of("Linear"), torch.randn(2, 3, dtype=F64)
+        actual = lrp_relevance(model, x, relevance_out, PROBING_PRESETS[preset]())
+        # ε = 1e-6 on the softmax's output against ε on the linear output: differences of that order.
+        assert relative_error(actual, lrp_relevance(reference, x, relevance_out, PROBING_PRESETS[preset]())) <= 1e-5
+
+    # Under a large ε the rule stabilises the function's output, not the linear output: a clip inside gave 0.35
+    # relative L2 against a Hardtanh beside the layer under UniformEpsilon (ε = 0.25), silently; a softmax 0.40.
+    @pytest.mark.parametrize("activation", [_clip, _softmax], ids=["clip", "softmax"])
+    def test_a_clip_or_softmax_inside_a_layer_under_a_large_epsilon_is_refused(self, activation):
+        torch.manual_seed(1)
+        layer = layer_with("Linear", activation, "after").double()
+        model, x = model_around(layer, "Linear"), input_of("Linear")
+        name = type(layer).__name__
+        with pytest.raises(ValueError, match=rf"module '2' \({name}\): {name}: its forward runs an activation that"):
+            lrp_relevance(model, x, torch.randn(2, 3, dtype=F64), UniformEpsilon())
+
 
 # ----------------------------------------------------------------------------- what the probes of a layer leave
 
@@ -685,13 +729,6 @@ class NoisyWhenAsked(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
         return out + self.noise * torch.randn(out.shape, dtype=out.dtype, device=out.device)
-
-
-PROBING_PRESETS = {
-    **CNN_PRESETS,
-    "UniformEpsilon": lambda: UniformEpsilon(),
-    "AttnLRP": lambda: AttnLRP(epsilon=1e-6),
-}
 
 
 class TestProbesLeaveTheLayer:
