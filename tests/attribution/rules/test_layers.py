@@ -762,3 +762,25 @@ class TestProbesLeaveTheLayer:
             x = torch.randn(2, 3, dtype=F64)
             relevance = lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
         assert torch.isfinite(relevance).all() and relevance.abs().sum() > 0
+
+    @pytest.mark.parametrize("preset", sorted(PROBING_PRESETS))
+    @pytest.mark.parametrize("kind", ["Linear", "Conv2d"])
+    def test_the_observers_of_a_fake_quantized_weight_see_only_the_calls(self, kind: str, preset: str):
+        # A quantization-aware layer's weight observer moves towards each weight it sees, its scale with it: the
+        # probes must not move it, or the call explained computes with another quantized weight than a plain call.
+        qconfig = torch.ao.quantization.get_default_qat_qconfig("fbgemm")
+        torch.manual_seed(1)
+        if kind == "Linear":
+            layer = torch.ao.nn.qat.Linear(4, 4, qconfig=qconfig)
+        else:
+            layer = torch.ao.nn.qat.Conv2d(4, 4, 3, padding=1, qconfig=qconfig)
+        model, x = model_around(layer, kind).float(), input_of(kind).float()
+        model(x)
+        with torch.no_grad():
+            layer.weight.mul_(1.5)  # an optimiser step since the last call
+        reference = copy.deepcopy(model)
+        lrp = LRP(model, rule_mapper=PROBING_PRESETS[preset](), in_keys=["x"], out_keys=["y"], target=lambda y: y)
+        explained = lrp(TensorDict(x=x, batch_size=[2]))
+        torch.testing.assert_close(explained["y"], reference(x), rtol=0, atol=0)
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0, msg=name)

@@ -158,8 +158,8 @@ def forward_with(
     bias = params["bias"] if "bias" in params else getattr(module, "bias", None)
     if isinstance(module, LINEAR_LAYERS) and not _has_torch_forward(module):
         # The layer's own forward (timm's Conv2dSame pads, StdConv2d standardises), with its linear function
-        # given these parameters: the rest of what the forward does is kept.
-        with torch._C._EnableTorchFunction(), _SubstituteLayerCall(weight, bias):
+        # given these parameters: the rest of what the forward does is kept, and what it sets on the layer is not.
+        with torch._C._EnableTorchFunction(), _SubstituteLayerCall(weight, bias), _probed(module):
             return module.forward(x)
     if isinstance(module, nn.Linear):
         return F.linear(x, weight, bias)
@@ -292,15 +292,21 @@ def _probe_input(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
 def _probed(module: nn.Module) -> Iterator[None]:
     """Run probes of the layer's own forward, then put back what they set: the attributes, submodules, parameters
     and buffers a forward assigns on the layer or its submodules (timm's ``Conv2dSameExport`` builds its padding
-    for the first input size it sees, which would be the probe's), and the random number generators' states (a
-    forward that draws noise)."""
+    for the first input size it sees, which would be the probe's), the values of its buffers (the observers of a
+    quantization-aware layer's fake quantization, which move towards each weight they see, and its scale with them)
+    and the random number generators' states (a forward that draws noise)."""
     saved = [(m, dict(m.__dict__), dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in module.modules()]
+    values = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
     tensors = [*module.parameters(), *module.buffers()]
     devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):
         try:
             yield
         finally:
+            with torch.no_grad():
+                for buffer, value in values:  # only those a probe wrote: no write where nothing changed
+                    if buffer.shape != value.shape or not torch.equal(buffer, value):
+                        buffer.data = value
             for m, attributes, modules, parameters, buffers in saved:
                 for table, kept in ((m._modules, modules), (m._parameters, parameters), (m._buffers, buffers)):
                     table.clear()
