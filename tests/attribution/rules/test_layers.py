@@ -8,6 +8,7 @@ effective weights; finding them must leave the layer's state as it was.
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import timm.layers
@@ -17,7 +18,7 @@ from tensordict import TensorDict
 from torch import nn
 from torch.nn.utils import parametrizations, prune
 
-from tdhook.attribution import LRP
+from tdhook.attribution import LRP, AttnLRP, UniformEpsilon
 from tdhook.attribution.mappers.base import BaseRuleMapper
 from tdhook.attribution.rules._layers import effective_parameters, forward_with
 from tests.attribution.rules._helpers import CNN_PRESETS, F64, LAYERS, make_layer
@@ -552,6 +553,10 @@ def _clip(z: torch.Tensor) -> torch.Tensor:
     return F.hardtanh(z, -0.2, 0.2)
 
 
+def _softmax(z: torch.Tensor) -> torch.Tensor:
+    return F.softmax(z, -1)
+
+
 def _relu(z: torch.Tensor) -> torch.Tensor:
     return torch.relu(z)
 
@@ -580,6 +585,13 @@ def input_of(kind: str) -> torch.Tensor:
 
 
 ACTIVATIONS_REFUSED = [(_tanh, "after"), (_tanh, "before"), (_cube, "after")]
+
+
+PROBING_PRESETS = {
+    **CNN_PRESETS,
+    "UniformEpsilon": lambda: UniformEpsilon(),
+    "AttnLRP": lambda: AttnLRP(epsilon=1e-6),
+}
 
 
 class TestActivationsInsideLayers:
@@ -669,3 +681,106 @@ class TestActivationsInsideLayers:
         actual = lrp_relevance(model, x, relevance_out, CNN_PRESETS[preset]())
         # ε = 1e-6 on the clipped output against ε on the linear output: differences of that order.
         assert relative_error(actual, lrp_relevance(reference, x, relevance_out, CNN_PRESETS[preset]())) <= 1e-5
+
+    # A softmax after the linear function (a classifier or policy head written as one layer): the presets' softmax
+    # rules explain it as an nn.Softmax beside the layer; it was refused as an activation the ε-rule runs through.
+    @pytest.mark.parametrize("preset", ["EpsilonPlus", "EpsilonGammaBox", "AttnLRP"])
+    @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+    def test_a_softmax_inside_a_linear_layer_is_explained_as_one_beside_it(self, preset: str, log: bool):
+        class Head(nn.Linear):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                z = super().forward(x)
+                return F.log_softmax(z, -1) if log else F.softmax(z, -1)
+
+        torch.manual_seed(1)
+        layer = Head(4, 4).double()
+        plain = nn.Linear(4, 4).double()
+        plain.load_state_dict(layer.state_dict())
+        model = model_around(layer, "Linear")
+        softmax = nn.LogSoftmax(-1) if log else nn.Softmax(-1)
+        reference = nn.Sequential(model[0], model[1], plain, softmax, *model[3:])
+        x, relevance_out = input_of("Linear"), torch.randn(2, 3, dtype=F64)
+        actual = lrp_relevance(model, x, relevance_out, PROBING_PRESETS[preset]())
+        # ε = 1e-6 on the softmax's output against ε on the linear output: differences of that order.
+        assert relative_error(actual, lrp_relevance(reference, x, relevance_out, PROBING_PRESETS[preset]())) <= 1e-5
+
+    # Under a large ε the rule stabilises the function's output, not the linear output: a clip inside gave 0.35
+    # relative L2 against a Hardtanh beside the layer under UniformEpsilon (ε = 0.25), silently; a softmax 0.40.
+    @pytest.mark.parametrize("activation", [_clip, _softmax], ids=["clip", "softmax"])
+    def test_a_clip_or_softmax_inside_a_layer_under_a_large_epsilon_is_refused(self, activation):
+        torch.manual_seed(1)
+        layer = layer_with("Linear", activation, "after").double()
+        model, x = model_around(layer, "Linear"), input_of("Linear")
+        name = type(layer).__name__
+        with pytest.raises(ValueError, match=rf"module '2' \({name}\): {name}: its forward runs an activation that"):
+            lrp_relevance(model, x, torch.randn(2, 3, dtype=F64), UniformEpsilon())
+
+
+# ----------------------------------------------------------------------------- what the probes of a layer leave
+
+
+class NoisyWhenAsked(nn.Linear):
+    """Adds noise of a scale held in a buffer (0 here): linear in its input, but its forward draws random numbers."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features)
+        self.register_buffer("noise", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out + self.noise * torch.randn(out.shape, dtype=out.dtype, device=out.device)
+
+
+class TestProbesLeaveTheLayer:
+    """The checks of a layer's own forward run it on probe inputs; what that forward sets on the layer, and the
+    random numbers it draws, must be as before. timm's ``Conv2dSameExport`` builds its padding at its first call,
+    for that input's size: built for the probe's (3 × 3, padding 1 on every side) in place of the input's (6 × 6,
+    0 before and 1 after), it gave other outputs from then on (3.4e-2 relative L2) and other relevance (0.89 under
+    the CNN presets' z⁺, 1.42 under UniformEpsilon's ε-rule)."""
+
+    @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "UniformEpsilon"])
+    def test_a_padding_built_at_the_first_call_is_built_for_the_input(self, preset: str):
+        torch.manual_seed(3)
+        export = importlib.import_module("timm.layers.conv2d_same").Conv2dSameExport(4, 4, 3, stride=2)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), export, nn.ReLU(), nn.Flatten())
+        model = nn.Sequential(*model, nn.Linear(4 * 3 * 3, 3)).double().eval()
+        reference = copy.deepcopy(model)
+        x, relevance_out = torch.randn(2, 3, 6, 6, dtype=F64), torch.randn(2, 3, dtype=F64)
+        reference(x)  # its padding built for the input
+        actual = lrp_relevance(model, x, relevance_out, PROBING_PRESETS[preset]())
+        assert relative_error(actual, lrp_relevance(reference, x, relevance_out, PROBING_PRESETS[preset]())) <= 1e-12
+        torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+
+    @pytest.mark.parametrize("preset", sorted(PROBING_PRESETS))
+    def test_the_random_number_generator_is_left_as_it_was(self, preset: str):
+        torch.manual_seed(1)
+        model = model_around(NoisyWhenAsked(4, 4).double(), "Linear")
+        lrp = LRP(model, rule_mapper=PROBING_PRESETS[preset](), in_keys=["x"], out_keys=["y"], target=lambda y: y)
+        before = torch.get_rng_state()
+        with lrp:
+            assert torch.equal(torch.get_rng_state(), before)
+            x = torch.randn(2, 3, dtype=F64)
+            relevance = lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
+        assert torch.isfinite(relevance).all() and relevance.abs().sum() > 0
+
+    @pytest.mark.parametrize("preset", sorted(PROBING_PRESETS))
+    @pytest.mark.parametrize("kind", ["Linear", "Conv2d"])
+    def test_the_observers_of_a_fake_quantized_weight_see_only_the_calls(self, kind: str, preset: str):
+        # A quantization-aware layer's weight observer moves towards each weight it sees, its scale with it: the
+        # probes must not move it, or the call explained computes with another quantized weight than a plain call.
+        qconfig = torch.ao.quantization.get_default_qat_qconfig("fbgemm")
+        torch.manual_seed(1)
+        if kind == "Linear":
+            layer = torch.ao.nn.qat.Linear(4, 4, qconfig=qconfig)
+        else:
+            layer = torch.ao.nn.qat.Conv2d(4, 4, 3, padding=1, qconfig=qconfig)
+        model, x = model_around(layer, kind).float(), input_of(kind).float()
+        model(x)
+        with torch.no_grad():
+            layer.weight.mul_(1.5)  # an optimiser step since the last call
+        reference = copy.deepcopy(model)
+        lrp = LRP(model, rule_mapper=PROBING_PRESETS[preset](), in_keys=["x"], out_keys=["y"], target=lambda y: y)
+        explained = lrp(TensorDict(x=x, batch_size=[2]))
+        torch.testing.assert_close(explained["y"], reference(x), rtol=0, atol=0)
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0, msg=name)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,7 @@ __all__ = [
     "effective_parameters",
     "check_layer_forward",
     "check_layer_input",
+    "RULED_EPSILON",
 ]
 
 ACTIVATIONS = (
@@ -156,8 +158,8 @@ def forward_with(
     bias = params["bias"] if "bias" in params else getattr(module, "bias", None)
     if isinstance(module, LINEAR_LAYERS) and not _has_torch_forward(module):
         # The layer's own forward (timm's Conv2dSame pads, StdConv2d standardises), with its linear function
-        # given these parameters: the rest of what the forward does is kept.
-        with torch._C._EnableTorchFunction(), _SubstituteLayerCall(weight, bias):
+        # given these parameters: the rest of what the forward does is kept, and what it sets on the layer is not.
+        with torch._C._EnableTorchFunction(), _SubstituteLayerCall(weight, bias), _probed(module):
             return module.forward(x)
     if isinstance(module, nn.Linear):
         return F.linear(x, weight, bias)
@@ -286,6 +288,34 @@ def _probe_input(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     return weight.new_zeros(1, module.in_channels, *extent)
 
 
+@contextmanager
+def _probed(module: nn.Module) -> Iterator[None]:
+    """Run probes of the layer's own forward, then put back what they set: the attributes, submodules, parameters
+    and buffers a forward assigns on the layer or its submodules (timm's ``Conv2dSameExport`` builds its padding
+    for the first input size it sees, which would be the probe's), the values of its buffers (the observers of a
+    quantization-aware layer's fake quantization, which move towards each weight they see, and its scale with them)
+    and the random number generators' states (a forward that draws noise)."""
+    saved = [(m, dict(m.__dict__), dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in module.modules()]
+    values = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
+    tensors = [*module.parameters(), *module.buffers()]
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, value in values:  # only those a probe wrote: no write where nothing changed
+                    if buffer.shape != value.shape or not torch.equal(buffer, value):
+                        buffer.data = value
+            for m, attributes, modules, parameters, buffers in saved:
+                for table, kept in ((m._modules, modules), (m._parameters, parameters), (m._buffers, buffers)):
+                    table.clear()
+                    table.update(kept)
+                for name in [name for name in m.__dict__ if name not in attributes]:
+                    del m.__dict__[name]
+                m.__dict__.update(attributes)
+
+
 def _has_weight_property(module: nn.Module) -> bool:
     """Whether the layer's class computes ``weight`` in a property of its own (not a parametrization's)."""
     return isinstance(getattr(type(module), "weight", None), property) and not nn.utils.parametrize.is_parametrized(
@@ -337,7 +367,7 @@ def effective_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
                 hook(module, ())
             probe = _probe_input(module, module.weight)
             # Seen by the recorder even inside a rule's function mode, which runs with torch functions off.
-            with torch._C._EnableTorchFunction(), recorder:
+            with torch._C._EnableTorchFunction(), recorder, _probed(module):
                 module.forward(probe)
     finally:
         for sub, training in modes.items():
@@ -394,7 +424,7 @@ def _check_linear_after_layer_call(module: nn.Module, weight: torch.Tensor) -> N
     outputs = []
     try:
         module.eval()
-        with torch.no_grad(), torch._C._EnableTorchFunction():
+        with torch.no_grad(), torch._C._EnableTorchFunction(), _probed(module):
             for w in (signed, -signed, torch.zeros_like(signed)):
                 with _SubstituteLayerCall(w, None):
                     outputs.append(module.forward(probe))
@@ -420,11 +450,17 @@ def _check_linear_after_layer_call(module: nn.Module, weight: torch.Tensor) -> N
     )
 
 
-def check_layer_input(module: nn.Module) -> None:
+def check_layer_input(module: nn.Module, epsilon: float = 0.0) -> None:
     """Raise where a Linear or convolution layer's own forward runs, before or after its linear function, an
     activation whose derivative is not the same at ``2z`` as at ``z`` (tanh, a clamp, a power, a gate computed from
     the input); nothing to check on a layer with torch's forward, a weight property, parameters not yet initialised
     (a lazy layer) or on the meta device, or a forward that does not run on the layer's smallest input.
+
+    A clip or a softmax the forward calls is the function rules' (the CNN presets pass a clip, the presets' softmax
+    rules a softmax) where the rule's ``epsilon`` is at most :data:`RULED_EPSILON`: the ε-rule then stabilises that
+    function's output in place of the linear function's, a difference of the order of ε. Above it (UniformEpsilon's
+    0.25: 0.35 relative L2 with a clip, 0.40 with a softmax, against the function as a module beside the layer) the
+    layer is refused.
 
     The check the ε-rule needs: its relevance is ``x · ∂z/∂x · R / z`` through the layer's forward, where an
     activation inside the layer is passed as the rule passes a ReLU module only where its derivative is constant
@@ -452,7 +488,7 @@ def check_layer_input(module: nn.Module) -> None:
     modes = {sub: sub.training for sub in module.modules()}
     try:
         module.eval()  # no state may change: spectral_norm's power iteration runs in training mode only
-        with torch.no_grad(), torch._C._EnableTorchFunction(), recorder:
+        with torch.no_grad(), torch._C._EnableTorchFunction(), recorder, _probed(module):
             module.forward(_probe_input(module, reference))
     except Exception:  # noqa: BLE001 (a forward that needs more than the smallest input: not checked here)
         return
@@ -462,8 +498,8 @@ def check_layer_input(module: nn.Module) -> None:
     if recorder.params is None:
         return
     try:
-        # The CNN presets' function rules pass a clip the layer's forward calls (its output, the ε-rule's z).
-        bent = _rays_bent(module, recorder.params["weight"], clips_ruled=True)
+        # The presets' function rules pass a clip or a softmax the layer's forward calls (its output, the ε-rule's z).
+        bent = _rays_bent(module, recorder.params["weight"], clips_ruled=float(epsilon) <= RULED_EPSILON)
     except Exception:  # noqa: BLE001 (as above)
         return
     if bent:
@@ -477,7 +513,8 @@ def _rays_bent(module: nn.Module, weight: torch.Tensor, clips_ruled: bool = Fals
     computed from the input), before or after that function. A linear map, a ReLU and a straight-through estimator
     (the identity's gradient, as a binarised network's ``input.data = sign(input.data)``) give the same gradient at
     both, exactly (a doubling rounds nothing). A call the function rules may cover is not this check's: a product
-    or division of two activations, a norm, and where ``clips_ruled`` a clip (the modified passes run through it)."""
+    or division of two activations, a norm, and where ``clips_ruled`` a clip or a softmax (the modified passes run
+    through it)."""
     generator = torch.Generator().manual_seed(1)
     shape = (_RAY_PROBES, *_probe_input(module, weight).shape[1:])
     probe = torch.randn(shape, generator=generator, dtype=torch.float64)
@@ -488,7 +525,7 @@ def _rays_bent(module: nn.Module, weight: torch.Tensor, clips_ruled: bool = Fals
     grads, seed = [], None
     try:
         module.eval()
-        with torch.enable_grad(), torch._C._EnableTorchFunction():
+        with torch.enable_grad(), torch._C._EnableTorchFunction(), _probed(module):
             for x in (probe, 2 * probe):
                 leaf = x.clone().requires_grad_(True)
                 # The substitution first: the calls noted are those of the random weight, which has no gradient.
@@ -522,14 +559,19 @@ _NORM_FUNCTIONS = frozenset(
 ) | frozenset({F.cosine_similarity})
 
 
-# Clips called as functions, which the CNN presets' function rules pass as nn.Hardtanh's rule does.
+# Clips called as functions, which the CNN presets' function rules pass as nn.Hardtanh's rule does, and softmaxes,
+# which the presets' softmax rules explain as nn.Softmax's.
 _CLIP_FUNCTIONS = frozenset({torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip, F.hardtanh, F.relu6})
+_CLIP_FUNCTIONS |= frozenset({F.softmax, torch.softmax, torch.Tensor.softmax})
+_CLIP_FUNCTIONS |= frozenset({F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax})
+# The largest ε of an ε-rule under which those are passed inside its layer (see :func:`check_layer_input`).
+RULED_EPSILON = 1e-4
 
 
 class _FunctionRuled(TorchFunctionMode):
     """Note whether a forward pass calls a function of two activations other than a sum (a gate's product, a
-    division by a norm), a norm, or where ``clips`` a clip: calls the function rules of a preset may give a rule
-    inside a layer."""
+    division by a norm), a norm, or where ``clips`` a clip or a softmax: calls the function rules of a preset may
+    give a rule inside a layer."""
 
     def __init__(self, clips: bool = False) -> None:
         super().__init__()

@@ -139,7 +139,7 @@ class EpsilonRule(Rule):
     def _new_registration(self, module: nn.Module) -> Registration:
         # A Linear or convolution layer whose own forward runs tanh or a clamp around its linear function: the
         # rule's gradient would run through it, refused now so that the error names the layer.
-        check_layer_input(module)
+        check_layer_input(module, self.epsilon)
         return super()._new_registration(module)
 
     def _scale(self, output: torch.Tensor, n_inputs: int) -> torch.Tensor:
