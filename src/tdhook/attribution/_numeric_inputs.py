@@ -6,8 +6,13 @@ floating point and computes with as numbers (a torchrl critic's one-hot action, 
 into an ``nn.Linear``) holds a share of the relevance that no input receives. The first call of a wrapper watches,
 in a function mode, where such inputs go: views, conversions and joins (``cat``, ``stack``) carry their values,
 and a linear map (``F.linear``, a convolution, a product with a parameter) that takes them is where their share goes.
-Masks (an attention mask turned into additive scores, ``torch.where``, ``masked_fill``) and indices (``gather``,
-``index_select``, an embedding's ids) are not values carried that way, and are not reported.
+Arithmetic carries them too (``2 * a.float() - 1``, ``a.float() / n``, a sum with an activation) except a product
+with an activation: that is a gate (a done mask), and the activation it scales takes the product's relevance whole.
+Encodings carry them with no gradient to pass on: ``F.one_hot``, a comparison (``a == 3``), constants chosen by
+them (``torch.where(a == 1, 1.0, -1.0)``, ``masked_fill``), and a constant table read or written at them
+(``torch.eye(n)[a]``, ``torch.zeros(...).scatter_(-1, a, 1.0)``). Masks (an attention mask turned into additive
+scores, which ``softmax`` ends, ``torch.where`` or ``masked_fill`` of an activation) and indices into activations
+(``gather``, ``index_select``, an ``nn.Embedding``'s ids, which it explains) are not reported.
 
 Examples:
     >>> import torch
@@ -48,6 +53,9 @@ _CARRYING: frozenset[Callable] = frozenset(
         Tensor.bfloat16,
         Tensor.type,
         Tensor.type_as,
+        Tensor.bool,
+        Tensor.long,
+        Tensor.int,
         Tensor.view,
         Tensor.reshape,
         Tensor.flatten,
@@ -86,11 +94,49 @@ _PRODUCTS: frozenset[Callable] = frozenset(
     {torch.matmul, Tensor.matmul, Tensor.__matmul__, Tensor.__rmatmul__, torch.mm, torch.bmm, torch.addmm}
 )
 _PRODUCTS |= {Tensor.mm, Tensor.bmm}
+# Elementwise arithmetic: sums carry an input's values whatever they add, scalings unless they scale an activation.
+_SUMS: frozenset[Callable] = frozenset(
+    {Tensor.add, Tensor.__add__, Tensor.__radd__, Tensor.__iadd__, Tensor.add_, torch.add}
+    | {Tensor.sub, Tensor.__sub__, Tensor.__rsub__, Tensor.__isub__, Tensor.sub_, torch.sub, torch.rsub}
+)
+_SCALINGS: frozenset[Callable] = frozenset(
+    {Tensor.mul, Tensor.__mul__, Tensor.__rmul__, Tensor.__imul__, Tensor.mul_, torch.mul}
+    | {Tensor.div, Tensor.__truediv__, Tensor.__rtruediv__, Tensor.__itruediv__, Tensor.div_, torch.div}
+    | {Tensor.neg, Tensor.__neg__, torch.neg}
+)
+# Encodings: the output is a function of an input's values that no gradient passes, read from its first argument.
+_COMPARISONS: frozenset[Callable] = frozenset(
+    {Tensor.__eq__, Tensor.__ne__, Tensor.__lt__, Tensor.__le__, Tensor.__gt__, Tensor.__ge__}
+    | {Tensor.eq, Tensor.ne, Tensor.lt, Tensor.le, Tensor.gt, Tensor.ge}
+    | {torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge}
+    | {Tensor.__invert__, Tensor.logical_not, torch.logical_not}
+)
+_ENCODINGS: frozenset[Callable] = _COMPARISONS | {F.one_hot}
+# Selections between values by a condition: the position of the condition, then of the values.
+_SELECTIONS: dict[Callable, tuple[int, tuple[int, ...]]] = {
+    torch.where: (0, (1, 2)),
+    Tensor.where: (1, (0, 2)),
+    torch.masked_fill: (1, (0, 2)),
+    Tensor.masked_fill: (1, (0, 2)),
+    Tensor.masked_fill_: (1, (0, 2)),
+}
+# Reads and writes of a table at an input's values: the position and keyword of the table, then of the index.
+_LOOKUPS: dict[Callable, tuple[int, str, int, str]] = {
+    Tensor.__getitem__: (0, "self", 1, "indices"),
+    Tensor.index_select: (0, "self", 2, "index"),
+    torch.index_select: (0, "input", 2, "index"),
+    Tensor.gather: (0, "self", 2, "index"),
+    torch.gather: (0, "input", 2, "index"),
+    Tensor.scatter: (0, "self", 2, "index"),
+    Tensor.scatter_: (0, "self", 2, "index"),
+    torch.scatter: (0, "input", 2, "index"),
+    F.embedding: (1, "weight", 0, "input"),
+}
 
 
 class NumericInputs(TorchFunctionMode):
-    """Follows integer or boolean inputs through views, conversions and joins to the linear maps that take them as
-    floating-point numbers.
+    """Follows integer or boolean inputs through views, conversions, joins, arithmetic and encodings to the linear
+    maps that take them as floating-point numbers.
 
     Args:
         inputs: by position among the explained keys, the tensor the model is given.
@@ -98,50 +144,116 @@ class NumericInputs(TorchFunctionMode):
 
     Attributes:
         found: by input position, the first linear map that took its values as numbers.
+        encodings: by input position among ``found``, the encoding its values took on the way, where one did.
     """
 
     def __init__(self, inputs: Mapping[int, torch.Tensor], modules: Mapping[str, nn.Module]) -> None:
         super().__init__()
-        # By id: the input position and the tensor (held, so that its id is not reused during the call).
-        self._carriers: dict[int, tuple[int, torch.Tensor]] = {id(t): (i, t) for i, t in inputs.items()}
+        # By id: the input position, the tensor (held, so that its id is not reused during the call) and the encoding
+        # its values took on the way (None: none).
+        self._carriers: dict[int, tuple[int, torch.Tensor, str | None]] = {
+            id(t): (i, t, None) for i, t in inputs.items()
+        }
         self._modules = modules
         self._owners: dict[int, str] | None = None
         self.dtypes = {i: t.dtype for i, t in inputs.items()}
         self.found: dict[int, str] = {}
+        self.encodings: dict[int, str] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if func in _CARRYING:
             first = args[0] if args else None
-            source = self._source(first) if func not in _JOINS else self._source(*_listed(first))
-            if source is not None and isinstance(out, torch.Tensor):
-                self._carriers[id(out)] = (source, out)
+            carrier = self._carrier(first) if func not in _JOINS else self._carrier(*_listed(first))
+            if carrier is None and func in _LOOKUPS:
+                carrier = self._looked_up(func, args, kwargs)
+            self._carry(out, carrier)
         elif func in _LAYERS or func in _PRODUCTS:
-            self._note(func, args, kwargs or {})
+            self._note(func, args, kwargs)
+        elif func in _SUMS or func in _SCALINGS:
+            self._arithmetic(func, args, kwargs, out)
+        elif func in _ENCODINGS:
+            carrier = self._carrier(*args, *kwargs.values())
+            if carrier is not None:
+                self._carry(out, (carrier[0], carrier[1] or _encoding(func)))
+        elif func in _LOOKUPS:
+            self._carry(out, self._looked_up(func, args, kwargs))
+        elif func in _SELECTIONS:
+            self._carry(out, self._selected(func, args))
         return out
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
         self._carriers = {}  # the tensors of the call, not kept past it
 
-    def _source(self, *values: object) -> int | None:
+    def _carrier(self, *values: object) -> tuple[int, str | None] | None:
+        """The input position and encoding of the first of ``values`` that carries an input's values."""
         for value in values:
             carrier = self._carriers.get(id(value)) if isinstance(value, torch.Tensor) else None
             if carrier is not None and carrier[1] is value:
-                return carrier[0]
+                return carrier[0], carrier[2]
         return None
+
+    def _carry(self, out: object, carrier: tuple[int, str | None] | None) -> None:
+        if carrier is not None and isinstance(out, torch.Tensor):
+            self._carriers[id(out)] = (carrier[0], out, carrier[1])
+
+    def _arithmetic(self, func: Callable, args: tuple, kwargs: dict, out: object) -> None:
+        """A sum carries its operands' values; a scaling of an activation is a gate (the activation takes the
+        relevance of the product whole), and carries none, in place neither."""
+        operands = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        carrier = self._carrier(*operands)
+        if carrier is None:
+            return
+        if func in _SCALINGS and any(self._is_activation(v) for v in operands):
+            if isinstance(out, torch.Tensor) and self._carrier(out) is not None:
+                del self._carriers[id(out)]
+            return
+        self._carry(out, carrier)
+
+    def _is_activation(self, value: torch.Tensor) -> bool:
+        return value.requires_grad and not isinstance(value, nn.Parameter) and self._carrier(value) is None
+
+    def _looked_up(self, func: Callable, args: tuple, kwargs: dict) -> tuple[int, str | None] | None:
+        """An input's values as the index into a constant table (``torch.eye(n)[a]``, a ``scatter_`` into zeros):
+        an encoding of them. An activation read at them, or a parameter (an embedding's table), is not one."""
+        table_at, table_name, index_at, index_name = _LOOKUPS[func]
+        table = args[table_at] if len(args) > table_at else kwargs.get(table_name)
+        index = args[index_at] if len(args) > index_at else kwargs.get(index_name)
+        carrier = self._carrier(*_listed(index))
+        if carrier is None or not isinstance(table, torch.Tensor):
+            return None
+        others = [table, *args[index_at + 1 :], *(v for k, v in kwargs.items() if k in ("src", "value"))]
+        if any(isinstance(v, torch.Tensor) and (v.requires_grad or isinstance(v, nn.Parameter)) for v in others):
+            return None
+        return carrier[0], carrier[1] or _encoding(func)
+
+    def _selected(self, func: Callable, args: tuple) -> tuple[int, str | None] | None:
+        """Constants chosen by an input's values (``torch.where(a == 1, 1.0, -1.0)``), or an input's values chosen:
+        they carry them. A selection of an activation (a mask of attention scores) carries none."""
+        condition_at, values_at = _SELECTIONS[func]
+        values = [args[i] for i in values_at if i < len(args)]
+        if any(isinstance(v, torch.Tensor) and self._is_activation(v) for v in values):
+            return None
+        carrier = self._carrier(*values)
+        if carrier is None and condition_at < len(args) and (carrier := self._carrier(args[condition_at])) is not None:
+            return carrier[0], carrier[1] or getattr(func, "__name__", str(func))
+        return carrier
 
     def _note(self, func: Callable, args: tuple, kwargs: dict) -> None:
         operands = [*args, *kwargs.values()]
         tensors = [v for v in operands if isinstance(v, torch.Tensor)]
         for value in tensors:
-            source = self._source(value) if value.is_floating_point() else None
-            if source is None or source in self.found:
+            carrier = self._carrier(value) if value.is_floating_point() else None
+            if carrier is None or carrier[0] in self.found:
                 continue
             parameters = [t for t in tensors if isinstance(t, nn.Parameter)]
             if func in _PRODUCTS and not parameters:  # a product of activations (attention): no layer
                 continue
-            self.found[source] = self._where(func, parameters)
+            self.found[carrier[0]] = self._where(func, parameters)
+            if carrier[1] is not None:
+                self.encodings[carrier[0]] = carrier[1]
 
     def _where(self, func: Callable, parameters: Sequence[torch.Tensor]) -> str:
         """The module holding the first of ``parameters``, else the function's name."""
@@ -155,6 +267,16 @@ class NumericInputs(TorchFunctionMode):
                 module = self._modules[name]
                 return f"{module_place(name, self._modules)} ({type(module).__name__})"
         return f"{getattr(func, '__name__', func)}"
+
+
+def _encoding(func: Callable) -> str:
+    """How ``func`` encodes an input's values, for the report."""
+    if func is F.one_hot:
+        return "one_hot"
+    if func in _COMPARISONS:
+        return "a comparison"
+    name = "indexing" if func is Tensor.__getitem__ else getattr(func, "__name__", str(func))
+    return f"a constant table {'written' if name.startswith('scatter') else 'read'} at its values ({name})"
 
 
 def _listed(value: object) -> tuple:
@@ -199,7 +321,9 @@ def report_numeric_inputs(lrp: Any, leaves: Sequence[torch.Tensor | None]) -> No
     for i, where in watch.found.items():
         if leaves[i] is not None:
             continue
-        message = _message(lrp.explained_keys[i], watch.dtypes[i], where, left_out)
+        if not left_out and watch.dtypes[i] == torch.uint8 and i not in watch.encodings:
+            continue  # pixels, refused next by the token inputs' check with the advice for pixels
+        message = _message(lrp.explained_keys[i], watch.dtypes[i], where, left_out, watch.encodings.get(i))
         if not left_out:
             raise TypeError(message)
         if strict:
@@ -207,9 +331,17 @@ def report_numeric_inputs(lrp: Any, leaves: Sequence[torch.Tensor | None]) -> No
         warn_at_caller(message)
 
 
-def _message(key: NestedKey, dtype: torch.dtype, where: str, defaulted: bool) -> str:
-    head = f"LRP: input key {key!r} ({dtype}) enters the model as numbers, converted to floating point, through {where}"
-    advice = f"store it as a floating-point tensor (for example td[{key!r}] = td[{key!r}].float()) to explain it"
+def _message(key: NestedKey, dtype: torch.dtype, where: str, defaulted: bool, encoding: str | None = None) -> str:
+    start = f"LRP: input key {key!r} ({dtype}) enters the model as numbers"
+    if encoding is None:
+        head = f"{start}, converted to floating point, through {where}"
+        advice = f"store it as a floating-point tensor (for example td[{key!r}] = td[{key!r}].float()) to explain it"
+    else:  # the encoding passes no gradient, whatever the key's dtype: the model must read the encoded key
+        head = f"{start}, encoded by {encoding}, through {where}"
+        advice = (
+            "encode it before the model and give the model the encoding as a floating-point tensor (for example "
+            f"td[{key!r}] = F.one_hot(td[{key!r}], n).float() for a one-hot encoding) to explain it"
+        )
     if defaulted:
         return (
             f"{head}, and is not explained: no gradient reaches integers or booleans, so its share of the relevance "
