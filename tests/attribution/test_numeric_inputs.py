@@ -6,9 +6,10 @@ import warnings
 import pytest
 import torch
 from tensordict import TensorDict
+from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
 from torchrl.envs import GymEnv
-from torchrl.modules import MLP, MaskedCategorical, ProbabilisticActor, ValueOperator
+from torchrl.modules import MLP, MaskedCategorical, ProbabilisticActor, QValueActor, ValueOperator
 
 from tdhook.attribution import LRP, BaseRuleMapper, EpsilonPlus
 
@@ -185,7 +186,7 @@ ENCODINGS |= {"where": "a comparison", "masked_fill": "a comparison"}
 
 @pytest.mark.parametrize("how", [*ENCODINGS, "2a-1", "a/n", "obs+a"])
 def test_an_action_index_encoded_or_computed_with_in_the_model_is_named(categorical, how):
-    """Its share was lost with no word (0.89-1.61 of the value, relative L2, on this critic): named, with the remedy
+    """Its share was lost with no word (0.83-1.61 of the value, relative L2, on this critic): named, with the remedy
     that explains it (encoded before the model as floats, or stored as floats where arithmetic alone reads it)."""
     torch.manual_seed(1)
     module = ValueOperator(EncodedCritic(how), in_keys=["observation", "action"])
@@ -268,3 +269,20 @@ def test_an_embedded_action_is_explained_not_named(categorical):
     out, messages = caught(lambda: LRP(module, EpsilonPlus())(categorical.clone()))
     assert not [m for m in messages if "enters the model as numbers" in m]
     assert ("relevance", "action") in out.keys(True)
+
+
+class OneHot(nn.Module):
+    def forward(self, action: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.one_hot(action, 2).to(F64)
+
+
+def test_a_previous_action_one_hot_encoded_by_a_module_of_the_sequence_is_named(categorical):
+    """A DQN given the one-hot previous action, encoded by a module of its own before torchrl's QValueActor."""
+    td = categorical.clone().set("prev_action", torch.roll(categorical["action"], 1, 0))
+    torch.manual_seed(1)
+    net = MLP(in_features=6, out_features=2, num_cells=[8]).to(F64)
+    actor = QValueActor(net, in_keys=["observation", "prev_onehot"], action_space="categorical")
+    policy = TensorDictSequential(TensorDictModule(OneHot(), ["prev_action"], ["prev_onehot"]), actor)
+    _, messages = caught(lambda: LRP(policy, EpsilonPlus())(td))
+    numeric = [m for m in messages if "enters the model as numbers" in m]
+    assert len(numeric) == 1 and "'prev_action' (torch.int64)" in numeric[0] and "encoded by one_hot" in numeric[0]
