@@ -273,6 +273,8 @@ def _encoding(func: Callable) -> str:
     """How ``func`` encodes an input's values, for the report."""
     if func is F.one_hot:
         return "one_hot"
+    if func in (Tensor.__invert__, Tensor.logical_not, torch.logical_not):
+        return "a logical not"
     if func in _COMPARISONS:
         return "a comparison"
     name = "indexing" if func is Tensor.__getitem__ else getattr(func, "__name__", str(func))
