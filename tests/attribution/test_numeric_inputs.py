@@ -155,17 +155,12 @@ def _encoded(how: str, action: torch.Tensor, observation: torch.Tensor) -> torch
     return (action == 1).to(observation.dtype).unsqueeze(-1) * torch.tensor([0.5, 2.0], dtype=F64)
 
 
-class EncodedCritic(nn.Module):
+class EncodedCritic(Critic):
     """Q(s, a) of an action index encoded in the model (one-hot, or arithmetic on it); no biases: LRP-0 conserves."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
         self.how = how
-        self.net = MLP(in_features=6, out_features=1, num_cells=[8], activation_class=nn.ReLU).to(F64)
-        with torch.no_grad():
-            for name, parameter in self.net.named_parameters():
-                if name.endswith("bias"):
-                    parameter.zero_()
 
     def forward(self, observation: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
         if action.dim() == observation.dim():  # already encoded, as the advice says
