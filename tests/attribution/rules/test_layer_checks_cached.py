@@ -130,6 +130,26 @@ def test_forward_patched_after_an_entry_is_refused_by_modified_rules():
         pass
 
 
+class BiasAfterConv(nn.Conv2d):
+    """A convolution that adds its bias after its convolution function: a shift the modified passes keep."""
+
+    def __init__(self) -> None:
+        super().__init__(2, 2, 3, padding=1)
+        nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._conv_forward(x, self.weight, None) + self.bias.view(-1, 1, 1)
+
+
+def test_bias_written_after_an_entry_is_refused():
+    layer = BiasAfterConv()
+    with AlphaBetaRule(1.0, 0.0).register(layer):  # a zero bias: no shift yet
+        pass
+    layer.bias.data.normal_()
+    with pytest.raises(ValueError, match="adds a shift"), AlphaBetaRule(1.0, 0.0).register(layer):
+        pass
+
+
 def test_dtype_change_probes_again():
     model = nn.Sequential(PaddedConv(), PaddedConv())
     lrp = wrapper(model, UniformEpsilon())

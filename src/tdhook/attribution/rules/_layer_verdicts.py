@@ -13,9 +13,9 @@ kept here and given again while nothing it may depend on changed:
 * the forward hooks of the submodules, which the forward runs through their ``__call__`` (the layer's own do not
   run: the probes call ``forward``), the weight hooks of the layer and torch's global forward hooks;
 * the dtype, device, shape and kind of every parameter and buffer, and the values of all of them but the layer's
-  own ``weight`` and ``bias`` (those the probes replace): a learnt clip threshold (PACT) or a flag in a buffer
-  may decide the verdict; a write through ``.data`` is seen. Beyond :data:`_HELD_VALUES` elements of such
-  tensors the layer is probed at each check instead;
+  own ``weight`` (the probes replace it): a learnt clip threshold (PACT), a flag in a buffer or a bias added after
+  the linear function (a shift where it is not zero) may decide the verdict; a write through ``.data`` is seen.
+  Beyond :data:`_HELD_VALUES` elements of such tensors the layer is probed at each check instead;
 * what the check itself is given (the ε-rule's class of ε: whether clips are ruled) and the autocast state and
   torch function modes active around it.
 
@@ -49,7 +49,9 @@ _MODULE_INTERNALS = frozenset(nn.Module().__dict__)
 _PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout})
 _BY_IDENTITY = (types.FunctionType, type)
 _WEIGHT_HOOKS = (WeightNorm, SpectralNorm, BasePruningMethod)
-_SUBSTITUTED = frozenset({"weight", "bias"})
+# The layer's own weight, whose values the probes replace by random ones (its bias is kept: a forward may add it
+# after its linear function, a shift only where it is not zero).
+_SUBSTITUTED = "weight"
 
 
 class _Uncacheable(Exception):
@@ -113,7 +115,7 @@ def _state(module: nn.Module, extra: tuple) -> tuple[tuple, list[torch.Tensor]]:
                     raise _Uncacheable
                 if isinstance(value, torch.Tensor):
                     key += (kind, attribute, _tensor_token(value))
-                    if not (root and attribute in _SUBSTITUTED) and not value.is_meta:
+                    if not (root and attribute == _SUBSTITUTED) and not value.is_meta:
                         valued.append(value)
                 else:
                     key += (kind, attribute, _token(value))
