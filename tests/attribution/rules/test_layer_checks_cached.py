@@ -176,6 +176,17 @@ def test_epsilon_raised_while_registered_is_checked():
         pass
 
 
+def test_two_classes_of_epsilon_in_turn_probe_once_each():
+    layer = ClippedConv()
+    with counted("_rays_bent") as runs:
+        for _ in range(2):
+            with EpsilonRule(1e-6).register(layer):
+                pass
+            with pytest.raises(ValueError, match=BENT), EpsilonRule(0.25).register(layer):
+                pass
+    assert runs[0] == 2
+
+
 def test_verdicts_keep_no_model_alive():
     model = nn.Sequential(PaddedConv(), ClippedConv())
     layer = model[0]

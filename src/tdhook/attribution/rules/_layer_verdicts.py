@@ -65,6 +65,8 @@ class _Verdict:
         self.key, self.values, self.error = key, values, error
 
 
+# Per check's name and first argument (a class of ε, a dtype: few; the rest, a shape, is in the key): one verdict a
+# layer, so that two classes of ε used in turn are each probed once.
 _VERDICTS: dict[Any, IdentityWeakKeyDict[nn.Module, _Verdict]] = {}
 _LOCK = threading.Lock()
 
@@ -141,7 +143,8 @@ def _same_values(live: list[torch.Tensor], held: list[torch.Tensor]) -> bool:
 
 def checked_once(module: nn.Module, check: tuple, probe: Callable[[], None]) -> None:
     """Run ``probe`` (which raises a ``ValueError`` or returns ``None``) on ``module``, or give its verdict again
-    where the last probe of this ``check`` on ``module`` saw the same layer (see the module's docstring).
+    where the last probe of this ``check`` on ``module`` saw the same layer (see the module's docstring). ``check``
+    is the check's name, then what else its verdict depends on (the class of ε, the dtype of the weight).
 
     Examples:
         >>> class Doubled(nn.Linear):
@@ -163,7 +166,7 @@ def checked_once(module: nn.Module, check: tuple, probe: Callable[[], None]) -> 
         probe()
         return
     with _LOCK:
-        verdicts = _VERDICTS.setdefault(check, IdentityWeakKeyDict())
+        verdicts = _VERDICTS.setdefault(check[:2], IdentityWeakKeyDict())
         kept = verdicts.get(module)
     if kept is not None and kept.key == key and _same_values(valued, kept.values):
         if kept.error is not None:
