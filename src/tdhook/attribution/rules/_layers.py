@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 from torchrl.modules.models.utils import SquashDims
 
 from tdhook.attribution.rules._keeping_graph import graph_kept
+from tdhook.attribution.rules._layer_verdicts import checked_once
 
 __all__ = [
     "ACTIVATIONS",
@@ -378,7 +379,10 @@ def effective_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
                 module.__dict__[name] = computed[name]
     if recorder.params is None:
         raise ValueError(f"{type(module).__name__}: its forward called no linear or convolution function")
-    _check_linear_after_layer_call(module, recorder.params["weight"])
+    weight = recorder.params["weight"]
+    # Probed once while the layer is unchanged (its weight's values are not the verdict's: the probe replaces them).
+    check = ("linear after layer call", weight.dtype, weight.device, tuple(weight.shape))
+    checked_once(module, check, lambda: _check_linear_after_layer_call(module, weight))
     return {name: tensor if keep else tensor.detach() for name, tensor in recorder.params.items()}
 
 
@@ -465,7 +469,8 @@ def check_layer_input(module: nn.Module, epsilon: float = 0.0) -> None:
     The check the ε-rule needs: its relevance is ``x · ∂z/∂x · R / z`` through the layer's forward, where an
     activation inside the layer is passed as the rule passes a ReLU module only where its derivative is constant
     along a ray (ReLU, leaky ReLU, a straight-through estimator). The rules with modified passes check it as part
-    of :func:`effective_parameters`.
+    of :func:`effective_parameters`. Both probes run once while the layer is unchanged: their verdicts are kept
+    per layer, weakly, and per class of ε (:mod:`~tdhook.attribution.rules._layer_verdicts`).
 
     Examples:
         >>> class LinearTanh(nn.Linear):
@@ -483,6 +488,14 @@ def check_layer_input(module: nn.Module, epsilon: float = 0.0) -> None:
     tensors = [*module.parameters(), *module.buffers()]
     if any(nn.parameter.is_lazy(t) or t.is_meta for t in tensors) or not any(t.is_floating_point() for t in tensors):
         return
+    # The presets' function rules pass a clip or a softmax the layer's forward calls (its output, the ε-rule's z):
+    # the verdict is kept per class of ε, and the layer probed once while it is unchanged (see _layer_verdicts).
+    clips_ruled = float(epsilon) <= RULED_EPSILON
+    checked_once(module, ("layer input", clips_ruled), lambda: _probe_layer_input(module, tensors, clips_ruled))
+
+
+def _probe_layer_input(module: nn.Module, tensors: list[torch.Tensor], clips_ruled: bool) -> None:
+    """:func:`check_layer_input`'s probe of a layer with a forward of its own."""
     reference = next(t for t in tensors if t.is_floating_point())
     recorder = _RecordLayerCall()
     modes = {sub: sub.training for sub in module.modules()}
@@ -498,8 +511,7 @@ def check_layer_input(module: nn.Module, epsilon: float = 0.0) -> None:
     if recorder.params is None:
         return
     try:
-        # The presets' function rules pass a clip or a softmax the layer's forward calls (its output, the ε-rule's z).
-        bent = _rays_bent(module, recorder.params["weight"], clips_ruled=float(epsilon) <= RULED_EPSILON)
+        bent = _rays_bent(module, recorder.params["weight"], clips_ruled=clips_ruled)
     except Exception:  # noqa: BLE001 (as above)
         return
     if bent:

@@ -136,6 +136,14 @@ class EpsilonRule(Rule):
         super().__init__()
         self.epsilon = epsilon
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "epsilon" and len(self.__dict__.get("_registrations", ())):
+            # The check at registration depends on ε's class (a clip inside a layer is ruled only under a small ε):
+            # an ε set while the rule is registered is checked against each layer before it is taken.
+            for module in list(self._registrations):
+                check_layer_input(module, value)
+        super().__setattr__(name, value)
+
     def _new_registration(self, module: nn.Module) -> Registration:
         # A Linear or convolution layer whose own forward runs tanh or a clamp around its linear function: the
         # rule's gradient would run through it, refused now so that the error names the layer.

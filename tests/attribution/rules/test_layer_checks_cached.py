@@ -1,0 +1,224 @@
+"""The probes of a layer's own forward run once per unchanged layer: counted, and probed again on every change that
+could change their verdict (a patched forward, an attribute, a buffer's values, the dtype, the class of ε)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import types
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from unittest import mock
+
+import pytest
+import timm.layers
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict
+from torch import nn
+
+from tdhook.attribution import LRP, EpsilonPlus, UniformEpsilon
+from tdhook.attribution.rules import _layers
+from tdhook.attribution.rules.basic import EpsilonRule
+from tdhook.attribution.rules.modified import AlphaBetaRule
+
+BENT = "not piecewise linear"
+
+
+class PaddedConv(nn.Conv2d):
+    """A convolution with a forward of its own (a padding before it, as timm's ``Conv2dSame``), linear."""
+
+    def __init__(self) -> None:
+        super().__init__(2, 2, 3)
+        self.activation = "none"
+        self.register_buffer("limit", torch.tensor(1e9))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = super().forward(F.pad(x, (1, 1, 1, 1)))
+        if self.activation == "tanh":
+            z = z.tanh()
+        return torch.minimum(z, self.limit)  # a learnt clip threshold (PACT): no clip while it is large
+
+
+class ClippedConv(PaddedConv):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).clamp(-1.0, 1.0)
+
+
+@contextmanager
+def counted(name: str) -> Iterator[list[int]]:
+    """The number of runs of ``_layers.<name>`` in the block."""
+    runs = [0]
+    original = getattr(_layers, name)
+
+    def spy(*args, **kwargs):
+        runs[0] += 1
+        return original(*args, **kwargs)
+
+    with mock.patch.object(_layers, name, spy):
+        yield runs
+
+
+def wrapper(model: nn.Module, mapper) -> LRP:
+    return LRP(model, mapper, in_keys=["x"], out_keys=["y"])
+
+
+def enter(lrp: LRP) -> None:
+    with lrp:
+        pass
+
+
+@pytest.mark.parametrize("layer", [timm.layers.StdConv2dSame, timm.layers.ScaledStdConv2d])
+def test_second_entry_probes_no_layer(layer):
+    model = nn.Sequential(*[layer(2, 2, 3) for _ in range(4)]).eval()
+    lrp = wrapper(model, UniformEpsilon())
+    with counted("_rays_bent") as runs:
+        enter(lrp)
+        assert runs[0] == 4
+        enter(lrp)
+        lrp(TensorDict(x=torch.randn(1, 2, 8, 8), batch_size=[1]))  # a call without an open context
+        assert runs[0] == 4
+
+
+def test_modified_rules_probe_no_layer_again():
+    model = nn.Sequential(*[timm.layers.StdConv2dSame(2, 2, 3) for _ in range(3)], nn.Flatten()).eval()
+    lrp = wrapper(model, EpsilonPlus())
+    with counted("_check_linear_after_layer_call") as runs:
+        enter(lrp)
+        first = runs[0]
+        enter(lrp)
+        assert first == 3 and runs[0] == first
+
+
+def test_forward_patched_after_an_entry_is_refused():
+    layer = PaddedConv()
+    with counted("_rays_bent") as runs:
+        with EpsilonRule(0.25).register(layer):
+            pass
+        layer.forward = lambda x: torch.tanh(PaddedConv.forward(layer, x))
+        with pytest.raises(ValueError, match=BENT), EpsilonRule(0.25).register(layer):
+            pass
+        del layer.forward
+        layer.forward = types.MethodType(lambda self, x: PaddedConv.forward(self, x) ** 3, layer)
+        with pytest.raises(ValueError, match=BENT), EpsilonRule(0.25).register(layer):
+            pass
+    assert runs[0] == 3
+
+
+def test_attribute_or_buffer_changed_after_an_entry_is_refused():
+    layer = PaddedConv()
+    with EpsilonRule(0.25).register(layer):
+        pass
+    layer.activation = "tanh"
+    with pytest.raises(ValueError, match=BENT), EpsilonRule(0.25).register(layer):
+        pass
+    layer.activation = "none"
+    with EpsilonRule(0.25).register(layer):
+        pass
+    layer.limit.data.fill_(0.5)  # through .data: no version counter sees it
+    with pytest.raises(ValueError, match=BENT), EpsilonRule(0.25).register(layer):
+        pass
+
+
+def test_forward_patched_after_an_entry_is_refused_by_modified_rules():
+    layer = PaddedConv()
+    with AlphaBetaRule(1.0, 0.0).register(layer):
+        pass
+    layer.forward = lambda x: PaddedConv.forward(layer, x).relu()
+    with pytest.raises(ValueError, match="not affine"), AlphaBetaRule(1.0, 0.0).register(layer):
+        pass
+
+
+class BiasAfterConv(nn.Conv2d):
+    """A convolution that adds its bias after its convolution function: a shift the modified passes keep."""
+
+    def __init__(self) -> None:
+        super().__init__(2, 2, 3, padding=1)
+        nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._conv_forward(x, self.weight, None) + self.bias.view(-1, 1, 1)
+
+
+def test_bias_written_after_an_entry_is_refused():
+    layer = BiasAfterConv()
+    with AlphaBetaRule(1.0, 0.0).register(layer):  # a zero bias: no shift yet
+        pass
+    layer.bias.data.normal_()
+    with pytest.raises(ValueError, match="adds a shift"), AlphaBetaRule(1.0, 0.0).register(layer):
+        pass
+
+
+def test_dtype_change_probes_again():
+    model = nn.Sequential(PaddedConv(), PaddedConv())
+    lrp = wrapper(model, UniformEpsilon())
+    with counted("_rays_bent") as runs:
+        enter(lrp)
+        enter(lrp)
+        assert runs[0] == 2
+        model.double()
+        enter(lrp)
+        assert runs[0] == 4
+        enter(lrp)
+        assert runs[0] == 4
+
+
+def test_epsilon_raised_while_registered_is_checked():
+    layer = ClippedConv()
+    rule = EpsilonRule(1e-6)
+    with rule.register(layer):  # a small ε: the clip inside the layer is the function rules'
+        with pytest.raises(ValueError, match=f"ClippedConv: its forward runs an activation that is {BENT}"):
+            rule.epsilon = 0.25
+        assert rule.epsilon == 1e-6
+        rule.epsilon = 1e-5  # the same class of ε
+    with pytest.raises(ValueError, match=BENT), EpsilonRule(0.25).register(layer):  # never the small ε's verdict
+        pass
+
+
+def test_two_classes_of_epsilon_in_turn_probe_once_each():
+    layer = ClippedConv()
+    with counted("_rays_bent") as runs:
+        for _ in range(2):
+            with EpsilonRule(1e-6).register(layer):
+                pass
+            with pytest.raises(ValueError, match=BENT), EpsilonRule(0.25).register(layer):
+                pass
+    assert runs[0] == 2
+
+
+def test_verdicts_keep_no_model_alive():
+    model = nn.Sequential(PaddedConv(), ClippedConv())
+    layer = model[0]
+    layer.forward = types.MethodType(lambda self, x: PaddedConv.forward(self, x), layer)
+    enter(wrapper(model, UniformEpsilon(epsilon=1e-6)))
+    with pytest.raises(ValueError, match=BENT):
+        enter(wrapper(model, UniformEpsilon()))
+    references = [weakref.ref(model), weakref.ref(layer)]
+    del model, layer
+    gc.collect()
+    assert all(reference() is None for reference in references)
+
+
+def test_two_threads_on_two_models():
+    bent, plain = PaddedConv(), PaddedConv()
+    bent.activation = "tanh"
+    barrier, results = threading.Barrier(2), {}
+
+    def entries(name: str, layer: nn.Module) -> None:
+        barrier.wait()
+        outcomes = []
+        for _ in range(10):
+            try:
+                with EpsilonRule(0.25).register(layer):
+                    outcomes.append("passed")
+            except ValueError:
+                outcomes.append("refused")
+        results[name] = outcomes
+
+    threads = [threading.Thread(target=entries, args=item) for item in (("bent", bent), ("plain", plain))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == {"bent": ["refused"] * 10, "plain": ["passed"] * 10}
