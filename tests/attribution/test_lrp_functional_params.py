@@ -437,3 +437,28 @@ def test_a_wrapper_under_vmap_over_an_ensemble_is_refused_by_name_and_left_usabl
     for i in range(3):  # the members in a loop instead, as the message asks
         with members[i].to_module(template):
             close(lrp(td.clone())["relevance", "x"], oracle(nets[i], None, mapper, td))
+
+
+@pytest.mark.parametrize("mapper", ["Epsilon", *MODIFYING])
+def test_an_ensemble_module_is_refused_before_it_runs_and_its_members_are_explained_in_a_loop(mapper: str):
+    """tensordict's EnsembleModule runs its members under torch.vmap, with their parameters put in the module it
+    copies by ``to_module(..., preserve_module_state=False)``. Before, a rule refused the vmapped call from inside it,
+    and tensordict left the members' batched tensors in that module: its own parameters were gone (a later call of it
+    failed with functorch's "your tensor may have escaped"). Now the wrapper refuses the ensemble by name before it
+    registers anything, and the loop its message gives explains each member as the network with its parameters
+    loaded."""
+    torch.manual_seed(0)
+    net, td = model_and_batch("mlp")
+    ensemble = EnsembleModule(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), 3)
+    before, ids = state(net), [id(p) for p in net.parameters()]
+    with pytest.raises(ValueError, match=r"^LRP: module 'the model itself' \(EnsembleModule\) runs its members under"):
+        LRP(ensemble, MAPPERS[mapper](), target_key="y")(td.clone())
+    assert_same_state(net, before, ids)
+    assert not any(isinstance(v, torch.Tensor) for v in net[0].__dict__.values())
+    lrp = LRP(ensemble.module, MAPPERS[mapper]())
+    with lrp:
+        for params in ensemble.params_td.unbind(0):
+            with params.to_module(ensemble.module):
+                got = lrp(td.clone())["relevance", "x"]
+            close(got, oracle(net, params["module"], mapper, td))
+    assert_same_state(net, before, ids)

@@ -36,6 +36,7 @@ from tdhook.attribution._context import (
 from tdhook.attribution._copies import hide_from_copies, wrapper_copy, wrapper_state
 from tdhook.attribution._coverage_recorder import CoverageRecorder
 from tdhook.attribution._differentiable import check_differentiable, rules_off
+from tdhook.attribution._ensemble_modules import refuse_ensembles
 from tdhook.attribution._explained_call import explain
 from tdhook.attribution._function_gates import FunctionGates
 from tdhook.attribution._function_rule_plan import FunctionRulePlan
@@ -314,6 +315,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         refuse_outer_transform("the context")  # before the rules are prepared on the transform's parameters
         remove_listed(self._hooks)  # what a removal interrupted while leaving the last context left behind
         modules = self.named_explained_modules()
+        refuse_ensembles(modules)  # before anything is registered: its vmapped forward would lose its parameters
         made = HooksMade()  # a hook made here (this thread) whose handle a failure lost is found by its id
         claim(self, modules)
         handles: list[RemovableRuleHandle] = []
