@@ -89,18 +89,33 @@ def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
 
 
+def swapped(kind: str, mapper: str) -> tuple:
+    """A seeded network, a batch, other parameters, their oracle relevance, the network's state and parameter ids,
+    and a wrapper of the network."""
+    torch.manual_seed(0)
+    net, td = model_and_batch(kind)
+    other = other_parameters(net)
+    theirs = oracle(net, other, mapper, td)
+    before, ids = state(net), [id(p) for p in net.parameters()]
+    return (
+        net,
+        td,
+        other,
+        theirs,
+        before,
+        ids,
+        LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), MAPPERS[mapper]()),
+    )
+
+
 KINDS_AND_MAPPERS = [("cnn", m) for m in MAPPERS] + [("mlp", m) for m in ("Epsilon", *MODIFYING)]
 
 
 @pytest.mark.parametrize("kind, mapper", KINDS_AND_MAPPERS)
 class TestSwappedParameters:
     def test_parameters_swapped_in_an_open_context_are_the_ones_explained(self, kind: str, mapper: str):
-        torch.manual_seed(0)
-        net, td = model_and_batch(kind)
-        other = other_parameters(net)
-        mine, theirs = oracle(net, None, mapper, td), oracle(net, other, mapper, td)
-        before, ids = state(net), [id(p) for p in net.parameters()]
-        lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), MAPPERS[mapper]())
+        net, td, other, theirs, before, ids, lrp = swapped(kind, mapper)
+        mine = oracle(net, None, mapper, td)
         with other.to_module(net):  # swapped before the call enters its context
             close(lrp(td.clone())["relevance", "x"], theirs)
         with lrp:
@@ -117,12 +132,7 @@ class TestSwappedParameters:
         assert_same_state(net, before, ids)
 
     def test_a_context_left_while_the_parameters_are_swapped_leaves_them_to_the_swap(self, kind: str, mapper: str):
-        torch.manual_seed(0)
-        net, td = model_and_batch(kind)
-        other = other_parameters(net)
-        theirs = oracle(net, other, mapper, td)
-        before, ids = state(net), [id(p) for p in net.parameters()]
-        lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), MAPPERS[mapper]())
+        net, td, other, theirs, before, ids, lrp = swapped(kind, mapper)
         lrp.__enter__()
         lrp(td.clone())
         swap = other.to_module(net)
@@ -135,12 +145,7 @@ class TestSwappedParameters:
         assert_same_state(net, before, ids)
 
     def test_a_failed_call_with_swapped_parameters_leaves_them_to_the_swap(self, kind: str, mapper: str):
-        torch.manual_seed(0)
-        net, td = model_and_batch(kind)
-        other = other_parameters(net)
-        theirs = oracle(net, other, mapper, td)
-        before, ids = state(net), [id(p) for p in net.parameters()]
-        lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), MAPPERS[mapper]())
+        net, td, other, theirs, before, ids, lrp = swapped(kind, mapper)
         bad = TensorDict(x=td["x"][..., :3], batch_size=[5])  # the model's shapes do not fit it
         with other.to_module(net), lrp:
             with pytest.raises(RuntimeError):
@@ -149,12 +154,8 @@ class TestSwappedParameters:
         assert_same_state(net, before, ids)
 
     def test_functional_call_of_the_wrapper_explains_the_given_parameters(self, kind: str, mapper: str):
-        torch.manual_seed(0)
-        net, td = model_and_batch(kind)
-        other = other_parameters(net)
-        mine, theirs = oracle(net, None, mapper, td), oracle(net, other, mapper, td)
-        before, ids = state(net), [id(p) for p in net.parameters()]
-        lrp = LRP(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), MAPPERS[mapper]())
+        net, td, other, theirs, before, ids, lrp = swapped(kind, mapper)
+        mine = oracle(net, None, mapper, td)
         given = {f"module.module.{k}": v for k, v in other.flatten_keys(".").items()}
         assert set(given) == {name for name, _ in lrp.named_parameters()}
         close(functional_call(lrp, given, (td.clone(),))["relevance", "x"], theirs)
