@@ -405,11 +405,20 @@ def _context_under_vmap(lrp: LRP, template: nn.Module, nets: list[nn.Module], td
     return errors[0] if errors else None
 
 
+def _grad_of_the_call(lrp: LRP, template: nn.Module, nets: list[nn.Module], td: TensorDict) -> BaseException:
+    try:
+        torch.func.grad(lambda x: lrp(TensorDict(x=x, batch_size=x.shape[:1]))["y"].sum())(td["x"])
+    except Exception as err:  # noqa: BLE001 (checked by the test)
+        return err
+    raise AssertionError("not refused")
+
+
 TRANSFORMED = {
     "from_modules + to_module": _vmap_to_module,
     "stack_module_state + functional_call": _vmap_functional_call,
     "EnsembleModule": _ensemble_module,
     "context entered": _context_under_vmap,
+    "torch.func.grad": _grad_of_the_call,
 }
 
 
@@ -418,8 +427,9 @@ TRANSFORMED = {
 def test_a_wrapper_under_vmap_over_an_ensemble_is_refused_by_name_and_left_usable(way: str, mapper: str):
     """Before, a rule that prepares a Linear layer's modified parameters at registration (γ, αβ) failed on the
     transform's batched parameters with torch's message ("vmap: called random operation while in randomness error
-    mode", "your tensor may have escaped"), naming neither the transform nor what to do; the ε-rule's context
-    entered under vmap was not refused at all."""
+    mode", "your tensor may have escaped"; under torch.func.grad, "Cannot access data pointer of Tensor that doesn't
+    have storage"), naming neither the transform nor what to do; the ε-rule's context entered under vmap was not
+    refused at all."""
     torch.manual_seed(0)
     nets, td = [mlp() for _ in range(3)], model_and_batch("mlp")[1]
     template = copy.deepcopy(nets[0])
