@@ -23,7 +23,7 @@ from zennit.attribution import Gradient
 from zennit.composites import LayerMapComposite
 from zennit.rules import AlphaBeta, Gamma
 
-from tdhook.attribution import LRP, EpsilonAlpha2Beta1, EpsilonGammaBox, EpsilonPlus, UniformEpsilon
+from tdhook.attribution import LRP, EpsilonAlpha2Beta1, EpsilonGammaBox, EpsilonPlus, UniformEpsilon, _chain_plan
 from tdhook.attribution.mappers.base import rule_mapper_from_dict
 from tdhook.attribution.rules import AlphaBetaRule, EpsilonRule, GammaRule
 
@@ -269,7 +269,7 @@ def test_parametrized_layers_are_explained_with_their_computed_weights_when_swap
 
 class TestTorchRLLosses:
     @pytest.mark.parametrize("mapper", ["Linear gamma", "Epsilon ε-plan"])
-    def test_dqn_online_and_target_networks_are_explained_between_training_steps(self, mapper: str):
+    def test_dqn_online_and_target_networks_are_explained_between_training_steps(self, mapper: str, monkeypatch):
         """DQNLoss on CartPole's action spec: the online and target Q-networks explained with the loss's functional
         parameters, after SGD steps and SoftUpdate (which writes the target through ``.data``); the ε mapper takes
         the chain plan of an open context."""
@@ -285,6 +285,9 @@ class TestTorchRLLosses:
             params.data.to_module(twin)
             return LRP(twin, rules())(td.clone())["relevance", "observation"]
 
+        planned = []
+        run_plan = _chain_plan.ChainPlan.forward
+        monkeypatch.setattr(_chain_plan.ChainPlan, "forward", lambda plan, x: planned.append(1) or run_plan(plan, x))
         torch.manual_seed(0)
         spec = GymEnv("CartPole-v1").action_spec
         actor = QValueActor(
@@ -319,6 +322,8 @@ class TestTorchRLLosses:
                 optim.step()
                 updater.step()
         assert not torch.allclose(seen[1], seen[3])  # the target moved between the explained calls
+        if "plan" in mapper:  # the open context's calls after its first ran by the plan, the target's included
+            assert len(planned) >= 5
 
     @pytest.mark.parametrize("mapper", MODIFYING)
     def test_sac_q_networks_stacked_parameters_written_in_place_are_the_ones_explained(self, mapper: str):
