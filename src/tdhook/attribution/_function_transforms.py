@@ -5,7 +5,10 @@ The rules work through autograd hooks and custom ``torch.autograd.Function``
 nodes, which a ``torch.func`` transform does not run: torch refuses the first
 rule the transform reaches with an error about ``setup_context`` that names
 neither the module nor the transform. A transform around the whole call is
-refused before the model runs (:func:`~tdhook.attribution._inputs.validate_inputs`);
+refused before the model runs (:func:`refuse_outer_transform`, asked by
+:func:`~tdhook.attribution._inputs.validate_inputs` and before a wrapper's rules are
+registered: a rule prepared at registration, as γ and αβ on a Linear layer, would
+otherwise fail on the transform's batched parameters with torch's own message);
 one inside the model's forward is found here, from the failing call's frames,
 and named with the module that takes it and the first module with a rule it
 runs through, as ``torch.autograd.grad`` in a forward is refused
@@ -45,9 +48,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from types import FrameType, TracebackType
 
+import torch
 from torch import nn
 
-__all__ = ["transform_refusal"]
+from tdhook.attribution._loss_callers import loss_module_transform_advice
+
+__all__ = ["refuse_outer_transform", "transform_refusal"]
 
 # The functions of torch's functorch package that a transform runs through, and the transform users call.
 _TRANSFORMS = {
@@ -58,6 +64,33 @@ _TRANSFORMS = {
     "_jvp_with_argnums": "torch.func.jvp",
     "vmap_impl": "torch.func.vmap",
 }
+
+
+def refuse_outer_transform(what: str = "the call") -> None:
+    """Raise where ``what`` (a wrapper's call, or its context entered) runs under a ``torch.func`` transform.
+
+    Args:
+        what: what runs under it, named in the message.
+
+    Raises:
+        NotImplementedError: a transform (``grad``, ``vjp``, ``jacrev``, ``jvp``, ``vmap``) is active: it runs
+            neither the autograd backward pass nor the hooks the rules work through.
+
+    Examples:
+        >>> refuse_outer_transform()  # no transform: nothing to refuse
+        >>> try:
+        ...     torch.vmap(lambda x: refuse_outer_transform("the context") or x)(torch.ones(2, 3))
+        ... except NotImplementedError as err:
+        ...     print(str(err)[:62])
+        LRP: the context runs under a torch.func transform (grad, vjp,
+    """
+    if torch._C._are_functorch_transforms_active():
+        raise NotImplementedError(
+            f"LRP: {what} runs under a torch.func transform (grad, vjp, jacrev, jvp, vmap), which does not run "
+            "the autograd backward pass and hooks the rules work through; call the wrapper outside it, and take "
+            "the relevance's derivative with LRP(..., create_graph=True) and torch.autograd.grad "
+            f"(torch.func.functional_call is fine){loss_module_transform_advice()}"
+        )
 
 
 def _is_rule_frame(frame: FrameType) -> bool:

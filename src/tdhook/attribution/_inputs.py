@@ -31,8 +31,8 @@ from torch import nn
 from torch.masked import MaskedTensor
 from torchrl.modules import GRUModule, LSTMModule
 
+from tdhook.attribution._function_transforms import refuse_outer_transform
 from tdhook.attribution._keys import as_tuple
-from tdhook.attribution._loss_callers import loss_module_transform_advice
 from tdhook.attribution._tokens import TokenInputs
 from tdhook.attribution.rules._linked_inputs import linked_input
 
@@ -142,13 +142,7 @@ def validate_inputs(tensordict: TensorDictBase, keys: Sequence[NestedKey], diffe
         ValueError: an input is on the meta device (no values to explain).
         NotImplementedError: ``differentiable`` and an input is a forward-mode dual tensor.
     """
-    if torch._C._are_functorch_transforms_active():
-        raise NotImplementedError(
-            "LRP: the call runs under a torch.func transform (grad, vjp, jacrev, jvp, vmap), which does not run "
-            "the autograd backward pass and hooks the rules work through; call the wrapper outside it, and take "
-            "the relevance's derivative with LRP(..., create_graph=True) and torch.autograd.grad "
-            f"(torch.func.functional_call is fine){loss_module_transform_advice()}"
-        )
+    refuse_outer_transform()
     if torch.is_inference_mode_enabled():
         raise RuntimeError(
             "LRP: torch.inference_mode() is active around the call; inference mode blocks the gradients that "

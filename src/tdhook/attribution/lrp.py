@@ -36,9 +36,11 @@ from tdhook.attribution._context import (
 from tdhook.attribution._copies import hide_from_copies, wrapper_copy, wrapper_state
 from tdhook.attribution._coverage_recorder import CoverageRecorder
 from tdhook.attribution._differentiable import check_differentiable, rules_off
+from tdhook.attribution._ensemble_modules import refuse_ensembles
 from tdhook.attribution._explained_call import explain
 from tdhook.attribution._function_gates import FunctionGates
 from tdhook.attribution._function_rule_plan import FunctionRulePlan
+from tdhook.attribution._function_transforms import refuse_outer_transform
 from tdhook.attribution._inputs import (
     optional_inputs,
 )
@@ -310,8 +312,10 @@ class LRP(TensorDictModuleBase, MapperTunable):
     def _enter(self) -> LRP:
         if self._handles is not None:
             raise RuntimeError("this LRP wrapper's context is already active; leave it before entering again")
+        refuse_outer_transform("the context")  # before the rules are prepared on the transform's parameters
         remove_listed(self._hooks)  # what a removal interrupted while leaving the last context left behind
         modules = self.named_explained_modules()
+        refuse_ensembles(modules)  # before anything is registered: its vmapped forward would lose its parameters
         made = HooksMade()  # a hook made here (this thread) whose handle a failure lost is found by its id
         claim(self, modules)
         handles: list[RemovableRuleHandle] = []
@@ -407,6 +411,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
     @_uncompiled_dispatch
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         refuse_loss_module_caller("LRP", self, self.create_graph)  # its outputs would give no gradient
+        refuse_outer_transform()  # before a context is entered for the call
         # One call at a time (docs/guarantees.md); one that fails leaves the running statistics as they were.
         with self._lock:
             made = HooksMade()
