@@ -52,6 +52,7 @@ from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN,
 from tdhook.attribution.rules._held_norm_calls import NORMALIZING_CALLS, HeldNormCalls, normalized_inputs
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, gate_marks_of, mark_written_in_place
 from tdhook.attribution.rules._joined_gates import GATE_JOINS, mark_joined_gate
+from tdhook.attribution.rules._joined_weights import WEIGHTS_MARK, WEIGHTS_MASKS_MADE, mark_joined_weights
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._means_apart import STATISTICS_AND_MEANS, mean_apart
@@ -94,9 +95,6 @@ __all__ = [
 GATE_MARK = "_tdhook_activation_of"
 # The attribute that marks a sigmoid-like gate, a value in [0, 1]: held first where both factors are marked.
 SIGMOID_MARK = "_tdhook_sigmoid_gate"
-# The attribute that marks a softmax's output (weights in [0, 1] summing to 1): held where it multiplies an activation
-# element by element (see :func:`weighing_factors`); a matrix product with it is attention, and shares its relevance.
-WEIGHTS_MARK = "_tdhook_softmax_weights"
 GATE_FUNCTIONS = frozenset({torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, F.hardsigmoid})
 # The sigmoid computed in place (``h.sigmoid_()``): a gate as well, held where a product takes it.
 _GATES_IN_PLACE = frozenset({torch.sigmoid_, torch.Tensor.sigmoid_})
@@ -219,7 +217,8 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
     pads them (``F.pad``: constants, or copies of its values);
     each piece of a gate split in pieces (``chunk``, ``split``, ``unbind``) marked as it was; gates joined
     (``torch.cat``, ``torch.stack``, ``hstack``, ...) a gate, where every piece is one (see
-    :func:`~tdhook.attribution.rules._joined_gates.mark_joined_gate`).
+    :func:`~tdhook.attribution.rules._joined_gates.mark_joined_gate`); a softmax's weights joined, weights (see
+    :func:`~tdhook.attribution.rules._joined_weights.mark_joined_weights`).
 
     Examples:
         >>> x = torch.ones(2, requires_grad=True) * 1
@@ -229,6 +228,13 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
     """
     if func in GATE_JOINS:  # (first: a join of no gate, rotary embeddings' ``cat``, costs one call more)
         mark_joined_gate(func, args, kwargs or {}, result)
+        if WEIGHTS_MASKS_MADE:  # (a piece may show weights in part: a view of a join of weights and others)
+            mark_joined_weights(func, args, kwargs or {}, result)
+            return result
+        for piece in args[0] if args else (kwargs or {})["tensors"]:  # (tensors all: the join ran)
+            if WEIGHTS_MARK in piece.__dict__:  # a softmax's weights joined (attention written per head)
+                mark_joined_weights(func, args, kwargs or {}, result)
+                break
         return result
     same_values = func in SAME_VALUES or (func in GATE_RESIZES and _convex_resize(args, kwargs or {}))
     if (same_values or func in GATE_PADS) and args and is_gate(args[0]) and isinstance(result, torch.Tensor):
