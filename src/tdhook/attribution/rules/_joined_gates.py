@@ -32,7 +32,7 @@ import torch
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, note_gate_written
 from tdhook.attribution.rules._in_place_writes import GATE_MARKS, gate_marks_of
 
-__all__ = ["GATE_JOINS", "OTHER_GATES", "mark_joined_gate", "other_gates_shown"]
+__all__ = ["GATE_JOINS", "OTHER_GATES", "mark_joined_gate", "note_other_gates", "other_gates_shown"]
 
 _JOIN_NAMES = ("cat", "concat", "concatenate", "stack", "hstack", "vstack", "row_stack", "dstack", "column_stack")
 _ATEN_JOINS = [getattr(torch.ops.aten, name) for name in _JOIN_NAMES]
@@ -42,8 +42,8 @@ GATE_JOINS = frozenset(
     | {op for packet in _ATEN_JOINS for op in (packet, *(getattr(packet, o) for o in packet.overloads()))}
 )
 _GATE, _SIGMOID = GATE_MARKS
-#: On a join of gates and other activations: a mask of its shape, true where a gate of any kind (or a constant) went,
-#: and the join's version then (see :mod:`~tdhook.attribution.rules._mixed_gate_products`).
+#: On a join of gates and other activations: a mask of its storage's elements, true where a gate of any kind (or a
+#: constant) went, and the join's version then (see :mod:`~tdhook.attribution.rules._mixed_gate_products`).
 OTHER_GATES = "_tdhook_other_gates"
 
 
@@ -125,7 +125,30 @@ def _note_other_gates(
                 return  # not known: a product that would hold them raises
             flags.append(other)
         region = func(flags, *args[1:], **{k: v for k, v in kwargs.items() if k != "tensors"})
-    setattr(result, OTHER_GATES, (region, result._version))
+    note_other_gates(result, region)
+
+
+def note_other_gates(result: torch.Tensor, region: torch.Tensor | bool) -> None:
+    """Note on ``result`` where a gate of any kind is (see :data:`OTHER_GATES`): ``region``, a mask of its shape, laid
+    over its storage (a join in channels-last layout, a copy of a transposed view keep their elements' strides);
+    ``False``: not known (a product that would hold them raises).
+
+    Examples:
+        >>> result = torch.zeros(3, 2).t().clone()  # a copy of a transposed view: its storage laid out transposed
+        >>> note_other_gates(result, torch.tensor([[True, False, False], [False, False, True]]))
+        >>> other_gates_shown(result).tolist(), other_gates_shown(result[1]).tolist()
+        ([[True, False, False], [False, False, True]], [False, False, True])
+    """
+    with torch._C.DisableTorchFunction(), torch.no_grad():  # bookkeeping, which a function mode must not see
+        mask = None  # (not known)
+        if region is not False:
+            try:
+                size = result.untyped_storage().nbytes() // result.element_size()
+                mask = torch.zeros(size, dtype=torch.bool, device=result.device)
+                mask.as_strided(result.shape, result.stride(), result.storage_offset()).copy_(region)
+            except (RuntimeError, NotImplementedError):  # no storage to read (the meta device), elements overlapping
+                mask = None
+        setattr(result, OTHER_GATES, (mask, result._version))
 
 
 def other_gates_shown(piece: torch.Tensor) -> torch.Tensor | bool | None:
@@ -148,10 +171,9 @@ def other_gates_shown(piece: torch.Tensor) -> torch.Tensor | bool | None:
         noted = root.__dict__.get(OTHER_GATES)
         if noted is None:
             return None
-        if noted[1] != root._version or not root.is_contiguous():
+        if noted[1] != root._version or noted[0] is None or piece.element_size() != root.element_size():
             return False
-        offset = piece.storage_offset() - root.storage_offset()
-        return noted[0].reshape(-1).as_strided(piece.shape, piece.stride(), offset)
+        return noted[0].as_strided(piece.shape, piece.stride(), piece.storage_offset())
 
 
 def _gates_shown(piece: torch.Tensor) -> tuple[torch.Tensor, Any] | None:

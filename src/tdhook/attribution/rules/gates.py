@@ -53,6 +53,7 @@ from tdhook.attribution.rules._held_norm_calls import NORMALIZING_CALLS, HeldNor
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, gate_marks_of, mark_written_in_place
 from tdhook.attribution.rules._joined_gates import GATE_JOINS, mark_joined_gate
 from tdhook.attribution.rules._joined_weights import WEIGHTS_MARK, WEIGHTS_MASKS_MADE, mark_joined_weights
+from tdhook.attribution.rules._kept_gate_elements import keep_gate_elements
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._means_apart import STATISTICS_AND_MEANS, mean_apart
@@ -153,6 +154,12 @@ GATE_SPLITS |= _aten("chunk", "split", "split_with_sizes", "unbind", "tensor_spl
 GATE_SCALINGS |= _aten("div", "true_divide", "divide")
 GATE_MULTIPLICATIONS |= _aten("mul", "multiply")
 GATE_PRESERVING = SAME_VALUES | GATE_COMPLEMENTS | GATE_RESIZES | GATE_SPLITS | GATE_SCALINGS | GATE_MULTIPLICATIONS
+# Copies of a tensor's values at the same places (``m.t().contiguous()``, a cast), and (with a positive constant)
+# its scalings: a gate in some elements only keeps those (see :mod:`~tdhook.attribution.rules._kept_gate_elements`).
+_COPIES = frozenset({torch.Tensor.contiguous, torch.Tensor.clone, torch.Tensor.to, torch.Tensor.type_as})
+_COPIES |= {torch.Tensor.float, torch.Tensor.double, torch.Tensor.half, torch.Tensor.bfloat16}
+_COPIES |= _aten("clone", "_to_copy", "contiguous")
+_ELEMENTS_KEPT = _COPIES | GATE_SCALINGS | GATE_MULTIPLICATIONS
 # Gates joined (``torch.cat([sigmoid(a), sigmoid(b)], 1)``, ``torch.stack``): a gate where every piece is one (see
 # :mod:`~tdhook.attribution.rules._joined_gates`).
 GATE_PRESERVING |= GATE_JOINS
@@ -253,6 +260,11 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
         gate, factor = args if is_gate(args[0]) else args[::-1]
         if is_gate(gate) and not is_gate(factor) and _is_positive_constant(factor):  # 2 * sigmoid(s)
             mark_gate(result, _mark(gate, GATE_MARK), sigmoid=_mark(gate, SIGMOID_MARK, False))
+    if GATE_MASKS_MADE and func in _ELEMENTS_KEPT and isinstance(result, torch.Tensor):
+        # A copy or a positive scaling of a gate in some elements only (``m.t().contiguous()``, ``m * 2``): those kept.
+        source = _scaled_or_copied(func, args)
+        if source is not None:
+            keep_gate_elements(source, result)
     if args and getattr(args[0], WEIGHTS_MARK, False) and (same_values or func in GATE_SPLITS):
         for piece in result if isinstance(result, (tuple, list)) else (result,):  # a softmax's weights, reshaped
             if isinstance(piece, torch.Tensor):
@@ -295,6 +307,21 @@ def weighing_factors(args: tuple) -> list[bool] | None:
         return None
     marks = [getattr(a, WEIGHTS_MARK, False) for a in args]
     return None if marks[0] == marks[1] else marks
+
+
+def _scaled_or_copied(func: Any, args: tuple) -> torch.Tensor | None:
+    """The tensor ``func(*args)`` (one of ``_ELEMENTS_KEPT``) copies, or scales by a positive constant; ``None`` where
+    it does neither."""
+    if func in _COPIES:
+        return args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if len(args) != 2:
+        return None
+    if func in GATE_SCALINGS:
+        return args[0] if isinstance(args[0], torch.Tensor) and _is_positive(args[1]) else None
+    for value, factor in (args, args[::-1]):
+        if isinstance(value, torch.Tensor) and _is_positive_constant(factor):
+            return value
+    return None
 
 
 def _convex_resize(args: tuple, kwargs: dict) -> bool:
