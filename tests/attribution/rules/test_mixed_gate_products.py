@@ -118,8 +118,9 @@ def test_a_product_with_a_join_of_three_kinds_gives_each_element_its_rule(nested
     assert_same_relevance(ThreeKinds(nested=nested).double(), ThreeKinds(apart=True).double(), mapper)
 
 
-# A new tensor with the mixed join's values at the same places, a copy or a positive scaling, times the signal (laid
-# out as the copy is); the result laid out as the join.
+INDEX = torch.tensor([5, 0, 4, 1, 3, 2])
+# A new tensor with the mixed join's values at the same places, a copy or a positive scaling, or rearranged, times the
+# signal (laid out as the new tensor is); the result laid out as the join.
 KEPT = {
     "(m * 2) * s": lambda m, s: (m * 2) * s,
     "(2 * m) * s": lambda m, s: (2 * m) * s,
@@ -130,6 +131,11 @@ KEPT = {
     "m.transpose(0, 1).clone() * s.t()": lambda m, s: (m.transpose(0, 1).clone() * s.t()).t(),
     "m.clone() * s": lambda m, s: m.clone() * s,
     "(m.t().contiguous() * 2) * s.t()": lambda m, s: ((m.t().contiguous() * 2) * s.t()).t(),
+    # The values rearranged into a new tensor: a reshape that copies, a flip, an advanced index, a repeat.
+    "m.t().reshape(-1) * s.t().reshape(-1)": lambda m, s: (m.t().reshape(-1) * s.t().reshape(-1)).view(6, -1).t(),
+    "m.flip(1) * s.flip(1)": lambda m, s: (m.flip(1) * s.flip(1)).flip(1),
+    "m[:, index] * s[:, index]": lambda m, s: (m[:, INDEX] * s[:, INDEX])[:, INDEX.argsort()],
+    "m.repeat(1, 2) * s.repeat(1, 2)": lambda m, s: (m.repeat(1, 2) * s.repeat(1, 2))[:, 6:],
 }
 
 

@@ -155,11 +155,12 @@ GATE_SCALINGS |= _aten("div", "true_divide", "divide")
 GATE_MULTIPLICATIONS |= _aten("mul", "multiply")
 GATE_PRESERVING = SAME_VALUES | GATE_COMPLEMENTS | GATE_RESIZES | GATE_SPLITS | GATE_SCALINGS | GATE_MULTIPLICATIONS
 # Copies of a tensor's values at the same places (``m.t().contiguous()``, a cast), and (with a positive constant)
-# its scalings: a gate in some elements only keeps those (see :mod:`~tdhook.attribution.rules._kept_gate_elements`).
+# its scalings, and (the others of SAME_VALUES, where they copy) its values rearranged: a gate in some elements only
+# keeps those (see :mod:`~tdhook.attribution.rules._kept_gate_elements`).
 _COPIES = frozenset({torch.Tensor.contiguous, torch.Tensor.clone, torch.Tensor.to, torch.Tensor.type_as})
 _COPIES |= {torch.Tensor.float, torch.Tensor.double, torch.Tensor.half, torch.Tensor.bfloat16}
 _COPIES |= _aten("clone", "_to_copy", "contiguous")
-_ELEMENTS_KEPT = _COPIES | GATE_SCALINGS | GATE_MULTIPLICATIONS
+_ELEMENTS_KEPT = _COPIES | GATE_SCALINGS | GATE_MULTIPLICATIONS | SAME_VALUES
 # Gates joined (``torch.cat([sigmoid(a), sigmoid(b)], 1)``, ``torch.stack``): a gate where every piece is one (see
 # :mod:`~tdhook.attribution.rules._joined_gates`).
 GATE_PRESERVING |= GATE_JOINS
@@ -260,11 +261,14 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
         gate, factor = args if is_gate(args[0]) else args[::-1]
         if is_gate(gate) and not is_gate(factor) and _is_positive_constant(factor):  # 2 * sigmoid(s)
             mark_gate(result, _mark(gate, GATE_MARK), sigmoid=_mark(gate, SIGMOID_MARK, False))
-    if GATE_MASKS_MADE and func in _ELEMENTS_KEPT and isinstance(result, torch.Tensor):
-        # A copy or a positive scaling of a gate in some elements only (``m.t().contiguous()``, ``m * 2``): those kept.
+    if GATE_MASKS_MADE and func in _ELEMENTS_KEPT and isinstance(result, torch.Tensor) and result._base is None:
+        # A copy or a positive scaling of a gate in some elements only (``m.t().contiguous()``, ``m * 2``), or its
+        # values rearranged into a new tensor (``m.t().reshape(-1)``, ``m.flip(1)``): those kept.
         source = _scaled_or_copied(func, args)
         if source is not None:
             keep_gate_elements(source, result)
+        elif func in SAME_VALUES and args and isinstance(args[0], torch.Tensor):
+            keep_gate_elements(args[0], result, lambda mask: func(mask, *args[1:], **(kwargs or {})))
     if args and getattr(args[0], WEIGHTS_MARK, False) and (same_values or func in GATE_SPLITS):
         for piece in result if isinstance(result, (tuple, list)) else (result,):  # a softmax's weights, reshaped
             if isinstance(piece, torch.Tensor):
@@ -314,7 +318,7 @@ def _scaled_or_copied(func: Any, args: tuple) -> torch.Tensor | None:
     it does neither."""
     if func in _COPIES:
         return args[0] if args and isinstance(args[0], torch.Tensor) else None
-    if len(args) != 2:
+    if len(args) != 2 or func in SAME_VALUES:
         return None
     if func in GATE_SCALINGS:
         return args[0] if isinstance(args[0], torch.Tensor) and _is_positive(args[1]) else None
