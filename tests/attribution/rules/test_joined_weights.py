@@ -114,12 +114,17 @@ class JoinedWithOthers(nn.Module):
             product = torch.stack([joined, joined * 1], 0)[0] * signal
         elif self.form == "signal.mul_(joined)":
             product = (signal * 1).mul_(joined)
+        elif self.form == "joined.t().contiguous() * signal.t()":  # copies of the join: its weights kept
+            product = (joined.t().contiguous() * signal.t()).t()
+        elif self.form == "joined.flip(1) * signal.flip(1)":
+            product = (joined.flip(1) * signal.flip(1)).flip(1)
         else:
             product = joined * signal
         return self.out(product)
 
 
 FORMS = ["joined * signal", "signal * joined", "joined.view * signal", "halves", "joined again", "signal.mul_(joined)"]
+FORMS += ["joined.t().contiguous() * signal.t()", "joined.flip(1) * signal.flip(1)"]
 
 
 @pytest.mark.parametrize("mapper", ["AttnLRP", "AttnLRP(softmax_epsilon=0.1)"])

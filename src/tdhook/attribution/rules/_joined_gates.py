@@ -31,6 +31,7 @@ import torch
 
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, note_gate_written
 from tdhook.attribution.rules._in_place_writes import GATE_MARKS, gate_marks_of
+from tdhook.attribution.rules._storage_masks import laid_over_storage
 
 __all__ = ["GATE_JOINS", "OTHER_GATES", "mark_joined_gate", "note_other_gates", "other_gates_shown"]
 
@@ -139,16 +140,8 @@ def note_other_gates(result: torch.Tensor, region: torch.Tensor | bool) -> None:
         >>> other_gates_shown(result).tolist(), other_gates_shown(result[1]).tolist()
         ([[True, False, False], [False, False, True]], [False, False, True])
     """
-    with torch._C.DisableTorchFunction(), torch.no_grad():  # bookkeeping, which a function mode must not see
-        mask = None  # (not known)
-        if region is not False:
-            try:
-                size = result.untyped_storage().nbytes() // result.element_size()
-                mask = torch.zeros(size, dtype=torch.bool, device=result.device)
-                mask.as_strided(result.shape, result.stride(), result.storage_offset()).copy_(region)
-            except (RuntimeError, NotImplementedError):  # no storage to read (the meta device), elements overlapping
-                mask = None
-        setattr(result, OTHER_GATES, (mask, result._version))
+    mask = None if region is False else laid_over_storage(result, region)  # (``None``: not known)
+    setattr(result, OTHER_GATES, (mask, result._version))
 
 
 def other_gates_shown(piece: torch.Tensor) -> torch.Tensor | bool | None:

@@ -4,15 +4,15 @@ A softmax's output (see :func:`~tdhook.attribution.rules.gates.mark_weights`) mu
 activation weighs it, and AttnLRP holds it constant there. Weights computed in pieces and joined again (attention
 written with a loop over heads, ``torch.stack([softmax(q_h @ k_hᵀ) for h ...], 1)``, or ``torch.cat`` of each head's
 weights along the batch dimension; branches' weights per group) were no weights: a product ``w * v`` shared its
-relevance with them (0.50 off, relative L2, under AttnLRP, with and without its ε, against the same attention with
+relevance with them (0.50-0.51 off, relative L2, under AttnLRP, with and without its ε, against the same attention with
 one batched softmax). :func:`mark_joined_weights` marks such a join as weights where every piece is weights (or a
 constant: held or not, it passes no gradient).
 
 A join of weights and other activations (``torch.cat([softmax(a), h], 1)``) is no weights, but the elements its
 weights went to are: they are noted as a mask over the join, with the join's version, and a product with the join
-(or a view of it: ``chunk``, a slice, a reshape) holds, element by element, the weights there
-(:func:`mixed_weights_product`). After an in-place write into the join, where its weights are is not known: such a
-product raises rather than guess.
+(or a view of it: ``chunk``, a slice, a reshape; or a copy: ``mixed.t().contiguous()``, ``mixed.flip(1)``, see
+:func:`keep_weights_elements`) holds, element by element, the weights there (:func:`mixed_weights_product`). After
+an in-place write into the join, where its weights are is not known: such a product raises rather than guess.
 """
 
 from __future__ import annotations
@@ -23,9 +23,16 @@ from typing import Any
 import torch
 
 from tdhook.attribution.rules._autograd import hold, is_activation
-from tdhook.attribution.rules._storage_masks import count_mask
+from tdhook.attribution.rules._storage_masks import count_mask, laid_over_storage
 
-__all__ = ["WEIGHTS_MARK", "WEIGHTS_MASKS_MADE", "mark_joined_weights", "mixed_weights_product", "weights_shown"]
+__all__ = [
+    "WEIGHTS_MARK",
+    "WEIGHTS_MASKS_MADE",
+    "keep_weights_elements",
+    "mark_joined_weights",
+    "mixed_weights_product",
+    "weights_shown",
+]
 
 #: The attribute that marks a softmax's output (weights in [0, 1] summing to 1): held where it multiplies an
 #: activation element by element (see :func:`~tdhook.attribution.rules.gates.weighing_factors`); a matrix product
@@ -70,7 +77,10 @@ def mark_joined_weights(func: Any, args: tuple, kwargs: dict, result: Any) -> No
         if all(whole):
             result.__dict__[WEIGHTS_MARK] = True
             return
+        if not any(WEIGHTS_MARK in piece.__dict__ for piece in pieces) and all(part is None for part in shown):
+            return  # no weights joined (rotary embeddings' ``cat`` while a mask is alive)
         if any(part is False for part in shown):  # a piece of a join written into since: not known
+            _note_weights(result, False)
             return
         with torch.no_grad():  # bookkeeping, which a function mode must not see
             flags = [
@@ -78,9 +88,47 @@ def mark_joined_weights(func: Any, args: tuple, kwargs: dict, result: Any) -> No
                 for piece, keep, part in zip(pieces, whole, shown, strict=True)
             ]
             region = func(flags, *args[1:], **{k: v for k, v in kwargs.items() if k != "tensors"})
-        if region.shape == result.shape and result.is_contiguous():
-            setattr(result, _WEIGHTS_JOINED, (region.contiguous(), result._version))
-            count_mask(result, WEIGHTS_MASKS_MADE)
+    if region.shape == result.shape:
+        _note_weights(result, region)
+
+
+def _note_weights(result: torch.Tensor, region: torch.Tensor | bool) -> None:
+    """Note on ``result`` where it is weights: ``region``, a mask of its shape (``False``: not known)."""
+    mask = None if region is False else laid_over_storage(result, region)  # (``None``: not known)
+    setattr(result, _WEIGHTS_JOINED, (mask, result._version))
+    count_mask(result, WEIGHTS_MASKS_MADE)
+
+
+def keep_weights_elements(
+    source: torch.Tensor, result: torch.Tensor, rearranged: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> None:
+    """Note on ``result``, a new tensor whose elements are ``source``'s at the same places (a copy:
+    ``mixed.t().contiguous()``), where ``source``, a join of weights and other activations or a view of one, is
+    weights; ``rearranged``: the call that made ``result`` from ``source`` (``mixed.flip(1)``), made on a mask of
+    ``source``'s shape instead (``None``: the same places).
+
+    Examples:
+        >>> x = torch.ones(2, 2, requires_grad=True)
+        >>> weights = torch.softmax(x * 1, -1)
+        >>> weights.__dict__["_tdhook_softmax_weights"] = True
+        >>> mixed = torch.cat([weights, x * 2], 1)
+        >>> mark_joined_weights(torch.cat, ([weights, x * 2], 1), {}, mixed)
+        >>> copy = mixed.t().contiguous()
+        >>> keep_weights_elements(mixed.t(), copy)
+        >>> weights_shown(copy).tolist()
+        [[True, True], [True, True], [False, False], [False, False]]
+    """
+    shown = weights_shown(source)
+    if shown is None or result is source or result._base is not None:  # (a view reads its tensor's note)
+        return
+    if rearranged is not None and shown is not False:
+        with torch._C.DisableTorchFunction(), torch.no_grad():  # bookkeeping, which a function mode must not see
+            try:
+                shown = rearranged(shown)
+            except (RuntimeError, TypeError, NotImplementedError):  # a call a mask cannot take: not known
+                shown = False
+    if shown is False or shown.shape == result.shape:
+        _note_weights(result, shown)
 
 
 def weights_shown(value: Any) -> torch.Tensor | bool | None:
@@ -103,10 +151,9 @@ def weights_shown(value: Any) -> torch.Tensor | bool | None:
         noted = root.__dict__.get(_WEIGHTS_JOINED)
         if noted is None:
             return None
-        if noted[1] != root._version or value.element_size() != root.element_size():
+        if noted[1] != root._version or noted[0] is None or value.element_size() != root.element_size():
             return False
-        offset = value.storage_offset() - root.storage_offset()
-        return noted[0].reshape(-1).as_strided(value.shape, value.stride(), offset)
+        return noted[0].as_strided(value.shape, value.stride(), value.storage_offset())
 
 
 def mixed_weights_product(

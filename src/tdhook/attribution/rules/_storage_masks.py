@@ -10,6 +10,7 @@ of the tensor read them. What both need, once:
 * :func:`read_mask`: what a view reads from the mask of the tensor it views, kept on the view until the mask
   changes.
 * :func:`bytes_reached`: the elements a view as a dtype of another size (``torch.view_as_complex``) reaches.
+* :func:`laid_over_storage`: a mask of a tensor's shape laid over its storage's elements, for its views to read.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["bytes_reached", "count_mask", "read_mask"]
+__all__ = ["bytes_reached", "count_mask", "laid_over_storage", "read_mask"]
 
 
 def count_mask(root: torch.Tensor, made: list[bool]) -> None:
@@ -114,3 +115,26 @@ def bytes_reached(
     else:
         part.masked_fill_(region.unsqueeze(-1), True)
     return touched.view(-1, own)
+
+
+def laid_over_storage(tensor: torch.Tensor, region: torch.Tensor) -> torch.Tensor | None:
+    """``region``, a mask of ``tensor``'s shape, laid over the elements of ``tensor``'s storage (false where
+    ``tensor`` shows none), so that a view of ``tensor`` reads its part with its own strides and offset (a tensor in
+    channels-last layout, or a copy of a transposed view, keeps its elements' strides); ``None`` where ``tensor`` has
+    no storage to read (the meta device) or shows an element more than once.
+
+    Examples:
+        >>> tensor = torch.zeros(3, 2).t().clone()  # a copy of a transposed view: its storage laid out transposed
+        >>> mask = laid_over_storage(tensor, torch.tensor([[True, False, False], [False, False, True]]))
+        >>> mask.tolist(), mask.as_strided((3,), (2,), 1).tolist()  # the storage; the view tensor[1]
+        ([True, False, False, False, False, True], [False, False, True])
+    """
+    with torch._C.DisableTorchFunction(), torch.no_grad():  # bookkeeping, which a function mode must not see
+        try:
+            mask = torch.zeros(
+                tensor.untyped_storage().nbytes() // tensor.element_size(), dtype=torch.bool, device=tensor.device
+            )
+            mask.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset()).copy_(region)
+        except (RuntimeError, NotImplementedError):
+            return None
+        return mask

@@ -52,7 +52,12 @@ from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN,
 from tdhook.attribution.rules._held_norm_calls import NORMALIZING_CALLS, HeldNormCalls, normalized_inputs
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, gate_marks_of, mark_written_in_place
 from tdhook.attribution.rules._joined_gates import GATE_JOINS, mark_joined_gate
-from tdhook.attribution.rules._joined_weights import WEIGHTS_MARK, WEIGHTS_MASKS_MADE, mark_joined_weights
+from tdhook.attribution.rules._joined_weights import (
+    WEIGHTS_MARK,
+    WEIGHTS_MASKS_MADE,
+    keep_weights_elements,
+    mark_joined_weights,
+)
 from tdhook.attribution.rules._kept_gate_elements import keep_gate_elements
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
@@ -269,6 +274,11 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
             keep_gate_elements(source, result)
         elif func in SAME_VALUES and args and isinstance(args[0], torch.Tensor):
             keep_gate_elements(args[0], result, lambda mask: func(mask, *args[1:], **(kwargs or {})))
+    if WEIGHTS_MASKS_MADE and func in SAME_VALUES and isinstance(result, torch.Tensor) and result._base is None:
+        # A copy of weights in some elements only (``mixed.t().contiguous()``, ``mixed.flip(1)``): those kept.
+        if args and isinstance(args[0], torch.Tensor):
+            rearranged = None if func in _COPIES else lambda mask: func(mask, *args[1:], **(kwargs or {}))
+            keep_weights_elements(args[0], result, rearranged)
     if args and getattr(args[0], WEIGHTS_MARK, False) and (same_values or func in GATE_SPLITS):
         for piece in result if isinstance(result, (tuple, list)) else (result,):  # a softmax's weights, reshaped
             if isinstance(piece, torch.Tensor):
