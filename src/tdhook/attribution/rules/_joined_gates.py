@@ -31,7 +31,7 @@ import torch
 
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, note_gate_written
 from tdhook.attribution.rules._in_place_writes import GATE_MARKS, gate_marks_of
-from tdhook.attribution.rules._storage_masks import laid_over_storage
+from tdhook.attribution.rules._storage_masks import laid_over_storage, shown_of_storage
 
 __all__ = ["GATE_JOINS", "OTHER_GATES", "mark_joined_gate", "note_other_gates", "other_gates_shown"]
 
@@ -159,14 +159,7 @@ def other_gates_shown(piece: torch.Tensor) -> torch.Tensor | bool | None:
         >>> other_gates_shown(mixed[:, 0]).tolist()
         [True, True, False]
     """
-    with torch._C.DisableTorchFunction(), torch.no_grad():  # an inspection, which a function mode must not see
-        root = piece if piece._base is None else piece._base
-        noted = root.__dict__.get(OTHER_GATES)
-        if noted is None:
-            return None
-        if noted[1] != root._version or noted[0] is None or piece.element_size() != root.element_size():
-            return False
-        return noted[0].as_strided(piece.shape, piece.stride(), piece.storage_offset())
+    return shown_of_storage(piece, OTHER_GATES)
 
 
 def _gates_shown(piece: torch.Tensor) -> tuple[torch.Tensor, Any] | None:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from tdhook.attribution.rules._autograd import hold, is_activation
-from tdhook.attribution.rules._storage_masks import count_mask, laid_over_storage
+from tdhook.attribution.rules._storage_masks import count_mask, laid_over_storage, shown_of_storage
 
 __all__ = [
     "WEIGHTS_MARK",
@@ -108,11 +108,10 @@ def keep_weights_elements(
     ``source``'s shape instead (``None``: the same places).
 
     Examples:
-        >>> x = torch.ones(2, 2, requires_grad=True)
-        >>> weights = torch.softmax(x * 1, -1)
-        >>> weights.__dict__["_tdhook_softmax_weights"] = True
-        >>> mixed = torch.cat([weights, x * 2], 1)
-        >>> mark_joined_weights(torch.cat, ([weights, x * 2], 1), {}, mixed)
+        >>> pieces = [torch.ones(2, 2, requires_grad=True).softmax(-1), torch.ones(2, 2, requires_grad=True) * 2]
+        >>> pieces[0].__dict__["_tdhook_softmax_weights"] = True  # weights beside an activation
+        >>> mixed = torch.cat(pieces, 1)
+        >>> mark_joined_weights(torch.cat, (pieces, 1), {}, mixed)
         >>> copy = mixed.t().contiguous()
         >>> keep_weights_elements(mixed.t(), copy)
         >>> weights_shown(copy).tolist()
@@ -146,14 +145,7 @@ def weights_shown(value: Any) -> torch.Tensor | bool | None:
     """
     if not WEIGHTS_MASKS_MADE or not isinstance(value, torch.Tensor):
         return None
-    with torch._C.DisableTorchFunction(), torch.no_grad():  # an inspection, which a function mode must not see
-        root = value if value._base is None else value._base
-        noted = root.__dict__.get(_WEIGHTS_JOINED)
-        if noted is None:
-            return None
-        if noted[1] != root._version or noted[0] is None or value.element_size() != root.element_size():
-            return False
-        return noted[0].as_strided(value.shape, value.stride(), value.storage_offset())
+    return shown_of_storage(value, _WEIGHTS_JOINED)
 
 
 def mixed_weights_product(
