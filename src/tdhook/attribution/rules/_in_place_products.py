@@ -29,6 +29,7 @@ from tdhook.attribution.rules._autograd import PARAMETER_DERIVED, hold, is_activ
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN
 from tdhook.attribution.rules._held_statistics import statistic_factors
 from tdhook.attribution.rules._in_place_writes import mark_written_in_place, note_gate_views
+from tdhook.attribution.rules._joined_weights import WEIGHTS_MASKS_MADE, mixed_weights_product
 from tdhook.attribution.rules._mixed_gate_products import mixed_gate_product
 from tdhook.attribution.rules.gates import GATE_MARK, SIGMOID_MARK, WEIGHTS_MARK, held_factors, weighing_factors
 
@@ -85,6 +86,12 @@ def product_in_place(
                 recording.other_rule()
             return _no_gate(a.copy_(product))
     gates = statistic_factors(torch.mul, (a, b)) or held_factors((a, b), any_gate=hold_gates)
+    if gates is None and WEIGHTS_MASKS_MADE:  # a factor a softmax's weights in some elements only (_joined_weights)
+        product = mixed_weights_product(torch.mul, (a, b), {}, _uniform, (a.clone(), b))
+        if product is not None:
+            if recording is not None:
+                recording.other_rule()
+            return _no_gate(a.copy_(product))
     if gates is None:  # a softmax's weights mixing what they multiply (``h.mul_(weights)``): held, as in ``h * w``
         gates = weighing_factors((a, b))
     view = a._base is not None

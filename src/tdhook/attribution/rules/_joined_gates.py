@@ -31,8 +31,9 @@ import torch
 
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, note_gate_written
 from tdhook.attribution.rules._in_place_writes import GATE_MARKS, gate_marks_of
+from tdhook.attribution.rules._storage_masks import laid_over_storage, shown_of_storage
 
-__all__ = ["GATE_JOINS", "OTHER_GATES", "mark_joined_gate", "other_gates_shown"]
+__all__ = ["GATE_JOINS", "OTHER_GATES", "mark_joined_gate", "note_other_gates", "other_gates_shown"]
 
 _JOIN_NAMES = ("cat", "concat", "concatenate", "stack", "hstack", "vstack", "row_stack", "dstack", "column_stack")
 _ATEN_JOINS = [getattr(torch.ops.aten, name) for name in _JOIN_NAMES]
@@ -42,8 +43,8 @@ GATE_JOINS = frozenset(
     | {op for packet in _ATEN_JOINS for op in (packet, *(getattr(packet, o) for o in packet.overloads()))}
 )
 _GATE, _SIGMOID = GATE_MARKS
-#: On a join of gates and other activations: a mask of its shape, true where a gate of any kind (or a constant) went,
-#: and the join's version then (see :mod:`~tdhook.attribution.rules._mixed_gate_products`).
+#: On a join of gates and other activations: a mask of its storage's elements, true where a gate of any kind (or a
+#: constant) went, and the join's version then (see :mod:`~tdhook.attribution.rules._mixed_gate_products`).
 OTHER_GATES = "_tdhook_other_gates"
 
 
@@ -125,7 +126,22 @@ def _note_other_gates(
                 return  # not known: a product that would hold them raises
             flags.append(other)
         region = func(flags, *args[1:], **{k: v for k, v in kwargs.items() if k != "tensors"})
-    setattr(result, OTHER_GATES, (region, result._version))
+    note_other_gates(result, region)
+
+
+def note_other_gates(result: torch.Tensor, region: torch.Tensor | bool) -> None:
+    """Note on ``result`` where a gate of any kind is (see :data:`OTHER_GATES`): ``region``, a mask of its shape, laid
+    over its storage (a join in channels-last layout, a copy of a transposed view keep their elements' strides);
+    ``False``: not known (a product that would hold them raises).
+
+    Examples:
+        >>> result = torch.zeros(3, 2).t().clone()  # a copy of a transposed view: its storage laid out transposed
+        >>> note_other_gates(result, torch.tensor([[True, False, False], [False, False, True]]))
+        >>> other_gates_shown(result).tolist(), other_gates_shown(result[1]).tolist()
+        ([[True, False, False], [False, False, True]], [False, False, True])
+    """
+    mask = None if region is False else laid_over_storage(result, region)  # (``None``: not known)
+    setattr(result, OTHER_GATES, (mask, result._version))
 
 
 def other_gates_shown(piece: torch.Tensor) -> torch.Tensor | bool | None:
@@ -143,15 +159,7 @@ def other_gates_shown(piece: torch.Tensor) -> torch.Tensor | bool | None:
         >>> other_gates_shown(mixed[:, 0]).tolist()
         [True, True, False]
     """
-    with torch._C.DisableTorchFunction(), torch.no_grad():  # an inspection, which a function mode must not see
-        root = piece if piece._base is None else piece._base
-        noted = root.__dict__.get(OTHER_GATES)
-        if noted is None:
-            return None
-        if noted[1] != root._version or not root.is_contiguous():
-            return False
-        offset = piece.storage_offset() - root.storage_offset()
-        return noted[0].reshape(-1).as_strided(piece.shape, piece.stride(), offset)
+    return shown_of_storage(piece, OTHER_GATES)
 
 
 def _gates_shown(piece: torch.Tensor) -> tuple[torch.Tensor, Any] | None:

@@ -10,6 +10,8 @@ of the tensor read them. What both need, once:
 * :func:`read_mask`: what a view reads from the mask of the tensor it views, kept on the view until the mask
   changes.
 * :func:`bytes_reached`: the elements a view as a dtype of another size (``torch.view_as_complex``) reaches.
+* :func:`laid_over_storage`: a mask of a tensor's shape laid over its storage's elements, for its views to read;
+  :func:`shown_of_storage`: what a view reads of it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["bytes_reached", "count_mask", "read_mask"]
+__all__ = ["bytes_reached", "count_mask", "laid_over_storage", "read_mask", "shown_of_storage"]
 
 
 def count_mask(root: torch.Tensor, made: list[bool]) -> None:
@@ -114,3 +116,51 @@ def bytes_reached(
     else:
         part.masked_fill_(region.unsqueeze(-1), True)
     return touched.view(-1, own)
+
+
+def laid_over_storage(tensor: torch.Tensor, region: torch.Tensor) -> torch.Tensor | None:
+    """``region``, a mask of ``tensor``'s shape, laid over the elements of ``tensor``'s storage (false where
+    ``tensor`` shows none), so that a view of ``tensor`` reads its part with its own strides and offset (a tensor in
+    channels-last layout, or a copy of a transposed view, keeps its elements' strides); ``None`` where ``tensor`` has
+    no storage to read (the meta device) or shows an element more than once.
+
+    Examples:
+        >>> tensor = torch.zeros(3, 2).t().clone()  # a copy of a transposed view: its storage laid out transposed
+        >>> mask = laid_over_storage(tensor, torch.tensor([[True, False, False], [False, False, True]]))
+        >>> mask.tolist(), mask.as_strided((3,), (2,), 1).tolist()  # the storage; the view tensor[1]
+        ([True, False, False, False, False, True], [False, False, True])
+    """
+    with torch._C.DisableTorchFunction(), torch.no_grad():  # bookkeeping, which a function mode must not see
+        try:
+            mask = torch.zeros(
+                tensor.untyped_storage().nbytes() // tensor.element_size(), dtype=torch.bool, device=tensor.device
+            )
+            mask.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset()).copy_(region)
+        except (RuntimeError, NotImplementedError):
+            return None
+        return mask
+
+
+def shown_of_storage(value: torch.Tensor, attribute: str) -> torch.Tensor | bool | None:
+    """What ``value`` (a tensor, or a view of one) shows of the mask its tensor keeps at ``attribute``, a mask laid
+    over its storage (see :func:`laid_over_storage`) and the tensor's version then: a mask of ``value``'s shape;
+    ``None`` where no mask is kept, ``False`` where it is not known (the tensor written into in place since, no mask
+    laid, or ``value`` a view as a dtype of another size).
+
+    Examples:
+        >>> tensor = torch.zeros(2, 3)
+        >>> tensor.mask_here = (laid_over_storage(tensor, torch.tensor([[True] * 3, [False] * 3])), tensor._version)
+        >>> shown_of_storage(tensor[:, 1], "mask_here").tolist(), shown_of_storage(tensor, "other")
+        ([True, False], None)
+        >>> _ = tensor.add_(1)
+        >>> shown_of_storage(tensor[:, 1], "mask_here")  # written into since
+        False
+    """
+    with torch._C.DisableTorchFunction(), torch.no_grad():  # an inspection, which a function mode must not see
+        root = value if value._base is None else value._base
+        noted = root.__dict__.get(attribute)
+        if noted is None:
+            return None
+        if noted[1] != root._version or noted[0] is None or value.element_size() != root.element_size():
+            return False
+        return noted[0].as_strided(value.shape, value.stride(), value.storage_offset())

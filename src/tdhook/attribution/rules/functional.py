@@ -70,6 +70,7 @@ from tdhook.attribution.rules._in_place_activations import (
 from tdhook.attribution.rules._in_place_products import PRODUCTS_IN_PLACE, product_in_place, two_activations_in_place
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_written_in_place
 from tdhook.attribution.rules._input_values import INPUT_VALUES, watch_values
+from tdhook.attribution.rules._joined_weights import WEIGHTS_MASKS_MADE, mixed_weights_product
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._mixed_gate_products import mixed_gate_product
@@ -309,6 +310,13 @@ class FunctionalRules(TorchFunctionMode):
                         recording.other_rule()
                     return mixed
             gates = statistics or held_factors(args, any_gate=self.hold_gates)
+            if gates is None and WEIGHTS_MASKS_MADE and func in ELEMENTWISE_PRODUCTS:
+                # A factor a softmax's weights in some elements only (a join of weights and other activations).
+                mixed = mixed_weights_product(func, args, kwargs, _uniform_product(func, kwargs))
+                if mixed is not None:
+                    if recording is not None:  # (a rule a later call does not plan: it runs in the mode)
+                        recording.other_rule()
+                    return mixed
             if gates is None and func in ELEMENTWISE_PRODUCTS:  # a softmax's weights mixing branches: held
                 gates = weighing_factors(args)
             if gates is not None:

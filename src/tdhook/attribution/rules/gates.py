@@ -52,6 +52,13 @@ from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN,
 from tdhook.attribution.rules._held_norm_calls import NORMALIZING_CALLS, HeldNormCalls, normalized_inputs
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, gate_marks_of, mark_written_in_place
 from tdhook.attribution.rules._joined_gates import GATE_JOINS, mark_joined_gate
+from tdhook.attribution.rules._joined_weights import (
+    WEIGHTS_MARK,
+    WEIGHTS_MASKS_MADE,
+    keep_weights_elements,
+    mark_joined_weights,
+)
+from tdhook.attribution.rules._kept_gate_elements import keep_gate_elements
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._means_apart import STATISTICS_AND_MEANS, mean_apart
@@ -94,9 +101,6 @@ __all__ = [
 GATE_MARK = "_tdhook_activation_of"
 # The attribute that marks a sigmoid-like gate, a value in [0, 1]: held first where both factors are marked.
 SIGMOID_MARK = "_tdhook_sigmoid_gate"
-# The attribute that marks a softmax's output (weights in [0, 1] summing to 1): held where it multiplies an activation
-# element by element (see :func:`weighing_factors`); a matrix product with it is attention, and shares its relevance.
-WEIGHTS_MARK = "_tdhook_softmax_weights"
 GATE_FUNCTIONS = frozenset({torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, F.hardsigmoid})
 # The sigmoid computed in place (``h.sigmoid_()``): a gate as well, held where a product takes it.
 _GATES_IN_PLACE = frozenset({torch.sigmoid_, torch.Tensor.sigmoid_})
@@ -155,6 +159,13 @@ GATE_SPLITS |= _aten("chunk", "split", "split_with_sizes", "unbind", "tensor_spl
 GATE_SCALINGS |= _aten("div", "true_divide", "divide")
 GATE_MULTIPLICATIONS |= _aten("mul", "multiply")
 GATE_PRESERVING = SAME_VALUES | GATE_COMPLEMENTS | GATE_RESIZES | GATE_SPLITS | GATE_SCALINGS | GATE_MULTIPLICATIONS
+# Copies of a tensor's values at the same places (``m.t().contiguous()``, a cast), and (with a positive constant)
+# its scalings, and (the others of SAME_VALUES, where they copy) its values rearranged: a gate in some elements only
+# keeps those (see :mod:`~tdhook.attribution.rules._kept_gate_elements`).
+_COPIES = frozenset({torch.Tensor.contiguous, torch.Tensor.clone, torch.Tensor.to, torch.Tensor.type_as})
+_COPIES |= {torch.Tensor.float, torch.Tensor.double, torch.Tensor.half, torch.Tensor.bfloat16}
+_COPIES |= _aten("clone", "_to_copy", "contiguous")
+_ELEMENTS_KEPT = _COPIES | GATE_SCALINGS | GATE_MULTIPLICATIONS | SAME_VALUES
 # Gates joined (``torch.cat([sigmoid(a), sigmoid(b)], 1)``, ``torch.stack``): a gate where every piece is one (see
 # :mod:`~tdhook.attribution.rules._joined_gates`).
 GATE_PRESERVING |= GATE_JOINS
@@ -219,7 +230,8 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
     pads them (``F.pad``: constants, or copies of its values);
     each piece of a gate split in pieces (``chunk``, ``split``, ``unbind``) marked as it was; gates joined
     (``torch.cat``, ``torch.stack``, ``hstack``, ...) a gate, where every piece is one (see
-    :func:`~tdhook.attribution.rules._joined_gates.mark_joined_gate`).
+    :func:`~tdhook.attribution.rules._joined_gates.mark_joined_gate`); a softmax's weights joined, weights (see
+    :func:`~tdhook.attribution.rules._joined_weights.mark_joined_weights`).
 
     Examples:
         >>> x = torch.ones(2, requires_grad=True) * 1
@@ -229,6 +241,13 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
     """
     if func in GATE_JOINS:  # (first: a join of no gate, rotary embeddings' ``cat``, costs one call more)
         mark_joined_gate(func, args, kwargs or {}, result)
+        if WEIGHTS_MASKS_MADE:  # (a piece may show weights in part: a view of a join of weights and others)
+            mark_joined_weights(func, args, kwargs or {}, result)
+            return result
+        for piece in args[0] if args else (kwargs or {})["tensors"]:  # (tensors all: the join ran)
+            if WEIGHTS_MARK in piece.__dict__:  # a softmax's weights joined (attention written per head)
+                mark_joined_weights(func, args, kwargs or {}, result)
+                break
         return result
     same_values = func in SAME_VALUES or (func in GATE_RESIZES and _convex_resize(args, kwargs or {}))
     if (same_values or func in GATE_PADS) and args and is_gate(args[0]) and isinstance(result, torch.Tensor):
@@ -247,6 +266,19 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
         gate, factor = args if is_gate(args[0]) else args[::-1]
         if is_gate(gate) and not is_gate(factor) and _is_positive_constant(factor):  # 2 * sigmoid(s)
             mark_gate(result, _mark(gate, GATE_MARK), sigmoid=_mark(gate, SIGMOID_MARK, False))
+    if GATE_MASKS_MADE and func in _ELEMENTS_KEPT and isinstance(result, torch.Tensor) and result._base is None:
+        # A copy or a positive scaling of a gate in some elements only (``m.t().contiguous()``, ``m * 2``), or its
+        # values rearranged into a new tensor (``m.t().reshape(-1)``, ``m.flip(1)``): those kept.
+        source = _scaled_or_copied(func, args)
+        if source is not None:
+            keep_gate_elements(source, result)
+        elif func in SAME_VALUES and args and isinstance(args[0], torch.Tensor):
+            keep_gate_elements(args[0], result, lambda mask: func(mask, *args[1:], **(kwargs or {})))
+    if WEIGHTS_MASKS_MADE and func in SAME_VALUES and isinstance(result, torch.Tensor) and result._base is None:
+        # A copy of weights in some elements only (``mixed.t().contiguous()``, ``mixed.flip(1)``): those kept.
+        if args and isinstance(args[0], torch.Tensor):
+            rearranged = None if func in _COPIES else lambda mask: func(mask, *args[1:], **(kwargs or {}))
+            keep_weights_elements(args[0], result, rearranged)
     if args and getattr(args[0], WEIGHTS_MARK, False) and (same_values or func in GATE_SPLITS):
         for piece in result if isinstance(result, (tuple, list)) else (result,):  # a softmax's weights, reshaped
             if isinstance(piece, torch.Tensor):
@@ -289,6 +321,21 @@ def weighing_factors(args: tuple) -> list[bool] | None:
         return None
     marks = [getattr(a, WEIGHTS_MARK, False) for a in args]
     return None if marks[0] == marks[1] else marks
+
+
+def _scaled_or_copied(func: Any, args: tuple) -> torch.Tensor | None:
+    """The tensor ``func(*args)`` (one of ``_ELEMENTS_KEPT``) copies, or scales by a positive constant; ``None`` where
+    it does neither."""
+    if func in _COPIES:
+        return args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if len(args) != 2 or func in SAME_VALUES:
+        return None
+    if func in GATE_SCALINGS:
+        return args[0] if isinstance(args[0], torch.Tensor) and _is_positive(args[1]) else None
+    for value, factor in (args, args[::-1]):
+        if isinstance(value, torch.Tensor) and _is_positive_constant(factor):
+            return value
+    return None
 
 
 def _convex_resize(args: tuple, kwargs: dict) -> bool:
