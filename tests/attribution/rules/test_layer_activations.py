@@ -259,3 +259,59 @@ class TestWeightStandardisedLayers:
         torch.testing.assert_close(model(x), reference(x))
         actual = lrp_relevance(model, x, relevance_out, PRESETS[preset]())
         assert relative_error(actual, lrp_relevance(reference, x, relevance_out, PRESETS[preset]())) <= 1e-9
+
+
+class TestFunctionRulesUnderALargeEpsilon:
+    """A gate or a norm inside a layer is the function rules' to follow, which is the ε-rule's only where ε is small:
+    above :data:`~tdhook.attribution.rules._layers.RULED_EPSILON` it stabilises their output in place of the linear
+    function's (under UniformEpsilon's 0.25, relative L2 against the same beside a plain layer: a sigmoid gate 0.07
+    on a Linear and 0.21 on a convolution, a layer norm 0.30 and 0.81, F.normalize 0.05 and 0.69, a group norm
+    0.80), silently. They are refused by name, as a clip and a softmax are; under a small ε they explain as beside."""
+
+    CALLS = {
+        "gate": lambda z, x: z * torch.sigmoid(x.sum(1, keepdim=True)),
+        "layer_norm": lambda z, x: F.layer_norm(z, z.shape[1:]),
+        "normalize": lambda z, x: F.normalize(z, dim=1),
+    }
+
+    @staticmethod
+    def layer_calling(kind: str, call) -> nn.Module:
+        base = nn.Linear if kind == "Linear" else nn.Conv2d
+
+        class Layer(base):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return call(super().forward(x), x)
+
+        Layer.__name__ = f"{kind}Calling"
+        torch.manual_seed(2)
+        return (Layer(4, 4) if kind == "Linear" else Layer(4, 4, 3, padding=1)).double()
+
+    @pytest.mark.parametrize("kind", ["Linear", "Conv2d"])
+    @pytest.mark.parametrize("call", sorted(CALLS))
+    def test_a_gate_or_norm_inside_a_layer_under_a_large_epsilon_is_refused_by_name(self, call: str, kind: str):
+        model, _ = models(self.layer_calling(kind, self.CALLS[call]), [], kind)
+        x, relevance_out = inputs(kind)
+        with pytest.raises(ValueError, match=rf"module '2' \({kind}Calling\): {kind}Calling: its forward runs an"):
+            lrp_relevance(model, x, relevance_out, UniformEpsilon())
+
+    @pytest.mark.parametrize("preset", ["EpsilonPlus", "AttnLRP-eps"])
+    @pytest.mark.parametrize("call", sorted(CALLS))
+    def test_a_gate_or_norm_inside_a_linear_layer_under_a_small_epsilon_explains_as_beside(self, call, preset):
+        class Calls(nn.Module):
+            def __init__(self, linear: nn.Linear) -> None:
+                super().__init__()
+                self.linear = linear
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.CALLS[call](self.linear(x), x)
+
+        layer = self.layer_calling("Linear", self.CALLS[call])
+        plain = nn.Linear(4, 4).double()
+        plain.load_state_dict(layer.state_dict())
+        beside = Calls(plain)
+        beside.CALLS = self.CALLS
+        model, reference = models(layer, [beside], "Linear")
+        x, relevance_out = inputs("Linear")
+        actual = lrp_relevance(model, x, relevance_out, PRESETS[preset]())
+        # ε = 1e-6 on the call's output against ε on the linear output: differences of that order.
+        assert relative_error(actual, lrp_relevance(reference, x, relevance_out, PRESETS[preset]())) <= 1e-4
