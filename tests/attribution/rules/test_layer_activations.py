@@ -31,20 +31,47 @@ PRESETS = {
 }
 
 
-class Gated(nn.Linear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) * torch.sigmoid(x.sum(-1, keepdim=True))
+CALLS = {
+    "gate": lambda z, x: z * torch.sigmoid(x.sum(1, keepdim=True)),
+    "layer_norm": lambda z, x: F.layer_norm(z, z.shape[1:]),
+    "normalize": lambda z, x: F.normalize(z, dim=1),
+}
 
 
-class GatedBeside(nn.Module):
-    """What :class:`Gated` computes, with a plain layer."""
+def layer_calling(kind: str, call: str) -> nn.Module:
+    """A Linear or Conv2d subclass whose forward gives its linear function's output ``z`` and its input ``x`` to
+    ``CALLS[call]``."""
+    base = nn.Linear if kind == "Linear" else nn.Conv2d
 
-    def __init__(self, linear: nn.Linear) -> None:
+    class Layer(base):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return CALLS[call](super().forward(x), x)
+
+    Layer.__name__ = f"{kind}Calling"
+    torch.manual_seed(2)
+    return (Layer(4, 4) if kind == "Linear" else Layer(4, 4, 3, padding=1)).double()
+
+
+class CallingBeside(nn.Module):
+    """What :func:`layer_calling` computes, with a plain layer."""
+
+    def __init__(self, linear: nn.Linear, call: str) -> None:
         super().__init__()
-        self.linear = linear
+        self.linear, self.call = linear, call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x) * torch.sigmoid(x.sum(-1, keepdim=True))
+        return CALLS[self.call](self.linear(x), x)
+
+
+def calls_beside(call: str, preset: str) -> float:
+    """The relative L2 between a Linear layer making ``call`` inside and the same beside it, under ``preset``."""
+    layer = layer_calling("Linear", call)
+    plain = nn.Linear(4, 4).double()
+    plain.load_state_dict(layer.state_dict())
+    model, reference = models(layer, [CallingBeside(plain, call)], "Linear")
+    x, relevance_out = inputs("Linear")
+    actual = lrp_relevance(model, x, relevance_out, PRESETS[preset]())
+    return relative_error(actual, lrp_relevance(reference, x, relevance_out, PRESETS[preset]()))
 
 
 def _leaky(z: torch.Tensor) -> torch.Tensor:
@@ -147,16 +174,8 @@ class TestTransformerPresets:
 
     @pytest.mark.parametrize("preset", ["AttnLRP", "CPLRP", "AttnLRP-eps"])
     def test_a_gate_inside_a_linear_layer_is_held_as_one_beside_it(self, preset: str):
-        torch.manual_seed(1)
-        layer = Gated(4, 4).double()
-        plain = nn.Linear(4, 4).double()
-        plain.load_state_dict(layer.state_dict())
-        model, reference = models(layer, [GatedBeside(plain)], "Linear")
-        x, relevance_out = inputs("Linear")
-        actual = lrp_relevance(model, x, relevance_out, PRESETS[preset]())
         # AttnLRP(epsilon=1e-6): ε on the gated output against ε on the linear output, differences of that order.
-        tolerance = 1e-4 if preset == "AttnLRP-eps" else 1e-12
-        assert relative_error(actual, lrp_relevance(reference, x, relevance_out, PRESETS[preset]())) <= tolerance
+        assert calls_beside("gate", preset) <= (1e-4 if preset == "AttnLRP-eps" else 1e-12)
 
     def test_an_activation_the_epsilon_rule_would_run_through_is_still_refused(self):
         # Under AttnLRP's ε-rule the layer's gradient runs through the forward: a GELU inside stays refused by name.
@@ -268,28 +287,10 @@ class TestFunctionRulesUnderALargeEpsilon:
     on a Linear and 0.21 on a convolution, a layer norm 0.30 and 0.81, F.normalize 0.05 and 0.69, a group norm
     0.80), silently. They are refused by name, as a clip and a softmax are; under a small ε they explain as beside."""
 
-    CALLS = {
-        "gate": lambda z, x: z * torch.sigmoid(x.sum(1, keepdim=True)),
-        "layer_norm": lambda z, x: F.layer_norm(z, z.shape[1:]),
-        "normalize": lambda z, x: F.normalize(z, dim=1),
-    }
-
-    @staticmethod
-    def layer_calling(kind: str, call) -> nn.Module:
-        base = nn.Linear if kind == "Linear" else nn.Conv2d
-
-        class Layer(base):
-            def forward(self, x: torch.Tensor) -> torch.Tensor:
-                return call(super().forward(x), x)
-
-        Layer.__name__ = f"{kind}Calling"
-        torch.manual_seed(2)
-        return (Layer(4, 4) if kind == "Linear" else Layer(4, 4, 3, padding=1)).double()
-
     @pytest.mark.parametrize("kind", ["Linear", "Conv2d"])
     @pytest.mark.parametrize("call", sorted(CALLS))
     def test_a_gate_or_norm_inside_a_layer_under_a_large_epsilon_is_refused_by_name(self, call: str, kind: str):
-        model, _ = models(self.layer_calling(kind, self.CALLS[call]), [], kind)
+        model, _ = models(layer_calling(kind, call), [], kind)
         x, relevance_out = inputs(kind)
         with pytest.raises(ValueError, match=rf"module '2' \({kind}Calling\): {kind}Calling: its forward runs an"):
             lrp_relevance(model, x, relevance_out, UniformEpsilon())
@@ -297,21 +298,5 @@ class TestFunctionRulesUnderALargeEpsilon:
     @pytest.mark.parametrize("preset", ["EpsilonPlus", "AttnLRP-eps"])
     @pytest.mark.parametrize("call", sorted(CALLS))
     def test_a_gate_or_norm_inside_a_linear_layer_under_a_small_epsilon_explains_as_beside(self, call, preset):
-        class Calls(nn.Module):
-            def __init__(self, linear: nn.Linear) -> None:
-                super().__init__()
-                self.linear = linear
-
-            def forward(self, x: torch.Tensor) -> torch.Tensor:
-                return self.CALLS[call](self.linear(x), x)
-
-        layer = self.layer_calling("Linear", self.CALLS[call])
-        plain = nn.Linear(4, 4).double()
-        plain.load_state_dict(layer.state_dict())
-        beside = Calls(plain)
-        beside.CALLS = self.CALLS
-        model, reference = models(layer, [beside], "Linear")
-        x, relevance_out = inputs("Linear")
-        actual = lrp_relevance(model, x, relevance_out, PRESETS[preset]())
         # ε = 1e-6 on the call's output against ε on the linear output: differences of that order.
-        assert relative_error(actual, lrp_relevance(reference, x, relevance_out, PRESETS[preset]())) <= 1e-4
+        assert calls_beside(call, preset) <= 1e-4

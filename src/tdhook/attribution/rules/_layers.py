@@ -511,6 +511,19 @@ def check_layer_input(module: nn.Module, epsilon: float = 0.0) -> None:
         raise _sloped_error(module, epsilon)
 
 
+def _ray_probes(
+    module: nn.Module, weight: torch.Tensor, seed: int
+) -> tuple[torch.Generator, torch.Tensor, torch.Tensor]:
+    """A generator seeded with ``seed``, :data:`_RAY_PROBES` random inputs of the layer of sizes from 1e-3 to 1e3,
+    and a random weight of ``weight``'s shape, drawn from it."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (_RAY_PROBES, *_probe_input(module, weight).shape[1:])
+    probe = torch.randn(shape, generator=generator, dtype=torch.float64)
+    probe *= torch.logspace(-3, 3, _RAY_PROBES, dtype=torch.float64).view(-1, *[1] * (probe.dim() - 1))
+    signed = torch.randn(weight.shape, generator=generator, dtype=weight.dtype).to(weight.device)
+    return generator, probe.to(weight.device, weight.dtype), signed
+
+
 def _rays_bent(module: nn.Module, weight: torch.Tensor, clips_ruled: bool = False, calls_ruled: bool = True) -> bool:
     """Whether the layer's forward, with a random weight in its linear function and no bias, has another gradient
     with respect to its input at ``2x`` than at ``x`` (random inputs of sizes from 1e-3 to 1e3, a random output
@@ -522,12 +535,7 @@ def _rays_bent(module: nn.Module, weight: torch.Tensor, clips_ruled: bool = Fals
     through it); none where not ``calls_ruled`` (an ε-rule above :data:`RULED_EPSILON` stabilises their output in
     place of the linear function's: a gate inside a Linear layer gave 0.07 relative L2 under UniformEpsilon's 0.25,
     a layer norm 0.30, against them beside the layer, silently)."""
-    generator = torch.Generator().manual_seed(1)
-    shape = (_RAY_PROBES, *_probe_input(module, weight).shape[1:])
-    probe = torch.randn(shape, generator=generator, dtype=torch.float64)
-    probe *= torch.logspace(-3, 3, _RAY_PROBES, dtype=torch.float64).view(-1, *[1] * (probe.dim() - 1))
-    probe = probe.to(weight.device, weight.dtype)
-    signed = torch.randn(weight.shape, generator=generator, dtype=weight.dtype).to(weight.device)
+    generator, probe, signed = _ray_probes(module, weight, 1)
     modes = {sub: sub.training for sub in module.modules()}
     grads, seed = [], None
     try:
@@ -607,27 +615,20 @@ class _FunctionRuled(TorchFunctionMode):
         return out
 
 
-class _LayerOutputLeaf(TorchFunctionMode):
+class _LayerOutputLeaf(_SubstituteLayerCall):
     """Give the first linear or convolution function a forward pass calls ``weight`` and no bias, and hand on its
     output as a leaf of its own (``leaf``): what the forward computes after that function is a function of it."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.weight, self.leaf = weight, None
+        super().__init__(weight, None)
+        self.leaf: torch.Tensor | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func in _LAYER_FUNCTIONS and self.leaf is None:
-            args = list(args)
-            for position, name, value in ((1, "weight", self.weight), (2, "bias", None)):
-                if len(args) > position:
-                    args[position] = value
-                else:
-                    kwargs[name] = value
+        if func in _LAYER_FUNCTIONS and not self.done:
             with torch.no_grad():
-                self.leaf = func(*args, **kwargs).requires_grad_(True)
+                self.leaf = super().__torch_function__(func, types, args, kwargs).requires_grad_(True)
             return self.leaf
-        return func(*args, **kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 def _slopes_restabilised(module: nn.Module, weight: torch.Tensor) -> bool:
@@ -640,12 +641,7 @@ def _slopes_restabilised(module: nn.Module, weight: torch.Tensor) -> bool:
     max pooling (slopes 0 and 1) agree, and a linear ``h`` (at ``z`` and ``-z`` the same gradient) is the layer's.
 
     Told on random weights and inputs of sizes from 1e-3 to 1e3, with ε the mean size of ``z`` in each."""
-    generator = torch.Generator().manual_seed(2)
-    shape = (_RAY_PROBES, *_probe_input(module, weight).shape[1:])
-    probe = torch.randn(shape, generator=generator, dtype=torch.float64)
-    probe *= torch.logspace(-3, 3, _RAY_PROBES, dtype=torch.float64).view(-1, *[1] * (probe.dim() - 1))
-    probe = probe.to(weight.device, weight.dtype)
-    signed = torch.randn(weight.shape, generator=generator, dtype=weight.dtype).to(weight.device)
+    generator, probe, signed = _ray_probes(module, weight, 2)
     modes = {sub: sub.training for sub in module.modules()}
     runs = []
     try:
