@@ -96,14 +96,16 @@ class TestModesAroundLayers:
             # may run in place: a second pre-hook copies its input for the rule in a call where it does.
             assert len(model.act._forward_pre_hooks) == 2
 
-    def test_a_linear_subclass_with_its_own_forward_is_paused(self):
+    def test_a_linear_subclass_with_its_own_forward_is_not_paused(self):
+        # The calls its forward makes besides the linear function (a gate, an activation) get the function rules
+        # they would get beside the layer (see tests/attribution/rules/test_layer_activations.py).
         class Gated(nn.Linear):
             def forward(self, x: torch.Tensor) -> torch.Tensor:
                 return super().forward(x) * torch.sigmoid(x.sum(-1, keepdim=True))
 
         model = nn.Sequential(Gated(3, 3), nn.Tanh(), nn.Linear(3, 2))
         with LRP(model, AttnLRP(epsilon=1e-6), in_keys=["x"], out_keys=["y"]):
-            assert len(model[0]._forward_pre_hooks) == 1
+            assert len(model[0]._forward_pre_hooks) == 0
 
     def test_unpaused_epsilon_layers_give_the_epsilon_rule_and_nothing_more(self):
         # Without the pause, F.linear runs in the function mode; the ε-rule must stay the only rule on it.
@@ -163,7 +165,7 @@ class TestLayersOfConstants:
         checked = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"], relevance_check=lambda *args: None)
         torch.testing.assert_close(plain, checked(td.clone())["relevance", "x"], rtol=1e-12, atol=1e-14)
         with LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"]):
-            assert len(model[1]._forward_pre_hooks) == 1 and len(model[0]._forward_pre_hooks) == 0
+            assert len(model[1]._forward_pre_hooks) == 0 and len(model[0]._forward_pre_hooks) == 0
 
 
 def test_a_callable_target_set_in_an_open_context_gets_the_marks_it_reads():

@@ -268,8 +268,10 @@ def suspend_function_modes_in(
         if not rule.pauses_function_modes:  # a rule that lets the rules inside act (the Taylor rule)
             return False
         detached = type(rule) in _DETACHED_HOOKS
-        # one F.linear or convolution call, which no mode changes: pausing costs more than it saves
-        return not (detached and isinstance(module, LINEAR_LAYERS) and _has_plain_forward(module))
+        # One F.linear or convolution call, which no mode changes: pausing costs more than it saves. A layer's own
+        # forward calling more (an activation, a clip, a norm): those calls get the function rules they would get
+        # beside the layer, whose ε-rule or plain gradient (a detached hook on its output) they leave as it is.
+        return not (detached and isinstance(module, LINEAR_LAYERS))
 
     return hooks_around((handle.module for handle in handles if pausing(handle)), suspend, resume, with_kwargs=True)
 
