@@ -561,11 +561,13 @@ def test_a_callers_own_to_module_around_a_failing_call_in_an_open_context_stays(
     assert_left_as_found(model, before, found)
 
 
-def test_sac_q_network_wrapper_comes_out_of_the_refusal_under_the_loss_vmap_as_it_was():
+@pytest.mark.parametrize("copied", [False, True])
+def test_sac_q_network_wrapper_comes_out_of_the_refusal_under_the_loss_vmap_as_it_was(copied: bool):
     """SACLoss on Pendulum's specs, given the wrapper with create_graph=True: torchrl calls the Q-network under
     torch.vmap with each stacked set of parameters put in by to_module(preserve_module_state=False); the call is
     refused there by name. Before, the Q-network's layers were left with no Parameter (the batched tensors in their
-    __dict__), and the loss itself failed after with torch's "tensor may have escaped" error."""
+    __dict__), and the loss itself failed after with torch's "tensor may have escaped" error. A copy of the wrapper
+    puts back its own model's parameters, and leaves the original's alone."""
     from tensordict.nn import NormalParamExtractor
     from torchrl.envs import GymEnv
     from torchrl.modules import MLP, ProbabilisticActor, TanhNormal, ValueOperator
@@ -588,8 +590,12 @@ def test_sac_q_network_wrapper_comes_out_of_the_refusal_under_the_loss_vmap_as_i
     )
     critic = MLP(in_features=observations + actions, out_features=1, num_cells=[8], activation_class=nn.ReLU)
     q = ValueOperator(critic.to(F64), in_keys=["observation", "action"])
-    before, found = state(q), slots(q)
     lrp = LRP(q, MAPPERS["EpsilonPlus"](), create_graph=True)
+    original, kept = q, (state(q), slots(q))
+    if copied:
+        lrp = copy.deepcopy(lrp)
+        q = lrp.module
+    before, found = state(q), slots(q)
     loss = SACLoss(actor, lrp, num_qvalue_nets=2)
     batch = TensorDict(
         observation=torch.randn(8, observations, dtype=F64),
@@ -614,6 +620,7 @@ def test_sac_q_network_wrapper_comes_out_of_the_refusal_under_the_loss_vmap_as_i
         params["module"].data.to_module(twin)
         close(got, LRP(twin, MAPPERS["EpsilonPlus"]())(td.clone())["relevance", "observation"])
     assert_left_as_found(q, before, found)
+    assert_left_as_found(original, *kept)
 
 
 def test_a_torchrl_vmap_module_is_named_with_mock_and_explained_once_mocked():

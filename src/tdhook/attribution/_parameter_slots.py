@@ -76,15 +76,16 @@ class ParameterSlots:
 
 class TransformedSlots:
     """Weak references to the tensors in a model's parameter and buffer slots, taken outside any ``torch.func``
-    transform (when the wrapper is made and each time its context is entered), to put back those that a caller's
-    ``to_module`` under ``torch.vmap`` swapped out when the wrapper refuses to run there.
+    transform when the wrapper is made or copied (the model's own, not those a caller swaps in later for a call),
+    to put back those that a caller's ``to_module`` under ``torch.vmap`` swapped out when the wrapper refuses to run
+    there.
 
     torchrl's ``SACLoss`` calls its Q-network under ``torch.vmap`` with each stacked set of parameters put in by
     ``to_module(..., preserve_module_state=False)``: the wrapper refuses that call before it runs anything, and
     tensordict's ``to_module`` does not put the network's parameters back when its block raises. Only slots that
     hold a tensor of a transform (a ``BatchedTensor``, unusable once the transform returns) are put back, with the
     tensor kept for that slot where it is still alive and has the slot's shape and dtype. A copy of the wrapper
-    keeps none (its model's tensors are others).
+    keeps none of the original's (its model's tensors are others): it takes its own.
 
     Examples:
         >>> import torch
@@ -132,7 +133,7 @@ class TransformedSlots:
                     _put_back(own, slots, references)
 
     def __reduce__(self) -> tuple:
-        return TransformedSlots, ()  # a copy's model holds other tensors: it keeps them at its next context
+        return TransformedSlots, ()  # a copy's model holds other tensors
 
 
 def _references(slots: object) -> dict[str, weakref.ref]:

@@ -288,8 +288,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._abandoned: weakref.finalize | None = None  # an open context's cleanup if the wrapper is collected
         self._buffer_holders = BufferHolders()  # the modules whose buffers a failing call puts back
         self._transformed_slots = TransformedSlots()  # the parameters a refusal under torch.vmap puts back
-        if not torch._C._are_functorch_transforms_active():
-            self._transformed_slots.take(self.named_explained_modules().values())
+        self._keep_slots()
 
     def named_explained_modules(self) -> dict[str, nn.Module]:
         """The wrapped model's modules by the names rule mappers and ``layers`` use."""
@@ -323,7 +322,6 @@ class LRP(TensorDictModuleBase, MapperTunable):
             raise
         remove_listed(self._hooks)  # what a removal interrupted while leaving the last context left behind
         modules = self.named_explained_modules()
-        self._transformed_slots.take(modules.values())  # what a refusal under a transform puts back
         refuse_ensembles(modules)  # before anything is registered: its vmapped forward would lose its parameters
         made = HooksMade()  # a hook made here (this thread) whose handle a failure lost is found by its id
         claim(self, modules)
@@ -402,6 +400,13 @@ class LRP(TensorDictModuleBase, MapperTunable):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._lock = threading.RLock()
+        self._transformed_slots = TransformedSlots()  # the copy's model's own tensors
+        self._keep_slots()
+
+    def _keep_slots(self) -> None:
+        """Keep (weakly) the tensors in the model's slots, which a refusal under a transform puts back."""
+        if not torch._C._are_functorch_transforms_active():
+            self._transformed_slots.take(self.named_explained_modules().values())
 
     def inactive(self) -> contextlib.AbstractContextManager[None]:
         """Switch the rules off in the block (plain forward and backward; calls write gradient × input), and
