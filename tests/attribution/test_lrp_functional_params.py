@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from tensordict import TensorDict, TensorDictBase
-from tensordict.nn import EnsembleModule, TensorDictModule
+from tensordict.nn import EnsembleModule, TensorDictModule, TensorDictParams
 from torch import nn
 from torch.func import functional_call, stack_module_state
 from zennit.attribution import Gradient
@@ -478,3 +478,163 @@ def test_an_ensemble_module_is_refused_before_it_runs_and_its_members_are_explai
                 got = lrp(td.clone())["relevance", "x"]
             close(got, oracle(net, params["module"], mapper, td))
     assert_same_state(net, before, ids)
+
+
+# A failed call leaves every module as it found it: the parameter and buffer objects in their slots (in their order),
+# the module's __dict__ (no tensor left under a parameter's name) and the values.
+def slots(model: nn.Module) -> dict[str, tuple]:
+    return {
+        name: (
+            [(key, id(value)) for key, value in module._parameters.items()],
+            [(key, id(value)) for key, value in module._buffers.items()],
+            {key: id(value) for key, value in vars(module).items() if isinstance(value, torch.Tensor)},
+            sorted(vars(module)),
+        )
+        for name, module in model.named_modules()
+    }
+
+
+def assert_left_as_found(model: nn.Module, before: dict[str, torch.Tensor], found: dict[str, tuple]) -> None:
+    assert slots(model) == found
+    now = state(model)
+    assert now.keys() == before.keys() and all(torch.equal(now[k], before[k]) for k in now)
+
+
+class SelfEnsemble(nn.Module):
+    """A custom ensemble: one network run under torch.vmap with each member's parameters put in by to_module."""
+
+    def __init__(self, nets: list[nn.Module], keep_slots: bool) -> None:
+        super().__init__()
+        self.net = copy.deepcopy(nets[0])
+        self.params = TensorDictParams(TensorDict.from_modules(*nets, as_module=True))
+        self.keep_slots = keep_slots  # to_module's preserve_module_state: batched tensors in the slots, or __dict__
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def member(params: TensorDictBase, x: torch.Tensor) -> torch.Tensor:
+            with params.to_module(self.net, preserve_module_state=self.keep_slots):
+                return self.net(x)
+
+        return torch.vmap(member, (0, None))(self.params, x).mean(0)
+
+
+@pytest.mark.parametrize("keep_slots", [True, False])
+@pytest.mark.parametrize("mapper", ["Epsilon", "EpsilonPlus", *MODIFYING])
+def test_a_model_swapping_its_parameters_under_vmap_comes_out_of_the_refusal_as_it_was(mapper: str, keep_slots: bool):
+    """Before, the rule's refusal inside the vmapped forward passed through tensordict's to_module, which does not
+    put the parameters back when its block raises: the network was left with the members' batched tensors in its
+    parameter slots (or, with preserve_module_state=False, in its __dict__ and no Parameter at all), every later call
+    failing with "your tensor may have escaped from inside a function being vmapped". The refusal names the module's
+    path."""
+    torch.manual_seed(0)
+    model = SelfEnsemble([mlp() for _ in range(3)], keep_slots)
+    td = model_and_batch("mlp")[1]
+    before, found = state(model), slots(model)
+    lrp = LRP(TensorDictModule(model, in_keys=["x"], out_keys=["y"]), MAPPERS[mapper]())
+    with pytest.raises(RuntimeError) as refused:
+        lrp(td.clone())
+    assert_left_as_found(model, before, found)
+    assert str(refused.value).startswith("LRP: module 'module.net.0' (Linear) runs under torch.vmap")
+    model.net(td["x"])  # usable
+    with lrp, pytest.raises(RuntimeError, match="runs under torch.vmap"):  # the same inside an open context
+        lrp(td.clone())
+    assert_left_as_found(model, before, found)
+
+
+def test_a_callers_own_to_module_around_a_failing_call_in_an_open_context_stays():
+    """What the call puts back is what it found: parameters the caller swapped in around it stay (a context's own
+    record, taken when it was entered, would undo them) until the caller's block ends."""
+    torch.manual_seed(0)
+    model = nn.Sequential(mlp(), SelfEnsemble([nn.Sequential(nn.Linear(3, 2)).to(F64) for _ in range(2)], True))
+    td = model_and_batch("mlp")[1]
+    before, found = state(model), slots(model)
+    lrp = LRP(TensorDictModule(model, in_keys=["x"], out_keys=["y"]), MAPPERS["Epsilon"]())
+    other = other_parameters(model[0])
+    with lrp:
+        with other.to_module(model[0]):
+            theirs = slots(model)
+            assert theirs != found
+            with pytest.raises(RuntimeError) as refused:
+                lrp(td.clone())
+            assert slots(model) == theirs
+            assert str(refused.value).startswith("LRP: module 'module.1.net.0' (Linear) runs under torch.vmap")
+            assert all(torch.equal(model[0].get_parameter(k), v) for k, v in other.flatten_keys(".").items())
+    assert_left_as_found(model, before, found)
+
+
+@pytest.mark.parametrize("copied", [False, True])
+def test_sac_q_network_wrapper_comes_out_of_the_refusal_under_the_loss_vmap_as_it_was(copied: bool):
+    """SACLoss on Pendulum's specs, given the wrapper with create_graph=True: torchrl calls the Q-network under
+    torch.vmap with each stacked set of parameters put in by to_module(preserve_module_state=False); the call is
+    refused there by name. Before, the Q-network's layers were left with no Parameter (the batched tensors in their
+    __dict__), and the loss itself failed after with torch's "tensor may have escaped" error. A copy of the wrapper
+    puts back its own model's parameters, and leaves the original's alone."""
+    from tensordict.nn import NormalParamExtractor
+    from torchrl.envs import GymEnv
+    from torchrl.modules import MLP, ProbabilisticActor, TanhNormal, ValueOperator
+    from torchrl.objectives import SACLoss
+
+    torch.manual_seed(0)
+    env = GymEnv("Pendulum-v1")
+    observations, actions = env.observation_spec["observation"].shape[-1], env.action_spec.shape[-1]
+    actor = ProbabilisticActor(
+        TensorDictModule(
+            nn.Sequential(
+                MLP(in_features=observations, out_features=2 * actions, num_cells=[8]), NormalParamExtractor()
+            ).to(F64),
+            in_keys=["observation"],
+            out_keys=["loc", "scale"],
+        ),
+        in_keys=["loc", "scale"],
+        distribution_class=TanhNormal,
+        spec=env.action_spec,
+    )
+    critic = MLP(in_features=observations + actions, out_features=1, num_cells=[8], activation_class=nn.ReLU)
+    q = ValueOperator(critic.to(F64), in_keys=["observation", "action"])
+    lrp = LRP(q, MAPPERS["EpsilonPlus"](), create_graph=True)
+    original, kept = q, (state(q), slots(q))
+    if copied:
+        lrp = copy.deepcopy(lrp)
+        q = lrp.module
+    before, found = state(q), slots(q)
+    loss = SACLoss(actor, lrp, num_qvalue_nets=2)
+    batch = TensorDict(
+        observation=torch.randn(8, observations, dtype=F64),
+        action=torch.rand(8, actions, dtype=F64) * 2 - 1,
+        next=TensorDict(
+            observation=torch.randn(8, observations, dtype=F64),
+            reward=torch.randn(8, 1, dtype=F64),
+            done=torch.zeros(8, 1, dtype=torch.bool),
+            terminated=torch.zeros(8, 1, dtype=torch.bool),
+        ),
+        batch_size=[8],
+    )
+    for _ in range(2):  # the second as the first: nothing left behind
+        with pytest.raises(NotImplementedError, match="LRP: the call runs under a torch.func transform.*SACLoss"):
+            loss(batch)
+        assert_left_as_found(q, before, found)
+    td = TensorDict(observation=batch["observation"], action=batch["action"], batch_size=[8])
+    for params in loss.qvalue_network_params.unbind(0):  # each Q-network in turn, as the loop explains it
+        with params.to_module(loss.qvalue_network):
+            got = lrp(td.clone())["relevance", "observation"]
+        twin = copy.deepcopy(q)
+        params["module"].data.to_module(twin)
+        close(got, LRP(twin, MAPPERS["EpsilonPlus"]())(td.clone())["relevance", "observation"])
+    assert_left_as_found(q, before, found)
+    assert_left_as_found(original, *kept)
+
+
+def test_a_torchrl_vmap_module_is_named_with_mock_and_explained_once_mocked():
+    """A rule refusing torch.vmap inside torchrl's VmapModule names the module's path and the VmapModule's mock_(),
+    which runs its module slice by slice (the rules see each call): then the relevance is the plain network's."""
+    from torchrl.modules import VmapModule
+
+    torch.manual_seed(0)
+    net, td = model_and_batch("mlp")
+    vmapped = VmapModule(TensorDictModule(net, in_keys=["x"], out_keys=["y"]), 0)
+    before, found = state(vmapped), slots(vmapped)
+    lrp = LRP(vmapped, MAPPERS["Linear gamma"](), in_keys=["x"])
+    with pytest.raises(RuntimeError, match=r"module 'module\.module\.0' \(Linear\).*VmapModule.*mock_\(\)"):
+        lrp(td.clone())
+    assert_left_as_found(vmapped, before, found)
+    vmapped.mock_()
+    close(lrp(td.clone())["relevance", "x"], oracle(net, None, "Linear gamma", td))

@@ -67,7 +67,9 @@ def run_error(
         refused.__cause__ = err
         return refused
     path = [name for name, module in modules.items() if module is getattr(err, "module", None)]
-    if path:
+    if path and getattr(err, "vmapped", False):  # a rule's refusal under torch.vmap: the module by its path
+        err = _vmapped(err, path[0], modules, owner)
+    elif path:
         err.add_note(f"{owner}: the module is {path[0] or 'the model itself'!r}")
     shapes = ", ".join(f"{key!r}: {describe(tensordict.get(key, None))}" for key in keys)
     err.add_note(f"{owner}: raised while running the wrapped module on the inputs {shapes}")
@@ -88,6 +90,36 @@ def run_error(
         f"on the meta device, which holds shapes but no values, {where}: its parameters and buffers are expected "
         f"on {device} (load them, for example model.to_empty(device={device!r}) then model.load_state_dict(...))"
     )
+    error.__cause__ = err
+    return error
+
+
+def _vmapped(err: Exception, path: str, modules: Mapping[str, nn.Module], owner: str) -> Exception:
+    """The refusal ``err`` of a rule under ``torch.vmap`` in the model's forward, naming the module by ``path`` (and,
+    where a torchrl ``VmapModule`` around it takes the vmap, its ``mock_()``, which calls its module in a loop)."""
+    module = modules[path]
+    where = f"module {path or 'the model itself'!r} ({type(module).__name__})"
+    vmapping = [
+        name
+        for name, outer in modules.items()
+        if type(outer).__name__ == "VmapModule"
+        and type(outer).__module__.startswith("torchrl.")
+        and (name == "" or path == name or path.startswith(f"{name}."))
+    ]
+    if vmapping:
+        name = vmapping[-1]  # the innermost
+        advice = (
+            f"; it runs inside torchrl's VmapModule {name or 'the model itself'!r}: call its mock_() before explaining "
+            "(it then runs its module on each slice in a loop, which the rules see)"
+        )
+    else:
+        advice = "; call it outside torch.vmap (LRP does so itself for torchrl's multi-agent networks)"
+    error = type(err)(
+        f"{owner}: {where} runs under torch.vmap in the model's forward, where its rule cannot see the call's "
+        f"gradient (the relevance would be the plain gradient){advice}"
+    )
+    error.module = module  # type: ignore[attr-defined]
+    error.vmapped = True  # type: ignore[attr-defined]
     error.__cause__ = err
     return error
 

@@ -59,6 +59,7 @@ from tdhook.attribution._model_run import context_cache_watch
 from tdhook.attribution._module_hooks import module_hooks
 from tdhook.attribution._no_grad_values import called_in_grad_mode
 from tdhook.attribution._orphan_hooks import HooksMade, listed_hook_ids, remove_orphans
+from tdhook.attribution._parameter_slots import ParameterSlots, TransformedSlots
 from tdhook.attribution._plain_modules import as_tensordict_module
 from tdhook.attribution._random_modules import random_modules
 from tdhook.attribution._rule_names import warn_for_unused_keys
@@ -286,6 +287,8 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._plan: ChainPlan | None = None  # a chain of layers run without hooks and autograd (see _chain_plan)
         self._abandoned: weakref.finalize | None = None  # an open context's cleanup if the wrapper is collected
         self._buffer_holders = BufferHolders()  # the modules whose buffers a failing call puts back
+        self._transformed_slots = TransformedSlots()  # the parameters a refusal under torch.vmap puts back
+        self._keep_slots()
 
     def named_explained_modules(self) -> dict[str, nn.Module]:
         """The wrapped model's modules by the names rule mappers and ``layers`` use."""
@@ -312,7 +315,11 @@ class LRP(TensorDictModuleBase, MapperTunable):
     def _enter(self) -> LRP:
         if self._handles is not None:
             raise RuntimeError("this LRP wrapper's context is already active; leave it before entering again")
-        refuse_outer_transform("the context")  # before the rules are prepared on the transform's parameters
+        try:
+            refuse_outer_transform("the context")  # before the rules are prepared on the transform's parameters
+        except NotImplementedError:  # a caller's to_module under the transform does not put the parameters back
+            self._transformed_slots.restore(self.named_explained_modules().values())
+            raise
         remove_listed(self._hooks)  # what a removal interrupted while leaving the last context left behind
         modules = self.named_explained_modules()
         refuse_ensembles(modules)  # before anything is registered: its vmapped forward would lose its parameters
@@ -393,6 +400,13 @@ class LRP(TensorDictModuleBase, MapperTunable):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._lock = threading.RLock()
+        self._transformed_slots = TransformedSlots()  # the copy's model's own tensors
+        self._keep_slots()
+
+    def _keep_slots(self) -> None:
+        """Keep (weakly) the tensors in the model's slots, which a refusal under a transform puts back."""
+        if not torch._C._are_functorch_transforms_active():
+            self._transformed_slots.take(self.named_explained_modules().values())
 
     def inactive(self) -> contextlib.AbstractContextManager[None]:
         """Switch the rules off in the block (plain forward and backward; calls write gradient × input), and
@@ -411,13 +425,19 @@ class LRP(TensorDictModuleBase, MapperTunable):
     @_uncompiled_dispatch
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         refuse_loss_module_caller("LRP", self, self.create_graph)  # its outputs would give no gradient
-        refuse_outer_transform()  # before a context is entered for the call
+        try:
+            refuse_outer_transform()  # before a context is entered for the call
+        except NotImplementedError:  # a caller's to_module under the transform does not put the parameters back
+            self._transformed_slots.restore(self.named_explained_modules().values())
+            raise
         # One call at a time (docs/guarantees.md); one that fails leaves the running statistics as they were.
         with self._lock:
-            made = HooksMade()
+            made, slots = HooksMade(), None
             try:
                 made.open()  # until the call's write
                 with buffers_restored_on_error(self.module, self._buffer_holders), self._grads.kept(self._handles):
+                    # The parameters a swap inside the model's forward would leave out where the call fails.
+                    slots = ParameterSlots(self._buffer_holders.modules(self.module))
                     entering = self._handles is None and not self._inactive
                     _set_state(self, "_call_enters", entering)
                     # A context entered here is left before the write, and so is the record of the caller's grad
@@ -428,6 +448,8 @@ class LRP(TensorDictModuleBase, MapperTunable):
                     write()  # a call whose context fails to close writes nothing
                     return out
             except BaseException:  # a hook of the call whose registration failed before giving its handle
+                if slots is not None:
+                    slots.restore()
                 listed = listed_hook_ids([*self._hooks, *(self._handles or [])])  # the open context's, kept
                 remove_orphans([*self.named_explained_modules().values(), self.module], made.ids, listed)
                 made.close()  # not left to the traceback, which holds it

@@ -117,6 +117,11 @@ class BufferHolders:
         self._found = self.checked = (model, modules, children, holders, others)
         return holders
 
+    def modules(self, model: nn.Module) -> list[nn.Module]:
+        """The modules of ``model`` (itself first) that the last :meth:`of` found, for a step of the same call."""
+        found = self._found
+        return found[1] if found is not None and found[0] is model else list(model.modules())
+
     def __reduce__(self) -> tuple:
         return BufferHolders, ()  # a copy finds its model's modules again
 

@@ -746,6 +746,7 @@ def raise_for_vmap(module: torch.nn.Module, output: Any) -> None:
             "for torchrl's multi-agent networks)"
         )
         error.module = module  # type: ignore[attr-defined]
+        error.vmapped = True  # type: ignore[attr-defined]  # the wrapper names the module's path
         raise error
 
 
