@@ -118,6 +118,8 @@ class JoinedWithOthers(nn.Module):
             product = (joined.t().contiguous() * signal.t()).t()
         elif self.form == "joined.flip(1) * signal.flip(1)":
             product = (joined.flip(1) * signal.flip(1)).flip(1)
+        elif self.form == "F.pad(joined) * F.pad(signal)":
+            product = (F.pad(joined, (1, 2)) * F.pad(signal, (1, 2)))[:, 1:-2]
         else:
             product = joined * signal
         return self.out(product)
@@ -125,6 +127,7 @@ class JoinedWithOthers(nn.Module):
 
 FORMS = ["joined * signal", "signal * joined", "joined.view * signal", "halves", "joined again", "signal.mul_(joined)"]
 FORMS += ["joined.t().contiguous() * signal.t()", "joined.flip(1) * signal.flip(1)"]
+FORMS += ["F.pad(joined) * F.pad(signal)"]
 
 
 @pytest.mark.parametrize("mapper", ["AttnLRP", "AttnLRP(softmax_epsilon=0.1)"])

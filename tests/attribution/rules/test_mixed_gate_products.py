@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tests.attribution.rules._helpers import randn
@@ -48,6 +49,13 @@ KEPT = {
     "m.flip(1) * s.flip(1)": lambda m, s: (m.flip(1) * s.flip(1)).flip(1),
     "m[:, index] * s[:, index]": lambda m, s: (m[:, INDEX] * s[:, INDEX])[:, INDEX.argsort()],
     "m.repeat(1, 2) * s.repeat(1, 2)": lambda m, s: (m.repeat(1, 2) * s.repeat(1, 2))[:, 6:],
+    # Padded: the constants padded with beside the gate elements, or the values copied.
+    "F.pad(m) * F.pad(s)": lambda m, s: (F.pad(m, (1, 2)) * F.pad(s, (1, 2)))[:, 1:-2],
+    "F.pad(m, value=1)[:, :-1] * s": lambda m, s: F.pad(m, (0, 1), value=1.0)[:, :-1] * s,
+    "F.pad(m, replicate) * F.pad(s, replicate)": lambda m, s: (
+        F.pad(m[:, None], (1, 1), mode="replicate") * F.pad(s[:, None], (1, 1), mode="replicate")
+    )[:, 0, 1:-1],
+    "torch.constant_pad_nd(m) * F.pad(s)": lambda m, s: (torch.constant_pad_nd(m, (2, 0)) * F.pad(s, (2, 0)))[:, 2:],
 }
 
 
