@@ -207,14 +207,15 @@ def weights_held_where_mixed(
     L2.)
 
     Examples:
-        >>> x = torch.tensor([[1.0, -2.0]], requires_grad=True)
-        >>> weights = torch.softmax(x[:, :1] * 1, -1)  # over one element: the constant 1
+        >>> h = torch.tensor([[2.0]], requires_grad=True)
+        >>> weights = torch.ones(1, 1, requires_grad=True).softmax(-1)  # over one element: 1
         >>> weights.__dict__["_tdhook_softmax_weights"] = True
-        >>> mixed = torch.cat([weights, x[:, 1:] * 2], 1)
-        >>> mark_joined_weights(torch.cat, ([weights, x[:, 1:] * 2], 1), {}, mixed)
-        >>> product = weights_held_where_mixed(torch.mul, (mixed, x * 3), {}, lambda factors: torch.mul(*factors))
-        >>> torch.autograd.grad(product((mixed, x * 3)).sum(), x)[0].tolist()  # the weights held
-        [[3.0, -24.0]]
+        >>> pieces = [weights, h * 1]  # weights beside an activation
+        >>> joined, signal = torch.cat(pieces, 1), torch.cat([h, h], 1) * 2
+        >>> mark_joined_weights(torch.cat, (pieces, 1), {}, joined)
+        >>> product = weights_held_where_mixed(torch.mul, (joined, signal), {}, lambda pair: torch.mul(*pair))
+        >>> torch.autograd.grad(product((joined, signal)).sum(), h)[0].tolist()  # 2 (weights held) + 4 h
+        [[10.0]]
     """
     if not WEIGHTS_MASKS_MADE:
         return ungated
