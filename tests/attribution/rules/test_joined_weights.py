@@ -118,6 +118,8 @@ class JoinedWithOthers(nn.Module):
             product = (joined.t().contiguous() * signal.t()).t()
         elif self.form == "joined.flip(1) * signal.flip(1)":
             product = (joined.flip(1) * signal.flip(1)).flip(1)
+        elif self.form == "F.pad(joined) * F.pad(signal)":
+            product = (F.pad(joined, (1, 2)) * F.pad(signal, (1, 2)))[:, 1:-2]
         else:
             product = joined * signal
         return self.out(product)
@@ -125,6 +127,7 @@ class JoinedWithOthers(nn.Module):
 
 FORMS = ["joined * signal", "signal * joined", "joined.view * signal", "halves", "joined again", "signal.mul_(joined)"]
 FORMS += ["joined.t().contiguous() * signal.t()", "joined.flip(1) * signal.flip(1)"]
+FORMS += ["F.pad(joined) * F.pad(signal)"]
 
 
 @pytest.mark.parametrize("mapper", ["AttnLRP", "AttnLRP(softmax_epsilon=0.1)"])
@@ -172,3 +175,49 @@ def test_a_join_marks_weights_where_every_piece_is_weights_or_a_constant():
         assert weighing_factors((x * 2, joined)) == ([False, True] if marked else None)
         shown = weights_shown(joined)
         assert (shown is None) if marked else shown[:, :3].all() and not shown[:, 3:].any()
+
+
+class GatesAndWeights(nn.Module):
+    """``pieces``, sigmoid-like gates, a softmax's weights and a gate of another kind over 3 units each, joined and
+    times a signal in the form ``form``; ``apart`` multiplies each piece apart (the oracle)."""
+
+    def __init__(self, pieces: str, form: str, apart: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c, self.s = (nn.Linear(4, n) for n in (3, 3, 3, 9))
+        self.out = nn.Linear(9, 3)
+        self.pieces, self.form, self.apart = pieces, form, apart
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kinds = {"sigmoid": torch.sigmoid(self.a(x)), "softmax": torch.softmax(self.b(x), -1), "tanh": self.c(x).tanh()}
+        pieces = [kinds[name] for name in self.pieces.split(", ")]
+        signal = torch.relu(self.s(x))[:, : 3 * len(pieces)]
+        if self.apart:
+            product = torch.cat([piece * signal[:, 3 * i : 3 * i + 3] for i, piece in enumerate(pieces)], 1)
+        else:
+            product = MIXED_FORMS[self.form](torch.cat(pieces, 1), signal)
+        return self.out(F.pad(product, (0, 9 - product.shape[1])))
+
+
+MIXED_FORMS = {
+    "m * s": lambda m, s: m * s,
+    "s * m": lambda m, s: s * m,
+    "s.mul_(m)": lambda m, s: (s * 1).mul_(m),
+    "m.flip(1) * s.flip(1)": lambda m, s: (m.flip(1) * s.flip(1)).flip(1),
+    "m.t().contiguous() * s.t()": lambda m, s: (m.t().contiguous() * s.t()).t(),
+}
+
+
+@pytest.mark.parametrize("mapper", ["AttnLRP", "AttnLRP(epsilon=0.1)", "CPLRP"])
+@pytest.mark.parametrize("form", sorted(MIXED_FORMS))
+@pytest.mark.parametrize("pieces", ["sigmoid, softmax", "softmax, sigmoid", "sigmoid, softmax, tanh"])
+def test_a_join_of_gates_and_weights_holds_each_where_it_went(pieces: str, form: str, mapper: str):
+    # The product held the gate's elements, and took the weights' as no weights: AttnLRP shared their relevance with
+    # them (0.18-0.39 off, relative L2, 0.22-0.64 with its epsilon).
+    torch.manual_seed(1)
+    model, oracle = GatesAndWeights(pieces, form).double(), GatesAndWeights(pieces, form, apart=True).double()
+    x = randn(5, 4)
+    torch.testing.assert_close(model(x), oracle(x), rtol=1e-12, atol=1e-12)
+    (expected, _) = relevance_twice(oracle, x, MAPPERS[mapper]())
+    for actual in relevance_twice(model, x, MAPPERS[mapper]()):
+        assert relative_error(actual, expected) <= 1e-12

@@ -29,7 +29,11 @@ from tdhook.attribution.rules._autograd import PARAMETER_DERIVED, hold, is_activ
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN
 from tdhook.attribution.rules._held_statistics import statistic_factors
 from tdhook.attribution.rules._in_place_writes import mark_written_in_place, note_gate_views
-from tdhook.attribution.rules._joined_weights import WEIGHTS_MASKS_MADE, mixed_weights_product
+from tdhook.attribution.rules._joined_weights import (
+    WEIGHTS_MASKS_MADE,
+    mixed_weights_product,
+    weights_held_where_mixed,
+)
 from tdhook.attribution.rules._mixed_gate_products import mixed_gate_product
 from tdhook.attribution.rules.gates import GATE_MARK, SIGMOID_MARK, WEIGHTS_MARK, held_factors, weighing_factors
 
@@ -80,7 +84,8 @@ def product_in_place(
     if not torch.is_grad_enabled():  # autograd records nothing: no rule, the write noted (see _unrecorded_writes)
         return mark_written_in_place(func, (a, b), {})
     if GATE_MASKS_MADE:  # a factor a gate in some elements only (see _mixed_gate_products): ``a * b``'s rule, copied
-        product = mixed_gate_product(torch.mul, (a, b), {}, hold_gates, _uniform, (a.clone(), b))
+        ungated = weights_held_where_mixed(torch.mul, (a, b), {}, _uniform)  # (a join's weights in part: held)
+        product = mixed_gate_product(torch.mul, (a, b), {}, hold_gates, ungated, (a.clone(), b))
         if product is not None:
             if recording is not None:
                 recording.other_rule()

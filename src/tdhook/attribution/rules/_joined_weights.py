@@ -31,6 +31,7 @@ __all__ = [
     "keep_weights_elements",
     "mark_joined_weights",
     "mixed_weights_product",
+    "weights_held_where_mixed",
     "weights_shown",
 ]
 
@@ -194,3 +195,33 @@ def mixed_weights_product(
     factors = args if factors is None else factors
     products = [func(*(hold(a) if i == place else a for i, a in enumerate(factors)), **kwargs) for place in (0, 1)]
     return torch.where(held[0], products[0], torch.where(held[1], products[1], ungated(factors)))
+
+
+def weights_held_where_mixed(
+    func: Callable, args: tuple, kwargs: dict, ungated: Callable[[tuple], torch.Tensor]
+) -> Callable[[tuple], torch.Tensor]:
+    """``ungated``, the rule of a product ``func(*args, **kwargs)`` without gates, with a factor's weights held
+    element by element where one is a softmax's weights in some elements only (see :func:`mixed_weights_product`):
+    the rule of a product with a join of gates *and* weights (``torch.cat([sigmoid(a), softmax(b)], 1)``) where its
+    elements are no gate. (Its weights were none: AttnLRP shared their relevance with them, 0.18-0.64 off, relative
+    L2.)
+
+    Examples:
+        >>> h = torch.tensor([[2.0]], requires_grad=True)
+        >>> weights = torch.ones(1, 1, requires_grad=True).softmax(-1)  # over one element: 1
+        >>> weights.__dict__["_tdhook_softmax_weights"] = True
+        >>> pieces = [weights, h * 1]  # weights beside an activation
+        >>> joined, signal = torch.cat(pieces, 1), torch.cat([h, h], 1) * 2
+        >>> mark_joined_weights(torch.cat, (pieces, 1), {}, joined)
+        >>> product = weights_held_where_mixed(torch.mul, (joined, signal), {}, lambda pair: torch.mul(*pair))
+        >>> torch.autograd.grad(product((joined, signal)).sum(), h)[0].tolist()  # 2 (weights held) + 4 h
+        [[10.0]]
+    """
+    if not WEIGHTS_MASKS_MADE:
+        return ungated
+
+    def product(factors: tuple) -> torch.Tensor:
+        mixed = mixed_weights_product(func, args, kwargs, ungated, factors)
+        return ungated(factors) if mixed is None else mixed
+
+    return product

@@ -70,7 +70,11 @@ from tdhook.attribution.rules._in_place_activations import (
 from tdhook.attribution.rules._in_place_products import PRODUCTS_IN_PLACE, product_in_place, two_activations_in_place
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_written_in_place
 from tdhook.attribution.rules._input_values import INPUT_VALUES, watch_values
-from tdhook.attribution.rules._joined_weights import WEIGHTS_MASKS_MADE, mixed_weights_product
+from tdhook.attribution.rules._joined_weights import (
+    WEIGHTS_MASKS_MADE,
+    mixed_weights_product,
+    weights_held_where_mixed,
+)
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._mixed_gate_products import mixed_gate_product
@@ -304,7 +308,9 @@ class FunctionalRules(TorchFunctionMode):
             statistics = statistic_factors(func, args)
             if statistics is None and GATE_MASKS_MADE and func in ELEMENTWISE_PRODUCTS:
                 # A factor a gate in some elements only (a join of gates and other activations): element by element.
-                mixed = mixed_gate_product(func, args, kwargs, self.hold_gates, _uniform_product(func, kwargs))
+                # (Its elements no gate a join's weights in part: held there too, see _joined_weights.)
+                ungated = weights_held_where_mixed(func, args, kwargs, _uniform_product(func, kwargs))
+                mixed = mixed_gate_product(func, args, kwargs, self.hold_gates, ungated)
                 if mixed is not None:
                     if recording is not None:  # (a rule a later call does not plan: it runs in the mode)
                         recording.other_rule()
