@@ -4,8 +4,9 @@ No gradient reaches an integer tensor, so an input of integers receives relevanc
 ``nn.Embedding`` that reads them (:mod:`~tdhook.attribution._tokens`). An integer input that the model converts to
 floating point and computes with as numbers (a torchrl critic's one-hot action, ``torch.cat([obs, action.float()])``
 into an ``nn.Linear``) holds a share of the relevance that no input receives. The first call of a wrapper watches,
-in a function mode, where such inputs go: views, conversions and joins (``cat``, ``stack``) carry their values,
-and a linear map (``F.linear``, a convolution, a product with a parameter) that takes them is where their share goes.
+in a function mode, where such inputs go: views, conversions, joins (``cat``, ``stack``), elementwise activations,
+dropout and norms carry their values, and a linear map (``F.linear``, a convolution, a product with a parameter)
+that takes them is where their share goes.
 Arithmetic carries them too (``2 * a.float() - 1``, ``a.float() / n``, a sum with an activation) except a product
 with an activation: that is a gate (a done mask), and the activation it scales takes the product's relevance whole.
 Encodings carry them with no gradient to pass on: ``F.one_hot``, a comparison (``a == 3``), constants chosen by
@@ -83,6 +84,13 @@ _CARRYING: frozenset[Callable] = frozenset(
         torch.column_stack,
     }
 )
+# Elementwise activations, dropout and norms: what their input holds of an input's values reaches the next layer.
+_PASSING: frozenset[Callable] = frozenset(
+    {F.relu, torch.relu, Tensor.relu, F.relu6, F.leaky_relu, F.elu, F.selu, F.celu, F.gelu, F.silu, F.mish}
+    | {F.softplus, F.hardtanh, F.hardswish, F.hardsigmoid, torch.tanh, Tensor.tanh, torch.sigmoid, Tensor.sigmoid}
+    | {F.dropout, F.layer_norm, F.batch_norm, F.group_norm, F.instance_norm, F.rms_norm}
+)
+_CARRYING |= _PASSING
 _JOINS = frozenset({torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack, torch.vstack})
 _JOINS |= {torch.column_stack}
 # Linear maps whose weight is an argument of their own.
