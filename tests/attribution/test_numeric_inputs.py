@@ -247,6 +247,82 @@ def test_gates_masks_and_indices_into_activations_are_not_numbers(categorical, h
         assert _lost(out) < 1e-10
 
 
+class ResetCritic(EncodedCritic):
+    """Q(s, a) of a one-hot action joined to the observation, the join reset where an episode ended: ``done`` is a
+    gate of the join (its activation takes the product's relevance whole), the action is what is lost."""
+
+    def forward(self, observation: torch.Tensor, action: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+        encoded = action if action.dim() == observation.dim() else _encoded("one_hot.to", action, observation)
+        joined = torch.cat([observation, encoded], -1)
+        keep = 1 - done.to(observation.dtype)
+        if self.how == "keep * joined":
+            joined = keep * joined
+        elif self.how == "joined * keep":
+            joined = joined * keep
+        elif self.how == "joined.mul_(keep)":
+            joined = joined.clone().mul_(keep)
+        else:
+            joined = keep.expand_as(joined).clone().mul_(joined)
+        return self.net(joined)
+
+
+@pytest.mark.parametrize("how", ["keep * joined", "joined * keep", "joined.mul_(keep)", "keep.mul_(joined)"])
+def test_a_done_gate_of_a_join_holding_an_encoded_action_names_the_action_not_the_gate(categorical, how):
+    """The gate first in the product was named as the key whose share is lost, and the action not at all (2.01 of
+    the value missed, relative L2): the action is named; encoded before the model as the advice says, the
+    relevance of the observation and the action sums to the value, the gate's share is nothing."""
+    td = categorical.clone().set("done", (torch.arange(8) % 3 == 0).unsqueeze(-1))
+    torch.manual_seed(1)
+    module = ValueOperator(ResetCritic(how), in_keys=["observation", "action", "done"])
+    out, messages = caught(lambda: LRP(module, BaseRuleMapper(stabilizer=0))(td.clone()))
+    numeric = [m for m in messages if "enters the model as numbers" in m]
+    assert len(numeric) == 1 and "'action' (torch.int64)" in numeric[0] and "encoded by one_hot" in numeric[0], numeric
+    assert _lost(out) > 0.5  # the action's share, which the warning is about
+    given = td.set("action", _encoded("one_hot.to", td["action"], td["observation"]))
+    out, messages = caught(lambda: LRP(module, BaseRuleMapper(stabilizer=0))(given))
+    assert not [m for m in messages if "enters the model as numbers" in m], messages
+    total = out["relevance", "observation"].sum(-1) + out["relevance", "action"].sum(-1)
+    torch.testing.assert_close(total, out["state_action_value"][:, 0], rtol=1e-10, atol=1e-12)
+
+
+class PassedCritic(EncodedCritic):
+    """Q(s, a) of a one-hot action added to part of the observation, through an activation, dropout or a norm
+    before the layers."""
+
+    def forward(self, observation: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+        encoded = action if action.dim() == observation.dim() else _encoded("one_hot.to", action, observation)
+        summed = observation[..., :2] + encoded
+        if self.how == "relu":
+            passed = nn.ReLU()(summed)
+        elif self.how == "dropout":
+            passed = nn.Dropout(0.5).eval()(summed)
+        elif self.how == "tanh":
+            passed = torch.tanh(summed)
+        else:
+            passed = torch.nn.functional.layer_norm(summed, (2,))
+        return self.net(torch.cat([observation, passed], -1))
+
+
+@pytest.mark.parametrize("how", ["relu", "dropout", "tanh", "layer_norm"])
+def test_an_encoded_action_through_an_activation_dropout_or_a_norm_before_a_layer_is_named(categorical, how):
+    """A sum of an encoded action and an activation lost the action's share with no word where an activation,
+    dropout or a norm stood between it and the layer: named; under ReLU and dropout, the action encoded before the
+    model as the advice says takes its share, and the relevance sums to the value."""
+    torch.manual_seed(1)
+    module = ValueOperator(PassedCritic(how), in_keys=["observation", "action"])
+    out, messages = caught(lambda: LRP(module, BaseRuleMapper(stabilizer=0))(categorical.clone()))
+    numeric = [m for m in messages if "enters the model as numbers" in m]
+    assert len(numeric) == 1 and "'action' (torch.int64)" in numeric[0] and "encoded by one_hot" in numeric[0], numeric
+    assert "'module.net.0' (Linear)" in numeric[0]
+    assert _lost(out) > 0.1  # the action's share, which the warning is about
+    given = categorical.clone().set("action", _encoded("one_hot.to", categorical["action"], categorical["observation"]))
+    out, messages = caught(lambda: LRP(module, BaseRuleMapper(stabilizer=0))(given))
+    assert not [m for m in messages if "enters the model as numbers" in m], messages
+    if how in ("relu", "dropout"):  # positively homogeneous without biases: LRP-0 conserves
+        total = out["relevance", "observation"].sum(-1) + out["relevance", "action"].sum(-1)
+        torch.testing.assert_close(total, out["state_action_value"][:, 0], rtol=1e-10, atol=1e-12)
+
+
 def test_an_embedded_action_is_explained_not_named(categorical):
     """An nn.Embedding is the way an index is explained: its output stands in for it."""
 

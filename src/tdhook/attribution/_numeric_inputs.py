@@ -4,8 +4,9 @@ No gradient reaches an integer tensor, so an input of integers receives relevanc
 ``nn.Embedding`` that reads them (:mod:`~tdhook.attribution._tokens`). An integer input that the model converts to
 floating point and computes with as numbers (a torchrl critic's one-hot action, ``torch.cat([obs, action.float()])``
 into an ``nn.Linear``) holds a share of the relevance that no input receives. The first call of a wrapper watches,
-in a function mode, where such inputs go: views, conversions and joins (``cat``, ``stack``) carry their values,
-and a linear map (``F.linear``, a convolution, a product with a parameter) that takes them is where their share goes.
+in a function mode, where such inputs go: views, conversions, joins (``cat``, ``stack``), elementwise activations,
+dropout and norms carry their values, and a linear map (``F.linear``, a convolution, a product with a parameter)
+that takes them is where their share goes.
 Arithmetic carries them too (``2 * a.float() - 1``, ``a.float() / n``, a sum with an activation) except a product
 with an activation: that is a gate (a done mask), and the activation it scales takes the product's relevance whole.
 Encodings carry them with no gradient to pass on: ``F.one_hot``, a comparison (``a == 3``), constants chosen by
@@ -83,6 +84,13 @@ _CARRYING: frozenset[Callable] = frozenset(
         torch.column_stack,
     }
 )
+# Elementwise activations, dropout and norms: what their input holds of an input's values reaches the next layer.
+_PASSING: frozenset[Callable] = frozenset(
+    {F.relu, torch.relu, Tensor.relu, F.relu6, F.leaky_relu, F.elu, F.selu, F.celu, F.gelu, F.silu, F.mish}
+    | {F.softplus, F.hardtanh, F.hardswish, F.hardsigmoid, torch.tanh, Tensor.tanh, torch.sigmoid, Tensor.sigmoid}
+    | {F.dropout, F.layer_norm, F.batch_norm, F.group_norm, F.instance_norm, F.rms_norm}
+)
+_CARRYING |= _PASSING
 _JOINS = frozenset({torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack, torch.vstack})
 _JOINS |= {torch.column_stack}
 # Linear maps whose weight is an argument of their own.
@@ -162,8 +170,14 @@ class NumericInputs(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        # Read before the call: a scaling in place makes the tensor it writes require grad.
+        scaled = self._scaled(args, kwargs) if func in _SCALINGS else None
         out = func(*args, **kwargs)
-        if func in _CARRYING:
+        if scaled is not None:
+            if scaled[0] is None and self._carrier(out) is not None:  # a gate written in place: it carries none
+                del self._carriers[id(out)]
+            self._carry(out, scaled[0])
+        elif func in _CARRYING:
             first = args[0] if args else None
             carrier = self._carrier(first) if func not in _JOINS else self._carrier(*_listed(first))
             if carrier is None and func in _LOOKUPS:
@@ -171,8 +185,8 @@ class NumericInputs(TorchFunctionMode):
             self._carry(out, carrier)
         elif func in _LAYERS or func in _PRODUCTS:
             self._note(func, args, kwargs)
-        elif func in _SUMS or func in _SCALINGS:
-            self._arithmetic(func, args, kwargs, out)
+        elif func in _SUMS:  # a sum carries its operands' values
+            self._carry(out, self._carrier(*args, *kwargs.values()))
         elif func in _ENCODINGS:
             carrier = self._carrier(*args, *kwargs.values())
             if carrier is not None:
@@ -199,18 +213,19 @@ class NumericInputs(TorchFunctionMode):
         if carrier is not None and isinstance(out, torch.Tensor):
             self._carriers[id(out)] = (carrier[0], out, carrier[1])
 
-    def _arithmetic(self, func: Callable, args: tuple, kwargs: dict, out: object) -> None:
-        """A sum carries its operands' values; a scaling of an activation is a gate (the activation takes the
-        relevance of the product whole), and carries none, in place neither."""
+    def _scaled(self, args: tuple, kwargs: dict) -> tuple[tuple[int, str | None] | None] | None:
+        """What a scaling's product carries, ``None`` where no operand carries an input's values. A scaling of an
+        activation is a gate (the activation takes the relevance of the product whole): the product carries none,
+        in place neither. A scaling of values that hold an activation's too (``(1 - done) * torch.cat([obs,
+        one_hot])``) carries theirs, not the gate's."""
         operands = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
         carrier = self._carrier(*operands)
         if carrier is None:
-            return
-        if func in _SCALINGS and any(self._is_activation(v) for v in operands):
-            if isinstance(out, torch.Tensor) and self._carrier(out) is not None:
-                del self._carriers[id(out)]
-            return
-        self._carry(out, carrier)
+            return None
+        if any(self._is_activation(v) for v in operands):
+            return (None,)
+        scaled = [v for v in operands if v.requires_grad and not isinstance(v, nn.Parameter)]
+        return (self._carrier(*scaled) or carrier,)
 
     def _is_activation(self, value: torch.Tensor) -> bool:
         return value.requires_grad and not isinstance(value, nn.Parameter) and self._carrier(value) is None
