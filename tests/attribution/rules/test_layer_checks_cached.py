@@ -8,6 +8,7 @@ import sys
 import threading
 import types
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from unittest import mock
@@ -347,3 +348,20 @@ def test_what_the_forward_reads_unchanged_probes_once(case, base, monkeypatch):
         enter(lrp)
         enter(lrp)
     assert runs[0] == 3
+
+
+class NamesLibraryClasses(nn.Linear):
+    """A forward that names torch's and Python's classes (whose attributes are not kept: the layer still is)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or isinstance(x, (OrderedDict, F.__class__)):
+            raise TypeError("a tensor")
+        return super().forward(x)
+
+
+def test_a_forward_naming_library_classes_probes_once():
+    lrp = wrapper(nn.Sequential(NamesLibraryClasses(4, 4), NamesLibraryClasses(4, 4)).eval(), UniformEpsilon())
+    with counted("_rays_bent") as runs:
+        enter(lrp)
+        enter(lrp)
+    assert runs[0] == 2

@@ -68,6 +68,11 @@ _CLASS_INTERNALS = frozenset(
 # The most functions and classes followed for one layer; beyond, the layer is probed at each check.
 _MOST_FOLLOWED = 512
 _EMPTY_CELL = object()
+# Packages whose functions, classes and modules a forward names without their code being followed.
+_TRUSTED_PACKAGES = frozenset(
+    {"torch", "numpy", "builtins", "math", "operator", "functools", "itertools", "collections", "typing", "types"}
+    | {"enum", "abc", "dataclasses", "numbers", "warnings", "logging", "inspect", "contextlib", "copy", "weakref"}
+)
 
 
 class _Uncacheable(Exception):
@@ -107,8 +112,10 @@ def _token(value: Any) -> Any:
 
 
 def _trusted(value: Any) -> bool:
-    """Whether ``value`` is torch's own (its code is not followed: the probes trust torch's functions)."""
-    return (getattr(value, "__module__", None) or "").startswith("torch.")
+    """Whether ``value`` (a function, a class, a module) is torch's, NumPy's or Python's own: its code and its
+    attributes are not followed (the probes trust them), but for the classes of the layer and its submodules."""
+    name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+    return isinstance(name, str) and name.partition(".")[0] in _TRUSTED_PACKAGES
 
 
 @functools.lru_cache(maxsize=4096)
@@ -121,9 +128,10 @@ def _named(code: types.CodeType) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def _follow(value: Any, key: list, seen: set[int]) -> None:
+def _follow(value: Any, key: list, seen: set[int], layer_class: bool = False) -> None:
     """Add to ``key`` what the code of ``value`` may read besides its arguments (see the module's docstring):
-    a class's attributes, along its bases; a function's globals, closure and defaults; each followed in turn."""
+    a class's attributes, along its bases; a function's globals, closure and defaults; each followed in turn.
+    ``layer_class``: ``value`` is the class of the layer or of a submodule, followed even where torch's own."""
     if isinstance(value, (tuple, list, set, frozenset)):
         for item in value:
             _follow(item, key, seen)
@@ -133,7 +141,7 @@ def _follow(value: Any, key: list, seen: set[int]) -> None:
     if isinstance(value, property):
         _follow((value.fget, value.fset, value.fdel), key, seen)
         return
-    if not isinstance(value, (type, types.FunctionType)) or id(value) in seen:
+    if not isinstance(value, (type, types.FunctionType)) or id(value) in seen or (_trusted(value) and not layer_class):
         return
     seen.add(id(value))
     if len(seen) > _MOST_FOLLOWED:
@@ -147,8 +155,6 @@ def _follow(value: Any, key: list, seen: set[int]) -> None:
                 if name not in _CLASS_INTERNALS:
                     key += (name, _member_token(attribute))
                     _follow(attribute, key, seen)
-        return
-    if _trusted(value):
         return
     key += (_token(value.__defaults__), _token(tuple(sorted((value.__kwdefaults__ or {}).items()))))
     for cell in value.__closure__ or ():
@@ -165,7 +171,7 @@ def _follow(value: Any, key: list, seen: set[int]) -> None:
             found = space[name]
             key += (name, _token(found))
             _follow(found, key, seen)
-            if isinstance(found, types.ModuleType) and not found.__name__.startswith("torch"):
+            if isinstance(found, types.ModuleType) and not _trusted(found):
                 # A module of one's own read as a configuration (cfg.USE_TANH): its attributes the code names.
                 for attribute in names:
                     if attribute in vars(found):
@@ -196,7 +202,7 @@ def _state(module: nn.Module, extra: tuple) -> tuple[tuple, list[torch.Tensor]]:
     for name, sub in module.named_modules(remove_duplicate=False):
         root = sub is module
         key += (name, weakref.ref(sub), type(sub), _token(getattr(type(sub), "forward", None)))
-        _follow(type(sub), key, seen)
+        _follow(type(sub), key, seen, layer_class=True)
         if root:
             pre_hooks = sub._forward_pre_hooks.items()
             key.append(tuple(handle for handle, hook in pre_hooks if isinstance(hook, _WEIGHT_HOOKS)))
