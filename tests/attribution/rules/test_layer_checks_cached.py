@@ -4,9 +4,11 @@ could change their verdict (a patched forward, an attribute, a buffer's values, 
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import types
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from unittest import mock
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
 
-from tdhook.attribution import LRP, EpsilonPlus, UniformEpsilon
+from tdhook.attribution import LRP, AttnLRP, EpsilonGammaBox, EpsilonPlus, UniformEpsilon
 from tdhook.attribution.rules import _layers
 from tdhook.attribution.rules.basic import EpsilonRule
 from tdhook.attribution.rules.modified import AlphaBetaRule
@@ -222,3 +224,144 @@ def test_two_threads_on_two_models():
     for thread in threads:
         thread.join()
     assert results == {"bent": ["refused"] * 10, "plain": ["passed"] * 10}
+
+
+# What the forwards below read besides their layer: a flag and a helper of this module, a module used as a
+# configuration, a class attribute, a method of a base class and a closure's cell (set back by monkeypatch). Each is
+# a mixin before a Linear or Conv2d layer (AttnLRP maps convolutions to no ε-rule).
+_SQUASH = False
+_CONFIG = types.ModuleType("layer_config")
+_CONFIG.squash = False
+
+
+def _kept(z: torch.Tensor) -> torch.Tensor:
+    return z
+
+
+class GlobalFlag:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = super().forward(x)
+        return z.tanh() if _SQUASH else z
+
+
+class GlobalHelper:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _kept(super().forward(x))
+
+
+class ConfigModule:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = super().forward(x)
+        return z.tanh() if _CONFIG.squash else z
+
+
+class ClassFlag:
+    squash = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = super().forward(x)
+        return z.tanh() if self.squash else z
+
+
+class Helper:
+    def after(self, z: torch.Tensor) -> torch.Tensor:
+        return z
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.after(super().forward(x))
+
+
+class HelperChild(Helper):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+def closure_mixin() -> tuple[type, types.FunctionType]:
+    squash = False
+
+    class Closure:
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            z = super().forward(x)
+            return z.tanh() if squash else z
+
+    def squashed() -> None:
+        nonlocal squash
+        squash = True
+
+    return Closure, squashed
+
+
+def _read_changes(case: str, base: type[nn.Module], monkeypatch: pytest.MonkeyPatch) -> tuple[type, types.FunctionType]:
+    """A layer class whose forward reads something outside the layer, and the change that puts a tanh inside."""
+    if case == "closure cell":
+        mixin, change = closure_mixin()
+    else:
+        here = sys.modules[__name__]
+        mixin, target, name, value = {
+            "global flag": (GlobalFlag, here, "_SQUASH", True),
+            "global function": (GlobalHelper, here, "_kept", torch.tanh),
+            "configuration module": (ConfigModule, _CONFIG, "squash", True),
+            "class attribute": (ClassFlag, ClassFlag, "squash", True),
+            "base class method": (HelperChild, Helper, "after", lambda self, z: z.tanh()),
+        }[case]
+        change = lambda: monkeypatch.setattr(target, name, value)  # noqa: E731
+    return type(f"{mixin.__name__}{base.__name__}", (mixin, base), {}), change
+
+
+def _layers_of(layer_class: type[nn.Module], base: type[nn.Module], count: int) -> nn.Sequential:
+    if base is nn.Linear:
+        return nn.Sequential(*[layer_class(4, 4) for _ in range(count)]).eval()
+    return nn.Sequential(*[layer_class(2, 2, 3, padding=1) for _ in range(count)], nn.Flatten()).eval()
+
+
+READS = ["global flag", "global function", "configuration module", "class attribute", "base class method"]
+READ_PRESETS = {
+    "UniformEpsilon": UniformEpsilon,
+    "EpsilonPlus": EpsilonPlus,
+    "EpsilonGammaBox": lambda: EpsilonGammaBox(low=-3.0, high=3.0),
+    "AttnLRP": lambda: AttnLRP(epsilon=1e-6),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(READ_PRESETS))
+@pytest.mark.parametrize("case", [*READS, "closure cell"])
+def test_what_the_forward_reads_outside_the_layer_changed_after_an_entry_is_refused(case, preset, monkeypatch):
+    """A verdict kept for a forward whose code reads a global, a class attribute or a closure was given again after
+    that changed: a tanh inside the layer passed silently."""
+    base = nn.Linear if preset == "AttnLRP" else nn.Conv2d
+    layer_class, change = _read_changes(case, base, monkeypatch)
+    model = _layers_of(layer_class, base, 2)
+    lrp = wrapper(nn.Sequential(base(4, 4) if base is nn.Linear else base(2, 2, 1), model), READ_PRESETS[preset]())
+    enter(lrp)
+    enter(lrp)
+    change()
+    with pytest.raises(ValueError, match=layer_class.__name__):
+        enter(lrp)
+
+
+@pytest.mark.parametrize("base", [nn.Linear, nn.Conv2d])
+@pytest.mark.parametrize("case", [*READS, "closure cell"])
+def test_what_the_forward_reads_unchanged_probes_once(case, base, monkeypatch):
+    layer_class, _ = _read_changes(case, base, monkeypatch)
+    lrp = wrapper(_layers_of(layer_class, base, 3), UniformEpsilon())
+    with counted("_rays_bent") as runs:
+        enter(lrp)
+        enter(lrp)
+    assert runs[0] == 3
+
+
+class NamesLibraryClasses(nn.Linear):
+    """A forward that names torch's and Python's classes (whose attributes are not kept: the layer still is)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or isinstance(x, (OrderedDict, F.__class__)):
+            raise TypeError("a tensor")
+        return super().forward(x)
+
+
+def test_a_forward_naming_library_classes_probes_once():
+    lrp = wrapper(nn.Sequential(NamesLibraryClasses(4, 4), NamesLibraryClasses(4, 4)).eval(), UniformEpsilon())
+    with counted("_rays_bent") as runs:
+        enter(lrp)
+        enter(lrp)
+    assert runs[0] == 2

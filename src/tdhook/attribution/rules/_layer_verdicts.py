@@ -10,6 +10,11 @@ kept here and given again while nothing it may depend on changed:
   on the instance included, a monkeypatch), the attributes in their ``__dict__`` (numbers, strings, tuples by
   value; functions and classes by identity, weakly; anything else, a mutable object whose contents the forward
   may read, is not kept and the layer is probed at each check);
+* what the code of those forwards may read besides: for each class of the layer and its submodules (their bases
+  but ``nn.Module`` included), the attributes its ``__dict__`` holds; for each function found there or in an
+  instance's ``__dict__`` (torch's own aside), the globals its code names (and, in a module of one's own it names,
+  the attributes its code names), its closure's cells and its defaults, followed to the functions and classes they
+  hold (a flag or a helper of the forward's module, replaced later); anything else it holds is not kept, as above;
 * the forward hooks of the submodules, which the forward runs through their ``__call__`` (the layer's own do not
   run: the probes call ``forward``), the weight hooks of the layer and torch's global forward hooks;
 * the dtype, device, shape and kind of every parameter and buffer, and the values of all of them but the layer's
@@ -25,6 +30,7 @@ A verdict is kept with a weak reference to the layer: the cache never keeps a mo
 from __future__ import annotations
 
 import enum
+import functools
 import threading
 import types
 import weakref
@@ -47,11 +53,26 @@ _HELD_VALUES = 1 << 16
 # What every nn.Module has in its __dict__ (tables and hooks read here one by one, ``training``: the probes set eval).
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__)
 _PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout})
-_BY_IDENTITY = (types.FunctionType, type)
+_BY_IDENTITY = (types.FunctionType, type, types.ModuleType)
 _WEIGHT_HOOKS = (WeightNorm, SpectralNorm, BasePruningMethod)
 # The layer's own weight, whose values the probes replace by random ones (its bias is kept: a forward may add it
 # after its linear function, a shift only where it is not zero).
 _SUBSTITUTED = "weight"
+# What a class holds that no forward of its instances reads (the rest is read as its attributes are).
+_CLASS_INTERNALS = frozenset(
+    {"__module__", "__doc__", "__qualname__", "__annotations__", "__annotate__", "__dict__", "__weakref__"}
+    | {"__init__", "__init_subclass__", "__setstate__", "__getstate__", "__repr__", "__constants__", "__slots__"}
+    | {"__orig_bases__", "__parameters__", "__type_params__", "__firstlineno__", "__static_attributes__"}
+    | {"__abstractmethods__", "_abc_impl", "extra_repr", "reset_parameters"}
+)
+# The most functions and classes followed for one layer; beyond, the layer is probed at each check.
+_MOST_FOLLOWED = 512
+_EMPTY_CELL = object()
+# Packages whose functions, classes and modules a forward names without their code being followed.
+_TRUSTED_PACKAGES = frozenset(
+    {"torch", "numpy", "builtins", "math", "operator", "functools", "itertools", "collections", "typing", "types"}
+    | {"enum", "abc", "dataclasses", "numbers", "warnings", "logging", "inspect", "contextlib", "copy", "weakref"}
+)
 
 
 class _Uncacheable(Exception):
@@ -90,6 +111,83 @@ def _token(value: Any) -> Any:
     raise _Uncacheable
 
 
+def _trusted(value: Any) -> bool:
+    """Whether ``value`` (a function, a class, a module) is torch's, NumPy's or Python's own: its code and its
+    attributes are not followed (the probes trust them), but for the classes of the layer and its submodules."""
+    name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+    return isinstance(name, str) and name.partition(".")[0] in _TRUSTED_PACKAGES
+
+
+@functools.lru_cache(maxsize=4096)
+def _named(code: types.CodeType) -> tuple[str, ...]:
+    """The names ``code`` and the code nested in it (a lambda, a comprehension) may look up as globals."""
+    names = list(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names += _named(constant)
+    return tuple(dict.fromkeys(names))
+
+
+def _follow(value: Any, key: list, seen: set[int], layer_class: bool = False) -> None:
+    """Add to ``key`` what the code of ``value`` may read besides its arguments (see the module's docstring):
+    a class's attributes, along its bases; a function's globals, closure and defaults; each followed in turn.
+    ``layer_class``: ``value`` is the class of the layer or of a submodule, followed even where torch's own."""
+    if isinstance(value, (tuple, list, set, frozenset)):
+        for item in value:
+            _follow(item, key, seen)
+        return
+    if isinstance(value, (types.MethodType, staticmethod, classmethod)):
+        value = value.__func__
+    if isinstance(value, property):
+        _follow((value.fget, value.fset, value.fdel), key, seen)
+        return
+    if not isinstance(value, (type, types.FunctionType)) or id(value) in seen or (_trusted(value) and not layer_class):
+        return
+    seen.add(id(value))
+    if len(seen) > _MOST_FOLLOWED:
+        raise _Uncacheable
+    if isinstance(value, type):
+        for cls in value.__mro__:
+            if cls in (nn.Module, object) or (cls is not value and id(cls) in seen):
+                continue
+            seen.add(id(cls))
+            for name, attribute in vars(cls).items():
+                if name not in _CLASS_INTERNALS:
+                    key += (name, _member_token(attribute))
+                    _follow(attribute, key, seen)
+        return
+    key += (_token(value.__defaults__), _token(tuple(sorted((value.__kwdefaults__ or {}).items()))))
+    for cell in value.__closure__ or ():
+        try:
+            contents = cell.cell_contents
+        except ValueError:  # a cell not yet filled
+            contents = _EMPTY_CELL
+        key.append(_EMPTY_CELL if contents is _EMPTY_CELL else _token(contents))
+        _follow(contents, key, seen)
+    names = _named(value.__code__)
+    space = value.__globals__
+    for name in names:
+        if name in space:
+            found = space[name]
+            key += (name, _token(found))
+            _follow(found, key, seen)
+            if isinstance(found, types.ModuleType) and not _trusted(found):
+                # A module of one's own read as a configuration (cfg.USE_TANH): its attributes the code names.
+                for attribute in names:
+                    if attribute in vars(found):
+                        key += (attribute, _token(vars(found)[attribute]))
+                        _follow(vars(found)[attribute], key, seen)
+
+
+def _member_token(attribute: Any) -> Any:
+    """:func:`_token` of a class's attribute: a property, static or class method by its functions."""
+    if isinstance(attribute, property):
+        return property, _token(attribute.fget), _token(attribute.fset), _token(attribute.fdel)
+    if isinstance(attribute, (staticmethod, classmethod)):
+        return type(attribute), _token(attribute.__func__)
+    return _token(attribute)
+
+
 def _tensor_token(tensor: torch.Tensor) -> tuple:
     return type(tensor), tensor.dtype, tensor.device, tuple(tensor.shape), tensor.requires_grad
 
@@ -100,9 +198,11 @@ def _state(module: nn.Module, extra: tuple) -> tuple[tuple, list[torch.Tensor]]:
     key.append(tuple(type(mode) for mode in torch.overrides._get_current_function_mode_stack()))
     key.append(tuple(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")))
     valued: list[torch.Tensor] = []
+    seen: set[int] = set()
     for name, sub in module.named_modules(remove_duplicate=False):
         root = sub is module
         key += (name, weakref.ref(sub), type(sub), _token(getattr(type(sub), "forward", None)))
+        _follow(type(sub), key, seen, layer_class=True)
         if root:
             pre_hooks = sub._forward_pre_hooks.items()
             key.append(tuple(handle for handle, hook in pre_hooks if isinstance(hook, _WEIGHT_HOOKS)))
@@ -121,6 +221,7 @@ def _state(module: nn.Module, extra: tuple) -> tuple[tuple, list[torch.Tensor]]:
                         valued.append(value)
                 else:
                     key += (kind, attribute, _token(value))
+                    _follow(value, key, seen)
     if len(module._modules):
         key += (tuple(_module_globals._global_forward_pre_hooks), tuple(_module_globals._global_forward_hooks))
     if sum(t.numel() for t in valued) > _HELD_VALUES:
