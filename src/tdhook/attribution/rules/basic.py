@@ -128,6 +128,8 @@ class EpsilonRule(Rule):
 
     uses_input = False
     merges_batch_norm = True
+    # Whether the mapper's function rules hold a layer norm (or a group, RMS... norm) a layer's own forward calls.
+    norms_ruled = False
     tunables = {"epsilon": EPSILON}
     differentiable = True
 
@@ -139,7 +141,7 @@ class EpsilonRule(Rule):
     def _new_registration(self, module: nn.Module) -> Registration:
         # A Linear or convolution layer whose own forward runs tanh or a clamp around its linear function: the
         # rule's gradient would run through it, refused now so that the error names the layer.
-        check_layer_input(module, self.epsilon)
+        check_layer_input(module, self.epsilon, self.norms_ruled)
         return super()._new_registration(module)
 
     def _scale(self, output: torch.Tensor, n_inputs: int) -> torch.Tensor:
