@@ -90,6 +90,8 @@ class AttnLRP(BaseRuleMapper):
         super().__init__(**options)
         self.epsilon = epsilon
         self._dense = None if epsilon is None else EpsilonRule(epsilon)
+        if self._dense is not None:  # the function rules below hold the norms a Linear layer's forward calls
+            self._dense.norms_ruled = True
         self._softmax: SoftmaxEpsilonRule = SoftmaxEpsilonRule(softmax_epsilon)
         self._identity = PseudoIdentityRule()
         self._elementwise = ElementwiseRule(self._identity)

@@ -454,7 +454,7 @@ def _check_linear_after_layer_call(module: nn.Module, weight: torch.Tensor) -> N
     )
 
 
-def check_layer_input(module: nn.Module, epsilon: float = 0.0) -> None:
+def check_layer_input(module: nn.Module, epsilon: float = 0.0, norms_ruled: bool = False) -> None:
     """Raise where a Linear or convolution layer's own forward runs, before or after its linear function, an
     activation whose derivative is not the same at ``2z`` as at ``z`` (tanh, a clamp, a power, a gate computed from
     the input); nothing to check on a layer with torch's forward, a weight property, parameters not yet initialised
@@ -465,7 +465,11 @@ def check_layer_input(module: nn.Module, epsilon: float = 0.0) -> None:
     function's output in place of the linear function's, a difference of the order of ε. Above it (UniformEpsilon's
     0.25: 0.35 relative L2 with a clip, 0.40 with a softmax, against the function as a module beside the layer) the
     layer is refused, and so it is with a gate or a norm inside it (0.05 to 0.81), or an activation after its linear
-    function with a slope other than 0 and 1 (a leaky ReLU: 0.03 to 0.06).
+    function with a slope other than 0 and 1 (a leaky ReLU: 0.03 to 0.06). A layer, group, instance, batch, RMS or
+    local response norm of an activation is the function rules' only where ``norms_ruled`` (the transformer
+    presets' rules hold it; the CNN presets' hold ``F.normalize`` and ``F.cosine_similarity`` alone, and a layer
+    norm inside a layer under EpsilonPlus kept its plain gradient: 0.13 to 1.7 relative L2 against the norm's rule
+    beside the layer, a total relevance of 1e-4 of the output's, silently).
 
     The check the ε-rule needs: its relevance is ``x · ∂z/∂x · R / z`` through the layer's forward, where an
     activation inside the layer is passed as the rule passes a ReLU module only where its derivative is constant
@@ -492,10 +496,16 @@ def check_layer_input(module: nn.Module, epsilon: float = 0.0) -> None:
     # The presets' function rules pass a clip or a softmax the layer's forward calls (its output, the ε-rule's z):
     # the verdict is kept per class of ε, and the layer probed once while it is unchanged (see _layer_verdicts).
     clips_ruled = float(epsilon) <= RULED_EPSILON
-    checked_once(module, ("layer input", clips_ruled), lambda: _probe_layer_input(module, tensors, clips_ruled))
+    checked_once(
+        module,
+        ("layer input", clips_ruled, norms_ruled),
+        lambda: _probe_layer_input(module, tensors, clips_ruled, norms_ruled),
+    )
 
 
-def _probe_layer_input(module: nn.Module, tensors: list[torch.Tensor], clips_ruled: bool) -> None:
+def _probe_layer_input(
+    module: nn.Module, tensors: list[torch.Tensor], clips_ruled: bool, norms_ruled: bool = False
+) -> None:
     """:func:`check_layer_input`'s probe of a layer with a forward of its own."""
     reference = next(t for t in tensors if t.is_floating_point())
     recorder = _RecordLayerCall()
@@ -513,8 +523,9 @@ def _probe_layer_input(module: nn.Module, tensors: list[torch.Tensor], clips_rul
         return
     try:
         # The function rules' calls (a clip, a softmax, a gate, a norm) are stabilised at the order of ε where small.
-        bent = _rays_bent(module, recorder.params["weight"], clips_ruled=clips_ruled, calls_ruled=clips_ruled)
-        sloped = not clips_ruled and _slopes_restabilised(module, recorder.params["weight"])
+        weight = recorder.params["weight"]
+        bent = _rays_bent(module, weight, clips_ruled=clips_ruled, calls_ruled=clips_ruled, norms_ruled=norms_ruled)
+        sloped = not clips_ruled and _slopes_restabilised(module, weight)
     except Exception:  # noqa: BLE001 (as above)
         return
     if bent:
@@ -536,7 +547,13 @@ def _ray_probes(
     return generator, probe.to(weight.device, weight.dtype), signed
 
 
-def _rays_bent(module: nn.Module, weight: torch.Tensor, clips_ruled: bool = False, calls_ruled: bool = True) -> bool:
+def _rays_bent(
+    module: nn.Module,
+    weight: torch.Tensor,
+    clips_ruled: bool = False,
+    calls_ruled: bool = True,
+    norms_ruled: bool = True,
+) -> bool:
     """Whether the layer's forward, with a random weight in its linear function and no bias, has another gradient
     with respect to its input at ``2x`` than at ``x`` (random inputs of sizes from 1e-3 to 1e3, a random output
     gradient): an activation inside it whose derivative changes along a ray (tanh, a clamp, a power, a gate
@@ -546,7 +563,8 @@ def _rays_bent(module: nn.Module, weight: torch.Tensor, clips_ruled: bool = Fals
     or division of two activations, a norm, and where ``clips_ruled`` a clip or a softmax (the modified passes run
     through it); none where not ``calls_ruled`` (an ε-rule above :data:`RULED_EPSILON` stabilises their output in
     place of the linear function's: a gate inside a Linear layer gave 0.07 relative L2 under UniformEpsilon's 0.25,
-    a layer norm 0.30, against them beside the layer, silently)."""
+    a layer norm 0.30, against them beside the layer, silently); of the norms, ``F.normalize`` and
+    ``F.cosine_similarity`` alone where not ``norms_ruled``."""
     generator, probe, signed = _ray_probes(module, weight, 1)
     modes = {sub: sub.training for sub in module.modules()}
     grads, seed = [], None
@@ -556,7 +574,7 @@ def _rays_bent(module: nn.Module, weight: torch.Tensor, clips_ruled: bool = Fals
             for x in (probe, 2 * probe):
                 leaf = x.clone().requires_grad_(True)
                 # The substitution first: the calls noted are those of the random weight, which has no gradient.
-                with _FunctionRuled(clips_ruled) as ruled, _SubstituteLayerCall(signed, None):
+                with _FunctionRuled(clips_ruled, norms_ruled) as ruled, _SubstituteLayerCall(signed, None):
                     out = module.forward(leaf)
                 if ruled.found and calls_ruled:  # a gate, a product or a norm: the function rules' to follow
                     return False
@@ -584,6 +602,8 @@ _LINEAR_JOINS |= frozenset({torch.Tensor.sub, torch.Tensor.__sub__, torch.Tensor
 _NORM_FUNCTIONS = frozenset(
     {F.layer_norm, F.group_norm, F.instance_norm, F.batch_norm, F.rms_norm, F.normalize, F.local_response_norm}
 ) | frozenset({F.cosine_similarity})
+# The norms every preset's function rules hold (the CNN presets' too); the others, the transformer presets' alone.
+_HELD_NORM_FUNCTIONS = frozenset({F.normalize, F.cosine_similarity})
 
 
 # Clips called as functions, which the CNN presets' function rules pass as nn.Hardtanh's rule does, and softmaxes,
@@ -604,10 +624,11 @@ class _FunctionRuled(TorchFunctionMode):
     ``StdConv2d`` and ``ScaledStdConv2d`` standardises the weight, and the rest of the forward is checked (a tanh
     after it gave 0.35 to 0.81 relative L2 against a tanh beside the layer, silently)."""
 
-    def __init__(self, clips: bool = False) -> None:
+    def __init__(self, clips: bool = False, norms: bool = True) -> None:
         super().__init__()
         self.found = False
-        self._ruled = _NORM_FUNCTIONS | _CLIP_FUNCTIONS if clips else _NORM_FUNCTIONS
+        self._ruled = _NORM_FUNCTIONS if norms else _HELD_NORM_FUNCTIONS
+        self._ruled = self._ruled | _CLIP_FUNCTIONS if clips else self._ruled
         self._of_parameters: dict[int, torch.Tensor] = {}  # by id, each held while the probe runs
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

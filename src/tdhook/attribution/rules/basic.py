@@ -128,6 +128,8 @@ class EpsilonRule(Rule):
 
     uses_input = False
     merges_batch_norm = True
+    # Whether the mapper's function rules hold a layer norm (or a group, RMS... norm) a layer's own forward calls.
+    norms_ruled = False
     tunables = {"epsilon": EPSILON}
     differentiable = True
 
@@ -141,13 +143,13 @@ class EpsilonRule(Rule):
             # The check at registration depends on ε's class (a clip inside a layer is ruled only under a small ε):
             # an ε set while the rule is registered is checked against each layer before it is taken.
             for module in list(self._registrations):
-                check_layer_input(module, value)
+                check_layer_input(module, value, self.norms_ruled)
         super().__setattr__(name, value)
 
     def _new_registration(self, module: nn.Module) -> Registration:
         # A Linear or convolution layer whose own forward runs tanh or a clamp around its linear function: the
         # rule's gradient would run through it, refused now so that the error names the layer.
-        check_layer_input(module, self.epsilon)
+        check_layer_input(module, self.epsilon, self.norms_ruled)
         return super()._new_registration(module)
 
     def _scale(self, output: torch.Tensor, n_inputs: int) -> torch.Tensor:
