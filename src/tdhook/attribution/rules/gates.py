@@ -65,6 +65,7 @@ from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._means_apart import STATISTICS_AND_MEANS, mean_apart
 from tdhook.attribution.rules._mixed_gate_products import gate_elements, mixed_gate_product
 from tdhook.attribution.rules._recomputed import in_checkpoint, raise_for_checkpoint
+from tdhook.attribution.rules._selected_gates import SELECTIONS, keep_selected_elements
 from tdhook.attribution.rules._unrecorded_writes import NOT_READ, UNRECORDED, note_out_write, read_unrecorded
 from tdhook.attribution.rules._written_norms import WRITTEN_NORM_CALLS, statistic_place
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, rules_apply
@@ -158,6 +159,8 @@ def _aten(*names: str) -> frozenset:
 SAME_VALUES |= _aten("view", "_unsafe_view", "reshape", "expand", "unsqueeze", "squeeze", "permute", "transpose", "t")
 SAME_VALUES |= _aten("flatten", "clone", "_to_copy", "alias", "slice", "select", "contiguous")
 SAME_VALUES |= _aten("numpy_T", "mT", "adjoint", "unflatten", "movedim", "swapaxes", "narrow", "repeat", "flip", "roll")
+# Elements selected (``g.gather(-1, idx)``, ``g.repeat_interleave(2, 1)``): a gate, or weights (see _selected_gates).
+SAME_VALUES |= SELECTIONS
 GATE_COMPLEMENTS |= _aten("rsub")
 GATE_SPLITS |= _aten("chunk", "split", "split_with_sizes", "unbind", "tensor_split")
 GATE_SCALINGS |= _aten("div", "true_divide", "divide")
@@ -255,6 +258,8 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
         return result
     same_values = func in SAME_VALUES or (func in GATE_RESIZES and _convex_resize(args, kwargs or {}))
     if (same_values or func in GATE_PADS) and args and is_gate(args[0]) and isinstance(result, torch.Tensor):
+        if func in SELECTIONS and result._base is not None:  # ``g.repeat_interleave(2, 1)``: a view of a copy of g's
+            mark_gate(result._base, _mark(args[0], GATE_MARK), sigmoid=_mark(args[0], SIGMOID_MARK, False))
         mark_gate(result, _mark(args[0], GATE_MARK), sigmoid=_mark(args[0], SIGMOID_MARK, False))
     elif func in GATE_SPLITS and args and is_gate(args[0]) and isinstance(result, (tuple, list)):
         for piece in result:
@@ -283,6 +288,8 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
         if args and isinstance(args[0], torch.Tensor):
             rearranged = None if func in _COPIES else lambda mask: func(mask, *args[1:], **(kwargs or {}))
             keep_weights_elements(args[0], result, rearranged)
+    if func in SELECTIONS and (GATE_MASKS_MADE or WEIGHTS_MASKS_MADE) and isinstance(result, torch.Tensor):
+        keep_selected_elements(func, args, kwargs or {}, result)  # a selection that views a copy (repeat_interleave)
     if func in GATE_PADS and (GATE_MASKS_MADE or WEIGHTS_MASKS_MADE) and args and isinstance(result, torch.Tensor):
         # A gate or weights in some elements only padded (``F.pad(m, (1, 1))``): those kept, and the constants
         # padded with, as a join's (they were lost: 0.20 off, relative L2, under AttnLRP, 0.44 under CP-LRP).
