@@ -49,6 +49,7 @@ from tdhook.attribution.rules._clips import (
     clip_passing,
     clips_a_signal,
 )
+from tdhook.attribution.rules._filled_gates import FILLS, filled_mask, filled_pieces
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, note_gate_written
 from tdhook.attribution.rules._held_norm_calls import NORMALIZING_CALLS, HeldNormCalls, normalized_inputs
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, gate_marks_of, mark_written_in_place
@@ -181,6 +182,8 @@ GATE_PRESERVING |= GATE_JOINS
 # shared with the gate, 1.3-7.0 off, relative L2, under AttnLRP and CP-LRP, 0.16-0.27 under the CNN presets.)
 GATE_PADS = frozenset({F.pad, torch.constant_pad_nd})
 GATE_PRESERVING |= GATE_PADS
+# Constants written into a gate (``g.masked_fill(pad, 0.0)``, ``torch.where(keep, g, 0.0)``): see _filled_gates.
+GATE_PRESERVING |= FILLS
 # Class names of routers whose forward selects experts without ``topk`` (by ``max`` in a helper, as PhiMoE).
 _ROUTER_NAMES = ("Router",)
 # Class names of routers that hold their projection and select by ``topk`` (JetMoE's ``TopKGating``, HunYuan's gate).
@@ -275,6 +278,8 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
         gate, factor = args if is_gate(args[0]) else args[::-1]
         if is_gate(gate) and not is_gate(factor) and _is_positive_constant(factor):  # 2 * sigmoid(s)
             mark_gate(result, _mark(gate, GATE_MARK), sigmoid=_mark(gate, SIGMOID_MARK, False))
+    elif func in FILLS and isinstance(result, torch.Tensor) and (filled := filled_pieces(func, args, kwargs or {})):
+        _keep_filled_marks(filled, result, filled_mask(func, args, kwargs or {}, filled[0]))
     if GATE_MASKS_MADE and func in _ELEMENTS_KEPT and isinstance(result, torch.Tensor) and result._base is None:
         # A copy or a positive scaling of a gate in some elements only (``m.t().contiguous()``, ``m * 2``), or its
         # values rearranged into a new tensor (``m.t().reshape(-1)``, ``m.flip(1)``): those kept.
@@ -301,6 +306,18 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
             if isinstance(piece, torch.Tensor):
                 mark_weights(piece)
     return result
+
+
+def _keep_filled_marks(filled: list, result: torch.Tensor, made: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Mark ``result``, the tensors ``filled`` with constants written into some elements, as they are all marked (a
+    gate, weights); where one alone is a gate or weights in some elements only, those kept (see _filled_gates)."""
+    if all(is_gate(piece) for piece in filled):
+        mark_gate(result, _mark(filled[0], GATE_MARK), sigmoid=all(_mark(p, SIGMOID_MARK, False) for p in filled))
+    if all(getattr(piece, WEIGHTS_MARK, False) for piece in filled):
+        mark_weights(result)
+    if len(filled) == 1 and (GATE_MASKS_MADE or WEIGHTS_MASKS_MADE):
+        keep_gate_elements(filled[0], result, made)
+        keep_weights_elements(filled[0], result, made)
 
 
 def mark_weights(tensor: torch.Tensor) -> torch.Tensor:

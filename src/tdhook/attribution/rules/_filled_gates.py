@@ -1,0 +1,101 @@
+"""A gate, or a softmax's weights, with constants written into some elements: a gate, or weights, still.
+
+Gated models mask their padding (``g.masked_fill(pad, 0.0)``, ``torch.where(keep, g, 0.0)``,
+``torch.where(pad, 1.0, g)``) before the product. Each element of the result is a value of the gate or a constant,
+and constants joined with gates already count as gates (``torch.cat([ones, g], 1)``, see
+:mod:`~tdhook.attribution.rules._joined_gates`): held or not, they pass no gradient. The result was no gate: a
+product with it shared its relevance with the gate (0.04-6.5 off, relative L2, under AttnLRP and CP-LRP, 0.04-0.22
+under EpsilonPlus; a softmax's weights 0.50-0.54 under AttnLRP; against the same product with the filled gate
+detached). :func:`filled_pieces` tells the tensors whose values such a call keeps, for
+:func:`~tdhook.attribution.rules.gates.keep_gate_mark` to mark the result as they are, and :func:`filled_mask` the
+same call made on a mask of one of them (true where the constants go), for a join of gates and other activations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["FILLS", "filled_mask", "filled_pieces", "is_constant"]
+
+
+def _aten(*names: str) -> frozenset:
+    """The ATen operators ``torch.ops.aten.<name>``, as packets and as each of their overloads."""
+    packets = [getattr(torch.ops.aten, name) for name in names]
+    return frozenset(op for packet in packets for op in (packet, *(getattr(packet, o) for o in packet.overloads())))
+
+
+_MASKED_FILLS = frozenset({torch.masked_fill, torch.Tensor.masked_fill}) | _aten("masked_fill")
+_WHERES = frozenset({torch.where, torch.Tensor.where}) | _aten("where")
+#: The calls that write constants into some elements of a tensor, out of place: ``masked_fill``, ``where``.
+FILLS = _MASKED_FILLS | _WHERES
+
+
+def is_constant(value: Any) -> bool:
+    """Whether ``value`` is a number, or a tensor no gradient reaches: held or not, it passes no gradient.
+
+    Examples:
+        >>> is_constant(0.0), is_constant(torch.zeros(2)), is_constant(torch.zeros(2, requires_grad=True))
+        (True, True, False)
+        >>> is_constant(None)
+        False
+    """
+    if isinstance(value, torch.Tensor):
+        with torch._C.DisableTorchFunction():  # (a property read is a call of another mode)
+            return not value.requires_grad
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def filled_pieces(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor] | None:
+    """The tensors whose values ``func(*args, **kwargs)`` (one of :data:`FILLS`) keeps where it writes no constant:
+    ``g`` of ``g.masked_fill(m, 0.0)`` with a constant value, ``torch.where(c, g, 0.0)``, ``torch.where(c, 1.0, g)``,
+    ``torch.where(c, g, h)``; ``None`` where it writes values a gradient reaches, or keeps none.
+
+    Examples:
+        >>> g = torch.ones(3, requires_grad=True) * 0.5
+        >>> mask = torch.tensor([True, False, False])
+        >>> filled_pieces(torch.Tensor.masked_fill, (g, mask, 0.0), {}) == [g]
+        True
+        >>> filled_pieces(torch.where, (mask, 1.0, g), {}) == [g], filled_pieces(torch.where, (mask,), {})
+        (True, None)
+        >>> filled_pieces(torch.Tensor.where, (g, mask, 0.0), {}) == [g]  # ``g.where(mask, 0.0)``
+        True
+    """
+    if func in _MASKED_FILLS:
+        value = args[2] if len(args) > 2 else kwargs.get("value")
+        source = args[0] if args else kwargs.get("input")
+        if not isinstance(source, torch.Tensor) or not is_constant(value):
+            return None
+        return [source]
+    args = _where_arguments(func, args)
+    if len(args) != 3:  # (``torch.where(c)``: the indices of the true elements)
+        return None
+    pieces = [piece for piece in args[1:] if not is_constant(piece)]
+    return [piece for piece in pieces if isinstance(piece, torch.Tensor)] or None
+
+
+def filled_mask(func: Any, args: tuple, kwargs: dict, piece: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The call ``func(*args, **kwargs)`` (one of :data:`FILLS`, its pieces told by :func:`filled_pieces`) made on a
+    mask of ``piece``'s shape instead: the mask where ``piece``'s values go, true where a constant does (a constant
+    counts as a gate).
+
+    Examples:
+        >>> g = torch.ones(3, requires_grad=True) * 0.5
+        >>> made = filled_mask(torch.where, (torch.tensor([True, False, True]), g, 0.0), {}, g)
+        >>> made(torch.tensor([False, True, True])).tolist()
+        [False, True, True]
+    """
+    if func in _MASKED_FILLS:
+        where = args[1] if len(args) > 1 else kwargs["mask"]
+        return lambda mask: mask.masked_fill(where, True)
+    condition, first, second = _where_arguments(func, args)
+    if first is piece:
+        return lambda mask: torch.where(condition, mask, True if is_constant(second) else False)
+    return lambda mask: torch.where(condition, True if is_constant(first) else False, mask)
+
+
+def _where_arguments(func: Any, args: tuple) -> tuple:
+    """A ``where`` call's arguments in ``torch.where``'s order (``g.where(c, 0.0)``: ``torch.where(c, g, 0.0)``)."""
+    return (args[1], args[0], *args[2:]) if func is torch.Tensor.where and len(args) > 1 else args
