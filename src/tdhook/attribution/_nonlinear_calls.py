@@ -85,10 +85,10 @@ from tdhook.attribution.rules._autograd import (
     unwrapped,
 )
 from tdhook.attribution.rules._caller import warn_at_caller
+from tdhook.attribution.rules._copied_gates import written_in_place
 from tdhook.attribution.rules._dropout_calls import dropout_probability
 from tdhook.attribution.rules._in_place_writes import (
     WRITES_IN_PLACE,
-    mark_written_in_place,
     unrecorded_straight_through,
 )
 from tdhook.attribution.rules._keeping_graph import graph_kept
@@ -310,10 +310,10 @@ def _written_in_place(func: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple]
     (``torch.ones(...).mul_(h)`` is a product of a constant and ``h``, as ``torch.ones(...) * h`` is)."""
     target = args[0] if args else None
     if not isinstance(target, torch.Tensor) or is_activation(target):
-        return mark_written_in_place(func, args, kwargs), args
+        return written_in_place(func, args, kwargs), args
     before = target.detach()  # no activation, with the marks the watch reads (a detached term's)
     before.__dict__.update(target.__dict__)
-    return mark_written_in_place(func, args, kwargs), (before, *args[1:])
+    return written_in_place(func, args, kwargs), (before, *args[1:])
 
 
 class NonlinearCalls(TorchFunctionMode):

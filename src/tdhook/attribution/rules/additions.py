@@ -25,7 +25,8 @@ from tdhook.attribution.rules._autograd import (
     raise_for_transformed_call,
     scale_gradient,
 )
-from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_written_in_place
+from tdhook.attribution.rules._copied_gates import written_in_place
+from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._numerics import stabilize
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint
@@ -80,7 +81,7 @@ class StabilizedAdditions(TorchFunctionMode):
             # Judged before the call: ``a += b`` gives a constant ``a`` autograd history, but adds no activation to b.
             summed = not kwargs and is_activation(args[0]) and is_activation(args[1]) and args[0].shape == args[1].shape
         if func in WRITES_IN_PLACE:  # a weight an activation is written into is one, as the out-of-place sum is
-            result = mark_written_in_place(func, args, kwargs)
+            result = written_in_place(func, args, kwargs)
         else:
             result = mark_parameter_derived(args, func(*args, **kwargs), func)
         if summed:

@@ -49,6 +49,7 @@ from tdhook.attribution.rules._clips import (
     clip_passing,
     clips_a_signal,
 )
+from tdhook.attribution.rules._copied_gates import COPIES_IN_PLACE, keep_copied_marks
 from tdhook.attribution.rules._filled_gates import FILLS, filled_mask, filled_pieces
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, note_gate_written
 from tdhook.attribution.rules._held_norm_calls import NORMALIZING_CALLS, HeldNormCalls, normalized_inputs
@@ -66,7 +67,7 @@ from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._means_apart import STATISTICS_AND_MEANS, mean_apart
 from tdhook.attribution.rules._mixed_gate_products import gate_elements, mixed_gate_product
 from tdhook.attribution.rules._recomputed import in_checkpoint, raise_for_checkpoint
-from tdhook.attribution.rules._selected_gates import SELECTIONS, keep_selected_elements
+from tdhook.attribution.rules._selected_gates import SELECTIONS, keep_selected_elements, on_mask
 from tdhook.attribution.rules._unrecorded_writes import NOT_READ, UNRECORDED, note_out_write, read_unrecorded
 from tdhook.attribution.rules._written_norms import WRITTEN_NORM_CALLS, statistic_place
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, rules_apply
@@ -183,7 +184,7 @@ GATE_PRESERVING |= GATE_JOINS
 GATE_PADS = frozenset({F.pad, torch.constant_pad_nd})
 GATE_PRESERVING |= GATE_PADS
 # Constants written into a gate (``g.masked_fill(pad, 0.0)``, ``torch.where(keep, g, 0.0)``): see _filled_gates.
-GATE_PRESERVING |= FILLS
+GATE_PRESERVING |= FILLS | COPIES_IN_PLACE  # and the values of a gate or weights copied in place (_copied_gates)
 # Class names of routers whose forward selects experts without ``topk`` (by ``max`` in a helper, as PhiMoE).
 _ROUTER_NAMES = ("Router",)
 # Class names of routers that hold their projection and select by ``topk`` (JetMoE's ``TopKGating``, HunYuan's gate).
@@ -287,12 +288,14 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
         if source is not None:
             keep_gate_elements(source, result)
         elif func in SAME_VALUES and args and isinstance(args[0], torch.Tensor):
-            keep_gate_elements(args[0], result, lambda mask: func(mask, *args[1:], **(kwargs or {})))
+            keep_gate_elements(args[0], result, on_mask(func, args, kwargs or {}))
     if WEIGHTS_MASKS_MADE and func in SAME_VALUES and isinstance(result, torch.Tensor) and result._base is None:
         # A copy of weights in some elements only (``mixed.t().contiguous()``, ``mixed.flip(1)``): those kept.
         if args and isinstance(args[0], torch.Tensor):
-            rearranged = None if func in _COPIES else lambda mask: func(mask, *args[1:], **(kwargs or {}))
+            rearranged = None if func in _COPIES else on_mask(func, args, kwargs or {})
             keep_weights_elements(args[0], result, rearranged)
+    if func in COPIES_IN_PLACE:  # ``torch.empty_like(m).copy_(m)``: marked as what is copied
+        keep_copied_marks(args, result)
     if func in SELECTIONS and (GATE_MASKS_MADE or WEIGHTS_MASKS_MADE) and isinstance(result, torch.Tensor):
         keep_selected_elements(func, args, kwargs or {}, result)  # a selection that views a copy (repeat_interleave)
     if func in GATE_PADS and (GATE_MASKS_MADE or WEIGHTS_MASKS_MADE) and args and isinstance(result, torch.Tensor):
