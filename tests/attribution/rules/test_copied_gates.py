@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tensordict import TensorDict
 from torch import nn
 
-from tdhook.attribution import LRP
 from tdhook.attribution.mappers.presets import EpsilonPlus
 from tdhook.attribution.mappers.transformer import CPLRP, AttnLRP
 from tdhook.attribution.rules._copied_gates import keep_copied_marks
 from tdhook.attribution.rules.gates import mark_weights
 from tests.attribution.rules._helpers import randn
-from tests.conftest import relative_error
+from tests.attribution.rules._oracle_calls import check_like_oracle
 
 MAPPERS = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, "EpsilonPlus": EpsilonPlus}
 COPIES = {
@@ -50,21 +48,10 @@ class Copied(nn.Module):
         return self.out(self.copy(torch.cat([w, other], 1) if self.joined else w) * self.copy(signal))
 
 
-def relevance_twice(model: nn.Module, x: torch.Tensor, mapper) -> list[torch.Tensor]:
-    """The input relevance of ``model``'s largest output in two calls of one open context."""
-    lrp = LRP(model, rule_mapper=mapper, in_keys=["x"], out_keys=["y"])
-    with lrp:
-        return [lrp(TensorDict(x=x.clone(), batch_size=[x.shape[0]]))["relevance", "x"] for _ in range(2)]
-
-
 def _check(copy: str, kind: str, joined: bool, mapper: str) -> None:
     torch.manual_seed(1)
     model, oracle = Copied(copy, kind, joined).double(), Copied(copy, kind, joined, apart=True).double()
-    x = randn(3, 4)
-    torch.testing.assert_close(model(x), oracle(x), rtol=1e-12, atol=1e-12)
-    (expected, _) = relevance_twice(oracle, x, MAPPERS[mapper]())
-    for actual in relevance_twice(model, x, MAPPERS[mapper]()):
-        assert relative_error(actual, expected) <= 1e-10
+    check_like_oracle(model, oracle, randn(3, 4), MAPPERS[mapper])
 
 
 @pytest.mark.parametrize("copy", sorted(COPIES))

@@ -14,16 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tensordict import TensorDict
 from torch import nn
 
-from tdhook.attribution import LRP
 from tdhook.attribution.mappers.presets import EpsilonPlus
 from tdhook.attribution.mappers.transformer import CPLRP, AttnLRP
 from tdhook.attribution.rules._selected_gates import SELECTIONS
 from tdhook.attribution.rules.gates import is_gate, keep_gate_mark, mark_gate, mark_weights
 from tests.attribution.rules._helpers import randn
-from tests.conftest import relative_error
+from tests.attribution.rules._oracle_calls import check_like_oracle
 
 MAPPERS = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, "EpsilonPlus": EpsilonPlus}
 _INDEX = torch.tensor([2, 0, 1, 4, 3, 5, 3])
@@ -71,22 +69,10 @@ class Selected(nn.Module):
         return self.out(F.pad(product, (0, WIDTH - product.shape[-1])))
 
 
-def relevance_twice(model: nn.Module, x: torch.Tensor, mapper) -> list[torch.Tensor]:
-    """The input relevance of ``model``'s largest output in two calls of one open context."""
-    lrp = LRP(model, rule_mapper=mapper, in_keys=["x"], out_keys=["y"])
-    with lrp:
-        return [lrp(TensorDict(x=x.clone(), batch_size=[x.shape[0]]))["relevance", "x"] for _ in range(2)]
-
-
 def _check(selection: str, kind: str, joined: bool, mapper: str) -> None:
     torch.manual_seed(1)
-    model = Selected(selection, kind, joined).double()
-    oracle = Selected(selection, kind, joined, apart=True).double()
-    x = randn(3, 4)
-    torch.testing.assert_close(model(x), oracle(x), rtol=1e-12, atol=1e-12)
-    (expected, _) = relevance_twice(oracle, x, MAPPERS[mapper]())
-    for actual in relevance_twice(model, x, MAPPERS[mapper]()):
-        assert relative_error(actual, expected) <= 1e-10
+    model, oracle = Selected(selection, kind, joined).double(), Selected(selection, kind, joined, apart=True).double()
+    check_like_oracle(model, oracle, randn(3, 4), MAPPERS[mapper])
 
 
 @pytest.mark.parametrize("mapper", sorted(MAPPERS))
