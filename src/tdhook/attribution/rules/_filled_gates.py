@@ -4,7 +4,7 @@ Gated models mask their padding (``g.masked_fill(pad, 0.0)``, ``torch.where(keep
 ``torch.where(pad, 1.0, g)``) before the product. Each element of the result is a value of the gate or a constant,
 and constants joined with gates already count as gates (``torch.cat([ones, g], 1)``, see
 :mod:`~tdhook.attribution.rules._joined_gates`): held or not, they pass no gradient. The result was no gate: a
-product with it shared its relevance with the gate (0.04-6.5 off, relative L2, under AttnLRP and CP-LRP, 0.04-0.22
+product with it shared its relevance with the gate (1.7-6.5 off, relative L2, under AttnLRP and CP-LRP, 0.04-0.22
 under EpsilonPlus; a softmax's weights 0.50-0.54 under AttnLRP; against the same product with the filled gate
 detached). :func:`filled_pieces` tells the tensors whose values such a call keeps, for
 :func:`~tdhook.attribution.rules.gates.keep_gate_mark` to mark the result as they are, and :func:`filled_mask` the
