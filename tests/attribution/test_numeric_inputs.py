@@ -357,3 +357,99 @@ def test_a_previous_action_one_hot_encoded_by_a_module_of_the_sequence_is_named(
     _, messages = caught(lambda: LRP(policy, EpsilonPlus())(td))
     numeric = [m for m in messages if "enters the model as numbers" in m]
     assert len(numeric) == 1 and "'prev_action' (torch.int64)" in numeric[0] and "encoded by one_hot" in numeric[0]
+
+
+class KeyedCritic(nn.Module):
+    """Q(s, a) of an action index (or of the done flag) the model encodes itself with parameters, sinusoids,
+    repeats or a norm written out, added to part of the observation; no biases."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.net = MLP(in_features=6, out_features=1, num_cells=[8], activation_class=nn.ReLU).to(F64)
+        with torch.no_grad():
+            for name, parameter in self.net.named_parameters():
+                if name.endswith("bias"):
+                    parameter.zero_()
+        self.w = nn.Parameter(torch.tensor([0.5, 2.0], dtype=F64))
+        self.register_buffer("freqs", torch.tensor([0.3, 1.1], dtype=F64))
+        self.register_buffer("state", torch.zeros(2, dtype=F64) if "zero" in how else torch.ones(2, dtype=F64))
+
+    def encoding(self, action: torch.Tensor, done: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        signed = (2 * action.to(F64) - 1)[..., None]
+        if self.how == "w.expand * (a == 1)":
+            return self.w.expand(action.shape[0], 2) * (action == 1).to(F64).unsqueeze(-1)
+        if self.how == "where(a == 1, w, -w)":
+            return torch.where((action == 1).unsqueeze(-1), self.w, -self.w)
+        if self.how == "sin(a * freqs)":
+            return torch.sin(action.to(F64)[..., None] * self.freqs)
+        if self.how == "expand_as":
+            return signed.expand_as(hidden)
+        if self.how == "repeat":
+            return signed.repeat(1, 2)
+        if self.how == "tile":
+            return torch.tile(signed, (1, 2))
+        if self.how == "rms norm":
+            summed = hidden + torch.nn.functional.one_hot(action, 2).to(F64)
+            return summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6) - hidden
+        if self.how == "a + done":
+            return (action.to(F64) + done.squeeze(-1).to(F64))[..., None].expand(-1, 2)
+        if self.how == "zeros * (1 - done)":
+            return torch.zeros(action.shape[0], 2, dtype=F64) * (1 - done.to(F64))
+        if self.how == "new_zeros.masked_fill(done, 0)":
+            return hidden.new_zeros(action.shape[0], 2).masked_fill(done, 0.0)
+        return torch.where(done, 0.0, self.state)  # a recurrent state's buffer reset where an episode ended
+
+    def forward(self, observation: torch.Tensor, action: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+        hidden = observation[..., :2]
+        return self.net(torch.cat([observation, hidden + self.encoding(action, done, hidden)], -1))
+
+
+def _keyed(categorical: TensorDict, how: str) -> tuple[TensorDict, list[str]]:
+    td = categorical.clone().set("done", (torch.arange(8) % 3 == 0).unsqueeze(-1))
+    torch.manual_seed(1)
+    module = ValueOperator(KeyedCritic(how), in_keys=["observation", "action", "done"])
+    out, messages = caught(lambda: LRP(module, BaseRuleMapper(stabilizer=0))(td))
+    return out, [m for m in messages if "enters the model as numbers" in m]
+
+
+KEYED = {"w.expand * (a == 1)": "a comparison", "where(a == 1, w, -w)": "a comparison", "rms norm": "one_hot"}
+KEYED |= {"sin(a * freqs)": None, "expand_as": None, "repeat": None, "tile": None}
+
+
+@pytest.mark.parametrize("how", KEYED)
+def test_an_action_encoded_with_parameters_sinusoids_repeats_or_a_written_out_norm_is_named(categorical, how):
+    """A comparison's encoding scaled or chosen by a parameter seen through a view or a negation was taken as a
+    gate of an activation, and a sinusoid, ``expand_as``, ``repeat``, ``tile`` or a norm's statistic written out
+    ended the follow: 0.68-1.49 of the value lost (relative L2) with no word. Named, with the encoding it took."""
+    out, numeric = _keyed(categorical, how)
+    assert len(numeric) == 1 and "'action' (torch.int64)" in numeric[0], numeric
+    assert "'module.net.0' (Linear)" in numeric[0]
+    encoding = KEYED[how]
+    assert f"encoded by {encoding}, " in numeric[0] if encoding else "converted to floating point" in numeric[0]
+    assert _lost(out) > 0.1  # the action's share, which the warning is about
+
+
+def test_two_keys_summed_before_a_layer_are_both_named(categorical):
+    """A sum of two integer keys named the first only (the done flag's share, lost as well, had no word)."""
+    out, numeric = _keyed(categorical, "a + done")
+    assert len(numeric) == 2, numeric
+    assert "'action' (torch.int64)" in numeric[0] and "'done' (torch.bool)" in numeric[1]
+    assert all("converted to floating point" in m and "'module.net.0' (Linear)" in m for m in numeric)
+    assert _lost(out) > 0.1
+
+
+@pytest.mark.parametrize("how", ["zeros * (1 - done)", "new_zeros.masked_fill(done, 0)", "where(done, 0, zero state)"])
+def test_zeros_scaled_or_chosen_by_a_key_hold_no_share_and_are_not_named(categorical, how):
+    """Zeros whatever the key's values hold none of the relevance: the done flag was named though nothing is lost
+    (the observation's relevance sums to the value)."""
+    out, numeric = _keyed(categorical, how)
+    assert not numeric, numeric
+    assert _lost(out) < 1e-10
+
+
+def test_a_state_buffer_chosen_by_a_key_is_named(categorical):
+    """A buffer of ones chosen by the done flag holds a share that no input receives: still named."""
+    out, numeric = _keyed(categorical, "where(done, 0, state)")
+    assert len(numeric) == 1 and "'done' (torch.bool)" in numeric[0] and "encoded by where" in numeric[0], numeric
+    assert _lost(out) > 0.1
