@@ -359,18 +359,13 @@ def test_a_previous_action_one_hot_encoded_by_a_module_of_the_sequence_is_named(
     assert len(numeric) == 1 and "'prev_action' (torch.int64)" in numeric[0] and "encoded by one_hot" in numeric[0]
 
 
-class KeyedCritic(nn.Module):
+class KeyedCritic(Critic):
     """Q(s, a) of an action index (or of the done flag) the model encodes itself with parameters, sinusoids,
     repeats or a norm written out, added to part of the observation; no biases."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
         self.how = how
-        self.net = MLP(in_features=6, out_features=1, num_cells=[8], activation_class=nn.ReLU).to(F64)
-        with torch.no_grad():
-            for name, parameter in self.net.named_parameters():
-                if name.endswith("bias"):
-                    parameter.zero_()
         self.w = nn.Parameter(torch.tensor([0.5, 2.0], dtype=F64))
         self.register_buffer("freqs", torch.tensor([0.3, 1.1], dtype=F64))
         self.register_buffer("state", torch.zeros(2, dtype=F64) if "zero" in how else torch.ones(2, dtype=F64))
