@@ -384,6 +384,16 @@ class KeyedCritic(Critic):
             return signed.repeat(1, 2)
         if self.how == "tile":
             return torch.tile(signed, (1, 2))
+        if self.how == "clamp":
+            return torch.clamp(signed, -0.5, 1.0).expand_as(hidden)
+        if self.how == "log1p":
+            return torch.log1p(action.to(F64))[..., None].expand_as(hidden)
+        if self.how == "pad":
+            return torch.nn.functional.pad(signed, (1, 0))
+        if self.how == "split":
+            return torch.cat([hidden, signed.expand_as(hidden)], -1).split(2, -1)[1]
+        if self.how == "normalize":
+            return torch.nn.functional.normalize(hidden + signed, dim=-1)
         if self.how == "rms norm":
             summed = hidden + torch.nn.functional.one_hot(action, 2).to(F64)
             return summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6) - hidden
@@ -409,14 +419,16 @@ def _keyed(categorical: TensorDict, how: str) -> tuple[TensorDict, list[str]]:
 
 
 KEYED = {"w.expand * (a == 1)": "a comparison", "where(a == 1, w, -w)": "a comparison", "rms norm": "one_hot"}
-KEYED |= {"sin(a * freqs)": None, "expand_as": None, "repeat": None, "tile": None}
+KEYED |= {"sin(a * freqs)": None, "expand_as": None, "repeat": None, "tile": None, "clamp": None, "log1p": None}
+KEYED |= {"pad": None, "split": None, "normalize": None}
 
 
 @pytest.mark.parametrize("how", KEYED)
 def test_an_action_encoded_with_parameters_sinusoids_repeats_or_a_written_out_norm_is_named(categorical, how):
     """A comparison's encoding scaled or chosen by a parameter seen through a view or a negation was taken as a
-    gate of an activation, and a sinusoid, ``expand_as``, ``repeat``, ``tile`` or a norm's statistic written out
-    ended the follow: 0.68-1.49 of the value lost (relative L2) with no word. Named, with the encoding it took."""
+    gate of an activation, and a sinusoid, ``expand_as``, ``repeat``, ``tile``, ``clamp``, ``log1p``, ``F.pad``,
+    ``split``, ``F.normalize`` or a norm's statistic written out ended the follow: 0.68-1.87 of the value lost
+    (relative L2) with no word. Named, with the encoding it took."""
     out, numeric = _keyed(categorical, how)
     assert len(numeric) == 1 and "'action' (torch.int64)" in numeric[0], numeric
     assert "'module.net.0' (Linear)" in numeric[0]

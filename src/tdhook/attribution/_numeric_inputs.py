@@ -4,9 +4,9 @@ No gradient reaches an integer tensor, so an input of integers receives relevanc
 ``nn.Embedding`` that reads them (:mod:`~tdhook.attribution._tokens`). An integer input that the model converts to
 floating point and computes with as numbers (a torchrl critic's one-hot action, ``torch.cat([obs, action.float()])``
 into an ``nn.Linear``) holds a share of the relevance that no input receives. The first call of a wrapper watches,
-in a function mode, where such inputs go: views, repeats, conversions, joins (``cat``, ``stack``), elementwise
-activations and functions (a sinusoidal encoding's ``sin``), reductions, dropout and norms (a norm's statistic
-written out too) carry their values, and a linear map (``F.linear``, a convolution, a product with a parameter)
+in a function mode, where such inputs go: views, repeats, pads, splits, conversions, joins (``cat``, ``stack``),
+elementwise activations and functions (a sinusoidal encoding's ``sin``, a clamp), reductions, dropout and norms (a
+norm's statistic written out too) carry their values, and a linear map (``F.linear``, a convolution, a product with a parameter)
 that takes them is where their share goes.
 Arithmetic carries them too (``2 * a.float() - 1``, ``a.float() / n``, a sum with an activation, a sum of two
 inputs, which carries both) except a product with an activation: that is a gate (a done mask), and the activation
@@ -107,6 +107,10 @@ _PASSING: frozenset[Callable] = frozenset(
 _PASSING |= {torch.sin, Tensor.sin, torch.cos, Tensor.cos, torch.exp, Tensor.exp, torch.log, Tensor.log}
 _PASSING |= {torch.sqrt, Tensor.sqrt, torch.rsqrt, Tensor.rsqrt, torch.square, Tensor.square, torch.abs, Tensor.abs}
 _PASSING |= {torch.pow, Tensor.pow, Tensor.__pow__, Tensor.__rpow__, torch.mean, Tensor.mean, torch.sum, Tensor.sum}
+_PASSING |= {torch.log1p, Tensor.log1p, torch.expm1, Tensor.expm1, torch.clamp, Tensor.clamp, torch.clip, Tensor.clip}
+_PASSING |= {F.normalize, F.pad}
+# Calls that split their first argument into a tuple of tensors: each holds its values.
+_PASSING |= {torch.split, Tensor.split, torch.chunk, Tensor.chunk, torch.unbind, Tensor.unbind}
 _CARRYING |= _PASSING
 _JOINS = frozenset({torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack, torch.vstack})
 _JOINS |= {torch.column_stack}
@@ -247,6 +251,9 @@ class NumericInputs(TorchFunctionMode):
     def _carry(self, out: object, carrier: Carrier | None) -> None:
         if carrier is not None and isinstance(out, torch.Tensor):
             self._carriers[id(out)] = (carrier, out)
+        elif carrier is not None and isinstance(out, (tuple, list)):  # the parts of a split
+            for part in out:
+                self._carry(part, carrier)
 
     def _scaled(self, func: Callable, args: tuple, kwargs: dict) -> tuple[Carrier | None] | None:
         """What a scaling's product carries, ``None`` where no operand carries an input's values. A scaling of an
