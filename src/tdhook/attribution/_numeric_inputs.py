@@ -6,8 +6,8 @@ floating point and computes with as numbers (a torchrl critic's one-hot action, 
 into an ``nn.Linear``) holds a share of the relevance that no input receives. The first call of a wrapper watches,
 in a function mode, where such inputs go: views, repeats, pads, splits, conversions, joins (``cat``, ``stack``),
 elementwise activations and functions (a sinusoidal encoding's ``sin``, a clamp), reductions, dropout and norms (a
-norm's statistic written out too) carry their values, and a linear map (``F.linear``, a convolution, a product with a parameter)
-that takes them is where their share goes.
+norm's statistic written out too) carry their values, and a linear map (``F.linear``, a convolution, a product with
+a parameter) that takes them is where their share goes.
 Arithmetic carries them too (``2 * a.float() - 1``, ``a.float() / n``, a sum with an activation, a sum of two
 inputs, which carries both) except a product with an activation: that is a gate (a done mask), and the activation
 it scales takes the product's relevance whole. A parameter, even seen through a view or computed from parameters
@@ -285,7 +285,12 @@ class NumericInputs(TorchFunctionMode):
                 self._buffers = {id(b) for module in self._modules.values() for b in module.buffers(recurse=False)}
             if id(value) not in self._buffers:
                 return False
-        return not bool(value.any())  # as it is now: written in place since, it may hold more
+        if value.is_meta:
+            return False
+        try:
+            return not bool(value.any())  # as it is now: written in place since, it may hold more
+        except RuntimeError:  # values not to be read here (under vmap): not known to be zeros
+            return False
 
     def _is_activation(self, value: torch.Tensor) -> bool:
         """Whether ``value`` holds an activation's values: it requires grad, carries no input's values and is
