@@ -407,7 +407,10 @@ class KeyedCritic(Critic):
 
     def forward(self, observation: torch.Tensor, action: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
         hidden = observation[..., :2]
-        return self.net(torch.cat([observation, hidden + self.encoding(action, done, hidden)], -1))
+        value = self.net(torch.cat([observation, hidden + self.encoding(action, done, hidden)], -1))
+        if "written" in self.how:  # the state kept for the next call
+            self.state = hidden.detach().mean(0)
+        return value
 
 
 def _keyed(categorical: TensorDict, how: str) -> tuple[TensorDict, list[str]]:
@@ -446,7 +449,7 @@ def test_two_keys_summed_before_a_layer_are_both_named(categorical):
     assert _lost(out) > 0.1
 
 
-@pytest.mark.parametrize("how", ["zeros * (1 - done)", "new_zeros.masked_fill(done, 0)", "where(done, 0, zero state)"])
+@pytest.mark.parametrize("how", ["zeros * (1 - done)", "new_zeros.masked_fill(done, 0)"])
 def test_zeros_scaled_or_chosen_by_a_key_hold_no_share_and_are_not_named(categorical, how):
     """Zeros whatever the key's values hold none of the relevance: the done flag was named though nothing is lost
     (the observation's relevance sums to the value)."""
@@ -460,3 +463,19 @@ def test_a_state_buffer_chosen_by_a_key_is_named(categorical):
     out, numeric = _keyed(categorical, "where(done, 0, state)")
     assert len(numeric) == 1 and "'done' (torch.bool)" in numeric[0] and "encoded by where" in numeric[0], numeric
     assert _lost(out) > 0.1
+
+
+def test_a_state_buffer_of_zeros_the_model_writes_is_named(categorical):
+    """A buffer of zeros chosen by the done flag holds no share on the first call, the one watched, but the model
+    writes its state to it: the next call lost 0.43 of the value (relative L2) with no word. Named as a buffer of
+    values is."""
+    td = categorical.clone().set("done", (torch.arange(8) % 3 == 0).unsqueeze(-1))
+    torch.manual_seed(1)
+    module = ValueOperator(KeyedCritic("where(done, 0, written zero state)"), in_keys=["observation", "action", "done"])
+    lrp = LRP(module, BaseRuleMapper(stabilizer=0))
+    first, messages = caught(lambda: lrp(td.clone()))
+    numeric = [m for m in messages if "enters the model as numbers" in m]
+    assert len(numeric) == 1 and "'done' (torch.bool)" in numeric[0] and "encoded by where" in numeric[0], numeric
+    assert _lost(first) < 1e-10  # nothing lost yet: the buffer holds zeros
+    later, _ = caught(lambda: lrp(td.clone()))
+    assert _lost(later) > 0.1  # the share the warning is about

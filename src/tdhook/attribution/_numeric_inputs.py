@@ -17,8 +17,8 @@ them (``torch.where(a == 1, 1.0, -1.0)``, ``masked_fill``), and a constant table
 (``torch.eye(n)[a]``, ``torch.zeros(...).scatter_(-1, a, 1.0)``). Masks (an attention mask turned into additive
 scores, which ``softmax`` ends, ``torch.where`` or ``masked_fill`` of an activation) and indices into activations
 (``gather``, ``index_select``, an ``nn.Embedding``'s ids, which it explains) are not reported, nor are zeros
-whatever the input's values (``torch.zeros(...) * (1 - done)``, ``torch.where(done, 0.0, zero_state)``): they hold
-no share.
+made in the call whatever the input's values (``torch.zeros(...) * (1 - done)``, ``torch.where(done, 0.0,
+h.new_zeros(n))``): they hold no share. A buffer of zeros is not taken for one: the model may write to it.
 
 Examples:
     >>> import torch
@@ -189,7 +189,6 @@ class NumericInputs(TorchFunctionMode):
         self._parameter_nodes: set = set()  # autograd nodes of values computed from parameters alone
         self._activation_nodes: set = set()  # autograd nodes of values found to hold an activation's
         self._zeros: dict[int, torch.Tensor] = {}  # by id: zeros made in the call, whatever the inputs
-        self._buffers: set[int] | None = None
         self.dtypes = {i: t.dtype for i, t in inputs.items()}
         self.found: dict[int, str] = {}
         self.encodings: dict[int, str] = {}
@@ -274,17 +273,15 @@ class NumericInputs(TorchFunctionMode):
 
     def _is_zero(self, value: object) -> bool:
         """Whether ``value`` is a constant zero whatever the inputs: the number, or zeros made in the call
-        (``torch.zeros``, ``zeros_like``, ``new_zeros``, ``zero_``, and views of them) or a buffer, holding zeros
-        only. Batch data that holds zeros (a first step's reward) is not one: it may hold more on a later call."""
+        (``torch.zeros``, ``zeros_like``, ``new_zeros``, ``zero_``, and views of them), holding zeros only. Batch
+        data that holds zeros (a first step's reward) is not one, nor is a buffer of zeros (a recurrent state the
+        model writes after the call): either may hold more on a later call, which is not watched."""
         if not isinstance(value, torch.Tensor):
             return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
         if value.requires_grad or self._carrier(value) is not None:
             return False
         if self._zeros.get(id(value)) is not value:
-            if self._buffers is None:
-                self._buffers = {id(b) for module in self._modules.values() for b in module.buffers(recurse=False)}
-            if id(value) not in self._buffers:
-                return False
+            return False
         if value.is_meta:
             return False
         try:
