@@ -274,20 +274,29 @@ class NumericInputs(TorchFunctionMode):
     def _is_zero(self, value: object) -> bool:
         """Whether ``value`` is a constant zero whatever the inputs: the number, or zeros made in the call
         (``torch.zeros``, ``zeros_like``, ``new_zeros``, ``zero_``, and views of them), holding zeros only. Batch
-        data that holds zeros (a first step's reward) is not one, nor is a buffer of zeros (a recurrent state the
-        model writes after the call): either may hold more on a later call, which is not watched."""
+        data that holds zeros (a first step's reward) is not one, nor are zeros a module holds (a buffer, or a
+        state made on the first call, ``self.state = torch.zeros(...)``) and may write after the call: either may
+        hold more on a later call, which is not watched."""
         if not isinstance(value, torch.Tensor):
             return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
         if value.requires_grad or self._carrier(value) is not None:
             return False
-        if self._zeros.get(id(value)) is not value:
-            return False
-        if value.is_meta:
+        if self._zeros.get(id(value)) is not value or value.is_meta:
             return False
         try:
-            return not bool(value.any())  # as it is now: written in place since, it may hold more
+            zero = not bool(value.any())  # as it is now: written in place since, it may hold more
         except RuntimeError:  # values not to be read here (under vmap): not known to be zeros
             return False
+        return zero and not self._held(value)
+
+    def _held(self, value: torch.Tensor) -> bool:
+        """Whether a module holds ``value``, or the tensor it views, as a buffer or an attribute."""
+        base = value._base if value._base is not None else value
+        for module in self._modules.values():
+            for kept in (*module._buffers.values(), *vars(module).values()):
+                if kept is value or kept is base:
+                    return True
+        return False
 
     def _is_activation(self, value: torch.Tensor) -> bool:
         """Whether ``value`` holds an activation's values: it requires grad, carries no input's values and is
