@@ -485,3 +485,45 @@ def test_a_state_of_zeros_the_model_writes_is_named(categorical, how):
     assert _lost(first) < 1e-10  # nothing lost yet: the buffer holds zeros
     later, _ = caught(lambda: lrp(td.clone()))
     assert _lost(later) > 0.1  # the share the warning is about
+
+
+class SplitGate(nn.Module):
+    """A value of the observation part of ``torch.cat([observation, done.float()], -1)``, gated by the done part
+    (nothing of the done flag enters a layer: the observation's relevance sums to the value), or, ``"key into
+    layer"``, with the done part given to a layer too; no biases."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        torch.manual_seed(0)
+        self.first, self.last = nn.Linear(4, 2, bias=False).to(F64), nn.Linear(2, 1, bias=False).to(F64)
+        self.flag = nn.Linear(1, 2, bias=False).to(F64)
+
+    def forward(self, observation: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+        joined = torch.cat([observation, done.to(F64)], -1)
+        if self.how in ("split", "key into layer"):
+            kept, flag = joined.split([4, 1], -1)
+        elif self.how == "slices":
+            kept, flag = joined[..., :4], joined[..., 4:]
+        else:  # unbind
+            parts = joined.unbind(-1)
+            kept, flag = torch.stack(parts[:4], -1), parts[4].unsqueeze(-1)
+        hidden = self.first(kept) * (1 - flag)
+        return self.last(hidden + self.flag(flag) if self.how == "key into layer" else hidden)
+
+
+@pytest.mark.parametrize("how", ["split", "slices", "unbind", "key into layer"])
+def test_the_parts_of_a_join_carry_the_keys_of_the_pieces_they_span(categorical, how):
+    """A split, slice or unbind of ``torch.cat([observation, done.float()], -1)`` marked every part as holding the
+    done flag's values: its observation part, given to a layer, named the flag though nothing is lost (the
+    observation's relevance sums to the value, 1e-16). The part holding the flag, given to a layer, is named."""
+    td = categorical.clone().set("done", (torch.arange(8) % 3 == 0).unsqueeze(-1))
+    module = TensorDictModule(SplitGate(how), in_keys=["observation", "done"], out_keys=["state_action_value"])
+    out, messages = caught(lambda: LRP(module, BaseRuleMapper(stabilizer=0))(td))
+    numeric = [m for m in messages if "enters the model as numbers" in m]
+    if how == "key into layer":
+        assert len(numeric) == 1 and "'done' (torch.bool)" in numeric[0] and "'module.flag' (Linear)" in numeric[0]
+        assert _lost(out) > 0.1
+    else:
+        assert not numeric, numeric
+        assert _lost(out) < 1e-10

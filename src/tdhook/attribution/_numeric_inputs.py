@@ -110,7 +110,10 @@ _PASSING |= {torch.pow, Tensor.pow, Tensor.__pow__, Tensor.__rpow__, torch.mean,
 _PASSING |= {torch.log1p, Tensor.log1p, torch.expm1, Tensor.expm1, torch.clamp, Tensor.clamp, torch.clip, Tensor.clip}
 _PASSING |= {F.normalize, F.pad}
 # Calls that split their first argument into a tuple of tensors: each holds its values.
-_PASSING |= {torch.split, Tensor.split, torch.chunk, Tensor.chunk, torch.unbind, Tensor.unbind}
+_PARTS = frozenset({torch.split, Tensor.split, torch.chunk, Tensor.chunk, torch.unbind, Tensor.unbind})
+_PASSING |= _PARTS
+# Joins along a dimension of their own: a part of the join (a split, a slice) holds the values of the pieces it spans.
+_CATS = frozenset({torch.cat, torch.concat, torch.concatenate})
 _CARRYING |= _PASSING
 _JOINS = frozenset({torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack, torch.vstack})
 _JOINS |= {torch.column_stack}
@@ -189,6 +192,8 @@ class NumericInputs(TorchFunctionMode):
         self._parameter_nodes: set = set()  # autograd nodes of values computed from parameters alone
         self._activation_nodes: set = set()  # autograd nodes of values found to hold an activation's
         self._zeros: dict[int, torch.Tensor] = {}  # by id: zeros made in the call, whatever the inputs
+        # By id: a join of inputs' values, and its dimension with the size and carrier of each piece along it.
+        self._joins: dict[int, tuple[torch.Tensor, tuple[int, tuple[tuple[int, Carrier | None], ...]]]] = {}
         self.dtypes = {i: t.dtype for i, t in inputs.items()}
         self.found: dict[int, str] = {}
         self.encodings: dict[int, str] = {}
@@ -210,6 +215,10 @@ class NumericInputs(TorchFunctionMode):
             if carrier is None and func in _LOOKUPS:
                 carrier = self._looked_up(func, args, kwargs)
             self._carry(out, carrier)
+            if carrier is not None and func in _CATS and isinstance(out, torch.Tensor):
+                self._joins[id(out)] = (out, self._layout(out, args, kwargs))
+            elif carrier is not None and (func in _PARTS or func is Tensor.__getitem__) and id(first) in self._joins:
+                self._narrow(first, out)
         elif func in _LAYERS or func in _PRODUCTS:
             self._note(func, args, kwargs)
         elif func in _SUMS:  # a sum carries its operands' values
@@ -228,7 +237,7 @@ class NumericInputs(TorchFunctionMode):
         super().__exit__(*exc)
         self._carriers = {}  # the tensors of the call, not kept past it
         self._parameter_nodes, self._activation_nodes = set(), set()
-        self._zeros = {}
+        self._zeros, self._joins = {}, {}
 
     def _carrier(self, *values: object) -> Carrier | None:
         """What the first of ``values`` that carries an input's values carries."""
@@ -253,6 +262,41 @@ class NumericInputs(TorchFunctionMode):
         elif carrier is not None and isinstance(out, (tuple, list)):  # the parts of a split
             for part in out:
                 self._carry(part, carrier)
+
+    def _layout(
+        self, out: torch.Tensor, args: tuple, kwargs: dict
+    ) -> tuple[int, tuple[tuple[int, Carrier | None], ...]]:
+        """The dimension of a ``cat`` and, along it, the size and carrier of each piece."""
+        pieces = _listed(args[0] if args else kwargs.get("tensors"))
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
+        dim = dim % out.dim() if isinstance(dim, int) and out.dim() else 0
+        sizes = [p.shape[dim] if isinstance(p, torch.Tensor) and p.dim() == out.dim() else 0 for p in pieces]
+        return dim, tuple((size, self._carrier(p)) for size, p in zip(sizes, pieces, strict=True))
+
+    def _narrow(self, joined: torch.Tensor, out: object) -> None:
+        """The parts of a join that span only some of its pieces (``torch.cat([obs, done.float()], -1).split([3,
+        1], -1)``, ``x[..., :3]``) carry the values of those pieces only: each part a slice along the join's
+        dimension, read from its place in the join's storage; any other part keeps the whole join's carrier."""
+        kept, (dim, pieces) = self._joins[id(joined)]
+        if kept is not joined:
+            return
+        for part in _listed(out):
+            if not isinstance(part, torch.Tensor):
+                continue
+            span = _span(joined, part, dim)
+            if span is None:
+                continue
+            found: dict[int, str | None] = {}
+            start = 0
+            for size, carrier in pieces:
+                if carrier is not None and start < span[1] and span[0] < start + size:
+                    for i, encoding in carrier:
+                        found.setdefault(i, encoding)
+                start += size
+            if found:
+                self._carriers[id(part)] = (tuple(found.items()), part)
+            else:
+                self._carriers.pop(id(part), None)
 
     def _scaled(self, func: Callable, args: tuple, kwargs: dict) -> tuple[Carrier | None] | None:
         """What a scaling's product carries, ``None`` where no operand carries an input's values. A scaling of an
@@ -398,6 +442,33 @@ def _encoding(func: Callable) -> str:
 def _encoded(carrier: Carrier | None, encoding: str) -> Carrier | None:
     """``carrier`` once its values take ``encoding``: each input keeps the first encoding it took."""
     return None if carrier is None else tuple((i, first or encoding) for i, first in carrier)
+
+
+def _span(joined: torch.Tensor, part: torch.Tensor, dim: int) -> tuple[int, int] | None:
+    """Where ``part`` lies along ``dim`` of ``joined`` (first, end), if it is a slice of it along ``dim`` alone
+    (with step 1, or one index of it); else ``None``."""
+    others = [d for d in range(joined.dim()) if d != dim]
+    try:
+        if joined.numel() == 0 or part.numel() == 0 or joined.untyped_storage().data_ptr() == 0:
+            return None
+        if part.untyped_storage().data_ptr() != joined.untyped_storage().data_ptr():
+            return None
+        if part.dim() == joined.dim():
+            shape, strides, length = [part.shape[d] for d in others], [part.stride(d) for d in others], part.shape[dim]
+            if length > 1 and part.stride(dim) != joined.stride(dim):
+                return None
+        elif part.dim() == joined.dim() - 1:
+            shape, strides, length = list(part.shape), list(part.stride()), 1
+        else:
+            return None
+        if shape != [joined.shape[d] for d in others] or strides != [joined.stride(d) for d in others]:
+            return None
+        shift, step = part.storage_offset() - joined.storage_offset(), joined.stride(dim)
+    except (RuntimeError, NotImplementedError):  # no storage to read (a meta tensor, under vmap)
+        return None
+    if step <= 0 or shift % step or not 0 <= shift // step <= joined.shape[dim] - length:
+        return None
+    return shift // step, shift // step + length
 
 
 def _listed(value: object) -> tuple:
