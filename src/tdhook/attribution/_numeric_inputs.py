@@ -4,16 +4,21 @@ No gradient reaches an integer tensor, so an input of integers receives relevanc
 ``nn.Embedding`` that reads them (:mod:`~tdhook.attribution._tokens`). An integer input that the model converts to
 floating point and computes with as numbers (a torchrl critic's one-hot action, ``torch.cat([obs, action.float()])``
 into an ``nn.Linear``) holds a share of the relevance that no input receives. The first call of a wrapper watches,
-in a function mode, where such inputs go: views, conversions, joins (``cat``, ``stack``), elementwise activations,
-dropout and norms carry their values, and a linear map (``F.linear``, a convolution, a product with a parameter)
-that takes them is where their share goes.
-Arithmetic carries them too (``2 * a.float() - 1``, ``a.float() / n``, a sum with an activation) except a product
-with an activation: that is a gate (a done mask), and the activation it scales takes the product's relevance whole.
+in a function mode, where such inputs go: views, repeats, pads, splits, conversions, joins (``cat``, ``stack``),
+elementwise activations and functions (a sinusoidal encoding's ``sin``, a clamp), reductions, dropout and norms (a
+norm's statistic written out too) carry their values, and a linear map (``F.linear``, a convolution, a product with
+a parameter) that takes them is where their share goes.
+Arithmetic carries them too (``2 * a.float() - 1``, ``a.float() / n``, a sum with an activation, a sum of two
+inputs, which carries both) except a product with an activation: that is a gate (a done mask), and the activation
+it scales takes the product's relevance whole. A parameter, even seen through a view or computed from parameters
+alone (``w.expand(...)``, ``-w``), is not an activation.
 Encodings carry them with no gradient to pass on: ``F.one_hot``, a comparison (``a == 3``), constants chosen by
 them (``torch.where(a == 1, 1.0, -1.0)``, ``masked_fill``), and a constant table read or written at them
 (``torch.eye(n)[a]``, ``torch.zeros(...).scatter_(-1, a, 1.0)``). Masks (an attention mask turned into additive
 scores, which ``softmax`` ends, ``torch.where`` or ``masked_fill`` of an activation) and indices into activations
-(``gather``, ``index_select``, an ``nn.Embedding``'s ids, which it explains) are not reported.
+(``gather``, ``index_select``, an ``nn.Embedding``'s ids, which it explains) are not reported, nor are zeros
+made in the call whatever the input's values (``torch.zeros(...) * (1 - done)``, ``torch.where(done, 0.0,
+h.new_zeros(n))``): they hold no share. A buffer of zeros is not taken for one: the model may write to it.
 
 Examples:
     >>> import torch
@@ -43,6 +48,8 @@ from tdhook.attribution.rules._caller import warn_at_caller
 __all__ = ["NumericInputs", "report_numeric_inputs", "watch_numeric_inputs"]
 
 Tensor = torch.Tensor
+# What a tensor carries: by input, its position and the encoding its values took on the way (None: none).
+Carrier = tuple[tuple[int, str | None], ...]
 
 # Calls whose output holds values of their first tensor argument (or of a list of them): views, copies, conversions.
 _CARRYING: frozenset[Callable] = frozenset(
@@ -67,6 +74,10 @@ _CARRYING: frozenset[Callable] = frozenset(
         Tensor.contiguous,
         Tensor.clone,
         Tensor.expand,
+        Tensor.expand_as,
+        Tensor.repeat,
+        Tensor.tile,
+        torch.tile,
         Tensor.__getitem__,
         torch.reshape,
         torch.flatten,
@@ -90,6 +101,19 @@ _PASSING: frozenset[Callable] = frozenset(
     | {F.softplus, F.hardtanh, F.hardswish, F.hardsigmoid, torch.tanh, Tensor.tanh, torch.sigmoid, Tensor.sigmoid}
     | {F.dropout, F.layer_norm, F.batch_norm, F.group_norm, F.instance_norm, F.rms_norm}
 )
+# Elementwise functions and reductions that carry their first argument's values: a sinusoidal encoding of a
+# timestep (``torch.sin(t.float()[..., None] * freqs)``), the statistic of a norm written out (``x *
+# torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)``).
+_PASSING |= {torch.sin, Tensor.sin, torch.cos, Tensor.cos, torch.exp, Tensor.exp, torch.log, Tensor.log}
+_PASSING |= {torch.sqrt, Tensor.sqrt, torch.rsqrt, Tensor.rsqrt, torch.square, Tensor.square, torch.abs, Tensor.abs}
+_PASSING |= {torch.pow, Tensor.pow, Tensor.__pow__, Tensor.__rpow__, torch.mean, Tensor.mean, torch.sum, Tensor.sum}
+_PASSING |= {torch.log1p, Tensor.log1p, torch.expm1, Tensor.expm1, torch.clamp, Tensor.clamp, torch.clip, Tensor.clip}
+_PASSING |= {F.normalize, F.pad}
+# Calls that split their first argument into a tuple of tensors: each holds its values.
+_PARTS = frozenset({torch.split, Tensor.split, torch.chunk, Tensor.chunk, torch.unbind, Tensor.unbind})
+_PASSING |= _PARTS
+# Joins along a dimension of their own: a part of the join (a split, a slice) holds the values of the pieces it spans.
+_CATS = frozenset({torch.cat, torch.concat, torch.concatenate})
 _CARRYING |= _PASSING
 _JOINS = frozenset({torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack, torch.vstack})
 _JOINS |= {torch.column_stack}
@@ -112,6 +136,10 @@ _SCALINGS: frozenset[Callable] = frozenset(
     | {Tensor.div, Tensor.__truediv__, Tensor.__rtruediv__, Tensor.__itruediv__, Tensor.div_, torch.div}
     | {Tensor.neg, Tensor.__neg__, torch.neg}
 )
+# Products of factors: a constant zero among them makes the product nothing, whatever the others.
+_PRODUCTS_OF_FACTORS = frozenset({Tensor.mul, Tensor.__mul__, Tensor.__rmul__, Tensor.__imul__, Tensor.mul_, torch.mul})
+# Calls that make zeros whatever their arguments' values.
+_ZEROS: frozenset[Callable] = frozenset({torch.zeros, torch.zeros_like, Tensor.new_zeros, Tensor.zero_})
 # Encodings: the output is a function of an input's values that no gradient passes, read from its first argument.
 _COMPARISONS: frozenset[Callable] = frozenset(
     {Tensor.__eq__, Tensor.__ne__, Tensor.__lt__, Tensor.__le__, Tensor.__gt__, Tensor.__ge__}
@@ -157,13 +185,15 @@ class NumericInputs(TorchFunctionMode):
 
     def __init__(self, inputs: Mapping[int, torch.Tensor], modules: Mapping[str, nn.Module]) -> None:
         super().__init__()
-        # By id: the input position, the tensor (held, so that its id is not reused during the call) and the encoding
-        # its values took on the way (None: none).
-        self._carriers: dict[int, tuple[int, torch.Tensor, str | None]] = {
-            id(t): (i, t, None) for i, t in inputs.items()
-        }
+        # By id: what the tensor carries, and the tensor (held, so that its id is not reused during the call).
+        self._carriers: dict[int, tuple[Carrier, torch.Tensor]] = {id(t): (((i, None),), t) for i, t in inputs.items()}
         self._modules = modules
         self._owners: dict[int, str] | None = None
+        self._parameter_nodes: set = set()  # autograd nodes of values computed from parameters alone
+        self._activation_nodes: set = set()  # autograd nodes of values found to hold an activation's
+        self._zeros: dict[int, torch.Tensor] = {}  # by id: zeros made in the call, whatever the inputs
+        # By id: a join of inputs' values, and its dimension with the size and carrier of each piece along it.
+        self._joins: dict[int, tuple[torch.Tensor, tuple[int, tuple[tuple[int, Carrier | None], ...]]]] = {}
         self.dtypes = {i: t.dtype for i, t in inputs.items()}
         self.found: dict[int, str] = {}
         self.encodings: dict[int, str] = {}
@@ -171,7 +201,7 @@ class NumericInputs(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # Read before the call: a scaling in place makes the tensor it writes require grad.
-        scaled = self._scaled(args, kwargs) if func in _SCALINGS else None
+        scaled = self._scaled(func, args, kwargs) if func in _SCALINGS else None
         out = func(*args, **kwargs)
         if scaled is not None:
             if scaled[0] is None and self._carrier(out) is not None:  # a gate written in place: it carries none
@@ -179,81 +209,192 @@ class NumericInputs(TorchFunctionMode):
             self._carry(out, scaled[0])
         elif func in _CARRYING:
             first = args[0] if args else None
-            carrier = self._carrier(first) if func not in _JOINS else self._carrier(*_listed(first))
+            if func not in _PASSING and self._zeros.get(id(first)) is first and isinstance(out, torch.Tensor):
+                self._zeros[id(out)] = out  # a view or copy of zeros
+            carrier = self._carrier(first) if func not in _JOINS else self._carried(*_listed(first))
             if carrier is None and func in _LOOKUPS:
                 carrier = self._looked_up(func, args, kwargs)
             self._carry(out, carrier)
+            if carrier is not None and func in _CATS and isinstance(out, torch.Tensor):
+                self._joins[id(out)] = (out, self._layout(out, args, kwargs))
+            elif carrier is not None and (func in _PARTS or func is Tensor.__getitem__) and id(first) in self._joins:
+                self._narrow(first, out)
         elif func in _LAYERS or func in _PRODUCTS:
             self._note(func, args, kwargs)
         elif func in _SUMS:  # a sum carries its operands' values
-            self._carry(out, self._carrier(*args, *kwargs.values()))
+            self._carry(out, self._carried(*args, *kwargs.values()))
         elif func in _ENCODINGS:
-            carrier = self._carrier(*args, *kwargs.values())
-            if carrier is not None:
-                self._carry(out, (carrier[0], carrier[1] or _encoding(func)))
+            self._carry(out, _encoded(self._carrier(*args, *kwargs.values()), _encoding(func)))
         elif func in _LOOKUPS:
             self._carry(out, self._looked_up(func, args, kwargs))
         elif func in _SELECTIONS:
             self._carry(out, self._selected(func, args))
+        elif func in _ZEROS and isinstance(out, torch.Tensor):
+            self._zeros[id(out)] = out
         return out
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
         self._carriers = {}  # the tensors of the call, not kept past it
+        self._parameter_nodes, self._activation_nodes = set(), set()
+        self._zeros, self._joins = {}, {}
 
-    def _carrier(self, *values: object) -> tuple[int, str | None] | None:
-        """The input position and encoding of the first of ``values`` that carries an input's values."""
+    def _carrier(self, *values: object) -> Carrier | None:
+        """What the first of ``values`` that carries an input's values carries."""
         for value in values:
             carrier = self._carriers.get(id(value)) if isinstance(value, torch.Tensor) else None
             if carrier is not None and carrier[1] is value:
-                return carrier[0], carrier[2]
+                return carrier[0]
         return None
 
-    def _carry(self, out: object, carrier: tuple[int, str | None] | None) -> None:
-        if carrier is not None and isinstance(out, torch.Tensor):
-            self._carriers[id(out)] = (carrier[0], out, carrier[1])
+    def _carried(self, *values: object) -> Carrier | None:
+        """What ``values`` carry together (``a.float() + t.float()``, a join of both): each input once, with the
+        encoding it took in the first of them that carries it."""
+        found: dict[int, str | None] = {}
+        for value in values:
+            for i, encoding in self._carrier(value) or ():
+                found.setdefault(i, encoding)
+        return tuple(found.items()) or None
 
-    def _scaled(self, args: tuple, kwargs: dict) -> tuple[tuple[int, str | None] | None] | None:
+    def _carry(self, out: object, carrier: Carrier | None) -> None:
+        if carrier is not None and isinstance(out, torch.Tensor):
+            self._carriers[id(out)] = (carrier, out)
+        elif carrier is not None and isinstance(out, (tuple, list)):  # the parts of a split
+            for part in out:
+                self._carry(part, carrier)
+
+    def _layout(
+        self, out: torch.Tensor, args: tuple, kwargs: dict
+    ) -> tuple[int, tuple[tuple[int, Carrier | None], ...]]:
+        """The dimension of a ``cat`` and, along it, the size and carrier of each piece."""
+        pieces = _listed(args[0] if args else kwargs.get("tensors"))
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
+        dim = dim % out.dim() if isinstance(dim, int) and out.dim() else 0
+        sizes = [p.shape[dim] if isinstance(p, torch.Tensor) and p.dim() == out.dim() else 0 for p in pieces]
+        return dim, tuple((size, self._carrier(p)) for size, p in zip(sizes, pieces, strict=True))
+
+    def _narrow(self, joined: torch.Tensor, out: object) -> None:
+        """The parts of a join that span only some of its pieces (``torch.cat([obs, done.float()], -1).split([3,
+        1], -1)``, ``x[..., :3]``) carry the values of those pieces only: each part a slice along the join's
+        dimension, read from its place in the join's storage; any other part keeps the whole join's carrier."""
+        kept, (dim, pieces) = self._joins[id(joined)]
+        if kept is not joined:
+            return
+        for part in _listed(out):
+            if not isinstance(part, torch.Tensor):
+                continue
+            span = _span(joined, part, dim)
+            if span is None:
+                continue
+            found: dict[int, str | None] = {}
+            start = 0
+            for size, carrier in pieces:
+                if carrier is not None and start < span[1] and span[0] < start + size:
+                    for i, encoding in carrier:
+                        found.setdefault(i, encoding)
+                start += size
+            if found:
+                self._carriers[id(part)] = (tuple(found.items()), part)
+            else:
+                self._carriers.pop(id(part), None)
+
+    def _scaled(self, func: Callable, args: tuple, kwargs: dict) -> tuple[Carrier | None] | None:
         """What a scaling's product carries, ``None`` where no operand carries an input's values. A scaling of an
         activation is a gate (the activation takes the relevance of the product whole): the product carries none,
-        in place neither. A scaling of values that hold an activation's too (``(1 - done) * torch.cat([obs,
-        one_hot])``) carries theirs, not the gate's."""
+        in place neither; nor does a product with a constant zero (``torch.zeros(...) * (1 - done)``), whose
+        values, nothing whatever the input's, hold no share. A scaling of values that hold an activation's too
+        (``(1 - done) * torch.cat([obs, one_hot])``) carries theirs, not the gate's."""
         operands = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
         carrier = self._carrier(*operands)
         if carrier is None:
             return None
         if any(self._is_activation(v) for v in operands):
             return (None,)
+        if func in _PRODUCTS_OF_FACTORS and any(self._is_zero(v) for v in (*args, *kwargs.values())):
+            return (None,)
         scaled = [v for v in operands if v.requires_grad and not isinstance(v, nn.Parameter)]
-        return (self._carrier(*scaled) or carrier,)
+        return (self._carried(*scaled) or self._carried(*operands),)
+
+    def _is_zero(self, value: object) -> bool:
+        """Whether ``value`` is a constant zero whatever the inputs: the number, or zeros made in the call
+        (``torch.zeros``, ``zeros_like``, ``new_zeros``, ``zero_``, and views of them), holding zeros only. Batch
+        data that holds zeros (a first step's reward) is not one, nor are zeros a module holds (a buffer, or a
+        state made on the first call, ``self.state = torch.zeros(...)``) and may write after the call: either may
+        hold more on a later call, which is not watched."""
+        if not isinstance(value, torch.Tensor):
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+        if value.requires_grad or self._carrier(value) is not None:
+            return False
+        if self._zeros.get(id(value)) is not value or value.is_meta:
+            return False
+        try:
+            zero = not bool(value.any())  # as it is now: written in place since, it may hold more
+        except RuntimeError:  # values not to be read here (under vmap): not known to be zeros
+            return False
+        return zero and not self._held(value)
+
+    def _held(self, value: torch.Tensor) -> bool:
+        """Whether a module holds ``value``, or the tensor it views, as a buffer or an attribute."""
+        base = value._base if value._base is not None else value
+        for module in self._modules.values():
+            for kept in (*module._buffers.values(), *vars(module).values()):
+                if kept is value or kept is base:
+                    return True
+        return False
 
     def _is_activation(self, value: torch.Tensor) -> bool:
-        return value.requires_grad and not isinstance(value, nn.Parameter) and self._carrier(value) is None
+        """Whether ``value`` holds an activation's values: it requires grad, carries no input's values and is
+        not a parameter or computed from parameters alone (``w.expand(...)``, ``-w``)."""
+        if not value.requires_grad or isinstance(value, nn.Parameter) or self._carrier(value) is not None:
+            return False
+        return not self._from_parameters(value)
 
-    def _looked_up(self, func: Callable, args: tuple, kwargs: dict) -> tuple[int, str | None] | None:
+    def _from_parameters(self, value: torch.Tensor) -> bool:
+        """Whether every leaf of ``value``'s autograd graph is a parameter. The nodes found so, and the first node of
+        a value found not so, are kept for the call: a recurrent state's graph is not walked again at every step."""
+        root = value.grad_fn
+        if root is None:  # a leaf that requires grad: an input unless a parameter
+            return False
+        stack, seen = [root], set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen or node in self._parameter_nodes:
+                continue
+            variable = getattr(node, "variable", None)  # a leaf's node holds it
+            if node in self._activation_nodes or (variable is not None and not isinstance(variable, nn.Parameter)):
+                self._activation_nodes.add(root)
+                return False
+            seen.add(node)
+            stack.extend(child for child, _ in node.next_functions)
+        self._parameter_nodes |= seen
+        return True
+
+    def _looked_up(self, func: Callable, args: tuple, kwargs: dict) -> Carrier | None:
         """An input's values as the index into a constant table (``torch.eye(n)[a]``, a ``scatter_`` into zeros):
         an encoding of them. An activation read at them, or a parameter (an embedding's table), is not one."""
         table_at, table_name, index_at, index_name = _LOOKUPS[func]
         table = args[table_at] if len(args) > table_at else kwargs.get(table_name)
         index = args[index_at] if len(args) > index_at else kwargs.get(index_name)
-        carrier = self._carrier(*_listed(index))
+        carrier = self._carried(*_listed(index))
         if carrier is None or not isinstance(table, torch.Tensor):
             return None
         others = [table, *args[index_at + 1 :], *(v for k, v in kwargs.items() if k in ("src", "value"))]
         if any(isinstance(v, torch.Tensor) and (v.requires_grad or isinstance(v, nn.Parameter)) for v in others):
             return None
-        return carrier[0], carrier[1] or _encoding(func)
+        return _encoded(carrier, _encoding(func))
 
-    def _selected(self, func: Callable, args: tuple) -> tuple[int, str | None] | None:
+    def _selected(self, func: Callable, args: tuple) -> Carrier | None:
         """Constants chosen by an input's values (``torch.where(a == 1, 1.0, -1.0)``), or an input's values chosen:
         they carry them. A selection of an activation (a mask of attention scores) carries none."""
         condition_at, values_at = _SELECTIONS[func]
         values = [args[i] for i in values_at if i < len(args)]
         if any(isinstance(v, torch.Tensor) and self._is_activation(v) for v in values):
             return None
-        carrier = self._carrier(*values)
-        if carrier is None and condition_at < len(args) and (carrier := self._carrier(args[condition_at])) is not None:
-            return carrier[0], carrier[1] or getattr(func, "__name__", str(func))
+        carrier = self._carried(*values)
+        if carrier is None and all(self._is_zero(v) for v in values):  # zeros whatever the condition: no share
+            return None
+        if carrier is None and condition_at < len(args):
+            return _encoded(self._carrier(args[condition_at]), getattr(func, "__name__", str(func)))
         return carrier
 
     def _note(self, func: Callable, args: tuple, kwargs: dict) -> None:
@@ -261,14 +402,16 @@ class NumericInputs(TorchFunctionMode):
         tensors = [v for v in operands if isinstance(v, torch.Tensor)]
         for value in tensors:
             carrier = self._carrier(value) if value.is_floating_point() else None
-            if carrier is None or carrier[0] in self.found:
+            if carrier is None or all(i in self.found for i, _ in carrier):
                 continue
             parameters = [t for t in tensors if isinstance(t, nn.Parameter)]
             if func in _PRODUCTS and not parameters:  # a product of activations (attention): no layer
                 continue
-            self.found[carrier[0]] = self._where(func, parameters)
-            if carrier[1] is not None:
-                self.encodings[carrier[0]] = carrier[1]
+            for i, encoding in carrier:
+                if i not in self.found:
+                    self.found[i] = self._where(func, parameters)
+                    if encoding is not None:
+                        self.encodings[i] = encoding
 
     def _where(self, func: Callable, parameters: Sequence[torch.Tensor]) -> str:
         """The module holding the first of ``parameters``, else the function's name."""
@@ -294,6 +437,38 @@ def _encoding(func: Callable) -> str:
         return "a comparison"
     name = "indexing" if func is Tensor.__getitem__ else getattr(func, "__name__", str(func))
     return f"a constant table {'written' if name.startswith('scatter') else 'read'} at its values ({name})"
+
+
+def _encoded(carrier: Carrier | None, encoding: str) -> Carrier | None:
+    """``carrier`` once its values take ``encoding``: each input keeps the first encoding it took."""
+    return None if carrier is None else tuple((i, first or encoding) for i, first in carrier)
+
+
+def _span(joined: torch.Tensor, part: torch.Tensor, dim: int) -> tuple[int, int] | None:
+    """Where ``part`` lies along ``dim`` of ``joined`` (first, end), if it is a slice of it along ``dim`` alone
+    (with step 1, or one index of it); else ``None``."""
+    others = [d for d in range(joined.dim()) if d != dim]
+    try:
+        if joined.numel() == 0 or part.numel() == 0 or joined.untyped_storage().data_ptr() == 0:
+            return None
+        if part.untyped_storage().data_ptr() != joined.untyped_storage().data_ptr():
+            return None
+        if part.dim() == joined.dim():
+            shape, strides, length = [part.shape[d] for d in others], [part.stride(d) for d in others], part.shape[dim]
+            if length > 1 and part.stride(dim) != joined.stride(dim):
+                return None
+        elif part.dim() == joined.dim() - 1:
+            shape, strides, length = list(part.shape), list(part.stride()), 1
+        else:
+            return None
+        if shape != [joined.shape[d] for d in others] or strides != [joined.stride(d) for d in others]:
+            return None
+        shift, step = part.storage_offset() - joined.storage_offset(), joined.stride(dim)
+    except (RuntimeError, NotImplementedError):  # no storage to read (a meta tensor, under vmap)
+        return None
+    if step <= 0 or shift % step or not 0 <= shift // step <= joined.shape[dim] - length:
+        return None
+    return shift // step, shift // step + length
 
 
 def _listed(value: object) -> tuple:
