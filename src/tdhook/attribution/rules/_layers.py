@@ -429,7 +429,7 @@ def _check_linear_after_layer_call(module: nn.Module, weight: torch.Tensor) -> N
     outputs = []
     try:
         module.eval()
-        with torch.no_grad(), torch._C._EnableTorchFunction(), _probed(module):
+        with torch.no_grad(), run_alone(), torch._C._EnableTorchFunction(), _probed(module):
             for w in (signed, -signed, torch.zeros_like(signed)):
                 with _SubstituteLayerCall(w, None):
                     outputs.append(module.forward(probe))
@@ -514,7 +514,7 @@ def _probe_layer_input(
     modes = {sub: sub.training for sub in module.modules()}
     try:
         module.eval()  # no state may change: spectral_norm's power iteration runs in training mode only
-        with torch.no_grad(), torch._C._EnableTorchFunction(), recorder, _probed(module):
+        with torch.no_grad(), run_alone(), torch._C._EnableTorchFunction(), recorder, _probed(module):
             module.forward(_probe_input(module, reference))
     except Exception:  # noqa: BLE001 (a forward that needs more than the smallest input: not checked here)
         return

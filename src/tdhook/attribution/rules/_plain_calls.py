@@ -8,9 +8,10 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["in_plain_calls", "plain_calls", "run_alone"]
+__all__ = ["PLAIN_DEPTH", "in_plain_calls", "plain_calls", "run_alone"]
 
-_PLAIN = threading.local()
+# The depth of plain_calls blocks in this thread (its ``depth``, read where a call's cost counts: rules_apply).
+PLAIN_DEPTH = threading.local()
 
 
 @contextmanager
@@ -32,11 +33,11 @@ def plain_calls() -> Iterator[None]:
         ...     torch.autograd.grad(tanh(x), x)[0] == 1 - torch.tanh(x) ** 2
         tensor([True])
     """
-    _PLAIN.depth = getattr(_PLAIN, "depth", 0) + 1
+    PLAIN_DEPTH.depth = getattr(PLAIN_DEPTH, "depth", 0) + 1
     try:
         yield
     finally:
-        _PLAIN.depth -= 1
+        PLAIN_DEPTH.depth -= 1
 
 
 def in_plain_calls() -> bool:
@@ -46,7 +47,7 @@ def in_plain_calls() -> bool:
         >>> in_plain_calls()
         False
     """
-    return bool(getattr(_PLAIN, "depth", 0))
+    return bool(getattr(PLAIN_DEPTH, "depth", 0))
 
 
 @contextmanager

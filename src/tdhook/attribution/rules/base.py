@@ -45,7 +45,7 @@ from tdhook.attribution.rules._layers import (
 from tdhook.attribution.rules._meta_tensors import raise_for_meta_tensors
 from tdhook.attribution.rules._module_inputs import inputs_in_forward
 from tdhook.attribution.rules._parameter_sets import ParameterSets
-from tdhook.attribution.rules._plain_calls import in_plain_calls, plain_calls
+from tdhook.attribution.rules._plain_calls import PLAIN_DEPTH, plain_calls
 from tdhook.attribution.rules._rewrites import RUNNING, checked_rewrite, is_own_rewrite, rewrites
 from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules._unrecorded_writes import UNRECORDED, raise_for_unrecorded_inputs
@@ -220,7 +220,7 @@ def rules_apply(module: nn.Module | None = None) -> bool:
         ...     rules_apply()
         False
     """
-    return torch.is_grad_enabled() and not in_plain_calls() and rules_act_here(module)
+    return torch.is_grad_enabled() and not getattr(PLAIN_DEPTH, "depth", 0) and rules_act_here(module)
 
 
 class RemovableRuleHandle:
