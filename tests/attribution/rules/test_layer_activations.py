@@ -422,3 +422,21 @@ class TestStraightThroughEstimators:
         torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
         actual = lrp_relevance(model, x, relevance_out, MODIFIED[preset]())
         assert relative_error(actual, lrp_relevance(reference, x, relevance_out, MODIFIED[preset]())) <= 1e-12
+
+    @pytest.mark.parametrize("preset", ["UniformEpsilon", "EpsilonPlus"])
+    def test_a_large_shift_after_the_linear_function_in_float32_is_no_estimator(self, preset: str):
+        # Its values are on a line, rounded at the shift's size: 300 + Wx at inputs of 1e-3 is off by 1e-5 of Wx.
+        class Shifted(nn.Linear):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return super().forward(x) + 300.0
+
+        torch.manual_seed(2)
+        layer = Shifted(4, 4)
+        plain = nn.Linear(4, 4)
+        with torch.no_grad():
+            plain.weight.copy_(layer.weight)
+            plain.bias.copy_(layer.bias + 300.0)
+        model, reference = (m.float() for m in models(layer, [plain], "Linear"))
+        x, relevance_out = (t.float() for t in inputs("Linear"))
+        actual = lrp_relevance(model, x, relevance_out, MODIFIED[preset]())
+        assert relative_error(actual, lrp_relevance(reference, x, relevance_out, MODIFIED[preset]())) <= 1e-5

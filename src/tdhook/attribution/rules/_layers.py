@@ -755,7 +755,7 @@ def _values_off_the_map(module: nn.Module, weight: torch.Tensor, clips_ruled: bo
     line (``f(2W) - f(0) ≠ 2 (f(W) - f(0))``) with no call the function rules hold: a straight-through estimator
     after the map (``z + (round(z) - z).detach()``), whose output the rules took for the map's (0.10 to 0.17
     relative L2 under UniformEpsilon, 0.05 to 2.6e5 under z⁺ and αβ, against it beside the layer). One of the input
-    or the weight is linear in ``W``."""
+    or the weight is linear in ``W``. Told by the largest output (a shift after the map rounds at its size)."""
     _, probe, signed = _ray_probes(module, weight, 3)
     modes = {sub: sub.training for sub in module.modules()}
     outputs = []
@@ -774,7 +774,7 @@ def _values_off_the_map(module: nn.Module, weight: torch.Tensor, clips_ruled: bo
     if one.shape != two.shape or one.shape != zero.shape or one.dim() == 0 or one.shape[0] != _RAY_PROBES:
         return False
     line, twice = (one - zero).flatten(1), (two - zero).flatten(1)
-    scale = line.abs().amax(1).clamp(min=torch.finfo(line.dtype).tiny)
+    scale = torch.stack([one, two, zero]).flatten(2).abs().amax((0, 2)).clamp(min=torch.finfo(line.dtype).tiny)
     tolerance = max(1e-3, 16 * torch.finfo(line.dtype).eps)
     return bool(((twice - 2 * line).abs().amax(1) > tolerance * 2 * scale).any())
 
