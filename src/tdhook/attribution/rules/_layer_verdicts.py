@@ -21,8 +21,9 @@ kept here and given again while nothing it may depend on changed:
   own ``weight`` (the probes replace it): a learnt clip threshold (PACT), a flag in a buffer or a bias added after
   the linear function (a shift where it is not zero) may decide the verdict; a write through ``.data`` is seen.
   Beyond :data:`_HELD_VALUES` elements of such tensors the layer is probed at each check instead;
-* what the check itself is given (the ε-rule's class of ε: whether clips are ruled) and the autocast state and
-  torch function modes active around it.
+* what the check itself is given (the ε-rule's class of ε: whether clips are ruled) and the autocast state around
+  it; not the torch function modes active around it, which the probes run without (a call's function rules: a
+  layer checked at registration and again in a call, by the first-layer rules, was probed at every call).
 
 A verdict is kept with a weak reference to the layer: the cache never keeps a model alive.
 """
@@ -50,8 +51,10 @@ __all__ = ["checked_once", "clear_verdicts"]
 
 # The most elements of tensors whose values a verdict keeps a copy of (the layer's own weight and bias not counted).
 _HELD_VALUES = 1 << 16
-# What every nn.Module has in its __dict__ (tables and hooks read here one by one, ``training``: the probes set eval).
-_MODULE_INTERNALS = frozenset(nn.Module().__dict__)
+# What every nn.Module has in its __dict__ (tables and hooks read here one by one, ``training``: the probes set eval),
+# and the copy methods an open context sets on each module (``copy.deepcopy`` and pickle read them, no forward does):
+# a layer prepared in a call (the first-layer rules) was otherwise probed again at every call.
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) | frozenset({"__getstate__", "__deepcopy__", "__reduce_ex__"})
 _PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout})
 _BY_IDENTITY = (types.FunctionType, type, types.ModuleType)
 _WEIGHT_HOOKS = (WeightNorm, SpectralNorm, BasePruningMethod)
@@ -195,7 +198,6 @@ def _tensor_token(tensor: torch.Tensor) -> tuple:
 def _state(module: nn.Module, extra: tuple) -> tuple[tuple, list[torch.Tensor]]:
     """The key of ``module``'s verdict and the tensors whose values it keeps; raises :class:`_Uncacheable`."""
     key: list = [extra]
-    key.append(tuple(type(mode) for mode in torch.overrides._get_current_function_mode_stack()))
     key.append(tuple(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")))
     valued: list[torch.Tensor] = []
     seen: set[int] = set()

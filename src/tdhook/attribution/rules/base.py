@@ -15,7 +15,6 @@ is registered, again only when the module's parameters change (see
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -46,6 +45,7 @@ from tdhook.attribution.rules._layers import (
 from tdhook.attribution.rules._meta_tensors import raise_for_meta_tensors
 from tdhook.attribution.rules._module_inputs import inputs_in_forward
 from tdhook.attribution.rules._parameter_sets import ParameterSets
+from tdhook.attribution.rules._plain_calls import PLAIN_DEPTH, plain_calls
 from tdhook.attribution.rules._rewrites import RUNNING, checked_rewrite, is_own_rewrite, rewrites
 from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules._unrecorded_writes import UNRECORDED, raise_for_unrecorded_inputs
@@ -207,30 +207,6 @@ _UNPREPARED = object()
 # torch's global forward hooks (``register_module_forward_hook``), run before every module's own.
 _GLOBAL_FORWARD_HOOKS = nn.modules.module._global_forward_hooks
 
-_PLAIN = threading.local()
-
-
-@contextmanager
-def plain_calls() -> Iterator[None]:
-    """Run modules as they are, without their rules, inside the ``with`` block (this thread only).
-
-    A rule that evaluates the module it is registered on at another point (the
-    Taylor rule at its reference point) needs the plain function and its plain
-    Jacobian, not the rules of the modules inside it.
-
-    Examples:
-        >>> from tdhook.attribution.rules import PassRule
-        >>> tanh, x = nn.Tanh(), torch.tensor([0.5], requires_grad=True)
-        >>> with PassRule().register(tanh), plain_calls():
-        ...     torch.autograd.grad(tanh(x), x)[0] == 1 - torch.tanh(x) ** 2
-        tensor([True])
-    """
-    _PLAIN.depth = getattr(_PLAIN, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _PLAIN.depth -= 1
-
 
 def rules_apply(module: nn.Module | None = None) -> bool:
     """Whether a rule's hooks apply it to a call of ``module`` made now: with gradients, outside
@@ -244,7 +220,7 @@ def rules_apply(module: nn.Module | None = None) -> bool:
         ...     rules_apply()
         False
     """
-    return torch.is_grad_enabled() and not getattr(_PLAIN, "depth", 0) and rules_act_here(module)
+    return torch.is_grad_enabled() and not getattr(PLAIN_DEPTH, "depth", 0) and rules_act_here(module)
 
 
 class RemovableRuleHandle:
