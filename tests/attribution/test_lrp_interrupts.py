@@ -23,8 +23,9 @@ from torch import nn
 from tdhook.attribution import LRP
 from tdhook.attribution._no_grad_values import caller_grad_enabled
 from tdhook.attribution.lrp_helpers.rules import AttnLRP, EpsilonGammaBox, EpsilonPlus, EpsilonRule
-from tdhook.attribution.rules import _graph_calls, base
+from tdhook.attribution.rules import _graph_calls
 from tdhook.attribution.rules._first_pass import first_pass
+from tdhook.attribution.rules._plain_calls import PLAIN_DEPTH
 from tdhook.attribution.rules._wrapper_calls import in_a_wrapper_call
 from tests.attribution._interrupts import Interrupt, every_line
 
@@ -48,7 +49,7 @@ def global_state() -> tuple:
         # No wrapper's call in progress, no block of plain calls: the model's own calls in an open context stay
         # plain, and the wrapper's take the rules.
         in_a_wrapper_call(),
-        getattr(base._PLAIN, "depth", 0),
+        getattr(PLAIN_DEPTH, "depth", 0),
     )
 
 

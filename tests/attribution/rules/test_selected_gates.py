@@ -38,6 +38,7 @@ SELECTED = {
     "t.masked_select(mask)": lambda t: t.masked_select(_MASK).view(t.shape[0], -1),
     "t.take(index)": lambda t: t.take(_INDEX),
     "t[:, index]": lambda t: t[:, _INDEX],
+    "t.t().repeat_interleave(2, dim=0)": lambda t: t.t().repeat_interleave(2, dim=0).t(),  # of a view
     "aten.gather": lambda t: torch.ops.aten.gather.default(t, 1, _INDEX.expand(t.shape[0], -1)),
     "t.unfold(1, 2, 1)": lambda t: t.unfold(1, 2, 1).flatten(1),  # windows: a view
     "F.unfold(t, (2, 2), padding=1)": lambda t: F.unfold(t.view(-1, 1, 2, 3), (2, 2), padding=1).flatten(1),

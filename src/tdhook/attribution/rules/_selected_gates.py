@@ -85,7 +85,8 @@ def keep_selected_elements(func: Any, args: tuple, kwargs: dict, result: torch.T
         [[True, True, False, False]]
     """
     root = result._base
-    if root is None or not args or not isinstance(args[0], torch.Tensor) or root is (args[0]._base or args[0]):
+    source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if root is None or source is None or root is (source if source._base is None else source._base):
         return  # (no view, or a view of ``args[0]``'s tensor: it reads its note)
 
     def onto_root(mask: torch.Tensor) -> torch.Tensor:
