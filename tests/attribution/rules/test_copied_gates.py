@@ -86,3 +86,32 @@ def test_a_tensor_copied_over_weights_is_no_weights():
     written = target.copy_(x * 2)
     keep_copied_marks((target, x * 2), written)
     assert "_tdhook_softmax_weights" not in written.__dict__
+
+
+class CopiedOver(nn.Module):
+    """A copy of a join of a softmax's weights over 3 and an activation over 3, with ``kind`` (an activation, or a
+    softmax's weights, over 6) copied over it in place, times a signal; ``apart``: the product taken with ``kind``
+    directly (the oracle: the same values, element by element)."""
+
+    def __init__(self, kind: str, apart: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.h, self.s, self.n = nn.Linear(4, 3), nn.Linear(4, 3), nn.Linear(4, 6), nn.Linear(4, 6)
+        self.out = nn.Linear(6, 3)
+        self.kind, self.apart = kind, apart
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        new = torch.softmax(self.n(x), -1) if self.kind == "softmax" else torch.relu(self.n(x))
+        signal = torch.relu(self.s(x))
+        if self.apart:
+            return self.out(new * signal)
+        held = torch.cat([torch.softmax(self.a(x), -1), torch.relu(self.h(x))], 1).clone()
+        return self.out(held.copy_(new) * signal)
+
+
+@pytest.mark.parametrize("kind", ["relu", "softmax"])
+def test_a_copy_over_a_join_of_weights_is_marked_as_what_it_copies(kind: str):
+    # The join's note of its weights stayed, read as written into since (not known): the product was refused.
+    torch.manual_seed(1)
+    model, oracle = CopiedOver(kind).double(), CopiedOver(kind, apart=True).double()
+    check_like_oracle(model, oracle, randn(3, 4), AttnLRP)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from tdhook.attribution.rules._in_place_writes import GATE_MARKS, gate_marks_of, mark_written_in_place
-from tdhook.attribution.rules._joined_weights import WEIGHTS_MARK, keep_weights_elements
+from tdhook.attribution.rules._joined_weights import _WEIGHTS_JOINED, WEIGHTS_MARK, keep_weights_elements
 from tdhook.attribution.rules._kept_gate_elements import keep_gate_elements
 
 __all__ = ["COPIES_IN_PLACE", "keep_copied_marks", "written_in_place"]
@@ -55,6 +55,9 @@ def keep_copied_marks(args: tuple, result: object) -> None:
         marks = gate_marks_of(source)  # (a gate's marks, set by ``Tensor.copy_``'s write already, not ``aten.copy_``'s)
         for mark in GATE_MARKS:
             result.__dict__.pop(mark, None)
+        # Every element is the copy's now: the note of a join of weights held before goes (it read as written into
+        # since, not known: a product with a signal copied over it was refused).
+        result.__dict__.pop(_WEIGHTS_JOINED, None)
         result.__dict__.update(marks)
         broadcast = None if source.shape == shape else (lambda mask: mask.expand(shape))
     keep_gate_elements(source, result, broadcast)
