@@ -112,3 +112,32 @@ def test_the_selections_keep_the_marks_of_gates_and_weights():
     repeated = keep_gate_mark(torch.Tensor.repeat_interleave, (weights, 2), weights.repeat_interleave(2))
     assert repeated.__dict__.get("_tdhook_softmax_weights") is True
     assert torch.gather in SELECTIONS and torch.ops.aten.index.Tensor in SELECTIONS
+
+
+class WindowsOfAPiece(nn.Module):
+    """A join of a sigmoid's gate over 3 and an activation over 3, whose gate piece is cut into windows
+    (``m[:, :3].unfold(1, 2, 1)``, views of the join itself) each times a signal, and the join, copied
+    (``m.t().contiguous()``), times another; ``apart``: the join's products taken piece by piece (the oracle)."""
+
+    def __init__(self, apart: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.h, self.s = nn.Linear(4, 3), nn.Linear(4, 3), nn.Linear(4, 6)
+        self.out = nn.Linear(10, 2)
+        self.apart = apart
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, other, signal = torch.sigmoid(self.a(x)), torch.relu(self.h(x)), torch.relu(self.s(x))
+        joined = torch.cat([gate, other], 1)
+        windows = (joined[:, :3].unfold(1, 2, 1) * signal[:, :4].reshape(-1, 2, 2)).reshape(-1, 4)
+        if self.apart:
+            return self.out(torch.cat([gate * signal[:, :3], other * signal[:, 3:], windows], 1))
+        return self.out(torch.cat([(joined.t().contiguous() * signal.t()).t(), windows], 1))
+
+
+@pytest.mark.parametrize("mapper", sorted(MAPPERS))
+def test_windows_of_a_gate_piece_leave_its_join_no_gate(mapper: str):
+    # The windows, views of the join, marked the join a gate whole: its copy's product held the activation's
+    # elements too (0.046 off, relative L2, under AttnLRP and CP-LRP, 0.063 under EpsilonPlus).
+    torch.manual_seed(1)
+    check_like_oracle(WindowsOfAPiece().double(), WindowsOfAPiece(apart=True).double(), randn(3, 4), MAPPERS[mapper])
