@@ -440,3 +440,74 @@ class TestStraightThroughEstimators:
         x, relevance_out = (t.float() for t in inputs("Linear"))
         actual = lrp_relevance(model, x, relevance_out, MODIFIED[preset]())
         assert relative_error(actual, lrp_relevance(reference, x, relevance_out, MODIFIED[preset]())) <= 1e-5
+
+
+class LowRankAdapted(nn.Linear):
+    """A Linear layer with a low-rank branch in its forward (three linear functions): affine in its input."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.down, self.up = nn.Parameter(torch.randn(2, 4)), nn.Parameter(torch.randn(4, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 0.5 * F.linear(F.linear(x, self.down), self.up)
+
+    def merged(self) -> torch.Tensor:
+        return self.weight + 0.5 * self.up @ self.down
+
+
+class ZeroBiased(nn.Linear):
+    """A Linear layer whose forward passes its linear function a bias of zeros."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, torch.zeros(self.out_features, dtype=x.dtype))
+
+    def merged(self) -> torch.Tensor:
+        return self.weight
+
+
+class TiedTwice(nn.Linear):
+    """A Linear layer that runs its weight and then its transpose (an autoencoder's tied weights): ``WᵀW x + b``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(x, self.weight), self.weight.t(), self.bias)
+
+    def merged(self) -> torch.Tensor:
+        return self.weight.t() @ self.weight
+
+
+class TestAffineLayerSubclassesAreNotRefused:
+    """Linear subclasses whose forward is affine in its input, though not one call of ``F.linear`` with the layer's
+    own parameters, pass the checks of a gate, a norm or an estimator inside a layer under the presets' rules for
+    Linear layers, and explain as the plain Linear layer with the weight they compute with (1e-16 relative L2,
+    float64). A modified pass (z⁺) gives its weight to the first linear function alone: a second linear function of
+    the input (a low-rank branch, tied weights) would stay unmodified, and is refused by name."""
+
+    @pytest.mark.parametrize("preset", ["EpsilonPlus", "EpsilonGammaBox", "EpsilonAlpha2Beta1", "UniformEpsilon"])
+    @pytest.mark.parametrize("layer_class", [LowRankAdapted, ZeroBiased, TiedTwice])
+    def test_explains_as_the_plain_layer_with_its_weight(self, layer_class: type, preset: str):
+        explains_as_the_plain_layer(layer_class, preset)
+
+    def test_a_zero_bias_passes_the_modified_passes_checks(self):
+        explains_as_the_plain_layer(ZeroBiased, "ZPlus")
+
+    @pytest.mark.parametrize("layer_class", [LowRankAdapted, TiedTwice])
+    def test_a_second_linear_function_of_the_input_is_refused_by_name_under_z_plus(self, layer_class: type):
+        with pytest.raises(ValueError, match=rf"module '2' \({layer_class.__name__}\): {layer_class.__name__}: its"):
+            explains_as_the_plain_layer(layer_class, "ZPlus")
+
+
+def explains_as_the_plain_layer(layer_class: type, preset: str) -> None:
+    """Assert that the layer of ``layer_class`` explains under ``preset`` as a plain Linear layer with its weight."""
+    torch.manual_seed(2)
+    layer = layer_class(4, 4) if layer_class is not LowRankAdapted else layer_class()
+    layer = layer.double()
+    plain = nn.Linear(4, 4).double()
+    with torch.no_grad():
+        plain.weight.copy_(layer.merged())
+        plain.bias.copy_(layer.bias if layer_class is not ZeroBiased else torch.zeros(4))
+    model, reference = models(layer, [plain], "Linear")
+    x, relevance_out = inputs("Linear")
+    torch.testing.assert_close(model(x), reference(x))
+    actual = lrp_relevance(model, x, relevance_out, MODIFIED[preset]())
+    assert relative_error(actual, lrp_relevance(reference, x, relevance_out, MODIFIED[preset]())) <= 1e-12
