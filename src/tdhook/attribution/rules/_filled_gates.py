@@ -18,13 +18,9 @@ from typing import Any
 
 import torch
 
+from tdhook.attribution.rules._aten_operators import aten_operators as _aten
+
 __all__ = ["FILLS", "filled_mask", "filled_pieces", "is_constant"]
-
-
-def _aten(*names: str) -> frozenset:
-    """The ATen operators ``torch.ops.aten.<name>``, as packets and as each of their overloads."""
-    packets = [getattr(torch.ops.aten, name) for name in names]
-    return frozenset(op for packet in packets for op in (packet, *(getattr(packet, o) for o in packet.overloads())))
 
 
 _MASKED_FILLS = frozenset({torch.masked_fill, torch.Tensor.masked_fill}) | _aten("masked_fill")

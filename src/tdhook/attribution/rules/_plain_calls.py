@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["PLAIN_DEPTH", "in_plain_calls", "plain_calls", "run_alone"]
+__all__ = ["PLAIN_DEPTH", "plain_calls", "run_alone"]
 
 # The depth of plain_calls blocks in this thread (its ``depth``, read where a call's cost counts: rules_apply).
 PLAIN_DEPTH = threading.local()
@@ -40,16 +40,6 @@ def plain_calls() -> Iterator[None]:
         PLAIN_DEPTH.depth -= 1
 
 
-def in_plain_calls() -> bool:
-    """Whether this thread runs inside :func:`plain_calls`.
-
-    Examples:
-        >>> in_plain_calls()
-        False
-    """
-    return bool(getattr(PLAIN_DEPTH, "depth", 0))
-
-
 @contextmanager
 def run_alone() -> Iterator[None]:
     """Run a module's forward as it is, inside the ``with`` block: in :func:`plain_calls`, and without the torch
@@ -64,8 +54,8 @@ def run_alone() -> Iterator[None]:
         >>> import torch
         >>> from torch.overrides import TorchFunctionMode
         >>> with TorchFunctionMode(), run_alone():
-        ...     len(torch.overrides._get_current_function_mode_stack()), in_plain_calls()
-        (0, True)
+        ...     len(torch.overrides._get_current_function_mode_stack()), PLAIN_DEPTH.depth
+        (0, 1)
     """
     modes = []
     try:

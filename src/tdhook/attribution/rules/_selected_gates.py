@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tdhook.attribution.rules._aten_operators import aten_operators as _aten
+from tdhook.attribution.rules._in_place_writes import _root_of
 from tdhook.attribution.rules._joined_weights import keep_weights_elements
 from tdhook.attribution.rules._kept_gate_elements import keep_gate_elements
 
@@ -34,20 +36,14 @@ _NAMES = ("repeat_interleave", "gather", "index_select", "take_along_dim", "mask
 _ATEN_NAMES = (*_NAMES, "index")
 
 
-def _aten(names: tuple[str, ...]) -> frozenset:
-    """The ATen operators ``torch.ops.aten.<name>``, as packets and as each of their overloads."""
-    packets = [getattr(torch.ops.aten, name) for name in names]
-    return frozenset(op for packet in packets for op in (packet, *(getattr(packet, o) for o in packet.overloads())))
-
-
 #: The calls that select elements of their first argument into a new tensor, through ``torch``, ``torch.Tensor``
 #: and ``torch.ops.aten`` (``aten.index``: an advanced index, ``g[idx]``).
 SELECTIONS = frozenset(
-    {getattr(torch, name) for name in _NAMES} | {getattr(torch.Tensor, name) for name in _NAMES} | _aten(_ATEN_NAMES)
+    {getattr(torch, name) for name in _NAMES} | {getattr(torch.Tensor, name) for name in _NAMES} | _aten(*_ATEN_NAMES)
 )
 # Windows of the elements: ``g.unfold(1, 2, 1)``, ``F.unfold(g, 2)`` (with the zeros padded with).
-SELECTIONS |= {torch.Tensor.unfold, F.unfold} | _aten(("unfold", "im2col"))
-_PADDED_WINDOWS = frozenset({F.unfold}) | _aten(("im2col",))
+SELECTIONS |= {torch.Tensor.unfold, F.unfold} | _aten("unfold", "im2col")
+_PADDED_WINDOWS = frozenset({F.unfold}) | _aten("im2col")
 
 
 def on_mask(func: Any, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -86,7 +82,7 @@ def keep_selected_elements(func: Any, args: tuple, kwargs: dict, result: torch.T
     """
     root = result._base
     source = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    if root is None or source is None or root is (source if source._base is None else source._base):
+    if root is None or source is None or root is _root_of(source):
         return  # (no view, or a view of ``args[0]``'s tensor: it reads its note)
 
     def onto_root(mask: torch.Tensor) -> torch.Tensor:

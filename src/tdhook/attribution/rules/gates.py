@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from tdhook.attribution.rules._aten_operators import aten_operators as _aten
 from tdhook.attribution.rules._autograd import (
     call_argument,
     hold,
@@ -53,7 +54,7 @@ from tdhook.attribution.rules._copied_gates import COPIES_IN_PLACE, keep_copied_
 from tdhook.attribution.rules._filled_gates import FILLS, filled_mask, filled_pieces
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, note_gate_written
 from tdhook.attribution.rules._held_norm_calls import NORMALIZING_CALLS, HeldNormCalls, normalized_inputs
-from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, gate_marks_of, mark_written_in_place
+from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, _root_of, gate_marks_of, mark_written_in_place
 from tdhook.attribution.rules._joined_gates import GATE_JOINS, mark_joined_gate
 from tdhook.attribution.rules._joined_weights import (
     WEIGHTS_MARK,
@@ -149,12 +150,6 @@ GATE_SCALINGS = frozenset(
 GATE_MULTIPLICATIONS = frozenset(
     {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.multiply, torch.Tensor.multiply}
 )
-
-
-def _aten(*names: str) -> frozenset:
-    """The ATen operators ``torch.ops.aten.<name>``, as packets and as each of their overloads."""
-    packets = [getattr(torch.ops.aten, name) for name in names]
-    return frozenset(op for packet in packets for op in (packet, *(getattr(packet, o) for o in packet.overloads())))
 
 
 # The same operations called through ``torch.ops`` (``torch.ops.aten.view.default(gate, shape)``): a gate stays one.
@@ -262,7 +257,7 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
         return result
     same_values = func in SAME_VALUES or (func in GATE_RESIZES and _convex_resize(args, kwargs or {}))
     if (same_values or func in GATE_PADS) and args and is_gate(args[0]) and isinstance(result, torch.Tensor):
-        if func in SELECTIONS and result._base is not None and result._base is not _root(args[0]):
+        if func in SELECTIONS and result._base is not None and result._base is not _root_of(args[0]):
             # ``g.repeat_interleave(2, 1)``: a view of a copy of g's (not ``m[:, :3].unfold(1, 2, 1)``, a view of the
             # tensor ``m`` itself: a join whose other elements are none, marked a gate whole, 0.046 off)
             mark_gate(result._base, _mark(args[0], GATE_MARK), sigmoid=_mark(args[0], SIGMOID_MARK, False))
@@ -311,11 +306,6 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
             if isinstance(piece, torch.Tensor):
                 mark_weights(piece)
     return result
-
-
-def _root(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor whose storage ``tensor`` (a tensor, or a view of one) shows."""
-    return tensor if tensor._base is None else tensor._base
 
 
 def _keep_filled_marks(filled: list, result: torch.Tensor, made: Callable[[torch.Tensor], torch.Tensor]) -> None:
