@@ -366,43 +366,42 @@ class Recording:
 
 
 class _Plan:
-    """Paths from a call's outputs to its products' and held scales' nodes, as one program of steps (see the
-    module's docstring).
+    """The places of a call's products', held scales' and held tensors' nodes in its graph, and the shape of that
+    graph (see :mod:`~tdhook.attribution._graph_shape`).
 
-    Step ``i`` reaches a node: the ``index``-th root where ``parent`` is -1 (the outputs' ``grad_fn``, then the
-    nodes of the norms' outputs, in the order of their calls), else the ``index``-th next function of step
-    ``parent``'s node. It expects the node's type, and for a product, a scale or a held tensor its sequence number
-    (relative to the first number of the call) and what puts its hook on it; ``expand`` where later steps start from
-    it. ``plain``: the modules whose rule the plan puts on the graph (norms that run without their mode, activations
-    whose rule goes on their node); ``quiet``: those of them whose hooks have nothing to do in a later call, which
-    runs them without (the norms' calls note their outputs all the same: ``noting``, their ids).
+    A later call whose graph has the recorded shape has, at each place of ``hooks``, the node that stands for the
+    recorded one: ``hooks`` holds per node its place in the walk of :func:`graph_shape`, its sequence number
+    (relative to the first number of the call) and what puts its hook on it. ``plain``: the modules whose rule the
+    plan puts on the graph (norms that run without their mode, activations whose rule goes on their node);
+    ``quiet``: those of them whose hooks have nothing to do in a later call, which runs them without (the norms'
+    calls note their outputs all the same: ``noting``, their ids).
     """
 
     def __init__(
         self,
         keys: list,
         norm_outputs: int,
-        steps: list[tuple[int, int, type, int | None, bool, Any]],
+        hooks: list[tuple[int, int, Any]],
         nodes: int,
         plain: tuple,
+        shape: tuple,
         quiet: tuple = (),
         noting: frozenset = frozenset(),
         kept: tuple = (),
-        shape: tuple | None = None,
     ) -> None:
         self.keys = keys  # the keys of the outputs the paths start from
         self.kept = frozenset(id(module) for module in kept)  # modules whose outputs a call keeps (see _GivenInput)
         self.kept_modules = kept
         self.quiet, self.noting = quiet, noting
         self.norm_outputs = norm_outputs  # how many norm outputs the call notes, where paths start too
-        self.steps = steps
+        self.hooks = hooks
         self.nodes = nodes  # how many nodes the call creates
         self.modules = plain  # the modules themselves, kept alive while their ids stand for them
         self.plain = frozenset(id(module) for module in plain)
         self.shape = shape  # the graph's shape (see graph_shape): the same nodes may be another graph
         # Whether the recorded graph holds no node of the batch_norm kernel: one of the same shape holds none either,
         # and a later call's look for such nodes (see late_norm_nodes_laid_out) need not walk it.
-        self.without_norm_kernels = shape is not None and not any(
+        self.without_norm_kernels = not any(
             type(entry) is tuple and entry[0] in BATCH_NORM_KERNEL_NODES for entry in shape
         )
 
@@ -423,31 +422,27 @@ class _Plan:
         directly, which the mode leaves its plain gradient; an activation's input that is not the kept output)."""
         if end - start != self.nodes or len(norm_outputs) != self.norm_outputs:
             return False
-        nexts: list[Any] = []  # per step, its node's next functions (where later steps start from it)
-        hooked = []
         try:
             roots = [result.get(key, None).grad_fn for key in self.keys] + norm_outputs
-            for parent, index, kind, offset, expand, attach in self.steps:
-                node = roots[index] if parent < 0 else nexts[parent][index][0]
-                if type(node) is not kind:
-                    return False
-                if offset is not None:
-                    if node._sequence_nr() - start != offset:
-                        return False
-                    if isinstance(attach, _OnNode) and not _saved_readable(node):
-                        return False
-                    if type(attach) is _OnNode and type(attach.hook) in (_GivenInput, _Recomputed):
-                        attach = attach.hook.given(node, kept)
-                        if attach is None:
-                            return False
-                    elif activation_outputs and type(attach) is _OnNode and type(attach.hook) is PassRuleOnNode:
-                        attach = attach.hook.given(node, activation_outputs)
-                    hooked.append((node, attach))
-                nexts.append(node.next_functions if expand else None)
-        except (IndexError, AttributeError):  # fewer outputs or next functions than recorded
+        except AttributeError:  # an output the recorded call returned is gone
             return False
-        if self.shape is not None and graph_shape(roots) != self.shape:
+        walked: list[Any] = []
+        if graph_shape(roots, walked=walked) != self.shape:
             return False  # a branch fed a product a constant, or a held gate to a product that does not hold it
+        hooked = []
+        for place, offset, attach in self.hooks:
+            node = walked[place]
+            if node._sequence_nr() - start != offset:
+                return False
+            if isinstance(attach, _OnNode) and not _saved_readable(node):
+                return False
+            if type(attach) is _OnNode and type(attach.hook) in (_GivenInput, _Recomputed):
+                attach = attach.hook.given(node, kept)
+                if attach is None:
+                    return False
+            elif activation_outputs and type(attach) is _OnNode and type(attach.hook) is PassRuleOnNode:
+                attach = attach.hook.given(node, activation_outputs)
+            hooked.append((node, attach))
         for node, attach in hooked:
             attach(node)
         if self.without_norm_kernels:
@@ -625,30 +620,11 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
             norms.pop(id(cut.module), None)
     cuts = [cut for cut in cuts if id(cut.module) in norms]
     if not products and not cuts and not holds:
-        # Nothing to gain, and a plan with no step checks no node type: a later call whose branch makes another
-        # graph of the same size (a sum become a product) would run without its rule.
-        return None
-    steps: list[tuple[int, int, type, int | None, bool, Any]] = []
-    slots: dict[int, int] = {}
+        return None  # nothing to gain
     # Each earlier product added a node of the mode's own (its gradient's factor), which a plain call lacks.
     targets = {id(node): (position, _HALVE) for position, node in products}
     targets |= {id(cut.node): (cut.earlier, _CUT) for cut in cuts}
     targets |= {id(hold.node): (hold.earlier, _hold_hook(hold)) for hold in holds}
-    for target in targets:
-        chain = []  # the nodes from the target up to the first one with a step, or to an output
-        key: int | None = target
-        while key is not None and key not in slots:
-            chain.append(key)
-            key = parents[key][0]
-        for key in reversed(chain):
-            parent, index, node = parents[key]
-            earlier, attach = targets.get(key, (None, None))
-            offset = None if earlier is None else node._sequence_nr() - start - earlier
-            if parent is not None:
-                parent_step = steps[slots[parent]]
-                steps[slots[parent]] = (*parent_step[:4], True, parent_step[5])
-            steps.append((-1 if parent is None else slots[parent], index, type(node), offset, False, attach))
-            slots[key] = len(steps) - 1
     nodes = end - start - len(recording.products)
     # The norms that run plainly and the activations whose rule goes on their node run without their hooks (but
     # those of activations whose hooks let a call be).
@@ -665,9 +641,16 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
     scales: dict[int, dict[int, Any]] = {}
     for cut in cuts:
         scales.setdefault(id(cut.consumer), {})[cut.index] = cut.node
-    shape = graph_shape([output.grad_fn for output in outputs] + recording.outputs, factors, scales)
+    walked: list[Any] = []
+    shape = graph_shape([output.grad_fn for output in outputs] + recording.outputs, factors, scales, walked)
+    # The walk reaches every node of the paths above (it skips no node behind a held one, nor a dropped input).
+    places = {id(node): place for place, node in enumerate(walked)}
+    hooks = [
+        (places[key], parents[key][2]._sequence_nr() - start - earlier, attach)
+        for key, (earlier, attach) in targets.items()
+    ]
     kept_modules = tuple(kept.values())
-    return _Plan(keys, len(recording.outputs), steps, nodes, plain, quiet, frozenset(norms), kept_modules, shape)
+    return _Plan(keys, len(recording.outputs), hooks, nodes, plain, shape, quiet, frozenset(norms), kept_modules)
 
 
 class _OnNode(NamedTuple):

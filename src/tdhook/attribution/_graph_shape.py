@@ -35,17 +35,29 @@ _PARAMETER = torch.nn.Parameter
 _NONE_HELD: dict = {}  # read only
 
 
-def graph_shape(roots: Sequence[Any], factors: dict[int, Any] | None = None, scales: dict | None = None) -> tuple:
+def graph_shape(
+    roots: Sequence[Any],
+    factors: dict[int, Any] | None = None,
+    scales: dict | None = None,
+    walked: list[Any] | None = None,
+) -> tuple:
     """The shape of the graph reached from the nodes ``roots``: per node, in the order a breadth-first walk reaches
     them, its type, the places of its inputs' nodes (-1 for an input without one) and, for a leaf, the id of its
     parameter (``None`` for a tensor that is no parameter: an input).
 
     In a recording call the function mode's graph stands for a plain call's: ``factors`` (by id) maps a node of the
     mode's own to the product's node it follows, ``scales`` (by the id of a node, then by place) gives the node of a
-    scale the mode detached where the node took it.
+    scale the mode detached where the node took it. ``walked``, where given (empty), receives the nodes in the
+    walk's order: in two graphs of one shape, the nodes at one place there stand for each other.
+
+    >>> x = torch.randn(3, requires_grad=True)
+    >>> walked = []
+    >>> shape = graph_shape([(x * 2).sum().grad_fn], walked=walked)
+    >>> [type(node).__name__ for node in walked]
+    ['SumBackward0', 'MulBackward0', 'AccumulateGrad']
     """
     places: dict[Any, int] = {}  # by node (autograd gives a node the same Python object while it lives)
-    nodes: list[Any] = []
+    nodes: list[Any] = [] if walked is None else walked
     shape: list[Any] = []
     mapped = bool(factors or scales)
     factors, scales = factors or {}, scales or {}
