@@ -7,20 +7,20 @@ rule on a product of two activations (``q · kᵀ``, ``attention · v``, ``silu(
 gradient that reaches the product's autograd node; the rest of the calls it only lets through.
 
 So a call of a wrapper that runs in the mode records where those products' nodes lie in the graph the forward
-pass leaves: the path from the model's outputs to each of them, with the type of every node on the way, and
-how many nodes the pass creates before each and in all (autograd numbers the nodes a thread creates). A later
-call on inputs of the same shapes runs the model without the mode, follows the recorded paths from its
-outputs, checks that every node on them is of the recorded type and number, and puts a pre-hook that halves
-the gradient on each product's node: the same factor on the same node, with no Python between the torch
-calls. Where anything differs, its hooks are not set, and the call runs again in the mode (and records anew);
-inputs whose graph differs twice keep the mode from then on.
+pass leaves: the shape of that graph (see :mod:`~tdhook.attribution._graph_shape`), the place of each of them in
+the walk that reads it, and how many nodes the pass creates before each and in all (autograd numbers the nodes a
+thread creates). A later call on inputs of the same shapes runs the model without the mode, walks its own graph
+from its outputs, checks that it has the recorded shape and that the node at each recorded place has the
+recorded number, and puts a pre-hook that halves the gradient on each product's node: the same factor on the same
+node, with no Python between the torch calls. Where anything differs, its hooks are not set, and the call runs
+again in the mode (and records anew); inputs whose graph differs twice keep the mode from then on.
 
 Norms written out (Llama's RMSNorm: ``x * rsqrt(mean(x²) + ε)``) get the same treatment: their rule
 (:class:`~tdhook.attribution.rules.normalization.NormRule`) holds the normalising scale constant by detaching it in
 a mode of its own, nine torch calls of Python dispatch per norm. The recording call notes each held scale's node and
 the node of the call that took the scale (see :mod:`~tdhook.attribution.rules._graph_calls`); a later call runs the
 norm's forward as it is (without the rule's hooks, see :mod:`~tdhook.attribution._quiet_modules`; the call notes the
-node of its output all the same, where the paths to its scales start) and puts a pre-hook on the scale's node that
+node of its output all the same, where the walk to its scales starts) and puts a pre-hook on the scale's node that
 passes no gradient, so that the nodes behind it get none either, as behind the detached scale: the same gradient,
 bit for bit. A fused ``F.layer_norm`` (a module's, or called as a function) gets its rule as a hook on its own node,
 from the scale the node saved: the recording call puts it there and notes the node, a later call puts it on the same
@@ -389,11 +389,11 @@ class _Plan:
         noting: frozenset = frozenset(),
         kept: tuple = (),
     ) -> None:
-        self.keys = keys  # the keys of the outputs the paths start from
+        self.keys = keys  # the keys of the outputs the walk starts from
         self.kept = frozenset(id(module) for module in kept)  # modules whose outputs a call keeps (see _GivenInput)
         self.kept_modules = kept
         self.quiet, self.noting = quiet, noting
-        self.norm_outputs = norm_outputs  # how many norm outputs the call notes, where paths start too
+        self.norm_outputs = norm_outputs  # how many norm outputs the call notes, where the walk starts too
         self.hooks = hooks
         self.nodes = nodes  # how many nodes the call creates
         self.modules = plain  # the modules themselves, kept alive while their ids stand for them
