@@ -120,8 +120,8 @@ def test_warned_once_per_batch_norm():
 
 @pytest.mark.parametrize(
     "between",
-    [lambda z: z, torch.relu, lambda z: z * 2.0, lambda z: z.clone().add_(0.1)],
-    ids=["direct", "relu", "scaled", "shifted-copy"],
+    [lambda z: z, torch.relu, lambda z: z * 2.0, lambda z: z.clone().add_(0.1), lambda z: z.mul_(2.0)],
+    ids=["direct", "relu", "scaled", "shifted-copy", "scaled-in-place"],
 )
 def test_nothing_said_where_the_batch_norm_merges_or_the_values_changed(between):
     with warnings.catch_warnings(record=True) as caught:

@@ -35,6 +35,9 @@ __all__ = ["copied_layer_call", "warn_of_copied_layer_output"]
 
 # How far back from the BatchNorm's input the walk looks for a layer's output.
 _STEPS = 8
+# The operations that make a view of their input: the only ones whose output shares the layer output's memory
+# without having written into it.
+_VIEWS = frozenset({"view", "alias", "unsafeView", "reshapeAlias"})
 # An ε up to this (the presets' default on dense layers) is the plain gradient, merged or not.
 _NEGLIGIBLE_EPSILON = 1e-6
 
@@ -106,6 +109,8 @@ def copied_layer_call(tensor: Any) -> tuple[Any, tuple[str, ...]] | None:
     raw = getattr(call, "raw", None)
     if not isinstance(raw, torch.Tensor) or raw.shape != tensor.shape or raw.dtype != tensor.dtype:
         return None
+    if raw.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr() and not _VIEWS.issuperset(names):
+        return None  # the layer's output written in place (a hook's output.mul_(2)): its values changed with it
     with torch.no_grad():
         if not torch.equal(raw, tensor.detach()):
             return None
