@@ -22,18 +22,13 @@ from torch.nn.utils import fusion, parametrizations, parametrize, prune
 from zennit import composites as zcomposites
 from zennit.canonizers import SequentialMergeBatchNorm
 
-from tdhook.attribution import LRP, EpsilonAlpha2Beta1, EpsilonGammaBox, EpsilonPlus, EpsilonPlusFlat, UniformEpsilon
+from tdhook.attribution import LRP, UniformEpsilon
+from tests.attribution.rules._helpers import CNN_PRESETS
 from tests.attribution.test_lrp_layers import randomise_batch_norm
 from tests.conftest import relative_error, zennit_model_relevance
 
 F64 = torch.float64
-PRESETS: dict[str, Callable[[], object]] = {
-    "EpsilonPlus": EpsilonPlus,
-    "EpsilonPlusFlat": EpsilonPlusFlat,
-    "EpsilonGammaBox": lambda: EpsilonGammaBox(-3.0, 3.0),
-    "EpsilonAlpha2Beta1": EpsilonAlpha2Beta1,
-    "UniformEpsilon": UniformEpsilon,
-}
+PRESETS: dict[str, Callable[..., object]] = {**CNN_PRESETS, "UniformEpsilon": UniformEpsilon}
 ZENNIT = {
     "EpsilonPlus": zcomposites.EpsilonPlus,
     "EpsilonGammaBox": lambda: zcomposites.EpsilonGammaBox(low=-3.0, high=3.0),

@@ -13,17 +13,17 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from tdhook.attribution import LRP, EpsilonAlpha2Beta1, EpsilonGammaBox, EpsilonPlus, UniformEpsilon
+from tdhook.attribution import LRP, EpsilonPlus, UniformEpsilon
 from tdhook.attribution.rules import EpsilonRule
 from tdhook.attribution.rules._copied_layer_outputs import copied_layer_call
+from tests.attribution.rules._helpers import CNN_PRESETS
 from tests.attribution.test_lrp_layers import randomise_batch_norm
 from tests.conftest import relative_error
 
 F64 = torch.float64
-PRESETS: dict[str, Callable[[], object]] = {
-    "EpsilonPlus": EpsilonPlus,
-    "EpsilonAlpha2Beta1": EpsilonAlpha2Beta1,
-    "EpsilonGammaBox": lambda: EpsilonGammaBox(-3.0, 3.0),
+# The CNN presets whose rules differ on a convolution (EpsilonPlusFlat's are EpsilonPlus's after the first layer).
+PRESETS: dict[str, Callable[..., object]] = {
+    **{name: CNN_PRESETS[name] for name in ("EpsilonPlus", "EpsilonAlpha2Beta1", "EpsilonGammaBox")},
     "UniformEpsilon": UniformEpsilon,
 }
 MESSAGE = r"the BatchNorm2d after Conv2d \(\w+\) is not merged into it: .* made by {}"
