@@ -11,6 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._concatenated_layers import concatenated_layer_calls
+from tdhook.attribution.rules._copied_layer_outputs import warn_of_copied_layer_output
 from tdhook.attribution.rules._graph_calls import note_output, recording
 from tdhook.attribution.rules._held_parameters import HeldParameters
 from tdhook.attribution.rules._keeping_graph import graph_kept
@@ -103,6 +104,7 @@ class MergeBatchNormRule(NormRule):
     def __init__(self, epsilon: float = 1e-6) -> None:
         super().__init__(epsilon)
         self._warned: set[type] = set()
+        self._warned_copies: set[int] = set()  # BatchNorms reading a layer's output as a copy (warned of once)
 
     @property
     def differentiable(self) -> bool:  # type: ignore[override]
@@ -150,6 +152,10 @@ class MergeBatchNormRule(NormRule):
         flattened = call is None and (call := _flattened_layer_call(args[0])) is not None
         if call is None or not _can_merge(call, module, flattened):
             self._refuse_unmerged(module)
+            if call is None and parts is None:
+                warn_of_copied_layer_output(
+                    module, args[0], self._warned_copies, lambda copied: _can_merge(copied, module)
+                )
             return super().batch_norm(module, output, args, kwargs)
         if not call.rule.merges_batch_norm:
             if type(call.rule) not in self._warned:
