@@ -163,11 +163,28 @@ _LOOKUPS: dict[Callable, tuple[int, str, int, str]] = {
     torch.index_select: (0, "input", 2, "index"),
     Tensor.gather: (0, "self", 2, "index"),
     torch.gather: (0, "input", 2, "index"),
-    Tensor.scatter: (0, "self", 2, "index"),
-    Tensor.scatter_: (0, "self", 2, "index"),
-    torch.scatter: (0, "input", 2, "index"),
     F.embedding: (1, "weight", 0, "input"),
 }
+# Writes of values into their first argument, in place (``z[:, 4] = a.float()``, ``z.narrow(1, 4, 1).copy_(...)``)
+# or into a copy of it (``torch.index_copy``): the position and keyword of the index or mask that says where (none:
+# ``copy_`` and the ``*_scatter`` of a slice), then of the values written.
+_WRITES: dict[Callable, tuple[int | None, str, int, str]] = {
+    Tensor.__setitem__: (1, "indices", 2, "value"),
+    Tensor.copy_: (None, "", 1, "src"),
+    **dict.fromkeys((Tensor.index_put_, Tensor.index_put, torch.index_put), (1, "indices", 2, "values")),
+    **dict.fromkeys((Tensor.masked_scatter_, Tensor.masked_scatter, torch.masked_scatter), (1, "mask", 2, "source")),
+    **dict.fromkeys((Tensor.put_, Tensor.put, torch.put), (1, "index", 2, "source")),
+    **dict.fromkeys((Tensor.scatter_, Tensor.scatter, torch.scatter), (2, "index", 3, "src")),
+    **dict.fromkeys((Tensor.scatter_add_, Tensor.scatter_add, torch.scatter_add), (2, "index", 3, "src")),
+    **dict.fromkeys((Tensor.scatter_reduce_, Tensor.scatter_reduce, torch.scatter_reduce), (2, "index", 3, "src")),
+    **dict.fromkeys((Tensor.index_copy_, Tensor.index_copy, torch.index_copy), (2, "index", 3, "source")),
+    **dict.fromkeys((Tensor.index_add_, Tensor.index_add, torch.index_add), (2, "index", 3, "source")),
+    **dict.fromkeys((Tensor.index_reduce_, Tensor.index_reduce, torch.index_reduce), (2, "index", 3, "source")),
+    **dict.fromkeys((Tensor.index_fill_, Tensor.index_fill, torch.index_fill), (2, "index", 3, "value")),
+    **dict.fromkeys((torch.select_scatter, torch.slice_scatter, torch.diagonal_scatter), (None, "", 1, "src")),
+}
+# The writes among them made in place: the tensor written (and the tensor it views) holds the values written.
+_IN_PLACE = frozenset(func for func in _WRITES if func is Tensor.__setitem__ or func.__name__.endswith("_"))
 
 
 class NumericInputs(TorchFunctionMode):
@@ -227,6 +244,8 @@ class NumericInputs(TorchFunctionMode):
             self._carry(out, _encoded(self._carrier(*args, *kwargs.values()), _encoding(func)))
         elif func in _LOOKUPS:
             self._carry(out, self._looked_up(func, args, kwargs))
+        elif func in _WRITES:
+            self._written(func, args, kwargs, out)
         elif func in _SELECTIONS:
             self._carry(out, self._selected(func, args))
         elif func in _ZEROS and isinstance(out, torch.Tensor):
@@ -383,6 +402,40 @@ class NumericInputs(TorchFunctionMode):
             return None
         return _encoded(carrier, _encoding(func))
 
+    def _written(self, func: Callable, args: tuple, kwargs: dict, out: object) -> None:
+        """A write of values into a tensor (``z[:, 4] = a.float()``, ``index_put_``, ``masked_scatter_``,
+        ``scatter_``, ``index_copy``, ``z.narrow(1, 4, 1).copy_(...)``): the tensor written (in place, and the tensor
+        it views, whose storage it writes) or the copy made carries what it carried and what the values written
+        carry. Constants written at an input's values into a constant tensor (``z[torch.arange(n), a] = 1.0``, a
+        ``scatter_`` into zeros) are an encoding of them; a write of or into an activation at them (a mask of
+        activations, ``h[done] = 0.0``) is a gate: the index carries nothing, nor does a zero written into zeros."""
+        index_at, index_name, value_at, value_name = _WRITES[func]
+        table = args[0] if args else kwargs.get("input", kwargs.get("self"))
+        value = args[value_at] if len(args) > value_at else kwargs.get(value_name, kwargs.get("value"))
+        if not isinstance(table, torch.Tensor):
+            return
+        found: dict[int, str | None] = dict(self._carrier(table) or ())
+        for i, encoding in self._carrier(value) or ():
+            found.setdefault(i, encoding)
+        index = None if index_at is None else args[index_at] if len(args) > index_at else kwargs.get(index_name)
+        indexed = self._carried(*_listed(index)) if index is not None else None
+        constant = not any(
+            isinstance(v, torch.Tensor) and (v.requires_grad or isinstance(v, nn.Parameter)) for v in (table, value)
+        )
+        if indexed is not None and constant and not (self._is_zero(table) and self._is_zero(value)):
+            for i, encoding in _encoded(indexed, _encoding(func)) or ():
+                found.setdefault(i, encoding)
+        if not found:
+            return
+        carrier = tuple(found.items())
+        if func not in _IN_PLACE:
+            self._carry(out, carrier)
+            return
+        for target in (table, table._base):
+            if isinstance(target, torch.Tensor):
+                self._carriers[id(target)] = (carrier, target)
+                self._joins.pop(id(target), None)  # the pieces written over: its parts carry the whole
+
     def _selected(self, func: Callable, args: tuple) -> Carrier | None:
         """Constants chosen by an input's values (``torch.where(a == 1, 1.0, -1.0)``), or an input's values chosen:
         they carry them. A selection of an activation (a mask of attention scores) carries none."""
@@ -435,8 +488,8 @@ def _encoding(func: Callable) -> str:
         return "a logical not"
     if func in _COMPARISONS:
         return "a comparison"
-    name = "indexing" if func is Tensor.__getitem__ else getattr(func, "__name__", str(func))
-    return f"a constant table {'written' if name.startswith('scatter') else 'read'} at its values ({name})"
+    name = "indexing" if func in (Tensor.__getitem__, Tensor.__setitem__) else getattr(func, "__name__", str(func))
+    return f"a constant table {'written' if func in _WRITES else 'read'} at its values ({name})"
 
 
 def _encoded(carrier: Carrier | None, encoding: str) -> Carrier | None:
