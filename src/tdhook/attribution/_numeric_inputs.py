@@ -125,7 +125,7 @@ _LAYERS: frozenset[Callable] = frozenset(
 _PRODUCTS: frozenset[Callable] = frozenset(
     {torch.matmul, Tensor.matmul, Tensor.__matmul__, Tensor.__rmatmul__, torch.mm, torch.bmm, torch.addmm}
 )
-_PRODUCTS |= {Tensor.mm, Tensor.bmm}
+_PRODUCTS |= {Tensor.mm, Tensor.bmm, torch.einsum, torch.tensordot}  # einsum's operands: listed, or one by one
 # Elementwise arithmetic: sums carry an input's values whatever they add, scalings unless they scale an activation.
 _SUMS: frozenset[Callable] = frozenset(
     {Tensor.add, Tensor.__add__, Tensor.__radd__, Tensor.__iadd__, Tensor.add_, torch.add}
@@ -451,7 +451,7 @@ class NumericInputs(TorchFunctionMode):
         return carrier
 
     def _note(self, func: Callable, args: tuple, kwargs: dict) -> None:
-        operands = [*args, *kwargs.values()]
+        operands = [v for value in (*args, *kwargs.values()) for v in _listed(value)]
         tensors = [v for v in operands if isinstance(v, torch.Tensor)]
         for value in tensors:
             carrier = self._carrier(value) if value.is_floating_point() else None
