@@ -6,16 +6,19 @@ floating point and computes with as numbers (a torchrl critic's one-hot action, 
 into an ``nn.Linear``) holds a share of the relevance that no input receives. The first call of a wrapper watches,
 in a function mode, where such inputs go: views, repeats, pads, splits, conversions, joins (``cat``, ``stack``),
 elementwise activations and functions (a sinusoidal encoding's ``sin``, a clamp), reductions, dropout and norms (a
-norm's statistic written out too) carry their values, and a linear map (``F.linear``, a convolution, a product with
-a parameter) that takes them is where their share goes.
+norm's statistic written out too), running sums (positions counted from a mask, ``mask.long().cumsum(-1)``) and
+writes into a tensor (``z[:, 4] = a.float()``, ``index_put_``, ``masked_scatter_``, ``scatter_``, ``index_copy``,
+``copy_`` into a view) carry their values, and a linear map (``F.linear``, a convolution, a product with a parameter,
+``einsum`` or ``tensordot`` included) that takes them is where their share goes.
 Arithmetic carries them too (``2 * a.float() - 1``, ``a.float() / n``, a sum with an activation, a sum of two
 inputs, which carries both) except a product with an activation: that is a gate (a done mask), and the activation
 it scales takes the product's relevance whole. A parameter, even seen through a view or computed from parameters
 alone (``w.expand(...)``, ``-w``), is not an activation.
 Encodings carry them with no gradient to pass on: ``F.one_hot``, a comparison (``a == 3``), constants chosen by
 them (``torch.where(a == 1, 1.0, -1.0)``, ``masked_fill``), and a constant table read or written at them
-(``torch.eye(n)[a]``, ``torch.zeros(...).scatter_(-1, a, 1.0)``). Masks (an attention mask turned into additive
-scores, which ``softmax`` ends, ``torch.where`` or ``masked_fill`` of an activation) and indices into activations
+(``torch.eye(n)[a]``, ``torch.zeros(...).scatter_(-1, a, 1.0)``, ``z[torch.arange(n), a] = 1.0``). Masks (an
+attention mask turned into additive scores, which ``softmax`` ends, ``torch.where`` or ``masked_fill`` of an
+activation, activations written over or laid out where a mask says, ``h[done] = 0.0``) and indices into activations
 (``gather``, ``index_select``, an ``nn.Embedding``'s ids, which it explains) are not reported, nor are zeros
 made in the call whatever the input's values (``torch.zeros(...) * (1 - done)``, ``torch.where(done, 0.0,
 h.new_zeros(n))``): they hold no share. A buffer of zeros is not taken for one: the model may write to it.
@@ -109,6 +112,8 @@ _PASSING |= {torch.sqrt, Tensor.sqrt, torch.rsqrt, Tensor.rsqrt, torch.square, T
 _PASSING |= {torch.pow, Tensor.pow, Tensor.__pow__, Tensor.__rpow__, torch.mean, Tensor.mean, torch.sum, Tensor.sum}
 _PASSING |= {torch.log1p, Tensor.log1p, torch.expm1, Tensor.expm1, torch.clamp, Tensor.clamp, torch.clip, Tensor.clip}
 _PASSING |= {F.normalize, F.pad}
+# Running sums and products: positions counted from a mask (``mask.long().cumsum(-1)``) hold its values.
+_PASSING |= {torch.cumsum, Tensor.cumsum, torch.cumprod, Tensor.cumprod}
 # Calls that split their first argument into a tuple of tensors: each holds its values.
 _PARTS = frozenset({torch.split, Tensor.split, torch.chunk, Tensor.chunk, torch.unbind, Tensor.unbind})
 _PASSING |= _PARTS
