@@ -622,25 +622,34 @@ def test_writes_that_gate_or_lay_out_activations_at_a_key_are_not_numbers(catego
     assert _lost(out) < 1e-10
 
 
-class FlagProduct(nn.Module):
-    """A value of the observation plus a done flag taken as a number and multiplied with a parameter in
-    ``torch.einsum`` or ``torch.tensordot``; no biases."""
+class KeyProduct(nn.Module):
+    """A value of the observation plus an integer or boolean key the model takes as numbers (converted, or one-hot
+    encoded where ``width`` > 1) and multiplies with a parameter in ``product``: ``torch.einsum`` (its operands one
+    by one, or listed), ``torch.tensordot``, ``@`` or ``F.linear``; a key given as floats is taken as it is. No
+    biases."""
 
-    def __init__(self, product: str) -> None:
+    def __init__(self, product: str, width: int = 1) -> None:
         super().__init__()
-        self.product = product
+        self.product, self.width = product, width
         torch.manual_seed(0)
         self.encoder = nn.Linear(4, 3, bias=False).to(F64)
-        self.w = nn.Parameter(torch.randn(1, 3, dtype=F64))
+        self.w = nn.Parameter(torch.randn(width, 3, dtype=F64))
 
-    def forward(self, observation: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
-        flag = done.to(F64)
-        if self.product == "einsum":
-            taken = torch.einsum("bi,ij->bj", flag, self.w)
-        elif self.product == "einsum of a list":
-            taken = torch.einsum("bi,ij->bj", [flag, self.w])
+    def forward(self, observation: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        if key.is_floating_point():
+            code = key
         else:
-            taken = torch.tensordot(flag, self.w, dims=1)
+            code = torch.nn.functional.one_hot(key, self.width).to(F64) if self.width > 1 else key.to(F64)
+        if self.product == "einsum":
+            taken = torch.einsum("bi,ij->bj", code, self.w)
+        elif self.product == "einsum of a list":
+            taken = torch.einsum("bi,ij->bj", [code, self.w])
+        elif self.product == "tensordot":
+            taken = torch.tensordot(code, self.w, dims=1)
+        elif self.product == "@":
+            taken = code @ self.w
+        else:
+            taken = torch.nn.functional.linear(code, self.w.T)
         return (torch.relu(self.encoder(observation)) + taken).sum(-1, keepdim=True)
 
 
@@ -649,11 +658,11 @@ def test_a_flag_multiplied_with_a_parameter_in_einsum_or_tensordot_is_named(cate
     """A boolean key taken as a number into ``torch.einsum`` or ``torch.tensordot`` with a parameter lost its share
     with no word (0.62 of the value, relative L2): named, as through ``torch.matmul``."""
     td = categorical.clone().set("done", (torch.arange(8) % 3 == 0).unsqueeze(-1))
-    module = TensorDictModule(FlagProduct(product), ["observation", "done"], ["state_action_value"])
+    module = TensorDictModule(KeyProduct(product), ["observation", "done"], ["state_action_value"])
     out, messages = caught(lambda: LRP(module, BaseRuleMapper(stabilizer=0))(td))
     numeric = [m for m in messages if "enters the model as numbers" in m]
     assert len(numeric) == 1 and "'done' (torch.bool)" in numeric[0] and "converted to floating point" in numeric[0]
-    assert "module 'module' (FlagProduct)" in numeric[0], numeric
+    assert "module 'module' (KeyProduct)" in numeric[0], numeric
     assert _lost(out) > 0.1  # the flag's share, which the warning is about
 
 

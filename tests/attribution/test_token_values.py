@@ -20,6 +20,7 @@ from torch import nn
 
 from tdhook.attribution import LRP
 from tdhook.attribution.mappers.base import BaseRuleMapper
+from tests.attribution.test_numeric_inputs import KeyProduct
 
 F64 = torch.float64
 
@@ -264,28 +265,6 @@ def test_arithmetic_on_activations_of_a_call_fed_token_ids_costs_few_more_python
     assert per_call_from_ids - per_call_from_embeddings <= 6
 
 
-class ProductCritic(nn.Module):
-    """Q(s, a) of an action index the model one-hot encodes and multiplies with a parameter of its own (``product``:
-    ``torch.einsum``, ``@`` or ``F.linear``), or of the encoding given as floats; no biases."""
-
-    def __init__(self, product: str) -> None:
-        super().__init__()
-        self.product = product
-        torch.manual_seed(0)
-        self.encoder = nn.Linear(4, 3, bias=False).to(F64)
-        self.w = nn.Parameter(torch.randn(2, 3, dtype=F64))
-
-    def forward(self, observation: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
-        code = action if action.is_floating_point() else F.one_hot(action, 2).to(F64)
-        if self.product == "einsum":
-            taken = torch.einsum("bi,ij->bj", code, self.w)
-        elif self.product == "@":
-            taken = code @ self.w
-        else:
-            taken = F.linear(code, self.w.T)
-        return (torch.relu(self.encoder(observation)) + taken).sum(-1, keepdim=True)
-
-
 PRODUCT_CALLS = {"einsum": "torch.einsum", "@": "torch.matmul", "linear": "F.linear"}
 
 
@@ -298,7 +277,7 @@ def test_an_action_encoded_and_multiplied_with_a_parameter_is_refused_saying_wha
     relevance of the observation and the action sums to the value (LRP-0, no biases)."""
     observation = torch.randn(6, 4, dtype=F64, generator=torch.Generator().manual_seed(1))
     td = TensorDict(observation=observation, action=torch.tensor([0, 1, 1, 0, 1, 0]), batch_size=[6])
-    module = TensorDictModule(ProductCritic(product), ["observation", "action"], ["value"])
+    module = TensorDictModule(KeyProduct(product, width=2), ["observation", "action"], ["value"])
     with pytest.raises(TypeError) as refused, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the first call's warning of the key's share, before the refusal
         LRP(module, BaseRuleMapper(stabilizer=0.0))(td.clone())
