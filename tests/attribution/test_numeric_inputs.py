@@ -625,8 +625,8 @@ def test_writes_that_gate_or_lay_out_activations_at_a_key_are_not_numbers(catego
 class KeyProduct(nn.Module):
     """A value of the observation plus an integer or boolean key the model takes as numbers (converted, or one-hot
     encoded where ``width`` > 1) and multiplies with a parameter in ``product``: ``torch.einsum`` (its operands one
-    by one, or listed), ``torch.tensordot``, ``@`` or ``F.linear``; a key given as floats is taken as it is. No
-    biases."""
+    by one, or listed), ``torch.tensordot``, ``@`` (of the parameter, a view of it or a copy) or ``F.linear``; a key
+    given as floats is taken as it is. No biases."""
 
     def __init__(self, product: str, width: int = 1) -> None:
         super().__init__()
@@ -648,21 +648,27 @@ class KeyProduct(nn.Module):
             taken = torch.tensordot(code, self.w, dims=1)
         elif self.product == "@":
             taken = code @ self.w
+        elif self.product == "@ a view":
+            taken = code @ self.w[:, :]
+        elif self.product == "@ a copy":
+            taken = code @ (self.w * 1.0)
         else:
             taken = torch.nn.functional.linear(code, self.w.T)
         return (torch.relu(self.encoder(observation)) + taken).sum(-1, keepdim=True)
 
 
-@pytest.mark.parametrize("product", ["einsum", "einsum of a list", "tensordot"])
+@pytest.mark.parametrize("product", ["einsum", "einsum of a list", "tensordot", "@ a view", "@ a copy"])
 def test_a_flag_multiplied_with_a_parameter_in_einsum_or_tensordot_is_named(categorical, product):
-    """A boolean key taken as a number into ``torch.einsum`` or ``torch.tensordot`` with a parameter lost its share
-    with no word (0.62 of the value, relative L2): named, as through ``torch.matmul``."""
+    """A boolean key taken as a number into ``torch.einsum`` or ``torch.tensordot`` with a parameter, or into a
+    matrix product with a view or a copy of one (``x @ w.T``), lost its share with no word (0.62 of the value,
+    relative L2): named, as through ``torch.matmul`` with the parameter."""
     td = categorical.clone().set("done", (torch.arange(8) % 3 == 0).unsqueeze(-1))
     module = TensorDictModule(KeyProduct(product), ["observation", "done"], ["state_action_value"])
     out, messages = caught(lambda: LRP(module, BaseRuleMapper(stabilizer=0))(td))
     numeric = [m for m in messages if "enters the model as numbers" in m]
     assert len(numeric) == 1 and "'done' (torch.bool)" in numeric[0] and "converted to floating point" in numeric[0]
-    assert "module 'module' (KeyProduct)" in numeric[0], numeric
+    where = "matmul" if product == "@ a copy" else "module 'module' (KeyProduct)"  # a copy has no module
+    assert f"through {where}, " in numeric[0], numeric
     assert _lost(out) > 0.1  # the flag's share, which the warning is about
 
 

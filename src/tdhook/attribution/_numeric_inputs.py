@@ -462,7 +462,7 @@ class NumericInputs(TorchFunctionMode):
             carrier = self._carrier(value) if value.is_floating_point() else None
             if carrier is None or all(i in self.found for i, _ in carrier):
                 continue
-            parameters = [t for t in tensors if isinstance(t, nn.Parameter)]
+            parameters = [t for t in tensors if self._is_weight(t)]
             if func in _PRODUCTS and not parameters:  # a product of activations (attention): no layer
                 continue
             for i, encoding in carrier:
@@ -471,14 +471,20 @@ class NumericInputs(TorchFunctionMode):
                     if encoding is not None:
                         self.encodings[i] = encoding
 
+    def _is_weight(self, value: torch.Tensor) -> bool:
+        """Whether ``value`` is a parameter, seen through a view (``x @ w.T``) or computed from parameters alone."""
+        if isinstance(value, nn.Parameter) or isinstance(value._base, nn.Parameter):
+            return True
+        return value.requires_grad and self._carrier(value) is None and self._from_parameters(value)
+
     def _where(self, func: Callable, parameters: Sequence[torch.Tensor]) -> str:
-        """The module holding the first of ``parameters``, else the function's name."""
+        """The module holding the first of ``parameters`` (or the parameter it views), else the function's name."""
         if self._owners is None:
             self._owners = {
                 id(p): name for name, module in self._modules.items() for p in module.parameters(recurse=False)
             }
         for parameter in parameters:
-            name = self._owners.get(id(parameter))
+            name = self._owners.get(id(parameter), self._owners.get(id(parameter._base)))  # or the one it views
             if name is not None:
                 module = self._modules[name]
                 return f"{module_place(name, self._modules)} ({type(module).__name__})"
