@@ -562,6 +562,9 @@ class WrittenCritic(nn.Module):
             z = torch.index_copy(z, 1, torch.tensor([4]), column)
         elif how == "narrow.copy_":
             z.narrow(1, 4, 1).copy_(column)
+        elif how == "written into a view of a join":  # the done flag joined, the action written over the first column
+            z = torch.cat([observation, done.to(F64)], -1)
+            z.narrow(1, 0, 1).copy_(column)
         elif how == "z[rows, a] = 1":
             code = observation.new_zeros(n, 5)
             code[torch.arange(n), action] = 1.0
@@ -706,3 +709,13 @@ def test_positions_counted_from_a_mask_are_named_where_a_layer_takes_them_as_num
     assert len(numeric) == 1 and "'valid' (torch.bool)" in numeric[0] and "'module.first' (Linear)" in numeric[0]
     assert "converted to floating point" in numeric[0], numeric
     assert _lost(out) > 0.1  # the mask's share, which the warning is about
+
+
+def test_an_action_written_into_a_view_of_a_join_holding_a_flag_names_both(categorical):
+    """A write into a view of a tensor keeps what the tensor carried: the done flag joined to it and the action
+    written over one of its columns both reach the layer, and both are named."""
+    out, numeric = _written(categorical, "written into a view of a join")
+    assert len(numeric) == 2, numeric
+    assert sum("'action' (torch.int64)" in m for m in numeric) == 1, numeric
+    assert sum("'done' (torch.bool)" in m for m in numeric) == 1, numeric
+    assert _lost(out) > 0.1

@@ -419,8 +419,8 @@ class NumericInputs(TorchFunctionMode):
         value = args[value_at] if len(args) > value_at else kwargs.get(value_name, kwargs.get("value"))
         if not isinstance(table, torch.Tensor):
             return
-        found: dict[int, str | None] = dict(self._carrier(table) or ())
-        for i, encoding in self._carrier(value) or ():
+        found: dict[int, str | None] = {}
+        for i, encoding in self._carried(table, value) or ():
             found.setdefault(i, encoding)
         index = None if index_at is None else args[index_at] if len(args) > index_at else kwargs.get(index_name)
         indexed = self._carried(*_listed(index)) if index is not None else None
@@ -432,13 +432,15 @@ class NumericInputs(TorchFunctionMode):
                 found.setdefault(i, encoding)
         if not found:
             return
-        carrier = tuple(found.items())
         if func not in _IN_PLACE:
-            self._carry(out, carrier)
+            self._carry(out, tuple(found.items()))
             return
         for target in (table, table._base):
-            if isinstance(target, torch.Tensor):
-                self._carriers[id(target)] = (carrier, target)
+            if isinstance(target, torch.Tensor):  # each keeps what it carried (a base more than its view written)
+                held = dict(self._carrier(target) or ())
+                for i, encoding in found.items():
+                    held.setdefault(i, encoding)
+                self._carriers[id(target)] = (tuple(held.items()), target)
                 self._joins.pop(id(target), None)  # the pieces written over: its parts carry the whole
 
     def _selected(self, func: Callable, args: tuple) -> Carrier | None:
