@@ -18,7 +18,8 @@ Encodings carry them with no gradient to pass on: ``F.one_hot``, a comparison (`
 them (``torch.where(a == 1, 1.0, -1.0)``, ``masked_fill``), and a constant table read or written at them
 (``torch.eye(n)[a]``, ``torch.zeros(...).scatter_(-1, a, 1.0)``, ``z[torch.arange(n), a] = 1.0``). Masks (an
 attention mask turned into additive scores, which ``softmax`` ends, ``torch.where`` or ``masked_fill`` of an
-activation, activations written over or laid out where a mask says, ``h[done] = 0.0``) and indices into activations
+activation, activations written over with zeros or laid out where a mask says, ``h[done] = 0.0``; other constants
+written over them there, ``h[a == 1] = 1.0``, encode it) and indices into activations
 (``gather``, ``index_select``, an ``nn.Embedding``'s ids, which it explains) are not reported, nor are zeros
 made in the call whatever the input's values (``torch.zeros(...) * (1 - done)``, ``torch.where(done, 0.0,
 h.new_zeros(n))``): they hold no share. A buffer of zeros is not taken for one: the model may write to it.
@@ -412,8 +413,9 @@ class NumericInputs(TorchFunctionMode):
         ``scatter_``, ``index_copy``, ``z.narrow(1, 4, 1).copy_(...)``): the tensor written (in place, and the tensor
         it views, whose storage it writes) or the copy made carries what it carried and what the values written
         carry. Constants written at an input's values into a constant tensor (``z[torch.arange(n), a] = 1.0``, a
-        ``scatter_`` into zeros) are an encoding of them; a write of or into an activation at them (a mask of
-        activations, ``h[done] = 0.0``) is a gate: the index carries nothing, nor does a zero written into zeros."""
+        ``scatter_`` into zeros, ones written over an activation, ``h[a == 1] = 1.0``) are an encoding of them; a
+        write of an activation at them (``padded[mask] = h``), or of zeros over one (``h[done] = 0.0``), is a gate:
+        the index carries nothing, nor does a zero written into zeros."""
         index_at, index_name, value_at, value_name = _WRITES[func]
         table = args[0] if args else kwargs.get("input", kwargs.get("self"))
         value = args[value_at] if len(args) > value_at else kwargs.get(value_name, kwargs.get("value"))
@@ -424,10 +426,14 @@ class NumericInputs(TorchFunctionMode):
             found.setdefault(i, encoding)
         index = None if index_at is None else args[index_at] if len(args) > index_at else kwargs.get(index_name)
         indexed = self._carried(*_listed(index)) if index is not None else None
-        constant = not any(
-            isinstance(v, torch.Tensor) and (v.requires_grad or isinstance(v, nn.Parameter)) for v in (table, value)
+        # Constants written at the input's values encode them, into an activation too (``h[a == 1] = 1.0``: the
+        # ones hold the key's share); zeros written over an activation (``h[done] = 0.0``) or into zeros do not.
+        constant, into_constant = (
+            not (isinstance(v, torch.Tensor) and (v.requires_grad or isinstance(v, nn.Parameter)))
+            for v in (value, table)
         )
-        if indexed is not None and constant and not (self._is_zero(table) and self._is_zero(value)):
+        nothing = self._is_zero(value) and (not into_constant or self._is_zero(table))
+        if indexed is not None and constant and not nothing:
             for i, encoding in _encoded(indexed, _encoding(func)) or ():
                 found.setdefault(i, encoding)
         if not found:
