@@ -562,6 +562,17 @@ class WrittenCritic(nn.Module):
             z = torch.index_copy(z, 1, torch.tensor([4]), column)
         elif how == "narrow.copy_":
             z.narrow(1, 4, 1).copy_(column)
+        elif how == "z[:, 4] = a, no cast":  # the values cast by the write itself
+            z[:, 4] = action
+        elif how == "a view's copy_":  # the view taken before the write
+            view = z[:, 4:]
+            view.copy_(column)
+        elif how == "index_add_":
+            z.index_add_(1, torch.tensor([4]), column)
+        elif how == "scatter_add_":
+            z.scatter_add_(1, torch.full((n, 1), 4), column)
+        elif how == "put_":
+            z.put_(torch.arange(n) * 5 + 4, column[:, 0])
         elif how == "written into a view of a join":  # the done flag joined, the action written over the first column
             z = torch.cat([observation, done.to(F64)], -1)
             z.narrow(1, 0, 1).copy_(column)
@@ -587,6 +598,7 @@ class WrittenCritic(nn.Module):
 
 
 WRITTEN = ["z[:, 4] = a", "index_put_", "masked_scatter_", "scatter_", "index_copy", "narrow.copy_"]
+WRITTEN += ["z[:, 4] = a, no cast", "a view's copy_", "index_add_", "scatter_add_", "put_"]
 
 
 def _written(categorical: TensorDict, how: str, **changes: torch.Tensor) -> tuple[TensorDict, list[str]]:
