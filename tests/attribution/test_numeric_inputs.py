@@ -735,3 +735,36 @@ def test_an_action_written_into_a_view_of_a_join_holding_a_flag_names_both(categ
     assert sum("'action' (torch.int64)" in m for m in numeric) == 1, numeric
     assert sum("'done' (torch.bool)" in m for m in numeric) == 1, numeric
     assert _lost(out) > 0.1
+
+
+class _Called(nn.Module):
+    """A causal language model called with token ids, an integer attention mask and positions counted from it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, -1]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_an_integer_attention_mask_and_positions_counted_from_it_are_not_named(name: str):
+    """A left-padded batch given to a tiny GPT-2 (its head tied to the embedding) or Llama with every key explained:
+    the integer attention mask (made into additive scores), and positions counted from it by ``cumsum`` (looked up in
+    an embedding, or turned into rotary angles that scale activations) hold no share of the relevance: nothing is
+    named, under strict=True neither."""
+    from tests.attribution.test_lrp_transformer_zoo import PRESETS, ZOO
+
+    model = ZOO[name].build("eager")
+    ids = torch.randint(3, 60, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[0, :2] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    td = TensorDict(input_ids=ids, attention_mask=mask, position_ids=positions, batch_size=[2])
+    keys = ["input_ids", "attention_mask", "position_ids"]
+    module = TensorDictModule(_Called(model), keys, ["logits"])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*enters the model as numbers")
+        out = LRP(module, PRESETS["attnlrp"](strict=True))(td)
+    assert ("relevance", "input_ids") in out.keys(True)
