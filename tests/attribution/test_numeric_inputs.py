@@ -527,3 +527,244 @@ def test_the_parts_of_a_join_carry_the_keys_of_the_pieces_they_span(categorical,
     else:
         assert not numeric, numeric
         assert _lost(out) < 1e-10
+
+
+class WrittenCritic(nn.Module):
+    """Q(s, a) of the observation and the action index written into a tensor of zeros (by assignment, a write of
+    a copy, or a one-hot code written at the action), or of a done flag that only gates activations written over;
+    no biases."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        torch.manual_seed(1)
+        self.net = MLP(in_features=5, out_features=1, num_cells=[8], activation_class=nn.ReLU, bias_last_layer=False)
+        self.net = self.net.to(F64)
+        with torch.no_grad():
+            for name, parameter in self.net.named_parameters():
+                if name.endswith("bias"):
+                    parameter.zero_()
+
+    def forward(self, observation: torch.Tensor, action: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+        n, how = observation.shape[0], self.how
+        z = observation.new_zeros(n, 5)
+        z[:, :4] = observation
+        column = action.to(F64)[:, None]
+        if how == "z[:, 4] = a":
+            z[:, 4] = column[:, 0]
+        elif how == "index_put_":
+            z.index_put_((torch.arange(n), torch.full((n,), 4)), column[:, 0])
+        elif how == "masked_scatter_":
+            z.masked_scatter_(torch.arange(5).expand(n, 5) == 4, column)
+        elif how == "scatter_":
+            z.scatter_(1, torch.full((n, 1), 4), column)
+        elif how == "index_copy":
+            z = torch.index_copy(z, 1, torch.tensor([4]), column)
+        elif how == "narrow.copy_":
+            z.narrow(1, 4, 1).copy_(column)
+        elif how == "z[:, 4] = a, no cast":  # the values cast by the write itself
+            z[:, 4] = action
+        elif how == "a view's copy_":  # the view taken before the write
+            view = z[:, 4:]
+            view.copy_(column)
+        elif how == "index_add_":
+            z.index_add_(1, torch.tensor([4]), column)
+        elif how == "scatter_add_":
+            z.scatter_add_(1, torch.full((n, 1), 4), column)
+        elif how == "put_":
+            z.put_(torch.arange(n) * 5 + 4, column[:, 0])
+        elif how == "written into a view of a join":  # the done flag joined, the action written over the first column
+            z = torch.cat([observation, done.to(F64)], -1)
+            z.narrow(1, 0, 1).copy_(column)
+        elif how == "z[rows, a] = 1":
+            code = observation.new_zeros(n, 5)
+            code[torch.arange(n), action] = 1.0
+            z = z + code
+        elif how == "h[a] = 1":  # ones written over an activation where the action says: they hold its share
+            z = z * 2.0
+            z[action.bool(), 4] = 1.0
+        elif how == "h[done] = 0":  # a gate: the activation written over where an episode ended
+            z = z * 2.0
+            z[done[:, 0]] = 0.0
+        elif how == "padded[mask] = h":  # activations laid out where a mask of the key says (a padded sequence)
+            padded = observation.new_zeros(n, 5)
+            padded[(action == 1)[:, None].expand(n, 5)] = z[action == 1].flatten()
+            z = z + padded
+        elif how == "zeros[done] = 0":  # zeros written into zeros: nothing whatever the key
+            zeros = observation.new_zeros(n, 5)
+            zeros[done[:, 0]] = 0.0
+            z = z + zeros
+        return self.net(z)
+
+
+WRITTEN = ["z[:, 4] = a", "index_put_", "masked_scatter_", "scatter_", "index_copy", "narrow.copy_"]
+WRITTEN += ["z[:, 4] = a, no cast", "a view's copy_", "index_add_", "scatter_add_", "put_"]
+
+
+def _written(categorical: TensorDict, how: str, **changes: torch.Tensor) -> tuple[TensorDict, list[str]]:
+    td = categorical.clone().set("done", (torch.arange(8) % 3 == 0).unsqueeze(-1))
+    for key, value in changes.items():
+        td.set(key, value)
+    module = ValueOperator(WrittenCritic(how), in_keys=["observation", "action", "done"])
+    out, messages = caught(lambda: LRP(module, BaseRuleMapper(stabilizer=0))(td))
+    return out, [m for m in messages if "enters the model as numbers" in m]
+
+
+@pytest.mark.parametrize("how", [*WRITTEN, "z[rows, a] = 1", "h[a] = 1"])
+def test_an_action_written_into_a_tensor_before_a_layer_is_named(categorical, how):
+    """An action index written into a float tensor (``z[:, 4] = a.float()``, ``index_put_``, ``masked_scatter_``,
+    ``scatter_``, ``torch.index_copy``, ``z.narrow(...).copy_``, or a one-hot code written at it) was not followed:
+    1.25 of the value lost (0.84 for the code; relative L2) with no word; nor were ones written over an activation
+    where the action is 1 (``h[a.bool(), 4] = 1.0``, taken for a gate like ``h[done] = 0.0``: 1.38 lost). Named;
+    stored as floats as the advice says, the relevance of the observation and the action sums to the value."""
+    out, numeric = _written(categorical, how)
+    assert len(numeric) == 1 and "'action' (torch.int64)" in numeric[0], numeric
+    assert "'module.net.0' (Linear)" in numeric[0]
+    if how in ("z[rows, a] = 1", "h[a] = 1"):
+        assert "encoded by a constant table written at its values (indexing), " in numeric[0]
+    else:
+        assert "converted to floating point" in numeric[0] and "td['action'].float()" in numeric[0]
+    assert _lost(out) > 0.5  # the action's share, which the warning is about
+    if how in WRITTEN:
+        out, numeric = _written(categorical, how, action=categorical["action"].to(F64))
+        assert not numeric, numeric
+        total = out["relevance", "observation"].sum(-1) + out["relevance", "action"]  # one number per action
+        torch.testing.assert_close(total, out["state_action_value"][:, 0], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("how", ["h[done] = 0", "padded[mask] = h", "zeros[done] = 0"])
+def test_writes_that_gate_or_lay_out_activations_at_a_key_are_not_numbers(categorical, how):
+    """Activations written over where a key says, activations laid out by a mask of a key, or zeros written into
+    zeros hold none of the key's share: not named, and the observation's relevance sums to the value."""
+    out, numeric = _written(categorical, how)
+    assert not numeric, numeric
+    assert _lost(out) < 1e-10
+
+
+class KeyProduct(nn.Module):
+    """A value of the observation plus an integer or boolean key the model takes as numbers (converted, or one-hot
+    encoded where ``width`` > 1) and multiplies with a parameter in ``product``: ``torch.einsum`` (its operands one
+    by one, or listed), ``torch.tensordot``, ``@`` (of the parameter, a view of it or a copy) or ``F.linear``; a key
+    given as floats is taken as it is. No biases."""
+
+    def __init__(self, product: str, width: int = 1) -> None:
+        super().__init__()
+        self.product, self.width = product, width
+        torch.manual_seed(0)
+        self.encoder = nn.Linear(4, 3, bias=False).to(F64)
+        self.w = nn.Parameter(torch.randn(width, 3, dtype=F64))
+
+    def forward(self, observation: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        if key.is_floating_point():
+            code = key
+        else:
+            code = torch.nn.functional.one_hot(key, self.width).to(F64) if self.width > 1 else key.to(F64)
+        if self.product == "einsum":
+            taken = torch.einsum("bi,ij->bj", code, self.w)
+        elif self.product == "einsum of a list":
+            taken = torch.einsum("bi,ij->bj", [code, self.w])
+        elif self.product == "tensordot":
+            taken = torch.tensordot(code, self.w, dims=1)
+        elif self.product == "@":
+            taken = code @ self.w
+        elif self.product == "@ a view":
+            taken = code @ self.w[:, :]
+        elif self.product == "@ a copy":
+            taken = code @ (self.w * 1.0)
+        else:
+            taken = torch.nn.functional.linear(code, self.w.T)
+        return (torch.relu(self.encoder(observation)) + taken).sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("product", ["einsum", "einsum of a list", "tensordot", "@ a view", "@ a copy"])
+def test_a_flag_multiplied_with_a_parameter_in_einsum_or_tensordot_is_named(categorical, product):
+    """A boolean key taken as a number into ``torch.einsum`` or ``torch.tensordot`` with a parameter, or into a
+    matrix product with a view or a copy of one (``x @ w.T``), lost its share with no word (0.62 of the value,
+    relative L2): named, as through ``torch.matmul`` with the parameter."""
+    td = categorical.clone().set("done", (torch.arange(8) % 3 == 0).unsqueeze(-1))
+    module = TensorDictModule(KeyProduct(product), ["observation", "done"], ["state_action_value"])
+    out, messages = caught(lambda: LRP(module, BaseRuleMapper(stabilizer=0))(td))
+    numeric = [m for m in messages if "enters the model as numbers" in m]
+    assert len(numeric) == 1 and "'done' (torch.bool)" in numeric[0] and "converted to floating point" in numeric[0]
+    where = "matmul" if product == "@ a copy" else "module 'module' (KeyProduct)"  # a copy has no module
+    assert f"through {where}, " in numeric[0], numeric
+    assert _lost(out) > 0.1  # the flag's share, which the warning is about
+
+
+class CountedPositions(nn.Module):
+    """The observation plus the positions counted from a mask of valid features (``mask.long().cumsum(-1)``), scaled
+    into a layer, or looked up in an embedding of positions and summed; no biases."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        torch.manual_seed(0)
+        self.first, self.last = nn.Linear(4, 3, bias=False).to(F64), nn.Linear(3, 1, bias=False).to(F64)
+        self.positions = nn.Embedding(5, 4).to(F64)
+
+    def forward(self, observation: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        counted = valid.long().cumsum(-1)
+        if self.how == "embedded":
+            return self.last(torch.relu(self.first(observation + self.positions(counted).sum(-1))))
+        return self.last(torch.relu(self.first(observation + 0.5 * counted.to(F64) - 1.0)))
+
+
+@pytest.mark.parametrize("how", ["scaled", "embedded"])
+def test_positions_counted_from_a_mask_are_named_where_a_layer_takes_them_as_numbers(categorical, how):
+    """Positions counted from a mask by ``cumsum``, given to a layer as numbers, lost the mask's share with no word
+    (0.65 of the value, relative L2): named. Looked up in an embedding of positions (as transformers number their
+    tokens), they are indices: not named."""
+    valid = torch.rand(8, 4, generator=torch.Generator().manual_seed(3)) > 0.4
+    td = categorical.clone().set("valid", valid)
+    module = TensorDictModule(CountedPositions(how), ["observation", "valid"], ["state_action_value"])
+    out, messages = caught(lambda: LRP(module, BaseRuleMapper(stabilizer=0))(td))
+    numeric = [m for m in messages if "enters the model as numbers" in m]
+    if how == "embedded":
+        assert not numeric, numeric
+        return
+    assert len(numeric) == 1 and "'valid' (torch.bool)" in numeric[0] and "'module.first' (Linear)" in numeric[0]
+    assert "converted to floating point" in numeric[0], numeric
+    assert _lost(out) > 0.1  # the mask's share, which the warning is about
+
+
+def test_an_action_written_into_a_view_of_a_join_holding_a_flag_names_both(categorical):
+    """A write into a view of a tensor keeps what the tensor carried: the done flag joined to it and the action
+    written over one of its columns both reach the layer, and both are named."""
+    out, numeric = _written(categorical, "written into a view of a join")
+    assert len(numeric) == 2, numeric
+    assert sum("'action' (torch.int64)" in m for m in numeric) == 1, numeric
+    assert sum("'done' (torch.bool)" in m for m in numeric) == 1, numeric
+    assert _lost(out) > 0.1
+
+
+class _Called(nn.Module):
+    """A causal language model called with token ids, an integer attention mask and positions counted from it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[:, -1]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_an_integer_attention_mask_and_positions_counted_from_it_are_not_named(name: str):
+    """A left-padded batch given to a tiny GPT-2 (its head tied to the embedding) or Llama with every key explained:
+    the integer attention mask (made into additive scores), and positions counted from it by ``cumsum`` (looked up in
+    an embedding, or turned into rotary angles that scale activations) hold no share of the relevance: nothing is
+    named, under strict=True neither."""
+    from tests.attribution.test_lrp_transformer_zoo import PRESETS, ZOO
+
+    model = ZOO[name].build("eager")
+    ids = torch.randint(3, 60, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[0, :2] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    td = TensorDict(input_ids=ids, attention_mask=mask, position_ids=positions, batch_size=[2])
+    keys = ["input_ids", "attention_mask", "position_ids"]
+    module = TensorDictModule(_Called(model), keys, ["logits"])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*enters the model as numbers")
+        out = LRP(module, PRESETS["attnlrp"](strict=True))(td)
+    assert ("relevance", "input_ids") in out.keys(True)

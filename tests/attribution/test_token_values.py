@@ -9,15 +9,18 @@ without a word: the ids' relevance summed to another number than the explained o
 from __future__ import annotations
 
 import sys
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
 from torch import nn
 
 from tdhook.attribution import LRP
 from tdhook.attribution.mappers.base import BaseRuleMapper
+from tests.attribution.test_numeric_inputs import KeyProduct
 
 F64 = torch.float64
 
@@ -260,3 +263,32 @@ def test_arithmetic_on_activations_of_a_call_fed_token_ids_costs_few_more_python
     per_call_from_ids = (python_calls(steps, True) - python_calls(0, True)) / (2 * steps)
     per_call_from_embeddings = (python_calls(steps, False) - python_calls(0, False)) / (2 * steps)
     assert per_call_from_ids - per_call_from_embeddings <= 6
+
+
+PRODUCT_CALLS = {"einsum": "torch.einsum", "@": "torch.matmul", "linear": "F.linear"}
+
+
+@pytest.mark.parametrize("product", list(PRODUCT_CALLS))
+def test_an_action_encoded_and_multiplied_with_a_parameter_is_refused_saying_what_happens(product: str):
+    """A one-hot action multiplied with a parameter inside the model (``torch.einsum("bi,ij->bj", one_hot(a).float(),
+    W)``) was refused as ids that "index" the parameter "directly, outside an nn.Embedding", advice to hold it in an
+    embedding: the message names the key, the call and the parameter, says that its values enter the model as
+    numbers and that their share would be lost, and advises the encoding before the model, which explains it: the
+    relevance of the observation and the action sums to the value (LRP-0, no biases)."""
+    observation = torch.randn(6, 4, dtype=F64, generator=torch.Generator().manual_seed(1))
+    td = TensorDict(observation=observation, action=torch.tensor([0, 1, 1, 0, 1, 0]), batch_size=[6])
+    module = TensorDictModule(KeyProduct(product, width=2), ["observation", "action"], ["value"])
+    with pytest.raises(TypeError) as refused, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the first call's warning of the key's share, before the refusal
+        LRP(module, BaseRuleMapper(stabilizer=0.0))(td.clone())
+    message = str(refused.value)
+    assert "input key 'action' (torch.int64) enters the model as numbers" in message, message
+    assert "parameter 'module.w'" in message and f" in {PRODUCT_CALLS[product]} inside the model" in message
+    assert "share of the relevance would be lost" in message and "F.one_hot(td['action'], n).float()" in message
+    assert "index" not in message and "nn.Embedding" not in message
+    encoded = td.clone().set("action", F.one_hot(td["action"], 2).to(F64))  # as the advice says
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = LRP(module, BaseRuleMapper(stabilizer=0.0))(encoded)
+    total = out["relevance", "observation"].sum(-1) + out["relevance", "action"].sum(-1)
+    torch.testing.assert_close(total, out["value"][:, 0], rtol=1e-10, atol=1e-12)

@@ -6,16 +6,20 @@ floating point and computes with as numbers (a torchrl critic's one-hot action, 
 into an ``nn.Linear``) holds a share of the relevance that no input receives. The first call of a wrapper watches,
 in a function mode, where such inputs go: views, repeats, pads, splits, conversions, joins (``cat``, ``stack``),
 elementwise activations and functions (a sinusoidal encoding's ``sin``, a clamp), reductions, dropout and norms (a
-norm's statistic written out too) carry their values, and a linear map (``F.linear``, a convolution, a product with
-a parameter) that takes them is where their share goes.
+norm's statistic written out too), running sums (positions counted from a mask, ``mask.long().cumsum(-1)``) and
+writes into a tensor (``z[:, 4] = a.float()``, ``index_put_``, ``masked_scatter_``, ``scatter_``, ``index_copy``,
+``copy_`` into a view) carry their values, and a linear map (``F.linear``, a convolution, a product with a parameter,
+``einsum`` or ``tensordot`` included) that takes them is where their share goes.
 Arithmetic carries them too (``2 * a.float() - 1``, ``a.float() / n``, a sum with an activation, a sum of two
 inputs, which carries both) except a product with an activation: that is a gate (a done mask), and the activation
 it scales takes the product's relevance whole. A parameter, even seen through a view or computed from parameters
 alone (``w.expand(...)``, ``-w``), is not an activation.
 Encodings carry them with no gradient to pass on: ``F.one_hot``, a comparison (``a == 3``), constants chosen by
 them (``torch.where(a == 1, 1.0, -1.0)``, ``masked_fill``), and a constant table read or written at them
-(``torch.eye(n)[a]``, ``torch.zeros(...).scatter_(-1, a, 1.0)``). Masks (an attention mask turned into additive
-scores, which ``softmax`` ends, ``torch.where`` or ``masked_fill`` of an activation) and indices into activations
+(``torch.eye(n)[a]``, ``torch.zeros(...).scatter_(-1, a, 1.0)``, ``z[torch.arange(n), a] = 1.0``). Masks (an
+attention mask turned into additive scores, which ``softmax`` ends, ``torch.where`` or ``masked_fill`` of an
+activation, activations written over with zeros or laid out where a mask says, ``h[done] = 0.0``; other constants
+written over them there, ``h[a == 1] = 1.0``, encode it) and indices into activations
 (``gather``, ``index_select``, an ``nn.Embedding``'s ids, which it explains) are not reported, nor are zeros
 made in the call whatever the input's values (``torch.zeros(...) * (1 - done)``, ``torch.where(done, 0.0,
 h.new_zeros(n))``): they hold no share. A buffer of zeros is not taken for one: the model may write to it.
@@ -109,6 +113,8 @@ _PASSING |= {torch.sqrt, Tensor.sqrt, torch.rsqrt, Tensor.rsqrt, torch.square, T
 _PASSING |= {torch.pow, Tensor.pow, Tensor.__pow__, Tensor.__rpow__, torch.mean, Tensor.mean, torch.sum, Tensor.sum}
 _PASSING |= {torch.log1p, Tensor.log1p, torch.expm1, Tensor.expm1, torch.clamp, Tensor.clamp, torch.clip, Tensor.clip}
 _PASSING |= {F.normalize, F.pad}
+# Running sums and products: positions counted from a mask (``mask.long().cumsum(-1)``) hold its values.
+_PASSING |= {torch.cumsum, Tensor.cumsum, torch.cumprod, Tensor.cumprod}
 # Calls that split their first argument into a tuple of tensors: each holds its values.
 _PARTS = frozenset({torch.split, Tensor.split, torch.chunk, Tensor.chunk, torch.unbind, Tensor.unbind})
 _PASSING |= _PARTS
@@ -125,7 +131,7 @@ _LAYERS: frozenset[Callable] = frozenset(
 _PRODUCTS: frozenset[Callable] = frozenset(
     {torch.matmul, Tensor.matmul, Tensor.__matmul__, Tensor.__rmatmul__, torch.mm, torch.bmm, torch.addmm}
 )
-_PRODUCTS |= {Tensor.mm, Tensor.bmm}
+_PRODUCTS |= {Tensor.mm, Tensor.bmm, torch.einsum, torch.tensordot}  # einsum's operands: listed, or one by one
 # Elementwise arithmetic: sums carry an input's values whatever they add, scalings unless they scale an activation.
 _SUMS: frozenset[Callable] = frozenset(
     {Tensor.add, Tensor.__add__, Tensor.__radd__, Tensor.__iadd__, Tensor.add_, torch.add}
@@ -163,11 +169,28 @@ _LOOKUPS: dict[Callable, tuple[int, str, int, str]] = {
     torch.index_select: (0, "input", 2, "index"),
     Tensor.gather: (0, "self", 2, "index"),
     torch.gather: (0, "input", 2, "index"),
-    Tensor.scatter: (0, "self", 2, "index"),
-    Tensor.scatter_: (0, "self", 2, "index"),
-    torch.scatter: (0, "input", 2, "index"),
     F.embedding: (1, "weight", 0, "input"),
 }
+# Writes of values into their first argument, in place (``z[:, 4] = a.float()``, ``z.narrow(1, 4, 1).copy_(...)``)
+# or into a copy of it (``torch.index_copy``): the position and keyword of the index or mask that says where (none:
+# ``copy_`` and the ``*_scatter`` of a slice), then of the values written.
+_WRITES: dict[Callable, tuple[int | None, str, int, str]] = {
+    Tensor.__setitem__: (1, "indices", 2, "value"),
+    Tensor.copy_: (None, "", 1, "src"),
+    **dict.fromkeys((Tensor.index_put_, Tensor.index_put, torch.index_put), (1, "indices", 2, "values")),
+    **dict.fromkeys((Tensor.masked_scatter_, Tensor.masked_scatter, torch.masked_scatter), (1, "mask", 2, "source")),
+    **dict.fromkeys((Tensor.put_, Tensor.put, torch.put), (1, "index", 2, "source")),
+    **dict.fromkeys((Tensor.scatter_, Tensor.scatter, torch.scatter), (2, "index", 3, "src")),
+    **dict.fromkeys((Tensor.scatter_add_, Tensor.scatter_add, torch.scatter_add), (2, "index", 3, "src")),
+    **dict.fromkeys((Tensor.scatter_reduce_, Tensor.scatter_reduce, torch.scatter_reduce), (2, "index", 3, "src")),
+    **dict.fromkeys((Tensor.index_copy_, Tensor.index_copy, torch.index_copy), (2, "index", 3, "source")),
+    **dict.fromkeys((Tensor.index_add_, Tensor.index_add, torch.index_add), (2, "index", 3, "source")),
+    **dict.fromkeys((Tensor.index_reduce_, Tensor.index_reduce, torch.index_reduce), (2, "index", 3, "source")),
+    **dict.fromkeys((Tensor.index_fill_, Tensor.index_fill, torch.index_fill), (2, "index", 3, "value")),
+    **dict.fromkeys((torch.select_scatter, torch.slice_scatter, torch.diagonal_scatter), (None, "", 1, "src")),
+}
+# The writes among them made in place: the tensor written (and the tensor it views) holds the values written.
+_IN_PLACE = frozenset(func for func in _WRITES if func is Tensor.__setitem__ or func.__name__.endswith("_"))
 
 
 class NumericInputs(TorchFunctionMode):
@@ -227,6 +250,8 @@ class NumericInputs(TorchFunctionMode):
             self._carry(out, _encoded(self._carrier(*args, *kwargs.values()), _encoding(func)))
         elif func in _LOOKUPS:
             self._carry(out, self._looked_up(func, args, kwargs))
+        elif func in _WRITES:
+            self._written(func, args, kwargs, out)
         elif func in _SELECTIONS:
             self._carry(out, self._selected(func, args))
         elif func in _ZEROS and isinstance(out, torch.Tensor):
@@ -383,6 +408,47 @@ class NumericInputs(TorchFunctionMode):
             return None
         return _encoded(carrier, _encoding(func))
 
+    def _written(self, func: Callable, args: tuple, kwargs: dict, out: object) -> None:
+        """A write of values into a tensor (``z[:, 4] = a.float()``, ``index_put_``, ``masked_scatter_``,
+        ``scatter_``, ``index_copy``, ``z.narrow(1, 4, 1).copy_(...)``): the tensor written (in place, and the tensor
+        it views, whose storage it writes) or the copy made carries what it carried and what the values written
+        carry. Constants written at an input's values into a constant tensor (``z[torch.arange(n), a] = 1.0``, a
+        ``scatter_`` into zeros, ones written over an activation, ``h[a == 1] = 1.0``) are an encoding of them; a
+        write of an activation at them (``padded[mask] = h``), or of zeros over one (``h[done] = 0.0``), is a gate:
+        the index carries nothing, nor does a zero written into zeros."""
+        index_at, index_name, value_at, value_name = _WRITES[func]
+        table = args[0] if args else kwargs.get("input", kwargs.get("self"))
+        value = args[value_at] if len(args) > value_at else kwargs.get(value_name, kwargs.get("value"))
+        if not isinstance(table, torch.Tensor):
+            return
+        found: dict[int, str | None] = {}
+        for i, encoding in self._carried(table, value) or ():
+            found.setdefault(i, encoding)
+        index = None if index_at is None else args[index_at] if len(args) > index_at else kwargs.get(index_name)
+        indexed = self._carried(*_listed(index)) if index is not None else None
+        # Constants written at the input's values encode them, into an activation too (``h[a == 1] = 1.0``: the
+        # ones hold the key's share); zeros written over an activation (``h[done] = 0.0``) or into zeros do not.
+        constant, into_constant = (
+            not (isinstance(v, torch.Tensor) and (v.requires_grad or isinstance(v, nn.Parameter)))
+            for v in (value, table)
+        )
+        nothing = self._is_zero(value) and (not into_constant or self._is_zero(table))
+        if indexed is not None and constant and not nothing:
+            for i, encoding in _encoded(indexed, _encoding(func)) or ():
+                found.setdefault(i, encoding)
+        if not found:
+            return
+        if func not in _IN_PLACE:
+            self._carry(out, tuple(found.items()))
+            return
+        for target in (table, table._base):
+            if isinstance(target, torch.Tensor):  # each keeps what it carried (a base more than its view written)
+                held = dict(self._carrier(target) or ())
+                for i, encoding in found.items():
+                    held.setdefault(i, encoding)
+                self._carriers[id(target)] = (tuple(held.items()), target)
+                self._joins.pop(id(target), None)  # the pieces written over: its parts carry the whole
+
     def _selected(self, func: Callable, args: tuple) -> Carrier | None:
         """Constants chosen by an input's values (``torch.where(a == 1, 1.0, -1.0)``), or an input's values chosen:
         they carry them. A selection of an activation (a mask of attention scores) carries none."""
@@ -398,13 +464,13 @@ class NumericInputs(TorchFunctionMode):
         return carrier
 
     def _note(self, func: Callable, args: tuple, kwargs: dict) -> None:
-        operands = [*args, *kwargs.values()]
+        operands = [v for value in (*args, *kwargs.values()) for v in _listed(value)]
         tensors = [v for v in operands if isinstance(v, torch.Tensor)]
         for value in tensors:
             carrier = self._carrier(value) if value.is_floating_point() else None
             if carrier is None or all(i in self.found for i, _ in carrier):
                 continue
-            parameters = [t for t in tensors if isinstance(t, nn.Parameter)]
+            parameters = [t for t in tensors if self._is_weight(t)]
             if func in _PRODUCTS and not parameters:  # a product of activations (attention): no layer
                 continue
             for i, encoding in carrier:
@@ -413,14 +479,20 @@ class NumericInputs(TorchFunctionMode):
                     if encoding is not None:
                         self.encodings[i] = encoding
 
+    def _is_weight(self, value: torch.Tensor) -> bool:
+        """Whether ``value`` is a parameter, seen through a view (``x @ w.T``) or computed from parameters alone."""
+        if isinstance(value, nn.Parameter) or isinstance(value._base, nn.Parameter):
+            return True
+        return value.requires_grad and self._carrier(value) is None and self._from_parameters(value)
+
     def _where(self, func: Callable, parameters: Sequence[torch.Tensor]) -> str:
-        """The module holding the first of ``parameters``, else the function's name."""
+        """The module holding the first of ``parameters`` (or the parameter it views), else the function's name."""
         if self._owners is None:
             self._owners = {
                 id(p): name for name, module in self._modules.items() for p in module.parameters(recurse=False)
             }
         for parameter in parameters:
-            name = self._owners.get(id(parameter))
+            name = self._owners.get(id(parameter), self._owners.get(id(parameter._base)))  # or the one it views
             if name is not None:
                 module = self._modules[name]
                 return f"{module_place(name, self._modules)} ({type(module).__name__})"
@@ -435,8 +507,8 @@ def _encoding(func: Callable) -> str:
         return "a logical not"
     if func in _COMPARISONS:
         return "a comparison"
-    name = "indexing" if func is Tensor.__getitem__ else getattr(func, "__name__", str(func))
-    return f"a constant table {'written' if name.startswith('scatter') else 'read'} at its values ({name})"
+    name = "indexing" if func in (Tensor.__getitem__, Tensor.__setitem__) else getattr(func, "__name__", str(func))
+    return f"a constant table {'written' if func in _WRITES else 'read'} at its values ({name})"
 
 
 def _encoded(carrier: Carrier | None, encoding: str) -> Carrier | None:

@@ -27,7 +27,7 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -40,6 +40,7 @@ __all__ = [
     "COMPUTED",
     "PRODUCTS",
     "TEMPLATES",
+    "ProductLookup",
     "is_weight_table",
     "mark_values",
     "marked_operand",
@@ -186,16 +187,58 @@ def is_weight_table(table: object) -> bool:
         return table.grad_fn is not None and from_parameters_alone(table)
 
 
-def weight_met(args: tuple, kwargs: dict, fed: Mapping[int, int]) -> tuple[int, torch.Tensor] | None:
-    """A weight that a call of a product (one of ``PRODUCTS``) multiplies by a floating-point tensor holding token
-    values (``F.one_hot(ids, n).float() @ table``, ids fed to a layer as numbers): a lookup of it by the ids, as the
-    explained input and the weight; ``None`` for most products, of no such tensor.
+class ProductLookup(tuple):
+    """A weight multiplied, in a product, by token values taken as numbers (``F.one_hot(ids, n).float() @ table``):
+    the lookup ``(input, weight, embeddings running, None)`` of the weight by the ids, which names the product's call
+    when it refuses the input (:meth:`refusal`).
+
+    Examples:
+        >>> table = nn.Parameter(torch.randn(3, 4))
+        >>> lookup = ProductLookup(0, table, (), "einsum")
+        >>> index, weight, inside, rows = lookup
+        >>> index, weight is table, inside, rows, lookup.call
+        (0, True, (), None, 'torch.einsum')
+    """
+
+    call: str
+
+    def __new__(cls, index: int, weight: torch.Tensor, inside: tuple[str, ...], name: str) -> ProductLookup:
+        lookup = super().__new__(cls, (index, weight, inside, None))
+        lookup.call = _CALLS.get(name, f"torch.{name}")
+        return lookup
+
+    def refusal(self, key: object, dtype: torch.dtype, weight: str) -> str:
+        """Why the input ``key`` (of ``dtype``), left out of the explanation, is refused: its values, taken as numbers
+        inside the model, are multiplied with ``weight`` (the weight in words) in the product's call, and no gradient
+        reaches them; what to do instead."""
+        return (
+            f"LRP: input key {key!r} ({dtype}) enters the model as numbers (converted to floating point, or encoded "
+            f"as by F.one_hot) and is multiplied with {weight} (shape {tuple(self[1].shape)}) in {self.call} inside "
+            "the model: no gradient reaches integers or booleans, so its share of the relevance would be lost and "
+            f"('relevance', {key!r}) would not be written; encode it before the model and give the model the "
+            f"encoding as a floating-point tensor (for example td[{key!r}] = F.one_hot(td[{key!r}], n).float() for a "
+            f"one-hot encoding, td[{key!r}] = td[{key!r}].float() for its values) to explain it, or pass in_keys "
+            "without it to explain the other inputs with its share left out"
+        )
+
+
+# The products written as operators or as functions of ``torch.nn.functional``, in words.
+_CALLS = {"__matmul__": "the @ operator", "__rmatmul__": "the @ operator", "__mul__": "the * operator"}
+_CALLS |= {"__rmul__": "the * operator", "linear": "F.linear"}
+
+
+def weight_met(
+    name: str, args: tuple, kwargs: dict, fed: Mapping[int, int], inside: Sequence[str] = ()
+) -> ProductLookup | None:
+    """A weight that a call of a product (one of ``PRODUCTS``, by ``name``) multiplies by a floating-point tensor
+    holding token values (``F.one_hot(ids, n).float() @ table``, ids fed to a layer as numbers): a lookup of it by the
+    ids, made while the embeddings ``inside`` run; ``None`` for most products, of no such tensor.
 
     Examples:
         >>> codes, table = torch.eye(3)[[2, 0]], nn.Parameter(torch.randn(3, 4))
         >>> codes._tdhook_tokens_of = 0
-        >>> index, weight = weight_met((codes, table), {}, {})
-        >>> index, weight is table, weight_met((torch.ones(2, 3), table), {}, {})
+        >>> index, weight, inside, rows = weight_met("matmul", (codes, table), {}, {})
+        >>> index, weight is table, weight_met("matmul", (torch.ones(2, 3), table), {}, {})
         (0, True, None)
     """
     tensors = [
@@ -209,5 +252,5 @@ def weight_met(args: tuple, kwargs: dict, fed: Mapping[int, int]) -> tuple[int, 
         return None
     for tensor in tensors:
         if getattr(tensor, _DERIVED, None) is None and id(tensor) not in fed and is_weight_table(tensor):
-            return index, tensor
+            return ProductLookup(index, tensor, tuple(inside), name)
     return None

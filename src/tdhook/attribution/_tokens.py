@@ -451,11 +451,13 @@ class TokenInputs:
         """Refuse an input left out of the explanation (no embedding read it) whose ids index a parameter directly
         (``self.table[task]``): an embedding lookup in all but name, whose key the wrapper lists among its relevance
         keys and would not write."""
-        for index, table, *_ in self._tables:
+        for lookup in self._tables:
+            index, table = lookup[:2]
             if leaves[index] is not None:
                 continue
-            what = self._table_name(table)
-            key, dtype = self.keys[index], self._ids[index].dtype
+            what, key, dtype = self._table_name(table), self.keys[index], self._ids[index].dtype
+            if (refusal := getattr(lookup, "refusal", None)) is not None:  # a product's (ProductLookup), in its words
+                raise TypeError(refusal(key, dtype, what))
             raise TypeError(
                 f"LRP: input key {key!r} holds integers ({dtype}) that index {what} (shape {tuple(table.shape)}) "
                 "directly, outside an nn.Embedding: a lookup whose rows would be held constant, so the key would get "
@@ -546,9 +548,9 @@ class _DerivedTokens(TorchFunctionMode):
         if self._watched:
             note_row_uses(name, args, kwargs, out)
         if self._floats and name in PRODUCTS:  # token values as numbers met with a weight: a lookup of the weight
-            met = weight_met(args, kwargs, self._fed)
+            met = weight_met(name, args, kwargs, self._fed, self._inside)
             if met is not None:
-                self._tables.append((*met, tuple(self._inside), None))
+                self._tables.append(met)
         # Most calls do none of these: back at once (``in`` and ``[]`` make no Python call); of a property's
         # ``__get__``, only a tensor (``code.mT``, ``ids.data``) carries the values.
         if name not in _KINDS or (name == "__get__" and not isinstance(out, torch.Tensor)):
