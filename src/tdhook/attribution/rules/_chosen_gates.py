@@ -52,6 +52,11 @@ def keep_chosen_elements(condition: Any, pieces: tuple, result: torch.Tensor) ->
         condition = condition.to(device=result.device, dtype=torch.bool)
         sigmoid = _chosen(condition, [_sigmoid_gates(p) for p in pieces], result)
         if sigmoid is not None and sigmoid[0] is not None:
+            # A gate in every element, of two kinds (``torch.where(c, tanh(a), sigmoid(a))``): no gate whole, as a
+            # join of the two is none (a split of it marked each piece a gate of another kind, which AttnLRP does not
+            # hold: 1.2 off, relative L2), but its sigmoid-like gates noted, and its gates of any kind.
+            for mark in GATE_MARKS:
+                result.__dict__.pop(mark, None)
             note_gate_written(result, sigmoid[0], {_GATE: sigmoid[1], _SIGMOID: True})
             others = [_other_gates(p) for p in pieces]
             if all(isinstance(part, (bool, torch.Tensor)) for part in others):
