@@ -20,6 +20,7 @@ from tdhook.attribution.mappers.transformer import CPLRP, AttnLRP
 from tdhook.attribution.rules._joined_weights import mark_joined_weights, weights_shown
 from tdhook.attribution.rules.gates import mark_weights, weighing_factors
 from tests.attribution.rules._helpers import randn
+from tests.attribution.rules._oracle_calls import check_like_oracle
 from tests.conftest import relative_error
 
 MAPPERS = {
@@ -261,8 +262,4 @@ def test_a_join_of_a_join_of_weights_holds_them_where_they_went(pieces: str, map
     # call's graph, they were not taken as the constants they are beside a tanh, which CP-LRP holds as a gate.
     torch.manual_seed(1)
     model, oracle = Nested(pieces).double(), Nested(pieces, apart=True).double()
-    x = randn(5, 4)
-    torch.testing.assert_close(model(x), oracle(x), rtol=1e-12, atol=1e-12)
-    (expected, _) = relevance_twice(oracle, x, MAPPERS[mapper]())
-    for actual in relevance_twice(model, x, MAPPERS[mapper]()):
-        assert relative_error(actual, expected) <= 1e-12
+    check_like_oracle(model, oracle, randn(5, 4), MAPPERS[mapper], tolerance=1e-12)
