@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from tdhook.attribution.rules._aten_operators import aten_operators as _aten
+from tdhook.attribution.rules._autograd import is_activation
 
 __all__ = ["FILLS", "WHERES", "filled_mask", "filled_pieces", "is_constant", "where_arguments"]
 
@@ -72,8 +73,20 @@ def filled_pieces(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor] | 
     args = where_arguments(func, args, kwargs)
     if len(args) != 3:  # (``torch.where(c)``: the indices of the true elements)
         return None
-    pieces = [piece for piece in args[1:] if not is_constant(piece)]
+    pieces = [piece for piece in args[1:] if not _chosen_constant(piece)]
     return [piece for piece in pieces if isinstance(piece, torch.Tensor)] or None
+
+
+def _chosen_constant(piece: Any) -> bool:
+    """Whether ``piece``, one of the two a ``where`` chooses from, is a constant to the rules: a number, a tensor no
+    gradient reaches, or no activation (a parameter, ``torch.where(c, g, p)``; a tensor a rule holds), as a join's
+    pieces are (see :mod:`~tdhook.attribution.rules._joined_gates`). A parameter was taken as an activation that is
+    no gate: a product with the choice gave its elements' relevance in part to the parameter, which passes it to
+    nothing (0.12 off, relative L2, under AttnLRP and CP-LRP; a softmax's weights chosen with a parameter 0.31)."""
+    if is_constant(piece):
+        return True
+    with torch._C.DisableTorchFunction():  # (a property read is a call of another mode)
+        return isinstance(piece, torch.Tensor) and not is_activation(piece)
 
 
 def filled_mask(func: Any, args: tuple, kwargs: dict, piece: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -92,8 +105,8 @@ def filled_mask(func: Any, args: tuple, kwargs: dict, piece: torch.Tensor) -> Ca
         return lambda mask: mask.masked_fill(where, True)
     condition, first, second = where_arguments(func, args, kwargs)
     if first is piece:
-        return lambda mask: torch.where(condition, mask, True if is_constant(second) else False)
-    return lambda mask: torch.where(condition, True if is_constant(first) else False, mask)
+        return lambda mask: torch.where(condition, mask, _chosen_constant(second))
+    return lambda mask: torch.where(condition, _chosen_constant(first), mask)
 
 
 def where_arguments(func: Any, args: tuple, kwargs: dict) -> tuple:
