@@ -32,6 +32,12 @@ FILLED = {
     "torch.where(c, 0.5, t)": lambda t: torch.where(_MASK, 0.5, t),
     "t.where(c, zeros)": lambda t: t.where(~_MASK, torch.zeros(6, dtype=t.dtype)),
     "aten.masked_fill": lambda t: torch.ops.aten.masked_fill.Scalar(t, _MASK, 0.0),
+    # By keyword (read by position alone, no gate was kept: 1.2 off, relative L2, under AttnLRP and CP-LRP, 0.76
+    # under EpsilonPlus).
+    "torch.where(c, t, other=0.0)": lambda t: torch.where(~_MASK, t, other=0.0),
+    "torch.where(condition=c, input=t, other=0.0)": lambda t: torch.where(condition=~_MASK, input=t, other=0.0),
+    "t.where(condition=c, other=0.0)": lambda t: t.where(condition=~_MASK, other=0.0),
+    "torch.masked_fill(input=t, mask=mask, value=1.0)": lambda t: torch.masked_fill(input=t, mask=_MASK, value=1.0),
 }
 
 
@@ -110,3 +116,32 @@ def test_the_pieces_kept_by_a_fill_are_marked_as_they_are():
     assert is_gate(keep_gate_mark(torch.where, (_MASK, gate, 0.0), torch.where(_MASK, gate, 0.0)))
     assert not is_gate(keep_gate_mark(torch.where, (_MASK, gate, x * 2), torch.where(_MASK, gate, x * 2)))
     assert filled_pieces(torch.Tensor.masked_fill, (gate, _MASK, x[0, 0] * 1), {}) is None  # an activation written
+
+
+#: A gate (``t``) chosen element by element with a parameter (``p``, of shape (6,)): the parameter a constant.
+CHOSEN_WITH_PARAMETER = {
+    "torch.where(c, t, p)": lambda t, p: torch.where(_MASK, t, p),
+    "torch.where(c, p.expand(...), t)": lambda t, p: torch.where(_MASK, p.expand(t.shape), t),
+    "t.where(c, other=p)": lambda t, p: t.where(_MASK, other=p),
+}
+
+
+class ChosenWithParameter(Filled):
+    """:class:`Filled` with the gate chosen with a parameter of the model as ``choice`` says."""
+
+    def __init__(self, choice: str, kind: str, apart: bool = False) -> None:
+        super().__init__(lambda t: CHOSEN_WITH_PARAMETER[choice](t, self.p), kind, apart=apart)
+        self.p = nn.Parameter(torch.randn(6))
+
+
+@pytest.mark.parametrize("kind", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("mapper", sorted(MAPPERS))
+@pytest.mark.parametrize("choice", sorted(CHOSEN_WITH_PARAMETER))
+def test_a_gate_chosen_with_a_parameter_is_one(choice: str, mapper: str, kind: str):
+    # The parameter was taken as an activation that is no gate: the product gave its elements' relevance in part to
+    # it, which passes it to nothing (0.12-0.50 off, relative L2, under AttnLRP and CP-LRP; weights 0.31 under AttnLRP).
+    if kind == "softmax" and mapper == "EpsilonPlus":
+        pytest.skip("a softmax's weights are held by the transformer presets alone")
+    torch.manual_seed(1)
+    model, oracle = ChosenWithParameter(choice, kind).double(), ChosenWithParameter(choice, kind, apart=True).double()
+    check_like_oracle(model, oracle, randn(3, 4), MAPPERS[mapper])

@@ -18,9 +18,19 @@ from typing import Any
 
 import torch
 
+from tdhook.attribution.rules._gate_writes import GATE_WRITTEN, note_gate_written
 from tdhook.attribution.rules._in_place_writes import GATE_MARKS, gate_marks_of, mark_written_in_place
-from tdhook.attribution.rules._joined_weights import _WEIGHTS_JOINED, WEIGHTS_MARK, keep_weights_elements
+from tdhook.attribution.rules._joined_gates import OTHER_GATES, other_gates_shown
+from tdhook.attribution.rules._joined_weights import (
+    _WEIGHTS_JOINED,
+    WEIGHTS_MARK,
+    WEIGHTS_MASKS_MADE,
+    keep_weights_elements,
+    weights_shown,
+)
 from tdhook.attribution.rules._kept_gate_elements import keep_gate_elements
+from tdhook.attribution.rules._mixed_gate_products import gate_elements
+from tdhook.attribution.rules._storage_masks import count_mask, laid_over_storage
 
 __all__ = ["COPIES_IN_PLACE", "keep_copied_marks", "written_in_place"]
 
@@ -45,7 +55,8 @@ def keep_copied_marks(args: tuple, result: object) -> None:
     if len(args) < 2 or result is not args[0] or not isinstance(args[1], torch.Tensor):
         return
     with torch._C.DisableTorchFunction():  # (a property read is a call of another mode)
-        if result._base is not None:
+        if result._base is not None:  # ``buf[:, :3].copy_(m)``: noted on the tensor viewed
+            _keep_copied_into_view(args[1], result)
             return
         source, shape = args[1], result.shape
         if WEIGHTS_MARK in source.__dict__:
@@ -80,3 +91,29 @@ def written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     if func in COPIES_IN_PLACE:
         keep_copied_marks(args, result)
     return result
+
+
+def _keep_copied_into_view(source: torch.Tensor, view: torch.Tensor) -> None:
+    """Note on the tensor ``view`` shows, after ``view.copy_(source)``, the elements ``source`` shows as sigmoid-like
+    gates, gates of any kind, or a softmax's weights, where it is such in some elements only (a join of gates and
+    other activations, ``buf[:, :3].copy_(m)``), or weights: they were lost (1.1 off, relative L2, under AttnLRP and
+    CP-LRP, 0.25 under EpsilonPlus, against the product with the join's pieces apart). (A gate copied whole into a
+    view is noted as every in-place write of a gate is.) The tensor's other elements are taken as they were noted as
+    sigmoid-like gates, and as no weights."""
+    shown = gate_elements(source)
+    root = view._base
+    with torch.no_grad():  # bookkeeping, which a function mode must not see
+        if shown is not None:
+            note_gate_written(view, shown[0].expand(view.shape), {GATE_MARKS[0]: shown[1], GATE_MARKS[1]: True})
+            other, record = other_gates_shown(source), root.__dict__.get(GATE_WRITTEN)
+            if record is not None and view.element_size() == root.element_size():
+                mask = record[0].clone() if isinstance(other, torch.Tensor) else None  # (``None``: not known)
+                if mask is not None:
+                    mask.as_strided(view.shape, view.stride(), view.storage_offset()).copy_(other.expand(view.shape))
+                setattr(root, OTHER_GATES, (mask, root._version))
+        weights = True if WEIGHTS_MARK in source.__dict__ else weights_shown(source)
+        if weights is None:
+            return
+        mask = None if weights is False else laid_over_storage(view, torch.as_tensor(weights).expand(view.shape))
+        setattr(root, _WEIGHTS_JOINED, (mask, root._version))
+        count_mask(root, WEIGHTS_MASKS_MADE)

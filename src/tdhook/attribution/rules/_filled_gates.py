@@ -19,14 +19,19 @@ from typing import Any
 import torch
 
 from tdhook.attribution.rules._aten_operators import aten_operators as _aten
+from tdhook.attribution.rules._autograd import is_activation
 
-__all__ = ["FILLS", "filled_mask", "filled_pieces", "is_constant"]
+__all__ = ["FILLS", "WHERES", "filled_mask", "filled_pieces", "is_constant", "where_arguments"]
 
 
 _MASKED_FILLS = frozenset({torch.masked_fill, torch.Tensor.masked_fill}) | _aten("masked_fill")
-_WHERES = frozenset({torch.where, torch.Tensor.where}) | _aten("where")
+#: The ``where`` calls: each element of one of two tensors (or numbers), as a condition chooses.
+WHERES = frozenset({torch.where, torch.Tensor.where}) | _aten("where")
 #: The calls that write constants into some elements of a tensor, out of place: ``masked_fill``, ``where``.
-FILLS = _MASKED_FILLS | _WHERES
+FILLS = _MASKED_FILLS | WHERES
+# The names of a ``where`` call's arguments, in their order (``aten.where.self(condition, self, other)``).
+_WHERE_NAMES = {torch.Tensor.where: ("self", "condition", "other"), torch.where: ("condition", "input", "other")}
+_WHERE_NAMES |= {op: ("condition", "self", "other") for op in _aten("where")}
 
 
 def is_constant(value: Any) -> bool:
@@ -65,11 +70,23 @@ def filled_pieces(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor] | 
         if not isinstance(source, torch.Tensor) or not is_constant(value):
             return None
         return [source]
-    args = _where_arguments(func, args)
+    args = where_arguments(func, args, kwargs)
     if len(args) != 3:  # (``torch.where(c)``: the indices of the true elements)
         return None
-    pieces = [piece for piece in args[1:] if not is_constant(piece)]
+    pieces = [piece for piece in args[1:] if not _chosen_constant(piece)]
     return [piece for piece in pieces if isinstance(piece, torch.Tensor)] or None
+
+
+def _chosen_constant(piece: Any) -> bool:
+    """Whether ``piece``, one of the two a ``where`` chooses from, is a constant to the rules: a number, a tensor no
+    gradient reaches, or no activation (a parameter, ``torch.where(c, g, p)``; a tensor a rule holds), as a join's
+    pieces are (see :mod:`~tdhook.attribution.rules._joined_gates`). A parameter was taken as an activation that is
+    no gate: a product with the choice gave its elements' relevance in part to the parameter, which passes it to
+    nothing (0.12 off, relative L2, under AttnLRP and CP-LRP; a softmax's weights chosen with a parameter 0.31)."""
+    if is_constant(piece):
+        return True
+    with torch._C.DisableTorchFunction():  # (a property read is a call of another mode)
+        return isinstance(piece, torch.Tensor) and not is_activation(piece)
 
 
 def filled_mask(func: Any, args: tuple, kwargs: dict, piece: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -86,12 +103,27 @@ def filled_mask(func: Any, args: tuple, kwargs: dict, piece: torch.Tensor) -> Ca
     if func in _MASKED_FILLS:
         where = args[1] if len(args) > 1 else kwargs["mask"]
         return lambda mask: mask.masked_fill(where, True)
-    condition, first, second = _where_arguments(func, args)
+    condition, first, second = where_arguments(func, args, kwargs)
     if first is piece:
-        return lambda mask: torch.where(condition, mask, True if is_constant(second) else False)
-    return lambda mask: torch.where(condition, True if is_constant(first) else False, mask)
+        return lambda mask: torch.where(condition, mask, _chosen_constant(second))
+    return lambda mask: torch.where(condition, _chosen_constant(first), mask)
 
 
-def _where_arguments(func: Any, args: tuple) -> tuple:
-    """A ``where`` call's arguments in ``torch.where``'s order (``g.where(c, 0.0)``: ``torch.where(c, g, 0.0)``)."""
+def where_arguments(func: Any, args: tuple, kwargs: dict) -> tuple:
+    """A ``where`` call's arguments in ``torch.where``'s order (``g.where(c, 0.0)``: ``torch.where(c, g, 0.0)``), those
+    given by keyword too (``torch.where(c, g, other=0.0)``: read by position alone, no gate was kept, 1.2 off,
+    relative L2, under AttnLRP and CP-LRP, 0.76 under EpsilonPlus).
+
+    Examples:
+        >>> c, g = torch.tensor([True, False]), torch.ones(2)
+        >>> where_arguments(torch.where, (c,), {"input": g, "other": 0.0}) == (c, g, 0.0)
+        True
+        >>> where_arguments(torch.Tensor.where, (g,), {"condition": c, "other": 0.0}) == (c, g, 0.0)
+        True
+    """
+    names = _WHERE_NAMES.get(func, _WHERE_NAMES[torch.where])
+    for name in names[len(args) :] if kwargs else ():
+        if name not in kwargs:
+            break
+        args = (*args, kwargs[name])
     return (args[1], args[0], *args[2:]) if func is torch.Tensor.where and len(args) > 1 else args

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from tdhook.attribution.rules._autograd import is_activation
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, note_gate_written
 from tdhook.attribution.rules._in_place_writes import GATE_MARKS, gate_marks_of
 from tdhook.attribution.rules._storage_masks import laid_over_storage, shown_of_storage
@@ -81,8 +82,9 @@ def mark_joined_gate(func: Any, args: tuple, kwargs: dict, result: Any) -> None:
         return
     marks = [gate_marks_of(piece) for piece in pieces]
     with torch._C.DisableTorchFunction():  # (a property read is a call of another mode)
-        # Constants joined with gates (``torch.cat([torch.ones(b, 1), gate], 1)``): held or not, they are constants.
-        kept = [bool(mark) or not piece.requires_grad for piece, mark in zip(pieces, marks, strict=True)]
+        # Constants joined with gates (``torch.cat([torch.ones(b, 1), gate], 1)``): held or not, they are constants;
+        # and no activation (CP-LRP's softmax held in a first call's graph, a parameter): they pass no relevance.
+        kept = [bool(mark) or not is_activation(piece) for piece, mark in zip(pieces, marks, strict=True)]
     # Pieces that show gates in part (a join of gates and others, a view across its pieces): their gates' elements.
     shown = [None if keep else _gates_shown(piece) for piece, keep in zip(pieces, kept, strict=True)]
     kinds = [bool(mark.get(_SIGMOID, False)) for mark in marks if mark]

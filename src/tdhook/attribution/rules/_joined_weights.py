@@ -73,7 +73,7 @@ def mark_joined_weights(func: Any, args: tuple, kwargs: dict, result: Any) -> No
     if kwargs.get("out") is not None:  # (under no_grad alone: a tensor written into, whose views this does not follow)
         return
     with torch._C.DisableTorchFunction():  # (a property read is a call of another mode)
-        whole = [WEIGHTS_MARK in piece.__dict__ or not piece.requires_grad for piece in pieces]
+        whole = [WEIGHTS_MARK in piece.__dict__ or not is_activation(piece) for piece in pieces]
         shown = [None if keep else weights_shown(piece) for piece, keep in zip(pieces, whole, strict=True)]
         if all(whole):
             result.__dict__[WEIGHTS_MARK] = True

@@ -98,6 +98,7 @@ from tdhook.attribution.rules.gates import (
     held_glu,
     keep_gate_mark,
     mark_gate,
+    mark_weights,
     weighing_factors,
 )
 from tdhook.attribution.rules.transformer import (
@@ -353,7 +354,7 @@ class FunctionalRules(TorchFunctionMode):
                 recording.held_output(output)
                 setattr(output, PARAMETER_DERIVED, True)
                 setattr(output, INPUT_VALUES, True)  # a constant to the rules, but its values are the inputs'
-                return output
+                return mark_weights(output)  # weights, as AHQKVRule marks them (see _joined_weights)
             ruled = self.softmax.apply(output, args[0], dim)
             if recording is not None and ruled is not output:  # but for ε = 0 (the plain gradient)
                 recording.other_rule()

@@ -186,7 +186,9 @@ class AHQKVRule(SoftmaxEpsilonRule):
         super().__init__(epsilon=0.0)
 
     def apply(self, output, x, dim):
-        return hold(output)
+        # Marked as weights still: joined with other activations (``torch.cat([softmax(a), h], 1) * s``), their
+        # elements are held, as the product with them apart is linear in the other factor (see _joined_weights).
+        return mark_weights(hold(output))
 
 
 class PseudoIdentityRule(PassRule):
