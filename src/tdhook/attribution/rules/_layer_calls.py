@@ -3,7 +3,7 @@ replaced, on probe inputs, and putting back what such a run sets on the layer.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -68,19 +68,29 @@ def _probe_input(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def _probed(module: nn.Module) -> Iterator[None]:
+def _probed(module: nn.Module) -> Iterator[Callable[[], None]]:
     """Run probes of the layer's own forward, then put back what they set: the attributes, submodules, parameters
     and buffers a forward assigns on the layer or its submodules (timm's ``Conv2dSameExport`` builds its padding
     for the first input size it sees, which would be the probe's), the values of its buffers (the observers of a
     quantization-aware layer's fake quantization, which move towards each weight they see, and its scale with them)
-    and the random number generators' states (a forward that draws noise)."""
+    and the random number generators' states (a forward that draws noise).
+
+    Gives a function that puts the generators back as they were on entry: each probe of a comparison called after
+    it draws the same numbers (a dropout in training mode drops the same elements at ``x`` and ``2x``)."""
     saved = [(m, dict(m.__dict__), dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in module.modules()]
     values = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
     tensors = [*module.parameters(), *module.buffers()]
     devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):
+        states = torch.get_rng_state(), [torch.cuda.get_rng_state(device) for device in devices]
+
+        def rewind() -> None:
+            torch.set_rng_state(states[0])
+            for device, state in zip(devices, states[1], strict=True):
+                torch.cuda.set_rng_state(state, device)
+
         try:
-            yield
+            yield rewind
         finally:
             with torch.no_grad():
                 for buffer, value in values:  # only those a probe wrote: no write where nothing changed
@@ -122,3 +132,25 @@ class _LayerOutputLeaf(_SubstituteLayerCall):
                 self.leaf = super().__torch_function__(func, types, args, kwargs).requires_grad_(True)
             return self.leaf
         return super().__torch_function__(func, types, args, kwargs)
+
+
+def _parametrizations_eval(module: nn.Module) -> None:
+    """Put the parametrizations of ``module`` and its submodules in eval mode, and nothing else: the probes run the
+    forward in the mode of the call (a forward may act in training mode alone), but a parametrization's power
+    iteration (``spectral_norm``) ran in the call already. The caller puts the modes back."""
+    for sub in module.modules():
+        if isinstance(sub, nn.utils.parametrize.ParametrizationList):
+            sub.eval()
+
+
+class _LayerCallCount(TorchFunctionMode):
+    """Count the linear and convolution functions a forward pass calls (``names``: theirs, in call order)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _LAYER_FUNCTIONS:
+            self.names.append(f"F.{func.__name__}")
+        return func(*args, **(kwargs or {}))

@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 from tdhook.attribution.rules._layer_calls import (
     _RAY_PROBES,
     _LayerOutputLeaf,
+    _parametrizations_eval,
     _probed,
     _ray_probes,
     _SubstituteLayerCall,
@@ -45,9 +46,10 @@ def _rays_bent(
     modes = {sub: sub.training for sub in module.modules()}
     grads, seed = [], None
     try:
-        module.eval()
-        with torch.enable_grad(), run_alone(), torch._C._EnableTorchFunction(), _probed(module):
+        _parametrizations_eval(module)  # the rest in the mode of the call
+        with torch.enable_grad(), run_alone(), torch._C._EnableTorchFunction(), _probed(module) as rewind:
             for x in (probe, 2 * probe):
+                rewind()  # the same draws in each run (a dropout in training mode)
                 leaf = x.clone().requires_grad_(True)
                 # The substitution first: the calls noted are those of the random weight, which has no gradient.
                 with _FunctionRuled(clips_ruled, norms_ruled) as ruled, _SubstituteLayerCall(signed, None):
@@ -141,9 +143,10 @@ def _slopes_restabilised(module: nn.Module, weight: torch.Tensor) -> bool:
     modes = {sub: sub.training for sub in module.modules()}
     runs = []
     try:
-        module.eval()
-        with torch.enable_grad(), run_alone(), torch._C._EnableTorchFunction(), _probed(module):
+        _parametrizations_eval(module)  # the rest in the mode of the call
+        with torch.enable_grad(), run_alone(), torch._C._EnableTorchFunction(), _probed(module) as rewind:
             for w in (signed, -signed):
+                rewind()  # the same draws in each run (a dropout in training mode)
                 with _LayerOutputLeaf(w) as found:
                     out = module.forward(probe)
                 if found.leaf is None or not isinstance(out, torch.Tensor) or not out.requires_grad:
@@ -200,9 +203,10 @@ def _values_off_the_map(module: nn.Module, weight: torch.Tensor, clips_ruled: bo
     modes = {sub: sub.training for sub in module.modules()}
     outputs = []
     try:
-        module.eval()
-        with torch.enable_grad(), run_alone(), torch._C._EnableTorchFunction(), _probed(module):
+        _parametrizations_eval(module)  # the rest in the mode of the call
+        with torch.enable_grad(), run_alone(), torch._C._EnableTorchFunction(), _probed(module) as rewind:
             for w in (signed, 2 * signed, torch.zeros_like(signed)):  # the input a leaf: the calls on it are noted
+                rewind()  # the same draws in each run (a dropout in training mode)
                 with _FunctionRuled(clips_ruled) as ruled, _SubstituteLayerCall(w, None):
                     outputs.append(module.forward(probe.clone().requires_grad_(True)))
                 if ruled.found or not isinstance(outputs[-1], torch.Tensor):
@@ -236,4 +240,31 @@ def _bent_error(module: nn.Module, noted: Sequence = ()) -> ValueError:
         "tanh, a clamp, a power or a gate computed from its input) before or after its linear or convolution "
         f"function{called}: a layer rule would send the relevance through that activation's gradient, which is no "
         "rule's relevance; write the activation as a module of its own beside the layer"
+    )
+
+
+def _batch_statistics_error(module: nn.Module) -> ValueError:
+    return ValueError(
+        f"{type(module).__name__}: its forward normalises by the statistics of the batch (a BatchNorm in training "
+        "mode inside it, as in torch.ao's QAT ConvBn2d in training mode): the rules would run through those "
+        "statistics, computed again from what they pass, where a BatchNorm beside the layer has them held; explain "
+        "the model in eval mode, or with the BatchNorm as a module of its own after the layer"
+    )
+
+
+def _dropout_error(module: nn.Module) -> ValueError:
+    return ValueError(
+        f"{type(module).__name__}: its forward drops elements at random (a dropout in training mode inside it): the "
+        "modified passes run that forward again and would drop other elements than the call did; explain the model "
+        "in eval mode, or with the dropout as a module of its own before the layer"
+    )
+
+
+def _second_map_error(module: nn.Module, calls: Sequence[str]) -> ValueError:
+    return ValueError(
+        f"{type(module).__name__}: its forward calls {len(calls)} linear or convolution functions "
+        f"({', '.join(calls)}): a second linear map of the input inside the layer (a low-rank adapter's B(A x), a "
+        "gate's own convolution), which a rule with a modified pass cannot give its weights (it modifies the first "
+        "call alone, taken for the layer's); merge a low-rank adapter into the weight (W + B A), write the other "
+        "map as modules of their own beside the layer, or map this layer to EpsilonRule in rule_mapper"
     )

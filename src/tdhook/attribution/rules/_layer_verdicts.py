@@ -6,10 +6,11 @@ rule (every context entry, every call made without an open context). The verdict
 on what the forward is and on what it reads besides the weight it is given, not on that weight's values, so it is
 kept here and given again while nothing it may depend on changed:
 
-* the layer and its submodules (each by identity, weakly), their classes and their ``forward`` functions (one set
-  on the instance included, a monkeypatch), the attributes in their ``__dict__`` (numbers, strings, tuples by
-  value; functions and classes by identity, weakly; anything else, a mutable object whose contents the forward
-  may read, is not kept and the layer is probed at each check);
+* the layer and its submodules (each by identity, weakly), their classes, their ``forward`` functions (one set
+  on the instance included, a monkeypatch) and their modes (the probes run the forward in the call's), the
+  attributes in their ``__dict__`` (numbers, strings, tuples by value; functions and classes by identity, weakly;
+  anything else, a mutable object whose contents the forward may read, is not kept and the layer is probed at each
+  check);
 * what the code of those forwards may read besides: for each class of the layer and its submodules (their bases
   but ``nn.Module`` included), the attributes its ``__dict__`` holds; for each function found there or in an
   instance's ``__dict__`` (torch's own aside), the globals its code names (and, in a module of one's own it names,
@@ -51,7 +52,7 @@ __all__ = ["checked_once", "clear_verdicts"]
 
 # The most elements of tensors whose values a verdict keeps a copy of (the layer's own weight and bias not counted).
 _HELD_VALUES = 1 << 16
-# What every nn.Module has in its __dict__ (tables and hooks read here one by one, ``training``: the probes set eval),
+# What every nn.Module has in its __dict__ (tables, hooks and ``training`` read here one by one),
 # and the copy methods an open context sets on each module (``copy.deepcopy`` and pickle read them, no forward does):
 # a layer prepared in a call (the first-layer rules) was otherwise probed again at every call.
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | frozenset({"__getstate__", "__deepcopy__", "__reduce_ex__"})
@@ -203,7 +204,7 @@ def _state(module: nn.Module, extra: tuple) -> tuple[tuple, list[torch.Tensor]]:
     seen: set[int] = set()
     for name, sub in module.named_modules(remove_duplicate=False):
         root = sub is module
-        key += (name, weakref.ref(sub), type(sub), _token(getattr(type(sub), "forward", None)))
+        key += (name, weakref.ref(sub), type(sub), _token(getattr(type(sub), "forward", None)), sub.training)
         _follow(type(sub), key, seen, layer_class=True)
         if root:
             pre_hooks = sub._forward_pre_hooks.items()

@@ -14,13 +14,24 @@ from torch.nn.utils.spectral_norm import SpectralNorm as _SpectralNormHook
 from torch.nn.utils.weight_norm import WeightNorm as _WeightNormHook
 from torchrl.modules.models.utils import SquashDims
 
+from tdhook.attribution.rules._dropout_calls import DropoutCalls
 from tdhook.attribution.rules._keeping_graph import graph_kept
-from tdhook.attribution.rules._layer_calls import _probe_input, _probed, _RecordLayerCall, _SubstituteLayerCall
+from tdhook.attribution.rules._layer_calls import (
+    _LayerCallCount,
+    _parametrizations_eval,
+    _probe_input,
+    _probed,
+    _RecordLayerCall,
+    _SubstituteLayerCall,
+)
 from tdhook.attribution.rules._layer_rays import (
     RULED_EPSILON,
+    _batch_statistics_error,
     _bent_error,
+    _dropout_error,
     _off_the_map_error,
     _rays_bent,
+    _second_map_error,
     _sloped_error,
     _slopes_restabilised,
     _values_off_the_map,
@@ -343,8 +354,15 @@ def _check_linear_after_layer_call(module: nn.Module, weight: torch.Tensor) -> N
     rule's. An activation inside the layer (torch.ao's QAT ``ConvReLU2d``, ``ConvBnReLU2d``, ``LinearReLU``) would
     clip them; a shift added after it (the BatchNorm inside QAT's ``ConvBn2d``) would stay unmodified. Told apart
     by the forward itself, on a random input with weights ``W``, ``-W`` and ``0`` and no bias: a linear map ``g``
-    gives ``g(z) = -g(-z)`` and ``g(0) = 0``.
+    gives ``g(z) = -g(-z)`` and ``g(0) = 0``. A forward that calls more than one linear or convolution function
+    fails one of these where the others are a second map of the input (a low-rank adapter's ``B(A x)``, which the
+    modified passes would leave unmodified, or a gate's own convolution run first, taken for the layer's): it is
+    refused as that, by name. A dropout in training mode inside the forward is refused (the modified passes would
+    drop other elements), and so is a BatchNorm normalising by its batch (:func:`_normalises_by_its_batch`); the
+    forward runs in the call's mode.
     """
+    if _normalises_by_its_batch(module):
+        raise _batch_statistics_error(module)
     generator = torch.Generator().manual_seed(0)
     shape = _probe_input(module, weight).shape
     probe = torch.randn(shape, generator=generator, dtype=weight.dtype).to(weight.device)
@@ -352,11 +370,14 @@ def _check_linear_after_layer_call(module: nn.Module, weight: torch.Tensor) -> N
     modes = {sub: sub.training for sub in module.modules()}
     outputs = []
     try:
-        module.eval()
-        with torch.no_grad(), run_alone(), torch._C._EnableTorchFunction(), _probed(module):
+        _parametrizations_eval(module)  # the rest in the mode of the call
+        with torch.no_grad(), run_alone(), torch._C._EnableTorchFunction(), _probed(module) as rewind:
             for w in (signed, -signed, torch.zeros_like(signed)):
-                with _SubstituteLayerCall(w, None):
+                rewind()  # the same draws in each run (a dropout in training mode)
+                with _LayerCallCount() as calls, _SubstituteLayerCall(w, None), DropoutCalls() as dropped:
                     outputs.append(module.forward(probe))
+                if dropped.found:
+                    raise _dropout_error(module)
     finally:
         for sub, training in modes.items():
             sub.training = training
@@ -372,11 +393,22 @@ def _check_linear_after_layer_call(module: nn.Module, weight: torch.Tensor) -> N
         # An odd activation (tanh, hardtanh, a cube) passes the test above: g(z) = -g(-z), g(0) = 0.
         _check_homogeneous_input(module, weight)
         return
+    if len(calls.names) > 1:
+        raise _second_map_error(module, calls.names)
     raise ValueError(
         f"{type(module).__name__}: its forward {what}; map this layer to EpsilonRule in rule_mapper, or explain "
         "the model before such layers are fused (or after torch.ao's fuse_model in eval mode, which folds the "
         "BatchNorm into the convolution)"
     )
+
+
+def _normalises_by_its_batch(module: nn.Module) -> bool:
+    """Whether a BatchNorm inside the layer normalises by the statistics of its batch (in training mode, or without
+    running statistics; torch.ao's QAT ``ConvBn2d`` in training mode): the modified passes run the layer's forward
+    again, where it would compute them from what they pass, and the ε-rule's gradient runs through them, where a
+    BatchNorm beside the layer has them held (``NormRule``)."""
+    inside = (sub for sub in module.modules() if sub is not module and isinstance(sub, BATCH_NORMS))
+    return any(sub.training or sub.running_mean is None for sub in inside)
 
 
 def check_layer_input(module: nn.Module, epsilon: float = 0.0, norms_ruled: bool = False) -> None:
@@ -433,11 +465,13 @@ def _probe_layer_input(
     module: nn.Module, tensors: list[torch.Tensor], clips_ruled: bool, norms_ruled: bool = False
 ) -> None:
     """:func:`check_layer_input`'s probe of a layer with a forward of its own."""
+    if _normalises_by_its_batch(module):
+        raise _batch_statistics_error(module)
     reference = next(t for t in tensors if t.is_floating_point())
     recorder = _RecordLayerCall()
     modes = {sub: sub.training for sub in module.modules()}
     try:
-        module.eval()  # no state may change: spectral_norm's power iteration runs in training mode only
+        _parametrizations_eval(module)  # the rest in the mode of the call; _probed puts back what it sets
         with torch.no_grad(), run_alone(), torch._C._EnableTorchFunction(), recorder, _probed(module):
             module.forward(_probe_input(module, reference))
     except Exception:  # noqa: BLE001 (a forward that needs more than the smallest input: not checked here)
