@@ -75,18 +75,22 @@ def _probed(module: nn.Module) -> Iterator[Callable[[], None]]:
     quantization-aware layer's fake quantization, which move towards each weight they see, and its scale with them)
     and the random number generators' states (a forward that draws noise).
 
-    Gives a function that puts the generators back as they were on entry: each probe of a comparison called after
-    it draws the same numbers (a dropout in training mode drops the same elements at ``x`` and ``2x``)."""
+    Gives a function to call before each probe of a comparison: the first call notes the generators' states, each
+    later one puts them back, so that each probe draws the same numbers (a dropout in training mode drops the same
+    elements at ``x`` and ``2x``)."""
     saved = [(m, dict(m.__dict__), dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in module.modules()]
     values = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
     tensors = [*module.parameters(), *module.buffers()]
     devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):
-        states = torch.get_rng_state(), [torch.cuda.get_rng_state(device) for device in devices]
+        states: list = []
 
         def rewind() -> None:
+            if not states:  # the first, before any draw: noted (a pass of forward_with reads none)
+                states.extend([torch.get_rng_state(), *(torch.cuda.get_rng_state(device) for device in devices)])
+                return
             torch.set_rng_state(states[0])
-            for device, state in zip(devices, states[1], strict=True):
+            for device, state in zip(devices, states[1:], strict=True):
                 torch.cuda.set_rng_state(state, device)
 
         try:
