@@ -12,8 +12,10 @@ import copy
 
 import pytest
 import torch
+from tensordict import TensorDict
 from torch import nn
 
+from tdhook.attribution import LRP
 from tdhook.attribution.rules._layer_verdicts import clear_verdicts
 from tdhook.attribution.rules._layers import check_layer_forward, check_layer_input
 from tests.attribution.rules.test_layer_activations import MODIFIED, LowRankAdapted, inputs, models
@@ -191,3 +193,21 @@ class TestNoFalseRefusalInTrainingMode:
         model, _ = models(layer(kind, lambda self, x, f: 2.0 * f(x), f"{kind}Doubled"), [], kind)
         evaluated = copy.deepcopy(model)
         assert explained(model.train(), evaluated.eval(), kind, preset) <= 1e-12
+
+
+class TestModeSetInAnOpenContext:
+    """The ε-rule checks a layer at registration, in its mode then: a model set to training mode inside an open
+    context was explained through the tanh its forward runs in training mode alone, silently. The call checks the
+    layer again where its mode changed, and refuses it by name."""
+
+    @pytest.mark.parametrize("preset", ["EpsilonPlus", "UniformEpsilon"])
+    def test_a_layer_set_to_training_mode_is_refused_by_name_in_the_call(self, preset: str):
+        model, _ = models(tanh_in_training("Linear"), [], "Linear")
+        x, relevance_out = inputs("Linear")
+        lrp = LRP(model, MODIFIED[preset](), in_keys=["x"], out_keys=["y"], target=lambda y: relevance_out)
+        with lrp:
+            lrp(TensorDict(x=x, batch_size=[2]))  # in eval mode: the plain layer
+            model.train()
+            with pytest.raises(ValueError, match="LinearTanhInTraining: its forward runs an activation") as error:
+                lrp(TensorDict(x=x, batch_size=[2]))
+        assert "the module is '2'" in "".join(getattr(error.value, "__notes__", []))
