@@ -16,6 +16,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from tdhook.attribution import LRP
+from tdhook.attribution.lrp_helpers.rules import EpsilonPlusFlat
 from tdhook.attribution.rules._layer_verdicts import clear_verdicts
 from tdhook.attribution.rules._layers import check_layer_forward, check_layer_input
 from tests.attribution.rules.test_layer_activations import MODIFIED, LowRankAdapted, inputs, models
@@ -211,3 +212,32 @@ class TestModeSetInAnOpenContext:
             with pytest.raises(ValueError, match="LinearTanhInTraining: its forward runs an activation") as error:
                 lrp(TensorDict(x=x, batch_size=[2]))
         assert "the module is '2'" in "".join(getattr(error.value, "__notes__", []))
+
+    def test_a_layer_under_a_first_layer_rule_set_to_training_mode_is_refused_by_name_in_the_call(self):
+        # EpsilonPlusFlat gives each Linear layer a FirstLayerRule whose other rule is the ε-rule: its delegation
+        # skipped the ε-rule's check of the mode, and the layer was explained through its tanh (0.093 relative L2
+        # against the tanh beside the layer, silently).
+        model, _ = models(tanh_in_training("Linear"), [], "Linear")
+        x, relevance_out = inputs("Linear")
+        lrp = LRP(model, EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"], target=lambda y: relevance_out)
+        with lrp:
+            lrp(TensorDict(x=x, batch_size=[2]))  # in eval mode: the plain layer
+            model.train()
+            with pytest.raises(ValueError, match="LinearTanhInTraining: its forward runs an activation") as error:
+                lrp(TensorDict(x=x, batch_size=[2]))
+        assert "the module is '2'" in "".join(getattr(error.value, "__notes__", []))
+
+    def test_a_layer_under_a_first_layer_rule_set_back_to_eval_mode_explains_as_the_plain_layer(self):
+        inside = tanh_in_training("Linear")
+        model, reference = models(inside, [plain("Linear", inside)], "Linear")
+        x, relevance_out = inputs("Linear")
+        lrp = LRP(model, EpsilonPlusFlat(), in_keys=["x"], out_keys=["y"], target=lambda y: relevance_out)
+        with lrp:
+            lrp(TensorDict(x=x, batch_size=[2]))
+            model.train()
+            with pytest.raises(ValueError, match="LinearTanhInTraining"):
+                lrp(TensorDict(x=x, batch_size=[2]))
+            model.eval()
+            actual = lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
+        expected = lrp_relevance(reference, x, relevance_out, EpsilonPlusFlat())
+        assert relative_error(actual, expected) <= 1e-12
