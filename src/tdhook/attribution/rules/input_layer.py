@@ -377,7 +377,10 @@ class FirstLayerRule(Rule):
         index = 0 if inputs and isinstance(inputs[0], torch.Tensor) and _reaches_model_input(inputs[0]) else 1
         rule, inner = self._pair[index], registration.state[index]
         rule.prepared_state(module, inner)
-        return rule.resolve(module, inner, inputs)  # the ε-rule's check of a mode changed since registration
+        if module.training != inner.training:  # the ε-rule's check of a mode changed since registration
+            rule, inner = rule.resolve(module, inner, inputs)
+            inner.training = module.training
+        return rule, inner
 
 
 def _refuse_bounds_that_do_not_fit(rule: ZBoxRule, module: nn.Module, x: torch.Tensor) -> None:
