@@ -127,6 +127,58 @@ class TestDropoutInside:
         assert torch.equal(torch.get_rng_state(), before)
 
 
+def drop_path_after(kind: str) -> nn.Module:
+    """timm's drop path (a per-sample mask drawn with ``bernoulli_``) after the layer's linear function."""
+    from timm.layers import drop_path
+
+    return layer(kind, lambda self, x, f: drop_path(f(x), 0.5, self.training), f"{kind}DropPathAfter")
+
+
+def bernoulli_mask_before(kind: str) -> nn.Module:
+    """A mask of elements drawn with ``torch.bernoulli`` before the layer's linear function (no dropout call)."""
+
+    def forward(self, x, f):
+        return f(x * torch.bernoulli(torch.full_like(x, 0.5)) * 2.0) if self.training else f(x)
+
+    return layer(kind, forward, f"{kind}BernoulliBefore")
+
+
+class BernoulliMask(nn.Module):
+    """:func:`bernoulli_mask_before`'s mask as a module of its own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.bernoulli(torch.full_like(x, 0.5)) * 2.0
+
+
+class TestRandomMasksInside:
+    """A mask drawn inside the forward without a dropout call (timm's drop path, ``torch.bernoulli``): a modified
+    pass runs the forward again and drew another mask (0.60 to 7.3 relative L2 under EpsilonPlus and EpsilonGammaBox
+    against the mask beside the layer, 1.0 with a drop path after the convolution, silently): refused by name as a
+    dropout is. The ε-rule's gradient runs through the call's own mask: explained as the mask beside the layer."""
+
+    @pytest.mark.parametrize("preset", ["EpsilonPlus", "EpsilonGammaBox"])
+    @pytest.mark.parametrize("make", [drop_path_after, bernoulli_mask_before])
+    def test_under_a_modified_pass_is_refused_by_name(self, make, preset: str):
+        inside = make("Conv2d")
+        model, _ = models(inside, [], "Conv2d")
+        name = type(inside).__name__
+        with pytest.raises(ValueError, match=rf"module '2' \({name}\): {name}: its forward drops elements at random"):
+            explained(model.train(), model, "Conv2d", preset)
+
+    @pytest.mark.filterwarnings("ignore:LRP.*is in training mode:UserWarning")
+    @pytest.mark.parametrize("kind", ["Linear", "Conv2d"])
+    def test_under_the_epsilon_rule_explains_as_the_mask_beside_the_layer(self, kind: str):
+        inside = bernoulli_mask_before(kind)
+        model, reference = models(inside, [BernoulliMask(), plain(kind, inside)], kind)
+        assert explained(model.train(), reference.train(), kind, "UniformEpsilon") <= 1e-12
+
+    @pytest.mark.parametrize("preset", ["EpsilonPlus", "UniformEpsilon"])
+    def test_in_eval_mode_explains_as_the_plain_layer(self, preset: str):
+        inside = drop_path_after("Conv2d")
+        model, reference = models(inside, [plain("Conv2d", inside)], "Conv2d")
+        assert explained(model, reference, "Conv2d", preset) <= 1e-12
+
+
 class TestBatchNormInTrainingMode:
     """torch.ao's QAT ConvBn2d in training mode normalises by the statistics of its batch: the modified passes run
     its forward again (statistics of what they pass), and the ε-rule's gradient runs through them, where a

@@ -109,6 +109,20 @@ def _probed(module: nn.Module) -> Iterator[Callable[[], None]]:
                 m.__dict__.update(attributes)
 
 
+def _generator_states(device: torch.device) -> list[torch.Tensor]:
+    """The states of the random number generators a forward on ``device`` draws from (the CPU's, and the device's
+    where it is a GPU): a forward that drew numbers changed one of them."""
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def _draws(device: torch.device, before: list[torch.Tensor]) -> bool:
+    """Whether a generator's state on ``device`` is no longer ``before`` (see :func:`_generator_states`)."""
+    return any(not torch.equal(a, b) for a, b in zip(before, _generator_states(device), strict=True))
+
+
 def _ray_probes(
     module: nn.Module, weight: torch.Tensor, seed: int
 ) -> tuple[torch.Generator, torch.Tensor, torch.Tensor]:

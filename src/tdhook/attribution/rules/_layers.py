@@ -17,6 +17,8 @@ from torchrl.modules.models.utils import SquashDims
 from tdhook.attribution.rules._dropout_calls import DropoutCalls
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layer_calls import (
+    _draws,
+    _generator_states,
     _LayerCallCount,
     _parametrizations_eval,
     _probe_input,
@@ -358,8 +360,9 @@ def _check_linear_after_layer_call(module: nn.Module, weight: torch.Tensor) -> N
     fails one of these where the others are a second map of the input (a low-rank adapter's ``B(A x)``, which the
     modified passes would leave unmodified, or a gate's own convolution run first, taken for the layer's): it is
     refused as that, by name. A dropout in training mode inside the forward is refused (the modified passes would
-    drop other elements), and so is a BatchNorm normalising by its batch (:func:`_normalises_by_its_batch`); the
-    forward runs in the call's mode.
+    drop other elements), and so is a forward whose output follows the random numbers it draws (a drop path's mask,
+    ``torch.bernoulli``: :func:`_follows_its_draws`) and a BatchNorm normalising by its batch
+    (:func:`_normalises_by_its_batch`); the forward runs in the call's mode.
     """
     if _normalises_by_its_batch(module):
         raise _batch_statistics_error(module)
@@ -368,16 +371,20 @@ def _check_linear_after_layer_call(module: nn.Module, weight: torch.Tensor) -> N
     probe = torch.randn(shape, generator=generator, dtype=weight.dtype).to(weight.device)
     signed = torch.randn(weight.shape, generator=generator, dtype=weight.dtype).to(weight.device)
     modes = {sub: sub.training for sub in module.modules()}
-    outputs = []
+    outputs, drew = [], False
     try:
         _parametrizations_eval(module)  # the rest in the mode of the call
         with torch.no_grad(), run_alone(), torch._C._EnableTorchFunction(), _probed(module) as rewind:
             for w in (signed, -signed, torch.zeros_like(signed)):
                 rewind()  # the same draws in each run (a dropout in training mode)
+                before = _generator_states(probe.device)
                 with _LayerCallCount() as calls, _SubstituteLayerCall(w, None), DropoutCalls() as dropped:
                     outputs.append(module.forward(probe))
                 if dropped.found:
                     raise _dropout_error(module)
+                drew = drew or _draws(probe.device, before)
+            if drew and _follows_its_draws(module, probe, signed):
+                raise _dropout_error(module)
     finally:
         for sub, training in modes.items():
             sub.training = training
@@ -400,6 +407,22 @@ def _check_linear_after_layer_call(module: nn.Module, weight: torch.Tensor) -> N
         "the model before such layers are fused (or after torch.ao's fuse_model in eval mode, which folds the "
         "BatchNorm into the convolution)"
     )
+
+
+def _follows_its_draws(module: nn.Module, probe: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether two runs of the layer's forward that draw other random numbers give other outputs, on
+    :data:`_DRAWN_SAMPLES` copies of ``probe`` (a drop path's mask of one sample is the same in two draws at odds of
+    ``p² + (1 - p)²``): a mask drawn without a dropout call, and not a noise scaled by 0. Run inside the probes."""
+    many = probe.expand(_DRAWN_SAMPLES, *probe.shape[1:]).contiguous()
+    runs = []
+    for _ in range(2):
+        with _SubstituteLayerCall(weight, None):
+            runs.append(module.forward(many))
+    return not torch.equal(*runs)
+
+
+# The copies of a probe :func:`_follows_its_draws` runs the forward on.
+_DRAWN_SAMPLES = 64
 
 
 def _normalises_by_its_batch(module: nn.Module) -> bool:
