@@ -380,3 +380,39 @@ def test_a_forward_naming_library_classes_probes_once():
         enter(lrp)
         enter(lrp)
     assert runs[0] == 2
+
+
+def _quantization_aware_conv_bn(channels: int) -> nn.Module:
+    """torch.ao's QAT ``ConvBn2d`` in eval mode, fake quantisation off (float64): a linear layer with a BatchNorm
+    inside, whose rule registers on the BatchNorm at each context entry."""
+    from torch.ao import quantization
+    from torch.ao.nn import intrinsic
+    from torch.ao.nn.intrinsic import qat
+
+    norm = nn.BatchNorm2d(channels)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.running_var.uniform_(0.5, 1.5)
+    fused = intrinsic.ConvBn2d(nn.Conv2d(channels, channels, 3, padding=1, bias=False), norm)
+    for module in fused.modules():
+        module.qconfig = quantization.get_default_qat_qconfig("x86")
+    layer = qat.ConvBn2d.from_float(fused)
+    layer.eval()(torch.randn(2, channels, 5, 5))
+    layer.apply(quantization.disable_observer)
+    layer.apply(quantization.disable_fake_quant)
+    return layer.double().eval()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_a_layer_whose_submodule_has_a_rule_is_probed_once():
+    # The rule hooks on the BatchNorm inside, new at each entry, and the quantization configuration (not comparable)
+    # were in the verdict's key: each entry, and each call made without an open context, probed every ConvBn2d.
+    layers = [_quantization_aware_conv_bn(3) for _ in range(3)]
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten()).double().eval()
+    lrp = wrapper(model, EpsilonPlus())
+    with counted("_check_linear_after_layer_call") as runs:
+        enter(lrp)
+        assert runs[0] == 3
+        enter(lrp)
+        lrp(TensorDict(x=torch.randn(2, 3, 5, 5, dtype=torch.float64), batch_size=[2]))
+        assert runs[0] == 3

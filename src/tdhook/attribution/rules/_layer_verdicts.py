@@ -6,17 +6,19 @@ rule (every context entry, every call made without an open context). The verdict
 on what the forward is and on what it reads besides the weight it is given, not on that weight's values, so it is
 kept here and given again while nothing it may depend on changed:
 
-* the layer and its submodules (each by identity, weakly), their classes and their ``forward`` functions (one set
-  on the instance included, a monkeypatch), the attributes in their ``__dict__`` (numbers, strings, tuples by
-  value; functions and classes by identity, weakly; anything else, a mutable object whose contents the forward
-  may read, is not kept and the layer is probed at each check);
+* the layer and its submodules (each by identity, weakly), their classes, their ``forward`` functions (one set
+  on the instance included, a monkeypatch) and their modes (the probes run the forward in the call's), the
+  attributes in their ``__dict__`` (numbers, strings, tuples by value; functions and classes by identity, weakly;
+  anything else, a mutable object whose contents the forward may read, is not kept and the layer is probed at each
+  check);
 * what the code of those forwards may read besides: for each class of the layer and its submodules (their bases
   but ``nn.Module`` included), the attributes its ``__dict__`` holds; for each function found there or in an
   instance's ``__dict__`` (torch's own aside), the globals its code names (and, in a module of one's own it names,
   the attributes its code names), its closure's cells and its defaults, followed to the functions and classes they
   hold (a flag or a helper of the forward's module, replaced later); anything else it holds is not kept, as above;
 * the forward hooks of the submodules, which the forward runs through their ``__call__`` (the layer's own do not
-  run: the probes call ``forward``), the weight hooks of the layer and torch's global forward hooks;
+  run: the probes call ``forward``; tdhook's own, which the probes run with the rules off, are not kept), the
+  weight hooks of the layer and torch's global forward hooks;
 * the dtype, device, shape and kind of every parameter and buffer, and the values of all of them but the layer's
   own ``weight`` (the probes replace it): a learnt clip threshold (PACT), a flag in a buffer or a bias added after
   the linear function (a shift where it is not zero) may decide the verdict; a write through ``.data`` is seen.
@@ -51,11 +53,15 @@ __all__ = ["checked_once", "clear_verdicts"]
 
 # The most elements of tensors whose values a verdict keeps a copy of (the layer's own weight and bias not counted).
 _HELD_VALUES = 1 << 16
-# What every nn.Module has in its __dict__ (tables and hooks read here one by one, ``training``: the probes set eval),
+# What every nn.Module has in its __dict__ (tables, hooks and ``training`` read here one by one),
 # and the copy methods an open context sets on each module (``copy.deepcopy`` and pickle read them, no forward does):
 # a layer prepared in a call (the first-layer rules) was otherwise probed again at every call.
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | frozenset({"__getstate__", "__deepcopy__", "__reduce_ex__"})
+# And the quantization configuration torch.ao's quantization-aware layers keep for their conversion (their forward
+# reads the fake quantizers built from it): a QAT ``ConvBn2d`` was probed again at every check.
+_MODULE_INTERNALS |= frozenset({"qconfig"})
 _PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout})
+_PLAIN |= frozenset({torch.qscheme})
 _BY_IDENTITY = (types.FunctionType, type, types.ModuleType)
 _WEIGHT_HOOKS = (WeightNorm, SpectralNorm, BasePruningMethod)
 # The layer's own weight, whose values the probes replace by random ones (its bias is kept: a forward may add it
@@ -203,13 +209,13 @@ def _state(module: nn.Module, extra: tuple) -> tuple[tuple, list[torch.Tensor]]:
     seen: set[int] = set()
     for name, sub in module.named_modules(remove_duplicate=False):
         root = sub is module
-        key += (name, weakref.ref(sub), type(sub), _token(getattr(type(sub), "forward", None)))
+        key += (name, weakref.ref(sub), type(sub), _token(getattr(type(sub), "forward", None)), sub.training)
         _follow(type(sub), key, seen, layer_class=True)
         if root:
             pre_hooks = sub._forward_pre_hooks.items()
             key.append(tuple(handle for handle, hook in pre_hooks if isinstance(hook, _WEIGHT_HOOKS)))
         else:  # run by the submodule's __call__ inside the forward
-            key += (tuple(sub._forward_pre_hooks), tuple(sub._forward_hooks))
+            key += (_foreign(sub._forward_pre_hooks), _foreign(sub._forward_hooks))
         tables = (sub._parameters.items(), sub._buffers.items(), sub.__dict__.items())
         for kind, table in enumerate(tables):
             for attribute, value in table:
@@ -229,6 +235,20 @@ def _state(module: nn.Module, extra: tuple) -> tuple[tuple, list[torch.Tensor]]:
     if sum(t.numel() for t in valued) > _HELD_VALUES:
         raise _Uncacheable
     return tuple(key), valued
+
+
+def _foreign(hooks: dict[int, Callable]) -> tuple[int, ...]:
+    """The ids of ``hooks`` but tdhook's own (the rules' hooks, registered anew at each context entry): the probes run
+    with the rules off (:func:`~tdhook.attribution.rules._plain_calls.run_alone`), where those leave the forward as
+    it is. A layer with a submodule that has a rule (the BatchNorm inside QAT's ``ConvBn2d``) was probed again at
+    each entry, and at each call made without an open context."""
+    return tuple(handle for handle, hook in hooks.items() if not _is_own(hook))
+
+
+def _is_own(hook: Callable) -> bool:
+    func = hook.func if isinstance(hook, functools.partial) else hook
+    name = getattr(getattr(func, "__func__", func), "__module__", None)
+    return isinstance(name, str) and name.startswith("tdhook.attribution.")
 
 
 def _same_values(live: list[torch.Tensor], held: list[torch.Tensor]) -> bool:

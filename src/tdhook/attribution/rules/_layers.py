@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -13,10 +12,32 @@ from torch.func import functional_call
 from torch.nn.utils.prune import BasePruningMethod as _PruningHook
 from torch.nn.utils.spectral_norm import SpectralNorm as _SpectralNormHook
 from torch.nn.utils.weight_norm import WeightNorm as _WeightNormHook
-from torch.overrides import TorchFunctionMode
 from torchrl.modules.models.utils import SquashDims
 
+from tdhook.attribution.rules._dropout_calls import DropoutCalls
 from tdhook.attribution.rules._keeping_graph import graph_kept
+from tdhook.attribution.rules._layer_calls import (
+    _draws,
+    _generator_states,
+    _LayerCallCount,
+    _parametrizations_eval,
+    _probe_input,
+    _probed,
+    _RecordLayerCall,
+    _SubstituteLayerCall,
+)
+from tdhook.attribution.rules._layer_rays import (
+    RULED_EPSILON,
+    _batch_statistics_error,
+    _bent_error,
+    _dropout_error,
+    _off_the_map_error,
+    _rays_bent,
+    _second_map_error,
+    _sloped_error,
+    _slopes_restabilised,
+    _values_off_the_map,
+)
 from tdhook.attribution.rules._layer_verdicts import checked_once
 from tdhook.attribution.rules._plain_calls import run_alone
 
@@ -198,26 +219,6 @@ def bias_view(module: nn.Module, bias: torch.Tensor) -> torch.Tensor:
     return bias if isinstance(module, nn.Linear) else bias.view(-1, *([1] * len(module.kernel_size)))
 
 
-_LAYER_FUNCTIONS = frozenset({F.linear, F.conv1d, F.conv2d, F.conv3d})
-_LAYER_FUNCTIONS |= frozenset(TRANSPOSED_FORWARDS.values())
-
-
-class _RecordLayerCall(TorchFunctionMode):
-    """Record the weight and bias of the first linear or convolution function a forward pass calls."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.params: dict[str, torch.Tensor] | None = None
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _LAYER_FUNCTIONS and self.params is None:
-            weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            self.params = {"weight": weight} if bias is None else {"weight": weight, "bias": bias}
-        return func(*args, **kwargs)
-
-
 # The hooks that compute a layer's weight or bias before each call: the older torch.nn.utils.weight_norm and
 # spectral_norm, and torch.nn.utils.prune (the original times the mask).
 _WEIGHT_HOOKS = (_WeightNormHook, _SpectralNormHook, _PruningHook)
@@ -233,26 +234,6 @@ def _holds_its_parameters(module: nn.Module) -> bool:
     computes before each call (``torch.nn.utils.prune`` keeps ``weight_orig`` and sets ``weight``)."""
     shadowed = "weight" in module.__dict__ or "bias" in module.__dict__  # read before the parameters of that name
     return isinstance(module._parameters.get("weight"), nn.Parameter) and not shadowed
-
-
-class _SubstituteLayerCall(TorchFunctionMode):
-    """Give the first linear or convolution function a forward pass calls the weight and bias given here."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.weight, self.bias, self.done = weight, bias, False
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func in _LAYER_FUNCTIONS and not self.done:
-            self.done = True
-            args = list(args)
-            for position, name, value in ((1, "weight", self.weight), (2, "bias", self.bias)):
-                if len(args) > position:
-                    args[position] = value
-                else:
-                    kwargs[name] = value
-        return func(*args, **kwargs)
 
 
 def has_weight(module: nn.Module) -> bool:
@@ -272,50 +253,6 @@ def _has_torch_forward(module: nn.Module) -> bool:
 
 def _has_plain_forward(module: nn.Module) -> bool:
     return _has_torch_forward(module) and not nn.utils.parametrize.is_parametrized(module)
-
-
-# The inputs :func:`_rays_bent` tries at once, of sizes spread from 1e-3 to 1e3.
-_RAY_PROBES = 13
-
-
-def _probe_input(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
-    """The smallest batched input ``module`` accepts."""
-    if isinstance(module, nn.Linear):
-        return weight.new_zeros(1, module.in_features)
-    extent = [(k - 1) * d + 1 for k, d in zip(module.kernel_size, module.dilation, strict=True)]
-    if getattr(module, "padding_mode", "zeros") != "zeros":
-        # A padding that copies the input (reflect, circular) needs an input longer than the padding.
-        longest = max(getattr(module, "_reversed_padding_repeated_twice", None) or [0]) + 1
-        extent = [max(size, longest) for size in extent]
-    return weight.new_zeros(1, module.in_channels, *extent)
-
-
-@contextmanager
-def _probed(module: nn.Module) -> Iterator[None]:
-    """Run probes of the layer's own forward, then put back what they set: the attributes, submodules, parameters
-    and buffers a forward assigns on the layer or its submodules (timm's ``Conv2dSameExport`` builds its padding
-    for the first input size it sees, which would be the probe's), the values of its buffers (the observers of a
-    quantization-aware layer's fake quantization, which move towards each weight they see, and its scale with them)
-    and the random number generators' states (a forward that draws noise)."""
-    saved = [(m, dict(m.__dict__), dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in module.modules()]
-    values = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
-    tensors = [*module.parameters(), *module.buffers()]
-    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for buffer, value in values:  # only those a probe wrote: no write where nothing changed
-                    if buffer.shape != value.shape or not torch.equal(buffer, value):
-                        buffer.data = value
-            for m, attributes, modules, parameters, buffers in saved:
-                for table, kept in ((m._modules, modules), (m._parameters, parameters), (m._buffers, buffers)):
-                    table.clear()
-                    table.update(kept)
-                for name in [name for name in m.__dict__ if name not in attributes]:
-                    del m.__dict__[name]
-                m.__dict__.update(attributes)
 
 
 def _has_weight_property(module: nn.Module) -> bool:
@@ -419,20 +356,35 @@ def _check_linear_after_layer_call(module: nn.Module, weight: torch.Tensor) -> N
     rule's. An activation inside the layer (torch.ao's QAT ``ConvReLU2d``, ``ConvBnReLU2d``, ``LinearReLU``) would
     clip them; a shift added after it (the BatchNorm inside QAT's ``ConvBn2d``) would stay unmodified. Told apart
     by the forward itself, on a random input with weights ``W``, ``-W`` and ``0`` and no bias: a linear map ``g``
-    gives ``g(z) = -g(-z)`` and ``g(0) = 0``.
+    gives ``g(z) = -g(-z)`` and ``g(0) = 0``. A forward that calls more than one linear or convolution function
+    fails one of these where the others are a second map of the input (a low-rank adapter's ``B(A x)``, which the
+    modified passes would leave unmodified, or a gate's own convolution run first, taken for the layer's): it is
+    refused as that, by name. A dropout in training mode inside the forward is refused (the modified passes would
+    drop other elements), and so is a forward whose output follows the random numbers it draws (a drop path's mask,
+    ``torch.bernoulli``: :func:`_follows_its_draws`) and a BatchNorm normalising by its batch
+    (:func:`_normalises_by_its_batch`); the forward runs in the call's mode.
     """
+    if _normalises_by_its_batch(module):
+        raise _batch_statistics_error(module)
     generator = torch.Generator().manual_seed(0)
     shape = _probe_input(module, weight).shape
     probe = torch.randn(shape, generator=generator, dtype=weight.dtype).to(weight.device)
     signed = torch.randn(weight.shape, generator=generator, dtype=weight.dtype).to(weight.device)
     modes = {sub: sub.training for sub in module.modules()}
-    outputs = []
+    outputs, drew = [], False
     try:
-        module.eval()
-        with torch.no_grad(), run_alone(), torch._C._EnableTorchFunction(), _probed(module):
+        _parametrizations_eval(module)  # the rest in the mode of the call
+        with torch.no_grad(), run_alone(), torch._C._EnableTorchFunction(), _probed(module) as rewind:
             for w in (signed, -signed, torch.zeros_like(signed)):
-                with _SubstituteLayerCall(w, None):
+                rewind()  # the same draws in each run (a dropout in training mode)
+                before = _generator_states(probe.device)
+                with _LayerCallCount() as calls, _SubstituteLayerCall(w, None), DropoutCalls() as dropped:
                     outputs.append(module.forward(probe))
+                if dropped.found:
+                    raise _dropout_error(module)
+                drew = drew or _draws(probe.device, before)
+            if drew and _follows_its_draws(module, probe, signed):
+                raise _dropout_error(module)
     finally:
         for sub, training in modes.items():
             sub.training = training
@@ -448,11 +400,38 @@ def _check_linear_after_layer_call(module: nn.Module, weight: torch.Tensor) -> N
         # An odd activation (tanh, hardtanh, a cube) passes the test above: g(z) = -g(-z), g(0) = 0.
         _check_homogeneous_input(module, weight)
         return
+    if len(calls.names) > 1:
+        raise _second_map_error(module, calls.names)
     raise ValueError(
         f"{type(module).__name__}: its forward {what}; map this layer to EpsilonRule in rule_mapper, or explain "
         "the model before such layers are fused (or after torch.ao's fuse_model in eval mode, which folds the "
         "BatchNorm into the convolution)"
     )
+
+
+def _follows_its_draws(module: nn.Module, probe: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether two runs of the layer's forward that draw other random numbers give other outputs, on
+    :data:`_DRAWN_SAMPLES` copies of ``probe`` (a drop path's mask of one sample is the same in two draws at odds of
+    ``p² + (1 - p)²``): a mask drawn without a dropout call, and not a noise scaled by 0. Run inside the probes."""
+    many = probe.expand(_DRAWN_SAMPLES, *probe.shape[1:]).contiguous()
+    runs = []
+    for _ in range(2):
+        with _SubstituteLayerCall(weight, None):
+            runs.append(module.forward(many))
+    return not torch.equal(*runs)
+
+
+# The copies of a probe :func:`_follows_its_draws` runs the forward on.
+_DRAWN_SAMPLES = 64
+
+
+def _normalises_by_its_batch(module: nn.Module) -> bool:
+    """Whether a BatchNorm inside the layer normalises by the statistics of its batch (in training mode, or without
+    running statistics; torch.ao's QAT ``ConvBn2d`` in training mode): the modified passes run the layer's forward
+    again, where it would compute them from what they pass, and the ε-rule's gradient runs through them, where a
+    BatchNorm beside the layer has them held (``NormRule``)."""
+    inside = (sub for sub in module.modules() if sub is not module and isinstance(sub, BATCH_NORMS))
+    return any(sub.training or sub.running_mean is None for sub in inside)
 
 
 def check_layer_input(module: nn.Module, epsilon: float = 0.0, norms_ruled: bool = False) -> None:
@@ -509,11 +488,13 @@ def _probe_layer_input(
     module: nn.Module, tensors: list[torch.Tensor], clips_ruled: bool, norms_ruled: bool = False
 ) -> None:
     """:func:`check_layer_input`'s probe of a layer with a forward of its own."""
+    if _normalises_by_its_batch(module):
+        raise _batch_statistics_error(module)
     reference = next(t for t in tensors if t.is_floating_point())
     recorder = _RecordLayerCall()
     modes = {sub: sub.training for sub in module.modules()}
     try:
-        module.eval()  # no state may change: spectral_norm's power iteration runs in training mode only
+        _parametrizations_eval(module)  # the rest in the mode of the call; _probed puts back what it sets
         with torch.no_grad(), run_alone(), torch._C._EnableTorchFunction(), recorder, _probed(module):
             module.forward(_probe_input(module, reference))
     except Exception:  # noqa: BLE001 (a forward that needs more than the smallest input: not checked here)
@@ -540,205 +521,6 @@ def _probe_layer_input(
         raise _off_the_map_error(module)
 
 
-def _ray_probes(
-    module: nn.Module, weight: torch.Tensor, seed: int
-) -> tuple[torch.Generator, torch.Tensor, torch.Tensor]:
-    """A generator seeded with ``seed``, :data:`_RAY_PROBES` random inputs of the layer of sizes from 1e-3 to 1e3,
-    and a random weight of ``weight``'s shape, drawn from it."""
-    generator = torch.Generator().manual_seed(seed)
-    shape = (_RAY_PROBES, *_probe_input(module, weight).shape[1:])
-    probe = torch.randn(shape, generator=generator, dtype=torch.float64)
-    probe *= torch.logspace(-3, 3, _RAY_PROBES, dtype=torch.float64).view(-1, *[1] * (probe.dim() - 1))
-    signed = torch.randn(weight.shape, generator=generator, dtype=weight.dtype).to(weight.device)
-    return generator, probe.to(weight.device, weight.dtype), signed
-
-
-def _rays_bent(
-    module: nn.Module,
-    weight: torch.Tensor,
-    clips_ruled: bool = False,
-    calls_ruled: bool = True,
-    norms_ruled: bool = True,
-    noted: list | None = None,
-) -> bool:
-    """Whether the layer's forward, with a random weight in its linear function and no bias, has another gradient
-    with respect to its input at ``2x`` than at ``x`` (random inputs of sizes from 1e-3 to 1e3, a random output
-    gradient): an activation inside it whose derivative changes along a ray (tanh, a clamp, a power, a gate
-    computed from the input), before or after that function. A linear map, a ReLU and a straight-through estimator
-    (the identity's gradient) give the same gradient at both, exactly (a doubling rounds nothing): one of the input
-    or the weight (``input.data = sign(input.data)``) is the layer's, one after the map :func:`_values_off_the_map`
-    refuses. A call the function rules may cover is not this check's: a product
-    or division of two activations, a norm, and where ``clips_ruled`` a clip or a softmax (the modified passes run
-    through it); none where not ``calls_ruled`` (an ε-rule above :data:`RULED_EPSILON` stabilises their output in
-    place of the linear function's: a gate inside a Linear layer gave 0.07 relative L2 under UniformEpsilon's 0.25,
-    a layer norm 0.30, against them beside the layer, silently); of the norms, ``F.normalize`` and
-    ``F.cosine_similarity`` alone where not ``norms_ruled``. The call found is added to ``noted``. The probes run
-    :func:`~tdhook.attribution.rules._plain_calls.run_alone`."""
-    generator, probe, signed = _ray_probes(module, weight, 1)
-    modes = {sub: sub.training for sub in module.modules()}
-    grads, seed = [], None
-    try:
-        module.eval()
-        with torch.enable_grad(), run_alone(), torch._C._EnableTorchFunction(), _probed(module):
-            for x in (probe, 2 * probe):
-                leaf = x.clone().requires_grad_(True)
-                # The substitution first: the calls noted are those of the random weight, which has no gradient.
-                with _FunctionRuled(clips_ruled, norms_ruled) as ruled, _SubstituteLayerCall(signed, None):
-                    out = module.forward(leaf)
-                if ruled.found and calls_ruled:  # a gate, a product or a norm: the function rules' to follow
-                    return False
-                if ruled.found and noted is not None and ruled.call not in noted:
-                    noted.append(ruled.call)
-                if not isinstance(out, torch.Tensor) or not out.requires_grad:
-                    return False
-                if seed is None:
-                    seed = torch.randn(out.shape, generator=generator, dtype=out.dtype).to(out.device)
-                (grad,) = torch.autograd.grad(out, leaf, seed, allow_unused=True)
-                if grad is None:
-                    return False
-                grads.append(grad)
-    finally:
-        for sub, training in modes.items():
-            sub.training = training
-    one, two = grads
-    scale = one.flatten(1).abs().amax(1).clamp(min=torch.finfo(one.dtype).tiny)  # per probe: sizes differ
-    tolerance = max(1e-3, 16 * torch.finfo(one.dtype).eps)
-    return bool(((two - one).flatten(1).abs().amax(1) / scale > tolerance).any())
-
-
-# Calls of two activations that stay linear: sums and joins.
-_LINEAR_JOINS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__, torch.sub})
-_LINEAR_JOINS |= frozenset({torch.Tensor.sub, torch.Tensor.__sub__, torch.Tensor.__rsub__, torch.cat, torch.stack})
-# Norms called as functions, whose scales the presets' function rules may hold inside a layer.
-_NORM_FUNCTIONS = frozenset(
-    {F.layer_norm, F.group_norm, F.instance_norm, F.batch_norm, F.rms_norm, F.normalize, F.local_response_norm}
-) | frozenset({F.cosine_similarity})
-# The norms every preset's function rules hold (the CNN presets' too); the others, the transformer presets' alone.
-_HELD_NORM_FUNCTIONS = frozenset({F.normalize, F.cosine_similarity})
-
-
-# Clips called as functions, which the CNN presets' function rules pass as nn.Hardtanh's rule does, and softmaxes,
-# which the presets' softmax rules explain as nn.Softmax's.
-_CLIP_FUNCTIONS = frozenset({torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip, F.hardtanh, F.relu6})
-_CLIP_FUNCTIONS |= frozenset({F.softmax, torch.softmax, torch.Tensor.softmax})
-_CLIP_FUNCTIONS |= frozenset({F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax})
-# The largest ε of an ε-rule under which those are passed inside its layer (see :func:`check_layer_input`).
-RULED_EPSILON = 1e-4
-
-
-class _FunctionRuled(TorchFunctionMode):
-    """Note whether a forward pass calls a function of two activations other than a sum (a gate's product, a
-    division by a norm), a norm, or where ``clips`` a clip or a softmax: calls the function rules of a preset may
-    give a rule inside a layer.
-
-    A call on tensors computed from the layer's parameters alone is none of these: the norm of timm's
-    ``StdConv2d`` and ``ScaledStdConv2d`` standardises the weight, and the rest of the forward is checked (a tanh
-    after it gave 0.35 to 0.81 relative L2 against a tanh beside the layer, silently)."""
-
-    def __init__(self, clips: bool = False, norms: bool = True) -> None:
-        super().__init__()
-        self.found, self.call = False, None
-        self._ruled = _NORM_FUNCTIONS if norms else _HELD_NORM_FUNCTIONS
-        self._ruled = self._ruled | _CLIP_FUNCTIONS if clips else self._ruled
-        self._of_parameters: dict[int, torch.Tensor] = {}  # by id, each held while the probe runs
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        flat = [*args, *kwargs.values()]
-        flat = [t for item in flat for t in (item if isinstance(item, (list, tuple)) else [item])]
-        with_grad = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
-        of_parameters = all(isinstance(t, nn.Parameter) or id(t) in self._of_parameters for t in with_grad)
-        if not self.found and func not in _LINEAR_JOINS and not of_parameters:
-            activations = sum(not isinstance(t, nn.Parameter) for t in with_grad)
-            self.found = activations >= 2 or (func in self._ruled and activations >= 1)
-            self.call = func if self.found else None
-        out = func(*args, **kwargs)
-        if with_grad and of_parameters:
-            for t in out if isinstance(out, (list, tuple)) else [out]:
-                if isinstance(t, torch.Tensor):
-                    self._of_parameters[id(t)] = t
-        return out
-
-
-class _LayerOutputLeaf(_SubstituteLayerCall):
-    """Give the first linear or convolution function a forward pass calls ``weight`` and no bias, and hand on its
-    output as a leaf of its own (``leaf``): what the forward computes after that function is a function of it."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__(weight, None)
-        self.leaf: torch.Tensor | None = None
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _LAYER_FUNCTIONS and not self.done:
-            with torch.no_grad():
-                self.leaf = super().__torch_function__(func, types, args, kwargs).requires_grad_(True)
-            return self.leaf
-        return super().__torch_function__(func, types, args, kwargs)
-
-
-def _slopes_restabilised(module: nn.Module, weight: torch.Tensor) -> bool:
-    """Whether what the layer's forward computes after its linear function ``h(z)`` is not linear and sends
-    relevance otherwise than a module beside the layer would under a large ε: the ε-rule on the layer gives ``z``
-    the gradient ``Jᵀ (R / stabilize(h(z)))``, the ε-rule on ``z`` with ``h`` passed ``z ⊙ Jᵀ (R / h(z)) /
-    stabilize(z)`` (``J`` the Jacobian of ``h``). A leaky ReLU or a PReLU (a slope other than 0 and 1 on the
-    negative side, positively homogeneous: the rays of :func:`_rays_bent` do not see it) differs by the order of ε
-    over ``z`` (0.03 to 0.06 relative L2 under UniformEpsilon's 0.25 with a slope of 0.1, silently); a ReLU and a
-    max pooling (slopes 0 and 1) agree, and a linear ``h`` (at ``z`` and ``-z`` the same gradient) is the layer's.
-
-    Told on random weights and inputs of sizes from 1e-3 to 1e3, with ε the mean size of ``z`` in each."""
-    generator, probe, signed = _ray_probes(module, weight, 2)
-    modes = {sub: sub.training for sub in module.modules()}
-    runs = []
-    try:
-        module.eval()
-        with torch.enable_grad(), run_alone(), torch._C._EnableTorchFunction(), _probed(module):
-            for w in (signed, -signed):
-                with _LayerOutputLeaf(w) as found:
-                    out = module.forward(probe)
-                if found.leaf is None or not isinstance(out, torch.Tensor) or not out.requires_grad:
-                    return False
-                runs.append((found.leaf, out))
-    finally:
-        for sub, training in modes.items():
-            sub.training = training
-    seed = torch.randn(runs[0][1].shape, generator=generator, dtype=runs[0][1].dtype).to(runs[0][1].device)
-    (plus, _), (minus, _) = runs
-    if plus.shape[0] != _RAY_PROBES or runs[0][1].shape[0] != _RAY_PROBES:
-        return False
-    grads = [torch.autograd.grad(out, leaf, seed, retain_graph=True, allow_unused=True)[0] for leaf, out in runs]
-    if any(grad is None for grad in grads):
-        return False
-    tolerance = max(1e-3, 16 * torch.finfo(weight.dtype).eps)
-
-    def apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # per probe: sizes differ
-        scale = torch.maximum(a.flatten(1).abs().amax(1), b.flatten(1).abs().amax(1))
-        return (a - b).flatten(1).abs().amax(1) > tolerance * scale.clamp(min=torch.finfo(a.dtype).tiny)
-
-    if not apart(*grads).any():
-        return False  # a linear map after the linear function: the layer's
-    for leaf, out in runs:
-        z, h = leaf.detach(), out.detach()
-        epsilon = z.flatten(1).abs().mean(1).view(-1, *[1] * (z.dim() - 1))
-        given = torch.where(h != 0, seed, torch.zeros_like(seed))  # no relevance on an output of 0
-        quotient = torch.where(h != 0, given / torch.where(h != 0, h, torch.ones_like(h)), torch.zeros_like(h))
-        stabilised = given / (h + torch.where(h >= 0, 1.0, -1.0) * epsilon.view(-1, *[1] * (h.dim() - 1)))
-        (layer,) = torch.autograd.grad(out, leaf, stabilised, retain_graph=True)
-        (passed,) = torch.autograd.grad(out, leaf, quotient, retain_graph=True)
-        beside = z * passed / (z + torch.where(z >= 0, 1.0, -1.0) * epsilon)
-        if apart(layer, beside).any():
-            return True
-    return False
-
-
-def _sloped_error(module: nn.Module) -> ValueError:
-    return ValueError(
-        f"{type(module).__name__}: its forward runs, after its linear or convolution function, an activation with a "
-        f"slope other than 0 or 1 (such as a leaky ReLU): the ε-rule (ε above {RULED_EPSILON}) would stabilise that "
-        "activation's output in place of the linear function's; write the activation as a module of its own beside "
-        f"the layer, or use an ε of at most {RULED_EPSILON}"
-    )
-
-
 def _check_homogeneous_input(module: nn.Module, weight: torch.Tensor) -> None:
     """Raise where :func:`_rays_bent`, gates, products and norms counted (no function rule holds them in the modified
     passes: a gate, ``F.normalize`` or a layer norm inside a convolution gave 0.15 to 22 relative L2 under the CNN
@@ -748,52 +530,3 @@ def _check_homogeneous_input(module: nn.Module, weight: torch.Tensor) -> None:
         raise _bent_error(module, noted)
     if _values_off_the_map(module, weight):
         raise _off_the_map_error(module)
-
-
-def _values_off_the_map(module: nn.Module, weight: torch.Tensor, clips_ruled: bool = False) -> bool:
-    """Whether the layer's forward, its linear function given a random ``W``, ``2W`` and ``0``, gives outputs off a
-    line (``f(2W) - f(0) ≠ 2 (f(W) - f(0))``) with no call the function rules hold: a straight-through estimator
-    after the map (``z + (round(z) - z).detach()``), whose output the rules took for the map's (0.10 to 0.17
-    relative L2 under UniformEpsilon, 0.05 to 2.6e5 under z⁺ and αβ, against it beside the layer). One of the input
-    or the weight is linear in ``W``. Told by the largest output (a shift after the map rounds at its size)."""
-    _, probe, signed = _ray_probes(module, weight, 3)
-    modes = {sub: sub.training for sub in module.modules()}
-    outputs = []
-    try:
-        module.eval()
-        with torch.enable_grad(), run_alone(), torch._C._EnableTorchFunction(), _probed(module):
-            for w in (signed, 2 * signed, torch.zeros_like(signed)):  # the input a leaf: the calls on it are noted
-                with _FunctionRuled(clips_ruled) as ruled, _SubstituteLayerCall(w, None):
-                    outputs.append(module.forward(probe.clone().requires_grad_(True)))
-                if ruled.found or not isinstance(outputs[-1], torch.Tensor):
-                    return False
-    finally:
-        for sub, training in modes.items():
-            sub.training = training
-    one, two, zero = (out.detach() for out in outputs)
-    if one.shape != two.shape or one.shape != zero.shape or one.dim() == 0 or one.shape[0] != _RAY_PROBES:
-        return False
-    line, twice = (one - zero).flatten(1), (two - zero).flatten(1)
-    scale = torch.stack([one, two, zero]).flatten(2).abs().amax((0, 2)).clamp(min=torch.finfo(line.dtype).tiny)
-    tolerance = max(1e-3, 16 * torch.finfo(line.dtype).eps)
-    return bool(((twice - 2 * line).abs().amax(1) > tolerance * 2 * scale).any())
-
-
-def _off_the_map_error(module: nn.Module) -> ValueError:
-    return ValueError(
-        f"{type(module).__name__}: its forward gives, after its linear or convolution function, values its gradient "
-        "does not follow (a straight-through estimator, such as z + (round(z) - z).detach()): a layer rule would "
-        "take those values for the linear function's output; write the estimator as a module of its own after the "
-        "layer"
-    )
-
-
-def _bent_error(module: nn.Module, noted: Sequence = ()) -> ValueError:
-    names = [f"{'F' if f in _NORM_FUNCTIONS else 'torch'}.{getattr(f, '__name__', f).strip('_')}" for f in noted]
-    called = f" (it calls {', '.join(names)}, which no function rule holds inside a layer here)" if noted else ""
-    return ValueError(
-        f"{type(module).__name__}: its forward runs an activation that is not piecewise linear through 0 (such as "
-        "tanh, a clamp, a power or a gate computed from its input) before or after its linear or convolution "
-        f"function{called}: a layer rule would send the relevance through that activation's gradient, which is no "
-        "rule's relevance; write the activation as a module of its own beside the layer"
-    )

@@ -150,7 +150,21 @@ class EpsilonRule(Rule):
         # A Linear or convolution layer whose own forward runs tanh or a clamp around its linear function: the
         # rule's gradient would run through it, refused now so that the error names the layer.
         check_layer_input(module, self.epsilon, self.norms_ruled)
-        return super()._new_registration(module)
+        registration = super()._new_registration(module)
+        registration.training = module.training
+        return registration
+
+    def resolve(self, module: nn.Module, registration: Registration, inputs: tuple) -> tuple[Rule, Registration]:
+        # The check at registration ran the layer's forward in the mode it had then: a forward that acts in training
+        # mode alone (a tanh) is checked again where a call runs in the other mode.
+        if registration.training is not None and module.training != registration.training:
+            try:
+                check_layer_input(module, self.epsilon, self.norms_ruled)
+            except ValueError as error:
+                error.module = module  # type: ignore[attr-defined]  # the wrapper names its path
+                raise
+            registration.training = module.training
+        return self, registration
 
     def _scale(self, output: torch.Tensor, n_inputs: int) -> torch.Tensor:
         return self._scale_of(output.detach(), n_inputs)

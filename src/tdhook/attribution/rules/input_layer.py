@@ -360,8 +360,13 @@ class FirstLayerRule(Rule):
             check_layer_forward(module)
         outer = Registration(None)
         # Both inner registrations share the outer one's records, read by the handle. Their
-        # state is prepared at the first call that needs it: most layers never use ``first``.
-        outer.state = [Registration(_UNPREPARED, records=outer.records, busy=outer.busy) for _ in self._pair]
+        # state is prepared at the first call that needs it: most layers never use ``first``. Each notes the
+        # layer's mode: a rule that checks the layer's forward in its mode checks it again in a call of the other
+        # (EpsilonRule.resolve).
+        training = module.training
+        outer.state = [
+            Registration(_UNPREPARED, records=outer.records, busy=outer.busy, training=training) for _ in self._pair
+        ]
         return outer
 
     @property
@@ -372,6 +377,9 @@ class FirstLayerRule(Rule):
         index = 0 if inputs and isinstance(inputs[0], torch.Tensor) and _reaches_model_input(inputs[0]) else 1
         rule, inner = self._pair[index], registration.state[index]
         rule.prepared_state(module, inner)
+        if module.training != inner.training:  # the ε-rule's check of a mode changed since registration
+            rule, inner = rule.resolve(module, inner, inputs)
+            inner.training = module.training
         return rule, inner
 
 

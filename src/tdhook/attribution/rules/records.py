@@ -54,6 +54,7 @@ class Registration:
     settings: int = -1  # the rule's settings count ``state`` was prepared with (see Rule.__setattr__)
     marks: bool = True  # whether a Linear or convolution layer's output gets its LayerCall (see Rule.reads_layer_marks)
     plain_layer: type | None = None  # the class of a Linear or convolution layer with torch's own forward, else None
+    training: bool | None = None  # the layer's mode when its rule last checked its own forward (see EpsilonRule)
 
 
 class LayerCall:
