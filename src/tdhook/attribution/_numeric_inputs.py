@@ -8,14 +8,16 @@ in a function mode, where such inputs go: views, repeats, pads, splits, conversi
 elementwise activations and functions (a sinusoidal encoding's ``sin``, a clamp), reductions, dropout and norms (a
 norm's statistic written out too), running sums (positions counted from a mask, ``mask.long().cumsum(-1)``) and
 writes into a tensor (``z[:, 4] = a.float()``, ``index_put_``, ``masked_scatter_``, ``scatter_``, ``index_copy``,
-``copy_`` into a view) carry their values, and a linear map (``F.linear``, a convolution, a product with a parameter,
-``einsum`` or ``tensordot`` included) that takes them is where their share goes.
+``copy_`` into a view; a view taken before the write too, where it spans what was written) carry their values, and
+a linear map (``F.linear``, a convolution, a product with a parameter, ``einsum`` or ``tensordot`` included) that
+takes them is where their share goes.
 Arithmetic carries them too (``2 * a.float() - 1``, ``a.float() / n``, a sum with an activation, a sum of two
 inputs, which carries both) except a product with an activation: that is a gate (a done mask), and the activation
 it scales takes the product's relevance whole. A parameter, even seen through a view or computed from parameters
 alone (``w.expand(...)``, ``-w``), is not an activation.
-Encodings carry them with no gradient to pass on: ``F.one_hot``, a comparison (``a == 3``), logical operations on
-masks (``&``, ``|``, ``^``, ``~``), the positions of their non-zero values (``a.nonzero()``, ``torch.where(a)``),
+Encodings carry them with no gradient to pass on: ``F.one_hot``, a comparison (``a == 3``), index arithmetic
+(``a % n``, ``a // 2``, a rounded ``torch.div``), logical operations on masks (``&``, ``|``, ``^``, ``~``), the
+positions of their non-zero values (``a.nonzero()``, ``torch.where(a)``),
 constants chosen by them (``torch.where(a == 1, 1.0, -1.0)``, ``masked_fill``), and a constant table read or written
 at them (``torch.eye(n)[a]``, ``torch.zeros(...).scatter_(-1, a, 1.0)``, ``z[torch.arange(n), a] = 1.0``). Masks (an
 attention mask turned into additive scores or put over them, which ``softmax`` ends, activations chosen between,
@@ -47,6 +49,7 @@ from tensordict.utils import NestedKey
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from tdhook.attribution._written_storage import StorageWrites
 from tdhook.attribution.mappers.aliases import module_place
 from tdhook.attribution.rules._caller import warn_at_caller
 
@@ -165,7 +168,15 @@ _LOGICAL: frozenset[Callable] = frozenset(
 )
 # The positions of an input's non-zero values (``a.nonzero()``, ``torch.where(a)``), as indices: an encoding of them.
 _POSITIONS: frozenset[Callable] = frozenset({torch.nonzero, Tensor.nonzero, torch.argwhere, Tensor.argwhere})
-_ENCODINGS: frozenset[Callable] = _COMPARISONS | _LOGICAL | _POSITIONS | {F.one_hot}
+# Index arithmetic (``a % n``, ``a // 2``, ``a.nonzero() % n``): rounded, its values pass no gradient either.
+_ROUNDINGS: frozenset[Callable] = frozenset(
+    {Tensor.__mod__, Tensor.__rmod__, Tensor.__imod__, Tensor.remainder, Tensor.remainder_, torch.remainder}
+    | {Tensor.fmod, Tensor.fmod_, torch.fmod, Tensor.floor_divide, Tensor.floor_divide_, torch.floor_divide}
+    | {Tensor.__floordiv__, Tensor.__rfloordiv__, Tensor.__ifloordiv__}
+)
+# Divisions that round where ``rounding_mode`` is given (``torch.div(a, 2, rounding_mode="floor")``).
+_DIVISIONS = frozenset({Tensor.div, Tensor.div_, torch.div})
+_ENCODINGS: frozenset[Callable] = _COMPARISONS | _LOGICAL | _POSITIONS | _ROUNDINGS | {F.one_hot}
 # Selections between values by a condition: the position of the condition, then of the values.
 _SELECTIONS: dict[Callable, tuple[int, tuple[int, ...]]] = {
     torch.where: (0, (1, 2)),
@@ -173,6 +184,14 @@ _SELECTIONS: dict[Callable, tuple[int, tuple[int, ...]]] = {
     torch.masked_fill: (1, (0, 2)),
     Tensor.masked_fill: (1, (0, 2)),
     Tensor.masked_fill_: (1, (0, 2)),
+}
+# Their arguments' keywords, by position (``h.masked_fill(mask=m, value=1.0)``, ``torch.where(condition=c, ...)``).
+_SELECTION_NAMES: dict[Callable, tuple[str, ...]] = {
+    torch.where: ("condition", "input", "other"),
+    Tensor.where: ("self", "condition", "other"),
+    torch.masked_fill: ("input", "mask", "value"),
+    Tensor.masked_fill: ("self", "mask", "value"),
+    Tensor.masked_fill_: ("self", "mask", "value"),
 }
 # Reads and writes of a table at an input's values: the position and keyword of the table, then of the index.
 _LOOKUPS: dict[Callable, tuple[int, str, int, str]] = {
@@ -229,6 +248,7 @@ class NumericInputs(TorchFunctionMode):
         self._zeros: dict[int, torch.Tensor] = {}  # by id: zeros made in the call, whatever the inputs
         # By id: a join of inputs' values, and its dimension with the size and carrier of each piece along it.
         self._joins: dict[int, tuple[torch.Tensor, tuple[int, tuple[tuple[int, Carrier | None], ...]]]] = {}
+        self._writes = StorageWrites()  # the storage written in place with inputs' values: read by earlier views
         self.dtypes = {i: t.dtype for i, t in inputs.items()}
         self.found: dict[int, str] = {}
         self.encodings: dict[int, str] = {}
@@ -236,11 +256,12 @@ class NumericInputs(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # Read before the call: a scaling in place makes the tensor it writes require grad.
-        scaled = self._scaled(func, args, kwargs) if func in _SCALINGS else None
+        rounded = func in _DIVISIONS and kwargs.get("rounding_mode") is not None  # index arithmetic: an encoding
+        scaled = self._scaled(func, args, kwargs) if func in _SCALINGS and not rounded else None
         out = func(*args, **kwargs)
         if scaled is not None:
             if scaled[0] is None and self._carrier(out) is not None:  # a gate written in place: it carries none
-                del self._carriers[id(out)]
+                self._carriers.pop(id(out), None)
             self._carry(out, scaled[0])
         elif func in _CARRYING:
             first = args[0] if args else None
@@ -258,13 +279,16 @@ class NumericInputs(TorchFunctionMode):
             self._note(func, args, kwargs)
         elif func in _SUMS:  # a sum carries its operands' values
             self._carry(out, self._carried(*args, *kwargs.values()))
-        elif func in _ENCODINGS or (func is torch.where and len(args) == 1):  # ``torch.where(a)``: its positions
-            self._carry(out, _encoded(self._carried(*args, *kwargs.values()), _encoding(func)))
+        elif func in _ENCODINGS or rounded or (func is torch.where and len(args) + len(kwargs) == 1):
+            self._carry(out, _encoded(self._carried(*args, *kwargs.values()), _encoding(func)))  # where(a): positions
         elif func in _LOOKUPS:
             self._carry(out, self._looked_up(func, args, kwargs))
         elif func in _WRITES:
             self._written(func, args, kwargs, out)
         elif func in _SELECTIONS:
+            if kwargs:  # by keyword: read in the order of the positions
+                names = _SELECTION_NAMES[func][len(args) :]
+                args = (*args, *(kwargs[name] for name in names if name in kwargs))
             carrier = self._selected(func, args)
             if func is Tensor.masked_fill_ and carrier is not None:
                 self._hold(args[0], dict(carrier))
@@ -278,6 +302,7 @@ class NumericInputs(TorchFunctionMode):
         self._carriers = {}  # the tensors of the call, not kept past it
         self._parameter_nodes, self._activation_nodes = set(), set()
         self._zeros, self._joins = {}, {}
+        self._writes.clear()
 
     def _carrier(self, *values: object) -> Carrier | None:
         """What the first of ``values`` that carries an input's values carries."""
@@ -285,6 +310,12 @@ class NumericInputs(TorchFunctionMode):
             carrier = self._carriers.get(id(value)) if isinstance(value, torch.Tensor) else None
             if carrier is not None and carrier[1] is value:
                 return carrier[0]
+        if self._writes:  # a view taken before a write of an input's values into its storage holds them
+            for value in values:
+                carrier = self._writes.read(value) if isinstance(value, torch.Tensor) else None
+                if carrier is not None:
+                    self._carriers[id(value)] = (carrier, value)
+                    return carrier
         return None
 
     def _carried(self, *values: object) -> Carrier | None:
@@ -456,10 +487,13 @@ class NumericInputs(TorchFunctionMode):
         if func not in _IN_PLACE:
             self._carry(out, tuple(found.items()))
             return
-        self._hold(table, found)
+        at = index if func is Tensor.__setitem__ else tuple(index) if func is Tensor.index_put_ else None
+        self._hold(table, found, at)  # where: an index of the table's (a list of indices, each of a dimension)
 
-    def _hold(self, table: torch.Tensor, found: dict[int, str | None]) -> None:
-        """``table``, written in place, and the tensor it views (whose storage it writes) carry ``found`` too."""
+    def _hold(self, table: torch.Tensor, found: dict[int, str | None], index: object = None) -> None:
+        """``table``, written in place at ``index`` (all of it where ``None``), and the tensor it views (whose
+        storage it writes) carry ``found`` too; so does a view of that storage taken before, where it spans it."""
+        self._writes.mark(table, index, tuple(found.items()))
         for target in (table, table._base):
             if isinstance(target, torch.Tensor):  # each keeps what it carried (a base more than its view written)
                 held = dict(self._carrier(target) or ())
@@ -536,6 +570,8 @@ def _encoding(func: Callable) -> str:
         return "a comparison"
     if func in _LOGICAL:
         return "a logical or bitwise operation"
+    if func in _ROUNDINGS or func in _DIVISIONS:
+        return f"a remainder or rounded division ({func.__name__})"
     if func in _POSITIONS or func is torch.where:
         return f"the positions of its non-zero values ({func.__name__})"
     name = "indexing" if func in (Tensor.__getitem__, Tensor.__setitem__) else getattr(func, "__name__", str(func))
