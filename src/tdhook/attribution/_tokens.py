@@ -37,6 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from torchrl.envs.transforms import ToTensorImage
 
 from tdhook.attribution._bag_rows import bag_of_rows
+from tdhook.attribution._derived_ids import derived_ids_message
 from tdhook.attribution._embedding_tables import embedding_weights, embeddings_at_or_under, made_of, own_tables
 from tdhook.attribution._token_values import (
     CODING,
@@ -204,13 +205,7 @@ class TokenInputs:
             outer = getattr(leaf, "_tdhook_embedding_of", None)
             if outer is not None and name.startswith(f"{outer}." if outer else ""):
                 continue
-            raise ValueError(
-                f"LRP: input key {self.keys[index]!r} reaches {name!r} ({kind}) through token ids computed from "
-                "it (sliced, shifted or copied, as an encoder-decoder makes its decoder's input from its input "
-                "when it is given no decoder input): the relevance of that lookup would be lost without a word; "
-                "give those token ids as an input of their own (for example decoder_input_ids, as an input key), "
-                "or explain the embeddings (inputs_embeds and decoder_inputs_embeds)"
-            )
+            raise ValueError(derived_ids_message(self.keys[index], name, kind, self._ids.get(index)))
 
     def tracking(self) -> contextlib.AbstractContextManager:
         """A context, for the model's call, that marks the integer tensors computed from the fed token ids by the
