@@ -4,32 +4,20 @@
 CartPole-like critic ``Q(obs, action)``, in float64, without biases."""
 
 import re
-import warnings
 
 import pytest
 import torch
 from tensordict import TensorDict
-from torch import nn
-from torchrl.modules import MLP, ValueOperator
 
-from tdhook.attribution import LRP, BaseRuleMapper
+from tests.attribution.test_numeric_inputs_masks import MaskedCritic, _lost
+from tests.attribution.test_numeric_inputs_masks import _explained as explained
 
 F64 = torch.float64
 
 
-class ArithmeticCritic(nn.Module):
+class ArithmeticCritic(MaskedCritic):
     """Q(s, a) of the observation (padded with a fifth feature, doubled: an activation), where the action reaches
     what the first layer takes the way ``how`` says."""
-
-    def __init__(self, how: str) -> None:
-        super().__init__()
-        self.how = how
-        torch.manual_seed(1)
-        self.net = MLP(in_features=5, out_features=1, num_cells=[8], activation_class=nn.ReLU).to(F64)
-        with torch.no_grad():
-            for name, parameter in self.net.named_parameters():
-                if name.endswith("bias"):
-                    parameter.zero_()
 
     def forward(self, observation: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
         n, how, eye = observation.shape[0], self.how, torch.eye(5, dtype=F64)
@@ -82,6 +70,18 @@ class ArithmeticCritic(nn.Module):
             view = z[:, 1:]
             z[action == 1] = 0.0
             h = torch.cat([h[:, :4], view[:, 4:]], -1)
+        elif how == "view before a write written over":  # an activation written over the key's values
+            z = h.new_zeros(n, 6)
+            view = z[:, 1:]
+            z[:, 5] = action.to(F64)
+            z[:, 5] = h[:, 0]
+            h = torch.cat([h[:, :4], view[:, 4:]], -1)
+        elif how == "view before a gate in place":  # the key's values scale an activation: a gate
+            z = h.new_zeros(n, 6)
+            view = z[:, 1:]
+            z[:, 5] = action.to(F64)
+            z.mul_(torch.cat([h, h[:, :1]], -1))
+            h = torch.cat([h[:, :4], view[:, 4:]], -1)
         elif how == "h[:, a % 5]":  # activations read at the key's values: an index
             h = h[:, action % 5].diagonal()[:, None].expand(n, 5)
         elif how == "h * (a % 2)":  # a gate
@@ -94,20 +94,7 @@ class ArithmeticCritic(nn.Module):
 
 
 def _explained(how: str, action: torch.Tensor) -> tuple[TensorDict, list[str]]:
-    observation = torch.randn(8, 4, dtype=F64, generator=torch.Generator().manual_seed(0))
-    td = TensorDict(observation=observation, action=action, batch_size=[8])
-    module = ValueOperator(ArithmeticCritic(how), in_keys=["observation", "action"])
-    with warnings.catch_warnings(record=True) as found:
-        warnings.simplefilter("always")
-        out = LRP(module, BaseRuleMapper(stabilizer=0))(td)
-    return out, [str(w.message) for w in found if "enters the model as numbers" in str(w.message)]
-
-
-def _lost(out: TensorDict) -> float:
-    """The share of the value missing from the observation's relevance (relative L2): LRP-0 without biases
-    conserves it whole where nothing but the observation holds one."""
-    value = out["state_action_value"][:, 0]
-    return ((value - out["relevance", "observation"].sum(-1)).norm() / value.norm()).item()
+    return explained(how, action, ArithmeticCritic)
 
 
 ACTION = torch.tensor([0, 1, 1, 0, 3, 0, 2, 1])
@@ -146,29 +133,22 @@ KEYWORDS = [
 ]
 
 
-@pytest.mark.parametrize("how", KEYWORDS)
-def test_a_mask_or_condition_given_by_keyword_is_followed(how):
+VIEWS = ["view before a write", "view before index_put_"]
+
+
+@pytest.mark.parametrize("how", KEYWORDS + VIEWS)
+def test_a_mask_given_by_keyword_or_a_view_taken_before_a_write_of_the_key_is_followed(how):
     """``masked_fill`` and ``torch.where`` read their mask or condition by position only: ones put over an
-    activation where the key says, given by keyword, lost its share with no word (0.30 of the value). Named as
-    the positional forms are; where the key puts nothing there (every action 0), nothing is lost."""
+    activation where the key says, given by keyword, lost its share with no word (0.30 of the value). A view of a
+    tensor, taken before the key's values were written into the tensor (``__setitem__``, ``index_put_``), shows
+    them: the layer that takes the view took the key's share with no word (0.59). Both are named; where the key
+    puts nothing there (every action 0), nothing is lost."""
     out, numeric = _explained(how, ACTION)
     assert len(numeric) == 1 and "'action' (torch.int64)" in numeric[0], numeric
     assert "'module.net.0' (Linear)" in numeric[0], numeric
+    assert how in KEYWORDS or "converted to floating point" in numeric[0], numeric
     assert _lost(out) > 0.1
     out, _ = _explained(how, torch.zeros_like(ACTION))
-    assert _lost(out) < 1e-10
-
-
-@pytest.mark.parametrize("how", ["view before a write", "view before index_put_"])
-def test_a_view_taken_before_a_write_of_the_key_into_its_tensor_is_named(how):
-    """A view of a tensor, taken before the key's values were written into the tensor, shows them: the layer that
-    takes the view took the key's share with no word (0.59 of the value). Named; the observation's relevance then
-    misses exactly the key's part, which a zero action does not have."""
-    out, numeric = _explained(how, ACTION)
-    assert len(numeric) == 1 and "'action' (torch.int64)" in numeric[0], numeric
-    assert "converted to floating point" in numeric[0] and "'module.net.0' (Linear)" in numeric[0], numeric
-    assert _lost(out) > 0.1
-    out, numeric = _explained(how, torch.zeros_like(ACTION))
     assert _lost(out) < 1e-10
 
 
@@ -177,6 +157,8 @@ def test_a_view_taken_before_a_write_of_the_key_into_its_tensor_is_named(how):
     [
         "view beside a write",
         "view before zeros written",
+        "view before a write written over",
+        "view before a gate in place",
         "h[:, a % 5]",
         "h * (a % 2)",
         "h.masked_fill(mask=a == 1, value=0)",
@@ -184,7 +166,8 @@ def test_a_view_taken_before_a_write_of_the_key_into_its_tensor_is_named(how):
     ],
 )
 def test_indices_gates_and_views_the_key_does_not_reach_are_not_named(how):
-    """A view beside the part written, zeros written, activations read at ``a % n``, a gate of ``a % 2`` and gates
+    """A view beside the part written, zeros written, a view whose part written with the key was written over with
+    an activation, or scaled by one in place (a gate), activations read at ``a % n``, a gate of ``a % 2`` and gates
     by keyword hold none of the key's share: not named, and LRP-0 conserves the value in the observation's
     relevance."""
     out, numeric = _explained(how, ACTION)

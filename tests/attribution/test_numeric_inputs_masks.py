@@ -77,10 +77,12 @@ class MaskedCritic(nn.Module):
         return self.net(h)
 
 
-def _explained(how: str, action: torch.Tensor) -> tuple[TensorDict, list[str]]:
+def _explained(
+    how: str, action: torch.Tensor, critic: type[MaskedCritic] = MaskedCritic
+) -> tuple[TensorDict, list[str]]:
     observation = torch.randn(8, 4, dtype=F64, generator=torch.Generator().manual_seed(0))
     td = TensorDict(observation=observation, action=action, batch_size=[8])
-    module = ValueOperator(MaskedCritic(how), in_keys=["observation", "action"])
+    module = ValueOperator(critic(how), in_keys=["observation", "action"])
     with warnings.catch_warnings(record=True) as found:
         warnings.simplefilter("always")
         out = LRP(module, BaseRuleMapper(stabilizer=0))(td)

@@ -262,6 +262,8 @@ class NumericInputs(TorchFunctionMode):
         if scaled is not None:
             if scaled[0] is None and self._carrier(out) is not None:  # a gate written in place: it carries none
                 self._carriers.pop(id(out), None)
+                if self._writes and args and out is args[0]:  # nor do the elements of its storage it spans
+                    self._writes.mark(out, None, None)
             self._carry(out, scaled[0])
         elif func in _CARRYING:
             first = args[0] if args else None
@@ -292,6 +294,8 @@ class NumericInputs(TorchFunctionMode):
             carrier = self._selected(func, args)
             if func is Tensor.masked_fill_ and carrier is not None:
                 self._hold(args[0], dict(carrier))
+            if func is Tensor.masked_fill_ and (carrier is not None or self._writes):  # for views taken before
+                self._writes.mark(args[0], None if carrier else args[1], carrier)
             self._carry(out, carrier)
         elif func in _ZEROS and isinstance(out, torch.Tensor):
             self._zeros[id(out)] = out
@@ -479,21 +483,31 @@ class NumericInputs(TorchFunctionMode):
             for v in (value, table)
         )
         nothing = self._is_zero(value) and (not into_constant or self._is_zero(table))
+        written = dict(self._carried(value) or ())  # what the elements written hold
         if indexed is not None and constant and not nothing:
             for i, encoding in _encoded(indexed, _encoding(func)) or ():
                 found.setdefault(i, encoding)
+                written.setdefault(i, encoding)
+        if func in _IN_PLACE and (written or self._writes):
+            self._mark(func, table, index, written)
         if not found:
             return
         if func not in _IN_PLACE:
             self._carry(out, tuple(found.items()))
             return
-        at = index if func is Tensor.__setitem__ else tuple(index) if func is Tensor.index_put_ else None
-        self._hold(table, found, at)  # where: an index of the table's (a list of indices, each of a dimension)
+        self._hold(table, found)
 
-    def _hold(self, table: torch.Tensor, found: dict[int, str | None], index: object = None) -> None:
-        """``table``, written in place at ``index`` (all of it where ``None``), and the tensor it views (whose
-        storage it writes) carry ``found`` too; so does a view of that storage taken before, where it spans it."""
-        self._writes.mark(table, index, tuple(found.items()))
+    def _mark(self, func: Callable, table: torch.Tensor, index: object, written: dict[int, str | None]) -> None:
+        """Mark the elements of ``table``'s storage written in place as holding ``written`` (none: no input's
+        values, written over them) for views of it taken before: where an index says (a list of indices, each of a
+        dimension, for ``index_put_``), else all of ``table``, but for values of no input, which leave the marks
+        where the write is not known to cover them (``scatter_``)."""
+        at = index if func is Tensor.__setitem__ else tuple(index) if func is Tensor.index_put_ else None
+        if written or at is not None or func is Tensor.copy_:
+            self._writes.mark(table, at, tuple(written.items()) or None)
+
+    def _hold(self, table: torch.Tensor, found: dict[int, str | None]) -> None:
+        """``table``, written in place, and the tensor it views (whose storage it writes) carry ``found`` too."""
         for target in (table, table._base):
             if isinstance(target, torch.Tensor):  # each keeps what it carried (a base more than its view written)
                 held = dict(self._carrier(target) or ())

@@ -4,8 +4,9 @@ A view shares its tensor's storage: a write into the tensor after the view was t
 a.float()``) changes the view too, though no call the view was made by saw the values written. The watch of
 :mod:`~tdhook.attribution._numeric_inputs` marks, at each write of an input's values, the elements of the storage
 written; a view reaching a layer then holds those inputs' values where it spans a marked element, whenever it was
-taken. An element written holds them until the call ends, even if written again since (a write over it is not
-tracked): a view of it is named, not left silent.
+taken. Values of no input written over them where the write says (an activation, zeros, a gate put over them in
+place) unmark those elements; a write whose extent is not known (a ``scatter_`` of an activation) leaves them
+marked: a view of them is named, not left silent.
 
 Examples:
     >>> z = torch.zeros(2, 6)
@@ -15,6 +16,8 @@ Examples:
     >>> writes.mark(z, (slice(None), 5), ((0, None),))
     >>> writes.read(view), writes.read(apart)
     (((0, None),), None)
+    >>> writes.mark(z, (slice(None), 5), None)  # written over with values of no input
+    >>> writes.read(view)
 """
 
 from __future__ import annotations
@@ -28,43 +31,41 @@ Carrier = tuple[tuple[int, str | None], ...]
 
 
 class StorageWrites:
-    """The elements of each storage written with inputs' values during a call, and what each write carried."""
+    """The elements of each storage written with inputs' values during a call, by what the writes carried."""
 
     def __init__(self) -> None:
-        # By storage address: the tensor written (held, so that the storage is not freed and its address reused),
-        # its element size, and for each write a mask over the storage's elements with what the write carried.
-        self._marks: dict[int, tuple[torch.Tensor, int, list[tuple[torch.Tensor, Carrier]]]] = {}
+        # By storage address: the tensor first written (held, so that the storage is not freed and its address
+        # reused), its element size, and by what a write carried, a mask over the storage's elements written so.
+        self._marks: dict[int, tuple[torch.Tensor, int, dict[Carrier, torch.Tensor]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._marks)
 
-    def mark(self, table: torch.Tensor, index: object, carrier: Carrier) -> None:
+    def mark(self, table: torch.Tensor, index: object, carrier: Carrier | None) -> None:
         """Note that ``table[index]`` (all of ``table`` where ``index`` is ``None`` or cannot be laid over it) now
-        holds the values ``carrier`` says."""
+        holds the values ``carrier`` says: with ``carrier`` ``None``, values of no input (an activation or zeros
+        written over them, a gate put over them in place), its elements are no longer marked."""
         with torch._C.DisableTorchFunction():  # an inspection, which the watch's function mode must not see
             try:
                 if table.is_meta or table.numel() == 0:
                     return
                 storage = table.untyped_storage()
-                address, size = storage.data_ptr(), table.element_size()
-                if address == 0:
+                address = storage.data_ptr()
+                if address == 0 or (carrier is None and address not in self._marks):
                     return
-                kept, size, writes = self._marks.get(address, (table, size, []))
-                flat = torch.zeros(storage.nbytes() // size, dtype=torch.bool, device=table.device)
-                if table.element_size() != size:  # written as another dtype than before: all of it, as marked
-                    flat.fill_(True)
-                elif index is None:
-                    region = flat.as_strided(table.shape, table.stride(), table.storage_offset())
-                    region.fill_(True)
+                kept, size, writes = self._marks.get(address, (table, table.element_size(), {}))
+                if table.element_size() != size:  # written as another dtype than before: every element
+                    region, index = _storage_elements(kept), None
                 else:
-                    region = flat.as_strided(table.shape, table.stride(), table.storage_offset())
-                    try:
-                        region[index] = True
-                    except (IndexError, RuntimeError, TypeError, ValueError):  # not an index of the region
-                        region.fill_(True)
+                    region = table
+                shown = [
+                    flat.as_strided(region.shape, region.stride(), region.storage_offset())
+                    for flat in (writes.values() if carrier is None else (_mask(writes, carrier, kept, size),))
+                ]
+                for elements in shown:
+                    _set(elements, index, carrier is not None)
             except (RuntimeError, NotImplementedError):  # no storage to read (under vmap, a tensor subclass)
                 return
-            writes.append((flat, carrier))
             self._marks[address] = (kept, size, writes)
 
     def read(self, value: torch.Tensor) -> Carrier | None:
@@ -79,9 +80,9 @@ class StorageWrites:
                     return None
                 _, size, writes = kept
                 found: dict[int, str | None] = {}
-                for flat, carrier in writes:
+                for carrier, flat in writes.items():
                     if value.element_size() != size:
-                        reached = True  # viewed as another dtype: any write reaches it
+                        reached = bool(flat.any())  # viewed as another dtype: any element written reaches it
                     else:
                         reached = bool(flat.as_strided(value.shape, value.stride(), value.storage_offset()).any())
                     if reached:
@@ -94,3 +95,30 @@ class StorageWrites:
     def clear(self) -> None:
         """Forget the call's writes (and release the storages held)."""
         self._marks = {}
+
+
+def _storage_elements(table: torch.Tensor) -> torch.Tensor:
+    """Every element of ``table``'s storage, as a flat view of ``table``'s dtype."""
+    count = table.untyped_storage().nbytes() // table.element_size()
+    return table.as_strided((count,), (1,), 0)
+
+
+def _mask(writes: dict[Carrier, torch.Tensor], carrier: Carrier, kept: torch.Tensor, size: int) -> torch.Tensor:
+    """The mask of the elements written with ``carrier``'s values, made where none was."""
+    flat = writes.get(carrier)
+    if flat is None:
+        count = kept.untyped_storage().nbytes() // size
+        flat = writes[carrier] = torch.zeros(count, dtype=torch.bool, device=kept.device)
+    return flat
+
+
+def _set(elements: torch.Tensor, index: object, written: bool) -> None:
+    """Set ``elements[index]`` (all of them where ``index`` is ``None``, or is no index of theirs) to ``written``."""
+    if index is not None:
+        try:
+            elements[index] = written
+            return
+        except (IndexError, RuntimeError, TypeError, ValueError):  # not an index of the elements
+            if not written:  # unmarked, not known where: left marked
+                return
+    elements.fill_(written)
