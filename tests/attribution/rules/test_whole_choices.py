@@ -28,6 +28,7 @@ MASKS = {
     "all": torch.ones(3, 6, dtype=torch.bool),
     "none": torch.zeros(3, 6, dtype=torch.bool),
     "mixed": torch.tensor([True, False, True, False, False, True]).expand(3, 6),
+    "rows": torch.tensor([[True], [False], [True]]).expand(3, 6),  # (its first column takes each piece somewhere)
 }
 
 #: (the product with the choice, the oracle's per element) of a mask ``c``, a sigmoid's gate ``g``, a signal ``s``, an
@@ -52,6 +53,22 @@ FORMS = {
     "where(c, t, g) * s": (
         lambda c, g, s, h, t: torch.where(c, t, g) * s,
         lambda c, g, s, h, t: torch.where(c, t * s, g * s),
+    ),
+    "where(c[:, :1], g, h) * s": (  # a mask per sample (a done mask), spread over the units
+        lambda c, g, s, h, t: torch.where(c[:, :1], g, h) * s,
+        lambda c, g, s, h, t: torch.where(c[:, :1], g * s, h * s),
+    ),
+    "where(c, g[:1], h) * s": (  # a gate spread over the batch
+        lambda c, g, s, h, t: torch.where(c, g[:1], h) * s,
+        lambda c, g, s, h, t: torch.where(c, g[:1] * s, h * s),
+    ),
+    "where(c, softmax(g), h) * s": (  # a softmax's weights (held by the transformer presets)
+        lambda c, g, s, h, t: torch.where(c, torch.softmax(3 * g, -1), h) * s,
+        lambda c, g, s, h, t: torch.where(c, torch.softmax(3 * g, -1) * s, h * s),
+    ),
+    "where(c, h, cat([g, h])) * s": (  # a join of a gate and an activation, a gate in some elements only
+        lambda c, g, s, h, t: torch.where(c, h, torch.cat([g[:, :3], h[:, 3:]], 1)) * s,
+        lambda c, g, s, h, t: torch.where(c, h * s, torch.cat([g[:, :3].detach() * s[:, :3], h[:, 3:] * s[:, 3:]], 1)),
     ),
     "where(c, g, 0.0) * s": (  # a gate filled with a constant: one, whatever it takes
         lambda c, g, s, h, t: torch.where(c, g, 0.0) * s,
@@ -100,21 +117,29 @@ def _check(form: str, masks: list[str], mapper: str) -> None:
         assert relative_error(actual, expected) <= 1e-10, (mask, relative_error(actual, expected))
 
 
-@pytest.mark.parametrize("mapper", sorted(MAPPERS))
+# CP-LRP holds a softmax's output whole, a constant to the rules: chosen beside an activation, the product with the
+# choice is one of two activations whose uniform rule halves the signal's share where the constant was taken (a
+# constant chosen so is not held as a join's constants are), which the oracle's product with the constant does not.
+CASES = [(f, m) for f in sorted(FORMS) for m in sorted(MAPPERS) if not ("softmax" in f and m == "CPLRP")]
+
+
 @pytest.mark.parametrize("mask", sorted(MASKS))
-@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize(("form", "mapper"), CASES)
 def test_a_choice_that_takes_one_piece_everywhere_is_marked_as_that_piece(form: str, mask: str, mapper: str):
-    # A gate taken in every element left no gate (0.47 off, relative L2, under AttnLRP and CP-LRP, 0.17 under
-    # EpsilonPlus); a sigmoid taken in every element beside a tanh, a gate of another kind (0.47 under AttnLRP).
+    # A gate taken in every element left no gate (0.47-1.05 off, relative L2, under AttnLRP and CP-LRP, 0.14-0.20
+    # under EpsilonPlus); a sigmoid taken in every element beside a tanh, a gate of another kind (0.47 under AttnLRP).
     _check(form, [mask, mask], mapper)
 
 
 ORDERS = [["all", "mixed"], ["mixed", "all"], ["none", "mixed"], ["mixed", "none"], ["all", "none"], ["none", "all"]]
+ORDERS += [["all", "rows"], ["rows", "none"]]
 
 
 @pytest.mark.parametrize("mapper", sorted(MAPPERS))
 @pytest.mark.parametrize("order", ORDERS, ids="->".join)
-@pytest.mark.parametrize("form", ["where(c, g, h) * s", "where(c, t, g) * s", "where(c, g, 0.0) * s"])
+@pytest.mark.parametrize(
+    "form", ["where(c, g, h) * s", "where(c, t, g) * s", "where(c[:, :1], g, h) * s", "where(c, g, 0.0) * s"]
+)
 def test_a_context_recorded_on_one_mask_is_right_on_another(form: str, order: list[str], mapper: str):
     # A first call that took the gate everywhere or nowhere decided the later calls: a plan of its rules replayed on a
     # mask that takes it in some elements (0.47 off, relative L2, under AttnLRP and CP-LRP), or no gates' mode at all
