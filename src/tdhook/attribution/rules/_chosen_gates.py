@@ -21,6 +21,7 @@ from tdhook.attribution.rules._in_place_writes import GATE_MARKS, gate_marks_of
 from tdhook.attribution.rules._joined_gates import note_other_gates, other_gates_shown
 from tdhook.attribution.rules._joined_weights import WEIGHTS_MARK, WEIGHTS_MASKS_MADE, _note_weights, weights_shown
 from tdhook.attribution.rules._mixed_gate_products import gate_elements
+from tdhook.attribution.rules._whole_choices import keep_whole_choice
 
 __all__ = ["keep_chosen_elements"]
 
@@ -47,6 +48,8 @@ def keep_chosen_elements(condition: Any, pieces: tuple, result: torch.Tensor) ->
     if not (GATE_MASKS_MADE or WEIGHTS_MASKS_MADE or _marked(first) or _marked(second)):
         return  # (the common path: a choice of two activations no gate, a Hugging Face mask's)
     if result._base is not None or not isinstance(condition, torch.Tensor):
+        return
+    if keep_whole_choice(condition, pieces, result):  # one piece taken in every element: marked as it is
         return
     with torch._C.DisableTorchFunction(), torch.no_grad():  # bookkeeping, which a function mode must not see
         condition = condition.to(device=result.device, dtype=torch.bool)

@@ -48,6 +48,7 @@ from tdhook.attribution.rules._clips import (
 )
 from tdhook.attribution.rules._cosine_similarity import COSINE_SIMILARITY, cosine_as_products
 from tdhook.attribution.rules._dropout_calls import DROPOUTS, dropout_probability, warn_random_dropout
+from tdhook.attribution.rules._filled_gates import WHERES
 from tdhook.attribution.rules._first_pass import first_pass
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE
 from tdhook.attribution.rules._generated_linear import generated_linear, linear_as_product
@@ -80,6 +81,7 @@ from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._mixed_gate_products import mixed_gate_product
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint, saved_tensors_hooked
 from tdhook.attribution.rules._unrecorded_writes import NOT_READ, UNRECORDED, note_out_write, read_unrecorded
+from tdhook.attribution.rules._whole_choices import choice_follows_values
 from tdhook.attribution.rules._zero_input_calls import watch_zero_inputs
 from tdhook.attribution.rules.basic import (
     RULED_ON_NODE,
@@ -284,6 +286,8 @@ class FunctionalRules(TorchFunctionMode):
                 result = mark_parameter_derived(args, func(*args, **kwargs), func)
             if self.recording is not None:
                 watch_values(self.recording, func, args, result)
+                if func in WHERES and choice_follows_values(func, args, kwargs):  # see _whole_choices
+                    self.recording.other_rule()  # (its gates follow the condition's values, which no plan follows)
             return keep_gate_mark(func, args, result, kwargs) if func in GATE_PRESERVING else result
         what = "the transformer rules on products, softmax, attention, activations and norms"
         raise_for_checkpoint(what)

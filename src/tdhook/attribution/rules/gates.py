@@ -71,6 +71,7 @@ from tdhook.attribution.rules._mixed_gate_products import gate_elements, mixed_g
 from tdhook.attribution.rules._recomputed import in_checkpoint, raise_for_checkpoint
 from tdhook.attribution.rules._selected_gates import SELECTIONS, keep_selected_elements, on_mask
 from tdhook.attribution.rules._unrecorded_writes import NOT_READ, UNRECORDED, note_out_write, read_unrecorded
+from tdhook.attribution.rules._whole_choices import choice_follows_values
 from tdhook.attribution.rules._written_norms import WRITTEN_NORM_CALLS, statistic_place
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, rules_apply
 from tdhook.attribution.rules.basic import PassRule
@@ -649,6 +650,8 @@ class HeldGates(TorchFunctionMode):
             result = mark_parameter_derived(args, func(*args, **kwargs), func)
         if gate and args and is_activation(args[0]) and isinstance(result, torch.Tensor):
             return mark_gate(result, args[0], sigmoid=True)
+        if func in WHERES and not self.held and choice_follows_values(func, args, kwargs):
+            self.held = True  # a gate chosen or not as a condition's values say: later calls keep it (_whole_choices)
         return keep_gate_mark(func, args, result, kwargs)
 
 
