@@ -239,9 +239,10 @@ def _batch_statistics_error(module: nn.Module) -> ValueError:
 def _dropout_error(module: nn.Module) -> ValueError:
     return ValueError(
         f"{type(module).__name__}: its forward drops elements at random (a dropout in training mode inside it, or "
-        "another draw of random numbers, such as a drop path's mask): the modified passes run that forward again and "
-        "would drop other elements than the call did; explain the model in eval mode, or with the dropout as a "
-        "module of its own beside the layer"
+        "another draw of random numbers, such as a drop path's mask): the modified passes run that forward again, "
+        "and a BatchNorm merged into the layer reads its weight without the call's draws (a dropout of the weight), "
+        "so either would drop other elements than the call did; explain the model in eval mode, or with the dropout "
+        "as a module of its own beside the layer"
     )
 
 
