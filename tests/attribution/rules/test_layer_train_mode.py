@@ -283,3 +283,89 @@ class TestModeSetInAnOpenContext:
             actual = lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
         expected = lrp_relevance(reference, x, relevance_out, EpsilonPlusFlat())
         assert relative_error(actual, expected) <= 1e-12
+
+
+def drop_connect(kind: str) -> nn.Module:
+    """DropConnect: a dropout in training mode on the weight the layer's linear function is given (the weight it
+    used is kept as ``used``)."""
+
+    def forward(self, x, f):
+        weight = torch.nn.functional.dropout(self.weight, 0.5, self.training)
+        self.used = weight.detach().clone()
+        if kind == "Linear":
+            return torch.nn.functional.linear(x, weight, self.bias)
+        return self._conv_forward(x, weight, self.bias)
+
+    return layer(kind, forward, f"{kind}DropConnect")
+
+
+class TestDropConnect:
+    """DropConnect in training mode: the weight its call uses is not the weight the layer holds (0.69 relative L2
+    apart on a Linear layer, 1.9 on a convolution, under UniformEpsilon). The ε-rule's gradient runs through the
+    call's own weight: it is the ε-rule on that weight. The modified passes, and a BatchNorm merged into the layer
+    (which reads the layer's weight), would use another: refused by name."""
+
+    @staticmethod
+    def model(inside: nn.Module, kind: str, norm: bool = False) -> nn.Sequential:
+        model, _ = models(inside, [], kind)
+        if norm:
+            batch_norm = (nn.BatchNorm1d(4) if kind == "Linear" else nn.BatchNorm2d(4)).double()
+            with torch.no_grad():
+                batch_norm.running_mean.uniform_(-1.0, 1.0)
+                batch_norm.running_var.uniform_(0.5, 2.0)
+            model.insert(3, batch_norm.eval())
+        return model
+
+    @pytest.mark.filterwarnings("ignore:LRP.*is in training mode:UserWarning")
+    @pytest.mark.parametrize(("kind", "preset"), [("Linear", "EpsilonPlus"), ("Linear", "UniformEpsilon")])
+    def test_under_the_epsilon_rule_is_the_epsilon_rule_on_the_weight_its_call_used(self, kind: str, preset: str):
+        self._check_used_weight(kind, preset)
+
+    @pytest.mark.filterwarnings("ignore:LRP.*is in training mode:UserWarning")
+    def test_a_convolution_under_the_epsilon_rule_is_the_epsilon_rule_on_the_weight_its_call_used(self):
+        self._check_used_weight("Conv2d", "UniformEpsilon")
+
+    def _check_used_weight(self, kind: str, preset: str) -> None:
+        inside = drop_connect(kind)
+        model = self.model(inside, kind).train()
+        x, relevance_out = inputs(kind)
+        torch.manual_seed(7)
+        actual = lrp_relevance(model, x, relevance_out, MODIFIED[preset]())
+        twin = plain(kind, inside)
+        with torch.no_grad():
+            twin.weight.copy_(inside.used)
+        assert not torch.equal(inside.used, inside.weight)  # elements dropped, the rest scaled
+        reference = nn.Sequential(*[twin if module is inside else module for module in model]).eval()
+        assert relative_error(actual, lrp_relevance(reference, x, relevance_out, MODIFIED[preset]())) <= 1e-12
+
+    @pytest.mark.filterwarnings("ignore:LRP.*is in training mode:UserWarning")
+    @pytest.mark.parametrize(
+        ("kind", "preset", "norm"),
+        [("Conv2d", "EpsilonPlus", False), ("Conv2d", "EpsilonGammaBox", False), ("Linear", "ZPlus", False)]
+        + [("Linear", "UniformEpsilon", True), ("Conv2d", "UniformEpsilon", True)],
+    )
+    def test_under_a_modified_pass_or_merged_with_a_batch_norm_is_refused_by_name(self, kind, preset, norm):
+        model = self.model(drop_connect(kind), kind, norm).train()
+        model[3].train(not norm)  # a BatchNorm in eval mode holds its statistics: merged into the layer
+        with pytest.raises(ValueError, match=rf"{kind}DropConnect: its forward drops elements at random"):
+            explained(model, model, kind, preset)
+
+    @pytest.mark.filterwarnings("ignore:LRP.*is in training mode:UserWarning")
+    @pytest.mark.parametrize("preset", ["EpsilonPlus", "UniformEpsilon"])
+    def test_a_noisy_linear_in_training_mode_is_the_epsilon_rule_on_its_noisy_weight(self, preset: str):
+        from torchrl.envs.utils import ExplorationType, set_exploration_type
+        from torchrl.modules import NoisyLinear
+
+        torch.manual_seed(0)
+        noisy = nn.Sequential(NoisyLinear(3, 4, std_init=2.0), nn.ReLU(), NoisyLinear(4, 3, std_init=2.0))
+        noisy = noisy.double().train()
+        x, relevance_out = inputs("Linear")
+        with set_exploration_type(ExplorationType.RANDOM):  # the noise is used when exploring at random
+            twin = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 3)).double()
+            with torch.no_grad():
+                for layer_, plain_ in ((noisy[0], twin[0]), (noisy[2], twin[2])):
+                    plain_.weight.copy_(layer_.weight)
+                    plain_.bias.copy_(layer_.bias)
+            assert not torch.equal(noisy[0].weight, noisy[0].weight_mu)
+            actual = lrp_relevance(noisy, x, relevance_out, MODIFIED[preset]())
+        assert relative_error(actual, lrp_relevance(twin, x, relevance_out, MODIFIED[preset]())) <= 1e-12

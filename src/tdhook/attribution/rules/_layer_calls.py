@@ -68,16 +68,19 @@ def _probe_input(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def _probed(module: nn.Module) -> Iterator[Callable[[], None]]:
+def _probed(module: nn.Module, parametrizations_eval: bool = False) -> Iterator[Callable[[], None]]:
     """Run probes of the layer's own forward, then put back what they set: the attributes, submodules, parameters
     and buffers a forward assigns on the layer or its submodules (timm's ``Conv2dSameExport`` builds its padding
     for the first input size it sees, which would be the probe's), the values of its buffers (the observers of a
-    quantization-aware layer's fake quantization, which move towards each weight they see, and its scale with them)
-    and the random number generators' states (a forward that draws noise).
+    quantization-aware layer's fake quantization, which move towards each weight they see, and its scale with them),
+    the modes of the layer and its submodules, and the random number generators' states (a forward that draws
+    noise). Where ``parametrizations_eval``, the probes run with the parametrizations in eval mode and the rest in
+    the mode of the call (see :func:`_parametrizations_eval`).
 
     Gives a function to call before each probe of a comparison: the first call notes the generators' states, each
     later one puts them back, so that each probe draws the same numbers (a dropout in training mode drops the same
     elements at ``x`` and ``2x``)."""
+    modes = {sub: sub.training for sub in module.modules()}
     saved = [(m, dict(m.__dict__), dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in module.modules()]
     values = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
     tensors = [*module.parameters(), *module.buffers()]
@@ -94,6 +97,8 @@ def _probed(module: nn.Module) -> Iterator[Callable[[], None]]:
                 torch.cuda.set_rng_state(state, device)
 
         try:
+            if parametrizations_eval:
+                _parametrizations_eval(module)
             yield rewind
         finally:
             with torch.no_grad():
@@ -107,6 +112,8 @@ def _probed(module: nn.Module) -> Iterator[Callable[[], None]]:
                 for name in [name for name in m.__dict__ if name not in attributes]:
                     del m.__dict__[name]
                 m.__dict__.update(attributes)
+            for sub, training in modes.items():
+                sub.training = training
 
 
 def _generator_states(device: torch.device) -> list[torch.Tensor]:
@@ -155,7 +162,7 @@ class _LayerOutputLeaf(_SubstituteLayerCall):
 def _parametrizations_eval(module: nn.Module) -> None:
     """Put the parametrizations of ``module`` and its submodules in eval mode, and nothing else: the probes run the
     forward in the mode of the call (a forward may act in training mode alone), but a parametrization's power
-    iteration (``spectral_norm``) ran in the call already. The caller puts the modes back."""
+    iteration (``spectral_norm``) ran in the call already. :func:`_probed` puts the modes back."""
     for sub in module.modules():
         if isinstance(sub, nn.utils.parametrize.ParametrizationList):
             sub.eval()

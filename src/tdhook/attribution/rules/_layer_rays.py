@@ -13,7 +13,6 @@ from torch.overrides import TorchFunctionMode
 from tdhook.attribution.rules._layer_calls import (
     _RAY_PROBES,
     _LayerOutputLeaf,
-    _parametrizations_eval,
     _probed,
     _ray_probes,
     _SubstituteLayerCall,
@@ -43,11 +42,9 @@ def _rays_bent(
     ``F.cosine_similarity`` alone where not ``norms_ruled``. The call found is added to ``noted``. The probes run
     :func:`~tdhook.attribution.rules._plain_calls.run_alone`."""
     generator, probe, signed = _ray_probes(module, weight, 1)
-    modes = {sub: sub.training for sub in module.modules()}
     grads, seed = [], None
-    try:
-        _parametrizations_eval(module)  # the rest in the mode of the call
-        with torch.enable_grad(), run_alone(), torch._C._EnableTorchFunction(), _probed(module) as rewind:
+    with torch.enable_grad(), run_alone(), torch._C._EnableTorchFunction():
+        with _probed(module, parametrizations_eval=True) as rewind:  # the rest in the call's mode
             for x in (probe, 2 * probe):
                 rewind()  # the same draws in each run (a dropout in training mode)
                 leaf = x.clone().requires_grad_(True)
@@ -66,9 +63,6 @@ def _rays_bent(
                 if grad is None:
                     return False
                 grads.append(grad)
-    finally:
-        for sub, training in modes.items():
-            sub.training = training
     one, two = grads
     scale = one.flatten(1).abs().amax(1).clamp(min=torch.finfo(one.dtype).tiny)  # per probe: sizes differ
     tolerance = max(1e-3, 16 * torch.finfo(one.dtype).eps)
@@ -140,11 +134,9 @@ def _slopes_restabilised(module: nn.Module, weight: torch.Tensor) -> bool:
 
     Told on random weights and inputs of sizes from 1e-3 to 1e3, with ε the mean size of ``z`` in each."""
     generator, probe, signed = _ray_probes(module, weight, 2)
-    modes = {sub: sub.training for sub in module.modules()}
     runs = []
-    try:
-        _parametrizations_eval(module)  # the rest in the mode of the call
-        with torch.enable_grad(), run_alone(), torch._C._EnableTorchFunction(), _probed(module) as rewind:
+    with torch.enable_grad(), run_alone(), torch._C._EnableTorchFunction():
+        with _probed(module, parametrizations_eval=True) as rewind:  # the rest in the call's mode
             for w in (signed, -signed):
                 rewind()  # the same draws in each run (a dropout in training mode)
                 with _LayerOutputLeaf(w) as found:
@@ -152,9 +144,6 @@ def _slopes_restabilised(module: nn.Module, weight: torch.Tensor) -> bool:
                 if found.leaf is None or not isinstance(out, torch.Tensor) or not out.requires_grad:
                     return False
                 runs.append((found.leaf, out))
-    finally:
-        for sub, training in modes.items():
-            sub.training = training
     seed = torch.randn(runs[0][1].shape, generator=generator, dtype=runs[0][1].dtype).to(runs[0][1].device)
     (plus, _), (minus, _) = runs
     if plus.shape[0] != _RAY_PROBES or runs[0][1].shape[0] != _RAY_PROBES:
@@ -200,20 +189,15 @@ def _values_off_the_map(module: nn.Module, weight: torch.Tensor, clips_ruled: bo
     relative L2 under UniformEpsilon, 0.05 to 2.6e5 under z⁺ and αβ, against it beside the layer). One of the input
     or the weight is linear in ``W``. Told by the largest output (a shift after the map rounds at its size)."""
     _, probe, signed = _ray_probes(module, weight, 3)
-    modes = {sub: sub.training for sub in module.modules()}
     outputs = []
-    try:
-        _parametrizations_eval(module)  # the rest in the mode of the call
-        with torch.enable_grad(), run_alone(), torch._C._EnableTorchFunction(), _probed(module) as rewind:
+    with torch.enable_grad(), run_alone(), torch._C._EnableTorchFunction():
+        with _probed(module, parametrizations_eval=True) as rewind:  # the rest in the call's mode
             for w in (signed, 2 * signed, torch.zeros_like(signed)):  # the input a leaf: the calls on it are noted
                 rewind()  # the same draws in each run (a dropout in training mode)
                 with _FunctionRuled(clips_ruled) as ruled, _SubstituteLayerCall(w, None):
                     outputs.append(module.forward(probe.clone().requires_grad_(True)))
                 if ruled.found or not isinstance(outputs[-1], torch.Tensor):
                     return False
-    finally:
-        for sub, training in modes.items():
-            sub.training = training
     one, two, zero = (out.detach() for out in outputs)
     if one.shape != two.shape or one.shape != zero.shape or one.dim() == 0 or one.shape[0] != _RAY_PROBES:
         return False
@@ -255,9 +239,10 @@ def _batch_statistics_error(module: nn.Module) -> ValueError:
 def _dropout_error(module: nn.Module) -> ValueError:
     return ValueError(
         f"{type(module).__name__}: its forward drops elements at random (a dropout in training mode inside it, or "
-        "another draw of random numbers, such as a drop path's mask): the modified passes run that forward again and "
-        "would drop other elements than the call did; explain the model in eval mode, or with the dropout as a "
-        "module of its own beside the layer"
+        "another draw of random numbers, such as a drop path's mask): the modified passes run that forward again, "
+        "and a BatchNorm merged into the layer reads its weight without the call's draws (a dropout of the weight), "
+        "so either would drop other elements than the call did; explain the model in eval mode, or with the dropout "
+        "as a module of its own beside the layer"
     )
 
 

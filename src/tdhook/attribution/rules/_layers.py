@@ -20,7 +20,6 @@ from tdhook.attribution.rules._layer_calls import (
     _draws,
     _generator_states,
     _LayerCallCount,
-    _parametrizations_eval,
     _probe_input,
     _probed,
     _RecordLayerCall,
@@ -370,11 +369,9 @@ def _check_linear_after_layer_call(module: nn.Module, weight: torch.Tensor) -> N
     shape = _probe_input(module, weight).shape
     probe = torch.randn(shape, generator=generator, dtype=weight.dtype).to(weight.device)
     signed = torch.randn(weight.shape, generator=generator, dtype=weight.dtype).to(weight.device)
-    modes = {sub: sub.training for sub in module.modules()}
     outputs, drew = [], False
-    try:
-        _parametrizations_eval(module)  # the rest in the mode of the call
-        with torch.no_grad(), run_alone(), torch._C._EnableTorchFunction(), _probed(module) as rewind:
+    with torch.no_grad(), run_alone(), torch._C._EnableTorchFunction():
+        with _probed(module, parametrizations_eval=True) as rewind:  # the rest in the call's mode
             for w in (signed, -signed, torch.zeros_like(signed)):
                 rewind()  # the same draws in each run (a dropout in training mode)
                 before = _generator_states(probe.device)
@@ -385,9 +382,6 @@ def _check_linear_after_layer_call(module: nn.Module, weight: torch.Tensor) -> N
                 drew = drew or _draws(probe.device, before)
             if drew and _follows_its_draws(module, probe, signed):
                 raise _dropout_error(module)
-    finally:
-        for sub, training in modes.items():
-            sub.training = training
     plus, minus, zero = outputs
     scale = plus.abs().amax().clamp(min=torch.finfo(plus.dtype).tiny)
     if ((plus + minus - 2 * zero).abs().amax() / scale).item() > 1e-3:
@@ -492,16 +486,12 @@ def _probe_layer_input(
         raise _batch_statistics_error(module)
     reference = next(t for t in tensors if t.is_floating_point())
     recorder = _RecordLayerCall()
-    modes = {sub: sub.training for sub in module.modules()}
     try:
-        _parametrizations_eval(module)  # the rest in the mode of the call; _probed puts back what it sets
-        with torch.no_grad(), run_alone(), torch._C._EnableTorchFunction(), recorder, _probed(module):
-            module.forward(_probe_input(module, reference))
+        with torch.no_grad(), run_alone(), torch._C._EnableTorchFunction(), recorder:
+            with _probed(module, parametrizations_eval=True):  # the rest in the call's mode
+                module.forward(_probe_input(module, reference))
     except Exception:  # noqa: BLE001 (a forward that needs more than the smallest input: not checked here)
         return
-    finally:
-        for sub, training in modes.items():
-            sub.training = training
     if recorder.params is None:
         return
     try:

@@ -31,7 +31,7 @@ from tdhook.attribution.rules._input_gradients import (
     direct_input_gradients,
     has_direct_input_gradient,
 )
-from tdhook.attribution.rules._layers import bias_view, check_layer_forward
+from tdhook.attribution.rules._layers import bias_view, check_layer_forward, check_layer_input
 from tdhook.attribution.rules._numerics import carrying_gradient, pieces, signed_shift, stabilize
 from tdhook.attribution.rules.base import (
     _UNPREPARED,
@@ -41,7 +41,7 @@ from tdhook.attribution.rules.base import (
     Rule,
     _reaches_model_input,
 )
-from tdhook.attribution.rules.basic import IgnoreRule
+from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule
 from tdhook.attribution.rules.modified import _clamp, _ModifiedForwardRule
 
 __all__ = ["FlatRule", "WSquareRule", "ZBoxRule", "FirstLayerRule"]
@@ -358,6 +358,11 @@ class FirstLayerRule(Rule):
             # What the rules will read is prepared in the call; a layer they cannot run is refused now, so that
             # the error names it (a layer whose forward is not linear in its convolution's output).
             check_layer_forward(module)
+        for rule in self._pair:
+            if isinstance(rule, EpsilonRule):
+                # The check the ε-rule runs at its own registration (a tanh, a clip or a norm inside the layer's
+                # forward), which the inner registrations below skip: a pair without a modified pass checked nothing.
+                check_layer_input(module, rule.epsilon, rule.norms_ruled)
         outer = Registration(None)
         # Both inner registrations share the outer one's records, read by the handle. Their
         # state is prepared at the first call that needs it: most layers never use ``first``. Each notes the
