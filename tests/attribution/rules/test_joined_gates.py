@@ -304,3 +304,16 @@ def test_constants_joined_with_activations_take_no_relevance_in_a_product(kind: 
     # 0.49 off, relative L2, under AttnLRP and CP-LRP; beside a tanh, under AttnLRP): they are noted as a gate's.
     model = JoinedConstants(kind).double()
     assert_same_relevance(model, JoinedConstants(kind, apart=True).double(), mapper)
+
+
+@pytest.mark.parametrize("mode", ["HeldGates", "FunctionalRules"])
+def test_a_constant_joined_with_an_activation_is_noted_but_an_empty_one_is_not(mode: str):
+    # ``torch.cat([ones, h], 1)``: the constant's elements noted as a gate's (its view a gate, the activation's none);
+    # a key cache's first ``cat`` onto ``torch.tensor([])`` joins nothing: no mask (one alive all call costs calls).
+    x = torch.randn(2, 3, dtype=F64, requires_grad=True)
+    with HeldGates() if mode == "HeldGates" else FunctionalRules(SoftmaxEpsilonRule(), PseudoIdentityRule()):
+        h = x * 1
+        joined = torch.cat([torch.ones(2, 1, dtype=F64), h], 1)
+        cached = torch.cat([torch.tensor([], dtype=F64), h], -1)
+    assert [is_gate(view) for view in (joined, joined[:, :1], joined[:, 1:])] == [False, True, False]
+    assert GATE_WRITTEN in joined.__dict__ and GATE_WRITTEN not in cached.__dict__ and not is_gate(cached)

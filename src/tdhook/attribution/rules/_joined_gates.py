@@ -80,11 +80,12 @@ def mark_joined_gate(func: Any, args: tuple, kwargs: dict, result: Any) -> None:
             own = piece.__dict__
             if _GATE in own:
                 break
-            # A constant (no grad, a parameter, a tensor of parameters alone) beside an activation: noted below.
+            # A constant (no grad, a parameter, a tensor of parameters alone) beside an activation: noted below. (Not
+            # an empty one: a key cache's first ``cat`` onto ``torch.tensor([])`` would keep a mask alive all call.)
             if piece.requires_grad and not piece.is_leaf:
                 activation = True
                 constant = constant or MASKS_MADE or PARAMETER_DERIVED in own  # (the masks: is_activation tells)
-            else:
+            elif 0 not in piece.shape:
                 constant = True
         else:
             if not (constant and activation):
@@ -102,7 +103,7 @@ def mark_joined_gate(func: Any, args: tuple, kwargs: dict, result: Any) -> None:
     # Constants joined with activations (``torch.cat([torch.ones(b, 2), relu(h)], 1)``): in a product they take
     # none of its relevance, as a gate held, whatever the other pieces are (the uniform rule gave them half, passed
     # on to nothing: 0.36-0.49 off, relative L2, under AttnLRP and CP-LRP); their elements noted as a sigmoid gate's.
-    joined_constants = any(constants) and not all(constants)
+    joined_constants = not all(constants) and any(c and p.numel() for c, p in zip(constants, pieces, strict=True))
     # Pieces that show gates in part (a join of gates and others, a view across its pieces): their gates' elements.
     shown = [None if keep else _gates_shown(piece) for piece, keep in zip(pieces, kept, strict=True)]
     kinds = [bool(mark.get(_SIGMOID, False)) for mark in marks if mark]
