@@ -70,6 +70,7 @@ from tdhook.attribution.rules._in_place_activations import (
 from tdhook.attribution.rules._in_place_products import PRODUCTS_IN_PLACE, product_in_place, two_activations_in_place
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_written_in_place
 from tdhook.attribution.rules._input_values import INPUT_VALUES, watch_values
+from tdhook.attribution.rules._joined_gates import OTHER_MASKS_MADE
 from tdhook.attribution.rules._joined_weights import (
     WEIGHTS_MASKS_MADE,
     mixed_weights_product,
@@ -307,7 +308,8 @@ class FunctionalRules(TorchFunctionMode):
         if func in _PRODUCTS and len(args) == 2 and is_activation(args[0]) and is_activation(args[1]):
             # A statistic (a norm written out: ``h * rsqrt(mean(h²) + ε)``) held constant, as a norm's scale; a gate.
             statistics = statistic_factors(func, args)
-            if statistics is None and GATE_MASKS_MADE and func in ELEMENTWISE_PRODUCTS:
+            masks = GATE_MASKS_MADE or (OTHER_MASKS_MADE and self.hold_gates)  # (CP-LRP: gates of another kind)
+            if statistics is None and masks and func in ELEMENTWISE_PRODUCTS:
                 # A factor a gate in some elements only (a join of gates and other activations): element by element.
                 # (Its elements no gate a join's weights in part: held there too, see _joined_weights.)
                 ungated = weights_held_where_mixed(func, args, kwargs, _uniform_product(func, kwargs))
