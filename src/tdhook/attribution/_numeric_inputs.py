@@ -14,12 +14,13 @@ Arithmetic carries them too (``2 * a.float() - 1``, ``a.float() / n``, a sum wit
 inputs, which carries both) except a product with an activation: that is a gate (a done mask), and the activation
 it scales takes the product's relevance whole. A parameter, even seen through a view or computed from parameters
 alone (``w.expand(...)``, ``-w``), is not an activation.
-Encodings carry them with no gradient to pass on: ``F.one_hot``, a comparison (``a == 3``), constants chosen by
-them (``torch.where(a == 1, 1.0, -1.0)``, ``masked_fill``), and a constant table read or written at them
-(``torch.eye(n)[a]``, ``torch.zeros(...).scatter_(-1, a, 1.0)``, ``z[torch.arange(n), a] = 1.0``). Masks (an
-attention mask turned into additive scores, which ``softmax`` ends, ``torch.where`` or ``masked_fill`` of an
-activation, activations written over with zeros or laid out where a mask says, ``h[done] = 0.0``; other constants
-written over them there, ``h[a == 1] = 1.0``, encode it) and indices into activations
+Encodings carry them with no gradient to pass on: ``F.one_hot``, a comparison (``a == 3``), logical operations on
+masks (``&``, ``|``, ``^``, ``~``), the positions of their non-zero values (``a.nonzero()``, ``torch.where(a)``),
+constants chosen by them (``torch.where(a == 1, 1.0, -1.0)``, ``masked_fill``), and a constant table read or written
+at them (``torch.eye(n)[a]``, ``torch.zeros(...).scatter_(-1, a, 1.0)``, ``z[torch.arange(n), a] = 1.0``). Masks (an
+attention mask turned into additive scores or put over them, which ``softmax`` ends, activations chosen between,
+zeroed or laid out where a mask says, ``h[done] = 0.0``, ``h.masked_fill(done, 0.0)``; other constants put over them
+there, ``h[a == 1] = 1.0``, ``h.masked_fill(a == 1, 1.0)``, encode it) and indices into activations
 (``gather``, ``index_select``, an ``nn.Embedding``'s ids, which it explains) are not reported, nor are zeros
 made in the call whatever the input's values (``torch.zeros(...) * (1 - done)``, ``torch.where(done, 0.0,
 h.new_zeros(n))``): they hold no share. A buffer of zeros is not taken for one: the model may write to it.
@@ -153,7 +154,18 @@ _COMPARISONS: frozenset[Callable] = frozenset(
     | {torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge}
     | {Tensor.__invert__, Tensor.logical_not, torch.logical_not}
 )
-_ENCODINGS: frozenset[Callable] = _COMPARISONS | {F.one_hot}
+# Logical and bitwise operations on masks (``(torch.arange(n) == 4) & (a[:, None] == 1)``): of every operand's values.
+_LOGICAL: frozenset[Callable] = frozenset(
+    {Tensor.__and__, Tensor.__rand__, Tensor.__iand__, Tensor.bitwise_and, Tensor.bitwise_and_, torch.bitwise_and}
+    | {Tensor.__or__, Tensor.__ror__, Tensor.__ior__, Tensor.bitwise_or, Tensor.bitwise_or_, torch.bitwise_or}
+    | {Tensor.__xor__, Tensor.__rxor__, Tensor.__ixor__, Tensor.bitwise_xor, Tensor.bitwise_xor_, torch.bitwise_xor}
+    | {Tensor.logical_and, Tensor.logical_and_, torch.logical_and, Tensor.logical_or, Tensor.logical_or_}
+    | {torch.logical_or, Tensor.logical_xor, Tensor.logical_xor_, torch.logical_xor}
+    | {Tensor.bitwise_not, Tensor.bitwise_not_, torch.bitwise_not, Tensor.logical_not_}
+)
+# The positions of an input's non-zero values (``a.nonzero()``, ``torch.where(a)``), as indices: an encoding of them.
+_POSITIONS: frozenset[Callable] = frozenset({torch.nonzero, Tensor.nonzero, torch.argwhere, Tensor.argwhere})
+_ENCODINGS: frozenset[Callable] = _COMPARISONS | _LOGICAL | _POSITIONS | {F.one_hot}
 # Selections between values by a condition: the position of the condition, then of the values.
 _SELECTIONS: dict[Callable, tuple[int, tuple[int, ...]]] = {
     torch.where: (0, (1, 2)),
@@ -246,14 +258,17 @@ class NumericInputs(TorchFunctionMode):
             self._note(func, args, kwargs)
         elif func in _SUMS:  # a sum carries its operands' values
             self._carry(out, self._carried(*args, *kwargs.values()))
-        elif func in _ENCODINGS:
-            self._carry(out, _encoded(self._carrier(*args, *kwargs.values()), _encoding(func)))
+        elif func in _ENCODINGS or (func is torch.where and len(args) == 1):  # ``torch.where(a)``: its positions
+            self._carry(out, _encoded(self._carried(*args, *kwargs.values()), _encoding(func)))
         elif func in _LOOKUPS:
             self._carry(out, self._looked_up(func, args, kwargs))
         elif func in _WRITES:
             self._written(func, args, kwargs, out)
         elif func in _SELECTIONS:
-            self._carry(out, self._selected(func, args))
+            carrier = self._selected(func, args)
+            if func is Tensor.masked_fill_ and carrier is not None:
+                self._hold(args[0], dict(carrier))
+            self._carry(out, carrier)
         elif func in _ZEROS and isinstance(out, torch.Tensor):
             self._zeros[id(out)] = out
         return out
@@ -441,6 +456,10 @@ class NumericInputs(TorchFunctionMode):
         if func not in _IN_PLACE:
             self._carry(out, tuple(found.items()))
             return
+        self._hold(table, found)
+
+    def _hold(self, table: torch.Tensor, found: dict[int, str | None]) -> None:
+        """``table``, written in place, and the tensor it views (whose storage it writes) carry ``found`` too."""
         for target in (table, table._base):
             if isinstance(target, torch.Tensor):  # each keeps what it carried (a base more than its view written)
                 held = dict(self._carrier(target) or ())
@@ -450,18 +469,26 @@ class NumericInputs(TorchFunctionMode):
                 self._joins.pop(id(target), None)  # the pieces written over: its parts carry the whole
 
     def _selected(self, func: Callable, args: tuple) -> Carrier | None:
-        """Constants chosen by an input's values (``torch.where(a == 1, 1.0, -1.0)``), or an input's values chosen:
-        they carry them. A selection of an activation (a mask of attention scores) carries none."""
+        """Constants chosen by an input's values (``torch.where(a == 1, 1.0, -1.0)``), put over an activation too
+        (``h.masked_fill(a.bool(), 1.0)``, ``torch.where(a == 1, 1.0, h)``: they hold the key's share), or an input's
+        values chosen, beside an activation too (``torch.where(m, a.float(), h)``): they carry them. An activation
+        chosen, or put over with zeros or another activation, where a condition says (a done gate, a mask of
+        attention scores) carries none of the condition's; nor do zeros chosen whatever the condition."""
         condition_at, values_at = _SELECTIONS[func]
         values = [args[i] for i in values_at if i < len(args)]
-        if any(isinstance(v, torch.Tensor) and self._is_activation(v) for v in values):
-            return None
         carrier = self._carried(*values)
-        if carrier is None and all(self._is_zero(v) for v in values):  # zeros whatever the condition: no share
-            return None
-        if carrier is None and condition_at < len(args):
-            return _encoded(self._carrier(args[condition_at]), getattr(func, "__name__", str(func)))
-        return carrier
+        chosen = self._carrier(args[condition_at]) if condition_at < len(args) else None
+        # The condition's share is held by what it picks that is neither an activation, an input's values nor zeros.
+        if chosen is None or not any(
+            not (isinstance(v, torch.Tensor) and (self._is_activation(v) or self._carrier(v) is not None))
+            and not self._is_zero(v)
+            for v in values
+        ):
+            return carrier
+        found = dict(carrier or ())
+        for i, encoding in _encoded(chosen, getattr(func, "__name__", str(func))) or ():
+            found.setdefault(i, encoding)
+        return tuple(found.items())
 
     def _note(self, func: Callable, args: tuple, kwargs: dict) -> None:
         operands = [v for value in (*args, *kwargs.values()) for v in _listed(value)]
@@ -507,6 +534,10 @@ def _encoding(func: Callable) -> str:
         return "a logical not"
     if func in _COMPARISONS:
         return "a comparison"
+    if func in _LOGICAL:
+        return "a logical or bitwise operation"
+    if func in _POSITIONS or func is torch.where:
+        return f"the positions of its non-zero values ({func.__name__})"
     name = "indexing" if func in (Tensor.__getitem__, Tensor.__setitem__) else getattr(func, "__name__", str(func))
     return f"a constant table {'written' if func in _WRITES else 'read'} at its values ({name})"
 
