@@ -187,3 +187,31 @@ def test_a_gate_copied_by_the_function_clone_is_a_gate(copy: str, mapper: str):
     # 0.43 off, relative L2, under AttnLRP and CP-LRP, 0.33 under EpsilonPlus.
     model = ClonedGate(COPIES[copy]).double()
     assert_same_relevance(model, ClonedGate(COPIES[copy], held=True).double(), mapper)
+
+
+class JoinTimesTanh(nn.Module):
+    """``out(join([first, relu(h(x))]) * tanh(g(x)))``: a join that is a sigmoid-like gate in some elements only (a
+    sigmoid's output, or a constant) times a gate of another kind, whole; ``apart`` multiplies each piece by its part
+    of the tanh (the oracle)."""
+
+    def __init__(self, first: str, apart: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.h, self.g, self.out = nn.Linear(4, 2), nn.Linear(4, 3), nn.Linear(4, 5), nn.Linear(5, 3)
+        self.first, self.apart = first, apart
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        other, tanh = torch.relu(self.h(x)), torch.tanh(self.g(x))
+        first = torch.sigmoid(self.a(x)) if self.first == "sigmoid" else torch.ones(x.shape[0], 2, dtype=x.dtype)
+        if self.apart:
+            return self.out(torch.cat([first * tanh[:, :2], other * tanh[:, 2:]], 1))
+        return self.out(torch.cat([first, other], 1) * tanh)
+
+
+@pytest.mark.parametrize("mapper", sorted(MAPPERS))
+@pytest.mark.parametrize("first", ["sigmoid", "a constant"])
+def test_a_join_gated_in_part_times_a_gate_of_another_kind_whole(first: str, mapper: str):
+    # Under CP-LRP, which holds the tanh beside the join's other elements, the tanh's gate mark (its source, a tensor)
+    # was read as a truth value: the product raised ("Boolean value of Tensor ... is ambiguous").
+    model = JoinTimesTanh(first).double()
+    assert_same_relevance(model, JoinTimesTanh(first, apart=True).double(), mapper)

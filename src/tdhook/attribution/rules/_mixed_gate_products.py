@@ -130,8 +130,10 @@ def _held_elements(args: tuple, shown: list, any_gate: bool) -> list[torch.Tenso
 
 
 def _whole(value: Any, mark: str) -> bool:
-    """Whether ``value`` is, in every element, a gate (``mark``: a gate's mark) of that kind."""
-    return bool(gate_marks_of(value).get(mark))
+    """Whether ``value`` is, in every element, a gate (``mark``: a gate's mark) of that kind. (The gate mark holds
+    the gate's source, a tensor: its presence tells, not its values.)"""
+    found = gate_marks_of(value).get(mark)
+    return found is not None and found is not False
 
 
 def _other_in_part(args: tuple) -> bool:
