@@ -41,7 +41,17 @@ from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN,
 from tdhook.attribution.rules._in_place_writes import GATE_MARKS, gate_marks_of
 from tdhook.attribution.rules._storage_masks import count_mask, laid_over_storage, shown_of_storage
 
-__all__ = ["GATE_JOINS", "OTHER_GATES", "OTHER_MASKS_MADE", "mark_joined_gate", "note_other_gates", "other_gates_shown"]
+__all__ = [
+    "CONSTANTS_JOINED",
+    "CONSTANT_MASKS_MADE",
+    "GATE_JOINS",
+    "OTHER_GATES",
+    "OTHER_MASKS_MADE",
+    "constants_shown",
+    "mark_joined_gate",
+    "note_other_gates",
+    "other_gates_shown",
+]
 
 _JOIN_NAMES = ("cat", "concat", "concatenate", "stack", "hstack", "vstack", "row_stack", "dstack", "column_stack")
 _ATEN_JOINS = [getattr(torch.ops.aten, name) for name in _JOIN_NAMES]
@@ -57,6 +67,12 @@ OTHER_GATES = "_tdhook_other_gates"
 #: One entry a mask alive of a join of gates of another kind alone beside other activations (``torch.cat([tanh(a),
 #: relu(h)], 1)``, no sigmoid-like gate): products under CP-LRP look it up only while one is.
 OTHER_MASKS_MADE: list[bool] = []
+#: On a join of constants and activations: a mask of its storage's elements, true where a constant went, and the
+#: join's version then. Noted as a sigmoid-like gate's, a constant's element is held in a product with a sigmoid-like
+#: gate as well (the two alike, the uniform rule gave the constant half: 0.49 off, relative L2, under AttnLRP).
+CONSTANTS_JOINED = "_tdhook_constants_joined"
+#: One entry a mask alive of :data:`CONSTANTS_JOINED`: products look it up only while one is.
+CONSTANT_MASKS_MADE: list[bool] = []
 
 
 def mark_joined_gate(func: Any, args: tuple, kwargs: dict, result: Any) -> None:
@@ -139,6 +155,45 @@ def mark_joined_gate(func: Any, args: tuple, kwargs: dict, result: Any) -> None:
         sources += [piece for piece, constant in zip(pieces, constants, strict=True) if constant]  # (their own)
         note_gate_written(result, region, {_GATE: sources[0], _SIGMOID: True})
         _note_other_gates(func, args, kwargs, pieces, kept, shown, result)
+        if joined_constants:
+            _note_constants(func, args, kwargs, pieces, constants, result)
+
+
+def _note_constants(
+    func: Any, args: tuple, kwargs: dict, pieces: Any, constants: list[bool], result: torch.Tensor
+) -> None:
+    """Note on ``result``, a join of constants and activations, where its constants went (see
+    :data:`CONSTANTS_JOINED`): a piece itself such a join (or a view of one) tells where its own went."""
+    with torch._C.DisableTorchFunction(), torch.no_grad():  # bookkeeping, which a function mode must not see
+        flags = []
+        for piece, constant in zip(pieces, constants, strict=True):
+            part = None if constant else constants_shown(piece)
+            flags.append(
+                torch.full(piece.shape, constant, dtype=torch.bool, device=result.device) if part is None else part
+            )
+        region = func(flags, *args[1:], **{k: v for k, v in kwargs.items() if k != "tensors"})
+        mask = laid_over_storage(result, region) if region.shape == result.shape else None
+    if mask is not None:
+        setattr(result, CONSTANTS_JOINED, (mask, result._version))
+        count_mask(result, CONSTANT_MASKS_MADE)
+
+
+def constants_shown(value: Any) -> torch.Tensor | None:
+    """Where ``value``, a join of constants and activations (or a view of one), shows a constant (see
+    :data:`CONSTANTS_JOINED`): a mask of its shape; ``None`` where no join noted it or it was written into since.
+
+    Examples:
+        >>> x = torch.ones(2, 2, requires_grad=True)
+        >>> pieces = [torch.ones(2, 1), x * 2]  # a constant beside an activation
+        >>> joined = torch.cat(pieces, 1)
+        >>> mark_joined_gate(torch.cat, (pieces, 1), {}, joined)
+        >>> constants_shown(joined[:, :2]).tolist()
+        [[True, False], [True, False]]
+    """
+    if not CONSTANT_MASKS_MADE or not isinstance(value, torch.Tensor):
+        return None
+    shown = shown_of_storage(value, CONSTANTS_JOINED)
+    return shown if isinstance(shown, torch.Tensor) else None
 
 
 def _note_other_gates(

@@ -31,7 +31,13 @@ import torch
 from tdhook.attribution.rules._autograd import hold, is_activation
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE
 from tdhook.attribution.rules._in_place_writes import GATE_MARKS, gate_marks_of
-from tdhook.attribution.rules._joined_gates import OTHER_MASKS_MADE, _gates_shown, other_gates_shown
+from tdhook.attribution.rules._joined_gates import (
+    CONSTANT_MASKS_MADE,
+    OTHER_MASKS_MADE,
+    _gates_shown,
+    constants_shown,
+    other_gates_shown,
+)
 
 __all__ = ["gate_elements", "mixed_gate_product"]
 
@@ -101,7 +107,8 @@ def mixed_gate_product(
         return None
     shown = [gate_elements(a) for a in args]
     if shown[0] is None and shown[1] is None and not (any_gate and OTHER_MASKS_MADE and _other_in_part(args)):
-        return None
+        if not (CONSTANT_MASKS_MADE and any(constants_shown(a) is not None for a in args)):
+            return None
     with torch._C.DisableTorchFunction(), torch.no_grad():  # bookkeeping, which a function mode must not see
         held = _held_elements(args, shown, any_gate)
     if not first:
@@ -126,6 +133,13 @@ def _held_elements(args: tuple, shown: list, any_gate: bool) -> list[torch.Tenso
         ]
         alike = sigmoid[0] == sigmoid[1]
         held = [held[0] | (alike & gates[0] & ~gates[1]), held[1] | (alike & gates[1] & ~gates[0])]
+    # A constant joined with activations (noted as a sigmoid-like gate's element) beside a factor's element that is
+    # none: held, whatever the other is (times a sigmoid-like gate, the two alike shared the product).
+    constant = [constants_shown(a) for a in args]
+    if constant[0] is not None or constant[1] is not None:
+        masks = [torch.tensor(False, device=device) if c is None else c for c in constant]
+        alone = [masks[0] & ~masks[1], masks[1] & ~masks[0]]
+        held = [(held[0] & ~alone[1]) | alone[0], (held[1] & ~alone[0]) | alone[1]]
     return held
 
 
