@@ -319,6 +319,19 @@ def test_a_constant_joined_with_an_activation_is_noted_but_an_empty_one_is_not(m
     assert GATE_WRITTEN in joined.__dict__ and GATE_WRITTEN not in cached.__dict__ and not is_gate(cached)
 
 
+@pytest.mark.parametrize("mode", ["HeldGates", "FunctionalRules"])
+def test_a_join_of_tensordicts_notes_nothing(mode: str):
+    # An RSSM's rollout joins its steps' TensorDicts (``torch.cat``/``torch.stack`` of TensorDicts): no piece is a
+    # tensor, nothing to note (the join read each piece's ``is_leaf``: AttributeError).
+    x = torch.randn(2, 3, dtype=F64, requires_grad=True)
+    with HeldGates() if mode == "HeldGates" else FunctionalRules(SoftmaxEpsilonRule(), PseudoIdentityRule()):
+        steps = [TensorDict(h=x * i, c=torch.ones(2, 1, dtype=F64), batch_size=[2]) for i in (1, 2)]
+        joined, stacked = torch.cat(steps, 0), torch.stack(steps, 1)
+    torch.testing.assert_close(joined["h"], torch.cat([x, 2 * x], 0), rtol=0, atol=0)
+    torch.testing.assert_close(stacked["h"], torch.stack([x, 2 * x], 1), rtol=0, atol=0)
+    assert GATE_WRITTEN not in joined["h"].__dict__ and GATE_WRITTEN not in stacked["h"].__dict__
+
+
 class JoinedTanh(nn.Module):
     """``out(join([tanh(a(x)), relu(h(x))]) * relu(s(x)))``: a gate of another kind (held by CP-LRP alone) joined with
     an activation that is none, or a view of the join (``view``); ``apart`` multiplies each piece by its part of the

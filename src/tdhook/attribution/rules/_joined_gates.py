@@ -98,20 +98,24 @@ def mark_joined_gate(func: Any, args: tuple, kwargs: dict, result: Any) -> None:
     pieces = args[0] if args else kwargs.get("tensors", ())
     if not GATE_MASKS_MADE:  # the common path: a look at each piece's own marks, no call (rotary embeddings' cat)
         constant = activation = False
-        for piece in pieces:  # (tensors all: the join ran)
-            own = piece.__dict__
-            if _GATE in own:
-                break
-            # A constant (no grad, a parameter, a tensor of parameters alone) beside an activation: noted below. (Not
-            # an empty one: a key cache's first ``cat`` onto ``torch.tensor([])`` would keep a mask alive all call.)
-            if piece.requires_grad and not piece.is_leaf:
-                activation = True
-                constant = constant or MASKS_MADE or PARAMETER_DERIVED in own  # (the masks: is_activation tells)
-            elif 0 not in piece.shape:
-                constant = True
-        else:
-            if not (constant and activation):
-                return
+        try:
+            for piece in pieces:  # (tensors, or what else the join took: TensorDicts, an RSSM's rollout steps)
+                own = piece.__dict__
+                if _GATE in own:
+                    break
+                # A constant (no grad, a parameter, a tensor of parameters alone) beside an activation: noted below.
+                # (Not an empty one: a key cache's first ``cat`` onto ``torch.tensor([])`` would keep a mask alive
+                # all call.)
+                if piece.requires_grad and not piece.is_leaf:
+                    activation = True
+                    constant = constant or MASKS_MADE or PARAMETER_DERIVED in own  # (the masks: is_activation tells)
+                elif 0 not in piece.shape:
+                    constant = True
+            else:
+                if not (constant and activation):
+                    return
+        except AttributeError:  # a piece no tensor (``torch.cat`` of TensorDicts): no gate to note
+            return
     if not isinstance(result, torch.Tensor) or not isinstance(pieces, (list, tuple)) or not pieces:
         return
     if kwargs.get("out") is not None:  # (under no_grad alone: a tensor written into, whose views this does not follow)
