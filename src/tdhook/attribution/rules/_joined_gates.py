@@ -37,6 +37,7 @@ import torch
 
 from tdhook.attribution.rules._activation_writes import MASKS_MADE, PARAMETER_DERIVED
 from tdhook.attribution.rules._autograd import is_activation
+from tdhook.attribution.rules._constant_elements import CONSTANT_MASKS_MADE, CONSTANTS_JOINED, constants_shown
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, note_gate_written
 from tdhook.attribution.rules._in_place_writes import GATE_MARKS, gate_marks_of
 from tdhook.attribution.rules._storage_masks import count_mask, laid_over_storage, shown_of_storage
@@ -67,12 +68,6 @@ OTHER_GATES = "_tdhook_other_gates"
 #: One entry a mask alive of a join of gates of another kind alone beside other activations (``torch.cat([tanh(a),
 #: relu(h)], 1)``, no sigmoid-like gate): products under CP-LRP look it up only while one is.
 OTHER_MASKS_MADE: list[bool] = []
-#: On a join of constants and activations: a mask of its storage's elements, true where a constant went, and the
-#: join's version then. Noted as a sigmoid-like gate's, a constant's element is held in a product with a sigmoid-like
-#: gate as well (the two alike, the uniform rule gave the constant half: 0.49 off, relative L2, under AttnLRP).
-CONSTANTS_JOINED = "_tdhook_constants_joined"
-#: One entry a mask alive of :data:`CONSTANTS_JOINED`: products look it up only while one is.
-CONSTANT_MASKS_MADE: list[bool] = []
 
 
 def mark_joined_gate(func: Any, args: tuple, kwargs: dict, result: Any) -> None:
@@ -180,24 +175,6 @@ def _note_constants(
     if mask is not None:
         setattr(result, CONSTANTS_JOINED, (mask, result._version))
         count_mask(result, CONSTANT_MASKS_MADE)
-
-
-def constants_shown(value: Any) -> torch.Tensor | None:
-    """Where ``value``, a join of constants and activations (or a view of one), shows a constant (see
-    :data:`CONSTANTS_JOINED`): a mask of its shape; ``None`` where no join noted it or it was written into since.
-
-    Examples:
-        >>> x = torch.ones(2, 2, requires_grad=True)
-        >>> pieces = [torch.ones(2, 1), x * 2]  # a constant beside an activation
-        >>> joined = torch.cat(pieces, 1)
-        >>> mark_joined_gate(torch.cat, (pieces, 1), {}, joined)
-        >>> constants_shown(joined[:, :2]).tolist()
-        [[True, False], [True, False]]
-    """
-    if not CONSTANT_MASKS_MADE or not isinstance(value, torch.Tensor):
-        return None
-    shown = shown_of_storage(value, CONSTANTS_JOINED)
-    return shown if isinstance(shown, torch.Tensor) else None
 
 
 def _note_other_gates(
