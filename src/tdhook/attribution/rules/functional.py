@@ -46,6 +46,8 @@ from tdhook.attribution.rules._clips import (
     clips_a_signal,
     clips_in_place,
 )
+from tdhook.attribution.rules._constant_elements import CONSTANT_MASKS_MADE
+from tdhook.attribution.rules._constant_matmuls import MATMULS, constant_matmul
 from tdhook.attribution.rules._cosine_similarity import COSINE_SIMILARITY, cosine_as_products
 from tdhook.attribution.rules._dropout_calls import DROPOUTS, dropout_probability, warn_random_dropout
 from tdhook.attribution.rules._first_pass import first_pass
@@ -306,6 +308,12 @@ class FunctionalRules(TorchFunctionMode):
         if func in PRODUCTS_IN_PLACE:  # ``a.mul_(b)``, ``a *= b``: the rule of ``a * b``
             return product_in_place(func, *args, hold_gates=self.hold_gates, recording=recording)
         if func in _PRODUCTS and len(args) == 2 and is_activation(args[0]) and is_activation(args[1]):
+            if CONSTANT_MASKS_MADE and func in MATMULS:  # a factor with constants in part (a key cache's join)
+                mixed = constant_matmul(func, args, kwargs, _uniform_product(func, kwargs))
+                if mixed is not None:
+                    if recording is not None:  # (a rule a later call does not plan: it runs in the mode)
+                        recording.other_rule()
+                    return mixed
             # A statistic (a norm written out: ``h * rsqrt(mean(h²) + ε)``) held constant, as a norm's scale; a gate.
             statistics = statistic_factors(func, args)
             masks = GATE_MASKS_MADE or (OTHER_MASKS_MADE and self.hold_gates)  # (CP-LRP: gates of another kind)
