@@ -226,7 +226,10 @@ def _viewed_node(result: Any) -> Any:
     """For an in-place write into a view (``z[:, :3].mul_(h)``), the node of the tensor viewed, which records the
     write (``CopySlices``): the model reads on from that tensor, and the relevance pass reaches that node, not the
     view's own. ``None`` for a write into a tensor that is no view."""
-    base = result._base if isinstance(result, torch.Tensor) else None
+    if not isinstance(result, torch.Tensor):
+        return None
+    with torch._C.DisableTorchFunction():  # (read where no mode sees it: the rules' mode would mark what it returns)
+        base = result._base
     return None if base is None else base.grad_fn
 
 

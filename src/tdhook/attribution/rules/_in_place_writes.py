@@ -26,6 +26,12 @@ from tdhook.attribution.rules._activation_writes import (
     note_weight_written,
 )
 from tdhook.attribution.rules._autograd import PARAMETER_DERIVED, is_activation
+from tdhook.attribution.rules._constant_elements import (
+    CONSTANT_MASKS_MADE,
+    CONSTANTS_JOINED,
+    constants_before,
+    note_constants_written,
+)
 from tdhook.attribution.rules._filled_gates import is_constant
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, gate_marks_shown, note_gate_written
 from tdhook.attribution.rules._unrecorded_writes import (
@@ -132,7 +138,10 @@ def note_gate_views(target: torch.Tensor, region: torch.Tensor | None, marks: di
         >>> gate_marks_of(row), bool(gate_marks_of(gate[1]))
         ({}, True)
     """
-    base = target._base
+    # (Read where no mode sees it: another mode would take the tensor a view shows only a weight's values of, after
+    # a write, for that weight, ``buf[:, 1:4].copy_(w)`` marking the activation ``buf`` computed from parameters.)
+    with torch._C.DisableTorchFunction():
+        base = target._base
     root = target if base is None else base
     if base is None and not (GATE_MASKS_MADE and GATE_WRITTEN in root.__dict__) and not _maybe_viewed(root):
         return
@@ -178,6 +187,11 @@ def _gate_written(func: Any, args: tuple, kwargs: dict, whole: bool, tensors: li
         for mark in GATE_MARKS:
             own.pop(mark, None)
         own.update(new)
+
+
+def _zero(value: Any) -> bool:
+    """Whether ``value``, what an in-place write puts, is the number 0."""
+    return isinstance(value, (int, float)) and value == 0
 
 
 def _whole_key(args: tuple) -> bool:
@@ -259,6 +273,9 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
         constant.append(not base.requires_grad or bool(getattr(base, PARAMETER_DERIVED, False)))
     # An activation before the write, every element of it where it has no mask.
     root_activation = not constant[-1] and not root.is_leaf
+    # Where its constants are beside an activation (a join of them, or written in place before): read before the write.
+    noted = root.__dict__.get(CONSTANTS_JOINED) if CONSTANT_MASKS_MADE else None
+    constants = constant[-1] if noted is None else constants_before(root, constant[-1])
     # Every element replaced: the tensor, and a base it views whole, is what is written, whatever it was before. Not a
     # view (``buf[:, :3].copy_(w)``): it shows its base, which later writes reach (``buf += h``) and the mark would not
     # follow. (The cheap tests first: most writes are an activation's, ``relu_``, ``out += identity``.)
@@ -280,7 +297,10 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
         for tensor, was_constant in zip(targets, constant, strict=True)
         if was_constant and tensor.requires_grad and not tensor.is_leaf
     ]
-    if not (judged or masked or (replacing and root_activation and viewed)):
+    # Constants beside an activation, where the write may leave some: a constant into part of an activation, an
+    # activation into part of a constant, any write into a tensor that has such constants.
+    mixing = noted is not None or (replacing and root_activation) or (constants is True and bool(judged))
+    if not (judged or masked or (replacing and root_activation and viewed) or mixing):
         return result
     written = [
         tensor
@@ -289,6 +309,11 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
         if isinstance(tensor, torch.Tensor) and tensor is not target
     ]
     derived = not any(is_activation(tensor) for tensor in written)
+    if mixing and (noted is not None or derived is not constants) and GATE_MARKS[0] not in root.__dict__:
+        # (Not zeros over an activation, ``h.masked_fill_(pad, 0.0)``: zero in a product, held or not, they take
+        # nothing; nor a constant over part of a gate, a gate still.)
+        if not (constants is False and _zero(value)):
+            note_constants_written(func, args, kwargs, constants, not derived, value)
     for tensor in judged:
         setattr(tensor, PARAMETER_DERIVED, derived)
     if not viewed:  # no view shows the elements written: the marks tell

@@ -12,6 +12,9 @@ would get apart: where one factor's element is a sigmoid-like gate and the other
 activation's output) held; elsewhere the rule of a product without gates (AttnLRP's uniform rule, the plain
 gradient under the CNN presets). Its values are the product's own.
 
+A join of gates of another kind beside other activations, and no sigmoid-like gate (``torch.cat([tanh(a), relu(h)],
+1)``), notes where they went alone: with ``any_gate``, a product with it (or a view of it) holds them there.
+
 A join notes where its gates of another kind went (``torch.cat([sigmoid(a), tanh(b)], 1)``: ``tanh(b)``'s
 elements, held by CP-LRP) as a mask over it, with the join's version: after an in-place write into the join, a
 product that would hold them raises rather than guess. A tensor made a gate in part by in-place writes
@@ -28,7 +31,13 @@ import torch
 from tdhook.attribution.rules._autograd import hold, is_activation
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE
 from tdhook.attribution.rules._in_place_writes import GATE_MARKS, gate_marks_of
-from tdhook.attribution.rules._joined_gates import _gates_shown, other_gates_shown
+from tdhook.attribution.rules._joined_gates import (
+    CONSTANT_MASKS_MADE,
+    OTHER_MASKS_MADE,
+    _gates_shown,
+    constants_shown,
+    other_gates_shown,
+)
 
 __all__ = ["gate_elements", "mixed_gate_product"]
 
@@ -97,8 +106,9 @@ def mixed_gate_product(
     if len(args) != 2 or not (is_activation(args[0]) and is_activation(args[1])):
         return None
     shown = [gate_elements(a) for a in args]
-    if shown[0] is None and shown[1] is None:
-        return None
+    if shown[0] is None and shown[1] is None and not (any_gate and OTHER_MASKS_MADE and _other_in_part(args)):
+        if not (CONSTANT_MASKS_MADE and any(constants_shown(a) is not None for a in args)):
+            return None
     with torch._C.DisableTorchFunction(), torch.no_grad():  # bookkeeping, which a function mode must not see
         held = _held_elements(args, shown, any_gate)
     if not first:
@@ -111,7 +121,7 @@ def mixed_gate_product(
 def _held_elements(args: tuple, shown: list, any_gate: bool) -> list[torch.Tensor]:
     """Where each of a product's two factors ``args`` is held (``shown``: their gate elements, see
     :func:`gate_elements`): masks that broadcast to the product's shape."""
-    device = next(part[0].device for part in shown if part is not None)
+    device = args[0].device
     sigmoid = [
         torch.tensor(_whole(a, _SIGMOID), device=device) if part is None else part[0]
         for a, part in zip(args, shown, strict=True)
@@ -119,11 +129,17 @@ def _held_elements(args: tuple, shown: list, any_gate: bool) -> list[torch.Tenso
     held = [sigmoid[0] & ~sigmoid[1], sigmoid[1] & ~sigmoid[0]]
     if any_gate:  # where the sigmoid-like gates do not tell, a gate of another kind
         gates = [
-            torch.tensor(_whole(a, _GATE), device=device) if part is None else _other_gates(a)
-            for a, part in zip(args, shown, strict=True)
+            _whole_or_other(a, device) if part is None else _other_gates(a) for a, part in zip(args, shown, strict=True)
         ]
         alike = sigmoid[0] == sigmoid[1]
         held = [held[0] | (alike & gates[0] & ~gates[1]), held[1] | (alike & gates[1] & ~gates[0])]
+    # A constant joined with activations (noted as a sigmoid-like gate's element) beside a factor's element that is
+    # none: held, whatever the other is (times a sigmoid-like gate, the two alike shared the product).
+    constant = [constants_shown(a) for a in args]
+    if constant[0] is not None or constant[1] is not None:
+        masks = [torch.tensor(False, device=device) if c is None else c for c in constant]
+        alone = [masks[0] & ~masks[1], masks[1] & ~masks[0]]
+        held = [(held[0] & ~alone[1]) | alone[0], (held[1] & ~alone[0]) | alone[1]]
     return held
 
 
@@ -132,6 +148,21 @@ def _whole(value: Any, mark: str) -> bool:
     the gate's source, a tensor: its presence tells, not its values.)"""
     found = gate_marks_of(value).get(mark)
     return found is not None and found is not False
+
+
+def _other_in_part(args: tuple) -> bool:
+    """Whether a factor of ``args`` is a join of gates of another kind alone beside other activations (or a view of
+    one, see :data:`~tdhook.attribution.rules._joined_gates.OTHER_MASKS_MADE`): a mask of where they are."""
+    return any(isinstance(other_gates_shown(a), torch.Tensor) for a in args)
+
+
+def _whole_or_other(value: Any, device: torch.device) -> torch.Tensor:
+    """Where ``value``, a factor that shows no sigmoid-like gate in part, is a gate of any kind: its join's mask
+    where one noted it (a join of gates of another kind beside other activations), else its own mark."""
+    other = other_gates_shown(value) if isinstance(value, torch.Tensor) else None
+    if isinstance(other, torch.Tensor) and not _whole(value, _GATE):
+        return other
+    return torch.tensor(_whole(value, _GATE), device=device)
 
 
 def _other_gates(value: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,8 @@ from tdhook.attribution.rules._clips import (
     clips_a_signal,
     clips_in_place,
 )
+from tdhook.attribution.rules._constant_elements import CONSTANT_MASKS_MADE
+from tdhook.attribution.rules._constant_matmuls import MATMULS, constant_matmul
 from tdhook.attribution.rules._cosine_similarity import COSINE_SIMILARITY, cosine_as_products
 from tdhook.attribution.rules._dropout_calls import DROPOUTS, dropout_probability, warn_random_dropout
 from tdhook.attribution.rules._filled_gates import WHERES
@@ -71,6 +73,7 @@ from tdhook.attribution.rules._in_place_activations import (
 from tdhook.attribution.rules._in_place_products import PRODUCTS_IN_PLACE, product_in_place, two_activations_in_place
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_written_in_place
 from tdhook.attribution.rules._input_values import INPUT_VALUES, watch_values
+from tdhook.attribution.rules._joined_gates import OTHER_MASKS_MADE
 from tdhook.attribution.rules._joined_weights import (
     WEIGHTS_MASKS_MADE,
     mixed_weights_product,
@@ -309,9 +312,16 @@ class FunctionalRules(TorchFunctionMode):
         if func in PRODUCTS_IN_PLACE:  # ``a.mul_(b)``, ``a *= b``: the rule of ``a * b``
             return product_in_place(func, *args, hold_gates=self.hold_gates, recording=recording)
         if func in _PRODUCTS and len(args) == 2 and is_activation(args[0]) and is_activation(args[1]):
+            if CONSTANT_MASKS_MADE and func in MATMULS:  # a factor with constants in part (a key cache's join)
+                mixed = constant_matmul(func, args, kwargs, _uniform_product(func, kwargs))
+                if mixed is not None:
+                    if recording is not None:  # (a rule a later call does not plan: it runs in the mode)
+                        recording.other_rule()
+                    return mixed
             # A statistic (a norm written out: ``h * rsqrt(mean(h²) + ε)``) held constant, as a norm's scale; a gate.
             statistics = statistic_factors(func, args)
-            if statistics is None and GATE_MASKS_MADE and func in ELEMENTWISE_PRODUCTS:
+            masks = GATE_MASKS_MADE or (OTHER_MASKS_MADE and self.hold_gates)  # (CP-LRP: gates of another kind)
+            if statistics is None and masks and func in ELEMENTWISE_PRODUCTS:
                 # A factor a gate in some elements only (a join of gates and other activations): element by element.
                 # (Its elements no gate a join's weights in part: held there too, see _joined_weights.)
                 ungated = weights_held_where_mixed(func, args, kwargs, _uniform_product(func, kwargs))

@@ -1,0 +1,176 @@
+"""Constants beside an activation in one tensor: where they are, for the products that take the tensor.
+
+A join of constants and activations (``torch.cat([torch.ones(b, 2), relu(h)], 1)``, see
+:mod:`~tdhook.attribution.rules._joined_gates`) and an in-place write that puts a constant into part of an
+activation (``buf[:, :3] = w[:, :3]``, ``buf[:, :3].copy_(w)``, ``buf.index_put_(i, w)``,
+``buf.masked_fill_(pad, 2.0)``), or an activation into part of a constant (``c = s * torch.ones(...)``, then
+``c[:, :2] = h[:, :2]``), make the same tensor: constants in some elements, an activation in the others. In a
+product, a constant element takes none of the relevance, as it does multiplied apart (times a constant, a product is
+a linear map of its other factor). The join notes where its constants went; a write left the whole tensor an
+activation, and the uniform rule gave its constant elements half of the product's relevance, passed on to nothing
+(up to 0.50 off, relative L2, float64, under AttnLRP and CP-LRP times a ReLU's output, 0.61-1.08 times a sigmoid
+gate, which took it all; 0.07-0.77 under the CNN presets, whose gate was held against a constant), against the
+products taken apart.
+
+:data:`CONSTANTS_JOINED` keeps, on such a tensor, a mask of its storage's elements (true where a constant is) and the
+tensor's version then; :func:`constants_shown` reads it for a view. :func:`note_constants_written` keeps it at an
+in-place write, and notes the constant elements as a sigmoid-like gate's too (see
+:func:`~tdhook.attribution.rules._gate_writes.note_gate_written`), as the join does: a view that shows only
+constants is then a gate, held in a product, and a product with the tensor whole holds them element by element (see
+:mod:`~tdhook.attribution.rules._mixed_gate_products`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tdhook.attribution.rules._caller import warn_at_caller
+from tdhook.attribution.rules._gate_writes import GATE_WRITTEN, note_gate_written
+from tdhook.attribution.rules._storage_masks import bytes_reached, count_mask, shown_of_storage
+from tdhook.attribution.rules._written_regions import replaced_region
+
+__all__ = [
+    "CONSTANTS_JOINED",
+    "CONSTANT_MASKS_MADE",
+    "constants_before",
+    "constants_shown",
+    "note_constants_written",
+]
+
+#: On a tensor with constants beside an activation (a join of them, or one written in place): a mask of its
+#: storage's elements, true where a constant is, and the tensor's version then.
+CONSTANTS_JOINED = "_tdhook_constants_joined"
+#: One entry a mask alive of :data:`CONSTANTS_JOINED`: products look it up only while one is.
+CONSTANT_MASKS_MADE: list[bool] = []
+# The marks of a sigmoid-like gate (``GATE_MARK``, ``SIGMOID_MARK`` of :mod:`~tdhook.attribution.rules.gates`).
+_GATE, _SIGMOID = "_tdhook_activation_of", "_tdhook_sigmoid_gate"
+
+
+def constants_shown(value: Any) -> torch.Tensor | None:
+    """Where ``value``, a tensor with constants beside an activation (or a view of one), shows a constant (see
+    :data:`CONSTANTS_JOINED`): a mask of its shape; ``None`` where none is noted, or it was written into since.
+
+    Examples:
+        >>> root = torch.zeros(2, 2)
+        >>> root.__dict__[CONSTANTS_JOINED] = (torch.tensor([True, False, True, False]), root._version)
+        >>> count_mask(root, CONSTANT_MASKS_MADE)
+        >>> constants_shown(root[:, :1]).tolist(), constants_shown(root[0]).tolist()
+        ([[True], [True]], [True, False])
+    """
+    if not CONSTANT_MASKS_MADE or not isinstance(value, torch.Tensor):
+        return None
+    shown = shown_of_storage(value, CONSTANTS_JOINED)
+    return shown if isinstance(shown, torch.Tensor) else None
+
+
+def constants_before(root: torch.Tensor, constant: bool) -> torch.Tensor | bool:
+    """Where ``root``'s storage holds constants, read before an in-place write into it: its mask (see
+    :data:`CONSTANTS_JOINED`) where one is noted and current; else ``constant`` (``root`` a constant whole, or not).
+
+    Examples:
+        >>> constants_before(torch.zeros(2), True), constants_before(torch.zeros(2), False)
+        (True, False)
+    """
+    noted = root.__dict__.get(CONSTANTS_JOINED) if CONSTANT_MASKS_MADE else None
+    if noted is None or noted[0] is None:
+        return constant
+    with torch._C.DisableTorchFunction():  # (a property read is a call of another mode)
+        return noted[0] if noted[1] == root._version else constant
+
+
+def note_constants_written(
+    func: Any, args: tuple, kwargs: dict, before: torch.Tensor | bool, activation: bool, value: Any
+) -> None:
+    """Note on the tensor ``args[0]`` views (or on itself) where its constants are after the in-place write
+    ``func(*args, **kwargs)`` (see the module's docstring): ``before``, where they were (see :func:`constants_before`);
+    ``activation``, whether what is written is an activation (then no element it reaches is a constant), else a
+    constant (an element it replaces is one; one it combines with stays what it was); ``value``, what is written.
+    Where the tensor holds constants beside an activation, they are noted (:data:`CONSTANTS_JOINED`, and as a
+    sigmoid-like gate's elements); elsewhere its mask is dropped.
+
+    Examples:
+        >>> from tdhook.attribution.rules._gate_writes import gate_marks_shown
+        >>> x = torch.ones(2, 3, requires_grad=True)
+        >>> buf = x * 2  # an activation
+        >>> buf[:, :2] = torch.ones(2)  # a constant over its first two columns
+        >>> key = (slice(None), slice(0, 2))
+        >>> note_constants_written(torch.Tensor.__setitem__, (buf, key, 1.0), {}, False, False, 1.0)
+        >>> constants_shown(buf).tolist()
+        [[True, True, False], [True, True, False]]
+        >>> bool(gate_marks_shown(buf[:, :2])), bool(gate_marks_shown(buf[:, 1:]))
+        (True, False)
+    """
+    if before is False and activation:  # an activation written into an activation: it stays one
+        return
+    target = args[0]
+    with torch._C.DisableTorchFunction():
+        base = target._base
+        root = target if base is None else base
+        try:
+            region = replaced_region(func, args, kwargs)  # (``None``: the write combines, every element reached)
+        except (RuntimeError, NotImplementedError, IndexError, TypeError, ValueError):  # indices a transform wraps
+            if activation or before is not False:  # constants the write may reach, where not known
+                _unknown(func, root)
+            return
+        if not activation and region is None and not isinstance(before, torch.Tensor):
+            return  # a constant combined with the elements (``h.add_(w)``, ``h.mul_(2)``): each stays what it was
+        with torch.no_grad():
+            mask = _written(root, target, before, region, activation)
+            shown = mask.as_strided(root.shape, root.stride(), root.storage_offset())
+            mixed = bool(shown.any()) and not bool(shown.all())
+        noted = root.__dict__.get(CONSTANTS_JOINED)
+        if not mixed:  # constants alone, or no constant left: nothing to note
+            if noted is not None:
+                delattr(root, CONSTANTS_JOINED)
+            return
+        setattr(root, CONSTANTS_JOINED, (mask, root._version))
+        if noted is None:
+            count_mask(root, CONSTANT_MASKS_MADE)
+        record = root.__dict__.get(GATE_WRITTEN)
+        # (A mask of real sigmoid-like gates' elements keeps its marks; else the constant's, as a join marks them.)
+        marks = record[1] if record is not None and record[1].get(_SIGMOID, False) else None
+        if marks is None:
+            source = value if isinstance(value, torch.Tensor) and not value.requires_grad else torch.zeros(())
+            marks = {_GATE: source, _SIGMOID: True}
+    note_gate_written(root, shown, marks)
+
+
+def _written(
+    root: torch.Tensor, target: torch.Tensor, before: torch.Tensor | bool, region: torch.Tensor | None, activation: bool
+) -> torch.Tensor:
+    """The mask of ``root``'s storage, true where a constant is, after a write into ``target`` (``root`` or a view of
+    it) that reaches ``region`` (``None``: every element of ``target``)."""
+    if isinstance(before, torch.Tensor):
+        mask = before.clone()
+        if region is None and not activation:  # a constant combined with the elements: each stays what it was
+            return mask
+    else:
+        mask = torch.full((root.untyped_storage().nbytes() // root.element_size(),), before, device=root.device)
+    if target.element_size() != root.element_size():  # a view as a dtype of another size (``view_as_complex``)
+        reached = bytes_reached(mask, root, target, region)
+        if activation:
+            mask &= ~reached.any(1)
+        else:
+            mask |= reached.all(1)
+        return mask
+    shown = mask.as_strided(target.shape, target.stride(), target.storage_offset())
+    if region is None:
+        shown.fill_(not activation)
+    else:
+        shown.masked_fill_(region, not activation)
+    return mask
+
+
+def _unknown(func: Any, root: torch.Tensor) -> None:
+    """Warn that where ``root``'s constants are is not known after the in-place write ``func``, and drop its mask."""
+    root.__dict__.pop(CONSTANTS_JOINED, None)
+    name = getattr(func, "__name__", str(func))
+    warn_at_caller(
+        f"an in-place write ({name}) into a tensor of shape {tuple(root.shape)} with constants beside an activation: "
+        f"the elements it reaches are not known (its indices could not be read), and its constant elements are taken "
+        f"as an activation's (in a product they would take no relevance); write into a copy out of place "
+        f"(torch.cat, torch.where) to keep them",
+        UserWarning,
+    )
