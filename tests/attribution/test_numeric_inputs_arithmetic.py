@@ -36,6 +36,16 @@ class ArithmeticCritic(MaskedCritic):
             h = h + eye[torch.floor_divide(action, 2)]
         elif how == "eye[div floor]":
             h = h + eye[torch.div(action, 2, rounding_mode="floor")]
+        elif how == "eye[a >> 1]":
+            h = h + eye[action >> 1]
+        elif how == "eye[bitwise_left_shift]":
+            h = h + eye[torch.bitwise_left_shift(action, 1).clamp(max=4)]
+        elif how == "eye[bucketize]":
+            h = h + eye[torch.bucketize(action, torch.tensor([0, 2]))]
+        elif how == "eye[searchsorted]":
+            h = h + eye[torch.searchsorted(torch.tensor([0, 2]), action)]
+        elif how == "eye[a.sign()]":
+            h = h + eye[action.sign()]
         elif how == "(a % 2) as numbers":
             h = torch.cat([h[:, :4], (action % 2).to(F64)[:, None]], -1)
         elif how == "h[nonzero % n, 4] = 1":
@@ -84,6 +94,9 @@ class ArithmeticCritic(MaskedCritic):
             h = torch.cat([h[:, :4], view[:, 4:]], -1)
         elif how == "h[:, a % 5]":  # activations read at the key's values: an index
             h = h[:, action % 5].diagonal()[:, None].expand(n, 5)
+        elif how == "h * (a >> 1) and h[:, bucketize]":  # a gate, and activations read at the key's buckets
+            h = h * (action >> 1).to(F64)[:, None]
+            h = h[:, torch.bucketize(action, torch.tensor([0, 2]))].diagonal()[:, None].expand(n, 5)
         elif how == "h * (a % 2)":  # a gate
             h = h * (action % 2).to(F64)[:, None]
         elif how == "h.masked_fill(mask=a == 1, value=0)":  # a gate by keyword
@@ -106,6 +119,11 @@ NAMED = {
     "eye[fmod]": ROUNDED.format("fmod"),
     "eye[floor_divide]": ROUNDED.format("floor_divide"),
     "eye[div floor]": ROUNDED.format("div"),
+    "eye[a >> 1]": "a logical or bitwise operation",
+    "eye[bitwise_left_shift]": "a logical or bitwise operation",
+    "eye[bucketize]": r"the buckets of its values \(bucketize\)",
+    "eye[searchsorted]": r"the buckets of its values \(searchsorted\)",
+    "eye[a.sign()]": r"the buckets of its values \(sign\)",
     "(a % 2) as numbers": ROUNDED.format("remainder"),
     "h[nonzero % n, 4] = 1": r"the positions of its non-zero values \(nonzero\)",
 }
@@ -113,8 +131,9 @@ NAMED = {
 
 @pytest.mark.parametrize("how", NAMED)
 def test_a_key_reaching_a_layer_through_index_arithmetic_is_named(how):
-    """``a % n``, ``a // 2``, ``torch.remainder``, ``fmod``, ``torch.floor_divide`` and ``a.nonzero() % n``, as an
-    index into a constant table or a write, or as numbers, lost the key's share with no word (0.2-0.4 of the
+    """``a % n``, ``a // 2``, ``torch.remainder``, ``fmod``, ``torch.floor_divide``, ``a.nonzero() % n``, shifts
+    (``a >> 1``, ``bitwise_left_shift``) and buckets (``torch.bucketize``, ``torch.searchsorted``, ``a.sign()``), as
+    an index into a constant table or a write, or as numbers, lost the key's share with no word (0.19-0.4 of the
     value, relative L2; a rounded ``torch.div`` was named as the table's read, not as what it is). Named, with the
     arithmetic as the encoding: stored as floats, the key would pass no gradient through it either."""
     out, numeric = _explained(how, ACTION)
@@ -161,6 +180,7 @@ def test_a_mask_given_by_keyword_or_a_view_taken_before_a_write_of_the_key_is_fo
         "view before a gate in place",
         "h[:, a % 5]",
         "h * (a % 2)",
+        "h * (a >> 1) and h[:, bucketize]",
         "h.masked_fill(mask=a == 1, value=0)",
         "where(condition=, input=h, other=2h)",
     ],
