@@ -92,6 +92,17 @@ class ArithmeticCritic(MaskedCritic):
             z[:, 5] = action.to(F64)
             z.mul_(torch.cat([h, h[:, :1]], -1))
             h = torch.cat([h[:, :4], view[:, 4:]], -1)
+        elif how in ("view before zero_", "view before fill_", "zeroed after a write", "written after zero_"):
+            z = h.new_zeros(n, 5)
+            view = z[:, :]  # taken before the writes
+            if how == "written after zero_":  # the key's ones written over zeros: they reach the layer
+                z.zero_()
+            z[torch.arange(n), action] = 1.0
+            if how == "view before fill_":
+                z.fill_(0.0)
+            elif how != "written after zero_":  # written over whole with zeros: nothing of the key is left
+                z.zero_()
+            h = h + (z if how == "zeroed after a write" else view)
         elif how == "h[:, a % 5]":  # activations read at the key's values: an index
             h = h[:, action % 5].diagonal()[:, None].expand(n, 5)
         elif how == "h * (a >> 1) and h[:, bucketize]":  # a gate, and activations read at the key's buckets
@@ -181,15 +192,28 @@ def test_a_mask_given_by_keyword_or_a_view_taken_before_a_write_of_the_key_is_fo
         "h[:, a % 5]",
         "h * (a % 2)",
         "h * (a >> 1) and h[:, bucketize]",
+        "view before zero_",
+        "view before fill_",
+        "zeroed after a write",
         "h.masked_fill(mask=a == 1, value=0)",
         "where(condition=, input=h, other=2h)",
     ],
 )
 def test_indices_gates_and_views_the_key_does_not_reach_are_not_named(how):
-    """A view beside the part written, zeros written, a view whose part written with the key was written over with
-    an activation, or scaled by one in place (a gate), activations read at ``a % n``, a gate of ``a % 2`` and gates
-    by keyword hold none of the key's share: not named, and LRP-0 conserves the value in the observation's
-    relevance."""
+    """A view beside the part written, zeros written, a tensor (or a view of it taken before) written over whole
+    with zeros (``zero_``, ``fill_``) after the key's ones were written in it (named, though nothing of the key was
+    left), a view whose part written with the key was written over with an activation, or scaled by one in place (a
+    gate), activations read at ``a % n`` or at its buckets, gates of ``a % 2`` and ``a >> 1`` and gates by keyword
+    hold none of the key's share: not named, and LRP-0 conserves the value in the observation's relevance."""
     out, numeric = _explained(how, ACTION)
     assert not numeric, numeric
     assert _lost(out) < 1e-10
+
+
+def test_the_key_written_after_zero_is_named_in_a_view_taken_before():
+    """Zeros written over a tensor whole clear what it held of the key: the key's ones written into it after that are
+    still named in a view taken before (0.25 of the value lost)."""
+    out, numeric = _explained("written after zero_", ACTION)
+    assert len(numeric) == 1 and "'module.net.0' (Linear)" in numeric[0], numeric
+    assert "encoded by a constant table written at its values (indexing)" in numeric[0], numeric
+    assert _lost(out) > 0.1

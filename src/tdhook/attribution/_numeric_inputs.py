@@ -305,6 +305,10 @@ class NumericInputs(TorchFunctionMode):
             self._carry(out, carrier)
         elif func in _ZEROS and isinstance(out, torch.Tensor):
             self._zeros[id(out)] = out
+            if func is Tensor.zero_:
+                self._overwritten(out)
+        elif func is Tensor.fill_ and self._carried(*args[1:], *kwargs.values()) is None:
+            self._overwritten(out)  # a constant written over it whole
         return out
 
     def __exit__(self, *exc: object) -> None:
@@ -502,6 +506,13 @@ class NumericInputs(TorchFunctionMode):
             self._carry(out, tuple(found.items()))
             return
         self._hold(table, found)
+
+    def _overwritten(self, table: torch.Tensor) -> None:
+        """``table``, written over whole in place with a constant (``zero_``, ``fill_``), holds no input's values,
+        nor do the elements of its storage it spans (for views of it taken before)."""
+        self._carriers.pop(id(table), None)
+        if self._writes:
+            self._writes.mark(table, None, None)
 
     def _mark(self, func: Callable, table: torch.Tensor, index: object, written: dict[int, str | None]) -> None:
         """Mark the elements of ``table``'s storage written in place as holding ``written`` (none: no input's
