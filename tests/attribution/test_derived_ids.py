@@ -88,3 +88,16 @@ def test_ids_computed_from_a_binary_action_are_refused_without_calling_it_a_mask
     assert "'action' holds only zeros and ones, as a mask does (or a binary choice" in message
     assert "arithmetic on it (a % n)" in message and "where 'action' is a mask, leave it out" in message
     assert "(a mask)" not in message and "the model computed those ids from it (positions" not in message
+
+
+def test_ids_computed_by_arithmetic_on_an_action_are_refused_saying_so():
+    """An action of four values looked up at ``a % 2`` was refused only as ids "sliced, shifted or copied, as an
+    encoder-decoder makes its decoder's input": the message names arithmetic on the key too."""
+    observation = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    td = TensorDict(observation=observation, action=torch.tensor([0, 1, 3, 2, 1, 0]), batch_size=[6])
+    module = TensorDictModule(BinaryChoiceCritic(), in_keys=["observation", "action"], out_keys=["value"])
+    with pytest.raises(ValueError) as raised:
+        LRP(module, EpsilonPlus())(td)
+    message = str(raised.value)
+    assert "input key 'action' reaches 'module.table' (Embedding)" in message
+    assert "computed by arithmetic on it, as a % n" in message and "zeros and ones" not in message

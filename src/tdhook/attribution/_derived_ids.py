@@ -29,6 +29,8 @@ def derived_ids_message(key: NestedKey, name: str, kind: str, fed: torch.Tensor 
         True
         >>> "sliced, shifted or copied" in derived_ids_message("input_ids", "words", "Embedding", mask + 4)
         True
+        >>> "arithmetic on it, as a % n" in derived_ids_message("action", "table", "Embedding", mask + 2)
+        True
     """
     head = f"LRP: input key {key!r} reaches {name!r} ({kind}) through token ids computed from it"
     if _is_mask(fed):
@@ -43,9 +45,9 @@ def derived_ids_message(key: NestedKey, name: str, kind: str, fed: torch.Tensor 
         )
     return (
         f"{head} (sliced, shifted or copied, as an encoder-decoder makes its decoder's input from its input when it "
-        "is given no decoder input): the relevance of that lookup would be lost without a word; give those token "
-        "ids as an input of their own (for example decoder_input_ids, as an input key), or explain the embeddings "
-        "(inputs_embeds and decoder_inputs_embeds)"
+        "is given no decoder input, or computed by arithmetic on it, as a % n): the relevance of that lookup would "
+        "be lost without a word; give those token ids as an input of their own (for example decoder_input_ids, as "
+        "an input key), or explain the embeddings (inputs_embeds and decoder_inputs_embeds)"
     )
 
 
