@@ -36,6 +36,16 @@ class ArithmeticCritic(MaskedCritic):
             h = h + eye[torch.floor_divide(action, 2)]
         elif how == "eye[div floor]":
             h = h + eye[torch.div(action, 2, rounding_mode="floor")]
+        elif how == "eye[a >> 1]":
+            h = h + eye[action >> 1]
+        elif how == "eye[bitwise_left_shift]":
+            h = h + eye[torch.bitwise_left_shift(action, 1).clamp(max=4)]
+        elif how == "eye[bucketize]":
+            h = h + eye[torch.bucketize(action, torch.tensor([0, 2]))]
+        elif how == "eye[searchsorted]":
+            h = h + eye[torch.searchsorted(torch.tensor([0, 2]), action)]
+        elif how == "eye[a.sign()]":
+            h = h + eye[action.sign()]
         elif how == "(a % 2) as numbers":
             h = torch.cat([h[:, :4], (action % 2).to(F64)[:, None]], -1)
         elif how == "h[nonzero % n, 4] = 1":
@@ -82,8 +92,22 @@ class ArithmeticCritic(MaskedCritic):
             z[:, 5] = action.to(F64)
             z.mul_(torch.cat([h, h[:, :1]], -1))
             h = torch.cat([h[:, :4], view[:, 4:]], -1)
+        elif how in ("view before zero_", "view before fill_", "zeroed after a write", "written after zero_"):
+            z = h.new_zeros(n, 5)
+            view = z[:, :]  # taken before the writes
+            if how == "written after zero_":  # the key's ones written over zeros: they reach the layer
+                z.zero_()
+            z[torch.arange(n), action] = 1.0
+            if how == "view before fill_":
+                z.fill_(0.0)
+            elif how != "written after zero_":  # written over whole with zeros: nothing of the key is left
+                z.zero_()
+            h = h + (z if how == "zeroed after a write" else view)
         elif how == "h[:, a % 5]":  # activations read at the key's values: an index
             h = h[:, action % 5].diagonal()[:, None].expand(n, 5)
+        elif how == "h * (a >> 1) and h[:, bucketize]":  # a gate, and activations read at the key's buckets
+            h = h * (action >> 1).to(F64)[:, None]
+            h = h[:, torch.bucketize(action, torch.tensor([0, 2]))].diagonal()[:, None].expand(n, 5)
         elif how == "h * (a % 2)":  # a gate
             h = h * (action % 2).to(F64)[:, None]
         elif how == "h.masked_fill(mask=a == 1, value=0)":  # a gate by keyword
@@ -106,6 +130,11 @@ NAMED = {
     "eye[fmod]": ROUNDED.format("fmod"),
     "eye[floor_divide]": ROUNDED.format("floor_divide"),
     "eye[div floor]": ROUNDED.format("div"),
+    "eye[a >> 1]": "a logical or bitwise operation",
+    "eye[bitwise_left_shift]": "a logical or bitwise operation",
+    "eye[bucketize]": r"the buckets of its values \(bucketize\)",
+    "eye[searchsorted]": r"the buckets of its values \(searchsorted\)",
+    "eye[a.sign()]": r"the buckets of its values \(sign\)",
     "(a % 2) as numbers": ROUNDED.format("remainder"),
     "h[nonzero % n, 4] = 1": r"the positions of its non-zero values \(nonzero\)",
 }
@@ -113,8 +142,9 @@ NAMED = {
 
 @pytest.mark.parametrize("how", NAMED)
 def test_a_key_reaching_a_layer_through_index_arithmetic_is_named(how):
-    """``a % n``, ``a // 2``, ``torch.remainder``, ``fmod``, ``torch.floor_divide`` and ``a.nonzero() % n``, as an
-    index into a constant table or a write, or as numbers, lost the key's share with no word (0.2-0.4 of the
+    """``a % n``, ``a // 2``, ``torch.remainder``, ``fmod``, ``torch.floor_divide``, ``a.nonzero() % n``, shifts
+    (``a >> 1``, ``bitwise_left_shift``) and buckets (``torch.bucketize``, ``torch.searchsorted``, ``a.sign()``), as
+    an index into a constant table or a write, or as numbers, lost the key's share with no word (0.19-0.4 of the
     value, relative L2; a rounded ``torch.div`` was named as the table's read, not as what it is). Named, with the
     arithmetic as the encoding: stored as floats, the key would pass no gradient through it either."""
     out, numeric = _explained(how, ACTION)
@@ -161,15 +191,29 @@ def test_a_mask_given_by_keyword_or_a_view_taken_before_a_write_of_the_key_is_fo
         "view before a gate in place",
         "h[:, a % 5]",
         "h * (a % 2)",
+        "h * (a >> 1) and h[:, bucketize]",
+        "view before zero_",
+        "view before fill_",
+        "zeroed after a write",
         "h.masked_fill(mask=a == 1, value=0)",
         "where(condition=, input=h, other=2h)",
     ],
 )
 def test_indices_gates_and_views_the_key_does_not_reach_are_not_named(how):
-    """A view beside the part written, zeros written, a view whose part written with the key was written over with
-    an activation, or scaled by one in place (a gate), activations read at ``a % n``, a gate of ``a % 2`` and gates
-    by keyword hold none of the key's share: not named, and LRP-0 conserves the value in the observation's
-    relevance."""
+    """A view beside the part written, zeros written, a tensor (or a view of it taken before) written over whole
+    with zeros (``zero_``, ``fill_``) after the key's ones were written in it (named, though nothing of the key was
+    left), a view whose part written with the key was written over with an activation, or scaled by one in place (a
+    gate), activations read at ``a % n`` or at its buckets, gates of ``a % 2`` and ``a >> 1`` and gates by keyword
+    hold none of the key's share: not named, and LRP-0 conserves the value in the observation's relevance."""
     out, numeric = _explained(how, ACTION)
     assert not numeric, numeric
     assert _lost(out) < 1e-10
+
+
+def test_the_key_written_after_zero_is_named_in_a_view_taken_before():
+    """Zeros written over a tensor whole clear what it held of the key: the key's ones written into it after that are
+    still named in a view taken before (0.25 of the value lost)."""
+    out, numeric = _explained("written after zero_", ACTION)
+    assert len(numeric) == 1 and "'module.net.0' (Linear)" in numeric[0], numeric
+    assert "encoded by a constant table written at its values (indexing)" in numeric[0], numeric
+    assert _lost(out) > 0.1

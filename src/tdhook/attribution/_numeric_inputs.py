@@ -16,8 +16,9 @@ inputs, which carries both) except a product with an activation: that is a gate 
 it scales takes the product's relevance whole. A parameter, even seen through a view or computed from parameters
 alone (``w.expand(...)``, ``-w``), is not an activation.
 Encodings carry them with no gradient to pass on: ``F.one_hot``, a comparison (``a == 3``), index arithmetic
-(``a % n``, ``a // 2``, a rounded ``torch.div``), logical operations on masks (``&``, ``|``, ``^``, ``~``), the
-positions of their non-zero values (``a.nonzero()``, ``torch.where(a)``),
+(``a % n``, ``a // 2``, a rounded ``torch.div``), logical and bitwise operations (``&``, ``|``, ``^``, ``~``, ``>>``,
+``<<``), buckets (``torch.bucketize``, ``torch.searchsorted``, ``sign``), the positions of their non-zero values
+(``a.nonzero()``, ``torch.where(a)``),
 constants chosen by them (``torch.where(a == 1, 1.0, -1.0)``, ``masked_fill``), and a constant table read or written
 at them (``torch.eye(n)[a]``, ``torch.zeros(...).scatter_(-1, a, 1.0)``, ``z[torch.arange(n), a] = 1.0``). Masks (an
 attention mask turned into additive scores or put over them, which ``softmax`` ends, activations chosen between,
@@ -165,6 +166,9 @@ _LOGICAL: frozenset[Callable] = frozenset(
     | {Tensor.logical_and, Tensor.logical_and_, torch.logical_and, Tensor.logical_or, Tensor.logical_or_}
     | {torch.logical_or, Tensor.logical_xor, Tensor.logical_xor_, torch.logical_xor}
     | {Tensor.bitwise_not, Tensor.bitwise_not_, torch.bitwise_not, Tensor.logical_not_}
+    | {Tensor.__rshift__, Tensor.__rrshift__, Tensor.__irshift__, Tensor.bitwise_right_shift, torch.bitwise_right_shift}
+    | {Tensor.__lshift__, Tensor.__rlshift__, Tensor.__ilshift__, Tensor.bitwise_left_shift, torch.bitwise_left_shift}
+    | {Tensor.bitwise_right_shift_, Tensor.bitwise_left_shift_}
 )
 # The positions of an input's non-zero values (``a.nonzero()``, ``torch.where(a)``), as indices: an encoding of them.
 _POSITIONS: frozenset[Callable] = frozenset({torch.nonzero, Tensor.nonzero, torch.argwhere, Tensor.argwhere})
@@ -176,7 +180,9 @@ _ROUNDINGS: frozenset[Callable] = frozenset(
 )
 # Divisions that round where ``rounding_mode`` is given (``torch.div(a, 2, rounding_mode="floor")``).
 _DIVISIONS = frozenset({Tensor.div, Tensor.div_, torch.div})
-_ENCODINGS: frozenset[Callable] = _COMPARISONS | _LOGICAL | _POSITIONS | _ROUNDINGS | {F.one_hot}
+# The bucket of each value (``torch.bucketize(a, edges)``, ``torch.searchsorted(edges, a)``, ``a.sign()``).
+_BUCKETS: frozenset[Callable] = frozenset({torch.bucketize, torch.searchsorted, torch.sign, Tensor.sign, Tensor.sign_})
+_ENCODINGS: frozenset[Callable] = _COMPARISONS | _LOGICAL | _POSITIONS | _ROUNDINGS | _BUCKETS | {F.one_hot}
 # Selections between values by a condition: the position of the condition, then of the values.
 _SELECTIONS: dict[Callable, tuple[int, tuple[int, ...]]] = {
     torch.where: (0, (1, 2)),
@@ -299,6 +305,10 @@ class NumericInputs(TorchFunctionMode):
             self._carry(out, carrier)
         elif func in _ZEROS and isinstance(out, torch.Tensor):
             self._zeros[id(out)] = out
+            if func is Tensor.zero_:
+                self._overwritten(out)
+        elif func is Tensor.fill_ and self._carried(*args[1:], *kwargs.values()) is None:
+            self._overwritten(out)  # a constant written over it whole
         return out
 
     def __exit__(self, *exc: object) -> None:
@@ -497,6 +507,13 @@ class NumericInputs(TorchFunctionMode):
             return
         self._hold(table, found)
 
+    def _overwritten(self, table: torch.Tensor) -> None:
+        """``table``, written over whole in place with a constant (``zero_``, ``fill_``), holds no input's values,
+        nor do the elements of its storage it spans (for views of it taken before)."""
+        self._carriers.pop(id(table), None)
+        if self._writes:
+            self._writes.mark(table, None, None)
+
     def _mark(self, func: Callable, table: torch.Tensor, index: object, written: dict[int, str | None]) -> None:
         """Mark the elements of ``table``'s storage written in place as holding ``written`` (none: no input's
         values, written over them) for views of it taken before: where an index says (a list of indices, each of a
@@ -586,6 +603,8 @@ def _encoding(func: Callable) -> str:
         return "a logical or bitwise operation"
     if func in _ROUNDINGS or func in _DIVISIONS:
         return f"a remainder or rounded division ({func.__name__})"
+    if func in _BUCKETS:
+        return f"the buckets of its values ({func.__name__})"
     if func in _POSITIONS or func is torch.where:
         return f"the positions of its non-zero values ({func.__name__})"
     name = "indexing" if func in (Tensor.__getitem__, Tensor.__setitem__) else getattr(func, "__name__", str(func))
