@@ -70,7 +70,7 @@ class FunctionGates:
         if not isinstance(mapper, BaseRuleMapper) or _covers_gates(rule_modes):
             return []
         if self.found is None:  # until a forward pass has completed in it
-            self._probe = HeldGates()
+            self._probe = HeldGates(probe=True)
             return [self._probe]
         return [HeldGates()] if self.found else []
 

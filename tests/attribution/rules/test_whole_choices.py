@@ -176,3 +176,23 @@ def test_a_choice_follows_the_values_where_its_pieces_differ_in_kind():
     second = mark_gate(torch.sigmoid(x * 2), x, sigmoid=True)
     assert not choice_follows_values(torch.where, (c, gate, second), {})  # gates of one kind
     assert not choice_follows_values(torch.Tensor.masked_fill, (gate, c, 0.0), {})
+
+
+def test_only_the_first_call_asks_whether_a_choice_follows_the_values(monkeypatch: pytest.MonkeyPatch):
+    # The gates' mode of the CNN presets asked it of every where in every later call too, which its answer no longer
+    # decides (16 Python calls more per where and per call: a torchrl LSTM policy's later calls grew by 30 of 7,056).
+    from tdhook.attribution.rules import gates
+
+    asked = []
+    monkeypatch.setattr(gates, "choice_follows_values", lambda *a: asked.append(1) or choice_follows_values(*a))
+    torch.manual_seed(1)
+    model = Chosen("where(c, g, h) * s").double()
+    module = TensorDictModule(model, in_keys=["x", "mask"], out_keys=["y"])
+    lrp = LRP(module, rule_mapper=EpsilonPlus(), in_keys=["x"])
+    counts = []
+    with lrp:
+        for mask in ["none", "mixed", "all"]:
+            before = len(asked)
+            lrp(TensorDict(x=randn(3, 4), mask=MASKS[mask], batch_size=[3]))
+            counts.append(len(asked) - before)
+    assert counts[0] > 0 and counts[1:] == [0, 0], counts

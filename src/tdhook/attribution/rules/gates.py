@@ -531,9 +531,10 @@ class HeldGates(TorchFunctionMode):
     #: the held gates keep the graph in a call that asks for it (see :func:`~tdhook.attribution.rules._autograd.hold`)
     differentiable = True
 
-    def __init__(self) -> None:
+    def __init__(self, probe: bool = False) -> None:
         super().__init__()
-        self.held = False  # whether a gate was held in a product (what the wrapper's first call asks)
+        self.held = False  # whether a gate was held in a product (what the wrapper's first call asks: ``probe``)
+        self.probe = probe
         self.clips: list = []  # the nodes of the clipping calls given the pass rule (in a first call)
         # The F.normalize and F.cosine_similarity calls given their rule: made at the first (a call costs nothing).
         self.norm_calls = _NO_NORM_CALLS
@@ -650,7 +651,7 @@ class HeldGates(TorchFunctionMode):
             result = mark_parameter_derived(args, func(*args, **kwargs), func)
         if gate and args and is_activation(args[0]) and isinstance(result, torch.Tensor):
             return mark_gate(result, args[0], sigmoid=True)
-        if func in WHERES and not self.held and choice_follows_values(func, args, kwargs):
+        if func in WHERES and self.probe and not self.held and choice_follows_values(func, args, kwargs):
             self.held = True  # a gate chosen or not as a condition's values say: later calls keep it (_whole_choices)
         return keep_gate_mark(func, args, result, kwargs)
 
