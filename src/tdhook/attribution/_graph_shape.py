@@ -80,10 +80,7 @@ def graph_shape(
                 nodes.append(child)
             entry.append(place)
         if entry[0] is _LEAF:
-            variable = node.variable
-            # isinstance(variable, Parameter), without Parameter's own (slower) check for a parameter itself
-            is_parameter = type(variable) is _PARAMETER or isinstance(variable, _PARAMETER)
-            entry.append(id(variable) if is_parameter else None)
+            entry.append(_parameter_id(node.variable))
         shape.append(tuple(entry))
     return tuple(shape)
 
@@ -109,12 +106,16 @@ def _plain_shape(roots: Sequence[Any], nodes: list[Any]) -> tuple:
                 places[child] = len(nodes)
                 nodes.append(child)
         if entry[0] is _LEAF:
-            variable = node.variable
-            # isinstance(variable, Parameter), without Parameter's own (slower) check for a parameter itself
-            is_parameter = type(variable) is _PARAMETER or isinstance(variable, _PARAMETER)
-            entry.append(id(variable) if is_parameter else None)
+            entry.append(_parameter_id(node.variable))
         shape.append(tuple(entry))
     return tuple(shape)
+
+
+def _parameter_id(variable: torch.Tensor) -> int | None:
+    """The id of a leaf's tensor where it is a parameter, else ``None`` (an input's)."""
+    # isinstance(variable, Parameter), without Parameter's own (slower) check for a parameter itself
+    is_parameter = type(variable) is _PARAMETER or isinstance(variable, _PARAMETER)
+    return id(variable) if is_parameter else None
 
 
 def _place(node: Any, places: dict[Any, int], nodes: list) -> int:
