@@ -56,21 +56,21 @@ def graph_shape(
     >>> [type(node).__name__ for node in walked]
     ['SumBackward0', 'MulBackward0', 'AccumulateGrad']
     """
-    places: dict[Any, int] = {}  # by node (autograd gives a node the same Python object while it lives)
     nodes: list[Any] = [] if walked is None else walked
+    if not (factors or scales):
+        return _plain_shape(roots, nodes)
+    places: dict[Any, int] = {}  # by node (autograd gives a node the same Python object while it lives)
     shape: list[Any] = []
-    mapped = bool(factors or scales)
     factors, scales = factors or {}, scales or {}
     for root in roots:
         root = factors.get(id(root), root)
         shape.append(-1 if root is None else _place(root, places, nodes))
     for node in nodes:  # grows while it is read
         # One loop over the next functions, without a list of them (a comprehension is a call of its own).
-        held = scales.get(id(node), _NONE_HELD) if mapped else _NONE_HELD
+        held = scales.get(id(node), _NONE_HELD)
         entry = [type(node)]
         for index, (child, _) in enumerate(node.next_functions):
-            if mapped:
-                child = held.get(index) if child is None else factors.get(id(child), child)
+            child = held.get(index) if child is None else factors.get(id(child), child)
             if child is None:
                 entry.append(-1)
                 continue
@@ -80,12 +80,42 @@ def graph_shape(
                 nodes.append(child)
             entry.append(place)
         if entry[0] is _LEAF:
-            variable = node.variable
-            # isinstance(variable, Parameter), without Parameter's own (slower) check for a parameter itself
-            is_parameter = type(variable) is _PARAMETER or isinstance(variable, _PARAMETER)
-            entry.append(id(variable) if is_parameter else None)
+            entry.append(_parameter_id(node.variable))
         shape.append(tuple(entry))
     return tuple(shape)
+
+
+def _plain_shape(roots: Sequence[Any], nodes: list[Any]) -> tuple:
+    """:func:`graph_shape` of a plain call's graph (no node of a mode's own to map), the nodes walked put in
+    ``nodes``. The same walk, with less work per input of a node (the shape a later planned call compares at every
+    call): no index of the input, and ``None`` placed at -1 from the start."""
+    places: dict[Any, int] = {None: -1}  # by node (autograd gives a node the same Python object while it lives)
+    shape: list[Any] = []
+    for root in roots:
+        if root not in places:
+            places[root] = len(nodes)
+            nodes.append(root)
+        shape.append(places[root])
+    for node in nodes:  # grows while it is read
+        entry = [type(node)]
+        for child, _ in node.next_functions:  # membership, then a subscript: no method call per input
+            if child in places:
+                entry.append(places[child])
+            else:
+                entry.append(len(nodes))
+                places[child] = len(nodes)
+                nodes.append(child)
+        if entry[0] is _LEAF:
+            entry.append(_parameter_id(node.variable))
+        shape.append(tuple(entry))
+    return tuple(shape)
+
+
+def _parameter_id(variable: torch.Tensor) -> int | None:
+    """The id of a leaf's tensor where it is a parameter, else ``None`` (an input's)."""
+    # isinstance(variable, Parameter), without Parameter's own (slower) check for a parameter itself
+    is_parameter = type(variable) is _PARAMETER or isinstance(variable, _PARAMETER)
+    return id(variable) if is_parameter else None
 
 
 def _place(node: Any, places: dict[Any, int], nodes: list) -> int:
