@@ -82,6 +82,7 @@ from tdhook.attribution.rules._joined_weights import (
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._mixed_gate_products import mixed_gate_product
+from tdhook.attribution.rules._narrowed_softmax import raise_for_unseen_rows
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint, saved_tensors_hooked
 from tdhook.attribution.rules._unrecorded_writes import NOT_READ, UNRECORDED, note_out_write, read_unrecorded
 from tdhook.attribution.rules._whole_choices import choice_follows_values
@@ -363,6 +364,8 @@ class FunctionalRules(TorchFunctionMode):
         if func in _SOFTMAX and args and is_activation(args[0]):
             dim = call_argument(args, kwargs, 1, "dim")
             output = func(*args, **kwargs)
+            if output.dtype != args[0].dtype:  # computed in another dtype: a mask's lowest value may become -inf
+                raise_for_unseen_rows(args[0], output, dim)
             if recording is not None and isinstance(self.softmax, AHQKVRule) and held_in_graph(output):
                 # Held whole without a detach (see _function_rule_plan): a constant to the rules, as a parameter is.
                 recording.held_output(output)
