@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from tdhook.attribution._kept_caches import ACTIVE_WATCH, held_objects, is_cache
+from tdhook.attribution.rules._constant_elements import CACHED
 
 __all__ = ["CacheWatch", "caches_detached", "detach_cache"]
 
@@ -69,7 +70,24 @@ class CacheWatch:
 
 
 def _note(caches: dict[int, Any], values: Iterable[Any]) -> None:
-    caches.update((id(value), value) for value in values if is_cache(value))
+    for value in values:
+        if id(value) not in caches and is_cache(value):
+            caches[id(value)] = value
+            _mark_cached(value)
+
+
+def _mark_cached(cache: Any) -> None:
+    """Mark the tensors ``cache`` holds (a cached prefix's keys and values) as a cache's (see
+    :data:`~tdhook.attribution.rules._constant_elements.CACHED`): the tokens after them get the relevance the whole
+    sequence gives them, the prefix's keys no constants beside the new ones'."""
+    for obj in held_objects(cache):
+        for value in vars(obj).values():
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+            if isinstance(value, torch.Tensor):
+                items = (value,)
+            for item in items:
+                if isinstance(item, torch.Tensor):
+                    item.__dict__[CACHED] = True
 
 
 def _returned_values(output: Any) -> Iterable[Any]:

@@ -32,6 +32,7 @@ from tdhook.attribution.rules._storage_masks import bytes_reached, count_mask, s
 from tdhook.attribution.rules._written_regions import replaced_region
 
 __all__ = [
+    "CACHED",
     "CONSTANTS_JOINED",
     "CONSTANT_MASKS_MADE",
     "constants_before",
@@ -42,6 +43,10 @@ __all__ = [
 #: On a tensor with constants beside an activation (a join of them, or one written in place): a mask of its
 #: storage's elements, true where a constant is, and the tensor's version then.
 CONSTANTS_JOINED = "_tdhook_constants_joined"
+#: On a tensor a key-value cache handed to the model held (a cached prefix's keys and values): no constant beside
+#: the activations joined to it or written into it, for a cached prefix gives the new tokens the relevance the whole
+#: sequence gives them (the prefix's keys a factor of two activations there, as in the whole sequence's call).
+CACHED = "_tdhook_cached"
 #: One entry a mask alive of :data:`CONSTANTS_JOINED`: products look it up only while one is.
 CONSTANT_MASKS_MADE: list[bool] = []
 # The marks of a sigmoid-like gate (``GATE_MARK``, ``SIGMOID_MARK`` of :mod:`~tdhook.attribution.rules.gates`).
@@ -108,6 +113,8 @@ def note_constants_written(
     with torch._C.DisableTorchFunction():
         base = target._base
         root = target if base is None else base
+        if CACHED in root.__dict__:  # a cache's buffer (a StaticCache's): the whole sequence's keys, no constants
+            return
         try:
             region = replaced_region(func, args, kwargs)  # (``None``: the write combines, every element reached)
         except (RuntimeError, NotImplementedError, IndexError, TypeError, ValueError):  # indices a transform wraps
