@@ -58,7 +58,7 @@ class CacheWatch:
     def _handed(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         caches = getattr(self._call, "caches", None)
         if caches is not None:
-            _note(caches, (*args, *kwargs.values()))
+            _note(caches, (*args, *kwargs.values()), handed=True)
             kept = getattr(ACTIVE_WATCH, "kept", None)  # a run that may be let go: the caches' state before it
             if kept is not None:
                 kept._note(module, args, kwargs)
@@ -69,11 +69,12 @@ class CacheWatch:
             _note(caches, _returned_values(output))
 
 
-def _note(caches: dict[int, Any], values: Iterable[Any]) -> None:
+def _note(caches: dict[int, Any], values: Iterable[Any], handed: bool = False) -> None:
     for value in values:
-        if id(value) not in caches and is_cache(value):
+        if is_cache(value) and id(value) not in caches:
             caches[id(value)] = value
-            _mark_cached(value)
+            if handed:  # (a cache the call made and returns holds its own keys: nothing to mark)
+                _mark_cached(value)
 
 
 def _mark_cached(cache: Any) -> None:
@@ -132,7 +133,7 @@ def _own_hooks(receivers: list[nn.Module], caches: dict[int, Any]) -> list:
 
     def handed(module: nn.Module, args: tuple, kwargs: dict) -> None:
         if threading.get_ident() == thread:
-            _note(caches, (*args, *kwargs.values()))
+            _note(caches, (*args, *kwargs.values()), handed=True)
             kept = getattr(ACTIVE_WATCH, "kept", None)  # a run that may be let go: the caches' state before it
             if kept is not None:
                 kept._note(module, args, kwargs)

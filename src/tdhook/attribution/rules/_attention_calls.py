@@ -33,7 +33,7 @@ from tdhook.attribution.rules._autograd import (
     redirect,
     scale_gradient,
 )
-from tdhook.attribution.rules._constant_elements import repeated_constants
+from tdhook.attribution.rules._constant_elements import CONSTANT_MASKS_MADE, repeated_constants
 from tdhook.attribution.rules._constant_matmuls import shows_constants
 from tdhook.attribution.rules._dropout_calls import warn_random_dropout
 from tdhook.attribution.rules._keeping_graph import graph_kept
@@ -68,7 +68,7 @@ def attention(
         return fused(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
     # (The fused kernels have no second derivative; a key or a value holding constants beside an activation, a cache
     # joined onto detached past keys, takes the matrix products' rules per element, see _constant_matmuls.)
-    if mode.softmax.epsilon != 0 or graph_kept() is not None or shows_constants(key, value):
+    if mode.softmax.epsilon != 0 or graph_kept() is not None or (CONSTANT_MASKS_MADE and shows_constants(key, value)):
         return unfused_attention(mode, query, key, value, attn_mask, dropout_p, is_causal, scale, **kwargs)
     qk, _, v = _attention_factors(query, key, value, attn_mask)
     query, key, value = scale_gradient(query, qk), scale_gradient(key, qk), scale_gradient(value, v)
@@ -93,8 +93,8 @@ def attention_in_graph(mode: TorchFunctionMode, args: tuple, kwargs: dict, recor
         return output
     if call_argument(args, kwargs, 4, "dropout_p", 0.0) or graph_kept() is not None or mode.softmax.epsilon:
         return None
-    if not isinstance(mode.softmax, AHQKVRule) and shows_constants(key, value):  # (the unfused rules, see attention)
-        return None
+    if CONSTANT_MASKS_MADE and not isinstance(mode.softmax, AHQKVRule) and shows_constants(key, value):
+        return None  # (the unfused rules, see attention)
     if isinstance(mode.softmax, AHQKVRule):  # held weights: no gradient to the query and the key
         weights = query.shape[:-1].numel() * key.shape[-2]
         if weights > LARGEST_GRAPH_HOLD:
