@@ -80,14 +80,14 @@ def _note(caches: dict[int, Any], values: Iterable[Any], handed: bool = False) -
 def _mark_cached(cache: Any) -> None:
     """Mark the tensors ``cache`` holds (a cached prefix's keys and values) as a cache's (see
     :data:`~tdhook.attribution.rules._constant_elements.CACHED`): the tokens after them get the relevance the whole
-    sequence gives them, the prefix's keys no constants beside the new ones'."""
+    sequence gives them, the prefix's keys no constants beside the new ones'. (Types compared, not ``isinstance``:
+    each step of a generation loop hands the cache again.)"""
     for obj in held_objects(cache):
         for value in vars(obj).values():
-            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
-            if isinstance(value, torch.Tensor):
-                items = (value,)
+            kind = type(value)
+            items = value.values() if kind is dict else value if kind is list or kind is tuple else (value,)
             for item in items:
-                if isinstance(item, torch.Tensor):
+                if type(item) is torch.Tensor:
                     item.__dict__[CACHED] = True
 
 
