@@ -100,9 +100,10 @@ def caches_detached(
     receivers: list[nn.Module], watch: CacheWatch | None = None, keep_graph: bool = False
 ) -> Iterator[None]:
     """Detach, when the block ends, the tensors of every cache handed to ``receivers`` (or returned by them) in
-    the block's thread; with ``keep_graph``, leave them as they are. A ``watch`` registered on these ``receivers``
-    notes them with its hooks; else the block registers hooks of its own."""
-    if keep_graph or not receivers:
+    the block's thread; with ``keep_graph``, leave them as they are (noted all the same: a cache handed over has its
+    tensors marked, see :func:`_note`). A ``watch`` registered on these ``receivers`` notes them with its hooks; else
+    the block registers hooks of its own."""
+    if not receivers:
         yield
         return
     caches: dict[int, Any] = {}
@@ -123,7 +124,7 @@ def caches_detached(
             watch._call.caches = outer_call
         for handle in handles:
             handle.remove()
-        for cache in caches.values():
+        for cache in () if keep_graph else caches.values():
             detach_cache(cache)
 
 
