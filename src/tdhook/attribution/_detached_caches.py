@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from tdhook.attribution._kept_caches import ACTIVE_WATCH, held_objects, is_cache
+from tdhook.attribution.rules._constant_elements import CACHED
 
 __all__ = ["CacheWatch", "caches_detached", "detach_cache"]
 
@@ -57,7 +58,7 @@ class CacheWatch:
     def _handed(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         caches = getattr(self._call, "caches", None)
         if caches is not None:
-            _note(caches, (*args, *kwargs.values()))
+            _note(caches, (*args, *kwargs.values()), handed=True)
             kept = getattr(ACTIVE_WATCH, "kept", None)  # a run that may be let go: the caches' state before it
             if kept is not None:
                 kept._note(module, args, kwargs)
@@ -68,8 +69,26 @@ class CacheWatch:
             _note(caches, _returned_values(output))
 
 
-def _note(caches: dict[int, Any], values: Iterable[Any]) -> None:
-    caches.update((id(value), value) for value in values if is_cache(value))
+def _note(caches: dict[int, Any], values: Iterable[Any], handed: bool = False) -> None:
+    for value in values:
+        if is_cache(value) and id(value) not in caches:
+            caches[id(value)] = value
+            if handed:  # (a cache the call made and returns holds its own keys: nothing to mark)
+                _mark_cached(value)
+
+
+def _mark_cached(cache: Any) -> None:
+    """Mark the tensors ``cache`` holds (a cached prefix's keys and values) as a cache's (see
+    :data:`~tdhook.attribution.rules._constant_elements.CACHED`): the tokens after them get the relevance the whole
+    sequence gives them, the prefix's keys no constants beside the new ones'. (Types compared, not ``isinstance``:
+    each step of a generation loop hands the cache again.)"""
+    for obj in held_objects(cache):
+        for value in vars(obj).values():
+            kind = type(value)
+            items = value.values() if kind is dict else value if kind is list or kind is tuple else (value,)
+            for item in items:
+                if type(item) is torch.Tensor:
+                    item.__dict__[CACHED] = True
 
 
 def _returned_values(output: Any) -> Iterable[Any]:
@@ -81,9 +100,10 @@ def caches_detached(
     receivers: list[nn.Module], watch: CacheWatch | None = None, keep_graph: bool = False
 ) -> Iterator[None]:
     """Detach, when the block ends, the tensors of every cache handed to ``receivers`` (or returned by them) in
-    the block's thread; with ``keep_graph``, leave them as they are. A ``watch`` registered on these ``receivers``
-    notes them with its hooks; else the block registers hooks of its own."""
-    if keep_graph or not receivers:
+    the block's thread; with ``keep_graph``, leave them as they are (noted all the same: a cache handed over has its
+    tensors marked, see :func:`_note`). A ``watch`` registered on these ``receivers`` notes them with its hooks; else
+    the block registers hooks of its own."""
+    if not receivers:
         yield
         return
     caches: dict[int, Any] = {}
@@ -104,7 +124,7 @@ def caches_detached(
             watch._call.caches = outer_call
         for handle in handles:
             handle.remove()
-        for cache in caches.values():
+        for cache in () if keep_graph else caches.values():
             detach_cache(cache)
 
 
@@ -114,7 +134,7 @@ def _own_hooks(receivers: list[nn.Module], caches: dict[int, Any]) -> list:
 
     def handed(module: nn.Module, args: tuple, kwargs: dict) -> None:
         if threading.get_ident() == thread:
-            _note(caches, (*args, *kwargs.values()))
+            _note(caches, (*args, *kwargs.values()), handed=True)
             kept = getattr(ACTIVE_WATCH, "kept", None)  # a run that may be let go: the caches' state before it
             if kept is not None:
                 kept._note(module, args, kwargs)

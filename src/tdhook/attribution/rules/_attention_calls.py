@@ -33,6 +33,8 @@ from tdhook.attribution.rules._autograd import (
     redirect,
     scale_gradient,
 )
+from tdhook.attribution.rules._constant_elements import CONSTANT_MASKS_MADE, repeated_constants
+from tdhook.attribution.rules._constant_matmuls import shows_constants
 from tdhook.attribution.rules._dropout_calls import warn_random_dropout
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules.transformer import AHQKVRule
@@ -64,7 +66,9 @@ def attention(
         if mask_activation:  # held; still asking for a gradient, so that torch picks the plain call's kernel
             attn_mask = hold(attn_mask).requires_grad_()
         return fused(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
-    if mode.softmax.epsilon != 0 or graph_kept() is not None:  # the fused kernels have no second derivative
+    # (The fused kernels have no second derivative; a key or a value holding constants beside an activation, a cache
+    # joined onto detached past keys, takes the matrix products' rules per element, see _constant_matmuls.)
+    if mode.softmax.epsilon != 0 or graph_kept() is not None or (CONSTANT_MASKS_MADE and shows_constants(key, value)):
         return unfused_attention(mode, query, key, value, attn_mask, dropout_p, is_causal, scale, **kwargs)
     qk, _, v = _attention_factors(query, key, value, attn_mask)
     query, key, value = scale_gradient(query, qk), scale_gradient(key, qk), scale_gradient(value, v)
@@ -89,6 +93,8 @@ def attention_in_graph(mode: TorchFunctionMode, args: tuple, kwargs: dict, recor
         return output
     if call_argument(args, kwargs, 4, "dropout_p", 0.0) or graph_kept() is not None or mode.softmax.epsilon:
         return None
+    if CONSTANT_MASKS_MADE and not isinstance(mode.softmax, AHQKVRule) and shows_constants(key, value):
+        return None  # (the unfused rules, see attention)
     if isinstance(mode.softmax, AHQKVRule):  # held weights: no gradient to the query and the key
         weights = query.shape[:-1].numel() * key.shape[-2]
         if weights > LARGEST_GRAPH_HOLD:
@@ -126,7 +132,7 @@ def unfused_attention(
             )
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         repeats = query.shape[-3] // key.shape[-3]
-        key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
+        key, value = (repeated_constants(t, repeats, -3) for t in (key, value))
     with mode:
         scores = query @ key.transpose(-2, -1) * (1 / math.sqrt(query.shape[-1]) if scale is None else scale)
         length, source = query.shape[-2], key.shape[-2]

@@ -28,20 +28,26 @@ import torch
 
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._gate_writes import GATE_WRITTEN, note_gate_written
-from tdhook.attribution.rules._storage_masks import bytes_reached, count_mask, shown_of_storage
+from tdhook.attribution.rules._storage_masks import bytes_reached, count_mask, laid_over_storage, shown_of_storage
 from tdhook.attribution.rules._written_regions import replaced_region
 
 __all__ = [
+    "CACHED",
     "CONSTANTS_JOINED",
     "CONSTANT_MASKS_MADE",
     "constants_before",
     "constants_shown",
     "note_constants_written",
+    "repeated_constants",
 ]
 
 #: On a tensor with constants beside an activation (a join of them, or one written in place): a mask of its
 #: storage's elements, true where a constant is, and the tensor's version then.
 CONSTANTS_JOINED = "_tdhook_constants_joined"
+#: On a tensor a key-value cache handed to the model held (a cached prefix's keys and values): no constant beside
+#: the activations joined to it or written into it, for a cached prefix gives the new tokens the relevance the whole
+#: sequence gives them (the prefix's keys a factor of two activations there, as in the whole sequence's call).
+CACHED = "_tdhook_cached"
 #: One entry a mask alive of :data:`CONSTANTS_JOINED`: products look it up only while one is.
 CONSTANT_MASKS_MADE: list[bool] = []
 # The marks of a sigmoid-like gate (``GATE_MARK``, ``SIGMOID_MARK`` of :mod:`~tdhook.attribution.rules.gates`).
@@ -63,6 +69,31 @@ def constants_shown(value: Any) -> torch.Tensor | None:
         return None
     shown = shown_of_storage(value, CONSTANTS_JOINED)
     return shown if isinstance(shown, torch.Tensor) else None
+
+
+def repeated_constants(value: torch.Tensor, repeats: int, dim: int) -> torch.Tensor:
+    """``value.repeat_interleave(repeats, dim)`` (a grouped-query attention's keys repeated over the heads), noting
+    where its constants went where ``value`` holds constants beside an activation (see :data:`CONSTANTS_JOINED`):
+    the copy would hold none.
+
+    Examples:
+        >>> root = torch.zeros(2, 1)
+        >>> root.__dict__[CONSTANTS_JOINED] = (torch.tensor([True, False]), root._version)
+        >>> count_mask(root, CONSTANT_MASKS_MADE)
+        >>> constants_shown(repeated_constants(root, 2, 0)).tolist()
+        [[True], [True], [False], [False]]
+    """
+    repeated = value.repeat_interleave(repeats, dim)
+    shown = constants_shown(value)
+    if shown is not None:
+        if repeated._base is not None:  # (a view of a tensor of another shape: a copy of its own holds the mask)
+            repeated = repeated.clone()
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            mask = laid_over_storage(repeated, shown.repeat_interleave(repeats, dim))
+        if mask is not None:
+            setattr(repeated, CONSTANTS_JOINED, (mask, repeated._version))
+            count_mask(repeated, CONSTANT_MASKS_MADE)
+    return repeated
 
 
 def constants_before(root: torch.Tensor, constant: bool) -> torch.Tensor | bool:
@@ -108,6 +139,8 @@ def note_constants_written(
     with torch._C.DisableTorchFunction():
         base = target._base
         root = target if base is None else base
+        if CACHED in root.__dict__:  # a cache's buffer (a StaticCache's): the whole sequence's keys, no constants
+            return
         try:
             region = replaced_region(func, args, kwargs)  # (``None``: the write combines, every element reached)
         except (RuntimeError, NotImplementedError, IndexError, TypeError, ValueError):  # indices a transform wraps

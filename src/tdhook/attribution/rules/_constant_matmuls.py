@@ -21,9 +21,9 @@ from collections.abc import Callable
 import torch
 
 from tdhook.attribution.rules._autograd import hold
-from tdhook.attribution.rules._constant_elements import constants_shown
+from tdhook.attribution.rules._constant_elements import CONSTANT_MASKS_MADE, constants_shown
 
-__all__ = ["MATMULS", "constant_matmul"]
+__all__ = ["MATMULS", "constant_baddbmm", "constant_einsum", "constant_matmul", "shows_constants"]
 
 #: The matrix products of two tensors.
 MATMULS = frozenset(
@@ -74,6 +74,81 @@ def constant_matmul(
     if rows is not None:  # a's constants: a linear map of b there
         product = torch.where(rows, func(hold(a), b), product)
     return product
+
+
+def constant_einsum(
+    equation: str, operands: tuple, kwargs: dict, uniform: Callable[[tuple], torch.Tensor]
+) -> torch.Tensor | None:
+    """``torch.einsum(equation, *operands, **kwargs)`` of two activations one of which at least holds constants
+    beside an activation (a key cache joined onto detached past keys, contracted by an ``einsum``), as the sum of its
+    parts (each factor's constants a linear map of the other, the rest ``uniform(factors)``); ``None`` where neither
+    factor holds such constants. An ``einsum`` is bilinear in its two operands, as a matrix product is.
+
+    Examples:
+        >>> from tdhook.attribution.rules._constant_elements import CONSTANTS_JOINED
+        >>> from tdhook.attribution.rules._storage_masks import count_mask
+        >>> q = torch.ones(1, 2, requires_grad=True)
+        >>> keys = torch.cat([torch.full((1, 2), 3.0), q * 2], 0)  # a constant key, then an activation's
+        >>> keys.__dict__[CONSTANTS_JOINED] = (torch.tensor([True, True, False, False]), keys._version)
+        >>> count_mask(keys, CONSTANT_MASKS_MADE)
+        >>> half = lambda f: torch.einsum("qd,kd->qk", *f) * 0.5 + (torch.einsum("qd,kd->qk", *f) * 0.5).detach()
+        >>> scores = constant_einsum("qd,kd->qk", (q, keys), {}, half)
+        >>> scores.tolist(), torch.autograd.grad(scores.sum(), q)[0].tolist()
+        ([[6.0, 4.0]], [[5.0, 5.0]])
+    """
+    if len(operands) != 2 or not all(isinstance(a, torch.Tensor) for a in operands):
+        return None
+    masks = constants_shown(operands[0]), constants_shown(operands[1])
+    if masks[0] is None and masks[1] is None:
+        return None
+
+    def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.einsum(equation, a, b, **kwargs)
+
+    return _summed(product, *operands, masks, uniform)
+
+
+def constant_baddbmm(
+    func: Callable, args: tuple, kwargs: dict, uniform: Callable[[tuple], torch.Tensor]
+) -> torch.Tensor | None:
+    """``func(*args, **kwargs)``, a ``torch.baddbmm`` (``beta · input + alpha · batch1 @ batch2``) whose two batches
+    are activations one of which at least holds constants beside an activation, with the product's elements ruled as
+    :func:`constant_matmul` rules them (``uniform(factors)``, the rule of two activations); the input a summand.
+    ``None`` where neither batch holds such constants, or the call takes what this does not read (``out=``).
+
+    Examples:
+        >>> from tdhook.attribution.rules._constant_elements import CONSTANTS_JOINED
+        >>> from tdhook.attribution.rules._storage_masks import count_mask
+        >>> q = torch.ones(1, 1, 2, requires_grad=True)
+        >>> keys = torch.cat([torch.full((1, 1, 2), 3.0), q * 2], 1)
+        >>> keys.__dict__[CONSTANTS_JOINED] = (torch.tensor([True, True, False, False]), keys._version)
+        >>> count_mask(keys, CONSTANT_MASKS_MADE)
+        >>> half = lambda f: torch.bmm(*f) * 0.5 + (torch.bmm(*f) * 0.5).detach()
+        >>> scores = constant_baddbmm(torch.baddbmm, (torch.ones(1, 1, 2), q, keys.transpose(1, 2)), {}, half)
+        >>> scores.tolist(), torch.autograd.grad(scores.sum(), q)[0].tolist()
+        ([[[7.0, 5.0]]], [[[5.0, 5.0]]])
+    """
+    if len(args) != 3 or set(kwargs) - {"beta", "alpha"}:
+        return None
+    product = constant_matmul(torch.bmm, args[1:], {}, uniform)
+    if product is None:
+        return None
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    if alpha != 1:
+        product = product * alpha
+    if beta == 0:  # the input not read (NaN in it included), as torch.baddbmm does
+        return product
+    return product + (args[0] if beta == 1 else args[0] * beta)
+
+
+def shows_constants(*values: object) -> bool:
+    """Whether one of ``values`` holds constants beside an activation (see :func:`constants_shown`).
+
+    Examples:
+        >>> shows_constants(torch.ones(2), None)
+        False
+    """
+    return bool(CONSTANT_MASKS_MADE) and any(constants_shown(value) is not None for value in values)
 
 
 def _summed(

@@ -37,7 +37,12 @@ import torch
 
 from tdhook.attribution.rules._activation_writes import MASKS_MADE, PARAMETER_DERIVED
 from tdhook.attribution.rules._autograd import is_activation
-from tdhook.attribution.rules._constant_elements import CONSTANT_MASKS_MADE, CONSTANTS_JOINED, constants_shown
+from tdhook.attribution.rules._constant_elements import (
+    CACHED,
+    CONSTANT_MASKS_MADE,
+    CONSTANTS_JOINED,
+    constants_shown,
+)
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, note_gate_written
 from tdhook.attribution.rules._in_place_writes import GATE_MARKS, gate_marks_of
 from tdhook.attribution.rules._storage_masks import count_mask, laid_over_storage, shown_of_storage
@@ -104,7 +109,7 @@ def mark_joined_gate(func: Any, args: tuple, kwargs: dict, result: Any) -> None:
                 if piece.requires_grad and not piece.is_leaf:
                     activation = True
                     constant = constant or MASKS_MADE or PARAMETER_DERIVED in own  # (the masks: is_activation tells)
-                elif 0 not in piece.shape:
+                elif 0 not in piece.shape and CACHED not in own:  # (a cache's prefix: the whole sequence's)
                     constant = True
             else:
                 if not (constant and activation):
@@ -124,7 +129,9 @@ def mark_joined_gate(func: Any, args: tuple, kwargs: dict, result: Any) -> None:
     # Constants joined with activations (``torch.cat([torch.ones(b, 2), relu(h)], 1)``): in a product they take
     # none of its relevance, as a gate held, whatever the other pieces are (the uniform rule gave them half, passed
     # on to nothing: 0.36-0.49 off, relative L2, under AttnLRP and CP-LRP); their elements noted as a sigmoid gate's.
-    joined_constants = not all(constants) and any(c and p.numel() for c, p in zip(constants, pieces, strict=True))
+    # (Not a key-value cache's prefix: the new tokens get the relevance the whole sequence gives them.)
+    noted_constants = [c and CACHED not in p.__dict__ for c, p in zip(constants, pieces, strict=True)]
+    joined_constants = not all(constants) and any(c and p.numel() for c, p in zip(noted_constants, pieces, strict=True))
     # Pieces that show gates in part (a join of gates and others, a view across its pieces): their gates' elements.
     shown = [None if keep else _gates_shown(piece) for piece, keep in zip(pieces, kept, strict=True)]
     kinds = [bool(mark.get(_SIGMOID, False)) for mark in marks if mark]
@@ -155,7 +162,7 @@ def mark_joined_gate(func: Any, args: tuple, kwargs: dict, result: Any) -> None:
         note_gate_written(result, region, {_GATE: sources[0], _SIGMOID: True})
         _note_other_gates(func, args, kwargs, pieces, kept, shown, result)
         if joined_constants:
-            _note_constants(func, args, kwargs, pieces, constants, result)
+            _note_constants(func, args, kwargs, pieces, noted_constants, result)
 
 
 def _note_constants(

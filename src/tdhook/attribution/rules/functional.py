@@ -47,7 +47,7 @@ from tdhook.attribution.rules._clips import (
     clips_in_place,
 )
 from tdhook.attribution.rules._constant_elements import CONSTANT_MASKS_MADE
-from tdhook.attribution.rules._constant_matmuls import MATMULS, constant_matmul
+from tdhook.attribution.rules._constant_matmuls import MATMULS, constant_baddbmm, constant_einsum, constant_matmul
 from tdhook.attribution.rules._cosine_similarity import COSINE_SIMILARITY, cosine_as_products
 from tdhook.attribution.rules._dropout_calls import DROPOUTS, dropout_probability, warn_random_dropout
 from tdhook.attribution.rules._filled_gates import WHERES
@@ -351,6 +351,12 @@ class FunctionalRules(TorchFunctionMode):
             if recording is not None:
                 recording.scaled(node, scaled.grad_fn)
             return scaled
+        if CONSTANT_MASKS_MADE and (func is torch.einsum or func in _BADDBMM):  # a factor with constants in part
+            mixed = self._constant_bilinear(func, args, kwargs)
+            if mixed is not None:
+                if recording is not None:  # (a rule a later call does not plan: it runs in the mode)
+                    recording.other_rule()
+                return mixed
         if func is torch.einsum and recording is not None:
             operands = _einsum_operands(args)
             two = len(operands) == 2 and all(is_activation(operand) for operand in operands)
@@ -542,6 +548,25 @@ class FunctionalRules(TorchFunctionMode):
         if func in PRODUCTS_IN_PLACE:
             return two_activations_in_place(func, args, {})
         return func in _HANDLED and (func is not torch.einsum or len(_einsum_operands(args)) == 2)
+
+    def _constant_bilinear(self, func, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """An ``einsum`` of two activations or a ``baddbmm`` of two activations' batches, one of which holds
+        constants beside an activation (a key cache joined onto detached past keys): the constants' part a linear
+        map of the other factor, as a matrix product's (see :mod:`~tdhook.attribution.rules._constant_matmuls`);
+        ``None`` where none does."""
+        if func is torch.einsum:
+            operands = _einsum_operands(args)
+            if len(operands) != 2 or not all(is_activation(operand) for operand in operands):
+                return None
+            equation = args[0]
+
+            def uniform(factors: tuple) -> torch.Tensor:
+                return scale_gradient(torch.einsum(equation, *factors, **kwargs), 0.5)
+
+            return constant_einsum(equation, operands, kwargs, uniform)
+        if len(args) < 3 or not (is_activation(args[1]) and is_activation(args[2])):
+            return None
+        return constant_baddbmm(func, args, kwargs, _uniform_product(torch.bmm, {}))
 
     def _einsum(self, args: tuple, kwargs: dict) -> torch.Tensor:
         """``torch.einsum(equation, a, b)`` of two activations: a product, as ``a @ b`` is (bilinear, so the uniform
