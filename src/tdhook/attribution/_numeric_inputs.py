@@ -228,6 +228,11 @@ _WRITES: dict[Callable, tuple[int | None, str, int, str]] = {
 }
 # The writes among them made in place: the tensor written (and the tensor it views) holds the values written.
 _IN_PLACE = frozenset(func for func in _WRITES if func is Tensor.__setitem__ or func.__name__.endswith("_"))
+# Calls that view a tensor as another dtype (``torch.view_as_real``, a complex tensor's ``real``), as ``Tensor.view``
+# does given a dtype (``z.view(torch.int32)``): a view of any dtype may then span an element written with an input's.
+_RETYPING: frozenset[Callable] = frozenset(
+    {torch.view_as_real, torch.view_as_complex, torch.real, torch.imag, Tensor.real.__get__, Tensor.imag.__get__}
+)
 
 
 class NumericInputs(TorchFunctionMode):
@@ -265,6 +270,10 @@ class NumericInputs(TorchFunctionMode):
         rounded = func in _DIVISIONS and kwargs.get("rounding_mode") is not None  # index arithmetic: an encoding
         scaled = self._scaled(func, args, kwargs) if func in _SCALINGS and not rounded else None
         out = func(*args, **kwargs)
+        if func in _RETYPING or (
+            func is Tensor.view and ("dtype" in kwargs or (args[1:] and isinstance(args[1], torch.dtype)))
+        ):
+            self._writes.reinterpreted()
         if scaled is not None:
             if scaled[0] is None and self._carrier(out) is not None:  # a gate written in place: it carries none
                 self._carriers.pop(id(out), None)
@@ -288,7 +297,9 @@ class NumericInputs(TorchFunctionMode):
         elif func in _SUMS:  # a sum carries its operands' values
             self._carry(out, self._carried(*args, *kwargs.values()))
         elif func in _ENCODINGS or rounded or (func is torch.where and len(args) + len(kwargs) == 1):
-            self._carry(out, _encoded(self._carried(*args, *kwargs.values()), _encoding(func)))  # where(a): positions
+            carrier = self._carried(*args, *kwargs.values())  # where(a): positions
+            if carrier is not None:  # named only for an input's values (not the rules' sign of each activation)
+                self._carry(out, _encoded(carrier, _encoding(func)))
         elif func in _LOOKUPS:
             self._carry(out, self._looked_up(func, args, kwargs))
         elif func in _WRITES:
@@ -321,15 +332,18 @@ class NumericInputs(TorchFunctionMode):
     def _carrier(self, *values: object) -> Carrier | None:
         """What the first of ``values`` that carries an input's values carries."""
         for value in values:
-            carrier = self._carriers.get(id(value)) if isinstance(value, torch.Tensor) else None
+            carrier = self._carriers.get(id(value))  # no other object shares the id of a tensor held
             if carrier is not None and carrier[1] is value:
                 return carrier[0]
-        if self._writes:  # a view taken before a write of an input's values into its storage holds them
-            for value in values:
-                carrier = self._writes.read(value) if isinstance(value, torch.Tensor) else None
-                if carrier is not None:
-                    self._carriers[id(value)] = (carrier, value)
-                    return carrier
+        dtypes = self._writes.dtypes  # a view taken before a write of an input's values into its storage holds them
+        if dtypes:  # read only for a tensor of a dtype written (a boolean is_init's marks: no activation read)
+            with torch._C.DisableTorchFunction():  # its dtype read unseen by the modes below
+                for value in values:
+                    spans = isinstance(value, torch.Tensor) and value.dtype in dtypes
+                    carrier = self._writes.read(value) if spans else None
+                    if carrier is not None:
+                        self._carriers[id(value)] = (carrier, value)
+                        return carrier
         return None
 
     def _carried(self, *values: object) -> Carrier | None:

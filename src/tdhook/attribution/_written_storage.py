@@ -8,14 +8,19 @@ taken. Values of no input written over them where the write says (an activation,
 place) unmark those elements; a write whose extent is not known (a ``scatter_`` of an activation) leaves them
 marked: a view of them is named, not left silent.
 
+Only a tensor of a dtype written is read against the marks (a recurrent policy's ``is_init`` written into a boolean
+tensor leaves its floating-point activations unread), until a tensor is viewed as another dtype in the call
+(``z.view(torch.int32)``, ``torch.view_as_real``): a view of any dtype is read from then on. A view as another dtype
+taken before the call is not followed.
+
 Examples:
     >>> z = torch.zeros(2, 6)
     >>> view, apart = z[:, 1:], z[:, :2]
     >>> writes = StorageWrites()
     >>> z[:, 5] = 1.0
     >>> writes.mark(z, (slice(None), 5), ((0, None),))
-    >>> writes.read(view), writes.read(apart)
-    (((0, None),), None)
+    >>> writes.read(view), writes.read(apart), writes.dtypes
+    (((0, None),), None, frozenset({torch.float32}))
     >>> writes.mark(z, (slice(None), 5), None)  # written over with values of no input
     >>> writes.read(view)
 """
@@ -28,6 +33,8 @@ __all__ = ["StorageWrites"]
 
 # What a tensor carries: by input, its position and the encoding its values took on the way (None: none).
 Carrier = tuple[tuple[int, str | None], ...]
+# Every dtype: those a view of a marked storage may take once a tensor was viewed as another dtype.
+_EVERY_DTYPE = frozenset(value for value in vars(torch).values() if isinstance(value, torch.dtype))
 
 
 class StorageWrites:
@@ -37,9 +44,20 @@ class StorageWrites:
         # By storage address: the tensor first written (held, so that the storage is not freed and its address
         # reused), its element size, and by what a write carried, a mask over the storage's elements written so.
         self._marks: dict[int, tuple[torch.Tensor, int, dict[Carrier, torch.Tensor]]] = {}
+        self._reinterpreted = False  # a tensor was viewed as another dtype in the call
+        # The dtypes of the tensors that may span a marked element: those of the tensors written, every dtype once
+        # a tensor was viewed as another. Read as a plain attribute, without a call, before each lookup.
+        self.dtypes: frozenset[torch.dtype] = frozenset()
 
     def __bool__(self) -> bool:
         return bool(self._marks)
+
+    def reinterpreted(self) -> None:
+        """Note that a tensor was viewed as another dtype (``z.view(torch.int32)``): a tensor of any dtype may span
+        a marked element from now on."""
+        self._reinterpreted = True
+        if self._marks:
+            self.dtypes = _EVERY_DTYPE
 
     def mark(self, table: torch.Tensor, index: object, carrier: Carrier | None) -> None:
         """Note that ``table[index]`` (all of ``table`` where ``index`` is ``None`` or cannot be laid over it) now
@@ -67,13 +85,14 @@ class StorageWrites:
             except (RuntimeError, NotImplementedError):  # no storage to read (under vmap, a tensor subclass)
                 return
             self._marks[address] = (kept, size, writes)
+            self.dtypes = _EVERY_DTYPE if self._reinterpreted else self.dtypes | {table.dtype}
 
     def read(self, value: torch.Tensor) -> Carrier | None:
         """What the writes into ``value``'s storage carried, where they reach its elements; ``None`` where none
-        does."""
+        does (as for a tensor of none of :attr:`dtypes`)."""
         with torch._C.DisableTorchFunction():
             try:
-                if value.is_meta or value.numel() == 0:
+                if value.dtype not in self.dtypes or value.is_meta or value.numel() == 0:
                     return None
                 kept = self._marks.get(value.untyped_storage().data_ptr())
                 if kept is None:
@@ -94,7 +113,7 @@ class StorageWrites:
 
     def clear(self) -> None:
         """Forget the call's writes (and release the storages held)."""
-        self._marks = {}
+        self._marks, self._reinterpreted, self.dtypes = {}, False, frozenset()
 
 
 def _storage_elements(table: torch.Tensor) -> torch.Tensor:
