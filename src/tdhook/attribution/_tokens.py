@@ -39,6 +39,7 @@ from torchrl.envs.transforms import ToTensorImage
 from tdhook.attribution._bag_rows import bag_of_rows
 from tdhook.attribution._derived_ids import derived_ids_message
 from tdhook.attribution._embedding_tables import embedding_weights, embeddings_at_or_under, made_of, own_tables
+from tdhook.attribution._offset_ids import offset_reader
 from tdhook.attribution._token_values import (
     CODING,
     COMPARISONS,
@@ -308,6 +309,10 @@ class TokenInputs:
 
         def embedded(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
             i = self._reader_of(module, _with_input(args, kwargs), output, name)
+            if i is None:  # the ids given beside its input, looked up shifted (OPT's positions): theirs too
+                i = offset_reader(
+                    module, name, (*args, *kwargs.values()), output, self._ids, self._tables, self._leaves, _reads
+                )
             if i is None:
                 return None
             if graph_kept() is not None and output.requires_grad:  # linked to the table's rows
