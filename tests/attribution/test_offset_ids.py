@@ -1,7 +1,7 @@
 """Position and token-type ids given to Hugging Face models among the explained keys (the module's ``in_keys``, taken
-by default): an embedding that looks them up shifted by a constant (OPT's learned positions) stands in for them, and
-ids that no embedding reads (rotary positions, turned into the cos and sin that scale queries and keys) hold no share
-and are named by nothing."""
+by default): an embedding that looks them up shifted by a constant (OPT's learned positions) stands in for them, one
+that reads a mask and looks up positions counted from it is refused, and ids that no embedding reads (rotary
+positions, turned into the cos and sin that scale queries and keys) hold no share and are named by nothing."""
 
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ def _zero_biases(model: nn.Module) -> None:
 def _inputs(keys: list[str]) -> TensorDict:
     ids = torch.randint(3, 60, (BATCH, TOKENS), generator=torch.Generator().manual_seed(0))
     given = {"input_ids": ids, "position_ids": POSITIONS.clone(), "token_type_ids": TOKEN_TYPES.clone()}
+    given["attention_mask"] = torch.ones(BATCH, TOKENS, dtype=torch.long)
     return TensorDict({key: given[key] for key in keys}, batch_size=[BATCH])
 
 
@@ -121,6 +122,35 @@ def test_opt_position_ids_given_by_default_get_the_relevance_of_their_learned_po
     for key, float_key in (("input_ids", "embeds"), ("position_ids", "positions")):
         expected = oracle["relevance", float_key].sum(-1)
         assert relative_error(out["relevance", key], expected) <= 1e-10, key
+
+
+def test_opt_positions_counted_from_an_attention_mask_explained_by_default_are_refused_naming_it():
+    """OPT called without position ids counts them from the attention mask inside its learned positions, which read
+    the mask as their input: the mask (explained by default) took the relevance of the position rows as its own
+    (0.15 of a logit of 0.21, conserved but credited to a mask). That lookup of ids computed from the mask is refused
+    as the same lookup outside the embedding is (GPT-2's and BERT's positions counted from a mask), naming the mask
+    and the module."""
+    model = ZOO["opt"].build("eager")
+    _zero_biases(model)
+    with pytest.raises(ValueError) as raised:
+        _explained(model, ["input_ids", "attention_mask"], "cplrp")
+    message = str(raised.value)
+    assert "input key 'attention_mask' reaches 'module.model.model.decoder.embed_positions'" in message
+    assert "'attention_mask' holds only zeros and ones, as a mask does" in message
+
+
+def test_opt_given_its_attention_mask_and_position_ids_explains_the_positions_and_not_the_mask():
+    """With both given and explained by default, the learned positions read the mask as their input and look up the
+    position ids: the ids take the rows' relevance, the mask none (no relevance written for it), and under CP-LRP the
+    relevance of ids and positions sums to the logit."""
+    model = ZOO["opt"].build("eager")
+    _zero_biases(model)
+    keys = ["input_ids", "attention_mask", "position_ids"]
+    out, caught = _explained(model, keys, "cplrp")
+    assert caught == []
+    assert ("relevance", "attention_mask") not in out.keys(True)
+    assert _conservation_error(out, keys) <= CONSERVATION_TOLERANCE
+    assert out["relevance", "position_ids"].sum(1).abs().min() > 0.1 * out["y"].max(1).values.abs().min()
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,9 @@ forward looks up ``ids + 2``. Its output is the embedding of those ids, row for 
 embedding's reading them directly would be: it stands in for them, and each position gets the relevance of its row.
 
 Any other lookup of ids computed from the input stays refused (:mod:`~tdhook.attribution._derived_ids`): the
-output must be the rows of the table at the fed ids plus one integer, exactly.
+output must be the rows of the table at the fed ids plus one integer, exactly. An ``nn.Embedding`` that reads the ids
+as its input and returns rows of its table at other ids does not stand in for them: OPT's learned positions called
+without position ids read the attention mask and look up positions counted from it, whose relevance is no mask's.
 
 Examples:
     >>> import torch
@@ -30,7 +32,7 @@ from torch import nn
 
 from tdhook.attribution._embedding_tables import made_of, own_tables
 
-__all__ = ["offset_of", "offset_reader"]
+__all__ = ["offset_of", "offset_reader", "rows_elsewhere"]
 
 _CANDIDATES = 16  # rows of the table equal to the first output row tried as its shift (duplicates are rare)
 
@@ -103,3 +105,38 @@ def offset_of(embedding: nn.Embedding, ids: torch.Tensor, output: torch.Tensor) 
             if torch.equal(nn.functional.embedding(shifted, weight), rows):
                 return shift
     return None
+
+
+def rows_elsewhere(
+    module: nn.Embedding,
+    name: str,
+    index: int,
+    output: torch.Tensor,
+    tables: Sequence[tuple],
+    derived: list[tuple[int, str, str]],
+) -> bool:
+    """Whether ``module`` (named ``name``), which read the fed ids of input ``index`` as its input and returned no
+    lookup of them, returned rows of its table all the same: rows at other ids, which do not stand in for the input's.
+    Where it looked its own table up inside its forward at ids computed from the input (positions counted from a
+    mask), that lookup is noted in ``derived``, to be refused by name.
+
+    Examples:
+        >>> embedding = nn.Embedding(6, 2)
+        >>> mask = torch.tensor([[0, 1, 1]])
+        >>> found = []
+        >>> rows_elsewhere(embedding, "positions", 0, embedding(mask.cumsum(-1)), [], found), found
+        (True, [])
+        >>> rows_elsewhere(embedding, "positions", 0, embedding(mask) + 1.0, [], found)
+        False
+    """
+    if not isinstance(output, torch.Tensor) or output.dtype != module.weight.dtype or output.numel() == 0:
+        return False
+    weight = module.weight
+    with torch.no_grad():
+        rows = output.reshape(-1, weight.shape[-1]) if output.shape[-1] == weight.shape[-1] else None
+        if rows is None or not all(bool((weight == row).all(-1).any()) for row in rows):
+            return False
+    own = {id(table) for table in own_tables(module)}
+    if any(entry[0] == index and name in entry[2] and made_of(entry[1], own) for entry in tables):
+        derived.append((index, name, type(module).__name__))
+    return True
