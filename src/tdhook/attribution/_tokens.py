@@ -39,6 +39,7 @@ from torchrl.envs.transforms import ToTensorImage
 from tdhook.attribution._bag_rows import bag_of_rows
 from tdhook.attribution._derived_ids import derived_ids_message
 from tdhook.attribution._embedding_tables import embedding_weights, embeddings_at_or_under, made_of, own_tables
+from tdhook.attribution._offset_ids import offset_reader, rows_elsewhere
 from tdhook.attribution._token_values import (
     CODING,
     COMPARISONS,
@@ -181,8 +182,9 @@ class TokenInputs:
                 if not _reads(args[0], tokens):
                     continue
                 second = self._leaves[i] is not None
-                if second and isinstance(module, nn.Embedding) and not _looks_up(module, args[0], output):
-                    return None
+                if isinstance(module, nn.Embedding) and not _looks_up(module, args[0], output):
+                    if second or rows_elsewhere(module, name, i, output, self._tables, self._derived):
+                        return None
             if second:
                 raise ValueError(
                     f"LRP: input key {self.keys[i]!r} is embedded twice (again by {name!r}); "
@@ -308,6 +310,10 @@ class TokenInputs:
 
         def embedded(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
             i = self._reader_of(module, _with_input(args, kwargs), output, name)
+            if i is None:  # the ids given beside its input, looked up shifted (OPT's positions): theirs too
+                i = offset_reader(
+                    module, name, (*args, *kwargs.values()), output, self._ids, self._tables, self._leaves, _reads
+                )
             if i is None:
                 return None
             if graph_kept() is not None and output.requires_grad:  # linked to the table's rows
