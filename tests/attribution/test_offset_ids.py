@@ -277,3 +277,31 @@ def test_rows_elsewhere_checks_the_rows_against_the_table_in_a_number_of_operati
     assert not rows_elsewhere(embedding, "positions", 0, off, [], [])
     other = nn.Embedding(40, 6, dtype=torch.float64)
     assert not rows_elsewhere(embedding, "positions", 0, other(ids).detach(), [], [])
+
+
+class _Moved(nn.Embedding):
+    """An embedding that looks its ids up and returns the rows moved to other positions."""
+
+    def __init__(self, move: object) -> None:
+        super().__init__(20, 4, dtype=torch.float64)
+        self.move = move
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.move(super().forward(ids))
+
+
+@pytest.mark.parametrize(
+    "move",
+    [lambda rows: rows.flip(1), lambda rows: rows[:, :1].expand_as(rows)],
+    ids=["reversed", "first-broadcast"],
+)
+def test_an_embedding_returning_its_rows_at_other_positions_is_refused_naming_it(move: object):
+    """Rows of the table returned at other positions than their ids' (reversed, the first one broadcast) stood in for
+    the ids position for position: each token took the relevance of another token's row, the sum still conserved.
+    The call is refused naming the key and the module."""
+    torch.manual_seed(0)
+    module = nn.Sequential(_Moved(move), nn.ReLU(), nn.Linear(4, 1, bias=False, dtype=torch.float64))
+    ids = torch.randint(0, 20, (3, 5), generator=torch.Generator().manual_seed(2))
+    explained = TensorDictModule(module, ["ids"], ["y"])
+    with pytest.raises(ValueError, match="input key 'ids' reaches '.*0' \\(_Moved\\)"):
+        LRP(explained, PRESETS["cplrp"](), target=lambda y: y)(TensorDict(ids=ids, batch_size=[3]))
