@@ -12,9 +12,10 @@ import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tdhook.attribution import LRP
-from tdhook.attribution._offset_ids import offset_of
+from tdhook.attribution._offset_ids import offset_of, rows_elsewhere
 from tests.attribution.test_lrp_transformer_zoo import PRESETS, ZOO, zero_additive
 from tests.conftest import relative_error
 
@@ -239,3 +240,68 @@ def test_offset_of_finds_the_shift_only_where_every_row_fits():
     wrong[1, 1] = embedding.weight[0].detach()
     assert offset_of(embedding, ids, wrong) is None
     assert offset_of(embedding, ids, 2 * embedding(ids + 5)) is None
+
+
+class _CountedOps(TorchDispatchMode):
+    """Counts the operators dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_of_rows_elsewhere(embedding: nn.Embedding, output: torch.Tensor) -> tuple[bool, int]:
+    with _CountedOps() as counted:
+        found = rows_elsewhere(embedding, "positions", 0, output, [], [])
+    return found, counted.count
+
+
+def test_rows_elsewhere_checks_the_rows_against_the_table_in_a_number_of_operations_independent_of_the_rows():
+    """Whether the output is rows of the table is judged at once: it compared every row with the whole table in turn
+    (three operators and a device sync per row: 48 s for OPT-125m's positions read by a mask of 8 x 512 tokens, on
+    every call explaining its attention mask). Rows of the table are found, a row off by one ulp or of another
+    table is not, and 512 rows take no more operators than 2."""
+    embedding = nn.Embedding(40, 6, dtype=torch.float64)
+    ids = torch.randint(0, 40, (4, 128), generator=torch.Generator().manual_seed(0))
+    rows = embedding(ids).detach()
+    few, few_ops = _ops_of_rows_elsewhere(embedding, rows[:1, :2])
+    many, many_ops = _ops_of_rows_elsewhere(embedding, rows)
+    assert few and many
+    assert many_ops <= few_ops
+    off = rows.clone()
+    off[2, 5, 3] = torch.nextafter(off[2, 5, 3], torch.tensor(float("inf"), dtype=torch.float64))
+    assert not rows_elsewhere(embedding, "positions", 0, off, [], [])
+    other = nn.Embedding(40, 6, dtype=torch.float64)
+    assert not rows_elsewhere(embedding, "positions", 0, other(ids).detach(), [], [])
+
+
+class _Moved(nn.Embedding):
+    """An embedding that looks its ids up and returns the rows moved to other positions."""
+
+    def __init__(self, move: object) -> None:
+        super().__init__(20, 4, dtype=torch.float64)
+        self.move = move
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.move(super().forward(ids))
+
+
+@pytest.mark.parametrize(
+    "move",
+    [lambda rows: rows.flip(1), lambda rows: rows[:, :1].expand_as(rows)],
+    ids=["reversed", "first-broadcast"],
+)
+def test_an_embedding_returning_its_rows_at_other_positions_is_refused_naming_it(move: object):
+    """Rows of the table returned at other positions than their ids' (reversed, the first one broadcast) stood in for
+    the ids position for position: each token took the relevance of another token's row, the sum still conserved.
+    The call is refused naming the key and the module."""
+    torch.manual_seed(0)
+    module = nn.Sequential(_Moved(move), nn.ReLU(), nn.Linear(4, 1, bias=False, dtype=torch.float64))
+    ids = torch.randint(0, 20, (3, 5), generator=torch.Generator().manual_seed(2))
+    explained = TensorDictModule(module, ["ids"], ["y"])
+    with pytest.raises(ValueError, match="input key 'ids' reaches '.*0' \\(_Moved\\)"):
+        LRP(explained, PRESETS["cplrp"](), target=lambda y: y)(TensorDict(ids=ids, batch_size=[3]))
