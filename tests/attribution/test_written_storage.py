@@ -4,6 +4,7 @@ tensor of a dtype written, or of any dtype once a tensor was viewed as another (
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -39,6 +40,14 @@ class WrittenCritic(MaskedCritic):
             bits = z.view(torch.int64)
             z[:, 1] = action.to(F64)
             fifth = bits[:, 1:].to(F64)
+        elif how in RETYPED_UNSEEN:  # its bits, viewed as integers otherwise than by Tensor.view
+            z = h.new_zeros(n, 2)
+            if how == "long NumPy view of float64 before a write":
+                bits = torch.from_numpy(z.numpy().view(np.int64))
+            else:
+                bits = torch.ops.aten.view.dtype(z, torch.int64)
+            z[:, 1] = action.to(F64)
+            fifth = bits[:, 1:].to(F64)
         elif how == "float64 view of long before a write":
             slots = torch.zeros(n, 2, dtype=torch.long)
             as_float = slots.view(dtype=F64)
@@ -52,6 +61,12 @@ class WrittenCritic(MaskedCritic):
         else:
             raise ValueError(how)
         return self.net(torch.cat([h[:, :4], fifth], -1))
+
+
+RETYPED_UNSEEN = (
+    "long NumPy view of float64 before a write",
+    "long aten view.dtype of float64 before a write",
+)
 
 
 def _read_dtypes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[torch.dtype, bool]]:
@@ -76,12 +91,14 @@ def _read_dtypes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[torch.dtype, boo
         "long view of float64 before a write",
         "float64 view of long before a write",
         "view_as_real before a complex write",
+        *RETYPED_UNSEEN,
     ],
 )
 def test_a_view_taken_before_a_write_of_the_key_is_named_whatever_its_dtype(how, monkeypatch):
     """A view of a boolean or integer tensor taken before the key was written into it, converted to floating point,
-    holds the key's values; so does a view of the storage as another dtype (its bits): the layer that takes it is
-    named. Where the key is all zeros, nothing is lost."""
+    holds the key's values; so does a view of the storage as another dtype (its bits), taken by ``Tensor.view``, an
+    aten op or through NumPy: the layer that takes it is named. Where the key is all zeros, nothing is
+    lost."""
     reads = _read_dtypes(monkeypatch)
     out, numeric = explained(how, ACTION, WrittenCritic)
     assert len(numeric) == 1 and "'module.net.0' (Linear)" in numeric[0], numeric

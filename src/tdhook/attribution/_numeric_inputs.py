@@ -229,9 +229,14 @@ _WRITES: dict[Callable, tuple[int | None, str, int, str]] = {
 # The writes among them made in place: the tensor written (and the tensor it views) holds the values written.
 _IN_PLACE = frozenset(func for func in _WRITES if func is Tensor.__setitem__ or func.__name__.endswith("_"))
 # Calls that view a tensor as another dtype (``torch.view_as_real``, a complex tensor's ``real``), as ``Tensor.view``
-# does given a dtype (``z.view(torch.int32)``): a view of any dtype may then span an element written with an input's.
+# does given a dtype (``z.view(torch.int32)``, ``torch.ops.aten.view.dtype``), or hand its memory out to be viewed so
+# unseen (a NumPy array or a DLPack capsule, read back as another dtype): a view of any dtype may then span an element
+# written with an input's. A tensor's storage is not one (the rules compare storages): a ``set_`` to it is not followed.
 _RETYPING: frozenset[Callable] = frozenset(
-    {torch.view_as_real, torch.view_as_complex, torch.real, torch.imag, Tensor.real.__get__, Tensor.imag.__get__}
+    {
+        *(torch.view_as_real, torch.view_as_complex, torch.real, torch.imag, Tensor.real.__get__, Tensor.imag.__get__),
+        *(torch.ops.aten.view.dtype, Tensor.numpy, Tensor.__dlpack__),
+    }
 )
 
 

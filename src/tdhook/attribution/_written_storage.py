@@ -10,8 +10,9 @@ marked: a view of them is named, not left silent.
 
 Only a tensor of a dtype written is read against the marks (a recurrent policy's ``is_init`` written into a boolean
 tensor leaves its floating-point activations unread), until a tensor is viewed as another dtype in the call
-(``z.view(torch.int32)``, ``torch.view_as_real``): a view of any dtype is read from then on. A view as another dtype
-taken before the call is not followed.
+(``z.view(torch.int32)``, ``torch.view_as_real``) or its memory handed out to be (a NumPy array, a DLPack capsule):
+a view of any dtype is read from then on. A view as another dtype taken before the call, or made otherwise (a
+``set_`` to the storage of a tensor of another dtype, ``torch.frombuffer``), is not followed.
 
 Examples:
     >>> z = torch.zeros(2, 6)
