@@ -753,10 +753,11 @@ def test_an_integer_attention_mask_and_positions_counted_from_it_are_not_named(n
     """A left-padded batch given to a tiny GPT-2 (its head tied to the embedding) or Llama with every key explained:
     the integer attention mask (made into additive scores), and positions counted from it by ``cumsum`` (looked up in
     an embedding, or turned into rotary angles that scale activations) hold no share of the relevance: nothing is
-    named, under strict=True neither."""
+    named, under strict=True neither. In float32: in float64, Llama's eager softmax (computed in float32) turns a
+    fully padded query's scores to NaN, which is refused (``rules/_narrowed_softmax.py``)."""
     from tests.attribution.test_lrp_transformer_zoo import PRESETS, ZOO
 
-    model = ZOO[name].build("eager")
+    model = ZOO[name].build("eager").float()
     ids = torch.randint(3, 60, (2, 7), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 7, dtype=torch.long)
     mask[0, :2] = 0
@@ -768,3 +769,4 @@ def test_an_integer_attention_mask_and_positions_counted_from_it_are_not_named(n
         warnings.filterwarnings("error", message=".*enters the model as numbers")
         out = LRP(module, PRESETS["attnlrp"](strict=True))(td)
     assert ("relevance", "input_ids") in out.keys(True)
+    assert torch.isfinite(out["relevance", "input_ids"]).all()
