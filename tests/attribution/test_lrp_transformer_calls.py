@@ -189,7 +189,17 @@ class CachedPrefix(nn.Module):
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
-@pytest.mark.parametrize("name, implementation", [("llama", "sdpa"), ("gpt2", "eager")])
+@pytest.mark.parametrize(
+    "name, implementation",
+    [
+        ("llama", "sdpa"),
+        ("gpt2", "eager"),
+        ("llama", "eager"),
+        ("gpt2", "sdpa"),
+        ("mistral", "eager"),
+        ("qwen2", "sdpa"),
+    ],
+)
 def test_a_kv_cache_gives_the_relevance_of_the_whole_sequence_on_the_new_tokens(name: str, implementation, preset):
     """In a causal model the prefix's keys and values do not depend on the later tokens: explaining those tokens
     after a cached prefix gives them the relevance the whole sequence gives them (the cache is a constant)."""
