@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from tdhook.attribution.rules._caller import warn_at_caller
-from tdhook.attribution.rules._gate_writes import GATE_WRITTEN, note_gate_written
+from tdhook.attribution.rules._gate_writes import GATE_WRITTEN, OTHER_GATES, note_gate_written
 from tdhook.attribution.rules._storage_masks import bytes_reached, count_mask, laid_over_storage, shown_of_storage
 from tdhook.attribution.rules._written_regions import replaced_region
 
@@ -37,6 +37,8 @@ __all__ = [
     "CONSTANT_MASKS_MADE",
     "constants_before",
     "constants_shown",
+    "follows_values",
+    "note_constant_gates",
     "note_constants_written",
     "repeated_constants",
 ]
@@ -152,22 +154,71 @@ def note_constants_written(
         with torch.no_grad():
             mask = _written(root, target, before, region, activation)
             shown = mask.as_strided(root.shape, root.stride(), root.storage_offset())
-            mixed = bool(shown.any()) and not bool(shown.all())
+            every, some = bool(shown.all()), bool(shown.any())
+            # Constants beside an activation; constants alone in an activation's graph (a product holds them); or no
+            # constant, where another call's mask or index may leave some (no plan of the rules follows their values:
+            # a product with a mask noted runs in the rules' mode).
+            kept = (some and not every) or (root.requires_grad and (every or follows_values(args, kwargs)))
         noted = root.__dict__.get(CONSTANTS_JOINED)
-        if not mixed:  # constants alone, or no constant left: nothing to note
+        if not kept:  # constants alone, or no constant left: nothing to note
             if noted is not None:
                 delattr(root, CONSTANTS_JOINED)
             return
         setattr(root, CONSTANTS_JOINED, (mask, root._version))
         if noted is None:
             count_mask(root, CONSTANT_MASKS_MADE)
-        record = root.__dict__.get(GATE_WRITTEN)
-        # (A mask of real sigmoid-like gates' elements keeps its marks; else the constant's, as a join marks them.)
-        marks = record[1] if record is not None and record[1].get(_SIGMOID, False) else None
-        if marks is None:
-            source = value if isinstance(value, torch.Tensor) and not value.requires_grad else torch.zeros(())
-            marks = {_GATE: source, _SIGMOID: True}
-    note_gate_written(root, shown, marks)
+    note_constant_gates(root, shown, value)
+
+
+def note_constant_gates(root: torch.Tensor, shown: torch.Tensor, value: Any) -> None:
+    """Note the constant elements ``shown`` (a mask of its shape) of ``root``, a tensor that is no view, as a
+    sigmoid-like gate's elements, as a join of constants and activations notes them (``value``: a constant there);
+    its other elements stay what they were: a sigmoid-like gate in every element stays one, and a gate of another
+    kind (a tanh's) one to a rule that holds gates of any kind (CP-LRP), whose constant elements would else be its
+    only gates.
+
+    Examples:
+        >>> from tdhook.attribution.rules._gate_writes import gate_marks_shown
+        >>> x = torch.ones(2, 2, requires_grad=True)
+        >>> gate = torch.sigmoid(x) * 1
+        >>> gate.__dict__.update(_tdhook_activation_of=x, _tdhook_sigmoid_gate=True)
+        >>> note_constant_gates(gate, torch.tensor([[True, False]] * 2), 2.0)
+        >>> bool(gate_marks_shown(gate[:, 1:]))  # its gate's elements a gate's still
+        True
+    """
+    own = root.__dict__
+    record = own.get(GATE_WRITTEN)
+    before = None
+    if record is not None and record[1].get(_SIGMOID, False):  # real sigmoid-like gates' elements: their marks
+        marks = record[1]
+    elif own.get(_SIGMOID, False) and own.get(_GATE) is not None:  # a sigmoid-like gate in every element
+        marks = before = {_GATE: own[_GATE], _SIGMOID: True}
+    else:
+        source = value if isinstance(value, torch.Tensor) and not value.requires_grad else torch.zeros(())
+        marks = {_GATE: source, _SIGMOID: True}
+        if own.get(_GATE) is not None and OTHER_GATES not in own:  # a gate of another kind in every element
+            with torch._C.DisableTorchFunction(), torch.no_grad():
+                whole = laid_over_storage(root, torch.ones(root.shape, dtype=torch.bool, device=root.device))
+            setattr(root, OTHER_GATES, (whole, root._version))
+    note_gate_written(root, shown, marks, before)
+
+
+def follows_values(args: tuple, kwargs: dict) -> bool:
+    """Whether the elements a call with ``args`` and ``kwargs`` reaches follow a tensor's values: a mask, an index
+    (``h.masked_fill(pad, 2.0)``, ``buf[idx] = w``), any tensor among them but the first that holds no floating-point
+    values.
+
+    Examples:
+        >>> h = torch.zeros(2)
+        >>> follows_values((h, torch.tensor([True, False]), 2.0), {}), follows_values((h, slice(0, 1), 2.0), {})
+        (True, False)
+    """
+    values = [*args[1:], *kwargs.values()]
+    for value in values:
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, torch.Tensor) and not (item.is_floating_point() or item.is_complex()):
+                return True
+    return False
 
 
 def _written(

@@ -309,9 +309,10 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
         if isinstance(tensor, torch.Tensor) and tensor is not target
     ]
     derived = not any(is_activation(tensor) for tensor in written)
-    if mixing and (noted is not None or derived is not constants) and GATE_MARKS[0] not in root.__dict__:
+    if mixing and (noted is not None or derived is not constants):
         # (Not zeros over an activation, ``h.masked_fill_(pad, 0.0)``: zero in a product, held or not, they take
-        # nothing; nor a constant over part of a gate, a gate still.)
+        # nothing. A constant over part of a gate is noted too: a gate still, but a constant element times another
+        # gate takes none of the product's relevance, where the two gates alike would share it.)
         if not (constants is False and _zero(value)):
             note_constants_written(func, args, kwargs, constants, not derived, value)
     for tensor in judged:

@@ -41,7 +41,6 @@ from tdhook.attribution.rules._autograd import (
     raise_for_transformed_call,
     redirect,
 )
-from tdhook.attribution.rules._chosen_gates import keep_chosen_elements
 from tdhook.attribution.rules._clips import (
     BOUNDS,
     CLIPS,
@@ -52,7 +51,8 @@ from tdhook.attribution.rules._clips import (
     clips_a_signal,
 )
 from tdhook.attribution.rules._copied_gates import COPIES_IN_PLACE, keep_copied_marks
-from tdhook.attribution.rules._filled_gates import FILLS, WHERES, filled_mask, filled_pieces, where_arguments
+from tdhook.attribution.rules._filled_constants import keep_filled_elements
+from tdhook.attribution.rules._filled_gates import FILLS, WHERES, filled_mask, filled_pieces
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, note_gate_written
 from tdhook.attribution.rules._held_norm_calls import NORMALIZING_CALLS, HeldNormCalls, normalized_inputs
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, _root_of, gate_marks_of, mark_written_in_place
@@ -282,8 +282,7 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
             mark_gate(result, _mark(gate, GATE_MARK), sigmoid=_mark(gate, SIGMOID_MARK, False))
     elif func in FILLS and isinstance(result, torch.Tensor) and (filled := filled_pieces(func, args, kwargs or {})):
         _keep_filled_marks(filled, result, filled_mask(func, args, kwargs or {}, filled[0]))
-        if len(filled) == 2:  # ``torch.where(c, g, h)``: a gate where it took g's elements (see _chosen_gates)
-            keep_chosen_elements(where_arguments(func, args, kwargs or {})[0], tuple(filled), result)
+        keep_filled_elements(func, args, kwargs or {}, filled, result)  # gates chosen, constants filled in
     if GATE_MASKS_MADE and func in _ELEMENTS_KEPT and isinstance(result, torch.Tensor) and result._base is None:
         # A copy or a positive scaling of a gate in some elements only (``m.t().contiguous()``, ``m * 2``), or its
         # values rearranged into a new tensor (``m.t().reshape(-1)``, ``m.flip(1)``): those kept.
