@@ -18,9 +18,10 @@ import torch
 
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, note_gate_written
 from tdhook.attribution.rules._in_place_writes import GATE_MARKS, gate_marks_of
-from tdhook.attribution.rules._joined_gates import note_other_gates, other_gates_shown
+from tdhook.attribution.rules._joined_gates import OTHER_MASKS_MADE, note_other_gates, other_gates_shown
 from tdhook.attribution.rules._joined_weights import WEIGHTS_MARK, WEIGHTS_MASKS_MADE, _note_weights, weights_shown
 from tdhook.attribution.rules._mixed_gate_products import gate_elements
+from tdhook.attribution.rules._storage_masks import count_mask
 from tdhook.attribution.rules._whole_choices import keep_whole_choice
 
 __all__ = ["keep_chosen_elements"]
@@ -66,6 +67,16 @@ def keep_chosen_elements(condition: Any, pieces: tuple, result: torch.Tensor) ->
                 note_other_gates(result, _where(condition, others, result))
             else:  # (not known: a product that would hold them raises)
                 note_other_gates(result, False)
+        elif sigmoid is None and any(_GATE in gate_marks_of(p) for p in pieces):
+            # A gate of another kind beside an activation (``torch.where(c, tanh(a), h)``): where it went, for a rule
+            # that holds gates of any kind (CP-LRP), as a join of them notes it (it was no gate, in any element: 0.09
+            # and 2.1 off, relative L2, times a ReLU's output, against the products taken per element).
+            others = [_other_gates(p) for p in pieces]
+            if all(isinstance(part, (bool, torch.Tensor)) for part in others):
+                region = _where(condition, others, result)
+                if bool(region.any()) and not bool(region.all()):
+                    note_other_gates(result, region)
+                    count_mask(result, OTHER_MASKS_MADE)
         weights = [True if WEIGHTS_MARK in p.__dict__ else weights_shown(p) for p in pieces]
         if any(part is False for part in weights):  # a join of weights written into since: not known
             _note_weights(result, False)

@@ -20,7 +20,14 @@ import torch
 
 from tdhook.attribution.rules._storage_masks import bytes_reached, count_mask, read_mask
 
-__all__ = ["GATE_MASKS_MADE", "GATE_WRITTEN", "OTHER_GATES", "gate_marks_shown", "note_gate_written"]
+__all__ = [
+    "GATE_MASKS_MADE",
+    "GATE_WRITTEN",
+    "OTHER_GATES",
+    "OTHER_MASKS_MADE",
+    "gate_marks_shown",
+    "note_gate_written",
+]
 
 # On a tensor an in-place write changed the gate elements of, where views of it may exist: a mask of its storage's
 # elements, true where a gate is, and the marks (``{GATE_MARK: source, SIGMOID_MARK: True}``) a gate there has.
@@ -30,6 +37,10 @@ _GATE_SHOWN = "_tdhook_gate_shown"
 #: On a join of gates and other activations: a mask of its storage's elements, true where a gate of any kind (or a
 #: constant) went, and the join's version then (see :mod:`~tdhook.attribution.rules._mixed_gate_products`).
 OTHER_GATES = "_tdhook_other_gates"
+#: One entry a mask alive of :data:`OTHER_GATES` where no sigmoid-like gate tells the gates of another kind (a join of
+#: them alone beside other activations, ``torch.cat([tanh(a), relu(h)], 1)``): products under CP-LRP look it up only
+#: while one is.
+OTHER_MASKS_MADE: list[bool] = []
 #: One entry a mask alive (see :func:`~tdhook.attribution.rules._storage_masks.count_mask`): views pay for the
 #: look-up only while one is.
 GATE_MASKS_MADE: list[bool] = []

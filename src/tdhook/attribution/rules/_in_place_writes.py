@@ -33,7 +33,14 @@ from tdhook.attribution.rules._constant_elements import (
     note_constants_written,
 )
 from tdhook.attribution.rules._filled_gates import is_constant
-from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, gate_marks_shown, note_gate_written
+from tdhook.attribution.rules._gate_writes import (
+    GATE_MASKS_MADE,
+    GATE_WRITTEN,
+    OTHER_GATES,
+    gate_marks_shown,
+    note_gate_written,
+)
+from tdhook.attribution.rules._other_gate_writes import note_other_gates_written
 from tdhook.attribution.rules._unrecorded_writes import (
     ALIAS_OF,
     STRAIGHT_THROUGH_WRITES,
@@ -95,6 +102,7 @@ _WHOLE_WRITES = frozenset({torch.Tensor.copy_, torch.Tensor.fill_, torch.Tensor.
 # The attributes of a gate's marks (``GATE_MARK`` and ``SIGMOID_MARK`` of :mod:`~tdhook.attribution.rules.gates`,
 # which imports this module): the first marks every gate.
 GATE_MARKS = ("_tdhook_activation_of", "_tdhook_sigmoid_gate")
+_SIGMOID = GATE_MARKS[1]
 # Writes that scale a gate by a positive number (``g.mul_(2)``, ``g /= 6``): a gate still, as ``2 * g`` is.
 _SCALINGS_IN_PLACE = frozenset(
     {torch.Tensor.mul_, torch.Tensor.__imul__, torch.Tensor.multiply_, torch.Tensor.div_, torch.Tensor.__itruediv__}
@@ -143,14 +151,33 @@ def note_gate_views(target: torch.Tensor, region: torch.Tensor | None, marks: di
     with torch._C.DisableTorchFunction():
         base = target._base
     root = target if base is None else base
-    if base is None and not (GATE_MASKS_MADE and GATE_WRITTEN in root.__dict__) and not _maybe_viewed(root):
-        return
     own = root.__dict__
     before = {mark: own[mark] for mark in GATE_MARKS if mark in own} if GATE_MARKS[0] in own else None
+    record = own.get(GATE_WRITTEN) if GATE_MASKS_MADE else None
+    held = record[1] if record is not None else before  # the kind of gate the mask keeps (or would keep)
+    if marks is not None and held and bool(marks.get(_SIGMOID, False)) is not bool(held.get(_SIGMOID, False)):
+        # Gates of two kinds in one tensor: the mask keeps the sigmoid-like ones' elements (where every gate is
+        # one of any kind: see _other_gate_writes); a sigmoid-like gate's counted another kind's as its own.
+        if not marks.get(_SIGMOID, False):
+            marks = None
+        elif record is not None:
+            with torch._C.DisableTorchFunction():
+                record[0].fill_(False)
+        else:
+            before = None
+    # A write into part of the tensor that makes it a gate in some elements only (a gate's values into part of an
+    # activation, an activation's into part of a gate): noted for the tensor itself too, whose marks cannot tell it
+    # (a product with it took it as no gate: 0.17-2.6 off, relative L2, under AttnLRP and CP-LRP, up to 0.80 under
+    # EpsilonPlus, against the pieces multiplied apart).
+    part = region is not None and (marks is not None) is not (before is not None)
+    if base is None and not part and not (GATE_MASKS_MADE and GATE_WRITTEN in own) and not _maybe_viewed(root):
+        return
     note_gate_written(target, region, marks, before)
 
 
-def _gate_written(func: Any, args: tuple, kwargs: dict, whole: bool, tensors: list[torch.Tensor]) -> None:
+def _gate_written(
+    func: Any, args: tuple, kwargs: dict, whole: bool, tensors: list[torch.Tensor], prior: tuple | None
+) -> None:
     """Give ``tensors`` (the tensor written into, and the tensor it views) the gate marks of what the write made of
     them: none after a write into a gate (``g.copy_(h)``, ``g.add_(h)``; it kept its marks, and a product held it
     constant: 1.0 off, relative L2, under AttnLRP), but a scaling by a positive number; a gate's, where one replaced
@@ -173,6 +200,14 @@ def _gate_written(func: Any, args: tuple, kwargs: dict, whole: bool, tensors: li
         region = replaced_region(func, args, kwargs) if replacing and not whole else None
     except (RuntimeError, NotImplementedError, IndexError, TypeError, ValueError):  # indices a transform wraps
         region, written = None, {}  # no gate left where the write reaches
+    root = tensors[-1].__dict__
+    if region is None and whole and len(tensors) == 2:  # every element of a view (``c[:, :3].copy_(g)``): part of c
+        with torch._C.DisableTorchFunction():
+            region = torch.ones(tensors[0].shape, dtype=torch.bool, device=tensors[0].device)
+    if region is not None and (prior is not None or _other_kind(written) or _other_kind(root)):
+        # A gate of another kind (a tanh's) written into part of the tensor, or part of one written into: where every
+        # gate of any kind is (see _other_gate_writes).
+        note_other_gates_written(tensors[0], region, bool(written) and replacing, GATE_MARKS[0] in root, prior)
     note_gate_views(tensors[0], region, written if written and (replacing or whole) else None)
     marks = written if whole else {}
     for tensor in tensors:
@@ -187,6 +222,11 @@ def _gate_written(func: Any, args: tuple, kwargs: dict, whole: bool, tensors: li
         for mark in GATE_MARKS:
             own.pop(mark, None)
         own.update(new)
+
+
+def _other_kind(marks: dict) -> bool:
+    """Whether ``marks`` (a tensor's ``__dict__``, or gate marks) are a gate's of another kind than sigmoid-like."""
+    return GATE_MARKS[0] in marks and not marks.get(_SIGMOID, False)
 
 
 def _zero(value: Any) -> bool:
@@ -287,10 +327,13 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
         ]
     # Views of the tensor may exist (``v = c[:, :2]``), which a write into part of it reaches.
     viewed = masked or base is not None or ((any(constant) or (replacing and root_activation)) and _maybe_viewed(root))
+    # Where a gate of any kind is, noted before the write (a join's of gates of another kind, see _other_gate_writes).
+    prior = root.__dict__.get(OTHER_GATES)
+    prior = None if prior is None else (*prior, root._version)
     result = func(*args, **kwargs)
     value = written_value(func, args, kwargs)
     if gated or whole or (replacing and isinstance(value, torch.Tensor) and gate_marks_of(value)):
-        _gate_written(func, args, kwargs, whole, targets)  # a gate's elements written: its marks, its views'
+        _gate_written(func, args, kwargs, whole, targets, prior)  # a gate's elements written: its marks, its views'
     # Those with autograd history now (a constant written into without gradient, in a rule's own work, has none).
     judged = [
         tensor

@@ -43,7 +43,13 @@ from tdhook.attribution.rules._constant_elements import (
     CONSTANTS_JOINED,
     constants_shown,
 )
-from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, OTHER_GATES, note_gate_written
+from tdhook.attribution.rules._gate_writes import (
+    GATE_MASKS_MADE,
+    GATE_WRITTEN,
+    OTHER_GATES,
+    OTHER_MASKS_MADE,
+    note_gate_written,
+)
 from tdhook.attribution.rules._in_place_writes import GATE_MARKS, gate_marks_of
 from tdhook.attribution.rules._storage_masks import count_mask, laid_over_storage, shown_of_storage
 
@@ -67,9 +73,6 @@ GATE_JOINS = frozenset(
     | {op for packet in _ATEN_JOINS for op in (packet, *(getattr(packet, o) for o in packet.overloads()))}
 )
 _GATE, _SIGMOID = GATE_MARKS
-#: One entry a mask alive of a join of gates of another kind alone beside other activations (``torch.cat([tanh(a),
-#: relu(h)], 1)``, no sigmoid-like gate): products under CP-LRP look it up only while one is.
-OTHER_MASKS_MADE: list[bool] = []
 
 
 def mark_joined_gate(func: Any, args: tuple, kwargs: dict, result: Any) -> None:

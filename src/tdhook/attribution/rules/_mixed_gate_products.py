@@ -16,9 +16,9 @@ A join of gates of another kind beside other activations, and no sigmoid-like ga
 1)``), notes where they went alone: with ``any_gate``, a product with it (or a view of it) holds them there.
 
 A join notes where its gates of another kind went (``torch.cat([sigmoid(a), tanh(b)], 1)``: ``tanh(b)``'s
-elements, held by CP-LRP) as a mask over it, with the join's version: after an in-place write into the join, a
-product that would hold them raises rather than guess. A tensor made a gate in part by in-place writes
-(``c[:, 2:] = g``) has no such mask: its elements that are no sigmoid-like gate are taken as no gate of another kind.
+elements, held by CP-LRP) as a mask over it, with the join's version; an in-place write into part of a tensor that
+mixes the kinds notes it anew (see :mod:`~tdhook.attribution.rules._other_gate_writes`). Where a write leaves it not
+known (a view as a dtype of another size), a product that would hold them raises rather than guess.
 """
 
 from __future__ import annotations
