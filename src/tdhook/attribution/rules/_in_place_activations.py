@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from tdhook.attribution.rules._autograd import call_argument
+from tdhook.attribution.rules._in_place_writes import GATE_MARKS, mark_written_in_place
 from tdhook.attribution.rules._zero_input_calls import watch_zero_inputs
 
 __all__ = ["IN_PLACE_FORMS", "activation_in_place", "calls_in_place", "out_of_place"]
@@ -75,12 +76,14 @@ def activation_in_place(
     kwargs: dict,
     apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     rule: Any,
+    sigmoid: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The in-place activation call ``func(*args, **kwargs)``, with ``apply(output, x)`` (the identity rule, of
     ``rule``) on its input ``x`` as it was: computed out of place from a copy of ``x``, and the rule's output copied
     into ``x``; and that copy, the input the activation was computed from. Inputs at exactly 0 whose output is not
     are watched for, as for a call out of place (see
-    :func:`~tdhook.attribution.rules._zero_input_calls.watch_zero_inputs`)."""
+    :func:`~tdhook.attribution.rules._zero_input_calls.watch_zero_inputs`). ``sigmoid``: the activation is a
+    sigmoid-like gate (``h.sigmoid_()``), and what is written into ``x`` one."""
     x = args[0]
     source = x.clone()
     if func in IN_PLACE_FORMS:  # ``h.sigmoid_()``, ``F.elu_(h, alpha)``: its out-of-place form, same arguments
@@ -89,6 +92,13 @@ def activation_in_place(
     else:
         options = {key: value for key, value in kwargs.items() if key != "inplace"}
         output = func(source, *args[1 : _IN_PLACE_POSITIONS[func]], **options)
-    result = x.copy_(apply(output, source))
+    ruled = apply(output, source)
+    # Written as a write of the rule's output (a gate's values, of its kind) into ``x``: a view of a tensor whose
+    # other elements are another activation's (``c[:, :3].tanh_()``) is then that tensor's gate in part.
+    with torch._C.DisableTorchFunction():
+        base = x._base
+        if sigmoid and GATE_MARKS[0] in ruled.__dict__:
+            ruled.__dict__[GATE_MARKS[1]] = True
+    result = x.copy_(ruled) if base is None else mark_written_in_place(torch.Tensor.copy_, (x, ruled), {})
     watch_zero_inputs(rule, func, source, output, result)
     return result, source

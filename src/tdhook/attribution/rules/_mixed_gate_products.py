@@ -39,7 +39,7 @@ from tdhook.attribution.rules._joined_gates import (
     other_gates_shown,
 )
 
-__all__ = ["gate_elements", "mixed_gate_product"]
+__all__ = ["gate_elements", "mixed_gate_in_place", "mixed_gate_product"]
 
 _GATE, _SIGMOID = GATE_MARKS
 
@@ -116,6 +116,24 @@ def mixed_gate_product(
     factors = args if factors is None else factors
     products = [func(*(hold(a) if i == place else a for i, a in enumerate(factors)), **kwargs) for place in (0, 1)]
     return torch.where(held[0], products[0], torch.where(held[1], products[1], ungated(factors)))
+
+
+def mixed_gate_in_place(args: tuple) -> bool:
+    """Whether ``args`` of an in-place product (``h.mul_(m)``) are a signal, no gate in any element, and a gate in
+    some elements only (see :func:`gate_elements`), in a call autograd records.
+
+    Examples:
+        >>> x = torch.ones(2, 2, requires_grad=True)
+        >>> mixed_gate_in_place((x * 2, x * 3))  # no gate in part
+        False
+    """
+    return (
+        len(args) == 2
+        and torch.is_grad_enabled()
+        and gate_elements(args[1]) is not None
+        and not _whole(args[0], _GATE)
+        and gate_elements(args[0]) is None
+    )
 
 
 def _held_elements(args: tuple, shown: list, any_gate: bool) -> list[torch.Tensor]:

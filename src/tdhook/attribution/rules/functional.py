@@ -414,8 +414,11 @@ class FunctionalRules(TorchFunctionMode):
             return attention(self, *args, **kwargs)
         if func in _ACTIVATION_FUNCTIONS and args and is_activation(args[0]):
             if calls_in_place(func, args, kwargs):  # the rule on a copy of the input: the call overwrites it
-                result, source = activation_in_place(func, args, kwargs, self.activation.apply, self.activation)
-                return mark_gate(result, source, sigmoid=True) if out_of_place(func) in GATE_FUNCTIONS else result
+                sigmoid = out_of_place(func) in GATE_FUNCTIONS
+                result, source = activation_in_place(
+                    func, args, kwargs, self.activation.apply, self.activation, sigmoid
+                )
+                return mark_gate(result, source, sigmoid=True) if sigmoid else result
             output = func(*args, **kwargs)
             if recording is not None and func in GATE_FUNCTIONS and graph_kept() is None and output.grad_fn is not None:
                 # A sigmoid-like gate, held where a product takes it: its own rule would change nothing there.

@@ -53,9 +53,15 @@ from tdhook.attribution.rules._clips import (
 from tdhook.attribution.rules._copied_gates import COPIES_IN_PLACE, keep_copied_marks
 from tdhook.attribution.rules._filled_constants import keep_filled_elements
 from tdhook.attribution.rules._filled_gates import FILLS, WHERES, filled_mask, filled_pieces
-from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN, note_gate_written
+from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN
 from tdhook.attribution.rules._held_norm_calls import NORMALIZING_CALLS, HeldNormCalls, normalized_inputs
-from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, _root_of, gate_marks_of, mark_written_in_place
+from tdhook.attribution.rules._in_place_writes import (
+    WRITES_IN_PLACE,
+    _root_of,
+    gate_marks_of,
+    mark_written_in_place,
+    note_gate_views,
+)
 from tdhook.attribution.rules._joined_gates import GATE_JOINS, mark_joined_gate
 from tdhook.attribution.rules._joined_weights import (
     WEIGHTS_MARK,
@@ -67,7 +73,7 @@ from tdhook.attribution.rules._kept_gate_elements import keep_gate_elements
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._means_apart import STATISTICS_AND_MEANS, mean_apart
-from tdhook.attribution.rules._mixed_gate_products import gate_elements, mixed_gate_product
+from tdhook.attribution.rules._mixed_gate_products import mixed_gate_in_place, mixed_gate_product
 from tdhook.attribution.rules._recomputed import in_checkpoint, raise_for_checkpoint
 from tdhook.attribution.rules._selected_gates import SELECTIONS, keep_selected_elements, on_mask
 from tdhook.attribution.rules._unrecorded_writes import NOT_READ, UNRECORDED, note_out_write, read_unrecorded
@@ -211,7 +217,7 @@ def mark_gate(tensor: torch.Tensor, source: torch.Tensor, sigmoid: bool = False)
     # its elements a gate now, noted on the tensor, whose later writes (``c[:, 3:] = g``) would else make the mask
     # without them (a view of a gate, its tensor a gate with no mask, needs none: the tensor's marks tell then).
     if base is not None and ((GATE_MASKS_MADE and GATE_WRITTEN in base.__dict__) or GATE_MARK not in base.__dict__):
-        note_gate_written(tensor, None, {GATE_MARK: source, SIGMOID_MARK: True} if sigmoid else {GATE_MARK: source})
+        note_gate_views(tensor, None, {GATE_MARK: source, SIGMOID_MARK: True} if sigmoid else {GATE_MARK: source})
     return tensor
 
 
@@ -591,7 +597,7 @@ class HeldGates(TorchFunctionMode):
             if self.norm_calls.held:  # a product of two activations, which has no rule here: see _held_norm_calls
                 self.norm_calls.release_reached(func, args, kwargs)
             return keep_gate_mark(func, args, mark_parameter_derived(args, func(*args, **kwargs), func), kwargs)
-        if func in _PRODUCTS_IN_PLACE and not kwargs and GATE_MASKS_MADE and _mixed_gate_in_place(args):
+        if func in _PRODUCTS_IN_PLACE and not kwargs and GATE_MASKS_MADE and mixed_gate_in_place(args):
             # A signal written into by a gate in some elements only (``h.mul_(m)``): those held, as ``h * m`` holds
             # them. (One written into by its signal keeps its plain gradient, as below.)
             product = mixed_gate_product(
@@ -653,18 +659,6 @@ class HeldGates(TorchFunctionMode):
         if func in WHERES and self.probe and not self.held and choice_follows_values(func, args, kwargs):
             self.held = True  # a gate chosen or not as a condition's values say: later calls keep it (_whole_choices)
         return keep_gate_mark(func, args, result, kwargs)
-
-
-def _mixed_gate_in_place(args: tuple) -> bool:
-    """Whether ``args`` are a signal, no gate in any element, and a gate in some elements only (see
-    :func:`~tdhook.attribution.rules._mixed_gate_products.gate_elements`), in a call autograd records."""
-    return (
-        len(args) == 2
-        and torch.is_grad_enabled()
-        and gate_elements(args[1]) is not None
-        and not is_gate(args[0])
-        and gate_elements(args[0]) is None
-    )
 
 
 def _plain_product(func: Any, kwargs: dict) -> Any:
