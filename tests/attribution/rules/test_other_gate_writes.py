@@ -10,24 +10,18 @@ relative L2, under AttnLRP and CP-LRP, up to 0.80 under EpsilonPlus).
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
-from tensordict import TensorDict
 from torch import nn
 
-from tdhook.attribution import LRP
-from tdhook.attribution.mappers.presets import EpsilonPlus
-from tdhook.attribution.mappers.transformer import CPLRP, AttnLRP
 from tdhook.attribution.rules._joined_gates import other_gates_shown
 from tdhook.attribution.rules._mixed_gate_products import gate_elements
 from tdhook.attribution.rules.functional import FunctionalRules
 from tdhook.attribution.rules.gates import mark_gate
 from tdhook.attribution.rules.transformer import PseudoIdentityRule, SoftmaxEpsilonRule
+from tests.attribution.rules.test_filled_constants import MAPPERS, assert_like_apart
 
 F64 = torch.float64
-MAPPERS = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, "EpsilonPlus": EpsilonPlus}
 KINDS = {"relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid}
 FIRST_THREE = torch.arange(6) < 3
 
@@ -56,13 +50,6 @@ class Written(nn.Module):
         return self.out(c * s)
 
 
-def _relevances(model: nn.Module, mapper: str, x: torch.Tensor) -> list[torch.Tensor]:
-    lrp = LRP(model, rule_mapper=MAPPERS[mapper](), in_keys=["x"], out_keys=["y"])
-    with warnings.catch_warnings(), lrp:
-        warnings.simplefilter("ignore")  # (EpsilonPlus names the tanh and the sigmoid it leaves a plain gradient)
-        return [lrp(TensorDict(x=x.clone(), batch_size=[x.shape[0]]))["relevance", "x"] for _ in range(2)]
-
-
 @pytest.mark.parametrize("mapper", sorted(MAPPERS))
 @pytest.mark.parametrize("signal", sorted(KINDS))
 @pytest.mark.parametrize(("gate", "base"), [(g, b) for g in sorted(KINDS) for b in sorted(KINDS) if g != b])
@@ -71,10 +58,7 @@ def test_a_gate_written_over_part_of_another_kind_keeps_each_elements_rule(
     form: str, gate: str, base: str, signal: str, mapper: str
 ):
     model, oracle = Written(form, gate, base, signal).double(), Written(form, gate, base, signal, apart=True).double()
-    x = torch.randn(5, 4, dtype=F64, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(model(x), oracle(x), rtol=1e-12, atol=1e-12)
-    for actual, expected in zip(_relevances(model, mapper, x), _relevances(oracle, mapper, x), strict=True):
-        torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
+    assert_like_apart(model, oracle, mapper)
 
 
 def test_the_kinds_written_are_noted_apart():
@@ -126,8 +110,4 @@ def test_a_gate_computed_in_place_on_part_of_a_tensor_is_its_gate_there(
     # The tanh's elements were no gate to CP-LRP, and a sigmoid's over part of a gate left the tensor no gate, or
     # the other kind's (0.03-1.5 off, relative L2, under AttnLRP and CP-LRP, 0.27-0.83 under EpsilonPlus).
     model = ActivatedInPart(activation, base, signal).double()
-    oracle = ActivatedInPart(activation, base, signal, apart=True).double()
-    x = torch.randn(5, 4, dtype=F64, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(model(x), oracle(x), rtol=1e-12, atol=1e-12)
-    for actual, expected in zip(_relevances(model, mapper, x), _relevances(oracle, mapper, x), strict=True):
-        torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
+    assert_like_apart(model, ActivatedInPart(activation, base, signal, apart=True).double(), mapper)
