@@ -16,7 +16,7 @@ Examples:
     >>> x = torch.tensor([-1.0, 0.5, 2.0], requires_grad=True)
     >>> h = x * 1
     >>> rule = PseudoIdentityRule()
-    >>> z, source = activation_in_place(F.elu, (h,), {"inplace": True}, rule.apply, rule)
+    >>> z = activation_in_place(F.elu, (h,), {"inplace": True}, rule.apply, rule)
     >>> z is h, torch.allclose(x.detach() * torch.autograd.grad(z.sum(), x)[0], F.elu(x.detach()))
     (True, True)
 """
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from tdhook.attribution.rules._autograd import call_argument
 from tdhook.attribution.rules._in_place_writes import GATE_MARKS, mark_written_in_place
 from tdhook.attribution.rules._zero_input_calls import watch_zero_inputs
+from tdhook.attribution.rules.gates import GATE_FUNCTIONS, mark_gate
 
 __all__ = ["IN_PLACE_FORMS", "activation_in_place", "calls_in_place", "out_of_place"]
 
@@ -76,14 +77,14 @@ def activation_in_place(
     kwargs: dict,
     apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     rule: Any,
-    sigmoid: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """The in-place activation call ``func(*args, **kwargs)``, with ``apply(output, x)`` (the identity rule, of
     ``rule``) on its input ``x`` as it was: computed out of place from a copy of ``x``, and the rule's output copied
     into ``x``; and that copy, the input the activation was computed from. Inputs at exactly 0 whose output is not
     are watched for, as for a call out of place (see
-    :func:`~tdhook.attribution.rules._zero_input_calls.watch_zero_inputs`). ``sigmoid``: the activation is a
-    sigmoid-like gate (``h.sigmoid_()``), and what is written into ``x`` one."""
+    :func:`~tdhook.attribution.rules._zero_input_calls.watch_zero_inputs`). A sigmoid-like gate (``h.sigmoid_()``)
+    is written as one, and ``x`` marked one, computed from the copy."""
+    sigmoid = out_of_place(func) in GATE_FUNCTIONS
     x = args[0]
     source = x.clone()
     if func in IN_PLACE_FORMS:  # ``h.sigmoid_()``, ``F.elu_(h, alpha)``: its out-of-place form, same arguments
@@ -101,4 +102,4 @@ def activation_in_place(
             ruled.__dict__[GATE_MARKS[1]] = True
     result = x.copy_(ruled) if base is None else mark_written_in_place(torch.Tensor.copy_, (x, ruled), {})
     watch_zero_inputs(rule, func, source, output, result)
-    return result, source
+    return mark_gate(result, source, sigmoid=True) if sigmoid else result

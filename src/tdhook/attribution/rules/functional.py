@@ -68,7 +68,6 @@ from tdhook.attribution.rules._in_place_activations import (
     IN_PLACE_FORMS,
     activation_in_place,
     calls_in_place,
-    out_of_place,
 )
 from tdhook.attribution.rules._in_place_products import PRODUCTS_IN_PLACE, product_in_place, two_activations_in_place
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_written_in_place
@@ -415,11 +414,7 @@ class FunctionalRules(TorchFunctionMode):
             return attention(self, *args, **kwargs)
         if func in _ACTIVATION_FUNCTIONS and args and is_activation(args[0]):
             if calls_in_place(func, args, kwargs):  # the rule on a copy of the input: the call overwrites it
-                sigmoid = out_of_place(func) in GATE_FUNCTIONS
-                result, source = activation_in_place(
-                    func, args, kwargs, self.activation.apply, self.activation, sigmoid
-                )
-                return mark_gate(result, source, sigmoid=True) if sigmoid else result
+                return activation_in_place(func, args, kwargs, self.activation.apply, self.activation)
             output = func(*args, **kwargs)
             if recording is not None and func in GATE_FUNCTIONS and graph_kept() is None and output.grad_fn is not None:
                 # A sigmoid-like gate, held where a product takes it: its own rule would change nothing there.
