@@ -36,7 +36,6 @@ from tdhook.attribution.rules._constant_elements import (
     note_constant_gates,
 )
 from tdhook.attribution.rules._filled_gates import WHERES, where_arguments
-from tdhook.attribution.rules._joined_weights import WEIGHTS_MARK
 from tdhook.attribution.rules._storage_masks import count_mask, laid_over_storage
 
 __all__ = ["keep_filled_elements"]
@@ -64,8 +63,6 @@ def keep_filled_elements(func: Any, args: tuple, kwargs: dict, pieces: list, res
     if len(pieces) == 2:  # ``torch.where(c, g, h)``: a gate where it took g's elements
         keep_chosen_elements(where_arguments(func, args, kwargs)[0], tuple(pieces), result)
     if result._base is not None or CACHED in result.__dict__:
-        return
-    if len(pieces) == 1 and WEIGHTS_MARK in pieces[0].__dict__:  # a softmax's weights filled: held whole, weights
         return
     with torch._C.DisableTorchFunction(), torch.no_grad():  # bookkeeping, which a function mode must not see
         try:

@@ -111,8 +111,9 @@ def mixed_gate_product(
             return None
     with torch._C.DisableTorchFunction(), torch.no_grad():  # bookkeeping, which a function mode must not see
         held = _held_elements(args, shown, any_gate)
-    if not first:
-        held[0] = torch.zeros((), dtype=torch.bool, device=held[0].device)
+    if not first:  # (but its constants: times a constant, the product is a linear map of the other factor)
+        constant = constants_shown(args[0]) if CONSTANT_MASKS_MADE else None
+        held[0] = torch.zeros((), dtype=torch.bool, device=held[0].device) if constant is None else constant
     factors = args if factors is None else factors
     products = [func(*(hold(a) if i == place else a for i, a in enumerate(factors)), **kwargs) for place in (0, 1)]
     return torch.where(held[0], products[0], torch.where(held[1], products[1], ungated(factors)))
@@ -120,20 +121,19 @@ def mixed_gate_product(
 
 def mixed_gate_in_place(args: tuple) -> bool:
     """Whether ``args`` of an in-place product (``h.mul_(m)``) are a signal, no gate in any element, and a gate in
-    some elements only (see :func:`gate_elements`), in a call autograd records.
+    some elements only (see :func:`gate_elements`), or a signal with constants in some elements (held there: it lost
+    their product's relevance under the CNN presets, 0.21-1.1 off, relative L2), in a call autograd records.
 
     Examples:
         >>> x = torch.ones(2, 2, requires_grad=True)
         >>> mixed_gate_in_place((x * 2, x * 3))  # no gate in part
         False
     """
-    return (
-        len(args) == 2
-        and torch.is_grad_enabled()
-        and gate_elements(args[1]) is not None
-        and not _whole(args[0], _GATE)
-        and gate_elements(args[0]) is None
-    )
+    if len(args) != 2 or not torch.is_grad_enabled():
+        return False
+    if CONSTANT_MASKS_MADE and constants_shown(args[0]) is not None:  # constants in part (``h.masked_fill(m, 2.0)``)
+        return True
+    return gate_elements(args[1]) is not None and not _whole(args[0], _GATE) and gate_elements(args[0]) is None
 
 
 def _held_elements(args: tuple, shown: list, any_gate: bool) -> list[torch.Tensor]:
