@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from tdhook.attribution.rules._caller import warn_at_caller
-from tdhook.attribution.rules._gate_writes import GATE_WRITTEN, OTHER_GATES, note_gate_written
+from tdhook.attribution.rules._gate_writes import GATE_WRITTEN, OTHER_GATES, OTHER_MASKS_MADE, note_gate_written
 from tdhook.attribution.rules._storage_masks import bytes_reached, count_mask, laid_over_storage, shown_of_storage
 from tdhook.attribution.rules._written_regions import replaced_region
 
@@ -200,6 +200,7 @@ def note_constant_gates(root: torch.Tensor, shown: torch.Tensor, value: Any) -> 
             with torch._C.DisableTorchFunction(), torch.no_grad():
                 whole = laid_over_storage(root, torch.ones(root.shape, dtype=torch.bool, device=root.device))
             setattr(root, OTHER_GATES, (whole, root._version))
+            count_mask(root, OTHER_MASKS_MADE)
     note_gate_written(root, shown, marks, before)
 
 

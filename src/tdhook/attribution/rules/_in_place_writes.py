@@ -205,15 +205,15 @@ def _gate_written(
         region = replaced_region(func, args, kwargs) if replacing and not whole else None
     except (RuntimeError, NotImplementedError, IndexError, TypeError, ValueError):  # indices a transform wraps
         region, written = None, {}  # no gate left where the write reaches
-    root = tensors[-1].__dict__
+    root_marks = tensors[-1].__dict__  # of the tensor written into, or of the one it views
     if region is None and whole and len(tensors) == 2:  # every element of a view (``c[:, :3].copy_(g)``): part of c
         with torch._C.DisableTorchFunction():
             region = torch.ones(tensors[0].shape, dtype=torch.bool, device=tensors[0].device)
-    if region is not None and (prior is not None or _other_kind(written) or _other_kind(root)):
+    if region is not None and (prior is not None or _other_kind(written) or _other_kind(root_marks)):
         # A gate of another kind (a tanh's) written into part of the tensor, or part of one written into: where every
         # gate of any kind is (see _other_gate_writes).
         note_other_gates_written(
-            tensors[0], region, bool(written) and (replacing or whole), GATE_MARKS[0] in root, prior
+            tensors[0], region, bool(written) and (replacing or whole), GATE_MARKS[0] in root_marks, prior
         )
     note_gate_views(tensors[0], region, written if written and (replacing or whole) else None)
     marks = written if whole else {}
