@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tdhook.attribution import CPLRP, AttnLRP, EpsilonPlus
-from tdhook.attribution.rules._written_regions import REPLACING, replaced_region
+from tdhook.attribution.rules._written_regions import REPLACING, reached_region, replaced_region
 from tests.attribution.rules.test_activation_writes import _explained, assert_explained_as_out_of_place
 
 F64 = torch.float64
@@ -161,3 +161,28 @@ def test_the_region_replaced_is_where_the_values_changed(func):
     before = target.clone()
     func(*args, **kwargs)
     assert torch.equal(region, target != before)
+
+
+# Writes that combine what they write with the elements an index picks (ones added into zeros), and their options.
+ADDING = {
+    torch.Tensor.index_add_: ((1, torch.tensor([1]), torch.ones(4, 1, dtype=F64)), {}),
+    torch.Tensor.scatter_add_: ((1, torch.tensor([[2], [0], [1], [1]]), torch.ones(4, 1, dtype=F64)), {}),
+    torch.Tensor.index_put_: (((torch.tensor([1, 0]), torch.tensor([2, 2])), torch.ones((), dtype=F64), True), {}),
+    torch.Tensor.put_: ((torch.tensor([0, 11, 5]), torch.ones(3, dtype=F64)), {"accumulate": True}),
+    torch.Tensor.scatter_: ((1, torch.tensor([[2], [0], [1], [1]]), torch.ones(4, 1, dtype=F64)), {"reduce": "add"}),
+    torch.Tensor.scatter_reduce_: ((1, torch.tensor([[2], [0], [1], [1]]), torch.ones(4, 1, dtype=F64), "sum"), {}),
+    torch.Tensor.index_reduce_: ((0, torch.tensor([3]), torch.full((1, 3), 2.0, dtype=F64), "prod"), {}),
+}
+
+
+@pytest.mark.parametrize("func", list(ADDING), ids=lambda f: f.__qualname__)
+def test_the_region_reached_by_an_indexed_write_that_combines_is_where_the_values_changed(func):
+    target = torch.ones(4, 3, dtype=F64) if func is torch.Tensor.index_reduce_ else torch.zeros(4, 3, dtype=F64)
+    args, kwargs = ADDING[func]
+    args = (target, *args)
+    assert replaced_region(func, args, kwargs) is None  # (it replaces none)
+    region = reached_region(func, args, kwargs)
+    before = target.clone()
+    func(*args, **kwargs)
+    assert torch.equal(region, target != before)
+    assert reached_region(torch.Tensor.add_, (target, 1.0), {}) is None  # every element: no index picks them

@@ -49,7 +49,13 @@ from tdhook.attribution.rules._unrecorded_writes import (
     settle_numpy_watch,
     unrecorded_source,
 )
-from tdhook.attribution.rules._written_regions import REPLACING, replaced_region, replaces, written_value
+from tdhook.attribution.rules._written_regions import (
+    REPLACING,
+    reached_region,
+    replaced_region,
+    replaces,
+    written_value,
+)
 
 __all__ = [
     "WRITES_IN_PLACE",
@@ -203,6 +209,8 @@ def _gate_written(
         return
     try:
         region = replaced_region(func, args, kwargs) if replacing and not whole else None
+        if not replacing and not whole:  # what an index picks, added to (``g.index_add_(1, i, h)``): no gate there
+            region = reached_region(func, args, kwargs)
     except (RuntimeError, NotImplementedError, IndexError, TypeError, ValueError):  # indices a transform wraps
         region, written = None, {}  # no gate left where the write reaches
     root_marks = tensors[-1].__dict__  # of the tensor written into, or of the one it views

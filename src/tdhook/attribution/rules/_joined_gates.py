@@ -42,6 +42,7 @@ from tdhook.attribution.rules._constant_elements import (
     CONSTANT_MASKS_MADE,
     CONSTANTS_JOINED,
     constants_shown,
+    note_constant_gates,
 )
 from tdhook.attribution.rules._gate_writes import (
     GATE_MASKS_MADE,
@@ -108,7 +109,9 @@ def mark_joined_gate(func: Any, args: tuple, kwargs: dict, result: Any) -> None:
                 # all call.)
                 if piece.requires_grad and not piece.is_leaf:
                     activation = True
-                    constant = constant or MASKS_MADE or PARAMETER_DERIVED in own  # (the masks: is_activation tells)
+                    # (the masks: is_activation tells; a piece's constants beside its activation tell where they go)
+                    constant = constant or MASKS_MADE or PARAMETER_DERIVED in own
+                    constant = constant or bool(CONSTANT_MASKS_MADE and _holds_constants(piece))
                 elif 0 not in piece.shape and CACHED not in own:  # (a cache's prefix: the whole sequence's)
                     constant = True
             else:
@@ -132,6 +135,8 @@ def mark_joined_gate(func: Any, args: tuple, kwargs: dict, result: Any) -> None:
     # (Not a key-value cache's prefix: the new tokens get the relevance the whole sequence gives them.)
     noted_constants = [c and CACHED not in p.__dict__ for c, p in zip(constants, pieces, strict=True)]
     joined_constants = not all(constants) and any(c and p.numel() for c, p in zip(noted_constants, pieces, strict=True))
+    # (Pieces with constants beside their activations, a join of them joined again: where theirs go.)
+    joined_constants = joined_constants or bool(CONSTANT_MASKS_MADE and any(map(_holds_constants, pieces)))
     # Pieces that show gates in part (a join of gates and others, a view across its pieces): their gates' elements.
     shown = [None if keep else _gates_shown(piece) for piece, keep in zip(pieces, kept, strict=True)]
     kinds = [bool(mark.get(_SIGMOID, False)) for mark in marks if mark]
@@ -141,6 +146,8 @@ def mark_joined_gate(func: Any, args: tuple, kwargs: dict, result: Any) -> None:
     if kinds and all(kept) and (all(kinds) or not (any(kinds) or joined_constants)):  # a gate, of one kind
         source = next(mark[_GATE] for mark in marks if mark)
         result.__dict__.update({_GATE: source, _SIGMOID: True} if all(kinds) else {_GATE: source})
+        if joined_constants:  # (sigmoid-like gates beside constants: times another gate, the constants take none)
+            _note_constants(func, args, kwargs, pieces, noted_constants, result)
         return
     if not any(kinds) and not partly and not joined_constants:
         if kinds and not all(kept):  # gates of another kind beside other activations: where they went alone
@@ -159,10 +166,16 @@ def mark_joined_gate(func: Any, args: tuple, kwargs: dict, result: Any) -> None:
     if region.shape == result.shape:
         sources = [mark[_GATE] for mark in marks if mark.get(_SIGMOID, False)] + [part[1] for part in partly]
         sources += [piece for piece, constant in zip(pieces, constants, strict=True) if constant]  # (their own)
-        note_gate_written(result, region, {_GATE: sources[0], _SIGMOID: True})
+        source = sources[0] if sources else torch.zeros((), device=result.device)  # (constants of pieces alone)
+        note_gate_written(result, region, {_GATE: source, _SIGMOID: True})
         _note_other_gates(func, args, kwargs, pieces, kept, shown, result)
         if joined_constants:
             _note_constants(func, args, kwargs, pieces, noted_constants, result)
+
+
+def _holds_constants(piece: Any) -> bool:
+    """Whether ``piece``, a piece joined, shows constants beside an activation (see :data:`CONSTANTS_JOINED`)."""
+    return constants_shown(piece) is not None
 
 
 def _note_constants(
@@ -182,6 +195,8 @@ def _note_constants(
     if mask is not None:
         setattr(result, CONSTANTS_JOINED, (mask, result._version))
         count_mask(result, CONSTANT_MASKS_MADE)
+        if not all(constants):  # (a piece's constants beside its activation: a sigmoid-like gate's elements, as its)
+            note_constant_gates(result, region, None)
 
 
 def _note_other_gates(
@@ -193,10 +208,10 @@ def _note_other_gates(
     with torch._C.DisableTorchFunction(), torch.no_grad():  # bookkeeping, which a function mode must not see
         flags = []
         for piece, keep, part in zip(pieces, kept, shown, strict=True):
-            if part is None:
+            other = other_gates_shown(piece) if OTHER_MASKS_MADE or GATE_MASKS_MADE else None
+            if part is None and not (isinstance(other, torch.Tensor) and not keep):  # (its mask: gates of another kind)
                 flags.append(torch.full(piece.shape, keep, dtype=torch.bool, device=result.device))
                 continue
-            other = other_gates_shown(piece)
             if other is None or other is False:
                 return  # not known: a product that would hold them raises
             flags.append(other)

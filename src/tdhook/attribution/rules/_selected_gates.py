@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tdhook.attribution.rules._aten_operators import aten_operators as _aten
+from tdhook.attribution.rules._constant_elements import keep_constant_elements
 from tdhook.attribution.rules._in_place_writes import _root_of
 from tdhook.attribution.rules._joined_weights import keep_weights_elements
 from tdhook.attribution.rules._kept_gate_elements import keep_gate_elements
@@ -63,8 +64,8 @@ def on_mask(func: Any, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], to
 def keep_selected_elements(func: Any, args: tuple, kwargs: dict, result: torch.Tensor) -> None:
     """Note, where ``result`` (``func(*args, **kwargs)``, one of :data:`SELECTIONS`) is a view of a new tensor
     (``m.repeat_interleave(2, 1)``: a view of a copy of ``m``'s values), on that tensor the elements ``result`` shows
-    that ``args[0]`` shows as gates (or weights) in some elements only: the same selection made on their mask. (A
-    selection that is no view is noted as any rearranged copy is, see
+    that ``args[0]`` shows as gates (or weights, or constants) in some elements only: the same selection made on
+    their mask. (A selection that is no view is noted as any rearranged copy is, see
     :func:`~tdhook.attribution.rules.gates.keep_gate_mark`.)
 
     Examples:
@@ -94,3 +95,4 @@ def keep_selected_elements(func: Any, args: tuple, kwargs: dict, result: torch.T
 
     keep_gate_elements(args[0], root, onto_root)
     keep_weights_elements(args[0], root, onto_root)
+    keep_constant_elements(args[0], root, onto_root)  # (constants beside an activation, as a copy keeps them)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["bytes_reached", "count_mask", "laid_over_storage", "read_mask", "shown_of_storage"]
+__all__ = ["bytes_reached", "count_mask", "laid_over_storage", "read_mask", "rearranged_mask", "shown_of_storage"]
 
 
 def count_mask(root: torch.Tensor, made: list[bool]) -> None:
@@ -164,3 +164,25 @@ def shown_of_storage(value: torch.Tensor, attribute: str) -> torch.Tensor | bool
         if noted[1] != root._version or noted[0] is None or value.element_size() != root.element_size():
             return False
         return noted[0].as_strided(value.shape, value.stride(), value.storage_offset())
+
+
+def rearranged_mask(
+    mask: torch.Tensor, rearranged: Callable[[torch.Tensor], torch.Tensor] | None, shape: torch.Size
+) -> torch.Tensor | None:
+    """``rearranged(mask)`` (the call that made a new tensor of ``shape`` from one ``mask`` is of, made on the mask;
+    ``None``: the same places), where no function mode sees it; ``None`` where the call cannot take a mask, or gives
+    another shape.
+
+    Examples:
+        >>> mask = torch.tensor([[True, False]])
+        >>> rearranged_mask(mask, lambda m: m.flip(1), torch.Size([1, 2])).tolist()
+        [[False, True]]
+        >>> rearranged_mask(mask, None, torch.Size([2, 1])) is None
+        True
+    """
+    with torch._C.DisableTorchFunction(), torch.no_grad():  # bookkeeping, which a function mode must not see
+        try:
+            region = mask if rearranged is None else rearranged(mask)
+        except (RuntimeError, TypeError, NotImplementedError):  # a call a mask cannot take
+            return None
+    return region if isinstance(region, torch.Tensor) and region.shape == shape else None

@@ -5,7 +5,9 @@ An in-place write either replaces elements of the tensor written into with the v
 was written, whatever they were before; or combines them with what is written (``add_``, ``mul_``, ``index_add_``,
 ``relu_``), which leaves them what they were where what is written is a weight. :func:`replaced_region` tells the
 first kind's elements, as a mask of the tensor written into, found by the same write of ``True`` into a mask of
-``False`` (so indices, masks and broadcasting are torch's own).
+``False`` (so indices, masks and broadcasting are torch's own). :func:`reached_region` tells the elements a write of
+either kind reaches where an index or a mask picks them (``index_add_``, ``scatter_add_``, ``index_put_(...,
+accumulate=True)``): an activation added there makes them an activation's, the others stay what they were.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from tdhook.attribution.rules._autograd import call_argument
 
-__all__ = ["REPLACING", "replaced_region", "written_value"]
+__all__ = ["REPLACING", "reached_region", "replaced_region", "written_value"]
 
 
 def _whole(region: torch.Tensor, args: tuple, kwargs: dict) -> None:
@@ -79,6 +81,12 @@ REPLACING: dict[Any, Callable[[torch.Tensor, tuple, dict], None]] = {
     torch.Tensor.scatter_reduce_: _scatter,
     torch.Tensor.index_reduce_: _index_fill,
 }
+# In-place writes that combine what they write with the elements an index picks, and never replace them.
+_INDEXED_COMBINING: dict[Any, Callable[[torch.Tensor, tuple, dict], None]] = {
+    torch.Tensor.index_add_: _index_fill,
+    torch.Tensor.scatter_add_: _scatter,
+}
+
 # Writes of :data:`REPLACING` that replace only without ``include_self=True`` (their default): a reduction of what
 # is written alone, else one with the elements.
 _WITHOUT_SELF = frozenset({torch.Tensor.scatter_reduce_, torch.Tensor.index_reduce_})
@@ -170,4 +178,30 @@ def replaced_region(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None
     with torch._C.DisableTorchFunction(), torch.no_grad():  # bookkeeping, which no function mode may see
         region = torch.zeros(target.shape, dtype=torch.bool, device=target.device)
         REPLACING[func](region, args, kwargs)
+    return region
+
+
+def reached_region(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The elements of ``args[0]`` that ``func(*args, **kwargs)``, an in-place write, reaches where an index, a key
+    or a mask picks them, whether it replaces them or combines them with what it writes (``index_add_``,
+    ``scatter_add_``, ``index_put_(..., accumulate=True)``, ``scatter_reduce_``): a mask of ``args[0]``'s shape;
+    ``None`` for a write that reaches every element (``add_``, ``copy_``). Read before or after the write.
+
+    Examples:
+        >>> t = torch.zeros(2, 3)
+        >>> reached_region(torch.Tensor.index_add_, (t, 1, torch.tensor([2]), torch.ones(2, 1)), {}).int().tolist()
+        [[0, 0, 1], [0, 0, 1]]
+        >>> rows, cols = torch.tensor([0]), torch.tensor([1])
+        >>> reached_region(torch.Tensor.index_put_, (t, (rows, cols), torch.ones(1), True), {}).int().tolist()
+        [[0, 1, 0], [0, 0, 0]]
+        >>> reached_region(torch.Tensor.add_, (t, 1.0), {}) is None
+        True
+    """
+    mark = REPLACING.get(func) or _INDEXED_COMBINING.get(func)
+    if mark is None or mark is _whole:
+        return None
+    target = args[0]
+    with torch._C.DisableTorchFunction(), torch.no_grad():  # bookkeeping, which no function mode may see
+        region = torch.zeros(target.shape, dtype=torch.bool, device=target.device)
+        mark(region, args, kwargs)
     return region

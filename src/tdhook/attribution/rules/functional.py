@@ -70,7 +70,6 @@ from tdhook.attribution.rules._in_place_activations import (
     calls_in_place,
 )
 from tdhook.attribution.rules._in_place_products import PRODUCTS_IN_PLACE, product_in_place, two_activations_in_place
-from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE, mark_written_in_place
 from tdhook.attribution.rules._input_values import INPUT_VALUES, watch_values
 from tdhook.attribution.rules._joined_gates import OTHER_MASKS_MADE
 from tdhook.attribution.rules._joined_weights import (
@@ -80,6 +79,7 @@ from tdhook.attribution.rules._joined_weights import (
     weights_shown,
 )
 from tdhook.attribution.rules._keeping_graph import graph_kept
+from tdhook.attribution.rules._kept_constants import CONSTANTS_KEPT
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._mixed_gate_products import mixed_gate_product
 from tdhook.attribution.rules._narrowed_softmax import raise_for_unseen_rows
@@ -105,6 +105,7 @@ from tdhook.attribution.rules.gates import (
     keep_gate_mark,
     mark_gate,
     mark_weights,
+    marked_call,
     weighing_factors,
 )
 from tdhook.attribution.rules.transformer import (
@@ -284,15 +285,13 @@ class FunctionalRules(TorchFunctionMode):
             or (func in BOUNDS and bounded_signal(func, args, kwargs) is None)
             or (func in DIVISIONS and not divides_by_statistic(args, kwargs))
         ):
-            if func in WRITES_IN_PLACE:  # a weight built in place from parameters stays a weight
-                result = mark_written_in_place(func, args, kwargs)
-            else:
-                result = mark_parameter_derived(args, func(*args, **kwargs), func)
+            result = marked_call(func, args, kwargs)  # (an in-place write judged by what it writes)
             if self.recording is not None:
                 watch_values(self.recording, func, args, result)
                 if func in WHERES and choice_follows_values(func, args, kwargs):  # see _whole_choices
                     self.recording.other_rule()  # (its gates follow the condition's values, which no plan follows)
-            return keep_gate_mark(func, args, result, kwargs) if func in GATE_PRESERVING else result
+            kept = func in GATE_PRESERVING or (CONSTANT_MASKS_MADE and func in CONSTANTS_KEPT)
+            return keep_gate_mark(func, args, result, kwargs) if kept else result
         what = "the transformer rules on products, softmax, attention, activations and norms"
         raise_for_checkpoint(what)
         raise_for_transformed_call(what, args, needs=2 if func in _PRODUCTS or func in PRODUCTS_IN_PLACE else 1)
@@ -321,7 +320,8 @@ class FunctionalRules(TorchFunctionMode):
                     return mixed
             # A statistic (a norm written out: ``h * rsqrt(mean(h²) + ε)``) held constant, as a norm's scale; a gate.
             statistics = statistic_factors(func, args)
-            masks = GATE_MASKS_MADE or (OTHER_MASKS_MADE and self.hold_gates)  # (CP-LRP: gates of another kind)
+            # (CP-LRP: gates of another kind; constants in part, their gates' note maybe gone with a join)
+            masks = GATE_MASKS_MADE or (OTHER_MASKS_MADE and self.hold_gates) or CONSTANT_MASKS_MADE
             if statistics is None and masks and func in ELEMENTWISE_PRODUCTS:
                 # A factor a gate in some elements only (a join of gates and other activations): element by element.
                 # (Its elements no gate a join's weights in part: held there too, see _joined_weights.)

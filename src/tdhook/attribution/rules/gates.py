@@ -39,7 +39,6 @@ from tdhook.attribution.rules._autograd import (
     is_activation,
     mark_parameter_derived,
     raise_for_transformed_call,
-    redirect,
 )
 from tdhook.attribution.rules._clips import (
     BOUNDS,
@@ -50,10 +49,12 @@ from tdhook.attribution.rules._clips import (
     clip_passing,
     clips_a_signal,
 )
+from tdhook.attribution.rules._constant_elements import CONSTANT_MASKS_MADE, keep_constant_elements
 from tdhook.attribution.rules._copied_gates import COPIES_IN_PLACE, keep_copied_marks
 from tdhook.attribution.rules._filled_constants import keep_filled_elements
 from tdhook.attribution.rules._filled_gates import FILLS, WHERES, filled_mask, filled_pieces
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN
+from tdhook.attribution.rules._held_glu import held_glu
 from tdhook.attribution.rules._held_norm_calls import NORMALIZING_CALLS, HeldNormCalls, normalized_inputs
 from tdhook.attribution.rules._in_place_writes import (
     WRITES_IN_PLACE,
@@ -62,13 +63,14 @@ from tdhook.attribution.rules._in_place_writes import (
     mark_written_in_place,
     note_gate_views,
 )
-from tdhook.attribution.rules._joined_gates import GATE_JOINS, mark_joined_gate
+from tdhook.attribution.rules._joined_gates import GATE_JOINS, OTHER_MASKS_MADE, mark_joined_gate
 from tdhook.attribution.rules._joined_weights import (
     WEIGHTS_MARK,
     WEIGHTS_MASKS_MADE,
     keep_weights_elements,
     mark_joined_weights,
 )
+from tdhook.attribution.rules._kept_constants import CONSTANTS_KEPT, PADS, keep_constants, padded_mask
 from tdhook.attribution.rules._kept_gate_elements import keep_gate_elements
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
@@ -78,6 +80,7 @@ from tdhook.attribution.rules._recomputed import in_checkpoint, raise_for_checkp
 from tdhook.attribution.rules._selected_gates import SELECTIONS, keep_selected_elements, on_mask
 from tdhook.attribution.rules._unrecorded_writes import NOT_READ, UNRECORDED, note_out_write, read_unrecorded
 from tdhook.attribution.rules._whole_choices import choice_follows_values
+from tdhook.attribution.rules._written_copies import WRITES_INTO_COPIES, write_into_copy, writes_into_copy
 from tdhook.attribution.rules._written_norms import WRITTEN_NORM_CALLS, statistic_place
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, rules_apply
 from tdhook.attribution.rules.basic import PassRule
@@ -184,7 +187,7 @@ GATE_PRESERVING |= GATE_JOINS
 # A gate padded (``F.pad(g, (0, 1), value=1.0)``: a gate of 1 for a unit, as ``torch.cat([g, ones], 1)``; reflected,
 # replicated or circular padding copies its values): a gate, of its kind. (It was none: the product's relevance was
 # shared with the gate, 1.3-7.0 off, relative L2, under AttnLRP and CP-LRP, 0.16-0.27 under the CNN presets.)
-GATE_PADS = frozenset({F.pad, torch.constant_pad_nd})
+GATE_PADS = PADS
 GATE_PRESERVING |= GATE_PADS
 # Constants written into a gate (``g.masked_fill(pad, 0.0)``, ``torch.where(keep, g, 0.0)``): see _filled_gates.
 GATE_PRESERVING |= FILLS | COPIES_IN_PLACE  # and the values of a gate or weights copied in place (_copied_gates)
@@ -216,7 +219,10 @@ def mark_gate(tensor: torch.Tensor, source: torch.Tensor, sigmoid: bool = False)
     # A view of a tensor written into, or a gate made in a view of a tensor that is none (``c[:, :3].sigmoid_()``):
     # its elements a gate now, noted on the tensor, whose later writes (``c[:, 3:] = g``) would else make the mask
     # without them (a view of a gate, its tensor a gate with no mask, needs none: the tensor's marks tell then).
-    if base is not None and ((GATE_MASKS_MADE and GATE_WRITTEN in base.__dict__) or GATE_MARK not in base.__dict__):
+    # (Not a view that shows a gate its tensor is marked as whole, a tanh filled with constants: its mask tells.)
+    own = base.__dict__ if base is not None else {}
+    inherited = own.get(GATE_MARK) is source and bool(own.get(SIGMOID_MARK, False)) is sigmoid
+    if base is not None and not inherited and ((GATE_MASKS_MADE and GATE_WRITTEN in own) or GATE_MARK not in own):
         note_gate_views(tensor, None, {GATE_MARK: source, SIGMOID_MARK: True} if sigmoid else {GATE_MARK: source})
     return tensor
 
@@ -289,14 +295,18 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
     elif func in FILLS and isinstance(result, torch.Tensor) and (filled := filled_pieces(func, args, kwargs or {})):
         _keep_filled_marks(filled, result, filled_mask(func, args, kwargs or {}, filled[0]))
         keep_filled_elements(func, args, kwargs or {}, filled, result)  # gates chosen, constants filled in
-    if GATE_MASKS_MADE and func in _ELEMENTS_KEPT and isinstance(result, torch.Tensor) and result._base is None:
-        # A copy or a positive scaling of a gate in some elements only (``m.t().contiguous()``, ``m * 2``), or its
-        # values rearranged into a new tensor (``m.t().reshape(-1)``, ``m.flip(1)``): those kept.
+    masks = GATE_MASKS_MADE or CONSTANT_MASKS_MADE or OTHER_MASKS_MADE
+    if masks and func in _ELEMENTS_KEPT and isinstance(result, torch.Tensor) and result._base is None:
+        # A copy or a positive scaling of a gate, or of constants, in some elements only (``m.t().contiguous()``,
+        # ``m * 2``), or its values rearranged into a new tensor (``m.t().reshape(-1)``, ``m.flip(1)``): those kept.
         source = _scaled_or_copied(func, args)
         if source is not None:
             keep_gate_elements(source, result)
+            keep_constant_elements(source, result)
         elif func in SAME_VALUES and args and isinstance(args[0], torch.Tensor):
-            keep_gate_elements(args[0], result, on_mask(func, args, kwargs or {}))
+            rearranged = on_mask(func, args, kwargs or {})
+            keep_gate_elements(args[0], result, rearranged)
+            keep_constant_elements(args[0], result, rearranged)
     if WEIGHTS_MASKS_MADE and func in SAME_VALUES and isinstance(result, torch.Tensor) and result._base is None:
         # A copy of weights in some elements only (``mixed.t().contiguous()``, ``mixed.flip(1)``): those kept.
         if args and isinstance(args[0], torch.Tensor):
@@ -304,14 +314,16 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
             keep_weights_elements(args[0], result, rearranged)
     if func in COPIES_IN_PLACE:  # ``torch.empty_like(m).copy_(m)``: marked as what is copied
         keep_copied_marks(args, result)
-    if func in SELECTIONS and (GATE_MASKS_MADE or WEIGHTS_MASKS_MADE) and isinstance(result, torch.Tensor):
+    if func in SELECTIONS and (masks or WEIGHTS_MASKS_MADE) and isinstance(result, torch.Tensor):
         keep_selected_elements(func, args, kwargs or {}, result)  # a selection that views a copy (repeat_interleave)
     if func in GATE_PADS and (GATE_MASKS_MADE or WEIGHTS_MASKS_MADE) and args and isinstance(result, torch.Tensor):
         # A gate or weights in some elements only padded (``F.pad(m, (1, 1))``): those kept, and the constants
         # padded with, as a join's (they were lost: 0.20 off, relative L2, under AttnLRP, 0.44 under CP-LRP).
         if isinstance(args[0], torch.Tensor):
-            keep_gate_elements(args[0], result, _padded_mask(func, args, kwargs or {}))
-            keep_weights_elements(args[0], result, _padded_mask(func, args, kwargs or {}))
+            keep_gate_elements(args[0], result, padded_mask(func, args, kwargs or {}))
+            keep_weights_elements(args[0], result, padded_mask(func, args, kwargs or {}))
+    if func in CONSTANTS_KEPT:  # constants beside an activation padded, negated, shifted: kept (_kept_constants)
+        keep_constants(func, args, kwargs or {}, result)
     if args and getattr(args[0], WEIGHTS_MARK, False) and (same_values or func in GATE_SPLITS):
         for piece in result if isinstance(result, (tuple, list)) else (result,):  # a softmax's weights, reshaped
             if isinstance(piece, torch.Tensor):
@@ -383,17 +395,6 @@ def _scaled_or_copied(func: Any, args: tuple) -> torch.Tensor | None:
     return None
 
 
-def _padded_mask(func: Any, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The call ``F.pad(*args, **kwargs)`` (or ``torch.constant_pad_nd``) made on a mask of the padded tensor's
-    shape: true where the constants padded with go, and copied where its values are (reflected, replicated,
-    circular)."""
-    pad = args[1] if len(args) > 1 else kwargs["pad"]
-    mode = "constant" if func is not F.pad else args[2] if len(args) > 2 else kwargs.get("mode", "constant")
-    if mode == "constant":
-        return lambda mask: torch.constant_pad_nd(mask, pad, True)
-    return lambda mask: F.pad(mask.to(torch.float32), pad, mode=mode) > 0.5  # (no such padding of booleans)
-
-
 def _convex_resize(args: tuple, kwargs: dict) -> bool:
     """Whether an ``F.interpolate`` call gives each output a copy or a convex combination of its input's values."""
     mode = args[3] if len(args) > 3 else kwargs.get("mode", "nearest")
@@ -460,26 +461,32 @@ def held_factors(args: tuple, any_gate: bool = True) -> list[bool] | None:
     return None if gates[0] == gates[1] else gates
 
 
-def held_glu(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """``F.glu(x, dim)``, ``a · sigmoid(b)`` of ``x``'s halves ``a`` and ``b``, with its sigmoid gate held constant
-    (as a squeeze-excite gate is, under every preset): ``a`` gets all the relevance, ``b`` none. The values are
-    ``F.glu``'s own.
+def marked_call(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)``, a call the modes let through, its result marked as computed from parameters alone or
+    not; an in-place write judged by what it writes (a weight built in place from parameters stays a weight: peft's
+    OFT rotation), and a write out of place as the same write into a copy (see _written_copies).
 
     Examples:
-        >>> x = torch.tensor([[1.0, -2.0, 0.5, 3.0]], requires_grad=True)
-        >>> y = held_glu(x * 1, -1)
-        >>> torch.equal(y, F.glu(x, -1))
-        True
-        >>> relevance = x * torch.autograd.grad(y.sum(), x)[0]
-        >>> torch.allclose(relevance, torch.cat([y, torch.zeros(1, 2)], -1))
+        >>> weight = torch.nn.Parameter(torch.ones(3))
+        >>> is_activation(marked_call(torch.mul, (weight, 2.0), {}))
+        False
+    """
+    if func in WRITES_IN_PLACE:
+        return mark_written_in_place(func, args, kwargs)
+    if func in WRITES_INTO_COPIES and writes_into_copy(func, args, kwargs):
+        return write_into_copy(func, args, kwargs, copy_marked)
+    return mark_parameter_derived(args, func(*args, **kwargs), func)
+
+
+def copy_marked(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.clone()``, marked as the modes mark a copy (a gate, constants or gates in part, weights kept).
+
+    Examples:
+        >>> x = torch.ones(2, requires_grad=True) * 1
+        >>> is_gate(copy_marked(mark_gate(torch.sigmoid(x), x)))
         True
     """
-    gate = hold(torch.sigmoid(x.chunk(2, dim)[1]))
-
-    def backward(grad: torch.Tensor) -> list[torch.Tensor]:
-        return [torch.cat([grad * gate, torch.zeros_like(grad)], dim)]
-
-    return redirect(F.glu(x, dim), [x], backward)
+    return keep_gate_mark(torch.Tensor.clone, (tensor,), mark_parameter_derived((tensor,), tensor.clone()))
 
 
 class GateRule(PassRule):
@@ -587,7 +594,9 @@ class HeldGates(TorchFunctionMode):
         if func in ELEMENTWISE_PRODUCTS:
             # A factor a gate in some elements only (a join of gates and other activations): element by element.
             held = (
-                mixed_gate_product(func, args, kwargs, True, _plain_product(func, kwargs)) if GATE_MASKS_MADE else None
+                mixed_gate_product(func, args, kwargs, True, _plain_product(func, kwargs))
+                if GATE_MASKS_MADE or CONSTANT_MASKS_MADE
+                else None
             )
             held = held_gate_product(func, args, kwargs) if held is None else held
             if held is not None:
@@ -650,10 +659,7 @@ class HeldGates(TorchFunctionMode):
             raise_for_transformed_call("gates held constant in products", args[:1])
         if self.norm_calls.held:  # a product of two activations, which has no rule here: see _held_norm_calls
             self.norm_calls.release_reached(func, args, kwargs)
-        if func in WRITES_IN_PLACE:  # a weight built in place from parameters stays a weight (peft's OFT rotation)
-            result = mark_written_in_place(func, args, kwargs)
-        else:
-            result = mark_parameter_derived(args, func(*args, **kwargs), func)
+        result = marked_call(func, args, kwargs)
         if gate and args and is_activation(args[0]) and isinstance(result, torch.Tensor):
             return mark_gate(result, args[0], sigmoid=True)
         if func in WHERES and self.probe and not self.held and choice_follows_values(func, args, kwargs):
