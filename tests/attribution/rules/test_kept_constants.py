@@ -24,6 +24,7 @@ from tests.attribution.rules.test_filled_constants import MAPPERS, assert_like_a
 FILLED = torch.tensor([True, False, True, False, False, True])
 FIRST_TWO = torch.tensor([True, True, False, False, False, False])
 ACTIVATIONS = {"relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid}
+COS = torch.linspace(-1.0, 1.0, 6, dtype=torch.float64)  # (a constant tensor of both signs, a rotary's cosines)
 
 
 def _written(h: torch.Tensor) -> torch.Tensor:
@@ -60,13 +61,16 @@ CALLS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     ),
     "c * 2.0": lambda c: c * 2.0,
     "c / 2.0": lambda c: c / 2.0,
+    "c * -2.0": lambda c: c * -2.0,
+    "c * cos": lambda c: c * COS,
+    "-3.0 * c": lambda c: -3.0 * c,
 }
 # The calls that change the constants' values (a gate's elements are then no gate: the oracle applies them to h)
 SHIFTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "c.neg().neg()": lambda c: c.neg().neg(),
     "c + 0.0": lambda c: c + 0.0,
 }
-SCALES = {"c * 2.0": 2.0, "c / 2.0": 0.5}
+SCALES = {"c * 2.0": 2.0, "c / 2.0": 0.5, "c * -2.0": -2.0, "c * cos": COS, "-3.0 * c": -3.0}
 
 
 class Kept(nn.Module):

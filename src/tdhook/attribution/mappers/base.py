@@ -33,11 +33,12 @@ from tdhook.attribution.rules.base import Rule
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule
 from tdhook.attribution.rules.batch_norm import MergeBatchNormRule, is_batch_norm
 from tdhook.attribution.rules.elementwise import ElementwiseRule, may_be_elementwise
-from tdhook.attribution.rules.gates import GateRule, HeldGates, RouterRule, is_router, is_router_layer
+from tdhook.attribution.rules.gates import GateRule, HeldGates
 from tdhook.attribution.rules.input_layer import FirstLayerRule
 from tdhook.attribution.rules.normalization import BatchRenormRule, NormRule, is_norm
 from tdhook.attribution.rules.quantized import QuantizedLinearRule, holds_packed_weights, is_quantized_linear
 from tdhook.attribution.rules.recurrent import RecurrentRule, is_recurrent
+from tdhook.attribution.rules.routers import RouterRule, is_router, is_router_layer
 from tdhook.attribution.tunables import Tunable
 
 __all__ = ["RuleMapper", "rule_mapper_from_dict", "PresetOptions", "BaseRuleMapper"]

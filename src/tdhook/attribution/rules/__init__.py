@@ -43,12 +43,13 @@ from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
 from tdhook.attribution.rules.checks import raise_for_unconserved_rel_factory
 from tdhook.attribution.rules.elementwise import ElementwiseRule
 from tdhook.attribution.rules.functional import FunctionalRules
-from tdhook.attribution.rules.gates import GateRule, HeldGates, RouterRule
+from tdhook.attribution.rules.gates import GateRule, HeldGates
 from tdhook.attribution.rules.input_layer import FirstLayerRule, FlatRule, WSquareRule, ZBoxRule
 from tdhook.attribution.rules.modified import AlphaBetaRule, GammaRule
 from tdhook.attribution.rules.normalization import BatchRenormRule, NormRule
 from tdhook.attribution.rules.quantized import QuantizedLinearRule
 from tdhook.attribution.rules.recurrent import RecurrentRule
+from tdhook.attribution.rules.routers import RouterRule
 from tdhook.attribution.rules.taylor import TaylorDecompositionRule
 from tdhook.attribution.rules.transformer import (
     AHQKVRule,

@@ -54,6 +54,7 @@ _METHODS = ("index_add", "index_copy", "index_fill", "index_put", "index_reduce"
 _METHODS += ("scatter_add", "scatter_reduce", "put")
 # The in-place write each write out of place makes into a copy (for what it writes: see written_value).
 _IN_PLACE = {getattr(o, name): getattr(torch.Tensor, name + "_") for name in _METHODS for o in (torch.Tensor, torch)}
+_MASKED_SCATTERS = frozenset({torch.masked_scatter, torch.Tensor.masked_scatter})
 _SCATTERS = {"slice_scatter": _slice_scatter, "select_scatter": _select_scatter}
 _SCATTERS["diagonal_scatter"] = _diagonal_scatter
 #: The writes out of place (methods, and the functions of the same writes) → the same write in place into a copy.
@@ -88,17 +89,18 @@ def writes_into_copy(func: Any, args: tuple, kwargs: dict) -> bool:
     return not (_plain_activation(target) and _plain_activation(value))
 
 
-def write_into_copy(func: Any, args: tuple, kwargs: dict, copy: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def write_into_copy(func: Any, args: tuple, kwargs: dict, copy: Callable[..., torch.Tensor]) -> torch.Tensor:
     """``func(*args, **kwargs)``, a write out of place (one of :data:`WRITES_INTO_COPIES`), made as the same write in
-    place into ``copy(args[0])`` (made as a mode of the rules makes a copy, which keeps what ``args[0]`` is noted to
-    be: a gate, constants in part), so that the result is noted as the in-place write notes it.
+    place into ``copy(args[0], shape)`` (made as a mode of the rules makes a copy, which keeps what ``args[0]`` is
+    noted to be: a gate, constants in part; broadcast to ``shape`` where the call broadcasts it, else ``None``), so
+    that the result is noted as the in-place write notes it.
 
     Examples:
         >>> from tdhook.attribution.rules._constant_elements import constants_shown
         >>> h = torch.ones(2, 3, requires_grad=True) * 2  # an activation
         >>> buffer = torch.full((2, 3), 5.0)  # a constant
         >>> index = torch.tensor([0])
-        >>> added = write_into_copy(torch.Tensor.index_add, (buffer, 1, index, h[:, :1]), {}, torch.clone)
+        >>> added = write_into_copy(torch.Tensor.index_add, (buffer, 1, index, h[:, :1]), {}, lambda t, s: t.clone())
         >>> added[0].tolist(), constants_shown(added).tolist()
         ([7.0, 5.0, 5.0], [[False, True, True], [False, True, True]])
     """
@@ -106,7 +108,10 @@ def write_into_copy(func: Any, args: tuple, kwargs: dict, copy: Callable[[torch.
         args = (kwargs["input"],)
         kwargs = {k: v for k, v in kwargs.items() if k != "input"}
     target = args[0]
-    copied = copy(target)
+    shape = None
+    if func in _MASKED_SCATTERS:  # (out of place, the tensor broadcasts with the mask: ``c.masked_scatter(m, v)``)
+        shape = torch.broadcast_shapes(target.shape, call_argument(args, kwargs, 1, "mask").shape)
+    copied = copy(target, shape)
     WRITES_INTO_COPIES[func](copied, args, kwargs)  # (returns the copy, a view of it, or nothing)
     return copied
 

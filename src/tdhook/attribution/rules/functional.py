@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,7 @@ from tdhook.attribution.rules._cosine_similarity import COSINE_SIMILARITY, cosin
 from tdhook.attribution.rules._dropout_calls import DROPOUTS, dropout_probability, warn_random_dropout
 from tdhook.attribution.rules._filled_gates import WHERES
 from tdhook.attribution.rules._first_pass import first_pass
+from tdhook.attribution.rules._fused_products import FUSED_PRODUCTS, fused_factors, fused_product
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE
 from tdhook.attribution.rules._generated_linear import generated_linear, linear_as_product
 from tdhook.attribution.rules._held_following import follow_held
@@ -156,6 +157,7 @@ _HANDLED = frozenset(
     | set(CLIPS_IN_PLACE)
     | BOUNDS
     | {F.glu}
+    | FUSED_PRODUCTS
     | DIVISIONS
     | set(NORM_CALLS)
     | STATISTICS_AND_MEANS
@@ -352,7 +354,7 @@ class FunctionalRules(TorchFunctionMode):
                 recording.scaled(node, scaled.grad_fn)
             return scaled
         if CONSTANT_MASKS_MADE and (func is torch.einsum or func in _BADDBMM):  # a factor with constants in part
-            mixed = self._constant_bilinear(func, args, kwargs)
+            mixed = _constant_bilinear(func, args, kwargs)
             if mixed is not None:
                 if recording is not None:  # (a rule a later call does not plan: it runs in the mode)
                     recording.other_rule()
@@ -409,7 +411,9 @@ class FunctionalRules(TorchFunctionMode):
                 return self._einsum(args, kwargs)
             return _NO_RULE
         if func in _BADDBMM and len(args) >= 3 and is_activation(args[1]) and is_activation(args[2]):
-            return func(args[0], *uniform_product(args[1], args[2]), *args[3:], **kwargs)
+            return _batched_product(func, args, kwargs, self.hold_gates, recording)
+        if func in FUSED_PRODUCTS:  # ``torch.addcmul(h, g, n)``, ``torch.lerp(h, n, z)``: the product's rule
+            return _fused(func, args, kwargs, self.hold_gates, recording)
         if func is F.scaled_dot_product_attention:
             return attention(self, *args, **kwargs)
         if func in _ACTIVATION_FUNCTIONS and args and is_activation(args[0]):
@@ -546,26 +550,9 @@ class FunctionalRules(TorchFunctionMode):
             return generated_linear(func, args, {})
         if func in PRODUCTS_IN_PLACE:
             return two_activations_in_place(func, args, {})
+        if func in FUSED_PRODUCTS:
+            return fused_factors(func, args, {}, lambda f: held_factors(f, self.hold_gates) or [False] * 2) is not None
         return func in _HANDLED and (func is not torch.einsum or len(_einsum_operands(args)) == 2)
-
-    def _constant_bilinear(self, func, args: tuple, kwargs: dict) -> torch.Tensor | None:
-        """An ``einsum`` of two activations or a ``baddbmm`` of two activations' batches, one of which holds
-        constants beside an activation (a key cache joined onto detached past keys): the constants' part a linear
-        map of the other factor, as a matrix product's (see :mod:`~tdhook.attribution.rules._constant_matmuls`);
-        ``None`` where none does."""
-        if func is torch.einsum:
-            operands = _einsum_operands(args)
-            if len(operands) != 2 or not all(is_activation(operand) for operand in operands):
-                return None
-            equation = args[0]
-
-            def uniform(factors: tuple) -> torch.Tensor:
-                return scale_gradient(torch.einsum(equation, *factors, **kwargs), 0.5)
-
-            return constant_einsum(equation, operands, kwargs, uniform)
-        if len(args) < 3 or not (is_activation(args[1]) and is_activation(args[2])):
-            return None
-        return constant_baddbmm(func, args, kwargs, _uniform_product(torch.bmm, {}))
 
     def _einsum(self, args: tuple, kwargs: dict) -> torch.Tensor:
         """``torch.einsum(equation, a, b)`` of two activations: a product, as ``a @ b`` is (bilinear, so the uniform
@@ -580,6 +567,49 @@ class FunctionalRules(TorchFunctionMode):
 
         held = held_gate_product(product, tuple(operands), {}, any_gate=self.hold_gates)
         return held if held is not None else scale_gradient(product(*operands), 0.5, in_place=True)
+
+
+def _constant_bilinear(func: Callable, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """An ``einsum`` of two activations or a ``baddbmm`` of two activations' batches, one of which holds
+    constants beside an activation (a key cache joined onto detached past keys): the constants' part a linear
+    map of the other factor, as a matrix product's (see :mod:`~tdhook.attribution.rules._constant_matmuls`);
+    ``None`` where none does."""
+    if func is torch.einsum:
+        operands = _einsum_operands(args)
+        if len(operands) != 2 or not all(is_activation(operand) for operand in operands):
+            return None
+        equation = args[0]
+
+        def uniform(factors: tuple) -> torch.Tensor:
+            return scale_gradient(torch.einsum(equation, *factors, **kwargs), 0.5)
+
+        return constant_einsum(equation, operands, kwargs, uniform)
+    if len(args) < 3 or not (is_activation(args[1]) and is_activation(args[2])):
+        return None
+    return constant_baddbmm(func, args, kwargs, _uniform_product(torch.bmm, {}))
+
+
+def _fused(func: Callable, args: tuple, kwargs: dict, hold_gates: bool, recording: Recording | None) -> Any:
+    """A product fused with a sum (``torch.addcmul``, ``torch.lerp``: see _fused_products) under the rule of the
+    product it computes: its gate held, else (``addcmul``) the uniform rule; ``_NO_RULE`` where none applies."""
+    gates = fused_factors(func, args, kwargs, lambda pair: held_factors(pair, any_gate=hold_gates) or [False, False])
+    if gates is None:
+        return _NO_RULE
+    if recording is not None:  # (a rule a later call does not plan: it runs in the mode)
+        recording.other_rule()
+    return fused_product(func, args, kwargs, gates, uniform=True)
+
+
+def _batched_product(func: Callable, args: tuple, kwargs: dict, hold_gates: bool, recording: Recording | None) -> Any:
+    """``torch.baddbmm(c, a, b)`` of two activations' batches: a gate among them held, as in ``torch.bmm(a, b)`` (it
+    took the uniform rule: 0.25 off, relative L2, float64, under AttnLRP and CP-LRP), else the uniform rule."""
+    gates = held_factors(args[1:3], any_gate=hold_gates)
+    if gates is None:
+        return func(args[0], *uniform_product(args[1], args[2]), *args[3:], **kwargs)
+    if recording is not None:  # (a rule a later call does not plan: it runs in the mode)
+        recording.other_rule()
+    factors = [hold(a) if gate else a for a, gate in zip(args[1:3], gates, strict=True)]
+    return func(args[0], *factors, *args[3:], **kwargs)
 
 
 def _held_product(func: Callable, args: tuple, kwargs: dict, gates: list[bool], recording: Recording | None):

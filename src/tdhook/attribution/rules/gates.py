@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._aten_operators import aten_operators as _aten
@@ -53,6 +52,7 @@ from tdhook.attribution.rules._constant_elements import CONSTANT_MASKS_MADE, kee
 from tdhook.attribution.rules._copied_gates import COPIES_IN_PLACE, keep_copied_marks
 from tdhook.attribution.rules._filled_constants import keep_filled_elements
 from tdhook.attribution.rules._filled_gates import FILLS, WHERES, filled_mask, filled_pieces
+from tdhook.attribution.rules._fused_products import FUSED_PRODUCTS, fused_factors, fused_product
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN
 from tdhook.attribution.rules._held_glu import held_glu
 from tdhook.attribution.rules._held_norm_calls import NORMALIZING_CALLS, HeldNormCalls, normalized_inputs
@@ -73,7 +73,6 @@ from tdhook.attribution.rules._joined_weights import (
 from tdhook.attribution.rules._kept_constants import CONSTANTS_KEPT, PADS, keep_constants, padded_mask
 from tdhook.attribution.rules._kept_gate_elements import keep_gate_elements
 from tdhook.attribution.rules._keyword_factors import positional_factors
-from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._means_apart import STATISTICS_AND_MEANS, mean_apart
 from tdhook.attribution.rules._mixed_gate_products import mixed_gate_in_place, mixed_gate_product
 from tdhook.attribution.rules._recomputed import in_checkpoint, raise_for_checkpoint
@@ -82,8 +81,8 @@ from tdhook.attribution.rules._unrecorded_writes import NOT_READ, UNRECORDED, no
 from tdhook.attribution.rules._whole_choices import choice_follows_values
 from tdhook.attribution.rules._written_copies import WRITES_INTO_COPIES, write_into_copy, writes_into_copy
 from tdhook.attribution.rules._written_norms import WRITTEN_NORM_CALLS, statistic_place
-from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, rules_apply
 from tdhook.attribution.rules.basic import PassRule
+from tdhook.attribution.rules.routers import RouterRule, is_router, is_router_layer
 
 __all__ = [
     "GateRule",
@@ -191,10 +190,6 @@ GATE_PADS = PADS
 GATE_PRESERVING |= GATE_PADS
 # Constants written into a gate (``g.masked_fill(pad, 0.0)``, ``torch.where(keep, g, 0.0)``): see _filled_gates.
 GATE_PRESERVING |= FILLS | COPIES_IN_PLACE  # and the values of a gate or weights copied in place (_copied_gates)
-# Class names of routers whose forward selects experts without ``topk`` (by ``max`` in a helper, as PhiMoE).
-_ROUTER_NAMES = ("Router",)
-# Class names of routers that hold their projection and select by ``topk`` (JetMoE's ``TopKGating``, HunYuan's gate).
-_GATE_NAMES = ("Gate", "Gating")
 ELEMENTWISE_PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
 ELEMENTWISE_PRODUCTS |= {torch.multiply, torch.Tensor.multiply}  # aliases of ``mul``
 # A signal multiplied by a gate in place (``h.mul_(g)``, ``h *= g``): the gate is held, as in ``h * g``.
@@ -478,14 +473,18 @@ def marked_call(func: Any, args: tuple, kwargs: dict) -> Any:
     return mark_parameter_derived(args, func(*args, **kwargs), func)
 
 
-def copy_marked(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor.clone()``, marked as the modes mark a copy (a gate, constants or gates in part, weights kept).
+def copy_marked(tensor: torch.Tensor, shape: torch.Size | None = None) -> torch.Tensor:
+    """``tensor.clone()`` (of ``tensor`` broadcast to ``shape``, where given), marked as the modes mark a copy (a
+    gate, constants or gates in part, weights kept).
 
     Examples:
         >>> x = torch.ones(2, requires_grad=True) * 1
-        >>> is_gate(copy_marked(mark_gate(torch.sigmoid(x), x)))
-        True
+        >>> is_gate(copy_marked(mark_gate(torch.sigmoid(x), x))), copy_marked(x, torch.Size([3, 2])).shape
+        (True, torch.Size([3, 2]))
     """
+    if shape is not None and shape != tensor.shape:
+        expanded = tensor.expand(shape)
+        tensor = keep_gate_mark(torch.Tensor.expand, (tensor, shape), mark_parameter_derived((tensor,), expanded))
     return keep_gate_mark(torch.Tensor.clone, (tensor,), mark_parameter_derived((tensor,), tensor.clone()))
 
 
@@ -569,6 +568,8 @@ class HeldGates(TorchFunctionMode):
             return any(is_activation(x) for x in normalized_inputs(func, args, {}))
         if func in WRITTEN_NORM_CALLS and self.norm_calls.holds_statistic(args):
             return True
+        if func in FUSED_PRODUCTS:
+            return any(fused_factors(func, args, {}, held_factors) or ())
         return func in ELEMENTWISE_PRODUCTS and held_factors(args) is not None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -654,6 +655,10 @@ class HeldGates(TorchFunctionMode):
                 result = bound_passing(func, args, kwargs, signal, _PASS_CLIPS.apply, _PASS_CLIPS)
                 self.clips.append(result.grad_fn)
                 return result
+        if func in FUSED_PRODUCTS and any(fused_factors(func, args, kwargs, held_factors) or ()):
+            raise_for_checkpoint("gates held constant in products")  # ``torch.lerp(h, n, z)``: its gate held
+            self.held = True
+            return fused_product(func, args, kwargs, fused_factors(func, args, kwargs, held_factors), uniform=False)
         gate = func in GATE_FUNCTIONS or func in _GATES_IN_PLACE
         if gate:  # a gate computed under torch.vmap is neither seen nor held
             raise_for_transformed_call("gates held constant in products", args[:1])
@@ -688,110 +693,3 @@ def give_back_norms_entering(args: tuple) -> None:
     for mode in torch.overrides._get_current_function_mode_stack():
         if isinstance(mode, HeldGates) and mode.norm_calls.held:
             mode.norm_calls.release_from(args)
-
-
-def is_router(module: nn.Module) -> bool:
-    """Whether ``module`` routes tokens to experts: its forward selects the top k of its scores
-    (``torch.topk``), or it is a Hugging Face class named a router (``PhimoeTopKRouter`` selects by ``max`` in a
-    helper function); and it holds no layer besides itself (the mixture around it holds the experts; a
-    router may itself be a ``Linear``, as Llama 4's is), or, named a router, one: its projection (DBRX's; and
-    JetMoE's and HunYuan's, named gates, which select by ``topk``).
-
-    Examples:
-        >>> class Router(nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.weight = nn.Parameter(torch.randn(4, 8))
-        ...     def forward(self, x):
-        ...         return torch.topk(torch.softmax(F.linear(x, self.weight), -1), 2, dim=-1)
-        >>> class LinearRouter(nn.Linear):
-        ...     def forward(self, x):
-        ...         return torch.topk(super().forward(x), 2, dim=-1)
-        >>> is_router(Router()), is_router(LinearRouter(8, 4)), is_router(nn.Linear(8, 4))
-        (True, True, False)
-    """
-    layers = sum(isinstance(sub, LINEAR_LAYERS) for sub in module.modules() if sub is not module)
-    code = getattr(type(module).forward, "__code__", None)
-    selects = code is not None and "topk" in code.co_names
-    if selects and not layers:
-        return True
-    # By name only in Hugging Face's classes: a user's module named a router may well be a branch of the signal.
-    name = type(module).__name__
-    named = name.endswith(_ROUTER_NAMES) or (selects and name.endswith(_GATE_NAMES))
-    return named and type(module).__module__.startswith("transformers.") and layers <= 1  # its projection (DBRX's)
-
-
-def is_router_layer(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
-    """Whether ``module`` is a ``Linear`` layer that a Hugging Face class holds as its router (an attribute named
-    ``…router``, as Gemma 3n's AltUp holds ``modality_router``, whose outputs mix its inputs with coefficients, as
-    routing weights mix experts); a class that is a router itself (see :func:`is_router`) holds its projection.
-
-    Examples:
-        >>> class AltUp(nn.Module):  # a Hugging Face class in transformers' package
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.modality_router = nn.Linear(8, 2)
-        >>> AltUp.__module__ = "transformers.models.gemma3n.modeling_gemma3n"
-        >>> is_router_layer("altup.modality_router", AltUp().modality_router, AltUp())
-        True
-        >>> AltUp.__module__ = "my_model"  # a user's module named a router may be a branch of the signal
-        >>> is_router_layer("altup.modality_router", AltUp().modality_router, AltUp())
-        False
-    """
-    if parent is None or not isinstance(module, nn.Linear) or is_router(parent):
-        return False
-    named = name.rpartition(".")[2].lower().endswith("router")
-    return named and type(parent).__module__.startswith("transformers.")
-
-
-class RouterRule(Rule):
-    """The router of a mixture of experts: its outputs (router logits, routing weights) are held constant.
-
-    The routing is unchanged: the same experts are chosen with the same weights.
-    The weights multiply the experts' outputs, and held constant they act as the
-    gates of :class:`GateRule` do (signal-take-all): the mixture's relevance
-    flows through the experts only, none through the router, and relevance is
-    conserved through the weighted sum of the experts.
-
-    Examples:
-        >>> class Router(nn.Module):
-        ...     def forward(self, x):
-        ...         weights, index = torch.topk(torch.softmax(x, -1), 1, dim=-1)
-        ...         return weights, index
-        >>> x = torch.randn(3, 4, requires_grad=True)
-        >>> router = Router()
-        >>> with RouterRule().register(router):
-        ...     weights, index = router(x)
-        >>> weights.requires_grad, torch.equal(weights, torch.softmax(x, -1).max(-1, keepdim=True).values)
-        (False, True)
-    """
-
-    uses_input = False
-    differentiable = True
-
-    def register(self, module: nn.Module) -> RemovableRuleHandle:
-        if module in self._registrations:
-            raise ValueError(f"{self!r} is already registered on this {type(module).__name__}")
-        registration = self._new_registration(module)
-
-        def hold(mod: nn.Module, args: tuple, output: Any) -> Any:
-            if not rules_apply(mod):
-                return None
-            return _held(output, mod)
-
-        with self._recorded(module, registration):
-            registration.hooks.append(module.register_forward_hook(hold))
-        return RemovableRuleHandle(self, module)
-
-
-def _held(output: Any, module: nn.Module) -> Any:
-    if isinstance(output, torch.Tensor):
-        return hold(output)
-    if isinstance(output, (tuple, list)):
-        return type(output)(_held(item, module) for item in output)
-    if output is None or isinstance(output, (int, float, bool)):
-        return output
-    raise TypeError(
-        f"RouterRule on {type(module).__name__}: expected a router returning tensors (routing weights, expert "
-        f"indices) or a tuple of them, got {type(output).__name__}; map the module to another rule"
-    )
