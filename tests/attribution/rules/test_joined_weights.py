@@ -147,22 +147,28 @@ def test_weights_joined_with_other_activations_are_held_element_by_element(form:
 
 
 class WrittenInto(nn.Module):
-    """A join of weights and an activation written into in place, then multiplied by a signal."""
+    """A join of weights and an activation written into in place, then multiplied by a signal; ``held``: the
+    weights detached (the oracle: held in the product, they pass it no relevance)."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: bool = False) -> None:
         super().__init__()
+        torch.manual_seed(0)
         self.a, self.h, self.s = nn.Linear(4, 3), nn.Linear(4, 3), nn.Linear(4, 6)
+        self.held = held
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        joined = torch.cat([torch.softmax(self.a(x), -1), torch.relu(self.h(x))], 1)
+        weights = torch.softmax(self.a(x), -1)
+        joined = torch.cat([weights.detach() if self.held else weights, torch.relu(self.h(x))], 1)
         joined[:, :1] = torch.relu(self.h(x))[:, :1]
         return joined * torch.relu(self.s(x))
 
 
-def test_a_product_with_a_join_of_weights_written_into_raises():
-    lrp = LRP(WrittenInto().double(), rule_mapper=AttnLRP(), in_keys=["x"], out_keys=["y"])
-    with pytest.raises(NotImplementedError, match="softmax's weights in some of its elements only"):
-        lrp(TensorDict(x=randn(2, 4), batch_size=[2]))
+def test_a_join_of_weights_written_into_in_place_holds_the_weights_it_keeps():
+    # Where its weights were after the write was not known: the product raised. The write is followed now.
+    x = randn(5, 4)
+    (expected, _) = relevance_twice(WrittenInto(held=True).double(), x, AttnLRP())
+    for actual in relevance_twice(WrittenInto().double(), x, AttnLRP()):
+        assert relative_error(actual, expected) <= 1e-12
 
 
 def test_a_join_marks_weights_where_every_piece_is_weights_or_a_constant():

@@ -40,6 +40,12 @@ from tdhook.attribution.rules._gate_writes import (
     gate_marks_shown,
     note_gate_written,
 )
+from tdhook.attribution.rules._joined_weights import (
+    WEIGHTS_MARK,
+    WEIGHTS_MASKS_MADE,
+    note_weights_written,
+    weights_shown,
+)
 from tdhook.attribution.rules._other_gate_writes import note_other_gates_written
 from tdhook.attribution.rules._unrecorded_writes import (
     ALIAS_OF,
@@ -315,7 +321,8 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
         or GATE_MARKS[0] in root.__dict__
         or (bool(GATE_MASKS_MADE) and GATE_WRITTEN in root.__dict__)
     )
-    if base is None and requires_grad and not marked and func not in REPLACING and not masked and not gated:
+    weighed = WEIGHTS_MARK in target.__dict__ or WEIGHTS_MARK in root.__dict__
+    if base is None and requires_grad and not marked and func not in REPLACING and not (masked or gated or weighed):
         # an activation written into in part (``relu_``, ``out += identity``): it stays one, nothing to mark
         return func(*args, **kwargs)
     replacing = replaces(func, args, kwargs)
@@ -345,8 +352,13 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     # Where a gate of any kind is, noted before the write (a join's of gates of another kind, see _other_gate_writes).
     prior = root.__dict__.get(OTHER_GATES)
     prior = None if prior is None else (*prior, root._version)
+    weights = (
+        _weights_before(func, args, kwargs, root, constant[-1]) if weighed or WEIGHTS_MASKS_MADE or replacing else None
+    )
     result = func(*args, **kwargs)
     value = written_value(func, args, kwargs)
+    if weights is not None:  # a softmax's weights written into part of a tensor, or part of weights written into
+        _weights_written(func, args, kwargs, whole, *weights)
     if gated or whole or (replacing and isinstance(value, torch.Tensor) and gate_marks_of(value)):
         _gate_written(func, args, kwargs, whole, targets, prior)  # a gate's elements written: its marks, its views'
     # Those with autograd history now (a constant written into without gradient, in a rule's own work, has none).
@@ -391,6 +403,35 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     if holds is not None and root.requires_grad and not root.is_leaf:  # the tensor viewed is what its elements are
         setattr(root, PARAMETER_DERIVED, not holds)
     return result
+
+
+def _weights_before(func: Any, args: tuple, kwargs: dict, root: torch.Tensor, constant: bool) -> tuple | None:
+    """Where ``root`` is a softmax's weights before the in-place write ``func(*args, **kwargs)`` into it (or into a
+    view of it), and whether the write puts weights there: ``None`` where no weights are written or noted on it (see
+    :func:`~tdhook.attribution.rules._joined_weights.note_weights_written`; a constant counts as weights, held or
+    not)."""
+    value = written_value(func, args, kwargs)
+    writes = isinstance(value, torch.Tensor) and WEIGHTS_MARK in value.__dict__
+    if WEIGHTS_MARK in root.__dict__:
+        return True, writes
+    shown = weights_shown(root) if WEIGHTS_MASKS_MADE else None
+    if isinstance(shown, torch.Tensor):
+        return shown, writes
+    return (constant and shown is None, writes) if writes else None
+
+
+def _weights_written(func: Any, args: tuple, kwargs: dict, whole: bool, before: Any, writes: bool) -> None:
+    """Note where the tensor ``args[0]`` views is a softmax's weights after the in-place write ``func(*args, **kwargs)``
+    (``whole``: it replaces every element of ``args[0]``), from ``before`` and ``writes`` (see :func:`_weights_before`):
+    weights where weights replaced the elements, none where anything else reached them."""
+    if func in _SCALINGS_IN_PLACE:  # ``w.mul_(2.5)``, ``w /= w.sum(-1, keepdim=True)``: weights still, as they were
+        return
+    replacing = whole or replaces(func, args, kwargs)
+    try:
+        region = None if whole else (replaced_region if replacing else reached_region)(func, args, kwargs)
+    except (RuntimeError, NotImplementedError, IndexError, TypeError, ValueError):  # indices a transform wraps
+        region, writes = None, False  # no weights where the write may reach
+    note_weights_written(args[0], region, writes and replacing, before)
 
 
 def unrecorded_straight_through(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:

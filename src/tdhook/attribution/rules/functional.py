@@ -362,6 +362,7 @@ class FunctionalRules(TorchFunctionMode):
         if func is torch.einsum and recording is not None:
             operands = _einsum_operands(args)
             two = len(operands) == 2 and all(is_activation(operand) for operand in operands)
+            two = two and not (_elementwise(args[0]) and weighing_factors(tuple(operands)))  # (weights: held)
             if two and held_factors(tuple(operands), any_gate=self.hold_gates) is None:
                 # A product of two activations (Funnel's relative attention), often a view: its own node halves the
                 # gradient it passes (the uniform rule), in this call and in a later one.
@@ -551,7 +552,7 @@ class FunctionalRules(TorchFunctionMode):
         if func in PRODUCTS_IN_PLACE:
             return two_activations_in_place(func, args, {})
         if func in FUSED_PRODUCTS:
-            return fused_factors(func, args, {}, lambda f: held_factors(f, self.hold_gates) or [False] * 2) is not None
+            return fused_factors(func, args, {}, lambda f: [False, False]) is not None or _gated_lerp(args, self)
         return func in _HANDLED and (func is not torch.einsum or len(_einsum_operands(args)) == 2)
 
     def _einsum(self, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -566,7 +567,18 @@ class FunctionalRules(TorchFunctionMode):
             return torch.einsum(equation, a, b, **kwargs)
 
         held = held_gate_product(product, tuple(operands), {}, any_gate=self.hold_gates)
+        weights = weighing_factors(tuple(operands)) if held is None and _elementwise(equation) else None
+        if weights is not None:  # ``einsum("bi,bi->bi", w, h)``: a softmax's weights held, as in ``w * h``
+            return _held_product(product, tuple(operands), {}, weights, None)
         return held if held is not None else scale_gradient(product(*operands), 0.5, in_place=True)
+
+
+def _elementwise(equation: Any) -> bool:
+    """Whether the ``einsum`` ``equation`` of two operands multiplies them element by element (``"bi,bi->bi"``)."""
+    if not isinstance(equation, str):  # (operands and their sublists: no such product read)
+        return False
+    inputs, _, output = equation.replace(" ", "").partition("->")
+    return bool(output) and all(term == output for term in inputs.split(","))
 
 
 def _constant_bilinear(func: Callable, args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -592,12 +604,21 @@ def _constant_bilinear(func: Callable, args: tuple, kwargs: dict) -> torch.Tenso
 def _fused(func: Callable, args: tuple, kwargs: dict, hold_gates: bool, recording: Recording | None) -> Any:
     """A product fused with a sum (``torch.addcmul``, ``torch.lerp``: see _fused_products) under the rule of the
     product it computes: its gate held, else (``addcmul``) the uniform rule; ``_NO_RULE`` where none applies."""
-    gates = fused_factors(func, args, kwargs, lambda pair: held_factors(pair, any_gate=hold_gates) or [False, False])
+
+    def held(pair: tuple) -> list[bool]:  # a gate, else a softmax's weights (as ``w * h`` holds them), else none
+        return held_factors(pair, any_gate=hold_gates) or weighing_factors(pair) or [False, False]
+
+    gates = fused_factors(func, args, kwargs, held)
     if gates is None:
         return _NO_RULE
     if recording is not None:  # (a rule a later call does not plan: it runs in the mode)
         recording.other_rule()
     return fused_product(func, args, kwargs, gates, uniform=True)
+
+
+def _gated_lerp(args: tuple, mode: FunctionalRules) -> bool:
+    """Whether ``torch.lerp(*args)`` has a gate for its weight that ``mode`` holds (a weight that is none: no rule)."""
+    return fused_factors(torch.lerp, args, {}, lambda f: held_factors(f, mode.hold_gates)) is not None
 
 
 def _batched_product(func: Callable, args: tuple, kwargs: dict, hold_gates: bool, recording: Recording | None) -> Any:

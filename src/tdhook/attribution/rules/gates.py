@@ -190,6 +190,14 @@ GATE_PADS = PADS
 GATE_PRESERVING |= GATE_PADS
 # Constants written into a gate (``g.masked_fill(pad, 0.0)``, ``torch.where(keep, g, 0.0)``): see _filled_gates.
 GATE_PRESERVING |= FILLS | COPIES_IN_PLACE  # and the values of a gate or weights copied in place (_copied_gates)
+# The values a sort or a selection of the largest picks (``torch.topk(w, 2).values``, a mixture's routing weights): a
+# gate's or weights' values, as what they pick from is (the weights were none: 0.50-0.72 off, relative L2, AttnLRP).
+SORTED_SELECTIONS = frozenset(
+    {torch.topk, torch.Tensor.topk, torch.sort, torch.Tensor.sort, torch.kthvalue, torch.Tensor.kthvalue}
+    | {torch.max, torch.Tensor.max, torch.min, torch.Tensor.min, torch.median, torch.Tensor.median}
+)
+GATE_PRESERVING |= SORTED_SELECTIONS
+_WEIGHTS_SCALINGS = GATE_SCALINGS | GATE_MULTIPLICATIONS  # (weights scaled by a constant of either sign: weights)
 ELEMENTWISE_PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
 ELEMENTWISE_PRODUCTS |= {torch.multiply, torch.Tensor.multiply}  # aliases of ``mul``
 # A signal multiplied by a gate in place (``h.mul_(g)``, ``h *= g``): the gate is held, as in ``h * g``.
@@ -319,11 +327,39 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
             keep_weights_elements(args[0], result, padded_mask(func, args, kwargs or {}))
     if func in CONSTANTS_KEPT:  # constants beside an activation padded, negated, shifted: kept (_kept_constants)
         keep_constants(func, args, kwargs or {}, result)
-    if args and getattr(args[0], WEIGHTS_MARK, False) and (same_values or func in GATE_SPLITS):
+    if func in _WEIGHTS_SCALINGS and len(args) == 2 and isinstance(result, torch.Tensor):
+        weights, factor = args if getattr(args[0], WEIGHTS_MARK, False) else args[::-1]
+        if getattr(weights, WEIGHTS_MARK, False) and not is_activation(factor):  # ``w * 2.5``, ``w / w.sum()`` not
+            mark_weights(result)  # (a softmax's weights scaled: weights still; they were none, 1.05 off under AttnLRP)
+        elif WEIGHTS_MASKS_MADE and result._base is None:  # weights in part, scaled: those kept
+            for value, other in ((args[0], args[1]), (args[1], args[0])):
+                if isinstance(value, torch.Tensor) and not is_activation(other):
+                    keep_weights_elements(value, result)
+    if func in SORTED_SELECTIONS and args and isinstance(result, tuple) and isinstance(result[0], torch.Tensor):
+        keep_selected_marks(args[0], result[0])  # ``torch.topk(w, k).values``: weights, or a gate, as ``w`` is
+    if args and getattr(args[0], WEIGHTS_MARK, False) and (same_values or func in GATE_SPLITS or func in GATE_PADS):
+        # (weights padded, ``F.pad(w, (1, 1))``: its constants held as the weights are, a constant takes none)
         for piece in result if isinstance(result, (tuple, list)) else (result,):  # a softmax's weights, reshaped
             if isinstance(piece, torch.Tensor):
                 mark_weights(piece)
     return result
+
+
+def keep_selected_marks(source: Any, values: torch.Tensor) -> None:
+    """Mark ``values``, picked from ``source`` by a sort or a selection of the largest (see :data:`SORTED_SELECTIONS`),
+    as ``source`` is marked in every element: a gate, of its kind; a softmax's weights.
+
+    Examples:
+        >>> x = torch.ones(2, 3, requires_grad=True)
+        >>> values = torch.topk(mark_weights(torch.softmax(x * 1, -1)), 2).values
+        >>> keep_selected_marks(mark_weights(torch.softmax(x * 1, -1)), values)
+        >>> bool(getattr(values, WEIGHTS_MARK, False))
+        True
+    """
+    if is_gate(source):
+        mark_gate(values, _mark(source, GATE_MARK), sigmoid=_mark(source, SIGMOID_MARK, False))
+    if getattr(source, WEIGHTS_MARK, False):
+        mark_weights(values)
 
 
 def _keep_filled_marks(filled: list, result: torch.Tensor, made: Callable[[torch.Tensor], torch.Tensor]) -> None:
