@@ -214,9 +214,8 @@ def _gate_written(
         # EpsilonPlus; see _filled_gates).
         return
     try:
-        region = replaced_region(func, args, kwargs) if replacing and not whole else None
-        if not replacing and not whole:  # what an index picks, added to (``g.index_add_(1, i, h)``): no gate there
-            region = reached_region(func, args, kwargs)
+        # What it replaces, or what an index picks to add to (``g.index_add_(1, i, h)``: no gate there).
+        region = None if whole else (replaced_region if replacing else reached_region)(func, args, kwargs)
     except (RuntimeError, NotImplementedError, IndexError, TypeError, ValueError):  # indices a transform wraps
         region, written = None, {}  # no gate left where the write reaches
     root_marks = tensors[-1].__dict__  # of the tensor written into, or of the one it views

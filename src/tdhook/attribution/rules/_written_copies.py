@@ -76,12 +76,10 @@ def writes_into_copy(func: Any, args: tuple, kwargs: dict) -> bool:
         >>> writes_into_copy(torch.Tensor.index_add, (h * 1, 1, index, h[:, :1]), {})
         False
     """
-    target = args[0] if args else kwargs.get("input")
+    args, kwargs = _input_by_position(args, kwargs)
+    target = args[0] if args else None
     if not isinstance(target, torch.Tensor) or "out" in kwargs or not torch.is_grad_enabled():
         return False
-    if not args:
-        args = (target,)
-        kwargs = {k: v for k, v in kwargs.items() if k != "input"}
     if func in _IN_PLACE:
         value = written_value(_IN_PLACE[func], args, kwargs)
     else:
@@ -104,9 +102,7 @@ def write_into_copy(func: Any, args: tuple, kwargs: dict, copy: Callable[..., to
         >>> added[0].tolist(), constants_shown(added).tolist()
         ([7.0, 5.0, 5.0], [[False, True, True], [False, True, True]])
     """
-    if not args:  # ``torch.scatter(input=c, ...)``
-        args = (kwargs["input"],)
-        kwargs = {k: v for k, v in kwargs.items() if k != "input"}
+    args, kwargs = _input_by_position(args, kwargs)
     target = args[0]
     shape = None
     if func in _MASKED_SCATTERS:  # (out of place, the tensor broadcasts with the mask: ``c.masked_scatter(m, v)``)
@@ -114,6 +110,13 @@ def write_into_copy(func: Any, args: tuple, kwargs: dict, copy: Callable[..., to
     copied = copy(target, shape)
     WRITES_INTO_COPIES[func](copied, args, kwargs)  # (returns the copy, a view of it, or nothing)
     return copied
+
+
+def _input_by_position(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with an ``input`` given by keyword (``torch.scatter(input=c, ...)``) moved first."""
+    if args or "input" not in kwargs:
+        return args, kwargs
+    return (kwargs["input"],), {k: v for k, v in kwargs.items() if k != "input"}
 
 
 def _plain_activation(value: Any) -> bool:

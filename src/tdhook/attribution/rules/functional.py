@@ -552,7 +552,7 @@ class FunctionalRules(TorchFunctionMode):
         if func in PRODUCTS_IN_PLACE:
             return two_activations_in_place(func, args, {})
         if func in FUSED_PRODUCTS:
-            return fused_factors(func, args, {}, lambda f: [False, False]) is not None or _gated_lerp(args, self)
+            return fused_factors(func, args, {}, _held_in_fused(self.hold_gates)) is not None
         return func in _HANDLED and (func is not torch.einsum or len(_einsum_operands(args)) == 2)
 
     def _einsum(self, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -605,10 +605,7 @@ def _fused(func: Callable, args: tuple, kwargs: dict, hold_gates: bool, recordin
     """A product fused with a sum (``torch.addcmul``, ``torch.lerp``: see _fused_products) under the rule of the
     product it computes: its gate held, else (``addcmul``) the uniform rule; ``_NO_RULE`` where none applies."""
 
-    def held(pair: tuple) -> list[bool]:  # a gate, else a softmax's weights (as ``w * h`` holds them), else none
-        return held_factors(pair, any_gate=hold_gates) or weighing_factors(pair) or [False, False]
-
-    gates = fused_factors(func, args, kwargs, held)
+    gates = fused_factors(func, args, kwargs, _held_in_fused(hold_gates))
     if gates is None:
         return _NO_RULE
     if recording is not None:  # (a rule a later call does not plan: it runs in the mode)
@@ -616,9 +613,9 @@ def _fused(func: Callable, args: tuple, kwargs: dict, hold_gates: bool, recordin
     return fused_product(func, args, kwargs, gates, uniform=True)
 
 
-def _gated_lerp(args: tuple, mode: FunctionalRules) -> bool:
-    """Whether ``torch.lerp(*args)`` has a gate for its weight that ``mode`` holds (a weight that is none: no rule)."""
-    return fused_factors(torch.lerp, args, {}, lambda f: held_factors(f, mode.hold_gates)) is not None
+def _held_in_fused(hold_gates: bool) -> Callable[[tuple], list[bool]]:
+    """Which of a fused product's two factors to hold: a gate, else a softmax's weights (as ``w * h`` holds them)."""
+    return lambda pair: held_factors(pair, any_gate=hold_gates) or weighing_factors(pair) or [False, False]
 
 
 def _batched_product(func: Callable, args: tuple, kwargs: dict, hold_gates: bool, recording: Recording | None) -> Any:
