@@ -28,6 +28,7 @@ import torch
 from tdhook.attribution.rules._autograd import PARAMETER_DERIVED, hold, is_activation, scale_gradient
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN
 from tdhook.attribution.rules._held_statistics import statistic_factors
+from tdhook.attribution.rules._held_values import held_product_kind
 from tdhook.attribution.rules._in_place_writes import mark_written_in_place, note_gate_views
 from tdhook.attribution.rules._joined_weights import (
     WEIGHTS_MASKS_MADE,
@@ -35,7 +36,14 @@ from tdhook.attribution.rules._joined_weights import (
     weights_held_where_mixed,
 )
 from tdhook.attribution.rules._mixed_gate_products import mixed_gate_product
-from tdhook.attribution.rules.gates import GATE_MARK, SIGMOID_MARK, WEIGHTS_MARK, held_factors, weighing_factors
+from tdhook.attribution.rules.gates import (
+    GATE_MARK,
+    SIGMOID_MARK,
+    WEIGHTS_MARK,
+    held_factors,
+    mark_held_kind,
+    weighing_factors,
+)
 
 if TYPE_CHECKING:
     from tdhook.attribution._function_rule_plan import Recording
@@ -83,6 +91,16 @@ def product_in_place(
     """
     if not torch.is_grad_enabled():  # autograd records nothing: no rule, the write noted (see _unrecorded_writes)
         return mark_written_in_place(func, (a, b), {})
+    kind = held_product_kind((a, b), hold_gates)  # of two factors products hold: one too, as out of place
+    product = _ruled_in_place(func, a, b, hold_gates, recording)
+    mark_held_kind(product, kind)
+    return product
+
+
+def _ruled_in_place(
+    func: Any, a: torch.Tensor, b: torch.Tensor, hold_gates: bool, recording: Recording | None
+) -> torch.Tensor:
+    """The rule of :func:`product_in_place`, its result marked no gate nor weights."""
     if GATE_MASKS_MADE:  # a factor a gate in some elements only (see _mixed_gate_products): ``a * b``'s rule, copied
         ungated = weights_held_where_mixed(torch.mul, (a, b), {}, _uniform)  # (a join's weights in part: held)
         product = mixed_gate_product(torch.mul, (a, b), {}, hold_gates, ungated, (a.clone(), b))

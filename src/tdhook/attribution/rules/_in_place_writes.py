@@ -119,6 +119,8 @@ _SIGMOID = GATE_MARKS[1]
 # written so was left no gate: 0.17-1.3 off, relative L2, under AttnLRP and CP-LRP, 0.27-0.83 under EpsilonPlus).
 _SIGMOIDS_IN_PLACE = frozenset({torch.sigmoid_, torch.Tensor.sigmoid_})
 # Writes that scale a gate by a positive number (``g.mul_(2)``, ``g /= 6``): a gate still, as ``2 * g`` is.
+_PRODUCTS_IN_PLACE = frozenset({torch.Tensor.mul_, torch.Tensor.__imul__, torch.Tensor.multiply_})
+_NEGATIONS_IN_PLACE = frozenset({torch.Tensor.neg_, torch.Tensor.negative_, torch.neg_})
 _SCALINGS_IN_PLACE = frozenset(
     {torch.Tensor.mul_, torch.Tensor.__imul__, torch.Tensor.multiply_, torch.Tensor.div_, torch.Tensor.__itruediv__}
     | {torch.Tensor.divide_, torch.Tensor.true_divide_}
@@ -205,6 +207,11 @@ def _gate_written(
     if func in _SCALINGS_IN_PLACE and positive and len(args) + len(kwargs) == 2:
         return
     written = {} if func in _REDUCING else gate_marks_of(value)
+    if func in _PRODUCTS_IN_PLACE and written and len(tensors) == 1 and (marks := gate_marks_of(args[0])):
+        # ``s.mul_(g)``: a product of two gates, a gate, sigmoid-like where both are (see _held_values)
+        if not (marks.get(_SIGMOID, False) and written.get(_SIGMOID, False)):
+            args[0].__dict__.pop(_SIGMOID, None)
+        return
     if func in _SIGMOIDS_IN_PLACE:  # ``c[:, :3].sigmoid_()``: a sigmoid-like gate over every element it reaches
         whole, written = True, {GATE_MARKS[0]: args[0], _SIGMOID: True}
     replacing = replaces(func, args, kwargs)
@@ -351,8 +358,12 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     # Where a gate of any kind is, noted before the write (a join's of gates of another kind, see _other_gate_writes).
     prior = root.__dict__.get(OTHER_GATES)
     prior = None if prior is None else (*prior, root._version)
+    # (and weights added into a constant or weights: ``zeros.index_add_(1, i, w)``, see _weights_written)
+    adds_weights = not (weighed or WEIGHTS_MASKS_MADE or replacing) and _weights(written_value(func, args, kwargs))
     weights = (
-        _weights_before(func, args, kwargs, root, constant[-1]) if weighed or WEIGHTS_MASKS_MADE or replacing else None
+        _weights_before(func, args, kwargs, root, constant[-1])
+        if weighed or WEIGHTS_MASKS_MADE or replacing or adds_weights
+        else None
     )
     result = func(*args, **kwargs)
     value = written_value(func, args, kwargs)
@@ -404,13 +415,16 @@ def mark_written_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     return result
 
 
+def _weights(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and WEIGHTS_MARK in value.__dict__
+
+
 def _weights_before(func: Any, args: tuple, kwargs: dict, root: torch.Tensor, constant: bool) -> tuple | None:
     """Where ``root`` is a softmax's weights before the in-place write ``func(*args, **kwargs)`` into it (or into a
     view of it), and whether the write puts weights there: ``None`` where no weights are written or noted on it (see
     :func:`~tdhook.attribution.rules._joined_weights.note_weights_written`; a constant counts as weights, held or
     not)."""
-    value = written_value(func, args, kwargs)
-    writes = isinstance(value, torch.Tensor) and WEIGHTS_MARK in value.__dict__
+    writes = _weights(written_value(func, args, kwargs))
     if WEIGHTS_MARK in root.__dict__:
         return True, writes
     shown = weights_shown(root) if WEIGHTS_MASKS_MADE else None
@@ -423,9 +437,16 @@ def _weights_written(func: Any, args: tuple, kwargs: dict, whole: bool, before: 
     """Note where the tensor ``args[0]`` views is a softmax's weights after the in-place write ``func(*args, **kwargs)``
     (``whole``: it replaces every element of ``args[0]``), from ``before`` and ``writes`` (see :func:`_weights_before`):
     weights where weights replaced the elements, none where anything else reached them."""
-    if func in _SCALINGS_IN_PLACE:  # ``w.mul_(2.5)``, ``w /= w.sum(-1, keepdim=True)``: weights still, as they were
-        return
+    if func in _SCALINGS_IN_PLACE or func in _NEGATIONS_IN_PLACE:  # ``w.mul_(2.5)``, ``w /= w.sum(-1, keepdim=True)``,
+        return  # ``w.neg_()``: weights still, as they were
     replacing = whole or replaces(func, args, kwargs)
+    value = written_value(func, args, kwargs)
+    if not replacing and value is not None and not is_activation(value):  # ``w.add_(0.5)``: each stays what it was
+        return
+    if writes and not replacing:  # weights added into weights or a constant (``zeros.index_add_(1, i, w)``): weights
+        unchanged = torch.zeros(args[0].shape, dtype=torch.bool, device=args[0].device)
+        note_weights_written(args[0], unchanged, False, before)  # (where the tensor was weights or a constant)
+        return
     try:
         region = None if whole else (replaced_region if replacing else reached_region)(func, args, kwargs)
     except (RuntimeError, NotImplementedError, IndexError, TypeError, ValueError):  # indices a transform wraps

@@ -27,22 +27,23 @@ from tdhook.attribution.rules._constant_elements import (
 )
 from tdhook.attribution.rules._storage_masks import count_mask, laid_over_storage
 
-__all__ = ["CONSTANTS_KEPT", "PADS", "keep_constants", "padded_mask"]
+__all__ = ["CONSTANTS_KEPT", "NEGATIONS", "PADS", "SUMS", "keep_constants", "padded_mask"]
 
 #: Paddings: a constant's (or, reflected, replicated, circular, a copy of the values').
 PADS = frozenset({F.pad, torch.constant_pad_nd})
-# A negation, and a sum or a difference of two tensors (or a tensor and a number): a constant where both are.
-_NEGATIONS = frozenset({torch.neg, torch.negative, torch.Tensor.neg, torch.Tensor.negative, torch.Tensor.__neg__})
-_SUMS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__})
-_SUMS |= {torch.sub, torch.subtract, torch.Tensor.sub, torch.Tensor.subtract, torch.Tensor.__sub__}
-_SUMS |= {torch.Tensor.__rsub__, torch.rsub}
+#: Negations: a constant where the operand is one.
+NEGATIONS = frozenset({torch.neg, torch.negative, torch.Tensor.neg, torch.Tensor.negative, torch.Tensor.__neg__})
+#: Sums and differences of two tensors, or of a tensor and a number: a constant where both are.
+SUMS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__})
+SUMS |= {torch.sub, torch.subtract, torch.Tensor.sub, torch.Tensor.subtract, torch.Tensor.__sub__}
+SUMS |= {torch.Tensor.__rsub__, torch.rsub}
 # A product or a quotient by a constant of any sign (``c * -2.0``, ``k * cos``, a rotary embedding's): a constant where
 # both operands are (a negative scaling, or one by a tensor, dropped the constants: 0.07-0.52 off, relative L2).
 _PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.multiply})
 _PRODUCTS |= {torch.Tensor.multiply, torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor.__rtruediv__}
 _PRODUCTS |= {torch.true_divide, torch.Tensor.true_divide, torch.divide, torch.Tensor.divide}
 #: The calls :func:`keep_constants` follows.
-CONSTANTS_KEPT = PADS | _NEGATIONS | _SUMS | _PRODUCTS
+CONSTANTS_KEPT = PADS | NEGATIONS | SUMS | _PRODUCTS
 
 
 def padded_mask(func: Any, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -65,6 +65,7 @@ from tdhook.attribution.rules._held_statistics import (
     norm_call,
     statistic_factors,
 )
+from tdhook.attribution.rules._held_values import WEIGHTS_KEPT
 from tdhook.attribution.rules._in_place_activations import (
     IN_PLACE_FORMS,
     activation_in_place,
@@ -104,6 +105,7 @@ from tdhook.attribution.rules.gates import (
     held_gate_product,
     held_glu,
     keep_gate_mark,
+    keep_held_product_mark,
     mark_gate,
     mark_weights,
     marked_call,
@@ -292,7 +294,7 @@ class FunctionalRules(TorchFunctionMode):
                 watch_values(self.recording, func, args, result)
                 if func in WHERES and choice_follows_values(func, args, kwargs):  # see _whole_choices
                     self.recording.other_rule()  # (its gates follow the condition's values, which no plan follows)
-            kept = func in GATE_PRESERVING or (CONSTANT_MASKS_MADE and func in CONSTANTS_KEPT)
+            kept = func in GATE_PRESERVING or func in WEIGHTS_KEPT or (CONSTANT_MASKS_MADE and func in CONSTANTS_KEPT)
             return keep_gate_mark(func, args, result, kwargs) if kept else result
         what = "the transformer rules on products, softmax, attention, activations and norms"
         raise_for_checkpoint(what)
@@ -344,15 +346,18 @@ class FunctionalRules(TorchFunctionMode):
             if gates is None and func in ELEMENTWISE_PRODUCTS:  # a softmax's weights mixing branches: held
                 gates = weighing_factors(args)
             if gates is not None:
-                return _held_product(func, args, kwargs, gates, recording)
-            # Halving the product's gradient halves both factors' gradients: the uniform rule, in one step.
-            # The product is a fresh tensor: rebased in place, so that later in-place operations on it stay legal.
-            product = func(*args, **kwargs)
-            node = product.grad_fn
-            scaled = scale_gradient(product, 0.5, in_place=True)
-            if recording is not None:
-                recording.scaled(node, scaled.grad_fn)
-            return scaled
+                product = _held_product(func, args, kwargs, gates, recording)
+            else:
+                # Halving the product's gradient halves both factors' gradients: the uniform rule, in one step.
+                # The product is a fresh tensor: rebased in place, so that later in-place operations stay legal.
+                product = func(*args, **kwargs)
+                node = product.grad_fn
+                product = scale_gradient(product, 0.5, in_place=True)
+                if recording is not None:
+                    recording.scaled(node, product.grad_fn)
+            if func in ELEMENTWISE_PRODUCTS:  # of two factors that products hold: one too (see _held_values)
+                keep_held_product_mark(args, product, self.hold_gates)
+            return product
         if CONSTANT_MASKS_MADE and (func is torch.einsum or func in _BADDBMM):  # a factor with constants in part
             mixed = _constant_bilinear(func, args, kwargs)
             if mixed is not None:

@@ -56,6 +56,7 @@ from tdhook.attribution.rules._fused_products import FUSED_PRODUCTS, fused_facto
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN
 from tdhook.attribution.rules._held_glu import held_glu
 from tdhook.attribution.rules._held_norm_calls import NORMALIZING_CALLS, HeldNormCalls, normalized_inputs
+from tdhook.attribution.rules._held_values import WEIGHTS_KEPT, held_product_kind, keeps_weights
 from tdhook.attribution.rules._in_place_writes import (
     WRITES_IN_PLACE,
     _root_of,
@@ -94,6 +95,8 @@ __all__ = [
     "mark_gate",
     "is_gate",
     "keep_gate_mark",
+    "keep_held_product_mark",
+    "mark_held_kind",
     "held_gate_product",
     "held_factors",
     "held_glu",
@@ -293,8 +296,14 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
             mark_gate(result, _mark(args[0], GATE_MARK), sigmoid=_mark(args[0], SIGMOID_MARK, False))
     elif func in GATE_MULTIPLICATIONS and len(args) == 2 and isinstance(result, torch.Tensor):
         gate, factor = args if is_gate(args[0]) else args[::-1]
-        if is_gate(gate) and not is_gate(factor) and _is_positive_constant(factor):  # 2 * sigmoid(s)
+        # 2 * sigmoid(s); a gate times a constant softmax's weights (CP-LRP's): a gate in [0, 1] scaled
+        constant = _is_positive_constant(factor) or (getattr(factor, WEIGHTS_MARK, False) and not is_activation(factor))
+        if is_gate(gate) and not is_gate(factor) and constant:
             mark_gate(result, _mark(gate, GATE_MARK), sigmoid=_mark(gate, SIGMOID_MARK, False))
+            if getattr(factor, WEIGHTS_MARK, False):  # (and weights, as under AttnLRP: ``-(w * s)`` is weights too)
+                mark_weights(result)
+        elif is_activation(factor) and is_activation(gate):  # two gates (the gates' mode, which holds any)
+            keep_held_product_mark(args, result, any_gate=True)
     elif func in FILLS and isinstance(result, torch.Tensor) and (filled := filled_pieces(func, args, kwargs or {})):
         _keep_filled_marks(filled, result, filled_mask(func, args, kwargs or {}, filled[0]))
         keep_filled_elements(func, args, kwargs or {}, filled, result)  # gates chosen, constants filled in
@@ -329,12 +338,17 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
         keep_constants(func, args, kwargs or {}, result)
     if func in _WEIGHTS_SCALINGS and len(args) == 2 and isinstance(result, torch.Tensor):
         weights, factor = args if getattr(args[0], WEIGHTS_MARK, False) else args[::-1]
-        if getattr(weights, WEIGHTS_MARK, False) and not is_activation(factor):  # ``w * 2.5``, ``w / w.sum()`` not
+        # ``w * 2.5``; ``w / w.sum(-1, keepdim=True)``, a sum of weights (see _held_values), not ``w / h``
+        if getattr(weights, WEIGHTS_MARK, False) and (
+            not is_activation(factor) or getattr(factor, WEIGHTS_MARK, False)
+        ):
             mark_weights(result)  # (a softmax's weights scaled: weights still; they were none, 1.05 off under AttnLRP)
         elif WEIGHTS_MASKS_MADE and result._base is None:  # weights in part, scaled: those kept
             for value, other in ((args[0], args[1]), (args[1], args[0])):
                 if isinstance(value, torch.Tensor) and not is_activation(other):
                     keep_weights_elements(value, result)
+    if func in WEIGHTS_KEPT and isinstance(result, torch.Tensor) and keeps_weights(func, args, kwargs):
+        mark_weights(result)  # ``-w``, ``1 - w``, ``w.sum(-1)``: weights, as ``w * -1.0`` is (see _held_values)
     if func in SORTED_SELECTIONS and args and isinstance(result, tuple) and isinstance(result[0], torch.Tensor):
         keep_selected_marks(args[0], result[0])  # ``torch.topk(w, k).values``: weights, or a gate, as ``w`` is
     if args and getattr(args[0], WEIGHTS_MARK, False) and (same_values or func in GATE_SPLITS or func in GATE_PADS):
@@ -385,6 +399,31 @@ def mark_weights(tensor: torch.Tensor) -> torch.Tensor:
     """
     setattr(tensor, WEIGHTS_MARK, True)
     return tensor
+
+
+def keep_held_product_mark(args: tuple, result: Any, any_gate: bool) -> None:
+    """Mark ``result``, the element-wise product of ``args``, as a factor that products hold where both factors are
+    (``any_gate``: any gate is held, not the sigmoid-like ones alone): weights, or a gate (see _held_values).
+
+    Examples:
+        >>> x = torch.ones(2, requires_grad=True) * 1
+        >>> a, b = mark_gate(torch.sigmoid(x), x, sigmoid=True), mark_gate(torch.sigmoid(x * 2), x, sigmoid=True)
+        >>> product = a * b
+        >>> keep_held_product_mark((a, b), product, any_gate=False)
+        >>> is_gate(product)
+        True
+    """
+    mark_held_kind(result, held_product_kind(args, any_gate) if isinstance(result, torch.Tensor) else None)
+
+
+def mark_held_kind(result: torch.Tensor, kind: tuple[str, Any] | None) -> None:
+    """Mark ``result`` as :func:`~tdhook.attribution.rules._held_values.held_product_kind` says (``None``: nothing)."""
+    if kind is None:
+        return
+    if kind[0] == "weights":
+        mark_weights(result)
+    else:
+        mark_gate(result, kind[1], sigmoid=kind[0] == "sigmoid")
 
 
 def weighing_factors(args: tuple) -> list[bool] | None:
