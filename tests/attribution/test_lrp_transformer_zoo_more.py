@@ -26,6 +26,7 @@ relevance moved between tokens or features; this equality does.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ from torch import nn
 from tdhook.attribution import CPLRP, LRP
 from tests.attribution import test_lrp_transformer_zoo as zoo
 from tests.attribution import test_lrp_transformer_zoo_detached as detached
-from tests.attribution.test_lrp_transformer_zoo import HIDDEN, IMAGE, UNSET, VISION, WAV2VEC2, Architecture
+from tests.attribution.test_lrp_transformer_zoo import HIDDEN, IMAGE, MOE, UNSET, VISION, WAV2VEC2, Architecture
 from tests.attribution.test_lrp_transformer_zoo_detached import Detached, detached_gradient_times_input
 from tests.conftest import relative_error
 
@@ -57,6 +58,11 @@ ADDITIVE = ("register_tokens", "alpha", "pe_k")
 ADDITIVE_BUFFERS = ("sinusoidal", "embed_positions")  # sinusoidal tables held as buffers (SpeechT5, MusicGen)
 # Where a gated feed-forward network holds its activation: the module that has one of these layers, its child.
 GATE_LAYERS, GATE_ACTIVATIONS = ("gate_proj", "gate_up_proj"), ("act_fn", "activation_fn")
+ROUTERS = ("gate", "router")  # the names of a mixture's router module
+# The experts and the routers of the mixtures: few and small.
+SHARED = dict(n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=16, n_group=1, topk_group=1)
+LATENT = dict(SHARED, head_dim=None, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, v_head_dim=8)
+LATENT |= dict(qk_rope_head_dim=4, qk_nope_head_dim=4)
 
 
 def last_position(model: nn.Module, x: torch.Tensor, keyword: str) -> torch.Tensor:
@@ -133,6 +139,30 @@ CASES = {
         attention_multiplier=0.3,
         logits_scaling=2.0,
     ),
+    # Mixtures of experts routed by sigmoid scores with a selection bias, top-k renormalised and scaled, beside shared
+    # experts (DeepSeek-V3 with multi-head latent attention, GLM-4.5, dots.llm1, MiniMax-M2, EXAONE MoE, Solar Open),
+    # by a softmax (ERNIE 4.5, Granite MoE), and AFMoE's router with its bias as an argument and gated attention.
+    "deepseek_v3": text("DeepseekV3Config", "DeepseekV3ForCausalLM", **MOE, **LATENT, first_k_dense_replace=1),
+    "glm4_moe": text("Glm4MoeConfig", "Glm4MoeForCausalLM", **MOE, **SHARED, head_dim=None, first_k_dense_replace=1),
+    "dots1": text("Dots1Config", "Dots1ForCausalLM", **MOE, **SHARED, head_dim=None, first_k_dense_replace=1),
+    "minimax_m2": text("MiniMaxM2Config", "MiniMaxM2ForCausalLM", **MOE, num_local_experts=4),
+    "exaone_moe": text("ExaoneMoeConfig", "ExaoneMoeForCausalLM", **MOE, moe_intermediate_size=16),
+    "solar_open": text("SolarOpenConfig", "SolarOpenForCausalLM", **MOE, **SHARED),
+    "ernie4_5_moe": text(
+        "Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", **MOE, moe_num_experts=4, moe_k=2, moe_intermediate_size=16
+    ),
+    "granitemoe": text("GraniteMoeConfig", "GraniteMoeForCausalLM", **MOE, num_local_experts=4),
+    "afmoe": text("AfmoeConfig", "AfmoeForCausalLM", **MOE, moe_intermediate_size=16),
+    # Dense language models of the newest releases: Seed-OSS, EXAONE 4 (norms after the blocks), Apertus (xIELU),
+    # OLMo 3, VaultGemma (eager attention only), nanochat, Ministral 3, Jais 2.
+    "seed_oss": text("SeedOssConfig", "SeedOssForCausalLM"),
+    "exaone4": text("Exaone4Config", "Exaone4ForCausalLM"),
+    "apertus": text("ApertusConfig", "ApertusForCausalLM"),
+    "olmo3": text("Olmo3Config", "Olmo3ForCausalLM"),
+    "vaultgemma": text("VaultGemmaConfig", "VaultGemmaForCausalLM", sdpa=False),
+    "nanochat": text("NanoChatConfig", "NanoChatForCausalLM"),
+    "ministral3": text("Ministral3Config", "Ministral3ForCausalLM"),
+    "jais2": text("Jais2Config", "Jais2ForCausalLM"),
     # StableLM: LayerNorms on queries and keys per head, partial rotary embeddings.
     "stablelm": text("StableLmConfig", "StableLmForCausalLM", head_dim=None, qk_layernorm=True),
     # Persimmon: a squared ReLU, LayerNorms on queries and keys.
@@ -457,32 +487,41 @@ def held_multi_head_attention(query, key, value, embed_dim, num_heads, in_proj_w
 
 
 class HeldOutput(nn.Module):
-    """A module whose output is detached: a gated feed-forward network's gate, held as CP-LRP holds it."""
+    """A module whose output (or each tensor of it) is detached: a gated feed-forward network's gate, a router's
+    routing weights, held as CP-LRP holds them."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.module = module
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs).detach()
+        out = self.module(*args, **kwargs)
+        if isinstance(out, tuple):
+            return tuple(part.detach() if isinstance(part, torch.Tensor) else part for part in out)
+        return out.detach()
 
 
 def gates_held(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    """Put a :class:`HeldOutput` around the activation of every gated feed-forward network of ``model``; the
-    replaced ``(parent, name, activation)`` triples, to put them back."""
+    """Put a :class:`HeldOutput` around the activation of every gated feed-forward network of ``model``, and around
+    every mixture's router (its routing weights held, as the presets hold them: a sigmoid router's scores are no
+    softmax the oracle detaches); the replaced ``(parent, name, module)`` triples, to put them back."""
     replaced = []
     for parent in list(model.modules()):
-        if any(hasattr(parent, layer) for layer in GATE_LAYERS):
-            for name in GATE_ACTIVATIONS:
-                if isinstance(getattr(parent, name, None), nn.Module):
-                    replaced.append((parent, name, getattr(parent, name)))
-                    setattr(parent, name, HeldOutput(getattr(parent, name)))
+        names = GATE_ACTIVATIONS if any(hasattr(parent, layer) for layer in GATE_LAYERS) else ()
+        names += tuple(name for name in ROUTERS if type(getattr(parent, name, None)).__name__.endswith("Router"))
+        for name in names:
+            if isinstance(getattr(parent, name, None), nn.Module):
+                replaced.append((parent, name, getattr(parent, name)))
+                setattr(parent, name, HeldOutput(getattr(parent, name)))
     return replaced
 
 
 # Where the oracle does not apply: the BatchNorm of CLAP's transposed
 # spectrogram, whose plain gradient PyTorch computes wrongly (see test_the_batch_norm_of_a_transposed_input...).
 NO_ORACLE = {"clap_audio"}
+# Where the oracle's ratio f(x) / x of an activation is 0 / 0: AFMoE's router starts at zero, and one channel of
+# VaultGemma's MLP input is zero everywhere.
+NO_ORACLE |= {"afmoe", "vaultgemma"}
 
 
 @pytest.mark.parametrize("name", sorted(set(CASES) - NO_ORACLE))
@@ -499,6 +538,33 @@ def test_cplrp_is_gradient_times_input_with_the_held_quantities_detached(name: s
         for parent, child, module in replaced:
             setattr(parent, child, module)
     assert relative_error(td["relevance", "x"], expected) <= 1e-6, relative_error(td["relevance", "x"], expected)
+
+
+# The mixtures above whose routers the presets hold, and the name of their last layer's mixture of experts.
+MIXTURES = {name: "mlp" for name in ("deepseek_v3", "glm4_moe", "dots1", "minimax_m2", "exaone_moe", "solar_open")}
+MIXTURES |= {"ernie4_5_moe": "mlp", "afmoe": "mlp", "granitemoe": "block_sparse_moe"}
+
+
+@pytest.mark.parametrize("preset", sorted(zoo.PRESETS))
+@pytest.mark.parametrize("name", sorted(MIXTURES))
+def test_the_routers_of_more_mixtures_are_held_constant(name: str, preset: str):
+    """All relevance flows through the experts: the relevance of the last layer's mixture equals that of the same
+    mixture with its router's outputs detached, and the routing is unchanged."""
+    case = CASES[name]
+    model = case.architecture.build("eager")
+    zoo.zero_additive(model)
+    block = getattr(model.model.layers[-1], MIXTURES[name])
+    reference = copy.deepcopy(block)
+    routers = [router for router in ROUTERS if type(getattr(block, router, None)).__name__.endswith("Router")]
+    assert len(routers) == 1, routers
+    setattr(reference, routers[0], HeldOutput(getattr(reference, routers[0])))
+    x = zoo.model_input(case.architecture)
+    relevance = {}
+    for kind, moe in (("rules", block), ("reference", reference)):
+        td = LRP(moe, zoo.PRESETS[preset](), in_keys=["x"], out_keys=["y"])(TensorDict(x=x.clone(), batch_size=[BATCH]))
+        relevance[kind] = td["relevance", "x"]
+    assert torch.equal(td["y"], block(x))
+    assert relative_error(relevance["rules"], relevance["reference"]) <= 1e-12
 
 
 class TransposedBatchNorm(nn.Module):
