@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tests.attribution.rules.test_filled_constants import assert_like_apart
@@ -30,6 +31,12 @@ COMPUTED: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
     "torch.sub(w, 0.25) * h": lambda w, s, g, t, h: torch.sub(w, 0.25) * h,
     "(w / w.sum(-1, keepdim=True)) * h": lambda w, s, g, t, h: (w / w.sum(-1, keepdim=True)) * h,
     "(w[:, :4] / w[:, :4].mean()) * h": lambda w, s, g, t, h: (w[:, :4] / w[:, :4].mean()) * h[:, :4],
+    "(w / w.sum(-1, keepdim=True).clamp(min=1e-9)) * h": lambda w, s, g, t, h: (
+        (w / w.sum(-1, keepdim=True).clamp(min=1e-9)) * h
+    ),
+    "(w / w.norm(p=1, dim=-1, keepdim=True)) * h": lambda w, s, g, t, h: (w / w.norm(p=1, dim=-1, keepdim=True)) * h,
+    "F.normalize(w, p=1.0, dim=-1) * h": lambda w, s, g, t, h: F.normalize(w, p=1.0, dim=-1) * h,
+    "w.clamp_min(0.1) * h": lambda w, s, g, t, h: w.clamp_min(0.1) * h,
     "zeros.index_add(1, i, w[:, i]) * h": lambda w, s, g, t, h: torch.zeros_like(h).index_add(1, IDX, w[:, IDX]) * h,
     "zeros.index_add_(1, i, w[:, i]) * h": lambda w, s, g, t, h: torch.zeros_like(h).index_add_(1, IDX, w[:, IDX]) * h,
     "zeros.scatter_add(1, i, w) * h": lambda w, s, g, t, h: (
@@ -88,7 +95,8 @@ def _cases() -> list:
 def test_values_computed_from_held_factors_and_constants_are_held(computed: str, mapper: str):
     # They were no weights or gates: the product took the uniform rule where the factors apart are held (weights
     # times a gate 0.44 off, relative L2, under AttnLRP, 0.86 under CP-LRP; -w 0.61; w + 0.5 0.39; renormalised
-    # weights 0.39; weights added into zeros 0.44; two gates 0.61, 0.51 under EpsilonPlus; in place 0.50-0.92).
+    # weights 0.39, by a norm or a clipped sum 0.40-0.47; weights added into zeros 0.44; two gates 0.61, 0.51 under
+    # EpsilonPlus; in place 0.50-0.92).
     model = Computed(computed)
     oracle = Computed(computed, held=frozenset(HOLDS[mapper]))
     x = torch.zeros(1, 4)

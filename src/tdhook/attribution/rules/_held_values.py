@@ -6,7 +6,9 @@ such factors and constants alone is held as they are:
 
 * weights negated, or shifted by a constant (``-w``, ``1 - w``, ``w + 0.5``), as weights scaled by a constant of
   either sign are (``w * -1.0``); their sums and means (``w.sum(-1, keepdim=True)``), and weights divided by them (a
-  mixture's routing weights renormalised out of place, ``w / w.sum(-1, keepdim=True)``, as ``w /= ...`` keeps them);
+  mixture's routing weights renormalised out of place, ``w / w.sum(-1, keepdim=True)``, as ``w /= ...`` keeps them),
+  by a norm (``w / w.norm(p=1, dim=-1, keepdim=True)``, ``F.normalize(w, p=1)``: a statistic held constant), or by a
+  sum clipped at a number (``w.sum(-1, keepdim=True).clamp(min=1e-9)``);
 * the product of two factors a product holds (``w * sigmoid(g)``, ``sigmoid(a) * sigmoid(b)``, ``w * w``): weights
   where one is weights, else a gate, sigmoid-like where both are; in place too (``s.mul_(g)``, ``w.add_(0.5)``,
   ``w.neg_()``).
@@ -14,7 +16,7 @@ such factors and constants alone is held as they are:
 They were none: ``(w * s) * h`` took the uniform rule where ``w * (s * h)`` gives ``h`` all of the relevance (0.44
 off, relative L2, under AttnLRP, 0.86 under CP-LRP), ``(-w) * h`` where ``(w * -1.0) * h`` holds the weights (0.61),
 ``(s1 * s2) * h`` where ``s1 * (s2 * h)`` holds both gates (0.61 under AttnLRP and CP-LRP, 0.51 under EpsilonPlus),
-``(w / w.sum(-1, keepdim=True)) * h`` (0.39, AttnLRP).
+``(w / w.sum(-1, keepdim=True)) * h`` (0.39, AttnLRP; by a norm or a clipped sum 0.40-0.47).
 
 Examples:
     >>> import torch
@@ -37,7 +39,7 @@ from tdhook.attribution.rules._in_place_writes import GATE_MARKS, gate_marks_of
 from tdhook.attribution.rules._joined_weights import WEIGHTS_MARK
 from tdhook.attribution.rules._kept_constants import NEGATIONS, SUMS
 
-__all__ = ["WEIGHTS_KEPT", "held_product_kind", "keeps_weights"]
+__all__ = ["WEIGHTS_KEPT", "held_product_kind", "keeps_weights", "weights_kept"]
 
 # Sums and means of a tensor's elements.
 _REDUCTIONS = frozenset({torch.sum, torch.Tensor.sum, torch.mean, torch.Tensor.mean})
@@ -86,3 +88,13 @@ def held_product_kind(args: tuple, any_gate: bool) -> tuple[str, Any] | None:
         return "weights", None
     first = gate_marks_of(args[0]) if GATE_MASKS_MADE else args[0].__dict__
     return ("sigmoid" if kinds == ["sigmoid", "sigmoid"] else "gate"), first[_GATE_MARK]
+
+
+def weights_kept(args: tuple, bounds: Any, result: Any) -> Any:
+    """``result``, marked a softmax's weights where ``args[0]`` is weights and ``bounds`` (of a clip) are no
+    activations: weights clipped at numbers (``w.sum(-1, keepdim=True).clamp(min=1e-9)``), or divided by a statistic
+    the rules hold constant (``w / w.norm(p=1, dim=-1, keepdim=True)``)."""
+    if args and _weights(args[0]) and isinstance(result, torch.Tensor):
+        if not any(is_activation(bound) for bound in bounds):
+            result.__dict__[WEIGHTS_MARK] = True
+    return result

@@ -119,12 +119,13 @@ _SIGMOID = GATE_MARKS[1]
 # written so was left no gate: 0.17-1.3 off, relative L2, under AttnLRP and CP-LRP, 0.27-0.83 under EpsilonPlus).
 _SIGMOIDS_IN_PLACE = frozenset({torch.sigmoid_, torch.Tensor.sigmoid_})
 # Writes that scale a gate by a positive number (``g.mul_(2)``, ``g /= 6``): a gate still, as ``2 * g`` is.
-_PRODUCTS_IN_PLACE = frozenset({torch.Tensor.mul_, torch.Tensor.__imul__, torch.Tensor.multiply_})
-_NEGATIONS_IN_PLACE = frozenset({torch.Tensor.neg_, torch.Tensor.negative_, torch.neg_})
 _SCALINGS_IN_PLACE = frozenset(
     {torch.Tensor.mul_, torch.Tensor.__imul__, torch.Tensor.multiply_, torch.Tensor.div_, torch.Tensor.__itruediv__}
     | {torch.Tensor.divide_, torch.Tensor.true_divide_}
 )
+# Products in place (a gate times a gate: a gate, see _held_values), and negations in place (weights: weights).
+_PRODUCTS_IN_PLACE = frozenset({torch.Tensor.mul_, torch.Tensor.__imul__, torch.Tensor.multiply_})
+_NEGATIONS_IN_PLACE = frozenset({torch.Tensor.neg_, torch.Tensor.negative_, torch.neg_})
 
 # Writes that replace elements with reductions of what they write (a sum of a gate's values is none): no gate there.
 _REDUCING = frozenset({torch.Tensor.scatter_reduce_, torch.Tensor.index_reduce_})

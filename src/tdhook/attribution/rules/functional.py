@@ -65,7 +65,7 @@ from tdhook.attribution.rules._held_statistics import (
     norm_call,
     statistic_factors,
 )
-from tdhook.attribution.rules._held_values import WEIGHTS_KEPT
+from tdhook.attribution.rules._held_values import WEIGHTS_KEPT, weights_kept
 from tdhook.attribution.rules._in_place_activations import (
     IN_PLACE_FORMS,
     activation_in_place,
@@ -312,7 +312,7 @@ class FunctionalRules(TorchFunctionMode):
         """A call of a function the mode has rules for (products, softmax, attention, activations, norms); what
         the rule did, told to ``recording`` (a call whose rules a later call may apply without the mode)."""
         if func in DIVISIONS:  # by a statistic (``h / h.norm(...)``): held constant, as a norm's scale
-            return _held_product(func, args, kwargs, [False, True], recording)
+            return weights_kept(args, (), _held_product(func, args, kwargs, [False, True], recording))
         if func in PRODUCTS_IN_PLACE:  # ``a.mul_(b)``, ``a *= b``: the rule of ``a * b``
             return product_in_place(func, *args, hold_gates=self.hold_gates, recording=recording)
         if func in _PRODUCTS and len(args) == 2 and is_activation(args[0]) and is_activation(args[1]):
@@ -403,9 +403,13 @@ class FunctionalRules(TorchFunctionMode):
         result = self._other_rules(func, args, kwargs, recording)
         if result is _NO_RULE:
             result = mark_parameter_derived(args, func(*args, **kwargs), func)
-            return keep_gate_mark(func, args, result, kwargs) if func in GATE_MULTIPLICATIONS else result
-        if recording is not None and not _ruled_on_own_node(recording, result):
+            result = keep_gate_mark(func, args, result, kwargs) if func in GATE_MULTIPLICATIONS else result
+        elif recording is not None and not _ruled_on_own_node(recording, result):
             recording.other_rule()
+        if func in CLIPS or func in CLIPS_IN_PLACE:  # weights clipped at numbers: weights (see _held_values)
+            weights_kept(args, clip_bounds(args, kwargs), result)
+        elif func is F.normalize:  # weights divided by their norm, held constant: weights
+            weights_kept(args, (), result)
         return result
 
     def _other_rules(self, func, args: tuple, kwargs: dict, recording: Recording | None = None):
