@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tdhook.attribution.rules.gates import SIGMOID_MARK, is_gate, keep_held_product_mark, mark_gate
 from tests.attribution.rules.test_filled_constants import assert_like_apart
 
 Held = Callable[[torch.Tensor], torch.Tensor]
@@ -106,8 +107,6 @@ def test_values_computed_from_held_factors_and_constants_are_held(computed: str,
 
 
 def test_a_gate_times_a_gate_is_a_gate_of_the_kind_both_are():
-    from tdhook.attribution.rules.gates import is_gate, keep_held_product_mark, mark_gate
-
     x = torch.ones(2, 3, requires_grad=True) * 1
     s, g = mark_gate(torch.sigmoid(x), x, sigmoid=True), mark_gate(torch.sigmoid(x * 2), x, sigmoid=True)
     t = mark_gate(torch.tanh(x), x)
@@ -116,7 +115,7 @@ def test_a_gate_times_a_gate_is_a_gate_of_the_kind_both_are():
     for name, factors in products.items():
         product = factors[0] * factors[1]
         keep_held_product_mark(factors, product, any_gate=True)
-        kinds[name] = (is_gate(product), bool(getattr(product, "_tdhook_sigmoid_gate", False)))
+        kinds[name] = (is_gate(product), bool(getattr(product, SIGMOID_MARK, False)))
     # A sigmoid gate times a tanh gate: a gate, not a sigmoid-like one (held where any gate is, as the tanh)
     assert kinds == {"s * g": (True, True), "s * t": (True, False), "s * x": (False, False)}
     product = s * t
