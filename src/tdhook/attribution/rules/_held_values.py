@@ -72,7 +72,7 @@ def held_product_kind(args: tuple, any_gate: bool) -> tuple[str, Any] | None:
     :func:`~tdhook.attribution.rules.gates.mark_gate`); ``None`` where a factor is neither."""
     if len(args) != 2:
         return None
-    kinds = []
+    kinds, sources = [], []
     for value in args:
         if _weights(value):
             kinds.append("weights")
@@ -84,10 +84,10 @@ def held_product_kind(args: tuple, any_gate: bool) -> tuple[str, Any] | None:
             kinds.append("gate")
         else:
             return None
+        sources.append(marks[_GATE_MARK])
     if "weights" in kinds:
         return "weights", None
-    first = gate_marks_of(args[0]) if GATE_MASKS_MADE else args[0].__dict__
-    return ("sigmoid" if kinds == ["sigmoid", "sigmoid"] else "gate"), first[_GATE_MARK]
+    return ("sigmoid" if kinds == ["sigmoid", "sigmoid"] else "gate"), sources[0]
 
 
 def weights_kept(args: tuple, bounds: Any, result: Any) -> Any:
