@@ -64,6 +64,13 @@ def test_a_left_padded_batch_explains_each_sample_as_alone(name: str, implementa
     if preset == "cplrp":
         zero_additive(model)
     x, lrp = model_input(ZOO[name]), explainer(model, preset)
+    with torch.no_grad():
+        batch = padded_batch(x)
+        own = Masked(model)(x, batch["mask"], batch["positions"])
+    if own.isnan().any():  # Falcon's eager attention from transformers 5.25: its softmax in float32, as Llama's
+        with pytest.raises(FloatingPointError, match=r"softmax over float64 scores in float32"):
+            lrp(padded_batch(x))
+        return
     td = lrp(padded_batch(x))
     relevance = td["relevance", "x"]
     assert torch.equal(td["y"], Masked(model)(x, td["mask"], td["positions"]))

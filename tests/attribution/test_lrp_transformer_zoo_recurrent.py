@@ -330,7 +330,9 @@ def test_a_convolution_cache_is_a_constant_of_the_step(new_tokens: int, preset: 
             assert torch.equal(td["y"], plain)
     assert relative_error(relevance["step"], relevance["whole"]) <= 1e-10
     after, expected = cache_tensors(explained_cache), cache_tensors(plain_cache)
-    assert len(after) == len(expected) == 3  # one convolution's state, one attention's keys and values
+    # One convolution's state, one attention's keys and values (and, from transformers 5.25, the linear layer's
+    # length counter).
+    assert len(after) == len(expected) >= 3
     assert all(torch.equal(a, b) for a, b in zip(after, expected, strict=True))
 
 

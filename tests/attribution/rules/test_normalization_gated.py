@@ -11,13 +11,15 @@ import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
-from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+from transformers.models.mamba2 import modeling_mamba2
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP
 from tests.attribution.rules._helpers import F64, randn
 from tests.conftest import relative_error
 
 PRESETS = {"AttnLRP": AttnLRP, "CPLRP": CPLRP}
+# Mamba 2's gated RMS norm, renamed ``Mamba2RMSNormGated`` in transformers 5.25.
+MambaRMSNormGated = getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
 
 
 class GatedMixer(nn.Module):
@@ -76,5 +78,7 @@ def test_a_gated_norms_product_no_function_rule_covers_is_named():
     torch.manual_seed(0)
     model, x = GatedMixer(gated=True).to(F64), randn(5, 4)
     lrp = LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
-    with pytest.warns(UserWarning, match=r"on MambaRMSNormGated: its forward computes silu, mul on activations"):
+    with pytest.warns(
+        UserWarning, match=rf"on {MambaRMSNormGated.__name__}: its forward computes silu, mul on activations"
+    ):
         lrp(TensorDict(x=x.clone(), batch_size=[len(x)]))
