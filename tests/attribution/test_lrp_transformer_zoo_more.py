@@ -57,7 +57,8 @@ SPEECH_TO_TEXT |= dict(unit_hifi_gan_vocab_size=8, t2u_encoder_layers=1, t2u_dec
 ADDITIVE = ("register_tokens", "alpha", "pe_k")
 ADDITIVE_BUFFERS = ("sinusoidal", "embed_positions")  # sinusoidal tables held as buffers (SpeechT5, MusicGen)
 # Where a gated feed-forward network holds its activation: the module that has one of these layers, its child.
-GATE_LAYERS, GATE_ACTIVATIONS = ("gate_proj", "gate_up_proj"), ("act_fn", "activation_fn")
+# ModernBERT's gated MLP: ``Wi`` gives both halves, ``act`` takes the first.
+GATE_LAYERS, GATE_ACTIVATIONS = ("gate_proj", "gate_up_proj", "Wi"), ("act_fn", "activation_fn", "act")
 ROUTERS = ("gate", "router")  # the names of a mixture's router module
 # The experts and the routers of the mixtures: few and small.
 SHARED = dict(n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=16, n_group=1, topk_group=1)
@@ -93,6 +94,7 @@ class Case:
     call: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
     tolerance: float = 1e-6  # eager against sdpa
     conservation: float = zoo.CONSERVATION_TOLERANCE
+    held: tuple = ()  # functions whose outputs the oracle detaches: gates the presets hold (an attention output's)
 
     def explained(self, model: nn.Module) -> nn.Module:
         return Called(model, self.call) if self.call is not None else zoo.Explained(model, self.architecture.inputs)
@@ -111,8 +113,8 @@ class Called(nn.Module):
         return self.call(self.model, x)
 
 
-def text(config: str, model: str, sdpa: bool = True, **values) -> Case:
-    return Case(Architecture(config, model, values, sdpa=sdpa))
+def text(config: str, model: str, sdpa: bool = True, held: tuple = (), tolerance: float = 1e-6, **values) -> Case:
+    return Case(Architecture(config, model, values, sdpa=sdpa), held=held, tolerance=tolerance)
 
 
 def image(config: str, model: str, sdpa: bool = True, **values) -> Case:
@@ -124,6 +126,8 @@ def waveform(config: str, model: str, sdpa: bool = True, **values) -> Case:
 
 
 VIT = dict(image_size=IMAGE, patch_size=4)
+SIGMOIDS = (torch.sigmoid, torch.Tensor.sigmoid)
+FULL_ATTENTION = ["full_attention", "full_attention"]
 CASES = {
     # Language models, fed ``inputs_embeds``; the next-token logits explained.
     "gptj": text("GPTJConfig", "GPTJForCausalLM", **UNSET, n_embd=HIDDEN, n_layer=2, n_head=4, rotary_dim=4),
@@ -163,6 +167,34 @@ CASES = {
     "nanochat": text("NanoChatConfig", "NanoChatForCausalLM"),
     "ministral3": text("Ministral3Config", "Ministral3ForCausalLM"),
     "jais2": text("Jais2Config", "Jais2ForCausalLM"),
+    # Gemma 4's text models (the unified one's RMS norms by a power -0.5), Qwen 3.5's attention layers (an output gate,
+    # a sigmoid the presets hold; beside experts in its mixture), Laguna (an attention output gate by a softplus, held
+    # too), ModernBERT's decoder (its gated MLP's activation on the first half), DiffLlama (two softmaxes subtracted,
+    # an RMS norm of the heads), DeepSeek-V3.2 (a top-k indexer of the keys, run without gradient), BitNet (RMS norms
+    # inside attention and MLP) and MiMo-V2-Flash (attention sinks in its sliding-window layers; eager only).
+    "gemma4_text": text("Gemma4TextConfig", "Gemma4ForCausalLM", hidden_size_per_layer_input=0),
+    "gemma4_unified_text": text("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM"),
+    "qwen3_5": text("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", held=SIGMOIDS, layer_types=FULL_ATTENTION),
+    "qwen3_5_moe": text(
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        held=SIGMOIDS,
+        layer_types=FULL_ATTENTION,
+        **MOE,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+    ),
+    "laguna": text("LagunaConfig", "LagunaForCausalLM", held=(F.softplus,), **MOE, moe_intermediate_size=16),
+    "modernbert_decoder": text("ModernBertDecoderConfig", "ModernBertDecoderForCausalLM", pad_token_id=0),
+    "diffllama": text("DiffLlamaConfig", "DiffLlamaForCausalLM"),
+    # Its eager and sdpa attention agree to 2e-6 under AttnLRP (float32 arithmetic in the indexer's scores).
+    "deepseek_v32": text(
+        "DeepseekV32Config", "DeepseekV32ForCausalLM", tolerance=1e-5, **MOE, **LATENT, first_k_dense_replace=1
+    ),
+    "bitnet": text("BitNetConfig", "BitNetForCausalLM"),
+    "mimo_v2_flash": text(
+        "MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", sdpa=False, **MOE, **SHARED, v_head_dim=8, sliding_window=4
+    ),
     # StableLM: LayerNorms on queries and keys per head, partial rotary embeddings.
     "stablelm": text("StableLmConfig", "StableLmForCausalLM", head_dim=None, qk_layernorm=True),
     # Persimmon: a squared ReLU, LayerNorms on queries and keys.
@@ -429,12 +461,14 @@ def test_more_architectures(name: str, preset: str):
 class DetachedMore(Detached):
     """The zoo's oracle mode, extended: ``F.rms_norm`` and ``F.group_norm`` with their scales detached, the
     attention of ``F.multi_head_attention_forward`` (which a mode sees as one call) written out with its softmax
-    detached, and ``F.glu`` with its sigmoid gate detached."""
+    detached, ``F.glu`` with its sigmoid gate detached, and a power -0.5 (an RMS norm's scale) detached."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.rms_norm:
             return held_rms_norm(*args, **kwargs)
+        if func in (torch.pow, torch.Tensor.pow) and len(args) > 1 and isinstance(args[1], float) and args[1] == -0.5:
+            return func(*args, **kwargs).detach()  # an RMS norm's scale as a power (Gemma 4's)
         if func is F.group_norm:
             return held_group_norm(*args, **kwargs)
         if func is F.multi_head_attention_forward:
@@ -528,6 +562,7 @@ NO_ORACLE |= {"afmoe", "vaultgemma"}
 def test_cplrp_is_gradient_times_input_with_the_held_quantities_detached(name: str, monkeypatch):
     monkeypatch.setattr(detached, "Detached", DetachedMore)  # what detached_gradient_times_input runs in
     case = CASES[name]
+    monkeypatch.setattr(DetachedMore, "held", case.held)
     model, x = case.architecture.build("eager"), case.input()
     explained = case.explained(model)
     td = LRP(explained, CPLRP(), in_keys=["x"], out_keys=["y"])(TensorDict(x=x.clone(), batch_size=[BATCH]))
