@@ -237,6 +237,17 @@ CASES = {
     "luke": text(
         "LukeConfig", "LukeForSequenceClassification", sdpa=False, **UNSET, entity_vocab_size=8, entity_emb_size=HIDDEN
     ),
+    # DeBERTa: disentangled attention (content and relative-position scores), its layer norm written out with a
+    # ``sqrt`` (which the oracle detaches here); eager only.
+    "deberta": text(
+        "DebertaConfig",
+        "DebertaForSequenceClassification",
+        sdpa=False,
+        held=(torch.sqrt,),
+        **UNSET,
+        relative_attention=True,
+        pos_att_type=["c2p", "p2c"],
+    ),
     # SqueezeBERT: grouped one-dimensional convolutions in place of the dense layers; eager only.
     "squeezebert": text(
         "SqueezeBertConfig",
