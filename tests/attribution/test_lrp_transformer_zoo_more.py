@@ -248,6 +248,10 @@ CASES = {
         relative_attention=True,
         pos_att_type=["c2p", "p2c"],
     ),
+    # ESM-2 (protein language model): rotary positions, a GELU written out with ``erf`` (its factor a gate, held).
+    "esm": text(
+        "EsmConfig", "EsmForSequenceClassification", held=(torch.erf,), pad_token_id=0, position_embedding_type="rotary"
+    ),
     # SqueezeBERT: grouped one-dimensional convolutions in place of the dense layers; eager only.
     "squeezebert": text(
         "SqueezeBertConfig",

@@ -433,6 +433,10 @@ def _recomputed_silu(node: Any, x: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(x)
 
 
+def _recomputed_erf(node: Any, x: torch.Tensor) -> torch.Tensor:
+    return torch.erf(x)
+
+
 def _recomputed_clamp(node: Any, x: torch.Tensor) -> torch.Tensor:
     return torch.clamp(x, node._saved_min, node._saved_max)
 
@@ -455,7 +459,11 @@ RULED_ON_NODE = "_tdhook_pass_rule_on_node"
 
 # The activations whose autograd node saves their input, by the node's type: the function, from the node and its
 # saved input.
-_SAVING_THEIR_INPUT = {"GeluBackward0": _recomputed_gelu, "SiluBackward0": _recomputed_silu}
+_SAVING_THEIR_INPUT = {
+    "GeluBackward0": _recomputed_gelu,
+    "SiluBackward0": _recomputed_silu,
+    "ErfBackward0": _recomputed_erf,
+}
 
 # Clipping calls' nodes (``clamp``, ``clamp_min``, ``clamp_max`` and ``clip`` with bounds that are numbers,
 # ``F.hardtanh``, ``F.relu6``, in place too), which save their input as well (in place, a copy of it as it was): the

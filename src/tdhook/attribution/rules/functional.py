@@ -85,6 +85,7 @@ from tdhook.attribution.rules._kept_constants import CONSTANTS_KEPT
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._mixed_gate_products import mixed_gate_product
 from tdhook.attribution.rules._narrowed_softmax import raise_for_unseen_rows
+from tdhook.attribution.rules._odd_unit_gates import ERFS, ODD_UNITS, mark_odd_unit
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint, saved_tensors_hooked
 from tdhook.attribution.rules._unrecorded_writes import NOT_READ, UNRECORDED, note_out_write, read_unrecorded
 from tdhook.attribution.rules._whole_choices import choice_follows_values
@@ -134,6 +135,7 @@ _ACTIVATION_FUNCTIONS = frozenset(
     {F.gelu, F.silu, F.mish, F.elu, F.selu, F.celu, F.softplus, F.sigmoid, F.hardsigmoid, F.tanh, F.hardswish}
     | {F.leaky_relu}
     | {torch.tanh, torch.sigmoid, torch.Tensor.tanh, torch.Tensor.sigmoid}
+    | ERFS
     | set(IN_PLACE_FORMS)
 )
 
@@ -427,34 +429,8 @@ class FunctionalRules(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             return attention(self, *args, **kwargs)
         if func in _ACTIVATION_FUNCTIONS and args and is_activation(args[0]):
-            if calls_in_place(func, args, kwargs):  # the rule on a copy of the input: the call overwrites it
-                return activation_in_place(func, args, kwargs, self.activation.apply, self.activation)
-            output = func(*args, **kwargs)
-            if recording is not None and func in GATE_FUNCTIONS and graph_kept() is None and output.grad_fn is not None:
-                # A sigmoid-like gate, held where a product takes it: its own rule would change nothing there.
-                recording.unruled_gate(output.grad_fn)
-                return mark_gate(output, args[0], sigmoid=True)
-            # The node's hook is the identity rule's own: a rule of one's own (another ``apply``) keeps the mode.
-            own = type(self.activation).apply is PseudoIdentityRule.apply
-            if recording is not None and own and pass_rule_on_node(output, args[0]):
-                stabilizer = self.activation.stabilizer
-                if recording.hooked(output.grad_fn, functools.partial(hook_pass_rule, stabilizer)):
-                    setattr(output, RULED_ON_NODE, stabilizer)
-                    watch_zero_inputs(self.activation, func, args[0], output, output)
-                    return mark_gate(output, args[0])  # marked as the rule marks its output (see PseudoIdentityRule)
-            # A node that saved its output (tanh): the input is a module's output, which later calls keep for it;
-            # or else the nodes below it compute the input again (Gemma 2's softcapping).
-            if recording is not None and own and pass_rule_given_input(output, args[0]):
-                stabilizer = self.activation.stabilizer
-                if recording.hooked_given(output.grad_fn, args[0], stabilizer) or recording.hooked_recomputed(
-                    output.grad_fn, args[0], stabilizer
-                ):
-                    setattr(output, RULED_ON_NODE, self.activation.stabilizer)
-                    watch_zero_inputs(self.activation, func, args[0], output, output)
-                    return mark_gate(output, args[0])
-            result = self.activation.apply(output, args[0])
-            watch_zero_inputs(self.activation, func, args[0], output, result)
-            return mark_gate(result, args[0], sigmoid=True) if func in GATE_FUNCTIONS else result
+            result = _activation(self, func, args, kwargs, recording)
+            return mark_odd_unit(result) if func in ODD_UNITS else result  # 1 + tanh(h): a gate (_odd_unit_gates)
         if func in CLIPS or func in CLIPS_IN_PLACE:
             # Of a statistic, a divisor's guard (``norm.clamp_min(eps)``): its plain gradient.
             return self._clip(func, args, kwargs, recording) if clips_a_signal(func, args) else _NO_RULE
@@ -580,6 +556,40 @@ class FunctionalRules(TorchFunctionMode):
         if weights is not None:  # ``einsum("bi,bi->bi", w, h)``: a softmax's weights held, as in ``w * h``
             return _held_product(product, tuple(operands), {}, weights, None)
         return held if held is not None else scale_gradient(product(*operands), 0.5, in_place=True)
+
+
+def _activation(mode: FunctionalRules, func, args: tuple, kwargs: dict, recording: Recording | None):
+    """An activation function called on an activation (``F.gelu(h)``, ``torch.tanh(h)``): the mode's activation rule,
+    on the node where a later call can put it too (see :mod:`tdhook.attribution._function_rule_plan`); a sigmoid-like
+    gate marked, and left without its rule where a product holds it."""
+    if calls_in_place(func, args, kwargs):  # the rule on a copy of the input: the call overwrites it
+        return activation_in_place(func, args, kwargs, mode.activation.apply, mode.activation)
+    output = func(*args, **kwargs)
+    if recording is not None and func in GATE_FUNCTIONS and graph_kept() is None and output.grad_fn is not None:
+        # A sigmoid-like gate, held where a product takes it: its own rule would change nothing there.
+        recording.unruled_gate(output.grad_fn)
+        return mark_gate(output, args[0], sigmoid=True)
+    # The node's hook is the identity rule's own: a rule of one's own (another ``apply``) keeps the mode.
+    own = type(mode.activation).apply is PseudoIdentityRule.apply
+    if recording is not None and own and pass_rule_on_node(output, args[0]):
+        stabilizer = mode.activation.stabilizer
+        if recording.hooked(output.grad_fn, functools.partial(hook_pass_rule, stabilizer)):
+            setattr(output, RULED_ON_NODE, stabilizer)
+            watch_zero_inputs(mode.activation, func, args[0], output, output)
+            return mark_gate(output, args[0])  # marked as the rule marks its output (see PseudoIdentityRule)
+    # A node that saved its output (tanh): the input is a module's output, which later calls keep for it;
+    # or else the nodes below it compute the input again (Gemma 2's softcapping).
+    if recording is not None and own and pass_rule_given_input(output, args[0]):
+        stabilizer = mode.activation.stabilizer
+        if recording.hooked_given(output.grad_fn, args[0], stabilizer) or recording.hooked_recomputed(
+            output.grad_fn, args[0], stabilizer
+        ):
+            setattr(output, RULED_ON_NODE, mode.activation.stabilizer)
+            watch_zero_inputs(mode.activation, func, args[0], output, output)
+            return mark_gate(output, args[0])
+    result = mode.activation.apply(output, args[0])
+    watch_zero_inputs(mode.activation, func, args[0], output, result)
+    return mark_gate(result, args[0], sigmoid=True) if func in GATE_FUNCTIONS else result
 
 
 def _elementwise(equation: Any) -> bool:

@@ -76,6 +76,7 @@ from tdhook.attribution.rules._kept_gate_elements import keep_gate_elements
 from tdhook.attribution.rules._keyword_factors import positional_factors
 from tdhook.attribution.rules._means_apart import STATISTICS_AND_MEANS, mean_apart
 from tdhook.attribution.rules._mixed_gate_products import mixed_gate_in_place, mixed_gate_product
+from tdhook.attribution.rules._odd_unit_gates import ODD_UNIT_OFFSETS, odd_unit_offset
 from tdhook.attribution.rules._recomputed import in_checkpoint, raise_for_checkpoint
 from tdhook.attribution.rules._selected_gates import SELECTIONS, keep_selected_elements, on_mask
 from tdhook.attribution.rules._unrecorded_writes import NOT_READ, UNRECORDED, note_out_write, read_unrecorded
@@ -291,6 +292,10 @@ def keep_gate_mark(func: Any, args: tuple, result: Any, kwargs: dict | None = No
     elif func in GATE_COMPLEMENTS and len(args) == 2 and _is_one(args[1]) and _mark(args[0], SIGMOID_MARK, False):
         if isinstance(result, torch.Tensor):  # 1 - sigmoid(s) = sigmoid(-s): a gate in [0, 1] as well
             mark_gate(result, _mark(args[0], GATE_MARK), sigmoid=True)
+    elif func in ODD_UNIT_OFFSETS and (odd := odd_unit_offset(func, args, kwargs or {})) is not None:
+        if isinstance(result, torch.Tensor):  # 1 + tanh(z) = 2 sigmoid(2z), 1 + erf(z) = 2 Phi(z √2): a gate
+            source = _mark(odd, GATE_MARK)
+            mark_gate(result, odd if source is None else source, sigmoid=True)
     elif func in GATE_SCALINGS and len(args) == 2 and is_gate(args[0]) and _is_positive(args[1]):
         if isinstance(result, torch.Tensor):  # relu6(s + 3) / 6: a gate divided by a positive number
             mark_gate(result, _mark(args[0], GATE_MARK), sigmoid=_mark(args[0], SIGMOID_MARK, False))
