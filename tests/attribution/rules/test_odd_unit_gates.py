@@ -111,8 +111,22 @@ def test_a_gelu_written_out_gets_the_relevance_of_the_function(written: str, pre
         assert torch.allclose(relevance.sum(-1), logit, rtol=1e-9, atol=1e-12)
 
 
+def shifted_in_place(x: torch.Tensor) -> torch.Tensor:  # 1.5 + erf(x), the erf written into
+    t = torch.erf(x)
+    t.add_(0.5)
+    return x * (1 + t)
+
+
+def scaled_in_place(x: torch.Tensor) -> torch.Tensor:  # 1 + 3 erf(x), in [-2, 4]
+    t = torch.erf(x)
+    t.mul_(3)
+    return x * (1 + t)
+
+
 OFFSETS = {
     "1.5 + tanh": lambda x: x * (1.5 + torch.tanh(x)),
+    "1 + (erf + 0.5 in place)": shifted_in_place,
+    "1 + (3 erf in place)": scaled_in_place,
     "1 + sigmoid": lambda x: x * (1 + torch.sigmoid(x)),
     "add(tanh, 1, alpha=2)": lambda x: x * torch.add(torch.tanh(x), 1, alpha=2),
     "1 + erf, squared": lambda x: x * (1 + torch.erf(x)) ** 2,
@@ -123,7 +137,8 @@ OFFSETS = {
 @pytest.mark.parametrize("offset", sorted(OFFSETS))
 def test_other_offsets_of_an_odd_unit_are_still_named(offset: str, preset: str):
     """Only ``1 ± t`` is a scaled distribution: a factor ``1.5 + tanh(z)`` (in ``[0.5, 2.5]``), one plus a sigmoid
-    (in ``[1, 2]``), ``tanh(z) + 2`` or the square of ``1 + erf`` is no gate, and the module is named."""
+    (in ``[1, 2]``), ``tanh(z) + 2``, the square of ``1 + erf``, or one plus an erf written into in place before
+    (``t.add_(0.5)``, ``t.mul_(3)``: its values another's) is no gate, and the module is named."""
     torch.manual_seed(0)
     model = Mlp(OFFSETS[offset]).to(F64)
     _, warned = relevances(model, preset, [torch.randn(5, 6, dtype=F64)])

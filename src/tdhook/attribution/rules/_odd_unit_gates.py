@@ -8,6 +8,8 @@ keeps all of the product's relevance: the identity rule they give ``F.gelu`` its
 formulas. So the output of ``tanh`` or ``erf`` of an activation is marked an odd unit (odd, increasing, in
 ``[-1, 1]``), and ``1 + t``, ``t + 1`` or ``1 - t`` of one is a sigmoid-like gate (``1 - tanh(z) = 2 σ(-2z)``).
 
+A tanh or an erf written into in place after (``t.add_(0.5)``, ``t.mul_(3)``) is none: its values are another's.
+
 It was none: the product took the rule of two activations, and the number 1 a share of the relevance, as a bias does
 (a tiny ESM kept 0.20-0.61 of the logit under either preset, with a warning naming the module). Any other number stays
 an offset (``(1.5 + tanh(z)) * h`` is named, as ``(up + 1) * glu`` is), and so does one plus a sigmoid, which is no
@@ -43,14 +45,21 @@ _ODD_UNIT_MARK = "_tdhook_odd_unit"
 
 
 def mark_odd_unit(tensor: Any) -> Any:
-    """Mark ``tensor`` (a tanh's or an erf's output) as an odd unit, and return it.
+    """Mark ``tensor`` (a tanh's or an erf's output) as an odd unit, as its values are now (an in-place write after,
+    ``t.add_(0.5)``, makes it another value: no odd unit), and return it.
 
-    >>> bool(getattr(mark_odd_unit(torch.zeros(2)), _ODD_UNIT_MARK))
-    True
+    >>> t = mark_odd_unit(torch.tanh(torch.randn(2, requires_grad=True) * 1))
+    >>> _is_odd_unit(t), _is_odd_unit(t.add_(0.5))
+    (True, False)
     """
     if isinstance(tensor, torch.Tensor):
-        setattr(tensor, _ODD_UNIT_MARK, True)
+        setattr(tensor, _ODD_UNIT_MARK, tensor._version)
     return tensor
+
+
+def _is_odd_unit(value: Any) -> bool:
+    version = getattr(value, _ODD_UNIT_MARK, None)
+    return version is not None and version == value._version
 
 
 def odd_unit_offset(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -66,4 +75,4 @@ def odd_unit_offset(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None
     odd, number = args[0], args[1] if len(args) > 1 else kwargs.get("other")
     if isinstance(number, bool) or not isinstance(number, (int, float)) or number != 1:
         return None
-    return odd if getattr(odd, _ODD_UNIT_MARK, False) else None
+    return odd if _is_odd_unit(odd) else None
