@@ -30,8 +30,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tdhook.attribution.rules._aten_operators import aten_operators
-
 __all__ = ["ERFS", "ODD_UNITS", "ODD_UNIT_OFFSETS", "mark_odd_unit", "odd_unit_offset"]
 
 #: The error function, an activation's (``torch.erf``, ``torch.special.erf``): the pass rule, as for tanh.
@@ -39,8 +37,9 @@ ERFS = frozenset({torch.erf, torch.Tensor.erf, torch.special.erf})
 #: Odd, increasing functions onto ``[-1, 1]`` whose output plus one is a scaled sigmoid.
 ODD_UNITS = frozenset({torch.tanh, torch.Tensor.tanh, F.tanh}) | ERFS
 #: ``t + 1``, ``1 + t`` and ``1 - t`` (``torch.add(t, 1)``, ``t.add(1)``, ``torch.rsub(t, 1)`` too).
+# (Not through ``torch.ops.aten``: the rules see no ATen call, and name it.)
 ODD_UNIT_OFFSETS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__})
-ODD_UNIT_OFFSETS |= {torch.Tensor.__rsub__, torch.rsub} | aten_operators("add", "rsub")
+ODD_UNIT_OFFSETS |= {torch.Tensor.__rsub__, torch.rsub}
 _ODD_UNIT_MARK = "_tdhook_odd_unit"
 
 
