@@ -187,7 +187,7 @@ CASES = {
     "laguna": text("LagunaConfig", "LagunaForCausalLM", held=(F.softplus,), **MOE, moe_intermediate_size=16),
     "modernbert_decoder": text("ModernBertDecoderConfig", "ModernBertDecoderForCausalLM", pad_token_id=0),
     "diffllama": text("DiffLlamaConfig", "DiffLlamaForCausalLM"),
-    # Its eager and sdpa attention agree to 2e-6 under AttnLRP (float32 arithmetic in the indexer's scores).
+    # Its eager and sdpa attention agree to 2e-6 under AttnLRP (the eager attention's softmax in float32).
     "deepseek_v32": text(
         "DeepseekV32Config", "DeepseekV32ForCausalLM", tolerance=1e-5, **MOE, **LATENT, first_k_dense_replace=1
     ),
