@@ -35,7 +35,7 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -381,11 +381,14 @@ def _calls_its_module(wrapper: TensorDictModule) -> bool:
     return not method and _runs_its_class_code(wrapper)
 
 
-def planned_call(lrp: Any, explained: list[bool], work: TensorDictBase) -> PlannedCall | None:
+def planned_call(
+    lrp: Any, explained: list[bool], work: TensorDictBase, signature: Hashable = None
+) -> PlannedCall | None:
     """The planned run of this call of ``lrp`` on ``work``, or ``None`` where it takes the hooks and autograd:
     outside a context or inside ``inactive()``, ``create_graph`` (switched on in the context), the first call of a
     context (it watches the rules and the functions the model calls), a model calling ``F.batch_norm`` or the like
-    as a function (its gradient laid out in a mode; not known before the wrapper's first call), a model computing
+    as a function (its gradient laid out in a mode; not known before the wrapper's first call), the first call of a
+    ``signature`` (see :mod:`~tdhook.attribution._call_signatures`; it is watched as the first), a model computing
     gates with functions (held), a callable or ``"all"`` target, ``split_dim``, an input missing or not
     floating-point, a hook added since the context was entered, or a model that runs other code than when the plan
     was made (see :meth:`ChainPlan.applies`; another chain, call step or ``method`` in the wrapped
@@ -396,10 +399,10 @@ def planned_call(lrp: Any, explained: list[bool], work: TensorDictBase) -> Plann
     if lrp.create_graph:  # switched on in the open context: the graph is kept by the hooks and autograd
         return None
     if (
-        lrp._coverage.watching
+        lrp._coverage.watches(signature)
         or lrp._norm_calls.found is not False  # F.batch_norm and the like called as functions: laid out in a mode
         or lrp._rule_use.watches(lrp._handles)
-        or lrp._function_gates.may_hold(lrp.rule_mapper)  # a gate the model computes with functions, held
+        or lrp._function_gates.may_hold(lrp.rule_mapper, signature)  # a gate the model computes with functions
         or callable(lrp.target)
         or isinstance(lrp.target, str)
     ):

@@ -1,5 +1,5 @@
-"""What an LRP wrapper keeps for :meth:`~tdhook.attribution.LRP.coverage`: the first call's watch, and the last
-call's seeds and relevances.
+"""What an LRP wrapper keeps for :meth:`~tdhook.attribution.LRP.coverage`: the watch of its first call of each
+signature (see :mod:`~tdhook.attribution._call_signatures`), and the last call's seeds and relevances.
 
 Examples:
     >>> recorder = CoverageRecorder()
@@ -10,7 +10,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,18 +29,21 @@ __all__ = ["CoverageRecorder"]
 
 
 class CoverageRecorder:
-    """Watches a wrapper's first forward pass for nonlinear calls without a rule, and keeps its last call."""
+    """Watches a wrapper's first forward pass of each signature for nonlinear calls without a rule, and keeps its
+    last call."""
 
     def __init__(self) -> None:
-        self._pending = True
+        self._watched: set[Hashable] = set()  # the signatures of the calls watched and reported
+        self._watching: Hashable | None = None  # that of the call in the watch
+        self._reported: set[tuple[str, str, str]] = set()  # (kind, module, function) warned of
         self._plain_gradient: tuple[PlainGradientCall, ...] = ()
         self._last_call: tuple[int, list, list[torch.Tensor]] | None = None
         self._function_rules = False
 
-    @property
-    def watching(self) -> bool:
-        """Whether the next call is watched (no call was watched yet)."""
-        return self._pending
+    def watches(self, signature: Hashable) -> bool:
+        """Whether a call of ``signature`` (see :mod:`~tdhook.attribution._call_signatures`) is watched: no call
+        of it was watched yet."""
+        return signature not in self._watched
 
     def watch(
         self,
@@ -48,11 +51,13 @@ class CoverageRecorder:
         rule_modes: Sequence,
         named_modules: Callable[[], Mapping[str, nn.Module]],
         handles: Sequence[RemovableRuleHandle],
+        signature: Hashable = None,
     ) -> NonlinearCalls | None:
-        """Enter the watch on ``modes`` if no call was watched yet; the watch, or ``None``. ``named_modules``
-        gives the model's modules by name (asked only when watching: not on every call)."""
-        if not self._pending:
+        """Enter the watch on ``modes`` if no call of ``signature`` was watched yet; the watch, or ``None``.
+        ``named_modules`` gives the model's modules by name (asked only when watching: not on every call)."""
+        if not self.watches(signature):
             return None
+        self._watching = signature
         modules = named_modules()
         ruled = {
             id(h.module)
@@ -69,7 +74,7 @@ class CoverageRecorder:
     def _watch_again(self) -> None:
         """The watched call was refused in its backward pass (a hook of the caller's changed a gradient): the next
         call is watched too."""
-        self._pending = True
+        self._watched.discard(self._watching)
 
     def report(
         self, calls: NonlinearCalls, targets: list[torch.Tensor], modules: Mapping[str, nn.Module], mapper: Any
@@ -79,15 +84,35 @@ class CoverageRecorder:
         batch norms computed outside a BatchNorm module on a layer's output, which no rule merges into the layer."""
         strict = bool(getattr(mapper, "strict", False))
         # Watched only once the whole report is out: after a strict error, or a warning that the caller's filter
-        # turned into one (warnings.simplefilter("error")), the next call checks and warns again.
-        plain = report_plain_gradient(calls.found(targets), modules, strict, self._function_rules)
+        # turned into one (warnings.simplefilter("error")), the next call checks and warns again. A call of another
+        # signature reports what the calls before it did not.
+        found = {
+            "plain": calls.found(targets),
+            "layers": calls.found_layers(targets),
+            "norms": calls.found_unmerged_norms(targets),
+            "recurrent": calls.found_first_recurrent(targets),
+            "dropouts": calls.found_dropouts(targets),
+        }
+        new = {kind: self._unreported(kind, calls_of) for kind, calls_of in found.items()}
+        plain = report_plain_gradient(new["plain"], modules, strict, self._function_rules)
         first = calls.found_first_layers(targets)
-        layers = report_unmapped_layers(calls.found_layers(targets), modules, mapper, strict, first=first)
-        norms = report_unmerged_norms(calls.found_unmerged_norms(targets), modules, strict)
-        report_recurrent_first_layers(calls.found_first_recurrent(targets), mapper, strict)
-        report_dropout_calls(calls.found_dropouts(targets), modules)
-        self._plain_gradient = plain + layers + norms
-        self._pending = False
+        layers = report_unmapped_layers(new["layers"], modules, mapper, strict, first=first)
+        norms = report_unmerged_norms(new["norms"], modules, strict)
+        report_recurrent_first_layers(new["recurrent"], mapper, strict)
+        report_dropout_calls(new["dropouts"], modules)
+        self._plain_gradient += plain + layers + norms
+        self._reported.update(
+            (kind, name, function) for kind, calls_of in new.items() for name in calls_of for function in calls_of[name]
+        )
+        self._watched.add(self._watching)
+
+    def _unreported(self, kind: str, found: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+        """The calls of ``found`` (module name → function → number of calls) of a ``kind`` not reported before."""
+        new = {
+            name: {function: n for function, n in functions.items() if (kind, name, function) not in self._reported}
+            for name, functions in found.items()
+        }
+        return {name: functions for name, functions in new.items() if functions}
 
     def keep(self, batch_dims: int, seeds: list, relevances: list[torch.Tensor]) -> None:
         """Keep a call's ``(target name, output, initial gradient)`` seeds and relevances."""

@@ -14,6 +14,7 @@ from tensordict import TensorDictBase
 from tdhook.attribution._aliased_inputs import checked_after_run
 from tdhook.attribution._backward import drop_records, leaf_relevance
 from tdhook.attribution._backward_passes import InputsReached, check_split_dim
+from tdhook.attribution._call_signatures import call_signature
 from tdhook.attribution._chain_plan import planned_call, planned_feed, planned_updates
 from tdhook.attribution._context import marks_for_target
 from tdhook.attribution._detached_caches import caches_detached
@@ -81,17 +82,21 @@ def explain(lrp: Any, tensordict: TensorDictBase) -> tuple[TensorDictBase, Calla
     if lrp._stochastic:
         lrp._stochastic = warn_for_random_modules("LRP", lrp._stochastic, tensordict)  # once per context
     work = tensordict.copy()
+    signature = call_signature(work)  # a forward may branch on it: its first call is watched
     lrp._layers.clear()
     lrp._tokens.clear()
     try:
         with _explaining(lrp) as graph:
-            planned = planned_call(lrp, explained, work)  # a chain of layers: no hooks, modes or autograd
+            planned = planned_call(lrp, explained, work, signature)  # a chain of layers: no hooks, modes or autograd
             leaves, fed = planned_feed(  # integer tokens go to TokenInputs: their embeddings' relevance is theirs
                 planned, work, lrp.explained_keys, lrp._tokens, explained, lrp.create_graph
             )
             with checked_after_run("LRP", tensordict, lrp.explained_keys, fed, lrp.in_keys):
                 try:
-                    result, calls = (planned.run(work), None) if planned else run_model(lrp, work, leaves, fed)
+                    if planned:
+                        result, calls = planned.run(work), None
+                    else:
+                        result, calls = run_model(lrp, work, leaves, fed, signature)
                     lrp._function_gates.settle(work if result is None else result, lrp)
                 except Exception as err:
                     lrp._tokens.raise_for_unembedded(leaves, err)

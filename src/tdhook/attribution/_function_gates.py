@@ -1,4 +1,5 @@
-"""Gates computed by functions: held from a wrapper's first call on, where that call finds one.
+"""Gates computed by functions: held from a wrapper's first call on, where that call (or the first of another
+signature) finds one.
 
 The CNN presets hold squeeze-excite gates constant (signal-take-all) through
 :class:`~tdhook.attribution.rules.gates.HeldGates`, a ``TorchFunctionMode``
@@ -18,7 +19,9 @@ gate, or gave a clipping call the model's outputs depend on the pass rule
 inside an ``nn.Hardtanh``, whose own rule takes the gradient past it, is no
 reason), or held the norms of an ``F.normalize`` or ``F.cosine_similarity`` call
 they depend on (an embedding network's last call, a siamese network's score) and
-did not give them back their plain gradient (a cosine attention's).
+did not give them back their plain gradient (a cosine attention's). A call of
+another signature (see :mod:`~tdhook.attribution._call_signatures`) is probed as
+the first was: the forward may branch on its inputs' shapes or keys to a gate.
 The decision is the wrapper's (one model), not the mapper's, which may serve
 several models.
 
@@ -39,7 +42,7 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -53,31 +56,36 @@ __all__ = ["FunctionGates"]
 
 
 class FunctionGates:
-    """Whether one wrapper's model computes gates with functions, decided by its first call, which holds them."""
+    """Whether one wrapper's model computes gates with functions, decided by its first call of each signature, which
+    holds them."""
 
     def __init__(self) -> None:
         self.found: bool | None = None  # None: not known yet
         self._probe: HeldGates | None = None
+        self._probed: set[Hashable] = set()  # the signatures of the forward passes completed in the probe
+        self._signature: Hashable = None  # that of the call in the probe
 
-    def modes(self, mapper: Any, rule_modes: Sequence[Any]) -> list[HeldGates]:
+    def modes(self, mapper: Any, rule_modes: Sequence[Any], signature: Hashable = None) -> list[HeldGates]:
         """The mode to add to the mapper's ``rule_modes`` for this call: ``HeldGates`` or nothing.
 
         Args:
             mapper: the wrapper's rule mapper; only a :class:`BaseRuleMapper` (the presets) holds gates.
             rule_modes: the mapper's function modes for this call; one that covers sigmoid already holds gates.
+            signature: the call's (see :mod:`~tdhook.attribution._call_signatures`): a call of a signature no
+                forward pass completed with is probed, as the first: another branch of the forward may gate.
         """
         self._probe = None
         if not isinstance(mapper, BaseRuleMapper) or _covers_gates(rule_modes):
             return []
-        if self.found is None:  # until a forward pass has completed in it
-            self._probe = HeldGates(probe=True)
+        if not self.found and signature not in self._probed:  # until a forward pass has completed in it
+            self._probe, self._signature = HeldGates(probe=True), signature
             return [self._probe]
         return [HeldGates()] if self.found else []
 
-    def may_hold(self, mapper: Any) -> bool:
-        """Whether a call in a context of ``mapper`` (with no function modes of its own) enters ``HeldGates``: gates
-        were found, or no forward pass has completed yet."""
-        return isinstance(mapper, BaseRuleMapper) and self.found is not False
+    def may_hold(self, mapper: Any, signature: Hashable = None) -> bool:
+        """Whether a call of ``signature`` in a context of ``mapper`` (with no function modes of its own) enters
+        ``HeldGates``: gates were found, or no forward pass of that signature has completed yet."""
+        return isinstance(mapper, BaseRuleMapper) and (bool(self.found) or signature not in self._probed)
 
     def settle(self, outputs: object = None, lrp: Any = None) -> None:
         """After a forward pass that completed: whether it held a gate, or gave a clipping call whose output the
@@ -91,7 +99,9 @@ class FunctionGates:
                 *probe.clips,
                 *probe.norm_calls.held_nodes(),
             ]  # calls whose rule the explained outputs may not reach
-            self.found = probe.held or (bool(ruled) and _reaches(_explained(outputs, lrp), set(ruled)))
+            found = probe.held or (bool(ruled) and _reaches(_explained(outputs, lrp), set(ruled)))
+            self.found = bool(self.found) or found
+            self._probed.add(self._signature)
 
 
 def _covers_gates(modes: Sequence[Any]) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -43,11 +43,15 @@ sequence_number = FunctionRulePlan.sequence_number
 
 
 def run_model(
-    lrp: Any, work: TensorDictBase, leaves: Sequence[torch.Tensor | None] = (), fed: Sequence[torch.Tensor | None] = ()
+    lrp: Any,
+    work: TensorDictBase,
+    leaves: Sequence[torch.Tensor | None] = (),
+    fed: Sequence[torch.Tensor | None] = (),
+    signature: Hashable = None,
 ) -> tuple[TensorDictBase | None, NonlinearCalls | None]:
     """Run ``lrp``'s model on ``work`` under the function modes of its rules; what the model returned, and the
-    watch of the nonlinear calls that no rule covers (the first call of a wrapper with its rules on only, else
-    ``None``).
+    watch of the nonlinear calls that no rule covers (the first call of a wrapper of its ``signature``, see
+    :mod:`~tdhook.attribution._call_signatures`, with its rules on only, else ``None``).
 
     A call that runs the model again (its graph was not the recorded one) starts from the inputs it was given:
     ``work``'s entries, and the values of the explained inputs' copies ``fed``, taken again from ``leaves`` where
@@ -60,10 +64,10 @@ def run_model(
     handles = lrp._handles or []
     watch = lrp._rule_use.watch(lrp.named_explained_modules, handles, lrp._hooks)
     rule_modes = [] if lrp._inactive else list(getattr(lrp.rule_mapper, "function_modes", list)())
-    rule_modes += [] if lrp._inactive else lrp._function_gates.modes(lrp.rule_mapper, rule_modes)
-    # The first call with the rules on is watched for calls no rule covers: with the rules off (``inactive()``), every
-    # call takes the plain gradient as asked, and has nothing to report.
-    watching = lrp._coverage.watching and not lrp._inactive
+    rule_modes += [] if lrp._inactive else lrp._function_gates.modes(lrp.rule_mapper, rule_modes, signature)
+    # The first call of a signature with the rules on is watched for calls no rule covers: with the rules off
+    # (``inactive()``), every call takes the plain gradient as asked, and has nothing to report.
+    watching = lrp._coverage.watches(signature) and not lrp._inactive
     key = _plan_key(lrp, rule_modes, work)
     recording = None
     if key is not None:
@@ -111,7 +115,11 @@ def run_model(
         modes.enter_context(watch)
         for mode in rule_modes:
             modes.enter_context(mode)
-        calls = lrp._coverage.watch(modes, rule_modes, lrp.named_explained_modules, handles) if watching else None
+        calls = (
+            lrp._coverage.watch(modes, rule_modes, lrp.named_explained_modules, handles, signature)
+            if watching
+            else None
+        )
         numeric = watch_numeric_inputs(lrp, work) if watching else None  # integers computed with as numbers
         if numeric is not None:
             modes.enter_context(numeric)

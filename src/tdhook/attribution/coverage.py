@@ -67,8 +67,8 @@ class Coverage:
 
     Attributes:
         plain_gradient: every call that kept its plain gradient although it is not piecewise linear, from the
-            first forward pass the wrapper watched (empty: every nonlinear call had a rule, or, with ``reached``
-            ``None``, no call was watched yet).
+            forward passes the wrapper watched (its first of each signature; empty: every nonlinear call had a
+            rule, or, with ``reached`` ``None``, no call was watched yet).
         reached: for the last call, the explained inputs' relevance summed per sample, as a share of the target's
             relevance (1 where relevance is conserved; below 1 where biases or stabilisers absorbed some). One
             tensor of the batch's shape, or one per named target; ``None`` before the first call.

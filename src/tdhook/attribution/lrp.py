@@ -458,7 +458,8 @@ class LRP(TensorDictModuleBase, MapperTunable):
     def coverage(self) -> Coverage:
         """What this wrapper's calls left to the plain gradient, and how much relevance reached the inputs.
 
-        The first call of a wrapper watches its forward pass for functions that are not piecewise linear
+        The first call of a wrapper, and its first call of each other signature (keys, shapes, dtypes and
+        devices of its inputs), watches its forward pass for functions that are not piecewise linear
         and that no rule covers (a custom module computing ``torch.sin``, a product of two activations under
         a CNN preset); the last call gives the share of the target's relevance that reached the explained
         inputs, per sample.

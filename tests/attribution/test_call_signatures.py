@@ -1,0 +1,187 @@
+"""A forward that branches on its inputs' shapes: a call of an open context whose signature no call before it had is
+watched as a first call is, so it gets the relevance, the warnings and the refusals of a fresh wrapper's call.
+
+The oracle is that fresh call (a new wrapper, called once on the same input), and, for the gates, gradient × input
+of the same model with its gate detached by hand (signal-take-all). Before, the watch and the gates' probe ran on the
+first call only: the long call below, after a short one, kept its gate's plain gradient (0.35 off the fresh call,
+relative L2) with no warning, and ``lrp.coverage()`` said every call had a rule.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from tensordict import LazyStackedTensorDict, TensorDict
+from torch import nn
+
+from tdhook.attribution import CPLRP, LRP, AttnLRP, BaseRuleMapper, EpsilonAlpha2Beta1, EpsilonPlus
+from tdhook.attribution._call_signatures import LAZY_STACK, call_signature
+from tests.attribution._helpers import assert_unchanged, gradient_times_input, state_snapshot
+from tests.attribution.test_function_gates import ModeSpy
+from tests.conftest import relative_error
+
+F64 = torch.float64
+CNN_PRESETS = {
+    "LRP-0": lambda **kw: BaseRuleMapper(stabilizer=0.0, **kw),
+    "EpsilonPlus": lambda **kw: EpsilonPlus(**kw),
+    "EpsilonAlpha2Beta1": lambda **kw: EpsilonAlpha2Beta1(**kw),
+}
+
+
+class GatedWhenLong(nn.Module):
+    """``relu(l1(x))`` for sequences of two positions or fewer, ``tanh(l1(x)) * sigmoid(gate(x))`` for longer ones
+    (a branch on a shape, as models with a window do); ``held``: the gate detached by hand (the oracle)."""
+
+    def __init__(self, held: bool = False) -> None:
+        super().__init__()
+        self.l1, self.gate, self.head = (nn.Linear(6, 6, bias=False), nn.Linear(6, 6, bias=False), nn.Linear(6, 3))
+        self.held = held
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x)
+        if x.shape[1] > 2:
+            gate = torch.sigmoid(self.gate(x))
+            h = torch.tanh(h) * (gate.detach() if self.held else gate)
+        else:
+            h = torch.relu(h)
+        return self.head(h.mean(1))
+
+
+class DecayWhenLong(nn.Module):
+    """A running product of sigmoid decays (a scan's) on sequences longer than two positions only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.head = nn.Linear(6, 6, bias=False), nn.Linear(6, 6, bias=False), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x)
+        if x.shape[1] > 2:
+            h = torch.cumprod(torch.sigmoid(self.l2(x)), 1) * h
+        return self.head(h.mean(1))
+
+
+class SineEverywhere(nn.Module):
+    """A sine on every path, and a tanh on long sequences only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.head = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sin(self.l1(x))
+        return self.head((torch.tanh(h) if x.shape[1] > 2 else h).mean(1))
+
+
+def sequences(length: int, seed: int = 0) -> TensorDict:
+    generator = torch.Generator().manual_seed(seed)
+    return TensorDict(x=torch.randn(3, length, 6, generator=generator, dtype=F64), batch_size=[3])
+
+
+def seeded(model_class: type, **kwargs) -> nn.Module:
+    torch.manual_seed(0)
+    return model_class(**kwargs).to(F64).eval()
+
+
+def call(lrp: LRP, td: TensorDict) -> tuple[torch.Tensor, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        relevance = lrp(td)["relevance", "x"]
+    return relevance, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("preset", CNN_PRESETS)
+def test_a_gate_on_a_branch_a_later_call_takes_is_held_as_in_a_fresh_call(preset: str):
+    model, long = seeded(GatedWhenLong), sequences(4, seed=1)
+    fresh, fresh_warnings = call(LRP(model, CNN_PRESETS[preset](), in_keys=["x"], out_keys=["y"]), long)
+    lrp = LRP(model, CNN_PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        _, short_warnings = call(lrp, sequences(2))
+        later, later_warnings = call(lrp, long)
+    assert short_warnings == []
+    assert relative_error(later, fresh) < 1e-12  # 0.35 off before: the gate's plain gradient
+    assert later_warnings == fresh_warnings and len(later_warnings) == 1 and "computes tanh" in later_warnings[0]
+    assert "tanh" in str(lrp.coverage())
+    if preset == "LRP-0":  # the gate held by hand: signal-take-all, exactly
+        held = seeded(GatedWhenLong, held=True)
+        assert relative_error(later, gradient_times_input(held, long["x"])) < 1e-12
+        assert relative_error(later, gradient_times_input(model, long["x"])) > 0.1
+
+
+def test_a_strict_mapper_refuses_a_later_call_of_another_signature_and_leaves_everything_as_it_was():
+    model, long = seeded(GatedWhenLong), sequences(4, seed=1)
+    lrp = LRP(model, BaseRuleMapper(strict=True, stabilizer=0.0), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        lrp(sequences(2))
+        snapshot, before = state_snapshot(model), dict(long.items())
+        with pytest.raises(ValueError, match=r"the model itself \(GatedWhenLong\) computes tanh"):
+            lrp(long)
+        assert_unchanged(model, snapshot)
+        assert dict(long.items()).keys() == before.keys() and all(long[k] is v for k, v in before.items())
+        with pytest.raises(ValueError, match="computes tanh"):  # refused again: not counted as watched
+            lrp(long)
+
+
+@pytest.mark.parametrize("preset", {"CPLRP": CPLRP, "AttnLRP": AttnLRP})
+def test_a_function_no_rule_covers_on_a_later_branch_is_named_under_the_transformer_presets(preset: str):
+    model, long = seeded(DecayWhenLong), sequences(4, seed=1)
+    lrp = LRP(model, {"CPLRP": CPLRP, "AttnLRP": AttnLRP}[preset](), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        _, short_warnings = call(lrp, sequences(2))
+        later, later_warnings = call(lrp, long)
+    assert short_warnings == [] and any("computes cumprod" in message for message in later_warnings)
+    assert "cumprod" in str(lrp.coverage())
+    fresh, _ = call(LRP(model, {"CPLRP": CPLRP, "AttnLRP": AttnLRP}[preset](), in_keys=["x"], out_keys=["y"]), long)
+    assert relative_error(later, fresh) < 1e-12
+
+
+def test_a_call_is_warned_of_what_no_call_before_it_was_and_only_that():
+    model = seeded(SineEverywhere)
+    lrp = LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        _, first = call(lrp, sequences(2))
+        _, second = call(lrp, sequences(4))
+        _, third = call(lrp, sequences(5))  # a third signature, nothing new
+    assert len(first) == 1 and "computes sin" in first[0] and "tanh" not in first[0]
+    assert len(second) == 1 and "computes tanh" in second[0] and "sin" not in second[0]
+    assert third == []
+    coverage = lrp.coverage()
+    assert {call.function for call in coverage.plain_gradient} == {"sin", "tanh"}
+
+
+def test_a_signature_is_watched_once_and_later_calls_of_it_run_without_a_mode():
+    spy = seeded(ModeSpy, body=nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3)))
+    lrp = LRP(spy, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        for length in (2, 2, 4, 4, 2):
+            lrp(TensorDict(x=sequences(length)["x"][:, 0], batch_size=[3]) if length == 2 else sequences(length))
+    assert spy.modes_on == [True, False, True, False, False]
+
+
+def test_a_later_call_of_the_first_signature_keeps_the_gate_held_once_found():
+    model = seeded(GatedWhenLong)
+    lrp = LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    with lrp, warnings.catch_warnings(record=True):
+        lrp(sequences(2))
+        lrp(sequences(4))
+        again = lrp(sequences(4, seed=2))["relevance", "x"]
+    fresh, _ = call(LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"]), sequences(4, seed=2))
+    assert relative_error(again, fresh) < 1e-12
+
+
+class TestCallSignature:
+    def test_values_do_not_count_and_shapes_dtypes_and_keys_do(self):
+        x = torch.zeros(2, 3)
+        signature = call_signature(TensorDict(x=x, batch_size=[2]))
+        assert signature == call_signature(TensorDict(x=torch.randn(2, 3), batch_size=[2]))
+        assert signature != call_signature(TensorDict(x=torch.zeros(2, 4), batch_size=[2]))
+        assert signature != call_signature(TensorDict(x=x.double(), batch_size=[2]))
+        assert signature != call_signature(TensorDict(y=x, batch_size=[2]))
+        assert signature != call_signature(TensorDict(x=x, mask=torch.ones(2, dtype=torch.bool), batch_size=[2]))
+        hash(signature)
+
+    def test_a_lazy_stack_has_one_signature(self):
+        parts = [TensorDict(x=torch.zeros(i + 1)) for i in range(2)]
+        assert call_signature(TensorDict(a=LazyStackedTensorDict(*parts))) is LAZY_STACK
