@@ -267,12 +267,19 @@ class UniformEpsilonRule(EpsilonRule):
         return redirect(output, [output], lambda grad: [times_saved(grad, scale)])
 
 
+# Activations whose pass rule is their plain gradient: f(x) / x = f'(x) wherever x != 0, and f(0) = 0.
+_HOMOGENEOUS_ACTIVATIONS = frozenset({nn.ReLU, nn.LeakyReLU, nn.PReLU, nn.RReLU})
+
+
 class PassRule(Rule):
     """Relevance passes unchanged through an element-wise module: ``R_i = R_i(out)``.
 
     For activations and un-merged normalisation. The input gradient is
-    ``grad(z) * z / stabilize(x)``. On ``nn.ReLU`` this equals the plain
-    gradient, so nothing is registered there.
+    ``grad(z) * z / stabilize(x)``. On ``nn.ReLU``, ``nn.LeakyReLU``, ``nn.PReLU``
+    and ``nn.RReLU`` (positively homogeneous: ``f(x) = f'(x) x``, and ``f(0) = 0``)
+    this equals the plain gradient, so nothing is registered there: the
+    stabiliser would only move it off, by ``stabilizer / |x|`` (LRP-0 stays
+    gradient × input at inputs of any size).
 
     Examples:
         >>> x = torch.tensor([-1.0, 0.5, 2.0], requires_grad=True)
@@ -292,7 +299,7 @@ class PassRule(Rule):
         self.stabilizer = stabilizer
 
     def register(self, module: nn.Module) -> RemovableRuleHandle:
-        if type(module) is nn.ReLU:
+        if type(module) in _HOMOGENEOUS_ACTIVATIONS:  # exactly these: a subclass may compute something else
             return RemovableRuleHandle(self, module)
         if isinstance(module, LINEAR_LAYERS) and not _scales_each_channel(module):
             raise ValueError(
