@@ -30,6 +30,7 @@ COMMANDS = {
         *("bench_transformer.py", "--batch", "1", "--tokens", "4"),
         *("--hidden", "16", "--layers", "1", "--repeats", "1"),
     ],
+    "signatures": ["bench_signatures.py", "--lengths", "3", "--hidden", "16", "--layers", "1"],
     "transformer zoo": ["bench_transformer_zoo.py", "gpt2", "llama", "--repeats", "1"],
     "transformer zoo fed ids": ["bench_transformer_zoo.py", "bert", "--ids", "--repeats", "1"],
     "profile": ["profile_vision.py", "--model", "resnet18", "--batch", "1", "--size", "32"],
@@ -132,6 +133,18 @@ def test_target_benchmark_runs_on_tiny_inputs(printed):
     stdout = stdout_of(printed, "targets")
     rows = [line.split() for line in stdout.splitlines()[2:]]
     assert [row[0] for row in rows] == ["2", "3"]
+    assert all(float(value) > 0 for row in rows for value in row[1:])
+
+
+def test_signatures_benchmark_runs_on_tiny_inputs(printed):
+    stdout = stdout_of(printed, "signatures")
+    rows = [re.split(r"\s{2,}", line) for line in stdout.splitlines()[2:]]
+    assert [row[0] for row in rows] == [
+        "AttnLRP, tiny Llama, a new shape each call",
+        "AttnLRP, tiny Llama, shapes seen",
+        "EpsilonPlus, small CNN, a new shape each call",
+        "EpsilonPlus, small CNN, shapes seen",
+    ]
     assert all(float(value) > 0 for row in rows for value in row[1:])
 
 

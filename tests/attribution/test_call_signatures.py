@@ -126,15 +126,20 @@ def test_a_strict_mapper_refuses_a_later_call_of_another_signature_and_leaves_ev
 
 @pytest.mark.parametrize("preset", {"CPLRP": CPLRP, "AttnLRP": AttnLRP})
 def test_a_function_no_rule_covers_on_a_later_branch_is_named_under_the_transformer_presets(preset: str):
+    # Their watch only reports, and a call whose graph no watched call had is watched at the next call (see
+    # TestGraphsDecideUnderTheFunctionRules); the relevance is the fresh call's at every call.
     model, long = seeded(DecayWhenLong), sequences(4, seed=1)
-    lrp = LRP(model, {"CPLRP": CPLRP, "AttnLRP": AttnLRP}[preset](), in_keys=["x"], out_keys=["y"])
+    mapper = {"CPLRP": CPLRP, "AttnLRP": AttnLRP}[preset]
+    fresh, fresh_warnings = call(LRP(model, mapper(), in_keys=["x"], out_keys=["y"]), long)
+    lrp = LRP(model, mapper(), in_keys=["x"], out_keys=["y"])
     with lrp:
         _, short_warnings = call(lrp, sequences(2))
-        later, later_warnings = call(lrp, long)
-    assert short_warnings == [] and any("computes cumprod" in message for message in later_warnings)
+        later, _ = call(lrp, long)
+        again, again_warnings = call(lrp, long)
+    assert short_warnings == [] and any("computes cumprod" in message for message in again_warnings)
+    assert again_warnings == fresh_warnings
     assert "cumprod" in str(lrp.coverage())
-    fresh, _ = call(LRP(model, {"CPLRP": CPLRP, "AttnLRP": AttnLRP}[preset](), in_keys=["x"], out_keys=["y"]), long)
-    assert relative_error(later, fresh) < 1e-12
+    assert relative_error(later, fresh) < 1e-12 and relative_error(again, fresh) < 1e-12
 
 
 def test_a_call_is_warned_of_what_no_call_before_it_was_and_only_that():
@@ -185,3 +190,61 @@ class TestCallSignature:
     def test_a_lazy_stack_has_one_signature(self):
         parts = [TensorDict(x=torch.zeros(i + 1)) for i in range(2)]
         assert call_signature(TensorDict(a=LazyStackedTensorDict(*parts))) is LAZY_STACK
+
+
+class ProductThenDecayWhenLong(nn.Module):
+    """A product of two activations, and a running product of decays on sequences longer than three positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = (nn.Linear(6, 6, bias=False) for _ in range(3))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x) * self.l2(x)
+        if x.shape[1] > 3:
+            h = torch.cumprod(torch.sigmoid(self.l3(x)), 1) * h
+        return self.head(h.mean(1))
+
+
+class TestGraphsDecideUnderTheFunctionRules:
+    """Under AttnLRP and CP-LRP the watch only reports (their rules hold gates themselves) and costs more than the
+    call: a call of a new signature runs unwatched, and counts as watched where its graph has the shape of a watched
+    call's; where not, the next call is watched."""
+
+    def run(self, monkeypatch, mapper, lengths: tuple[int, ...]) -> tuple[list, list, list]:
+        from tdhook.attribution._coverage_recorder import CoverageRecorder
+
+        watched: list[int] = []
+        original = CoverageRecorder.watch
+        monkeypatch.setattr(
+            CoverageRecorder, "watch", lambda self, *a, **k: watched.append(1) or original(self, *a, **k)
+        )
+        model = seeded(ProductThenDecayWhenLong)
+        fresh = [call(LRP(model, mapper(), in_keys=["x"], out_keys=["y"]), sequences(n, seed=n))[0] for n in lengths]
+        watched.clear()
+        lrp = LRP(model, mapper(), in_keys=["x"], out_keys=["y"])
+        counts, messages, errors = [], [], []
+        with lrp:
+            for length, expected in zip(lengths, fresh, strict=True):
+                relevance, caught = call(lrp, sequences(length, seed=length))
+                counts.append(len(watched))
+                messages.append([message for message in caught if "cumprod" in message])
+                errors.append(relative_error(relevance, expected))
+        return counts, messages, errors
+
+    @pytest.mark.parametrize("preset", {"CPLRP": CPLRP, "AttnLRP": AttnLRP})
+    def test_a_length_with_a_watched_graph_is_not_watched_and_another_graph_is_watched_next(self, monkeypatch, preset):
+        mapper = {"CPLRP": CPLRP, "AttnLRP": AttnLRP}[preset]
+        counts, messages, errors = self.run(monkeypatch, mapper, (2, 3, 4, 5, 4))
+        assert counts == [1, 1, 1, 2, 2]  # 3: the graph of 2; 4: another graph, so the next call is watched
+        assert messages == [[], [], [], messages[3], []] and len(messages[3]) == 1
+        assert max(errors) < 1e-12  # the watch changes no relevance
+
+    def test_a_strict_mapper_watches_every_new_signature_at_once(self):
+        lrp = LRP(seeded(ProductThenDecayWhenLong), CPLRP(strict=True), in_keys=["x"], out_keys=["y"])
+        with lrp:
+            lrp(sequences(2))
+            lrp(sequences(3))
+            with pytest.raises(ValueError, match="computes cumprod"):
+                lrp(sequences(4))
