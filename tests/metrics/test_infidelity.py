@@ -150,3 +150,11 @@ def test_a_failed_call_leaves_model_data_and_random_state_as_they_were(options, 
     score = infidelity(net, td, perturb_fn=perturb, n_perturb_samples=3, in_keys=["x"], out_keys=["y"])
     expected = infidelity(twin, td, perturb_fn=perturb, n_perturb_samples=3, in_keys=["x"], out_keys=["y"])
     torch.testing.assert_close(score, expected, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("normalize", ["False", 1, None])
+def test_normalize_that_is_no_bool_is_refused_by_name(normalize):
+    net = conv_net()
+    td = TensorDict(x=images(2), attribution=TensorDict(x=torch.zeros(2, 3, 6, 6)), batch_size=[2])
+    with pytest.raises(TypeError, match="infidelity: normalize must be True or False, got"):
+        infidelity(net, td, perturb_fn=lambda r: (r, r), normalize=normalize, in_keys=["x"], out_keys=["y"])

@@ -315,3 +315,10 @@ def test_a_stored_attribution_of_another_shape_than_the_methods_is_refused_by_na
     expected = rf"stored attribution \('attribution', 'x'\) has shape {list(stored)}".replace("[", r"\[")
     with pytest.raises(ValueError, match=expected + r", but the method writes \[2, 3, 6, 6\]"):
         randomisation_check(InputXGradient(net, in_keys=["x"], out_keys=["y"]), td)
+
+
+@pytest.mark.parametrize("abs_", ["False", 0, None])
+def test_abs_that_is_no_bool_is_refused_by_name(abs_):
+    lrp = LRP(conv_net(), in_keys=["x"], out_keys=["y"])
+    with pytest.raises(TypeError, match="randomisation_check: abs must be True or False, got"):
+        randomisation_check(lrp, TensorDict(x=images(2), batch_size=[2]), abs=abs_)

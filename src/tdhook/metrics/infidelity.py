@@ -10,6 +10,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import nn
 
+from tdhook.attribution.methods._options import checked_flag
 from tdhook.attribution.targets import Target
 from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._features import Features
@@ -96,6 +97,7 @@ def infidelity(
     Raises:
         TypeError, KeyError, ValueError: ``perturb_fn`` returned something other than two TensorDicts with the
             explained keys shaped like the repeated inputs.
+        TypeError: ``normalize`` is not a bool.
 
     Examples:
         >>> import torch
@@ -111,6 +113,7 @@ def infidelity(
     """
     if isinstance(n_perturb_samples, bool) or not isinstance(n_perturb_samples, int) or n_perturb_samples < 1:
         raise ValueError(f"infidelity: n_perturb_samples must be a positive int, got {n_perturb_samples!r}")
+    checked_flag(normalize, "normalize", "infidelity")
     scorer = Scorer(module, td, in_keys=in_keys, out_keys=out_keys, target_key=target_key, target=target)
     features = Features.read(td, scorer.keys, relevance_key)
     batch_dims = td.batch_dims

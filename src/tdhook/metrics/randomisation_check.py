@@ -17,6 +17,7 @@ from tensordict.utils import NestedKey, unravel_key
 from torch import nn
 from torch.nn.utils import parametrize
 
+from tdhook.attribution.methods._options import checked_flag
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.metrics._agent_templates import reset_in_template, template_owner
 from tdhook.metrics._batch_statistics import statistics_kept
@@ -130,7 +131,7 @@ def randomisation_check(
         the method (``named_modules()`` of a plain ``nn.Module``).
 
     Raises:
-        TypeError: ``method`` is not a TensorDict module.
+        TypeError: ``method`` is not a TensorDict module, or ``abs`` is not a bool.
         ValueError: an unknown ``similarity``, a model without parameters to reset, a parametrization that cannot
             take fresh values, or a tensor recomputed in a forward pre-hook (``torch.nn.utils.weight_norm``,
             ``spectral_norm``, ``prune``), which a reset would not reach.
@@ -148,6 +149,7 @@ def randomisation_check(
     check_method(method, "randomisation_check")
     if similarity not in ("spearman", "pearson"):
         raise ValueError(f"randomisation_check: similarity must be 'spearman' or 'pearson', got {similarity!r}")
+    checked_flag(abs, "abs", "randomisation_check")
     compare = spearman if similarity == "spearman" else pearson
     keys = method_keys(method, in_keys, td)
     prefix = method_prefix(method, relevance_key)

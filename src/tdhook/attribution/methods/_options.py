@@ -28,6 +28,7 @@ __all__ = [
     "Baselines",
     "baseline_tensors",
     "checked_batch_size",
+    "checked_flag",
     "entries",
     "per_key",
     "seeded_generator",
@@ -219,3 +220,23 @@ def checked_batch_size(internal_batch_size: int | None, owner: str) -> int | Non
     ):
         raise ValueError(f"{owner}: internal_batch_size must be a positive int or None, got {internal_batch_size!r}")
     return internal_batch_size
+
+
+def checked_flag(value: object, name: str, owner: str) -> bool:
+    """``value`` if it is a bool: a switch that changes the result takes ``True`` or ``False`` only (the string
+    ``"False"`` or the number 0.5 would otherwise be read by their truth, silently).
+
+    Raises:
+        TypeError: ``value`` is not a bool.
+
+    Examples:
+        >>> checked_flag(False, "abs", "Saliency")
+        False
+        >>> checked_flag("False", "abs", "Saliency")
+        Traceback (most recent call last):
+        ...
+        TypeError: Saliency: abs must be True or False, got 'False'
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}: {name} must be True or False, got {value!r}")
+    return value

@@ -16,6 +16,7 @@ from torch import nn
 from tdhook.attribution._keys import layer_keys
 from tdhook.attribution.mappers.aliases import every_named_module
 from tdhook.attribution.methods._base import AttributionMethod, Call, hooks_removed
+from tdhook.attribution.methods._options import checked_flag
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.targets import Target
 
@@ -156,8 +157,8 @@ class GradCAM(AttributionMethod):
             target=target,
             relevance_key=relevance_key,
         )
-        self.relu = relu
-        self.upsample = upsample
+        self.relu = checked_flag(relu, "relu", "GradCAM")
+        self.upsample = checked_flag(upsample, "upsample", "GradCAM")
         if not upsample:
             self.relevance_keys = []
         self.layer = layer

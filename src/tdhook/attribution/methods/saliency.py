@@ -10,6 +10,7 @@ from tensordict.utils import NestedKey
 from torch import nn
 
 from tdhook.attribution.methods._base import AttributionMethod, Call
+from tdhook.attribution.methods._options import checked_flag
 from tdhook.attribution.targets import Target
 
 __all__ = ["Saliency"]
@@ -64,7 +65,7 @@ class Saliency(AttributionMethod):
             target=target,
             relevance_key=relevance_key,
         )
-        self.abs = abs
+        self.abs = checked_flag(abs, "abs", "Saliency")
 
     def _attribute(self, call: Call) -> list[torch.Tensor]:
         grads = self._input_gradients(call)

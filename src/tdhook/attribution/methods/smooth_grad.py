@@ -16,6 +16,7 @@ from tdhook.attribution.methods._base import AttributionMethod, Call, pass_gradi
 from tdhook.attribution.methods._options import (
     MISSING,
     checked_batch_size,
+    checked_flag,
     draws_shape,
     per_key,
     seeded_generator,
@@ -148,7 +149,7 @@ class SmoothGrad(AttributionMethod):
         self.n_samples = n_samples
         self.seed = seed
         self.nt_type = nt_type
-        self.abs = abs
+        self.abs = checked_flag(abs, "abs", "SmoothGrad")
         self.internal_batch_size = checked_batch_size(internal_batch_size, "SmoothGrad")
 
     @property
