@@ -2,8 +2,8 @@
 
 A wrapper watches its first call of each input signature (keys, shapes, dtypes, devices) for functions no rule
 covers, and the CNN presets probe it for gates computed with functions: a forward may branch on its inputs' shapes.
-Under AttnLRP and CP-LRP, whose watch only reports, a call of a new signature runs unwatched where its graph has
-the shape of a watched call's. This script measures what that costs where every call brings a new shape: a tiny
+Under AttnLRP and CP-LRP too: their watch refuses gradient hooks the model puts on its own tensors, which no graph
+shows. This script measures what that costs where every call brings a new shape: a tiny
 random Llama (as in ``bench_transformer.py``) under AttnLRP over ``--lengths`` sequence lengths, and a small CNN
 under EpsilonPlus over as many image sizes, each in one context; then the same inputs again (shapes seen). The
 times are per call, with their ratio to a gradient × input pass over the same inputs; one thread, thread time.

@@ -17,7 +17,7 @@ from tensordict import LazyStackedTensorDict, TensorDict
 from torch import nn
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP, BaseRuleMapper, EpsilonAlpha2Beta1, EpsilonPlus
-from tdhook.attribution._call_signatures import LAZY_STACK, call_signature
+from tdhook.attribution._call_signatures import call_signature
 from tests.attribution._helpers import assert_unchanged, gradient_times_input, state_snapshot
 from tests.attribution.test_function_gates import ModeSpy
 from tests.conftest import relative_error
@@ -88,8 +88,9 @@ def seeded(model_class: type, **kwargs) -> nn.Module:
 def call(lrp: LRP, td: TensorDict) -> tuple[torch.Tensor, list[str]]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        relevance = lrp(td)["relevance", "x"]
-    return relevance, [str(w.message) for w in caught]
+        output = lrp(td)
+    key = lrp.in_keys[0]
+    return output["relevance", *(key if isinstance(key, tuple) else (key,))], [str(w.message) for w in caught]
 
 
 @pytest.mark.parametrize("preset", CNN_PRESETS)
@@ -126,18 +127,17 @@ def test_a_strict_mapper_refuses_a_later_call_of_another_signature_and_leaves_ev
 
 @pytest.mark.parametrize("preset", {"CPLRP": CPLRP, "AttnLRP": AttnLRP})
 def test_a_function_no_rule_covers_on_a_later_branch_is_named_under_the_transformer_presets(preset: str):
-    # Their watch only reports, and a call whose graph no watched call had is watched at the next call (see
-    # TestGraphsDecideUnderTheFunctionRules); the relevance is the fresh call's at every call.
+    # The later call of a new length is watched as the fresh call is: it warns at once, with the fresh relevance.
     model, long = seeded(DecayWhenLong), sequences(4, seed=1)
     mapper = {"CPLRP": CPLRP, "AttnLRP": AttnLRP}[preset]
     fresh, fresh_warnings = call(LRP(model, mapper(), in_keys=["x"], out_keys=["y"]), long)
     lrp = LRP(model, mapper(), in_keys=["x"], out_keys=["y"])
     with lrp:
         _, short_warnings = call(lrp, sequences(2))
-        later, _ = call(lrp, long)
+        later, later_warnings = call(lrp, long)
         again, again_warnings = call(lrp, long)
-    assert short_warnings == [] and any("computes cumprod" in message for message in again_warnings)
-    assert again_warnings == fresh_warnings
+    assert short_warnings == [] and any("computes cumprod" in message for message in later_warnings)
+    assert later_warnings == fresh_warnings and again_warnings == []
     assert "cumprod" in str(lrp.coverage())
     assert relative_error(later, fresh) < 1e-12 and relative_error(again, fresh) < 1e-12
 
@@ -187,9 +187,33 @@ class TestCallSignature:
         assert signature != call_signature(TensorDict(x=x, mask=torch.ones(2, dtype=torch.bool), batch_size=[2]))
         hash(signature)
 
-    def test_a_lazy_stack_has_one_signature(self):
-        parts = [TensorDict(x=torch.zeros(i + 1)) for i in range(2)]
-        assert call_signature(TensorDict(a=LazyStackedTensorDict(*parts))) is LAZY_STACK
+    def test_a_lazy_stack_has_the_shapes_of_its_entries(self):
+        def stack(*lengths: int, dtype: torch.dtype = torch.float32) -> TensorDict:
+            return TensorDict(a=LazyStackedTensorDict(*[TensorDict(x=torch.zeros(n, dtype=dtype)) for n in lengths]))
+
+        assert call_signature(stack(2, 2)) == call_signature(stack(2, 2))
+        assert len({call_signature(td) for td in (stack(2, 2), stack(4, 4), stack(1, 2), stack(2, 2, 2))}) == 4
+        assert call_signature(stack(2, 2)) != call_signature(stack(2, 2, dtype=F64))
+
+
+def stacked_sequences(length: int, seed: int = 0) -> TensorDict:
+    """Three sequences of ``length`` positions as a lazy stack under ``"a"``, as a rollout's may come."""
+    generator = torch.Generator().manual_seed(seed)
+    parts = [TensorDict(x=torch.randn(length, 6, generator=generator, dtype=F64)) for _ in range(3)]
+    return TensorDict(a=LazyStackedTensorDict(*parts, stack_dim=0), batch_size=[3])
+
+
+@pytest.mark.parametrize("preset", CNN_PRESETS)
+def test_a_gate_on_a_branch_a_later_lazy_stack_takes_is_held_as_in_a_fresh_call(preset: str):
+    # Before, every lazy stack had one signature: the long stack after a short one kept its gate's plain gradient
+    # (0.33 off the fresh call, relative L2) with no warning.
+    model, long = seeded(GatedWhenLong), stacked_sequences(4, seed=1)
+    fresh, _ = call(LRP(model, CNN_PRESETS[preset](), in_keys=[("a", "x")], out_keys=["y"]), long)
+    lrp = LRP(model, CNN_PRESETS[preset](), in_keys=[("a", "x")], out_keys=["y"])
+    with lrp:
+        call(lrp, stacked_sequences(2))
+        later, _ = call(lrp, long)
+    assert relative_error(later, fresh) < 1e-12
 
 
 class ProductThenDecayWhenLong(nn.Module):
@@ -207,10 +231,44 @@ class ProductThenDecayWhenLong(nn.Module):
         return self.head(h.mean(1))
 
 
-class TestGraphsDecideUnderTheFunctionRules:
-    """Under AttnLRP and CP-LRP the watch only reports (their rules hold gates themselves) and costs more than the
-    call: a call of a new signature runs unwatched, and counts as watched where its graph has the shape of a watched
-    call's; where not, the next call is watched."""
+class HookWhenLong(nn.Module):
+    """A gradient hook of the model's own that triples the gradient, on sequences longer than two positions only:
+    the graph has the same shape at every length, the hook is not in it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.head = nn.Linear(6, 6, bias=False), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x)
+        if x.shape[1] > 2 and h.requires_grad:
+            h.register_hook(lambda grad: 3 * grad)
+        return self.head(h.mean(1))
+
+
+class ExpWhenEven(nn.Module):
+    """An exponential decay on sequences of an even length only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.head = nn.Linear(6, 6, bias=False), nn.Linear(6, 6, bias=False), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x)
+        if x.shape[1] % 2 == 0:
+            h = h * torch.exp(-torch.relu(self.l2(x)))
+        return self.head(h.mean(1))
+
+
+TRANSFORMER_PRESETS = {"CPLRP": CPLRP, "AttnLRP": AttnLRP}
+
+
+class TestEverySignatureIsWatchedUnderTheFunctionRules:
+    """Under AttnLRP and CP-LRP too, a call of a new signature is watched. The watch does not only report: it
+    refuses a gradient hook the model puts on its own tensors, which no autograd graph shows. Before, such a call ran
+    unwatched where its graph had the shape of a watched call's: a hook on long sequences only was accepted at every
+    other long call after a short one, with three times the relevance, and a branch taken at even lengths only was
+    never named."""
 
     def run(self, monkeypatch, mapper, lengths: tuple[int, ...]) -> tuple[list, list, list]:
         from tdhook.attribution._coverage_recorder import CoverageRecorder
@@ -233,13 +291,35 @@ class TestGraphsDecideUnderTheFunctionRules:
                 errors.append(relative_error(relevance, expected))
         return counts, messages, errors
 
-    @pytest.mark.parametrize("preset", {"CPLRP": CPLRP, "AttnLRP": AttnLRP})
-    def test_a_length_with_a_watched_graph_is_not_watched_and_another_graph_is_watched_next(self, monkeypatch, preset):
-        mapper = {"CPLRP": CPLRP, "AttnLRP": AttnLRP}[preset]
-        counts, messages, errors = self.run(monkeypatch, mapper, (2, 3, 4, 5, 4))
-        assert counts == [1, 1, 1, 2, 2]  # 3: the graph of 2; 4: another graph, so the next call is watched
-        assert messages == [[], [], [], messages[3], []] and len(messages[3]) == 1
+    @pytest.mark.parametrize("preset", TRANSFORMER_PRESETS)
+    def test_each_new_length_is_watched_once_and_warns_at_once(self, monkeypatch, preset):
+        counts, messages, errors = self.run(monkeypatch, TRANSFORMER_PRESETS[preset], (2, 3, 4, 5, 4))
+        assert counts == [1, 2, 3, 4, 4]
+        assert messages == [[], [], messages[2], [], []] and len(messages[2]) == 1
         assert max(errors) < 1e-12  # the watch changes no relevance
+
+    @pytest.mark.parametrize("preset", TRANSFORMER_PRESETS)
+    def test_a_hook_of_the_models_own_on_a_later_length_is_refused_at_every_call(self, preset):
+        model = seeded(HookWhenLong)
+        lrp = LRP(model, TRANSFORMER_PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+        with lrp:
+            lrp(sequences(2))
+            for _ in range(3):
+                long = sequences(4, seed=1)
+                before = dict(long.items())
+                with pytest.raises(ValueError, match="a hook that the model itself"):
+                    lrp(long)
+                assert long.keys() == before.keys() and all(long[k] is v for k, v in before.items())
+
+    @pytest.mark.parametrize("preset", TRANSFORMER_PRESETS)
+    def test_a_function_at_even_lengths_only_is_named_whatever_length_came_first(self, preset):
+        lrp = LRP(seeded(ExpWhenEven), TRANSFORMER_PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+        with lrp, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for length in range(1, 8):
+                lrp(sequences(length))
+        assert len([w for w in caught if "computes exp" in str(w.message)]) == 1
+        assert {call.function for call in lrp.coverage().plain_gradient} == {"exp"}
 
     def test_a_strict_mapper_watches_every_new_signature_at_once(self):
         lrp = LRP(seeded(ProductThenDecayWhenLong), CPLRP(strict=True), in_keys=["x"], out_keys=["y"])

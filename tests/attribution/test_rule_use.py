@@ -113,3 +113,66 @@ def test_a_frozen_layer_the_parent_never_calls_is_named():
     model = Attending().requires_grad_(False)
     messages = unused_rule_warnings(BaseRuleMapper(rule_mapper={nn.Linear: EpsilonRule(0.1)}), model)
     assert len(messages) == 1 and "'layer.self_attn.out_proj'" in messages[0]
+
+
+class ProjectsWhenLong(nn.Module):
+    """Calls ``proj`` on sequences of two positions or fewer, and computes with its parameters directly on longer
+    ones (as an attention's fused path may)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > 2:
+            h = torch.nn.functional.linear(x, self.proj.weight, self.proj.bias)
+        else:
+            h = self.proj(x)
+        return self.head(h.mean(1))
+
+
+class InnerWhenLong(nn.Module):
+    """A block that runs its inner layer on sequences longer than two positions only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) if x.shape[1] > 2 else 2 * x
+
+
+def sequences_of(length: int) -> TensorDict:
+    generator = torch.Generator().manual_seed(length)
+    return TensorDict(x=torch.randn(2, length, 8, generator=generator, dtype=torch.float64), batch_size=[2])
+
+
+class TestEachSignaturesFirstCallIsWatched:
+    """A forward may branch on its inputs' shapes: the first call of each signature in a context is watched, as the
+    context's first is. Before, only the context's first call was: a later call of another length kept the plain
+    gradient of a layer whose rule never ran, or stacked a block's ε-rule on its inner layer's, with no word."""
+
+    def test_a_rule_a_later_length_bypasses_is_named(self):
+        mapper = BaseRuleMapper(rule_mapper={nn.Linear: EpsilonRule(0.1)})
+        lrp = LRP(ProjectsWhenLong().double(), mapper, in_keys=["x"], out_keys=["y"])
+        with warnings.catch_warnings(record=True) as caught, lrp:
+            warnings.simplefilter("always")
+            lrp(sequences_of(2))
+            assert not [w for w in caught if "has no effect" in str(w.message)]
+            lrp(sequences_of(4))
+            lrp(sequences_of(4))
+        messages = [str(w.message) for w in caught if "has no effect" in str(w.message)]
+        assert len(messages) == 1 and "'proj'" in messages[0]
+
+    def test_a_block_rule_over_an_inner_rule_a_later_length_runs_is_refused(self):
+        model = nn.Sequential(InnerWhenLong(), nn.Linear(8, 3)).double()
+        mapper = BaseRuleMapper(rule_mapper={InnerWhenLong: EpsilonRule(0.1), nn.Linear: EpsilonRule(0.1)})
+        lrp = LRP(model, mapper, in_keys=["x"], out_keys=["y"])
+        with lrp:
+            lrp(sequences_of(2))
+            long = sequences_of(4)
+            before = dict(long.items())
+            for _ in range(2):  # at every call: a refused pass does not count as watched
+                with pytest.raises(ValueError, match="'0'.*would act on top of the rules"):
+                    lrp(long)
+            assert long.keys() == before.keys() and all(long[k] is v for k, v in before.items())

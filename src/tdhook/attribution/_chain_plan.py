@@ -401,7 +401,7 @@ def planned_call(
     if (
         lrp._coverage.watches(signature)
         or lrp._norm_calls.found is not False  # F.batch_norm and the like called as functions: laid out in a mode
-        or lrp._rule_use.watches(lrp._handles)
+        or lrp._rule_use.watches(lrp._handles, signature)
         or lrp._function_gates.may_hold(lrp.rule_mapper, signature)  # a gate the model computes with functions
         or callable(lrp.target)
         or isinstance(lrp.target, str)

@@ -36,10 +36,6 @@ class CoverageRecorder:
         self._watched: set[Hashable] = set()  # the signatures of the calls watched and reported
         self._watching: Hashable | None = None  # that of the call in the watch
         self._reported: set[tuple[str, str, str]] = set()  # (kind, module, function) warned of
-        self._graphs: set[tuple] = set()  # the graph shapes of the watched calls that made a plan
-        self._graph: tuple | None = None  # that of the call in the watch, until its report is out
-        self._last_graph: tuple | None = None
-        self._watch_next = False  # a call ran unwatched with a graph no watched call had
         self._plain_gradient: tuple[PlainGradientCall, ...] = ()
         self._last_call: tuple[int, list, list[torch.Tensor]] | None = None
         self._function_rules = False
@@ -48,29 +44,6 @@ class CoverageRecorder:
         """Whether a call of ``signature`` (see :mod:`~tdhook.attribution._call_signatures`) is watched: no call
         of it was watched yet."""
         return signature not in self._watched
-
-    def __getstate__(self) -> dict:
-        """A copy or a pickle keeps what was watched and reported, not the graphs' shapes (they hold autograd node
-        types, which do not pickle): its calls of new signatures are watched until it has some of its own."""
-        return {**self.__dict__, "_graphs": set(), "_graph": None, "_last_graph": None}
-
-    def defers(self) -> bool:
-        """Whether a call of a new signature that records a plan may run unwatched, its graph to decide (see
-        :meth:`deferred`): a watched call left the shape of its graph, and no call since had another."""
-        return bool(self._graphs) and not self._watch_next
-
-    def deferred(self, signature: Hashable, graph: tuple | None) -> None:
-        """A call of ``signature`` ran unwatched and left a graph of the shape ``graph`` (``None``: not known).
-        Where a watched call's graph had that shape (the same functions in the same places: what its watch found
-        holds for this call), ``signature`` counts as watched; else the next call is watched."""
-        if graph is not None and graph in self._graphs:
-            self._watched.add(signature)
-        else:
-            self._watch_next = True
-
-    def note_graph(self, graph: tuple | None) -> None:
-        """The shape of the watched call's graph (``None``: not known), kept once its report is out."""
-        self._graph = graph
 
     def watch(
         self,
@@ -102,7 +75,6 @@ class CoverageRecorder:
         """The watched call was refused in its backward pass (a hook of the caller's changed a gradient): the next
         call is watched too."""
         self._watched.discard(self._watching)
-        self._graphs.discard(self._last_graph)
 
     def report(
         self, calls: NonlinearCalls, targets: list[torch.Tensor], modules: Mapping[str, nn.Module], mapper: Any
@@ -133,10 +105,6 @@ class CoverageRecorder:
             (kind, name, function) for kind, calls_of in new.items() for name in calls_of for function in calls_of[name]
         )
         self._watched.add(self._watching)
-        if self._graph is not None:
-            self._graphs.add(self._graph)
-        self._last_graph, self._graph = self._graph, None
-        self._watch_next = False
 
     def _unreported(self, kind: str, found: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
         """The calls of ``found`` (module name → function → number of calls) of a ``kind`` not reported before."""

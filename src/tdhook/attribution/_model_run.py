@@ -25,7 +25,6 @@ from tdhook.attribution._checkpointing import raise_for_checkpointing
 from tdhook.attribution._detached_caches import CacheWatch
 from tdhook.attribution._function_rule_plan import FunctionRulePlan
 from tdhook.attribution._given_inputs import given_inputs, restore_inputs
-from tdhook.attribution._graph_shape import graph_shape
 from tdhook.attribution._kept_caches import KeptCaches, cache_receivers
 from tdhook.attribution._nonlinear_calls import NonlinearCalls
 from tdhook.attribution._numeric_inputs import watch_numeric_inputs
@@ -52,11 +51,7 @@ def run_model(
 ) -> tuple[TensorDictBase | None, NonlinearCalls | None]:
     """Run ``lrp``'s model on ``work`` under the function modes of its rules; what the model returned, and the
     watch of the nonlinear calls that no rule covers (the first call of a wrapper of its ``signature``, see
-    :mod:`~tdhook.attribution._call_signatures`, with its rules on only, else ``None``). The watch costs more than
-    the call, and under the function rules alone it only reports: there a call of a new signature runs unwatched,
-    and where its graph has the shape of a watched call's (see :mod:`~tdhook.attribution._graph_shape`: the same
-    functions in the same places, a sequence of another length) its signature counts as watched; where not, the
-    next call is watched. A ``strict`` mapper's calls are watched at once.
+    :mod:`~tdhook.attribution._call_signatures`, with its rules on only, else ``None``).
 
     A call that runs the model again (its graph was not the recorded one) starts from the inputs it was given:
     ``work``'s entries, and the values of the explained inputs' copies ``fed``, taken again from ``leaves`` where
@@ -67,7 +62,7 @@ def run_model(
     raise_for_checkpointing("LRP", [] if lrp._inactive else lrp._checkpointing)  # before the model runs
     lrp._function_rule_plan.quiet.remove()  # modules a plan ran without hooks, if an interrupt left them so
     handles = lrp._handles or []
-    watch = lrp._rule_use.watch(lrp.named_explained_modules, handles, lrp._hooks)
+    watch = lrp._rule_use.watch(lrp.named_explained_modules, handles, lrp._hooks, signature)
     rule_modes = [] if lrp._inactive else list(getattr(lrp.rule_mapper, "function_modes", list)())
     rule_modes += [] if lrp._inactive else lrp._function_gates.modes(lrp.rule_mapper, rule_modes, signature)
     # The first call of a signature with the rules on is watched for calls no rule covers: with the rules off
@@ -111,10 +106,6 @@ def run_model(
             buffers = _model_buffers(lrp)
             statistics = buffers.keep(every=True)  # once per signature: every buffer's values
             caches = KeptCaches(cache_receivers_of(lrp))
-    # The watch costs more than the call, and where the function rules alone run it only reports: decided by the
-    # graph the call makes.
-    deferred = watching and _watch_only_reports(lrp, rule_modes) and lrp._coverage.defers()
-    watching = watching and not deferred
     if not (rule_modes or lrp._compiled or watching or watch is not RuleUse.NOTHING):
         with closing_scopes():  # nothing to enter but the scopes (every call of a context after its first, mostly)
             return (_call(lrp, work) if lrp._norm_calls.found is False else _laid_out_call(lrp, work)), None
@@ -149,10 +140,9 @@ def run_model(
                 rule_modes[0].recording = None
         if watch is not RuleUse.NOTHING:  # the first pass of a context: which parameters its graph reaches
             lrp._rule_use.saw(work if result is None else result)
-        settled = recording is not None and lrp._function_rule_plan.settle(
+        if recording is not None and not lrp._function_rule_plan.settle(
             recording, work if result is None else result, start
-        )
-        if recording is not None and not settled:
+        ):
             # Its tensors held without a detach left a graph whose backward would raise: again, detached.
             for handle in handles:
                 handle.pop_records()
@@ -162,13 +152,6 @@ def run_model(
             result = _call(lrp, work)
         elif recording is not None:
             buffers.note(statistics)
-        if deferred or calls is not None:
-            roots = _roots(work if result is None else result)
-            graph = None if roots is None else graph_shape(roots)
-            if deferred:
-                lrp._coverage.deferred(signature, graph)
-            else:
-                lrp._coverage.note_graph(graph)
         return result, calls
 
 
@@ -239,28 +222,6 @@ def _plan_key(lrp: Any, rule_modes: list, work: TensorDictBase) -> tuple | None:
         for key, value in work.items(True, True)
         if isinstance(value, torch.Tensor)
     )
-
-
-def _watch_only_reports(lrp: Any, rule_modes: list) -> bool:
-    """Whether watching a call changes nothing but what it reports: the function rules alone run (AttnLRP's and
-    CP-LRP's, which hold gates themselves: no probe), with a mapper that warns rather than refuses."""
-    if len(rule_modes) != 1 or type(rule_modes[0]) is not FunctionalRules:
-        return False
-    return not getattr(lrp.rule_mapper, "strict", False)
-
-
-def _roots(outputs: object) -> list | None:
-    """The autograd nodes of the tensors in ``outputs`` (a TensorDict, a tensor, or a tuple of them), in order;
-    ``None`` for a TensorDict holding a lazy stack (entries of different shapes: no one graph to compare)."""
-    if isinstance(outputs, torch.Tensor):
-        tensors = [outputs]
-    elif isinstance(outputs, (tuple, list)):
-        tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
-    elif isinstance(outputs, TensorDictBase) and not has_lazy_stack(outputs):
-        tensors = [t for t in outputs.values(True, True) if isinstance(t, torch.Tensor)]
-    else:
-        return None
-    return [t.grad_fn for t in tensors if t.grad_fn is not None]
 
 
 def _call(lrp: Any, work: TensorDictBase) -> TensorDictBase | None:

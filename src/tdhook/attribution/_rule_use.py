@@ -4,8 +4,10 @@ a block whose inner modules ran with rules of their own, refused (see :mod:`~tdh
 ``nn.MultiheadAttention`` computes its output projection with ``out_proj.weight``
 directly, never calling ``out_proj``; swin's attention does the same with its
 ``qkv`` and ``proj``. A rule registered on such a module has no effect, and the
-parent's computation keeps its plain gradient. The first call in an LRP context
-watches which modules run and warns, naming each such module. A module whose
+parent's computation keeps its plain gradient. The first call of each input
+signature in an LRP context (a forward may branch on a shape: see
+:mod:`~tdhook.attribution._call_signatures`) watches which modules run and
+warns, naming each such module. A module whose
 parameters the graph of the call's outputs does not reach is unused, not
 bypassed, and is not named (one whose parameters do not require grad leaves no
 trace there, and is named all the same).
@@ -30,7 +32,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -51,58 +53,66 @@ __all__ = ["RuleUse"]
 
 
 class RuleUse:
-    """Watches the first forward pass after :meth:`reset` and warns about rules that did not take effect."""
+    """Watches the first forward pass of each input signature after :meth:`reset` and warns about rules that did not
+    take effect."""
 
     #: what :meth:`watch` returns when it does not watch: a context manager that does nothing.
     NOTHING = contextlib.nullcontext()
 
     def __init__(self) -> None:
-        self._pending = True
+        self._watched: set[Hashable] = set()  # the signatures whose first pass of the context was watched
         self._outputs: list[torch.Tensor] = []  # what the watched pass returned (see :meth:`saw`)
 
     def reset(self) -> None:
-        """Watch the next forward pass (called when a context opens)."""
-        self._pending = True
+        """Watch the next forward pass of every signature (called when a context opens)."""
+        self._watched.clear()
 
     def saw(self, outputs: TensorDictBase) -> None:
         """Note what the watched pass returned: a module none of whose parameters its graph reaches is unused, and
         its rule is not named."""
-        if self._pending:
-            self._outputs = list(_tensors_of(outputs))
+        self._outputs = list(_tensors_of(outputs))
 
-    def watches(self, handles: Sequence[RemovableRuleHandle]) -> bool:
-        """Whether the next forward pass with the rules of ``handles`` is watched."""
-        return self._pending and bool(handles)
+    def watches(self, handles: Sequence[RemovableRuleHandle], signature: Hashable = None) -> bool:
+        """Whether the next forward pass of ``signature`` with the rules of ``handles`` is watched."""
+        return signature not in self._watched and bool(handles)
 
     def watch(
         self,
         named_modules: Callable[[], Mapping[str, nn.Module]],
         handles: Sequence[RemovableRuleHandle],
         hooks: list | None = None,
+        signature: Hashable = None,
     ) -> contextlib.AbstractContextManager[None]:
-        """Run the block; if it is the first forward pass since :meth:`reset`, warn about rules without effect.
+        """Run the block; if it is the first forward pass of ``signature`` (see
+        :mod:`~tdhook.attribution._call_signatures`) since :meth:`reset`, warn about rules without effect.
 
         Args:
             named_modules: gives the model's modules by name (asked only when watching).
             handles: the handles of the registered rules.
             hooks: where the watch's hooks are listed while they are on the model (the context's hooks, which
                 leaving the context removes: one left by an interrupt is removed then).
+            signature: the call's: a forward may run other modules, or call a module's parameters directly, on
+                inputs of another shape.
         """
-        if not self._pending:
+        if signature in self._watched:
             return RuleUse.NOTHING  # every later call: nothing to set up
         if not handles:  # no module rule to watch; the function modes' rules still check their calls in this pass
-            return self._first_pass_only()
-        return self._watching(named_modules, handles, [] if hooks is None else hooks)
+            return self._first_pass_only(signature)
+        return self._watching(named_modules, handles, [] if hooks is None else hooks, signature)
 
     @contextlib.contextmanager
-    def _first_pass_only(self) -> Iterator[None]:
+    def _first_pass_only(self, signature: Hashable) -> Iterator[None]:
         with watching_first_pass():
             yield
-        self._pending = False  # as after a watched pass: a failed one is the first pass again at the next call
+        self._watched.add(signature)  # as after a watched pass: a failed one is the first pass again at the next call
 
     @contextlib.contextmanager
     def _watching(
-        self, named_modules: Callable[[], Mapping[str, nn.Module]], handles: Sequence[RemovableRuleHandle], hooks: list
+        self,
+        named_modules: Callable[[], Mapping[str, nn.Module]],
+        handles: Sequence[RemovableRuleHandle],
+        hooks: list,
+        signature: Hashable,
     ) -> Iterator[None]:
         modules = named_modules()
         ran: set[int] = set()
@@ -155,7 +165,7 @@ class RuleUse:
             )
         # Watched once its warnings are out: a pass that failed or was interrupted, or a warning that the caller's
         # filter turned into an error (warnings.simplefilter("error")), is watched again at the next call.
-        self._pending = False
+        self._watched.add(signature)
 
 
 def _tensors_of(value: object) -> Iterator[torch.Tensor]:
