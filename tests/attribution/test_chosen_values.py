@@ -8,7 +8,7 @@ import torch
 from tensordict import TensorDict
 from torchrl.modules import QValueActor
 
-from tdhook.attribution import LRP, Saliency
+from tdhook.attribution import LRP, BaseRuleMapper, Saliency
 from tdhook.metrics import pixel_flipping, randomisation_check, sensitivity_max
 
 
@@ -74,3 +74,61 @@ def test_a_masked_q_value_actor_chooses_and_is_scored_among_the_allowed_actions(
     for target_key in (None, "action_value"):
         result = action_fidelity(actor, out, k=2, relevance_key="relevance", seed=0, target_key=target_key)
         torch.testing.assert_close(result["relevant"], expected, rtol=0, atol=0)
+
+
+def several_one_hot_actor() -> tuple[torch.nn.Module, torch.nn.Linear]:
+    """A Q-value policy whose action is one unit of each of two groups of action values (sizes 2 and 3)."""
+    from tensordict.nn import TensorDictModule, TensorDictSequential
+    from torchrl.modules import QValueModule
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 5, bias=False).double()
+    values = TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"])
+    return TensorDictSequential(values, QValueModule(action_space="mult_one_hot", var_nums=[2, 3])), net
+
+
+class TestSeveralOneHotActions:
+    """With ``action_space="mult_one_hot"`` the action is one unit of each group, and its value their sum: the argmax
+    of the action values' row names one unit, not the action. Before, ``target_key="action_value"`` explained that
+    unit (0.57 off the action's value, relative L2, on a linear net), and the methods that evaluate perturbed inputs
+    explained the argmax unit of the unperturbed row at the default key (0.57 off too)."""
+
+    def batch(self) -> TensorDict:
+        return TensorDict(observation=torch.randn(3, 4, dtype=torch.float64), batch_size=[3])
+
+    def test_lrp_at_the_default_key_explains_the_value_of_every_chosen_unit(self):
+        actor, net = several_one_hot_actor()
+        td = self.batch()
+        out = actor(td.clone())
+        assert (out["action"].sum(-1) == 2).all()  # one unit of each group
+        oracle = td["observation"] * (out["action"].double() @ net.weight)  # a linear net: x * gradient of the value
+        relevance = LRP(actor, BaseRuleMapper(stabilizer=0.0))(td.clone())["relevance", "observation"]
+        torch.testing.assert_close(relevance, oracle, rtol=1e-10, atol=1e-12)
+
+    def test_the_action_values_without_a_target_are_refused_by_name(self):
+        actor, _ = several_one_hot_actor()
+        td = self.batch()
+        for method in (LRP(actor, target_key="action_value"), Saliency(actor, target_key="action_value")):
+            with pytest.raises(ValueError, match=r"'action_value' holds .*'mult_one_hot'.*Pass a target"):
+                method(td)
+            assert set(td.keys()) == {"observation"}
+        explained = LRP(actor, target_key="action_value", target=torch.tensor([0, 2, 4]))(td.clone())
+        assert explained["relevance", "observation"].shape == (3, 4)
+
+    @pytest.mark.parametrize("method", ["IntegratedGradients", "FeatureAblation", "Occlusion"])
+    def test_methods_evaluating_perturbed_inputs_refuse_the_chosen_value_by_name(self, method):
+        import tdhook.attribution as attribution
+
+        actor, _ = several_one_hot_actor()
+        td = self.batch()
+        options = {"sliding_window_shapes": (1,)} if method == "Occlusion" else {}
+        with pytest.raises(ValueError, match=rf"{method}: 'chosen_action_value' is the value .*'mult_one_hot'"):
+            getattr(attribution, method)(actor, **options)(td)
+        assert set(td.keys()) == {"observation"}
+
+    def test_the_metrics_refuse_the_chosen_value_by_name(self):
+        actor, _ = several_one_hot_actor()
+        td = self.batch()
+        out = Saliency(actor)(td.clone())  # the gradient at the input: the chosen units' value, as LRP's
+        with pytest.raises(ValueError, match=r"metrics: 'chosen_action_value' is the value .*'mult_one_hot'"):
+            pixel_flipping(actor, out)

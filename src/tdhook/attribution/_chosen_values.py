@@ -39,13 +39,26 @@ def chosen_value_module(module: TensorDictModuleBase, key: NestedKey) -> QValueM
 
 
 def chosen_action(
-    module: TensorDictModuleBase, key: NestedKey, result: TensorDictBase
+    module: TensorDictModuleBase, key: NestedKey, result: TensorDictBase, name: str = "LRP"
 ) -> tuple[NestedKey, torch.Tensor] | None:
     """Where ``key`` is a chosen action's value: the key of the action values and the index of the action chosen
     in ``result`` (per sample: the module writes the action values of forbidden actions as the lowest float, so
-    that their argmax is the greedy allowed action); else ``None``."""
+    that their argmax is the greedy allowed action); else ``None``.
+
+    Raises:
+        ValueError: the module's action space is ``"mult_one_hot"``, whose action is one unit of each of several
+            groups of the action values: no index per sample names it (``name`` begins the message).
+    """
     found = chosen_value_module(module, key)
     if found is None:
         return None
+    if found.action_space == "mult_one_hot":
+        raise ValueError(
+            f"{name}: {key!r} is the value of the action of a QValueModule with action space 'mult_one_hot', one unit "
+            f"of each group of {found.out_keys[1]!r}: the value a perturbed input gives would follow its own greedy "
+            "units, and no index per sample names the chosen ones. Pass target_key and a target (a LongTensor of "
+            "units of one group, or target='all'), or explain it with LRP or the gradient methods, which take the "
+            "value at the input only"
+        )
     values_key = unravel_key(found.out_keys[1])
     return values_key, result.get(values_key).detach().argmax(-1)  # masked already where the module reads a mask

@@ -67,6 +67,7 @@ from torchrl.modules import (
     DecisionTransformerInferenceWrapper,
     EGreedyModule,
     OrnsteinUhlenbeckProcessModule,
+    QValueModule,
     ValueOperator,
 )
 from torchrl.modules.distributions import MaskedCategorical, MaskedOneHotCategorical
@@ -176,6 +177,13 @@ def allowed_action(
     greedy = distributional_action(operator, target_key, result)
     if greedy is not None:
         return greedy
+    if _several_units_module(operator, target_key) is not None:
+        raise ValueError(
+            f"LRP: {target_key!r} holds the action values of a QValueModule with action space 'mult_one_hot', whose "
+            "action is one unit of each of several groups: the argmax of the row names one unit, not the action. "
+            "Pass a target (a LongTensor of units, or target='all'), or explain the chosen action's value (its "
+            "third output key, 'chosen_action_value' by default)"
+        )
     sampler = _masked_sampler(operator, target_key)
     if sampler is None:
         return None
@@ -196,6 +204,21 @@ def allowed_action(
         return action
     mask = allowed_mask(operator, target_key, result)
     return logits.argmax(-1) if mask is None else logits.masked_fill(~mask, float("-inf")).argmax(-1)
+
+
+def _several_units_module(operator: TensorDictModuleBase, target_key: NestedKey) -> QValueModule | None:
+    """The ``QValueModule`` of action space ``"mult_one_hot"`` whose action values ``target_key`` holds, or
+    ``None``."""
+    return _found_once(operator, target_key, _find_several_units_module)
+
+
+def _find_several_units_module(operator: TensorDictModuleBase, target_key: NestedKey) -> QValueModule | None:
+    key = unravel_key(target_key)
+    for sub in operator.modules():
+        if type(sub) is QValueModule and sub.action_space == "mult_one_hot" and len(sub.out_keys) > 1:
+            if key == unravel_key(sub.out_keys[1]):
+                return sub
+    return None
 
 
 def _distributional_module(operator: TensorDictModuleBase, target_key: NestedKey) -> DistributionalQValueModule | None:

@@ -282,7 +282,7 @@ class Scorer:
             _refuse_sampled_target(self.module, self._key)
         # A chosen action's value follows the greedy action of each perturbed input: score the value of the action
         # chosen here instead, the quantity explained.
-        chosen = chosen_action(self.module, self._key, result) if target is None and not free else None
+        chosen = chosen_action(self.module, self._key, result, "metrics") if target is None and not free else None
         if chosen is not None:
             self._key = chosen[0]
         output = self.reference_output = self._output(result)

@@ -608,7 +608,7 @@ def _read_target(method: AttributionMethod, result: TensorDictBase) -> tuple[Nes
         # A chosen action's value follows the greedy action of each perturbed input: the methods that evaluate such
         # inputs explain the value of the action chosen here (the action values at that action), as LRP does.
         evaluates = target is None and method._evaluates_copies
-        chosen = chosen_action(method.module, target_key, result) if evaluates else None
+        chosen = chosen_action(method.module, target_key, result, name) if evaluates else None
         if chosen is not None:
             target_key, target = chosen
         return target_key, target, target_output(result, target_key, method._target[1])
