@@ -9,7 +9,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from tdhook.attribution import LRP, BaseRuleMapper, EpsilonPlus, EpsilonRule, GammaRule
+from tdhook.attribution import LRP, AttnLRP, BaseRuleMapper, EpsilonPlus, EpsilonRule, GammaRule, IgnoreRule
 
 
 class Attending(nn.Module):
@@ -176,3 +176,35 @@ class TestEachSignaturesFirstCallIsWatched:
                 with pytest.raises(ValueError, match="'0'.*would act on top of the rules"):
                     lrp(long)
             assert long.keys() == before.keys() and all(long[k] is v for k, v in before.items())
+
+    @pytest.mark.parametrize("mapper", [EpsilonPlus, AttnLRP])
+    def test_a_rules_check_of_its_inputs_warns_once_a_context_whatever_signatures_follow(self, mapper):
+        # A sigmoid behind a ReLU gets inputs of exactly 0 (sigmoid(0) != 0): its rule says so in the watched pass.
+        model = nn.Sequential(nn.ReLU(), nn.Sigmoid(), nn.Linear(6, 3)).double()
+        lrp = LRP(model, mapper(), in_keys=["x"], out_keys=["y"])
+        generator = torch.Generator().manual_seed(0)
+        with warnings.catch_warnings(record=True) as caught, lrp:
+            warnings.simplefilter("always")
+            for batch in (2, 3, 4, 4):
+                x = torch.randn(batch, 6, generator=generator, dtype=torch.float64)
+                lrp(TensorDict(x=x, batch_size=[batch]))
+        assert len([w for w in caught if "of its inputs are exactly 0" in str(w.message)]) == 1
+
+    def test_a_rule_without_effect_is_named_once_a_context_whatever_lengths_follow(self):
+        mapper = BaseRuleMapper(rule_mapper={nn.Linear: EpsilonRule(0.1)})
+        lrp = LRP(Attending().double().eval(), mapper, in_keys=["x"], out_keys=["y"])
+        with warnings.catch_warnings(record=True) as caught, lrp:
+            warnings.simplefilter("always")
+            for length in (5, 6, 7):
+                lrp(TensorDict(x=torch.randn(2, length, 8, dtype=torch.float64), batch_size=[2]))
+        assert len([w for w in caught if "has no effect" in str(w.message)]) == 1
+
+    def test_ignore_rule_over_ruled_modules_is_named_once_a_context_whatever_lengths_follow(self):
+        model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 3)).double()
+        mapper = BaseRuleMapper(rule_mapper={"0": IgnoreRule(), nn.Linear: GammaRule(0.25)})
+        lrp = LRP(model, mapper, in_keys=["x"], out_keys=["y"])
+        with warnings.catch_warnings(record=True) as caught, lrp:
+            warnings.simplefilter("always")
+            for length in (5, 6, 7):
+                lrp(sequences_of(length))
+        assert len([w for w in caught if "changes nothing" in str(w.message)]) == 1

@@ -22,8 +22,8 @@ only). With the modules inside mapped to ``IgnoreRule``, the block's rule alone 
 forward computes; the modules inside it keep their rules. On a container that computes nothing of its own (an
 ``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict``, a ``TensorDictModule`` or ``TensorDictSequential``) it
 changes nothing at all, and where modules inside it ran with rules that change the gradient, the block's relevance
-is theirs, not its plain gradient: the wrapper warns at the first call of a context, naming the container and
-them (:func:`warn_for_plain_gradient_over_ruled_modules`).
+is theirs, not its plain gradient: the wrapper warns at the first call of each input signature of a context, naming
+the container and them (:func:`warn_for_plain_gradient_over_ruled_modules`), once a context.
 
 Examples:
     >>> from torch import nn
@@ -58,6 +58,8 @@ _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, TensorDictModuleBase
 
 _SHOWN = 3  # inner modules an error names
 
+_PLAIN_OVER_RULES = "IgnoreRule over ruled modules"  # what warn_for_plain_gradient_over_ruled_modules notes
+
 
 def _changes_gradient(handle: RemovableRuleHandle) -> bool:
     """Whether the rule of ``handle`` may change its module's gradient: it has hooks, is more than a mark, and is not
@@ -77,6 +79,7 @@ def refuse_rescaling_over_ruled_modules(
         handles: the handles of the context's rules.
         modules: the model's modules by name.
         ran: the ``id`` of each module that ran in the call watched.
+        warned: what was warned about before in the context (a container is named once); its warnings are added.
 
     Raises:
         ValueError: naming the module with the ε-rule (or the rule of one's own), the rule, and the first inner
@@ -130,7 +133,10 @@ def _ruled_inside(outer: nn.Module, ruled: Mapping[int, object]) -> list[tuple[s
 
 
 def warn_for_plain_gradient_over_ruled_modules(
-    handles: Sequence[RemovableRuleHandle], modules: Mapping[str, nn.Module], ran: Collection[int]
+    handles: Sequence[RemovableRuleHandle],
+    modules: Mapping[str, nn.Module],
+    ran: Collection[int],
+    warned: set | None = None,
 ) -> None:
     """Warn where :class:`~tdhook.attribution.rules.basic.IgnoreRule`, asked for by the caller, is on a container
     some of whose inner modules ran with rules that change their gradient: it changes nothing there.
@@ -139,6 +145,7 @@ def warn_for_plain_gradient_over_ruled_modules(
         handles: the handles of the context's rules.
         modules: the model's modules by name.
         ran: the ``id`` of each module that ran in the call watched.
+        warned: what was warned about before in the context (a container is named once); its warnings are added.
 
     Examples:
         >>> import warnings
@@ -165,7 +172,7 @@ def warn_for_plain_gradient_over_ruled_modules(
     ruled = {id(h.module): h.rule for h in handles if id(h.module) in ran and _changes_gradient(h)}
     for handle in plain:
         inner = _ruled_inside(handle.module, ruled)
-        if not inner:
+        if not inner or (warned is not None and (_PLAIN_OVER_RULES, id(handle.module)) in warned):
             continue
         path = names.get(id(handle.module), "?")
         shown = ", ".join(
@@ -180,3 +187,5 @@ def warn_for_plain_gradient_over_ruled_modules(
             f"({shown}{more}), so the block's relevance is not its plain gradient. Map the modules inside to "
             f"IgnoreRule() (a pattern such as {pattern!r}) for that, or leave the container out of the mapping"
         )
+        if warned is not None:
+            warned.add((_PLAIN_OVER_RULES, id(handle.module)))

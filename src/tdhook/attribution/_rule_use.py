@@ -51,6 +51,8 @@ from tdhook.attribution.rules.basic import IgnoreRule
 
 __all__ = ["RuleUse"]
 
+_NO_EFFECT = "a rule without effect"  # what RuleUse notes in the first pass's set (see first_pass) once it warned
+
 
 class RuleUse:
     """Watches the first forward pass of each input signature after :meth:`reset` and warns about rules that did not
@@ -61,11 +63,13 @@ class RuleUse:
 
     def __init__(self) -> None:
         self._watched: set[Hashable] = set()  # the signatures whose first pass of the context was watched
+        self._warned: set = set()  # what the rules warned about in those passes (see first_pass): once a context
         self._outputs: list[torch.Tensor] = []  # what the watched pass returned (see :meth:`saw`)
 
     def reset(self) -> None:
         """Watch the next forward pass of every signature (called when a context opens)."""
         self._watched.clear()
+        self._warned = set()
 
     def saw(self, outputs: TensorDictBase) -> None:
         """Note what the watched pass returned: a module none of whose parameters its graph reaches is unused, and
@@ -102,8 +106,10 @@ class RuleUse:
 
     @contextlib.contextmanager
     def _first_pass_only(self, signature: Hashable) -> Iterator[None]:
-        with watching_first_pass():
+        with watching_first_pass(self._warned):
+            warned = first_pass()
             yield
+        self._warned = warned
         self._watched.add(signature)  # as after a watched pass: a failed one is the first pass again at the next call
 
     @contextlib.contextmanager
@@ -123,7 +129,7 @@ class RuleUse:
             for module in modules.values():  # each listed as it is registered
                 mine.append(module.register_forward_pre_hook(lambda m, args: ran.add(id(m))))
                 hooks.append(mine[-1])
-            with watching_first_pass():  # rules check their calls' inputs in this pass only
+            with watching_first_pass(self._warned):  # rules check their calls' inputs in this pass only
                 noted = first_pass()  # what they noted: the projections an attention took with a module's rule
                 yield
         finally:
@@ -134,13 +140,15 @@ class RuleUse:
                 mine.pop()
         # Raised before the pass counts as watched: every later call is refused alike.
         refuse_rescaling_over_ruled_modules(handles, modules, ran)
-        warn_for_plain_gradient_over_ruled_modules(handles, modules, ran)
+        warn_for_plain_gradient_over_ruled_modules(handles, modules, ran, noted)
         names = {id(module): name for name, module in modules.items()}
         outputs, self._outputs = self._outputs, []
         reached: set[int] | None = None
         for handle in handles:
             module = handle.module
             if module is None or id(module) in ran or isinstance(handle.rule, IgnoreRule):
+                continue
+            if (_NO_EFFECT, id(module)) in noted:  # named in the first pass of another signature
                 continue
             if not handle.rule.is_registered(module) or next(module.parameters(), None) is None:
                 continue  # a module without parameters: its parent cannot compute with them directly
@@ -163,8 +171,10 @@ class RuleUse:
                 "preset that handles it (AttnLRP, CPLRP), with an ε for Linear layers given as the preset's epsilon "
                 "(AttnLRP(epsilon=...)) rather than in rule_mapper"
             )
+            noted.add((_NO_EFFECT, id(module)))
         # Watched once its warnings are out: a pass that failed or was interrupted, or a warning that the caller's
         # filter turned into an error (warnings.simplefilter("error")), is watched again at the next call.
+        self._warned = noted
         self._watched.add(signature)
 
 
