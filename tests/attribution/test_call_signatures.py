@@ -13,7 +13,8 @@ import warnings
 
 import pytest
 import torch
-from tensordict import LazyStackedTensorDict, TensorDict
+from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict
+from tensordict.nn import TensorDictModule
 from torch import nn
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP, BaseRuleMapper, EpsilonAlpha2Beta1, EpsilonPlus
@@ -194,6 +195,46 @@ class TestCallSignature:
         assert call_signature(stack(2, 2)) == call_signature(stack(2, 2))
         assert len({call_signature(td) for td in (stack(2, 2), stack(4, 4), stack(1, 2), stack(2, 2, 2))}) == 4
         assert call_signature(stack(2, 2)) != call_signature(stack(2, 2, dtype=F64))
+
+    def test_the_values_of_the_non_tensor_entries_the_model_reads_count(self):
+        assert call_signature(flagged("a"), ["mode"]) != call_signature(flagged("b"), ["mode"])
+        assert call_signature(flagged("a"), ["mode"]) == call_signature(flagged("a", seed=1), ["mode"])
+        assert call_signature(flagged("a"), ["x"]) == call_signature(flagged("b"), ["x"])  # not read: not counted
+        listed = TensorDict(x=torch.zeros(2), mode=NonTensorData([1], batch_size=[2]), batch_size=[2])
+        hash(call_signature(listed, ["mode"]))  # a value that cannot be hashed counts by its type
+
+
+class GatedInMode(nn.Module):
+    """``tanh(l1(x)) * sigmoid(gate(x))`` where a flag the model reads says ``"gated"``, else ``relu(l1(x))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.gate, self.head = nn.Linear(6, 6, bias=False), nn.Linear(6, 6, bias=False), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, mode: str) -> torch.Tensor:
+        h = self.l1(x)
+        h = torch.tanh(h) * torch.sigmoid(self.gate(x)) if mode == "gated" else torch.relu(h)
+        return self.head(h)
+
+
+def flagged(mode: str, seed: int = 0) -> TensorDict:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 6, generator=generator, dtype=F64)
+    return TensorDict(x=x, mode=NonTensorData(mode, batch_size=[3]), batch_size=[3])
+
+
+@pytest.mark.parametrize("preset", CNN_PRESETS)
+def test_a_gate_on_a_branch_a_flag_the_model_reads_takes_is_held_as_in_a_fresh_call(preset: str):
+    # A flag held as NonTensorData is part of the signature where the model reads it. Before, the gated call after a
+    # plain one kept its gate's plain gradient (0.53 off the fresh call under EpsilonPlus) with no warning.
+    model = TensorDictModule(seeded(GatedInMode), in_keys=["x", "mode"], out_keys=["y"])
+    fresh, fresh_warnings = call(LRP(model, CNN_PRESETS[preset](), in_keys=["x"]), flagged("gated", seed=1))
+    lrp = LRP(model, CNN_PRESETS[preset](), in_keys=["x"])
+    with lrp:
+        call(lrp, flagged("plain"))
+        later, later_warnings = call(lrp, flagged("gated", seed=1))
+    assert relative_error(later, fresh) < 1e-12
+    assert later_warnings == fresh_warnings
 
 
 def stacked_sequences(length: int, seed: int = 0) -> TensorDict:

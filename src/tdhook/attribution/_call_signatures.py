@@ -1,5 +1,5 @@
 """The signature of a wrapper's call: the keys of the TensorDict it is given, with each tensor's shape, dtype and
-device.
+device, and the values of the non-tensor entries the model reads (a mode flag held as ``NonTensorData``).
 
 What a wrapper's first call finds about its model (the nonlinear calls no rule covers, the gates computed with
 functions that the CNN presets hold) holds for later calls that run the same code. A forward may branch on what
@@ -21,20 +21,21 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 
 import torch
-from tensordict import LazyStackedTensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase, is_leaf_nontensor
 
 from tdhook.attribution._writes import has_lazy_stack
 
 __all__ = ["call_signature"]
 
 
-def call_signature(tensordict: TensorDictBase) -> Hashable:
-    """The keys of ``tensordict``'s tensors with their shapes, dtypes and devices; for a TensorDict that holds a
-    lazy stack, whose entries may have no one shape, those of each stacked TensorDict's tensors, with the stack's
-    dimension.
+def call_signature(tensordict: TensorDictBase, read: Collection[Hashable] = ()) -> Hashable:
+    """The keys of ``tensordict``'s tensors with their shapes, dtypes and devices, and the values of its non-tensor
+    entries at the keys ``read`` (unravelled: the model's inputs; a forward may branch on a flag, as on a shape);
+    for a TensorDict that holds a lazy stack, whose entries may have no one shape, those of each stacked
+    TensorDict's tensors, with the stack's dimension.
 
     Examples:
         >>> import torch
@@ -43,24 +44,53 @@ def call_signature(tensordict: TensorDictBase) -> Hashable:
         ...     return TensorDict(a=LazyStackedTensorDict(*[TensorDict(x=torch.zeros(length)) for _ in range(2)]))
         >>> call_signature(stack(2)) == call_signature(stack(2)), call_signature(stack(2)) == call_signature(stack(4))
         (True, False)
+        >>> from tensordict import NonTensorData
+        >>> def flagged(mode):
+        ...     return TensorDict(x=torch.zeros(2, 3), mode=NonTensorData(mode, batch_size=[2]), batch_size=[2])
+        >>> call_signature(flagged("gated"), read=["x", "mode"]) == call_signature(flagged("plain"), read=["x", "mode"])
+        False
+        >>> call_signature(flagged("gated"), read=["x"]) == call_signature(flagged("plain"), read=["x"])  # not read
+        True
     """
     if has_lazy_stack(tensordict):
-        return _nested_signature(tensordict)
+        return _nested_signature(tensordict, read)
     return tuple(
-        (key, value.shape, value.dtype, value.device)
-        for key, value in tensordict.items(True, True)
-        if isinstance(value, torch.Tensor)
+        (key, value.shape, value.dtype, value.device) if isinstance(value, torch.Tensor) else (key, _value_of(value))
+        for key, value in tensordict.items(True, True, is_leaf=is_leaf_nontensor)
+        if isinstance(value, torch.Tensor) or key in read
     )
 
 
-def _nested_signature(tensordict: TensorDictBase) -> Hashable:
-    """:func:`call_signature` taken level by level, through the TensorDicts a lazy stack holds."""
+def _value_of(entry: object) -> Hashable:
+    """What a non-tensor entry holds, where it can be hashed (a string, a number, a tuple of them), else its type."""
+    data = (
+        entry.tolist()
+        if isinstance(entry, NonTensorStack)
+        else entry.data
+        if isinstance(entry, NonTensorData)
+        else entry
+    )
+    data = tuple(data) if isinstance(data, list) else data
+    try:
+        hash(data)
+    except TypeError:
+        return type(data)
+    return data
+
+
+def _nested_signature(tensordict: TensorDictBase, read: Collection[Hashable]) -> Hashable:
+    """:func:`call_signature` taken level by level, through the TensorDicts a lazy stack holds (the values of its
+    non-tensor entries taken wherever their key, at its level, is among ``read``)."""
     if isinstance(tensordict, LazyStackedTensorDict):
-        return ("lazy stack", tensordict.stack_dim, tuple(_nested_signature(part) for part in tensordict.tensordicts))
+        parts = tuple(_nested_signature(part, read) for part in tensordict.tensordicts)
+        return ("lazy stack", tensordict.stack_dim, parts)
     entries = []
-    for key, value in tensordict.items():
-        if isinstance(value, TensorDictBase):
-            entries.append((key, _nested_signature(value)))
-        elif isinstance(value, torch.Tensor):
+    for key, value in tensordict.items(is_leaf=is_leaf_nontensor):
+        if isinstance(value, torch.Tensor):
             entries.append((key, value.shape, value.dtype, value.device))
+        elif isinstance(value, (NonTensorData, NonTensorStack)):
+            if key in read:
+                entries.append((key, _value_of(value)))
+        elif isinstance(value, TensorDictBase):
+            entries.append((key, _nested_signature(value, read)))
     return tuple(entries)

@@ -82,7 +82,7 @@ def explain(lrp: Any, tensordict: TensorDictBase) -> tuple[TensorDictBase, Calla
     if lrp._stochastic:
         lrp._stochastic = warn_for_random_modules("LRP", lrp._stochastic, tensordict)  # once per context
     work = tensordict.copy()
-    signature = call_signature(work)  # a forward may branch on it: its first call is watched
+    signature = call_signature(work, lrp.in_keys)  # a forward may branch on it: its first call is watched
     lrp._layers.clear()
     lrp._tokens.clear()
     try:
