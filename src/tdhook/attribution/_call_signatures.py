@@ -63,14 +63,12 @@ def call_signature(tensordict: TensorDictBase, read: Collection[Hashable] = ()) 
 
 def _value_of(entry: object) -> Hashable:
     """What a non-tensor entry holds, where it can be hashed (a string, a number, a tuple of them), else its type."""
-    data = (
-        entry.tolist()
-        if isinstance(entry, NonTensorStack)
-        else entry.data
-        if isinstance(entry, NonTensorData)
-        else entry
-    )
-    data = tuple(data) if isinstance(data, list) else data
+    if isinstance(entry, NonTensorStack):
+        data = tuple(entry.tolist())  # one value per entry of the stack
+    elif isinstance(entry, NonTensorData):
+        data = entry.data
+    else:
+        data = entry
     try:
         hash(data)
     except TypeError:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tdhook.attribution._nonlinear_calls import NonlinearCalls, report_dropout_calls, report_plain_gradient
+from tdhook.attribution._nonlinear_calls import NonlinearCalls
+from tdhook.attribution._plain_gradient_reports import report_dropout_calls, report_plain_gradient
 from tdhook.attribution._unmapped_layers import report_recurrent_first_layers, report_unmapped_layers
 from tdhook.attribution._unmerged_norms import layer_rules_merging, report_unmerged_norms
 from tdhook.attribution.coverage import Coverage, PlainGradientCall, reached_share

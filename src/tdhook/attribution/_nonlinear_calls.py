@@ -46,7 +46,6 @@ from tdhook.attribution._argument_kinds import nonlinear_by_arguments
 from tdhook.attribution._broadcast_products import BROADCAST_PRODUCT, BroadcastProducts
 from tdhook.attribution._function_kinds import (
     NOT_FACTORS,
-    PIECEWISE_CONSTANT,
     PRODUCT_FACTORS,
     PRODUCTS,
     REAL_ONLY,
@@ -63,9 +62,9 @@ from tdhook.attribution._operator_calls import (
     unruled_clip,
     unruled_sum,
 )
-from tdhook.attribution._quantized_calls import CUT, QUANTIZING, quantizing_call, quantizing_message
+from tdhook.attribution._quantized_calls import CUT, quantizing_call
 from tdhook.attribution._random_modules import draw
-from tdhook.attribution._straight_through import GRADIENT_SCALING, STRAIGHT_THROUGH, StraightThrough
+from tdhook.attribution._straight_through import STRAIGHT_THROUGH, StraightThrough
 from tdhook.attribution._unmapped_layers import (
     LAYER_FUNCTIONS,
     MATRIX_PRODUCTS,
@@ -74,8 +73,6 @@ from tdhook.attribution._unmapped_layers import (
     matrix_product_layer,
 )
 from tdhook.attribution._unmerged_norms import merging_rule
-from tdhook.attribution.coverage import PlainGradientCall
-from tdhook.attribution.mappers.aliases import module_place
 from tdhook.attribution.rules._autograd import (
     call_argument,
     is_activation,
@@ -84,7 +81,6 @@ from tdhook.attribution.rules._autograd import (
     relevance_pass_edges,
     unwrapped,
 )
-from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._copied_gates import written_in_place
 from tdhook.attribution.rules._dropout_calls import dropout_probability
 from tdhook.attribution.rules._in_place_writes import (
@@ -105,10 +101,10 @@ from tdhook.attribution.rules._unrecorded_writes import (
 )
 from tdhook.attribution.rules.base import _reaches_model_input
 
-__all__ = ["NonlinearCalls", "function_kind", "report_dropout_calls", "report_plain_gradient"]
+__all__ = ["ROUNDING", "NonlinearCalls", "function_kind"]
 
 # A division given a rounding mode (``torch.div(h, 2, rounding_mode="floor")``) is piecewise constant, as ``floor``.
-_ROUNDING = "rounding_mode="
+ROUNDING = "rounding_mode="
 
 
 _REGISTER_HOOK = torch.Tensor.register_hook
@@ -165,7 +161,7 @@ def _nonlinear_name(func: Any, args: tuple, kwargs: dict | None = None) -> str |
         )
         return name if factors > 1 else None
     if kind == "division" and (mode := call_argument(args, kwargs or {}, 2, "rounding_mode")) is not None:
-        return f"{name} ({_ROUNDING}{mode!r})"  # rounded to a whole number: piecewise constant in the dividend too
+        return f"{name} ({ROUNDING}{mode!r})"  # rounded to a whole number: piecewise constant in the dividend too
     if kind == "division":
         return name if is_activation(call_argument(args, kwargs or {}, 1, "other")) else None
     if kind == "reflected division":
@@ -614,6 +610,11 @@ class NonlinearCalls(TorchFunctionMode):
 
             return hook
 
+        def rule_done(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            # A ruled module's forward and its rule's hook are over: its caller's forward hooks, which run next,
+            # compute as code after the module does (their calls are watched, under the module's name).
+            self._ruled_depth -= 1
+
         def leave(name: str, has_rule: bool, is_plain: bool):
             rule = layer_rules.get(id(modules[name]))
             # A recurrent layer with a rule, or a ReLU RNN (LRP-0 by its plain gradient): no first-layer rule.
@@ -632,7 +633,6 @@ class NonlinearCalls(TorchFunctionMode):
                     self._first_recurrent.append((name, type(module).__name__, _grad_fn(output)))
                 if self._stack:
                     self._stack.pop()
-                self._ruled_depth -= has_rule
                 self._plain_depth -= is_plain
                 if self._open:
                     self._open.pop()[2] = _next_sequence_number()
@@ -643,6 +643,9 @@ class NonlinearCalls(TorchFunctionMode):
             for name, module in modules.items():
                 has_rule, is_plain = id(module) in ruled, id(module) in plain
                 hooks.append(module.register_forward_pre_hook(enter(name, has_rule, is_plain)))
+                if has_rule:
+                    hooks.append(module.register_forward_hook(rule_done, with_kwargs=True, always_call=True))
+                    _before_callers_hooks(module, hooks[-1])
                 hooks.append(
                     module.register_forward_hook(leave(name, has_rule, is_plain), with_kwargs=True, always_call=True)
                 )
@@ -661,6 +664,14 @@ class NonlinearCalls(TorchFunctionMode):
             self._broadcasts.forget()
 
 
+def _before_callers_hooks(module: nn.Module, handle: Any) -> None:
+    """Move the forward hooks the caller put on ``module`` after the one of ``handle`` (registered last), keeping
+    their order: this package's own (a rule's, first) run before it."""
+    forward_hooks = module._forward_hooks
+    for key in [key for key, hook in forward_hooks.items() if key != handle.id and not is_ours(hook)]:
+        forward_hooks.move_to_end(key)
+
+
 def _count(calls: Iterable[tuple[str, str, Any]], reached: set | None) -> dict[str, dict[str, int]]:
     """Module name → function name → number of ``calls`` (``(module, function, node)``) whose node is ``reached``
     (every call where it is ``None``)."""
@@ -674,123 +685,3 @@ def _count(calls: Iterable[tuple[str, str, Any]], reached: set | None) -> dict[s
 
 # ``h.data = y``: a straight-through estimator where ``h`` is an activation (see _unrecorded_writes).
 _ASSIGNING = frozenset({torch.Tensor.data.__set__})
-# Calls reported by a message of their own, not as curved functions.
-_NAMED_APART = frozenset({STRAIGHT_THROUGH, GRADIENT_SCALING, OFFSET_PRODUCT})
-
-
-def report_plain_gradient(
-    found: Mapping[str, Mapping[str, int]],
-    modules: Mapping[str, nn.Module],
-    strict: bool,
-    function_rules: bool = False,
-) -> tuple[PlainGradientCall, ...]:
-    """The calls :class:`NonlinearCalls` found, as a report; a warning per module, or an error with ``strict``.
-
-    Args:
-        found: what :meth:`NonlinearCalls.found` returns.
-        modules: the model's modules by name.
-        strict: raise instead of warning.
-        function_rules: the mapper's function rules (AttnLRP's, CPLRP's) ran: no other preset is advised.
-
-    Raises:
-        ValueError: ``strict`` and a module computes a nonlinear function that no rule covers.
-
-    Examples:
-        >>> report_plain_gradient({"act": {"sin": 2}}, {"act": nn.Identity()}, strict=True)  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ValueError: LRP: module 'act' (Identity) computes sin in its own forward, which is not piecewise linear, ...
-    """
-    calls = tuple(
-        PlainGradientCall(name, type(modules[name]).__name__ if name in modules else "?", function, count)
-        for name, functions in found.items()
-        for function, count in functions.items()
-    )
-    for name, functions in found.items():
-        module = modules.get(name)
-        where = module_place(name, modules)
-        kind = f" ({type(module).__name__})" if module is not None else ""
-        constant = [f for f in functions if f in PIECEWISE_CONSTANT or f" ({_ROUNDING}" in f]
-        operators = [f for f in functions if f" ({OPERATOR_FORM} " in f]
-        quantizing = [f for f in functions if f.endswith(QUANTIZING)]
-        curved = [f for f in functions if f not in (*constant, *operators, *quantizing) and f not in _NAMED_APART]
-        messages = []
-        if STRAIGHT_THROUGH in functions:
-            messages.append(
-                f"LRP: {where}{kind} adds a detached difference back to an activation in its own forward (a "
-                "straight-through estimator, x + (y - x).detach() or x.data = y: a vector-quantised code, a one-hot "
-                "sample, a binarised activation): the "
-                "next layers read y, but the gradient passes through x alone, so the relevance passed back is that of "
-                "the activation x, not of the value y, and its sum is not the explained output's. Map the module in "
-                "rule_mapper to a rule of your own that passes relevance as the estimator should, or explain the "
-                "model up to the estimator; lrp.coverage() lists every such call"
-            )
-        if GRADIENT_SCALING in functions:
-            messages.append(
-                f"LRP: {where}{kind} scales the gradient through an activation in its own forward (x * s + "
-                "x.detach() * (1 - s), MuZero's scale_gradient): its value is x, but the gradient, and with it the "
-                "relevance, passes through it times s, so what it reads gets s times the relevance of the same model "
-                "without the scaling. Scale the gradient in training only (if self.training: ...), or map the module "
-                "in rule_mapper to a rule of your own; lrp.coverage() lists every such call"
-            )
-        if OFFSET_PRODUCT in functions:
-            messages.append(
-                f"LRP: {where}{kind} multiplies activations where a factor adds a constant to an activation in its "
-                "own forward ((up + 1) * glu, x * (1 + scale)): the product's rule hands that factor its share of the "
-                "relevance, and the constant takes a part of it, as a bias does, so the relevance is not conserved "
-                "there (and, unlike a bias, the constant cannot be zeroed). Map the module in rule_mapper to a rule "
-                "of your own, or hold the factor constant (a gate); lrp.coverage() lists every such call"
-            )
-        if curved:
-            messages.append(
-                f"LRP: {where}{kind} computes {', '.join(curved)} in its own forward, which is not piecewise "
-                "linear, and no rule covers it: its plain gradient is used. Map the module in rule_mapper (for "
-                "example PassRule for an element-wise activation, UniformRule or IgnoreRule)"
-                + ("" if function_rules else ", or use a preset whose function rules cover it (AttnLRP, CPLRP)")
-                + "; lrp.coverage() lists every such call"
-            )
-        if operators:
-            messages.append(
-                f"LRP: {where}{kind} calls {', '.join(operators)} through torch.ops in its own forward: the rules act "
-                "on the torch function (relevance passes through a clip as through nn.Hardtanh, where a unit clipped "
-                "at a bound other than zero keeps its relevance; a residual sum is stabilised), but see no ATen "
-                "operator, so its plain gradient is used. Call the torch function instead, or map the module in "
-                "rule_mapper; lrp.coverage() lists every such call"
-            )
-        if quantizing:
-            messages.append(quantizing_message(where, kind, quantizing))
-        if constant:
-            messages.append(
-                f"LRP: {where}{kind} computes {', '.join(constant)} in its own forward, which is piecewise constant: "
-                "its gradient is zero, so no relevance passes back through it and what it reads gets none. Map the "
-                "module in rule_mapper (for example PassRule for an element-wise rounding, as a straight-through "
-                "estimator passes it, or IgnoreRule to keep the zero); lrp.coverage() lists every such call"
-            )
-        for message in messages:
-            if strict:
-                raise ValueError(message)
-            warn_at_caller(message)
-    return calls
-
-
-def report_dropout_calls(found: Mapping[str, Mapping[str, int]], modules: Mapping[str, nn.Module]) -> None:
-    """Warn, per module, of the dropout functions :meth:`NonlinearCalls.found_dropouts` found: each forward pass drops
-    other units, and the explanation is random from call to call, as with a Dropout module in training mode.
-
-    Examples:
-        >>> import warnings
-        >>> with warnings.catch_warnings(record=True) as caught:
-        ...     warnings.simplefilter("always")
-        ...     report_dropout_calls({"body": {"dropout (p=0.5)": 1}}, {"body": nn.Identity()})
-        >>> str(caught[0].message)[:60]
-        "LRP: module 'body' (Identity) calls dropout (p=0.5) in its o"
-    """
-    for name, functions in found.items():
-        module = modules.get(name)
-        where = module_place(name, modules)
-        kind = f" ({type(module).__name__})" if module is not None else ""
-        warn_at_caller(
-            f"LRP: {where}{kind} calls {', '.join(functions)} in its own forward in training mode, outside any "
-            "Dropout module, so each forward pass drops other units and the explanation is random from call to call; "
-            "call .eval() on the model for a deterministic one"
-        )

@@ -211,6 +211,23 @@ class TestForwardHooksOfTheUser:
         expected = lrp_relevance(reference, x, relevance_out, CNN_PRESETS[preset]())
         assert relative_error(actual, expected) <= 1e-10
 
+    @pytest.mark.parametrize("layer", [0, 3], ids=["first-conv", "second-conv"])
+    def test_a_function_no_rule_covers_in_a_hook_is_named_as_the_same_code_after_the_layer_is(self, layer: int):
+        # Before, the watch took the hook's calls for the layer's own, inside its rule: the hook's tanh kept its plain
+        # gradient with no warning, coverage() listed nothing and strict=True passed, where the code written after
+        # the layer is named.
+        model = hooked_cnn()
+        model[layer].register_forward_hook(lambda module, args, output: torch.tanh(output))
+        td = TensorDict(x=torch.randn(2, 3, 6, 6, dtype=F64), batch_size=[2])
+        lrp = LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+        with pytest.warns(UserWarning, match=rf"module '{layer}' \(Conv2d\) computes tanh"):
+            lrp(td.clone())
+        assert [(call.module, call.function) for call in lrp.coverage().plain_gradient] == [(str(layer), "tanh")]
+        before = td.clone()
+        with pytest.raises(ValueError, match="computes tanh"):
+            LRP(model, EpsilonPlus(strict=True), in_keys=["x"], out_keys=["y"])(td)
+        assert set(td.keys()) == set(before.keys()) and torch.equal(td["x"], before["x"])
+
     def test_a_hook_that_only_looks_sees_the_layers_output(self):
         model, seen = hooked_cnn(), []
         model[3].register_forward_hook(lambda module, args, output: seen.append(output.detach().clone()))
