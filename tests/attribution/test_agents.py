@@ -494,3 +494,37 @@ def measure() -> None:
 
 if __name__ == "__main__":
     measure()
+
+
+@pytest.mark.parametrize("mapper", [BaseRuleMapper, EpsilonPlus], ids=["LRP-0", "EpsilonPlus"])
+@pytest.mark.parametrize("share_params", [False, True], ids=["own-params", "shared"])
+def test_a_layer_of_the_agents_network_gets_each_agents_relevance_along_the_agents_dimension(share_params, mapper):
+    """With per-agent parameters the template runs once per agent, and a layer named in ``layers`` had one output
+    per agent: their relevance was summed into one [batch, cells] map (0.10 off any agent's own, no word), where
+    shared parameters give [batch, agents, cells]."""
+    net = multi_agent_mlp(False, share_params, nn.ReLU)
+    td = agents_td((3,))
+    out = LRP(wrapped(net), mapper(), layers=["module._empty_net.1"])(td.clone())
+    expected = []
+    for agent in range(AGENTS):
+        single = LRP(agent_mlp(net, agent), mapper(), in_keys=["x"], out_keys=["y"], layers=["1"])
+        x = td["agents", "observation"][:, agent]
+        expected.append(single(TensorDict(x=x, batch_size=[BATCH]))["relevance", "1"])
+    torch.testing.assert_close(
+        out["relevance", "module._empty_net.1"], torch.stack(expected, 1), rtol=1e-10, atol=1e-12
+    )
+
+
+def test_a_convolution_of_agents_with_their_own_parameters_gets_each_agents_relevance():
+    net, td = conv_agents(share_params=False)
+    out = LRP(wrapped(net), EpsilonPlus(), layers=["module._empty_net.1"])(td.clone())
+    expected = []
+    for agent in range(AGENTS):
+        single = copy.deepcopy(net._empty_net)
+        net.params[agent].data.clone().to_module(single)
+        x = td["agents", "observation"][:, agent]
+        lrp = LRP(single, EpsilonPlus(), in_keys=["x"], out_keys=["y"], layers=["1"])
+        expected.append(lrp(TensorDict(x=x, batch_size=x.shape[:1]))["relevance", "1"])
+    torch.testing.assert_close(
+        out["relevance", "module._empty_net.1"], torch.stack(expected, 1), rtol=1e-10, atol=1e-12
+    )

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from tdhook.attribution._agent_calls import agent_call
 from tdhook.attribution._context import hooks_around
 from tdhook.attribution._random_modules import draw, draws_now
 from tdhook.attribution.rules._autograd import redirect
@@ -73,11 +74,12 @@ def _map_by_loop(vmapped: Callable, net: nn.Module, name: str) -> Callable:
             buffers = [t for t in params.values(True, True) if not isinstance(t, nn.Parameter)]
             before = [t.detach().clone() for t in buffers]
             outputs = []
-            for agent in range(params.shape[0]):
+            count = params.shape[0]
+            for agent in range(count):
                 agent_inputs = [
                     x if dim is None else x.select(dim, agent) for x, dim in zip(inputs, input_dims, strict=True)
                 ]
-                with params[agent].to_module(module, preserve_module_state=False):
+                with params[agent].to_module(module, preserve_module_state=False), agent_call(agent, count, out_dim):
                     outputs.append(module(*agent_inputs))
             looped = torch.stack(outputs, out_dim)
             if not looped.requires_grad:

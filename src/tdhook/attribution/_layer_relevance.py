@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from tdhook.attribution._agent_calls import AgentCall, current_agent, stacked_by_agent
 from tdhook.attribution.mappers.aliases import every_named_module
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._set_relevance import forget_watched, pop_set_relevance, probing, watch
@@ -56,6 +57,7 @@ class OutputRelevance:
         self.shape: torch.Size | None = None
         self.handles: list[RemovableHandle] = []
         self.observed: list[tuple[list, Callable]] = []  # (a layer call's observers, the one this cell added)
+        self.agent: AgentCall | None = None  # the agent of a multi-agent network whose call made the output
 
     @classmethod
     def watch(cls, output: torch.Tensor) -> OutputRelevance:
@@ -69,6 +71,7 @@ class OutputRelevance:
         """
         cell = cls()
         cell.shape = output.shape
+        cell.agent = current_agent()
         cell._hook(output, merged=False)
         call = layer_call_of(output)
         if call is not None:
@@ -206,7 +209,8 @@ class LayerRelevance:
             like: a tensor whose dtype and device the zeros of an unreached output take.
 
         Returns:
-            The relevance, summed over the module's calls.
+            The relevance, summed over the module's calls; the calls of a multi-agent network's agents, each with
+            its own parameters, stacked along the network's agents' dimension.
 
         Raises:
             RuntimeError: the module did not run.
@@ -222,6 +226,9 @@ class LayerRelevance:
                 f"LRP: module {name!r} named in layers ran {len(values)} times with different output shapes "
                 f"{sorted(shapes)}; its relevance cannot be summed into one key"
             )
+        agents = [cell.agent for cell in cells]
+        if any(agent is not None for agent in agents):  # one call per agent, each with its own parameters
+            return stacked_by_agent(name, values, agents)
         return sum(values[1:], values[0])
 
 
