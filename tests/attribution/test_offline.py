@@ -7,7 +7,8 @@ import torch
 from tensordict import MemoryMappedTensor, TensorDict
 from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
-from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
+from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ListStorage, ReplayBuffer, TensorDictReplayBuffer
+from torchrl.envs import ObservationNorm, Transform
 from torchrl.modules import MLP, GRUModule, LSTMModule, QValueActor, set_recurrent_mode
 
 from tdhook.attribution import LRP, Saliency, explain_offline
@@ -343,3 +344,55 @@ def test_a_source_or_batch_size_it_cannot_read_is_named_before_anything_is_writt
     expected = lrp(rows.clone())["relevance", "observation"]
     written = explain_offline(lrp, rows, tmp_path / "out", batch_size=3)
     assert torch.allclose(written["relevance", "observation"], expected, rtol=1e-12, atol=1e-14)
+
+
+def test_a_buffers_transform_is_applied_to_the_rows_as_its_samples_are(tmp_path):
+    """A buffer that standardises its observations when sampled: the policy reads the standardised rows, and so
+    must the explanation (it read the stored raw rows: 1.08 off, with no word); the storage is left as it is."""
+    raw = torch.randn(16, 4, dtype=torch.float64) * 0.1 + 5.0
+    loc, scale = torch.tensor(5.0, dtype=torch.float64), torch.tensor(0.1, dtype=torch.float64)
+    norm = ObservationNorm(loc=loc, scale=scale, in_keys=["observation"], standard_normal=True)
+    buffer = ReplayBuffer(storage=LazyTensorStorage(16), transform=norm)
+    buffer.extend(TensorDict(observation=raw.clone(), batch_size=[16]))
+    lrp = LRP(q_actor(), EpsilonPlus())
+    out = explain_offline(lrp, buffer, tmp_path / "out", batch_size=5, progress=False)
+    seen = TensorDict(observation=(raw - loc) / scale, batch_size=[16])
+    expected = lrp(seen)["relevance", "observation"]
+    torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-10, atol=1e-12)
+    assert torch.equal(buffer.storage[:16]["observation"], raw)
+
+
+class _FirstRowOnly(Transform):
+    def forward(self, tensordict):
+        return tensordict[:1]
+
+
+def test_a_transform_that_changes_the_number_of_rows_is_refused_naming_it(tmp_path):
+    buffer = ReplayBuffer(storage=LazyTensorStorage(8), transform=_FirstRowOnly())
+    buffer.extend(data(8))
+    with pytest.raises(
+        ValueError, match=r"the replay buffer's transform \(_FirstRowOnly\) turns 3 rows of its storage into 1"
+    ):
+        explain_offline(LRP(q_actor(), EpsilonPlus()), buffer, tmp_path / "out", batch_size=3, progress=False)
+
+
+@pytest.mark.parametrize("make", [TensorDictReplayBuffer, ReplayBuffer], ids=["TensorDictReplayBuffer", "ReplayBuffer"])
+def test_a_list_storage_of_tensordicts_is_explained_row_by_row(tmp_path, make):
+    """torchrl's default storage: its slices are lists of the rows' TensorDicts (the call failed on them with an
+    AttributeError), and its shape is its capacity (1000), not the rows it holds."""
+    buffer = make()
+    rows = data(10)
+    buffer.extend(rows.clone())
+    lrp = LRP(q_actor(), EpsilonPlus())
+    out = explain_offline(lrp, buffer, tmp_path / "out", batch_size=4, progress=False)
+    assert out.batch_size == (10,)
+    expected = lrp(rows)["relevance", "observation"]
+    torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
+
+
+def test_a_list_storage_of_other_entries_is_refused_naming_them(tmp_path):
+    buffer = ReplayBuffer(storage=ListStorage(10))
+    buffer.extend([(torch.randn(4), 1) for _ in range(5)])
+    with pytest.raises(TypeError, match="the replay buffer's ListStorage holds tuple entries"):
+        explain_offline(LRP(q_actor(), EpsilonPlus()), buffer, tmp_path / "out", progress=False)
+    assert not any(tmp_path.iterdir())

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from tensordict import NestedKey, TensorDict, TensorDictBase
+from torchrl.data import ListStorage
 
 from tdhook.attribution._inputs import module_in_recurrent_mode
 from tdhook.attribution._offline_shards import barrier, process_group, shard_runs
@@ -49,16 +50,49 @@ def _source_length(source) -> int:
         if not source.batch_dims:
             raise ValueError("explain_offline needs a source with at least one batch dimension, got batch_size []")
         return source.batch_size[0]
-    shape = getattr(_storage(source), "shape", None)
+    storage = _storage(source)
+    if isinstance(storage, ListStorage):  # its shape is its capacity, not what it holds
+        return len(storage)
+    shape = getattr(storage, "shape", None)
     # A storage with several dimensions ([N, T] for ndim=2) holds len(buffer) = N * T elements in N rows.
     return int(shape[0]) if shape is not None and len(shape) else len(source)
 
 
 def _rows(source, start: int, stop: int) -> TensorDictBase:
-    """Rows ``start:stop`` of a TensorDict or a torchrl replay buffer's storage, loaded in memory."""
+    """Rows ``start:stop`` of a TensorDict or a torchrl replay buffer's storage, loaded in memory; a buffer's rows
+    as its ``sample()`` hands them to a policy: its transform applied (to a copy: the storage is left as it is)."""
     if isinstance(source, TensorDictBase):
         return source[start:stop].to_tensordict()
-    return _storage(source)[start:stop].to_tensordict()
+    rows = _storage(source)[start:stop]
+    if isinstance(rows, list):  # a ListStorage's entries, one TensorDict each
+        rows = _stacked_entries(source, rows)
+    rows = rows.to_tensordict()
+    transform = getattr(source, "transform", None)
+    if transform is not None and len(transform):
+        with rows.unlock_():
+            transformed = transform(rows)
+        if transformed.batch_size[:1] != rows.batch_size[:1]:
+            raise ValueError(
+                f"explain_offline: the replay buffer's transform ({', '.join(type(t).__name__ for t in transform)}) "
+                f"turns {rows.batch_size[0]} rows of its "
+                f"storage into {transformed.batch_size[0]} (batch size {list(transformed.batch_size)}), so the "
+                "relevance cannot be written row for row; explain the transformed rows as a TensorDict, or a buffer "
+                "without that transform"
+            )
+        rows = transformed
+    return rows
+
+
+def _stacked_entries(source, entries: list) -> TensorDictBase:
+    """The entries of a replay buffer's ``ListStorage`` stacked into rows: they must be TensorDicts."""
+    other = next((entry for entry in entries if not isinstance(entry, TensorDictBase)), None)
+    if other is not None:
+        raise TypeError(
+            f"explain_offline reads rows of TensorDicts; the replay buffer's {type(_storage(source)).__name__} "
+            f"holds {type(other).__name__} entries. Extend the buffer with TensorDicts (a TensorDictReplayBuffer), "
+            "or explain a TensorDict of the data"
+        )
+    return torch.stack(entries)
 
 
 def _missing_runs(done: torch.Tensor | None, start: int, stop: int, batch_size: int) -> list[tuple[int, int]]:
@@ -131,11 +165,13 @@ def explain_offline(
     Args:
         lrp: the LRP wrapper (its rules are registered once for the whole pass).
         source: a TensorDict (memory-mapped or not) of any batch shape, or a torchrl ``ReplayBuffer``
-            (its storage in storage order, a two-dimensional storage included); rows are taken
-            along the first batch dimension. A two-dimensional storage extended along time (torchrl's
-            default ``dim_extend``) holds time first; a policy with an ``LSTMModule`` or ``GRUModule`` in
-            recurrent mode needs trajectories as rows (``buffer.storage[:].transpose(0, 1)``), and is refused
-            that storage with a ``ValueError`` naming the module.
+            (its storage in storage order, a two-dimensional storage included, or a ``ListStorage`` of
+            TensorDicts); rows are taken along the first batch dimension. A buffer's rows are explained as its
+            ``sample()`` hands them to a policy: with its transform applied (an ``ObservationNorm``), to a
+            copy. A two-dimensional storage extended along time (torchrl's default ``dim_extend``) holds time
+            first; a policy with an ``LSTMModule`` or ``GRUModule`` in recurrent mode needs trajectories as rows
+            (``buffer.storage[:].transpose(0, 1)``), and is refused that storage with a ``ValueError`` naming
+            the module.
         prefix: folder of the output memory-mapped TensorDict, reopened with
             ``TensorDict.load_memmap(prefix)``. Created on first use; an existing
             one of the right length is written into.
