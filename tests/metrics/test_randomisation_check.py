@@ -12,7 +12,7 @@ from tensordict.nn import TensorDictModuleBase
 from torch import nn
 from torchrl.modules import MultiAgentMLP
 
-from tdhook.attribution import LRP, InputXGradient
+from tdhook.attribution import LRP, FeatureAblation, InputXGradient
 from tdhook.metrics import randomisation_check
 from tdhook.metrics._agent_templates import reset_in_template
 from tests.metrics._models import conv_net, for_quantus, gradient_times_input, images
@@ -322,3 +322,18 @@ def test_abs_that_is_no_bool_is_refused_by_name(abs_):
     lrp = LRP(conv_net(), in_keys=["x"], out_keys=["y"])
     with pytest.raises(TypeError, match="randomisation_check: abs must be True or False, got"):
         randomisation_check(lrp, TensorDict(x=images(2), batch_size=[2]), abs=abs_)
+
+
+def test_under_inference_mode_a_method_that_needs_no_gradient_scores_as_outside_it():
+    """The copy of the method made under ``torch.inference_mode()`` held inference tensors, whose version counters
+    the check reads: the call failed deep inside with "Inference tensors do not track version counter"."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    method = FeatureAblation(net, in_keys=["x"], out_keys=["y"], feature_masks=torch.arange(4))
+    x = torch.randn(5, 4, dtype=torch.float64)
+    outside = randomisation_check(method, TensorDict(x=x, batch_size=[5]), progress=False)
+    with torch.inference_mode():
+        inside = randomisation_check(method, TensorDict(x=x.clone(), batch_size=[5]), progress=False)
+    assert list(inside) == list(outside) == ["2", "0"]
+    for name in outside:
+        torch.testing.assert_close(inside[name].clone(), outside[name], rtol=1e-12, atol=1e-12)

@@ -156,7 +156,8 @@ def randomisation_check(
     units = unit_dims(method)  # target="all": every unit's attribution, compared together
     batch_dims = td.batch_dims
     refuse_hooked_weights(_named_modules(method), "randomisation_check")
-    copied = copy.deepcopy(method)
+    with torch.inference_mode(False):  # a copy with version counters, as the caller's model has, in any mode
+        copied = copy.deepcopy(method)
     layers = _named_layers(copied)[::-1]
     if not layers:
         raise ValueError("randomisation_check: the method's model has no module with reset_parameters to randomise")
