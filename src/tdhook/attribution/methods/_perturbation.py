@@ -30,6 +30,8 @@ from tqdm import tqdm  # the plain bar: tqdm.auto warns in notebooks without ipy
 from tdhook.attribution._inputs import module_in_recurrent_mode
 from tdhook.attribution.methods._base import AttributionMethod, Call
 from tdhook.attribution.methods._options import Baselines, baseline_tensors, per_key
+from tdhook.attribution.methods._rows_in_one_sample import rows_in_one_sample, rows_message
+from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.targets import Target
 
 __all__ = ["FeatureMasks", "PerturbationMethod", "feature_groups", "spread"]
@@ -163,6 +165,7 @@ class PerturbationMethod(AttributionMethod):
         self.baselines = baselines
         self.progress = progress
         self.perturbations_per_eval = perturbations_per_eval
+        self._rows_told: list[int] = []  # the rows of a call of batch [] warned of (once per wrapper)
 
     def _check_batch(self, tensordict: TensorDictBase) -> None:
         """Refuse a batch whose samples read each other: a torchrl LSTMModule/GRUModule in recurrent mode reads the
@@ -179,6 +182,16 @@ class PerturbationMethod(AttributionMethod):
                 "cannot carry. Explain the steps one by one, outside recurrent mode with the recurrent states the "
                 "rollout stored, or use a gradient method or LRP (with split_dim for each step on its own)"
             )
+
+    def _warn_for_rows(self, call: Call) -> None:
+        """Warn, once per wrapper, of a call of batch ``[]`` whose inputs hold rows of samples (see
+        :mod:`~tdhook.attribution.methods._rows_in_one_sample`)."""
+        if self._rows_told:
+            return
+        rows = rows_in_one_sample(call.inputs, call.output, self._target[1], call.batch_dims)
+        if rows is not None:
+            self._rows_told.append(rows)  # shared with the narrowed copies of a call (a shallow copy)
+            warn_at_caller(rows_message(type(self).__name__, rows, call.target_key))
 
     def _baselines(self, call: Call) -> list[torch.Tensor]:
         return baseline_tensors(self.baselines, self.explained_keys, call.inputs, call.batch_dims, type(self).__name__)
