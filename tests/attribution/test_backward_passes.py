@@ -59,9 +59,9 @@ class TestTimeBatches:
         per_pair = split if target != "all" else split.movedim(2, -1)  # [B, T_target, T, F(, units)]
         assert per_pair[:, later].abs().max() == 0
         assert per_pair[:, ~later].abs().max() > 0
-        # Every rule is linear in the relevance it receives: the positions' relevances add up to the whole's.
-        # (target="all" alone puts the units after the batch dimension: [B, T, units, F].)
-        torch.testing.assert_close(split.sum(1), whole if target != "all" else whole.movedim(2, 1))
+        # Every rule is linear in the relevance it receives: the positions' relevances add up to the whole's
+        # (target="all" puts the units right after the batch dimension in both: [B, units, T, F]).
+        torch.testing.assert_close(split.sum(1), whole)
 
     def test_coverage_reads_the_positions_together(self):
         torch.manual_seed(0)
@@ -228,3 +228,40 @@ class TestKeepingTheGraph:
         assert torch.autograd.gradcheck(
             lambda x: relevance(x, create_graph=True), (observation.clone().requires_grad_(True),), eps=1e-6, atol=1e-6
         )
+
+
+class _SequenceHead(nn.Module):
+    """Per-step values ``[*batch, steps, units]`` of per-step features (read as floats, token ids or one vector)."""
+
+    def __init__(self, read: str) -> None:
+        super().__init__()
+        self.read = read
+        self.embedding = nn.Embedding(10, 4)
+        self.decode = nn.Linear(4, 5 * 4)
+        self.head = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.read == "tokens":
+            x = self.embedding(x)
+        elif self.read == "vector":
+            x = self.decode(x).unflatten(-1, (5, 4))
+        return self.head(x).cumsum(-2)  # step t reads the steps up to t
+
+
+@pytest.mark.parametrize(
+    ("read", "x"),
+    [
+        ("floats", torch.randn(2, 5, 4, dtype=torch.float64)),
+        ("tokens", torch.randint(0, 10, (2, 5))),
+        ("vector", torch.randn(2, 4, dtype=torch.float64)),
+    ],
+)
+def test_every_unit_goes_right_after_the_batch_dimensions_before_the_outputs_other_dimensions(read, x):
+    """An output ``[batch, steps, units]`` explained with ``target="all"``: the units went before the output's last
+    dimension counted in the input ([2, 5, 3, 4] for input [2, 5, 4]; token ids' and a vector's last), so
+    ``relevance[:, k]`` held step k of every unit, where the documented layout (and every other method) puts unit k."""
+    torch.manual_seed(0)
+    policy = TensorDictModule(_SequenceHead(read).double(), in_keys=["x"], out_keys=["q"])
+    every = LRP(policy, target="all")(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
+    units = [LRP(policy, target=k)(TensorDict(x=x, batch_size=[2]))["relevance", "x"] for k in range(3)]
+    torch.testing.assert_close(every, torch.stack(units, 1), rtol=1e-12, atol=1e-14)

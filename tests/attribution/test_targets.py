@@ -409,8 +409,11 @@ def test_the_default_target_follows_a_pipeline_changed_inside_the_context(change
         (np.uint8(1), 1),
         (np.array([0, 3, 1]), torch.tensor([0, 3, 1])),
         (np.array([[2], [0], [1]], dtype=np.int32), torch.tensor([[2], [0], [1]])),
+        # Unsigned indices compared with the lower bound -units wrapped it: refused as out of range [-4, 4).
+        (np.array([0, 3, 1], dtype=np.uint8), torch.tensor([0, 3, 1])),
+        (torch.tensor([2, 0, 1], dtype=torch.uint8), torch.tensor([2, 0, 1])),
     ],
-    ids=["int64", "uint8", "array", "column"],
+    ids=["int64", "uint8", "array", "column", "uint8-array", "uint8-tensor"],
 )
 @pytest.mark.parametrize("method", [LRP, Saliency])
 def test_a_numpy_action_is_a_target(method, numpy_target, torch_target):

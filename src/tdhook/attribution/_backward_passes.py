@@ -147,7 +147,8 @@ def backward_passes(
     positions: list[int | None] = [None] if split_dim is None else list(range(output.shape[split_dim]))
     n_units = len(grad_outputs) if per_unit else 1
     chunk = units_per_chunk(grad_outputs, memory_budget) if per_unit else 1
-    unit_dim = output.dim() - 1 if split_dim is None else split_dim
+    # The units go right after the batch dimensions (before an output's other dimensions: a sequence's steps).
+    unit_dim = (grad_outputs.batch_dims if per_unit else 0) if split_dim is None else split_dim
     total, done = len(positions) * n_units, 0
     # Each pass is written into its place in the result: no more than the result, one chunk of seeds and one
     # pass are held at a time.

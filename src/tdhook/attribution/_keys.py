@@ -102,7 +102,7 @@ def layer_keys(
     Raises:
         TypeError: ``layers`` is a string.
         KeyError: a name in ``layers`` is not one of ``modules``.
-        ValueError: a layer's key is also an explained input's.
+        ValueError: a layer's key is an explained input's or another layer's, or holds one or lies inside one.
 
     Examples:
         >>> import torch
@@ -112,7 +112,8 @@ def layer_keys(
         >>> layer_keys({"0": "x"}, modules, ["x"])
         Traceback (most recent call last):
         ...
-        ValueError: LRP: layer relevance keys [('x',)] clash with the input relevance keys
+        ValueError: LRP: layers asks for the relevance of module '0' at ('x',), the key ('x',) that input 'x' takes; \
+give each layer a key of its own
     """
     if layers is None:
         return {}
@@ -126,9 +127,17 @@ def layer_keys(
             known = [n for n in modules if n]
             raise KeyError(f"LRP: layers names {name!r}, which is not a module of the model (modules: {known})")
         keys[name] = as_tuple(key)
-    clash = set(keys.values()) & {as_tuple(k) for k in explained_keys}
-    if clash:
-        raise ValueError(f"LRP: layer relevance keys {sorted(clash)} clash with the input relevance keys")
+    # Each relevance goes to a key of its own: one at another's key, or inside it, would overwrite it or be lost.
+    taken = {as_tuple(k): f"input {k!r}" for k in explained_keys}
+    for name, key in keys.items():
+        for other, owner in taken.items():
+            if key[: len(other)] == other or other[: len(key)] == key:
+                where = "the key" if key == other else "inside or around the key"
+                raise ValueError(
+                    f"LRP: layers asks for the relevance of module {name!r} at {key!r}, {where} {other!r} that "
+                    f"{owner} takes; give each layer a key of its own"
+                )
+        taken[key] = f"module {name!r}"
     return keys
 
 
@@ -184,12 +193,13 @@ def relevance_keys(
     ]
 
 
-def check_free(module: TensorDictModuleBase, keys: Sequence[tuple[str, ...]]) -> None:
+def check_free(module: TensorDictModuleBase, keys: Sequence[tuple[str, ...]], argument: str = "relevance_key") -> None:
     """Refuse relevance keys that would overwrite, or be written inside, a key the model reads or writes.
 
     Args:
         module: the wrapped module.
-        keys: the relevance keys (and token relevance keys) of the wrapper.
+        keys: the relevance keys (or the token relevance keys) of the wrapper.
+        argument: the argument that names them, for the message.
 
     Raises:
         ValueError: a relevance key equals a key of the model or one holds the other (``relevance_key="x"``
@@ -212,7 +222,7 @@ def check_free(module: TensorDictModuleBase, keys: Sequence[tuple[str, ...]]) ->
                 verb = "overwrite" if len(ours) >= len(key) else "be written inside"
                 raise ValueError(
                     f"LRP: the relevance key {key!r} would {verb} the model's key {model_key!r}; pass another "
-                    "relevance_key"
+                    f"{argument}"
                 )
 
 

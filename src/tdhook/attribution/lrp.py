@@ -261,7 +261,8 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self.token_relevance_keys = (
             [(token_relevance_key, *key[1:]) for key in self.relevance_keys] if token_relevance_key else []
         )
-        check_free(module, [*self.relevance_keys, *self.token_relevance_keys])
+        check_free(module, self.relevance_keys)
+        check_free(module, self.token_relevance_keys, "token_relevance_key")
         self.in_keys = unravel_key_list(list(dict.fromkeys([*module.in_keys, *self.explained_keys])))
         self.out_keys = [*unravel_key_list(module.out_keys), *self.relevance_keys, *self.token_relevance_keys]
         self._handles: list[RemovableRuleHandle] | None = None

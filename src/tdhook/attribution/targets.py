@@ -345,7 +345,8 @@ def _initial_gradient(out: torch.Tensor, target: Target, key: NestedKey, batch_d
         index = torch.full(out.shape[:-1], target % n_units, dtype=torch.long, device=out.device)
         return _one_hot(out, index)
     if isinstance(target, torch.Tensor) and not target.is_floating_point() and target.dtype != torch.bool:
-        index = target.to(out.device)
+        # As int64: compared with -n_units, an unsigned tensor (actions stored as uint8) would wrap the bound.
+        index = target.to(device=out.device, dtype=torch.long)
         if index.shape == (*out.shape[:-1], 1):
             index = index.squeeze(-1)
         if index.shape != out.shape[:-1]:

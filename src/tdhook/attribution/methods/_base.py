@@ -293,7 +293,6 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
                     call = self._first_pass(tensordict)
                 call.buffers_before = before
                 self._warn_for_sampled_target(call)
-                self._warn_for_rows(call)
                 cut = returned_tensordict(tensordict, call.result, name, self.named_explained_modules)
                 if cut is tensordict:
                     # The perturbed passes draw on a fork: the caller's random state moves as one plain call moves it.
@@ -341,10 +340,6 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
                     stacklevel=4,
                 )
                 self._warned_sampled = True  # once warned: a warning the caller's filter made an error is given again
-
-    def _warn_for_rows(self, call: Call) -> None:
-        """Warn of rows given as one sample where the method mixes them (none by default: the gradients' rows do
-        not mix)."""
 
     def _check_batch(self, tensordict: TensorDictBase) -> None:
         """Refuse, before the model runs, a batch the method cannot explain (none by default)."""

@@ -183,6 +183,12 @@ class PerturbationMethod(AttributionMethod):
                 "rollout stored, or use a gradient method or LRP (with split_dim for each step on its own)"
             )
 
+    def _first_pass(self, tensordict: TensorDictBase) -> Call:
+        """The base's first pass, then a warning of rows given as one sample: the groups span them."""
+        call = super()._first_pass(tensordict)
+        self._warn_for_rows(call)
+        return call
+
     def _warn_for_rows(self, call: Call) -> None:
         """Warn, once per wrapper, of a call of batch ``[]`` whose inputs hold rows of samples (see
         :mod:`~tdhook.attribution.methods._rows_in_one_sample`)."""
