@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from tensordict import TensorDict
+from tensordict import LazyStackedTensorDict, TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
 
@@ -773,3 +773,47 @@ def test_rows_of_a_linear_picked_by_the_ids_that_scale_the_embedding_are_a_const
     out = net.body(embedded * net.adapter.weight[ids]).squeeze(-1)
     (gradient,) = torch.autograd.grad(out, embedded, torch.ones_like(out))
     assert relative_error(td["relevance", "ids"], (embedded * gradient).sum(-1).detach()) <= 1e-12
+
+
+class ObservationAndToken(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.head = nn.Embedding(10, 4), nn.Linear(8, 3)
+
+    def forward(self, observation: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([observation, self.embedding(token)], -1))
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("mapper", [BaseRuleMapper, lambda: BaseRuleMapper(rule_mapper={nn.Linear: EpsilonRule(0.1)})])
+def test_token_ids_in_a_lazy_stack_get_the_relevance_of_the_dense_batch(dim, mapper):
+    """A lazily stacked TensorDict reads the ids written into it by stacking their slices anew: the lookup of that
+    stack was refused as one of ids computed from the input ("sliced, shifted or copied"), though the caller gave
+    the ids as they are."""
+    torch.manual_seed(0)
+    policy = TensorDictModule(ObservationAndToken().double(), in_keys=["observation", "token"], out_keys=["q"])
+    dense = TensorDict(
+        observation=torch.randn(2, 3, 4, dtype=torch.float64), token=torch.randint(0, 10, (2, 3)), batch_size=[2, 3]
+    )
+    expected = LRP(policy, mapper(), target=1)(dense.clone())
+    lazy = LazyStackedTensorDict.lazy_stack(list(dense.clone().unbind(dim)), dim)
+    out = LRP(policy, mapper(), target=1)(lazy)
+    for key in ("observation", "token"):
+        torch.testing.assert_close(out["relevance", key], expected["relevance", key], rtol=1e-12, atol=1e-14)
+    assert torch.equal(lazy.tensordicts[0]["token"], dense.unbind(dim)[0]["token"])  # the ids as they were
+
+
+def test_ids_put_back_together_in_another_order_are_still_refused():
+    """Only the slices in their order are the ids: a model stacking them swapped looks up other ids per place."""
+
+    class Swapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding, self.head = nn.Embedding(10, 4), nn.Linear(4, 3)
+
+        def forward(self, token: torch.Tensor) -> torch.Tensor:
+            return self.head(self.embedding(torch.stack(token.unbind(1)[::-1], 1)).sum(1))
+
+    policy = TensorDictModule(Swapped().double(), in_keys=["token"], out_keys=["q"])
+    with pytest.raises(ValueError, match="through token ids computed from it"):
+        LRP(policy, target=0)(TensorDict(token=torch.randint(0, 10, (2, 3)), batch_size=[2]))

@@ -25,12 +25,13 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
 from tdhook.attribution._embedding_tables import made_of, own_tables
+from tdhook.attribution._fed_ids import reads_fed_ids
 
 __all__ = ["offset_of", "offset_reader", "rows_elsewhere"]
 
@@ -45,7 +46,6 @@ def offset_reader(
     ids: Mapping[int, torch.Tensor],
     tables: Sequence[tuple],
     leaves: Sequence[torch.Tensor | None],
-    reads: Callable[[object, torch.Tensor], bool],
 ) -> int | None:
     """The explained input whose fed ids ``module`` (an ``nn.Embedding`` named ``name``) was given among ``values``
     (its arguments, keywords included) and whose own table it looked up inside its forward at those ids plus one
@@ -59,7 +59,6 @@ def offset_reader(
         ids: by explained input, the fed token ids.
         tables: the lookups by the ids that the call made: (input, table, embeddings running, ...) each.
         leaves: by explained input, its leaf (``None`` until an embedding stands in for it).
-        reads: whether an argument is the fed ids (or a reshaped view of them).
 
     Returns:
         The input's position among the explained keys, or ``None``.
@@ -71,7 +70,7 @@ def offset_reader(
         if index < len(leaves) and leaves[index] is not None:
             continue  # embedded already: a second lookup is refused as one beside its embedding
         with torch._C.DisableTorchFunction():  # an inspection, out of the function modes' sight
-            if not any(reads(value, tokens) for value in values):
+            if not any(reads_fed_ids(value, tokens) for value in values):
                 continue
             looked_up = any(entry[0] == index and name in entry[2] and made_of(entry[1], own) for entry in tables)
             if looked_up and offset_of(module, tokens, output) is not None:

@@ -39,6 +39,7 @@ from torchrl.envs.transforms import ToTensorImage
 from tdhook.attribution._bag_rows import bag_of_rows
 from tdhook.attribution._derived_ids import derived_ids_message
 from tdhook.attribution._embedding_tables import embedding_weights, embeddings_at_or_under, made_of, own_tables
+from tdhook.attribution._fed_ids import looks_up_ids, mark_restacked, reads_fed_ids, restacks
 from tdhook.attribution._offset_ids import offset_reader, rows_elsewhere
 from tdhook.attribution._token_values import (
     CODING,
@@ -179,10 +180,10 @@ class TokenInputs:
         for i, tokens in self._ids.items():
             # Looking at what the embedding read is no call of the model: out of the function modes' sight.
             with torch._C.DisableTorchFunction():
-                if not _reads(args[0], tokens):
+                if not reads_fed_ids(args[0], tokens):
                     continue
                 second = self._leaves[i] is not None
-                if isinstance(module, nn.Embedding) and not _looks_up(module, args[0], output):
+                if isinstance(module, nn.Embedding) and not looks_up_ids(module, args[0], output):
                     if second or rows_elsewhere(module, name, i, output, self._tables, self._derived):
                         return None
             if second:
@@ -194,7 +195,7 @@ class TokenInputs:
         derived = getattr(args[0], _DERIVED, None)
         if derived is not None:
             with torch._C.DisableTorchFunction():
-                looks_up = not isinstance(module, nn.Embedding) or _looks_up(module, args[0], output)
+                looks_up = not isinstance(module, nn.Embedding) or looks_up_ids(module, args[0], output)
             if looks_up:  # judged after the call: inside the embedding of the ids themselves, it is theirs
                 self._derived.append((derived, name, type(module).__name__))
         return None
@@ -311,9 +312,8 @@ class TokenInputs:
         def embedded(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
             i = self._reader_of(module, _with_input(args, kwargs), output, name)
             if i is None:  # the ids given beside its input, looked up shifted (OPT's positions): theirs too
-                i = offset_reader(
-                    module, name, (*args, *kwargs.values()), output, self._ids, self._tables, self._leaves, _reads
-                )
+                given = (*args, *kwargs.values())
+                i = offset_reader(module, name, given, output, self._ids, self._tables, self._leaves)
             if i is None:
                 return None
             if graph_kept() is not None and output.requires_grad:  # linked to the table's rows
@@ -513,6 +513,7 @@ class _DerivedTokens(TorchFunctionMode):
     ) -> None:
         super().__init__()
         self._fed = {id(tokens): index for index, tokens in ids.items()}
+        self._ids = ids
         # (input, parameter, embeddings running, rows) of each parameter indexed by the ids (or ids carried on), rows
         # (their uses) where the lookup picked whole rows (its first dimension) of a parameter of an nn.Linear
         self._tables = tables
@@ -580,7 +581,9 @@ class _DerivedTokens(TorchFunctionMode):
             # model's reshapes) only where it may hold them (below).
             if out.dtype in _INTEGERS if isinstance(out, torch.Tensor) else _has_integers(out):
                 index = self._source(iter((*args, *kwargs.values())))
-                if index is not None:
+                if index is not None and name == "stack" and restacks(self._ids[index], args, kwargs):
+                    mark_restacked(out, self._ids[index])  # a lazy stack's read of the fed ids: the ids
+                elif index is not None:
                     for tensor in out if isinstance(out, (list, tuple)) else (out,):
                         _mark(tensor, index)
             elif isinstance(out, torch.Tensor) and out.dtype == torch.bool:  # a code reshaped: ``code.transpose(1, 2)``
@@ -762,29 +765,6 @@ def _carry_code(out: object, operands: tuple, index: int) -> None:
 def _with_input(args: tuple, kwargs: dict) -> tuple:
     """A call's positional arguments, with its input first where it was given by keyword (``embedding(input=ids)``)."""
     return args if args or "input" not in kwargs else (kwargs["input"],)
-
-
-def _reads(arg: object, tokens: torch.Tensor) -> bool:
-    """Whether an embedding's input ``arg`` is the fed ``tokens``, or a reshaped view of them (GPT-2 flattens its
-    input_ids)."""
-    if arg is tokens:
-        return True
-    return isinstance(arg, torch.Tensor) and arg._base is tokens and arg.numel() == tokens.numel()
-
-
-def _looks_up(embedding: nn.Module, ids: torch.Tensor, output: torch.Tensor) -> bool:
-    """Whether ``output`` is the rows of ``embedding``'s table that ``ids`` select, up to one scale (a scaled
-    word embedding, as Gemma's and BART's): not so for an embedding that reads ids only for their shape and looks
-    up positions."""
-    weight = getattr(embedding, "weight", None)
-    if not isinstance(weight, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
-        return True  # nothing to compare with: taken as a lookup
-    with torch.no_grad():
-        rows = nn.functional.embedding(ids, weight).to(output.dtype)
-        if rows.shape != output.shape:
-            return False
-        scale = (rows * output).sum() / (rows * rows).sum().clamp_min(torch.finfo(rows.dtype).tiny)
-        return bool(torch.allclose(output, scale * rows))
 
 
 def _converts_pixels_at(module: nn.Module, key: NestedKey) -> bool:

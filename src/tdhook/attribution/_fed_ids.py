@@ -1,0 +1,87 @@
+"""Whether a tensor an embedding reads is the token ids fed for an explained input, and whether it looked them up.
+
+It is where it is the fed tensor, a reshaped view of it (GPT-2 flattens its input_ids), or the fed ids put back
+together from their slices: a lazily stacked TensorDict holds an input written into it as slices, one per stacked
+TensorDict, and stacks them anew at each read (:func:`restacks`, seen by the tracking of
+:class:`~tdhook.attribution._tokens.TokenInputs`, which marks the result with :func:`mark_restacked`).
+
+Examples:
+    >>> import torch
+    >>> ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    >>> read = torch.stack(ids.unbind(0))
+    >>> reads_fed_ids(ids.flatten(), ids), reads_fed_ids(read, ids)
+    (True, False)
+    >>> mark_restacked(read, ids)
+    >>> reads_fed_ids(read, ids)
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["looks_up_ids", "mark_restacked", "reads_fed_ids", "restacks"]
+
+# The fed ids that a tensor puts back together from their slices (a lazy stack's read of them): it is those ids.
+RESTACKED = "_tdhook_restacked_ids"
+
+
+def mark_restacked(tensor: torch.Tensor, fed: torch.Tensor) -> None:
+    """Mark ``tensor`` as the fed ids ``fed`` put back together from their slices."""
+    setattr(tensor, RESTACKED, fed)
+
+
+def reads_fed_ids(arg: object, tokens: torch.Tensor) -> bool:
+    """Whether an embedding's input ``arg`` is the fed ``tokens``, or a reshaped view of them (GPT-2 flattens its
+    input_ids)."""
+    if arg is tokens or getattr(arg, RESTACKED, None) is tokens:
+        return True
+    if not isinstance(arg, torch.Tensor) or arg._base is None or arg.numel() != tokens.numel():
+        return False
+    return arg._base is tokens or getattr(arg._base, RESTACKED, None) is tokens
+
+
+def restacks(fed: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+    """Whether ``torch.stack(tensors, dim)`` puts the slices of the fed ids ``fed`` along ``dim`` back together, in
+    their order: a lazily stacked TensorDict's read of the ids written into it. To be called with the function
+    modes off.
+
+    Examples:
+        >>> ids = torch.tensor([[1, 2], [3, 4]])
+        >>> restacks(ids, (ids.unbind(1), 1), {}), restacks(ids, (ids.unbind(1)[::-1], 1), {})
+        (True, False)
+    """
+    tensors = args[0] if args else kwargs.get("tensors")
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if not isinstance(tensors, (list, tuple)) or not isinstance(dim, int) or fed.dim() == 0:
+        return False
+    dim = dim % fed.dim()
+    if len(tensors) != fed.shape[dim]:
+        return False
+    for position, tensor in enumerate(tensors):
+        part = fed.select(dim, position)
+        if not (
+            isinstance(tensor, torch.Tensor)
+            and tensor.untyped_storage().data_ptr() == part.untyped_storage().data_ptr()
+            and tensor.storage_offset() == part.storage_offset()
+            and tensor.shape == part.shape
+            and tensor.stride() == part.stride()
+        ):
+            return False
+    return True
+
+
+def looks_up_ids(embedding: nn.Module, ids: torch.Tensor, output: torch.Tensor) -> bool:
+    """Whether ``output`` is the rows of ``embedding``'s table that ``ids`` select, up to one scale (a scaled
+    word embedding, as Gemma's and BART's): not so for an embedding that reads ids only for their shape and looks
+    up positions."""
+    weight = getattr(embedding, "weight", None)
+    if not isinstance(weight, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
+        return True  # nothing to compare with: taken as a lookup
+    with torch.no_grad():
+        rows = nn.functional.embedding(ids, weight).to(output.dtype)
+        if rows.shape != output.shape:
+            return False
+        scale = (rows * output).sum() / (rows * rows).sum().clamp_min(torch.finfo(rows.dtype).tiny)
+        return bool(torch.allclose(output, scale * rows))
