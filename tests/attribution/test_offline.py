@@ -396,3 +396,12 @@ def test_a_list_storage_of_other_entries_is_refused_naming_them(tmp_path):
     with pytest.raises(TypeError, match="the replay buffer's ListStorage holds tuple entries"):
         explain_offline(LRP(q_actor(), EpsilonPlus()), buffer, tmp_path / "out", progress=False)
     assert not any(tmp_path.iterdir())
+
+
+def test_a_list_storage_of_trajectories_of_different_lengths_is_refused_naming_them(tmp_path):
+    """tensordict's stacking error, which named neither explain_offline nor the storage."""
+    buffer = ReplayBuffer(storage=ListStorage(10))
+    buffer.extend([data(3), data(5)])
+    with pytest.raises(ValueError, match=r"ListStorage holds TensorDicts of different batch sizes \[\[3\], \[5\]\]"):
+        explain_offline(LRP(q_actor(), EpsilonPlus()), buffer, tmp_path / "out", progress=False)
+    assert not any(tmp_path.iterdir())

@@ -92,7 +92,15 @@ def _stacked_entries(source, entries: list) -> TensorDictBase:
             f"holds {type(other).__name__} entries. Extend the buffer with TensorDicts (a TensorDictReplayBuffer), "
             "or explain a TensorDict of the data"
         )
-    return torch.stack(entries)
+    try:
+        return torch.stack(entries)
+    except RuntimeError as err:  # entries of different batch sizes (trajectories of different lengths)
+        shapes = sorted({tuple(entry.batch_size) for entry in entries})
+        raise ValueError(
+            f"explain_offline: the replay buffer's {type(_storage(source)).__name__} holds TensorDicts of different "
+            f"batch sizes {[list(shape) for shape in shapes]}, which do not stack into rows; explain them one by one, "
+            "or pad them to one length"
+        ) from err
 
 
 def _missing_runs(done: torch.Tensor | None, start: int, stop: int, batch_size: int) -> list[tuple[int, int]]:

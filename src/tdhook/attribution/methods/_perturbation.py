@@ -18,7 +18,7 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TypeVar, Union
+from typing import Any, TypeVar, Union
 
 import torch
 from tensordict import TensorDictBase
@@ -30,7 +30,12 @@ from tqdm import tqdm  # the plain bar: tqdm.auto warns in notebooks without ipy
 from tdhook.attribution._inputs import module_in_recurrent_mode
 from tdhook.attribution.methods._base import AttributionMethod, Call
 from tdhook.attribution.methods._options import Baselines, baseline_tensors, per_key
-from tdhook.attribution.methods._rows_in_one_sample import rows_in_one_sample, rows_message
+from tdhook.attribution.methods._rows_in_one_sample import (
+    called_with_keywords,
+    keyword_call,
+    rows_in_one_sample,
+    rows_message,
+)
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.targets import Target
 
@@ -183,6 +188,11 @@ class PerturbationMethod(AttributionMethod):
                 "rollout stored, or use a gradient method or LRP (with split_dim for each step on its own)"
             )
 
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The base's call, noting whether it was given tensors as keywords (see :meth:`_warn_for_rows`)."""
+        with keyword_call(args, kwargs):
+            return super().forward(*args, **kwargs)
+
     def _first_pass(self, tensordict: TensorDictBase) -> Call:
         """The base's first pass, then a warning of rows given as one sample: the groups span them."""
         call = super()._first_pass(tensordict)
@@ -190,11 +200,11 @@ class PerturbationMethod(AttributionMethod):
         return call
 
     def _warn_for_rows(self, call: Call) -> None:
-        """Warn, once per wrapper, of a call of batch ``[]`` whose inputs hold rows of samples (see
+        """Warn, once per wrapper, of a call given tensors as keywords whose inputs hold rows of samples (see
         :mod:`~tdhook.attribution.methods._rows_in_one_sample`)."""
-        if self._rows_told:
+        if self._rows_told or not called_with_keywords():
             return
-        rows = rows_in_one_sample(call.inputs, call.output, self._target[1], call.batch_dims)
+        rows = rows_in_one_sample(call.inputs, call.output, self.target, call.batch_dims)
         if rows is not None:
             self._rows_told.append(rows)  # shared with the narrowed copies of a call (a shallow copy)
             warn_at_caller(rows_message(type(self).__name__, rows, call.target_key))
