@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -208,3 +209,34 @@ class TestEachSignaturesFirstCallIsWatched:
             for length in (5, 6, 7):
                 lrp(sequences_of(length))
         assert len([w for w in caught if "changes nothing" in str(w.message)]) == 1
+
+
+class Cumulative(nn.Module):
+    """Two layers of a class of its own: the default rules put no rule on them (the first pass runs with the
+    function modes' rules only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)).cumsum(-1))
+
+
+@pytest.mark.parametrize("mapper", ["default", "EpsilonPlus"])
+def test_a_wrapper_keeps_nothing_of_a_calls_graph(mapper: str):
+    """The first pass's outputs, noted for the check of the module rules, were kept until the next context where no
+    module had a rule: the call's graph stayed alive, and a deep copy of the wrapper (``randomisation_check`` makes
+    one) raised "Only Tensors created explicitly by the user (graph leaves) support the deepcopy protocol"."""
+    torch.manual_seed(0)
+    model = Cumulative().double()
+    rules = () if mapper == "default" else (EpsilonPlus(),)
+    lrp = LRP(model, *rules, in_keys=["x"], out_keys=["y"])
+    td = TensorDict(x=torch.randn(3, 4, dtype=torch.float64), batch_size=[3])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cumsum keeps its plain gradient, which a warning names
+        expected = lrp(td.clone())["relevance", "x"]
+        kept = lrp._rule_use._outputs
+        copied = copy.deepcopy(lrp)
+        torch.testing.assert_close(copied(td.clone())["relevance", "x"], expected, rtol=1e-12, atol=1e-12)
+    assert kept == []

@@ -803,6 +803,40 @@ def test_token_ids_in_a_lazy_stack_get_the_relevance_of_the_dense_batch(dim, map
     assert torch.equal(lazy.tensordicts[0]["token"], dense.unbind(dim)[0]["token"])  # the ids as they were
 
 
+@pytest.mark.parametrize(("outer", "inner"), [(0, 0), (0, 1), (1, 0), (1, 1), (2, 1)])
+def test_token_ids_in_a_lazy_stack_of_lazy_stacks_get_the_relevance_of_the_dense_batch(outer, inner):
+    """A lazy stack of lazy stacks reads the ids by stacking the inner stacks' reads, each a stack of the slices of
+    a slice: that was refused as ids computed from the input."""
+    torch.manual_seed(0)
+    policy = TensorDictModule(ObservationAndToken().double(), in_keys=["observation", "token"], out_keys=["q"])
+    dense = TensorDict(
+        observation=torch.randn(2, 3, 4, 4, dtype=torch.float64),
+        token=torch.randint(0, 10, (2, 3, 4)),
+        batch_size=[2, 3, 4],
+    )
+    expected = LRP(policy, target=1)(dense.clone())
+    parts = [LazyStackedTensorDict.lazy_stack(list(part.unbind(inner)), inner) for part in dense.clone().unbind(outer)]
+    out = LRP(policy, target=1)(LazyStackedTensorDict.lazy_stack(parts, outer))
+    for key in ("observation", "token"):
+        torch.testing.assert_close(out["relevance", key], expected["relevance", key], rtol=1e-12, atol=1e-14)
+
+
+def test_an_inner_stack_of_the_ids_alone_is_still_refused():
+    """A stack of the slices of one row of the ids is that row: ids sliced from the input, not the ids."""
+
+    class FirstRow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding, self.head = nn.Embedding(10, 4), nn.Linear(4, 3)
+
+        def forward(self, token: torch.Tensor) -> torch.Tensor:
+            return self.head(self.embedding(torch.stack(token[0].unbind(0))).sum(0))
+
+    policy = TensorDictModule(FirstRow().double(), in_keys=["token"], out_keys=["q"])
+    with pytest.raises(ValueError, match="through token ids computed from it"):
+        LRP(policy, target=0)(TensorDict(token=torch.randint(0, 10, (2, 3)), batch_size=[]))
+
+
 def test_ids_put_back_together_in_another_order_are_still_refused():
     """Only the slices in their order are the ids: a model stacking them swapped looks up other ids per place."""
 

@@ -28,7 +28,7 @@ RESTACKED = "_tdhook_restacked_ids"
 
 
 def mark_restacked(tensor: torch.Tensor, fed: torch.Tensor) -> None:
-    """Mark ``tensor`` as the fed ids ``fed`` put back together from their slices."""
+    """Mark ``tensor`` as the fed ids ``fed``, or a part of them (a view), put back together from their slices."""
     setattr(tensor, RESTACKED, fed)
 
 
@@ -42,34 +42,56 @@ def reads_fed_ids(arg: object, tokens: torch.Tensor) -> bool:
     return arg._base is tokens or getattr(arg._base, RESTACKED, None) is tokens
 
 
-def restacks(fed: torch.Tensor, args: tuple, kwargs: dict) -> bool:
-    """Whether ``torch.stack(tensors, dim)`` puts the slices of the fed ids ``fed`` along ``dim`` back together, in
-    their order: a lazily stacked TensorDict's read of the ids written into it. To be called with the function
-    modes off.
+def _same_view(tensor: torch.Tensor, part: torch.Tensor) -> bool:
+    """Whether ``tensor`` reads the elements ``part`` reads, in its layout (the stride of a dimension of one element
+    is not read)."""
+    return (
+        tensor.untyped_storage().data_ptr() == part.untyped_storage().data_ptr()
+        and tensor.storage_offset() == part.storage_offset()
+        and tensor.shape == part.shape
+        and all(a == b for a, b, n in zip(tensor.stride(), part.stride(), part.shape, strict=True) if n > 1)
+    )
+
+
+def restacks(fed: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """What of the fed ids ``fed`` the call ``torch.stack(tensors, dim)`` puts back together from their slices
+    along ``dim``, in their order: ``fed`` itself (a lazily stacked TensorDict's read of the ids written into it), a
+    part of it (an inner stack's read, where a lazy stack holds lazy stacks: the slices of a slice), or ``None``.
+    A slice is a view of ``fed``, or a tensor marked by :func:`mark_restacked` as a part of it. To be called with
+    the function modes off.
 
     Examples:
         >>> ids = torch.tensor([[1, 2], [3, 4]])
-        >>> restacks(ids, (ids.unbind(1), 1), {}), restacks(ids, (ids.unbind(1)[::-1], 1), {})
-        (True, False)
+        >>> restacks(ids, (ids.unbind(1), 1), {}) is ids, restacks(ids, (ids.unbind(1)[::-1], 1), {})
+        (True, None)
+        >>> row = restacks(ids, (ids[1].unbind(0), 0), {})  # the slices of a slice: that slice
+        >>> row.tolist(), _same_view(row, ids[1])
+        ([3, 4], True)
     """
     tensors = args[0] if args else kwargs.get("tensors")
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    if not isinstance(tensors, (list, tuple)) or not isinstance(dim, int) or fed.dim() == 0:
-        return False
-    dim = dim % fed.dim()
-    if len(tensors) != fed.shape[dim]:
-        return False
-    for position, tensor in enumerate(tensors):
-        part = fed.select(dim, position)
-        if not (
-            isinstance(tensor, torch.Tensor)
-            and tensor.untyped_storage().data_ptr() == part.untyped_storage().data_ptr()
-            and tensor.storage_offset() == part.storage_offset()
-            and tensor.shape == part.shape
-            and tensor.stride() == part.stride()
-        ):
-            return False
-    return True
+    if not isinstance(tensors, (list, tuple)) or not tensors or not isinstance(dim, int) or fed.dim() == 0:
+        return None
+    parts = [getattr(tensor, RESTACKED, tensor) for tensor in tensors]  # an inner stack's read: its part of fed
+    if not all(isinstance(part, torch.Tensor) for part in parts):
+        return None
+    first = parts[0]
+    if first.untyped_storage().data_ptr() != fed.untyped_storage().data_ptr() or first.dim() >= fed.dim():
+        return None
+    dim = dim % (first.dim() + 1)
+    step = parts[1].storage_offset() - first.storage_offset() if len(parts) > 1 else 0
+    if step < 0 or any(part.storage_offset() != first.storage_offset() + k * step for k, part in enumerate(parts)):
+        return None  # not the slices of one view, in order
+    shape, stride = list(first.shape), list(first.stride())
+    shape.insert(dim, len(parts))
+    stride.insert(dim, step)
+    whole = fed.as_strided(shape, stride, first.storage_offset())  # what the slices are the slices of, if anything
+    if not all(_same_view(part, whole.select(dim, position)) for position, part in enumerate(parts)):
+        return None
+    if _same_view(whole, fed):
+        return fed
+    inside = fed.storage_offset() <= whole.storage_offset() and whole.numel() < fed.numel()
+    return whole if inside else None
 
 
 def looks_up_ids(embedding: nn.Module, ids: torch.Tensor, output: torch.Tensor) -> bool:

@@ -106,9 +106,12 @@ class RuleUse:
 
     @contextlib.contextmanager
     def _first_pass_only(self, signature: Hashable) -> Iterator[None]:
-        with watching_first_pass(self._warned):
-            warned = first_pass()
-            yield
+        try:
+            with watching_first_pass(self._warned):
+                warned = first_pass()
+                yield
+        finally:
+            self._outputs = []  # noted for the module rules' check, which has none to check: not kept with its graph
         self._warned = warned
         self._watched.add(signature)  # as after a watched pass: a failed one is the first pass again at the next call
 
@@ -138,11 +141,11 @@ class RuleUse:
                 if mine[-1] in hooks:
                     hooks.remove(mine[-1])
                 mine.pop()
+            outputs, self._outputs = self._outputs, []  # not kept with their graph past the pass
         # Raised before the pass counts as watched: every later call is refused alike.
         refuse_rescaling_over_ruled_modules(handles, modules, ran)
         warn_for_plain_gradient_over_ruled_modules(handles, modules, ran, noted)
         names = {id(module): name for name, module in modules.items()}
-        outputs, self._outputs = self._outputs, []
         reached: set[int] | None = None
         for handle in handles:
             module = handle.module

@@ -581,9 +581,10 @@ class _DerivedTokens(TorchFunctionMode):
             # model's reshapes) only where it may hold them (below).
             if out.dtype in _INTEGERS if isinstance(out, torch.Tensor) else _has_integers(out):
                 index = self._source(iter((*args, *kwargs.values())))
-                if index is not None and name == "stack" and restacks(self._ids[index], args, kwargs):
-                    mark_restacked(out, self._ids[index])  # a lazy stack's read of the fed ids: the ids
-                elif index is not None:
+                restacked = restacks(self._ids[index], args, kwargs) if index is not None and name == "stack" else None
+                if restacked is not None:  # a lazy stack's read of the fed ids, or of a part (a lazy stack's inside)
+                    mark_restacked(out, restacked)
+                if index is not None and restacked is not self._ids[index]:  # taken from the ids, but not them
                     for tensor in out if isinstance(out, (list, tuple)) else (out,):
                         _mark(tensor, index)
             elif isinstance(out, torch.Tensor) and out.dtype == torch.bool:  # a code reshaped: ``code.transpose(1, 2)``
