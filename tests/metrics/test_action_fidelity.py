@@ -6,7 +6,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
-from torchrl.modules import QValueActor
+from torchrl.modules import DistributionalQValueActor, QValueActor
 
 from tdhook.attribution import LRP
 from tdhook.metrics import action_fidelity
@@ -65,6 +65,40 @@ def test_works_on_a_torchrl_q_value_actor_with_lrp_relevance():
     assert (by_default == result).all()
     with pytest.raises(ValueError, match=r"k must be an int in \[1, 6\]"):
         action_fidelity(actor, td, k=7, relevance_key="relevance", target_key="action_value")
+
+
+class AtomValues(torch.nn.Module):
+    """Log-probabilities of 7 atoms for each of 3 actions: ``[*batch, atoms, actions]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Linear(32, 21))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).unflatten(-1, (7, 3)).log_softmax(-2)
+
+
+@pytest.mark.parametrize("action_space", ["one_hot", "categorical"])
+def test_a_distributional_q_value_actors_greedy_action_is_the_one_it_takes(action_space):
+    """Its greedy action has the highest expected return over the support. The argmax of the last dimension took the
+    action most likely at each atom, and counted a state as changed where any atom's did: 0.89 of the states against
+    0.20 whose action changes, on 64 states."""
+    torch.manual_seed(0)
+    support = torch.linspace(-5.0, 5.0, 7, dtype=torch.float64)
+    actor = DistributionalQValueActor(
+        AtomValues().double(), in_keys=["observation"], support=support, action_space=action_space
+    )
+    x = torch.randn(64, 6, dtype=torch.float64)
+    attribution = torch.randn(64, 6, dtype=torch.float64)
+    td = TensorDict(observation=x, attribution=TensorDict(observation=attribution), batch_size=[64])
+    result = action_fidelity(actor, td, k=2, n_random=2, seed=0, target_key="action_value")
+    top = attribution.argsort(dim=-1, descending=True, stable=True)[:, :2]
+    removed = x.scatter(-1, top, 0.0)
+    before = actor(TensorDict(observation=x, batch_size=[64]))["action"]
+    after = actor(TensorDict(observation=removed, batch_size=[64]))["action"]
+    changed = (before != after).reshape(64, -1).any(-1).double().mean()
+    assert 0.0 < changed < 0.5  # some states change their action, not most
+    torch.testing.assert_close(result["relevant"], changed, rtol=0, atol=1e-12)
 
 
 class TwoHeads(torch.nn.Module):

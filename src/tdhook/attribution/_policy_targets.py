@@ -79,6 +79,7 @@ __all__ = [
     "actor_and_critic",
     "allowed_action",
     "distributional_action",
+    "distributional_module",
     "allowed_mask",
     "holds_transition",
     "masked_action_keys",
@@ -221,7 +222,9 @@ def _find_several_units_module(operator: TensorDictModuleBase, target_key: Neste
     return None
 
 
-def _distributional_module(operator: TensorDictModuleBase, target_key: NestedKey) -> DistributionalQValueModule | None:
+def distributional_module(operator: TensorDictModuleBase, target_key: NestedKey) -> DistributionalQValueModule | None:
+    """The torchrl ``DistributionalQValueModule`` of ``operator`` whose action values are at ``target_key``, or
+    ``None``."""
     return _found_once(operator, target_key, _find_distributional_module)
 
 
@@ -263,7 +266,7 @@ def distributional_action(
         >>> distributional_action(actor, "action_value", result)  # action 1: the highest expected return
         tensor([[1, 1, 1]])
     """
-    module = _distributional_module(operator, target_key)
+    module = distributional_module(operator, target_key)
     if module is None:
         return None
     if module.action_space not in ("one_hot", "categorical"):
