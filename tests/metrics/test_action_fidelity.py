@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
-from torchrl.modules import DistributionalQValueActor, QValueActor
+from torchrl.envs.utils import ExplorationType, set_exploration_type
+from torchrl.modules import DistributionalQValueActor, OneHotOrdinal, Ordinal, ProbabilisticActor, QValueActor
 
 from tdhook.attribution import LRP
 from tdhook.metrics import action_fidelity
@@ -98,6 +101,26 @@ def test_a_distributional_q_value_actors_greedy_action_is_the_one_it_takes(actio
     after = actor(TensorDict(observation=removed, batch_size=[64]))["action"]
     changed = (before != after).reshape(64, -1).any(-1).double().mean()
     assert 0.0 < changed < 0.5  # some states change their action, not most
+    torch.testing.assert_close(result["relevant"], changed, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("distribution", [Ordinal, OneHotOrdinal], ids=lambda d: d.__name__)
+def test_an_ordinal_policys_greedy_action_is_the_one_it_takes(distribution):
+    """Its action is the argmax of the ordinal log-probabilities, not of the scores (0.297 of the states counted
+    against 0.281 whose action changes)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5)).double()
+    module = TensorDictModule(net, in_keys=["observation"], out_keys=["scores"])
+    actor = ProbabilisticActor(module, in_keys=["scores"], distribution_class=distribution)
+    x, attribution = torch.randn(64, 6, dtype=torch.float64), torch.randn(64, 6, dtype=torch.float64)
+    td = TensorDict(observation=x, attribution=TensorDict(observation=attribution), batch_size=[64])
+    result = action_fidelity(actor, td, k=2, n_random=2, seed=0, target_key="scores")
+    removed = x.scatter(-1, attribution.argsort(dim=-1, descending=True, stable=True)[:, :2], 0.0)
+    with warnings.catch_warnings(), set_exploration_type(ExplorationType.DETERMINISTIC):
+        warnings.simplefilter("ignore")  # tensordict's: the distribution has no deterministic_sample, its mode is used
+        before = actor(TensorDict(observation=x, batch_size=[64]))["action"]
+        after = actor(TensorDict(observation=removed, batch_size=[64]))["action"]
+    changed = (before != after).reshape(64, -1).any(-1).double().mean()
     torch.testing.assert_close(result["relevant"], changed, rtol=0, atol=1e-12)
 
 

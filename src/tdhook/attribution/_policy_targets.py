@@ -12,6 +12,11 @@ step a decision transformer acts on, and the action an exploring policy takes.
   logit. The plain argmax could be a forbidden action. A live step of
   torchrl's ``env.rollout`` or of a collector holds the previous step's action
   and no ``"next"``: that action is not the one this step takes.
+* A policy sampling from torchrl's ``Ordinal`` or ``OneHotOrdinal`` reads
+  scores whose argmax need not be its action: the action is the argmax of the
+  ordinal log-probabilities the distribution makes from them. Its scores
+  explained, the default target is that action (in a stored transition, the
+  action it holds), at its unit of the scores.
 * A ``DistributionalQValueActor`` writes action values of shape
   ``[*batch, atoms, actions]`` (the log-probabilities of each action's return
   falling in each atom of the support). Explained (``target_key`` its action
@@ -70,7 +75,7 @@ from torchrl.modules import (
     QValueModule,
     ValueOperator,
 )
-from torchrl.modules.distributions import MaskedCategorical, MaskedOneHotCategorical
+from torchrl.modules.distributions import MaskedCategorical, MaskedOneHotCategorical, OneHotOrdinal, Ordinal
 from torchrl.modules.tensordict_module.actors import DistributionalQValueModule
 
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
@@ -81,6 +86,7 @@ __all__ = [
     "distributional_action",
     "distributional_module",
     "allowed_mask",
+    "ordinal_sampler",
     "holds_transition",
     "masked_action_keys",
     "acted_step",
@@ -90,6 +96,7 @@ __all__ = [
 ]
 
 _MASKED = (MaskedCategorical, MaskedOneHotCategorical)
+_ORDINAL = (Ordinal, OneHotOrdinal)
 # Steps that perturb the action an actor wrote (noise, a random action now and then): they write no output of
 # their own to explain (the Ornstein-Uhlenbeck process writes its state, ``_ou_prev_noise`` and ``_ou_steps``).
 EXPLORATION_MODULES = (AdditiveGaussianModule, OrnsteinUhlenbeckProcessModule, EGreedyModule)
@@ -155,6 +162,38 @@ def _find_masked_sampler(operator: TensorDictModuleBase, target_key: NestedKey) 
     return None
 
 
+def ordinal_sampler(operator: TensorDictModuleBase, target_key: NestedKey) -> ProbabilisticTensorDictModule | None:
+    """The sampler of ``operator`` whose torchrl ``Ordinal`` or ``OneHotOrdinal`` distribution reads its scores at
+    ``target_key``, or ``None``. Its action is the argmax of the ordinal log-probabilities made from the scores, not
+    of the scores: that of the distribution's ``logits`` (:func:`ordinal_logits`)."""
+    return _found_once(operator, target_key, _find_ordinal_sampler)
+
+
+def _find_ordinal_sampler(
+    operator: TensorDictModuleBase, target_key: NestedKey
+) -> ProbabilisticTensorDictModule | None:
+    for sub in operator.modules():
+        if isinstance(sub, ProbabilisticTensorDictModule) and issubclass(sub.distribution_class, _ORDINAL):
+            if unravel_key(target_key) == _distribution_keys(sub).get("scores"):
+                return sub
+    return None
+
+
+def ordinal_logits(sampler: ProbabilisticTensorDictModule, scores: torch.Tensor) -> torch.Tensor:
+    """The log-probabilities of the actions of ``sampler``'s ordinal distribution given ``scores``.
+
+    Examples:
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.modules import ProbabilisticActor
+        >>> actor = ProbabilisticActor(TensorDictModule(nn.Identity(), ["observation"], ["scores"]),
+        ...                            in_keys=["scores"], distribution_class=Ordinal)
+        >>> scores = torch.tensor([[2.0, 1.0, -0.5, -3.0]])
+        >>> scores.argmax(-1), ordinal_logits(ordinal_sampler(actor, "scores"), scores).argmax(-1)
+        (tensor([0]), tensor([1]))
+    """
+    return sampler.distribution_class(scores=scores, **sampler.distribution_kwargs).logits
+
+
 def _distribution_keys(sampler: ProbabilisticTensorDictModule) -> dict[str, NestedKey]:
     """The keys a sampler reads, by the distribution's argument each is given as (``logits``, ``mask``, ...)."""
     dist_keys = list(getattr(sampler, "dist_keys", sampler.in_keys))
@@ -164,9 +203,9 @@ def _distribution_keys(sampler: ProbabilisticTensorDictModule) -> dict[str, Nest
 def allowed_action(
     operator: TensorDictModuleBase, target_key: NestedKey, result: TensorDictBase, tensordict: TensorDictBase
 ) -> torch.Tensor | None:
-    """The per-sample action to explain where ``target_key`` holds the logits of a masked distribution, or the
-    action values of a distributional Q-value actor (see :func:`distributional_action`), else ``None`` (the
-    default target applies).
+    """The per-sample action to explain where ``target_key`` holds the logits of a masked distribution, the scores
+    of an ordinal one (see :func:`ordinal_sampler`), or the action values of a distributional Q-value actor (see
+    :func:`distributional_action`), else ``None`` (the default target applies).
 
     Args:
         operator: the module whose output is explained.
@@ -186,12 +225,16 @@ def allowed_action(
             "third output key, 'chosen_action_value' by default)"
         )
     sampler = _masked_sampler(operator, target_key)
-    if sampler is None:
+    ordinal = ordinal_sampler(operator, target_key) if sampler is None else None
+    if sampler is None and ordinal is None:
         return None
+    sampler = sampler if ordinal is None else ordinal
     action_key = unravel_key(sampler.out_keys[0])
     taken = tensordict.get(action_key, None) if holds_transition(tensordict) else None
-    one_hot = issubclass(sampler.distribution_class, MaskedOneHotCategorical)
+    one_hot = issubclass(sampler.distribution_class, (MaskedOneHotCategorical, OneHotOrdinal))
     logits = result.get(target_key).detach()
+    if ordinal is not None:  # its action is the argmax of the ordinal log-probabilities, not of the scores
+        logits = ordinal_logits(ordinal, logits)
     if isinstance(taken, torch.Tensor):  # one action per row of logits (the agents of a nested key included)
         if (taken.shape[:-1] if one_hot else taken.numel()) != (
             logits.shape[:-1] if one_hot else logits[..., 0].numel()

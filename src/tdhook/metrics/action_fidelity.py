@@ -11,7 +11,7 @@ from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 from torch import nn
 from torchrl.modules import Actor, TanhModule
 
-from tdhook.attribution._policy_targets import distributional_module
+from tdhook.attribution._policy_targets import distributional_module, ordinal_logits, ordinal_sampler
 from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._features import Baseline, Features, sort_positions
 from tdhook.metrics._random import generator, keeps_global_rng
@@ -45,7 +45,8 @@ def action_fidelity(
     The greedy action is the argmax of the last dimension of the output at ``target_key`` (the action values or a
     categorical policy's logits; for a torchrl policy that masks actions, the highest allowed logit; for the action
     values of a torchrl ``DistributionalQValueActor``, the action whose expected return over the support is highest,
-    as the actor chooses it). An output
+    as the actor chooses it; for the scores of an ``Ordinal`` or ``OneHotOrdinal`` distribution, the argmax of its
+    log-probabilities). An output
     ``batch + [heads..., actions]`` gives one action per head, and a state's action changes when that of any head
     does. A continuous action (the parameters of a non-categorical distribution or of such a part of a
     ``CompositeDistribution``, an action whose torchrl spec is continuous, the action of a torchrl ``Actor`` without
@@ -111,10 +112,13 @@ def action_fidelity(
     allowed = scorer.allowed  # a masked policy's greedy action is its highest allowed logit
     # A distributional Q-value actor's greedy action has the highest expected return over its support.
     distributional = distributional_module(scorer.module, scorer.target_key)
+    ordinal = ordinal_sampler(scorer.module, scorer.target_key)  # an ordinal policy's: of its log-probabilities
 
     def greedy(values: torch.Tensor) -> torch.Tensor:
         if distributional is not None:
             values = distributional._support_expected(values)  # [*batch, atoms, actions] -> [*batch, actions]
+        elif ordinal is not None:
+            values = ordinal_logits(ordinal, values)
         return (values if allowed is None else values.masked_fill(~allowed, float("-inf"))).argmax(-1)
 
     action = greedy(output)
