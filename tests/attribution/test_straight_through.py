@@ -12,6 +12,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP, BaseRuleMapper, EpsilonPlus
+from tdhook.attribution._cut_signals import CUT_SIGNAL
 
 F64 = torch.float64
 
@@ -91,15 +92,27 @@ class TestStraightThrough:
             _explain(Quantised().double(), preset())
 
     DETACHED_BUT_NO_ESTIMATOR = {
-        "a detached branch as a bias: h + f(h).detach()": lambda h: h + torch.relu(h).detach(),
         "a detached copy: h + h.detach()": lambda h: h + h.detach(),
+        "a difference without a detach: h + (relu(h) - h)": lambda h: h + (torch.relu(h) - h),
+        "a scaled detached copy: h * 0.5 + h.detach()": lambda h: h * 0.5 + h.detach(),
+        "a scale detached for a norm": lambda h: h / h.std(-1, keepdim=True).detach(),
+    }
+    # Parts of the signal computed without gradient and added back: named apart (tests/attribution/test_cut_signals.py).
+    CUT_PARTS = {
+        "a detached branch as a bias: h + f(h).detach()": lambda h: h + torch.relu(h).detach(),
         "statistics detached for a norm": lambda h: (
             (h - h.mean(-1, keepdim=True).detach()) / h.std(-1, keepdim=True).detach()
         ),
-        "a difference without a detach: h + (relu(h) - h)": lambda h: h + (torch.relu(h) - h),
         "another activation's difference: h + (relu(h) - g).detach()": lambda h: h + (torch.relu(h) - 2 * h).detach(),
-        "a scaled detached copy: h * 0.5 + h.detach()": lambda h: h * 0.5 + h.detach(),
     }
+
+    @pytest.mark.parametrize("name", sorted(CUT_PARTS))
+    def test_a_detached_part_of_another_activation_is_named_as_such_and_not_as_an_estimator(self, name: str):
+        torch.manual_seed(0)
+        model = StraightThrough(self.CUT_PARTS[name]).double()
+        with pytest.warns(UserWarning, match="adds back to the signal a part it computed from the explained inputs"):
+            lrp, _, _ = _explain(model, AttnLRP())
+        assert [call.function for call in lrp.coverage().plain_gradient] == [CUT_SIGNAL]
 
     @pytest.mark.parametrize("name", sorted(DETACHED_BUT_NO_ESTIMATOR))
     def test_a_detach_that_is_no_estimator_is_not_named(self, name: str):
@@ -121,7 +134,7 @@ class TestStraightThrough:
 
             def forward(self, x: torch.Tensor) -> torch.Tensor:
                 h = self.a(x)
-                return h - h.detach().mean()
+                return h * h.detach().mean()
 
         model, returned = Difference().double(), []
         model.register_forward_hook(lambda module, args, output: returned.append(output))

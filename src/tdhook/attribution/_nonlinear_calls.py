@@ -44,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution._argument_kinds import nonlinear_by_arguments
 from tdhook.attribution._broadcast_products import BROADCAST_PRODUCT, BroadcastProducts
+from tdhook.attribution._cut_signals import CutSignals
 from tdhook.attribution._function_kinds import (
     NOT_FACTORS,
     PRODUCT_FACTORS,
@@ -338,6 +339,7 @@ class NonlinearCalls(TorchFunctionMode):
         self._giving_back = [mode for mode in self._covering if hasattr(mode, "gave_back")]
         self._covered_for_now: list[tuple[str, str, Any]] = []
         self._straight_through = StraightThrough()  # sums that part value and gradient with a detached term
+        self._cut_signals = CutSignals()  # sums with a part of the signal computed without gradient
         self._offsets = OffsetProducts()  # products with a factor that adds a number (``(up + 1) * glu``)
         self._broadcasts = BroadcastProducts()  # Linear layers written ``(x.unsqueeze(-2) * self.W).sum(-1)``
         self._layer_calls: list[tuple[str, str, Any]] = []  # convolutions and linear maps outside layers
@@ -428,8 +430,13 @@ class NonlinearCalls(TorchFunctionMode):
             if source is not None:  # ``c.clamp_(-1, 1)`` under no_grad: ``c + (clamp(c) - c).detach()`` in place
                 self._calls.append((self._stack[-1] if self._stack else "", STRAIGHT_THROUGH, source.grad_fn))
                 return
+        # Read before the straight-through marks: a write in place marks its result, the tensor it read, anew.
+        cut_sum = None if plain else self._cut_signals.note(func, args, result)
         if not plain and (detached_sum := self._straight_through.note(func, args, result, kwargs)) is not None:
             self._calls.append((self._stack[-1] if self._stack else "", detached_sum, node))
+            return
+        if cut_sum is not None:  # a sum with a part of the signal computed without gradient, but no estimator
+            self._calls.append((self._stack[-1] if self._stack else "", cut_sum, node))
             return
         if not plain and (quantizing := quantizing_call(function_kind(func)[0], args, result)) is not None:
             self._calls.append((self._stack[-1] if self._stack else "", quantizing, CUT))
@@ -631,6 +638,7 @@ class NonlinearCalls(TorchFunctionMode):
                         self._layer_outputs[output.grad_fn] = (name, acting)
                 if is_recurrent and args and isinstance(args[0], torch.Tensor) and _reaches_model_input(args[0]):
                     self._first_recurrent.append((name, type(module).__name__, _grad_fn(output)))
+                self._cut_signals.note_module(args, output)
                 if self._stack:
                     self._stack.pop()
                 self._plain_depth -= is_plain
@@ -659,6 +667,7 @@ class NonlinearCalls(TorchFunctionMode):
             self._open.clear()
             self._ruled_depth = self._plain_depth = 0
             self._straight_through.forget()
+            self._cut_signals.forget()
             self._layer_outputs.clear()
             self._offsets.forget()
             self._broadcasts.forget()

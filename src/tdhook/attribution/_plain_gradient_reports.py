@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from tdhook.attribution._cut_signals import CUT_SIGNAL
 from tdhook.attribution._function_kinds import PIECEWISE_CONSTANT
 from tdhook.attribution._nonlinear_calls import ROUNDING
 from tdhook.attribution._offset_products import OFFSET_PRODUCT
@@ -27,7 +28,7 @@ from tdhook.attribution.rules._caller import warn_at_caller
 __all__ = ["report_dropout_calls", "report_plain_gradient"]
 
 # Calls reported by a message of their own, not as curved functions.
-_NAMED_APART = frozenset({STRAIGHT_THROUGH, GRADIENT_SCALING, OFFSET_PRODUCT})
+_NAMED_APART = frozenset({STRAIGHT_THROUGH, GRADIENT_SCALING, OFFSET_PRODUCT, CUT_SIGNAL})
 
 
 def report_plain_gradient(
@@ -84,6 +85,16 @@ def report_plain_gradient(
                 "relevance, passes through it times s, so what it reads gets s times the relevance of the same model "
                 "without the scaling. Scale the gradient in training only (if self.training: ...), or map the module "
                 "in rule_mapper to a rule of your own; lrp.coverage() lists every such call"
+            )
+        if CUT_SIGNAL in functions:
+            messages.append(
+                f"LRP: {where}{kind} adds back to the signal a part it computed from the explained inputs without "
+                "gradient, in its own forward (h + f(h).detach(), or f(h) under torch.no_grad(), summed with h or "
+                "joined to it by torch.cat): the relevance pass takes that part for a constant, so the relevance "
+                "that reaches it stops there, as a bias's does, and the input relevance does not sum to the "
+                "explained output. Compute that part with gradient while explaining (a model's option to run every "
+                "step with gradient), or map the module in rule_mapper to a rule of your own; lrp.coverage() lists "
+                "every such call"
             )
         if OFFSET_PRODUCT in functions:
             messages.append(

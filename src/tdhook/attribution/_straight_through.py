@@ -55,7 +55,7 @@ import torch
 
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE
 
-__all__ = ["GRADIENT_SCALING", "STRAIGHT_THROUGH", "StraightThrough"]
+__all__ = ["GRADIENT_SCALING", "STRAIGHT_THROUGH", "SUMS", "StraightThrough", "held_activations"]
 
 #: the name under which a module's straight-through sums are counted (see :class:`~tdhook.attribution.coverage`)
 STRAIGHT_THROUGH = "a straight-through estimator (x + (y - x).detach())"
@@ -80,6 +80,8 @@ _DIVISIONS = frozenset({torch.div, torch.divide, torch.true_divide, _T.div, _T.d
 _DIVISIONS |= {_T.__itruediv__}
 # A copy holds what its source holds: ``y = x.clone(); y += (q - x).detach()`` is ``x + (q - x).detach()``.
 _COPIES = frozenset({torch.clone, _T.clone})
+#: sums and differences of two tensors, out of place and in place
+SUMS = _ADDITIONS | _SUBTRACTIONS
 _WATCHED = _DETACHES | _NEGATIONS | _SUBTRACTIONS | _ADDITIONS | _PRODUCTS | _DIVISIONS | _COPIES
 
 Terms = list[tuple[torch.Tensor, float, float]]
@@ -92,6 +94,12 @@ def _terms(value: Any) -> Terms:
         return []
     own = [(value, 1.0, 1.0)] if value.requires_grad else []
     return own + getattr(value, _TERMS, [])
+
+
+def held_activations(value: Any) -> set[int]:
+    """The ids of the activations ``value`` holds among its terms (itself where it has a gradient, and those of the
+    differences, products by a number and detached copies it was computed by)."""
+    return {id(t) for t, _, _ in _terms(value)}
 
 
 def _scaled(terms: Terms, value: float, gradient: float | None = None) -> Terms:
