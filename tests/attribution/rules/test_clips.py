@@ -11,7 +11,16 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
 
-from tdhook.attribution import LRP, EpsilonAlpha2Beta1, EpsilonPlus, EpsilonPlusFlat, UniformEpsilon
+from tdhook.attribution import (
+    CPLRP,
+    LRP,
+    AttnLRP,
+    BaseRuleMapper,
+    EpsilonAlpha2Beta1,
+    EpsilonPlus,
+    EpsilonPlusFlat,
+    UniformEpsilon,
+)
 from tests.attribution.rules.test_functional import OneSided
 from tests.conftest import relative_error
 
@@ -211,3 +220,44 @@ def test_a_maximum_at_a_constant_under_vmap_is_refused_as_clamp_is():
             torch.vmap(call)(h)
     with mode:
         assert torch.equal(torch.vmap(lambda t: torch.maximum(t, t - 1.0))(h), h)
+
+
+# A ReLU written as a clip: a lower bound of 0 and none above.
+RELUS = {
+    "clamp(min=0)": lambda h: h.clamp(min=0),
+    "clamp_min(0)": lambda h: torch.clamp_min(h, 0),
+    "clamp_min_(0) of a copy": lambda h: h.clone().clamp_min_(0.0),
+    "maximum(h, zeros)": lambda h: torch.maximum(h, torch.zeros((), dtype=h.dtype)),
+    "F.hardtanh(h, 0, inf)": lambda h: F.hardtanh(h, 0.0, float("inf")),
+    "nn.Threshold(0, 0)": nn.Threshold(0.0, 0.0),
+    "nn.Hardtanh(0, inf)": nn.Hardtanh(0.0, float("inf")),
+}
+
+
+@pytest.mark.parametrize("mapper", ["BaseRuleMapper(stabilizer=0)", "AttnLRP", "CPLRP"])
+@pytest.mark.parametrize("spelling", sorted(RELUS))
+def test_a_relu_written_as_a_clip_is_gradient_x_input_at_any_scale(spelling: str, mapper: str):
+    """A clip to [0, inf) is a ReLU, positively homogeneous: its pass rule is its plain gradient. The pass rule's
+    stabiliser moved it off by stabilizer / |h|: 0.05 off gradient x input at inputs of 1e-10 (relative L2), 0.72 at
+    1e-12, with no word, where nn.ReLU is exact."""
+    mappers = {"BaseRuleMapper(stabilizer=0)": lambda: BaseRuleMapper(stabilizer=0.0), "AttnLRP": AttnLRP}
+    mappers["CPLRP"] = CPLRP
+    torch.manual_seed(1)
+    first, last = nn.Linear(6, 8, bias=False), nn.Linear(8, 3, bias=False)
+    act = RELUS[spelling]
+    model = nn.Sequential(first, act if isinstance(act, nn.Module) else Lambda(act), last).to(F64)
+    x = torch.randn(4, 6, dtype=F64, generator=torch.Generator().manual_seed(0)) * 1e-10
+    relevance = LRP(model, mappers[mapper](), in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[4]))
+    leaf = x.clone().requires_grad_(True)
+    out = model(leaf)
+    (gradient,) = torch.autograd.grad(out.gather(-1, out.argmax(-1, keepdim=True)).sum(), leaf)
+    assert relative_error(relevance["relevance", "x"], x * gradient) <= 1e-12
+
+
+class Lambda(nn.Module):
+    def __init__(self, function) -> None:
+        super().__init__()
+        self.function = function
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.function(h)

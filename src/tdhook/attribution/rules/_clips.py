@@ -44,6 +44,7 @@ __all__ = [
     "bound_passing",
     "bounded_signal",
     "clips_a_signal",
+    "clips_at_zero_only",
     "clip_bounds",
     "clips_in_place",
     "clip_passing",
@@ -126,6 +127,8 @@ def bound_passing(
         tensor([-1.0000,  0.5000,  2.0000])
     """
     output = func(*args, **kwargs)
+    if clips_at_zero_only(func, args, kwargs):  # a ReLU: its plain gradient, exact at any scale
+        return output
     x = signal if signal.shape == output.shape else signal.expand(output.shape)
     return _watched(rule, func, x, output, apply(output, x))
 
@@ -136,6 +139,45 @@ def _watched(rule: Any, func: Callable, x: torch.Tensor, output: torch.Tensor, r
     if rule is not None:
         watch_zero_inputs(rule, func, x, output, result)
     return result
+
+
+def _is_zero(value: object) -> bool:
+    """Whether ``value`` is the number 0, or a tensor without gradient whose every element is 0."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value == 0
+    value = unwrapped(value)
+    if not isinstance(value, torch.Tensor) or value.requires_grad or value.is_complex():
+        return False
+    return value.numel() == 1 and bool(value == 0) if value.numel() <= 1 else not bool(value.any())
+
+
+def clips_at_zero_only(func: Callable, args: tuple, kwargs: dict) -> bool:
+    """Whether the clip (see :func:`clips_a_signal`) or bound (see :func:`bounded_signal`) call is a ReLU: a lower
+    bound of 0 and no upper one (``clamp(h, min=0)``, ``h.clamp_min(0)``, ``F.hardtanh(h, 0, inf)``,
+    ``torch.maximum(h, zeros)``). Positively homogeneous, its plain gradient is its pass rule without a stabiliser,
+    which would only move it off by ``stabilizer / |h|`` (LRP-0 stays gradient × input at inputs of any size).
+
+    Examples:
+        >>> h = torch.randn(3, requires_grad=True) * 1
+        >>> clips_at_zero_only(torch.clamp, (h,), {"min": 0.0}), clips_at_zero_only(torch.clamp, (h, 0.0, 6.0), {})
+        (True, False)
+        >>> clips_at_zero_only(torch.maximum, (torch.zeros(3), h), {}), clips_at_zero_only(F.relu6, (h,), {})
+        (True, False)
+    """
+    base = CLIPS_IN_PLACE.get(func, func)
+    if base in BOUNDS:
+        maxima = (torch.maximum, torch.Tensor.maximum, torch.fmax, torch.Tensor.fmax, torch.max, torch.Tensor.max)
+        other = call_argument(args, kwargs, 1, "other")  # of two tensors only: ``torch.max(h, 0)`` is a reduction
+        return base in maxima and any(isinstance(v, torch.Tensor) and _is_zero(v) for v in (args[0], other))
+    if base in (torch.clamp_min, torch.Tensor.clamp_min):
+        return _is_zero(call_argument(args, kwargs, 1, "min"))
+    if base in (torch.clamp, torch.Tensor.clamp, torch.clip, torch.Tensor.clip):
+        low, high = call_argument(args, kwargs, 1, "min"), call_argument(args, kwargs, 2, "max")
+        return high is None and _is_zero(low)
+    if base is F.hardtanh:
+        low, high = call_argument(args, kwargs, 1, "min_val", -1.0), call_argument(args, kwargs, 2, "max_val", 1.0)
+        return _is_zero(low) and high == float("inf")
+    return False
 
 
 def clip_bounds(args: tuple, kwargs: dict) -> list:
@@ -164,6 +206,8 @@ def clip_passing(
     x = args[0]
     if any(is_activation(bound) for bound in clip_bounds(args, kwargs)):
         return mark_parameter_derived(args, func(*args, **kwargs))
+    if clips_at_zero_only(func, args, kwargs):  # a ReLU: its plain gradient, exact at any scale
+        return func(*args, **kwargs)
     if not clips_in_place(func, args, kwargs):  # a tensor bound may broadcast the output beyond ``x``'s shape
         output = func(*args, **kwargs)
         x = x if x.shape == output.shape else x.expand(output.shape)

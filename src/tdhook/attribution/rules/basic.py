@@ -271,6 +271,23 @@ class UniformEpsilonRule(EpsilonRule):
 _HOMOGENEOUS_ACTIVATIONS = frozenset({nn.ReLU, nn.LeakyReLU, nn.PReLU, nn.RReLU})
 
 
+def is_homogeneous_activation(module: nn.Module) -> bool:
+    """Whether ``module`` is one of torch's positively homogeneous activations (``f(x) = f'(x) x``, ``f(0) = 0``),
+    whose pass rule is its plain gradient: a ReLU, a leaky or parametric one, and ``nn.Threshold(0, 0)`` and
+    ``nn.Hardtanh(0, inf)``, ReLUs written otherwise. Exactly these classes: a subclass may compute something else.
+
+    Examples:
+        >>> is_homogeneous_activation(nn.Threshold(0.0, 0.0)), is_homogeneous_activation(nn.Threshold(0.1, 0.0))
+        (True, False)
+    """
+    kind = type(module)
+    if kind in _HOMOGENEOUS_ACTIVATIONS:
+        return True
+    if kind is nn.Threshold:
+        return module.threshold == 0 and module.value == 0
+    return kind is nn.Hardtanh and module.min_val == 0 and module.max_val == float("inf")
+
+
 class PassRule(Rule):
     """Relevance passes unchanged through an element-wise module: ``R_i = R_i(out)``.
 
@@ -299,7 +316,7 @@ class PassRule(Rule):
         self.stabilizer = stabilizer
 
     def register(self, module: nn.Module) -> RemovableRuleHandle:
-        if type(module) in _HOMOGENEOUS_ACTIVATIONS:  # exactly these: a subclass may compute something else
+        if is_homogeneous_activation(module):
             return RemovableRuleHandle(self, module)
         if isinstance(module, LINEAR_LAYERS) and not _scales_each_channel(module):
             raise ValueError(

@@ -44,6 +44,7 @@ from tdhook.attribution.rules._clips import (
     clip_bounds,
     clip_passing,
     clips_a_signal,
+    clips_at_zero_only,
     clips_in_place,
 )
 from tdhook.attribution.rules._constant_elements import CONSTANT_MASKS_MADE
@@ -476,6 +477,8 @@ class FunctionalRules(TorchFunctionMode):
         bounds = clip_bounds(args, kwargs)
         if any(is_activation(bound) for bound in bounds):
             return mark_parameter_derived(args, func(*args, **kwargs), func)
+        if clips_at_zero_only(func, args, kwargs):  # a ReLU: its plain gradient, exact at any scale
+            return func(*args, **kwargs)
         in_place = clips_in_place(func, args, kwargs)
         if recording is not None and self._clips_on_node(x, bounds, in_place, recording):
             return self._clip_on_node(func, args, kwargs, in_place, recording)
