@@ -27,13 +27,14 @@ from torchrl.modules import (
     GRUModule,
     LSTMModule,
     MultiAgentMLP,
+    MultiStepActorWrapper,
     ProbabilisticActor,
     QValueModule,
     TanhNormal,
     set_recurrent_mode,
 )
 
-from tdhook.attribution import LRP, BaseRuleMapper, EpsilonPlus, IgnoreRule
+from tdhook.attribution import LRP, BaseRuleMapper, EpsilonPlus, IgnoreRule, Saliency
 
 F64 = torch.float64
 N_AGENTS = 3
@@ -530,3 +531,21 @@ def test_lazily_stacked_agents_of_different_shapes_are_refused_naming_the_key(si
     with pytest.raises(ValueError, match=rf"LRP: the {re.escape(key)}: entries of shapes \[\(4, \d\), \(4, \d\)\]"):
         LRP(HeterogeneousAgents(sizes, actions), BaseRuleMapper(stabilizer=0))(td)
     assert set(td.keys(True, True)) == before
+
+
+@pytest.mark.parametrize("method", ["LRP", "Saliency"])
+def test_a_replayed_step_of_an_action_chunk_is_refused_naming_the_wrapper(method: str):
+    """torchrl's MultiStepActorWrapper runs its actor at a chunk's first step and replays the chunk's actions at the
+    steps after, which their inputs do not reach: the refusal said only that the target does not depend on the
+    inputs, in the middle of a rollout."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, 3), nn.Unflatten(-1, (3, 1)))
+    chunked = MultiStepActorWrapper(TensorDictModule(net, ["observation"], ["action"]), n_steps=3)
+    wrapper = (lambda: LRP(chunked, BaseRuleMapper())) if method == "LRP" else (lambda: Saliency(chunked))
+    first = TensorDict(observation=torch.randn(2, 3), is_init=torch.ones(2, 1, dtype=torch.bool), batch_size=[2])
+    explained = wrapper()(first.clone())  # the actor acts at the chunk's first step: explained
+    assert explained.get(("relevance" if method == "LRP" else "attribution", "observation")).abs().sum() > 0
+    replayed = explained.exclude("relevance", "attribution").set("is_init", torch.zeros(2, 1, dtype=torch.bool))
+    replayed["observation"] = torch.randn(2, 3)
+    with pytest.raises(ValueError, match=r"\(MultiStepActorWrapper\) runs its actor once per chunk.*wrapper's \.actor"):
+        wrapper()(replayed.clone())

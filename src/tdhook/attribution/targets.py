@@ -29,6 +29,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase, TensorDictSequential
 from tensordict.utils import NestedKey, unravel_key, unravel_key_list
+from torchrl.modules import MultiStepActorWrapper
 
 from tdhook.attribution._inputs import describe
 from tdhook.attribution._keys import is_key
@@ -54,6 +55,7 @@ __all__ = [
     "initial_relevance",
     "named_targets",
     "raise_for_unreached",
+    "why_no_gradient",
     "resolve_target_key",
     "target_output",
     "zero_entries",
@@ -139,16 +141,38 @@ def explained_output(
             "output (logits, action values, a value estimate): pass target_key=<such a key>"
         )
     if not output.requires_grad:
-        quantized = quantized_modules(operator)
-        why = (
+        raise ValueError(
+            f"LRP: target {key!r} does not depend on the explained inputs {explained_keys}{why_no_gradient(operator)}"
+        )
+    return output
+
+
+def why_no_gradient(operator: TensorDictModuleBase) -> str:
+    """What in ``operator`` may give a target no gradient from its inputs, as the end of an error message (``""``
+    where nothing is known): statically quantized modules, or torchrl's ``MultiStepActorWrapper``, which replays
+    actions its actor computed at an earlier step.
+
+    Examples:
+        >>> why_no_gradient(torch.nn.Linear(2, 2))
+        ''
+    """
+    quantized = quantized_modules(operator)
+    if quantized:
+        return (
             f": the model computes it with statically quantized modules ({', '.join(quantized[:3])}"
             f"{', ...' if len(quantized) > 3 else ''}), whose quantized tensors carry no gradient. Explain the float "
             "model (torchvision's quantize=False, or the model before torch.ao.quantization.convert)"
-            if quantized
-            else ""
         )
-        raise ValueError(f"LRP: target {key!r} does not depend on the explained inputs {explained_keys}{why}")
-    return output
+    replaying = [name for name, module in operator.named_modules() if isinstance(module, MultiStepActorWrapper)]
+    if replaying:
+        place = f"module {replaying[0]!r}" if replaying[0] else "the model itself"
+        return (
+            f": {place} (MultiStepActorWrapper) runs its actor once per chunk of "
+            "steps and replays the chunk's actions at the steps between, which those steps' inputs do not reach. "
+            "Explain its actor (the wrapper's .actor): the chunk it computes from the observation of a chunk's first "
+            "step"
+        )
+    return ""
 
 
 def _one_hot(output: torch.Tensor, index: torch.Tensor, keepdim: bool = False) -> torch.Tensor:

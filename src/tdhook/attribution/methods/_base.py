@@ -74,6 +74,7 @@ from tdhook.attribution.targets import (
     named_targets,
     resolve_target_key,
     target_output,
+    why_no_gradient,
     zero_entries,
 )
 from tdhook.attribution.tunables import ModelTunable
@@ -403,7 +404,10 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
                 f"{name}: target {target_key!r} is {describe(output)}; pass target_key=<a floating-point output>"
             )
         if grad and not output.requires_grad:
-            raise ValueError(f"{name}: target {target_key!r} does not depend on the explained inputs")
+            raise ValueError(
+                f"{name}: target {target_key!r} does not depend on the explained inputs"
+                f"{why_no_gradient(self._target[1])}"
+            )
         try:
             if target is None:  # as LRP: a masked policy explains the action it holds, or the best allowed one
                 target = allowed_action(self._target[1], target_key, result, tensordict)
