@@ -162,7 +162,11 @@ class LRP(TensorDictModuleBase, MapperTunable):
             ``name -> key`` (written at ``(relevance_key, *key)``). A module the
             model holds under several names is asked for by any of them. A Linear or
             convolution layer merged with its BatchNorm reports the merged
-            output's relevance.
+            output's relevance. A module the forward calls several times (a
+            layer shared across steps or blocks, as ALBERT's) gets the relevance
+            of all its outputs, summed; the agents of a torchrl multi-agent
+            network with parameters of their own get theirs stacked along the
+            agents' dimension.
         relevance_check: optional ``(name, module, relevance_in, relevance_out)``
             callable run on every module with a rule, for example
             :func:`~tdhook.attribution.lrp_helpers.rules.raise_for_unconserved_rel_factory`.
