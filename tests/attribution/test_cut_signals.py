@@ -22,6 +22,12 @@ def _no_grad(f: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> torc
         return f(h)
 
 
+def _written(h: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    y = h.clone()
+    y[:, :2] = part
+    return y
+
+
 class Residual(nn.Module):
     """``b(part(a(x)) ...)``: a part computed from the hidden state ``h = a(x)``, combined with it by ``join``."""
 
@@ -43,6 +49,12 @@ CUT = {
     "a layer run on the detached part: h + mix(relu(h).detach())": lambda m, h: h + m.mix(torch.relu(h).detach()),
     "cat([h, mix(h) under no_grad])[..., :4] + ...": lambda m, h: torch.cat([h, _no_grad(m.mix, h)], -1)[..., ::2] * 2,
     "h + relu(mix(h)) under no_grad": lambda m, h: h + _no_grad(lambda v: torch.relu(m.mix(v)), h),
+    "h + mix(h).data": lambda m, h: h + m.mix(h).data,
+    "torch.where(h > 0, h, mix(h).detach())": lambda m, h: torch.where(h > 0, h, m.mix(h).detach()),
+    "torch.lerp(h, mix(h).detach(), 0.3)": lambda m, h: torch.lerp(h, m.mix(h).detach(), 0.3),
+    "h.index_add(1, i, mix(h).detach())": lambda m, h: h.index_add(1, torch.arange(4), m.mix(h).detach()),
+    "h + h.new_tensor(mix(h).detach())": lambda m, h: h + h.new_tensor(m.mix(h).detach()),
+    "y = h.clone(); y[:, :2] = mix(h).detach()[:, :2]": lambda m, h: _written(h, m.mix(h).detach()[:, :2]),
 }
 # None of these loses relevance: a held factor passes it through the other, a shape read carries no value.
 KEPT = {
@@ -115,3 +127,71 @@ def test_a_recurrence_whose_first_cycles_run_without_gradient_is_named_and_conse
         if not named:  # every cycle with gradient: the relevance sums to the logit (no biases)
             logit = td["y"].max(-1).values
             torch.testing.assert_close(td["relevance", "x"].sum(-1), logit, rtol=1e-9, atol=1e-12)
+
+
+class Shifted(nn.Module):
+    """A shift constant along the last dimension, detached, before a function its output does not depend on: a
+    softmax's stable form (``sim - sim.amax(-1, keepdim=True).detach()``), a mean taken out before a layer norm."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6, bias=False), nn.Linear(6, 2, bias=False)
+        self.norm, self.softmax, self.kind = nn.LayerNorm(6, bias=False), nn.Softmax(-1), kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.kind == "softmax":
+            return self.b(h * torch.softmax(h - h.amax(-1, keepdim=True).detach(), dim=-1))
+        if self.kind == "nn.Softmax":
+            return self.b(h * self.softmax(h - h.amax(-1, keepdim=True).detach()))
+        if self.kind == "layer norm":
+            return self.b(self.norm(h - h.mean(-1, keepdim=True).detach()))
+        return self.b(h - h.mean(-1, keepdim=True).detach())  # read by a layer: the mean's share is lost
+
+
+@pytest.mark.parametrize("preset", [EpsilonPlus, AttnLRP, CPLRP], ids=lambda p: p.__name__)
+@pytest.mark.parametrize("kind", ["softmax", "nn.Softmax", "layer norm", "a layer"])
+def test_a_detached_shift_is_named_only_where_a_function_that_ignores_it_does_not_read_it(kind: str, preset):
+    """A stable softmax's detached maximum (transformers' Evolla computes its attention so) was named, and refused
+    with strict=True, though the softmax's output does not depend on it and the relevance equals that of the model
+    without the shift (0.0 apart)."""
+    torch.manual_seed(0)
+    model = Shifted(kind).double()
+    if kind == "a layer":
+        with pytest.warns(UserWarning, match=NAMED):
+            explain(model, preset())
+        return
+    if kind in ("softmax", "nn.Softmax") and preset is EpsilonPlus:  # the softmax keeps its plain gradient there
+        with pytest.warns(UserWarning) as caught:
+            explain(model, preset())
+        assert not any(NAMED in str(w.message) for w in caught)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lrp, _ = explain(model, preset(strict=True))
+    assert lrp.coverage().plain_gradient == ()
+
+
+class Chunked(nn.Module):
+    """A sequence run by an LSTM in two chunks, the state detached between them (truncated backpropagation)."""
+
+    def __init__(self, detached: bool) -> None:
+        super().__init__()
+        self.lstm, self.head, self.detached = nn.LSTM(4, 5, batch_first=True), nn.Linear(5, 2, bias=False), detached
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, (h, c) = self.lstm(x[:, :3])
+        state = (h.detach(), c.detach()) if self.detached else (h, c)
+        out, _ = self.lstm(x[:, 3:], state)
+        return self.head(out[:, -1])
+
+
+@pytest.mark.parametrize("detached", [True, False])
+def test_a_recurrent_state_computed_without_gradient_is_named(detached: bool):
+    torch.manual_seed(0)
+    model = Chunked(detached).double()
+    x = torch.randn(3, 6, 4, dtype=F64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[3]))
+    assert any(NAMED in str(w.message) and "'lstm' (LSTM)" in str(w.message) for w in caught) == detached

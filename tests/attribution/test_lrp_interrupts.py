@@ -294,3 +294,36 @@ def test_an_interrupt_at_any_line_of_the_grad_mode_record_leaves_no_mode_behind(
             lrp(TensorDict(x=x, batch_size=[4]))
         assert interrupt.where is not None and "_no_grad_values.py" in interrupt.where
         assert caller_grad_enabled(), interrupt.where
+
+
+def test_an_interrupt_while_a_rule_is_removed_leaves_no_mode_open_at_later_plain_calls():
+    """Leaving a context is not guarded against interrupts (its leftovers go when the wrapper enters again), but a
+    rule removed half-way kept the pre-hook that enters a function mode for a BatchNorm's forward and lost the
+    forward hook that leaves it: every later plain call left one more mode open on the thread, which entering again
+    did not close (plain gradients 4e-6 off, then a KeyError from a later call)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)).double().eval()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    leaf = x.clone().requires_grad_(True)
+    (plain,) = torch.autograd.grad(model(leaf)[:, 0].sum(), leaf)
+    counting = LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    counting.__enter__()
+    lines = every_line(lambda: counting.__exit__(None, None, None), stride=1)  # the removals are a few lines
+    stopped_in_removals = 0
+    for at in lines:
+        lrp = LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+        lrp.__enter__()
+        lrp(TensorDict(x=x, batch_size=[4]))
+        with Interrupt(at) as interrupt:
+            lrp.__exit__(None, None, None)
+        stopped_in_removals += interrupt.where is not None and "(unregister)" in interrupt.where
+        depth = torch._C._len_torch_function_stack()
+        for _ in range(2):  # plain calls: none leaves a mode open
+            leaf = x.clone().requires_grad_(True)
+            torch.autograd.grad(model(leaf)[:, 0].sum(), leaf)
+        assert torch._C._len_torch_function_stack() == depth, interrupt.where
+        lrp.__exit__(None, None, None)  # what the interrupt left is removed
+        leaf = x.clone().requires_grad_(True)
+        (again,) = torch.autograd.grad(model(leaf)[:, 0].sum(), leaf)
+        torch.testing.assert_close(again, plain, rtol=0, atol=0, msg=interrupt.where)
+    assert stopped_in_removals > 0

@@ -456,3 +456,23 @@ def test_a_default_target_left_out_of_the_pipelines_result_is_named_absent():
     with pytest.raises(KeyError, match=r"in its result \('action_value': absent\); pass target_key"):
         LRP(pipeline)(td)
     assert list(td.keys()) == ["observation"]
+
+
+class Detections(torch.nn.Module):
+    """A detector's output as torchvision's detection models give it: a list of dicts, one per image."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.score = torch.nn.Linear(4, 3)
+
+    def forward(self, images: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        return [{"scores": self.score(image)} for image in images]
+
+
+def test_outputs_that_hold_python_objects_are_named_with_the_way_to_explain_them():
+    """A list of dicts was refused with "pass target_key", which no key of the result can satisfy."""
+    detector = TensorDictModule(Detections(), in_keys=["images"], out_keys=["detections"])
+    td = TensorDict(images=torch.randn(2, 4), batch_size=[])
+    with pytest.raises(KeyError, match=r"'detections': NonTensor.*Python objects .* wrap the model in a module that"):
+        LRP(detector)(td)
+    assert list(td.keys()) == ["images"]

@@ -339,7 +339,7 @@ class NonlinearCalls(TorchFunctionMode):
         self._giving_back = [mode for mode in self._covering if hasattr(mode, "gave_back")]
         self._covered_for_now: list[tuple[str, str, Any]] = []
         self._straight_through = StraightThrough()  # sums that part value and gradient with a detached term
-        self._cut_signals = CutSignals()  # sums with a part of the signal computed without gradient
+        self._cut_signals = CutSignals(self._calls)  # sums with a part of the signal computed without gradient
         self._offsets = OffsetProducts()  # products with a factor that adds a number (``(up + 1) * glu``)
         self._broadcasts = BroadcastProducts()  # Linear layers written ``(x.unsqueeze(-2) * self.W).sum(-1)``
         self._layer_calls: list[tuple[str, str, Any]] = []  # convolutions and linear maps outside layers
@@ -431,12 +431,13 @@ class NonlinearCalls(TorchFunctionMode):
                 self._calls.append((self._stack[-1] if self._stack else "", STRAIGHT_THROUGH, source.grad_fn))
                 return
         # Read before the straight-through marks: a write in place marks its result, the tensor it read, anew.
-        cut_sum = None if plain else self._cut_signals.note(func, args, result)
+        cut_sum = None if plain else self._cut_signals.note(func, args, result, kwargs)
         if not plain and (detached_sum := self._straight_through.note(func, args, result, kwargs)) is not None:
             self._calls.append((self._stack[-1] if self._stack else "", detached_sum, node))
             return
         if cut_sum is not None:  # a sum with a part of the signal computed without gradient, but no estimator
-            self._calls.append((self._stack[-1] if self._stack else "", cut_sum, node))
+            written = node if node is not None or not args else _grad_fn(args[0])  # ``y[i] = part``: y's node
+            self._cut_signals.add(self._stack[-1] if self._stack else "", written, cut_sum)
             return
         if not plain and (quantizing := quantizing_call(function_kind(func)[0], args, result)) is not None:
             self._calls.append((self._stack[-1] if self._stack else "", quantizing, CUT))
@@ -638,7 +639,10 @@ class NonlinearCalls(TorchFunctionMode):
                         self._layer_outputs[output.grad_fn] = (name, acting)
                 if is_recurrent and args and isinstance(args[0], torch.Tensor) and _reaches_model_input(args[0]):
                     self._first_recurrent.append((name, type(module).__name__, _grad_fn(output)))
-                self._cut_signals.note_module(args, output)
+                if (joined := self._cut_signals.note_module(module, args, output)) is not None:
+                    self._cut_signals.add(
+                        name, _grad_fn(output if isinstance(output, torch.Tensor) else output[0]), joined
+                    )
                 if self._stack:
                     self._stack.pop()
                 self._plain_depth -= is_plain

@@ -26,7 +26,7 @@ from typing import Any, Literal, Union
 
 import numpy as np
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDictBase, is_non_tensor
 from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase, TensorDictSequential
 from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 from torchrl.modules import MultiStepActorWrapper
@@ -54,6 +54,7 @@ __all__ = [
     "initial_gradient",
     "initial_relevance",
     "named_targets",
+    "raise_for_no_gradient",
     "raise_for_unreached",
     "why_no_gradient",
     "resolve_target_key",
@@ -140,11 +141,31 @@ def explained_output(
             f"LRP: target {key!r} is {describe(output)}; relevance explains a floating-point "
             "output (logits, action values, a value estimate): pass target_key=<such a key>"
         )
-    if not output.requires_grad:
-        raise ValueError(
-            f"LRP: target {key!r} does not depend on the explained inputs {explained_keys}{why_no_gradient(operator)}"
-        )
+    raise_for_no_gradient("LRP", key, output, operator, explained_keys)
     return output
+
+
+def raise_for_no_gradient(
+    name: str,
+    key: NestedKey,
+    output: torch.Tensor,
+    operator: TensorDictModuleBase,
+    explained_keys: list[NestedKey] | None = None,
+) -> None:
+    """Refuse a target ``output`` (at ``key``) that carries no gradient from the explained inputs, saying why where
+    known (see :func:`why_no_gradient`); ``name`` is the wrapper's.
+
+    Examples:
+        >>> raise_for_no_gradient("Saliency", "q", torch.ones(2), torch.nn.Linear(2, 2))
+        Traceback (most recent call last):
+        ...
+        ValueError: Saliency: target 'q' does not depend on the explained inputs
+    """
+    if not output.requires_grad:
+        keys = "" if explained_keys is None else f" {explained_keys}"
+        raise ValueError(
+            f"{name}: target {key!r} does not depend on the explained inputs{keys}{why_no_gradient(operator)}"
+        )
 
 
 def why_no_gradient(operator: TensorDictModuleBase) -> str:
@@ -503,9 +524,16 @@ def resolve_target_key(
             return key
     present = result.keys(include_nested=True)
     found = ", ".join(f"{key!r}: {describe(result.get(key)) if key in present else 'absent'}" for key in candidates)
+    non_tensors = [key for key in candidates if key in present and is_non_tensor(result.get(key))]
+    advice = (
+        "; they hold Python objects (a list of dicts, as torchvision's detection models return), which carry no "
+        "gradient: wrap the model in a module that returns the tensor to explain (the scores or logits of the "
+        "detections; see the model gallery's detection section), or pass target_key= a floating-point output"
+        if non_tensors and len(non_tensors) == len([key for key in candidates if key in present])
+        else "; pass target_key"
+    )
     raise KeyError(
-        f"LRP: none of the module's outputs {candidates} is a floating-point tensor in its result ({found}); "
-        "pass target_key"
+        f"LRP: none of the module's outputs {candidates} is a floating-point tensor in its result ({found}){advice}"
     )
 
 

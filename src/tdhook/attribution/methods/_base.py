@@ -72,9 +72,9 @@ from tdhook.attribution.targets import (
     Target,
     initial_relevance,
     named_targets,
+    raise_for_no_gradient,
     resolve_target_key,
     target_output,
-    why_no_gradient,
     zero_entries,
 )
 from tdhook.attribution.tunables import ModelTunable
@@ -403,11 +403,8 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             raise TypeError(
                 f"{name}: target {target_key!r} is {describe(output)}; pass target_key=<a floating-point output>"
             )
-        if grad and not output.requires_grad:
-            raise ValueError(
-                f"{name}: target {target_key!r} does not depend on the explained inputs"
-                f"{why_no_gradient(self._target[1])}"
-            )
+        if grad:
+            raise_for_no_gradient(name, target_key, output, self._target[1])
         try:
             if target is None:  # as LRP: a masked policy explains the action it holds, or the best allowed one
                 target = allowed_action(self._target[1], target_key, result, tensordict)

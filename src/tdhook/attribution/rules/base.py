@@ -548,9 +548,14 @@ class Rule(Tunable):
         if registration is not None:
             # Each hook listed until it is removed, and the registration kept until they all are: an unregistering
             # that an interrupt stops is finished by the next one, never leaving a hook of the rule on the module.
+            # The pre-hooks go first: one left without the forward hook that closes what it opens (a function mode
+            # entered for the forward) would leave that open at every plain call until the next unregistering.
+            pre_hooks = module._forward_pre_hooks
             while registration.hooks:
-                registration.hooks[-1].remove()
-                registration.hooks.pop()
+                opening = [h for h in registration.hooks if getattr(h, "hooks_dict_ref", lambda: None)() is pre_hooks]
+                handle = opening[0] if opening else registration.hooks[-1]
+                handle.remove()
+                registration.hooks.remove(handle)
             self._registrations.pop(module, None)
 
     @staticmethod
