@@ -31,13 +31,14 @@ Examples:
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
 import torch
 
 from tdhook.attribution._straight_through import SUMS, held_activations
-from tdhook.attribution.rules._autograd import is_activation
+from tdhook.attribution.rules._autograd import TEMPLATED, is_activation
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE
 
 __all__ = ["CUT_SIGNAL", "CutSignals"]
@@ -63,6 +64,7 @@ _SHIFT_FREE = frozenset(
     {torch.softmax, _T.softmax, torch.nn.functional.softmax, torch.log_softmax, _T.log_softmax}
     | {torch.nn.functional.log_softmax}
 )
+_SHIFT_FREE_MODULES = (torch.nn.LayerNorm, torch.nn.Softmax, torch.nn.LogSoftmax)
 # Recurrent modules: a state computed without gradient (a long sequence run in chunks, the state detached between
 # them) is summed with the signal inside, where the watch does not see it.
 _RECURRENT = (torch.nn.RNNBase, torch.nn.RNNCellBase)
@@ -113,6 +115,21 @@ def _copies_of_the_rest(cut: list[torch.Tensor], operands: list[Any]) -> bool:
         if not any(operand is part for part in cut):
             held |= held_activations(operand)
     return all((copied := held_activations(part)) and copied <= held for part in cut)
+
+
+_WATCHING = ("tdhook.attribution._cut_signals", "tdhook.attribution._nonlinear_calls")
+
+
+def _called_by_rules() -> bool:
+    """Whether the torch call being watched comes from this package's code (a rule's hook), not the model's: the
+    first frame outside torch and the watch."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.partition(".")[0] != "torch" and name not in _WATCHING:
+            return name.startswith("tdhook.")
+        frame = frame.f_back
+    return False
 
 
 def _constant_dims(cut: list[torch.Tensor], result: Any) -> frozenset[int]:
@@ -185,10 +202,29 @@ class CutSignals:
                 if shifted_dims & dims:
                     self._calls[:] = [call for call in self._calls if call is not entry]
 
-    def note_module(self, module: torch.nn.Module, args: tuple, output: Any) -> tuple | None:
-        """Mark the output of a module call on the signal under ``no_grad``, or on a part computed without gradient
-        and no signal (a layer run on it): a rule may keep the module's own calls from the watch. What :meth:`add`
-        lists where a recurrent module runs on the signal from a state computed without gradient, else ``None``."""
+    def _read_first(self, func: Any, operands: list[Any]) -> None:
+        """A call of the model's other than a shift-free function reads a shifted sum first: the shift stays named
+        (a rule's hook handing a module its input on is no such reader)."""
+        for operand in operands:
+            if isinstance(operand, torch.Tensor) and id(operand) in self._shifts and func not in _SHIFT_FREE:
+                ref = self._shifts[id(operand)][0]
+                if ref() is operand and not _called_by_rules():
+                    del self._shifts[id(operand)]
+
+    def note_module_input(self, module: torch.nn.Module, args: tuple) -> None:
+        """A module other than a shift-free one (a layer norm, a softmax) reads a shifted sum first, its own calls
+        out of the watch's sight where a rule acts on it: the shift stays named."""
+        if self._shifts and not isinstance(module, _SHIFT_FREE_MODULES):
+            for operand in _operands(args):
+                if isinstance(operand, torch.Tensor) and id(operand) in self._shifts:
+                    if self._shifts[id(operand)][0]() is operand:
+                        del self._shifts[id(operand)]
+
+    def note_module(self, module: torch.nn.Module, args: tuple, output: Any, ruled: bool) -> tuple | None:
+        """Mark the output of a ``ruled`` module's call (whose own calls the watch does not follow) on the signal
+        under ``no_grad``, or on a part computed without gradient and no signal (a layer run on it). What
+        :meth:`add` lists where a recurrent module runs on the signal from a state computed without gradient, else
+        ``None``."""
         operands = _operands(args)
         signal = any(_is_signal(t) for t in operands)
         cut = any(_is_cut(t) for t in operands)
@@ -199,7 +235,7 @@ class CutSignals:
             self._read_by_shift_free(value, frozenset({module.dim % value.dim() - value.dim()}))
         if signal and cut and torch.is_grad_enabled() and isinstance(module, _RECURRENT):
             return (output, frozenset())
-        if (signal and not torch.is_grad_enabled()) or (not signal and cut):
+        if ruled and ((signal and not torch.is_grad_enabled()) or (not signal and cut)):
             self._mark(output, module_output=True)  # a rule's Function may give it autograd history of its own
         return None
 
@@ -217,7 +253,10 @@ class CutSignals:
             dim = args[1] if len(args) > 1 else (kwargs or {}).get("dim")
             if isinstance(dim, int):
                 self._read_by_shift_free(args[0], frozenset({dim % max(args[0].dim(), 1) - args[0].dim()}))
-        operands = _operands(args)
+                return None
+        operands = _operands(args[:1] if func in TEMPLATED else args)  # ``table.to(h)``: h gives a dtype only
+        if self._shifts and getattr(func, "__name__", "") != "__get__":  # a property read (``h.shape``) reads no value
+            self._read_first(func, operands)
         cut = [t for t in operands if _is_cut(t)]
         joined = func in _JOINS and cut and torch.is_grad_enabled() and any(_is_signal(t) for t in operands)
         if joined and not _copies_of_the_rest(cut, operands):

@@ -28,18 +28,25 @@ RESTACKED = "_tdhook_restacked_ids"
 
 
 def mark_restacked(tensor: torch.Tensor, fed: torch.Tensor) -> None:
-    """Mark ``tensor`` as the fed ids ``fed``, or a part of them (a view), put back together from their slices."""
-    setattr(tensor, RESTACKED, fed)
+    """Mark ``tensor`` as the fed ids ``fed``, or a part of them (a view), put back together from their slices: as
+    long as nothing writes into it (its version counter then moves, and the mark no longer holds)."""
+    setattr(tensor, RESTACKED, (fed, tensor._version))
+
+
+def _restacked(tensor: object) -> torch.Tensor | None:
+    """What of the fed ids ``tensor`` holds by its mark (see :func:`mark_restacked`), unless it was written since."""
+    mark = getattr(tensor, RESTACKED, None)
+    return mark[0] if mark is not None and mark[1] == tensor._version else None
 
 
 def reads_fed_ids(arg: object, tokens: torch.Tensor) -> bool:
     """Whether an embedding's input ``arg`` is the fed ``tokens``, or a reshaped view of them (GPT-2 flattens its
     input_ids)."""
-    if arg is tokens or getattr(arg, RESTACKED, None) is tokens:
+    if arg is tokens or _restacked(arg) is tokens:
         return True
     if not isinstance(arg, torch.Tensor) or arg._base is None or arg.numel() != tokens.numel():
         return False
-    return arg._base is tokens or getattr(arg._base, RESTACKED, None) is tokens
+    return arg._base is tokens or _restacked(arg._base) is tokens
 
 
 def _same_view(tensor: torch.Tensor, part: torch.Tensor) -> bool:
@@ -72,7 +79,9 @@ def restacks(fed: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | Non
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     if not isinstance(tensors, (list, tuple)) or not tensors or not isinstance(dim, int) or fed.dim() == 0:
         return None
-    parts = [getattr(tensor, RESTACKED, tensor) for tensor in tensors]  # an inner stack's read: its part of fed
+    parts = [  # an inner stack's read: its part of fed (a tensor marked but written since is none)
+        tensor if getattr(tensor, RESTACKED, None) is None else _restacked(tensor) for tensor in tensors
+    ]
     if not all(isinstance(part, torch.Tensor) for part in parts):
         return None
     first = parts[0]

@@ -608,6 +608,7 @@ class NonlinearCalls(TorchFunctionMode):
         def enter(name: str, has_rule: bool, is_plain: bool):
             def hook(module: nn.Module, args: tuple) -> None:
                 mark_parameter_slots(module)  # parameters put in by ``to_module`` are parameters, not activations
+                self._cut_signals.note_module_input(module, args)
                 self._stack.append(name)
                 self._ruled_depth += has_rule
                 self._plain_depth += is_plain
@@ -639,7 +640,7 @@ class NonlinearCalls(TorchFunctionMode):
                         self._layer_outputs[output.grad_fn] = (name, acting)
                 if is_recurrent and args and isinstance(args[0], torch.Tensor) and _reaches_model_input(args[0]):
                     self._first_recurrent.append((name, type(module).__name__, _grad_fn(output)))
-                if (joined := self._cut_signals.note_module(module, args, output)) is not None:
+                if (joined := self._cut_signals.note_module(module, args, output, has_rule)) is not None:
                     self._cut_signals.add(
                         name, _grad_fn(output if isinstance(output, torch.Tensor) else output[0]), joined
                     )

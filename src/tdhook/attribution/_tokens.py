@@ -584,7 +584,7 @@ class _DerivedTokens(TorchFunctionMode):
                 restacked = restacks(self._ids[index], args, kwargs) if index is not None and name == "stack" else None
                 if restacked is not None:  # a lazy stack's read of the fed ids, or of a part (a lazy stack's inside)
                     mark_restacked(out, restacked)
-                if index is not None and restacked is not self._ids[index]:  # taken from the ids, but not them
+                if index is not None:  # taken from the ids (the ids themselves only while nothing writes into them)
                     for tensor in out if isinstance(out, (list, tuple)) else (out,):
                         _mark(tensor, index)
             elif isinstance(out, torch.Tensor) and out.dtype == torch.bool:  # a code reshaped: ``code.transpose(1, 2)``

@@ -188,7 +188,7 @@ def why_no_gradient(operator: TensorDictModuleBase) -> str:
     if replaying:
         place = f"module {replaying[0]!r}" if replaying[0] else "the model itself"
         return (
-            f": {place} (MultiStepActorWrapper) runs its actor once per chunk of "
+            f"; if this step is one that {place} (MultiStepActorWrapper) replays: it runs its actor once per chunk of "
             "steps and replays the chunk's actions at the steps between, which those steps' inputs do not reach. "
             "Explain its actor (the wrapper's .actor): the chunk it computes from the observation of a chunk's first "
             "step"

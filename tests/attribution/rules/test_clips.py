@@ -225,6 +225,8 @@ def test_a_maximum_at_a_constant_under_vmap_is_refused_as_clamp_is():
 # A ReLU written as a clip: a lower bound of 0 and none above.
 RELUS = {
     "clamp(min=0)": lambda h: h.clamp(min=0),
+    "clamp(h, 0, inf)": lambda h: torch.clamp(h, 0, float("inf")),
+    "clamp(min=tensor(0.), max=tensor(inf))": lambda h: h.clamp(min=torch.tensor(0.0), max=torch.tensor(float("inf"))),
     "clamp_min(0)": lambda h: torch.clamp_min(h, 0),
     "clamp_min_(0) of a copy": lambda h: h.clone().clamp_min_(0.0),
     "maximum(h, zeros)": lambda h: torch.maximum(h, torch.zeros((), dtype=h.dtype)),

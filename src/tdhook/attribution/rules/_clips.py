@@ -142,13 +142,25 @@ def _watched(rule: Any, func: Callable, x: torch.Tensor, output: torch.Tensor, r
 
 
 def _is_zero(value: object) -> bool:
-    """Whether ``value`` is the number 0, or a tensor without gradient whose every element is 0."""
+    """Whether ``value`` is the number 0, or a CPU tensor without gradient whose every element is 0 (on another
+    device, reading it would wait for the device: not taken for one)."""
+    return _is_number(value, 0.0)
+
+
+def _is_infinite(value: object) -> bool:
+    """Whether ``value`` is +inf, as a number or a one-element CPU tensor without gradient."""
+    return _is_number(value, float("inf"))
+
+
+def _is_number(value: object, number: float) -> bool:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return value == 0
+        return value == number
     value = unwrapped(value)
-    if not isinstance(value, torch.Tensor) or value.requires_grad or value.is_complex():
+    if not isinstance(value, torch.Tensor) or value.requires_grad or value.is_complex() or value.device.type != "cpu":
         return False
-    return value.numel() == 1 and bool(value == 0) if value.numel() <= 1 else not bool(value.any())
+    if value.numel() == 1:
+        return bool(value == number)
+    return number == 0 and value.numel() > 0 and not bool(value.any())
 
 
 def clips_at_zero_only(func: Callable, args: tuple, kwargs: dict) -> bool:
@@ -161,6 +173,8 @@ def clips_at_zero_only(func: Callable, args: tuple, kwargs: dict) -> bool:
         >>> h = torch.randn(3, requires_grad=True) * 1
         >>> clips_at_zero_only(torch.clamp, (h,), {"min": 0.0}), clips_at_zero_only(torch.clamp, (h, 0.0, 6.0), {})
         (True, False)
+        >>> clips_at_zero_only(torch.clamp, (h, 0, float("inf")), {})
+        True
         >>> clips_at_zero_only(torch.maximum, (torch.zeros(3), h), {}), clips_at_zero_only(F.relu6, (h,), {})
         (True, False)
     """
@@ -173,10 +187,10 @@ def clips_at_zero_only(func: Callable, args: tuple, kwargs: dict) -> bool:
         return _is_zero(call_argument(args, kwargs, 1, "min"))
     if base in (torch.clamp, torch.Tensor.clamp, torch.clip, torch.Tensor.clip):
         low, high = call_argument(args, kwargs, 1, "min"), call_argument(args, kwargs, 2, "max")
-        return high is None and _is_zero(low)
+        return (high is None or _is_infinite(high)) and _is_zero(low)
     if base is F.hardtanh:
         low, high = call_argument(args, kwargs, 1, "min_val", -1.0), call_argument(args, kwargs, 2, "max_val", 1.0)
-        return _is_zero(low) and high == float("inf")
+        return _is_zero(low) and _is_infinite(high)
     return False
 
 
