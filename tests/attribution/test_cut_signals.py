@@ -50,6 +50,8 @@ CUT = {
     "cat([h, mix(h) under no_grad])[..., :4] + ...": lambda m, h: torch.cat([h, _no_grad(m.mix, h)], -1)[..., ::2] * 2,
     "h + relu(mix(h)) under no_grad": lambda m, h: h + _no_grad(lambda v: torch.relu(m.mix(v)), h),
     "h + mix(h).data": lambda m, h: h + m.mix(h).data,
+    "h + softmax(mix(h)) under no_grad": lambda m, h: h + _no_grad(lambda v: torch.softmax(m.mix(v), -1), h),
+    "h + softmax(mix(h).detach())": lambda m, h: h + torch.softmax(m.mix(h).detach(), dim=-1),
     "torch.where(h > 0, h, mix(h).detach())": lambda m, h: torch.where(h > 0, h, m.mix(h).detach()),
     "torch.lerp(h, mix(h).detach(), 0.3)": lambda m, h: torch.lerp(h, m.mix(h).detach(), 0.3),
     "h.index_add(1, i, mix(h).detach())": lambda m, h: h.index_add(1, torch.arange(4), m.mix(h).detach()),

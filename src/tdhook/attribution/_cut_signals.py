@@ -202,23 +202,19 @@ class CutSignals:
                 if shifted_dims & dims:
                     self._calls[:] = [call for call in self._calls if call is not entry]
 
-    def _read_first(self, func: Any, operands: list[Any]) -> None:
-        """A call of the model's other than a shift-free function reads a shifted sum first: the shift stays named
-        (a rule's hook handing a module its input on is no such reader)."""
+    def _read_first(self, operands: list[Any], by_module: bool = False) -> None:
+        """A reader other than a shift-free one reads a shifted sum first: the shift stays named. A module reads
+        with calls out of the watch's sight where a rule acts on it; a call of a rule's hook (handing a module its
+        input on) is no such reader."""
         for operand in operands:
-            if isinstance(operand, torch.Tensor) and id(operand) in self._shifts and func not in _SHIFT_FREE:
-                ref = self._shifts[id(operand)][0]
-                if ref() is operand and not _called_by_rules():
+            if isinstance(operand, torch.Tensor) and id(operand) in self._shifts:
+                if self._shifts[id(operand)][0]() is operand and (by_module or not _called_by_rules()):
                     del self._shifts[id(operand)]
 
     def note_module_input(self, module: torch.nn.Module, args: tuple) -> None:
-        """A module other than a shift-free one (a layer norm, a softmax) reads a shifted sum first, its own calls
-        out of the watch's sight where a rule acts on it: the shift stays named."""
+        """Note that ``module`` is called on ``args`` (see :meth:`_read_first`)."""
         if self._shifts and not isinstance(module, _SHIFT_FREE_MODULES):
-            for operand in _operands(args):
-                if isinstance(operand, torch.Tensor) and id(operand) in self._shifts:
-                    if self._shifts[id(operand)][0]() is operand:
-                        del self._shifts[id(operand)]
+            self._read_first(_operands(args), by_module=True)
 
     def note_module(self, module: torch.nn.Module, args: tuple, output: Any, ruled: bool) -> tuple | None:
         """Mark the output of a ``ruled`` module's call (whose own calls the watch does not follow) on the signal
@@ -253,10 +249,9 @@ class CutSignals:
             dim = args[1] if len(args) > 1 else (kwargs or {}).get("dim")
             if isinstance(dim, int):
                 self._read_by_shift_free(args[0], frozenset({dim % max(args[0].dim(), 1) - args[0].dim()}))
-                return None
         operands = _operands(args[:1] if func in TEMPLATED else args)  # ``table.to(h)``: h gives a dtype only
-        if self._shifts and getattr(func, "__name__", "") != "__get__":  # a property read (``h.shape``) reads no value
-            self._read_first(func, operands)
+        if self._shifts and func not in _SHIFT_FREE and getattr(func, "__name__", "") != "__get__":
+            self._read_first(operands)  # (a property read, ``h.shape``, reads no value)
         cut = [t for t in operands if _is_cut(t)]
         joined = func in _JOINS and cut and torch.is_grad_enabled() and any(_is_signal(t) for t in operands)
         if joined and not _copies_of_the_rest(cut, operands):
