@@ -18,9 +18,10 @@ import torchvision
 from tensordict import TensorDict
 from torch import nn
 from zennit import composites as zcomposites
+from zennit.canonizers import CompositeCanonizer, SequentialMergeBatchNorm
 from zennit.layer import Sum
 from zennit.rules import Norm
-from zennit.torchvision import ResNetCanonizer, VGGCanonizer
+from zennit.torchvision import ResNetBasicBlockCanonizer, ResNetBottleneckCanonizer, ResNetCanonizer, VGGCanonizer
 
 from tdhook.attribution import LRP
 from tdhook.attribution.lrp_helpers.rules import (
@@ -149,6 +150,31 @@ def test_preset_matches_zennit_with_canonizers(model_name: str, preset: str):
     if model_name != "vgg11":
         unmerged = zennit_model_relevance(theirs(), model, x, canonizers=[])
         assert relative_error(unmerged, expected) > 1e-3
+
+
+class _MergeToExactIdentity(SequentialMergeBatchNorm):
+    """zennit's merge, the merged BatchNorm left computing the identity exactly: zennit 0.5.1 resets its variance to
+    1 and keeps its ``eps``, so that it divides by ``sqrt(1 + eps)``, and the model zennit explains is another."""
+
+    @staticmethod
+    def merge_batch_norm(modules, batch_norm):
+        SequentialMergeBatchNorm.merge_batch_norm(modules, batch_norm)
+        batch_norm.running_var.data = torch.full_like(batch_norm.running_var, 1.0 - batch_norm.eps)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_preset_matches_zennit_with_batch_norms_of_torchs_default_eps(preset: str):
+    """With torch's ``eps = 1e-5``, tdhook explains the model itself: zennit's canonizers, their merged BatchNorms
+    made the identity, give the same relevance; stock, they explain the model with its activations scaled by
+    ``1 / sqrt(1 + eps)`` after every merged BatchNorm, which the later biases do not follow."""
+    model = build("resnet18", eps=1e-5)
+    ours, theirs = PRESETS[preset]
+    x = image()
+    relevance = tdhook_model_relevance(model, ours(stabilize_additions=True), x)["relevance", "image"]
+    exact = [CompositeCanonizer([_MergeToExactIdentity(), ResNetBottleneckCanonizer(), ResNetBasicBlockCanonizer()])]
+    assert relative_error(relevance, zennit_model_relevance(theirs(), model, x, canonizers=exact)) <= 1e-10
+    stock = zennit_model_relevance(theirs(), model, x, canonizers=[ResNetCanonizer()])
+    assert relative_error(relevance, stock) > 1e-6  # the test can tell the two models apart
 
 
 @pytest.mark.parametrize("model_name", ["resnet18", "vgg11_bn"])
