@@ -720,3 +720,35 @@ def test_a_distributional_q_actor_with_several_one_hot_actions_is_refused_naming
     with pytest.raises(ValueError, match=r"DistributionalQValueModule with action space 'mult_one_hot'.*pass a target"):
         LRP(actor, target_key="action_value")(td.clone())
     assert set(td.keys()) == {"observation"}
+
+
+@pytest.mark.parametrize(
+    "distribution", [MaskedCategorical, MaskedOneHotCategorical, Ordinal], ids=lambda d: d.__name__
+)
+@pytest.mark.parametrize("wrapper", ["LRP", "InputXGradient"])
+def test_a_transition_keeps_the_action_it_holds_and_a_metric_scores_it(distribution, wrapper):
+    """The action explained is the transition's; the call's own draw was written over it (a new sample, another
+    action in 59 to 65 of 96 rows here), so the output held an action no relevance was computed for, and pixel
+    flipping of that output scored it (0.15 to 0.18 off, relative). The log-probability written is the held
+    action's."""
+    from tdhook.metrics import pixel_flipping
+
+    torch.manual_seed(0)
+    scores = "scores" if distribution is Ordinal else "logits"
+    net = TensorDictModule(nn.Linear(4, 3).double(), in_keys=["observation"], out_keys=[scores])
+    keys = {scores: scores} if distribution is Ordinal else {"logits": "logits", "mask": "action_mask"}
+    actor = ProbabilisticActor(net, in_keys=keys, distribution_class=distribution, return_log_prob=True)
+    td = TensorDict(observation=torch.randn(96, 4, dtype=F64), action_mask=torch.ones(96, 3, dtype=torch.bool))
+    log_prob_key = actor.module[-1].out_keys[1]
+    with set_exploration_type(ExplorationType.RANDOM):
+        td = as_transition(td.set("action", actor(td.clone())["action"]))  # what a collector stored
+        held = td["action"].argmax(-1) if distribution is MaskedOneHotCategorical else td["action"]
+        explainer = LRP(actor, in_keys=["observation"]) if wrapper == "LRP" else InputXGradient(actor)
+        out = explainer(td.clone())
+        assert torch.equal(out["action"], td["action"]) and log_prob_key not in td.keys()
+        dist = actor.get_dist(out)
+        torch.testing.assert_close(out[log_prob_key], dist.log_prob(td["action"].to(out["action"].dtype)))
+        relevance_key = "relevance" if wrapper == "LRP" else "attribution"
+        scored = pixel_flipping(actor, out, in_keys=["observation"], relevance_key=relevance_key)
+        expected = pixel_flipping(actor, out, in_keys=["observation"], relevance_key=relevance_key, target=held)
+    torch.testing.assert_close(scored, expected)

@@ -25,7 +25,7 @@ from tdhook.attribution._keys import check_writable
 from tdhook.attribution._model_changes import follow_model_changes
 from tdhook.attribution._model_run import cache_watch_of, run_model
 from tdhook.attribution._numeric_inputs import report_numeric_inputs
-from tdhook.attribution._policy_targets import allowed_action
+from tdhook.attribution._policy_targets import allowed_action, held_action_record
 from tdhook.attribution._ragged_stacks import raise_for_ragged
 from tdhook.attribution._random_modules import warn_for_random_modules
 from tdhook.attribution._run_errors import run_error
@@ -112,6 +112,7 @@ def explain(lrp: Any, tensordict: TensorDictBase) -> tuple[TensorDictBase, Calla
             relevances, outputs = [], []
             names = list(lrp.targets)
             seeds, reach = [], InputsReached(lrp.explained_keys, len(names))
+            held: dict = {}  # a stored transition's action explained, written back over the call's own draw
             for position, name in enumerate(names):
                 try:
                     target_key = resolve_target_key(result, *lrp.targets[name], lrp._candidates.of(lrp, name))
@@ -120,8 +121,9 @@ def explain(lrp: Any, tensordict: TensorDictBase) -> tuple[TensorDictBase, Calla
                     raise_for_ragged(result, [key for key in [lrp.targets[name][0]] if key is not None], "output", err)
                     raise
                 target = lrp.target
-                if target is None:  # a masked policy explains an allowed action
+                if target is None:  # a masked policy explains an allowed action (a transition's, kept as held)
                     target = allowed_action(lrp.targets[name][1], target_key, result, tensordict)
+                    held.update(held_action_record(lrp.targets[name][1], target_key, result, tensordict))
                 one_pass = functools.partial(
                     planned.one_pass if planned else functools.partial(_one_pass, lrp),
                     leaves=leaves,
@@ -166,6 +168,7 @@ def explain(lrp: Any, tensordict: TensorDictBase) -> tuple[TensorDictBase, Calla
     def write() -> None:  # the last step of a call: all of its results, or none
         lrp._coverage.keep(out.batch_dims, seeds, relevances)
         updates = planned_updates(planned, out, result, lrp.explained_keys, fed, detach=not lrp.create_graph)
+        updates.update(held)
         keys = (lrp.relevance_keys, lrp.token_relevance_keys, lrp._relevance_sources)
         updates.update(relevance_updates(out, relevances, *keys))
         set_all_or_nothing(out, updates)

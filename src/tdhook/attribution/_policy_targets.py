@@ -88,6 +88,7 @@ __all__ = [
     "allowed_mask",
     "ordinal_sampler",
     "holds_transition",
+    "held_action_record",
     "masked_action_keys",
     "acted_step",
     "default_target_operator",
@@ -248,6 +249,50 @@ def allowed_action(
         return action
     mask = allowed_mask(operator, target_key, result)
     return logits.argmax(-1) if mask is None else logits.masked_fill(~mask, float("-inf")).argmax(-1)
+
+
+def held_action_record(
+    operator: TensorDictModuleBase, target_key: NestedKey, result: TensorDictBase, tensordict: TensorDictBase
+) -> dict[NestedKey, torch.Tensor]:
+    """What a call writes back where :func:`allowed_action` explains the action a stored transition holds: the
+    transition's action, and its log-probability, in place of the ones the policy drew again in the call. The
+    relevance written is that action's; a new draw beside it (a random sample, or the greedy action where the
+    transition's was exploratory) would stand for an action no relevance was computed for, and a metric reading the
+    TensorDict would score it. A log-probability the transition does not hold is that of its action under the
+    distribution of the call. Empty where no held action is explained.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.modules import ProbabilisticActor
+        >>> actor = ProbabilisticActor(
+        ...     TensorDictModule(nn.Identity(), in_keys=["observation"], out_keys=["logits"]),
+        ...     in_keys={"logits": "logits", "mask": "action_mask"}, distribution_class=MaskedCategorical,
+        ... )
+        >>> step = TensorDict(observation=torch.tensor([[0.0, 5.0, 1.0]]), action=torch.tensor([0]),
+        ...                   action_mask=torch.tensor([[True, True, True]]), batch_size=[1])
+        >>> result = step.clone().set("action", torch.tensor([1])).set("logits", step["observation"])
+        >>> held_action_record(actor, "logits", result, step)  # a live step: no action held
+        {}
+        >>> held_action_record(actor, "logits", result, step.set("next", step.select("observation")))
+        {'action': tensor([0])}
+    """
+    sampler = _masked_sampler(operator, target_key) or ordinal_sampler(operator, target_key)
+    if sampler is None or not holds_transition(tensordict):
+        return {}
+    action_key = unravel_key(sampler.out_keys[0])
+    taken = tensordict.get(action_key, None)
+    if not isinstance(taken, torch.Tensor):
+        return {}
+    record: dict[NestedKey, torch.Tensor] = {action_key: taken}
+    for key in map(unravel_key, sampler.out_keys[1:]):
+        held = tensordict.get(key, None)
+        if isinstance(held, torch.Tensor):
+            record[key] = held
+        elif isinstance(result.get(key, None), torch.Tensor):  # the log-probability of the new draw
+            with torch.no_grad():
+                record[key] = sampler.get_dist(result).log_prob(taken.to(result.get(action_key, taken).dtype))
+    return record
 
 
 def _several_units_module(operator: TensorDictModuleBase, target_key: NestedKey) -> QValueModule | None:

@@ -42,7 +42,7 @@ from tdhook.attribution._loss_callers import refuse_loss_module_caller
 from tdhook.attribution._no_grad_values import caller_values_in
 from tdhook.attribution._orphan_hooks import orphans_removed
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
-from tdhook.attribution._policy_targets import allowed_action
+from tdhook.attribution._policy_targets import allowed_action, held_action_record
 from tdhook.attribution._ragged_stacks import raise_for_ragged
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
 from tdhook.attribution._run_errors import run_error
@@ -113,6 +113,7 @@ class Call:
     buffers_before: BufferValues | None = None
     recurrent: dict[str, nn.Module] = field(default_factory=dict)
     time_lengths: set = field(default_factory=set)
+    held_record: dict = field(default_factory=dict)  # a stored transition's action explained (held_action_record)
 
     @property
     def batch_shape(self) -> torch.Size:
@@ -305,7 +306,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
                 before.restore()  # that call runs the model's own pass again, from the random state of this one
                 torch.set_rng_state(rng_before)
                 return self.forward(cut)
-            updates = model_updates(tensordict, call.result, self.explained_keys, call.fed)
+            updates = model_updates(tensordict, call.result, self.explained_keys, call.fed) | call.held_record
             for key, attribution in zip(self.relevance_keys, attributions, strict=True):
                 updates[key] = self._per_unit(call, attribution)
             updates.update(extra)
@@ -406,8 +407,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         if grad:
             raise_for_no_gradient(name, target_key, output, self._target[1])
         try:
-            if target is None:  # as LRP: a masked policy explains the action it holds, or the best allowed one
-                target = allowed_action(self._target[1], target_key, result, tensordict)
+            target, record = _policy_target(self, target, target_key, result, tensordict)
             seeds, at_zero = initial_relevance(output, target, target_key, tensordict.batch_dims)
         except (IndexError, ValueError, TypeError) as err:
             raise _rename(err, name) from None
@@ -434,6 +434,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             separate_copies=bool(batch_normalisers(modules)),
             recurrent=recurrent,
             time_lengths=lengths,
+            held_record=record,
         )
 
     # ------------------------------------------------------------------ evaluations
@@ -594,6 +595,20 @@ def raise_for_unreached_input(
             "leave it out of in_keys, or use a perturbation method (Occlusion, FeatureAblation, "
             "ShapleyValueSampling), which sees paths that the gradient does not"
         )
+
+
+def _policy_target(
+    method: AttributionMethod, target: Any, target_key: NestedKey, result: TensorDictBase, tensordict: TensorDictBase
+) -> tuple[Any, dict]:
+    """The target to explain and what to write back of a stored transition's action: as LRP, a masked or ordinal
+    policy explains by default the action a transition holds (kept in the output), else the best allowed one."""
+    if target is not None:
+        return target, {}
+    operator = method._target[1]
+    return (
+        allowed_action(operator, target_key, result, tensordict),
+        held_action_record(operator, target_key, result, tensordict),
+    )
 
 
 def _read_target(method: AttributionMethod, result: TensorDictBase) -> tuple[NestedKey, Any, Any]:
