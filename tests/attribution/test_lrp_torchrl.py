@@ -676,7 +676,8 @@ class TestConsistentDropout:
             warnings.simplefilter("error")  # a given mask draws nothing: no random explanation to warn about
             out = LRP(policy, CONSERVING)(td.clone())
             InputXGradient(policy)(td.clone())
-        with pytest.warns(UserWarning, match="training mode"):  # without a mask the module draws one
+        # Without a mask the module draws one: the warning says which key would have given it.
+        with pytest.warns(UserWarning, match="training mode and the TensorDict holds no mask at 'mask'"):
             LRP(policy, CONSERVING)(td.exclude("mask"))
         assert list(out["relevance"].keys()) == ["observation"]
         masked = TensorDictSequential(

@@ -117,6 +117,14 @@ def warn_for_random_modules(who: str, candidates: list[tuple], tensordict: Tenso
     for name, module, mask in candidates:
         given = mask is not None and tensordict is not None and tensordict.get(mask, None) is not None
         if draws_now(module) and not given:
+            if mask is not None:  # a torchrl ConsistentDropoutModule: it draws only where no mask is given
+                warn_at_caller(
+                    f"{who}: module {name!r} ({type(module).__name__}, {draw(module)}) {in_mode(module)} and the "
+                    f"TensorDict holds no mask at {mask!r}, so the call draws one and the explanation is random "
+                    "from call to call; pass the mask its rollout stored at that key for the units it dropped, or "
+                    "call .eval() on the model for a deterministic one"
+                )
+                return []
             warn_at_caller(
                 f"{who}: module {name!r} ({type(module).__name__}, {draw(module)}) {in_mode(module)}, so each "
                 f"forward pass {draws_anew(module)} and the explanation is random from call to call; "
