@@ -28,6 +28,10 @@ def _written(h: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def _detached_in_place(part: torch.Tensor) -> torch.Tensor:
+    return part.detach_()
+
+
 class Residual(nn.Module):
     """``b(part(a(x)) ...)``: a part computed from the hidden state ``h = a(x)``, combined with it by ``join``."""
 
@@ -57,6 +61,7 @@ CUT = {
     "h.index_add(1, i, mix(h).detach())": lambda m, h: h.index_add(1, torch.arange(4), m.mix(h).detach()),
     "h + h.new_tensor(mix(h).detach())": lambda m, h: h + h.new_tensor(m.mix(h).detach()),
     "y = h.clone(); y[:, :2] = mix(h).detach()[:, :2]": lambda m, h: _written(h, m.mix(h).detach()[:, :2]),
+    "p = mix(h); p.detach_(); h + p": lambda m, h: h + _detached_in_place(m.mix(h)),
 }
 # None of these loses relevance: a held factor passes it through the other, a shape read carries no value.
 KEPT = {
@@ -68,6 +73,12 @@ KEPT = {
     "a detached parameter: h * mix.weight[0].detach()": lambda m, h: h * m.mix.weight[0].detach(),
     "a mask cast to h's dtype under no_grad: h * (h > 0).to(h)": lambda m, h: h * _no_grad(lambda v: (v > 0).to(v), h),
     "a constant cast like h under no_grad: h + ones.to(h)": lambda m, h: h + _no_grad(torch.ones(4).to, h),
+    "a gate detached in place: g = sigmoid(mix(h)); g.detach_(); h * g": (
+        lambda m, h: h * _detached_in_place(torch.sigmoid(m.mix(h)))
+    ),
+    "a weight detached in place: h + (mix.weight * 2).detach_()": (
+        lambda m, h: h + _detached_in_place(m.mix.weight[0] * 2)
+    ),
 }
 
 

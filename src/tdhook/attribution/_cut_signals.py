@@ -9,9 +9,9 @@ rest). A product with such a part (a gate, a held scale) is not one: its relevan
 
 :class:`CutSignals` follows the calls of one watched forward pass (see
 :class:`~tdhook.attribution._nonlinear_calls.NonlinearCalls`): it marks each floating-point tensor computed from the
-signal without gradient (a ``detach`` of it, a call on it under ``no_grad``, and what is computed from those without
-joining the graph again: ``f(h).detach() * 2``, a layer run on it), and finds the sums and joins of a marked tensor
-with one that has a gradient from the inputs.
+signal without gradient (a ``detach`` of it, the signal itself after ``detach_()``, a call on it under ``no_grad``,
+and what is computed from those without joining the graph again: ``f(h).detach() * 2``, a layer run on it), and finds
+the sums and joins of a marked tensor with one that has a gradient from the inputs.
 
 Examples:
     >>> import torch
@@ -41,7 +41,7 @@ from tdhook.attribution._straight_through import SUMS, held_activations
 from tdhook.attribution.rules._autograd import TEMPLATED, is_activation
 from tdhook.attribution.rules._in_place_writes import WRITES_IN_PLACE
 
-__all__ = ["CUT_SIGNAL", "CutSignals"]
+__all__ = ["CUT_SIGNAL", "DETACHES_IN_PLACE", "CutSignals"]
 
 #: the name under which a module's sums with a part of the signal computed without gradient are counted
 CUT_SIGNAL = "a part computed from the inputs without gradient, added back (h + f(h).detach(), under torch.no_grad())"
@@ -50,6 +50,8 @@ _CUT = "_tdhook_cut_signal"  # on a tensor: computed from the signal without gra
 
 _T = torch.Tensor
 _DETACHES = frozenset({_T.detach, torch.detach})
+#: ``h.detach_()``: the signal itself made a tensor without gradient (see :meth:`CutSignals.note_detached`)
+DETACHES_IN_PLACE = frozenset({_T.detach_, torch.detach_})
 _DATA = _T.data.__get__  # ``h.data``: a detached view (compared by equality: a new method-wrapper at each read)
 # Sums and joins: every operand's relevance is its own share of the result's (a selection by a mask included).
 _JOINS = SUMS | {_T.__rsub__, _T.__setitem__, torch.where, _T.where, torch.lerp, _T.lerp, _T.lerp_}
@@ -210,6 +212,16 @@ class CutSignals:
             if isinstance(operand, torch.Tensor) and id(operand) in self._shifts:
                 if self._shifts[id(operand)][0]() is operand and (by_module or not _called_by_rules()):
                     del self._shifts[id(operand)]
+
+    @staticmethod
+    def carries_signal(value: Any) -> bool:
+        """Whether ``value`` carries the signal with its gradient (read before ``value.detach_()``)."""
+        return _is_signal(value)
+
+    def note_detached(self, tensor: Any) -> None:
+        """Mark ``tensor``, the signal before a ``tensor.detach_()`` cut it off the graph in place: a part computed
+        without gradient from here on, as ``tensor.detach()`` gives one."""
+        self._mark(tensor, module_output=True)
 
     def note_module_input(self, module: torch.nn.Module, args: tuple) -> None:
         """Note that ``module`` is called on ``args`` (see :meth:`_read_first`)."""

@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution._argument_kinds import nonlinear_by_arguments
 from tdhook.attribution._broadcast_products import BROADCAST_PRODUCT, BroadcastProducts
-from tdhook.attribution._cut_signals import CutSignals
+from tdhook.attribution._cut_signals import DETACHES_IN_PLACE, CutSignals
 from tdhook.attribution._function_kinds import (
     NOT_FACTORS,
     PRODUCT_FACTORS,
@@ -374,6 +374,7 @@ class NonlinearCalls(TorchFunctionMode):
             inputs = args[1] if func is torch.autograd.grad and len(args) > 1 else kwargs.get("inputs")
             self._raise_for_rules_in(func, outputs, inputs)
         node = None
+        cut = func in DETACHES_IN_PLACE and bool(args) and self._cut_signals.carries_signal(args[0])
         if func in WRITES_IN_PLACE:
             result, args = _written_in_place(func, args, kwargs or {})
             node = _viewed_node(result)
@@ -383,6 +384,8 @@ class NonlinearCalls(TorchFunctionMode):
             self._record(func, _unwrapped_all(args), _unwrapped_all(result), kwargs)
         else:
             self._record(func, args, result, kwargs, node)
+        if cut and not (self._plain_depth or self._ruled_depth):  # ``h.detach_()``: a part without gradient now
+            self._cut_signals.note_detached(args[0])
         return result
 
     def _raise_for_rules_in(self, func: Any, outputs: Any, inputs: Any) -> None:
