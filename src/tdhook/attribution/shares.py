@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from tensordict import NestedKey, TensorDict, TensorDictBase
+from tensordict.utils import unravel_key
 
 from tdhook.attribution.rules._numerics import safe_divide
 
@@ -11,7 +14,10 @@ __all__ = ["relevance_shares"]
 
 
 def relevance_shares(
-    tensordict: TensorDictBase, relevance_key: NestedKey = "relevance", signed: bool = False
+    tensordict: TensorDictBase,
+    relevance_key: NestedKey = "relevance",
+    signed: bool = False,
+    keys: Sequence[NestedKey] | None = None,
 ) -> TensorDict:
     """Each relevance key's share of the total, per batch element (per step of a rollout).
 
@@ -27,10 +33,17 @@ def relevance_shares(
     take each target's shares with ``relevance_key=("relevance", name)``, as
     the actor's logits and the critic's value do not add up.
 
+    The relevance of inner layers (``LRP(..., layers=[...])``, written beside
+    the inputs' under the same prefix) is another split of the same total, not
+    a share of it: by default only the keys whose input the TensorDict holds
+    are shared, or every key where it holds none of their inputs (a TensorDict
+    of relevance alone). ``keys`` names the keys to share explicitly.
+
     Args:
         tensordict: a TensorDict written by :class:`~tdhook.attribution.LRP`.
         relevance_key: the prefix of the relevance keys, nested for one target of several.
         signed: use signed rather than absolute relevance.
+        keys: the keys under ``relevance_key`` to share the total among (by default, as above).
 
     Returns:
         A TensorDict with the same keys as ``tensordict[relevance_key]``, each of
@@ -44,13 +57,26 @@ def relevance_shares(
         >>> shares = relevance_shares(td)
         >>> shares["pixels"], shares["state"]
         (tensor([0.7500, 0.7500]), tensor([0.2500, 0.2500]))
+        >>> td["state"] = torch.zeros(2, 2)  # the state is an input; the pixels' entry a layer's, say
+        >>> relevance_shares(td)["state"]
+        tensor([1., 1.])
     """
     if relevance_key not in tensordict.keys(include_nested=True):
         raise KeyError(f"relevance_shares: the TensorDict has no {relevance_key!r} entry; run it through LRP first")
     relevance = tensordict.get(relevance_key)
     batch_dims = tensordict.batch_dims
+    found = list(relevance.keys(include_nested=True, leaves_only=True))
+    if keys is None:
+        inputs = tensordict.keys(include_nested=True)
+        keys = [key for key in found if key in inputs] or found
+    else:
+        keys = [unravel_key(key) for key in keys]
+        missing = [key for key in keys if key not in found]
+        if missing:
+            raise KeyError(f"relevance_shares: {relevance_key!r} holds no relevance at {missing}; it holds {found}")
     totals = {}
-    for key, value in relevance.items(include_nested=True, leaves_only=True):
+    for key in keys:
+        value = relevance.get(key)
         value = value if signed else value.abs()
         totals[key] = value.reshape(*value.shape[:batch_dims], -1).sum(-1)
     if not totals:
