@@ -5,13 +5,16 @@ step a decision transformer acts on, and the action an exploring policy takes.
   ``ActorCriticWrapper``, and a ``TensorDictSequential`` of an actor followed
   by a ``ValueOperator`` (a critic of the actor's action, as in DDPG or SAC)
   explain both heads: ``{"actor": ..., "critic": ...}``.
-* A policy whose distribution masks actions (``MaskedCategorical``,
-  ``MaskedOneHotCategorical``) explains an allowed action: in a stored
-  transition (a TensorDict holding ``"next"``, as collectors and replay buffers
-  give them), the action it holds (the action taken); else the highest allowed
-  logit. The plain argmax could be a forbidden action. A live step of
-  torchrl's ``env.rollout`` or of a collector holds the previous step's action
-  and no ``"next"``: that action is not the one this step takes.
+* A policy sampling one of the actions its logits score (``Categorical``,
+  ``OneHotCategorical``, ``MaskedCategorical``, ``MaskedOneHotCategorical``,
+  the ordinal ones) explains the action taken: in a stored transition (a
+  TensorDict holding ``"next"``, as collectors and replay buffers give them),
+  the action it holds (written back over the call's own draw); else the action
+  the call draws, its mode under deterministic exploration (for a masked
+  policy the highest allowed logit: the plain argmax could be forbidden) or a
+  sample. A live step of torchrl's ``env.rollout`` or of a collector holds the
+  previous step's action and no ``"next"``: that action is not the one this
+  step takes.
 * A policy sampling from torchrl's ``Ordinal`` or ``OneHotOrdinal`` reads
   scores whose argmax need not be its action: the action is the argmax of the
   ordinal log-probabilities the distribution makes from them. Its scores
@@ -62,7 +65,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase, TensorDictSequential
 from tensordict.utils import NestedKey, unravel_key
-from torch import nn
+from torch import distributions, nn
 from torchrl.modules import (
     Actor,
     ActorCriticOperator,
@@ -75,7 +78,13 @@ from torchrl.modules import (
     QValueModule,
     ValueOperator,
 )
-from torchrl.modules.distributions import MaskedCategorical, MaskedOneHotCategorical, OneHotOrdinal, Ordinal
+from torchrl.modules.distributions import (
+    MaskedCategorical,
+    MaskedOneHotCategorical,
+    OneHotCategorical,
+    OneHotOrdinal,
+    Ordinal,
+)
 from torchrl.modules.tensordict_module.actors import DistributionalQValueModule
 
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
@@ -98,6 +107,8 @@ __all__ = [
 
 _MASKED = (MaskedCategorical, MaskedOneHotCategorical)
 _ORDINAL = (Ordinal, OneHotOrdinal)
+_CATEGORICAL = (distributions.Categorical, distributions.OneHotCategorical)  # torchrl's own subclass the first
+_ONE_HOT = (MaskedOneHotCategorical, OneHotOrdinal, OneHotCategorical, distributions.OneHotCategorical)
 # Steps that perturb the action an actor wrote (noise, a random action now and then): they write no output of
 # their own to explain (the Ornstein-Uhlenbeck process writes its state, ``_ou_prev_noise`` and ``_ou_steps``).
 EXPLORATION_MODULES = (AdditiveGaussianModule, OrnsteinUhlenbeckProcessModule, EGreedyModule)
@@ -163,6 +174,31 @@ def _find_masked_sampler(operator: TensorDictModuleBase, target_key: NestedKey) 
     return None
 
 
+def _categorical_sampler(operator: TensorDictModuleBase, target_key: NestedKey) -> ProbabilisticTensorDictModule | None:
+    return _found_once(operator, target_key, _find_categorical_sampler)
+
+
+def _find_categorical_sampler(
+    operator: TensorDictModuleBase, target_key: NestedKey
+) -> ProbabilisticTensorDictModule | None:
+    for sub in operator.modules():
+        if isinstance(sub, ProbabilisticTensorDictModule) and issubclass(sub.distribution_class, _CATEGORICAL):
+            keys = _distribution_keys(sub)
+            if unravel_key(target_key) in (keys.get("logits"), keys.get("probs")):
+                return sub
+    return None
+
+
+def _action_sampler(operator: TensorDictModuleBase, target_key: NestedKey) -> ProbabilisticTensorDictModule | None:
+    """The sampler of ``operator`` that draws one of the actions ``target_key`` scores: a categorical, masked or
+    ordinal distribution reading it, or ``None``."""
+    return (
+        _masked_sampler(operator, target_key)
+        or ordinal_sampler(operator, target_key)
+        or _categorical_sampler(operator, target_key)
+    )
+
+
 def ordinal_sampler(operator: TensorDictModuleBase, target_key: NestedKey) -> ProbabilisticTensorDictModule | None:
     """The sampler of ``operator`` whose torchrl ``Ordinal`` or ``OneHotOrdinal`` distribution reads its scores at
     ``target_key``, or ``None``. Its action is the argmax of the ordinal log-probabilities made from the scores, not
@@ -204,14 +240,16 @@ def _distribution_keys(sampler: ProbabilisticTensorDictModule) -> dict[str, Nest
 def allowed_action(
     operator: TensorDictModuleBase, target_key: NestedKey, result: TensorDictBase, tensordict: TensorDictBase
 ) -> torch.Tensor | None:
-    """The per-sample action to explain where ``target_key`` holds the logits of a masked distribution, the scores
-    of an ordinal one (see :func:`ordinal_sampler`), or the action values of a distributional Q-value actor (see
-    :func:`distributional_action`), else ``None`` (the default target applies).
+    """The per-sample action to explain where ``target_key`` holds the logits of a categorical distribution (masked
+    or not), the scores of an ordinal one (see :func:`ordinal_sampler`), or the action values of a distributional
+    Q-value actor (see :func:`distributional_action`), else ``None`` (the default target applies). The action taken:
+    a stored transition's (see :func:`holds_transition`), else the one the call drew into ``result``, else the best
+    allowed one.
 
     Args:
         operator: the module whose output is explained.
         target_key: the explained key.
-        result: the model's outputs (holding the logits and the mask).
+        result: the model's outputs (holding the logits, the mask and the action drawn).
         tensordict: the caller's TensorDict; an action it holds is the one explained where it holds a transition
             (see :func:`holds_transition`).
     """
@@ -225,17 +263,15 @@ def allowed_action(
             "Pass a target (a LongTensor of units, or target='all'), or explain the chosen action's value (its "
             "third output key, 'chosen_action_value' by default)"
         )
-    sampler = _masked_sampler(operator, target_key)
-    ordinal = ordinal_sampler(operator, target_key) if sampler is None else None
-    if sampler is None and ordinal is None:
+    sampler = _action_sampler(operator, target_key)
+    if sampler is None:
         return None
-    sampler = sampler if ordinal is None else ordinal
     action_key = unravel_key(sampler.out_keys[0])
-    taken = tensordict.get(action_key, None) if holds_transition(tensordict) else None
-    one_hot = issubclass(sampler.distribution_class, (MaskedOneHotCategorical, OneHotOrdinal))
+    held = holds_transition(tensordict)
+    # The action taken: a stored transition's, else the one the call's own sampler drew (its mode, or a sample).
+    taken = (tensordict if held else result).get(action_key, None)
+    one_hot = issubclass(sampler.distribution_class, _ONE_HOT)
     logits = result.get(target_key).detach()
-    if ordinal is not None:  # its action is the argmax of the ordinal log-probabilities, not of the scores
-        logits = ordinal_logits(ordinal, logits)
     if isinstance(taken, torch.Tensor):  # one action per row of logits (the agents of a nested key included)
         if (taken.shape[:-1] if one_hot else taken.numel()) != (
             logits.shape[:-1] if one_hot else logits[..., 0].numel()
@@ -245,8 +281,11 @@ def allowed_action(
                 f"logits at {target_key!r} (shape {list(logits.shape)}); it is the action explained by default"
             )
         action = taken.long().argmax(-1) if one_hot else taken.long().reshape(logits.shape[:-1])
-        _raise_for_forbidden(operator, target_key, result, action, action_key)
+        if held:
+            _raise_for_forbidden(operator, target_key, result, action, action_key)
         return action
+    if issubclass(sampler.distribution_class, _ORDINAL):  # its action is the argmax of the ordinal log-probabilities
+        logits = ordinal_logits(sampler, logits)
     mask = allowed_mask(operator, target_key, result)
     return logits.argmax(-1) if mask is None else logits.masked_fill(~mask, float("-inf")).argmax(-1)
 
@@ -277,7 +316,7 @@ def held_action_record(
         >>> held_action_record(actor, "logits", result, step.set("next", step.select("observation")))
         {'action': tensor([0])}
     """
-    sampler = _masked_sampler(operator, target_key) or ordinal_sampler(operator, target_key)
+    sampler = _action_sampler(operator, target_key)
     if sampler is None or not holds_transition(tensordict):
         return {}
     action_key = unravel_key(sampler.out_keys[0])
