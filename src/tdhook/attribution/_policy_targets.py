@@ -58,6 +58,7 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -165,28 +166,25 @@ def _masked_sampler(operator: TensorDictModuleBase, target_key: NestedKey) -> Pr
     return _found_once(operator, target_key, _find_masked_sampler)
 
 
-def _find_masked_sampler(operator: TensorDictModuleBase, target_key: NestedKey) -> ProbabilisticTensorDictModule | None:
-    for sub in operator.modules():
-        if isinstance(sub, ProbabilisticTensorDictModule) and issubclass(sub.distribution_class, _MASKED):
-            keys = _distribution_keys(sub)
-            if unravel_key(target_key) in (keys.get("logits"), keys.get("probs")):
-                return sub
-    return None
-
-
 def _categorical_sampler(operator: TensorDictModuleBase, target_key: NestedKey) -> ProbabilisticTensorDictModule | None:
     return _found_once(operator, target_key, _find_categorical_sampler)
 
 
-def _find_categorical_sampler(
-    operator: TensorDictModuleBase, target_key: NestedKey
+def _find_sampler_of(
+    kinds: tuple[type, ...], operator: TensorDictModuleBase, target_key: NestedKey
 ) -> ProbabilisticTensorDictModule | None:
+    """The sampler of ``operator`` whose distribution, one of ``kinds``, reads ``target_key`` as its logits or
+    probabilities, or ``None``."""
     for sub in operator.modules():
-        if isinstance(sub, ProbabilisticTensorDictModule) and issubclass(sub.distribution_class, _CATEGORICAL):
+        if isinstance(sub, ProbabilisticTensorDictModule) and issubclass(sub.distribution_class, kinds):
             keys = _distribution_keys(sub)
             if unravel_key(target_key) in (keys.get("logits"), keys.get("probs")):
                 return sub
     return None
+
+
+_find_masked_sampler = functools.partial(_find_sampler_of, _MASKED)
+_find_categorical_sampler = functools.partial(_find_sampler_of, _CATEGORICAL)
 
 
 def _action_sampler(operator: TensorDictModuleBase, target_key: NestedKey) -> ProbabilisticTensorDictModule | None:
