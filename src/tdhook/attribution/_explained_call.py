@@ -31,6 +31,7 @@ from tdhook.attribution._random_modules import warn_for_random_modules
 from tdhook.attribution._run_errors import run_error
 from tdhook.attribution._scaled_passes import UNRECORDED, check_overflow, scaled_target, scaled_when_overflowing
 from tdhook.attribution._tokens import is_embedding_leaf
+from tdhook.attribution._training_norms import warn_for_training_norms
 from tdhook.attribution._writes import relevance_updates, returned_tensordict, set_all_or_nothing
 from tdhook.attribution.rules._keeping_graph import RelevancePass
 from tdhook.attribution.rules._norm_function_layout import late_norm_nodes_laid_out
@@ -81,6 +82,8 @@ def explain(lrp: Any, tensordict: TensorDictBase) -> tuple[TensorDictBase, Calla
     check_writable(tensordict, lrp.relevance_keys, lrp.token_relevance_keys)
     if lrp._stochastic:
         lrp._stochastic = warn_for_random_modules("LRP", lrp._stochastic, tensordict)  # once per context
+    if lrp._training_norms:
+        lrp._training_norms = warn_for_training_norms("LRP", lrp._training_norms)  # once per context
     work = tensordict.copy()
     signature = call_signature(work, lrp.in_keys)  # a forward may branch on it: its first call is watched
     lrp._layers.clear()

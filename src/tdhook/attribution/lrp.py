@@ -65,6 +65,7 @@ from tdhook.attribution._random_modules import random_modules
 from tdhook.attribution._rule_names import warn_for_unused_keys
 from tdhook.attribution._rule_use import RuleUse
 from tdhook.attribution._tokens import TokenInputs
+from tdhook.attribution._training_norms import training_norms
 from tdhook.attribution.coverage import Coverage
 from tdhook.attribution.mappers.aliases import module_aliases, user_rule
 from tdhook.attribution.mappers.base import RuleMapper
@@ -276,6 +277,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         self._layers = LayerRelevance()
         self._tokens = TokenInputs(self.explained_keys)
         self._stochastic, self._checkpointing = [], []  # dropout to warn of, checkpointing to refuse, at each call
+        self._training_norms: list = []
         self._compiled, self._rule_use, self._grads = False, RuleUse(), KeptGrads(module)  # .grad kept
         # The first call watches which nonlinear functions keep their plain gradient (see coverage()).
         self._coverage = CoverageRecorder()
@@ -370,6 +372,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             self._candidates.clear()
             self._rule_use.reset()
             self._stochastic, self._checkpointing = random_modules(modules), checkpointing_modules(modules)
+            self._training_norms = training_norms(modules)  # a BatchNorm in training mode, warned of once
             self._compiled = any(map(_compiled, modules.values()))
             self._plan = context_plan(self, rules, modules, ours)
             made.close()  # inside the try, as all before: torch's RemovableHandle.__init__ back once none is open
