@@ -124,7 +124,7 @@ def explain(lrp: Any, tensordict: TensorDictBase) -> tuple[TensorDictBase, Calla
                     raise_for_ragged(result, [key for key in [lrp.targets[name][0]] if key is not None], "output", err)
                     raise
                 target = lrp.target
-                if target is None:  # a masked policy explains an allowed action (a transition's, kept as held)
+                if target is None:  # a sampling policy explains the action taken (a transition's, kept)
                     target = allowed_action(lrp.targets[name][1], target_key, result, tensordict)
                     held.update(held_action_record(lrp.targets[name][1], target_key, result, tensordict))
                 one_pass = functools.partial(

@@ -232,11 +232,19 @@ def ordinal_logits(sampler: ProbabilisticTensorDictModule, scores: torch.Tensor)
 def _distribution_keys(sampler: ProbabilisticTensorDictModule) -> dict[str, NestedKey]:
     """The keys a sampler reads, by the distribution's argument each is given as (``logits``, ``mask``, ...)."""
     dist_keys = list(getattr(sampler, "dist_keys", sampler.in_keys))
-    return {name: unravel_key(key) for name, key in zip(dist_keys, sampler.in_keys, strict=True)}
+    # A nested key given in a list names its argument by its last element, as tensordict's get_dist reads it.
+    return {
+        (name[-1] if isinstance(name, tuple) else name): unravel_key(key)
+        for name, key in zip(dist_keys, sampler.in_keys, strict=True)
+    }
 
 
 def allowed_action(
-    operator: TensorDictModuleBase, target_key: NestedKey, result: TensorDictBase, tensordict: TensorDictBase
+    operator: TensorDictModuleBase,
+    target_key: NestedKey,
+    result: TensorDictBase,
+    tensordict: TensorDictBase,
+    explained: bool = False,
 ) -> torch.Tensor | None:
     """The per-sample action to explain where ``target_key`` holds the logits of a categorical distribution (masked
     or not), the scores of an ordinal one (see :func:`ordinal_sampler`), or the action values of a distributional
@@ -249,7 +257,9 @@ def allowed_action(
         target_key: the explained key.
         result: the model's outputs (holding the logits, the mask and the action drawn).
         tensordict: the caller's TensorDict; an action it holds is the one explained where it holds a transition
-            (see :func:`holds_transition`).
+            (see :func:`holds_transition`), or where ``explained``.
+        explained: ``tensordict`` is the output of an explanation (a metric's input): the action it holds, written
+            beside the relevance, is the one explained, where the call's own draw (``result``) may be another.
     """
     greedy = distributional_action(operator, target_key, result)
     if greedy is not None:
@@ -267,7 +277,9 @@ def allowed_action(
     action_key = unravel_key(sampler.out_keys[0])
     held = holds_transition(tensordict)
     # The action taken: a stored transition's, else the one the call's own sampler drew (its mode, or a sample).
-    taken = (tensordict if held else result).get(action_key, None)
+    taken = (tensordict if held or explained else result).get(action_key, None)
+    if taken is None and explained and not held:
+        taken = result.get(action_key, None)
     one_hot = issubclass(sampler.distribution_class, _ONE_HOT)
     logits = result.get(target_key).detach()
     if isinstance(taken, torch.Tensor):  # one action per row of logits (the agents of a nested key included)
@@ -279,6 +291,13 @@ def allowed_action(
                 f"logits at {target_key!r} (shape {list(logits.shape)}); it is the action explained by default"
             )
         action = taken.long().argmax(-1) if one_hot else taken.long().reshape(logits.shape[:-1])
+        outside = (action < 0) | (action >= logits.shape[-1])
+        if outside.any():  # a padding value (-1), or actions of another head: no unit of these logits
+            raise ValueError(
+                f"LRP: the action at {action_key!r}, explained by default as the action taken, holds "
+                f"{sorted(set(action[outside].tolist()))[:5]} in rows {outside.nonzero()[:5].tolist()}, outside the "
+                f"{logits.shape[-1]} actions of the logits at {target_key!r}; pass a target to explain another unit"
+            )
         if held:
             _raise_for_forbidden(operator, target_key, result, action, action_key)
         return action

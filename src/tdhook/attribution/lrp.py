@@ -152,8 +152,9 @@ class LRP(TensorDictModuleBase, MapperTunable):
             ``{"actor": <its actor's default>, "critic": <its critic's>}``.
         target: the initial relevance: ``None`` (the output at the argmax of
             its last dimension, or the output itself for a one-element last
-            dimension; for the logits of a masked distribution, the action the
-            TensorDict holds, else the best allowed one), an int, a LongTensor
+            dimension; for the logits of a policy that samples its action, the
+            action taken: a stored transition's, else the one the call draws),
+            an int, a LongTensor
             of per-sample indices, a callable
             ``output -> relevance``, or ``"all"`` (every output unit, stacked
             in a dimension right after the batch dimensions).

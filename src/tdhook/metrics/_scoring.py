@@ -145,8 +145,9 @@ class Scorer:
             LRP explains by default: not the flags and masks, nor the recurrent states the TensorDict lacks).
         out_keys: a plain module's output keys.
         target_key: the output scored; the default is the one :class:`~tdhook.attribution.LRP` explains.
-        target: ``None`` (the argmax of the unperturbed output's last dimension, or the output itself for a value
-            head), an int, a LongTensor of per-sample indices, or a callable ``output -> relevance``. As for the
+        target: ``None`` (the argmax of the unperturbed output's last dimension, the output itself for a value
+            head, or for a sampling policy's logits the action the TensorDict holds beside its relevance), an int,
+            a LongTensor of per-sample indices, or a callable ``output -> relevance``. As for the
             attribution methods, it is resolved once, on the unperturbed output ``y``: a callable gives the
             weights ``w = target(y) / y`` (relevance where ``y`` is 0 is refused: ``w`` cannot carry it), and the
             score of a perturbed output ``y'`` is ``sum(y' * w)`` over its non-batch dimensions (``sum(target(y))``
@@ -310,8 +311,8 @@ class Scorer:
                 )
         elif output.dim() > len(self._batch) and (target is not None or output.shape[-1] > 1):
             try:
-                # A masked policy's default: the allowed action LRP and the methods explain, not the plain argmax.
-                allowed = allowed_action(operator, self._key, result, td) if target is None and not free else None
+                # A sampling policy's default: the action explained beside the relevance in ``td``, not a new draw.
+                allowed = allowed_action(operator, self._key, result, td, True) if target is None and not free else None
                 if chosen is not None:
                     self._index = chosen[1]
                 elif allowed is not None:

@@ -52,7 +52,8 @@ def pixel_flipping(
         in_keys: the explained keys (a plain module's inputs; by default those LRP explains by default).
         out_keys: a plain module's output keys.
         target_key: the scored output (by default the one :class:`~tdhook.attribution.LRP` explains).
-        target: ``None`` (the argmax of the unperturbed output, kept for every step), an int, a LongTensor of
+        target: ``None`` (the argmax of the unperturbed output, or the action explained beside the relevance for
+            a sampling policy's logits; kept for every step), an int, a LongTensor of
             per-sample indices, or a callable ``output -> relevance`` giving fixed weights ``relevance / output``
             on the unperturbed output, as for the attribution methods.
         relevance_key: the prefix of the attribution keys (``"relevance"`` for LRP).

@@ -600,8 +600,8 @@ def raise_for_unreached_input(
 def _policy_target(
     method: AttributionMethod, target: Any, target_key: NestedKey, result: TensorDictBase, tensordict: TensorDictBase
 ) -> tuple[Any, dict]:
-    """The target to explain and what to write back of a stored transition's action: as LRP, a masked or ordinal
-    policy explains by default the action a transition holds (kept in the output), else the best allowed one."""
+    """The target to explain and what to write back of a stored transition's action: as LRP, a policy sampling its
+    action explains by default the action a transition holds (kept in the output), else the one the call draws."""
     if target is not None:
         return target, {}
     operator = method._target[1]
