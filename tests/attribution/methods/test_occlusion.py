@@ -101,6 +101,17 @@ class TestRefusals:
             Occlusion(random_mlp(0), in_keys=["x"], out_keys=["y"], **kwargs)(td)
         assert list(td.keys()) == ["x"]
 
+    def test_a_window_given_per_sample_on_tensors_without_a_batch_says_they_are_one_sample(self):
+        """Keyword tensors (``method(x=x)``, a captum habit) make a TensorDict without batch dimensions: a window of
+        a sample's rank is refused, and the message says why."""
+        net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.LazyLinear(3)).double()
+        x = torch.randn(4, 1, 8, 8, dtype=torch.float64)
+        net(x)
+        with pytest.raises(
+            ValueError, match=r"sample \[4, 1, 8, 8\] \(the TensorDict has no batch dimension.*batch_size"
+        ):
+            Occlusion(net, in_keys=["x"], out_keys=["y"], sliding_window_shapes=(1, 3, 3))(x=x)
+
 
 def test_bfloat16_drops_of_many_windows_are_summed_and_counted_in_float32():
     """576 windows cover the centre of a 48 x 48 image: in bfloat16 their count stopped at 256 and their sum drifted,

@@ -35,7 +35,9 @@ def window_starts(size: int, window: int, stride: int) -> list[int]:
     return [k * stride for k in range(count)]
 
 
-def _as_shape(value: object, dims: int, name: str, key: NestedKey, sample: Shape) -> tuple[int, ...]:
+def _as_shape(
+    value: object, dims: int, name: str, key: NestedKey, sample: Shape, batched: bool = True
+) -> tuple[int, ...]:
     if isinstance(value, int) and not isinstance(value, bool):
         value = (value,) * dims if name == "strides" else (value,)
     if (
@@ -43,9 +45,13 @@ def _as_shape(value: object, dims: int, name: str, key: NestedKey, sample: Shape
         or len(value) != dims
         or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
     ):
+        whole = (
+            "" if batched else " (the TensorDict has no batch dimension, so the whole tensor is one sample: "
+            "give a TensorDict with batch_size=[B] to explain B samples)"
+        )
         raise ValueError(
             f"Occlusion: the {name} of input key {key!r} must be {dims} positive ints, one per dimension "
-            f"of a sample {list(sample)}, got {value!r}"
+            f"of a sample {list(sample)}{whole}, got {value!r}"
         )
     return tuple(value)
 
@@ -128,8 +134,9 @@ class Occlusion(PerturbationMethod):
             self.explained_keys, call.inputs, self.sliding_window_shapes, self.strides, strict=True
         ):
             sample = x.shape[call.batch_dims :]
-            window = _as_shape(window, len(sample), "sliding window shape", key, sample)
-            stride = _as_shape(stride, len(sample), "strides", key, sample)
+            batched = call.batch_dims > 0
+            window = _as_shape(window, len(sample), "sliding window shape", key, sample, batched)
+            stride = _as_shape(stride, len(sample), "strides", key, sample, batched)
             if any(w > d for w, d in zip(window, sample, strict=True)):
                 raise ValueError(
                     f"Occlusion: the window {list(window)} of input key {key!r} exceeds a sample {list(sample)}"
