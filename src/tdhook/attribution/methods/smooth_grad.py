@@ -75,7 +75,8 @@ class SmoothGrad(AttributionMethod):
     With ``s`` the saliency (absolute gradient, or the gradient for
     ``abs=False``) at ``x + ε``, ``ε ~ N(0, stdev²)``: ``nt_type="smoothgrad"``
     writes the mean of ``s``, ``"smoothgrad_sq"`` the mean of ``s²``, and
-    ``"vargrad"`` the variance ``mean(s²) − mean(s)²``. All explained keys get
+    ``"vargrad"`` the variance ``mean((s − mean(s))²)``, summed as squared
+    deviations from a mean (never negative, 0 where ``s`` does not vary). All explained keys get
     their noise in the same copies; keys not explained stay fixed. The copies
     run in one forward and one backward pass (or in pieces of
     ``internal_batch_size`` rows). With ``stdev=0`` SmoothGrad is
@@ -172,23 +173,47 @@ class SmoothGrad(AttributionMethod):
         # Summed over the copies in float32 at least (see accumulation_dtype), rounded once to the input's dtype.
         sums = [x.new_zeros(units, *x.shape, dtype=accumulation_dtype(x.dtype)) for x in call.inputs]
         squares = [torch.zeros_like(total) for total in sums]
+        # vargrad: the squared deviations from the mean, summed per pass around that pass's mean and merged across
+        # passes (Chan et al.), never negative; mean(s²) − mean(s)² cancels to negative numbers where s barely varies.
+        deviations = [torch.zeros_like(total) for total in sums]
         chunk = steps_per_pass(self.n_samples, call.batch_shape.numel(), self.internal_batch_size, "SmoothGrad")
         reached: list[bool] = []  # whether any pass so far reached each input
         for start in range(0, self.n_samples, chunk):
             objective, leaves = self._evaluate(call, [c[start : start + chunk] for c in copies], grad=True)
-            for total, square, grad in zip(
-                sums, squares, pass_gradients(self, objective, leaves, reached), strict=True
-            ):
+            gradients = pass_gradients(self, objective, leaves, reached)
+            for total, square, deviation, grad in zip(sums, squares, deviations, gradients, strict=True):
                 saliency = (grad.abs() if self.abs else grad).to(total.dtype)
+                if self.nt_type == "vargrad":
+                    merge_deviations(deviation, total, start, saliency)
                 total += saliency.sum(1)
                 square += (saliency * saliency).sum(1)
         refuse_unreached(self, call, reached)
-        means = [total / self.n_samples for total in sums]
-        mean_squares = [square / self.n_samples for square in squares]
         if self.nt_type == "smoothgrad":
-            found = means
+            found = [total / self.n_samples for total in sums]
         elif self.nt_type == "smoothgrad_sq":
-            found = mean_squares
+            found = [square / self.n_samples for square in squares]
         else:
-            found = [sq - m * m for sq, m in zip(mean_squares, means, strict=True)]
+            found = [deviation / self.n_samples for deviation in deviations]
         return [value.to(x.dtype) for value, x in zip(found, call.inputs, strict=True)]
+
+
+def merge_deviations(deviation: torch.Tensor, total: torch.Tensor, seen: int, saliency: torch.Tensor) -> None:
+    """Add a pass's copies (``saliency``, ``[units, copies, ...]``) to the summed squared deviations ``deviation``
+    of the ``seen`` copies before it, whose sum is ``total``, in place (Chan, Golub and LeVeque's pairwise update).
+
+    Every term is a square or a product of counts and a square, so the sum is never negative, and it is 0 where
+    every copy's saliency is the same.
+
+    Examples:
+        >>> s = torch.tensor([[[1.0], [2.0], [4.0]]])
+        >>> deviation, total = torch.zeros(1, 1), torch.zeros(1, 1)
+        >>> merge_deviations(deviation, total, 0, s[:, :2]); total += s[:, :2].sum(1)
+        >>> merge_deviations(deviation, total, 2, s[:, 2:])
+        >>> torch.allclose(deviation / 3, s.var(1, unbiased=False))
+        True
+    """
+    count = saliency.shape[1]
+    mean = saliency.mean(1)
+    deviation += (saliency - mean.unsqueeze(1)).square().sum(1)
+    if seen:
+        deviation += (mean - total / seen).square() * (seen * count / (seen + count))
