@@ -137,3 +137,17 @@ def test_fewer_than_two_runs_are_refused_by_name():
     td = TensorDict(x=images(2), attribution=TensorDict(x=torch.randn(2, 3, 6, 6)), batch_size=[2])
     with pytest.raises(ValueError, match="faithfulness_correlation: n_runs must be an int of at least 2, got 1"):
         faithfulness_correlation(net, td, n_runs=1, subset_size=3, in_keys=["x"], out_keys=["y"])
+
+
+def test_half_precision_attributions_are_summed_in_float32():
+    """Subsets of 100 finite float16 attributions (500 to 1500 each) sum past float16's 65504: every sum was inf
+    and every correlation NaN. They are summed in float32, as the float32 copy of the same values is."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(300, 2)
+    x = torch.randn(2, 300)
+    a = (torch.rand(2, 300) * 1000 + 500).half()
+    kwargs = dict(in_keys=["x"], out_keys=["y"], n_runs=20, subset_size=100, seed=0)
+    half = faithfulness_correlation(net, TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[2]), **kwargs)
+    wide = faithfulness_correlation(net, TensorDict(x=x, attribution=TensorDict(x=a.float()), batch_size=[2]), **kwargs)
+    assert half.isfinite().all()
+    torch.testing.assert_close(half, wide, rtol=0, atol=0)

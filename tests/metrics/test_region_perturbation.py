@@ -206,3 +206,27 @@ def test_two_keys_of_other_planes_on_a_batch_of_two_dimensions(order):
             inputs[key][:, grids[key] == k] = 0.25
             expected[i, j, step + 1] = model(**inputs)[1]
     torch.testing.assert_close(curve, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_attributions_rank_patches_by_their_sums_in_float32(dtype):
+    """Two 2x2 patches of finite float16 attributions: the left sums to 120000, the right to 130000, so the right
+    goes first. Summed in float16 both were inf, a tie that went to the left patch (step 1 was 0.024 where the
+    right patch first gives 1.139); they are summed in float32 and ranked as the float32 attributions are."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(8, 3)).eval()
+    x = torch.randn(1, 1, 2, 4)
+    a = torch.tensor([[[[30000.0, 30000.0, 65000.0, 0.0], [30000.0, 30000.0, 65000.0, 0.0]]]])
+    curve = {
+        d: region_perturbation(
+            net,
+            TensorDict(x=x, attribution=TensorDict(x=a.to(d)), batch_size=[1]),
+            in_keys=["x"],
+            out_keys=["y"],
+            patch_size=2,
+        )
+        for d in (torch.float32, dtype)
+    }
+    torch.testing.assert_close(curve[dtype], curve[torch.float32], rtol=0, atol=0)
+    right_first = net(torch.where(torch.arange(4) >= 2, 0.0, x))[0, net(x)[0].argmax()]
+    torch.testing.assert_close(curve[dtype][0, 1], right_first.detach(), rtol=0, atol=0)

@@ -340,3 +340,27 @@ def test_no_perturbed_samples_are_refused_by_name():
     method = tdhook_saliency(conv_net(), in_keys=["x"], out_keys=["y"])
     with pytest.raises(ValueError, match="sensitivity_max: n_perturb_samples must be a positive int, got 0"):
         sensitivity_max(method, TensorDict(x=images(2), batch_size=[2]), n_perturb_samples=0)
+
+
+def test_half_precision_attributions_are_compared_in_float32():
+    """InputXGradient of a float16 linear model with weights near 3000 over 1000 features: the attribution's norm
+    (about 1e5) overflowed float16 to inf, and every score was 0 (a change over inf) where the definition gives
+    0.11. The norms are taken in float32, rounded once to float16."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(1000, 2, bias=False)
+    with torch.no_grad():
+        net.weight.copy_(torch.rand(2, 1000) * 1000 + 2500)
+    net = net.half()
+    x = torch.rand(2, 1000).half() + 0.5
+    noise = (torch.rand(2, 3, 1000) * 0.4 - 0.2).half()
+    method = tdhook_input_x_gradient(net, in_keys=["x"], out_keys=["y"], target=0)
+    perturb = lambda repeated, radius: repeated.apply(lambda v: v + noise)  # noqa: E731
+    ours = sensitivity_max(method, TensorDict(x=x, batch_size=[2]), perturb_fn=perturb, n_perturb_samples=3)
+    reference = method(TensorDict(x=x, batch_size=[2]))["attribution", "x"].double()
+    changes = [
+        (method(TensorDict(x=x + noise[:, i], batch_size=[2]))["attribution", "x"].double() - reference).norm(dim=-1)
+        for i in range(3)
+    ]
+    expected = torch.stack(changes, -1).amax(-1) / reference.norm(dim=-1)
+    assert ours.dtype == torch.float16
+    torch.testing.assert_close(ours, expected.half(), rtol=2e-3, atol=0)

@@ -10,6 +10,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import nn
 
+from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.targets import Target
 from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._features import Baseline, Features
@@ -126,6 +127,7 @@ def faithfulness_correlation(
     size = scorer.chunk_size(features.inputs)
     update = progress_bar(-(-n_runs // size), "faithfulness correlation", progress)
     drops, sums = [], []
+    wide = accumulation_dtype(values.dtype)
     for start, stop in chunks(n_runs, size):
         if subsets is None:
             draws = torch.rand(stop - start, *batch, n_features, generator=rng, dtype=torch.float64)
@@ -137,8 +139,12 @@ def faithfulness_correlation(
         # The subset's own attributions summed, not a masked sum over every feature: where the zeros fall changes
         # the rounding of a masked sum, and equal attributions would then give sums that differ in the last bits
         # (a correlation of rounding noise where the sums do not vary).
-        sums.append(values.expand(stop - start, *values.shape).gather(-1, chosen).sum(-1))
+        # In float32 at least (rounded to the result's dtype by pearson): in float16 a subset of finite attributions
+        # sums past 65504 to inf, and the correlation to NaN.
+        sums.append(values.expand(stop - start, *values.shape).gather(-1, chosen).to(wide).sum(-1))
         drops.append(scorer.reference.unsqueeze(0) - scorer.scores(features.perturb(mask, baseline)))
         update(1)
     update(0)
-    return pearson(torch.cat(sums).movedim(0, -1), torch.cat(drops).movedim(0, -1))
+    drops = torch.cat(drops)
+    dtype = torch.result_type(values, drops)
+    return pearson(torch.cat(sums).movedim(0, -1), drops.movedim(0, -1)).to(dtype)

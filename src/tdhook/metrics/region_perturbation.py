@@ -1,7 +1,7 @@
 """Region perturbation: the target score as square patches go to the baseline, most (or least) relevant first.
 
 Samek et al. (2017): patches of ``patch_size x patch_size`` over the last two dimensions of each key, across all
-its leading dimensions (the channels), ranked by the sum of the attribution over the patch.
+its leading dimensions (the channels), ranked by the sum of the attribution over the patch (in float32 at least).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import nn
 
+from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.targets import Target
 from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._curves import perturbation_curve
@@ -131,8 +132,10 @@ def region_perturbation(
             )
         grid = patch_grid(height, width, patch_size).to(x.device)
         n_patches = int(grid.max()) + 1
-        plane = full.reshape(*batch, math.prod(x.shape[len(batch) : -2]), height * width).sum(-2)
-        patch_sums = torch.zeros(*batch, n_patches, dtype=a.dtype, device=a.device)
+        # Summed in float32 at least: in float16 a patch of finite attributions sums past 65504 to inf, a tie.
+        wide = accumulation_dtype(a.dtype)
+        plane = full.to(wide).reshape(*batch, math.prod(x.shape[len(batch) : -2]), height * width).sum(-2)
+        patch_sums = torch.zeros(*batch, n_patches, dtype=wide, device=a.device)
         sums.append(patch_sums.index_add_(-1, grid.flatten(), plane))
         if bool(sums[-1].isnan().any()):  # +inf and -inf in one patch
             where = tuple(sums[-1].isnan().nonzero()[0].tolist())

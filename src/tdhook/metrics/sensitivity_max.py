@@ -9,6 +9,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
+from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.methods._cross_sample_outputs import scored_across_copies
 from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurrent_layers, time_lengths
 from tdhook.metrics._batch_statistics import batch_normalising_module, keeps_running_statistics, statistics_kept
@@ -143,7 +144,11 @@ def sensitivity_max(
                 with statistics_kept(method):
                     copies.append(Features.read(explain(method, work[i]), keys, prefix, units).attributions)
         attributions = [torch.stack(parts) for parts in zip(*copies, strict=True)]
-    changed = _flat(attributions, len(batch) + 1).movedim(0, -2)
+    # The norms in float32 at least, rounded once to the attributions' dtype: in float16 a norm of finite
+    # attributions passes 65504 to inf, and the ratio of two such norms is NaN.
+    dtype = reference.dtype
+    wide = accumulation_dtype(dtype)
+    changed, reference = _flat(attributions, len(batch) + 1).movedim(0, -2).to(wide), reference.to(wide)
     norm = reference.norm(dim=-1, keepdim=True)
     norm = torch.where(norm == 0, torch.ones_like(norm), norm)
-    return ((changed - reference.unsqueeze(-2)).norm(dim=-1) / norm).amax(-1)
+    return ((changed - reference.unsqueeze(-2)).norm(dim=-1) / norm).amax(-1).to(dtype)
