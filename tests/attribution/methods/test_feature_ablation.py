@@ -96,6 +96,22 @@ class TestDefinition:
             handle.remove()
         assert calls == [7] * 5  # the unperturbed pass, then one per group
 
+    def test_an_infinite_drop_stays_on_its_own_group(self):
+        """``log(x0) + 2 x1 + 3 x2`` with x0 ablated to 0 drops by inf: the other groups keep their drops, 2 and 3, as
+        Occlusion's do. The drop was put on each group by a product with its mask, so ``inf * 0`` made every other
+        group NaN (captum's FeatureAblation does the same)."""
+
+        class LogFirst(torch.nn.Module):
+            def forward(self, x):
+                return torch.log(x[..., :1]) + 2 * x[..., 1:2] + 3 * x[..., 2:3]
+
+        x = torch.tensor([[2.0, 1.0, 1.0], [0.5, 2.0, 1.0]], dtype=torch.float64)
+        td = FeatureAblation(LogFirst(), in_keys=["x"], out_keys=["y"], feature_masks=torch.arange(3))(
+            TensorDict(x=x, batch_size=[2])
+        )
+        expected = torch.tensor([[float("inf"), 2.0, 3.0], [float("inf"), 4.0, 3.0]], dtype=torch.float64)
+        torch.testing.assert_close(td["attribution", "x"], expected, rtol=0, atol=0)
+
     def test_progress_bar(self, capsys):
         net = random_mlp(0)
         FeatureAblation(net, in_keys=["x"], out_keys=["y"], feature_masks=torch.arange(5), progress=True)(

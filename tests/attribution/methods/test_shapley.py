@@ -142,3 +142,28 @@ def test_bfloat16_gains_of_many_orders_are_summed_in_float32():
     exact = (w * x.double()).view(2, 8, 8).sum(-1, keepdim=True).expand(2, 8, 8).reshape(2, 64)
     assert got.dtype == torch.bfloat16
     assert relative_error(got.double(), exact) < 1e-2
+
+
+def test_an_infinite_gain_stays_on_its_own_group():
+    """``1e308 x0 + 2 x1 + 3 x2`` from the baseline ``[-1, 0, 0]`` to ``[1, 1, 1]``: x0's gain (2e308) overflows to
+    inf in every order, the others' are finite (0: 2 and 3 are below 1e308's rounding step), as the subset formula
+    gives. Each group's value was put on its elements by a product with its mask, so ``inf * 0`` made every other
+    group NaN."""
+
+    class Overflowing(torch.nn.Module):
+        def forward(self, x):
+            return 1e308 * x[..., :1] + 2 * x[..., 1:2] + 3 * x[..., 2:3]
+
+    net, x = Overflowing(), torch.ones(1, 3, dtype=torch.float64)
+    baselines = torch.tensor([-1.0, 0.0, 0.0], dtype=torch.float64)
+    td = ShapleyValueSampling(
+        net, in_keys=["x"], out_keys=["y"], feature_masks=torch.arange(3), n_samples=6, baselines=baselines, seed=0
+    )(TensorDict(x=x, batch_size=[1]))
+
+    def value(coalition):
+        keep = torch.tensor([g in coalition for g in range(3)])
+        return net(torch.where(keep, x, baselines))[:, 0]
+
+    expected = subset_formula(value, 3).T  # [batch, groups]: inf, 0, 0
+    assert expected.isinf().sum() == 1
+    torch.testing.assert_close(td["attribution", "x"], expected, rtol=0, atol=0)

@@ -246,12 +246,17 @@ class PerturbationMethod(AttributionMethod):
 
 
 def spread(value: torch.Tensor, where: torch.Tensor, batch_dims: int) -> torch.Tensor:
-    """``value`` (``[units, *batch]``) put on the elements ``where`` is true (``[*batch, ...]``).
+    """``value`` (``[units, *batch]``) put on the elements ``where`` is true (``[*batch, ...]``), 0 elsewhere.
+
+    A selection, not a product with the mask: an infinite value (a group whose removal makes the output infinite)
+    stays on its own elements, where ``inf * 0`` would put NaN on every other group's.
 
     Examples:
         >>> spread(torch.tensor([[1.0, 2.0]]), torch.tensor([[True, False], [True, True]]), 1)
         tensor([[[1., 0.],
                  [2., 2.]]])
+        >>> spread(torch.tensor([[float("inf")]]), torch.tensor([[True, False]]), 1)
+        tensor([[[inf, 0.]]])
     """
     shape = (*value.shape, *[1] * (where.dim() - batch_dims))
-    return value.reshape(shape) * where.unsqueeze(0)
+    return torch.where(where.unsqueeze(0), value.reshape(shape), value.new_zeros(()))
