@@ -737,3 +737,25 @@ def test_a_target_key_that_is_no_key_is_named_as_the_metrics(target_key):
         pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], target_key=target_key)
     assert {k: v for k, v in td.items(True, True)}.keys() == before.keys()
     assert all(td.get(k) is v for k, v in before.items())
+
+
+@pytest.mark.parametrize("target", [0, 3, torch.tensor([7, 7, 7])], ids=["0", "3", "tensor"])
+@pytest.mark.parametrize("metric", ["pixel_flipping", "faithfulness_correlation"])
+def test_an_index_target_on_an_output_with_no_unit_dimension_is_refused_as_the_methods_refuse_it(metric, target):
+    """A value head squeezed to ``[B]`` has no unit to index: the metrics scored the output itself whatever the
+    target named (even out of range), where every method raises; they raise the same error, naming the output."""
+    from tdhook.attribution import Saliency
+    from tdhook.metrics import faithfulness_correlation
+
+    value_head = nn.Sequential(nn.Linear(5, 1), nn.Flatten(0)).double()
+    x = torch.randn(3, 5, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=torch.randn(3, 5, dtype=torch.float64)), batch_size=[3])
+    score = {"pixel_flipping": pixel_flipping, "faithfulness_correlation": faithfulness_correlation}[metric]
+    options = {"n_runs": 3, "subset_size": 2, "seed": 0} if metric == "faithfulness_correlation" else {}
+    with pytest.raises(ValueError) as method_error:
+        Saliency(value_head, in_keys=["x"], out_keys=["v"], target=target)(td.clone())
+    expected = str(method_error.value).replace("Saliency:", "metrics:", 1)
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        score(value_head, td, in_keys=["x"], out_keys=["v"], target=target, **options)
+    curve = pixel_flipping(value_head, td, in_keys=["x"], out_keys=["v"])  # no target: the value itself
+    torch.testing.assert_close(curve[:, 0], value_head(x).detach(), rtol=1e-12, atol=1e-12)

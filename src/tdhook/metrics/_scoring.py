@@ -148,6 +148,9 @@ class Scorer:
         target: ``None`` (the argmax of the unperturbed output's last dimension, the output itself for a value
             head, or for a sampling policy's logits the action the TensorDict holds beside its relevance), an int,
             a LongTensor of per-sample indices, or a callable ``output -> relevance``. As for the
+        target: ``None`` (the argmax of the unperturbed output's last dimension, or the output itself for a value
+            head), an int, a LongTensor of per-sample indices (refused on an output with no dimension after the
+            batch, as by the methods), or a callable ``output -> relevance``. As for the
             attribution methods, it is resolved once, on the unperturbed output ``y``: a callable gives the
             weights ``w = target(y) / y`` (relevance where ``y`` is 0 is refused: ``w`` cannot carry it), and the
             score of a perturbed output ``y'`` is ``sum(y' * w)`` over its non-batch dimensions (``sum(target(y))``
@@ -309,6 +312,13 @@ class Scorer:
                     "perturbed output y' scores sum(y' * relevance / y), which cannot carry it: return the output "
                     "times the weights (lambda y: y * w)"
                 )
+        elif output.dim() == len(self._batch) and target is not None:
+            # An index on an output with no unit dimension (a [B] value head): refused as the methods refuse it,
+            # rather than scoring the output itself whatever unit the target names.
+            try:
+                initial_gradient(output, target, self._key, len(self._batch))
+            except (IndexError, ValueError, TypeError) as err:
+                raise _metrics_error(err) from err
         elif output.dim() > len(self._batch) and (target is not None or output.shape[-1] > 1):
             try:
                 # A sampling policy's default: the action explained beside the relevance in ``td``, not a new draw.
