@@ -759,3 +759,12 @@ def test_an_index_target_on_an_output_with_no_unit_dimension_is_refused_as_the_m
         score(value_head, td, in_keys=["x"], out_keys=["v"], target=target, **options)
     curve = pixel_flipping(value_head, td, in_keys=["x"], out_keys=["v"])  # no target: the value itself
     torch.testing.assert_close(curve[:, 0], value_head(x).detach(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("target", [1.0, "all"])
+def test_a_target_of_another_kind_is_refused_listing_only_what_the_metrics_accept(target):
+    """A float's message listed 'all', which the metrics refuse (one unit's score each)."""
+    td = TensorDict(x=torch.randn(2, 4), attribution=TensorDict(x=torch.randn(2, 4)), batch_size=[2])
+    accepted = "metrics: target must be None, an int, a LongTensor or a callable, got "
+    with pytest.raises((TypeError, ValueError), match=f"^{re.escape(accepted)}(float|'all')$"):
+        pixel_flipping(nn.Linear(4, 3), td, in_keys=["x"], out_keys=["y"], target=target)

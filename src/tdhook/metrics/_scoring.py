@@ -66,7 +66,15 @@ _ELEMENTS_PER_FORWARD = 1 << 16
 
 
 def _metrics_error(err: Exception) -> Exception:
-    return type(err)(str(err).replace("LRP:", "metrics:", 1))
+    """The wrapper's error of a target or key under the metrics' name, listing the targets a metric accepts (one
+    unit's score: not ``'all'``, which the wrappers take).
+
+    Examples:
+        >>> _metrics_error(TypeError("LRP: target must be None, an int, a LongTensor, a callable or 'all', got float"))
+        TypeError('metrics: target must be None, an int, a LongTensor or a callable, got float')
+    """
+    message = str(err).replace("LRP:", "metrics:", 1).replace(", a callable or 'all'", " or a callable", 1)
+    return type(err)(message)
 
 
 def _refuse_steps_read_together(module: TensorDictModuleBase, td: TensorDictBase) -> None:

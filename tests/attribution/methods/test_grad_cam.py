@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import re
 import threading
 
 import captum.attr
@@ -160,12 +161,27 @@ class TestRefusals:
         assert_unchanged(net, snapshot)
         assert list(td.keys()) == ["x"]
 
-    def test_upsample_to_an_input_without_matching_spatial_dims(self):
-        net = random_mlp(0)
-        with pytest.raises(ValueError, match="GradCAM: cannot resize the map of layer '1'"):
-            GradCAM(net, layer="1", in_keys=["x"], out_keys=["y"], upsample=True)(
-                TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
-            )
+    @pytest.mark.parametrize("model", ["mlp", "cnn flattened"])
+    def test_upsample_of_a_layer_with_no_spatial_dimensions_says_so_with_its_shape(self, model):
+        """The message said "cannot resize ... with 0 spatial dimensions (1 to 3)"; it says that the layer's output
+        has no spatial dimensions to upsample, and its shape. Without upsample, the map at the layer is written."""
+        if model == "mlp":
+            net, layer, x = random_mlp(0), "1", torch.randn(2, 5, dtype=torch.float64)
+            shape = f"[2, {net[0].out_features}]"
+        else:
+            net = nn.Sequential(nn.Conv2d(3, 2, 3), nn.Flatten(), nn.Linear(2 * 2 * 3, 2)).double()
+            layer, x, shape = "2", torch.randn(2, 3, 4, 5, dtype=torch.float64), "[2, 2]"
+        td = TensorDict(x=x, batch_size=[2])
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                f"GradCAM: the output of layer '{layer}' has no spatial dimensions to upsample: its shape {shape} is "
+                "the batch [2] and its channels; pick a layer with spatial dimensions"
+            ),
+        ):
+            GradCAM(net, layer=layer, in_keys=["x"], out_keys=["y"], upsample=True)(td)
+        assert list(td.keys()) == ["x"]
+        assert GradCAM(net, layer=layer, in_keys=["x"], out_keys=["y"])(td)["attribution", layer].shape == (2,)
 
     def test_a_layer_the_target_does_not_depend_on(self):
         """A critic's layer for the actor's logits: the map was 0 everywhere, silently (captum raises)."""

@@ -244,20 +244,35 @@ class GradCAM(AttributionMethod):
         cam = (weights * activation.detach().unsqueeze(0)).sum(call.batch_dims + 1)
         self._cam = cam.clamp(min=0) if self.relu else cam
         return (
-            [self._resized(call, key, x) for key, x in zip(self.explained_keys, call.inputs, strict=True)]
+            [
+                self._resized(call, key, x, activation.shape)
+                for key, x in zip(self.explained_keys, call.inputs, strict=True)
+            ]
             if self.upsample
             else []
         )
 
-    def _resized(self, call: Call, key: NestedKey, x: torch.Tensor) -> torch.Tensor:
+    def _resized(self, call: Call, key: NestedKey, x: torch.Tensor, layer_shape: torch.Size) -> torch.Tensor:
         cam = self._cam  # [units, *batch, *spatial]
         spatial = cam.shape[1 + call.batch_dims :]
         target = x.shape[call.batch_dims + 1 :]
-        if len(target) != len(spatial) or len(spatial) not in _MODES:
+        if not spatial:
+            raise ValueError(
+                f"GradCAM: the output of layer {self.layer!r} has no spatial dimensions to upsample: its shape "
+                f"{list(layer_shape)} is the batch {list(call.batch_shape)} and its channels; pick a layer with "
+                "spatial dimensions [*batch, channels, *spatial] (a convolution's output, before any flattening), "
+                "or pass upsample=False for the map at the layer alone"
+            )
+        if len(spatial) not in _MODES:
+            raise ValueError(
+                f"GradCAM: the output of layer {self.layer!r} of shape {list(layer_shape)} has {len(spatial)} "
+                f"spatial dimensions {list(spatial)}; upsample resizes 1 to 3 (pass upsample=False)"
+            )
+        if len(target) != len(spatial):
             raise ValueError(
                 f"GradCAM: cannot resize the map of layer {self.layer!r} (spatial shape {list(spatial)}) to input key "
-                f"{key!r} of shape {list(x.shape)}; upsample needs inputs [*batch, channels, *spatial] with "
-                f"{len(spatial)} spatial dimensions (1 to 3)"
+                f"{key!r} of shape {list(x.shape)}; upsample needs inputs [*batch, channels, *spatial] with the "
+                f"layer's {len(spatial)} spatial dimensions"
             )
         flat = cam.reshape(-1, 1, *spatial)
         resized = F.interpolate(flat, size=tuple(target), mode=_MODES[len(spatial)], align_corners=False)
