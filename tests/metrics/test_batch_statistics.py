@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import copy
+import re
+import warnings
+from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
 from torchrl.modules import BatchRenorm1d
@@ -22,7 +26,7 @@ from tdhook.metrics import (
 )
 from tdhook.metrics._similarity import spearman
 from tests.attribution.methods._models import FromCallersStatistics
-from tests.metrics.test_scoring import batch_normalised
+from tests.metrics.test_scoring import batch_normalised, step_by_step
 
 
 def test_the_running_statistics_of_a_model_in_training_mode_are_left_as_they_were():
@@ -143,3 +147,88 @@ def test_a_vec_norm_that_is_not_frozen_is_refused_by_name(metric):
     before = {k: v.clone() for k, v in net[0]._td.items()}
     METRICS[metric](net, td, kwargs)
     assert all(torch.equal(v, before[k]) for k, v in net[0]._td.items())
+
+
+def mixes(h: torch.Tensor, how: str) -> torch.Tensor:
+    """A statistic of the batch taken in a forward, with no module to show it."""
+    if how == "batch_norm":
+        return F.batch_norm(h, None, None, training=True)
+    if how == "standardised":
+        return (h - h.mean(0)) / (h.std(0) + 0.1)
+    return h / (h.abs().amax(0) + 0.1)  # max-normalised
+
+
+class MixesInItsForward(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(mixes(x, self.how))
+
+
+class Mixing(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return mixes(h, self.how)
+
+
+@pytest.mark.parametrize("where", ["in its forward", "after a leading linear layer"])
+@pytest.mark.parametrize("how", ["batch_norm", "standardised", "max-normalised"])
+def test_a_model_mixing_its_batch_with_no_module_to_show_it_is_scored_one_step_per_pass(how, where):
+    """``F.batch_norm`` in training mode, ``(h - mean) / std`` or ``h / max`` over the batch in a forward: stacked
+    steps changed each other's scores (the curve 0.07 to 0.69 off its definition here, the correlations 0.07 to 1.3),
+    with no word. The first stack is compared with its first and middle steps alone (through the layers after a
+    leading linear layer, which a curve updates step by step; elsewhere the first is the unperturbed batch, added to
+    the stack): the steps then run one per pass, with a warning naming the module, and the scores are those of the
+    definition."""
+    torch.manual_seed(0)
+    if where == "in its forward":
+        net, name = MixesInItsForward(how).double(), "the model (MixesInItsForward)"
+    else:
+        net, name = (
+            nn.Sequential(nn.Linear(6, 8), Mixing(how), nn.Tanh(), nn.Linear(8, 3)).double(),
+            "module '1' (Mixing)",
+        )
+    x, a = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    td = TensorDict(x=x, attribution=TensorDict(x=a), batch_size=[4])
+    kwargs = dict(in_keys=["x"], out_keys=["y"])
+    with torch.no_grad():
+        target = net(x).argmax(-1)
+    expected = step_by_step(net, x, a, lambda y: y[torch.arange(4), target], 1)
+    warned = rf"^metrics: {re.escape(name)} mixes the samples of its batch in its forward"
+    with pytest.warns(UserWarning, match=warned):
+        curve = pixel_flipping(net, td, **kwargs)
+    torch.testing.assert_close(curve, expected, rtol=0, atol=1e-12)
+    one_per_pass = faithfulness_correlation(net, td, n_runs=6, subset_size=2, seed=0, steps_per_forward=1, **kwargs)
+    with pytest.warns(UserWarning, match=warned):
+        correlation = faithfulness_correlation(net, td, n_runs=6, subset_size=2, seed=0, **kwargs)
+    torch.testing.assert_close(correlation, one_per_pass, rtol=0, atol=0)
+
+
+def test_the_comparison_costs_one_pass_of_the_batch_per_call_and_samples_apart_are_not_warned_of():
+    """The first stack of a call also holds the unperturbed batch, compared with the pass that fixed the target, and
+    its middle step runs alone: one pass of the batch more per call. A float32 CNN, whose kernels round by the batch
+    size, treats its samples apart and is not warned of; built of torch's own layers with no hook, it is not even
+    compared."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(128, 5)
+    )
+    td = TensorDict(x=torch.randn(8, 3, 6, 6), attribution=TensorDict(x=torch.randn(8, 3, 6, 6)), batch_size=[8])
+    kwargs = dict(in_keys=["x"], out_keys=["y"], features_per_step=4)
+    with mock.patch("tdhook.metrics._scoring.steps_mixed") as compared:
+        plain = pixel_flipping(net, td, steps_per_forward=10, **kwargs)
+    assert not compared.called
+    passes = []
+    net.register_forward_pre_hook(lambda module, args: passes.append(args[0].shape[0]))  # no longer plain
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*mixes the samples of its batch")
+        curve = pixel_flipping(net, td, steps_per_forward=10, **kwargs)
+    assert passes == [8, 88, 8, 80, 56]  # 27 steps in stacks of 10, the first after the unperturbed batch
+    torch.testing.assert_close(curve, plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(curve, pixel_flipping(net, td, steps_per_forward=1, **kwargs), rtol=1e-5, atol=1e-5)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from tdhook.attribution.methods._random_draws import random_states
+from tdhook.metrics._batch_statistics import StepsMixed
 from tdhook.metrics._features import Baseline, Features, positions_of
 from tdhook.metrics._scoring import Scorer, chunks, progress_bar
 
@@ -57,6 +58,7 @@ def perturbation_curve(
     """
     baselines = features.baselines(baseline)  # checked before any forward pass, and resolved once
     affine = scorer.leading_affine()
+    given = positions, order  # as given, for a curve run again one step per pass
     lead = len(features.batch_size)
     if affine is not None and affine.fits(features.inputs[0], lead, baselines[0]):
         x, n = features.inputs[0], features.batch_size.numel()
@@ -86,9 +88,14 @@ def perturbation_curve(
         )
         update = progress_bar(-(-len(thresholds) // size), description, progress)
         outputs = {}  # the stacks come from the last to the first
-        for start, output in stacks:
-            outputs[start] = output
-            update(1)
+        try:
+            for start, output in stacks:
+                outputs[start] = output
+                update(1)
+        except StepsMixed as mixed:  # a layer after the first mixes the steps: each runs in a pass of its own
+            update(0)
+            scorer.run_steps_alone(mixed.found)
+            return perturbation_curve(scorer, features, given[0], thresholds, baseline, progress, description, given[1])
         steps = torch.cat([outputs[start] for start in sorted(outputs)]) if len(outputs) > 1 else output
         if folded:  # the scores of step 0 and of the others at once
             scorer.resolve(steps[0], before)

@@ -25,6 +25,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from torch import nn
 from torch.nn.modules import module as module_globals
 
 from tdhook.attribution.rules._meta_tensors import holds_meta_tensors
-from tdhook.metrics._batch_statistics import statistics_kept
+from tdhook.metrics._batch_statistics import StepsMixed, hooked, samples_apart, statistics_kept, steps_mixed
 from tdhook.metrics._features import stacked_batch
 from tdhook.metrics._transposed_weights import transposed
 
@@ -45,13 +46,6 @@ _LARGEST_LAYER = 1 << 23
 # The layer's outputs that one stack of steps holds (steps times the batch times its width): a stack's fixed cost
 # (a dozen operations) is then small next to its work, and its float64 sums take 2 MiB.
 _STACK_ELEMENTS = 1 << 18
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
-
-def _hooked(module: nn.Module) -> bool:
-    """Whether ``module`` runs anything besides its class's forward: a hook, or a forward set on the instance (as
-    accelerate's hooks and monkeypatching do), which ``module(x)`` calls in place of the class's."""
-    return any(getattr(module, name, None) for name in _HOOKS) or "forward" in vars(module)
 
 
 def _plain_sequential(module: nn.Module) -> bool:
@@ -79,16 +73,16 @@ class LeadingAffine:
         No hook may sit on the model or on the layers it skips (they would not run), nor a forward set on one of
         them, nor a global module hook.
         """
-        if not _plain_sequential(model) or _hooked(model):
+        if not _plain_sequential(model) or hooked(model):
             return None
         if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
             return None
         layers = list(model)
         flatten = bool(layers) and type(layers[0]) is nn.Flatten
-        if flatten and (layers[0].start_dim != 1 or layers[0].end_dim != -1 or _hooked(layers[0])):
+        if flatten and (layers[0].start_dim != 1 or layers[0].end_dim != -1 or hooked(layers[0])):
             return None
         first = layers[1 if flatten else 0 : 2 if flatten else 1]
-        if not first or type(first[0]) is not nn.Linear or _hooked(first[0]):
+        if not first or type(first[0]) is not nn.Linear or hooked(first[0]):
             return None
         if any(holds_meta_tensors(module) for module in model.modules()):
             return None  # the model's own passes name the module computing from a tensor that holds no values
@@ -151,6 +145,11 @@ class LeadingAffine:
         Yields:
             ``(start, outputs)``: the outputs ``[steps, N, ...]`` of the steps ``start + 1 .. start + steps``
             (``start`` is ``-1`` for a stack that begins with step 0).
+
+        Raises:
+            StepsMixed: the first stack of several steps gives a step other outputs than its own pass: a layer after
+                the first mixes the samples of its batch (warned of, naming it; see
+                :func:`~tdhook.metrics._batch_statistics.steps_mixed`).
         """
         n, weight, n_steps = x.shape[0], self.linear.weight, len(thresholds)
         with torch.no_grad():  # not around a yield: the caller's code between stacks keeps its own grad mode
@@ -180,6 +179,7 @@ class LeadingAffine:
             plain = all(_strided_ok(module) for module in modules)
             # Modules in training mode update their buffers: each stack starts from the caller's (the others do not).
             kept = nn.ModuleList(self.rest) if any(module.training for module in modules) else None
+        unchecked = not all(map(samples_apart, self.rest))  # then the first stack is compared with its steps alone
         for start in reversed(range(0, n_steps, size)):
             stop = min(start + size, n_steps)
             first = start - int(unperturbed and start == 0)  # the step before the stack's first
@@ -188,13 +188,44 @@ class LeadingAffine:
                 if hidden.dtype != weight.dtype:  # summed in float64 (see above): rounded once to the layer's
                     hidden = hidden.to(weight.dtype)
                 hidden = hidden if plain else hidden.contiguous()
-                alone = batch is not None and not len(batch) and stop - first == 1  # one sample, run as it is
-                stacked = () if alone else stacked_batch(stop - first, (n,) if batch is None else batch)
-                out = hidden.reshape(*stacked, weight.shape[0])
-                with statistics_kept(kept) if kept is not None else contextlib.nullcontext():
-                    for layer in self.rest:
-                        out = layer(out)
-            yield first, out.reshape(stop - first, n, *out.shape[len(stacked) :]).flip(0)  # from the first step
+                rest = functools.partial(self._rest, batch=batch, kept=kept)
+                # The first stack of several steps is compared with its steps alone: a layer after the first may mix
+                # the samples of its batch (copies of its outputs: a layer may change its input in place).
+                copy = hidden.clone() if unchecked and len(hidden) > 1 else None
+                out = rest(hidden)
+                if copy is not None:
+                    unchecked = False
+                    alone = lambda i: rest(copy[i : i + 1].clone())[0]  # noqa: E731
+                    found = steps_mixed(out, alone, self.named_rest, lambda: rest(copy.clone()))
+                    if found is not None:
+                        raise StepsMixed(found)
+            yield first, out.flip(0)  # from the first step
+
+    def _rest(self, hidden: torch.Tensor, batch: Sequence[int] | None, kept: nn.Module | None) -> torch.Tensor:
+        """The layers after the first on its outputs ``[steps, N, out]``, stacked as one batch (see :meth:`outputs`),
+        as ``[steps, N, ...]``."""
+        steps, n = hidden.shape[:2]
+        alone = batch is not None and not len(batch) and steps == 1  # one sample, run as it is
+        stacked = () if alone else stacked_batch(steps, (n,) if batch is None else batch)
+        out = hidden.reshape(*stacked, hidden.shape[-1])
+        with statistics_kept(kept) if kept is not None else contextlib.nullcontext():
+            for layer in self.rest:
+                out = layer(out)
+        return out.reshape(steps, n, *out.shape[len(stacked) :])
+
+    def named_rest(self) -> dict[str, nn.Module]:
+        """The modules of the layers after the first, named as in the model.
+
+        Examples:
+            >>> list(LeadingAffine.find(nn.Sequential(nn.Flatten(), nn.Linear(4, 3), nn.ReLU())).named_rest())
+            ['2']
+        """
+        offset = 2 if self.flatten else 1
+        return {
+            f"{offset + i}{'.' if sub else ''}{sub}": module
+            for i, layer in enumerate(self.rest)
+            for sub, module in layer.named_modules()
+        }
 
     def _at_baseline(self, base: torch.Tensor) -> torch.Tensor | None:
         """The layer's output with every element at the baseline ``base`` ``[N, M]`` where the baseline is zero: its

@@ -54,7 +54,13 @@ from tdhook.attribution.targets import (
     target_output,
     zero_entries,
 )
-from tdhook.metrics._batch_statistics import batch_normalising_module, statistics_kept
+from tdhook.metrics._batch_statistics import (
+    batch_normalising_module,
+    hooked,
+    samples_apart,
+    statistics_kept,
+    steps_mixed,
+)
 from tdhook.metrics._features import explained_keys, stacked_batch
 from tdhook.metrics._leading_affine import LeadingAffine
 
@@ -172,6 +178,8 @@ class Scorer:
             (``[steps * B, T]`` for a ``[B, T]`` batch: the time dimension stays). A model that normalises over
             the batch (see
             :func:`~tdhook.metrics._batch_statistics.batch_normalising_module`) sees one step per pass; more is refused.
+            So does, from the first stack on, a model that mixes its samples in its forward (see
+            :func:`~tdhook.metrics._batch_statistics.steps_mixed`), with a warning.
         defer: where the model starts with a linear layer (see :meth:`leading_affine`), leave the unperturbed pass
             and the target to :meth:`resolve`, which takes the unperturbed output from the curve's own sums: the
             attributes below wait for that call.
@@ -236,6 +244,7 @@ class Scorer:
                 "leave steps_per_forward at None (one step per pass) or call .eval() on the model"
             )
         self.steps_per_forward = 1 if self._alone is not None else steps_per_forward
+        self._mixing_checked = self.steps_per_forward == 1 or _samples_apart(self)  # else the first stack is compared
         # Recurrent layers, and the time lengths they see in the unperturbed pass: a stack of steps that gives them
         # others ran as one sequence, and runs again one step per pass (see tdhook.attribution.methods._time_reads).
         self._recurrent, self._lengths = recurrent_layers(modules), set()
@@ -453,19 +462,28 @@ class Scorer:
         """
         n_steps = next(iter(perturbed.values())).shape[0]
         if self._alone is not None and n_steps > 1:  # each step as the batch it is
-            return torch.cat(
-                [self.outputs({key: value[i : i + 1] for key, value in perturbed.items()}) for i in range(n_steps)]
-            )
+            return torch.cat([self.outputs(_step(perturbed, i)) for i in range(n_steps)])
+        given = perturbed
+        # The first stack of a call also runs the unperturbed batch, copies of its inputs kept (see _steps_mixed).
+        kept = _with_unperturbed(self, perturbed) if n_steps > 1 and not self._mixing_checked else None
+        if kept is not None:
+            perturbed, n_steps = _step(kept, slice(None)), n_steps + 1
         if n_steps > 1 and self._recurrent:
             with time_lengths(self._recurrent) as lengths:
                 output = self._stacked_outputs(perturbed, n_steps)
-            if output is None or not read_as_one_sequence(self._lengths, lengths):
-                return self.outputs(perturbed) if output is None else output
-            name = next(name for name, _ in sorted(lengths - self._lengths, key=str))
-            self._alone = f"{name} ({type(self._recurrent[name]).__name__})"  # read the steps as one sequence
-            return self.outputs(perturbed)
-        output = self._stacked_outputs(perturbed, n_steps)
-        return self.outputs(perturbed) if output is None else output
+            if output is not None and read_as_one_sequence(self._lengths, lengths):
+                name = next(name for name, _ in sorted(lengths - self._lengths, key=str))
+                self._alone = f"{name} ({type(self._recurrent[name]).__name__})"  # read the steps as one sequence
+                return self.outputs(given)
+        else:
+            output = self._stacked_outputs(perturbed, n_steps)
+        if output is None or (kept is not None and _steps_mixed(self, kept, output)):
+            return self.outputs(given)
+        return output if kept is None else output[1:]
+
+    def run_steps_alone(self, found: str) -> None:
+        """Run each step in a pass of its own from now on: ``found`` mixes the samples of a batch."""
+        self._alone, self.steps_per_forward = found, 1
 
     def _scored_across_steps(self, output: torch.Tensor, stacked_dims: int) -> bool:
         """Whether the target output of stacked steps scores them against each other (see
@@ -533,6 +551,46 @@ class Scorer:
             return self.steps_per_forward
         per_step = max(1, sum(x.numel() for x in inputs))
         return max(1, _ELEMENTS_PER_FORWARD // per_step)
+
+
+def _samples_apart(scorer: Scorer) -> bool:
+    """Whether the model is a plain one of torch's layers that compute each sample apart, or a ``TensorDictModule``
+    of one (see :func:`~tdhook.metrics._batch_statistics.samples_apart`)."""
+    module = scorer.module
+    if not scorer._plain and (type(module) is not TensorDictModule or hooked(module)):
+        return False
+    return samples_apart(module.module)
+
+
+def _with_unperturbed(scorer: Scorer, perturbed: Mapping[NestedKey, torch.Tensor]) -> dict | None:
+    """The stacked steps ``perturbed`` after the unperturbed batch, as a new stack; ``None`` before the target is
+    fixed on the unperturbed output."""
+    if scorer._pending is not None:
+        return None
+    return {key: torch.cat([scorer._base.get(key).unsqueeze(0), value]) for key, value in perturbed.items()}
+
+
+def _steps_mixed(scorer: Scorer, kept: Mapping[NestedKey, torch.Tensor], output: torch.Tensor) -> bool:
+    """Whether the first stack of a call shows that the model mixes the samples of its batch (see
+    :func:`~tdhook.metrics._batch_statistics.steps_mixed`); the steps then run one per pass. ``output``: that of the
+    steps ``kept`` (copied before the pass: a model may change its inputs in place), the unperturbed batch first,
+    which the scorer's own pass gave alone. Later stacks are not compared."""
+    scorer._mixing_checked = True
+    modules = lambda: dict((scorer.module.module if scorer._plain else scorer.module).named_modules())  # noqa: E731
+    n_steps = output.shape[0]
+    rerun = lambda: scorer._stacked_outputs(_step(kept, slice(None)), n_steps)  # noqa: E731
+    alone = lambda i: scorer._stacked_outputs(_step(kept, slice(i, i + 1)), 1)[0]  # noqa: E731
+    found = steps_mixed(output, alone, modules, rerun, first=scorer.reference_output)
+    if found is not None:
+        scorer.run_steps_alone(found)
+    return found is not None
+
+
+def _step(perturbed: Mapping[NestedKey, torch.Tensor], i: int | slice) -> dict[NestedKey, torch.Tensor]:
+    """Step ``i`` of stacked perturbed inputs as a stack of one (a view), or the steps of a slice, copied."""
+    if isinstance(i, slice):
+        return {key: value[i].clone() for key, value in perturbed.items()}
+    return {key: value[i : i + 1] for key, value in perturbed.items()}
 
 
 def chunks(total: int, size: int) -> Iterator[tuple[int, int]]:
