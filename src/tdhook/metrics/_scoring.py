@@ -161,10 +161,8 @@ class Scorer:
         target_key: the output scored; the default is the one :class:`~tdhook.attribution.LRP` explains.
         target: ``None`` (the argmax of the unperturbed output's last dimension, the output itself for a value
             head, or for a sampling policy's logits the action the TensorDict holds beside its relevance), an int,
-            a LongTensor of per-sample indices, or a callable ``output -> relevance``. As for the
-        target: ``None`` (the argmax of the unperturbed output's last dimension, or the output itself for a value
-            head), an int, a LongTensor of per-sample indices (refused on an output with no dimension after the
-            batch, as by the methods), or a callable ``output -> relevance``. As for the
+            a LongTensor of per-sample indices (refused on an output with no dimension after the batch, as by the
+            methods), or a callable ``output -> relevance``. As for the
             attribution methods, it is resolved once, on the unperturbed output ``y``: a callable gives the
             weights ``w = target(y) / y`` (relevance where ``y`` is 0 is refused: ``w`` cannot carry it), and the
             score of a perturbed output ``y'`` is ``sum(y' * w)`` over its non-batch dimensions (``sum(target(y))``
@@ -338,7 +336,6 @@ class Scorer:
                 raise _metrics_error(err) from err
         elif output.dim() > len(self._batch) and (target is not None or output.shape[-1] > 1):
             try:
-                # A sampling policy's default: the action explained beside the relevance in ``td``, not a new draw.
                 allowed = allowed_action(operator, self._key, result, td, True) if target is None and not free else None
                 if chosen is not None:
                     self._index = chosen[1]
