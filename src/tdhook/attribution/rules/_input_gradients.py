@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tdhook.attribution.rules._autograd import is_batched_gradient
-from tdhook.attribution.rules._layers import PLAIN_CONVOLUTIONS, TRANSPOSED_INPUT_GRADIENTS
+from tdhook.attribution.rules._layers import PLAIN_CONVOLUTIONS, TRANSPOSED_INPUT_GRADIENTS, _has_torch_forward
 
 __all__ = [
     "has_direct_input_gradient",
@@ -42,17 +42,20 @@ _SHIFTED_PIECE = 1 << 20
 
 
 def has_direct_input_gradient(module: nn.Module) -> bool:
-    """Whether :func:`direct_input_gradient` handles ``module``: Linear and zero-padded convolutions.
+    """Whether :func:`direct_input_gradient` handles ``module``: Linear and zero-padded convolutions with torch's
+    forward (a forward set on the instance may pad otherwise, or call another function).
 
     Examples:
         >>> has_direct_input_gradient(nn.Conv2d(3, 4, 3)), has_direct_input_gradient(nn.ReLU())
         (True, False)
     """
     kind = type(module)
+    if kind is not nn.Linear and kind not in PLAIN_CONVOLUTIONS and kind not in TRANSPOSED_INPUT_GRADIENTS:
+        return False
+    if not _has_torch_forward(module):
+        return False
     if kind is nn.Linear:
         return True
-    if kind not in PLAIN_CONVOLUTIONS and kind not in TRANSPOSED_INPUT_GRADIENTS:
-        return False
     return module.padding_mode == "zeros" and not isinstance(module.padding, str)
 
 

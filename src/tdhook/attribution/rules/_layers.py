@@ -245,9 +245,10 @@ def has_weight(module: nn.Module) -> bool:
 
 def _has_torch_forward(module: nn.Module) -> bool:
     """Whether the layer's forward is torch's own (a parametrized layer's class keeps it): its linear function of
-    the input, the weight and the bias, and nothing else."""
+    the input, the weight and the bias, and nothing else. A forward set on the instance (``conv.forward = ...``, a
+    weight mask or a low-rank adapter patched in) is one of its own, as the same forward in a subclass is."""
     base = next(cls for cls in (nn.Linear, *PLAIN_CONVOLUTIONS, *TRANSPOSED_FORWARDS) if isinstance(module, cls))
-    return type(module).forward is base.forward
+    return type(module).forward is base.forward and "forward" not in module.__dict__
 
 
 def _has_plain_forward(module: nn.Module) -> bool:
