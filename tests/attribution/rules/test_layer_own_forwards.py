@@ -2,7 +2,9 @@
 
 A forward set on the instance (``conv.forward = MethodType(...)`` or a lambda) is the layer's own, as the same
 forward written in a subclass is: a weight it computes with (a mask) is the one explained, as the plain layer holding
-that weight is; a second linear map it adds (a low-rank adapter patched in) is refused by name, as in a subclass.
+that weight is; a second linear map it adds (a low-rank adapter patched in) is refused by name, as in a subclass. A
+convolution's ``_conv_forward`` of its own (a weight standardised, masked, or the input padded circularly there) is
+a forward of its own too: it explains as the plain convolution holding the weight it computes with.
 """
 
 from __future__ import annotations
@@ -137,3 +139,83 @@ class TestForwardSetOnTheInstance:
         what = r"module '2' \(Conv2d\): Conv2d: its forward calls 3 linear or convolution functions"
         with pytest.raises(ValueError, match=what):
             lrp_relevance(model, inputs("Conv2d"), torch.randn(2, 3, dtype=F64), CNN_PRESETS[preset]())
+
+
+CONVOLUTIONS = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+
+
+def standardised(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` standardised per output channel (a weight-standardised convolution's)."""
+    dims = tuple(range(1, weight.dim()))
+    mean, var = weight.mean(dims, keepdim=True), weight.var(dims, keepdim=True, unbiased=False)
+    return (weight - mean) / (var + 1e-5).sqrt()
+
+
+def pruned(weight: torch.Tensor) -> torch.Tensor:
+    return weight * (torch.rand(weight.shape, generator=torch.Generator().manual_seed(5)) > 0.5).to(weight.dtype)
+
+
+def circular_conv(self: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A convolution padding its input circularly by 1 on every side, then convolving it unpadded."""
+    dims = len(self.kernel_size)
+    convolve = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
+    return convolve(F.pad(x, (1, 1) * dims, mode="circular"), weight, bias, self.stride, 0, self.dilation, self.groups)
+
+
+def conv_network(dims: int, how: str, spelling: str = "subclass") -> nn.Sequential:
+    """Two convolutions of ``dims`` dimensions between ReLUs and a head; with ``how`` (``standardise``, ``mask``,
+    ``circular``) each has a ``_conv_forward`` of its own, by ``spelling`` (its class's, or set on the instance), and
+    with ``how`` of ``plain-...`` each is the plain convolution computing as that one does."""
+    base = CONVOLUTIONS[dims]
+    change = {"standardise": standardised, "mask": pruned, "circular": lambda w: w}[how.removeprefix("plain-")]
+
+    def conv_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if how == "circular":
+            return circular_conv(self, x, weight, bias)
+        return base._conv_forward(self, x, change(weight), bias)
+
+    own = type(f"Own{base.__name__}", (base,), {"_conv_forward": conv_forward})
+    make = base if how.startswith("plain-") or spelling == "instance" else own
+    torch.manual_seed(0)
+    convs = [make(3, 4, 3, padding=1), make(4, 4, 3, padding=1)]
+    model = nn.Sequential(convs[0], nn.ReLU(), convs[1], nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4**dims, 3))
+    model = model.double().eval()
+    with torch.no_grad():
+        for conv in convs:
+            conv.bias.normal_()
+            if how.startswith("plain-"):
+                conv.weight.copy_(change(conv.weight))
+                if how == "plain-circular":
+                    conv.padding_mode = "circular"
+                    conv._reversed_padding_repeated_twice = [1, 1] * dims
+            elif spelling == "instance":
+                conv._conv_forward = types.MethodType(conv_forward, conv)
+    return model
+
+
+class TestConvForwardOfItsOwn:
+    """A convolution overriding ``_conv_forward`` alone (torch's forward kept) was explained as one with torch's:
+    the rules passed their modified weights to its ``_conv_forward``, which changed them (a weight standardisation:
+    30 times off under EpsilonPlus, all zero under EpsilonPlusFlat, silently). A mask or a circular padding there
+    happened to be right, and stays so."""
+
+    @pytest.mark.parametrize("preset", sorted(PRESETS))
+    @pytest.mark.parametrize("spelling", ["subclass", "instance"])
+    @pytest.mark.parametrize("how", ["standardise", "mask", "circular"])
+    def test_a_conv2d_explains_as_the_plain_one_computing_alike(self, how: str, spelling: str, preset: str):
+        self.assert_explains_as_plain(2, how, spelling, preset)
+
+    @pytest.mark.parametrize("preset", ["EpsilonPlusFlat", "EpsilonGammaBox"])
+    @pytest.mark.parametrize("dims", [1, 3])
+    def test_a_conv1d_and_conv3d_with_a_standardised_weight(self, dims: int, preset: str):
+        self.assert_explains_as_plain(dims, "standardise", "subclass", preset)
+
+    @staticmethod
+    def assert_explains_as_plain(dims: int, how: str, spelling: str, preset: str) -> None:
+        model, plain = conv_network(dims, how, spelling), conv_network(dims, f"plain-{how}")
+        x = torch.randn(2, 3, *[4] * dims, dtype=F64, generator=torch.Generator().manual_seed(1)).clamp(-2.9, 2.9)
+        torch.testing.assert_close(model(x), plain(x), rtol=1e-12, atol=1e-12)
+        relevance_out = torch.randn(2, 3, dtype=F64, generator=torch.Generator().manual_seed(2))
+        actual = lrp_relevance(model, x, relevance_out, PRESETS[preset]())
+        expected = lrp_relevance(plain, x, relevance_out, PRESETS[preset]())
+        assert relative_error(actual, expected) <= 1e-10

@@ -246,8 +246,16 @@ def has_weight(module: nn.Module) -> bool:
 def _has_torch_forward(module: nn.Module) -> bool:
     """Whether the layer's forward is torch's own (a parametrized layer's class keeps it): its linear function of
     the input, the weight and the bias, and nothing else. A forward set on the instance (``conv.forward = ...``, a
-    weight mask or a low-rank adapter patched in) is one of its own, as the same forward in a subclass is."""
+    weight mask or a low-rank adapter patched in) is one of its own, as the same forward in a subclass is, and so is
+    a convolution's ``_conv_forward`` of its own (a weight standardised there): torch's forward hands it the stored
+    weight, which it may change, so the rules' modified weights cannot be passed to it. A transposed convolution's
+    ``_output_padding`` of its own is not: the modified passes take the output padding from the explained call's
+    output."""
     base = next(cls for cls in (nn.Linear, *PLAIN_CONVOLUTIONS, *TRANSPOSED_FORWARDS) if isinstance(module, cls))
+    if base in PLAIN_CONVOLUTIONS and (
+        type(module)._conv_forward is not base._conv_forward or "_conv_forward" in module.__dict__
+    ):
+        return False
     return type(module).forward is base.forward and "forward" not in module.__dict__
 
 
