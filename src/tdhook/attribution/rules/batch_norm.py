@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from tdhook.attribution.rules._autograd import call_argument
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._concatenated_layers import concatenated_layer_calls
 from tdhook.attribution.rules._copied_layer_outputs import warn_of_copied_layer_output
@@ -61,6 +62,33 @@ def is_batch_norm(module: nn.Module) -> bool:
         (True, False)
     """
     return isinstance(module, BATCH_NORMS) or is_frozen_batch_norm(module)
+
+
+class _Statistics(NamedTuple):
+    """What an ``F.batch_norm`` call normalises with: its running statistics, affine parameters, mode and ε."""
+
+    mean: torch.Tensor | None
+    var: torch.Tensor | None
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    training: bool
+    eps: float
+
+    @classmethod
+    def of_call(cls, args: tuple, kwargs: dict) -> _Statistics:
+        """The arguments of ``F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
+        eps)``: those the call normalised with, whatever the module holds (a subclass normalising each domain with
+        its own statistics)."""
+        names = ("running_mean", "running_var", "weight", "bias")
+        tensors = [call_argument(args, kwargs, position, name) for position, name in enumerate(names, 1)]
+        training = bool(call_argument(args, kwargs, 5, "training", False))
+        return cls(*tensors, training, call_argument(args, kwargs, 7, "eps", 1e-5))
+
+    def held_by(self, norm: nn.Module) -> bool:
+        """Whether these are ``norm``'s own tensors and ε (as torch's forward passes them): the merge built from them
+        is kept, and rebuilt when they change."""
+        own = (norm.running_mean, norm.running_var, norm.weight, norm.bias)
+        return all(a is b for a, b in zip(self[:4], own, strict=True)) and self.eps == norm.eps
 
 
 class MergeBatchNormRule(NormRule):
@@ -143,18 +171,21 @@ class MergeBatchNormRule(NormRule):
             raise error
 
     def batch_norm(self, module: nn.Module, output: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        # Merged with what the call normalised with, which a subclass's forward may take from elsewhere than the
+        # module's buffers (a domain's statistics: merged with the module's own, 0.41 off before).
+        statistics = _Statistics.of_call(args, kwargs)
         call = layer_call_of(args[0])
         parts = concatenated_layer_calls(args[0]) if call is None else None
-        if parts is not None and _can_merge_parts(parts, module, output.shape[1]):
+        if parts is not None and _can_merge_parts(parts, statistics, output.shape[1]):
             if None in parts:
                 self._refuse_unmerged(module)
             return self._merge_parts(module, output, args, kwargs, parts)
         flattened = call is None and (call := _flattened_layer_call(args[0])) is not None
-        if call is None or not _can_merge(call, module, flattened):
+        if call is None or not _can_merge(call, statistics, flattened):
             self._refuse_unmerged(module)
             if call is None and parts is None:
                 warn_of_copied_layer_output(
-                    module, args[0], self._warned_copies, lambda copied: _can_merge(copied, module)
+                    module, args[0], self._warned_copies, lambda copied: _can_merge(copied, statistics)
                 )
             return super().batch_norm(module, output, args, kwargs)
         if not call.rule.merges_batch_norm:
@@ -169,7 +200,7 @@ class MergeBatchNormRule(NormRule):
             return super().batch_norm(module, output, args, kwargs)
         # A flattened layer output is merged in the layer's own shape, and the result flattened as the input was.
         seen = output.view(call.raw.shape) if flattened else output
-        result = self._rewrite(module, call, seen, slice(None))
+        result = self._rewrite(module, call, seen, slice(None), statistics)
         if result is seen:  # the layer's rule keeps the plain gradient: the BatchNorm's own backward runs
             lay_out_gradient(output)
         return result.view(output.shape) if flattened else result
@@ -181,22 +212,33 @@ class MergeBatchNormRule(NormRule):
         channels of the one other part (``None``), if any, the ε-rule of its affine map."""
         other = output.shape[1] - sum(call.raw.shape[1] for call in parts if call is not None)
         plain = super().batch_norm(module, output, args, kwargs) if None in parts else None
+        statistics = _Statistics.of_call(args, kwargs)
         results, start = [], 0
         for call in parts:
             channels = slice(start, start + (other if call is None else call.raw.shape[1]))
             seen = output[:, channels]
-            results.append(plain[:, channels] if call is None else self._rewrite(module, call, seen, channels))
+            if call is None:
+                results.append(plain[:, channels])
+            else:
+                results.append(self._rewrite(module, call, seen, channels, statistics))
             start = channels.stop
         return torch.cat(results, dim=1)
 
-    def _rewrite(self, module: nn.Module, call: LayerCall, seen: torch.Tensor, channels: slice) -> torch.Tensor:
-        """The output ``seen`` of the BatchNorm's ``channels``, from ``call``'s layer merged with them."""
+    def _rewrite(
+        self, module: nn.Module, call: LayerCall, seen: torch.Tensor, channels: slice, statistics: _Statistics
+    ) -> torch.Tensor:
+        """The output ``seen`` of the BatchNorm's ``channels``, from ``call``'s layer merged with them (with the
+        ``statistics`` its ``F.batch_norm`` call normalised with)."""
         if graph_kept() is not None:  # from the live parameters, every call: the kept merge is detached
-            merged = _merge_batch_norm(call.module, module, channels, call.read)
+            merged = _merge_batch_norm(call.module, statistics, channels, call.read)
         elif call.read is not None and not _holds_what_it_read(call):
             # The layer ran with other parameters than it holds now (torch.func.functional_call: an ensemble
             # through one layer): merged from those, and not kept.
-            merged = _merge_batch_norm(call.module, module, channels, call.read)
+            merged = _merge_batch_norm(call.module, statistics, channels, call.read)
+        elif not statistics.held_by(module):
+            # The forward normalised with other tensors than the module's own (a domain's statistics, chosen by an
+            # attribute no parameter check sees): merged from those, and not kept.
+            merged = _merge_batch_norm(call.module, statistics, channels)
         else:
             registration = self._registrations[module]
             if registration.state is _UNPREPARED:  # a lazy BatchNorm: no parameters when the rule was registered
@@ -210,7 +252,7 @@ class MergeBatchNormRule(NormRule):
             layer = call.registration.held
             held = (module,) if layer is not None else (call.module, module)
             if merged is None or merged.layer is not layer or not merged.held.unchanged(*held):
-                merged = state[key] = _merge_batch_norm(call.module, module, channels)
+                merged = state[key] = _merge_batch_norm(call.module, statistics, channels)
                 merged.held, merged.layer = HeldParameters(*held), layer
         result = call.rule.rewrite_merged(call, seen, merged)
         if result is not None and result.grad_fn is not None:
@@ -237,26 +279,28 @@ def _flattened_layer_call(x: torch.Tensor) -> LayerCall | None:
     return call if rows_in_order and x.data_ptr() == base.data_ptr() else None
 
 
-def _can_merge_parts(parts: list[LayerCall | None], norm: nn.Module, features: int) -> bool:
-    """Whether the BatchNorm ``norm`` over the concatenated outputs of the layers ``parts`` (and of one other tensor,
-    ``None``) merges into each layer."""
+def _can_merge_parts(parts: list[LayerCall | None], statistics: _Statistics, features: int) -> bool:
+    """Whether a batch norm with ``statistics`` over the concatenated outputs of the layers ``parts`` (and of one
+    other tensor, ``None``) merges into each layer."""
     layers = [call for call in parts if call is not None]
     width = sum(call.raw.shape[1] for call in layers)
-    if norm.running_mean is None or norm.running_mean.numel() != features or width > features - (None in parts):
+    mean = statistics.mean
+    if mean is None or mean.numel() != features or width > features - (None in parts):
         return False
     if None not in parts and width != features:
         return False
-    return all(call.rule.merges_batch_norm and _can_merge(call, norm, features=call.raw.shape[1]) for call in layers)
+    merges = (_can_merge(call, statistics, features=call.raw.shape[1]) for call in layers)
+    return all(call.rule.merges_batch_norm for call in layers) and all(merges)
 
 
-def _can_merge(call: LayerCall, norm: nn.Module, flattened: bool = False, features: int | None = None) -> bool:
-    if norm.running_mean is None or norm.running_var is None:
-        return False
-    if norm.training and not is_frozen_batch_norm(norm):  # a frozen one normalises by its buffers in either mode
+def _can_merge(call: LayerCall, statistics: _Statistics, flattened: bool = False, features: int | None = None) -> bool:
+    """Whether a batch norm call with ``statistics`` of ``call``'s layer output merges into the layer: running
+    statistics, in eval mode (as the call runs: a frozen BatchNorm normalises by its buffers in either mode)."""
+    if statistics.mean is None or statistics.var is None or statistics.training:
         return False
     raw = call.raw
     if features is None:
-        features = norm.running_mean.numel()  # torchvision's FrozenBatchNorm2d has no num_features
+        features = statistics.mean.numel()
     if flattened:
         return raw.shape[-1] == features
     if isinstance(call.module, nn.Linear):
@@ -274,20 +318,20 @@ def _holds_what_it_read(call: LayerCall) -> bool:
 
 
 def _merge_batch_norm(
-    layer: nn.Module, norm: nn.Module, channels: slice = slice(None), read: tuple | None = None
+    layer: nn.Module, statistics: _Statistics, channels: slice = slice(None), read: tuple | None = None
 ) -> MergedLayer:
-    """``layer`` with the BatchNorm's ``channels`` (as many as the layer's outputs) folded in; with the weight and
-    bias of ``read`` where given (those a call of the layer read), else with the layer's own."""
+    """``layer`` with the batch norm of ``statistics``' ``channels`` (as many as the layer's outputs) folded in; with
+    the weight and bias of ``read`` where given (those a call of the layer read), else with the layer's own."""
     # Detached, except in a call that keeps the graph: there the merged parameters are functions of the live ones.
     keep = graph_kept() is not None
     with torch.enable_grad() if keep else torch.no_grad():
-        mean = norm.running_mean[channels]
-        scale = (norm.running_var[channels] + norm.eps).rsqrt()
+        mean = statistics.mean[channels]
+        scale = (statistics.var[channels] + statistics.eps).rsqrt()
         shift = torch.zeros_like(scale)
-        if norm.weight is not None:
-            scale = scale * norm.weight[channels]
-        if norm.bias is not None:
-            shift = (norm.bias if keep else norm.bias.detach())[channels]
+        if statistics.weight is not None:
+            scale = scale * statistics.weight[channels]
+        if statistics.bias is not None:
+            shift = (statistics.bias if keep else statistics.bias.detach())[channels]
         if read is None:
             params = effective_parameters(layer)
         else:
