@@ -658,6 +658,36 @@ class TestStatisticsOfTheCall:
         assert relative_error(self.relevance(model, preset, x), self.relevance(plain, preset, x)) <= 1e-10
 
 
+class FoldedBatchNorm(nn.BatchNorm2d):
+    """A BatchNorm whose forward computes its eval-mode affine map by hand, with no ``F.batch_norm`` call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.weight * (self.running_var + self.eps).rsqrt()
+        shift = self.bias - self.running_mean * scale
+        return x * scale[None, :, None, None] + shift[None, :, None, None]
+
+
+class TestNoBatchNormCall:
+    """A BatchNorm subclass whose forward makes no ``F.batch_norm`` call had nothing merged, and its arithmetic kept
+    its plain gradient (1.8 times off the BatchNorm it computes, with no word, ``strict=True`` too): it is refused,
+    naming the module and what to do."""
+
+    @pytest.mark.parametrize("strict", [False, True])
+    @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
+    def test_it_is_refused_naming_the_module(self, preset: str, strict: bool):
+        from tests.attribution.test_lrp_layers import randomise_batch_norm
+
+        torch.manual_seed(0)
+        norm = randomise_batch_norm(FoldedBatchNorm(4).double())
+        norm.eps = 1e-5
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), norm, nn.ReLU(), nn.Flatten(), nn.Linear(64, 3)).double().eval()
+        lrp = LRP(model, CNN_PRESETS[preset](strict=strict), in_keys=["x"], out_keys=["y"])
+        what = r"MergeBatchNormRule on FoldedBatchNorm: its forward made no F.batch_norm call.*IgnoreRule"
+        with pytest.raises(ValueError, match=what) as caught:
+            lrp(TensorDict(x=torch.randn(2, 3, 6, 6, dtype=torch.float64), batch_size=[2]))
+        assert "LRP: the module is '1'" in getattr(caught.value, "__notes__", [])
+
+
 class TestUnmergedWarning:
     """The warning that a layer's rule cannot merge the BatchNorm after it is given once per rule type, and counted
     as given only once it is out."""

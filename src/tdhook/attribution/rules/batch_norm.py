@@ -26,7 +26,7 @@ from tdhook.attribution.rules.base import (
     RemovableRuleHandle,
     layer_call_of,
 )
-from tdhook.attribution.rules.normalization import NormRule
+from tdhook.attribution.rules.normalization import NormRule, _ConstantScale
 
 __all__ = ["MergeBatchNormRule", "is_batch_norm", "is_frozen_batch_norm"]
 
@@ -160,6 +160,19 @@ class MergeBatchNormRule(NormRule):
 
         return self._register_in_forward(module, lambda mod: _FrozenAffine(self, mod, recording()), leave)
 
+    def _check_calls(self, module: nn.Module, output: Any, mode: _ConstantScale) -> None:
+        # A forward of its own that makes no F.batch_norm call (x * scale + shift computed by hand) has nothing the
+        # rule merges: its arithmetic kept its plain gradient, 1.8 times off the merged BatchNorm's, with no word.
+        computed = isinstance(output, torch.Tensor) and output.requires_grad
+        if computed and F.batch_norm not in mode.called and _forward_of_its_own(module):
+            raise ValueError(
+                f"{type(self).__name__} on {type(module).__name__}: its forward made no F.batch_norm call, which the "
+                "rule merges into the layer before it (or gives the ε-rule of its affine map); what it computes "
+                "instead (x * scale + shift by hand) would keep its plain gradient, unmerged. Call F.batch_norm "
+                "in its forward (with the statistics it normalises by), or map the module to another rule (NormRule: "
+                "the normalising scales it computes held constant; IgnoreRule: the plain gradient, unmerged)"
+            )
+
     def _refuse_unmerged(self, module: nn.Module) -> None:
         if graph_kept() is not None:
             error = NotImplementedError(
@@ -261,6 +274,12 @@ class MergeBatchNormRule(NormRule):
         for observe in call.observers:
             observe(result)
         return result
+
+
+def _forward_of_its_own(module: nn.Module) -> bool:
+    """Whether the BatchNorm's forward is not torch's own: a subclass's, or one set on the instance."""
+    forward = getattr(type(module), "forward", None)
+    return "forward" in module.__dict__ or not getattr(forward, "__module__", "").startswith("torch.nn.modules.")
 
 
 def _flattened_layer_call(x: torch.Tensor) -> LayerCall | None:

@@ -243,6 +243,7 @@ class _ConstantScale(TorchFunctionMode):
         self.rule = rule
         self.module = module
         self.applied = False
+        self.called: set = set()  # the norm functions the forward called (those of ``rule.functions``)
         self.record = record
         self.pending: dict[int, tuple[torch.Tensor, Any]] = {}  # held scales no call has taken yet, by id
         self.kept = False  # whether the forward does more than hold scales: later calls keep the mode
@@ -264,6 +265,7 @@ class _ConstantScale(TorchFunctionMode):
             x = args[0] if args else None
             if handler is not None:
                 self.applied = True
+                self.called.add(func)
                 # Under torch.vmap the input reports no gradient: the fused norm would keep its plain gradient.
                 raise_for_transformed_call("the norm's rule", args[:1])
                 # A held input (create_graph=True: it requires grad, as a detached one would not) passes no relevance.
@@ -401,6 +403,7 @@ class NormRule(Rule):
             if mode is _PLAIN_RUN:  # a later call, by the plan of a recorded one
                 note_output(output)
                 return
+            self._check_calls(mod, output, mode)
             if not mode.applied and isinstance(output, torch.Tensor) and output.requires_grad:
                 raise ValueError(
                     f"{type(self).__name__} on {type(mod).__name__}: its forward ran no normalisation the rule "
@@ -424,6 +427,9 @@ class NormRule(Rule):
             return _PLAIN_RUN if runs_plain(mod) else _ConstantScale(self, mod, recording())
 
         return self._register_in_forward(module, make_mode, leave)
+
+    def _check_calls(self, module: nn.Module, output: Any, mode: _ConstantScale) -> None:
+        """Raise where the norm's forward, run in ``mode``, computed what the rule cannot follow (nothing here)."""
 
     # ------------------------------------------------------------------ the norms, each with the rule's gradient
 
