@@ -576,3 +576,67 @@ class TestSettingsChangedInAnOpenContext:
         assert relative_error(before, relevance(LRP(policy, rule_mapper=mapper(make())))) <= 1e-12
         assert relative_error(after, relevance(LRP(policy, rule_mapper=mapper(make_changed())))) <= 1e-12
         assert relative_error(after, before) > 1e-3
+
+
+class EqualLearningRate:
+    """The equalised learning rate of progressive-GAN and StyleGAN code: the layer's ``weight`` parameter deleted,
+    ``weight_orig`` kept, and ``weight`` set before each call by a forward pre-hook: ``weight_orig`` times a number."""
+
+    def __init__(self, module: nn.Module) -> None:
+        weight = module.weight
+        del module._parameters["weight"]
+        module.register_parameter("weight_orig", nn.Parameter(weight.data))
+        module.register_forward_pre_hook(self)
+
+    @staticmethod
+    def computed(module: nn.Module) -> torch.Tensor:
+        weight = module.weight_orig
+        return weight * (2 / weight[0].numel()) ** 0.5
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        module.weight = self.computed(module)
+
+
+def equal_learning_rate_networks() -> tuple[nn.Sequential, nn.Sequential]:
+    """A CNN whose convolutions have their weight set by :class:`EqualLearningRate`, never run, and its plain twin
+    holding the weights they compute."""
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()]
+    plain = nn.Sequential(*layers, nn.Flatten(), nn.Linear(4 * 6 * 6, 3)).to(F64).eval()
+    model = copy.deepcopy(plain)
+    for index in (0, 2):
+        EqualLearningRate(model[index])
+        with torch.no_grad():
+            plain[index].weight.copy_(EqualLearningRate.computed(model[index]))
+    return model, plain
+
+
+class TestWeightSetByAPreHook:
+    """A layer whose weight a forward pre-hook sets has none until its first call: the modified rules, prepared at
+    registration, refused such a model never run ("AlphaBetaRule needs a module with a weight; Conv2d has none").
+    It is prepared at its first call, once the hook ran, as a lazy layer is."""
+
+    @staticmethod
+    def relevance(lrp: LRP, x: torch.Tensor) -> torch.Tensor:
+        return lrp(TensorDict(x=x.clone(), batch_size=[x.shape[0]]))["relevance", "x"]
+
+    @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
+    def test_a_model_never_run_explains_as_the_plain_twin(self, preset: str):
+        model, plain = equal_learning_rate_networks()
+        x = torch.randn(2, 3, 6, 6, dtype=F64, generator=torch.Generator().manual_seed(1)).clamp(-2.9, 2.9)
+        actual = self.relevance(LRP(model, CNN_PRESETS[preset](), in_keys=["x"], out_keys=["y"]), x)
+        expected = self.relevance(LRP(plain, CNN_PRESETS[preset](), in_keys=["x"], out_keys=["y"]), x)
+        assert relative_error(actual, expected) <= 1e-10
+
+    @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
+    def test_a_weight_changed_in_an_open_context_is_followed(self, preset: str):
+        model, _ = equal_learning_rate_networks()
+        x = torch.randn(2, 3, 6, 6, dtype=F64, generator=torch.Generator().manual_seed(1)).clamp(-2.9, 2.9)
+        lrp = LRP(model, CNN_PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+        with lrp:
+            self.relevance(lrp, x)
+            with torch.no_grad():
+                model[2].weight_orig.mul_(-0.5)
+            actual = self.relevance(lrp, x)
+        expected = self.relevance(LRP(model, CNN_PRESETS[preset](), in_keys=["x"], out_keys=["y"]), x)
+        assert relative_error(actual, expected) <= 1e-12

@@ -41,6 +41,7 @@ from tdhook.attribution.rules._layers import (
     LINEAR_LAYERS,
     TRANSPOSED_FORWARDS,
     _has_plain_forward,
+    has_weight,
 )
 from tdhook.attribution.rules._meta_tensors import raise_for_meta_tensors
 from tdhook.attribution.rules._module_inputs import inputs_in_forward
@@ -529,7 +530,11 @@ class Rule(Tunable):
         # template whose parameters are placeholders on the meta device, swapped in at call time (torchrl's
         # multi-agent networks).
         registration = Registration(_UNPREPARED)
-        if not _has_uninitialized_parameters(module) and not _has_meta_weight(module):
+        if (
+            not _has_uninitialized_parameters(module)
+            and not _has_meta_weight(module)
+            and not _weight_set_at_call(module)
+        ):
             self.prepared_state(module, registration)
         return registration
 
@@ -662,6 +667,13 @@ def _raise_for_several_outputs(rule: Rule, module: nn.Module, output: Any) -> No
 
 def _has_uninitialized_parameters(module: nn.Module) -> bool:
     return any(nn.parameter.is_lazy(p) for p in module.parameters(recurse=False))
+
+
+def _weight_set_at_call(module: nn.Module) -> bool:
+    """Whether a Linear or convolution layer has no weight until its forward pre-hooks set one (EqualLR's, in
+    progressive-GAN and StyleGAN code: the ``weight`` parameter deleted, ``weight_orig`` kept): prepared at its first
+    call, once they ran, as a lazy layer is."""
+    return isinstance(module, LINEAR_LAYERS) and not has_weight(module) and bool(module._forward_pre_hooks)
 
 
 def _has_meta_weight(module: nn.Module) -> bool:
