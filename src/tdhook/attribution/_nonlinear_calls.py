@@ -350,6 +350,7 @@ class NonlinearCalls(TorchFunctionMode):
         self._first_layer_calls: list[tuple[str, str, Any]] = []  # those of them the model's input reaches first
         self._first_recurrent: list[tuple[str, str, Any]] = []  # recurrent layers the model's input reaches first
         self._dropouts: list[tuple[str, str, Any]] = []  # dropout functions that drop, outside Dropout modules
+        self._ruled_dropouts: list[tuple[str, str]] = []  # those in a ruled module's forward, until its output
         self._modules: Mapping[str, nn.Module] = {}
         self._stack: list[str] = []
         self._ruled_depth = 0
@@ -388,6 +389,17 @@ class NonlinearCalls(TorchFunctionMode):
             self._cut_signals.note_detached(args[0])
         return result
 
+    def _note_ruled_dropout(self, func: Any, args: tuple, result: Any, kwargs: dict) -> None:
+        """Note a dropout function that drops in a ruled module's forward (DropConnect's dropout of a weight, in a
+        layer's forward or its weight's parametrization): the rule leaves it random from call to call. Reported by
+        the ruled module's output, once known; a fused attention's dropout is its rule's to warn of."""
+        p = 0.0 if func is F.scaled_dot_product_attention else dropout_probability(func, args, kwargs)
+        if not p or not _is_activation_result(result) or any(mode.covers(func, args) for mode in self._covering):
+            return
+        where = self._stack[-1] if self._stack else ""
+        if draw(self._modules.get(where)) is None:  # a module that draws is warned of by name
+            self._ruled_dropouts.append((where, f"dropout (p={p})"))
+
     def _raise_for_rules_in(self, func: Any, outputs: Any, inputs: Any) -> None:
         """Raise where the model's forward takes a gradient (``func``) of ``outputs`` (with respect to ``inputs``,
         or to the leaves where ``None``) through a rule's nodes: the rule would change it, and with it the values
@@ -419,6 +431,7 @@ class NonlinearCalls(TorchFunctionMode):
         """Note the call ``func(*args, **kwargs)`` that returned ``result``, by the autograd node ``node`` (the
         result's own by default) that tells whether the relevance pass reaches it."""
         if self._ruled_depth:
+            self._note_ruled_dropout(func, args, result, kwargs or {})
             return
         node = _grad_fn(result) if node is None else node
         if kwargs:  # a product's factors, a function's input, given by keyword: where the function modes read them
@@ -647,6 +660,9 @@ class NonlinearCalls(TorchFunctionMode):
                     self._cut_signals.add(
                         name, _grad_fn(output if isinstance(output, torch.Tensor) else output[0]), joined
                     )
+                if has_rule and not self._ruled_depth and self._ruled_dropouts:  # the outermost ruled module's
+                    self._dropouts += [(where, what, _grad_fn(output)) for where, what in self._ruled_dropouts]
+                    self._ruled_dropouts.clear()
                 if self._stack:
                     self._stack.pop()
                 self._plain_depth -= is_plain
@@ -674,6 +690,7 @@ class NonlinearCalls(TorchFunctionMode):
             self._modules = {}
             self._open.clear()
             self._ruled_depth = self._plain_depth = 0
+            self._ruled_dropouts.clear()
             self._straight_through.forget()
             self._cut_signals.forget()
             self._layer_outputs.clear()
