@@ -45,10 +45,12 @@ def _as_shape(
         or len(value) != dims
         or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
     ):
-        whole = (
-            "" if batched else " (the TensorDict has no batch dimension, so the whole tensor is one sample: "
-            "give a TensorDict with batch_size=[B] to explain B samples)"
-        )
+        whole = ""
+        if not batched:
+            whole = (
+                " (the TensorDict has no batch dimension, so the whole tensor is one sample: give a TensorDict "
+                "with batch_size=[B] to explain B samples)"
+            )
         raise ValueError(
             f"Occlusion: the {name} of input key {key!r} must be {dims} positive ints, one per dimension "
             f"of a sample {list(sample)}{whole}, got {value!r}"
