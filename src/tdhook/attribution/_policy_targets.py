@@ -276,9 +276,10 @@ def allowed_action(
         return None
     action_key = unravel_key(sampler.out_keys[0])
     held = holds_transition(tensordict)
-    # The action taken: a stored transition's, else the one the call's own sampler drew (its mode, or a sample).
-    taken = (tensordict if held or explained else result).get(action_key, None)
-    if taken is None and explained and not held:
+    # The action taken: a stored transition's (or the one an explanation wrote), else the call's own draw.
+    taken = tensordict.get(action_key, None) if held or explained else None
+    held = held and taken is not None  # a transition's action, which the mask of its state must allow
+    if taken is None:
         taken = result.get(action_key, None)
     one_hot = issubclass(sampler.distribution_class, _ONE_HOT)
     logits = result.get(target_key).detach()

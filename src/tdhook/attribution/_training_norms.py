@@ -9,14 +9,18 @@ user is told once.
 Examples:
     >>> import warnings
     >>> from torch import nn
-    >>> net = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...     warnings.simplefilter("always")
-    ...     remaining = warn_for_training_norms("LRP", training_norms(dict(net.named_modules())))
-    >>> remaining, "module '1' (BatchNorm1d) is in training mode and moves" in str(caught[0].message)
-    ([], True)
-    >>> warn_for_training_norms("LRP", training_norms(dict(net.eval().named_modules())))  # no warning
-    [('1', BatchNorm1d(3, eps=1e-05, momentum=0.1, affine=True, bias=True, track_running_stats=True))]
+    >>> norms = training_norms({"encoder": nn.Linear(2, 3), "norm": nn.BatchNorm1d(3)})
+    >>> [name for name, _ in norms]
+    ['norm']
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("error")
+    ...     try:
+    ...         warn_for_training_norms("LRP", norms)
+    ...     except UserWarning as warning:
+    ...         print(str(warning)[:55])
+    LRP: module 'norm' (BatchNorm1d) is in training mode an
+    >>> len(warn_for_training_norms("LRP", [(name, norm.eval()) for name, norm in norms]))  # eval: watched on
+    1
 """
 
 from __future__ import annotations
