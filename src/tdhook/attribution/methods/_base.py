@@ -96,7 +96,10 @@ class Call:
     pass starts from them. ``recurrent`` holds the model's recurrent layers
     (of a method that evaluates copies) and ``time_lengths`` the time lengths
     they saw in the unperturbed pass (see
-    :mod:`~tdhook.attribution.methods._time_reads`).
+    :mod:`~tdhook.attribution.methods._time_reads`). ``positions_alone``: the
+    model reads across the last batch dimension, and each step of a
+    perturbation method perturbs one position of it per copy (see
+    :mod:`~tdhook.attribution.methods._positions_alone`).
     """
 
     tensordict: TensorDictBase
@@ -113,6 +116,7 @@ class Call:
     buffers_before: BufferValues | None = None
     recurrent: dict[str, nn.Module] = field(default_factory=dict)
     time_lengths: set = field(default_factory=set)
+    positions_alone: bool = False  # each position of the last batch dimension perturbed alone (_positions_alone)
     held_record: dict = field(default_factory=dict)  # a stored transition's action explained (held_action_record)
 
     @property

@@ -30,6 +30,12 @@ from tqdm import tqdm  # the plain bar: tqdm.auto warns in notebooks without ipy
 from tdhook.attribution._inputs import module_in_recurrent_mode
 from tdhook.attribution.methods._base import AttributionMethod, Call
 from tdhook.attribution.methods._options import Baselines, baseline_tensors, per_key
+from tdhook.attribution.methods._positions_alone import (
+    every_other_position,
+    own_positions,
+    positions_alone,
+    read_across,
+)
 from tdhook.attribution.methods._rows_in_one_sample import (
     called_with_keywords,
     keyword_call,
@@ -213,13 +219,38 @@ class PerturbationMethod(AttributionMethod):
         return baseline_tensors(self.baselines, self.explained_keys, call.inputs, call.batch_dims, type(self).__name__)
 
     def _unperturbed(self, call: Call) -> torch.Tensor:
-        """The explained quantity at the caller's inputs: ``[units, *batch]``."""
-        return self._contract(call, call.output.detach(), None)
+        """The explained quantity at the caller's inputs: ``[units, *batch]``.
+
+        On a batch of several dimensions whose last holds several positions, one pass more finds whether the model
+        reads across them (see :mod:`~tdhook.attribution.methods._positions_alone`); where it does, the passes after
+        it perturb each position alone, with a warning."""
+        unperturbed = self._contract(call, call.output.detach(), None)
+        if call.batch_dims >= 2 and call.batch_shape[-1] >= 2 and not call.positions_alone:
+            changed = self._at(call, every_other_position(call.inputs, self._baselines(call), call.batch_dims))
+            moved = read_across(unperturbed, changed, lambda: self._at(call, call.inputs), call.batch_dims)
+            if moved is not None:
+                call.positions_alone = True
+                warn_at_caller(
+                    f"{type(self).__name__}: the model reads across the last batch dimension (of "
+                    f"{list(call.batch_shape)}): with every other position of it perturbed, the explained output at "
+                    f"the positions left as given moved ({moved:.2g} apart, relative to its largest value), as a "
+                    "transformer over the time steps of a [B, T] batch moves it. A perturbation of every position "
+                    "at once would write the effect of the others on each position's features; each position is "
+                    f"perturbed alone instead, the others as given ({call.batch_shape[-1]} copies a step)"
+                )
+        return unperturbed
+
+    def _copies(self, call: Call, state: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """One step's perturbed inputs as the copies a pass runs: the step itself, or one copy per position of the
+        last batch dimension perturbed alone (``call.positions_alone``)."""
+        if not call.positions_alone:
+            return [x.unsqueeze(0) for x in state]
+        return [positions_alone(x, x0, call.batch_dims) for x, x0 in zip(state, call.inputs, strict=True)]
 
     def _at(self, call: Call, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
         """The explained quantity at one perturbed copy of the batch (one forward pass): ``[units, *batch]``."""
-        objective, _ = self._evaluate(call, [x.unsqueeze(0) for x in inputs])
-        return objective.squeeze(1)
+        objective, _ = self._evaluate(call, self._copies(call, inputs))
+        return own_positions(objective, call.batch_dims) if call.positions_alone else objective.squeeze(1)
 
     def _values(
         self, call: Call, steps: Sequence[T], perturb: Callable[[T], Sequence[torch.Tensor]]
@@ -238,11 +269,13 @@ class PerturbationMethod(AttributionMethod):
         size = self.perturbations_per_eval
         chunks = [steps[start : start + size] for start in range(0, len(steps), size)]
         for chunk in tqdm(chunks, desc=type(self).__name__, disable=not self.progress, leave=False):
-            states = [perturb(step) for step in chunk]
-            stacked = [torch.stack([state[i] for state in states]) for i in range(len(self.explained_keys))]
+            states = [self._copies(call, perturb(step)) for step in chunk]
+            stacked = [torch.cat([state[i] for state in states]) for i in range(len(self.explained_keys))]
             values, _ = self._evaluate(call, stacked)
+            per_step = values.shape[1] // len(chunk)
             for position, step in enumerate(chunk):
-                yield step, values[:, position]
+                value = values[:, position * per_step : (position + 1) * per_step]
+                yield step, own_positions(value, call.batch_dims) if call.positions_alone else value[:, 0]
 
 
 def spread(value: torch.Tensor, where: torch.Tensor, batch_dims: int) -> torch.Tensor:
