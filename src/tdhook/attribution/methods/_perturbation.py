@@ -177,6 +177,7 @@ class PerturbationMethod(AttributionMethod):
         self.progress = progress
         self.perturbations_per_eval = perturbations_per_eval
         self._rows_told: list[int] = []  # the rows of a call of batch [] warned of (once per wrapper)
+        self._positions_told: list[bool] = []  # a model reading across the batch's positions warned of (once)
 
     def _check_batch(self, tensordict: TensorDictBase) -> None:
         """Refuse a batch whose samples read each other: a torchrl LSTMModule/GRUModule in recurrent mode reads the
@@ -223,13 +224,15 @@ class PerturbationMethod(AttributionMethod):
 
         On a batch of several dimensions whose last holds several positions, one pass more finds whether the model
         reads across them (see :mod:`~tdhook.attribution.methods._positions_alone`); where it does, the passes after
-        it perturb each position alone, with a warning."""
+        it perturb each position alone, with a warning once per wrapper."""
         unperturbed = self._contract(call, call.output.detach(), None)
         if call.batch_dims >= 2 and call.batch_shape[-1] >= 2 and not call.positions_alone:
             changed = self._at(call, every_other_position(call.inputs, self._baselines(call), call.batch_dims))
             moved = read_across(unperturbed, changed, lambda: self._at(call, call.inputs), call.batch_dims)
             if moved is not None:
                 call.positions_alone = True
+            if moved is not None and not self._positions_told:
+                self._positions_told.append(True)  # shared with the narrowed copies of a call (a shallow copy)
                 warn_at_caller(
                     f"{type(self).__name__}: the model reads across the last batch dimension (of "
                     f"{list(call.batch_shape)}): with every other position of it perturbed, the explained output at "
