@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import TensorDictModuleBase, dispatch
+from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
@@ -53,6 +53,7 @@ from tdhook.attribution._keys import (
     relevance_keys,
     unique_keys,
 )
+from tdhook.attribution._keyword_calls import keyword_dispatch
 from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
 from tdhook.attribution._loss_callers import refuse_loss_module_caller
 from tdhook.attribution._model_run import context_cache_watch
@@ -91,10 +92,11 @@ _set_state = object.__setattr__
 
 
 def _uncompiled_dispatch(forward: Callable) -> Callable:
-    """``forward`` called with keyword tensors too (tensordict's ``dispatch``), and run as written where the wrapper
-    itself is compiled (``torch.compile(lrp)``, a collector's ``compile_policy``): a call registers hooks, runs
-    the rules' autograd functions and a backward pass, which a compiled graph would not run as written."""
-    return torch.compiler.disable(dispatch(auto_batch_size=False)(forward))
+    """``forward`` called with keyword tensors too (tensordict's ``dispatch``; :mod:`._keyword_calls`), and run as
+    written where the wrapper itself is compiled (``torch.compile(lrp)``, a collector's ``compile_policy``): a call
+    registers hooks, runs the rules' autograd functions and a backward pass, which a compiled graph would not run as
+    written."""
+    return torch.compiler.disable(keyword_dispatch(forward))
 
 
 def _compiled(module: nn.Module) -> bool:

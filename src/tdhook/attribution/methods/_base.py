@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import TensorDictModuleBase, dispatch
+from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey, unravel_key_list
 from torch import nn
 
@@ -38,6 +38,7 @@ from tdhook.attribution._chosen_values import chosen_action
 from tdhook.attribution._inputs import describe, feed_inputs, optional_inputs, validate_inputs
 from tdhook.attribution._kept_grads import KeptGrads
 from tdhook.attribution._keys import check_free, check_read, check_writable, read_not_written, relevance_keys
+from tdhook.attribution._keyword_calls import keyword_dispatch
 from tdhook.attribution._loss_callers import refuse_loss_module_caller
 from tdhook.attribution._no_grad_values import caller_values_in
 from tdhook.attribution._orphan_hooks import orphans_removed
@@ -242,7 +243,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
 
     # ------------------------------------------------------------------ call
 
-    @dispatch(auto_batch_size=False)
+    @keyword_dispatch
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         name = type(self).__name__
         refuse_loss_module_caller(name, self, None)  # its detached outputs would give a loss no gradient
