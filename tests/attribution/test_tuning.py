@@ -151,6 +151,22 @@ class TestArguments:
         with pytest.raises(ValueError, match="no tunable parameters"):
             tune(InputXGradient(policy()), observations(), attribution_aopc, progress=False)
 
+    @pytest.mark.parametrize(
+        ("explainer", "named"),
+        [
+            (policy, "got TensorDictModule$"),  # was "'Sequential' object has no attribute 'get_tunables'"
+            (lambda: policy().module, "got Sequential$"),
+            (
+                UniformEpsilon,
+                r"got UniformEpsilon, a rule mapper: wrap the model with it, LRP\(policy, UniformEpsilon\(\)\)",
+            ),
+        ],
+        ids=["policy", "plain module", "preset"],
+    )
+    def test_what_is_no_explainer_is_named(self, explainer, named):
+        with pytest.raises(TypeError, match=r"^tune: explainer must be an attribution wrapper .*" + named):
+            tune(explainer(), observations(), lrp_aopc, progress=False)
+
     def test_without_optuna_the_error_names_the_extra(self, monkeypatch):
         monkeypatch.setitem(sys.modules, "optuna", None)
         with pytest.raises(ImportError, match=r"tdhook\[tune\]"):

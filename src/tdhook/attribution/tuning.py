@@ -103,6 +103,32 @@ def _sampler(optuna: Any, sampler: Any, seed: int) -> Any:
     raise ValueError(f"tune: sampler must be one of {list(_SAMPLERS)} or an optuna sampler, got {sampler!r}")
 
 
+_EXPLAINER_METHODS = ("get_tunables", "tunable_values", "set_kwargs", "copy")
+
+
+def _check_explainer(explainer: Any) -> None:
+    """Refuse what is no explainer with tunables (a policy, a preset) by name, before any trial runs.
+
+    Examples:
+        >>> from tdhook.attribution import UniformEpsilon
+        >>> _check_explainer(UniformEpsilon())
+        Traceback (most recent call last):
+        ...
+        TypeError: tune: explainer must be an attribution wrapper that says what can be tuned (get_tunables(), \
+set_kwargs(), copy()), such as LRP(policy, UniformEpsilon()) or IntegratedGradients(policy); got UniformEpsilon, a \
+rule mapper: wrap the model with it, LRP(policy, UniformEpsilon())
+    """
+    if all(callable(getattr(explainer, name, None)) for name in _EXPLAINER_METHODS) and hasattr(explainer, "module"):
+        return
+    kind = type(explainer).__name__
+    if all(callable(getattr(explainer, name, None)) for name in _EXPLAINER_METHODS):  # a preset: no model
+        kind = f"{kind}, a rule mapper: wrap the model with it, LRP(policy, {kind}())"
+    raise TypeError(
+        "tune: explainer must be an attribution wrapper that says what can be tuned (get_tunables(), set_kwargs(), "
+        f"copy()), such as LRP(policy, UniformEpsilon()) or IntegratedGradients(policy); got {kind}"
+    )
+
+
 def _first_trial(values: dict[str, Any], tunables: dict[str, Space]) -> dict[str, Any]:
     """The current values optuna can start from: a choice among the choices, a number clamped to its range."""
     first = {}
@@ -189,6 +215,7 @@ def tune(
         not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or math.isnan(timeout)
     ):
         raise ValueError(f"tune: timeout must be a number of seconds or None, got {timeout!r}")
+    _check_explainer(explainer)
     tunables = explainer.get_tunables()
     if not tunables:
         raise ValueError(f"tune: {type(explainer).__name__} has no tunable parameters")
