@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import matplotlib
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from matplotlib.image import imread
+from tensordict import TensorDict
 
 from tdhook.visualization import heatmap, plot_heatmaps, save_heatmap
 
@@ -92,6 +94,18 @@ def test_wrong_shapes_say_what_was_received_and_expected(shape, expected):
     with pytest.raises(ValueError, match=expected) as info:
         heatmap(torch.ones(shape))
     assert "(C, H, W)" in str(info.value) or "one sample" in str(info.value)
+
+
+def test_a_tensordict_in_place_of_the_relevance_names_its_keys_and_the_entry_to_read(tmp_path: Path):
+    """Before, torch.as_tensor made an empty tensor of it: "max(): Expected reduction dim to be specified ..."."""
+    relevance = TensorDict(image=torch.randn(2, 3, 4, 4), batch_size=[2])
+    td = TensorDict(image=torch.randn(2, 3, 4, 4), logits=torch.randn(2, 5), relevance=relevance, batch_size=[2])
+    keys = re.escape("['image', 'logits', ('relevance', 'image')]")
+    with pytest.raises(TypeError, match=rf"got a TensorDict with keys {keys}; .* td\['relevance', 'image'\]\[0\]$"):
+        heatmap(td)
+    with pytest.raises(TypeError, match=r"e\.g\. td\['relevance', 'image'\]$"):  # a batch of relevance, as given
+        plot_heatmaps(td["image"], td, tmp_path / "figure.png")
+    assert not list(tmp_path.iterdir())
 
 
 def test_bad_arguments_raise_value_error():

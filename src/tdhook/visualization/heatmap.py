@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from tensordict import is_tensor_collection
 
 if TYPE_CHECKING:
     import numpy as np
@@ -35,6 +36,15 @@ def _matplotlib() -> Any:
 
 def _relevance_map(relevance: torch.Tensor, channel_reduction: str) -> torch.Tensor:
     """The ``(H, W)`` float64 map of one sample's relevance."""
+    if is_tensor_collection(relevance):  # torch.as_tensor would make an empty tensor of it
+        keys = list(relevance.keys(True, True))
+        nested = [key for key in keys if isinstance(key, tuple)]
+        sample = "[0]" if relevance.batch_dims else ""
+        example = f"td[{', '.join(map(repr, nested[0] if nested else ('relevance', 'image')))}]{sample}"
+        raise TypeError(
+            f"heatmap takes one sample's relevance as a tensor, got a {type(relevance).__name__} with keys {keys}; "
+            f"read the relevance of one input key, e.g. {example}"
+        )
     relevance = torch.as_tensor(relevance).detach()
     shape = tuple(relevance.shape)
     if relevance.dim() == 4:
@@ -91,6 +101,8 @@ def heatmap(
         ValueError: for relevance of another shape, a batch of several
             samples, NaN or infinite values, an unknown ``channel_reduction``
             or colour map, or a ``level`` that is not positive.
+        TypeError: for a TensorDict (the output of an explainer) in place of
+            the relevance tensor of one input key.
 
     Examples:
         >>> import torch
