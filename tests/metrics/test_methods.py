@@ -120,6 +120,27 @@ def test_a_grad_cam_map_of_a_layer_alone_is_refused_and_its_upsampled_map_scored
     assert set(td.keys()) == {"x"}
 
 
+@pytest.mark.parametrize("metric", ["sensitivity_max", "randomisation_check"])
+def test_the_model_in_place_of_its_method_is_refused_by_name(metric):
+    """The model itself (a policy) writes no attribution: the metrics reported a missing attribution key and asked to
+    run an attribution method first, though the TensorDict held one and the method was what was missing."""
+    from tensordict.nn import TensorDictModule, TensorDictSequential
+
+    from tdhook import metrics
+    from tdhook.attribution import LRP, EpsilonPlus
+
+    policy = TensorDictModule(nn.Linear(3, 2), in_keys=["observation"], out_keys=["action_value"])
+    td = LRP(policy, EpsilonPlus())(TensorDict(observation=torch.randn(4, 3), batch_size=[4]))
+    score = getattr(metrics, metric)
+    for model in (policy, TensorDictSequential(policy)):
+        with pytest.raises(
+            TypeError,
+            match=rf"^{metric}: method must be an attribution wrapper, .* got {type(model).__name__} "
+            r"\(out_keys \['action_value'\]\), .* for example LRP\(module, EpsilonPlus\(\)\)$",
+        ):
+            score(model, td, relevance_key="relevance")
+
+
 def test_a_per_sample_baseline_for_every_key_is_repeated_though_a_flag_of_other_shape_is_left_out():
     """With default keys, a call leaves out a boolean flag; one per-sample baseline for every key goes with each
     perturbed copy of its sample whatever the flag's shape (it was left as it was, and the method refused it)."""

@@ -56,6 +56,13 @@ def check_method(method: object, name: str) -> TensorDictModuleBase:
             f"got {type(method).__name__}"
         )
     wrapper = attribution_wrapper(method)
+    if not hasattr(wrapper, "target") and not any(isinstance(unravel_key(k), tuple) for k in method.out_keys):
+        # the model itself (a policy, a value operator): it writes no attribution, and the metric would read none
+        raise TypeError(
+            f"{name}: method must be an attribution wrapper, which the metric calls (LRP, Saliency, "
+            f"IntegratedGradients, ...), got {type(method).__name__} (out_keys {list(method.out_keys)}), which is "
+            "none and runs none: pass the method that explains it, for example LRP(module, EpsilonPlus())"
+        )
     if getattr(wrapper, "upsample", None) is False and hasattr(wrapper, "layer_key"):  # GradCAM on a layer alone
         raise ValueError(
             f"{name}: GradCAM writes its map of layer {wrapper.layer!r} at {wrapper.layer_key!r}, not an attribution "
