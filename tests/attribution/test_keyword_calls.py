@@ -1,7 +1,8 @@
 """Calls with keyword tensors: a keyword that names no input key is refused with the names the call takes.
 
 Before, ``lrp(obs=x)`` for a wrapper reading ``"observation"`` failed with Python's "LRP.forward() got an unexpected
-keyword argument 'obs'", which named neither the keys nor how a nested key is spelt as a keyword.
+keyword argument 'obs'", which named neither the keys nor how a nested key is spelt as a keyword; ``lrp(td,
+target=1)``, captum's habit, failed alike.
 """
 
 from __future__ import annotations
@@ -45,6 +46,16 @@ class TestKeywordCalls:
             wrapper(observation=torch.randn(5, 3))
         value, attribution = wrapper(agents_observation=torch.randn(5, 3))
         assert value.shape == (5, 2) and attribution.shape == (5, 3)
+
+    @pytest.mark.parametrize("with_tensordict", [True, False], ids=["tensordict", "keywords"])
+    def test_an_argument_of_the_constructor_given_to_the_call_is_named_as_one(self, name, with_tensordict):
+        wrapper, x = WRAPPERS[name](policy()), torch.randn(5, 3)
+        inputs = ((TensorDict(observation=x, batch_size=[5]),), {}) if with_tensordict else ((), {"observation": x})
+        with pytest.raises(
+            TypeError,
+            match=rf"^{name}: 'target' is an argument of {name}\(\.\.\.\), not of its call: .*target=\.\.\.\)",
+        ):
+            wrapper(*inputs[0], **inputs[1], target=1)
 
     def test_a_call_with_the_right_keywords_equals_a_call_with_a_tensordict(self, name):
         wrapper, x = WRAPPERS[name](policy()), torch.randn(5, 3)
