@@ -76,6 +76,27 @@ class TestBadTarget(ExpectsARefusal):
         self.run_and_expect(td, IndexError, r"\[-3, 3\) for output 'y'", target=torch.tensor([0, 3]))
         self.run_and_expect(td, IndexError, r"\[-3, 3\) for output 'y'.*from -4 to 0", target=torch.tensor([0, -4]))
 
+    def test_an_int_on_a_one_unit_output_says_where_units_are_picked(self):
+        """A value head, or a QValueActor's chosen action value (its default target): "with 1 units" before, and
+        nothing on how to explain an action's unit."""
+        value = TensorDictModule(torch.nn.Linear(5, 1), in_keys=["x"], out_keys=["value"])
+        td = TensorDict(x=torch.randn(2, 5), batch_size=[2])
+        with pytest.raises(
+            IndexError, match=r"output 'value' with 1 unit in its last dimension \(a value, .* target_key, such as"
+        ):
+            LRP(value, EpsilonPlus(), target=1)(td)
+
+    @pytest.mark.parametrize("owner", [LRP, Saliency])
+    def test_a_target_key_not_written_is_named_with_the_outputs(self, owner):
+        policy = TensorDictSequential(
+            TensorDictModule(torch.nn.Linear(5, 3), in_keys=["x"], out_keys=["hidden"]),
+            TensorDictModule(torch.nn.Linear(3, 2), in_keys=["hidden"], out_keys=["logits"]),
+        )
+        with pytest.raises(
+            KeyError, match=r"target key 'logit' was not written .*; its outputs are \['hidden', 'logits'\]"
+        ):
+            owner(policy, target_key="logit")(TensorDict(x=torch.randn(2, 5), batch_size=[2]))
+
 
 class TestDefaultTargetKey:
     def test_states_for_the_next_step_come_after_the_action_output(self):

@@ -384,8 +384,15 @@ def _initial_gradient(out: torch.Tensor, target: Target, key: NestedKey, batch_d
         target = int(target) if isinstance(target, np.integer) else torch.from_numpy(target)
     if isinstance(target, int) and not isinstance(target, bool):
         if not -n_units <= target < n_units:
+            advice = (
+                " (a value, explained as it is with target=None; to pick a unit of another output, pass its "
+                "target_key, such as a QValueActor's 'action_value')"
+                if n_units == 1
+                else ""
+            )
             raise IndexError(
-                f"LRP: target {target} is out of range for output {key!r} with {n_units} units in its last dimension"
+                f"LRP: target {target} is out of range for output {key!r} with {n_units} "
+                f"unit{'s' if n_units != 1 else ''} in its last dimension{advice}"
             )
         index = torch.full(out.shape[:-1], target % n_units, dtype=torch.long, device=out.device)
         return _one_hot(out, index)
@@ -512,8 +519,10 @@ def resolve_target_key(
     """
     if target_key is not None:
         if target_key not in result.keys(include_nested=True):
+            written = [key for key in unravel_key_list(list(operator.out_keys)) if key in result.keys(True)]
             raise KeyError(
-                f"LRP: target key {target_key!r} was not written by the wrapped module{_skipped(result, operator)}"
+                f"LRP: target key {target_key!r} was not written by the wrapped module{_skipped(result, operator)}; "
+                f"its outputs are {written}"
             )
         return target_key
     if candidates is None:
