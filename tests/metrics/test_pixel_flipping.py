@@ -149,6 +149,11 @@ def test_errors_name_the_key_and_what_was_expected():
         pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], features_per_step=0)
     with pytest.raises(IndexError, match="metrics: target 7 is out of range for output 'y'"):
         pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], target=7)
+    # The wrapper's name was left in it: "LRP: target key 'logits' was not written by the wrapped module".
+    with pytest.raises(
+        KeyError, match=r"^\"metrics: target key 'logits' was not written .*; its outputs are \['y'\]\"$"
+    ):
+        pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], target_key="logits")
     with pytest.raises(ValueError, match="target must be None, an int, a LongTensor or a callable"):
         pixel_flipping(net, td, in_keys=["x"], out_keys=["y"], target="all")
 

@@ -78,9 +78,20 @@ def _metrics_error(err: Exception) -> Exception:
     Examples:
         >>> _metrics_error(TypeError("LRP: target must be None, an int, a LongTensor, a callable or 'all', got float"))
         TypeError('metrics: target must be None, an int, a LongTensor or a callable, got float')
+        >>> print(_metrics_error(KeyError("LRP: target key 'q' was not written by the wrapped module")))
+        "metrics: target key 'q' was not written by the wrapped module"
     """
-    message = str(err).replace("LRP:", "metrics:", 1).replace(", a callable or 'all'", " or a callable", 1)
+    message = err.args[0] if err.args and isinstance(err.args[0], str) else str(err)  # a KeyError's str is quoted
+    message = message.replace("LRP:", "metrics:", 1).replace(", a callable or 'all'", " or a callable", 1)
     return type(err)(message)
+
+
+def _target_key(result: TensorDictBase, key: NestedKey | None, operator: TensorDictModuleBase) -> NestedKey:
+    """:func:`resolve_target_key`, its refusal under the metrics' name."""
+    try:
+        return resolve_target_key(result, key, operator)
+    except KeyError as err:
+        raise _metrics_error(err) from None
 
 
 def _refuse_steps_read_together(module: TensorDictModuleBase, td: TensorDictBase) -> None:
@@ -295,7 +306,7 @@ class Scorer:
 
     def _resolve(self, result: TensorDictBase, td: TensorDictBase, target: Target) -> None:
         operator = self._operator
-        self._key = resolve_target_key(result, self._key, operator)
+        self._key = _target_key(result, self._key, operator)
         free = self._tensordict_free
         if not free:
             _refuse_sampled_target(self.module, self._key)
