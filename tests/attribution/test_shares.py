@@ -53,8 +53,19 @@ def test_shares_of_a_rollout_keep_batch_and_time():
 
 
 def test_missing_relevance_is_named():
-    with pytest.raises(KeyError, match="no 'relevance' entry"):
+    with pytest.raises(KeyError, match="no 'relevance' entry; run it through LRP first"):
         relevance_shares(TensorDict(x=torch.ones(2), batch_size=[2]))
+
+
+def test_a_method_s_output_is_named_with_the_key_it_writes():
+    """A gradient or perturbation method writes under "attribution": "run it through LRP first" was all it said."""
+    from tdhook.attribution import IntegratedGradients
+
+    policy = TensorDictModule(torch.nn.Linear(3, 2), ["x"], ["y"])
+    explained = IntegratedGradients(policy, n_steps=2)(TensorDict(x=torch.randn(4, 3), batch_size=[4]))
+    with pytest.raises(KeyError, match="no 'relevance' entry; it holds 'attribution', .*relevance_key='attribution'"):
+        relevance_shares(explained)
+    torch.testing.assert_close(relevance_shares(explained, relevance_key="attribution")["x"], torch.ones(4))
 
 
 def test_an_actor_critic_pipeline_gets_the_shares_of_each_target_within_that_target():

@@ -62,7 +62,13 @@ def relevance_shares(
         tensor([1., 1.])
     """
     if relevance_key not in tensordict.keys(include_nested=True):
-        raise KeyError(f"relevance_shares: the TensorDict has no {relevance_key!r} entry; run it through LRP first")
+        other = "attribution" if relevance_key != "attribution" and "attribution" in tensordict.keys() else None
+        advice = (
+            f"; it holds {other!r}, where the gradient and perturbation methods write: pass relevance_key={other!r}"
+            if other is not None
+            else "; run it through LRP first"
+        )
+        raise KeyError(f"relevance_shares: the TensorDict has no {relevance_key!r} entry{advice}")
     relevance = tensordict.get(relevance_key)
     batch_dims = tensordict.batch_dims
     found = list(relevance.keys(include_nested=True, leaves_only=True))
