@@ -86,6 +86,17 @@ class TestBadTarget(ExpectsARefusal):
         ):
             LRP(value, EpsilonPlus(), target=1)(td)
 
+    @pytest.mark.parametrize("given", [[0, 2], (0, 2)], ids=["list", "tuple"])
+    def test_a_list_of_indices_points_to_a_long_tensor(self, given):
+        """captum takes per-sample targets as a list of ints: "got list" was all it said."""
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        self.run_and_expect(td, TypeError, r"got (list|tuple); .* LongTensor, torch\.tensor\(\[0, 2\]\)$", target=given)
+
+    def test_a_callable_that_returns_unit_indices_points_to_the_indices_as_target(self):
+        td = TensorDict(x=torch.randn(2, 5, dtype=torch.float64), batch_size=[2])
+        match = r"shaped like output 'y' \(2, 3\), got torch\.Size\(\[2\]\); it returned unit indices .* target=indices"
+        self.run_and_expect(td, ValueError, match, target=lambda y: y.argmax(-1))
+
     @pytest.mark.parametrize("owner", [LRP, Saliency])
     def test_a_target_key_not_written_is_named_with_the_outputs(self, owner):
         policy = TensorDictSequential(

@@ -258,9 +258,16 @@ def initial_relevance(
     keep = graph_kept() is not None
     given = target(output if keep else out)
     if not isinstance(given, torch.Tensor) or given.shape != out.shape:
+        picked = isinstance(given, torch.Tensor) and not given.is_floating_point() and given.shape == out.shape[:-1]
+        advice = (
+            "; it returned unit indices (integers of the batch's shape), which go as target=indices, not through a "
+            "callable"
+            if picked
+            else ""
+        )
         raise ValueError(
             f"LRP: a callable target must return a tensor shaped like output {key!r} {tuple(out.shape)}, "
-            f"got {getattr(given, 'shape', type(given).__name__)}"
+            f"got {getattr(given, 'shape', type(given).__name__)}{advice}"
         )
     relevance = given.detach().to(out.dtype)
     bad = ~relevance.isfinite() & out.isfinite()
@@ -421,7 +428,12 @@ def _initial_gradient(out: torch.Tensor, target: Target, key: NestedKey, batch_d
             f"got a {target.dtype} tensor; to start from a tensor of initial relevance shaped like the output, pass "
             "target=lambda output: relevance"
         )
-    raise TypeError(f"LRP: target must be None, an int, a LongTensor, a callable or 'all', got {type(target).__name__}")
+    indices = isinstance(target, (list, tuple)) and all(isinstance(i, int) for i in target)  # captum's per-sample list
+    shown = repr(list(target)) if indices and len(target) <= 8 else "target"
+    advice = f"; per-sample unit indices go as a LongTensor, torch.tensor({shown})" if indices else ""
+    raise TypeError(
+        f"LRP: target must be None, an int, a LongTensor, a callable or 'all', got {type(target).__name__}{advice}"
+    )
 
 
 def named_targets(
