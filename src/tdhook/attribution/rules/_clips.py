@@ -48,6 +48,8 @@ __all__ = [
     "clip_bounds",
     "clips_in_place",
     "clip_passing",
+    "is_clipped",
+    "mark_clipped",
 ]
 
 CLIPS = frozenset({torch.clamp, torch.Tensor.clamp, torch.clip, torch.Tensor.clip, F.hardtanh, F.relu6})
@@ -62,6 +64,27 @@ BOUNDS |= {torch.fmax, torch.Tensor.fmax, torch.fmin, torch.Tensor.fmin}
 # ``torch.max(h, c)`` and ``torch.min(h, c)`` of two tensors are the same (of one tensor, or over a dimension: no
 # tensor ``other``, so no bound).
 BOUNDS |= {torch.max, torch.Tensor.max, torch.min, torch.Tensor.min}
+
+
+# The mark of a clipping call's output: where it multiplies another activation's output (a gated unit whose value
+# path is clipped, as Gemma 4's vision encoder clips its projections), a product that holds any gate holds the other.
+CLIP_MARK = "_tdhook_clipped"
+
+
+def mark_clipped(tensor: torch.Tensor) -> torch.Tensor:
+    """Mark ``tensor`` as a clipping call's output (see :func:`is_clipped`), and return it.
+
+    Examples:
+        >>> is_clipped(mark_clipped(torch.ones(2))), is_clipped(torch.ones(2))
+        (True, False)
+    """
+    setattr(tensor, CLIP_MARK, True)
+    return tensor
+
+
+def is_clipped(value: Any) -> bool:
+    """Whether ``value`` is a tensor marked as a clipping call's output (see :func:`mark_clipped`)."""
+    return isinstance(value, torch.Tensor) and getattr(value, CLIP_MARK, False)
 
 
 def clips_a_signal(func: Callable, args: tuple) -> bool:
@@ -225,7 +248,7 @@ def clip_passing(
     if not clips_in_place(func, args, kwargs):  # a tensor bound may broadcast the output beyond ``x``'s shape
         output = func(*args, **kwargs)
         x = x if x.shape == output.shape else x.expand(output.shape)
-        return _watched(rule, func, x, output, apply(output, x))
+        return mark_clipped(_watched(rule, func, x, output, apply(output, x)))
     source = x.clone()  # the clipped values from a copy: the rule keeps the input as it was
     if func in CLIPS_IN_PLACE:
         clipped = CLIPS_IN_PLACE[func](source, *args[1:], **kwargs)

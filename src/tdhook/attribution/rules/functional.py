@@ -46,6 +46,7 @@ from tdhook.attribution.rules._clips import (
     clips_a_signal,
     clips_at_zero_only,
     clips_in_place,
+    mark_clipped,
 )
 from tdhook.attribution.rules._constant_elements import CONSTANT_MASKS_MADE
 from tdhook.attribution.rules._constant_matmuls import MATMULS, constant_baddbmm, constant_einsum, constant_matmul
@@ -518,10 +519,10 @@ class FunctionalRules(TorchFunctionMode):
                 recording.hooked(node, functools.partial(hook_pass_rule, stabilizer))
                 setattr(output, RULED_ON_NODE, stabilizer)
                 watch_zero_inputs(self.activation, func, x, output, output)
-                return mark_gate(output, x)
+                return mark_clipped(mark_gate(output, x))
             result = self.activation.apply(output, x)
             watch_zero_inputs(self.activation, func, x, output, result)
-            return result
+            return mark_clipped(result)
         if not clipped_on_node(node) or node.next_functions[0] != edge:  # not reached: bounds that are numbers
             raise RuntimeError(f"FunctionalRules: {func.__name__} in place made a {type(node).__name__} node")
         recording.hooked(node, functools.partial(hook_pass_rule, stabilizer))

@@ -47,6 +47,7 @@ from tdhook.attribution.rules._clips import (
     bounded_signal,
     clip_passing,
     clips_a_signal,
+    is_clipped,
 )
 from tdhook.attribution.rules._constant_elements import CONSTANT_MASKS_MADE, keep_constant_elements
 from tdhook.attribution.rules._copied_gates import COPIES_IN_PLACE, keep_copied_marks
@@ -533,6 +534,10 @@ def held_factors(args: tuple, any_gate: bool = True) -> list[bool] | None:
     gates = [_mark(a, SIGMOID_MARK, False) if GATE_MASKS_MADE else getattr(a, SIGMOID_MARK, False) for a in args]
     if gates[0] == gates[1] and any_gate:
         gates = [is_gate(a) for a in args]
+        if gates[0] and gates[1] and is_clipped(args[0]) != is_clipped(args[1]):
+            # A clip's output times another activation's (a gated unit whose value path is clipped): the clip is the
+            # signal's bounded identity, the other the gate.
+            gates = [not is_clipped(a) for a in args]
     return None if gates[0] == gates[1] else gates
 
 
