@@ -265,39 +265,47 @@ class Lambda(nn.Module):
         return self.function(h)
 
 
-class ClippedGatedUnit(nn.Module):
-    """A gated unit ``down(gelu(gate(h)) * up(h))`` beside a residual, its projections' outputs clipped (Gemma 4's
-    vision encoder clips them, at ±inf until a checkpoint sets the bounds) or not."""
+# Clips of a gated unit's value path that clip nothing: bounds at ±inf (Gemma 4's until a checkpoint sets them) or
+# wide, called as a function or as a module.
+VALUE_CLIPS = {
+    "torch.clamp at inf": lambda unit, z: torch.clamp(z, unit.bounds[0], unit.bounds[1]),
+    "torch.clamp at 100": lambda unit, z: torch.clamp(z, -100.0, 100.0),
+    "F.hardtanh at 100": lambda unit, z: F.hardtanh(z, -100.0, 100.0),
+    "nn.Hardtanh at 100": lambda unit, z: unit.hardtanh(z),
+}
 
-    def __init__(self, low: float | None) -> None:
+
+class ClippedGatedUnit(nn.Module):
+    """A gated unit ``down(gelu(gate(h)) * clip(up(h)))`` beside a residual, its value path clipped (as Gemma 4's
+    vision encoder clips its projections' outputs) or not."""
+
+    def __init__(self, clip: str | None) -> None:
         super().__init__()
         self.first, self.head = nn.Linear(4, 6), nn.Linear(6, 3)
         self.gate, self.up, self.down = nn.Linear(6, 8, bias=False), nn.Linear(6, 8, bias=False), nn.Linear(8, 6)
-        self.act, self.low = nn.GELU(approximate="tanh"), low
-        if low is not None:
-            self.register_buffer("bounds", torch.tensor([low, -low]))
-
-    def clipped(self, z: torch.Tensor) -> torch.Tensor:
-        return z if self.low is None else torch.clamp(z, self.bounds[0], self.bounds[1])
+        self.act, self.hardtanh, self.clip = nn.GELU(approximate="tanh"), nn.Hardtanh(-100.0, 100.0), clip
+        self.register_buffer("bounds", torch.tensor([-float("inf"), float("inf")]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.first(x)
-        return self.head(h + self.down(self.act(self.clipped(self.gate(h))) * self.clipped(self.up(h))))
+        value = self.up(h) if self.clip is None else VALUE_CLIPS[self.clip](self, self.up(h))
+        return self.head(h + self.down(self.act(self.gate(h)) * value))
 
 
 @pytest.mark.parametrize("preset", ["CPLRP", "AttnLRP"])
-@pytest.mark.parametrize("low", [-float("inf"), -100.0])
-def test_a_clip_that_clips_nothing_changes_no_gated_units_relevance(low: float, preset: str):
-    """A clip of a gated unit's value path (the up projection) made the product one of two gates of another kind, so
-    CP-LRP held neither: 0.04 off (relative L2) the same unit unclipped, and 0.40 on timm's ``gemma4_vit_167m``
-    against gradient × input with the GELU gate, the norms' scales and the attention weights detached. The clip's
-    output is now the signal, the GELU's the gate, as without the clip; AttnLRP holds no such gate either way."""
+@pytest.mark.parametrize("clip", sorted(VALUE_CLIPS))
+def test_a_clip_that_clips_nothing_changes_no_gated_units_relevance(clip: str, preset: str):
+    """A clip of a gated unit's value path made the product one of two gates of another kind, so CP-LRP held
+    neither: 0.04 off (relative L2) the same unit unclipped, and 0.40 on timm's ``gemma4_vit_167m`` against gradient
+    × input with the GELU gate, the norms' scales and the attention weights detached. The clip's output, called as a
+    function or as a module, is now the signal and the GELU's the gate, as without the clip; AttnLRP holds no such
+    gate either way."""
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), dtype=F64)
     relevances = []
-    for bound in (low, None):
+    for spelling in (clip, None):
         torch.manual_seed(0)
         mapper = {"CPLRP": CPLRP, "AttnLRP": AttnLRP}[preset]()
-        lrp = LRP(ClippedGatedUnit(bound).to(F64), mapper, in_keys=["x"], out_keys=["y"])
+        lrp = LRP(ClippedGatedUnit(spelling).to(F64), mapper, in_keys=["x"], out_keys=["y"])
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             relevances.append(lrp(TensorDict(x=x, batch_size=[3]))["relevance", "x"])

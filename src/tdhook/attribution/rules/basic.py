@@ -23,6 +23,7 @@ from tdhook.attribution.rules._autograd import (
     times_saved,
 )
 from tdhook.attribution.rules._caller import warn_at_caller
+from tdhook.attribution.rules._clips import mark_clipped
 from tdhook.attribution.rules._first_pass import first_pass
 from tdhook.attribution.rules._graph_calls import recording, runs_plain
 from tdhook.attribution.rules._keeping_graph import graph_kept
@@ -342,6 +343,8 @@ class PassRule(Rule):
             with torch.no_grad():
                 at_zero = (x == 0) & (output != 0)
         result = self._rewritten(module, output, x)
+        if isinstance(module, nn.Hardtanh) and not is_homogeneous_activation(module):
+            mark_clipped(result)  # as the same clip called as a function (see gates.held_factors)
         if at_zero is not None and result.requires_grad and bool(at_zero.any()):
             # Whether relevance reaches those outputs is known in the backward pass: none does where a first
             # layer's rule after this module hands what it sets at them to the model input (see ``_glue``).
