@@ -45,6 +45,7 @@ __all__ = [
     "bounded_signal",
     "clips_a_signal",
     "clips_at_zero_only",
+    "clips_nothing",
     "clip_bounds",
     "clips_in_place",
     "clip_passing",
@@ -217,6 +218,32 @@ def clips_at_zero_only(func: Callable, args: tuple, kwargs: dict) -> bool:
     return False
 
 
+def clips_nothing(func: Callable, args: tuple, kwargs: dict) -> bool:
+    """Whether the clipping call (see :func:`clips_a_signal`) has no finite bound (``torch.clamp(h, -inf, inf)``,
+    as Gemma 4's vision encoder clips until a checkpoint sets its bounds): the identity, whose plain gradient passes
+    the relevance on exactly, where the pass rule's stabiliser would move it off by ``stabilizer / |h|``.
+
+    Examples:
+        >>> h, inf = torch.randn(3, requires_grad=True) * 1, float("inf")
+        >>> clips_nothing(torch.clamp, (h, torch.tensor(-inf), torch.tensor(inf)), {}), clips_nothing(F.relu6, (h,), {})
+        (True, False)
+        >>> clips_nothing(torch.clamp, (h,), {"max": inf}), clips_nothing(torch.clamp, (h, -inf, 1.0), {})
+        (True, False)
+    """
+    base = CLIPS_IN_PLACE.get(func, func)
+    if base in (torch.clamp_min, torch.Tensor.clamp_min):
+        return _is_number(call_argument(args, kwargs, 1, "min"), -float("inf"))
+    if base in (torch.clamp_max, torch.Tensor.clamp_max):
+        return _is_infinite(call_argument(args, kwargs, 1, "max"))
+    if base in (torch.clamp, torch.Tensor.clamp, torch.clip, torch.Tensor.clip):
+        low, high = call_argument(args, kwargs, 1, "min"), call_argument(args, kwargs, 2, "max")
+    elif base is F.hardtanh:
+        low, high = call_argument(args, kwargs, 1, "min_val", -1.0), call_argument(args, kwargs, 2, "max_val", 1.0)
+    else:
+        return False
+    return (low is None or _is_number(low, -float("inf"))) and (high is None or _is_infinite(high))
+
+
 def clip_bounds(args: tuple, kwargs: dict) -> list:
     """The bounds a clipping call is given (``inplace`` aside)."""
     return [*args[1:], *(value for key, value in kwargs.items() if key != "inplace")]
@@ -243,8 +270,8 @@ def clip_passing(
     x = args[0]
     if any(is_activation(bound) for bound in clip_bounds(args, kwargs)):
         return mark_parameter_derived(args, func(*args, **kwargs))
-    if clips_at_zero_only(func, args, kwargs):  # a ReLU: its plain gradient, exact at any scale
-        return func(*args, **kwargs)
+    if clips_at_zero_only(func, args, kwargs) or clips_nothing(func, args, kwargs):  # a ReLU or the identity: its
+        return func(*args, **kwargs)  # plain gradient, exact at any scale
     if not clips_in_place(func, args, kwargs):  # a tensor bound may broadcast the output beyond ``x``'s shape
         output = func(*args, **kwargs)
         x = x if x.shape == output.shape else x.expand(output.shape)

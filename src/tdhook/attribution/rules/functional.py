@@ -46,6 +46,7 @@ from tdhook.attribution.rules._clips import (
     clips_a_signal,
     clips_at_zero_only,
     clips_in_place,
+    clips_nothing,
     mark_clipped,
 )
 from tdhook.attribution.rules._constant_elements import CONSTANT_MASKS_MADE
@@ -478,8 +479,8 @@ class FunctionalRules(TorchFunctionMode):
         bounds = clip_bounds(args, kwargs)
         if any(is_activation(bound) for bound in bounds):
             return mark_parameter_derived(args, func(*args, **kwargs), func)
-        if clips_at_zero_only(func, args, kwargs):  # a ReLU: its plain gradient, exact at any scale
-            return func(*args, **kwargs)
+        if clips_at_zero_only(func, args, kwargs) or clips_nothing(func, args, kwargs):  # a ReLU or the identity:
+            return func(*args, **kwargs)  # its plain gradient, exact at any scale
         in_place = clips_in_place(func, args, kwargs)
         if recording is not None and self._clips_on_node(x, bounds, in_place, recording):
             return self._clip_on_node(func, args, kwargs, in_place, recording)
