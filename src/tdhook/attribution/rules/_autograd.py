@@ -42,12 +42,8 @@ from tdhook.attribution.rules._activation_writes import MASKS_MADE, PARAMETER_DE
 from tdhook.attribution.rules._keeping_graph import RelevancePass, graph_kept
 from tdhook.attribution.rules._numerics import carrying_gradient
 from tdhook.attribution.rules._recomputed import error_in_running_module
-from tdhook.attribution.rules._rewrites import (
-    RUNNING,
-    raise_for_detached,
-    raise_for_gradients,
-    running_rewrite,
-)
+from tdhook.attribution.rules._rewrites import RUNNING, raise_for_detached, raise_for_gradients, running_rewrite
+from tdhook.attribution.rules._same_strides import same_strides
 from tdhook.attribution.rules._unrecorded_writes import ALIASING, note_alias
 
 __all__ = [
@@ -600,7 +596,7 @@ class _ScaledGradient(torch.autograd.Function):
         if in_place:
             ctx.mark_dirty(x)
             return x
-        return x.view_as(x)
+        return same_strides(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -626,7 +622,7 @@ class _Held(torch.autograd.Function):
     @staticmethod
     def forward(ctx, relevance_pass: RelevancePass, x: torch.Tensor) -> torch.Tensor:
         ctx.relevance_pass = relevance_pass
-        return x.view_as(x)
+        return same_strides(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
