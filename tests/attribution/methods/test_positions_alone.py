@@ -19,6 +19,8 @@ import transformers
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torchrl.modules import MLP
 
 from tdhook.attribution import FeatureAblation, Occlusion, ShapleyValueSampling
 from tdhook.attribution.methods._positions_alone import own_positions, positions_alone, read_across
@@ -140,3 +142,37 @@ def test_the_copies_and_their_own_positions():
     assert read_across(same, same.clone(), lambda: same, 2) is None
     assert read_across(same, same * 1.5, lambda: same * 1.5, 2) is None  # moves on the unchanged inputs too
     assert read_across(same, same * 1.5, lambda: same, 2) == 0.5
+
+
+class _Linears(TorchFunctionMode):
+    """Counts the linear layers' calls: two per forward pass of the policies below."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += func is nn.functional.linear
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["sequential", "torchrl_mlp", "hooked"])
+def test_a_policy_of_layers_that_read_each_step_alone_takes_no_pass_more(kind):
+    """An MLP policy over a [B, T] rollout (a plain ``nn.Sequential`` or torchrl's ``MLP``) cannot read across the
+    steps: FeatureAblation with one group runs its two passes (the unperturbed one and the step), not a third to look
+    for a reading across the steps. A forward hook on the policy may read anything: the look is kept there."""
+    torch.manual_seed(0)
+    if kind == "torchrl_mlp":
+        net = MLP(in_features=HIDDEN, out_features=UNITS, num_cells=[8], activation_class=nn.Tanh).double()
+    else:
+        net = nn.Sequential(nn.Linear(HIDDEN, 8), nn.Tanh(), nn.Linear(8, UNITS)).double()
+    if kind == "hooked":
+        net.register_forward_hook(lambda module, args, output: None)
+    module, td = TensorDictModule(net, in_keys=["embeds"], out_keys=["y"]), steps_td()
+    counter = _Linears()
+    with counter:
+        found = FeatureAblation(module, target=1)(td.clone())["attribution", "embeds"]
+    assert counter.calls == (6 if kind == "hooked" else 4)
+    with torch.no_grad():
+        expected = (net(td["embeds"]) - net(torch.zeros_like(td["embeds"])))[..., 1:2].expand_as(found)
+    assert relative_error(found, expected) <= 1e-12

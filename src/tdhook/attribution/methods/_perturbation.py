@@ -34,6 +34,7 @@ from tdhook.attribution.methods._positions_alone import (
     every_other_position,
     own_positions,
     positions_alone,
+    positions_apart,
     read_across,
 )
 from tdhook.attribution.methods._rows_in_one_sample import (
@@ -226,7 +227,7 @@ class PerturbationMethod(AttributionMethod):
         reads across them (see :mod:`~tdhook.attribution.methods._positions_alone`); where it does, the passes after
         it perturb each position alone, with a warning once per wrapper."""
         unperturbed = self._contract(call, call.output.detach(), None)
-        if call.batch_dims >= 2 and call.batch_shape[-1] >= 2 and not call.positions_alone:
+        if call.batch_dims >= 2 and call.batch_shape[-1] >= 2 and not call.positions_alone and not self._apart():
             changed = self._at(call, every_other_position(call.inputs, self._baselines(call), call.batch_dims))
             moved = read_across(unperturbed, changed, lambda: self._at(call, call.inputs), call.batch_dims)
             if moved is not None:
@@ -242,6 +243,14 @@ class PerturbationMethod(AttributionMethod):
                     f"perturbed alone instead, the others as given ({call.batch_shape[-1]} copies a step)"
                 )
         return unperturbed
+
+    def _apart(self) -> bool:
+        """Whether the wrapped model cannot read across a batch's positions (see
+        :func:`~tdhook.attribution.methods._positions_alone.positions_apart`): a TensorDictModule of such layers."""
+        inner, hooks = getattr(self.module, "module", None), nn.modules.module
+        if hooks._global_forward_hooks or hooks._global_forward_pre_hooks or self.module._forward_pre_hooks:
+            return False
+        return isinstance(inner, nn.Module) and positions_apart(inner) and not self.module._forward_hooks
 
     def _copies(self, call: Call, state: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """One step's perturbed inputs as the copies a pass runs: the step itself, or one copy per position of the

@@ -14,7 +14,10 @@ its baseline, the others as given. Where the explained output at an untouched po
 rounding (and does not move on a pass of the unchanged inputs as well, as a model that draws at random does), each
 step of the method then runs one copy per position, perturbed at that position alone, the others as the caller
 gave them, and each position takes its value from its own copy: the drop of each step alone, at the cost of one
-copy per position.
+copy per position. A model built only of torch's layers that act on each position's features alone (linear layers,
+element-wise activations, layer and RMS norms, dropout, in a plain ``nn.Sequential`` or torchrl's ``MLP``, with no
+hook: a torchrl policy's MLP over a ``[B, T]`` rollout) cannot read across the positions, and takes no such pass
+(:func:`positions_apart`).
 
 Examples:
     >>> import torch
@@ -31,8 +34,37 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
+from torchrl.modules import MLP
 
-__all__ = ["every_other_position", "own_positions", "positions_alone", "read_across"]
+__all__ = ["every_other_position", "own_positions", "positions_alone", "positions_apart", "read_across"]
+
+# torch's layers that compute each position of a batch from its own features alone (the last dimensions).
+_PER_POSITION = (
+    nn.Linear, nn.Identity, nn.LayerNorm, nn.RMSNorm, nn.Dropout, nn.AlphaDropout, nn.ReLU, nn.ReLU6, nn.LeakyReLU,
+    nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.Softplus, nn.Softsign,
+    nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.LogSigmoid, nn.Tanhshrink,
+)  # fmt: skip
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks")
+
+
+def positions_apart(module: nn.Module) -> bool:
+    """Whether ``module`` is built only of torch's layers that compute each position from its own features (see
+    ``_PER_POSITION``), in a plain ``nn.Sequential`` or torchrl's ``MLP`` (which joins its inputs along the last
+    dimension), with no forward hook and no forward set on an instance: it cannot read across a batch's positions.
+
+    Examples:
+        >>> positions_apart(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.LayerNorm(4)))
+        True
+        >>> positions_apart(nn.Sequential(nn.Flatten(), nn.Linear(12, 4))), positions_apart(nn.Conv1d(3, 4, 1))
+        (False, False)
+    """
+    if any(getattr(module, name, None) for name in _HOOKS) or "forward" in vars(module):
+        return False
+    kind = type(module)
+    if kind is nn.Sequential or (isinstance(module, MLP) and kind.forward is MLP.forward):
+        return all(positions_apart(layer) for layer in module)
+    return kind in _PER_POSITION
 
 
 def _selector(length: int, batch_dims: int, rank: int, device: torch.device) -> torch.Tensor:
