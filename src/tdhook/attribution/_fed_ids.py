@@ -21,10 +21,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["looks_up_ids", "mark_restacked", "reads_fed_ids", "restacks"]
+__all__ = ["RESTACKING", "looks_up_ids", "mark_restacked", "reads_fed_ids", "restacks"]
 
 # The fed ids that a tensor puts back together from their slices (a lazy stack's read of them): it is those ids.
 RESTACKED = "_tdhook_restacked_ids"
+# The calls that may put the fed ids back together from their slices: ``torch.stack``, and ``pad_sequence`` of slices
+# of one length (a lazy stack's read ``td.get(key, as_padded_tensor=True)``, as torchrl's LLM wrappers read tokens).
+RESTACKING = frozenset({"stack", "pad_sequence"})
 
 
 def mark_restacked(tensor: torch.Tensor, fed: torch.Tensor) -> None:
@@ -60,8 +63,9 @@ def _same_view(tensor: torch.Tensor, part: torch.Tensor) -> bool:
     )
 
 
-def restacks(fed: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """What of the fed ids ``fed`` the call ``torch.stack(tensors, dim)`` puts back together from their slices
+def restacks(fed: torch.Tensor, args: tuple, kwargs: dict, name: str = "stack") -> torch.Tensor | None:
+    """What of the fed ids ``fed`` the call ``torch.stack(tensors, dim)`` (``name``: one of :data:`RESTACKING`; a
+    ``pad_sequence`` of slices of one length pads nothing, and stacks them) puts back together from their slices
     along ``dim``, in their order: ``fed`` itself (a lazily stacked TensorDict's read of the ids written into it), a
     part of it (an inner stack's read, where a lazy stack holds lazy stacks: the slices of a slice), or ``None``.
     A slice is a view of ``fed``, or a tensor marked by :func:`mark_restacked` as a part of it. To be called with
@@ -75,6 +79,8 @@ def restacks(fed: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | Non
         >>> row.tolist(), _same_view(row, ids[1])
         ([3, 4], True)
     """
+    if name == "pad_sequence":
+        args, kwargs = _as_stack(args, kwargs)
     tensors = args[0] if args else kwargs.get("tensors")
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     if not isinstance(tensors, (list, tuple)) or not tensors or not isinstance(dim, int) or fed.dim() == 0:
@@ -101,6 +107,24 @@ def restacks(fed: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | Non
         return fed
     inside = fed.storage_offset() <= whole.storage_offset() and whole.numel() < fed.numel()
     return whole if inside else None
+
+
+def _as_stack(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments of ``torch.stack`` that put together what ``pad_sequence(sequences, batch_first, ...)`` does,
+    where its sequences are all of one shape (no padding); else none (an empty list of tensors).
+
+    Examples:
+        >>> ids = torch.tensor([[1, 2], [3, 4]])
+        >>> _as_stack((ids.unbind(0), True), {})[0][1], _as_stack((ids.unbind(0),), {})[0][1]
+        (0, 1)
+        >>> _as_stack(([ids[0], ids[1, :1]], True), {})
+        (([], 0), {})
+    """
+    sequences = args[0] if args else kwargs.get("sequences")
+    batch_first = args[1] if len(args) > 1 else kwargs.get("batch_first", False)
+    if not isinstance(sequences, (list, tuple)) or len({getattr(s, "shape", None) for s in sequences}) != 1:
+        return ([], 0), {}
+    return (sequences, 0 if batch_first else 1), {}
 
 
 def looks_up_ids(embedding: nn.Module, ids: torch.Tensor, output: torch.Tensor) -> bool:

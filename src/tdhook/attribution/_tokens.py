@@ -39,7 +39,7 @@ from torchrl.envs.transforms import ToTensorImage
 from tdhook.attribution._bag_rows import bag_of_rows
 from tdhook.attribution._derived_ids import derived_ids_message
 from tdhook.attribution._embedding_tables import embedding_weights, embeddings_at_or_under, made_of, own_tables
-from tdhook.attribution._fed_ids import looks_up_ids, mark_restacked, reads_fed_ids, restacks
+from tdhook.attribution._fed_ids import RESTACKING, looks_up_ids, mark_restacked, reads_fed_ids, restacks
 from tdhook.attribution._offset_ids import offset_reader, rows_elsewhere
 from tdhook.attribution._token_values import (
     CODING,
@@ -489,7 +489,7 @@ _CARRYING = frozenset(
         "stack", "hstack", "vstack", "roll", "flip", "narrow", "select", "index_select", "gather", "take",
         "masked_fill", "where", "repeat", "repeat_interleave", "expand", "tile", "unsqueeze", "squeeze",
         "transpose", "permute", "t", "flatten", "unflatten", "view", "reshape", "split", "chunk", "unbind",
-        "tensor_split", "movedim", "pad", "cpu", "cuda", "__get__",
+        "tensor_split", "movedim", "pad", "pad_sequence", "cpu", "cuda", "__get__",
     }
 )  # fmt: skip
 # Lookups of rows of a table by integer ids: the position of the table among the arguments.
@@ -581,7 +581,9 @@ class _DerivedTokens(TorchFunctionMode):
             # model's reshapes) only where it may hold them (below).
             if out.dtype in _INTEGERS if isinstance(out, torch.Tensor) else _has_integers(out):
                 index = self._source(iter((*args, *kwargs.values())))
-                restacked = restacks(self._ids[index], args, kwargs) if index is not None and name == "stack" else None
+                restacked = None
+                if index is not None and name in RESTACKING:
+                    restacked = restacks(self._ids[index], args, kwargs, name)
                 if restacked is not None:  # a lazy stack's read of the fed ids, or of a part (a lazy stack's inside)
                     mark_restacked(out, restacked)
                 if index is not None:  # taken from the ids (the ids themselves only while nothing writes into them)
