@@ -98,10 +98,11 @@ def test_a_lazy_stack_gets_the_results_of_its_dense_batch_and_keeps_its_own_entr
 
 
 @pytest.mark.parametrize("method", ["LRP", "Saliency"])
-@pytest.mark.parametrize("how", ["lock_", "memmap_"])
+@pytest.mark.parametrize("how", ["lock_", "memmap_", "share_memory_", "consolidate"])
 def test_a_locked_tensordict_is_refused_before_the_model_runs_naming_the_keys(method, how, tmp_path):
-    """A locked TensorDict (``lock_()``, ``memmap_()``) takes no new key: the call ran the model and every backward
-    pass, then failed in tensordict's write with a message that named no key."""
+    """A locked TensorDict (``lock_()``, ``memmap_()``, ``share_memory_()``, ``consolidate()``) takes no new key: the
+    call ran the model and every backward pass, then failed in tensordict's write with a message that named no key.
+    The message names the call that locked it."""
     import tdhook.attribution as attribution
 
     torch.manual_seed(0)
@@ -110,10 +111,11 @@ def test_a_locked_tensordict_is_refused_before_the_model_runs_naming_the_keys(me
     layer.register_forward_hook(lambda *_: calls.append(1))
     net = TensorDictModule(layer, in_keys=["x"], out_keys=["y"])
     td = TensorDict(x=torch.randn(4, 3), batch_size=[4])
-    td = td.lock_() if how == "lock_" else td.memmap_(tmp_path)
+    td = td.memmap_(tmp_path) if how == "memmap_" else getattr(td, how)()
     before = dict(td.items())
     wrapper = getattr(attribution, method)(net)
-    with pytest.raises(RuntimeError, match=r"is locked.*\('(relevance|attribution)', 'x'\).*unlock_\(\)"):
+    locked = rf"is locked \(.*{how}\(\).*\).*\('(relevance|attribution)', 'x'\).*unlock_\(\)"
+    with pytest.raises(RuntimeError, match=locked):
         wrapper(td)
     assert not calls
     assert dict(td.items()).keys() == before.keys() and all(td.get(k) is v for k, v in before.items())

@@ -252,14 +252,14 @@ needs a sub-TensorDict; remove it or pass relevance_key= another prefix"
         >>> check_writable(locked, [("relevance", "x")])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        RuntimeError: LRP: the TensorDict is locked (lock_() and memmap_() lock it), so the relevance keys ...
+        RuntimeError: LRP: the TensorDict is locked (lock_(), memmap_(), share_memory_() and consolidate() lock it), ...
     """
     if tensordict.is_locked:
         wanted = [key for group in keys for key in group]
         raise RuntimeError(
-            f"LRP: the TensorDict is locked (lock_() and memmap_() lock it), so the relevance keys {wanted} and the "
-            "module's outputs cannot be written into it; pass an unlocked one: td.unlock_() (new entries are not "
-            "memory-mapped) or td.clone()"
+            "LRP: the TensorDict is locked (lock_(), memmap_(), share_memory_() and consolidate() lock it), so the "
+            f"relevance keys {wanted} and the module's outputs cannot be written into it; pass an unlocked one: "
+            "td.unlock_() (new entries are then neither memory-mapped nor shared) or td.clone()"
         )
     seen = set()
     present = tensordict.keys()
