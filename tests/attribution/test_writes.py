@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tensordict import TensorDict
-from tensordict.nn import EnsembleModule, TensorDictModule, TensorDictSequential
+from tensordict.nn import EnsembleModule, TensorDictModule, TensorDictModuleBase, TensorDictSequential
 from torch import nn
 
 from tdhook.attribution._writes import set_all_or_nothing
@@ -224,3 +224,50 @@ def test_an_ensemble_keeps_its_hint():
     )
     with pytest.raises(ValueError, match=r"an EnsembleModule puts its members' dimension in front of the batch"):
         attribution.LRP(policy, target_key="q")(TensorDict(observation=torch.randn(5, 3), batch_size=[5]))
+
+
+class _UnbatchedOutputs(TensorDictModuleBase):
+    """A policy of one's own that returns a new TensorDict of its outputs, built without a batch size."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net, self.in_keys, self.out_keys = net, ["obs"], ["q"]
+
+    def forward(self, td: TensorDict) -> TensorDict:
+        return TensorDict(q=self.net(td["obs"]))
+
+
+_PER_METHOD = {
+    "LRP": {},
+    "Saliency": {},
+    "FeatureAblation": {},
+    "Occlusion": {"sliding_window_shapes": (2,)},
+    "ShapleyValueSampling": {"feature_masks": torch.tensor([0, 0, 1, 2])},
+}
+
+
+@pytest.mark.parametrize("method", list(_PER_METHOD))
+@pytest.mark.parametrize("returns", ["inplace=False", "own module"])
+def test_outputs_returned_without_a_batch_size_are_explained_per_sample(method, returns):
+    """``TensorDictModule(..., inplace=False)`` returns a new TensorDict of its outputs without a batch size, as a
+    module building ``TensorDict(q=...)`` does. It was read as a module that cut the batch to none: the whole batch
+    one sample, and the perturbation methods moved every sample's features at once (FeatureAblation 0.5 off, every
+    feature of a sample given the drop of the whole batch). Its entries begin with the batch given: the call's
+    results are those of the module returning the caller's TensorDict, written into it, with its batch size."""
+    import tdhook.attribution as attribution
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    plain = TensorDictModule(net, in_keys=["obs"], out_keys=["q"])
+    module = (
+        TensorDictModule(net, ["obs"], ["q"], inplace=False) if returns == "inplace=False" else _UnbatchedOutputs(net)
+    )
+    make = getattr(attribution, method)
+    key = ("relevance" if method == "LRP" else "attribution", "obs")
+    expected = make(plain, target=1, **_PER_METHOD[method])(TensorDict(obs=x.clone(), batch_size=[5]))
+    td = TensorDict(obs=x.clone(), batch_size=[5])
+    out = make(module, target=1, **_PER_METHOD[method])(td)
+    assert out is td and out.batch_size == torch.Size([5])
+    torch.testing.assert_close(out.get(key), expected.get(key), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(out["q"], expected["q"])

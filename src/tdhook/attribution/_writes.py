@@ -47,6 +47,11 @@ def returned_tensordict(
     """Where a call writes its results: the caller's TensorDict, or, where the module returned fewer batch
     dimensions than it was given, a shallow copy of it with the module's batch size.
 
+    A TensorDict returned without a batch size whose every tensor begins with the batch given is the caller's batch:
+    ``TensorDictModule(..., inplace=False)`` returns a new TensorDict of its outputs without one, as a module building
+    ``TensorDict(q=...)`` does. Read as a batch cut to none, the whole batch was one sample, and the perturbation
+    methods moved every sample's features at once.
+
     torchrl's ``DecisionTransformerInferenceWrapper``, called on a ``[B, T]`` context, returns a ``[B]``
     TensorDict (one action per context) and leaves the caller's as it was; LRP does the same. Any other batch
     size (tensordict's ``EnsembleModule`` puts its members' dimension in front of the batch, torchrl's
@@ -63,12 +68,16 @@ def returned_tensordict(
         >>> cut = returned_tensordict(td, TensorDict(y=torch.zeros(2, 1), batch_size=[2]))
         >>> cut.batch_size, cut["x"] is td["x"], td.batch_size
         (torch.Size([2]), True, torch.Size([2, 5]))
+        >>> returned_tensordict(td, TensorDict(y=torch.zeros(2, 5, 4))) is td  # no batch size, entries of the batch
+        True
         >>> returned_tensordict(td, TensorDict(y=torch.zeros(3, 2, 5), batch_size=[3, 2, 5]))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         ValueError: LRP: the module returned a TensorDict of batch size [3, 2, 5] for one of batch size [2, 5]; ...
     """
     size, given = result.batch_size, tensordict.batch_size
+    if not size and given and _batched_entries(result, given):
+        return tensordict  # a new TensorDict without a batch size (``inplace=False``): its entries keep the batch
     if len(size) < len(given) and given[: len(size)] == size:
         returned = tensordict.copy()
         returned.batch_size = size
@@ -311,3 +320,9 @@ def _get_or_none(tensordict: TensorDictBase, key: Any) -> Any:
         return tensordict.get(key, None)
     except (KeyError, ValueError):  # a leaf where the key needs a branch: setting it will fail, before any write
         return None
+
+
+def _batched_entries(result: TensorDictBase, batch: torch.Size) -> bool:
+    """Whether ``result`` holds tensors, every one of them beginning with the dimensions ``batch``."""
+    tensors = [value for value in result.values(True, True) if isinstance(value, torch.Tensor)]
+    return bool(tensors) and all(value.shape[: len(batch)] == batch for value in tensors)
