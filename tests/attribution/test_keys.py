@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tensordict import TensorDict
-from tensordict.nn import TensorDictModule
+from tensordict.nn import TensorDictModule, TensorDictSequential, WrapModule
 from torch import nn
 
 from tdhook.attribution import LRP
@@ -49,3 +49,33 @@ def test_a_token_relevance_key_inside_the_models_key_names_token_relevance_key()
         LRP(policy(), token_relevance_key="y")
     with pytest.raises(ValueError, match=r"would be written inside the model's key 'y'; pass another relevance_key$"):
         LRP(policy(), relevance_key="y")
+
+
+@pytest.mark.parametrize("method", ["LRP", "Saliency", "FeatureAblation"])
+def test_a_step_that_declares_no_in_keys_is_named_with_what_to_declare(method):
+    """tensordict's ``WrapModule(fn)`` declares no keys: a sequence starting with one reads, as far as its keys say,
+    only what its later steps read, and the key the function reads was refused as no input of the module, with the
+    advice to leave it out. The message names the step and how to declare its keys; declared, the key is explained
+    as with a ``TensorDictModule`` step."""
+    import tdhook.attribution as attribution
+
+    torch.manual_seed(0)
+    body, head = nn.Sequential(nn.Linear(4, 8), nn.ReLU()).double(), nn.Linear(8, 3).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    make = getattr(attribution, method)
+    undeclared = TensorDictSequential(
+        WrapModule(lambda td: td.set("h", body(td["obs"]))), TensorDictModule(head, ["h"], ["q"])
+    )
+    expected = (
+        r"'obs' is not an input of the module.*'module\.0' \(WrapModule\) declares no in_keys.*in_keys=\[\.\.\.\]"
+    )
+    with pytest.raises(ValueError, match=expected):
+        make(undeclared, in_keys=["obs"], target_key="q", target=1)
+    declared = TensorDictSequential(
+        WrapModule(lambda td: td.set("h", body(td["obs"])), in_keys=["obs"], out_keys=["h"]),
+        TensorDictModule(head, ["h"], ["q"]),
+    )
+    plain = TensorDictSequential(TensorDictModule(body, ["obs"], ["h"]), TensorDictModule(head, ["h"], ["q"]))
+    key = ("relevance" if method == "LRP" else "attribution", "obs")
+    out = make(declared, target=1)(TensorDict(obs=x.clone(), batch_size=[5]))
+    torch.testing.assert_close(out.get(key), make(plain, target=1)(TensorDict(obs=x, batch_size=[5])).get(key))

@@ -325,11 +325,19 @@ def read_not_written(module: TensorDictModuleBase) -> list[NestedKey]:
     ]
 
 
-def check_read(name: str, given: Sequence[NestedKey], keys: Sequence[NestedKey], fields: bool = False) -> None:
+def check_read(
+    name: str,
+    given: Sequence[NestedKey],
+    keys: Sequence[NestedKey],
+    fields: bool = False,
+    module: nn.Module | None = None,
+) -> None:
     """Refuse an explained input key that is not among ``given``, the keys the module reads without filling them
     itself (see :func:`read_not_written`): a key it writes in the call (an intermediate key of a sequence), or one it
     does not read, would get a relevance of zero whatever the model does. ``name`` names the wrapper in the message;
-    with ``fields``, a key inside a given one is accepted (a field of a tensorclass the module reads whole).
+    with ``fields``, a key inside a given one is accepted (a field of a tensorclass the module reads whole). Given
+    the ``module``, the message names its steps that declare no in_keys (a ``WrapModule`` of a function), which may
+    read the key unseen.
 
     Examples:
         >>> check_read("LRP", ["obs"], ["obs"])
@@ -344,8 +352,23 @@ def check_read(name: str, given: Sequence[NestedKey], keys: Sequence[NestedKey],
         if key not in given and not inside:
             raise ValueError(
                 f"{name}: input key {key!r} is not an input of the module (it reads {list(given)}, besides the keys "
-                "it fills itself); leave it out of in_keys"
+                f"it fills itself); leave it out of in_keys{_undeclared_steps(module)}"
             )
+
+
+def _undeclared_steps(module: nn.Module | None) -> str:
+    """The end of the message for a key the module does not read: its steps that declare no in_keys, if any."""
+    steps = [
+        f"{step_name!r} ({type(step).__name__})"
+        for step_name, step in ([] if module is None else module.named_modules())
+        if step_name and isinstance(step, TensorDictModuleBase) and not list(getattr(step, "in_keys", None) or [])
+    ]
+    if not steps:
+        return ""
+    return (
+        f", or, if a step reads it without saying so, declare what it reads: {', '.join(steps)} declares no in_keys "
+        "(WrapModule(fn, in_keys=[...], out_keys=[...]))"
+    )
 
 
 def _keys_through_compose(module: nn.Module) -> tuple[list[NestedKey], list[NestedKey]]:

@@ -242,7 +242,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         warn_for_unused_keys(self.rule_mapper, self.named_explained_modules()[""])
         given = read_not_written(module)
         self.explained_keys = unique_keys(in_keys) if in_keys is not None else given
-        check_read("LRP", given, self.explained_keys, fields=True)  # one the module writes or does not read: zero
+        check_read("LRP", given, self.explained_keys, True, module)  # one the module writes or does not read: zero
         # Keys taken from the module's in_keys: those holding booleans or integers no embedding reads, and the
         # recurrent states a torchrl LSTMModule/GRUModule does without, and the inputs a partial_tolerant sequence does
         # without, are not explained when absent (see explained_in_call).

@@ -215,7 +215,9 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         self._optional_inputs = optional_inputs(module)
         if not self.explained_keys:
             raise ValueError(f"{name}: no input key to explain; pass in_keys=[...]")
-        check_read(name, given, self.explained_keys)  # its attribution would be zero whatever the model does
+        check_read(
+            name, given, self.explained_keys, module=module
+        )  # its attribution would be zero whatever the model does
         try:
             targets = named_targets(module, target_key)
         except (TypeError, ValueError) as err:
