@@ -28,6 +28,7 @@ from tdhook.attribution import (
     EpsilonGammaBox,
     EpsilonPlus,
 )
+from tdhook.attribution._nonlinear_calls import COMPUTED_WEIGHT
 from tests.conftest import relative_error
 
 F64 = torch.float64
@@ -533,7 +534,7 @@ def test_a_weight_computed_from_an_input_is_split_or_named(how: str, preset: str
     """A product of the input and a weight computed from another input: the transformer presets' product rule
     splits an ``einsum`` and a ``F.linear`` (the matrix product ``x @ W.T`` it is) between their factors and
     conserves; a ``F.conv2d`` by such a weight is named under every preset, and a ``F.linear`` under the CNN presets
-    (gradient × input gives it twice its relevance)."""
+    (gradient × input gives it twice its relevance), as a product of two activations."""
     torch.manual_seed(0)
     model, x = zero_biases(HyperNetwork(how).double()), task_inputs(how)
     relevance, caught, functions = explain(model, x, NAMING[preset](), 0)
@@ -541,7 +542,8 @@ def test_a_weight_computed_from_an_input_is_split_or_named(how: str, preset: str
         assert caught == [] and functions == []
         assert_conserved(relevance, model(*x.values())[:, 0])
     else:
-        assert functions == [how] and any(f"(HyperNetwork) computes {how}" in message for message in caught)
+        named = how if how == "einsum" else f"{how} ({COMPUTED_WEIGHT})"  # a layer function: named a product
+        assert functions == [named] and any(f"(HyperNetwork) computes {named}" in message for message in caught)
 
 
 class StandardisedConv2d(nn.Conv2d):

@@ -259,3 +259,32 @@ class TestDropoutOfAWeightInARuledLayer:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             LRP(net, getattr(presets, preset)(), in_keys=["x"], out_keys=["y"])(td.clone())
+
+
+class ComputedKernel(nn.Module):
+    """A convolution or linear map by a weight computed from the input (CondConv's routing, a hypernetwork)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.route = kind, nn.Linear(4, 2)
+        self.experts = nn.Parameter(torch.randn(2, 3 * 4 * (3 if kind == "conv1d" else 1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routing = torch.sigmoid(self.route(x.mean(-1) if self.kind == "conv1d" else x)).mean(0)
+        weight = routing @ self.experts
+        if self.kind == "conv1d":
+            return nn.functional.conv1d(x, weight.view(3, 4, 3)).flatten(1)
+        return nn.functional.linear(x, weight.view(3, 4))
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+def test_a_layer_function_of_a_weight_computed_from_the_input_is_named_as_a_product(kind: str):
+    """CondConv computes its kernels from the input (routing weights times expert kernels): the warning said the
+    convolution "is not piecewise linear", as of a curved function, where it is a product of two activations."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 5, dtype=F64) if kind == "conv1d" else torch.randn(2, 4, dtype=F64)
+    _, found = explain(ComputedKernel(kind).to(F64), EpsilonPlus(), x)
+    assert any(
+        f"{kind} (with a weight computed from the inputs: a product of two activations) in its own forward" in message
+        for message in found
+    ), found

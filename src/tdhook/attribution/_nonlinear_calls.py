@@ -102,10 +102,13 @@ from tdhook.attribution.rules._unrecorded_writes import (
 )
 from tdhook.attribution.rules.base import _reaches_model_input
 
-__all__ = ["ROUNDING", "NonlinearCalls", "function_kind"]
+__all__ = ["COMPUTED_WEIGHT", "ROUNDING", "NonlinearCalls", "function_kind"]
 
 # A division given a rounding mode (``torch.div(h, 2, rounding_mode="floor")``) is piecewise constant, as ``floor``.
 ROUNDING = "rounding_mode="
+# A convolution or linear map whose weight is computed from the explained inputs (CondConv's, a hypernetwork's): a
+# product of two activations, which its name alone would report as a curved function.
+COMPUTED_WEIGHT = "with a weight computed from the inputs: a product of two activations"
 
 
 _REGISTER_HOOK = torch.Tensor.register_hook
@@ -160,6 +163,8 @@ def _nonlinear_name(func: Any, args: tuple, kwargs: dict | None = None) -> str |
         factors = _activations(args[PRODUCT_FACTORS.get(name, slice(None))]) + (
             _keyword_factors(name, kwargs) if kwargs else 0
         )
+        if factors > 1 and name in LAYER_FUNCTIONS:  # a convolution or linear map by a weight computed from the input
+            return f"{name} ({COMPUTED_WEIGHT})"
         return name if factors > 1 else None
     if kind == "division" and (mode := call_argument(args, kwargs or {}, 2, "rounding_mode")) is not None:
         return f"{name} ({ROUNDING}{mode!r})"  # rounded to a whole number: piecewise constant in the dividend too
