@@ -59,3 +59,30 @@ def test_a_target_that_gets_relevance_is_not_warned_of(preset, target):
     softmax as no rule of theirs)."""
     relevance, caught = explained(preset(), target)
     assert relevance.any() and caught == []
+
+
+class _Probabilities(nn.Module):
+    """A classifier returning its probabilities: an ``nn.Softmax`` last layer, or ``F.softmax`` in the forward."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form, self.linear, self.softmax = form, nn.Linear(4, 5), nn.Softmax(-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.linear(x)
+        return self.softmax(logits) if self.form == "module" else torch.softmax(logits, -1)
+
+
+@pytest.mark.parametrize("form", ["module", "function"])
+def test_a_probability_target_under_cplrp_is_refused_saying_why(form):
+    """A target made only of a softmax's outputs is cut from the inputs by CP-LRP's held softmax: the refusal said
+    the target "does not depend on the explained inputs", which the model's own gradient contradicts. It now says
+    what CP-LRP does with a softmax and what to explain instead; under AttnLRP the same target gets relevance."""
+    torch.manual_seed(0)
+    net = _Probabilities(form).double()
+    td = TensorDict(x=torch.randn(2, 4, dtype=torch.float64), batch_size=[2])
+    with pytest.raises(
+        ValueError, match=r"does not depend on the explained inputs.*CP-LRP holds every softmax.*AttnLRP"
+    ):
+        LRP(net, CPLRP(), in_keys=["x"], out_keys=["y"], target=1)(td.clone())
+    assert LRP(net, AttnLRP(), in_keys=["x"], out_keys=["y"], target=1)(td.clone())["relevance", "x"].any()

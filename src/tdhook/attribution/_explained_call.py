@@ -119,7 +119,9 @@ def explain(lrp: Any, tensordict: TensorDictBase) -> tuple[TensorDictBase, Calla
             for position, name in enumerate(names):
                 try:
                     target_key = resolve_target_key(result, *lrp.targets[name], lrp._candidates.of(lrp, name))
-                    output = explained_output(result, target_key, lrp.explained_keys, lrp.targets[name][1])
+                    output = explained_output(
+                        result, target_key, lrp.explained_keys, lrp.targets[name][1], lrp.rule_mapper
+                    )
                 except RuntimeError as err:
                     raise_for_ragged(result, [key for key in [lrp.targets[name][0]] if key is not None], "output", err)
                     raise

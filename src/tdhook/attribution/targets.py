@@ -121,10 +121,15 @@ class EveryUnit:
 
 
 def explained_output(
-    result: TensorDictBase, key: NestedKey, explained_keys: list[NestedKey], operator: TensorDictModuleBase
+    result: TensorDictBase,
+    key: NestedKey,
+    explained_keys: list[NestedKey],
+    operator: TensorDictModuleBase,
+    rule_mapper: object = None,
 ) -> torch.Tensor:
     """The target output of key ``key`` in ``result`` (see :func:`target_output`), checked: a floating-point
-    tensor that depends on the explained inputs.
+    tensor that depends on the explained inputs (under the ``rule_mapper``'s rules: CP-LRP's held softmax cuts a
+    classifier's probabilities from them, which the error then says).
 
     Examples:
         >>> from tensordict import TensorDict
@@ -141,7 +146,7 @@ def explained_output(
             f"LRP: target {key!r} is {describe(output)}; relevance explains a floating-point "
             "output (logits, action values, a value estimate): pass target_key=<such a key>"
         )
-    raise_for_no_gradient("LRP", key, output, operator, explained_keys)
+    raise_for_no_gradient("LRP", key, output, operator, explained_keys, rule_mapper)
     return output
 
 
@@ -151,9 +156,11 @@ def raise_for_no_gradient(
     output: torch.Tensor,
     operator: TensorDictModuleBase,
     explained_keys: list[NestedKey] | None = None,
+    rule_mapper: object = None,
 ) -> None:
     """Refuse a target ``output`` (at ``key``) that carries no gradient from the explained inputs, saying why where
-    known (see :func:`why_no_gradient`); ``name`` is the wrapper's.
+    known (see :func:`why_no_gradient`; a ``rule_mapper`` holding softmax outputs constant may be the cause);
+    ``name`` is the wrapper's.
 
     Examples:
         >>> raise_for_no_gradient("Saliency", "q", torch.ones(2), torch.nn.Linear(2, 2))
@@ -165,7 +172,22 @@ def raise_for_no_gradient(
         keys = "" if explained_keys is None else f" {explained_keys}"
         raise ValueError(
             f"{name}: target {key!r} does not depend on the explained inputs{keys}{why_no_gradient(operator)}"
+            f"{_held_softmax_cause(rule_mapper)}"
         )
+
+
+def _held_softmax_cause(rule_mapper: object) -> str:
+    """Where ``rule_mapper`` holds every softmax output constant (CP-LRP), what that does to a target computed from a
+    softmax, as the end of an error message; else ``""``."""
+    from tdhook.attribution._held_softmax_targets import holds_softmax  # that module reads this one's targets
+
+    if rule_mapper is None or not holds_softmax(rule_mapper):
+        return ""
+    return (
+        "; if it is computed from a softmax (a classifier's probabilities, an nn.Softmax last layer): CP-LRP holds "
+        "every softmax output constant (it takes them for attention weights), which cuts such a target from the "
+        "inputs. Explain the logits before the softmax, or use AttnLRP, whose softmax rule passes relevance"
+    )
 
 
 def why_no_gradient(operator: TensorDictModuleBase) -> str:
