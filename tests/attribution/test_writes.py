@@ -8,6 +8,7 @@ from tensordict import TensorDict
 from tensordict.nn import EnsembleModule, TensorDictModule, TensorDictModuleBase, TensorDictSequential
 from torch import nn
 
+from tdhook.attribution import LRP
 from tdhook.attribution._writes import set_all_or_nothing
 from tests.attribution._interrupts import Interrupt, every_line
 
@@ -271,3 +272,39 @@ def test_outputs_returned_without_a_batch_size_are_explained_per_sample(method, 
     assert out is td and out.batch_size == torch.Size([5])
     torch.testing.assert_close(out.get(key), expected.get(key), rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(out["q"], expected["q"])
+
+
+def test_a_loss_per_sample_is_explained_per_sample():
+    """torchrl's losses with ``reduction="none"`` return their per-sample loss in a TensorDict without a batch size:
+    read as a batch cut to none, LRP explained the largest sample's loss alone (the argmax of the whole tensor),
+    every other sample's relevance zero. Each sample's relevance is now that of its own loss: gradient × input of
+    loss[i] at sample i under LRP-0 (the loss's mse_loss keeps its plain gradient, and says so)."""
+    from torchrl.modules import QValueActor
+    from torchrl.objectives import DQNLoss
+
+    from tdhook.attribution.mappers.base import BaseRuleMapper
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).double()
+    actor = QValueActor(net, in_keys=["observation"], action_space="one_hot")
+    loss = DQNLoss(actor, action_space="one_hot", reduction="none", delay_value=False)
+    batch = 5
+    td = TensorDict(
+        {
+            "observation": torch.randn(batch, 4, dtype=torch.float64),
+            "action": nn.functional.one_hot(torch.randint(0, 2, (batch,)), 2),
+            ("next", "observation"): torch.randn(batch, 4, dtype=torch.float64),
+            ("next", "reward"): torch.randn(batch, 1, dtype=torch.float64),
+            ("next", "done"): torch.zeros(batch, 1, dtype=torch.bool),
+            ("next", "terminated"): torch.zeros(batch, 1, dtype=torch.bool),
+        },
+        batch_size=[batch],
+    )
+    lrp = LRP(loss, BaseRuleMapper(stabilizer=0.0), in_keys=["observation"], target_key="loss")
+    with pytest.warns(UserWarning, match="mse_loss"):
+        out = lrp(td.clone())
+    x = td["observation"].clone().requires_grad_(True)
+    per_sample = loss(td.clone().set("observation", x))["loss"]
+    expected = torch.stack([(x * torch.autograd.grad(per_sample[i], x, retain_graph=True)[0])[i] for i in range(batch)])
+    assert out.batch_size == torch.Size([batch])
+    torch.testing.assert_close(out["relevance", "observation"], expected, rtol=1e-10, atol=1e-12)
