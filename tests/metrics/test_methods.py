@@ -168,3 +168,33 @@ def test_a_per_sample_baseline_for_every_key_is_repeated_though_a_flag_of_other_
     by_default = Occlusion(module, sliding_window_shapes=(1,), baselines=baselines)
     by_name = Occlusion(module, in_keys=["obs", "goal"], sliding_window_shapes=(1,), baselines=baselines)
     torch.testing.assert_close(sensitivity_max(by_default, td, seed=0), sensitivity_max(by_name, td, seed=0))
+
+
+@pytest.mark.parametrize("batch", [[4], []])
+def test_one_index_per_head_is_repeated_for_every_perturbed_copy(batch):
+    """An output ``batch + [heads, units]`` (torchrl's ``MultiAgentMLP``) has its default target held at one index
+    per sample and head, ``batch + [heads]``; only indices ``batch`` or ``batch + [1]`` were repeated for the
+    stacked copies, and sensitivity_max refused the method's own target ("target indices of shape (4, 3) do not
+    match output 'y' of shape (8, 3, 2)"). Each copy is explained here on its own, for the original argmax."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6), nn.Unflatten(-1, (3, 2))).double()
+    td = TensorDict(x=torch.randn(*batch, 4, dtype=torch.float64), batch_size=batch)
+    noise = torch.randn(*batch, 2, 4, dtype=torch.float64) * 0.1
+
+    def perturb(repeated: TensorDict, radius: float) -> TensorDict:
+        return repeated.set("x", repeated["x"] + noise)
+
+    method = InputXGradient(net, in_keys=["x"], out_keys=["y"])
+    got = sensitivity_max(method, td, perturb_fn=perturb, n_perturb_samples=2)
+    held = net(td["x"]).argmax(-1)  # batch + [heads]
+
+    def explained(x: torch.Tensor) -> torch.Tensor:
+        x = x.clone().requires_grad_()
+        net(x).gather(-1, held.unsqueeze(-1)).sum().backward()
+        return (x * x.grad).detach()
+
+    reference = explained(td["x"])
+    ratios = [
+        (explained(td["x"] + noise[..., i, :]) - reference).norm(dim=-1) / reference.norm(dim=-1) for i in range(2)
+    ]
+    torch.testing.assert_close(got, torch.stack(ratios).amax(0), rtol=0, atol=1e-12)

@@ -237,16 +237,20 @@ def explained_output(method: TensorDictModuleBase, result: TensorDictBase) -> to
 
 
 def repeat_target(target: object, batch_size: torch.Size, n: int) -> object:
-    """A per-sample target (indices ``batch`` or ``batch + [1]``, or held weights) for ``n`` copies of the batch
-    stacked along its first dimension (see :func:`~tdhook.metrics._features.stacked_batch`); other targets as they
-    are.
+    """A per-sample target (indices ``batch``, ``batch + [1]`` or ``batch + [heads]`` for an output
+    ``batch + [heads, units]``, or held weights) for ``n`` copies of the batch stacked along its first dimension
+    (see :func:`~tdhook.metrics._features.stacked_batch`); other targets as they are.
 
     Examples:
         >>> repeat_target(torch.tensor([[0, 1, 2]]), torch.Size([1, 3]), 2)
         tensor([[0, 1, 2],
                 [0, 1, 2]])
+        >>> repeat_target(torch.tensor([1, 0]), torch.Size([]), 3)  # one index per head of a batch []
+        tensor([[1, 0],
+                [1, 0],
+                [1, 0]])
     """
-    if isinstance(target, torch.Tensor) and target.shape in (batch_size, (*batch_size, 1)) and len(batch_size):
+    if isinstance(target, torch.Tensor) and target.shape[: len(batch_size)] == batch_size and target.dim():
         return _stacked_copies(target, batch_size, n)
     if isinstance(target, HeldWeights) and len(batch_size):
         return HeldWeights(_stacked_copies(target.weights, batch_size, n))
