@@ -806,3 +806,29 @@ def test_a_partial_tolerant_sequence_explains_the_modules_whose_inputs_are_given
         KeyError, match=r"target key 'value' was not written .*partial_tolerant=True.* lacks \['extra'\]"
     ):
         method(sequence, target_key="value", **options)(td.clone())
+
+
+@pytest.mark.parametrize("kind", ["tanh_delta", "online"])
+def test_a_decision_transformer_is_explained_under_the_callers_no_grad(kind):
+    """The explained output of a decision transformer is its actor's output at the last context step, a slice taken
+    after the model's pass. Under the caller's ``torch.no_grad()`` (a collector's mode) that slice had no graph, and
+    Saliency and InputXGradient refused every context key as one the target does not depend on. Plain autograd of
+    the last step's largest unit gives the gradient."""
+    from tests.attribution.test_policy_targets import (
+        CONTEXT_KEYS,
+        DEFAULT_KEY,
+        context,
+        decision_transformer,
+        last_step_by_hand,
+    )
+
+    _, wrapper = decision_transformer(kind)
+    td = context("[B]")
+    expected, _ = last_step_by_hand(wrapper, td, DEFAULT_KEY[kind])
+    with torch.no_grad():
+        products = InputXGradient(wrapper)(td.clone())
+        magnitudes = Saliency(wrapper)(td.clone())
+    for key in CONTEXT_KEYS:
+        torch.testing.assert_close(products["attribution", key], expected[key], rtol=1e-10, atol=1e-12)
+        magnitude = magnitudes["attribution", key] * td[key].abs()
+        torch.testing.assert_close(magnitude, expected[key].abs(), rtol=1e-10, atol=1e-12)

@@ -406,7 +406,10 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
                 "random from call to call; call .eval() on the model for a deterministic one"
             )
             self._warned = True  # once warned: a warning the caller's filter made an error is given again
-        target_key, target, output = _read_target(self, result)
+        # With gradient: a slice of an output (a decision transformer's last step) taken under the caller's no_grad
+        # would have no graph back to the inputs.
+        with torch.enable_grad() if grad else _NOTHING:
+            target_key, target, output = _read_target(self, result)
         if not isinstance(output, torch.Tensor) or not output.is_floating_point():
             raise TypeError(
                 f"{name}: target {target_key!r} is {describe(output)}; pass target_key=<a floating-point output>"
