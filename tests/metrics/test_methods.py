@@ -198,3 +198,47 @@ def test_one_index_per_head_is_repeated_for_every_perturbed_copy(batch):
         (explained(td["x"] + noise[..., i, :]) - reference).norm(dim=-1) / reference.norm(dim=-1) for i in range(2)
     ]
     torch.testing.assert_close(got, torch.stack(ratios).amax(0), rtol=0, atol=1e-12)
+
+
+class _LastStep(nn.Module):
+    """A decision transformer's last-step prediction written out: the inference wrapper's masking of all but the
+    last ``shown`` steps (the actions shifted by one step), then the network, at the last step."""
+
+    def __init__(self, net: nn.Module, shown: int) -> None:
+        super().__init__()
+        self.net, self.shown = net, shown
+
+    def forward(self, observation: torch.Tensor, action: torch.Tensor, return_to_go: torch.Tensor) -> torch.Tensor:
+        def kept(x: torch.Tensor, n: int) -> torch.Tensor:
+            return torch.cat([torch.zeros_like(x[..., :-n, :]), x[..., -n:, :]], -2)
+
+        action = kept(action, self.shown - 1)
+        action = torch.cat([action[..., 1:, :], torch.zeros_like(action[..., :1, :])], -2)
+        return self.net(kept(observation, self.shown), action, kept(return_to_go, self.shown))[..., -1, :]
+
+
+@pytest.mark.filterwarnings("ignore:randomisation_check. no layer's reset_parameters")  # GPT-2's Conv1D layers
+def test_a_decision_transformer_is_scored_on_the_context_it_was_given():
+    """torchrl's ``DecisionTransformerInferenceWrapper`` writes the last step's ``action`` and ``return_to_go`` over
+    the context's: sensitivity_max and randomisation_check read the method's attributions against those, and refused
+    them ("attribution ('attribution', 'action') of shape [3, 6, 2] does not broadcast to input 'action' of shape
+    [3, 2]"). They equal the metrics of the same prediction written as a plain module of the context."""
+    from tensordict.nn import TensorDictModule
+
+    from tdhook.attribution import FeatureAblation, Saliency
+    from tdhook.metrics import randomisation_check
+    from tests.attribution.test_policy_targets import CONTEXT_KEYS, SHOWN, context, decision_transformer
+
+    net, wrapper = decision_transformer("tanh_delta")
+    plain = TensorDictModule(_LastStep(net, SHOWN), in_keys=list(CONTEXT_KEYS), out_keys=["param"])
+    td = context("[B]")
+    torch.testing.assert_close(wrapper(td.clone())["param"][:, -1], plain(td.clone())["param"], rtol=0, atol=0)
+    for method in (Saliency, FeatureAblation):
+        got = sensitivity_max(method(wrapper), td, seed=0, n_perturb_samples=3)
+        expected = sensitivity_max(method(plain), td, seed=0, n_perturb_samples=3)
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    got = randomisation_check(Saliency(wrapper), td, similarity="pearson")
+    expected = randomisation_check(Saliency(plain), td, similarity="pearson")
+    assert [name.split("module.0.module.")[-1] for name in got] == [name.split("net.")[-1] for name in expected]
+    for score, expected_score in zip(got.values(), expected.values(), strict=True):
+        torch.testing.assert_close(score, expected_score, rtol=1e-10, atol=1e-12)

@@ -31,7 +31,7 @@ from tdhook.attribution._inputs import explained_in_call, optional_inputs
 from tdhook.attribution._policy_targets import allowed_action, masked_action_keys
 from tdhook.attribution.methods._options import entries
 from tdhook.attribution.targets import initial_relevance, resolve_target_key, target_output, zero_entries
-from tdhook.metrics._features import explained_keys, stacked_batch
+from tdhook.metrics._features import Features, explained_keys, stacked_batch
 
 __all__ = [
     "HeldWeights",
@@ -46,6 +46,7 @@ __all__ = [
     "repeat_target",
     "target_set",
     "unit_dims",
+    "written_attributions",
 ]
 
 
@@ -142,6 +143,26 @@ def explain(method: TensorDictModuleBase, td: TensorDictBase) -> TensorDictBase:
     work = td.select(*method.in_keys, *held, *(["next"] if held else []), strict=False)
     result = method(work)
     return work if result is None else result
+
+
+def written_attributions(
+    result: TensorDictBase, given: TensorDictBase, keys: Sequence[NestedKey], prefix: NestedKey, units: int
+) -> list[torch.Tensor]:
+    """The attributions of ``keys`` that a method's ``result`` holds, read against the inputs ``given`` to its call.
+
+    A model may write an output over one of its input keys (torchrl's ``DecisionTransformerInferenceWrapper`` writes
+    the last step's ``action`` over the context's): the attribution is of the input given.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> given = TensorDict(x=torch.ones(4, 3), batch_size=[4])
+        >>> result = TensorDict(x=torch.ones(4, 1), attribution=TensorDict(x=torch.ones(4, 3)), batch_size=[4])
+        >>> written_attributions(result, given, ["x"], "attribution", 0)[0].shape
+        torch.Size([4, 3])
+    """
+    if result.batch_size == given.batch_size:
+        result = result.copy().update(given.select(*keys, strict=False))
+    return Features.read(result, keys, prefix, units).attributions
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from tdhook.metrics._methods import (
     original_target,
     target_set,
     unit_dims,
+    written_attributions,
 )
 from tdhook.metrics._random import cuda_devices
 from tdhook.metrics._scoring import progress_bar
@@ -164,7 +165,7 @@ def randomisation_check(
     with statistics_kept(copied):  # every explanation from the caller's running statistics
         result = explain(copied, td)
     target = original_target(copied, result, batch_dims, td)
-    own = Features.read(result, keys, prefix, units).attributions
+    own = written_attributions(result, td, keys, prefix, units)
     try:
         stored = Features.read(td, keys, prefix, units).attributions
     except KeyError:
@@ -196,7 +197,7 @@ def randomisation_check(
             else:  # a layer of a torchrl multi-agent network's template: its values are the network's
                 reset_in_template(owner, lambda name=name, layer=layer: reset_layer(name, layer))
             with statistics_kept(copied):
-                changed = Features.read(explain(copied, td), keys, prefix, units).attributions
+                changed = written_attributions(explain(copied, td), td, keys, prefix, units)
             scores[name] = compare(original, flat(changed))
             update(1)
     update(0)

@@ -13,7 +13,7 @@ from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.methods._cross_sample_outputs import scored_across_copies
 from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurrent_layers, time_lengths
 from tdhook.metrics._batch_statistics import batch_normalising_module, keeps_running_statistics, statistics_kept
-from tdhook.metrics._features import Features, inputs_value, stacked_batch
+from tdhook.metrics._features import inputs_value, stacked_batch
 from tdhook.metrics._methods import (
     check_method,
     explain,
@@ -25,6 +25,7 @@ from tdhook.metrics._methods import (
     repeat_target,
     target_set,
     unit_dims,
+    written_attributions,
 )
 from tdhook.metrics._random import generator, keeps_global_rng
 from tdhook.metrics.infidelity import check_perturbed, repeated
@@ -106,7 +107,7 @@ def sensitivity_max(
     with torch.no_grad():
         with statistics_kept(method), time_lengths(recurrent) as own:  # from the caller's running statistics
             result = explain(method, td)
-        reference = _flat(Features.read(result, keys, prefix, units).attributions, len(batch))
+        reference = _flat(written_attributions(result, td, keys, prefix, units), len(batch))
         expanded = repeated(td, keys, n)
         if perturb_fn is None:
             perturbed = expanded.apply(
@@ -135,14 +136,14 @@ def sensitivity_max(
             explained_output(method, explained), len(stacked), explained_output(method, result), len(batch)
         )
         if not (across or read_as_one_sequence(own, lengths)):
-            read = Features.read(explained, keys, prefix, units).attributions
+            read = written_attributions(explained, work.reshape(*stacked), keys, prefix, units)
             attributions = [a.reshape(n, *batch, *a.shape[len(stacked) :]) for a in read]
     if attributions is None:  # one call per copy
         with target_set(method, target), torch.no_grad():
             copies = []
             for i in range(n):
                 with statistics_kept(method):
-                    copies.append(Features.read(explain(method, work[i]), keys, prefix, units).attributions)
+                    copies.append(written_attributions(explain(method, work[i]), work[i], keys, prefix, units))
         attributions = [torch.stack(parts) for parts in zip(*copies, strict=True)]
     # The norms in float32 at least, rounded once to the attributions' dtype: in float16 a norm of finite
     # attributions passes 65504 to inf, and the ratio of two such norms is NaN.
