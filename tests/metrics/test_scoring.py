@@ -768,3 +768,33 @@ def test_a_target_of_another_kind_is_refused_listing_only_what_the_metrics_accep
     accepted = "metrics: target must be None, an int, a LongTensor or a callable, got "
     with pytest.raises((TypeError, ValueError), match=f"^{re.escape(accepted)}(float|'all')$"):
         pixel_flipping(nn.Linear(4, 3), td, in_keys=["x"], out_keys=["y"], target=target)
+
+
+class SquashedLogits(nn.Sequential):
+    """An ``nn.Sequential`` with a method of its own that a ``TensorDictModule`` calls in place of its forward."""
+
+    def squashed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(super().forward(x)) * 3.0
+
+
+def test_a_sequential_called_through_another_method_is_scored_through_that_method():
+    """``TensorDictModule(net, ..., method="squashed")`` calls ``net.squashed``: a curve through the leading linear
+    layer's sums ran ``nn.Sequential``'s forward after it instead, without the squashing (0.6 off). The same function
+    as a plain module, whose first layer is no leading linear layer of an ``nn.Sequential``, is the reference."""
+
+    class Plain(nn.Module):
+        def __init__(self, net: SquashedLogits) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net.squashed(x)
+
+    torch.manual_seed(0)
+    net = SquashedLogits(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3)).double()
+    td = TensorDict(x=torch.randn(5, 8, dtype=torch.float64), batch_size=[5])
+    td["attribution", "x"] = torch.randn(5, 8, dtype=torch.float64)
+    for steps in (1, 2):
+        got = pixel_flipping(TensorDictModule(net, ["x"], ["y"], method="squashed"), td, features_per_step=steps)
+        expected = pixel_flipping(TensorDictModule(Plain(net), ["x"], ["y"]), td, features_per_step=steps)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)

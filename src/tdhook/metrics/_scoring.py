@@ -453,6 +453,8 @@ class Scorer:
             return None
         if "forward" in vars(module):  # a forward set on the instance runs in place of the class's
             return None
+        if module.method is not None:  # TensorDictModule(net, ..., method="name") calls net.name, not its forward
+            return None
         if self._recurrent:  # whether the steps may share a pass is found in the passes (see outputs)
             return None
         key = self._key if self._key is not None or len(module.out_keys) != 1 else module.out_keys[0]
