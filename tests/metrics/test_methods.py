@@ -242,3 +242,26 @@ def test_a_decision_transformer_is_scored_on_the_context_it_was_given():
     assert [name.split("module.0.module.")[-1] for name in got] == [name.split("net.")[-1] for name in expected]
     for score, expected_score in zip(got.values(), expected.values(), strict=True):
         torch.testing.assert_close(score, expected_score, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("metric", ["sensitivity_max", "randomisation_check"])
+def test_a_method_explaining_both_heads_of_an_actor_value_operator_is_refused_by_name(metric):
+    """LRP explains both heads of an ``ActorValueOperator`` by default, writing under ``"actor"`` and ``"critic"``;
+    sensitivity_max read the attributions before looking at the target, and reported a missing attribution key with
+    the advice to run an attribution method first. Both metrics now name the outputs and what to pass."""
+    from tensordict.nn import TensorDictModule
+    from torch.distributions import Categorical
+    from torchrl.modules import ActorValueOperator, ProbabilisticActor, ValueOperator
+
+    from tdhook import metrics
+    from tdhook.attribution import LRP, EpsilonPlus
+
+    body = TensorDictModule(nn.Linear(4, 8), in_keys=["observation"], out_keys=["hidden"])
+    head = TensorDictModule(nn.Linear(8, 3), in_keys=["hidden"], out_keys=["logits"])
+    actor = ProbabilisticActor(head, in_keys=["logits"], distribution_class=Categorical)
+    operator = ActorValueOperator(body, actor, ValueOperator(nn.Linear(8, 1), in_keys=["hidden"]))
+    td = TensorDict(observation=torch.randn(5, 4), batch_size=[5])
+    with pytest.raises(TypeError, match=r"explains several outputs at once \(\['actor', 'critic'\].* target_key= one"):
+        getattr(metrics, metric)(LRP(operator, EpsilonPlus()), td)
+    scores = getattr(metrics, metric)(LRP(operator, EpsilonPlus(), target_key="state_value"), td)
+    assert all(value.shape == (5,) for value in (scores.values() if isinstance(scores, dict) else [scores]))

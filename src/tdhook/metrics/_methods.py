@@ -234,7 +234,11 @@ def _target_of(method: TensorDictModuleBase, result: TensorDictBase) -> tuple[Ne
     """
     target_key = getattr(method, "target_key", None)
     if isinstance(target_key, Mapping):
-        raise TypeError("metrics: the method explains several outputs (a dict target_key); give it one")
+        raise TypeError(
+            f"metrics: the method explains several outputs at once ({sorted(map(str, target_key))}: a dict "
+            "target_key, or the heads of an ActorValueOperator by default); a metric scores one: build the method with "
+            "target_key= one output key"
+        )
     operator = getattr(method, "module", None)
     operator = operator if isinstance(operator, TensorDictModuleBase) else method
     return resolve_target_key(result, target_key, operator), operator

@@ -107,6 +107,7 @@ def sensitivity_max(
     with torch.no_grad():
         with statistics_kept(method), time_lengths(recurrent) as own:  # from the caller's running statistics
             result = explain(method, td)
+        target = original_target(method, result, len(batch), td)  # first: it names a method of several outputs
         reference = _flat(written_attributions(result, td, keys, prefix, units), len(batch))
         expanded = repeated(td, keys, n)
         if perturb_fn is None:
@@ -123,7 +124,6 @@ def sensitivity_max(
     work = td.select(*method.in_keys, strict=False).expand(n, *batch).clone(recurse=False)
     for key in keys:
         work.set(key, perturbed.get(key).movedim(len(batch), 0))
-    target = original_target(method, result, len(batch), td)
     attributions = None
     if batch_normalising_module(method) is None:
         held = target_set(method, repeat_target(target, batch, n))
