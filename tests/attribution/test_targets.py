@@ -508,3 +508,31 @@ def test_outputs_that_hold_python_objects_are_named_with_the_way_to_explain_them
     with pytest.raises(KeyError, match=r"'detections': NonTensor.*Python objects .* wrap the model in a module that"):
         LRP(detector)(td)
     assert list(td.keys()) == ["images"]
+
+
+@pytest.mark.parametrize("target_key", [None, "logits"])
+def test_an_output_left_out_by_selected_out_keys_is_named_with_what_to_do(target_key):
+    """A policy built with ``selected_out_keys=["action"]`` computes its logits and drops them from its result. The
+    refusal said that ``'logits'`` was not written by the module, which it is; it now names the selection that leaves
+    it out. Selected too, the logits are explained as the same network's (≤ 1e-12)."""
+    from tensordict.nn import ProbabilisticTensorDictModule, ProbabilisticTensorDictSequential
+    from torch.distributions import Categorical
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    td = TensorDict(obs=torch.randn(5, 4, dtype=torch.float64), batch_size=[5])
+
+    def policy(selected: list[str]) -> ProbabilisticTensorDictSequential:
+        sample = ProbabilisticTensorDictModule(["logits"], ["action"], distribution_class=Categorical)
+        return ProbabilisticTensorDictSequential(
+            TensorDictModule(net, ["obs"], ["logits"]), sample, selected_out_keys=selected
+        )
+
+    message = r"selected out keys \['action'\] of ProbabilisticTensorDictSequential leave out \['logits'\]"
+    for method in (lambda m, **kw: LRP(m, EpsilonPlus(), **kw), Saliency):
+        with pytest.raises(KeyError, match=message):
+            method(policy(["action"]), target_key=target_key)(td.clone())
+        got = method(policy(["logits", "action"]), target_key=target_key)(td.clone())
+        expected = method(TensorDictModule(net, ["obs"], ["logits"]))(td.clone())
+        key = "relevance" if "relevance" in got.keys() else "attribution"
+        torch.testing.assert_close(got[key, "obs"], expected[key, "obs"], rtol=0, atol=1e-12)

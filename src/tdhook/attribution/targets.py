@@ -556,7 +556,7 @@ def resolve_target_key(
             written = [key for key in unravel_key_list(list(operator.out_keys)) if key in result.keys(True)]
             raise KeyError(
                 f"LRP: target key {target_key!r} was not written by the wrapped module{_skipped(result, operator)}; "
-                f"its outputs are {written}"
+                f"its outputs are {written}{_left_out(result, operator)}"
             )
         return target_key
     if candidates is None:
@@ -575,6 +575,7 @@ def resolve_target_key(
         if non_tensors and len(non_tensors) == len([key for key in candidates if key in present])
         else "; pass target_key"
     )
+    advice += _left_out(result, operator)
     raise KeyError(
         f"LRP: none of the module's outputs {candidates} is a floating-point tensor in its result ({found}){advice}"
     )
@@ -597,6 +598,37 @@ def _skipped(result: TensorDictBase, operator: TensorDictModuleBase) -> str:
         f" (a TensorDictSequential with partial_tolerant=True skips the modules whose inputs are missing, and the "
         f"TensorDict lacks {list(missing)})"
     )
+
+
+def _left_out(result: TensorDictBase, operator: TensorDictModuleBase) -> str:
+    """The outputs that a module in ``operator`` computes but leaves out of ``result`` by its selected out keys
+    (``TensorDictSequential(..., selected_out_keys=...)``, ``select_out_keys``), or ``""``.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule, TensorDictSequential
+        >>> policy = TensorDictSequential(
+        ...     TensorDictModule(torch.nn.Linear(3, 2), in_keys=["x"], out_keys=["logits"]),
+        ...     TensorDictModule(lambda logits: logits.argmax(-1), in_keys=["logits"], out_keys=["action"]),
+        ...     selected_out_keys=["action"],
+        ... )
+        >>> result = policy(TensorDict(x=torch.ones(4, 3), batch_size=[4]))
+        >>> "TensorDictSequential leave out ['logits']" in _left_out(result, policy)
+        True
+    """
+    present = set(result.keys(include_nested=True))
+    for sub in operator.modules():
+        if not isinstance(sub, TensorDictModuleBase):
+            continue
+        selected = unravel_key_list(list(sub.out_keys))
+        computed = unravel_key_list(list(getattr(sub, "out_keys_source", selected)))
+        dropped = [k for k in computed if k not in selected and k not in present]
+        if dropped:
+            return (
+                f"; the selected out keys {selected} of {type(sub).__name__} leave out {dropped}, which it computes: "
+                "select the output to explain too"
+            )
+    return ""
 
 
 def target_output(result: TensorDictBase, key: NestedKey, operator: TensorDictModuleBase) -> object:
