@@ -451,9 +451,8 @@ class Scorer:
         module = self.module
         if type(module) is not TensorDictModule or module._forward_hooks or module._forward_pre_hooks:
             return None
-        if "forward" in vars(module):  # a forward set on the instance runs in place of the class's
-            return None
-        if module.method is not None:  # TensorDictModule(net, ..., method="name") calls net.name, not its forward
+        # A forward set on the instance runs in place of the class's; method="name" calls net.name, not its forward.
+        if "forward" in vars(module) or module.method is not None:
             return None
         if self._recurrent:  # whether the steps may share a pass is found in the passes (see outputs)
             return None

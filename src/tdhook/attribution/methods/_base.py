@@ -298,7 +298,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             laid_out = norm_gradients_laid_out(self.module, self._norm_calls) if self._needs_gradients else _NOTHING
             with meta_tensors_refused(self.module), self._model_context(), kept, laid_out:
                 # Under the caller's no_grad, the outputs written are the plain call's (LSTM, transformer kernels).
-                with caller_values_in(self.named_explained_modules()) if self._no_grad_values() else _NOTHING:
+                with caller_values_in(self.named_explained_modules()) if _no_grad_values(self) else _NOTHING:
                     call = self._first_pass(tensordict)
                 call.buffers_before = before
                 self._warn_for_sampled_target(call)
@@ -319,10 +319,6 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             updates.update(extra)
             set_all_or_nothing(tensordict, updates)
             return tensordict
-
-    def _no_grad_values(self) -> bool:
-        """Whether the call gives the outputs of the caller's ``no_grad`` (a pass with gradient, called without)."""
-        return self._gradient_at_input and not torch.is_grad_enabled()
 
     def named_explained_modules(self) -> dict[str, nn.Module]:
         """The wrapped model's modules by name, relative to the object passed as ``module`` (as LRP names them)."""
@@ -406,10 +402,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
                 "random from call to call; call .eval() on the model for a deterministic one"
             )
             self._warned = True  # once warned: a warning the caller's filter made an error is given again
-        # With gradient: a slice of an output (a decision transformer's last step) taken under the caller's no_grad
-        # would have no graph back to the inputs.
-        with torch.enable_grad() if grad else _NOTHING:
-            target_key, target, output = _read_target(self, result)
+        target_key, target, output = _read_target(self, result)
         if not isinstance(output, torch.Tensor) or not output.is_floating_point():
             raise TypeError(
                 f"{name}: target {target_key!r} is {describe(output)}; pass target_key=<a floating-point output>"
@@ -621,6 +614,11 @@ def _policy_target(
     )
 
 
+def _no_grad_values(method: AttributionMethod) -> bool:
+    """Whether the call gives the outputs of the caller's ``no_grad`` (a pass with gradient, called without)."""
+    return method._gradient_at_input and not torch.is_grad_enabled()
+
+
 def _read_target(method: AttributionMethod, result: TensorDictBase) -> tuple[NestedKey, Any, Any]:
     """The target's key, the target and the output ``method`` explains, read from its first pass's ``result``; a
     target held by a lazy stack of entries of different shapes is refused by name, as LRP refuses it."""
@@ -637,7 +635,10 @@ def _read_target(method: AttributionMethod, result: TensorDictBase) -> tuple[Nes
         chosen = chosen_action(method.module, target_key, result, name) if evaluates else None
         if chosen is not None:
             target_key, target = chosen
-        return target_key, target, target_output(result, target_key, method._target[1])
+        # With gradient: a slice of an output (a decision transformer's last step) taken under the caller's no_grad
+        # would have no graph back to the inputs.
+        with torch.enable_grad() if method._gradient_at_input else _NOTHING:
+            return target_key, target, target_output(result, target_key, method._target[1])
     except RuntimeError as err:
         raise_for_ragged(result, [key for key in [method._target[0]] if key is not None], "output", err, name)
         raise
