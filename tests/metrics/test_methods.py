@@ -265,3 +265,26 @@ def test_a_method_explaining_both_heads_of_an_actor_value_operator_is_refused_by
         getattr(metrics, metric)(LRP(operator, EpsilonPlus()), td)
     scores = getattr(metrics, metric)(LRP(operator, EpsilonPlus(), target_key="state_value"), td)
     assert all(value.shape == (5,) for value in (scores.values() if isinstance(scores, dict) else [scores]))
+
+
+def test_a_key_a_pipeline_computes_before_its_wrapper_is_refused_by_sensitivity_max():
+    """In ``TensorDictSequential(scale, Saliency(policy))`` the explained ``obs`` is computed from ``raw`` by the
+    step before the wrapper, which overwrote every perturbed ``obs``: sensitivity_max scored 0 for every sample (it is
+    0.003 to 0.014 for the wrapper on the same ``obs``), or, without ``obs`` in the TensorDict, reported it missing.
+    It is refused, naming the key and the step; the wrapper itself is scored on the pipeline's output."""
+    from tensordict.nn import TensorDictModule, TensorDictSequential
+
+    from tdhook.attribution import Saliency
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    wrapper = Saliency(TensorDictModule(net, in_keys=["obs"], out_keys=["q"]))
+    pipeline = TensorDictSequential(TensorDictModule(lambda raw: raw * 2.0, ["raw"], ["obs"]), wrapper)
+    td = TensorDict(raw=torch.randn(5, 4, dtype=torch.float64), batch_size=[5])
+    output = pipeline(td.clone())
+    message = r"^sensitivity_max: the method explains 'obs', which step 'module.0' \(TensorDictModule\) .* \['raw'\]"
+    for given in (td, output.select("raw", "obs")):
+        with pytest.raises(ValueError, match=message):
+            sensitivity_max(pipeline, given, seed=0)
+    scores = sensitivity_max(wrapper, output.select("obs"), seed=0)
+    assert (scores > 1e-3).all()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import TensorDictModuleBase
+from tensordict.nn import TensorDictModuleBase, TensorDictSequential
 from tensordict.utils import NestedKey, unravel_key
 
 from tdhook.attribution._chosen_values import chosen_value_module
@@ -43,6 +43,7 @@ __all__ = [
     "method_prefix",
     "options_repeated",
     "original_target",
+    "refuse_recomputed_keys",
     "repeat_target",
     "target_set",
     "unit_dims",
@@ -94,6 +95,43 @@ def attribution_wrapper(method: TensorDictModuleBase) -> TensorDictModuleBase:
 
 def _is_wrapper(module: object) -> bool:
     return isinstance(module, TensorDictModuleBase) and hasattr(module, "target") and hasattr(module, "relevance_key")
+
+
+def refuse_recomputed_keys(method: TensorDictModuleBase, keys: Sequence[NestedKey], name: str) -> None:
+    """Refuse explained ``keys`` that a step of the pipeline ``method`` computes from other inputs before its
+    attribution wrapper: a perturbed value of such a key is overwritten before the wrapper explains it.
+
+    Raises:
+        ValueError: naming the key, the step and the keys it reads.
+
+    Examples:
+        >>> from tensordict.nn import TensorDictModule
+        >>> from tdhook.attribution import Saliency
+        >>> scale = TensorDictModule(lambda raw: raw * 2.0, in_keys=["raw"], out_keys=["obs"])
+        >>> saliency = Saliency(TensorDictModule(torch.nn.Linear(3, 2), in_keys=["obs"], out_keys=["q"]))
+        >>> refuse_recomputed_keys(saliency, ["obs"], "sensitivity_max")  # the wrapper alone
+        >>> pipeline = TensorDictSequential(scale, saliency)
+        >>> refuse_recomputed_keys(pipeline, ["obs"], "sensitivity_max")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: sensitivity_max: the method explains 'obs', which step 'module.0' (TensorDictModule) of the ...
+    """
+    wrapper = attribution_wrapper(method)
+    wanted = {unravel_key(key) for key in keys}
+    for step_name, step in method.named_modules():
+        if step is wrapper:
+            return
+        if not isinstance(step, TensorDictModuleBase) or isinstance(step, TensorDictSequential):
+            continue
+        read = [unravel_key(key) for key in step.in_keys]
+        for key in map(unravel_key, step.out_keys):
+            if key in wanted and key not in read:
+                raise ValueError(
+                    f"{name}: the method explains {key!r}, which step {step_name!r} ({type(step).__name__}) of the "
+                    f"pipeline computes from {read} before the attribution wrapper: a perturbed {key!r} would be "
+                    "overwritten there, and the explanations compared would be those of the unperturbed input; score "
+                    f"the wrapper itself on a TensorDict that holds {key!r} (the pipeline's output)"
+                )
 
 
 def method_keys(

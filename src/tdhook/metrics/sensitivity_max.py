@@ -22,6 +22,7 @@ from tdhook.metrics._methods import (
     method_prefix,
     options_repeated,
     original_target,
+    refuse_recomputed_keys,
     repeat_target,
     target_set,
     unit_dims,
@@ -95,6 +96,7 @@ def sensitivity_max(
     if isinstance(n_perturb_samples, bool) or not isinstance(n_perturb_samples, int) or n_perturb_samples < 1:
         raise ValueError(f"sensitivity_max: n_perturb_samples must be a positive int, got {n_perturb_samples!r}")
     keys = method_keys(method, in_keys, td)
+    refuse_recomputed_keys(method, keys, "sensitivity_max")
     for key in keys:  # the keys perturbed: inputs the TensorDict holds
         inputs_value(td, key)
     prefix = method_prefix(method, relevance_key)
