@@ -19,7 +19,7 @@ from tdhook.attribution._chain_plan import planned_call, planned_feed, planned_u
 from tdhook.attribution._context import marks_for_target
 from tdhook.attribution._detached_caches import caches_detached
 from tdhook.attribution._differentiable import relevance_graph
-from tdhook.attribution._held_softmax_targets import checked_relevance
+from tdhook.attribution._held_softmax_targets import checked_relevance, with_held_softmax_cause
 from tdhook.attribution._inputs import explained_in_call, validate_inputs
 from tdhook.attribution._keys import check_writable
 from tdhook.attribution._model_changes import follow_model_changes
@@ -35,7 +35,13 @@ from tdhook.attribution._training_norms import warn_for_training_norms
 from tdhook.attribution._writes import relevance_updates, returned_tensordict, set_all_or_nothing
 from tdhook.attribution.rules._keeping_graph import RelevancePass
 from tdhook.attribution.rules._norm_function_layout import late_norm_nodes_laid_out
-from tdhook.attribution.targets import explained_output, initial_relevance, resolve_target_key, zero_output_seeds
+from tdhook.attribution.targets import (
+    TargetWithoutGradient,
+    explained_output,
+    initial_relevance,
+    resolve_target_key,
+    zero_output_seeds,
+)
 
 __all__ = ["explain"]
 
@@ -119,9 +125,9 @@ def explain(lrp: Any, tensordict: TensorDictBase) -> tuple[TensorDictBase, Calla
             for position, name in enumerate(names):
                 try:
                     target_key = resolve_target_key(result, *lrp.targets[name], lrp._candidates.of(lrp, name))
-                    output = explained_output(
-                        result, target_key, lrp.explained_keys, lrp.targets[name][1], lrp.rule_mapper
-                    )
+                    output = explained_output(result, target_key, lrp.explained_keys, lrp.targets[name][1])
+                except TargetWithoutGradient as err:  # CP-LRP's held softmax may be why: said where it is
+                    raise with_held_softmax_cause(err, lrp.rule_mapper) from None
                 except RuntimeError as err:
                     raise_for_ragged(result, [key for key in [lrp.targets[name][0]] if key is not None], "output", err)
                     raise

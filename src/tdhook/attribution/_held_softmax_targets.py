@@ -17,7 +17,7 @@ from tdhook.attribution._backward_passes import InputsReached, target_relevance
 from tdhook.attribution.rules.transformer import AHQKVRule
 from tdhook.attribution.targets import EveryUnit
 
-__all__ = ["checked_relevance", "warn_for_a_held_softmax_target"]
+__all__ = ["checked_relevance", "warn_for_a_held_softmax_target", "with_held_softmax_cause"]
 
 
 def holds_softmax(mapper: object) -> bool:
@@ -102,3 +102,24 @@ def checked_relevance(
     relevances = target_relevance(one_pass, output, grad_outputs, *passes, leaves, memory_budget)
     warn_for_a_held_softmax_target(mapper, key, output, grad_outputs, relevances[: len(leaves)])
     return relevances
+
+
+def with_held_softmax_cause(err: ValueError, mapper: object) -> ValueError:
+    """The refusal ``err`` of a target that does not depend on the explained inputs, completed, where ``mapper``
+    holds every softmax output constant (CP-LRP), with what that does to a target computed from a softmax.
+
+    Examples:
+        >>> from tdhook.attribution import CPLRP, EpsilonPlus
+        >>> err = ValueError("LRP: target 'y' does not depend on the explained inputs ['x']")
+        >>> with_held_softmax_cause(err, EpsilonPlus()) is err
+        True
+        >>> "CP-LRP holds every softmax output constant" in str(with_held_softmax_cause(err, CPLRP()))
+        True
+    """
+    if not holds_softmax(mapper):
+        return err
+    return ValueError(
+        f"{err}; if it is computed from a softmax (a classifier's probabilities, an nn.Softmax last layer): CP-LRP "
+        "holds every softmax output constant (it takes them for attention weights), which cuts such a target from "
+        "the inputs. Explain the logits before the softmax, or use AttnLRP, whose softmax rule passes relevance"
+    )

@@ -49,6 +49,7 @@ __all__ = [
     "DefaultTargets",
     "EveryUnit",
     "Target",
+    "TargetWithoutGradient",
     "default_target_candidates",
     "explained_output",
     "initial_gradient",
@@ -121,24 +122,19 @@ class EveryUnit:
 
 
 def explained_output(
-    result: TensorDictBase,
-    key: NestedKey,
-    explained_keys: list[NestedKey],
-    operator: TensorDictModuleBase,
-    rule_mapper: object = None,
+    result: TensorDictBase, key: NestedKey, explained_keys: list[NestedKey], operator: TensorDictModuleBase
 ) -> torch.Tensor:
     """The target output of key ``key`` in ``result`` (see :func:`target_output`), checked: a floating-point
-    tensor that depends on the explained inputs (under the ``rule_mapper``'s rules: CP-LRP's held softmax cuts a
-    classifier's probabilities from them, which the error then says).
+    tensor that depends on the explained inputs.
 
     Examples:
         >>> from tensordict import TensorDict
         >>> from tensordict.nn import TensorDictModule
         >>> policy = TensorDictModule(torch.nn.Linear(3, 2), in_keys=["obs"], out_keys=["q"])
-        >>> explained_output(TensorDict(q=torch.ones(2, 3), batch_size=[2]), "q", ["obs"], policy)
+        >>> explained_output(TensorDict(q=torch.ones(2, 3), batch_size=[2]), "q", ["obs"], policy)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: LRP: target 'q' does not depend on the explained inputs ['obs']
+        tdhook.attribution.targets.TargetWithoutGradient: LRP: target 'q' does not depend on the explained inputs ...
     """
     output = target_output(result, key, operator)
     if not isinstance(output, torch.Tensor) or not output.is_floating_point():
@@ -146,7 +142,7 @@ def explained_output(
             f"LRP: target {key!r} is {describe(output)}; relevance explains a floating-point "
             "output (logits, action values, a value estimate): pass target_key=<such a key>"
         )
-    raise_for_no_gradient("LRP", key, output, operator, explained_keys, rule_mapper)
+    raise_for_no_gradient("LRP", key, output, operator, explained_keys)
     return output
 
 
@@ -156,38 +152,34 @@ def raise_for_no_gradient(
     output: torch.Tensor,
     operator: TensorDictModuleBase,
     explained_keys: list[NestedKey] | None = None,
-    rule_mapper: object = None,
 ) -> None:
     """Refuse a target ``output`` (at ``key``) that carries no gradient from the explained inputs, saying why where
-    known (see :func:`why_no_gradient`; a ``rule_mapper`` holding softmax outputs constant may be the cause);
-    ``name`` is the wrapper's.
+    known (see :func:`why_no_gradient`); ``name`` is the wrapper's.
 
     Examples:
         >>> raise_for_no_gradient("Saliency", "q", torch.ones(2), torch.nn.Linear(2, 2))
         Traceback (most recent call last):
         ...
-        ValueError: Saliency: target 'q' does not depend on the explained inputs
+        tdhook.attribution.targets.TargetWithoutGradient: Saliency: target 'q' does not depend on the explained inputs
     """
     if not output.requires_grad:
         keys = "" if explained_keys is None else f" {explained_keys}"
-        raise ValueError(
+        raise TargetWithoutGradient(
             f"{name}: target {key!r} does not depend on the explained inputs{keys}{why_no_gradient(operator)}"
-            f"{_held_softmax_cause(rule_mapper)}"
         )
 
 
-def _held_softmax_cause(rule_mapper: object) -> str:
-    """Where ``rule_mapper`` holds every softmax output constant (CP-LRP), what that does to a target computed from a
-    softmax, as the end of an error message; else ``""``."""
-    from tdhook.attribution._held_softmax_targets import holds_softmax  # that module reads this one's targets
+class TargetWithoutGradient(ValueError):
+    """A target that carries no gradient from the explained inputs (see :func:`raise_for_no_gradient`): a
+    ``ValueError``, which a wrapper may complete with what its rules did (CP-LRP's held softmax).
 
-    if rule_mapper is None or not holds_softmax(rule_mapper):
-        return ""
-    return (
-        "; if it is computed from a softmax (a classifier's probabilities, an nn.Softmax last layer): CP-LRP holds "
-        "every softmax output constant (it takes them for attention weights), which cuts such a target from the "
-        "inputs. Explain the logits before the softmax, or use AttnLRP, whose softmax rule passes relevance"
-    )
+    Examples:
+        >>> try:
+        ...     raise_for_no_gradient("LRP", "q", torch.ones(2), torch.nn.Linear(2, 2))
+        ... except TargetWithoutGradient as err:
+        ...     isinstance(err, ValueError)
+        True
+    """
 
 
 def why_no_gradient(operator: TensorDictModuleBase) -> str:
