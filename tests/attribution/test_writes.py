@@ -227,15 +227,18 @@ def test_an_ensemble_keeps_its_hint():
         attribution.LRP(policy, target_key="q")(TensorDict(observation=torch.randn(5, 3), batch_size=[5]))
 
 
-class _UnbatchedOutputs(TensorDictModuleBase):
-    """A policy of one's own that returns a new TensorDict of its outputs, built without a batch size."""
+class _Pointer(TensorDictModuleBase):
+    """A policy pointing at one of the batch's items: scores over the items, centred, returned in a TensorDict
+    without a batch size (one decision over them all)."""
 
-    def __init__(self, net: nn.Module) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.net, self.in_keys, self.out_keys = net, ["obs"], ["q"]
+        self.in_keys, self.out_keys = ["item"], ["logits"]
+        self.score = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
 
     def forward(self, td: TensorDict) -> TensorDict:
-        return TensorDict(q=self.net(td["obs"]))
+        scores = self.score(td["item"]).squeeze(-1)
+        return TensorDict(logits=scores - scores.mean())
 
 
 _PER_METHOD = {
@@ -247,31 +250,59 @@ _PER_METHOD = {
 }
 
 
+def _returning_without_batch_size(net: nn.Module, returns: str) -> TensorDictModuleBase:
+    if returns == "TensorDictModule":
+        return TensorDictModule(net, ["obs"], ["q"], inplace=False)
+    if returns == "TensorDictSequential":
+        return TensorDictSequential(TensorDictModule(net, ["obs"], ["q"]), inplace=False)
+    return TensorDictSequential(
+        TensorDictModule(net[:2], ["obs"], ["h"]), TensorDictModule(net[2:], ["h"], ["q"], inplace=False)
+    )
+
+
 @pytest.mark.parametrize("method", list(_PER_METHOD))
-@pytest.mark.parametrize("returns", ["inplace=False", "own module"])
+@pytest.mark.parametrize("returns", ["TensorDictModule", "TensorDictSequential", "last step"])
 def test_outputs_returned_without_a_batch_size_are_explained_per_sample(method, returns):
-    """``TensorDictModule(..., inplace=False)`` returns a new TensorDict of its outputs without a batch size, as a
-    module building ``TensorDict(q=...)`` does. It was read as a module that cut the batch to none: the whole batch
-    one sample, and the perturbation methods moved every sample's features at once (FeatureAblation 0.5 off, every
-    feature of a sample given the drop of the whole batch). Its entries begin with the batch given: the call's
-    results are those of the module returning the caller's TensorDict, written into it, with its batch size."""
+    """A ``TensorDictModule`` or ``TensorDictSequential`` made with ``inplace=False`` (or a sequence whose last step
+    is) returns a new TensorDict of its outputs without a batch size. It was read as a module that cut the batch to
+    none: the whole batch one sample, and the perturbation methods moved every sample's features at once
+    (FeatureAblation 0.5 off, every feature of a sample given the drop of the whole batch). The call's results are
+    now those of the same module with ``inplace=True``, written into the caller's TensorDict, with its batch size."""
     import tdhook.attribution as attribution
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double()
     x = torch.randn(5, 4, dtype=torch.float64)
     plain = TensorDictModule(net, in_keys=["obs"], out_keys=["q"])
-    module = (
-        TensorDictModule(net, ["obs"], ["q"], inplace=False) if returns == "inplace=False" else _UnbatchedOutputs(net)
-    )
     make = getattr(attribution, method)
     key = ("relevance" if method == "LRP" else "attribution", "obs")
     expected = make(plain, target=1, **_PER_METHOD[method])(TensorDict(obs=x.clone(), batch_size=[5]))
     td = TensorDict(obs=x.clone(), batch_size=[5])
-    out = make(module, target=1, **_PER_METHOD[method])(td)
+    out = make(_returning_without_batch_size(net, returns), target=1, **_PER_METHOD[method])(td)
     assert out is td and out.batch_size == torch.Size([5])
     torch.testing.assert_close(out.get(key), expected.get(key), rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(out["q"], expected["q"])
+
+
+@pytest.mark.parametrize("method", ["LRP", "Saliency"])
+def test_a_module_of_ones_own_returning_no_batch_size_is_taken_at_its_word(method):
+    """A policy pointing at one of the batch's items returns its scores over them without a batch size: one
+    decision, whose output is as long as the batch by construction. It is explained as one sample (the chosen item's
+    score, over every item), not per item, where each item's own centred score would sum to zero."""
+    import tdhook.attribution as attribution
+
+    torch.manual_seed(0)
+    policy = _Pointer().double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    out = getattr(attribution, method)(policy)(TensorDict(item=x.clone(), batch_size=[5]))
+    leaf = x.clone().requires_grad_(True)
+    scores = policy.score(leaf).squeeze(-1)
+    logits = scores - scores.mean()
+    (gradient,) = torch.autograd.grad(logits[logits.argmax()], leaf)
+    expected = leaf.detach() * gradient if method == "LRP" else gradient.abs()
+    key = ("relevance" if method == "LRP" else "attribution", "item")
+    assert out.batch_size == torch.Size([])
+    torch.testing.assert_close(out.get(key), expected, rtol=1e-6, atol=1e-8)
 
 
 def test_a_loss_per_sample_is_explained_per_sample():

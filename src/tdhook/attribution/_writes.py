@@ -34,6 +34,7 @@ __all__ = [
     "model_updates",
     "relevance_updates",
     "returned_tensordict",
+    "returns_sizeless",
     "set_all_or_nothing",
 ]
 
@@ -43,14 +44,17 @@ def returned_tensordict(
     result: TensorDictBase,
     name: str = "LRP",
     modules: Callable[[], Mapping[str, nn.Module]] | None = None,
+    sizeless: bool = False,
 ) -> TensorDictBase:
     """Where a call writes its results: the caller's TensorDict, or, where the module returned fewer batch
     dimensions than it was given, a shallow copy of it with the module's batch size.
 
-    A TensorDict returned without a batch size whose every tensor begins with the batch given is the caller's batch:
-    ``TensorDictModule(..., inplace=False)`` returns a new TensorDict of its outputs without one, as a module building
-    ``TensorDict(q=...)`` does. Read as a batch cut to none, the whole batch was one sample, and the perturbation
-    methods moved every sample's features at once.
+    ``sizeless``: the module is one that returns its outputs in a new TensorDict without a batch size (see
+    :func:`returns_sizeless`: ``TensorDictModule(..., inplace=False)``, a torchrl loss with ``reduction="none"``).
+    Such a TensorDict, where every tensor in it begins with the batch given, is the caller's batch: read as a batch
+    cut to none, the whole batch was one sample, and the perturbation methods moved every sample's features at once.
+    Any other module returning no batch size is taken at its word (a policy pointing at one of the batch's items
+    returns one decision over them all).
 
     torchrl's ``DecisionTransformerInferenceWrapper``, called on a ``[B, T]`` context, returns a ``[B]``
     TensorDict (one action per context) and leaves the caller's as it was; LRP does the same. Any other batch
@@ -68,7 +72,7 @@ def returned_tensordict(
         >>> cut = returned_tensordict(td, TensorDict(y=torch.zeros(2, 1), batch_size=[2]))
         >>> cut.batch_size, cut["x"] is td["x"], td.batch_size
         (torch.Size([2]), True, torch.Size([2, 5]))
-        >>> returned_tensordict(td, TensorDict(y=torch.zeros(2, 5, 4))) is td  # no batch size, entries of the batch
+        >>> returned_tensordict(td, TensorDict(y=torch.zeros(2, 5, 4)), sizeless=True) is td  # entries of the batch
         True
         >>> returned_tensordict(td, TensorDict(y=torch.zeros(3, 2, 5), batch_size=[3, 2, 5]))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
@@ -76,7 +80,7 @@ def returned_tensordict(
         ValueError: LRP: the module returned a TensorDict of batch size [3, 2, 5] for one of batch size [2, 5]; ...
     """
     size, given = result.batch_size, tensordict.batch_size
-    if not size and given and _batched_entries(result, given):
+    if sizeless and not size and given and _batched_entries(result, given):
         return tensordict  # a new TensorDict without a batch size (``inplace=False``): its entries keep the batch
     if len(size) < len(given) and given[: len(size)] == size:
         returned = tensordict.copy()
@@ -326,3 +330,24 @@ def _batched_entries(result: TensorDictBase, batch: torch.Size) -> bool:
     """Whether ``result`` holds tensors, every one of them beginning with the dimensions ``batch``."""
     tensors = [value for value in result.values(True, True) if isinstance(value, torch.Tensor)]
     return bool(tensors) and all(value.shape[: len(batch)] == batch for value in tensors)
+
+
+def returns_sizeless(module: nn.Module) -> bool:
+    """Whether ``module`` returns its outputs in a new TensorDict without a batch size, whatever batch it is given:
+    a ``TensorDictModule`` or ``TensorDictSequential`` made with ``inplace=False`` (or a sequence ending with such a
+    step), or a torchrl loss with ``reduction="none"`` (its per-sample losses).
+
+    Examples:
+        >>> from tensordict.nn import TensorDictModule
+        >>> returns_sizeless(TensorDictModule(nn.Linear(2, 2), ["x"], ["y"], inplace=False))
+        True
+        >>> returns_sizeless(TensorDictModule(nn.Linear(2, 2), ["x"], ["y"]))
+        False
+    """
+    if isinstance(module, (TensorDictModule, TensorDictSequential)) and getattr(module, "inplace", None) is False:
+        return True
+    steps = list(module.module.children()) if isinstance(module, TensorDictSequential) else []  # a list, or named
+    if steps:
+        return returns_sizeless(steps[-1])
+    is_loss = any(c.__name__ == "LossModule" and c.__module__.startswith("torchrl.") for c in type(module).__mro__)
+    return is_loss and getattr(module, "reduction", None) == "none"
