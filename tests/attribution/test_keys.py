@@ -79,3 +79,10 @@ def test_a_step_that_declares_no_in_keys_is_named_with_what_to_declare(method):
     key = ("relevance" if method == "LRP" else "attribution", "obs")
     out = make(declared, target=1)(TensorDict(obs=x.clone(), batch_size=[5]))
     torch.testing.assert_close(out.get(key), make(plain, target=1)(TensorDict(obs=x, batch_size=[5])).get(key))
+
+
+def test_a_wrap_module_given_alone_is_named_as_the_module_itself():
+    """A ``WrapModule(fn)`` given as the module itself got only the advice to leave the key out, which leaves
+    nothing to explain; it is named too."""
+    with pytest.raises(ValueError, match=r"the module itself \(WrapModule\) declares no in_keys"):
+        LRP(WrapModule(lambda td: td.set("q", td["obs"] * 2)), in_keys=["obs"], target_key="q")

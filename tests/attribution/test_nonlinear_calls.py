@@ -288,3 +288,31 @@ def test_a_layer_function_of_a_weight_computed_from_the_input_is_named_as_a_prod
         f"{kind} (with a weight computed from the inputs: a product of two activations) in its own forward" in message
         for message in found
     ), found
+
+
+class ComputedBias(nn.Module):
+    """A linear map or convolution whose bias, not weight, is computed from the input: affine in it."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.layer, self.shift = (
+            kind,
+            (nn.Conv1d(4, 3, 1) if kind == "conv1d" else nn.Linear(4, 3)),
+            nn.Linear(4, 3),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "conv1d":
+            bias = self.shift(x.mean((0, -1)))
+            return nn.functional.conv1d(x, self.layer.weight, bias).flatten(1)
+        return nn.functional.linear(x, self.layer.weight, self.shift(x.mean(0)))
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+def test_a_bias_computed_from_the_input_is_no_product(kind: str):
+    """A bias is added, not multiplied: a bias computed from the input was counted as a factor, and the call named as
+    a product of two activations (a weight computed from the inputs) that is not piecewise linear."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 5, dtype=F64) if kind == "conv1d" else torch.randn(2, 4, dtype=F64)
+    _, found = explain(ComputedBias(kind).to(F64), EpsilonPlus(), x)
+    assert not any(kind in message for message in found), found

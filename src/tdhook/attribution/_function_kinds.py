@@ -86,6 +86,9 @@ PRODUCTS = frozenset(
 # Where a product's factors are: an added term (addmm's input) is not a factor.
 PRODUCT_FACTORS = {"addmm": slice(1, 3), "addmv": slice(1, 3), "baddbmm": slice(1, 3), "addbmm": slice(1, 3)}
 PRODUCT_FACTORS |= {"addcmul": slice(1, 3)}
+# A convolution's or linear map's factors are its input and its weight: a bias computed from the inputs is added.
+PRODUCT_FACTORS |= {name: slice(0, 2) for name in ("linear", "conv1d", "conv2d", "conv3d")}
+PRODUCT_FACTORS |= {f"conv_transpose{n}d": slice(0, 2) for n in (1, 2, 3)}
 # Arguments passed by keyword that are no factor of a product: an added term, a bias, an output buffer.
 NOT_FACTORS = frozenset({"bias", "out"})
 # A recurrence of linear maps through a ReLU (``nn.RNN`` and ``nn.RNNCell`` with ``nonlinearity="relu"``): piecewise

@@ -357,17 +357,20 @@ def check_read(
 
 
 def _undeclared_steps(module: nn.Module | None) -> str:
-    """The end of the message for a key the module does not read: its steps that declare no in_keys, if any."""
+    """The end of the message for a key the module does not read: its steps (or itself) that declare no in_keys,
+    if any; a sequence's own keys are its steps'."""
     steps = [
-        f"{step_name!r} ({type(step).__name__})"
+        f"{step_name!r} ({type(step).__name__})" if step_name else f"the module itself ({type(step).__name__})"
         for step_name, step in ([] if module is None else module.named_modules())
-        if step_name and isinstance(step, TensorDictModuleBase) and not list(getattr(step, "in_keys", None) or [])
+        if isinstance(step, TensorDictModuleBase)
+        and not isinstance(step, TensorDictSequential)
+        and not list(getattr(step, "in_keys", None) or [])
     ]
     if not steps:
         return ""
     return (
-        f", or, if a step reads it without saying so, declare what it reads: {', '.join(steps)} declares no in_keys "
-        "(WrapModule(fn, in_keys=[...], out_keys=[...]))"
+        f", or, if a step reads it without saying so, declare what it reads: {', '.join(steps)} "
+        f"declare{'' if len(steps) > 1 else 's'} no in_keys (WrapModule(fn, in_keys=[...], out_keys=[...]))"
     )
 
 
