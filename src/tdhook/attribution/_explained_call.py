@@ -32,7 +32,7 @@ from tdhook.attribution._run_errors import run_error
 from tdhook.attribution._scaled_passes import UNRECORDED, check_overflow, scaled_target, scaled_when_overflowing
 from tdhook.attribution._tokens import is_embedding_leaf
 from tdhook.attribution._training_norms import warn_for_training_norms
-from tdhook.attribution._writes import relevance_updates, returned_tensordict, returns_sizeless, set_all_or_nothing
+from tdhook.attribution._writes import relevance_updates, returned_tensordict, set_all_or_nothing
 from tdhook.attribution.rules._keeping_graph import RelevancePass
 from tdhook.attribution.rules._norm_function_layout import late_norm_nodes_laid_out
 from tdhook.attribution.targets import (
@@ -117,9 +117,7 @@ def explain(lrp: Any, tensordict: TensorDictBase) -> tuple[TensorDictBase, Calla
             lrp._tokens.raise_for_unembedded(leaves, optional=lrp._defaulted_inputs)
             result = work if result is None else result
             # The caller's TensorDict, unless the module cut the batch.
-            out = returned_tensordict(
-                tensordict, result, "LRP", lrp.named_explained_modules, returns_sizeless(lrp.module)
-            )
+            out = returned_tensordict(tensordict, result, "LRP", lrp.named_explained_modules, lrp.module)
             relevances, outputs = [], []
             names = list(lrp.targets)
             seeds, reach = [], InputsReached(lrp.explained_keys, len(names))

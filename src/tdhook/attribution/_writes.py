@@ -44,15 +44,16 @@ def returned_tensordict(
     result: TensorDictBase,
     name: str = "LRP",
     modules: Callable[[], Mapping[str, nn.Module]] | None = None,
-    sizeless: bool = False,
+    module: nn.Module | None = None,
 ) -> TensorDictBase:
     """Where a call writes its results: the caller's TensorDict, or, where the module returned fewer batch
     dimensions than it was given, a shallow copy of it with the module's batch size.
 
-    ``sizeless``: the module is one that returns its outputs in a new TensorDict without a batch size (see
-    :func:`returns_sizeless`: ``TensorDictModule(..., inplace=False)``, a torchrl loss with ``reduction="none"``).
-    Such a TensorDict, where every tensor in it begins with the batch given, is the caller's batch: read as a batch
-    cut to none, the whole batch was one sample, and the perturbation methods moved every sample's features at once.
+    ``module``: the wrapped module. One that returns its outputs in a new TensorDict without a batch size (see
+    :func:`returns_sizeless`, looked at only where a result has none: ``TensorDictModule(..., inplace=False)``, a
+    torchrl loss with ``reduction="none"``), where every tensor in that TensorDict begins with the batch given, gave
+    the caller's batch: read as a batch cut to none, the whole batch was one sample, and the perturbation methods
+    moved every sample's features at once.
     Any other module returning no batch size is taken at its word (a policy pointing at one of the batch's items
     returns one decision over them all).
 
@@ -72,7 +73,8 @@ def returned_tensordict(
         >>> cut = returned_tensordict(td, TensorDict(y=torch.zeros(2, 1), batch_size=[2]))
         >>> cut.batch_size, cut["x"] is td["x"], td.batch_size
         (torch.Size([2]), True, torch.Size([2, 5]))
-        >>> returned_tensordict(td, TensorDict(y=torch.zeros(2, 5, 4)), sizeless=True) is td  # entries of the batch
+        >>> sizeless = TensorDictModule(nn.Identity(), ["x"], ["y"], inplace=False)
+        >>> returned_tensordict(td, TensorDict(y=torch.zeros(2, 5, 4)), module=sizeless) is td  # entries of the batch
         True
         >>> returned_tensordict(td, TensorDict(y=torch.zeros(3, 2, 5), batch_size=[3, 2, 5]))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
@@ -80,7 +82,7 @@ def returned_tensordict(
         ValueError: LRP: the module returned a TensorDict of batch size [3, 2, 5] for one of batch size [2, 5]; ...
     """
     size, given = result.batch_size, tensordict.batch_size
-    if sizeless and not size and given and _batched_entries(result, given):
+    if not size and given and module is not None and returns_sizeless(module) and _batched_entries(result, given):
         return tensordict  # a new TensorDict without a batch size (``inplace=False``): its entries keep the batch
     if len(size) < len(given) and given[: len(size)] == size:
         returned = tensordict.copy()

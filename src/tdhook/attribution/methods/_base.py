@@ -49,7 +49,7 @@ from tdhook.attribution._random_modules import random_modules, warn_for_random_m
 from tdhook.attribution._run_errors import run_error
 from tdhook.attribution._running_statistics import refuse_moving_statistics
 from tdhook.attribution._tokens import TokenInputs
-from tdhook.attribution._writes import model_updates, returned_tensordict, returns_sizeless, set_all_or_nothing
+from tdhook.attribution._writes import model_updates, returned_tensordict, set_all_or_nothing
 from tdhook.attribution.methods._batch_statistics import (
     BufferValues,
     batch_normalisers,
@@ -302,8 +302,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
                     call = self._first_pass(tensordict)
                 call.buffers_before = before
                 self._warn_for_sampled_target(call)
-                sizeless = returns_sizeless(self.module)
-                cut = returned_tensordict(tensordict, call.result, name, self.named_explained_modules, sizeless)
+                cut = returned_tensordict(tensordict, call.result, name, self.named_explained_modules, self.module)
                 if cut is tensordict:
                     # The perturbed passes draw on a fork: the caller's random state moves as one plain call moves it.
                     with global_rng_kept(self.module):
