@@ -339,3 +339,78 @@ def test_a_loss_per_sample_is_explained_per_sample():
     expected = torch.stack([(x * torch.autograd.grad(per_sample[i], x, retain_graph=True)[0])[i] for i in range(batch)])
     assert out.batch_size == torch.Size([batch])
     torch.testing.assert_close(out["relevance", "observation"], expected, rtol=1e-10, atol=1e-12)
+
+
+def _ppo_loss_and_batch(batch: int):
+    from tensordict.nn import NormalParamExtractor
+    from torchrl.modules import ProbabilisticActor, TanhNormal, ValueOperator
+    from torchrl.objectives import ClipPPOLoss
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2), NormalParamExtractor()).double()
+    actor = ProbabilisticActor(
+        TensorDictModule(net, ["observation"], ["loc", "scale"]),
+        in_keys=["loc", "scale"],
+        distribution_class=TanhNormal,
+        return_log_prob=True,
+    )
+    critic = ValueOperator(nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1)).double(), ["observation"])
+    loss = ClipPPOLoss(actor, critic, reduction="none")
+
+    def double(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=torch.float64)
+
+    td = TensorDict(
+        {
+            "observation": double(batch, 3),
+            "action": torch.rand(batch, 1, dtype=torch.float64) * 1.8 - 0.9,
+            "action_log_prob": double(batch),
+            "sample_log_prob": double(batch),
+            "advantage": double(batch, 1),
+            "value_target": double(batch, 1),
+            ("next", "observation"): double(batch, 3),
+            ("next", "reward"): double(batch, 1),
+            ("next", "done"): torch.zeros(batch, 1, dtype=torch.bool),
+            ("next", "terminated"): torch.zeros(batch, 1, dtype=torch.bool),
+        },
+        batch_size=[batch],
+    )
+    return loss, td
+
+
+def test_a_loss_per_sample_with_statistics_of_the_batch_is_explained_per_sample():
+    """torchrl's PPO loss with ``reduction="none"`` returns its per-sample losses with statistics of the whole batch
+    (``clip_fraction``, ``ESS``: no batch dimension) in a TensorDict without a batch size: read as one sample, LRP
+    explained the largest sample's loss alone, every other sample's relevance zero. Each sample is now explained as
+    it is alone, and the statistics are kept whole next to the samples (tensordict's ``UnbatchedTensor``)."""
+    from tensordict import UnbatchedTensor
+
+    from tdhook.attribution.mappers.base import BaseRuleMapper
+
+    loss, td = _ppo_loss_and_batch(5)
+    lrp = LRP(loss, BaseRuleMapper(stabilizer=0.0), in_keys=["observation"], target_key="loss_objective")
+    with pytest.warns(UserWarning, match="computes"):
+        out = lrp(td.clone())
+    alone = torch.cat([lrp(td[i : i + 1].clone())["relevance", "observation"] for i in range(5)])
+    assert out.batch_size == torch.Size([5]) and (alone != 0).all()
+    torch.testing.assert_close(out["relevance", "observation"], alone, rtol=1e-10, atol=1e-12)
+    plain = loss(td.clone())
+    assert isinstance(out.get("clip_fraction"), UnbatchedTensor)
+    torch.testing.assert_close(out["clip_fraction"], plain["clip_fraction"])
+    torch.testing.assert_close(out["loss_critic"], plain["loss_critic"].detach())
+
+
+def test_a_loss_read_by_a_perturbation_method_keeps_the_entries_it_does_not_declare():
+    """A torchrl loss reads ``"advantage"`` where the TensorDict holds it and computes it otherwise (its value
+    estimator runs the critic over the batch); its ``in_keys`` leave it out. The perturbed passes ran on the
+    declared keys alone: FeatureAblation refused the PPO loss, or compared the caller's loss with one of another
+    advantage. Each sample's drop is now that of its own loss, the advantage the caller gave."""
+    from tdhook.attribution import FeatureAblation
+
+    loss, td = _ppo_loss_and_batch(5)
+    out = FeatureAblation(loss, in_keys=["observation"], target_key="loss_objective")(td.clone())
+    ablated = td.clone()
+    ablated["observation"].zero_()  # the default group: every feature of a sample's key
+    drop = (loss(td.clone())["loss_objective"] - loss(ablated)["loss_objective"]).detach()
+    assert out.batch_size == torch.Size([5])
+    torch.testing.assert_close(out["attribution", "observation"], drop[:, None].expand(5, 3), rtol=1e-10, atol=1e-12)

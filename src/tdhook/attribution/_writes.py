@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from tensordict import LazyStackedTensorDict, TensorDictBase, is_tensorclass
+from tensordict import LazyStackedTensorDict, TensorDictBase, UnbatchedTensor, is_tensorclass
 from tensordict.nn import EnsembleModule, ProbabilisticTensorDictModule, TensorDictModule, TensorDictSequential
 from tensordict.utils import NestedKey
 from torch import nn
@@ -51,9 +51,10 @@ def returned_tensordict(
 
     ``module``: the wrapped module. One that returns its outputs in a new TensorDict without a batch size (see
     :func:`returns_sizeless`, looked at only where a result has none: ``TensorDictModule(..., inplace=False)``, a
-    torchrl loss with ``reduction="none"``), where every tensor in that TensorDict begins with the batch given, gave
-    the caller's batch: read as a batch cut to none, the whole batch was one sample, and the perturbation methods
-    moved every sample's features at once.
+    torchrl loss with ``reduction="none"``), where every tensor in that TensorDict begins with the batch given (a
+    loss's statistics of the whole batch aside, which are then kept whole: ``UnbatchedTensor``), gave the caller's
+    batch: read as a batch cut to none, the whole batch was one sample, and the perturbation methods moved every
+    sample's features at once.
     Any other module returning no batch size is taken at its word (a policy pointing at one of the batch's items
     returns one decision over them all).
 
@@ -82,8 +83,12 @@ def returned_tensordict(
         ValueError: LRP: the module returned a TensorDict of batch size [3, 2, 5] for one of batch size [2, 5]; ...
     """
     size, given = result.batch_size, tensordict.batch_size
-    if not size and given and module is not None and returns_sizeless(module) and _batched_entries(result, given):
-        return tensordict  # a new TensorDict without a batch size (``inplace=False``): its entries keep the batch
+    if not size and given and module is not None and returns_sizeless(module):
+        statistics = _batch_statistics(result, given, module)
+        if statistics is not None:  # a new TensorDict without a batch size: its entries keep the batch
+            for key in statistics:  # a loss's statistics of the whole batch, kept whole next to the samples
+                result.set(key, UnbatchedTensor(result.get(key)))
+            return tensordict
     if len(size) < len(given) and given[: len(size)] == size:
         returned = tensordict.copy()
         returned.batch_size = size
@@ -328,10 +333,23 @@ def _get_or_none(tensordict: TensorDictBase, key: Any) -> Any:
         return None
 
 
-def _batched_entries(result: TensorDictBase, batch: torch.Size) -> bool:
-    """Whether ``result`` holds tensors, every one of them beginning with the dimensions ``batch``."""
-    tensors = [value for value in result.values(True, True) if isinstance(value, torch.Tensor)]
-    return bool(tensors) and all(value.shape[: len(batch)] == batch for value in tensors)
+def _batch_statistics(result: TensorDictBase, batch: torch.Size, module: nn.Module) -> list[NestedKey] | None:
+    """The keys of the entries of ``result`` that are statistics of the whole batch ``batch``, where its other
+    entries are per sample (each begins with the dimensions ``batch``); ``None`` where it holds no tensor per sample.
+
+    A torchrl loss with ``reduction="none"`` returns its per-sample losses with statistics of the batch (PPO's
+    ``clip_fraction``, ``ESS``, SAC's ``alpha``); any other module's entries must all be per sample."""
+    batched, statistics = False, []
+    for key, value in result.items(True, True):
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.shape[: len(batch)] == batch:
+            batched = True
+        else:
+            statistics.append(key)
+    if not batched or (statistics and not _is_torchrl_loss(module)):
+        return None
+    return statistics
 
 
 def returns_sizeless(module: nn.Module) -> bool:
@@ -351,5 +369,9 @@ def returns_sizeless(module: nn.Module) -> bool:
     steps = list(module.module.children()) if isinstance(module, TensorDictSequential) else []  # a list, or named
     if steps:
         return returns_sizeless(steps[-1])
-    is_loss = any(c.__name__ == "LossModule" and c.__module__.startswith("torchrl.") for c in type(module).__mro__)
-    return is_loss and getattr(module, "reduction", None) == "none"
+    return _is_torchrl_loss(module) and getattr(module, "reduction", None) == "none"
+
+
+def _is_torchrl_loss(module: nn.Module) -> bool:
+    """Whether ``module`` is a torchrl loss (without importing torchrl's objectives)."""
+    return any(c.__name__ == "LossModule" and c.__module__.startswith("torchrl.") for c in type(module).__mro__)

@@ -29,6 +29,7 @@ from tensordict.utils import NestedKey, unravel_key
 from tdhook.attribution._chosen_values import chosen_value_module
 from tdhook.attribution._inputs import explained_in_call, optional_inputs
 from tdhook.attribution._policy_targets import allowed_action, masked_action_keys
+from tdhook.attribution._read_keys import reads_only_in_keys
 from tdhook.attribution.methods._options import entries
 from tdhook.attribution.targets import initial_relevance, resolve_target_key, target_output, zero_entries
 from tdhook.metrics._features import Features, explained_keys, stacked_batch
@@ -178,7 +179,10 @@ def explain(method: TensorDictModuleBase, td: TensorDictBase) -> TensorDictBase:
     of its ``"next"`` (a transition's action is the one the method explains by default; ``td`` itself is not written
     to)."""
     held = masked_action_keys(method)
-    work = td.select(*method.in_keys, *held, *(["next"] if held else []), strict=False)
+    if not reads_only_in_keys(method):  # every entry: it may read more than it declares (see carried_inputs)
+        work = td.copy()
+    else:
+        work = td.select(*method.in_keys, *held, *(["next"] if held else []), strict=False)
     result = method(work)
     return work if result is None else result
 

@@ -38,6 +38,7 @@ from tdhook.attribution._inputs import explained_in_call, module_in_recurrent_mo
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action, allowed_mask
 from tdhook.attribution._random_modules import deterministic, draw, draws_anew, draws_now, in_mode, random_modules
+from tdhook.attribution._read_keys import carried_inputs
 from tdhook.attribution._run_errors import run_error
 from tdhook.attribution.methods._cross_sample_outputs import scored_across_copies
 from tdhook.attribution.methods._random_draws import random_states, redrawn
@@ -258,7 +259,7 @@ class Scorer:
         # others ran as one sequence, and runs again one step per pass (see tdhook.attribution.methods._time_reads).
         self._recurrent, self._lengths = recurrent_layers(modules), set()
         self._batch = td.batch_size
-        self._base = td.select(*self.module.in_keys, strict=False)
+        self._base = carried_inputs(self.module, td)
         try:
             named = named_targets(self.module, target_key)
         except TypeError as err:

@@ -9,6 +9,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
+from tdhook.attribution._read_keys import carried_inputs
 from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.methods._cross_sample_outputs import scored_across_copies
 from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurrent_layers, time_lengths
@@ -123,7 +124,7 @@ def sensitivity_max(
     # its time dimension for a method whose model mixes along it. A model that normalises over the batch explains
     # each copy alone (stacked, the copies would change each other's explanations).
     stacked = stacked_batch(n, batch)
-    work = td.select(*method.in_keys, strict=False).expand(n, *batch).clone(recurse=False)
+    work = carried_inputs(method, td).expand(n, *batch).clone(recurse=False)
     for key in keys:
         work.set(key, perturbed.get(key).movedim(len(batch), 0))
     attributions = None

@@ -46,6 +46,7 @@ from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action, held_action_record
 from tdhook.attribution._ragged_stacks import raise_for_ragged
 from tdhook.attribution._random_modules import random_modules, warn_for_random_modules
+from tdhook.attribution._read_keys import carried_inputs
 from tdhook.attribution._run_errors import run_error
 from tdhook.attribution._running_statistics import refuse_moving_statistics
 from tdhook.attribution._tokens import TokenInputs
@@ -383,7 +384,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         name = type(self).__name__
         work = tensordict.copy()
         grad = self._gradient_at_input
-        base = tensordict.select(*self.module.in_keys, strict=False).exclude(*self.explained_keys)
+        base = carried_inputs(self.module, tensordict).exclude(*self.explained_keys)
         if self._evaluates_copies:  # as the caller gave them: the model may scale an input in place (obs /= 255)
             base = base.clone()
         modules = self.named_explained_modules() if self._evaluates_copies else {}
