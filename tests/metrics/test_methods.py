@@ -218,11 +218,14 @@ class _LastStep(nn.Module):
 
 
 @pytest.mark.filterwarnings("ignore:randomisation_check. no layer's reset_parameters")  # GPT-2's Conv1D layers
-def test_a_decision_transformer_is_scored_on_the_context_it_was_given():
+@pytest.mark.parametrize("layout", ["[B]", "[B, T]"])
+def test_a_decision_transformer_is_scored_on_the_context_it_was_given(layout):
     """torchrl's ``DecisionTransformerInferenceWrapper`` writes the last step's ``action`` and ``return_to_go`` over
     the context's: sensitivity_max and randomisation_check read the method's attributions against those, and refused
     them ("attribution ('attribution', 'action') of shape [3, 6, 2] does not broadcast to input 'action' of shape
-    [3, 2]"). They equal the metrics of the same prediction written as a plain module of the context."""
+    [3, 2]"). They equal the metrics of the same prediction written as a plain module of the context. A context
+    given as ``[B, T]`` (a replay buffer's slices) is ``B`` samples, as the methods read it: the metrics refused it
+    with the same message."""
     from tensordict.nn import TensorDictModule
 
     from tdhook.attribution import FeatureAblation, Saliency
@@ -231,13 +234,14 @@ def test_a_decision_transformer_is_scored_on_the_context_it_was_given():
 
     net, wrapper = decision_transformer("tanh_delta")
     plain = TensorDictModule(_LastStep(net, SHOWN), in_keys=list(CONTEXT_KEYS), out_keys=["param"])
-    td = context("[B]")
+    td, given = context("[B]"), context(layout)
     torch.testing.assert_close(wrapper(td.clone())["param"][:, -1], plain(td.clone())["param"], rtol=0, atol=0)
     for method in (Saliency, FeatureAblation):
-        got = sensitivity_max(method(wrapper), td, seed=0, n_perturb_samples=3)
+        got = sensitivity_max(method(wrapper), given, seed=0, n_perturb_samples=3)
         expected = sensitivity_max(method(plain), td, seed=0, n_perturb_samples=3)
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
-    got = randomisation_check(Saliency(wrapper), td, similarity="pearson")
+    assert given.batch_size == context(layout).batch_size  # the caller's TensorDict keeps its batch
+    got = randomisation_check(Saliency(wrapper), given, similarity="pearson")
     expected = randomisation_check(Saliency(plain), td, similarity="pearson")
     assert [name.split("module.0.module.")[-1] for name in got] == [name.split("net.")[-1] for name in expected]
     for score, expected_score in zip(got.values(), expected.values(), strict=True):

@@ -40,6 +40,7 @@ __all__ = [
     "check_method",
     "explain",
     "explained_output",
+    "in_batch_of",
     "method_keys",
     "method_prefix",
     "options_repeated",
@@ -185,6 +186,24 @@ def explain(method: TensorDictModuleBase, td: TensorDictBase) -> TensorDictBase:
         work = td.select(*method.in_keys, *held, *(["next"] if held else []), strict=False)
     result = method(work)
     return work if result is None else result
+
+
+def in_batch_of(td: TensorDictBase, result: TensorDictBase) -> TensorDictBase:
+    """``td``, or, where a method's ``result`` on it has a batch that begins ``td``'s and is shorter, a shallow copy
+    of ``td`` with that batch: torchrl's ``DecisionTransformerInferenceWrapper`` called on a ``[B, T]`` context acts
+    once per context, and returns ``[B]``; each context is one sample, as the methods explain it.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> contexts = TensorDict(x=torch.ones(3, 6, 2), batch_size=[3, 6])
+        >>> in_batch_of(contexts, TensorDict(action=torch.ones(3, 2), batch_size=[3])).batch_size
+        torch.Size([3])
+    """
+    size, given = result.batch_size, td.batch_size
+    if len(size) < len(given) and given[: len(size)] == size:
+        td = td.copy()
+        td.batch_size = size
+    return td
 
 
 def written_attributions(

@@ -26,6 +26,7 @@ from tdhook.metrics._layer_reset import refuse_hooked_weights, reset_layer, rese
 from tdhook.metrics._methods import (
     check_method,
     explain,
+    in_batch_of,
     method_keys,
     method_prefix,
     original_target,
@@ -164,6 +165,8 @@ def randomisation_check(
         raise ValueError("randomisation_check: the method's model has no module with reset_parameters to randomise")
     with statistics_kept(copied):  # every explanation from the caller's running statistics
         result = explain(copied, td)
+    td = in_batch_of(td, result)  # a context the model reads as one sample (torchrl's Decision Transformer's)
+    batch_dims = td.batch_dims
     target = original_target(copied, result, batch_dims, td)
     own = written_attributions(result, td, keys, prefix, units)
     try:

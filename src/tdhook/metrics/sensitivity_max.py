@@ -19,6 +19,7 @@ from tdhook.metrics._methods import (
     check_method,
     explain,
     explained_output,
+    in_batch_of,
     method_keys,
     method_prefix,
     options_repeated,
@@ -110,6 +111,8 @@ def sensitivity_max(
     with torch.no_grad():
         with statistics_kept(method), time_lengths(recurrent) as own:  # from the caller's running statistics
             result = explain(method, td)
+        td = in_batch_of(td, result)  # a context the model reads as one sample (torchrl's Decision Transformer's)
+        batch = td.batch_size
         target = original_target(method, result, len(batch), td)  # first: it names a method of several outputs
         reference = _flat(written_attributions(result, td, keys, prefix, units), len(batch))
         expanded = repeated(td, keys, n)
