@@ -167,6 +167,37 @@ def test_attention_weights_changed_in_place_run_again_detached(applied):
         assert relative_error(relevance, expected) <= 1e-12
 
 
+class WrittenGate(Product):
+    """``out(gelu(a) * b + 2 a)`` with ``a = q(x)``, ``b = k(x)``, ``a`` doubled into a new tensor or, with
+    ``written``, in place after the GELU saved it: CP-LRP holds the gate, but a plain call still runs its node's
+    backward, which reads the ``a`` it saved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.q(x), self.k(x)
+        gate = F.gelu(a)
+        a = a.mul_(2.0) if self.written else a.mul(2.0)
+        return self.out(gate * b + a)
+
+
+def test_a_later_call_that_writes_a_tensor_behind_a_held_gate_runs_again_in_the_mode(applied):
+    torch.manual_seed(0)
+    model, x = WrittenGate().to(F64), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, CPLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        call(lrp, x)
+        call(lrp, x)  # by the plan: the product's node passes the gate no gradient
+        model.written = True
+        written = [call(lrp, x) for _ in range(2)]  # the same graph: its plain backward would raise
+    assert applied == [True, False]
+    fresh = call(LRP(model, CPLRP(), in_keys=["x"], out_keys=["y"]), x)
+    for relevance in written:
+        assert relative_error(relevance, fresh) <= 1e-12
+
+
 def test_a_call_that_enters_its_context_records_no_plan(applied):
     """Its context ends with it: a plan would serve no later call."""
     lrp = LRP(product_model(), AttnLRP(), in_keys=["x"], out_keys=["y"])

@@ -125,6 +125,38 @@ def test_a_norm_whose_plain_backward_would_read_tensors_changed_in_place_keeps_i
         assert torch.equal(relevance, first)
 
 
+class WrittenNorm(HandNorm):
+    """An RMS norm whose input is multiplied by one after its square was taken: into a new tensor, or in place where
+    ``written``. The graphs have the same nodes, but in the second the square's backward reads a tensor written
+    since, which a plain call runs and the mode's graph (its scale detached) does not."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.written = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * 1.0
+        s = self.scale(x, torch.rsqrt)
+        x = x.mul_(1.0) if self.written else x.mul(1.0)
+        return self.weight * (x * s)
+
+
+def test_a_later_call_that_writes_a_tensor_behind_a_cut_scale_runs_again_in_the_mode(applied):
+    model, x = normed_model(), torch.randn(5, 4, dtype=F64)
+    model.norm = WrittenNorm(6).to(F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        call(lrp, x)
+        call(lrp, x)  # by the plan: the norm run plainly, its scale cut
+        model.norm.written = True
+        written = [call(lrp, x) for _ in range(2)]  # the same graph: its plain backward would raise
+        (plan,) = plans(lrp)
+    assert applied == [True, False, True]
+    assert plan.plain == frozenset()  # the norm in its mode, as in a call that writes its input from the start
+    for relevance in written:
+        assert relative_error(relevance, norm_by_hand(model, x)) <= 1e-12
+
+
 class BypassedNorm(NormedProduct):
     """``out(norm(a * b))``, or with ``bypassed`` the norm's forward called directly (``norm.forward(a * b)``): the
     same graph, node for node, but without the norm's rule. Its scale is multiplied by the weight before it scales

@@ -45,7 +45,8 @@ not: the mode marks it a constant to the rules; a held tensor that then takes ot
 would be an activation if detached, and the call runs again with its held tensors detached. The nodes behind a held
 tensor run with
 no gradient, as they would not behind a detached one: a call whose graph there saved a tensor that was changed in
-place after runs again in the mode (their backward would raise), and so do later calls on inputs of its signature.
+place after runs again in the mode (their backward would raise), and so do later calls on inputs of its signature;
+a later call whose branch changed one in place after (which the recording call did not take) runs again in the mode.
 
 GELU and SiLU called as functions get it too: their nodes save their input, from which a hook computes the
 identity rule's factor (see :func:`~tdhook.attribution.rules.basic.hook_pass_rule`); so do clipping calls (``clamp``
@@ -388,8 +389,12 @@ class _Plan:
         quiet: tuple = (),
         noting: frozenset = frozenset(),
         kept: tuple = (),
+        unread: tuple[int, ...] = (),
     ) -> None:
         self.keys = keys  # the keys of the outputs the walk starts from
+        # The places of the nodes whose backward a later call runs and the mode's never does (see _build): tensors
+        # they saved that a branch of a later call changed in place would raise in its backward.
+        self.unread = unread
         self.kept = frozenset(id(module) for module in kept)  # modules whose outputs a call keeps (see _GivenInput)
         self.kept_modules = kept
         self.quiet, self.noting = quiet, noting
@@ -429,6 +434,9 @@ class _Plan:
         walked: list[Any] = []
         if graph_shape(roots, walked=walked) != self.shape:
             return False  # a branch fed a product a constant, or a held gate to a product that does not hold it
+        for place in self.unread:
+            if not _saved_readable(walked[place]):
+                return False  # a tensor saved behind a held one, changed in place since: the mode's graph has none
         hooked = []
         for place, offset, attach in self.hooks:
             node = walked[place]
@@ -650,7 +658,18 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
         for key, (earlier, attach) in targets.items()
     ]
     kept_modules = tuple(kept.values())
-    return _Plan(keys, len(recording.outputs), hooks, nodes, plain, shape, quiet, frozenset(norms), kept_modules)
+    # A later call runs the backward of the nodes behind a held tensor, a cut scale or an input that gets no gradient,
+    # and of the calls that take a cut scale (which save their other input for it): the mode's graph has none of them
+    # (or takes a detached scale), and a branch this call did not take may change what they saved in place.
+    unreached = {*held, *(id(cut.consumer) for cut in cuts)}
+    unread = tuple(
+        place
+        for place, node in enumerate(walked)
+        if (id(node) not in parents or id(node) in unreached) and _saved_names(type(node))
+    )
+    return _Plan(
+        keys, len(recording.outputs), hooks, nodes, plain, shape, quiet, frozenset(norms), kept_modules, unread
+    )
 
 
 class _OnNode(NamedTuple):
