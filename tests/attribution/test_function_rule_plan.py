@@ -16,8 +16,9 @@ import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
+from torch.nn import functional as F
 
-from tdhook.attribution import CPLRP, LRP, AttnLRP, _function_rule_plan
+from tdhook.attribution import CPLRP, LRP, AttnLRP, IgnoreRule, _function_rule_plan
 from tdhook.attribution.rules.normalization import is_norm
 from tests.attribution._plan_helpers import F64, Product, by_hand, call, plans, product_model, wrapped_on_a_batch
 from tests.attribution.test_lrp_huggingface import LastLogits, build
@@ -78,6 +79,48 @@ def test_a_graph_that_keeps_changing_keeps_the_mode(applied):
     assert applied == [True, False, False]
     for relevance, oracle in zip(relevances, expected, strict=True):
         assert relative_error(relevance, oracle) <= 1e-12
+
+
+class Times(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a * b
+
+
+class ProductInModule(Product):
+    """``out(q(x) * k(x))``, or ``out(gelu(q(x)) * k(x))`` with ``activation``; with ``in_module`` the product (the
+    GELU) is made by a module of its own, which the caller maps to its plain gradient: the same nodes, made where the
+    function mode pauses and makes no rule."""
+
+    def __init__(self, activation: bool) -> None:
+        super().__init__()
+        self.times, self.act = Times(), nn.GELU()
+        self.activation, self.in_module = activation, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.q(x), self.k(x)
+        if self.activation:
+            return self.out((self.act(a) if self.in_module else F.gelu(a)) * b)
+        return self.out(self.times(a, b) if self.in_module else a * b)
+
+
+@pytest.mark.parametrize("activation", [False, True])
+def test_a_later_call_that_makes_a_ruled_node_in_a_module_with_its_plain_gradient_runs_again_in_the_mode(
+    applied, activation: bool
+):
+    torch.manual_seed(0)
+    model, x = ProductInModule(activation).to(F64), torch.randn(5, 4, dtype=F64)
+    mapper = lambda: AttnLRP(rule_mapper={"times": IgnoreRule(), "act": IgnoreRule()})  # noqa: E731
+    lrp = LRP(model, mapper(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        in_forward = [call(lrp, x) for _ in range(2)]  # the plan halves the product's node (puts the GELU's rule)
+        model.in_module = True
+        in_module = [call(lrp, x) for _ in range(2)]  # that node made in the module: the mode leaves it plain
+    fresh = call(LRP(model, mapper(), in_keys=["x"], out_keys=["y"]), x)
+    for relevance in in_module:
+        assert relative_error(relevance, fresh) <= 1e-12
+    assert relative_error(in_forward[0], fresh) > 1e-3  # the rules differ: the comparison can fail
+    assert relative_error(in_forward[1], in_forward[0]) <= 1e-12
+    assert applied[:2] == [True, False]  # (a GELU's output times k(x) is a product the next plan halves)
 
 
 def test_each_input_shape_has_a_plan_of_its_own(applied):

@@ -38,6 +38,7 @@ from torch.utils.hooks import RemovableHandle
 from tdhook.attribution._model_changes import forget_modules, record_modules
 from tdhook.attribution._orphan_hooks import HooksMade
 from tdhook.attribution._scripted_modules import refuse_scripted_modules
+from tdhook.attribution.rules._graph_calls import note_region
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.rules._layers import (
     ACTIVATIONS,
@@ -250,9 +251,11 @@ def suspend_function_modes_in(
             raise_for_unrecorded_inputs(module, args)
         guard = torch._C.DisableTorchFunction() if enabled else None
         push(guards, guard, enter=True)  # left by resume, or by closing_scopes if the forward never returns
+        note_region(module)  # where a call records or follows a plan: which nodes the modes did not see made
 
     def resume(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         pop(guards)
+        note_region(None)
 
     def pausing(handle: RemovableRuleHandle) -> bool:
         module, rule = handle.module, handle.rule

@@ -13,7 +13,9 @@ thread creates). A later call on inputs of the same shapes runs the model withou
 from its outputs, checks that it has the recorded shape and that the node at each recorded place has the
 recorded number, and puts a pre-hook that halves the gradient on each product's node: the same factor on the same
 node, with no Python between the torch calls. Where anything differs, its hooks are not set, and the call runs
-again in the mode (and records anew); inputs whose graph differs twice keep the mode from then on.
+again in the mode (and records anew); inputs whose graph differs twice keep the mode from then on. The numbers of
+the nodes made in the calls of modules the mode pauses in (a module with a rule of its own, or mapped to its plain
+gradient) are checked too: a flag that moves a product into such a module leaves the same graph, but no rule on it.
 
 Norms written out (Llama's RMSNorm: ``x * rsqrt(mean(x²) + ε)``) get the same treatment: their rule
 (:class:`~tdhook.attribution.rules.normalization.NormRule`) holds the normalising scale constant by detaching it in
@@ -187,6 +189,7 @@ class Recording:
         # a module's output, where it does not and would need them.
         self.kept = KeptOutputs(None) if keeps_outputs else None
         self.wants_outputs = False
+        self.regions: list[tuple[int | None, int]] = []  # the calls of modules the modes pause in (see note_region)
 
     def scaled(self, product: Any, factor: Any) -> None:
         """The mode halves the gradient of a product (the uniform rule): ``factor``, a node of its own, passes
@@ -390,8 +393,12 @@ class _Plan:
         noting: frozenset = frozenset(),
         kept: tuple = (),
         unread: tuple[int, ...] = (),
+        regions: tuple = (),
     ) -> None:
         self.keys = keys  # the keys of the outputs the walk starts from
+        # Per call of a module the modes paused in: its id where it starts, ``None`` where it ends, and the number
+        # of the next node then (relative to the first of the call): the nodes the mode saw made, and those it did not.
+        self.regions = regions
         # The places of the nodes whose backward a later call runs and the mode's never does (see _build): tensors
         # they saved that a branch of a later call changed in place would raise in its backward.
         self.unread = unread
@@ -418,15 +425,21 @@ class _Plan:
         norm_outputs: list,
         kept: KeptOutputs | None = None,
         activation_outputs: Sequence[tuple[torch.Tensor, int]] = (),
+        regions: Sequence[tuple[int | None, int]] = (),
     ) -> bool:
         """Put the hooks on the nodes of the products, held scales and held tensors of a call that created nodes
         ``start`` to ``end``, returned ``result`` and whose norms returned tensors of the nodes ``norm_outputs``,
         the modules of ``self.kept`` their outputs in ``kept``, the activations run without their hooks theirs in
-        ``activation_outputs`` (with their versions then); ``False``, and no hook set, where the graph is not
-        the recorded one (a norm's scale on the recorded node, but no norm's call around it: a forward called
-        directly, which the mode leaves its plain gradient; an activation's input that is not the kept output)."""
-        if end - start != self.nodes or len(norm_outputs) != self.norm_outputs:
+        ``activation_outputs`` (with their versions then), and that noted the calls of modules the modes pause in
+        in ``regions`` (see :func:`~tdhook.attribution.rules._graph_calls.note_region`); ``False``, and no hook set,
+        where the graph is not the recorded one (a norm's scale on the recorded node, but no norm's call around it:
+        a forward called directly, which the mode leaves its plain gradient; an activation's input that is not the
+        kept output; a product made in a module the modes pause in, where the recorded one was made outside)."""
+        if end - start != self.nodes or len(norm_outputs) != self.norm_outputs or len(regions) != len(self.regions):
             return False
+        for (key, number), recorded in zip(regions, self.regions, strict=True):
+            if (key, number - start) != recorded:
+                return False
         try:
             roots = [result.get(key, None).grad_fn for key in self.keys] + norm_outputs
         except AttributeError:  # an output the recorded call returned is gone
@@ -667,8 +680,9 @@ def _build(recording: Recording, result: TensorDictBase, start: int, end: int) -
         for place, node in enumerate(walked)
         if (id(node) not in parents or id(node) in unreached) and _saved_names(type(node))
     )
+    regions = tuple((key, number - start) for key, number in recording.regions)
     return _Plan(
-        keys, len(recording.outputs), hooks, nodes, plain, shape, quiet, frozenset(norms), kept_modules, unread
+        keys, len(recording.outputs), hooks, nodes, plain, shape, quiet, frozenset(norms), kept_modules, unread, regions
     )
 
 

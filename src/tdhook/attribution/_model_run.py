@@ -84,12 +84,13 @@ def run_model(
             kept = KeptOutputs(plan.kept) if plan.kept else None  # activations' inputs (a tanh's)
             # Modules whose rules the plan puts, without their hooks (the norms note their outputs all the same).
             quiet = lrp._function_rule_plan.quiet.running(plan.quiet, plan.noting)
-            with closing_scopes(), graph_call(plain=plan.plain, outputs=norm_outputs, kept=kept), quiet:
-                with caches.watching():
+            regions: list = []  # the calls of the modules the modes would pause in
+            with closing_scopes(), graph_call(plain=plan.plain, outputs=norm_outputs, kept=kept, regions=regions):
+                with quiet, caches.watching():
                     result = _call(lrp, work) if lrp._norm_calls.found is False else _laid_out_call(lrp, work)
             activations = lrp._function_rule_plan.quiet.taken_outputs()  # their rule's factor takes them
             if plan.apply(
-                work if result is None else result, start, sequence_number(), norm_outputs, kept, activations
+                work if result is None else result, start, sequence_number(), norm_outputs, kept, activations, regions
             ):
                 buffers.note(statistics)
                 return result, None
@@ -126,7 +127,9 @@ def run_model(
         if lrp._compiled:  # parts compiled by torch.compile run as written: every rule applies
             modes.enter_context(torch.compiler.set_stance("force_eager"))
         if recording is not None:  # norms tell where the scales they hold are, and their outputs
-            modes.enter_context(graph_call(recording, outputs=recording.outputs, kept=recording.kept))
+            modes.enter_context(
+                graph_call(recording, outputs=recording.outputs, kept=recording.kept, regions=recording.regions)
+            )
             if recording.kept is not None:  # every module's output, where an activation's input may be one
                 modes.enter_context(lrp._function_rule_plan.keepers.every(lrp.named_explained_modules().values()))
             modes.enter_context(caches.watching())

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from tdhook.attribution.rules._graph_calls import note_output
+from tdhook.attribution.rules._graph_calls import note_output, note_region
 from tdhook.attribution.rules.base import rules_apply
 
 __all__ = ["QuietCall", "QuietModules"]
@@ -57,8 +57,9 @@ class QuietCall:
     mode is entered; with ``notes``, the forward's output is noted where its rule's hooks would note it (a norm's);
     else (an activation's, whose rule the plan puts on its output's node) the output and its version are appended
     to ``outputs``, where the rule's factor takes the output instead of computing it again (see
-    :meth:`~tdhook.attribution.rules.basic.PassRuleOnNode.given`). A copy of the module made meanwhile leaves it out
-    (see :mod:`~tdhook.attribution._copies`)."""
+    :meth:`~tdhook.attribution.rules.basic.PassRuleOnNode.given`), and its call is noted as its hooks that pause the
+    modes note it (see :func:`~tdhook.attribution.rules._graph_calls.note_region`). A copy of the module made
+    meanwhile leaves it out (see :mod:`~tdhook.attribution._copies`)."""
 
     __slots__ = ("_call_impl", "_forward", "_module", "_notes", "_outputs")
 
@@ -69,11 +70,15 @@ class QuietCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _function_modes():
             return self._call_impl(self._module, *args, **kwargs)
+        if not self._notes:  # an activation, which its pausing hooks would note (see note_region)
+            note_region(self._module)
         output = self._forward(*args, **kwargs)
         if self._notes:
             if rules_apply():
                 note_output(output)
-        elif self._outputs is not None and type(output) is torch.Tensor:
+            return output
+        note_region(None)
+        if self._outputs is not None and type(output) is torch.Tensor:
             self._outputs.append((output, output._version))
         return output
 

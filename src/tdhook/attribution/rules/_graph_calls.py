@@ -32,9 +32,19 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["KeptOutputs", "graph_call", "keep_output", "note_output", "planned", "recording", "runs_plain"]
+__all__ = [
+    "KeptOutputs",
+    "graph_call",
+    "keep_output",
+    "note_output",
+    "note_region",
+    "planned",
+    "recording",
+    "runs_plain",
+]
 
 _LOCAL = threading.local()
+_sequence_number = torch._C._autograd._get_sequence_nr
 
 
 def recording() -> Any:
@@ -53,6 +63,19 @@ def runs_plain(module: nn.Module) -> bool:
     rule's mode (the plan cuts the gradient of the scale it holds); an activation's rule goes on its node."""
     plain = getattr(_LOCAL, "plain", None)
     return plain is not None and id(module) in plain
+
+
+def note_region(module: nn.Module | None) -> None:
+    """A module that the function modes pause in (see :func:`~tdhook.attribution._context.suspend_function_modes_in`)
+    starts its forward (``module``) or ends it (``None``): noted with the number of the next node of the call, less
+    the nodes of the mode's own (see :meth:`~tdhook.attribution._function_rule_plan.Recording.scaled`), where this
+    thread's call notes them. A later call whose nodes are the recorded ones, but made in other modules (a flag that
+    runs a product in a module mapped to its plain gradient instead of in the forward around it), is another call."""
+    regions = getattr(_LOCAL, "regions", None)
+    if regions is not None:
+        record = getattr(_LOCAL, "recording", None)
+        number = _sequence_number() - (0 if record is None else len(record.products))
+        regions.append((None if module is None else id(module), number))
 
 
 def note_output(output: Any) -> None:
@@ -112,8 +135,9 @@ def keep_output(module: nn.Module, output: Any) -> None:
 class graph_call:  # noqa: N801 (used as a function: ``with graph_call(...):``)
     """A call in the block whose norms tell ``record`` where their scales' nodes are (a recording call), or in which
     the modules whose ids are in ``plain`` have their rules put on the graph by the call's plan (a later call); the
-    nodes of the norms' outputs are appended to ``outputs``, and ``kept`` keeps the outputs of modules with a rule
-    (see :class:`KeptOutputs`).
+    nodes of the norms' outputs are appended to ``outputs``, ``kept`` keeps the outputs of modules with a rule
+    (see :class:`KeptOutputs`), and the calls of the modules the function modes pause in are noted in ``regions``
+    (see :func:`note_region`).
 
     A class rather than a generator: it wraps every call that records or follows a plan, and its state is put back
     by ``__exit__`` alone (a generator's ``finally``, an interrupt could skip).
@@ -125,15 +149,16 @@ class graph_call:  # noqa: N801 (used as a function: ``with graph_call(...):``)
         plain: Collection[int] = (),
         outputs: list | None = None,
         kept: KeptOutputs | None = None,
+        regions: list | None = None,
     ) -> None:
-        self._state = record, plain, outputs, kept
+        self._state = record, plain, outputs, kept, regions
 
     def __enter__(self) -> None:
         local = _LOCAL
         self._before = recording(), getattr(local, "plain", None), getattr(local, "outputs", None)
-        self._before += (getattr(local, "kept", None),)
-        local.recording, local.plain, local.outputs, local.kept = self._state
+        self._before += (getattr(local, "kept", None), getattr(local, "regions", None))
+        local.recording, local.plain, local.outputs, local.kept, local.regions = self._state
 
     def __exit__(self, *exc_info: object) -> None:
         # As they were: a wrapper called inside another one's model leaves the outer call's state.
-        _LOCAL.recording, _LOCAL.plain, _LOCAL.outputs, _LOCAL.kept = self._before
+        _LOCAL.recording, _LOCAL.plain, _LOCAL.outputs, _LOCAL.kept, _LOCAL.regions = self._before
