@@ -157,6 +157,36 @@ def test_a_later_call_that_writes_a_tensor_behind_a_cut_scale_runs_again_in_the_
         assert relative_error(relevance, norm_by_hand(model, x)) <= 1e-12
 
 
+class BatchNormedProduct(Product):
+    """``out(bn(q(x)) * k(x))``: in eval mode the BatchNorm merges into ``q`` (under LRP-0 its plain gradient, which
+    a plan runs plainly); in training mode its rule holds the batch's statistics constant, on nodes of the same kind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.bn(self.q(x)) * self.k(x))
+
+
+def test_a_batch_norm_run_plainly_in_eval_mode_keeps_its_rule_in_a_later_call_in_training_mode(applied):
+    torch.manual_seed(0)
+    model, x = BatchNormedProduct().to(F64).eval(), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    with pytest.warns(UserWarning, match="is in training mode"):
+        with lrp:
+            call(lrp, x)
+            call(lrp, x)  # by the plan: the BatchNorm run plainly
+            (plan,) = plans(lrp)
+            assert plan.plain == {id(model.bn)}
+            model.train()
+            training = [call(lrp, x) for _ in range(2)]  # the same graph: the statistics held by the rule
+        fresh = call(LRP(model, AttnLRP(), in_keys=["x"], out_keys=["y"]), x)
+    for relevance in training:
+        assert relative_error(relevance, fresh) <= 1e-12
+    assert applied[:2] == [True, False]
+
+
 class BypassedNorm(NormedProduct):
     """``out(norm(a * b))``, or with ``bypassed`` the norm's forward called directly (``norm.forward(a * b)``): the
     same graph, node for node, but without the norm's rule. Its scale is multiplied by the weight before it scales

@@ -115,11 +115,13 @@ from typing import Any, NamedTuple
 
 import torch
 from tensordict import TensorDictBase
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from tdhook.attribution._graph_inputs import chain_of, computed_again
 from tdhook.attribution._graph_shape import graph_shape
 from tdhook.attribution._kept_outputs import OutputKeepers
 from tdhook.attribution._quiet_modules import QuietModules
+from tdhook.attribution._training_norms import normalises_by_batch
 from tdhook.attribution.rules._autograd import first_input_is, pass_no_relevance
 from tdhook.attribution.rules._graph_calls import KeptOutputs
 from tdhook.attribution.rules._norm_gradient_layout import BATCH_NORM_KERNEL_NODES, NO_NORM_KERNEL_BELOW
@@ -409,6 +411,8 @@ class _Plan:
         self.hooks = hooks
         self.nodes = nodes  # how many nodes the call creates
         self.modules = plain  # the modules themselves, kept alive while their ids stand for them
+        # The BatchNorms run plainly, and whether each normalised with the batch's statistics (another rule if not).
+        self.batch_norms = tuple((norm, normalises_by_batch(norm)) for norm in plain if isinstance(norm, _BatchNorm))
         self.plain = frozenset(id(module) for module in plain)
         self.shape = shape  # the graph's shape (see graph_shape): the same nodes may be another graph
         # Whether the recorded graph holds no node of the batch_norm kernel: one of the same shape holds none either,
@@ -437,6 +441,8 @@ class _Plan:
         kept output; a product made in a module the modes pause in, where the recorded one was made outside)."""
         if end - start != self.nodes or len(norm_outputs) != self.norm_outputs or len(regions) != len(self.regions):
             return False
+        if any(normalises_by_batch(norm) != batch for norm, batch in self.batch_norms):
+            return False  # a BatchNorm in training mode since an eval-mode recording: the same nodes, another rule
         for (key, number), recorded in zip(regions, self.regions, strict=True):
             if (key, number - start) != recorded:
                 return False

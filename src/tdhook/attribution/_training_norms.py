@@ -31,7 +31,15 @@ from torch import nn
 
 from tdhook.attribution.rules._caller import warn_at_caller
 
-__all__ = ["training_norms", "warn_for_training_norms"]
+__all__ = ["normalises_by_batch", "training_norms", "warn_for_training_norms"]
+
+
+def normalises_by_batch(module: nn.Module) -> bool:
+    """Whether ``module``, a BatchNorm, normalises with the statistics of the batch it is given now: in training mode,
+    or in every mode where it keeps no running statistics. Its rule then holds them constant, where in eval mode it
+    merges the running ones into the layer before it, on an autograd node of the same kind (a plan of the function
+    rules recorded in one mode is no plan for the other, see :mod:`~tdhook.attribution._function_rule_plan`)."""
+    return module.training or module.running_mean is None
 
 
 def training_norms(modules: Mapping[str, nn.Module]) -> list[tuple[str, nn.Module]]:
@@ -44,7 +52,7 @@ def training_norms(modules: Mapping[str, nn.Module]) -> list[tuple[str, nn.Modul
 def warn_for_training_norms(who: str, candidates: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     """Warn if one of ``candidates`` is in training mode now; the candidates left to watch (none once warned)."""
     for name, module in candidates:
-        if module.training or module.running_mean is None:
+        if normalises_by_batch(module):
             if module.running_mean is None:
                 why, fix = "keeps no running statistics", "give it running statistics to explain each sample alone"
             else:
