@@ -364,3 +364,34 @@ def test_half_precision_attributions_are_compared_in_float32():
     expected = torch.stack(changes, -1).amax(-1) / reference.norm(dim=-1)
     assert ours.dtype == torch.float16
     torch.testing.assert_close(ours, expected.half(), rtol=2e-3, atol=0)
+
+
+def test_a_loss_that_reduces_its_batch_is_refused_by_name():
+    """A loss with ``reduction="mean"`` is one number for the whole batch: its explanation is of one sample, and
+    the perturbed copies stacked along the batch were explained as their mean, each sample's row then compared
+    with the unperturbed one: a ratio per sample that was none of the explanation's, without a word. It is
+    refused, as the other metrics refuse such an output; with
+    ``reduction="none"`` each sample's ratio is that of its own loss, computed here by hand."""
+    from tests.attribution.methods.test_cross_sample_outputs import _mean_dqn_loss_and_batch
+
+    loss, td = _mean_dqn_loss_and_batch()
+    shifts = torch.randn(5, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 0.05
+
+    def shift(repeated, radius):
+        return repeated.apply(lambda x: x + shifts)
+
+    with pytest.raises(ValueError, match="one output per sample"):
+        sensitivity_max(tdhook_input_x_gradient(loss, in_keys=["observation"], target_key="loss"), td, perturb_fn=shift)
+
+    loss.reduction = "none"
+
+    def explained(observation):
+        observation = observation.clone().requires_grad_(True)
+        per_sample = loss(td.clone().set("observation", observation))["loss"]
+        return observation * torch.autograd.grad(per_sample.sum(), observation)[0]
+
+    method = tdhook_input_x_gradient(loss, in_keys=["observation"], target_key="loss")
+    score = sensitivity_max(method, td, perturb_fn=shift, n_perturb_samples=3)
+    own = explained(td["observation"])
+    moved = torch.stack([(explained(td["observation"] + shifts[:, k]) - own).norm(dim=-1) for k in range(3)])
+    torch.testing.assert_close(score, moved.amax(0) / own.norm(dim=-1), rtol=1e-10, atol=1e-12)

@@ -36,6 +36,18 @@ from tdhook.metrics.infidelity import check_perturbed, repeated
 __all__ = ["sensitivity_max"]
 
 
+def _refuse_batch_reduced(output: torch.Tensor, batch: torch.Size) -> None:
+    """Refuse an explained output that is not one per sample: a model that reduces its batch (a torchrl loss with
+    ``reduction="mean"``) explains the whole batch as one sample, and the perturbed copies, stacked along the batch,
+    would be explained as their mean."""
+    if tuple(output.shape[: len(batch)]) != tuple(batch):
+        raise ValueError(
+            f"sensitivity_max: the explained output of shape {list(output.shape)} does not start with the "
+            f"TensorDict's batch shape {list(batch)}: a metric scores one output per sample (a loss with "
+            'reduction="mean" is one number for the whole batch: build it with reduction="none")'
+        )
+
+
 def _flat(attributions: Sequence[torch.Tensor], batch_dims: int) -> torch.Tensor:
     return torch.cat([a.flatten(batch_dims) for a in attributions], dim=-1)
 
@@ -84,6 +96,7 @@ def sensitivity_max(
     Raises:
         TypeError: ``method`` is not a TensorDict module.
         KeyError, ValueError: the perturbed TensorDict lacks a key or changes its shape.
+        ValueError: the explained output is not one per sample (it does not start with the batch shape).
 
     Examples:
         >>> import torch
@@ -114,6 +127,7 @@ def sensitivity_max(
         td = in_batch_of(td, result)  # a context the model reads as one sample (torchrl's Decision Transformer's)
         batch = td.batch_size
         target = original_target(method, result, len(batch), td)  # first: it names a method of several outputs
+        _refuse_batch_reduced(explained_output(method, result), batch)
         reference = _flat(written_attributions(result, td, keys, prefix, units), len(batch))
         expanded = repeated(td, keys, n)
         if perturb_fn is None:

@@ -12,6 +12,8 @@ Examples:
     >>> own = torch.zeros(3, 3)  # a batch of 3 scored against itself
     >>> scored_across_copies(torch.zeros(12, 12), 1, own, 1), scored_across_copies(torch.zeros(12, 3), 1, own, 1)
     (True, False)
+    >>> scored_across_copies(torch.zeros(()), 1, torch.zeros(()), 0)  # a mean over the batch: the copies' mean
+    True
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ __all__ = ["scored_across_copies"]
 
 def scored_across_copies(stacked: torch.Tensor, stacked_dims: int, own: torch.Tensor, batch_dims: int) -> bool:
     """Whether an output of stacked copies of the batch has other dimensions after its batch than the model's
-    output on the batch itself: the model scored the copies against each other.
+    output on the batch itself: the model scored the copies against each other, or reduced them together (its
+    output has no dimension for the stacked copies).
 
     Args:
         stacked: the output of the stacked copies, ``stacked batch + rest``.
@@ -31,4 +34,6 @@ def scored_across_copies(stacked: torch.Tensor, stacked_dims: int, own: torch.Te
         own: the model's output on the batch itself, ``batch + rest``.
         batch_dims: the number of batch dimensions.
     """
+    if stacked.dim() < stacked_dims:  # the copies reduced together, to fewer dimensions than they were stacked in
+        return True
     return tuple(stacked.shape[stacked_dims:]) != tuple(own.shape[batch_dims:])
