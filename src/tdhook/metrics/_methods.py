@@ -200,7 +200,8 @@ def in_batch_of(td: TensorDictBase, result: TensorDictBase) -> TensorDictBase:
         torch.Size([3])
     """
     size, given = result.batch_size, td.batch_size
-    if len(size) < len(given) and given[: len(size)] == size:
+    # A batch reduced to none (a loss's mean) is no batch of contexts: its copies, stacked, would reduce together.
+    if 0 < len(size) < len(given) and given[: len(size)] == size:
         td = td.copy()
         td.batch_size = size
     return td
