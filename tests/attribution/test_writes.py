@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -305,6 +307,21 @@ def test_a_module_of_ones_own_returning_no_batch_size_is_taken_at_its_word(metho
     torch.testing.assert_close(out.get(key), expected, rtol=1e-6, atol=1e-8)
 
 
+def _transitions(batch: int) -> TensorDict:
+    """A batch of transitions of a 4-feature observation and two one-hot actions (float64)."""
+    return TensorDict(
+        {
+            "observation": torch.randn(batch, 4, dtype=torch.float64),
+            "action": nn.functional.one_hot(torch.randint(0, 2, (batch,)), 2),
+            ("next", "observation"): torch.randn(batch, 4, dtype=torch.float64),
+            ("next", "reward"): torch.randn(batch, 1, dtype=torch.float64),
+            ("next", "done"): torch.zeros(batch, 1, dtype=torch.bool),
+            ("next", "terminated"): torch.zeros(batch, 1, dtype=torch.bool),
+        },
+        batch_size=[batch],
+    )
+
+
 def test_a_loss_per_sample_is_explained_per_sample():
     """torchrl's losses with ``reduction="none"`` return their per-sample loss in a TensorDict without a batch size:
     read as a batch cut to none, LRP explained the largest sample's loss alone (the argmax of the whole tensor),
@@ -320,17 +337,7 @@ def test_a_loss_per_sample_is_explained_per_sample():
     actor = QValueActor(net, in_keys=["observation"], action_space="one_hot")
     loss = DQNLoss(actor, action_space="one_hot", reduction="none", delay_value=False)
     batch = 5
-    td = TensorDict(
-        {
-            "observation": torch.randn(batch, 4, dtype=torch.float64),
-            "action": nn.functional.one_hot(torch.randint(0, 2, (batch,)), 2),
-            ("next", "observation"): torch.randn(batch, 4, dtype=torch.float64),
-            ("next", "reward"): torch.randn(batch, 1, dtype=torch.float64),
-            ("next", "done"): torch.zeros(batch, 1, dtype=torch.bool),
-            ("next", "terminated"): torch.zeros(batch, 1, dtype=torch.bool),
-        },
-        batch_size=[batch],
-    )
+    td = _transitions(batch)
     lrp = LRP(loss, BaseRuleMapper(stabilizer=0.0), in_keys=["observation"], target_key="loss")
     with pytest.warns(UserWarning, match="mse_loss"):
         out = lrp(td.clone())
@@ -414,3 +421,37 @@ def test_a_loss_read_by_a_perturbation_method_keeps_the_entries_it_does_not_decl
     drop = (loss(td.clone())["loss_objective"] - loss(ablated)["loss_objective"]).detach()
     assert out.batch_size == torch.Size([5])
     torch.testing.assert_close(out["attribution", "observation"], drop[:, None].expand(5, 3), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["LRP", "FeatureAblation"])
+@pytest.mark.parametrize("loss_name", ["DQNLoss", "DiscreteCQLLoss"])
+def test_a_loss_writes_each_samples_priority_into_the_callers_tensordict_as_called_by_itself(method, loss_name):
+    """torchrl's value losses write each sample's ``td_error`` (a prioritised replay buffer's priority) into the
+    TensorDict they are given and return their losses in a new one, where DiscreteCQL's ``td_error`` is a statistic
+    of the batch. The write was lost with the wrapper's copy of the inputs, and the statistic took the key: a second
+    call on the same TensorDict failed to update it. The caller's TensorDict now holds each sample's ``td_error``,
+    as after the loss called by itself, call after call."""
+    import torchrl.objectives as objectives
+    from torchrl.modules import QValueActor
+
+    import tdhook.attribution as attribution
+    from tdhook.attribution.mappers.base import BaseRuleMapper
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).double()
+    actor = QValueActor(net, in_keys=["observation"], action_space="one_hot")
+    loss = getattr(objectives, loss_name)(actor, action_space="one_hot", reduction="none", delay_value=False)
+    batch = 5
+    td = _transitions(batch)
+    alone = td.clone()
+    loss(alone)
+    key = "loss" if loss_name == "DQNLoss" else "loss_qvalue"
+    rules = {"rule_mapper": BaseRuleMapper(stabilizer=0.0)} if method == "LRP" else {}
+    wrapper = getattr(attribution, method)(loss, in_keys=["observation"], target_key=key, **rules)
+    given = td.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the loss's own functions, which keep their plain gradient under LRP
+        for _ in range(2):
+            wrapper(given)
+            assert type(given.get("td_error")) is torch.Tensor
+            torch.testing.assert_close(given["td_error"], alone["td_error"], rtol=1e-12, atol=1e-14)

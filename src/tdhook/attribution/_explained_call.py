@@ -32,7 +32,7 @@ from tdhook.attribution._run_errors import run_error
 from tdhook.attribution._scaled_passes import UNRECORDED, check_overflow, scaled_target, scaled_when_overflowing
 from tdhook.attribution._tokens import is_embedding_leaf
 from tdhook.attribution._training_norms import warn_for_training_norms
-from tdhook.attribution._writes import relevance_updates, returned_tensordict, set_all_or_nothing
+from tdhook.attribution._writes import relevance_updates, returned_tensordict, set_all_or_nothing, with_input_writes
 from tdhook.attribution.rules._keeping_graph import RelevancePass
 from tdhook.attribution.rules._norm_function_layout import late_norm_nodes_laid_out
 from tdhook.attribution.targets import (
@@ -115,7 +115,7 @@ def explain(lrp: Any, tensordict: TensorDictBase) -> tuple[TensorDictBase, Calla
                     raise error from err
             report_numeric_inputs(lrp, leaves)  # integers the first call saw computed with as numbers
             lrp._tokens.raise_for_unembedded(leaves, optional=lrp._defaulted_inputs)
-            result = work if result is None else result
+            result = with_input_writes(tensordict, work, result, lrp.explained_keys)  # a loss's td_error
             # The caller's TensorDict, unless the module cut the batch.
             out = returned_tensordict(tensordict, result, "LRP", lrp.named_explained_modules, lrp.module)
             relevances, outputs = [], []

@@ -36,6 +36,7 @@ __all__ = [
     "returned_tensordict",
     "returns_sizeless",
     "set_all_or_nothing",
+    "with_input_writes",
 ]
 
 
@@ -324,6 +325,50 @@ def set_all_or_nothing(tensordict: TensorDictBase, updates: dict) -> None:
             if isinstance(value, TensorDictBase) and value.is_empty():
                 tensordict.del_(branch)
         raise
+
+
+def with_input_writes(
+    tensordict: TensorDictBase,
+    work: TensorDictBase,
+    result: TensorDictBase | None,
+    explained_keys: Sequence[NestedKey] = (),
+) -> TensorDictBase:
+    """What a module returned for ``work``, a shallow copy of the caller's ``tensordict`` (``work`` itself where it
+    returned ``None``), with the entries it wrote into ``work`` where it returned another TensorDict of ``work``'s
+    batch or of none: a torchrl loss writes each sample's ``td_error`` (its priority) into the TensorDict it is
+    given, and returns its losses in a new one, where a statistic of the batch may take the same key. Called by
+    itself, the loss leaves the caller's TensorDict with the samples' entry; so does a wrapper's call. The
+    ``explained_keys`` hold the inputs' copies made for the call, which are no writes.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> given = TensorDict(x=torch.ones(4, 3), batch_size=[4])
+        >>> work = given.copy().set("td_error", torch.ones(4, 1))  # what the loss wrote into its input
+        >>> returned = with_input_writes(given, work, TensorDict(loss=torch.ones(4), td_error=torch.ones(1)))
+        >>> returned["td_error"].shape
+        torch.Size([4, 1])
+    """
+    if result is None or result is work:
+        return work
+    batch = work.batch_size
+    if result.batch_size and result.batch_size != batch:  # a batch the module cut (DT's): written in its own
+        return result
+    explained = set(explained_keys)
+    for key, value in work.items(True, True):
+        if key in explained:
+            continue
+        own = _get_or_none(tensordict, key) is value  # the caller's entry (which the module may write in place)
+        held = _get_or_none(result, key)
+        per_sample = isinstance(value, torch.Tensor) and value.shape[: len(batch)] == batch
+        if held is None:
+            if not own:
+                result.set(key, value)
+        elif per_sample and isinstance(held, torch.Tensor) and held.shape[: len(batch)] != batch:
+            if own:  # a statistic of the batch under the key of the samples' entry: the samples' stands
+                del result[key]
+            else:
+                result.set(key, value)
+    return result
 
 
 def _get_or_none(tensordict: TensorDictBase, key: Any) -> Any:

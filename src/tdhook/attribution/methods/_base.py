@@ -50,7 +50,7 @@ from tdhook.attribution._read_keys import carried_inputs
 from tdhook.attribution._run_errors import run_error
 from tdhook.attribution._running_statistics import refuse_moving_statistics
 from tdhook.attribution._tokens import TokenInputs
-from tdhook.attribution._writes import model_updates, returned_tensordict, set_all_or_nothing
+from tdhook.attribution._writes import model_updates, returned_tensordict, set_all_or_nothing, with_input_writes
 from tdhook.attribution.methods._batch_statistics import (
     BufferValues,
     batch_normalisers,
@@ -395,7 +395,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             leaves, fed = feed_inputs(work, self.explained_keys, TokenInputs(self.explained_keys))
             # A write into memory an explained input shares with another input is refused after the run.
             with checked_after_run(name, tensordict, self.explained_keys, fed, self.in_keys), watch as dropping:
-                result = self._run(work)
+                result = with_input_writes(tensordict, work, self._run(work), self.explained_keys)
         if dropping is not None and dropping.found:
             warn_at_caller(
                 f"{name}: the forward pass calls dropout (p={dropping.found}) in training mode, outside any Dropout "
