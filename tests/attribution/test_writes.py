@@ -13,6 +13,7 @@ from torch import nn
 from tdhook.attribution import LRP
 from tdhook.attribution._writes import set_all_or_nothing
 from tests.attribution._interrupts import Interrupt, every_line
+from tests.attribution._losses import ppo_loss_and_batch
 
 
 def test_a_write_interrupted_at_any_line_leaves_the_tensordict_as_it_was():
@@ -348,43 +349,6 @@ def test_a_loss_per_sample_is_explained_per_sample():
     torch.testing.assert_close(out["relevance", "observation"], expected, rtol=1e-10, atol=1e-12)
 
 
-def _ppo_loss_and_batch(batch: int):
-    from tensordict.nn import NormalParamExtractor
-    from torchrl.modules import ProbabilisticActor, TanhNormal, ValueOperator
-    from torchrl.objectives import ClipPPOLoss
-
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2), NormalParamExtractor()).double()
-    actor = ProbabilisticActor(
-        TensorDictModule(net, ["observation"], ["loc", "scale"]),
-        in_keys=["loc", "scale"],
-        distribution_class=TanhNormal,
-        return_log_prob=True,
-    )
-    critic = ValueOperator(nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1)).double(), ["observation"])
-    loss = ClipPPOLoss(actor, critic, reduction="none")
-
-    def double(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, dtype=torch.float64)
-
-    td = TensorDict(
-        {
-            "observation": double(batch, 3),
-            "action": torch.rand(batch, 1, dtype=torch.float64) * 1.8 - 0.9,
-            "action_log_prob": double(batch),
-            "sample_log_prob": double(batch),
-            "advantage": double(batch, 1),
-            "value_target": double(batch, 1),
-            ("next", "observation"): double(batch, 3),
-            ("next", "reward"): double(batch, 1),
-            ("next", "done"): torch.zeros(batch, 1, dtype=torch.bool),
-            ("next", "terminated"): torch.zeros(batch, 1, dtype=torch.bool),
-        },
-        batch_size=[batch],
-    )
-    return loss, td
-
-
 def test_a_loss_per_sample_with_statistics_of_the_batch_is_explained_per_sample():
     """torchrl's PPO loss with ``reduction="none"`` returns its per-sample losses with statistics of the whole batch
     (``clip_fraction``, ``ESS``: no batch dimension) in a TensorDict without a batch size: read as one sample, LRP
@@ -394,7 +358,7 @@ def test_a_loss_per_sample_with_statistics_of_the_batch_is_explained_per_sample(
 
     from tdhook.attribution.mappers.base import BaseRuleMapper
 
-    loss, td = _ppo_loss_and_batch(5)
+    loss, td = ppo_loss_and_batch(5)
     lrp = LRP(loss, BaseRuleMapper(stabilizer=0.0), in_keys=["observation"], target_key="loss_objective")
     with pytest.warns(UserWarning, match="computes"):
         out = lrp(td.clone())
@@ -414,7 +378,7 @@ def test_a_loss_read_by_a_perturbation_method_keeps_the_entries_it_does_not_decl
     advantage. Each sample's drop is now that of its own loss, the advantage the caller gave."""
     from tdhook.attribution import FeatureAblation
 
-    loss, td = _ppo_loss_and_batch(5)
+    loss, td = ppo_loss_and_batch(5)
     out = FeatureAblation(loss, in_keys=["observation"], target_key="loss_objective")(td.clone())
     ablated = td.clone()
     ablated["observation"].zero_()  # the default group: every feature of a sample's key

@@ -832,3 +832,22 @@ def test_a_decision_transformer_is_explained_under_the_callers_no_grad(kind):
         torch.testing.assert_close(products["attribution", key], expected[key], rtol=1e-10, atol=1e-12)
         magnitude = magnitudes["attribution", key] * td[key].abs()
         torch.testing.assert_close(magnitude, expected[key].abs(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["Saliency", "IntegratedGradients", "FeatureAblation"])
+def test_a_mean_over_the_batch_that_needs_a_batch_is_refused_naming_why_and_what_explains_each_sample(method):
+    """A loss's mean over the batch is one output: the methods explain it as one sample, running the module again
+    on the inputs as one sample (batch size []). torchrl's PPO loss without a given advantage computes it with its
+    value estimator, which needs a batch, and raised from deep inside torchrl; the error now says why the module ran
+    so, and what explains each sample."""
+    import tdhook.attribution as attribution
+    from tests.attribution._losses import ppo_loss_and_batch
+
+    loss, td = ppo_loss_and_batch(5)
+    loss.reduction = "mean"
+    del td["advantage"]
+    wrapper = getattr(attribution, method)(loss, in_keys=["observation"], target_key="loss_objective")
+    given = td.clone()
+    with pytest.raises(RuntimeError, match=rf"^{method}: the module returned one output for the whole batch \[5\]"):
+        wrapper(given)
+    assert set(given.keys(True, True)) == set(td.keys(True, True))  # nothing written

@@ -132,6 +132,41 @@ class Call:
         return self.tensordict.batch_dims
 
 
+def _explained_in_batch(method: AttributionMethod, cut: TensorDictBase, batch: torch.Size) -> TensorDictBase:
+    """``method``'s call on ``cut``, a shallow copy of the caller's TensorDict of batch ``batch`` with the fewer
+    batch dimensions its module returned. Where they are none (a loss's mean over the batch: one output), the module
+    runs on the inputs as one sample, which some refuse (torchrl's value estimators need a batch): the error says
+    why it ran so, and what explains each sample.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> from tdhook.attribution import Saliency
+        >>> class Mean(TensorDictModuleBase):  # a loss's mean, in a new TensorDict (as torchrl's losses return)
+        ...     in_keys, out_keys = ["x"], ["m"]
+        ...     def forward(self, td):
+        ...         if not td.batch_size:
+        ...             raise ValueError("a batch is needed")
+        ...         return TensorDict(m=td["x"].sum(-1).mean())
+        >>> try:
+        ...     Saliency(Mean())(TensorDict(x=torch.ones(4, 3), batch_size=[4]))
+        ... except RuntimeError as err:
+        ...     print(str(err)[:98])
+        Saliency: the module returned one output for the whole batch [4] (a mean over it), explained as on
+    """
+    try:
+        return method.forward(cut)
+    except Exception as err:
+        if cut.batch_dims:
+            raise
+        name = type(method).__name__
+        raise RuntimeError(
+            f"{name}: the module returned one output for the whole batch {list(batch)} (a mean over it), explained "
+            f"as one sample: the module ran again on the inputs as one sample (batch size []), and raised "
+            f"{type(err).__name__}: {err}. A torchrl loss explains each sample with reduction='none'; LRP explains "
+            "the whole batch's output without running the module again"
+        ) from err
+
+
 def _rename(err: Exception, owner: str) -> Exception:
     """``err`` with the method's name in place of LRP's at the head of its message (the helpers are LRP's).
 
@@ -313,7 +348,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             if cut is not tensordict:  # the module returned fewer batch dimensions: explain in its batch, as LRP does
                 before.restore()  # that call runs the model's own pass again, from the random state of this one
                 torch.set_rng_state(rng_before)
-                return self.forward(cut)
+                return _explained_in_batch(self, cut, tensordict.batch_size)
             updates = model_updates(tensordict, call.result, self.explained_keys, call.fed) | call.held_record
             for key, attribution in zip(self.relevance_keys, attributions, strict=True):
                 updates[key] = self._per_unit(call, attribution)
