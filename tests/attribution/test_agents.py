@@ -528,3 +528,25 @@ def test_a_convolution_of_agents_with_their_own_parameters_gets_each_agents_rele
     torch.testing.assert_close(
         out["relevance", "module._empty_net.1"], torch.stack(expected, 1), rtol=1e-10, atol=1e-12
     )
+
+
+@pytest.mark.parametrize("update", ["vector_to_parameters", "to_module"])
+def test_parameters_given_new_tensors_between_calls_give_the_networks_outputs(update):
+    """``vector_to_parameters`` (``p.data = ...``) and ``to_module`` put new tensors in the agents' parameters: the
+    outputs were those of the parameters the second call saw (1.2 off the network's, no word), whose detached copy a
+    locked ``TensorDictParams`` keeps, while the relevance followed the new ones."""
+    net = multi_agent_mlp(False, False, nn.Tanh)
+    td = agents_td((3,))
+    lrp = LRP(wrapped(net), EpsilonPlus())
+    for _ in range(2):
+        lrp(td.clone())
+    if update == "vector_to_parameters":
+        vector = torch.nn.utils.parameters_to_vector(net.parameters())
+        torch.nn.utils.vector_to_parameters(vector * 2, net.parameters())
+    else:
+        TensorDict.from_module(net).data.apply(lambda t: t * 2).to_module(net)
+    out = lrp(td.clone())
+    expected = LRP(wrapped(copy.deepcopy(net)), EpsilonPlus())(td.clone())
+    torch.testing.assert_close(out["agents", "action_value"], net(td["agents", "observation"]).detach())
+    for key in expected.keys(True, True):
+        torch.testing.assert_close(out[key], expected[key], rtol=1e-10, atol=1e-12)

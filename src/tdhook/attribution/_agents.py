@@ -88,7 +88,9 @@ def _map_by_loop(vmapped: Callable, net: nn.Module, name: str) -> Callable:
                 return looped
             with torch.no_grad(), plain_calls():  # detached: tensors that require grad take other kernels under vmap
                 _put_back(buffers, before)  # the network's own call, from the state it was called in
-                value = vmapped(module, in_dims, out_dims, **kwargs)(params.detach(), *_detached(inputs))
+                # .data, not .detach(): a locked TensorDictParams caches detach(), whose tensors a later
+                # p.data = ... (vector_to_parameters, to_module) leaves behind
+                value = vmapped(module, in_dims, out_dims, **kwargs)(params.data, *_detached(inputs))
                 if lazy:
                     _put_back(buffers, before)
             if graph_kept() is None:
