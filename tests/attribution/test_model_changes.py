@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
 from torch import nn
 from torch.nn.utils import parametrizations, prune
 
@@ -132,3 +133,42 @@ def test_a_first_layer_moved_into_the_wrapper_is_followed():
         assert lrp._handles is not handles
     assert torch.equal(got, fresh(copy.deepcopy(net), EpsilonPlus(), x))
     assert no_hooks(net)
+
+
+def _policy(net: nn.Module) -> TensorDictModule:
+    return TensorDictModule(net, in_keys=["x"], out_keys=["y"])
+
+
+def _other_mlp() -> nn.Sequential:
+    return nn.Sequential(*(negated_copy(m) if isinstance(m, nn.Linear) else m for m in mlp()))
+
+
+GIVEN = {
+    # The chain plan ran the old policy (outputs and relevance), the general path the new one without rules.
+    "another policy": lambda lrp: setattr(lrp, "module", _policy(_other_mlp())),
+    "another plain model": lambda lrp: setattr(lrp.module, "module", _other_mlp()),
+    "another rule mapper": lambda lrp: setattr(lrp, "rule_mapper", UniformEpsilon(epsilon=0.5)),
+    "the mapper built anew": lambda lrp: lrp.rule_mapper.set_kwargs(epsilon=0.5),
+}
+
+
+@pytest.mark.parametrize("change", sorted(GIVEN))
+def test_a_model_or_mapper_given_to_the_wrapper_in_an_open_context_is_followed(change: str):
+    """The wrapper's model, or the rule mapper, replaced inside the context (or the mapper built anew by its
+    ``set_kwargs``): later calls kept the rules and the plan of the old ones, with no word."""
+    x = torch.randn(4, 5, dtype=F64)
+    plain = change == "another plain model"
+    options = {"in_keys": ["x"], "out_keys": ["y"]} if plain else {}
+    lrp = LRP(mlp() if plain else _policy(mlp()), UniformEpsilon(), **options)
+    with lrp:
+        for _ in range(2):  # the second call runs the chain's plan
+            lrp(TensorDict(x=x, batch_size=[4]))
+        old = lrp.module.module if plain else lrp.module
+        GIVEN[change](lrp)
+        got = [lrp(TensorDict(x=x, batch_size=[4])) for _ in range(2)]
+        assert no_hooks(old) == ("mapper" not in change)  # a model given before keeps nothing of the context
+    model = copy.deepcopy(lrp.module.module if plain else lrp.module)
+    expected = LRP(model, lrp.rule_mapper, **options)(TensorDict(x=x, batch_size=[4]))
+    for one in got:
+        for key in ("y", ("relevance", "x")):
+            torch.testing.assert_close(one[key], expected[key], rtol=1e-12, atol=1e-12)

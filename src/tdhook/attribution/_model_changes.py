@@ -40,6 +40,7 @@ from torch.nn.utils import parametrize
 
 from tdhook.attribution.methods._batch_statistics import _CHILDREN, _children
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
+from tdhook.attribution.tunables import _ARGUMENTS
 
 __all__ = ["follow_model_changes", "forget_modules", "record_modules"]
 
@@ -47,10 +48,11 @@ __all__ = ["follow_model_changes", "forget_modules", "record_modules"]
 class _Found:
     """The modules an open context found, and the children of each, in a row."""
 
-    __slots__ = ("children", "computing_weights", "lead", "lead_children", "linked", "modules")
+    __slots__ = ("children", "computing_weights", "lead", "lead_children", "linked", "mapper", "modules")
 
-    def __init__(self, modules: Iterable[nn.Module]) -> None:
+    def __init__(self, modules: Iterable[nn.Module], mapper: tuple = (None, None)) -> None:
         self.modules = list(modules)
+        self.mapper = mapper  # the owner's rule mapper and the arguments it was last built with (see _mapper_of)
         self.children = _children(self.modules)
         self.computing_weights = _parametrization_modules(self.modules)
         # A check of the buffer holders (BufferHolders.checked) found these modules, after ``lead`` (the
@@ -91,7 +93,7 @@ _FOUND: IdentityWeakKeyDict[object, _Found] = IdentityWeakKeyDict()
 def record_modules(owner: object, modules: Mapping[str, nn.Module]) -> None:
     """Record ``modules`` (the model's modules by name, the model itself at ``""``) as those ``owner``'s context
     gave its rules to."""
-    _FOUND[owner] = _Found(modules.values())
+    _FOUND[owner] = _Found(modules.values(), _mapper_of(owner))
 
 
 def forget_modules(owner: object) -> None:
@@ -104,7 +106,14 @@ def follow_model_changes(lrp: Any) -> None:
     the context was entered (its rules are given to the model as it is now); nothing where the model is as it was,
     or where only parametrizations came or went."""
     found = _FOUND.get(lrp)
-    if found is None or found.unchanged(lrp._buffer_holders.take_checked()):
+    if found is None:
+        return
+    if _given(lrp, found):
+        if found.unchanged(lrp._buffer_holders.take_checked()):
+            return
+    else:  # another model or rule mapper given to the wrapper, or the mapper built anew (set_kwargs)
+        lrp._leave(lrp._handles or [])
+        lrp._enter()
         return
     now = list(found.modules[0].modules()) if found.modules else []
     before = {id(module) for module in found.modules}
@@ -115,6 +124,26 @@ def follow_model_changes(lrp: Any) -> None:
         return
     lrp._leave(lrp._handles or [])
     lrp._enter()
+
+
+def _given(lrp: Any, found: _Found) -> bool:
+    """Whether ``lrp`` still wraps the model its context gave the rules to (``lrp.module``, or the module inside the
+    ``TensorDictModule`` a plain module was wrapped in), with the rule mapper they came from, as it was built."""
+    module = lrp._modules["module"]
+    root = module._modules.get("module") if lrp._name_prefix else module
+    mapper, arguments = found.mapper
+    return (
+        (not found.modules or root is found.modules[0])
+        and lrp.rule_mapper is mapper
+        and getattr(mapper, "__dict__", {}).get(_ARGUMENTS) is arguments
+    )
+
+
+def _mapper_of(owner: object) -> tuple:
+    """``owner``'s rule mapper and the arguments a tunable mapper was last built with: ``set_kwargs`` builds it anew,
+    with new rules, on the same object."""
+    mapper = getattr(owner, "rule_mapper", None)
+    return mapper, getattr(mapper, "__dict__", {}).get(_ARGUMENTS)
 
 
 def _count(modules: list[nn.Module]) -> int:
