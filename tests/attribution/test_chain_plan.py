@@ -487,3 +487,22 @@ def test_a_tensor_set_on_the_meta_device_inside_the_context_is_named(tensor):
         with pytest.raises(ValueError, match=expected):
             lrp(td)
     assert list(td.keys()) == ["x"]
+
+
+def test_a_chain_set_to_read_another_key_inside_the_context_is_not_explained_under_the_old_one():
+    """The plan read the key the chain's ``TensorDictModule`` reads now and wrote that input's relevance under the
+    explained key's name, with no word; the general path refuses the explained key, which the model no longer reads,
+    in the context as in a call of its own."""
+    torch.manual_seed(0)
+    policy = TensorDictModule(
+        nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double(), in_keys=["x"], out_keys=["y"]
+    )
+    td = TensorDict(x=torch.randn(5, 4, dtype=torch.float64), z=torch.randn(5, 4, dtype=torch.float64), batch_size=[5])
+    lrp = LRP(policy, EpsilonPlus())
+    with lrp:
+        lrp(td.clone())
+        lrp(td.clone())
+        assert lrp._plan is not None
+        policy.in_keys = ["z"]
+        with pytest.raises(ValueError, match="^LRP: target 'y' does not depend on the explained input 'x'"):
+            lrp(td.clone())

@@ -392,7 +392,7 @@ def planned_call(
     gates with functions (held), a callable or ``"all"`` target, ``split_dim``, an input missing or not
     floating-point, a hook added since the context was entered, or a model that runs other code than when the plan
     was made (see :meth:`ChainPlan.applies`; another chain, call step or ``method`` in the wrapped
-    ``TensorDictModule``)."""
+    ``TensorDictModule``, or other keys it reads)."""
     plan = lrp._plan
     if plan is None or lrp._handles is None or lrp._inactive or not all(explained) or lrp.split_dim is not None:
         return None
@@ -416,7 +416,10 @@ def planned_call(
         return None  # a hook on the head, or other steps or keys put in since the context was entered
     if getattr(head, "module", None) is not plan.chain or not _calls_its_module(head):
         return None  # another chain, call step or method put in since the context was entered
-    value = work.get(head.in_keys[0])
+    in_keys = head.in_keys
+    if in_keys != lrp.explained_keys:
+        return None  # the chain set to read another key since: the plan would explain that one under this one's name
+    value = work.get(in_keys[0])
     if not value.is_floating_point():
         return None
     return PlannedCall(plan, head, value)
