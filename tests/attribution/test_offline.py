@@ -187,6 +187,26 @@ def test_a_time_major_buffer_under_a_policy_in_recurrent_mode_is_refused_naming_
     assert out.batch_size == (5, 4)
 
 
+@pytest.mark.parametrize("kind", ["tensordict", "buffer"])
+def test_rows_of_one_batch_dimension_under_a_policy_in_recurrent_mode_are_refused_naming_the_module(tmp_path, kind):
+    """Rows of one batch dimension are the time steps of one sequence under recurrent mode: batches would cut it
+    into sequences of their own, each starting from zero states (the direct call's relevance differs, silently)."""
+    policy, steps = recurrent_policy_and_trajectories("LSTM")
+    trajectory = steps[0].clone()  # [5]: one trajectory, its steps as rows
+    source = trajectory
+    if kind == "buffer":
+        source = ReplayBuffer(storage=LazyTensorStorage(10))
+        source.extend(trajectory)
+    lrp = LRP(policy, EpsilonPlus())
+    with set_recurrent_mode(True):
+        with pytest.raises(ValueError, match=r"one batch dimension.*LSTMModule 'module.0'.*recurrent mode.*unsqueeze"):
+            explain_offline(lrp, source, tmp_path / "out", batch_size=2, progress=False)
+        assert not (tmp_path / "out").exists()
+        out = explain_offline(lrp, trajectory.unsqueeze(0), tmp_path / "row", batch_size=2, progress=False)
+        expected = lrp(trajectory.clone())["relevance", "observation"]
+    torch.testing.assert_close(out["relevance", "observation"][0].clone(), expected)
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 5])
 def test_ranks_share_whole_batches_contiguously_and_balanced_by_rows(world_size):
     generator = torch.Generator().manual_seed(world_size)

@@ -178,7 +178,8 @@ def explain_offline(
             ``sample()`` hands them to a policy: with its transform applied (an ``ObservationNorm``), to a
             copy. A two-dimensional storage extended along time (torchrl's default ``dim_extend``) holds time
             first; a policy with an ``LSTMModule`` or ``GRUModule`` in recurrent mode needs trajectories as rows
-            (``buffer.storage[:].transpose(0, 1)``), and is refused that storage with a ``ValueError`` naming
+            (``buffer.storage[:].transpose(0, 1)``), and is refused that storage, or rows of one batch dimension
+            (time steps, which batches would cut into sequences of their own), with a ``ValueError`` naming
             the module.
         prefix: folder of the output memory-mapped TensorDict, reopened with
             ``TensorDict.load_memmap(prefix)``. Created on first use; an existing
@@ -246,13 +247,22 @@ def _refuse_time_read_as_rows(lrp: LRP, source) -> None:
     """A replay buffer whose storage has several dimensions and was extended along a later one (``dim_extend``,
     torchrl's default for ``ndim=2``: time) holds time first, so its rows are time steps of every environment;
     a torchrl LSTMModule or GRUModule in recurrent mode reads the last batch dimension as time and would run the
-    environments as the steps of one trajectory."""
-    storage = getattr(source, "storage", None) if not isinstance(source, TensorDictBase) else None
-    if storage is None or getattr(storage, "ndim", 1) < 2 or not getattr(source, "dim_extend", 0):
-        return
+    environments as the steps of one trajectory. Rows of one batch dimension are themselves its time steps."""
     found = module_in_recurrent_mode(lrp.named_explained_modules()[""])  # named as the rule mappers name modules
-    if found is not None:
-        name = found[0]
+    if found is None:
+        return
+    name = found[0]
+    if _source_length(source) and _rows(source, 0, 1).batch_dims == 1:
+        # Rows of one batch dimension are the time steps of one sequence: batches would cut it, each part
+        # starting again from the stored or zero recurrent states, relevance through time to earlier parts lost.
+        raise ValueError(
+            f"explain_offline: the source's rows have one batch dimension, which {type(found[1]).__name__} "
+            f"{name!r} in recurrent mode reads as time: each batch would be run as a sequence of its own. Pass "
+            "the trajectory as one row, source.unsqueeze(0) (trajectories as rows, [N, T]), or explain step by "
+            "step outside recurrent mode"
+        )
+    storage = getattr(source, "storage", None) if not isinstance(source, TensorDictBase) else None
+    if storage is not None and getattr(storage, "ndim", 1) >= 2 and getattr(source, "dim_extend", 0):
         raise ValueError(
             f"explain_offline: the replay buffer's storage (shape {list(storage.shape)}) holds time first "
             f"(extended along dim_extend={source.dim_extend}), and {type(found[1]).__name__} {name!r} runs in "
