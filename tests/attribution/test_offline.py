@@ -74,6 +74,18 @@ def test_memory_does_not_grow_with_the_source(tmp_path):
     assert max(sizes) == 256 and sum(sizes) == 4096
 
 
+def test_a_context_the_caller_opened_is_used_and_left_open(tmp_path):
+    source = data(13)
+    lrp = LRP(q_actor(), EpsilonPlus())
+    with lrp:
+        out = explain_offline(lrp, source, tmp_path / "out", batch_size=4, progress=False)
+        again = explain_offline(lrp, source, tmp_path / "out", start=3, stop=3, progress=False)  # checks by a row
+        expected = lrp(source.clone())["relevance", "observation"]  # still open
+    torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
+    assert bool(again["explained"].all())
+    torch.testing.assert_close(lrp(source.clone())["relevance", "observation"], expected)  # entered per call
+
+
 def test_bad_rows_and_mismatched_output_are_named(tmp_path):
     lrp = LRP(q_actor(), EpsilonPlus())
     with pytest.raises(ValueError, match="rows 5:50 are not within the source's 10 rows"):

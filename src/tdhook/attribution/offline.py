@@ -20,6 +20,7 @@ See the "Offline attribution at scale" page of the documentation.
 from __future__ import annotations
 
 import inspect
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -147,7 +148,6 @@ def _progress_bar(total: int, show: bool):
             raise ImportError(
                 "explain_offline's progress bar needs tqdm: pip install tqdm, or pass progress=False"
             ) from err
-        from contextlib import nullcontext
 
         class _Silent:
             def update(self, n: int) -> None:
@@ -171,7 +171,8 @@ def explain_offline(
     """Run ``lrp`` over ``source`` in batches and store its relevance keys in memory-mapped files.
 
     Args:
-        lrp: the LRP wrapper (its rules are registered once for the whole pass).
+        lrp: the LRP wrapper (its rules are registered once for the whole pass; a context the caller opened
+            already is used as it is, and left open).
         source: a TensorDict (memory-mapped or not) of any batch shape, or a torchrl ``ReplayBuffer``
             (its storage in storage order, a two-dimensional storage included, or a ``ListStorage`` of
             TensorDicts); rows are taken along the first batch dimension. A buffer's rows are explained as its
@@ -302,7 +303,7 @@ def _explain_runs(
     Returns the output (None if there was none and nothing to explain) and whether it has been checked.
     """
     leaves, done = (None, None) if output is None else _writable(output)
-    with lrp, _progress_bar(sum(end - begin for begin, end in runs), progress) as bar:
+    with _opened(lrp), _progress_bar(sum(end - begin for begin, end in runs), progress) as bar:
         for begin, end in runs:
             relevance = lrp(_rows(source, begin, end))
             if not checked:
@@ -371,8 +372,13 @@ def _written_relevance(lrp: LRP, result: TensorDictBase) -> TensorDictBase:
 
 def _one_row_relevance(lrp: LRP, source) -> TensorDictBase:
     """The relevance keys of the source's first row: what the output's entries must hold."""
-    with lrp:
+    with _opened(lrp):
         return _written_relevance(lrp, lrp(_rows(source, 0, 1)))
+
+
+def _opened(lrp: LRP) -> AbstractContextManager:
+    """The wrapper's context to hold open for a pass: the caller's, left open, where they entered it already."""
+    return nullcontext() if lrp._handles is not None else lrp
 
 
 def _create(relevance: TensorDictBase, length: int, prefix: Path) -> TensorDictBase:
