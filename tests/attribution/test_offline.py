@@ -86,6 +86,17 @@ def test_a_context_the_caller_opened_is_used_and_left_open(tmp_path):
     torch.testing.assert_close(lrp(source.clone())["relevance", "observation"], expected)  # entered per call
 
 
+def test_inside_the_wrappers_inactive_block_the_rows_get_what_its_calls_give(tmp_path):
+    """``lrp.inactive()`` switches the rules off: entering the context in the block put them back on, silently."""
+    source = data(9)
+    lrp = LRP(q_actor(), EpsilonPlus())
+    with lrp.inactive():
+        out = explain_offline(lrp, source, tmp_path / "out", batch_size=4, progress=False)
+        expected = lrp(source.clone())["relevance", "observation"]  # gradient x input
+    torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
+    assert not torch.allclose(expected, lrp(source.clone())["relevance", "observation"])  # LRP's differs
+
+
 def test_bad_rows_and_mismatched_output_are_named(tmp_path):
     lrp = LRP(q_actor(), EpsilonPlus())
     with pytest.raises(ValueError, match="rows 5:50 are not within the source's 10 rows"):

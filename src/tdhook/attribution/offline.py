@@ -172,7 +172,7 @@ def explain_offline(
 
     Args:
         lrp: the LRP wrapper (its rules are registered once for the whole pass; a context the caller opened
-            already is used as it is, and left open).
+            already is used as it is, and left open; inside ``lrp.inactive()`` the rows get gradient × input).
         source: a TensorDict (memory-mapped or not) of any batch shape, or a torchrl ``ReplayBuffer``
             (its storage in storage order, a two-dimensional storage included, or a ``ListStorage`` of
             TensorDicts); rows are taken along the first batch dimension. A buffer's rows are explained as its
@@ -377,8 +377,9 @@ def _one_row_relevance(lrp: LRP, source) -> TensorDictBase:
 
 
 def _opened(lrp: LRP) -> AbstractContextManager:
-    """The wrapper's context to hold open for a pass: the caller's, left open, where they entered it already."""
-    return nullcontext() if lrp._handles is not None else lrp
+    """The wrapper's context to hold open for a pass: the caller's, left open, where they entered it already;
+    none inside its ``inactive()`` block, whose calls write gradient × input as the block asks."""
+    return nullcontext() if lrp._handles is not None or lrp._inactive else lrp
 
 
 def _create(relevance: TensorDictBase, length: int, prefix: Path) -> TensorDictBase:
