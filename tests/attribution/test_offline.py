@@ -97,6 +97,14 @@ def test_inside_the_wrappers_inactive_block_the_rows_get_what_its_calls_give(tmp
     assert not torch.allclose(expected, lrp(source.clone())["relevance", "observation"])  # LRP's differs
 
 
+@pytest.mark.parametrize("storage", [None, LazyTensorStorage, ListStorage])
+def test_a_source_with_no_rows_is_named_before_anything_is_written(tmp_path, storage):
+    source = data(0) if storage is None else ReplayBuffer(storage=storage(10))
+    with pytest.raises(ValueError, match=r"the source \((TensorDict|ReplayBuffer)\) holds no rows"):
+        explain_offline(LRP(q_actor(), EpsilonPlus()), source, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_rows_and_mismatched_output_are_named(tmp_path):
     lrp = LRP(q_actor(), EpsilonPlus())
     with pytest.raises(ValueError, match="rows 5:50 are not within the source's 10 rows"):

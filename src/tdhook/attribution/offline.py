@@ -202,6 +202,7 @@ def explain_offline(
     Raises:
         ValueError: ``prefix`` holds a memory-mapped TensorDict that is not this explanation's output (other
             keys, shapes, dtypes or number of rows), naming it. Under ``torch.distributed`` every rank raises.
+            A source with no rows (an empty replay buffer), which leaves nothing to run the explanation on.
         RuntimeError: ``distributed=True`` without an initialised process group.
 
     Examples:
@@ -224,6 +225,8 @@ def explain_offline(
         )
     _refuse_time_read_as_rows(lrp, source)
     length = _source_length(source)
+    if not length:  # no row to run the explanation on, which sets the output's entries
+        raise ValueError(f"explain_offline: the source ({type(source).__name__}) holds no rows to explain")
     stop = length if stop is None else stop
     if not 0 <= start <= stop <= length:
         raise ValueError(f"explain_offline: rows {start}:{stop} are not within the source's {length} rows")
