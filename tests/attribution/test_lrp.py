@@ -462,3 +462,30 @@ class TestFirstAttempts(ExpectsARefusal):
             LRP(policy, "EpsilonPlus")
         with pytest.raises(TypeError, match=r"a single rule \(EpsilonRule\); map it .* \{nn.Linear: rule\}"):
             LRP(policy, EpsilonRule(0.25))
+
+
+def test_a_rule_mapper_set_on_the_wrapper_is_made_a_mapper_as_the_constructors():
+    """``lrp.rule_mapper = {...}`` (a dict, as the constructor takes) was kept as the dict, and every later call
+    failed with "'dict' object is not callable". It is now the mapper the constructor makes of it, its keys that
+    match no module warned of, in a context too (the context follows the new mapper)."""
+    from tdhook.attribution.lrp_helpers.rules import EpsilonRule
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    td = TensorDict(x=torch.randn(2, 3, dtype=torch.float64), batch_size=[2])
+
+    def relevance(lrp: LRP) -> torch.Tensor:
+        return lrp(td.clone())["relevance", "x"]
+
+    wrapper = LRP(net, in_keys=["x"], out_keys=["y"])
+    wrapper.rule_mapper = {"0": EpsilonRule(0.5)}
+    expected = relevance(LRP(net, rule_mapper={"0": EpsilonRule(0.5)}, in_keys=["x"], out_keys=["y"]))
+    plain = relevance(LRP(net, in_keys=["x"], out_keys=["y"]))
+    assert not torch.allclose(expected, plain)
+    torch.testing.assert_close(relevance(wrapper), expected, rtol=0, atol=0)
+    with wrapper:
+        relevance(wrapper)
+        wrapper.rule_mapper = None
+        torch.testing.assert_close(relevance(wrapper), plain, rtol=0, atol=0)
+    with pytest.warns(UserWarning, match="'9'"):
+        wrapper.rule_mapper = {"9": EpsilonRule(0.5)}

@@ -238,8 +238,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
         # Module names (for rule mappers and inner-layer keys) are relative to what the caller passed.
         self._name_prefix = "module." if plain else ""
         self.module = module
-        self.rule_mapper = as_rule_mapper(rule_mapper)
-        warn_for_unused_keys(self.rule_mapper, self.named_explained_modules()[""])
+        self.rule_mapper = rule_mapper
         given = read_not_written(module)
         self.explained_keys = unique_keys(in_keys) if in_keys is not None else given
         check_read("LRP", given, self.explained_keys, True, module)  # one the module writes or does not read: zero
@@ -432,6 +431,16 @@ class LRP(TensorDictModuleBase, MapperTunable):
             True
         """
         return rules_off(self)
+
+    @property
+    def rule_mapper(self) -> RuleMapper:
+        """The rules' mapper; one set here (a dict, ``None``) is made one as the constructor makes it."""
+        return self.__dict__["_rule_mapper"]
+
+    @rule_mapper.setter
+    def rule_mapper(self, mapper: RuleMapper | Mapping | None) -> None:
+        self.__dict__["_rule_mapper"] = mapper = as_rule_mapper(mapper)
+        warn_for_unused_keys(mapper, self.named_explained_modules()[""])
 
     @_uncompiled_dispatch
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
