@@ -75,5 +75,5 @@ def test_modules_that_read_their_in_keys_alone_are_narrowed_to_them():
     td = _batch()
     assert reads_only_in_keys(sequence) and reads_only_in_keys(LRP(sequence))
     assert list(carried_inputs(sequence, td).keys()) == ["x"]
-    assert not reads_only_in_keys(TensorDictSequential(step, WeightedSum().__class__()))
+    assert not reads_only_in_keys(TensorDictSequential(step, WeightedSum()))
     assert sorted(carried_inputs(LRP(WeightedSum()), td).keys()) == ["w", "x"]

@@ -435,7 +435,10 @@ class LRP(TensorDictModuleBase, MapperTunable):
     @property
     def rule_mapper(self) -> RuleMapper:
         """The rules' mapper; one set here (a dict, ``None``) is made one as the constructor makes it."""
-        return self.__dict__["_rule_mapper"]
+        try:
+            return self.__dict__["_rule_mapper"]
+        except KeyError:  # not set yet (a wrapper being built or unpickled): an attribute missing, as getattr expects
+            raise AttributeError("rule_mapper") from None
 
     @rule_mapper.setter
     def rule_mapper(self, mapper: RuleMapper | Mapping | None) -> None:
