@@ -5,11 +5,30 @@ from __future__ import annotations
 import pytest
 import torch
 from tensordict import MemoryMappedTensor, TensorDict
-from tensordict.nn import TensorDictModule, TensorDictSequential
+from tensordict.nn import NormalParamExtractor, TensorDictModule, TensorDictSequential
 from torch import nn
-from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ListStorage, ReplayBuffer, TensorDictReplayBuffer
+from torch.distributions import Categorical
+from torchrl.data import (
+    Bounded,
+    LazyMemmapStorage,
+    LazyTensorStorage,
+    ListStorage,
+    ReplayBuffer,
+    TensorDictReplayBuffer,
+)
 from torchrl.envs import ObservationNorm, Transform
-from torchrl.modules import MLP, GRUModule, LSTMModule, QValueActor, set_recurrent_mode
+from torchrl.envs.utils import ExplorationType, set_exploration_type
+from torchrl.modules import (
+    MLP,
+    Actor,
+    AdditiveGaussianModule,
+    GRUModule,
+    LSTMModule,
+    ProbabilisticActor,
+    QValueActor,
+    TanhNormal,
+    set_recurrent_mode,
+)
 
 from tdhook.attribution import LRP, Saliency, explain_offline
 from tdhook.attribution._offline_shards import shard_runs
@@ -456,3 +475,97 @@ def test_a_list_storage_of_trajectories_of_different_lengths_is_refused_naming_t
     with pytest.raises(ValueError, match=r"ListStorage holds TensorDicts of different batch sizes \[\[3\], \[5\]\]"):
         explain_offline(LRP(q_actor(), EpsilonPlus()), buffer, tmp_path / "out", progress=False)
     assert not any(tmp_path.iterdir())
+
+
+def categorical_actor() -> ProbabilisticActor:
+    net = TensorDictModule(MLP(in_features=4, out_features=5, num_cells=[16]).double(), ["observation"], ["logits"])
+    return ProbabilisticActor(net, in_keys=["logits"], distribution_class=Categorical, return_log_prob=True)
+
+
+def tanh_normal_actor() -> ProbabilisticActor:
+    mlp = MLP(in_features=4, out_features=4, num_cells=[16]).double()
+    net = TensorDictModule(nn.Sequential(mlp, NormalParamExtractor()), ["observation"], ["loc", "scale"])
+    return ProbabilisticActor(net, in_keys=["loc", "scale"], distribution_class=TanhNormal, return_log_prob=True)
+
+
+def relevance_of_actions(actor: ProbabilisticActor, rows: TensorDict, actions: torch.Tensor) -> torch.Tensor:
+    """The relevance of the logits at ``actions``, the target given, whatever the call draws."""
+    return LRP(actor, EpsilonPlus(), target=actions)(rows.clone())["relevance", "observation"]
+
+
+class TestActionsOfASamplingPolicy:
+    """Rows of a policy that draws its action keep that action beside their relevance."""
+
+    @pytest.mark.parametrize("source", ["tensordict", "buffer"])
+    def test_each_row_keeps_the_random_action_its_relevance_explains(self, tmp_path, source):
+        torch.manual_seed(0)
+        actor, rows = categorical_actor(), data(40)
+        if source == "buffer":
+            rows_source = ReplayBuffer(storage=LazyMemmapStorage(40, scratch_dir=tmp_path / "buffer"))
+            rows_source.extend(rows)
+        else:
+            rows_source = rows
+        with set_exploration_type(ExplorationType.RANDOM):
+            out = explain_offline(
+                LRP(actor, EpsilonPlus()), rows_source, tmp_path / "out", batch_size=8, progress=False
+            )
+        action, logits = out["action"].clone(), actor.module[0](rows.clone())["logits"].detach()
+        assert (action != logits.argmax(-1)).any()  # drawn at random, not the mode
+        expected = relevance_of_actions(actor, rows, action)
+        torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
+        log_prob = Categorical(logits=logits).log_prob(action)
+        torch.testing.assert_close(out["action_log_prob"].clone(), log_prob, rtol=1e-12, atol=1e-14)
+
+    def test_a_resumed_run_keeps_each_rows_own_draw(self, tmp_path):
+        torch.manual_seed(1)
+        actor, rows = categorical_actor(), data(40)
+        lrp = LRP(actor, EpsilonPlus())
+        with set_exploration_type(ExplorationType.RANDOM):
+            first = explain_offline(lrp, rows, tmp_path / "out", batch_size=8, stop=16, progress=False)
+            kept = first["action"][:16].clone()
+            out = explain_offline(lrp, rows, tmp_path / "out", batch_size=8, progress=False)
+        assert torch.equal(out["action"][:16], kept) and bool(out["explained"].all())
+        expected = relevance_of_actions(actor, rows, out["action"].clone())
+        torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
+
+    def test_under_deterministic_exploration_the_rows_keep_the_mode(self, tmp_path):
+        actor, rows = categorical_actor(), data(24)
+        with set_exploration_type(ExplorationType.DETERMINISTIC):
+            out = explain_offline(LRP(actor, EpsilonPlus()), rows, tmp_path / "out", batch_size=8, progress=False)
+        logits = actor.module[0](rows.clone())["logits"].detach()
+        assert torch.equal(out["action"].clone(), logits.argmax(-1))
+        expected = relevance_of_actions(actor, rows, logits.argmax(-1))
+        torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
+
+    def test_stored_transitions_keep_their_own_action(self, tmp_path):
+        torch.manual_seed(2)
+        actor, rows = categorical_actor(), data(24)
+        stored = torch.randint(5, (24,))
+        rows.set("action", stored).set("next", data(24))
+        with set_exploration_type(ExplorationType.RANDOM):
+            out = explain_offline(LRP(actor, EpsilonPlus()), rows, tmp_path / "out", batch_size=8, progress=False)
+        assert torch.equal(out["action"].clone(), stored)
+        expected = relevance_of_actions(actor, rows, stored)
+        torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
+
+    def test_a_gaussian_policy_keeps_its_action_and_log_probability(self, tmp_path):
+        torch.manual_seed(3)
+        actor, rows = tanh_normal_actor(), data(24)
+        with set_exploration_type(ExplorationType.RANDOM):
+            out = explain_offline(LRP(actor, target_key="action"), rows, tmp_path / "out", batch_size=8, progress=False)
+        params = actor.module[0](rows.clone())
+        log_prob = TanhNormal(params["loc"], params["scale"]).log_prob(out["action"].clone())
+        torch.testing.assert_close(out["action_log_prob"].clone(), log_prob.detach(), rtol=1e-6, atol=1e-8)
+
+    def test_a_noisy_action_is_kept_with_the_relevance_of_its_unit(self, tmp_path):
+        torch.manual_seed(4)
+        actor = Actor(MLP(in_features=4, out_features=3, num_cells=[16]).double(), in_keys=["observation"])
+        noise = AdditiveGaussianModule(Bounded(-1.0, 1.0, (3,), dtype=torch.float64), sigma_init=1.0)
+        rows = data(24)
+        with set_exploration_type(ExplorationType.RANDOM):
+            lrp = LRP(TensorDictSequential(actor, noise), EpsilonPlus())
+            out = explain_offline(lrp, rows, tmp_path / "out", batch_size=8, progress=False)
+        unit = out["action"].clone().argmax(-1)
+        assert (unit != actor(rows.clone())["action"].argmax(-1)).any()  # the noise moved the explained unit
+        expected = LRP(actor, EpsilonPlus(), target=unit)(rows.clone())["relevance", "observation"]
+        torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)

@@ -25,13 +25,16 @@ from pathlib import Path
 
 import torch
 from tensordict import NestedKey, TensorDict, TensorDictBase
+from tensordict.nn import ProbabilisticTensorDictModule
+from tensordict.utils import unravel_key
 from torchrl.data import ListStorage
+from torchrl.modules import AdditiveGaussianModule, OrnsteinUhlenbeckProcessModule
 
 from tdhook.attribution._inputs import module_in_recurrent_mode
 from tdhook.attribution._offline_shards import barrier, process_group, shard_runs
 from tdhook.attribution.lrp import LRP
 
-__all__ = ["DONE_KEY", "explain_offline"]
+__all__ = ["DONE_KEY", "drawn_action_keys", "explain_offline"]
 
 
 #: the key of the output's per-row mask of rows already explained.
@@ -127,10 +130,10 @@ def _missing_runs(done: torch.Tensor | None, start: int, stop: int, batch_size: 
     ]
 
 
-def _check_output(output: TensorDictBase, relevance: TensorDictBase, prefix: Path, length: int) -> None:
+def _check_output(output: TensorDictBase, written: TensorDictBase, prefix: Path, length: int) -> None:
     """Refuse an output at ``prefix`` that is not this explanation's: other keys, shapes, dtypes or length."""
-    expected = {key: (tuple(value.shape[1:]), value.dtype) for key, value in relevance.items(True, True)}
-    expected[DONE_KEY] = (tuple(relevance.batch_size[1:]), torch.bool)
+    expected = {key: (tuple(value.shape[1:]), value.dtype) for key, value in written.items(True, True)}
+    expected[DONE_KEY] = (tuple(written.batch_size[1:]), torch.bool)
     found = {key: (tuple(value.shape[1:]), value.dtype) for key, value in output.items(True, True)}
     if found != expected or output.batch_size[0] != length:
         raise ValueError(
@@ -198,6 +201,11 @@ def explain_offline(
         The memory-mapped TensorDict of relevance, with the source's length, and at ``"explained"`` a boolean
         mask of the rows written so far. A row is marked once its relevance is on disk, so an interrupted run
         is visibly incomplete (``~out["explained"]``) and running it again explains only the rows not marked.
+        A policy that draws its action (a ``ProbabilisticActor``, a perturbing exploration step) has each row's
+        action, and its log-probability where the actor returns one, written beside the relevance at the keys
+        the policy writes them (see :func:`drawn_action_keys`): the action the row's relevance explains (a
+        stored transition's, or the call's own draw under the exploration type in force), so that rows
+        explained in different runs each keep the action of their own.
 
     Raises:
         ValueError: ``prefix`` holds a memory-mapped TensorDict that is not this explanation's output (other
@@ -241,9 +249,9 @@ def explain_offline(
     runs = _missing_runs(done, start, stop, batch_size)
     output, checked = _explain_runs(lrp, source, prefix, length, runs, output, False, progress)
     if output is None:  # nothing to explain: still leave a valid output behind (every row marked not done)
-        output = _create(_one_row_relevance(lrp, source), length, prefix)
+        output = _create(_one_row_entries(lrp, source), length, prefix)
     elif not checked:
-        _check_output(output, _one_row_relevance(lrp, source), prefix, length)
+        _check_output(output, _one_row_entries(lrp, source), prefix, length)
     return output
 
 
@@ -308,24 +316,24 @@ def _explain_runs(
     leaves, done = (None, None) if output is None else _writable(output)
     with _opened(lrp), _progress_bar(sum(end - begin for begin, end in runs), progress) as bar:
         for begin, end in runs:
-            relevance = lrp(_rows(source, begin, end))
+            result = lrp(_rows(source, begin, end))
             if not checked:
-                relevance_only = _written_relevance(lrp, relevance)
+                written = _written_entries(lrp, result)
                 if output is None:
-                    output = _create(relevance_only, length, prefix)
+                    output = _create(written, length, prefix)
                     leaves, done = _writable(output)
-                _check_output(output, relevance_only, prefix, length)
+                _check_output(output, written, prefix, length)
                 checked = True
             with torch.no_grad():  # relevance with a graph (create_graph=True) is stored, its graph is not
                 for key, leaf in leaves:
-                    leaf[begin:end].copy_(relevance.get(key))
+                    leaf[begin:end].copy_(result.get(key))
                 done[begin:end] = True  # only once the batch's relevance is written
             bar.update(end - begin)
     return output, checked
 
 
 def _writable(output: TensorDictBase) -> tuple[list[tuple[NestedKey, torch.Tensor]], torch.Tensor]:
-    """Plain tensors over the output's files: its relevance entries by key, and its mask of rows done.
+    """Plain tensors over the output's files: its relevance and action entries by key, and its mask of rows done.
 
     Writing rows into them skips the TensorDict and memory-mapped tensor indexing that costs more than the
     copy of a batch.
@@ -351,7 +359,7 @@ def _explain_sharded(
     Every rank checks an existing output itself, so a refused prefix raises on all ranks instead of leaving
     the others waiting at a barrier.
     """
-    template = _one_row_relevance(lrp, source)
+    template = _one_row_entries(lrp, source)
     if output is not None:
         _check_output(output, template, prefix, length)
     barrier()  # every rank has looked at the prefix before rank 0 creates files there
@@ -367,16 +375,46 @@ def _explain_sharded(
     return output
 
 
-def _written_relevance(lrp: LRP, result: TensorDictBase) -> TensorDictBase:
-    """The relevance keys a call wrote: those of inputs the data leaves out (the recurrent states of a torchrl
-    LSTMModule, which then starts from zeros) are not."""
-    return result.select(*lrp.relevance_keys, strict=False)
+def drawn_action_keys(module: torch.nn.Module) -> list[NestedKey]:
+    """The keys where ``module`` writes what it draws at random: the action a sampling step (a torchrl
+    ``ProbabilisticActor``'s) draws and its log-probability where it returns one, and the action a perturbing
+    exploration step (``AdditiveGaussianModule``, ``OrnsteinUhlenbeckProcessModule``) adds noise to.
+
+    Under ``ExplorationType.RANDOM`` these change from call to call, and with them the action a categorical
+    policy's relevance explains by default. An ``EGreedyModule`` is left out: its random action is not the one
+    explained (the greedy action's value is).
+
+    Examples:
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.modules import ProbabilisticActor
+        >>> net = TensorDictModule(torch.nn.Linear(4, 3), in_keys=["observation"], out_keys=["logits"])
+        >>> actor = ProbabilisticActor(
+        ...     net, in_keys=["logits"], distribution_class=torch.distributions.Categorical, return_log_prob=True
+        ... )
+        >>> drawn_action_keys(actor), drawn_action_keys(net)
+        (['action', 'action_log_prob'], [])
+    """
+    keys: list[NestedKey] = []
+    for sub in module.modules():
+        if isinstance(sub, ProbabilisticTensorDictModule):
+            keys += sub.out_keys
+        elif isinstance(sub, (AdditiveGaussianModule, OrnsteinUhlenbeckProcessModule)):
+            keys.append(sub.in_keys[0])
+    return list(dict.fromkeys(unravel_key(key) for key in keys))
 
 
-def _one_row_relevance(lrp: LRP, source) -> TensorDictBase:
-    """The relevance keys of the source's first row: what the output's entries must hold."""
+def _written_entries(lrp: LRP, result: TensorDictBase) -> TensorDictBase:
+    """What the output keeps of a call: the relevance keys it wrote (those of inputs the data leaves out, the
+    recurrent states of a torchrl LSTMModule, which then starts from zeros, are not), and the actions the policy
+    drew (see :func:`drawn_action_keys`), the one the relevance explains among them, as the call wrote them: a
+    stored transition's action where the call explains it, else the call's own draw."""
+    return result.select(*lrp.relevance_keys, *drawn_action_keys(lrp.module), strict=False)
+
+
+def _one_row_entries(lrp: LRP, source) -> TensorDictBase:
+    """The entries written for the source's first row: what the output's entries must hold."""
     with _opened(lrp):
-        return _written_relevance(lrp, lrp(_rows(source, 0, 1)))
+        return _written_entries(lrp, lrp(_rows(source, 0, 1)))
 
 
 def _opened(lrp: LRP) -> AbstractContextManager:
@@ -385,9 +423,9 @@ def _opened(lrp: LRP) -> AbstractContextManager:
     return nullcontext() if lrp._handles is not None or lrp._inactive else lrp
 
 
-def _create(relevance: TensorDictBase, length: int, prefix: Path) -> TensorDictBase:
+def _create(written: TensorDictBase, length: int, prefix: Path) -> TensorDictBase:
     """Files of the full length with a mask of the rows done, all False, created without materialising them."""
-    template = relevance[:1].clone().set(DONE_KEY, torch.zeros((1, *relevance.batch_size[1:]), dtype=torch.bool))
-    output = template.expand(length, *relevance.batch_size[1:]).memmap_like(prefix)
+    template = written[:1].clone().set(DONE_KEY, torch.zeros((1, *written.batch_size[1:]), dtype=torch.bool))
+    output = template.expand(length, *written.batch_size[1:]).memmap_like(prefix)
     output.get(DONE_KEY).fill_(False)
     return output
