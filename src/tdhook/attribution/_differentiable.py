@@ -47,7 +47,8 @@ def check_differentiable(rules: Mapping[str, Rule], mapper: object = None) -> No
                 f"LRP(create_graph=True): the rule {rule!r} on module {name or 'the model itself'!r} cannot keep "
                 "the relevance's graph, so its derivative would be wrong; map that module to a rule that can "
                 "(one whose `differentiable` is true: every rule of the package but QuantizedLinearRule, whose "
-                "dynamically quantized layer has no derivative)"
+                "dynamically quantized layer has no derivative, and CondConvRule, which builds each sample's kernel "
+                "outside the graph)"
             )
 
 

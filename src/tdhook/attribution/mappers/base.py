@@ -32,6 +32,7 @@ from tdhook.attribution.rules.additions import StabilizedAdditions
 from tdhook.attribution.rules.base import Rule
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule
 from tdhook.attribution.rules.batch_norm import MergeBatchNormRule, is_batch_norm
+from tdhook.attribution.rules.cond_conv import CondConvRule, is_cond_conv
 from tdhook.attribution.rules.elementwise import ElementwiseRule, may_be_elementwise
 from tdhook.attribution.rules.gates import GateRule, HeldGates
 from tdhook.attribution.rules.input_layer import FirstLayerRule
@@ -136,9 +137,10 @@ class BaseRuleMapper(Tunable):
     """Map ``(name, module)`` to a rule: the user's mapper first, then defaults.
 
     Defaults: routers of a mixture of experts → :class:`~tdhook.attribution.rules.gates.RouterRule` (routing
-    weights held constant); dynamically quantized Linear layers →
-    :class:`~tdhook.attribution.rules.quantized.QuantizedLinearRule` (the ε-rule with ``stabilizer`` on the
-    dequantized weight); LSTM and GRU layers and cells →
+    weights held constant); timm's CondConv layers → :class:`~tdhook.attribution.rules.cond_conv.CondConvRule`
+    (routing weights held, the mapper's convolution rule applied with each sample's kernel); dynamically quantized
+    Linear layers → :class:`~tdhook.attribution.rules.quantized.QuantizedLinearRule` (the ε-rule with
+    ``stabilizer`` on the dequantized weight); LSTM and GRU layers and cells →
     :class:`~tdhook.attribution.rules.recurrent.RecurrentRule` (signal-take-all, with ``stabilizer`` as ε);
     sigmoid-like modules → :class:`~tdhook.attribution.rules.gates.GateRule`
     (held constant where they gate a signal); other activations → :class:`PassRule`; torchrl's ``TanhModule`` →
@@ -220,6 +222,7 @@ class BaseRuleMapper(Tunable):
         self._norm_rule: NormRule = NormRule(epsilon=stabilizer)
         self._batch_renorm = BatchRenormRule(epsilon=stabilizer)
         self._first_layer_rules: dict[tuple[int, int], FirstLayerRule] = {}
+        self._cond_conv_rules: dict[int, CondConvRule] = {}
 
     def function_modes(self) -> list:
         r"""``TorchFunctionMode``\ s the wrapper runs the forward pass in: rules for calls that are not modules.
@@ -249,7 +252,20 @@ class BaseRuleMapper(Tunable):
         then the default."""
         if is_router(module):
             return self._router
+        if is_cond_conv(module):
+            return self._cond_conv_rule(name, module)
         return self.layer_rule(name, module) or self.default_rule(name, module)
+
+    def _cond_conv_rule(self, name: str, module: nn.Module) -> CondConvRule:
+        """A CondConv layer's rule: its routing weights held, and the rule this mapper gives a ``Conv2d`` of its
+        shape (LRP-0 where it gives none) applied with each sample's kernel."""
+        rule = self.layer_rule(name, _conv_twin(module)) or self._ignore
+        if id(rule) not in self._cond_conv_rules:
+            try:
+                self._cond_conv_rules[id(rule)] = CondConvRule(rule)
+            except TypeError as error:
+                raise TypeError(f"{type(self).__name__}: module {name!r} ({type(module).__name__}): {error}") from error
+        return self._cond_conv_rules[id(rule)]
 
     def default_rule(self, name: str, module: nn.Module) -> Rule | None:
         """The rule for activations, pooling, norms, dropout, shape modules, routers and recurrent layers."""
@@ -351,6 +367,21 @@ def _float_twin(module: nn.Module) -> nn.Module:
     """A float ``nn.Linear`` of a quantized Linear's shape, on the meta device: what the mapper's first-layer rule
     is looked up for."""
     return nn.Linear(module.in_features, module.out_features, device="meta")
+
+
+def _conv_twin(module: nn.Module) -> nn.Conv2d:
+    """A ``Conv2d`` of a CondConv layer's shape, on the meta device: what the mapper's convolution rule is looked up
+    for."""
+    return nn.Conv2d(
+        module.in_channels,
+        module.out_channels,
+        module.kernel_size,
+        module.stride,
+        dilation=module.dilation,
+        groups=module.groups,
+        bias=module.bias is not None,
+        device="meta",
+    )
 
 
 def _is_timm_activation(module: nn.Module) -> bool:

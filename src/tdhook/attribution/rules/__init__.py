@@ -5,6 +5,7 @@ One family of rules per module: :mod:`~tdhook.attribution.rules.base` (what a ru
 :mod:`~tdhook.attribution.rules.modified` (αβ, z⁺, γ),
 :mod:`~tdhook.attribution.rules.input_layer` (Flat, w², z^B and the first-layer switch),
 :mod:`~tdhook.attribution.rules.batch_norm`, :mod:`~tdhook.attribution.rules.recurrent` (LSTM, GRU),
+:mod:`~tdhook.attribution.rules.cond_conv` (timm's CondConv layers: routing held, each sample's kernel),
 :mod:`~tdhook.attribution.rules.elementwise` (hand-written element-wise modules),
 :mod:`~tdhook.attribution.rules.activation_calls` (``tanh`` inside a module's own forward: torchrl's ``TanhModule``),
 :mod:`~tdhook.attribution.rules.taylor` (first-order Taylor at a reference point),
@@ -41,6 +42,7 @@ from tdhook.attribution.rules.basic import (
 )
 from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
 from tdhook.attribution.rules.checks import raise_for_unconserved_rel_factory
+from tdhook.attribution.rules.cond_conv import CondConvRule
 from tdhook.attribution.rules.elementwise import ElementwiseRule
 from tdhook.attribution.rules.functional import FunctionalRules
 from tdhook.attribution.rules.gates import GateRule, HeldGates
@@ -96,6 +98,7 @@ __all__ = [
     "HeldGates",
     "RouterRule",
     "QuantizedLinearRule",
+    "CondConvRule",
     "RecurrentRule",
     "TaylorDecompositionRule",
     "SoftmaxEpsilonRule",
