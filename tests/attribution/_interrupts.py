@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dis
+import functools
 import linecache
 import sys
 from collections.abc import Callable
@@ -10,6 +12,31 @@ from pathlib import Path
 import tdhook
 
 SOURCE = str(Path(tdhook.__file__).parent)
+
+
+@functools.cache
+def _inlined_comprehension_lines(code) -> frozenset[int]:
+    """The lines of ``code`` that hold a comprehension CPython 3.12+ runs in the function's own frame (PEP 709).
+
+    An exception that a trace function raises at a line event of such a line skips the ``except`` and ``finally``
+    blocks around it (seen on CPython 3.12 and 3.13), which a real interrupt does not: a ``KeyboardInterrupt``
+    from a signal handler inside the comprehension's loop runs them. Those line events are not counted. CPython
+    3.11 runs a comprehension in a frame of its own, whose events are counted.
+    """
+    if sys.version_info < (3, 12):
+        return frozenset()
+    lines: set[int] = set()
+    inside, loops, line = False, 0, None  # from a comprehension's LOAD_FAST_AND_CLEAR to the end of its loops
+    for instruction in dis.get_instructions(code):
+        line = instruction.positions.lineno or line
+        inside = inside or instruction.opname == "LOAD_FAST_AND_CLEAR"
+        if inside and line is not None:
+            lines.add(line)
+        loops += inside and instruction.opname == "FOR_ITER"
+        if inside and instruction.opname == "END_FOR":
+            loops -= 1
+            inside = loops > 0
+    return frozenset(lines)
 
 
 class Interrupt:
@@ -28,6 +55,8 @@ class Interrupt:
         text = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
         if text.startswith(("with ", "async with ")) and frame.f_lineno in lines:
             return self._local  # leaving a with block: the context manager's __exit__ comes next
+        if frame.f_lineno in _inlined_comprehension_lines(frame.f_code):
+            return self._local
         if text == "try:":
             # A NOP, outside the exception table of an enclosing ``with`` in CPython 3.11: an exception raised
             # there by a trace function skips that ``__exit__``. A real interrupt arrives only where the

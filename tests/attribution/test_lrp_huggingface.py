@@ -31,7 +31,8 @@ from tests.conftest import relative_error
 
 HERE = Path(__file__).resolve().parent
 ORACLE_REQUIREMENTS = HERE / "lxt_oracle_requirements.txt"
-ORACLE_DIR = HERE.parents[1] / ".oracle" / "lxt"
+# One per Python version: what is installed there (tokenizers, ...) is built for the interpreter that installed it.
+ORACLE_DIR = HERE.parents[1] / ".oracle" / f"lxt-py{sys.version_info.major}{sys.version_info.minor}"
 F64 = torch.float64
 VARIANTS = {"attnlrp": AttnLRP, "cp": CPLRP}
 
