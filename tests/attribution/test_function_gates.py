@@ -245,3 +245,229 @@ def test_a_held_gate_at_exact_zeros_is_the_gate_detached_by_hand(gate: str, pres
     for td in (first, second):
         assert relative_error(td["relevance", "x"], expected) <= 1e-12
         torch.testing.assert_close(td["relevance", "x"].sum(-1), td["y"].max(-1).values, rtol=1e-10, atol=1e-12)
+
+
+# A forward that branches on a flag of the model (or on its input's values), at one call signature: the first call
+# took the first branch, a later call of the same signature the second. ``a = relu(inp(x))``, ``s = fc(a)``.
+BRANCHES = {
+    "tanh": lambda a, s: a * torch.tanh(s),  # no gate: the product keeps its plain gradient
+    "sigmoid": lambda a, s: a * torch.sigmoid(s),  # a gate, with as many nodes as the tanh
+    "sum": lambda a, s: a + s,
+    "clip": lambda a, s: a + torch.clamp(s, -0.3, 0.3),  # the pass rule of nn.Hardtanh
+    "normalize": lambda a, s: a + F.normalize(s, dim=-1),  # its norm held
+}
+SWITCHES = [("tanh", "sigmoid"), ("sum", "sigmoid"), ("sum", "clip"), ("sum", "normalize")]
+SWITCHED_PRESETS = {
+    "EpsilonPlus": lambda: EpsilonPlus(epsilon=1e-15, stabilizer=1e-15),
+    "LRP-0": lambda: BaseRuleMapper(stabilizer=0.0),
+}
+
+
+class Switched(nn.Module):
+    """``head(BRANCHES[branch](a, fc(a)))`` with ``a = relu(inp(x))``, no biases: ``branch`` a flag of the model,
+    which no call signature shows; ``noisy``: the output draws noise, and a buffer counts the forward passes."""
+
+    def __init__(self, branch: str, noisy: bool = False) -> None:
+        super().__init__()
+        self.inp, self.fc, self.head = nn.Linear(4, 6, bias=False), nn.Linear(6, 6, bias=False), nn.Linear(6, 3, False)
+        self.branch, self.noisy = branch, noisy
+        self.register_buffer("passes", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.relu(self.inp(x))
+        y = self.head(BRANCHES[self.branch](a, self.fc(a)))
+        if self.noisy:
+            self.passes += 1
+            y = y + 0.1 * torch.randn_like(y)
+        return y
+
+
+def first_then(model: nn.Module, mapper, x: torch.Tensor, switch, in_context: bool) -> TensorDict:
+    """A first call of a wrapper of ``model``, then ``switch(model)``, then the call explained (within one context,
+    or each call entering its own)."""
+    lrp = LRP(model, mapper, in_keys=["x"], out_keys=["y"])
+
+    def call() -> TensorDict:
+        return lrp(TensorDict(x=x.clone(), batch_size=[x.shape[0]]))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tanh's product, which no rule covers
+        if not in_context:
+            call()
+            switch(model)
+            return call()
+        with lrp:
+            call()
+            switch(model)
+            return call()
+
+
+def fresh_call(model: nn.Module, mapper, x: torch.Tensor) -> TensorDict:
+    """The first call of a fresh wrapper: probed, the oracle of a later call that takes the same branch."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return LRP(model, mapper, in_keys=["x"], out_keys=["y"])(TensorDict(x=x.clone(), batch_size=[x.shape[0]]))
+
+
+@pytest.mark.parametrize("in_context", [True, False], ids=["in a context", "a context per call"])
+@pytest.mark.parametrize("preset", sorted(SWITCHED_PRESETS))
+@pytest.mark.parametrize("switch", SWITCHES, ids=[f"{a} to {b}" for a, b in SWITCHES])
+def test_a_branch_switched_by_a_flag_gets_the_rules_of_a_fresh_call(switch, preset: str, in_context: bool):
+    # Before, a later call of the first call's signature ran without the gates' mode where the first had no gate,
+    # clip or norm: the gate switched on kept its plain gradient (0.12 off a fresh call, relative L2, under
+    # EpsilonPlus for tanh to sigmoid), and so did the clip and the norm, with no word.
+    before, after = switch
+    torch.manual_seed(0)
+    model, oracle = Switched(before).double(), Switched(after).double()
+    oracle.load_state_dict(model.state_dict())
+    x = torch.randn(6, 4, dtype=F64)
+    expected = fresh_call(oracle, SWITCHED_PRESETS[preset](), x)
+    out = first_then(model, SWITCHED_PRESETS[preset](), x, lambda m: setattr(m, "branch", after), in_context)
+    torch.testing.assert_close(out["y"], expected["y"], rtol=0, atol=0)
+    assert relative_error(out["relevance", "x"], expected["relevance", "x"]) <= 1e-12
+    if after != "clip":  # the gate and the norm held, no biases: the explained logit is conserved
+        torch.testing.assert_close(out["relevance", "x"].sum(-1), out["y"].max(-1).values, rtol=1e-10, atol=1e-12)
+
+
+def test_a_call_run_again_starts_from_the_state_the_first_run_found():
+    # The run let go moved the model's buffer and drew from the global random state: the call run again in the
+    # probe draws the same noise, and the caller's state moves as by one plain call.
+    torch.manual_seed(0)
+    model, oracle = Switched("sum", noisy=True).double(), Switched("sigmoid", noisy=True).double()
+    oracle.load_state_dict(model.state_dict())
+    x = torch.randn(6, 4, dtype=F64)
+    torch.manual_seed(1)
+    expected, expected_draw = fresh_call(oracle, EpsilonPlus(), x), torch.rand(3)
+    lrp = LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        lrp(TensorDict(x=x.clone(), batch_size=[6]))
+        model.branch = "sigmoid"
+        torch.manual_seed(1)
+        out = lrp(TensorDict(x=x.clone(), batch_size=[6]))
+        draw = torch.rand(3)
+    assert torch.equal(out["y"], expected["y"]) and torch.equal(draw, expected_draw)
+    assert relative_error(out["relevance", "x"], expected["relevance", "x"]) <= 1e-12
+    assert int(model.passes) == 2  # once per call
+
+
+def test_a_model_whose_graph_does_not_change_runs_once_per_call_without_a_mode():
+    spy = ModeSpy(Switched("tanh")).double()
+    lrp = LRP(spy, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            lrp(TensorDict(x=torch.randn(5, 4, dtype=F64), batch_size=[5]))
+        spy.body.branch = "sigmoid"
+        lrp(TensorDict(x=torch.randn(5, 4, dtype=F64), batch_size=[5]))
+        lrp(TensorDict(x=torch.randn(5, 4, dtype=F64), batch_size=[5]))
+    # The probe, two plain calls; the switched call plain, then again in the probe, which finds the gate: held after.
+    assert spy.modes_on == [True, False, False, False, True, True]
+
+
+class Repeated(nn.Module):
+    """A layer applied ``self.times`` times (a loop on a flag or a value), then ``a * tanh(fc(a))``, no gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.fc = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+        self.times = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = x
+        for _ in range(self.times):
+            a = torch.relu(self.inp(a))
+        return a * torch.tanh(self.fc(a))
+
+
+def test_a_signature_whose_graph_takes_many_shapes_keeps_the_mode():
+    spy = ModeSpy(Repeated()).double()
+    lrp = LRP(spy, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    x = torch.randn(5, 4, dtype=F64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for times in range(1, 12):
+            spy.body.times = times
+            lrp(TensorDict(x=x.clone(), batch_size=[5]))
+        spy.body.times = 3  # a shape seen before: no run again
+        lrp(TensorDict(x=x.clone(), batch_size=[5]))
+    # Eight shapes with no gate (one probed, seven plain calls run again in the probe), then the mode at every call.
+    assert spy.modes_on == [True] + [False, True] * 7 + [False, True, True, True, True]
+
+
+class SwitchedTokens(nn.Module):
+    """Token ids embedded, then :class:`Switched`'s branch on the mean embedding."""
+
+    def __init__(self, branch: str) -> None:
+        super().__init__()
+        self.words = nn.Embedding(11, 4)
+        self.body = Switched(branch)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.body(self.words(tokens).mean(1))
+
+
+def test_token_ids_and_layers_are_explained_in_a_call_run_again():
+    # The run let go embedded the tokens and watched the layer: the call run again embeds and watches anew.
+    torch.manual_seed(0)
+    model, oracle = SwitchedTokens("tanh").double(), SwitchedTokens("sigmoid").double()
+    oracle.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 11, (4, 5))
+
+    def wrapper(net: nn.Module) -> LRP:
+        return LRP(net, EpsilonPlus(), in_keys=["tokens"], out_keys=["y"], layers=["body.inp"])
+
+    lrp, fresh = wrapper(model), wrapper(oracle)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = fresh(TensorDict(tokens=tokens, batch_size=[4]))
+        with lrp:
+            lrp(TensorDict(tokens=tokens, batch_size=[4]))
+            model.body.branch = "sigmoid"
+            out = lrp(TensorDict(tokens=tokens, batch_size=[4]))
+    for key in [("relevance", "tokens"), ("relevance", "body.inp")]:
+        assert relative_error(out[key], expected[key]) <= 1e-12, key
+
+
+class ValueBranch(Switched):
+    """:class:`Switched` whose branch follows its input's values: a gate where their mean is positive."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.branch = "sigmoid" if bool(x.mean() > 0) else "tanh"
+        return super().forward(x)
+
+
+def test_a_branch_on_the_inputs_values_gets_the_rules_of_a_fresh_call():
+    torch.manual_seed(0)
+    model, mapper = ValueBranch("tanh").double(), SWITCHED_PRESETS["EpsilonPlus"]
+    x = torch.randn(6, 4, dtype=F64)
+    x = x - x.mean() + 0.5  # the gated branch; -x takes the other
+    expected = fresh_call(model, mapper(), x)
+    lrp = LRP(model, mapper(), in_keys=["x"], out_keys=["y"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with lrp:
+            lrp(TensorDict(x=-x, batch_size=[6]))
+            out = lrp(TensorDict(x=x.clone(), batch_size=[6]))
+    assert relative_error(out["relevance", "x"], expected["relevance", "x"]) <= 1e-12
+    torch.testing.assert_close(out["relevance", "x"].sum(-1), out["y"].max(-1).values, rtol=1e-10, atol=1e-12)
+
+
+def test_a_lazy_stack_whose_branch_switched_gets_the_rules_of_a_fresh_call():
+    # The entries of a lazy stack are not kept to run the model again: its calls keep the gates' mode.
+    from tensordict import LazyStackedTensorDict
+
+    torch.manual_seed(0)
+    model, oracle = Switched("sum").double(), Switched("sigmoid").double()
+    oracle.load_state_dict(model.state_dict())
+    x = torch.randn(6, 4, dtype=F64)
+
+    def stacked() -> LazyStackedTensorDict:
+        return LazyStackedTensorDict(*[TensorDict(x=row.clone()) for row in x])
+
+    expected = LRP(oracle, EpsilonPlus(), in_keys=["x"], out_keys=["y"])(stacked())
+    lrp = LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        lrp(stacked())
+        model.branch = "sigmoid"
+        out = lrp(stacked())
+    assert relative_error(out["relevance", "x"], expected["relevance", "x"]) <= 1e-12

@@ -320,6 +320,35 @@ def test_a_call_run_again_in_the_mode_starts_from_the_values_it_was_given(applie
     assert relative_error(again["relevance", "x"], by_hand(net.model, 2 * x)) < 1e-12  # x · gradient in x
 
 
+class Noisy(nn.Module):
+    """A product model whose output draws noise from the global random state (a policy's sampled action)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = product_model()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.model(x)
+        return y + 0.1 * torch.randn_like(y)
+
+
+def test_a_call_run_again_in_the_mode_draws_what_the_run_let_go_drew(monkeypatch):
+    """The second run drew the next numbers: another output than the plain call's under the same seed, and the
+    caller's random state moved twice."""
+    net, x = Noisy(), torch.randn(5, 4, dtype=F64)
+    lrp = LRP(net, AttnLRP(), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        call(lrp, x)
+        call(lrp, x)  # the plan of the first call
+        monkeypatch.setattr(_function_rule_plan._Plan, "apply", lambda self, *args: False)  # as if the graph changed
+        torch.manual_seed(3)
+        again, draw = lrp(TensorDict(x=x.clone(), batch_size=[5])), torch.rand(3)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        expected = net(x)
+    assert torch.equal(again["y"], expected) and torch.equal(draw, torch.rand(3))
+
+
 def test_a_model_that_changes_an_input_it_is_not_explained_for_in_place_is_refused_where_the_call_runs_again(applied):
     """An input that is not explained is the caller's tensor: a call that runs the model again would change it
     twice (``steps`` counted 2 for one call), and nothing can put it back."""

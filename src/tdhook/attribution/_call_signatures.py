@@ -6,8 +6,10 @@ functions that the CNN presets hold) holds for later calls that run the same cod
 it is given (a gated path for sequences longer than a window, another for a single image, a key present or not),
 and a later call on inputs of another signature may run code the first never ran: a ``tanh(h) * sigmoid(g)``
 whose gate no later call held, with no word. So the watch and the gates' probe are decided per signature: a call
-whose signature no call of the wrapper completed is watched again. A branch on the values alone, with the same
-signature, is not seen (it would take the watch at every call).
+whose signature no call of the wrapper completed is watched again. A branch on the values alone, or on a flag of
+the model, with the same signature, is not watched (it would take the watch at every call); under the CNN presets a
+later call whose graph differs from those of its signature runs again in the gates' probe (see
+:mod:`~tdhook.attribution._function_gates`).
 
 Examples:
     >>> import torch

@@ -25,6 +25,18 @@ the first was: the forward may branch on its inputs' shapes or keys to a gate.
 The decision is the wrapper's (one model), not the mapper's, which may serve
 several models.
 
+A forward may also branch on a flag of the model or on its inputs' values, at
+one signature (``torch.sigmoid(s) if self.gated else torch.tanh(s)``): a later
+call would take a gate the probe never saw without the mode. So the probe keeps
+the shape of the graph its explained outputs reach (see
+:func:`~tdhook.attribution._graph_shape.shape_through_views`; a walk costs a
+small part of the call), and a later call of its signature that runs without
+the mode compares its own (:meth:`FunctionGates.changed`): where it differs,
+the model runs again, in the probe, from the same inputs and state (see
+:func:`~tdhook.attribution._model_run.run_model`), and the shape is kept as one
+with no gate where the probe found none. A signature whose graph took more than
+a few shapes runs its later calls in ``HeldGates``.
+
 Examples:
     >>> import torch
     >>> from torch import nn
@@ -38,6 +50,18 @@ Examples:
     >>> gates.settle()
     >>> gates.found, len(gates.modes(BaseRuleMapper(), []))
     (True, 1)
+
+    A model with no gate found, whose graph then changes (a flag switched on), runs that call again in the probe:
+
+    >>> gates = FunctionGates()
+    >>> (probe,) = gates.modes(BaseRuleMapper(), [])
+    >>> with probe:
+    ...     z = torch.tanh(x * 2) * x
+    >>> gates.settle(z)
+    >>> gates.modes(BaseRuleMapper(), []), gates.changed(torch.tanh(x * 2) * x)
+    ([], None)
+    >>> gates.modes(BaseRuleMapper(), []), gates.changed(torch.sigmoid(x * 2) * x) is not None
+    ([], True)
 """
 
 from __future__ import annotations
@@ -47,6 +71,7 @@ from typing import Any
 
 import torch
 
+from tdhook.attribution._graph_shape import shape_through_views
 from tdhook.attribution.mappers.base import BaseRuleMapper
 from tdhook.attribution.rules._autograd import relevance_pass_edges
 from tdhook.attribution.rules.gates import HeldGates
@@ -54,18 +79,27 @@ from tdhook.attribution.targets import resolve_target_key
 
 __all__ = ["FunctionGates"]
 
+# Shapes of one signature's graph with no gate that a wrapper keeps; a signature whose graph takes more runs in the mode
+_MOST_SHAPES = 8
+
 
 class FunctionGates:
     """Whether one wrapper's model computes gates with functions, decided by its first call of each signature, which
-    holds them."""
+    holds them; later calls of a signature with no gate found are checked against the shapes of its graph."""
 
     def __init__(self) -> None:
         self.found: bool | None = None  # None: not known yet
+        self.checks = False  # whether the call in flight runs without the mode, its graph to be checked
         self._probe: HeldGates | None = None
-        self._probed: set[Hashable] = set()  # the signatures of the forward passes completed in the probe
-        self._signature: Hashable = None  # that of the call in the probe
+        # By signature of the forward passes completed in the probe: the shapes of their graphs found to hold no gate
+        self._shapes: dict[Hashable, set[tuple]] = {}
+        self._held: set[Hashable] = set()  # signatures whose graph took too many shapes: every call in HeldGates
+        self._signature: Hashable = None  # that of the call in flight
+        self._seen: tuple | None = None  # in a call run again in the probe: the shape of its plain graph
 
-    def modes(self, mapper: Any, rule_modes: Sequence[Any], signature: Hashable = None) -> list[HeldGates]:
+    def modes(
+        self, mapper: Any, rule_modes: Sequence[Any], signature: Hashable = None, seen: tuple | None = None
+    ) -> list[HeldGates]:
         """The mode to add to the mapper's ``rule_modes`` for this call: ``HeldGates`` or nothing.
 
         Args:
@@ -73,19 +107,51 @@ class FunctionGates:
             rule_modes: the mapper's function modes for this call; one that covers sigmoid already holds gates.
             signature: the call's (see :mod:`~tdhook.attribution._call_signatures`): a call of a signature no
                 forward pass completed with is probed, as the first: another branch of the forward may gate.
+            seen: for a call run again, the shape of its graph that :meth:`changed` gave: it is probed.
         """
-        self._probe = None
+        self._probe, self.checks, self._signature, self._seen = None, False, signature, seen
         if not isinstance(mapper, BaseRuleMapper) or _covers_gates(rule_modes):
             return []
-        if not self.found and signature not in self._probed:  # until a forward pass has completed in it
-            self._probe, self._signature = HeldGates(probe=True), signature
+        if self.found or signature in self._held:
+            return [HeldGates()]
+        if signature not in self._shapes or seen is not None:  # until a forward pass has completed in it
+            self._probe = HeldGates(probe=True)
             return [self._probe]
-        return [HeldGates()] if self.found else []
+        self.checks = True
+        return []
+
+    def hold(self) -> HeldGates:
+        """The mode for a call that :meth:`modes` would check but that cannot run again: its gates held, unchecked."""
+        self.checks = False
+        return HeldGates()
+
+    @property
+    def probes(self) -> bool:
+        """Whether the call in flight runs in the probe."""
+        return self._probe is not None
 
     def may_hold(self, mapper: Any, signature: Hashable = None) -> bool:
         """Whether a call of ``signature`` in a context of ``mapper`` (with no function modes of its own) enters
-        ``HeldGates``: gates were found, or no forward pass of that signature has completed yet."""
-        return isinstance(mapper, BaseRuleMapper) and (bool(self.found) or signature not in self._probed)
+        ``HeldGates``: gates were found, or no forward pass of that signature has completed yet, or its graph took
+        too many shapes."""
+        found = bool(self.found) or signature in self._held or signature not in self._shapes
+        return isinstance(mapper, BaseRuleMapper) and found
+
+    def changed(self, outputs: object, lrp: Any = None) -> tuple | None:
+        """After a forward pass run without the mode (:attr:`checks`): ``None`` where the graph its explained
+        outputs reach has a shape a probe of its signature found no gate in; else that shape, and the call must run
+        again, given it as :meth:`modes`' ``seen`` (in the probe; in ``HeldGates`` once its signature's graph took
+        too many shapes)."""
+        if not self.checks:
+            return None
+        self.checks = False
+        shape = shape_through_views(_roots(_explained(outputs, lrp)) or [])
+        shapes = self._shapes[self._signature]
+        if shape in shapes:
+            return None
+        if len(shapes) >= _MOST_SHAPES:
+            self._held.add(self._signature)
+        return shape
 
     def settle(self, outputs: object = None, lrp: Any = None) -> None:
         """After a forward pass that completed: whether it held a gate, or gave a clipping call whose output the
@@ -95,13 +161,17 @@ class FunctionGates:
         gradient past it; nor is one only an output that is not explained reads (a policy's scale, for its loc)."""
         if self._probe is not None:
             probe, self._probe = self._probe, None
+            explained = _explained(outputs, lrp)
             ruled = [
                 *probe.clips,
                 *probe.norm_calls.held_nodes(),
             ]  # calls whose rule the explained outputs may not reach
-            found = probe.held or (bool(ruled) and _reaches(_explained(outputs, lrp), set(ruled)))
+            found = probe.held or (bool(ruled) and _reaches(explained, set(ruled)))
             self.found = bool(self.found) or found
-            self._probed.add(self._signature)
+            # The shape of the plain graph the probe ran again for, else the probe's own (a plain call's, but where
+            # the probe gave a call a rule the explained outputs do not reach: a later call runs again, once).
+            shape = self._seen if self._seen is not None else shape_through_views(_roots(explained) or [])
+            self._shapes.setdefault(self._signature, set()).add(shape)
 
 
 def _covers_gates(modes: Sequence[Any]) -> bool:
@@ -125,15 +195,10 @@ def _explained(outputs: object, lrp: Any) -> object:
 def _reaches(outputs: object, nodes: set) -> bool:
     """Whether the relevance pass from the tensors in ``outputs`` (a tensor, a TensorDict or a tuple of them) reaches
     one of ``nodes``."""
-    if isinstance(outputs, torch.Tensor):
-        tensors = [outputs]
-    elif isinstance(outputs, (tuple, list)):
-        tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
-    elif hasattr(outputs, "values"):
-        tensors = [t for t in outputs.values(True, True) if isinstance(t, torch.Tensor)]
-    else:
+    roots = _roots(outputs)
+    if roots is None:
         return True  # nothing to walk from: as if reached
-    stack, seen = [t.grad_fn for t in tensors if t.requires_grad and t.grad_fn is not None], set()
+    stack, seen = list(roots), set()
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -143,3 +208,17 @@ def _reaches(outputs: object, nodes: set) -> bool:
         seen.add(node)
         stack.extend(relevance_pass_edges(node))
     return False
+
+
+def _roots(outputs: object) -> list | None:
+    """The autograd nodes of the tensors in ``outputs`` (a tensor, a TensorDict or a tuple of them); ``None`` for
+    no such container."""
+    if isinstance(outputs, torch.Tensor):
+        tensors = [outputs]
+    elif isinstance(outputs, (tuple, list)):
+        tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
+    elif hasattr(outputs, "values"):
+        tensors = [t for t in outputs.values(True, True) if isinstance(t, torch.Tensor)]
+    else:
+        return None
+    return [t.grad_fn for t in tensors if t.grad_fn is not None]

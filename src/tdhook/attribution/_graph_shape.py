@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["graph_shape"]
+__all__ = ["graph_shape", "shape_through_views"]
 
 _LEAF = torch._C._functions.AccumulateGrad
+_VIEW = type(torch.zeros(1, requires_grad=True).view(1).grad_fn)  # the node of ``x.view(...)``, ``x.view_as(y)``
 _PARAMETER = torch.nn.Parameter
 _NONE_HELD: dict = {}  # read only
 
@@ -105,6 +106,41 @@ def _plain_shape(roots: Sequence[Any], nodes: list[Any]) -> tuple:
                 entry.append(len(nodes))
                 places[child] = len(nodes)
                 nodes.append(child)
+        if entry[0] is _LEAF:
+            entry.append(_parameter_id(node.variable))
+        shape.append(tuple(entry))
+    return tuple(shape)
+
+
+def shape_through_views(roots: Sequence[Any]) -> tuple:
+    """:func:`graph_shape` of the graph reached from the nodes ``roots`` with each view taken as the tensor it views:
+    the first call of a context may give a module its input as a fresh view (see
+    :class:`~tdhook.attribution.rules.elementwise.ElementwiseRule`), which later calls do not, and a view changes no
+    product, gate, clip or norm of the graph.
+
+    >>> x = torch.randn(3, requires_grad=True)
+    >>> h = x * 2
+    >>> shape_through_views([h.view_as(h).sigmoid().grad_fn]) == shape_through_views([h.sigmoid().grad_fn])
+    True
+    >>> shape_through_views([h.tanh().grad_fn]) == shape_through_views([h.sigmoid().grad_fn])
+    False
+    """
+    places: dict[Any, int] = {None: -1}
+    nodes: list[Any] = []
+
+    def place(node: Any) -> int:
+        """The place of ``node`` in the walk (a new one at the end where it is first reached), a view's that of the
+        tensor it views."""
+        while type(node) is _VIEW:
+            node = node.next_functions[0][0]
+        if node not in places:
+            places[node] = len(nodes)
+            nodes.append(node)
+        return places[node]
+
+    shape: list[Any] = [place(root) for root in roots]
+    for node in nodes:  # grows while it is read
+        entry = [type(node), *(place(child) for child, _ in node.next_functions)]
         if entry[0] is _LEAF:
             entry.append(_parameter_id(node.variable))
         shape.append(tuple(entry))

@@ -31,6 +31,7 @@ from tdhook.attribution._numeric_inputs import watch_numeric_inputs
 from tdhook.attribution._plain_modules import call_plain
 from tdhook.attribution._rerun_state import ModelBuffers
 from tdhook.attribution._rule_use import RuleUse
+from tdhook.attribution._tokens import rewind
 from tdhook.attribution._writes import has_lazy_stack
 from tdhook.attribution.rules._graph_calls import KeptOutputs, graph_call
 from tdhook.attribution.rules._norm_function_layout import NormFunctionLayouts
@@ -56,15 +57,81 @@ def run_model(
     A call that runs the model again (its graph was not the recorded one) starts from the inputs it was given:
     ``work``'s entries, and the values of the explained inputs' copies ``fed``, taken again from ``leaves`` where
     the model changed them in place. Running statistics of norms in training mode, and the key-value caches
-    handed to the model (a generation loop's), are put back as they were before the first run. An input that is not
-    explained and that the model changed in place is the caller's tensor, which nothing can put back: such a call
-    raises a ``RuntimeError`` naming its key."""
+    handed to the model (a generation loop's), are put back as they were before the first run, and so is the global
+    random state. An input that is not explained and that the model changed in place is the caller's tensor, which
+    nothing can put back: such a call raises a ``RuntimeError`` naming its key.
+
+    Under the CNN presets, a call of a signature whose first call held no gate computed by functions runs without
+    the gates' mode; where its graph is not one its signature had with no gate (a branch on a flag or on values,
+    see :mod:`~tdhook.attribution._function_gates`), the model runs again in the mode, from the same inputs and
+    state."""
+    result, calls, kept = _run_once(lrp, work, leaves, fed, signature)
+    if kept is None:
+        return result, calls
+    seen = lrp._function_gates.changed(work if result is None else result, lrp)
+    if seen is None:
+        kept.kept()
+        return result, calls
+    kept.put_back(work, leaves, fed)
+    result, calls, _ = _run_once(lrp, work, leaves, fed, signature, seen)
+    return result, calls
+
+
+class _KeptRun:
+    """What a run of ``lrp``'s model that may be let go changes, kept before it: the entries of the TensorDict it
+    runs on, the buffers it may write (``every`` one) and the random state (see
+    :mod:`~tdhook.attribution._rerun_state`), the key-value caches it is handed while it runs in :meth:`watching`."""
+
+    def __init__(self, lrp: Any, work: TensorDictBase, every: bool = False) -> None:
+        self.lrp, self.inputs = lrp, given_inputs(work)
+        self.buffers = _model_buffers(lrp)
+        self.statistics = self.buffers.keep(every=every)  # a BatchNorm's statistics in training mode, a counter
+        self.caches = KeptCaches(cache_receivers_of(lrp))  # a KV cache handed in: the run appends to it
+
+    def watching(self) -> contextlib.AbstractContextManager:
+        """The run's context: the caches handed in are noted (nothing to enter for a model that takes none)."""
+        return self.caches.watching() if self.caches.receivers else contextlib.nullcontext()
+
+    def kept(self) -> None:
+        """The run was kept: the buffers it wrote are kept with their values before later runs."""
+        self.buffers.note(self.statistics)
+
+    def put_back(self, work: TensorDictBase, leaves: Sequence, fed: Sequence) -> None:
+        """Before the model runs again: what the run let go changed, as it was (see :func:`run_model`); the rules'
+        records, the layers' outputs and the tokens' embeddings it made, dropped."""
+        for handle in self.lrp._handles or []:
+            handle.pop_records()
+        restore_inputs(work, self.inputs, leaves, fed)
+        self.buffers.put_back(self.statistics)  # the run that was let go moved them: as the plain call, once
+        self.caches.put_back()  # and appended to the caches: the next run appends once more
+        self.lrp._layers.clear()
+        rewind(self.lrp._tokens)
+
+
+def _run_once(
+    lrp: Any,
+    work: TensorDictBase,
+    leaves: Sequence[torch.Tensor | None],
+    fed: Sequence[torch.Tensor | None],
+    signature: Hashable,
+    seen: tuple | None = None,
+) -> tuple[TensorDictBase | None, NonlinearCalls | None, _KeptRun | None]:
+    """:func:`run_model`, once, and what the gates' check needs to run it again (``None`` where it is neither checked
+    nor probed): ``seen``, the shape of the graph of the run let go."""
     raise_for_checkpointing("LRP", [] if lrp._inactive else lrp._checkpointing)  # before the model runs
     lrp._function_rule_plan.quiet.remove()  # modules a plan ran without hooks, if an interrupt left them so
     handles = lrp._handles or []
     watch = lrp._rule_use.watch(lrp.named_explained_modules, handles, lrp._hooks, signature)
     rule_modes = [] if lrp._inactive else list(getattr(lrp.rule_mapper, "function_modes", list)())
-    rule_modes += [] if lrp._inactive else lrp._function_gates.modes(lrp.rule_mapper, rule_modes, signature)
+    rule_modes += [] if lrp._inactive else lrp._function_gates.modes(lrp.rule_mapper, rule_modes, signature, seen)
+    # A call that runs without the gates' mode may have to run again (see run_model): what it changes, kept; and
+    # in a probe, which buffers the forward writes.
+    gates, checked = lrp._function_gates, None
+    if (gates.checks or gates.probes) and not lrp._inactive:
+        if not has_lazy_stack(work):
+            checked = _KeptRun(lrp, work)
+        elif gates.checks:  # the entries of a lazy stack are not kept to run again: the call runs in the mode
+            rule_modes.append(gates.hold())
     # The first call of a signature with the rules on is watched for calls no rule covers: with the rules off
     # (``inactive()``), every call takes the plain gradient as asked, and has nothing to report.
     watching = lrp._coverage.watches(signature) and not lrp._inactive
@@ -75,10 +142,7 @@ def run_model(
         if plan is not None and watch is RuleUse.NOTHING and not watching:
             # What the call may overwrite in ``work`` (a step may write the key it reads): its leaves, a list being
             # several times cheaper than a copy of the TensorDict.
-            inputs = given_inputs(work)
-            buffers = _model_buffers(lrp)
-            statistics = buffers.keep()  # what a run may write: a BatchNorm's statistics in training mode, a counter
-            caches = KeptCaches(cache_receivers_of(lrp))  # a KV cache handed in: the run appends to it
+            before = _KeptRun(lrp, work)
             start = sequence_number()
             norm_outputs: list = []
             kept = KeptOutputs(plan.kept) if plan.kept else None  # activations' inputs (a tanh's)
@@ -86,30 +150,25 @@ def run_model(
             quiet = lrp._function_rule_plan.quiet.running(plan.quiet, plan.noting)
             regions: list = []  # the calls of the modules the modes would pause in
             with closing_scopes(), graph_call(plain=plan.plain, outputs=norm_outputs, kept=kept, regions=regions):
-                with quiet, caches.watching():
+                with quiet, before.watching():
                     result = _call(lrp, work) if lrp._norm_calls.found is False else _laid_out_call(lrp, work)
             activations = lrp._function_rule_plan.quiet.taken_outputs()  # their rule's factor takes them
             if plan.apply(
                 work if result is None else result, start, sequence_number(), norm_outputs, kept, activations, regions
             ):
-                buffers.note(statistics)
-                return result, None
+                before.kept()
+                return result, None, None
             # Not the recorded graph: the call runs again in the mode, from the same inputs, and records anew.
             lrp._function_rule_plan.forget(key)
-            for handle in handles:
-                handle.pop_records()
-            restore_inputs(work, inputs, leaves, fed)
-            buffers.put_back(statistics)  # the run that was let go moved them: as the plain call, once
-            caches.put_back()  # and appended to the caches: the next run appends once more
+            before.put_back(work, leaves, fed)
         recording = rule_modes[0].recording = lrp._function_rule_plan.recorder(key)
         if recording is not None:  # a recording call may run again (see below): the leaves it may overwrite
-            inputs = given_inputs(work)
-            buffers = _model_buffers(lrp)
-            statistics = buffers.keep(every=True)  # once per signature: every buffer's values
-            caches = KeptCaches(cache_receivers_of(lrp))
+            before = _KeptRun(lrp, work, every=True)  # once per signature: every buffer's values
     if not (rule_modes or lrp._compiled or watching or watch is not RuleUse.NOTHING):
-        with closing_scopes():  # nothing to enter but the scopes (every call of a context after its first, mostly)
-            return (_call(lrp, work) if lrp._norm_calls.found is False else _laid_out_call(lrp, work)), None
+        # Nothing to enter but the scopes, and a checked call's watch of the caches (most calls after a first)
+        with closing_scopes(), checked.watching() if checked is not None else contextlib.nullcontext():
+            result = _call(lrp, work) if lrp._norm_calls.found is False else _laid_out_call(lrp, work)
+        return result, None, checked
     with contextlib.ExitStack() as modes:
         if lrp._norm_calls.found is not False:  # first, under every other mode: it sees the calls as the model makes
             modes.enter_context(NormFunctionLayouts(lrp._norm_calls))
@@ -132,7 +191,9 @@ def run_model(
             )
             if recording.kept is not None:  # every module's output, where an activation's input may be one
                 modes.enter_context(lrp._function_rule_plan.keepers.every(lrp.named_explained_modules().values()))
-            modes.enter_context(caches.watching())
+            modes.enter_context(before.watching())
+        elif checked is not None:
+            modes.enter_context(checked.watching())
         # Innermost: what ruled modules entered and an interrupt kept them from leaving ends first.
         modes.enter_context(closing_scopes())
         start = sequence_number()
@@ -147,15 +208,11 @@ def run_model(
             recording, work if result is None else result, start
         ):
             # Its tensors held without a detach left a graph whose backward would raise: again, detached.
-            for handle in handles:
-                handle.pop_records()
-            restore_inputs(work, inputs, leaves, fed)
-            buffers.put_back(statistics)
-            caches.put_back()
+            before.put_back(work, leaves, fed)
             result = _call(lrp, work)
         elif recording is not None:
-            buffers.note(statistics)
-        return result, calls
+            before.kept()
+        return result, calls, checked
 
 
 # By wrapper: the id of its rule handles when they were found (a context's), and the model's buffers; a stale list

@@ -8,8 +8,9 @@ more than the plain call does. :class:`ModelBuffers` keeps, before the first run
 statistics of the norms in training mode and of every buffer a forward of the model was seen to write (every
 buffer, in a call that records a plan), and puts them back before the second. A buffer the run let go wrote with no
 value kept (a branch that no earlier call took) cannot be put back: the call warns, naming it, and later calls keep
-it. State a module holds in Python attributes (``self.calls += 1`` on an int) is beyond reach: it moves twice in
-such a call.
+it. The global random state (CPU, and the CUDA devices of the model) is kept too: the second run draws what the
+first drew (a policy's sampled action, a dropout mask), and the caller's state moves as by one plain call. State a
+module holds in Python attributes (``self.calls += 1`` on an int) is beyond reach: it moves twice in such a call.
 
 Examples:
     >>> import torch
@@ -21,6 +22,11 @@ Examples:
     >>> buffers.put_back(kept)
     >>> int(norm.num_batches_tracked), bool(norm.running_mean.eq(0).all())
     (0, True)
+    >>> kept = buffers.keep()
+    >>> drawn = torch.rand(2)  # in the discarded run
+    >>> buffers.put_back(kept)
+    >>> torch.equal(torch.rand(2), drawn)  # the run again draws the same
+    True
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.parameter import is_lazy
 
+from tdhook.attribution.methods._global_rng import cuda_devices
 from tdhook.attribution.rules._caller import warn_at_caller
 
 __all__ = ["KeptBuffers", "ModelBuffers", "moving_norms", "put_back", "training_statistics"]
@@ -81,10 +88,14 @@ class _Slot:
 
 @dataclass
 class KeptBuffers:
-    """What :meth:`ModelBuffers.keep` took: the norms' running statistics with their values, and every buffer."""
+    """What :meth:`ModelBuffers.keep` took: the norms' running statistics with their values, every buffer, and the
+    global random states (CPU, a copy of its generator; then each CUDA device's of ``devices``)."""
 
     statistics: list[tuple[torch.Tensor, torch.Tensor]]
     slots: list[_Slot]
+    random: torch.Generator
+    cuda_random: list[torch.Tensor]
+    devices: list[int]
 
 
 class ModelBuffers:
@@ -92,6 +103,7 @@ class ModelBuffers:
 
     def __init__(self, model: nn.Module) -> None:
         self.norms = moving_norms(model)
+        self.devices = cuda_devices(model)  # whose random states a run may move
         self._slots = [
             (f"{prefix}.{name}" if prefix else name, module, name)
             for prefix, module in model.named_modules()
@@ -112,16 +124,21 @@ class ModelBuffers:
                 continue
             value = buffer.clone() if every or (id(module), name) in self._written else None
             slots.append(_Slot(path, module, name, buffer, buffer._version, value))
-        return KeptBuffers(statistics, slots)
+        cuda_random = [torch.cuda.get_rng_state(device) for device in self.devices]
+        # A copy of the generator, not its state as a tensor: several times cheaper where the run draws nothing
+        return KeptBuffers(statistics, slots, torch.default_generator.clone_state(), cuda_random, self.devices)
 
     def note(self, kept: KeptBuffers) -> None:
         """After a run that was kept: the buffers it wrote are kept with their values before later runs."""
         self._written.update((id(slot.module), slot.name) for slot in kept.slots if slot.changed())
 
     def put_back(self, kept: KeptBuffers) -> None:
-        """Before the run again: every buffer as it was before the run let go; a warning naming those whose values
-        were not kept."""
+        """Before the run again: every buffer, and the random states, as they were before the run let go; a warning
+        naming the buffers whose values were not kept."""
         put_back(kept.statistics)
+        torch.default_generator.set_state(kept.random.get_state())
+        for device, state in zip(kept.devices, kept.cuda_random, strict=True):
+            torch.cuda.set_rng_state(state, device)
         lost = []
         for slot in kept.slots:
             if not slot.changed():
@@ -137,7 +154,7 @@ class ModelBuffers:
                     slot.buffer.copy_(slot.value)
         if lost:
             warn_at_caller(
-                f"LRP: this call ran the model twice (its graph was not the plan recorded for its inputs), and the "
+                f"LRP: this call ran the model twice (its graph was not one recorded for its inputs), and the "
                 f"run let go wrote the buffers {', '.join(map(repr, lost))} in place, which no earlier call wrote: "
                 "their values could not be put back, and they moved twice in this call. Later calls keep them"
             )

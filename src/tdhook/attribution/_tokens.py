@@ -65,7 +65,7 @@ from tdhook.attribution._unit_rows import (
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._linked_inputs import linked_input
 
-__all__ = ["TokenInputs", "is_embedding_leaf"]
+__all__ = ["TokenInputs", "is_embedding_leaf", "rewind"]
 
 
 def is_embedding_leaf(leaf: torch.Tensor | None) -> bool:
@@ -781,3 +781,19 @@ def _converts_pixels_at(module: nn.Module, key: NestedKey) -> bool:
         return False
     wanted = key if isinstance(key, tuple) else (key,)
     return any((k if isinstance(k, tuple) else (k,)) == wanted for k in getattr(module, "in_keys", ()))
+
+
+def rewind(tokens: TokenInputs) -> None:
+    """Before the model runs again on the same inputs (see :func:`~tdhook.attribution._model_run.run_model`): the
+    token ids ``tokens`` fed, none of them embedded yet.
+
+    >>> tokens, leaves, fed = TokenInputs(["input_ids"]), [], []
+    >>> ids = tokens.feed(0, torch.tensor([[5, 6]]), leaves, fed)
+    >>> leaves[0] = fed[0] = torch.zeros(1, 2, 4)  # what the embedding's hook gives
+    >>> rewind(tokens)
+    >>> leaves, fed, tokens.feeding
+    ([None], [None], True)
+    """
+    for index in tokens._ids:
+        tokens._leaves[index] = tokens._fed[index] = None
+    tokens._derived, tokens._tables, tokens._inside, tokens._watched = [], [], [], []
