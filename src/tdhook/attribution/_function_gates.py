@@ -97,6 +97,11 @@ class FunctionGates:
         self._signature: Hashable = None  # that of the call in flight
         self._seen: tuple | None = None  # in a call run again in the probe: the shape of its plain graph
 
+    def __getstate__(self) -> dict:
+        """A copy (a deep copy or a pickle of the wrapper) starts as a new wrapper does, its first calls probed: the
+        shapes kept hold autograd's node classes, which do not pickle."""
+        return vars(FunctionGates()).copy()
+
     def modes(
         self, mapper: Any, rule_modes: Sequence[Any], signature: Hashable = None, seen: tuple | None = None
     ) -> list[HeldGates]:
@@ -218,7 +223,11 @@ def _roots(outputs: object) -> list | None:
     elif isinstance(outputs, (tuple, list)):
         tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
     elif hasattr(outputs, "values"):
-        tensors = [t for t in outputs.values(True, True) if isinstance(t, torch.Tensor)]
+        try:
+            tensors = [t for t in outputs.values(True, True) if isinstance(t, torch.Tensor)]
+        except RuntimeError:  # a lazy stack of entries of different shapes: read from the TensorDicts it stacks
+            stacked = [_roots(part) for part in getattr(outputs, "tensordicts", ())]
+            return None if not stacked or None in stacked else [node for roots in stacked for node in roots]
     else:
         return None
     return [t.grad_fn for t in tensors if t.grad_fn is not None]
