@@ -209,9 +209,12 @@ TIMM_SIZES = {
     "swiftformer": 64,
     "botnet": 64,
     "convit": 32,
+    "csatv2": 64,
+    "nasnet": 64,
+    "pnasnet": 64,
 }
 # Attention models built at their default size, which take any input size but no ``img_size``.
-NO_IMG_SIZE = ("pvt_v2", "nextvit", "focalnet", "caformer")
+NO_IMG_SIZE = ("pvt_v2", "nextvit", "focalnet", "caformer", "csatv2")
 
 
 def smallest_size(name: str, sizes: dict[str, int]) -> int:
@@ -398,6 +401,8 @@ TIMM_MODELS = {
         "ghostnetv3_050",
         "repghostnet_050",
         "rdnet_tiny",
+        "nasnetalarge",
+        "pnasnet5large",
     ],
     ATTENTION: [
         "vit_tiny_patch16_224",
@@ -427,6 +432,7 @@ TIMM_MODELS = {
         "botnet26t_256",
         "coatnext_nano_rw_224",
         "maxxvit_rmlp_nano_rw_256",
+        "csatv2",
     ],
 }
 
@@ -442,6 +448,10 @@ TIMM_CASES = [
     ),
     timm_case("beit_base_patch16_224", ATTENTION, depth=2),
     timm_case("naflexvit_base_patch16_gap", ATTENTION, depth=2),
+    timm_case("samvit_base_patch16", ATTENTION, depth=2),
+    # SAM 2's Hiera takes no img_size; EfficientFormer's attention biases are sized for 224-pixel inputs.
+    Case("timm/hieradet_small", tm("hieradet_small"), 64, ATTENTION),
+    Case("timm/efficientformer_l1", tm("efficientformer_l1"), 224, ATTENTION),
 ]
 
 
