@@ -5,7 +5,8 @@ forecasters explained on their four inputs at once: the past values (with their 
 features, and the future values the decoder is fed (teacher forcing). The explained output is the decoder's last
 hidden state at the last step. For each model and preset (eager attention: transformers has no other for them):
 
-1. the wrapper changes neither the output nor the ``state_dict``, and raises no warning;
+1. the wrapper changes neither the output nor the ``state_dict``, and raises no warning but, for ProbSparse
+   attention, the one that names the keys it samples at random in each call;
 2. every relevance is finite, and the past values get some;
 3. under CP-LRP, with biases and learned additive embeddings zeroed, the relevance of the four inputs together sums
    to the explained unit within 1e-6 of it (1e-4 for Autoformer, which runs in float32 only).
@@ -124,7 +125,12 @@ def test_four_inputs_explained_together(name: str, preset: str):
         zero_additive(model)
     state = {key: value.clone() for key, value in model.state_dict().items()}
     td, plain, caught = explain(forecaster, model, PRESETS[preset]())
-    assert caught == [], caught
+    draws = [message for message in caught if "draws at random in its own forward" in message]
+    assert [message for message in caught if message not in draws] == []
+    if name == "informer_prob":  # the queries that attend depend on the keys sampled
+        assert draws and all("(InformerProbSparseAttention)" in m and "torch.randint" in m for m in draws), draws
+    else:
+        assert draws == []
     assert torch.equal(td["y"], plain)
     after = model.state_dict()
     assert state.keys() == after.keys() and all(torch.equal(state[k], after[k]) for k in state)

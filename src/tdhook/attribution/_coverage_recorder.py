@@ -18,6 +18,7 @@ from torch import nn
 
 from tdhook.attribution._nonlinear_calls import NonlinearCalls
 from tdhook.attribution._plain_gradient_reports import report_dropout_calls, report_plain_gradient
+from tdhook.attribution._random_calls import report_random_calls
 from tdhook.attribution._unmapped_layers import report_recurrent_first_layers, report_unmapped_layers
 from tdhook.attribution._unmerged_norms import layer_rules_merging, report_unmerged_norms
 from tdhook.attribution.coverage import Coverage, PlainGradientCall, reached_share
@@ -93,6 +94,7 @@ class CoverageRecorder:
             "norms": calls.found_unmerged_norms(targets),
             "recurrent": calls.found_first_recurrent(targets),
             "dropouts": calls.found_dropouts(targets),
+            "draws": calls.found_random_calls(targets),
         }
         new = {kind: self._unreported(kind, calls_of) for kind, calls_of in found.items()}
         plain = report_plain_gradient(new["plain"], modules, strict, self._function_rules)
@@ -101,6 +103,7 @@ class CoverageRecorder:
         norms = report_unmerged_norms(new["norms"], modules, strict)
         report_recurrent_first_layers(new["recurrent"], mapper, strict)
         report_dropout_calls(new["dropouts"], modules)
+        report_random_calls(new["draws"], modules)
         self._plain_gradient += plain + layers + norms
         self._reported.update(
             (kind, name, function) for kind, calls_of in new.items() for name in calls_of for function in calls_of[name]

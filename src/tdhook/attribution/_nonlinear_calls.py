@@ -64,6 +64,7 @@ from tdhook.attribution._operator_calls import (
     unruled_sum,
 )
 from tdhook.attribution._quantized_calls import CUT, quantizing_call
+from tdhook.attribution._random_calls import RANDOM_CALLS, RandomCalls
 from tdhook.attribution._random_modules import draw
 from tdhook.attribution._straight_through import STRAIGHT_THROUGH, StraightThrough
 from tdhook.attribution._unmapped_layers import (
@@ -356,6 +357,7 @@ class NonlinearCalls(TorchFunctionMode):
         self._first_recurrent: list[tuple[str, str, Any]] = []  # recurrent layers the model's input reaches first
         self._dropouts: list[tuple[str, str, Any]] = []  # dropout functions that drop, outside Dropout modules
         self._ruled_dropouts: list[tuple[str, str]] = []  # those in a ruled module's forward, until its output
+        self._random_calls = RandomCalls()  # torch's random functions called in the model's own forward
         self._modules: Mapping[str, nn.Module] = {}
         self._stack: list[str] = []
         self._ruled_depth = 0
@@ -386,6 +388,8 @@ class NonlinearCalls(TorchFunctionMode):
             node = _viewed_node(result)
         else:
             result = mark_parameter_derived(args, func(*args, **(kwargs or {})), func)
+        if not (func in RANDOM_CALLS and _ours_calling()):  # a draw, or a call computing with one
+            self._random_calls.follow(func, args, kwargs, result, self._stack, self._modules)
         if torch._C._are_functorch_transforms_active():  # under torch.vmap: the tensors the graph holds
             self._record(func, _unwrapped_all(args), _unwrapped_all(result), kwargs)
         else:
@@ -573,6 +577,11 @@ class NonlinearCalls(TorchFunctionMode):
         """Module name → ``"dropout (p=…)"`` → number of calls: dropout functions that drop (training mode, ``p > 0``)
         in a module's own forward, outside any Dropout module and any mode's rule; ``targets`` as for :meth:`found`."""
         return _count(self._dropouts, None if targets is None else _graph_nodes(targets))
+
+    def found_random_calls(self, targets: Sequence[torch.Tensor]) -> dict[str, dict[str, int]]:
+        """Module name → random function → number of its draws that reach ``targets`` (see
+        :class:`~tdhook.attribution._random_calls.RandomCalls`)."""
+        return self._random_calls.found(_graph_nodes(targets))
 
     def found_first_recurrent(self, targets: Sequence[torch.Tensor] | None = None) -> dict[str, dict[str, int]]:
         """Module name → its class name → number of calls: recurrent layers with a rule (LSTM, GRU, their cells) and

@@ -1,0 +1,148 @@
+"""Random draws in a model's own forward, outside the modules that draw by design: an explanation is then random
+from call to call, and the user is told once, naming the module.
+
+A Dropout module in training mode is named by :mod:`~tdhook.attribution._random_modules`, a dropout function by the
+coverage watch (see :func:`~tdhook.attribution._plain_gradient_reports.report_dropout_calls`). What neither sees is
+a draw written in a forward with torch's random functions: Hugging Face's ViTMAE masks a random share of its patches
+(``torch.rand``, then ``argsort``), torchrl's ``RSSMPrior`` and ``RSSMPosterior`` sample their state
+(``mean + torch.randn_like(std) * std``). The watched first call of each input signature (see
+:class:`~tdhook.attribution._nonlinear_calls.NonlinearCalls`) notes every such call by the module that makes it,
+but in a sampler (tensordict's ``ProbabilisticTensorDictModule``: the action LRP explains is the one it drew, written
+beside the relevance), in a torchrl exploration step (its noise is added after the explained output), in a module
+named for its draws already (a Dropout module, an ``nn.RReLU``), and in this package's own code.
+
+Examples:
+    >>> import warnings
+    >>> from torch import nn
+    >>> draws, modules, x = RandomCalls(), {"encoder": nn.Identity()}, torch.ones(2, requires_grad=True)
+    >>> noise = torch.randn_like(x)
+    >>> draws.follow(torch.randn_like, (x,), None, noise, ["encoder"], modules)
+    >>> y = x + noise
+    >>> draws.follow(torch.add, (x, noise), None, y, ["encoder"], modules)
+    >>> draws.found({y.grad_fn}), draws.found(set())
+    ({'encoder': {'torch.randn_like': 1}}, {})
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     report_random_calls(draws.found({y.grad_fn}), modules)
+    >>> str(caught[0].message)[:69]
+    "LRP: module 'encoder' (Identity) draws at random in its own forward ("
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from tensordict.nn import ProbabilisticTensorDictModule
+from torch import nn
+from torchrl.modules import AdditiveGaussianModule, EGreedyModule, OrnsteinUhlenbeckProcessModule
+
+from tdhook.attribution._random_modules import draw
+from tdhook.attribution.mappers.aliases import module_place
+from tdhook.attribution.rules._caller import warn_at_caller
+
+__all__ = ["RANDOM_CALLS", "RandomCalls", "report_random_calls"]
+
+# torch's functions that draw from a random generator, by the name a message gives them.
+RANDOM_CALLS: dict[Any, str] = {
+    **{getattr(torch, name): f"torch.{name}" for name in ("rand", "rand_like", "randn", "randn_like", "randint")},
+    **{getattr(torch, name): f"torch.{name}" for name in ("randint_like", "randperm", "bernoulli", "multinomial")},
+    **{getattr(torch, name): f"torch.{name}" for name in ("normal", "poisson")},
+    **{
+        getattr(torch.Tensor, name): f"Tensor.{name}"
+        for name in ("bernoulli", "bernoulli_", "uniform_", "normal_", "exponential_", "geometric_", "log_normal_")
+    },
+    **{getattr(torch.Tensor, name): f"Tensor.{name}" for name in ("cauchy_", "random_", "multinomial")},
+}
+
+# The attribute of a tensor drawn at random, or computed from one without gradient: where it was drawn, and how.
+_DRAWN = "_tdhook_drawn"
+
+# Modules that draw by design, whose draws a call explains or that are named otherwise (see the module).
+_DRAWING_BY_DESIGN = (
+    ProbabilisticTensorDictModule,
+    AdditiveGaussianModule,
+    EGreedyModule,
+    OrnsteinUhlenbeckProcessModule,
+)
+
+
+class RandomCalls:
+    """The draws of one watched forward pass that a target depends on, by module name and function.
+
+    Every tensor computed from a draw is marked as depending on it, with gradient or without (``argsort``, a slice,
+    ``topk``'s indices); the autograd nodes of those with gradient (a sum with noise, a ``gather`` of the tokens a
+    random permutation keeps, Informer's queries picked by keys sampled at random) are where a target's graph shows
+    that its value depends on the draw. A draw that no target's graph reaches (a sampled action next to the explained
+    logits, the noise of a state sampled next to the explained mean) is no reason to warn.
+    """
+
+    def __init__(self) -> None:
+        self._reaching: list[tuple[str, str, Any]] = []  # (module, function, node of the first call with gradient)
+        self._any = False  # whether anything was drawn yet (the calls before are not looked at)
+
+    def follow(self, func: Any, args: tuple, kwargs: dict | None, result: Any, stack: Sequence[str], modules) -> None:
+        """Follow the call ``func(*args, **kwargs)`` that returned ``result``, made in the module innermost in
+        ``stack`` (the names of the module calls open, outermost first) of ``modules``."""
+        if func in RANDOM_CALLS:
+            if not _by_design(stack, modules):
+                self._any = True
+                _mark(result, (stack[-1] if stack else "", RANDOM_CALLS[func]))
+            return
+        if not self._any:
+            return
+        origin = next(filter(None, map(_origin, _flat(args, kwargs))), None)
+        if origin is None:
+            return
+        _mark(result, origin)  # what is computed from a draw depends on it, with gradient or not (topk's indices)
+        node = next((t.grad_fn for t in _flat((result,), None) if t.grad_fn is not None), None)
+        if node is not None:
+            self._reaching.append((*origin, node))
+
+    def found(self, reached: set) -> dict[str, dict[str, int]]:
+        """Module name → function → number of draws whose node is in ``reached``."""
+        found: dict[str, dict[str, int]] = {}
+        for name, function, node in self._reaching:
+            if node in reached:
+                per_module = found.setdefault(name, {})
+                per_module[function] = per_module.get(function, 0) + 1
+        return found
+
+
+def _by_design(stack: Sequence[str], modules: Mapping[str, nn.Module]) -> bool:
+    return any(
+        isinstance(module, _DRAWING_BY_DESIGN) or draw(module) is not None
+        for module in (modules.get(name) for name in stack)
+    )
+
+
+def _flat(args: tuple, kwargs: dict | None) -> list[torch.Tensor]:
+    """The tensors among ``args`` and ``kwargs``' values, and in the lists and tuples among them (one level)."""
+    values = [*args, *(kwargs or {}).values()]
+    values += [v for value in values if isinstance(value, (list, tuple)) for v in value]
+    return [value for value in values if isinstance(value, torch.Tensor)]
+
+
+def _origin(tensor: torch.Tensor) -> tuple[str, str] | None:
+    return getattr(tensor, _DRAWN, None)
+
+
+def _mark(result: Any, origin: tuple[str, str]) -> None:
+    for tensor in _flat((result,), None):
+        if not isinstance(tensor, nn.Parameter):  # written into in place: it stays the model's own
+            setattr(tensor, _DRAWN, origin)
+
+
+def report_random_calls(found: Mapping[str, Mapping[str, int]], modules: Mapping[str, nn.Module]) -> None:
+    """Warn, per module, of the draws :meth:`RandomCalls.found` found: each forward pass draws anew, and the
+    explanation is that of its own draw."""
+    for name, functions in found.items():
+        module = modules.get(name)
+        kind = f" ({type(module).__name__})" if module is not None else ""
+        warn_at_caller(
+            f"LRP: {module_place(name, modules)}{kind} draws at random in its own forward ({', '.join(functions)}), "
+            "so each forward pass draws anew and each call explains the output of its own draw, random from call "
+            "to call; pass the draw as an input of the model where it takes one (ViTMAE's noise, for instance), "
+            "or seed torch's generator before each call for a repeatable explanation"
+        )

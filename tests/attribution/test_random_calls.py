@@ -1,0 +1,162 @@
+"""A model that draws at random in its own forward is named, once, where the explained target depends on the draw;
+samplers, exploration steps and Dropout modules, which draw by design, are not."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule, TensorDictSequential
+from torch import nn
+from torchrl.data import OneHot
+from torchrl.envs.utils import ExplorationType, set_exploration_type
+from torchrl.modules import MLP, EGreedyModule, OneHotCategorical, ProbabilisticActor, QValueActor
+
+from tdhook.attribution import LRP
+from tdhook.attribution.lrp_helpers.rules import CPLRP, EpsilonPlus
+
+DRAWS = "draws at random in its own forward"
+
+
+class NoisyEncoder(nn.Module):
+    """A linear layer on its input plus noise drawn in the forward (a reparameterised sample's form)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x + torch.randn_like(x))
+
+
+class Model(nn.Module):
+    def __init__(self, encoder: nn.Module) -> None:
+        super().__init__()
+        self.encoder, self.head = encoder, nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
+def draw_warnings(lrp: LRP, td: TensorDict) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lrp(td.clone())
+    return [str(w.message) for w in caught if DRAWS in str(w.message)]
+
+
+def test_a_draw_in_a_forward_is_named_once() -> None:
+    lrp = LRP(Model(NoisyEncoder()), EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    (message,) = draw_warnings(lrp, TensorDict(x=torch.randn(4, 3), batch_size=[4]))
+    assert "module 'encoder' (NoisyEncoder)" in message and "torch.randn_like" in message
+    assert draw_warnings(lrp, TensorDict(x=torch.randn(4, 3), batch_size=[4])) == []  # told once
+    assert draw_warnings(lrp, TensorDict(x=torch.randn(5, 3), batch_size=[5])) == []  # another signature, watched
+
+
+@pytest.mark.parametrize(
+    "draw",
+    [
+        lambda x: x * torch.full_like(x, 0.5).bernoulli(),
+        lambda x: torch.rand(x.shape) * x,
+        lambda x: x[torch.randperm(x.shape[0])],
+        lambda x: x * torch.empty_like(x).uniform_(),
+        lambda x: x + torch.normal(0.0, 1.0, x.shape),
+    ],
+    ids=["Tensor.bernoulli", "torch.rand", "torch.randperm", "Tensor.uniform_", "torch.normal"],
+)
+def test_every_kind_of_draw_is_named(draw, request) -> None:
+    class Drawing(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return draw(x)
+
+    lrp = LRP(Model(nn.Sequential(nn.Linear(3, 2), Drawing())), CPLRP(), in_keys=["x"], out_keys=["y"])
+    (message,) = draw_warnings(lrp, TensorDict(x=torch.rand(4, 3), batch_size=[4]))
+    assert "module 'encoder.1' (Drawing)" in message and request.node.callspec.id in message
+
+
+def test_vitmae_random_mask_is_named() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ViTMAEConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, image_size=32, patch_size=8
+    )
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = transformers.ViTMAEModel(config).eval()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(pixel_values=x).last_hidden_state[:, 0]
+
+    lrp = LRP(Encoder(), CPLRP(), in_keys=["x"], out_keys=["y"])
+    (message,) = draw_warnings(lrp, TensorDict(x=torch.randn(2, 3, 32, 32), batch_size=[2]))
+    assert "module 'model.embeddings' (ViTMAEEmbeddings)" in message and "torch.rand" in message
+
+
+def test_samplers_exploration_and_dropout_modules_are_not_named_here() -> None:
+    actor = ProbabilisticActor(
+        TensorDictModule(
+            MLP(in_features=4, out_features=2, num_cells=[8]), in_keys=["observation"], out_keys=["logits"]
+        ),
+        in_keys=["logits"],
+        distribution_class=OneHotCategorical,
+        spec=OneHot(2),
+        return_log_prob=True,
+    )
+    td = TensorDict(observation=torch.randn(3, 4), batch_size=[3])
+    with set_exploration_type(ExplorationType.RANDOM):  # the action drawn is the one explained
+        assert draw_warnings(LRP(actor, EpsilonPlus()), td) == []
+    q_actor = QValueActor(MLP(in_features=4, out_features=2, num_cells=[8]), in_keys=["observation"], spec=OneHot(2))
+    greedy = TensorDictSequential(q_actor, EGreedyModule(spec=OneHot(2), eps_init=0.5))
+    assert draw_warnings(LRP(greedy, EpsilonPlus()), td) == []
+    dropout = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2)).train()  # warned of as a module
+    assert draw_warnings(LRP(dropout, EpsilonPlus(), in_keys=["observation"], out_keys=["y"]), td) == []
+
+
+def test_a_draw_with_the_model_deterministic_is_not_named() -> None:
+    lrp = LRP(Model(nn.Linear(3, 2)), EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    assert draw_warnings(lrp, TensorDict(x=torch.randn(4, 3), batch_size=[4])) == []
+
+
+class SampledState(nn.Module):
+    """A mean, and a state sampled around it (RSSM's form: ``mean + torch.randn_like(std) * std``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean, self.std = nn.Linear(3, 2), nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mean, std = self.mean(x), nn.functional.softplus(self.std(x))
+        return mean, mean + torch.randn_like(std) * std
+
+
+@pytest.mark.parametrize(("target_key", "named"), [("mean", False), ("state", True)])
+def test_a_draw_is_named_where_the_target_depends_on_it(target_key: str, named: bool) -> None:
+    module = TensorDictModule(SampledState(), in_keys=["x"], out_keys=["mean", "state"])
+    lrp = LRP(module, CPLRP(), target_key=target_key)
+    found = draw_warnings(lrp, TensorDict(x=torch.randn(4, 3), batch_size=[4]))
+    assert len(found) == int(named)
+    assert all("module '' " not in message and "torch.randn_like" in message for message in found)
+
+
+class SampledKeys(nn.Module):
+    """Units picked by their scores against units sampled at random (ProbSparse attention's form): the draw reaches
+    the output through integer indices only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.layer(x)
+        sampled = scores[:, torch.randint(0, 6, (3,))]
+        picked = sampled.topk(2, dim=-1).indices  # no gradient: only the picked units carry the draw on
+        return scores.gather(1, picked)
+
+
+def test_a_draw_that_picks_units_is_named_through_their_indices() -> None:
+    lrp = LRP(SampledKeys(), CPLRP(), in_keys=["x"], out_keys=["y"])
+    (message,) = draw_warnings(lrp, TensorDict(x=torch.randn(4, 6), batch_size=[4]))
+    assert "(SampledKeys)" in message and "torch.randint" in message
