@@ -104,7 +104,12 @@ def keeps_running_statistics(metric: Metric) -> Metric:
         model = args[0] if args else kwargs.get(first)
         if not isinstance(model, nn.Module):
             return metric(*args, **kwargs)
-        refuse_moving_statistics(metric.__name__, dict(model.named_modules()))  # not buffers: kept by no copy
+        modules = dict(model.named_modules())
+        refuse_moving_statistics(metric.__name__, modules)  # not buffers: kept by no copy
+        # Modules in eval mode leave their buffers as they are: with no buffer in a module in training mode there is
+        # nothing to keep.
+        if not any(module.training and len(module._buffers) for module in modules.values()):
+            return metric(*args, **kwargs)
         with buffers_kept(model):
             return metric(*args, **kwargs)
 

@@ -50,7 +50,14 @@ def keeps_global_rng(metric: Metric) -> Metric:
     def forked(*args, **kwargs):
         model = args[0] if args else kwargs.get(first)
         devices = cuda_devices(model) if isinstance(model, nn.Module) else []
-        with torch.random.fork_rng(devices=devices):
+        if devices:
+            with torch.random.fork_rng(devices=devices):
+                return metric(*args, **kwargs)
+        # The CPU state alone: what fork_rng keeps without devices, in two calls instead of its generic setup.
+        state = torch.default_generator.get_state()
+        try:
             return metric(*args, **kwargs)
+        finally:
+            torch.default_generator.set_state(state)
 
     return forked

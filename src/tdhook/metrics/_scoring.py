@@ -41,7 +41,7 @@ from tdhook.attribution._random_modules import deterministic, draw, draws_anew, 
 from tdhook.attribution._read_keys import carried_inputs
 from tdhook.attribution._run_errors import run_error
 from tdhook.attribution.methods._cross_sample_outputs import scored_across_copies
-from tdhook.attribution.methods._random_draws import random_states, redrawn
+from tdhook.attribution.methods._random_draws import drew, random_states, redrawn
 from tdhook.attribution.methods._sampled_targets import exploration_draws
 from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurrent_layers, time_lengths
 from tdhook.attribution.rules._dropout_calls import DropoutCalls
@@ -149,6 +149,8 @@ def _refuse_redrawn(scorer: Scorer, before: list[torch.Tensor]) -> None:
     """A target that differs between two passes on the same input (a model drawing in its own forward, as torchrl's
     RSSMPrior samples its state): a curve of it would be noise (see
     :mod:`~tdhook.attribution.methods._random_draws`). ``before``: the random states before the scorer's pass."""
+    if not drew(scorer.module, before):  # no draw: the modules are not walked
+        return
     modules = dict((scorer.module.module if scorer._plain else scorer.module).named_modules())
     run = functools.partial(scorer._output_of, scorer._base)
     found = redrawn(scorer.module, modules, before, scorer.reference_output, run)

@@ -35,7 +35,7 @@ from torch import nn
 from tdhook.attribution.methods._global_rng import cuda_devices
 from tdhook.attribution.rules._caller import warn_at_caller
 
-__all__ = ["RandomDraws", "drawing_modules", "random_states", "redrawn"]
+__all__ = ["RandomDraws", "drawing_modules", "drew", "random_states", "redrawn"]
 
 
 def random_states(model: nn.Module) -> list[torch.Tensor]:
@@ -52,6 +52,18 @@ def random_states(model: nn.Module) -> list[torch.Tensor]:
 
 def _moved(before: list[torch.Tensor], after: list[torch.Tensor]) -> bool:
     return any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def drew(model: nn.Module, before: list[torch.Tensor]) -> bool:
+    """Whether the global random states of ``model`` (see :func:`random_states`) moved from ``before``.
+
+    Examples:
+        >>> net = nn.Linear(2, 2)
+        >>> before = random_states(net)
+        >>> drew(net, before), (torch.rand(1), drew(net, before))[1]
+        (False, True)
+    """
+    return _moved(before, random_states(model))
 
 
 def drawing_modules(modules: Mapping[str, nn.Module], run: Callable[[], Any]) -> tuple[Any, list[str]]:
@@ -118,7 +130,7 @@ def redrawn(
         >>> redrawn(net, dict(net.named_modules()), before, x * 2, lambda: x * 2) is None
         True
     """
-    if not _moved(before, random_states(model)):
+    if not drew(model, before):
         return None
     with torch.random.fork_rng(devices=cuda_devices(model)):
         again, drawers = drawing_modules(modules, run)
