@@ -138,7 +138,28 @@ def test_a_draw_is_named_where_the_target_depends_on_it(target_key: str, named: 
     lrp = LRP(module, CPLRP(), target_key=target_key)
     found = draw_warnings(lrp, TensorDict(x=torch.randn(4, 3), batch_size=[4]))
     assert len(found) == int(named)
-    assert all("module '' " not in message and "torch.randn_like" in message for message in found)
+    assert all("module 'module' (SampledState)" in message and "torch.randn_like" in message for message in found)
+
+
+class VariationalEncoder(nn.Module):
+    """A code sampled by ``torch.distributions.Normal(...).rsample()`` in a plain module (a VAE's encoder), decoded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean, self.log_std, self.decoder = nn.Linear(4, 2), nn.Linear(4, 2), nn.Linear(2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        code = torch.distributions.Normal(self.mean(x), self.log_std(x).exp()).rsample()
+        return self.decoder(code)
+
+
+def test_a_sample_of_a_torch_distribution_is_named_and_nothing_is_left_on_the_tensors() -> None:
+    model, codes = VariationalEncoder(), []
+    model.decoder.register_forward_pre_hook(lambda module, args: codes.append(args[0]))  # the code drawn
+    lrp = LRP(model, CPLRP(), in_keys=["x"], out_keys=["y"])
+    (message,) = draw_warnings(lrp, TensorDict(x=torch.randn(3, 4), batch_size=[3]))
+    assert "the model itself (VariationalEncoder)" in message and "Tensor.normal_" in message
+    assert codes and all(vars(code) == {} for code in codes)  # the watch keeps its own record of what was drawn
 
 
 class SampledKeys(nn.Module):

@@ -1,15 +1,16 @@
-"""Random draws in a model's own forward, outside the modules that draw by design: an explanation is then random
-from call to call, and the user is told once, naming the module.
+"""Random draws in a model's own forward, outside the modules that draw by design: an explanation is then random from
+call to call, and the user is told once, naming the module.
 
 A Dropout module in training mode is named by :mod:`~tdhook.attribution._random_modules`, a dropout function by the
-coverage watch (see :func:`~tdhook.attribution._plain_gradient_reports.report_dropout_calls`). What neither sees is
-a draw written in a forward with torch's random functions: Hugging Face's ViTMAE masks a random share of its patches
+coverage watch (see :func:`~tdhook.attribution._plain_gradient_reports.report_dropout_calls`). What neither sees is a
+draw written in a forward with torch's random functions: Hugging Face's ViTMAE masks a random share of its patches
 (``torch.rand``, then ``argsort``), torchrl's ``RSSMPrior`` and ``RSSMPosterior`` sample their state
 (``mean + torch.randn_like(std) * std``). The watched first call of each input signature (see
-:class:`~tdhook.attribution._nonlinear_calls.NonlinearCalls`) notes every such call by the module that makes it,
-but in a sampler (tensordict's ``ProbabilisticTensorDictModule``: the action LRP explains is the one it drew, written
-beside the relevance), in a torchrl exploration step (its noise is added after the explained output), in a module
-named for its draws already (a Dropout module, an ``nn.RReLU``), and in this package's own code.
+:class:`~tdhook.attribution._nonlinear_calls.NonlinearCalls`) follows every such draw, by the module that makes it,
+to the explained target (see :class:`RandomCalls`), but a draw in a sampler (tensordict's
+``ProbabilisticTensorDictModule``: the action LRP explains is the one it drew, written beside the relevance), in a
+torchrl exploration step (its noise is added after the explained output), in a module named for its draws already (a
+Dropout module, an ``nn.RReLU``), and in this package's own code.
 
 Examples:
     >>> import warnings
@@ -56,9 +57,6 @@ RANDOM_CALLS: dict[Any, str] = {
     **{getattr(torch.Tensor, name): f"Tensor.{name}" for name in ("cauchy_", "random_", "multinomial")},
 }
 
-# The attribute of a tensor drawn at random, or computed from one without gradient: where it was drawn, and how.
-_DRAWN = "_tdhook_drawn"
-
 # Modules that draw by design, whose draws a call explains or that are named otherwise (see the module).
 _DRAWING_BY_DESIGN = (
     ProbabilisticTensorDictModule,
@@ -79,23 +77,24 @@ class RandomCalls:
     """
 
     def __init__(self) -> None:
-        self._reaching: list[tuple[str, str, Any]] = []  # (module, function, node of the first call with gradient)
-        self._any = False  # whether anything was drawn yet (the calls before are not looked at)
+        self._reaching: list[tuple[str, str, Any]] = []  # (module, function, node of a call with gradient)
+        # By id: each tensor drawn or computed from a draw in the pass, held (its id is not reused meanwhile), and where
+        # and how it was drawn. Kept here, not on the tensors: nothing is left on the model's or the caller's tensors.
+        self._drawn: dict[int, tuple[torch.Tensor, tuple[str, str]]] = {}
 
     def follow(self, func: Any, args: tuple, kwargs: dict | None, result: Any, stack: Sequence[str], modules) -> None:
         """Follow the call ``func(*args, **kwargs)`` that returned ``result``, made in the module innermost in
         ``stack`` (the names of the module calls open, outermost first) of ``modules``."""
         if func in RANDOM_CALLS:
             if not _by_design(stack, modules):
-                self._any = True
-                _mark(result, (stack[-1] if stack else "", RANDOM_CALLS[func]))
+                self._mark(result, (stack[-1] if stack else "", RANDOM_CALLS[func]))
             return
-        if not self._any:
+        if not self._drawn:  # nothing drawn yet: the calls before a draw are not looked at
             return
-        origin = next(filter(None, map(_origin, _flat(args, kwargs))), None)
+        origin = next(filter(None, map(self._origin, _flat(args, kwargs))), None)
         if origin is None:
             return
-        _mark(result, origin)  # what is computed from a draw depends on it, with gradient or not (topk's indices)
+        self._mark(result, origin)  # what is computed from a draw depends on it, with gradient or not (topk's indices)
         node = next((t.grad_fn for t in _flat((result,), None) if t.grad_fn is not None), None)
         if node is not None:
             self._reaching.append((*origin, node))
@@ -108,6 +107,14 @@ class RandomCalls:
                 per_module = found.setdefault(name, {})
                 per_module[function] = per_module.get(function, 0) + 1
         return found
+
+    def _origin(self, tensor: torch.Tensor) -> tuple[str, str] | None:
+        entry = self._drawn.get(id(tensor))
+        return entry[1] if entry is not None and entry[0] is tensor else None
+
+    def _mark(self, result: Any, origin: tuple[str, str]) -> None:
+        for tensor in _flat((result,), None):
+            self._drawn[id(tensor)] = (tensor, origin)
 
 
 def _by_design(stack: Sequence[str], modules: Mapping[str, nn.Module]) -> bool:
@@ -122,16 +129,6 @@ def _flat(args: tuple, kwargs: dict | None) -> list[torch.Tensor]:
     values = [*args, *(kwargs or {}).values()]
     values += [v for value in values if isinstance(value, (list, tuple)) for v in value]
     return [value for value in values if isinstance(value, torch.Tensor)]
-
-
-def _origin(tensor: torch.Tensor) -> tuple[str, str] | None:
-    return getattr(tensor, _DRAWN, None)
-
-
-def _mark(result: Any, origin: tuple[str, str]) -> None:
-    for tensor in _flat((result,), None):
-        if not isinstance(tensor, nn.Parameter):  # written into in place: it stays the model's own
-            setattr(tensor, _DRAWN, origin)
 
 
 def report_random_calls(found: Mapping[str, Mapping[str, int]], modules: Mapping[str, nn.Module]) -> None:
