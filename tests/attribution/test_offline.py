@@ -24,6 +24,7 @@ from torchrl.modules import (
     AdditiveGaussianModule,
     GRUModule,
     LSTMModule,
+    MaskedCategorical,
     ProbabilisticActor,
     QValueActor,
     TanhNormal,
@@ -547,6 +548,51 @@ class TestActionsOfASamplingPolicy:
         assert torch.equal(out["action"].clone(), stored)
         expected = relevance_of_actions(actor, rows, stored)
         torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
+
+    @pytest.mark.parametrize("exploration", [ExplorationType.RANDOM, ExplorationType.DETERMINISTIC])
+    def test_stored_rows_without_next_keep_their_own_action(self, tmp_path, exploration):
+        """A data set of (observation, action) rows holds no ``"next"``: its actions are the ones taken all the
+        same. Each row explained a new draw (or the mode) and wrote it over the stored action."""
+        torch.manual_seed(5)
+        actor, rows = categorical_actor(), data(24)
+        stored = torch.randint(5, (24,))
+        rows.set("action", stored)
+        with set_exploration_type(exploration):
+            out = explain_offline(LRP(actor, EpsilonPlus()), rows, tmp_path / "out", batch_size=8, progress=False)
+        assert torch.equal(out["action"].clone(), stored)
+        expected = relevance_of_actions(actor, rows, stored)
+        torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
+        logits = actor.module[0](rows.clone())["logits"].detach()
+        log_prob = Categorical(logits=logits).log_prob(stored)
+        torch.testing.assert_close(out["action_log_prob"].clone(), log_prob, rtol=1e-12, atol=1e-14)
+
+    def test_a_masked_policys_stored_rows_keep_an_allowed_action_that_is_not_the_best(self, tmp_path):
+        torch.manual_seed(6)
+        net = TensorDictModule(MLP(in_features=4, out_features=5, num_cells=[16]).double(), ["observation"], ["logits"])
+        actor = ProbabilisticActor(
+            net, in_keys={"logits": "logits", "mask": "action_mask"}, distribution_class=MaskedCategorical
+        )
+        rows = data(16)
+        logits = net(rows.clone())["logits"].detach()
+        worst = logits.argmin(-1)  # allowed by the mask, never the best allowed action
+        rows.set("action", worst).set("action_mask", torch.ones(16, 5, dtype=torch.bool))
+        with set_exploration_type(ExplorationType.DETERMINISTIC):
+            out = explain_offline(LRP(actor, EpsilonPlus()), rows, tmp_path / "out", batch_size=8, progress=False)
+        assert torch.equal(out["action"].clone(), worst)
+        expected = relevance_of_actions(actor, rows, worst)
+        torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
+
+    def test_a_live_step_outside_explain_offline_still_explains_its_own_draw(self):
+        """The rows of ``explain_offline`` are stored; a call of the wrapper on a step that holds the previous
+        step's action and no ``"next"`` still explains the action this step takes."""
+        actor, rows = categorical_actor(), data(8)
+        logits = actor.module[0](rows.clone())["logits"].detach()
+        rows.set("action", logits.argmin(-1))  # the previous step's action, never this step's mode
+        with set_exploration_type(ExplorationType.DETERMINISTIC):
+            result = LRP(actor, EpsilonPlus())(rows.clone())
+        assert torch.equal(result["action"], logits.argmax(-1))
+        expected = relevance_of_actions(actor, rows, logits.argmax(-1))
+        torch.testing.assert_close(result["relevance", "observation"], expected, rtol=1e-12, atol=1e-14)
 
     def test_a_gaussian_policy_keeps_its_action_and_log_probability(self, tmp_path):
         torch.manual_seed(3)

@@ -59,7 +59,9 @@ Examples:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -98,6 +100,7 @@ __all__ = [
     "allowed_mask",
     "ordinal_sampler",
     "holds_transition",
+    "stored_rows",
     "held_action_record",
     "masked_action_keys",
     "acted_step",
@@ -428,11 +431,14 @@ def distributional_action(
     return greedy.unsqueeze(-1).expand(values.shape[:-1])
 
 
+_STORED_ROWS: ContextVar[bool] = ContextVar("tdhook_stored_rows", default=False)
+
+
 def holds_transition(tensordict: TensorDictBase) -> bool:
     """Whether ``tensordict`` is a stored transition, whose action is the one taken in its state: it holds
-    ``"next"``, as the TensorDicts of torchrl's rollouts, collectors and replay buffers do. The TensorDict a rollout
-    or a collector gives the policy at a step holds the previous step's action (``step_mdp`` keeps it), and no
-    ``"next"``.
+    ``"next"``, as the TensorDicts of torchrl's rollouts, collectors and replay buffers do, or it is a batch of rows
+    read from storage (see :func:`stored_rows`). The TensorDict a rollout or a collector gives the policy at a step
+    holds the previous step's action (``step_mdp`` keeps it), and no ``"next"``.
 
     Examples:
         >>> from tensordict import TensorDict
@@ -440,7 +446,27 @@ def holds_transition(tensordict: TensorDictBase) -> bool:
         >>> holds_transition(step), holds_transition(step.set("next", step.select("observation")))
         (False, True)
     """
-    return "next" in tensordict.keys()
+    return _STORED_ROWS.get() or "next" in tensordict.keys()
+
+
+@contextmanager
+def stored_rows() -> Iterator[None]:
+    """Calls made inside read rows from storage (a data set, a replay buffer): an action a row holds is the one
+    taken in its state, with or without ``"next"`` (see :func:`holds_transition`). ``explain_offline`` runs its
+    batches inside.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> row = TensorDict(observation=torch.zeros(2, 4), action=torch.zeros(2, dtype=torch.long), batch_size=[2])
+        >>> with stored_rows():
+        ...     holds_transition(row)
+        True
+    """
+    token = _STORED_ROWS.set(True)
+    try:
+        yield
+    finally:
+        _STORED_ROWS.reset(token)
 
 
 def _raise_for_forbidden(
@@ -463,8 +489,8 @@ def _raise_for_forbidden(
         where = f" at rows {[tuple(row) for row in forbidden.nonzero().tolist()[:5]]}" if forbidden.dim() else ""
         raise ValueError(
             f"LRP: the action at {action_key!r}, explained by default as the action taken, is forbidden by the mask "
-            f'at {mask_key!r}{where}: it was not taken under that mask (the TensorDict holds "next": a transition, '
-            "whose action is explained as the one taken in its state); pass a target to explain another action"
+            f"at {mask_key!r}{where}: it was not taken under that mask (a stored transition, whose action is explained "
+            "as the one taken in its state); pass a target to explain another action"
         )
 
 

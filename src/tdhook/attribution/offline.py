@@ -32,6 +32,7 @@ from torchrl.modules import AdditiveGaussianModule, OrnsteinUhlenbeckProcessModu
 
 from tdhook.attribution._inputs import module_in_recurrent_mode
 from tdhook.attribution._offline_shards import barrier, process_group, shard_runs
+from tdhook.attribution._policy_targets import stored_rows
 from tdhook.attribution.lrp import LRP
 
 __all__ = ["DONE_KEY", "drawn_action_keys", "explain_offline"]
@@ -314,7 +315,7 @@ def _explain_runs(
     Returns the output (None if there was none and nothing to explain) and whether it has been checked.
     """
     leaves, done = (None, None) if output is None else _writable(output)
-    with _opened(lrp), _progress_bar(sum(end - begin for begin, end in runs), progress) as bar:
+    with _opened(lrp), stored_rows(), _progress_bar(sum(end - begin for begin, end in runs), progress) as bar:
         for begin, end in runs:
             result = lrp(_rows(source, begin, end))
             if not checked:
@@ -413,7 +414,7 @@ def _written_entries(lrp: LRP, result: TensorDictBase) -> TensorDictBase:
 
 def _one_row_entries(lrp: LRP, source) -> TensorDictBase:
     """The entries written for the source's first row: what the output's entries must hold."""
-    with _opened(lrp):
+    with _opened(lrp), stored_rows():
         return _written_entries(lrp, lrp(_rows(source, 0, 1)))
 
 
