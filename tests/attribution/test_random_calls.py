@@ -181,3 +181,28 @@ def test_a_draw_that_picks_units_is_named_through_their_indices() -> None:
     lrp = LRP(SampledKeys(), CPLRP(), in_keys=["x"], out_keys=["y"])
     (message,) = draw_warnings(lrp, TensorDict(x=torch.randn(4, 6), batch_size=[4]))
     assert "(SampledKeys)" in message and "torch.randint" in message
+
+
+class RandomBranch(nn.Module):
+    """One of two layers picked by a draw read into Python (stochastic depth's or a random augmentation's form):
+    the draw reaches the output through the branch taken, not through a node of its graph."""
+
+    def __init__(self, read: str) -> None:
+        super().__init__()
+        self.a, self.b, self.read = nn.Linear(3, 2), nn.Linear(3, 2), read
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        draw = torch.rand(())
+        taken = {
+            "bool": lambda: bool(draw < 0.5),
+            "item": lambda: draw.item() < 0.5,
+            "float": lambda: float(draw) < 0.5,
+        }
+        return self.a(x) if taken[self.read]() else self.b(x)
+
+
+@pytest.mark.parametrize(("read", "function"), [("bool", "__bool__"), ("item", "item"), ("float", "__float__")])
+def test_a_draw_that_decides_a_branch_is_named(read: str, function: str) -> None:
+    lrp = LRP(Model(RandomBranch(read)), EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    (message,) = draw_warnings(lrp, TensorDict(x=torch.randn(4, 3), batch_size=[4]))
+    assert "module 'encoder' (RandomBranch)" in message and f"torch.rand read by Tensor.{function}" in message

@@ -7,7 +7,8 @@ draw written in a forward with torch's random functions: Hugging Face's ViTMAE m
 (``torch.rand``, then ``argsort``), torchrl's ``RSSMPrior`` and ``RSSMPosterior`` sample their state
 (``mean + torch.randn_like(std) * std``). The watched first call of each input signature (see
 :class:`~tdhook.attribution._nonlinear_calls.NonlinearCalls`) follows every such draw, by the module that makes it,
-to the explained target (see :class:`RandomCalls`), but a draw in a sampler (tensordict's
+to the explained target (see :class:`RandomCalls`), and names a draw read into Python (``if torch.rand(()) < p:``,
+``.item()``), whose branch no graph shows, but a draw in a sampler (tensordict's
 ``ProbabilisticTensorDictModule``: the action LRP explains is the one it drew, written beside the relevance), in a
 torchrl exploration step (its noise is added after the explained output), in a module named for its draws already (a
 Dropout module, an ``nn.RReLU``), and in this package's own code.
@@ -57,6 +58,13 @@ RANDOM_CALLS: dict[Any, str] = {
     **{getattr(torch.Tensor, name): f"Tensor.{name}" for name in ("cauchy_", "random_", "multinomial")},
 }
 
+# Tensor methods that hand a tensor's values to Python, where a branch or a size can depend on them: a draw read there
+# reaches the output through the forward's control flow, with no node in its graph.
+_READ_INTO_PYTHON: dict[Any, str] = {
+    getattr(torch.Tensor, name): f"Tensor.{name}"
+    for name in ("__bool__", "item", "tolist", "__int__", "__float__", "__index__")
+}
+
 # Modules that draw by design, whose draws a call explains or that are named otherwise (see the module).
 _DRAWING_BY_DESIGN = (
     ProbabilisticTensorDictModule,
@@ -78,6 +86,7 @@ class RandomCalls:
 
     def __init__(self) -> None:
         self._reaching: list[tuple[str, str, Any]] = []  # (module, function, node of a call with gradient)
+        self._read: list[tuple[str, str]] = []  # (module, function) of draws read into Python (a branch, a size)
         # By id: each tensor drawn or computed from a draw in the pass, held (its id is not reused meanwhile), and where
         # and how it was drawn. Kept here, not on the tensors: nothing is left on the model's or the caller's tensors.
         self._drawn: dict[int, tuple[torch.Tensor, tuple[str, str]]] = {}
@@ -94,16 +103,21 @@ class RandomCalls:
         origin = next(filter(None, map(self._origin, _flat(args, kwargs))), None)
         if origin is None:
             return
+        if func in _READ_INTO_PYTHON:  # ``if torch.rand(()) < p:``: the branch taken, not a node, depends on it
+            self._read.append((origin[0], f"{origin[1]} read by {_READ_INTO_PYTHON[func]}"))
+            return
         self._mark(result, origin)  # what is computed from a draw depends on it, with gradient or not (topk's indices)
         node = next((t.grad_fn for t in _flat((result,), None) if t.grad_fn is not None), None)
         if node is not None:
             self._reaching.append((*origin, node))
 
     def found(self, reached: set) -> dict[str, dict[str, int]]:
-        """Module name → function → number of draws whose node is in ``reached``."""
+        """Module name → function → number of draws whose node is in ``reached``, and of draws read into Python (a
+        branch of the forward, which no graph shows) where a target has a graph at all."""
         found: dict[str, dict[str, int]] = {}
-        for name, function, node in self._reaching:
-            if node in reached:
+        read = [(name, function, None) for name, function in self._read] if reached else []
+        for name, function, node in self._reaching + read:
+            if node is None or node in reached:
                 per_module = found.setdefault(name, {})
                 per_module[function] = per_module.get(function, 0) + 1
         return found
