@@ -60,6 +60,7 @@ from tdhook.attribution.methods._batch_statistics import (
 from tdhook.attribution.methods._call_keys import keys_explained_in_call, narrowed
 from tdhook.attribution.methods._cross_sample_outputs import scored_across_copies
 from tdhook.attribution.methods._global_rng import global_rng_kept
+from tdhook.attribution.methods._mixed_copies import checked_for_mixing, copies_apart
 from tdhook.attribution.methods._norm_gradients import norm_gradients_laid_out
 from tdhook.attribution.methods._options import MISSING
 from tdhook.attribution.methods._random_draws import RandomDraws, random_states
@@ -115,6 +116,7 @@ class Call:
     fed: list[torch.Tensor]
     leaves: list[torch.Tensor] = field(default_factory=list)
     separate_copies: bool = False
+    mixing_checked: bool = False  # the copies stacked in a pass were compared with a copy alone (_mixed_copies)
     buffers_before: BufferValues | None = None
     recurrent: dict[str, nn.Module] = field(default_factory=dict)
     time_lengths: set = field(default_factory=set)
@@ -471,6 +473,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             fed=fed,
             leaves=leaves if grad else [],
             separate_copies=bool(batch_normalisers(modules)),
+            mixing_checked=copies_apart(self.module),
             recurrent=recurrent,
             time_lengths=lengths,
             held_record=record,
@@ -495,11 +498,11 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The explained quantity at ``copies`` perturbed inputs, in one forward pass.
 
-        A model that normalises over the batch (BatchNorm in training mode) runs one copy per pass instead, so
-        that each copy is normalised with its own statistics, as the model on one batch is; so does, from the first
-        stacked pass that shows it on, a model whose recurrent layer reads the batch's first dimension as time (see
-        :mod:`~tdhook.attribution.methods._time_reads`), or whose target scores the samples of its batch against each
-        other (see :mod:`~tdhook.attribution.methods._cross_sample_outputs`).
+        A model that normalises over the batch (BatchNorm in training mode) runs one copy per pass instead, as the
+        model on one batch runs; so does, from the first stacked pass that shows it on, a model whose recurrent layer
+        reads the batch's first dimension as time (:mod:`~tdhook.attribution.methods._time_reads`), whose target
+        scores the samples of its batch against each other (:mod:`~tdhook.attribution.methods._cross_sample_outputs`),
+        or that mixes them in its forward (:mod:`~tdhook.attribution.methods._mixed_copies`).
 
         Args:
             call: the call.
@@ -516,8 +519,9 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         with torch.enable_grad() if grad else torch.no_grad():
             while start < copies:
                 stop = start + 1 if call.separate_copies else copies
-                part = self._run_copies(call, [x[start:stop] for x in inputs])
-                if part is not None:  # None: the copies ran as one sequence, and run again one per pass
+                chunk = [x[start:stop] for x in inputs]
+                part = checked_for_mixing(self, call, chunk, self._run_copies(call, chunk))
+                if part is not None:  # None: the copies ran as one sequence, or mixed, and run again one per pass
                     parts.append(part)
                     start = stop
             objective = torch.cat(parts, dim=1)

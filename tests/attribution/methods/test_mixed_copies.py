@@ -1,0 +1,135 @@
+"""A model that mixes the samples of its batch in its own forward (``x - x.mean(0)``, ``F.batch_norm`` in training
+mode) gives each stacked copy of the batch the statistics of all of them: the methods that stack copies in one pass
+compare the first stack with its copies alone, name the module and run one copy per pass."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from tdhook.attribution import GradientShap, IntegratedGradients, Occlusion, SmoothGrad
+from tdhook.attribution.methods._mixed_copies import copies_apart
+
+MIXES = "mixes the samples of its batch"
+
+
+class Centring(nn.Module):
+    """Each sample's features less the batch's mean: a batch statistic no module shows."""
+
+    def __init__(self, how: str = "mean") -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.how == "batch_norm":
+            return nn.functional.batch_norm(h, None, None, training=True)
+        return h - h.mean(0)
+
+
+class Model(nn.Module):
+    def __init__(self, how: str = "mean") -> None:
+        super().__init__()
+        self.first, self.centring, self.head = nn.Linear(4, 8), Centring(how), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.centring(torch.tanh(self.first(x)))))
+
+
+def module(how: str = "mean") -> TensorDictModule:
+    torch.manual_seed(0)
+    return TensorDictModule(Model(how).double(), ["x"], ["y"])
+
+
+def batch(rows: int = 5) -> TensorDict:
+    return TensorDict(
+        x=torch.randn(rows, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1)), batch_size=[rows]
+    )
+
+
+def explained(method, td: TensorDict) -> tuple[torch.Tensor, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        attribution = method(td.clone())["attribution", "x"]
+    return attribution, [str(w.message) for w in caught if MIXES in str(w.message)]
+
+
+@pytest.mark.parametrize("how", ["mean", "batch_norm"])
+def test_integrated_gradients_is_the_path_integral_of_each_point_as_the_batch_it_is(how: str) -> None:
+    """The oracle: the Riemann sum written out, each point of the path run as a batch of its own. Stacked, the points
+    were centred by the mean of all of them (0.27 off, relative L2, for ``mean``)."""
+    td, n = batch(), 4
+    attribution, (message,) = explained(
+        IntegratedGradients(module(how), n_steps=n, method="riemann_right", target=0), td
+    )
+    model, x = module(how).module, td["x"]
+    expected = torch.zeros_like(x)
+    for k in range(1, n + 1):
+        point = (x * k / n).requires_grad_(True)
+        expected += torch.autograd.grad(model(point)[:, 0].sum(), point)[0] / n
+    torch.testing.assert_close(attribution, x * expected, rtol=1e-10, atol=1e-12)
+    assert "IntegratedGradients: module 'centring' (Centring)" in message and "internal_batch_size=5" in message
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m, **kw: SmoothGrad(m, n_samples=6, stdev=0.3, seed=1, target=0, **kw),
+        lambda m, **kw: GradientShap(
+            m, baselines=torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2)),
+            n_samples=4, seed=1, target=0, **kw,
+        ),
+        lambda m, **kw: Occlusion(m, sliding_window_shapes=(1,), target=0, **kw),
+    ],
+    ids=["SmoothGrad", "GradientShap", "Occlusion"],
+)  # fmt: skip
+def test_stacked_copies_give_what_one_copy_per_pass_gives(make, request) -> None:
+    one_per_pass = {"Occlusion": {"perturbations_per_eval": 1}}.get(
+        request.node.callspec.id, {"internal_batch_size": 5}
+    )
+    stacked = {"Occlusion": {"perturbations_per_eval": 4}}.get(request.node.callspec.id, {})
+    td = batch()
+    attribution, (message,) = explained(make(module(), **stacked), td)
+    expected, none = explained(make(module(), **one_per_pass), td)
+    assert none == [] and expected.abs().max() > 0.01
+    torch.testing.assert_close(attribution, expected, rtol=1e-10, atol=1e-12)
+    assert message.startswith(f"{request.node.callspec.id}: module 'centring' (Centring) {MIXES}")
+
+
+class LinearCalls(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is nn.functional.linear:
+            self.rows.append(args[0].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_model_of_layers_that_keep_samples_apart_runs_no_extra_pass() -> None:
+    net = TensorDictModule(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double(), ["x"], ["y"])
+    assert copies_apart(net) and not copies_apart(module())
+    with LinearCalls() as calls:
+        attribution, found = explained(IntegratedGradients(net, n_steps=8, target=0), batch())
+    assert found == [] and calls.rows == [5, 5, 40, 40]  # the unperturbed pass, then the 8 points in one pass
+
+
+def test_a_model_that_keeps_samples_apart_is_compared_once_per_call_and_not_named() -> None:
+    """A model no list vouches for (a module of the caller's) is compared: its first and middle copies alone."""
+
+    class Tanh(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(x)
+
+    net = TensorDictModule(nn.Sequential(nn.Linear(4, 8), Tanh(), nn.Linear(8, 3)).double(), ["x"], ["y"])
+    with LinearCalls() as calls:
+        attribution, found = explained(IntegratedGradients(net, n_steps=8, target=0), batch())
+    assert found == [] and calls.rows == [5, 5, 40, 40, 5, 5, 5, 5]
+    expected = explained(IntegratedGradients(net, n_steps=8, target=0, internal_batch_size=5), batch())[0]
+    torch.testing.assert_close(attribution, expected, rtol=1e-10, atol=1e-12)
