@@ -536,3 +536,22 @@ def test_an_output_left_out_by_selected_out_keys_is_named_with_what_to_do(target
         expected = method(TensorDictModule(net, ["obs"], ["logits"]))(td.clone())
         key = "relevance" if "relevance" in got.keys() else "attribution"
         torch.testing.assert_close(got[key, "obs"], expected[key, "obs"], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("wrapper", ["LRP", "Saliency"])
+def test_a_module_skipped_under_set_skip_existing_is_named_and_nothing_is_changed(wrapper):
+    """Under tensordict's ``set_skip_existing(True)`` a module whose output keys the TensorDict holds skips its call:
+    the target is the value held, with no gradient, and the error said only that it did not depend on the inputs."""
+    from tensordict.nn import set_skip_existing
+
+    net = torch.nn.Linear(4, 3)
+    module = TensorDictModule(net, ["obs"], ["y"])
+    make = {"LRP": lambda: LRP(module, EpsilonPlus()), "Saliency": lambda: Saliency(module)}[wrapper]
+    td = TensorDict(obs=torch.randn(2, 4), y=torch.zeros(2, 3), batch_size=[2])
+    before = td.clone()
+    with set_skip_existing(True), pytest.raises(ValueError, match=r"target 'y' .* set_skip_existing\(True\) is in"):
+        make()(td)
+    assert (td == before).all() and set(td.keys(True, True)) == set(before.keys(True, True))
+    with set_skip_existing(True):  # without the output key, the module runs and is explained
+        out = make()(TensorDict(obs=before["obs"], batch_size=[2]))
+    assert out["y"].abs().sum() > 0

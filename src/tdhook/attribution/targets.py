@@ -27,7 +27,7 @@ from typing import Any, Literal, Union
 import numpy as np
 import torch
 from tensordict import TensorDictBase, is_non_tensor
-from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase, TensorDictSequential
+from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase, TensorDictSequential, skip_existing
 from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 from torchrl.modules import MultiStepActorWrapper
 
@@ -184,13 +184,21 @@ class TargetWithoutGradient(ValueError):
 
 def why_no_gradient(operator: TensorDictModuleBase) -> str:
     """What in ``operator`` may give a target no gradient from its inputs, as the end of an error message (``""``
-    where nothing is known): statically quantized modules, or torchrl's ``MultiStepActorWrapper``, which replays
-    actions its actor computed at an earlier step.
+    where nothing is known): tensordict's ``set_skip_existing(True)``, under which a module whose output keys the
+    TensorDict holds already skips its call, statically quantized modules, or torchrl's ``MultiStepActorWrapper``,
+    which replays actions its actor computed at an earlier step.
 
     Examples:
         >>> why_no_gradient(torch.nn.Linear(2, 2))
         ''
     """
+    if skip_existing():
+        return (
+            ": tensordict's set_skip_existing(True) is in force, under which a module whose output keys the "
+            "TensorDict holds already skips its call (the target is then the value the TensorDict held, which no "
+            "pass computed from the inputs). Explain outside set_skip_existing(True), or with the model's output "
+            "keys left out of the TensorDict"
+        )
     quantized = quantized_modules(operator)
     if quantized:
         return (
