@@ -31,7 +31,14 @@ from torchrl.modules import (
     set_recurrent_mode,
 )
 
-from tdhook.attribution import LRP, Saliency, explain_offline
+from tdhook.attribution import (
+    LRP,
+    FeatureAblation,
+    IntegratedGradients,
+    Occlusion,
+    Saliency,
+    explain_offline,
+)
 from tdhook.attribution._offline_shards import shard_runs
 from tdhook.attribution.lrp_helpers.rules import EpsilonPlus
 from tdhook.attribution.offline import _missing_runs
@@ -381,16 +388,13 @@ def test_relevance_that_keeps_its_graph_is_stored_without_it(tmp_path):
     torch.testing.assert_close(out["relevance", "observation"].clone(), expected.detach(), rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize(
-    "explainer",
-    [lambda: q_actor(), lambda: nn.Linear(4, 2), lambda: Saliency(q_actor())],
-    ids=["policy", "plain-module", "saliency"],
-)
-def test_an_explainer_other_than_lrp_is_named_before_anything_is_written(tmp_path, explainer):
-    """The policy itself, or another method, was refused by Python's ``with`` ("does not support the context
-    manager protocol"), naming neither explain_offline nor what it takes."""
+@pytest.mark.parametrize("explainer", [lambda: q_actor(), lambda: nn.Linear(4, 2)], ids=["policy", "plain-module"])
+def test_an_explainer_other_than_lrp_or_a_method_is_named_before_anything_is_written(tmp_path, explainer):
+    """The policy itself was refused by Python's ``with`` ("does not support the context manager protocol"),
+    naming neither explain_offline nor what it takes."""
     explainer = explainer()
-    with pytest.raises(TypeError, match=rf"explain_offline runs an LRP wrapper .* got {type(explainer).__name__}$"):
+    message = rf"explain_offline runs an LRP wrapper .* or an attribution method .* got {type(explainer).__name__}$"
+    with pytest.raises(TypeError, match=message):
         explain_offline(explainer, data(8), tmp_path / "out", progress=False)
     assert not any(tmp_path.iterdir())
 
@@ -615,3 +619,54 @@ class TestActionsOfASamplingPolicy:
         assert (unit != actor(rows.clone())["action"].argmax(-1)).any()  # the noise moved the explained unit
         expected = LRP(actor, EpsilonPlus(), target=unit)(rows.clone())["relevance", "observation"]
         torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
+
+
+METHODS = {
+    "Saliency": lambda module: Saliency(module),
+    "IntegratedGradients": lambda module: IntegratedGradients(module, n_steps=8),
+    "FeatureAblation": lambda module: FeatureAblation(module, feature_masks=torch.tensor([0, 0, 1, 1])),
+    "Occlusion": lambda module: Occlusion(module, sliding_window_shapes=(2,), perturbations_per_eval=3),
+}
+
+
+@pytest.mark.parametrize("source", ["tensordict", "buffer"])
+@pytest.mark.parametrize("name", list(METHODS))
+def test_an_attribution_method_is_run_over_the_rows_as_lrp_is(tmp_path, name, source):
+    """The attribution methods were refused ("runs an LRP wrapper"): a replay buffer could be explained offline by
+    LRP alone. A method's attribution keys are stored the same way, batch by batch, and equal one call on every row
+    (up to the rounding of kernels that depend on the batch size)."""
+    rows = data(21)
+    if source == "buffer":
+        rows_source = ReplayBuffer(storage=LazyTensorStorage(21))
+        rows_source.extend(rows.clone())
+    else:
+        rows_source = rows
+    method = METHODS[name](q_actor())
+    out = explain_offline(method, rows_source, tmp_path / "out", batch_size=8, progress=False)
+    assert set(out.keys(True, True)) == {("attribution", "observation"), "explained"}
+    expected = method(rows.clone())["attribution", "observation"]
+    assert expected.abs().max() > 1e-3
+    torch.testing.assert_close(out["attribution", "observation"].clone(), expected, rtol=1e-10, atol=1e-12)
+    assert bool(out["explained"].all())
+
+
+def test_a_method_over_stored_rows_explains_each_rows_own_action(tmp_path):
+    """As LRP (see ``TestActionsOfASamplingPolicy``): a categorical policy's stored action, with no ``"next"``."""
+    torch.manual_seed(7)
+    actor, rows = categorical_actor(), data(16)
+    stored = torch.randint(5, (16,))
+    rows.set("action", stored)
+    with set_exploration_type(ExplorationType.RANDOM):
+        out = explain_offline(Saliency(actor), rows, tmp_path / "out", batch_size=8, progress=False)
+    assert torch.equal(out["action"].clone(), stored)
+    expected = Saliency(actor, target=stored)(rows.clone())["attribution", "observation"]
+    torch.testing.assert_close(out["attribution", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
+
+
+def test_a_resumed_run_of_a_method_explains_only_the_rows_not_marked(tmp_path):
+    method, rows = IntegratedGradients(q_actor(), n_steps=4), data(20)
+    first = explain_offline(method, rows, tmp_path / "out", batch_size=8, stop=8, progress=False)
+    assert int(first["explained"].sum()) == 8
+    out = explain_offline(method, rows, tmp_path / "out", batch_size=8, progress=False)
+    expected = method(rows.clone())["attribution", "observation"]
+    torch.testing.assert_close(out["attribution", "observation"].clone(), expected, rtol=1e-10, atol=1e-12)

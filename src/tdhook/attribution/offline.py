@@ -1,7 +1,9 @@
 """Explain a whole replay buffer or memory-mapped TensorDict, batch by batch.
 
-Relevance is written to memory-mapped files beside the data, one batch at a
-time, so memory stays that of one batch however large the source is.
+Relevance (of LRP, or the attribution of any method of
+:mod:`tdhook.attribution.methods`) is written to memory-mapped files beside
+the data, one batch at a time, so memory stays that of one batch however
+large the source is.
 
 Under ``torch.distributed`` (a script run by ``torchrun``, any backend), the same
 call shares the rows among the ranks by itself: rank 0 creates the output files,
@@ -34,6 +36,7 @@ from tdhook.attribution._inputs import module_in_recurrent_mode
 from tdhook.attribution._offline_shards import barrier, process_group, shard_runs
 from tdhook.attribution._policy_targets import stored_rows
 from tdhook.attribution.lrp import LRP
+from tdhook.attribution.methods._base import AttributionMethod
 
 __all__ = ["DONE_KEY", "drawn_action_keys", "explain_offline"]
 
@@ -162,7 +165,7 @@ def _progress_bar(total: int, show: bool):
 
 
 def explain_offline(
-    lrp: LRP,
+    lrp: LRP | AttributionMethod,
     source,
     prefix: str | Path,
     *,
@@ -176,7 +179,9 @@ def explain_offline(
 
     Args:
         lrp: the LRP wrapper (its rules are registered once for the whole pass; a context the caller opened
-            already is used as it is, and left open; inside ``lrp.inactive()`` the rows get gradient × input).
+            already is used as it is, and left open; inside ``lrp.inactive()`` the rows get gradient × input), or
+            an attribution method (``Saliency``, ``IntegratedGradients``, ``FeatureAblation``, ...), whose
+            attribution keys are stored the same way.
         source: a TensorDict (memory-mapped or not) of any batch shape, or a torchrl ``ReplayBuffer``
             (its storage in storage order, a two-dimensional storage included, or a ``ListStorage`` of
             TensorDicts); rows are taken along the first batch dimension. A buffer's rows are explained as its
@@ -227,10 +232,11 @@ def explain_offline(
         ...     out.is_memmap(), out["relevance", "observation"].shape, bool(out["explained"].all())
         (True, torch.Size([10, 3]), True)
     """
-    if not isinstance(lrp, LRP):
+    if not isinstance(lrp, (LRP, AttributionMethod)):
         raise TypeError(
             "explain_offline runs an LRP wrapper over the rows, LRP(policy, rule_mapper), whose context it holds "
-            f"open for the whole pass; got {type(lrp).__name__}"
+            "open for the whole pass, or an attribution method of tdhook.attribution (Saliency, IntegratedGradients, "
+            f"...); got {type(lrp).__name__}"
         )
     _refuse_time_read_as_rows(lrp, source)
     length = _source_length(source)
@@ -256,12 +262,13 @@ def explain_offline(
     return output
 
 
-def _refuse_time_read_as_rows(lrp: LRP, source) -> None:
+def _refuse_time_read_as_rows(lrp: LRP | AttributionMethod, source) -> None:
     """A replay buffer whose storage has several dimensions and was extended along a later one (``dim_extend``,
     torchrl's default for ``ndim=2``: time) holds time first, so its rows are time steps of every environment;
     a torchrl LSTMModule or GRUModule in recurrent mode reads the last batch dimension as time and would run the
     environments as the steps of one trajectory. Rows of one batch dimension are themselves its time steps."""
-    found = module_in_recurrent_mode(lrp.named_explained_modules()[""])  # named as the rule mappers name modules
+    # Named as the rule mappers name modules (a method names them within its TensorDictModule).
+    found = module_in_recurrent_mode(lrp.named_explained_modules()[""] if isinstance(lrp, LRP) else lrp.module)
     if found is None:
         return
     name = found[0]
@@ -301,7 +308,7 @@ def _existing_output(prefix: Path, length: int) -> TensorDictBase | None:
 
 
 def _explain_runs(
-    lrp: LRP,
+    lrp: LRP | AttributionMethod,
     source,
     prefix: Path,
     length: int,
@@ -344,7 +351,7 @@ def _writable(output: TensorDictBase) -> tuple[list[tuple[NestedKey, torch.Tenso
 
 
 def _explain_sharded(
-    lrp: LRP,
+    lrp: LRP | AttributionMethod,
     source,
     prefix: Path,
     output: TensorDictBase | None,
@@ -404,7 +411,7 @@ def drawn_action_keys(module: torch.nn.Module) -> list[NestedKey]:
     return list(dict.fromkeys(unravel_key(key) for key in keys))
 
 
-def _written_entries(lrp: LRP, result: TensorDictBase) -> TensorDictBase:
+def _written_entries(lrp: LRP | AttributionMethod, result: TensorDictBase) -> TensorDictBase:
     """What the output keeps of a call: the relevance keys it wrote (those of inputs the data leaves out, the
     recurrent states of a torchrl LSTMModule, which then starts from zeros, are not), and the actions the policy
     drew (see :func:`drawn_action_keys`), the one the relevance explains among them, as the call wrote them: a
@@ -412,15 +419,18 @@ def _written_entries(lrp: LRP, result: TensorDictBase) -> TensorDictBase:
     return result.select(*lrp.relevance_keys, *drawn_action_keys(lrp.module), strict=False)
 
 
-def _one_row_entries(lrp: LRP, source) -> TensorDictBase:
+def _one_row_entries(lrp: LRP | AttributionMethod, source) -> TensorDictBase:
     """The entries written for the source's first row: what the output's entries must hold."""
     with _opened(lrp), stored_rows():
         return _written_entries(lrp, lrp(_rows(source, 0, 1)))
 
 
-def _opened(lrp: LRP) -> AbstractContextManager:
+def _opened(lrp: LRP | AttributionMethod) -> AbstractContextManager:
     """The wrapper's context to hold open for a pass: the caller's, left open, where they entered it already;
-    none inside its ``inactive()`` block, whose calls write gradient × input as the block asks."""
+    none inside its ``inactive()`` block, whose calls write gradient × input as the block asks, nor for a method,
+    which holds no context."""
+    if not isinstance(lrp, LRP):
+        return nullcontext()
     return nullcontext() if lrp._handles is not None or lrp._inactive else lrp
 
 
