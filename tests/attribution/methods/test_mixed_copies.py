@@ -133,3 +133,72 @@ def test_a_model_that_keeps_samples_apart_is_compared_once_per_call_and_not_name
     assert found == [] and calls.rows == [5, 5, 40, 40, 5, 5, 5, 5]
     expected = explained(IntegratedGradients(net, n_steps=8, target=0, internal_batch_size=5), batch())[0]
     torch.testing.assert_close(attribution, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_a_model_that_computes_coarser_than_it_returns_is_not_named() -> None:
+    """float32 layers returning float64: a float32 product's rounding depends on the rows of the pass (7e-8 here),
+    far above float64's tolerance. The model was named as mixing its samples, and ran one copy per pass."""
+
+    class Wide(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(64, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.c(torch.relu(self.b(torch.relu(self.a(x))))).double()
+
+    torch.manual_seed(0)
+    net = TensorDictModule(Wide(), ["x"], ["y"])
+    td = TensorDict(x=torch.randn(7, 64), batch_size=[7])
+    with LinearCalls() as calls:
+        found = explained(IntegratedGradients(net, n_steps=50, target=0), td)[1]
+    assert found == [] and max(calls.rows) == 7 * 50  # the path in one pass
+
+
+class Centred(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h - h.mean(0)
+
+
+def test_a_scripted_module_that_mixes_is_named_by_the_module_around_it() -> None:
+    """A TorchScript module takes no forward hook: the search for the module that mixes failed with a RuntimeError."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), torch.jit.script(Centred()), nn.Tanh(), nn.Linear(8, 3)).double()
+    make = lambda **kw: IntegratedGradients(TensorDictModule(model, ["x"], ["y"]), n_steps=4, target=0, **kw)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.script's deprecation
+        attribution, (message,) = explained(make(), batch())
+    assert message.startswith(f"IntegratedGradients: the model (Sequential) {MIXES}")
+    torch.testing.assert_close(attribution, explained(make(internal_batch_size=5), batch())[0], rtol=1e-10, atol=1e-12)
+
+
+class RareExploration(nn.Module):
+    """Each sample's units replaced by zeros with probability 0.03, each sample apart: two passes of one copy often
+    draw nothing, a stacked pass of many copies almost always something."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.where(torch.rand(h.shape[0], 1) < 0.03, torch.zeros_like(h), h)
+
+
+def test_a_model_drawing_rarely_at_random_is_not_named_as_mixing() -> None:
+    """Named as mixing in 10 of 40 seeds: the draws, not the batch, made the stack differ."""
+    net = TensorDictModule(
+        nn.Sequential(nn.Linear(4, 8), nn.Tanh(), RareExploration(), nn.Linear(8, 2)).double(), ["x"], ["y"]
+    )
+    td = TensorDict(x=torch.randn(3, 4, dtype=torch.float64), batch_size=[3])
+    named = 0
+    for seed in range(40):
+        torch.manual_seed(seed)
+        named += bool(explained(IntegratedGradients(net, n_steps=32, target=0), td)[1])
+    assert named == 0
+
+
+def test_a_wrapper_whose_model_mixes_warns_once_and_runs_one_copy_per_pass_from_then_on() -> None:
+    """Every call compared its stack again (three passes more) and warned again (the figure in the message differs
+    from call to call, so Python's filter let each through)."""
+    method, td = IntegratedGradients(module(), n_steps=8, target=0), batch()
+    first, (message,) = explained(method, td)
+    with LinearCalls() as calls:
+        second, found = explained(method, td)
+    assert found == [] and max(calls.rows) == 5  # one copy of the batch per pass, no stacked pass
+    torch.testing.assert_close(second, first, rtol=1e-12, atol=1e-14)

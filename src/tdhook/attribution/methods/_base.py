@@ -60,7 +60,7 @@ from tdhook.attribution.methods._batch_statistics import (
 from tdhook.attribution.methods._call_keys import keys_explained_in_call, narrowed
 from tdhook.attribution.methods._cross_sample_outputs import scored_across_copies
 from tdhook.attribution.methods._global_rng import global_rng_kept
-from tdhook.attribution.methods._mixed_copies import checked_for_mixing, copies_apart
+from tdhook.attribution.methods._mixed_copies import checked_for_mixing, copies_apart, known_to_mix
 from tdhook.attribution.methods._norm_gradients import norm_gradients_laid_out
 from tdhook.attribution.methods._options import MISSING
 from tdhook.attribution.methods._random_draws import RandomDraws, random_states
@@ -472,7 +472,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             all_units=all_units,
             fed=fed,
             leaves=leaves if grad else [],
-            separate_copies=bool(batch_normalisers(modules)),
+            separate_copies=bool(batch_normalisers(modules)) or known_to_mix(self),
             mixing_checked=copies_apart(self.module),
             recurrent=recurrent,
             time_lengths=lengths,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,9 +30,24 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 from torch.nn.modules import module as module_globals
 
+from tdhook.attribution.methods._random_draws import drew, random_states
 from tdhook.attribution.rules._caller import warn_at_caller
 
-__all__ = ["checked_for_mixing", "copies_apart", "copies_mixed", "hooked", "samples_apart", "steps_mixed"]
+__all__ = [
+    "checked_for_mixing",
+    "copies_apart",
+    "copies_mixed",
+    "hooked",
+    "known_to_mix",
+    "samples_apart",
+    "steps_mixed",
+]
+
+_MIXING: weakref.WeakSet = weakref.WeakSet()  # the methods whose model was found to mix (see known_to_mix)
+
+
+class _Drew(Exception):
+    """A pass of a copy alone moved the global random state: the model draws at random in its forward."""
 
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -144,7 +160,11 @@ def steps_mixed(
         own = (first if index == 0 and first is not None else alone(index)).reshape(stacked[index].shape)
         # A forward that differs between two passes of the same step draws at random: not a mixing (the metrics
         # refuse such a target by what its draws do).
-        if not _close(stacked[index], own) and _close(alone(index).reshape(own.shape), own):
+        if (
+            not _close(stacked[index], own)
+            and not _close(stacked[index], own, _coarsest_precision(modules()))
+            and _close(alone(index).reshape(own.shape), own)
+        ):
             apart = _apart(stacked[index], own)
             found = _mixing_module(modules(), rerun, functools.partial(alone, index), steps, index)
             plural = step.split(" ", 1)[1].replace("copy", "copies").replace("step", "steps")
@@ -159,13 +179,27 @@ def steps_mixed(
     return None
 
 
-def _tolerance(value: torch.Tensor) -> float:
+def _coarsest_precision(modules: Mapping[str, nn.Module]) -> torch.dtype | None:
+    """The floating dtype of least resolution among the parameters and buffers of ``modules``: a model that computes
+    in float32 and returns float64 (``.double()`` at its end) rounds as float32 does. ``None`` where none floats."""
+    dtypes = {
+        tensor.dtype
+        for module in modules.values()
+        for tensor in [*module._parameters.values(), *module._buffers.values()]
+        if tensor is not None and tensor.is_floating_point()
+    }
+    return max(dtypes, key=lambda dtype: torch.finfo(dtype).eps, default=None)
+
+
+def _tolerance(value: torch.Tensor, precision: torch.dtype | None = None) -> float:
     """The difference between a step alone and stacked that rounding may leave in ``value``: the square root of the
     resolution it is computed in (that of autocast's dtype under autocast, TF32's where CUDA may take it for float32
-    products and convolutions)."""
+    products and convolutions, ``precision``'s where given and coarser: the model's own)."""
     if not value.is_floating_point():
         return 0.0
     eps, device = torch.finfo(value.dtype).eps, value.device.type
+    if precision is not None:
+        eps = max(eps, torch.finfo(precision).eps)
     if torch.is_autocast_enabled(device):
         eps = max(eps, torch.finfo(torch.get_autocast_dtype(device)).eps)
     tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32
@@ -174,7 +208,7 @@ def _tolerance(value: torch.Tensor) -> float:
     return math.sqrt(eps)
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _close(a: torch.Tensor, b: torch.Tensor, precision: torch.dtype | None = None) -> bool:
     """Whether ``a`` and ``b`` differ by at most the rounding :func:`_tolerance` allows, relative to their largest
     finite magnitude (NaN in both, and the same infinity, are the same): :func:`_apart` within it, in a few
     operations."""
@@ -182,7 +216,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if torch.equal(a, b) or not a.is_floating_point():
         return torch.equal(a, b)
-    a, b, tolerance = a.detach(), b.detach(), _tolerance(a)
+    a, b, tolerance = a.detach(), b.detach(), _tolerance(a, precision)
     largest_a, largest_b, worst = torch.stack([a.abs().max(), b.abs().max(), (a - b).abs().max()]).tolist()
     if math.isfinite(largest_a + largest_b + worst):
         return worst <= tolerance * max(largest_a, largest_b)
@@ -225,7 +259,12 @@ def _mixing_module(
 
         return record
 
-    handles = [module.register_forward_hook(recorder(name)) for name, module in modules.items()]
+    # A TorchScript module takes no hook: it is looked at as a whole, by the module around it.
+    handles = [
+        module.register_forward_hook(recorder(name))
+        for name, module in modules.items()
+        if not isinstance(module, torch.jit.ScriptModule)
+    ]
     try:
         with torch.no_grad():
             alone()
@@ -290,8 +329,12 @@ def copies_mixed(method: Any, call: Any, perturbed: Sequence[torch.Tensor], stac
     inputs = [x.detach() for x in perturbed]
 
     def alone(index: int) -> torch.Tensor:
+        before = random_states(method.module)
         with torch.no_grad():
-            return method._run_copies(call, [x[index : index + 1] for x in inputs])[:, 0]
+            own = method._run_copies(call, [x[index : index + 1] for x in inputs])[:, 0]
+        if drew(method.module, before):  # rare draws may leave two passes of a copy alike and the stack not
+            raise _Drew
+        return own
 
     def rerun() -> None:
         with torch.no_grad():
@@ -303,15 +346,18 @@ def copies_mixed(method: Any, call: Any, perturbed: Sequence[torch.Tensor], stac
         if hasattr(method, "internal_batch_size")
         else "pass perturbations_per_eval=1 to run so from the start"
     )
-    found = steps_mixed(
-        stacked.detach().transpose(0, 1),
-        alone,
-        lambda: dict(_model(method.module).named_modules()),
-        rerun,
-        owner=type(method).__name__,
-        step="a copy of the batch",
-        advice=advice,
-    )
+    try:
+        found = steps_mixed(
+            stacked.detach().transpose(0, 1),
+            alone,
+            lambda: dict(_model(method.module).named_modules()),
+            rerun,
+            owner=type(method).__name__,
+            step="a copy of the batch",
+            advice=advice,
+        )
+    except _Drew:  # a model that draws at random is named for its draws (see _random_draws), not compared
+        return False
     return found is not None
 
 
@@ -327,8 +373,16 @@ def checked_for_mixing(
     call.mixing_checked = True
     if copies_mixed(method, call, perturbed, stacked):
         call.separate_copies = True
+        _MIXING.add(method)
         return None
     return stacked
+
+
+def known_to_mix(method: Any) -> bool:
+    """Whether an earlier call of ``method`` found that its model mixes the samples of its batch (see
+    :func:`checked_for_mixing`): its later calls run one copy per pass from the start, with no comparison and no
+    second warning. One copy per pass is right for any model; a model changed since then is only run slower."""
+    return method in _MIXING
 
 
 def _model(module: nn.Module) -> nn.Module:
