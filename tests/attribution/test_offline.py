@@ -670,3 +670,22 @@ def test_a_resumed_run_of_a_method_explains_only_the_rows_not_marked(tmp_path):
     out = explain_offline(method, rows, tmp_path / "out", batch_size=8, progress=False)
     expected = method(rows.clone())["attribution", "observation"]
     torch.testing.assert_close(out["attribution", "observation"].clone(), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("upsample", [False, True])
+def test_gradcams_map_of_its_layer_is_stored(tmp_path, upsample):
+    """GradCAM writes its layer's map at its own key, which the output left out: without ``upsample`` nothing was
+    stored, with it only the input-sized map."""
+    from tdhook.attribution import GradCAM
+
+    torch.manual_seed(8)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2)).double()
+    cam = GradCAM(TensorDictModule(net, ["image"], ["logits"]), layer="module.0", upsample=upsample)
+    rows = TensorDict(image=torch.randn(10, 3, 6, 6, dtype=torch.float64), batch_size=[10])
+    out = explain_offline(cam, rows, tmp_path / "out", batch_size=4, progress=False)
+    expected = cam(rows.clone())
+    keys = {("attribution", "module.0"), *([("attribution", "image")] if upsample else [])}
+    assert set(out.keys(True, True)) == keys | {"explained"}
+    for key in keys:
+        assert expected[key].abs().max() > 0
+        torch.testing.assert_close(out[key].clone(), expected[key], rtol=1e-12, atol=1e-14)

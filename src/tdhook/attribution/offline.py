@@ -416,7 +416,14 @@ def _written_entries(lrp: LRP | AttributionMethod, result: TensorDictBase) -> Te
     recurrent states of a torchrl LSTMModule, which then starts from zeros, are not), and the actions the policy
     drew (see :func:`drawn_action_keys`), the one the relevance explains among them, as the call wrote them: a
     stored transition's action where the call explains it, else the call's own draw."""
-    return result.select(*lrp.relevance_keys, *drawn_action_keys(lrp.module), strict=False)
+    return result.select(*_explanation_keys(lrp), *drawn_action_keys(lrp.module), strict=False)
+
+
+def _explanation_keys(lrp: LRP | AttributionMethod) -> list[NestedKey]:
+    """The keys the explainer writes besides its model's outputs: the relevance of the explained inputs and of the
+    layers asked for (LRP's ``layers``), GradCAM's map of its layer at its own key."""
+    outputs = set(map(unravel_key, lrp.module.out_keys))
+    return [key for key in map(unravel_key, lrp.out_keys) if key not in outputs]
 
 
 def _one_row_entries(lrp: LRP | AttributionMethod, source) -> TensorDictBase:
