@@ -197,12 +197,72 @@ class RandomBranch(nn.Module):
             "bool": lambda: bool(draw < 0.5),
             "item": lambda: draw.item() < 0.5,
             "float": lambda: float(draw) < 0.5,
+            "equal": lambda: torch.equal(draw < 0.5, torch.tensor(True)),
+            "allclose": lambda: torch.allclose((draw < 0.5).float(), torch.ones(())),
+            "is_nonzero": lambda: torch.is_nonzero(draw < 0.5),
+            "numpy": lambda: (draw < 0.5).numpy() == 1,
         }
         return self.a(x) if taken[self.read]() else self.b(x)
 
 
-@pytest.mark.parametrize(("read", "function"), [("bool", "__bool__"), ("item", "item"), ("float", "__float__")])
+@pytest.mark.parametrize(
+    ("read", "function"),
+    [
+        ("bool", "Tensor.__bool__"),
+        ("item", "Tensor.item"),
+        ("float", "Tensor.__float__"),
+        ("equal", "torch.equal"),
+        ("allclose", "torch.allclose"),
+        ("is_nonzero", "torch.is_nonzero"),
+        ("numpy", "Tensor.numpy"),
+    ],
+)
 def test_a_draw_that_decides_a_branch_is_named(read: str, function: str) -> None:
     lrp = LRP(Model(RandomBranch(read)), EpsilonPlus(), in_keys=["x"], out_keys=["y"])
     (message,) = draw_warnings(lrp, TensorDict(x=torch.randn(4, 3), batch_size=[4]))
-    assert "module 'encoder' (RandomBranch)" in message and f"torch.rand read by Tensor.{function}" in message
+    assert "module 'encoder' (RandomBranch)" in message and f"torch.rand read by {function}" in message
+
+
+class RandomlySizedSlice(nn.Module):
+    """A layer applied to as many leading features as a random mask keeps: the draw sets a size read into Python
+    (by ``len``, ``.shape``, ``.size()`` or ``.numel()``), and reaches the output through the slice taken."""
+
+    def __init__(self, read: str) -> None:
+        super().__init__()
+        self.layer, self.read = nn.Linear(3, 2), read
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kept = torch.rand(3) < 0.5
+        size = {
+            "len": lambda: len(torch.nonzero(kept)),
+            "shape": lambda: kept.nonzero().shape[0],
+            "size": lambda: torch.arange(3)[kept].size(0),
+            "numel": lambda: torch.unique(torch.randint(0, 3, (3,))).numel(),
+        }[self.read]()
+        return self.layer(torch.cat([x[:, :size], torch.zeros_like(x[:, size:])], dim=1))
+
+
+@pytest.mark.parametrize(
+    ("read", "function"),
+    [("len", "torch.rand read by len"), ("shape", "torch.rand read by Tensor.shape"), ("size", "Tensor.size")]
+    + [("numel", "torch.randint read by Tensor.numel")],
+)
+def test_a_draw_that_sets_a_size_read_into_python_is_named(read: str, function: str) -> None:
+    lrp = LRP(Model(RandomlySizedSlice(read)), EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    (message,) = draw_warnings(lrp, TensorDict(x=torch.randn(4, 3), batch_size=[4]))
+    assert "module 'encoder' (RandomlySizedSlice)" in message and function in message
+
+
+class DrawOfAFixedSize(nn.Module):
+    """Noise added to a layer's output, whose size (not set by the draw) the forward reads: the noise is named, and
+    its size is no read of the draw."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn(x.shape[-1])
+        return x + noise[: noise.shape[0]] * len(noise) * noise.numel() * noise.size(0)
+
+
+def test_the_size_of_a_draw_that_does_not_set_it_is_no_read() -> None:
+    lrp = LRP(Model(DrawOfAFixedSize()), EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+    (message,) = draw_warnings(lrp, TensorDict(x=torch.randn(4, 2), batch_size=[4]))
+    assert "(torch.randn)" in message and "read by" not in message

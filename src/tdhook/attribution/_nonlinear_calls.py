@@ -64,7 +64,7 @@ from tdhook.attribution._operator_calls import (
     unruled_sum,
 )
 from tdhook.attribution._quantized_calls import CUT, quantizing_call
-from tdhook.attribution._random_calls import RANDOM_CALLS, RandomCalls
+from tdhook.attribution._random_calls import RANDOM_CALLS, READS, RandomCalls
 from tdhook.attribution._random_modules import draw
 from tdhook.attribution._straight_through import STRAIGHT_THROUGH, StraightThrough
 from tdhook.attribution._unmapped_layers import (
@@ -388,7 +388,7 @@ class NonlinearCalls(TorchFunctionMode):
             node = _viewed_node(result)
         else:
             result = mark_parameter_derived(args, func(*args, **(kwargs or {})), func)
-        if not (func in RANDOM_CALLS and _ours_calling()):  # a draw, or a call computing with one
+        if not ((func in RANDOM_CALLS or func in READS) and _ours_calling()):  # a draw, or a call computing with one
             self._random_calls.follow(func, args, kwargs, result, self._stack, self._modules)
         if torch._C._are_functorch_transforms_active():  # under torch.vmap: the tensors the graph holds
             self._record(func, _unwrapped_all(args), _unwrapped_all(result), kwargs)

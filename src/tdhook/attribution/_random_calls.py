@@ -8,7 +8,8 @@ draw written in a forward with torch's random functions: Hugging Face's ViTMAE m
 (``mean + torch.randn_like(std) * std``). The watched first call of each input signature (see
 :class:`~tdhook.attribution._nonlinear_calls.NonlinearCalls`) follows every such draw, by the module that makes it,
 to the explained target (see :class:`RandomCalls`), and names a draw read into Python (``if torch.rand(()) < p:``,
-``.item()``), whose branch no graph shows, but a draw in a sampler (tensordict's
+``.item()``) or one whose values set a size read into Python (``len(torch.nonzero(mask))``), whose branch or size
+no graph shows, but a draw in a sampler (tensordict's
 ``ProbabilisticTensorDictModule``: the action LRP explains is the one it drew, written beside the relevance), in a
 torchrl exploration step (its noise is added after the explained output), in a module named for its draws already (a
 Dropout module, an ``nn.RReLU``), and in this package's own code.
@@ -44,7 +45,7 @@ from tdhook.attribution._random_modules import draw
 from tdhook.attribution.mappers.aliases import module_place
 from tdhook.attribution.rules._caller import warn_at_caller
 
-__all__ = ["RANDOM_CALLS", "RandomCalls", "report_random_calls"]
+__all__ = ["RANDOM_CALLS", "READS", "RandomCalls", "report_random_calls"]
 
 # torch's functions that draw from a random generator, by the name a message gives them.
 RANDOM_CALLS: dict[Any, str] = {
@@ -58,12 +59,30 @@ RANDOM_CALLS: dict[Any, str] = {
     **{getattr(torch.Tensor, name): f"Tensor.{name}" for name in ("cauchy_", "random_", "multinomial")},
 }
 
-# Tensor methods that hand a tensor's values to Python, where a branch or a size can depend on them: a draw read there
-# reaches the output through the forward's control flow, with no node in its graph.
+# Calls that hand a tensor's values to Python, where a branch or a size can depend on them: a draw read there reaches
+# the output through the forward's control flow, with no node in its graph.
 _READ_INTO_PYTHON: dict[Any, str] = {
-    getattr(torch.Tensor, name): f"Tensor.{name}"
-    for name in ("__bool__", "item", "tolist", "__int__", "__float__", "__index__")
+    **{
+        getattr(torch.Tensor, name): f"Tensor.{name}"
+        for name in ("__bool__", "item", "tolist", "__int__", "__float__", "__index__", "numpy", "__array__")
+    },
+    **{getattr(torch, name): f"torch.{name}" for name in ("equal", "allclose", "is_nonzero")},
 }
+
+# Calls whose result's size depends on their input's values (``nonzero`` of a random mask), and those that read a size
+# into Python: a draw read there sets how many elements the forward takes (``x[: len(kept)]``).
+_SIZED_BY_VALUES = {torch.nonzero, torch.argwhere, torch.masked_select, torch.unique, torch.unique_consecutive}
+_SIZED_BY_VALUES |= {torch.Tensor.nonzero, torch.Tensor.argwhere, torch.Tensor.masked_select, torch.Tensor.unique}
+_SIZED_BY_VALUES |= {torch.repeat_interleave, torch.Tensor.repeat_interleave, torch.bincount, torch.Tensor.bincount}
+_READ_SIZE: dict[Any, str] = {
+    torch.Tensor.shape.__get__: "Tensor.shape",
+    torch.Tensor.size: "Tensor.size",
+    torch.Tensor.numel: "Tensor.numel",
+    torch.Tensor.__len__: "len",
+}
+
+# The calls above, which this package's own code makes too (a rule's probe of a module's output): those are no read.
+READS = frozenset(_READ_INTO_PYTHON) | frozenset(_READ_SIZE)
 
 # Modules that draw by design, whose draws a call explains or that are named otherwise (see the module).
 _DRAWING_BY_DESIGN = (
@@ -90,6 +109,7 @@ class RandomCalls:
         # By id: each tensor drawn or computed from a draw in the pass, held (its id is not reused meanwhile), and where
         # and how it was drawn. Kept here, not on the tensors: nothing is left on the model's or the caller's tensors.
         self._drawn: dict[int, tuple[torch.Tensor, tuple[str, str]]] = {}
+        self._sized: set[int] = set()  # the ids, among those, of the tensors whose size depends on a draw
 
     def follow(self, func: Any, args: tuple, kwargs: dict | None, result: Any, stack: Sequence[str], modules) -> None:
         """Follow the call ``func(*args, **kwargs)`` that returned ``result``, made in the module innermost in
@@ -100,13 +120,20 @@ class RandomCalls:
             return
         if not self._drawn:  # nothing drawn yet: the calls before a draw are not looked at
             return
-        origin = next(filter(None, map(self._origin, _flat(args, kwargs))), None)
+        tensors = _flat(args, kwargs)
+        origin = next(filter(None, map(self._origin, tensors)), None)
         if origin is None:
             return
         if func in _READ_INTO_PYTHON:  # ``if torch.rand(()) < p:``: the branch taken, not a node, depends on it
             self._read.append((origin[0], f"{origin[1]} read by {_READ_INTO_PYTHON[func]}"))
             return
-        self._mark(result, origin)  # what is computed from a draw depends on it, with gradient or not (topk's indices)
+        if func in _READ_SIZE:  # the size of a tensor drawn or computed from a draw, which depends on it only here
+            if any(id(tensor) in self._sized for tensor in tensors):
+                self._read.append((origin[0], f"{origin[1]} read by {_READ_SIZE[func]} of a size it sets"))
+            return
+        sized = func in _SIZED_BY_VALUES or any(id(tensor) in self._sized for tensor in tensors)
+        sized |= func is torch.Tensor.__getitem__ and any(tensor.dtype is torch.bool for tensor in tensors[1:])
+        self._mark(result, origin, sized)  # what is computed from a draw depends on it, with gradient or not
         node = next((t.grad_fn for t in _flat((result,), None) if t.grad_fn is not None), None)
         if node is not None:
             self._reaching.append((*origin, node))
@@ -126,9 +153,13 @@ class RandomCalls:
         entry = self._drawn.get(id(tensor))
         return entry[1] if entry is not None and entry[0] is tensor else None
 
-    def _mark(self, result: Any, origin: tuple[str, str]) -> None:
+    def _mark(self, result: Any, origin: tuple[str, str], sized: bool = False) -> None:
         for tensor in _flat((result,), None):
             self._drawn[id(tensor)] = (tensor, origin)
+            if sized:
+                self._sized.add(id(tensor))
+            else:
+                self._sized.discard(id(tensor))
 
 
 def _by_design(stack: Sequence[str], modules: Mapping[str, nn.Module]) -> bool:
