@@ -34,13 +34,14 @@ from torchrl.modules import (
 from tdhook.attribution import (
     LRP,
     FeatureAblation,
+    InputXGradient,
     IntegratedGradients,
     Occlusion,
     Saliency,
     explain_offline,
 )
 from tdhook.attribution._offline_shards import shard_runs
-from tdhook.attribution.lrp_helpers.rules import EpsilonPlus
+from tdhook.attribution.lrp_helpers.rules import EpsilonGammaBox, EpsilonPlus
 from tdhook.attribution.offline import _missing_runs
 
 
@@ -400,6 +401,26 @@ def test_an_explainer_other_than_lrp_or_a_method_is_named_before_anything_is_wri
 
 
 @pytest.mark.parametrize(
+    "explainer",
+    [
+        lambda: LRP(q_actor(), EpsilonPlus(), relevance_key="explained"),
+        lambda: Saliency(q_actor(), relevance_key="explained"),
+    ],
+    ids=["lrp", "method"],
+)
+def test_a_relevance_key_that_clashes_with_the_mask_of_rows_done_is_named_before_anything_is_written(
+    tmp_path, explainer
+):
+    """The relevance at ``("explained", "observation")`` and the mask at ``"explained"`` cannot both be stored: the
+    first batch created the output and then refused it as "another memory-mapped TensorDict", left behind."""
+    explainer = explainer()
+    message = r"rows done at 'explained', where \w+ would store \('explained', 'observation'\) \(its relevance_key"
+    with pytest.raises(ValueError, match=message):
+        explain_offline(explainer, data(8), tmp_path / "out", progress=False)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
     ("source", "options", "error", "match"),
     [
         (torch.ones(4, 4), {}, TypeError, "explain_offline reads a TensorDict or a torchrl ReplayBuffer, got Tensor"),
@@ -689,3 +710,63 @@ def test_gradcams_map_of_its_layer_is_stored(tmp_path, upsample):
     for key in keys:
         assert expected[key].abs().max() > 0
         torch.testing.assert_close(out[key].clone(), expected[key], rtol=1e-12, atol=1e-14)
+
+
+class TestAResumedRunExplainsAsTheFirstDid:
+    """An output's keys, shapes and dtypes did not say how its rows were explained: a run resumed with another rule,
+    another method of the same keys, or the model trained further in between filled the rows not done with another
+    explanation, and the output mixed the two with no word. The explainer that wrote it is kept beside it."""
+
+    @staticmethod
+    def first_half(explainer, tmp_path) -> TensorDict:
+        out = explain_offline(explainer, data(20), tmp_path / "out", batch_size=5, stop=10, progress=False)
+        assert int(out["explained"].sum()) == 10
+        return out
+
+    @staticmethod
+    def refused(explainer, tmp_path, match: str) -> None:
+        before = TensorDict.load_memmap(tmp_path / "out").clone()
+        with pytest.raises(ValueError, match=match):
+            explain_offline(explainer, data(20), tmp_path / "out", batch_size=5, progress=False)
+        assert (TensorDict.load_memmap(tmp_path / "out") == before).all()  # no row written, none marked
+
+    def test_another_rule_mapper_is_refused_naming_it(self, tmp_path):
+        policy = q_actor()
+        self.first_half(LRP(policy, EpsilonPlus()), tmp_path)
+        match = r"another explanation than this one; rule_mapper: EpsilonPlus\(epsilon=1e-06\) then, EpsilonGammaBox"
+        self.refused(LRP(policy, EpsilonGammaBox(low=-3.0, high=3.0)), tmp_path, match)
+        self.refused(LRP(policy, EpsilonPlus(epsilon=0.1)), tmp_path, r"EpsilonPlus\(epsilon=0.1\) now")
+
+    def test_another_method_of_the_same_keys_is_refused_naming_it(self, tmp_path):
+        policy = q_actor()
+        self.first_half(Saliency(policy), tmp_path)
+        self.refused(InputXGradient(policy), tmp_path, "explainer: Saliency then, InputXGradient now")
+        self.refused(Saliency(policy, abs=False), tmp_path, "abs: True then, False now")
+
+    def test_a_model_whose_parameters_changed_is_refused_naming_it(self, tmp_path):
+        policy = q_actor()
+        self.first_half(LRP(policy, EpsilonPlus()), tmp_path)
+        with torch.no_grad():
+            next(policy.parameters()).add_(1e-3)  # a step of training
+        self.refused(LRP(policy, EpsilonPlus()), tmp_path, r"module: QValueActor, parameters #\w+ then, QValueActor")
+
+    def test_the_same_explanation_built_anew_and_batched_otherwise_resumes(self, tmp_path):
+        """A new wrapper and preset of the same arguments (nothing in the record is an object's address), and other
+        batching options (batch_size, internal_batch_size), explain the rest."""
+        policy = q_actor()
+        self.first_half(IntegratedGradients(policy, n_steps=8, baselines=torch.zeros(4)), tmp_path)
+        method = IntegratedGradients(policy, n_steps=8, baselines=torch.zeros(4), internal_batch_size=16)
+        out = explain_offline(method, data(20), tmp_path / "out", batch_size=7, progress=False)
+        assert bool(out["explained"].all())
+        self.first_half(LRP(policy, EpsilonPlus()), tmp_path / "lrp")
+        out = explain_offline(LRP(policy, EpsilonPlus()), data(20), tmp_path / "lrp" / "out", progress=False)
+        assert bool(out["explained"].all())
+
+    def test_an_output_written_without_a_record_resumes_and_is_given_one(self, tmp_path):
+        policy = q_actor()
+        self.first_half(LRP(policy, EpsilonPlus()), tmp_path)
+        (tmp_path / "out" / "explainer.json").unlink()
+        out = explain_offline(LRP(policy, EpsilonPlus()), data(20), tmp_path / "out", batch_size=5, progress=False)
+        assert bool(out["explained"].all()) and (tmp_path / "out" / "explainer.json").exists()
+        self.first_half(LRP(policy, EpsilonPlus()), tmp_path / "again")
+        self.refused(Saliency(policy, relevance_key="relevance"), tmp_path / "again", "explainer: LRP then, Saliency")

@@ -32,6 +32,7 @@ from tensordict.utils import unravel_key
 from torchrl.data import ListStorage
 from torchrl.modules import AdditiveGaussianModule, OrnsteinUhlenbeckProcessModule
 
+from tdhook.attribution._explainer_records import check_record, explainer_record, keep_record
 from tdhook.attribution._inputs import module_in_recurrent_mode
 from tdhook.attribution._offline_shards import barrier, process_group, shard_runs
 from tdhook.attribution._policy_targets import stored_rows
@@ -134,8 +135,11 @@ def _missing_runs(done: torch.Tensor | None, start: int, stop: int, batch_size: 
     ]
 
 
-def _check_output(output: TensorDictBase, written: TensorDictBase, prefix: Path, length: int) -> None:
-    """Refuse an output at ``prefix`` that is not this explanation's: other keys, shapes, dtypes or length."""
+def _check_output(
+    output: TensorDictBase, written: TensorDictBase, prefix: Path, length: int, record: dict[str, str]
+) -> None:
+    """Refuse an output at ``prefix`` that is not this explanation's: other keys, shapes, dtypes or length, or
+    another explainer's record (see :mod:`~tdhook.attribution._explainer_records`)."""
     expected = {key: (tuple(value.shape[1:]), value.dtype) for key, value in written.items(True, True)}
     expected[DONE_KEY] = (tuple(written.batch_size[1:]), torch.bool)
     found = {key: (tuple(value.shape[1:]), value.dtype) for key, value in output.items(True, True)}
@@ -145,6 +149,7 @@ def _check_output(output: TensorDictBase, written: TensorDictBase, prefix: Path,
             f"({output.batch_size[0]} rows, entries {found}); this explanation writes {length} rows with entries "
             f"{expected}: choose another prefix, or delete that one"
         )
+    check_record(prefix, record)
 
 
 def _progress_bar(total: int, show: bool):
@@ -216,6 +221,10 @@ def explain_offline(
     Raises:
         ValueError: ``prefix`` holds a memory-mapped TensorDict that is not this explanation's output (other
             keys, shapes, dtypes or number of rows), naming it. Under ``torch.distributed`` every rank raises.
+            An explainer that would store an entry at ``"explained"`` (``relevance_key="explained"``), the key of
+            the output's mask. An output that another explanation wrote (another rule mapper, method or options,
+            or the model's parameters changed since), kept in its folder's ``explainer.json``: its rows not done
+            would be explained otherwise than those done.
             A source with no rows (an empty replay buffer), which leaves nothing to run the explanation on.
         RuntimeError: ``distributed=True`` without an initialised process group.
 
@@ -238,6 +247,7 @@ def explain_offline(
             "open for the whole pass, or an attribution method of tdhook.attribution (Saliency, IntegratedGradients, "
             f"...); got {type(lrp).__name__}"
         )
+    _refuse_done_key_taken(lrp)
     _refuse_time_read_as_rows(lrp, source)
     length = _source_length(source)
     if not length:  # no row to run the explanation on, which sets the output's entries
@@ -256,10 +266,22 @@ def explain_offline(
     runs = _missing_runs(done, start, stop, batch_size)
     output, checked = _explain_runs(lrp, source, prefix, length, runs, output, False, progress)
     if output is None:  # nothing to explain: still leave a valid output behind (every row marked not done)
-        output = _create(_one_row_entries(lrp, source), length, prefix)
+        output = _create(_one_row_entries(lrp, source), length, prefix, explainer_record(lrp))
     elif not checked:
-        _check_output(output, _one_row_entries(lrp, source), prefix, length)
+        _check_output(output, _one_row_entries(lrp, source), prefix, length, explainer_record(lrp))
     return output
+
+
+def _refuse_done_key_taken(lrp: LRP | AttributionMethod) -> None:
+    """The output keeps its mask of rows done at ``DONE_KEY``: an entry it stores there too (a ``relevance_key`` of
+    that name, an action key) would clash with it, and the output could not be written."""
+    for key in (*_explanation_keys(lrp), *drawn_action_keys(lrp.module)):
+        if (key if isinstance(key, str) else key[0]) == DONE_KEY:
+            option = "its relevance_key" if key in _explanation_keys(lrp) else "the key of an action it draws"
+            raise ValueError(
+                f"explain_offline: the output keeps its mask of the rows done at {DONE_KEY!r}, where "
+                f"{type(lrp).__name__} would store {key!r} ({option}); name that key otherwise"
+            )
 
 
 def _refuse_time_read_as_rows(lrp: LRP | AttributionMethod, source) -> None:
@@ -328,9 +350,9 @@ def _explain_runs(
             if not checked:
                 written = _written_entries(lrp, result)
                 if output is None:
-                    output = _create(written, length, prefix)
+                    output = _create(written, length, prefix, explainer_record(lrp))
                     leaves, done = _writable(output)
-                _check_output(output, written, prefix, length)
+                _check_output(output, written, prefix, length, explainer_record(lrp))
                 checked = True
             with torch.no_grad():  # relevance with a graph (create_graph=True) is stored, its graph is not
                 for key, leaf in leaves:
@@ -369,10 +391,10 @@ def _explain_sharded(
     """
     template = _one_row_entries(lrp, source)
     if output is not None:
-        _check_output(output, template, prefix, length)
+        _check_output(output, template, prefix, length, explainer_record(lrp))
     barrier()  # every rank has looked at the prefix before rank 0 creates files there
     if rank == 0 and output is None:
-        _create(template, length, prefix)
+        _create(template, length, prefix, explainer_record(lrp))
     barrier()
     output = TensorDict.load_memmap(prefix)
     done = output.get(DONE_KEY).clone()
@@ -441,9 +463,10 @@ def _opened(lrp: LRP | AttributionMethod) -> AbstractContextManager:
     return nullcontext() if lrp._handles is not None or lrp._inactive else lrp
 
 
-def _create(written: TensorDictBase, length: int, prefix: Path) -> TensorDictBase:
+def _create(written: TensorDictBase, length: int, prefix: Path, record: dict[str, str]) -> TensorDictBase:
     """Files of the full length with a mask of the rows done, all False, created without materialising them."""
     template = written[:1].clone().set(DONE_KEY, torch.zeros((1, *written.batch_size[1:]), dtype=torch.bool))
     output = template.expand(length, *written.batch_size[1:]).memmap_like(prefix)
     output.get(DONE_KEY).fill_(False)
+    keep_record(prefix, record)
     return output
