@@ -116,3 +116,60 @@ def test_the_relevance_of_inner_layers_is_no_share():
     assert set(chosen.keys()) == {"pixel_encoder", "state"}
     with pytest.raises(KeyError, match=r"holds no relevance at \['layer'\]"):
         relevance_shares(td, keys=["layer"])
+
+
+def two_key_policy() -> TensorDictModule:
+    class Two(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.obs, self.goal = torch.nn.Linear(4, 8), torch.nn.Linear(2, 8)
+            self.head = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+        def forward(self, obs: torch.Tensor, goal: torch.Tensor) -> torch.Tensor:
+            return self.head(self.obs(obs) + self.goal(goal))
+
+    return TensorDictModule(Two().double(), ["obs", "goal"], ["q"])
+
+
+def test_every_units_shares_under_target_all_are_that_units_own():
+    """``target="all"`` writes ``[B, units, F]``; the shares summed over every dimension after the batch's, and so
+    added the units' relevance into one share of no unit (0.49 for the obs of a sample whose units' own shares were
+    0.73, 0.39 and 0.18), with no word."""
+    torch.manual_seed(0)
+    policy = two_key_policy()
+    td = TensorDict(
+        obs=torch.randn(5, 4, dtype=torch.float64), goal=torch.randn(5, 2, dtype=torch.float64), batch_size=[5]
+    )
+    every = LRP(policy, EpsilonPlus(), target="all")(td.clone())
+    with pytest.raises(ValueError, match=r"relevance at 'obs' has shape \[5, 3, 4\] for an input of shape \[5, 4\]"):
+        relevance_shares(every)
+    shares = relevance_shares(every, units=1)
+    assert shares.batch_size == (5,) and shares["obs"].shape == (5, 3)
+    for unit in range(3):
+        alone = relevance_shares(LRP(policy, EpsilonPlus(), target=unit)(td.clone()))
+        for key in ("obs", "goal"):
+            torch.testing.assert_close(shares[key][:, unit], alone[key], rtol=1e-10, atol=1e-12)
+    assert (shares["obs"].amax(-1) - shares["obs"].amin(-1)).max() > 0.05  # the units' shares differ
+
+
+def test_each_explained_positions_shares_under_split_dim_cover_every_input_step():
+    """``split_dim`` writes ``[B, T, T, F]`` (the target's step, then the input's): with ``units=0`` each explained
+    step's shares are taken over every input step, and under ``target="all"`` as well ``units=1`` gives each unit
+    of each step its own."""
+    torch.manual_seed(1)
+    policy = two_key_policy()
+    td = TensorDict(
+        obs=torch.randn(2, 6, 4, dtype=torch.float64), goal=torch.randn(2, 6, 2, dtype=torch.float64), batch_size=[2, 6]
+    )
+    split = LRP(policy, EpsilonPlus(), split_dim=1)(td.clone())
+    with pytest.raises(ValueError, match="units=0 for LRP"):
+        relevance_shares(split)
+    shares = relevance_shares(split, units=0)
+    obs, goal = (split["relevance", key].abs().flatten(2).sum(-1) for key in ("obs", "goal"))
+    torch.testing.assert_close(shares["obs"], obs / (obs + goal))
+    both = LRP(policy, EpsilonPlus(), split_dim=1, target="all")(td.clone())
+    per_unit = relevance_shares(both, units=1)
+    assert per_unit["obs"].shape == (2, 6, 3)
+    for unit in range(3):
+        alone = relevance_shares(LRP(policy, EpsilonPlus(), split_dim=1, target=unit)(td.clone()), units=0)
+        torch.testing.assert_close(per_unit["obs"][..., unit], alone["obs"], rtol=1e-10, atol=1e-12)
