@@ -770,3 +770,54 @@ class TestAResumedRunExplainsAsTheFirstDid:
         assert bool(out["explained"].all()) and (tmp_path / "out" / "explainer.json").exists()
         self.first_half(LRP(policy, EpsilonPlus()), tmp_path / "again")
         self.refused(Saliency(policy, relevance_key="relevance"), tmp_path / "again", "explainer: LRP then, Saliency")
+
+
+class TestRowsChangedSinceTheyWereExplained:
+    """A run over a source whose rows changed since an earlier run into the same output (a circular buffer that kept
+    filling) explained nothing, every row being marked done, and returned the old rows' relevance for the new ones
+    (1.1 off); the rows changed since are now explained again, and only those."""
+
+    @staticmethod
+    def recorded(lrp: LRP) -> BatchSizes:
+        recorder = BatchSizes()
+        lrp.module.module[0].module.insert(0, recorder)
+        return recorder
+
+    def test_a_circular_buffer_that_kept_filling_is_explained_anew(self, tmp_path):
+        lrp = LRP(q_actor(), EpsilonPlus())
+        buffer = TensorDictReplayBuffer(storage=LazyTensorStorage(24))
+        buffer.extend(data(24))
+        explain_offline(lrp, buffer, tmp_path / "out", batch_size=8, progress=False)
+        buffer.extend(data(24))  # every row overwritten
+        out = explain_offline(lrp, buffer, tmp_path / "out", batch_size=8, progress=False)
+        expected = lrp(buffer.storage[:].clone())["relevance", "observation"]
+        torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
+
+    def test_only_the_rows_changed_are_explained_again(self, tmp_path):
+        lrp, rows = LRP(q_actor(), EpsilonPlus()), data(20)
+        explain_offline(lrp, rows, tmp_path / "out", batch_size=6, progress=False)
+        rows["observation"][[3, 17]] += 1.0
+        recorder = self.recorded(lrp)
+        out = explain_offline(lrp, rows, tmp_path / "out", batch_size=6, progress=False)
+        assert recorder.sizes == [1, 1]  # rows 3 and 17, each its own stretch
+        expected = lrp(rows.clone())["relevance", "observation"]
+        torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
+
+    def test_unchanged_rows_read_in_other_batches_are_not_explained_again(self, tmp_path):
+        lrp, rows = LRP(q_actor(), EpsilonPlus()), data(20)
+        explain_offline(lrp, rows, tmp_path / "out", batch_size=6, stop=13, progress=False)
+        recorder = self.recorded(lrp)
+        explain_offline(lrp, rows, tmp_path / "out", batch_size=4, progress=False)
+        assert recorder.sizes == [4, 3]  # rows 13:17 and 17:20 only
+
+    def test_an_output_written_without_checksums_takes_its_rows_as_they_are(self, tmp_path):
+        lrp, rows = LRP(q_actor(), EpsilonPlus()), data(20)
+        explain_offline(lrp, rows, tmp_path / "out", batch_size=5, stop=10, progress=False)
+        (tmp_path / "out" / "row_checksums.memmap").unlink()
+        recorder = self.recorded(lrp)
+        out = explain_offline(lrp, rows, tmp_path / "out", batch_size=5, progress=False)
+        assert recorder.sizes == [5, 5] and bool(out["explained"].all())
+        rows["observation"][2] += 1.0  # a change after the checksums were kept is found
+        recorder.sizes.clear()
+        explain_offline(lrp, rows, tmp_path / "out", batch_size=5, progress=False)
+        assert recorder.sizes == [1]

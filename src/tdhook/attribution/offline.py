@@ -36,6 +36,7 @@ from tdhook.attribution._explainer_records import check_record, explainer_record
 from tdhook.attribution._inputs import module_in_recurrent_mode
 from tdhook.attribution._offline_shards import barrier, process_group, shard_runs
 from tdhook.attribution._policy_targets import stored_rows
+from tdhook.attribution._row_checksums import CHECKSUM_FILE, checksum_file, row_checksums
 from tdhook.attribution.lrp import LRP
 from tdhook.attribution.methods._base import AttributionMethod
 
@@ -211,7 +212,8 @@ def explain_offline(
     Returns:
         The memory-mapped TensorDict of relevance, with the source's length, and at ``"explained"`` a boolean
         mask of the rows written so far. A row is marked once its relevance is on disk, so an interrupted run
-        is visibly incomplete (``~out["explained"]``) and running it again explains only the rows not marked.
+        is visibly incomplete (``~out["explained"]``) and running it again explains only the rows not marked, and
+        the rows marked whose data changed since they were explained (a checksum of each is kept beside the output).
         A policy that draws its action (a ``ProbabilisticActor``, a perturbing exploration step) has each row's
         action, and its log-probability where the actor returns one, written beside the relevance at the keys
         the policy writes them (see :func:`drawn_action_keys`): the action the row's relevance explains (a
@@ -262,9 +264,10 @@ def explain_offline(
     output = _existing_output(prefix, length)
     if group is not None:
         return _explain_sharded(lrp, source, prefix, output, length, range(start, stop), batch_size, progress, *group)
-    done = output.get(DONE_KEY) if output is not None else None
+    # The rows done, but those changed since they were explained; nothing is written before the output is checked.
+    done = None if output is None else _without_changed_rows(lrp, source, prefix, output, start, stop, batch_size)
     runs = _missing_runs(done, start, stop, batch_size)
-    output, checked = _explain_runs(lrp, source, prefix, length, runs, output, False, progress)
+    output, checked = _explain_runs(lrp, source, prefix, length, runs, output, False, progress, batch_size)
     if output is None:  # nothing to explain: still leave a valid output behind (every row marked not done)
         output = _create(_one_row_entries(lrp, source), length, prefix, explainer_record(lrp))
     elif not checked:
@@ -338,28 +341,73 @@ def _explain_runs(
     output: TensorDictBase | None,
     checked: bool,
     progress: bool,
+    batch_size: int,
 ) -> tuple[TensorDictBase | None, bool]:
     """Explain and write the batches ``runs``, creating the output at the first one if there is none yet.
 
     Returns the output (None if there was none and nothing to explain) and whether it has been checked.
     """
     leaves, done = (None, None) if output is None else _writable(output)
+    sums = _checksums(lrp, source, prefix, output, batch_size) if checked else None
+    keys = _read_keys(lrp)
     with _opened(lrp), stored_rows(), _progress_bar(sum(end - begin for begin, end in runs), progress) as bar:
         for begin, end in runs:
-            result = lrp(_rows(source, begin, end))
+            rows = _rows(source, begin, end)
+            rows_sums = row_checksums(rows, keys)  # of the rows as read, before the model may write into them
+            result = lrp(rows)
             if not checked:
                 written = _written_entries(lrp, result)
                 if output is None:
                     output = _create(written, length, prefix, explainer_record(lrp))
                     leaves, done = _writable(output)
                 _check_output(output, written, prefix, length, explainer_record(lrp))
-                checked = True
+                checked, sums = True, _checksums(lrp, source, prefix, output, batch_size)
             with torch.no_grad():  # relevance with a graph (create_graph=True) is stored, its graph is not
                 for key, leaf in leaves:
                     leaf[begin:end].copy_(result.get(key))
+                sums[begin:end] = rows_sums
                 done[begin:end] = True  # only once the batch's relevance is written
             bar.update(end - begin)
     return output, checked
+
+
+def _read_keys(lrp: LRP | AttributionMethod) -> list[NestedKey]:
+    """What the explainer reads of a row: its input keys, and the stored actions a policy's relevance explains."""
+    return [*map(unravel_key, lrp.in_keys), *drawn_action_keys(lrp.module)]
+
+
+def _done_rows(output: TensorDictBase, length: int) -> torch.Tensor:
+    """Per row (along the first dimension), whether any of its entries is marked done."""
+    return output.get(DONE_KEY).as_subclass(torch.Tensor).reshape(length, -1).any(-1)
+
+
+def _checksums(lrp, source, prefix: Path, output: TensorDictBase, batch_size: int) -> torch.Tensor:
+    """The output's row checksums, to write beside each batch. An output written before they were kept gets them,
+    for its rows done, from the rows as they are now: whether those changed since cannot be told, and they are
+    taken as they are."""
+    length = output.batch_size[0]
+    sums, existed = checksum_file(prefix, length)
+    if not existed:
+        for begin, end in _missing_runs(~_done_rows(output, length), 0, length, batch_size):  # the runs of done rows
+            sums[begin:end] = row_checksums(_rows(source, begin, end), _read_keys(lrp))
+    return sums
+
+
+def _without_changed_rows(
+    lrp, source, prefix: Path, output: TensorDictBase, start: int, stop: int, batch_size: int
+) -> torch.Tensor:
+    """The output's mask of rows done, without the rows of ``start:stop`` whose checksum differs from the one kept
+    when they were explained (see :mod:`~tdhook.attribution._row_checksums`): those are explained again. The
+    output is not written: a run that stops before them leaves them to the next, which finds them changed too."""
+    length = output.batch_size[0]
+    done = output.get(DONE_KEY).as_subclass(torch.Tensor).clone()
+    if not (prefix / CHECKSUM_FILE).exists():  # written before checksums were kept: taken as it is
+        return done
+    sums = checksum_file(prefix, length)[0]
+    for begin, end in _missing_runs(~_done_rows(output, length), start, stop, batch_size):  # runs of done rows
+        changed = row_checksums(_rows(source, begin, end), _read_keys(lrp)) != sums[begin:end]
+        done[begin:end][changed] = False
+    return done
 
 
 def _writable(output: TensorDictBase) -> tuple[list[tuple[NestedKey, torch.Tensor]], torch.Tensor]:
@@ -395,12 +443,14 @@ def _explain_sharded(
     barrier()  # every rank has looked at the prefix before rank 0 creates files there
     if rank == 0 and output is None:
         _create(template, length, prefix, explainer_record(lrp))
+    elif rank == 0:
+        _checksums(lrp, source, prefix, output, batch_size)  # kept for an output written before they were
     barrier()
     output = TensorDict.load_memmap(prefix)
-    done = output.get(DONE_KEY).clone()
+    done = _without_changed_rows(lrp, source, prefix, output, rows.start, rows.stop, batch_size)
     barrier()  # every rank has read the same mask, so the same batches, before any rank marks rows
     runs = shard_runs(_missing_runs(done, rows.start, rows.stop, batch_size), rank, world_size)
-    _explain_runs(lrp, source, prefix, length, runs, output, True, progress and rank == 0)
+    _explain_runs(lrp, source, prefix, length, runs, output, True, progress and rank == 0, batch_size)
     barrier()  # on return, every rank's rows are written
     return output
 
@@ -466,7 +516,9 @@ def _opened(lrp: LRP | AttributionMethod) -> AbstractContextManager:
 def _create(written: TensorDictBase, length: int, prefix: Path, record: dict[str, str]) -> TensorDictBase:
     """Files of the full length with a mask of the rows done, all False, created without materialising them."""
     template = written[:1].clone().set(DONE_KEY, torch.zeros((1, *written.batch_size[1:]), dtype=torch.bool))
+    prefix.mkdir(parents=True, exist_ok=True)
+    keep_record(prefix, record)  # before the TensorDict's files: a process that finds those finds these too
+    checksum_file(prefix, length)
     output = template.expand(length, *written.batch_size[1:]).memmap_like(prefix)
     output.get(DONE_KEY).fill_(False)
-    keep_record(prefix, record)
     return output
