@@ -772,7 +772,9 @@ def _explain(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = LRP(module, mapper, target_key=key, **keys)(td.clone())
-    return out, [str(w.message) for w in caught]
+    # The default target among a continuous action's dimensions is warned of for every such head (as the oracle,
+    # the unit of largest value is explained): a word on the target, not on the module, which is what is checked.
+    return out, [str(w.message) for w in caught if not str(w.message).startswith("LRP: target=None explains")]
 
 
 @pytest.mark.parametrize("name", list(CASES))

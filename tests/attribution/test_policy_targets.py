@@ -28,6 +28,7 @@ from torchrl.modules import (
     Ordinal,
     OrnsteinUhlenbeckProcessModule,
     ProbabilisticActor,
+    QValueActor,
     TanhDelta,
     TanhModule,
     TanhNormal,
@@ -329,9 +330,13 @@ def test_a_decision_transformer_explains_the_step_it_acts_on(kind, layout):
     expected, _ = last_step_by_hand(wrapper, td, DEFAULT_KEY[kind])
     lrp = LRP(wrapper, BaseRuleMapper(rule_mapper=lambda name, module: IgnoreRule()))
     assert lrp.explained_keys == list(CONTEXT_KEYS)
-    with warnings.catch_warnings():  # LayerNorm and attention on their plain gradient: as asked, so no word of it
-        warnings.simplefilter("error")
-        out = lrp(td)
+    with warnings.catch_warnings(record=True) as caught:  # LayerNorm and attention on their plain gradient: as
+        warnings.simplefilter("always")  # asked, so no word of it; only of the default target among the action's
+        out = lrp(td)  # dimensions, the one of largest value in each sample
+    continuous = (
+        [] if kind == "plain" else [f"LRP: target=None explains, in each sample, the unit of {DEFAULT_KEY[kind]!r}"]
+    )
+    assert [str(w.message)[: len(continuous[0])] if continuous else str(w.message) for w in caught] == continuous
     assert out.batch_size == torch.Size([3])
     assert out["action"].shape == (3, 2)
     for key in CONTEXT_KEYS:
@@ -752,3 +757,44 @@ def test_a_transition_keeps_the_action_it_holds_and_a_metric_scores_it(distribut
         scored = pixel_flipping(actor, out, in_keys=["observation"], relevance_key=relevance_key)
         expected = pixel_flipping(actor, out, in_keys=["observation"], relevance_key=relevance_key, target=held)
     torch.testing.assert_close(scored, expected)
+
+
+def gaussian_actor(dimensions: int) -> ProbabilisticActor:
+    net = nn.Sequential(nn.Linear(4, 2 * dimensions), NormalParamExtractor()).double()
+    module = TensorDictModule(net, in_keys=["observation"], out_keys=["loc", "scale"])
+    return ProbabilisticActor(module, in_keys=["loc", "scale"], distribution_class=TanhNormal)
+
+
+def target_words(explainer, **options) -> list[str]:
+    td = TensorDict(observation=torch.randn(5, 4, dtype=torch.float64), batch_size=[5])
+    with warnings.catch_warnings(record=True) as caught, set_exploration_type(ExplorationType.DETERMINISTIC):
+        warnings.simplefilter("always")
+        explainer(td)
+    return [str(w.message) for w in caught if "target=None explains" in str(w.message)]
+
+
+@pytest.mark.parametrize("method", [LRP, InputXGradient], ids=["lrp", "method"])
+def test_the_default_target_among_a_continuous_actions_dimensions_is_warned_of(method):
+    """``target=None`` explains the unit of largest value, which is the action taken for action values and logits;
+    among the dimensions of a continuous action (a TanhNormal's ``loc``, a DDPG actor's output) no dimension is, and
+    each sample explained the dimension whose mean was largest with no word."""
+    torch.manual_seed(0)
+    gaussian = gaussian_actor(3)
+    ddpg = Actor(nn.Linear(4, 3).double(), spec=Bounded(-1.0, 1.0, (3,), dtype=torch.float64))
+    (message,) = target_words(method(gaussian))
+    assert "unit of 'loc'" in message and "3 dimensions of a continuous action (the TanhNormal parameter" in message
+    assert "target='all'" in message
+    (message,) = target_words(method(ddpg))
+    assert "unit of 'action'" in message and "(the output of Actor under a BoundedContinuous action spec)" in message
+    (message,) = target_words(method(gaussian, target_key="action"))
+    assert "(the TanhNormal sample of" in message
+    # An explicit target, one dimension (Pendulum's), a categorical head and a Q-value actor say nothing.
+    assert target_words(method(gaussian, target=1)) == target_words(method(gaussian, target="all")) == []
+    assert target_words(method(gaussian_actor(1))) == []
+    categorical = ProbabilisticActor(
+        TensorDictModule(nn.Linear(4, 3).double(), ["observation"], ["logits"]),
+        ["logits"],
+        distribution_class=Categorical,
+    )
+    q_values = QValueActor(nn.Linear(4, 3).double(), in_keys=["observation"], action_space="one-hot")
+    assert target_words(method(categorical)) == target_words(method(q_values)) == []

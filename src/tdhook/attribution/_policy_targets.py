@@ -69,6 +69,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase, TensorDictSequential
 from tensordict.utils import NestedKey, unravel_key
 from torch import distributions, nn
+from torchrl.data import Bounded, Composite, Unbounded
 from torchrl.modules import (
     Actor,
     ActorCriticOperator,
@@ -90,6 +91,7 @@ from torchrl.modules.distributions import (
 )
 from torchrl.modules.tensordict_module.actors import DistributionalQValueModule
 
+from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 
 __all__ = [
@@ -200,6 +202,41 @@ def _action_sampler(operator: TensorDictModuleBase, target_key: NestedKey) -> Pr
     )
 
 
+def _warn_for_continuous_units(operator: TensorDictModuleBase, target_key: NestedKey, result: TensorDictBase) -> None:
+    """Warn where the default target, the unit of largest value in each sample, is taken among the dimensions of a
+    continuous action: none of them is the action taken, as the argmax of action values or logits is."""
+    head = _found_once(operator, target_key, _find_continuous_head)
+    output = result.get(target_key, None)
+    if head is None or not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[-1] < 2:
+        return
+    warn_at_caller(
+        f"LRP: target=None explains, in each sample, the unit of {target_key!r} with the largest value, as for "
+        f"action values or logits; but {target_key!r} holds the {output.shape[-1]} dimensions of a continuous "
+        f"action ({head}), none of which is the action taken, so samples explain different dimensions. Pass "
+        "target=<a dimension> for one, target='all' for each, or a callable (their sum, lambda y: y.sum(-1))"
+    )
+
+
+def _find_continuous_head(operator: TensorDictModuleBase, target_key: NestedKey) -> str | None:
+    """What makes ``target_key`` the dimensions of a continuous action: a parameter or the sample of a sampler's
+    distribution that is not a categorical, masked or ordinal one (``loc`` of a ``TanhNormal``), or the output of a
+    torchrl ``Actor``
+    whose action spec is continuous (a DDPG actor's); ``None`` for anything else."""
+    key = unravel_key(target_key)
+    discrete = (*_CATEGORICAL, *_MASKED, *_ORDINAL, *_ONE_HOT)
+    for sub in operator.modules():
+        if isinstance(sub, ProbabilisticTensorDictModule) and not issubclass(sub.distribution_class, discrete):
+            if key in _distribution_keys(sub).values():
+                return f"the {sub.distribution_class.__name__} parameter of {type(sub).__name__}"
+            if key == unravel_key(sub.out_keys[0]):
+                return f"the {sub.distribution_class.__name__} sample of {type(sub).__name__}"
+        elif isinstance(sub, Actor) and key in map(unravel_key, sub.out_keys):
+            spec = sub.spec.get(key, None) if isinstance(sub.spec, Composite) else sub.spec
+            if isinstance(spec, (Bounded, Unbounded)) and spec.dtype.is_floating_point:
+                return f"the output of {type(sub).__name__} under a {type(spec).__name__} action spec"
+    return None
+
+
 def ordinal_sampler(operator: TensorDictModuleBase, target_key: NestedKey) -> ProbabilisticTensorDictModule | None:
     """The sampler of ``operator`` whose torchrl ``Ordinal`` or ``OneHotOrdinal`` distribution reads its scores at
     ``target_key``, or ``None``. Its action is the argmax of the ordinal log-probabilities made from the scores, not
@@ -276,6 +313,7 @@ def allowed_action(
         )
     sampler = _action_sampler(operator, target_key)
     if sampler is None:
+        _warn_for_continuous_units(operator, target_key, result)
         return None
     action_key = unravel_key(sampler.out_keys[0])
     held = holds_transition(tensordict)

@@ -43,7 +43,7 @@ def caught(method, td: TensorDict, interaction: InteractionType | None) -> list[
 def test_a_sampled_action_is_warned_once(cls):
     """Under RANDOM sampling (a collector's default) every pass draws another action: two calls of
     FeatureAblation on the same input gave attributions 2.45 apart, and nothing said so."""
-    method = cls(actor(), target_key="action")
+    method = cls(actor(), target_key="action", target=0)
     messages = caught(method, observations(), InteractionType.RANDOM)
     assert len(messages) == 1
     assert messages[0].startswith(f"{cls.__name__}: the target 'action' is drawn at random (module 'module.1' ")
@@ -54,9 +54,9 @@ def test_a_sampled_action_is_warned_once(cls):
 @pytest.mark.parametrize("cls", [FeatureAblation, Saliency])
 def test_no_warning_where_no_pass_compares_draws(cls, target_key):
     """Deterministic sampling, the distribution's parameters, or one pass (the gradient of the draw) are fine."""
-    assert caught(cls(actor(), target_key=target_key), observations(), InteractionType.DETERMINISTIC) == []
+    assert caught(cls(actor(), target_key=target_key, target=1), observations(), InteractionType.DETERMINISTIC) == []
     if target_key == "loc" or cls is Saliency:
-        assert caught(cls(actor(), target_key=target_key), observations(), InteractionType.RANDOM) == []
+        assert caught(cls(actor(), target_key=target_key, target=1), observations(), InteractionType.RANDOM) == []
 
 
 def test_a_key_computed_from_the_draw_is_drawn_at_random():
@@ -108,7 +108,7 @@ def test_an_action_an_exploration_step_perturbs_is_warned(step):
 def test_a_sampled_action_warning_made_an_error_is_given_at_every_call():
     """A caller's filter that makes the warning an error raises it at every call, not only the first: the warning is
     counted as given once it is out."""
-    method = FeatureAblation(actor(), target_key="action")
+    method = FeatureAblation(actor(), target_key="action", target=0)
     for _ in range(2):
         with warnings.catch_warnings(), set_interaction_type(InteractionType.RANDOM):
             warnings.simplefilter("error")
