@@ -10,7 +10,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from tdhook.attribution import LRP
-from tdhook.attribution.lrp_helpers.rules import EpsilonAlpha2Beta1Flat, EpsilonPlusFlat
+from tdhook.attribution.lrp_helpers.rules import CPLRP, AttnLRP, EpsilonAlpha2Beta1Flat, EpsilonPlusFlat
 
 F64 = torch.float64
 
@@ -286,3 +286,65 @@ def test_two_wrappers_on_their_own_models_leaving_in_two_threads_at_once(monkeyp
     assert len(owners) == 0
     assert all(_no_hooks(net) for net in nets)
     LRP(nets[0], EpsilonPlus(), in_keys=["x"], out_keys=["y"]).__enter__().__exit__(None, None, None)
+
+
+class NormedAttention(nn.Module):
+    """A layer norm feeding attention: the norm's rule runs the attention's rules inside a function mode it enters
+    in the norm's pre-hook and leaves in its forward hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.norm, self.head = nn.Linear(6, 16), nn.LayerNorm(16), nn.Linear(16, 3)
+        self.attention = nn.MultiheadAttention(16, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.embed(x.unsqueeze(1) * torch.linspace(0.5, 1.5, 5, dtype=x.dtype)[:, None]))
+        return self.head(self.attention(h, h, h, need_weights=False)[0].mean(-2))
+
+
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP], ids=lambda p: p.__name__)
+def test_a_call_of_the_model_in_another_thread_leaves_the_modes_of_a_ruled_call_as_they_are(preset):
+    """A rule entering a mode in a module's pre-hook and leaving it in its forward hook kept the modes of all
+    threads on one list: where another thread (a collector acting under ``no_grad``) called the norm between an
+    explained call's hooks, the explained call left the other thread's (none) and the other thread left the
+    explained call's mode, which the norm's rule then finished on the other call. The relevance was off with no
+    word (0.999 relative under AttnLRP, 0.005 under CP-LRP); it is the call's own now."""
+    torch.manual_seed(0)
+    net = NormedAttention().to(F64).eval()
+    lrp = LRP(net, preset(), in_keys=["x"], out_keys=["y"])
+    x = torch.randn(3, 6, dtype=F64)
+    alone = lrp(TensorDict(x=x.clone(), batch_size=[3]))["relevance", "x"]
+    explained_in, other_in, explained_out = threading.Event(), threading.Event(), threading.Event()
+    explainer, other = threading.get_ident(), {}
+
+    def enter(module, args):  # order the calls: explained in, other in, explained out, other out
+        if threading.get_ident() == explainer and not explained_out.is_set():
+            explained_in.set()
+            assert other_in.wait(10)
+        elif threading.get_ident() != explainer:
+            other_in.set()
+            assert explained_out.wait(10)
+
+    def leave(module, args, output):
+        if threading.get_ident() == explainer:
+            explained_out.set()
+
+    def other_call():
+        assert explained_in.wait(10)
+        with torch.no_grad():
+            other["y"] = net.norm(torch.randn(2, 5, 16, dtype=F64))
+
+    with lrp:
+        lrp(TensorDict(x=x.clone(), batch_size=[3]))  # the first call's checks, without the other thread
+        hooks = [net.norm.register_forward_pre_hook(enter), net.norm.register_forward_hook(leave)]
+        thread = threading.Thread(target=other_call)
+        thread.start()
+        try:
+            meanwhile = lrp(TensorDict(x=x.clone(), batch_size=[3]))["relevance", "x"]
+        finally:
+            thread.join(20)
+            for hook in hooks:
+                hook.remove()
+    assert other_in.is_set() and other["y"].shape == (2, 5, 16)
+    torch.testing.assert_close(meanwhile, alone, rtol=1e-10, atol=1e-12)
+    assert torch._C._len_torch_function_stack() == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -198,11 +199,11 @@ def forward_with(
         raise ValueError(
             f"{type(module).__name__}: a rule's modified pass cannot run a parametrized module of this kind"
         )
-    busy.append(True)  # the rule's own hook must not run on this inner call
+    busy.append(threading.get_ident())  # the rule's own hook must not run on this thread's inner call
     try:
         return functional_call(module, params, (x,))
     finally:
-        busy.pop()
+        busy.remove(threading.get_ident())
 
 
 def _output_padding(module: nn.Module, x: torch.Tensor, out_shape: Sequence[int]) -> tuple[int, ...]:

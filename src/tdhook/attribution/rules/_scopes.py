@@ -9,7 +9,8 @@ forward raises an ``Exception``, but not when it raises ``KeyboardInterrupt``,
 for the rest of the process.
 
 :func:`push` and :func:`pop` keep such items on a list of the caller's (one per
-hook pair) and, beside it, on one stack per thread. :func:`closing_scopes`
+hook pair, shared by the threads that call the module) and, beside it, on one
+stack per thread, which says whose each item is. :func:`closing_scopes`
 wraps a call of the model: whatever the call pushed and did not pop is popped
 when it ends, however it ends, context managers left in reverse order.
 
@@ -56,15 +57,24 @@ def push(pending: list, item: Any, enter: bool = False) -> None:
 
 
 def pop(pending: list) -> Any:
-    """Remove and return the latest item of ``pending`` (``None`` when it is empty), leaving it if it was entered."""
+    """Remove and return the latest item this thread pushed on ``pending`` (``None`` where it pushed none), leaving it
+    if it was entered.
+
+    ``pending`` is shared by the threads that call the module: another thread's item, pushed between this thread's
+    push and pop, is left for that thread's pop (it is not this call's mode, guard or snapshot).
+    """
     if not pending:
         return None
-    item = pending.pop()
     stack = _stack()
-    entered = False
     for index in range(len(stack) - 1, -1, -1):  # the top, unless a call in between ended abnormally
-        if stack[index][0] is pending and stack[index][1] is item:
-            entered = stack.pop(index)[2]
+        if stack[index][0] is pending:
+            _, item, entered = stack.pop(index)
+            break
+    else:
+        return None
+    for index in range(len(pending) - 1, -1, -1):  # the last, unless another thread pushed since
+        if pending[index] is item:
+            del pending[index]
             break
     if entered and item is not None:
         item.__exit__(None, None, None)

@@ -15,6 +15,7 @@ is registered, again only when the module's parameters change (see
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -581,9 +582,11 @@ class Rule(Tunable):
         itself: Callable[[], Callable | None]
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            inputs = pop(registration.snapshots) if registration.snapshots else _call_arguments(module, args, kwargs)
+            inputs = pop(registration.snapshots) if registration.snapshots else None  # this thread's, if it took one
+            inputs = _call_arguments(module, args, kwargs) if inputs is None else inputs
             # Not for a call of the module that its own rule's rewrite makes (RUNNING.stack is empty for all others).
-            if registration.busy or not rules_apply(module) or (RUNNING.stack and rewrites(module)):
+            busy = registration.busy and threading.get_ident() in registration.busy
+            if busy or not rules_apply(module) or (RUNNING.stack and rewrites(module)):
                 return _ruled_in_forward(module)
             if UNRECORDED:  # a tensor whose values autograd did not see written: the modes see no read inside
                 raise_for_unrecorded_inputs(module, inputs)

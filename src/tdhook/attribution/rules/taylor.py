@@ -14,6 +14,7 @@ this is the ε-rule on ``f`` with its bias left out of the denominator.
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -178,7 +179,7 @@ class TaylorDecompositionRule(Rule):
         keep: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``f(ref)`` with its graph to the reference leaves, and ``J_f(ref) · x`` (with ``bias=False``)."""
-        registration.busy.append(True)  # the rule's own hook must not run on this inner call
+        registration.busy.append(threading.get_ident())  # its own hook must not run on this thread's inner call
         try:
             # plain_calls: the rules of the modules inside take no part; no torch function mode either (the
             # mapper's held gates and stabilised sums, the norms' held scales): the Jacobian is the plain one.
@@ -200,7 +201,7 @@ class TaylorDecompositionRule(Rule):
                     tangent = torch.zeros_like(primal) if tangent is None else tangent if keep else tangent.detach()
                 return primal, tangent
         finally:
-            registration.busy.pop()
+            registration.busy.remove(threading.get_ident())
 
 
 def _call_at_reference(module: nn.Module, args: tuple) -> torch.Tensor:
