@@ -153,6 +153,26 @@ def test_a_prefix_holding_another_memmapped_tensordict_is_refused(tmp_path):
         explain_offline(other, data(10), tmp_path / "out", progress=False)
 
 
+def test_a_prefix_holding_other_files_is_refused_before_anything_is_written(tmp_path):
+    """A folder of one's own files was written into, the output's files beside them; one with a meta.json of
+    something else gave tensordict's bare ``KeyError: '_type'``."""
+    lrp = LRP(q_actor(), EpsilonPlus())
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "notes.txt").write_text("mine")
+    with pytest.raises(
+        ValueError, match=r"'.*notes' holds files that are not a memory-mapped TensorDict \(notes.txt\)"
+    ):
+        explain_offline(lrp, data(10), tmp_path / "notes", progress=False)
+    assert [entry.name for entry in (tmp_path / "notes").iterdir()] == ["notes.txt"]
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "meta.json").write_text('{"name": "a configuration"}')
+    with pytest.raises(ValueError, match=r"'.*config' holds a meta.json that is not a memory-mapped TensorDict's"):
+        explain_offline(lrp, data(10), tmp_path / "config", progress=False)
+    explain_offline(lrp, data(10), tmp_path / "empty", progress=False)  # a new folder, and an empty one
+    (tmp_path / "made").mkdir()
+    assert bool(explain_offline(lrp, data(10), tmp_path / "made", progress=False)["explained"].all())
+
+
 class Interrupt(nn.Module):
     """Counts the rows it sees; raises KeyboardInterrupt at the call numbered ``at``."""
 

@@ -782,6 +782,7 @@ def test_the_default_target_among_a_continuous_actions_dimensions_is_warned_of(m
     gaussian = gaussian_actor(3)
     ddpg = Actor(nn.Linear(4, 3).double(), spec=Bounded(-1.0, 1.0, (3,), dtype=torch.float64))
     (message,) = target_words(method(gaussian))
+    assert message.startswith(f"{method.__name__}: target=None explains")  # the method names itself
     assert "unit of 'loc'" in message and "3 dimensions of a continuous action (the TanhNormal parameter" in message
     assert "target='all'" in message
     (message,) = target_words(method(ddpg))

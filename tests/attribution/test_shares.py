@@ -91,6 +91,12 @@ def test_an_actor_critic_pipeline_gets_the_shares_of_each_target_within_that_tar
         a_total, b_total = (td["relevance", target, key].abs().sum(-1) for key in ("a", "b"))
         torch.testing.assert_close(shares["a"], a_total / (a_total + b_total))
         torch.testing.assert_close(shares["a"] + shares["b"], torch.ones(5))
+    # Taken under the common prefix, the shares split the sum of the two totals (the actor's a-share was 0.44
+    # to 0.58 where its own was another), with no word; and under target="all" they summed every unit.
+    with pytest.raises(
+        ValueError, match=r"several targets \('actor', 'critic'\).*relevance_key=\('relevance', 'actor'\)"
+    ):
+        relevance_shares(td)
 
 
 def test_a_relevance_entry_without_keys_is_named():

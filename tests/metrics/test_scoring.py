@@ -480,9 +480,9 @@ def test_a_plain_model_is_searched_for_torchrls_modules_only_where_it_holds_a_te
     net = _HoldsATensorDictModule() if holds else nn.Linear(4, 3)
     x = torch.randn(5, 4)
     td = TensorDict(x=x, batch_size=[5])
-    searches = ["_refuse_steps_read_together", "_refuse_sampled_target", "chosen_action", "allowed_action"]
+    searches = ["_refuse_steps_read_together", "_refuse_sampled_target", "chosen_action", "_taken_action"]
     with mock.patch.multiple("tdhook.metrics._scoring", **{name: mock.DEFAULT for name in searches}) as found:
-        for name in ("chosen_action", "allowed_action"):
+        for name in ("chosen_action", "_taken_action"):
             found[name].return_value = None
         scorer = Scorer(net, td, in_keys=["x"], out_keys=["y"])
     assert all(found[name].called == holds for name in searches)

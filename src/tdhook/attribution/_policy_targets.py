@@ -202,7 +202,9 @@ def _action_sampler(operator: TensorDictModuleBase, target_key: NestedKey) -> Pr
     )
 
 
-def _warn_for_continuous_units(operator: TensorDictModuleBase, target_key: NestedKey, result: TensorDictBase) -> None:
+def _warn_for_continuous_units(
+    operator: TensorDictModuleBase, target_key: NestedKey, result: TensorDictBase, owner: str
+) -> None:
     """Warn where the default target, the unit of largest value in each sample, is taken among the dimensions of a
     continuous action: none of them is the action taken, as the argmax of action values or logits is."""
     head = _found_once(operator, target_key, _find_continuous_head)
@@ -210,7 +212,7 @@ def _warn_for_continuous_units(operator: TensorDictModuleBase, target_key: Neste
     if head is None or not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[-1] < 2:
         return
     warn_at_caller(
-        f"LRP: target=None explains, in each sample, the unit of {target_key!r} with the largest value, as for "
+        f"{owner}: target=None explains, in each sample, the unit of {target_key!r} with the largest value, as for "
         f"action values or logits; but {target_key!r} holds the {output.shape[-1]} dimensions of a continuous "
         f"action ({head}), none of which is the action taken, so samples explain different dimensions. Pass "
         "target=<a dimension> for one, target='all' for each, or a callable (their sum, lambda y: y.sum(-1))"
@@ -285,6 +287,7 @@ def allowed_action(
     result: TensorDictBase,
     tensordict: TensorDictBase,
     explained: bool = False,
+    owner: str = "LRP",
 ) -> torch.Tensor | None:
     """The per-sample action to explain where ``target_key`` holds the logits of a categorical distribution (masked
     or not), the scores of an ordinal one (see :func:`ordinal_sampler`), or the action values of a distributional
@@ -300,6 +303,7 @@ def allowed_action(
             (see :func:`holds_transition`), or where ``explained``.
         explained: ``tensordict`` is the output of an explanation (a metric's input): the action it holds, written
             beside the relevance, is the one explained, where the call's own draw (``result``) may be another.
+        owner: who explains, for the warning on a continuous action's dimensions (LRP, a method, the metrics).
     """
     greedy = distributional_action(operator, target_key, result)
     if greedy is not None:
@@ -313,7 +317,7 @@ def allowed_action(
         )
     sampler = _action_sampler(operator, target_key)
     if sampler is None:
-        _warn_for_continuous_units(operator, target_key, result)
+        _warn_for_continuous_units(operator, target_key, result, owner)
         return None
     action_key = unravel_key(sampler.out_keys[0])
     held = holds_transition(tensordict)

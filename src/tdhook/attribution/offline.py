@@ -32,7 +32,7 @@ from tensordict.utils import unravel_key
 from torchrl.data import ListStorage
 from torchrl.modules import AdditiveGaussianModule, OrnsteinUhlenbeckProcessModule
 
-from tdhook.attribution._explainer_records import check_record, explainer_record, keep_record
+from tdhook.attribution._explainer_records import RECORD_FILE, check_record, explainer_record, keep_record
 from tdhook.attribution._inputs import module_in_recurrent_mode
 from tdhook.attribution._offline_shards import barrier, process_group, shard_runs
 from tdhook.attribution._policy_targets import stored_rows
@@ -318,8 +318,25 @@ def _refuse_time_read_as_rows(lrp: LRP | AttributionMethod, source) -> None:
 
 
 def _existing_output(prefix: Path, length: int) -> TensorDictBase | None:
-    """The output already at ``prefix``, refused if it has another length or is not explain_offline's."""
-    output = TensorDict.load_memmap(prefix) if (prefix / "meta.json").exists() else None
+    """The output already at ``prefix``, refused if it has another length or is not explain_offline's (a folder of
+    other files: an output is written into a new or empty folder)."""
+    if not (prefix / "meta.json").exists():
+        ours = {RECORD_FILE, CHECKSUM_FILE}  # written first: what a creation stopped early leaves
+        others = sorted(entry.name for entry in prefix.iterdir() if entry.name not in ours) if prefix.is_dir() else []
+        if others:
+            raise ValueError(
+                f"explain_offline: {str(prefix)!r} holds files that are not a memory-mapped TensorDict "
+                f"({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}); an output is written into a new or "
+                "empty folder: choose another prefix"
+            )
+        return None
+    try:
+        output = TensorDict.load_memmap(prefix)
+    except Exception as err:  # a meta.json of something else: tensordict's own error names neither
+        raise ValueError(
+            f"explain_offline: {str(prefix)!r} holds a meta.json that is not a memory-mapped TensorDict's "
+            f"({type(err).__name__}: {err}); choose another prefix, or delete that one"
+        ) from err
     if output is not None and output.batch_size[0] != length:
         raise ValueError(
             f"explain_offline: the output at {str(prefix)!r} has {output.batch_size[0]} rows, the source {length}"

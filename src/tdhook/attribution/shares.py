@@ -32,7 +32,8 @@ def relevance_shares(
     ``target_key``, or the ``{"actor", "critic"}`` default of an actor-critic
     pipeline) writes each target's relevance under ``(relevance_key, name)``;
     take each target's shares with ``relevance_key=("relevance", name)``, as
-    the actor's logits and the critic's value do not add up.
+    the actor's logits and the critic's value do not add up (their shares
+    taken together are refused, where the TensorDict holds their inputs).
 
     The relevance of inner layers (``LRP(..., layers=[...])``, written beside
     the inputs' under the same prefix) is another split of the same total, not
@@ -66,7 +67,8 @@ def relevance_shares(
 
     Raises:
         ValueError: a relevance has more dimensions than its input (several targets explained at once) and
-            ``units`` is not given, naming the key and both shapes; or the keys' units differ.
+            ``units`` is not given, naming the key and both shapes; or the keys' units differ; or the relevance keys
+            are the inputs' under target names (``("actor", "observation")``) and no ``keys`` are given.
 
     Examples:
         >>> td = TensorDict(
@@ -102,7 +104,10 @@ def relevance_shares(
     found = list(relevance.keys(include_nested=True, leaves_only=True))
     if keys is None:
         inputs = tensordict.keys(include_nested=True)
-        keys = [key for key in found if key in inputs] or found
+        keys = [key for key in found if key in inputs]
+        if not keys:
+            _refuse_several_targets(relevance_key, found, inputs)
+            keys = found
     else:
         keys = [unravel_key(key) for key in keys]
         missing = [key for key in keys if key not in found]
@@ -146,3 +151,17 @@ def _refuse_units_unsaid(tensordict: TensorDictBase, relevance: TensorDictBase, 
                     "(each explained position's shares)"
                 )
     return 0
+
+
+def _refuse_several_targets(relevance_key: NestedKey, found: list[NestedKey], inputs) -> None:
+    """Raise where the relevance keys are inputs' keys under target names (``("actor", "observation")``, the layout
+    of a wrapper explaining several targets at once): their shares would split the sum of unrelated totals."""
+    named = sorted({key[0] for key in found if isinstance(key, tuple) and unravel_key(key[1:]) in inputs})
+    if named:
+        prefix = relevance_key if isinstance(relevance_key, tuple) else (relevance_key,)
+        names = ", ".join(map(repr, named))
+        raise ValueError(
+            f"relevance_shares: {relevance_key!r} holds the relevance of several targets ({names}), whose totals "
+            "do not add up (an actor's logits and a critic's value); take each target's shares with "
+            f"relevance_key={(*prefix, named[0])!r}"
+        )

@@ -282,7 +282,7 @@ def original_target(
             )
         return HeldWeights(weights)
     if output.dim() > batch_dims and output.shape[-1] > 1:
-        allowed = allowed_action(operator, key, result, result if td is None else td)
+        allowed = allowed_action(operator, key, result, result if td is None else td, owner="metrics")
         return output.argmax(-1) if allowed is None else allowed
     return None
 

@@ -70,6 +70,8 @@ __all__ = ["Scorer", "chunks", "progress_bar"]
 # Elements of the explained inputs that one forward pass may hold (stacked perturbation steps times the batch):
 # on CPU a small CNN ran fastest with stacks of about this size, and larger ones fell out of cache.
 _ELEMENTS_PER_FORWARD = 1 << 16
+# The action a metric's default target explains: the one taken, as for LRP (its warnings name the metrics).
+_taken_action = functools.partial(allowed_action, owner="metrics")
 
 
 def _metrics_error(err: Exception) -> Exception:
@@ -350,7 +352,7 @@ class Scorer:
                 raise _metrics_error(err) from err
         elif output.dim() > len(self._batch) and (target is not None or output.shape[-1] > 1):
             try:
-                allowed = allowed_action(operator, self._key, result, td, True) if target is None and not free else None
+                allowed = _taken_action(operator, self._key, result, td, True) if target is None and not free else None
                 if chosen is not None:
                     self._index = chosen[1]
                 elif allowed is not None:

@@ -649,7 +649,7 @@ def _policy_target(
         return target, {}
     operator = method._target[1]
     return (
-        allowed_action(operator, target_key, result, tensordict),
+        allowed_action(operator, target_key, result, tensordict, owner=type(method).__name__),
         held_action_record(operator, target_key, result, tensordict),
     )
 
