@@ -208,8 +208,10 @@ def _warn_for_continuous_units(
     """Warn where the default target, the unit of largest value in each sample, is taken among the dimensions of a
     continuous action: none of them is the action taken, as the argmax of action values or logits is."""
     head = _found_once(operator, target_key, _find_continuous_head)
+    if head is None:  # most heads: the output is not read
+        return
     output = result.get(target_key, None)
-    if head is None or not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[-1] < 2:
+    if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[-1] < 2:
         return
     warn_at_caller(
         f"{owner}: target=None explains, in each sample, the unit of {target_key!r} with the largest value, as for "
