@@ -6,9 +6,9 @@ the same keys (``Saliency`` after ``InputXGradient``), other options or a model 
 the rest with another explanation, and the output would mix two with no word. The output's folder keeps a record of
 the explainer (:func:`explainer_record`): its class and the arguments it was built with, a model by its class and a
 digest of its parameters, a tensor by its values. (Buffers are left out: a model may update one, a count of its calls,
-as it runs.) A resumed run whose record differs is refused, naming
-what differs. Options that only say how the work is batched (``internal_batch_size``, ``perturbations_per_eval``,
-``memory_budget``, ``progress``) are left out: they may change from run to run.
+as it runs.) A resumed run whose record differs is refused, naming what differs. Options that only say how the work
+is batched (``internal_batch_size``, ``perturbations_per_eval``, ``memory_budget``, ``progress``) are left out: they
+may change from run to run.
 
 Examples:
     >>> import tempfile

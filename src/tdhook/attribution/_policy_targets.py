@@ -224,8 +224,7 @@ def _warn_for_continuous_units(
 def _find_continuous_head(operator: TensorDictModuleBase, target_key: NestedKey) -> str | None:
     """What makes ``target_key`` the dimensions of a continuous action: a parameter or the sample of a sampler's
     distribution that is not a categorical, masked or ordinal one (``loc`` of a ``TanhNormal``), or the output of a
-    torchrl ``Actor``
-    whose action spec is continuous (a DDPG actor's); ``None`` for anything else."""
+    torchrl ``Actor`` whose action spec is continuous (a DDPG actor's); ``None`` for anything else."""
     key = unravel_key(target_key)
     discrete = (*_CATEGORICAL, *_MASKED, *_ORDINAL, *_ONE_HOT)
     for sub in operator.modules():

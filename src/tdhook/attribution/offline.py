@@ -372,12 +372,12 @@ def _explain_runs(
             rows = _rows(source, begin, end)
             rows_sums = row_checksums(rows, keys)  # of the rows as read, before the model may write into them
             result = lrp(rows)
-            if not checked:
-                written = _written_entries(lrp, result)
+            if not checked:  # after the first call, which sets a lazy layer's parameters that the record digests
+                written, record = _written_entries(lrp, result), explainer_record(lrp)
                 if output is None:
-                    output = _create(written, length, prefix, explainer_record(lrp))
+                    output = _create(written, length, prefix, record)
                     leaves, done = _writable(output)
-                _check_output(output, written, prefix, length, explainer_record(lrp))
+                _check_output(output, written, prefix, length, record)
                 checked, sums = True, _checksums(lrp, source, prefix, output, batch_size)
             with torch.no_grad():  # relevance with a graph (create_graph=True) is stored, its graph is not
                 for key, leaf in leaves:
@@ -454,12 +454,12 @@ def _explain_sharded(
     Every rank checks an existing output itself, so a refused prefix raises on all ranks instead of leaving
     the others waiting at a barrier.
     """
-    template = _one_row_entries(lrp, source)
+    template, record = _one_row_entries(lrp, source), explainer_record(lrp)
     if output is not None:
-        _check_output(output, template, prefix, length, explainer_record(lrp))
+        _check_output(output, template, prefix, length, record)
     barrier()  # every rank has looked at the prefix before rank 0 creates files there
     if rank == 0 and output is None:
-        _create(template, length, prefix, explainer_record(lrp))
+        _create(template, length, prefix, record)
     elif rank == 0:
         _checksums(lrp, source, prefix, output, batch_size)  # kept for an output written before they were
     barrier()
