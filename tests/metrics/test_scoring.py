@@ -798,3 +798,31 @@ def test_a_sequential_called_through_another_method_is_scored_through_that_metho
         got = pixel_flipping(TensorDictModule(net, ["x"], ["y"], method="squashed"), td, features_per_step=steps)
         expected = pixel_flipping(TensorDictModule(Plain(net), ["x"], ["y"]), td, features_per_step=steps)
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def _rows_classifier() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3), nn.LogSoftmax(dim=1)).double().eval()
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_the_steps_of_a_batch_of_none_are_scored_at_the_samples_shape(wrapped):
+    """A batch [] holds one sample, ``[rows, classes]`` here, which a classifier normalises over ``dim=1``; stacked
+    steps are a new first dimension of it, over which that softmax then ran (1.6 off direct passes at the first
+    step, no warning: ``nn.LogSoftmax(dim=1)`` was vouched for as it is on a batch of samples)."""
+    net = _rows_classifier()
+    model = nn.Sequential(net) if not wrapped else TensorDictModule(net, ["x"], ["y"])
+    x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    attribution = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    target = net(x).argmax(-1)
+    td = TensorDict(x=x, attribution=TensorDict(x=attribution, batch_size=[]), batch_size=[])
+    keys = {} if wrapped else {"in_keys": ["x"], "out_keys": ["y"]}
+    curve = pixel_flipping(model, td, **keys, target=target, features_per_step=5, progress=False)
+    order = torch.sort(-attribution.flatten(), stable=True).indices
+    expected = []
+    with torch.no_grad():
+        for k in range(5):
+            gone = torch.zeros(20, dtype=torch.bool)
+            gone[order[: 5 * k]] = True
+            expected.append(net(torch.where(gone.view(4, 5), 0.0, x)).gather(1, target[:, None]).sum())
+    assert torch.allclose(curve, torch.stack(expected), rtol=1e-12, atol=1e-12)

@@ -395,3 +395,17 @@ def test_a_loss_that_reduces_its_batch_is_refused_by_name():
     own = explained(td["observation"])
     moved = torch.stack([(explained(td["observation"] + shifts[:, k]) - own).norm(dim=-1) for k in range(3)])
     torch.testing.assert_close(score, moved.amax(0) / own.norm(dim=-1), rtol=1e-10, atol=1e-12)
+
+
+def test_copies_of_a_batch_of_none_are_explained_at_the_samples_shape():
+    """Perturbed by nothing, every copy is the input and its saliency the input's: 0. The copies of a batch []
+    sample ``[rows, classes]`` ran stacked, a new first dimension over which ``nn.LogSoftmax(dim=1)`` then normalised
+    (0.64); a classifier normalising over ``dim=-1`` stacks, as before."""
+    for dim in (1, -1):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        net = torch.nn.Sequential(*net, torch.nn.LogSoftmax(dim=dim)).double()
+        x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        method = tdhook_saliency(net, in_keys=["x"], out_keys=["y"], target=net(x).argmax(-1))
+        found = sensitivity_max(method, TensorDict(x=x, batch_size=[]), perturb_radius=0.0, n_perturb_samples=3)
+        assert found.item() == 0.0, dim

@@ -179,7 +179,9 @@ class LeadingAffine:
             plain = all(_strided_ok(module) for module in modules)
             # Modules in training mode update their buffers: each stack starts from the caller's (the others do not).
             kept = nn.ModuleList(self.rest) if any(module.training for module in modules) else None
-        unchecked = not all(map(samples_apart, self.rest))  # then the first stack is compared with its steps alone
+        batch_dims = 1 if batch is None else len(batch)
+        # Unchecked: the first stack is compared with its steps alone.
+        unchecked = not all(samples_apart(layer, batch_dims) for layer in self.rest)
         for start in reversed(range(0, n_steps, size)):
             stop = min(start + size, n_steps)
             first = start - int(unperturbed and start == 0)  # the step before the stack's first
@@ -196,7 +198,9 @@ class LeadingAffine:
                 if copy is not None:
                     unchecked = False
                     alone = lambda i: rest(copy[i : i + 1].clone())[0]  # noqa: E731
-                    found = steps_mixed(out, alone, self.named_rest, lambda: rest(copy.clone()))
+                    found = steps_mixed(
+                        out, alone, self.named_rest, lambda: rest(copy.clone()), unbatched=not batch_dims
+                    )
                     if found is not None:
                         raise StepsMixed(found)
             yield first, out.flip(0)  # from the first step

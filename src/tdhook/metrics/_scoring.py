@@ -258,11 +258,11 @@ class Scorer:
                 "leave steps_per_forward at None (one step per pass) or call .eval() on the model"
             )
         self.steps_per_forward = 1 if self._alone is not None else steps_per_forward
+        self._batch = td.batch_size
         self._mixing_checked = self.steps_per_forward == 1 or _samples_apart(self)  # else the first stack is compared
         # Recurrent layers, and the time lengths they see in the unperturbed pass: a stack of steps that gives them
         # others ran as one sequence, and runs again one step per pass (see tdhook.attribution.methods._time_reads).
         self._recurrent, self._lengths = recurrent_layers(modules), set()
-        self._batch = td.batch_size
         self._base = carried_inputs(self.module, td)
         try:
             named = named_targets(self.module, target_key)
@@ -573,7 +573,7 @@ def _samples_apart(scorer: Scorer) -> bool:
     module = scorer.module
     if not scorer._plain and (type(module) is not TensorDictModule or hooked(module)):
         return False
-    return samples_apart(module.module)
+    return samples_apart(module.module, len(scorer._batch))
 
 
 def _with_unperturbed(scorer: Scorer, perturbed: Mapping[NestedKey, torch.Tensor]) -> dict | None:
@@ -594,7 +594,7 @@ def _steps_mixed(scorer: Scorer, kept: Mapping[NestedKey, torch.Tensor], output:
     n_steps = output.shape[0]
     rerun = lambda: scorer._stacked_outputs(_step(kept, slice(None)), n_steps)  # noqa: E731
     alone = lambda i: scorer._stacked_outputs(_step(kept, slice(i, i + 1)), 1)[0]  # noqa: E731
-    found = steps_mixed(output, alone, modules, rerun, first=scorer.reference_output)
+    found = steps_mixed(output, alone, modules, rerun, first=scorer.reference_output, unbatched=not scorer._batch)
     if found is not None:
         scorer.run_steps_alone(found)
     return found is not None

@@ -12,6 +12,7 @@ from tensordict.utils import NestedKey
 from tdhook.attribution._read_keys import carried_inputs
 from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.methods._cross_sample_outputs import scored_across_copies
+from tdhook.attribution.methods._mixed_copies import copies_apart
 from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurrent_layers, time_lengths
 from tdhook.metrics._batch_statistics import batch_normalising_module, keeps_running_statistics, statistics_kept
 from tdhook.metrics._features import inputs_value, stacked_batch
@@ -48,6 +49,17 @@ def _refuse_batch_reduced(output: torch.Tensor, batch: torch.Size) -> None:
         )
 
 
+def _stackable(method: TensorDictModuleBase, batch: torch.Size) -> bool:
+    """Whether the perturbed copies may run stacked in one call of ``method``: not where its model normalises over
+    the batch, nor on a batch ``[]`` (the copies are then a new first dimension of its one sample, which a model that
+    reads its input's dimensions from the front reads otherwise: ``nn.LogSoftmax(dim=1)`` of ``[rows, classes]``)
+    unless the model is built of layers that read only their inputs' last dimensions (see
+    :func:`~tdhook.attribution.methods._mixed_copies.copies_apart`)."""
+    if batch_normalising_module(method) is not None:
+        return False
+    return bool(len(batch)) or copies_apart(getattr(method, "module", method), 0)
+
+
 def _flat(attributions: Sequence[torch.Tensor], batch_dims: int) -> torch.Tensor:
     return torch.cat([a.flatten(batch_dims) for a in attributions], dim=-1)
 
@@ -73,9 +85,11 @@ def sensitivity_max(
     output ``y`` at ``x``). All perturbed inputs run in one call of the method, stacked along the batch's first
     dimension (``[n_perturb_samples * B, ...]``, with the method's per-sample baselines and feature masks repeated
     alike), or one call each where the model normalises over the batch (a BatchNorm in training mode or without
-    running statistics), a recurrent layer reads the batch's first dimension as time (it saw other time lengths
-    in the stacked call than in the method's own call), or the explained output scores the samples of its batch
-    against each other (CLIP's ``logits_per_image``: its dimensions after the batch grow with it).
+    running statistics), the batch is ``[]`` and the model reads more than its inputs' last dimensions (stacked,
+    the copies would be a new first dimension of the sample), a recurrent layer reads the batch's first dimension
+    as time (it saw other time lengths in the stacked call than in the method's own call), or the explained output
+    scores the samples of its batch against each other (CLIP's ``logits_per_image``: its dimensions after the batch
+    grow with it).
 
     Args:
         method: the attribution wrapper (:class:`~tdhook.attribution.LRP` or another method); it is called, and
@@ -145,7 +159,7 @@ def sensitivity_max(
     for key in keys:
         work.set(key, perturbed.get(key).movedim(len(batch), 0))
     attributions = None
-    if batch_normalising_module(method) is None:
+    if _stackable(method, batch):
         held = target_set(method, repeat_target(target, batch, n))
         with held, options_repeated(method, td, n), torch.no_grad(), statistics_kept(method):
             with time_lengths(recurrent) as lengths:

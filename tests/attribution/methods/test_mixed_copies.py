@@ -13,8 +13,9 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from tdhook.attribution import GradientShap, IntegratedGradients, Occlusion, SmoothGrad
+from tdhook.attribution import FeatureAblation, GradientShap, IntegratedGradients, Occlusion, SmoothGrad
 from tdhook.attribution.methods._mixed_copies import copies_apart
+from tests.conftest import relative_error
 
 MIXES = "mixes the samples of its batch"
 
@@ -202,3 +203,83 @@ def test_a_wrapper_whose_model_mixes_warns_once_and_runs_one_copy_per_pass_from_
         second, found = explained(method, td)
     assert found == [] and max(calls.rows) == 5  # one copy of the batch per pass, no stacked pass
     torch.testing.assert_close(second, first, rtol=1e-12, atol=1e-14)
+
+
+# A batch [] holds one sample, which the model's own pass reads at its shape; stacked, the copies are a new first
+# dimension of it. A classifier of [rows, classes] normalising over dim=1, or a GRU over an unbatched [T, F]
+# trajectory, then reads the copies otherwise: IntegratedGradients was 0.087 off captum's (whose batch is the rows)
+# and FeatureAblation 1.7 (the classifier) and 0.46 (the GRU, even one copy per pass, run as [1, T, F]) off the
+# definition, with no warning.
+N_ROWS, N_FEATURES = 4, 5
+
+
+def _rows_classifier() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(N_FEATURES, 8), nn.Tanh(), nn.Linear(8, 3), nn.LogSoftmax(dim=1)).double().eval()
+
+
+class _Trajectory(nn.Module):
+    """A GRU over one unbatched trajectory ``[T, F]`` (time first), a score per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gru, self.head = nn.GRU(N_FEATURES, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gru(x)[0])
+
+
+def _ablated_one_by_one(net: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """FeatureAblation's definition, each element its own group, by direct passes at the sample's shape."""
+    expected = torch.zeros_like(x)
+    with torch.no_grad():
+        full = net(x).gather(-1, target[:, None]).sum()
+        for index in range(x.numel()):
+            changed = x.clone()
+            changed.view(-1)[index] = 0.0
+            expected.view(-1)[index] = full - net(changed).gather(-1, target[:, None]).sum()
+    return expected
+
+
+@pytest.mark.parametrize("per_eval", [1, 3])
+@pytest.mark.parametrize("kind", ["classifier", "trajectory"])
+def test_the_copies_of_a_batch_of_none_run_at_the_samples_shape(kind, per_eval):
+    net = _rows_classifier() if kind == "classifier" else _Trajectory().double().eval()
+    x = torch.randn(N_ROWS, N_FEATURES, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        target = net(x).argmax(-1)
+    method = FeatureAblation(
+        net, in_keys=["x"], out_keys=["y"], target=target, feature_masks=torch.arange(x.numel()).view_as(x),
+        perturbations_per_eval=per_eval,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = method(TensorDict(x=x, batch_size=[]))["attribution", "x"]
+    assert relative_error(found, _ablated_one_by_one(net, x, target)) <= 1e-12
+    told = [str(w.message) for w in caught if "reads the dimensions of its input from the front" in str(w.message)]
+    assert len(told) == (per_eval > 1 and kind == "classifier"), told  # the GRU is told apart by its time lengths
+
+
+def test_integrated_gradients_of_keyword_rows_equal_captums_attribute():
+    """``method(x=x)`` is captum's ``attribute(x)`` (docs/methods.md): the gradient methods explain each row."""
+    captum = pytest.importorskip("captum.attr")
+    net = _rows_classifier()
+    x = torch.randn(N_ROWS, N_FEATURES, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        target = net(x).argmax(-1)
+    _, found = IntegratedGradients(net, in_keys=["x"], out_keys=["y"], target=target, n_steps=16)(x=x)
+    expected = captum.IntegratedGradients(net).attribute(x, target=target, n_steps=16)
+    assert relative_error(found, expected) <= 1e-9  # captum's Gauss-Legendre weights are float32
+
+
+@pytest.mark.parametrize(
+    ("layer", "apart"),
+    [
+        (nn.LogSoftmax(dim=1), False), (nn.LogSoftmax(dim=-1), True), (nn.Flatten(), False),
+        (nn.Flatten(-2), True), (nn.BatchNorm1d(4).eval(), False), (nn.GroupNorm(2, 4), False),
+        (nn.Conv1d(4, 4, 1), False), (nn.LayerNorm(4), True), (nn.Linear(4, 4), True),
+    ],
+)  # fmt: skip
+def test_on_a_batch_of_none_only_layers_that_read_the_last_dimensions_are_vouched_for(layer, apart):
+    assert copies_apart(nn.Sequential(nn.Linear(4, 4), layer), 0) is apart

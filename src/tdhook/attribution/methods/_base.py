@@ -473,7 +473,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             fed=fed,
             leaves=leaves if grad else [],
             separate_copies=bool(batch_normalisers(modules)) or known_to_mix(self),
-            mixing_checked=copies_apart(self.module),
+            mixing_checked=copies_apart(self.module, tensordict.batch_dims),
             recurrent=recurrent,
             time_lengths=lengths,
             held_record=record,
@@ -535,7 +535,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         each other (``call.separate_copies`` is then set)."""
         copies = perturbed[0].shape[0]
         batch = call.batch_shape
-        shape = (copies * batch[0], *batch[1:]) if call.batch_dims else (copies,)
+        shape = _copies_shape(copies, batch)
         # Copies of the inputs left fixed, never views of the caller's: the model may write into them.
         work = call.base.unsqueeze(0).expand(copies, *batch).clone().reshape(shape)
         for key, x in zip(self.explained_keys, perturbed, strict=True):
@@ -585,6 +585,20 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         with torch.enable_grad():
             objective = self._contract(call, call.output, None)
             return self._gradients(objective, call.leaves, target_key=call.target_key)
+
+
+def _copies_shape(copies: int, batch: torch.Size) -> tuple[int, ...]:
+    """The batch shape of ``copies`` copies of a batch stacked in one pass: along its first dimension; on a batch
+    ``[]`` a new first dimension, and a copy alone at the sample's own shape, as the model's own pass ran it (a model
+    may read its input's dimensions from the front; see :mod:`~tdhook.attribution.methods._mixed_copies`).
+
+    Examples:
+        >>> _copies_shape(3, torch.Size([2, 5])), _copies_shape(3, torch.Size([])), _copies_shape(1, torch.Size([]))
+        ((6, 5), (3,), ())
+    """
+    if len(batch):
+        return (copies * batch[0], *batch[1:])
+    return () if copies == 1 else (copies,)
 
 
 def pass_gradients(

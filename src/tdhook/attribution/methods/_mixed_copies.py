@@ -72,27 +72,50 @@ _APART_LAYERS = frozenset(
         nn.GroupNorm, nn.RMSNorm,
     }
 )  # fmt: skip
+# torch's layers that read only the last dimensions of their input, whatever the dimensions before (a leading one
+# added included).
+_TRAILING_LAYERS = frozenset(
+    {
+        nn.Linear, nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
+        nn.Tanh, nn.Sigmoid, nn.Softplus, nn.Softsign, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.LogSigmoid,
+        nn.Dropout, nn.AlphaDropout, nn.LayerNorm, nn.RMSNorm,
+    }
+)  # fmt: skip
 # Apart along a dimension counted from the front after the first (-1 is the first of a batch of values alone).
 _ALONG_A_DIMENSION = (nn.Softmax, nn.LogSoftmax)
 
 
-def samples_apart(model: nn.Module) -> bool:
+def samples_apart(model: nn.Module, batch_dims: int = 1) -> bool:
     """Whether ``model`` is one of torch's layers that compute each sample apart (``nn.Linear``, convolutions,
     pooling, element-wise activations, layer and group norms, a BatchNorm with running statistics in eval mode, a
     softmax or flattening after the first dimension), or a plain ``nn.Sequential`` of them, with no hook: its stacked
     steps cannot change each other's outputs.
+
+    With ``batch_dims=0`` (a batch ``[]``: the stacked steps are a new first dimension of one sample, which the
+    model's own pass does not have) only the layers that read the last dimensions of their input alone qualify
+    (``nn.Linear``, element-wise activations, layer and RMS norms, a softmax or flattening counted from the end):
+    the others read the dimensions from the front, and the new one shifts them (``nn.LogSoftmax(dim=1)`` of a
+    ``[rows, classes]`` sample would normalise over the rows).
 
     Examples:
         >>> samples_apart(nn.Sequential(nn.Flatten(), nn.Linear(4, 3), nn.ReLU(), nn.Softmax(1)))
         True
         >>> samples_apart(nn.Softmax(-1)), samples_apart(nn.BatchNorm1d(3)), samples_apart(nn.BatchNorm1d(3).eval())
         (False, False, True)
+        >>> samples_apart(nn.Softmax(1), batch_dims=0), samples_apart(nn.Softmax(-1), batch_dims=0)
+        (False, True)
     """
     if hooked(model) or module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
         return False
     kind = type(model)
     if kind is nn.Sequential:
-        return all(samples_apart(layer) for layer in model)
+        return all(samples_apart(layer, batch_dims) for layer in model)
+    if not batch_dims:
+        if kind is nn.Flatten:
+            return model.start_dim < 0 and model.end_dim < 0
+        if kind in _ALONG_A_DIMENSION:
+            return model.dim is not None and model.dim < 0
+        return kind in _TRAILING_LAYERS
     if kind in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
         return not model.training and model.running_mean is not None and model.running_var is not None
     if kind is nn.Flatten:  # from -1 on, a batch of values alone is left as it is
@@ -111,6 +134,7 @@ def steps_mixed(
     owner: str = "metrics",
     step: str = "a step",
     advice: str = "pass steps_per_forward=1 to run so from the start",
+    unbatched: bool = False,
 ) -> str | None:
     """Whether a pass of stacked steps gave its first or its middle step other outputs than that step's own pass:
     the model mixes the samples of its batch, named and warned of; ``None`` where they agree up to rounding.
@@ -135,6 +159,8 @@ def steps_mixed(
         owner: who warns (``"metrics"``, a method's name).
         step: what a step is, with its article (``"a step"``, ``"a copy of the batch"``).
         advice: how to run one step per pass from the start.
+        unbatched: whether the steps are of a batch ``[]``, stacked along a new first dimension that a step's own pass
+            does not have: the model may read its input's dimensions from the front, and is said to.
 
     Returns:
         The module, as ``"module 'name' (Type)"`` or ``"the model (Type)"``, or ``None``.
@@ -168,6 +194,16 @@ def steps_mixed(
             apart = _apart(stacked[index], own)
             found = _mixing_module(modules(), rerun, functools.partial(alone, index), steps, index)
             plural = step.split(" ", 1)[1].replace("copy", "copies").replace("step", "steps")
+            if unbatched:
+                warn_at_caller(
+                    f"{owner}: {found or 'the model'} reads the dimensions of its input from the front, or mixes the "
+                    f"samples of its batch: on a batch [], {step} stacked with others along a new first dimension got "
+                    f"other outputs than in a pass of its own at the sample's shape ({apart:.2g} apart, relative to "
+                    "its largest output; nn.LogSoftmax(dim=1) of a [rows, classes] sample normalises over the rows "
+                    f"once stacked). The {plural} run one per pass, at the sample's shape; where its first dimension "
+                    "holds samples, give the TensorDict that batch size (batch_size=[rows]) to explain each row as one"
+                )
+                return found or "the model"
             warn_at_caller(
                 f"{owner}: {found or 'the model'} mixes the samples of its batch in its forward: {step} stacked "
                 f"with others in one pass got other outputs than in a pass of its own ({apart:.2g} apart, relative "
@@ -307,17 +343,17 @@ def _rows(stacked: object, own: object, steps: int, step: int) -> torch.Tensor |
     return None
 
 
-def copies_apart(module: nn.Module) -> bool:
-    """Whether ``module`` is a plain ``TensorDictModule`` (no hook) of a model :func:`samples_apart` vouches for,
-    or such a model itself: its stacked copies need no comparison.
+def copies_apart(module: nn.Module, batch_dims: int = 1) -> bool:
+    """Whether ``module`` is a plain ``TensorDictModule`` (no hook) of a model :func:`samples_apart` vouches for on
+    a batch of ``batch_dims`` dimensions, or such a model itself: its stacked copies need no comparison.
 
     Examples:
         >>> copies_apart(TensorDictModule(nn.Linear(3, 2), ["x"], ["y"])), copies_apart(nn.BatchNorm1d(2))
         (True, False)
     """
     if type(module) is TensorDictModule:
-        return not hooked(module) and samples_apart(module.module)
-    return samples_apart(module)
+        return not hooked(module) and samples_apart(module.module, batch_dims)
+    return samples_apart(module, batch_dims)
 
 
 def copies_mixed(method: Any, call: Any, perturbed: Sequence[torch.Tensor], stacked: torch.Tensor) -> bool:
@@ -355,6 +391,7 @@ def copies_mixed(method: Any, call: Any, perturbed: Sequence[torch.Tensor], stac
             owner=type(method).__name__,
             step="a copy of the batch",
             advice=advice,
+            unbatched=not call.batch_dims,
         )
     except _Drew:  # a model that draws at random is named for its draws (see _random_draws), not compared
         return False
@@ -373,7 +410,8 @@ def checked_for_mixing(
     call.mixing_checked = True
     if copies_mixed(method, call, perturbed, stacked):
         call.separate_copies = True
-        _MIXING.add(method)
+        if call.batch_dims:  # on a batch [] the new first dimension may be why: a batch of samples may stack
+            _MIXING.add(method)
         return None
     return stacked
 

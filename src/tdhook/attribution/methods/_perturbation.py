@@ -31,11 +31,12 @@ from tdhook.attribution._inputs import module_in_recurrent_mode
 from tdhook.attribution.methods._base import AttributionMethod, Call
 from tdhook.attribution.methods._options import Baselines, baseline_tensors, per_key
 from tdhook.attribution.methods._positions_alone import (
-    every_other_position,
     own_positions,
+    position_splits,
     positions_alone,
     positions_apart,
     read_across,
+    split_positions,
 )
 from tdhook.attribution.methods._rows_in_one_sample import (
     called_with_keywords,
@@ -228,15 +229,17 @@ class PerturbationMethod(AttributionMethod):
         it perturb each position alone, with a warning once per wrapper."""
         unperturbed = self._contract(call, call.output.detach(), None)
         if call.batch_dims >= 2 and call.batch_shape[-1] >= 2 and not call.positions_alone and not self._apart():
-            changed = self._at(call, every_other_position(call.inputs, self._baselines(call), call.batch_dims))
-            moved = read_across(unperturbed, changed, lambda: self._at(call, call.inputs), call.batch_dims)
+            splits = position_splits(call.batch_shape[-1], unperturbed.device)
+            split = split_positions(call.inputs, self._baselines(call), call.batch_dims, splits)
+            changed, _ = self._evaluate(call, split)
+            moved = read_across(unperturbed, changed, splits, lambda: self._at(call, call.inputs), call.batch_dims)
             if moved is not None:
                 call.positions_alone = True
             if moved is not None and not self._positions_told:
                 self._positions_told.append(True)  # shared with the narrowed copies of a call (a shallow copy)
                 warn_at_caller(
                     f"{type(self).__name__}: the model reads across the last batch dimension (of "
-                    f"{list(call.batch_shape)}): with every other position of it perturbed, the explained output at "
+                    f"{list(call.batch_shape)}): with some of its positions perturbed, the explained output at "
                     f"the positions left as given moved ({moved:.2g} apart, relative to its largest value), as a "
                     "transformer over the time steps of a [B, T] batch moves it. A perturbation of every position "
                     "at once would write the effect of the others on each position's features; each position is "
