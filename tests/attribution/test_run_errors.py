@@ -222,3 +222,26 @@ def test_a_model_error_before_the_embedding_is_raised_as_the_model_raised_it():
     # With a mask of the right shape, the tokens are explained.
     td = TensorDict(ids=ids, mask=torch.ones(3, 5, dtype=torch.long), batch_size=[3])
     assert LRP(policy, in_keys=["ids"])(td)["relevance", "ids"].shape == (3, 5)
+
+
+class _MeanLoss(nn.Module):
+    """One number for the whole batch, as a loss with ``reduction="mean"``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.net(x).squeeze(-1) ** 2).mean()
+
+
+@pytest.mark.parametrize("wrapper", [LRP, Saliency])
+def test_an_output_without_the_batch_is_said_to_need_one_per_sample(wrapper):
+    """tensordict's bare "batch dimension mismatch" named neither the batch shape expected nor what to do."""
+    td = TensorDict(x=torch.randn(5, 4), batch_size=[5])
+    with pytest.raises(RuntimeError, match="batch dimension mismatch") as info:
+        wrapper(_MeanLoss(), in_keys=["x"], out_keys=["loss"])(td)
+    notes = "\n".join(info.value.__notes__)
+    assert f"{wrapper.__name__}: the module returned an output that does not start with the TensorDict's batch" in notes
+    assert "[5]: one output per sample is expected" in notes and "reduction='none'" in notes
+    assert set(td.keys()) == {"x"}

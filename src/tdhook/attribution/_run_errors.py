@@ -26,6 +26,10 @@ from tdhook.attribution._inputs import describe, dtype_mismatch
 __all__ = ["run_error"]
 
 
+# How tensordict refuses a module's output that lacks the TensorDict's batch dimensions, as it writes it.
+_BATCH_MISMATCH = "batch dimension mismatch"
+
+
 def run_error(
     err: Exception,
     tensordict: TensorDictBase,
@@ -76,6 +80,13 @@ def run_error(
     model = modules.get("")
     if model is not None and (mismatch := dtype_mismatch(tensordict, keys, model, owner)) is not None:
         err.add_note(mismatch)
+    if isinstance(err, RuntimeError) and str(err).startswith(_BATCH_MISMATCH):
+        err.add_note(
+            f"{owner}: the module returned an output that does not start with the TensorDict's batch shape "
+            f"{list(tensordict.batch_size)}: one output per sample is expected (a loss with reduction='mean' is one "
+            "number for the whole batch: build it with reduction='none'; or call on a TensorDict whose batch size "
+            "the outputs have)"
+        )
     on_meta = _on_meta(modules, getattr(err, "module", None)) if "meta" in str(err) else None
     if on_meta is None:
         return err
