@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -376,6 +377,23 @@ def _frozen_in_place(norm: nn.BatchNorm2d, form: str) -> nn.Module:
     return frozen
 
 
+def _plain_and_frozen(freeze: Callable[[nn.BatchNorm2d], nn.Module], eps: float = 0.0) -> tuple:
+    """A convolution, a BatchNorm (statistics far from the identity, ``eps``), a ReLU and a head; the same model with
+    the BatchNorm frozen by ``freeze``, checked to compute the same function; and an input."""
+    from tests.attribution.test_lrp_layers import randomise_batch_norm
+
+    torch.manual_seed(0)
+    norm = randomise_batch_norm(nn.BatchNorm2d(4).double()).eval()
+    norm.eps = eps
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3), norm, nn.ReLU(), nn.Flatten(), nn.Linear(64, 3)).double().eval()
+    frozen = copy.deepcopy(plain)
+    frozen[1] = freeze(norm)
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64).clamp(-2.9, 2.9)
+    with torch.no_grad():
+        torch.testing.assert_close(frozen(x), plain(x), rtol=1e-12, atol=1e-12)
+    return plain, frozen, x
+
+
 class TestFrozenBatchNormWrittenInPlace:
     """A frozen BatchNorm whose forward adds its shift in place (``out += shift``, ``out.add_(shift)``) was refused
     (its ``x * scale + shift`` not found): it is merged into the layer before it as one written out of place is.
@@ -384,16 +402,7 @@ class TestFrozenBatchNormWrittenInPlace:
     @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
     @pytest.mark.parametrize("form", ["out += shift", "out.add_(shift)"])
     def test_equals_the_batch_norm_it_freezes(self, preset: str, form: str):
-        from tests.attribution.test_lrp_layers import randomise_batch_norm
-
-        torch.manual_seed(0)
-        norm = randomise_batch_norm(nn.BatchNorm2d(4).double()).eval()
-        plain = nn.Sequential(nn.Conv2d(3, 4, 3), norm, nn.ReLU(), nn.Flatten(), nn.Linear(64, 3)).double().eval()
-        frozen = copy.deepcopy(plain)
-        frozen[1] = _frozen_in_place(norm, form)
-        x = torch.randn(2, 3, 6, 6, dtype=torch.float64).clamp(-2.9, 2.9)
-        with torch.no_grad():
-            torch.testing.assert_close(frozen(x), plain(x), rtol=1e-12, atol=1e-12)
+        plain, frozen, x = _plain_and_frozen(lambda norm: _frozen_in_place(norm, form))
 
         def relevance(net: nn.Module) -> torch.Tensor:
             lrp = LRP(net, CNN_PRESETS[preset](), in_keys=["x"], out_keys=["y"])
@@ -411,6 +420,79 @@ class TestFrozenBatchNormWrittenInPlace:
         lrp = LRP(model, CNN_PRESETS[sorted(CNN_PRESETS)[0]](), in_keys=["x"], out_keys=["y"])
         with pytest.raises(ValueError, match=r"FrozenBatchNorm2dInPlace.*out \*= scale.*IgnoreRule"):
             lrp(TensorDict(x=x, batch_size=[2]))
+
+
+def _frozen_without_eps(norm: nn.BatchNorm2d, kind: str) -> nn.Module:
+    """``norm`` frozen as Hugging Face's ``DetrFrozenBatchNorm2d`` or ``RTDetrFrozenBatchNorm2d`` (ε 1e-5 written
+    in the forward), or as maskrcnn-benchmark's ``FrozenBatchNorm2d`` (no ε at all; its variance raised by the
+    BatchNorm's ε here, so that both compute the same map): no ``eps`` attribute."""
+    import importlib
+
+    if kind == "maskrcnn":
+
+        class FrozenBatchNorm2d(nn.Module):
+            def __init__(self, n: int) -> None:
+                super().__init__()
+                for name, value in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 1.0)):
+                    self.register_buffer(name, torch.full((n,), value))
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                scale = self.weight * self.running_var.rsqrt()
+                shift = self.bias - self.running_mean * scale
+                return x * scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1)
+
+        frozen = FrozenBatchNorm2d(norm.num_features).double()
+    else:
+        module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+        prefix = {"detr": "Detr", "rt_detr": "RTDetr"}[kind]
+        frozen = getattr(module, f"{prefix}FrozenBatchNorm2d")(norm.num_features).double()
+    assert not hasattr(frozen, "eps")
+    for name in ("weight", "bias", "running_mean", "running_var"):
+        getattr(frozen, name).copy_(getattr(norm, name).detach())
+    if kind == "maskrcnn":
+        frozen.running_var += norm.eps
+    return frozen
+
+
+class TestFrozenBatchNormWithoutEps:
+    """A frozen BatchNorm whose class holds no ``eps`` (Hugging Face's DETR-family backbones write theirs in the
+    forward) or is not named ``FrozenBatchNorm*`` went unmerged with a norm's rule and no word: 0.89 off the
+    BatchNorm it freezes under EpsilonPlus, 1.55 under EpsilonAlpha2Beta1, on DETR's backbone 0.81 and 1.37. It is
+    merged with the scale and shift its forward computes."""
+
+    @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
+    @pytest.mark.parametrize("kind", ["detr", "rt_detr", "maskrcnn"])
+    def test_equals_the_batch_norm_it_freezes(self, preset: str, kind: str):
+        pytest.importorskip("transformers")
+        # ε 1e-5: the one Hugging Face's classes add in their forward
+        plain, frozen, x = _plain_and_frozen(lambda norm: _frozen_without_eps(norm, kind), eps=1e-5)
+        lrp = LRP(frozen, CNN_PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with lrp:  # the first call records, the later ones run by the plan
+                found = [lrp(TensorDict(x=x.clone(), batch_size=[2]))["relevance", "x"] for _ in range(3)]
+        expected = LRP(plain, CNN_PRESETS[preset](), in_keys=["x"], out_keys=["y"])(
+            TensorDict(x=x.clone(), batch_size=[2])
+        )["relevance", "x"]
+        for relevance in found:
+            assert relative_error(relevance, expected) <= 1e-10
+
+    def test_a_scale_of_other_than_one_value_per_channel_is_refused_by_name(self):
+        class ScaledFrozenBatchNorm2d(nn.Module):
+            """Holds a frozen BatchNorm's buffers but scales by one number: nothing per channel to merge."""
+
+            def __init__(self, n: int) -> None:
+                super().__init__()
+                for name in ("weight", "bias", "running_mean", "running_var"):
+                    self.register_buffer(name, torch.ones(n, dtype=torch.float64))
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return x * self.weight.sum() + self.bias.view(1, -1, 1, 1)
+
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), ScaledFrozenBatchNorm2d(4), nn.Flatten()).double()
+        lrp = LRP(model, CNN_PRESETS[sorted(CNN_PRESETS)[0]](), in_keys=["x"], out_keys=["y"])
+        with pytest.raises(ValueError, match=r"ScaledFrozenBatchNorm2d: a frozen BatchNorm without an eps.*channel"):
+            lrp(TensorDict(x=torch.randn(2, 3, 6, 6, dtype=torch.float64), batch_size=[2]))
 
 
 class TestChangedInAnOpenContext:

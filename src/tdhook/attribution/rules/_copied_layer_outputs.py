@@ -31,7 +31,7 @@ from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._layer_nodes import LAYER_CALL
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule
 
-__all__ = ["copied_layer_call", "warn_of_copied_layer_output"]
+__all__ = ["copied_layer_call", "rearranged_layer_call", "warn_of_copied_layer_output"]
 
 # How far back from the BatchNorm's input the walk looks for a layer's output.
 _STEPS = 8
@@ -58,17 +58,30 @@ def warn_of_copied_layer_output(
     if id(norm) in warned or norm.training or getattr(norm, "running_mean", None) is None:
         return
     found = copied_layer_call(tensor)
-    if found is None:
+    rearranged = None if found is not None else rearranged_layer_call(tensor)
+    call = (found or rearranged or (None,))[0]
+    if call is None:
         return
-    call, operations = found
     rule = call.rule
     if not getattr(rule, "merges_batch_norm", False) or isinstance(rule, IgnoreRule):
         return
     if type(rule) is EpsilonRule and rule.epsilon <= _NEGLIGIBLE_EPSILON:
         return
+    kind, layer = type(norm).__name__, type(call.module).__name__
+    if rearranged is not None:
+        warn_at_caller(
+            f"LRP: the {kind} after {layer} ({type(rule).__name__}) is not merged into it: its input holds the "
+            f"{layer}'s output rearranged by {', '.join(rearranged[1])} (a split, permutation, flattening, crop or "
+            "nearest upsampling, which move values but change none), which the merge does not follow. The "
+            f"{kind} gets the ε-rule of its affine map instead, and the relevance differs from that of the same "
+            f"model with the {kind} folded into the {layer} (its weight and bias scaled per output channel by "
+            f"γ/√(var + ε), the shift added). Fold it in by hand, or give the {kind} the layer's output itself"
+        )
+        warned.add(id(norm))
+        return
     if not merges(call):
         return  # it would not merge into the layer's output either
-    kind, layer = type(norm).__name__, type(call.module).__name__
+    operations = found[1]
     warn_at_caller(
         f"LRP: the {kind} after {layer} ({type(rule).__name__}) is not merged into it: its input holds the "
         f"{layer}'s output unchanged, but as a tensor of its own made by {' then '.join(operations)} (a copy, a view "
@@ -115,6 +128,53 @@ def copied_layer_call(tensor: Any) -> tuple[Any, tuple[str, ...]] | None:
         if not torch.equal(raw, tensor.detach()):
             return None
     return call, tuple(reversed(names))
+
+
+def rearranged_layer_call(tensor: Any) -> tuple[Any, tuple[str, ...]] | None:
+    """The ``LayerCall`` of the layer whose output ``tensor`` holds rearranged: made from it alone by operations that
+    move values and change none (:data:`_REARRANGING`: views, permutations, splits, slices, nearest upsampling,
+    pixel and channel shuffles, concatenations of such pieces), and the names of those operations (sorted); else
+    ``None``. A per-channel affine map after such operations is one before them: a BatchNorm there could be folded
+    into the layer.
+
+    Examples:
+        >>> rearranged_layer_call(torch.randn(2, 3, requires_grad=True).t()) is None  # no layer behind it
+        True
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.grad_fn is None:
+        return None
+    calls, names, pending, seen = set(), set(), [tensor.grad_fn], 0
+    while pending:
+        node = pending.pop()
+        seen += 1
+        if seen > _REARRANGING_NODES:
+            return None
+        call = node.metadata.get(LAYER_CALL)
+        if call is not None:
+            calls.add(call)
+            continue
+        name = _operation(node)
+        if name not in _REARRANGING:
+            return None
+        names.add(name)
+        pending.extend(edge for edge, _ in node.next_functions if edge is not None)
+    if len(calls) != 1 or not names:
+        return None
+    return calls.pop(), tuple(sorted(names))
+
+
+# The operations that move values and change none (by the name :func:`_operation` gives their nodes).
+_REARRANGING = frozenset(
+    {
+        "view", "unsafeView", "alias", "reshapeAlias", "permute", "transpose", "t", "split", "splitWithSizes",
+        "unbind", "slice", "select", "unsqueeze", "squeeze", "clone", "expand", "repeat", "flip", "roll",
+        "pixelShuffle", "pixelUnshuffle", "channelShuffle", "nativeChannelShuffle", "upsampleNearest1D",
+        "upsampleNearest2D", "upsampleNearest3D", "upsampleNearestExact1D", "upsampleNearestExact2D",
+        "upsampleNearestExact3D", "indexSelect", "cat", "stack",
+    }
+)  # fmt: skip
+# How many nodes the walk of :func:`rearranged_layer_call` reads at most.
+_REARRANGING_NODES = 32
 
 
 def _operation(node: Any) -> str:

@@ -36,9 +36,11 @@ _FROZEN_BUFFERS = ("weight", "bias", "running_mean", "running_var")
 
 
 def is_frozen_batch_norm(module: nn.Module) -> bool:
-    """Whether ``module`` is a frozen BatchNorm: a class named ``FrozenBatchNorm*`` (torchvision's
+    """Whether ``module`` is a frozen BatchNorm: a class whose name holds ``FrozenBatchNorm`` (torchvision's
     ``FrozenBatchNorm2d``, which timm's ``freeze_batch_norm_2d`` and torchvision's detection backbones put in place
-    of BatchNorm2d; timm's ``FrozenBatchNormAct2d``) holding the eval-mode statistics as buffers.
+    of BatchNorm2d; timm's ``FrozenBatchNormAct2d``; Hugging Face's ``DetrFrozenBatchNorm2d``,
+    ``RTDetrFrozenBatchNorm2d`` and their kin, whose ε is written in their forward) holding the eval-mode statistics
+    as buffers.
 
     Examples:
         >>> from torchvision.ops.misc import FrozenBatchNorm2d
@@ -46,10 +48,8 @@ def is_frozen_batch_norm(module: nn.Module) -> bool:
         (True, False)
     """
     buffers = module._buffers
-    return (
-        type(module).__name__.startswith("FrozenBatchNorm")
-        and all(isinstance(buffers.get(name), torch.Tensor) for name in _FROZEN_BUFFERS)
-        and isinstance(getattr(module, "eps", None), float)
+    return "FrozenBatchNorm" in type(module).__name__ and all(
+        isinstance(buffers.get(name), torch.Tensor) for name in _FROZEN_BUFFERS
     )
 
 
@@ -403,6 +403,7 @@ class _FrozenAffine(TorchFunctionMode):
         self.rule, self.module, self.record = rule, module, record
         self.applied = False
         self.scaled: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, input * scale)
+        self._product: list = []  # the arguments of that product
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -416,16 +417,39 @@ class _FrozenAffine(TorchFunctionMode):
             if self.scaled is None and func in _PRODUCTS and len(args) == 2:
                 inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
                 if len(inputs) == 1 and inputs[0].shape == result.shape:
-                    self.scaled = (inputs[0], result)
+                    self.scaled, self._product = (inputs[0], result), list(args)
             elif self.scaled is not None and func in _SUMS and any(a is self.scaled[1] for a in args):
                 self.applied = True
-                m = self.module
-                statistics = (m.running_mean, m.running_var, m.weight, m.bias, False, 0.0, m.eps)
-                return self.rule.batch_norm(m, result, (self.scaled[0], *statistics), {})
+                statistics = self._statistics(args)
+                return self.rule.batch_norm(self.module, result, (self.scaled[0], *statistics), {})
             elif self.scaled is not None and func in _SUMS_IN_PLACE and args and args[0] is self.scaled[1]:
                 self.applied = True  # ``out += shift``: ``out`` itself takes the rule's output's history
-                m = self.module
-                statistics = (m.running_mean, m.running_var, m.weight, m.bias, False, 0.0, m.eps)
-                ruled = self.rule.batch_norm(m, result, (self.scaled[0], *statistics), {})
+                statistics = self._statistics(args)
+                ruled = self.rule.batch_norm(self.module, result, (self.scaled[0], *statistics), {})
                 return result if ruled is result else _Rebased.apply(result, ruled)
             return result
+
+    def _statistics(self, sum_args: tuple) -> tuple:
+        """The arguments after the input of the ``F.batch_norm`` call the forward's ``x * scale + shift`` stands for:
+        the module's buffers and ε where it holds one (torchvision's, timm's); where it holds none (an ε written in
+        its forward, as Hugging Face's ``DetrFrozenBatchNorm2d``, or none at all), the scale and shift the forward
+        computed, as the weight and bias of statistics that normalise nothing (mean 0, variance 1, ε 0)."""
+        m = self.module
+        eps = getattr(m, "eps", None)
+        if isinstance(eps, float):
+            return (m.running_mean, m.running_var, m.weight, m.bias, False, 0.0, eps)
+        x, scaled = self.scaled
+        product = [a for a in self._product if a is not x]
+        shift = [a for a in sum_args if a is not scaled]
+        channels = x.shape[1] if x.dim() > 1 else 1
+        factors = [a for a in product + shift if isinstance(a, torch.Tensor)]
+        if len(product) != 1 or len(shift) != 1 or len(factors) != 2 or any(a.numel() != channels for a in factors):
+            raise ValueError(
+                f"MergeBatchNormRule on {type(m).__name__}: a frozen BatchNorm without an eps attribute computed its "
+                "x * scale + shift with a scale or shift of other than one value per channel (dimension 1 of its "
+                f"input, {channels}), which the rule cannot merge into the layer before it. Give the module an eps "
+                "attribute (the ε its forward adds to running_var), or map it to another rule (IgnoreRule: the plain "
+                "gradient, unmerged)"
+            )
+        scale, shift = (a.detach().reshape(channels) for a in factors)
+        return (torch.zeros_like(scale), torch.ones_like(scale), scale, shift, False, 0.0, 0.0)
