@@ -135,6 +135,17 @@ class TestSetKwargs:
             target.set_kwargs(**values)
         assert target.tunable_values() == before
 
+    def test_values_the_constructor_refuses_leave_the_object_as_it_was(self):
+        """``set_kwargs(bias=False)`` on a Taylor rule with ``distribute_bias`` is refused by its constructor; the
+        recorded arguments said ``bias=False`` afterwards while the rule computed with ``bias=True``, and every
+        later ``set_kwargs`` failed on the bias."""
+        rule = TaylorDecompositionRule(ref=0.5, bias=True, distribute_bias=lambda xs, rs: rs)
+        with pytest.raises(ValueError, match="distribute_bias is only used with bias=True"):
+            rule.set_kwargs(bias=False)
+        assert rule.tunable_values() == {"epsilon": 1e-6, "bias": True} and rule.bias is True
+        assert rule.set_kwargs(epsilon=0.01).tunable_values() == {"epsilon": 0.01, "bias": True}
+        assert rule.copy().tunable_values() == {"epsilon": 0.01, "bias": True}
+
     def test_not_inside_the_context(self):
         lrp, rule = LRP(cnn_policy(), rule_mapper=EpsilonPlus()), EpsilonRule()
         with lrp, pytest.raises(RuntimeError, match="context"):

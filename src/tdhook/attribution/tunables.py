@@ -164,9 +164,15 @@ class Tunable:
         return self
 
     def _rebuild(self, values: dict[str, Any]) -> None:
-        arguments = {**self.__dict__.get(_ARGUMENTS, {}), **values}
+        before = dict(self.__dict__)  # put back where the constructor refuses the values (the object as it was)
+        arguments = {**before.get(_ARGUMENTS, {}), **values}
         del self.__dict__[_ARGUMENTS]
-        type(self).__init__(self, **arguments)
+        try:
+            type(self).__init__(self, **arguments)
+        except BaseException:
+            self.__dict__.clear()
+            self.__dict__.update(before)
+            raise
 
     def _shared_in_copies(self) -> dict[int, Any]:
         """Objects a copy shares with the original instead of copying (``deepcopy``'s memo)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -137,9 +138,27 @@ def _first_trial(values: dict[str, Any], tunables: dict[str, Space]) -> dict[str
         if "choices" in spec:
             if any(value is c or (type(value) is type(c) and value == c) for c in spec["choices"]):
                 first[name] = value
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            first[name] = kind(min(max(value, spec["low"]), spec["high"]))
+        elif (number := _plain_number(value)) is not None and math.isfinite(number):
+            first[name] = kind(min(max(number, spec["low"]), spec["high"]))
     return first
+
+
+def _plain_number(value: Any) -> float | int | None:
+    """``value`` as a Python number where it is one (a NumPy scalar, a tensor of one element, an ``int`` or a
+    ``float``; not a ``bool``), else ``None``.
+
+    Examples:
+        >>> import numpy as np
+        >>> _plain_number(np.float32(0.5)), _plain_number(torch.tensor(2.0)), _plain_number(True)
+        (0.5, 2.0, None)
+    """
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype is torch.bool or value.is_complex():
+            return None
+        return value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return value if isinstance(value, (int, float)) else float(value)
 
 
 def tune(
@@ -212,9 +231,14 @@ def tune(
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"tune: seed must be an integer (the same seed gives the same result), got {seed!r}")
     if timeout is not None and (
-        not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or math.isnan(timeout)
+        not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or math.isnan(timeout) or timeout < 0
     ):
-        raise ValueError(f"tune: timeout must be a number of seconds or None, got {timeout!r}")
+        raise ValueError(f"tune: timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+    if not isinstance(td, TensorDictBase):
+        raise TypeError(
+            f"tune: td must be a TensorDict of the inputs to explain (TensorDict(observation=x, batch_size=[n])), "
+            f"got {type(td).__name__}"
+        )
     _check_explainer(explainer)
     tunables = explainer.get_tunables()
     if not tunables:
@@ -230,6 +254,12 @@ def tune(
         candidate.set_kwargs(**params)
         explained = candidate(td.clone())
         score = metric(module, explained, explainer=candidate) if takes_explainer else metric(module, explained)
+        if not isinstance(score, (torch.Tensor, numbers.Real)):
+            raise TypeError(
+                f"tune: the metric returned {type(score).__name__}; it must return a tensor or a number whose mean is "
+                "the objective (of a metric returning a TensorDict, pick one entry: lambda m, td: "
+                "action_fidelity(m, td, k=2)['relevant'])"
+            )
         value = float(torch.as_tensor(score).double().mean())
         if not math.isfinite(value):
             # optuna fails a trial whose value is NaN, but would take an infinite one as the best: fail both, so that

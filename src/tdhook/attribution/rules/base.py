@@ -642,7 +642,26 @@ def _call_arguments(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
         args = args[:1]
     if not kwargs:
         return args
-    return (*args, *(value for name, value in kwargs.items() if not (transposed and name == "output_size")))
+    names = tuple(name for name in kwargs if not (transposed and name == "output_size"))
+    return CallArguments((*args, *(kwargs[name] for name in names)), names)
+
+
+class CallArguments(tuple):
+    """A call's arguments as one tuple, those it gave by keyword last, named by ``keywords`` in their order (a rule
+    that calls the module again, as the Taylor rule does at its reference, gives them back by keyword).
+
+    Examples:
+        >>> arguments = CallArguments((1, 2, 3), ("scale",))
+        >>> tuple(arguments), arguments.keywords
+        ((1, 2, 3), ('scale',))
+    """
+
+    keywords: tuple[str, ...]
+
+    def __new__(cls, values: tuple, keywords: tuple[str, ...]) -> CallArguments:
+        arguments = super().__new__(cls, values)
+        arguments.keywords = keywords
+        return arguments
 
 
 def _ruled_in_forward(module: nn.Module) -> None:

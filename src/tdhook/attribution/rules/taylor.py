@@ -20,12 +20,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.autograd.forward_ad as forward_ad
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from tdhook.attribution.rules._arguments import finite_number, nonnegative
 from tdhook.attribution.rules._autograd import redirect
 from tdhook.attribution.rules._keeping_graph import graph_kept
-from tdhook.attribution.rules._numerics import carrying_gradient, stabilize
+from tdhook.attribution.rules._numerics import carrying_gradient, safe_divide, stabilize
+from tdhook.attribution.rules._plain_calls import run_alone
 from tdhook.attribution.rules.base import Registration, Rule, plain_calls
 from tdhook.attribution.tunables import EPSILON
 
@@ -48,7 +51,7 @@ class TaylorDecompositionRule(Rule):
 
     Args:
         ref: the reference point: a number, a tensor broadcastable to every
-            input, or one number or tensor per floating input, in order.
+            input, or one number or tensor per floating input that needs a gradient, in order.
         bias: share the relevance by the output ``f(x)`` (which holds the bias
             ``f(ref)``) instead of by the linear term ``J_f(ref) · x``.
         distribute_bias: with ``bias=True``, ``(inputs, relevances) -> relevances``
@@ -110,7 +113,7 @@ class TaylorDecompositionRule(Rule):
         if len(refs) != len(xs):
             raise ValueError(
                 f"{type(self).__name__}: ref must hold one reference per floating input of "
-                f"{type(module).__name__} ({len(xs)}), got {len(refs)}"
+                f"{type(module).__name__} that needs a gradient ({len(xs)}), got {len(refs)}"
             )
         references = []
         for ref, x in zip(refs, xs, strict=True):
@@ -137,7 +140,9 @@ class TaylorDecompositionRule(Rule):
         at_ref, linear_term = self._evaluate(module, registration, inputs, positions, leaves, xs, keep)
         relevance_out_value = output.clone() if keep else output.detach()
         z = relevance_out_value if self.bias else linear_term
-        scale = relevance_out_value / stabilize(z, self.epsilon)
+        # With ε = 0, a share of a zero z is 0 (0 / 0 taken as 0, as the ε-rule takes it), not NaN.
+        stabilized = stabilize(z, self.epsilon) if self.epsilon else z
+        scale = relevance_out_value / stabilized if self.epsilon else safe_divide(relevance_out_value, stabilized)
         targets = [inputs[i] for i in positions]
 
         def backward(grad: torch.Tensor) -> list[torch.Tensor | None]:
@@ -159,6 +164,14 @@ class TaylorDecompositionRule(Rule):
                     f"{type(self).__name__} on {type(module).__name__}: distribute_bias returned {len(relevances)} "
                     f"relevances for its {len(xs)} inputs (one per floating input that needs a gradient)"
                 )
+            for x, relevance in zip(xs, relevances, strict=True):
+                if not isinstance(relevance, torch.Tensor) or relevance.shape != x.shape:
+                    got = tuple(relevance.shape) if isinstance(relevance, torch.Tensor) else type(relevance).__name__
+                    raise ValueError(
+                        f"{type(self).__name__} on {type(module).__name__}: distribute_bias returned {got} for an "
+                        f"input of shape {tuple(x.shape)}; it must return one relevance per input, each a tensor of "
+                        "its input's shape"
+                    )
             grads = []
             for x, target, relevance in zip(xs, targets, relevances, strict=True):
                 grad_x = carrying_gradient(relevance, x)
@@ -181,16 +194,21 @@ class TaylorDecompositionRule(Rule):
         """``f(ref)`` with its graph to the reference leaves, and ``J_f(ref) · x`` (with ``bias=False``)."""
         registration.busy.append(threading.get_ident())  # its own hook must not run on this thread's inner call
         try:
+            keywords = getattr(inputs, "keywords", ())  # the arguments the call gave by keyword, last
+            if keep and not self.bias:  # J_f(ref) · x with its graph: see _linear_term
+                with torch.enable_grad(), run_alone(), _LayerNormWrittenOut():
+                    at_ref = _call_at_reference(module, _replaced(inputs, positions, leaves), keywords)
+                    return at_ref, _linear_term(at_ref, leaves, xs)
             # plain_calls: the rules of the modules inside take no part; no torch function mode either (the
             # mapper's held gates and stabilised sums, the norms' held scales): the Jacobian is the plain one.
             with torch.enable_grad(), plain_calls(), torch._C.DisableTorchFunction():
                 if self.bias:
-                    return _call_at_reference(module, _replaced(inputs, positions, leaves)), None
+                    return _call_at_reference(module, _replaced(inputs, positions, leaves), keywords), None
                 _load_forward_ad()
                 with forward_ad.dual_level():
                     duals = [forward_ad.make_dual(ref, x) for ref, x in zip(leaves, xs, strict=True)]
                     try:
-                        at_ref = _call_at_reference(module, _replaced(inputs, positions, duals))
+                        at_ref = _call_at_reference(module, _replaced(inputs, positions, duals), keywords)
                     except NotImplementedError as err:
                         raise NotImplementedError(
                             f"{type(self).__name__} on {type(module).__name__}: with bias=False the rule takes "
@@ -198,23 +216,72 @@ class TaylorDecompositionRule(Rule):
                             f"({str(err).splitlines()[0]}); use bias=True, which needs only the backward pass"
                         ) from err
                     primal, tangent = forward_ad.unpack_dual(at_ref)
-                    tangent = torch.zeros_like(primal) if tangent is None else tangent if keep else tangent.detach()
+                    tangent = torch.zeros_like(primal) if tangent is None else tangent.detach()
                 return primal, tangent
         finally:
             registration.busy.remove(threading.get_ident())
 
 
-def _call_at_reference(module: nn.Module, args: tuple) -> torch.Tensor:
-    """The module at the reference, on copies of its buffers where it has any.
+class _LayerNormWrittenOut(TorchFunctionMode):
+    """``F.layer_norm`` as the operations it stands for (mean, variance, ``rsqrt``): the derivative of torch's fused
+    kernel's double backward is off (1e-3 to 87 % against finite differences), and a relevance that keeps its graph
+    takes it through ``J_f(ref) · x`` (see :func:`_linear_term`)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.layer_norm:
+            return _layer_norm(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _layer_norm(
+    input: torch.Tensor,
+    normalized_shape: Sequence[int],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """``F.layer_norm`` written out.
+
+    Examples:
+        >>> h, w = torch.randn(2, 5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+        >>> torch.allclose(_layer_norm(h, (5,), w), F.layer_norm(h, (5,), w))
+        True
+    """
+    dims = tuple(range(-len(normalized_shape), 0))
+    centred = input - input.mean(dims, keepdim=True)
+    out = centred * torch.rsqrt((centred * centred).mean(dims, keepdim=True) + eps)
+    out = out if weight is None else out * weight
+    return out if bias is None else out + bias
+
+
+def _linear_term(at_ref: torch.Tensor, leaves: list[torch.Tensor], xs: list[torch.Tensor]) -> torch.Tensor:
+    """``J_f(ref) · x`` with its graph, for a call that keeps it: by backward passes alone, as the derivative of
+    ``u ↦ Σ_k (J_k(ref)ᵀ u) · x_k`` (which is linear in ``u``). The forward-mode tangent's own derivative is not
+    reliable (torch's ``layer_norm`` gave a derivative 7 % to 87 % off its finite differences, its softmax raised)."""
+    probe = torch.zeros_like(at_ref, requires_grad=True)
+    pulled = torch.autograd.grad(at_ref, leaves, probe, create_graph=True, allow_unused=True)
+    paired = sum((g * x).sum() for g, x in zip(pulled, xs, strict=True) if g is not None)
+    if not isinstance(paired, torch.Tensor) or not paired.requires_grad:
+        return torch.zeros_like(at_ref)  # the output does not depend on the inputs
+    (term,) = torch.autograd.grad(paired, probe, create_graph=True, allow_unused=True)
+    return torch.zeros_like(at_ref) if term is None else term
+
+
+def _call_at_reference(module: nn.Module, args: tuple, keywords: tuple[str, ...] = ()) -> torch.Tensor:
+    """The module at the reference, on copies of its buffers where it has any; the last ``len(keywords)`` of
+    ``args`` given by those keywords, as the call gave them.
 
     A module in training mode updates buffers in its forward (a BatchNorm's
     running statistics); the evaluation at the reference is no forward of the
     model's and must leave them as they are.
     """
+    split = len(args) - len(keywords)
+    positional, named = args[:split], dict(zip(keywords, args[split:], strict=True))
     buffers = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
     if not buffers:
-        return module(*args)
-    return torch.func.functional_call(module, buffers, args)
+        return module(*positional, **named)
+    return torch.func.functional_call(module, buffers, positional, named)
 
 
 def _replaced(inputs: tuple, positions: list[int], values: list[torch.Tensor]) -> tuple:
