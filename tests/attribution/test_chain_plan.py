@@ -506,3 +506,42 @@ def test_a_chain_set_to_read_another_key_inside_the_context_is_not_explained_und
         policy.in_keys = ["z"]
         with pytest.raises(ValueError, match="^LRP: target 'y' does not depend on the explained input 'x'"):
             lrp(td.clone())
+
+
+@pytest.mark.parametrize(
+    "activation",
+    [lambda: nn.LeakyReLU(0.1), lambda: nn.PReLU(2, init=0.3), lambda: nn.Hardtanh(0.0, float("inf")), nn.ReLU],
+    ids=["LeakyReLU", "PReLU", "Hardtanh(0, inf)", "ReLU"],
+)
+def test_a_homogeneous_activation_keeps_its_plain_gradient_in_planned_calls(activation):
+    """The pass rule registers nothing on a leaky or parametric ReLU (its plain gradient is the rule), but a planned
+    call took ``output / stabilize(input)``: off by ``stabilizer / |x|``, 1.5 in a relevance of 4 at a
+    pre-activation of 1e-12 (LRP-0 of the first call, and of the plan now, is gradient × input)."""
+    chain = nn.Sequential(nn.Linear(2, 2), activation(), nn.Linear(2, 2)).double()
+    with torch.no_grad():  # the first hidden unit's pre-activation 1e-12 at x = [1, 1]
+        chain[0].weight.copy_(torch.tensor([[3.0, -2.0], [1.0, 0.5]]))
+        chain[0].bias.copy_(torch.tensor([-1.0 + 1e-12, 0.1]))
+        chain[2].weight.copy_(torch.tensor([[1.0, 1.0], [-1.0, 0.2]]))
+        chain[2].bias.zero_()
+    x = torch.ones(1, 2, dtype=torch.float64)
+    (first, second), planned = calls(LRP(TensorDictModule(chain, ["x"], ["y"]), BaseRuleMapper(), target=0),
+                                     TensorDict(x=x, batch_size=[1]))  # fmt: skip
+    leaf = x.clone().requires_grad_(True)
+    expected = x * torch.autograd.grad(chain(leaf)[:, 0].sum(), leaf)[0]
+    assert planned == [False, not isinstance(chain[1], nn.Hardtanh)]  # the preset gives Hardtanh no pass rule
+    for call in (first, second):
+        torch.testing.assert_close(call["relevance", "x"], expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_float16_chain_takes_the_pass_factor_in_float32():
+    """A Tanh's pass factor at an input of exactly 0 in float16: the stabiliser (1e-12) rounds to 0 there, and a
+    planned call's 0 / 0 raised a non-finite relevance where the first call (in float32, as the rule takes it) did
+    not."""
+    chain = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2)).half()
+    with torch.no_grad():
+        chain[0].weight.copy_(torch.tensor([[1.0, -1.0], [0.5, 0.25]]))
+        chain[0].bias.zero_()
+    td = TensorDict(x=torch.ones(1, 2, dtype=torch.float16), batch_size=[1])
+    (first, second), planned = calls(LRP(TensorDictModule(chain, ["x"], ["y"]), BaseRuleMapper(), target=0), td)
+    assert planned == [False, True] and torch.isfinite(second["relevance", "x"]).all()
+    assert torch.equal(second["relevance", "x"], first["relevance", "x"])

@@ -37,7 +37,7 @@ from torchrl.modules import (
 
 from tdhook.attribution import CPLRP, LRP, AttnLRP, EpsilonPlus, InputXGradient
 from tdhook.attribution.mappers.base import BaseRuleMapper
-from tdhook.attribution.rules import IgnoreRule
+from tdhook.attribution.rules import EpsilonRule, IgnoreRule
 
 F64 = torch.float64
 
@@ -799,3 +799,43 @@ def test_the_default_target_among_a_continuous_actions_dimensions_is_warned_of(m
     )
     q_values = QValueActor(nn.Linear(4, 3).double(), in_keys=["observation"], action_space="one-hot")
     assert target_words(method(categorical)) == target_words(method(q_values)) == []
+
+
+def test_a_composite_distributions_drawn_categorical_part_is_not_taken_for_its_argmax():
+    """A hybrid action's categorical part (``CompositeDistribution``): the default target explained the argmax of its
+    logits where the action taken was drawn at random (another action in 4 rows of 8, 1.09 off its gradient × input)
+    or a stored transition's (ignored): refused, naming the part and what to pass; the action taken as the target is
+    explained (LRP-0: gradient × input of its logit), and a deterministic policy's argmax is its action."""
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 5)).double()
+    heads = TensorDictModule(
+        lambda h: (h[..., :3], h[..., 3:4], nn.functional.softplus(h[..., 4:5]) + 0.1),
+        in_keys=["hidden"],
+        out_keys=[("params", "disc", "logits"), ("params", "cont", "loc"), ("params", "cont", "scale")],
+    )
+    actor = ProbabilisticActor(
+        TensorDictSequential(TensorDictModule(body, ["observation"], ["hidden"]), heads),
+        in_keys=["params"],
+        distribution_class=CompositeDistribution,
+        distribution_kwargs={
+            "distribution_map": {"disc": Categorical, "cont": Normal},
+            "name_map": {"disc": ("action", "disc"), "cont": ("action", "cont")},
+        },
+    )
+    x = torch.randn(8, 4, dtype=F64, generator=torch.Generator().manual_seed(1))
+    td = TensorDict(observation=x, batch_size=[8])
+    mapper = {nn.Linear: EpsilonRule(0.0)}
+    with set_exploration_type(ExplorationType.RANDOM), pytest.raises(ValueError, match=r"categorical part 'disc'"):
+        LRP(actor, mapper)(td.clone())
+    stored = td.clone().set(("action", "disc"), torch.zeros(8, dtype=torch.long))
+    stored.set("next", td.select("observation").clone())
+    with pytest.raises(ValueError, match=r"categorical part 'disc' of a CompositeDistribution"):
+        LRP(actor, mapper)(stored)
+    with set_exploration_type(ExplorationType.RANDOM):
+        taken = actor(td.clone())["action", "disc"]
+        found = LRP(actor, mapper, target=taken)(td.clone())["relevance", "observation"]
+    leaf = x.clone().requires_grad_(True)
+    expected = x * torch.autograd.grad(body(leaf)[..., :3].gather(-1, taken[:, None]).sum(), leaf)[0]
+    torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-12)
+    with set_exploration_type(ExplorationType.DETERMINISTIC):
+        LRP(actor, mapper)(td.clone())  # the action is the argmax: nothing refused

@@ -53,10 +53,9 @@ from tdhook.attribution._policy_targets import sequential_steps
 from tdhook.attribution._scaled_passes import relevance_product
 from tdhook.attribution._writes import model_updates
 from tdhook.attribution.rules._meta_tensors import raise_for_meta_tensors
-from tdhook.attribution.rules._numerics import stabilize
 from tdhook.attribution.rules._scopes import closing_scopes
 from tdhook.attribution.rules.base import Rule
-from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule
+from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule, is_homogeneous_activation, pass_factor
 
 __all__ = ["ChainPlan", "PlannedCall", "context_plan", "planned_call", "planned_feed", "planned_updates"]
 
@@ -82,6 +81,24 @@ _ACTIVATIONS = (
     nn.Tanhshrink,
     nn.PReLU,
 )
+
+
+def _pass_factor(layer: nn.Module, rule: PassRule, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """The factor of ``PassRule`` on the activation ``layer`` at its input ``x``: ``output / stabilize(x)`` (in
+    float32 for float16, whose smallest step is far above the stabiliser: see
+    :func:`~tdhook.attribution.rules.basic.pass_factor`); on a positively homogeneous one (a leaky or parametric
+    ReLU, ``nn.Hardtanh(0, inf)``), where the rule registers nothing, its plain derivative, 1 where ``x > 0`` and
+    its slope elsewhere, as autograd's kernels take it (the stabiliser would move it off by ``stabilizer / |x|``).
+
+    Examples:
+        >>> x = torch.tensor([-2.0, 0.0, 1e-12], dtype=torch.float64)
+        >>> _pass_factor(nn.LeakyReLU(0.1), PassRule(), x, nn.functional.leaky_relu(x, 0.1)).tolist()
+        [0.1, 0.1, 1.0]
+    """
+    if is_homogeneous_activation(layer):
+        slope = layer.forward(torch.full_like(x, -1.0)).neg_()
+        return torch.where(x > 0, torch.ones_like(x), slope)
+    return pass_factor(output, x, rule.stabilizer)
 
 
 def _plain_chain(module: nn.Module) -> bool:
@@ -214,7 +231,7 @@ class ChainPlan:
                     output = layer.forward(x)  # its class's own code (checked), without the rules' hooks
                     if layer._parameters:  # PReLU's weight
                         raise_for_meta_tensors(layer, output)
-                    factors.append(output / stabilize(x, rule.stabilizer))
+                    factors.append(_pass_factor(layer, rule, x, output))
                     x = output
         return x, factors
 

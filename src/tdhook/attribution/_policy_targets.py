@@ -66,7 +66,14 @@ from typing import Any
 
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase, TensorDictSequential
+from tensordict.nn import (
+    CompositeDistribution,
+    InteractionType,
+    ProbabilisticTensorDictModule,
+    TensorDictModuleBase,
+    TensorDictSequential,
+)
+from tensordict.nn.probabilistic import interaction_type
 from tensordict.utils import NestedKey, unravel_key
 from torch import distributions, nn
 from torchrl.data import Bounded, Composite, Unbounded
@@ -202,6 +209,48 @@ def _action_sampler(operator: TensorDictModuleBase, target_key: NestedKey) -> Pr
     )
 
 
+def _composite_part(operator: TensorDictModuleBase, target_key: NestedKey) -> tuple[Any, str] | None:
+    """The sampler of ``operator`` whose ``CompositeDistribution`` reads ``target_key`` as the logits or
+    probabilities of a categorical part, and that part's name; else ``None``."""
+    return _found_once(operator, target_key, _find_composite_part)
+
+
+def _find_composite_part(operator: TensorDictModuleBase, target_key: NestedKey) -> tuple[Any, str] | None:
+    key = unravel_key(target_key)
+    for sub in operator.modules():
+        if not isinstance(sub, ProbabilisticTensorDictModule) or sub.distribution_class is not CompositeDistribution:
+            continue
+        parts = (getattr(sub, "distribution_kwargs", None) or {}).get("distribution_map", {})
+        for name, kind in parts.items():
+            if isinstance(kind, type) and issubclass(kind, _CATEGORICAL + _MASKED):
+                for root in sub.in_keys:
+                    if key in (unravel_key((root, name, "logits")), unravel_key((root, name, "probs"))):
+                        return sub, name
+    return None
+
+
+def _refuse_composite_draw(
+    operator: TensorDictModuleBase, target_key: NestedKey, tensordict: TensorDictBase, explained: bool, owner: str
+) -> None:
+    """Refuse the default target where ``target_key`` holds the logits of a categorical part of a torchrl
+    ``CompositeDistribution`` (a hybrid action) whose action taken may be another than the argmax: a draw at random,
+    or a stored transition's action. The default target would explain the argmax (the part's action is not followed
+    to its key), which is the action taken only where the policy acts deterministically."""
+    found = None if owner == "metrics" else _composite_part(operator, target_key)
+    if found is None:  # the metrics score the argmax an explanation of such a part explained (refused otherwise)
+        return
+    sampler, name = found
+    random = (interaction_type() or sampler.default_interaction_type) == InteractionType.RANDOM
+    if random or explained or holds_transition(tensordict):
+        raise ValueError(
+            f"{owner}: {target_key!r} holds the logits of the categorical part {name!r} of a CompositeDistribution "
+            "(a hybrid action), whose action taken (drawn at random, or a stored transition's) the default target "
+            "does not follow: it would explain the argmax. Pass the action taken as the target "
+            "(target=td[<the part's action key>]), or explain under "
+            "torchrl.envs.utils.set_exploration_type(ExplorationType.DETERMINISTIC), where the action is the argmax"
+        )
+
+
 def _warn_for_continuous_units(
     operator: TensorDictModuleBase, target_key: NestedKey, result: TensorDictBase, owner: str
 ) -> None:
@@ -318,6 +367,7 @@ def allowed_action(
         )
     sampler = _action_sampler(operator, target_key)
     if sampler is None:
+        _refuse_composite_draw(operator, target_key, tensordict, explained, owner)
         _warn_for_continuous_units(operator, target_key, result, owner)
         return None
     action_key = unravel_key(sampler.out_keys[0])
