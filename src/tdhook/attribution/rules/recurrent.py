@@ -92,8 +92,9 @@ def lstm_step(
         ``(h_t, c_t)``, the values of an LSTM cell.
 
     Examples:
-        >>> cell = nn.LSTMCell(3, 2)
-        >>> x, h, c = torch.randn(4, 3, requires_grad=True), torch.zeros(4, 2), torch.zeros(4, 2)
+        >>> cell = nn.LSTMCell(3, 2).double()  # float64: a sum near 0 in float32 rounds beyond allclose's 1e-8
+        >>> x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        >>> h, c = torch.zeros(4, 2, dtype=torch.float64), torch.zeros(4, 2, dtype=torch.float64)
         >>> h1, c1 = lstm_step(x, h, c, (cell.weight_ih, cell.weight_hh, None, None), 1e-9)
         >>> relevance = x * torch.autograd.grad(h1.sum(), x)[0]
         >>> torch.allclose(relevance.sum(), h1.sum())  # conserved without biases and initial states
@@ -133,9 +134,10 @@ def gru_step(
         ``h_t``, the value of a GRU cell.
 
     Examples:
-        >>> cell = nn.GRUCell(3, 2, bias=False)
-        >>> x = torch.randn(4, 3, requires_grad=True)
-        >>> h1 = gru_step(x, torch.zeros(4, 2), (cell.weight_ih, cell.weight_hh, None, None), 1e-9)
+        >>> cell = nn.GRUCell(3, 2, bias=False).double()  # float64: a sum near 0 in float32 rounds beyond 1e-8
+        >>> x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        >>> h0 = torch.zeros(4, 2, dtype=torch.float64)
+        >>> h1 = gru_step(x, h0, (cell.weight_ih, cell.weight_hh, None, None), 1e-9)
         >>> torch.allclose(h1, cell(x))
         True
         >>> torch.allclose((x * torch.autograd.grad(h1.sum(), x)[0]).sum(), h1.sum())
@@ -270,8 +272,9 @@ class RecurrentRule(Rule):
             training mode.
 
     Examples:
-        >>> lstm = nn.LSTM(3, 4, num_layers=2, bias=False, batch_first=True)
-        >>> x = torch.randn(2, 5, 3, requires_grad=True)
+        >>> lstm = nn.LSTM(3, 4, num_layers=2, bias=False, batch_first=True).double()
+        >>> seeded = torch.Generator().manual_seed(0)
+        >>> x = torch.randn(2, 5, 3, dtype=torch.float64, generator=seeded, requires_grad=True)
         >>> with RecurrentRule(epsilon=1e-9).register(lstm):
         ...     y, (h, c) = lstm(x)
         ...     relevance = x * torch.autograd.grad(y[:, -1].sum(), x)[0]
