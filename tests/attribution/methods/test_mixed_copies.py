@@ -263,7 +263,8 @@ def test_the_copies_of_a_batch_of_none_run_at_the_samples_shape(kind, per_eval):
 
 def test_integrated_gradients_of_keyword_rows_equal_captums_attribute():
     """``method(x=x)`` is captum's ``attribute(x)`` (docs/methods.md): the gradient methods explain each row."""
-    captum = pytest.importorskip("captum.attr")
+    from captum import attr as captum
+
     net = _rows_classifier()
     x = torch.randn(N_ROWS, N_FEATURES, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

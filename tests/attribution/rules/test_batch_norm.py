@@ -463,7 +463,6 @@ class TestFrozenBatchNormWithoutEps:
     @pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
     @pytest.mark.parametrize("kind", ["detr", "rt_detr", "maskrcnn"])
     def test_equals_the_batch_norm_it_freezes(self, preset: str, kind: str):
-        pytest.importorskip("transformers")
         # ε 1e-5: the one Hugging Face's classes add in their forward
         plain, frozen, x = _plain_and_frozen(lambda norm: _frozen_without_eps(norm, kind), eps=1e-5)
         lrp = LRP(frozen, CNN_PRESETS[preset](), in_keys=["x"], out_keys=["y"])
@@ -476,6 +475,24 @@ class TestFrozenBatchNormWithoutEps:
         )["relevance", "x"]
         for relevance in found:
             assert relative_error(relevance, expected) <= 1e-10
+
+    def test_a_scale_that_broadcasts_along_another_dimension_is_refused_by_name(self):
+        """A ``[C]`` scale of a ``[N, C, H, W]`` input broadcasts along ``W``: where ``W == C`` it has one value per
+        channel in number, but it is no per-channel map, and was merged as one."""
+
+        class WidthFrozenBatchNorm2d(nn.Module):
+            def __init__(self, n: int) -> None:
+                super().__init__()
+                for name in ("weight", "bias", "running_mean", "running_var"):
+                    self.register_buffer(name, torch.linspace(0.5, 2.0, n, dtype=torch.float64))
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return x * self.weight + self.bias.view(1, -1, 1, 1)
+
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), WidthFrozenBatchNorm2d(4), nn.Flatten()).double()
+        lrp = LRP(model, CNN_PRESETS[sorted(CNN_PRESETS)[0]](), in_keys=["x"], out_keys=["y"])
+        with pytest.raises(ValueError, match=r"WidthFrozenBatchNorm2d: a frozen BatchNorm without an eps.*channel"):
+            lrp(TensorDict(x=torch.randn(2, 3, 6, 6, dtype=torch.float64), batch_size=[2]))
 
     def test_a_scale_of_other_than_one_value_per_channel_is_refused_by_name(self):
         class ScaledFrozenBatchNorm2d(nn.Module):

@@ -34,6 +34,7 @@ from tdhook.attribution.methods._random_draws import drew, random_states
 from tdhook.attribution.rules._caller import warn_at_caller
 
 __all__ = [
+    "TRAILING_LAYERS",
     "checked_for_mixing",
     "copies_apart",
     "copies_mixed",
@@ -73,12 +74,12 @@ _APART_LAYERS = frozenset(
     }
 )  # fmt: skip
 # torch's layers that read only the last dimensions of their input, whatever the dimensions before (a leading one
-# added included).
-_TRAILING_LAYERS = frozenset(
+# added included): each sample, and each position of a [B, T] batch, computed from its own features.
+TRAILING_LAYERS = frozenset(
     {
         nn.Linear, nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
         nn.Tanh, nn.Sigmoid, nn.Softplus, nn.Softsign, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.LogSigmoid,
-        nn.Dropout, nn.AlphaDropout, nn.LayerNorm, nn.RMSNorm,
+        nn.Tanhshrink, nn.Dropout, nn.AlphaDropout, nn.LayerNorm, nn.RMSNorm,
     }
 )  # fmt: skip
 # Apart along a dimension counted from the front after the first (-1 is the first of a batch of values alone).
@@ -115,7 +116,7 @@ def samples_apart(model: nn.Module, batch_dims: int = 1) -> bool:
             return model.start_dim < 0 and model.end_dim < 0
         if kind in _ALONG_A_DIMENSION:
             return model.dim is not None and model.dim < 0
-        return kind in _TRAILING_LAYERS
+        return kind in TRAILING_LAYERS
     if kind in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
         return not model.training and model.running_mean is not None and model.running_var is not None
     if kind is nn.Flatten:  # from -1 on, a batch of values alone is left as it is

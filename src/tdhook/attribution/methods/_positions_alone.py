@@ -40,6 +40,8 @@ import torch
 from torch import nn
 from torchrl.modules import MLP
 
+from tdhook.attribution.methods._mixed_copies import TRAILING_LAYERS
+
 __all__ = [
     "own_positions",
     "position_splits",
@@ -49,12 +51,9 @@ __all__ = [
     "split_positions",
 ]
 
-# torch's layers that compute each position of a batch from its own features alone (the last dimensions).
-_PER_POSITION = (
-    nn.Linear, nn.Identity, nn.LayerNorm, nn.RMSNorm, nn.Dropout, nn.AlphaDropout, nn.ReLU, nn.ReLU6, nn.LeakyReLU,
-    nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.Softplus, nn.Softsign,
-    nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.LogSigmoid, nn.Tanhshrink,
-)  # fmt: skip
+# torch's layers that compute each position of a batch from its own features alone: those that read only the last
+# dimensions, and PReLU (a weight per entry of dimension 1, the positions' own where they are that dimension).
+_PER_POSITION = TRAILING_LAYERS | {nn.PReLU}
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks")
 
 

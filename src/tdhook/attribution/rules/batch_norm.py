@@ -378,6 +378,22 @@ _SUMS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tens
 _SUMS_IN_PLACE = frozenset({torch.Tensor.add_, torch.Tensor.__iadd__})
 
 
+def _per_channel(factor: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``factor`` holds one value per channel of ``x`` (dimension 1) as it broadcasts against ``x``: a
+    ``[C]`` factor of a ``[N, C, H, W]`` input, which broadcasts along ``W``, does not (even where ``W == C``).
+
+    Examples:
+        >>> x, pooled = torch.zeros(2, 3, 3, 3), torch.zeros(2, 3)
+        >>> _per_channel(torch.ones(1, 3, 1, 1), x), _per_channel(torch.ones(3), x), _per_channel(torch.ones(3), pooled)
+        (True, False, True)
+    """
+    if factor.dim() > x.dim():
+        return False
+    shape = (1,) * (x.dim() - factor.dim()) + tuple(factor.shape)
+    channels = x.shape[1] if x.dim() > 1 else 1
+    return all(size == 1 for dim, size in enumerate(shape) if dim != min(1, x.dim() - 1)) and factor.numel() == channels
+
+
 class _Rebased(torch.autograd.Function):
     """``written`` (a frozen BatchNorm's ``x * scale`` with its shift added in place) rebased in place onto the
     history of ``ruled``, the rule's output of the same values: the gradient goes to ``ruled`` alone."""
@@ -443,7 +459,7 @@ class _FrozenAffine(TorchFunctionMode):
         shift = [a for a in sum_args if a is not scaled]
         channels = x.shape[1] if x.dim() > 1 else 1
         factors = [a for a in product + shift if isinstance(a, torch.Tensor)]
-        if len(product) != 1 or len(shift) != 1 or len(factors) != 2 or any(a.numel() != channels for a in factors):
+        if len(product) != 1 or len(shift) != 1 or len(factors) != 2 or not all(_per_channel(a, x) for a in factors):
             raise ValueError(
                 f"MergeBatchNormRule on {type(m).__name__}: a frozen BatchNorm without an eps attribute computed its "
                 "x * scale + shift with a scale or shift of other than one value per channel (dimension 1 of its "

@@ -140,9 +140,10 @@ class TaylorDecompositionRule(Rule):
         at_ref, linear_term = self._evaluate(module, registration, inputs, positions, leaves, xs, keep)
         relevance_out_value = output.clone() if keep else output.detach()
         z = relevance_out_value if self.bias else linear_term
-        # With ε = 0, a share of a zero z is 0 (0 / 0 taken as 0, as the ε-rule takes it), not NaN.
-        stabilized = stabilize(z, self.epsilon) if self.epsilon else z
-        scale = relevance_out_value / stabilized if self.epsilon else safe_divide(relevance_out_value, stabilized)
+        if self.epsilon:
+            scale = relevance_out_value / stabilize(z, self.epsilon)
+        else:  # a share of a zero z is 0 (0 / 0 taken as 0, as the ε-rule takes it), not NaN
+            scale = safe_divide(relevance_out_value, z)
         targets = [inputs[i] for i in positions]
 
         def backward(grad: torch.Tensor) -> list[torch.Tensor | None]:
