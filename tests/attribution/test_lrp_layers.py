@@ -34,6 +34,7 @@ from tdhook.attribution.lrp_helpers.rules import (
     FlatRule,
     GammaRule,
     PassRule,
+    TaylorDecompositionRule,
     ZBoxRule,
 )
 from tests.conftest import relative_error, zennit_model_relevance
@@ -1131,6 +1132,51 @@ class TestLayerRelevance:
     def test_unknown_layer_name_is_named(self):
         with pytest.raises(KeyError, match="'decoder.1'"):
             LRP(mlp(), in_keys=["x"], out_keys=["y"], layers=["0", "decoder.1"])
+
+    @pytest.mark.parametrize("inner", ["1.0", "1.2", "shared"])
+    def test_a_module_inside_a_taylor_block_is_refused_by_name(self, inner: str):
+        # The Taylor rule takes the block's input gradient from its own evaluation at the reference: the modules inside
+        # get no gradient, and their relevance read as zeros before.
+        torch.manual_seed(0)
+        block = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        model = nn.Sequential(nn.Linear(3, 4), block, nn.Linear(4, 2)).double()
+        model.shared = block[0]  # the same Linear under a second name
+        before = copy.deepcopy(model.state_dict())
+        lrp = LRP(
+            model,
+            rule_mapper={"1": TaylorDecompositionRule(ref=0.1, bias=True)},
+            in_keys=["x"],
+            out_keys=["y"],
+            layers=[inner],
+        )
+        td = TensorDict(x=torch.randn(3, 3, dtype=F64), batch_size=[3])
+        kept = td.clone()
+        with pytest.raises(ValueError, match=rf"module '{inner}' \(Linear\), inside module '1' \(Sequential\)"):
+            lrp(td)
+        assert (td == kept).all() and set(td.keys()) == {"x"}
+        assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
+        assert not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in model.modules())
+
+    def test_a_taylor_block_and_the_modules_around_it_get_their_relevance(self):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(3, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)), nn.Linear(4, 2)
+        ).double()
+        lrp = LRP(
+            model,
+            rule_mapper={"1": TaylorDecompositionRule(ref=0.0), nn.Linear: EpsilonRule(0.0)},
+            in_keys=["x"],
+            out_keys=["y"],
+            layers=["0", "1"],
+            target=0,
+        )
+        td = lrp(TensorDict(x=torch.randn(3, 3, dtype=F64), batch_size=[3]))
+        x = td["x"].clone().requires_grad_(True)
+        hidden = model[0](x)
+        block_out = model[1](hidden)
+        (grad,) = torch.autograd.grad(model[2](block_out)[:, 0].sum(), block_out)
+        assert relative_error(td["relevance", "1"], block_out.detach() * grad) <= 1e-12
+        assert td["relevance", "0"].abs().sum() > 0  # the block passed relevance on to its input
 
     def test_epsilon_not_representable_in_float32_is_exact_in_float64(self):
         model = mlp()

@@ -33,10 +33,16 @@ from tdhook.attribution._agent_calls import AgentCall, current_agent, stacked_by
 from tdhook.attribution.mappers.aliases import every_named_module
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._set_relevance import forget_watched, pop_set_relevance, probing, watch
-from tdhook.attribution.rules.base import RemovableRuleHandle, layer_call_of, rules_apply
+from tdhook.attribution.rules.base import RemovableRuleHandle, Rule, layer_call_of, rules_apply
 from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
 
-__all__ = ["LayerRelevance", "OutputRelevance", "RelevanceCheck", "add_check_hooks"]
+__all__ = [
+    "LayerRelevance",
+    "OutputRelevance",
+    "RelevanceCheck",
+    "add_check_hooks",
+    "refuse_layers_inside_whole_rules",
+]
 
 RelevanceCheck = Callable[[str, nn.Module, torch.Tensor, torch.Tensor], None]
 
@@ -230,6 +236,52 @@ class LayerRelevance:
         if any(agent is not None for agent in agents):  # one call per agent, each with its own parameters
             return stacked_by_agent(name, values, agents)
         return sum(values[1:], values[0])
+
+
+def refuse_layers_inside_whole_rules(
+    rules: Mapping[str, Rule], modules: Mapping[str, nn.Module], names: Iterable[str]
+) -> None:
+    """Raise where a module named in ``layers`` is inside a module whose rule hands the gradient back past it.
+
+    A rule without :attr:`~tdhook.attribution.rules.base.Rule.reaches_inner_modules` (the Taylor rule) takes its
+    module's input gradient from its own evaluation: the outputs of the modules inside receive none, and their
+    relevance would read as zeros.
+
+    Args:
+        rules: the context's rules by module name.
+        modules: the model's modules by name (the model itself at ``""``).
+        names: the names ``layers`` gives.
+
+    Raises:
+        ValueError: naming the module asked for, the module around it and its rule.
+
+    Examples:
+        >>> from tdhook.attribution.rules import TaylorDecompositionRule
+        >>> net = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Tanh()), nn.Linear(2, 1))
+        >>> modules = dict(net.named_modules())
+        >>> try:
+        ...     refuse_layers_inside_whole_rules({"0": TaylorDecompositionRule()}, modules, ["0.0"])
+        ... except ValueError as error:
+        ...     print(str(error).split(", whose")[0])
+        LRP: layers asks for the relevance of module '0.0' (Linear), inside module '0' (Sequential)
+    """
+    whole = [(name, rule) for name, rule in rules.items() if not rule.reaches_inner_modules and name in modules]
+    names = list(names)
+    if not whole or not names:
+        return
+    every = every_named_module(modules[""])
+    for outer_name, rule in whole:
+        outer = modules[outer_name]
+        inside = {id(module) for module in outer.modules() if module is not outer}
+        for name in names:
+            if id(every[name]) in inside:
+                raise ValueError(
+                    f"LRP: layers asks for the relevance of module {name!r} ({type(every[name]).__name__}), "
+                    f"inside module {outer_name!r} ({type(outer).__name__}), whose {rule!r} takes the block's input "
+                    "gradient from its own evaluation: the modules inside receive no relevance. Ask for the "
+                    f"block's output ({outer_name!r}) or an input of it, or explain the block by rules on the modules "
+                    "inside instead of this one"
+                )
 
 
 def add_check_hooks(

@@ -54,7 +54,12 @@ from tdhook.attribution._keys import (
     unique_keys,
 )
 from tdhook.attribution._keyword_calls import keyword_dispatch
-from tdhook.attribution._layer_relevance import LayerRelevance, RelevanceCheck, add_check_hooks
+from tdhook.attribution._layer_relevance import (
+    LayerRelevance,
+    RelevanceCheck,
+    add_check_hooks,
+    refuse_layers_inside_whole_rules,
+)
 from tdhook.attribution._loss_callers import refuse_loss_module_caller
 from tdhook.attribution._model_run import context_cache_watch
 from tdhook.attribution._module_hooks import module_hooks
@@ -170,7 +175,8 @@ class LRP(TensorDictModuleBase, MapperTunable):
             layer shared across steps or blocks, as ALBERT's) gets the relevance
             of all its outputs, summed; the agents of a torchrl multi-agent
             network with parameters of their own get theirs stacked along the
-            agents' dimension.
+            agents' dimension. A module inside a block under the Taylor rule
+            receives no relevance and is refused (``ValueError``).
         relevance_check: optional ``(name, module, relevance_in, relevance_out)``
             callable run on every module with a rule, for example
             :func:`~tdhook.attribution.lrp_helpers.rules.raise_for_unconserved_rel_factory`.
@@ -339,6 +345,7 @@ class LRP(TensorDictModuleBase, MapperTunable):
             made.open()  # until _enter ends
             self._abandoned = weakref.finalize(self, abandon, self._hooks, handles)  # collected, never left
             rules = self._rules()
+            refuse_layers_inside_whole_rules(rules, modules, self.layer_keys)
             if self.create_graph:
                 check_differentiable(rules, self.rule_mapper)
             read = marks_are_read(rules, self.relevance_check is not None, self.target)

@@ -328,6 +328,9 @@ class Rule(Tunable):
     #: :func:`~tdhook.attribution._context.suspend_function_modes_in`); a rule that computes the module's gradient
     #: from its own evaluation (the Taylor rule) leaves them running, so that the rules inside act as they would.
     pauses_function_modes: bool = True
+    #: whether the gradient the rule hands back runs through the modules inside its module; where not (the Taylor
+    #: rule takes it from its own evaluation at the reference), the relevance of those modules (``layers``) is refused.
+    reaches_inner_modules: bool = True
     #: whether the rule rewrites one output tensor only: on a module whose output is a tuple, a list or a dict
     #: the rule then raises, where it would otherwise be skipped and the module keep its plain gradient.
     one_output_only: bool = False

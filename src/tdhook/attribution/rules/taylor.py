@@ -80,6 +80,7 @@ class TaylorDecompositionRule(Rule):
     # The rules inside the module act in its forward as they would (a norm's rule checks that it ran); the
     # evaluation at the reference leaves them out.
     pauses_function_modes = False
+    reaches_inner_modules = False  # their outputs get no gradient: their relevance (``layers``) is refused
 
     def __init__(
         self,
