@@ -404,6 +404,12 @@ class KeyedCritic(Critic):
             return torch.zeros(action.shape[0], 2, dtype=F64) * (1 - done.to(F64))
         if self.how == "new_zeros.masked_fill(done, 0)":
             return hidden.new_zeros(action.shape[0], 2).masked_fill(done, 0.0)
+        if self.how == "where(done, h, unbound zeros)":  # a recurrent module's initial state, one per layer
+            (state,) = torch.zeros(1, action.shape[0], 2, dtype=F64).unbind(0)
+            return torch.where(done, hidden, state) - hidden
+        if self.how == "where(done, h, copied zeros)":  # the same state laid out anew
+            zeros = torch.zeros(action.shape[0], 2, dtype=F64)
+            return torch.where(done, hidden, torch.empty_like(zeros).copy_(zeros)) - hidden
         if self.how == "where(done, 0, written lazy state)":
             if self.lazy is None:
                 self.lazy = torch.zeros(2, dtype=F64)
@@ -454,10 +460,20 @@ def test_two_keys_summed_before_a_layer_are_both_named(categorical):
     assert _lost(out) > 0.1
 
 
-@pytest.mark.parametrize("how", ["zeros * (1 - done)", "new_zeros.masked_fill(done, 0)"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "zeros * (1 - done)",
+        "new_zeros.masked_fill(done, 0)",
+        "where(done, h, unbound zeros)",
+        "where(done, h, copied zeros)",
+    ],
+)
 def test_zeros_scaled_or_chosen_by_a_key_hold_no_share_and_are_not_named(categorical, how):
     """Zeros whatever the key's values hold none of the relevance: the done flag was named though nothing is lost
-    (the observation's relevance sums to the value)."""
+    (the observation's relevance sums to the value). Zeros split into parts (``unbind``) or copied into a tensor
+    made for them (``empty_like(z).copy_(z)``), as torchrl's recurrent modules lay out an initial state, are zeros
+    too."""
     out, numeric = _keyed(categorical, how)
     assert not numeric, numeric
     assert _lost(out) < 1e-10

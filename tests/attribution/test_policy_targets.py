@@ -801,19 +801,16 @@ def test_the_default_target_among_a_continuous_actions_dimensions_is_warned_of(m
     assert target_words(method(categorical)) == target_words(method(q_values)) == []
 
 
-def test_a_composite_distributions_drawn_categorical_part_is_not_taken_for_its_argmax():
-    """A hybrid action's categorical part (``CompositeDistribution``): the default target explained the argmax of its
-    logits where the action taken was drawn at random (another action in 4 rows of 8, 1.09 off its gradient × input)
-    or a stored transition's (ignored): refused, naming the part and what to pass; the action taken as the target is
-    explained (LRP-0: gradient × input of its logit), and a deterministic policy's argmax is its action."""
-    torch.manual_seed(0)
-    body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 5)).double()
+def hybrid_actor(body: nn.Module, continuous: int, **options) -> ProbabilisticActor:
+    """A torchrl actor of a hybrid action: a ``CompositeDistribution`` of a categorical part of 3 actions (``disc``)
+    and a Normal part of ``continuous`` dimensions (``cont``), its parameters read from ``body``'s output."""
+    cut = 3 + continuous
     heads = TensorDictModule(
-        lambda h: (h[..., :3], h[..., 3:4], nn.functional.softplus(h[..., 4:5]) + 0.1),
+        lambda h: (h[..., :3], h[..., 3:cut], nn.functional.softplus(h[..., cut:]) + 0.1),
         in_keys=["hidden"],
         out_keys=[("params", "disc", "logits"), ("params", "cont", "loc"), ("params", "cont", "scale")],
     )
-    actor = ProbabilisticActor(
+    return ProbabilisticActor(
         TensorDictSequential(TensorDictModule(body, ["observation"], ["hidden"]), heads),
         in_keys=["params"],
         distribution_class=CompositeDistribution,
@@ -821,7 +818,33 @@ def test_a_composite_distributions_drawn_categorical_part_is_not_taken_for_its_a
             "distribution_map": {"disc": Categorical, "cont": Normal},
             "name_map": {"disc": ("action", "disc"), "cont": ("action", "cont")},
         },
+        **options,
     )
+
+
+@pytest.mark.parametrize("method", [LRP, InputXGradient], ids=["lrp", "method"])
+def test_the_default_target_among_a_composite_distributions_continuous_dimensions_is_warned_of(method):
+    """A hybrid action's continuous part (a ``Normal`` in a ``CompositeDistribution``): the default target explained
+    the largest of its ``loc`` dimensions, another dimension from sample to sample, with no word (a plain Normal
+    actor's head is warned of); its parameters and its sample are warned of now, its categorical logits are not."""
+    torch.manual_seed(0)
+    actor = hybrid_actor(nn.Linear(4, 7).double(), 2, out_keys=[("action", "disc"), ("action", "cont")])
+    (message,) = target_words(method(actor, target_key=("params", "cont", "loc")))
+    assert "2 dimensions of a continuous action (the Normal parameter of the part 'cont' of a Composite" in message
+    (message,) = target_words(method(actor, target_key=("action", "cont")))
+    assert "(the Normal sample of the part 'cont' of a CompositeDistribution)" in message
+    assert target_words(method(actor, target_key=("params", "disc", "logits"))) == []
+    assert target_words(method(actor, target_key=("params", "cont", "loc"), target=1)) == []
+
+
+def test_a_composite_distributions_drawn_categorical_part_is_not_taken_for_its_argmax():
+    """A hybrid action's categorical part (``CompositeDistribution``): the default target explained the argmax of its
+    logits where the action taken was drawn at random (another action in 4 rows of 8, 1.09 off its gradient × input)
+    or a stored transition's (ignored): refused, naming the part and what to pass; the action taken as the target is
+    explained (LRP-0: gradient × input of its logit), and a deterministic policy's argmax is its action."""
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 5)).double()
+    actor = hybrid_actor(body, 1)
     x = torch.randn(8, 4, dtype=F64, generator=torch.Generator().manual_seed(1))
     td = TensorDict(observation=x, batch_size=[8])
     mapper = {nn.Linear: EpsilonRule(0.0)}

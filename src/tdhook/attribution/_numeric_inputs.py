@@ -287,8 +287,10 @@ class NumericInputs(TorchFunctionMode):
             self._carry(out, scaled[0])
         elif func in _CARRYING:
             first = args[0] if args else None
-            if func not in _PASSING and self._zeros.get(id(first)) is first and isinstance(out, torch.Tensor):
-                self._zeros[id(out)] = out  # a view or copy of zeros
+            if (func not in _PASSING or func in _PARTS) and self._zeros.get(id(first)) is first:
+                for part in _listed(out):  # a view or copy of zeros, or the parts of a split of them
+                    if isinstance(part, torch.Tensor):
+                        self._zeros[id(part)] = part
             carrier = self._carrier(first) if func not in _JOINS else self._carried(*_listed(first))
             if carrier is None and func in _LOOKUPS:
                 carrier = self._looked_up(func, args, kwargs)
@@ -309,6 +311,8 @@ class NumericInputs(TorchFunctionMode):
             self._carry(out, self._looked_up(func, args, kwargs))
         elif func in _WRITES:
             self._written(func, args, kwargs, out)
+            if func is Tensor.copy_ and isinstance(out, torch.Tensor):  # written whole: zeros where its source is
+                self._copied(out, args[1] if len(args) > 1 else kwargs.get("src"))
         elif func in _SELECTIONS:
             if kwargs:  # by keyword: read in the order of the positions
                 names = _SELECTION_NAMES[func][len(args) :]
@@ -525,6 +529,15 @@ class NumericInputs(TorchFunctionMode):
             self._carry(out, tuple(found.items()))
             return
         self._hold(table, found)
+
+    def _copied(self, table: torch.Tensor, source: object) -> None:
+        """``table``, written whole in place with ``source`` (``copy_``), holds zeros made in the call where ``source``
+        does (torchrl's recurrent modules lay out an initial state of zeros anew, ``torch.empty_like(h).copy_(h)``),
+        and no longer where it does not."""
+        if self._is_zero(source):
+            self._zeros[id(table)] = table
+        else:
+            self._zeros.pop(id(table), None)
 
     def _overwritten(self, table: torch.Tensor) -> None:
         """``table``, written over whole in place with a constant (``zero_``, ``fill_``), holds no input's values,

@@ -277,7 +277,10 @@ def _find_continuous_head(operator: TensorDictModuleBase, target_key: NestedKey)
     key = unravel_key(target_key)
     discrete = (*_CATEGORICAL, *_MASKED, *_ORDINAL, *_ONE_HOT)
     for sub in operator.modules():
-        if isinstance(sub, ProbabilisticTensorDictModule) and not issubclass(sub.distribution_class, discrete):
+        if isinstance(sub, ProbabilisticTensorDictModule) and sub.distribution_class is CompositeDistribution:
+            if (part := _continuous_composite_part(sub, key, discrete)) is not None:
+                return part
+        elif isinstance(sub, ProbabilisticTensorDictModule) and not issubclass(sub.distribution_class, discrete):
             if key in _distribution_keys(sub).values():
                 return f"the {sub.distribution_class.__name__} parameter of {type(sub).__name__}"
             if key == unravel_key(sub.out_keys[0]):
@@ -286,6 +289,27 @@ def _find_continuous_head(operator: TensorDictModuleBase, target_key: NestedKey)
             spec = sub.spec.get(key, None) if isinstance(sub.spec, Composite) else sub.spec
             if isinstance(spec, (Bounded, Unbounded)) and spec.dtype.is_floating_point:
                 return f"the output of {type(sub).__name__} under a {type(spec).__name__} action spec"
+    return None
+
+
+def _continuous_composite_part(
+    sampler: ProbabilisticTensorDictModule, key: tuple | str, discrete: tuple[type, ...]
+) -> str | None:
+    """What makes ``key`` the dimensions of a continuous part of ``sampler``'s ``CompositeDistribution`` (a hybrid
+    action): a parameter of a part that is not a discrete distribution (``("params", "cont", "loc")``), or that part's
+    sample (its key in ``name_map``); ``None`` for anything else."""
+    kwargs = getattr(sampler, "distribution_kwargs", None) or {}
+    names = kwargs.get("name_map") or {}
+    for name, kind in (kwargs.get("distribution_map") or {}).items():
+        if not isinstance(kind, type) or issubclass(kind, discrete):
+            continue
+        for root in sampler.in_keys:
+            prefix = unravel_key((root, name))
+            prefix = prefix if isinstance(prefix, tuple) else (prefix,)
+            if isinstance(key, tuple) and len(key) == len(prefix) + 1 and key[: len(prefix)] == prefix:
+                return f"the {kind.__name__} parameter of the part {name!r} of a CompositeDistribution"
+        if key == unravel_key(names.get(name, name)):
+            return f"the {kind.__name__} sample of the part {name!r} of a CompositeDistribution"
     return None
 
 
