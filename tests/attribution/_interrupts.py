@@ -43,13 +43,16 @@ class Interrupt:
     """Raise ``KeyboardInterrupt`` at the ``at``-th line event of tdhook's source inside the block (never, with
     ``at=None``: then :attr:`count` is the number of line events), and catch it; :attr:`where` says where it was
     raised (``None``: the block ran fewer lines, and ended as it does without an interrupt). Functions named in
-    ``skip``, and what they call, are not traced."""
+    ``skip``, and what they call, are not traced; with ``within``, only the lines of the source file of that name
+    are counted."""
 
-    def __init__(self, at: int | None, skip: tuple[str, ...] = ()) -> None:
-        self.at, self.count, self.where, self.skip = at, 0, None, skip
+    def __init__(self, at: int | None, skip: tuple[str, ...] = (), within: str | None = None) -> None:
+        self.at, self.count, self.where, self.skip, self.within = at, 0, None, skip, within
 
     def _local(self, frame, event, arg):
         if event != "line":
+            return self._local
+        if self.within is not None and Path(frame.f_code.co_filename).name != self.within:
             return self._local
         lines = self._seen.setdefault(id(frame), set())
         text = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
@@ -95,8 +98,15 @@ class Interrupt:
 STRIDE = 9
 
 
-def every_line(run: Callable[[], object], skip: tuple[str, ...] = (), start: int = 1, stride: int = STRIDE) -> range:
-    """The line events of tdhook's code that ``run()`` goes through (every STRIDE-th, from ``start``)."""
-    with Interrupt(None, skip) as counting:
+def every_line(
+    run: Callable[[], object],
+    skip: tuple[str, ...] = (),
+    start: int = 1,
+    stride: int = STRIDE,
+    within: str | None = None,
+) -> range:
+    """The line events of tdhook's code (of the file ``within`` only, if given) that ``run()`` goes through (every
+    STRIDE-th, from ``start``)."""
+    with Interrupt(None, skip, within) as counting:
         run()
     return range(start, counting.count + 1, stride)

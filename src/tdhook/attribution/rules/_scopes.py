@@ -35,7 +35,7 @@ __all__ = ["push", "pop", "closing_scopes"]
 _LOCAL = threading.local()
 
 
-def _stack() -> list[tuple[list, Any, bool]]:
+def _stack() -> list[list]:  # [pending, item, entered] entries
     stack = getattr(_LOCAL, "stack", None)
     if stack is None:
         stack = _LOCAL.stack = []
@@ -50,10 +50,11 @@ def push(pending: list, item: Any, enter: bool = False) -> None:
         item: what the forward hook will :func:`pop` (``None`` included).
         enter: whether ``item`` is a context manager to enter now and leave when popped.
     """
-    if enter and item is not None:
-        item.__enter__()
+    entry = [pending, item, False]  # recorded before it is entered: an interrupt in between leaves nothing unlisted
+    _stack().append(entry)
     pending.append(item)
-    _stack().append((pending, item, enter))
+    if enter and item is not None:
+        entry[2] = (item.__enter__(), True)[1]  # entered and marked so in one line (no signal check in between)
 
 
 def pop(pending: list) -> Any:
@@ -68,17 +69,25 @@ def pop(pending: list) -> Any:
     stack = _stack()
     for index in range(len(stack) - 1, -1, -1):  # the top, unless a call in between ended abnormally
         if stack[index][0] is pending:
-            _, item, entered = stack.pop(index)
+            entry = stack[index]
             break
     else:
         return None
-    for index in range(len(pending) - 1, -1, -1):  # the last, unless another thread pushed since
+    _close(entry)  # left before it is unlisted: an interrupt in between leaves it for closing_scopes
+    del stack[index]
+    return entry[1]
+
+
+def _close(entry: list) -> None:
+    """Leave ``entry``'s item if it was entered (marked left in the same line), and take it off its list of pending
+    items: the last of them, unless another thread pushed since."""
+    pending, item, entered = entry
+    if entered and item is not None:
+        entry[2] = (item.__exit__(None, None, None), False)[1]
+    for index in range(len(pending) - 1, -1, -1):
         if pending[index] is item:
             del pending[index]
             break
-    if entered and item is not None:
-        item.__exit__(None, None, None)
-    return item
 
 
 class closing_scopes:  # noqa: N801 (used as a function: ``with closing_scopes():``)
@@ -92,12 +101,11 @@ class closing_scopes:  # noqa: N801 (used as a function: ``with closing_scopes()
         self._mark = len(self._stack)
 
     def __exit__(self, *exc_info: object) -> None:
-        stack, mark = self._stack, self._mark
-        while len(stack) > mark:
-            pending, item, entered = stack.pop()
-            for index in range(len(pending) - 1, -1, -1):
-                if pending[index] is item:
-                    del pending[index]
-                    break
-            if entered and item is not None:
-                item.__exit__(None, None, None)
+        # The try first: an interrupt at any line of the closing leaves the rest closed all the same.
+        try:
+            while len(self._stack) > self._mark:
+                _close(self._stack[-1])
+                self._stack.pop()
+        finally:
+            if len(self._stack) > self._mark:
+                self.__exit__()
