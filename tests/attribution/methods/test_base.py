@@ -560,6 +560,34 @@ def test_default_keys_leave_out_flags_and_absent_recurrent_states(name):
     torch.testing.assert_close(got["obs"], attributions(policy, steps, "obs", target_key="q")["obs"])
 
 
+class MaskedMean(nn.Module):
+    """A layer over embeddings averaged where an integer attention mask (Hugging Face's int64) says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 3).double()
+
+    def forward(self, embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        weights = mask.to(embeds.dtype).unsqueeze(-1)
+        return self.layer((embeds * weights).sum(1) / weights.sum(1))
+
+
+def test_an_integer_key_explained_by_default_is_named_with_the_keys_to_pass():
+    """The mask was refused as "must be a floating-point tensor" though the caller never chose to explain it."""
+    module = TensorDictModule(MaskedMean(), in_keys=["embeds", "mask"], out_keys=["y"])
+    td = TensorDict(embeds=torch.randn(2, 5, 4, dtype=torch.float64), mask=torch.ones(2, 5, dtype=torch.long))
+    td.batch_size = [2]
+    with pytest.raises(
+        TypeError,
+        match=r"'mask' must be a floating-point .* it is explained by default .* "
+        r"in_keys=\['embeds'\]",
+    ):
+        Saliency(module)(td.clone())
+    with pytest.raises(TypeError, match=r"got torch.int64 \[2, 5\]$"):  # named by the caller: nothing to add
+        Saliency(module, in_keys=["embeds", "mask"])(td.clone())
+    assert Saliency(module, in_keys=["embeds"])(td.clone())["attribution", "embeds"].shape == (2, 5, 4)
+
+
 def recurrent_policy() -> TensorDictSequential:
     from torchrl.modules import LSTMModule
 

@@ -261,6 +261,56 @@ def test_the_copies_of_a_batch_of_none_run_at_the_samples_shape(kind, per_eval):
     assert len(told) == (per_eval > 1 and kind == "classifier"), told  # the GRU is told apart by its time lengths
 
 
+class AddsItsBatch(nn.Module):
+    """A model of one unbatched sample ``[C, L]`` that adds the batch dimension itself (a wrapper around a Hugging
+    Face model fed ``embeds[None]``): copies stacked along a new first dimension make its convolution's input 4-D."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv1d(2, 3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.conv(x[None]))[0].sum(-1)
+
+
+@pytest.mark.parametrize("method", [IntegratedGradients, SmoothGrad, GradientShap, FeatureAblation])
+def test_a_model_that_cannot_take_a_samples_stacked_copies_is_told_how_to_run_them_one_per_pass(method):
+    """The error came from inside the model with no word of the stacking; a note says what to pass."""
+    net = AddsItsBatch().double()
+    x = torch.randn(2, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    options = {
+        IntegratedGradients: {"n_steps": 4},
+        SmoothGrad: {"n_samples": 3, "stdev": 0.1, "seed": 0},
+        GradientShap: {"baselines": torch.zeros(1, 2, 6, dtype=torch.float64), "n_samples": 3, "seed": 0},
+        FeatureAblation: {"feature_masks": torch.arange(12).view(2, 6), "perturbations_per_eval": 4},
+    }[method]
+    option = "perturbations_per_eval" if method is FeatureAblation else "internal_batch_size"
+    with pytest.raises(RuntimeError) as info:
+        method(net, in_keys=["x"], out_keys=["y"], target=1, **options)(TensorDict(x=x, batch_size=[]))
+    assert any("stacked along a new first dimension" in note and f"{option}=1" in note for note in info.value.__notes__)
+    one_per_pass = {**options, option: 1}
+    found = method(net, in_keys=["x"], out_keys=["y"], target=1, **one_per_pass)(TensorDict(x=x, batch_size=[]))
+    # The same model taking a batch, on a batch of the one sample: what the advice gives.
+    batched = {**options, "feature_masks": options["feature_masks"][None]} if "feature_masks" in options else options
+    taking_a_batch = BatchOf(net)
+    expected = method(taking_a_batch, in_keys=["x"], out_keys=["y"], target=1, **batched)(
+        TensorDict(x=x[None], batch_size=[1])
+    )
+    torch.testing.assert_close(found["attribution", "x"], expected["attribution", "x"][0], rtol=1e-12, atol=1e-14)
+
+
+class BatchOf(nn.Module):
+    """``AddsItsBatch``'s layers on a batch."""
+
+    def __init__(self, net: AddsItsBatch) -> None:
+        super().__init__()
+        self.conv = net.conv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.conv(x)).sum(-1)
+
+
 def test_integrated_gradients_of_keyword_rows_equal_captums_attribute():
     """``method(x=x)`` is captum's ``attribute(x)`` (docs/methods.md): the gradient methods explain each row."""
     from captum import attr as captum

@@ -319,7 +319,10 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
         for key in self.explained_keys:
             value = tensordict.get(key)
             if not value.is_floating_point():
-                raise TypeError(f"{name}: input key {key!r} must be a floating-point tensor, got {describe(value)}")
+                raise TypeError(
+                    f"{name}: input key {key!r} must be a floating-point tensor, got {describe(value)}"
+                    + _defaulted_advice(self, tensordict)
+                )
         self._check_batch(tensordict)
         refuse_moving_statistics(name, self.named_explained_modules())
         self._warn_for_random_modules(tensordict)
@@ -542,7 +545,12 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             work.set(key, x.reshape(*shape, *x.shape[1 + call.batch_dims :]).clone())
         layers = call.recurrent if copies > 1 else {}
         with buffers_kept(self.module, call.buffers_before), time_lengths(layers) as lengths:  # the caller's statistics
-            output = target_output(self._run(work), call.target_key, self._target[1])
+            try:
+                output = target_output(self._run(work), call.target_key, self._target[1])
+            except Exception as err:
+                if copies > 1 and not call.batch_dims:
+                    err.add_note(_stacked_sample_note(self, copies))
+                raise
         if read_as_one_sequence(call.time_lengths, lengths) or (
             copies > 1 and scored_across_copies(output, len(shape), call.output, call.batch_dims)
         ):
@@ -665,6 +673,29 @@ def _policy_target(
     return (
         allowed_action(operator, target_key, result, tensordict, owner=type(method).__name__),
         held_action_record(operator, target_key, result, tensordict),
+    )
+
+
+def _stacked_sample_note(method: AttributionMethod, copies: int) -> str:
+    """What to do where a model raised on the copies of a sample (a TensorDict of batch ``[]``) stacked along a new
+    first dimension: run one copy per pass."""
+    option = "internal_batch_size" if hasattr(method, "internal_batch_size") else "perturbations_per_eval"
+    return (
+        f"{type(method).__name__}: the TensorDict has batch [] (one sample), so the {copies} copies of a pass were "
+        "stacked along a new first dimension; a model that cannot take them so (one that adds its batch dimension "
+        f"itself) runs one copy per pass, at the sample's own shape, with {option}=1"
+    )
+
+
+def _defaulted_advice(method: AttributionMethod, tensordict: TensorDictBase) -> str:
+    """Where the keys were explained by default, what to pass instead: the floating-point ones."""
+    if not method._defaulted_inputs:
+        return ""
+    floating = [key for key in method.explained_keys if tensordict.get(key).is_floating_point()]
+    advice = f", such as in_keys={floating}" if floating else ""
+    return (
+        "; it is explained by default (in_keys defaults to the keys the module reads, booleans left out): pass the "
+        f"keys to explain{advice} (an integer mask or index is then read as it is)"
     )
 
 
