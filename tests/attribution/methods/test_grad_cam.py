@@ -218,6 +218,36 @@ class TestRefusals:
         assert list(td.keys()) == ["x"]
 
 
+class TokenClassifier(nn.Module):
+    """Token ids embedded, mixed by a 1-D convolution over the sequence, a class per sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(20, 6)
+        self.conv = nn.Conv1d(6, 4, 3)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.conv(self.embedding(ids).transpose(1, 2)))
+        return self.head(hidden.mean(-1))
+
+
+@pytest.mark.parametrize("layer", ["embedding", "conv"])
+def test_a_layer_of_a_model_fed_token_ids_equals_captum(layer):
+    """The map at a layer needs no gradient at the model's input: token ids were refused ("must be a floating-point
+    tensor"), where captum's LayerGradCam computes the map from them."""
+    net = TokenClassifier().double()
+    ids = torch.randint(0, 20, (3, 7), generator=torch.Generator().manual_seed(1))
+    td = TensorDict(ids=ids, batch_size=[3])
+    found = GradCAM(net, layer=layer, in_keys=["ids"], out_keys=["y"], target=2, relu=False)(td)
+    expected = captum.attr.LayerGradCam(net, getattr(net, layer)).attribute(ids, target=2, relu_attributions=False)
+    assert relative_error(found["attribution", layer], expected.squeeze(1)) <= 1e-12
+    assert torch.equal(td["ids"], ids)
+    with pytest.raises(TypeError, match="input key 'ids' must be a floating-point tensor"):  # resized onto the ids
+        GradCAM(net, layer=layer, in_keys=["ids"], out_keys=["y"], target=2, upsample=True)(td)
+
+
 @pytest.mark.parametrize("layer", ["encoder", "encoder.layers.0", "encoder.layers.1.linear2"])
 def test_under_no_grad_a_layer_in_a_transformer_encoder_writes_the_plain_outputs(layer):
     """Under the caller's no_grad the encoder runs once more without gradient for the values of that mode's kernels

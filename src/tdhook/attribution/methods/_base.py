@@ -219,6 +219,9 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
     _evaluates_copies = True
     #: whether the method differentiates the model (it cannot run under ``torch.inference_mode()``).
     _needs_gradients = True
+    #: whether the method attributes to the explained inputs themselves, which must then be floating point (GradCAM
+    #: without ``upsample`` attributes to a layer, whatever its inputs: token ids into an embedding included).
+    _attributes_inputs = True
     #: attributes holding one option per explained key, in their order (narrowed with the keys of a call).
     _per_key_options: tuple[str, ...] = ()
     #: options resolved against the keys of each call (one value, or a dict keyed by in_key), which may hold one
@@ -316,7 +319,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             if isinstance(err, RuntimeError):
                 raise_for_ragged(tensordict, self.explained_keys, "input", err, name)
             raise _rename(err, name) from None
-        for key in self.explained_keys:
+        for key in self.explained_keys if self._attributes_inputs else ():
             value = tensordict.get(key)
             if not value.is_floating_point():
                 raise TypeError(

@@ -165,6 +165,10 @@ class GradCAM(AttributionMethod):
         self._activations: list[torch.Tensor] = []
         self._cam: torch.Tensor | None = None
 
+    @property
+    def _attributes_inputs(self) -> bool:  # the map at the layer alone: inputs of any dtype (token ids)
+        return self.upsample
+
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "layer":  # nn.Module's would take a module given for it as a child, past the property's check
             object.__setattr__(self, name, value)
