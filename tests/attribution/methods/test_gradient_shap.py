@@ -113,6 +113,11 @@ class TestRefusals:
         [
             ({"baselines": 0.0}, TypeError, "the baselines of input key 'obs' must be a floating-point tensor"),
             (
+                {"baselines": torch.zeros(1, 4, dtype=torch.long)},  # token ids as references: their dtype is named
+                TypeError,
+                r"the baselines of input key 'obs' must be a floating-point .*, got torch.int64 \[1, 4\]",
+            ),
+            (
                 {"baselines": {"obs": torch.zeros(2, 4), "goal": torch.zeros(3, 2)}},
                 ValueError,
                 "every key needs the same number R > 0",

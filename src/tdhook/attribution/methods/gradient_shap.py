@@ -11,6 +11,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import nn
 
+from tdhook.attribution._inputs import describe
 from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.methods._base import AttributionMethod, Call, pass_gradients, refuse_unreached
 from tdhook.attribution.methods._options import (
@@ -157,7 +158,7 @@ class GradientShap(AttributionMethod):
             if not isinstance(reference, torch.Tensor) or not reference.is_floating_point() or reference.dim() < 1:
                 raise TypeError(
                     f"GradientShap: the baselines of input key {key!r} must be a floating-point tensor of reference "
-                    f"samples [R, *sample_shape], got {getattr(reference, 'shape', type(reference).__name__)}"
+                    f"samples [R, *sample_shape], got {describe(reference)}"
                 )
             sizes.add(reference.shape[0])
         if len(sizes) != 1 or 0 in sizes:
