@@ -31,7 +31,6 @@ from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModuleBase, T
 from tensordict.utils import NestedKey, unravel_key, unravel_key_list
 from torchrl.modules import MultiStepActorWrapper
 
-from tdhook.attribution._callable_targets import warn_for_nonlinear_target
 from tdhook.attribution._inputs import describe
 from tdhook.attribution._keys import is_key
 from tdhook.attribution._policy_targets import (
@@ -279,8 +278,6 @@ def initial_relevance(
     # In a call that keeps the graph, the initial relevance is a function of the output like the rest of the
     # relevance: the target sees the output with its history, and the gradient keeps it.
     keep = graph_kept() is not None
-    if not keep:
-        warn_for_nonlinear_target(target, out, key)
     given = target(output if keep else out)
     if not isinstance(given, torch.Tensor) or given.shape != out.shape:
         picked = isinstance(given, torch.Tensor) and not given.is_floating_point() and given.shape == out.shape[:-1]

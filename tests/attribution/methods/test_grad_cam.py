@@ -233,18 +233,20 @@ class TokenClassifier(nn.Module):
         return self.head(hidden.mean(-1))
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
 @pytest.mark.parametrize("layer", ["embedding", "conv"])
-def test_a_layer_of_a_model_fed_token_ids_equals_captum(layer):
+def test_a_layer_of_a_model_fed_token_ids_equals_captum(layer, frozen):
     """The map at a layer needs no gradient at the model's input: token ids were refused ("must be a floating-point
-    tensor"), where captum's LayerGradCam computes the map from them."""
-    net = TokenClassifier().double()
+    tensor"), where captum's LayerGradCam computes the map from them; in a frozen model (nothing before the layer
+    needs a gradient) the layer's output is the map's own leaf, as captum makes it."""
+    net = TokenClassifier().double().requires_grad_(not frozen)
     ids = torch.randint(0, 20, (3, 7), generator=torch.Generator().manual_seed(1))
     td = TensorDict(ids=ids, batch_size=[3])
     found = GradCAM(net, layer=layer, in_keys=["ids"], out_keys=["y"], target=2, relu=False)(td)
     expected = captum.attr.LayerGradCam(net, getattr(net, layer)).attribute(ids, target=2, relu_attributions=False)
     assert relative_error(found["attribution", layer], expected.squeeze(1)) <= 1e-12
     assert torch.equal(td["ids"], ids)
-    with pytest.raises(TypeError, match="input key 'ids' must be a floating-point tensor"):  # resized onto the ids
+    with pytest.raises(TypeError, match="input key 'ids' must be a floating-point tensor.*pass upsample=False"):
         GradCAM(net, layer=layer, in_keys=["ids"], out_keys=["y"], target=2, upsample=True)(td)
 
 

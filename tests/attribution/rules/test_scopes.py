@@ -3,6 +3,9 @@ interrupt at any of their lines included."""
 
 from __future__ import annotations
 
+import linecache
+import sys
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -110,3 +113,69 @@ def test_an_interrupt_in_a_norm_rules_scope_leaves_later_plain_gradients_exact(i
     if in_context:
         lrp.__exit__(None, None, None)
     assert torch_function_state() == before
+
+
+def _interrupting_at(function: str, text: str, fired: list):
+    """A trace function raising KeyboardInterrupt at the line ``text`` of torch's ``function`` (once)."""
+
+    def local(frame, event, arg):
+        if (
+            event == "line"
+            and not fired
+            and linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip() == text
+        ):
+            fired.append(frame.f_code.co_name)
+            raise KeyboardInterrupt
+        return local
+
+    return lambda frame, event, arg: local if frame.f_code.co_name == function else None
+
+
+@pytest.mark.parametrize(
+    "where", ["pop: torch popped the mode", "push: torch pushed the mode"], ids=["after-pop", "after-push"]
+)
+def test_an_interrupt_inside_torchs_own_enter_or_exit_leaves_the_mode_once(where: str):
+    """An interrupt inside torch's ``TorchFunctionMode.__exit__`` after it popped the mode (or inside ``__enter__``
+    after it pushed it) leaves the entry's mark wrong: leaving the mode again popped the caller's mode under it, and
+    a mode pushed but unmarked stayed on. The call's end leaves a mode only where it is on top of torch's stack."""
+    outer = Counting()
+    pending, fired = [], []
+    with outer:
+        before = torch_function_state()
+        with pytest.raises(KeyboardInterrupt), closing_scopes():
+            if where.startswith("pop"):
+                push(pending, Counting(), enter=True)
+                tracer = _interrupting_at("_pop_mode", "return old", fired)
+            else:
+                tracer = _interrupting_at("__enter__", "return self", fired)
+            sys.settrace(tracer)
+            try:
+                pop(pending) if where.startswith("pop") else push(pending, Counting(), enter=True)
+            finally:
+                sys.settrace(None)
+        assert fired, "torch's line was not reached: the test needs its text updated"
+        assert torch_function_state() == before and pending == [] and _stack() == []
+    assert torch_function_state() == (True, [])
+
+
+class RaisingExit:
+    """A context manager whose exit raises every time."""
+
+    exits = 0
+
+    def __enter__(self) -> RaisingExit:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        RaisingExit.exits += 1
+        raise RuntimeError("exit failed")
+
+
+def test_an_exit_that_raises_is_raised_once_and_the_rest_is_closed():
+    """The closing went on by calling itself on the same entry until RecursionError."""
+    pending, mode = [], Counting()
+    RaisingExit.exits = 0
+    with pytest.raises(RuntimeError, match="exit failed"), closing_scopes():
+        push(pending, mode, enter=True)
+        push(pending, RaisingExit(), enter=True)
+    assert RaisingExit.exits == 1 and pending == [] and _stack() == [] and torch_function_state() == (True, [])

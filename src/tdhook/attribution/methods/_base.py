@@ -222,6 +222,8 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
     #: whether the method attributes to the explained inputs themselves, which must then be floating point (GradCAM
     #: without ``upsample`` attributes to a layer, whatever its inputs: token ids into an embedding included).
     _attributes_inputs = True
+    #: why the inputs must be floating point, where the method says more than the keys to pass.
+    _floating_inputs_advice = ""
     #: attributes holding one option per explained key, in their order (narrowed with the keys of a call).
     _per_key_options: tuple[str, ...] = ()
     #: options resolved against the keys of each call (one value, or a dict keyed by in_key), which may hold one
@@ -324,7 +326,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             if not value.is_floating_point():
                 raise TypeError(
                     f"{name}: input key {key!r} must be a floating-point tensor, got {describe(value)}"
-                    + _defaulted_advice(self, tensordict)
+                    + (self._floating_inputs_advice or _defaulted_advice(self, tensordict))
                 )
         self._check_batch(tensordict)
         refuse_moving_statistics(name, self.named_explained_modules())
@@ -551,7 +553,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             try:
                 output = target_output(self._run(work), call.target_key, self._target[1])
             except Exception as err:
-                if copies > 1 and not call.batch_dims:
+                if copies > 1 and not call.batch_dims and not _refused_by_tdhook(self, err):
                     err.add_note(_stacked_sample_note(self, copies))
                 raise
         if read_as_one_sequence(call.time_lengths, lengths) or (
@@ -677,6 +679,11 @@ def _policy_target(
         allowed_action(operator, target_key, result, tensordict, owner=type(method).__name__),
         held_action_record(operator, target_key, result, tensordict),
     )
+
+
+def _refused_by_tdhook(method: AttributionMethod, err: BaseException) -> bool:
+    """Whether ``err`` is one of tdhook's refusals (its message names the method or LRP), not the model's error."""
+    return str(err).startswith((f"{type(method).__name__}:", "LRP:"))
 
 
 def _stacked_sample_note(method: AttributionMethod, copies: int) -> str:

@@ -72,6 +72,10 @@ class _Recorder:
             # one vmapped call, which no gradient outside it reaches.
             self._activations.append(_VMAPPED)
             return None
+        if isinstance(output, torch.Tensor) and not output.requires_grad and output.is_floating_point():
+            # Nothing before the layer needs a gradient (token ids into a frozen model): the map's own leaf, as
+            # captum's LayerGradCam makes it.
+            output = output.detach().requires_grad_(True)
         self._activations.append(output)
         return output.clone() if isinstance(output, torch.Tensor) else None
 
@@ -135,6 +139,10 @@ class GradCAM(AttributionMethod):
 
     _gradient_at_input = True
     _evaluates_copies = False
+    _floating_inputs_advice = (
+        ": upsample=True resizes the map onto each explained input; pass upsample=False for the map at the layer "
+        "alone, which takes inputs of any dtype (token ids)"
+    )
 
     def __init__(
         self,

@@ -30,6 +30,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
 __all__ = ["push", "pop", "closing_scopes"]
 
 _LOCAL = threading.local()
@@ -78,12 +80,28 @@ def pop(pending: list) -> Any:
     return entry[1]
 
 
-def _close(entry: list) -> None:
+def _close(entry: list, checked: bool = False) -> None:
     """Leave ``entry``'s item if it was entered (marked left in the same line), and take it off its list of pending
-    items: the last of them, unless another thread pushed since."""
-    pending, item, entered = entry
-    if entered and item is not None:
-        entry[2] = (item.__exit__(None, None, None), False)[1]
+    items (:func:`_unlist`).
+
+    ``checked`` (what a call's end closes, after an interrupt): a function mode is left where it is on top of torch's
+    stack of modes, whatever the mark says, and only there. An interrupt inside torch's own ``__enter__`` or
+    ``__exit__`` (after it pushed or popped the mode, before the mark) leaves the mark wrong; leaving the mode again
+    would pop another one.
+    """
+    _, item, entered = entry
+    if item is not None and (entered or checked):
+        if checked and isinstance(item, TorchFunctionMode):
+            modes = _get_current_function_mode_stack()
+            entered = bool(modes) and modes[-1] is item
+        if entered:
+            entry[2] = (item.__exit__(None, None, None), False)[1]
+    _unlist(entry)
+
+
+def _unlist(entry: list) -> None:
+    """Take ``entry``'s item off its list of pending items: the last of them, unless another thread pushed since."""
+    pending, item, _ = entry
     for index in range(len(pending) - 1, -1, -1):
         if pending[index] is item:
             del pending[index]
@@ -104,8 +122,13 @@ class closing_scopes:  # noqa: N801 (used as a function: ``with closing_scopes()
         # The try first: an interrupt at any line of the closing leaves the rest closed all the same.
         try:
             while len(self._stack) > self._mark:
-                _close(self._stack[-1])
+                _close(self._stack[-1], checked=True)
                 self._stack.pop()
-        finally:
+        except Exception:  # an item's exit that raised: dropped, the rest closed, and the error raised
             if len(self._stack) > self._mark:
-                self.__exit__()
+                _unlist(self._stack.pop())
+            self.__exit__()
+            raise
+        except BaseException:  # an interrupt: the entry cut short closed again (checked), then the rest
+            self.__exit__()
+            raise
