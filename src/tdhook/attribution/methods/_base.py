@@ -219,11 +219,8 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
     _evaluates_copies = True
     #: whether the method differentiates the model (it cannot run under ``torch.inference_mode()``).
     _needs_gradients = True
-    #: whether the method attributes to the explained inputs themselves, which must then be floating point (GradCAM
-    #: without ``upsample`` attributes to a layer, whatever its inputs: token ids into an embedding included).
-    _attributes_inputs = True
-    #: why the inputs must be floating point, where the method says more than the keys to pass.
-    _floating_inputs_advice = ""
+    #: what refusing a non-floating input says beyond the keys to pass; ``None``: any dtype (a map at a layer alone)
+    _floating_inputs: str | None = ""
     #: attributes holding one option per explained key, in their order (narrowed with the keys of a call).
     _per_key_options: tuple[str, ...] = ()
     #: options resolved against the keys of each call (one value, or a dict keyed by in_key), which may hold one
@@ -321,13 +318,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             if isinstance(err, RuntimeError):
                 raise_for_ragged(tensordict, self.explained_keys, "input", err, name)
             raise _rename(err, name) from None
-        for key in self.explained_keys if self._attributes_inputs else ():
-            value = tensordict.get(key)
-            if not value.is_floating_point():
-                raise TypeError(
-                    f"{name}: input key {key!r} must be a floating-point tensor, got {describe(value)}"
-                    + (self._floating_inputs_advice or _defaulted_advice(self, tensordict))
-                )
+        _refuse_non_floating_inputs(self, tensordict)
         self._check_batch(tensordict)
         refuse_moving_statistics(name, self.named_explained_modules())
         self._warn_for_random_modules(tensordict)
@@ -550,12 +541,8 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             work.set(key, x.reshape(*shape, *x.shape[1 + call.batch_dims :]).clone())
         layers = call.recurrent if copies > 1 else {}
         with buffers_kept(self.module, call.buffers_before), time_lengths(layers) as lengths:  # the caller's statistics
-            try:
+            with _noting_stacked_sample(self, copies if not call.batch_dims else 1):
                 output = target_output(self._run(work), call.target_key, self._target[1])
-            except Exception as err:
-                if copies > 1 and not call.batch_dims and not _refused_by_tdhook(self, err):
-                    err.add_note(_stacked_sample_note(self, copies))
-                raise
         if read_as_one_sequence(call.time_lengths, lengths) or (
             copies > 1 and scored_across_copies(output, len(shape), call.output, call.batch_dims)
         ):
@@ -681,32 +668,44 @@ def _policy_target(
     )
 
 
-def _refused_by_tdhook(method: AttributionMethod, err: BaseException) -> bool:
-    """Whether ``err`` is one of tdhook's refusals (its message names the method or LRP), not the model's error."""
-    return str(err).startswith((f"{type(method).__name__}:", "LRP:"))
+@contextlib.contextmanager
+def _noting_stacked_sample(method: AttributionMethod, copies: int) -> Iterator[None]:
+    """Where the model raises on ``copies`` (more than one) copies of a sample (a TensorDict of batch ``[]``)
+    stacked along a new first dimension, a note on its error (not on tdhook's own refusals, which name the method
+    or LRP): how to run one copy per pass."""
+    try:
+        yield
+    except Exception as err:
+        name = type(method).__name__
+        if copies > 1 and not str(err).startswith((f"{name}:", "LRP:")):
+            option = "internal_batch_size" if hasattr(method, "internal_batch_size") else "perturbations_per_eval"
+            err.add_note(
+                f"{name}: the TensorDict has batch [] (one sample), so the {copies} copies of a pass were stacked "
+                "along a new first dimension; a model that cannot take them so (one that adds its batch dimension "
+                f"itself) runs one copy per pass, at the sample's own shape, with {option}=1"
+            )
+        raise
 
 
-def _stacked_sample_note(method: AttributionMethod, copies: int) -> str:
-    """What to do where a model raised on the copies of a sample (a TensorDict of batch ``[]``) stacked along a new
-    first dimension: run one copy per pass."""
-    option = "internal_batch_size" if hasattr(method, "internal_batch_size") else "perturbations_per_eval"
-    return (
-        f"{type(method).__name__}: the TensorDict has batch [] (one sample), so the {copies} copies of a pass were "
-        "stacked along a new first dimension; a model that cannot take them so (one that adds its batch dimension "
-        f"itself) runs one copy per pass, at the sample's own shape, with {option}=1"
-    )
-
-
-def _defaulted_advice(method: AttributionMethod, tensordict: TensorDictBase) -> str:
-    """Where the keys were explained by default, what to pass instead: the floating-point ones."""
-    if not method._defaulted_inputs:
-        return ""
-    floating = [key for key in method.explained_keys if tensordict.get(key).is_floating_point()]
-    advice = f", such as in_keys={floating}" if floating else ""
-    return (
-        "; it is explained by default (in_keys defaults to the keys the module reads, booleans left out): pass the "
-        f"keys to explain{advice} (an integer mask or index is then read as it is)"
-    )
+def _refuse_non_floating_inputs(method: AttributionMethod, tensordict: TensorDictBase) -> None:
+    """Refuse an explained input that is not floating point where the method attributes to its inputs, saying what
+    to pass: where the keys were explained by default, the floating-point ones."""
+    if method._floating_inputs is None:
+        return
+    name = type(method).__name__
+    for key in method.explained_keys:
+        value = tensordict.get(key)
+        if value.is_floating_point():
+            continue
+        advice = method._floating_inputs
+        if not advice and method._defaulted_inputs:
+            floating = [k for k in method.explained_keys if tensordict.get(k).is_floating_point()]
+            advice = (
+                "; it is explained by default (in_keys defaults to the keys the module reads, booleans left out): "
+                f"pass the keys to explain{f', such as in_keys={floating}' if floating else ''} (an integer mask or "
+                "index is then read as it is)"
+            )
+        raise TypeError(f"{name}: input key {key!r} must be a floating-point tensor, got {describe(value)}{advice}")
 
 
 def _no_grad_values(method: AttributionMethod) -> bool:

@@ -139,10 +139,6 @@ class GradCAM(AttributionMethod):
 
     _gradient_at_input = True
     _evaluates_copies = False
-    _floating_inputs_advice = (
-        ": upsample=True resizes the map onto each explained input; pass upsample=False for the map at the layer "
-        "alone, which takes inputs of any dtype (token ids)"
-    )
 
     def __init__(
         self,
@@ -174,8 +170,13 @@ class GradCAM(AttributionMethod):
         self._cam: torch.Tensor | None = None
 
     @property
-    def _attributes_inputs(self) -> bool:  # the map at the layer alone: inputs of any dtype (token ids)
-        return self.upsample
+    def _floating_inputs(self) -> str | None:  # the map at the layer alone: inputs of any dtype (token ids)
+        if not self.upsample:
+            return None
+        return (
+            ": upsample=True resizes the map onto each explained input; pass upsample=False for the map at the layer "
+            "alone, which takes inputs of any dtype (token ids)"
+        )
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "layer":  # nn.Module's would take a module given for it as a child, past the property's check
