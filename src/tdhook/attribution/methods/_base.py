@@ -541,7 +541,7 @@ class AttributionMethod(TensorDictModuleBase, ModelTunable):
             work.set(key, x.reshape(*shape, *x.shape[1 + call.batch_dims :]).clone())
         layers = call.recurrent if copies > 1 else {}
         with buffers_kept(self.module, call.buffers_before), time_lengths(layers) as lengths:  # the caller's statistics
-            with _noting_stacked_sample(self, copies if not call.batch_dims else 1):
+            with _noting_stacked_sample(self, copies, call.batch_dims):
                 output = target_output(self._run(work), call.target_key, self._target[1])
         if read_as_one_sequence(call.time_lengths, lengths) or (
             copies > 1 and scored_across_copies(output, len(shape), call.output, call.batch_dims)
@@ -669,15 +669,15 @@ def _policy_target(
 
 
 @contextlib.contextmanager
-def _noting_stacked_sample(method: AttributionMethod, copies: int) -> Iterator[None]:
-    """Where the model raises on ``copies`` (more than one) copies of a sample (a TensorDict of batch ``[]``)
-    stacked along a new first dimension, a note on its error (not on tdhook's own refusals, which name the method
-    or LRP): how to run one copy per pass."""
+def _noting_stacked_sample(method: AttributionMethod, copies: int, batch_dims: int) -> Iterator[None]:
+    """Where the model raises on ``copies`` (more than one) copies of a sample (``batch_dims`` 0: a TensorDict of
+    batch ``[]``) stacked along a new first dimension, a note on its error (not on tdhook's own refusals, which name
+    the method or LRP): how to run one copy per pass."""
     try:
         yield
     except Exception as err:
         name = type(method).__name__
-        if copies > 1 and not str(err).startswith((f"{name}:", "LRP:")):
+        if copies > 1 and not batch_dims and not str(err).startswith((f"{name}:", "LRP:")):
             option = "internal_batch_size" if hasattr(method, "internal_batch_size") else "perturbations_per_eval"
             err.add_note(
                 f"{name}: the TensorDict has batch [] (one sample), so the {copies} copies of a pass were stacked "
