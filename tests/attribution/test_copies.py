@@ -319,7 +319,13 @@ def assert_relevance_of_a_direct_call(batch: TensorDict, net: nn.Module) -> None
         EpsilonGammaBox(-3.0, 3.0),
     )(TensorDict(observation=observation.double(), batch_size=[len(observation)]))
     collected = batch["relevance", "observation"].reshape(-1, 4).double()
-    torch.testing.assert_close(collected, direct["relevance", "observation"], rtol=1e-4, atol=1e-5)
+    expected = direct["relevance", "observation"]
+    # The collector computes in float32. The gamma rule's denominators can nearly cancel, which amplifies float32
+    # rounding: over 6770 CartPole states (300 random episodes) the float32 relevance was up to 0.4 % of its row's
+    # largest magnitude off float64, so each row is compared at 1 % of that magnitude. The weights of another
+    # network, the mistake this guards against, change the relevance by the order of the relevance itself.
+    scale = expected.abs().amax(-1, keepdim=True)
+    torch.testing.assert_close(collected / scale, expected / scale, rtol=0, atol=1e-2)
     torch.testing.assert_close(
         batch["action_value"].reshape(-1, 2).double(), direct["action_value"], rtol=1e-5, atol=1e-5
     )
@@ -341,6 +347,7 @@ def test_a_collector_writes_the_relevance_of_a_direct_call_before_and_after_a_we
         collector = Collector(
             cartpole, policy, frames_per_batch=8, total_frames=32, auto_register_policy_transforms=False
         )
+    collector.set_seed(0)
     try:
         for index, batch in enumerate(collector):
             assert not batch["relevance", "observation"].requires_grad
