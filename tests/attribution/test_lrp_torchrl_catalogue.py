@@ -772,9 +772,10 @@ def _explain(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = LRP(module, mapper, target_key=key, **keys)(td.clone())
-    # The default target among a continuous action's dimensions is warned of for every such head (as the oracle,
-    # the unit of largest value is explained): a word on the target, not on the module, which is what is checked.
-    return out, [str(w.message) for w in caught if not str(w.message).startswith("LRP: target=None explains")]
+    # The default target among a continuous action's dimensions, or on the rows of a map (ObsDecoder's pixels), is
+    # warned of for every such output (as the oracle, the unit of largest value is explained): a word on the target,
+    # not on the module, which is what is checked.
+    return out, [str(w.message) for w in caught if not str(w.message).startswith("LRP: target=None ")]
 
 
 @pytest.mark.parametrize("name", list(CASES))

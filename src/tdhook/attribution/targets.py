@@ -33,6 +33,7 @@ from torchrl.modules import MultiStepActorWrapper
 
 from tdhook.attribution._inputs import describe
 from tdhook.attribution._keys import is_key
+from tdhook.attribution._map_targets import warn_for_rows_of_a_map
 from tdhook.attribution._policy_targets import (
     EXPLORATION_MODULES,
     acted_step,
@@ -406,6 +407,7 @@ def _initial_gradient(out: torch.Tensor, target: Target, key: NestedKey, batch_d
     if target is None:
         if not has_units or n_units == 1:
             return torch.ones_like(out)
+        warn_for_rows_of_a_map(out, key, batch_dims)
         return _one_hot(out, out.argmax(-1, keepdim=True), keepdim=True)
     if not has_units:
         raise ValueError(f"LRP: output {key!r} has no unit dimension to index with target {target!r}")

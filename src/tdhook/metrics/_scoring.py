@@ -35,6 +35,7 @@ from torch import nn
 
 from tdhook.attribution._chosen_values import chosen_action
 from tdhook.attribution._inputs import explained_in_call, module_in_recurrent_mode, optional_inputs
+from tdhook.attribution._map_targets import warn_for_rows_of_a_map
 from tdhook.attribution._plain_modules import as_tensordict_module, call_plain
 from tdhook.attribution._policy_targets import allowed_action, allowed_mask
 from tdhook.attribution._random_modules import deterministic, draw, draws_anew, draws_now, in_mode, random_modules
@@ -163,6 +164,13 @@ def _refuse_redrawn(scorer: Scorer, before: list[torch.Tensor]) -> None:
             "mix the perturbation with new draws; score an output computed before the draw, or make the draw an "
             "input of the model (torchrl's RSSMPrior and RSSMPosterior take their noise as an argument)"
         )
+
+
+def _default_units(output: torch.Tensor, key: NestedKey, batch_dims: int) -> torch.Tensor:
+    """The units that ``target=None`` scores: the argmax of the last dimension (warned of on a map, see
+    :func:`~tdhook.attribution._map_targets.warn_for_rows_of_a_map`)."""
+    warn_for_rows_of_a_map(output, key, batch_dims, owner="metrics")
+    return output.detach().argmax(-1)
 
 
 class Scorer:
@@ -358,7 +366,7 @@ class Scorer:
                 elif allowed is not None:
                     self._index = allowed.reshape(output.shape[:-1])
                 elif target is None:  # the argmax, as the one-hot initial gradient of the methods has it
-                    self._index = output.detach().argmax(-1)
+                    self._index = _default_units(output, self._key, len(self._batch))
                 else:
                     self._index = initial_gradient(output, target, self._key, len(self._batch)).argmax(-1)
             except (IndexError, ValueError, TypeError) as err:
