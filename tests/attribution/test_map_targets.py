@@ -1,5 +1,6 @@
-"""The default target on a map (``[B, C, H, W]``): LRP, the methods and the metrics explain the largest unit of every
-row of the last dimension, the map's width, and say so; rows of a sequence or of agents get no word."""
+"""Targets on a map (``[B, C, H, W]``): ``None``, an int and ``"all"`` pick units of the last dimension, the map's
+width, at every channel and row; LRP, the methods and the metrics say so. Rows of a sequence or of agents get no
+word."""
 
 from __future__ import annotations
 
@@ -60,8 +61,10 @@ def test_a_method_and_a_metric_warn_as_lrp():
     module = segmenter()
     with pytest.warns(UserWarning, match=MAP):
         explained = InputXGradient(module)(batch())
-    with pytest.warns(UserWarning, match=MAP):
+    with pytest.warns(UserWarning, match=MAP.replace("(LRP|metrics)", "metrics")):
         pixel_flipping(module, explained, features_per_step=42)
+    with pytest.warns(UserWarning, match=MAP.replace("(LRP|metrics)", "metrics").replace("None", "3")):
+        pixel_flipping(module, explained, features_per_step=42, target=3)
 
 
 @pytest.mark.parametrize(
@@ -84,11 +87,36 @@ def test_rows_that_are_no_map_get_no_warning(shape: tuple[int, ...], batch_size:
     assert relevance.shape == td["x"].shape
 
 
-@pytest.mark.parametrize("target", ["index", "all"])
-def test_an_explicit_target_on_a_map_gets_no_warning(target: str):
-    module = segmenter()
-    td = batch()
-    given = torch.zeros(2, 4, 6, dtype=torch.long) if target == "index" else "all"
+@pytest.mark.parametrize(
+    "target, picked",
+    [(3, "unit 3 of the last dimension"), ("all", "each unit of the last dimension"), (-1, "unit -1 of the last")],
+)
+def test_an_int_or_all_on_a_map_is_warned_of_as_columns_of_the_map(target, picked: str):
+    """``target=3`` on class scores ``[B, C, H, W]`` explains the fourth column of every channel (the last dimension),
+    where a captum user means class 3; ``"all"`` each column on its own."""
+    module, td = segmenter(), batch()
+    expected_map = MAP.replace("target=None", f"target={target!r}").replace("(LRP|metrics)", "LRP")
+    with pytest.warns(UserWarning, match=expected_map) as caught:
+        relevance = LRP(module, {}, target=target)(td.clone())["relevance", "x"]
+    assert picked in str(caught[0].message)
+    if target == 3:
+        torch.testing.assert_close(relevance, gradient_times_input(module, td["x"], lambda y: y[..., 3].sum()))
+
+
+def test_the_advised_callable_for_one_class_explains_that_class_with_no_warning():
+    module, td = segmenter(), batch()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        LRP(module, EpsilonPlus(), target=given)(td)
+        out = LRP(module, {}, target=lambda y: y * (torch.arange(y.shape[1], device=y.device) == 2)[:, None, None])(
+            td.clone()
+        )
+    expected = gradient_times_input(module, td["x"], lambda y: y[:, 2].sum())
+    torch.testing.assert_close(out["relevance", "x"], expected, rtol=1e-12, atol=1e-14)
+
+
+def test_units_named_at_each_position_get_no_warning():
+    """A LongTensor shaped like the output without its last dimension names a unit at every position itself."""
+    module, td = segmenter(), batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LRP(module, {}, target=torch.zeros(2, 4, 6, dtype=torch.long))(td)

@@ -225,7 +225,9 @@ def _one_hot(output: torch.Tensor, index: torch.Tensor, keepdim: bool = False) -
     return torch.zeros_like(output).scatter_(-1, index if keepdim else index.unsqueeze(-1), 1.0)
 
 
-def initial_gradient(output: torch.Tensor, target: Target, key: NestedKey, batch_dims: int) -> torch.Tensor:
+def initial_gradient(
+    output: torch.Tensor, target: Target, key: NestedKey, batch_dims: int, owner: str = "LRP"
+) -> torch.Tensor:
     """The gradient ``g`` such that ``output * g`` is the initial relevance (for ``target="all"``, every unit's
     gradient, stacked; :func:`initial_relevance` gives them as an :class:`EveryUnit` to build in chunks).
 
@@ -234,6 +236,7 @@ def initial_gradient(output: torch.Tensor, target: Target, key: NestedKey, batch
         target: see :class:`~tdhook.attribution.LRP`.
         key: the output's key, for error messages.
         batch_dims: the number of batch dimensions.
+        owner: who explains or scores, for the warning on a map's rows (LRP and the methods, the metrics).
 
     Returns:
         A tensor shaped like ``output``; for ``target="all"`` a stack of ``n`` of them.
@@ -251,12 +254,12 @@ def initial_gradient(output: torch.Tensor, target: Target, key: NestedKey, batch
         ...
         IndexError: LRP: target 2 is out of range for output 'q' with 2 units in its last dimension
     """
-    gradient = initial_relevance(output, target, key, batch_dims)[0]
+    gradient = initial_relevance(output, target, key, batch_dims, owner)[0]
     return gradient.seeds(0, len(gradient)) if isinstance(gradient, EveryUnit) else gradient
 
 
 def initial_relevance(
-    output: torch.Tensor, target: Target, key: NestedKey, batch_dims: int
+    output: torch.Tensor, target: Target, key: NestedKey, batch_dims: int, owner: str = "LRP"
 ) -> tuple[torch.Tensor | EveryUnit, torch.Tensor | None]:
     """:func:`initial_gradient`, and the relevance a callable target put on outputs that are exactly zero (or so
     close to it that relevance / output overflows).
@@ -275,7 +278,7 @@ def initial_relevance(
     """
     out = output.detach()
     if not callable(target):
-        return _initial_gradient(out, target, key, batch_dims), None
+        return _initial_gradient(out, target, key, batch_dims, owner), None
     # In a call that keeps the graph, the initial relevance is a function of the output like the rest of the
     # relevance: the target sees the output with its history, and the gradient keeps it.
     keep = graph_kept() is not None
@@ -397,17 +400,20 @@ def raise_for_unreached(key: NestedKey | list[NestedKey], keys: list[NestedKey],
             )
 
 
-def _initial_gradient(out: torch.Tensor, target: Target, key: NestedKey, batch_dims: int) -> torch.Tensor | EveryUnit:
+def _initial_gradient(
+    out: torch.Tensor, target: Target, key: NestedKey, batch_dims: int, owner: str = "LRP"
+) -> torch.Tensor | EveryUnit:
     has_units = out.dim() > batch_dims
     n_units = out.shape[-1] if has_units else 1
     if isinstance(target, str):
         if target != "all":
             raise ValueError(f"LRP: target must be None, an int, a LongTensor, a callable or 'all', got {target!r}")
+        warn_for_rows_of_a_map(out, target, key, batch_dims, owner)
         return EveryUnit(out, batch_dims)
     if target is None:
         if not has_units or n_units == 1:
             return torch.ones_like(out)
-        warn_for_rows_of_a_map(out, key, batch_dims)
+        warn_for_rows_of_a_map(out, target, key, batch_dims, owner)
         return _one_hot(out, out.argmax(-1, keepdim=True), keepdim=True)
     if not has_units:
         raise ValueError(f"LRP: output {key!r} has no unit dimension to index with target {target!r}")
@@ -425,6 +431,7 @@ def _initial_gradient(out: torch.Tensor, target: Target, key: NestedKey, batch_d
                 f"LRP: target {target} is out of range for output {key!r} with {n_units} "
                 f"unit{'s' if n_units != 1 else ''} in its last dimension{advice}"
             )
+        warn_for_rows_of_a_map(out, target, key, batch_dims, owner)
         index = torch.full(out.shape[:-1], target % n_units, dtype=torch.long, device=out.device)
         return _one_hot(out, index)
     if isinstance(target, torch.Tensor) and not target.is_floating_point() and target.dtype != torch.bool:

@@ -169,7 +169,7 @@ def _refuse_redrawn(scorer: Scorer, before: list[torch.Tensor]) -> None:
 def _default_units(output: torch.Tensor, key: NestedKey, batch_dims: int) -> torch.Tensor:
     """The units that ``target=None`` scores: the argmax of the last dimension (warned of on a map, see
     :func:`~tdhook.attribution._map_targets.warn_for_rows_of_a_map`)."""
-    warn_for_rows_of_a_map(output, key, batch_dims, owner="metrics")
+    warn_for_rows_of_a_map(output, None, key, batch_dims, owner="metrics")
     return output.detach().argmax(-1)
 
 
@@ -368,7 +368,7 @@ class Scorer:
                 elif target is None:  # the argmax, as the one-hot initial gradient of the methods has it
                     self._index = _default_units(output, self._key, len(self._batch))
                 else:
-                    self._index = initial_gradient(output, target, self._key, len(self._batch)).argmax(-1)
+                    self._index = initial_gradient(output, target, self._key, len(self._batch), "metrics").argmax(-1)
             except (IndexError, ValueError, TypeError) as err:
                 raise _metrics_error(err) from err
         self.allowed = None if free else allowed_mask(operator, self._key, result)
