@@ -261,13 +261,33 @@ class TestBatchNorm:
         assert relative_error(by_input, fd_input) < 1e-6
         assert_close_to(by_params, fd_params, 1e-6)
 
-    def test_training_mode_is_refused(self):
+    @pytest.mark.parametrize("where", ["training mode", "first layer", "after a ReLU"])
+    def test_a_batch_norm_left_unmerged_keeps_the_derivative(self, where: str):
+        """A BatchNorm that merges into no layer (in training mode; in eval mode as the model's first layer, or
+        after a ReLU) takes NormRule's way, which keeps the graph: the derivative is the finite differences' (it
+        was refused as if its ε-rule could not keep the graph)."""
         net, x = smooth_point("cnn+bn")
-        net.train()
-        lrp = LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"], create_graph=True)
-        with pytest.raises(NotImplementedError, match="cannot be merged"):
-            relevance(lrp, x)
-        assert all(not m._forward_hooks for m in net.modules())
+        if where == "training mode":
+            net.train()
+        else:
+            norm = net[1] if where == "first layer" else net[4]
+            at = 0 if where == "first layer" else 3
+            features = 2 if where == "first layer" else 3
+            layers = [*net]
+            layers.insert(at, nn.BatchNorm2d(features).double())
+            layers.remove(norm)
+            net = nn.Sequential(*layers).eval()
+            with torch.no_grad():
+                layers[at].running_mean.uniform_(-0.5, 0.5)
+                layers[at].running_var.uniform_(0.5, 2.0)
+                layers[at].weight.uniform_(0.5, 1.5)
+        weights = torch.randn_like(x)
+        rel, (by_input, *by_params) = second_order(net, EpsilonPlus(), x, weights)
+        plain = relevance(LRP(net, EpsilonPlus(), in_keys=["x"], out_keys=["y"]), x)
+        torch.testing.assert_close(rel.detach(), plain, rtol=1e-12, atol=1e-14)
+        fd_input, fd_params = finite_differences(net, EpsilonPlus(), x, weights)
+        assert relative_error(by_input, fd_input) < 1e-6
+        assert_close_to(by_params, fd_params, 1e-6)
 
 
 class TestZennit:

@@ -433,6 +433,15 @@ def taylor_block(seed: int) -> tuple[nn.Module, torch.Tensor]:
     return nn.Sequential(nn.Linear(3, 4), block, nn.Linear(4, 2)).to(F64), torch.randn(3, 3, dtype=F64)
 
 
+def taylor_block_with_batch_norm(seed: int) -> tuple[nn.Module, torch.Tensor]:
+    """A Taylor block holding a BatchNorm in training mode, whose own rule (the default MergeBatchNormRule, which
+    cannot merge it) refused the call that keeps the graph, though the block's rule ignores it."""
+    torch.manual_seed(seed)
+    block = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 4))
+    net = nn.Sequential(nn.Linear(3, 4), block, nn.Linear(4, 2)).to(F64).train()
+    return net, torch.randn(6, 3, dtype=F64)
+
+
 def spread_bias(inputs: tuple[torch.Tensor, ...], relevances: list[torch.Tensor]) -> list[torch.Tensor]:
     """A ``distribute_bias`` that depends on the inputs (their records then keep the graph too)."""
     return [r + 0.1 * torch.tanh(x) for x, r in zip(inputs, relevances, strict=True)]
@@ -489,6 +498,38 @@ class TestOtherRules:
         monkeypatch.setattr(basic, "hold", lambda tensor: tensor.detach())
         cut = directional_errors(net, OTHER_CASES["StopRule on a branch"][1], x, directions=1)
         assert errors["b.weight"] < TOLERANCE and cut["b.weight"] > 1e-2
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_taylor_reference_that_is_a_parameter_gets_its_derivative(bias: bool):
+    """A reference the model learns (a parameter of its own) is on the relevance's path: its derivative is the
+    finite differences' (it was 0, the reference detached, with no word)."""
+
+    def make(seed: int) -> tuple[nn.Module, torch.Tensor]:
+        net, x = taylor_block(seed)
+        net.register_parameter("ref", nn.Parameter(torch.linspace(-0.3, 0.4, 4, dtype=F64)))
+        return net, x
+
+    net, x = smooth(make)
+    rule = lambda: {"1": TaylorDecompositionRule(ref=net.ref, bias=bias, epsilon=0.1), nn.Linear: EpsilonRule(0.1)}  # noqa: E731
+    errors = directional_errors(net, rule, x)
+    assert errors["ref"] < TOLERANCE
+    assert_exact(errors)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_taylor_block_holding_a_batch_norm_in_training_mode_keeps_the_graph(bias: bool):
+    """The block's BatchNorm, under the default MergeBatchNormRule that cannot merge it, refused the call as if its
+    rule could not keep the graph, though the block's rule ignores it. The relevance is the ordinary call's and
+    keeps its graph; a loss on it would take torch's third derivative of the block's batch_norm, which torch
+    does not give (a RuntimeError naming batch_norm at that loss's backward)."""
+    net, x = taylor_block_with_batch_norm(0)
+    state = {name: value.clone() for name, value in net.state_dict().items()}
+    plain = explain(LRP(net, taylor(bias)(), in_keys=["x"], out_keys=["y"]), x)
+    net.load_state_dict(state)  # the running statistics the first call moved
+    kept = explain(LRP(net, taylor(bias)(), in_keys=["x"], out_keys=["y"], create_graph=True), x.requires_grad_())
+    assert kept.requires_grad
+    torch.testing.assert_close(kept.detach(), plain, rtol=1e-12, atol=1e-14)
 
 
 class TestRefusals:

@@ -821,12 +821,17 @@ class TestUnmergedWarning:
 
 
 @pytest.mark.parametrize("why", ["training", "no running statistics"])
-def test_an_unmerged_batch_norm_refused_under_create_graph_is_named_by_its_path(why: str):
-    # The refusal said "this BatchNorm1d" only: with several BatchNorms, which one was left to guess.
+def test_an_unmerged_batch_norm_keeps_the_graph_under_create_graph(why: str):
+    """A BatchNorm the rule cannot merge takes NormRule's way, which keeps the graph: the call that keeps it gives
+    the ordinary call's relevance (it was refused, as if that rule could not keep the graph)."""
     norm = nn.BatchNorm1d(4, track_running_stats=why == "training")
     net = nn.Sequential(nn.Linear(3, 4), nn.Sequential(norm), nn.ReLU(), nn.Linear(4, 2)).double()
     net.train(why == "training")
+    x = torch.randn(5, 3, dtype=torch.float64)
+    state = {name: value.clone() for name, value in net.state_dict().items()}
+    plain = LRP(net, CNN_PRESETS["EpsilonPlus"](), in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=[5]))
+    net.load_state_dict(state)  # the running statistics the first call moved
     lrp = LRP(net, CNN_PRESETS["EpsilonPlus"](), in_keys=["x"], out_keys=["y"], create_graph=True)
-    with pytest.raises(NotImplementedError, match="cannot be merged into the layer before it") as caught:
-        lrp(TensorDict(x=torch.randn(5, 3, dtype=torch.float64), batch_size=[5]))
-    assert "LRP: the module is '1.0'" in getattr(caught.value, "__notes__", [])
+    kept = lrp(TensorDict(x=x.clone().requires_grad_(True), batch_size=[5]))["relevance", "x"]
+    assert kept.requires_grad
+    torch.testing.assert_close(kept.detach(), plain["relevance", "x"], rtol=1e-12, atol=1e-14)

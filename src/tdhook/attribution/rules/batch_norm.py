@@ -136,7 +136,7 @@ class MergeBatchNormRule(NormRule):
 
     @property
     def differentiable(self) -> bool:  # type: ignore[override]
-        return True  # when merged; a call that keeps the graph refuses the other cases (see _refuse_unmerged)
+        return True  # merged from the live parameters (see _rewrite), else NormRule's, which keeps the graph too
 
     def prepare(self, module: nn.Module) -> dict:
         return {}
@@ -173,16 +173,6 @@ class MergeBatchNormRule(NormRule):
                 "the normalising scales it computes held constant; IgnoreRule: the plain gradient, unmerged)"
             )
 
-    def _refuse_unmerged(self, module: nn.Module) -> None:
-        if graph_kept() is not None:
-            error = NotImplementedError(
-                f"LRP(create_graph=True): this {type(module).__name__} cannot be merged into the layer before it "
-                "(training mode, no running statistics, another producer or a rule that cannot merge), and its "
-                "ε-rule cannot keep the relevance's graph"
-            )
-            error.module = module  # type: ignore[attr-defined]  # the wrapper names the module's path
-            raise error
-
     def batch_norm(self, module: nn.Module, output: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         # Merged with what the call normalised with, which a subclass's forward may take from elsewhere than the
         # module's buffers (a domain's statistics: merged with the module's own, 0.41 off before).
@@ -190,12 +180,9 @@ class MergeBatchNormRule(NormRule):
         call = layer_call_of(args[0])
         parts = concatenated_layer_calls(args[0]) if call is None else None
         if parts is not None and _can_merge_parts(parts, statistics, output.shape[1]):
-            if None in parts:
-                self._refuse_unmerged(module)
             return self._merge_parts(module, output, args, kwargs, parts)
         flattened = call is None and (call := _flattened_layer_call(args[0])) is not None
         if call is None or not _can_merge(call, statistics, flattened):
-            self._refuse_unmerged(module)
             if call is None and parts is None:
                 warn_of_copied_layer_output(
                     module, args[0], self._warned_copies, lambda copied: _can_merge(copied, statistics)
@@ -209,7 +196,6 @@ class MergeBatchNormRule(NormRule):
                 )
                 # Recorded once the warning is out: a warning filter that makes it an error warns again next call.
                 self._warned.add(type(call.rule))
-            self._refuse_unmerged(module)
             return super().batch_norm(module, output, args, kwargs)
         # A flattened layer output is merged in the layer's own shape, and the result flattened as the input was.
         seen = output.view(call.raw.shape) if flattened else output

@@ -109,7 +109,10 @@ class TaylorDecompositionRule(Rule):
         self.distribute_bias = distribute_bias
         self.epsilon = epsilon
 
-    def _references(self, module: nn.Module, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _references(self, module: nn.Module, xs: list[torch.Tensor], keep: bool = False) -> list[torch.Tensor]:
+        """One reference per input in ``xs``, expanded to its shape; in a call that keeps the graph (``keep``), a
+        reference that requires grad (a parameter of the model's) keeps its history, so that the relevance's
+        derivative reaches it."""
         refs = self.ref if isinstance(self.ref, (list, tuple)) else [self.ref] * len(xs)
         if len(refs) != len(xs):
             raise ValueError(
@@ -120,7 +123,7 @@ class TaylorDecompositionRule(Rule):
         for ref, x in zip(refs, xs, strict=True):
             ref = torch.as_tensor(ref, dtype=x.dtype, device=x.device)
             try:
-                references.append(ref.detach().expand_as(x).clone())
+                references.append((ref if keep and ref.requires_grad else ref.detach()).expand_as(x).clone())
             except RuntimeError:
                 raise ValueError(
                     f"{type(self).__name__}: ref of shape {tuple(ref.shape)} does not broadcast to the input of "
@@ -137,7 +140,7 @@ class TaylorDecompositionRule(Rule):
         # In a call that keeps the graph: the inputs, the output and J_f(ref) · x with their history.
         keep = graph_kept() is not None
         xs = [inputs[i].clone() if keep else inputs[i].detach() for i in positions]
-        leaves = [ref.requires_grad_(True) for ref in self._references(module, xs)]
+        leaves = [ref.requires_grad_(True) for ref in self._references(module, xs, keep)]
         at_ref, linear_term = self._evaluate(module, registration, inputs, positions, leaves, xs, keep)
         relevance_out_value = output.clone() if keep else output.detach()
         z = relevance_out_value if self.bias else linear_term
