@@ -530,6 +530,22 @@ def test_a_convolution_of_agents_with_their_own_parameters_gets_each_agents_rele
     )
 
 
+@pytest.mark.parametrize("method", ["LRP", "GradCAM"])
+def test_a_layer_of_a_convolution_of_agents_with_shared_parameters_is_refused_naming_the_fold(method: str):
+    """With shared parameters, MultiAgentConvNet runs its convolutions on the agents folded into their batch
+    ([batch x agents, C, H, W]): a layer's map cannot be written per sample. Refused, saying so (GradCAM's error
+    named the batch shape only)."""
+    from tdhook.attribution import GradCAM
+
+    net, td = conv_agents(share_params=True)
+    if method == "LRP":
+        explainer = LRP(wrapped(net), EpsilonPlus(), layers=["module._empty_net.1"])
+    else:
+        explainer = GradCAM(wrapped(net), layer="module._empty_net.1")
+    with pytest.raises(ValueError, match=r"MultiAgentConvNet with share_params=True.*folds its agents"):
+        explainer(td.clone())
+
+
 @pytest.mark.parametrize("update", ["vector_to_parameters", "to_module"])
 def test_parameters_given_new_tensors_between_calls_give_the_networks_outputs(update):
     """``vector_to_parameters`` (``p.data = ...``) and ``to_module`` put new tensors in the agents' parameters: the

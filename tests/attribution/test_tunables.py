@@ -97,6 +97,44 @@ class TestSetKwargs:
         assert type(rule) is EpsilonRule and rule.epsilon == 0.01
         assert preset.stabilizer == 1e-6
 
+    @pytest.mark.parametrize(
+        "make, name, value",
+        [
+            (UniformEpsilon, "stabilizer", 0.3),
+            (lambda: EpsilonGammaBox(-3.0, 3.0), "low", -1.0),
+            (lambda: EpsilonGammaBox(-3.0, 3.0), "high", 1.0),
+            (AttnLRP, "softmax_epsilon", 0.1),
+        ],
+    )
+    def test_a_mappers_argument_its_rules_took_set_as_an_attribute_is_refused(self, make, name, value):
+        """The stabilizer of FlatRule and the bounds of ZBoxRule were taken when the mapper was built: set as an
+        attribute they changed no relevance, with no word."""
+        mapper = make()
+        with pytest.raises(AttributeError, match=rf"{type(mapper).__name__}: {name} .*the constructor"):
+            setattr(mapper, name, value)
+        assert getattr(mapper, name, None) != value
+        rebuilt = type(mapper)(**{**mapper.__dict__["_tunable_init_arguments"], name: value})
+        assert getattr(rebuilt, name, value) == value
+
+    @pytest.mark.parametrize(
+        "make, name, value",
+        [
+            (UniformEpsilon, "epsilon", 1e-3),
+            (lambda: EpsilonGammaBox(-3.0, 3.0), "gamma", 0.5),
+            (AttnLRP, "epsilon", 0.1),
+        ],
+    )
+    def test_a_mappers_tunable_set_as_an_attribute_is_refused_naming_set_kwargs(self, make, name, value):
+        """Its rules took the value when the mapper was built: the attribute set afterwards changed no relevance
+        (the layer rules kept 0.25 under UniformEpsilon), and tune would start from the old value."""
+        mapper = make()
+        before = mapper.tunable_values()
+        with pytest.raises(AttributeError, match=rf"{type(mapper).__name__}: {name} .*set_kwargs\({name}=\.\.\.\)"):
+            setattr(mapper, name, value)
+        assert mapper.tunable_values() == before
+        assert mapper.set_kwargs(**{name: value}).tunable_values()[name] == value
+        assert mapper.copy().tunable_values()[name] == value
+
     def test_a_method_is_built_anew(self):
         policy, td = cnn_policy(), observations()
         tuned = IntegratedGradients(policy, n_steps=8).set_kwargs(n_steps=20, method="riemann_left")

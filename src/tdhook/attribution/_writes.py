@@ -275,8 +275,11 @@ def relevance_updates(
             raise ValueError(
                 f"LRP: the relevance at {key!r} has shape {list(rel.shape)}, which does not start with the "
                 f"TensorDict's batch shape {list(batch)}: the layer named there returns an output whose leading "
-                "dimensions are not the batch (such as [batch x patches, ...]), and its relevance cannot be written "
-                "per sample; name a layer whose output keeps the batch in front"
+                "dimensions are not the batch (such as [batch x patches, ...]; [batch x agents, ...] in a torchrl "
+                "MultiAgentConvNet with share_params=True, which folds its agents into its convolutions' batch; a "
+                "batch of several dimensions flattened into one, as torchrl's ConvNet does, which a TensorDict with a "
+                "batch of one dimension, td.reshape(-1), avoids), and its relevance cannot be written per sample; "
+                "name a layer whose output keeps the batch in front"
             )
     for key, source, rel in zip(token_keys, sources, relevances, strict=bool(token_keys)):
         if rel is not None:

@@ -45,6 +45,8 @@ EPSILON: Space = (float, {"low": 1e-6, "high": 1.0, "log": True})
 GAMMA: Space = (float, {"low": 1e-6, "high": 1.0, "log": True})
 
 _ARGUMENTS = "_tunable_init_arguments"
+# How many constructors are running on an object now (0 once it is built; see _recording).
+BUILDING = "_tunable_constructors_running"
 
 
 def check_tunable(owner: str, name: str, value: Any, space: Space) -> Any:
@@ -101,7 +103,12 @@ def _recording(init: Callable) -> Callable:
                 elif kind is not inspect.Parameter.VAR_POSITIONAL:
                     arguments[name] = value
             object.__setattr__(self, _ARGUMENTS, arguments)
-        init(self, *args, **kwargs)
+        depth = self.__dict__.get(BUILDING, 0)  # the constructors running on the object (a subclass's calls its base's)
+        object.__setattr__(self, BUILDING, depth + 1)
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            object.__setattr__(self, BUILDING, depth)
 
     return wrapper
 
@@ -136,6 +143,10 @@ class Tunable:
         init = cls.__dict__.get("__init__")
         if init is not None:
             cls.__init__ = _recording(init)  # type: ignore[misc]
+
+    def _being_built(self) -> bool:
+        """Whether a constructor of the object is running (its first build, or :meth:`set_kwargs`'s)."""
+        return bool(self.__dict__.get(BUILDING))
 
     def get_tunables(self) -> dict[str, Space]:
         """The tunable parameters: ``{name: (type, {"low", "high", "log"} or {"choices"})}`` (a fresh dict)."""

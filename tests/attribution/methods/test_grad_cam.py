@@ -318,6 +318,24 @@ def test_a_layer_inside_vmapped_agents_is_refused_by_name():
     assert relative_error(got, expected.squeeze(1)) <= 1e-8
 
 
+def test_a_model_that_flattens_a_batch_of_two_dimensions_is_refused_with_the_reshape():
+    """torchrl's ConvNet runs its convolutions on the batch's dimensions flattened into one: the map cannot be read
+    per sample of a [B, T] batch. The error says so, and the TensorDict reshaped to one batch dimension runs (it
+    blamed a multi-agent network, which this model is not)."""
+    from torchrl.modules import ConvNet
+
+    torch.manual_seed(0)
+    net = nn.Sequential(ConvNet(num_cells=[4, 4], kernel_sizes=3, strides=1, in_features=3), nn.LazyLinear(2))
+    module = TensorDictModule(net.double(), in_keys=["x"], out_keys=["y"])
+    td = TensorDict(x=torch.randn(2, 3, 3, 8, 8, dtype=torch.float64), batch_size=[2, 3])
+    module(td.clone())  # the lazy layer takes its shape
+    with pytest.raises(ValueError, match=r"holds the batch's \[2, 3\] flattened.*td\.reshape\(-1\)") as caught:
+        GradCAM(module, layer="module.0.0")(td.clone())
+    assert "MultiAgentConvNet" not in str(caught.value)
+    out = GradCAM(module, layer="module.0.0")(td.clone().reshape(-1))
+    assert out["attribution", "module.0.0"].shape == (6, 6, 6)
+
+
 @pytest.mark.parametrize("how", ["wrapped", "in place"])
 def test_a_compiled_model_equals_captum_on_the_plain_one(how: str):
     """A model compiled by torch.compile runs a graph that does not pass through the output the hook gives back: the

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
-from typing import Protocol, TypedDict
+from typing import Any, ClassVar, Protocol, TypedDict
 
 from torch import nn
 from torchrl.modules import BatchRenorm1d, TanhModule
@@ -189,6 +189,20 @@ class BaseRuleMapper(Tunable):
         >>> mapper("head", nn.Linear(2, 2)), mapper("act", nn.Tanh()), mapper("fc", nn.Linear(2, 2))
         (StopRule(), PassRule(stabilizer=1e-12), IgnoreRule())
     """
+
+    #: Constructor arguments, besides the tunables, that the mapper's rules take when it is built.
+    set_when_built: ClassVar[frozenset[str]] = frozenset({"stabilizer"})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A mapper's rules take these values when it is built: set afterwards, a value would reach none of them
+        # (the relevance unchanged, and tune starting from the old value).
+        if (name in self.tunables or name in self.set_when_built) and not self._being_built():
+            how = f"set_kwargs({name}=...), which builds them anew" if name in self.tunables else "the constructor"
+            raise AttributeError(
+                f"{type(self).__name__}: {name} is read when the mapper is built (its rules hold it); set it with "
+                f"{how}, or build another {type(self).__name__}"
+            )
+        super().__setattr__(name, value)
 
     def __init__(
         self,

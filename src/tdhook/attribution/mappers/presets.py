@@ -174,6 +174,7 @@ class EpsilonGammaBox(Preset):
     """
 
     tunables = {"epsilon": EPSILON, "gamma": GAMMA}
+    set_when_built = frozenset({"stabilizer", "low", "high"})
 
     layer_rules = (
         (CONVOLUTIONS, lambda preset: GammaRule(gamma=preset.gamma, stabilizer=preset.stabilizer)),

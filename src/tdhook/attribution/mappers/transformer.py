@@ -80,6 +80,7 @@ class AttnLRP(BaseRuleMapper):
     """
 
     tunables = {"epsilon": EPSILON}
+    set_when_built = frozenset({"stabilizer", "softmax_epsilon"})
 
     def __init__(
         self, epsilon: float | None = None, softmax_epsilon: float = 0.0, **options: Unpack[PresetOptions]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -240,9 +241,24 @@ class GradCAM(AttributionMethod):
         activation = self._activations[0]
         batch = tuple(call.batch_shape)
         if activation.dim() <= call.batch_dims or tuple(activation.shape[: call.batch_dims]) != batch:
+            samples, leading = math.prod(batch), activation.shape[0] if activation.dim() else 0
+            folded = ""
+            if samples and leading > samples and leading % samples == 0:
+                folded = (
+                    f"; its first dimension ({leading}) holds the batch's {samples} samples folded with other "
+                    "dimensions (a torchrl MultiAgentConvNet with share_params=True folds its agents into its "
+                    "convolutions' batch), which GradCAM cannot split back: name a layer whose output keeps the "
+                    "batch in front"
+                )
+            elif leading == samples and len(batch) > 1:
+                folded = (
+                    f"; its first dimension holds the batch's {list(batch)} flattened (a model that flattens the "
+                    "batch's dimensions, as torchrl's ConvNet does): give the TensorDict a batch of one dimension "
+                    "(td.reshape(-1))"
+                )
             raise ValueError(
                 f"GradCAM: the output of layer {self.layer!r} has shape {list(activation.shape)}; expected the "
-                f"batch shape {list(batch)} followed by channels and spatial dimensions"
+                f"batch shape {list(batch)} followed by channels and spatial dimensions{folded}"
             )
         unreached: list[bool] = []
         with torch.enable_grad():
