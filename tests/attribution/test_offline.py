@@ -823,6 +823,34 @@ class TestRowsChangedSinceTheyWereExplained:
         expected = lrp(rows.clone())["relevance", "observation"]
         torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
 
+    def test_a_rerun_stopped_before_the_changed_rows_leaves_them_marked_not_done(self, tmp_path):
+        """A rerun found the changed rows but left them marked done on disk until it reached them: stopped before,
+        its output said every row was done, row 17 holding the old row's relevance."""
+
+        class StopAtSecondCall(nn.Module):
+            calls = 0
+
+            def forward(self, x):
+                self.calls += 1
+                if self.calls == 2:
+                    raise KeyboardInterrupt
+                return x
+
+        lrp, rows = LRP(q_actor(), EpsilonPlus()), data(20)
+        explain_offline(lrp, rows, tmp_path / "out", batch_size=6, progress=False)
+        rows["observation"][[3, 17]] += 1.0
+        lrp.module.module[0].module.insert(0, StopAtSecondCall())
+        with pytest.raises(KeyboardInterrupt):
+            explain_offline(lrp, rows, tmp_path / "out", batch_size=6, progress=False)
+        del lrp.module.module[0].module[0]
+        out = TensorDict.load_memmap(tmp_path / "out")
+        assert out["explained"].tolist() == [row != 17 for row in range(20)]  # row 3 explained anew, then stopped
+        expected = lrp(rows.clone())["relevance", "observation"]
+        torch.testing.assert_close(out["relevance", "observation"][3].clone(), expected[3], rtol=1e-12, atol=1e-14)
+        out = explain_offline(lrp, rows, tmp_path / "out", batch_size=6, progress=False)
+        assert bool(out["explained"].all())
+        torch.testing.assert_close(out["relevance", "observation"].clone(), expected, rtol=1e-12, atol=1e-14)
+
     def test_unchanged_rows_read_in_other_batches_are_not_explained_again(self, tmp_path):
         lrp, rows = LRP(q_actor(), EpsilonPlus()), data(20)
         explain_offline(lrp, rows, tmp_path / "out", batch_size=6, stop=13, progress=False)

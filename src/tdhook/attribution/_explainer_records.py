@@ -65,6 +65,12 @@ def keep_record(prefix: Path, record: Mapping[str, str]) -> None:
     (prefix / RECORD_FILE).write_text(json.dumps(record, indent=1))
 
 
+def record_matches(prefix: Path, record: Mapping[str, str]) -> bool:
+    """Whether the output at ``prefix`` keeps a record, and it is ``record`` (nothing is written)."""
+    path = prefix / RECORD_FILE
+    return path.exists() and json.loads(path.read_text()) == dict(record)
+
+
 def check_record(prefix: Path, record: Mapping[str, str]) -> None:
     """Refuse to resume the output at ``prefix`` with an explainer whose record is not the one kept there.
 

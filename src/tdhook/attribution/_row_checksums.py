@@ -34,8 +34,10 @@ __all__ = ["CHECKSUM_FILE", "checksum_file", "row_checksums"]
 #: The file, in the output's folder, that holds the checksum of each explained row.
 CHECKSUM_FILE = "row_checksums.memmap"
 
-# A word's weight: its position times the first, plus the second and the key's index, made odd (wrapping in 32 bits).
-_STEP, _OFFSET = 0x01F3D5B7, 0x00012345
+# A word's weight: its position times the first, plus the second, plus the key's index times the third, then doubled
+# and made odd (wrapping in 32 bits), so that no two (position, key) pairs of a row get one weight (made odd by
+# `| 1` alone, keys 0 and 1 shared the weight of every other word, and a swap of those words between them was not seen).
+_STEP, _OFFSET, _KEY_STEP = 0x01F3D5B7, 0x00012345, 0x2C9277B5
 
 
 def row_checksums(rows: TensorDictBase, keys: Sequence[NestedKey]) -> torch.Tensor:
@@ -49,7 +51,8 @@ def row_checksums(rows: TensorDictBase, keys: Sequence[NestedKey]) -> torch.Tens
             continue
         data = value.detach().cpu().contiguous().reshape(count, -1).view(torch.uint8)
         words = data.view(torch.int32) if data.shape[1] % 4 == 0 else data.to(torch.int32)
-        weights = (torch.arange(words.shape[1], dtype=torch.int32) * _STEP + _OFFSET + index) | 1
+        key_offset = (_OFFSET + index * _KEY_STEP + 2**31) % 2**32 - 2**31  # wrapped to a signed 32-bit number
+        weights = (torch.arange(words.shape[1], dtype=torch.int32) * _STEP + key_offset) * 2 + 1
         total += (words * weights).sum(-1, dtype=torch.int64)
     return total
 

@@ -32,7 +32,13 @@ from tensordict.utils import unravel_key
 from torchrl.data import ListStorage
 from torchrl.modules import AdditiveGaussianModule, OrnsteinUhlenbeckProcessModule
 
-from tdhook.attribution._explainer_records import RECORD_FILE, check_record, explainer_record, keep_record
+from tdhook.attribution._explainer_records import (
+    RECORD_FILE,
+    check_record,
+    explainer_record,
+    keep_record,
+    record_matches,
+)
 from tdhook.attribution._inputs import module_in_recurrent_mode
 from tdhook.attribution._offline_shards import barrier, process_group, shard_runs
 from tdhook.attribution._policy_targets import stored_rows
@@ -266,6 +272,8 @@ def explain_offline(
         return _explain_sharded(lrp, source, prefix, output, length, range(start, stop), batch_size, progress, *group)
     # The rows done, but those changed since they were explained; nothing is written before the output is checked.
     done = None if output is None else _without_changed_rows(lrp, source, prefix, output, start, stop, batch_size)
+    if output is not None:
+        _unmark_changed_rows(lrp, source, prefix, output, done)
     runs = _missing_runs(done, start, stop, batch_size)
     output, checked = _explain_runs(lrp, source, prefix, length, runs, output, False, progress, batch_size)
     if output is None:  # nothing to explain: still leave a valid output behind (every row marked not done)
@@ -339,7 +347,9 @@ def _existing_output(prefix: Path, length: int) -> TensorDictBase | None:
         ) from err
     if output is not None and output.batch_size[0] != length:
         raise ValueError(
-            f"explain_offline: the output at {str(prefix)!r} has {output.batch_size[0]} rows, the source {length}"
+            f"explain_offline: the output at {str(prefix)!r} has {output.batch_size[0]} rows, the source {length}; "
+            "an output keeps the number of rows its source had at its first run (a replay buffer still filling "
+            "has more at each epoch): explain the source into a new prefix, or a buffer once it is full"
         )
     if output is not None and DONE_KEY not in output.keys():
         raise ValueError(
@@ -427,6 +437,25 @@ def _without_changed_rows(
     return done
 
 
+def _unmark_changed_rows(
+    lrp: LRP | AttributionMethod,
+    source,
+    prefix: Path,
+    output: TensorDictBase,
+    done: torch.Tensor,
+    checked: bool = False,
+) -> None:
+    """Mark not done, on disk, the rows marked done whose data changed since they were explained (``done`` leaves
+    them out), before any row is explained again: a run stopped before it reaches them leaves them visibly not
+    done, where their relevance is still the old rows'. No output is written before it is checked: one not
+    ``checked`` yet must keep this explainer's record (an output kept without one, or a model whose lazy layers
+    have not run, keeps its marks until its rows are written)."""
+    marks = _writable(output)[1]
+    stale = marks & ~done
+    if stale.any() and (checked or record_matches(prefix, explainer_record(lrp))):
+        marks[stale] = False
+
+
 def _writable(output: TensorDictBase) -> tuple[list[tuple[NestedKey, torch.Tensor]], torch.Tensor]:
     """Plain tensors over the output's files: its relevance and action entries by key, and its mask of rows done.
 
@@ -465,6 +494,8 @@ def _explain_sharded(
     barrier()
     output = TensorDict.load_memmap(prefix)
     done = _without_changed_rows(lrp, source, prefix, output, rows.start, rows.stop, batch_size)
+    if rank == 0:  # checked by every rank above; a rank reading the mask meanwhile leaves those rows out either way
+        _unmark_changed_rows(lrp, source, prefix, output, done, checked=True)
     barrier()  # every rank has read the same mask, so the same batches, before any rank marks rows
     runs = shard_runs(_missing_runs(done, rows.start, rows.stop, batch_size), rank, world_size)
     _explain_runs(lrp, source, prefix, length, runs, output, True, progress and rank == 0, batch_size)
