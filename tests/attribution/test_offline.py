@@ -38,6 +38,7 @@ from tdhook.attribution import (
     IntegratedGradients,
     Occlusion,
     Saliency,
+    UniformEpsilon,
     explain_offline,
 )
 from tdhook.attribution._offline_shards import shard_runs
@@ -762,6 +763,20 @@ class TestAResumedRunExplainsAsTheFirstDid:
         self.first_half(Saliency(policy), tmp_path)
         self.refused(InputXGradient(policy), tmp_path, "explainer: Saliency then, InputXGradient now")
         self.refused(Saliency(policy, abs=False), tmp_path, "abs: True then, False now")
+
+    def test_an_option_set_on_the_explainer_after_its_first_run_is_refused_naming_it(self, tmp_path):
+        """The record kept the constructor's arguments: a rule mapper set on the same wrapper afterwards
+        (lrp.rule_mapper = ..., as a context follows it) or a method's option set as an attribute resumed the
+        output, its rows mixing two explanations (the first half EpsilonPlus's, the rest UniformEpsilon's)."""
+        policy = q_actor()
+        lrp = LRP(policy, EpsilonPlus())
+        self.first_half(lrp, tmp_path / "lrp")
+        lrp.rule_mapper = UniformEpsilon(epsilon=0.5)
+        self.refused(lrp, tmp_path / "lrp", r"rule_mapper: EpsilonPlus\(epsilon=1e-06\) then, UniformEpsilon")
+        method = IntegratedGradients(policy, n_steps=8)
+        self.first_half(method, tmp_path / "ig")
+        method.n_steps = 16
+        self.refused(method, tmp_path / "ig", "n_steps: 8 then, 16 now")
 
     def test_a_model_whose_parameters_changed_is_refused_naming_it(self, tmp_path):
         policy = q_actor()

@@ -135,6 +135,15 @@ class TestSetKwargs:
         assert mapper.set_kwargs(**{name: value}).tunable_values()[name] == value
         assert mapper.copy().tunable_values()[name] == value
 
+    def test_an_argument_set_as_an_attribute_is_kept_when_set_kwargs_builds_the_object_anew(self):
+        """set_kwargs builds the object anew from the arguments it was built with: an option set as an attribute
+        since (n_steps = 16) went back to its old value (8), with no word, when another was tuned."""
+        method = IntegratedGradients(cnn_policy(), n_steps=8)
+        method.n_steps = 16
+        method.set_kwargs(method="riemann_left")
+        assert (method.n_steps, method.method) == (16, "riemann_left")
+        assert method.copy().set_kwargs(method="riemann_right").n_steps == 16
+
     def test_a_method_is_built_anew(self):
         policy, td = cnn_policy(), observations()
         tuned = IntegratedGradients(policy, n_steps=8).set_kwargs(n_steps=20, method="riemann_left")

@@ -144,6 +144,15 @@ class Tunable:
         if init is not None:
             cls.__init__ = _recording(init)  # type: ignore[misc]
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # An argument of the constructor set afterwards (lrp.rule_mapper = ..., method.n_steps = 16) is recorded as
+        # given: set_kwargs builds the object anew from the record (and would put the old value back), and
+        # explain_offline checks the record (and would resume an output with other rules).
+        arguments = self.__dict__.get(_ARGUMENTS)
+        if arguments is not None and name in arguments and not self.__dict__.get(BUILDING):
+            arguments[name] = value
+        super().__setattr__(name, value)
+
     def _being_built(self) -> bool:
         """Whether a constructor of the object is running (its first build, or :meth:`set_kwargs`'s)."""
         return bool(self.__dict__.get(BUILDING))
