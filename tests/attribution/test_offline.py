@@ -766,8 +766,9 @@ class TestAResumedRunExplainsAsTheFirstDid:
 
     def test_an_option_set_on_the_explainer_after_its_first_run_is_refused_naming_it(self, tmp_path):
         """The record kept the constructor's arguments: a rule mapper set on the same wrapper afterwards
-        (lrp.rule_mapper = ..., as a context follows it) or a method's option set as an attribute resumed the
-        output, its rows mixing two explanations (the first half EpsilonPlus's, the rest UniformEpsilon's)."""
+        (lrp.rule_mapper = ..., as a context follows it), a method's option set as an attribute, or another model
+        set on the explainer (explainer.module = ...) resumed the output, its rows mixing two explanations (the
+        first half EpsilonPlus's, the rest UniformEpsilon's)."""
         policy = q_actor()
         lrp = LRP(policy, EpsilonPlus())
         self.first_half(lrp, tmp_path / "lrp")
@@ -777,6 +778,10 @@ class TestAResumedRunExplainsAsTheFirstDid:
         self.first_half(method, tmp_path / "ig")
         method.n_steps = 16
         self.refused(method, tmp_path / "ig", "n_steps: 8 then, 16 now")
+        for explainer, folder in ((LRP(policy, EpsilonPlus()), "swapped lrp"), (Saliency(policy), "swapped saliency")):
+            self.first_half(explainer, tmp_path / folder)
+            explainer.module = q_actor()  # another model (other weights), set on the same explainer
+            self.refused(explainer, tmp_path / folder, r"module: QValueActor, parameters #\w+ then, QValueActor")
 
     def test_a_model_whose_parameters_changed_is_refused_naming_it(self, tmp_path):
         policy = q_actor()

@@ -86,7 +86,7 @@ from tdhook.attribution.targets import (
     Target,
     named_targets,
 )
-from tdhook.attribution.tunables import MapperTunable
+from tdhook.attribution.tunables import MapperTunable, RecordedModules
 
 __all__ = ["LRP"]
 
@@ -110,7 +110,7 @@ def _compiled(module: nn.Module) -> bool:
     return hasattr(module, "_orig_mod") or vars(module).get("_compiled_call_impl") is not None
 
 
-class LRP(TensorDictModuleBase, MapperTunable):
+class LRP(RecordedModules, TensorDictModuleBase, MapperTunable):
     """Layer-wise relevance propagation around a ``TensorDictModule``.
 
     Inside ``with lrp:`` the rules chosen by ``rule_mapper`` are registered on

@@ -32,9 +32,11 @@ import inspect
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Self
 
+import torch
+
 from tdhook.attribution.rules._arguments import finite_number
 
-__all__ = ["Space", "EPSILON", "GAMMA", "Tunable", "ModelTunable", "MapperTunable", "check_tunable"]
+__all__ = ["Space", "EPSILON", "GAMMA", "Tunable", "ModelTunable", "MapperTunable", "RecordedModules", "check_tunable"]
 
 #: A tunable parameter: its type and its range (``low``, ``high``, ``log``) or its ``choices``.
 Space = tuple[type, dict[str, Any]]
@@ -113,6 +115,36 @@ def _recording(init: Callable) -> Callable:
     return wrapper
 
 
+def _record(owner: Any, name: str, value: Any) -> None:
+    """Record ``value`` for the constructor's argument ``name`` set on ``owner`` after it was built (lrp.rule_mapper =
+    ..., method.n_steps = 16), as given: set_kwargs builds the object anew from the record (and would put the old
+    value back), and explain_offline checks the record (and would resume an output of other rules or another model)."""
+    arguments = owner.__dict__.get(_ARGUMENTS)
+    if arguments is not None and name in arguments and not owner.__dict__.get(BUILDING):
+        arguments[name] = value
+
+
+class RecordedModules:
+    """A base put before ``nn.Module``'s among an explainer's: a module set as a constructor's argument afterwards
+    (``lrp.module = policy``) is recorded as :class:`Tunable` records the other arguments (``nn.Module`` stores a
+    module without reaching :class:`Tunable`'s ``__setattr__``).
+
+    Examples:
+        >>> from tensordict.nn import TensorDictModule
+        >>> from tdhook.attribution import Saliency
+        >>> first = TensorDictModule(torch.nn.Linear(3, 2), in_keys=["x"], out_keys=["y"])
+        >>> method = Saliency(first)
+        >>> method.module = TensorDictModule(torch.nn.Linear(3, 2), in_keys=["x"], out_keys=["y"])
+        >>> method.tunable_values(), method.__dict__[_ARGUMENTS]["module"] is method.module
+        ({'abs': True}, True)
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, torch.nn.Module):
+            _record(self, name, value)
+        super().__setattr__(name, value)
+
+
 class Tunable:
     """The mixin of the tunables: subclasses list theirs in the class attribute ``tunables``.
 
@@ -145,12 +177,7 @@ class Tunable:
             cls.__init__ = _recording(init)  # type: ignore[misc]
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # An argument of the constructor set afterwards (lrp.rule_mapper = ..., method.n_steps = 16) is recorded as
-        # given: set_kwargs builds the object anew from the record (and would put the old value back), and
-        # explain_offline checks the record (and would resume an output with other rules).
-        arguments = self.__dict__.get(_ARGUMENTS)
-        if arguments is not None and name in arguments and not self.__dict__.get(BUILDING):
-            arguments[name] = value
+        _record(self, name, value)
         super().__setattr__(name, value)
 
     def _being_built(self) -> bool:

@@ -80,7 +80,7 @@ from tdhook.attribution.targets import (
     target_output,
     zero_entries,
 )
-from tdhook.attribution.tunables import ModelTunable
+from tdhook.attribution.tunables import ModelTunable, RecordedModules
 
 __all__ = ["AttributionMethod", "Call", "hooks_removed"]
 
@@ -185,7 +185,7 @@ def _rename(err: Exception, owner: str) -> Exception:
     return type(err)(message, *err.args[1:]).with_traceback(err.__traceback__)
 
 
-class AttributionMethod(TensorDictModuleBase, ModelTunable):
+class AttributionMethod(RecordedModules, TensorDictModuleBase, ModelTunable):
     """The base of the attribution methods: LRP's constructor conventions and one call's machinery.
 
     Subclasses implement :meth:`_attribute`, which returns, for every
