@@ -774,6 +774,10 @@ class TestAResumedRunExplainsAsTheFirstDid:
         self.first_half(lrp, tmp_path / "lrp")
         lrp.rule_mapper = UniformEpsilon(epsilon=0.5)
         self.refused(lrp, tmp_path / "lrp", r"rule_mapper: EpsilonPlus\(epsilon=1e-06\) then, UniformEpsilon")
+        option = LRP(policy, EpsilonPlus())  # a preset's option it was not built with, set on it afterwards
+        self.first_half(option, tmp_path / "option")
+        option.rule_mapper.stabilize_additions = True
+        self.refused(option, tmp_path / "option", r"then, EpsilonPlus\(epsilon=1e-06, stabilize_additions=True\)")
         method = IntegratedGradients(policy, n_steps=8)
         self.first_half(method, tmp_path / "ig")
         method.n_steps = 16

@@ -38,6 +38,17 @@ def public_tunables() -> list[type]:
     ]
 
 
+class Residual(nn.Module):
+    """A residual sum of two activations: ``stabilize_additions`` changes its relevance."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(3, 4), nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.a(x)) + torch.relu(self.b(x)))
+
+
 def cnn_policy() -> TensorDictModule:
     torch.manual_seed(0)
     net = nn.Sequential(
@@ -143,6 +154,43 @@ class TestSetKwargs:
         method.set_kwargs(method="riemann_left")
         assert (method.n_steps, method.method) == (16, "riemann_left")
         assert method.copy().set_kwargs(method="riemann_right").n_steps == 16
+
+    def test_a_presets_option_set_as_an_attribute_is_kept_when_set_kwargs_builds_it_anew(self):
+        """An option a preset takes through its **options (stabilize_additions, strict) but was not built with was
+        not in the record of its arguments: set as an attribute, it changed the relevance of a residual sum until
+        set_kwargs (or tune) built the preset anew without it, with no word."""
+        torch.manual_seed(0)
+        model = Residual().double().eval()
+        td = TensorDict(x=torch.randn(4, 3, dtype=F64), batch_size=[4])
+
+        def relevance(mapper):
+            return LRP(model, mapper, in_keys=["x"], out_keys=["y"])(td.clone())["relevance", "x"]
+
+        built = EpsilonPlus(epsilon=0.5, stabilizer=0.5, stabilize_additions=True, strict=True)
+        without = EpsilonPlus(epsilon=0.5, stabilizer=0.5)
+        assert not torch.allclose(relevance(built), relevance(without))  # the option matters here
+        mapper = EpsilonPlus(stabilizer=0.5)
+        mapper.stabilize_additions, mapper.strict = True, True
+        mapper.set_kwargs(epsilon=0.5)
+        assert (mapper.stabilize_additions, mapper.strict) == (True, True)
+        assert torch.equal(relevance(mapper), relevance(built))
+        assert mapper.copy().set_kwargs(epsilon=0.25).stabilize_additions
+
+    def test_a_dict_set_as_a_mappers_rule_mapper_is_taken_as_the_constructor_takes_it(self):
+        """The constructor turns a dict into a rule mapper; set as an attribute, the dict itself was called, and
+        every call failed with "'dict' object is not callable"."""
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+        td = TensorDict(x=torch.randn(4, 3, dtype=F64), batch_size=[4])
+        rules = {nn.Linear: EpsilonRule(0.25)}
+        mapper = EpsilonPlus()
+        mapper.rule_mapper = rules
+        expected = LRP(model, EpsilonPlus(rule_mapper=rules), in_keys=["x"], out_keys=["y"])(td.clone())
+        got = LRP(model, mapper, in_keys=["x"], out_keys=["y"])(td.clone())
+        assert torch.equal(got["relevance", "x"], expected["relevance", "x"])
+        assert mapper.__dict__["_tunable_init_arguments"]["rule_mapper"] is rules  # recorded as given
+        with pytest.raises(TypeError, match=r"EpsilonPlus: rule_mapper must be a callable .* got int"):
+            mapper.rule_mapper = 3
 
     def test_a_method_is_built_anew(self):
         policy, td = cnn_policy(), observations()

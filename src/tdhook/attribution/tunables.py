@@ -29,6 +29,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import typing
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, Self
 
@@ -118,10 +119,46 @@ def _recording(init: Callable) -> Callable:
 def _record(owner: Any, name: str, value: Any) -> None:
     """Record ``value`` for the constructor's argument ``name`` set on ``owner`` after it was built (lrp.rule_mapper =
     ..., method.n_steps = 16), as given: set_kwargs builds the object anew from the record (and would put the old
-    value back), and explain_offline checks the record (and would resume an output of other rules or another model)."""
+    value back), and explain_offline checks the record (and would resume an output of other rules or another model).
+    An option the constructor takes through a typed ``**options`` (a preset's ``strict``, ``stabilize_additions``)
+    is recorded too, though the call that built the object did not give it."""
     arguments = owner.__dict__.get(_ARGUMENTS)
-    if arguments is not None and name in arguments and not owner.__dict__.get(BUILDING):
+    if arguments is None or owner.__dict__.get(BUILDING):
+        return
+    if name in arguments or name in _options_taken(type(owner)):
         arguments[name] = value
+
+
+@functools.cache
+def _options_taken(cls: type) -> frozenset[str]:
+    """The names the constructor of ``cls`` takes through its ``**options`` where they are typed as the keys of a
+    ``TypedDict`` (``**options: Unpack[PresetOptions]``); none for untyped ones.
+
+    Examples:
+        >>> from typing import TypedDict, Unpack
+        >>> class Options(TypedDict, total=False):
+        ...     strict: bool
+        >>> class Mapper(Tunable):
+        ...     def __init__(self, epsilon: float = 0.1, **options: Unpack[Options]) -> None:
+        ...         self.epsilon, self.strict = epsilon, options.get("strict", False)
+        >>> sorted(_options_taken(Mapper))
+        ['strict']
+        >>> mapper = Mapper()
+        >>> mapper.strict = True
+        >>> mapper.set_kwargs().strict, Mapper(0.2).__dict__[_ARGUMENTS]
+        (True, {'epsilon': 0.2})
+    """
+    init = inspect.unwrap(cls.__init__)
+    try:
+        hints = typing.get_type_hints(init)
+    except (NameError, TypeError):  # an annotation that does not resolve: no option is known by name
+        return frozenset()
+    for name, parameter in inspect.signature(init).parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            arguments = typing.get_args(hints.get(name))
+            if typing.get_origin(hints.get(name)) is typing.Unpack and typing.is_typeddict(arguments[0]):
+                return frozenset(typing.get_type_hints(arguments[0]))
+    return frozenset()
 
 
 class RecordedModules:

@@ -40,7 +40,7 @@ from tdhook.attribution.rules.normalization import BatchRenormRule, NormRule, is
 from tdhook.attribution.rules.quantized import QuantizedLinearRule, holds_packed_weights, is_quantized_linear
 from tdhook.attribution.rules.recurrent import RecurrentRule, is_recurrent
 from tdhook.attribution.rules.routers import RouterRule, is_router, is_router_layer
-from tdhook.attribution.tunables import Tunable
+from tdhook.attribution.tunables import Tunable, _record
 
 __all__ = ["RuleMapper", "rule_mapper_from_dict", "PresetOptions", "BaseRuleMapper"]
 
@@ -113,6 +113,15 @@ class _DictRuleMapper:
     def __call__(self, name: str, module: nn.Module) -> Rule | None:
         match = self.entry_of(name, module)
         return None if match is None else match[1]
+
+
+def _refuse_unmappable(owner: str, rule_mapper: object) -> None:
+    """Refuse a ``rule_mapper`` that is neither a callable, a dict nor ``None``, naming ``owner``."""
+    if rule_mapper is not None and not callable(rule_mapper) and not isinstance(rule_mapper, Mapping):
+        raise TypeError(
+            f"{owner}: rule_mapper must be a callable (name, module) -> Rule | None, a dict or None, got "
+            f"{type(rule_mapper).__name__}"
+        )
 
 
 class PresetOptions(TypedDict, total=False):
@@ -202,6 +211,12 @@ class BaseRuleMapper(Tunable):
                 f"{type(self).__name__}: {name} is read when the mapper is built (its rules hold it); set it with "
                 f"{how}, or build another {type(self).__name__}"
             )
+        if name == "rule_mapper" and not self._being_built():
+            # As the constructor takes it: a dict stands for the mapper it makes (recorded as given).
+            _refuse_unmappable(type(self).__name__, value)
+            _record(self, name, value)
+            object.__setattr__(self, name, rule_mapper_from_dict(value) if isinstance(value, Mapping) else value)
+            return
         super().__setattr__(name, value)
 
     def __init__(
@@ -212,11 +227,7 @@ class BaseRuleMapper(Tunable):
         stabilize_additions: bool = False,
     ) -> None:
         nonnegative(type(self).__name__, "stabilizer", stabilizer)
-        if rule_mapper is not None and not callable(rule_mapper) and not isinstance(rule_mapper, Mapping):
-            raise TypeError(
-                f"{type(self).__name__}: rule_mapper must be a callable (name, module) -> Rule | None, a dict or "
-                f"None, got {type(rule_mapper).__name__}"
-            )
+        _refuse_unmappable(type(self).__name__, rule_mapper)
         self.stabilizer = stabilizer
         self.strict = strict
         self.stabilize_additions = stabilize_additions
