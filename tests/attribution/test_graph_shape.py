@@ -56,7 +56,8 @@ def test_plain_walk_equals_the_general_walk_on_a_small_transformer_block() -> No
     assert plain == general
     assert plain_walked == general_walked
     # Parameters are named by their ids, the input by None.
-    leaves = [entry[-1] for entry in plain if type(entry) is tuple and entry[0] is torch._C._functions.AccumulateGrad]
+    leaf = torch._C._functions.AccumulateGrad  # a leaf's entries: its type, then its parameter's id
+    leaves = [plain[place + 1] for place, entry in enumerate(plain) if entry is leaf]
     assert None in leaves
     assert {id(p) for p in block.parameters()} <= set(leaves)
 

@@ -417,9 +417,7 @@ class _Plan:
         self.shape = shape  # the graph's shape (see graph_shape): the same nodes may be another graph
         # Whether the recorded graph holds no node of the batch_norm kernel: one of the same shape holds none either,
         # and a later call's look for such nodes (see late_norm_nodes_laid_out) need not walk it.
-        self.without_norm_kernels = not any(
-            type(entry) is tuple and entry[0] in BATCH_NORM_KERNEL_NODES for entry in shape
-        )
+        self.without_norm_kernels = BATCH_NORM_KERNEL_NODES.isdisjoint(shape)  # a node's type is one of its entries
 
     def apply(
         self,

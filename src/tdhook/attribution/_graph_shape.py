@@ -42,9 +42,12 @@ def graph_shape(
     scales: dict | None = None,
     walked: list[Any] | None = None,
 ) -> tuple:
-    """The shape of the graph reached from the nodes ``roots``: per node, in the order a breadth-first walk reaches
-    them, its type, the places of its inputs' nodes (-1 for an input without one) and, for a leaf, the id of its
-    parameter (``None`` for a tensor that is no parameter: an input).
+    """The shape of the graph reached from the nodes ``roots``, flat: the place of each root's node (-1 for a root
+    without one), then per node, in the order a breadth-first walk reaches them, its type, the places of its inputs'
+    nodes (-1 for an input without one) and, for a leaf, the id of its parameter (``None`` for a tensor that is no
+    parameter: an input). A node's type, the only entry that is a class, begins its part: two graphs have equal
+    shapes exactly where their nodes have equal types, inputs and parameters, one by one (a tuple per node would say
+    no more, and made a walk about a quarter longer).
 
     In a recording call the function mode's graph stands for a plain call's: ``factors`` (by id) maps a node of the
     mode's own to the product's node it follows, ``scales`` (by the id of a node, then by place) gives the node of a
@@ -56,6 +59,8 @@ def graph_shape(
     >>> shape = graph_shape([(x * 2).sum().grad_fn], walked=walked)
     >>> [type(node).__name__ for node in walked]
     ['SumBackward0', 'MulBackward0', 'AccumulateGrad']
+    >>> [entry if type(entry) is int else entry.__name__ for entry in shape[:-1]], shape[-1]  # the input: None
+    ([0, 'SumBackward0', 1, 'MulBackward0', 2, -1, 'AccumulateGrad'], None)
     """
     nodes: list[Any] = [] if walked is None else walked
     if not (factors or scales):
@@ -69,46 +74,49 @@ def graph_shape(
     for node in nodes:  # grows while it is read
         # One loop over the next functions, without a list of them (a comprehension is a call of its own).
         held = scales.get(id(node), _NONE_HELD)
-        entry = [type(node)]
+        kind = type(node)
+        shape.append(kind)
         for index, (child, _) in enumerate(node.next_functions):
             child = held.get(index) if child is None else factors.get(id(child), child)
             if child is None:
-                entry.append(-1)
+                shape.append(-1)
                 continue
             place = places.get(child)
             if place is None:
                 place = places[child] = len(nodes)
                 nodes.append(child)
-            entry.append(place)
-        if entry[0] is _LEAF:
-            entry.append(_parameter_id(node.variable))
-        shape.append(tuple(entry))
+            shape.append(place)
+        if kind is _LEAF:
+            shape.append(_parameter_id(node.variable))
     return tuple(shape)
 
 
 def _plain_shape(roots: Sequence[Any], nodes: list[Any]) -> tuple:
     """:func:`graph_shape` of a plain call's graph (no node of a mode's own to map), the nodes walked put in
     ``nodes``. The same walk, with less work per input of a node (the shape a later planned call compares at every
-    call): no index of the input, and ``None`` placed at -1 from the start."""
+    call): no index of the input, ``None`` placed at -1 from the start, and the lists' methods bound once."""
     places: dict[Any, int] = {None: -1}  # by node (autograd gives a node the same Python object while it lives)
     shape: list[Any] = []
+    add, reach = shape.append, nodes.append
     for root in roots:
         if root not in places:
             places[root] = len(nodes)
-            nodes.append(root)
-        shape.append(places[root])
+            reach(root)
+        add(places[root])
     for node in nodes:  # grows while it is read
-        entry = [type(node)]
+        kind = type(node)
+        add(kind)
         for child, _ in node.next_functions:  # membership, then a subscript: no method call per input
             if child in places:
-                entry.append(places[child])
+                add(places[child])
             else:
-                entry.append(len(nodes))
-                places[child] = len(nodes)
-                nodes.append(child)
-        if entry[0] is _LEAF:
-            entry.append(_parameter_id(node.variable))
-        shape.append(tuple(entry))
+                place = places[child] = len(nodes)
+                add(place)
+                reach(child)
+        if kind is _LEAF:
+            variable = node.variable
+            # isinstance(variable, Parameter), without Parameter's own (slower) check for a parameter itself
+            add(id(variable) if type(variable) is _PARAMETER or isinstance(variable, _PARAMETER) else None)
     return tuple(shape)
 
 
