@@ -672,6 +672,15 @@ def test_a_distributional_q_actor_explains_its_greedy_action_at_every_atom():
     torch.testing.assert_close(out["relevance", "observation"], by_index["relevance", "observation"])
 
 
+def test_a_distributional_q_actor_without_a_target_key_is_refused_naming_its_action_values():
+    """Its default output is the integer action: the refusal asked for a target_key without naming the output a
+    user means, the float ``action_value``."""
+    actor = distributional_actor()
+    td = TensorDict(observation=torch.randn(3, 4, dtype=F64), batch_size=[3])
+    with pytest.raises(KeyError, match=r"pass target_key \(its floating-point outputs: 'action_value'\)"):
+        LRP(actor, BaseRuleMapper())(td)
+
+
 @pytest.mark.filterwarnings("ignore:LRP. module .* computes log_softmax")
 @pytest.mark.parametrize("method", ["Saliency", "IntegratedGradients", "Occlusion"])
 def test_the_other_methods_explain_a_distributional_q_actors_greedy_action(method):

@@ -582,12 +582,25 @@ def resolve_target_key(
         "gradient: wrap the model in a module that returns the tensor to explain (the scores or logits of the "
         "detections; see the model gallery's detection section), or pass target_key= a floating-point output"
         if non_tensors and len(non_tensors) == len([key for key in candidates if key in present])
-        else "; pass target_key"
+        else f"; pass target_key{_floating_outputs(result, operator, candidates)}"
     )
     advice += _left_out(result, operator)
     raise KeyError(
         f"LRP: none of the module's outputs {candidates} is a floating-point tensor in its result ({found}){advice}"
     )
+
+
+def _floating_outputs(result: TensorDictBase, operator: TensorDictModuleBase, candidates: list[NestedKey]) -> str:
+    """The floating-point outputs of ``operator`` in ``result`` other than ``candidates``, those a ``target_key`` may
+    name (a distributional Q-value actor's ``action_value``, whose default is its integer ``action``), or ``""``."""
+    floats = [
+        key
+        for key in unravel_key_list(list(operator.out_keys))
+        if key not in candidates
+        and isinstance(value := result.get(key, None), torch.Tensor)
+        and value.is_floating_point()
+    ]
+    return f" (its floating-point outputs: {', '.join(map(repr, floats))})" if floats else ""
 
 
 def _skipped(result: TensorDictBase, operator: TensorDictModuleBase) -> str:
