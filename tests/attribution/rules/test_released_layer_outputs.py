@@ -21,7 +21,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from tdhook.attribution import CPLRP, LRP, AttnLRP, EpsilonPlus
+from tdhook.attribution import CPLRP, LRP, AttnLRP, EpsilonPlus, UniformEpsilon
 from tdhook.attribution.mappers.base import BaseRuleMapper
 from tdhook.attribution.rules import EpsilonRule
 from tdhook.attribution.rules._autograd import scale_gradient
@@ -52,6 +52,24 @@ class LinearNorm(nn.Module):
 def linear_norm(keep_output: bool) -> nn.Module:
     torch.manual_seed(0)
     return with_statistics(LinearNorm(keep_output))
+
+
+class Concatenated(nn.Module):
+    """Two convolutions' outputs concatenated along the channels, then a BatchNorm (DenseNet's pattern): the
+    concatenation's node holds each layer's call with the layer's output before its rule, for the merge."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 2, 3, padding=1), nn.Conv2d(3, 2, 3, padding=1)
+        self.norm, self.head = nn.BatchNorm2d(4), nn.Linear(4 * 64, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(torch.cat([self.a(x), self.b(x)], dim=1)).relu().flatten(1))
+
+
+def concatenated() -> nn.Module:
+    torch.manual_seed(0)
+    return with_statistics(Concatenated())
 
 
 @pytest.fixture
@@ -93,8 +111,14 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "cnn": (small_bn_cnn, (2, 3, 8, 8)),
     "linear-norm": (lambda: linear_norm(keep_output=True), (2, 5, 4)),
     "linear-norm-temporary": (lambda: linear_norm(keep_output=False), (2, 5, 4)),
+    "concatenated": (concatenated, (2, 3, 8, 8)),
 }
-MAPPERS: dict[str, Callable[[], object]] = {"CPLRP": CPLRP, "AttnLRP": AttnLRP, "EpsilonPlus": EpsilonPlus}
+MAPPERS: dict[str, Callable[[], object]] = {
+    "CPLRP": CPLRP,
+    "AttnLRP": AttnLRP,
+    "EpsilonPlus": EpsilonPlus,
+    "LRP-0": lambda: UniformEpsilon(0.0, stabilizer=1e-14),  # the ε-rule on every layer, merged with the norms
+}
 
 
 def explain(model: nn.Module, lrp: LRP, x: torch.Tensor) -> torch.Tensor:

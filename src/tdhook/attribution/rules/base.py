@@ -729,8 +729,11 @@ def _mark(tensor: torch.Tensor, call: LayerCall) -> None:
         setattr(base, _LAYER_CALL, call)
     if tensor.grad_fn is not None:
         tensor.grad_fn.metadata[_LAYER_MARK] = True
-        # For a BatchNorm over a concatenation of layers' outputs; ``raw`` detached, so that the node holds no cycle.
-        tensor.grad_fn.metadata[LAYER_CALL] = call.copy(raw=raw.detach())
+        # For a BatchNorm over a concatenation of layers' outputs (which holds no part itself): ``raw`` as it is
+        # where it comes before the node (a rule's own tensor: a merge sends the gradient back to it), detached where
+        # it is the node's own output (it would hold the node that holds it: a cycle).
+        own = raw.grad_fn is tensor.grad_fn
+        tensor.grad_fn.metadata[LAYER_CALL] = call.copy(raw=raw.detach() if own else raw)
 
 
 def output_seen_by_rule_alone(module: nn.Module, registration: Registration, output: torch.Tensor) -> bool:
