@@ -7,7 +7,9 @@ calibrated on a few random batches (random weights make activations vanish with 
 1. it runs under every CNN preset and CP-LRP, and its parameters and buffers are bit-identical afterwards, with
    no hook, patched ``forward`` or changed class left;
 2. LRP-0 is gradient × input (relative L2 error ≤ 1e-6) where the model is piecewise linear and positively
-   homogeneous, judged by the modules it holds (linear layers, BatchNorm, ReLU, LeakyReLU, pooling);
+   homogeneous, judged by the modules it holds (linear layers, BatchNorm, ReLU, LeakyReLU, pooling): with the
+   plain gradient on its layers, and with the ε-rule at ε = 0 on every layer (``UniformEpsilon(0)``), whose
+   merges with the BatchNorms go through the layers' own outputs (DenseNet's concatenations lost them);
 3. with its bias-like parameters zeroed (biases, BatchNorm running means, position embeddings and Fourier position
    encodings, class tokens, relative position bias tables), relevance sums to the explained logit within 10 % per
    sample under the presets a user would pick (``CONSERVING``): every CNN preset on nets whose convolutions see
@@ -52,6 +54,7 @@ from tdhook.attribution import (
     EpsilonGammaBox,
     EpsilonPlus,
     EpsilonPlusFlat,
+    UniformEpsilon,
 )
 from tests.attribution._gallery_table import render, table_parts, write_table
 
@@ -700,6 +703,7 @@ class Report:
     piecewise_linear: bool
     gated: bool
     lrp0_error: float | str
+    lrp0_epsilon_error: float | str | None  # the ε-rule at ε = 0 on every layer; run on piecewise-linear models
     ratios: dict[str, tuple[float, ...] | str]
     left_changed: dict[str, str]
     module_names: frozenset[str]
@@ -751,6 +755,13 @@ def measure(case: Case) -> Report:
     else:
         expected = gradient_times_input(model, x)
         lrp0_error = ((result[0] - expected).norm() / expected.norm()).item()
+    lrp0_epsilon_error: float | str | None = None
+    if piecewise_linear(model):
+        result = run("LRP-0, ε-rules", UniformEpsilon(0.0, stabilizer=1e-12))
+        end_phase("LRP-0, ε-rules")
+        expected = gradient_times_input(model, x)
+        relative = None if isinstance(result, str) else ((result[0] - expected).norm() / expected.norm()).item()
+        lrp0_epsilon_error = result if relative is None else relative
 
     zero_biases(model)
     phase_start = state = fingerprint(model)
@@ -769,6 +780,7 @@ def measure(case: Case) -> Report:
         piecewise_linear(model),
         gated,
         lrp0_error,
+        lrp0_epsilon_error,
         ratios,
         left_changed,
         frozenset(name for name, _ in model.named_modules()),
@@ -813,6 +825,10 @@ def lrp0_failures(r: Report) -> dict[str, str]:
         return {"LRP-0": f"raised {r.lrp0_error}"}
     if r.piecewise_linear and not r.lrp0_error <= LRP0_TOLERANCE:
         return {"LRP-0": f"relative error {r.lrp0_error:.2e} > {LRP0_TOLERANCE:g}"}
+    if isinstance(r.lrp0_epsilon_error, str):
+        return {"LRP-0, ε-rules": f"raised {r.lrp0_epsilon_error}"}
+    if r.lrp0_epsilon_error is not None and not r.lrp0_epsilon_error <= LRP0_TOLERANCE:
+        return {"LRP-0, ε-rules": f"relative error {r.lrp0_epsilon_error:.2e} > {LRP0_TOLERANCE:g}"}
     return {}
 
 
@@ -976,7 +992,7 @@ def main(argv: list[str] | None = None) -> None:
         r = reports[-1]
         print(
             f"{case.name}: {r.seconds:.1f} s (cpu {time.process_time() - cpu:.1f} s)",
-            f"lrp0={r.lrp0_error} {r.ratios} {r.left_changed}",
+            f"lrp0={r.lrp0_error} lrp0 ε={r.lrp0_epsilon_error} {r.ratios} {r.left_changed}",
             file=sys.stderr,
             flush=True,
         )
