@@ -542,6 +542,29 @@ def test_zoo(name: str, preset: str):
     check_zoo_outcomes({impl: explain(name, preset, impl) for impl in ZOO[name].implementations()}, name, preset)
 
 
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_later_calls_of_a_context_equal_first_calls(name: str, preset: str):
+    """A context's later calls of a signature replay its first call's plan (no function modes: hooks put on the
+    nodes a walk of the graph finds, modules run without theirs): on other inputs of the same shapes, and again
+    after a call of another batch size (a signature of its own), each equals a fresh wrapper's first call on the
+    same input (a router's choice of experts, a padding mask's, all follow the inputs)."""
+    architecture = ZOO[name]
+    explained = Explained(architecture.build(architecture.implementations()[0]), architecture.inputs)
+    x = model_input(architecture)
+    inputs = [x, x.flip(0) * 0.9, x[:1], x * 1.1 + 0.05]
+
+    def explain_with(lrp: LRP, value: torch.Tensor) -> torch.Tensor:
+        return lrp(TensorDict(x=value.clone(), batch_size=value.shape[:1]))["relevance", "x"]
+
+    lrp = LRP(explained, PRESETS[preset](), in_keys=["x"], out_keys=["y"])
+    with lrp:
+        later = [explain_with(lrp, value) for value in inputs]
+    for i, (value, relevance) in enumerate(zip(inputs, later, strict=True)):
+        first = explain_with(LRP(explained, PRESETS[preset](), in_keys=["x"], out_keys=["y"]), value)
+        torch.testing.assert_close(relevance, first, rtol=1e-12, atol=0.0, msg=lambda m, i=i: f"call {i}: {m}")
+
+
 def cosine_per_sample(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return nn.functional.cosine_similarity(a.flatten(1).double(), b.flatten(1).double(), dim=1)
 
