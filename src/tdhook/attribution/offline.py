@@ -273,7 +273,7 @@ def explain_offline(
     # The rows done, but those changed since they were explained; nothing is written before the output is checked.
     done = None if output is None else _without_changed_rows(lrp, source, prefix, output, start, stop, batch_size)
     if output is not None:
-        _unmark_changed_rows(lrp, source, prefix, output, done)
+        _unmark_changed_rows(lrp, prefix, output, done, range(start, stop))
     runs = _missing_runs(done, start, stop, batch_size)
     output, checked = _explain_runs(lrp, source, prefix, length, runs, output, False, progress, batch_size)
     if output is None:  # nothing to explain: still leave a valid output behind (every row marked not done)
@@ -439,19 +439,21 @@ def _without_changed_rows(
 
 def _unmark_changed_rows(
     lrp: LRP | AttributionMethod,
-    source,
     prefix: Path,
     output: TensorDictBase,
     done: torch.Tensor,
+    rows: range,
     checked: bool = False,
 ) -> None:
-    """Mark not done, on disk, the rows marked done whose data changed since they were explained (``done`` leaves
-    them out), before any row is explained again: a run stopped before it reaches them leaves them visibly not
-    done, where their relevance is still the old rows'. No output is written before it is checked: one not
-    ``checked`` yet must keep this explainer's record (an output kept without one, or a model whose lazy layers
-    have not run, keeps its marks until its rows are written)."""
-    marks = _writable(output)[1]
-    stale = marks & ~done
+    """Mark not done, on disk, the rows of ``rows`` marked done whose data changed since they were explained
+    (``done`` leaves them out), before any row is explained again: a run stopped before it reaches them leaves them
+    visibly not done, where their relevance is still the old rows'. Rows outside ``rows`` are never looked at:
+    another process may be marking its own rows of the output meanwhile (``distributed=False`` by hand), which
+    ``done``, read before, does not hold. No output is written before it is checked: one not ``checked`` yet must
+    keep this explainer's record (an output kept without one, or a model whose lazy layers have not run, keeps its
+    marks until its rows are written)."""
+    marks = _writable(output)[1][rows.start : rows.stop]
+    stale = marks & ~done[rows.start : rows.stop]
     if stale.any() and (checked or record_matches(prefix, explainer_record(lrp))):
         marks[stale] = False
 
@@ -495,7 +497,7 @@ def _explain_sharded(
     output = TensorDict.load_memmap(prefix)
     done = _without_changed_rows(lrp, source, prefix, output, rows.start, rows.stop, batch_size)
     if rank == 0:  # checked by every rank above; a rank reading the mask meanwhile leaves those rows out either way
-        _unmark_changed_rows(lrp, source, prefix, output, done, checked=True)
+        _unmark_changed_rows(lrp, prefix, output, done, rows, checked=True)
     barrier()  # every rank has read the same mask, so the same batches, before any rank marks rows
     runs = shard_runs(_missing_runs(done, rows.start, rows.stop, batch_size), rank, world_size)
     _explain_runs(lrp, source, prefix, length, runs, output, True, progress and rank == 0, batch_size)
