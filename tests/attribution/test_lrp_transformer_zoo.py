@@ -13,6 +13,9 @@ the architecture has both):
    position bias tables) zeroed, relevance sums to the explained logit within 1e-6 of the logit;
 4. eager and sdpa attention give the same relevance (up to the float32 arithmetic some norms run in).
 
+A context's later calls equal fresh first calls, and ``target="all"`` equals each unit explained alone, in first
+and planned calls.
+
 One bfloat16 case per architecture is finite and agrees with float32 to bfloat16 precision.
 
 The table of docs/transformers.md is printed by ``python -m tests.attribution.test_lrp_transformer_zoo``.
@@ -563,6 +566,35 @@ def test_later_calls_of_a_context_equal_first_calls(name: str, preset: str):
     for i, (value, relevance) in enumerate(zip(inputs, later, strict=True)):
         first = explain_with(LRP(explained, PRESETS[preset](), in_keys=["x"], out_keys=["y"]), value)
         torch.testing.assert_close(relevance, first, rtol=1e-12, atol=0.0, msg=lambda m, i=i: f"call {i}: {m}")
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_every_unit_at_once_equals_each_unit_alone(name: str, preset: str):
+    """``target="all"`` (one forward pass, a backward pass per unit over its retained graph), in a context's first
+    and planned calls, gives each unit the relevance a call explaining that unit alone gives: no rule's state is
+    spent by the first unit's pass (a record popped, a held value consumed, a hook removed)."""
+    architecture = ZOO[name]
+    explained = Explained(architecture.build(architecture.implementations()[0]), architecture.inputs)
+    x = model_input(architecture)
+
+    def explain_with(lrp: LRP, value: torch.Tensor) -> torch.Tensor:
+        return lrp(TensorDict(x=value.clone(), batch_size=value.shape[:1]))["relevance", "x"]
+
+    lrp = LRP(explained, PRESETS[preset](), in_keys=["x"], out_keys=["y"], target="all")
+    with lrp:
+        every = [explain_with(lrp, value) for value in (x, x * 1.1)]  # recorded, then planned
+    units = every[0].shape[1]
+    for call, (value, relevance) in enumerate(zip((x, x * 1.1), every, strict=True)):
+        for unit in (0, units // 2, units - 1):
+            alone = explain_with(LRP(explained, PRESETS[preset](), in_keys=["x"], out_keys=["y"], target=unit), value)
+            torch.testing.assert_close(
+                relevance[:, unit],
+                alone,
+                rtol=1e-10,
+                atol=1e-12 * alone.abs().max().item(),
+                msg=lambda m, call=call, unit=unit: f"call {call}, unit {unit}: {m}",
+            )
 
 
 def cosine_per_sample(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
