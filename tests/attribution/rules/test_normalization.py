@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from collections.abc import Callable
 
 import pytest
 import timm.layers
@@ -177,6 +178,42 @@ class NoNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.weight + self.bias
+
+
+class InputNorm(nn.Module):
+    """Named like a norm, a user's input scaling by constants: ``(x - 0.5) / 0.25`` names nothing."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - 0.5) / 0.25
+
+
+class InputScaling(InputNorm):
+    """The same scaling under a name no norm has."""
+
+
+class StatisticsNorm(nn.Module):
+    """Named like a norm, a scaling by the data set's statistics kept as numbers: ``(x - self.mean) / self.std``."""
+
+    def __init__(self, mean: float = 0.5, std: float = 0.25) -> None:
+        super().__init__()
+        self.mean, self.std = mean, std
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.std
+
+
+def _closure_forward(scale: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return scale(x)
+
+    return forward
+
+
+class ClosureNorm(nn.Module):
+    """Named like a norm, a forward that calls the function its closure holds (an RMS scaling): it names nothing of
+    its own, and what it calls is not known from its code."""
+
+    forward = _closure_forward(lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
 
 
 def randomise(module: nn.Module, bias: bool = True) -> nn.Module:
@@ -616,6 +653,27 @@ class TestIsNorm:
                 warnings.simplefilter("error")
                 relevance[name] = lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
         assert relative_error(relevance["hugging face"], relevance["timm"]) <= 1e-12
+
+    @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "AttnLRP", "CPLRP"])
+    def test_an_input_scaling_named_like_a_norm_is_explained_as_under_any_other_name(self, preset: str):
+        """A user's normaliser of raw inputs by constants, ``(x - 0.5) / 0.25`` or ``(x - self.mean) / self.std``,
+        named ``InputNorm``: its forward names nothing but numbers (operators on its input and numbers) and cannot
+        compute a normalising scale. Mapped to a norm
+        rule by its name, the call raised that its forward ran no normalisation; under another name it passed. It
+        explains as the same module under another name, before a convolution and its ReLU."""
+        assert not is_norm(InputNorm()) and not is_norm(StatisticsNorm()) and is_norm(ClosureNorm())
+        torch.manual_seed(0)
+        body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2)).double()
+        x = torch.rand(2, 3, 8, 8, dtype=F64)
+        relevance = {}
+        for scaling in (InputNorm(), StatisticsNorm(), InputScaling()):
+            mapper = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, **CNN_PRESETS}[preset]()
+            lrp = LRP(nn.Sequential(scaling, body), mapper, in_keys=["x"], out_keys=["y"])
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                relevance[type(scaling)] = lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
+        assert torch.equal(relevance[InputNorm], relevance[InputScaling])
+        assert torch.equal(relevance[StatisticsNorm], relevance[InputScaling])
 
     @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "AttnLRP", "CPLRP"])
     def test_an_affine_map_named_like_a_norm_passes_relevance_as_its_plain_gradient(self, preset: str):

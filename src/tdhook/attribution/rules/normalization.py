@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+from types import CodeType
 from typing import Any
 
 import torch
@@ -144,21 +145,36 @@ def _holds_a_norm(module: nn.Module) -> bool:
     return any(is_norm(child) for child in module.children())
 
 
+def _forward_code(module: nn.Module) -> CodeType | None:
+    """The code of the module's own forward, past decorators that wrap it (``@torch.autocast(...)``: the wrapper
+    itself names nothing); ``None`` where it has no Python code."""
+    return getattr(inspect.unwrap(type(module).forward), "__code__", None)
+
+
+def _code_names(code: CodeType) -> tuple[str, ...]:
+    """The names ``code`` reads (globals and attributes), with those of the code it holds (comprehensions, lambdas)."""
+    nested = (_code_names(const) for const in code.co_consts if isinstance(const, CodeType))
+    return code.co_names + tuple(name for names in nested for name in names)
+
+
 def _forward_names(module: nn.Module) -> tuple[str, ...] | None:
-    """The names the module's own forward reads (globals and attributes), past decorators that wrap it
-    (``@torch.autocast(...)``: the wrapper itself names nothing); ``None`` where it has no Python code."""
-    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
-    return None if code is None else code.co_names
+    """The names the module's own forward reads (see :func:`_forward_code`); ``None`` where it has no Python code."""
+    code = _forward_code(module)
+    return None if code is None else _code_names(code)
 
 
 def _forward_is_arithmetic_on_own_tensors(module: nn.Module) -> bool:
-    """Whether the module's own forward names nothing but its own parameters and buffers: operators on them
-    (``x * self.weight + self.bias``) act element by element and cannot reduce a position to a scale."""
-    names = _forward_names(module)
-    if not names:  # no code, or none that reads anything (a wrapper whose wrapped forward is not known)
+    """Whether the module's own forward names nothing but its own tensors and numbers (parameters, buffers, other
+    tensor or number attributes), and calls no function a closure holds: operators on them, its arguments and
+    constants (``x * self.weight + self.bias``, ``(x - 0.5) / 0.25``, ``(x - self.mean) / self.std``) act element by
+    element and cannot reduce a position to a scale. A forward that reads a closure's variables (a decorator's
+    wrapper whose wrapped forward is not known) may call anything."""
+    code = _forward_code(module)
+    if code is None or code.co_freevars:
         return False
     own = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
-    return all(name in own for name in names)
+    own |= {name: value for name, value in vars(module).items() if isinstance(value, (int, float, torch.Tensor))}
+    return all(name in own for name in _code_names(code))
 
 
 def _forward_normalises(module: nn.Module) -> bool:
