@@ -286,6 +286,46 @@ def test_a_recurrent_policys_default_keys_are_those_lrp_explains(states):
         torch.testing.assert_close(by_default, by_name)
 
 
+class _MaskedSum(nn.Module):
+    """A linear layer on the sum of the positions an integer mask keeps (an attention mask as Hugging Face gives it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.linear((x * mask.unsqueeze(-1)).sum(1))
+
+
+def test_an_integer_mask_is_held_as_it_is_by_default_as_lrp_leaves_it_out():
+    """LRP's default keys leave out an integer mask no embedding reads, and the relevance it writes holds none for it;
+    the metrics' default keys then refused its output, the mask being no floating-point input. By default they hold
+    an integer input as it is (it takes no baseline value), as with in_keys naming the floating-point keys; where only
+    integer inputs remain, the check still names them."""
+    from tdhook.attribution import LRP, EpsilonPlus
+    from tdhook.metrics import faithfulness_correlation, region_perturbation
+
+    torch.manual_seed(0)
+    model = TensorDictModule(_MaskedSum().double(), in_keys=["x", "mask"], out_keys=["y"])
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[0, 3:] = 0
+    td = TensorDict(x=torch.randn(2, 5, 4, dtype=torch.float64), mask=mask, batch_size=[2])
+    explained = LRP(model, EpsilonPlus())(td)
+    assert list(explained["relevance"].keys()) == ["x"]
+    for metric in (
+        lambda **kw: pixel_flipping(model, explained, relevance_key="relevance", progress=False, **kw),
+        lambda **kw: region_perturbation(model, explained, patch_size=2, relevance_key="relevance", **kw),
+        lambda **kw: faithfulness_correlation(
+            model, explained, n_runs=4, subset_size=3, seed=0, relevance_key="relevance", **kw
+        ),
+    ):
+        torch.testing.assert_close(metric(), metric(in_keys=["x"]), rtol=0, atol=0)
+    tokens = TensorDictModule(nn.Embedding(6, 3).double(), in_keys=["ids"], out_keys=["y"])
+    ids = TensorDict(ids=torch.tensor([[1, 2], [3, 4]]), attribution=TensorDict(ids=torch.ones(2, 2)), batch_size=[2])
+    with pytest.raises(TypeError, match="input key 'ids' must be a floating-point tensor"):
+        pixel_flipping(tokens, ids, progress=False)
+
+
 def test_a_policy_in_recurrent_mode_over_steps_is_refused_naming_its_recurrent_module():
     """In recurrent mode the last batch dimension is time: perturbing every step at once would change each step's
     action through the steps before it as well (0.31 of the actions changed for k=1 against 0.21 one step at a

@@ -166,6 +166,19 @@ def _refuse_redrawn(scorer: Scorer, before: list[torch.Tensor]) -> None:
         )
 
 
+def _perturbable(keys: list[NestedKey], td: TensorDictBase) -> list[NestedKey]:
+    """Default keys without those holding integers (an attention mask, an index), where others remain: a metric
+    perturbs floating-point inputs only (an integer takes no baseline value), and LRP's default keys leave out the
+    integers no embedding reads, so the relevance it wrote holds none for them. Where only integer keys remain, they
+    are kept, for the check that names them."""
+    kept = [key for key in keys if not _holds_integers(td.get(key, None))]
+    return kept if kept else keys
+
+
+def _holds_integers(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex()
+
+
 def _default_units(output: torch.Tensor, key: NestedKey, batch_dims: int) -> torch.Tensor:
     """The units that ``target=None`` scores: the argmax of the last dimension (warned of on a map, see
     :func:`~tdhook.attribution._map_targets.warn_for_rows_of_a_map`)."""
@@ -240,7 +253,7 @@ class Scorer:
         self.keys = explained_keys(in_keys, self.module.in_keys)
         if in_keys is None:  # as LRP explains by default: no flags or masks, no recurrent state the data leaves out
             flags = explained_in_call(td, self.keys, True, optional_inputs(self.module))
-            self.keys = [key for key, explained in zip(self.keys, flags, strict=True) if explained]
+            self.keys = _perturbable([key for key, explained in zip(self.keys, flags, strict=True) if explained], td)
         unread = [key for key in self.keys if key not in self.module.in_keys]
         if unread:
             raise ValueError(
