@@ -202,6 +202,45 @@ class StatisticsNorm(nn.Module):
         return (x - self.mean) / self.std
 
 
+CHANNEL_MEAN, CHANNEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+class ChannelNorm(nn.Module):
+    """Named like a norm, ImageNet's per-channel input scaling, in the forms preprocessing code writes it."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.register_buffer("mean", torch.tensor(CHANNEL_MEAN, dtype=F64))
+        self.register_buffer("std", torch.tensor(CHANNEL_STD, dtype=F64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.form == "view":
+            return (x - self.mean.view(1, -1, 1, 1)) / self.std.view(1, -1, 1, 1)
+        if self.form == "methods":
+            return x.sub(self.mean[:, None, None]).div(self.std[:, None, None])
+        mean = torch.tensor(CHANNEL_MEAN, dtype=x.dtype).view(1, 3, 1, 1)
+        return (x - mean) / torch.tensor(CHANNEL_STD, dtype=x.dtype).view(1, 3, 1, 1)
+
+
+class ChannelScaling(ChannelNorm):
+    """The same scaling under a name no norm has."""
+
+
+class PowerNorm(nn.Module):
+    """Named like a norm, the signed square root of bilinear pooling's power normalisation: element by element."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sign(x) * torch.sqrt(torch.abs(x))
+
+
+class CapsuleNorm(nn.Module):
+    """Named like a norm, a capsule's length: the norm of its input is the output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(x, dim=-1)
+
+
 def _closure_forward(scale: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return scale(x)
@@ -674,6 +713,52 @@ class TestIsNorm:
                 relevance[type(scaling)] = lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
         assert torch.equal(relevance[InputNorm], relevance[InputScaling])
         assert torch.equal(relevance[StatisticsNorm], relevance[InputScaling])
+
+    @pytest.mark.parametrize("form", ["view", "methods", "constants"])
+    @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "AttnLRP", "CPLRP"])
+    def test_a_per_channel_input_scaling_named_like_a_norm_is_explained_as_under_any_other_name(
+        self, preset: str, form: str
+    ):
+        """ImageNet's preprocessing in a module named ``ChannelNorm``, written with views of its buffers, with tensor
+        methods, or with constants of its code's module: reshaping, converting and arithmetic element by element
+        compute no normalising scale. Mapped to a norm rule by its name, each raised that its forward ran no
+        normalisation; it explains as the same module under another name."""
+        assert not is_norm(ChannelNorm(form))
+        torch.manual_seed(0)
+        body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2)).double()
+        x = torch.rand(2, 3, 8, 8, dtype=F64)
+        relevance = {}
+        for scaling in (ChannelNorm(form), ChannelScaling(form)):
+            mapper = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, **CNN_PRESETS}[preset]()
+            lrp = LRP(nn.Sequential(scaling, body), mapper, in_keys=["x"], out_keys=["y"])
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                relevance[type(scaling)] = lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
+        assert torch.equal(relevance[ChannelNorm], relevance[ChannelScaling])
+
+    @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "AttnLRP", "CPLRP"])
+    def test_a_root_taken_element_by_element_is_no_scale_to_hold(self, preset: str):
+        """``sign(x) · sqrt(|x|)`` in a module named like a norm: its root has as many elements as its input, one per
+        element, not per position. Held as a normalising scale, it made the output constant, and every input got no
+        relevance, with no word; the rule now refuses it, naming the module."""
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), PowerNorm(), nn.Linear(6, 2)).double()
+        mapper = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, **CNN_PRESETS}[preset]()
+        lrp = LRP(model, mapper, in_keys=["x"], out_keys=["y"])
+        with pytest.raises(ValueError, match="on PowerNorm: its forward ran no normalisation.*element by element"):
+            lrp(TensorDict(x=torch.randn(5, 4, dtype=F64), batch_size=[5]))
+
+    @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "AttnLRP", "CPLRP"])
+    def test_a_norm_that_returns_its_scale_is_refused_naming_it(self, preset: str):
+        """A capsule's length, ``‖x‖``, in a module named like a norm: the rule holds the norm, the output is that
+        held scale, and no relevance could reach the input. It was reported as a target that does not depend on
+        the input, with no module named."""
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.Unflatten(-1, (2, 3)), CapsuleNorm()).double()
+        mapper = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, **CNN_PRESETS}[preset]()
+        lrp = LRP(model, mapper, in_keys=["x"], out_keys=["y"])
+        with pytest.raises(ValueError, match="on CapsuleNorm: its output is a scale its forward computes"):
+            lrp(TensorDict(x=torch.randn(5, 4, dtype=F64), batch_size=[5]))
 
     @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "AttnLRP", "CPLRP"])
     def test_an_affine_map_named_like_a_norm_passes_relevance_as_its_plain_gradient(self, preset: str):

@@ -71,6 +71,10 @@ _SCALES = frozenset(
 _SCALE_AND_MEAN = frozenset({torch.var_mean, torch.std_mean})
 # A negative power is a normalising scale too (Gemma 3n's ``x * torch.pow(mean(x²) + ε, -0.5)``).
 _POWERS = frozenset({torch.pow, torch.Tensor.pow, torch.Tensor.__pow__})
+# The scales computed element by element (of a reduction, in a norm: a mean square's root): a normalising scale only
+# where the result has fewer elements than the norm's input (``sign(x) · sqrt(|x|)``, a power normalisation, has
+# as many: no scale to hold, and held it gave every input no relevance).
+_ELEMENTWISE_SCALES = frozenset({torch.rsqrt, torch.Tensor.rsqrt, torch.sqrt, torch.Tensor.sqrt}) | _POWERS
 # Calls in a norm's forward that its rule leaves to the mapper's function modes (AttnLRP's, CP-LRP's): activations,
 # and products of two activations (a gated norm's ``h * silu(gate)``, Mamba 2's): the rule holds only the scales.
 _SIGNAL_CALLS = frozenset(
@@ -132,8 +136,8 @@ def is_norm(module: nn.Module) -> bool:
     # block, BatchNormAct2d a norm.
     if any(isinstance(sub, LINEAR_LAYERS) for sub in module.modules()):
         return False
-    if _forward_is_arithmetic_on_own_tensors(module):
-        return False  # MobileBERT's NoNorm, x · w + b: no call that could compute a normalising scale
+    if _forward_is_element_wise(module):
+        return False  # MobileBERT's NoNorm, x · w + b, an input scaling: no call that could compute a scale
     if type(module).__name__.endswith(_NORM_NAMES) and not _holds_a_norm(module):
         return True
     return _forward_normalises(module)
@@ -163,18 +167,42 @@ def _forward_names(module: nn.Module) -> tuple[str, ...] | None:
     return None if code is None else _code_names(code)
 
 
-def _forward_is_arithmetic_on_own_tensors(module: nn.Module) -> bool:
-    """Whether the module's own forward names nothing but its own tensors and numbers (parameters, buffers, other
-    tensor or number attributes), and calls no function a closure holds: operators on them, its arguments and
-    constants (``x * self.weight + self.bias``, ``(x - 0.5) / 0.25``, ``(x - self.mean) / self.std``) act element by
-    element and cannot reduce a position to a scale. A forward that reads a closure's variables (a decorator's
-    wrapper whose wrapped forward is not known) may call anything."""
-    code = _forward_code(module)
+def _forward_is_element_wise(module: nn.Module) -> bool:
+    """Whether the module's own forward names nothing but its own tensors and constants (parameters, buffers, other
+    attributes holding tensors, numbers or strings), constants of its code's module (numbers, tuples of them,
+    tensors), and operations
+    element by element or on shapes (:data:`_ELEMENT_WISE_NAMES`), and calls no function a closure holds: such a
+    forward (``x * self.weight + self.bias``, ``(x - self.mean.view(1, -1, 1, 1)) / self.std.view(1, -1, 1, 1)``,
+    ``x.sub(0.5).div(0.25)``) cannot reduce a position to a scale. A forward that reads a closure's variables (a
+    decorator's wrapper whose wrapped forward is not known) may call anything."""
+    forward = inspect.unwrap(type(module).forward)
+    code = getattr(forward, "__code__", None)
     if code is None or code.co_freevars:
         return False
     own = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
-    own |= {name: value for name, value in vars(module).items() if isinstance(value, (int, float, torch.Tensor))}
-    return all(name in own for name in _code_names(code))
+    own |= {name: value for name, value in vars(module).items() if _is_constant(value)}
+    constants = getattr(forward, "__globals__", {})
+    return all(
+        name in own or name in _ELEMENT_WISE_NAMES or (name in constants and _is_constant(constants[name]))
+        for name in _code_names(code)
+    )
+
+
+# What an element-wise forward may name besides its constants: building a constant, reshaping, converting, and
+# arithmetic element by element (no reduction, no matrix product).
+_ELEMENT_WISE_NAMES = frozenset(
+    {"torch", "tensor", "as_tensor", "device", "dtype", "to", "type_as", "float", "double", "half", "contiguous"}
+    | {"view", "reshape", "view_as", "reshape_as", "unsqueeze", "squeeze", "expand", "expand_as", "flatten"}
+    | {"permute", "transpose", "add", "sub", "mul", "div", "subtract", "multiply", "divide", "true_divide", "neg"}
+    | {"add_", "sub_", "mul_", "div_", "clamp", "clip", "clamp_", "clamp_min", "clamp_max"}
+)
+
+
+def _is_constant(value: object) -> bool:
+    """A number, a string, ``None``, a tensor, or a tuple or list of numbers (a data set's per-channel statistics)."""
+    if isinstance(value, (tuple, list)):
+        return bool(value) and all(isinstance(item, (int, float)) for item in value)
+    return value is None or isinstance(value, (int, float, str, torch.Tensor))
 
 
 def _forward_normalises(module: nn.Module) -> bool:
@@ -264,6 +292,7 @@ class _ConstantScale(TorchFunctionMode):
         self.pending: dict[int, tuple[torch.Tensor, Any]] = {}  # held scales no call has taken yet, by id
         self.kept = False  # whether the forward does more than hold scales: later calls keep the mode
         self.unruled: list[str] = []  # activations and products no function mode below rules (see _signal_call)
+        self._input_size: int | None = None  # the most elements of a tensor the module was given (found once)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -292,7 +321,9 @@ class _ConstantScale(TorchFunctionMode):
                     self.kept = self.kept or ruled is not output
                     return ruled
             result = func(*args, **kwargs)
-            if func in _SCALES or (func in _POWERS and _negative_exponent(args, kwargs)):
+            if (func in _SCALES or (func in _POWERS and _negative_exponent(args, kwargs))) and self._reduced(
+                func, result
+            ):
                 self.applied = True
                 held = hold(result)
                 if self.record is not None and result.grad_fn is not None:
@@ -306,6 +337,16 @@ class _ConstantScale(TorchFunctionMode):
                 self._taken(args, kwargs, result)
             # Marked as the function modes mark it: a weight written ``1 + w`` (Gemma's) is no activation to a product.
             return mark_parameter_derived(args, result, func)
+
+    def _reduced(self, func: Any, result: Any) -> bool:
+        """Whether ``result`` of a scale's function is a normalising scale: a reduction's (``var``, ``std``, a norm),
+        or an element-wise function's (``rsqrt``, ``sqrt``, a negative power) with fewer elements than the largest
+        tensor the module was given (one per position or group of the elements it normalises)."""
+        if func not in _ELEMENTWISE_SCALES or not isinstance(result, torch.Tensor):
+            return True
+        if self._input_size is None:
+            self._input_size = _largest_input(self.module)
+        return self._input_size == 0 or result.numel() < self._input_size
 
     def _taken(self, args: tuple, kwargs: dict, result: Any) -> None:
         """Tell the recording which held scales this call took: the result's node has no edge where a held scale
@@ -348,6 +389,30 @@ def _in_own_forward(module: nn.Module) -> bool:
             return frame.f_locals.get("self") is module
         frame = frame.f_back
     return False
+
+
+def _held_scale_returned(args: tuple, output: Any) -> bool:
+    """Whether a norm's forward returned a scale it held (or nothing that depends on its input) where an input
+    carries gradient."""
+    if not isinstance(output, torch.Tensor) or not any(
+        isinstance(value, torch.Tensor) and value.requires_grad for value in args
+    ):
+        return False
+    return is_held(output) or not output.requires_grad
+
+
+def _largest_input(module: nn.Module) -> int:
+    """The most elements of a tensor given to the call of ``module`` in progress (the innermost on the Python
+    stack), 0 where none is found there."""
+    frame = sys._getframe(1)
+    for _ in range(_FRAMES):
+        if frame is None:
+            return 0
+        if frame.f_code is _CALL and frame.f_locals.get("self") is module:
+            given = (*frame.f_locals.get("args", ()), *frame.f_locals.get("kwargs", {}).values())
+            return max((value.numel() for value in given if isinstance(value, torch.Tensor)), default=0)
+        frame = frame.f_back
+    return 0
 
 
 def _covered(func: Any, args: tuple) -> bool:
@@ -425,8 +490,16 @@ class NormRule(Rule):
                     f"{type(self).__name__} on {type(mod).__name__}: its forward ran no normalisation the rule "
                     "knows (F.layer_norm, F.rms_norm, F.group_norm, F.instance_norm, F.batch_norm, F.normalize, "
                     "F.local_response_norm, or a scale from rsqrt, sqrt, var, std, a norm or a negative power, "
-                    "computed out of place: one computed in place, v.rsqrt_() or v.sqrt_(), is not followed). Write "
+                    "computed out of place, one per normalised position or group: a root taken element by element, "
+                    "sqrt(|x|), is none, and one computed in place, v.rsqrt_() or v.sqrt_(), is not followed). Write "
                     "the scale torch.rsqrt(v), or map the module to another rule"
+                )
+            if mode.applied and _held_scale_returned(args, output):
+                raise ValueError(
+                    f"{type(self).__name__} on {type(mod).__name__}: its output is a scale its forward computes (a "
+                    "norm, a root or a variance of its input), which the rule holds constant, not its input "
+                    "normalised by one: no relevance would reach the input. Map the module to another rule (a "
+                    "vector's length, such as a capsule's, is no normalisation)"
                 )
             if mode.unruled and isinstance(output, torch.Tensor) and output.requires_grad:
                 warn_at_caller(
