@@ -241,6 +241,14 @@ class CapsuleNorm(nn.Module):
         return torch.linalg.vector_norm(x, dim=-1)
 
 
+def _explain_after_a_linear_layer(*layers: nn.Module, preset: str) -> TensorDict:
+    """LRP under ``preset`` of a linear layer 4 → 6 followed by ``layers``, on a random batch of 5."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), *layers).double()
+    mapper = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, **CNN_PRESETS}[preset]()
+    return LRP(model, mapper, in_keys=["x"], out_keys=["y"])(TensorDict(x=torch.randn(5, 4, dtype=F64), batch_size=[5]))
+
+
 def _closure_forward(scale: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return scale(x)
@@ -741,24 +749,16 @@ class TestIsNorm:
         """``sign(x) · sqrt(|x|)`` in a module named like a norm: its root has as many elements as its input, one per
         element, not per position. Held as a normalising scale, it made the output constant, and every input got no
         relevance, with no word; the rule now refuses it, naming the module."""
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(4, 6), PowerNorm(), nn.Linear(6, 2)).double()
-        mapper = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, **CNN_PRESETS}[preset]()
-        lrp = LRP(model, mapper, in_keys=["x"], out_keys=["y"])
         with pytest.raises(ValueError, match="on PowerNorm: its forward ran no normalisation.*element by element"):
-            lrp(TensorDict(x=torch.randn(5, 4, dtype=F64), batch_size=[5]))
+            _explain_after_a_linear_layer(PowerNorm(), nn.Linear(6, 2), preset=preset)
 
     @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "AttnLRP", "CPLRP"])
     def test_a_norm_that_returns_its_scale_is_refused_naming_it(self, preset: str):
         """A capsule's length, ``‖x‖``, in a module named like a norm: the rule holds the norm, the output is that
         held scale, and no relevance could reach the input. It was reported as a target that does not depend on
         the input, with no module named."""
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(4, 6), nn.Unflatten(-1, (2, 3)), CapsuleNorm()).double()
-        mapper = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, **CNN_PRESETS}[preset]()
-        lrp = LRP(model, mapper, in_keys=["x"], out_keys=["y"])
         with pytest.raises(ValueError, match="on CapsuleNorm: its output is a scale its forward computes"):
-            lrp(TensorDict(x=torch.randn(5, 4, dtype=F64), batch_size=[5]))
+            _explain_after_a_linear_layer(nn.Unflatten(-1, (2, 3)), CapsuleNorm(), preset=preset)
 
     @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "AttnLRP", "CPLRP"])
     def test_an_affine_map_named_like_a_norm_passes_relevance_as_its_plain_gradient(self, preset: str):
