@@ -268,6 +268,17 @@ class TestAutogradFunctions:
         with pytest.raises(ValueError, match=r"the model itself \(FunctionInItsForward\) computes _CubeOfSum"):
             call(FunctionInItsForward(), EpsilonPlus(strict=True))
 
+    def test_one_applied_in_a_forward_hook_on_a_layer_with_a_rule_is_named(self):
+        """A Function applied to a layer's output by the caller's forward hook on that layer (a gradient reversal, as
+        in domain-adversarial training) runs after the layer's rule: its backward enters the relevance as it is, and
+        the layer's rule covers none of it. It was taken for part of the layer's ruled call and named nowhere."""
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        model[0].register_forward_hook(lambda module, args, output: _CubeOfSum.apply(output))
+        _, _, messages = call(model, EpsilonPlus())
+        assert len(messages) == 1 and "module '0' (Linear) computes _CubeOfSum" in messages[0]
+        with pytest.raises(ValueError, match=r"module '0' \(Linear\) computes _CubeOfSum"):
+            call(model, EpsilonPlus(strict=True))
+
     def test_a_rule_on_the_module_covers_it(self):
         model = nn.Sequential(nn.Linear(4, 4), CubeOfSum(), nn.Linear(4, 2))
         _, td, messages = call(model, EpsilonPlus(strict=True, rule_mapper={CubeOfSum: PassRule()}))

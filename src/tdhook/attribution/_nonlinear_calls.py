@@ -363,8 +363,9 @@ class NonlinearCalls(TorchFunctionMode):
         self._ruled_depth = 0
         self._plain_depth = 0  # inside modules the caller mapped to IgnoreRule: their plain gradient is asked for
         # Per module call: its name, the autograd sequence numbers of the nodes it created (from, to), whether a
-        # rule covers it, and whether the caller asked for its plain gradient. An autograd Function's node is found
-        # in the graph, and its module from these.
+        # rule covers it, whether the caller asked for its plain gradient, and for a module with a rule of its own
+        # the number where its rule's part ended (its caller's forward hooks run after it: ``None`` before). An
+        # autograd Function's node is found in the graph, and its module from these.
         self._spans: list[list] = []
         self._open: list[list] = []
 
@@ -607,8 +608,10 @@ class NonlinearCalls(TorchFunctionMode):
             # called last (the spans are in the order of the calls).
             spans = [span for span in self._spans if span[1] <= number < span[2]]
             if spans:
-                name, _, _, ruled, plain = max(reversed(spans), key=lambda span: span[1])
-                if not (ruled or plain):
+                name, _, _, ruled, plain, rule_end = max(reversed(spans), key=lambda span: span[1])
+                # In a forward hook of the caller's on a module with a rule (after the rule's part): no rule's.
+                covered = ruled and (rule_end is None or number < rule_end)
+                if not (covered or plain):
                     calls.append((name, f"{function.__name__} (an autograd.Function with its own backward)", node))
         return calls
 
@@ -643,7 +646,7 @@ class NonlinearCalls(TorchFunctionMode):
                 self._ruled_depth += has_rule
                 self._plain_depth += is_plain
                 number = _next_sequence_number()
-                span = [name, number, number, self._ruled_depth > 0, self._plain_depth > 0]
+                span = [name, number, number, self._ruled_depth > 0, self._plain_depth > 0, None]
                 self._spans.append(span)
                 self._open.append(span)
 
@@ -651,8 +654,11 @@ class NonlinearCalls(TorchFunctionMode):
 
         def rule_done(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             # A ruled module's forward and its rule's hook are over: its caller's forward hooks, which run next,
-            # compute as code after the module does (their calls are watched, under the module's name).
+            # compute as code after the module does (their calls are watched, under the module's name, and so are
+            # the nodes of the autograd Functions they apply).
             self._ruled_depth -= 1
+            if self._open:
+                self._open[-1][5] = _next_sequence_number()
 
         def leave(name: str, has_rule: bool, is_plain: bool):
             rule = layer_rules.get(id(modules[name]))
