@@ -200,6 +200,40 @@ SIGMOID_ACTIVATIONS = {
 }
 
 
+class GateSigmoid(nn.Module):
+    """Named like timm's gates, an activation: ``x · sigmoid(x)`` (SiLU), whose values leave ``[0, 1]``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(x)
+
+
+class GatedUnit(nn.Module):
+    """``x · act(W x)``: a product of the input and an activation of it."""
+
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.act, self.gate = act, nn.Linear(5, 5, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.act(self.gate(x))
+
+
+@pytest.mark.parametrize("mapper", [*sorted(MAPPERS), "AttnLRP", "CPLRP"])
+def test_a_module_named_like_a_gate_whose_values_leave_zero_to_one_is_refused_naming_it(mapper: str):
+    """Modules of other libraries are taken for sigmoid-like gates by their class name (timm's ``Sigmoid``,
+    ``HardSigmoid``, ``GateSigmoid``). One computing SiLU under such a name was held as a gate in its product, its
+    relevance given to the other factor with no word (0.53 relative L2 off the same product with ``nn.SiLU`` under
+    AttnLRP); its values leaving ``[0, 1]`` show it is none, and the call names it. A real gate under such a name
+    (timm's ``Sigmoid``) still runs."""
+    make = {**MAPPERS, "AttnLRP": lambda **options: AttnLRP(**options), "CPLRP": lambda **options: CPLRP(**options)}
+    torch.manual_seed(0)
+    x = randn(4, 5)
+    with pytest.raises(ValueError, match=r"GateRule on GateSigmoid: taken for a sigmoid-like gate .* outside \[0, 1\]"):
+        lrp_relevance(nn.Sequential(GatedUnit(GateSigmoid()), nn.Linear(5, 3)).double(), x, randn(4, 3), make[mapper]())
+    model = nn.Sequential(GatedUnit(timm.layers.activations.Sigmoid()), nn.Linear(5, 3)).double()
+    assert torch.isfinite(lrp_relevance(model, x, randn(4, 3), make[mapper]())).all()
+
+
 class TestSigmoidActivation:
     """Linear → sigmoid → Linear: the sigmoid passes its relevance on, exactly as PassRule does."""
 

@@ -75,6 +75,7 @@ from tdhook.attribution.rules._joined_weights import (
 from tdhook.attribution.rules._kept_constants import CONSTANTS_KEPT, PADS, keep_constants, padded_mask
 from tdhook.attribution.rules._kept_gate_elements import keep_gate_elements
 from tdhook.attribution.rules._keyword_factors import positional_factors
+from tdhook.attribution.rules._layers import GATES
 from tdhook.attribution.rules._means_apart import STATISTICS_AND_MEANS, mean_apart
 from tdhook.attribution.rules._mixed_gate_products import mixed_gate_in_place, mixed_gate_product
 from tdhook.attribution.rules._odd_unit_gates import ODD_UNIT_OFFSETS, odd_unit_offset
@@ -589,8 +590,29 @@ class GateRule(PassRule):
     """
 
     def rewrite(self, module, registration, inputs, output):
+        if not isinstance(module, GATES):  # taken for a gate by its class name (timm's Sigmoid, HardSigmoid)
+            _raise_for_values_outside_a_gate(module, output)
         result = super().rewrite(module, registration, inputs, output)
         return mark_gate(output if result is None else result, inputs[0], sigmoid=True)
+
+
+def _raise_for_values_outside_a_gate(module: Any, output: Any) -> None:
+    """Raise where a module mapped to the gate rule by its class name returns values outside ``[0, 1]``: a gate's
+    output scales a signal (a sigmoid's, a hard sigmoid's); a ``GateSigmoid`` computing ``x · sigmoid(x)`` is an
+    activation, and held as a gate it would give its product's relevance to the other factor."""
+    if not isinstance(output, torch.Tensor) or not output.is_floating_point() or not output.numel():
+        return
+    low, high = torch.aminmax(output.detach())
+    if bool(low < -_GATE_SLACK) or bool(high > 1 + _GATE_SLACK):
+        raise ValueError(
+            f"GateRule on {type(module).__name__}: taken for a sigmoid-like gate by its class name, it returned "
+            f"values from {low.item():.4g} to {high.item():.4g}, outside [0, 1]: it is no gate. Map it to the rule "
+            "of what it computes (PassRule for an element-wise activation)"
+        )
+
+
+# How far outside [0, 1] a gate's values may round.
+_GATE_SLACK = 1e-3
 
 
 # No F.normalize or F.cosine_similarity call yet (never given one: each mode makes its own at its first).
