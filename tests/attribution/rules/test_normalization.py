@@ -241,6 +241,33 @@ class CapsuleNorm(nn.Module):
         return torch.linalg.vector_norm(x, dim=-1)
 
 
+class LayerNormalization(nn.Module):
+    """ConvNeXt's LayerNorm written by hand (a root of the mean square), under a name that is no ``*Norm``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(-1, keepdim=True)
+        return (x - mean) / torch.sqrt((x - mean).pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class HandWrittenLayerNorm(LayerNormalization):
+    """The same norm named like one."""
+
+
+class Whitening(nn.Module):
+    """``F.instance_norm`` over the features, under a name that is no ``*Norm``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.instance_norm(x.unsqueeze(1)).squeeze(1)
+
+
+class WhiteningNorm(Whitening):
+    """The same norm named like one."""
+
+
+class SignedSqrt(PowerNorm):
+    """The signed square root under a name that is no ``*Norm``: an activation."""
+
+
 def _explain_after_a_linear_layer(*layers: nn.Module, preset: str) -> TensorDict:
     """LRP under ``preset`` of a linear layer 4 → 6 followed by ``layers``, on a random batch of 5."""
     torch.manual_seed(0)
@@ -743,6 +770,21 @@ class TestIsNorm:
                 warnings.simplefilter("error")
                 relevance[type(scaling)] = lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
         assert torch.equal(relevance[ChannelNorm], relevance[ChannelScaling])
+
+    @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "AttnLRP", "CPLRP"])
+    def test_a_norm_written_by_hand_or_called_as_a_function_is_one_whatever_its_name(self, preset: str):
+        """A forward calling ``F.instance_norm``, or dividing by ``torch.sqrt`` of a mean square (ConvNeXt's
+        LayerNorm), is a norm under any class name: with a name that is no ``*Norm`` it kept its plain gradient (the
+        norm's scale invariance then left almost no relevance: -4.5e-7 for a logit of -3.14). A root with no
+        reduction beside it (``sign(x) · sqrt(|x|)``) stays an activation."""
+        assert is_norm(LayerNormalization()) and is_norm(Whitening()) and not is_norm(SignedSqrt())
+        tail = nn.Linear(6, 2)
+        for neutral, named in ((LayerNormalization, HandWrittenLayerNorm), (Whitening, WhiteningNorm)):
+            relevance = [
+                _explain_after_a_linear_layer(norm(), copy.deepcopy(tail), preset=preset)["relevance", "x"]
+                for norm in (neutral, named)
+            ]
+            assert torch.equal(relevance[0], relevance[1]), neutral.__name__
 
     @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "AttnLRP", "CPLRP"])
     def test_a_root_taken_element_by_element_is_no_scale_to_hold(self, preset: str):

@@ -87,7 +87,13 @@ _PRODUCTS = frozenset(
 )
 _FRAMES = 64  # Python frames walked up at most, to the innermost module call
 # Names in a forward's code that make it a norm: fused norms, and rsqrt, the scale of a norm written by hand.
-_NORM_CALLS = frozenset({"layer_norm", "rms_norm", "group_norm", "rsqrt"})
+_NORM_CALLS = frozenset(
+    {"layer_norm", "rms_norm", "group_norm", "instance_norm", "batch_norm", "local_response_norm", "rsqrt"}
+)
+# A root of a reduction is a norm's scale too (ConvNeXt's ``(x - u) / torch.sqrt(s + eps)``, ``s`` a mean square):
+# a forward that names ``sqrt`` and one of these (a root alone may be an activation's, ``sign(x) · sqrt(|x|)``).
+_ROOTS = frozenset({"sqrt"})
+_REDUCTIONS = frozenset({"mean", "var", "std", "sum"})
 # timm's FilterResponseNormTlu2d (a filter response norm, then a thresholded linear unit) is named after the unit;
 # ``GRN``: a global response norm (ConvNeXt V2's, ``x · w · ‖x‖ / mean ‖x‖ + x``; timm names it ``GlobalResponseNorm``).
 _NORM_NAMES = (
@@ -206,12 +212,16 @@ def _is_constant(value: object) -> bool:
 
 
 def _forward_normalises(module: nn.Module) -> bool:
-    """Whether the module's own forward calls a fused norm or ``rsqrt`` (the scale of a norm written by hand).
+    """Whether the module's own forward calls a fused norm, ``rsqrt``, or ``sqrt`` beside a reduction (the scale of a
+    norm written by hand).
     A name that is one of the module's children (``self.layer_norm(x)``) is that child's call, not the function's:
     the child is the norm; so is one left ``None`` (ESM-2's embeddings, whose optional norm is off)."""
     names = _forward_names(module)
+    if names is None:
+        return False
     unset = {name for name, value in vars(module).items() if value is None}
-    return names is not None and not _NORM_CALLS.isdisjoint(set(names) - set(module._modules) - unset)
+    called = set(names) - set(module._modules) - unset - set(vars(module))
+    return not _NORM_CALLS.isdisjoint(called) or not (_ROOTS.isdisjoint(called) or _REDUCTIONS.isdisjoint(called))
 
 
 def _constant(tensor: torch.Tensor | None) -> torch.Tensor | None:
