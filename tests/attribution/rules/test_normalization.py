@@ -241,18 +241,6 @@ class CapsuleNorm(nn.Module):
         return torch.linalg.vector_norm(x, dim=-1)
 
 
-class LayerNormalization(nn.Module):
-    """ConvNeXt's LayerNorm written by hand (a root of the mean square), under a name that is no ``*Norm``."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mean = x.mean(-1, keepdim=True)
-        return (x - mean) / torch.sqrt((x - mean).pow(2).mean(-1, keepdim=True) + 1e-6)
-
-
-class HandWrittenLayerNorm(LayerNormalization):
-    """The same norm named like one."""
-
-
 class Whitening(nn.Module):
     """``F.instance_norm`` over the features, under a name that is no ``*Norm``."""
 
@@ -266,6 +254,43 @@ class WhiteningNorm(Whitening):
 
 class SignedSqrt(PowerNorm):
     """The signed square root under a name that is no ``*Norm``: an activation."""
+
+
+class DivisiveNorm(nn.Module):
+    """A divisive normalisation (GDN's form): each element divided by a root of its neighbours' squares, one scale per
+    element by design."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(F.avg_pool1d(x.unsqueeze(1) ** 2, 3, 1, 1).squeeze(1) + 1e-6)
+
+
+class RunningStatisticsNorm(nn.Module):
+    """An eval-mode BatchNorm written by hand on its buffers: its scale, of buffers alone, has one value per feature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("running_var", torch.rand(6, dtype=F64) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / torch.sqrt(self.running_var + 1e-5)
+
+
+class GivenStatisticsNorm(nn.Module):
+    """A norm given its statistic beside its input, as many elements as it: ``x · rsqrt(var + ε)``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalise(x, x.detach().pow(2).mean(-1, keepdim=True).expand_as(x).contiguous())
+
+    @staticmethod
+    def normalise(x: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(var + 1e-6)
+
+
+class ScaledDotScore(nn.Module):
+    """Attention pooling without parameters: ``softmax(Σ q·k / math.sqrt(d))`` names a root and a sum, of a number."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.softmax((x * x.flip(-1)).sum(-1, keepdim=True) / math.sqrt(x.shape[-1]), 0)
 
 
 def _explain_after_a_linear_layer(*layers: nn.Module, preset: str) -> TensorDict:
@@ -772,19 +797,34 @@ class TestIsNorm:
         assert torch.equal(relevance[ChannelNorm], relevance[ChannelScaling])
 
     @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "AttnLRP", "CPLRP"])
-    def test_a_norm_written_by_hand_or_called_as_a_function_is_one_whatever_its_name(self, preset: str):
-        """A forward calling ``F.instance_norm``, or dividing by ``torch.sqrt`` of a mean square (ConvNeXt's
-        LayerNorm), is a norm under any class name: with a name that is no ``*Norm`` it kept its plain gradient (the
-        norm's scale invariance then left almost no relevance: -4.5e-7 for a logit of -3.14). A root with no
-        reduction beside it (``sign(x) · sqrt(|x|)``) stays an activation."""
-        assert is_norm(LayerNormalization()) and is_norm(Whitening()) and not is_norm(SignedSqrt())
+    def test_a_norm_called_as_a_function_is_one_whatever_its_name(self, preset: str):
+        """A forward calling ``F.instance_norm`` is a norm under any class name: with a name that is no ``*Norm`` it
+        kept its plain gradient (the norm's scale invariance then left almost no relevance: -4.5e-6 for a logit of
+        -3.14). A root alone (``sign(x) · sqrt(|x|)``) stays an activation."""
+        assert is_norm(Whitening()) and not is_norm(SignedSqrt())
         tail = nn.Linear(6, 2)
-        for neutral, named in ((LayerNormalization, HandWrittenLayerNorm), (Whitening, WhiteningNorm)):
-            relevance = [
-                _explain_after_a_linear_layer(norm(), copy.deepcopy(tail), preset=preset)["relevance", "x"]
-                for norm in (neutral, named)
-            ]
-            assert torch.equal(relevance[0], relevance[1]), neutral.__name__
+        relevance = [
+            _explain_after_a_linear_layer(norm(), copy.deepcopy(tail), preset=preset)["relevance", "x"]
+            for norm in (Whitening, WhiteningNorm)
+        ]
+        assert torch.equal(relevance[0], relevance[1])
+
+    @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "AttnLRP", "CPLRP"])
+    def test_scales_with_one_value_per_element_that_are_no_activation_of_the_input_are_held(self, preset: str):
+        """Roots with as many elements as the input that are not taken of it element by element stay normalising
+        scales: a divisive normalisation's (of its neighbours), one of buffers (a BatchNorm written by hand, explained
+        on one sample as on a batch), one of a statistic computed apart. A root of a number beside a sum
+        (``math.sqrt(d)``) makes no norm."""
+        assert not is_norm(ScaledDotScore())
+        torch.manual_seed(0)
+        x = torch.randn(5, 4, dtype=F64)
+        for norm in (DivisiveNorm(), RunningStatisticsNorm(), GivenStatisticsNorm()):
+            model = nn.Sequential(nn.Linear(4, 6), norm, nn.Linear(6, 2)).double()
+            mapper = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, **CNN_PRESETS}[preset]()
+            lrp = LRP(model, mapper, in_keys=["x"], out_keys=["y"])
+            batch, single = (lrp(TensorDict(x=value, batch_size=value.shape[:1])) for value in (x, x[:1]))
+            assert torch.isfinite(batch["relevance", "x"]).all(), type(norm).__name__
+            torch.testing.assert_close(single["relevance", "x"], batch["relevance", "x"][:1], rtol=1e-10, atol=1e-12)
 
     @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "AttnLRP", "CPLRP"])
     def test_a_root_taken_element_by_element_is_no_scale_to_hold(self, preset: str):

@@ -54,6 +54,7 @@ from tdhook.attribution.rules._copied_gates import COPIES_IN_PLACE, keep_copied_
 from tdhook.attribution.rules._filled_constants import keep_filled_elements
 from tdhook.attribution.rules._filled_gates import FILLS, WHERES, filled_mask, filled_pieces
 from tdhook.attribution.rules._fused_products import FUSED_PRODUCTS, fused_factors, fused_product
+from tdhook.attribution.rules._gate_values import raise_for_values_outside_a_gate
 from tdhook.attribution.rules._gate_writes import GATE_MASKS_MADE, GATE_WRITTEN
 from tdhook.attribution.rules._held_glu import held_glu
 from tdhook.attribution.rules._held_norm_calls import NORMALIZING_CALLS, HeldNormCalls, normalized_inputs
@@ -591,28 +592,9 @@ class GateRule(PassRule):
 
     def rewrite(self, module, registration, inputs, output):
         if not isinstance(module, GATES):  # taken for a gate by its class name (timm's Sigmoid, HardSigmoid)
-            _raise_for_values_outside_a_gate(module, output)
+            raise_for_values_outside_a_gate(module, output)
         result = super().rewrite(module, registration, inputs, output)
         return mark_gate(output if result is None else result, inputs[0], sigmoid=True)
-
-
-def _raise_for_values_outside_a_gate(module: Any, output: Any) -> None:
-    """Raise where a module mapped to the gate rule by its class name returns values outside ``[0, 1]``: a gate's
-    output scales a signal (a sigmoid's, a hard sigmoid's); a ``GateSigmoid`` computing ``x · sigmoid(x)`` is an
-    activation, and held as a gate it would give its product's relevance to the other factor."""
-    if not isinstance(output, torch.Tensor) or not output.is_floating_point() or not output.numel():
-        return
-    low, high = torch.aminmax(output.detach())
-    if bool(low < -_GATE_SLACK) or bool(high > 1 + _GATE_SLACK):
-        raise ValueError(
-            f"GateRule on {type(module).__name__}: taken for a sigmoid-like gate by its class name, it returned "
-            f"values from {low.item():.4g} to {high.item():.4g}, outside [0, 1]: it is no gate. Map it to the rule "
-            "of what it computes (PassRule for an element-wise activation)"
-        )
-
-
-# How far outside [0, 1] a gate's values may round.
-_GATE_SLACK = 1e-3
 
 
 # No F.normalize or F.cosine_similarity call yet (never given one: each mode makes its own at its first).

@@ -71,9 +71,9 @@ _SCALES = frozenset(
 _SCALE_AND_MEAN = frozenset({torch.var_mean, torch.std_mean})
 # A negative power is a normalising scale too (Gemma 3n's ``x * torch.pow(mean(x²) + ε, -0.5)``).
 _POWERS = frozenset({torch.pow, torch.Tensor.pow, torch.Tensor.__pow__})
-# The scales computed element by element (of a reduction, in a norm: a mean square's root): a normalising scale only
-# where the result has fewer elements than the norm's input (``sign(x) · sqrt(|x|)``, a power normalisation, has
-# as many: no scale to hold, and held it gave every input no relevance).
+# The scales computed element by element (of a reduction, in a norm: a mean square's root): a normalising scale
+# unless taken of the norm's input element by element (``sign(x) · sqrt(|x|)``, a power normalisation: no scale to
+# hold, and held it gave every input no relevance).
 _ELEMENTWISE_SCALES = frozenset({torch.rsqrt, torch.Tensor.rsqrt, torch.sqrt, torch.Tensor.sqrt}) | _POWERS
 # Calls in a norm's forward that its rule leaves to the mapper's function modes (AttnLRP's, CP-LRP's): activations,
 # and products of two activations (a gated norm's ``h * silu(gate)``, Mamba 2's): the rule holds only the scales.
@@ -90,10 +90,6 @@ _FRAMES = 64  # Python frames walked up at most, to the innermost module call
 _NORM_CALLS = frozenset(
     {"layer_norm", "rms_norm", "group_norm", "instance_norm", "batch_norm", "local_response_norm", "rsqrt"}
 )
-# A root of a reduction is a norm's scale too (ConvNeXt's ``(x - u) / torch.sqrt(s + eps)``, ``s`` a mean square):
-# a forward that names ``sqrt`` and one of these (a root alone may be an activation's, ``sign(x) · sqrt(|x|)``).
-_ROOTS = frozenset({"sqrt"})
-_REDUCTIONS = frozenset({"mean", "var", "std", "sum"})
 # timm's FilterResponseNormTlu2d (a filter response norm, then a thresholded linear unit) is named after the unit;
 # ``GRN``: a global response norm (ConvNeXt V2's, ``x · w · ‖x‖ / mean ‖x‖ + x``; timm names it ``GlobalResponseNorm``).
 _NORM_NAMES = (
@@ -212,16 +208,15 @@ def _is_constant(value: object) -> bool:
 
 
 def _forward_normalises(module: nn.Module) -> bool:
-    """Whether the module's own forward calls a fused norm, ``rsqrt``, or ``sqrt`` beside a reduction (the scale of a
-    norm written by hand).
+    """Whether the module's own forward calls a fused norm or ``rsqrt`` (the scale of a norm written by hand).
     A name that is one of the module's children (``self.layer_norm(x)``) is that child's call, not the function's:
     the child is the norm; so is one left ``None`` (ESM-2's embeddings, whose optional norm is off)."""
     names = _forward_names(module)
     if names is None:
         return False
     unset = {name for name, value in vars(module).items() if value is None}
-    called = set(names) - set(module._modules) - unset - set(vars(module))
-    return not _NORM_CALLS.isdisjoint(called) or not (_ROOTS.isdisjoint(called) or _REDUCTIONS.isdisjoint(called))
+    called = set(names) - set(module._modules) - unset
+    return not _NORM_CALLS.isdisjoint(called)
 
 
 def _constant(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -302,7 +297,7 @@ class _ConstantScale(TorchFunctionMode):
         self.pending: dict[int, tuple[torch.Tensor, Any]] = {}  # held scales no call has taken yet, by id
         self.kept = False  # whether the forward does more than hold scales: later calls keep the mode
         self.unruled: list[str] = []  # activations and products no function mode below rules (see _signal_call)
-        self._input_size: int | None = None  # the most elements of a tensor the module was given (found once)
+        self._input: Any = False  # the module's first tensor input (found at the first root: False before)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -331,9 +326,7 @@ class _ConstantScale(TorchFunctionMode):
                     self.kept = self.kept or ruled is not output
                     return ruled
             result = func(*args, **kwargs)
-            if (func in _SCALES or (func in _POWERS and _negative_exponent(args, kwargs))) and self._reduced(
-                func, result
-            ):
+            if (func in _SCALES or (func in _POWERS and _negative_exponent(args, kwargs))) and self._scale(func, args):
                 self.applied = True
                 held = hold(result)
                 if self.record is not None and result.grad_fn is not None:
@@ -348,15 +341,15 @@ class _ConstantScale(TorchFunctionMode):
             # Marked as the function modes mark it: a weight written ``1 + w`` (Gemma's) is no activation to a product.
             return mark_parameter_derived(args, result, func)
 
-    def _reduced(self, func: Any, result: Any) -> bool:
-        """Whether ``result`` of a scale's function is a normalising scale: a reduction's (``var``, ``std``, a norm),
-        or an element-wise function's (``rsqrt``, ``sqrt``, a negative power) with fewer elements than the largest
-        tensor the module was given (one per position or group of the elements it normalises)."""
-        if func not in _ELEMENTWISE_SCALES or not isinstance(result, torch.Tensor):
+    def _scale(self, func: Any, args: tuple) -> bool:
+        """Whether the result of a scale's function is a normalising scale: a reduction's (``var``, ``std``, a norm),
+        or an element-wise function's (``rsqrt``, ``sqrt``, a negative power) of anything but the module's input
+        taken element by element (``sqrt(|x|)`` is an activation of ``x``: held, it left the output constant)."""
+        if func not in _ELEMENTWISE_SCALES or not args or not isinstance(args[0], torch.Tensor):
             return True
-        if self._input_size is None:
-            self._input_size = _largest_input(self.module)
-        return self._input_size == 0 or result.numel() < self._input_size
+        if self._input is False:
+            self._input = _first_input(self.module)
+        return self._input is None or not _element_wise_of(args[0], self._input)
 
     def _taken(self, args: tuple, kwargs: dict, result: Any) -> None:
         """Tell the recording which held scales this call took: the result's node has no edge where a held scale
@@ -411,18 +404,51 @@ def _held_scale_returned(args: tuple, output: Any) -> bool:
     return is_held(output) or not output.requires_grad
 
 
-def _largest_input(module: nn.Module) -> int:
-    """The most elements of a tensor given to the call of ``module`` in progress (the innermost on the Python
-    stack), 0 where none is found there."""
+def _first_input(module: nn.Module) -> torch.Tensor | None:
+    """The first tensor given to the call of ``module`` in progress (the innermost on the Python stack), or ``None``."""
     frame = sys._getframe(1)
     for _ in range(_FRAMES):
         if frame is None:
-            return 0
+            return None
         if frame.f_code is _CALL and frame.f_locals.get("self") is module:
             given = (*frame.f_locals.get("args", ()), *frame.f_locals.get("kwargs", {}).values())
-            return max((value.numel() for value in given if isinstance(value, torch.Tensor)), default=0)
+            return next((value for value in given if isinstance(value, torch.Tensor)), None)
         frame = frame.f_back
-    return 0
+    return None
+
+
+def _element_wise_of(value: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``value`` is computed from ``x`` element by element only: its autograd graph reaches ``x`` through
+    element-wise nodes (:data:`_ELEMENT_WISE_NODES`) alone. A path through any other node (a mean, a sum, a
+    convolution, a pooling: a divisive normalisation's neighbourhood) makes a scale; so does none at all (a scale of
+    buffers, of a statistic given beside ``x``)."""
+    if not (value.requires_grad and x.requires_grad):
+        return False
+    target = x.grad_fn
+    stack, seen = [value.grad_fn], set()
+    while stack and len(seen) < _MOST_NODES:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node is target or (target is None and getattr(node, "variable", None) is x):
+            return True
+        if type(node).__name__ in _ELEMENT_WISE_NODES:
+            stack.extend(child for child, _ in node.next_functions)
+    return False
+
+
+# The autograd nodes of element-wise functions and of views, through which a value stays one per element of ``x``.
+_ELEMENT_WISE_NODES = frozenset(
+    {"AbsBackward0", "SgnBackward0", "SignBackward0", "NegBackward0", "ReluBackward0", "ThresholdBackward0"}
+    | {"MulBackward0", "AddBackward0", "SubBackward0", "RsubBackward1", "DivBackward0", "PowBackward0"}
+    | {"PowBackward1", "ClampBackward1", "ClampMinBackward0", "ClampMaxBackward0", "ExpBackward0", "LogBackward0"}
+    | {"SqrtBackward0", "RsqrtBackward0", "ToCopyBackward0", "CloneBackward0", "ViewBackward0", "AliasBackward0"}
+    | {"UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "SigmoidBackward0", "TanhBackward0"}
+    | {"SoftplusBackward0", "AddBackward1", "MulBackward1", "SubBackward1", "DivBackward1"}
+)
+# The nodes a look for element-wise paths walks at most (beyond: taken for a scale, as before the look).
+_MOST_NODES = 64
 
 
 def _covered(func: Any, args: tuple) -> bool:
