@@ -22,7 +22,7 @@ from tensordict import TensorDict
 from torch import nn
 from torchrl.modules import BatchRenorm1d
 
-from tdhook.attribution import CPLRP, LRP, AttnLRP
+from tdhook.attribution import CPLRP, LRP, AttnLRP, UniformEpsilon
 from tdhook.attribution.mappers.base import BaseRuleMapper
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule, PassRule
 from tdhook.attribution.rules.batch_norm import MergeBatchNormRule
@@ -299,6 +299,22 @@ def _explain_after_a_linear_layer(*layers: nn.Module, preset: str) -> TensorDict
     model = nn.Sequential(nn.Linear(4, 6), *layers).double()
     mapper = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, **CNN_PRESETS}[preset]()
     return LRP(model, mapper, in_keys=["x"], out_keys=["y"])(TensorDict(x=torch.randn(5, 4, dtype=F64), batch_size=[5]))
+
+
+def _relevance_before_a_convolution(scalings: list[nn.Module], preset: str) -> list[torch.Tensor]:
+    """LRP under ``preset`` of each of ``scalings`` followed by one and the same convolution, ReLU and linear layer,
+    on one random image batch, with no warning."""
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2)).double()
+    x = torch.rand(2, 3, 8, 8, dtype=F64)
+    relevance = []
+    for scaling in scalings:
+        mapper = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, **CNN_PRESETS}[preset]()
+        lrp = LRP(nn.Sequential(scaling, body), mapper, in_keys=["x"], out_keys=["y"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            relevance.append(lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"])
+    return relevance
 
 
 def _closure_forward(scale: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
@@ -757,22 +773,12 @@ class TestIsNorm:
     def test_an_input_scaling_named_like_a_norm_is_explained_as_under_any_other_name(self, preset: str):
         """A user's normaliser of raw inputs by constants, ``(x - 0.5) / 0.25`` or ``(x - self.mean) / self.std``,
         named ``InputNorm``: its forward names nothing but numbers (operators on its input and numbers) and cannot
-        compute a normalising scale. Mapped to a norm
-        rule by its name, the call raised that its forward ran no normalisation; under another name it passed. It
-        explains as the same module under another name, before a convolution and its ReLU."""
+        compute a normalising scale. Mapped to a norm rule by its name, the call raised that its forward ran no
+        normalisation; under another name it passed. It explains as the same module under another name, before a
+        convolution and its ReLU."""
         assert not is_norm(InputNorm()) and not is_norm(StatisticsNorm()) and is_norm(ClosureNorm())
-        torch.manual_seed(0)
-        body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2)).double()
-        x = torch.rand(2, 3, 8, 8, dtype=F64)
-        relevance = {}
-        for scaling in (InputNorm(), StatisticsNorm(), InputScaling()):
-            mapper = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, **CNN_PRESETS}[preset]()
-            lrp = LRP(nn.Sequential(scaling, body), mapper, in_keys=["x"], out_keys=["y"])
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")
-                relevance[type(scaling)] = lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
-        assert torch.equal(relevance[InputNorm], relevance[InputScaling])
-        assert torch.equal(relevance[StatisticsNorm], relevance[InputScaling])
+        relevance = _relevance_before_a_convolution([InputNorm(), StatisticsNorm(), InputScaling()], preset)
+        assert torch.equal(relevance[0], relevance[2]) and torch.equal(relevance[1], relevance[2])
 
     @pytest.mark.parametrize("form", ["view", "methods", "constants"])
     @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "AttnLRP", "CPLRP"])
@@ -784,17 +790,8 @@ class TestIsNorm:
         compute no normalising scale. Mapped to a norm rule by its name, each raised that its forward ran no
         normalisation; it explains as the same module under another name."""
         assert not is_norm(ChannelNorm(form))
-        torch.manual_seed(0)
-        body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2)).double()
-        x = torch.rand(2, 3, 8, 8, dtype=F64)
-        relevance = {}
-        for scaling in (ChannelNorm(form), ChannelScaling(form)):
-            mapper = {"AttnLRP": AttnLRP, "CPLRP": CPLRP, **CNN_PRESETS}[preset]()
-            lrp = LRP(nn.Sequential(scaling, body), mapper, in_keys=["x"], out_keys=["y"])
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")
-                relevance[type(scaling)] = lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
-        assert torch.equal(relevance[ChannelNorm], relevance[ChannelScaling])
+        relevance = _relevance_before_a_convolution([ChannelNorm(form), ChannelScaling(form)], preset)
+        assert torch.equal(relevance[0], relevance[1])
 
     @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "AttnLRP", "CPLRP"])
     def test_a_norm_called_as_a_function_is_one_whatever_its_name(self, preset: str):
@@ -825,6 +822,20 @@ class TestIsNorm:
             batch, single = (lrp(TensorDict(x=value, batch_size=value.shape[:1])) for value in (x, x[:1]))
             assert torch.isfinite(batch["relevance", "x"]).all(), type(norm).__name__
             torch.testing.assert_close(single["relevance", "x"], batch["relevance", "x"][:1], rtol=1e-10, atol=1e-12)
+
+    def test_a_divisive_normalisations_scale_is_held_under_lrp0(self):
+        """LRP-0 through a divisive normalisation is gradient × input with its root of the neighbours' squares held
+        constant (detached): the root is a scale, though it has one value per element."""
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), DivisiveNorm(), nn.Linear(6, 2)).double()
+        x = torch.randn(5, 4, dtype=F64)
+        lrp = LRP(model, UniformEpsilon(0.0, stabilizer=1e-12), in_keys=["x"], out_keys=["y"])
+        relevance = lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"]
+        leaf = x.clone().requires_grad_(True)
+        h = model[0](leaf)
+        scale = torch.rsqrt(F.avg_pool1d(h.unsqueeze(1) ** 2, 3, 1, 1).squeeze(1) + 1e-6).detach()
+        (grad,) = torch.autograd.grad(model[2](h * scale).max(-1).values.sum(), leaf)
+        assert relative_error(relevance, x * grad) <= 1e-9
 
     @pytest.mark.parametrize("preset", [*sorted(CNN_PRESETS), "AttnLRP", "CPLRP"])
     def test_a_root_taken_element_by_element_is_no_scale_to_hold(self, preset: str):

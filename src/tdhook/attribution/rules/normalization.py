@@ -151,10 +151,10 @@ def _holds_a_norm(module: nn.Module) -> bool:
     return any(is_norm(child) for child in module.children())
 
 
-def _forward_code(module: nn.Module) -> CodeType | None:
-    """The code of the module's own forward, past decorators that wrap it (``@torch.autocast(...)``: the wrapper
-    itself names nothing); ``None`` where it has no Python code."""
-    return getattr(inspect.unwrap(type(module).forward), "__code__", None)
+def _forward_function(module: nn.Module) -> Any:
+    """The module's own forward, past decorators that wrap it (``@torch.autocast(...)``: the wrapper itself names
+    nothing)."""
+    return inspect.unwrap(type(module).forward)
 
 
 def _code_names(code: CodeType) -> tuple[str, ...]:
@@ -164,20 +164,20 @@ def _code_names(code: CodeType) -> tuple[str, ...]:
 
 
 def _forward_names(module: nn.Module) -> tuple[str, ...] | None:
-    """The names the module's own forward reads (see :func:`_forward_code`); ``None`` where it has no Python code."""
-    code = _forward_code(module)
+    """The names the module's own forward reads (see :func:`_forward_function`); ``None`` where it has no Python
+    code."""
+    code = getattr(_forward_function(module), "__code__", None)
     return None if code is None else _code_names(code)
 
 
 def _forward_is_element_wise(module: nn.Module) -> bool:
     """Whether the module's own forward names nothing but its own tensors and constants (parameters, buffers, other
     attributes holding tensors, numbers or strings), constants of its code's module (numbers, tuples of them,
-    tensors), and operations
-    element by element or on shapes (:data:`_ELEMENT_WISE_NAMES`), and calls no function a closure holds: such a
-    forward (``x * self.weight + self.bias``, ``(x - self.mean.view(1, -1, 1, 1)) / self.std.view(1, -1, 1, 1)``,
-    ``x.sub(0.5).div(0.25)``) cannot reduce a position to a scale. A forward that reads a closure's variables (a
-    decorator's wrapper whose wrapped forward is not known) may call anything."""
-    forward = inspect.unwrap(type(module).forward)
+    tensors), and operations element by element or on shapes (:data:`_ELEMENT_WISE_NAMES`), and calls no function
+    a closure holds: such a forward (``x * self.weight + self.bias``, ``(x - self.mean.view(1, -1, 1, 1)) /
+    self.std.view(1, -1, 1, 1)``, ``x.sub(0.5).div(0.25)``) cannot reduce a position to a scale. A forward that
+    reads a closure's variables (a decorator's wrapper whose wrapped forward is not known) may call anything."""
+    forward = _forward_function(module)
     code = getattr(forward, "__code__", None)
     if code is None or code.co_freevars:
         return False
