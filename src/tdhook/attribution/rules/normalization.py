@@ -86,10 +86,11 @@ _PRODUCTS = frozenset(
     | {torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
 )
 _FRAMES = 64  # Python frames walked up at most, to the innermost module call
-# Names in a forward's code that make it a norm: fused norms, and rsqrt, the scale of a norm written by hand.
-_NORM_CALLS = frozenset(
-    {"layer_norm", "rms_norm", "group_norm", "instance_norm", "batch_norm", "local_response_norm", "rsqrt"}
-)
+# Names in a forward's code that make it a norm: fused norms, and rsqrt, the scale of a norm written by hand. Not
+# ``batch_norm``: in eval mode it is a per-channel affine map, which a module of one's own calling it on a layer's
+# output leaves unmerged, and the watch of the first call names it there (see _unmerged_norms); in training mode the
+# watch names it too. Taken for a norm, its module would get the norm rule, under which the watch sees nothing.
+_NORM_CALLS = frozenset({"layer_norm", "rms_norm", "group_norm", "instance_norm", "local_response_norm", "rsqrt"})
 # timm's FilterResponseNormTlu2d (a filter response norm, then a thresholded linear unit) is named after the unit;
 # ``GRN``: a global response norm (ConvNeXt V2's, ``x · w · ‖x‖ / mean ‖x‖ + x``; timm names it ``GlobalResponseNorm``).
 _NORM_NAMES = (
