@@ -33,6 +33,7 @@ from tdhook.attribution.lrp_helpers.rules import (
     GammaRule,
     WSquareRule,
 )
+from tests.attribution.test_lrp_layers import FunctionalConv
 from tests.conftest import relative_error
 
 F64 = torch.float64
@@ -183,6 +184,23 @@ class TestFirstLayerWrittenWithFLinear:
         net = nn.Sequential(OwnConv(nn.Conv2d(3, 4, 3)), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 3)).to(F64)
         with pytest.warns(UserWarning, match=r"module '0' \(OwnConv\) .* reaches first gets ZBoxRule"):
             _relevance(net, torch.randn(2, 3, 6, 6, dtype=F64), EpsilonGammaBox(-3.0, 3.0))
+
+    @pytest.mark.parametrize("preset", [EpsilonPlus, lambda: EpsilonGammaBox(-3.0, 3.0)], ids=["EpsilonPlus", "gamma"])
+    def test_a_later_convolution_of_ones_own_is_not_said_to_be_first(self, preset):
+        """After an ``nn.Conv2d``, a convolution of one's own gets the later convolutions' rule, and the warning says
+        so. Under a preset with no first-layer rule (EpsilonPlus), whose layers mark no outputs, the call was said
+        to be where "a Conv2d the model's input reaches first" gets z⁺."""
+        torch.manual_seed(0)
+        net = nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), FunctionalConv(nn.Conv2d(4, 4, 3)), nn.ReLU(), nn.Flatten()
+        ).to(F64)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _relevance(net, torch.randn(2, 3, 6, 6, dtype=F64), preset())
+        named = [str(w.message) for w in caught if "(FunctionalConv)" in str(w.message)]
+        assert len(named) == 1, [str(w.message) for w in caught]
+        rule = "AlphaBetaRule" if preset is EpsilonPlus else "GammaRule"
+        assert f"where a Conv2d gets {rule}" in named[0], named[0]
 
     def test_a_users_rule_for_linear_layers_wins_as_on_a_first_layer(self):
         """A user's rule for nn.Linear wins over the first-layer rule (as BaseRuleMapper.rules decides): ε = 0 there

@@ -194,7 +194,9 @@ def report_unmapped_layers(
         module = modules.get(name)
         for function, count in functions.items():
             is_first = function in (first or {}).get(name, {})
-            rule = _layer_rule(mapper, name, layer_of(function), is_first)
+            # Said to be in the first layer's place only where that gave the rule: a mapper with no first-layer rule
+            # (EpsilonPlus) gives every such layer the same one.
+            rule, is_first = _layer_rule(mapper, name, layer_of(function), is_first)
             if rule is None:
                 continue
             kind = type(module).__name__ if module is not None else "?"
@@ -268,22 +270,32 @@ def _recurrent_rule(kind: str) -> str:
 
 def _layer_rule(
     mapper: Callable[[str, nn.Module], Any] | None, name: str, layer: type[nn.Module], first: bool = False
-) -> Any:
+) -> tuple[Any, bool]:
     """The rule ``mapper`` gives a layer of type ``layer`` named ``name`` (in the first layer's place where
-    ``first``), where it is not (near) the plain gradient."""
+    ``first``), where it is not (near) the plain gradient, and whether it is a first-layer rule.
+
+    Examples:
+        >>> from tdhook.attribution import EpsilonPlus, EpsilonPlusFlat
+        >>> rule, took_first = _layer_rule(EpsilonPlusFlat(), "0", nn.Conv2d, first=True)
+        >>> type(rule).__name__, took_first
+        ('FlatRule', True)
+        >>> rule, took_first = _layer_rule(EpsilonPlus(), "0", nn.Conv2d, first=True)  # z⁺ for every convolution
+        >>> type(rule).__name__, took_first
+        ('AlphaBetaRule', False)
+    """
     if mapper is None:
-        return None
+        return None, False
     shape = (1, 1) if layer is nn.Linear else (1, 1, 1)
     module = layer(*shape, device="meta")
-    rule = mapper(name, module)
+    rule, took_first = mapper(name, module), False
     if first and isinstance(mapper, BaseRuleMapper):
         # As BaseRuleMapper.rules decides: a rule of the user's mapper wins, else the preset's first-layer rule.
         users = mapper.rule_mapper(name, module) if mapper.rule_mapper is not None else None
-        if users is None:
-            rule = mapper.first_layer_rule(name, module) or rule
+        if users is None and (first_rule := mapper.first_layer_rule(name, module)) is not None:
+            rule, took_first = first_rule, True
     if isinstance(rule, FirstLayerRule):
-        rule = rule.first if first else rule.other
+        rule, took_first = (rule.first, True) if first else (rule.other, False)
     plain = rule is None or isinstance(rule, IgnoreRule)
     if type(rule) is EpsilonRule and rule.epsilon <= NEGLIGIBLE_EPSILON:
         plain = True
-    return None if plain else rule
+    return (None, False) if plain else (rule, took_first)
