@@ -53,6 +53,13 @@ def main() -> None:
         "--warm", action="store_true", help="time each call after an untimed one, as in a loop over many batches"
     )
     parser.add_argument(
+        "--loop",
+        type=int,
+        default=1,
+        help="time LOOP calls of each method in a row and count their mean, as a metric run over the batches of a "
+        "data set calls it (the collector runs before the first only)",
+    )
+    parser.add_argument(
         "--cpu-time",
         action="store_true",
         help="time the CPU time of this process instead of the wall time (steadier where other work shares the core)",
@@ -75,6 +82,7 @@ def main() -> None:
     print(
         f"batch {b} x {c}x{s}x{s} ({n_features} features, {args.features_per_step} per step), 1 thread, "
         f"median of {args.repeats} interleaved rounds{', warm caches' if args.warm else ''}"
+        f"{f', {args.loop} calls in a row' if args.loop > 1 else ''}"
         f"{', CPU time' if args.cpu_time else ''}{', frozen heap' if args.frozen_heap else ''}"
     )
     print(
@@ -135,6 +143,7 @@ def main() -> None:
             args.repeats,
             collect=True,
             warm=args.warm,
+            loop=args.loop,
             clock=time.process_time if args.cpu_time else time.perf_counter,
         )
         if args.frozen_heap:

@@ -49,6 +49,7 @@ def interleaved_medians(
     collect: bool = False,
     clock: Callable[[], float] = time.perf_counter,
     warm: bool = False,
+    loop: int = 1,
 ) -> dict[str, float]:
     """Median wall time of each method over ``repeats`` rounds that run every method once, after a warm-up round.
 
@@ -60,7 +61,9 @@ def interleaved_medians(
     instead, which other processes on a loaded machine do not stretch (of use for
     single-threaded work only). With ``warm``, each timed call follows an untimed call of the same method (after
     the collection): it finds the caches as a loop over many batches leaves them, not as the collector and the other
-    methods did. The methods take their turns in a new order every round (drawn with a fixed seed): a method that
+    methods did. With ``loop`` above 1, each timed turn runs the method ``loop`` times in a row and counts the mean
+    of those calls, as a loop over the batches of a data set runs it (the collection, if any, before the first
+    call only). The methods take their turns in a new order every round (drawn with a fixed seed): a method that
     always ran first, or right after another, would meet the caches that place leaves.
     """
     times: dict[str, list[float]] = {label: [] for label in methods}
@@ -74,9 +77,10 @@ def interleaved_medians(
             if warm and round_:
                 fn()
             start = clock()
-            fn()
+            for _ in range(loop):
+                fn()
             if round_:
-                times[label].append(clock() - start)
+                times[label].append((clock() - start) / loop)
     return {label: statistics.median(values) for label, values in times.items()}
 
 

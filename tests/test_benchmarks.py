@@ -40,7 +40,7 @@ COMMANDS = {
     ],
     "metrics frozen heap": [
         *("bench_metrics.py", "--model", "linear", "--batch", "2", "--size", "4"),
-        *("--features-per-step", "4", "--repeats", "1", "--frozen-heap"),
+        *("--features-per-step", "4", "--repeats", "1", "--frozen-heap", "--loop", "2"),
     ],
     "methods": ["bench_methods.py", "--batch", "2", "--size", "8", "--steps", "4", "--repeats", "1"],
     "operations": ["op_sequence.py", "--cases", "uniform and stop", "Taylor"],
