@@ -444,7 +444,9 @@ def weighing_factors(args: tuple) -> list[bool] | None:
     those) and a sigmoid gate scales its signal (over two branches the softmax is ``sigmoid(a - b)`` and its
     complement). Held constant (signal-take-all), the mixture passes all its relevance to the branches, which
     sum to it. A matrix product with the weights (attention's ``weights @ v``) is not an element-wise product
-    and keeps its rule.
+    and keeps its rule, and so does one written out as a broadcast product, ``(weights[..., None] * v[:, :, None])``
+    summed: the activation repeated along the weights' other dimensions (each value weighed for every query) is
+    what no mixture does.
 
     Examples:
         >>> x = torch.tensor([[1.0, -2.0]], requires_grad=True)
@@ -455,7 +457,14 @@ def weighing_factors(args: tuple) -> list[bool] | None:
     if len(args) != 2 or not (is_activation(args[0]) and is_activation(args[1])):
         return None
     marks = [getattr(a, WEIGHTS_MARK, False) for a in args]
-    return None if marks[0] == marks[1] else marks
+    if marks[0] == marks[1]:
+        return None
+    signal = args[marks.index(False)]
+    try:
+        repeated = torch.broadcast_shapes(args[0].shape, args[1].shape) != signal.shape
+    except RuntimeError:  # an einsum's operands, which need not broadcast
+        repeated = False
+    return None if repeated else marks
 
 
 def _scaled_or_copied(func: Any, args: tuple) -> torch.Tensor | None:
