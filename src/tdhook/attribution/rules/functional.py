@@ -90,6 +90,7 @@ from tdhook.attribution.rules._mixed_gate_products import mixed_gate_product
 from tdhook.attribution.rules._narrowed_softmax import raise_for_unseen_rows
 from tdhook.attribution.rules._odd_unit_gates import ERFS, ODD_UNITS, mark_odd_unit
 from tdhook.attribution.rules._recomputed import raise_for_checkpoint, saved_tensors_hooked
+from tdhook.attribution.rules._self_gates import mark_self_gated
 from tdhook.attribution.rules._unrecorded_writes import NOT_READ, UNRECORDED, note_out_write, read_unrecorded
 from tdhook.attribution.rules._whole_choices import choice_follows_values
 from tdhook.attribution.rules._zero_input_calls import watch_zero_inputs
@@ -362,6 +363,8 @@ class FunctionalRules(TorchFunctionMode):
                     recording.scaled(node, product.grad_fn)
             if func in ELEMENTWISE_PRODUCTS:  # of two factors that products hold: one too (see _held_values)
                 keep_held_product_mark(args, product, self.hold_gates)
+                if gates is not None:  # x * sigmoid(x) written out: an activation's output (see _self_gates)
+                    mark_self_gated(args, product)
             return product
         if CONSTANT_MASKS_MADE and (func is torch.einsum or func in _BADDBMM):  # a factor with constants in part
             mixed = _constant_bilinear(func, args, kwargs)

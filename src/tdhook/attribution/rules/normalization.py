@@ -420,7 +420,7 @@ def _first_input(module: nn.Module) -> torch.Tensor | None:
 
 def _element_wise_of(value: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether ``value`` is computed from ``x`` element by element only: its autograd graph reaches ``x`` through
-    element-wise nodes (:data:`_ELEMENT_WISE_NODES`) alone. A path through any other node (a mean, a sum, a
+    element-wise nodes (:data:`ELEMENT_WISE_NODES`) alone. A path through any other node (a mean, a sum, a
     convolution, a pooling: a divisive normalisation's neighbourhood) makes a scale; so does none at all (a scale of
     buffers, of a statistic given beside ``x``)."""
     if not (value.requires_grad and x.requires_grad):
@@ -434,13 +434,13 @@ def _element_wise_of(value: torch.Tensor, x: torch.Tensor) -> bool:
         seen.add(node)
         if node is target or (target is None and getattr(node, "variable", None) is x):
             return True
-        if type(node).__name__ in _ELEMENT_WISE_NODES:
+        if type(node).__name__ in ELEMENT_WISE_NODES:
             stack.extend(child for child, _ in node.next_functions)
     return False
 
 
 # The autograd nodes of element-wise functions and of views, through which a value stays one per element of ``x``.
-_ELEMENT_WISE_NODES = frozenset(
+ELEMENT_WISE_NODES = frozenset(
     {"AbsBackward0", "SgnBackward0", "SignBackward0", "NegBackward0", "ReluBackward0", "ThresholdBackward0"}
     | {"MulBackward0", "AddBackward0", "SubBackward0", "RsubBackward1", "DivBackward0", "PowBackward0"}
     | {"PowBackward1", "ClampBackward1", "ClampMinBackward0", "ClampMaxBackward0", "ExpBackward0", "LogBackward0"}
