@@ -1187,3 +1187,25 @@ class TestNormsUnderVmap:
         plain = LRP(self.Vmapped(norm, vmapped=False), AttnLRP(), in_keys=["x"], out_keys=["y"])(x.clone())
         vmapped = LRP(self.Vmapped(norm, vmapped=True), AttnLRP(), in_keys=["x"], out_keys=["y"])(x.clone())
         assert relative_error(vmapped["relevance", "x"], plain["relevance", "x"]) <= 1e-12
+
+
+class ImagePolicy(nn.Module):
+    """An Atari-style policy: integer pixels cast in its forward, then a convolution and a BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.net(pixels.float() / 255)
+
+
+@pytest.mark.parametrize("preset", sorted(CNN_PRESETS))
+def test_integer_pixels_before_a_merged_batch_norm_get_the_inputs_error(preset: str):
+    # The BatchNorm merged into the convolution saw an input of the weights' gradient alone, and its rule raised that
+    # its output was a scale it held ("map the module to another rule"), the integer key told only in a note.
+    torch.manual_seed(0)
+    lrp = LRP(ImagePolicy().eval(), CNN_PRESETS[preset](), in_keys=["pixels"], out_keys=["y"])
+    pixels = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)
+    with pytest.raises(TypeError, match=r"input key 'pixels' holds integer tokens \(torch.uint8\)"):
+        lrp(TensorDict(pixels=pixels, batch_size=[2]))

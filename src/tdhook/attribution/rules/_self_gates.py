@@ -57,6 +57,8 @@ def mark_self_gated(args: tuple, product: Any) -> None:
     source = _mark(gate, GATE_MARK)
     if not (isinstance(source, torch.Tensor) and is_activation(signal) and is_activation(source)):
         return
+    if not product.shape == signal.shape == gate.shape:  # a broadcast product (an outer one) is no activation
+        return
     origins = _origins(signal)
     if origins and origins == _origins(source):
         # Marked with the gate as its source, not the signal: a module computing the activation so (Swish) keeps its

@@ -375,7 +375,9 @@ class FunctionalRules(TorchFunctionMode):
         if func is torch.einsum and recording is not None:
             operands = _einsum_operands(args)
             two = len(operands) == 2 and all(is_activation(operand) for operand in operands)
-            two = two and not (_elementwise(args[0]) and weighing_factors(tuple(operands)))  # (weights: held)
+            two = two and not (
+                _elementwise(args[0]) and weighing_factors(tuple(operands), broadcast=False)
+            )  # (weights: held)
             if two and held_factors(tuple(operands), any_gate=self.hold_gates) is None:
                 # A product of two activations (Funnel's relative attention), often a view: its own node halves the
                 # gradient it passes (the uniform rule), in this call and in a later one.
@@ -560,7 +562,9 @@ class FunctionalRules(TorchFunctionMode):
             return torch.einsum(equation, a, b, **kwargs)
 
         held = held_gate_product(product, tuple(operands), {}, any_gate=self.hold_gates)
-        weights = weighing_factors(tuple(operands)) if held is None and _elementwise(equation) else None
+        weights = (
+            weighing_factors(tuple(operands), broadcast=False) if held is None and _elementwise(equation) else None
+        )
         if weights is not None:  # ``einsum("bi,bi->bi", w, h)``: a softmax's weights held, as in ``w * h``
             return _held_product(product, tuple(operands), {}, weights, None)
         return held if held is not None else scale_gradient(product(*operands), 0.5, in_place=True)

@@ -434,7 +434,7 @@ def mark_held_kind(result: torch.Tensor, kind: tuple[str, Any] | None) -> None:
         mark_gate(result, kind[1], sigmoid=kind[0] == "sigmoid")
 
 
-def weighing_factors(args: tuple) -> list[bool] | None:
+def weighing_factors(args: tuple, broadcast: bool = True) -> list[bool] | None:
     """Which of an element-wise product's two factors is a softmax's weights to hold, or ``None`` where neither or
     both are.
 
@@ -446,7 +446,8 @@ def weighing_factors(args: tuple) -> list[bool] | None:
     sum to it. A matrix product with the weights (attention's ``weights @ v``) is not an element-wise product
     and keeps its rule, and so does one written out as a broadcast product, ``(weights[..., None] * v[:, :, None])``
     summed: the activation repeated along the weights' other dimensions (each value weighed for every query) is
-    what no mixture does.
+    what no mixture does. Over one query nothing is repeated: attention written so is a mixture's weights, held
+    (``p @ v`` keeps the uniform rule). ``broadcast=False``: ``args`` are an einsum's operands, not compared.
 
     Examples:
         >>> x = torch.tensor([[1.0, -2.0]], requires_grad=True)
@@ -459,10 +460,12 @@ def weighing_factors(args: tuple) -> list[bool] | None:
     marks = [getattr(a, WEIGHTS_MARK, False) for a in args]
     if marks[0] == marks[1]:
         return None
+    if not broadcast:  # an einsum's operands: their shapes follow its equation, not broadcasting
+        return marks
     signal = args[marks.index(False)]
     try:
         repeated = torch.broadcast_shapes(args[0].shape, args[1].shape) != signal.shape
-    except RuntimeError:  # an einsum's operands, which need not broadcast
+    except RuntimeError:  # no product of these shapes runs: nothing is repeated
         repeated = False
     return None if repeated else marks
 

@@ -397,9 +397,10 @@ def _in_own_forward(module: nn.Module) -> bool:
 
 def _held_scale_returned(args: tuple, output: Any) -> bool:
     """Whether a norm's forward returned a scale it held (or nothing that depends on its input) where an input
-    carries gradient."""
+    is an activation (not one computed from parameters alone: an integer image cast in the forward, whose error the
+    wrapper gives, feeds a first convolution only its weights' gradient)."""
     if not isinstance(output, torch.Tensor) or not any(
-        isinstance(value, torch.Tensor) and value.requires_grad for value in args
+        isinstance(value, torch.Tensor) and is_activation(value) for value in args
     ):
         return False
     return is_held(output) or not output.requires_grad
