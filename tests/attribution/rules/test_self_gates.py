@@ -86,14 +86,22 @@ def test_attnlrp_explains_a_written_out_activation_as_the_function(form: str):
 
 
 def test_a_gate_of_other_values_makes_no_activation():
-    """A GLU's gate (the other half of a ``chunk``) and a squeeze-excite gate (of the signal's mean) are computed from
-    other values than the signal: their products are no activation's output."""
+    """A GLU's gate (the other half of a ``chunk``), a squeeze-excite gate (of the signal's mean) and a gate of two
+    values the signal sums are computed from other values than the signal: their products are no activation's
+    output; a Swish with a learned slope per unit is one."""
     h = randn(2, 8).requires_grad_(True) * 1
     signal, other = h.chunk(2, -1)
     glu_gate = mark_gate(torch.sigmoid(other), other, sigmoid=True)
-    pooled = signal.mean(-1, keepdim=True)
+    pooled = signal.mean(-1, keepdim=True).expand_as(signal)
     excite_gate = mark_gate(torch.sigmoid(pooled), pooled, sigmoid=True)
-    for gate in (glu_gate, excite_gate):
-        product = signal * gate
-        mark_self_gated((signal, gate), product)
+    difference = signal - other
+    both_gate = mark_gate(torch.sigmoid(difference), difference, sigmoid=True)
+    for value, gate in [(signal, glu_gate), (signal, excite_gate), (signal + other, both_gate)]:
+        product = value * gate
+        mark_self_gated((value, gate), product)
         assert not is_gate(product)
+    scaled = signal * nn.Parameter(randn(4))
+    gate = mark_gate(torch.sigmoid(scaled), scaled, sigmoid=True)
+    swish = signal * gate
+    mark_self_gated((signal, gate), swish)
+    assert is_gate(swish)

@@ -9,9 +9,9 @@ relevance between the two paths (10.8 % relative L2 from ``F.silu(g) * up`` for 
 conserving, with no warning). :func:`mark_self_gated` marks it as ``F.silu``'s output is marked.
 
 The gate counts as computed from the signal where both come, through element-wise operations alone (scalings,
-sums, powers, views: :data:`~tdhook.attribution.rules.normalization.ELEMENT_WISE_NODES`) and parameters, from the
-same outputs of the same operations: a squeeze-excite gate (a pooling of the signal), a GLU's (the other half of a
-``chunk``) or a gate of another branch is not one.
+sums, powers, views: :data:`~tdhook.attribution.rules.normalization.ELEMENT_WISE_NODES`) and parameters, from one
+and the same output of one operation: a squeeze-excite gate (a pooling of the signal), a GLU's (the other half of a
+``chunk``), a gate of another branch or of two (``(a + b) * sigmoid(a - b)``) is not one.
 
 Examples:
     >>> from tdhook.attribution.rules.gates import is_gate, mark_gate
@@ -60,7 +60,7 @@ def mark_self_gated(args: tuple, product: Any) -> None:
     if not product.shape == signal.shape == gate.shape:  # a broadcast product (an outer one) is no activation
         return
     origins = _origins(signal)
-    if origins and origins == _origins(source):
+    if origins is not None and len(origins) == 1 and origins == _origins(source):  # (a + b) * sigmoid(a - b): none
         # Marked with the gate as its source, not the signal: a module computing the activation so (Swish) keeps its
         # own rule's factor, which AttnLRP's identity rule leaves out for an output marked as of the module's input
         # (a function activation inside it that had the rule).

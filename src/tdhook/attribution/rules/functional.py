@@ -375,9 +375,8 @@ class FunctionalRules(TorchFunctionMode):
         if func is torch.einsum and recording is not None:
             operands = _einsum_operands(args)
             two = len(operands) == 2 and all(is_activation(operand) for operand in operands)
-            two = two and not (
-                _elementwise(args[0]) and weighing_factors(tuple(operands), broadcast=False)
-            )  # (weights: held)
+            weights = _elementwise(args[0]) and weighing_factors(tuple(operands), broadcast=False)
+            two = two and not weights  # (weights: held)
             if two and held_factors(tuple(operands), any_gate=self.hold_gates) is None:
                 # A product of two activations (Funnel's relative attention), often a view: its own node halves the
                 # gradient it passes (the uniform rule), in this call and in a later one.
