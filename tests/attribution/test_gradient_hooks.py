@@ -67,21 +67,31 @@ def _halved(module, *grads):
     return tuple(None if g is None else g * 0.5 for g in grads[0])
 
 
-HOOKS = {
-    "full backward hook": lambda m: m.body.b.register_full_backward_hook(_halved),
-    "full backward pre-hook": lambda m: m.body.b.register_full_backward_pre_hook(_halved),
-    "backward hook (not full)": lambda m: m.body.act.register_backward_hook(_halved),
-    "global full backward hook": lambda m: register_module_full_backward_hook(
-        lambda module, grad_in, grad_out: _halved(module, grad_in) if module is m.body.b else None
-    ),
-    "global full backward pre-hook": lambda m: register_module_full_backward_pre_hook(
-        lambda module, grad_out: _halved(module, grad_out) if module is m.body.b else None
-    ),
-}
+def _halved_in_place(module, *grads):
+    for g in grads[0]:
+        if g is not None:
+            g.mul_(0.5)
+
+
+def _hooks(halved) -> dict:
+    return {
+        "full backward hook": lambda m: m.body.b.register_full_backward_hook(halved),
+        "full backward pre-hook": lambda m: m.body.b.register_full_backward_pre_hook(halved),
+        "backward hook (not full)": lambda m: m.body.act.register_backward_hook(halved),
+        "global full backward hook": lambda m: register_module_full_backward_hook(
+            lambda module, grad_in, grad_out: halved(module, grad_in) if module is m.body.b else None
+        ),
+        "global full backward pre-hook": lambda m: register_module_full_backward_pre_hook(
+            lambda module, grad_out: halved(module, grad_out) if module is m.body.b else None
+        ),
+    }
+
+
+HOOKS, HOOKS_IN_PLACE = _hooks(_halved), _hooks(_halved_in_place)
 NAMED = {
-    "full backward hook": r"the full backward hook _halved registered on module 'body.b' \(Linear\)",
-    "full backward pre-hook": r"the full backward pre-hook _halved registered on module 'body.b' \(Linear\)",
-    "backward hook (not full)": r"the backward hook _halved registered on module 'body.act' \(ReLU\)",
+    "full backward hook": r"the full backward hook _halved\w* registered on module 'body.b' \(Linear\)",
+    "full backward pre-hook": r"the full backward pre-hook _halved\w* registered on module 'body.b' \(Linear\)",
+    "backward hook (not full)": r"the backward hook _halved\w* registered on module 'body.act' \(ReLU\)",
     "global full backward hook": r"a global hook \(register_module_full_backward_hook: .*\), called on module 'body.b'",
     "global full backward pre-hook": r"a global hook \(register_module_full_backward_pre_hook: .*\), called on module",
 }
@@ -92,16 +102,19 @@ NAMED = {
 class TestModuleBackwardHooks:
     @pytest.mark.parametrize("mapper", sorted(MAPPERS))
     @pytest.mark.parametrize("kind", sorted(HOOKS))
-    def test_a_hook_that_changes_the_gradient_is_refused_by_name(self, kind: str, mapper: str):
+    @pytest.mark.parametrize("in_place", [False, True], ids=["returned", "in place"])
+    def test_a_hook_that_changes_the_gradient_is_refused_by_name(self, kind: str, mapper: str, in_place: bool):
         """A hook halving the gradient at a hidden layer halved the relevance (0.5 off, relative L2, the model
-        without it; 0.75 for the hook that is not full, on a ReLU called twice), with no word. Each call is refused,
-        the model and the caller's TensorDict left as they were."""
+        without it; 0.75 for the hook that is not full, on a ReLU called twice), with no word; so did one halving the
+        gradient it is given in place (``grad.mul_(0.5)``, returning ``None``). Each call is refused, the model and
+        the caller's TensorDict left as they were."""
         model = _model()
-        handle = HOOKS[kind](model)
+        handle = (HOOKS_IN_PLACE if in_place else HOOKS)[kind](model)
+        said = "changes the gradient it was given in place" if in_place else "returns a gradient other than the one"
         try:
             snapshot = state_snapshot(model)
             hooks = [dict(m._backward_hooks) | dict(m._backward_pre_hooks) for m in model.modules()]
-            _refused_twice(model, mapper, NAMED[kind] + r".* returns a gradient other than the one it was given")
+            _refused_twice(model, mapper, NAMED[kind] + r".* " + said)
             assert_unchanged(model, snapshot)
             assert [dict(m._backward_hooks) | dict(m._backward_pre_hooks) for m in model.modules()] == hooks
         finally:
@@ -131,14 +144,24 @@ class TestModuleBackwardHooks:
 class TestTensorHooks:
     @pytest.mark.parametrize("mapper", sorted(MAPPERS))
     @pytest.mark.parametrize(
-        "hook", [lambda g: g * 0.5, lambda g: g.clamp(-1e-3, 1e-3)], ids=["scaled by 0.5", "clamped to 1e-3"]
+        ("hook", "said"),
+        [
+            (lambda g: g * 0.5, "returns a gradient other"),
+            (lambda g: g.clamp(-1e-3, 1e-3), "returns a gradient other"),
+            (lambda g: g.mul_(0.5), "changes the gradient it was given in place"),
+            (lambda g: [g.clamp_(-1e-3, 1e-3)] and None, "changes the gradient it was given in place"),
+        ],
+        ids=["scaled by 0.5", "clamped to 1e-3", "scaled in place", "clamped in place, returning None"],
     )
-    def test_a_hook_put_in_the_forward_that_changes_the_gradient_is_refused_by_name(self, hook, mapper: str):
+    def test_a_hook_put_in_the_forward_that_changes_the_gradient_is_refused_by_name(self, hook, said, mapper: str):
         """``h.register_hook(lambda g: g * 0.5)`` in a forward halved the relevance (0.5 off, relative L2, the model
-        without it; the clamp to 1e-3 0.99 off), with no word. Each call is refused."""
+        without it; the clamp to 1e-3 0.99 off), with no word; so did the same change made in place. Each call is
+        refused."""
         model = _model(hook)
         snapshot = state_snapshot(model)
-        _refused_twice(model, mapper, r"a hook that module 'body' \(Body\) puts on a tensor in its own forward .* retu")
+        _refused_twice(
+            model, mapper, r"a hook that module 'body' \(Body\) puts on a tensor in its own forward .* " + said
+        )
         assert_unchanged(model, snapshot)
 
     @pytest.mark.parametrize("mapper", sorted(MAPPERS))

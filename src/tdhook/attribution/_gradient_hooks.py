@@ -7,7 +7,8 @@ A backward hook that returns a gradient replaces the one passing through: a modu
 gradient, so such a change would be taken into the relevance: a hook halving the gradient at a small MLP's hidden
 layer halved ``EpsilonPlus``'s relevance, with no word. The watched first call of a wrapper (see
 :class:`~tdhook.attribution._nonlinear_calls.NonlinearCalls`) runs these hooks through :func:`checked`, which raises
-where one returns a gradient other than the one it was given; a hook that only reads the gradient (a Grad-CAM
+where one returns a gradient other than the one it was given, or changes the one it was given in place
+(``grad.mul_(2)``, seen by the tensor's version counter); a hook that only reads the gradient (a Grad-CAM
 recorder) returns ``None`` and is let be. torch takes a module's backward hooks when its forward runs, so swapping
 them for the forward pass of that call is enough.
 
@@ -29,6 +30,7 @@ import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
@@ -55,8 +57,15 @@ def _changed(given: Any, returned: Any) -> bool:
     return True
 
 
+def _versions(given: Any) -> tuple[int, ...]:
+    """The version counters of the gradients ``given`` to a hook (a tensor, or a tuple with ``None`` entries)."""
+    grads = given if isinstance(given, tuple) else (given,)
+    return tuple(grad._version for grad in grads if isinstance(grad, torch.Tensor))
+
+
 def checked(hook: Callable, what: Callable[..., str], refused: Callable[[], None]) -> Callable:
-    """``hook``, raising where it returns a gradient other than the one it was given.
+    """``hook``, raising where it returns a gradient other than the one it was given, or writes into the one it was
+    given (an in-place change, which the relevance would take as well).
 
     Args:
         hook: the caller's hook: a tensor's (``grad``), or a module's (``module, grad_input, grad_output`` or
@@ -68,10 +77,15 @@ def checked(hook: Callable, what: Callable[..., str], refused: Callable[[], None
 
     @functools.wraps(hook)
     def hook_checked(*args: Any) -> Any:
+        given = args[1] if len(args) > 1 else args[0]
+        before = _versions(given)
         returned = hook(*args)
-        if _changed(args[1] if len(args) > 1 else args[0], returned):
+        if _changed(given, returned):
             refused()
             raise ValueError(f"LRP: {what(*args)} returns a gradient other than the one it was given: {_ADVICE}")
+        if _versions(given) != before:
+            refused()
+            raise ValueError(f"LRP: {what(*args)} changes the gradient it was given in place: {_ADVICE}")
         return returned
 
     return hook_checked
