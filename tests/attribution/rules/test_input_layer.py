@@ -15,7 +15,7 @@ from tdhook.attribution import LRP
 from tdhook.attribution.mappers.presets import EpsilonPlus, EpsilonPlusFlat
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules.basic import EpsilonRule
-from tdhook.attribution.rules.input_layer import FirstLayerRule, FlatRule, ZBoxRule
+from tdhook.attribution.rules.input_layer import FirstLayerRule, FlatRule, WSquareRule, ZBoxRule
 from tests.attribution.rules import _helpers as rule_checks
 from tests.attribution.rules._helpers import LAYERS, TOL, make_layer, output_relevance, spy
 from tests.attribution.rules._helpers import RULE_PAIRS as ALL_RULE_PAIRS
@@ -357,3 +357,19 @@ class TestBoundsAlongTheLastDimension:
             actual = tdhook_relevance(ZBoxRule(low, high), layer, x, r_out)
         expected = zennit_relevance(zrules.ZBox(low.view(1, 1, 3), high.view(1, 1, 3)), layer, x, r_out)
         assert relative_error(actual, expected) <= TOL
+
+
+class TestOnAHiddenLayer:
+    @pytest.mark.parametrize("rule", [FlatRule(), WSquareRule(), ZBoxRule(-1.0, 1.0)], ids=["flat", "wsquare", "zbox"])
+    @pytest.mark.parametrize("activation", [nn.ReLU, nn.Tanh])
+    def test_is_refused_as_reading_another_layers_output(self, rule, activation):
+        """An input-layer rule mapped by name to a hidden layer gives relevance to that layer's input whatever its
+        values, which the layers before it cannot pass on as a gradient: refused by name. The error used to say that
+        the layer's input mixed the model inputs with a layer's output, where it reads no model input at all."""
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(5, 8), activation(), nn.Linear(8, 3)).double().eval()
+        lrp = LRP(net, {"0": EpsilonRule(1e-6), "2": rule}, in_keys=["x"], out_keys=["y"])
+        td = TensorDict(x=torch.randn(4, 5, dtype=torch.float64), batch_size=[4])
+        with pytest.raises(ValueError, match=r"(?s)the layer's input is the output of another Linear.*module '2'"):
+            lrp(td)
+        assert list(td.keys()) == ["x"]

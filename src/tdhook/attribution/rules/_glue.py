@@ -166,11 +166,14 @@ def carry_back(
     """
     leaves, through_layer = input_leaves(x) if sources is None else (sources, False)
     if through_layer:
+        # A hidden layer (its input made by a layer alone) or one whose input mixes both: this rule gives relevance
+        # to its input's positions by itself, which only the explained inputs can take (input x modified gradient).
+        read = "mixes the model inputs with" if leaves else "is"
         raise GlueError(
-            f"{who}: the layer's input mixes the model inputs with the output of another Linear, convolution or "
-            "recurrent layer, so the relevance this rule sets at its zero entries cannot be given to the explained "
-            "inputs; use this rule on the first layer only (a preset's first-layer rule: map this layer to another "
-            "rule in rule_mapper)"
+            f"{who}: the layer's input {read} the output of another Linear, convolution or recurrent layer, so the "
+            "relevance this rule sets at its input's entries (whatever their values, zeros included) cannot be given "
+            "to the explained inputs; use this rule on the layer the inputs reach first only (a preset's first-layer "
+            "rule: map this layer to another rule in rule_mapper)"
         )
     rows = relevance != 0
     if mixed is not None:
