@@ -140,6 +140,34 @@ class TestForwardSetOnTheInstance:
         with pytest.raises(ValueError, match=what):
             lrp_relevance(model, inputs("Conv2d"), torch.randn(2, 3, dtype=F64), CNN_PRESETS[preset]())
 
+    def test_a_low_rank_update_written_as_a_parametrization_is_refused_as_one(self):
+        """A parametrization computing the weight with linear layers of its own (``W + B(A W)``) made the layer's
+        forward call three linear functions; the refusal said the layer added a second linear map of its input,
+        which it does not, and advised merging the update into the weight, which the parametrization does. It now
+        names the parametrization and how to remove it; the layer with the parametrization removed (the weight
+        kept) explains as the plain layer holding that weight."""
+
+        class LowRankUpdate(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.down, self.up = nn.Linear(4, 2, bias=False), nn.Linear(2, 4, bias=False)
+
+            def forward(self, weight: torch.Tensor) -> torch.Tensor:
+                return weight + self.up(self.down(weight))
+
+        model, plain = build("Linear"), build("Linear")
+        torch.manual_seed(3)
+        nn.utils.parametrize.register_parametrization(model[2], "weight", LowRankUpdate().double())
+        with torch.no_grad():
+            plain[2].weight.copy_(model[2].weight)
+        x, relevance_out = inputs("Linear"), torch.randn(2, 3, dtype=F64, generator=torch.Generator().manual_seed(2))
+        what = r"module '2' \(ParametrizedLinear\): .* its parametrization may make some of them .*remove_parametriz"
+        with pytest.raises(ValueError, match=what):
+            lrp_relevance(model, x, relevance_out, PRESETS["ZPlus"]())
+        nn.utils.parametrize.remove_parametrizations(model[2], "weight", leave_parametrized=True)
+        actual = lrp_relevance(model, x, relevance_out, PRESETS["ZPlus"]())
+        assert relative_error(actual, lrp_relevance(plain, x, relevance_out, PRESETS["ZPlus"]())) <= 1e-12
+
 
 CONVOLUTIONS = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 
