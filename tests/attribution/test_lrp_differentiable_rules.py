@@ -23,6 +23,7 @@ from tdhook.attribution.lrp_helpers.rules import CPLRP, AttnLRP
 from tdhook.attribution.mappers.presets import EpsilonPlus, UniformEpsilon
 from tdhook.attribution.rules import (
     EpsilonRule,
+    FlatRule,
     NormRule,
     RecurrentRule,
     StopRule,
@@ -442,6 +443,16 @@ def taylor_block_with_batch_norm(seed: int) -> tuple[nn.Module, torch.Tensor]:
     return net, torch.randn(6, 3, dtype=F64)
 
 
+def flattened_with_zeros(seed: int) -> tuple[nn.Module, torch.Tensor]:
+    """A first Linear behind a Flatten, on inputs with zeros: the relevance a flat rule sets there is the part
+    ``x · gradient`` cannot carry, recorded and carried back through the Flatten."""
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(F64)
+    x = torch.randn(3, 2, 2, dtype=F64)
+    x[:, 0, 0] = 0.0
+    return net, x
+
+
 def spread_bias(inputs: tuple[torch.Tensor, ...], relevances: list[torch.Tensor]) -> list[torch.Tensor]:
     """A ``distribute_bias`` that depends on the inputs (their records then keep the graph too)."""
     return [r + 0.1 * torch.tanh(x) for x, r in zip(inputs, relevances, strict=True)]
@@ -475,6 +486,11 @@ OTHER_CASES = {
         lambda: EpsilonPlus(epsilon=0.1, rule_mapper={nn.BatchNorm2d: NormRule(0.1)}),
     ),
     "BatchRenorm1d in eval mode": (normed_cnn("BatchRenorm1d (eval)"), lambda: EpsilonPlus(epsilon=0.1)),
+    # Its records at the zero inputs were dropped where the graph is kept (0.5 off, relative L2, the call without).
+    "FlatRule behind a Flatten, zero inputs": (
+        flattened_with_zeros,
+        lambda: {"1": FlatRule(), nn.Linear: EpsilonRule(0.1)},
+    ),
     "LSTM": (recurrent("LSTM"), lambda: {nn.LSTM: RecurrentRule(0.1), nn.Linear: EpsilonRule(0.1)}),
     "GRU": (recurrent("GRU"), lambda: {nn.GRU: RecurrentRule(0.1), nn.Linear: EpsilonRule(0.1)}),
     "UniformEpsilon preset on an LSTM": (recurrent("LSTM"), lambda: UniformEpsilon(epsilon=0.25)),

@@ -86,9 +86,14 @@ def leaf_relevance(
         for x, rest in handle.pop_records():
             x = getattr(x, "_tdhook_alias_of", x)
             # At a fed input, or (carried back through glue before the layer) at its leaf.
+            matched = False
             for i, (model_input, leaf) in enumerate(zip(fed, leaves, strict=True)):
                 if leaf is not None and (x is model_input or x is leaf):
-                    relevances[i] = relevances[i] + rest
+                    relevances[i], matched = relevances[i] + rest, True
+            # Where x is 0 the gradient carries nothing: a record there at a tensor computed from the inputs would
+            # be lost (elsewhere a record holds the rounding of R - x * (R / x) alone, as the built-in rules drop).
+            if not matched and x.grad_fn is not None and bool((rest.detach().ne(0) & x.detach().eq(0)).any()):
+                raise _lost_record_error(handle, modules)
     return relevances, [leaf is None or g is not None for leaf, g in zip(leaves, grads, strict=True)]
 
 
@@ -111,3 +116,19 @@ def drop_records(handles: Sequence[RemovableRuleHandle]) -> None:
     """
     for handle in holding_records(handles):
         handle.pop_records()
+
+
+def _lost_record_error(handle: RemovableRuleHandle, modules: Callable[[], dict[str, nn.Module]]) -> ValueError:
+    """The error for relevance a rule recorded at a tensor computed from the inputs, not at an explained input: the
+    wrapper adds records to the inputs they are made at only, and this one would be lost."""
+    names = {id(m): n for n, m in modules().items()}
+    module = handle.module
+    where = f"module {names.get(id(module), '?')!r} ({type(module).__name__})"
+    return ValueError(
+        f"LRP: {type(handle.rule).__name__} on {where} recorded relevance that the gradient cannot carry "
+        "(registration.records) at its input, which is computed from the explained inputs (by glue such as a "
+        "Flatten or a concatenation, or by other layers) rather than being one: the wrapper adds a record to the "
+        "input it is made at only, so this relevance would be lost. Put the rule on a layer that reads an explained "
+        "input key as it is, or use a built-in input-layer rule (FlatRule, WSquareRule, ZBoxRule), which carries "
+        "it back through glue"
+    )

@@ -353,7 +353,8 @@ def relevance_proxy(
     ``x`` is zero or the quotient overflows, see :func:`carrying_gradient`), and
     ``record_fn`` receives ``R - x * (R / x)``, the relevance that the gradient
     cannot carry. The LRP wrapper adds it back when ``x`` is
-    one of its input keys.
+    one of its input keys, and refuses the call where ``x`` is computed from
+    them and that part is not zero (it would be lost).
 
     Args:
         x: the module input the relevance belongs to.

@@ -148,9 +148,11 @@ class _DirectInputRule(_ModifiedForwardRule):
             registration.records.extend(records)
         grad_x = carrying_gradient(relevance, x)
         if half and whole is None and in_scaled_pass():  # scaled down: the rest kept in float32
-            registration.records.append((x, wide_relevance - x.float() * grad_x.float()))
+            rest = wide_relevance - x.float() * grad_x.float()
         else:
-            registration.records.append((x, relevance - x * grad_x))
+            rest = relevance - x * grad_x
+        # At a model input, or carried back through the glue before the layer (a Flatten), as without the graph.
+        registration.records.extend(rest_records(self, module, x, rest, registration, uncarried=grad_x == 0))
         note_up_the_glue(self, module, x, set_at_x, carried=x * grad_x)
         return grad_x
 
