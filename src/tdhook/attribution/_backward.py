@@ -90,9 +90,7 @@ def leaf_relevance(
             for i, (model_input, leaf) in enumerate(zip(fed, leaves, strict=True)):
                 if leaf is not None and (x is model_input or x is leaf):
                     relevances[i], matched = relevances[i] + rest, True
-            # Where x is 0 the gradient carries nothing: a record there at a tensor computed from the inputs would
-            # be lost (elsewhere a record holds the rounding of R - x * (R / x) alone, as the built-in rules drop).
-            if not matched and x.grad_fn is not None and bool((rest.detach().ne(0) & x.detach().eq(0)).any()):
+            if not matched and x.grad_fn is not None and _uncarried(x, rest):
                 raise _lost_record_error(handle, modules)
     return relevances, [leaf is None or g is not None for leaf, g in zip(leaves, grads, strict=True)]
 
@@ -118,17 +116,31 @@ def drop_records(handles: Sequence[RemovableRuleHandle]) -> None:
         handle.pop_records()
 
 
+def _uncarried(x: torch.Tensor, rest: torch.Tensor) -> bool:
+    """Whether the record ``rest`` at ``x`` holds relevance the gradient cannot carry: at entries where ``x`` is 0 or
+    subnormal (``R / x`` overflows there). Elsewhere a record holds the rounding of ``R - x * (R / x)`` alone.
+
+    Examples:
+        >>> _uncarried(torch.tensor([0.0, 2.0]), torch.tensor([0.0, 1e-17])), _uncarried(torch.zeros(1), torch.ones(1))
+        (False, True)
+    """
+    x = x.detach()
+    small = x.abs() < torch.finfo(x.dtype).tiny if x.is_floating_point() else x.eq(0)
+    return bool((rest.detach().ne(0) & small).any())
+
+
 def _lost_record_error(handle: RemovableRuleHandle, modules: Callable[[], dict[str, nn.Module]]) -> ValueError:
-    """The error for relevance a rule recorded at a tensor computed from the inputs, not at an explained input: the
-    wrapper adds records to the inputs they are made at only, and this one would be lost."""
+    """The error for relevance a rule set at zero entries of a tensor computed from the inputs, not of an explained
+    input: the wrapper adds such records to the inputs they are made at only, and this one would be lost."""
     names = {id(m): n for n, m in modules().items()}
     module = handle.module
     where = f"module {names.get(id(module), '?')!r} ({type(module).__name__})"
     return ValueError(
-        f"LRP: {type(handle.rule).__name__} on {where} recorded relevance that the gradient cannot carry "
-        "(registration.records) at its input, which is computed from the explained inputs (by glue such as a "
-        "Flatten or a concatenation, or by other layers) rather than being one: the wrapper adds a record to the "
-        "input it is made at only, so this relevance would be lost. Put the rule on a layer that reads an explained "
-        "input key as it is, or use a built-in input-layer rule (FlatRule, WSquareRule, ZBoxRule), which carries "
-        "it back through glue"
+        f"LRP: {type(handle.rule).__name__} on {where} set relevance at entries of its input that are 0, which "
+        "the gradient cannot carry back (its registration's records), and that input is computed from the explained "
+        "inputs (by other layers, or by glue such as a Flatten or a concatenation) rather than being one: the "
+        "wrapper adds such relevance to an explained input only, so it would be lost. Map the module to a rule whose "
+        "relevance is proportional to its input (EpsilonRule; for a sum, stabilize_additions), put the rule on a "
+        "layer that reads an explained input key as it is, or, for a first layer behind glue, use FlatRule, "
+        "WSquareRule or ZBoxRule, which carry it back through the glue"
     )

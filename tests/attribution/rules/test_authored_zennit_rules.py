@@ -272,7 +272,8 @@ def test_records_at_an_input_computed_from_the_inputs_are_refused_not_lost(where
     lrp = LRP(net, {name: UserFlat(), nn.Linear: UserEpsilon()}, in_keys=["x"], out_keys=["y"], target=0)
     td = TensorDict(x=x, batch_size=[3])
     with pytest.raises(
-        ValueError, match=rf"UserFlat on module '{name}' \(Linear\) recorded relevance .* would be lost"
+        ValueError,
+        match=rf"UserFlat on module '{name}' \(Linear\) set relevance at entries .* would be lost",
     ):
         lrp(td)
     assert list(td.keys()) == ["x"]

@@ -272,6 +272,38 @@ class TestClosedForms:
         torch.testing.assert_close(a.detach() * ga + extra[id(a)], r_out / 2)
         torch.testing.assert_close(b.detach() * gb + extra.get(id(b), 0), r_out / 2)
 
+    def test_uniform_rule_on_a_sum_with_zeros_in_a_hidden_input_is_refused(self):
+        """The half the uniform rule sets at a zero entry of an input is recorded, and the wrapper adds records to
+        the explained inputs only: at a ReLU's output it was dropped, with no word (a bias-free model's relevance
+        then summed to -0.137 for a logit of -0.119). Refused by name; a sum of two inputs the model reads as they
+        are keeps all of it."""
+
+        class Add(nn.Module):
+            def forward(self, a, b):
+                return a + b
+
+        class Net(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.l1, self.l2 = nn.Linear(4, 6, bias=False), nn.Linear(4, 6, bias=False)
+                self.l3, self.add = nn.Linear(6, 2, bias=False), Add()
+
+            def forward(self, x):
+                return self.l3(self.add(torch.relu(self.l1(x)), self.l2(x)))
+
+        torch.manual_seed(0)
+        net, x = Net().double(), torch.randn(3, 4, dtype=torch.float64)
+        mapper = {"add": UniformRule(), nn.Linear: EpsilonRule(1e-12)}
+        lrp = LRP(net, mapper, in_keys=["x"], out_keys=["y"], target=0)
+        with pytest.raises(ValueError, match=r"UniformRule on module 'add' \(Add\) set relevance at entries .* 0"):
+            lrp(TensorDict(x=x, batch_size=[3]))
+        a, b = x.clone(), torch.randn(3, 4, dtype=torch.float64)
+        a[:, 0] = 0.0
+        add = LRP(Add(), {"": UniformRule()}, in_keys=["a", "b"], out_keys=["y"], target=lambda y: y)
+        out = add(TensorDict(a=a, b=b, batch_size=[3]))
+        torch.testing.assert_close(out["relevance", "a"], (a + b) / 2, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(out["relevance", "b"], (a + b) / 2, rtol=1e-12, atol=1e-12)
+
     def test_uniform_epsilon_halves_the_product_rule(self):
         class Mul(nn.Module):
             def forward(self, a, b):
