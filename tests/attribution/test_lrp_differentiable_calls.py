@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -129,6 +130,30 @@ class TestTokenIds:
         (got,) = torch.autograd.grad(lrp(TensorDict(ids=ids, batch_size=[3]))["y"].sum(), model[0].weight)
         (expected,) = torch.autograd.grad(model(ids).sum(), model[0].weight)
         assert relative_error(got, expected) < 1e-12
+
+    def test_embeddings_summed_with_what_is_computed_from_them_give_no_warning(self):
+        """The copy of the embedding rows fed to the model was taken for a part of the signal the model computed
+        without gradient, and a residual sum on it (GPT-2 and Llama called with ids, any block ``h + f(h)``) warned
+        that the relevance stopped there; the relevance was the ordinary call's all along."""
+
+        class Residual(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.table, self.inner, self.head = nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+
+            def forward(self, ids: torch.Tensor) -> torch.Tensor:
+                h = self.table(ids)
+                return self.head(h + self.inner(h)).sum(1)
+
+        torch.manual_seed(0)
+        model, ids = Residual().double(), torch.randint(0, 10, (2, 5))
+        relevances = []
+        for graph in (False, True):
+            lrp = LRP(model, EpsilonPlus(epsilon=0.1), in_keys=["ids"], out_keys=["y"], create_graph=graph)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                relevances.append(lrp(TensorDict(ids=ids, batch_size=[2]))["relevance", "ids"].detach())
+        assert relative_error(relevances[1], relevances[0]) < 1e-12
 
 
 def margin(output: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,10 @@ class _LinkedCopy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, relevance_pass: RelevancePass, leaf: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         ctx.relevance_pass = relevance_pass
-        return leaf.clone()
+        # Out of the function modes' sight: a watch would take this copy, made under no_grad from the signal, for a
+        # part of the signal the model computed without gradient (``f(h).detach()``).
+        with torch._C.DisableTorchFunction():
+            return leaf.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
