@@ -184,3 +184,30 @@ class TestScaledWhenOverflowing:
         with pytest.raises(FloatingPointError, match="every unit"):
             scaled_when_overflowing(relevance_at, torch.ones(1, dtype=torch.float16), False, "y", scalable=False)
         assert calls == [(1.0, False)]
+
+
+class TestUnderflow:
+    @pytest.mark.parametrize("target", [0, "all"])
+    def test_relevance_that_rounds_to_zero_everywhere_is_told(self, target):
+        """Relevance below float16's smallest step rounds to 0: a target output near 1e-7 spread over many inputs
+        gave a float16 relevance of 0 at every entry (float32's is 1e-10 to 1e-9 per entry, not 0), which read as no
+        relevance at all, with no word. It is warned about; a model whose outputs are large gives no warning."""
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(1024, 16), nn.ReLU(), nn.Linear(16, 2))
+        with torch.no_grad():
+            net[2].weight.mul_(1e-6)
+            net[2].bias.zero_()
+        x = torch.rand(2, 1024)
+        wide = LRP(copy.deepcopy(net), EpsilonPlus(), in_keys=["x"], out_keys=["y"], target=target)
+        wide = wide(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
+        assert bool(wide.any()) and wide.abs().max() < 2**-25  # rounds to 0 in float16
+        half = LRP(copy.deepcopy(net).half(), EpsilonPlus(), in_keys=["x"], out_keys=["y"], target=target)
+        with pytest.warns(UserWarning, match=r"relevance in torch.float16 is 0 at every entry.*explain the model in"):
+            relevance = half(TensorDict(x=x.half(), batch_size=[2]))["relevance", "x"]
+        assert not bool(relevance.any())
+        with torch.no_grad():
+            net[2].weight.mul_(1e6)
+        loud = LRP(net.half(), EpsilonPlus(), in_keys=["x"], out_keys=["y"], target=target)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert bool(loud(TensorDict(x=x.half(), batch_size=[2]))["relevance", "x"].any())

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._half_precision import in_scaled_pass, scaled_pass
 
 __all__ = [
@@ -133,7 +134,7 @@ def scaled_when_overflowing(
     if not scalable:
         relevances = relevance_at(1.0, retain)
         if _finite(relevances) or not _finite([output, *inputs]):
-            return relevances
+            return _checked_for_underflow(relevances, output, inputs, key)
         raise FloatingPointError(
             f"LRP: target {key!r}: the relevance in {output.dtype} is not finite: its gradient (relevance / "
             f"activation) overflows {output.dtype} (a target of every unit is not scaled down); explain the model "
@@ -142,7 +143,8 @@ def scaled_when_overflowing(
     try:
         relevances = relevance_at(1.0, True)  # the graph kept for a pass at a smaller scale
         if _finite(relevances) or not _finite([output, *inputs]):
-            return relevances  # a non-finite output or input: the relevance follows it, as in float32
+            # A non-finite output or input: the relevance follows it, as in float32.
+            return _checked_for_underflow(relevances, output, inputs, key)
     except Overflowing:  # before the backward pass: the graph is whole
         pass
     for i, scale in enumerate(SCALES):
@@ -159,12 +161,42 @@ def scaled_when_overflowing(
             None if r is None else (r.float() / scale).to(d or r.dtype) for r, d in zip(scaled, dtypes, strict=True)
         ]
         if _finite(relevances):
-            return relevances
+            return _checked_for_underflow(relevances, output, inputs, key)
     raise FloatingPointError(
         f"LRP: target {key!r}: the relevance in {output.dtype} is not finite: its gradient (relevance / activation) "
         f"overflows {output.dtype} even with the target's relevance scaled by {SCALES[-1]}; explain the model in "
         "float32"
     )
+
+
+def _checked_for_underflow(
+    relevances: list[torch.Tensor | None], output: torch.Tensor, inputs: Sequence[torch.Tensor | None], key: object
+) -> list[torch.Tensor | None]:
+    """``relevances``, with a warning where every one is 0 at every entry though the float16 output and an input
+    are not: relevance below float16's smallest step (6e-8 per entry, a target output of 1e-6 spread over thousands
+    of pixels) rounds to 0, which would read as no relevance at all.
+
+    Examples:
+        >>> import warnings
+        >>> x = torch.ones(2, dtype=torch.float16)
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     _ = _checked_for_underflow([torch.zeros(2, dtype=torch.float16)], x, [x], "y")
+        >>> "rounds to 0" in str(caught[0].message)
+        True
+    """
+    if any(r is not None and bool(r.detach().any()) for r in relevances):
+        return relevances
+    if not bool(output.detach().any()) or not any(x is not None and bool(x.detach().any()) for x in inputs):
+        return relevances
+    largest = output.detach().abs().max().item()
+    warn_at_caller(
+        f"LRP: target {key!r}: the relevance in {output.dtype} is 0 at every entry, though the output (largest "
+        f"|value| {largest:.1e}) and the inputs are not: relevance below float16's smallest step (6e-8 per entry) "
+        "rounds to 0, which would read as no relevance at all (a model whose gradient is 0 everywhere gives 0 in "
+        "float32 too); explain the model in float32 to tell"
+    )
+    return relevances
 
 
 def _finite(tensors: Sequence[torch.Tensor | None]) -> bool:
