@@ -150,8 +150,15 @@ class TestTensorHooks:
             (lambda g: g.clamp(-1e-3, 1e-3), "returns a gradient other"),
             (lambda g: g.mul_(0.5), "changes the gradient it was given in place"),
             (lambda g: [g.clamp_(-1e-3, 1e-3)] and None, "changes the gradient it was given in place"),
+            (lambda g: [g.data.mul_(0.5)] and None, "changes the gradient it was given in place"),
         ],
-        ids=["scaled by 0.5", "clamped to 1e-3", "scaled in place", "clamped in place, returning None"],
+        ids=[
+            "scaled by 0.5",
+            "clamped to 1e-3",
+            "scaled in place",
+            "clamped in place, returning None",
+            "scaled through .data (its version counter unchanged)",
+        ],
     )
     def test_a_hook_put_in_the_forward_that_changes_the_gradient_is_refused_by_name(self, hook, said, mapper: str):
         """``h.register_hook(lambda g: g * 0.5)`` in a forward halved the relevance (0.5 off, relative L2, the model

@@ -8,9 +8,9 @@ gradient, so such a change would be taken into the relevance: a hook halving the
 layer halved ``EpsilonPlus``'s relevance, with no word. The watched first call of a wrapper (see
 :class:`~tdhook.attribution._nonlinear_calls.NonlinearCalls`) runs these hooks through :func:`checked`, which raises
 where one returns a gradient other than the one it was given, or changes the one it was given in place
-(``grad.mul_(2)``, seen by the tensor's version counter); a hook that only reads the gradient (a Grad-CAM
-recorder) returns ``None`` and is let be. torch takes a module's backward hooks when its forward runs, so swapping
-them for the forward pass of that call is enough.
+(``grad.mul_(2)``, or through ``grad.data``: seen by the tensor's version counter and its values); a hook that only
+reads the gradient (a Grad-CAM recorder) returns ``None`` and is let be. torch takes a module's backward hooks
+when its forward runs, so swapping them for the forward pass of that call is enough.
 
 Examples:
     >>> import torch
@@ -57,10 +57,35 @@ def _changed(given: Any, returned: Any) -> bool:
     return True
 
 
-def _versions(given: Any) -> tuple[int, ...]:
-    """The version counters of the gradients ``given`` to a hook (a tensor, or a tuple with ``None`` entries)."""
+def _tensors(given: Any) -> tuple[torch.Tensor, ...]:
+    """The gradients ``given`` to a hook (a tensor, or a tuple with ``None`` entries)."""
     grads = given if isinstance(given, tuple) else (given,)
-    return tuple(grad._version for grad in grads if isinstance(grad, torch.Tensor))
+    return tuple(grad for grad in grads if isinstance(grad, torch.Tensor))
+
+
+def _snapshot(given: Any) -> tuple | None:
+    """The version counters and values of the gradients ``given`` to a hook, to tell a write into them (the values
+    as well: a write through ``grad.data`` leaves the counter as it was); ``None`` where they cannot be read (a
+    batched gradient under a function transform)."""
+    try:
+        grads = _tensors(given)
+        return tuple(grad._version for grad in grads), tuple(grad.detach().clone() for grad in grads)
+    except RuntimeError:
+        return None
+
+
+def _written(given: Any, snapshot: tuple | None) -> bool:
+    """Whether the gradients ``given`` to a hook changed since ``snapshot`` (NaN equal to NaN)."""
+    if snapshot is None:
+        return False
+    versions, values = snapshot
+    grads = _tensors(given)
+    if tuple(grad._version for grad in grads) != versions:
+        return True
+    return not all(
+        bool(((grad == value) | (grad.isnan() & value.isnan())).all())
+        for grad, value in zip(grads, values, strict=True)
+    )
 
 
 def checked(hook: Callable, what: Callable[..., str], refused: Callable[[], None]) -> Callable:
@@ -78,12 +103,12 @@ def checked(hook: Callable, what: Callable[..., str], refused: Callable[[], None
     @functools.wraps(hook)
     def hook_checked(*args: Any) -> Any:
         given = args[1] if len(args) > 1 else args[0]
-        before = _versions(given)
+        before = _snapshot(given)
         returned = hook(*args)
         if _changed(given, returned):
             refused()
             raise ValueError(f"LRP: {what(*args)} returns a gradient other than the one it was given: {_ADVICE}")
-        if _versions(given) != before:
+        if _written(given, before):
             refused()
             raise ValueError(f"LRP: {what(*args)} changes the gradient it was given in place: {_ADVICE}")
         return returned
