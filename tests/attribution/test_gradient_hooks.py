@@ -178,3 +178,50 @@ class TestTensorHooks:
         _, expected = _explain(_model(), mapper)
         assert seen == [torch.Size([5, 6])]
         torch.testing.assert_close(out["relevance", "x"], expected["relevance", "x"], rtol=0, atol=0)
+
+
+class TestHooksAddedInAnOpenContext:
+    @pytest.mark.parametrize("mapper", sorted(MAPPERS))
+    @pytest.mark.parametrize(
+        "kind", ["full backward hook", "global full backward hook", "tensor hook put by a forward hook"]
+    )
+    def test_a_hook_that_changes_the_gradient_is_refused_after_the_first_call(self, kind: str, mapper: str):
+        """The first call of a context watches the hooks; one registered after it (between two calls of a rollout)
+        halved the relevance of every later call, with no word. The context follows it as a change of the model:
+        the next call is watched and refused, and once the hook is removed the relevance is the model's again."""
+        model = _model()
+        lrp = LRP(model, MAPPERS[mapper](), in_keys=["x"], out_keys=["y"])
+        with lrp:
+            _, before = _explain(lrp, mapper)
+            handle = {
+                "full backward hook": lambda: model.body.b.register_full_backward_hook(_halved),
+                "global full backward hook": lambda: register_module_full_backward_hook(
+                    lambda module, grad_in, grad_out: _halved(module, grad_in) if module is model.body.b else None
+                ),
+                "tensor hook put by a forward hook": lambda: model.body.b.register_forward_hook(
+                    lambda module, args, out: [out.register_hook(lambda g: g * 0.5)] and None
+                ),
+            }[kind]()
+            try:
+                td = TensorDict(x=torch.randn(5, 4, dtype=F64), batch_size=[5])
+                with pytest.raises(ValueError, match="returns a gradient other than the one it was given"):
+                    lrp(td)
+                assert list(td.keys()) == ["x"]
+            finally:
+                handle.remove()
+            _, after = _explain(lrp, mapper)
+        torch.testing.assert_close(after["relevance", "x"], before["relevance", "x"], rtol=0, atol=0)
+
+    def test_a_hook_that_reads_the_gradient_runs_in_every_later_call(self):
+        model, seen = _model(), []
+        lrp = LRP(model, EpsilonPlus(), in_keys=["x"], out_keys=["y"])
+        with lrp:
+            _, before = _explain(lrp, "EpsilonPlus")
+            handle = model.body.b.register_full_backward_hook(lambda m, grad_in, grad_out: seen.append(1))
+            try:
+                outs = [_explain(lrp, "EpsilonPlus")[1] for _ in range(3)]
+            finally:
+                handle.remove()
+        assert len(seen) == 3
+        for out in outs:
+            torch.testing.assert_close(out["relevance", "x"], before["relevance", "x"], rtol=0, atol=0)

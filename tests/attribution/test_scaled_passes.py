@@ -202,7 +202,7 @@ class TestUnderflow:
         wide = wide(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
         assert bool(wide.any()) and wide.abs().max() < 2**-25  # rounds to 0 in float16
         half = LRP(copy.deepcopy(net).half(), EpsilonPlus(), in_keys=["x"], out_keys=["y"], target=target)
-        with pytest.warns(UserWarning, match=r"relevance in torch.float16 is 0 at every entry.*explain the model in"):
+        with pytest.warns(UserWarning, match=r"relevance in float16 is 0 at every entry.*explain the model in"):
             relevance = half(TensorDict(x=x.half(), batch_size=[2]))["relevance", "x"]
         assert not bool(relevance.any())
         with torch.no_grad():

@@ -18,6 +18,7 @@ from tdhook.attribution._scaled_passes import relevance_product
 from tdhook.attribution.rules._glue import GlueError
 from tdhook.attribution.rules._keeping_graph import RelevancePass
 from tdhook.attribution.rules._linked_inputs import linked_source
+from tdhook.attribution.rules._numerics import UNCARRIED
 from tdhook.attribution.rules.base import RemovableRuleHandle
 
 __all__ = ["drop_records", "leaf_relevance"]
@@ -117,16 +118,18 @@ def drop_records(handles: Sequence[RemovableRuleHandle]) -> None:
 
 
 def _uncarried(x: torch.Tensor, rest: torch.Tensor) -> bool:
-    """Whether the record ``rest`` at ``x`` holds relevance the gradient cannot carry: at entries where ``x`` is 0 or
-    subnormal (``R / x`` overflows there). Elsewhere a record holds the rounding of ``R - x * (R / x)`` alone.
+    """Whether the record ``rest`` at ``x`` holds relevance the gradient did not carry: at the entries its
+    :data:`~tdhook.attribution.rules._numerics.UNCARRIED` mask gives (a record of ``relevance_proxy`` or a built-in
+    rule), or else where ``x`` is 0. Elsewhere a record holds the rounding of ``R - x * (R / x)`` alone.
 
     Examples:
         >>> _uncarried(torch.tensor([0.0, 2.0]), torch.tensor([0.0, 1e-17])), _uncarried(torch.zeros(1), torch.ones(1))
         (False, True)
     """
-    x = x.detach()
-    small = x.abs() < torch.finfo(x.dtype).tiny if x.is_floating_point() else x.eq(0)
-    return bool((rest.detach().ne(0) & small).any())
+    mask = getattr(rest, UNCARRIED, None)
+    if mask is None:
+        mask = x.detach() == 0
+    return bool((rest.detach().ne(0) & mask).any())
 
 
 def _lost_record_error(handle: RemovableRuleHandle, modules: Callable[[], dict[str, nn.Module]]) -> ValueError:
@@ -136,8 +139,9 @@ def _lost_record_error(handle: RemovableRuleHandle, modules: Callable[[], dict[s
     module = handle.module
     where = f"module {names.get(id(module), '?')!r} ({type(module).__name__})"
     return ValueError(
-        f"LRP: {type(handle.rule).__name__} on {where} set relevance at entries of its input that are 0, which "
-        "the gradient cannot carry back (its registration's records), and that input is computed from the explained "
+        f"LRP: {type(handle.rule).__name__} on {where} set relevance at entries of its input where it is 0 (or "
+        "where the relevance over it overflows), which the gradient cannot carry back (its registration's records), "
+        "and that input is computed from the explained "
         "inputs (by other layers, or by glue such as a Flatten or a concatenation) rather than being one: the "
         "wrapper adds such relevance to an explained input only, so it would be lost. Map the module to a rule whose "
         "relevance is proportional to its input (EpsilonRule; for a sum, stabilize_additions), put the rule on a "

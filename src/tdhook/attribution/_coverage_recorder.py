@@ -73,6 +73,11 @@ class CoverageRecorder:
         watch = NonlinearCalls(rule_modes, self._watch_again).watch(modules, ruled, merging, plain)
         return modes.enter_context(watch)
 
+    def watch_every_signature_again(self) -> None:
+        """The next call of every signature is watched again (a hook of the caller's was put on the model since
+        the calls watched: see ``tdhook.attribution._model_changes``); what was reported is not reported again."""
+        self._watched.clear()
+
     def _watch_again(self) -> None:
         """The watched call was refused in its backward pass (a hook of the caller's changed a gradient): the next
         call is watched too."""

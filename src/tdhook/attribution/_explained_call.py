@@ -22,7 +22,7 @@ from tdhook.attribution._differentiable import relevance_graph
 from tdhook.attribution._held_softmax_targets import checked_relevance, with_held_softmax_cause
 from tdhook.attribution._inputs import explained_in_call, validate_inputs
 from tdhook.attribution._keys import check_writable
-from tdhook.attribution._model_changes import follow_model_changes
+from tdhook.attribution._model_changes import follow_model_changes, note_call_end
 from tdhook.attribution._model_run import cache_watch_of, run_model
 from tdhook.attribution._numeric_inputs import report_numeric_inputs
 from tdhook.attribution._policy_targets import allowed_action, held_action_record
@@ -169,12 +169,15 @@ def explain(lrp: Any, tensordict: TensorDictBase) -> tuple[TensorDictBase, Calla
 
                 retain = position < len(names) - 1  # the next target reuses this forward pass
                 every_unit = isinstance(target, str)  # target="all": its units' passes are not scaled
-                relevances += scaled_when_overflowing(relevance_at, output, retain, target_key, leaves, not every_unit)
+                relevances += scaled_when_overflowing(
+                    relevance_at, output, retain, target_key, leaves, not every_unit, first_seed
+                )
                 seeds.append((name, output.detach(), first_seed[0]))
     finally:
         lrp._layers.clear()
         lrp._tokens.clear()
         drop_records(lrp._handles or [])
+        note_call_end(lrp)  # hooks registered from here to the next call are the caller's (see _model_changes)
 
     def write() -> None:  # the last step of a call: all of its results, or none
         lrp._coverage.keep(out.batch_dims, seeds, relevances)

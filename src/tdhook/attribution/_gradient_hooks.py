@@ -8,7 +8,7 @@ gradient, so such a change would be taken into the relevance: a hook halving the
 layer halved ``EpsilonPlus``'s relevance, with no word. The watched first call of a wrapper (see
 :class:`~tdhook.attribution._nonlinear_calls.NonlinearCalls`) runs these hooks through :func:`checked`, which raises
 where one returns a gradient other than the one it was given, or changes the one it was given in place
-(``grad.mul_(2)``, or through ``grad.data``: seen by the tensor's version counter and its values); a hook that only
+(``grad.mul_(2)``, or through ``grad.data``: seen by its values); a hook that only
 reads the gradient (a Grad-CAM recorder) returns ``None`` and is let be. torch takes a module's backward hooks
 when its forward runs, so swapping them for the forward pass of that call is enough.
 
@@ -64,12 +64,11 @@ def _tensors(given: Any) -> tuple[torch.Tensor, ...]:
 
 
 def _snapshot(given: Any) -> tuple | None:
-    """The version counters and values of the gradients ``given`` to a hook, to tell a write into them (the values
-    as well: a write through ``grad.data`` leaves the counter as it was); ``None`` where they cannot be read (a
-    batched gradient under a function transform)."""
+    """The values of the gradients ``given`` to a hook, to tell a write into them (by their values: a write through
+    ``grad.data`` leaves the version counter as it was, and one that writes the same values changes nothing);
+    ``None`` where they cannot be read (a batched gradient under a function transform)."""
     try:
-        grads = _tensors(given)
-        return tuple(grad._version for grad in grads), tuple(grad.detach().clone() for grad in grads)
+        return tuple(grad.detach().clone() for grad in _tensors(given))
     except RuntimeError:
         return None
 
@@ -78,13 +77,10 @@ def _written(given: Any, snapshot: tuple | None) -> bool:
     """Whether the gradients ``given`` to a hook changed since ``snapshot`` (NaN equal to NaN)."""
     if snapshot is None:
         return False
-    versions, values = snapshot
     grads = _tensors(given)
-    if tuple(grad._version for grad in grads) != versions:
-        return True
     return not all(
         bool(((grad == value) | (grad.isnan() & value.isnan())).all())
-        for grad, value in zip(grads, values, strict=True)
+        for grad, value in zip(grads, snapshot, strict=True)
     )
 
 

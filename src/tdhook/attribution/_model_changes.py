@@ -13,6 +13,15 @@ given anew to the model as it is, as a context entered after the change gives th
 removed in the meantime (``weight_norm``, ``spectral_norm``) change nothing: their modules compute a layer's weight,
 which the layer's rule reads at each call.
 
+Hooks of the caller's put on the model's modules (or torch's global ones) in the meantime are a change too: the
+first call of a context watches the backward hooks and the hooks a forward puts on tensors, and refuses those that
+change the gradient (see ``tdhook.attribution._gradient_hooks``); a hook registered after it (``register_full_
+backward_hook`` halving a layer's gradient between two calls of a rollout) was taken into the relevance, halved,
+with no word. Each call compares torch's hook counter (it grows with every hook registered anywhere) with its value
+when this context's last call ended; where it moved, the count and sum of the hook ids of each kind over the
+model's modules (ids only grow: a hook added, or one swapped for another, moves them) with those the context's
+first call found, and where they differ the context is entered again, and the call watched as a first one.
+
 Examples:
     >>> import torch
     >>> from tensordict import TensorDict
@@ -36,19 +45,31 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from torch import nn
+from torch.nn.modules import module as module_globals
 from torch.nn.utils import parametrize
+from torch.utils.hooks import RemovableHandle
 
 from tdhook.attribution.methods._batch_statistics import _CHILDREN, _children
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.tunables import _ARGUMENTS
 
-__all__ = ["follow_model_changes", "forget_modules", "record_modules"]
+__all__ = ["follow_model_changes", "forget_modules", "note_call_end", "record_modules"]
 
 
 class _Found:
     """The modules an open context found, and the children of each, in a row."""
 
-    __slots__ = ("children", "computing_weights", "lead", "lead_children", "linked", "mapper", "modules")
+    __slots__ = (
+        "children",
+        "computing_weights",
+        "hooks",
+        "lead",
+        "lead_children",
+        "linked",
+        "mapper",
+        "modules",
+        "stamp",
+    )
 
     def __init__(self, modules: Iterable[nn.Module], mapper: tuple = (None, None)) -> None:
         self.modules = list(modules)
@@ -60,6 +81,10 @@ class _Found:
         self.linked: tuple | None = None
         self.lead: list[nn.Module] = []
         self.lead_children = 0
+        # The hooks on the modules at the start of the context's first call (see _hooks_on), and torch's hook counter
+        # when its last call ended.
+        self.hooks: tuple | None = None
+        self.stamp = -1
 
     def unchanged(self, checked: tuple | None) -> bool:
         """The modules have the children they had. ``checked``: what this call's check of the buffer holders found
@@ -108,6 +133,14 @@ def follow_model_changes(lrp: Any) -> None:
     found = _FOUND.get(lrp)
     if found is None:
         return
+    if RemovableHandle.next_id != found.stamp:  # a hook registered somewhere since the last call: one of the model's?
+        hooks = _hooks_on(found.modules)
+        if found.hooks is not None and hooks != found.hooks:
+            lrp._leave(lrp._handles or [])
+            lrp._enter()
+            lrp._coverage.watch_every_signature_again()  # the watch checks the hooks
+            return
+        found.hooks = hooks
     if _given(lrp, found):
         if found.unchanged(lrp._buffer_holders.take_checked()):
             return
@@ -124,6 +157,35 @@ def follow_model_changes(lrp: Any) -> None:
         return
     lrp._leave(lrp._handles or [])
     lrp._enter()
+
+
+def note_call_end(lrp: Any) -> None:
+    """Note torch's hook counter at the end of a call of ``lrp`` (its own hooks on the graph included)."""
+    found = _FOUND.get(lrp)
+    if found is not None:
+        found.stamp = RemovableHandle.next_id
+
+
+_HOOK_DICTS = tuple(
+    operator.attrgetter(name)
+    for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+)
+
+
+def _hooks_on(modules: list[nn.Module]) -> tuple:
+    """The count and the sum of the hook ids of each kind over ``modules``, and of torch's global hooks.
+
+    Examples:
+        >>> net = nn.Linear(2, 2)
+        >>> before = _hooks_on([net])
+        >>> handle = net.register_full_backward_hook(lambda *args: None)
+        >>> _hooks_on([net]) != before, handle.remove(), _hooks_on([net]) == before
+        (True, None, True)
+    """
+    dicts = [list(map(get, modules)) for get in _HOOK_DICTS]
+    dicts += [[hooks] for hooks in (module_globals._global_forward_hooks, module_globals._global_forward_pre_hooks)]
+    dicts += [[hooks] for hooks in (module_globals._global_backward_hooks, module_globals._global_backward_pre_hooks)]
+    return tuple((sum(map(len, kind)), sum(map(sum, kind))) for kind in dicts)
 
 
 def _given(lrp: Any, found: _Found) -> bool:

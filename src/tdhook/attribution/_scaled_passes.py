@@ -108,12 +108,15 @@ def scaled_when_overflowing(
     key: object = None,
     inputs: Sequence[torch.Tensor | None] = (),
     scalable: bool = True,
+    seeds: Sequence[torch.Tensor] = (),
 ) -> list[torch.Tensor | None]:
     """``relevance_at(1.0, retain)``, a target's relevances from its backward pass, or where a float16 ``output``
     gives non-finite relevance, ``relevance_at(scale, keep)`` with the target's relevance scaled by each of
     :data:`SCALES` in turn, divided back, until it is finite (``output`` ``None``: one pass, as in float32). Where
     ``output`` or one of ``inputs`` is not finite, the relevance follows it in one pass, as in float32. A target
     that is not ``scalable`` (``target="all"``, whose units are passed one by one) gets one pass, checked.
+    ``seeds``: where ``relevance_at`` puts the target's relevance at the output (the first is read to tell relevance
+    that rounded to 0 in float16 from none at all; the output where none is given).
 
     Raises:
         FloatingPointError: the relevance is still not finite at the smallest scale, naming the target and dtype.
@@ -134,7 +137,7 @@ def scaled_when_overflowing(
     if not scalable:
         relevances = relevance_at(1.0, retain)
         if _finite(relevances) or not _finite([output, *inputs]):
-            return _checked_for_underflow(relevances, output, inputs, key)
+            return _checked_for_underflow(relevances, output, seeds, inputs, key)
         raise FloatingPointError(
             f"LRP: target {key!r}: the relevance in {output.dtype} is not finite: its gradient (relevance / "
             f"activation) overflows {output.dtype} (a target of every unit is not scaled down); explain the model "
@@ -144,7 +147,7 @@ def scaled_when_overflowing(
         relevances = relevance_at(1.0, True)  # the graph kept for a pass at a smaller scale
         if _finite(relevances) or not _finite([output, *inputs]):
             # A non-finite output or input: the relevance follows it, as in float32.
-            return _checked_for_underflow(relevances, output, inputs, key)
+            return _checked_for_underflow(relevances, output, seeds, inputs, key)
     except Overflowing:  # before the backward pass: the graph is whole
         pass
     for i, scale in enumerate(SCALES):
@@ -161,7 +164,7 @@ def scaled_when_overflowing(
             None if r is None else (r.float() / scale).to(d or r.dtype) for r, d in zip(scaled, dtypes, strict=True)
         ]
         if _finite(relevances):
-            return _checked_for_underflow(relevances, output, inputs, key)
+            return _checked_for_underflow(relevances, output, seeds, inputs, key)
     raise FloatingPointError(
         f"LRP: target {key!r}: the relevance in {output.dtype} is not finite: its gradient (relevance / activation) "
         f"overflows {output.dtype} even with the target's relevance scaled by {SCALES[-1]}; explain the model in "
@@ -170,31 +173,39 @@ def scaled_when_overflowing(
 
 
 def _checked_for_underflow(
-    relevances: list[torch.Tensor | None], output: torch.Tensor, inputs: Sequence[torch.Tensor | None], key: object
+    relevances: list[torch.Tensor | None],
+    output: torch.Tensor,
+    seeds: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor | None],
+    key: object,
 ) -> list[torch.Tensor | None]:
-    """``relevances``, with a warning where every one is 0 at every entry though the float16 output and an input
-    are not: relevance below float16's smallest step (6e-8 per entry, a target output of 1e-6 spread over thousands
-    of pixels) rounds to 0, which would read as no relevance at all.
+    """``relevances``, with a warning where every one is 0 at every entry though the target's relevance at the float16
+    ``output`` and an input are not: relevance below float16's smallest step (6e-8 per entry, a target output of 1e-7
+    spread over a thousand inputs) rounds to 0, which would read as no relevance at all. The target's relevance is
+    the output times the first of ``seeds``, the gradient the pass starts from (the output itself where none is
+    given, or for every unit).
 
     Examples:
         >>> import warnings
         >>> x = torch.ones(2, dtype=torch.float16)
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")
-        ...     _ = _checked_for_underflow([torch.zeros(2, dtype=torch.float16)], x, [x], "y")
+        ...     _ = _checked_for_underflow([torch.zeros(2, dtype=torch.float16)], x, [], [x], "y")
         >>> "rounds to 0" in str(caught[0].message)
         True
     """
     if any(r is not None and bool(r.detach().any()) for r in relevances):
         return relevances
-    if not bool(output.detach().any()) or not any(x is not None and bool(x.detach().any()) for x in inputs):
+    seed = seeds[0] if seeds and isinstance(seeds[0], torch.Tensor) else None  # every unit's: the output
+    target = output.detach() if seed is None else output.detach().float() * seed.detach().float()
+    if not bool(target.any()) or not any(x is not None and bool(x.detach().any()) for x in inputs):
         return relevances
-    largest = output.detach().abs().max().item()
+    largest = target.abs().max().item()
     warn_at_caller(
-        f"LRP: target {key!r}: the relevance in {output.dtype} is 0 at every entry, though the output (largest "
+        f"LRP: target {key!r}: the relevance in float16 is 0 at every entry, though the target's relevance (largest "
         f"|value| {largest:.1e}) and the inputs are not: relevance below float16's smallest step (6e-8 per entry) "
-        "rounds to 0, which would read as no relevance at all (a model whose gradient is 0 everywhere gives 0 in "
-        "float32 too); explain the model in float32 to tell"
+        "rounds to 0, which would read as no relevance at all (an output whose gradient reaches no explained input, "
+        "a dead layer, gives 0 in float32 too); explain the model in float32 to tell"
     )
     return relevances
 

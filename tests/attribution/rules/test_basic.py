@@ -304,6 +304,42 @@ class TestClosedForms:
         torch.testing.assert_close(out["relevance", "a"], (a + b) / 2, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(out["relevance", "b"], (a + b) / 2, rtol=1e-12, atol=1e-12)
 
+    @pytest.mark.parametrize("case", ["subnormal entries, carried", "small entries, overflowing"])
+    def test_uniform_rule_in_float16_tells_carried_from_lost_by_the_gradient(self, case):
+        """At a hidden input's float16-subnormal entries (2e-5) the gradient R / x carries the relevance and only
+        rounding is recorded: such a call was refused as losing relevance. At small normal entries (1e-4) under a
+        large relevance, R / x overflows and the whole relevance there is recorded: it was dropped, with no word.
+        What the gradient did not carry decides, not the input's size."""
+
+        class Add(nn.Module):
+            def forward(self, a, b):
+                return a + b
+
+        class Net(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.l1, self.l2, self.head, self.add = nn.Linear(4, 6), nn.Linear(4, 6), nn.Linear(6, 2), Add()
+
+            def forward(self, x):
+                return self.head(self.add(torch.tanh(self.l1(x)), torch.tanh(self.l2(x))))
+
+        torch.manual_seed(0)
+        net = Net()
+        with torch.no_grad():  # three units of l1 near a constant, never 0
+            net.l1.weight[:3] = 1e-6
+            subnormal = case == "subnormal entries, carried"
+            net.l1.bias[:3] = torch.tensor([3e-5, 1.7e-5, 4.4e-5] if subnormal else [1e-4, 2e-4, 1.5e-4])
+            if not subnormal:
+                net.head.weight.mul_(3000)
+        net, x = net.half(), torch.randn(64, 4).half()
+        lrp = LRP(net, {"add": UniformRule(), nn.Linear: EpsilonRule(1e-3)}, in_keys=["x"], out_keys=["y"], target=0)
+        td = TensorDict(x=x, batch_size=[64])
+        if subnormal:
+            assert lrp(td)["relevance", "x"].isfinite().all()
+        else:
+            with pytest.raises(ValueError, match=r"UniformRule on module 'add' \(Add\) set relevance at entries"):
+                lrp(td)
+
     def test_uniform_epsilon_halves_the_product_rule(self):
         class Mul(nn.Module):
             def forward(self, a, b):

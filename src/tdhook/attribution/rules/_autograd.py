@@ -40,7 +40,7 @@ from torch.nn import Parameter
 
 from tdhook.attribution.rules._activation_writes import MASKS_MADE, PARAMETER_DERIVED, marked_parameter_derived
 from tdhook.attribution.rules._keeping_graph import RelevancePass, graph_kept
-from tdhook.attribution.rules._numerics import carrying_gradient
+from tdhook.attribution.rules._numerics import carrying_gradient, uncarried_rest
 from tdhook.attribution.rules._recomputed import error_in_running_module
 from tdhook.attribution.rules._rewrites import RUNNING, raise_for_detached, raise_for_gradients, running_rewrite
 from tdhook.attribution.rules._same_strides import same_strides
@@ -335,7 +335,7 @@ class _RelevanceProxy(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         relevance = ctx.relevance_fn(grads)
         grad_x = carrying_gradient(relevance, x)
-        ctx.record_fn(relevance - x * grad_x)
+        ctx.record_fn(uncarried_rest(relevance, x, grad_x))
         return (None, None, grad_x, *(None for _ in grads))
 
 

@@ -250,11 +250,12 @@ def _second_map_error(module: nn.Module, calls: Sequence[str]) -> ValueError:
     if nn.utils.parametrize.is_parametrized(module):  # the calls may be the parametrization's, on the weight
         return ValueError(
             f"{type(module).__name__}: its forward calls {len(calls)} linear or convolution functions "
-            f"({', '.join(calls)}), and its parametrization may make some of them in computing its weight (a "
-            "low-rank update W + B(A W) written as one): a rule with a modified pass cannot tell them from the "
-            "layer's own call; remove the parametrization before explaining (torch.nn.utils.parametrize."
-            "remove_parametrizations(layer, 'weight', leave_parametrized=True)), or map this layer to EpsilonRule in "
-            "rule_mapper"
+            f"({', '.join(calls)}): a second linear map of the input inside the layer (a low-rank adapter's B(A x)), "
+            "or linear functions its parametrization calls in computing its weight (a low-rank update W + B(A W) "
+            "written as one), which a rule with a modified pass cannot tell from the layer's own call; remove the "
+            "parametrization before explaining (torch.nn.utils.parametrize.remove_parametrizations(layer, 'weight', "
+            "leave_parametrized=True)), write a second map as modules of their own beside the layer, or map this layer "
+            "to EpsilonRule in rule_mapper"
         )
     return ValueError(
         f"{type(module).__name__}: its forward calls {len(calls)} linear or convolution functions "

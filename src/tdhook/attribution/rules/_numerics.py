@@ -13,6 +13,8 @@ __all__ = [
     "epsilon_factor",
     "safe_divide",
     "carrying_gradient",
+    "uncarried_rest",
+    "UNCARRIED",
     "PIECE",
     "pieces",
     "in_pieces_",
@@ -98,6 +100,26 @@ def carrying_gradient(relevance: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return quotient.masked_fill_(uncarried, 0)
     carried = uncarried.logical_not_()  # with the history of both (create_graph): no 0 · inf in the backward
     return torch.where(carried, relevance / torch.where(carried, x, 1), 0)
+
+
+#: The attribute of a record's relevance (see :func:`uncarried_rest`) holding where the gradient carried none of it.
+UNCARRIED = "_tdhook_uncarried"
+
+
+def uncarried_rest(relevance: torch.Tensor, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``relevance - x · grad``, what the gradient ``grad`` of :func:`carrying_gradient` leaves of a relevance set at
+    ``x``, with the mask of the entries where it carried none of it (``grad`` 0: ``x`` zero, or the quotient
+    overflowing) in its :data:`UNCARRIED` attribute. Elsewhere the rest is the rounding of ``x · (R / x)`` alone.
+
+    Examples:
+        >>> relevance, x = torch.tensor([1.0, 3.0]), torch.tensor([0.0, 2.0])
+        >>> rest = uncarried_rest(relevance, x, carrying_gradient(relevance, x))
+        >>> rest, getattr(rest, UNCARRIED)
+        (tensor([1., 0.]), tensor([ True, False]))
+    """
+    rest = relevance - x * grad
+    setattr(rest, UNCARRIED, (grad == 0).logical_and_(relevance != 0))
+    return rest
 
 
 # Elements per piece of :func:`pieces`: 4 MiB in float32. Much larger temporaries would be fresh

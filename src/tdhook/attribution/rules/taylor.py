@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from tdhook.attribution.rules._arguments import finite_number, nonnegative
 from tdhook.attribution.rules._autograd import redirect
 from tdhook.attribution.rules._keeping_graph import graph_kept
-from tdhook.attribution.rules._numerics import carrying_gradient, safe_divide, stabilize
+from tdhook.attribution.rules._numerics import carrying_gradient, safe_divide, stabilize, uncarried_rest
 from tdhook.attribution.rules._plain_calls import run_alone
 from tdhook.attribution.rules.base import Registration, Rule, plain_calls
 from tdhook.attribution.tunables import EPSILON
@@ -180,7 +180,7 @@ class TaylorDecompositionRule(Rule):
             grads = []
             for x, target, relevance in zip(xs, targets, relevances, strict=True):
                 grad_x = carrying_gradient(relevance, x)
-                registration.records.append((target, relevance - x * grad_x))
+                registration.records.append((target, uncarried_rest(relevance, x, grad_x)))
                 grads.append(grad_x)
             return grads
 
