@@ -223,6 +223,13 @@ def _on_node(output: torch.Tensor) -> bool:
     return "Redirect" not in type(output.grad_fn).__name__
 
 
+class Sum(nn.Module):
+    """A sum of two tensors, as a module a rule can be mapped to."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+
 class TestClosedForms:
     def test_epsilon_zero_is_gradient_times_input(self):
         layer, x = make_layer("conv2d")
@@ -257,13 +264,9 @@ class TestClosedForms:
     def test_uniform_rule_gives_a_subnormal_input_its_half(self):
         # The half the rule sets at each input reaches it through the gradient R / x, which overflowed at a
         # subnormal input (1e-320): its relevance was NaN; it is now recorded whole, as at a zero input.
-        class Add(nn.Module):
-            def forward(self, a, b):
-                return a + b
-
         a = torch.tensor([[1e-320, 0.0, -1.0]], dtype=torch.float64, requires_grad=True)
         b = torch.tensor([[3.0, 0.5, 4.0]], dtype=torch.float64, requires_grad=True)
-        add, r_out = Add(), torch.tensor([[1.0, -2.0, 3.0]], dtype=torch.float64)
+        add, r_out = Sum(), torch.tensor([[1.0, -2.0, 3.0]], dtype=torch.float64)
         with UniformRule().register(add) as handle:
             z = add(a, b)
             ga, gb = torch.autograd.grad(z, (a, b), r_out / z.detach())
@@ -278,15 +281,11 @@ class TestClosedForms:
         then summed to -0.137 for a logit of -0.119). Refused by name; a sum of two inputs the model reads as they
         are keeps all of it."""
 
-        class Add(nn.Module):
-            def forward(self, a, b):
-                return a + b
-
         class Net(nn.Module):
             def __init__(self) -> None:
                 super().__init__()
                 self.l1, self.l2 = nn.Linear(4, 6, bias=False), nn.Linear(4, 6, bias=False)
-                self.l3, self.add = nn.Linear(6, 2, bias=False), Add()
+                self.l3, self.add = nn.Linear(6, 2, bias=False), Sum()
 
             def forward(self, x):
                 return self.l3(self.add(torch.relu(self.l1(x)), self.l2(x)))
@@ -295,11 +294,11 @@ class TestClosedForms:
         net, x = Net().double(), torch.randn(3, 4, dtype=torch.float64)
         mapper = {"add": UniformRule(), nn.Linear: EpsilonRule(1e-12)}
         lrp = LRP(net, mapper, in_keys=["x"], out_keys=["y"], target=0)
-        with pytest.raises(ValueError, match=r"UniformRule on module 'add' \(Add\) set relevance at entries .* 0"):
+        with pytest.raises(ValueError, match=r"UniformRule on module 'add' \(Sum\) set relevance at entries .* 0"):
             lrp(TensorDict(x=x, batch_size=[3]))
         a, b = x.clone(), torch.randn(3, 4, dtype=torch.float64)
         a[:, 0] = 0.0
-        add = LRP(Add(), {"": UniformRule()}, in_keys=["a", "b"], out_keys=["y"], target=lambda y: y)
+        add = LRP(Sum(), {"": UniformRule()}, in_keys=["a", "b"], out_keys=["y"], target=lambda y: y)
         out = add(TensorDict(a=a, b=b, batch_size=[3]))
         torch.testing.assert_close(out["relevance", "a"], (a + b) / 2, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(out["relevance", "b"], (a + b) / 2, rtol=1e-12, atol=1e-12)
@@ -311,14 +310,10 @@ class TestClosedForms:
         large relevance, R / x overflows and the whole relevance there is recorded: it was dropped, with no word.
         What the gradient did not carry decides, not the input's size."""
 
-        class Add(nn.Module):
-            def forward(self, a, b):
-                return a + b
-
         class Net(nn.Module):
             def __init__(self) -> None:
                 super().__init__()
-                self.l1, self.l2, self.head, self.add = nn.Linear(4, 6), nn.Linear(4, 6), nn.Linear(6, 2), Add()
+                self.l1, self.l2, self.head, self.add = nn.Linear(4, 6), nn.Linear(4, 6), nn.Linear(6, 2), Sum()
 
             def forward(self, x):
                 return self.head(self.add(torch.tanh(self.l1(x)), torch.tanh(self.l2(x))))
@@ -337,7 +332,7 @@ class TestClosedForms:
         if subnormal:
             assert lrp(td)["relevance", "x"].isfinite().all()
         else:
-            with pytest.raises(ValueError, match=r"UniformRule on module 'add' \(Add\) set relevance at entries"):
+            with pytest.raises(ValueError, match=r"UniformRule on module 'add' \(Sum\) set relevance at entries"):
                 lrp(td)
 
     def test_uniform_epsilon_halves_the_product_rule(self):
