@@ -358,16 +358,15 @@ def test_the_batches_cover_exactly_the_rows_not_done(steps):
         assert _missing_runs(done, start, stop, batch_size) == rows_not_done_in_batches(done, start, stop, batch_size)
 
 
-class BatchSizes(nn.Module):
-    """Records the number of rows of every call."""
+class BatchSizes:
+    """Records the number of rows of every call of the module it is a forward pre-hook of (a hook: a module put into
+    the model changes its layout, and a run resumed with it is refused)."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.sizes: list[int] = []
 
-    def forward(self, x):
-        self.sizes.append(x.shape[0])
-        return x
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        self.sizes.append(args[0].shape[0])
 
 
 def test_a_mask_with_holes_is_finished_stretch_by_stretch(tmp_path):
@@ -380,7 +379,7 @@ def test_a_mask_with_holes_is_finished_stretch_by_stretch(tmp_path):
     out["explained"][holes] = False
     out["relevance", "observation"][holes] = 0.0
     recorder = BatchSizes()
-    lrp.module.module[0].module.insert(0, recorder)
+    lrp.module.module[0].module.register_forward_pre_hook(recorder)
     out = explain_offline(lrp, source, tmp_path / "out", batch_size=4, progress=False)
     assert recorder.sizes == [4, 1, 1, 4, 4, 2]  # rows 2:6, 6:7, 9:10, 20:24, 24:28, 28:30
     assert bool(out["explained"].all())
@@ -392,7 +391,7 @@ def test_an_empty_range_over_an_existing_output_explains_nothing(tmp_path):
     first = explain_offline(lrp, data(10), tmp_path / "out", stop=4, progress=False)
     written = first["relevance", "observation"].clone()
     recorder = BatchSizes()
-    lrp.module.module[0].module.insert(0, recorder)
+    lrp.module.module[0].module.register_forward_pre_hook(recorder)
     out = explain_offline(lrp, data(10), tmp_path / "out", start=5, stop=5, progress=False)
     assert recorder.sizes == [1]  # only the row that checks the output is this explanation's
     assert out["explained"].tolist() == [True] * 4 + [False] * 6
@@ -764,6 +763,60 @@ class TestAResumedRunExplainsAsTheFirstDid:
         self.refused(InputXGradient(policy), tmp_path, "explainer: Saliency then, InputXGradient now")
         self.refused(Saliency(policy, abs=False), tmp_path, "abs: True then, False now")
 
+    def test_a_model_of_another_layout_with_the_same_weights_is_refused(self, tmp_path):
+        """The record kept the model's class and a digest of its parameters only: a ReLU swapped for a Tanh, or a
+        LeakyReLU's slope set anew, with the same weights, resumed the output (its rows 0.76 off the new model's)."""
+        policy = q_actor()
+        self.first_half(LRP(policy, EpsilonPlus()), tmp_path / "activation")
+        policy.module[0].module[1] = nn.ReLU()  # the MLP's Tanh
+        self.refused(LRP(policy, EpsilonPlus()), tmp_path / "activation", r"layout #\w+, .* then, .* layout #")
+        policy = q_actor()
+        policy.module[0].module[1] = nn.LeakyReLU(0.01)
+        self.first_half(LRP(policy, EpsilonPlus()), tmp_path / "slope")
+        policy.module[0].module[1].negative_slope = 0.5
+        self.refused(LRP(policy, EpsilonPlus()), tmp_path / "slope", r"layout #\w+, .* then, .* layout #")
+
+    def test_a_model_whose_running_statistics_changed_is_refused(self, tmp_path):
+        """Buffers were left out of the record (a module in training mode may update one as it runs): a BatchNorm in
+        eval mode whose running statistics were updated between two runs resumed the output, its first rows 0.75 off
+        the new model's. Those of modules in eval mode are kept."""
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2)).double().eval()
+        policy = TensorDictModule(net, in_keys=["observation"], out_keys=["action_value"])
+        self.first_half(LRP(policy, EpsilonPlus()), tmp_path)
+        with torch.no_grad():
+            net[1].running_mean.add_(0.5)
+        self.refused(LRP(policy, EpsilonPlus()), tmp_path, r"buffers in eval mode #\w+ then, .* buffers in eval mode")
+
+    def test_a_callable_target_computing_otherwise_is_refused(self, tmp_path):
+        """Every lambda was recorded as ``<lambda>``, and a function defined again under its name as itself: a run
+        resumed with a target of another unit was accepted (its first rows 0.73 off). Functions are recorded by
+        their code and the values they close over; the same code over the same values resumes."""
+        policy = q_actor()
+
+        def unit(k: int):
+            return lambda output: torch.nn.functional.one_hot(torch.full(output.shape[:-1], k), 2) * output
+
+        self.first_half(LRP(policy, EpsilonPlus(), target=unit(0), target_key="action_value"), tmp_path / "unit")
+        self.refused(
+            LRP(policy, EpsilonPlus(), target=unit(1), target_key="action_value"),
+            tmp_path / "unit",
+            r"target: .*<lambda> #\w+ then",
+        )
+        self.refused(
+            LRP(policy, EpsilonPlus(), target=lambda output: output, target_key="action_value"),
+            tmp_path / "unit",
+            "target: ",
+        )
+        out = explain_offline(
+            LRP(policy, EpsilonPlus(), target=unit(0), target_key="action_value"),
+            data(20),
+            tmp_path / "unit" / "out",
+            batch_size=5,
+            progress=False,
+        )
+        assert bool(out["explained"].all())
+
     def test_an_option_set_on_the_explainer_after_its_first_run_is_refused_naming_it(self, tmp_path):
         """The record kept the constructor's arguments: a rule mapper set on the same wrapper afterwards
         (lrp.rule_mapper = ..., as a context follows it), a method's option set as an attribute, or another model
@@ -785,14 +838,22 @@ class TestAResumedRunExplainsAsTheFirstDid:
         for explainer, folder in ((LRP(policy, EpsilonPlus()), "swapped lrp"), (Saliency(policy), "swapped saliency")):
             self.first_half(explainer, tmp_path / folder)
             explainer.module = q_actor()  # another model (other weights), set on the same explainer
-            self.refused(explainer, tmp_path / folder, r"module: QValueActor, parameters #\w+ then, QValueActor")
+            self.refused(
+                explainer,
+                tmp_path / folder,
+                r"module: QValueActor, parameters #\w+, layout #\w+, buffers in eval mode #\w+ then, QValueActor",
+            )
 
     def test_a_model_whose_parameters_changed_is_refused_naming_it(self, tmp_path):
         policy = q_actor()
         self.first_half(LRP(policy, EpsilonPlus()), tmp_path)
         with torch.no_grad():
             next(policy.parameters()).add_(1e-3)  # a step of training
-        self.refused(LRP(policy, EpsilonPlus()), tmp_path, r"module: QValueActor, parameters #\w+ then, QValueActor")
+        self.refused(
+            LRP(policy, EpsilonPlus()),
+            tmp_path,
+            r"module: QValueActor, parameters #\w+, layout #\w+, buffers in eval mode #\w+ then, QValueActor",
+        )
 
     def test_the_same_explanation_built_anew_and_batched_otherwise_resumes(self, tmp_path):
         """A new wrapper and preset of the same arguments (nothing in the record is an object's address), and other
@@ -824,7 +885,7 @@ class TestRowsChangedSinceTheyWereExplained:
     @staticmethod
     def recorded(lrp: LRP) -> BatchSizes:
         recorder = BatchSizes()
-        lrp.module.module[0].module.insert(0, recorder)
+        lrp.module.module[0].module.register_forward_pre_hook(recorder)
         return recorder
 
     def test_a_circular_buffer_that_kept_filling_is_explained_anew(self, tmp_path):
@@ -851,22 +912,20 @@ class TestRowsChangedSinceTheyWereExplained:
         """A rerun found the changed rows but left them marked done on disk until it reached them: stopped before,
         its output said every row was done, row 17 holding the old row's relevance."""
 
-        class StopAtSecondCall(nn.Module):
-            calls = 0
+        calls = []
 
-            def forward(self, x):
-                self.calls += 1
-                if self.calls == 2:
-                    raise KeyboardInterrupt
-                return x
+        def stop_at_second_call(module: nn.Module, args: tuple) -> None:  # a hook: the model's layout unchanged
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
 
         lrp, rows = LRP(q_actor(), EpsilonPlus()), data(20)
         explain_offline(lrp, rows, tmp_path / "out", batch_size=6, progress=False)
         rows["observation"][[3, 17]] += 1.0
-        lrp.module.module[0].module.insert(0, StopAtSecondCall())
+        handle = lrp.module.module[0].module.register_forward_pre_hook(stop_at_second_call)
         with pytest.raises(KeyboardInterrupt):
             explain_offline(lrp, rows, tmp_path / "out", batch_size=6, progress=False)
-        del lrp.module.module[0].module[0]
+        handle.remove()
         out = TensorDict.load_memmap(tmp_path / "out")
         assert out["explained"].tolist() == [row != 17 for row in range(20)]  # row 3 explained anew, then stopped
         expected = lrp(rows.clone())["relevance", "observation"]

@@ -4,9 +4,12 @@
 keys, shapes and dtypes say nothing of how the rows were explained: a run resumed with another rule, another method of
 the same keys (``Saliency`` after ``InputXGradient``), other options or a model trained further in between would fill
 the rest with another explanation, and the output would mix two with no word. The output's folder keeps a record of
-the explainer (:func:`explainer_record`): its class and the arguments it was built with, a model by its class and a
-digest of its parameters, a tensor by its values. (Buffers are left out: a model may update one, a count of its calls,
-as it runs.) A resumed run whose record differs is refused, naming what differs. Options that only say how the work
+the explainer (:func:`explainer_record`): its class and the arguments it was built with, a model by its class, a
+digest of its parameters, of its layout (its modules' classes and settings: a ReLU swapped for a Tanh, a LeakyReLU's
+slope) and of the buffers of its modules in eval mode (a BatchNorm's running statistics; those of modules in training
+mode are left out: a model may update one, a count of its calls, as it runs), a tensor by its values, a function (a
+callable target) by its code and the values it closes over. A resumed run whose record differs is refused, naming
+what differs. Options that only say how the work
 is batched (``internal_batch_size``, ``perturbations_per_eval``, ``memory_budget``, ``progress``) are left out: they
 may change from run to run.
 
@@ -49,6 +52,7 @@ RECORD_FILE = "explainer.json"
 # Options that say how the work is batched or shown, not what is computed.
 _BATCHING = frozenset({"internal_batch_size", "perturbations_per_eval", "memory_budget", "progress"})
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_CODE_PLACE = re.compile(r', file "[^"]*", line \d+')
 _ARGUMENTS = "_tunable_init_arguments"
 
 
@@ -96,11 +100,18 @@ def check_record(prefix: Path, record: Mapping[str, str]) -> None:
         )
 
 
-def _described(value: Any) -> str:
+def _described(value: Any, depth: int = 0) -> str:
     """A description of an argument that is the same from process to process for the same value: a module by its
     class and a digest of its state, a tensor by its values, an object built from arguments by those."""
     if isinstance(value, nn.Module):
-        return f"{type(value).__name__}, parameters #{_digest(list(value.parameters()))}"
+        # Its layout (the modules' classes and settings, a LeakyReLU's slope) and the buffers of the modules in eval
+        # mode, which a call leaves as they are (a BatchNorm's running statistics).
+        layout = hashlib.blake2b(_ADDRESS.sub("", repr(value)).encode(), digest_size=8).hexdigest()
+        buffers = [b for m in value.modules() if not m.training for b in m._buffers.values() if b is not None]
+        return (
+            f"{type(value).__name__}, parameters #{_digest(list(value.parameters()))}, layout #{layout}, "
+            f"buffers in eval mode #{_digest(buffers)}"
+        )
     if isinstance(value, torch.Tensor):
         return f"tensor {str(value.dtype).removeprefix('torch.')} {list(value.shape)} #{_digest([value])}"
     if isinstance(value, TensorDictBase):
@@ -114,7 +125,17 @@ def _described(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(map(_described, value)) + "]"
     if callable(value) and hasattr(value, "__qualname__"):  # a target function, a class
-        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+        name = f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+        code = getattr(value, "__code__", None)
+        if code is None or depth > 3:
+            return name
+        # Two lambdas, or a function defined again under its name, by what they compute: the code, its constants,
+        # the defaults and the values the function closes over (a unit k of ``lambda y: y[:, k]``).
+        cells = [cell.cell_contents for cell in value.__closure__ or () if cell.cell_contents is not value]
+        parts = [code.co_code.hex(), repr(code.co_consts), *(_described(v, depth + 1) for v in cells)]
+        parts += [_described(v, depth + 1) for v in value.__defaults__ or ()]
+        text = _CODE_PLACE.sub("", _ADDRESS.sub("", ";".join(parts)))  # where nested code lies is not what it does
+        return f"{name} #{hashlib.blake2b(text.encode(), digest_size=8).hexdigest()}"
     return _ADDRESS.sub("", repr(value))
 
 

@@ -6,9 +6,11 @@ in place) would keep the old rows' relevance for the new rows, with no word. The
 checksum of what the explainer reads of it (:func:`row_checksums`: its input keys and the stored actions it explains);
 a later run marks the done rows whose checksum changed as not done, and explains them again.
 
-The checksum is a sum of the rows' bytes, read as 32-bit words, each times an odd weight of its position (the
-products wrapping in 32 bits, their sum taken in 64): exact integer arithmetic, so the same rows give the same checksums
-whatever the batches they are read in.
+The checksum is a sum, over the rows' bytes read as 32-bit words, of a 32-bit hash of each word and its position
+(the word mixed with a salt of its position and key by two rounds of multiplication and shifts, as a hash's
+finaliser does): exact integer arithmetic, so the same rows give the same checksums whatever the batches they are read
+in. A plain weighted sum of the words let changes cancel: a float's sign is its top bit, and two sign flips (a
+negated observation) moved such a sum by 2³¹ twice, back to where it was, for half of the rows.
 
 Examples:
     >>> from tensordict import TensorDict
@@ -34,10 +36,20 @@ __all__ = ["CHECKSUM_FILE", "checksum_file", "row_checksums"]
 #: The file, in the output's folder, that holds the checksum of each explained row.
 CHECKSUM_FILE = "row_checksums.memmap"
 
-# A word's weight: its position times the first, plus the second, plus the key's index times the third, then doubled
-# and made odd (wrapping in 32 bits), so that no two (position, key) pairs of a row get one weight (made odd by
-# `| 1` alone, keys 0 and 1 shared the weight of every other word, and a swap of those words between them was not seen).
+# A word's salt: its position times the first, plus the second, plus the key's index times the third (wrapping in 32
+# bits), so that no two (position, key) pairs of a row get one salt; then the mixing constants (below 2**31, so that a
+# 32-bit value times one stays below 2**63 in int64).
 _STEP, _OFFSET, _KEY_STEP = 0x01F3D5B7, 0x00012345, 0x2C9277B5
+_MIX = (0x7FEB352D, 0x446F2A6B)
+_LOW = 0xFFFFFFFF
+
+
+def _mixed(words: torch.Tensor) -> torch.Tensor:
+    """A 32-bit hash of each of ``words`` (int64 values below 2**32), as int64."""
+    for factor in _MIX:
+        words = words ^ (words >> 16)
+        words = (words * factor) & _LOW
+    return words ^ (words >> 15)
 
 
 def row_checksums(rows: TensorDictBase, keys: Sequence[NestedKey]) -> torch.Tensor:
@@ -51,9 +63,8 @@ def row_checksums(rows: TensorDictBase, keys: Sequence[NestedKey]) -> torch.Tens
             continue
         data = value.detach().cpu().contiguous().reshape(count, -1).view(torch.uint8)
         words = data.view(torch.int32) if data.shape[1] % 4 == 0 else data.to(torch.int32)
-        key_offset = (_OFFSET + index * _KEY_STEP + 2**31) % 2**32 - 2**31  # wrapped to a signed 32-bit number
-        weights = (torch.arange(words.shape[1], dtype=torch.int32) * _STEP + key_offset) * 2 + 1
-        total += (words * weights).sum(-1, dtype=torch.int64)
+        salts = (torch.arange(words.shape[1], dtype=torch.int64) * _STEP + _OFFSET + index * _KEY_STEP) & _LOW
+        total += _mixed((words.to(torch.int64) & _LOW) ^ salts).sum(-1)
     return total
 
 
