@@ -6,11 +6,11 @@ in place) would keep the old rows' relevance for the new rows, with no word. The
 checksum of what the explainer reads of it (:func:`row_checksums`: its input keys and the stored actions it explains);
 a later run marks the done rows whose checksum changed as not done, and explains them again.
 
-The checksum is a sum, over the rows' bytes read as 32-bit words, of a 32-bit hash of each word and its position
-(the word mixed with a salt of its position and key by two rounds of multiplication and shifts, as a hash's
-finaliser does): exact integer arithmetic, so the same rows give the same checksums whatever the batches they are read
-in. A plain weighted sum of the words let changes cancel: a float's sign is its top bit, and two sign flips (a
-negated observation) moved such a sum by 2³¹ twice, back to where it was, for half of the rows.
+The checksum is a sum, over the rows' bytes read as 32-bit words, of a hash of each word and its position (the word
+mixed with a salt of its position and key, times an odd factor, the high bits folded onto the low ones): exact integer
+arithmetic, so the same rows give the same checksums whatever the batches they are read in. A plain weighted sum of
+the words let changes cancel: a float's sign is its top bit, and two sign flips (a negated observation) moved such a
+sum by 2³¹ twice, back to where it was, for half of the rows.
 
 Examples:
     >>> from tensordict import TensorDict
@@ -37,19 +37,19 @@ __all__ = ["CHECKSUM_FILE", "checksum_file", "row_checksums"]
 CHECKSUM_FILE = "row_checksums.memmap"
 
 # A word's salt: its position times the first, plus the second, plus the key's index times the third (wrapping in 32
-# bits), so that no two (position, key) pairs of a row get one salt; then the mixing constants (below 2**31, so that a
-# 32-bit value times one stays below 2**63 in int64).
+# bits), so that no two (position, key) pairs of a row get one salt; then the mixing factor, odd and below 2**31, so
+# that a salted word (a 32-bit value, signed or not) times it stays inside int64.
 _STEP, _OFFSET, _KEY_STEP = 0x01F3D5B7, 0x00012345, 0x2C9277B5
-_MIX = (0x7FEB352D, 0x446F2A6B)
+_FACTOR = 0x7FEB352D
 _LOW = 0xFFFFFFFF
 
 
 def _mixed(words: torch.Tensor) -> torch.Tensor:
-    """A 32-bit hash of each of ``words`` (int64 values below 2**32), as int64."""
-    for factor in _MIX:
-        words = words ^ (words >> 16)
-        words = (words * factor) & _LOW
-    return words ^ (words >> 15)
+    """A hash of each of ``words`` (int64 values of 32 bits): a product, then the high bits folded onto the low
+    ones, which no sum of the products' changes undoes (two sign flips, each moving a product by 2**31 times the
+    factor, no longer cancel)."""
+    words = words * _FACTOR
+    return words ^ (words >> 29)
 
 
 def row_checksums(rows: TensorDictBase, keys: Sequence[NestedKey]) -> torch.Tensor:
@@ -64,7 +64,7 @@ def row_checksums(rows: TensorDictBase, keys: Sequence[NestedKey]) -> torch.Tens
         data = value.detach().cpu().contiguous().reshape(count, -1).view(torch.uint8)
         words = data.view(torch.int32) if data.shape[1] % 4 == 0 else data.to(torch.int32)
         salts = (torch.arange(words.shape[1], dtype=torch.int64) * _STEP + _OFFSET + index * _KEY_STEP) & _LOW
-        total += _mixed((words.to(torch.int64) & _LOW) ^ salts).sum(-1)
+        total += _mixed(words.to(torch.int64) ^ salts).sum(-1)
     return total
 
 
