@@ -965,3 +965,27 @@ def test_a_run_on_its_own_rows_leaves_the_marks_of_other_rows_alone(tmp_path):
     read_before[:8] = False  # as the second process read the mask, before the first marked rows 0:8
     _unmark_changed_rows(lrp, tmp_path / "out", out, read_before, range(8, 16))
     assert bool(TensorDict.load_memmap(tmp_path / "out")["explained"].all())
+
+
+def test_a_model_error_says_which_rows_it_was_explaining(tmp_path):
+    """The error of a model failing in a batch named the key and the batch's shape, not the rows of the source nor
+    the prefix; it now says both, and that the rows before are kept."""
+    calls = []
+
+    def fail_at_third_call(module: nn.Module, args: tuple) -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the model failed")
+
+    lrp = LRP(q_actor(), EpsilonPlus())
+    handle = lrp.module.module[0].module.register_forward_pre_hook(fail_at_third_call)
+    try:
+        with pytest.raises(RuntimeError, match="the model failed") as caught:
+            explain_offline(lrp, data(20), tmp_path / "out", batch_size=4, progress=False)
+    finally:
+        handle.remove()
+    assert any(
+        "in rows 8:12 of the source" in note and str(tmp_path / "out") in note for note in caught.value.__notes__
+    )
+    out = TensorDict.load_memmap(tmp_path / "out")
+    assert out["explained"].tolist() == [True] * 8 + [False] * 12

@@ -381,7 +381,14 @@ def _explain_runs(
         for begin, end in runs:
             rows = _rows(source, begin, end)
             rows_sums = row_checksums(rows, keys)  # of the rows as read, before the model may write into them
-            result = lrp(rows)
+            try:
+                result = lrp(rows)
+            except Exception as err:  # the error names a key or module; which rows, and what is kept, said here
+                err.add_note(
+                    f"explain_offline: in rows {begin}:{end} of the source, explained into '{prefix}'; the rows "
+                    "explained before are kept and marked done, and a later run over that prefix goes on from there"
+                )
+                raise
             if not checked:  # after the first call, which sets a lazy layer's parameters that the record digests
                 written, record = _written_entries(lrp, result), explainer_record(lrp)
                 if output is None:
