@@ -518,6 +518,22 @@ def test_masked_agents_explain_each_agents_allowed_or_held_action(distribution, 
     torch.testing.assert_close(out["relevance", "agents", "observation"], x.detach() * grad, rtol=1e-10, atol=1e-12)
 
 
+def test_a_one_hot_action_held_for_an_index_policy_is_told_how_to_explain_it():
+    """A one-hot environment's random frames (a collector's init_random_frames) store one-hot actions; an index
+    policy (MaskedCategorical) explaining them was refused with the keys and shapes only. The error now says what the
+    action looks like and what to pass, and that target explains the stored action."""
+    actor = masked_actor(MaskedCategorical)
+    td = masked_td(actor)
+    allowed = td["action_mask"].double().argmax(-1)
+    td = as_transition(td.set("action", nn.functional.one_hot(allowed, 3)))
+    with pytest.raises(ValueError, match=r"\(shape \[6, 3\]\) is not one action per row.* looks one-hot.*argmax"):
+        LRP(actor)(td.clone())
+    out = LRP(actor, target=td["action"].argmax(-1))(td.clone())
+    x = td["observation"].clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(actor.module[0].module(x).gather(-1, allowed.unsqueeze(-1)).sum(), x)
+    torch.testing.assert_close(out["relevance", "observation"], x.detach() * grad, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("distribution", [MaskedCategorical, MaskedOneHotCategorical], ids=lambda d: d.__name__)
 def test_a_held_action_that_is_not_one_per_row_of_logits_is_named(distribution):
     actor = masked_actor(distribution)

@@ -407,9 +407,17 @@ def allowed_action(
         if (taken.shape[:-1] if one_hot else taken.numel()) != (
             logits.shape[:-1] if one_hot else logits[..., 0].numel()
         ):
+            one_hot_stored = not one_hot and taken.shape == logits.shape  # a one-hot action for an index policy
             raise ValueError(
                 f"LRP: the action at {action_key!r} (shape {list(taken.shape)}) is not one action per row of the "
                 f"logits at {target_key!r} (shape {list(logits.shape)}); it is the action explained by default"
+                + (
+                    f" ({sampler.distribution_class.__name__} draws an index per row, and this looks one-hot, as a "
+                    "one-hot environment's random frames store it: pass target=td['action'].argmax(-1), or use a "
+                    "one-hot distribution, OneHotCategorical)"
+                    if one_hot_stored
+                    else "; pass a target to explain another unit"
+                )
             )
         action = taken.long().argmax(-1) if one_hot else taken.long().reshape(logits.shape[:-1])
         outside = (action < 0) | (action >= logits.shape[-1])

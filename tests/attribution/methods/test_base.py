@@ -11,6 +11,7 @@ from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+import tdhook.attribution
 from tdhook.attribution import (
     FeatureAblation,
     GradientShap,
@@ -892,3 +893,20 @@ def test_a_mean_over_the_batch_that_needs_a_batch_is_refused_naming_why_and_what
     with pytest.raises(RuntimeError, match=rf"^{method}: the module returned one output for the whole batch \[5\]"):
         wrapper(given)
     assert set(given.keys(True, True)) == set(td.keys(True, True))  # nothing written
+
+
+@pytest.mark.parametrize("method", ["IntegratedGradients", "SmoothGrad", "GradientShap"])
+def test_a_forward_hooking_a_tensor_is_told_the_first_pass_runs_without_gradient(method):
+    """A model putting a hook on a tensor in its forward (to keep a gradient) failed in the methods whose first pass
+    runs without gradient with torch's "cannot register a hook on a tensor that doesn't require gradient", the note
+    naming the inputs only; a note now says why, and what to write instead."""
+    net = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    kept = []
+    net[0].register_forward_hook(lambda module, args, out: [kept.append(out.register_hook(lambda g: None))] and None)
+    options = {"GradientShap": {"baselines": torch.zeros(2, 6)}}.get(method, {})
+    wrapper = getattr(tdhook.attribution, method)(net, in_keys=["x"], out_keys=["y"], **options)
+    with pytest.raises(RuntimeError, match="doesn't require gradient") as caught:
+        wrapper(TensorDict(x=torch.randn(4, 6), batch_size=[4]))
+    assert any(
+        "first pass on the caller's inputs" in note and "h.requires_grad" in note for note in caught.value.__notes__
+    )

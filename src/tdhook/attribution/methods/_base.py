@@ -427,11 +427,21 @@ class AttributionMethod(RecordedModules, TensorDictModuleBase, ModelTunable):
         recurrent = recurrent_layers(modules)
         # Dropout called as a function (attention dropout) draws anew in every pass, as a Dropout module does.
         watch = _NOTHING if self._warned else dropout_watch(self.named_explained_modules().values())
-        with torch.enable_grad() if grad else torch.no_grad(), time_lengths(recurrent) as lengths:
-            leaves, fed = feed_inputs(work, self.explained_keys, TokenInputs(self.explained_keys))
-            # A write into memory an explained input shares with another input is refused after the run.
-            with checked_after_run(name, tensordict, self.explained_keys, fed, self.in_keys), watch as dropping:
-                result = with_input_writes(tensordict, work, self._run(work), self.explained_keys)
+        try:
+            with torch.enable_grad() if grad else torch.no_grad(), time_lengths(recurrent) as lengths:
+                leaves, fed = feed_inputs(work, self.explained_keys, TokenInputs(self.explained_keys))
+                # A write into memory an explained input shares with another input is refused after the run.
+                with checked_after_run(name, tensordict, self.explained_keys, fed, self.in_keys), watch as dropping:
+                    result = with_input_writes(tensordict, work, self._run(work), self.explained_keys)
+        except RuntimeError as err:
+            if not grad and "register a hook on a tensor that doesn't require gradient" in str(err):
+                err.add_note(
+                    f"{name}: its first pass on the caller's inputs, which resolves the target and the outputs to "
+                    "write, runs without gradient (torch.no_grad()): a forward that puts a hook on a tensor must do "
+                    "so only where the tensor requires grad (if h.requires_grad: h.register_hook(...)), as under any "
+                    "torch.no_grad() call of the model"
+                )
+            raise
         if dropping is not None and dropping.found:
             warn_at_caller(
                 f"{name}: the forward pass calls dropout (p={dropping.found}) in training mode, outside any Dropout "
