@@ -40,6 +40,12 @@ _ADVICE = (
     "relevance is input × modified gradient, so the hook's change would be taken into the relevance. Make the hook "
     "return None while explaining (a hook that only reads the gradient is fine), or remove it"
 )
+# The same for an attribution method of the gradient family (Saliency, IntegratedGradients, ...).
+_METHOD_ADVICE = (
+    "the attribution is made of the model's gradient, so the hook's change would be taken into it (its "
+    "gradient is no longer the derivative of the output). Make the hook return None while explaining (a hook "
+    "that only reads the gradient is fine), or remove it"
+)
 
 
 def is_ours(hook: Any) -> bool:
@@ -84,7 +90,7 @@ def _written(given: Any, snapshot: tuple | None) -> bool:
     )
 
 
-def checked(hook: Callable, what: Callable[..., str], refused: Callable[[], None]) -> Callable:
+def checked(hook: Callable, what: Callable[..., str], refused: Callable[[], None], owner: str = "LRP") -> Callable:
     """``hook``, raising where it returns a gradient other than the one it was given, or writes into the one it was
     given (an in-place change, which the relevance would take as well).
 
@@ -94,7 +100,9 @@ def checked(hook: Callable, what: Callable[..., str], refused: Callable[[], None
         what: the hook and where it is, for the error, from the hook's arguments
             (``"the full backward hook f registered on module 'a' (Linear)"``).
         refused: called before raising (the next call of the wrapper then checks again).
+        owner: the wrapper whose call runs the hook (``"LRP"``, or a method's name), for the error.
     """
+    advice = _ADVICE if owner == "LRP" else _METHOD_ADVICE
 
     @functools.wraps(hook)
     def hook_checked(*args: Any) -> Any:
@@ -103,10 +111,10 @@ def checked(hook: Callable, what: Callable[..., str], refused: Callable[[], None
         returned = hook(*args)
         if _changed(given, returned):
             refused()
-            raise ValueError(f"LRP: {what(*args)} returns a gradient other than the one it was given: {_ADVICE}")
+            raise ValueError(f"{owner}: {what(*args)} returns a gradient other than the one it was given: {advice}")
         if _written(given, before):
             refused()
-            raise ValueError(f"LRP: {what(*args)} changes the gradient it was given in place: {_ADVICE}")
+            raise ValueError(f"{owner}: {what(*args)} changes the gradient it was given in place: {advice}")
         return returned
 
     return hook_checked
@@ -137,13 +145,16 @@ _GLOBAL = {
 
 
 @contextlib.contextmanager
-def backward_hooks_checked(modules: Mapping[str, nn.Module], refused: Callable[[], None]) -> Iterator[None]:
+def backward_hooks_checked(
+    modules: Mapping[str, nn.Module], refused: Callable[[], None], owner: str = "LRP"
+) -> Iterator[None]:
     """Inside the block, the backward hooks and pre-hooks on ``modules``, and torch's global ones, are
     :func:`checked` in the calls of the modules made in it (torch takes a module's backward hooks when it runs).
 
     Args:
         modules: the model's modules by name.
         refused: called before a hook's error is raised.
+        owner: the wrapper whose call runs the hooks, for the error (see :func:`checked`).
     """
     swapped: list[tuple[dict, Any, Callable]] = []
     names = {id(m): name for name, m in modules.items()}
@@ -154,12 +165,12 @@ def backward_hooks_checked(modules: Mapping[str, nn.Module], refused: Callable[[
                 full = "full " if attribute == "_backward_pre_hooks" or module._is_full_backward_hook else ""
                 for key, hook in list(hooks.items()):
                     what = f"the {full}{kind} {_name(hook)} registered on {_place(name)} ({type(module).__name__})"
-                    _swap(hooks, key, checked(hook, lambda *args, w=what: w, refused), swapped)
+                    _swap(hooks, key, checked(hook, lambda *args, w=what: w, refused, owner), swapped)
         for attribute, registration in _GLOBAL.items():
             hooks = getattr(torch_module, attribute)
             for key, hook in list(hooks.items()):
                 what = functools.partial(_global_hook, f"a global hook ({registration}: {_name(hook)})", names)
-                _swap(hooks, key, _for_modules(hook, checked(hook, what, refused), names), swapped)
+                _swap(hooks, key, _for_modules(hook, checked(hook, what, refused, owner), names), swapped)
         yield
     finally:
         for hooks, key, hook in reversed(swapped):

@@ -910,3 +910,41 @@ def test_a_forward_hooking_a_tensor_is_told_the_first_pass_runs_without_gradient
     assert any(
         "first pass on the caller's inputs" in note and "h.requires_grad" in note for note in caught.value.__notes__
     )
+
+
+@pytest.mark.parametrize(
+    "method", ["Saliency", "InputXGradient", "GuidedBackprop", "IntegratedGradients", "SmoothGrad", "GradientShap"]
+)
+@pytest.mark.parametrize("in_place", [False, True], ids=["returned", "in place"])
+def test_a_backward_hook_that_changes_the_gradient_is_refused_by_name(method, in_place):
+    """A hook tripling the gradient at a hidden layer tripled every gradient method's attribution (IntegratedGradients'
+    sum three times F(x) - F(0)), with no word, where LRP refuses it by name. Refused likewise; a hook that only reads
+    the gradient runs, and the attribution is the model's without it."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    options = {"GradientShap": {"baselines": torch.zeros(2, 6, dtype=torch.float64), "seed": 0}}.get(method, {})
+    options |= {"SmoothGrad": {"seed": 0}}.get(method, {})
+    make = getattr(tdhook.attribution, method)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    expected = make(net, in_keys=["x"], out_keys=["y"], **options)(TensorDict(x=x, batch_size=[4]))["attribution", "x"]
+
+    def triple(module, grad_in, grad_out):
+        if in_place:
+            grad_in[0].mul_(3.0)
+            return None
+        return (grad_in[0] * 3.0,)
+
+    handle = net[2].register_full_backward_hook(triple)
+    try:
+        with pytest.raises(ValueError, match=rf"{method}: the full backward hook .*triple registered on module '2'"):
+            make(net, in_keys=["x"], out_keys=["y"], **options)(TensorDict(x=x, batch_size=[4]))
+    finally:
+        handle.remove()
+    seen = []
+    handle = net[2].register_full_backward_hook(lambda module, grad_in, grad_out: seen.append(1))
+    try:
+        got = make(net, in_keys=["x"], out_keys=["y"], **options)(TensorDict(x=x, batch_size=[4]))["attribution", "x"]
+    finally:
+        handle.remove()
+    assert seen
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -35,6 +35,7 @@ from torch import nn
 
 from tdhook.attribution._aliased_inputs import checked_after_run
 from tdhook.attribution._chosen_values import chosen_action
+from tdhook.attribution._gradient_hooks import backward_hooks_checked
 from tdhook.attribution._inputs import describe, feed_inputs, optional_inputs, validate_inputs
 from tdhook.attribution._kept_grads import KeptGrads
 from tdhook.attribution._keys import check_free, check_read, check_writable, read_not_written, relevance_keys
@@ -407,7 +408,10 @@ class AttributionMethod(RecordedModules, TensorDictModuleBase, ModelTunable):
     def _run(self, work: TensorDictBase) -> TensorDictBase:
         name = type(self).__name__
         try:
-            result = call_plain(self.module, work) if self._plain else self.module(work)
+            # The caller's backward hooks that would change a gradient of this pass are refused by name (torch takes
+            # a module's hooks when its forward runs): the gradient methods' attributions are made of it.
+            with backward_hooks_checked(self.named_explained_modules(), _nothing, name):
+                result = call_plain(self.module, work) if self._plain else self.module(work)
         except Exception as err:
             error = run_error(err, work, self.explained_keys, self.named_explained_modules(), name)
             if error is err:
@@ -595,6 +599,10 @@ class AttributionMethod(RecordedModules, TensorDictModuleBase, ModelTunable):
         with torch.enable_grad():
             objective = self._contract(call, call.output, None)
             return self._gradients(objective, call.leaves, target_key=call.target_key)
+
+
+def _nothing() -> None:
+    """No state to reset where a hook is refused: every call checks the hooks."""
 
 
 def _copies_shape(copies: int, batch: torch.Size) -> tuple[int, ...]:
