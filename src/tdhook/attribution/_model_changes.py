@@ -19,8 +19,8 @@ change the gradient (see ``tdhook.attribution._gradient_hooks``); a hook registe
 backward_hook`` halving a layer's gradient between two calls of a rollout) was taken into the relevance, halved,
 with no word. Each call compares torch's hook counter (it grows with every hook registered anywhere) with its value
 when this context's last call ended; where it moved, the count and sum of the hook ids of each kind over the
-model's modules (ids only grow: a hook added, or one swapped for another, moves them) with those the context's
-first call found, and where they differ the context is entered again, and the call watched as a first one.
+model's modules (ids only grow: a hook added, or one swapped for another, moves them) with those found before, and
+where they differ the call is watched as a first one, which checks the hooks.
 
 Examples:
     >>> import torch
@@ -136,10 +136,7 @@ def follow_model_changes(lrp: Any) -> None:
     if RemovableHandle.next_id != found.stamp:  # a hook registered somewhere since the last call: one of the model's?
         hooks = _hooks_on(found.modules)
         if found.hooks is not None and hooks != found.hooks:
-            lrp._leave(lrp._handles or [])
-            lrp._enter()
-            lrp._coverage.watch_every_signature_again()  # the watch checks the hooks
-            return
+            lrp._coverage.watch_every_signature_again()  # the watch checks the hooks (a refused call, again)
         found.hooks = hooks
     if _given(lrp, found):
         if found.unchanged(lrp._buffer_holders.take_checked()):

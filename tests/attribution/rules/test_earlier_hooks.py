@@ -1,5 +1,5 @@
 """Forward hooks that run before a rule's own: one put first on a layer in an open context (prepend=True), which the
-context follows as a change of the model."""
+context's next call, watched, puts after the rule's."""
 
 from __future__ import annotations
 
@@ -42,9 +42,9 @@ def explain(net: nn.Module, mapper, x: torch.Tensor) -> torch.Tensor:
 def test_a_hook_put_first_in_an_open_context_is_followed_as_one_put_before_it(layer: int, mapper: str):
     # The rule took the hook's change for the layer's own computation: 5e-6 (the last Linear under ε = 1e-6) to 0.81
     # (the second convolution under UniformEpsilon) off, relative L2, the same model with the hook written as a module;
-    # then it was refused by name. The context now follows a hook registered in it as a change of the model (see
-    # tdhook.attribution._model_changes): entered again, it explains the hook as one registered before it, as code
-    # after the layer, as a module there.
+    # then it was refused by name. The context now follows a hook registered in it (see
+    # tdhook.attribution._model_changes): its next call is watched as a first one, which puts the caller's hooks after
+    # the rule's, and explains the hook as one registered before the context, as code after the layer.
     net, x = cnn(), torch.randn(2, 3, 8, 8, dtype=F64)
     written = nn.Sequential(*net[: layer + 1], Affine(), *net[layer + 1 :])
     expected = explain(written, MAPPERS[mapper](), x)
