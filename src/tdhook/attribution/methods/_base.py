@@ -406,14 +406,11 @@ class AttributionMethod(RecordedModules, TensorDictModuleBase, ModelTunable):
         raise NotImplementedError
 
     def _run(self, work: TensorDictBase) -> TensorDictBase:
-        name = type(self).__name__
         try:
-            # The caller's backward hooks that would change a gradient of this pass are refused by name (torch takes
-            # a module's hooks when its forward runs): the gradient methods' attributions are made of it.
-            with backward_hooks_checked(self.named_explained_modules(), _nothing, name):
+            with _hooks_checked(self):  # the caller's backward hooks that would change a gradient: refused
                 result = call_plain(self.module, work) if self._plain else self.module(work)
         except Exception as err:
-            error = run_error(err, work, self.explained_keys, self.named_explained_modules(), name)
+            error = run_error(err, work, self.explained_keys, self.named_explained_modules(), type(self).__name__)
             if error is err:
                 raise
             raise error from err
@@ -431,21 +428,11 @@ class AttributionMethod(RecordedModules, TensorDictModuleBase, ModelTunable):
         recurrent = recurrent_layers(modules)
         # Dropout called as a function (attention dropout) draws anew in every pass, as a Dropout module does.
         watch = _NOTHING if self._warned else dropout_watch(self.named_explained_modules().values())
-        try:
-            with torch.enable_grad() if grad else torch.no_grad(), time_lengths(recurrent) as lengths:
-                leaves, fed = feed_inputs(work, self.explained_keys, TokenInputs(self.explained_keys))
-                # A write into memory an explained input shares with another input is refused after the run.
-                with checked_after_run(name, tensordict, self.explained_keys, fed, self.in_keys), watch as dropping:
-                    result = with_input_writes(tensordict, work, self._run(work), self.explained_keys)
-        except RuntimeError as err:
-            if not grad and "register a hook on a tensor that doesn't require gradient" in str(err):
-                err.add_note(
-                    f"{name}: its first pass on the caller's inputs, which resolves the target and the outputs to "
-                    "write, runs without gradient (torch.no_grad()): a forward that puts a hook on a tensor must do "
-                    "so only where the tensor requires grad (if h.requires_grad: h.register_hook(...)), as under any "
-                    "torch.no_grad() call of the model"
-                )
-            raise
+        with _noting_hooks_without_gradient(name, grad), time_lengths(recurrent) as lengths:
+            leaves, fed = feed_inputs(work, self.explained_keys, TokenInputs(self.explained_keys))
+            # A write into memory an explained input shares with another input is refused after the run.
+            with checked_after_run(name, tensordict, self.explained_keys, fed, self.in_keys), watch as dropping:
+                result = with_input_writes(tensordict, work, self._run(work), self.explained_keys)
         if dropping is not None and dropping.found:
             warn_at_caller(
                 f"{name}: the forward pass calls dropout (p={dropping.found}) in training mode, outside any Dropout "
@@ -599,6 +586,31 @@ class AttributionMethod(RecordedModules, TensorDictModuleBase, ModelTunable):
         with torch.enable_grad():
             objective = self._contract(call, call.output, None)
             return self._gradients(objective, call.leaves, target_key=call.target_key)
+
+
+@contextlib.contextmanager
+def _noting_hooks_without_gradient(name: str, grad: bool) -> Iterator[None]:
+    """A first pass with gradient where ``grad``, else under ``torch.no_grad()``, where a forward putting a hook on a
+    tensor fails with torch's error alone: a note says why and what to write instead."""
+    try:
+        with torch.enable_grad() if grad else torch.no_grad():
+            yield
+    except RuntimeError as err:
+        if not grad and "register a hook on a tensor that doesn't require gradient" in str(err):
+            err.add_note(
+                f"{name}: its first pass on the caller's inputs, which resolves the target and the outputs to write, "
+                "runs without gradient (torch.no_grad()): a forward that puts a hook on a tensor must do so only "
+                "where the tensor requires grad (if h.requires_grad: h.register_hook(...)), as under any "
+                "torch.no_grad() call of the model"
+            )
+        raise
+
+
+def _hooks_checked(method: AttributionMethod) -> contextlib.AbstractContextManager[None]:
+    """The caller's backward hooks on ``method``'s modules (and torch's global ones) checked in the forward passes
+    run inside (torch takes a module's hooks when its forward runs): one that would change a gradient is refused by
+    name, as the gradient methods' attributions are made of it."""
+    return backward_hooks_checked(method.named_explained_modules(), _nothing, type(method).__name__)
 
 
 def _nothing() -> None:
