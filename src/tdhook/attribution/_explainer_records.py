@@ -102,7 +102,17 @@ def check_record(prefix: Path, record: Mapping[str, str]) -> None:
 
 def _described(value: Any, depth: int = 0) -> str:
     """A description of an argument that is the same from process to process for the same value: a module by its
-    class and a digest of its state, a tensor by its values, an object built from arguments by those."""
+    class and a digest of its state, a tensor by its values, an object built from arguments by those. ``depth``
+    counts the functions passed through (a function closing over a list that holds it ends there).
+
+    Examples:
+        >>> def target():
+        ...     targets = []
+        ...     targets.append(lambda y: targets and y)
+        ...     return targets[0]
+        >>> _described(target()).startswith(__name__)
+        True
+    """
     if isinstance(value, nn.Module):
         # Its layout (the modules' classes and settings, a LeakyReLU's slope) and the buffers of the modules in eval
         # mode, which a call leaves as they are (a BatchNorm's running statistics).
@@ -118,12 +128,12 @@ def _described(value: Any, depth: int = 0) -> str:
         return f"TensorDict {sorted(map(str, value.keys(True, True)))} #{_digest(list(value.values(True, True)))}"
     arguments = getattr(value, "__dict__", {}).get(_ARGUMENTS)
     if arguments is not None:  # a rule mapper or a rule of this package: its class and arguments
-        inner = ", ".join(f"{name}={_described(argument)}" for name, argument in arguments.items())
+        inner = ", ".join(f"{name}={_described(argument, depth)}" for name, argument in arguments.items())
         return f"{type(value).__name__}({inner})"
     if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{key!r}: {_described(item)}" for key, item in value.items()) + "}"
+        return "{" + ", ".join(f"{key!r}: {_described(item, depth)}" for key, item in value.items()) + "}"
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(map(_described, value)) + "]"
+        return "[" + ", ".join(_described(item, depth) for item in value) + "]"
     if callable(value) and hasattr(value, "__qualname__"):  # a target function, a class
         name = f"{getattr(value, '__module__', '')}.{value.__qualname__}"
         code = getattr(value, "__code__", None)

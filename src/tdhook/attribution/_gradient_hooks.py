@@ -8,9 +8,9 @@ gradient, so such a change would be taken into the relevance: a hook halving the
 layer halved ``EpsilonPlus``'s relevance, with no word. The watched first call of a wrapper (see
 :class:`~tdhook.attribution._nonlinear_calls.NonlinearCalls`) runs these hooks through :func:`checked`, which raises
 where one returns a gradient other than the one it was given, or changes the one it was given in place
-(``grad.mul_(2)``, or through ``grad.data``: seen by its values); a hook that only
-reads the gradient (a Grad-CAM recorder) returns ``None`` and is let be. torch takes a module's backward hooks
-when its forward runs, so swapping them for the forward pass of that call is enough.
+(``grad.mul_(2)``, or through ``grad.data``: seen by its values); a hook that only reads the gradient (a Grad-CAM
+recorder) returns ``None`` and is let be. torch takes a module's backward hooks when its forward runs, so swapping
+them for the forward pass of that call is enough.
 
 Examples:
     >>> import torch

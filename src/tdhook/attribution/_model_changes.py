@@ -81,8 +81,8 @@ class _Found:
         self.linked: tuple | None = None
         self.lead: list[nn.Module] = []
         self.lead_children = 0
-        # The hooks on the modules at the start of the context's first call (see _hooks_on), and torch's hook counter
-        # when its last call ended.
+        # The hooks on the modules when last compared (see _hooks_on), and torch's hook counter when the context's
+        # last call ended.
         self.hooks: tuple | None = None
         self.stamp = -1
 
