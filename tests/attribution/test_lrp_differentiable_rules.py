@@ -497,10 +497,33 @@ OTHER_CASES = {
 }
 
 
+# The rules of each case, as the docs' table names them.
+RULES_OF_CASE = {
+    "PassRule on Tanh (whose backward saves its output)": "EpsilonPlus(ε=0.1): PassRule",
+    "StopRule on a branch": "StopRule, EpsilonRule(0.1)",
+    "StopRule before a BatchNorm": "EpsilonPlus(ε=0.1), StopRule",
+    "UniformRule": "UniformRule, EpsilonRule(0.1)",
+    "UniformEpsilonRule": "UniformEpsilonRule(0.1), EpsilonRule(0.1)",
+    "Taylor, bias=False": "TaylorDecompositionRule(ref=0.3)",
+    "Taylor, bias=True": "TaylorDecompositionRule(ref=0.3, bias=True)",
+    "Taylor, bias=True, distribute_bias": "TaylorDecompositionRule(ref=0.3, bias=True, distribute_bias=...)",
+    "stabilised additions": "EpsilonPlus(ε=0.1, stabilize_additions=True)",
+    "GroupNorm": "EpsilonPlus(ε=0.1): NormRule, ElementwiseRule",
+    "LayerNorm over (C, H, W)": "EpsilonPlus(ε=0.1): NormRule",
+    "BatchNorm in training mode": "EpsilonPlus(ε=0.1), NormRule(0.1) (batch statistics held)",
+    "BatchRenorm1d in eval mode": "EpsilonPlus(ε=0.1)",
+    "FlatRule behind a Flatten, zero inputs": "FlatRule, EpsilonRule(0.1)",
+    "LSTM": "RecurrentRule(0.1), EpsilonRule(0.1)",
+    "GRU": "RecurrentRule(0.1), EpsilonRule(0.1)",
+    "UniformEpsilon preset on an LSTM": "UniformEpsilon(ε=0.25) (pnpxai's preset)",
+}
+
+
 class TestOtherRules:
     @pytest.mark.parametrize("case", sorted(OTHER_CASES))
     def test_against_finite_differences(self, case):
         make, mapper = OTHER_CASES[case]
+        assert case in RULES_OF_CASE  # the docs' table names its rules
         net, x = smooth(make, (nn.Linear, nn.Conv2d))
         assert_exact(directional_errors(net, mapper, x))
 
@@ -600,7 +623,7 @@ def measured_errors() -> list[tuple[str, str, float, float, float]]:
     )
     for case, (make, mapper) in sorted(OTHER_CASES.items()):
         net, x = smooth(make, (nn.Linear, nn.Conv2d))
-        rows.append((case, "", directional_errors(net, mapper, x)))
+        rows.append((case, RULES_OF_CASE[case], directional_errors(net, mapper, x)))
     table = []
     for model, preset, errors in rows:
         values = errors.pop("values")
