@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -499,3 +500,41 @@ class TestBilinearOfOneActivation:
         paired = Paired().to(F64).eval()  # both inputs activations: a product of two signals, warned of as not linear
         with pytest.warns(UserWarning, match=r"module 'bilinear' \(Bilinear\) computes bilinear in its own forward"):
             _relevance(paired, x, EpsilonPlusFlat())
+
+
+class HandAttention(nn.Module):
+    """Attention written out, its weights reshaped or cast by ``change`` before they weigh the values."""
+
+    def __init__(self, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(4, 4) for _ in range(4))
+        self.change = change
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2), -1)
+        return self.o(torch.matmul(self.change(weights), self.v(x))).sum(1)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda a: a,
+        lambda a: a.transpose(-1, -2).contiguous().transpose(-1, -2),
+        lambda a: a.float().double(),  # GPT-2's eager attention casts them to the values' dtype
+        lambda a: a * 1.0,
+        nn.Dropout(0.1).eval(),
+    ],
+    ids=["as is", "copied", "cast", "scaled", "dropout"],
+)
+def test_attention_weights_held_where_the_graph_is_kept_are_no_weight_of_the_module(change):
+    """Under CP-LRP with an ε the Linear layers feel, the held attention weights, which require grad where the call
+    keeps the graph, were taken for a weight of the module's own: its product with the values was warned of as a
+    Linear layer's product outside a layer (the relevance was right, as the call without the graph gives it)."""
+    torch.manual_seed(0)
+    model, x = HandAttention(change).to(F64).eval(), torch.randn(2, 3, 4, dtype=F64)
+    plain, _ = _relevance(model, x, CPLRP(epsilon=0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lrp = LRP(model, CPLRP(epsilon=0.1), in_keys=["x"], out_keys=["y"], create_graph=True)
+        kept = lrp(TensorDict(x=x, batch_size=[2]))["relevance", "x"]
+    assert relative_error(kept.detach(), plain) < 1e-12

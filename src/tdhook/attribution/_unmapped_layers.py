@@ -43,7 +43,7 @@ from torch import nn
 from tdhook.attribution.coverage import PlainGradientCall
 from tdhook.attribution.mappers.aliases import module_place
 from tdhook.attribution.mappers.base import BaseRuleMapper
-from tdhook.attribution.rules._autograd import is_activation
+from tdhook.attribution.rules._autograd import is_activation, is_held
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule
 from tdhook.attribution.rules.input_layer import FirstLayerRule
@@ -157,7 +157,10 @@ def is_weight(value: Any) -> bool:
     if not isinstance(value, torch.Tensor) or is_activation(value):
         return False
     with torch._C.DisableTorchFunction():  # an inspection, which a function mode of the call must not see
-        return value.requires_grad or isinstance(value, nn.Parameter) or isinstance(value._base, nn.Parameter)
+        # A tensor a rule holds (attention weights under CP-LRP) requires grad only where the call keeps the graph
+        # (see hold): a constant of the rule as where it is detached, no weight.
+        required = value.requires_grad and not is_held(value)
+        return required or isinstance(value, nn.Parameter) or isinstance(value._base, nn.Parameter)
 
 
 def _patches(activation: torch.Tensor) -> str:

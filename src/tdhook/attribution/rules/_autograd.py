@@ -567,7 +567,7 @@ def mark_parameter_derived(args: tuple, result: Any, func: Any = None) -> Any:
             return result
     else:
         return result
-    derived = False
+    derived, held = False, True
     for arg in args:
         # The tensors of a list (torch.cat's, torch.stack's) count as arguments of their own.
         for tensor in arg if isinstance(arg, (list, tuple)) else (arg,):
@@ -578,9 +578,12 @@ def mark_parameter_derived(args: tuple, result: Any, func: Any = None) -> Any:
                 if not (marked if not tensor.is_leaf else isinstance(tensor, Parameter)):
                     return result
                 derived = True
+                held = held and getattr(tensor, _HELD, False)
     if derived:
         for output in outputs:
             setattr(output, PARAMETER_DERIVED, True)
+            if held:  # made of held tensors alone: held too, as what is made of detached ones needs no grad
+                setattr(output, _HELD, True)
     return result
 
 
