@@ -142,3 +142,25 @@ def test_bfloat16_copies_one_per_pass_sum_in_float32():
     got = shap(TensorDict(x=x, batch_size=[2]))["attribution", "x"]
     assert got.dtype == torch.bfloat16
     assert relative_error(got.double(), w * (x - reference).double()) < 2**-8
+
+
+def test_options_set_as_attributes_are_read_as_the_constructor_reads_them():
+    """``baselines`` and ``stdevs`` set after construction were kept as given and read as one entry per input key:
+    ``stdevs = 0.3`` failed in a bare ``zip`` (``'float' object is not iterable``), and a tensor of reference samples
+    was taken for its first row. They are now read, and checked, as the constructor reads them."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+    td = TensorDict(x=torch.randn(4, 3, dtype=torch.float64), batch_size=[4])
+    references = torch.randn(3, 3, dtype=torch.float64)
+    shap = GradientShap(net, in_keys=["x"], out_keys=["y"], baselines=torch.zeros(2, 3), n_samples=6, seed=0)
+    shap.baselines, shap.stdevs = references, 0.3
+    expected = GradientShap(net, in_keys=["x"], out_keys=["y"], baselines=references, stdevs=0.3, n_samples=6, seed=0)(
+        td.clone()
+    )
+    torch.testing.assert_close(shap(td.clone())["attribution", "x"], expected["attribution", "x"], rtol=0, atol=0)
+    assert shap.baselines is references and shap.stdevs == 0.3
+    with pytest.raises(ValueError, match="GradientShap: the stdev of input key 'x' must be a number >= 0, got -1"):
+        shap.stdevs = -1
+    with pytest.raises(TypeError, match="GradientShap: the baselines of input key 'x' must be a floating-point"):
+        shap.baselines = torch.zeros(2, 3, dtype=torch.long)
+    assert shap.stdevs == 0.3 and shap.baselines is references  # a refused value leaves the option as it was

@@ -8,6 +8,7 @@ import captum.attr
 import pytest
 import torch
 from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
 from torch import nn
 
 from tdhook.attribution import Occlusion
@@ -127,3 +128,37 @@ def test_bfloat16_drops_of_many_windows_are_summed_and_counted_in_float32():
     got = occlusion(net, x)
     assert got.dtype == torch.bfloat16
     assert relative_error(got.double(), occlusion(net.double(), x.double())) < 1e-2
+
+
+class TwoImages(nn.Module):
+    """A linear head over two 4 × 4 inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 3)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.cat([a.flatten(1), b.flatten(1)], -1))
+
+
+def test_options_set_as_attributes_are_read_as_the_constructor_reads_them():
+    """``strides`` and ``sliding_window_shapes`` set after construction were kept as given and read as one entry
+    per input key: ``strides = (1, 2)`` on two keys gave the first key a stride of 1 and the second 2, with no word
+    (0.60 and 0.41 off the same strides given to the constructor, relative L2), and ``strides = 2`` failed in a
+    bare ``zip``. They are now read as the constructor reads them."""
+    torch.manual_seed(0)
+    module = TensorDictModule(TwoImages().double(), in_keys=["a", "b"], out_keys=["y"])
+    td = TensorDict(
+        a=torch.randn(2, 4, 4, dtype=torch.float64), b=torch.randn(2, 4, 4, dtype=torch.float64), batch_size=[2]
+    )
+    occlusion = Occlusion(module, target=1, sliding_window_shapes=(3, 3))
+    for windows, strides in [((2, 2), (1, 2)), ((2, 3), 2), ({"a": (2, 2), "b": (1, 1)}, {"a": 1, "b": (1, 1)})]:
+        occlusion.sliding_window_shapes, occlusion.strides = windows, strides
+        expected = Occlusion(module, target=1, sliding_window_shapes=windows, strides=strides)(td.clone())
+        got = occlusion(td.clone())
+        for key in ("a", "b"):
+            torch.testing.assert_close(got["attribution", key], expected["attribution", key], rtol=0, atol=0)
+        assert occlusion.sliding_window_shapes == windows and occlusion.strides == strides
+    occlusion.strides = {"a": 1}  # the module's keys taken by default: a call explaining "b" needs its entry
+    with pytest.raises(KeyError, match=r"Occlusion: strides has no entry for input keys \['b'\]"):
+        occlusion(td.clone())

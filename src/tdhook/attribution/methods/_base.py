@@ -306,9 +306,9 @@ class AttributionMethod(RecordedModules, TensorDictModuleBase, ModelTunable):
                 key for key, value in zip(self.explained_keys, getattr(self, option), strict=True) if value is MISSING
             ]
             if missing:
-                raise KeyError(
-                    f"{name}: {option} has no entry for input keys {missing}, which the call explains; give one per "
-                    f"explained input key {self.explained_keys}"
+                raise KeyError(  # the option by its constructor name (``_strides`` holds ``strides`` per key)
+                    f"{name}: {option.lstrip('_')} has no entry for input keys {missing}, which the call explains; "
+                    f"give one per explained input key {self.explained_keys}"
                 )
         try:
             # A method that needs no gradient runs under inference mode, which the check refuses for the others.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from numbers import Real
 from typing import Union
 
 import torch
@@ -18,10 +17,10 @@ from tdhook.attribution.methods._options import (
     MISSING,
     checked_batch_size,
     draws_shape,
-    per_key,
     seeded_generator,
     steps_per_pass,
 )
+from tdhook.attribution.methods._per_key_options import PerKeyOption, check_stdevs
 from tdhook.attribution.targets import Target
 
 __all__ = ["GradientShap", "shap_draws"]
@@ -122,7 +121,10 @@ class GradientShap(AttributionMethod):
         "stdevs": (float, {"low": 0.0, "high": 1.0, "log": False}),
     }
 
-    _per_key_options = ("baselines", "stdevs")
+    _per_key_options = ("_baselines", "_stdevs")  # per explained key, from the options as given
+    # Settable after construction: read, and checked, per key as the constructor reads them.
+    baselines = PerKeyOption(lambda owner, keys, references: _check_references(keys, references))
+    stdevs = PerKeyOption(check_stdevs)
 
     def __init__(
         self,
@@ -149,33 +151,15 @@ class GradientShap(AttributionMethod):
         )
         if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
             raise ValueError(f"GradientShap: n_samples must be a positive int, got {n_samples!r}")
-        partial = self._defaulted_inputs
-        self.baselines = per_key(baselines, self.explained_keys, "baselines", "GradientShap", partial=partial)
-        sizes = set()
-        for key, reference in zip(self.explained_keys, self.baselines, strict=True):
-            if reference is MISSING:
-                continue
-            if not isinstance(reference, torch.Tensor) or not reference.is_floating_point() or reference.dim() < 1:
-                raise TypeError(
-                    f"GradientShap: the baselines of input key {key!r} must be a floating-point tensor of reference "
-                    f"samples [R, *sample_shape], got {describe(reference)}"
-                )
-            sizes.add(reference.shape[0])
-        if len(sizes) != 1 or 0 in sizes:
-            raise ValueError(
-                f"GradientShap: every key needs the same number R > 0 of reference samples, got {sorted(sizes)}"
-            )
-        self.stdevs = per_key(stdevs, self.explained_keys, "stdevs", "GradientShap", partial=partial)
-        for key, value in zip(self.explained_keys, self.stdevs, strict=True):
-            if value is not MISSING and (isinstance(value, bool) or not isinstance(value, Real) or not value >= 0):
-                raise ValueError(f"GradientShap: the stdev of input key {key!r} must be a number >= 0, got {value!r}")
+        self.baselines = baselines
+        self.stdevs = stdevs
         self.n_samples = n_samples
         self.seed = seed
         self.internal_batch_size = checked_batch_size(internal_batch_size, "GradientShap")
 
     def _references(self, call: Call) -> list[torch.Tensor]:
         out = []
-        for key, x, reference in zip(self.explained_keys, call.inputs, self.baselines, strict=True):
+        for key, x, reference in zip(self.explained_keys, call.inputs, self._baselines, strict=True):
             sample = x.shape[call.batch_dims :]
             if reference.shape[1:] != sample:
                 raise ValueError(
@@ -188,7 +172,7 @@ class GradientShap(AttributionMethod):
     def _attribute(self, call: Call) -> list[torch.Tensor]:
         references = self._references(call)
         indices, alphas, noisy = shap_draws(
-            call.inputs, references, self.stdevs, self.n_samples, call.batch_dims, self.seed
+            call.inputs, references, self._stdevs, self.n_samples, call.batch_dims, self.seed
         )
         units = call.seeds.shape[0]
         # Summed over the copies in float32 at least (see accumulation_dtype), rounded once to the input's dtype.
@@ -210,3 +194,22 @@ class GradientShap(AttributionMethod):
                 total += (grad.to(total.dtype) * diff.unsqueeze(0).to(total.dtype)).sum(1)
         refuse_unreached(self, call, reached)
         return [(total / self.n_samples).to(x.dtype) for total, x in zip(totals, call.inputs, strict=True)]
+
+
+def _check_references(keys: Sequence[NestedKey], references: list) -> None:
+    """Refuse reference samples that are no floating-point tensor ``[R, *sample_shape]``, or that differ in ``R``
+    between keys."""
+    sizes = set()
+    for key, reference in zip(keys, references, strict=True):
+        if reference is MISSING:
+            continue
+        if not isinstance(reference, torch.Tensor) or not reference.is_floating_point() or reference.dim() < 1:
+            raise TypeError(
+                f"GradientShap: the baselines of input key {key!r} must be a floating-point tensor of reference "
+                f"samples [R, *sample_shape], got {describe(reference)}"
+            )
+        sizes.add(reference.shape[0])
+    if len(sizes) != 1 or 0 in sizes:
+        raise ValueError(
+            f"GradientShap: every key needs the same number R > 0 of reference samples, got {sorted(sizes)}"
+        )

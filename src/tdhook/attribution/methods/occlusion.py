@@ -13,7 +13,8 @@ from torch import nn
 
 from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.methods._base import Call
-from tdhook.attribution.methods._options import Baselines, per_key
+from tdhook.attribution.methods._options import Baselines
+from tdhook.attribution.methods._per_key_options import PerKeyOption
 from tdhook.attribution.methods._perturbation import PerturbationMethod
 from tdhook.attribution.targets import Target
 
@@ -95,7 +96,10 @@ class Occlusion(PerturbationMethod):
         tensor([3., 3., 7., 7.])
     """
 
-    _per_key_options = ("sliding_window_shapes", "strides")
+    _per_key_options = ("_sliding_window_shapes", "_strides")  # per explained key, from the options as given
+    # Settable after construction: read per key as the constructor reads them.
+    sliding_window_shapes = PerKeyOption()
+    strides = PerKeyOption()
 
     def __init__(
         self,
@@ -123,17 +127,14 @@ class Occlusion(PerturbationMethod):
             progress=progress,
             perturbations_per_eval=perturbations_per_eval,
         )
-        partial = self._defaulted_inputs
-        self.sliding_window_shapes = per_key(
-            sliding_window_shapes, self.explained_keys, "sliding_window_shapes", "Occlusion", partial=partial
-        )
-        self.strides = per_key(strides, self.explained_keys, "strides", "Occlusion", partial=partial)
+        self.sliding_window_shapes = sliding_window_shapes
+        self.strides = strides
 
     def _grids(self, call: Call) -> list[list[tuple[slice, ...]]]:
         """Per key, the windows as tuples of slices over a sample's dimensions."""
         grids = []
         for key, x, window, stride in zip(
-            self.explained_keys, call.inputs, self.sliding_window_shapes, self.strides, strict=True
+            self.explained_keys, call.inputs, self._sliding_window_shapes, self._strides, strict=True
         ):
             sample = x.shape[call.batch_dims :]
             batched = call.batch_dims > 0

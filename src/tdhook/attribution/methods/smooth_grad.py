@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from numbers import Real
 from typing import Union
 
 import torch
@@ -14,14 +13,13 @@ from torch import nn
 from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.methods._base import AttributionMethod, Call, pass_gradients, refuse_unreached
 from tdhook.attribution.methods._options import (
-    MISSING,
     checked_batch_size,
     checked_flag,
     draws_shape,
-    per_key,
     seeded_generator,
     steps_per_pass,
 )
+from tdhook.attribution.methods._per_key_options import PerKeyOption, check_stdevs
 from tdhook.attribution.targets import Target
 
 __all__ = ["SmoothGrad", "noisy_copies"]
@@ -117,6 +115,9 @@ class SmoothGrad(AttributionMethod):
     }
 
     _per_key_options = ("stdevs",)
+    # The noise's standard deviation as given (``stdevs`` holds it per explained key); set, it holds for the next
+    # call, as ``set_kwargs(stdev=...)`` does.
+    stdev = PerKeyOption(check_stdevs, per_key_name="stdevs")
 
     def __init__(
         self,
@@ -152,20 +153,6 @@ class SmoothGrad(AttributionMethod):
         self.nt_type = nt_type
         self.abs = checked_flag(abs, "abs", "SmoothGrad")
         self.internal_batch_size = checked_batch_size(internal_batch_size, "SmoothGrad")
-
-    @property
-    def stdev(self) -> Union[float, Mapping[NestedKey, float]]:
-        """The noise's standard deviation as given (``stdevs`` holds it per explained key); set, it holds for the
-        next call, as ``set_kwargs(stdev=...)`` does."""
-        return self._stdev
-
-    @stdev.setter
-    def stdev(self, stdev: Union[float, Mapping[NestedKey, float]]) -> None:
-        stdevs = per_key(stdev, self.explained_keys, "stdev", "SmoothGrad", partial=self._defaulted_inputs)
-        for key, value in zip(self.explained_keys, stdevs, strict=True):
-            if value is not MISSING and (isinstance(value, bool) or not isinstance(value, Real) or not value >= 0):
-                raise ValueError(f"SmoothGrad: the stdev of input key {key!r} must be a number >= 0, got {value!r}")
-        self._stdev, self.stdevs = stdev, stdevs
 
     def _attribute(self, call: Call) -> list[torch.Tensor]:
         copies = noisy_copies(call.inputs, self.stdevs, self.n_samples, self.seed, call.batch_dims)
