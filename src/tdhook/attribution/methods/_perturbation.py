@@ -44,6 +44,7 @@ from tdhook.attribution.methods._rows_in_one_sample import (
     rows_in_one_sample,
     rows_message,
 )
+from tdhook.attribution.methods._settable_options import CheckedOption, positive_int
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.targets import Target
 
@@ -147,6 +148,8 @@ class PerturbationMethod(AttributionMethod):
     _needs_gradients = False
     _per_call_options = ("baselines",)
 
+    perturbations_per_eval = CheckedOption(positive_int)  # checked whenever set, as the constructor checks it
+
     def __init__(
         self,
         module: TensorDictModuleBase | nn.Module,
@@ -168,13 +171,6 @@ class PerturbationMethod(AttributionMethod):
             target=target,
             relevance_key=relevance_key,
         )
-        name = type(self).__name__
-        if (
-            isinstance(perturbations_per_eval, bool)
-            or not isinstance(perturbations_per_eval, int)
-            or perturbations_per_eval < 1
-        ):
-            raise ValueError(f"{name}: perturbations_per_eval must be a positive int, got {perturbations_per_eval!r}")
         self.baselines = baselines
         self.progress = progress
         self.perturbations_per_eval = perturbations_per_eval

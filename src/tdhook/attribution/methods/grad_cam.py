@@ -18,6 +18,7 @@ from tdhook.attribution._keys import layer_keys
 from tdhook.attribution.mappers.aliases import every_named_module
 from tdhook.attribution.methods._base import AttributionMethod, Call, hooks_removed
 from tdhook.attribution.methods._options import checked_flag
+from tdhook.attribution.methods._settable_options import CheckedOption
 from tdhook.attribution.rules._identity import IdentityWeakKeyDict
 from tdhook.attribution.targets import Target
 
@@ -141,6 +142,10 @@ class GradCAM(AttributionMethod):
     _gradient_at_input = True
     _evaluates_copies = False
 
+    # Checked whenever set, as the constructor checks them.
+    relu = CheckedOption(checked_flag)
+    upsample = CheckedOption(checked_flag)
+
     def __init__(
         self,
         module: TensorDictModuleBase | nn.Module,
@@ -162,8 +167,8 @@ class GradCAM(AttributionMethod):
             target=target,
             relevance_key=relevance_key,
         )
-        self.relu = checked_flag(relu, "relu", "GradCAM")
-        self.upsample = checked_flag(upsample, "upsample", "GradCAM")
+        self.relu = relu
+        self.upsample = upsample
         if not upsample:
             self.relevance_keys = []
         self.layer = layer

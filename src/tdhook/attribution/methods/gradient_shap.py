@@ -15,12 +15,17 @@ from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.methods._base import AttributionMethod, Call, pass_gradients, refuse_unreached
 from tdhook.attribution.methods._options import (
     MISSING,
-    checked_batch_size,
     draws_shape,
     seeded_generator,
     steps_per_pass,
 )
-from tdhook.attribution.methods._per_key_options import PerKeyOption, check_stdevs
+from tdhook.attribution.methods._settable_options import (
+    CheckedOption,
+    PerKeyOption,
+    batch_size,
+    check_stdevs,
+    positive_int,
+)
 from tdhook.attribution.targets import Target
 
 __all__ = ["GradientShap", "shap_draws"]
@@ -125,6 +130,9 @@ class GradientShap(AttributionMethod):
     # Settable after construction: read, and checked, per key as the constructor reads them.
     baselines = PerKeyOption(lambda owner, keys, references: _check_references(keys, references))
     stdevs = PerKeyOption(check_stdevs)
+    # Checked whenever set, as the constructor checks them.
+    n_samples = CheckedOption(positive_int)
+    internal_batch_size = CheckedOption(batch_size)
 
     def __init__(
         self,
@@ -149,13 +157,11 @@ class GradientShap(AttributionMethod):
             target=target,
             relevance_key=relevance_key,
         )
-        if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
-            raise ValueError(f"GradientShap: n_samples must be a positive int, got {n_samples!r}")
         self.baselines = baselines
         self.stdevs = stdevs
         self.n_samples = n_samples
         self.seed = seed
-        self.internal_batch_size = checked_batch_size(internal_batch_size, "GradientShap")
+        self.internal_batch_size = internal_batch_size
 
     def _references(self, call: Call) -> list[torch.Tensor]:
         out = []

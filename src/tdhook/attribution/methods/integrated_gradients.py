@@ -11,8 +11,9 @@ from torch import nn
 
 from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.methods._base import AttributionMethod, Call, pass_gradients, refuse_unreached
-from tdhook.attribution.methods._options import Baselines, baseline_tensors, checked_batch_size, steps_per_pass
+from tdhook.attribution.methods._options import Baselines, baseline_tensors, steps_per_pass
 from tdhook.attribution.methods._quadrature import METHODS, quadrature
+from tdhook.attribution.methods._settable_options import CheckedOption, batch_size
 from tdhook.attribution.targets import Target
 
 __all__ = ["IntegratedGradients"]
@@ -63,6 +64,8 @@ class IntegratedGradients(AttributionMethod):
         "method": (str, {"choices": list(METHODS)}),
     }
 
+    internal_batch_size = CheckedOption(batch_size)  # checked whenever set, as the constructor checks it
+
     def __init__(
         self,
         module: TensorDictModuleBase | nn.Module,
@@ -90,7 +93,7 @@ class IntegratedGradients(AttributionMethod):
         self.method = method
         self._points: tuple | None = None
         self._quadrature()  # checked here, and found again where the attributes change
-        self.internal_batch_size = checked_batch_size(internal_batch_size, "IntegratedGradients")
+        self.internal_batch_size = internal_batch_size
 
     def _quadrature(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The points and weights of ``method`` with ``n_steps`` points (as the attributes are at the call: set

@@ -14,8 +14,8 @@ from torch import nn
 from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.methods._base import Call
 from tdhook.attribution.methods._options import Baselines
-from tdhook.attribution.methods._per_key_options import PerKeyOption
 from tdhook.attribution.methods._perturbation import PerturbationMethod
+from tdhook.attribution.methods._settable_options import PerKeyOption
 from tdhook.attribution.targets import Target
 
 __all__ = ["Occlusion", "window_starts"]

@@ -11,6 +11,7 @@ from torch import nn
 
 from tdhook.attribution.methods._base import AttributionMethod, Call
 from tdhook.attribution.methods._options import checked_flag
+from tdhook.attribution.methods._settable_options import CheckedOption
 from tdhook.attribution.targets import Target
 
 __all__ = ["Saliency"]
@@ -46,6 +47,8 @@ class Saliency(AttributionMethod):
     _gradient_at_input = True
     _evaluates_copies = False
 
+    abs = CheckedOption(checked_flag)  # checked whenever set, as the constructor checks it
+
     def __init__(
         self,
         module: TensorDictModuleBase | nn.Module,
@@ -65,7 +68,7 @@ class Saliency(AttributionMethod):
             target=target,
             relevance_key=relevance_key,
         )
-        self.abs = checked_flag(abs, "abs", "Saliency")
+        self.abs = abs
 
     def _attribute(self, call: Call) -> list[torch.Tensor]:
         grads = self._input_gradients(call)

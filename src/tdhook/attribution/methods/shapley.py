@@ -15,6 +15,7 @@ from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.methods._base import Call
 from tdhook.attribution.methods._options import Baselines, seeded_generator
 from tdhook.attribution.methods._perturbation import FeatureMasks, PerturbationMethod, feature_groups, spread
+from tdhook.attribution.methods._settable_options import CheckedOption, positive_int
 from tdhook.attribution.targets import Target
 
 __all__ = ["ShapleyValueSampling", "permutations"]
@@ -85,6 +86,8 @@ class ShapleyValueSampling(PerturbationMethod):
     _per_call_options = ("baselines", "feature_masks")
     tunables = {"n_samples": (int, {"low": 5, "high": 200, "log": True})}
 
+    n_samples = CheckedOption(positive_int)  # checked whenever set, as the constructor checks it
+
     def __init__(
         self,
         module: TensorDictModuleBase | nn.Module,
@@ -112,8 +115,6 @@ class ShapleyValueSampling(PerturbationMethod):
             progress=progress,
             perturbations_per_eval=perturbations_per_eval,
         )
-        if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
-            raise ValueError(f"ShapleyValueSampling: n_samples must be a positive int, got {n_samples!r}")
         self.n_samples = n_samples
         self.feature_masks = feature_masks
         self.seed = seed

@@ -13,13 +13,19 @@ from torch import nn
 from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.methods._base import AttributionMethod, Call, pass_gradients, refuse_unreached
 from tdhook.attribution.methods._options import (
-    checked_batch_size,
     checked_flag,
     draws_shape,
     seeded_generator,
     steps_per_pass,
 )
-from tdhook.attribution.methods._per_key_options import PerKeyOption, check_stdevs
+from tdhook.attribution.methods._settable_options import (
+    CheckedOption,
+    PerKeyOption,
+    batch_size,
+    check_stdevs,
+    one_of,
+    positive_int,
+)
 from tdhook.attribution.targets import Target
 
 __all__ = ["SmoothGrad", "noisy_copies"]
@@ -118,6 +124,11 @@ class SmoothGrad(AttributionMethod):
     # The noise's standard deviation as given (``stdevs`` holds it per explained key); set, it holds for the next
     # call, as ``set_kwargs(stdev=...)`` does.
     stdev = PerKeyOption(check_stdevs, per_key_name="stdevs")
+    # Checked whenever set, as the constructor checks them.
+    n_samples = CheckedOption(positive_int)
+    nt_type = CheckedOption(one_of(NT_TYPES))
+    abs = CheckedOption(checked_flag)
+    internal_batch_size = CheckedOption(batch_size)
 
     def __init__(
         self,
@@ -143,16 +154,12 @@ class SmoothGrad(AttributionMethod):
             target=target,
             relevance_key=relevance_key,
         )
-        if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
-            raise ValueError(f"SmoothGrad: n_samples must be a positive int, got {n_samples!r}")
-        if nt_type not in NT_TYPES:
-            raise ValueError(f"SmoothGrad: nt_type must be one of {NT_TYPES}, got {nt_type!r}")
         self.stdev = stdev
         self.n_samples = n_samples
         self.seed = seed
         self.nt_type = nt_type
-        self.abs = checked_flag(abs, "abs", "SmoothGrad")
-        self.internal_batch_size = checked_batch_size(internal_batch_size, "SmoothGrad")
+        self.abs = abs
+        self.internal_batch_size = internal_batch_size
 
     def _attribute(self, call: Call) -> list[torch.Tensor]:
         copies = noisy_copies(call.inputs, self.stdevs, self.n_samples, self.seed, call.batch_dims)

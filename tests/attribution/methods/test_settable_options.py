@@ -1,0 +1,72 @@
+"""Options set on a method after it is built: checked and read as the constructor checks and reads them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from tdhook.attribution import (
+    FeatureAblation,
+    GradCAM,
+    GradientShap,
+    IntegratedGradients,
+    Occlusion,
+    Saliency,
+    ShapleyValueSampling,
+    SmoothGrad,
+)
+from tests.attribution.methods._models import small_cnn
+
+KEYS = {"in_keys": ["image"], "out_keys": ["logits"]}
+
+# Per method: how to build it, an option, and a value its constructor refuses.
+REFUSED = {
+    "SmoothGrad nt_type": (lambda net: SmoothGrad(net, **KEYS, seed=0), "nt_type", "vargrad_sq"),
+    "SmoothGrad n_samples": (lambda net: SmoothGrad(net, **KEYS, seed=0), "n_samples", 0),
+    "SmoothGrad abs": (lambda net: SmoothGrad(net, **KEYS, seed=0), "abs", "False"),
+    "SmoothGrad internal_batch_size": (lambda net: SmoothGrad(net, **KEYS, seed=0), "internal_batch_size", 0),
+    "GradientShap n_samples": (
+        lambda net: GradientShap(net, **KEYS, baselines=torch.zeros(2, 3, 8, 8), seed=0),
+        "n_samples",
+        0,
+    ),
+    "IntegratedGradients internal_batch_size": (
+        lambda net: IntegratedGradients(net, **KEYS),
+        "internal_batch_size",
+        -1,
+    ),
+    "Occlusion perturbations_per_eval": (
+        lambda net: Occlusion(net, **KEYS, sliding_window_shapes=(3, 2, 2)),
+        "perturbations_per_eval",
+        0,
+    ),
+    "FeatureAblation perturbations_per_eval": (lambda net: FeatureAblation(net, **KEYS), "perturbations_per_eval", 0),
+    "ShapleyValueSampling n_samples": (lambda net: ShapleyValueSampling(net, **KEYS, seed=0), "n_samples", 0),
+    "Saliency abs": (lambda net: Saliency(net, **KEYS), "abs", 1),
+    "GradCAM relu": (lambda net: GradCAM(net, layer="3", **KEYS), "relu", "yes"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_a_value_the_constructor_refuses_is_refused_when_set(case):
+    """An option set after construction ran unchecked: ``smooth.nt_type = "vargrad_sq"`` gave an attribution of
+    zeros with no word, ``n_samples = 0`` or ``perturbations_per_eval = 0`` failed in ``range()``, a string taken
+    for a flag was read by its truth. The value is refused as the constructor refuses it, naming the method and
+    the option, and the option is left as it was."""
+    make, name, value = REFUSED[case]
+    method = make(small_cnn())
+    before = getattr(method, name)
+    with pytest.raises((ValueError, TypeError), match=rf"{type(method).__name__}: {name}"):
+        setattr(method, name, value)
+    assert getattr(method, name) == before
+
+
+def test_a_value_set_holds_for_the_next_call():
+    net = small_cnn()
+    td = TensorDict(image=torch.randn(2, 3, 8, 8, dtype=torch.float64), batch_size=[2])
+    smooth = SmoothGrad(net, **KEYS, n_samples=4, stdev=0.2, seed=0)
+    smooth.nt_type, smooth.n_samples = "vargrad", 6
+    expected = SmoothGrad(net, **KEYS, n_samples=6, stdev=0.2, seed=0, nt_type="vargrad")(td.clone())
+    got = smooth(td.clone())
+    torch.testing.assert_close(got["attribution", "image"], expected["attribution", "image"], rtol=0, atol=0)
