@@ -489,3 +489,42 @@ def test_a_rule_mapper_set_on_the_wrapper_is_made_a_mapper_as_the_constructors()
         torch.testing.assert_close(relevance(wrapper), plain, rtol=0, atol=0)
     with pytest.warns(UserWarning, match="'9'"):
         wrapper.rule_mapper = {"9": EpsilonRule(0.5)}
+
+
+class TestOptionsSetAfterConstruction:
+    """Options set on the wrapper after it is built ran unchecked: ``lrp.relevance_key = "rel"`` and
+    ``lrp.target_key = ...`` changed nothing the calls did (the relevance was still written at
+    ``("relevance", "x")``, the default target explained), with no word; ``memory_budget = -1`` was kept,
+    ``create_graph = "no"`` and ``relevance_check = 3`` failed inside the call with Python's bare errors."""
+
+    @staticmethod
+    def wrapper() -> LRP:
+        return LRP(TensorDictModule(mlp(), in_keys=["x"], out_keys=["y"]), rule_mapper=EpsilonPlus())
+
+    @pytest.mark.parametrize("name", ["relevance_key", "target_key", "token_relevance_key"])
+    def test_the_keys_it_writes_are_fixed(self, name):
+        lrp = self.wrapper()
+        before = getattr(lrp, name)
+        with pytest.raises(AttributeError, match=rf"LRP: {name} is fixed when the wrapper is built; build a new"):
+            setattr(lrp, name, "other")
+        assert getattr(lrp, name) == before
+
+    @pytest.mark.parametrize(
+        ("name", "value", "error", "match"),
+        [
+            ("memory_budget", -1, ValueError, "LRP: memory_budget must be a positive number of bytes, got -1"),
+            ("memory_budget", "1GB", TypeError, "LRP: memory_budget must be an int"),
+            ("create_graph", "no", TypeError, "LRP: create_graph must be True or False"),
+            ("relevance_check", 3, TypeError, "LRP: relevance_check must be a callable"),
+        ],
+    )
+    def test_a_value_the_constructor_refuses_is_refused_when_set(self, name, value, error, match):
+        from tdhook.attribution.tunables import _ARGUMENTS
+
+        lrp = self.wrapper()
+        before, recorded = getattr(lrp, name), lrp.__dict__[_ARGUMENTS].get(name)
+        with pytest.raises(error, match=match):
+            setattr(lrp, name, value)
+        assert getattr(lrp, name) == before and lrp.__dict__[_ARGUMENTS].get(name) == recorded
+        with pytest.raises(error, match=match):
+            LRP(TensorDictModule(mlp(), in_keys=["x"], out_keys=["y"]), rule_mapper=EpsilonPlus(), **{name: value})

@@ -15,7 +15,6 @@ from torch import nn
 
 from tdhook.attribution._backward_passes import (
     DEFAULT_MEMORY_BUDGET,
-    check_memory_budget,
 )
 from tdhook.attribution._chain_plan import (
     ChainPlan,
@@ -61,6 +60,7 @@ from tdhook.attribution._layer_relevance import (
     refuse_layers_inside_whole_rules,
 )
 from tdhook.attribution._loss_callers import refuse_loss_module_caller
+from tdhook.attribution._lrp_options import LRPOptions
 from tdhook.attribution._model_run import context_cache_watch
 from tdhook.attribution._module_hooks import module_hooks
 from tdhook.attribution._no_grad_values import called_in_grad_mode
@@ -110,7 +110,7 @@ def _compiled(module: nn.Module) -> bool:
     return hasattr(module, "_orig_mod") or vars(module).get("_compiled_call_impl") is not None
 
 
-class LRP(RecordedModules, TensorDictModuleBase, MapperTunable):
+class LRP(LRPOptions, RecordedModules, TensorDictModuleBase, MapperTunable):
     """Layer-wise relevance propagation around a ``TensorDictModule``.
 
     Inside ``with lrp:`` the rules chosen by ``rule_mapper`` are registered on
@@ -297,7 +297,7 @@ class LRP(RecordedModules, TensorDictModuleBase, MapperTunable):
         # One call (and context change) at a time: the rules' per-module state is shared between threads.
         self._lock = threading.RLock()
         self.create_graph = create_graph
-        self.memory_budget = check_memory_budget(memory_budget)
+        self.memory_budget = memory_budget
         self._inactive = False  # inside inactive(): no rules
         self._plan: ChainPlan | None = None  # a chain of layers run without hooks and autograd (see _chain_plan)
         self._abandoned: weakref.finalize | None = None  # an open context's cleanup if the wrapper is collected

@@ -177,9 +177,9 @@ class RecordedModules:
     """
 
     def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)  # first: a value the attribute refuses is not recorded
         if isinstance(value, torch.nn.Module):
             _record(self, name, value)
-        super().__setattr__(name, value)
 
 
 class Tunable:
@@ -214,8 +214,8 @@ class Tunable:
             cls.__init__ = _recording(init)  # type: ignore[misc]
 
     def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)  # first: a value the attribute refuses (a checked option) is not recorded
         _record(self, name, value)
-        super().__setattr__(name, value)
 
     def _being_built(self) -> bool:
         """Whether a constructor of the object is running (its first build, or :meth:`set_kwargs`'s)."""

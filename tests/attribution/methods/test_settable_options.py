@@ -70,3 +70,26 @@ def test_a_value_set_holds_for_the_next_call():
     expected = SmoothGrad(net, **KEYS, n_samples=6, stdev=0.2, seed=0, nt_type="vargrad")(td.clone())
     got = smooth(td.clone())
     torch.testing.assert_close(got["attribution", "image"], expected["attribution", "image"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["relevance_key", "target_key"])
+def test_the_keys_it_writes_are_fixed(name):
+    """``saliency.relevance_key = "saliency"`` changed nothing the calls did (the attribution was still written at
+    ``("attribution", key)``), with no word: the keys a wrapper reads and writes are fixed when it is built."""
+    saliency = Saliency(small_cnn(), **KEYS)
+    before = getattr(saliency, name)
+    with pytest.raises(AttributeError, match=rf"Saliency: {name} is fixed when the wrapper is built; build a new"):
+        setattr(saliency, name, "other")
+    assert getattr(saliency, name) == before
+
+
+def test_a_refused_value_is_not_recorded_for_set_kwargs():
+    """The record ``set_kwargs`` and ``explain_offline`` read took a value set as an attribute before the attribute
+    checked it: a refused ``n_samples`` would have been built anew by the next ``set_kwargs``."""
+    from tdhook.attribution.tunables import _ARGUMENTS
+
+    smooth = SmoothGrad(small_cnn(), **KEYS, n_samples=4, seed=0)
+    with pytest.raises(ValueError, match="SmoothGrad: n_samples must be a positive int, got 0"):
+        smooth.n_samples = 0
+    assert smooth.__dict__[_ARGUMENTS]["n_samples"] == 4
+    assert smooth.set_kwargs(stdev=0.5).n_samples == 4

@@ -66,6 +66,7 @@ from tdhook.attribution.methods._norm_gradients import norm_gradients_laid_out
 from tdhook.attribution.methods._options import MISSING
 from tdhook.attribution.methods._random_draws import RandomDraws, random_states
 from tdhook.attribution.methods._sampled_targets import sampled_target
+from tdhook.attribution.methods._settable_options import FixedKeys
 from tdhook.attribution.methods._time_reads import read_as_one_sequence, recurrent_layers, time_lengths
 from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._dropout_calls import dropout_watch
@@ -186,7 +187,7 @@ def _rename(err: Exception, owner: str) -> Exception:
     return type(err)(message, *err.args[1:]).with_traceback(err.__traceback__)
 
 
-class AttributionMethod(RecordedModules, TensorDictModuleBase, ModelTunable):
+class AttributionMethod(FixedKeys, RecordedModules, TensorDictModuleBase, ModelTunable):
     """The base of the attribution methods: LRP's constructor conventions and one call's machinery.
 
     Subclasses implement :meth:`_attribute`, which returns, for every

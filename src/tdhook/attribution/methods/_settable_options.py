@@ -36,8 +36,18 @@ from typing import Any
 from tensordict.utils import NestedKey
 
 from tdhook.attribution.methods._options import MISSING, checked_batch_size, per_key
+from tdhook.attribution.tunables import BUILDING
 
-__all__ = ["CheckedOption", "PerKeyOption", "batch_size", "check_stdevs", "one_of", "positive_int"]
+__all__ = [
+    "CheckedOption",
+    "FixedKeys",
+    "FixedOption",
+    "PerKeyOption",
+    "batch_size",
+    "check_stdevs",
+    "one_of",
+    "positive_int",
+]
 
 
 class PerKeyOption:
@@ -145,3 +155,50 @@ def batch_size(value: Any, name: str, owner: str) -> int | None:
         >>> batch_size(None, "internal_batch_size", "SmoothGrad")
     """
     return checked_batch_size(value, owner)
+
+
+class FixedOption:
+    """An option fixed when the wrapper is built: what it names (the keys the wrapper reads and writes, its
+    ``out_keys``) is settled then, so setting it afterwards, which would change nothing the calls do, is refused.
+
+    Examples:
+        >>> class Method:
+        ...     relevance_key = FixedOption()
+        ...
+        ...     def __init__(self):
+        ...         self.__dict__[BUILDING] = 1
+        ...         self.relevance_key = "attribution"
+        ...         self.__dict__[BUILDING] = 0
+        >>> method = Method()
+        >>> method.relevance_key = "saliency"  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        AttributeError: Method: relevance_key is fixed when the wrapper is built; build a new Method(...)
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.stored = name, f"_{name}_value"
+
+    def __get__(self, wrapper: Any, owner: type | None = None) -> Any:
+        if wrapper is None:
+            return self
+        try:
+            return wrapper.__dict__[self.stored]
+        except KeyError:
+            raise AttributeError(f"{type(wrapper).__name__} has no {self.name} yet") from None
+
+    def __set__(self, wrapper: Any, value: Any) -> None:
+        if not wrapper.__dict__.get(BUILDING):
+            owner = type(wrapper).__name__
+            raise AttributeError(
+                f"{owner}: {self.name} is fixed when the wrapper is built; build a new {owner}(..., {self.name}=...)"
+            )
+        wrapper.__dict__[self.stored] = value
+
+
+class FixedKeys:
+    """The keys a wrapper writes (``relevance_key``) and explains (``target_key``), fixed when it is built (a mixin
+    of the wrappers)."""
+
+    relevance_key = FixedOption()
+    target_key = FixedOption()
