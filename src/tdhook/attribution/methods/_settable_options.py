@@ -157,7 +157,7 @@ def batch_size(value: Any, name: str, owner: str) -> int | None:
     return checked_batch_size(value, owner)
 
 
-class FixedOption:
+class FixedOption(CheckedOption):
     """An option fixed when the wrapper is built: what it names (the keys the wrapper reads and writes, its
     ``out_keys``) is settled then, so setting it afterwards, which would change nothing the calls do, is refused.
 
@@ -176,16 +176,8 @@ class FixedOption:
         AttributeError: Method: relevance_key is fixed when the wrapper is built; build a new Method(...)
     """
 
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name, self.stored = name, f"_{name}_value"
-
-    def __get__(self, wrapper: Any, owner: type | None = None) -> Any:
-        if wrapper is None:
-            return self
-        try:
-            return wrapper.__dict__[self.stored]
-        except KeyError:
-            raise AttributeError(f"{type(wrapper).__name__} has no {self.name} yet") from None
+    def __init__(self) -> None:
+        super().__init__(_as_given)
 
     def __set__(self, wrapper: Any, value: Any) -> None:
         if not wrapper.__dict__.get(BUILDING):
@@ -193,7 +185,11 @@ class FixedOption:
             raise AttributeError(
                 f"{owner}: {self.name} is fixed when the wrapper is built; build a new {owner}(..., {self.name}=...)"
             )
-        wrapper.__dict__[self.stored] = value
+        super().__set__(wrapper, value)
+
+
+def _as_given(value: Any, name: str, owner: str) -> Any:
+    return value
 
 
 class FixedKeys:
