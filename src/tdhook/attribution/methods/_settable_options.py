@@ -50,34 +50,6 @@ __all__ = [
 ]
 
 
-class PerKeyOption:
-    """A method's option read per explained key whenever it is set (the constructor sets it too).
-
-    Args:
-        check: called with the method's name, the explained keys and the values per key; raises for a value the
-            method refuses (the option is then left as it was).
-        per_key_name: the attribute that holds the values per key (``_<name>`` by default).
-    """
-
-    def __init__(self, check: Callable[[str, Sequence[NestedKey], list], None] | None = None, per_key_name: str = ""):
-        self.check, self.per_key_name = check, per_key_name
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-        self.per_key_name = self.per_key_name or f"_{name}"
-        self.given_name = f"_{name}_given"
-
-    def __get__(self, method: Any, owner: type | None = None) -> Any:
-        return self if method is None else method.__dict__[self.given_name]
-
-    def __set__(self, method: Any, value: Any) -> None:
-        owner, keys = type(method).__name__, method.explained_keys
-        values = per_key(value, keys, self.name, owner, partial=method._defaulted_inputs)
-        if self.check is not None:
-            self.check(owner, keys, values)
-        method.__dict__[self.per_key_name], method.__dict__[self.given_name] = values, value
-
-
 def check_stdevs(owner: str, keys: Sequence[NestedKey], stdevs: list) -> None:
     """Refuse a standard deviation that is no number >= 0, naming its key.
 
@@ -116,6 +88,33 @@ class CheckedOption:
 
     def __set__(self, method: Any, value: Any) -> None:
         method.__dict__[self.stored] = self.check(value, self.name, type(method).__name__)
+
+
+class PerKeyOption(CheckedOption):
+    """A method's option read per explained key whenever it is set (the constructor sets it too); the attribute gives
+    it back as given.
+
+    Args:
+        check: called with the method's name, the explained keys and the values per key; raises for a value the
+            method refuses (the option is then left as it was).
+        per_key_name: the attribute that holds the values per key (``_<name>`` by default).
+    """
+
+    def __init__(self, check: Callable[[str, Sequence[NestedKey], list], None] | None = None, per_key_name: str = ""):
+        super().__init__(_as_given)
+        self.check_values, self.per_key_name = check, per_key_name
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        super().__set_name__(owner, name)
+        self.per_key_name = self.per_key_name or f"_{name}"
+
+    def __set__(self, method: Any, value: Any) -> None:
+        owner, keys = type(method).__name__, method.explained_keys
+        values = per_key(value, keys, self.name, owner, partial=method._defaulted_inputs)
+        if self.check_values is not None:
+            self.check_values(owner, keys, values)
+        method.__dict__[self.per_key_name] = values
+        super().__set__(method, value)
 
 
 def positive_int(value: Any, name: str, owner: str) -> int:

@@ -83,6 +83,25 @@ def shap_draws(
     return indices, alphas, noisy
 
 
+def _check_references(owner: str, keys: Sequence[NestedKey], references: list) -> None:
+    """Refuse reference samples that are no floating-point tensor ``[R, *sample_shape]``, or that differ in ``R``
+    between keys."""
+    sizes = set()
+    for key, reference in zip(keys, references, strict=True):
+        if reference is MISSING:
+            continue
+        if not isinstance(reference, torch.Tensor) or not reference.is_floating_point() or reference.dim() < 1:
+            raise TypeError(
+                f"GradientShap: the baselines of input key {key!r} must be a floating-point tensor of reference "
+                f"samples [R, *sample_shape], got {describe(reference)}"
+            )
+        sizes.add(reference.shape[0])
+    if len(sizes) != 1 or 0 in sizes:
+        raise ValueError(
+            f"GradientShap: every key needs the same number R > 0 of reference samples, got {sorted(sizes)}"
+        )
+
+
 class GradientShap(AttributionMethod):
     """GradientSHAP, written at ``(relevance_key, *in_key)`` with each input's shape.
 
@@ -128,7 +147,7 @@ class GradientShap(AttributionMethod):
 
     _per_key_options = ("_baselines", "_stdevs")  # per explained key, from the options as given
     # Settable after construction: read, and checked, per key as the constructor reads them.
-    baselines = PerKeyOption(lambda owner, keys, references: _check_references(keys, references))
+    baselines = PerKeyOption(_check_references)
     stdevs = PerKeyOption(check_stdevs)
     # Checked whenever set, as the constructor checks them.
     n_samples = CheckedOption(positive_int)
@@ -200,22 +219,3 @@ class GradientShap(AttributionMethod):
                 total += (grad.to(total.dtype) * diff.unsqueeze(0).to(total.dtype)).sum(1)
         refuse_unreached(self, call, reached)
         return [(total / self.n_samples).to(x.dtype) for total, x in zip(totals, call.inputs, strict=True)]
-
-
-def _check_references(keys: Sequence[NestedKey], references: list) -> None:
-    """Refuse reference samples that are no floating-point tensor ``[R, *sample_shape]``, or that differ in ``R``
-    between keys."""
-    sizes = set()
-    for key, reference in zip(keys, references, strict=True):
-        if reference is MISSING:
-            continue
-        if not isinstance(reference, torch.Tensor) or not reference.is_floating_point() or reference.dim() < 1:
-            raise TypeError(
-                f"GradientShap: the baselines of input key {key!r} must be a floating-point tensor of reference "
-                f"samples [R, *sample_shape], got {describe(reference)}"
-            )
-        sizes.add(reference.shape[0])
-    if len(sizes) != 1 or 0 in sizes:
-        raise ValueError(
-            f"GradientShap: every key needs the same number R > 0 of reference samples, got {sorted(sizes)}"
-        )
