@@ -9,7 +9,9 @@ gradient × input pass. Each tdhook wrapper runs inside one ``with lrp:``
 context, as in a loop over many inputs; the rows marked "entering" call a
 wrapper outside its context, so that each call enters and leaves one (the
 rules are registered and removed every call). The methods take turns in every
-round. ``--clock thread`` times this thread's CPU time instead of the wall time.
+round. ``--clock thread`` times this thread's CPU time instead of the wall time. ``--floor`` adds the rows of the
+steps an AttnLRP call in a context cannot do without, run bare (see ``planned_steps.py``; checked to give the
+wrapper's relevance bit for bit), with and without the plan's hooks: the floor under the wrapper's time.
 
     python benchmarks/bench_transformer.py --batch 8 --tokens 64 --repeats 5
 """
@@ -23,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 import transformers
+from planned_steps import check_planned_steps, planned_steps
 from tensordict import TensorDict
 from timing import add_clock_options, clock_of, interleaved_medians
 from torch import nn
@@ -70,6 +73,9 @@ def main() -> None:
     parser.add_argument(
         "--attention", choices=["eager", "sdpa"], default="eager", help="the attention implementation of the model"
     )
+    parser.add_argument(
+        "--floor", action="store_true", help="add the bare steps of a planned AttnLRP call (see planned_steps.py)"
+    )
     add_clock_options(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -85,6 +91,11 @@ def main() -> None:
             # Called outside a context, each call of this one enters and leaves one.
             entering = LRP(copy.deepcopy(model), mapper, in_keys=["embeds"], out_keys=["logits"])
             methods[f"{label}, entering"] = lambda lrp=entering: lrp(TensorDict(embeds=x, batch_size=x.shape[:1]))
+        if args.floor:
+            bare = contexts.enter_context(LRP(copy.deepcopy(model), AttnLRP(), in_keys=["embeds"], out_keys=["logits"]))
+            check_planned_steps(bare, "embeds", "logits", x)
+            methods["AttnLRP, bare planned steps"] = planned_steps(bare, "embeds", "logits", x)
+            methods["the same, no plan hooks"] = planned_steps(bare, "embeds", "logits", x, apply=False)
         clock = clock_of(args)
         seconds = interleaved_medians(methods, args.repeats, clock=clock, warm=args.warm)
 

@@ -30,6 +30,10 @@ COMMANDS = {
         *("bench_transformer.py", "--batch", "1", "--tokens", "4"),
         *("--hidden", "16", "--layers", "1", "--repeats", "1"),
     ],
+    "transformer floor": [
+        *("bench_transformer.py", "--batch", "1", "--tokens", "4"),
+        *("--hidden", "16", "--layers", "1", "--repeats", "1", "--floor"),
+    ],
     "signatures": ["bench_signatures.py", "--lengths", "3", "--hidden", "16", "--layers", "1"],
     "transformer zoo": ["bench_transformer_zoo.py", "gpt2", "llama", "--repeats", "1"],
     "transformer zoo fed ids": ["bench_transformer_zoo.py", "bert", "--ids", "--repeats", "1"],
@@ -153,6 +157,14 @@ def test_transformer_benchmark_runs_on_tiny_inputs(printed):
     rows = [line.rsplit(None, 2) for line in stdout.splitlines()[2:]]
     tdhook = ["tdhook AttnLRP", "tdhook AttnLRP, entering", "tdhook CP-LRP", "tdhook CP-LRP, entering"]
     assert [row[0] for row in rows] == ["gradient x input", *tdhook]
+    assert all(float(value) > 0 for row in rows for value in row[1:])
+
+
+def test_transformer_benchmark_times_the_bare_planned_steps_when_asked(printed):
+    # The bare steps are checked against the wrapper's relevance before they are timed (planned_steps.py).
+    stdout = stdout_of(printed, "transformer floor")
+    rows = [line.rsplit(None, 2) for line in stdout.splitlines()[2:]]
+    assert [row[0] for row in rows][-2:] == ["AttnLRP, bare planned steps", "the same, no plan hooks"]
     assert all(float(value) > 0 for row in rows for value in row[1:])
 
 
