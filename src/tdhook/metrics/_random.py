@@ -13,12 +13,14 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from numbers import Integral
 from typing import TypeVar
 
 import torch
 from torch import nn
 
 from tdhook.attribution.methods._global_rng import cuda_devices
+from tdhook.attribution.methods._settable_options import SEEDS
 
 __all__ = ["cuda_devices", "generator", "keeps_global_rng"]
 
@@ -29,13 +31,16 @@ def generator(seed: int | None) -> torch.Generator:
     """A CPU generator seeded with ``seed``, or from fresh entropy for ``None``.
 
     Raises:
-        TypeError: ``seed`` is neither an int nor ``None``.
+        TypeError: ``seed`` is neither an integer (a NumPy one too; no bool) nor ``None``.
+        ValueError: ``seed`` is outside the seeds torch's generators take, ``[-2**63, 2**64)``.
     """
     g = torch.Generator()
     if seed is None:
         g.seed()
-    elif isinstance(seed, int) and not isinstance(seed, bool):
-        g.manual_seed(seed)
+    elif isinstance(seed, Integral) and not isinstance(seed, bool):
+        if int(seed) not in SEEDS:
+            raise ValueError(f"metrics: seed must be an int in [-2**63, 2**64), got {seed!r}")
+        g.manual_seed(int(seed))
     else:
         raise TypeError(f"metrics: seed must be an int or None, got {type(seed).__name__}")
     return g

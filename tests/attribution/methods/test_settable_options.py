@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -93,3 +94,40 @@ def test_a_refused_value_is_not_recorded_for_set_kwargs():
         smooth.n_samples = 0
     assert smooth.__dict__[_ARGUMENTS]["n_samples"] == 4
     assert smooth.set_kwargs(stdev=0.5).n_samples == 4
+
+
+# Per method taking a seed: how to build it with the seed given as keywords.
+SEEDED = {
+    "SmoothGrad": lambda net, **seed: SmoothGrad(net, **KEYS, n_samples=3, stdev=0.2, **seed),
+    "GradientShap": lambda net, **seed: GradientShap(
+        net, **KEYS, baselines=torch.zeros(2, 3, 8, 8, dtype=torch.float64), n_samples=3, **seed
+    ),
+    "ShapleyValueSampling": lambda net, **seed: ShapleyValueSampling(net, **KEYS, n_samples=2, **seed),
+}
+
+
+@pytest.mark.parametrize("method", sorted(SEEDED))
+@pytest.mark.parametrize("seed", ["0", 1.5, True, 2**64, -(2**63) - 1])
+def test_a_seed_that_is_no_int_is_refused_by_name(method, seed):
+    """A seed that is no int torch's generators take ran, or failed at the call with a message that named no option:
+    ``seed="0"`` with Python's "invalid literal for int()", ``seed=1.5`` drew as ``seed=1`` (1.2 and 1.7 the same
+    draws, with no word), ``seed=2**64`` with torch's "Overflow when unpacking long". It is refused where it is given,
+    to the constructor or set later, naming the method and the option; the option is left as it was."""
+    make = SEEDED[method]
+    with pytest.raises(ValueError, match=rf"{method}: seed must be None or an int in \[-2\*\*63, 2\*\*64\)"):
+        make(small_cnn(), seed=seed)
+    built = make(small_cnn(), seed=0)
+    with pytest.raises(ValueError, match=rf"{method}: seed must be None or an int"):
+        built.seed = seed
+    assert built.seed == 0
+
+
+@pytest.mark.parametrize("method", sorted(SEEDED))
+def test_a_numpy_integer_seed_draws_as_the_same_int(method):
+    net = small_cnn()
+    td = TensorDict(image=torch.randn(2, 3, 8, 8, dtype=torch.float64), batch_size=[2])
+    expected = SEEDED[method](net, seed=3)(td.clone())["attribution", "image"]
+    built = SEEDED[method](net, seed=np.int64(3))
+    assert type(built.seed) is int
+    got = built(td.clone())["attribution", "image"]
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -30,7 +30,7 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from numbers import Real
+from numbers import Integral, Real
 from typing import Any
 
 from tensordict.utils import NestedKey
@@ -47,6 +47,7 @@ __all__ = [
     "check_stdevs",
     "one_of",
     "positive_int",
+    "seed_value",
 ]
 
 
@@ -127,6 +128,29 @@ def positive_int(value: Any, name: str, owner: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
     return value
+
+
+# The seeds torch's generators take (``manual_seed`` refuses any other, with a message naming no option).
+SEEDS = range(-(2**63), 2**64)
+
+
+def seed_value(value: Any, name: str, owner: str) -> int | None:
+    """``value``, a seed: ``None`` (fresh draws every call) or an integer torch's generators take (a NumPy integer
+    too); no bool, and no float, which would be cut to an int (``1.2`` and ``1.7`` the same draws).
+
+    Examples:
+        >>> seed_value(None, "seed", "SmoothGrad"), seed_value(3, "seed", "SmoothGrad")
+        (None, 3)
+        >>> seed_value(1.5, "seed", "SmoothGrad")
+        Traceback (most recent call last):
+        ...
+        ValueError: SmoothGrad: seed must be None or an int in [-2**63, 2**64), got 1.5
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, Integral) or int(value) not in SEEDS:
+        raise ValueError(f"{owner}: {name} must be None or an int in [-2**63, 2**64), got {value!r}")
+    return int(value)
 
 
 def one_of(choices: tuple) -> Callable[[Any, str, str], Any]:

@@ -25,6 +25,7 @@ from tdhook.attribution.methods._settable_options import (
     batch_size,
     check_stdevs,
     positive_int,
+    seed_value,
 )
 from tdhook.attribution.targets import Target
 
@@ -151,6 +152,7 @@ class GradientShap(AttributionMethod):
     stdevs = PerKeyOption(check_stdevs)
     # Checked whenever set, as the constructor checks them.
     n_samples = CheckedOption(positive_int)
+    seed = CheckedOption(seed_value)
     internal_batch_size = CheckedOption(batch_size)
 
     def __init__(

@@ -15,7 +15,7 @@ from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.methods._base import Call
 from tdhook.attribution.methods._options import Baselines, seeded_generator
 from tdhook.attribution.methods._perturbation import FeatureMasks, PerturbationMethod, feature_groups, spread
-from tdhook.attribution.methods._settable_options import CheckedOption, positive_int
+from tdhook.attribution.methods._settable_options import CheckedOption, positive_int, seed_value
 from tdhook.attribution.targets import Target
 
 __all__ = ["ShapleyValueSampling", "permutations"]
@@ -87,6 +87,7 @@ class ShapleyValueSampling(PerturbationMethod):
     tunables = {"n_samples": (int, {"low": 5, "high": 200, "log": True})}
 
     n_samples = CheckedOption(positive_int)  # checked whenever set, as the constructor checks it
+    seed = CheckedOption(seed_value)
 
     def __init__(
         self,

@@ -25,6 +25,7 @@ from tdhook.attribution.methods._settable_options import (
     check_stdevs,
     one_of,
     positive_int,
+    seed_value,
 )
 from tdhook.attribution.targets import Target
 
@@ -126,6 +127,7 @@ class SmoothGrad(AttributionMethod):
     stdev = PerKeyOption(check_stdevs, per_key_name="stdevs")
     # Checked whenever set, as the constructor checks them.
     n_samples = CheckedOption(positive_int)
+    seed = CheckedOption(seed_value)
     nt_type = CheckedOption(one_of(NT_TYPES))
     abs = CheckedOption(checked_flag)
     internal_batch_size = CheckedOption(batch_size)
