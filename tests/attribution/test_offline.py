@@ -440,6 +440,18 @@ def test_a_relevance_key_that_clashes_with_the_mask_of_rows_done_is_named_before
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("rows", [4, 8], ids=["one-batch", "whole-source"])
+@pytest.mark.parametrize("make", [LRP, Saliency], ids=["lrp", "method"])
+def test_a_target_tensor_of_rows_is_named_before_anything_is_written(tmp_path, rows, make):
+    """A target tensor of per-row indices is the target of one call's rows, which every batch took as it was: shaped
+    like a batch (4 of 8 rows, batches of 4), the second batch was explained at the first batch's indices, with no
+    word; shaped like the source, each batch failed on its shape."""
+    explainer = make(q_actor(), target=torch.tensor([0, 1] * (rows // 2)), target_key="action_value")
+    with pytest.raises(ValueError, match=rf"explain_offline: target is a tensor of shape \({rows},\), the targets of"):
+        explain_offline(explainer, data(8), tmp_path / "out", batch_size=4, progress=False)
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize(
     ("source", "options", "error", "match"),
     [

@@ -256,6 +256,7 @@ def explain_offline(
             f"...); got {type(lrp).__name__}"
         )
     _refuse_done_key_taken(lrp)
+    _refuse_row_targets(lrp)
     _refuse_time_read_as_rows(lrp, source)
     length = _source_length(source)
     if not length:  # no row to run the explanation on, which sets the output's entries
@@ -293,6 +294,18 @@ def _refuse_done_key_taken(lrp: LRP | AttributionMethod) -> None:
                 f"explain_offline: the output keeps its mask of the rows done at {DONE_KEY!r}, where "
                 f"{type(lrp).__name__} would store {key!r} ({option}); name that key otherwise"
             )
+
+
+def _refuse_row_targets(lrp: LRP | AttributionMethod) -> None:
+    """A target tensor of unit indices is the target of one call's rows, which every batch would take as it is (not
+    the rows of the source split into batches): the first batch's indices for each batch, or a shape no batch has."""
+    target = getattr(lrp, "target", None)
+    if isinstance(target, torch.Tensor) and target.dim() > 0:
+        raise ValueError(
+            f"explain_offline: target is a tensor of shape {tuple(target.shape)}, the targets of one call's rows, "
+            "which every batch would take as it is (the source's rows are not split from it); a stored row of a "
+            "policy explains the action it holds, or call the wrapper on the rows with their targets"
+        )
 
 
 def _refuse_time_read_as_rows(lrp: LRP | AttributionMethod, source) -> None:
