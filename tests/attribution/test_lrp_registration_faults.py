@@ -22,7 +22,7 @@ from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
 
 from tdhook.attribution import LRP
-from tdhook.attribution.lrp_helpers.rules import AttnLRP, EpsilonPlus
+from tdhook.attribution.lrp_helpers.rules import AttnLRP, EpsilonPlus, EpsilonRule
 from tests.attribution._helpers import small_bn_cnn
 from tests.attribution.test_detached_caches import Cache, Step
 from tests.attribution.test_lrp_interrupts import assert_same_state, global_state, module_state
@@ -412,3 +412,23 @@ def test_a_call_failing_in_the_model_or_its_backward_writes_nothing_and_the_next
             assert_same_state(before, module_state(model), at)
             assert_same_relevance(relevance(lrp(inputs())), expected, at)
     assert global_state() == before_global
+
+
+def test_a_rule_left_registered_by_hand_is_named_when_a_context_is_entered():
+    """A rule registered by hand on a module and not removed stacked with the wrapper's rule on it, with no word: the
+    wrapper's LRP-0 (``EpsilonRule(0.0)``) came out 0.75 off, one sample's sign flipped. Entering the context is
+    refused, naming the module and both rules; the model keeps the hand rule alone, and once it is removed the
+    wrapper gives its own rule's relevance."""
+    torch.manual_seed(1)
+    layer = nn.Linear(4, 3).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    by_hand = EpsilonRule(0.5).register(layer)
+    hooks = dict(layer._forward_hooks)
+    lrp = LRP(nn.Sequential(layer), {nn.Linear: EpsilonRule(0.0)}, in_keys=["x"], out_keys=["y"], target=0)
+    message = r"cannot register EpsilonRule\(epsilon=0.0\) on module '0' \(Linear\): .* EpsilonRule\(epsilon=0.5\)"
+    with pytest.raises(ValueError, match=message):
+        lrp(TensorDict(x=x, batch_size=[5]))
+    assert dict(layer._forward_hooks) == hooks and not layer._forward_pre_hooks
+    by_hand.remove()
+    relevance = lrp(TensorDict(x=x, batch_size=[5]))["relevance", "x"]
+    torch.testing.assert_close(relevance, x * layer.weight.detach()[0], rtol=1e-12, atol=1e-14)

@@ -163,3 +163,29 @@ def test_a_module_of_ones_own_calling_batch_norm_on_a_layer_output_is_named(stri
     _, caught = explain(net, EpsilonPlus(), x)
     named = [m for m in caught if "not merged" in m]
     assert len(named) == 1 and "module '1' (ChannelStatistics)" in named[0], caught
+
+
+def test_a_batch_norm_module_a_mapping_function_gave_no_rule_is_named_with_the_fix(x):
+    """A function as the rule mapper gets none of BaseRuleMapper's defaults: a BatchNorm module it gave no rule
+    stays unmerged, and the warning said it computed batch_norm "outside a BatchNorm module" and told to keep it a
+    module, which it was. It names the mapper and the fixes (5.6 % off zennit on a small CNN under γ)."""
+
+    def mapping(name: str, module: nn.Module):
+        return EpsilonPlus()(name, module) if not isinstance(module, nn.BatchNorm2d) else None
+
+    net = (
+        nn.Sequential(
+            nn.Conv2d(3, 6, 3, padding=1, bias=False),
+            nn.BatchNorm2d(6),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(6 * 8 * 8, 2),
+        )
+        .double()
+        .eval()
+    )
+    with torch.no_grad():
+        net[1].running_var.uniform_(0.5, 2.0)
+        net[1].weight.normal_()
+    with pytest.warns(UserWarning, match=r"module '1' \(BatchNorm2d\) has no rule \(the rule mapper gave it none\)"):
+        LRP(net, mapping, in_keys=["x"], out_keys=["y"])(TensorDict(x=x, batch_size=x.shape[:1]))

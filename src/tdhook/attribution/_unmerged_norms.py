@@ -38,6 +38,7 @@ from tdhook.attribution.rules._caller import warn_at_caller
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules.base import RemovableRuleHandle, _reaches_model_input
 from tdhook.attribution.rules.basic import EpsilonRule, IgnoreRule
+from tdhook.attribution.rules.batch_norm import is_batch_norm
 from tdhook.attribution.rules.input_layer import FirstLayerRule
 
 __all__ = ["layer_rules_merging", "merging_rule", "report_unmerged_norms"]
@@ -78,6 +79,18 @@ def _merging(rule: Any) -> bool:
     return not (type(rule) is EpsilonRule and rule.epsilon <= NEGLIGIBLE_EPSILON)
 
 
+def _unmapped_message(where: str, kind: str, layers: str) -> str:
+    """The warning for a BatchNorm module that the rule mapper gave no rule (a function of one's own as the mapper
+    gets none of :class:`~tdhook.attribution.mappers.base.BaseRuleMapper`'s defaults)."""
+    return (
+        f"LRP: {where} ({kind}) has no rule (the rule mapper gave it none), so it is not merged into the output of "
+        f"{layers}: the layer's rule acts on the layer alone and the batch norm keeps its plain gradient, which "
+        "differs from the relevance of the presets and of zennit's canonizers. Map it to MergeBatchNormRule, or "
+        "pass a mapping function as BaseRuleMapper(rule_mapper=function), whose defaults merge it (a function alone "
+        "gets none of them); lrp.coverage() lists every such call"
+    )
+
+
 def report_unmerged_norms(
     found: Mapping[str, Mapping[str, int]], modules: Mapping[str, nn.Module], strict: bool
 ) -> tuple[PlainGradientCall, ...]:
@@ -95,9 +108,11 @@ def report_unmerged_norms(
         calls += [PlainGradientCall(name, kind, function, count) for function, count in functions.items()]
         layers = " and of ".join(function.split(" of ", 1)[1] for function in functions)
         message = (
-            f"LRP: {where} ({kind}) computes batch_norm with F.batch_norm, outside a BatchNorm module, on the output "
-            f"of {layers}: it is not merged into the layer, so the layer's rule acts on the layer alone and the "
-            "batch norm keeps its plain gradient, which differs from the relevance of the same model with the "
+            _unmapped_message(where, kind, layers)
+            if module is not None and is_batch_norm(module)
+            else f"LRP: {where} ({kind}) computes batch_norm with F.batch_norm, outside a BatchNorm module, on the "
+            f"output of {layers}: it is not merged into the layer, so the layer's rule acts on the layer alone and "
+            "the batch norm keeps its plain gradient, which differs from the relevance of the same model with the "
             "BatchNorm as a module. Keep the BatchNorm a module (in a torch.fx trace, a leaf module), or fold it into "
             "the layer's weights; lrp.coverage() lists every such call"
         )

@@ -49,6 +49,7 @@ from tdhook.attribution.rules._module_inputs import inputs_in_forward
 from tdhook.attribution.rules._parameter_sets import ParameterSets
 from tdhook.attribution.rules._plain_calls import PLAIN_DEPTH, plain_calls
 from tdhook.attribution.rules._rewrites import RUNNING, checked_rewrite, is_own_rewrite, rewrites
+from tdhook.attribution.rules._rules_on_modules import forget_rule, note_rule, raise_for_another_rule
 from tdhook.attribution.rules._scopes import pop, push
 from tdhook.attribution.rules._unrecorded_writes import UNRECORDED, raise_for_unrecorded_inputs
 from tdhook.attribution.rules._wrapper_calls import rules_act_here
@@ -489,8 +490,10 @@ class Rule(Tunable):
         Recorded first, each hook is listed as it is added, so :meth:`unregister` finds every hook the rule put
         on the module, whatever line an interrupt stops the registration at: none is left acting unseen.
         """
+        raise_for_another_rule(self, module)
         try:
             self._registrations[module] = registration
+            note_rule(self, module)
             yield
         except BaseException:
             self.unregister(module)
@@ -566,6 +569,7 @@ class Rule(Tunable):
                 handle.remove()
                 registration.hooks.remove(handle)
             self._registrations.pop(module, None)
+        forget_rule(self, module)
 
     @staticmethod
     def _snapshot_hook(registration: Registration) -> Callable:
