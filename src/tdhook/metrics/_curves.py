@@ -22,6 +22,7 @@ import torch
 from tdhook.attribution.methods._random_draws import random_states
 from tdhook.metrics._batch_statistics import StepsMixed
 from tdhook.metrics._features import Baseline, Features, positions_of
+from tdhook.metrics._positions_read_across import warn_for_positions_read_across
 from tdhook.metrics._scoring import Scorer, chunks, progress_bar
 
 __all__ = ["perturbation_curve"]
@@ -36,6 +37,7 @@ def perturbation_curve(
     progress: bool | None = None,
     description: str = "perturbation curve",
     order: torch.Tensor | None = None,
+    metric: str = "metrics",
 ) -> torch.Tensor:
     """The scores ``batch + [1 + len(thresholds)]``: unperturbed, then with features at positions below each threshold.
 
@@ -55,6 +57,8 @@ def perturbation_curve(
         order: ``batch + [n_features]``: the features in the order they go, one rank each (each row a permutation,
             ``positions`` its inverse), or ``None``. A first layer updated step by step reads its elements in that
             order without inverting ``positions``.
+        metric: the metric's name, in the warning for a model that reads across the positions of the batch's last
+            dimension (see :mod:`~tdhook.metrics._positions_read_across`).
     """
     baselines = features.baselines(baseline)  # checked before any forward pass, and resolved once
     affine = scorer.leading_affine()
@@ -95,12 +99,16 @@ def perturbation_curve(
         except StepsMixed as mixed:  # a layer after the first mixes the steps: each runs in a pass of its own
             update(0)
             scorer.run_steps_alone(mixed.found)
-            return perturbation_curve(scorer, features, given[0], thresholds, baseline, progress, description, given[1])
+            return perturbation_curve(
+                scorer, features, given[0], thresholds, baseline, progress, description, given[1], metric
+            )
         steps = torch.cat([outputs[start] for start in sorted(outputs)]) if len(outputs) > 1 else output
         if folded:  # the scores of step 0 and of the others at once
             scorer.resolve(steps[0], before)
             update(0)
-            return scorer.scores_of(steps).movedim(0, -1)
+            curve = scorer.scores_of(steps).movedim(0, -1)
+            warn_for_positions_read_across(scorer, features, baselines, metric)
+            return curve
         columns = [scorer.reference.unsqueeze(0), scorer.scores_of(steps)]
     else:
         scorer.resolve()
@@ -122,4 +130,5 @@ def perturbation_curve(
             columns.append(scorer.scores(perturbed))
             update(1)
     update(0)
+    warn_for_positions_read_across(scorer, features, baselines, metric)
     return torch.cat(columns, dim=0).movedim(0, -1)

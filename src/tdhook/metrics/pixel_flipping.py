@@ -100,4 +100,6 @@ def pixel_flipping(
     n_steps = -(-features.n_features // features_per_step)
     order = stable_order(features.values, nan_free=True)
     thresholds = torch.arange(features_per_step, n_steps * features_per_step + 1, features_per_step)
-    return perturbation_curve(scorer, features, None, thresholds, baseline, progress, "pixel flipping", order=order)
+    return perturbation_curve(
+        scorer, features, None, thresholds, baseline, progress, "pixel flipping", order=order, metric="pixel_flipping"
+    )

@@ -153,4 +153,5 @@ def region_perturbation(
     region_positions = sort_positions(torch.cat(sums, dim=-1), descending=order == "morf")
     positions = region_positions.index_select(-1, torch.cat(feature_regions))
     thresholds = torch.arange(1, n_regions + 1)
-    return perturbation_curve(scorer, features, positions, thresholds, baseline, progress, "region perturbation")
+    description, metric = "region perturbation", "region_perturbation"
+    return perturbation_curve(scorer, features, positions, thresholds, baseline, progress, description, metric=metric)
