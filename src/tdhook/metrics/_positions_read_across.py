@@ -1,16 +1,17 @@
-"""A perturbation curve on a batch of several dimensions whose last one the model reads across: warned of.
+"""A metric on a batch of several dimensions whose last one the model reads across: warned of.
 
-A curve perturbs the features of every sample of the batch at once, step after step, and gives each sample the
-scores of its own output. Where the model computes each position of a ``[B, T]`` batch from its own features, that
-is each position's curve alone. A model that reads across the last batch dimension (a transformer over the time
-steps of a rollout, a causal average of the steps) gives a position's score from the other positions' features too:
-every step then perturbs those as well, and a position's curve holds the effect of features its own attribution does
-not rank (on a causal toy model over a ``[2, 4]`` batch, 0.85 off the curve of each position perturbed alone,
-relative to its largest value). The attribution methods perturb each position alone there
-(:mod:`~tdhook.attribution.methods._positions_alone`); a curve warns instead, after one pass more of
-``2 ⌈log₂ T⌉`` copies of the batch, each with a split of the positions at the baseline (the methods' test). A model
-built only of torch's layers that act on each position alone (:func:`~tdhook.attribution.methods._positions_alone.
-positions_apart`) takes no such pass.
+A metric's perturbations (a curve's steps, a random subset, a perturbation function's) change the features of
+every sample of the batch at once, and give each sample the scores of its own output. Where the model computes
+each position of a ``[B, T]`` batch from its own features, that is each position's score alone. A model that reads
+across the last batch dimension (a transformer over the time steps of a rollout, a causal average of the steps)
+gives a position's score from the other positions' features too: every perturbation then changes those as well, and
+a position's score holds the effect of features its own attribution does not rank (on a causal toy model over a
+``[2, 4]`` batch, pixel flipping was 0.85 off the curve of each position perturbed alone, relative to its largest
+value). The attribution methods perturb each position alone there
+(:mod:`~tdhook.attribution.methods._positions_alone`); a metric warns instead, once it is computed, after one pass
+more of ``2 ⌈log₂ T⌉`` copies of the batch, each with a split of the positions at the baseline (the methods' test).
+A model built only of torch's layers that act on each position alone
+(:func:`~tdhook.attribution.methods._positions_alone.positions_apart`) takes no such pass.
 
 Examples:
     >>> import torch
@@ -57,9 +58,9 @@ def warn_for_positions_read_across(
         warn_at_caller(
             f"{metric}: the model reads across the last batch dimension (of {list(batch)}): with some of its "
             f"positions at the baseline, the score at the positions left as given moved ({moved:.2g} apart, "
-            "relative to its largest value). Each step perturbs the features of every position at once, so a "
-            "position's curve holds the effect of the other positions' features, which its own attribution does not "
-            "rank; score each position in a batch of its own where its curve alone is wanted (the attribution "
+            "relative to its largest value). Each perturbation changes the features of every position at once, so a "
+            "position's score holds the effect of the other positions' features, which its own attribution does not "
+            "rank; score each position in a batch of its own where its own score alone is wanted (the attribution "
             "methods perturb each position alone)"
         )
 

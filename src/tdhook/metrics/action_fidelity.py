@@ -14,6 +14,7 @@ from torchrl.modules import Actor, TanhModule
 from tdhook.attribution._policy_targets import distributional_module, ordinal_logits, ordinal_sampler
 from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._features import Baseline, Features, sort_positions
+from tdhook.metrics._positions_read_across import warn_for_positions_read_across
 from tdhook.metrics._random import generator, keeps_global_rng
 from tdhook.metrics._scoring import Scorer, chunks, progress_bar
 
@@ -141,6 +142,7 @@ def action_fidelity(
         changed.append(flipped.flatten(-heads).any(-1) if heads else flipped)
         update(1)
     update(0)
+    warn_for_positions_read_across(scorer, features, features.baselines(baseline), "action_fidelity")
     changed = torch.cat(changed).reshape(n_total, -1).to(output.dtype).mean(-1)
     return TensorDict(relevant=changed[0], random=changed[1:].mean(), batch_size=[])
 

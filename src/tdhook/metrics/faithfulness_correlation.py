@@ -14,6 +14,7 @@ from tdhook.attribution.methods._accumulation import accumulation_dtype
 from tdhook.attribution.targets import Target
 from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._features import Baseline, Features
+from tdhook.metrics._positions_read_across import warn_for_positions_read_across
 from tdhook.metrics._random import generator, keeps_global_rng
 from tdhook.metrics._scoring import Scorer, chunks, progress_bar
 from tdhook.metrics._similarity import pearson
@@ -145,6 +146,7 @@ def faithfulness_correlation(
         drops.append(scorer.reference.unsqueeze(0) - scorer.scores(features.perturb(mask, baseline)))
         update(1)
     update(0)
+    warn_for_positions_read_across(scorer, features, features.baselines(baseline), "faithfulness_correlation")
     drops = torch.cat(drops)
     dtype = torch.result_type(values, drops)
     return pearson(torch.cat(sums).movedim(0, -1), drops.movedim(0, -1)).to(dtype)

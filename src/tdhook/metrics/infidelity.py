@@ -14,6 +14,7 @@ from tdhook.attribution.methods._options import checked_flag
 from tdhook.attribution.targets import Target
 from tdhook.metrics._batch_statistics import keeps_running_statistics
 from tdhook.metrics._features import Features
+from tdhook.metrics._positions_read_across import warn_for_positions_read_across
 from tdhook.metrics._random import keeps_global_rng
 from tdhook.metrics._scoring import Scorer
 
@@ -140,4 +141,6 @@ def infidelity(
         denominator = dots.pow(2).sum(-1, keepdim=True)
         beta = (dots * drops).sum(-1, keepdim=True) / torch.where(denominator == 0, 1.0, denominator)
         dots = beta * dots
+    zeros = [torch.zeros((), dtype=x.dtype, device=x.device) for x in features.inputs]  # its perturbations' own
+    warn_for_positions_read_across(scorer, features, zeros, "infidelity")
     return (dots - drops).pow(2).mean(-1).to(dtype)
