@@ -141,6 +141,7 @@ def infidelity(
         denominator = dots.pow(2).sum(-1, keepdim=True)
         beta = (dots * drops).sum(-1, keepdim=True) / torch.where(denominator == 0, 1.0, denominator)
         dots = beta * dots
-    zeros = [torch.zeros((), dtype=x.dtype, device=x.device) for x in features.inputs]  # its perturbations' own
+    # The perturbations are the caller's function's: the check of the positions read across splits them at zeros.
+    zeros = [torch.zeros((), dtype=x.dtype, device=x.device) for x in features.inputs]
     warn_for_positions_read_across(scorer, features, zeros, "infidelity")
     return (dots - drops).pow(2).mean(-1).to(dtype)
