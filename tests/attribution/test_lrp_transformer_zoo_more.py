@@ -174,6 +174,20 @@ CASES = {
     # inside attention and MLP) and MiMo-V2-Flash (attention sinks in its sliding-window layers; eager only).
     "gemma4_text": text("Gemma4TextConfig", "Gemma4ForCausalLM", hidden_size_per_layer_input=0),
     "gemma4_unified_text": text("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM"),
+    # Gemma 4 with its mixture of experts beside the MLP: the router's own RMS norm (scale-free, a power -0.5) runs
+    # where the router's rule pauses the function modes; experts gated by GELU. Its norms compute in float32 (eight
+    # per layer): eager and sdpa agree to 1.1e-6.
+    "gemma4_moe_text": text(
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        tolerance=2e-6,
+        hidden_size_per_layer_input=0,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=16,
+        experts_implementation="eager",
+    ),
     "qwen3_5": text("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", held=SIGMOIDS, layer_types=FULL_ATTENTION),
     "qwen3_5_moe": text(
         "Qwen3_5MoeTextConfig",

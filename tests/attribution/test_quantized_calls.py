@@ -19,6 +19,7 @@ from torch import nn
 from torch.ao import quantization
 
 from tdhook.attribution import CPLRP, LRP, BaseRuleMapper, EpsilonPlus
+from tdhook.attribution.targets import TargetWithoutGradient
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.ao's eager quantization API
 
@@ -108,6 +109,20 @@ def test_a_model_quantized_throughout_is_refused_naming_its_quantized_modules():
         ValueError, match=r"does not depend on .*statically quantized modules \('module.0' \(Quantize\)"
     ):
         explain(model, torch.randn(4, 3), EpsilonPlus())
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_refusal_of_a_quantized_model_is_the_same_under_every_preset(preset: str):
+    """Under CP-LRP the refusal took a hint of its own, that the target may be computed from a softmax CP-LRP holds
+    (no softmax here: the quantized modules are the cause it names), and became a plain ValueError."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        quantization.QuantStub(), nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2), quantization.DeQuantStub()
+    )
+    model = converted(model, model, 3)
+    with pytest.raises(TargetWithoutGradient, match=r"statically quantized modules") as caught:
+        explain(model, torch.randn(4, 3), PRESETS[preset]())
+    assert "softmax" not in str(caught.value)
 
 
 def test_a_dynamically_quantized_model_quantizes_nothing_the_watch_names():

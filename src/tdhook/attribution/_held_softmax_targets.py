@@ -15,7 +15,7 @@ from tensordict.utils import NestedKey
 
 from tdhook.attribution._backward_passes import InputsReached, target_relevance
 from tdhook.attribution.rules.transformer import AHQKVRule
-from tdhook.attribution.targets import EveryUnit
+from tdhook.attribution.targets import EveryUnit, TargetWithoutGradient
 
 __all__ = ["checked_relevance", "warn_for_a_held_softmax_target", "with_held_softmax_cause"]
 
@@ -106,19 +106,21 @@ def checked_relevance(
 
 def with_held_softmax_cause(err: ValueError, mapper: object) -> ValueError:
     """The refusal ``err`` of a target that does not depend on the explained inputs, completed, where ``mapper``
-    holds every softmax output constant (CP-LRP), with what that does to a target computed from a softmax.
+    holds every softmax output constant (CP-LRP), with what that does to a target computed from a softmax; left as
+    it is where it names the cause already (statically quantized modules, tensordict's skip of existing keys).
 
     Examples:
         >>> from tdhook.attribution import CPLRP, EpsilonPlus
-        >>> err = ValueError("LRP: target 'y' does not depend on the explained inputs ['x']")
+        >>> err = TargetWithoutGradient("LRP: target 'y' does not depend on the explained inputs ['x']")
         >>> with_held_softmax_cause(err, EpsilonPlus()) is err
         True
-        >>> "CP-LRP holds every softmax output constant" in str(with_held_softmax_cause(err, CPLRP()))
-        True
+        >>> completed = with_held_softmax_cause(err, CPLRP())
+        >>> "CP-LRP holds every softmax output constant" in str(completed), type(completed).__name__
+        (True, 'TargetWithoutGradient')
     """
-    if not holds_softmax(mapper):
+    if not holds_softmax(mapper) or getattr(err, "cause_known", False):
         return err
-    return ValueError(
+    return TargetWithoutGradient(
         f"{err}; if it is computed from a softmax (a classifier's probabilities, an nn.Softmax last layer): CP-LRP "
         "holds every softmax output constant (it takes them for attention weights), which cuts such a target from "
         "the inputs. Explain the logits before the softmax, or use AttnLRP, whose softmax rule passes relevance"

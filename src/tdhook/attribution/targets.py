@@ -165,8 +165,9 @@ def raise_for_no_gradient(
     """
     if not output.requires_grad:
         keys = "" if explained_keys is None else f" {explained_keys}"
+        why = why_no_gradient(operator)
         raise TargetWithoutGradient(
-            f"{name}: target {key!r} does not depend on the explained inputs{keys}{why_no_gradient(operator)}"
+            f"{name}: target {key!r} does not depend on the explained inputs{keys}{why}", cause_known=bool(why)
         )
 
 
@@ -178,9 +179,13 @@ class TargetWithoutGradient(ValueError):
         >>> try:
         ...     raise_for_no_gradient("LRP", "q", torch.ones(2), torch.nn.Linear(2, 2))
         ... except TargetWithoutGradient as err:
-        ...     isinstance(err, ValueError)
-        True
+        ...     isinstance(err, ValueError), err.cause_known
+        (True, False)
     """
+
+    def __init__(self, message: str, cause_known: bool = False) -> None:
+        super().__init__(message)
+        self.cause_known = cause_known  # whether the message names what in the operator cut the target
 
 
 def why_no_gradient(operator: TensorDictModuleBase) -> str:

@@ -1209,3 +1209,71 @@ def test_integer_pixels_before_a_merged_batch_norm_get_the_inputs_error(preset: 
     pixels = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)
     with pytest.raises(TypeError, match=r"input key 'pixels' holds integer tokens \(torch.uint8\)"):
         lrp(TensorDict(pixels=pixels, batch_size=[2]))
+
+
+# ----------------------------------------------------------------------------- norms inside a router
+
+
+class ScaleFreeRMSNorm(nn.Module):
+    """An RMS norm without a weight, its scale a power -0.5 (Gemma 4's router norm)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * torch.pow(h.pow(2).mean(-1, keepdim=True) + 1e-6, -0.5)
+
+
+class NormedRouter(nn.Module):
+    """A mixture's router that normalises its input before scoring the experts: the presets hold its outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = ScaleFreeRMSNorm()
+        self.weight = nn.Parameter(randn(4, 8))
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.topk(torch.softmax(F.linear(self.norm(h), self.weight), -1), 2, dim=-1)
+
+
+class Mixture(nn.Module):
+    """Two of four bias-free experts per row, weighted by the router, beside a residual."""
+
+    def __init__(self, router: nn.Module) -> None:
+        super().__init__()
+        self.router = router
+        self.experts = nn.ModuleList(nn.Linear(8, 8, bias=False, dtype=F64) for _ in range(4))
+        self.out = nn.Linear(8, 3, bias=False, dtype=F64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, index = self.router(x)
+        every = torch.stack([expert(x) for expert in self.experts], 1)
+        rows = torch.arange(x.shape[0])
+        mixed = sum(weights[:, k, None] * every[rows, index[:, k]] for k in range(2))
+        return self.out(mixed + x)
+
+
+class HeldRouter(nn.Module):
+    """The router's outputs detached: the oracle of its rule."""
+
+    def __init__(self, router: nn.Module) -> None:
+        super().__init__()
+        self.inner = router
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, index = self.inner(h)
+        return weights.detach(), index
+
+
+@pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
+def test_a_norm_inside_a_router_needs_no_rule_of_its_own(preset):
+    """The router's rule holds its outputs, and pauses the function modes inside it, the norm's own mode too: the
+    norm's rule saw none of its calls and refused it as computing no normalisation it knows (Gemma 4's router, in
+    every call). Nothing inside a held router reaches the relevance: with bias-free experts, it is gradient × input
+    of the mixture with the routing weights detached."""
+    torch.manual_seed(0)
+    model, x = Mixture(NormedRouter()), randn(5, 8)
+    assert isinstance(preset()("router.norm", model.router.norm), NormRule)
+    lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])  # the argmax explained
+    relevance = lrp(TensorDict(x=x.clone(), batch_size=[5]))["relevance", "x"]
+    held = copy.deepcopy(model)
+    held.router = HeldRouter(held.router)
+    expected = gradient_times_input(held, x, argmax_one_hot(model(x)))
+    assert relative_error(relevance, expected) <= 1e-5, relative_error(relevance, expected)

@@ -204,9 +204,11 @@ class UniformEpsilon(Preset):
     Activations pass relevance on, average pooling and the other defaults use
     ``stabilizer`` (see :class:`~tdhook.attribution.mappers.base.BaseRuleMapper`), BatchNorm is merged into the
     layer before it, and LSTM and GRU layers get the recurrent rule. This is zennit's ``LayerMapComposite`` of
-    ``Epsilon(epsilon)`` on Linear and convolutions with ``layer_map_base(stabilizer)``. Attention modules are
-    refused as by the other CNN presets: :class:`~tdhook.attribution.mappers.transformer.AttnLRP` with the same
-    ``epsilon`` is ε on the Linear layers with the transformer rules.
+    ``Epsilon(epsilon)`` on Linear and convolutions with ``layer_map_base(stabilizer)``. ``nn.MultiheadAttention``
+    is refused, as by the other CNN presets; attention written in a module's own forward (timm's ``BottleneckAttn``
+    or ``HaloAttn``) keeps its plain gradient, with a warning naming the module (an error with ``strict=True``).
+    :class:`~tdhook.attribution.mappers.transformer.AttnLRP` with the same ``epsilon`` is ε on the Linear layers
+    with the transformer rules.
 
     Args:
         epsilon: ε of the Linear and convolution layers.

@@ -523,7 +523,10 @@ class NormRule(Rule):
                 note_output(output)
                 return
             self._check_calls(mod, output, mode)
-            if not mode.applied and isinstance(output, torch.Tensor) and output.requires_grad:
+            # In a module whose rule decides its gradient as a whole (a router's held outputs), the wrapper pauses
+            # the function modes, this one too: the norm's calls go unseen, and its rule has nothing to change.
+            paused = not torch._C._is_torch_function_enabled()
+            if not mode.applied and not paused and isinstance(output, torch.Tensor) and output.requires_grad:
                 raise ValueError(
                     f"{type(self).__name__} on {type(mod).__name__}: its forward ran no normalisation the rule "
                     "knows (F.layer_norm, F.rms_norm, F.group_norm, F.instance_norm, F.batch_norm, F.normalize, "
