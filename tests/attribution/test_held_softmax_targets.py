@@ -86,3 +86,26 @@ def test_a_probability_target_under_cplrp_is_refused_saying_why(form):
     ):
         LRP(net, CPLRP(), in_keys=["x"], out_keys=["y"], target=1)(td.clone())
     assert LRP(net, AttnLRP(), in_keys=["x"], out_keys=["y"], target=1)(td.clone())["relevance", "x"].any()
+
+
+class _MaskedScores(nn.Module):
+    """Scores replaced by a constant wherever a mask is off (OWL-ViT's ``finfo.min`` for masked queries): here all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3, dtype=F64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(torch.zeros(3, dtype=torch.bool), self.linear(x), -1.0)
+
+
+def test_a_target_selected_from_constants_is_not_blamed_on_a_softmax():
+    """No softmax in the model: the warning said CP-LRP's held softmax cut the target, where a mask selects a constant
+    (and would give it no relevance under any preset)."""
+    lrp = LRP(_MaskedScores(), CPLRP(), in_keys=["x"], out_keys=["y"], target=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        relevance = lrp(TensorDict(x=torch.randn(3, 4, dtype=F64), batch_size=[3]))["relevance", "x"]
+    messages = [str(w.message) for w in caught if "gets no relevance" in str(w.message)]
+    assert not relevance.any() and len(messages) == 1
+    assert "if the target is computed from a softmax" in messages[0] and "torch.where over a mask" in messages[0]

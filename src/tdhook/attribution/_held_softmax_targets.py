@@ -60,11 +60,12 @@ def warn_for_a_held_softmax_target(
     if not bool(initial.any()):
         return
     warnings.warn(
-        f"LRP: target {key!r} gets no relevance at any explained input, though its initial relevance is not 0: "
-        "CP-LRP holds every softmax output constant (it takes them for attention weights), so units of an output "
-        "computed from a softmax (a classifier's probabilities, a mixture density head's weights) pass no "
-        "relevance back (unless every unit between is dead). Explain the logits before the softmax, or use AttnLRP, "
-        "whose softmax rule passes relevance",
+        f"LRP: target {key!r} gets no relevance at any explained input, though its initial relevance is not 0. "
+        "CP-LRP holds every softmax output constant (it takes them for attention weights): if the target is computed "
+        "from a softmax (a classifier's probabilities, a mixture density head's weights), its units pass no "
+        "relevance back (unless every unit between is dead); explain the logits before the softmax, or use AttnLRP, "
+        "whose softmax rule passes relevance. A value the model selects from constants (torch.where over a mask "
+        "filled with a constant) gets none under any preset",
         stacklevel=4,
     )
 
