@@ -20,10 +20,10 @@ from collections.abc import Callable
 
 import torch
 
-from tdhook.attribution.rules._autograd import hold
+from tdhook.attribution.rules._autograd import hold, redirect
 from tdhook.attribution.rules._constant_elements import CONSTANT_MASKS_MADE, constants_shown
 
-__all__ = ["MATMULS", "constant_baddbmm", "constant_einsum", "constant_matmul", "shows_constants"]
+__all__ = ["MATMULS", "constant_baddbmm", "constant_einsum", "constant_matmul", "plain_values", "shows_constants"]
 
 #: The matrix products of two tensors.
 MATMULS = frozenset(
@@ -136,9 +136,9 @@ def constant_baddbmm(
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
     if alpha != 1:
         product = product * alpha
-    if beta == 0:  # the input not read (NaN in it included), as torch.baddbmm does
-        return product
-    return product + (args[0] if beta == 1 else args[0] * beta)
+    if beta != 0:  # (with beta 0, the input is not read, NaN in it included, as torch.baddbmm does)
+        product = product + (args[0] if beta == 1 else args[0] * beta)
+    return plain_values(torch.baddbmm(*args, **kwargs), product)  # the fused call rounds once
 
 
 def shows_constants(*values: object) -> bool:
@@ -158,8 +158,10 @@ def _summed(
     masks: tuple[torch.Tensor | None, torch.Tensor | None],
     uniform: Callable[[tuple], torch.Tensor],
 ) -> torch.Tensor:
-    """``func(a, b)`` as the sum of its parts: each factor's constants (``masks``) times the other, a linear map of
-    it, and the rest under ``uniform``."""
+    """``func(a, b)`` with the gradient of the sum of its parts: each factor's constants (``masks``) times the other,
+    a linear map of it, and the rest under ``uniform``. Its values are the plain product's, bit for bit: the parts,
+    summed, round otherwise (PEGASUS-X's attention over a padded block, off by an ulp)."""
+    plain = func(a, b)
     parts = []
     if masks[0] is not None:
         parts.append(func(hold(a * masks[0]), b))
@@ -167,4 +169,21 @@ def _summed(
     if masks[1] is not None:
         parts.append(func(a, hold(b * masks[1])))
         b = b * ~masks[1]
-    return sum(parts, uniform((a, b)))
+    return plain_values(plain, sum(parts, uniform((a, b))))
+
+
+def plain_values(plain: torch.Tensor, ruled: torch.Tensor) -> torch.Tensor:
+    """``plain``'s values with ``ruled``'s gradient: a rule computed in other steps than the model's (a product as
+    the sum of its parts) changes none of the forward pass's numbers.
+
+    Examples:
+        >>> x = torch.tensor([0.1, 0.2], requires_grad=True)
+        >>> y = plain_values(x * 0.3, x * 0.1 + x * 0.2)  # the second rounds otherwise
+        >>> torch.equal(y, x.detach() * 0.3), torch.autograd.grad(y.sum(), x)[0].tolist()
+        (True, [0.30000001192092896, 0.30000001192092896])
+    """
+    return redirect(plain, [ruled], _identity)
+
+
+def _identity(grad: torch.Tensor) -> list[torch.Tensor]:
+    return [grad]
