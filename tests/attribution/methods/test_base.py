@@ -10,6 +10,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torchrl.envs.utils import ExplorationType, set_exploration_type
 
 import tdhook.attribution
 from tdhook.attribution import (
@@ -874,6 +875,29 @@ def test_a_decision_transformer_is_explained_under_the_callers_no_grad(kind):
         torch.testing.assert_close(products["attribution", key], expected[key], rtol=1e-10, atol=1e-12)
         magnitude = magnitudes["attribution", key] * td[key].abs()
         torch.testing.assert_close(magnitude, expected[key].abs(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["plain", "tanh_delta", "online"])
+def test_a_decision_transformer_on_a_context_takes_a_unit_index_as_target(kind):
+    """On a ``[B, T]`` context the wrapper returns one action per context (``[B]``): the target's index was read
+    against the caller's two batch dimensions, which left the action none for its units, and every method refused
+    ``target=1`` as indexing "an output with no unit dimension" (LRP took it). Plain autograd of unit 1 of the
+    step the wrapper acts on gives the gradient."""
+    from tests.attribution.test_policy_targets import CONTEXT_KEYS, DEFAULT_KEY, context, decision_transformer
+
+    _, wrapper = decision_transformer(kind)
+    td = context("[B, T]")
+    key = DEFAULT_KEY[kind]
+    leaves = {k: td[k].detach().clone().requires_grad_(True) for k in CONTEXT_KEYS}
+    with set_exploration_type(ExplorationType.DETERMINISTIC):
+        output = wrapper(td.clone().update(leaves))[key]
+        output = output if key == "action" else output[..., -1, :]  # the wrapper cuts its action to the last step
+        output[..., 1].sum().backward()
+        products = InputXGradient(wrapper, target=1)(td.clone())
+    assert products.batch_size == torch.Size([3])
+    for name in CONTEXT_KEYS:
+        expected = leaves[name].detach() * leaves[name].grad
+        torch.testing.assert_close(products["attribution", name], expected, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("method", ["Saliency", "IntegratedGradients", "FeatureAblation"])

@@ -171,6 +171,13 @@ def _explained_in_batch(method: AttributionMethod, cut: TensorDictBase, batch: t
         ) from err
 
 
+def _written_dims(method: AttributionMethod, tensordict: TensorDictBase, result: TensorDictBase) -> int:
+    """The batch dimensions of the TensorDict a call writes to: a module that returns fewer than it was given (a
+    decision transformer's one action per ``[B, T]`` context) leaves the rest of its output's dimensions to units."""
+    name, modules = type(method).__name__, method.named_explained_modules
+    return returned_tensordict(tensordict, result, name, modules, method.module).batch_dims
+
+
 def _rename(err: Exception, owner: str) -> Exception:
     """``err`` with the method's name in place of LRP's at the head of its message (the helpers are LRP's).
 
@@ -450,7 +457,7 @@ class AttributionMethod(FixedKeys, RecordedModules, TensorDictModuleBase, ModelT
             raise_for_no_gradient(name, target_key, output, self._target[1])
         try:
             target, record = _policy_target(self, target, target_key, result, tensordict)
-            seeds, at_zero = initial_relevance(output, target, target_key, tensordict.batch_dims)
+            seeds, at_zero = initial_relevance(output, target, target_key, _written_dims(self, tensordict, result))
         except (IndexError, ValueError, TypeError) as err:
             raise _rename(err, name) from None
         if at_zero is not None:
