@@ -121,10 +121,38 @@ def transformer() -> nn.Module:
     ).to(F64)
 
 
+class GatedAttention(nn.Module):
+    """A Llama-like block: RMS norms written out, attention, a SiLU-gated MLP: AttnLRP's later calls in a context
+    follow the first call's plan (products halved and norms' scales cut on the graph, modules run without hooks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(5, 5) for _ in range(4))
+        self.gate, self.up, self.down, self.act = nn.Linear(5, 8), nn.Linear(5, 8), nn.Linear(8, 5), nn.SiLU()
+        self.head = nn.Linear(5, 3)
+
+    @staticmethod
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(x.shape[0], -1, 5)
+        h = self.norm(x)
+        x = x + self.o(torch.softmax(self.q(h) @ self.k(h).transpose(-1, -2), -1) @ self.v(h))
+        h = self.norm(x)
+        return self.head((x + self.down(self.act(self.gate(h)) * self.up(h)))[:, -1])
+
+
+def gated_attention() -> nn.Module:
+    torch.manual_seed(0)
+    return GatedAttention().to(F64)
+
+
 CASES: dict[str, tuple[Callable[[], nn.Module], Callable, tuple[int, ...]]] = {
     "MLP under EpsilonPlus (a chain plan)": (mlp, EpsilonPlus, (4, 5)),
     "CNN with BatchNorm under EpsilonGammaBox": (cnn, lambda: EpsilonGammaBox(-3.0, 3.0), (2, 3, 4, 4)),
     "layers with a norm and a softmax under AttnLRP": (transformer, AttnLRP, (4, 5)),
+    "a gated attention block under AttnLRP (a planned call)": (gated_attention, AttnLRP, (2, 15)),
 }
 
 
