@@ -451,6 +451,41 @@ CASES = {
         call=pooled,
         tolerance=1e-5,  # the float32 softmax of the eager attention
     ),
+    # Swin V2: cosine attention scaled by a learned, clamped and exponentiated logit scale, and a continuous relative
+    # position bias from a small MLP squashed by 16 · sigmoid; ImageGPT: its hand-written layer norm (no mean
+    # subtracted), its sequence classifier's mean pooling over tokens.
+    "swinv2": image(
+        "Swinv2Config",
+        "Swinv2ForImageClassification",
+        sdpa=False,
+        patch_size=2,
+        embed_dim=16,
+        depths=[1, 1],
+        num_heads=[2, 2],
+        window_size=4,
+        num_hidden_layers=None,
+        num_attention_heads=None,
+        intermediate_size=None,
+    ),
+    "imagegpt": text(
+        "ImageGPTConfig",
+        "ImageGPTForImageClassification",
+        sdpa=False,
+        held=(torch.sqrt,),  # its norm's scale, written as a division by a sqrt
+        vocab_size=17,
+        n_positions=16,
+        n_embd=HIDDEN,
+        n_layer=2,
+        n_head=4,
+        n_inner=64,
+        hidden_size=None,
+        num_hidden_layers=None,
+        num_attention_heads=None,
+        intermediate_size=None,
+        max_position_embeddings=None,
+        num_key_value_heads=None,
+        head_dim=None,
+    ),
     "siglip2_pooled": Case(
         Architecture("Siglip2VisionConfig", "Siglip2VisionModel", dict(num_patches=16, patch_size=4), inputs="image"),
         shape=(BATCH, 16, 48),
@@ -585,6 +620,9 @@ NO_ORACLE = {"clap_audio"}
 # Where the oracle's ratio f(x) / x of an activation is 0 / 0: AFMoE's router starts at zero, and one channel of
 # VaultGemma's MLP input is zero everywhere.
 NO_ORACLE |= {"afmoe", "vaultgemma"}
+# Where the oracle's ratio f(x) / x is 0 / 0 in its forward pass itself: Swin V2's 16 · sigmoid of its position-bias
+# MLP's output, whose input holds zeros (the relative coordinates of a token with itself).
+NO_ORACLE |= {"swinv2"}
 
 
 @pytest.mark.parametrize("name", sorted(set(CASES) - NO_ORACLE))
