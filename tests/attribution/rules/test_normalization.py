@@ -1221,12 +1221,37 @@ class ScaleFreeRMSNorm(nn.Module):
         return h * torch.pow(h.pow(2).mean(-1, keepdim=True) + 1e-6, -0.5)
 
 
-class NormedRouter(nn.Module):
-    """A mixture's router that normalises its input before scoring the experts: the presets hold its outputs."""
+class ByHandBatchNorm1d(nn.BatchNorm1d):
+    """A BatchNorm whose forward computes ``x * scale + shift`` by hand (no ``F.batch_norm`` call)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.running_mean) * torch.rsqrt(self.running_var + self.eps) * self.weight + self.bias
+
+
+class Frozen(nn.Module):
+    """torchvision's ``FrozenBatchNorm2d`` over features given as ``(rows, features)``."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.norm = ScaleFreeRMSNorm()
+        self.norm = torchvision.ops.FrozenBatchNorm2d(8).to(F64)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h[..., None, None])[..., 0, 0]
+
+
+ROUTER_NORMS = {
+    "RMS norm": ScaleFreeRMSNorm,
+    "BatchNorm by hand": lambda: ByHandBatchNorm1d(8, dtype=F64).eval(),
+    "frozen BatchNorm": Frozen,
+}
+
+
+class NormedRouter(nn.Module):
+    """A mixture's router that normalises its input before scoring the experts: the presets hold its outputs."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
         self.weight = nn.Parameter(randn(4, 8))
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1262,15 +1287,18 @@ class HeldRouter(nn.Module):
         return weights.detach(), index
 
 
+@pytest.mark.parametrize("norm", sorted(ROUTER_NORMS))
 @pytest.mark.parametrize("preset", [AttnLRP, CPLRP])
-def test_a_norm_inside_a_router_needs_no_rule_of_its_own(preset):
+def test_a_norm_inside_a_router_needs_no_rule_of_its_own(preset, norm: str):
     """The router's rule holds its outputs, and pauses the function modes inside it, the norm's own mode too: the
     norm's rule saw none of its calls and refused it as computing no normalisation it knows (Gemma 4's router, in
-    every call). Nothing inside a held router reaches the relevance: with bias-free experts, it is gradient × input
-    of the mixture with the routing weights detached."""
+    every call; a BatchNorm as computing no ``F.batch_norm`` or no ``x * scale + shift``). Nothing inside a held
+    router reaches the relevance: with bias-free experts, it is gradient × input of the mixture with the routing
+    weights detached."""
     torch.manual_seed(0)
-    model, x = Mixture(NormedRouter()), randn(5, 8)
-    assert isinstance(preset()("router.norm", model.router.norm), NormRule)
+    model, x = Mixture(NormedRouter(ROUTER_NORMS[norm]())), randn(5, 8)
+    name, inner = [(name, m) for name, m in model.router.named_modules() if name.endswith("norm")][-1]
+    assert isinstance(preset()(name, inner), NormRule)  # the innermost: the norm itself
     lrp = LRP(model, preset(), in_keys=["x"], out_keys=["y"])  # the argmax explained
     relevance = lrp(TensorDict(x=x.clone(), batch_size=[5]))["relevance", "x"]
     held = copy.deepcopy(model)

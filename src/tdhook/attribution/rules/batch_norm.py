@@ -18,6 +18,7 @@ from tdhook.attribution.rules._held_parameters import HeldParameters
 from tdhook.attribution.rules._keeping_graph import graph_kept
 from tdhook.attribution.rules._layers import BATCH_NORMS, TRANSPOSED_FORWARDS, effective_parameters
 from tdhook.attribution.rules._norm_gradient_layout import lay_out_gradient
+from tdhook.attribution.rules._paused_modes import function_modes_paused
 from tdhook.attribution.rules.base import (
     _LAYER_MARK,
     _UNPREPARED,
@@ -146,7 +147,8 @@ class MergeBatchNormRule(NormRule):
             return super().register(module)
 
         def leave(mod: nn.Module, args: tuple, output: Any, mode: _FrozenAffine) -> None:
-            if not mode.applied and isinstance(output, torch.Tensor) and output.requires_grad:
+            unread = not mode.applied and not function_modes_paused()
+            if unread and isinstance(output, torch.Tensor) and output.requires_grad:
                 raise ValueError(
                     f"{type(self).__name__} on {type(mod).__name__}: its forward computed no x * scale + shift (nor "
                     "F.batch_norm) from its input, which the rule merges into the layer before it (a shift added in "

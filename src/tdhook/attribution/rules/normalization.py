@@ -57,6 +57,7 @@ from tdhook.attribution.rules._layer_norm_gradient import layer_norm_rule_gradie
 from tdhook.attribution.rules._layers import LINEAR_LAYERS
 from tdhook.attribution.rules._norm_gradient_layout import lay_out_gradient
 from tdhook.attribution.rules._numerics import FLOAT16_STEP, epsilon_factor, in_pieces_
+from tdhook.attribution.rules._paused_modes import function_modes_paused
 from tdhook.attribution.rules._recomputed import saved_tensors_hooked
 from tdhook.attribution.rules.base import RemovableRuleHandle, Rule
 from tdhook.attribution.tunables import EPSILON
@@ -522,10 +523,9 @@ class NormRule(Rule):
             if mode is _PLAIN_RUN:  # a later call, by the plan of a recorded one
                 note_output(output)
                 return
-            self._check_calls(mod, output, mode)
-            # In a module whose rule decides its gradient as a whole (a router's held outputs), the wrapper pauses
-            # the function modes, this one too: the norm's calls go unseen, and its rule has nothing to change.
-            paused = not torch._C._is_torch_function_enabled()
+            paused = function_modes_paused()
+            if not paused:
+                self._check_calls(mod, output, mode)
             if not mode.applied and not paused and isinstance(output, torch.Tensor) and output.requires_grad:
                 raise ValueError(
                     f"{type(self).__name__} on {type(mod).__name__}: its forward ran no normalisation the rule "
