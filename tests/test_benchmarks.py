@@ -34,6 +34,19 @@ COMMANDS = {
         *("bench_transformer.py", "--batch", "1", "--tokens", "4"),
         *("--hidden", "16", "--layers", "1", "--repeats", "1", "--floor"),
     ],
+    "call timeline": [
+        "call_timeline.py",
+        "--batch",
+        "1",
+        "--tokens",
+        "4",
+        "--hidden",
+        "16",
+        "--layers",
+        "1",
+        "--repeats",
+        "2",
+    ],
     "signatures": ["bench_signatures.py", "--lengths", "3", "--hidden", "16", "--layers", "1"],
     "transformer zoo": ["bench_transformer_zoo.py", "gpt2", "llama", "--repeats", "1"],
     "transformer zoo fed ids": ["bench_transformer_zoo.py", "bert", "--ids", "--repeats", "1"],
@@ -166,6 +179,15 @@ def test_transformer_benchmark_times_the_bare_planned_steps_when_asked(printed):
     rows = [line.rsplit(None, 2) for line in stdout.splitlines()[2:]]
     assert [row[0] for row in rows][-2:] == ["AttnLRP, bare planned steps", "the same, no plan hooks"]
     assert all(float(value) > 0 for row in rows for value in row[1:])
+
+
+def test_call_timeline_cuts_a_planned_call_where_the_model_runs(printed):
+    stdout = stdout_of(printed, "call timeline")
+    rows = dict(re.split(r"\s{2,}", line.strip().removesuffix(" us")) for line in stdout.splitlines()[1:])
+    parts = [name for name in rows if name.startswith("AttnLRP: ") and name != "AttnLRP: all"]
+    assert len(parts) == 7 and all(float(value) > 0 for value in rows.values())
+    assert sum(float(rows[name]) for name in parts) == pytest.approx(float(rows["AttnLRP: all"]), rel=0.2)
+    assert len([name for name in rows if name.startswith("first touch")]) == 4
 
 
 def test_transformer_zoo_benchmark_runs_on_the_architectures_asked_for(printed):
