@@ -3,7 +3,7 @@
 The companion of ``test_lrp_transformer_zoo.py`` (hidden size 32, two layers, float64, matrices scaled up tenfold, norm
 scales randomised), for architectures its tables do not hold: language models (GPT-J, CodeGen, StarCoder 2, Granite,
 StableLM, Persimmon, OLMo 2, GLM-4, Nemotron, Cohere 2, BioGPT, Arcee, SmolLM3, GPT-Neo, MusicGen's decoder), text
-encoders (Nomic BERT, XLM, LUKE, SqueezeBERT and the encoders of Pegasus and Marian), speech encoders (HuBERT,
+encoders (Nomic BERT, XLM, LUKE, SqueezeBERT, I-BERT and the encoders of Pegasus and Marian), speech encoders (HuBERT,
 Data2Vec-Audio, SEW, the Audio Spectrogram Transformer, SpeechT5's, SeamlessM4T's and SeamlessM4T v2's conformers,
 CLAP's audio Swin) and vision models (DINOv2 with a layer scale and with registers, DINOv3, PVTv2, AIMv2, BiT, DETR,
 SAM's image encoder, ViTDet, and the pooled outputs of SigLIP and SigLIP 2, whose attention-pooling head is torch's
@@ -485,6 +485,15 @@ CASES = {
         max_position_embeddings=None,
         num_key_value_heads=None,
         head_dim=None,
+    ),
+    # I-BERT out of its integer mode: its layer norm written out, the mean subtracted and a division by a `sqrt`.
+    "ibert": text(
+        "IBertConfig",
+        "IBertForSequenceClassification",
+        sdpa=False,
+        held=(torch.sqrt,),
+        **UNSET,
+        max_position_embeddings=64,
     ),
     "siglip2_pooled": Case(
         Architecture("Siglip2VisionConfig", "Siglip2VisionModel", dict(num_patches=16, patch_size=4), inputs="image"),
